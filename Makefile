@@ -1,0 +1,25 @@
+# The two commands of the README. Each creates or refreshes the environment first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.slimgrad-env
+
+.PHONY: demo test lint env
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hf,triton]"
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/slimgrad demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff format --check src tests examples
+
+test: lint
+	$(PY) -m pytest -n 2 -q

@@ -1,0 +1,97 @@
+"""The tolerance rule and helpers shared by slimgrad's tests and benchmarks.
+
+The rule (GUIDE.md): a result ``out`` computed at some dtype is correct when
+
+    max|out - ref64| <= 2 * max|eager - ref64| + atol
+
+where ``ref64`` is the same computation in float64 and ``eager`` is plain PyTorch at the same dtype as ``out``.
+A fused or memory-lean op may be as wrong as eager PyTorch is at that dtype (times two), never more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "DEFAULT_ATOL",
+    "assert_within_rule",
+    "gradcheck_inplace",
+    "grads_of",
+    "max_abs_err",
+    "rule_ok",
+]
+
+DEFAULT_ATOL = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-6,
+    torch.bfloat16: 1e-2,
+    torch.float16: 1e-3,
+}
+
+
+def max_abs_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """Largest absolute difference, in float64; NaN/inf where they agree count as equal."""
+    if a is None and b is None:
+        return 0.0
+    if a is None or b is None:
+        return float("inf")
+    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    if a64.shape != b64.shape:
+        raise ValueError(
+            f"slimgrad.testing.max_abs_err: shapes differ; expected equal shapes, got "
+            f"{tuple(a64.shape)} and {tuple(b64.shape)}. Compare the same tensors."
+        )
+    if a64.numel() == 0:
+        return 0.0
+    same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
+    diff = torch.where(same, torch.zeros_like(a64), (a64 - b64).abs())
+    return float(diff.max().nan_to_num(nan=float("inf")))
+
+
+def rule_ok(out, ref64, eager, atol: float | None = None) -> tuple[bool, float, float]:
+    """Return (ok, err, bound) of the GUIDE.md rule for one tensor."""
+    if atol is None:
+        atol = DEFAULT_ATOL.get(out.dtype, 1e-6) if out is not None else 0.0
+    err = max_abs_err(out, ref64)
+    bound = 2.0 * max_abs_err(eager, ref64) + atol
+    return err <= bound, err, bound
+
+
+def assert_within_rule(
+    out: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    ref64: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    eager: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    atol: float | None = None,
+    names: Iterable[str] | None = None,
+) -> None:
+    """Assert the GUIDE.md error rule for one tensor or a sequence of them (e.g. all gradients)."""
+    if isinstance(out, torch.Tensor) or out is None:
+        out, ref64, eager = [out], [ref64], [eager]
+    names = list(names) if names is not None else [str(i) for i in range(len(out))]
+    bad = []
+    for name, o, r, e in zip(names, out, ref64, eager, strict=True):
+        if o is None and r is None:
+            continue
+        ok, err, bound = rule_ok(o, r, e, atol)
+        if not ok:
+            bad.append(f"{name}: max|out-ref64|={err:.3e} > 2*max|eager-ref64|+atol={bound:.3e}")
+    if bad:
+        raise AssertionError("error rule violated:\n  " + "\n  ".join(bad))
+
+
+def grads_of(
+    loss: torch.Tensor, tensors: Sequence[torch.Tensor], **kwargs
+) -> list[torch.Tensor | None]:
+    """``torch.autograd.grad`` that returns None for tensors the loss does not depend on."""
+    return list(torch.autograd.grad(loss, list(tensors), allow_unused=True, **kwargs))
+
+
+def gradcheck_inplace(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, **kwargs) -> bool:
+    """gradcheck for an op that writes over its first input: each call runs on clones."""
+
+    def wrapped(*xs):
+        return fn(*(x.clone() for x in xs))
+
+    return torch.autograd.gradcheck(wrapped, inputs, **kwargs)
