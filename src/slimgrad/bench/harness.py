@@ -52,6 +52,7 @@ __all__ = [
     "Case",
     "available",
     "case_names",
+    "check_grads",
     "environment",
     "get_case",
     "git_commit",
@@ -248,8 +249,7 @@ def available(case: Case) -> bool:
     return not case.missing()
 
 
-# ------------------------------------------------------------------------------------------
-# environment
+# -------------------------------------------------------------------------------- environment
 def slim_version() -> str:
     import slimgrad
 
@@ -329,7 +329,7 @@ def environment() -> dict[str, Any]:
     return info
 
 
-# ------------------------------------------------------------------------------------------ running
+# -------------------------------------------------------------------------------- running
 def _as_tuple(xs: Any) -> tuple:
     return xs if isinstance(xs, tuple) else tuple(xs) if isinstance(xs, list) else (xs,)
 
@@ -393,9 +393,20 @@ def _named_grads(model: Any, inputs: Sequence[Any]) -> dict[str, torch.Tensor | 
     return grads
 
 
-def _grad_check(
+def check_grads(
     eager: Any, slim: Any, fresh: Callable[[], tuple], grad: torch.Tensor | None, dtype: torch.dtype
 ) -> dict[str, Any]:
+    """Check slimgrad's gradients against a float64 copy of ``eager`` with the GUIDE.md rule.
+
+    Runs one step on ``eager``, ``slim`` and the float64 copy (dropout p=0 on all three), on
+    ``fresh()`` inputs, backpropagating ``grad`` (None for a scalar output). Parameters are matched
+    by name; inputs that require grad are checked as ``input<i>``. All ``.grad`` are cleared after.
+
+    Returns:
+        ``ok`` (every tensor within ``2 max|g_eager - g64| + atol`` and none unmatched),
+        ``max_abs_err``, ``eager_max_abs_err``, ``atol``, ``n_tensors``, ``n_violations``, ``worst``
+        (name closest to or furthest past its bound), ``unmatched`` (names missing from ``slim``).
+    """
     ref = copy.deepcopy(eager)
     if isinstance(ref, nn.Module):
         ref = ref.to(torch.float64)
@@ -570,7 +581,7 @@ def run_case(
     grad_info = None
     if grad_check:
         say("gradient check")
-        grad_info = _grad_check(eager, slim, fresh, grad, dtype)
+        grad_info = check_grads(eager, slim, fresh, grad, dtype)
 
     xs = fresh()
     rec: dict[str, Any] = {

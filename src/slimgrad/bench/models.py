@@ -35,8 +35,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
-# ResNet
+# -------------------------------------------------------------------------------- ResNet
 def _conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_planes, out_planes, 3, stride=stride, padding=1, bias=False)
 
@@ -149,7 +148,7 @@ def resnet_small(num_classes: int = 10, width: int = 16) -> ResNet:
     return ResNet((1, 1), num_classes=num_classes, width=width)
 
 
-# --------------------------------------------------------------------------------------------- GPT
+# -------------------------------------------------------------------------------- GPT
 @dataclass(frozen=True)
 class GPTConfig:
     """Sizes of :class:`GPT`. Defaults are GPT-2 small's (``GPT2Config()``)."""
@@ -283,10 +282,9 @@ class GPT(nn.Module):
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# others
+# -------------------------------------------------------------------------------- others
 def conv_chain(n_blocks: int = 8, channels: int = 64) -> nn.Sequential:
-    """``n_blocks`` x ``Conv2d(c, c, 3, padding=1) -> BatchNorm2d(c) -> LeakyReLU(0.01, inplace)``."""
+    """``n_blocks`` x ``Conv2d(c, c, 3, padding=1) -> BatchNorm2d(c) -> LeakyReLU(0.01, True)``."""
     if n_blocks < 1:
         raise ValueError(
             f"slimgrad.bench.models.conv_chain: n_blocks must be positive; expected >= 1, got "
