@@ -452,16 +452,29 @@ def check_grads(
 
 
 def _measure(model: Any, fresh: Callable[[], tuple], grad: torch.Tensor | None) -> dict[str, Any]:
+    # The first step run under a dispatch mode imports torch._dynamo lazily, from inside the model's
+    # forward; the import leaves reference cycles that keep that forward's frame (and its activations)
+    # alive until the cyclic gc runs, so the first measured side would read high. Import it first.
+    import torch._dynamo  # noqa: F401
+
     from slimgrad.memory import measure
 
     xs = fresh()
     _clear_grads(model, xs)
-    gc.collect()
-    m = measure(
-        lambda: model(*xs),
-        grad=grad,
-        module=model if isinstance(model, nn.Module) else None,
-    )
+    # No cyclic collection inside the step: it would free older garbage at a random moment. (A
+    # gc.collect() first would do too, but takes ~0.4 s with a large heap.)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        m = measure(
+            lambda: model(*xs),
+            grad=grad,
+            module=model if isinstance(model, nn.Module) else None,
+            timeline=False,
+        )
+    finally:
+        if enabled:
+            gc.enable()
     out = {f: int(getattr(m, f)) for f in MEMORY_FIELDS if hasattr(m, f)}
     by_node = getattr(m, "by_node", None)
     if by_node:
@@ -556,6 +569,12 @@ def run_case(
             _clear_grads(model)
 
     say("memory")
+    # One untracked-result pass per side first: lazy initialisation met on the first instrumented
+    # step (imports, caches) must not land inside a measured one. Then one gc pass, so no older
+    # garbage is pending while gc is off during the measured steps.
+    for model in (eager, slim):
+        _measure(model, fresh, grad)
+    gc.collect()
     mem = {"eager": _measure(eager, fresh, grad), "slimgrad": _measure(slim, fresh, grad)}
 
     say("timing")
