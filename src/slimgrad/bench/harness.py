@@ -453,7 +453,7 @@ def check_grads(
 
 def _measure(model: Any, fresh: Callable[[], tuple], grad: torch.Tensor | None) -> dict[str, Any]:
     # The first step run under a dispatch mode imports torch._dynamo lazily, from inside the model's
-    # forward; the import leaves reference cycles that keep that forward's frame (and its activations)
+    # forward; the import leaves reference cycles that keep that frame (and its activations)
     # alive until the cyclic gc runs, so the first measured side would read high. Import it first.
     import torch._dynamo  # noqa: F401
 
