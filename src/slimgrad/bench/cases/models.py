@@ -26,6 +26,19 @@ def slim_copy(model: nn.Module) -> nn.Module:
     return out if isinstance(out, nn.Module) else twin
 
 
+def place(model: nn.Module, device, dtype) -> nn.Module:
+    """``model.to(device, dtype)``, skipped when already there (under FakeTensorMode, ``.to`` of a
+    model with tied weights fails: the parameter swap meets a weakref)."""
+    device = torch.device(device)
+    for t in [*model.parameters(), *model.buffers()]:
+        same_device = t.device.type == device.type and (
+            device.index is None or t.device.index == device.index
+        )
+        if not same_device or (t.is_floating_point() and t.dtype != dtype):
+            return model.to(device=device, dtype=dtype)
+    return model
+
+
 @register_case(
     "resnet50",
     description="torchvision-faithful ResNet-50 + cross-entropy, 8x3x224x224 "
@@ -37,7 +50,7 @@ def build_resnet50(device, dtype, small=False):
         net, batch, size, classes = models.resnet_small(num_classes=10), 2, 32, 10
     else:
         net, batch, size, classes = models.resnet50(), 8, 224, 1000
-    eager = models.WithLoss(net).to(device=device, dtype=dtype)
+    eager = place(models.WithLoss(net), device, dtype)
 
     def make_inputs():
         x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
@@ -55,7 +68,7 @@ def build_resnet50(device, dtype, small=False):
 def build_gpt2(device, dtype, small=False):
     cfg = models.GPTConfig.tiny() if small else models.GPTConfig.small()
     batch, seq = (2, 16) if small else (4, 256)
-    eager = models.GPT(cfg).to(device=device, dtype=dtype)
+    eager = place(models.GPT(cfg), device, dtype)
 
     def make_inputs():
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
@@ -73,7 +86,7 @@ def build_gpt2(device, dtype, small=False):
 def build_conv_chain(device, dtype, small=False):
     chain = models.conv_chain(2, channels=8) if small else models.conv_chain(8)
     shape = (2, 8, 9, 11) if small else (16, 64, 56, 56)
-    eager = chain.to(device=device, dtype=dtype)
+    eager = place(chain, device, dtype)
 
     def make_inputs():
         return torch.randn(shape, device=device, dtype=dtype)
@@ -119,7 +132,7 @@ def hf_gpt2(small: bool = False) -> nn.Module:
     repeat=3,
 )
 def build_hf_gpt2(device, dtype, small=False):
-    eager = hf_gpt2(small).to(device=device, dtype=dtype)
+    eager = place(hf_gpt2(small), device, dtype)
     vocab = eager.model.config.vocab_size
     batch, seq = (2, 16) if small else (4, 256)
 
