@@ -27,3 +27,13 @@ def test_demo_cli_no_plot(tmp_path, monkeypatch, capsys):
     assert cli.main(["demo", "--small", "--steps", "2", "--no-plot"]) == 0
     assert "memory timelines written" not in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_quickstart_example_runs(capsys):
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "gradients match eager PyTorch" in out and out.count("peak") == 2
