@@ -226,3 +226,35 @@ def test_duplicate_case_name_is_rejected(scratch_registry):
         harness.register_case("dup")(build_b)
     with pytest.raises(TypeError, match="CASES must hold"):
         harness._add(("dup2", build_a))
+
+
+def test_contract_errors_name_the_case():
+    def build(device, dtype, small=False):
+        m = nn.Linear(3, 3)
+        return m, m, lambda: (torch.randn(2, 3), torch.randn(2, 3))  # one input too many
+
+    with pytest.raises(
+        TypeError, match="case 'two_inputs': model\\(\\*make_inputs\\(\\)\\) failed"
+    ):
+        run_case(Case("two_inputs", build), out_dir=None, repeat=1)
+
+    def build_tuple(device, dtype, small=False):
+        m = nn.Linear(3, 3)
+        return (lambda x: (m(x),)), m, lambda: torch.randn(2, 3)
+
+    with pytest.raises(TypeError, match="must return a tensor that requires grad"):
+        run_case(Case("returns_tuple", build_tuple), out_dir=None, repeat=1)
+
+
+def test_cases_list_with_functools_partial(scratch_registry):
+    (scratch_registry / "zz_partial.py").write_text(
+        "import functools, torch\n"
+        "from slimgrad.bench.harness import Case\n"
+        "def _build(n, device, dtype, small=False):\n"
+        "    m = torch.nn.Linear(n, n)\n"
+        "    return m, m, lambda: torch.randn(2, n)\n"
+        "CASES = [Case(f'zz_p{n}', functools.partial(_build, n)) for n in (2, 3)]\n"
+    )
+    assert harness.case_names() == ["zz_p2", "zz_p3"]
+    assert harness.get_case("zz_p3").source == "slimgrad.bench.cases.zz_partial"
+    assert run_case("zz_p3", out_dir=None, repeat=1)["shapes"] == [[2, 3]]

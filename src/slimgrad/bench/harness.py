@@ -38,7 +38,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,11 @@ def register_case(
     return deco
 
 
+def _build_id(build: Any) -> str:
+    # functools.partial has no __qualname__; its repr names the function and bound arguments.
+    return getattr(build, "__qualname__", None) or repr(build)
+
+
 def _add(case: Case) -> None:
     if not isinstance(case, Case):
         raise TypeError(
@@ -177,9 +182,9 @@ def _add(case: Case) -> None:
         )
     old = _REGISTRY.get(case.name)
     # Re-importing the same module (e.g. importlib.reload) re-registers the same build: allowed.
-    if old is not None and (old.source, old.build.__qualname__) != (
+    if old is not None and (old.source, _build_id(old.build)) != (
         case.source,
-        case.build.__qualname__,
+        _build_id(case.build),
     ):
         raise ValueError(
             f"slimgrad.bench.register_case: case name {case.name!r} is taken; expected a new "
@@ -205,6 +210,8 @@ def _discover() -> None:
                 continue  # registered with @register_case
             if hasattr(mod, "CASES"):
                 for case in mod.CASES:
+                    if isinstance(case, Case) and not case.source:
+                        case = replace(case, source=modname)
                     _add(case)
             elif callable(getattr(mod, "build", None)):
                 register_case(info.name)(mod.build)
@@ -483,6 +490,26 @@ def _measure(model: Any, fresh: Callable[[], tuple], grad: torch.Tensor | None) 
     return out
 
 
+def _first_call(name: str, model: Any, xs: tuple) -> torch.Tensor:
+    try:
+        out = model(*xs)
+    except TypeError as e:
+        raise TypeError(
+            f"slimgrad.bench: case {name!r}: model(*make_inputs()) failed ({e}); expected "
+            f"make_inputs() to return exactly the model's arguments, got {len(xs)} input(s). "
+            "Return only the model's inputs (the harness backpropagates a fixed random gradient "
+            "for non-scalar outputs), or wrap the model in a module that returns the loss."
+        ) from e
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        raise TypeError(
+            f"slimgrad.bench: case {name!r}: the model must return a tensor that requires grad; "
+            f"expected torch.Tensor (the loss or an output), got {type(out).__name__}"
+            f"{'' if not isinstance(out, torch.Tensor) else ' without grad'}. Return the loss "
+            "or output tensor from forward."
+        )
+    return out
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
@@ -559,7 +586,7 @@ def run_case(
         for model in (eager, slim):
             xs = fresh()
             _clear_grads(model, xs)
-            out = model(*xs)
+            out = _first_call(case.name, model, xs)
             if out.numel() != 1 and grad is None:
                 gen = torch.Generator(device="cpu").manual_seed(seed + 2)
                 grad = torch.randn(out.shape, generator=gen, dtype=torch.float32)
