@@ -158,11 +158,21 @@ def _train(
     return res
 
 
-def _converted(eager: nn.Module, slim: nn.Module) -> int:
-    # How many modules convert_ replaced (by type), for the table's footnote.
-    return sum(type(a) is not type(b) for a, b in zip(eager.modules(), slim.modules())) + abs(
-        len(list(eager.modules())) - len(list(slim.modules()))
-    )
+def _converted(eager: nn.Module, slim: nn.Module) -> list[str]:
+    # What convert_ swapped, as "name: From -> To" (slimgrad.report when it exists, else by type).
+    import slimgrad
+
+    report = getattr(slimgrad, "report", None)
+    if report is not None:
+        try:
+            return [f"{n or '<root>'}: {a} -> {b}" for n, a, b in report(slim).converted]
+        except Exception:  # a model convert_ never saw, or an older report format
+            pass
+    return [
+        f"{n}: {type(a).__name__} -> {type(b).__name__}"
+        for (n, a), b in zip(eager.named_modules(), slim.modules())
+        if type(a) is not type(b)
+    ]
 
 
 def _plot(results: dict[str, dict[str, Any]], path: str) -> str:
@@ -274,7 +284,10 @@ def run_demo(
         )
     else:
         for name, r in results.items():
-            print(f"{name}: slimgrad replaced {r['converted']} module(s)")
+            conv = r["converted"]
+            shown = "; ".join(conv[:4]) + (f"; ... ({len(conv) - 4} more)" if len(conv) > 4 else "")
+            tail = f": {shown}" if conv else ""
+            print(f"{name}: convert_ replaced {len(conv)} module(s){tail}")
     png = None
     if out is not None:
         try:
