@@ -123,6 +123,8 @@ def _train(
                 "peak_bytes": m.peak_bytes,
                 "saved_bytes": m.saved_bytes,
                 "timeline": [t[-1] for t in m.timeline],
+                "timeline_op": [t[0] for t in m.timeline],
+                "backward_start": getattr(m, "backward_start", None),
             }
             for p in model.parameters():
                 p.grad = None
@@ -185,9 +187,12 @@ def _plot(results: dict[str, dict[str, Any]], path: str) -> str:
     for ax, r in zip(axes[0], results.values()):
         for side, style in (("eager", "-"), ("slimgrad", "--")):
             tl = [b / MiB for b in r[side]["timeline"]]
-            ax.plot(range(len(tl)), tl, style, label=f"{side} (peak {max(tl, default=0):.2f} MiB)")
+            label = f"{side} (peak {max(tl, default=0):.2f} MiB)"
+            ax.step(r[side]["timeline_op"], tl, style, where="post", label=label)
+        if r["eager"]["backward_start"] is not None:
+            ax.axvline(r["eager"]["backward_start"], color="gray", lw=0.8, ls=":")
         ax.set_title(r["title"], fontsize=9)
-        ax.set_xlabel("op index (forward, then backward)")
+        ax.set_xlabel("op index (eager; dotted line: backward starts)")
         ax.set_ylabel("live tensor MiB above start")
         ax.legend()
         ax.grid(alpha=0.3)
