@@ -1,6 +1,9 @@
 """Model-level cases: whole models, eager against ``slimgrad.convert_`` of a copy of the same model.
 
 Until ``slimgrad.convert_`` exists, the slimgrad side is an unchanged copy (ratios then read 1.0).
+``eager_<case>(device, dtype, small)`` builds the eager side alone, ``(model, make_inputs)``: use it
+under ``FakeTensorMode`` (``slimgrad.memory.estimate``), where the deep copy that makes the slimgrad
+side would read fake storages (undefined behaviour; it crashed the interpreter here).
 """
 
 from __future__ import annotations
@@ -39,13 +42,8 @@ def place(model: nn.Module, device, dtype) -> nn.Module:
     return model
 
 
-@register_case(
-    "resnet50",
-    description="torchvision-faithful ResNet-50 + cross-entropy, 8x3x224x224 "
-    "(small: 2-stage, 2x3x32x32)",
-    repeat=3,
-)
-def build_resnet50(device, dtype, small=False):
+def eager_resnet50(device, dtype, small=False):
+    """The eager side of case ``resnet50``: ``(model, make_inputs)`` (no copy is made)."""
     if small:
         net, batch, size, classes = models.resnet_small(num_classes=10), 2, 32, 10
     else:
@@ -56,7 +54,31 @@ def build_resnet50(device, dtype, small=False):
         x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
         return x, torch.randint(0, classes, (batch,), device=device)
 
+    return eager, make_inputs
+
+
+@register_case(
+    "resnet50",
+    description="torchvision-faithful ResNet-50 + cross-entropy, 8x3x224x224 "
+    "(small: 2-stage, 2x3x32x32)",
+    repeat=3,
+)
+def build_resnet50(device, dtype, small=False):
+    eager, make_inputs = eager_resnet50(device, dtype, small)
     return eager, slim_copy(eager), make_inputs
+
+
+def eager_gpt2(device, dtype, small=False):
+    """The eager side of case ``gpt2``: ``(model, make_inputs)`` (no copy is made)."""
+    cfg = models.GPTConfig.tiny() if small else models.GPTConfig.small()
+    batch, seq = (2, 16) if small else (4, 256)
+    eager = place(models.GPT(cfg), device, dtype)
+
+    def make_inputs():
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+        return ids, ids
+
+    return eager, make_inputs
 
 
 @register_case(
@@ -66,15 +88,20 @@ def build_resnet50(device, dtype, small=False):
     repeat=3,
 )
 def build_gpt2(device, dtype, small=False):
-    cfg = models.GPTConfig.tiny() if small else models.GPTConfig.small()
-    batch, seq = (2, 16) if small else (4, 256)
-    eager = place(models.GPT(cfg), device, dtype)
+    eager, make_inputs = eager_gpt2(device, dtype, small)
+    return eager, slim_copy(eager), make_inputs
+
+
+def eager_conv_chain(device, dtype, small=False):
+    """The eager side of case ``conv_chain``: ``(model, make_inputs)`` (no copy is made)."""
+    chain = models.conv_chain(2, channels=8) if small else models.conv_chain(8)
+    shape = (2, 8, 9, 11) if small else (16, 64, 56, 56)
+    eager = place(chain, device, dtype)
 
     def make_inputs():
-        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-        return ids, ids
+        return torch.randn(shape, device=device, dtype=dtype)
 
-    return eager, slim_copy(eager), make_inputs
+    return eager, make_inputs
 
 
 @register_case(
@@ -84,13 +111,7 @@ def build_gpt2(device, dtype, small=False):
     repeat=5,
 )
 def build_conv_chain(device, dtype, small=False):
-    chain = models.conv_chain(2, channels=8) if small else models.conv_chain(8)
-    shape = (2, 8, 9, 11) if small else (16, 64, 56, 56)
-    eager = place(chain, device, dtype)
-
-    def make_inputs():
-        return torch.randn(shape, device=device, dtype=dtype)
-
+    eager, make_inputs = eager_conv_chain(device, dtype, small)
     return eager, slim_copy(eager), make_inputs
 
 
@@ -124,6 +145,18 @@ def hf_gpt2(small: bool = False) -> nn.Module:
     return HFCausalLMLoss(GPT2LMHeadModel(cfg))
 
 
+def eager_hf_gpt2(device, dtype, small=False):
+    """The eager side of case ``hf_gpt2``: ``(model, make_inputs)`` (no copy is made)."""
+    eager = place(hf_gpt2(small), device, dtype)
+    vocab = eager.model.config.vocab_size
+    batch, seq = (2, 16) if small else (4, 256)
+
+    def make_inputs():
+        return torch.randint(0, vocab, (batch, seq), device=device)
+
+    return eager, make_inputs
+
+
 @register_case(
     "hf_gpt2",
     description="HF GPT2LMHeadModel(GPT2Config()), random init, 4x256 tokens, labels=ids "
@@ -132,11 +165,5 @@ def hf_gpt2(small: bool = False) -> nn.Module:
     repeat=3,
 )
 def build_hf_gpt2(device, dtype, small=False):
-    eager = place(hf_gpt2(small), device, dtype)
-    vocab = eager.model.config.vocab_size
-    batch, seq = (2, 16) if small else (4, 256)
-
-    def make_inputs():
-        return torch.randint(0, vocab, (batch, seq), device=device)
-
+    eager, make_inputs = eager_hf_gpt2(device, dtype, small)
     return eager, slim_copy(eager), make_inputs
