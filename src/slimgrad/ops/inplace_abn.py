@@ -32,7 +32,8 @@ zero bytes in the common case; the rule is per channel and decided in forward. N
 an approximation.
 
 # NOTE [Chunked backward]
-Backward runs over channel chunks of max(one channel, _CHUNK_ELEMS values). Per chunk: rebuild y
+Backward runs over channel chunks of max(one channel, min(numel / 16, _CHUNK_ELEMS = 32768)) values:
+at most 16 chunks unless one channel is larger than that. Per chunk: rebuild y
 and dy from (z, dz) into chunk-sized temporaries, reduce sum(dy) and sum(dy * x̂) with aten's fused
 BatchNorm reduction (x̂ = (y - b) / w is formed on the fly, never stored), then write
 dx = k*dy + p*y + q into the chunk's slice of the one dx buffer. Full-size buffers in backward: dz
@@ -60,6 +61,7 @@ ACTIVATIONS = ("identity", "leaky_relu", "elu")
 GAIN = 256.0
 _LOG_GAIN = math.log(GAIN)
 _CHUNK_ELEMS = 1 << 15
+_MAX_CHUNKS = 16
 
 
 def check_activation(api: str, activation: str, activation_param: float) -> None:
@@ -100,9 +102,11 @@ def _bshape(x: torch.Tensor) -> list[int]:
 
 
 def _chunks(x: torch.Tensor):
+    # NOTE [Chunked backward]: chunk = max(one channel, min(numel / 16, _CHUNK_ELEMS)) values.
     c = x.shape[1]
     per_channel = max(1, x.numel() // max(1, c))
-    step = max(1, _CHUNK_ELEMS // per_channel)
+    budget = min(x.numel() // _MAX_CHUNKS, _CHUNK_ELEMS)
+    step = max(1, budget // per_channel)
     for c0 in range(0, c, step):
         yield c0, min(c, c0 + step)
 
@@ -420,6 +424,9 @@ def _(z, dz, weight, bias, invstd, side_idx, side_xhat, training, eps, activatio
 
 
 class _InPlaceABNFn(torch.autograd.Function):
+    # Under torch.compile the side tensors are returned too (and dropped by the caller), so that
+    # dynamo finds the data-dependent channel count k among the outputs. Eagerly the Function returns
+    # one tensor: autograd allows no more when the input is a view that is modified in place.
     @staticmethod
     def forward(
         ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, param
@@ -428,12 +435,13 @@ class _InPlaceABNFn(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, training, momentum, eps, act, param
         )
         ctx.mark_dirty(x)
-        ctx.mark_non_differentiable(side_idx, side_xhat)
+        if torch.compiler.is_compiling():
+            ctx.mark_non_differentiable(side_idx, side_xhat)
         ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
         ctx.cfg = (training, eps, act, param)
-        # The side tensors are returned (and dropped by the caller) so that torch.compile sees the
-        # data-dependent channel count k among the outputs.
-        return x, side_idx, side_xhat
+        if torch.compiler.is_compiling():
+            return x, side_idx, side_xhat
+        return x
 
     @staticmethod
     @once_differentiable
@@ -529,10 +537,11 @@ def inplace_abn(
     """
     _validate("ops.inplace_abn", x, weight, bias, running_mean, running_var, training, activation,
               activation_param)  # fmt: skip
-    return _InPlaceABNFn.apply(
+    out = _InPlaceABNFn.apply(
         x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
         activation, float(activation_param),
-    )[0]  # fmt: skip
+    )  # fmt: skip
+    return out[0] if isinstance(out, tuple) else out
 
 
 # ----------------------------------------------------------------------------------------------
