@@ -1,4 +1,4 @@
-"""slimgrad.ops.inplace_abn: gradients, eager equality, in-place safety, memory contract, compile."""
+"""slimgrad.ops.inplace_abn: gradients, eager equality, in-place safety, memory, compile."""
 
 from __future__ import annotations
 
@@ -484,8 +484,8 @@ def test_low_precision_input_and_params(dtype):
     x0 = (torch.randn(4, 5, 9) * 2 + 1).to(dtype)
     w, b = (t.detach().to(dtype).requires_grad_() for t in params(5, torch.float32))
     g = torch.randn(4, 5, 9).to(dtype)
-    out, ga, ref, gb, _, _ = run_both(x0, w, b, True, "leaky_relu", 0.01, g=g,
-                                      rm=torch.zeros(5, dtype=dtype), rv=torch.ones(5, dtype=dtype))  # fmt: skip
+    rm, rv = torch.zeros(5, dtype=dtype), torch.ones(5, dtype=dtype)
+    out, ga, ref, gb, _, _ = run_both(x0, w, b, True, "leaky_relu", 0.01, g=g, rm=rm, rv=rv)
     w64 = w.detach().double().requires_grad_()
     b64 = b.detach().double().requires_grad_()
     _, _, ref64, g64, _, _ = run_both(x0.double(), w64, b64, True, "leaky_relu", 0.01,

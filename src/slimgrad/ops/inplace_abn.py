@@ -425,8 +425,8 @@ def _(z, dz, weight, bias, invstd, side_idx, side_xhat, training, eps, activatio
 
 class _InPlaceABNFn(torch.autograd.Function):
     # Under torch.compile the side tensors are returned too (and dropped by the caller), so that
-    # dynamo finds the data-dependent channel count k among the outputs. Eagerly the Function returns
-    # one tensor: autograd allows no more when the input is a view that is modified in place.
+    # dynamo finds the data-dependent channel count k among the outputs. Eagerly the Function
+    # returns one tensor: autograd allows no more when the input is a view modified in place.
     @staticmethod
     def forward(
         ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, param
