@@ -38,8 +38,8 @@ def run_both(x0, w, b, training, act, param, g=None, rm=None, rv=None):
     """Returns (out, grads, ref_out, ref_grads, (rm, rv), (ref_rm, ref_rv)); grads wrt (x, w, b)."""
     c = x0.shape[1]
     if rm is None:
-        rm = torch.randn(c, dtype=x0.dtype) * 0.1
-        rv = torch.rand(c, dtype=x0.dtype) + 0.5
+        rm = torch.randn(c, dtype=x0.dtype, device=x0.device) * 0.1
+        rv = torch.rand(c, dtype=x0.dtype, device=x0.device) + 0.5
     rm1, rv1, rm2, rv2 = rm.clone(), rv.clone(), rm.clone(), rv.clone()
     g = torch.randn_like(x0) if g is None else g
     xa = x0.clone().requires_grad_()
@@ -89,9 +89,9 @@ def test_gradcheck_zero_weight_channels(act, param):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("act,param", ACTS)
 @pytest.mark.parametrize("training", [True, False])
-def test_matches_eager_float64(shape, act, param, training):
-    x0 = torch.randn(shape, dtype=torch.float64) * 1.7 + 0.3
-    w, b = params(shape[1])
+def test_matches_eager_float64(shape, act, param, training, device):
+    x0 = (torch.randn(shape, dtype=torch.float64) * 1.7 + 0.3).to(device)
+    w, b = params(shape[1], device=device)
     out, ga, ref, gb, stats, ref_stats = run_both(x0, w, b, training, act, param)
     torch.testing.assert_close(out, ref)
     for a, r in zip(ga, gb):
@@ -101,9 +101,9 @@ def test_matches_eager_float64(shape, act, param, training):
 
 @pytest.mark.parametrize("act,param", ACTS)
 @pytest.mark.parametrize("training", [True, False])
-def test_float32_within_rule(act, param, training):
-    x0 = torch.randn(4, 7, 5, 3) * 2 + 1
-    w, b = params(7, torch.float32)
+def test_float32_within_rule(act, param, training, device):
+    x0 = (torch.randn(4, 7, 5, 3) * 2 + 1).to(device)
+    w, b = params(7, torch.float32, device)
     g = torch.randn_like(x0)
     out, ga, ref, gb, stats, ref_stats = run_both(x0, w, b, training, act, param, g=g)
     w64 = w.detach().double().requires_grad_()
@@ -451,6 +451,22 @@ def test_channels_last_no_copy():
     torch.testing.assert_close(out.detach(), ref.detach())
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r)
+
+
+def test_channels_last_no_full_size_copy_in_memory():
+    # same saved bytes and the same peak as the contiguous layout: no layout copy anywhere
+    x0 = torch.randn(8, 32, 16, 16)
+    w = (torch.rand(32) + 0.5).requires_grad_()
+    b = (torch.randn(32) * 0.1).requires_grad_()
+    g = torch.randn(8, 32, 16, 16)
+    res = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x = x0.to(memory_format=fmt).requires_grad_()
+        gg = g.to(memory_format=fmt)
+        m = measure(lambda x=x: inplace_abn(x * 1, None, None, w, b, True), grad=gg)
+        res.append((m.saved_bytes, m.peak_bytes))
+    assert res[0][0] == res[1][0]
+    assert abs(res[0][1] - res[1][1]) <= 1024
 
 
 def test_channels_last_3d():
