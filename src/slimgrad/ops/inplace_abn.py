@@ -52,6 +52,7 @@ nobody else sees dz.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -153,6 +154,58 @@ def _act_grad(dz: torch.Tensor, z: torch.Tensor, activation: str, param: float) 
 # Plain-PyTorch kernels
 
 
+def _stats(x, running_mean, running_var, training, momentum, eps, merge=None):
+    # (mean, invstd, count) in float32 (float64 for float64 input); updates the running statistics.
+    c = x.shape[1]
+    acc = _acc_dtype(x.dtype)
+    count = x.numel() // c if c else 0
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError(
+                "slimgrad.ops.inplace_abn: running statistics are needed in eval mode; expected "
+                "running_mean and running_var tensors, got None. Pass training=True or the buffers."
+            )
+        return running_mean.to(acc), 1.0 / torch.sqrt(running_var.to(acc) + eps), count
+    if x.numel() == 0:
+        mean = torch.zeros(c, device=x.device, dtype=acc)
+        var = torch.ones(c, device=x.device, dtype=acc) if merge is None else torch.zeros_like(mean)
+    elif merge is None:
+        # eager BatchNorm's own kernel: the same statistics and running update, bit for bit
+        mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+    else:
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    if merge is not None:
+        count, mean, var = merge(count, mean, var)
+        with torch.no_grad():
+            if count > 0 and running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if count > 0 and running_var is not None:
+                unbiased = (var * (count / max(count - 1, 1))).to(running_var.dtype)
+                running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    return mean.to(acc), 1.0 / torch.sqrt(var.to(acc) + eps), count
+
+
+def _side_channels(x, w, b, mean, invstd, activation):
+    # NOTE [Invertibility]: (side_idx, side_xhat) for the channels not rebuilt from z. Runs before
+    # x is overwritten.
+    acc = _acc_dtype(x.dtype)
+    shape = _bshape(x)
+    tiny = torch.finfo(x.dtype).tiny
+    side = ~((w.abs() > tiny) & (b.abs() <= REBUILD_MAX_BIAS_RATIO * w.abs()))
+    if activation == "elu" and x.numel() > 0:
+        dims = [0] + list(range(2, x.dim()))
+        lo = torch.where(w >= 0, x.amin(dim=dims).to(acc), x.amax(dim=dims).to(acc))
+        side |= (lo - mean) * invstd * w + b < ELU_MIN_PREACT
+    if x.numel() == 0 or not bool(side.any()):
+        return (
+            torch.zeros(0, dtype=torch.long, device=x.device),
+            x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc),
+        )
+    idx = side.nonzero().flatten()
+    xs = x.index_select(1, idx).to(acc)
+    return idx, (xs - mean[idx].view(shape)) * invstd[idx].view(shape)
+
+
 def _fwd_torch(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -171,74 +224,17 @@ def _fwd_torch(
     ``merge(count, mean, var) -> (count, mean, var)`` combines per-rank statistics (sync variant);
     the running statistics are then updated here with the merged figures.
     """
-    c = x.shape[1]
-    acc = _acc_dtype(x.dtype)
-    dims = [0] + list(range(2, x.dim()))
-    count = x.numel() // c if c else 0
-    if training:
-        if merge is None:
-            if x.numel() == 0:
-                mean = torch.zeros(c, device=x.device, dtype=acc)
-                var = torch.ones(c, device=x.device, dtype=acc)
-            else:
-                mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
-        else:
-            if x.numel() == 0:
-                mean = torch.zeros(c, device=x.device, dtype=acc)
-                var = torch.zeros(c, device=x.device, dtype=acc)
-            else:
-                mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
-            count, mean, var = merge(count, mean, var)
-            if count > 0 and running_mean is not None:
-                with torch.no_grad():
-                    running_mean.mul_(1 - momentum).add_(
-                        mean.to(running_mean.dtype), alpha=momentum
-                    )
-            if count > 0 and running_var is not None:
-                unbiased = var * (count / max(count - 1, 1))
-                with torch.no_grad():
-                    running_var.mul_(1 - momentum).add_(
-                        unbiased.to(running_var.dtype), alpha=momentum
-                    )
-        mean, var = mean.to(acc), var.to(acc)
-    else:
-        if running_mean is None or running_var is None:
-            raise ValueError(
-                "slimgrad.ops.inplace_abn: running statistics are needed in eval mode; expected "
-                "running_mean and running_var tensors, got None. Pass training=True or the buffers."
-            )
-        mean, var = running_mean.to(acc), running_var.to(acc)
-    invstd = 1.0 / torch.sqrt(var + eps)
-
-    w, b = _affine(weight, bias, c, x.device, acc)
-    tiny = torch.finfo(x.dtype).tiny
-    side = ~((w.abs() > tiny) & (b.abs() <= REBUILD_MAX_BIAS_RATIO * w.abs()))
-    shape = _bshape(x)
-    empty_idx = torch.zeros(0, dtype=torch.long, device=x.device)
-    parts_idx, parts_xhat = [], []
-    if x.numel() == 0:
-        return mean, invstd, empty_idx, x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc), count
-
-    if bool(side.any()):
-        idx = side.nonzero().flatten()
-        xs = x.index_select(1, idx).to(acc)
-        parts_idx.append(idx)
-        parts_xhat.append((xs - mean[idx].view(shape)) * invstd[idx].view(shape))
-    scale = w * invstd
-    shift = b - mean * scale
-    torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)
-    if activation == "elu":
-        pre_min = x.amin(dim=dims).to(acc)
-        sat = (pre_min < ELU_MIN_PREACT) & ~side
-        if bool(sat.any()):
-            idx = sat.nonzero().flatten()
-            ys = x.index_select(1, idx).to(acc)
-            parts_idx.append(idx)
-            parts_xhat.append((ys - b[idx].view(shape)) / w[idx].view(shape))
-    _act_(x, activation, param)
-    if parts_idx:
-        return mean, invstd, torch.cat(parts_idx), torch.cat(parts_xhat, dim=1), count
-    return mean, invstd, empty_idx, x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc), count
+    mean, invstd, count = _stats(x, running_mean, running_var, training, momentum, eps, merge)
+    w, b = _affine(weight, bias, x.shape[1], x.device, mean.dtype)
+    side_idx, side_xhat = _side_channels(x, w, b, mean, invstd, activation)
+    if x.numel() > 0:
+        scale = w * invstd
+        shift = b - mean * scale
+        shape = _bshape(x)
+        # the same alpha/beta form as eager BatchNorm's CPU kernel: x * (w * invstd) + shift
+        torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)
+        _act_(x, activation, param)
+    return mean, invstd, side_idx, side_xhat, count
 
 
 def _bwd_torch(
@@ -362,6 +358,18 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 # torch.library registration (for torch.compile) and the autograd Function
 
 
+def _impl(t: torch.Tensor):
+    # Triton kernels (slimgrad/kernels/inplace_abn.py) are opt-in on CUDA with SLIMGRAD_TRITON=1:
+    # tested under TRITON_INTERPRET=1 only, not yet timed or run on a GPU.
+    if t.is_cuda and os.environ.get("SLIMGRAD_TRITON") == "1":
+        try:
+            from slimgrad.kernels import inplace_abn as kernels
+        except ImportError:
+            return _fwd_torch, _bwd_torch
+        return kernels._fwd_triton, kernels._bwd_triton
+    return _fwd_torch, _bwd_torch
+
+
 @custom_op("inplace_abn_fwd", mutates_args=("x", "running_mean", "running_var"))
 def _fwd_op(
     x: torch.Tensor,
@@ -375,7 +383,7 @@ def _fwd_op(
     activation: str,
     param: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, invstd, side_idx, side_xhat, _ = _fwd_torch(
+    _, invstd, side_idx, side_xhat, _ = _impl(x)[0](
         x, weight, bias, running_mean, running_var, training, momentum, eps, activation, param
     )
     return invstd, side_idx, side_xhat
@@ -410,7 +418,7 @@ def _bwd_op(
     need_dparams: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     count = z.numel() // z.shape[1] if z.shape[1] else 0
-    dx, dw, db = _bwd_torch(
+    dx, dw, db = _impl(z)[1](
         z, dz, weight, bias, invstd, side_idx, side_xhat, count, training, eps, activation, param,
         need_dx, need_dparams,
     )  # fmt: skip
@@ -606,7 +614,7 @@ def _make_allreduce(group):
 class _InPlaceABNSyncFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, act, param, group):
-        _, invstd, side_idx, side_xhat, count = _fwd_torch(
+        _, invstd, side_idx, side_xhat, count = _impl(x)[0](
             x, weight, bias, running_mean, running_var, True, momentum, eps, act, param,
             merge=_make_merge(group),
         )  # fmt: skip
@@ -620,7 +628,7 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
     def backward(ctx, dz):
         z, weight, bias, invstd, side_idx, side_xhat = ctx.saved_tensors
         eps, act, param, group, count = ctx.cfg
-        dx, dw, db = _bwd_torch(
+        dx, dw, db = _impl(z)[1](
             z, dz, weight, bias, invstd, side_idx, side_xhat, z.numel() // z.shape[1], True, eps,
             act, param, ctx.needs_input_grad[0], True, allreduce=_make_allreduce(group),
         )  # fmt: skip
