@@ -187,3 +187,26 @@ def test_module_compile_fullgraph():
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r)
     assert int(model[1].num_batches_tracked) == 2
+
+
+def test_module_compile_inductor_with_kept_channel():
+    # the one inductor test: the side tensor's data-dependent size must compile (a zero weight)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), InPlaceABN(4), nn.Conv2d(4, 2, 1))
+    with torch.no_grad():
+        model[1].weight[2] = 0.0
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LeakyReLU(0.01),
+                        nn.Conv2d(4, 2, 1))  # fmt: skip
+    ref[0].load_state_dict(model[0].state_dict())
+    ref[1].load_state_dict(model[1].state_dict())
+    ref[3].load_state_dict(model[2].state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    cm = torch.compile(model, fullgraph=True)
+    out = cm(x)
+    got = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    want_out = ref(x)
+    want = torch.autograd.grad(want_out.square().sum(), list(ref.parameters()))
+    torch.testing.assert_close(out, want_out)
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r)

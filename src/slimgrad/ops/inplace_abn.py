@@ -227,14 +227,19 @@ def _fwd_torch(
     mean, invstd, count = _stats(x, running_mean, running_var, training, momentum, eps, merge)
     w, b = _affine(weight, bias, x.shape[1], x.device, mean.dtype)
     side_idx, side_xhat = _side_channels(x, w, b, mean, invstd, activation)
-    if x.numel() > 0:
-        scale = w * invstd
-        shift = b - mean * scale
-        shape = _bshape(x)
-        # the same alpha/beta form as eager BatchNorm's CPU kernel: x * (w * invstd) + shift
-        torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)
-        _act_(x, activation, param)
+    _apply_torch_(x, w, b, mean, invstd, activation, param)
     return mean, invstd, side_idx, side_xhat, count
+
+
+def _apply_torch_(x, w, b, mean, invstd, activation, param):
+    if x.numel() == 0:
+        return
+    scale = w * invstd
+    shift = b - mean * scale
+    shape = _bshape(x)
+    # the same alpha/beta form as eager BatchNorm's CPU kernel: x * (w * invstd) + shift
+    torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)
+    _act_(x, activation, param)
 
 
 def _bwd_torch(
@@ -358,47 +363,90 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 # torch.library registration (for torch.compile) and the autograd Function
 
 
-def _impl(t: torch.Tensor):
+def _kernels(t: torch.Tensor):
     # Triton kernels (slimgrad/kernels/inplace_abn.py) are opt-in on CUDA with SLIMGRAD_TRITON=1:
     # tested under TRITON_INTERPRET=1 only, not yet timed or run on a GPU.
     if t.is_cuda and os.environ.get("SLIMGRAD_TRITON") == "1":
         try:
             from slimgrad.kernels import inplace_abn as kernels
         except ImportError:
-            return _fwd_torch, _bwd_torch
-        return kernels._fwd_triton, kernels._bwd_triton
-    return _fwd_torch, _bwd_torch
+            return None
+        return kernels
+    return None
 
 
-@custom_op("inplace_abn_fwd", mutates_args=("x", "running_mean", "running_var"))
-def _fwd_op(
+def _impl(t: torch.Tensor):
+    k = _kernels(t)
+    return (_fwd_torch, _bwd_torch) if k is None else (k._fwd_triton, k._bwd_triton)
+
+
+# The forward is three ops so that the only data-dependent shape (the side tensor's channel count)
+# comes from an op that mutates nothing: inductor cannot schedule unbacked sizes produced by an
+# op that also mutates its inputs.
+
+
+@custom_op("inplace_abn_stats", mutates_args=("running_mean", "running_var"))
+def _stats_op(
     x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
     training: bool,
     momentum: float,
     eps: float,
-    activation: str,
-    param: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, invstd, side_idx, side_xhat, _ = _impl(x)[0](
-        x, weight, bias, running_mean, running_var, training, momentum, eps, activation, param
-    )
-    return invstd, side_idx, side_xhat
+) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, invstd, _ = _stats(x, running_mean, running_var, training, momentum, eps)
+    if running_mean is not None and mean.data_ptr() == running_mean.data_ptr():
+        mean = mean.clone()  # eval mode: a custom op may not return an alias of an input
+    return mean, invstd
 
 
-@_fwd_op.register_fake
-def _(x, weight, bias, running_mean, running_var, training, momentum, eps, activation, param):
-    c = x.shape[1]
+@_stats_op.register_fake
+def _(x, running_mean, running_var, training, momentum, eps):
     acc = _acc_dtype(x.dtype)
+    return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
+
+
+@custom_op("inplace_abn_side", mutates_args=())
+def _side_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    w, b = _affine(weight, bias, x.shape[1], x.device, mean.dtype)
+    return _side_channels(x, w, b, mean, invstd, activation)
+
+
+@_side_op.register_fake
+def _(x, weight, bias, mean, invstd, activation):
     k = torch.library.get_ctx().new_dynamic_size()
     return (
-        x.new_empty(c, dtype=acc),
         x.new_empty(k, dtype=torch.long),
-        x.new_empty((x.shape[0], k, *x.shape[2:]), dtype=acc),
+        x.new_empty((x.shape[0], k, *x.shape[2:]), dtype=_acc_dtype(x.dtype)),
     )
+
+
+@custom_op("inplace_abn_apply_", mutates_args=("x",))
+def _apply_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    activation: str,
+    param: float,
+) -> None:
+    w, b = _affine(weight, bias, x.shape[1], x.device, mean.dtype)
+    k = _kernels(x)
+    if k is None or not k.apply_(x, w * invstd, b - mean * w * invstd, activation, param):
+        _apply_torch_(x, w, b, mean, invstd, activation, param)
+
+
+@_apply_op.register_fake
+def _(x, weight, bias, mean, invstd, activation, param):
+    return None
 
 
 @custom_op("inplace_abn_bwd", mutates_args=())
@@ -444,9 +492,10 @@ class _InPlaceABNFn(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, param
     ):
-        invstd, side_idx, side_xhat = torch.ops.slimgrad.inplace_abn_fwd(
-            x, weight, bias, running_mean, running_var, training, momentum, eps, act, param
-        )
+        ops = torch.ops.slimgrad
+        mean, invstd = ops.inplace_abn_stats(x, running_mean, running_var, training, momentum, eps)
+        side_idx, side_xhat = ops.inplace_abn_side(x, weight, bias, mean, invstd, act)
+        ops.inplace_abn_apply_(x, weight, bias, mean, invstd, act, param)
         ctx.mark_dirty(x)
         if torch.compiler.is_compiling():
             ctx.mark_non_differentiable(side_idx, side_xhat)
