@@ -389,6 +389,33 @@ def test_sum_loss_expanded_gradient():
             torch.testing.assert_close(a, r)
 
 
+def test_grad_hook_on_output_and_checkpoint():
+    x0 = torch.randn(3, 4, 5, dtype=torch.float64)
+    w, b = params(4)
+
+    def slim(h):
+        out = inplace_abn(h * 1, None, None, w, b, True, 0.1, 1e-5, "leaky_relu", 0.1)
+        out.register_hook(lambda g: g * 3)  # a hook that rewrites the incoming gradient
+        return (out * out).sum()
+
+    def ref(h):
+        out = eager(h * 1, None, None, w, b, True, "leaky_relu", 0.1)
+        out.register_hook(lambda g: g * 3)
+        return (out * out).sum()
+
+    want = torch.autograd.grad(ref(x0.clone().requires_grad_()), [w, b])
+    got = torch.autograd.grad(slim(x0.clone().requires_grad_()), [w, b])
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r)
+    xc = x0.clone().requires_grad_()
+    got_ckpt = torch.autograd.grad(
+        torch.utils.checkpoint.checkpoint(slim, xc, use_reentrant=False), [xc, w, b]
+    )
+    want_ckpt = torch.autograd.grad(ref(xc), [xc, w, b])
+    for a, r in zip(got_ckpt, want_ckpt):
+        torch.testing.assert_close(a, r)
+
+
 @pytest.mark.parametrize("kind", ["slice", "transpose"])
 def test_view_input(kind):
     x0 = torch.randn(3, 8, 5, 4, dtype=torch.float64)
