@@ -42,7 +42,9 @@ import torch
 from slimgrad._errors import internal_error
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
 
-CHUNK = 1 << 17  # elements per chunk: bounds backward's temporaries and keeps them in cache (multiple of 8)
+CHUNK = (
+    1 << 17
+)  # elements per chunk: bounds backward's temporaries and keeps them in cache (multiple of 8)
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 _TABLE_N = 1 << 14
 
@@ -94,7 +96,7 @@ class SmoothSpec:
 
 
 def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
-    for _ in range(80):
+    for _ in range(60):
         mid = 0.5 * (lo + hi)
         up = f(mid) < y if increasing else f(mid) > y
         lo = torch.where(up, mid, lo)
@@ -107,7 +109,7 @@ class _Inverse:
 
     Each branch tabulates f'(x(s)) uniformly in s = sqrt(y - y_min) (2^16 points): x is analytic in s at the
     minimum, so f' is smooth in s there (no square-root singularity), and on the left branch f' is a smooth
-    function of y up to y -> 0- (x -> -inf), where f' -> 0. Table values come from an 80-step float64
+    function of y up to y -> 0- (x -> -inf), where f' -> 0. Table values come from an 60-step float64
     bisection of f, so the run-time error is the interpolation (< 1e-8, checked on every float32 by the tests),
     the float32 rounding of s, and the conditioning of (y, bit) -> x near x* (hence the side table).
     The kernel is branch-free arithmetic on float32 (``torch.where`` and int64 indices are slow on CPU).
@@ -133,7 +135,7 @@ class _Inverse:
         self.s_l = math.sqrt(-self.y_min)
         s = torch.linspace(0.0, self.s_l, n, dtype=torch.float64)
         yy = self.y_min + s * s
-        x_l = _bisect(f, yy, torch.full_like(yy, -1e4), xs.expand(n).clone(), False)
+        x_l = _bisect(f, yy, torch.full_like(yy, -60.0), xs.expand(n).clone(), False)
         x_r[0] = x_l[0] = self.x_star
         t_l = df(x_l)
         t_l[-1] = 0.0  # y = 0-: x = -inf
@@ -152,7 +154,9 @@ class _Inverse:
         """f'(x) from y (float32 or float64) and ``right`` (x >= x*, as 0/1 in y's dtype)."""
         tab = self.table_on(y.device, y.dtype)
         n = _TABLE_N
-        y_hi = torch.tensor(self.y_min, dtype=y.dtype).item()  # y_min split in two: y - y_hi is exact
+        y_hi = torch.tensor(
+            self.y_min, dtype=y.dtype
+        ).item()  # y_min split in two: y - y_hi is exact
         s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(min=0.0).sqrt_()
         sc_r, sc_l = self.sc
         # right: s * sc_r clamped to [0, n-1]; left: n + s * sc_l clamped to [n, 2n-1]
@@ -160,7 +164,9 @@ class _Inverse:
         pos = torch.minimum(pos, torch.mul(right, -n).add_(2 * n - 1))
         i = pos.clamp(max=2 * n - 2).floor_()  # pos = 2n-1 (y = 0-): i = 2n-2, w = 1
         w = pos.sub_(i)
-        i = i.to(torch.int32).clamp_(min=0)  # NaN -> INT_MIN -> 0 (NaN x is hard: in the side table)
+        i = i.to(torch.int32).clamp_(
+            min=0
+        )  # NaN -> INT_MIN -> 0 (NaN x is hard: in the side table)
         lo = torch.index_select(tab, 0, i)
         hi = torch.index_select(tab, 0, i.add_(1))
         return lo.lerp_(hi, w)
@@ -220,7 +226,7 @@ def smooth_side_info(spec: SmoothSpec, x: torch.Tensor, fallback: bool = True):
 def smooth_grad(
     spec: SmoothSpec,
     g: torch.Tensor,
-    y: torch.Tensor,
+    y: torch.Tensor | None,
     bits: torch.Tensor,
     idx: torch.Tensor,
     xs: torch.Tensor,
@@ -230,10 +236,12 @@ def smooth_grad(
 
     ``bwd_exact(g, x)`` is the op's plain-PyTorch backward from x, used for the side table and the fallback.
     """
-    n = y.numel()
+    n = g.numel()
     gf = g.reshape(-1)
     if n and xs.numel() == n and idx.numel() == 0 and bits.numel() == 0:  # dense fallback
         return bwd_exact(gf, xs).reshape(g.shape)
+    if y is None:
+        raise internal_error(f"{spec.name}: no saved output outside the dense fallback")
     if bits.numel() != packed_numel(n):
         raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
     inv = inverse(spec)
@@ -249,6 +257,37 @@ def smooth_grad(
         i = idx.long()
         out[i] = bwd_exact(gf[i], xs)
     return out.reshape(g.shape)
+
+
+def smooth_forward(ctx, x: torch.Tensor, fwd_out, inplace: bool):
+    """Forward of a smooth activation's Function, given its custom op's (y, bits, idx, xs)."""
+    y, bits, idx, xs = fwd_out
+    if inplace:
+        x.copy_(y)
+        y = x
+        ctx.mark_dirty(x)
+    # dense fallback (xs is all of x): y is not needed; not decidable while tracing, so kept then
+    fallback = not torch.compiler.is_compiling() and bits.numel() == 0 and x.numel() > 0
+    ctx.save_for_backward(None if fallback else y, bits, idx, xs)
+    if inplace:
+        return y
+    # The side info is returned too (non-differentiable) so that its data-dependent sizes are outputs
+    # of the Function traced by torch.compile; the functional drops it.
+    ctx.mark_non_differentiable(bits, idx, xs)
+    return y, bits, idx, xs
+
+
+def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> torch.Tensor:
+    """Apply a smooth activation's Function; in-place under torch.compile: out-of-place + copy_.
+
+    (An in-place Function on a view may return one tensor only, and the traced Function must return
+    the side info; so while compiling, ``inplace=True`` costs a temporary y and keeps it: documented.)
+    """
+    if not inplace:
+        return fn_out.apply(x, *args)[0]
+    if torch.compiler.is_compiling():
+        return x.copy_(fn_out.apply(x, *args)[0])
+    return fn_inplace.apply(x, *args)
 
 
 def smooth_fake_side_info(x: torch.Tensor):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad.ops._bits import pack_bits, unpack_bits_as
+from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
 __all__ = ["elu", "elu_"]
@@ -30,8 +30,10 @@ def _bwd_torch(g: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
 
 
 def _bwd_bits(g: Tensor, y: Tensor, bits: Tensor, alpha: float) -> Tensor:
-    pos = unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
-    return g * (pos + (1.0 - pos) * (y + alpha))
+    pos = unpack_bits(bits, g.numel()).view(g.shape)
+    opmath = torch.float64 if g.dtype == torch.float64 else torch.float32  # as eager
+    neg = g.to(opmath) * (y.to(opmath) + alpha)
+    return torch.where(pos, g, neg.to(g.dtype))
 
 
 class _EluFn(torch.autograd.Function):

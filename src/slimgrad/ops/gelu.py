@@ -24,7 +24,9 @@ from slimgrad.ops._output_act import (
     SmoothSpec,
     needs_graph,
     no_double_backward,
+    smooth_apply,
     smooth_fake_side_info,
+    smooth_forward,
     smooth_grad,
     smooth_side_info,
 )
@@ -109,7 +111,9 @@ def _(x, approximate):
 
 
 @custom_op("gelu_bwd", mutates_args=())
-def _gelu_bwd(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor, approximate: str) -> Tensor:
+def _gelu_bwd(
+    g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor, approximate: str
+) -> Tensor:
     return _bwd_torch(g, y, bits, idx, xs, approximate)
 
 
@@ -120,21 +124,21 @@ def _(g, y, bits, idx, xs, approximate):
 
 class _GeluFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, approximate: str, inplace: bool):
-        y, bits, idx, xs = _gelu_fwd(x, approximate)
-        if inplace:
-            x.copy_(y)
-            y = x
-            ctx.mark_dirty(x)
+    def forward(ctx, x: Tensor, approximate: str):
         ctx.approximate = approximate
-        ctx.save_for_backward(y, bits, idx, xs)
-        return y
+        return smooth_forward(ctx, x, _gelu_fwd(x, approximate), False)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *_side):
         no_double_backward("gelu")
-        y, bits, idx, xs = ctx.saved_tensors
-        return _gelu_bwd(g, y, bits, idx, xs, ctx.approximate), None, None
+        return _gelu_bwd(g, *ctx.saved_tensors, ctx.approximate), None
+
+
+class _GeluInplaceFn(_GeluFn):
+    @staticmethod
+    def forward(ctx, x: Tensor, approximate: str):
+        ctx.approximate = approximate
+        return smooth_forward(ctx, x, _gelu_fwd(x, approximate), True)
 
 
 def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Tensor:
@@ -166,7 +170,7 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
     if not needs_graph(input):
         y = _fwd_torch(input, approximate)
         return input.copy_(y) if inplace else y
-    return _GeluFn.apply(input, approximate, inplace)
+    return smooth_apply(_GeluFn, _GeluInplaceFn, input, inplace, approximate)
 
 
 def gelu_(input: Tensor, approximate: str = "none") -> Tensor:

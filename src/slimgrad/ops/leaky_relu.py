@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad.ops._bits import pack_bits, unpack_bits_as
+from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
 __all__ = ["leaky_relu", "leaky_relu_"]
@@ -30,8 +30,8 @@ def _bwd_torch(g: Tensor, y: Tensor, negative_slope: float = 0.01) -> Tensor:
 
 
 def _bwd_bits(g: Tensor, bits: Tensor, negative_slope: float) -> Tensor:
-    pos = unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
-    return g * (pos * (1.0 - negative_slope) + negative_slope)
+    pos = unpack_bits(bits, g.numel()).view(g.shape)
+    return torch.where(pos, g, g * negative_slope)
 
 
 class _LeakyReluFn(torch.autograd.Function):

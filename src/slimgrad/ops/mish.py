@@ -5,7 +5,7 @@ One minimum at x* = -1.19237 (y_min = -0.30884), so x follows from (y, [x >= x*]
 is ill-conditioned are kept exactly (NOTE [Gradient from the output] in ``slimgrad.ops._output_act``).
 
 Memory: saves y (the output, shared with the next layer) + 1 bit/elt + a sparse table of the hard elements
-(8 B each in float32: int32 index + x; |x - x*| < 0.05) -- about 0.1 B/elt at N(0,1) inputs; eager saves x
+(8 B each in float32: int32 index + x; |x - x*| < 0.1) -- about 0.1 B/elt at N(0,1) inputs; eager saves x
 (4 B/elt float32), and eager ``mish_`` saves a clone of x. Worst case (more than 1/16 of the elements hard):
 keeps x densely, as eager does, and no bits.
 """
@@ -20,7 +20,9 @@ from slimgrad.ops._output_act import (
     SmoothSpec,
     needs_graph,
     no_double_backward,
+    smooth_apply,
     smooth_fake_side_info,
+    smooth_forward,
     smooth_grad,
     smooth_side_info,
 )
@@ -41,7 +43,7 @@ SPEC = SmoothSpec(
     "mish",
     _f,
     _df,
-    window={torch.float32: 0.05, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
+    window={torch.float32: 0.1, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     x_right=20.0,
 )
 
@@ -70,7 +72,7 @@ def _(x):
 
 
 @custom_op("mish_bwd", mutates_args=())
-def _mish_bwd(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
+def _mish_bwd(g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
     return _bwd_torch(g, y, bits, idx, xs)
 
 
@@ -81,20 +83,19 @@ def _(g, y, bits, idx, xs):
 
 class _MishFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, inplace: bool):
-        y, bits, idx, xs = _mish_fwd(x)
-        if inplace:
-            x.copy_(y)
-            y = x
-            ctx.mark_dirty(x)
-        ctx.save_for_backward(y, bits, idx, xs)
-        return y
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _mish_fwd(x), False)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *_side):
         no_double_backward("mish")
-        y, bits, idx, xs = ctx.saved_tensors
-        return _mish_bwd(g, y, bits, idx, xs), None
+        return _mish_bwd(g, *ctx.saved_tensors)
+
+
+class _MishInplaceFn(_MishFn):
+    @staticmethod
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _mish_fwd(x), True)
 
 
 def mish(input: Tensor, inplace: bool = False) -> Tensor:
@@ -120,7 +121,7 @@ def mish(input: Tensor, inplace: bool = False) -> Tensor:
     """
     if not needs_graph(input):
         return torch.nn.functional.mish(input, inplace=inplace)
-    return _MishFn.apply(input, inplace)
+    return smooth_apply(_MishFn, _MishInplaceFn, input, inplace)
 
 
 def mish_(input: Tensor) -> Tensor:

@@ -20,7 +20,9 @@ from slimgrad.ops._output_act import (
     SmoothSpec,
     needs_graph,
     no_double_backward,
+    smooth_apply,
     smooth_fake_side_info,
+    smooth_forward,
     smooth_grad,
     smooth_side_info,
 )
@@ -70,7 +72,7 @@ def _(x):
 
 
 @custom_op("silu_bwd", mutates_args=())
-def _silu_bwd(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
+def _silu_bwd(g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
     return _bwd_torch(g, y, bits, idx, xs)
 
 
@@ -81,20 +83,19 @@ def _(g, y, bits, idx, xs):
 
 class _SiluFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, inplace: bool):
-        y, bits, idx, xs = _silu_fwd(x)
-        if inplace:
-            x.copy_(y)
-            y = x
-            ctx.mark_dirty(x)
-        ctx.save_for_backward(y, bits, idx, xs)
-        return y
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _silu_fwd(x), False)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *_side):
         no_double_backward("silu")
-        y, bits, idx, xs = ctx.saved_tensors
-        return _silu_bwd(g, y, bits, idx, xs), None
+        return _silu_bwd(g, *ctx.saved_tensors)
+
+
+class _SiluInplaceFn(_SiluFn):
+    @staticmethod
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _silu_fwd(x), True)
 
 
 def silu(input: Tensor, inplace: bool = False) -> Tensor:
@@ -120,7 +121,7 @@ def silu(input: Tensor, inplace: bool = False) -> Tensor:
     """
     if not needs_graph(input):
         return torch.nn.functional.silu(input, inplace=inplace)
-    return _SiluFn.apply(input, inplace)
+    return smooth_apply(_SiluFn, _SiluInplaceFn, input, inplace)
 
 
 def silu_(input: Tensor) -> Tensor:
