@@ -47,6 +47,8 @@ def expected_saved(case: Case, x: torch.Tensor) -> int:
     n, elt = x.numel(), x.element_size()
     bits = (n + 7) // 8
     if case.spec is not None:
+        if x.dtype == torch.float64:
+            return n * elt  # float64 keeps x densely
         k = hard_count(case.spec, x)
         if k * FALLBACK_DIV > n:
             return n * elt  # dense x only
