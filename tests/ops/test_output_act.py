@@ -111,8 +111,8 @@ def test_random_chains_match_eager(names, inplace, mix, rows, cols, scale, seed)
     ours = run(True, torch.float32)
     eager = run(False, torch.float32)
     ref = run(False, torch.float64)
-    # The activations' own f' error is <= 1e-6 absolute (dense-grid tests); downstream products scale
-    # it by the magnitude of the other factors (here up to ~10), so atol is taken relative to the
-    # gradient's scale: 1e-6 * max(1, max|ref64|).
+    # The activations' own f' error is <= 1e-6 absolute (dense-grid tests); downstream products
+    # scale it by the magnitude of the other factors (here up to ~10), so atol is taken relative to
+    # the gradient's scale: 1e-6 * max(1, max|ref64|).
     for o, r, e in zip(ours, ref, eager):
         assert_within_rule(o, r, e, atol=1e-6 * max(1.0, float(r.abs().max())))

@@ -6,7 +6,8 @@ import torch
 
 
 def hf_name(module: torch.nn.Module) -> str | None:
-    """Class name of a HF ``transformers.activations`` module, else None (no transformers import)."""
+    """Class name of a HF ``transformers.activations`` module, else None (no transformers
+    import)."""
     cls = type(module)
     return cls.__name__ if cls.__module__.startswith("transformers.") else None
 

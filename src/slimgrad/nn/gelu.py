@@ -1,7 +1,7 @@
 """``slimgrad.nn.GELU``: ``torch.nn.GELU`` keeping its output + 1 bit/elt instead of its input.
 
-Memory: see ``slimgrad.ops.gelu`` (same args, defaults and state_dict keys as torch.nn.GELU). Unlike torch,
-``inplace=True`` is accepted (keyword only): the output overwrites the input.
+Memory: see ``slimgrad.ops.gelu`` (same args, defaults and state_dict keys as torch.nn.GELU). Unlike
+torch, ``inplace=True`` is accepted (keyword only): the output overwrites the input.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class GELU(torch.nn.GELU):
         """The slimgrad GELU for ``torch.nn.GELU`` or HF's GELU activations.
 
         HF ``GELUActivation`` maps to ``approximate='none'``; ``NewGELUActivation`` (``gelu_new``),
-        ``FastGELUActivation`` (``gelu_fast``) and ``GELUTanh`` to ``'tanh'`` (the same function; the output
-        differs from HF's formula by float32 rounding only).
+        ``FastGELUActivation`` (``gelu_fast``) and ``GELUTanh`` to ``'tanh'`` (the same function;
+        the output differs from HF's formula by float32 rounding only).
         """
         if isinstance(module, torch.nn.GELU):
             new = cls(module.approximate)

@@ -30,7 +30,8 @@ class Hardtanh(torch.nn.Hardtanh):
 
     @classmethod
     def from_torch(cls, module: torch.nn.Module) -> Hardtanh:
-        """The slimgrad module with the settings of ``module`` (``torch.nn.Hardtanh`` or ``ReLU6``)."""
+        """The slimgrad module with the settings of ``module`` (``torch.nn.Hardtanh`` or
+        ``ReLU6``)."""
         if not isinstance(module, torch.nn.Hardtanh):
             raise type_error("Hardtanh", "torch.nn.Hardtanh", module)
         if isinstance(module, torch.nn.ReLU6) and cls is Hardtanh:
@@ -39,7 +40,8 @@ class Hardtanh(torch.nn.Hardtanh):
 
 
 class ReLU6(torch.nn.ReLU6):
-    """Drop-in ``torch.nn.ReLU6`` (a subclass) using :func:`slimgrad.ops.hardtanh.hardtanh` (0, 6)."""
+    """Drop-in ``torch.nn.ReLU6`` (a subclass) using :func:`slimgrad.ops.hardtanh.hardtanh` (0,
+    6)."""
 
     def forward(self, input: Tensor) -> Tensor:
         return hardtanh(input, 0.0, 6.0, self.inplace)

@@ -1,6 +1,7 @@
 """``slimgrad.nn.LeakyReLU``: ``torch.nn.LeakyReLU`` whose forward keeps only what backward needs.
 
-Memory: see ``slimgrad.ops.leaky_relu`` (same args, defaults and state_dict keys as torch.nn.LeakyReLU).
+Memory: see ``slimgrad.ops.leaky_relu`` (same args, defaults and state_dict keys as
+torch.nn.LeakyReLU).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ __all__ = ["LeakyReLU"]
 
 
 class LeakyReLU(torch.nn.LeakyReLU):
-    """Drop-in ``torch.nn.LeakyReLU`` (a subclass) using :func:`slimgrad.ops.leaky_relu.leaky_relu`."""
+    """Drop-in ``torch.nn.LeakyReLU`` (a subclass) using
+    :func:`slimgrad.ops.leaky_relu.leaky_relu`."""
 
     def forward(self, input: Tensor) -> Tensor:
         return leaky_relu(input, self.negative_slope, self.inplace)

@@ -22,7 +22,8 @@ class Mish(torch.nn.Mish):
 
     @classmethod
     def from_torch(cls, module: torch.nn.Module) -> Mish:
-        """The slimgrad module with the same settings as ``module`` (``torch.nn.Mish`` or HF ``MishActivation``)."""
+        """The slimgrad module with the same settings as ``module`` (``torch.nn.Mish`` or HF
+        ``MishActivation``)."""
         if hf_name(module) == "MishActivation":  # HF's ACT2FN["mish"]
             new = cls()
             new.train(module.training)

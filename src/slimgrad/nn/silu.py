@@ -22,7 +22,8 @@ class SiLU(torch.nn.SiLU):
 
     @classmethod
     def from_torch(cls, module: torch.nn.Module) -> SiLU:
-        """The slimgrad module with the same settings as ``module`` (``torch.nn.SiLU`` or HF ``SiLUActivation``)."""
+        """The slimgrad module with the same settings as ``module`` (``torch.nn.SiLU`` or HF
+        ``SiLUActivation``)."""
         if hf_name(module) == "SiLUActivation":  # HF's ACT2FN["silu"]
             new = cls()
             new.train(module.training)

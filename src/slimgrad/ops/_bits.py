@@ -1,11 +1,12 @@
 """Bit-packing of boolean masks: 8 elements per byte.
 
-``pack_bits(mask)`` flattens ``mask`` in logical (row-major) order, whatever its strides, and returns a 1-D
-``uint8`` tensor of ``ceil(numel / 8)`` bytes on the same device: element ``i`` is bit ``i % 8`` (least
-significant first) of byte ``i // 8``; padding bits are 0. ``unpack_bits(packed, numel)`` inverts it and returns
-a 1-D ``bool`` tensor of ``numel`` elements, to be reshaped by the caller. Round trip is exact for any shape,
-including zero-size tensors. Used by the output-based activations (branch bits) and usable by dropout (the keep
-mask kept at 1 bit per element instead of eager's 4 B float mask on CPU).
+``pack_bits(mask)`` flattens ``mask`` in logical (row-major) order, whatever its strides, and
+returns a 1-D ``uint8`` tensor of ``ceil(numel / 8)`` bytes on the same device: element ``i`` is bit
+``i % 8`` (least significant first) of byte ``i // 8``; padding bits are 0. ``unpack_bits(packed,
+numel)`` inverts it and returns a 1-D ``bool`` tensor of ``numel`` elements, to be reshaped by the
+caller. Round trip is exact for any shape, including zero-size tensors. Used by the output-based
+activations (branch bits) and usable by dropout (the keep mask kept at 1 bit per element instead of
+eager's 4 B float mask on CPU).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def unpack_bits_as(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Like :func:`unpack_bits` but returns 0/1 in ``dtype`` (e.g. float32 for arithmetic blending)."""
+    """Like :func:`unpack_bits` but returns 0/1 in ``dtype`` (e.g. float32 for arithmetic
+    blending)."""
     bits = (packed.unsqueeze(1) >> _shifts(packed.device)) & 1
     return bits.reshape(-1)[:numel].to(dtype)

@@ -1,10 +1,10 @@
 """ELU that keeps only its output (alpha >= 0), or its output plus 1 bit per element (alpha < 0).
 
 Math: y = x if x > 0 else alpha (e^x - 1),  dy/dx = 1 if x > 0 else alpha e^x = y + alpha.
-For alpha > 0, x <= 0 iff y <= 0, so backward is ``elu_backward(g, alpha, 1, 1, is_result=True, y)`` (eager's
-in-place formula). For alpha < 0 the sign of y no longer tells the side; we keep [x > 0] as 1 bit/elt and use
-y + alpha on the negative side (eager's ``elu_`` refuses a negative alpha in backward).
-See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
+For alpha > 0, x <= 0 iff y <= 0, so backward is ``elu_backward(g, alpha, 1, 1, is_result=True, y)``
+(eager's in-place formula). For alpha < 0 the sign of y no longer tells the side; we keep [x > 0] as
+1 bit/elt and use y + alpha on the negative side (eager's ``elu_`` refuses a negative alpha in
+backward). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: alpha >= 0: saves y (the output, shared with the next layer); alpha < 0: y + 1 bit/elt.
 Eager saves x (4 B/elt float32).

@@ -1,15 +1,17 @@
 """GELU (erf and tanh forms) that keeps its output plus one branch bit per element.
 
 Math: erf form  y = x Phi(x) = x/2 (1 + erf(x/sqrt 2)),  dy/dx = Phi(x) + x phi(x);
-      tanh form y = x/2 (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)   (HF ``gelu_new``, ``gelu_fast``),
-      dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
-Both have one minimum (x* = -0.75179 erf, -0.75246 tanh), so x follows from (y, [x >= x*]); elements where that
-inverse is ill-conditioned are kept exactly (NOTE [Gradient from the output] in ``slimgrad.ops._output_act``).
+      tanh form y = x/2 (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)   (HF ``gelu_new``,
+      ``gelu_fast``), dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+Both have one minimum (x* = -0.75179 erf, -0.75246 tanh), so x follows from (y, [x >= x*]); elements
+where that inverse is ill-conditioned are kept exactly (NOTE [Gradient from the output] in
+``slimgrad.ops._output_act``).
 
-Memory: saves y (the output, shared with the next layer) + 1 bit/elt + a sparse table of the hard elements
-(8 B each in float32: int32 index + x; |x - x*| < 0.04, and x < -2.5 for erf) -- about 0.2 B/elt at N(0,1)
-inputs; eager saves x (4 B/elt float32). Worst case (more than 1/16 of the elements hard): keeps x densely,
-as eager does, and no bits.
+Memory: saves y (the output, shared with the next layer) + 1 bit/elt + a sparse table of the hard
+elements
+(8 B each in float32: int32 index + x; |x - x*| < 0.04, and x < -2.5 for erf) -- about 0.2 B/elt at
+N(0,1) inputs; eager saves x (4 B/elt float32). Worst case (more than 1/16 of the elements hard):
+keeps x densely, as eager does, and no bits.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from slimgrad.ops._output_act import (
     smooth_apply,
     smooth_fake_side_info,
     smooth_forward,
+    smooth_fwd,
     smooth_grad,
-    smooth_side_info,
 )
 
 __all__ = ["gelu", "gelu_", "gelu_fast", "gelu_new"]
@@ -62,7 +64,8 @@ SPECS = {
         "gelu",
         _erf_f,
         _erf_df,
-        window={torch.float32: 0.04, torch.float64: 1e-6, **_LOW},
+        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
+        zone=0.1,
         tail={torch.float32: -2.5},
         x_right=8.0,
     ),
@@ -70,7 +73,8 @@ SPECS = {
         "gelu_tanh",
         _tanh_f,
         _tanh_df,
-        window={torch.float32: 0.04, torch.float64: 1e-6, **_LOW},
+        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
+        zone=0.1,
         tail={torch.float32: -3.0},
         x_right=8.0,
     ),
@@ -101,8 +105,7 @@ def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
 
 @custom_op("gelu_fwd", mutates_args=())
 def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    bits, idx, xs = smooth_side_info(SPECS[approximate], x)
-    return _fwd_torch(x, approximate), bits, idx, xs
+    return smooth_fwd(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
 
 
 @_gelu_fwd.register_fake
@@ -145,10 +148,11 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
     """GELU that keeps its output + 1 bit/elt (+ a sparse exact table) instead of its input.
 
     ``y = x Phi(x)`` (``approximate='none'``) or ``x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))``
-    (``'tanh'``). Same output as ``torch.nn.functional.gelu``; the gradient is within eager's own error (GUIDE.md
-    rule), tested on every float32 of the ill-conditioned windows.
+    (``'tanh'``). Same output as ``torch.nn.functional.gelu``; the gradient is within eager's own
+    error (GUIDE.md rule), tested on every float32 of the ill-conditioned windows.
 
-    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32); eager saves x
+    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32); eager
+    saves x
     (4 B/elt). More than 1/16 hard elements: keeps x densely as eager does.
 
     Args:
@@ -174,7 +178,8 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
 
 
 def gelu_(input: Tensor, approximate: str = "none") -> Tensor:
-    """In-place :func:`gelu`: ``input`` is overwritten by the output; nothing of x is kept but the bits."""
+    """In-place :func:`gelu`: ``input`` is overwritten by the output; nothing of x is kept but the
+    bits."""
     return gelu(input, approximate, inplace=True)
 
 

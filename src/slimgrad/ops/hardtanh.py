@@ -1,16 +1,16 @@
 """Hardtanh and ReLU6 that keep only their output.
 
 Math: y = clamp(x, min_val, max_val),  dy/dx = [min_val < x < max_val] = [min_val < y < max_val]
-(``hardtanh_backward(g, y, min_val, max_val)``: eager's formula, fed y instead of x; y == min_val exactly iff
-x <= min_val, so the two agree everywhere, NaN included). relu6 = hardtanh(0, 6).
+(``hardtanh_backward(g, y, min_val, max_val)``: eager's formula, fed y instead of x; y == min_val
+exactly iff x <= min_val, so the two agree everywhere, NaN included). relu6 = hardtanh(0, 6).
 See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
-For float16/bfloat16 with a bound that the dtype cannot represent (e.g. 0.7), y == round(bound) for x on
-both sides of the bound, so y no longer tells the side; then we keep [min_val < x < max_val] as 1 bit/elt,
-which is all the gradient needs.
+For float16/bfloat16 with a bound that the dtype cannot represent (e.g. 0.7), y == round(bound) for
+x on both sides of the bound, so y no longer tells the side; then we keep [min_val < x < max_val] as
+1 bit/elt, which is all the gradient needs.
 
-Memory: saves y (the output, shared with the next layer), or 1 bit/elt only for a low-precision input with
-an unrepresentable bound; eager saves x (4 B/elt float32).
+Memory: saves y (the output, shared with the next layer), or 1 bit/elt only for a low-precision
+input with an unrepresentable bound; eager saves x (4 B/elt float32).
 """
 
 from __future__ import annotations

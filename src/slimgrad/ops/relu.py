@@ -1,7 +1,7 @@
 """ReLU that keeps only its output (eager does the same; the in-place form is exact too).
 
-Math: y = max(x, 0),  dy/dx = [x > 0] = [y > 0]  (``threshold_backward(g, y, 0)``, eager's own formula).
-See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
+Math: y = max(x, 0),  dy/dx = [x > 0] = [y > 0]  (``threshold_backward(g, y, 0)``, eager's own
+formula). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: saves y (the output, shared with the next layer): 0 extra B/elt when the next layer keeps y;
 eager saves y too. ``relu_`` overwrites x and keeps nothing else.

@@ -3,7 +3,8 @@
 Math: y = 1 / (1 + e^-x),  dy/dx = y (1 - y)  (``sigmoid_backward(g, y)``, eager's own formula).
 See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
-Memory: saves y (the output, shared with the next layer); eager saves y too. ``sigmoid_`` overwrites x.
+Memory: saves y (the output, shared with the next layer); eager saves y too. ``sigmoid_`` overwrites
+x.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """SiLU / swish that keeps its output plus one branch bit per element.
 
 Math: y = x sigmoid(x),  dy/dx = sigmoid(x) (1 + x (1 - sigmoid(x))).  One minimum at x* = -1.27846
-(y_min = x* + 1), so x follows from (y, [x >= x*]); elements where that inverse is ill-conditioned are kept
-exactly (NOTE [Gradient from the output] in ``slimgrad.ops._output_act``).
+(y_min = x* + 1), so x follows from (y, [x >= x*]); elements where that inverse is ill-conditioned
+are kept exactly (NOTE [Gradient from the output] in ``slimgrad.ops._output_act``).
 
-Memory: saves y (the output, shared with the next layer) + 1 bit/elt + a sparse table of the hard elements
-(8 B each in float32: int32 index + x; |x - x*| < 0.04) -- about 0.1 B/elt at N(0,1) inputs; eager saves x
-(4 B/elt float32), and eager ``silu_`` saves a clone of x. Worst case (more than 1/16 of the elements hard):
-keeps x densely, as eager does, and no bits.
+Memory: saves y (the output, shared with the next layer) + 1 bit/elt + a sparse table of the hard
+elements
+(8 B each in float32: int32 index + x; |x - x*| < 0.04) -- about 0.1 B/elt at N(0,1) inputs; eager
+saves x
+(4 B/elt float32), and eager ``silu_`` saves a clone of x. Worst case (more than 1/16 of the
+elements hard): keeps x densely, as eager does, and no bits.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from slimgrad.ops._output_act import (
     smooth_apply,
     smooth_fake_side_info,
     smooth_forward,
+    smooth_fwd,
     smooth_grad,
-    smooth_side_info,
 )
 
 __all__ = ["silu", "silu_"]
@@ -43,8 +45,9 @@ SPEC = SmoothSpec(
     "silu",
     _f,
     _df,
-    window={torch.float32: 0.04, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
+    window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     x_right=20.0,
+    zone=0.15,
 )
 
 
@@ -62,8 +65,7 @@ def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
 
 @custom_op("silu_fwd", mutates_args=())
 def _silu_fwd(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    bits, idx, xs = smooth_side_info(SPEC, x)
-    return _fwd_torch(x), bits, idx, xs
+    return smooth_fwd(SPEC, x, _fwd_torch)
 
 
 @_silu_fwd.register_fake
@@ -101,9 +103,11 @@ class _SiluInplaceFn(_SiluFn):
 def silu(input: Tensor, inplace: bool = False) -> Tensor:
     """SiLU ``y = x sigmoid(x)`` that keeps its output + 1 bit/elt (+ a sparse exact table).
 
-    Same output as ``torch.nn.functional.silu``; the gradient is within eager's own error (GUIDE.md rule).
+    Same output as ``torch.nn.functional.silu``; the gradient is within eager's own error (GUIDE.md
+    rule).
 
-    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32); eager saves x
+    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32); eager
+    saves x
     (4 B/elt; ``inplace=True`` saves a clone of x). More than 1/16 hard elements: keeps x densely.
 
     Args:
