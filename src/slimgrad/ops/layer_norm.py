@@ -1,0 +1,227 @@
+"""LayerNorm that keeps its output, not its input.
+
+Math: over the last ``len(normalized_shape)`` dims (D elements per row), ``mu = mean(x)``,
+``rstd = 1 / sqrt(var(x) + eps)``, ``xhat = (x - mu) * rstd``, ``y = xhat * gamma + beta``. Backward with
+``g = dy * gamma``: ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy * xhat)``,
+``dbeta = sum_rows(dy)``, where ``xhat = (y - beta) / gamma`` is rebuilt from the output.
+
+Memory: saves y (the output, shared with the next layer: 0 extra B/elt when that layer keeps it) + mean and rstd
+(8 B/row, fp32) + the input's columns of fallback channels (k * itemsize B/row, k = 0 for usual weights); eager
+saves x, mean, rstd (x: 4 B/elt fp32 extra).
+
+# NOTE [Normalization from its output: the fallback channels]
+Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about
+``eps_dtype * (|xhat| + |beta / gamma|)``, so it is exact to the dtype's rounding (the GUIDE.md rule) only where
+``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|`` and ``|gamma| >= finfo(dtype).tiny`` (no subnormal output, no division
+by 0). Every other channel -- gamma = 0, gamma ~ 0 with a sizeable beta, a NaN/inf weight -- is a *fallback*
+channel: the forward keeps that channel's input column (as eager keeps all of x) and the backward rebuilds its
+``xhat = (x - mu) * rstd`` exactly as eager does. The fallback is decided per forward from the current weights,
+costs nothing when there is none, and in the worst case (all channels) keeps what eager keeps, x, plus the output
+that the next layer keeps anyway: never inf/NaN, never a silent loss of accuracy. RMSNorm uses the same rule with
+beta = 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from slimgrad.ops._library import custom_op
+
+__all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
+
+#: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``.
+BETA_OVER_GAMMA_MAX = 16.0
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fallback_channels(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Indices (int64, flat over the normalized dims) of the channels that keep their input column."""
+    if weight is None and bias is None:
+        dev = torch.device("cpu")
+        return torch.empty(0, dtype=torch.int64, device=dev)
+    ref = weight if weight is not None else bias
+    acc = _acc_dtype(ref.dtype)
+    w = weight.detach().reshape(-1).to(acc) if weight is not None else None
+    b = bias.detach().reshape(-1).to(acc) if bias is not None else None
+    aw = w.abs() if w is not None else torch.ones_like(b)
+    ok = aw >= torch.finfo(out_dtype).tiny
+    if b is not None:
+        ok &= b.abs() <= BETA_OVER_GAMMA_MAX * aw
+    ok &= torch.isfinite(aw)
+    return torch.nonzero(~ok).reshape(-1)
+
+
+def _fwd_torch(x, normalized_shape, weight, bias, eps):
+    y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    idx = fallback_channels(weight, bias, y.dtype).to(x.device)
+    d = math.prod(normalized_shape)
+    xside = x.reshape(-1, d).index_select(1, idx)
+    return y, mean, rstd, idx, xside
+
+
+def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
+    acc = _acc_dtype(y.dtype)
+    d = math.prod(normalized_shape)
+    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    dy2 = dy.reshape(n, d).to(acc)
+    xhat = y.reshape(n, d).to(acc)
+    if bias is not None:
+        xhat = xhat - bias.reshape(d).to(acc)
+    if weight is not None:
+        xhat = xhat / weight.reshape(d).to(acc)
+    r = rstd.reshape(n, 1).to(acc)
+    if idx.numel():
+        xs = (xside.to(acc) - mean.reshape(n, 1).to(acc)) * r
+        xhat = xhat.index_copy(1, idx, xs)
+    dx = dw = db = None
+    if output_mask[0]:
+        g = dy2 * weight.reshape(d).to(acc) if weight is not None else dy2
+        dx = r * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True))
+        dx = dx.to(y.dtype).reshape(y.shape)
+    if weight is not None and output_mask[1]:
+        dw = (dy2 * xhat).sum(0).to(weight.dtype).reshape(weight.shape)
+    if bias is not None and output_mask[2]:
+        db = dy2.sum(0).to(bias.dtype).reshape(bias.shape)
+    return dx, dw, db
+
+
+@custom_op("layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd_torch(x, list(normalized_shape), weight, bias, eps)
+
+
+@_layer_norm_fwd.register_fake
+def _(x, normalized_shape, weight, bias, eps):
+    k = torch.library.get_ctx().new_dynamic_size()
+    nd = len(normalized_shape)
+    stat_shape = tuple(x.shape[: x.dim() - nd]) + (1,) * nd
+    n = math.prod(x.shape[: x.dim() - nd])
+    acc = _acc_dtype(x.dtype)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty(stat_shape, dtype=acc),
+        x.new_empty(stat_shape, dtype=acc),
+        x.new_empty((k,), dtype=torch.int64),
+        x.new_empty((n, k)),
+    )
+
+
+@custom_op("layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    idx: torch.Tensor,
+    xside: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    normalized_shape: Sequence[int],
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _bwd_torch(
+        dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask
+    )
+    empty = y.new_empty(0)
+    return (
+        dx if dx is not None else empty,
+        dw if dw is not None else empty.clone(),
+        db if db is not None else empty.clone(),
+    )
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
+    dx = torch.empty_like(y) if output_mask[0] else y.new_empty(0)
+    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else y.new_empty(0)
+    db = torch.empty_like(bias) if bias is not None and output_mask[2] else y.new_empty(0)
+    return dx, dw, db
+
+
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):
+        y, mean, rstd, idx, xside = _layer_norm_fwd(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = normalized_shape
+        ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
+        ctx.mark_non_differentiable(mean, rstd, idx, xside)
+        return y, mean, rstd, idx, xside
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        dx, dw, db = _layer_norm_bwd(
+            dy, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask
+        )
+        return (
+            dx if mask[0] else None,
+            None,
+            dw if weight is not None and mask[1] else None,
+            db if bias is not None and mask[2] else None,
+            None,
+        )
+
+
+def autocast_inputs(reference_out_dtype: torch.dtype | None, *tensors):
+    """Cast floating tensors to the dtype eager autocast would compute in (None: leave as they are)."""
+    if reference_out_dtype is None:
+        return tensors
+    return tuple(
+        t.to(reference_out_dtype) if t is not None and t.is_floating_point() else t for t in tensors
+    )
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Layer normalization (as ``F.layer_norm``) that keeps its output instead of its input.
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape`` dims. See
+    NOTE [Normalization from its output: the fallback channels].
+
+    Memory: saves y (shared with the next layer) + 8 B/row (mean, rstd) + fallback input columns; eager saves
+    x + 8 B/row.
+
+    Args:
+        input: ``(*, *normalized_shape)``.
+        normalized_shape: trailing shape to normalize over.
+        weight, bias: optional ``normalized_shape`` affine parameters.
+        eps: added to the variance.
+
+    Returns:
+        Tensor like ``input``.
+
+    Example:
+        >>> y = layer_norm(torch.randn(4, 8, requires_grad=True), (8,))
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = [int(s) for s in normalized_shape]
+    dev = input.device.type
+    if torch.is_autocast_enabled(dev):
+        probe = F.layer_norm(input.new_empty((0, *normalized_shape)), normalized_shape)
+        if probe.dtype != input.dtype:
+            input, weight, bias = autocast_inputs(probe.dtype, input, weight, bias)
+        with torch.autocast(dev, enabled=False):
+            return _LayerNormFn.apply(input, normalized_shape, weight, bias, float(eps))[0]
+    return _LayerNormFn.apply(input, normalized_shape, weight, bias, float(eps))[0]

@@ -1,0 +1,156 @@
+"""RMSNorm that keeps its output, not its input.
+
+Math: over the trailing ``normalized_shape`` dims (D elements per row), ``rstd = 1 / sqrt(mean(x^2) + eps)``,
+``xhat = x * rstd``, ``y = xhat * gamma``. Backward with ``g = dy * gamma``:
+``dx = rstd * (g - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy * xhat)``, with ``xhat = y / gamma`` rebuilt
+from the output. ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``F.rms_norm``.
+
+Memory: saves y (the output, shared with the next layer) + rstd (4 B/row, fp32) + the input columns of fallback
+channels (gamma = 0 or subnormal, see NOTE [Normalization from its output: the fallback channels] in
+``ops/layer_norm.py``); eager (composite ``F.rms_norm``) saves x, x**2's rstd chain and x * rstd (about 8 B/elt
+fp32 plus 4 B/row).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from slimgrad.ops._library import custom_op
+from slimgrad.ops.layer_norm import _acc_dtype, autocast_inputs, fallback_channels
+
+__all__ = ["rms_norm"]
+
+
+def _fwd_torch(x, normalized_shape, weight, eps):
+    y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
+    idx = fallback_channels(weight, None, y.dtype).to(x.device)
+    xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
+    return y, rstd, idx, xside
+
+
+def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
+    acc = _acc_dtype(y.dtype)
+    d = math.prod(normalized_shape)
+    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    dy2 = dy.reshape(n, d).to(acc)
+    r = rstd.reshape(n, 1).to(acc)
+    xhat = y.reshape(n, d).to(acc)
+    if weight is not None:
+        xhat = xhat / weight.reshape(d).to(acc)
+    if idx.numel():
+        xhat = xhat.index_copy(1, idx, xside.to(acc) * r)
+    dx = dw = None
+    if output_mask[0]:
+        g = dy2 * weight.reshape(d).to(acc) if weight is not None else dy2
+        dx = (r * (g - xhat * (g * xhat).mean(1, keepdim=True))).to(y.dtype).reshape(y.shape)
+    if weight is not None and output_mask[1]:
+        dw = (dy2 * xhat).sum(0).to(weight.dtype).reshape(weight.shape)
+    return dx, dw
+
+
+@custom_op("rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(
+    x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None, eps: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd_torch(x, list(normalized_shape), weight, eps)
+
+
+@_rms_norm_fwd.register_fake
+def _(x, normalized_shape, weight, eps):
+    k = torch.library.get_ctx().new_dynamic_size()
+    nd = len(normalized_shape)
+    stat_shape = tuple(x.shape[: x.dim() - nd]) + (1,) * nd
+    n = math.prod(x.shape[: x.dim() - nd])
+    y_dtype = torch.promote_types(x.dtype, weight.dtype) if weight is not None else x.dtype
+    return (
+        torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format),
+        x.new_empty(stat_shape, dtype=_acc_dtype(x.dtype)),
+        x.new_empty((k,), dtype=torch.int64),
+        x.new_empty((n, k)),
+    )
+
+
+@custom_op("rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    idx: torch.Tensor,
+    xside: torch.Tensor,
+    weight: torch.Tensor | None,
+    normalized_shape: Sequence[int],
+    output_mask: Sequence[bool],
+    x_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _bwd_torch(dy, y, rstd, idx, xside, weight, list(normalized_shape), output_mask)
+    empty = y.new_empty(0)
+    return (dx.to(x_dtype) if dx is not None else empty, dw if dw is not None else empty.clone())
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, x_dtype):
+    dx = torch.empty_like(y, dtype=x_dtype) if output_mask[0] else y.new_empty(0)
+    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else y.new_empty(0)
+    return dx, dw
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        y, rstd, idx, xside = _rms_norm_fwd(x, normalized_shape, weight, eps)
+        ctx.normalized_shape, ctx.x_dtype = normalized_shape, x.dtype
+        ctx.save_for_backward(y, rstd, idx, xside, weight)
+        ctx.mark_non_differentiable(rstd, idx, xside)
+        return y, rstd, idx, xside
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        y, rstd, idx, xside, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+        dx, dw = _rms_norm_bwd(
+            dy, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, ctx.x_dtype
+        )
+        return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
+
+
+def rms_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """Root-mean-square normalization (as ``F.rms_norm``) that keeps its output instead of its input.
+
+    ``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape`` dims.
+
+    Memory: saves y (shared with the next layer) + 4 B/row (rstd) + fallback input columns (weight = 0);
+    eager saves x and intermediates (about 8 B/elt fp32).
+
+    Args:
+        input: ``(*, *normalized_shape)``.
+        normalized_shape: trailing shape to normalize over.
+        weight: optional ``normalized_shape`` scale.
+        eps: added to mean(x^2); None means ``torch.finfo(input.dtype).eps``.
+
+    Returns:
+        Tensor like ``input``.
+
+    Example:
+        >>> y = rms_norm(torch.randn(4, 8, requires_grad=True), (8,))
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = [int(s) for s in normalized_shape]
+    eps = None if eps is None else float(eps)
+    dev = input.device.type
+    if torch.is_autocast_enabled(dev):
+        probe = F.rms_norm(input.new_empty((0, *normalized_shape)), normalized_shape)
+        if probe.dtype != input.dtype:
+            input, weight = autocast_inputs(probe.dtype, input, weight)
+        with torch.autocast(dev, enabled=False):
+            return _RMSNormFn.apply(input, normalized_shape, weight, eps)[0]
+    return _RMSNormFn.apply(input, normalized_shape, weight, eps)[0]
