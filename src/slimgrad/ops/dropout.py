@@ -1,24 +1,25 @@
 """Dropout that keeps its mask as 1 bit per element.
 
-Math (as ``torch.nn.functional.dropout``): ``y = x * m / (1 - p)`` with ``m ~ Bernoulli(1 - p)`` drawn per
-element; ``dx = dy * m / (1 - p)``. ``p == 0`` or ``training=False`` returns ``x`` itself; ``p == 1`` returns
-``x * 0`` (NaN where x is inf/NaN, as eager).
+Math (as ``torch.nn.functional.dropout``): ``y = x * m / (1 - p)`` with ``m ~ Bernoulli(1 - p)``
+drawn per element; ``dx = dy * m / (1 - p)``. ``p == 0`` or ``training=False`` returns ``x`` itself;
+``p == 1`` returns ``x * 0`` (NaN where x is inf/NaN, as eager).
 
-Memory: saves the mask bit-packed, 1/8 B/elt (uint8, ``ceil(n / 8)`` bytes); eager saves a float mask of the
-input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUDA.
+Memory: saves the mask bit-packed, 1/8 B/elt (uint8, ``ceil(n / 8)`` bytes); eager saves a float
+mask of the input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUDA.
 
 # NOTE [Dropout masks: drawn like eager, kept as bits]
-The mask is drawn exactly as eager PyTorch draws it, from the global generator of the input's device, so it
-follows ``torch.manual_seed`` and is *the same mask eager would draw* at the same RNG state: out-of-place, the
-forward calls ``torch.native_dropout`` (what ``F.dropout`` uses on CUDA; on CPU it consumes the generator like
-``F.dropout``'s ``empty_like(x).bernoulli_(1 - p)`` and gives the same output, bit for bit); in-place, the
-forward draws ``empty_like(x).bernoulli_(1 - p)`` like eager's ``dropout_``. The mask is then packed into bits and
-the backward unpacks those bits, so the backward mask is the forward mask by construction (no RNG replay, which is
-what broke memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.compile (the RNG draw
-happens inside an opaque custom op), and successive calls draw independent masks because the generator advances.
-The backward multiplies as eager's backward does (CPU and in-place: ``dy * noise`` with ``noise = m / (1 - p)``
-rounded to the dtype; CUDA out-of-place: ``native_dropout_backward``), so gradients match eager bit for bit.
-"""
+The mask is drawn exactly as eager PyTorch draws it, from the global generator of the input's
+device, so it follows ``torch.manual_seed`` and is *the same mask eager would draw* at the same RNG
+state: out-of-place, the forward calls ``torch.native_dropout`` (what ``F.dropout`` uses on CUDA; on
+CPU it consumes the generator like ``F.dropout``'s ``empty_like(x).bernoulli_(1 - p)`` and gives the
+same output, bit for bit); in-place, the forward draws ``empty_like(x).bernoulli_(1 - p)`` like
+eager's ``dropout_``. The mask is then packed into bits and the backward unpacks those bits, so the
+backward mask is the forward mask by construction (no RNG replay, which is what broke
+memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.compile (the RNG draw
+happens inside an opaque custom op), and successive calls draw independent masks because the
+generator advances. The backward multiplies as eager's backward does (CPU and in-place: ``dy *
+noise`` with ``noise = m / (1 - p)`` rounded to the dtype; CUDA out-of-place:
+``native_dropout_backward``), so gradients match eager bit for bit."""
 
 from __future__ import annotations
 

@@ -1,25 +1,25 @@
 """LayerNorm that keeps its output, not its input.
 
-Math: over the last ``len(normalized_shape)`` dims (D elements per row), ``mu = mean(x)``,
-``rstd = 1 / sqrt(var(x) + eps)``, ``xhat = (x - mu) * rstd``, ``y = xhat * gamma + beta``. Backward with
-``g = dy * gamma``: ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy * xhat)``,
-``dbeta = sum_rows(dy)``, where ``xhat = (y - beta) / gamma`` is rebuilt from the output.
+Math: over the last ``len(normalized_shape)`` dims (D elements per row), ``mu = mean(x)``, ``rstd =
+1 / sqrt(var(x) + eps)``, ``xhat = (x - mu) * rstd``, ``y = xhat * gamma + beta``. Backward with ``g
+= dy * gamma``: ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy *
+xhat)``, ``dbeta = sum_rows(dy)``, where ``xhat = (y - beta) / gamma`` is rebuilt from the output.
 
-Memory: saves y (the output, shared with the next layer: 0 extra B/elt when that layer keeps it) + mean and rstd
-(8 B/row, fp32) + the input's columns of fallback channels (k * itemsize B/row, k = 0 for usual weights); eager
-saves x, mean, rstd (x: 4 B/elt fp32 extra).
+Memory: saves y (the output, shared with the next layer: 0 extra B/elt when that layer keeps it) +
+mean and rstd (8 B/row, fp32) + the input's columns of fallback channels (k * itemsize B/row, k = 0
+for usual weights); eager saves x, mean, rstd (x: 4 B/elt fp32 extra).
 
 # NOTE [Normalization from its output: the fallback channels]
 Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about
-``eps_dtype * (|xhat| + |beta / gamma|)``, so it is exact to the dtype's rounding (the GUIDE.md rule) only where
-``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|`` and ``|gamma| >= finfo(dtype).tiny`` (no subnormal output, no division
-by 0). Every other channel -- gamma = 0, gamma ~ 0 with a sizeable beta, a NaN/inf weight -- is a *fallback*
-channel: the forward keeps that channel's input column (as eager keeps all of x) and the backward rebuilds its
-``xhat = (x - mu) * rstd`` exactly as eager does. The fallback is decided per forward from the current weights,
-costs nothing when there is none, and in the worst case (all channels) keeps what eager keeps, x, plus the output
-that the next layer keeps anyway: never inf/NaN, never a silent loss of accuracy. RMSNorm uses the same rule with
-beta = 0.
-"""
+``eps_dtype * (|xhat| + |beta / gamma|)``, so it is exact to the dtype's rounding (the GUIDE.md
+rule) only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|`` and ``|gamma| >= finfo(dtype).tiny``
+(no subnormal output, no division by 0). Every other channel -- gamma = 0, gamma ~ 0 with a sizeable
+beta, a NaN/inf weight -- is a *fallback* channel: the forward keeps that channel's input column (as
+eager keeps all of x) and the backward rebuilds its ``xhat = (x - mu) * rstd`` exactly as eager
+does. The fallback is decided per forward from the current weights, costs nothing when there is
+none, and in the worst case (all channels) keeps what eager keeps, x, plus the output that the next
+layer keeps anyway: never inf/NaN, never a silent loss of accuracy. RMSNorm uses the same rule with
+beta = 0."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
 
 #: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``.
 BETA_OVER_GAMMA_MAX = 16.0
+#: Rows are processed in chunks of about this many elements in backward (bounds the temporaries).
+CHUNK_ELEMS = 1 << 16
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -69,28 +71,43 @@ def _fwd_torch(x, normalized_shape, weight, bias, eps):
 
 
 def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
+    # Row chunks bound the fp32 temporaries (xhat, g) to ~CHUNK_ELEMS elements each.
     acc = _acc_dtype(y.dtype)
     d = math.prod(normalized_shape)
     n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
-    dy2 = dy.reshape(n, d).to(acc)
-    xhat = y.reshape(n, d).to(acc)
-    if bias is not None:
-        xhat = xhat - bias.reshape(d).to(acc)
-    if weight is not None:
-        xhat = xhat / weight.reshape(d).to(acc)
-    r = rstd.reshape(n, 1).to(acc)
-    if idx.numel():
-        xs = (xside.to(acc) - mean.reshape(n, 1).to(acc)) * r
-        xhat = xhat.index_copy(1, idx, xs)
-    dx = dw = db = None
-    if output_mask[0]:
-        g = dy2 * weight.reshape(d).to(acc) if weight is not None else dy2
-        dx = r * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True))
-        dx = dx.to(y.dtype).reshape(y.shape)
-    if weight is not None and output_mask[1]:
-        dw = (dy2 * xhat).sum(0).to(weight.dtype).reshape(weight.shape)
+    dy2, y2 = dy.reshape(n, d), y.reshape(n, d)
+    mu, r = mean.reshape(n, 1), rstd.reshape(n, 1).to(acc)
+    w = weight.reshape(d).to(acc) if weight is not None else None
+    b = bias.reshape(d).to(acc) if bias is not None else None
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
+    dw = torch.zeros(d, dtype=acc, device=y.device) if need_dw else None
+    step = max(1, CHUNK_ELEMS // max(d, 1))
+    for i in range(0, n, step):
+        sl = slice(i, i + step)
+        xh = y2[sl].to(acc, copy=True)
+        if b is not None:
+            xh.sub_(b)
+        if w is not None:
+            xh.div_(w)
+        if idx.numel():
+            xh.index_copy_(1, idx, (xside[sl].to(acc) - mu[sl]) * r[sl])
+        dyc = dy2[sl].to(acc)
+        if need_dw:
+            dw += (dyc * xh).sum(0)
+        if need_dx:
+            g = dyc * w if w is not None else dyc.clone()
+            c1 = g.mean(1, keepdim=True)
+            c2 = (g * xh).mean(1, keepdim=True)
+            g.sub_(c1).sub_(xh.mul_(c2)).mul_(r[sl])
+            dx[sl] = g
+    if need_dx:
+        dx = dx.reshape(y.shape)
+    if need_dw:
+        dw = dw.to(weight.dtype).reshape(weight.shape)
+    db = None
     if bias is not None and output_mask[2]:
-        db = dy2.sum(0).to(bias.dtype).reshape(bias.shape)
+        db = dy2.sum(0, dtype=acc).to(bias.dtype).reshape(bias.shape)
     return dx, dw, db
 
 

@@ -1,13 +1,13 @@
 """Linear layers that keep only what the requested gradients need.
 
-Math: ``y = x W^T + b`` (``F.linear``, W is ``(out, in)``) or ``y = x W + b`` (HF GPT-2 ``Conv1D``, W is
-``(in, out)``, an ``addmm``). Backward: ``dx = dy W`` (needs W only), ``dW = dy^T x`` (needs x only),
-``db = sum(dy)``.
+Math: ``y = x W^T + b`` (``F.linear``, W is ``(out, in)``) or ``y = x W + b`` (HF GPT-2 ``Conv1D``,
+W is ``(in, out)``, an ``addmm``). Backward: ``dx = dy W`` (needs W only), ``dW = dy^T x`` (needs x
+only), ``db = sum(dy)``.
 
-Memory: saves x only if W needs a gradient and W only if x needs one (frozen W: x is not kept; x without grad:
-W is not referenced); eager ``linear``/``mm`` has the same guard, eager ``addmm`` keeps x also when W is frozen
-(its formula names ``mat1``). x is a matmul input: it counts in the tracker's floor (``_slimgrad_floor``).
-"""
+Memory: saves x only if W needs a gradient and W only if x needs one (frozen W: x is not kept; x
+without grad: W is not referenced); eager ``linear``/``mm`` has the same guard, eager ``addmm``
+keeps x also when W is frozen (its formula names ``mat1``). x is a matmul input: it counts in the
+tracker's floor (``_slimgrad_floor``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Matrix product that keeps only what the requested gradients need.
 
 Math: ``y = a @ b`` with ``torch.matmul`` semantics (1-D operands, broadcast batch dims). Backward:
-``da = sum_to(a.shape, dy @ b^T)`` (needs b only), ``db = sum_to(b.shape, a^T @ dy)`` (needs a only).
+``da = sum_to(a.shape, dy @ b^T)`` (needs b only), ``db = sum_to(b.shape, a^T @ dy)`` (needs a
+only).
 
-Memory: saves a only if b needs a gradient and b only if a needs one; eager ``bmm``/``mm`` have the same guard,
-but eager ``matmul`` on broadcast operands keeps the expanded copies it makes. Both operands are matmul inputs
-and count in the tracker's floor (``_slimgrad_floor``).
-"""
+Memory: saves a only if b needs a gradient and b only if a needs one; eager ``bmm``/``mm`` have the
+same guard, but eager ``matmul`` on broadcast operands keeps the expanded copies it makes. Both
+operands are matmul inputs and count in the tracker's floor (``_slimgrad_floor``)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """RMSNorm that keeps its output, not its input.
 
-Math: over the trailing ``normalized_shape`` dims (D elements per row), ``rstd = 1 / sqrt(mean(x^2) + eps)``,
-``xhat = x * rstd``, ``y = xhat * gamma``. Backward with ``g = dy * gamma``:
-``dx = rstd * (g - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy * xhat)``, with ``xhat = y / gamma`` rebuilt
+Math: over the trailing ``normalized_shape`` dims (D elements per row), ``rstd = 1 / sqrt(mean(x^2)
++ eps)``, ``xhat = x * rstd``, ``y = xhat * gamma``. Backward with ``g = dy * gamma``: ``dx = rstd *
+(g - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy * xhat)``, with ``xhat = y / gamma`` rebuilt
 from the output. ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``F.rms_norm``.
 
-Memory: saves y (the output, shared with the next layer) + rstd (4 B/row, fp32) + the input columns of fallback
-channels (gamma = 0 or subnormal, see NOTE [Normalization from its output: the fallback channels] in
-``ops/layer_norm.py``); eager (composite ``F.rms_norm``) saves x, x**2's rstd chain and x * rstd (about 8 B/elt
-fp32 plus 4 B/row).
-"""
+Memory: saves y (the output, shared with the next layer) + rstd (4 B/row, fp32) + the input columns
+of fallback channels (gamma = 0 or subnormal, see NOTE [Normalization from its output: the fallback
+channels] in ``ops/layer_norm.py``); eager (composite ``F.rms_norm``) saves x, x**2's rstd chain and
+x * rstd (about 8 B/elt fp32 plus 4 B/row)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad.ops._library import custom_op
-from slimgrad.ops.layer_norm import _acc_dtype, autocast_inputs, fallback_channels
+from slimgrad.ops.layer_norm import CHUNK_ELEMS, _acc_dtype, autocast_inputs, fallback_channels
 
 __all__ = ["rms_norm"]
 
@@ -33,22 +32,35 @@ def _fwd_torch(x, normalized_shape, weight, eps):
 
 
 def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
+    # Same chunked scheme as ops/layer_norm.py's backward.
     acc = _acc_dtype(y.dtype)
     d = math.prod(normalized_shape)
     n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
-    dy2 = dy.reshape(n, d).to(acc)
-    r = rstd.reshape(n, 1).to(acc)
-    xhat = y.reshape(n, d).to(acc)
-    if weight is not None:
-        xhat = xhat / weight.reshape(d).to(acc)
-    if idx.numel():
-        xhat = xhat.index_copy(1, idx, xside.to(acc) * r)
-    dx = dw = None
-    if output_mask[0]:
-        g = dy2 * weight.reshape(d).to(acc) if weight is not None else dy2
-        dx = (r * (g - xhat * (g * xhat).mean(1, keepdim=True))).to(y.dtype).reshape(y.shape)
-    if weight is not None and output_mask[1]:
-        dw = (dy2 * xhat).sum(0).to(weight.dtype).reshape(weight.shape)
+    dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1).to(acc)
+    w = weight.reshape(d).to(acc) if weight is not None else None
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
+    dw = torch.zeros(d, dtype=acc, device=y.device) if need_dw else None
+    step = max(1, CHUNK_ELEMS // max(d, 1))
+    for i in range(0, n, step):
+        sl = slice(i, i + step)
+        xh = y2[sl].to(acc, copy=True)
+        if w is not None:
+            xh.div_(w)
+        if idx.numel():
+            xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
+        dyc = dy2[sl].to(acc)
+        if need_dw:
+            dw += (dyc * xh).sum(0)
+        if need_dx:
+            g = dyc * w if w is not None else dyc.clone()
+            c2 = (g * xh).mean(1, keepdim=True)
+            g.sub_(xh.mul_(c2)).mul_(r[sl])
+            dx[sl] = g
+    if need_dx:
+        dx = dx.reshape(y.shape)
+    if need_dw:
+        dw = dw.to(weight.dtype).reshape(weight.shape)
     return dx, dw
 
 

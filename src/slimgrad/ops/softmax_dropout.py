@@ -1,14 +1,15 @@
-"""Attention's ``softmax -> dropout -> matmul with V`` keeping the softmax output and the mask bits only.
+"""Attention's ``softmax -> dropout -> matmul with V`` keeping the softmax output and the mask bits
+only.
 
-Math: ``P = softmax(S, dim)``, ``D = dropout(P, p)`` (``D = P * m / (1 - p)``), ``O = D @ V``. Backward:
-``dV = D^T dO`` with D rebuilt from P and the bits (bit-identical to the forward's D, see NOTE [Dropout masks:
-drawn like eager, kept as bits] in ``ops/dropout.py``), ``dD = dO V^T``, ``dP = dD * m / (1 - p)``,
-``dS = P * (dP - sum(dP * P, dim))`` (``torch._softmax_backward_data``, as eager).
+Math: ``P = softmax(S, dim)``, ``D = dropout(P, p)`` (``D = P * m / (1 - p)``), ``O = D @ V``.
+Backward: ``dV = D^T dO`` with D rebuilt from P and the bits (bit-identical to the forward's D, see
+NOTE [Dropout masks: drawn like eager, kept as bits] in ``ops/dropout.py``), ``dD = dO V^T``, ``dP =
+dD * m / (1 - p)``, ``dS = P * (dP - sum(dP * P, dim))`` (``torch._softmax_backward_data``, as
+eager).
 
-Memory: saves P (4 B/elt fp32 of S) + the mask bits (1/8 B/elt) + V; eager saves P (softmax), the float mask
-(4 B/elt on CPU, 1 B/elt bool on CUDA), the dropped D (4 B/elt, the bmm input) and V. P plays the part of D in the
-tracker's floor (``_slimgrad_floor``), so saved - floor = 1/8 B/elt of S.
-"""
+Memory: saves P (4 B/elt fp32 of S) + the mask bits (1/8 B/elt) + V; eager saves P (softmax), the
+float mask (4 B/elt on CPU, 1 B/elt bool on CUDA), the dropped D (4 B/elt, the bmm input) and V. P
+plays the part of D in the tracker's floor (``_slimgrad_floor``), so saved - floor = 1/8 B/elt of S."""
 
 from __future__ import annotations
 
