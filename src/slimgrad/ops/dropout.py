@@ -128,6 +128,13 @@ def _(g, bits, p, fused):
     return torch.empty_like(g, memory_format=torch.contiguous_format)
 
 
+def _backward(grad, bits, p, fused):
+    # With create_graph the plain-PyTorch path runs so that double backward works.
+    if torch.is_grad_enabled():
+        return _apply_mask_torch(grad, bits, p, fused)
+    return _dropout_apply_mask(grad, bits, p, fused)
+
+
 class _DropoutFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float):
@@ -140,7 +147,7 @@ class _DropoutFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_bits):
         (bits,) = ctx.saved_tensors
-        return _dropout_apply_mask(grad, bits, ctx.p, ctx.fused), None
+        return _backward(grad, bits, ctx.p, ctx.fused), None
 
 
 class _DropoutInplaceFn(torch.autograd.Function):
@@ -156,7 +163,7 @@ class _DropoutInplaceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_bits):
         (bits,) = ctx.saved_tensors
-        return _dropout_apply_mask(grad, bits, ctx.p, False), None
+        return _backward(grad, bits, ctx.p, False), None
 
 
 def _check_p(api: str, p: float) -> None:

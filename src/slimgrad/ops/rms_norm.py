@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad.ops._library import custom_op
-from slimgrad.ops.layer_norm import CHUNK_ELEMS, _acc_dtype, autocast_inputs, fallback_channels
+from slimgrad.ops.layer_norm import (
+    CHUNK_ELEMS,
+    _acc_dtype,
+    autocast_inputs,
+    fallback_channels,
+    no_double_backward,
+)
 
 __all__ = ["rms_norm"]
 
@@ -55,8 +61,9 @@ def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
             c2 = (g * xh).mean(1, keepdim=True)
-            g.sub_(xh.mul_(c2)).mul_(r[sl])
-            dx[sl] = g
+            dx[sl] = g.sub_(xh.mul_(c2)).mul_(r[sl])
+            del g
+        del xh, dyc  # free this chunk's temporaries before the next one
     if need_dx:
         dx = dx.reshape(y.shape)
     if need_dw:
@@ -123,6 +130,8 @@ class _RMSNormFn(torch.autograd.Function):
     def backward(ctx, dy, *_):
         y, rstd, idx, xside, weight = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+        if torch.is_grad_enabled():
+            raise no_double_backward("rms_norm")
         dx, dw = _rms_norm_bwd(
             dy, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, ctx.x_dtype
         )

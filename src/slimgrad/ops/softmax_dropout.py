@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from slimgrad.ops import dropout as _dropout
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.dropout import _check_p
+from slimgrad.ops.layer_norm import no_double_backward
 
 __all__ = ["softmax_dropout_matmul"]
 
