@@ -43,8 +43,7 @@ class Conv1D(torch.nn.Module):
 
     Same args, parameters and state_dict keys as ``transformers.pytorch_utils.Conv1D``.
 
-    Memory: saves the input only if the weight needs grad; eager's addmm keeps it also when the
-    weight is frozen.
+    Memory: saves the input only if the weight needs grad (as eager's addmm).
 
     Example:
         >>> y = Conv1D(3, 8)(torch.randn(4, 8))

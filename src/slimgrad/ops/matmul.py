@@ -26,8 +26,22 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def _bwd_torch(dy, a, b, a_shape, b_shape, output_mask):
-    da = _sum_to(dy @ b.mT, a_shape) if output_mask[0] else None
-    db = _sum_to(a.mT @ dy, b_shape) if output_mask[1] else None
+    # A 2-D operand against a batched one: fold the batch into the matmul (as eager's matmul does), so
+    # its gradient is reduced inside one GEMM with float accumulation, not summed afterwards.
+    da = db = None
+    if output_mask[0]:
+        if len(a_shape) == 2 and dy.dim() > 2:
+            m, n = dy.shape[-2:]
+            dy_f = dy.movedim(-2, 0).reshape(m, -1)
+            da = dy_f @ b.expand(*dy.shape[:-2], *b.shape[-2:]).mT.reshape(-1, b.shape[-2])
+        else:
+            da = _sum_to(dy @ b.mT, a_shape)
+    if output_mask[1]:
+        if len(b_shape) == 2 and dy.dim() > 2:
+            a_f = a.expand(*dy.shape[:-2], *a.shape[-2:]).reshape(-1, a.shape[-1])
+            db = a_f.mT @ dy.reshape(-1, dy.shape[-1])
+        else:
+            db = _sum_to(a.mT @ dy, b_shape)
     return da, db
 
 
