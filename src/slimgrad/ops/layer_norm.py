@@ -201,13 +201,14 @@ class _LayerNormFn(torch.autograd.Function):
         )
 
 
-def no_double_backward(api: str) -> NotImplementedError:
+def no_double_backward(api: str, alternative: str | None = None) -> NotImplementedError:
     # The statistics (and P for softmax) are kept without their own graph, so a second derivative
     # through them would be silently wrong: refuse it.
+    alternative = alternative or f"torch.nn.functional.{api}"
     return NotImplementedError(
         f"slimgrad.ops.{api}: double backward is not supported; expected create_graph=False, got "
-        f"a backward with create_graph=True. Use torch.nn.functional.{api} where higher-order "
-        "gradients are needed."
+        f"a backward with create_graph=True. Use {alternative} where higher-order gradients are "
+        "needed."
     )
 
 

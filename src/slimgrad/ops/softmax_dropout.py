@@ -42,6 +42,8 @@ def _bwd_torch(d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_m
         dv = dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
     if output_mask[0]:
         d_dropped = torch.matmul(d_out, v.to(mm_dtype).mT).to(probs.dtype)
+        if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
+            d_dropped = d_dropped.sum_to_size(probs.shape)
         dp = _dropout._apply_mask_torch(d_dropped, bits, p, fused) if p > 0 else d_dropped
         ds = torch._softmax_backward_data(dp, probs, dim, probs.dtype)
     return ds, dv
@@ -107,6 +109,10 @@ class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
     def backward(ctx, d_out, *_):
         probs, bits, v = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+        if torch.is_grad_enabled():
+            raise no_double_backward(
+                "softmax_dropout_matmul", "F.dropout(F.softmax(scores, dim), p) @ value"
+            )
         if v is None:  # dS not needed: dV needs only v's shape and dtype
             v = probs.new_empty(0)
         ds, dv = _sdm_bwd(
