@@ -199,3 +199,10 @@ def test_views_and_noncontiguous_inputs():
         y, dx = _run(lambda x, p: dropout(view(x), p), base, 0.3, 8, g)
         ye, dxe = _run(lambda x, p: F.dropout(view(x), p), base, 0.3, 8, g)
         assert torch.equal(y, ye) and torch.equal(dx, dxe)
+
+
+def test_pack_every_byte_value():
+    v = torch.arange(256, dtype=torch.int64)
+    m = ((v.unsqueeze(1) >> torch.arange(8)) & 1).bool()  # row r holds the bits of r
+    assert torch.equal(pack_bits(m), v.to(torch.uint8))
+    assert torch.equal(unpack_bits(v.to(torch.uint8), (256, 8)), m)

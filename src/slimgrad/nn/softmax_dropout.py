@@ -33,7 +33,7 @@ class SoftmaxDropoutMatmul(torch.nn.Module):
     def __init__(self, p: float = 0.1, dim: int = -1) -> None:
         super().__init__()
         _check_p("nn.SoftmaxDropoutMatmul", p)
-        self.p, self.dim = p, dim
+        self.p, self.dim = float(p), dim
 
     def forward(self, scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return softmax_dropout_matmul(scores, value, self.p, self.training, self.dim)

@@ -29,15 +29,25 @@ from slimgrad.ops._library import custom_op
 
 __all__ = ["dropout", "dropout_"]
 
-_SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
+# NOTE [Bit packing with one multiply]
+# Eight 0/1 bytes read as one little-endian int64 x = sum_i b_i 2^(8i). Multiplying by
+# M = 0x0102040810204080 (byte j of M is 2^(7-j)) puts b_i at bit 56 + i with no carries (every
+# product bit lands on a distinct position below bit 64 or is dropped by the 64-bit wrap), so
+# (x * M) >> 56 & 0xFF = sum_i b_i 2^i: one int64 multiply per 8 elements instead of shifts and a
+# reduction. Unpacking looks up each byte in a 256-entry table of int64 "spread" bytes. Tested for
+# every byte value and for lengths that are not multiples of 8 (tests/ops/test_dropout.py).
+_PACK_MUL = 0x0102040810204080
+_SPREAD_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
-    s = _SHIFTS_CACHE.get(device)
-    if s is None:
-        s = torch.arange(8, dtype=torch.uint8, device=device)
-        _SHIFTS_CACHE[device] = s
-    return s
+def _spread_table(device: torch.device) -> torch.Tensor:
+    t = _SPREAD_CACHE.get(device)
+    if t is None:
+        v = torch.arange(256, dtype=torch.int64)
+        bits = (v.unsqueeze(1) >> torch.arange(8)) & 1  # (256, 8): bit i of v in byte i
+        t = bits.to(torch.uint8).view(torch.int64).reshape(256).to(device)
+        _SPREAD_CACHE[device] = t
+    return t
 
 
 def _packed_numel(n: int) -> int:
@@ -47,21 +57,21 @@ def _packed_numel(n: int) -> int:
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor (any shape) into ``ceil(numel / 8)`` uint8, little-endian within a byte."""
     flat = mask.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.to(torch.uint8)
+    flat = flat.view(torch.uint8) if flat.dtype == torch.bool else (flat != 0).view(torch.uint8)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8) << _shifts(flat.device)).sum(-1, dtype=torch.uint8)
+    words = flat.view(torch.int64)
+    return ((words * _PACK_MUL) >> 56).bitwise_and_(0xFF).to(torch.uint8)
 
 
 def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: a bool tensor of ``shape``."""
+    """Inverse of :func:`pack_bits`: a bool tensor of ``shape`` (one temporary byte per element)."""
     n = 1
     for s in shape:
         n *= s
-    out = ((bits.unsqueeze(-1) >> _shifts(bits.device)) & 1).view(-1)
-    return out[:n].view(shape).bool()
+    spread = _spread_table(bits.device).index_select(0, bits.to(torch.int32))
+    return spread.view(torch.uint8)[:n].view(torch.bool).view(shape)
 
 
 def _noise_scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -86,13 +96,17 @@ def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
     return bits
 
 
-def _apply_mask_torch(g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool) -> torch.Tensor:
-    # dy * m / (1 - p), rounded exactly as eager's backward; also rebuilds the forward output from its input.
+def _apply_mask_torch(
+    g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool, inplace: bool = False
+) -> torch.Tensor:
+    # dy * m / (1 - p), rounded exactly as eager's backward; also rebuilds the forward output from its
+    # input. CPU: (g * m) * s equals eager's g * noise bit for bit (noise = m * s; g * 1 = g exactly,
+    # g * 0 = +-0 or NaN as in eager). inplace=True overwrites g (a temporary the caller owns).
     mask = unpack_bits(bits, g.shape)
     if fused:
         return torch.native_dropout_backward(g, mask, 1.0 / (1 - p))
-    noise = mask.to(g.dtype).mul_(_noise_scale(p, g.dtype, g.device))
-    return g * noise
+    out = g.mul_(mask) if inplace else g.mul(mask)
+    return out.mul_(_noise_scale(p, g.dtype, g.device))
 
 
 _bwd_torch = _apply_mask_torch

@@ -35,16 +35,19 @@ def _fwd_torch(s, v, p, dim, mm_dtype):
 
 
 def _bwd_torch(d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_mask):
+    # One S-sized temporary at a time besides P: D is rebuilt, used for dV and dropped before dD.
     ds = dv = None
     if output_mask[1]:
         dropped = _dropout._apply_mask_torch(probs, bits, p, fused) if p > 0 else probs
         dv = torch.matmul(dropped.to(mm_dtype).mT, d_out)
+        del dropped
         dv = dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
     if output_mask[0]:
         d_dropped = torch.matmul(d_out, v.to(mm_dtype).mT).to(probs.dtype)
         if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
-            d_dropped = d_dropped.sum_to_size(probs.shape)
-        dp = _dropout._apply_mask_torch(d_dropped, bits, p, fused) if p > 0 else d_dropped
+            d_dropped = d_dropped.sum_to_size(probs.shape).contiguous()
+        dp = _dropout._apply_mask_torch(d_dropped, bits, p, fused, inplace=True) if p > 0 else d_dropped
+        del d_dropped
         ds = torch._softmax_backward_data(dp, probs, dim, probs.dtype)
     return ds, dv
 
@@ -165,6 +168,8 @@ def softmax_dropout_matmul(
     p_eff = float(p) if training and input.numel() > 0 else 0.0
     if p_eff == 1.0:
         return torch.matmul(F.dropout(F.softmax(input, dim), 1.0, True), value)
+    # Keep a compact V: a strided view (e.g. of a fused qkv output) would keep its whole base alive.
+    value = value.contiguous()
     dev = input.device.type
     if torch.is_autocast_enabled(dev):
         sm_dtype = F.softmax(input.new_empty((0,)), -1).dtype
