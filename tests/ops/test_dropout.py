@@ -196,8 +196,8 @@ def test_views_and_noncontiguous_inputs():
     base = torch.randn(12, 10)
     g = torch.randn(10, 6)
     for view in (lambda t: t.t()[:, ::2], lambda t: t[1:11].t()[:, :6]):
-        y, dx = _run(lambda x, p: dropout(view(x), p), base, 0.3, 8, g)
-        ye, dxe = _run(lambda x, p: F.dropout(view(x), p), base, 0.3, 8, g)
+        y, dx = _run(lambda x, p, view=view: dropout(view(x), p), base, 0.3, 8, g)
+        ye, dxe = _run(lambda x, p, view=view: F.dropout(view(x), p), base, 0.3, 8, g)
         assert torch.equal(y, ye) and torch.equal(dx, dxe)
 
 

@@ -120,7 +120,9 @@ def test_peak_below_eager_in_ln_mlp_chain():
     for fn in (layer_norm, F.layer_norm):
         for t in params:
             t.grad = None
-        res.append(measure(lambda: fc2(fc1(fn(x0 * 1, (d,), ln.weight, ln.bias)).relu()).sum()))
+        res.append(
+            measure(lambda fn=fn: fc2(fc1(fn(x0 * 1, (d,), ln.weight, ln.bias)).relu()).sum())
+        )
     m, me = res
     assert m.saved_bytes == me.saved_bytes - 4 * n * d  # x is not kept; y is shared with fc1
     assert m.peak_bytes < me.peak_bytes

@@ -55,7 +55,7 @@ def _packed_numel(n: int) -> int:
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """Pack a bool tensor (any shape) into ``ceil(numel / 8)`` uint8, little-endian within a byte."""
+    """Pack a bool tensor (any shape) into ``ceil(numel / 8)`` uint8, bit i of byte k = elt 8k+i."""
     flat = mask.reshape(-1)
     flat = flat.view(torch.uint8) if flat.dtype == torch.bool else (flat != 0).view(torch.uint8)
     pad = (-flat.numel()) % 8
@@ -99,9 +99,9 @@ def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
 def _apply_mask_torch(
     g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool, inplace: bool = False
 ) -> torch.Tensor:
-    # dy * m / (1 - p), rounded exactly as eager's backward; also rebuilds the forward output from its
-    # input. CPU: (g * m) * s equals eager's g * noise bit for bit (noise = m * s; g * 1 = g exactly,
-    # g * 0 = +-0 or NaN as in eager). inplace=True overwrites g (a temporary the caller owns).
+    # dy * m / (1 - p), rounded exactly as eager's backward; also rebuilds the forward output from
+    # its input. CPU: (g * m) * s equals eager's g * noise bit for bit (noise = m * s; g * 1 = g
+    # exactly, g * 0 = +-0 or NaN as in eager). inplace=True overwrites g (a caller-owned temp).
     mask = unpack_bits(bits, g.shape)
     if fused:
         return torch.native_dropout_backward(g, mask, 1.0 / (1 - p))

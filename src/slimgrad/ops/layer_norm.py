@@ -34,8 +34,8 @@ from slimgrad.ops._library import custom_op
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
 
 #: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``: the
-#: rebuilt xhat then errs by at most ~eps * (|xhat| + 2), which keeps every gradient within the GUIDE.md
-#: rule (dense seed sweep in fp32/bf16/fp16; 4 already failed it once in 640 fp32 cases).
+#: rebuilt xhat then errs by at most ~eps * (|xhat| + 2), which keeps every gradient within the
+#: GUIDE.md rule (dense seed sweep in fp32/bf16/fp16; 4 already failed it once in 640 fp32 cases).
 BETA_OVER_GAMMA_MAX = 2.0
 #: Backward processes rows in chunks of max(CHUNK_ELEMS, numel / 8) elements: the fp32 temporaries
 #: stay a fraction of the dropped input, with at most ~8 chunks of Python overhead.
@@ -49,7 +49,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def fallback_channels(
     weight: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Indices (int64, flat over the normalized dims) of the channels that keep their input column."""
+    """Indices (int64, flat over the normalized dims) of channels that keep their input column."""
     if weight is None and bias is None:
         dev = torch.device("cpu")
         return torch.empty(0, dtype=torch.int64, device=dev)
@@ -214,7 +214,7 @@ def no_double_backward(api: str, alternative: str | None = None) -> NotImplement
 
 
 def autocast_inputs(reference_out_dtype: torch.dtype | None, *tensors):
-    """Cast floating tensors to the dtype eager autocast would compute in (None: leave as they are)."""
+    """Cast floating tensors to the dtype eager autocast computes in (None: leave them)."""
     if reference_out_dtype is None:
         return tensors
     return tuple(
@@ -231,11 +231,11 @@ def layer_norm(
 ) -> torch.Tensor:
     """Layer normalization (as ``F.layer_norm``) that keeps its output instead of its input.
 
-    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape`` dims. See
-    NOTE [Normalization from its output: the fallback channels].
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape``
+    dims. See NOTE [Normalization from its output: the fallback channels].
 
-    Memory: saves y (shared with the next layer) + 8 B/row (mean, rstd) + fallback input columns; eager saves
-    x + 8 B/row.
+    Memory: saves y (shared with the next layer) + 8 B/row (mean, rstd) + fallback input columns;
+    eager saves x + 8 B/row.
 
     Args:
         input: ``(*, *normalized_shape)``.

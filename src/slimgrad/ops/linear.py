@@ -5,9 +5,9 @@ W is ``(in, out)``, an ``addmm``). Backward: ``dx = dy W`` (needs W only), ``dW 
 only), ``db = sum(dy)``.
 
 Memory: saves x only if W needs a gradient and W only if x needs one (frozen W: x is not kept; x
-without grad: W is not referenced); eager (torch 2.13) ``linear``/``mm``/``addmm`` have the same guard
-(measured), so this matches eager byte for byte and makes the contract explicit and tested. x is a
-matmul input: it counts in the tracker's floor (``_slimgrad_floor``).
+without grad: W is not referenced); eager (torch 2.13) ``linear``/``mm``/``addmm`` have the same
+guard (measured), so this matches eager byte for byte and makes the contract explicit and tested.
+x is a matmul input: it counts in the tracker's floor (``_slimgrad_floor``).
 """
 
 from __future__ import annotations

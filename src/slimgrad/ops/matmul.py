@@ -26,8 +26,8 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def _bwd_torch(dy, a, b, a_shape, b_shape, output_mask):
-    # A 2-D operand against a batched one: fold the batch into the matmul (as eager's matmul does), so
-    # its gradient is reduced inside one GEMM with float accumulation, not summed afterwards.
+    # A 2-D operand against a batched one: fold the batch into the matmul (as eager's matmul does),
+    # so its gradient is reduced inside one GEMM with float accumulation, not summed afterwards.
     da = db = None
     if output_mask[0]:
         if len(a_shape) == 2 and dy.dim() > 2:
@@ -81,7 +81,8 @@ def matmul(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """
     if input.dim() == 0 or other.dim() == 0:
         raise ValueError(
-            "slimgrad.ops.matmul: both arguments must have at least 1 dimension; expected tensors of "
+            "slimgrad.ops.matmul: both arguments must have at least 1 dimension; expected "
+            "tensors of "
             f"dim >= 1, got dims {input.dim()} and {other.dim()}. Use torch.mul for scalars."
         )
     dev = input.device.type

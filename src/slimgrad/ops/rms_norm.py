@@ -144,12 +144,12 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> torch.Tensor:
-    """Root-mean-square normalization (as ``F.rms_norm``) that keeps its output instead of its input.
+    """RMS normalization (as ``F.rms_norm``) that keeps its output instead of its input.
 
     ``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape`` dims.
 
-    Memory: saves y (shared with the next layer) + 4 B/row (rstd) + fallback input columns (weight = 0);
-    eager saves x and intermediates (about 8 B/elt fp32).
+    Memory: saves y (shared with the next layer) + 4 B/row (rstd) + fallback input columns
+    (weight = 0); eager saves x and intermediates (about 8 B/elt fp32).
 
     Args:
         input: ``(*, *normalized_shape)``.

@@ -1,5 +1,4 @@
-"""Attention's ``softmax -> dropout -> matmul with V`` keeping the softmax output and the mask bits
-only.
+"""Attention's ``softmax -> dropout -> matmul with V``, keeping softmax's output and mask bits only.
 
 Math: ``P = softmax(S, dim)``, ``D = dropout(P, p)`` (``D = P * m / (1 - p)``), ``O = D @ V``.
 Backward: ``dV = D^T dO`` with D rebuilt from P and the bits (bit-identical to the forward's D, see
@@ -9,7 +8,8 @@ eager).
 
 Memory: saves P (4 B/elt fp32 of S) + the mask bits (1/8 B/elt) + V; eager saves P (softmax), the
 float mask (4 B/elt on CPU, 1 B/elt bool on CUDA), the dropped D (4 B/elt, the bmm input) and V. P
-plays the part of D in the tracker's floor (``_slimgrad_floor``), so saved - floor = 1/8 B/elt of S."""
+plays the part of D in the tracker's floor (``_slimgrad_floor``): saved - floor = 1/8 B/elt of S.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +46,11 @@ def _bwd_torch(d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_m
         d_dropped = torch.matmul(d_out, v.to(mm_dtype).mT).to(probs.dtype)
         if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
             d_dropped = d_dropped.sum_to_size(probs.shape).contiguous()
-        dp = _dropout._apply_mask_torch(d_dropped, bits, p, fused, inplace=True) if p > 0 else d_dropped
+        dp = (
+            _dropout._apply_mask_torch(d_dropped, bits, p, fused, inplace=True)
+            if p > 0
+            else d_dropped
+        )
         del d_dropped
         ds = torch._softmax_backward_data(dp, probs, dim, probs.dtype)
     return ds, dv
@@ -141,12 +145,13 @@ def softmax_dropout_matmul(
     training: bool = True,
     dim: int = -1,
 ) -> torch.Tensor:
-    """``dropout(softmax(input, dim), p, training) @ value``, keeping P and the mask bits, not the dropped P.
+    """``dropout(softmax(input, dim), p, training) @ value`` keeping P and the mask bits only.
 
-    Values and gradients equal eager's ``F.dropout(F.softmax(input, dim), p, training) @ value`` (same mask at
-    the same RNG state).
+    Values and gradients equal eager's ``F.dropout(F.softmax(input, dim), p, training) @ value``
+    (same mask at the same RNG state).
 
-    Memory: saves P + 1/8 B/elt of P (bits) + value; eager saves P, a 4 B/elt (CPU) mask and the dropped P.
+    Memory: saves P + 1/8 B/elt of P (bits) + value; eager saves P, a 4 B/elt (CPU) mask and the
+    dropped P.
 
     Args:
         input: attention scores, e.g. ``(B, H, T, T)``.

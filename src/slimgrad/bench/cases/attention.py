@@ -1,4 +1,4 @@
-"""GPT-2-style attention block with dropout 0.1 (LN, qkv Linear, causal softmax, dropout, @V, proj)."""
+"""GPT-2 attention block, dropout 0.1: LN, qkv Linear, causal softmax, dropout, @V, proj."""
 
 from __future__ import annotations
 
@@ -86,25 +86,30 @@ def build(device, dtype, small: bool = False):
 def _step(model, x, grad):
     for prm in model.parameters():
         prm.grad = None
-    out = model(x)
+    out = model(*x)
     out.backward(grad)
 
 
 def run_main(
     build_fn: Callable, name: str, *, small: bool = False, repeat: int = 7, seed: int = 0
 ) -> dict:
-    """Measure one step of each side exactly, time ``repeat`` interleaved pairs, print and return."""
+    """Measure one step per side exactly, time ``repeat`` interleaved pairs; print, return."""
     torch.manual_seed(seed)
     eager, slim, make_inputs = build_fn("cpu", torch.float32, small)
     torch.manual_seed(seed + 1)
-    x0 = make_inputs()
-    grad = torch.randn_like(eager(x0))
-    rec: dict = {"case": name, "shape": tuple(x0.shape)}
+
+    def inputs():
+        xs = make_inputs()
+        return xs if isinstance(xs, tuple) else (xs,)
+
+    x0 = inputs()
+    grad = torch.randn_like(eager(*x0))
+    rec: dict = {"case": name, "shapes": [tuple(t.shape) for t in x0]}
     for side, model in (("eager", eager), ("slim", slim)):
-        x = make_inputs()
+        x = inputs()
         for prm in model.parameters():
             prm.grad = None
-        m = measure(lambda model=model, x=x: model(x), grad=grad)
+        m = measure(lambda model=model, x=x: model(*x), grad=grad)
         rec[side] = {
             "saved_bytes": m.saved_bytes,
             "saved_input_bytes": m.saved_input_bytes,
@@ -113,11 +118,15 @@ def run_main(
         }
     times: dict[str, list[float]] = {"eager": [], "slim": []}
     for i in range(repeat + 1):
-        for side, model in (("eager", eager), ("slim", slim)) if i % 2 else (
-            ("slim", slim),
-            ("eager", eager),
+        for side, model in (
+            (("eager", eager), ("slim", slim))
+            if i % 2
+            else (
+                ("slim", slim),
+                ("eager", eager),
+            )
         ):
-            x = make_inputs()
+            x = inputs()
             t0 = time.perf_counter()
             _step(model, x, grad)
             if i:  # the first pair warms up
