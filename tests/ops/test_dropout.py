@@ -206,3 +206,33 @@ def test_pack_every_byte_value():
     m = ((v.unsqueeze(1) >> torch.arange(8)) & 1).bool()  # row r holds the bits of r
     assert torch.equal(pack_bits(m), v.to(torch.uint8))
     assert torch.equal(unpack_bits(v.to(torch.uint8), (256, 8)), m)
+
+
+def test_inplace_under_compile_and_fp16_autocast_match_eager():
+    def f(x, fn):
+        h = x * 2
+        fn(h, 0.3, inplace=True)
+        return h.sin()
+
+    torch._dynamo.reset()
+    cf = torch.compile(lambda x: f(x, dropout), backend="aot_eager", fullgraph=True)
+    x0 = torch.randn(5, 7)
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(3)
+    y = cf(x)
+    y.sum().backward()
+    xe = x0.clone().requires_grad_()
+    torch.manual_seed(3)
+    ye = f(xe, F.dropout)
+    ye.sum().backward()
+    assert torch.equal(y, ye) and torch.equal(x.grad, xe.grad)
+    res = []
+    for fn in (dropout, F.dropout):
+        xx = x0.clone().requires_grad_()
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.float16):
+            yy = fn(xx @ torch.eye(7), 0.3)
+        yy.float().sum().backward()
+        res.append((yy, xx.grad))
+    assert res[0][0].dtype == torch.float16
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])

@@ -68,3 +68,23 @@ def test_autocast_compile_errors():
         torch.testing.assert_close(o, r)
     with pytest.raises(ValueError, match="slimgrad.ops.matmul: both arguments"):
         matmul(torch.tensor(2.0), b)
+
+
+def test_inplace_on_saved_operand_raises_and_hooks():
+    a = torch.randn(3, 4)
+    b = torch.randn(4, 2, requires_grad=True)
+    y = matmul(a, b)
+    a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y = matmul(torch.randn(3, 4), b)
+    y.retain_grad()
+    seen = []
+    y.register_hook(seen.append)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert len(seen) == 2 and torch.equal(y.grad, 2 * torch.ones(3, 2))
+    an = torch.tensor([[float("nan"), 1.0], [float("inf"), 2.0]])
+    torch.testing.assert_close(matmul(an, torch.eye(2)), an @ torch.eye(2), equal_nan=True)
+    with torch.inference_mode():
+        assert matmul(an, torch.eye(2)).grad_fn is None
