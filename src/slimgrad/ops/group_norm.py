@@ -109,7 +109,7 @@ def _group_norm_fwd(
 @_group_norm_fwd.register_fake
 def _(x, num_groups, weight, bias, eps):
     k = torch.library.get_ctx().new_dynamic_size()
-    n, c = x.shape[0], x.shape[1]
+    n = x.shape[0]
     acc = _acc_dtype(x.dtype)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
