@@ -1,6 +1,14 @@
 import torch
 
-from slimgrad.bench.cases import attention, dropout, layer_norm, linear, matmul, rms_norm
+from slimgrad.bench.cases import (
+    attention,
+    dropout,
+    group_norm,
+    layer_norm,
+    linear,
+    matmul,
+    rms_norm,
+)
 from slimgrad.bench.cases import softmax_dropout as sdm_case
 from slimgrad.memory import measure
 from slimgrad.testing import assert_within_rule
@@ -32,7 +40,7 @@ def test_attention_block_saved_near_floor_and_same_grads():
 
 
 def test_all_cases_build_small_and_run():
-    for mod in (dropout, layer_norm, linear, matmul, rms_norm, sdm_case, attention):
+    for mod in (dropout, group_norm, layer_norm, linear, matmul, rms_norm, sdm_case, attention):
         eager, slim, make_inputs = mod.build("cpu", torch.float32, small=True)
         xs = make_inputs()
         xs = xs if isinstance(xs, tuple) else (xs,)
