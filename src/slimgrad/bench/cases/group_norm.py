@@ -1,4 +1,4 @@
-"""GroupNorm(32, 256) between 3x3 convs on 8x256x32x32: the GN output is shared with the next conv."""
+"""GroupNorm(32, 256) between 3x3 convs on 8x256x32x32 (the GN output is shared)."""
 
 from __future__ import annotations
 
