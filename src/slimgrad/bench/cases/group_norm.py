@@ -1,4 +1,4 @@
-"""GroupNorm(32, 256) between 3x3 convs on 8x256x32x32 (the GN output is shared)."""
+"""GroupNorm(32, 128) between 3x3 convs on 8x128x32x32 (the GN output is shared)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from slimgrad.nn.group_norm import GroupNorm
 
 def build(device, dtype, small: bool = False):
     """Eager and slimgrad ``conv(GroupNorm(conv(x)))`` (same weights) and an input maker."""
-    n, c, hw, g = (2, 8, 5, 2) if small else (8, 256, 32, 32)
+    n, c, hw, g = (2, 8, 5, 2) if small else (8, 128, 32, 32)
     eager = nn.Sequential(
         nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(g, c), nn.Conv2d(c, c, 3, 1, 1)
     )
