@@ -133,10 +133,14 @@ def _half_fwd(blk: nn.Module, xa: torch.Tensor, h: torch.Tensor) -> torch.Tensor
     return torch.addcmul(t, xa, affine_scale(r, blk.clamp))
 
 
-def _half_inv(blk: nn.Module, ya: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def _half_inv(
+    blk: nn.Module, ya: torch.Tensor, h: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
     if blk._slimgrad_coupling == "additive":
-        return ya - h
+        return ya.sub_(h) if inplace else ya - h
     r, t = h.chunk(2, dim=blk.split_dim)
+    if inplace:
+        return ya.sub_(t).div_(affine_scale(r, blk.clamp))
     return (ya - t) / affine_scale(r, blk.clamp)
 
 
@@ -287,12 +291,24 @@ def _grad(outs, inputs: list, grads) -> list:
     return res
 
 
-def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+def _shares(a: torch.Tensor | None, others: Sequence) -> bool:
     if a is None:
-        return b
+        return False
+    ptr = a.untyped_storage().data_ptr()
+    return any(o is not None and o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def _acc(a: torch.Tensor | None, a_own: bool, b: torch.Tensor | None, b_own: bool) -> tuple:
+    # a + b, written into whichever operand we own (IEEE addition commutes: same bits either way).
+    if a is None:
+        return b, b_own
     if b is None:
-        return a
-    return a + b
+        return a, a_own
+    if a_own and a.dtype == torch.result_type(a, b):
+        return a.add_(b), True
+    if b_own and b.dtype == torch.result_type(a, b):
+        return b.add_(a), True
+    return a + b, True
 
 
 def _half_bwd(
@@ -300,6 +316,7 @@ def _half_bwd(
     blk: nn.Module,
     fn: nn.Module,
     ya: torch.Tensor,
+    ya_own: bool,
     xb: torch.Tensor,
     dya: torch.Tensor,
     rng_state: tuple | None,
@@ -309,13 +326,15 @@ def _half_bwd(
 ) -> tuple:
     # ya = c(xa, fn(xb)): rebuild xa from ya and xb with ONE evaluation of fn, and return
     # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn.
+    # ya is overwritten with xa when we own it (a tensor we rebuilt ourselves).
     additive = blk._slimgrad_coupling == "additive"
     with torch.enable_grad():
         xb_l = xb.detach().requires_grad_(need_xb)
         with _recompute(plan, fn, rng_state):
             h = _sub(plan, fn, xb_l)
         with torch.no_grad():
-            xa = _half_inv(blk, ya, h.detach())
+            xa = _half_inv(blk, ya, h.detach(), inplace=ya_own)
+        del ya
         if additive:
             outs, dxa = h, dya
             inputs = [xb_l if need_xb else None, *params]
@@ -323,10 +342,12 @@ def _half_bwd(
             xa_l = xa.detach().requires_grad_(need_xa)
             outs, dxa = _half_fwd(blk, xa_l, h), None
             inputs = [xb_l if need_xb else None, xa_l if need_xa else None, *params]
+        del h
         if outs.requires_grad:
             got = _grad(outs, inputs, dya)
         else:
             got = [None] * len(inputs)
+        del outs, inputs
     dxb = got[0]
     if not additive:
         dxa = got[1]
@@ -338,39 +359,55 @@ def _block_bwd(
     plan: _Plan,
     i: int,
     blk: nn.Module,
-    ystream: tuple,
-    dstream: tuple,
+    state: list,
     flat_params: Sequence[torch.Tensor],
     need_upstream: bool,
     pgrads: dict[int, torch.Tensor],
-) -> tuple:
-    # Rebuild block i's input from its output; returns (xstream, dxstream) and adds into pgrads.
+    keep: Sequence[torch.Tensor],
+) -> None:
+    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream,
+    # dstream_owned] is replaced in place (so no caller reference keeps the old tensors alive);
+    # ``keep`` are tensors we must never write (saved output, incoming gradient).
     groups = plan.block_params[i]
     rng_f, rng_g = plan.rng[i]
+    ystream, y_own, dstream, d_own = state
+    state[:] = [None, False, None, (False, False)]
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
+        y_own = y_own and len(ystream) == 2
+        d1_own, d2_own = d_own if len(dstream) == 2 else (False, False)
         del ystream, dstream
         f_idx, g_idx = groups
         # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
         need_y1 = need_upstream or bool(f_idx)
-        x2, dx2, dy1_from_g, dg = _half_bwd(
-            plan, blk, blk.G, y2, y1, dy2, rng_g, [flat_params[j] for j in g_idx], need_y1, True
-        )
-        del y2, dy2
-        dy1 = _add(dy1, dy1_from_g)
-        del dy1_from_g
+        gp = [flat_params[j] for j in g_idx]
+        x2, dx2, dz, dg = _half_bwd(plan, blk, blk.G, y2, y_own, y1, dy2, rng_g, gp, need_y1, True)
+        del y2
+        dx2_own = d2_own if dx2 is dy2 else not _shares(dx2, [*keep, dy1, y1, x2])
+        del dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
+        dz_own = not _shares(dz, [*keep, dx2, dy1, y1, x2])
+        dy1, d1_own = _acc(dy1, d1_own, dz, dz_own)
+        del dz
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
-        x1, dx1, dx2_from_f, df = _half_bwd(
-            plan, blk, blk.F, y1, x2, dy1, rng_f, fp, need_upstream, need_upstream
+        x1, dx1, df2, df = _half_bwd(
+            plan, blk, blk.F, y1, y_own, x2, dy1, rng_f, fp, need_upstream, need_upstream
         )
-        del y1, dy1
+        del y1
         _accumulate(pgrads, f_idx, df)
-        dx2 = _add(dx2, dx2_from_f) if need_upstream else None
-        return (x1, x2), (dx1, dx2)
+        del df
+        if need_upstream:
+            dx1_own = d1_own if dx1 is dy1 else not _shares(dx1, [*keep, dx2, x1, x2])
+            del dy1
+            df2_own = not _shares(df2, [*keep, dx1, dx2, x1, x2])
+            dx2, dx2_own = _acc(dx2, dx2_own, df2, df2_own)
+            state[:] = [(x1, x2), True, (dx1, dx2), (dx1_own, dx2_own)]
+        else:
+            state[:] = [(x1, x2), True, (None, None), (False, False)]
+        return
     (idx,) = groups
     (y,) = _to_full(ystream, plan.split_dim)
     (dy,) = _to_full(dstream, plan.split_dim)
@@ -384,8 +421,9 @@ def _block_bwd(
             y_re = blk(x_l)
         inputs = [x_l if need_upstream else None] + [flat_params[j] for j in idx]
         got = _grad(y_re, inputs, dy) if y_re.requires_grad else [None] * len(inputs)
+        del y_re, inputs, dy
     _accumulate(pgrads, idx, got[1:])
-    return (x,), (got[0],)
+    state[:] = [(x,), False, (got[0],), (False,)]
 
 
 def _accumulate(pgrads: dict[int, torch.Tensor], idx: list[int], grads: Sequence) -> None:
@@ -443,21 +481,21 @@ class _ReversibleChainFn(torch.autograd.Function):
         first_needed = _first_block_needing(plan, ctx.needs_input_grad[2:])
         pgrads: dict[int, torch.Tensor] = {}
         errors, scales = [], []
-        stream: tuple = (y,)
-        dstream: tuple = (dy,)
-        del y, dy
+        state = [(y,), False, (dy,), (False,)]
+        keep = (y, dy)
         devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
         with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
             for i in range(len(plan.blocks) - 1, -1, -1):
                 need_upstream = need_x or i > first_needed
-                stream, dstream = _block_bwd(
-                    plan, i, plan.blocks[i], stream, dstream, flat, need_upstream, pgrads
-                )
-                err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, stream))
+                _block_bwd(plan, i, plan.blocks[i], state, flat, need_upstream, pgrads, keep)
+                err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, state[0]))
                 errors.append(err)
                 scales.append(scale)
                 if not need_upstream and i <= first_needed:
                     break
+        del y, dy, keep
+        dstream = state[2]
+        state.clear()
         if plan.sink is not None and errors:
             first = len(plan.blocks) - len(errors)
             plan.sink._record_reconstruction(first, errors[::-1], scales[::-1])
