@@ -114,16 +114,30 @@ class _Plan:
     autocast: tuple = ()
     device: torch.device | None = None
     stream_max: torch.Tensor | None = None
+    forward_params: dict[int, dict] = field(default_factory=dict)  # id(module) -> its parameters
 
 
 def _is_coupling(blk: nn.Module) -> bool:
     return getattr(blk, "_slimgrad_coupling", None) in ("additive", "affine")
 
 
-def _sub(plan: _Plan, fn: nn.Module, xb: torch.Tensor) -> torch.Tensor:
+def _sub(plan: _Plan, fn: nn.Module, xb: torch.Tensor, replay: bool = False) -> torch.Tensor:
+    call = _as_in_forward(plan, fn) if replay else fn
     if plan.exact:
-        return grid_round(fn(xb.to(plan.compute_dtype)), plan.grid_bits)
-    return fn(xb)
+        return grid_round(call(xb.to(plan.compute_dtype)), plan.grid_bits)
+    return call(xb)
+
+
+def _as_in_forward(plan: _Plan, fn: nn.Module):
+    # The recompute must use the tensors forward used. Under torch.func.functional_call the module's
+    # parameters are swapped only during forward; replay the swap so gradients reach them.
+    rec = plan.forward_params.get(id(fn))
+    if rec is None:
+        return fn
+    now = dict(fn.named_parameters(remove_duplicate=False))
+    if now.keys() == rec.keys() and all(now[k] is v for k, v in rec.items()):
+        return fn
+    return lambda x: torch.func.functional_call(fn, rec, (x,), strict=False)
 
 
 def _half_fwd(blk: nn.Module, xa: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -291,24 +305,19 @@ def _grad(outs, inputs: list, grads) -> list:
     return res
 
 
-def _shares(a: torch.Tensor | None, others: Sequence) -> bool:
-    if a is None:
-        return False
-    ptr = a.untyped_storage().data_ptr()
-    return any(o is not None and o.untyped_storage().data_ptr() == ptr for o in others)
+def _sole(t: torch.Tensor) -> bool:
+    # No other tensor (view, detached alias kept by a hook or a graph) shares t's storage. The
+    # Python storage object holds one reference of its own.
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
-def _acc(a: torch.Tensor | None, a_own: bool, b: torch.Tensor | None, b_own: bool) -> tuple:
-    # a + b, written into whichever operand we own (IEEE addition commutes: same bits either way).
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    # Gradients are summed out of place: a hook may hold either operand.
     if a is None:
-        return b, b_own
+        return b
     if b is None:
-        return a, a_own
-    if a_own and a.dtype == torch.result_type(a, b):
-        return a.add_(b), True
-    if b_own and b.dtype == torch.result_type(a, b):
-        return b.add_(a), True
-    return a + b, True
+        return a
+    return a + b
 
 
 def _half_bwd(
@@ -331,9 +340,9 @@ def _half_bwd(
     with torch.enable_grad():
         xb_l = xb.detach().requires_grad_(need_xb)
         with _recompute(plan, fn, rng_state):
-            h = _sub(plan, fn, xb_l)
+            h = _sub(plan, fn, xb_l, replay=True)
         with torch.no_grad():
-            xa = _half_inv(blk, ya, h.detach(), inplace=ya_own)
+            xa = _half_inv(blk, ya, h.detach(), inplace=ya_own and _sole(ya))
         del ya
         if additive:
             outs, dxa = h, dya
@@ -363,50 +372,39 @@ def _block_bwd(
     flat_params: Sequence[torch.Tensor],
     need_upstream: bool,
     pgrads: dict[int, torch.Tensor],
-    keep: Sequence[torch.Tensor],
 ) -> None:
-    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream,
-    # dstream_owned] is replaced in place (so no caller reference keeps the old tensors alive);
-    # ``keep`` are tensors we must never write (saved output, incoming gradient).
+    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream] is
+    # replaced in place, so no caller reference keeps the old tensors alive. Only a stream we
+    # rebuilt ourselves (owned) and that nothing else aliases is overwritten by its rebuild.
     groups = plan.block_params[i]
     rng_f, rng_g = plan.rng[i]
-    ystream, y_own, dstream, d_own = state
-    state[:] = [None, False, None, (False, False)]
+    ystream, y_own, dstream = state
+    state[:] = [None, False, None]
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
         y_own = y_own and len(ystream) == 2
-        d1_own, d2_own = d_own if len(dstream) == 2 else (False, False)
         del ystream, dstream
         f_idx, g_idx = groups
         # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
         need_y1 = need_upstream or bool(f_idx)
         gp = [flat_params[j] for j in g_idx]
         x2, dx2, dz, dg = _half_bwd(plan, blk, blk.G, y2, y_own, y1, dy2, rng_g, gp, need_y1, True)
-        del y2
-        dx2_own = d2_own if dx2 is dy2 else not _shares(dx2, [*keep, dy1, y1, x2])
-        del dy2
+        del y2, dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
-        dz_own = not _shares(dz, [*keep, dx2, dy1, y1, x2])
-        dy1, d1_own = _acc(dy1, d1_own, dz, dz_own)
+        dy1 = _add(dy1, dz)
         del dz
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
         x1, dx1, df2, df = _half_bwd(
             plan, blk, blk.F, y1, y_own, x2, dy1, rng_f, fp, need_upstream, need_upstream
         )
-        del y1
+        del y1, dy1
         _accumulate(pgrads, f_idx, df)
         del df
-        if need_upstream:
-            dx1_own = d1_own if dx1 is dy1 else not _shares(dx1, [*keep, dx2, x1, x2])
-            del dy1
-            df2_own = not _shares(df2, [*keep, dx1, dx2, x1, x2])
-            dx2, dx2_own = _acc(dx2, dx2_own, df2, df2_own)
-            state[:] = [(x1, x2), True, (dx1, dx2), (dx1_own, dx2_own)]
-        else:
-            state[:] = [(x1, x2), True, (None, None), (False, False)]
+        dx2 = _add(dx2, df2) if need_upstream else None
+        state[:] = [(x1, x2), True, (dx1, dx2)]
         return
     (idx,) = groups
     (y,) = _to_full(ystream, plan.split_dim)
@@ -418,12 +416,12 @@ def _block_bwd(
     with torch.enable_grad():
         x_l = x.detach().requires_grad_(need_upstream)
         with _recompute(plan, blk, rng_f):
-            y_re = blk(x_l)
+            y_re = _as_in_forward(plan, blk)(x_l)
         inputs = [x_l if need_upstream else None] + [flat_params[j] for j in idx]
         got = _grad(y_re, inputs, dy) if y_re.requires_grad else [None] * len(inputs)
         del y_re, inputs, dy
     _accumulate(pgrads, idx, got[1:])
-    state[:] = [(x,), False, (got[0],), (False,)]
+    state[:] = [(x,), False, (got[0],)]
 
 
 def _accumulate(pgrads: dict[int, torch.Tensor], idx: list[int], grads: Sequence) -> None:
@@ -481,19 +479,18 @@ class _ReversibleChainFn(torch.autograd.Function):
         first_needed = _first_block_needing(plan, ctx.needs_input_grad[2:])
         pgrads: dict[int, torch.Tensor] = {}
         errors, scales = [], []
-        state = [(y,), False, (dy,), (False,)]
-        keep = (y, dy)
+        state = [(y,), False, (dy,)]
         devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
         with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
             for i in range(len(plan.blocks) - 1, -1, -1):
                 need_upstream = need_x or i > first_needed
-                _block_bwd(plan, i, plan.blocks[i], state, flat, need_upstream, pgrads, keep)
+                _block_bwd(plan, i, plan.blocks[i], state, flat, need_upstream, pgrads)
                 err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, state[0]))
                 errors.append(err)
                 scales.append(scale)
                 if not need_upstream and i <= first_needed:
                     break
-        del y, dy, keep
+        del y, dy
         dstream = state[2]
         state.clear()
         if plan.sink is not None and errors:
@@ -593,6 +590,9 @@ def reversible_sequential(
     if reversible and needs_graph and len(plan.blocks) > 0:
         plan.flat_params = flat
         plan.block_params = _param_groups(plan.blocks, flat)
+        for blk in plan.blocks:
+            for m in (blk.F, blk.G) if _is_coupling(blk) else (blk,):
+                plan.forward_params[id(m)] = dict(m.named_parameters(remove_duplicate=False))
         y = _apply(plan, x_in, flat)
     else:
         y = _plain(plan, x_in)
