@@ -528,3 +528,31 @@ def test_errors():
         AdditiveCoupling(lambda t: t, nn.Identity())
     with pytest.raises(ValueError, match="cannot split the input in two"):
         ReversibleSequential(*additive_blocks(1, 4))(torch.randn(2, 1, 3, 3))
+
+
+# ----------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("exact", [False, True])
+def test_memory_flat_in_depth(exact):
+    memory = pytest.importorskip("slimgrad.memory")
+    x0 = torch.randn(2, 8, 8, 8)
+    r = torch.randn(2, 8, 8, 8)
+    res = {}
+    for n in (4, 8):
+        rev, plain = pair(additive_blocks(n, 8), torch.float32, exact=exact)
+        if exact:
+            plain = QuantisedPlain(list(plain))
+        got = [memory.measure(lambda m=m: (m(x0 * 1) * r).sum()) for m in (rev, plain)]
+        res[n] = (got, sum(p.numel() * p.element_size() for p in rev.parameters()))
+    out_bytes = x0.numel() * (8 if exact else 4)  # the stream dtype: float64 in exact mode
+    for n in (4, 8):
+        (m_rev, _), _ = res[n]
+        # contract: the chain keeps exactly its output (the r kept by the loss's mul is an input)
+        assert m_rev.saved_bytes == out_bytes
+        assert m_rev.by_node == {"_ReversibleChainFnBackward": out_bytes}
+    (r4, p4), w4 = res[4]
+    (r8, p8), w8 = res[8]
+    per_block_rev = (r8.peak_bytes - r4.peak_bytes - (w8 - w4)) / 4
+    per_block_plain = (p8.peak_bytes - p4.peak_bytes - (w8 - w4)) / 4
+    assert 0 <= per_block_rev <= 1024  # beyond weight gradients: diagnostic samples only
+    assert per_block_plain >= 4 * x0.numel()  # eager keeps >= one activation per block
+    assert p8.saved_bytes - p4.saved_bytes >= 4 * 2 * x0.numel() * 4
