@@ -19,6 +19,7 @@ from tests.nn._reversible_helpers import (
     ScaleShift,
     additive_blocks,
     affine_blocks,
+    conv_fn,
     grads,
     pair,
 )
@@ -123,6 +124,18 @@ def test_only_late_blocks_need_grad():
             torch.testing.assert_close(p.grad, q.grad)
     rep = rev.last_reconstruction.per_block_abs
     assert all(math.isnan(e) for e in rep[:3]) and not any(math.isnan(e) for e in rep[3:])
+
+
+def test_shared_weights_across_blocks_and_halves():
+    # one F module reused by every block and as G: its gradient sums over all uses
+    torch.manual_seed(0)
+    f = conv_fn(2, 2)
+    blocks = [AdditiveCoupling(f, f) for _ in range(3)]
+    rev, plain = pair(blocks)
+    assert len(list(rev.parameters())) == 2
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    loss = weighted_sum(torch.randn(2, 4, 3, 3, dtype=F64))
+    torch.testing.assert_close(grads(rev, x, loss), grads(plain, x, loss))
 
 
 # ----------------------------------------------------------------------------------- exact mode
@@ -500,6 +513,15 @@ def test_state_dict_keys_like_sequential_and_indexing():
     assert list(rev.state_dict().keys()) == list(seq.state_dict().keys())
     assert rev[1] is blocks[1] and len(rev) == 2 and list(rev) == blocks
     rev.inverse(rev(torch.randn(1, 4, 2, 2)))
+
+
+def test_from_torch_shares_modules():
+    seq = nn.Sequential(*additive_blocks(2, 4))
+    rev = ReversibleSequential.from_torch(seq, exact=True)
+    assert rev.exact and list(rev.state_dict()) == list(seq.state_dict())
+    assert all(a is b for a, b in zip(rev.parameters(), seq.parameters()))
+    with pytest.raises(TypeError, match="expected nn.Sequential"):
+        ReversibleSequential.from_torch(nn.ModuleList(additive_blocks(1, 4)))
 
 
 def test_split_dim_last():

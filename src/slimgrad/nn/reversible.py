@@ -275,6 +275,25 @@ class ReversibleSequential(nn.Module):
         self.reversible = bool(reversible)
         self._sink = _Sink()
 
+    @classmethod
+    def from_torch(cls, module: nn.Sequential, **kwargs) -> ReversibleSequential:
+        """The same chain from an ``nn.Sequential`` of invertible blocks, sharing its modules.
+
+        Args:
+            module: an ``nn.Sequential`` whose children are couplings or have ``inverse``.
+            **kwargs: ``exact``, ``grid_bits``, ``preserve_rng_state``, ``reversible``.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Sequential``, or a child is not invertible.
+        """
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                "slimgrad.nn.ReversibleSequential.from_torch: module must be an nn.Sequential of "
+                f"invertible blocks; expected nn.Sequential, got {type(module).__name__}. Build "
+                "ReversibleSequential(*blocks) directly."
+            )
+        return cls(OrderedDict(module.named_children()), **kwargs)
+
     def __len__(self) -> int:
         return len(self._modules)
 
