@@ -106,7 +106,7 @@ class _Plan:
     grid_bits: int
     compute_dtype: torch.dtype | None
     preserve_rng_state: bool
-    sink: Any  # object whose ``_record_reconstruction(errors, scales)`` receives the diagnostic
+    sink: Any  # ``_record_reconstruction(first, errors, scales)`` receives the diagnostic
     flat_params: list[torch.Tensor] = field(default_factory=list)  # Function inputs after x
     block_params: list[list[list[int]]] = field(default_factory=list)  # per block: [F, G] indices
     rng: list[tuple] = field(default_factory=list)  # per block (state before F, state before G)

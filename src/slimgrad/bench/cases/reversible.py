@@ -60,12 +60,18 @@ def build(n_blocks: int, device="cpu", dtype=torch.float32, small: bool = False,
     """(plain_model, checkpoint_model, rev_model, make_inputs): same blocks, separate copies.
 
     Each model maps ``(x, r)`` to the loss ``(chain(x) * r).sum()``; ``make_inputs()`` returns fresh
-    ``(x, r)`` with x requiring grad.
+    ``(x, r)`` with x requiring grad. With ``exact=True`` the plain model is plain autograd of the
+    same fixed-point network (``ReversibleSequential(..., exact=True, reversible=False)``) and there
+    is no checkpoint model (None).
     """
     shape = (2, 8, 8, 8) if small else (8, 64, 32, 32)
     blocks = _blocks(n_blocks, shape[1] // 2, device, dtype)
-    plain = _Loss(nn.Sequential(*copy.deepcopy(blocks)))
-    ckpt = _Loss(_Checkpointed(copy.deepcopy(blocks)))
+    if exact:
+        plain = _Loss(ReversibleSequential(*copy.deepcopy(blocks), exact=True, reversible=False))
+        ckpt = None
+    else:
+        plain = _Loss(nn.Sequential(*copy.deepcopy(blocks)))
+        ckpt = _Loss(_Checkpointed(copy.deepcopy(blocks)))
     rev = _Loss(ReversibleSequential(*copy.deepcopy(blocks), exact=exact))
 
     def make_inputs():
@@ -123,6 +129,7 @@ def run(depths=DEPTHS, small=False, repeat=5, exact=False, out: Path | None = No
     for n in depths:
         plain, ckpt, rev, make_inputs = build(n, small=small, exact=exact)
         models = {"plain": plain, "ckpt": ckpt, "rev": rev}
+        models = {k: m for k, m in models.items() if m is not None}
         rec: dict = {"case": "reversible", "n_blocks": n, "small": small, "exact": exact}
         ref = _grads(models["plain"], make_inputs())
         for name, m in models.items():
@@ -133,7 +140,9 @@ def run(depths=DEPTHS, small=False, repeat=5, exact=False, out: Path | None = No
             rec[f"{name}_peak_bytes"] = mem.peak_bytes
             rec[f"{name}_saved_bytes"] = mem.saved_bytes
             rec[f"{name}_retained_bytes"] = mem.retained_bytes
-            rec[f"{name}_grad_rel_err"] = _rel_err(_grads(m, make_inputs()), ref)
+            got = _grads(m, make_inputs())
+            rec[f"{name}_grad_rel_err"] = _rel_err(got, ref)
+            rec[f"{name}_grads_bit_identical"] = all(torch.equal(a, b) for a, b in zip(got, ref))
         rec["param_bytes"] = sum(p.numel() * p.element_size() for p in models["rev"].parameters())
         if models["rev"].body.last_reconstruction is not None:
             rec["rev_reconstruction_max_abs"] = models["rev"].body.last_reconstruction.max_abs
@@ -147,7 +156,7 @@ def run(depths=DEPTHS, small=False, repeat=5, exact=False, out: Path | None = No
                 t0 = time.process_time()
                 _step(m, inputs)
                 times[name].append(time.process_time() - t0)
-        for name in ("ckpt", "rev"):
+        for name in [k for k in ("ckpt", "rev") if k in models]:
             ratios = [a / b for a, b in zip(times[name], times["plain"])]
             rec[f"{name}_over_plain_median"] = statistics.median(ratios)
             rec[f"{name}_over_plain_min"] = min(ratios)
