@@ -51,6 +51,7 @@ vector-Jacobian product so backward kernels run as in eager.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -601,11 +602,24 @@ def reversible_sequential(
     return y.to(x.dtype) if exact else y
 
 
-@torch._dynamo.disable
 def _apply(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
-    # NOTE: torch.compile runs the chain eagerly (one graph break per chain): its backward calls
-    # autograd.grad on module recomputes, which Dynamo cannot trace; code around the chain compiles.
+    # torch.compile runs the chain eagerly (one graph break per chain, code around it compiles):
+    # the backward calls autograd.grad on module recomputes, which Dynamo cannot trace. Importing
+    # torch._dynamo costs seconds, so the compiler.disable wrapper is built only once Dynamo is
+    # loaded (nothing can be compiling before that); when that first happens inside a trace,
+    # Dynamo also breaks at the wrapper's creation, once.
+    if _DISABLED[0] is None:
+        if "torch._dynamo" not in sys.modules:
+            return _ReversibleChainFn.apply(plan, x, *flat)
+        _DISABLED[0] = torch.compiler.disable(_apply_eager)
+    return _DISABLED[0](plan, x, flat)
+
+
+def _apply_eager(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
     return _ReversibleChainFn.apply(plan, x, *flat)
+
+
+_DISABLED: list = [None]
 
 
 def reconstruction_error(
