@@ -84,7 +84,9 @@ class _GridRoundFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.in_dtype = t.dtype
-        return torch.round(t.to(torch.float64) * scale).div_(scale)
+        t64 = t.to(torch.float64)
+        t64 = t64 * scale if t64 is t else t64.mul_(scale)  # never write into the caller's t
+        return t64.round_().div_(scale)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
