@@ -38,7 +38,10 @@ reverse, rebuilding inputs from outputs and returning gradients through autograd
 inputs of the Function, so each gets exactly one AccumulateGrad: DDP hooks and ``autograd.grad``
 work, and ``.grad`` is never assigned by hand). State for backward is kept in a plain object on ctx
 that references no output tensor, so a graph that is dropped without backward is freed by reference
-counting, with no cycle.
+counting, with no cycle. The one write backward does: a block input it rebuilt itself becomes the
+next block's output and is overwritten by that block's rebuild, but only when no other tensor
+aliases its storage (a hook inside F or G may hold one); the saved output, the incoming gradient
+and every gradient are never written.
 
 Recompute fidelity: per block, the CPU (and device) RNG state is captured right before F and right
 before G, and restored for each one's recompute inside ``fork_rng`` (dropout masks repeat bit for
@@ -450,17 +453,48 @@ def _param_groups(
     return groups
 
 
-# ------------------------------------------------------------------------------------- Function
+# ------------------------------------------------------------------------ forward and backward
+def _fwd_torch(plan: _Plan, x: torch.Tensor, record: bool) -> torch.Tensor:
+    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs.
+    stream: tuple = (x,)
+    for blk in plan.blocks:
+        stream = _block_fwd(plan, blk, stream, record=record)
+    return _finish(plan, stream)
+
+
+def _bwd_torch(
+    plan: _Plan, y: torch.Tensor, dy: torch.Tensor, need_x: bool, need_params: Sequence[bool]
+) -> tuple:
+    # Walk the blocks in reverse from the output: returns (dx or None, {param index: grad}).
+    first_needed = _first_block_needing(plan, need_params)
+    pgrads: dict[int, torch.Tensor] = {}
+    errors, scales = [], []
+    state = [(y,), False, (dy,)]
+    del y, dy
+    devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
+    with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
+        for i in range(len(plan.blocks) - 1, -1, -1):
+            need_upstream = need_x or i > first_needed
+            _block_bwd(plan, i, plan.blocks[i], state, plan.flat_params, need_upstream, pgrads)
+            err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, state[0]))
+            errors.append(err)
+            scales.append(scale)
+            if not need_upstream and i <= first_needed:
+                break
+    dstream = state[2]
+    state.clear()
+    if plan.sink is not None and errors:
+        first = len(plan.blocks) - len(errors)
+        plan.sink._record_reconstruction(first, errors[::-1], scales[::-1])
+    return (_finish(plan, dstream) if need_x else None), pgrads
+
+
 class _ReversibleChainFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _Plan, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         plan.autocast = _autocast_state(x.device)
         plan.device = x.device
-        stream: tuple = (x,)
-        for blk in plan.blocks:
-            stream = _block_fwd(plan, blk, stream, record=True)
-        y = _finish(plan, stream)
-        del stream
+        y = _fwd_torch(plan, x, record=True)
         if y is x or y._base is not None:
             y = y.clone()  # a Function output must be a fresh tensor to be saved as an output
         ctx.plan = plan
@@ -477,35 +511,13 @@ class _ReversibleChainFn(torch.autograd.Function):
                 "reversible=False to differentiate twice."
             )
         (y,) = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[1]
-        flat = _flat_params_of(plan)
-        first_needed = _first_block_needing(plan, ctx.needs_input_grad[2:])
-        pgrads: dict[int, torch.Tensor] = {}
-        errors, scales = [], []
-        state = [(y,), False, (dy,)]
-        devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
-        with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
-            for i in range(len(plan.blocks) - 1, -1, -1):
-                need_upstream = need_x or i > first_needed
-                _block_bwd(plan, i, plan.blocks[i], state, flat, need_upstream, pgrads)
-                err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, state[0]))
-                errors.append(err)
-                scales.append(scale)
-                if not need_upstream and i <= first_needed:
-                    break
-        del y, dy
-        dstream = state[2]
-        state.clear()
-        if plan.sink is not None and errors:
-            first = len(plan.blocks) - len(errors)
-            plan.sink._record_reconstruction(first, errors[::-1], scales[::-1])
-        dx = _finish(plan, dstream) if need_x else None
-        return (None, dx, *[pgrads.get(j) for j in range(len(flat))])
+        dx, pgrads = _bwd_torch(plan, y, dy, ctx.needs_input_grad[1], ctx.needs_input_grad[2:])
+        return (None, dx, *[pgrads.get(j) for j in range(len(plan.flat_params))])
 
 
 def _sample_error(refs: tuple, rebuilt: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     err = torch.stack(
-        [(_sample(r).double() - s.double()).abs().max() for s, r in zip(refs, rebuilt)]
+        [(_sample(t).double() - ref.double()).abs().max() for ref, t in zip(refs, rebuilt)]
     )
     scale = torch.stack([s.double().abs().max() for s in refs])
     return err.max(), scale.max()
@@ -518,10 +530,6 @@ def _rebuilt_for(plan: _Plan, i: int, stream: tuple) -> tuple:
     return _to_full(stream, plan.split_dim)
 
 
-def _flat_params_of(plan: _Plan) -> list[torch.Tensor]:
-    return plan.flat_params
-
-
 def _first_block_needing(plan: _Plan, needs: Sequence[bool]) -> int:
     # Index of the first block with a parameter that needs a gradient (len(blocks) if none).
     for i, groups in enumerate(plan.block_params):
@@ -531,13 +539,6 @@ def _first_block_needing(plan: _Plan, needs: Sequence[bool]) -> int:
 
 
 # ----------------------------------------------------------------------------------- functional
-def _plain(plan: _Plan, x: torch.Tensor) -> torch.Tensor:
-    stream: tuple = (x,)
-    for blk in plan.blocks:
-        stream = _block_fwd(plan, blk, stream, record=False)
-    return _finish(plan, stream)
-
-
 def reversible_sequential(
     x: torch.Tensor,
     blocks: Sequence[nn.Module],
@@ -598,7 +599,7 @@ def reversible_sequential(
                 plan.forward_params[id(m)] = dict(m.named_parameters(remove_duplicate=False))
         y = _apply(plan, x_in, flat)
     else:
-        y = _plain(plan, x_in)
+        y = _fwd_torch(plan, x_in, record=False)
     check_exact_range(plan)
     plan.stream_max = None
     return y.to(x.dtype) if exact else y
