@@ -57,9 +57,9 @@ class ScaleShift(nn.Module):
         return (y - self.b) / self.a.exp()
 
 
-def pair(blocks: list[nn.Module], dtype=torch.float64, **kw):
+def pair(blocks: list[nn.Module], dtype=torch.float64, device="cpu", **kw):
     """(reversible chain, plain nn.Sequential of deep copies of the same blocks)."""
-    blocks = [b.to(dtype) for b in blocks]
+    blocks = [b.to(device, dtype) for b in blocks]
     plain = nn.Sequential(*copy.deepcopy(blocks))
     return ReversibleSequential(*blocks, **kw), plain
 

@@ -60,7 +60,7 @@ def test_gradcheck_float64(kind):
 
 @pytest.mark.parametrize("kind", ["additive", "affine", "mixed"])
 @pytest.mark.parametrize("shape", [(2, 6, 5, 7), (3, 5, 4, 3)])
-def test_equals_plain_chain_float64(kind, shape):
+def test_equals_plain_chain_float64(kind, shape, device):
     c = shape[1]
     if kind == "additive":
         blocks = additive_blocks(4, c)
@@ -68,9 +68,9 @@ def test_equals_plain_chain_float64(kind, shape):
         blocks = affine_blocks(4, c)
     else:
         blocks = [*additive_blocks(2, c), ScaleShift(c), *affine_blocks(1, c)]
-    rev, plain = pair(blocks)
-    x = torch.randn(*shape, dtype=F64, requires_grad=True)
-    loss = weighted_sum(torch.randn(*shape, dtype=F64))
+    rev, plain = pair(blocks, device=device)
+    x = torch.randn(*shape, dtype=F64, device=device, requires_grad=True)
+    loss = weighted_sum(torch.randn(*shape, dtype=F64, device=device))
     got, ref = grads(rev, x, loss), grads(plain, x, loss)
     torch.testing.assert_close(got, ref)
 
@@ -314,10 +314,11 @@ def test_dropout_reproduced_bit_for_bit_and_caller_rng_untouched():
     assert torch.equal(after_rev, after_ref)
 
 
-def test_dropout_float64_equals_plain():
-    rev, plain = pair(additive_blocks(3, 4, dropout=0.3))
-    x = torch.randn(2, 4, 5, 5, dtype=F64, requires_grad=True)
-    loss = weighted_sum(torch.randn(2, 4, 5, 5, dtype=F64))
+def test_dropout_float64_equals_plain(device):
+    # on CUDA this also covers the device RNG state, captured and replayed per F and G
+    rev, plain = pair(additive_blocks(3, 4, dropout=0.3), device=device)
+    x = torch.randn(2, 4, 5, 5, dtype=F64, device=device, requires_grad=True)
+    loss = weighted_sum(torch.randn(2, 4, 5, 5, dtype=F64, device=device))
     torch.manual_seed(3)
     got = grads(rev, x, loss)
     torch.manual_seed(3)
@@ -515,6 +516,21 @@ def test_state_dict_keys_like_sequential_and_indexing():
     assert list(rev.state_dict().keys()) == list(seq.state_dict().keys())
     assert rev[1] is blocks[1] and len(rev) == 2 and list(rev) == blocks
     rev.inverse(rev(torch.randn(1, 4, 2, 2)))
+
+
+def test_inside_torch_checkpoint():
+    # an outer non-reentrant checkpoint packs the chain's saved output with its own hooks and
+    # reruns the chain's forward to unpack it; gradients are unchanged
+    from torch.utils.checkpoint import checkpoint
+
+    rev, plain = pair(additive_blocks(3, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    got = torch.autograd.grad(
+        (checkpoint(rev, x, use_reentrant=False) * r).sum(), [x, *rev.parameters()]
+    )
+    want = torch.autograd.grad((plain(x) * r).sum(), [x, *plain.parameters()])
+    torch.testing.assert_close(got, want)
 
 
 def test_from_torch_shares_modules():
