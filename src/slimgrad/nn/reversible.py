@@ -211,6 +211,12 @@ class ReversibleSequential(nn.Module):
         ValueError: couplings split along different dims, or ``grid_bits`` outside 1..52.
         NotImplementedError: ``exact=True`` with a non-additive block.
 
+    Notes: inside the chain a coupling's F and G are called directly, so hooks on F, G and their
+    submodules fire (a second time in backward, during the recompute) while hooks on the coupling
+    module itself do not. ``create_graph=True`` raises (use ``reversible=False``). Under
+    ``torch.compile`` the chain runs eagerly behind one graph break (``torch.compiler.disable``).
+    Only block parameters and the input receive gradients (tensors captured by closure do not).
+
     Memory: saves the chain output (float: 1x the input; exact: float64 stream) + 10 KiB RNG state
     per block; eager saves all F/G activations and block outputs (linear in depth). Diagnostic:
     after each backward, :attr:`last_reconstruction` reports the reconstruction error on sampled
