@@ -1,6 +1,7 @@
 import copy
 import gc
 import math
+import warnings
 import weakref
 
 import pytest
@@ -171,14 +172,17 @@ def test_float_mode_reports_reconstruction_error():
     rev = ReversibleSequential(*blocks)
     assert rev.last_reconstruction is None
     x = torch.randn(2, 4, 6, 6, requires_grad=True)
-    rev(x).sum().backward()
+    with pytest.warns(RuntimeWarning, match="expected relative reconstruction error <= 0.001"):
+        rev(x).sum().backward()
     rep = rev.last_reconstruction
     assert len(rep.per_block_abs) == 16
     assert rep.max_abs > 0 and rep.max_rel > 0
     assert rep.max_abs == max(rep.per_block_abs)
     # the same chain in exact mode rebuilds exactly
     ex = ReversibleSequential(*copy.deepcopy(blocks), exact=True)
-    ex(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ex(x).sum().backward()
     assert ex.last_reconstruction.max_abs == 0.0
     # the module-level check agrees: float drifts, exact does not
     assert check_invertible(rev, x.detach()) > 0
@@ -563,6 +567,8 @@ def test_errors():
             AdditiveCoupling(nn.Identity(), nn.Identity(), split_dim=1),
             AdditiveCoupling(nn.Identity(), nn.Identity(), split_dim=2),
         )
+    with pytest.raises(ValueError, match="warn_rel_error .* expected a float > 0 or None"):
+        ReversibleSequential(*additive_blocks(1, 4), warn_rel_error=-1.0)
     with pytest.raises(ValueError, match="clamp"):
         AffineCoupling(nn.Identity(), nn.Identity(), clamp=0.0)
     with pytest.raises(TypeError, match="F must be an nn.Module"):

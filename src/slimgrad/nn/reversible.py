@@ -13,6 +13,7 @@ block; eager saves every F/G activation and block output, linearly in depth.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ class ReconstructionReport:
         order.
         per_block_scale: max |original| over the same elements.
         max_abs: the largest of ``per_block_abs``.
-        max_rel: ``max_abs`` over the largest scale (0 when all scales are 0).
+        max_rel: the largest per-block ratio ``per_block_abs / per_block_scale``.
     """
 
     per_block_abs: tuple[float, ...]
@@ -169,18 +170,37 @@ class ReconstructionReport:
     max_rel: float
 
 
+def _rel_errors(errors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    # per block |rebuilt - original| / max|original| (0 where both are 0)
+    return torch.where(errors == 0, torch.zeros_like(errors), errors / scales)
+
+
 class _Sink:
     # Receives the diagnostic from backward; a plain object (not the module) so ctx holds no module
     # state.
-    def __init__(self) -> None:
+    def __init__(self, warn_rel_error: float | None) -> None:
         self.first = 0
         self.errors: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.warn_rel_error = warn_rel_error
 
     def _record_reconstruction(self, first: int, errors: list, scales: list) -> None:
         self.first = first
         self.errors = torch.stack(errors)
         self.scales = torch.stack(scales)
+        if self.warn_rel_error is None:
+            return
+        rel = float(_rel_errors(self.errors, self.scales).max())  # the one sync per backward
+        if not rel <= self.warn_rel_error:
+            warnings.warn(
+                "slimgrad.nn.ReversibleSequential: rebuilt activations drifted from the forward's "
+                f"(float rounding amplified over {len(errors)} blocks); expected relative "
+                f"reconstruction error <= {self.warn_rel_error:g}, got {rel:.3g}, so gradients are "
+                "off by a similar or larger amount. Use exact=True for a bit-exact rebuild, or "
+                "smaller activations; see last_reconstruction.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 class ReversibleSequential(nn.Module):
@@ -205,10 +225,14 @@ class ReversibleSequential(nn.Module):
             (dropout).
         reversible: False runs the same maths with ordinary autograd (keeps activations; a
             reference, or for higher-order gradients).
+        warn_rel_error: after each backward, warn (RuntimeWarning) when the sampled
+            reconstruction error relative to the activations' size exceeds this; None skips the
+            check (and its one device sync per backward).
 
     Raises:
         TypeError: a block is not an nn.Module with an ``inverse`` method (or a coupling).
-        ValueError: couplings split along different dims, or ``grid_bits`` outside 1..52.
+        ValueError: couplings split along different dims, ``grid_bits`` outside 1..52, or a
+            ``warn_rel_error`` that is not None or > 0.
         NotImplementedError: ``exact=True`` with a non-additive block.
 
     Notes: inside the chain a coupling's F and G are called directly, so hooks on F, G and their
@@ -235,6 +259,7 @@ class ReversibleSequential(nn.Module):
         grid_bits: int = 20,
         preserve_rng_state: bool = True,
         reversible: bool = True,
+        warn_rel_error: float | None = 1e-3,
     ) -> None:
         super().__init__()
         api = "ReversibleSequential"
@@ -279,7 +304,16 @@ class ReversibleSequential(nn.Module):
         self.grid_bits = grid_bits
         self.preserve_rng_state = bool(preserve_rng_state)
         self.reversible = bool(reversible)
-        self._sink = _Sink()
+        bad_warn = warn_rel_error is not None and not (
+            isinstance(warn_rel_error, (int, float)) and warn_rel_error > 0
+        )
+        if bad_warn:
+            raise ValueError(
+                f"slimgrad.nn.{api}: warn_rel_error is the relative reconstruction error above "
+                f"which backward warns; expected a float > 0 or None, got {warn_rel_error!r}. "
+                "Pass e.g. 1e-3, or None to never check."
+            )
+        self._sink = _Sink(warn_rel_error)
 
     @classmethod
     def from_torch(cls, module: nn.Sequential, **kwargs) -> ReversibleSequential:
@@ -338,13 +372,11 @@ class ReversibleSequential(nn.Module):
         errs = [float(e) for e in s.errors]
         scales = [float(v) for v in s.scales]
         pad = [float("nan")] * s.first
-        max_abs = max(errs)
-        top = max(scales)
         return ReconstructionReport(
             per_block_abs=tuple(pad + errs),
             per_block_scale=tuple(pad + scales),
-            max_abs=max_abs,
-            max_rel=max_abs / top if top > 0 else 0.0,
+            max_abs=max(errs),
+            max_rel=float(_rel_errors(s.errors, s.scales).max()),
         )
 
     def check_invertible(self, x: torch.Tensor) -> float:
@@ -354,6 +386,7 @@ class ReversibleSequential(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"exact={self.exact}, grid_bits={self.grid_bits}, "
+            f"warn_rel_error={self._sink.warn_rel_error}, "
             f"preserve_rng_state={self.preserve_rng_state}, reversible={self.reversible}"
         )
 
