@@ -4,7 +4,8 @@ Input 8x64x32x32 fp32 (``small``: 2x8x8x8), loss ``(y * r).sum()``. ``build(n_bl
 the three models on the same blocks (same weights) and an input maker; ``main()`` measures each with
 ``slimgrad.memory.measure`` at N = 4, 8, 16, 32, 64, times interleaved steps (CPU time per step,
 one thread) and prints/appends JSON records. For ``slimgrad bench`` the module also registers
-harness cases ``reversible_n{N}`` (eager = plain chain, slim = ReversibleSequential).
+harness cases ``reversible_n{N}`` (eager = plain chain, slim = ReversibleSequential) and
+``reversible_exact_n{N}`` (eager = plain autograd of the fixed-point network, slim = exact mode).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def build(n_blocks: int, device="cpu", dtype=torch.float32, small: bool = False,
     return plain, ckpt, rev, make_inputs
 
 
-def _harness_build(n_blocks: int, device, dtype, small: bool = False):
-    plain, _, rev, make_inputs = build(n_blocks, device, dtype, small)
+def _harness_build(n_blocks: int, device, dtype, small: bool = False, exact: bool = False):
+    plain, _, rev, make_inputs = build(n_blocks, device, dtype, small, exact=exact)
     # same parameter names on both sides: plain.body.0.F.0.weight == rev.body.0.F.0.weight
     return plain, rev, make_inputs
 
@@ -97,6 +98,14 @@ try:  # the bench harness lands separately; without it only main() is available
             name=f"reversible_n{n}",
             build=functools.partial(_harness_build, n),
             description=f"reversible chain, {n} additive conv couplings, 8x64x32x32",
+            repeat=3,
+        )
+        for n in DEPTHS
+    ] + [
+        Case(
+            name=f"reversible_exact_n{n}",
+            build=functools.partial(_harness_build, n, exact=True),
+            description=f"reversible chain, exact (fixed-point) mode, {n} couplings, 8x64x32x32",
             repeat=3,
         )
         for n in DEPTHS
@@ -144,8 +153,10 @@ def run(depths=DEPTHS, small=False, repeat=5, exact=False, out: Path | None = No
             rec[f"{name}_grad_rel_err"] = _rel_err(got, ref)
             rec[f"{name}_grads_bit_identical"] = all(torch.equal(a, b) for a, b in zip(got, ref))
         rec["param_bytes"] = sum(p.numel() * p.element_size() for p in models["rev"].parameters())
-        if models["rev"].body.last_reconstruction is not None:
-            rec["rev_reconstruction_max_abs"] = models["rev"].body.last_reconstruction.max_abs
+        report = models["rev"].body.last_reconstruction
+        if report is not None:
+            rec["rev_reconstruction_max_abs"] = report.max_abs
+            rec["rev_reconstruction_max_rel"] = report.max_rel
         # interleaved timing: CPU time of one step (one thread), pairs plain/ckpt/rev in turn
         times: dict[str, list[float]] = {k: [] for k in models}
         for m in models.values():
