@@ -1,9 +1,9 @@
-"""The 15 ownership cases (research/selective_inplace.md section 6), retain_graph twice, checkpoint nesting.
+"""The 15 ownership cases (research/selective_inplace.md section 6), retain_graph, checkpoint.
 
-Each case runs twice, with reuse on and under ``reuse_disabled()``, and compares every gradient, captured
-gradient and hooked tensor bit for bit; it also asserts whether reuse happened. For each unsafe case a
-"reckless" Function that overwrites its incoming gradient unconditionally shows the case really corrupts
-something (so the refusal is what keeps the result right).
+Each case runs twice, with reuse on and under ``reuse_disabled()``, and compares every gradient,
+captured gradient and hooked tensor bit for bit; it also asserts whether reuse happened. For each
+unsafe case a "reckless" Function that overwrites its incoming gradient unconditionally shows the
+case really corrupts something (so the refusal is what keeps the result right).
 """
 
 from __future__ import annotations
@@ -302,8 +302,8 @@ def test_failed_calibration_never_reuses(monkeypatch):
 
 
 def test_refcount_baseline_matches_independent_probe():
-    # Re-measure the engine's refcount on a gradient with the same call depth as take(), independently of
-    # ownership's own calibration Function.
+    # Re-measure the engine's refcount on a gradient with the same call depth as take(),
+    # independently of ownership's own calibration Function.
     seen = []
 
     def probe(t):
@@ -335,11 +335,11 @@ def test_reuse_count_bad_kind():
         ownership.reuse_count("nope")
 
 
-# Saved tensors -------------------------------------------------------------------------------------------
+# Saved tensors ----------------------------------------------------------------------------------
 
 
 class _ExpSaved(torch.autograd.Function):
-    """y = exp(x) (returned as a copy); saves exp(x) and writes dx = g * exp(x) into it when it is dead."""
+    """y = exp(x) (returned as a copy); saves exp(x), writes dx = g * exp(x) into it when dead."""
 
     @staticmethod
     def forward(ctx, x):
@@ -423,8 +423,8 @@ def test_saved_output_held_by_user_not_reused():
 
 
 def test_saved_output_dropped_by_user():
-    # The output's Python object is gone; the saved tensor is then held by autograd only. Either decision is
-    # safe; what matters is the gradient.
+    # The output's Python object is gone; the saved tensor is then held by autograd only. Either
+    # decision is safe; what matters is the gradient.
     x, _, _, n = _saved_run(_ExpSavedOutput)
     w = torch.randn(N, generator=torch.Generator().manual_seed(8))
     torch.testing.assert_close(x.grad, (x.detach() * 1.0).exp() * w, rtol=0, atol=0)

@@ -1,42 +1,50 @@
 """Gradient-buffer ownership: when a backward may write its result into a buffer nobody else reads.
 
-Once forward is done the backward graph is fixed, and reference counts tell which buffers are dead. A backward
-that writes its result into such a buffer (its incoming gradient, or a saved tensor at its last use) needs one
-fewer full-size transient. Done wrong, it corrupts gradients silently (inplace-abn PR #218, Liger-Kernel's
-RMSNorm on Gemma-2). This module is the one place that decides; see NOTE [Gradient-buffer ownership].
+Once forward is done the backward graph is fixed, and reference counts tell which buffers are dead.
+A backward that writes its result into such a buffer (its incoming gradient, or a saved tensor at
+its last use) needs one fewer full-size transient. Done wrong, it corrupts gradients silently
+(inplace-abn PR #218, Liger-Kernel's RMSNorm on Gemma-2). This module is the one place that decides;
+see NOTE [Gradient-buffer ownership].
 
 Public API (all cheap, no allocation):
 
-- :func:`take` (incoming gradient) and :func:`take_saved` (a saved tensor at its last use): return the tensor
-  when the caller may overwrite it, else None; each granted reuse bumps :func:`reuse_count`.
+- :func:`take` (incoming gradient) and :func:`take_saved` (a saved tensor at its last use): return
+  the tensor when the caller may overwrite it, else None; each granted reuse bumps
+  :func:`reuse_count`.
 - :func:`reusable`: the same predicate, without counting.
-- :func:`reuse_disabled`: context manager turning reuse off (also ``SLIMGRAD_NO_REUSE=1`` in the environment).
-- :func:`mark_consumed` / :func:`check_not_consumed`: invalidate a Function's saved tensors after reuse, so a
-  second backward raises a clear error instead of reading garbage.
+- :func:`reuse_disabled`: context manager turning reuse off (also ``SLIMGRAD_NO_REUSE=1`` in the
+  environment).
+- :func:`mark_consumed` / :func:`check_not_consumed`: invalidate a Function's saved tensors after
+  reuse, so a second backward raises a clear error instead of reading garbage.
 
 # NOTE [Gradient-buffer ownership]
-A backward may overwrite a tensor ``g`` only if every one of these holds (measured on torch 2.13 / CPython 3.11
-over 15 cases, research/selective_inplace.md section 6; no single term suffices):
+A backward may overwrite a tensor ``g`` only if every one of these holds (measured on torch 2.13 /
+CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single term suffices):
 
-1. ``g._use_count() == 1``: one C++ handle (the Python object) holds the TensorImpl. Catches a gradient that
-   autograd hands to a sibling node still pending (the Gemma-2 pattern), a user ``gradient=G`` and the
-   ``autograd.grad`` result of a non-leaf input (the engine keeps it as a captured gradient).
-2. Storage use count == 1 (``torch._C._storage_Use_Count`` minus the probe's own storage object, calibrated):
-   no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient) shares the memory. Conservative:
-   refuses disjoint slices too.
-3. ``sys.getrefcount(g)`` equals the baseline calibrated at import for the exact calling pattern below. Catches
-   extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook that keeps ``g``, an upstream
-   Function that returns its own saved tensor as the gradient. If calibration fails, reuse is never granted.
-4. Non-overlapping and dense, offset 0, covering its whole storage, plain strided ``torch.Tensor`` (no
-   subclass, functorch wrapper, conj/neg bit, view): an in-place kernel writes every byte exactly once.
-5. Grad mode off (no ``create_graph=True``: a double backward may have saved ``g``) and ``not g.requires_grad``.
-6. Running inside the autograd engine (``torch._C._current_graph_task_id() != -1``), not being traced by
-   torch.compile/functorch, and reuse not disabled (:func:`reuse_disabled`, ``SLIMGRAD_NO_REUSE=1``).
-   For saved tensors (:func:`take_saved`) also: the graph is not kept (``retain_graph=True`` keeps saved
-   tensors intact, so no reuse), and the tensor counts are those of a saved tensor nobody else holds.
+1. ``g._use_count() == 1``: one C++ handle (the Python object) holds the TensorImpl. Catches a
+   gradient that autograd hands to a sibling node still pending (the Gemma-2 pattern), a user
+   ``gradient=G`` and the ``autograd.grad`` result of a non-leaf input (the engine keeps it as a
+   captured gradient).
+2. Storage use count == 1 (``torch._C._storage_Use_Count`` minus the probe's own storage object,
+   calibrated): no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient) shares the
+   memory. Conservative: refuses disjoint slices too.
+3. ``sys.getrefcount(g)`` equals the baseline calibrated at import for the exact calling pattern
+   below. Catches extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook
+   that keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. If
+   calibration fails, reuse is never granted.
+4. Non-overlapping and dense, offset 0, covering its whole storage, plain strided ``torch.Tensor``
+   (no subclass, functorch wrapper, conj/neg bit, view): an in-place kernel writes every byte
+   exactly once.
+5. Grad mode off (no ``create_graph=True``: a double backward may have saved ``g``) and ``not
+   g.requires_grad``.
+6. Running inside the autograd engine (``torch._C._current_graph_task_id() != -1``), not being
+   traced by torch.compile/functorch, and reuse not disabled (:func:`reuse_disabled`,
+   ``SLIMGRAD_NO_REUSE=1``). For saved tensors (:func:`take_saved`) also: the graph is not kept
+   (``retain_graph=True`` keeps saved tensors intact, so no reuse), and the tensor counts are those
+   of a saved tensor nobody else holds.
 
-Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails safe,
-refusing reuse, never the other way):
+Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails
+safe, refusing reuse, never the other way):
 
     class _MyFn(torch.autograd.Function):
         @staticmethod
@@ -44,16 +52,20 @@ refusing reuse, never the other way):
             buf = ownership.take(grad_out)    # FIRST use of grad_out, called directly from backward
             ...                               # buf is grad_out (overwrite it) or None (allocate)
 
-- Call it directly in the Function's ``backward`` staticmethod, on the bare parameter, before any other use:
-  no ``g = grad_out``, no list/tuple/ctx attribute holding it, not from a helper the backward calls.
+- Call it directly in the Function's ``backward`` staticmethod, on the bare parameter, before any
+  other use: no ``g = grad_out``, no list/tuple/ctx attribute holding it, not from a helper the
+  backward calls.
 - Several gradients (``backward(ctx, g1, g2)``) are fine: call ``take`` on each parameter.
-- Saved tensors: ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` with ``a`` held only
-  by that one local (do not keep the ``saved_tensors`` tuple in a variable); then ``mark_consumed`` is done by
-  ``take_saved`` and the Function's backward must start with ``ownership.check_not_consumed(ctx, api)``.
-- Never inside a ``custom_op`` kernel (the dispatcher adds references; compile forbids unannounced mutation):
-  take the buffer in the Function's eager backward and pass it down as an explicit ``out``.
-- Write with ordinary in-place ops under the backward's no-grad mode: they bump the version counter, so any
-  holder this predicate could not see still gets autograd's "modified by an inplace operation" error.
+- Saved tensors: ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` with ``a``
+  held only by that one local (do not keep the ``saved_tensors`` tuple in a variable); then
+  ``mark_consumed`` is done by ``take_saved`` and the Function's backward must start with
+  ``ownership.check_not_consumed(ctx, api)``.
+- Never inside a ``custom_op`` kernel (the dispatcher adds references; compile forbids unannounced
+  mutation): take the buffer in the Function's eager backward and pass it down as an explicit
+  ``out``.
+- Write with ordinary in-place ops under the backward's no-grad mode: they bump the version counter,
+  so any holder this predicate could not see still gets autograd's "modified by an inplace
+  operation" error.
 """
 
 from __future__ import annotations
@@ -88,9 +100,8 @@ _counter_lock = threading.Lock()
 _GRAD_REFCOUNT: int | None = None
 _SAVED_REFCOUNT: int | None = None
 _SAVED_USE_COUNT: int | None = None
-_STORAGE_PROBE: int | None = (
-    None  # storage use count of a tensor nobody else shares, probe included
-)
+# Storage use count of a tensor nobody else shares, the probe's own storage object included.
+_STORAGE_PROBE: int | None = None
 
 
 def _env_disabled() -> bool:
@@ -103,7 +114,7 @@ def _disabled() -> bool:
 
 @contextlib.contextmanager
 def reuse_disabled() -> Iterator[None]:
-    """Turn gradient-buffer reuse off in this thread (for debugging; results are identical either way).
+    """Turn gradient-buffer reuse off in this thread (debugging; results are identical either way).
 
     Example:
         >>> with slimgrad.ownership.reuse_disabled():
@@ -117,13 +128,13 @@ def reuse_disabled() -> Iterator[None]:
 
 
 def reuse_count(kind: str | None = None) -> int:
-    """Number of reuses granted since the last reset (``kind``: "grad", "saved" or None for both)."""
+    """Reuses granted since the last reset (``kind``: "grad", "saved" or None for both)."""
     if kind is None:
         return _counter["grad"] + _counter["saved"]
     if kind not in _counter:
         raise ValueError(
-            f"slimgrad.ownership.reuse_count: unknown kind; expected 'grad', 'saved' or None, got {kind!r}. "
-            "Pass one of those."
+            "slimgrad.ownership.reuse_count: unknown kind; expected 'grad', 'saved' or None, "
+            f"got {kind!r}. Pass one of those."
         )
     return _counter[kind]
 
@@ -207,7 +218,8 @@ def _saved_ok(t: torch.Tensor, refcount: int) -> bool:
 def reusable(grad: torch.Tensor | None) -> bool:
     """Whether a backward may overwrite its incoming gradient ``grad`` (no counting).
 
-    Call it directly from the Function's ``backward`` on its bare parameter (NOTE [Gradient-buffer ownership]).
+    Call it directly from the Function's ``backward`` on its bare parameter
+    (NOTE [Gradient-buffer ownership]).
 
     Args:
         grad: the incoming gradient, or None.
@@ -241,12 +253,13 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
-    """Return a saved tensor for in-place reuse at its last use, or None; marks ``ctx`` consumed if granted.
+    """Return a saved tensor for in-place reuse at its last use, or None; marks ``ctx`` consumed.
 
-    Refused under ``retain_graph=True`` (saved tensors must stay intact), when any other tensor or Python
-    reference shares the memory (e.g. the next layer saved the same storage, or the user still holds the
-    forward output), and in every case :func:`take` refuses. Call pattern: ``a, b = ctx.saved_tensors`` then
-    ``buf = ownership.take_saved(ctx, a)`` directly in ``backward`` (NOTE [Gradient-buffer ownership]).
+    Refused under ``retain_graph=True`` (saved tensors must stay intact), when any other tensor or
+    Python reference shares the memory (e.g. the next layer saved the same storage, or the user
+    still holds the forward output), and in every case :func:`take` refuses. Call pattern:
+    ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` directly in
+    ``backward`` (NOTE [Gradient-buffer ownership]).
     """
     refcount = sys.getrefcount(saved)
     if saved is None or not _saved_ok(saved, refcount):
@@ -258,7 +271,7 @@ def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def mark_consumed(ctx) -> None:
-    """Record that ``ctx``'s saved tensors were overwritten; :func:`check_not_consumed` then raises."""
+    """Record that ``ctx``'s saved tensors were overwritten (:func:`check_not_consumed` raises)."""
     ctx._slimgrad_consumed = True
 
 
@@ -271,13 +284,14 @@ def check_not_consumed(ctx, api: str) -> None:
     """
     if getattr(ctx, "_slimgrad_consumed", False):
         raise RuntimeError(
-            f"{api}: backward ran a second time, but the first backward reused this op's saved tensors in "
-            "place; expected retain_graph=True on the first backward, got retain_graph=False. Pass "
-            "retain_graph=True to the first backward (saved tensors are then kept intact)."
+            f"{api}: backward ran a second time, but the first backward reused this op's saved "
+            "tensors in place; expected retain_graph=True on the first backward, got "
+            "retain_graph=False. Pass retain_graph=True to the first backward (saved tensors are "
+            "then kept intact)."
         )
 
 
-# Calibration ---------------------------------------------------------------------------------------------
+# Calibration ------------------------------------------------------------------------------------
 
 
 class _CalibGrad(torch.autograd.Function):
@@ -310,7 +324,7 @@ class _CalibSaved(torch.autograd.Function):
 
 
 def _probe(t):
-    # Same frame depth and argument passing as take()/take_saved(): one call from backward, one parameter.
+    # Same frame depth and argument passing as take()/take_saved(): one call from backward.
     return (
         sys.getrefcount(t),
         t._use_count(),
@@ -341,8 +355,8 @@ def _calibrate() -> None:
             and saved[0] == saved[1]
             and saved[0][2] == _STORAGE_PROBE
         )
-        # The refcount of the probe's own parameter is one more than the engine's holders: a hook that keeps
-        # the gradient must raise it by one. Check that the baseline is sensitive to it.
+        # A hook that keeps the gradient must raise the refcount by one: check that the baseline
+        # is sensitive to an extra Python holder.
         kept = []
         y = _CalibGrad.apply(x)
         z = y * 3
