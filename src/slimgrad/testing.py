@@ -4,8 +4,9 @@ The rule (GUIDE.md): a result ``out`` computed at some dtype is correct when
 
     max|out - ref64| <= 2 * max|eager - ref64| + atol
 
-where ``ref64`` is the same computation in float64 and ``eager`` is plain PyTorch at the same dtype as ``out``.
-A fused or memory-lean op may be as wrong as eager PyTorch is at that dtype (times two), never more.
+where ``ref64`` is the same computation in float64 and ``eager`` is plain PyTorch at the same dtype
+as ``out``. A fused or memory-lean op may be as wrong as eager PyTorch is at that dtype (times two),
+never more.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 # NOTE [Custom ops and the memory tracker]
 Every slimgrad op that torch.compile must trace is registered as ``slimgrad::<name>`` through
-:func:`custom_op` below, which also records the op's Python implementation. ``slimgrad.memory``'s dispatch mode
-sees a custom op as one call; to account exactly for the temporaries the op allocates inside, the tracker runs
-the recorded Python implementation itself, with the mode still active, instead of the opaque kernel. Hence the
-rule: a slimgrad kernel that is plain PyTorch goes through this wrapper, never ``torch.library`` directly.
+:func:`custom_op` below, which also records the op's Python implementation. ``slimgrad.memory``'s
+dispatch mode sees a custom op as one call; to account exactly for the temporaries the op allocates
+inside, the tracker runs the recorded Python implementation itself, with the mode still active,
+instead of the opaque kernel. Hence the rule: a slimgrad kernel that is plain PyTorch goes through
+this wrapper, never ``torch.library`` directly.
 """
 
 from __future__ import annotations

@@ -1,0 +1,543 @@
+"""Exact memory accounting of one training step: live bytes, peak, bytes saved for backward, floor.
+
+A *step* is ``out = forward(); out.backward()``. :func:`measure` runs it and reports, in bytes above
+what was live before the step, deterministically on any device (CPU included):
+
+- ``peak_bytes``: the most live tensor bytes at any moment of forward + backward;
+- ``saved_bytes``: unique storages created in the step that autograd keeps at the end of forward;
+- ``floor_bytes``: the part of ``saved_bytes`` kept by matmul-like nodes (the "matmul-input floor":
+  what an exact backward must keep unless it recomputes matmuls);
+- per autograd node, per module, per op breakdowns and a timeline.
+
+:func:`estimate` runs the same measurement under ``FakeTensorMode``: no memory is allocated and
+nothing is computed, so big models and batches can be sized on a laptop.
+
+# NOTE [How live bytes are counted]
+A ``TorchDispatchMode`` sees every op (forward, backward and AccumulateGrad run on the calling
+thread on CPU, with the mode active). Each tensor output registers its *storage*, keyed by its
+StorageImpl (``UntypedStorage._cdata``): views and in-place results share the key and count once. A
+free is seen through ``weakref.finalize`` on the Python storage object: PyTorch keeps one Python
+object per StorageImpl for as long as the StorageImpl lives, so the finalizer fires exactly when the
+memory is released. Ops that write an argument (schema ``(a!)``: in-place, ``out=``, ``resize_``,
+``set_``) get their arguments' sizes re-read afterwards, and ``UntypedStorage.resize_``, which does
+not go through the dispatcher, is wrapped for the duration of the step only. A storage first met as
+an op *input* existed before the step: it is not counted, but a resize or free of it during the step
+is. slimgrad's own custom ops are run through their Python implementation so the tracker sees the
+temporaries they allocate (NOTE [Custom ops and the memory tracker] in
+``slimgrad/ops/_library.py``).
+
+# NOTE [How saved bytes are counted]
+During forward, a ``saved_tensors_hooks`` pair records every tensor autograd packs for backward: its
+storage key, its size and the module running. The pack hook returns a *detached alias* (same
+storage, no ``grad_fn``): returning the tensor itself would make a reference cycle between a saved
+output and its own node, and the memory would never be freed. At the end of forward the graph is
+walked from the output: each node's saved tensors (``_raw_saved_*``, custom Functions'
+``saved_tensors``) and a custom Function's tensor attributes (``ctx.foo = t``: side buffers) name
+the node that keeps each storage. Saved tensors packed by someone else's hooks (e.g.
+``torch.utils.checkpoint``) are not unpacked by the walk, since unpacking would recompute them; such
+tensors are not kept by autograd anyway. Saved-tensor hooks do not nest (only the innermost pair
+runs), so slimgrad's ops never install their own: they keep what they need with
+``ctx.save_for_backward`` or as ctx attributes, both of which this walk sees.
+
+# NOTE [The matmul-input floor]
+``floor_bytes`` counts the storages created in the step and kept by at least one node of a
+matmul-like class: mm, addmm, bmm, baddbmm, addbmm, mv, addmv, dot, linear, matmul, every
+convolution, embedding (its indices), fused attention (q, k, v, out, logsumexp); and slimgrad
+Functions whose class sets ``_slimgrad_floor = True``. All tensors such a node keeps count;
+parameters do not (they are resident anyway). The rationale: dW = x^T dy needs x exactly unless x is
+recomputed. The floor depends on the op graph (math attention's P @ V keeps P), so compare a
+converted model with the floor of the *eager* model of the same case.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from slimgrad._errors import internal_error
+from slimgrad.ops._library import python_impl
+
+__all__ = ["SavedStorage", "StepMemory", "estimate", "measure"]
+
+_FLOOR_NODE = re.compile(
+    r"^(Mm|Addmm|Bmm|Baddbmm|Addbmm|Mv|Addmv|Dot|Vdot|Linear|Matmul|Embedding|EmbeddingBag"
+    r"|.*Conv.*|.*ScaledDotProduct.*|.*FlashAttention.*|.*EfficientAttention.*|.*FlexAttention.*"
+    r"|.*CudnnAttention.*)Backward\d*$"
+)
+
+
+def _is_floor_node(node: Any) -> bool:
+    fwd_cls = getattr(type(node), "_forward_cls", None)
+    if fwd_cls is not None:
+        return bool(getattr(fwd_cls, "_slimgrad_floor", False))
+    return bool(_FLOOR_NODE.match(type(node).__name__))
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_nested:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+@dataclass
+class SavedStorage:
+    """One storage that autograd keeps at the end of forward."""
+
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # "step" (created in the step), "input" (pre-existing) or "param"
+    module: str
+    savers: list[str] = field(default_factory=list)
+    floor: bool = False
+
+
+@dataclass
+class StepMemory:
+    """Exact byte counts of one step (all relative to the live bytes before the step)."""
+
+    peak_bytes: int
+    forward_peak_bytes: int
+    retained_bytes: int
+    end_bytes: int
+    saved_bytes: int
+    saved_input_bytes: int
+    saved_param_bytes: int
+    floor_bytes: int
+    peak_op: str
+    peak_phase: str
+    by_node: dict[str, int]
+    by_module: dict[str, int]
+    by_dtype: dict[str, int]
+    saved: list[SavedStorage]
+    timeline: list[tuple[int, str, int]]
+    n_ops: int
+    backward_start: int
+
+    def to_dict(self, timeline: bool = False) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("saved", "timeline")}
+        d["saved"] = [s.__dict__ for s in self.saved]
+        if timeline:
+            d["timeline"] = self.timeline
+        return d
+
+    def summary(self) -> str:
+        mib = 2**20
+        lines = [
+            f"peak      {self.peak_bytes / mib:10.2f} MiB  ({self.peak_phase}, at {self.peak_op})",
+            f"saved     {self.saved_bytes / mib:10.2f} MiB  "
+            f"(floor {self.floor_bytes / mib:.2f} MiB)",
+            f"retained  {self.retained_bytes / mib:10.2f} MiB  end {self.end_bytes / mib:.2f} MiB",
+        ]
+        for name, b in sorted(self.by_node.items(), key=lambda kv: -kv[1])[:10]:
+            lines.append(f"  {name:40s} {b / mib:10.2f} MiB")
+        return "\n".join(lines)
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}  # key -> current nbytes, for every storage followed
+        self.base: dict[int, int] = {}  # key -> nbytes at first sight, for pre-existing storages
+        self.created: set[int] = set()  # keys created in the step and still alive
+        self.finalizers: list[weakref.finalize] = []
+        self.cur = 0
+        self.peak = 0
+        self.peak_op = ""
+        self.peak_index = 0
+        self.n_ops = 0
+        self.op_name = "<start>"
+        self.timeline: list[tuple[int, str, int]] = []
+        self.active = True
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    def _free(self, key: int) -> None:
+        if not self.active:
+            return
+        size = self.sizes.pop(key, None)
+        if size is None:
+            return
+        # a storage created in the step leaves with all its bytes; a pre-existing one too (its
+        # growth during the step was counted, its original bytes were part of the baseline and now
+        # leave it)
+        self.created.discard(key)
+        self.base.pop(key, None)
+        self.cur -= size
+        self.timeline.append((self.n_ops, f"free:{self.op_name}", self.cur))
+
+    def _follow(self, st: torch.UntypedStorage, created: bool) -> int:
+        key = st._cdata
+        if key in self.sizes:
+            return key
+        n = st.nbytes()
+        self.sizes[key] = n
+        if created:
+            self.created.add(key)
+            self.cur += n
+        else:
+            self.base[key] = n
+        self.finalizers.append(weakref.finalize(st, self._free, key))
+        return key
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        key = st._cdata
+        if key not in self.sizes:
+            self._follow(st, created=False)
+            return
+        n = st.nbytes()
+        self.cur += n - self.sizes[key]
+        self.sizes[key] = n
+
+    def _bump(self) -> None:
+        if self.cur > self.peak:
+            self.peak = self.cur
+            self.peak_op = self.op_name
+            self.peak_index = self.n_ops
+        self.timeline.append((self.n_ops, self.op_name, self.cur))
+
+    def note_resize(self, st: torch.UntypedStorage) -> None:
+        self._resized(st)
+        self._bump()
+
+    # --- the mode ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat_in, _ = tree_flatten((args, kwargs))
+        for t in flat_in:
+            st = _storage(t)
+            if st is not None and st._cdata not in self.sizes:
+                self._follow(st, created=False)
+        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        impl = python_impl(func.name()) if func.namespace == "slimgrad" else None
+        if impl is not None:
+            with self:
+                out = impl(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.n_ops += 1
+        self.op_name = name
+        schema = getattr(func, "_schema", None)
+        if schema is not None:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    val = kwargs.get(a.name) if a.name in kwargs or i >= len(args) else args[i]
+                    for t in tree_flatten(val)[0]:
+                        st = _storage(t)
+                        if st is not None:
+                            self._resized(st)
+        for t in tree_flatten(out)[0]:
+            st = _storage(t)
+            if st is not None and st._cdata not in self.sizes:
+                self._follow(st, created=True)
+        self._bump()
+        return out
+
+    def close(self) -> None:
+        self.active = False
+        for f in self.finalizers:
+            f.detach()
+        self.finalizers.clear()
+
+
+class _Packer:
+    # saved_tensors_hooks pair recording what autograd keeps (NOTE [How saved bytes are counted])
+
+    def __init__(self, tracker: _Tracker, module_stack: list[str], param_keys: set[int]):
+        self.tracker = tracker
+        self.stack = module_stack
+        self.param_keys = param_keys
+        self.records: dict[int, dict] = {}
+
+    def pack(self, t: torch.Tensor):
+        st = _storage(t)
+        if st is not None:
+            key = st._cdata
+            if key not in self.records:
+                if key in self.tracker.created:
+                    kind = "step"
+                elif key in self.param_keys or _is_param(t):
+                    kind = "param"
+                else:
+                    kind = "input"
+                self.tracker._follow(st, created=False)
+                self.records[key] = {
+                    "kind": kind,
+                    "dtype": str(t.dtype).replace("torch.", ""),
+                    "shape": tuple(t.shape),
+                    "module": self.stack[-1] if self.stack else "",
+                }
+        return t.detach()
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or isinstance(
+        getattr(t, "_base", None), torch.nn.Parameter
+    )
+
+
+def _walk_savers(roots: list, unpack_hook: Callable) -> dict[int, list[tuple[str, bool]]]:
+    """Storage key -> [(saver node name, is floor node)], walking the graph from ``roots``."""
+    savers: dict[int, list[tuple[str, bool]]] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    order: list[Any] = []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        for nxt, _ in getattr(node, "next_functions", ()):
+            stack.append(nxt)
+    for node in order:
+        name = type(node).__name__
+        floor = _is_floor_node(node)
+        for t in _node_tensors(node, unpack_hook):
+            st = _storage(t)
+            if st is None:
+                continue
+            lst = savers.setdefault(st._cdata, [])
+            if (name, floor) not in lst:
+                lst.append((name, floor))
+    return savers
+
+
+def _node_tensors(node: Any, unpack_hook: Callable):
+    for attr in dir(node):
+        if not attr.startswith("_raw_saved_"):
+            continue
+        try:
+            raw = getattr(node, attr)
+        except RuntimeError:  # freed (retain_graph=False after a backward)
+            continue
+        raws = raw if isinstance(raw, (list, tuple)) else (raw,)
+        if any(
+            r is not None and getattr(r, "unpack_hook", None) not in (None, unpack_hook)
+            for r in raws
+        ):
+            continue  # packed by someone else's hooks: unpacking could recompute
+        public = "saved_tensors" if attr == "_raw_saved_tensors" else attr.replace("_raw", "", 1)
+        try:
+            val = getattr(node, public)
+        except RuntimeError:
+            continue
+        for t in tree_flatten(val)[0]:
+            if isinstance(t, torch.Tensor):
+                yield t
+    if getattr(type(node), "_forward_cls", None) is not None:
+        for v in vars(node).values() if hasattr(node, "__dict__") else ():
+            for t in tree_flatten(v)[0]:
+                if isinstance(t, torch.Tensor):
+                    yield t
+
+
+class _ModuleStack:
+    def __init__(self, module: torch.nn.Module | None):
+        self.stack: list[str] = []
+        self.handles = []
+        if module is None:
+            return
+        for name, mod in module.named_modules():
+            path = name or type(module).__name__
+
+            def pre(_m, _inp, path=path):
+                self.stack.append(path)
+
+            def post(_m, _inp, _out):
+                if self.stack:
+                    self.stack.pop()
+
+            self.handles.append(mod.register_forward_pre_hook(pre))
+            self.handles.append(mod.register_forward_hook(post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def measure(
+    forward: Callable[[], torch.Tensor],
+    *,
+    backward: bool = True,
+    grad: torch.Tensor | None = None,
+    module: torch.nn.Module | None = None,
+    timeline: bool = True,
+) -> StepMemory:
+    """Run one step under the exact tracker and return its byte counts.
+
+    Args:
+        forward: zero-argument callable that runs the forward and returns the output (usually the
+        loss). backward: also run ``out.backward(grad)`` under the tracker. grad: the gradient of
+        ``out``; None requires a scalar output. module: the model, to attribute saved bytes to
+        module paths (``by_module``) and to recognise its
+            parameters.
+        timeline: keep the per-op timeline (``StepMemory.timeline``).
+
+    Returns:
+        A :class:`StepMemory`; every figure is in bytes above what was live before the step.
+
+    Raises:
+        TypeError: ``forward`` did not return a tensor.
+        ValueError: ``backward=True`` with a non-scalar output and no ``grad``.
+
+    Example:
+        >>> lin = torch.nn.Linear(64, 64)
+        >>> x = torch.randn(32, 64)
+        >>> m = measure(lambda: lin(x).relu().sum(), module=lin)
+        >>> m.saved_bytes  # the ReLU output, 32*64*4
+        8192
+    """
+    tracker = _Tracker()
+    mods = _ModuleStack(module)
+    param_keys: set[int] = set()
+    if module is not None:
+        for p in module.parameters():
+            st = _storage(p)
+            if st is not None:
+                param_keys.add(st._cdata)
+    packer = _Packer(tracker, mods.stack, param_keys)
+    orig_resize = torch.UntypedStorage.resize_
+
+    def resize_(st, size):
+        r = orig_resize(st, size)
+        tracker.note_resize(st)
+        return r
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(packer.pack, _Packer.unpack):
+                out = forward()
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(
+                    "slimgrad.memory.measure: forward must return a tensor (the loss); expected "
+                    f"torch.Tensor, got {type(out).__name__}. Return the loss from forward."
+                )
+            forward_peak = tracker.peak
+            retained = tracker.cur
+            backward_start = tracker.n_ops
+            snap = _snapshot(tracker, packer, out)
+            if backward:
+                if grad is None and out.numel() != 1:
+                    raise ValueError(
+                        "slimgrad.memory.measure: backward needs a scalar output or grad=; "
+                        f"expected numel 1, got shape {tuple(out.shape)}. Pass "
+                        "grad=torch.ones_like(out) or reduce the output."
+                    )
+                if out.requires_grad:
+                    out.backward(grad)
+            del out
+        end = tracker.cur
+    finally:
+        torch.UntypedStorage.resize_ = orig_resize
+        tracker.close()
+        mods.remove()
+    if tracker.peak_index <= backward_start:
+        phase = "forward"
+    else:
+        phase = "backward"
+    return StepMemory(
+        peak_bytes=tracker.peak,
+        forward_peak_bytes=forward_peak,
+        retained_bytes=retained,
+        end_bytes=end,
+        peak_op=tracker.peak_op,
+        peak_phase=phase,
+        timeline=tracker.timeline if timeline else [],
+        n_ops=tracker.n_ops,
+        backward_start=backward_start,
+        **snap,
+    )
+
+
+def _snapshot(tracker: _Tracker, packer: _Packer, out: torch.Tensor) -> dict:
+    roots = [out.grad_fn] if out.grad_fn is not None else []
+    savers = _walk_savers(roots, _Packer.unpack) if roots else {}
+    saved: list[SavedStorage] = []
+    by_node: dict[str, int] = {}
+    by_module: dict[str, int] = {}
+    by_dtype: dict[str, int] = {}
+    totals = {"step": 0, "input": 0, "param": 0}
+    floor = 0
+    keys = set(packer.records) | {k for k in savers if k in tracker.created}
+    for key in keys:
+        if key not in tracker.sizes:
+            continue  # freed before the end of forward: not kept
+        rec = packer.records.get(key)
+        who = savers.get(key, [])
+        if rec is None:
+            # kept as a custom Function's attribute (side buffer), created in the step
+            rec = {"kind": "step", "dtype": "?", "shape": (), "module": ""}
+        if rec["kind"] == "step" and key not in tracker.created:
+            raise internal_error("a storage created in the step is missing from the live set")
+        nbytes = tracker.sizes[key]
+        is_floor = any(f for _, f in who)
+        s = SavedStorage(
+            nbytes=nbytes,
+            dtype=rec["dtype"],
+            shape=rec["shape"],
+            kind=rec["kind"],
+            module=rec["module"],
+            savers=[n for n, _ in who],
+            floor=is_floor and rec["kind"] == "step",
+        )
+        saved.append(s)
+        totals[s.kind] += nbytes
+        if s.kind != "step":
+            continue
+        if s.floor:
+            floor += nbytes
+        first = next((n for n, f in who if f), who[0][0] if who else "<unattributed>")
+        by_node[first] = by_node.get(first, 0) + nbytes
+        by_module[s.module] = by_module.get(s.module, 0) + nbytes
+        by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + nbytes
+    saved.sort(key=lambda s: (-s.nbytes, s.kind, s.module, s.savers, s.shape, s.dtype))
+    return {
+        "saved_bytes": totals["step"],
+        "saved_input_bytes": totals["input"],
+        "saved_param_bytes": totals["param"],
+        "floor_bytes": floor,
+        "by_node": dict(sorted(by_node.items())),
+        "by_module": dict(sorted(by_module.items())),
+        "by_dtype": dict(sorted(by_dtype.items())),
+        "saved": saved,
+    }
+
+
+def estimate(make_forward: Callable[[], Any], **kwargs) -> StepMemory:
+    """:func:`measure` under ``FakeTensorMode``: the same figures without allocating or computing.
+
+    Args:
+        make_forward: zero-argument callable, run under fake tensors, that builds the model and
+        inputs and
+            returns the ``forward`` callable for :func:`measure`, or a ``(forward, module)`` pair.
+        **kwargs: passed to :func:`measure`.
+
+    Returns:
+        The :class:`StepMemory` the real step would have (exact unless the model's code branches on
+        fake tensors; see the research note on HF's causal-mask branch).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        made = make_forward()
+        if isinstance(made, tuple):
+            forward, module = made
+            kwargs.setdefault("module", module)
+        else:
+            forward = made
+        return measure(forward, **kwargs)
