@@ -36,12 +36,14 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    (no subclass, functorch wrapper, conj/neg bit, view): an in-place kernel writes every byte
    exactly once.
 5. Grad mode off (no ``create_graph=True``: a double backward may have saved ``g``) and ``not
-   g.requires_grad``.
+   g.requires_grad`` (a saved non-leaf input may require grad; a leaf that does never qualifies).
 6. Running inside the autograd engine (``torch._C._current_graph_task_id() != -1``), not being
    traced by torch.compile/functorch, and reuse not disabled (:func:`reuse_disabled`,
    ``SLIMGRAD_NO_REUSE=1``). For saved tensors (:func:`take_saved`) also: the graph is not kept
-   (``retain_graph=True`` keeps saved tensors intact, so no reuse), and the tensor counts are those
-   of a saved tensor nobody else holds.
+   (``retain_graph=True`` keeps saved tensors intact, so no reuse), and (refcount, use count) are
+   those calibrated for a saved tensor nobody else holds, kept by autograd or by a
+   ``saved_tensors_hooks`` pair that packs a detached alias (``slimgrad.memory``'s tracker): a hook
+   that keeps the packed tensor elsewhere, or unpacks a tensor it also holds, adds a reference.
 
 Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails
 safe, refusing reuse, never the other way):
@@ -98,8 +100,9 @@ _counter_lock = threading.Lock()
 
 # Calibrated at import (see _calibrate). None: calibration failed; never reuse.
 _GRAD_REFCOUNT: int | None = None
-_SAVED_REFCOUNT: int | None = None
-_SAVED_USE_COUNT: int | None = None
+# (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
+# saved_tensors_hooks pair that packs a detached alias keeps it (slimgrad.memory's tracker does).
+_SAVED_SIGS: frozenset[tuple[int, int]] | None = None
 # Storage use count of a tensor nobody else shares, the probe's own storage object included.
 _STORAGE_PROBE: int | None = None
 
@@ -148,7 +151,7 @@ def reset_reuse_count() -> None:
 
 def calibrated() -> bool:
     """Whether the import-time calibration succeeded (if not, reuse is never granted)."""
-    return _GRAD_REFCOUNT is not None and _SAVED_REFCOUNT is not None
+    return _GRAD_REFCOUNT is not None and _SAVED_SIGS is not None
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -170,12 +173,16 @@ def _dense_whole(t: torch.Tensor) -> bool:
     return True
 
 
-def _plain(t: object) -> bool:
+def _plain(t: object, saved: bool = False) -> bool:
     if type(t) is not torch.Tensor:  # subclasses (FakeTensor, DTensor, ...) and None
         return False
     if t.layout != torch.strided or t.is_nested or t._is_view() or t.is_conj() or t.is_neg():
         return False
-    if t.requires_grad or t.numel() == 0:
+    if t.numel() == 0:
+        return False
+    # A gradient that requires grad belongs to a double backward. A saved non-leaf input may require
+    # grad (its own history does not read its values); a leaf that requires grad never qualifies.
+    if t.requires_grad and not (saved and not t.is_leaf):
         return False
     return not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
@@ -204,12 +211,11 @@ def _grad_ok(t: torch.Tensor, refcount: int) -> bool:
 
 def _saved_ok(t: torch.Tensor, refcount: int) -> bool:
     return (
-        _SAVED_REFCOUNT is not None
-        and refcount == _SAVED_REFCOUNT
-        and _plain(t)
+        _SAVED_SIGS is not None
+        and (refcount, t._use_count()) in _SAVED_SIGS
+        and _plain(t, saved=True)
         and _context_ok()
         and not torch._C._autograd._get_current_graph_task_keep_graph()
-        and t._use_count() == _SAVED_USE_COUNT
         and _storage_users(t) == 1
         and _dense_whole(t)
     )
@@ -333,7 +339,7 @@ def _probe(t):
 
 
 def _calibrate() -> None:
-    global _GRAD_REFCOUNT, _SAVED_REFCOUNT, _SAVED_USE_COUNT, _STORAGE_PROBE
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE
     try:
         t = torch.empty(4)
         _STORAGE_PROBE = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -344,6 +350,9 @@ def _calibrate() -> None:
         _CalibSaved.seen.clear()
         (_CalibSaved.apply(x) * 3).sum().backward()
         (_CalibSaved.apply(x * 1) * 3).sum().backward()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+            loss = (_CalibSaved.apply(x * 1) * 3).sum()
+        loss.backward()
         grads, saved = _CalibGrad.seen, _CalibSaved.seen
         ok = (
             _STORAGE_PROBE >= 1
@@ -351,9 +360,9 @@ def _calibrate() -> None:
             and grads[0] == grads[1]
             and grads[0][1] == 1
             and grads[0][2] == _STORAGE_PROBE
-            and len(saved) == 2
+            and len(saved) == 3
             and saved[0] == saved[1]
-            and saved[0][2] == _STORAGE_PROBE
+            and saved[0][2] == saved[2][2] == _STORAGE_PROBE
         )
         # A hook that keeps the gradient must raise the refcount by one: check that the baseline
         # is sensitive to an extra Python holder.
@@ -365,10 +374,9 @@ def _calibrate() -> None:
         ok = ok and len(grads) == 3 and grads[2][0] == grads[0][0] + 1
         if ok:
             _GRAD_REFCOUNT = grads[0][0]
-            _SAVED_REFCOUNT = saved[0][0]
-            _SAVED_USE_COUNT = saved[0][1]
+            _SAVED_SIGS = frozenset({saved[0][:2], saved[2][:2]})
     except Exception:  # any surprise: never reuse
-        _GRAD_REFCOUNT = _SAVED_REFCOUNT = _SAVED_USE_COUNT = None
+        _GRAD_REFCOUNT = _SAVED_SIGS = None
     finally:
         _CalibGrad.seen = []
         _CalibSaved.seen = []
