@@ -234,6 +234,8 @@ def reusable(grad: torch.Tensor | None) -> bool:
         True if no other reader of ``grad``'s memory exists; False otherwise (and always under
         :func:`reuse_disabled`, outside backward, with grad mode on, or if calibration failed).
     """
+    if torch.compiler.is_compiling():
+        return False
     refcount = sys.getrefcount(grad)
     return grad is not None and _grad_ok(grad, refcount)
 
@@ -250,6 +252,8 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
         ...     buf = ownership.take(grad_out)
         ...     return grad_out.mul_(2) if buf is not None else grad_out * 2
     """
+    if torch.compiler.is_compiling():  # traced backward: no refcounts, no unannounced mutation
+        return None
     refcount = sys.getrefcount(grad)
     if grad is None or not _grad_ok(grad, refcount):
         return None
@@ -267,6 +271,8 @@ def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
     ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` directly in
     ``backward`` (NOTE [Gradient-buffer ownership]).
     """
+    if torch.compiler.is_compiling():
+        return None
     refcount = sys.getrefcount(saved)
     if saved is None or not _saved_ok(saved, refcount):
         return None
