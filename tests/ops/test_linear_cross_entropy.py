@@ -268,7 +268,8 @@ def test_causal_lm_loss_on_tiny_gpt2():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(1024, 768, 50257) == 16  # ceil(1024 / ceil(50257/768)) -> pow2
+    assert default_chunk_size(1024, 768, 50257) == 256  # ceil(2^23 / 50257) = 167 -> pow2
+    assert default_chunk_size(1 << 20, 1024, 1 << 12) == 1 << 18  # Liger: N / ceil(V / H)
     assert default_chunk_size(5, 8, 3) == 5  # never more than N
     assert default_chunk_size(0, 8, 3) == 1
 

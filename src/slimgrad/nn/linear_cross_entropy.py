@@ -26,7 +26,7 @@ class LinearCrossEntropyLoss(nn.Module):
         ignore_index: target value that contributes no loss and no gradient.
         reduction: 'mean', 'sum' or 'none'.
         label_smoothing: ε in [0, 1].
-        chunk_size: tokens per chunk; None for the default (chunk logits ≈ hidden states).
+        chunk_size: tokens per chunk; None for ``default_chunk_size``.
 
     Raises:
         ValueError: bad reduction, label_smoothing or chunk_size.

@@ -39,12 +39,17 @@ _API = "slimgrad.ops.linear_cross_entropy"
 
 
 def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
-    """Rows per chunk: the chunk's logits hold about as many elements as the hidden states.
+    """Rows per chunk: the larger of Liger-Kernel's rule and a chunk of about 2^23 logits.
 
-    ``next_pow2(ceil(N / ceil(V / H)))`` (Liger-Kernel's rule), at least 1 and at most N.
+    Liger's ``next_pow2(ceil(N / ceil(V / H)))`` makes the chunk's logits about as large as the
+    hidden states; on CPU such skinny matmuls (16 rows at GPT-2 sizes) and 64 read-modify-writes of
+    the V×H weight-gradient accumulator cost more than the memory they save, so chunks hold at
+    least ~2^23 logits (32 MiB in float32; 256 rows at V = 50257). At least 1, at most N.
     """
     ratio = max(1, math.ceil(vocab_size / max(hidden_size, 1)))
-    rows = max(1, math.ceil(n_tokens / ratio))
+    liger = max(1, math.ceil(n_tokens / ratio))
+    floor = max(1, math.ceil((1 << 23) / max(vocab_size, 1)))
+    rows = max(liger, floor)
     return min(max(1, n_tokens), 1 << (rows - 1).bit_length())
 
 
@@ -296,7 +301,7 @@ def linear_cross_entropy(
         ignore_index: target value that contributes no loss and no gradient.
         label_smoothing: ε in [0, 1], as torch's cross_entropy.
         reduction: 'mean', 'sum' or 'none' (then the result has target's shape).
-        chunk_size: tokens per chunk; None picks ``default_chunk_size`` (chunk logits ≈ hidden).
+        chunk_size: tokens per chunk; None picks :func:`default_chunk_size`.
 
     Returns:
         The loss: a scalar, or per-token losses for reduction='none' (float32 under autocast).
