@@ -445,3 +445,42 @@ def test_saved_tensor_shared_with_a_pending_graph_not_reused():
     e = x.detach().exp()
     torch.testing.assert_close(x.grad, e * w, rtol=0, atol=0)
     torch.testing.assert_close(yd.grad, e.cos(), rtol=0, atol=0)
+
+
+def test_saved_reuse_under_memory_tracker_lowers_backward_peak_by_one_buffer():
+    from slimgrad.memory import measure
+
+    n = 1031
+    x = torch.randn(n, requires_grad=True)
+
+    def step():
+        return _ExpSaved.apply(x).sum()
+
+    peaks = []
+    for disabled in (True, False):
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if disabled else _null():
+            m = measure(step)
+        bwd_peak = max(live for i, _, live in m.timeline if i > m.backward_start)
+        peaks.append((bwd_peak, ownership.reuse_count("saved")))
+        x.grad = None
+    (off, n_off), (on, n_on) = peaks
+    assert (n_off, n_on) == (0, 1)
+    assert off - on == n * 4  # dx written into the dead exp(x) buffer instead of a new one
+
+
+def test_saved_reuse_refused_when_a_pack_hook_keeps_the_tensor():
+    kept = []
+
+    def pack(t):
+        a = t.detach()
+        kept.append(a)
+        return a
+
+    x = torch.randn(N, requires_grad=True)
+    ownership.reset_reuse_count()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _ExpSaved.apply(x * 1.0).sum()
+    loss.backward()
+    assert ownership.reuse_count("saved") == 0
+    assert torch.equal(kept[0], x.detach().exp())
