@@ -177,7 +177,9 @@ def test_memory_contract_saved_and_peak():
     assert ms.forward_peak_bytes < me.forward_peak_bytes
 
 
-def test_reuse_is_bitwise_and_counted():
+@pytest.mark.parametrize("view", [False, True])
+def test_reuse_is_bitwise_and_counted(view):
+    # view: the hidden is a full view of its base, like HF's last_hidden_state = ln_f(x).view(...)
     hid, w, b, t = _data(n=17)
     wt = torch.randn(t.shape)
     outs, counts = [], []
@@ -186,7 +188,11 @@ def test_reuse_is_bitwise_and_counted():
         w2 = w.clone().requires_grad_()
         ownership.reset_reuse_count()
         with ownership.reuse_disabled() if disabled else torch.enable_grad():
-            loss = (linear_cross_entropy(h.sin(), w2, t, reduction="none", chunk_size=4) * wt).sum()
+            hs = h.sin().view(1, 17, H) if view else h.sin()
+            tt = t.view(1, 17) if view else t
+            out = linear_cross_entropy(hs, w2, tt, reduction="none", chunk_size=4)
+            del hs
+            loss = (out * wt.view_as(out)).sum()
             loss.backward()
         outs.append((h.grad, w2.grad))
         counts.append((ownership.reuse_count("grad"), ownership.reuse_count("saved")))

@@ -118,6 +118,25 @@ def _bwd_torch(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, ne
     return dh, dw, db
 
 
+def _to_save(hidden, h):
+    # The hidden as given, or its compute-dtype copy. If it is a full, contiguous view of its base
+    # (HF's ``last_hidden_state`` is ``ln_f(x).view(shape)``), the base itself: same storage and
+    # bytes, but not a view, so backward may reuse it when ownership proves it dead.
+    if h.dtype != hidden.dtype:
+        return h
+    base = hidden._base
+    if (
+        base is not None
+        and base.dtype == hidden.dtype
+        and base.numel() == hidden.numel()
+        and base.is_contiguous()
+        and hidden.is_contiguous()
+        and hidden.storage_offset() == base.storage_offset() == 0
+    ):
+        return base
+    return hidden
+
+
 class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, eps, reduction, chunk, cdt, odt):
@@ -134,8 +153,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             out = loss.sum().to(odt)
         else:
             out = (loss.sum() / (t != ignore_index).sum()).to(odt)
-        # the hidden as given (or its compute-dtype copy), never a view: see take_saved in backward
-        ctx.save_for_backward(hidden if h.dtype == hidden.dtype else h, weight, bias, target, lse)
+        ctx.save_for_backward(_to_save(hidden, h), weight, bias, target, lse)
         ctx.cfg = (ignore_index, eps, reduction, chunk, cdt, hidden.dtype, tuple(hidden.shape))
         return out
 
@@ -172,7 +190,10 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         del w, b, h
         if dh is not None:
             # a detached alias when dh is the saved hidden: its storage, not its autograd identity
-            dh = dh_out.detach() if dh_out is not None else dh.to(hdt).reshape(hshape)
+            if dh_out is not None:
+                dh = dh_out.detach().view(hshape)
+            else:
+                dh = dh.to(hdt).reshape(hshape)
         if dw is not None:
             dw = dw.to(weight.dtype)
         if db is not None:

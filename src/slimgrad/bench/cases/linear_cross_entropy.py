@@ -134,12 +134,72 @@ def time_steps(eager, slim, x, target, steps: int = 3) -> dict:
     return times
 
 
+def gpt2_reuse(small: bool = False, device="cpu") -> dict:
+    """HF GPT-2 (random init, dropout 0.1): eager ``model(ids, labels=ids).loss`` against the same
+    model's transformer + :func:`causal_lm_loss`; saved/peak bytes, and the step peak with
+    gradient-buffer reuse on and off (the fused loss's dh written into the dead hidden states)."""
+    import transformers
+
+    from slimgrad.ops.linear_cross_entropy import causal_lm_loss
+
+    if small:
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=5003)
+        shape = (2, 64)
+    else:
+        cfg = transformers.GPT2Config()  # GPT-2 small: 12 x 768, V = 50257
+        shape = (4, 256)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, shape, generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+
+    class Eager(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, target):
+            torch.manual_seed(2)  # same dropout masks on both sides
+            return self.m(ids, labels=target).loss
+
+    class Slim(Eager):
+        def forward(self, ids, target):
+            torch.manual_seed(2)
+            hs = self.m.transformer(ids).last_hidden_state
+            return causal_lm_loss(hs, self.m.lm_head.weight, target)
+
+    eager, slim = Eager(), Slim()
+    me, ms = _measure(eager, ids, ids), _measure(slim, ids, ids)
+    ownership.reset_reuse_count()
+    peak_on = _step_peak(slim, ids, ids)
+    reuses = ownership.reuse_count()
+    with ownership.reuse_disabled():
+        peak_off = _step_peak(slim, ids, ids)
+    on, off, ref = _grads(slim, ids, ids), None, _grads(eager, ids, ids)
+    with ownership.reuse_disabled():
+        off = _grads(slim, ids, ids)
+    return {
+        "case": "gpt2_causal_lm_loss",
+        "shape": list(shape),
+        "layers": cfg.n_layer,
+        "eager": {k: getattr(me, k) for k in ("saved_bytes", "peak_bytes")},
+        "slim_loss_only": {k: getattr(ms, k) for k in ("saved_bytes", "peak_bytes")},
+        "step_peak_bytes": {"slim_reuse_on": peak_on, "slim_reuse_off": peak_off},
+        "reuses_per_step": reuses,
+        "reuse_bitwise_equal": all(torch.equal(a, b) for a, b in zip(on, off, strict=True)),
+        "grad_max_abs_diff_vs_eager": max(
+            float((a - b).abs().max()) for a, b in zip(on, ref, strict=True)
+        ),
+    }
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-grad-check", action="store_true")
+    ap.add_argument("--gpt2", action="store_true", help="also run HF GPT-2 with reuse on/off")
     args = ap.parse_args(argv)
     eager, slim, make_inputs = build(args.device, torch.float32, small=args.small)
     x, target = make_inputs()
@@ -176,6 +236,8 @@ def main(argv=None) -> dict:
         rec["step_ms"] = {k: statistics.median(v) for k, v in t.items()}
         rec["step_ratio_median"] = statistics.median(ratios)
         rec["step_ratio_range"] = [min(ratios), max(ratios)]
+    if args.gpt2:
+        rec["gpt2"] = gpt2_reuse(small=args.small, device=args.device)
     print(json.dumps(rec, indent=1))
     return rec
 
