@@ -17,6 +17,12 @@ import torch.utils.checkpoint as ckpt
 from slimgrad import ownership
 
 
+@pytest.fixture(autouse=True)
+def _reuse_on(monkeypatch):
+    # these tests assert that reuse happens: a developer's SLIMGRAD_NO_REUSE=1 must not leak in
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+
+
 class _Double(torch.autograd.Function):
     """y = 2x; backward writes 2g into g when ownership allows."""
 
@@ -484,3 +490,16 @@ def test_saved_reuse_refused_when_a_pack_hook_keeps_the_tensor():
     loss.backward()
     assert ownership.reuse_count("saved") == 0
     assert torch.equal(kept[0], x.detach().exp())
+
+
+def test_switch_is_seen_by_other_threads():
+    # autograd runs CUDA backward functions on device threads: the switch must be process-wide
+    import threading
+
+    seen = []
+    with ownership.reuse_disabled():
+        th = threading.Thread(target=lambda: seen.append(ownership._disabled()))
+        th.start()
+        th.join()
+    assert seen == [True]
+    assert not ownership._disabled()

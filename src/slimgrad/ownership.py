@@ -94,7 +94,9 @@ __all__ = [
 
 ENV_VAR = "SLIMGRAD_NO_REUSE"
 
-_state = threading.local()
+# Process-wide, not thread-local: on CUDA the autograd engine runs backward functions on its own
+# device threads, which would not see a thread-local flag set around ``loss.backward()``.
+_disabled_depth = 0
 _counter = {"grad": 0, "saved": 0}
 _counter_lock = threading.Lock()
 
@@ -112,22 +114,27 @@ def _env_disabled() -> bool:
 
 
 def _disabled() -> bool:
-    return getattr(_state, "disabled", 0) > 0 or _env_disabled()
+    return _disabled_depth > 0 or _env_disabled()
 
 
 @contextlib.contextmanager
 def reuse_disabled() -> Iterator[None]:
-    """Turn gradient-buffer reuse off in this thread (debugging; results are identical either way).
+    """Turn gradient-buffer reuse off, process-wide (debugging; results are identical either way).
+
+    Process-wide because autograd runs CUDA backward functions on its own threads; nests.
 
     Example:
         >>> with slimgrad.ownership.reuse_disabled():
         ...     loss.backward()
     """
-    _state.disabled = getattr(_state, "disabled", 0) + 1
+    global _disabled_depth
+    with _counter_lock:
+        _disabled_depth += 1
     try:
         yield
     finally:
-        _state.disabled -= 1
+        with _counter_lock:
+            _disabled_depth -= 1
 
 
 def reuse_count(kind: str | None = None) -> int:

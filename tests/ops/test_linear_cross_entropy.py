@@ -15,6 +15,13 @@ from slimgrad.ops.linear_cross_entropy import (
 )
 from slimgrad.testing import assert_within_rule
 
+
+@pytest.fixture(autouse=True)
+def _reuse_on(monkeypatch):
+    # these tests assert that reuse happens: a developer's SLIMGRAD_NO_REUSE=1 must not leak in
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+
+
 V, H = 37, 11  # prime vocabulary, odd hidden size
 
 
@@ -317,3 +324,11 @@ def test_compile_aot_eager():
     got = _run(f, hid, w, b, t, label_smoothing=0.1, chunk_size=4)
     for r, o in zip(ref, got, strict=True):
         torch.testing.assert_close(o, r)
+
+
+def test_double_backward_refused_clearly():
+    hid, w, b, t = _data()
+    h = hid.clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, t)
+    with pytest.raises(NotImplementedError, match="double backward is not supported"):
+        torch.autograd.grad(loss, h, create_graph=True)

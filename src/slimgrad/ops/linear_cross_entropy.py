@@ -160,6 +160,11 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         ownership.check_not_consumed(ctx, _API)
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"{_API}: double backward is not supported; expected create_graph=False, got "
+                "create_graph=True. Use F.cross_entropy(F.linear(...)) for higher-order gradients."
+            )
         gbuf = ownership.take(grad_out)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         ignore_index, eps, reduction, chunk, cdt, hdt, hshape = ctx.cfg
