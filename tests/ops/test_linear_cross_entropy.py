@@ -350,3 +350,14 @@ def test_forced_overwrite_of_a_shared_hidden_is_caught_by_autograd(monkeypatch):
     loss = linear_cross_entropy(hs, w, t, chunk_size=4) + other
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_bench_case_small_agrees_with_eager():
+    from slimgrad.bench.cases.linear_cross_entropy import _grads, build
+
+    eager, slim, make_inputs = build("cpu", torch.float32, small=True)
+    x, target = make_inputs()
+    ref, got = _grads(eager, x, target), _grads(slim, x, target)
+    assert len(ref) == len(got) == 4  # loss, ln_f weight/bias, lm_head weight
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r)
