@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.utils.checkpoint as ckpt
+from torch.autograd.function import once_differentiable
 
 from slimgrad import ownership
 
@@ -327,7 +328,9 @@ def test_refcount_baseline_matches_independent_probe():
 
     x = torch.randn(3, requires_grad=True)
     (P.apply(x) * 2).sum().backward()
-    assert seen == [ownership._GRAD_REFCOUNT]
+    from torch.autograd.function import BackwardCFunction
+
+    assert seen == [ownership._GRAD_REFCOUNT[BackwardCFunction.apply.__code__]]
 
 
 def test_refused_outside_backward_and_in_grad_mode():
@@ -503,3 +506,47 @@ def test_switch_is_seen_by_other_threads():
         th.join()
     assert seen == [True]
     assert not ownership._disabled()
+
+
+class _DoubleOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        buf = ownership.take(grad_out)
+        if buf is not None:
+            return buf.mul_(2)
+        return grad_out * 2
+
+
+class _DoubleViaHelper(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _helper(grad_out)
+
+
+def _helper(g):  # one frame too many: take() must refuse, whatever the count
+    buf = ownership.take(g)
+    return buf.mul_(2) if buf is not None else g * 2
+
+
+@pytest.mark.parametrize("name", SAFE + UNSAFE)
+def test_once_differentiable_backward(name):
+    ref, _ = _run(name, disabled=True)
+    got, n_on = _run(name, fn_cls=_DoubleOnce)
+    _assert_bitwise(got, ref)
+    assert (n_on > 0) == (name in SAFE), f"{name}: reuse count {n_on}"
+
+
+def test_take_from_a_helper_frame_is_refused():
+    ref, _ = _run("plain_chain", disabled=True)
+    got, n = _run("plain_chain", fn_cls=_DoubleViaHelper)
+    _assert_bitwise(got, ref)
+    assert n == 0

@@ -30,8 +30,11 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    memory. Conservative: refuses disjoint slices too.
 3. ``sys.getrefcount(g)`` equals the baseline calibrated at import for the exact calling pattern
    below. Catches extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook
-   that keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. If
-   calibration fails, reuse is never granted.
+   that keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. The
+   baseline is chosen by the code object of the frame that called the backward (autograd's
+   ``BackwardCFunction.apply``, or torch's ``once_differentiable`` wrapper, calibrated separately),
+   never by the count itself; any other caller has no baseline. If calibration fails, reuse is
+   never granted.
 4. Non-overlapping and dense, offset 0, covering its whole storage, plain strided ``torch.Tensor``
    (no subclass, functorch wrapper, conj/neg bit, view): an in-place kernel writes every byte
    exactly once.
@@ -50,7 +53,7 @@ safe, refusing reuse, never the other way):
 
     class _MyFn(torch.autograd.Function):
         @staticmethod
-        def backward(ctx, grad_out):          # no @once_differentiable, no *args repacking
+        def backward(ctx, grad_out):          # @once_differentiable allowed; no *args repacking
             buf = ownership.take(grad_out)    # FIRST use of grad_out, called directly from backward
             ...                               # buf is grad_out (overwrite it) or None (allocate)
 
@@ -79,6 +82,7 @@ import threading
 from collections.abc import Iterator
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "calibrated",
@@ -101,10 +105,13 @@ _counter = {"grad": 0, "saved": 0}
 _counter_lock = threading.Lock()
 
 # Calibrated at import (see _calibrate). None: calibration failed; never reuse.
-_GRAD_REFCOUNT: int | None = None
+# Keyed by the code object of the frame that called the Function's backward: autograd's
+# BackwardCFunction.apply (plain backward) or torch's once_differentiable wrapper. Any other caller
+# (a helper in between, another wrapper) has no baseline: never reuse.
+_GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
 # saved_tensors_hooks pair that packs a detached alias keeps it (slimgrad.memory's tracker does).
-_SAVED_SIGS: frozenset[tuple[int, int]] | None = None
+_SAVED_SIGS: dict | None = None  # caller code -> {(refcount, use count)}
 # Storage use count of a tensor nobody else shares, the probe's own storage object included.
 _STORAGE_PROBE: int | None = None
 
@@ -204,10 +211,18 @@ def _context_ok() -> bool:
     return True
 
 
-def _grad_ok(t: torch.Tensor, refcount: int) -> bool:
+def _caller() -> object:
+    # take/reusable/take_saved <- the Function's backward <- its caller (3 frames up from here)
+    try:
+        return sys._getframe(3).f_code
+    except ValueError:
+        return None
+
+
+def _grad_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
     return (
         _GRAD_REFCOUNT is not None
-        and refcount == _GRAD_REFCOUNT
+        and refcount == _GRAD_REFCOUNT.get(caller)
         and _plain(t)
         and _context_ok()
         and t._use_count() == 1
@@ -216,10 +231,10 @@ def _grad_ok(t: torch.Tensor, refcount: int) -> bool:
     )
 
 
-def _saved_ok(t: torch.Tensor, refcount: int) -> bool:
+def _saved_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
     return (
         _SAVED_SIGS is not None
-        and (refcount, t._use_count()) in _SAVED_SIGS
+        and (refcount, t._use_count()) in _SAVED_SIGS.get(caller, ())
         and _plain(t, saved=True)
         and _context_ok()
         and not torch._C._autograd._get_current_graph_task_keep_graph()
@@ -244,7 +259,7 @@ def reusable(grad: torch.Tensor | None) -> bool:
     if torch.compiler.is_compiling():
         return False
     refcount = sys.getrefcount(grad)
-    return grad is not None and _grad_ok(grad, refcount)
+    return grad is not None and _grad_ok(grad, refcount, _caller())
 
 
 def take(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -262,7 +277,7 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
     if torch.compiler.is_compiling():  # traced backward: no refcounts, no unannounced mutation
         return None
     refcount = sys.getrefcount(grad)
-    if grad is None or not _grad_ok(grad, refcount):
+    if grad is None or not _grad_ok(grad, refcount, _caller()):
         return None
     with _counter_lock:
         _counter["grad"] += 1
@@ -281,7 +296,7 @@ def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
     if torch.compiler.is_compiling():
         return None
     refcount = sys.getrefcount(saved)
-    if saved is None or not _saved_ok(saved, refcount):
+    if saved is None or not _saved_ok(saved, refcount, _caller()):
         return None
     mark_consumed(ctx)
     with _counter_lock:
@@ -313,42 +328,52 @@ def check_not_consumed(ctx, api: str) -> None:
 # Calibration ------------------------------------------------------------------------------------
 
 
-class _CalibGrad(torch.autograd.Function):
-    seen: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        _CalibGrad.seen.append(_probe(grad_out))
-        return grad_out * 2
-
-
-class _CalibSaved(torch.autograd.Function):
-    seen: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        y = x * 2
-        ctx.save_for_backward(y)
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (y,) = ctx.saved_tensors
-        _CalibSaved.seen.append(_probe(y))
-        return grad_out * y
-
-
 def _probe(t):
     # Same frame depth and argument passing as take()/take_saved(): one call from backward.
-    return (
-        sys.getrefcount(t),
-        t._use_count(),
-        torch._C._storage_Use_Count(t.untyped_storage()._cdata),
-    )
+    storage = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    return sys.getrefcount(t), t._use_count(), storage, sys._getframe(2).f_code
+
+
+def _calib_fns(seen: list):
+    class Grad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            seen.append(("grad", _probe(grad_out)))
+            return grad_out * 2
+
+    class GradOnce(Grad):
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad_out):
+            seen.append(("grad", _probe(grad_out)))
+            return grad_out * 2
+
+    class Saved(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = x * 2
+            ctx.save_for_backward(y)
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            (y,) = ctx.saved_tensors
+            seen.append(("saved", _probe(y)))
+            return grad_out * y
+
+    class SavedOnce(Saved):
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, grad_out):
+            (y,) = ctx.saved_tensors
+            seen.append(("saved", _probe(y)))
+            return grad_out * y
+
+    return (Grad, GradOnce), (Saved, SavedOnce)
 
 
 def _calibrate() -> None:
@@ -357,42 +382,47 @@ def _calibrate() -> None:
         t = torch.empty(4)
         _STORAGE_PROBE = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
         x = torch.randn(5, requires_grad=True)
-        _CalibGrad.seen.clear()
-        (_CalibGrad.apply(x) * 3).sum().backward()
-        ((_CalibGrad.apply(x) * 3) * 1).sum().backward()
-        _CalibSaved.seen.clear()
-        (_CalibSaved.apply(x) * 3).sum().backward()
-        (_CalibSaved.apply(x * 1) * 3).sum().backward()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
-            loss = (_CalibSaved.apply(x * 1) * 3).sum()
-        loss.backward()
-        grads, saved = _CalibGrad.seen, _CalibSaved.seen
-        ok = (
-            _STORAGE_PROBE >= 1
-            and len(grads) == 2
-            and grads[0] == grads[1]
-            and grads[0][1] == 1
-            and grads[0][2] == _STORAGE_PROBE
-            and len(saved) == 3
-            and saved[0] == saved[1]
-            and saved[0][2] == saved[2][2] == _STORAGE_PROBE
-        )
-        # A hook that keeps the gradient must raise the refcount by one: check that the baseline
-        # is sensitive to an extra Python holder.
-        kept = []
-        y = _CalibGrad.apply(x)
-        z = y * 3
-        y.register_hook(lambda g: kept.append(g))
-        z.sum().backward()
-        ok = ok and len(grads) == 3 and grads[2][0] == grads[0][0] + 1
+        grad_base: dict = {}
+        saved_sigs: dict = {}
+        ok = _STORAGE_PROBE >= 1
+        for grad_fn, saved_fn in zip(*_calib_fns(seen := []), strict=True):
+            seen.clear()
+            (grad_fn.apply(x) * 3).sum().backward()
+            ((grad_fn.apply(x) * 3) * 1).sum().backward()
+            kept = []  # a hook that keeps the gradient must raise the refcount by exactly one
+            y = grad_fn.apply(x)
+            z = y * 3
+            y.register_hook(lambda g, kept=kept: kept.append(g))
+            z.sum().backward()
+            (saved_fn.apply(x) * 3).sum().backward()
+            (saved_fn.apply(x * 1) * 3).sum().backward()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+                loss = (saved_fn.apply(x * 1) * 3).sum()
+            loss.backward()
+            g = [p for k, p in seen if k == "grad"]
+            sv = [p for k, p in seen if k == "saved"]
+            caller = g[0][3]
+            ok = (
+                ok
+                and len(g) == 3
+                and len(sv) == 3
+                and all(p[3] is caller for p in g + sv)
+                and g[0] == g[1]
+                and g[0][1] == 1
+                and g[0][2] == _STORAGE_PROBE
+                and g[2][0] == g[0][0] + 1
+                and sv[0] == sv[1]
+                and sv[0][2] == sv[2][2] == _STORAGE_PROBE
+                and caller not in grad_base
+            )
+            if not ok:
+                break
+            grad_base[caller] = g[0][0]
+            saved_sigs[caller] = frozenset({sv[0][:2], sv[2][:2]})
         if ok:
-            _GRAD_REFCOUNT = grads[0][0]
-            _SAVED_SIGS = frozenset({saved[0][:2], saved[2][:2]})
+            _GRAD_REFCOUNT, _SAVED_SIGS = grad_base, saved_sigs
     except Exception:  # any surprise: never reuse
         _GRAD_REFCOUNT = _SAVED_SIGS = None
-    finally:
-        _CalibGrad.seen = []
-        _CalibSaved.seen = []
 
 
 _calibrate()
