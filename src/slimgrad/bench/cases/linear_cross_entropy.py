@@ -11,6 +11,7 @@ Run: ``PYTHONPATH=src python -m slimgrad.bench.cases.linear_cross_entropy [--sma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -193,6 +194,27 @@ def gpt2_reuse(small: bool = False, device="cpu") -> dict:
     }
 
 
+def time_reuse(slim, x, target, steps: int = 3) -> dict:
+    """Interleaved slimgrad step times (ms), reuse on and off; the first round is a warm-up."""
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(steps + 1):
+        for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+            slim.zero_grad(set_to_none=True)
+            with ownership.reuse_disabled() if mode == "off" else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                slim(x, target).backward()
+                dt = (time.perf_counter() - t0) * 1e3
+            if i > 0:
+                times[mode].append(dt)
+    slim.zero_grad(set_to_none=True)
+    ratios = [a / b for a, b in zip(times["on"], times["off"], strict=True)]
+    return {
+        "step_ms": {k: statistics.median(v) for k, v in times.items()},
+        "ratio_on_over_off_median": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+    }
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--small", action="store_true")
@@ -236,6 +258,7 @@ def main(argv=None) -> dict:
         rec["step_ms"] = {k: statistics.median(v) for k, v in t.items()}
         rec["step_ratio_median"] = statistics.median(ratios)
         rec["step_ratio_range"] = [min(ratios), max(ratios)]
+        rec["reuse_timing"] = time_reuse(slim, x, target, args.steps)
     if args.gpt2:
         rec["gpt2"] = gpt2_reuse(small=args.small, device=args.device)
     print(json.dumps(rec, indent=1))
