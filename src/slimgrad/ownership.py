@@ -57,9 +57,9 @@ safe, refusing reuse, never the other way):
             buf = ownership.take(grad_out)    # FIRST use of grad_out, called directly from backward
             ...                               # buf is grad_out (overwrite it) or None (allocate)
 
-- Call it directly in the Function's ``backward`` staticmethod, on the bare parameter, before any
-  other use: no ``g = grad_out``, no list/tuple/ctx attribute holding it, not from a helper the
-  backward calls.
+- Call it directly in the Function's ``backward`` staticmethod (plain or ``@once_differentiable``),
+  on the bare parameter, before any other use: no ``g = grad_out``, no list/tuple/ctx attribute
+  holding it, not from a helper the backward calls (a helper frame has no baseline: refused).
 - Several gradients (``backward(ctx, g1, g2)``) are fine: call ``take`` on each parameter.
 - Saved tensors: ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` with ``a``
   held only by that one local (do not keep the ``saved_tensors`` tuple in a variable); then
