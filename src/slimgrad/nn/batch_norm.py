@@ -3,18 +3,14 @@ modules that cooperate with them.
 
 ``BatchNorm2d`` has torch's name, arguments, defaults, buffers and state_dict keys (it subclasses
 ``torch.nn.BatchNorm2d``); its output is registered as a *source*. ``ReLUAfterNorm`` (and the
-GELU/SiLU
-variants) are drop-in ``nn.ReLU``/``nn.GELU``/``nn.SiLU``: on an ordinary input they do exactly what
-torch
-does; on the pristine output of a slimgrad BatchNorm they make the BatchNorm keep its output instead
-of its
-input, and tag their own output so that a following slimgrad conv keeps that same tensor instead
-(NOTE [Derived saved inputs] in ``slimgrad/ops/_derived.py``). Model code (``self.bn1(x)``;
-``self.relu(x)``; ``self.conv2(x)``) does not change.
+GELU/SiLU variants) are drop-in ``nn.ReLU``/``nn.GELU``/``nn.SiLU``: on an ordinary input they do
+exactly what torch does; on the pristine output of a slimgrad BatchNorm they make the BatchNorm keep
+its output instead of its input, and tag their own output so that a following slimgrad conv keeps
+that same tensor instead (NOTE [Derived saved inputs] in ``slimgrad/ops/_derived.py``). Model code
+(``self.bn1(x)``; ``self.relu(x)``; ``self.conv2(x)``) does not change.
 
 Memory: BN → ReLU → Conv keeps the BN output only (4 B/elt fp32); eager keeps the BN input and the
-ReLU
-output (8 B/elt). Eval with frozen γ, β keeps nothing full-size (eager: the input).
+ReLU output (8 B/elt). Eval with frozen γ, β keeps nothing full-size (eager: the input).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Conv1d/2d/3d and ConvTranspose1d/2d/3d that keep only what the requested gradients need.
 
 Same names, arguments, defaults, parameters and state_dict keys as ``torch.nn``; the classes
-subclass
-torch's, so ``isinstance(m, torch.nn.Conv2d)`` still holds. See ``slimgrad.ops.conv`` for the math
-and
-the memory contract.
+subclass torch's, so ``isinstance(m, torch.nn.Conv2d)`` still holds. See ``slimgrad.ops.conv`` for
+the math and the memory contract.
 """
 
 from __future__ import annotations

@@ -2,46 +2,48 @@
 
 # NOTE [Derived saved inputs]
 In ``Conv -> BatchNorm -> ReLU -> Conv`` eager PyTorch keeps two full-size tensors per block: the
-BatchNorm
-input ``x`` (for x̂) and the ReLU output ``r`` (the next conv's input, for its weight gradient).
-Both follow
-from the BatchNorm output ``b`` alone: x̂ = (b - β) / γ, and r = act(b) is one cheap elementwise op.
-So a
-block needs to keep only ``b``. Three cooperating pieces make that happen without any change to
-model code
-(``self.bn1(x)`` then ``self.relu(x)`` then ``self.conv2(x)``):
+BatchNorm input ``x`` (for x̂) and the ReLU output ``r`` (the next conv's input, for its weight
+gradient). Both follow from the BatchNorm output ``b`` alone: x̂ = (b - β) / γ, and r = act(b) is
+one cheap elementwise op. So a block needs to keep only ``b``. Three cooperating pieces make that
+happen without any change to model code (``self.bn1(x)`` then ``self.relu(x)`` then
+``self.conv2(x)``):
 
 1. A *source* (slimgrad's BatchNorm in training) keeps its input ``x`` by default, exactly like
-eager, and
-   registers its output ``b`` here with :func:`register_source` together with its version.
+   eager, and registers its output ``b`` here with :func:`register_source` together with its
+   version.
 2. :func:`activation` applied to a *pristine* source output (same tensor object, version unchanged)
-asks the
-   source to keep ``b`` instead of ``x`` (:meth:`Source.keep_output`; the source may refuse, e.g.
-   when too
-   many channels have γ ≈ 0), computes ``r = act(b)`` out of place and registers ``r`` as *derived*:
-   ``(base=b, act, versions)``. Its own Function keeps ``b`` (the same storage) for act'(b).
+   asks the source to keep ``b`` instead of ``x`` (:meth:`Source.keep_output`; the source may
+   refuse, e.g. when too many channels have γ ≈ 0), computes ``r = act(b)`` out of place and
+   registers ``r`` as *derived*: ``(base=b, act, versions)``. Its own Function keeps ``b`` (the same
+   storage) for act'(b).
 3. slimgrad's conv, given an input tagged as derived (:func:`lookup`), keeps ``b`` and the act
-instead of
-   ``r`` and recomputes ``r = act(b)`` in backward, bit for bit the same kernel as in forward.
+   instead of ``r`` and recomputes ``r = act(b)`` in backward, bit for bit the same kernel as in
+   forward.
 
 Where ``b`` is not pristine (``out += identity`` in a ResNet block bumps its version before the
-ReLU) nothing
-is claimed and every op keeps what eager keeps: the mechanism only ever removes tensors that are
-provably
-re-derivable.
+ReLU) nothing is claimed and every op keeps what eager keeps: the mechanism only ever removes
+tensors that are provably re-derivable.
 
 Safety. Registries are weak and keyed by tensor identity
-(:class:`torch.utils.weak.WeakIdKeyDictionary`):
-a view or a copy of ``r`` is not tagged and takes the eager path. Every tensor kept in place of
-another is a
-``detach()`` alias, which shares the version counter, so an in-place write to ``b`` after it was
-kept raises
-autograd's "modified by an inplace operation" error at backward (through ``save_for_backward``, or
-:func:`check_version` for the source's switchable slot). A write to ``r`` after the conv ran does
-not matter:
-the conv recomputes ``r`` as it was. Nothing is registered under no_grad / inference_mode (no
-Function runs)
+(:class:`torch.utils.weak.WeakIdKeyDictionary`): a view or a copy of ``r`` is not tagged and takes
+the eager path. Every tensor kept in place of another is a ``detach()`` alias, which shares the
+version counter, so an in-place write to ``b`` after it was kept raises autograd's "modified by an
+inplace operation" error at backward (through ``save_for_backward``, or :func:`check_version` for
+the source's switchable slot). A write to ``r`` after the conv ran does not matter: the conv
+recomputes ``r`` as it was. Nothing is registered under no_grad / inference_mode (no Function runs)
 or while torch.compile traces (the ops take their plain path there).
+
+# NOTE [Recomputable inputs]
+Some BatchNorm inputs cannot be rebuilt from the output: in a ResNet bottleneck ``bn3``'s output is
+overwritten by ``out += identity`` and ``bn_downsample``'s output is only added, so the eager-style
+BatchNorm would keep its input c (the biggest tensors of the block: 4x the bottleneck width). But c
+= conv(x, W) where slimgrad's conv keeps x anyway (or b with x = act(b)) for its own weight
+gradient. So the conv registers a :class:`Recipe` for its output (:func:`register_recipe`), and a
+BatchNorm whose input has one keeps the recipe (references to tensors already kept: 0 bytes) instead
+of c, and re-runs the same conv in backward (bit for bit: same op, same inputs; autocast's cast is
+replayed). The cost is one extra forward convolution for such layers (ResNet-50: the 1x1 conv3 and
+downsample convs); the versions of every ingredient are checked, so an in-place change of x or W
+between forward and backward raises autograd's error instead of giving a wrong gradient.
 """
 
 from __future__ import annotations
@@ -124,15 +126,15 @@ def _tracing() -> bool:
 
 
 def register_source(out: torch.Tensor, source) -> None:
-    """Register ``out`` as the output of ``source`` (an object with ``keep_output(out) -> "
-    "bool``)."""
+    """Register ``out`` as the output of ``source`` (an object with ``keep_output(out) ->
+    bool``)."""
     if not _tracing():
         _SOURCES[out] = (source, out._version)
 
 
 def claim_source(b: torch.Tensor) -> bool:
-    """Ask the source of ``b`` (if pristine) to keep ``b`` instead of its input; True if it "
-    "agreed."""
+    """Ask the source of ``b`` (if pristine) to keep ``b`` instead of its input; True if it
+    agreed."""
     entry = _SOURCES.get(b)
     if entry is None:
         return False

@@ -1,6 +1,5 @@
-"""BatchNorm that keeps its output instead of its input when an activation follows, and saves
-nothing
-full-size in eval mode with a frozen affine.
+"""BatchNorm that keeps its output instead of its input when an activation follows, its input
+conv's recipe instead of its input otherwise, and nothing full-size in eval with a frozen affine.
 
 Math (per channel c, over the batch and spatial dims; training uses batch statistics μ, σ² (biased),
 eval the running ones):
@@ -11,22 +10,18 @@ eval the running ones):
     eval:     dx = γ / sqrt(σ²_run + eps) · dy
 
 From the output: x̂ = (b - β) / γ. Backward then runs aten's fused ``native_batch_norm_backward`` on
-``b``
-with mean' = β, invstd' = 1/γ and weight' = γ² / sqrt(σ² + eps): the same kernel, one dx buffer, no
-full-size temporaries. A channel whose output cannot be inverted accurately (γ = 0, |γ| < 1e-20,
-|β| > 16 |γ|, or non-finite) keeps its input channel instead (a copy of those channels only); if
-more than a
-quarter of the channels are such, the layer keeps its whole input (the eager path).
+``b`` with mean' = β, invstd' = 1/γ and weight' = γ² / sqrt(σ² + eps): the same kernel, one dx
+buffer, no full-size temporaries. A channel whose output cannot be inverted accurately (γ = 0, |γ| <
+1e-20, |β| > 16 |γ|, or non-finite) keeps its input channel instead (a copy of those channels only);
+if more than a quarter of the channels are such, the layer keeps its whole input (the eager path).
 
 Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad activation consumes
-the
-output, in which case it keeps the output b instead; b is also what the activation and the next
-slimgrad
-conv keep (NOTE [Derived saved inputs] in ``ops/_derived.py``), so a BN → ReLU → Conv block keeps
-one
-full-size tensor (eager: two, x and relu(b)), plus O(C) statistics. Eval: nothing full-size when γ
-and β
-need no gradient (eager keeps x), else x.
+the output, in which case it keeps the output b instead; b is also what the activation and the next
+slimgrad conv keep (NOTE [Derived saved inputs] in ``ops/_derived.py``), so a BN → ReLU → Conv block
+keeps one full-size tensor (eager: two, x and relu(b)), plus O(C) statistics. When x is the output
+of a slimgrad conv that keeps its own input, the BatchNorm keeps a recipe instead of x (0 bytes; the
+conv is re-run in backward: NOTE [Recomputable inputs]). Eval: nothing full-size when γ and β need
+no gradient (eager keeps x), else x (or its recipe).
 """
 
 from __future__ import annotations
@@ -259,14 +254,13 @@ def batch_norm(
 ) -> torch.Tensor:
     """``torch.nn.functional.batch_norm`` that keeps less for backward.
 
-    b = γ (x - μ) / sqrt(σ² + eps) + β per channel (dim 1). In training, the output is registered so
-    that
-    a following :func:`slimgrad.ops._derived.activation` makes this op keep b instead of x (NOTE
-    [Derived
-    saved inputs]); in eval with γ, β frozen nothing full-size is kept.
+    b = γ (x - μ) / sqrt(σ² + eps) + β per channel (dim 1). In training, the output is registered
+    so that a following :func:`slimgrad.ops._derived.activation` makes this op keep b instead of x
+    (NOTE [Derived saved inputs]); in eval with γ, β frozen nothing full-size is kept.
 
-    Memory: training keeps x (as eager) or, when a slimgrad activation follows, b (shared with that
-    activation and the next slimgrad conv); eval with frozen γ, β keeps O(C) only (eager keeps x).
+    Memory: training keeps x (as eager), or x's recipe when x comes from a slimgrad conv (0 bytes),
+    or b when a slimgrad activation follows (shared with that activation and the next slimgrad
+    conv); eval with frozen γ, β keeps O(C) only (eager keeps x).
 
     Args:
         input: (N, C, *) tensor.
@@ -290,8 +284,7 @@ def batch_norm(
     if not training and (running_mean is None or running_var is None):
         raise ValueError(
             "slimgrad.ops.batch_norm: eval mode needs running statistics; expected tensors, got "
-            "None. "
-            "Pass running_mean and running_var, or training=True."
+            "None. Pass running_mean and running_var, or training=True."
         )
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, weight, bias)

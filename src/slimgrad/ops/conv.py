@@ -2,16 +2,13 @@
 
 Math: y = conv(x, W) + bias. dx = conv_transpose(dy, W) needs W only; dW = corr(x, dy) needs x only;
 dbias = Σ dy needs nothing. So: a frozen W (no grad) → x is not kept; an x that needs no grad → W is
-not
-needed (and since W is a Parameter, keeping it costs nothing anyway). When x is the output of a
-slimgrad
-activation applied to a slimgrad norm output b (NOTE [Derived saved inputs] in ``ops/_derived.py``),
-the
-conv keeps b (kept by the norm already) and recomputes x = act(b) in backward, bit for bit.
+not needed (and since W is a Parameter, keeping it costs nothing anyway). When x is the output of a
+slimgrad activation applied to a slimgrad norm output b (NOTE [Derived saved inputs] in
+``ops/_derived.py``), the conv keeps b (kept by the norm already) and recomputes x = act(b) in
+backward, bit for bit.
 
 Memory: keeps x (4 B/elt fp32) only if W needs grad, and then b instead of x when x is derived (0
-extra
-bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch#133566).
+extra bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch#133566).
 """
 
 from __future__ import annotations
@@ -259,16 +256,16 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) 
 
 
 def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
-    """``torch.nn.functional.conv3d`` keeping only what the requested gradients need (see "
-    "conv2d)."""
+    """``torch.nn.functional.conv3d`` keeping only what the requested gradients need (see
+    conv2d)."""
     return _conv("conv3d", 3, input, weight, bias, stride, padding, dilation, groups, False, 0)
 
 
 def conv_transpose1d(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose1d`` keeping only what the gradients need (see "
-    "conv2d)."""
+    """``torch.nn.functional.conv_transpose1d`` keeping only what the gradients need (see
+    conv2d)."""
     return _conv(
         "conv_transpose1d",
         1,
@@ -287,8 +284,8 @@ def conv_transpose1d(
 def conv_transpose2d(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose2d`` keeping only what the gradients need (see "
-    "conv2d)."""
+    """``torch.nn.functional.conv_transpose2d`` keeping only what the gradients need (see
+    conv2d)."""
     return _conv(
         "conv_transpose2d",
         2,
@@ -307,8 +304,8 @@ def conv_transpose2d(
 def conv_transpose3d(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose3d`` keeping only what the gradients need (see "
-    "conv2d)."""
+    """``torch.nn.functional.conv_transpose3d`` keeping only what the gradients need (see
+    conv2d)."""
     return _conv(
         "conv_transpose3d",
         3,
