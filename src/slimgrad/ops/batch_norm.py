@@ -289,7 +289,8 @@ def batch_norm(
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, weight, bias)
     )
-    if not needs_graph or torch.compiler.is_compiling():
+    if not needs_graph or input.numel() == 0 or torch.compiler.is_compiling():
+        # Plain path: nothing is kept beyond what eager keeps (empty inputs: aten's own rules).
         return torch.nn.functional.batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
