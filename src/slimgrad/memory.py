@@ -505,7 +505,7 @@ def _snapshot(tracker: _Tracker, packer: _Packer, out: torch.Tensor) -> dict:
         by_node[first] = by_node.get(first, 0) + nbytes
         by_module[s.module] = by_module.get(s.module, 0) + nbytes
         by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + nbytes
-    saved.sort(key=lambda s: (-s.nbytes, s.module, s.savers))
+    saved.sort(key=lambda s: (-s.nbytes, s.kind, s.module, s.savers, s.shape, s.dtype))
     return {
         "saved_bytes": totals["step"],
         "saved_input_bytes": totals["input"],
