@@ -15,7 +15,7 @@ from torch import nn
 from slimgrad.nn import batch_norm as _bn
 from slimgrad.nn import conv as _conv
 
-__all__ = ["HANDLERS"]
+__all__ = ["HANDLERS", "TABLE", "bn_act_pattern", "convert_cnn_"]
 
 
 def _handler(cls):
@@ -55,6 +55,55 @@ HANDLERS = {
     nn.GELU: convert_gelu,
     nn.SiLU: convert_silu,
 }
+
+
+_ACT_AFTER_NORM = {
+    nn.ReLU: convert_relu,
+    nn.GELU: convert_gelu,
+    nn.SiLU: convert_silu,
+}
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+#: Entries for ``slimgrad.convert._TABLE``: {qualified class name: (ConvertConfig field, handler)}.
+#: Activations are not here: they are swapped by :func:`bn_act_pattern` only where a BatchNorm sits
+#: next to them, so the activation table keeps every other ReLU/GELU/SiLU.
+TABLE = {
+    f"{cls.__module__}.{cls.__qualname__}": (
+        "batch_norm" if issubclass(cls, _BN_TYPES) else "linear",
+        h,
+    )
+    for cls, h in HANDLERS.items()
+    if cls not in _ACT_AFTER_NORM
+}
+
+
+def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
+    """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU modules that share a
+    parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's ResNet blocks, which call
+    ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. Those act exactly like torch's
+    on any input, and keep nothing extra after a slimgrad BatchNorm (NOTE [Derived saved inputs]).
+    An instance shared by several call sites (torchvision's one ``relu`` per block) is swapped once.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    for parent in list(model.modules()):
+        kids = list(parent.named_children())
+        if not any(isinstance(c, _BN_TYPES) for _, c in kids):
+            continue
+        for name, child in kids:
+            h = _ACT_AFTER_NORM.get(type(child))
+            if h is None:
+                continue
+            fqn = names.get(id(child), name)
+            if not allowed(child, fqn):
+                rep.skipped.append((fqn, type(child).__name__, "filter_fn returned False"))
+                continue
+            new = h(child)
+            # every parent that holds this instance gets the same new module
+            for p2 in model.modules():
+                for n2, c2 in list(p2.named_children()):
+                    if c2 is child:
+                        setattr(p2, n2, new)
+            rep.converted.append((fqn, type(child).__name__, type(new).__name__))
 
 
 def convert_cnn_(model: nn.Module) -> nn.Module:
