@@ -352,3 +352,21 @@ def test_autocast_bf16_block_within_rule():
             z = cv(act(bn(cv(x, c1, padding=1), None, None, w, b, True, 0.1, EPS)), c2)
         res[name] = [z.double()] + grads_of((z.double().sin()).sum(), ts)
     assert_within_rule(res["ours"], res["ref"], res["eager"], atol=1e-2)
+
+
+def test_recomputed_input_gives_bitwise_same_gradients():
+    # The recipe re-runs the same conv on the same tensors: the BN gradients equal, bit for bit,
+    # those computed from the kept input (recompute_input=False).
+    x0 = torch.randn(3, 4, 9, 7)
+    wc = torch.randn(5, 4, 3, 3)
+    w0, b0 = _params(5)
+    res = []
+    for recompute in (True, False):
+        x, c, w, b = (t.clone().requires_grad_() for t in (x0, wc, w0, b0))
+        h = conv2d(x * 1, c, padding=1)
+        y = batch_norm(h, None, None, w, b, True, 0.1, EPS, recompute_input=recompute)
+        y = y + 0.5  # no activation: the recipe (or x) is what the BN keeps
+        (y.relu() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        res.append([x.grad, c.grad, w.grad, b.grad])
+    for a, e in zip(*res):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)

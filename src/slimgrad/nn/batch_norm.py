@@ -46,6 +46,10 @@ def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
 
 
 class _BatchNormMixin:
+    #: Keep how to recompute the input (re-running the slimgrad conv that produced it) instead of
+    #: the input itself; set False on an instance to trade memory back for compute.
+    recompute_input: bool = True
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # torch.nn.modules.batchnorm._BatchNorm.forward, calling slimgrad's batch_norm.
         self._check_input_dim(input)
@@ -65,6 +69,7 @@ class _BatchNormMixin:
             bn_training,
             factor,
             self.eps,
+            recompute_input=self.recompute_input,
         )
 
 

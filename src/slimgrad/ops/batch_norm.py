@@ -101,7 +101,9 @@ class _BatchNormFn(torch.autograd.Function):
     # hand (_derived.check_version) and the slots are released after a backward that frees the
     # graph.
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, holder):
+    def forward(
+        ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, holder, recompute
+    ):
         out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
@@ -123,7 +125,7 @@ class _BatchNormFn(torch.autograd.Function):
             keep_x = need_w
         ctx.recipe = None
         if keep_x:
-            recipe = _derived.lookup_recipe(x)
+            recipe = _derived.lookup_recipe(x) if recompute else None
             if recipe is not None:
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
                 ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
@@ -172,17 +174,8 @@ class _BatchNormFn(torch.autograd.Function):
         if _keep_graph is not None and not _keep_graph():
             _release(ctx)
         gx, gw, gb = out
-        return (
-            gx,
-            gw if need_w else None,
-            gb if need_b else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        # one gradient per forward argument (x, weight, bias; 7 non-differentiable ones)
+        return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 7
 
 
 def _bwd_from_output(ctx, grad, need_x, need_w, need_b):
@@ -251,6 +244,8 @@ def batch_norm(
     training: bool = False,
     momentum: float = 0.1,
     eps: float = 1e-5,
+    *,
+    recompute_input: bool = True,
 ) -> torch.Tensor:
     """``torch.nn.functional.batch_norm`` that keeps less for backward.
 
@@ -269,6 +264,9 @@ def batch_norm(
         training: use batch statistics and update the running ones.
         momentum: running-average factor.
         eps: added to the variance.
+        recompute_input: where x is the output of a slimgrad conv that keeps its own input, keep
+            how to recompute x instead of x and re-run that conv in backward (NOTE [Recomputable
+            inputs]). False keeps x (no extra compute).
 
     Returns:
         The normalised tensor, same shape, dtype and memory format as ``input``.
@@ -296,7 +294,16 @@ def batch_norm(
         )
     holder: list = []
     out = _BatchNormFn.apply(
-        input, weight, bias, running_mean, running_var, training, momentum, eps, holder
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+        holder,
+        recompute_input,
     )
     if training and holder:
         _derived.register_source(out, holder[0])
