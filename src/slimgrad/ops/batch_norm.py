@@ -188,7 +188,12 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b):
     else:
         gamma = ctx.weight_v.to(pdt)
         beta = ctx.bias_v.to(pdt) if ctx.bias_v is not None else torch.zeros_like(gamma)
-    mean_p, invstd_p, w_p = beta.clone(), 1.0 / gamma, gamma * gamma * invstd
+    # x̂ = (b - β) / γ has zero mean in exact arithmetic, so mean(b) = β; centring on the computed
+    # mean(b) instead removes the part of b's rounding error that does not average out (what makes
+    # Σ dx, e.g. a preceding conv bias's gradient, drift from 0). One reduction, no full-size temp.
+    red = [d for d in range(ctx.b.dim()) if d != 1]
+    mean_p = ctx.b.mean(red, dtype=pdt) if ctx.b.numel() else beta.clone()
+    invstd_p, w_p = 1.0 / gamma, gamma * gamma * invstd
     if ctx.bad is not None:
         # Channels kept from x: neutral parameters here, exact values below.
         mean_p[ctx.bad] = 0
