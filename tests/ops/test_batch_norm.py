@@ -370,3 +370,28 @@ def test_recomputed_input_gives_bitwise_same_gradients():
         res.append([x.grad, c.grad, w.grad, b.grad])
     for a, e in zip(*res):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_inside_checkpoint_same_gradients():
+    # Correct under non-reentrant checkpoint (memory: see the limitation in ops/_derived.py).
+    from torch.utils.checkpoint import checkpoint
+
+    x0 = torch.randn(3, 4, 6, 5)
+    w0, b0 = _params(4)
+    c1, c2 = torch.randn(4, 4, 3, 3), torch.randn(2, 4, 1, 1)
+    res = []
+    for bn, act, cv in (
+        (batch_norm, _ours_act("relu"), conv2d),
+        (F.batch_norm, torch.relu, F.conv2d),
+    ):
+        x, w, b, k1, k2 = (t.clone().requires_grad_() for t in (x0, w0, b0, c1, c2))
+
+        def block(x, w, b, k1, k2, bn=bn, act=act, cv=cv):
+            h = cv(x, k1, padding=1)
+            return cv(act(bn(h, None, None, w, b, True, 0.1, EPS)), k2)
+
+        z = checkpoint(block, x, w, b, k1, k2, use_reentrant=False)
+        z.sin().sum().backward()
+        res.append([z, x.grad, w.grad, b.grad, k1.grad, k2.grad])
+    for a, e in zip(*res):
+        torch.testing.assert_close(a, e)

@@ -44,6 +44,11 @@ of c, and re-runs the same conv in backward (bit for bit: same op, same inputs; 
 replayed). The cost is one extra forward convolution for such layers (ResNet-50: the 1x1 conv3 and
 downsample convs); the versions of every ingredient are checked, so an in-place change of x or W
 between forward and backward raises autograd's error instead of giving a wrong gradient.
+
+Limitation: the BatchNorm keeps its switchable slot as ctx attributes (``save_for_backward`` cannot
+be changed after forward), which saved-tensor hooks do not see. Inside ``torch.utils.checkpoint``
+(non-reentrant) or ``save_on_cpu`` regions those tensors are therefore kept on device rather than
+dropped/offloaded; use torch's own BatchNorm inside such regions.
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ def _bshape(t: torch.Tensor, ndim: int) -> torch.Tensor:
 
 class _Source:
     """The source side of NOTE [Derived saved inputs]: lets a following activation make this
-    BatchNorm
-    call keep its output instead of its input. Holds the call's ctx; the ctx does not hold it (no
-    reference cycle, so the graph is freed by reference counting as in eager)."""
+    BatchNorm call keep its output instead of its input. Holds the call's ctx; the ctx does not
+    hold it (no reference cycle, so the graph is freed by reference counting as in eager)."""
 
     def __init__(self, ctx):
         self.ctx = ctx
