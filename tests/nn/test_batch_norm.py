@@ -142,3 +142,26 @@ def test_eval_frozen_bn_keeps_nothing_full_size():
     assert me.saved_bytes == x0.numel() * 4 + 2 * full  # conv input, BN input, ReLU output
     # conv input, ReLU output, per channel: running stats, 1/sqrt(var+eps), γ, β
     assert ms.saved_bytes == x0.numel() * 4 + full + 5 * 4 * 4
+
+
+def test_through_slimgrad_convert_(monkeypatch):
+    # The entries this stem asks for in slimgrad.convert, installed for this test only.
+    import slimgrad
+    from slimgrad import convert as conv_mod
+
+    monkeypatch.setattr(conv_mod, "_TABLE", {**conv_mod._TABLE, **CNN_TABLE})
+    monkeypatch.setattr(
+        conv_mod, "_PATTERNS", [*conv_mod._PATTERNS, ("batch_norm", bn_act_pattern)]
+    )
+    torch.manual_seed(0)
+    ref = _block()
+    m = slimgrad.convert_(copy.deepcopy(ref))
+    rep = slimgrad.report(m)
+    kinds = {(name, to) for name, _, to in rep.converted}
+    assert ("1", "BatchNorm2d") in kinds and ("2", "ReLUAfterNorm") in kinds
+    assert ("0", "Conv2d") in kinds and ("5", "SiLUAfterNorm") in kinds
+    assert isinstance(m[0], sbn.nn.Conv2d) and type(m[0]).__module__ == "slimgrad.nn.conv"
+    off = slimgrad.convert_(copy.deepcopy(ref), slimgrad.ConvertConfig(batch_norm=False))
+    assert type(off[1]) is nn.BatchNorm2d and type(off[2]) is nn.ReLU
+    x = torch.randn(2, 3, 7, 7)
+    torch.testing.assert_close(m(x), ref(x))
