@@ -165,3 +165,22 @@ def test_through_slimgrad_convert_(monkeypatch):
     assert type(off[1]) is nn.BatchNorm2d and type(off[2]) is nn.ReLU
     x = torch.randn(2, 3, 7, 7)
     torch.testing.assert_close(m(x), ref(x))
+
+
+def test_compile_aot_eager_converted_block():
+    # Under torch.compile the BatchNorm/activation take torch's plain path (traced without graph
+    # breaks); the conv keeps its selective-saving Function.
+    torch.manual_seed(0)
+    ref = _block()
+    m = convert_cnn_(copy.deepcopy(ref))
+    torch._dynamo.reset()
+    cm = torch.compile(m, backend="aot_eager", fullgraph=True)
+    x0 = torch.randn(2, 3, 7, 7)
+    outs = []
+    for mod in (cm, ref):
+        x = x0.clone().requires_grad_()
+        y = mod(x)
+        y.square().sum().backward()
+        outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)

@@ -75,19 +75,25 @@ class _ConvFn(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         kept_x, weight = ctx.saved_tensors
         shape, dtype, device = ctx.x_meta
-        if kept_x is None:
-            # Only the shape is read when dW is not requested.
-            x = torch.empty((), dtype=dtype, device=device).expand(shape)
-        elif ctx.act is not None:
-            x = _derived.apply_act(ctx.act, kept_x)
-        else:
-            x = kept_x
+        # Only the shape of x is read when dW is not requested, and only W's shape when dx is not.
+        fake_x = torch.empty((), dtype=dtype, device=device).expand(shape)
         if weight is None:
             wshape, wdtype = ctx.w_meta
             weight = torch.empty((), dtype=wdtype, device=device).expand(wshape)
-        gx, gw, gb = _bwd_torch(
-            grad, x, weight, ctx.bias_sizes, *ctx.conf, [need_x, need_w, need_b]
-        )
+        if ctx.act is not None and need_w:
+            # x = act(b) is rebuilt for dW only and freed before dx is allocated, so the recompute
+            # adds no full-size buffer to the backward peak.
+            x = _derived.apply_act(ctx.act, kept_x)
+            _, gw, _ = _bwd_torch(grad, x, weight, None, *ctx.conf, [False, True, False])
+            del x
+            gx, _, gb = _bwd_torch(
+                grad, fake_x, weight, ctx.bias_sizes, *ctx.conf, [need_x, False, need_b]
+            )
+        else:
+            x = kept_x if kept_x is not None else fake_x
+            gx, gw, gb = _bwd_torch(
+                grad, x, weight, ctx.bias_sizes, *ctx.conf, [need_x, need_w, need_b]
+            )
         return gx, gw, gb, None, None, None, None, None, None, None
 
 
@@ -173,7 +179,7 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
-    if (not needs_graph) or torch.compiler.is_compiling():
+    if not needs_graph:
         return _fwd_torch(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
