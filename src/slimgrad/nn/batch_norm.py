@@ -10,7 +10,10 @@ that same tensor instead (NOTE [Derived saved inputs] in ``slimgrad/ops/_derived
 (``self.bn1(x)``; ``self.relu(x)``; ``self.conv2(x)``) does not change.
 
 Memory: BN → ReLU → Conv keeps the BN output only (4 B/elt fp32); eager keeps the BN input and the
-ReLU output (8 B/elt). Eval with frozen γ, β keeps nothing full-size (eager: the input).
+ReLU output (8 B/elt). A BN whose input comes from a slimgrad conv and whose output is not followed
+by an activation (ResNet's bn3 and downsample BN) keeps no input: it re-runs the conv in backward
+(``recompute_input``, NOTE [Recomputable inputs]). Eval with frozen γ, β keeps nothing full-size
+(eager: the input).
 """
 
 from __future__ import annotations
@@ -108,10 +111,14 @@ class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
 
 class ReLUAfterNorm(nn.ReLU):
     """``torch.nn.ReLU`` (same ``inplace`` argument) that, after a slimgrad BatchNorm, lets the
-    block keep
-    only the BN output. On the derived path the result is out of place even with ``inplace=True``
-    (the
-    BN output is what is kept); everywhere else it is exactly torch's ReLU."""
+    block keep only the BN output.
+
+    On that path the result is a new tensor even with ``inplace=True`` (the BN output is what is
+    kept, so it cannot be overwritten); everywhere else this is exactly torch's ReLU. Model code
+    must therefore use the return value (``out = self.relu(out)``, as torchvision and almost all
+    code does); code that calls an in-place ReLU for its side effect only must keep torch's ReLU
+    (exclude it with ``convert_``'s ``filter_fn``).
+    """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _derived.activation(input, "relu", self.inplace)
