@@ -107,3 +107,26 @@ def test_frozen_backbone_eval_keeps_no_conv_or_bn_input():
     # output); added: 5 floats per channel (running stats as used, 1/sqrt(var+eps), γ, β)
     dropped = sum(bn_in) + x0.numel() * 4 + pooled[0]
     assert ms.saved_bytes == me.saved_bytes - dropped + 5 * n_ch * 4
+
+
+def test_graph_and_registries_freed_by_refcount():
+    # No reference cycles: with the cyclic gc off, dropping the loss frees every registry entry
+    # (and with it the kept tensors), with or without a backward.
+    import gc
+
+    from slimgrad.ops import _derived
+
+    model = convert_cnn_(small_resnet("bottleneck", width=4, layers=(1, 1, 1, 1)))
+    x = torch.randn(2, 3, 32, 32)
+    gc.disable()
+    try:
+        for do_backward in (True, False):
+            loss = model(x).square().sum()
+            assert len(_derived._SOURCES) > 0
+            if do_backward:
+                loss.backward()
+            del loss
+            regs = (_derived._SOURCES, _derived._DERIVED, _derived._RECIPES)
+            assert [len(r) for r in regs] == [0, 0, 0]
+    finally:
+        gc.enable()
