@@ -6,12 +6,13 @@ Cases (eager against slimgrad's CNN handlers, ``slimgrad.convert_handlers.cnn``)
 - ``bn_relu_chain``: 8 x ``Conv2d(64, 64, 3, pad=1, bias=False) -> BatchNorm2d -> ReLU(inplace)``
   at 16x64x56x56 (small: 2x8x12x12), the InPlace-ABN study's chain with ReLU kept.
 
-Measured here (CPU, fp32, torch 2.13, ``slimgrad.memory``; ResNet-50 with our torchvision-faithful
-copy, loss = cross-entropy, input excluded from the floor as in research/measurement.md):
-eager saved 651.1 MiB = 2.39x the floor (271.9 MiB), peak 703.6 MiB; slimgrad saved 336.6 MiB =
-1.24x the floor, peak 408.3 MiB = 0.58x eager (targets: <= 1.9x, <= 0.80x). The BN inputs that a
-following activation cannot re-derive (bn3, downsample) are recomputed by re-running their 1x1 conv
-in backward (NOTE [Recomputable inputs]); the step-time cost is recorded by the harness.
+Measured here (harness record, CPU 1 thread, fp32, torch 2.13; bytes from ``slimgrad.memory``):
+ResNet-50 eager saved 651.1 MiB = 2.39x the matmul-input floor (271.9 MiB), peak 699.0 MiB;
+slimgrad saved 336.6 MiB = 1.24x the floor, peak 403.7 MiB = 0.58x eager (targets <= 1.9x,
+<= 0.80x); 161 gradients within the GUIDE.md rule. BN -> ReLU pairs keep the BN output only; bn3 and
+the downsample BN, whose outputs feed the residual add, keep no input and re-run their 1x1 conv in
+backward (NOTE [Recomputable inputs]). With ``recompute_input=False`` on every BN: 2.03x, peak
+0.87x; on the downsample BNs only: 1.86x, peak 0.73x. Chain (16x64x56x56): saved 0.50x, peak 0.65x.
 """
 
 from __future__ import annotations
