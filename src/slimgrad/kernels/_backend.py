@@ -1,0 +1,151 @@
+"""Which implementation an op runs: the plain-PyTorch path or the Triton kernels.
+
+# NOTE [Kernel backend choice]
+Every op with a ``kernels/<stem>.py`` asks :func:`use_triton` once per call, with its input tensor,
+and then calls either ``ops.<stem>._fwd_torch`` or ``kernels.<stem>._fwd_triton`` (same signature,
+same results up to the GUIDE.md rule, same memory contract). The choice, first match wins:
+
+1. ``backend=`` passed to :func:`use_triton` (an op's own argument, when it has one);
+2. :func:`set_backend` (process-wide; also usable as a context manager);
+3. the environment variable ``SLIMGRAD_BACKEND`` (read on every call);
+4. ``"auto"``.
+
+``"torch"`` always takes the PyTorch path. ``"auto"`` takes Triton for CUDA tensors when triton is
+importable, PyTorch otherwise (CPU, MPS, meta/fake tensors). ``"triton"`` forces the kernels; it is
+an error where they cannot run: triton missing, or a CPU tensor without ``TRITON_INTERPRET=1`` (the
+interpreter runs kernels on CPU tensors, as the tests do). Fake and meta tensors (torch.compile's
+tracing, ``slimgrad.memory`` estimates) always take the PyTorch path: ops register fake kernels
+for shapes, nothing runs.
+
+``import slimgrad`` imports neither triton nor CUDA: this module only asks
+``importlib.util.find_spec("triton")`` (no import), and ``kernels/<stem>.py`` are imported by the op
+at the first call that takes the Triton path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+__all__ = ["BACKENDS", "get_backend", "kernels", "set_backend", "triton_available", "use_triton"]
+
+BACKENDS = ("auto", "torch", "triton")
+ENV_VAR = "SLIMGRAD_BACKEND"
+
+_state: dict[str, str | None] = {"backend": None}
+_found: dict[str, bool] = {}
+
+
+def _check(backend: str, source: str) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"slimgrad.kernels: {source} must be a str; expected one of {BACKENDS}, got "
+            f"{type(backend).__name__}. Pass backend='auto', 'torch' or 'triton'."
+        )
+    b = backend.strip().lower()
+    if b not in BACKENDS:
+        raise ValueError(
+            f"slimgrad.kernels: unknown {source}; expected one of {BACKENDS}, got {backend!r}. "
+            f"Use 'auto' (Triton on CUDA when installed), 'torch' or 'triton'."
+        )
+    return b
+
+
+def triton_available() -> bool:
+    """True when triton can be imported (checked once, without importing it)."""
+    ok = _found.get("triton")
+    if ok is None:
+        ok = importlib.util.find_spec("triton") is not None
+        _found["triton"] = ok
+    return ok
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def get_backend() -> str:
+    """The backend in force when no per-call ``backend`` is given: :func:`set_backend`, else
+    ``$SLIMGRAD_BACKEND``, else ``"auto"``."""
+    b = _state["backend"]
+    if b is not None:
+        return b
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return _check(env, f"${ENV_VAR}")
+    return "auto"
+
+
+class _Restore(contextlib.AbstractContextManager):
+    def __init__(self, old: str | None):
+        self._old = old
+
+    def __exit__(self, *exc) -> None:
+        _state["backend"] = self._old
+
+
+def set_backend(backend: str | None) -> contextlib.AbstractContextManager:
+    """Set the process-wide backend (``None``: back to ``$SLIMGRAD_BACKEND`` / ``"auto"``).
+
+    Returns a context manager that restores the previous setting, so both forms work::
+
+        slimgrad.kernels._backend.set_backend("torch")
+        with slimgrad.kernels._backend.set_backend("triton"):
+            ...
+
+    Raises:
+        ValueError: unknown name. TypeError: not a str.
+    """
+    old = _state["backend"]
+    _state["backend"] = None if backend is None else _check(backend, "backend")
+    return _Restore(old)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    if t.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor  # torch-internal, no CUDA init
+
+    return isinstance(t, FakeTensor) or torch._C._is_functional_tensor(t)
+
+
+def use_triton(x: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether an op called on ``x`` should run its Triton kernels (NOTE [Kernel backend choice]).
+
+    Args:
+        x: the op's main input (its device decides ``"auto"``).
+        backend: per-call override, ``None`` for the process-wide choice.
+
+    Raises:
+        ValueError: unknown backend name.
+        RuntimeError: ``"triton"`` forced where the kernels cannot run (triton missing, or a CPU
+            tensor without ``TRITON_INTERPRET=1``).
+    """
+    b = get_backend() if backend is None else _check(backend, "backend")
+    if b == "torch" or _is_fake(x):
+        return False
+    if b == "auto":
+        return x.is_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError(
+            "slimgrad.kernels: backend 'triton' was forced but triton is not installed; expected "
+            "an importable triton, got none. `pip install slimgrad[triton]`, or use "
+            "backend='auto'."
+        )
+    if not x.is_cuda and not (x.device.type == "cpu" and _interpret()):
+        raise RuntimeError(
+            f"slimgrad.kernels: backend 'triton' needs CUDA tensors; expected device 'cuda' (or "
+            f"'cpu' with TRITON_INTERPRET=1), got {x.device.type!r}. Move the tensors to the GPU "
+            f"or use backend='auto'."
+        )
+    return True
+
+
+def kernels(stem: str) -> ModuleType:
+    """``slimgrad.kernels.<stem>``, imported on first use (this imports triton)."""
+    return importlib.import_module(f"slimgrad.kernels.{stem}")

@@ -1,0 +1,98 @@
+"""Pieces shared by the Triton kernels: reductions, bit packing, a counter-based RNG, launch sizes.
+
+Imported only by ``kernels/<stem>.py`` (never at ``import slimgrad``).
+
+# NOTE [Kernels under the interpreter]
+``triton.jit`` decides at decoration time whether a function is compiled or interpreted
+(``TRITON_INTERPRET=1``), and triton's own helpers (``tl.sum``, ``tl.zeros``, ``tl.cumsum``,
+``tl.rand``) are decorated when triton is first imported. The kernels here therefore use only core
+builtins (``tl.reduce``/``tl.associative_scan`` with :func:`add`, ``tl.full``, ``tl.where``, math
+builtins) and helpers decorated in this package, so that a test process may import triton before
+it sets the flag and still interpret every kernel after reloading ``slimgrad.kernels.*``
+(``tests/kernels/_kern_helpers.py``). Row loops are ``while`` loops with a runtime bound (the
+interpreter cannot turn a runtime bound into ``range``'s int); compiled, they are ordinary loops.
+
+# NOTE [Bit order]
+Packed masks follow ``slimgrad.ops._bits``: element i of a logically row-major flattening is bit
+``i % 8`` (least significant first) of byte ``i // 8``; padding bits are 0. A kernel packs a block
+of 8*R elements as an (R, 8) tile: ``byte = sum_j bit_j << j`` along the second axis.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# elements per program of the elementwise kernels (a multiple of 8 and of 32)
+BLOCK = 1024
+
+
+def grid1(n: int, block: int = BLOCK) -> tuple[int]:
+    return (max(1, triton.cdiv(n, block)),)
+
+
+def row_block(d: int) -> int:
+    # one row of d elements per tile, up to 8192 (larger rows loop over tiles)
+    return min(8192, max(16, triton.next_power_of_2(max(d, 1))))
+
+
+def seed_tensor(device: torch.device) -> torch.Tensor:
+    # Two 31-bit words drawn from the device's global generator (follows torch.manual_seed, no
+    # host sync on CUDA): the kernel loads them, so a CUDA graph replay draws a fresh mask only if
+    # this tensor is refreshed, as for any RNG state.
+    return torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64, device=device)
+
+
+@triton.jit
+def add(a, b):
+    return a + b
+
+
+@triton.jit
+def maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def pack_tile(bit):
+    # bit: (R, 8) int32 of 0/1 -> (R,) bytes (as int32), bit j of byte r = bit[r, j]
+    shift = tl.arange(0, 8)[None, :]
+    return tl.reduce(bit << shift, 1, add)
+
+
+@triton.jit
+def unpack(bytes_ptr, i, m):
+    # bit i of a packed mask (int32 0/1) for the flat indices i (masked lanes: 0)
+    b = tl.load(bytes_ptr + (i >> 3), mask=m, other=0).to(tl.int32)
+    return (b >> (i & 7)) & 1
+
+
+@triton.jit
+def philox_u32(seed0, seed1, c0, c1):
+    # Philox-4x32 with 7 rounds (Salmon et al., SC'11: "Random123"), first output word only.
+    # c0, c1: the 64-bit counter's halves (uint32 blocks); seed0, seed1: the key (uint32 scalars).
+    k0 = seed0
+    k1 = seed1
+    x0 = c0
+    x1 = c1
+    x2 = c0 * 0
+    x3 = c0 * 0
+    for _ in tl.static_range(7):
+        hi0 = tl.umulhi(x0, 0xD2511F53)
+        lo0 = x0 * 0xD2511F53
+        hi1 = tl.umulhi(x2, 0xCD9E8D57)
+        lo1 = x2 * 0xCD9E8D57
+        x0 = hi1 ^ x1 ^ k0
+        x1 = lo1
+        x2 = hi0 ^ x3 ^ k1
+        x3 = lo0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return x0
+
+
+@triton.jit
+def uniform01(u):
+    # uint32 -> float32 in [0, 1) with 24 random bits (exactly representable)
+    return (u >> 8).to(tl.float32) * 5.9604644775390625e-08

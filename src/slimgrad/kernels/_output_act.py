@@ -1,0 +1,329 @@
+"""Triton kernels of the activations that compute their gradient from their output.
+
+Two families, as in ``slimgrad.ops._output_act`` (NOTE [Gradient from the output] there):
+
+* monotone (relu, leaky_relu, elu, sigmoid, tanh, hardtanh): one generic elementwise kernel per
+  direction, the activation chosen by a constexpr; forward y = f(x), backward dx = g * f'(y) with
+  PyTorch's own ``*_backward(..., is_result=True)`` formulas, in float32 (opmath) for float32,
+  float16 and bfloat16. float64 and layouts that are not dense take the PyTorch path.
+* smooth with one minimum (silu, gelu erf/tanh): the forward kernel computes y (float64 inside the
+  zone around x*, exactly where the PyTorch path does), the branch bit [x >= x*] and the hard flag
+  in one pass, and counts per block the elements that keep a bit (y <= 0) and the hard ones; a
+  second kernel packs the bits of each chunk at their compacted positions (a block-local prefix sum
+  plus the block's offset). The hard elements' indices are listed with ``torch.nonzero`` on the
+  one-byte flags (data-dependent size). Backward is one kernel: unpack the bit at the element's
+  compacted position, read f' from the same float64-built table as the PyTorch path (linear
+  interpolation in s = sqrt(y - y_min)), multiply by g; the hard elements are then overwritten by
+  eager's formula on their exact x, as in the PyTorch path.
+
+Saved tensors (y, bits, idx, xs) are bit-for-bit those of the PyTorch path's layout: same chunking
+of the packed bits (``ops._output_act.CHUNK``), same index dtype, same dense fallback rule. y
+itself may differ from torch's float32 kernel by an ulp outside the zone (different libm).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from slimgrad._errors import internal_error
+from slimgrad.kernels._common import BLOCK, add, grid1, unpack
+from slimgrad.ops import _output_act as _ref
+
+# ---------------------------------------------------------------------------------------------
+# monotone activations
+
+RELU, LEAKY_RELU, ELU, SIGMOID, TANH, HARDTANH = range(6)
+
+
+@triton.jit
+def _mono_fwd_kernel(x_ptr, y_ptr, n, a, b, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:
+        y = tl.where(x > 0, x, 0.0)
+        y = tl.where(x != x, x, y)  # NaN propagates, as torch.relu
+    elif ACT == 1:
+        y = tl.where(x > 0, x, x * a)
+    elif ACT == 2:
+        y = tl.where(x > 0, x, a * (tl.exp(x) - 1.0))
+    elif ACT == 3:
+        y = 1.0 / (1.0 + tl.exp(-x))
+    elif ACT == 4:
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        y = tl.where(x < 0, -t, t)
+    else:
+        y = tl.where(x < a, a, tl.where(x > b, b, x))
+    tl.store(y_ptr + i, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _mono_bwd_kernel(g_ptr, y_ptr, dx_ptr, n, a, b, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:  # threshold_backward(g, y, 0)
+        dx = tl.where(y <= 0, 0.0, g)
+    elif ACT == 1:  # leaky_relu_backward(g, y, slope, is_result=True)
+        dx = tl.where(y > 0, g, g * a)
+    elif ACT == 2:  # elu_backward(g, alpha, 1, 1, is_result=True, y)
+        dx = tl.where(y <= 0, g * (y + a), g)
+    elif ACT == 3:  # sigmoid_backward
+        dx = g * (1.0 - y) * y
+    elif ACT == 4:  # tanh_backward
+        dx = g * (1.0 - y * y)
+    else:  # hardtanh_backward(g, y, min, max)
+        dx = tl.where((y <= a) | (y >= b), 0.0, g)
+    tl.store(dx_ptr + i, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    # non-overlapping and dense in some dimension order: its memory is numel elements in a row
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.shape[d] != 1:
+            if t.stride(d) != expected:
+                return False
+            expected *= t.shape[d]
+    return True
+
+
+def _flat_ok(*ts: torch.Tensor) -> bool:
+    # elementwise over memory order: every tensor dense, same strides, float32/16/bf16
+    t0 = ts[0]
+    return all(
+        t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and t.dtype == t0.dtype
+        and t.shape == t0.shape
+        and t.stride() == t0.stride()
+        and _dense(t)
+        for t in ts
+    )
+
+
+def mono_fwd(x: torch.Tensor, act: int, a: float = 0.0, b: float = 0.0, out=None):
+    """y = act(x) (``out``: write there, e.g. x itself for the in-place form), or None when the
+    layout/dtype is not supported (the caller then takes the PyTorch path)."""
+    if not _flat_ok(x) or (out is not None and not _flat_ok(x, out)):
+        return None
+    y = torch.empty_like(x) if out is None else out
+    n = x.numel()
+    if n:
+        _mono_fwd_kernel[grid1(n)](x, y, n, float(a), float(b), ACT=act, BLOCK=BLOCK)
+    return y
+
+
+def mono_bwd(g: torch.Tensor, y: torch.Tensor, act: int, a: float = 0.0, b: float = 0.0):
+    """dx from the output y and its gradient g, or None when unsupported (PyTorch path)."""
+    if not _flat_ok(y):
+        return None
+    if not _flat_ok(y, g):
+        g = torch.empty_like(y).copy_(g) if g.dtype == y.dtype else None
+        if g is None:
+            return None
+    dx = torch.empty_like(y)
+    n = y.numel()
+    if n:
+        _mono_bwd_kernel[grid1(n)](g, y, dx, n, float(a), float(b), ACT=act, BLOCK=BLOCK)
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# smooth activations with one minimum
+
+SILU, GELU_ERF, GELU_TANH = range(3)
+_K = math.sqrt(2.0 / math.pi)
+
+
+@triton.jit
+def _smooth_f32(x, ACT: tl.constexpr):
+    if ACT == 0:
+        y = x / (1.0 + tl.exp(-x))
+    elif ACT == 1:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    else:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = x / (1.0 + tl.exp(-2.0 * u))
+    return y
+
+
+@triton.jit
+def _smooth_f64(x, ACT: tl.constexpr):
+    # the float64 forms of ops/silu.py, ops/gelu.py (``spec.f``); only used inside the zone
+    if ACT == 0:
+        y = x / (1.0 + tl.exp(-x))
+    elif ACT == 1:
+        y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    else:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = x / (1.0 + tl.exp(-2.0 * u))
+    return y
+
+
+@triton.jit
+def _smooth_fwd_kernel(
+    x_ptr, y_ptr, code_ptr, cnt_ptr, n, x_star, zone, window, tail,
+    ACT: tl.constexpr, ZONE: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # code: bit0 = keeps a branch bit (y <= 0 or NaN), bit1 = x >= x*, bit2 = hard
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=1.0).to(tl.float32)
+    y = _smooth_f32(x, ACT)
+    t = tl.abs(x - x_star)
+    if ZONE:
+        z = t < zone
+        y64 = _smooth_f64(x.to(tl.float64), ACT)
+        y = tl.where(z, y64.to(tl.float32), y)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + i, y, mask=m)
+    sub = (~(y.to(tl.float32) > 0)) & m
+    right = x >= x_star
+    hard = (t < window) | ~(t < float("inf"))  # NaN and +-inf are hard
+    if TAIL:
+        hard = hard | (x < tail)
+    hard = hard & m
+    code = sub.to(tl.int32) | (right.to(tl.int32) << 1) | (hard.to(tl.int32) << 2)
+    tl.store(code_ptr + i, code.to(tl.uint8), mask=m)
+    tl.store(cnt_ptr + 2 * pid, tl.reduce(sub.to(tl.int32), 0, add))
+    tl.store(cnt_ptr + 2 * pid + 1, tl.reduce(hard.to(tl.int32), 0, add))
+
+
+@triton.jit
+def _pack_sub_kernel(code_ptr, boff_ptr, words_ptr, n, BLOCK: tl.constexpr):
+    # the branch bits of the elements with code bit0 set, at bit position boff[pid] + their rank
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    c = tl.load(code_ptr + i, mask=m, other=0).to(tl.int32)
+    sub = c & 1
+    rank = tl.associative_scan(sub, 0, add) - sub
+    pos = tl.load(boff_ptr + pid) + rank.to(tl.int64)
+    bit = (c >> 1) & 1
+    word = (bit << (pos & 31).to(tl.int32)).to(tl.int32)
+    tl.atomic_or(words_ptr + (pos >> 5), word, mask=(sub == 1) & (bit == 1))
+
+
+@triton.jit
+def _count_sub_kernel(y_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    y = tl.load(y_ptr + i, mask=m, other=1.0).to(tl.float32)
+    tl.store(cnt_ptr + pid, tl.reduce(((~(y > 0)) & m).to(tl.int32), 0, add))
+
+
+@triton.jit
+def _smooth_bwd_kernel(
+    g_ptr, y_ptr, bits_ptr, boff_ptr, tab_ptr, dx_ptr, n,
+    y_hi, y_lo, sc_l, sc_d, NT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    y = tl.load(y_ptr + i, mask=m, other=1.0).to(tl.float32)
+    g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
+    sub = ((~(y > 0)) & m).to(tl.int32)
+    rank = tl.associative_scan(sub, 0, add) - sub
+    pos = tl.load(boff_ptr + pid) + rank.to(tl.int64)
+    right = tl.where(sub == 1, unpack(bits_ptr, pos, m & (sub == 1)), 1).to(tl.float32)
+    s = tl.sqrt(tl.maximum((y - y_hi) - y_lo, 0.0))
+    p = s * (right * sc_d + sc_l) - right * NT + NT
+    p = tl.minimum(p, right * (-NT) + (2 * NT - 1))
+    fi = tl.floor(tl.minimum(p, 2 * NT - 2))
+    w = p - fi
+    j = tl.maximum(fi.to(tl.int32), 0)  # NaN y: its element is hard (overwritten after)
+    j = tl.where(fi == fi, j, 0)
+    lo = tl.load(tab_ptr + j, mask=m, other=0.0)
+    hi = tl.load(tab_ptr + j + 1, mask=m, other=0.0)
+    df = lo + w * (hi - lo)
+    tl.store(dx_ptr + i, (g * df).to(dx_ptr.dtype.element_ty), mask=m)
+
+
+_SMOOTH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _chunk_bit_offsets(cnt_sub: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    # per block: the bit position of its first kept bit in the concatenated per-chunk packing
+    per_chunk = _ref.CHUNK // BLOCK
+    nb = cnt_sub.numel()
+    nchunk = triton.cdiv(nb, per_chunk)
+    pad = nchunk * per_chunk - nb
+    c = torch.nn.functional.pad(cnt_sub.to(torch.int64), (0, pad)).view(nchunk, per_chunk)
+    within = c.cumsum(1) - c
+    chunk_bytes = (c.sum(1) + 7) // 8
+    start = (chunk_bytes.cumsum(0) - chunk_bytes) * 8
+    boff = (within + start[:, None]).reshape(-1)[:nb].contiguous()
+    return boff, int(chunk_bytes.sum())
+
+
+def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True):
+    """``ops._output_act.smooth_fwd`` with Triton kernels: (y, bits, idx, xs), same layout."""
+    if x.dtype not in _SMOOTH_DTYPES or x.numel() == 0 or x.dim() == 0:
+        return _ref.smooth_fwd(spec, x, fwd_torch, fallback)
+    if _ref.CHUNK % BLOCK:
+        raise internal_error("kernels._output_act: CHUNK must be a multiple of BLOCK")
+    inv = _ref.inverse(spec)
+    w, tail = _ref._window(spec, x.dtype)
+    zone = spec.zone if x.dtype == torch.float32 else 0.0
+    xc = x.contiguous()
+    n = xc.numel()
+    idx_dtype = torch.int32 if n < 2**31 else torch.int64
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    code = torch.empty(n, dtype=torch.uint8, device=x.device)
+    grid = grid1(n)
+    cnt = torch.empty((grid[0], 2), dtype=torch.int32, device=x.device)
+    _smooth_fwd_kernel[grid](
+        xc, y, code, cnt, n, inv.x_star, float(zone), float(w),
+        float(tail) if tail is not None else 0.0,
+        ACT=act, ZONE=bool(zone), TAIL=tail is not None, BLOCK=BLOCK,
+    )  # fmt: skip
+    flat = xc.view(-1)
+    n_hard = int(cnt[:, 1].sum())
+    if fallback and n_hard * _ref.FALLBACK_DIV > n:
+        return y, code.new_empty(0), torch.empty(0, dtype=idx_dtype, device=x.device), flat.clone()
+    boff, nbytes = _chunk_bit_offsets(cnt[:, 0], n)
+    words = torch.zeros(triton.cdiv(nbytes, 4), dtype=torch.int32, device=x.device)
+    _pack_sub_kernel[grid](code, boff, words, n, BLOCK=BLOCK)
+    bits = words.view(torch.uint8)[:nbytes]
+    idx = (code >= 4).nonzero().reshape(-1).to(idx_dtype)
+    return y, bits, idx, flat[idx.long()]
+
+
+def smooth_grad(spec, g, y, bits, idx, xs, bwd_exact):
+    """``ops._output_act.smooth_grad`` as one Triton kernel plus the side-table fix-up."""
+    n = g.numel()
+    if (
+        y is None
+        or _ref.is_dense_fallback(n, bits, idx, xs)
+        or y.dtype not in _SMOOTH_DTYPES
+        or n == 0
+    ):
+        return _ref.smooth_grad(spec, g, y, bits, idx, xs, bwd_exact)
+    inv = _ref.inverse(spec)
+    yc, gc = y.contiguous(), g.contiguous()
+    grid = grid1(n)
+    sub = torch.empty(grid[0], dtype=torch.int32, device=y.device)
+    _count_sub_kernel[grid](yc, sub, n, BLOCK=BLOCK)
+    boff, nbytes = _chunk_bit_offsets(sub, n)
+    if nbytes != bits.numel():
+        raise internal_error(f"{spec.name}: expected {nbytes} packed bytes, got {bits.numel()}")
+    tab = inv.table_on(y.device, torch.float32)
+    y_hi = torch.tensor(inv.y_min, dtype=torch.float32).item()
+    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    sc_r, sc_l = inv.sc
+    _smooth_bwd_kernel[grid](
+        gc, yc, bits, boff, tab, out, n, y_hi, inv.y_min - y_hi, sc_l, sc_r - sc_l,
+        NT=_ref._TABLE_N, BLOCK=BLOCK,
+    )  # fmt: skip
+    if idx.numel():
+        i = idx.long()
+        out.view(-1)[i] = bwd_exact(gc.view(-1)[i], xs)
+    return out

@@ -1,0 +1,29 @@
+"""Triton kernels for hardtanh: y = clamp(x, min, max); dx = g [min < y < max].
+
+Same signatures as ``slimgrad.ops.hardtanh._fwd_torch`` / ``_bwd_torch``; one elementwise kernel per
+direction (``kernels/_output_act.py``). Unsupported layouts/dtypes (float64, non-dense) take the
+PyTorch path. Memory: as ``slimgrad.ops.hardtanh``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from slimgrad.kernels._output_act import HARDTANH, mono_bwd, mono_fwd
+from slimgrad.ops import hardtanh as _ref
+
+
+def _fwd_triton(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    y = mono_fwd(x, HARDTANH, min_val, max_val)
+    return _ref._fwd_torch(x, min_val, max_val) if y is None else y
+
+
+def _fwd_triton_(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    # in place: x <- act(x); the PyTorch fallback writes through copy_
+    y = mono_fwd(x, HARDTANH, min_val, max_val, out=x)
+    return x.copy_(_ref._fwd_torch(x, min_val, max_val)) if y is None else y
+
+
+def _bwd_triton(g: Tensor, y: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    dx = mono_bwd(g, y, HARDTANH, min_val, max_val)
+    return _ref._bwd_torch(g, y, min_val, max_val) if dx is None else dx

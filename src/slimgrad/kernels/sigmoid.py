@@ -1,0 +1,29 @@
+"""Triton kernels for sigmoid: y = 1 / (1 + e^-x); dx = g y (1 - y).
+
+Same signatures as ``slimgrad.ops.sigmoid._fwd_torch`` / ``_bwd_torch``; one elementwise kernel per
+direction (``kernels/_output_act.py``). Unsupported layouts/dtypes (float64, non-dense) take the
+PyTorch path. Memory: as ``slimgrad.ops.sigmoid``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from slimgrad.kernels._output_act import SIGMOID, mono_bwd, mono_fwd
+from slimgrad.ops import sigmoid as _ref
+
+
+def _fwd_triton(x: Tensor) -> Tensor:
+    y = mono_fwd(x, SIGMOID)
+    return _ref._fwd_torch(x) if y is None else y
+
+
+def _fwd_triton_(x: Tensor) -> Tensor:
+    # in place: x <- act(x); the PyTorch fallback writes through copy_
+    y = mono_fwd(x, SIGMOID, out=x)
+    return x.copy_(_ref._fwd_torch(x)) if y is None else y
+
+
+def _bwd_triton(g: Tensor, y: Tensor) -> Tensor:
+    dx = mono_bwd(g, y, SIGMOID)
+    return _ref._bwd_torch(g, y) if dx is None else dx

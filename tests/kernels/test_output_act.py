@@ -1,0 +1,186 @@
+"""Triton kernels of the output-based activations against the PyTorch path (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from slimgrad.ops import _output_act as ref_act
+from slimgrad.testing import assert_within_rule
+from tests.kernels._kern_helpers import interpreted
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
+
+MONO = {
+    "relu": (),
+    "leaky_relu": (0.1,),
+    "elu": (0.7,),
+    "sigmoid": (),
+    "tanh": (),
+    "hardtanh": (-0.5, 1.5),
+}
+
+
+@pytest.fixture(scope="module")
+def K():
+    with interpreted(*MONO, "gelu", "silu") as k:
+        yield k
+
+
+def _ref(stem):
+    import importlib
+
+    return importlib.import_module(f"slimgrad.ops.{stem}")
+
+
+def _x(shape, dtype, layout):
+    x = torch.randn(shape) * 3
+    x.view(-1)[:4] = torch.tensor([0.0, -0.0, 1.5, -0.5])
+    if layout == "t":  # dense, not contiguous: the kernel runs over memory order
+        x = x.t().contiguous().t()
+    elif layout == "slice":  # not dense: PyTorch path
+        x = x[:, ::2]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("stem", list(MONO))
+@pytest.mark.parametrize(
+    "dtype,shape,layout",
+    [
+        (torch.float32, (7, 13), "c"),
+        (torch.float32, (37, 29), "t"),
+        (torch.bfloat16, (5, 211), "c"),
+        (torch.float16, (6, 10), "slice"),
+    ],
+)
+def test_mono_matches_torch(K, stem, dtype, shape, layout):
+    kern, ref, args = getattr(K, stem), _ref(stem), MONO[stem]
+    x = _x(shape, dtype, layout)
+    y = kern._fwd_triton(x, *args)
+    y_eager = ref._fwd_torch(x, *args)
+    y64 = ref._fwd_torch(x.double(), *args)
+    assert y.dtype == dtype and y.shape == x.shape and y.stride() == y_eager.stride()
+    assert_within_rule(y, y64, y_eager)
+    if stem in ("relu", "hardtanh"):
+        torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
+    g = torch.randn(x.shape).to(dtype)
+    dx = kern._bwd_triton(g, y_eager, *args)
+    dx_eager = ref._bwd_torch(g, y_eager, *args)
+    dx64 = ref._bwd_torch(g.double(), y_eager.double(), *args)
+    assert_within_rule(dx, dx64, dx_eager)
+
+
+@pytest.mark.parametrize("stem", list(MONO))
+def test_mono_inplace_writes_input(K, stem):
+    kern, ref, args = getattr(K, stem), _ref(stem), MONO[stem]
+    x = _x((3, 17), torch.float32, "c")
+    want = ref._fwd_torch(x, *args)
+    out = kern._fwd_triton_(x, *args)
+    assert out is x
+    torch.testing.assert_close(x, want)
+
+
+def test_mono_nan_and_inf_propagate_like_eager(K):
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -1.0, 2.0])
+    for stem, args in MONO.items():
+        ref = _ref(stem)
+        torch.testing.assert_close(
+            getattr(K, stem)._fwd_triton(x, *args), ref._fwd_torch(x, *args), equal_nan=True
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# smooth activations: (y, bits, idx, xs) against ops._output_act.smooth_fwd
+
+SMOOTH = [("silu", None), ("gelu", "none"), ("gelu", "tanh")]
+
+
+def _smooth(K, stem, approx):
+    ref = _ref(stem)
+    kern = getattr(K, stem)
+    if approx is None:
+        spec = ref.SPEC
+        return spec, ref, (lambda x: kern._fwd_triton(x)), (lambda *a: kern._bwd_triton(*a)), ()
+    spec = ref.SPECS[approx]
+    return (
+        spec,
+        ref,
+        (lambda x: kern._fwd_triton(x, approx)),
+        (lambda *a: kern._bwd_triton(*a, approx)),
+        (approx,),
+    )
+
+
+def _hard_inputs(spec, dtype, n):
+    # random N(0,1) plus the ill-conditioned places: around x*, the tail, 0, NaN/inf, subnormals
+    x_star = ref_act.inverse(spec).x_star
+    x = torch.randn(n, dtype=torch.float64)
+    k = n // 4
+    x[:k] = x_star + torch.linspace(-0.2, 0.2, k, dtype=torch.float64)
+    x[k : k + 8] = torch.tensor([-2.6, -3.1, -6.0, -40.0, 0.0, -0.0, 1e-45, -1e-45])
+    x[k + 8 : k + 11] = torch.tensor([math.nan, math.inf, -math.inf])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("stem,approx", SMOOTH)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smooth_forward_side_info_bit_identical(K, monkeypatch, stem, approx, dtype):
+    # small CHUNK: several chunks of packed bits, each padded, as in the PyTorch path
+    monkeypatch.setattr(ref_act, "CHUNK", 2048)
+    spec, ref, fwd, _, args = _smooth(K, stem, approx)
+    x = _hard_inputs(spec, dtype, 4991).reshape(7, 713)  # 7 * 23 * 31
+    if approx == "none":
+        # eager CPU's erf-GELU gives NaN at +inf (the kernel: +inf), which moves the packed bits
+        x[x == math.inf] = -math.inf
+    y, bits, idx, xs = fwd(x)
+    ry, rbits, ridx, rxs = ref_act.smooth_fwd(spec, x, lambda t: ref._fwd_torch(t, *args))
+    assert bits.dtype == torch.uint8 and idx.dtype == ridx.dtype
+    assert torch.equal(bits, rbits)
+    assert torch.equal(idx, ridx)
+    torch.testing.assert_close(xs, rxs, rtol=0, atol=0, equal_nan=True)
+    assert y.shape == ry.shape and y.dtype == ry.dtype
+    y64 = spec.f(x.double())
+    fin = torch.isfinite(y64)
+    assert_within_rule(y[fin], y64[fin], ry[fin])
+
+
+@pytest.mark.parametrize("stem,approx", SMOOTH)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smooth_backward_within_rule(K, monkeypatch, stem, approx, dtype):
+    monkeypatch.setattr(ref_act, "CHUNK", 2048)
+    spec, ref, fwd, bwd, args = _smooth(K, stem, approx)
+    x = _hard_inputs(spec, dtype, 4099)
+    x = x[torch.isfinite(x)]
+    g = torch.randn(x.shape).to(dtype)
+    saved = fwd(x)
+    dx = bwd(g, *saved)
+    dx_torch = ref._bwd_torch(g, *saved, *args)  # the PyTorch path reads the same side info
+    x64 = x.double().requires_grad_()
+    (dx64,) = torch.autograd.grad(spec.f(x64), x64, g.double())
+    xe = x.detach().requires_grad_()
+    (dx_eager,) = torch.autograd.grad(ref._fwd_torch(xe, *args), xe, g)
+    assert_within_rule(dx, dx64, dx_eager)
+    assert_within_rule(dx_torch, dx64, dx_eager)
+
+
+def test_smooth_dense_fallback_like_torch(K):
+    spec, ref, fwd, bwd, _ = _smooth(K, "silu", None)
+    x = torch.full((3, 50), ref_act.inverse(spec).x_star, dtype=torch.float32)
+    y, bits, idx, xs = fwd(x)
+    assert bits.numel() == 0 and idx.numel() == 0 and torch.equal(xs, x.reshape(-1))
+    g = torch.randn_like(x)
+    torch.testing.assert_close(bwd(g, y, bits, idx, xs), ref._bwd_exact(g, x))
+
+
+def test_smooth_noncontiguous_and_empty(K):
+    spec, ref, fwd, bwd, _ = _smooth(K, "silu", None)
+    x = torch.randn(9, 31).t()
+    y, bits, idx, xs = fwd(x)
+    ry, rbits, ridx, rxs = ref_act.smooth_fwd(spec, x, ref._fwd_torch)
+    assert torch.equal(bits, rbits) and torch.equal(idx, ridx) and torch.equal(xs, rxs)
+    assert y.shape == ry.shape
+    e = torch.empty(0, 4)
+    assert fwd(e)[0].shape == e.shape
