@@ -12,7 +12,8 @@ from slimgrad.testing import assert_within_rule
 from tests.kernels._kern_helpers import interpreted
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.triton
+# numpy warns on the inf/NaN inputs inside the interpreter
+pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 MONO = {
     "relu": (),
@@ -129,9 +130,9 @@ def _hard_inputs(spec, dtype, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_smooth_forward_side_info_bit_identical(K, monkeypatch, stem, approx, dtype):
     # small CHUNK: several chunks of packed bits, each padded, as in the PyTorch path
-    monkeypatch.setattr(ref_act, "CHUNK", 2048)
+    monkeypatch.setattr(ref_act, "CHUNK", 1024)
     spec, ref, fwd, _, args = _smooth(K, stem, approx)
-    x = _hard_inputs(spec, dtype, 4991).reshape(7, 713)  # 7 * 23 * 31
+    x = _hard_inputs(spec, dtype, 2737).reshape(7, 391)  # 7 * 17 * 23
     if approx == "none":
         # eager CPU's erf-GELU gives NaN at +inf (the kernel: +inf), which moves the packed bits
         x[x == math.inf] = -math.inf
@@ -150,9 +151,9 @@ def test_smooth_forward_side_info_bit_identical(K, monkeypatch, stem, approx, dt
 @pytest.mark.parametrize("stem,approx", SMOOTH)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_smooth_backward_within_rule(K, monkeypatch, stem, approx, dtype):
-    monkeypatch.setattr(ref_act, "CHUNK", 2048)
+    monkeypatch.setattr(ref_act, "CHUNK", 1024)
     spec, ref, fwd, bwd, args = _smooth(K, stem, approx)
-    x = _hard_inputs(spec, dtype, 4099)
+    x = _hard_inputs(spec, dtype, 2053)
     x = x[torch.isfinite(x)]
     g = torch.randn(x.shape).to(dtype)
     saved = fwd(x)
