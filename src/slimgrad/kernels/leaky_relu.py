@@ -1,9 +1,8 @@
 """Triton kernels for leaky_relu: y = x if x > 0 else slope x; dx = g or slope g by sign of y.
 
 Same signatures as ``slimgrad.ops.leaky_relu._fwd_torch`` / ``_bwd_torch``; one elementwise kernel
-per
-direction (``kernels/_output_act.py``). Unsupported layouts/dtypes (float64, non-dense) take the
-PyTorch path. Memory: as ``slimgrad.ops.leaky_relu``.
+per direction (``kernels/_output_act.py``). Unsupported layouts/dtypes (float64, non-dense) take
+the PyTorch path. Memory: as ``slimgrad.ops.leaky_relu``.
 """
 
 from __future__ import annotations
