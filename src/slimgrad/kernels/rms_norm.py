@@ -1,0 +1,37 @@
+"""Triton kernels for RMSNorm from the output (the LayerNorm kernels with no mean and no beta).
+
+Same signatures as ``slimgrad.ops.rms_norm._fwd_torch`` / ``_bwd_torch``; kernels and their
+description in ``kernels/layer_norm.py``. ``eps=None`` means ``torch.finfo(x.dtype).eps``, as
+``F.rms_norm``. Memory: as ``slimgrad.ops.rms_norm`` (saves y + rstd + fallback columns).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slimgrad.kernels.layer_norm import norm_bwd, norm_fwd
+from slimgrad.ops import layer_norm as _ln
+from slimgrad.ops import rms_norm as _ref
+
+
+def _fwd_triton(x, normalized_shape, weight, eps):
+    """``ops.rms_norm._fwd_torch`` with rstd and the output in one kernel."""
+    e = torch.finfo(x.dtype).eps if eps is None else eps
+    out = norm_fwd(x, list(normalized_shape), weight, None, e, rms=True)
+    if out is None:
+        return _ref._fwd_torch(x, normalized_shape, weight, eps)
+    y, _, rstd = out
+    idx = _ln.fallback_channels(weight, None, y.dtype).to(x.device)
+    xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
+    return y, rstd, idx, xside
+
+
+def _bwd_triton(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
+    """``ops.rms_norm._bwd_torch`` in one pass over y and dy."""
+    mask = (output_mask[0], output_mask[1], False)
+    out = norm_bwd(dy, y, None, rstd, idx, xside, weight, None, list(normalized_shape), mask, True)
+    if out is None:
+        return _ref._bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask)
+    return out[0], out[1]
