@@ -185,3 +185,15 @@ def test_smooth_noncontiguous_and_empty(K):
     assert y.shape == ry.shape
     e = torch.empty(0, 4)
     assert fwd(e)[0].shape == e.shape
+
+
+def test_smooth_real_chunk_size(K):
+    # the real CHUNK (2^17): bits of the second chunk start at the padded byte after the first
+    spec, ref, fwd, bwd, _ = _smooth(K, "silu", None)
+    n = ref_act.CHUNK + 1001
+    x = torch.randn(n)
+    y, bits, idx, xs = fwd(x)
+    r = ref_act.smooth_fwd(spec, x, ref._fwd_torch)
+    assert torch.equal(bits, r[1]) and torch.equal(idx, r[2]) and torch.equal(xs, r[3])
+    g = torch.randn(n)
+    torch.testing.assert_close(bwd(g, y, bits, idx, xs), ref._bwd_torch(g, *r))

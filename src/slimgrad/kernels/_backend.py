@@ -109,9 +109,11 @@ def set_backend(backend: str | None) -> contextlib.AbstractContextManager:
 def _is_fake(t: torch.Tensor) -> bool:
     if t.device.type == "meta":
         return True
-    from torch._subclasses.fake_tensor import FakeTensor  # torch-internal, no CUDA init
+    # torch-internal classes (no CUDA init): tracing by torch.compile / export / slimgrad.memory
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
 
-    return isinstance(t, FakeTensor) or torch._C._is_functional_tensor(t)
+    return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
 def use_triton(x: torch.Tensor, backend: str | None = None) -> bool:
