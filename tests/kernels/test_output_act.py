@@ -27,7 +27,7 @@ MONO = {
 
 @pytest.fixture(scope="module")
 def K():
-    with interpreted(*MONO, "gelu", "silu") as k:
+    with interpreted(*MONO, "gelu", "silu", "mish") as k:
         yield k
 
 
@@ -96,7 +96,7 @@ def test_mono_nan_and_inf_propagate_like_eager(K):
 # ---------------------------------------------------------------------------------------------
 # smooth activations: (y, bits, idx, xs) against ops._output_act.smooth_fwd
 
-SMOOTH = [("silu", None), ("gelu", "none"), ("gelu", "tanh")]
+SMOOTH = [("silu", None), ("gelu", "none"), ("gelu", "tanh"), ("mish", None)]
 
 
 def _smooth(K, stem, approx):

@@ -6,15 +6,16 @@ Two families, as in ``slimgrad.ops._output_act`` (NOTE [Gradient from the output
   direction, the activation chosen by a constexpr; forward y = f(x), backward dx = g * f'(y) with
   PyTorch's own ``*_backward(..., is_result=True)`` formulas, in float32 (opmath) for float32,
   float16 and bfloat16. float64 and layouts that are not dense take the PyTorch path.
-* smooth with one minimum (silu, gelu erf/tanh): the forward kernel computes y (float64 inside the
-  zone around x*, exactly where the PyTorch path does), the branch bit [x >= x*] and the hard flag
-  in one pass, and counts per block the elements that keep a bit (y <= 0) and the hard ones; a
-  second kernel packs the bits of each chunk at their compacted positions (a block-local prefix sum
-  plus the block's offset). The hard elements' indices are listed with ``torch.nonzero`` on the
-  one-byte flags (data-dependent size). Backward is one kernel: unpack the bit at the element's
-  compacted position, read f' from the same float64-built table as the PyTorch path (linear
-  interpolation in s = sqrt(y - y_min)), multiply by g; the hard elements are then overwritten by
-  eager's formula on their exact x, as in the PyTorch path.
+* smooth with one minimum (silu, gelu erf/tanh, mish): the forward kernel computes y (float64
+  inside the zone around x*, exactly where the PyTorch path does), the branch bit [x >= x*] and
+  the hard flag in one pass, and counts per block the elements that keep a bit (y <= 0) and the
+  hard ones; a second kernel packs the bits of each chunk at their compacted positions (a
+  block-local prefix sum plus the block's offset, ``tl.atomic_or`` into 32-bit words). The hard
+  elements' indices are listed with ``torch.nonzero`` on the one-byte flags (data-dependent
+  size). Backward: a counting kernel (elements with y <= 0 per block) and one kernel that unpacks
+  the bit at the element's compacted position, reads f' from the same float64-built table as the
+  PyTorch path (linear interpolation in s = sqrt(y - y_min)) and multiplies by g; the hard
+  elements are then overwritten by eager's formula on their exact x, as in the PyTorch path.
 
 Saved tensors (y, bits, idx, xs) are bit-for-bit those of the PyTorch path's layout: same chunking
 of the packed bits (``ops._output_act.CHUNK``), same index dtype, same dense fallback rule. y
@@ -137,7 +138,7 @@ def mono_bwd(g: torch.Tensor, y: torch.Tensor, act: int, a: float = 0.0, b: floa
 # ---------------------------------------------------------------------------------------------
 # smooth activations with one minimum
 
-SILU, GELU_ERF, GELU_TANH = range(3)
+SILU, GELU_ERF, GELU_TANH, MISH = range(4)
 _K = math.sqrt(2.0 / math.pi)
 
 
@@ -147,22 +148,34 @@ def _smooth_f32(x, ACT: tl.constexpr):
         y = x / (1.0 + tl.exp(-x))
     elif ACT == 1:
         y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    else:
+    elif ACT == 2:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         y = x / (1.0 + tl.exp(-2.0 * u))
+    else:
+        y = _mish(x)
     return y
 
 
 @triton.jit
+def _mish(x):
+    # x tanh(softplus(x)) = x n / (n + 2), n = e^x (e^x + 2); softplus(x) = x above 20, as torch
+    e = tl.exp(tl.minimum(x, 20.0))
+    n = e * (e + 2.0)
+    return tl.where(x > 20.0, x, x * n / (n + 2.0))
+
+
+@triton.jit
 def _smooth_f64(x, ACT: tl.constexpr):
-    # the float64 forms of ops/silu.py, ops/gelu.py (``spec.f``); only used inside the zone
+    # the float64 forms of ops/silu.py, gelu.py, mish.py (``spec.f``); only used inside the zone
     if ACT == 0:
         y = x / (1.0 + tl.exp(-x))
     elif ACT == 1:
         y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    else:
+    elif ACT == 2:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         y = x / (1.0 + tl.exp(-2.0 * u))
+    else:
+        y = _mish(x)
     return y
 
 
