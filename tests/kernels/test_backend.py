@@ -118,3 +118,21 @@ def test_kernels_interpret_even_if_triton_was_imported_first():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(root)])}
     env.pop("TRITON_INTERPRET", None)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
+
+
+@pytest.mark.triton
+def test_bench_script_smoke():
+    # the GPU bandwidth benchmark's plumbing, on CPU under the interpreter (no timings)
+    pytest.importorskip("triton")
+    src = str(Path(B.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimgrad.kernels._bench",
+        "--smoke",
+        "--only",
+        "gelu,dropout,rms,ce",
+    ]
+    out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout
+    assert out.count("smoke ok") == 5, out
