@@ -136,3 +136,24 @@ def test_bench_script_smoke():
     ]
     out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout
     assert out.count("smoke ok") == 5, out
+
+
+def test_auto_false_needs_an_explicit_triton(monkeypatch):
+    monkeypatch.setitem(B._found, "triton", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.ones(2)
+    assert not B.use_triton(x, auto=False)
+    assert B.use_triton(x, backend="triton", auto=False)
+
+
+def test_compiled_code_takes_the_torch_path(monkeypatch):
+    monkeypatch.setitem(B._found, "triton", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+
+    def f(x):
+        seen.append(B.use_triton(x, backend="triton"))
+        return x + 1
+
+    torch.compile(f, backend="eager", fullgraph=False)(torch.ones(3))
+    assert seen == [False]

@@ -11,11 +11,17 @@ same results up to the GUIDE.md rule, same memory contract). The choice, first m
 4. ``"auto"``.
 
 ``"torch"`` always takes the PyTorch path. ``"auto"`` takes Triton for CUDA tensors when triton is
-importable, PyTorch otherwise (CPU, MPS, meta/fake tensors). ``"triton"`` forces the kernels; it is
-an error where they cannot run: triton missing, or a CPU tensor without ``TRITON_INTERPRET=1`` (the
-interpreter runs kernels on CPU tensors, as the tests do). Fake and meta tensors (torch.compile's
-tracing, ``slimgrad.memory`` estimates) always take the PyTorch path: ops register fake kernels
-for shapes, nothing runs.
+importable, PyTorch otherwise (CPU, MPS, meta/fake tensors); an op whose Triton kernel changes
+something observable besides speed passes ``auto=False`` and gets its kernel only when
+``"triton"`` is asked for explicitly (dropout: the Triton mask is drawn by a Philox kernel, not by
+the generator calls eager makes, so the default keeps eager's masks). ``"triton"`` forces the
+kernels; it is an error where they cannot run: triton missing, or a CPU tensor without
+``TRITON_INTERPRET=1`` (the interpreter runs kernels on CPU tensors, as the tests do).
+
+Code that torch.compile traces (``torch.compiler.is_compiling()``) and fake/meta/functional
+tensors (tracing, export, ``slimgrad.memory`` estimates) always take the PyTorch path: inductor
+generates its own kernels from it. The ops' ``torch.library`` custom ops are opaque to the tracer
+and run their Python implementation at run time, where the choice above applies.
 
 ``import slimgrad`` imports neither triton nor CUDA: this module only asks
 ``importlib.util.find_spec("triton")`` (no import), and ``kernels/<stem>.py`` are imported by the op
@@ -116,12 +122,14 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-def use_triton(x: torch.Tensor, backend: str | None = None) -> bool:
+def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True) -> bool:
     """Whether an op called on ``x`` should run its Triton kernels (NOTE [Kernel backend choice]).
 
     Args:
         x: the op's main input (its device decides ``"auto"``).
         backend: per-call override, ``None`` for the process-wide choice.
+        auto: whether ``"auto"`` may pick Triton for this op (False: only an explicit
+            ``"triton"`` does).
 
     Raises:
         ValueError: unknown backend name.
@@ -129,10 +137,10 @@ def use_triton(x: torch.Tensor, backend: str | None = None) -> bool:
             tensor without ``TRITON_INTERPRET=1``).
     """
     b = get_backend() if backend is None else _check(backend, "backend")
-    if b == "torch" or _is_fake(x):
+    if b == "torch" or torch.compiler.is_compiling() or _is_fake(x):
         return False
     if b == "auto":
-        return x.is_cuda and triton_available()
+        return auto and x.is_cuda and triton_available()
     if not triton_available():
         raise RuntimeError(
             "slimgrad.kernels: backend 'triton' was forced but triton is not installed; expected "
