@@ -114,3 +114,14 @@ def test_mask_statistics_and_seeding(K):
     for lag in (1, 8):
         r = (c[:-lag] * c[lag:]).mean() / c.pow(2).mean()
         assert abs(r.item()) < 5 / math.sqrt(n)
+
+
+def test_raw_inplace_writes_bump_the_version(K):
+    x = torch.randn(40)
+    v = x._version
+    K._fwd_inplace_triton(x, 0.5)
+    assert x._version > v
+    g = torch.randn(40)
+    v = g._version
+    K._bwd_triton(g, K._fwd_triton(torch.randn(40), 0.5)[1], 0.5, False, inplace=True)
+    assert g._version > v

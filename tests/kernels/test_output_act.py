@@ -197,3 +197,10 @@ def test_smooth_real_chunk_size(K):
     assert torch.equal(bits, r[1]) and torch.equal(idx, r[2]) and torch.equal(xs, r[3])
     g = torch.randn(n)
     torch.testing.assert_close(bwd(g, y, bits, idx, xs), ref._bwd_torch(g, *r))
+
+
+def test_mono_inplace_bumps_the_version(K):
+    x = torch.randn(30)
+    v = x._version
+    K.relu._fwd_triton_(x)
+    assert x._version > v

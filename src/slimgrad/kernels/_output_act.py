@@ -117,6 +117,8 @@ def mono_fwd(x: torch.Tensor, act: int, a: float = 0.0, b: float = 0.0, out=None
     n = x.numel()
     if n:
         _mono_fwd_kernel[grid1(n)](x, y, n, float(a), float(b), ACT=act, BLOCK=BLOCK)
+    if out is not None:
+        torch.autograd.graph.increment_version(out)  # a raw write: autograd must see it
     return y
 
 

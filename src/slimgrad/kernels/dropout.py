@@ -73,19 +73,21 @@ def _draw(x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _fwd_triton(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out-of-place dropout: (out, packed mask); out is contiguous."""
-    if x.dtype not in _DTYPES:
+    """Out-of-place dropout: (out, packed mask). Non-contiguous inputs take the PyTorch path (its
+    output keeps x's strides, as the op's fake kernel declares)."""
+    if x.dtype not in _DTYPES or not x.is_contiguous():
         return _ref._fwd_torch(x, p)
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
-    return out, _draw(xc, out, p)
+    out = torch.empty_like(x)
+    return out, _draw(x, out, p)
 
 
 def _fwd_inplace_triton(x: torch.Tensor, p: float) -> torch.Tensor:
     """In-place dropout: x <- x * m / (1 - p); returns the packed mask."""
     if x.dtype not in _DTYPES or not x.is_contiguous():
         return _ref._fwd_inplace_torch(x, p)
-    return _draw(x, x, p)
+    bits = _draw(x, x, p)
+    torch.autograd.graph.increment_version(x)  # a raw write: autograd must see it
+    return bits
 
 
 def _bwd_triton(
@@ -102,4 +104,6 @@ def _bwd_triton(
     n = g.numel()
     if n:
         _bwd_kernel[(triton.cdiv(n, BLOCK),)](gc, bits, dx, n, float(scale), BLOCK=BLOCK)
+    if inplace:
+        torch.autograd.graph.increment_version(dx)
     return dx
