@@ -36,15 +36,3 @@ def interpreted(*stems: str) -> Iterator[SimpleNamespace]:
             os.environ["TRITON_INTERPRET"] = old
         for name in names:
             sys.modules.pop(name, None)
-
-
-def exact(dtype) -> dict:
-    """assert_close tolerances for "bit for bit": exact, except float32 -> bfloat16 roundings done
-    inside a kernel: triton's interpreter truncates them (``_convert_float`` without a rounding
-    mode) where the GPU rounds to nearest even, so they may differ by one bfloat16 ulp (2^-7
-    relative)."""
-    import torch
-
-    if dtype == torch.bfloat16:
-        return {"rtol": 2.0**-7, "atol": 0.0}
-    return {"rtol": 0.0, "atol": 0.0}

@@ -26,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from slimgrad.kernels._common import BLOCK, pack_tile, philox_u32, seed_tensor, uniform01, unpack
+from slimgrad.kernels._common import (
+    BLOCK,
+    cast_out,
+    pack_tile,
+    philox_u32,
+    seed_tensor,
+    uniform01,
+    unpack,
+)
 from slimgrad.ops import dropout as _ref
 
 
@@ -45,7 +53,7 @@ def _fwd_kernel(
     keep = (u < keep_prob) & m
     x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
     out = x * (keep.to(tl.float32) * scale)
-    tl.store(out_ptr + i, out.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + i, cast_out(out, out_ptr.dtype.element_ty), mask=m)
     byte = pack_tile(keep.to(tl.int32))
     tl.store(bits_ptr + rows, byte.to(tl.uint8), mask=rows * 8 < n)
 
@@ -56,7 +64,7 @@ def _bwd_kernel(g_ptr, bits_ptr, dx_ptr, n, scale, BLOCK: tl.constexpr):
     m = i < n
     keep = unpack(bits_ptr, i, m).to(tl.float32)
     g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(dx_ptr + i, ((g * keep) * scale).to(dx_ptr.dtype.element_ty), mask=m)
+    tl.store(dx_ptr + i, cast_out((g * keep) * scale, dx_ptr.dtype.element_ty), mask=m)
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimgrad.kernels._common import add
+from slimgrad.kernels._common import add, cast_out
 from slimgrad.ops import layer_norm as _ref
 
 MAX_D = 16384  # one row per register tile in backward
@@ -73,7 +73,7 @@ def _fwd_kernel(
             y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         if HAS_B:
             y = y + tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(yr + c, y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(yr + c, cast_out(y, y_ptr.dtype.element_ty), mask=m)
         start += BLOCK_D
 
 
@@ -122,7 +122,7 @@ def _bwd_kernel(
             else:
                 c1 = tl.reduce(g, 0, add) / d
                 dx = (g - c1 - xh * c2) * rstd
-            tl.store(dx_ptr + row * d + c, dx.to(dx_ptr.dtype.element_ty), mask=m)
+            tl.store(dx_ptr + row * d + c, cast_out(dx, dx_ptr.dtype.element_ty), mask=m)
         if NEED_DW:
             dw_acc += dy * xh
         if NEED_DB:
@@ -159,10 +159,7 @@ def norm_fwd(x, normalized_shape, weight, bias, eps, rms: bool):
         return None
     n = x.numel() // d
     x2 = x.reshape(n, d).contiguous()
-    y_dtype = x.dtype
-    if rms and weight is not None:
-        y_dtype = torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # as eager, whatever weight's dtype
     stat_shape = tuple(x.shape[: x.dim() - nd]) + (1,) * nd
     mean = None if rms else torch.empty(stat_shape, dtype=torch.float32, device=x.device)
     rstd = torch.empty(stat_shape, dtype=torch.float32, device=x.device)

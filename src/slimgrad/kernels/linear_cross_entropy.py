@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimgrad.kernels._common import add, maximum
+from slimgrad.kernels._common import add, cast_out, maximum
 from slimgrad.ops import linear_cross_entropy as _ref
 
 _BLOCK_V = 4096
@@ -84,7 +84,7 @@ def _ce_grad_kernel(
         z = tl.load(zr + c, mask=msk, other=0.0).to(tl.float32)
         p = tl.exp(z - lse) - eps / v
         p = tl.where(c == t, p - (1.0 - eps), p)
-        tl.store(zr + c, (p * s).to(z_ptr.dtype.element_ty), mask=msk)
+        tl.store(zr + c, cast_out(p * s, z_ptr.dtype.element_ty), mask=msk)
         start += BLOCK_V
 
 
