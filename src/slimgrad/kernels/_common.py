@@ -37,6 +37,11 @@ def row_block(d: int) -> int:
     return min(8192, max(16, triton.next_power_of_2(max(d, 1))))
 
 
+def num_warps(block: int) -> int:
+    # warps per program for a row tile of `block` elements: about 8-16 fp32 values per thread
+    return 4 if block <= 2048 else 8 if block <= 4096 else 16
+
+
 def seed_tensor(device: torch.device) -> torch.Tensor:
     # Two 31-bit words drawn from the device's global generator (follows torch.manual_seed, no
     # host sync on CUDA): the kernel loads them, so a CUDA graph replay draws a fresh mask only if

@@ -2,8 +2,9 @@
 
 Same signatures as ``slimgrad.ops.layer_norm._fwd_torch`` / ``_bwd_torch``.
 
-Forward: one program per row: mean and variance in float32 (two passes over the row, as eager
-computes them), then y = (x - mean) * rstd * gamma + beta in one store; mean and rstd come out in
+Forward: one program per row, the row in registers (rows longer than ``FWD_TILE`` loop over
+tiles): mean, then the variance of the centred row (two-pass, as eager), in float32, then
+y = (x - mean) * rstd * gamma + beta in one store; mean and rstd come out in
 float32 (the op's fake kernel's dtype; CUDA eager's too). The fallback channels (NOTE
 [Normalization from its output: the fallback channels] in ``ops/layer_norm.py``) and their input
 columns are chosen exactly as in the PyTorch path.
@@ -27,54 +28,71 @@ import torch
 import triton
 import triton.language as tl
 
-from slimgrad.kernels._common import add, cast_out
+from slimgrad.kernels._common import add, cast_out, num_warps
 from slimgrad.ops import layer_norm as _ref
 
 MAX_D = 16384  # one row per register tile in backward
+FWD_TILE = 8192  # forward: rows up to this stay in registers; longer rows loop over tiles
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
 def _fwd_kernel(
     x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, d, eps,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, ONE_TILE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     xr = x_ptr + row * d
     yr = y_ptr + row * d
     cols = tl.arange(0, BLOCK_D)
-    mean = 0.0
-    if not RMS:
+    if ONE_TILE:  # the row stays in registers: one read of x, one write of y
+        m = cols < d
+        x = tl.load(xr + cols, mask=m, other=0.0).to(tl.float32)
+        mean = 0.0
+        if not RMS:
+            mean = tl.reduce(x, 0, add) / d
+        xc = tl.where(m, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.reduce(xc * xc, 0, add) / d + eps)
+        y = xc * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(yr + cols, cast_out(y, y_ptr.dtype.element_ty), mask=m)
+    else:  # long rows: tiles, three reads of x (mean, variance, output), as eager's two-pass
+        mean = 0.0
+        if not RMS:
+            acc = tl.full([BLOCK_D], 0.0, tl.float32)
+            start = d * 0
+            while start < d:
+                c = start + cols
+                acc += tl.load(xr + c, mask=c < d, other=0.0).to(tl.float32)
+                start += BLOCK_D
+            mean = tl.reduce(acc, 0, add) / d
         acc = tl.full([BLOCK_D], 0.0, tl.float32)
         start = d * 0
         while start < d:
             c = start + cols
-            acc += tl.load(xr + c, mask=c < d, other=0.0).to(tl.float32)
+            m = c < d
+            xc = tl.where(m, tl.load(xr + c, mask=m, other=0.0).to(tl.float32) - mean, 0.0)
+            acc += xc * xc
             start += BLOCK_D
-        mean = tl.reduce(acc, 0, add) / d
-    acc = tl.full([BLOCK_D], 0.0, tl.float32)
-    start = d * 0
-    while start < d:
-        c = start + cols
-        m = c < d
-        xc = tl.where(m, tl.load(xr + c, mask=m, other=0.0).to(tl.float32) - mean, 0.0)
-        acc += xc * xc
-        start += BLOCK_D
-    rstd = 1.0 / tl.sqrt(tl.reduce(acc, 0, add) / d + eps)
+        rstd = 1.0 / tl.sqrt(tl.reduce(acc, 0, add) / d + eps)
+        start = d * 0
+        while start < d:
+            c = start + cols
+            m = c < d
+            y = (tl.load(xr + c, mask=m, other=0.0).to(tl.float32) - mean) * rstd
+            if HAS_W:
+                y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+            if HAS_B:
+                y = y + tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(yr + c, cast_out(y, y_ptr.dtype.element_ty), mask=m)
+            start += BLOCK_D
     if not RMS:
         tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
-    start = d * 0
-    while start < d:
-        c = start + cols
-        m = c < d
-        y = (tl.load(xr + c, mask=m, other=0.0).to(tl.float32) - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(yr + c, cast_out(y, y_ptr.dtype.element_ty), mask=m)
-        start += BLOCK_D
 
 
 @triton.jit
@@ -165,9 +183,11 @@ def norm_fwd(x, normalized_shape, weight, bias, eps, rms: bool):
     rstd = torch.empty(stat_shape, dtype=torch.float32, device=x.device)
     w = weight.reshape(d).contiguous() if weight is not None else None
     b = bias.reshape(d).contiguous() if bias is not None else None
+    block = min(_row_block(d), FWD_TILE)
     _fwd_kernel[(n,)](
         x2, y, w, b, mean if mean is not None else rstd, rstd, d, float(eps),
-        HAS_W=w is not None, HAS_B=b is not None, RMS=rms, BLOCK_D=min(_row_block(d), 4096),
+        HAS_W=w is not None, HAS_B=b is not None, RMS=rms, ONE_TILE=d <= block, BLOCK_D=block,
+        num_warps=num_warps(block),
     )  # fmt: skip
     return y, mean, rstd
 
@@ -202,6 +222,7 @@ def norm_bwd(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
         dw_part, db_part, n, d, k, p,
         HAS_W=w is not None, HAS_B=b is not None, HAS_SIDE=k > 0, RMS=rms,
         NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=_row_block(d),
+        num_warps=num_warps(_row_block(d)),
     )  # fmt: skip
     if need_dx:
         dx = dx.reshape(y.shape)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimgrad.kernels._common import add, cast_out, maximum
+from slimgrad.kernels._common import add, cast_out, maximum, num_warps
 from slimgrad.ops import linear_cross_entropy as _ref
 
 _BLOCK_V = 4096
@@ -92,15 +92,20 @@ def _block_v(v: int) -> int:
     return min(_BLOCK_V, max(16, triton.next_power_of_2(v)))
 
 
-def ce_fwd_chunk(z: torch.Tensor, target: torch.Tensor, ignore_index: int, eps: float):
-    """(loss, lse) float32 per row of the logits chunk z (rows, V), one pass."""
+def ce_fwd_chunk(
+    z: torch.Tensor, target: torch.Tensor, ignore_index: int, eps: float, loss=None, lse=None
+):
+    """(loss, lse) float32 per row of the logits chunk z (rows, V), one pass; written into
+    ``loss`` / ``lse`` (contiguous float32, rows elements) when given."""
     rows, v = z.shape
-    loss = torch.empty(rows, dtype=torch.float32, device=z.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=z.device)
+    if loss is None:
+        loss = torch.empty(rows, dtype=torch.float32, device=z.device)
+    if lse is None:
+        lse = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
         _ce_fwd_kernel[(rows,)](
             z, target, loss, lse, v, z.stride(0), int(ignore_index), float(eps),
-            HAS_EPS=bool(eps), BLOCK_V=_block_v(v),
+            HAS_EPS=bool(eps), BLOCK_V=_block_v(v), num_warps=num_warps(_block_v(v)),
         )  # fmt: skip
     return loss, lse
 
@@ -111,7 +116,7 @@ def ce_grad_chunk_(z, target, lse, scale, ignore_index: int, eps: float) -> torc
     if rows:
         _ce_grad_kernel[(rows,)](
             z, target, lse, scale, v, z.stride(0), int(ignore_index), float(eps),
-            BLOCK_V=_block_v(v),
+            BLOCK_V=_block_v(v), num_warps=num_warps(_block_v(v)),
         )  # fmt: skip
     return z
 
@@ -133,7 +138,7 @@ def _fwd_triton(h, weight, bias, target, ignore_index, eps, chunk):
         z = torch.nn.functional.linear(h[s:e], weight, bias)
         if z.stride(-1) != 1:
             z = z.contiguous()
-        loss[s:e], lse[s:e] = ce_fwd_chunk(z, t[s:e], ignore_index, eps)
+        ce_fwd_chunk(z, t[s:e], ignore_index, eps, loss[s:e], lse[s:e])
         del z
     return loss, lse
 
