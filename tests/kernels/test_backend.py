@@ -157,3 +157,17 @@ def test_compiled_code_takes_the_torch_path(monkeypatch):
 
     torch.compile(f, backend="eager", fullgraph=False)(torch.ones(3))
     assert seen == [False]
+
+
+@pytest.mark.triton
+def test_kernels_compile_for_sm90_without_a_gpu():
+    # the real compiler (TTIR -> cubin, triton's bundled ptxas), one variant per kernel; the full
+    # set of constexpr variants: `python -m slimgrad.kernels._compile_check`
+    pytest.importorskip("triton")
+    src = str(Path(B.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "slimgrad.kernels._compile_check", "--quick"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok ") == 12 and "FAIL" not in r.stdout, r.stdout
