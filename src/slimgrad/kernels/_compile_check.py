@@ -34,14 +34,16 @@ def _variants() -> Iterator[tuple[str, object, dict, dict]]:
                "a": "fp32", "b": "fp32"}  # fmt: skip
         yield f"mono_bwd[{act},{dt}]", A._mono_bwd_kernel, sig, {"ACT": act, "BLOCK": A.BLOCK}
     for act, dt in itertools.product(range(4), ("fp32", "bf16")):
-        sig = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "code_ptr": "*u8", "cnt_ptr": "*i32",
-               "n": "i32", "x_star": "fp32", "zone": "fp32", "window": "fp32",
-               "tail": "fp32"}  # fmt: skip
+        sig = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "cnt_ptr": "*i32", "n": "i32",
+               "x_star": "fp32", "zone": "fp32", "window": "fp32", "tail": "fp32"}  # fmt: skip
         const = {"ACT": act, "ZONE": dt == "fp32", "TAIL": act in (1, 2), "BLOCK": A.BLOCK}
         yield f"smooth_fwd[{act},{dt}]", A._smooth_fwd_kernel, sig, const
-    yield "pack_sub", A._pack_sub_kernel, {
-        "code_ptr": "*u8", "boff_ptr": "*i64", "words_ptr": "*i32", "n": "i32"
-    }, {"BLOCK": A.BLOCK}  # fmt: skip
+    for dt, tail in (("fp32", True), ("bf16", False)):
+        yield f"smooth_side[{dt},tail={tail}]", A._smooth_side_kernel, {
+            "x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "boff_ptr": "*i64", "hoff_ptr": "*i64",
+            "words_ptr": "*i32", "idx_ptr": "*i32", "xs_ptr": f"*{dt}", "n": "i32",
+            "x_star": "fp32", "window": "fp32", "tail": "fp32",
+        }, {"TAIL": tail, "BLOCK": A.BLOCK}  # fmt: skip
     yield (
         "count_sub",
         A._count_sub_kernel,

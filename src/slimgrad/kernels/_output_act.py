@@ -7,14 +7,14 @@ Two families, as in ``slimgrad.ops._output_act`` (NOTE [Gradient from the output
   PyTorch's own ``*_backward(..., is_result=True)`` formulas, in float32 (opmath) for float32,
   float16 and bfloat16. float64 and layouts that are not dense take the PyTorch path.
 * smooth with one minimum (silu, gelu erf/tanh, mish): the forward kernel computes y (float64
-  inside the zone around x*, exactly where the PyTorch path does), the branch bit [x >= x*] and
-  the hard flag in one pass, and counts per block the elements that keep a bit (y <= 0) and the
-  hard ones; a second kernel packs the bits of each chunk at their compacted positions (a
-  block-local prefix sum plus the block's offset, ``tl.atomic_or`` into 32-bit words). The hard
-  elements' indices are listed with ``torch.nonzero`` on the one-byte flags (data-dependent
-  size). Backward: a counting kernel (elements with y <= 0 per block) and one kernel that unpacks
-  the bit at the element's compacted position, reads f' from the same float64-built table as the
-  PyTorch path (linear interpolation in s = sqrt(y - y_min)) and multiplies by g; the hard
+  inside the zone around x*, exactly where the PyTorch path does) and counts per block the elements
+  that keep a branch bit (y <= 0) and the hard ones; from the counts' prefix sums a second kernel
+  re-reads x and y and writes each chunk's packed bits at their compacted positions (block-local
+  prefix sum plus the block's offset, ``tl.atomic_or`` into 32-bit words) and the hard elements'
+  indices and exact x at theirs. No element-sized temporary (the PyTorch path's temporaries are
+  chunk-sized). Backward: a counting kernel (elements with y <= 0 per block) and one kernel that
+  unpacks the bit at the element's compacted position, reads f' from the same float64-built table
+  as the PyTorch path (linear interpolation in s = sqrt(y - y_min)) and multiplies by g; the hard
   elements are then overwritten by eager's formula on their exact x, as in the PyTorch path.
 
 Saved tensors (y, bits, idx, xs) are bit-for-bit those of the PyTorch path's layout: same chunking
@@ -182,48 +182,60 @@ def _smooth_f64(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _classify(x, y, x_star, window, tail, m, TAIL: tl.constexpr):
+    # (keeps a bit: y <= 0 or NaN, the bit: x >= x*, hard), as ops._output_act.smooth_fwd
+    sub = (~(y > 0)) & m
+    t = tl.abs(x - x_star)
+    hard = (t < window) | ~(t < float("inf"))  # NaN and +-inf are hard
+    if TAIL:
+        hard = hard | (x < tail)
+    return sub, x >= x_star, hard & m
+
+
+@triton.jit
 def _smooth_fwd_kernel(
-    x_ptr, y_ptr, code_ptr, cnt_ptr, n, x_star, zone, window, tail,
+    x_ptr, y_ptr, cnt_ptr, n, x_star, zone, window, tail,
     ACT: tl.constexpr, ZONE: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # code: bit0 = keeps a branch bit (y <= 0 or NaN), bit1 = x >= x*, bit2 = hard
+    # y, and per block the number of elements that keep a bit and of hard elements
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=1.0).to(tl.float32)
     y = _smooth_f32(x, ACT)
-    t = tl.abs(x - x_star)
     if ZONE:
-        z = t < zone
+        z = tl.abs(x - x_star) < zone
         y64 = _smooth_f64(x.to(tl.float64), ACT)
         y = tl.where(z, y64.to(tl.float32), y)
     y = cast_out(y, y_ptr.dtype.element_ty)
     tl.store(y_ptr + i, y, mask=m)
-    sub = (~(y.to(tl.float32) > 0)) & m
-    right = x >= x_star
-    hard = (t < window) | ~(t < float("inf"))  # NaN and +-inf are hard
-    if TAIL:
-        hard = hard | (x < tail)
-    hard = hard & m
-    code = sub.to(tl.int32) | (right.to(tl.int32) << 1) | (hard.to(tl.int32) << 2)
-    tl.store(code_ptr + i, code.to(tl.uint8), mask=m)
+    sub, right, hard = _classify(x, y.to(tl.float32), x_star, window, tail, m, TAIL)
     tl.store(cnt_ptr + 2 * pid, tl.reduce(sub.to(tl.int32), 0, add))
     tl.store(cnt_ptr + 2 * pid + 1, tl.reduce(hard.to(tl.int32), 0, add))
 
 
 @triton.jit
-def _pack_sub_kernel(code_ptr, boff_ptr, words_ptr, n, BLOCK: tl.constexpr):
-    # the branch bits of the elements with code bit0 set, at bit position boff[pid] + their rank
+def _smooth_side_kernel(
+    x_ptr, y_ptr, boff_ptr, hoff_ptr, words_ptr, idx_ptr, xs_ptr, n, x_star, window, tail,
+    TAIL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # compaction by rank (block-local prefix sum + the block's offset): the branch bits at bit
+    # boff[pid] + rank (tl.atomic_or into 32-bit words, neighbours share words), the hard
+    # elements' flat index and exact x at hoff[pid] + rank (ascending, as torch.nonzero)
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    c = tl.load(code_ptr + i, mask=m, other=0).to(tl.int32)
-    sub = c & 1
-    rank = tl.associative_scan(sub, 0, add) - sub
-    pos = tl.load(boff_ptr + pid) + rank.to(tl.int64)
-    bit = (c >> 1) & 1
-    word = (bit << (pos & 31).to(tl.int32)).to(tl.int32)
-    tl.atomic_or(words_ptr + (pos >> 5), word, mask=(sub == 1) & (bit == 1))
+    xr = tl.load(x_ptr + i, mask=m, other=1.0)
+    y = tl.load(y_ptr + i, mask=m, other=1.0).to(tl.float32)
+    sub, right, hard = _classify(xr.to(tl.float32), y, x_star, window, tail, m, TAIL)
+    s = sub.to(tl.int32)
+    pos = tl.load(boff_ptr + pid) + (tl.associative_scan(s, 0, add) - s).to(tl.int64)
+    word = (right.to(tl.int32) << (pos & 31).to(tl.int32)).to(tl.int32)
+    tl.atomic_or(words_ptr + (pos >> 5), word, mask=sub & right)
+    h = hard.to(tl.int32)
+    hp = tl.load(hoff_ptr + pid) + (tl.associative_scan(h, 0, add) - h).to(tl.int64)
+    tl.store(idx_ptr + hp, i.to(idx_ptr.dtype.element_ty), mask=hard)
+    tl.store(xs_ptr + hp, xr, mask=hard)
 
 
 @triton.jit
@@ -292,26 +304,36 @@ def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True
     n = xc.numel()
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    code = torch.empty(n, dtype=torch.uint8, device=x.device)
     grid = grid1(n)
     cnt = torch.empty((grid[0], 2), dtype=torch.int32, device=x.device)
+    tail_v = float(tail) if tail is not None else 0.0
     _smooth_fwd_kernel[grid](
-        xc, y, code, cnt, n, inv.x_star, float(zone), float(w),
-        float(tail) if tail is not None else 0.0,
+        xc, y, cnt, n, inv.x_star, float(zone), float(w), tail_v,
         ACT=act, ZONE=bool(zone), TAIL=tail is not None, BLOCK=BLOCK,
     )  # fmt: skip
     flat = xc.view(-1)
-    n_hard = int(cnt[:, 1].sum())
+    hard_cnt = cnt[:, 1].to(torch.int64)
+    n_hard = int(hard_cnt.sum())
     if fallback and n_hard * _ref.FALLBACK_DIV > n:
-        return y, code.new_empty(0), torch.empty(0, dtype=idx_dtype, device=x.device), flat.clone()
+        return (
+            y,
+            cnt.new_empty(0, dtype=torch.uint8),
+            cnt.new_empty(0, dtype=idx_dtype),
+            flat.clone(),
+        )
     boff, nbytes = _chunk_bit_offsets(cnt[:, 0], n)
+    hoff = hard_cnt.cumsum(0) - hard_cnt
     words = torch.zeros(triton.cdiv(nbytes, 4), dtype=torch.int32, device=x.device)
-    _pack_sub_kernel[grid](code, boff, words, n, BLOCK=BLOCK)
+    idx = torch.empty(n_hard, dtype=idx_dtype, device=x.device)
+    xs = torch.empty(n_hard, dtype=x.dtype, device=x.device)
+    _smooth_side_kernel[grid](
+        xc, y, boff, hoff, words, idx, xs, n, inv.x_star, float(w), tail_v,
+        TAIL=tail is not None, BLOCK=BLOCK,
+    )  # fmt: skip
     bits = words.view(torch.uint8)
     if bits.numel() != nbytes:  # own storage of exactly nbytes: the memory contract counts it
         bits = bits[:nbytes].clone()
-    idx = (code >= 4).nonzero().reshape(-1).to(idx_dtype)
-    return y, bits, idx, flat[idx.long()]
+    return y, bits, idx, xs
 
 
 def smooth_grad(spec, g, y, bits, idx, xs, bwd_exact):
