@@ -14,8 +14,9 @@ in-place op. Where y does not tell the side (leaky_relu slope < 0, elu alpha < 0
 float16/bfloat16 with a bound the dtype cannot represent) the side is kept as 1 bit/elt.
 
 Smooth non-monotone f (silu, gelu erf/tanh, mish) have one minimum x*: f decreases on (-inf, x*)
-and increases on (x*, inf), so (y, b = [x >= x*]) determines x. y > 0 implies x > 0, so b is kept
-only for the elements with y <= 0 (about half), bit-packed. Backward reads f' from float64-built
+and increases on (x*, inf), so (y, b = [x >= x*]) determines x; b is kept bit-packed (1/8 B/elt).
+(Keeping b only where y <= 0 would halve it but costs a masked select/scatter per element, 10x the
+activation itself on CPU.) Backward reads f' from float64-built
 tables against s = sqrt(y - y_min), one per branch (``_Inverse``). The inverse is ill-conditioned
 in two places (research/selective_inplace.md section 8, re-measured on every float32 here):
   (a) near x*: y - y_min ~ f''(x*) d^2 / 2 with d = x - x*, so an error dy of the stored y moves
@@ -51,7 +52,7 @@ from slimgrad._errors import internal_error
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
 
 # elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
-CHUNK = 1 << 17
+CHUNK = 1 << 16
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 _TABLE_N = 1 << 14
 
@@ -208,8 +209,7 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
 
     Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
-    bits: [x >= x*] of the elements with y <= 0 only (y > 0 means x > 0), packed per chunk;
-    idx (int32, int64 above 2^31 elements) and xs (x's dtype): the hard elements. Dense fallback
+    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's dtype): the hard elements. Dense fallback
     (more than n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always):
     (y, empty uint8, empty idx, x flattened).
     """
@@ -223,25 +223,24 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     if x.dtype == torch.float64:  # the float32-grade tables would not meet float64's rule: keep x
         return fwd(x), empty_bits, empty_idx, flat.clone()
     zone = spec.zone if x.dtype == torch.float32 else 0.0
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    flat = flat.contiguous()
+    y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
     yf = y.view(-1)
     bits, idx = [], []
     for a in range(0, n, CHUNK):
         c = flat[a : a + CHUNK]
-        yc = fwd(c)
         cf = c.float()
         t = (cf - inv.x_star).abs_()
-        if zone:
-            z = t < zone  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
-            if bool(z.any()):
-                yc[z] = spec.f(c[z].double()).to(x.dtype)
-        yf[a : a + CHUNK] = yc
-        sub = ~(yc > 0)
-        bits.append(pack_bits((cf >= inv.x_star)[sub]))
+        if zone:  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
+            zi = (t < zone).nonzero().view(-1)
+            if zi.numel():
+                vals = spec.f(c.index_select(0, zi).double()).to(x.dtype)
+                yf.index_put_((zi.add_(a),), vals)
+        bits.append(pack_bits(cf >= inv.x_star))
         hard = (t < w) | ~(t < math.inf)  # NaN and +-inf are hard
         if tail is not None:
             hard |= cf < tail
-        idx.append(hard.nonzero().reshape(-1).add_(a).to(idx_dtype))
+        idx.append(hard.nonzero().view(-1).add_(a).to(idx_dtype))
     idx = torch.cat(idx) if idx else empty_idx
     if fallback and idx.numel() * FALLBACK_DIV > n:
         return y, empty_bits, empty_idx, flat.clone()
@@ -276,20 +275,16 @@ def smooth_grad(
     yf = y.reshape(-1)
     cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
     out = torch.empty(n, dtype=g.dtype, device=g.device)
-    off = 0
+    if bits.numel() != packed_numel(n):
+        raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
-        yc = yf[a:b].to(cdt)
-        pos = yc > 0
-        right = pos.to(cdt)
-        sub = ~pos
-        cnt = int(sub.sum())
-        nb = packed_numel(cnt)
-        right.masked_scatter_(sub, unpack_bits_as(bits[off : off + nb], cnt, cdt))
-        off += nb
-        out[a:b] = (gf[a:b].to(cdt) * inv.df(yc, right)).to(g.dtype)
-    if off != bits.numel():
-        raise internal_error(f"{spec.name}: used {off} of {bits.numel()} packed bytes")
+        right = unpack_bits_as(bits[a // 8 : (b + 7) // 8], b - a, cdt)
+        df = inv.df(yf[a:b].to(cdt), right)
+        if g.dtype == cdt:
+            torch.mul(gf[a:b], df, out=out[a:b])
+        else:
+            out[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
     if idx.numel():
         i = idx.long()
         out[i] = bwd_exact(gf[i], xs)
