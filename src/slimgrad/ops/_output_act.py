@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimgrad._errors import internal_error
-from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
+from slimgrad.ops._bits import pack_bits, packed_numel
 
 # elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
 CHUNK = 1 << 16
@@ -150,37 +150,44 @@ class _Inverse:
         x_r[0] = x_l[0] = self.x_star
         t_l = df(x_l)
         t_l[-1] = 0.0  # y = 0-: x = -inf
-        self.table = torch.cat([df(x_r), t_l])
+        # [right | pad | left | pad]: each pad repeats its table's last entry, so that a position at
+        # (or, by float32 rounding, just past) a table's end interpolates towards the same value
+        t_r = df(x_r)
+        self.table = torch.cat([t_r, t_r[-1:], t_l, t_l[-1:]])
         self.sc = ((n - 1) / self.s_r, (n - 1) / self.s_l)
+        # per-byte lookup tables: a packed byte of branch bits -> 8 scales / 8 offsets (see df)
+        byte = torch.arange(256, dtype=torch.int64)
+        right = ((byte.unsqueeze(1) >> torch.arange(8)) & 1).double()
+        self.byte_scale = self.sc[1] + right * (self.sc[0] - self.sc[1])
+        self.byte_offset = (1.0 - right) * (n + 1)
         self._dev: dict = {}
 
-    def table_on(self, device, dtype):
+    def tables_on(self, device, dtype):
         t = self._dev.get((device, dtype))
         if t is None:
-            t = self.table.to(device=device, dtype=dtype)
+            t = tuple(
+                v.to(device=device, dtype=dtype)
+                for v in (self.table, self.byte_scale, self.byte_offset)
+            )
             self._dev[(device, dtype)] = t
         return t
 
-    def df(self, y: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        """f'(x) from y (float32 or float64) and ``right`` (x >= x*, as 0/1 in y's dtype)."""
-        tab = self.table_on(y.device, y.dtype)
-        n = _TABLE_N
-        y_hi = torch.tensor(
-            self.y_min, dtype=y.dtype
-        ).item()  # y_min split in two: y - y_hi is exact
-        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(min=0.0).sqrt_()
-        sc_r, sc_l = self.sc
-        # right: s * sc_r clamped to [0, n-1]; left: n + s * sc_l clamped to [n, 2n-1]
-        pos = s.mul_(torch.mul(right, sc_r - sc_l).add_(sc_l)).sub_(right, alpha=n).add_(n)
-        pos = torch.minimum(pos, torch.mul(right, -n).add_(2 * n - 1))
-        i = pos.clamp(max=2 * n - 2).floor_()  # pos = 2n-1 (y = 0-): i = 2n-2, w = 1
+    def df(self, y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*)."""
+        tab, byte_scale, byte_offset = self.tables_on(y.device, y.dtype)
+        m = y.numel()
+        b = bits.to(torch.int32)
+        scale = torch.index_select(byte_scale, 0, b).view(-1)[:m]
+        pos = torch.index_select(byte_offset, 0, b).view(-1)[:m]
+        # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 beyond)
+        y_hi = torch.tensor(self.y_min, dtype=y.dtype).item()
+        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
+        # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
+        pos.addcmul_(s, scale)
+        i = pos.to(torch.int32).clamp_(min=0)  # pos >= 0: truncation = floor; NaN (hard) -> 0
         w = pos.sub_(i)
-        i = i.to(torch.int32).clamp_(
-            min=0
-        )  # NaN -> INT_MIN -> 0 (NaN x is hard: in the side table)
         lo = torch.index_select(tab, 0, i)
-        hi = torch.index_select(tab, 0, i.add_(1))
-        return lo.lerp_(hi, w)
+        return lo.lerp_(torch.index_select(tab, 0, i.add_(1)), w)
 
 
 _INVERSES: dict[str, _Inverse] = {}
@@ -279,8 +286,7 @@ def smooth_grad(
         raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
-        right = unpack_bits_as(bits[a // 8 : (b + 7) // 8], b - a, cdt)
-        df = inv.df(yf[a:b].to(cdt), right)
+        df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
         if g.dtype == cdt:
             torch.mul(gf[a:b], df, out=out[a:b])
         else:
