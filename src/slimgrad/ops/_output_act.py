@@ -179,7 +179,7 @@ class _Inverse:
         b = bits.to(torch.int32)
         scale = torch.index_select(byte_scale, 0, b).view(-1)[:m]
         pos = torch.index_select(byte_offset, 0, b).view(-1)[:m]
-        # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 beyond)
+        # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 past)
         y_hi = torch.tensor(self.y_min, dtype=y.dtype).item()
         s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
         # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
@@ -216,9 +216,9 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
 
     Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
-    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's dtype): the hard elements. Dense fallback
-    (more than n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always):
-    (y, empty uint8, empty idx, x flattened).
+    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
+    dtype): the hard elements. Dense fallback (more than n / FALLBACK_DIV hard, unless
+    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened).
     """
     inv = inverse(spec)
     w, tail = _window(spec, x.dtype)
