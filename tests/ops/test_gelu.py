@@ -114,3 +114,24 @@ def test_inplace_alias_and_bad_approximate():
     assert gelu_(h, "tanh") is h
     with pytest.raises(ValueError, match=r"slimgrad.gelu: unknown approximate"):
         gelu(x, "fast")
+
+
+def test_compile_inplace_aot_eager():
+    # under torch.compile the in-place form runs out-of-place + copy_ (documented in smooth_apply)
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(12, 10)
+    x0 = torch.randn(7, 12)
+
+    def f(x, act):
+        return act(lin(x)).square().sum()
+
+    comp = torch.compile(lambda x: f(x, lambda h: gelu_(h, "tanh")), backend="aot_eager")
+    res = []
+    for fn in (comp, lambda x: f(x, _eager_tanh)):
+        x = x0.clone().requires_grad_()
+        lin.zero_grad()
+        out = fn(x)
+        out.backward()
+        res.append((out.detach(), x.grad, lin.weight.grad.clone()))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b)
