@@ -135,3 +135,16 @@ def test_compile_inplace_aot_eager():
         res.append((out.detach(), x.grad, lin.weight.grad.clone()))
     for a, b in zip(*res):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_nonfinite_counted_once_in_table(approximate):
+    from slimgrad.memory import measure
+    from tests.ops._output_act_helpers import expected_saved
+
+    case = FORMS[approximate][0]
+    x0 = torch.randn(40, 50) * 0.5
+    x0[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # -inf is also < tail
+    case.slim(x0.clone().requires_grad_() * 1, False).sum().backward()
+    m = measure(lambda: case.slim(x0.clone().requires_grad_() * 1, False).sum())
+    assert m.saved_bytes == expected_saved(case, x0)

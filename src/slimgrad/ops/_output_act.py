@@ -233,21 +233,26 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     flat = flat.contiguous()
     y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
     yf = y.view(-1)
+    near = max(zone, w)
     bits, idx = [], []
     for a in range(0, n, CHUNK):
         c = flat[a : a + CHUNK]
-        cf = c.float()
-        t = (cf - inv.x_star).abs_()
-        if zone:  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
-            zi = (t < zone).nonzero().view(-1)
-            if zi.numel():
-                vals = spec.f(c.index_select(0, zi).double()).to(x.dtype)
-                yf.index_put_((zi.add_(a),), vals)
-        bits.append(pack_bits(cf >= inv.x_star))
-        hard = (t < w) | ~(t < math.inf)  # NaN and +-inf are hard
+        d = c.float() - inv.x_star
+        bits.append(pack_bits(d >= 0))
+        t = d.abs_()
+        # candidates near x*, then work on that few percent only (full-chunk passes dominate)
+        zi = (t < near).nonzero().view(-1)
+        parts = [zi[t.index_select(0, zi) < w]]
+        if zone and zi.numel():  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
+            vals = spec.f(c.index_select(0, zi).double()).to(x.dtype)
+            yf.index_put_((zi + a,), vals)
         if tail is not None:
-            hard |= cf < tail
-        idx.append(hard.nonzero().view(-1).add_(a).to(idx_dtype))
+            parts.append((c < tail).nonzero().view(-1))
+        if not bool(torch.isfinite(t.sum())):  # NaN/inf in the chunk (or a sum overflow): rare
+            parts.append((~(t < math.inf)).nonzero().view(-1))
+            parts = [torch.cat(parts).unique()]  # -inf is also below the tail
+        hard = torch.cat(parts) if len(parts) > 1 else parts[0]
+        idx.append(hard.add_(a).to(idx_dtype))
     idx = torch.cat(idx) if idx else empty_idx
     if fallback and idx.numel() * FALLBACK_DIV > n:
         return y, empty_bits, empty_idx, flat.clone()
