@@ -11,6 +11,7 @@ from tests.ops._smooth_helpers import (
     check_every_16bit,
     check_full_range,
     check_hard_window_every_float32,
+    check_output_vs_eager,
     check_random_inputs,
 )
 
@@ -148,3 +149,8 @@ def test_nonfinite_counted_once_in_table(approximate):
     case.slim(x0.clone().requires_grad_() * 1, False).sum().backward()
     m = measure(lambda: case.slim(x0.clone().requires_grad_() * 1, False).sum())
     assert m.saved_bytes == expected_saved(case, x0)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_output_vs_eager(approximate):
+    check_output_vs_eager(G.SPECS[approximate], _fwd(approximate))

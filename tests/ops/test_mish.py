@@ -9,6 +9,7 @@ from tests.ops._smooth_helpers import (
     check_every_16bit,
     check_full_range,
     check_hard_window_every_float32,
+    check_output_vs_eager,
     check_random_inputs,
 )
 
@@ -56,3 +57,7 @@ def test_inplace_keeps_no_clone():
     hid = 50 * 64 * 4
     assert me.floor_bytes == hid and me.saved_bytes == 2 * hid  # the clone
     assert hid < m.saved_bytes < 1.2 * hid
+
+
+def test_output_vs_eager():
+    check_output_vs_eager(M.SPEC, M._fwd_torch)
