@@ -63,8 +63,7 @@ def needs_graph(x: torch.Tensor) -> bool:
 
 
 def forward_output_only(ctx, x: torch.Tensor, inplace: bool, fwd: Callable, fwd_: Callable):
-    """Forward of a monotone activation that saves only its output (see NOTE [Gradient from the
-    output])."""
+    """Forward of a monotone activation that keeps only y (NOTE [Gradient from the output])."""
     if inplace:
         y = fwd_(x)
         ctx.mark_dirty(y)

@@ -180,8 +180,7 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
 
 
 def gelu_(input: Tensor, approximate: str = "none") -> Tensor:
-    """In-place :func:`gelu`: ``input`` is overwritten by the output; nothing of x is kept but the
-    bits."""
+    """In-place :func:`gelu`: ``input`` is overwritten by the output (kept: the bits and table)."""
     return gelu(input, approximate, inplace=True)
 
 
