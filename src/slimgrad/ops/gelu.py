@@ -5,7 +5,7 @@ tanh form (HF ``gelu_new``, ``gelu_fast``)  y = x/2 (1 + tanh u),  u = sqrt(2/pi
 x^3), dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
 Both have one minimum (x* = -0.75179 erf, -0.75246 tanh), so x follows from (y, [x >= x*]);
 where that inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
-``slimgrad.ops._output_act``). Within |x - x*| < 0.1 the float32 output is computed in float64 and
+``slimgrad.ops._output_act``). Within |x - x*| < 0.06 the float32 output is computed in float64 and
 rounded (it may differ from eager's by a few ulp there).
 
 Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
@@ -67,7 +67,7 @@ SPECS = {
         _erf_f,
         _erf_df,
         window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
-        zone=0.1,
+        zone=0.06,
         tail={torch.float32: -2.5},
         x_right=8.0,
     ),
@@ -76,7 +76,7 @@ SPECS = {
         _tanh_f,
         _tanh_df,
         window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
-        zone=0.1,
+        zone=0.06,
         tail={torch.float32: -3.0},
         x_right=8.0,
     ),

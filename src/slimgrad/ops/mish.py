@@ -3,7 +3,7 @@
 Math: y = x tanh(sp),  sp = log(1 + e^x),  dy/dx = tanh(sp) + x sigmoid(x) (1 - tanh^2(sp)).
 One minimum at x* = -1.19237 (y_min = -0.30884), so x follows from (y, [x >= x*]); where that
 inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
-``slimgrad.ops._output_act``). Within |x - x*| < 0.25 the float32 output is computed in float64
+``slimgrad.ops._output_act``). Within |x - x*| < 0.2 the float32 output is computed in float64
 and rounded (it may differ from eager's by a few ulp there).
 
 Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
@@ -49,7 +49,7 @@ SPEC = SmoothSpec(
     _df,
     window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     x_right=20.0,
-    zone=0.25,
+    zone=0.2,
 )
 
 

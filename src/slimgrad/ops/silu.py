@@ -3,7 +3,7 @@
 Math: y = x sigmoid(x),  dy/dx = sigmoid(x) (1 + x (1 - sigmoid(x))).
 One minimum at x* = -1.27846 (y_min = x* + 1 = -0.27846), so x follows from (y, [x >= x*]); where
 that inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
-``slimgrad.ops._output_act``). Within |x - x*| < 0.15 the float32 output is computed in float64
+``slimgrad.ops._output_act``). Within |x - x*| < 0.1 the float32 output is computed in float64
 and rounded (it may differ from eager's by a few ulp there).
 
 Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
@@ -49,7 +49,7 @@ SPEC = SmoothSpec(
     _df,
     window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     x_right=20.0,
-    zone=0.15,
+    zone=0.1,
 )
 
 
