@@ -81,8 +81,8 @@ class OutputActTests:
 
     # 1. gradcheck float64 ------------------------------------------------------------------------
     @pytest.mark.parametrize("inplace", [False, True])
-    def test_gradcheck(self, case, inplace):
-        x = _rand((5, 7), torch.float64, case.scale).requires_grad_()
+    def test_gradcheck(self, case, inplace, device):
+        x = _rand((5, 7), torch.float64, case.scale).to(device).requires_grad_()
         if inplace:
             assert gradcheck_inplace(lambda t: case.slim(t * 1, True), x)
         else:
@@ -92,9 +92,9 @@ class OutputActTests:
     # -----------------------------------------------------
     @pytest.mark.parametrize("shape", SHAPES)
     @pytest.mark.parametrize("inplace", [False, True])
-    def test_matches_eager_fp32(self, case, shape, inplace):
-        x = _rand(shape, scale=case.scale)
-        g = torch.randn(shape)
+    def test_matches_eager_fp32(self, case, shape, inplace, device):
+        x = _rand(shape, scale=case.scale).to(device)
+        g = torch.randn(shape).to(device)
         y, gx = _run(lambda t: case.slim(t, inplace), x, g)
         ye, gxe = _run(case.eager, x, g)
         _, gx64 = _run(case.eager, x.double(), g.double())
