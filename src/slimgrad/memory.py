@@ -347,17 +347,21 @@ class _ModuleClaims:
             self.handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def _claim(self, roots: list, bound: set[int], path: str) -> None:
+        # walk the module's own subgraph (down to its inputs' nodes), through nodes that inner
+        # modules already claimed, and claim the rest
         stack = list(roots)
+        seen: set[int] = set()
         while stack:
             node = stack.pop()
-            if node is None:
+            if node is None or not hasattr(node, "next_functions"):
                 continue
             seq = _seq(node)
-            if seq < 0 or seq in bound or seq in self.owner or not hasattr(node, "next_functions"):
+            if seq < 0 or seq in bound or seq in seen:
                 continue
+            seen.add(seq)
             if type(node).__name__ == "AccumulateGrad":
                 continue
-            self.owner[seq] = path
+            self.owner.setdefault(seq, path)
             stack.extend(n for n, _ in node.next_functions)
 
     def remove(self) -> None:
