@@ -298,7 +298,7 @@ def test_module_attribution_reaches_past_inner_modules():
             return self.lin(h) * 3
 
     model = nn.Sequential(Blk())
-    x = torch.randn(N, D)
+    x = torch.randn(N, D, requires_grad=True)
     m = measure(lambda: model(x).sum(), module=model)
     assert m.by_module == {"0": ACT}
     assert m.saved[0].savers == ["AddmmBackward0", "TanhBackward0"] or m.saved[0].savers == [
