@@ -37,8 +37,10 @@ is the rounding of the stored fp32 output itself: with ratio 1 it is 3 trials (1
 For bf16/fp16 inputs with fp32 weights, dweight carries the input dtype's rounding of z.
 
 # NOTE [Chunked backward]
-Backward runs over channel chunks of max(one channel, min(numel / 16, _CHUNK_ELEMS = 32768)) values:
-at most 16 chunks unless one channel is larger than that. Per chunk: rebuild y
+Backward runs over chunks: budget = clamp(numel / 16, 4096, _CHUNK_ELEMS = 32768) values; channel
+groups of up to `budget` values, one channel when a channel is larger; a channel above 4 * budget is
+split over batch ranges of about `budget` values (at least one sample's channel): partial sums add
+up, so such a channel takes a reduction pass, then a dx pass. Per chunk: rebuild y
 and dy from (z, dz) into chunk-sized temporaries, reduce sum(dy) and sum(dy * x̂) with aten's fused
 BatchNorm reduction (x̂ = (y - b) / w is formed on the fly, never stored), then write
 dx = k*dy + p*y + q into the chunk's slice of the one dx buffer. Full-size buffers in backward: dz
@@ -68,6 +70,7 @@ REBUILD_MAX_BIAS_RATIO = 4.0
 ELU_MIN_PREACT = -math.log(256.0)
 _CHUNK_ELEMS = 1 << 15
 _MAX_CHUNKS = 16
+_MIN_CHUNK = 1 << 12
 
 
 def check_activation(api: str, activation: str, activation_param: float) -> None:
@@ -108,13 +111,20 @@ def _bshape(x: torch.Tensor) -> list[int]:
 
 
 def _chunks(x: torch.Tensor):
-    # NOTE [Chunked backward]: chunk = max(one channel, min(numel / 16, _CHUNK_ELEMS)) values.
-    c = x.shape[1]
+    # NOTE [Chunked backward]: yields (c0, c1, [(n0, n1), ...]): channel groups, split into batch
+    # ranges only when one channel holds more than 4 * budget values.
+    n, c = x.shape[0], x.shape[1]
     per_channel = max(1, x.numel() // max(1, c))
-    budget = min(x.numel() // _MAX_CHUNKS, _CHUNK_ELEMS)
-    step = max(1, budget // per_channel)
-    for c0 in range(0, c, step):
-        yield c0, min(c, c0 + step)
+    budget = max(_MIN_CHUNK, min(x.numel() // _MAX_CHUNKS, _CHUNK_ELEMS))
+    if per_channel <= 4 * budget:
+        step = max(1, budget // per_channel)
+        for c0 in range(0, c, step):
+            yield c0, min(c, c0 + step), [(0, n)]
+        return
+    rows = max(1, budget // max(1, per_channel // max(1, n)))
+    parts = [(n0, min(n, n0 + rows)) for n0 in range(0, n, rows)]
+    for c0 in range(c):
+        yield c0, c0 + 1, parts
 
 
 def _affine(weight, bias, c, device, acc):
@@ -278,10 +288,10 @@ def _bwd_torch(
         invstd_p[side_idx] = 1
     need_inp = training or need_dparams
 
-    def inputs(c0, c1):
-        zc = z[:, c0:c1]
+    def inputs(c0, c1, n0, n1):
+        zc = z[n0:n1, c0:c1]
         zf = zc.to(acc)
-        dy = _act_grad(dz[:, c0:c1].to(acc), zf, activation, param)
+        dy = _act_grad(dz[n0:n1, c0:c1].to(acc), zf, activation, param)
         if not need_inp:
             return dy, None
         inp = _act_inverse(zf, activation, param)
@@ -290,19 +300,20 @@ def _bwd_torch(
             if inp is zc:
                 inp = inp.clone()
             for j, s in sides:
-                inp[:, j] = side_xhat[:, s]
+                inp[:, j] = side_xhat[n0:n1, s]
         return dy, inp
 
     def reduce(c0, c1, dy, inp):
+        # partial sums over a batch range add up: a channel may span several parts
         if inp is None:
-            sum_dy[c0:c1] = dy.sum(dim=[0] + list(range(2, z.dim())))
+            sum_dy[c0:c1] += dy.sum(dim=[0] + list(range(2, z.dim())))
             return
         _, gw, gb = torch.ops.aten.native_batch_norm_backward(
             dy, inp, None, None, None, mean_p[c0:c1], invstd_p[c0:c1], True, eps,
             [False, True, True],
         )  # fmt: skip
-        sum_dy_xhat[c0:c1] = gw
-        sum_dy[c0:c1] = gb
+        sum_dy_xhat[c0:c1] += gw
+        sum_dy[c0:c1] += gb
 
     owned = False  # slimgrad.ownership: True when nobody else can see dz (NOTE [Chunked backward]).
     dx = None
@@ -318,8 +329,8 @@ def _bwd_torch(
         q = -p * mean_p[c0:c1] - k * (sdy[c0:c1] / n_total)
         return k, p, q
 
-    def write(c0, c1, dy, inp, k, p, q):
-        slot = dx[:, c0:c1]
+    def write(c0, c1, n0, n1, dy, inp, k, p, q):
+        slot = dx[n0:n1, c0:c1]
         kv = k.view(shape)
         if p is None:
             res = dy * kv
@@ -332,26 +343,34 @@ def _bwd_torch(
             res.addcmul_(dy, kv)
         slot.copy_(res)
 
+    reducing = training or need_dparams
     if z.numel() > 0:
-        if allreduce is None:
-            for c0, c1 in _chunks(z):
-                dy, inp = inputs(c0, c1)
-                if training or need_dparams:
+        for c0, c1, parts in _chunks(z):
+            if allreduce is None and len(parts) == 1:
+                # one pass: the reduction of these channels is complete before their dx is written
+                dy, inp = inputs(c0, c1, *parts[0])
+                if reducing:
                     reduce(c0, c1, dy, inp)
                 if need_dx:
-                    write(c0, c1, dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
+                    write(c0, c1, *parts[0], dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
                 del dy, inp
-        else:
-            if training or need_dparams:
-                for c0, c1 in _chunks(z):
-                    reduce(c0, c1, *inputs(c0, c1))
+                continue
+            if reducing:
+                for n0, n1 in parts:
+                    reduce(c0, c1, *inputs(c0, c1, n0, n1))
+            if allreduce is None and need_dx:
+                for n0, n1 in parts:
+                    dy, inp = inputs(c0, c1, n0, n1)
+                    write(c0, c1, n0, n1, dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
+                    del dy, inp
     if allreduce is not None:
         g_dy, g_dyx, g_count = allreduce(sum_dy, sum_dy_xhat, count)
         if need_dx and z.numel() > 0:
-            for c0, c1 in _chunks(z):
-                dy, inp = inputs(c0, c1)
-                write(c0, c1, dy, inp, *coefs(c0, c1, g_count, g_dy, g_dyx))
-                del dy, inp
+            for c0, c1, parts in _chunks(z):
+                for n0, n1 in parts:
+                    dy, inp = inputs(c0, c1, n0, n1)
+                    write(c0, c1, n0, n1, dy, inp, *coefs(c0, c1, g_count, g_dy, g_dyx))
+                    del dy, inp
     return dx, sum_dy_xhat, sum_dy
 
 
