@@ -37,14 +37,15 @@ is the rounding of the stored fp32 output itself: with ratio 1 it is 3 trials (1
 For bf16/fp16 inputs with fp32 weights, dweight carries the input dtype's rounding of z.
 
 # NOTE [Chunked backward]
-Backward runs over chunks: budget = clamp(numel / 16, 4096, _CHUNK_ELEMS = 32768) values; channel
-groups of up to `budget` values, one channel when a channel is larger; a channel above 4 * budget is
-split over batch ranges of about `budget` values (at least one sample's channel): partial sums add
-up, so such a channel takes a reduction pass, then a dx pass. Per chunk: rebuild y
-and dy from (z, dz) into chunk-sized temporaries, reduce sum(dy) and sum(dy * x̂) with aten's fused
-BatchNorm reduction (x̂ = (y - b) / w is formed on the fly, never stored), then write
-dx = k*dy + p*y + q into the chunk's slice of the one dx buffer. Full-size buffers in backward: dz
-(incoming) and dx, never more. dz and the saved z are never written: PR #218 of
+Backward runs over chunks: budget = min(numel / 16, _CHUNK_ELEMS = 32768) values; channel groups of
+up to `budget` values, one channel when a channel is larger; a channel above 4 * max(budget, 4096)
+values is split over batch ranges of about that size (at least one sample's channel). Per chunk:
+rebuild y = act^-1(z) and dy from (z, dz) into chunk-sized temporaries; then aten's fused BatchNorm
+backward on the rebuilt input, with mean' = b, invstd' = 1/w, weight' = w * invstd * w (x̂ is formed
+on the fly, never stored), gives sum(dy), sum(dy * x̂) and the chunk's dx, copied into its slice of
+the one dx buffer. Split channels (partial sums add up) and the sync variant (sums all-reduced in
+between) take a reduction pass, then a pass writing dx = k*dy + p*y + q. Full-size buffers in
+backward: dz (incoming) and dx, never more. dz and the saved z are never written: PR #218 of
 mapillary/inplace_abn overwrote both and gave silently wrong gradients for shared gradients and
 retain_graph. The dx buffer choice is one line in _bwd_torch (`dx = dz if owned else ...`);
 `owned` stays False until the gradient-buffer ownership rule (slimgrad.ownership) can prove that
@@ -112,16 +113,16 @@ def _bshape(x: torch.Tensor) -> list[int]:
 
 def _chunks(x: torch.Tensor):
     # NOTE [Chunked backward]: yields (c0, c1, [(n0, n1), ...]): channel groups, split into batch
-    # ranges only when one channel holds more than 4 * budget values.
+    # ranges only when one channel holds more than 4 * max(budget, _MIN_CHUNK) values.
     n, c = x.shape[0], x.shape[1]
     per_channel = max(1, x.numel() // max(1, c))
-    budget = max(_MIN_CHUNK, min(x.numel() // _MAX_CHUNKS, _CHUNK_ELEMS))
-    if per_channel <= 4 * budget:
+    budget = max(1, min(x.numel() // _MAX_CHUNKS, _CHUNK_ELEMS))
+    if per_channel <= 4 * max(budget, _MIN_CHUNK):
         step = max(1, budget // per_channel)
         for c0 in range(0, c, step):
             yield c0, min(c, c0 + step), [(0, n)]
         return
-    rows = max(1, budget // max(1, per_channel // max(1, n)))
+    rows = max(1, max(budget, _MIN_CHUNK) // max(1, per_channel // max(1, n)))
     parts = [(n0, min(n, n0 + rows)) for n0 in range(0, n, rows)]
     for c0 in range(c):
         yield c0, c0 + 1, parts
@@ -287,6 +288,7 @@ def _bwd_torch(
         mean_p[side_idx] = 0
         invstd_p[side_idx] = 1
     need_inp = training or need_dparams
+    weight_p = w * invstd / invstd_p
 
     def inputs(c0, c1, n0, n1):
         zc = z[n0:n1, c0:c1]
@@ -349,10 +351,24 @@ def _bwd_torch(
             if allreduce is None and len(parts) == 1:
                 # one pass: the reduction of these channels is complete before their dx is written
                 dy, inp = inputs(c0, c1, *parts[0])
-                if reducing:
-                    reduce(c0, c1, dy, inp)
-                if need_dx:
-                    write(c0, c1, *parts[0], dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
+                if training and need_dx:
+                    # aten's fused BatchNorm backward on the rebuilt input: with mean' = mean_p,
+                    # invstd' = invstd_p and weight' = w * invstd / invstd_p its dx is ours
+                    dxc, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                        dy, inp, weight_p[c0:c1], None, None, mean_p[c0:c1], invstd_p[c0:c1],
+                        True, eps, [True, True, True],
+                    )  # fmt: skip
+                    sum_dy_xhat[c0:c1] = gw
+                    sum_dy[c0:c1] = gb
+                    dx[:, c0:c1].copy_(dxc)
+                    del dxc
+                else:
+                    if reducing:
+                        reduce(c0, c1, dy, inp)
+                    if need_dx:
+                        write(
+                            c0, c1, *parts[0], dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat)
+                        )
                 del dy, inp
                 continue
             if reducing:
