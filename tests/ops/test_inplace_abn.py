@@ -642,7 +642,7 @@ def test_refused_activations(act, param, exc, match):
 def test_bad_shapes():
     with pytest.raises(ValueError, match=r"expected shape \(4,\), got \(3,\)"):
         inplace_abn(torch.randn(3, 4), None, None, torch.ones(3), None, True)
-    with pytest.raises(ValueError, match="expected 2D to 5D input"):
+    with pytest.raises(ValueError, match="expected at least 2D input"):
         inplace_abn(torch.randn(4), None, None, None, None, True)
     with pytest.raises(TypeError, match="must be floating point"):
         inplace_abn(torch.ones(3, 4, dtype=torch.long), None, None, None, None, True)

@@ -567,7 +567,7 @@ def _validate(api: str, x, weight, bias, running_mean, running_var, training, ac
         )
     if x.dim() < 2:
         raise ValueError(
-            f"slimgrad.{api}: input needs a channel dimension; expected 2D to 5D input "
+            f"slimgrad.{api}: input needs a channel dimension; expected at least 2D input "
             f"(N, C, ...), got {x.dim()}D. Add a batch dimension."
         )
     if not x.is_floating_point():
