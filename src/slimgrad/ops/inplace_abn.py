@@ -529,7 +529,11 @@ class _InPlaceABNFn(torch.autograd.Function):
     ):
         ops = torch.ops.slimgrad
         mean, invstd = ops.inplace_abn_stats(x, running_mean, running_var, training, momentum, eps)
-        side_idx, side_xhat = ops.inplace_abn_side(x, weight, bias, mean, invstd, act)
+        if any(ctx.needs_input_grad[:3]):
+            side_idx, side_xhat = ops.inplace_abn_side(x, weight, bias, mean, invstd, act)
+        else:  # no backward will run (no_grad, inference_mode, frozen inputs): keep nothing
+            side_idx = x.new_empty(0, dtype=torch.long)
+            side_xhat = x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=mean.dtype)
         ops.inplace_abn_apply_(x, weight, bias, mean, invstd, act, param)
         ctx.mark_dirty(x)
         if torch.compiler.is_compiling():
