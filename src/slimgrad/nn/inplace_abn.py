@@ -163,14 +163,15 @@ class InPlaceABN(nn.Module):
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         return factor, bn_training
 
-    def _buffers_for(self, bn_training: bool):
+    def _running_stats(self):
+        # as nn.BatchNorm: buffers are used in eval, or in training when they are tracked
         use = not self.training or self.track_running_stats
         return (self.running_mean, self.running_var) if use else (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
-        rm, rv = self._buffers_for(bn_training)
+        rm, rv = self._running_stats()
         return inplace_abn(
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
@@ -239,7 +240,7 @@ class InPlaceABNSync(InPlaceABN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
-        rm, rv = self._buffers_for(bn_training)
+        rm, rv = self._running_stats()
         if bn_training and self.training:
             return inplace_abn_sync(
                 x, rm, rv, self.weight, self.bias, True, factor, self.eps, self.activation,
