@@ -751,8 +751,21 @@ def inplace_abn_sync(
 
     Memory: as :func:`inplace_abn`.
 
+    Args:
+        x, running_mean, running_var, weight, bias, training, momentum, eps, activation,
+            activation_param: as :func:`inplace_abn`.
+        process_group: the group to merge statistics over; None: the default group at call time.
+
+    Returns:
+        ``x``, now holding the output.
+
     Raises:
         RuntimeError: training while torch.distributed is not initialised.
+        ValueError: as :func:`inplace_abn`.
+
+    Example:
+        >>> torch.distributed.init_process_group("gloo")  # doctest: +SKIP
+        >>> z = inplace_abn_sync(conv(x), rm, rv, w, b, training=True)  # doctest: +SKIP
     """
     if not training:
         return inplace_abn(x, running_mean, running_var, weight, bias, training, momentum, eps,
