@@ -39,8 +39,11 @@ class InPlaceABN(nn.Module):
         ValueError: a non-invertible activation or a non-positive slope/alpha.
 
     Example:
+        >>> conv = torch.nn.Conv2d(3, 64, 3)
         >>> layer = InPlaceABN(64, activation="leaky_relu", activation_param=0.01)
-        >>> z = layer(conv(x))  # conv's output now holds z
+        >>> h = conv(torch.randn(2, 3, 9, 9))
+        >>> layer(h) is h  # conv's output now holds the result
+        True
     """
 
     _version = 2

@@ -633,8 +633,11 @@ def inplace_abn(
         TypeError: non-tensor or integer input.
 
     Example:
-        >>> h = conv(x)
-        >>> h = inplace_abn(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, True)
+        >>> conv, bn = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)
+        >>> h = conv(torch.randn(2, 3, 9, 9))
+        >>> z = inplace_abn(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, True)
+        >>> z is h
+        True
     """
     _validate("ops.inplace_abn", x, weight, bias, running_mean, running_var, training, activation,
               activation_param)  # fmt: skip
