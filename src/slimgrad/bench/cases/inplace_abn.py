@@ -148,7 +148,9 @@ def main(argv=None) -> dict:
         "saved_ratio": ms.saved_bytes / me.saved_bytes,
         "peak_ratio": ms.peak_bytes / me.peak_bytes,
     }
-    rec["grad_max_err"] = grad_errors(eager, slim, x, up)
+    err = grad_errors(eager, slim, x, up)
+    rec["grad_max_err"] = err
+    rec["grad_rule_ok"] = err["slim"] <= 2 * err["eager"] + 1e-6  # GUIDE.md rule, all Parameters
     if args.steps > 0:
         t = time_steps(eager, slim, x, up, args.steps)
         ratios = [s / e for s, e in zip(t["slim"], t["eager"])]
