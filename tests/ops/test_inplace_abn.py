@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -674,3 +676,34 @@ def test_compile_aot_eager_fullgraph():
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r)
     torch.testing.assert_close((rm, rv), (rm2, rv2))
+
+
+def _abn_grads(disabled: bool, siblings: bool):
+    from slimgrad import ownership
+    from slimgrad.nn.inplace_abn import InPlaceABN
+
+    torch.manual_seed(0)
+    convs = torch.nn.ModuleList(torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
+    norms = torch.nn.ModuleList(InPlaceABN(4) for _ in range(2))
+    x = torch.randn(3, 4, 7, 5, requires_grad=True)
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled() if disabled else contextlib.nullcontext():
+        if siblings:  # PR #218's case: AddBackward hands the SAME gradient tensor to both branches
+            h = norms[0](convs[0](x)) + norms[1](convs[1](x))
+        else:  # a plain chain: each block's incoming gradient is dead after it
+            h = norms[1](convs[1](norms[0](convs[0](x))))
+        h.square().sum().backward()
+    grads = [p.grad for p in list(convs.parameters()) + list(norms.parameters())] + [x.grad]
+    return grads, ownership.reuse_count("grad")
+
+
+@pytest.mark.parametrize("siblings", [False, True])
+def test_dx_reuses_dead_incoming_gradient_bitwise(siblings):
+    off, n_off = _abn_grads(disabled=True, siblings=siblings)
+    on, n_on = _abn_grads(disabled=False, siblings=siblings)
+    assert n_off == 0
+    # siblings: the first branch to run sees the gradient still held for the second and must not
+    # write it; the second, running last, may (nobody else can see it any more)
+    assert n_on == (1 if siblings else 2)
+    for a, b in zip(off, on):
+        assert torch.equal(a, b)

@@ -45,11 +45,11 @@ backward on the rebuilt input, with mean' = b, invstd' = 1/w, weight' = w * invs
 on the fly, never stored), gives sum(dy), sum(dy * x̂) and the chunk's dx, copied into its slice of
 the one dx buffer. Split channels (partial sums add up) and the sync variant (sums all-reduced in
 between) take a reduction pass, then a pass writing dx = k*dy + p*y + q. Full-size buffers in
-backward: dz (incoming) and dx, never more. dz and the saved z are never written: PR #218 of
-mapillary/inplace_abn overwrote both and gave silently wrong gradients for shared gradients and
-retain_graph. The dx buffer choice is one line in _bwd_torch (`dx = dz if owned else ...`);
-`owned` stays False until the gradient-buffer ownership rule (slimgrad.ownership) can prove that
-nobody else sees dz.
+backward: dz (incoming) and dx, never more; and only dz when the ownership rule
+(``slimgrad.ownership.take``, NOTE [Gradient-buffer ownership]) proves nobody else can see dz: then
+dx is written into dz's buffer (``owned``). The saved z is never written, and dz is never written
+unless owned: PR #218 of mapillary/inplace_abn overwrote both unconditionally and gave silently
+wrong gradients for shared gradients and retain_graph.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
+from slimgrad import ownership
 from slimgrad._errors import internal_error
 from slimgrad.ops._library import custom_op, python_impl
 
@@ -272,8 +273,11 @@ def _bwd_torch(
     need_dx: bool = True,
     need_dparams: bool = True,
     allreduce: Callable | None = None,
+    owned: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Returns (dx or None, dweight, dbias); NOTE [Chunked backward].
+
+    ``owned``: dz is dead (``slimgrad.ownership.take`` granted it): dx is written into its buffer.
 
     ``allreduce(sum_dy, sum_dy_xhat, count) -> (sum_dy, sum_dy_xhat, count)`` makes the sums
     global (sync variant).
@@ -325,7 +329,6 @@ def _bwd_torch(
         sum_dy_xhat[c0:c1] += gw
         sum_dy[c0:c1] += gb
 
-    owned = False  # slimgrad.ownership: True when nobody else can see dz (NOTE [Chunked backward]).
     dx = None
     if need_dx:
         dx = dz if owned else torch.empty_like(z)
@@ -574,14 +577,22 @@ class _InPlaceABNFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dz, _didx=None, _dside=None):
+        owned = ownership.take(dz) is not None  # first use of dz: NOTE [Gradient-buffer ownership]
         z, weight, bias, invstd, side_idx, side_xhat = ctx.saved_tensors
         training, eps, act, param = ctx.cfg
         need_dx = ctx.needs_input_grad[0]
         need_dparams = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, dw, db = _op("inplace_abn_bwd")(
-            z, dz, weight, bias, invstd, side_idx, side_xhat, training, eps, act, param,
-            need_dx, need_dparams,
-        )  # fmt: skip
+        if owned and need_dx:  # eager only (take refuses under compile): dx goes into dz's buffer
+            count = z.numel() // z.shape[1] if z.shape[1] else 0
+            dx, dw, db = _impl(z)[1](
+                z, dz, weight, bias, invstd, side_idx, side_xhat, count, training, eps, act, param,
+                need_dx, need_dparams, owned=True,
+            )  # fmt: skip
+        else:
+            dx, dw, db = _op("inplace_abn_bwd")(
+                z, dz, weight, bias, invstd, side_idx, side_xhat, training, eps, act, param,
+                need_dx, need_dparams,
+            )  # fmt: skip
         return (
             dx if need_dx else None,
             dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
