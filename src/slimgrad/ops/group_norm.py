@@ -62,7 +62,7 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     dx = torch.empty((n, grp, cg, hw), dtype=y.dtype, device=y.device) if need_dx else None
     dw = torch.zeros((grp, cg), dtype=acc, device=y.device) if need_dw else None
     per_sample = max(c * hw, 1)
-    step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 8) // per_sample)
+    step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 16) // per_sample)
     for i in range(0, n, step):
         sl = slice(i, i + step)
         xh = y4[sl].to(acc, copy=True)

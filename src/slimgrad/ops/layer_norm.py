@@ -37,8 +37,8 @@ __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
 #: rebuilt xhat then errs by at most ~eps * (|xhat| + 2), which keeps every gradient within the
 #: GUIDE.md rule (dense seed sweep in fp32/bf16/fp16; 4 already failed it once in 640 fp32 cases).
 BETA_OVER_GAMMA_MAX = 2.0
-#: Backward processes rows in chunks of max(CHUNK_ELEMS, numel / 8) elements: the fp32 temporaries
-#: stay a fraction of the dropped input, with at most ~8 chunks of Python overhead.
+#: Backward processes rows in chunks of max(CHUNK_ELEMS, numel / 16) elements: fp32 temporaries
+#: stay a small fraction of the dropped input, with at most ~16 chunks of Python overhead.
 CHUNK_ELEMS = 1 << 15
 
 
@@ -86,7 +86,7 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, ou
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
     dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
     dw = torch.zeros(d, dtype=acc, device=y.device) if need_dw else None
-    step = max(1, max(CHUNK_ELEMS, (n * d) // 8) // max(d, 1))
+    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
     for i in range(0, n, step):
         sl = slice(i, i + step)
         xh = y2[sl].to(acc, copy=True)

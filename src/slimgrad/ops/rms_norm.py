@@ -47,7 +47,7 @@ def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
     dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
     dw = torch.zeros(d, dtype=acc, device=y.device) if need_dw else None
-    step = max(1, max(CHUNK_ELEMS, (n * d) // 8) // max(d, 1))
+    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
     for i in range(0, n, step):
         sl = slice(i, i + step)
         xh = y2[sl].to(acc, copy=True)
