@@ -17,9 +17,11 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/slimgrad demo
 
+LINT_PATHS := src tests $(wildcard examples)
+
 lint: $(STAMP)
-	$(PY) -m ruff check src tests examples
-	$(PY) -m ruff format --check src tests examples
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 test: lint
 	$(PY) -m pytest -n 2 -q

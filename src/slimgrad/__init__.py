@@ -1,3 +1,28 @@
-"""slimgrad: train the same PyTorch model, with the same gradients, in less memory."""
+"""slimgrad: train the same PyTorch model, with the same gradients, in less memory.
+
+Public API (few names on purpose):
+
+- ``convert_(model, config=None, *, filter_fn=None)``: swap module instances for lean ones, in
+  place; ``ConvertConfig`` selects techniques; ``report(model)`` says what changed and why not.
+- ``verify(model, converted, inputs)``: loss and every gradient against a float64 reference.
+- ``slimgrad.memory.measure`` / ``estimate``: exact bytes of a training step (peak, saved, floor).
+
+Ops live in ``slimgrad.ops`` (functional) and ``slimgrad.nn`` (modules). ``import slimgrad`` imports
+neither Triton nor CUDA.
+"""
+
+from slimgrad import memory
+from slimgrad.convert import ConvertConfig, ConvertReport, convert_, report
+from slimgrad.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ConvertConfig",
+    "ConvertReport",
+    "VerifyReport",
+    "convert_",
+    "memory",
+    "report",
+    "verify",
+]

@@ -1,0 +1,200 @@
+"""``convert_``: make an existing model keep less for backward, in place, with the same gradients.
+
+``convert_(model)`` walks the model's module tree and swaps module *instances* for slimgrad modules
+that compute the same function and keep less for backward. Parameters and buffers are shared, not
+copied, so ``state_dict`` keys and values are unchanged and checkpoints load both ways. Classes and
+functions of torch and of other libraries (HF transformers) are never rebound.
+
+Two tables drive it:
+
+- ``_TABLE``: ``{qualified class name: (technique, handler)}``. A handler takes the module and
+  returns its slimgrad replacement (usually ``slimgrad.nn.<Cls>.from_torch``), or raises
+  ``NotImplementedError`` with the reason it cannot convert that instance (the reason goes into the
+  report). Keys are class names so that HF classes need no import of transformers.
+- ``_PATTERNS``: passes that need neighbours (BatchNorm followed by an activation; an LM head
+  followed by the loss). They run first, on the whole model.
+
+``ConvertConfig`` selects techniques by name: exact ones are on by default; ones that change the
+model's function (e.g. BatchNorm + ReLU -> InPlaceABN with leaky_relu) only when asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+__all__ = ["ConvertConfig", "ConvertReport", "convert_", "report"]
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """Which techniques ``convert_`` applies. Exact ones default to on.
+
+    Attributes:
+        activations: activations whose backward works from their output (+ 1 bit/elt for GELU/SiLU).
+        norms: LayerNorm/RMSNorm/GroupNorm that keep their output and per-row statistics.
+        dropout: dropout that keeps a 1-bit mask.
+        linear: Linear/Conv1D/Conv that keep only what the requested gradients need.
+        batch_norm: BatchNorm followed by an activation keeps one tensor per block (exact).
+        fused_loss: LM head + cross-entropy fused and chunked (HF causal LMs).
+        inplace_abn: BatchNorm + ReLU becomes InPlaceABN with leaky_relu. Changes the model's
+        function:
+            off by default.
+        leaky_relu_slope: the slope ``inplace_abn`` uses.
+    """
+
+    activations: bool = True
+    norms: bool = True
+    dropout: bool = True
+    linear: bool = True
+    batch_norm: bool = True
+    fused_loss: bool = True
+    inplace_abn: bool = False
+    leaky_relu_slope: float = 0.01
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(v, bool):
+                raise TypeError(
+                    f"slimgrad.ConvertConfig: {f.name} must be a bool; expected True or False, got "
+                    f"{v!r}. Pass {f.name}=True or {f.name}=False."
+                )
+        if not self.leaky_relu_slope > 0:
+            raise ValueError(
+                "slimgrad.ConvertConfig: leaky_relu_slope must be positive (InPlaceABN inverts the "
+                f"activation); expected > 0, got {self.leaky_relu_slope}. Use e.g. 0.01."
+            )
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert_`` changed and what it left, with reasons."""
+
+    converted: list[tuple[str, str, str]] = field(default_factory=list)  # (name, from, to)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, reason)
+
+    def __str__(self) -> str:
+        lines = [f"converted {len(self.converted)} modules, skipped {len(self.skipped)}"]
+        lines += [f"  + {n or '<root>'}: {a} -> {b}" for n, a, b in self.converted]
+        lines += [f"  - {n or '<root>'}: {t}: {r}" for n, t, r in self.skipped]
+        return "\n".join(lines)
+
+
+Handler = Callable[[nn.Module], nn.Module]
+Pattern = Callable[[nn.Module, ConvertConfig, Callable, ConvertReport], None]
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# {qualified class name: (ConvertConfig field, handler)}. One line per op; see the module docstring.
+_TABLE: dict[str, tuple[str, Handler]] = {}
+# Passes over the whole model for patterns that need neighbours; each reports what it did.
+_PATTERNS: list[tuple[str, Pattern]] = []
+
+_REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
+
+
+def _is_slimgrad(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("slimgrad.")
+
+
+def convert_(
+    model: nn.Module,
+    config: ConvertConfig | None = None,
+    *,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """Swap the modules of ``model`` for slimgrad modules that keep less for backward, in place.
+
+    Args:
+        model: the model to convert (changed in place; Parameters and buffers are shared).
+        config: which techniques to apply; ``ConvertConfig()`` (exact techniques only) by default.
+        filter_fn: ``filter_fn(module, qualified_name) -> bool``; modules for which it returns False
+        are
+            left unchanged (reported as skipped).
+
+    Returns:
+        ``model`` itself. ``slimgrad.report(model)`` tells what was converted and what was skipped,
+        and why.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``config`` is not a ``ConvertConfig``.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> slimgrad.convert_(model)  # doctest: +SKIP
+        >>> print(slimgrad.report(model))  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"slimgrad.convert_: model must be a torch.nn.Module; expected nn.Module, got "
+            f"{type(model).__name__}. Pass the model instance."
+        )
+    if config is None:
+        config = ConvertConfig()
+    if not isinstance(config, ConvertConfig):
+        raise TypeError(
+            "slimgrad.convert_: config must be a slimgrad.ConvertConfig; expected "
+            f"ConvertConfig, got {type(config).__name__}. Build one with "
+            "slimgrad.ConvertConfig(...)."
+        )
+    allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
+    rep = ConvertReport()
+    for technique, pattern in _PATTERNS:
+        if getattr(config, technique):
+            pattern(model, config, allowed, rep)
+    _convert_children(model, "", config, allowed, rep)
+    _REPORTS[model] = rep
+    return model
+
+
+def _convert_children(
+    parent: nn.Module, prefix: str, config: ConvertConfig, allowed: Callable, rep: ConvertReport
+) -> None:
+    for name, child in list(parent.named_children()):
+        fqn = f"{prefix}.{name}" if prefix else name
+        if _is_slimgrad(child):
+            _convert_children(child, fqn, config, allowed, rep)
+            continue
+        entry = _TABLE.get(_qualname(type(child)))
+        if entry is None:
+            _convert_children(child, fqn, config, allowed, rep)
+            continue
+        technique, handler = entry
+        kind = type(child).__name__
+        if not getattr(config, technique):
+            rep.skipped.append((fqn, kind, f"ConvertConfig.{technique} is False"))
+            continue
+        if not allowed(child, fqn):
+            rep.skipped.append((fqn, kind, "filter_fn returned False"))
+            continue
+        try:
+            new = handler(child)
+        except NotImplementedError as e:
+            rep.skipped.append((fqn, kind, str(e)))
+            _convert_children(child, fqn, config, allowed, rep)
+            continue
+        setattr(parent, name, new)
+        rep.converted.append((fqn, kind, type(new).__name__))
+
+
+def report(model: nn.Module) -> ConvertReport:
+    """The report of the last ``convert_`` on ``model``.
+
+    Raises:
+        RuntimeError: ``model`` was never converted.
+    """
+    rep = _REPORTS.get(model)
+    if rep is None:
+        raise RuntimeError(
+            "slimgrad.report: this model was not converted; expected a model passed to "
+            "slimgrad.convert_, got one that was not. Call slimgrad.convert_(model) first."
+        )
+    return rep

@@ -1,0 +1,113 @@
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import slimgrad
+from slimgrad import convert as conv
+
+
+class _LeanTanh(nn.Module):
+    """A stand-in slimgrad module for testing the table mechanics (same function as nn.Tanh)."""
+
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+_LeanTanh.__module__ = "slimgrad.nn._test"
+
+
+def _to_lean(m: nn.Tanh) -> nn.Module:
+    if getattr(m, "_refuse", False):
+        raise NotImplementedError("refused for the test")
+    return _LeanTanh()
+
+
+@pytest.fixture
+def table(monkeypatch):
+    monkeypatch.setitem(conv._TABLE, conv._qualname(nn.Tanh), ("activations", _to_lean))
+
+
+def _model():
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+
+
+def test_converts_in_place_and_reports(table):
+    m = _model()
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    params = [id(p) for p in m.parameters()]
+    out = slimgrad.convert_(m)
+    assert out is m
+    assert isinstance(m[1], _LeanTanh) and isinstance(m[2][1], _LeanTanh)
+    assert [id(p) for p in m.parameters()] == params  # shared, not copied
+    assert m.state_dict().keys() == sd.keys()
+    rep = slimgrad.report(m)
+    assert [c[0] for c in rep.converted] == ["1", "2.1"]
+    assert "converted 2 modules" in str(rep)
+
+
+def test_idempotent(table):
+    m = slimgrad.convert_(_model())
+    again = slimgrad.convert_(m)
+    assert slimgrad.report(again).converted == []
+
+
+def test_filter_fn_and_config_and_refusal(table):
+    m = _model()
+    slimgrad.convert_(m, filter_fn=lambda mod, name: name != "2.1")
+    rep = slimgrad.report(m)
+    assert [c[0] for c in rep.converted] == ["1"]
+    assert rep.skipped == [("2.1", "Tanh", "filter_fn returned False")]
+
+    m = _model()
+    slimgrad.convert_(m, slimgrad.ConvertConfig(activations=False))
+    assert all("ConvertConfig.activations is False" in r for *_, r in slimgrad.report(m).skipped)
+
+    m = _model()
+    m[1]._refuse = True
+    slimgrad.convert_(m)
+    assert ("1", "Tanh", "refused for the test") in slimgrad.report(m).skipped
+
+
+def test_verify_after_convert(table):
+    torch.manual_seed(0)
+    m = _model()
+    c = slimgrad.convert_(copy.deepcopy(m))
+    assert slimgrad.verify(m, c, torch.randn(3, 4)).ok
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="slimgrad.convert_: model must be a torch.nn.Module"):
+        slimgrad.convert_(lambda x: x)
+    with pytest.raises(
+        TypeError, match="slimgrad.convert_: config must be a slimgrad.ConvertConfig"
+    ):
+        slimgrad.convert_(nn.Linear(2, 2), {"activations": True})
+    with pytest.raises(TypeError, match="slimgrad.ConvertConfig: activations must be a bool"):
+        slimgrad.ConvertConfig(activations=1)
+    with pytest.raises(ValueError, match="leaky_relu_slope must be positive"):
+        slimgrad.ConvertConfig(leaky_relu_slope=0.0)
+    with pytest.raises(RuntimeError, match="slimgrad.report: this model was not converted"):
+        slimgrad.report(nn.Linear(2, 2))
+    with pytest.raises(dataclasses_error()):
+        slimgrad.ConvertConfig().activations = False  # frozen
+
+
+def dataclasses_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+def test_import_is_lean():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, slimgrad, torch; "
+        "assert 'triton' not in sys.modules, 'triton imported'; "
+        "assert 'transformers' not in sys.modules, 'transformers imported'; "
+        "assert not torch.cuda.is_initialized(), 'cuda initialised'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
