@@ -40,13 +40,20 @@ _PACK_MUL = 0x0102040810204080
 _SPREAD_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
-def _spread_table(device: torch.device) -> torch.Tensor:
-    t = _SPREAD_CACHE.get(device)
+def _cacheable(t: torch.Tensor) -> bool:
+    # Never cache (nor reuse a cached table for) fake tensors: slimgrad.memory.estimate runs these
+    # implementations under FakeTensorMode.
+    return type(t) is torch.Tensor
+
+
+def _spread_table(device: torch.device, like: torch.Tensor) -> torch.Tensor:
+    t = _SPREAD_CACHE.get(device) if _cacheable(like) else None
     if t is None:
-        v = torch.arange(256, dtype=torch.int64)
-        bits = (v.unsqueeze(1) >> torch.arange(8)) & 1  # (256, 8): bit i of v in byte i
-        t = bits.to(torch.uint8).view(torch.int64).reshape(256).to(device)
-        _SPREAD_CACHE[device] = t
+        v = torch.arange(256, dtype=torch.int64, device=device)
+        bits = (v.unsqueeze(1) >> torch.arange(8, device=device)) & 1  # bit i of v in byte i
+        t = bits.to(torch.uint8).view(torch.int64).reshape(256)
+        if _cacheable(t):
+            _SPREAD_CACHE[device] = t
     return t
 
 
@@ -70,7 +77,7 @@ def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torc
     n = 1
     for s in shape:
         n *= s
-    spread = _spread_table(bits.device).index_select(0, bits.to(torch.int32))
+    spread = _spread_table(bits.device, bits).index_select(0, bits.to(torch.int32))
     return spread.view(torch.uint8)[:n].view(torch.bool).view(shape)
 
 
@@ -99,17 +106,18 @@ def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
 _NOISE_CACHE: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _noise_table(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _noise_table(p: float, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     # Row v holds eager's noise values (0 or 1 / (1 - p) in dtype) for the 8 mask bits of byte v.
-    key = (p, dtype, device)
-    t = _NOISE_CACHE.get(key)
+    key = (p, dtype, like.device)
+    t = _NOISE_CACHE.get(key) if _cacheable(like) else None
     if t is None:
         if len(_NOISE_CACHE) > 64:
             _NOISE_CACHE.clear()
-        v = torch.arange(256, dtype=torch.int64)
-        bits = ((v.unsqueeze(1) >> torch.arange(8)) & 1).to(dtype)
-        t = (bits * _noise_scale(p, dtype, torch.device("cpu"))).to(device)
-        _NOISE_CACHE[key] = t
+        v = torch.arange(256, dtype=torch.int64, device=like.device)
+        bits = ((v.unsqueeze(1) >> torch.arange(8, device=like.device)) & 1).to(dtype)
+        t = bits * _noise_scale(p, dtype, like.device)
+        if _cacheable(t):
+            _NOISE_CACHE[key] = t
     return t
 
 
@@ -120,7 +128,7 @@ def noise_from_bits(
     n = 1
     for s in shape:
         n *= s
-    table = _noise_table(p, dtype, bits.device)
+    table = _noise_table(p, dtype, bits)
     return table.index_select(0, bits.to(torch.int32)).view(-1)[:n].view(shape)
 
 

@@ -54,6 +54,9 @@ def fallback_channels(
         dev = torch.device("cpu")
         return torch.empty(0, dtype=torch.int64, device=dev)
     ref = weight if weight is not None else bias
+    if type(ref) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(ref):
+        # Fake weights have no values (slimgrad.memory.estimate): assume no fallback channel.
+        return torch.empty(0, dtype=torch.int64, device=ref.device)
     acc = _acc_dtype(ref.dtype)
     w = weight.detach().reshape(-1).to(acc) if weight is not None else None
     b = bias.detach().reshape(-1).to(acc) if bias is not None else None
