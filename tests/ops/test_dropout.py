@@ -236,13 +236,3 @@ def test_inplace_under_compile_and_fp16_autocast_match_eager():
         res.append((yy, xx.grad))
     assert res[0][0].dtype == torch.float16
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("p", [0.1, 1 / 3, 0.9])
-def test_noise_from_bits_is_eagers_noise(dtype, p):
-    from slimgrad.ops.dropout import noise_from_bits
-
-    torch.manual_seed(0)
-    noise = torch.empty(37, 11, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
-    assert torch.equal(noise_from_bits(pack_bits(noise != 0), noise.shape, p, dtype), noise)

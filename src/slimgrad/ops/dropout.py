@@ -103,45 +103,18 @@ def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
     return bits
 
 
-_NOISE_CACHE: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _noise_table(p: float, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    # Row v holds eager's noise values (0 or 1 / (1 - p) in dtype) for the 8 mask bits of byte v.
-    key = (p, dtype, like.device)
-    t = _NOISE_CACHE.get(key) if _cacheable(like) else None
-    if t is None:
-        if len(_NOISE_CACHE) > 64:
-            _NOISE_CACHE.clear()
-        v = torch.arange(256, dtype=torch.int64, device=like.device)
-        bits = ((v.unsqueeze(1) >> torch.arange(8, device=like.device)) & 1).to(dtype)
-        t = bits * _noise_scale(p, dtype, like.device)
-        if _cacheable(t):
-            _NOISE_CACHE[key] = t
-    return t
-
-
-def noise_from_bits(
-    bits: torch.Tensor, shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """Eager's dropout noise ``m / (1 - p)`` (in dtype) rebuilt from packed bits by one lookup."""
-    n = 1
-    for s in shape:
-        n *= s
-    table = _noise_table(p, dtype, bits)
-    return table.index_select(0, bits.to(torch.int32)).view(-1)[:n].view(shape)
-
-
 def _apply_mask_torch(
     g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool, inplace: bool = False
 ) -> torch.Tensor:
     # dy * m / (1 - p), rounded exactly as eager's backward; also rebuilds the forward output from
-    # its input. CPU and in-place: g * noise, eager's own MulBackward product (noise = m * s in
-    # dtype, looked up from the bits). inplace=True overwrites g (a caller-owned temporary).
+    # its input. CPU and in-place: (g * m) * s equals eager's g * noise bit for bit (noise = m * s
+    # in dtype; g * 1 = g exactly, g * 0 = +-0 or NaN as in eager); the mask is the only
+    # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
+    mask = unpack_bits(bits, g.shape)
     if fused:
-        return torch.native_dropout_backward(g, unpack_bits(bits, g.shape), 1.0 / (1 - p))
-    noise = noise_from_bits(bits, g.shape, p, g.dtype)
-    return g.mul_(noise) if inplace else g * noise
+        return torch.native_dropout_backward(g, mask, 1.0 / (1 - p))
+    out = g.mul_(mask) if inplace else g.mul(mask)
+    return out.mul_(_noise_scale(p, g.dtype, g.device))
 
 
 _bwd_torch = _apply_mask_torch
