@@ -24,6 +24,7 @@ from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
     _acc_dtype,
+    _rowdot,
     autocast_inputs,
     fallback_channels,
     no_double_backward,
@@ -81,7 +82,11 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
             c1 = g.mean((2, 3), keepdim=True)
-            c2 = (g * xh).mean((2, 3), keepdim=True)
+            c2 = (
+                _rowdot(g.view(-1, cg * hw), xh.view(-1, cg * hw))
+                .div_(cg * hw)
+                .view(g.shape[:2] + (1, 1))
+            )
             dx[sl] = g.sub_(c1).sub_(xh.mul_(c2)).mul_(rc)
             del g
         del xh, dyc

@@ -47,6 +47,11 @@ BETA_OVER_GAMMA_MAX = 2.0
 CHUNK_ELEMS = 1 << 15
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # sum(a * b, dim=1, keepdim=True) for (rows, d) tensors as a batched GEMV: no (rows, d) product.
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1, 1)
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -110,7 +115,7 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, ou
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
             c1 = g.mean(1, keepdim=True)
-            c2 = (g * xh).mean(1, keepdim=True)
+            c2 = _rowdot(g, xh).div_(d)  # no chunk-sized temporary
             dx[sl] = g.sub_(c1).sub_(xh.mul_(c2)).mul_(r[sl])
             del g
         del xh, dyc  # free this chunk's temporaries before the next one

@@ -22,6 +22,7 @@ from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
     _acc_dtype,
+    _rowdot,
     autocast_inputs,
     fallback_channels,
     no_double_backward,
@@ -60,7 +61,7 @@ def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
             dw += (dyc * xh).sum(0)
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
-            c2 = (g * xh).mean(1, keepdim=True)
+            c2 = _rowdot(g, xh).div_(d)  # no chunk-sized temporary
             dx[sl] = g.sub_(xh.mul_(c2)).mul_(r[sl])
             del g
         del xh, dyc  # free this chunk's temporaries before the next one
