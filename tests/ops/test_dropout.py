@@ -147,7 +147,7 @@ def test_memory_contract():
     me = measure(lambda: F.dropout(x0 * 1, 0.1).sum())
     assert m.saved_bytes == (n_rows * n_cols + 7) // 8
     assert me.saved_bytes == 4 * n_rows * n_cols
-    assert m.saved_input_bytes == 0
+    assert m.saved_input_bytes == me.saved_input_bytes  # only x0 * 1's scalar, if counted
     # peak: at 2145 elements slimgrad's one-off 2 KiB unpacking table still counts; compare bigger
     x1 = torch.randn(257, 129, requires_grad=True)
     m = measure(lambda: dropout(x1 * 1, 0.1).sum())
