@@ -241,3 +241,9 @@ def test_inplace_under_compile_and_fp16_autocast_match_eager():
         res.append((yy, xx.grad))
     assert res[0][0].dtype == torch.float16
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def test_inplace_on_leaf_requiring_grad_raises_like_eager():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        dropout(x, 0.5, inplace=True)
