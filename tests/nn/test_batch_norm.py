@@ -184,3 +184,26 @@ def test_compile_aot_eager_converted_block():
         outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model_within_rule(dtype):
+    from slimgrad.testing import assert_within_rule
+
+    torch.manual_seed(0)
+    ref = _block()
+    x0 = torch.randn(2, 3, 9, 9)
+    res = {}
+    for name, dt, conv in (
+        ("ref", torch.float64, False),
+        ("eager", dtype, False),
+        ("ours", dtype, True),
+    ):
+        m = copy.deepcopy(ref).to(dt)
+        if conv:
+            convert_cnn_(m)
+        x = x0.to(dt).requires_grad_()
+        y = m(x)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        res[name] = [y, x.grad] + [p.grad for p in m.parameters()]
+    assert_within_rule(res["ours"], res["ref"], res["eager"])
