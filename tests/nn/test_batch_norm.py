@@ -207,3 +207,21 @@ def test_low_precision_model_within_rule(dtype):
         (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
         res[name] = [y, x.grad] + [p.grad for p in m.parameters()]
     assert_within_rule(res["ours"], res["ref"], res["eager"])
+
+
+def test_recompute_input_attribute_trades_memory_for_compute():
+    # conv -> BN -> (+1): the BN input is kept only with recompute_input=False.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4))
+    m = convert_cnn_(copy.deepcopy(ref))
+    x0 = torch.randn(2, 3, 9, 8)
+    full = 2 * 4 * 7 * 6 * 4
+
+    def saved():
+        return measure(lambda: (m(x0 * 1) + 1).relu_().sum()).saved_bytes
+
+    on = saved()
+    m[1].recompute_input = False
+    off = saved()
+    assert off - on == full
+    assert sbn.BatchNorm2d.recompute_input is True  # the class default is unchanged
