@@ -209,19 +209,23 @@ def test_low_precision_model_within_rule(dtype):
     assert_within_rule(res["ours"], res["ref"], res["eager"])
 
 
-def test_recompute_input_attribute_trades_memory_for_compute():
-    # conv -> BN -> (+1): the BN input is kept only with recompute_input=False.
+@pytest.mark.parametrize("k", [1, 3])
+def test_recompute_input_policy(k):
+    # conv -> BN -> (+1): the BN input is kept unless the policy allows re-running the conv.
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4))
+    ref = nn.Sequential(nn.Conv2d(3, 4, k, bias=False), nn.BatchNorm2d(4))
     m = convert_cnn_(copy.deepcopy(ref))
     x0 = torch.randn(2, 3, 9, 8)
-    full = 2 * 4 * 7 * 6 * 4
+    full = 2 * 4 * (10 - k) * (9 - k) * 4
 
-    def saved():
+    def saved(policy):
+        m[1].recompute_input = policy
         return measure(lambda: (m(x0 * 1) + 1).relu_().sum()).saved_bytes
 
-    on = saved()
-    m[1].recompute_input = False
-    off = saved()
-    assert off - on == full
-    assert sbn.BatchNorm2d.recompute_input is True  # the class default is unchanged
+    always, never, pointwise = saved("always"), saved("never"), saved("pointwise")
+    assert never - always == full
+    assert pointwise == (always if k == 1 else never)
+    assert sbn.BatchNorm2d.recompute_input == "pointwise"  # the class default is unchanged
+    m[1].recompute_input = "sometimes"
+    with pytest.raises(ValueError, match="slimgrad.ops.batch_norm: recompute_input must be"):
+        m(x0)

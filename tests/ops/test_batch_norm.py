@@ -176,7 +176,7 @@ def test_conv_bn_keeps_recipe_not_input():
             xin = x0 * 1
             if ours:
                 h = conv2d(xin, wc, padding=1)
-                y = batch_norm(h, None, None, w, b, True, 0.1, EPS)
+                y = batch_norm(h, None, None, w, b, True, 0.1, EPS, recompute_input="always")
             else:
                 h = F.conv2d(xin, wc, padding=1)
                 y = F.batch_norm(h, None, None, w, b, True, 0.1, EPS)
@@ -358,12 +358,12 @@ def test_autocast_bf16_block_within_rule():
 
 def test_recomputed_input_gives_bitwise_same_gradients():
     # The recipe re-runs the same conv on the same tensors: the BN gradients equal, bit for bit,
-    # those computed from the kept input (recompute_input=False).
+    # those computed from the kept input (recompute_input="never").
     x0 = torch.randn(3, 4, 9, 7)
     wc = torch.randn(5, 4, 3, 3)
     w0, b0 = _params(5)
     res = []
-    for recompute in (True, False):
+    for recompute in ("always", "never"):
         x, c, w, b = (t.clone().requires_grad_() for t in (x0, wc, w0, b0))
         h = conv2d(x * 1, c, padding=1)
         y = batch_norm(h, None, None, w, b, True, 0.1, EPS, recompute_input=recompute)

@@ -249,7 +249,17 @@ def test_recipe_input_changed_raises():
     w = torch.randn(4, 2, 3, 3, requires_grad=True)
     xi = x * 1
     h = conv2d(xi, w, padding=1)
-    b = batch_norm(h, None, None, torch.ones(4, requires_grad=True), None, True, 0.1, 1e-5)
+    b = batch_norm(
+        h,
+        None,
+        None,
+        torch.ones(4, requires_grad=True),
+        None,
+        True,
+        0.1,
+        1e-5,
+        recompute_input="always",
+    )
     xi.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         b.square().sum().backward()

@@ -89,13 +89,15 @@ class Derived:
 @dataclass(eq=False)
 class Recipe:
     """How to recompute a tensor y bit for bit: ``fn(*tensors)``; every tensor is a detached alias
-    of one
-    that another node keeps anyway (so keeping the recipe costs no bytes) and must be unchanged."""
+    of one that another node keeps anyway (so keeping the recipe costs no bytes) and must be
+    unchanged. ``cheap``: the producer is pointwise (e.g. a 1x1 conv), so re-running it costs little
+    next to the rest of the network."""
 
     fn: object
     tensors: tuple
     versions: tuple
     version: int  # version of y when it was registered
+    cheap: bool = False
 
     def __call__(self) -> torch.Tensor:
         for t, v in zip(self.tensors, self.versions):
@@ -105,21 +107,22 @@ class Recipe:
             return self.fn(*self.tensors)
 
 
-def register_recipe(y: torch.Tensor, fn, tensors: tuple) -> None:
+def register_recipe(y: torch.Tensor, fn, tensors: tuple, cheap: bool = False) -> None:
     """Register that ``y == fn(*tensors)`` bit for bit, with ``tensors`` kept by someone else."""
     if _tracing():
         return
     tensors = tuple(t.detach() if t is not None else None for t in tensors)
     versions = tuple(t._version if t is not None else 0 for t in tensors)
-    _RECIPES[y] = Recipe(fn, tensors, versions, y._version)
+    _RECIPES[y] = Recipe(fn, tensors, versions, y._version, cheap)
 
 
-def lookup_recipe(y: torch.Tensor) -> Recipe | None:
-    """The recipe of ``y`` if ``y`` is pristine and its ingredients unchanged."""
-    if _tracing():
+def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
+    """The recipe of ``y`` if ``y`` is pristine, its ingredients unchanged and ``policy`` allows it
+    (``"always"``; ``"pointwise"``: only cheap producers; ``"never"``)."""
+    if _tracing() or policy == "never":
         return None
     r = _RECIPES.get(y)
-    if r is None or y._version != r.version:
+    if r is None or y._version != r.version or (policy == "pointwise" and not r.cheap):
         return None
     if any(t is not None and t._version != v for t, v in zip(r.tensors, r.versions)):
         return None

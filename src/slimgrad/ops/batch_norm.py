@@ -19,8 +19,9 @@ Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad ac
 the output, in which case it keeps the output b instead; b is also what the activation and the next
 slimgrad conv keep (NOTE [Derived saved inputs] in ``ops/_derived.py``), so a BN → ReLU → Conv block
 keeps one full-size tensor (eager: two, x and relu(b)), plus O(C) statistics. When x is the output
-of a slimgrad conv that keeps its own input, the BatchNorm keeps a recipe instead of x (0 bytes; the
-conv is re-run in backward: NOTE [Recomputable inputs]). Eval: nothing full-size when γ and β need
+of a slimgrad 1x1 conv that keeps its own input, the BatchNorm keeps a recipe instead of x (0 bytes;
+the conv is re-run in backward: NOTE [Recomputable inputs]; any conv with
+``recompute_input="always"``). Eval: nothing full-size when γ and β need
 no gradient (eager keeps x), else x (or its recipe).
 """
 
@@ -34,6 +35,7 @@ __all__ = ["batch_norm"]
 
 _BAD_RATIO = 16.0  # |β| / |γ| above which x̂ is not recovered from b
 _MAX_BAD_FRACTION = 0.25
+_POLICIES = ("pointwise", "always", "never")
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
@@ -124,7 +126,7 @@ class _BatchNormFn(torch.autograd.Function):
             keep_x = need_w
         ctx.recipe = None
         if keep_x:
-            recipe = _derived.lookup_recipe(x) if recompute else None
+            recipe = _derived.lookup_recipe(x, recompute)
             if recipe is not None:
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
                 ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
@@ -249,7 +251,7 @@ def batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
     *,
-    recompute_input: bool = True,
+    recompute_input: str = "pointwise",
 ) -> torch.Tensor:
     """``torch.nn.functional.batch_norm`` that keeps less for backward.
 
@@ -270,17 +272,24 @@ def batch_norm(
         eps: added to the variance.
         recompute_input: where x is the output of a slimgrad conv that keeps its own input, keep
             how to recompute x instead of x and re-run that conv in backward (NOTE [Recomputable
-            inputs]). False keeps x (no extra compute).
+            inputs]): ``"pointwise"`` (default) when that conv is 1x1, ``"always"``, or
+            ``"never"`` (keep x; no extra compute).
 
     Returns:
         The normalised tensor, same shape, dtype and memory format as ``input``.
 
     Raises:
-        ValueError: training with one value per channel (as torch).
+        ValueError: training with one value per channel (as torch); unknown ``recompute_input``.
 
     Example:
         >>> y = batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, training=True)
     """
+    if recompute_input not in _POLICIES:
+        raise ValueError(
+            "slimgrad.ops.batch_norm: recompute_input must be one of "
+            f"{_POLICIES}; expected one of them, got {recompute_input!r}. Use 'pointwise' "
+            "(default), 'always' or 'never'."
+        )
     if training:
         _verify_batch_size(input.size())
     if not training and (running_mean is None or running_var is None):
