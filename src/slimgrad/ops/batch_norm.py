@@ -62,13 +62,10 @@ class _Source:
         if ctx.weight_v is not None:
             w = ctx.weight_v if ctx.weight_v.dtype == torch.float64 else ctx.weight_v.float()
             beta = ctx.bias_v.to(w.dtype) if ctx.bias_v is not None else torch.zeros_like(w)
-            bad = ~(
-                torch.isfinite(w)
-                & torch.isfinite(beta)
-                & (w.abs() >= 1e-20)
-                & (beta.abs() <= _BAD_RATIO * w.abs())
-            )
-            idx = bad.nonzero().flatten()
+            aw = w.abs()
+            # NaN compares False, so NaN γ or β count as bad too.
+            ok = (aw >= 1e-20) & (aw < float("inf")) & (beta.abs() <= _BAD_RATIO * aw)
+            idx = (~ok).nonzero().flatten() if not bool(ok.all()) else ok.new_empty(0)
             if idx.numel() > _MAX_BAD_FRACTION * C:
                 return False
             if idx.numel():
