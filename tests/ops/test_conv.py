@@ -182,7 +182,8 @@ def test_derived_input_keeps_bn_output_only():
     x0 = torch.randn(4, 5, 12, 9)
     w1 = torch.randn(6, 5, 3, 3)
     w2 = torch.randn(7, 6, 3, 3, requires_grad=True)
-    g, be = torch.randn(6).requires_grad_(), torch.randn(6).mul(0.1).requires_grad_()
+    g = torch.randn(6).requires_grad_()
+    be = (g.detach().abs() * torch.empty(6).uniform_(-0.45, 0.45)).requires_grad_()  # |β| < |γ|/2
     full = 4 * 6 * 10 * 7 * 4
     rm, rv = torch.zeros(6), torch.ones(6)
 
