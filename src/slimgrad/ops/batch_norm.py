@@ -142,9 +142,8 @@ class _BatchNormFn(torch.autograd.Function):
         if ctx.released:
             raise RuntimeError(
                 "Trying to backward through the graph a second time (or directly access saved "
-                "tensors "
-                "after they have already been freed). Specify retain_graph=True if you need to "
-                "backward through the graph a second time."
+                "tensors after they have already been freed). Specify retain_graph=True if you "
+                "need to backward through the graph a second time."
             )
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         nd = grad.dim()
