@@ -15,13 +15,15 @@ Memory: as ``slimgrad.ops.inplace_abn`` (saves z + invstd); backward allocates o
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from slimgrad.ops import inplace_abn as _ref
+_ref = importlib.import_module("slimgrad.ops.inplace_abn")
+
 
 _ACT = {"identity": 0, "leaky_relu": 1, "elu": 2}
 _BLOCK = 1024

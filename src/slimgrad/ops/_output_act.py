@@ -47,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
 
 from slimgrad._errors import internal_error
 from slimgrad.ops._bits import pack_bits, packed_numel
@@ -195,7 +197,9 @@ _INVERSES: dict[str, _Inverse] = {}
 def inverse(spec: SmoothSpec) -> _Inverse:
     inv = _INVERSES.get(spec.name)
     if inv is None:
-        inv = _Inverse(spec)
+        # a process-wide cache: built outside any dispatch mode (fake tensors, the memory tracker)
+        with _disable_current_modes():
+            inv = _Inverse(spec)
         _INVERSES[spec.name] = inv
     return inv
 
@@ -217,7 +221,9 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
     bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
     dtype): the hard elements. Dense fallback (more than n / FALLBACK_DIV hard, unless
-    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened).
+    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened). Under fake
+    tensors (``slimgrad.memory.estimate``) the side table, being data-dependent, is taken as empty:
+    the estimate is y + 1 bit/elt, the measured figure is that + the few hard elements.
     """
     inv = inverse(spec)
     w, tail = _window(spec, x.dtype)
@@ -228,6 +234,9 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     empty_bits = torch.empty(0, dtype=torch.uint8, device=x.device)
     if x.dtype == torch.float64:  # the float32-grade tables would not meet float64's rule: keep x
         return fwd(x), empty_bits, empty_idx, flat.clone()
+    if is_fake(x):  # slimgrad.memory.estimate: the side table is data-dependent; count none
+        bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
+        return fwd(flat).view(x.shape), bits, empty_idx, flat[:0].clone()
     zone = spec.zone if x.dtype == torch.float32 else 0.0
     flat = flat.contiguous()
     y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place

@@ -29,6 +29,7 @@ no gradient (eager keeps x), else x (or its recipe).
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad.ops import _derived
 
@@ -63,7 +64,7 @@ class _Source:
         if (ctx.x is None and ctx.recipe is None) or not ctx.training:
             return False
         C = b.shape[1]
-        if ctx.weight_v is not None:
+        if ctx.weight_v is not None and not is_fake(b):  # estimate: assume no bad channels
             w = ctx.weight_v if ctx.weight_v.dtype == torch.float64 else ctx.weight_v.float()
             beta = ctx.bias_v.to(w.dtype) if ctx.bias_v is not None else torch.zeros_like(w)
             aw = w.abs()
