@@ -144,15 +144,9 @@ def test_eval_frozen_bn_keeps_nothing_full_size():
     assert ms.saved_bytes == x0.numel() * 4 + full + 5 * 4 * 4
 
 
-def test_through_slimgrad_convert_(monkeypatch):
-    # The entries this stem asks for in slimgrad.convert, installed for this test only.
+def test_through_slimgrad_convert_():
     import slimgrad
-    from slimgrad import convert as conv_mod
 
-    monkeypatch.setattr(conv_mod, "_TABLE", {**conv_mod._TABLE, **CNN_TABLE})
-    monkeypatch.setattr(
-        conv_mod, "_PATTERNS", [*conv_mod._PATTERNS, ("batch_norm", bn_act_pattern)]
-    )
     torch.manual_seed(0)
     ref = _block()
     m = slimgrad.convert_(copy.deepcopy(ref))
