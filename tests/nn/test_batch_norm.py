@@ -155,7 +155,9 @@ def test_through_slimgrad_convert_():
     assert ("1", "BatchNorm2d") in kinds and ("2", "ReLUAfterNorm") in kinds
     assert ("0", "Conv2d") in kinds and ("5", "SiLUAfterNorm") in kinds
     assert isinstance(m[0], sbn.nn.Conv2d) and type(m[0]).__module__ == "slimgrad.nn.conv"
-    off = slimgrad.convert_(copy.deepcopy(ref), slimgrad.ConvertConfig(batch_norm=False))
+    off = slimgrad.convert_(
+        copy.deepcopy(ref), slimgrad.ConvertConfig(batch_norm=False, activations=False)
+    )
     assert type(off[1]) is nn.BatchNorm2d and type(off[2]) is nn.ReLU
     x = torch.randn(2, 3, 7, 7)
     torch.testing.assert_close(m(x), ref(x))
