@@ -37,6 +37,7 @@ def _err(msg: str) -> int:
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("case", nargs="?", help="case name (see --list)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--all", action="store_true", help="run every case whose extras are installed")
     p.add_argument("--json", action="store_true", help="print the record as one JSON line")
     p.add_argument("--repeat", type=int, default=None, help="timed eager/slimgrad pairs")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per side first")
@@ -115,11 +116,25 @@ def _bench_list() -> int:
 def _bench_run(args: argparse.Namespace) -> int:
     if args.list:
         return _bench_list()
+    if args.all:
+        if args.case:
+            return _err(
+                f"slimgrad bench: --all takes no case; expected no name, got {args.case!r}. "
+                "Drop the name or --all."
+            )
+        from slimgrad.bench.harness import list_cases
+
+        codes = [_bench_one(args, c.name) for c in list_cases() if not c.missing()]
+        return max(codes, default=0)
     if not args.case:
         return _err(
             "slimgrad bench: no case given; expected a case name, got nothing. "
             "Run `slimgrad bench --list` to see them."
         )
+    return _bench_one(args, args.case)
+
+
+def _bench_one(args: argparse.Namespace, case: str) -> int:
     if args.dtype not in _DTYPES:
         return _err(
             f"slimgrad bench: unknown --dtype; expected one of {list(_DTYPES)}, got "
@@ -131,7 +146,7 @@ def _bench_run(args: argparse.Namespace) -> int:
 
     try:
         rec = run_case(
-            args.case,
+            case,
             device=args.device,
             dtype=getattr(torch, args.dtype),
             small=args.small,
@@ -139,7 +154,7 @@ def _bench_run(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             grad_check=False if args.no_grad_check else None,
             out_dir=None if args.no_record else args.out,
-            progress=None if args.json else (lambda m: print(f"[{args.case}] {m}", flush=True)),
+            progress=None if args.json else (lambda m: print(f"[{case}] {m}", flush=True)),
         )
     except (ValueError, RuntimeError) as e:
         return _err(str(e))
