@@ -1,0 +1,168 @@
+"""HF transformers glue for ``convert_``: attention and LM-head losses reached through the instance.
+
+Nothing here rebinds an HF class or module-level function. Two things are changed *on the converted instance*:
+
+- its attention implementation: the instance's own ``config._attn_implementation`` is set to ``"slimgrad"``,
+  a name added to HF's ``AttentionInterface`` registry (HF's documented extension point; other models keep
+  theirs). With dropout active it runs ``softmax -> dropout -> @V`` through
+  :func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output + 1 bit/elt instead of
+  softmax output + float mask + dropped matrix); without dropout it is HF's own SDPA function, unchanged;
+- its ``forward``, bound on the instance, for ``*ForCausalLM`` and ``BertForMaskedLM`` when called with
+  ``labels``: the loss comes from the hidden states through the chunked fused linear + cross-entropy
+  (:mod:`slimgrad.ops.linear_cross_entropy`), so the B x T x V logits and log-probabilities are never
+  materialised. The output's ``logits`` is then ``None``; without ``labels`` the class's own forward runs.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+ATTN_NAME = "slimgrad"
+_registered = False
+
+
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
+
+    if dropout == 0.0 or not torch.is_grad_enabled() or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q_len, kv_len = query.shape[2], key.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = q_len > 1 and attention_mask is None and is_causal
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if is_causal:
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    elif attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    out = softmax_dropout_matmul(scores, value, p=dropout, training=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Add ``"slimgrad"`` to HF's attention registry (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    _registered = True
+
+
+def use_slimgrad_attention(model: nn.Module) -> bool:
+    """Point the instance's config at the slimgrad attention; False when the model has no such config."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    if getattr(cfg, "_attn_implementation", None) == "eager" and getattr(
+        cfg, "reorder_and_upcast_attn", False
+    ):
+        return False
+    register_attention()
+    cfg._attn_implementation = ATTN_NAME
+    for sub in model.modules():  # sub-configs (e.g. text_config) share the instance's choice
+        sub_cfg = getattr(sub, "config", None)
+        if sub_cfg is not None and sub_cfg is not cfg and hasattr(sub_cfg, "_attn_implementation"):
+            if sub_cfg._attn_implementation in ("sdpa", "eager"):
+                sub_cfg._attn_implementation = ATTN_NAME
+    return True
+
+
+def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from slimgrad.ops.linear_cross_entropy import causal_lm_loss
+
+    if labels is None or kwargs.get("return_dict") is False:
+        return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
+    kwargs.pop("logits_to_keep", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    out = self.base_model(input_ids=input_ids, **kwargs)
+    hidden = out.last_hidden_state
+    head = self.get_output_embeddings()
+    loss = causal_lm_loss(
+        hidden,
+        head.weight,
+        labels,
+        getattr(head, "bias", None),
+        num_items_in_batch=num_items,
+        shift_labels=shift_labels,
+    )
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=getattr(out, "past_key_values", None),
+        hidden_states=getattr(out, "hidden_states", None),
+        attentions=getattr(out, "attentions", None),
+    )
+
+
+def _masked_lm_forward(self, input_ids=None, labels=None, **kwargs):
+    from transformers.modeling_outputs import MaskedLMOutput
+
+    from slimgrad.ops.linear_cross_entropy import linear_cross_entropy
+
+    if labels is None or kwargs.get("return_dict") is False:
+        return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
+    out = self.base_model(input_ids=input_ids, **kwargs)
+    hidden = out.last_hidden_state
+    # only labelled positions reach the head: the loss is a mean over them, exactly as eager's
+    keep = labels != -100
+    h = self.cls.predictions.transform(hidden[keep])
+    dec = self.cls.predictions.decoder
+    loss = linear_cross_entropy(h, dec.weight, labels[keep], bias=dec.bias)
+    return MaskedLMOutput(
+        loss=loss,
+        logits=None,
+        hidden_states=getattr(out, "hidden_states", None),
+        attentions=getattr(out, "attentions", None),
+    )
+
+
+def _bind(model: nn.Module, fn) -> None:
+    model.forward = types.MethodType(fn, model)
+    model._slimgrad_forward = fn.__name__
+
+
+def fuse_lm_loss(model: nn.Module) -> str | None:
+    """Bind the fused-loss forward on an HF LM instance; returns what was done, or None."""
+    if getattr(model, "_slimgrad_forward", None):
+        return None  # already converted
+    cls_name = type(model).__name__
+    if cls_name.endswith("ForCausalLM") or cls_name.endswith("LMHeadModel"):
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(head, nn.Linear):
+            return None
+        _bind(model, _causal_lm_forward)
+        return "causal-LM loss fused with the LM head (chunked, no logits kept)"
+    if cls_name == "BertForMaskedLM":
+        _bind(model, _masked_lm_forward)
+        return "masked-LM loss on labelled positions only, fused with the decoder"
+    return None
