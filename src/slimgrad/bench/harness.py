@@ -4,7 +4,7 @@ A *case* builds an eager model, the slimgrad version of the same model (same ini
 function making inputs. :func:`run_case` then, for each side:
 
 - measures one step exactly with :func:`slimgrad.memory.measure` (saved, peak, floor, retained
-  bytes);
+  bytes), after one discarded instrumented step per side (lazy initialisation stays out of it);
 - times ``repeat`` interleaved eager/slimgrad step pairs after ``warmup`` steps each, and reports
   the median step time per side, the median of the per-pair ratios slimgrad/eager and their spread
   (min, max);
@@ -537,7 +537,8 @@ def run_case(
         case: a :class:`Case` or its name.
         device, dtype: where and at which dtype the case is built.
         small: build the case's small variant (tests, quick looks).
-        repeat: timed eager/slimgrad pairs (default: the case's); warmup: untimed steps per side.
+        repeat: timed eager/slimgrad pairs (default: the case's); warmup: untimed steps per side
+            (at least one runs: it also gives the output's shape).
         grad_check: run the float64 gradient check (default: the case's).
         out_dir: the record is appended to ``out_dir/<case>.jsonl``; None writes nothing.
         seed: seeds the build, the inputs and the output gradient.
