@@ -68,7 +68,9 @@ _TINY = {
 }
 
 _FULL = {
-    "resnet": dict(num_labels=1000),  # ImageNet head, as torchvision's ResNet-50 (25,557,032 params)
+    "resnet": dict(
+        num_labels=1000
+    ),  # ImageNet head, as torchvision's ResNet-50 (25,557,032 params)
     "vit": dict(num_labels=1000),
     "llama": dict(
         num_hidden_layers=12,

@@ -1,16 +1,19 @@
 """HF transformers glue for ``convert_``: attention and LM-head losses reached through the instance.
 
-Nothing here rebinds an HF class or module-level function. Two things are changed *on the converted instance*:
+Nothing here rebinds an HF class or module-level function. Two things change on the converted
+instance only:
 
-- its attention implementation: the instance's own ``config._attn_implementation`` is set to ``"slimgrad"``,
-  a name added to HF's ``AttentionInterface`` registry (HF's documented extension point; other models keep
-  theirs). With dropout active it runs ``softmax -> dropout -> @V`` through
-  :func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output + 1 bit/elt instead of
-  softmax output + float mask + dropped matrix); without dropout it is HF's own SDPA function, unchanged;
-- its ``forward``, bound on the instance, for ``*ForCausalLM`` and ``BertForMaskedLM`` when called with
-  ``labels``: the loss comes from the hidden states through the chunked fused linear + cross-entropy
-  (:mod:`slimgrad.ops.linear_cross_entropy`), so the B x T x V logits and log-probabilities are never
-  materialised. The output's ``logits`` is then ``None``; without ``labels`` the class's own forward runs.
+- its attention implementation: the instance's own ``config._attn_implementation`` becomes
+  ``"slimgrad"``, a name added to HF's ``AttentionInterface`` registry (HF's documented extension
+  point; other models keep theirs). With dropout active it runs ``softmax -> dropout -> @V``
+  through :func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output +
+  1 bit/elt instead of softmax output + float mask + dropped matrix); without dropout it is HF's
+  own SDPA function, unchanged;
+- its ``forward``, bound on the instance, for ``*ForCausalLM`` and ``BertForMaskedLM`` when called
+  with ``labels``: the loss comes from the hidden states through the chunked fused linear +
+  cross-entropy (:mod:`slimgrad.ops.linear_cross_entropy`), so the B x T x V logits and
+  log-probabilities are never materialised. The output's ``logits`` is then ``None``; without
+  ``labels`` the class's own forward runs.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs,
 ):
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-
     from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if dropout == 0.0 or not torch.is_grad_enabled() or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(
@@ -76,7 +78,7 @@ def register_attention() -> None:
 
 
 def use_slimgrad_attention(model: nn.Module) -> bool:
-    """Point the instance's config at the slimgrad attention; False when the model has no such config."""
+    """Point the instance's config at the slimgrad attention; False when it has no such config."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False

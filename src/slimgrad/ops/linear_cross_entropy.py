@@ -1,0 +1,399 @@
+"""Fused linear + cross-entropy for LM heads: the B·T×V logits are never kept.
+
+Math, per token i with hidden h_i, target t_i, logits z_i = W h_i + b (V classes), smoothing ε:
+
+    lse_i  = log Σ_j exp(z_ij)
+    loss_i = lse_i − (1 − ε)·z_{i,t_i} − (ε / V)·Σ_j z_ij          (0 where t_i == ignore_index)
+    reduction: 'none' (loss_i), 'sum' (Σ loss_i), 'mean' (Σ loss_i / #non-ignored; NaN if none)
+
+which is ``F.cross_entropy(F.linear(h, W, b), t, ignore_index=, label_smoothing=, reduction=)``.
+Backward, with s_i the incoming gradient's weight of token i (0 for ignored tokens):
+
+    dz_ij = s_i · (softmax(z_i)_j − (1 − ε)·[j == t_i] − ε / V)
+    dh = dz W,   dW = dzᵀ h,   db = Σ_i dz_i
+
+Forward and backward walk the tokens in chunks of ``chunk_size`` rows: each chunk's logits are
+computed, reduced to per-token statistics (forward) or turned into dz in place and consumed by the
+two matmuls (backward), then dropped. Backward recomputes the chunk logits (one extra matmul of
+2·N·V·H flops). Exact up to summation order. Low precision (bf16/fp16 inputs, or autocast): the
+matmuls run in that dtype, like eager; softmax statistics and the dW/db accumulators are float32.
+
+Memory: saves hidden (as given, or its autocast copy) + lse (4 B/token) + target (as given);
+eager saves hidden + the N×V log-probabilities (4 B per logit in fp32) + target. Transient peak:
+one chunk of logits (chunk_size×V) instead of two to three N×V buffers. Backward writes dh into the
+saved hidden when ownership allows (NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slimgrad import ownership
+
+__all__ = ["causal_lm_loss", "default_chunk_size", "linear_cross_entropy"]
+
+_REDUCTIONS = ("none", "mean", "sum")
+_API = "slimgrad.ops.linear_cross_entropy"
+
+
+def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Rows per chunk: the larger of Liger-Kernel's rule and a chunk of about 2^23 logits.
+
+    Liger's ``next_pow2(ceil(N / ceil(V / H)))`` makes the chunk's logits about as large as the
+    hidden states; on CPU such skinny matmuls (16 rows at GPT-2 sizes) and 64 read-modify-writes of
+    the V×H weight-gradient accumulator cost more than the memory they save, so chunks hold at
+    least ~2^23 logits (32 MiB in float32; 256 rows at V = 50257). At least 1, at most N.
+    """
+    ratio = max(1, math.ceil(vocab_size / max(hidden_size, 1)))
+    liger = max(1, math.ceil(n_tokens / ratio))
+    floor = max(1, math.ceil((1 << 23) / max(vocab_size, 1)))
+    rows = max(liger, floor)
+    return min(max(1, n_tokens), 1 << (rows - 1).bit_length())
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk):
+    """Per-token loss (accumulation dtype, 0 where ignored) and lse (float32, float64 for fp64).
+
+    h: (N, H), weight (V, H), bias: in the compute dtype; target: (N,) int64.
+    """
+    n, v = h.shape[0], weight.shape[0]
+    acc = _acc_dtype(h.dtype)
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    loss = torch.empty(n, dtype=acc, device=h.device)
+    lse = torch.empty(n, dtype=acc, device=h.device)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        z = torch.nn.functional.linear(h[s:e], weight, bias).to(acc)
+        lse_c = torch.logsumexp(z, dim=1)
+        li = lse_c - (1.0 - eps) * z.gather(1, safe_t[s:e, None]).squeeze(1)
+        if eps:
+            li = li - (eps / v) * z.sum(1)
+        loss[s:e] = li
+        lse[s:e] = lse_c
+        del z
+    loss.masked_fill_(~valid, 0)
+    return loss, lse
+
+
+def _bwd_torch(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, need, dh_out=None):
+    """Gradients (dh, dW, db) for s_i = ``scale`` (accumulation dtype, 0 where ignored).
+
+    ``need``: which of (dh, dW, db) to compute. dh is in h's dtype; dW and db in the accumulation
+    dtype (float32 for low precision). ``dh_out``: optional (N, H) buffer in h's dtype that may
+    alias h: each chunk's rows of h are read before the same rows of dh are written.
+    """
+    n, v = h.shape[0], weight.shape[0]
+    acc = _acc_dtype(h.dtype)
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    need_dh, need_dw, need_db = need
+    dh = (dh_out if dh_out is not None else torch.empty_like(h)) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
+    db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        hc = h[s:e]
+        z = torch.nn.functional.linear(hc, weight, bias).to(acc)
+        # z becomes dz in place: softmax, minus the smoothed one-hot, times s_i
+        z.sub_(lse[s:e, None]).exp_()
+        if eps:
+            z.sub_(eps / v)
+        rows = torch.arange(e - s, device=h.device)
+        z[rows, safe_t[s:e]] -= 1.0 - eps
+        z.mul_(scale[s:e, None])
+        if need_db:
+            db += z.sum(0)
+        if need_dw:
+            dw.addmm_(z.t(), hc.to(acc))
+        if need_dh:
+            torch.mm(z.to(h.dtype), weight, out=dh[s:e])
+        del z
+    return dh, dw, db
+
+
+def _to_save(hidden, h):
+    # The hidden as given, or its compute-dtype copy. If it is a full, contiguous view of its base
+    # (HF's ``last_hidden_state`` is ``ln_f(x).view(shape)``), the base itself: same storage and
+    # bytes, but not a view, so backward may reuse it when ownership proves it dead.
+    if h.dtype != hidden.dtype:
+        return h
+    base = hidden._base
+    if (
+        base is not None
+        and base.dtype == hidden.dtype
+        and base.numel() == hidden.numel()
+        and base.is_contiguous()
+        and hidden.is_contiguous()
+        and hidden.storage_offset() == base.storage_offset() == 0
+    ):
+        return base
+    return hidden
+
+
+class _LinearCrossEntropyFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, reduction, chunk, cdt, odt):
+        # hidden (..., H), target (...) int64; cdt: compute dtype of the matmuls; odt: loss dtype
+        h = hidden.reshape(-1, hidden.shape[-1]).to(cdt)
+        w = weight.to(cdt)
+        b = bias.to(cdt) if bias is not None else None
+        t = target.reshape(-1)
+        loss, lse = _fwd_torch(h, w, b, t, ignore_index, eps, chunk)
+        del w, b
+        if reduction == "none":
+            out = loss.to(odt).reshape(target.shape)
+        elif reduction == "sum":
+            out = loss.sum().to(odt)
+        else:
+            out = (loss.sum() / (t != ignore_index).sum()).to(odt)
+        ctx.save_for_backward(_to_save(hidden, h), weight, bias, target, lse)
+        ctx.cfg = (ignore_index, eps, reduction, chunk, cdt, hidden.dtype, tuple(hidden.shape))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ownership.check_not_consumed(ctx, _API)
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"{_API}: double backward is not supported; expected create_graph=False, got "
+                "create_graph=True. Use F.cross_entropy(F.linear(...)) for higher-order gradients."
+            )
+        gbuf = ownership.take(grad_out)
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        ignore_index, eps, reduction, chunk, cdt, hdt, hshape = ctx.cfg
+        need = tuple(ctx.needs_input_grad[:3])
+        if not any(need):
+            return (None,) * 10
+        # dh may overwrite the saved hidden when nobody else reads it (NOTE [Gradient-buffer
+        # ownership]); only when no dtype conversion sits between them.
+        dh_out = ownership.take_saved(ctx, hidden) if need[0] and cdt == hdt else None
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = target.reshape(-1)
+        acc = _acc_dtype(cdt)
+        valid = t != ignore_index
+        if reduction == "none":
+            if gbuf is not None and gbuf.dtype == acc:
+                scale = gbuf.reshape(-1).masked_fill_(~valid, 0)
+            else:
+                scale = grad_out.reshape(-1).to(acc).masked_fill(~valid, 0)
+        else:
+            g = grad_out.to(acc)
+            if reduction == "mean":
+                g = g / valid.sum()
+            scale = torch.where(valid, g, torch.zeros((), dtype=acc, device=g.device))
+        w = weight.to(cdt)
+        b = bias.to(cdt) if bias is not None else None
+        dh_flat = dh_out.reshape(-1, h.shape[1]) if dh_out is not None else None
+        dh, dw, db = _bwd_torch(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
+        del w, b, h
+        if dh is not None:
+            # a detached alias when dh is the saved hidden: its storage, not its autograd identity
+            if dh_out is not None:
+                dh = dh_out.detach().view(hshape)
+            else:
+                dh = dh.to(hdt).reshape(hshape)
+        if dw is not None:
+            dw = dw.to(weight.dtype)
+        if db is not None:
+            db = db.to(bias.dtype)
+        return dh, dw, db, None, None, None, None, None, None, None
+
+
+def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size):
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(
+            f"{_API}: hidden and weight must be tensors; expected torch.Tensor, got "
+            f"{type(hidden).__name__} and {type(weight).__name__}. Pass tensors."
+        )
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{_API}: shapes do not match; expected hidden (..., H) and weight (V, H), got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}. Pass the LM head's weight (V, H)."
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"{_API}: bias has the wrong shape; expected ({weight.shape[0]},), got "
+            f"{tuple(bias.shape)}. Pass the head's bias or None."
+        )
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"{_API}: target must be class indices; expected an int64 tensor, got "
+            f"{getattr(target, 'dtype', type(target).__name__)}. Pass token ids (probabilities "
+            "as targets are not supported)."
+        )
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"{_API}: target shape must be hidden's without the last dim; expected "
+            f"{tuple(hidden.shape[:-1])}, got {tuple(target.shape)}. Flatten both or neither."
+        )
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"{_API}: unknown reduction; expected one of {_REDUCTIONS}, got {reduction!r}. "
+            "Use 'mean', 'sum' or 'none'."
+        )
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(
+            f"{_API}: label_smoothing out of range; expected 0 <= label_smoothing <= 1, got "
+            f"{label_smoothing}. Pass a value in [0, 1]."
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(
+            f"{_API}: chunk_size must be a positive int or None; expected >= 1, got "
+            f"{chunk_size!r}. Pass None for the default."
+        )
+
+
+def _linear_cross_entropy(
+    hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, upcast
+):
+    _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
+    dev = hidden.device.type
+    autocast = torch.is_autocast_enabled(dev) and hidden.is_floating_point()
+    if autocast:
+        cdt, odt = torch.get_autocast_dtype(dev), torch.float32
+    else:
+        if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+            raise TypeError(
+                f"{_API}: dtypes differ; expected hidden, weight and bias of one dtype, got "
+                f"{hidden.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}. Cast "
+                "them, or run under torch.autocast."
+            )
+        cdt = hidden.dtype
+        low = cdt in (torch.float16, torch.bfloat16)
+        odt = torch.float32 if upcast and low else cdt
+    t = target.long()
+    n, v = t.numel(), weight.shape[0]
+    if not torch.compiler.is_compiling() and t.device.type == "cpu" and n:
+        bad = (t != ignore_index) & ((t < 0) | (t >= v))
+        if bool(bad.any()):
+            raise ValueError(
+                f"{_API}: target out of range; expected class indices in [0, {v}) or "
+                f"ignore_index={ignore_index}, got {int(t[bad][0])}. Check the labels and the "
+                "vocabulary size."
+            )
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(n, hidden.shape[-1], v)
+    with torch.autocast(dev, enabled=False) if autocast else _nullctx():
+        return _LinearCrossEntropyFn.apply(
+            hidden,
+            weight,
+            bias,
+            t,
+            int(ignore_index),
+            float(label_smoothing),
+            reduction,
+            chunk,
+            cdt,
+            odt,
+        )
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without keeping the logits.
+
+    loss_i = lse_i − (1 − ε)·z_{i,t_i} − (ε/V)·Σ_j z_ij with z = hidden Wᵀ + b; ignored tokens
+    contribute 0 and are not counted by 'mean' (all ignored: NaN, like torch).
+
+    Memory: saves hidden + lse (4 B/token) + target; eager saves hidden + the N×V log-probs.
+
+    Args:
+        hidden: (..., H) hidden states (the LM head's input).
+        weight: (V, H) head weight (may be tied to the embedding; its grad accumulates there).
+        target: (...) int64 class indices.
+        bias: optional (V,) head bias.
+        ignore_index: target value that contributes no loss and no gradient.
+        label_smoothing: ε in [0, 1], as torch's cross_entropy.
+        reduction: 'mean', 'sum' or 'none' (then the result has target's shape).
+        chunk_size: tokens per chunk; None picks :func:`default_chunk_size`.
+
+    Returns:
+        The loss: a scalar, or per-token losses for reduction='none' (float32 under autocast).
+
+    Raises:
+        ValueError: shapes, reduction, label_smoothing, chunk_size or a target out of range.
+        TypeError: non-integer target, or dtypes that differ outside autocast.
+
+    Example:
+        >>> h = torch.randn(4, 16, 32, requires_grad=True)
+        >>> w = torch.randn(101, 32, requires_grad=True)
+        >>> t = torch.randint(0, 101, (4, 16))
+        >>> linear_cross_entropy(h, w, t).backward()
+    """
+    return _linear_cross_entropy(
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, False
+    )
+
+
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The HF causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``) from hidden states.
+
+    Same result as ``ForCausalLMLoss(lm_head(hidden), labels, V)``: tokens < n predict token n, so
+    the labels are shifted left by one and padded with ``ignore_index`` (the hidden states are not
+    sliced: the last position is simply ignored); the loss is float32 ('mean' over non-ignored
+    tokens, or 'sum' / ``num_items_in_batch`` when that is given). This is the helper convert_ uses
+    for HF ``*ForCausalLM`` models (with ``weight = lm_head.weight``, tied to the embedding in
+    GPT-2).
+
+    Memory: as :func:`linear_cross_entropy` (the B·T×V logits are never materialized; the model
+    must not be asked to return logits).
+
+    Args:
+        hidden: (B, T, H) last hidden states (after the final norm).
+        weight: (V, H) LM head weight.
+        labels: (B, T) token ids, ``ignore_index`` where no loss is wanted (unshifted, as HF takes).
+        bias: optional LM head bias.
+        ignore_index: as HF (-100).
+        num_items_in_batch: HF's gradient-accumulation normaliser; None for the mean.
+        shift_labels: already shifted labels (HF's ``shift_labels`` kwarg); then ``labels`` is
+            ignored.
+        chunk_size: see :func:`linear_cross_entropy`.
+
+    Returns:
+        Scalar float32 loss.
+    """
+    if shift_labels is None:
+        padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = padded[..., 1:].contiguous()
+    shift_labels = shift_labels.to(hidden.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = _linear_cross_entropy(
+        hidden, weight, shift_labels, bias, ignore_index, 0.0, reduction, chunk_size, True
+    )
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

@@ -1,0 +1,689 @@
+"""Reversible chains: keep no activations, rebuild every block's input from its output in backward.
+
+Math. A coupling block splits its input along ``split_dim`` into ``(x1, x2)`` (first half
+``ceil(n/2)``):
+
+    additive:  y1 = x1 + F(x2)             inverse:  x2 = y2 - G(y1)
+               y2 = x2 + G(y1)                       x1 = y1 - F(x2)
+    affine:    (r, t) = F(x2),  s = exp(c * tanh(r / c)),  y1 = x1 * s + t,   x1 = (y1 - t) / s
+
+so ``s`` lies in ``[e^-c, e^c]`` and can never reach 0. Backward of one block, given ``(y1, y2)``
+and ``(dy1, dy2)``, evaluates G and F exactly once each and uses each evaluation both to invert and
+for the vector-Jacobian product (the RevNet algorithm):
+
+    g = G(y1) (with grad): x2 = y2 - g, dy1 += (dg/dy1)^T dy2, dθ_G = (dg/dθ_G)^T dy2
+    f = F(x2) (with grad): x1 = y1 - f, dx2 = dy2 + (df/dx2)^T dy1, dθ_F = (df/dθ_F)^T dy1,
+        dx1 = dy1
+
+Exact mode (additive couplings): the residual stream is held in fixed point, values on the grid
+``2^-grid_bits`` carried in float64 (every sum of grid values below ``2^(53-grid_bits)`` is exact),
+F and G run in the input's dtype, and their outputs are rounded onto the grid (straight-through in
+backward: ``round(f) = f`` for the gradient). Then ``x1 = (x1 + round(F(x2))) - round(F(x2))`` holds
+bit for bit, every block input is rebuilt exactly, and the gradients equal plain autograd's on the
+same network to the bit.
+
+Memory: saves the chain output y (float mode: 1x the input, often shared with the next layer; exact
+mode: the float64 stream, 8 B/elt) + per block 2 CPU RNG states (5056 B each) + 64 sampled elements;
+eager saves every activation of every F and G (and every block output), growing linearly with depth.
+
+# NOTE [Reversible chains: nothing is freed, nothing is kept]
+memcnn saves memory by emptying the input's storage (``storage().resize_(0)``) and refilling it in
+backward. That storage belongs to the user: views, hooks, residuals and ops that saved it still read
+it (segfaults, wrong gradients, "modified by an inplace operation"). Here no storage is ever freed,
+resized or swapped. The whole chain is one autograd Function whose forward runs the blocks under
+no_grad and saves only its own output; every block input is dropped simply because nothing
+references it anymore. Tensors the user still holds (the chain input, a view of it, a tensor
+captured by a hook) stay intact because we never write to them. Backward walks the blocks in
+reverse, rebuilding inputs from outputs and returning gradients through autograd (parameters are
+inputs of the Function, so each gets exactly one AccumulateGrad: DDP hooks and ``autograd.grad``
+work, and ``.grad`` is never assigned by hand). State for backward is kept in a plain object on ctx
+that references no output tensor, so a graph that is dropped without backward is freed by reference
+counting, with no cycle. The one write backward does: a block input it rebuilt itself becomes the
+next block's output and is overwritten by that block's rebuild, but only when no other tensor
+aliases its storage (a hook inside F or G may hold one); the saved output, the incoming gradient
+and every gradient are never written.
+
+Recompute fidelity: per block, the CPU (and device) RNG state is captured right before F and right
+before G, and restored for each one's recompute inside ``fork_rng`` (dropout masks repeat bit for
+bit, the caller's RNG is untouched); BatchNorm layers in training mode run the recompute with
+``track_running_stats`` off (batch statistics as in forward, running statistics updated once per
+step, by forward); the forward's autocast state is re-entered for the recompute, and left before the
+vector-Jacobian product so backward kernels run as in eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from slimgrad._errors import internal_error
+
+__all__ = ["reversible_sequential"]
+
+_API = "slimgrad.nn.ReversibleSequential"
+DIAG_SAMPLES = 32  # elements sampled per half-stream and block for the reconstruction diagnostic
+
+
+# --------------------------------------------------------------------------------------------- math
+def split_halves(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = t.shape[dim]
+    n1 = (n + 1) // 2
+    return t.narrow(dim, 0, n1), t.narrow(dim, n1, n - n1)
+
+
+def affine_scale(raw: torch.Tensor, clamp: float) -> torch.Tensor:
+    return torch.exp(torch.tanh(raw / clamp) * clamp)
+
+
+class _GridRoundFn(torch.autograd.Function):
+    # Round onto the grid 2^-bits in float64; straight-through gradient (cast back to the input
+    # dtype).
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.in_dtype = t.dtype
+        t64 = t.to(torch.float64)
+        t64 = t64 * scale if t64 is t else t64.mul_(scale)  # never write into the caller's t
+        return t64.round_().div_(scale)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g.to(ctx.in_dtype), None
+
+
+def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
+    """Round ``t`` onto the grid ``2^-grid_bits`` in float64, with a straight-through gradient."""
+    return _GridRoundFn.apply(t, float(2**grid_bits))
+
+
+# --------------------------------------------------------------------------------------------- plan
+@dataclass
+class _Plan:
+    # What backward needs besides the saved output. Holds no tensor that references an output: no
+    # cycle.
+    blocks: list[nn.Module]
+    split_dim: int
+    exact: bool
+    grid_bits: int
+    compute_dtype: torch.dtype | None
+    preserve_rng_state: bool
+    sink: Any  # ``_record_reconstruction(first, errors, scales)`` receives the diagnostic
+    flat_params: list[torch.Tensor] = field(default_factory=list)  # Function inputs after x
+    block_params: list[list[list[int]]] = field(default_factory=list)  # per block: [F, G] indices
+    rng: list[tuple] = field(default_factory=list)  # per block (state before F, state before G)
+    samples: list[tuple] = field(default_factory=list)  # per block input: sampled elements
+    autocast: tuple = ()
+    device: torch.device | None = None
+    stream_max: torch.Tensor | None = None
+    forward_params: dict[int, dict] = field(default_factory=dict)  # id(module) -> its parameters
+
+
+def _is_coupling(blk: nn.Module) -> bool:
+    return getattr(blk, "_slimgrad_coupling", None) in ("additive", "affine")
+
+
+def _sub(plan: _Plan, fn: nn.Module, xb: torch.Tensor, replay: bool = False) -> torch.Tensor:
+    call = _as_in_forward(plan, fn) if replay else fn
+    if plan.exact:
+        return grid_round(call(xb.to(plan.compute_dtype)), plan.grid_bits)
+    return call(xb)
+
+
+def _as_in_forward(plan: _Plan, fn: nn.Module):
+    # The recompute must use the tensors forward used. Under torch.func.functional_call the module's
+    # parameters are swapped only during forward; replay the swap so gradients reach them.
+    rec = plan.forward_params.get(id(fn))
+    if rec is None:
+        return fn
+    now = dict(fn.named_parameters(remove_duplicate=False))
+    if now.keys() == rec.keys() and all(now[k] is v for k, v in rec.items()):
+        return fn
+    return lambda x: torch.func.functional_call(fn, rec, (x,), strict=False)
+
+
+def _half_fwd(blk: nn.Module, xa: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    if blk._slimgrad_coupling == "additive":
+        return xa + h
+    r, t = h.chunk(2, dim=blk.split_dim)
+    return torch.addcmul(t, xa, affine_scale(r, blk.clamp))
+
+
+def _half_inv(
+    blk: nn.Module, ya: torch.Tensor, h: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
+    if blk._slimgrad_coupling == "additive":
+        return ya.sub_(h) if inplace else ya - h
+    r, t = h.chunk(2, dim=blk.split_dim)
+    if inplace:
+        return ya.sub_(t).div_(affine_scale(r, blk.clamp))
+    return (ya - t) / affine_scale(r, blk.clamp)
+
+
+# ------------------------------------------------------------------------------ recompute contexts
+def _rng_get(device: torch.device | None) -> tuple:
+    dev_state = None
+    if device is not None and device.type not in ("cpu", "meta"):
+        dev_state = torch.get_device_module(device.type).get_rng_state(device)
+    return torch.get_rng_state(), dev_state
+
+
+def _rng_set(state: tuple, device: torch.device | None) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.get_device_module(device.type).set_rng_state(state[1], device)
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    types = ["cpu"] if device.type == "cpu" else ["cpu", device.type]
+    return tuple(
+        (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in types
+    ) + (torch.is_autocast_cache_enabled(),)
+
+
+@contextlib.contextmanager
+def _autocast(state: tuple) -> Iterator[None]:
+    *per_type, cache = state
+    with contextlib.ExitStack() as stack:
+        for dt, enabled, dtype in per_type:
+            stack.enter_context(
+                torch.autocast(device_type=dt, dtype=dtype, enabled=enabled, cache_enabled=cache)
+            )
+        yield
+
+
+@contextlib.contextmanager
+def _stats_frozen(module: nn.Module) -> Iterator[None]:
+    # Recompute uses batch statistics (as forward did) without updating running stats a second time.
+    flipped = [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    for m in flipped:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.track_running_stats = True
+
+
+@contextlib.contextmanager
+def _recompute(plan: _Plan, module: nn.Module, rng_state: tuple | None) -> Iterator[None]:
+    if rng_state is not None:
+        _rng_set(rng_state, plan.device)
+    with _stats_frozen(module), _autocast(plan.autocast):
+        yield
+
+
+# ------------------------------------------------------------------------------------ diagnostics
+_SAMPLE_IDX: dict[tuple, tuple] = {}
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    key = (tuple(t.shape), t.device)
+    idx = _SAMPLE_IDX.get(key)
+    if idx is None:
+        n, k = t.numel(), min(DIAG_SAMPLES, t.numel())
+        lin = torch.arange(k, device=t.device) * (n - 1) // max(k - 1, 1)  # spread, in bounds
+        idx = (lin, torch.unravel_index(lin, t.shape))
+        if len(_SAMPLE_IDX) > 64:
+            _SAMPLE_IDX.clear()
+        _SAMPLE_IDX[key] = idx
+    if t.is_contiguous():  # a gather of k elements (the multi-index path is ~100x slower)
+        return t.detach().view(-1).index_select(0, idx[0])
+    return t.detach()[idx[1]]
+
+
+def _samples(stream: tuple) -> tuple:
+    return tuple(_sample(s) for s in stream)
+
+
+def _track_max(plan: _Plan, *ts: torch.Tensor) -> None:
+    for t in ts:
+        lo, hi = torch.aminmax(t.detach())
+        m = torch.maximum(-lo, hi)
+        plan.stream_max = m if plan.stream_max is None else torch.maximum(plan.stream_max, m)
+
+
+def check_exact_range(plan: _Plan) -> None:
+    if not plan.exact or plan.stream_max is None:
+        return
+    limit = 2.0 ** (53 - plan.grid_bits)
+    got = float(plan.stream_max)
+    if not got < limit:  # NaN fails too
+        raise RuntimeError(
+            f"{_API}: exact mode's fixed-point stream left its exact range; expected |values| < "
+            f"2^{53 - plan.grid_bits} with grid_bits={plan.grid_bits}, got {got:.3g}. Use a "
+            "smaller grid_bits (range doubles per bit removed) or keep activations smaller."
+        )
+
+
+# ---------------------------------------------------------------------------------- forward steps
+def _to_halves(stream: tuple, dim: int) -> tuple:
+    return stream if len(stream) == 2 else split_halves(stream[0], dim)
+
+
+def _to_full(stream: tuple, dim: int) -> tuple:
+    return stream if len(stream) == 1 else (torch.cat(stream, dim=dim),)
+
+
+def _block_fwd(plan: _Plan, blk: nn.Module, stream: tuple, record: bool) -> tuple:
+    # One block forward; with ``record``, capture what its backward needs (RNG states, samples).
+    if _is_coupling(blk):
+        a, b = _to_halves(stream, plan.split_dim)
+        if record:
+            plan.samples.append(_samples((a, b)))
+            rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
+        a = _half_fwd(blk, a, _sub(plan, blk.F, b))
+        if record:
+            rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
+            plan.rng.append((rng_f, rng_g))
+        b = _half_fwd(blk, b, _sub(plan, blk.G, a))
+        if plan.exact:
+            _track_max(plan, a, b)
+        return a, b
+    (x,) = _to_full(stream, plan.split_dim)
+    if record:
+        plan.samples.append(_samples((x,)))
+        plan.rng.append((_rng_get(plan.device) if plan.preserve_rng_state else None, None))
+    return (blk(x),)
+
+
+def _finish(plan: _Plan, stream: tuple) -> torch.Tensor:
+    (y,) = _to_full(stream, plan.split_dim)
+    return y
+
+
+# --------------------------------------------------------------------------------- backward steps
+def _grad(outs, inputs: list, grads) -> list:
+    # autograd.grad that tolerates inputs outside the graph and an empty input list.
+    live = [i for i, t in enumerate(inputs) if t is not None]
+    res: list = [None] * len(inputs)
+    if not live:
+        return res
+    got = torch.autograd.grad(outs, [inputs[i] for i in live], grads, allow_unused=True)
+    for i, g in zip(live, got):
+        res[i] = g
+    return res
+
+
+def _sole(t: torch.Tensor) -> bool:
+    # No other tensor (view, detached alias kept by a hook or a graph) shares t's storage. The
+    # Python storage object holds one reference of its own.
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    # Gradients are summed out of place: a hook may hold either operand.
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _half_bwd(
+    plan: _Plan,
+    blk: nn.Module,
+    fn: nn.Module,
+    ya: torch.Tensor,
+    ya_own: bool,
+    xb: torch.Tensor,
+    dya: torch.Tensor,
+    rng_state: tuple | None,
+    params: list[torch.Tensor | None],
+    need_xb: bool,
+    need_xa: bool,
+) -> tuple:
+    # ya = c(xa, fn(xb)): rebuild xa from ya and xb with ONE evaluation of fn, and return
+    # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn.
+    # ya is overwritten with xa when we own it (a tensor we rebuilt ourselves).
+    additive = blk._slimgrad_coupling == "additive"
+    with torch.enable_grad():
+        xb_l = xb.detach().requires_grad_(need_xb)
+        with _recompute(plan, fn, rng_state):
+            h = _sub(plan, fn, xb_l, replay=True)
+        with torch.no_grad():
+            xa = _half_inv(blk, ya, h.detach(), inplace=ya_own and _sole(ya))
+        del ya
+        if additive:
+            outs, dxa = h, dya
+            inputs = [xb_l if need_xb else None, *params]
+        else:
+            xa_l = xa.detach().requires_grad_(need_xa)
+            outs, dxa = _half_fwd(blk, xa_l, h), None
+            inputs = [xb_l if need_xb else None, xa_l if need_xa else None, *params]
+        del h
+        if outs.requires_grad:
+            got = _grad(outs, inputs, dya)
+        else:
+            got = [None] * len(inputs)
+        del outs, inputs
+    dxb = got[0]
+    if not additive:
+        dxa = got[1]
+        got = got[1:]
+    return xa, (dxa if need_xa else None), dxb, got[1:]
+
+
+def _block_bwd(
+    plan: _Plan,
+    i: int,
+    blk: nn.Module,
+    state: list,
+    flat_params: Sequence[torch.Tensor],
+    need_upstream: bool,
+    pgrads: dict[int, torch.Tensor],
+) -> None:
+    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream] is
+    # replaced in place, so no caller reference keeps the old tensors alive. Only a stream we
+    # rebuilt ourselves (owned) and that nothing else aliases is overwritten by its rebuild.
+    groups = plan.block_params[i]
+    rng_f, rng_g = plan.rng[i]
+    ystream, y_own, dstream = state
+    state[:] = [None, False, None]
+    if _is_coupling(blk):
+        y1, y2 = _to_halves(ystream, plan.split_dim)
+        dy1, dy2 = _to_halves(dstream, plan.split_dim)
+        y_own = y_own and len(ystream) == 2
+        del ystream, dstream
+        f_idx, g_idx = groups
+        # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
+        need_y1 = need_upstream or bool(f_idx)
+        gp = [flat_params[j] for j in g_idx]
+        x2, dx2, dz, dg = _half_bwd(plan, blk, blk.G, y2, y_own, y1, dy2, rng_g, gp, need_y1, True)
+        del y2, dy2
+        _accumulate(pgrads, g_idx, dg)
+        del dg
+        dy1 = _add(dy1, dz)
+        del dz
+        # F half: y1 = c(x1, F(x2)).
+        fp = [flat_params[j] for j in f_idx]
+        x1, dx1, df2, df = _half_bwd(
+            plan, blk, blk.F, y1, y_own, x2, dy1, rng_f, fp, need_upstream, need_upstream
+        )
+        del y1, dy1
+        _accumulate(pgrads, f_idx, df)
+        del df
+        dx2 = _add(dx2, df2) if need_upstream else None
+        state[:] = [(x1, x2), True, (dx1, dx2)]
+        return
+    (idx,) = groups
+    (y,) = _to_full(ystream, plan.split_dim)
+    (dy,) = _to_full(dstream, plan.split_dim)
+    del ystream, dstream
+    with torch.no_grad(), _stats_frozen(blk), _autocast(plan.autocast):
+        x = blk.inverse(y)
+    del y
+    with torch.enable_grad():
+        x_l = x.detach().requires_grad_(need_upstream)
+        with _recompute(plan, blk, rng_f):
+            y_re = _as_in_forward(plan, blk)(x_l)
+        inputs = [x_l if need_upstream else None] + [flat_params[j] for j in idx]
+        got = _grad(y_re, inputs, dy) if y_re.requires_grad else [None] * len(inputs)
+        del y_re, inputs, dy
+    _accumulate(pgrads, idx, got[1:])
+    state[:] = [(x,), False, (got[0],)]
+
+
+def _accumulate(pgrads: dict[int, torch.Tensor], idx: list[int], grads: Sequence) -> None:
+    for j, g in zip(idx, grads, strict=True):
+        if g is not None:
+            pgrads[j] = g if j not in pgrads else pgrads[j] + g
+
+
+def _param_groups(
+    blocks: Sequence[nn.Module], flat: Sequence[torch.Tensor]
+) -> list[list[list[int]]]:
+    index = {id(p): j for j, p in enumerate(flat)}
+
+    def idx(m: nn.Module) -> list[int]:
+        return [index[id(p)] for p in m.parameters() if id(p) in index]
+
+    groups = []
+    for blk in blocks:
+        if _is_coupling(blk):
+            groups.append([idx(blk.F), idx(blk.G)])
+        else:
+            groups.append([idx(blk)])
+    return groups
+
+
+# ------------------------------------------------------------------------ forward and backward
+def _fwd_torch(plan: _Plan, x: torch.Tensor, record: bool) -> torch.Tensor:
+    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs.
+    stream: tuple = (x,)
+    for blk in plan.blocks:
+        stream = _block_fwd(plan, blk, stream, record=record)
+    return _finish(plan, stream)
+
+
+def _bwd_torch(
+    plan: _Plan, y: torch.Tensor, dy: torch.Tensor, need_x: bool, need_params: Sequence[bool]
+) -> tuple:
+    # Walk the blocks in reverse from the output: returns (dx or None, {param index: grad}).
+    first_needed = _first_block_needing(plan, need_params)
+    pgrads: dict[int, torch.Tensor] = {}
+    errors, scales = [], []
+    state = [(y,), False, (dy,)]
+    del y, dy
+    devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
+    with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
+        for i in range(len(plan.blocks) - 1, -1, -1):
+            need_upstream = need_x or i > first_needed
+            _block_bwd(plan, i, plan.blocks[i], state, plan.flat_params, need_upstream, pgrads)
+            err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, state[0]))
+            errors.append(err)
+            scales.append(scale)
+            if not need_upstream and i <= first_needed:
+                break
+    dstream = state[2]
+    state.clear()
+    if plan.sink is not None and errors:
+        first = len(plan.blocks) - len(errors)
+        plan.sink._record_reconstruction(first, errors[::-1], scales[::-1])
+    return (_finish(plan, dstream) if need_x else None), pgrads
+
+
+class _ReversibleChainFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        plan.autocast = _autocast_state(x.device)
+        plan.device = x.device
+        y = _fwd_torch(plan, x, record=True)
+        if y is x or y._base is not None:
+            y = y.clone()  # a Function output must be a fresh tensor to be saved as an output
+        ctx.plan = plan
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        plan: _Plan = ctx.plan
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"{_API}: higher-order gradients are not supported by the reversible backward; "
+                "expected create_graph=False, got create_graph=True. Build the chain with "
+                "reversible=False to differentiate twice."
+            )
+        (y,) = ctx.saved_tensors
+        dx, pgrads = _bwd_torch(plan, y, dy, ctx.needs_input_grad[1], ctx.needs_input_grad[2:])
+        return (None, dx, *[pgrads.get(j) for j in range(len(plan.flat_params))])
+
+
+def _sample_error(refs: tuple, rebuilt: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    err = torch.stack(
+        [(_sample(t).double() - ref.double()).abs().max() for ref, t in zip(refs, rebuilt)]
+    )
+    scale = torch.stack([s.double().abs().max() for s in refs])
+    return err.max(), scale.max()
+
+
+def _rebuilt_for(plan: _Plan, i: int, stream: tuple) -> tuple:
+    blk = plan.blocks[i]
+    if _is_coupling(blk):
+        return _to_halves(stream, plan.split_dim)
+    return _to_full(stream, plan.split_dim)
+
+
+def _first_block_needing(plan: _Plan, needs: Sequence[bool]) -> int:
+    # Index of the first block with a parameter that needs a gradient (len(blocks) if none).
+    for i, groups in enumerate(plan.block_params):
+        if any(needs[j] for g in groups for j in g):
+            return i
+    return len(plan.blocks)
+
+
+# ----------------------------------------------------------------------------------- functional
+def reversible_sequential(
+    x: torch.Tensor,
+    blocks: Sequence[nn.Module],
+    *,
+    split_dim: int = 1,
+    exact: bool = False,
+    grid_bits: int = 20,
+    preserve_rng_state: bool = True,
+    reversible: bool = True,
+    sink: Any = None,
+) -> torch.Tensor:
+    """Run invertible ``blocks`` in sequence, keeping no activation for backward.
+
+    ``y = blocks[-1](...blocks[0](x))``; backward rebuilds each block's input from its output (see
+    the module docstring for the math). Blocks are validated by
+    :class:`slimgrad.nn.ReversibleSequential`, which is the public entry point; this functional form
+    skips validation.
+
+    Args:
+        x: input of the first block.
+        blocks: couplings (``_slimgrad_coupling`` set) or modules with ``inverse``.
+        split_dim: dimension the couplings split along.
+        exact: hold the stream in fixed point (grid ``2^-grid_bits``, float64): bit-exact rebuild.
+        grid_bits: fixed-point fraction bits in exact mode.
+        preserve_rng_state: replay each F/G's RNG state in the recompute (dropout).
+        reversible: False runs the same maths with ordinary autograd (keeps activations).
+        sink: receives the reconstruction diagnostic after each backward.
+
+    Returns:
+        The chain output, same dtype as ``x``.
+
+    Memory: saves y (plus 10 KiB of RNG state per block); eager saves every activation of every
+    block.
+    """
+    flat = []
+    seen = set()
+    for blk in blocks:
+        for p in blk.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                flat.append(p)
+    plan = _Plan(
+        blocks=list(blocks),
+        split_dim=split_dim,
+        exact=exact,
+        grid_bits=grid_bits,
+        compute_dtype=x.dtype if exact else None,
+        preserve_rng_state=preserve_rng_state,
+        sink=sink,
+    )
+    x_in = grid_round(x, grid_bits) if exact else x
+    needs_graph = torch.is_grad_enabled() and (x.requires_grad or bool(flat))
+    if reversible and needs_graph and len(plan.blocks) > 0:
+        plan.flat_params = flat
+        plan.block_params = _param_groups(plan.blocks, flat)
+        for blk in plan.blocks:
+            for m in (blk.F, blk.G) if _is_coupling(blk) else (blk,):
+                plan.forward_params[id(m)] = dict(m.named_parameters(remove_duplicate=False))
+        y = _apply(plan, x_in, flat)
+    else:
+        y = _fwd_torch(plan, x_in, record=False)
+    check_exact_range(plan)
+    plan.stream_max = None
+    return y.to(x.dtype) if exact else y
+
+
+def _apply(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
+    # torch.compile runs the chain eagerly (one graph break per chain, code around it compiles):
+    # the backward calls autograd.grad on module recomputes, which Dynamo cannot trace. Importing
+    # torch._dynamo costs seconds, so the compiler.disable wrapper is built only once Dynamo is
+    # loaded (nothing can be compiling before that); when that first happens inside a trace,
+    # Dynamo also breaks at the wrapper's creation, once.
+    if _DISABLED[0] is None:
+        if "torch._dynamo" not in sys.modules:
+            return _ReversibleChainFn.apply(plan, x, *flat)
+        _DISABLED[0] = torch.compiler.disable(_apply_eager)
+    return _DISABLED[0](plan, x, flat)
+
+
+def _apply_eager(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
+    return _ReversibleChainFn.apply(plan, x, *flat)
+
+
+_DISABLED: list = [None]
+
+
+def reconstruction_error(
+    blocks: Sequence[nn.Module],
+    x: torch.Tensor,
+    *,
+    split_dim: int = 1,
+    exact: bool = False,
+    grid_bits: int = 20,
+) -> torch.Tensor:
+    """Largest |x_rebuilt - x| over the block inputs of one forward and its inverse (no grad, no
+    stat update).
+
+    Runs ``blocks`` forward from ``x`` with each F/G's RNG state recorded, then inverts block by
+    block with the same states, comparing every rebuilt block input with the one seen in forward.
+    """
+    plan = _Plan(
+        blocks=list(blocks),
+        split_dim=split_dim,
+        exact=exact,
+        grid_bits=grid_bits,
+        compute_dtype=x.dtype if exact else None,
+        preserve_rng_state=True,
+        sink=None,
+    )
+    plan.device = x.device
+    plan.autocast = _autocast_state(x.device)
+    worst = torch.zeros((), dtype=torch.float64, device=x.device)
+    with (
+        torch.no_grad(),
+        torch.random.fork_rng(
+            devices=[x.device] if x.device.type not in ("cpu", "meta") else [],
+            device_type=x.device.type,
+        ),
+    ):
+        stream: tuple = (grid_round(x, grid_bits) if exact else x,)
+        inputs = []
+        for blk in plan.blocks:
+            inputs.append(stream)
+            with _stats_frozen(blk):
+                stream = _block_fwd(plan, blk, stream, record=True)
+        for i in range(len(plan.blocks) - 1, -1, -1):
+            blk = plan.blocks[i]
+            rng_f, rng_g = plan.rng[i]
+            if _is_coupling(blk):
+                y1, y2 = _to_halves(stream, split_dim)
+                with _recompute(plan, blk.G, rng_g):
+                    x2 = _half_inv(blk, y2, _sub(plan, blk.G, y1))
+                with _recompute(plan, blk.F, rng_f):
+                    x1 = _half_inv(blk, y1, _sub(plan, blk.F, x2))
+                stream = (x1, x2)
+                ref = _to_halves(inputs[i], split_dim)
+            else:
+                with _recompute(plan, blk, rng_f):
+                    stream = (blk.inverse(_to_full(stream, split_dim)[0]),)
+                ref = _to_full(inputs[i], split_dim)
+            for r, s in zip(ref, stream, strict=True):
+                if r.shape != s.shape:
+                    raise internal_error("rebuilt block input has a different shape")
+                err = (s.to(torch.float64) - r.to(torch.float64)).abs()
+                worst = torch.maximum(worst, err.max() if err.numel() else worst)
+    return worst

@@ -1,0 +1,625 @@
+import copy
+import gc
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from slimgrad.nn.reversible import (
+    AdditiveCoupling,
+    AffineCoupling,
+    ReversibleSequential,
+    check_invertible,
+)
+from slimgrad.testing import assert_within_rule
+from tests.nn._reversible_helpers import (
+    QuantisedPlain,
+    ScaleShift,
+    additive_blocks,
+    affine_blocks,
+    conv_fn,
+    grads,
+    pair,
+)
+
+F64 = torch.float64
+
+
+def weighted_sum(r):
+    return lambda y: (y * r).sum()
+
+
+def assert_equal_list(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"tensor {i} differs: max |diff| {(u - v).abs().max():.3e}"
+
+
+# ---------------------------------------------------------------------------- gradcheck, plain
+@pytest.mark.parametrize("kind", ["additive", "affine", "mixed"])
+def test_gradcheck_float64(kind):
+    c = 5  # odd: halves of 3 and 2
+    if kind == "additive":
+        blocks = additive_blocks(2, c)
+    elif kind == "affine":
+        blocks = affine_blocks(2, c)
+    else:
+        blocks = [*additive_blocks(1, c), ScaleShift(c), *affine_blocks(1, c)]
+    rev = ReversibleSequential(*[b.double() for b in blocks])
+    names = [n for n, _ in rev.named_parameters()]
+    ps = [p.detach().clone().requires_grad_(True) for p in rev.parameters()]
+    x = torch.randn(2, c, 3, 4, dtype=F64, requires_grad=True)
+
+    def fn(x, *ps):
+        return torch.func.functional_call(rev, dict(zip(names, ps)), (x,))
+
+    assert torch.autograd.gradcheck(fn, (x, *ps), fast_mode=True)
+
+
+@pytest.mark.parametrize("kind", ["additive", "affine", "mixed"])
+@pytest.mark.parametrize("shape", [(2, 6, 5, 7), (3, 5, 4, 3)])
+def test_equals_plain_chain_float64(kind, shape, device):
+    c = shape[1]
+    if kind == "additive":
+        blocks = additive_blocks(4, c)
+    elif kind == "affine":
+        blocks = affine_blocks(4, c)
+    else:
+        blocks = [*additive_blocks(2, c), ScaleShift(c), *affine_blocks(1, c)]
+    rev, plain = pair(blocks, device=device)
+    x = torch.randn(*shape, dtype=F64, device=device, requires_grad=True)
+    loss = weighted_sum(torch.randn(*shape, dtype=F64, device=device))
+    got, ref = grads(rev, x, loss), grads(plain, x, loss)
+    torch.testing.assert_close(got, ref)
+
+
+def test_float32_within_rule():
+    shape = (2, 6, 5, 5)
+    blocks = additive_blocks(8, 6)
+    rev32, plain32 = pair(copy.deepcopy(blocks), torch.float32)
+    _, plain64 = pair(copy.deepcopy(blocks), F64)
+    x = torch.randn(*shape)
+    r = torch.randn(*shape)
+    out = grads(rev32, x.clone().requires_grad_(), weighted_sum(r))
+    eager = grads(plain32, x.clone().requires_grad_(), weighted_sum(r))
+    ref = grads(plain64, x.double().requires_grad_(), weighted_sum(r.double()))
+    assert_within_rule(out, ref, eager, atol=1e-5)
+
+
+@pytest.mark.parametrize("subset", ["x", "params_of_block_2", "params"])
+def test_backward_inputs_subsets(subset):
+    rev, plain = pair(additive_blocks(4, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    pick = {
+        "x": lambda m: [x],
+        "params_of_block_2": lambda m: list(m[2].parameters()),
+        "params": lambda m: list(m.parameters()),
+    }[subset]
+    res = []
+    for m in (rev, plain):
+        ins = pick(m)
+        (m(x) * r).sum().backward(inputs=ins)
+        res.append([t.grad.clone() for t in ins])
+        for t in ins:
+            t.grad = None
+        assert all(p.grad is None for p in m.parameters())
+    torch.testing.assert_close(res[0], res[1])
+
+
+def test_only_late_blocks_need_grad():
+    # early blocks frozen, x constant: backward stops after the last block that needs a gradient
+    rev, plain = pair(additive_blocks(5, 4))
+    for m in (rev, plain):
+        for blk in list(m)[:3]:
+            blk.requires_grad_(False)
+    x = torch.randn(2, 4, 3, 3, dtype=F64)
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    for m in (rev, plain):
+        (m(x) * r).sum().backward()
+    for p, q in zip(rev.parameters(), plain.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad)
+    rep = rev.last_reconstruction.per_block_abs
+    assert all(math.isnan(e) for e in rep[:3]) and not any(math.isnan(e) for e in rep[3:])
+
+
+def test_shared_weights_across_blocks_and_halves():
+    # one F module reused by every block and as G: its gradient sums over all uses
+    torch.manual_seed(0)
+    f = conv_fn(2, 2)
+    blocks = [AdditiveCoupling(f, f) for _ in range(3)]
+    rev, plain = pair(blocks)
+    assert len(list(rev.parameters())) == 2
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    loss = weighted_sum(torch.randn(2, 4, 3, 3, dtype=F64))
+    torch.testing.assert_close(grads(rev, x, loss), grads(plain, x, loss))
+
+
+# ----------------------------------------------------------------------------------- exact mode
+@pytest.mark.parametrize("n", [8, 64])
+def test_exact_mode_bit_identical_to_plain(n):
+    blocks = additive_blocks(n, 4, seed=3)
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(2, 4, 8, 8)
+    r = torch.randn(2, 4, 8, 8)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+    assert_equal_list(got, want)
+    rep = rev.last_reconstruction
+    assert rep.max_abs == 0.0 and len(rep.per_block_abs) == n
+
+
+def test_exact_mode_reversible_false_is_the_same_network():
+    blocks = additive_blocks(6, 5, seed=4)
+    a = ReversibleSequential(*copy.deepcopy(blocks), exact=True)
+    b = ReversibleSequential(*copy.deepcopy(blocks), exact=True, reversible=False)
+    x = torch.randn(2, 5, 4, 4)
+    r = torch.randn(2, 5, 4, 4)
+    assert_equal_list(
+        grads(a, x.clone().requires_grad_(), weighted_sum(r)),
+        grads(b, x.clone().requires_grad_(), weighted_sum(r)),
+    )
+
+
+def test_float_mode_reports_reconstruction_error():
+    # float32, weights scaled up: the stream grows and the rebuild drifts; the report says so
+    blocks = additive_blocks(16, 4, seed=1, scale=3.0)
+    rev = ReversibleSequential(*blocks)
+    assert rev.last_reconstruction is None
+    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="expected relative reconstruction error <= 1e-05"):
+        rev(x).sum().backward()
+    rep = rev.last_reconstruction
+    assert len(rep.per_block_abs) == 16
+    assert rep.max_abs > 0 and rep.max_rel > 0
+    assert rep.max_abs == max(rep.per_block_abs)
+    # the same chain in exact mode rebuilds exactly
+    ex = ReversibleSequential(*copy.deepcopy(blocks), exact=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ex(x).sum().backward()
+    assert ex.last_reconstruction.max_abs == 0.0
+    # the module-level check agrees: float drifts, exact does not
+    assert check_invertible(rev, x.detach()) > 0
+    assert check_invertible(ex, x.detach()) == 0.0
+
+
+def test_exact_mode_range_overflow_raises():
+    rev = ReversibleSequential(*additive_blocks(2, 4), exact=True, grid_bits=50)
+    x = torch.full((1, 4, 3, 3), 100.0, requires_grad=True)
+    with pytest.raises(RuntimeError, match="exact range; expected \\|values\\| < 2\\^3"):
+        rev(x)
+
+
+# ------------------------------------------------------------------- memcnn's failures, fixed
+def test_no_grad_and_inference_mode_keep_input_and_build_no_graph():
+    rev, plain = pair(additive_blocks(3, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    before = x.detach().clone()
+    with torch.no_grad():
+        y = rev(x)
+    assert y.grad_fn is None and torch.equal(x.detach(), before)
+    with torch.inference_mode():
+        y2 = rev(x)
+    assert torch.equal(x.detach(), before)
+    torch.testing.assert_close(y, plain(x).detach())
+    torch.testing.assert_close(y2, y)
+
+
+def test_input_readable_after_forward_without_backward():
+    rev, _ = pair(additive_blocks(3, 4))
+    h = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    x = h * 1  # a non-leaf the chain consumes
+    before = x.detach().clone()
+    y = rev(x)
+    assert torch.equal(x.detach(), before)
+    assert torch.equal(x.sum(), before.sum())
+    del y
+
+
+def test_view_input_leaves_siblings_intact():
+    rev, plain = pair(additive_blocks(3, 4))
+    base = torch.randn(4, 4, 3, 3, dtype=F64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    outs = []
+    for m in (rev, plain):
+        h = base * 1
+        first, second = h.chunk(2, 0)
+        before = h.detach().clone()
+        loss = (m(first) * r).sum() + (second**2).sum()
+        assert torch.equal(h.detach(), before)
+        loss.backward()
+        assert torch.equal(h.detach(), before)
+        outs.append(base.grad.clone())
+        base.grad = None
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("order", ["w(x)+x", "x+w(x)"])
+def test_residual_around_chain(order):
+    rev, plain = pair(additive_blocks(3, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    res = []
+    for m in (rev, plain):
+        y = m(x) + x if order == "w(x)+x" else x + m(x)
+        res.append([y, *torch.autograd.grad((y * r).sum(), [x, *m.parameters()])])
+    torch.testing.assert_close(res[0], res[1])
+
+
+def test_leaf_input_gets_its_gradient_once():
+    rev, plain = pair(additive_blocks(3, 4))
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    (rev(x) * r).sum().backward()
+    g_rev = x.grad.clone()
+    x.grad = None
+    (plain(x) * r).sum().backward()
+    torch.testing.assert_close(g_rev, x.grad)  # memcnn: exactly 2x
+    assert not any(p.grad is None for p in rev.parameters())
+
+
+def test_output_of_relu_feeds_the_chain():
+    # an op that saved its output (ReLU, Sigmoid) before the chain: memcnn raised "modified by an
+    # inplace operation"; nothing is written here
+    rev, plain = pair(additive_blocks(3, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    res = []
+    for m in (rev, plain):
+        res.append(torch.autograd.grad((m(torch.relu(x).sigmoid()) * r).sum(), [x]))
+    torch.testing.assert_close(res[0], res[1])
+
+
+def test_hook_captured_tensors_are_untouched():
+    # Hooks on the chain and inside F/G (these fire again in the recompute) keep references to
+    # their inputs; the rebuild must not overwrite them (rebuilt buffers are reused in place only
+    # when nothing else aliases them).
+    rev, _ = pair(additive_blocks(3, 4))
+    seen: dict = {}
+    rev.register_forward_hook(lambda m, inp, out: seen.setdefault("chain", []).append(inp[0]))
+    for i, blk in enumerate(rev):
+        for name, fn in (("F", blk.F), ("G", blk.G)):
+            fn.register_forward_hook(
+                lambda m, inp, out, k=(i, name): seen.setdefault(k, []).append(inp[0])
+            )
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    x0 = x.detach().clone()
+    y = rev(x)
+    fwd = {k: v[0].detach().clone() for k, v in seen.items()}
+    y.sum().backward()
+    assert seen["chain"][0] is x and torch.equal(x, x0)
+    for k, v in seen.items():
+        if k == "chain":
+            continue
+        assert len(v) == 2  # forward, then the recompute
+        assert torch.equal(v[0], fwd[k])  # forward tensors are never written
+        torch.testing.assert_close(v[1], fwd[k])  # the recompute's input, still intact
+
+
+def test_dropout_reproduced_bit_for_bit_and_caller_rng_untouched():
+    blocks = additive_blocks(4, 4, dropout=0.5)
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(2, 4, 5, 5)
+    r = torch.randn(2, 4, 5, 5)
+    torch.manual_seed(7)
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+    after_ref = torch.rand(3)
+    torch.manual_seed(7)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    after_rev = torch.rand(3)
+    assert_equal_list(got, want)
+    assert torch.equal(after_rev, after_ref)
+
+
+def test_dropout_float64_equals_plain(device):
+    # on CUDA this also covers the device RNG state, captured and replayed per F and G
+    rev, plain = pair(additive_blocks(3, 4, dropout=0.3), device=device)
+    x = torch.randn(2, 4, 5, 5, dtype=F64, device=device, requires_grad=True)
+    loss = weighted_sum(torch.randn(2, 4, 5, 5, dtype=F64, device=device))
+    torch.manual_seed(3)
+    got = grads(rev, x, loss)
+    torch.manual_seed(3)
+    ref = grads(plain, x, loss)
+    torch.testing.assert_close(got, ref)
+
+
+def test_batchnorm_running_stats_update_once_per_step():
+    blocks = additive_blocks(3, 4, bn=True)
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(4, 4, 3, 3)
+    r = torch.randn(4, 4, 3, 3)
+    for _ in range(2):
+        got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+        want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+        assert_equal_list(got, want)
+    bufs_rev = dict(rev.named_buffers())
+    bufs_ref = {k.removeprefix("blocks."): v for k, v in ref.named_buffers()}
+    assert bufs_rev.keys() == bufs_ref.keys()
+    for k, v in bufs_rev.items():
+        assert torch.equal(v, bufs_ref[k]), k
+        if k.endswith("num_batches_tracked"):
+            assert int(v) == 2  # memcnn: 3 per step
+
+
+def test_autograd_grad_and_retain_graph_twice():
+    blocks = additive_blocks(4, 4)
+    rev = ReversibleSequential(*blocks, exact=True)
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3)
+    y = rev(x)
+    loss = (y * r).sum()
+    g1 = torch.autograd.grad(loss, [x, *rev.parameters()], retain_graph=True)
+    g2 = torch.autograd.grad(loss, [x, *rev.parameters()])
+    want = torch.autograd.grad((ref(x) * r).sum(), [x, *ref.parameters()])
+    assert_equal_list(list(g1), list(want))
+    assert_equal_list(list(g2), list(want))
+    # .backward twice accumulates exactly 2x
+    x.grad = None
+    loss = (rev(x) * r).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert_equal_list([x.grad, *[p.grad for p in rev.parameters()]], [2 * g for g in want])
+
+
+def test_create_graph_raises_clearly_and_reversible_false_supports_it():
+    rev, _ = pair(additive_blocks(2, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="expected create_graph=False, got"):
+        torch.autograd.grad(rev(x).pow(2).sum(), [x], create_graph=True)
+    rev.reversible = False
+    (g,) = torch.autograd.grad(rev(x).pow(2).sum(), [x], create_graph=True)
+    assert g.requires_grad
+    g.sum().backward()
+    assert x.grad is not None
+
+
+def test_cpu_bf16_autocast_matches_plain_autocast():
+    blocks = additive_blocks(4, 4)
+    x = torch.randn(2, 4, 6, 6)
+    r = torch.randn(2, 4, 6, 6)
+    # exact mode: the recompute re-enters the forward's autocast, so grads match to the bit
+    rev = ReversibleSequential(*copy.deepcopy(blocks), exact=True)
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    res = []
+    for m in (rev, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res.append(grads(m, x.clone().requires_grad_(), weighted_sum(r)))
+    assert_equal_list(res[0], res[1])
+    # float mode: as close to plain autocast as the fp32 rebuild allows (memcnn/revlib: 5.5%)
+    rev, plain = pair(copy.deepcopy(blocks), torch.float32)
+    res = []
+    for m in (rev, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res.append(grads(m, x.clone().requires_grad_(), weighted_sum(r)))
+    for a, b in zip(res[0], res[1]):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_no_reference_cycle_when_backward_never_runs():
+    rev, _ = pair(additive_blocks(3, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        y = rev(x)
+        node = weakref.ref(y.grad_fn)
+        freed = []
+        weakref.finalize(y.untyped_storage(), freed.append, True)
+        del y
+        assert freed == [True]  # freed by reference counting, no gc pass needed
+        assert node() is None
+    finally:
+        gc.enable()
+
+
+def test_inplace_write_to_output_is_detected():
+    rev, _ = pair(additive_blocks(2, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    y = rev(x)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_full_backward_hook_on_the_chain():
+    rev, _ = pair(additive_blocks(2, 4))
+    got = []
+    rev.register_full_backward_hook(lambda m, gi, go: got.append((gi[0], go[0])))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    rev(x).sum().backward()
+    assert len(got) == 1
+    torch.testing.assert_close(got[0][0], x.grad)
+
+
+def test_compile_aot_eager_one_documented_break():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 4, 3, padding=1)
+            self.rev = ReversibleSequential(*additive_blocks(3, 4))
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.rev(self.stem(x)).mean((2, 3)))
+
+    counters = torch._dynamo.utils.counters  # loads Dynamo: the next eager call builds the
+    torch.manual_seed(0)  # compiler.disable wrapper (built inside the first trace otherwise)
+    eager = Net()
+    x = torch.randn(2, 3, 6, 6)
+    y0 = eager(x)
+    y0.sum().backward()
+    comp = copy.deepcopy(eager)
+    for p in comp.parameters():
+        p.grad = None
+    torch._dynamo.reset()
+    counters.clear()
+    y = torch.compile(comp, backend="aot_eager")(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, y0)
+    torch.testing.assert_close(
+        [p.grad for p in comp.parameters()], [p.grad for p in eager.parameters()]
+    )
+    breaks = list(counters["graph_break"])
+    assert len(breaks) == 1 and "disable" in breaks[0], breaks  # the chain runs eagerly
+
+
+# ------------------------------------------------------------------------ couplings, API, errors
+def test_affine_scale_cannot_reach_zero():
+    blk = AffineCoupling(nn.Conv2d(2, 4, 1), nn.Conv2d(2, 4, 1), clamp=2.0).double()
+    with torch.no_grad():
+        for conv in (blk.F, blk.G):
+            conv.weight.zero_()
+            conv.bias.fill_(-1e6)  # log-scale far below any floor
+    x = torch.randn(1, 4, 3, 3, dtype=F64)
+    y = blk(x)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(blk.inverse(y), x)
+
+
+def test_check_invertible_flags_a_wrong_inverse():
+    class Bad(ScaleShift):
+        def inverse(self, y):
+            return y - self.b
+
+    torch.manual_seed(0)
+    good = additive_blocks(1, 4)[0]
+    x = torch.randn(2, 4, 3, 3)
+    assert check_invertible(good, x) < 1e-5
+    bad = Bad(4)
+    with torch.no_grad():
+        bad.a.fill_(0.5)
+    assert check_invertible(bad, x) > 0.1
+    with pytest.raises(TypeError, match="block has no inverse"):
+        check_invertible(nn.ReLU(), x)
+
+
+def test_check_invertible_does_not_touch_bn_stats_or_rng():
+    blk = additive_blocks(1, 4, bn=True, dropout=0.5)[0]
+    x = torch.randn(4, 4, 3, 3)
+    bufs = {k: v.clone() for k, v in blk.named_buffers()}
+    state = torch.get_rng_state()
+    assert check_invertible(blk, x) < 1e-5  # dropout masks replayed
+    assert torch.equal(torch.get_rng_state(), state)
+    for k, v in blk.named_buffers():
+        assert torch.equal(v, bufs[k]), k
+
+
+def test_state_dict_keys_like_sequential_and_indexing():
+    blocks = additive_blocks(2, 4)
+    rev = ReversibleSequential(*blocks)
+    seq = nn.Sequential(*blocks)
+    assert list(rev.state_dict().keys()) == list(seq.state_dict().keys())
+    assert rev[1] is blocks[1] and len(rev) == 2 and list(rev) == blocks
+    rev.inverse(rev(torch.randn(1, 4, 2, 2)))
+
+
+def test_inside_torch_checkpoint():
+    # an outer non-reentrant checkpoint packs the chain's saved output with its own hooks and
+    # reruns the chain's forward to unpack it; gradients are unchanged
+    from torch.utils.checkpoint import checkpoint
+
+    rev, plain = pair(additive_blocks(3, 4))
+    x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3, dtype=F64)
+    got = torch.autograd.grad(
+        (checkpoint(rev, x, use_reentrant=False) * r).sum(), [x, *rev.parameters()]
+    )
+    want = torch.autograd.grad((plain(x) * r).sum(), [x, *plain.parameters()])
+    torch.testing.assert_close(got, want)
+
+
+def test_from_torch_shares_modules():
+    seq = nn.Sequential(*additive_blocks(2, 4))
+    rev = ReversibleSequential.from_torch(seq, exact=True)
+    assert rev.exact and list(rev.state_dict()) == list(seq.state_dict())
+    assert all(a is b for a, b in zip(rev.parameters(), seq.parameters()))
+    with pytest.raises(TypeError, match="expected nn.Sequential"):
+        ReversibleSequential.from_torch(nn.ModuleList(additive_blocks(1, 4)))
+
+
+def test_split_dim_last():
+    torch.manual_seed(0)
+    blocks = [AdditiveCoupling(nn.Linear(3, 4), nn.Linear(4, 3), split_dim=-1) for _ in range(3)]
+    rev, plain = pair(blocks)
+    x = torch.randn(5, 7, dtype=F64, requires_grad=True)
+    loss = weighted_sum(torch.randn(5, 7, dtype=F64))
+    torch.testing.assert_close(grads(rev, x, loss), grads(plain, x, loss))
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="block 0 is not invertible"):
+        ReversibleSequential(nn.ReLU())
+    with pytest.raises(NotImplementedError, match="exact=True needs additive couplings"):
+        ReversibleSequential(*affine_blocks(1, 4), exact=True)
+    with pytest.raises(ValueError, match="grid_bits .* expected an int"):
+        ReversibleSequential(*additive_blocks(1, 4), grid_bits=60)
+    with pytest.raises(ValueError, match="same dim"):
+        ReversibleSequential(
+            AdditiveCoupling(nn.Identity(), nn.Identity(), split_dim=1),
+            AdditiveCoupling(nn.Identity(), nn.Identity(), split_dim=2),
+        )
+    with pytest.raises(ValueError, match="warn_rel_error .* expected a float > 0 or None"):
+        ReversibleSequential(*additive_blocks(1, 4), warn_rel_error=-1.0)
+    with pytest.raises(ValueError, match="clamp"):
+        AffineCoupling(nn.Identity(), nn.Identity(), clamp=0.0)
+    with pytest.raises(TypeError, match="F must be an nn.Module"):
+        AdditiveCoupling(lambda t: t, nn.Identity())
+    with pytest.raises(ValueError, match="cannot split the input in two"):
+        ReversibleSequential(*additive_blocks(1, 4))(torch.randn(2, 1, 3, 3))
+
+
+# ----------------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("exact", [False, True])
+def test_memory_flat_in_depth(exact):
+    memory = pytest.importorskip("slimgrad.memory")
+    x0 = torch.randn(2, 8, 8, 8)
+    r = torch.randn(2, 8, 8, 8)
+    res = {}
+    for n in (4, 8):
+        rev, plain = pair(additive_blocks(n, 8), torch.float32, exact=exact)
+        if exact:
+            plain = QuantisedPlain(list(plain))
+        for m in (rev, plain):  # warm-up: caches (sample indices) are built outside the count
+            (m(x0 * 1) * r).sum().backward()
+        got = [memory.measure(lambda m=m: (m(x0 * 1) * r).sum()) for m in (rev, plain)]
+        res[n] = (got, sum(p.numel() * p.element_size() for p in rev.parameters()))
+    out_bytes = x0.numel() * (8 if exact else 4)  # the stream dtype: float64 in exact mode
+    for n in (4, 8):
+        (m_rev, _), _ = res[n]
+        # contract: the chain keeps exactly its output (the r kept by the loss's mul is an input)
+        assert m_rev.saved_bytes == out_bytes
+        assert m_rev.by_node == {"_ReversibleChainFnBackward": out_bytes}
+    (r4, p4), w4 = res[4]
+    (r8, p8), w8 = res[8]
+    per_block_rev = (r8.peak_bytes - r4.peak_bytes - (w8 - w4)) / 4
+    per_block_plain = (p8.peak_bytes - p4.peak_bytes - (w8 - w4)) / 4
+    assert abs(per_block_rev) <= 1024  # beyond weight gradients: diagnostic samples only
+    assert per_block_plain >= 4 * x0.numel()  # eager keeps >= one activation per block
+    assert p8.saved_bytes - p4.saved_bytes >= 4 * 2 * x0.numel() * 4
+
+
+def test_bench_case_small():
+    pytest.importorskip("slimgrad.memory")
+    from slimgrad.bench.cases import reversible as case
+
+    plain, ckpt, rev, make_inputs = case.build(3, small=True)
+    res = []
+    for m in (plain, ckpt, rev):
+        x, r = make_inputs()
+        m(x, r).backward()
+        res.append([x.grad, *[p.grad for p in m.parameters()]])
+    torch.testing.assert_close(res[1], res[0])
+    torch.testing.assert_close(res[2], res[0], rtol=1e-5, atol=1e-6)
+    (rec,) = case.run(depths=(3,), small=True, repeat=1)
+    assert rec["rev_saved_bytes"] == 2 * 8 * 8 * 8 * 4  # the chain output only
+    assert rec["plain_saved_bytes"] > rec["ckpt_saved_bytes"] > rec["rev_saved_bytes"]
+    assert rec["rev_peak_bytes"] < rec["plain_peak_bytes"]

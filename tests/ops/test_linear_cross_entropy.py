@@ -1,0 +1,377 @@
+"""Fused linear + cross-entropy against F.cross_entropy(F.linear(...)), memory contract, reuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad import ownership
+from slimgrad.memory import measure
+from slimgrad.ops.linear_cross_entropy import (
+    causal_lm_loss,
+    default_chunk_size,
+    linear_cross_entropy,
+)
+from slimgrad.testing import assert_within_rule
+
+
+@pytest.fixture(autouse=True)
+def _reuse_on(monkeypatch):
+    # these tests assert that reuse happens: a developer's SLIMGRAD_NO_REUSE=1 must not leak in
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+
+
+V, H = 37, 11  # prime vocabulary, odd hidden size
+
+
+def _data(n=13, v=V, h=H, dtype=torch.float32, lead=None, n_ignored=2, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    shape = (n,) if lead is None else lead
+    hid = torch.randn(*shape, h, generator=g, dtype=torch.float64).to(device, dtype)
+    w = (torch.randn(v, h, generator=g, dtype=torch.float64) * 0.5).to(device, dtype)
+    b = torch.randn(v, generator=g, dtype=torch.float64).to(device, dtype)
+    t = torch.randint(0, v, shape, generator=g)
+    flat = t.view(-1)
+    flat[torch.randperm(flat.numel(), generator=g)[:n_ignored]] = -100
+    return hid, w, b, t.to(device)
+
+
+def _eager(h, w, t, b, **kw):
+    return F.cross_entropy(F.linear(h, w, b).reshape(-1, w.shape[0]), t.reshape(-1), **kw)
+
+
+def _run(fn, hid, w, b, t, gout=None, **kw):
+    h = hid.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    b = b.clone().requires_grad_() if b is not None else None
+    out = fn(h, w, t, b, **kw)
+    if kw.get("reduction") == "none" and fn is _eager:
+        out = out.reshape(t.shape)
+    out.backward(gout if gout is not None else torch.ones_like(out))
+    return [out.detach(), h.grad, w.grad] + ([b.grad] if b is not None else [])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("chunk", [1, 4, 13, 64, None])
+def test_matches_eager(device, reduction, eps, bias, chunk):
+    hid, w, b, t = _data(device=device)
+    b = b if bias else None
+    gout = torch.randn(t.shape, device=device) if reduction == "none" else None
+    kw = dict(reduction=reduction, label_smoothing=eps)
+    ref = _run(_eager, hid, w, b, t, gout, **kw)
+    got = _run(linear_cross_entropy, hid, w, b, t, gout, chunk_size=chunk, **kw)
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r)
+
+
+def test_batched_leading_dims():
+    hid, w, b, t = _data(lead=(3, 5))
+    for red in ("mean", "none"):
+        ref = _run(_eager, hid, w, b, t, reduction=red)
+        got = _run(linear_cross_entropy, hid, w, b, t, reduction=red, chunk_size=4)
+        assert got[0].shape == ref[0].shape
+        for r, o in zip(ref, got, strict=True):
+            torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradcheck_float64(reduction):
+    hid, w, b, t = _data(n=5, v=7, h=3, dtype=torch.float64, n_ignored=1)
+    h = hid.requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+
+    def f(h, w, b):
+        return linear_cross_entropy(
+            h, w, t, b, label_smoothing=0.2, reduction=reduction, chunk_size=2
+        )
+
+    assert torch.autograd.gradcheck(f, (h, w, b))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.3])
+def test_all_ignored_matches_torch(reduction, eps):
+    hid, w, b, t = _data(n=6)
+    t = torch.full_like(t, -100)
+    kw = dict(reduction=reduction, label_smoothing=eps)
+    ref = _run(_eager, hid, w, b, t, **kw)
+    got = _run(linear_cross_entropy, hid, w, b, t, chunk_size=4, **kw)
+    if reduction == "mean":
+        assert torch.isnan(got[0]) and torch.isnan(ref[0])
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r, equal_nan=True)
+
+
+def test_custom_ignore_index():
+    hid, w, b, t = _data(n_ignored=0)
+    t[2] = 5
+    t[9] = 5
+    ref = _run(_eager, hid, w, b, t, ignore_index=5)
+    got = _run(linear_cross_entropy, hid, w, b, t, ignore_index=5, chunk_size=3)
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_backward_inputs_subsets(which):
+    hid, w, b, t = _data()
+    leaves = [hid.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+    ref_leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], chunk_size=4).backward(
+        inputs=[leaves[which]]
+    )
+    _eager(ref_leaves[0], ref_leaves[1], t, ref_leaves[2]).backward(inputs=[ref_leaves[which]])
+    for i, (x, r) in enumerate(zip(leaves, ref_leaves, strict=True)):
+        if i == which:
+            torch.testing.assert_close(x.grad, r.grad)
+        else:
+            assert x.grad is None
+
+
+def test_bf16_autocast_within_rule():
+    hid, w, b, t = _data(n=29, v=53, h=16)
+    ref64 = _run(_eager, hid.double(), w.double(), b.double(), t, label_smoothing=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = _run(_eager, hid, w, b, t, label_smoothing=0.1)
+        got = _run(linear_cross_entropy, hid, w, b, t, label_smoothing=0.1, chunk_size=8)
+    for o, e in zip(got, eager, strict=True):
+        assert o.dtype == e.dtype
+    assert_within_rule(got, ref64, eager, atol=1e-2, names=["loss", "dh", "dW", "db"])
+
+
+def test_bf16_inputs_within_rule():
+    hid, w, b, t = _data(n=29, v=53, h=16)
+    ref64 = _run(_eager, hid.double(), w.double(), b.double(), t)
+    lo = [x.bfloat16() for x in (hid, w, b)]
+    eager = _run(_eager, lo[0], lo[1], lo[2], t)
+    got = _run(linear_cross_entropy, lo[0], lo[1], lo[2], t, chunk_size=8)
+    assert got[0].dtype == torch.bfloat16
+    assert_within_rule(got, ref64, eager, atol=1e-2, names=["loss", "dh", "dW", "db"])
+
+
+def test_tied_weight_accumulates_into_embedding():
+    torch.manual_seed(3)
+    emb = torch.nn.Embedding(V, H)
+    ids = torch.randint(0, V, (2, 7))
+    labels = torch.randint(0, V, (2, 7))
+    grads = []
+    for fn in (_eager, linear_cross_entropy):
+        emb.zero_grad(set_to_none=True)
+        hs = torch.tanh(emb(ids) * 1.5)
+        fn(hs, emb.weight, labels, None).backward()
+        grads.append(emb.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_memory_contract_saved_and_peak():
+    n, h, v = 64, 32, 1001
+    hid, w, b, t = _data(n=n, v=v, h=h)
+    x0 = hid.requires_grad_()
+    w.requires_grad_()
+
+    ms = measure(lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=16))
+    me = measure(lambda: _eager(x0 * 1, w, t, None))
+    # ours: hidden (created in the step) + float32 lse per token; target and W pre-existing
+    assert ms.saved_bytes == n * h * 4 + n * 4
+    assert ms.saved_input_bytes == me.saved_input_bytes == v * h * 4 + n * 8
+    # eager keeps the N x V log-probabilities on top of the hidden
+    assert me.saved_bytes >= n * h * 4 + n * v * 4
+    assert ms.peak_bytes < me.peak_bytes
+    assert ms.forward_peak_bytes < me.forward_peak_bytes
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_reuse_is_bitwise_and_counted(view):
+    # view: the hidden is a full view of its base, like HF's last_hidden_state = ln_f(x).view(...)
+    hid, w, b, t = _data(n=17)
+    wt = torch.randn(t.shape)
+    outs, counts = [], []
+    for disabled in (True, False):
+        h = hid.clone().requires_grad_()
+        w2 = w.clone().requires_grad_()
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if disabled else torch.enable_grad():
+            hs = h.sin().view(1, 17, H) if view else h.sin()
+            tt = t.view(1, 17) if view else t
+            out = linear_cross_entropy(hs, w2, tt, reduction="none", chunk_size=4)
+            del hs
+            loss = (out * wt.view_as(out)).sum()
+            loss.backward()
+        outs.append((h.grad, w2.grad))
+        counts.append((ownership.reuse_count("grad"), ownership.reuse_count("saved")))
+    assert counts == [(0, 0), (1, 1)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("holder", ["user", "other_node"])
+def test_hidden_held_elsewhere_is_not_overwritten(holder):
+    hid, w, b, t = _data(n=9)
+    x = hid.clone().requires_grad_()
+    ownership.reset_reuse_count()
+    hs = x.sin()
+    other = hs.pow(2).sum()  # PowBackward keeps hs; it runs after our node
+    loss = linear_cross_entropy(hs, w, t, chunk_size=4) + other
+    if holder == "other_node":
+        del hs  # only autograd's two savers remain
+    loss.backward()
+    assert ownership.reuse_count("saved") == 0
+    if holder == "user":
+        assert torch.equal(hs, hid.sin())  # the caller's tensor is intact
+    x2 = hid.clone().requires_grad_()
+    hs2 = x2.sin()
+    (_eager(hs2, w, t, None) + hs2.pow(2).sum()).backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_retain_graph_keeps_saved_hidden_and_second_backward_raises_after_reuse():
+    hid, w, b, t = _data(n=9)
+    x = hid.clone().requires_grad_()
+    ownership.reset_reuse_count()
+    loss = linear_cross_entropy(x.sin(), w, t, chunk_size=4)
+    loss.backward(retain_graph=True)
+    g1 = x.grad.clone()
+    loss.backward()
+    assert ownership.reuse_count("saved") == 1  # the second (last) backward may reuse
+    torch.testing.assert_close(x.grad, 2 * g1)
+    with pytest.raises(RuntimeError, match="backward ran a second time"):
+        loss.backward()
+
+
+def test_causal_lm_loss_matches_hf():
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    hid, w, b, _ = _data(lead=(2, 9))
+    labels = torch.randint(0, V, (2, 9))
+    labels[0, :3] = -100
+    for nib in (None, torch.tensor(11)):
+        h1 = hid.clone().requires_grad_()
+        ref = loss_utils.ForCausalLMLoss(F.linear(h1, w), labels, V, num_items_in_batch=nib)
+        ref.backward()
+        h2 = hid.clone().requires_grad_()
+        got = causal_lm_loss(h2, w, labels, num_items_in_batch=nib, chunk_size=5)
+        got.backward()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, ref)
+        torch.testing.assert_close(h2.grad, h1.grad)
+
+
+def test_causal_lm_loss_on_tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        vocab_size=61,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 61, (2, 7))
+    ref = model(ids, labels=ids).loss
+    ref.backward()
+    ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    hs = model.transformer(ids).last_hidden_state
+    got = causal_lm_loss(hs, model.lm_head.weight, ids)
+    got.backward()
+    torch.testing.assert_close(got, ref)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[k], msg=k)
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(1024, 768, 50257) == 256  # ceil(2^23 / 50257) = 167 -> pow2
+    assert default_chunk_size(1 << 20, 1024, 1 << 12) == 1 << 18  # Liger: N / ceil(V / H)
+    assert default_chunk_size(5, 8, 3) == 5  # never more than N
+    assert default_chunk_size(0, 8, 3) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(reduction="avg"), ValueError, "unknown reduction"),
+        (dict(label_smoothing=1.5), ValueError, "label_smoothing out of range"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match):
+    hid, w, b, t = _data()
+    with pytest.raises(exc, match=f"slimgrad.ops.linear_cross_entropy: {match}"):
+        linear_cross_entropy(hid, w, t, **kwargs)
+
+
+def test_bad_shapes_and_types():
+    hid, w, b, t = _data()
+    with pytest.raises(ValueError, match="shapes do not match"):
+        linear_cross_entropy(hid, w[:, :5], t)
+    with pytest.raises(ValueError, match="target shape"):
+        linear_cross_entropy(hid, w, t[:3])
+    with pytest.raises(TypeError, match="target must be class indices"):
+        linear_cross_entropy(hid, w, t.float())
+    with pytest.raises(TypeError, match="dtypes differ"):
+        linear_cross_entropy(hid.double(), w, t)
+    t2 = t.clone()
+    t2[0] = V
+    with pytest.raises(ValueError, match="target out of range"):
+        linear_cross_entropy(hid, w, t2)
+
+
+def test_compile_aot_eager():
+    hid, w, b, t = _data()
+    f = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)
+    ref = _run(_eager, hid, w, b, t, label_smoothing=0.1)
+    got = _run(f, hid, w, b, t, label_smoothing=0.1, chunk_size=4)
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r)
+
+
+def test_double_backward_refused_clearly():
+    hid, w, b, t = _data()
+    h = hid.clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, t)
+    with pytest.raises(NotImplementedError, match="double backward is not supported"):
+        torch.autograd.grad(loss, h, create_graph=True)
+
+
+def test_forced_overwrite_of_a_shared_hidden_is_caught_by_autograd(monkeypatch):
+    # Safety net behind the ownership predicate: if it ever granted a shared hidden, the write bumps
+    # the version counter and the other saver fails loudly instead of reading dh as its input.
+    monkeypatch.setattr(ownership, "_saved_ok", lambda *args: True)
+    hid, w, b, t = _data(n=9)
+    x = hid.clone().requires_grad_()
+    hs = x.sin()
+    other = hs.pow(2).sum()  # PowBackward saves hs; runs after our node
+    loss = linear_cross_entropy(hs, w, t, chunk_size=4) + other
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_bench_case_small_agrees_with_eager():
+    from slimgrad.bench.cases.linear_cross_entropy import _grads, build
+
+    eager, slim, make_inputs = build("cpu", torch.float32, small=True)
+    x, target = make_inputs()
+    ref, got = _grads(eager, x, target), _grads(slim, x, target)
+    assert len(ref) == len(got) == 4  # loss, ln_f weight/bias, lm_head weight
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r)
+
+
+def test_memory_contract_under_bf16_autocast():
+    n, h, v = 48, 32, 509
+    hid, w, b, t = _data(n=n, v=v, h=h)
+    x0 = hid.requires_grad_()
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ms = measure(lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=16))
+        me = measure(lambda: _eager(x0 * 1, w, t, None))
+    # ours: the bf16 copy of hidden + float32 lse; the bf16 weight copy is not kept (recast)
+    assert ms.saved_bytes == n * h * 2 + n * 4
+    assert me.saved_bytes > ms.saved_bytes + n * v * 4  # eager keeps fp32 log-probs + bf16 W
+    assert ms.peak_bytes < me.peak_bytes
