@@ -531,7 +531,7 @@ def estimate(make_forward: Callable[[], Any], **kwargs) -> StepMemory:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
+    with FakeTensorMode(allow_non_fake_inputs=True):  # small cached constants of slimgrad ops
         made = make_forward()
         if isinstance(made, tuple):
             forward, module = made

@@ -46,8 +46,9 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    ``SLIMGRAD_NO_REUSE=1``). For saved tensors (:func:`take_saved`) also: the graph is not kept
    (``retain_graph=True`` keeps saved tensors intact, so no reuse), and (refcount, use count) are
    those calibrated for a saved tensor nobody else holds, kept by autograd or by a
-   ``saved_tensors_hooks`` pair that packs a detached alias (``slimgrad.memory``'s tracker): a hook
-   that keeps the packed tensor elsewhere, or unpacks a tensor it also holds, adds a reference.
+   ``saved_tensors_hooks`` pair that packs a detached alias: a hook that keeps the packed tensor
+   elsewhere, or unpacks a tensor it also holds, adds a reference. (``slimgrad.memory`` installs
+   no hooks, so measuring a step never changes what this rule grants.)
 
 Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails
 safe, refusing reuse, never the other way):
@@ -111,7 +112,7 @@ _counter_lock = threading.Lock()
 # (a helper in between, another wrapper) has no baseline: never reuse.
 _GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
-# saved_tensors_hooks pair that packs a detached alias keeps it (slimgrad.memory's tracker does).
+# saved_tensors_hooks pair that packs a detached alias keeps it.
 _SAVED_SIGS: dict | None = None  # caller code -> {(refcount, use count)}
 # Storage use count of a tensor nobody else shares, the probe's own storage object included.
 _STORAGE_PROBE: int | None = None

@@ -1,0 +1,33 @@
+"""LayerNorm between Linears (GPT-2 ln_1 -> c_attn), 4x256x768: the LN output is shared."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slimgrad.bench.cases.attention import run_main
+from slimgrad.nn.layer_norm import LayerNorm
+from slimgrad.nn.linear import Linear
+
+
+def build(device, dtype, small: bool = False):
+    """Eager and slimgrad ``Linear(LayerNorm(Linear(x)))`` (same weights); an input maker."""
+    b, t, c = (2, 5, 12) if small else (4, 256, 768)
+    eager = nn.Sequential(nn.Linear(c, c), nn.LayerNorm(c), nn.Linear(c, c))
+    eager = eager.to(device=device, dtype=dtype)
+    slim = nn.Sequential(
+        Linear.from_torch(eager[0]), LayerNorm.from_torch(eager[1]), Linear.from_torch(eager[2])
+    )
+
+    def make_inputs():
+        return torch.randn(b, t, c, device=device, dtype=dtype, requires_grad=True)
+
+    return eager, slim, make_inputs
+
+
+def main() -> dict:
+    return run_main(build, "layer_norm")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""convert_ handlers for CNNs: swap module *instances* (never classes) for slimgrad's lean ones.
+
+Each handler takes a torch module and returns the slimgrad module that replaces it, sharing its
+Parameters, buffers and hooks. Conv → slimgrad conv (selective saving); BatchNorm → slimgrad
+BatchNorm (registers its output); ReLU/GELU/SiLU → the ``*AfterNorm`` modules, which are plain
+activations except right after a slimgrad BatchNorm, where the pair keeps one full-size tensor (NOTE
+[Derived saved inputs] in ``slimgrad/ops/_derived.py``). Swapping all three is what gives the
+saving; any subset stays exact.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from slimgrad.nn import batch_norm as _bn
+from slimgrad.nn import conv as _conv
+
+__all__ = ["HANDLERS", "TABLE", "bn_act_pattern", "convert_cnn_"]
+
+
+def _handler(cls):
+    def convert(module: nn.Module) -> nn.Module:
+        return cls.from_torch(module)
+
+    convert.__name__ = f"convert_{cls.__name__}"
+    convert.__doc__ = f"Replace a torch module by slimgrad's {cls.__name__} sharing its Parameters."
+    return convert
+
+
+convert_conv1d = _handler(_conv.Conv1d)
+convert_conv2d = _handler(_conv.Conv2d)
+convert_conv3d = _handler(_conv.Conv3d)
+convert_conv_transpose1d = _handler(_conv.ConvTranspose1d)
+convert_conv_transpose2d = _handler(_conv.ConvTranspose2d)
+convert_conv_transpose3d = _handler(_conv.ConvTranspose3d)
+convert_batch_norm1d = _handler(_bn.BatchNorm1d)
+convert_batch_norm2d = _handler(_bn.BatchNorm2d)
+convert_batch_norm3d = _handler(_bn.BatchNorm3d)
+convert_relu = _handler(_bn.ReLUAfterNorm)
+convert_gelu = _handler(_bn.GELUAfterNorm)
+convert_silu = _handler(_bn.SiLUAfterNorm)
+
+#: {torch type: handler}; exact types only (a subclass may override forward).
+HANDLERS = {
+    nn.Conv1d: convert_conv1d,
+    nn.Conv2d: convert_conv2d,
+    nn.Conv3d: convert_conv3d,
+    nn.ConvTranspose1d: convert_conv_transpose1d,
+    nn.ConvTranspose2d: convert_conv_transpose2d,
+    nn.ConvTranspose3d: convert_conv_transpose3d,
+    nn.BatchNorm1d: convert_batch_norm1d,
+    nn.BatchNorm2d: convert_batch_norm2d,
+    nn.BatchNorm3d: convert_batch_norm3d,
+    nn.ReLU: convert_relu,
+    nn.GELU: convert_gelu,
+    nn.SiLU: convert_silu,
+}
+
+
+_ACT_AFTER_NORM = {
+    nn.ReLU: convert_relu,
+    nn.GELU: convert_gelu,
+    nn.SiLU: convert_silu,
+}
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+#: Entries for ``slimgrad.convert._TABLE``: {qualified class name: (ConvertConfig field, handler)}.
+#: Activations are not here: they are swapped by :func:`bn_act_pattern` only where a BatchNorm sits
+#: next to them, so the activation table keeps every other ReLU/GELU/SiLU.
+TABLE = {
+    f"{cls.__module__}.{cls.__qualname__}": (
+        "batch_norm" if issubclass(cls, _BN_TYPES) else "linear",
+        h,
+    )
+    for cls, h in HANDLERS.items()
+    if cls not in _ACT_AFTER_NORM
+}
+
+
+def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
+    """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU modules that share a
+    parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's ResNet blocks, which call
+    ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. Those act exactly like torch's
+    on any input, and keep nothing extra after a slimgrad BatchNorm (NOTE [Derived saved inputs]).
+    An instance shared by several call sites (torchvision's one ``relu`` per block) is swapped once.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    for parent in list(model.modules()):
+        kids = list(parent.named_children())
+        if not any(isinstance(c, _BN_TYPES) for _, c in kids):
+            continue
+        for name, child in kids:
+            h = _ACT_AFTER_NORM.get(type(child))
+            if h is None:
+                continue
+            fqn = names.get(id(child), name)
+            if not allowed(child, fqn):
+                rep.skipped.append((fqn, type(child).__name__, "filter_fn returned False"))
+                continue
+            new = h(child)
+            # every parent that holds this instance gets the same new module
+            for p2 in model.modules():
+                for n2, c2 in list(p2.named_children()):
+                    if c2 is child:
+                        setattr(p2, n2, new)
+            rep.converted.append((fqn, type(child).__name__, type(new).__name__))
+
+
+def convert_cnn_(model: nn.Module) -> nn.Module:
+    """Swap, in place, every module of ``model`` whose exact type is in :data:`HANDLERS`.
+
+    A stand-in for ``slimgrad.convert_`` restricted to this table (tests, benchmarks). A module
+    instance used at several places (torchvision's shared ``relu``) is converted once.
+
+    Returns:
+        ``model`` (converted in place; a top-level module of a handled type is returned converted).
+    """
+    done: dict[int, nn.Module] = {}
+
+    def swap(m: nn.Module) -> nn.Module:
+        h = HANDLERS.get(type(m))
+        if h is None:
+            return m
+        if id(m) not in done:
+            done[id(m)] = h(m)
+        return done[id(m)]
+
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None:
+                parent._modules[name] = swap(child)
+    return swap(model)

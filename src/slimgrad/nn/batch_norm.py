@@ -1,0 +1,157 @@
+"""BatchNorm1d/2d/3d that keep one full-size tensor per BN → activation block, and the activation
+modules that cooperate with them.
+
+``BatchNorm2d`` has torch's name, arguments, defaults, buffers and state_dict keys (it subclasses
+``torch.nn.BatchNorm2d``); its output is registered as a *source*. ``ReLUAfterNorm`` (and the
+GELU/SiLU variants) are drop-in ``nn.ReLU``/``nn.GELU``/``nn.SiLU``: on an ordinary input they do
+exactly what torch does; on the pristine output of a slimgrad BatchNorm they make the BatchNorm keep
+its output instead of its input, and tag their own output so that a following slimgrad conv keeps
+that same tensor instead (NOTE [Derived saved inputs] in ``slimgrad/ops/_derived.py``). Model code
+(``self.bn1(x)``; ``self.relu(x)``; ``self.conv2(x)``) does not change.
+
+Memory: BN → ReLU → Conv keeps the BN output only (4 B/elt fp32); eager keeps the BN input and the
+ReLU output (8 B/elt). A BN whose input comes from a slimgrad 1x1 conv and whose output is not
+followed by an activation (ResNet's bn3 and downsample BN) keeps no input: it re-runs the conv in
+backward (``recompute_input``: "pointwise" by default, "always", "never"; NOTE [Recomputable
+inputs]). Eval with frozen γ, β keeps nothing full-size
+(eager: the input).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from slimgrad.ops import _derived
+from slimgrad.ops.batch_norm import batch_norm
+
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "GELUAfterNorm",
+    "ReLUAfterNorm",
+    "SiLUAfterNorm",
+]
+
+
+def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
+    if type(module) is not base:
+        raise TypeError(
+            f"slimgrad.nn.{cls.__name__}.from_torch: module type; expected "
+            f"torch.nn.{base.__name__}, "
+            f"got {type(module).__name__}. Convert a plain torch.nn.{base.__name__}."
+        )
+    new = cls.__new__(cls)
+    # Own containers (parameter/buffer/hook dicts are copied, so registering on one module does not
+    # touch the other); the Parameters, buffers and hook functions themselves are shared.
+    for k, v in module.__dict__.items():
+        new.__dict__[k] = type(v)(v) if type(v) in (dict, OrderedDict, list, set) else v
+    return new
+
+
+class _BatchNormMixin:
+    #: Keep how to recompute the input (re-running the slimgrad conv that produced it) instead of
+    #: the input itself: "pointwise" (1x1 convs only), "always" or "never"; set per instance.
+    recompute_input: str = "pointwise"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # torch.nn.modules.batchnorm._BatchNorm.forward, calling slimgrad's batch_norm.
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        return batch_norm(
+            input,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            self.weight,
+            self.bias,
+            bn_training,
+            factor,
+            self.eps,
+            recompute_input=self.recompute_input,
+        )
+
+
+class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
+    """``torch.nn.BatchNorm1d``; keeps its output instead of its input when a slimgrad activation
+    follows, nothing full-size in eval with frozen affine (``slimgrad.ops.batch_norm``)."""
+
+    @classmethod
+    def from_torch(cls, module: nn.BatchNorm1d) -> BatchNorm1d:
+        """A slimgrad BatchNorm1d sharing ``module``'s Parameters, buffers and hooks."""
+        return _from_torch(cls, module, nn.BatchNorm1d)
+
+
+class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d``; keeps its output instead of its input when a slimgrad activation
+    follows, nothing full-size in eval with frozen affine (``slimgrad.ops.batch_norm``).
+
+    Example:
+        >>> bn = BatchNorm2d.from_torch(model.bn1)   # shares weight, bias, running stats
+    """
+
+    @classmethod
+    def from_torch(cls, module: nn.BatchNorm2d) -> BatchNorm2d:
+        """A slimgrad BatchNorm2d sharing ``module``'s Parameters, buffers and hooks."""
+        return _from_torch(cls, module, nn.BatchNorm2d)
+
+
+class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+    """``torch.nn.BatchNorm3d``; see :class:`BatchNorm2d`."""
+
+    @classmethod
+    def from_torch(cls, module: nn.BatchNorm3d) -> BatchNorm3d:
+        """A slimgrad BatchNorm3d sharing ``module``'s Parameters, buffers and hooks."""
+        return _from_torch(cls, module, nn.BatchNorm3d)
+
+
+class ReLUAfterNorm(nn.ReLU):
+    """``torch.nn.ReLU`` (same ``inplace`` argument) that, after a slimgrad BatchNorm, lets the
+    block keep only the BN output.
+
+    On that path the result is a new tensor even with ``inplace=True`` (the BN output is what is
+    kept, so it cannot be overwritten); everywhere else this is exactly torch's ReLU. Model code
+    must therefore use the return value (``out = self.relu(out)``, as torchvision and almost all
+    code does); code that calls an in-place ReLU for its side effect only must keep torch's ReLU
+    (exclude it with ``convert_``'s ``filter_fn``).
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _derived.activation(input, "relu", self.inplace)
+
+    @classmethod
+    def from_torch(cls, module: nn.ReLU) -> ReLUAfterNorm:
+        """A ReLUAfterNorm with ``module``'s ``inplace`` flag and hooks."""
+        return _from_torch(cls, module, nn.ReLU)
+
+
+class GELUAfterNorm(nn.GELU):
+    """``torch.nn.GELU`` (same ``approximate`` argument); see :class:`ReLUAfterNorm`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _derived.activation(input, "gelu" if self.approximate == "none" else "gelu_tanh")
+
+    @classmethod
+    def from_torch(cls, module: nn.GELU) -> GELUAfterNorm:
+        """A GELUAfterNorm with ``module``'s ``approximate`` setting and hooks."""
+        return _from_torch(cls, module, nn.GELU)
+
+
+class SiLUAfterNorm(nn.SiLU):
+    """``torch.nn.SiLU`` (same ``inplace`` argument); see :class:`ReLUAfterNorm`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _derived.activation(input, "silu", self.inplace)
+
+    @classmethod
+    def from_torch(cls, module: nn.SiLU) -> SiLUAfterNorm:
+        """A SiLUAfterNorm with ``module``'s ``inplace`` flag and hooks."""
+        return _from_torch(cls, module, nn.SiLU)

@@ -1,0 +1,162 @@
+"""Conv1d/2d/3d and ConvTranspose1d/2d/3d that keep only what the requested gradients need.
+
+Same names, arguments, defaults, parameters and state_dict keys as ``torch.nn``; the classes
+subclass torch's, so ``isinstance(m, torch.nn.Conv2d)`` still holds. See ``slimgrad.ops.conv`` for
+the math and the memory contract.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from slimgrad.ops import conv as _ops
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
+
+
+def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
+    if type(module) is not base:
+        raise TypeError(
+            f"slimgrad.nn.{cls.__name__}.from_torch: module type; expected "
+            f"torch.nn.{base.__name__}, "
+            f"got {type(module).__name__}. Convert a plain torch.nn.{base.__name__}."
+        )
+    new = cls.__new__(cls)
+    # Own containers (parameter/buffer/hook dicts are copied, so registering on one module does not
+    # touch the other); the Parameters, buffers and hook functions themselves are shared.
+    for k, v in module.__dict__.items():
+        new.__dict__[k] = type(v)(v) if type(v) in (dict, OrderedDict, list, set) else v
+    return new
+
+
+class _ConvMixin:
+    _fn = None  # set per class
+
+    def _conv_forward(self, input, weight, bias):
+        fn = type(self)._fn
+        if self.padding_mode != "zeros":
+            return fn(
+                torch.nn.functional.pad(
+                    input, self._reversed_padding_repeated_twice, mode=self.padding_mode
+                ),
+                weight,
+                bias,
+                self.stride,
+                0,
+                self.dilation,
+                self.groups,
+            )
+        return fn(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class Conv1d(_ConvMixin, nn.Conv1d):
+    """``torch.nn.Conv1d`` that keeps x only if the weight needs grad (see ``slimgrad.ops.conv``).
+
+    Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
+    """
+
+    _fn = staticmethod(_ops.conv1d)
+
+    @classmethod
+    def from_torch(cls, module: nn.Conv1d) -> Conv1d:
+        """A slimgrad Conv1d sharing ``module``'s Parameters and hooks."""
+        return _from_torch(cls, module, nn.Conv1d)
+
+
+class Conv2d(_ConvMixin, nn.Conv2d):
+    """``torch.nn.Conv2d`` that keeps x only if the weight needs grad (see ``slimgrad.ops.conv``).
+
+    Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
+    """
+
+    _fn = staticmethod(_ops.conv2d)
+
+    @classmethod
+    def from_torch(cls, module: nn.Conv2d) -> Conv2d:
+        """A slimgrad Conv2d sharing ``module``'s Parameters and hooks."""
+        return _from_torch(cls, module, nn.Conv2d)
+
+
+class Conv3d(_ConvMixin, nn.Conv3d):
+    """``torch.nn.Conv3d`` that keeps x only if the weight needs grad (see ``slimgrad.ops.conv``).
+
+    Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
+    """
+
+    _fn = staticmethod(_ops.conv3d)
+
+    @classmethod
+    def from_torch(cls, module: nn.Conv3d) -> Conv3d:
+        """A slimgrad Conv3d sharing ``module``'s Parameters and hooks."""
+        return _from_torch(cls, module, nn.Conv3d)
+
+
+class _ConvTransposeMixin:
+    _fn = None
+    _nd = 0
+
+    def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            raise ValueError(
+                f"slimgrad.nn.{type(self).__name__}: padding_mode; expected 'zeros', got "
+                f"{self.padding_mode!r}. Only zero padding is supported for transposed "
+                f"convolutions."
+            )
+        output_padding = self._output_padding(
+            input,
+            output_size,
+            self.stride,
+            self.padding,
+            self.kernel_size,
+            self._nd,
+            self.dilation,
+        )
+        return type(self)._fn(
+            input,
+            self.weight,
+            self.bias,
+            self.stride,
+            self.padding,
+            output_padding,
+            self.groups,
+            self.dilation,
+        )
+
+
+class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
+    """``torch.nn.ConvTranspose1d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
+
+    _fn = staticmethod(_ops.conv_transpose1d)
+    _nd = 1
+
+    @classmethod
+    def from_torch(cls, module: nn.ConvTranspose1d) -> ConvTranspose1d:
+        """A slimgrad ConvTranspose1d sharing ``module``'s Parameters and hooks."""
+        return _from_torch(cls, module, nn.ConvTranspose1d)
+
+
+class ConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
+    """``torch.nn.ConvTranspose2d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
+
+    _fn = staticmethod(_ops.conv_transpose2d)
+    _nd = 2
+
+    @classmethod
+    def from_torch(cls, module: nn.ConvTranspose2d) -> ConvTranspose2d:
+        """A slimgrad ConvTranspose2d sharing ``module``'s Parameters and hooks."""
+        return _from_torch(cls, module, nn.ConvTranspose2d)
+
+
+class ConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
+    """``torch.nn.ConvTranspose3d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
+
+    _fn = staticmethod(_ops.conv_transpose3d)
+    _nd = 3
+
+    @classmethod
+    def from_torch(cls, module: nn.ConvTranspose3d) -> ConvTranspose3d:
+        """A slimgrad ConvTranspose3d sharing ``module``'s Parameters and hooks."""
+        return _from_torch(cls, module, nn.ConvTranspose3d)

@@ -1,0 +1,32 @@
+"""``slimgrad.nn.ELU``: ``torch.nn.ELU`` whose forward keeps only what backward needs.
+
+Memory: see ``slimgrad.ops.elu`` (same args, defaults and state_dict keys as torch.nn.ELU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.nn._output_act import type_error
+from slimgrad.ops.elu import elu
+
+__all__ = ["ELU"]
+
+
+class ELU(torch.nn.ELU):
+    """Drop-in ``torch.nn.ELU`` (a subclass) using :func:`slimgrad.ops.elu.elu`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return elu(input, self.alpha, self.inplace)
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.Module) -> ELU:
+        """The slimgrad module with the same settings as ``module`` (a ``torch.nn.ELU``)."""
+        if not isinstance(module, torch.nn.ELU):
+            raise type_error("ELU", "torch.nn.ELU", module)
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")})
+        new.train(module.training)
+        return new

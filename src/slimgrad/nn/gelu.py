@@ -1,0 +1,61 @@
+"""``slimgrad.nn.GELU``: ``torch.nn.GELU`` keeping its output + 1 bit/elt instead of its input.
+
+Memory: see ``slimgrad.ops.gelu`` (same args, defaults and state_dict keys as torch.nn.GELU). Unlike
+torch, ``inplace=True`` is accepted (keyword only): the output overwrites the input.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.nn._output_act import hf_name, type_error
+from slimgrad.ops.gelu import _check_approximate, gelu
+
+__all__ = ["GELU"]
+
+# HF transformers.activations classes -> approximate
+_HF = {
+    "GELUActivation": "none",
+    "NewGELUActivation": "tanh",
+    "FastGELUActivation": "tanh",
+    "GELUTanh": "tanh",
+    "PytorchGELUTanh": "tanh",
+}
+
+
+class GELU(torch.nn.GELU):
+    """Drop-in ``torch.nn.GELU`` (a subclass) using :func:`slimgrad.ops.gelu.gelu`.
+
+    Args:
+        approximate: ``'none'`` (erf) or ``'tanh'``.
+        inplace: overwrite the input with the output (torch.nn.GELU has no such flag).
+
+    Raises:
+        ValueError: unknown ``approximate``.
+    """
+
+    def __init__(self, approximate: str = "none", *, inplace: bool = False) -> None:
+        _check_approximate(approximate)
+        super().__init__(approximate)
+        self.inplace = inplace
+
+    def forward(self, input: Tensor) -> Tensor:
+        return gelu(input, self.approximate, self.inplace)
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.Module) -> GELU:
+        """The slimgrad GELU for ``torch.nn.GELU`` or HF's GELU activations.
+
+        HF ``GELUActivation`` maps to ``approximate='none'``; ``NewGELUActivation`` (``gelu_new``),
+        ``FastGELUActivation`` (``gelu_fast``) and ``GELUTanh`` to ``'tanh'`` (the same function;
+        the output differs from HF's formula by float32 rounding only).
+        """
+        if isinstance(module, torch.nn.GELU):
+            new = cls(module.approximate)
+        elif hf_name(module) in _HF:
+            new = cls(_HF[hf_name(module)])
+        else:
+            raise type_error("GELU", "torch.nn.GELU or a HF GELU activation", module)
+        new.train(module.training)
+        return new

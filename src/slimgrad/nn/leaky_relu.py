@@ -1,0 +1,34 @@
+"""``slimgrad.nn.LeakyReLU``: ``torch.nn.LeakyReLU`` whose forward keeps only what backward needs.
+
+Memory: see ``slimgrad.ops.leaky_relu`` (same args, defaults and state_dict keys as
+torch.nn.LeakyReLU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.nn._output_act import type_error
+from slimgrad.ops.leaky_relu import leaky_relu
+
+__all__ = ["LeakyReLU"]
+
+
+class LeakyReLU(torch.nn.LeakyReLU):
+    """Drop-in ``torch.nn.LeakyReLU`` (a subclass) using
+    :func:`slimgrad.ops.leaky_relu.leaky_relu`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return leaky_relu(input, self.negative_slope, self.inplace)
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.Module) -> LeakyReLU:
+        """The slimgrad module with the same settings as ``module`` (a ``torch.nn.LeakyReLU``)."""
+        if not isinstance(module, torch.nn.LeakyReLU):
+            raise type_error("LeakyReLU", "torch.nn.LeakyReLU", module)
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")})
+        new.train(module.training)
+        return new

@@ -1,0 +1,37 @@
+"""``slimgrad.nn.Mish``: ``torch.nn.Mish`` whose forward keeps only what backward needs.
+
+Memory: see ``slimgrad.ops.mish`` (same args, defaults and state_dict keys as torch.nn.Mish).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.nn._output_act import hf_name, type_error
+from slimgrad.ops.mish import mish
+
+__all__ = ["Mish"]
+
+
+class Mish(torch.nn.Mish):
+    """Drop-in ``torch.nn.Mish`` (a subclass) using :func:`slimgrad.ops.mish.mish`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return mish(input, self.inplace)
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.Module) -> Mish:
+        """The slimgrad module with the same settings as ``module`` (``torch.nn.Mish`` or HF
+        ``MishActivation``)."""
+        if hf_name(module) == "MishActivation":  # HF's ACT2FN["mish"]
+            new = cls()
+            new.train(module.training)
+            return new
+        if not isinstance(module, torch.nn.Mish):
+            raise type_error("Mish", "torch.nn.Mish or HF MishActivation", module)
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")})
+        new.train(module.training)
+        return new

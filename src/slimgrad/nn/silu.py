@@ -1,0 +1,37 @@
+"""``slimgrad.nn.SiLU``: ``torch.nn.SiLU`` whose forward keeps only what backward needs.
+
+Memory: see ``slimgrad.ops.silu`` (same args, defaults and state_dict keys as torch.nn.SiLU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.nn._output_act import hf_name, type_error
+from slimgrad.ops.silu import silu
+
+__all__ = ["SiLU"]
+
+
+class SiLU(torch.nn.SiLU):
+    """Drop-in ``torch.nn.SiLU`` (a subclass) using :func:`slimgrad.ops.silu.silu`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return silu(input, self.inplace)
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.Module) -> SiLU:
+        """The slimgrad module with the same settings as ``module`` (``torch.nn.SiLU`` or HF
+        ``SiLUActivation``)."""
+        if hf_name(module) == "SiLUActivation":  # HF's ACT2FN["silu"]
+            new = cls()
+            new.train(module.training)
+            return new
+        if not isinstance(module, torch.nn.SiLU):
+            raise type_error("SiLU", "torch.nn.SiLU or HF SiLUActivation", module)
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith("_")})
+        new.train(module.training)
+        return new

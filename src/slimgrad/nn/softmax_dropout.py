@@ -1,0 +1,42 @@
+"""``slimgrad.nn.SoftmaxDropoutMatmul``: attention's ``dropout(softmax(S)) @ V`` as one module.
+
+See ``slimgrad/ops/softmax_dropout.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimgrad.ops.dropout import _check_p
+from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
+
+__all__ = ["SoftmaxDropoutMatmul"]
+
+
+class SoftmaxDropoutMatmul(torch.nn.Module):
+    """``dropout(softmax(scores, dim), p) @ value``; dropout follows the module's training flag.
+
+    Memory: saves softmax(scores) + 1/8 B/elt mask bits + value; eager also keeps the dropped matrix
+    and a 4 B/elt mask (CPU).
+
+    Args:
+        p: dropout probability in [0, 1].
+        dim: softmax dimension.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1].
+
+    Example:
+        >>> o = SoftmaxDropoutMatmul(0.1)(torch.randn(2, 4, 7, 7), torch.randn(2, 4, 7, 8))
+    """
+
+    def __init__(self, p: float = 0.1, dim: int = -1) -> None:
+        super().__init__()
+        _check_p("nn.SoftmaxDropoutMatmul", p)
+        self.p, self.dim = float(p), dim
+
+    def forward(self, scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return softmax_dropout_matmul(scores, value, self.p, self.training, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, dim={self.dim}"

@@ -1,0 +1,250 @@
+"""Derived saved inputs: keep a normalisation's output once, recompute the activation from it.
+
+# NOTE [Derived saved inputs]
+In ``Conv -> BatchNorm -> ReLU -> Conv`` eager PyTorch keeps two full-size tensors per block: the
+BatchNorm input ``x`` (for x̂) and the ReLU output ``r`` (the next conv's input, for its weight
+gradient). Both follow from the BatchNorm output ``b`` alone: x̂ = (b - β) / γ, and r = act(b) is
+one cheap elementwise op. So a block needs to keep only ``b``. Three cooperating pieces make that
+happen without any change to model code (``self.bn1(x)`` then ``self.relu(x)`` then
+``self.conv2(x)``):
+
+1. A *source* (slimgrad's BatchNorm in training) keeps its input ``x`` by default, exactly like
+   eager, and registers its output ``b`` here with :func:`register_source` together with its
+   version.
+2. :func:`activation` applied to a *pristine* source output (same tensor object, version unchanged)
+   asks the source to keep ``b`` instead of ``x`` (``keep_output``; the source may refuse, e.g.
+   when too many channels have γ ≈ 0 or |β| > |γ|/2), computes ``r = act(b)`` out of place and
+   registers ``r`` as *derived*: ``(base=b, act, versions)``. Its own Function keeps ``b`` (the same
+   storage) for act'(b).
+3. slimgrad's conv, given an input tagged as derived (:func:`lookup`), keeps ``b`` and the act
+   instead of ``r`` and recomputes ``r = act(b)`` in backward, bit for bit the same kernel as in
+   forward.
+
+Where ``b`` is not pristine (``out += identity`` in a ResNet block bumps its version before the
+ReLU) nothing is claimed: the BatchNorm keeps its input, or a recipe for it (below). The mechanism
+only ever drops tensors that are provably re-derivable.
+
+Safety. Registries are weak and keyed by tensor identity
+(:class:`torch.utils.weak.WeakIdKeyDictionary`): a view or a copy of ``r`` is not tagged and takes
+the eager path. Every tensor kept in place of another is a ``detach()`` alias, which shares the
+version counter, so an in-place write to ``b`` after it was kept raises autograd's "modified by an
+inplace operation" error at backward (through ``save_for_backward``, or :func:`check_version` for
+the source's switchable slot). A write to ``r`` after the conv ran does not matter: the conv
+recomputes ``r`` as it was. Nothing is registered under no_grad / inference_mode (no Function runs)
+or while torch.compile traces (the ops take their plain path there).
+
+# NOTE [Recomputable inputs]
+Some BatchNorm inputs cannot be rebuilt from the output: in a ResNet bottleneck ``bn3``'s output is
+overwritten by ``out += identity`` and ``bn_downsample``'s output is only added, so the eager-style
+BatchNorm would keep its input c (the biggest tensors of the block: 4x the bottleneck width). But c
+= conv(x, W) where slimgrad's conv keeps x anyway (or b with x = act(b)) for its own weight
+gradient. So the conv registers a :class:`Recipe` for its output (:func:`register_recipe`), and a
+BatchNorm whose input has one keeps the recipe (references to tensors already kept: 0 bytes) instead
+of c, and re-runs the same conv in backward (bit for bit: same op, same inputs; autocast's cast is
+replayed). The cost is one extra forward convolution for such layers (ResNet-50: the 1x1 conv3 and
+downsample convs); the versions of every ingredient are checked, so an in-place change of x or W
+between forward and backward raises autograd's error instead of giving a wrong gradient.
+
+Limitation: the BatchNorm keeps its switchable slot as ctx attributes (``save_for_backward`` cannot
+be changed after forward), which saved-tensor hooks do not see. Inside ``torch.utils.checkpoint``
+(non-reentrant) or ``save_on_cpu`` regions those tensors are therefore kept on device rather than
+dropped/offloaded; use torch's own BatchNorm inside such regions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "ACTIVATIONS",
+    "Derived",
+    "Recipe",
+    "activation",
+    "apply_act",
+    "check_version",
+    "lookup",
+    "lookup_recipe",
+    "register_recipe",
+]
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+
+_SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_RECIPES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclass(eq=False)
+class Derived:
+    base: torch.Tensor  # detached alias of b (shares b's version counter)
+    base_version: int
+    act: str
+    version: int  # version of r when it was registered
+
+
+@dataclass(eq=False)
+class Recipe:
+    """How to recompute a tensor y bit for bit: ``fn(*tensors)``; every tensor is a detached alias
+    of one that another node keeps anyway (so keeping the recipe costs no bytes) and must be
+    unchanged. ``cheap``: the producer is pointwise (e.g. a 1x1 conv), so re-running it costs little
+    next to the rest of the network."""
+
+    fn: object
+    tensors: tuple
+    versions: tuple
+    version: int  # version of y when it was registered
+    cheap: bool = False
+
+    def __call__(self) -> torch.Tensor:
+        for t, v in zip(self.tensors, self.versions):
+            if t is not None:
+                check_version(t, v, "tensor kept to recompute a normalisation input")
+        with torch.no_grad():
+            return self.fn(*self.tensors)
+
+
+def register_recipe(y: torch.Tensor, fn, tensors: tuple, cheap: bool = False) -> None:
+    """Register that ``y == fn(*tensors)`` bit for bit, with ``tensors`` kept by someone else."""
+    if _tracing():
+        return
+    tensors = tuple(t.detach() if t is not None else None for t in tensors)
+    versions = tuple(t._version if t is not None else 0 for t in tensors)
+    _RECIPES[y] = Recipe(fn, tensors, versions, y._version, cheap)
+
+
+def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
+    """The recipe of ``y`` if ``y`` is pristine, its ingredients unchanged and ``policy`` allows it
+    (``"always"``; ``"pointwise"``: only cheap producers; ``"never"``)."""
+    if _tracing() or policy == "never":
+        return None
+    r = _RECIPES.get(y)
+    if r is None or y._version != r.version or (policy == "pointwise" and not r.cheap):
+        return None
+    if any(t is not None and t._version != v for t, v in zip(r.tensors, r.versions)):
+        return None
+    return r
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def register_source(out: torch.Tensor, source) -> None:
+    """Register ``out`` as the output of ``source`` (has ``keep_output(out) -> bool``)."""
+    if not _tracing():
+        _SOURCES[out] = (source, out._version)
+
+
+def claim_source(b: torch.Tensor) -> bool:
+    """Ask the source of ``b`` (if pristine) to keep ``b`` instead of its input; True if so."""
+    entry = _SOURCES.get(b)
+    if entry is None:
+        return False
+    source, version = entry
+    if b._version != version:
+        return False
+    return bool(source.keep_output(b))
+
+
+def lookup(x: torch.Tensor) -> Derived | None:
+    """The derivation of ``x`` if ``x`` is a pristine derived tensor whose base is unchanged."""
+    if _tracing():
+        return None
+    d = _DERIVED.get(x)
+    if d is None or x._version != d.version or d.base._version != d.base_version:
+        return None
+    return d
+
+
+def check_version(t: torch.Tensor, version: int, what: str) -> None:
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{what}, {tuple(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead. Hint: slimgrad keeps this tensor for backward in place of the one "
+            "eager PyTorch would keep; do not modify it in place before backward."
+        )
+
+
+def apply_act(act: str, b: torch.Tensor) -> torch.Tensor:
+    if act == "relu":
+        return torch.relu(b)
+    if act == "gelu":
+        return F.gelu(b)
+    if act == "gelu_tanh":
+        return F.gelu(b, approximate="tanh")
+    if act == "silu":
+        return F.silu(b)
+    raise _bad_act(act)
+
+
+def _act_backward(act: str, grad: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # The same aten backward kernels eager uses (ReLU's from the output, whose sign equals b's).
+    if act == "relu":
+        return torch.ops.aten.threshold_backward(grad, b, 0)
+    if act == "gelu":
+        return torch.ops.aten.gelu_backward(grad, b)
+    if act == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(grad, b, approximate="tanh")
+    if act == "silu":
+        return torch.ops.aten.silu_backward(grad, b)
+    raise _bad_act(act)
+
+
+def _bad_act(act) -> ValueError:
+    return ValueError(
+        f"slimgrad.ops._derived: unknown activation; expected one of {ACTIVATIONS}, got {act!r}. "
+        "Use one of the listed names."
+    )
+
+
+class _DerivedActFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, b: torch.Tensor, act: str):
+        r = apply_act(act, b)
+        ctx.act = act
+        ctx.save_for_backward(b)
+        return r
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (b,) = ctx.saved_tensors
+        return _act_backward(ctx.act, grad, b), None
+
+
+def activation(x: torch.Tensor, act: str, inplace: bool = False) -> torch.Tensor:
+    """``act(x)`` that, after a slimgrad norm, lets the block keep only the norm output.
+
+    If ``x`` is the pristine output of a registered source (slimgrad's BatchNorm in training) and
+    the source agrees to keep ``x`` instead of its input, the result ``r`` is computed out of place
+    (even with ``inplace=True``: ``x`` is what is kept), saves ``x`` (shared with the source) and
+    is tagged so that a following slimgrad conv keeps ``x`` instead of ``r``. Otherwise this is
+    exactly eager ``relu``/``relu_``/``gelu``/``silu``/``silu_``. See NOTE [Derived saved inputs].
+
+    Args:
+        x: input tensor.
+        act: one of ``ACTIVATIONS``.
+        inplace: as torch's ``inplace`` flag on the eager path.
+
+    Returns:
+        The activation output.
+
+    Raises:
+        ValueError: ``act`` is not one of ``ACTIVATIONS``.
+    """
+    if act not in ACTIVATIONS:
+        raise _bad_act(act)
+    if torch.is_grad_enabled() and x.requires_grad and not _tracing() and claim_source(x):
+        r = _DerivedActFn.apply(x, act)
+        _DERIVED[r] = Derived(x.detach(), x._version, act, r._version)
+        return r
+    if inplace and act == "relu":
+        return torch.relu_(x)
+    if inplace and act == "silu":
+        return F.silu(x, inplace=True)
+    return apply_act(act, x)

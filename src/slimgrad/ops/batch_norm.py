@@ -1,0 +1,345 @@
+"""BatchNorm that keeps its output instead of its input when an activation follows, its input
+conv's recipe instead of its input otherwise, and nothing full-size in eval with a frozen affine.
+
+Math (per channel c, over the batch and spatial dims; training uses batch statistics μ, σ² (biased),
+eval the running ones):
+
+    x̂ = (x - μ) / sqrt(σ² + eps),   b = γ x̂ + β
+    dβ = Σ dy,   dγ = Σ dy x̂
+    training: dx = γ / sqrt(σ² + eps) · (dy - mean(dy) - x̂ · mean(dy x̂))
+    eval:     dx = γ / sqrt(σ²_run + eps) · dy
+
+From the output: x̂ = (b - β) / γ. Backward then runs aten's fused ``native_batch_norm_backward`` on
+``b`` with mean' = β, invstd' = 1/γ and weight' = γ² / sqrt(σ² + eps): the same kernel, one dx
+buffer, no full-size temporaries; dγ = Σ dy (b - mean(b)) / γ is accumulated in float64 in batch
+chunks (temporaries of 1/8 of the tensor). A channel whose output cannot be inverted accurately
+(γ = 0, |γ| < 1e-20, |β| > |γ| / 2, or non-finite) keeps its input channel instead (a copy of those
+channels only); if more than half the channels are such, the layer keeps its whole input (eager).
+
+Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad activation consumes
+the output, in which case it keeps the output b instead; b is also what the activation and the next
+slimgrad conv keep (NOTE [Derived saved inputs] in ``ops/_derived.py``), so a BN → ReLU → Conv block
+keeps one full-size tensor (eager: two, x and relu(b)), plus O(C) statistics. When x is the output
+of a slimgrad 1x1 conv that keeps its own input, the BatchNorm keeps a recipe instead of x (0 bytes;
+the conv is re-run in backward: NOTE [Recomputable inputs]; any conv with
+``recompute_input="always"``). Eval: nothing full-size when γ and β need
+no gradient (eager keeps x), else x (or its recipe).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from slimgrad.ops import _derived
+
+__all__ = ["batch_norm"]
+
+# |β| / |γ| above which x̂ is not recovered from b: b's rounding error, divided by γ, grows with
+# |β/γ|; at 0.5 dγ stays within 0.65x of the GUIDE.md bound over 90 adversarial float32 trials
+# (1.6x over the bound at 1.0, 3x at 4).
+_BAD_RATIO = 0.5
+_MAX_BAD_FRACTION = 0.5  # more such channels than this: keep the whole input (the eager path)
+_POLICIES = ("pointwise", "always", "never")
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _bshape(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    return t.view([1, -1] + [1] * (ndim - 2))
+
+
+class _Source:
+    """The source side of NOTE [Derived saved inputs]: lets a following activation make this
+    BatchNorm call keep its output instead of its input. Holds the call's ctx; the ctx does not
+    hold it (no reference cycle, so the graph is freed by reference counting as in eager)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def keep_output(self, b: torch.Tensor) -> bool:
+        ctx = self.ctx
+        if ctx.b is not None:
+            return True
+        if (ctx.x is None and ctx.recipe is None) or not ctx.training:
+            return False
+        C = b.shape[1]
+        if ctx.weight_v is not None and not is_fake(b):  # estimate: assume no bad channels
+            w = ctx.weight_v if ctx.weight_v.dtype == torch.float64 else ctx.weight_v.float()
+            beta = ctx.bias_v.to(w.dtype) if ctx.bias_v is not None else torch.zeros_like(w)
+            aw = w.abs()
+            # NaN compares False, so NaN γ or β count as bad too.
+            ok = (aw >= 1e-20) & (aw < float("inf")) & (beta.abs() <= _BAD_RATIO * aw)
+            idx = (~ok).nonzero().flatten() if not bool(ok.all()) else ok.new_empty(0)
+            if idx.numel() > _MAX_BAD_FRACTION * C:
+                return False
+            if idx.numel():
+                ctx.bad = idx
+                if ctx.x is not None:
+                    ctx.x_bad = ctx.x.index_select(1, idx)
+        if ctx.x is not None:
+            _derived.check_version(ctx.x, ctx.x_version, "batch_norm input")
+        if ctx.bad is None or ctx.x_bad is not None:
+            ctx.recipe = ctx.recipe_tensors = None
+        ctx.b, ctx.b_version = b.detach(), b._version
+        ctx.x = None
+        return True
+
+
+def _release(ctx) -> None:
+    ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
+    ctx.released = True
+
+
+def _input(ctx) -> torch.Tensor:
+    if ctx.x is not None:
+        _derived.check_version(ctx.x, ctx.x_version, "batch_norm input")
+        return ctx.x
+    return ctx.recipe()
+
+
+class _BatchNormFn(torch.autograd.Function):
+    # Tensors are kept as ctx attributes, not with save_for_backward, because a following activation
+    # may swap the input for the output after forward (_Source.keep_output); versions are checked by
+    # hand (_derived.check_version) and the slots are released after a backward that frees the
+    # graph.
+    @staticmethod
+    def forward(
+        ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, holder, recompute
+    ):
+        out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
+            x, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+        need_x, need_w, _ = ctx.needs_input_grad[:3]
+        ctx.training, ctx.eps, ctx.released = training, eps, False
+        ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = None
+        ctx.x_version = ctx.b_version = 0
+        ctx.weight_v = weight.detach().clone() if weight is not None else None
+        ctx.bias_v = bias.detach().clone() if bias is not None else None
+        ctx.running_mean = ctx.running_var = None
+        if training:
+            ctx.save_mean, ctx.save_invstd = save_mean, save_invstd
+            keep_x = need_x or need_w
+        else:
+            # Eval uses the running statistics as they were in forward (O(C) copies).
+            ctx.running_mean, ctx.running_var = running_mean.clone(), running_var.clone()
+            ctx.save_mean = None
+            ctx.save_invstd = torch.rsqrt(running_var.to(save_mean.dtype) + eps)
+            keep_x = need_w
+        ctx.recipe = None
+        if keep_x:
+            recipe = _derived.lookup_recipe(x, recompute)
+            if recipe is not None:
+                # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
+                ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
+            else:
+                ctx.x, ctx.x_version = x.detach(), x._version
+            holder.append(_Source(ctx))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if ctx.released:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved "
+                "tensors after they have already been freed). Specify retain_graph=True if you "
+                "need to backward through the graph a second time."
+            )
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        nd = grad.dim()
+        if not ctx.training and ctx.x is None and ctx.recipe is None:
+            gx = gw = gb = None
+            if need_x:
+                scale = ctx.save_invstd
+                if ctx.weight_v is not None:
+                    scale = scale * ctx.weight_v.to(scale.dtype)
+                gx = grad * _bshape(scale.to(grad.dtype), nd)
+            if need_b:
+                gb = grad.sum([d for d in range(nd) if d != 1]).to(ctx.bias_v.dtype)
+            out = gx, gw, gb
+        elif ctx.b is None:
+            out = torch.ops.aten.native_batch_norm_backward(
+                grad,
+                _input(ctx),
+                ctx.weight_v,
+                ctx.running_mean,
+                ctx.running_var,
+                ctx.save_mean,
+                ctx.save_invstd if ctx.training else None,
+                ctx.training,
+                ctx.eps,
+                [need_x, need_w, need_b],
+            )
+        else:
+            out = _bwd_from_output(ctx, grad, need_x, need_w, need_b)
+        if _keep_graph is not None and not _keep_graph():
+            _release(ctx)
+        gx, gw, gb = out
+        # one gradient per forward argument (x, weight, bias; 7 non-differentiable ones)
+        return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 7
+
+
+def _channel_dot(dy: torch.Tensor, b: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # Σ over all dims but 1 of dy·(b - m), in float64, in batch chunks so that the temporary stays
+    # at most 1/8 of the tensor (no full-size buffer in backward).
+    n = b.shape[0]
+    step = max(1, n // 8)
+    red = [d for d in range(b.dim()) if d != 1]
+    mb = _bshape(m, b.dim()).to(b.dtype)
+    acc = torch.zeros(b.shape[1], dtype=torch.float64, device=b.device)
+    for i in range(0, n, step):
+        t = b[i : i + step] - mb
+        t.mul_(dy[i : i + step])
+        acc += t.sum(red, dtype=torch.float64)
+    return acc
+
+
+def _bwd_from_output(ctx, grad, need_x, need_w, need_b):
+    _derived.check_version(ctx.b, ctx.b_version, "batch_norm output")
+    invstd = ctx.save_invstd
+    pdt = invstd.dtype
+    if ctx.weight_v is None:
+        gamma = torch.ones_like(invstd)
+        beta = torch.zeros_like(invstd)
+    else:
+        gamma = ctx.weight_v.to(pdt)
+        beta = ctx.bias_v.to(pdt) if ctx.bias_v is not None else torch.zeros_like(gamma)
+    # x̂ = (b - β) / γ has zero mean in exact arithmetic, so mean(b) = β; centring on the computed
+    # mean(b) instead removes the part of b's rounding error that does not average out (what makes
+    # Σ dx, e.g. a preceding conv bias's gradient, drift from 0). One reduction, no full-size temp.
+    red = [d for d in range(ctx.b.dim()) if d != 1]
+    mean_p = ctx.b.mean(red, dtype=pdt) if ctx.b.numel() else beta.clone()
+    invstd_p, w_p = 1.0 / gamma, gamma * gamma * invstd
+    if ctx.bad is not None:
+        # Channels kept from x: neutral parameters here, exact values below.
+        mean_p[ctx.bad] = 0
+        invstd_p[ctx.bad] = 0
+        w_p[ctx.bad] = 0
+    gx, _, gb = torch.ops.aten.native_batch_norm_backward(
+        grad, ctx.b, w_p, None, None, mean_p, invstd_p, True, ctx.eps, [need_x, False, need_b]
+    )
+    gw = None
+    if need_w:
+        # dγ = Σ dy (b - mean(b)) / γ, accumulated in float64 and divided once: multiplying by a
+        # rounded 1/γ inside the kernel would add a systematic relative error to every term.
+        g64 = gamma.double() if ctx.bad is None else gamma.double().index_fill(0, ctx.bad, 1.0)
+        gw = (_channel_dot(grad, ctx.b, mean_p) / g64).to(pdt)
+    if ctx.bad is not None:
+        idx = ctx.bad
+        x_bad = ctx.x_bad if ctx.x_bad is not None else ctx.recipe().index_select(1, idx)
+        gx_b, gw_b, gb_b = torch.ops.aten.native_batch_norm_backward(
+            grad.index_select(1, idx),
+            x_bad,
+            ctx.weight_v.index_select(0, idx),
+            None,
+            None,
+            ctx.save_mean.index_select(0, idx),
+            invstd.index_select(0, idx),
+            True,
+            ctx.eps,
+            [need_x, need_w, need_b],
+        )
+        if need_x:
+            gx.index_copy_(1, idx, gx_b)
+        if need_w:
+            gw = gw.index_copy(0, idx, gw_b.to(gw.dtype))
+        if need_b:
+            gb = gb.index_copy(0, idx, gb_b.to(gb.dtype))
+    if gw is not None:
+        gw = gw.to(ctx.weight_v.dtype)
+    if gb is not None:
+        gb = gb.to(ctx.bias_v.dtype)
+    return gx, gw, gb
+
+
+def _verify_batch_size(size) -> None:
+    n = size[0]
+    for s in size[2:]:
+        n *= s
+    if n == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {size}"
+        )
+
+
+def batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    recompute_input: str = "pointwise",
+) -> torch.Tensor:
+    """``torch.nn.functional.batch_norm`` that keeps less for backward.
+
+    b = γ (x - μ) / sqrt(σ² + eps) + β per channel (dim 1). In training, the output is registered
+    so that a following :func:`slimgrad.ops._derived.activation` makes this op keep b instead of x
+    (NOTE [Derived saved inputs]); in eval with γ, β frozen nothing full-size is kept.
+
+    Memory: training keeps x (as eager), or x's recipe when x comes from a slimgrad conv (0 bytes),
+    or b when a slimgrad activation follows (shared with that activation and the next slimgrad
+    conv); eval with frozen γ, β keeps O(C) only (eager keeps x).
+
+    Args:
+        input: (N, C, *) tensor.
+        running_mean, running_var: (C,) buffers or None; updated in place in training.
+        weight, bias: (C,) affine parameters or None.
+        training: use batch statistics and update the running ones.
+        momentum: running-average factor.
+        eps: added to the variance.
+        recompute_input: where x is the output of a slimgrad conv that keeps its own input, keep
+            how to recompute x instead of x and re-run that conv in backward (NOTE [Recomputable
+            inputs]): ``"pointwise"`` (default) when that conv is 1x1, ``"always"``, or
+            ``"never"`` (keep x; no extra compute).
+
+    Returns:
+        The normalised tensor, same shape, dtype and memory format as ``input``.
+
+    Raises:
+        ValueError: training with one value per channel (as torch); unknown ``recompute_input``.
+
+    Example:
+        >>> y = batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, training=True)
+    """
+    if recompute_input not in _POLICIES:
+        raise ValueError(
+            "slimgrad.ops.batch_norm: recompute_input must be one of "
+            f"{_POLICIES}; expected one of them, got {recompute_input!r}. Use 'pointwise' "
+            "(default), 'always' or 'never'."
+        )
+    if training:
+        _verify_batch_size(input.size())
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError(
+            "slimgrad.ops.batch_norm: eval mode needs running statistics; expected tensors, got "
+            "None. Pass running_mean and running_var, or training=True."
+        )
+    needs_graph = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, weight, bias)
+    )
+    if not needs_graph or input.numel() == 0 or torch.compiler.is_compiling():
+        # Plain path: nothing is kept beyond what eager keeps (empty inputs: aten's own rules).
+        return torch.nn.functional.batch_norm(
+            input, running_mean, running_var, weight, bias, training, momentum, eps
+        )
+    holder: list = []
+    out = _BatchNormFn.apply(
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+        holder,
+        recompute_input,
+    )
+    if training and holder:
+        _derived.register_source(out, holder[0])
+    return out

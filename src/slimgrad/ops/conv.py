@@ -1,0 +1,321 @@
+"""Convolutions (1d/2d/3d, transposed) that keep only what the requested gradients need.
+
+Math: y = conv(x, W) + bias. dx = conv_transpose(dy, W) needs W only; dW = corr(x, dy) needs x only;
+dbias = Σ dy needs nothing. So: a frozen W (no grad) → x is not kept; an x that needs no grad → W is
+not needed (and since W is a Parameter, keeping it costs nothing anyway). When x is the output of a
+slimgrad activation applied to a slimgrad norm output b (NOTE [Derived saved inputs] in
+``ops/_derived.py``), the conv keeps b (kept by the norm already) and recomputes x = act(b) in
+backward, bit for bit.
+
+Memory: keeps x (4 B/elt fp32) only if W needs grad, and then b instead of x when x is derived (0
+extra bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch#133566).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimgrad.ops import _derived
+
+__all__ = [
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+]
+
+
+def _fwd_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    return torch.ops.aten.convolution(
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+def _bwd_torch(
+    grad, x, weight, bias_sizes, stride, padding, dilation, transposed, opad, groups, mask
+):
+    return torch.ops.aten.convolution_backward(
+        grad, x, weight, bias_sizes, stride, padding, dilation, transposed, opad, groups, mask
+    )
+
+
+class _ConvFn(torch.autograd.Function):
+    _slimgrad_floor = True  # keeps conv inputs (NOTE [The matmul-input floor] in memory.py)
+
+    @staticmethod
+    def forward(
+        ctx, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, holder
+    ):
+        y = _fwd_torch(
+            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+        )
+        need_x, need_w, _ = ctx.needs_input_grad[:3]
+        ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        ctx.w_meta = (weight.shape, weight.dtype)
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        ctx.act = None
+        kept_x = None
+        if need_w:
+            d = _derived.lookup(x)
+            if d is not None:
+                ctx.act, kept_x = d.act, d.base
+            else:
+                kept_x = x
+        ctx.save_for_backward(kept_x, weight if need_x else None)
+        if kept_x is not None:
+            holder.append((kept_x, ctx.act))
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        kept_x, weight = ctx.saved_tensors
+        shape, dtype, device = ctx.x_meta
+        # Only the shape of x is read when dW is not requested, and only W's shape when dx is not.
+        fake_x = torch.empty((), dtype=dtype, device=device).expand(shape)
+        if weight is None:
+            wshape, wdtype = ctx.w_meta
+            weight = torch.empty((), dtype=wdtype, device=device).expand(wshape)
+        if ctx.act is not None and need_w:
+            # x = act(b) is rebuilt for dW only and freed before dx is allocated, so the recompute
+            # adds no full-size buffer to the backward peak.
+            x = _derived.apply_act(ctx.act, kept_x)
+            _, gw, _ = _bwd_torch(grad, x, weight, None, *ctx.conf, [False, True, False])
+            del x
+            gx, _, gb = _bwd_torch(
+                grad, fake_x, weight, ctx.bias_sizes, *ctx.conf, [need_x, False, need_b]
+            )
+        else:
+            x = kept_x if kept_x is not None else fake_x
+            gx, gw, gb = _bwd_torch(
+                grad, x, weight, ctx.bias_sizes, *ctx.conf, [need_x, need_w, need_b]
+            )
+        return gx, gw, gb, None, None, None, None, None, None, None
+
+
+def _tuple(v, n: int, name: str, api: str) -> list[int]:
+    if isinstance(v, int):
+        return [v] * n
+    v = list(v)
+    if len(v) == 1:
+        return v * n
+    if len(v) != n or not all(isinstance(i, int) for i in v):
+        raise ValueError(
+            f"slimgrad.ops.{api}: {name} must be an int or {n} ints; expected length {n}, got "
+            f"{v!r}. Pass {name}=k or a tuple of {n} ints."
+        )
+    return v
+
+
+def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed, output_padding):
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(
+            f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, got "
+            f"{type(x).__name__} and {type(weight).__name__}. Pass tensors."
+        )
+    stride = _tuple(stride, n, "stride", api)
+    dilation = _tuple(dilation, n, "dilation", api)
+    output_padding = _tuple(output_padding, n, "output_padding", api)
+    if isinstance(padding, str):
+        if transposed:
+            raise ValueError(
+                f"slimgrad.ops.{api}: string padding is not supported for transposed convolutions; "
+                f"expected ints, got {padding!r}. Pass padding as ints."
+            )
+        if padding == "valid":
+            padding = [0] * n
+        elif padding == "same":
+            if any(s != 1 for s in stride):
+                raise ValueError(
+                    f"slimgrad.ops.{api}: padding='same' needs stride 1; expected stride 1, got "
+                    f"{stride}. Use explicit padding."
+                )
+            pads = []
+            extra = []
+            for d, k in zip(dilation, weight.shape[2:]):
+                total = d * (k - 1)
+                pads.append(total // 2)
+                extra.append(total - 2 * (total // 2))
+            if any(extra):
+                # As torch: pad the input's right side by the odd remainder.
+                pad_arg = []
+                for e in reversed(extra):
+                    pad_arg += [0, e]
+                x = torch.nn.functional.pad(x, pad_arg)
+            padding = pads
+        else:
+            raise ValueError(
+                f"slimgrad.ops.{api}: unknown padding string; expected 'valid' or 'same', got "
+                f"{padding!r}. Use one of those or ints."
+            )
+    else:
+        padding = _tuple(padding, n, "padding", api)
+    if x.dim() == n + 1:
+        # Unbatched input, as torch: add and remove a batch dim.
+        return _conv(
+            api,
+            n,
+            x.unsqueeze(0),
+            weight,
+            bias,
+            stride,
+            padding,
+            dilation,
+            groups,
+            transposed,
+            output_padding,
+        ).squeeze(0)
+    if x.dim() != n + 2:
+        raise ValueError(
+            f"slimgrad.ops.{api}: input must be {n + 1}-D (unbatched) or {n + 2}-D (batched); "
+            f"expected {n + 2} dims, got shape {tuple(x.shape)}. Reshape the input."
+        )
+    needs_graph = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
+    )
+    if not needs_graph:
+        return _fwd_torch(
+            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+        )
+    dev = x.device.type
+    holder: list = []
+    w0, b0, dt = weight, bias, None
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+        with torch.autocast(dev, enabled=False):
+            y = _ConvFn.apply(
+                x,
+                weight,
+                bias,
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                groups,
+                holder,
+            )
+    else:
+        y = _ConvFn.apply(
+            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, holder
+        )
+    if holder:
+        # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
+        kept, act = holder[0]
+        conf = (stride, padding, dilation, transposed, output_padding, groups)
+
+        def recompute(k, w, b, act=act, conf=conf, dt=dt):
+            # The same ops as forward (autocast's cast included), so the result is bit for bit y.
+            inp = _derived.apply_act(act, k) if act is not None else k
+            if dt is not None:
+                w, b = w.to(dt), (b.to(dt) if b is not None else None)
+            return _fwd_torch(inp, w, b, *conf)
+
+        pointwise = all(k == 1 for k in w0.shape[2:])
+        _derived.register_recipe(y, recompute, (kept, w0, b0), cheap=pointwise)
+    return y
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+    """``torch.nn.functional.conv1d`` keeping only what the requested gradients need.
+
+    Memory: x only if ``weight`` needs grad (b of a slimgrad norm if x is derived from it); eager
+    keeps x and weight always. See :func:`conv2d`.
+    """
+    return _conv("conv1d", 1, input, weight, bias, stride, padding, dilation, groups, False, 0)
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+    """``torch.nn.functional.conv2d`` keeping only what the requested gradients need.
+
+    y = x ⋆ W + bias; dx needs W only, dW needs x only.
+
+    Memory: keeps x (4 B/elt fp32) only if ``weight`` requires grad, and then the slimgrad norm
+    output b instead of x when x = act(b) (NOTE [Derived saved inputs]); eager keeps x and W
+    always.
+
+    Args:
+        input: (N, C_in, H, W) or (C_in, H, W).
+        weight: (C_out, C_in / groups, kH, kW).
+        bias: (C_out,) or None.
+        stride, padding, dilation, groups: as torch; padding may be 'valid' or 'same'.
+
+    Returns:
+        The convolution output.
+
+    Raises:
+        ValueError: bad padding/stride specification or input rank.
+        TypeError: non-tensor input or weight.
+
+    Example:
+        >>> y = conv2d(x, conv.weight, conv.bias, padding=1)
+    """
+    return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups, False, 0)
+
+
+def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+    """``torch.nn.functional.conv3d`` keeping only what gradients need (conv2d)."""
+    return _conv("conv3d", 3, input, weight, bias, stride, padding, dilation, groups, False, 0)
+
+
+def conv_transpose1d(
+    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
+) -> torch.Tensor:
+    """``torch.nn.functional.conv_transpose1d`` keeping only what gradients need (conv2d)."""
+    return _conv(
+        "conv_transpose1d",
+        1,
+        input,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        groups,
+        True,
+        output_padding,
+    )
+
+
+def conv_transpose2d(
+    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
+) -> torch.Tensor:
+    """``torch.nn.functional.conv_transpose2d`` keeping only what gradients need (conv2d)."""
+    return _conv(
+        "conv_transpose2d",
+        2,
+        input,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        groups,
+        True,
+        output_padding,
+    )
+
+
+def conv_transpose3d(
+    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
+) -> torch.Tensor:
+    """``torch.nn.functional.conv_transpose3d`` keeping only what gradients need (conv2d)."""
+    return _conv(
+        "conv_transpose3d",
+        3,
+        input,
+        weight,
+        bias,
+        stride,
+        padding,
+        dilation,
+        groups,
+        True,
+        output_padding,
+    )

@@ -1,0 +1,194 @@
+"""GELU (erf and tanh forms) that keeps its output, 1 branch bit per element and a sparse table.
+
+Math: erf form  y = x Phi(x) = x/2 (1 + erf(x/sqrt 2)),  dy/dx = Phi(x) + x phi(x);
+tanh form (HF ``gelu_new``, ``gelu_fast``)  y = x/2 (1 + tanh u),  u = sqrt(2/pi) (x + 0.044715
+x^3), dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+Both have one minimum (x* = -0.75179 erf, -0.75246 tanh), so x follows from (y, [x >= x*]);
+where that inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
+``slimgrad.ops._output_act``). Within |x - x*| < 0.06 the float32 output is computed in float64 and
+rounded (it may differ from eager's by a few ulp there).
+
+Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
++ 8 B per hard element (int32 index + x; |x - x*| < 0.015, x < -2.5 erf / x < -3 tanh, non-finite):
+measured 0.246 B/elt (erf) and 0.207 B/elt (tanh) besides y at N(0, 1) inputs, 0.196 B/elt at
+N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst case (more than 1/16 of the
+elements hard), and float64: keeps x densely, as eager does, and neither y, bits nor table.
+float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from slimgrad.ops._library import custom_op
+from slimgrad.ops._output_act import (
+    SmoothSpec,
+    needs_graph,
+    no_double_backward,
+    smooth_apply,
+    smooth_fake_side_info,
+    smooth_forward,
+    smooth_fwd,
+    smooth_grad,
+)
+
+__all__ = ["gelu", "gelu_", "gelu_fast", "gelu_new"]
+
+_APPROX = ("none", "tanh")
+_K = math.sqrt(2.0 / math.pi)
+_SQRT1_2 = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _erf_f(x):
+    return x * 0.5 * torch.special.erfc(-x * _SQRT1_2)
+
+
+def _erf_df(x):
+    return 0.5 * torch.special.erfc(-x * _SQRT1_2) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+def _tanh_f(x):  # x/2 (1 + tanh u) = x sigmoid(2u), stable in the left tail
+    return x * torch.sigmoid(2.0 * _K * (x + 0.044715 * x**3))
+
+
+def _tanh_df(x):
+    s = torch.sigmoid(2.0 * _K * (x + 0.044715 * x**3))
+    return s + x * 2.0 * s * (1.0 - s) * _K * (1.0 + 3.0 * 0.044715 * x * x)
+
+
+_LOW = {torch.bfloat16: 0.15, torch.float16: 0.15}
+SPECS = {
+    "none": SmoothSpec(
+        "gelu",
+        _erf_f,
+        _erf_df,
+        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
+        zone=0.06,
+        tail={torch.float32: -2.5},
+        x_right=8.0,
+    ),
+    "tanh": SmoothSpec(
+        "gelu_tanh",
+        _tanh_f,
+        _tanh_df,
+        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
+        zone=0.06,
+        tail={torch.float32: -3.0},
+        x_right=8.0,
+    ),
+}
+
+
+def _check_approximate(approximate: str) -> None:
+    if approximate not in _APPROX:
+        raise ValueError(
+            f"slimgrad.gelu: unknown approximate; expected 'none' or 'tanh', got {approximate!r}. "
+            f"Use approximate='tanh' for HF gelu_new/gelu_fast."
+        )
+
+
+def _fwd_torch(x: Tensor, approximate: str = "none") -> Tensor:
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+def _bwd_exact(g: Tensor, x: Tensor, approximate: str) -> Tensor:
+    return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+
+
+def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
+    return smooth_grad(
+        SPECS[approximate], g, y, bits, idx, xs, lambda g_, x_: _bwd_exact(g_, x_, approximate)
+    )
+
+
+@custom_op("gelu_fwd", mutates_args=())
+def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return smooth_fwd(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
+
+
+@_gelu_fwd.register_fake
+def _(x, approximate):
+    return (torch.empty_like(x), *smooth_fake_side_info(x))
+
+
+@custom_op("gelu_bwd", mutates_args=())
+def _gelu_bwd(
+    g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor, approximate: str
+) -> Tensor:
+    return _bwd_torch(g, y, bits, idx, xs, approximate)
+
+
+@_gelu_bwd.register_fake
+def _(g, y, bits, idx, xs, approximate):
+    return g.new_empty(g.shape)
+
+
+class _GeluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, approximate: str):
+        ctx.approximate = approximate
+        return smooth_forward(ctx, x, _gelu_fwd(x, approximate), False)
+
+    @staticmethod
+    def backward(ctx, g, *_side):
+        no_double_backward("gelu")
+        return _gelu_bwd(g, *ctx.saved_tensors, ctx.approximate), None
+
+
+class _GeluInplaceFn(_GeluFn):
+    @staticmethod
+    def forward(ctx, x: Tensor, approximate: str):
+        ctx.approximate = approximate
+        return smooth_forward(ctx, x, _gelu_fwd(x, approximate), True)
+
+
+def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Tensor:
+    """GELU that keeps its output + 1 bit/elt (+ a sparse exact table) instead of its input.
+
+    ``y = x Phi(x)`` (``approximate='none'``) or ``x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))``
+    (``'tanh'``). Output as ``torch.nn.functional.gelu``; the gradient is within eager's own
+    error (GUIDE.md rule), tested on every float32 of the ill-conditioned windows.
+
+    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
+    0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt). More than 1/16
+    hard elements, or float64: keeps x densely, as eager does.
+
+    Args:
+        input: tensor of float32, float16, bfloat16 or float64.
+        approximate: ``'none'`` (erf) or ``'tanh'``.
+        inplace: write the result into ``input`` (it must not be needed elsewhere).
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Raises:
+        ValueError: unknown ``approximate``.
+        RuntimeError: double backward (``create_graph=True``) through this op.
+
+    Example:
+        >>> y = gelu(torch.randn(4, 8, requires_grad=True), approximate="tanh")
+    """
+    _check_approximate(approximate)
+    if not needs_graph(input):
+        y = _fwd_torch(input, approximate)
+        return input.copy_(y) if inplace else y
+    return smooth_apply(_GeluFn, _GeluInplaceFn, input, inplace, approximate)
+
+
+def gelu_(input: Tensor, approximate: str = "none") -> Tensor:
+    """In-place :func:`gelu`: ``input`` is overwritten by the output (kept: the bits and table)."""
+    return gelu(input, approximate, inplace=True)
+
+
+def gelu_new(input: Tensor) -> Tensor:
+    """HF ``gelu_new`` (``NewGELUActivation``): the tanh form, see :func:`gelu`."""
+    return gelu(input, approximate="tanh")
+
+
+def gelu_fast(input: Tensor) -> Tensor:
+    """HF ``gelu_fast`` (``FastGELUActivation``): the tanh form rearranged; see :func:`gelu`."""
+    return gelu(input, approximate="tanh")

@@ -1,0 +1,228 @@
+"""GroupNorm that keeps its output, not its input.
+
+Math: x of shape ``(N, C, *)`` split into G groups of C/G channels; per (sample, group) ``mu``,
+``rstd = 1 / sqrt(var + eps)``, ``xhat = (x - mu) * rstd``, ``y = xhat * gamma_c + beta_c``.
+Backward with ``g = dy * gamma_c`` and means over each (sample, group):
+``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dgamma_c = sum(dy * xhat)``,
+``dbeta_c = sum(dy)``, with ``xhat = (y - beta_c) / gamma_c`` rebuilt from the output; fallback
+channels as in NOTE [Normalization from its output: the fallback channels] (``ops/layer_norm.py``).
+
+Memory: saves y (the output, shared with the next layer) + mean and rstd (8 B per sample and
+group, fp32) + the input of fallback channels (k channels: k * N * HxW * itemsize B); eager saves x,
+mean and rstd (x: 4 B/elt fp32 extra). Groups of fewer than ``MIN_GROUP_NUMEL`` elements run eager's
+group_norm (saves x, as eager).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from slimgrad.ops._library import custom_op
+from slimgrad.ops.layer_norm import (
+    CHUNK_ELEMS,
+    _acc_dtype,
+    _rowdot,
+    autocast_inputs,
+    fallback_channels,
+    no_double_backward,
+    rebuild_xhat,
+)
+
+__all__ = ["MIN_GROUP_NUMEL", "group_norm"]
+
+#: Groups with fewer elements (C / G * spatial) run eager's group_norm, which keeps the input: in
+#: such groups rebuilding xhat from the rounded output exceeded the GUIDE.md error rule (groups of
+#: 2 and 3 elements in tests/ops/test_group_norm.py's seed sweep).
+MIN_GROUP_NUMEL = 16
+
+
+def _fwd_torch(x, num_groups, weight, bias, eps):
+    n, c = x.shape[0], x.shape[1]
+    hw = math.prod(x.shape[2:])
+    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
+    idx = fallback_channels(weight, bias, y.dtype).to(x.device)
+    xside = x.reshape(n, c, hw).index_select(1, idx)
+    return y, mean, rstd, idx, xside
+
+
+def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask):
+    # Chunks of samples bound the fp32 temporaries, as in ops/layer_norm.py's backward (no grad
+    # mode here: double backward is refused, so in-place updates of the temporaries are safe).
+    acc = _acc_dtype(y.dtype)
+    n, c = y.shape[0], y.shape[1]
+    hw = math.prod(y.shape[2:])
+    grp, cg = num_groups, c // num_groups
+    y4, dy4 = y.reshape(n, grp, cg, hw), dy.reshape(n, grp, cg, hw)
+    mu, r = mean.reshape(n, grp).to(acc), rstd.reshape(n, grp).to(acc)
+    w = weight.reshape(1, grp, cg, 1).to(acc) if weight is not None else None
+    b = bias.reshape(1, grp, cg, 1).to(acc) if bias is not None else None
+    gidx = idx // cg
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    dx = torch.empty((n, grp, cg, hw), dtype=y.dtype, device=y.device) if need_dx else None
+    dw = torch.zeros((grp, cg), dtype=torch.float64, device=y.device) if need_dw else None
+    per_sample = max(c * hw, 1)
+    step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 16) // per_sample)
+    for i in range(0, n, step):
+        sl = slice(i, i + step)
+        xh = rebuild_xhat(y4[sl], w, b, acc)
+        rc = r[sl].view(-1, grp, 1, 1)
+        if idx.numel():
+            m_k = mu[sl].index_select(1, gidx).unsqueeze(-1)
+            r_k = r[sl].index_select(1, gidx).unsqueeze(-1)
+            xh.view(-1, c, hw).index_copy_(1, idx, (xside[sl].to(acc) - m_k) * r_k)
+        dyc = dy4[sl].to(acc)
+        if need_dw:
+            dw += (dyc * xh).sum((0, 3), dtype=torch.float64)
+        if need_dx:
+            g = dyc * w if w is not None else dyc.clone()
+            c1 = g.mean((2, 3), keepdim=True)
+            c2 = (
+                _rowdot(g.view(-1, cg * hw), xh.view(-1, cg * hw))
+                .div_(cg * hw)
+                .view(g.shape[:2] + (1, 1))
+            )
+            dx[sl] = g.sub_(c1).sub_(xh.mul_(c2)).mul_(rc)
+            del g
+        del xh, dyc
+    if need_dx:
+        dx = dx.reshape(y.shape)
+    if need_dw:
+        dw = dw.to(weight.dtype).reshape(weight.shape)
+    db = None
+    if bias is not None and output_mask[2]:
+        db = dy4.sum((0, 3), dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
+    return dx, dw, db
+
+
+@custom_op("group_norm_fwd", mutates_args=())
+def _group_norm_fwd(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd_torch(x, num_groups, weight, bias, eps)
+
+
+@_group_norm_fwd.register_fake
+def _(x, num_groups, weight, bias, eps):
+    k = torch.library.get_ctx().new_dynamic_size()
+    n = x.shape[0]
+    acc = _acc_dtype(x.dtype)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty((n, num_groups), dtype=acc),
+        x.new_empty((n, num_groups), dtype=acc),
+        x.new_empty((k,), dtype=torch.int64),
+        x.new_empty((n, k, math.prod(x.shape[2:]))),
+    )
+
+
+@custom_op("group_norm_bwd", mutates_args=())
+def _group_norm_bwd(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    idx: torch.Tensor,
+    xside: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    num_groups: int,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask)
+    empty = y.new_empty(0)
+    return (
+        dx if dx is not None else empty,
+        dw if dw is not None else empty.clone(),
+        db if db is not None else empty.clone(),
+    )
+
+
+@_group_norm_bwd.register_fake
+def _(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask):
+    dx = torch.empty_like(y) if output_mask[0] else y.new_empty(0)
+    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else y.new_empty(0)
+    db = torch.empty_like(bias) if bias is not None and output_mask[2] else y.new_empty(0)
+    return dx, dw, db
+
+
+class _GroupNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, num_groups, weight, bias, eps):
+        y, mean, rstd, idx, xside = _group_norm_fwd(x, num_groups, weight, bias, eps)
+        ctx.num_groups = num_groups
+        ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
+        ctx.mark_non_differentiable(mean, rstd, idx, xside)
+        return y, mean, rstd, idx, xside
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        if torch.is_grad_enabled():
+            raise no_double_backward("group_norm")
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        dx, dw, db = _group_norm_bwd(
+            dy, y, mean, rstd, idx, xside, weight, bias, ctx.num_groups, mask
+        )
+        return (
+            dx if mask[0] else None,
+            None,
+            dw if weight is not None and mask[1] else None,
+            db if bias is not None and mask[2] else None,
+            None,
+        )
+
+
+def group_norm(
+    input: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Group normalization (as ``F.group_norm``) that keeps its output instead of its input.
+
+    ``y = (x - mean_g) / sqrt(var_g + eps) * weight_c + bias_c`` per sample and group of channels.
+
+    Memory: saves y (shared with the next layer) + 8 B per (sample, group) + fallback input
+    channels; eager saves x + 8 B per (sample, group).
+
+    Args:
+        input: ``(N, C, *)``.
+        num_groups: number of groups; must divide C.
+        weight, bias: optional ``(C,)`` affine parameters.
+        eps: added to the variance.
+
+    Returns:
+        Tensor like ``input``.
+
+    Raises:
+        ValueError: ``input`` has fewer than 2 dims, or ``num_groups`` does not divide C.
+
+    Example:
+        >>> y = group_norm(torch.randn(2, 6, 5, requires_grad=True), 3)
+    """
+    if input.dim() < 2 or num_groups <= 0 or input.shape[1] % num_groups:
+        raise ValueError(
+            "slimgrad.ops.group_norm: channels must split into groups; expected input (N, C, *) "
+            f"with C divisible by num_groups, got shape {tuple(input.shape)} and num_groups="
+            f"{num_groups}. Pick num_groups dividing the channel count."
+        )
+    if math.prod(input.shape[1:]) // num_groups < MIN_GROUP_NUMEL:
+        # Tiny groups: xhat is too poorly determined by the rounded output (a group of 2 is +-1);
+        # keep eager's saving of the input (same memory as eager, exact).
+        return F.group_norm(input, num_groups, weight, bias, eps)
+    dev = input.device.type
+    if torch.is_autocast_enabled(dev):
+        probe = F.group_norm(input.new_empty((0, *input.shape[1:])), num_groups)
+        if probe.dtype != input.dtype:
+            input, weight, bias = autocast_inputs(probe.dtype, input, weight, bias)
+        with torch.autocast(dev, enabled=False):
+            return _GroupNormFn.apply(input, int(num_groups), weight, bias, float(eps))[0]
+    return _GroupNormFn.apply(input, int(num_groups), weight, bias, float(eps))[0]

@@ -1,0 +1,142 @@
+"""Hardtanh and ReLU6 that keep only their output.
+
+Math: y = clamp(x, min_val, max_val),  dy/dx = [min_val < x < max_val] = [min_val < y < max_val]
+(``hardtanh_backward(g, y, min_val, max_val)``: eager's formula, fed y instead of x; y == min_val
+exactly iff x <= min_val, so the two agree everywhere, NaN included). relu6 = hardtanh(0, 6).
+See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
+
+For float16/bfloat16 with a bound that the dtype cannot represent (e.g. 0.7), y == round(bound) for
+x on both sides of the bound, so y no longer tells the side; then we keep [min_val < x < max_val] as
+1 bit/elt, which is all the gradient needs.
+
+Memory: saves y (the output, shared with the next layer), or 1 bit/elt only for a low-precision
+input with an unrepresentable bound; eager saves x (4 B/elt float32).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.ops._bits import pack_bits, unpack_bits_as
+from slimgrad.ops._output_act import forward_output_only, needs_graph
+
+__all__ = ["hardtanh", "hardtanh_", "relu6", "relu6_"]
+
+
+def _fwd_torch(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    return torch.nn.functional.hardtanh(x, min_val, max_val)
+
+
+def _bwd_torch(g: Tensor, y: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    return torch.ops.aten.hardtanh_backward(g, y, min_val, max_val)
+
+
+class _HardtanhFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, min_val: float, max_val: float, inplace: bool):
+        ctx.bounds = (min_val, max_val)
+        return forward_output_only(
+            ctx,
+            x,
+            inplace,
+            lambda t: torch.nn.functional.hardtanh(t, min_val, max_val),
+            lambda t: torch.nn.functional.hardtanh_(t, min_val, max_val),
+        )
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return _bwd_torch(g, y, *ctx.bounds), None, None, None
+
+
+class _HardtanhBitsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, min_val: float, max_val: float, inplace: bool):
+        xo = (
+            x.float()
+        )  # compare in opmath (float32), as eager's backward does; NaN passes the gradient
+        bits = pack_bits(~((xo <= min_val) | (xo >= max_val)))
+        if inplace:
+            y = torch.nn.functional.hardtanh_(x, min_val, max_val)
+            ctx.mark_dirty(y)
+        else:
+            y = torch.nn.functional.hardtanh(x, min_val, max_val)
+        ctx.save_for_backward(bits)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (bits,) = ctx.saved_tensors
+        return g * unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape), None, None, None
+
+
+def _representable(v: float, dtype: torch.dtype) -> bool:
+    opmath = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.tensor(v, dtype=dtype).item() == torch.tensor(v, dtype=opmath).item()
+
+
+def _check(min_val: float, max_val: float, api: str) -> None:
+    if not max_val >= min_val:
+        raise ValueError(
+            f"slimgrad.{api}: max_val must be >= min_val; expected max_val >= {min_val}, got "
+            f"{max_val}. Swap the bounds."
+        )
+
+
+def hardtanh(
+    input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False
+) -> Tensor:
+    """Hardtanh ``y = clamp(x, min_val, max_val)`` that keeps only y for backward.
+
+    Memory: saves y (shared with the next layer), or 1 bit/elt for float16/bfloat16 with a bound the
+    dtype cannot represent; eager saves x (4 B/elt float32).
+
+    Args:
+        input: any floating tensor.
+        min_val, max_val: the clamp bounds (``max_val >= min_val``).
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Raises:
+        ValueError: ``max_val < min_val``.
+
+    Example:
+        >>> y = hardtanh(torch.randn(4, 8, requires_grad=True), -2.0, 2.0)
+    """
+    _check(min_val, max_val, "hardtanh")
+    if not needs_graph(input):
+        return torch.nn.functional.hardtanh(input, min_val, max_val, inplace=inplace)
+    exact = _representable(min_val, input.dtype) and _representable(max_val, input.dtype)
+    fn = _HardtanhFn if exact else _HardtanhBitsFn
+    return fn.apply(input, float(min_val), float(max_val), inplace)
+
+
+def hardtanh_(input: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    """In-place :func:`hardtanh`."""
+    return hardtanh(input, min_val, max_val, inplace=True)
+
+
+def relu6(input: Tensor, inplace: bool = False) -> Tensor:
+    """ReLU6 ``y = clamp(x, 0, 6)`` (hardtanh(0, 6)) that keeps only y for backward.
+
+    Memory: saves y (shared with the next layer); eager saves x (4 B/elt float32).
+
+    Args:
+        input: any floating tensor.
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Example:
+        >>> y = relu6(torch.randn(4, 8, requires_grad=True))
+    """
+    return hardtanh(input, 0.0, 6.0, inplace)
+
+
+def relu6_(input: Tensor) -> Tensor:
+    """In-place :func:`relu6`."""
+    return relu6(input, inplace=True)

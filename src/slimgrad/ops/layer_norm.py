@@ -1,0 +1,284 @@
+"""LayerNorm that keeps its output, not its input.
+
+Math: over the last ``len(normalized_shape)`` dims (D elements per row), ``mu = mean(x)``, ``rstd =
+1 / sqrt(var(x) + eps)``, ``xhat = (x - mu) * rstd``, ``y = xhat * gamma + beta``. Backward with ``g
+= dy * gamma``: ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy *
+xhat)``, ``dbeta = sum_rows(dy)``, where ``xhat = (y - beta) / gamma`` is rebuilt from the output.
+
+Memory: saves y (the output, shared with the next layer: 0 extra B/elt when that layer keeps it) +
+mean and rstd (8 B/row, fp32) + the input's columns of fallback channels (k * itemsize B/row, k = 0
+for usual weights); eager saves x, mean, rstd (x: 4 B/elt fp32 extra).
+
+# NOTE [Normalization from its output: the fallback channels]
+Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about
+``eps_dtype * (|xhat| + |beta / gamma|)``, so it is exact to the dtype's rounding (the GUIDE.md
+rule) only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|`` and ``|gamma| >= finfo(dtype).tiny``
+(no subnormal output, no division by 0). Every other channel -- gamma = 0, gamma ~ 0 with a sizeable
+beta, a NaN/inf weight -- is a *fallback* channel: the forward keeps that channel's input column (as
+eager keeps all of x) and the backward rebuilds its ``xhat = (x - mu) * rstd`` exactly as eager
+does. The fallback is decided per forward from the current weights, costs nothing when there is
+none, and in the worst case (all channels) keeps what eager keeps, x, plus the output that the next
+layer keeps anyway: never inf/NaN. RMSNorm and GroupNorm use the same rule (RMSNorm: beta = 0).
+
+Limits, measured (seed sweeps against float64 with the tests' shapes and weights, 25-40 seeds): in
+fp32 every gradient of LayerNorm, RMSNorm and GroupNorm stayed within the rule, and LayerNorm also
+in bf16/fp16. A bf16/fp16 output carries only 8/11 bits of xhat, so for RMSNorm and GroupNorm dgamma
+(a sum of rebuilt xhat over rows) exceeded the rule's bound in 15 of ~1,900 half-precision cases, by
+up to 1.66x (1 seed of 25 for a given shape, all at a few rows); at realistic sizes the worst was
+1.04x (GroupNorm fp16, 20 seeds). Under FakeTensorMode (``slimgrad.memory.estimate``) weights have
+no values: no fallback is assumed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from slimgrad.ops._library import custom_op
+
+__all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
+
+#: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``: the
+#: rebuilt xhat then errs by at most ~eps * (|xhat| + 2), which keeps every gradient within the
+#: GUIDE.md rule (dense seed sweep in fp32/bf16/fp16; 4 already failed it once in 640 fp32 cases).
+BETA_OVER_GAMMA_MAX = 2.0
+#: Backward processes rows in chunks of max(CHUNK_ELEMS, numel / 16) elements: fp32 temporaries
+#: stay a small fraction of the dropped input, with at most ~16 chunks of Python overhead.
+CHUNK_ELEMS = 1 << 15
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # sum(a * b, dim=1, keepdim=True) for (rows, d) tensors as a batched GEMV: no (rows, d) product.
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1, 1)
+
+
+def rebuild_xhat(y: torch.Tensor, w, b, acc: torch.dtype) -> torch.Tensor:
+    # xhat = (y - b) / w in acc, as a fresh tensor (the caller updates it in place).
+    t = y.to(acc, copy=True)
+    if b is not None:
+        t.sub_(b)
+    if w is not None:
+        t.div_(w)
+    return t
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fallback_channels(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Indices (int64, flat over the normalized dims) of channels that keep their input column."""
+    if weight is None and bias is None:
+        dev = torch.device("cpu")
+        return torch.empty(0, dtype=torch.int64, device=dev)
+    ref = weight if weight is not None else bias
+    if type(ref) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(ref):
+        # Fake weights have no values (slimgrad.memory.estimate): assume no fallback channel.
+        return torch.empty(0, dtype=torch.int64, device=ref.device)
+    acc = _acc_dtype(ref.dtype)
+    w = weight.detach().reshape(-1).to(acc) if weight is not None else None
+    b = bias.detach().reshape(-1).to(acc) if bias is not None else None
+    aw = w.abs() if w is not None else torch.ones_like(b)
+    ok = aw >= torch.finfo(out_dtype).tiny
+    if b is not None:
+        ok &= b.abs() <= BETA_OVER_GAMMA_MAX * aw
+    ok &= torch.isfinite(aw)
+    return torch.nonzero(~ok).reshape(-1)
+
+
+def _fwd_torch(x, normalized_shape, weight, bias, eps):
+    y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    idx = fallback_channels(weight, bias, y.dtype).to(x.device)
+    d = math.prod(normalized_shape)
+    xside = x.reshape(-1, d).index_select(1, idx)
+    return y, mean, rstd, idx, xside
+
+
+def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
+    # Row chunks bound the fp32 temporaries (xhat, g); dgamma and dbeta accumulate in float64 (fp32
+    # sums over rows exceeded the GUIDE.md rule at small shapes in the seed sweeps). Runs without
+    # grad mode only (double backward is refused), so in-place updates of the temporaries are safe.
+    acc = _acc_dtype(y.dtype)
+    d = math.prod(normalized_shape)
+    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    dy2, y2 = dy.reshape(n, d), y.reshape(n, d)
+    mu, r = mean.reshape(n, 1), rstd.reshape(n, 1).to(acc)
+    w = weight.reshape(d).to(acc) if weight is not None else None
+    b = bias.reshape(d).to(acc) if bias is not None else None
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
+    dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
+    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
+    for i in range(0, n, step):
+        sl = slice(i, i + step)
+        xh = rebuild_xhat(y2[sl], w, b, acc)
+        if idx.numel():
+            xh.index_copy_(1, idx, (xside[sl].to(acc) - mu[sl]) * r[sl])
+        dyc = dy2[sl].to(acc)
+        if need_dw:
+            dw += (dyc * xh).sum(0, dtype=torch.float64)
+        if need_dx:
+            g = dyc * w if w is not None else dyc.clone()
+            c1 = g.mean(1, keepdim=True)
+            c2 = _rowdot(g, xh).div_(d)  # no chunk-sized temporary
+            dx[sl] = g.sub_(c1).sub_(xh.mul_(c2)).mul_(r[sl])
+            del g
+        del xh, dyc  # free this chunk's temporaries before the next one
+    if need_dx:
+        dx = dx.reshape(y.shape)
+    if need_dw:
+        dw = dw.to(weight.dtype).reshape(weight.shape)
+    db = None
+    if bias is not None and output_mask[2]:
+        db = dy2.sum(0, dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
+    return dx, dw, db
+
+
+@custom_op("layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd_torch(x, list(normalized_shape), weight, bias, eps)
+
+
+@_layer_norm_fwd.register_fake
+def _(x, normalized_shape, weight, bias, eps):
+    k = torch.library.get_ctx().new_dynamic_size()
+    nd = len(normalized_shape)
+    stat_shape = tuple(x.shape[: x.dim() - nd]) + (1,) * nd
+    n = math.prod(x.shape[: x.dim() - nd])
+    acc = _acc_dtype(x.dtype)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty(stat_shape, dtype=acc),
+        x.new_empty(stat_shape, dtype=acc),
+        x.new_empty((k,), dtype=torch.int64),
+        x.new_empty((n, k)),
+    )
+
+
+@custom_op("layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    idx: torch.Tensor,
+    xside: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    normalized_shape: Sequence[int],
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _bwd_torch(
+        dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask
+    )
+    empty = y.new_empty(0)
+    return (
+        dx if dx is not None else empty,
+        dw if dw is not None else empty.clone(),
+        db if db is not None else empty.clone(),
+    )
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
+    dx = torch.empty_like(y) if output_mask[0] else y.new_empty(0)
+    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else y.new_empty(0)
+    db = torch.empty_like(bias) if bias is not None and output_mask[2] else y.new_empty(0)
+    return dx, dw, db
+
+
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps):
+        y, mean, rstd, idx, xside = _layer_norm_fwd(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = normalized_shape
+        ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
+        ctx.mark_non_differentiable(mean, rstd, idx, xside)
+        return y, mean, rstd, idx, xside
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        if torch.is_grad_enabled():
+            raise no_double_backward("layer_norm")
+        dx, dw, db = _layer_norm_bwd(
+            dy, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask
+        )
+        return (
+            dx if mask[0] else None,
+            None,
+            dw if weight is not None and mask[1] else None,
+            db if bias is not None and mask[2] else None,
+            None,
+        )
+
+
+def no_double_backward(api: str, alternative: str | None = None) -> NotImplementedError:
+    # The statistics (and P for softmax) are kept without their own graph, so a second derivative
+    # through them would be silently wrong: refuse it.
+    alternative = alternative or f"torch.nn.functional.{api}"
+    return NotImplementedError(
+        f"slimgrad.ops.{api}: double backward is not supported; expected create_graph=False, got "
+        f"a backward with create_graph=True. Use {alternative} where higher-order gradients are "
+        "needed."
+    )
+
+
+def autocast_inputs(reference_out_dtype: torch.dtype | None, *tensors):
+    """Cast floating tensors to the dtype eager autocast computes in (None: leave them)."""
+    if reference_out_dtype is None:
+        return tensors
+    return tuple(
+        t.to(reference_out_dtype) if t is not None and t.is_floating_point() else t for t in tensors
+    )
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Layer normalization (as ``F.layer_norm``) that keeps its output instead of its input.
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape``
+    dims. See NOTE [Normalization from its output: the fallback channels].
+
+    Memory: saves y (shared with the next layer) + 8 B/row (mean, rstd) + fallback input columns;
+    eager saves x + 8 B/row.
+
+    Args:
+        input: ``(*, *normalized_shape)``.
+        normalized_shape: trailing shape to normalize over.
+        weight, bias: optional ``normalized_shape`` affine parameters.
+        eps: added to the variance.
+
+    Returns:
+        Tensor like ``input``.
+
+    Example:
+        >>> y = layer_norm(torch.randn(4, 8, requires_grad=True), (8,))
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = [int(s) for s in normalized_shape]
+    dev = input.device.type
+    if torch.is_autocast_enabled(dev):
+        probe = F.layer_norm(input.new_empty((0, *normalized_shape)), normalized_shape)
+        if probe.dtype != input.dtype:
+            input, weight, bias = autocast_inputs(probe.dtype, input, weight, bias)
+        with torch.autocast(dev, enabled=False):
+            return _LayerNormFn.apply(input, normalized_shape, weight, bias, float(eps))[0]
+    return _LayerNormFn.apply(input, normalized_shape, weight, bias, float(eps))[0]

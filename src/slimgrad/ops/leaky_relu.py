@@ -1,0 +1,101 @@
+"""LeakyReLU that keeps only its output (slope >= 0) or only 1 bit per element (slope < 0).
+
+Math: y = x if x > 0 else slope * x,  dy/dx = 1 if x > 0 else slope.
+For slope >= 0, x > 0 iff y > 0, so backward is eager's in-place formula
+``leaky_relu_backward(g, y, slope, self_is_result=True)``. For slope < 0, y does not tell the sign
+of x; we keep [x > 0] as 1 bit/elt, which is all the gradient needs (eager's ``leaky_relu_``
+refuses a negative slope in backward).
+See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
+
+Memory: slope >= 0: saves y (the output, shared with the next layer); slope < 0: saves 1 bit/elt
+only. Eager saves x (4 B/elt float32).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.ops._bits import pack_bits, unpack_bits
+from slimgrad.ops._output_act import forward_output_only, needs_graph
+
+__all__ = ["leaky_relu", "leaky_relu_"]
+
+
+def _fwd_torch(x: Tensor, negative_slope: float = 0.01) -> Tensor:
+    return torch.nn.functional.leaky_relu(x, negative_slope)
+
+
+def _bwd_torch(g: Tensor, y: Tensor, negative_slope: float = 0.01) -> Tensor:
+    return torch.ops.aten.leaky_relu_backward(g, y, negative_slope, True)
+
+
+def _bwd_bits(g: Tensor, bits: Tensor, negative_slope: float) -> Tensor:
+    pos = unpack_bits(bits, g.numel()).view(g.shape)
+    return torch.where(pos, g, g * negative_slope)
+
+
+class _LeakyReluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, negative_slope: float, inplace: bool):
+        ctx.slope = negative_slope
+        return forward_output_only(
+            ctx,
+            x,
+            inplace,
+            lambda t: torch.nn.functional.leaky_relu(t, negative_slope),
+            lambda t: torch.nn.functional.leaky_relu_(t, negative_slope),
+        )
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return _bwd_torch(g, y, ctx.slope), None, None
+
+
+class _LeakyReluBitsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, negative_slope: float, inplace: bool):
+        ctx.slope = negative_slope
+        bits = pack_bits(x > 0)
+        if inplace:
+            y = torch.nn.functional.leaky_relu_(x, negative_slope)
+            ctx.mark_dirty(y)
+        else:
+            y = torch.nn.functional.leaky_relu(x, negative_slope)
+        ctx.save_for_backward(bits)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (bits,) = ctx.saved_tensors
+        return _bwd_bits(g, bits, ctx.slope), None, None
+
+
+def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """LeakyReLU ``y = x if x > 0 else negative_slope * x`` that keeps y (or 1 bit/elt) for
+    backward.
+
+    Memory: ``negative_slope >= 0``: saves y (shared with the next layer); ``< 0``: saves 1 bit/elt.
+    Eager saves x (4 B/elt float32).
+
+    Args:
+        input: any floating tensor.
+        negative_slope: slope for x <= 0 (any sign).
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Example:
+        >>> y = leaky_relu(torch.randn(4, 8, requires_grad=True), 0.2)
+    """
+    if not needs_graph(input):
+        return torch.nn.functional.leaky_relu(input, negative_slope, inplace=inplace)
+    fn = _LeakyReluFn if negative_slope >= 0 else _LeakyReluBitsFn
+    return fn.apply(input, float(negative_slope), inplace)
+
+
+def leaky_relu_(input: Tensor, negative_slope: float = 0.01) -> Tensor:
+    """In-place :func:`leaky_relu`; works for a negative slope too (eager's refuses in backward)."""
+    return leaky_relu(input, negative_slope, inplace=True)

@@ -1,0 +1,136 @@
+"""Mish that keeps its output, 1 branch bit per element and a sparse table of exact inputs.
+
+Math: y = x tanh(sp),  sp = log(1 + e^x),  dy/dx = tanh(sp) + x sigmoid(x) (1 - tanh^2(sp)).
+One minimum at x* = -1.19237 (y_min = -0.30884), so x follows from (y, [x >= x*]); where that
+inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
+``slimgrad.ops._output_act``). Within |x - x*| < 0.2 the float32 output is computed in float64
+and rounded (it may differ from eager's by a few ulp there).
+
+Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
++ 8 B per hard element (int32 index + x; |x - x*| < 0.025, non-finite): measured 0.204 B/elt at
+N(0, 1) and 0.158 B/elt at N(0, 0.577) besides y; eager saves x (4 B/elt), and eager ``mish_`` a
+clone of x. Worst case (more than 1/16 of the elements hard), and float64: keeps x densely, as eager
+does, and neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element with
+|x - x*| < 0.15; eager 2 B/elt.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.ops._library import custom_op
+from slimgrad.ops._output_act import (
+    SmoothSpec,
+    needs_graph,
+    no_double_backward,
+    smooth_apply,
+    smooth_fake_side_info,
+    smooth_forward,
+    smooth_fwd,
+    smooth_grad,
+)
+
+__all__ = ["mish", "mish_"]
+
+
+def _f(x):
+    return x * torch.tanh(torch.nn.functional.softplus(x))
+
+
+def _df(x):
+    t = torch.tanh(torch.nn.functional.softplus(x))
+    return t + x * torch.sigmoid(x) * (1.0 - t * t)
+
+
+SPEC = SmoothSpec(
+    "mish",
+    _f,
+    _df,
+    window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
+    x_right=20.0,
+    zone=0.2,
+)
+
+
+def _fwd_torch(x: Tensor) -> Tensor:
+    return torch.nn.functional.mish(x)
+
+
+def _bwd_exact(g: Tensor, x: Tensor) -> Tensor:
+    return torch.ops.aten.mish_backward(g, x)
+
+
+def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
+    return smooth_grad(SPEC, g, y, bits, idx, xs, _bwd_exact)
+
+
+@custom_op("mish_fwd", mutates_args=())
+def _mish_fwd(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return smooth_fwd(SPEC, x, _fwd_torch)
+
+
+@_mish_fwd.register_fake
+def _(x):
+    return (torch.empty_like(x), *smooth_fake_side_info(x))
+
+
+@custom_op("mish_bwd", mutates_args=())
+def _mish_bwd(g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
+    return _bwd_torch(g, y, bits, idx, xs)
+
+
+@_mish_bwd.register_fake
+def _(g, y, bits, idx, xs):
+    return g.new_empty(g.shape)
+
+
+class _MishFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _mish_fwd(x), False)
+
+    @staticmethod
+    def backward(ctx, g, *_side):
+        no_double_backward("mish")
+        return _mish_bwd(g, *ctx.saved_tensors)
+
+
+class _MishInplaceFn(_MishFn):
+    @staticmethod
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _mish_fwd(x), True)
+
+
+def mish(input: Tensor, inplace: bool = False) -> Tensor:
+    """Mish ``y = x tanh(softplus(x))`` that keeps its output + 1 bit/elt (+ a sparse exact table).
+
+    Output as ``torch.nn.functional.mish``; the gradient is within eager's own error (GUIDE.md
+    rule).
+
+    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
+    0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt; eager
+    ``inplace=True`` saves a clone of x). More than 1/16 hard elements, or float64: keeps x densely,
+    as eager does.
+
+    Args:
+        input: tensor of float32, float16, bfloat16 or float64.
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Raises:
+        RuntimeError: double backward (``create_graph=True``) through this op.
+
+    Example:
+        >>> y = mish(torch.randn(4, 8, requires_grad=True))
+    """
+    if not needs_graph(input):
+        return torch.nn.functional.mish(input, inplace=inplace)
+    return smooth_apply(_MishFn, _MishInplaceFn, input, inplace)
+
+
+def mish_(input: Tensor) -> Tensor:
+    """In-place :func:`mish`; unlike eager ``mish_`` it keeps no copy of x."""
+    return mish(input, inplace=True)

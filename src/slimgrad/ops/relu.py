@@ -1,0 +1,61 @@
+"""ReLU that keeps only its output (eager does the same; the in-place form is exact too).
+
+Math: y = max(x, 0),  dy/dx = [x > 0] = [y > 0]  (``threshold_backward(g, y, 0)``, eager's own
+formula). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
+
+Memory: saves y (the output, shared with the next layer): 0 extra B/elt when the next layer keeps y;
+eager saves y too. ``relu_`` overwrites x and keeps nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.ops._output_act import forward_output_only, needs_graph
+
+__all__ = ["relu", "relu_"]
+
+
+def _fwd_torch(x: Tensor) -> Tensor:
+    return torch.relu(x)
+
+
+def _bwd_torch(g: Tensor, y: Tensor) -> Tensor:
+    return torch.ops.aten.threshold_backward(g, y, 0)
+
+
+class _ReluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, inplace: bool):
+        return forward_output_only(ctx, x, inplace, torch.relu, torch.relu_)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return _bwd_torch(g, y), None
+
+
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    """ReLU ``y = max(x, 0)`` that keeps only y for backward.
+
+    Memory: saves y (shared with the next layer); eager saves y too.
+
+    Args:
+        input: any floating tensor.
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Example:
+        >>> y = relu(torch.randn(4, 8, requires_grad=True))
+    """
+    if not needs_graph(input):
+        return torch.relu_(input) if inplace else torch.relu(input)
+    return _ReluFn.apply(input, inplace)
+
+
+def relu_(input: Tensor) -> Tensor:
+    """In-place :func:`relu`."""
+    return relu(input, inplace=True)

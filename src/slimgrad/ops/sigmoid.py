@@ -1,0 +1,61 @@
+"""Sigmoid that keeps only its output.
+
+Math: y = 1 / (1 + e^-x),  dy/dx = y (1 - y)  (``sigmoid_backward(g, y)``, eager's own formula).
+See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
+
+Memory: saves y (the output, shared with the next layer); eager saves y too. ``sigmoid_`` overwrites
+x.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.ops._output_act import forward_output_only, needs_graph
+
+__all__ = ["sigmoid", "sigmoid_"]
+
+
+def _fwd_torch(x: Tensor) -> Tensor:
+    return torch.sigmoid(x)
+
+
+def _bwd_torch(g: Tensor, y: Tensor) -> Tensor:
+    return torch.ops.aten.sigmoid_backward(g, y)
+
+
+class _SigmoidFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, inplace: bool):
+        return forward_output_only(ctx, x, inplace, torch.sigmoid, torch.sigmoid_)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return _bwd_torch(g, y), None
+
+
+def sigmoid(input: Tensor, inplace: bool = False) -> Tensor:
+    """Sigmoid ``y = 1 / (1 + exp(-x))`` that keeps only y for backward.
+
+    Memory: saves y (shared with the next layer); eager saves y too.
+
+    Args:
+        input: any floating tensor.
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Example:
+        >>> y = sigmoid(torch.randn(4, 8, requires_grad=True))
+    """
+    if not needs_graph(input):
+        return torch.sigmoid_(input) if inplace else torch.sigmoid(input)
+    return _SigmoidFn.apply(input, inplace)
+
+
+def sigmoid_(input: Tensor) -> Tensor:
+    """In-place :func:`sigmoid`."""
+    return sigmoid(input, inplace=True)

@@ -1,0 +1,136 @@
+"""SiLU that keeps its output, 1 branch bit per element and a sparse table of exact inputs.
+
+Math: y = x sigmoid(x),  dy/dx = sigmoid(x) (1 + x (1 - sigmoid(x))).
+One minimum at x* = -1.27846 (y_min = x* + 1 = -0.27846), so x follows from (y, [x >= x*]); where
+that inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
+``slimgrad.ops._output_act``). Within |x - x*| < 0.1 the float32 output is computed in float64
+and rounded (it may differ from eager's by a few ulp there).
+
+Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
++ 8 B per hard element (int32 index + x; |x - x*| < 0.025, non-finite): measured 0.196 B/elt at
+N(0, 1) and 0.149 B/elt at N(0, 0.577) besides y; eager saves x (4 B/elt), and eager ``silu_`` a
+clone of x. Worst case (more than 1/16 of the elements hard), and float64: keeps x densely, as eager
+does, and neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element with
+|x - x*| < 0.15; eager 2 B/elt.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from slimgrad.ops._library import custom_op
+from slimgrad.ops._output_act import (
+    SmoothSpec,
+    needs_graph,
+    no_double_backward,
+    smooth_apply,
+    smooth_fake_side_info,
+    smooth_forward,
+    smooth_fwd,
+    smooth_grad,
+)
+
+__all__ = ["silu", "silu_"]
+
+
+def _f(x):
+    return x * torch.sigmoid(x)
+
+
+def _df(x):
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+SPEC = SmoothSpec(
+    "silu",
+    _f,
+    _df,
+    window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
+    x_right=20.0,
+    zone=0.1,
+)
+
+
+def _fwd_torch(x: Tensor) -> Tensor:
+    return torch.nn.functional.silu(x)
+
+
+def _bwd_exact(g: Tensor, x: Tensor) -> Tensor:
+    return torch.ops.aten.silu_backward(g, x)
+
+
+def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
+    return smooth_grad(SPEC, g, y, bits, idx, xs, _bwd_exact)
+
+
+@custom_op("silu_fwd", mutates_args=())
+def _silu_fwd(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return smooth_fwd(SPEC, x, _fwd_torch)
+
+
+@_silu_fwd.register_fake
+def _(x):
+    return (torch.empty_like(x), *smooth_fake_side_info(x))
+
+
+@custom_op("silu_bwd", mutates_args=())
+def _silu_bwd(g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
+    return _bwd_torch(g, y, bits, idx, xs)
+
+
+@_silu_bwd.register_fake
+def _(g, y, bits, idx, xs):
+    return g.new_empty(g.shape)
+
+
+class _SiluFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _silu_fwd(x), False)
+
+    @staticmethod
+    def backward(ctx, g, *_side):
+        no_double_backward("silu")
+        return _silu_bwd(g, *ctx.saved_tensors)
+
+
+class _SiluInplaceFn(_SiluFn):
+    @staticmethod
+    def forward(ctx, x: Tensor):
+        return smooth_forward(ctx, x, _silu_fwd(x), True)
+
+
+def silu(input: Tensor, inplace: bool = False) -> Tensor:
+    """SiLU ``y = x sigmoid(x)`` that keeps its output + 1 bit/elt (+ a sparse exact table).
+
+    Output as ``torch.nn.functional.silu``; the gradient is within eager's own error (GUIDE.md
+    rule).
+
+    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
+    0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt; eager
+    ``inplace=True`` saves a clone of x). More than 1/16 hard elements, or float64: keeps x densely,
+    as eager does.
+
+    Args:
+        input: tensor of float32, float16, bfloat16 or float64.
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Raises:
+        RuntimeError: double backward (``create_graph=True``) through this op.
+
+    Example:
+        >>> y = silu(torch.randn(4, 8, requires_grad=True))
+    """
+    if not needs_graph(input):
+        return torch.nn.functional.silu(input, inplace=inplace)
+    return smooth_apply(_SiluFn, _SiluInplaceFn, input, inplace)
+
+
+def silu_(input: Tensor) -> Tensor:
+    """In-place :func:`silu`; unlike eager ``silu_`` it keeps no copy of x."""
+    return silu(input, inplace=True)

@@ -1,0 +1,190 @@
+"""Attention's ``softmax -> dropout -> matmul with V``, keeping softmax's output and mask bits only.
+
+Math: ``P = softmax(S, dim)``, ``D = dropout(P, p)`` (``D = P * m / (1 - p)``), ``O = D @ V``.
+Backward: ``dV = D^T dO`` with D rebuilt from P and the bits (bit-identical to the forward's D, see
+NOTE [Dropout masks: drawn like eager, kept as bits] in ``ops/dropout.py``), ``dD = dO V^T``, ``dP =
+dD * m / (1 - p)``, ``dS = P * (dP - sum(dP * P, dim))`` (``torch._softmax_backward_data``, as
+eager).
+
+Memory: saves P (4 B/elt fp32 of S) + the mask bits (1/8 B/elt) + V; eager saves P (softmax), the
+float mask (4 B/elt on CPU, 1 B/elt bool on CUDA), the dropped D (4 B/elt, the bmm input) and V. P
+plays the part of D in the tracker's floor (``_slimgrad_floor``): saved - floor = 1/8 B/elt of S.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+from slimgrad.ops._library import custom_op
+from slimgrad.ops.dropout import _check_p
+from slimgrad.ops.layer_norm import no_double_backward
+
+# the module (the package attribute slimgrad.ops.dropout is the function)
+_dropout = importlib.import_module("slimgrad.ops.dropout")
+
+__all__ = ["softmax_dropout_matmul"]
+
+
+def _fwd_torch(s, v, p, dim, mm_dtype):
+    probs = torch.softmax(s, dim)
+    if p > 0:
+        dropped, bits = _dropout._fwd_torch(probs, p)
+    else:
+        dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
+    out = torch.matmul(dropped.to(mm_dtype), v.to(mm_dtype))
+    return out, probs, bits
+
+
+def _bwd_torch(d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_mask):
+    # One S-sized temporary at a time besides P: D is rebuilt, used for dV and dropped before dD.
+    ds = dv = None
+    if output_mask[1]:
+        dropped = _dropout._apply_mask_torch(probs, bits, p, fused) if p > 0 else probs
+        dv = torch.matmul(dropped.to(mm_dtype).mT, d_out)
+        del dropped
+        dv = dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
+    if output_mask[0]:
+        d_dropped = torch.matmul(d_out, v.to(mm_dtype).mT).to(probs.dtype)
+        if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
+            d_dropped = d_dropped.sum_to_size(probs.shape).contiguous()
+        dp = (
+            _dropout._apply_mask_torch(d_dropped, bits, p, fused, inplace=True)
+            if p > 0
+            else d_dropped
+        )
+        del d_dropped
+        ds = torch._softmax_backward_data(dp, probs, dim, probs.dtype)
+    return ds, dv
+
+
+@custom_op("softmax_dropout_matmul_fwd", mutates_args=())
+def _sdm_fwd(
+    s: torch.Tensor, v: torch.Tensor, p: float, dim: int, mm_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd_torch(s, v, p, dim, mm_dtype)
+
+
+@_sdm_fwd.register_fake
+def _(s, v, p, dim, mm_dtype):
+    probs = torch.empty_like(s, memory_format=torch.contiguous_format)
+    out = torch.matmul(probs.to(mm_dtype), v.to(mm_dtype))
+    nbits = (s.numel() + 7) // 8 if p > 0 else 0
+    return out, probs, s.new_empty((nbits,), dtype=torch.uint8)
+
+
+@custom_op("softmax_dropout_matmul_bwd", mutates_args=())
+def _sdm_bwd(
+    d_out: torch.Tensor,
+    probs: torch.Tensor,
+    bits: torch.Tensor,
+    v: torch.Tensor,
+    p: float,
+    dim: int,
+    fused: bool,
+    mm_dtype: torch.dtype,
+    v_dtype: torch.dtype,
+    v_shape: list[int],
+    output_mask: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ds, dv = _bwd_torch(
+        d_out, probs, bits, v, p, dim, fused, mm_dtype, torch.Size(v_shape), output_mask
+    )
+    empty = probs.new_empty(0)
+    return (ds if ds is not None else empty, dv.to(v_dtype) if dv is not None else empty.clone())
+
+
+@_sdm_bwd.register_fake
+def _(d_out, probs, bits, v, p, dim, fused, mm_dtype, v_dtype, v_shape, output_mask):
+    ds = torch.empty_like(probs) if output_mask[0] else probs.new_empty(0)
+    dv = probs.new_empty(v_shape, dtype=v_dtype) if output_mask[1] else probs.new_empty(0)
+    return ds, dv
+
+
+class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(ctx, s, v, p, dim, mm_dtype):
+        out, probs, bits = _sdm_fwd(s, v, p, dim, mm_dtype)
+        ctx.p, ctx.dim, ctx.mm_dtype, ctx.fused = p, dim, mm_dtype, _dropout._fused(s)
+        ctx.v_dtype, ctx.v_shape = v.dtype, list(v.shape)
+        # v is needed only for dS; P and the bits for both gradients.
+        ctx.save_for_backward(probs, bits, v if ctx.needs_input_grad[0] else None)
+        ctx.mark_non_differentiable(probs, bits)
+        return out, probs, bits
+
+    @staticmethod
+    def backward(ctx, d_out, *_):
+        probs, bits, v = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+        if torch.is_grad_enabled():
+            raise no_double_backward(
+                "softmax_dropout_matmul", "F.dropout(F.softmax(scores, dim), p) @ value"
+            )
+        if v is None:  # dS not needed: dV needs only v's shape and dtype
+            v = probs.new_empty(0)
+        ds, dv = _sdm_bwd(
+            d_out,
+            probs,
+            bits,
+            v,
+            ctx.p,
+            ctx.dim,
+            ctx.fused,
+            ctx.mm_dtype,
+            ctx.v_dtype,
+            ctx.v_shape,
+            mask,
+        )
+        return (ds if mask[0] else None, dv if mask[1] else None, None, None, None)
+
+
+def softmax_dropout_matmul(
+    input: torch.Tensor,
+    value: torch.Tensor,
+    p: float = 0.1,
+    training: bool = True,
+    dim: int = -1,
+) -> torch.Tensor:
+    """``dropout(softmax(input, dim), p, training) @ value`` keeping P and the mask bits only.
+
+    Values and gradients equal eager's ``F.dropout(F.softmax(input, dim), p, training) @ value``
+    (same mask at the same RNG state).
+
+    Memory: saves P + 1/8 B/elt of P (bits) + value; eager saves P, a 4 B/elt (CPU) mask and the
+    dropped P.
+
+    Args:
+        input: attention scores, e.g. ``(B, H, T, T)``.
+        value: ``(B, H, T, d)`` (``torch.matmul`` broadcasting).
+        p: dropout probability in [0, 1].
+        training: apply dropout if True.
+        dim: softmax dimension.
+
+    Returns:
+        ``dropout(softmax(input)) @ value``.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1].
+
+    Example:
+        >>> o = softmax_dropout_matmul(torch.randn(2, 4, 7, 7), torch.randn(2, 4, 7, 8), p=0.1)
+    """
+    _check_p("ops.softmax_dropout_matmul", p)
+    p_eff = float(p) if training and input.numel() > 0 else 0.0
+    if p_eff == 1.0:
+        return torch.matmul(F.dropout(F.softmax(input, dim), 1.0, True), value)
+    # Keep a compact V: a strided view (e.g. of a fused qkv output) would keep its whole base alive.
+    value = value.contiguous()
+    dev = input.device.type
+    if torch.is_autocast_enabled(dev):
+        sm_dtype = F.softmax(input.new_empty((0,)), -1).dtype
+        mm_dtype = torch.matmul(value.new_empty((0, 0)), value.new_empty((0, 0))).dtype
+        with torch.autocast(dev, enabled=False):
+            if value.dtype == torch.float64:
+                mm_dtype = torch.float64
+            return _SoftmaxDropoutMatmulFn.apply(input.to(sm_dtype), value, p_eff, dim, mm_dtype)[0]
+    return _SoftmaxDropoutMatmulFn.apply(input, value, p_eff, dim, value.dtype)[0]

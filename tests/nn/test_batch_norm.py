@@ -1,0 +1,227 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from slimgrad.convert_handlers.cnn import HANDLERS, bn_act_pattern, convert_cnn_
+from slimgrad.convert_handlers.cnn import TABLE as CNN_TABLE
+from slimgrad.memory import measure
+from slimgrad.nn import batch_norm as sbn
+
+
+@pytest.mark.parametrize(
+    "ours,theirs,shape",
+    [
+        (sbn.BatchNorm1d, nn.BatchNorm1d, (6, 4)),
+        (sbn.BatchNorm1d, nn.BatchNorm1d, (3, 4, 5)),
+        (sbn.BatchNorm2d, nn.BatchNorm2d, (3, 4, 5, 3)),
+        (sbn.BatchNorm3d, nn.BatchNorm3d, (2, 4, 3, 3, 2)),
+    ],
+)
+@pytest.mark.parametrize("kw", [{}, dict(momentum=None), dict(affine=False, eps=1e-3)])
+def test_train_eval_and_state_like_torch(ours, theirs, shape, kw):
+    torch.manual_seed(0)
+    ref = theirs(4, **kw)
+    if ref.affine:
+        with torch.no_grad():
+            ref.weight.uniform_(-1.5, 1.5)
+            ref.bias.uniform_(-0.5, 0.5)
+    m = ours.from_torch(copy.deepcopy(ref))
+    relu = sbn.ReLUAfterNorm.from_torch(nn.ReLU(inplace=True))
+    assert list(m.state_dict()) == list(ref.state_dict())
+    for train in (True, True, False):
+        m.train(train)
+        ref.train(train)
+        x0 = torch.randn(*shape)
+        outs = []
+        for mod, act in ((m, relu), (ref, nn.ReLU())):
+            mod.zero_grad()
+            x = x0.clone().requires_grad_()
+            y = act(mod(x))
+            (y * torch.linspace(-1, 2, y.numel()).view_as(y)).sum().backward()
+            grads = [p.grad for p in mod.parameters()]
+            outs.append([y, x.grad, *grads, *mod.state_dict().values()])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b)
+
+
+def test_from_torch_shares_parameters_and_buffers():
+    ref = nn.BatchNorm2d(3)
+    m = sbn.BatchNorm2d.from_torch(ref)
+    assert m.weight is ref.weight and m.running_mean is ref.running_mean
+    m(torch.randn(4, 3, 2, 2))
+    assert int(ref.num_batches_tracked) == 1  # the shared buffer was updated
+    sd = nn.BatchNorm2d(3).state_dict()
+    m.load_state_dict(sd)
+
+
+def test_activation_modules_on_plain_inputs_are_torch():
+    for ours, theirs in [
+        (sbn.ReLUAfterNorm.from_torch(nn.ReLU(inplace=True)), nn.ReLU(inplace=True)),
+        (sbn.GELUAfterNorm.from_torch(nn.GELU("tanh")), nn.GELU("tanh")),
+        (sbn.SiLUAfterNorm.from_torch(nn.SiLU()), nn.SiLU()),
+    ]:
+        x0 = torch.randn(5, 7)
+        outs = []
+        for mod in (ours, theirs):
+            x = x0.clone().requires_grad_()
+            h = x * 1
+            y = mod(h)
+            if mod.__dict__.get("inplace"):
+                assert y is h  # in place, as torch
+            y.pow(2).sum().backward()
+            outs.append([y, x.grad])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b)
+
+
+def _block(width=6):
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(width, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.SiLU(),
+        nn.Conv2d(width, 2, 1),
+    )
+
+
+def test_converted_block_keeps_one_tensor_per_bn_act():
+    torch.manual_seed(0)
+    ref = _block()
+    m = convert_cnn_(copy.deepcopy(ref))
+    assert isinstance(m[2], sbn.ReLUAfterNorm) and isinstance(m[1], sbn.BatchNorm2d)
+    x0 = torch.randn(2, 3, 9, 8)
+    full = 2 * 6 * 9 * 8 * 4
+
+    def step(mod):
+        return lambda: mod(x0 * 1).sum()
+
+    ms, me = measure(step(m)), measure(step(ref))
+    # eager: x, BN1 input, ReLU output, BN2 input, SiLU input and output; ours: x + 2 BN outputs
+    assert me.saved_bytes == x0.numel() * 4 + 5 * full + 2 * 2 * 6 * 4
+    assert ms.saved_bytes == x0.numel() * 4 + 2 * full + 2 * 4 * 6 * 4
+    assert ms.peak_bytes < me.peak_bytes
+    outs = []
+    for mod in (m, ref):
+        x = x0.clone().requires_grad_()
+        mod(x).square().sum().backward()
+        outs.append([x.grad] + [p.grad for p in mod.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+def test_pattern_and_table_for_convert():
+    class Rep:
+        converted, skipped = [], []
+
+    model = nn.Sequential(_block(), nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    bn_act_pattern(model, None, lambda m, n: n != "0.5", Rep)
+    assert isinstance(model[0][2], sbn.ReLUAfterNorm)
+    assert type(model[0][5]) is nn.SiLU  # filtered out
+    assert type(model[1][1]) is nn.ReLU  # no BatchNorm beside it
+    assert ("0.5", "SiLU", "filter_fn returned False") in Rep.skipped
+    assert CNN_TABLE["torch.nn.modules.batchnorm.BatchNorm2d"] == (
+        "batch_norm",
+        HANDLERS[nn.BatchNorm2d],
+    )
+    assert CNN_TABLE["torch.nn.modules.conv.Conv2d"][0] == "linear"
+    assert "torch.nn.modules.activation.ReLU" not in CNN_TABLE
+
+
+def test_eval_frozen_bn_keeps_nothing_full_size():
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    ref[1].requires_grad_(False)
+    m = convert_cnn_(copy.deepcopy(ref))
+    x0 = torch.randn(2, 3, 8, 8)
+    ms = measure(lambda: m(x0 * 1).sum())
+    me = measure(lambda: ref(x0 * 1).sum())
+    full = 2 * 4 * 6 * 6 * 4
+    assert me.saved_bytes == x0.numel() * 4 + 2 * full  # conv input, BN input, ReLU output
+    # conv input, ReLU output, per channel: running stats, 1/sqrt(var+eps), γ, β
+    assert ms.saved_bytes == x0.numel() * 4 + full + 5 * 4 * 4
+
+
+def test_through_slimgrad_convert_():
+    import slimgrad
+
+    torch.manual_seed(0)
+    ref = _block()
+    m = slimgrad.convert_(copy.deepcopy(ref))
+    rep = slimgrad.report(m)
+    kinds = {(name, to) for name, _, to in rep.converted}
+    assert ("1", "BatchNorm2d") in kinds and ("2", "ReLUAfterNorm") in kinds
+    assert ("0", "Conv2d") in kinds and ("5", "SiLUAfterNorm") in kinds
+    assert isinstance(m[0], sbn.nn.Conv2d) and type(m[0]).__module__ == "slimgrad.nn.conv"
+    off = slimgrad.convert_(
+        copy.deepcopy(ref), slimgrad.ConvertConfig(batch_norm=False, activations=False)
+    )
+    assert type(off[1]) is nn.BatchNorm2d and type(off[2]) is nn.ReLU
+    x = torch.randn(2, 3, 7, 7)
+    torch.testing.assert_close(m(x), ref(x))
+
+
+def test_compile_aot_eager_converted_block():
+    # Under torch.compile the BatchNorm/activation take torch's plain path (traced without graph
+    # breaks); the conv keeps its selective-saving Function.
+    torch.manual_seed(0)
+    ref = _block()
+    m = convert_cnn_(copy.deepcopy(ref))
+    torch._dynamo.reset()
+    cm = torch.compile(m, backend="aot_eager", fullgraph=True)
+    x0 = torch.randn(2, 3, 7, 7)
+    outs = []
+    for mod in (cm, ref):
+        x = x0.clone().requires_grad_()
+        y = mod(x)
+        y.square().sum().backward()
+        outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model_within_rule(dtype):
+    from slimgrad.testing import assert_within_rule
+
+    torch.manual_seed(0)
+    ref = _block()
+    x0 = torch.randn(2, 3, 9, 9)
+    res = {}
+    for name, dt, conv in (
+        ("ref", torch.float64, False),
+        ("eager", dtype, False),
+        ("ours", dtype, True),
+    ):
+        m = copy.deepcopy(ref).to(dt)
+        if conv:
+            convert_cnn_(m)
+        x = x0.to(dt).requires_grad_()
+        y = m(x)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        res[name] = [y, x.grad] + [p.grad for p in m.parameters()]
+    assert_within_rule(res["ours"], res["ref"], res["eager"])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_recompute_input_policy(k):
+    # conv -> BN -> (+1): the BN input is kept unless the policy allows re-running the conv.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, k, bias=False), nn.BatchNorm2d(4))
+    m = convert_cnn_(copy.deepcopy(ref))
+    x0 = torch.randn(2, 3, 9, 8)
+    full = 2 * 4 * (10 - k) * (9 - k) * 4
+
+    def saved(policy):
+        m[1].recompute_input = policy
+        return measure(lambda: (m(x0 * 1) + 1).relu_().sum()).saved_bytes
+
+    always, never, pointwise = saved("always"), saved("never"), saved("pointwise")
+    assert never - always == full
+    assert pointwise == (always if k == 1 else never)
+    assert sbn.BatchNorm2d.recompute_input == "pointwise"  # the class default is unchanged
+    m[1].recompute_input = "sometimes"
+    with pytest.raises(ValueError, match="slimgrad.ops.batch_norm: recompute_input must be"):
+        m(x0)

@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from slimgrad.nn.rms_norm import RMSNorm
+
+
+@pytest.mark.parametrize("kw", [{}, {"elementwise_affine": False}, {"eps": 1e-3}])
+def test_same_args_state_dict_and_values(kw):
+    ref = torch.nn.RMSNorm(7, **kw)
+    ours = RMSNorm(7, **kw)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 7, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = ours(x), ref(x2)
+    torch.testing.assert_close(y, y2)
+    y.sum().backward()
+    y2.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_from_torch_shares_parameters():
+    ref = torch.nn.RMSNorm(6, eps=1e-4)
+    ours = RMSNorm.from_torch(ref)
+    assert ours.weight is ref.weight and ours.eps == 1e-4
+    with pytest.raises(TypeError, match="slimgrad.nn.RMSNorm.from_torch"):
+        RMSNorm.from_torch(torch.nn.LayerNorm(6))

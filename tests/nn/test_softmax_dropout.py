@@ -1,0 +1,19 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.nn.softmax_dropout import SoftmaxDropoutMatmul
+
+
+def test_module_follows_training_flag():
+    m = SoftmaxDropoutMatmul(0.25)
+    assert isinstance(m.p, float) and "p=0.25" in repr(m)
+    s, v = torch.randn(2, 5, 5), torch.randn(2, 5, 3)
+    torch.manual_seed(1)
+    y = m(s, v)
+    torch.manual_seed(1)
+    torch.testing.assert_close(y, F.dropout(F.softmax(s, -1), 0.25) @ v, rtol=0, atol=0)
+    m.eval()
+    torch.testing.assert_close(m(s, v), F.softmax(s, -1) @ v)
+    with pytest.raises(ValueError, match="slimgrad.nn.SoftmaxDropoutMatmul"):
+        SoftmaxDropoutMatmul(-0.5)

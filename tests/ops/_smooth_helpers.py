@@ -1,0 +1,92 @@
+"""Checks shared by the smooth activations (gelu, silu, mish): dense grids, fallback, memory."""
+
+from __future__ import annotations
+
+import torch
+
+from slimgrad.memory import measure
+from slimgrad.ops._output_act import inverse
+from tests.ops._output_act_helpers import (
+    all_float32_between,
+    all_values,
+    assert_grid_within_rule,
+    grid_errors,
+)
+
+
+def check_hard_window_every_float32(spec, fwd, bwd_exact):
+    """Every float32 within x* +- (zone + 0.05): the hard window, the correctly rounded zone and the
+    ill-conditioned stretch beyond it."""
+    xs = inverse(spec).x_star
+    margin = spec.zone + 0.05
+    x = all_float32_between(xs - margin, xs + margin)
+    assert x.numel() > 2_000_000
+    ours, eager = grid_errors(spec, fwd, bwd_exact, x)
+    assert_grid_within_rule(ours, eager, 1e-6)
+    return ours, eager
+
+
+def check_full_range(spec, fwd, bwd_exact, lo=-40.0, hi=40.0, stride=1009):
+    x = all_float32_between(lo, hi, stride)
+    ours, eager = grid_errors(spec, fwd, bwd_exact, x)
+    assert_grid_within_rule(ours, eager, 1e-6)
+    return ours, eager
+
+
+def check_every_16bit(spec, fwd, bwd_exact, dtype):
+    x = all_values(dtype)
+    ours, eager = grid_errors(spec, fwd, bwd_exact, x)
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    # grid_errors compares with float64 f'; eager rounds to the dtype, so the rule holds per element
+    # too
+    assert_grid_within_rule(ours, eager, atol)
+
+
+def check_random_inputs(slim, eager, scales=(0.3, 1.0, 3.0, 10.0), n=100_000):
+    from slimgrad.testing import assert_within_rule
+
+    for s in scales:
+        x0 = torch.randn(n) * s
+        g = torch.randn(n)
+        res = []
+        for fn, dt in ((slim, torch.float32), (eager, torch.float32), (eager, torch.float64)):
+            x = x0.to(dt).requires_grad_()
+            (gx,) = torch.autograd.grad(fn(x), x, g.to(dt))
+            res.append(gx)
+        assert_within_rule(res[0], res[2], res[1])
+
+
+def check_adversarial_fallback(slim, eager, spec):
+    """All inputs at the minimum: more than 1/16 hard -> keep x densely (eager's bytes), exact
+    grads."""
+    xs = inverse(spec).x_star
+    x0 = torch.full((64, 33), xs) + torch.linspace(-0.01, 0.01, 64 * 33).view(64, 33)
+    for inplace in (False, True):
+        slim(x0.clone().requires_grad_() * 1, inplace).sum().backward()
+        m = measure(lambda ip=inplace: slim(x0.clone().requires_grad_() * 1, ip).sum())
+        me = measure(lambda: eager(x0.clone().requires_grad_() * 1).sum())
+        assert m.saved_bytes == me.saved_bytes == x0.numel() * 4
+    g = torch.randn_like(x0)
+    res = []
+    for fn in (lambda t: slim(t, False), eager):
+        x = x0.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(fn(x), x, g)
+        res.append(gx)
+    torch.testing.assert_close(res[0], res[1], rtol=0, atol=0)
+
+
+def check_output_vs_eager(spec, fwd):
+    """Outside the zone y is eager's, bit for bit; inside it is float64 rounded once (<= 1/2 ulp
+    from the exact value) and within a few ulp of eager's."""
+    from slimgrad.ops._output_act import smooth_fwd
+
+    xs = inverse(spec).x_star
+    x = all_float32_between(xs - spec.zone - 0.05, xs + spec.zone + 0.05, 7)
+    y = smooth_fwd(spec, x, fwd, fallback=False)[0]
+    ye = fwd(x)
+    inside = (x.double() - xs).abs() < spec.zone
+    assert torch.equal(y[~inside], ye[~inside])
+    ulp = torch.nextafter(y.abs(), torch.tensor(float("inf"))) - y.abs()
+    exact = spec.f(x.double())
+    assert bool(((y.double() - exact).abs() <= 0.5 * ulp.double())[inside].all())
+    assert bool(((y - ye).abs() <= 8 * ulp)[inside].all())

@@ -1,0 +1,66 @@
+"""Property test: random chains of this area's ops give eager's values and every gradient."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slimgrad.ops.dropout import dropout
+from slimgrad.ops.layer_norm import layer_norm
+from slimgrad.ops.linear import linear
+from slimgrad.ops.matmul import matmul
+from slimgrad.ops.rms_norm import rms_norm
+from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
+
+D = 6
+
+
+def _step(kind, h, params, slim):
+    w, b, mat = params
+    if kind == "ln":
+        return (layer_norm if slim else F.layer_norm)(h, (D,), w, b)
+    if kind == "rms":
+        return (rms_norm if slim else F.rms_norm)(h, (D,), w)
+    if kind == "drop":
+        return (dropout if slim else F.dropout)(h, 0.3)
+    if kind == "linear":
+        return (linear if slim else F.linear)(h, mat, b)
+    if kind == "matmul":
+        return (matmul if slim else torch.matmul)(h, mat)
+    if kind == "sdm":
+        if slim:
+            return softmax_dropout_matmul(h, mat, 0.2)
+        return F.dropout(F.softmax(h, -1), 0.2) @ mat
+    return h.tanh()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kinds=st.lists(
+        st.sampled_from(["ln", "rms", "drop", "linear", "matmul", "sdm", "tanh"]),
+        min_size=1,
+        max_size=5,
+    ),
+    rows=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_random_chains_match_eager(kinds, rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(rows, D, generator=gen, dtype=torch.float64)
+    raw = [torch.randn(D, D, generator=gen, dtype=torch.float64) for _ in kinds]
+    params0 = [(1 + 0.3 * m[0], 0.3 * m[1], m / D**0.5) for m in raw]
+    results = []
+    for slim in (True, False):
+        x = x0.clone().requires_grad_()
+        params = [tuple(t.clone().requires_grad_() for t in p) for p in params0]
+        torch.manual_seed(seed)
+        h = x
+        for kind, p in zip(kinds, params):
+            h = _step(kind, h, p, slim)
+        h.backward(torch.ones_like(h))
+        leaves = [x] + [t for p in params for t in p]
+        results.append([h.detach()] + [t.grad for t in leaves])
+    for o, e in zip(*results):
+        assert (o is None) == (e is None)
+        if o is not None:
+            torch.testing.assert_close(o, e)

@@ -1,0 +1,284 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.ops import _derived
+from slimgrad.ops.batch_norm import batch_norm
+from slimgrad.ops.conv import (
+    conv1d,
+    conv2d,
+    conv3d,
+    conv_transpose1d,
+    conv_transpose2d,
+    conv_transpose3d,
+)
+from slimgrad.testing import assert_within_rule, grads_of
+
+CASES = [
+    # (ours, torch's, nd, transposed, kwargs)
+    (conv1d, F.conv1d, 1, False, dict(stride=2, padding=1, dilation=1, groups=1)),
+    (conv2d, F.conv2d, 2, False, dict(stride=(1, 2), padding=(2, 1), dilation=(2, 1), groups=1)),
+    (conv2d, F.conv2d, 2, False, dict(stride=1, padding="same", dilation=1, groups=3)),
+    (conv3d, F.conv3d, 3, False, dict(stride=1, padding=1, groups=1)),
+    (conv_transpose1d, F.conv_transpose1d, 1, True, dict(stride=2, padding=1, output_padding=1)),
+    (conv_transpose2d, F.conv_transpose2d, 2, True, dict(stride=2, padding=0, groups=3)),
+    (conv_transpose3d, F.conv_transpose3d, 3, True, dict(stride=1, padding=1)),
+]
+
+
+def _make(nd, transposed, groups, dtype, k=3, cin=3, cout=6):
+    if nd == 3:  # keep 3-D gradcheck cheap
+        k, cout = 2, 3 * groups
+    x = torch.randn(
+        2 if nd < 3 else 1, cin, *([7, 5, 5] if nd < 3 else [4, 3, 3])[:nd], dtype=dtype
+    )
+    if transposed:
+        w = torch.randn(cin, cout // groups, *([k] * nd), dtype=dtype)
+    else:
+        w = torch.randn(cout, cin // groups, *([k] * nd), dtype=dtype)
+    b = torch.randn(cout, dtype=dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("ours,ref,nd,transposed,kw", CASES)
+def test_gradcheck(ours, ref, nd, transposed, kw):
+    x, w, b = _make(nd, transposed, kw.get("groups", 1), torch.float64)
+    args = [t.requires_grad_() for t in (x, w, b)]
+    assert torch.autograd.gradcheck(lambda x, w, b: ours(x, w, b, **kw), args)
+
+
+@pytest.mark.parametrize("ours,ref,nd,transposed,kw", CASES)
+@pytest.mark.parametrize("need", ["all", "x", "w", "wb", "b"])
+def test_matches_eager_all_grad_subsets(ours, ref, nd, transposed, kw, need):
+    x, w, b = _make(nd, transposed, kw.get("groups", 1), torch.float32)
+    outs = []
+    for fn in (ours, ref):
+        xs = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = fn(*xs, **kw)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+        pick = {"all": xs, "x": xs[:1], "w": xs[1:2], "wb": xs[1:], "b": xs[2:]}[need]
+        y.backward(g, inputs=pick)
+        outs.append([y] + [t.grad for t in xs])
+    for a, e in zip(*outs):
+        torch.testing.assert_close(a, e)
+
+
+def test_frozen_weight_keeps_nothing_and_no_input_grad_keeps_input():
+    x0 = torch.randn(4, 6, 13, 11)
+    w = torch.randn(5, 6, 3, 3)
+    wt = w.clone().requires_grad_()
+    x_bytes = x0.numel() * 4
+
+    def step(fn, x_grad, weight):
+        def f():
+            x = x0 * 1
+            if x_grad:
+                x.requires_grad_()
+            return fn(x, weight, padding=1).sum()
+
+        return f
+
+    # frozen W, x needs grad (the input is created in the step and needs grad: leaf).
+    assert measure(step(conv2d, True, w)).saved_bytes == 0
+    assert measure(step(F.conv2d, True, w)).saved_bytes == x_bytes
+    # x needs no grad, W trainable: only x is kept, as eager.
+    assert measure(step(conv2d, False, wt)).saved_bytes == x_bytes
+    assert measure(step(F.conv2d, False, wt)).saved_bytes == x_bytes
+
+
+def test_autocast_bf16_does_not_keep_weight_copy_when_input_needs_no_grad():
+    x0 = torch.randn(2, 4, 9, 9)
+    w = torch.randn(8, 4, 3, 3, requires_grad=True)
+
+    def step(fn):
+        def f():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(x0 * 1, w).float().sum()
+
+        return f
+
+    x_bf16 = x0.numel() * 2
+    assert measure(step(conv2d)).saved_bytes == x_bf16
+    assert measure(step(F.conv2d)).saved_bytes == x_bf16 + w.numel() * 2
+
+
+def test_autocast_bf16_within_rule():
+    x = torch.randn(2, 5, 11, 7)
+    w = torch.randn(7, 5, 3, 3)
+    res = {}
+    for name, fn, dt, ac in [
+        ("ours", conv2d, torch.float32, True),
+        ("eager", F.conv2d, torch.float32, True),
+        ("ref", F.conv2d, torch.float64, False),
+    ]:
+        xs = [x.to(dt).requires_grad_(), w.to(dt).requires_grad_()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            y = fn(*xs, padding=1)
+        assert y.dtype == (torch.bfloat16 if ac else torch.float64)
+        res[name] = [y.float()] + grads_of((y.double() * y.double().cos()).sum(), xs)
+    assert_within_rule(res["ours"], res["ref"], res["eager"], atol=1e-2)
+
+
+def test_channels_last_and_noncontiguous():
+    x = torch.randn(2, 4, 9, 8).to(memory_format=torch.channels_last)
+    w = torch.randn(6, 4, 3, 3)
+    xt = torch.randn(2, 4, 8, 9).transpose(2, 3)
+    for inp in (x, xt):
+        outs = []
+        for fn in (conv2d, F.conv2d):
+            a, b = inp.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fn(a, b, stride=2)
+            y.backward(torch.ones_like(y))
+            outs.append((y, a.grad, b.grad, y.is_contiguous(memory_format=torch.channels_last)))
+        for u, v in zip(*outs):
+            if isinstance(u, bool):
+                assert u == v
+            else:
+                torch.testing.assert_close(u, v)
+
+
+def test_unbatched_and_errors():
+    x = torch.randn(3, 8, 8, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    torch.testing.assert_close(conv2d(x, w), F.conv2d(x, w))
+    with pytest.raises(ValueError, match=r"slimgrad.ops.conv2d: unknown padding string"):
+        conv2d(x, w, padding="full")
+    with pytest.raises(ValueError, match=r"slimgrad.ops.conv2d: stride must be"):
+        conv2d(x, w, stride=(1, 2, 3))
+    with pytest.raises(TypeError, match=r"slimgrad.ops.conv2d: input and weight must be tensors"):
+        conv2d([1.0], w)
+
+
+def test_same_padding_even_kernel():
+    x = torch.randn(2, 3, 9, 10, requires_grad=True)
+    w = torch.randn(4, 3, 4, 2, requires_grad=True)
+    y = conv2d(x, w, padding="same", dilation=(1, 3))
+    with pytest.warns(UserWarning, match="padding='same'"):
+        ye = F.conv2d(x, w, padding="same", dilation=(1, 3))
+    torch.testing.assert_close(y, ye)
+    ga = torch.autograd.grad(y.square().sum(), (x, w))
+    gb = torch.autograd.grad(ye.square().sum(), (x, w))
+    torch.testing.assert_close(ga, gb)
+
+
+def test_no_grad_and_inference_mode_take_plain_path():
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3, requires_grad=True)
+    with torch.no_grad():
+        assert conv2d(x, w).grad_fn is None
+    with torch.inference_mode():
+        torch.testing.assert_close(conv2d(x, w), F.conv2d(x, w))
+
+
+def _bn_relu(h, bn_w, bn_b, act="relu"):
+    C = h.shape[1]
+    rm, rv = torch.zeros(C, dtype=h.dtype), torch.ones(C, dtype=h.dtype)
+    b = batch_norm(h, rm, rv, bn_w, bn_b, True, 0.1, 1e-5)
+    return b, _derived.activation(b, act)
+
+
+def test_derived_input_keeps_bn_output_only():
+    # Conv(frozen) -> BN -> ReLU -> Conv keeps b only (+ O(C)); eager keeps h and relu(b).
+    x0 = torch.randn(4, 5, 12, 9)
+    w1 = torch.randn(6, 5, 3, 3)
+    w2 = torch.randn(7, 6, 3, 3, requires_grad=True)
+    g = torch.randn(6).requires_grad_()
+    be = (g.detach().abs() * torch.empty(6).uniform_(-0.45, 0.45)).requires_grad_()  # |β| < |γ|/2
+    full = 4 * 6 * 10 * 7 * 4
+    rm, rv = torch.zeros(6), torch.ones(6)
+
+    def slim():
+        h = conv2d(x0, w1)
+        b = batch_norm(h, rm, rv, g, be, True, 0.1, 1e-5)
+        return conv2d(_derived.activation(b, "relu"), w2).sum()
+
+    def eager():
+        h = F.conv2d(x0, w1)
+        b = F.batch_norm(h, rm, rv, g, be, True, 0.1, 1e-5)
+        return F.conv2d(torch.relu(b), w2).sum()
+
+    ms, me = measure(slim), measure(eager)
+    assert me.saved_bytes == 2 * full + 2 * 6 * 4  # h, relu(b), save_mean, save_invstd
+    # b, and per channel: save_mean, save_invstd, γ and β as used in forward
+    assert ms.saved_bytes == full + 4 * 6 * 4
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_derived_chain_gradcheck(act):
+    x = torch.randn(3, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(4, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(3, 4, 1, 1, dtype=torch.float64, requires_grad=True)
+    g = torch.tensor([1.2, -0.7, 0.9, 2.0], dtype=torch.float64, requires_grad=True)
+    be = torch.tensor([0.1, 0.3, -0.2, 0.0], dtype=torch.float64, requires_grad=True)
+
+    def f(x, w1, w2, g, be):
+        h = conv2d(x, w1, padding=1)
+        _, r = _bn_relu(h, g, be, act)
+        return conv2d(r, w2)
+
+    assert torch.autograd.gradcheck(f, (x, w1, w2, g, be))
+
+
+def test_inplace_on_kept_bn_output_raises():
+    x = torch.randn(3, 2, 5, 4, requires_grad=True)
+    w2 = torch.randn(3, 4, 1, 1, requires_grad=True)
+    h = conv2d(x, torch.randn(4, 2, 3, 3), padding=1)
+    b, r = _bn_relu(h, torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True))
+    y = conv2d(r, w2)
+    b.mul_(2)  # the tensor the conv keeps instead of r
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_inplace_on_derived_input_after_conv_is_harmless():
+    # The conv recomputes r from b, so changing r afterwards cannot corrupt dW (eager would raise).
+    x = torch.randn(3, 2, 5, 4)
+    w2 = torch.randn(3, 4, 1, 1, requires_grad=True)
+    h = conv2d(x, torch.randn(4, 2, 3, 3), padding=1)
+    b, r = _bn_relu(h, torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True))
+    y = conv2d(r, w2)
+    (gw_ref,) = torch.autograd.grad(y.sum(), w2, retain_graph=True)
+    r.add_(1)
+    (gw,) = torch.autograd.grad(y.sum(), w2)
+    torch.testing.assert_close(gw, gw_ref)
+
+
+def test_recipe_input_changed_raises():
+    # conv -> BN (no activation): the BN keeps how to recompute its input; changing the conv input
+    # in place before backward must raise, not give a wrong gradient.
+    x = torch.randn(3, 2, 5, 4)
+    w = torch.randn(4, 2, 3, 3, requires_grad=True)
+    xi = x * 1
+    h = conv2d(xi, w, padding=1)
+    b = batch_norm(
+        h,
+        None,
+        None,
+        torch.ones(4, requires_grad=True),
+        None,
+        True,
+        0.1,
+        1e-5,
+        recompute_input="always",
+    )
+    xi.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.square().sum().backward()
+
+
+@pytest.mark.parametrize("w_grad", [True, False])
+def test_compile_aot_eager_fullgraph_matches(w_grad):
+    # dynamo traces the selective-saving Function (no graph break); the derived/recipe registries
+    # are skipped while tracing.
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=w_grad)
+
+    def f(x, w):
+        return conv2d(x, w, padding=1).square().sum()
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    ins = [x, w] if w_grad else [x]
+    ga = torch.autograd.grad(cf(x, w), ins)
+    gb = torch.autograd.grad(f(x, w), ins)
+    torch.testing.assert_close(ga, gb)

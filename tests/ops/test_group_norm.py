@@ -1,0 +1,128 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.ops.group_norm import group_norm
+from slimgrad.ops.layer_norm import fallback_channels
+from slimgrad.testing import assert_within_rule
+
+SHAPES = [((3, 6, 7), 2), ((2, 4, 3, 7), 2), ((5, 32), 2), ((1, 2, 9), 1), ((5, 9), 3)]
+
+
+def _params(c, dtype, kind="normal"):
+    w = 1 + 0.5 * torch.randn(c, dtype=torch.float64)
+    b = 0.5 * torch.randn(c, dtype=torch.float64)
+    if kind == "zero":
+        w[::2] = 0
+    elif kind == "tiny":
+        w[::3] = 1e-4
+        b = 3 * torch.randn(c, dtype=torch.float64)
+    return w.to(dtype), b.to(dtype)
+
+
+def _run(fn, x, g_, w, b, dy, inputs=None):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_() if w is not None else None
+    b = b.detach().clone().requires_grad_() if b is not None else None
+    y = fn(x, g_, w, b, 1e-5)
+    y.backward(dy, inputs=inputs(x, w, b) if inputs else None)
+    return [
+        y.detach(),
+        x.grad,
+        w.grad if w is not None else None,
+        b.grad if b is not None else None,
+    ]
+
+
+@pytest.mark.parametrize("kind", ["normal", "zero", "tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,groups", SHAPES)
+def test_matches_eager_within_rule(dtype, shape, groups, kind):
+    x = (3 * torch.randn(shape) + 1).to(dtype)
+    w, b = _params(shape[1], dtype, kind)
+    dy = torch.randn(shape).to(dtype)
+    out = _run(group_norm, x, groups, w, b, dy)
+    eager = _run(F.group_norm, x, groups, w, b, dy)
+    ref = _run(F.group_norm, x.double(), groups, w.double(), b.double(), dy.double())
+    for o in out:
+        assert torch.isfinite(o).all()
+    assert_within_rule(out, ref, eager, names=["y", "dx", "dw", "db"])
+    torch.testing.assert_close(out[0], eager[0], rtol=0, atol=0)
+
+
+def test_tiny_groups_run_eager():
+    x = torch.randn(5, 9, requires_grad=True)
+    y = group_norm(x, 3)
+    assert type(y.grad_fn).__name__ == "NativeGroupNormBackward0"
+    y = group_norm(torch.randn(5, 32, requires_grad=True), 1)
+    assert type(y.grad_fn).__name__ == "_GroupNormFnBackward"
+
+
+def test_gradcheck_and_errors():
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    w, b = _params(4, torch.float64, "zero")
+    w.requires_grad_()
+    b.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w, b: group_norm(x, 2, w, b), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x: group_norm(x, 4), (x,))
+    with pytest.raises(ValueError, match="slimgrad.ops.group_norm: channels must split"):
+        group_norm(torch.randn(2, 5, 3), 2)
+    y = group_norm(x, 2)
+    with pytest.raises(NotImplementedError, match="group_norm: double backward"):
+        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+
+
+def test_memory_contract_and_subsets():
+    n, c, hw = 3, 8, 11
+    w, b = _params(c, torch.float32, "zero")
+    b.zero_()
+    w.requires_grad_()
+    b.requires_grad_()
+    k = fallback_channels(w, b, torch.float32).numel()
+    assert k == 4
+    x0 = torch.randn(n, c, hw, requires_grad=True)
+    m = measure(lambda: group_norm(x0 * 1, 2, w, b).sum())
+    assert m.saved_bytes == 4 * n * c * hw + 8 * n * 2 + 4 * n * k * hw + 8 * k
+    me = measure(lambda: F.group_norm(x0 * 1, 2, w, b).sum())
+    assert me.saved_bytes == 4 * n * c * hw + 8 * n * 2
+    dy = torch.randn(n, c, hw)
+    for pick in (lambda x, w, b: [x], lambda x, w, b: [w, b]):
+        out = _run(group_norm, x0, 2, w, b, dy, inputs=pick)
+        ref = _run(F.group_norm, x0, 2, w, b, dy, inputs=pick)
+        for o, r in zip(out, ref):
+            assert (o is None) == (r is None)
+            if o is not None:
+                torch.testing.assert_close(o, r)
+
+
+def test_compile_autocast_inplace_error_zero_size_nan():
+    torch._dynamo.reset()
+    w, b = _params(6, torch.float32, "zero")
+    f = torch.compile(group_norm, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 6, 8)
+    dy = torch.randn(3, 6, 8)
+    assert type(group_norm(x.requires_grad_(), 3).grad_fn).__name__ == "_GroupNormFnBackward"
+    x = x.detach()
+    out = _run(lambda *a: f(*a), x, 3, w, b, dy)
+    ref = _run(F.group_norm, x, 3, w, b, dy)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, ye = group_norm(x.bfloat16(), 3, w, b), F.group_norm(x.bfloat16(), 3, w, b)
+    assert ya.dtype == ye.dtype
+    torch.testing.assert_close(ya, ye)
+    xx = x.clone().requires_grad_()
+    y = group_norm(xx, 3)
+    y.relu_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    e = torch.randn(0, 6, 8, requires_grad=True)
+    group_norm(e, 3, w.clone().requires_grad_()).sum().backward()
+    assert e.grad.shape == (0, 6, 8)
+    xn = x.clone()
+    xn[0, 0, 0] = float("nan")
+    out = _run(group_norm, xn, 3, w, b, dy)
+    ref = _run(F.group_norm, xn, 3, w, b, dy)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r, equal_nan=True)

@@ -1,0 +1,233 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.ops.layer_norm import BETA_OVER_GAMMA_MAX, fallback_channels, layer_norm
+from slimgrad.testing import assert_within_rule
+
+SHAPES = [((7, 13), (13,)), ((3, 5, 11), (5, 11)), ((2, 3, 97), (97,)), ((1, 1), (1,))]
+
+
+def _params(d_shape, dtype, kind="normal", device="cpu"):
+    w = 1 + 0.5 * torch.randn(d_shape, dtype=torch.float64)
+    b = 0.5 * torch.randn(d_shape, dtype=torch.float64)
+    flat_w = w.view(-1)
+    if kind == "plain":  # typical trained weights: no fallback channel
+        w = 1 + 0.1 * torch.randn(d_shape, dtype=torch.float64)
+        b = 0.1 * torch.randn(d_shape, dtype=torch.float64)
+    elif kind == "zero":  # gamma exactly 0 in some channels
+        flat_w[::3] = 0
+    elif kind == "tiny":  # gamma ~ 0 with a large beta (beta/gamma >> 1)
+        flat_w[::4] = 1e-4
+        b = 3 * torch.randn(d_shape, dtype=torch.float64)
+    elif kind == "huge_ratio":  # every channel falls back
+        w = torch.full(d_shape, 1e-3, dtype=torch.float64)
+        b = torch.full(d_shape, 5.0, dtype=torch.float64)
+    return w.to(device, dtype), b.to(device, dtype)
+
+
+def _run(fn, x, w, b, g, ns, inputs=None):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_() if w is not None else None
+    b = b.detach().clone().requires_grad_() if b is not None else None
+    y = fn(x, ns, w, b, 1e-5)
+    leaves = [t for t in (x, w, b) if t is not None]
+    y.backward(g, inputs=inputs(x, w, b) if inputs else leaves)
+    return [y.detach()] + [t.grad for t in (x, w, b)]
+
+
+@pytest.mark.parametrize("kind", ["normal", "zero", "tiny", "huge_ratio"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,ns", SHAPES)
+def test_matches_eager_within_rule(device, dtype, shape, ns, kind):
+    x = (3 * torch.randn(shape, device=device) + 1).to(dtype)
+    w, b = _params(ns, dtype, kind, device)
+    g = torch.randn(shape, device=device).to(dtype)
+    out = _run(layer_norm, x, w, b, g, ns)
+    eager = _run(F.layer_norm, x, w, b, g, ns)
+    ref = _run(F.layer_norm, x.double(), w.double(), b.double(), g.double(), ns)
+    for o in out:
+        assert torch.isfinite(o).all()
+    assert_within_rule(out, ref, eager, names=["y", "dx", "dw", "db"])
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[0], eager[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+def test_gradcheck(affine):
+    ns = (2, 5)
+    x = torch.randn(3, *ns, dtype=torch.float64, requires_grad=True)
+    w, b = _params(ns, torch.float64, "zero")
+    w.requires_grad_(affine in ("both", "weight"))
+    b.requires_grad_(affine in ("both", "bias"))
+    w = w if affine in ("both", "weight") else None
+    b = b if affine in ("both", "bias") else None
+    args = [t for t in (x, w, b) if t is not None]
+
+    def f(*a):
+        it = iter(a)
+        xx = next(it)
+        ww = next(it) if w is not None else None
+        bb = next(it) if b is not None else None
+        return layer_norm(xx, ns, ww, bb)
+
+    assert torch.autograd.gradcheck(f, args)
+
+
+def test_create_graph_raises_clear_error():
+    x = torch.randn(3, 6, requires_grad=True)
+    y = layer_norm(x, (6,))
+    with pytest.raises(NotImplementedError, match="slimgrad.ops.layer_norm: double backward"):
+        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+
+
+def test_fallback_channels_rule():
+    w = torch.tensor([1.0, 0.0, 1e-4, 0.1, float("nan"), 1.0])
+    b = torch.tensor([0.0, 0.0, 1.0, 0.1 * BETA_OVER_GAMMA_MAX, 0.0, float("inf")])
+    assert fallback_channels(w, b, torch.float32).tolist() == [1, 2, 4, 5]
+    assert fallback_channels(w, None, torch.float32).tolist() == [1, 4]
+    assert fallback_channels(None, None, torch.float32).numel() == 0
+
+
+@pytest.mark.parametrize("kind,n_fallback", [("plain", 0), ("zero", 33), ("huge_ratio", 97)])
+def test_memory_contract(kind, n_fallback):
+    n, d = 29, 97
+    torch.manual_seed(0)
+    w, b = _params((d,), torch.float32, kind)
+    if kind == "zero":
+        w[1::3] = 1.0  # exactly the 33 zeroed channels fall back
+        b.zero_()
+    w.requires_grad_()
+    b.requires_grad_()
+    x0 = torch.randn(n, d, requires_grad=True)
+    k = fallback_channels(w, b, torch.float32).numel()
+    assert k == n_fallback
+    m = measure(lambda: layer_norm(x0 * 1, (d,), w, b).sum())
+    # y (4 B/elt) + mean and rstd (8 B/row) + fallback columns (4 B each) + their int64 indices
+    assert m.saved_bytes == 4 * n * d + 8 * n + 4 * n * k + 8 * k
+    me = measure(lambda: F.layer_norm(x0 * 1, (d,), w, b).sum())
+    assert me.saved_bytes == 4 * n * d + 8 * n
+
+
+def test_peak_below_eager_in_ln_mlp_chain():
+    n, d = 1031, 128  # several backward row chunks
+    x0 = torch.randn(n, d, requires_grad=True)
+    ln = torch.nn.LayerNorm(d)
+    fc1, fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+    params = [x0, *ln.parameters(), *fc1.parameters(), *fc2.parameters()]
+    res = []
+    for fn in (layer_norm, F.layer_norm):
+        for t in params:
+            t.grad = None
+        res.append(
+            measure(lambda fn=fn: fc2(fc1(fn(x0 * 1, (d,), ln.weight, ln.bias)).relu()).sum())
+        )
+    m, me = res
+    assert m.saved_bytes == me.saved_bytes - 4 * n * d  # x is not kept; y is shared with fc1
+    assert m.peak_bytes < me.peak_bytes
+
+
+def test_backward_inputs_subsets():
+    ns = (17,)
+    x = torch.randn(5, 17)
+    w, b = _params(ns, torch.float32)
+    g = torch.randn(5, 17)
+    for pick in (lambda x, w, b: [x], lambda x, w, b: [w], lambda x, w, b: [b, w]):
+        out = _run(layer_norm, x, w, b, g, ns, inputs=pick)
+        eager = _run(F.layer_norm, x, w, b, g, ns, inputs=pick)
+        for o, e in zip(out[1:], eager[1:]):
+            assert (o is None) == (e is None)
+            if o is not None:
+                torch.testing.assert_close(o, e)
+
+
+def test_autocast_matches_eager():
+    x = torch.randn(6, 33)
+    w, b = _params((33,), torch.float32)
+    g = torch.randn(6, 33)
+    for dt in (torch.bfloat16, torch.float16):
+        res = []
+        for fn in (layer_norm, F.layer_norm):
+            xx = x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=dt):
+                y = fn(xx.to(dt), (33,), w, b)
+            y.backward(g.to(y.dtype))
+            res.append((y.detach(), xx.grad))
+        ref = _run(
+            F.layer_norm, x.to(dt).double(), w.double(), b.double(), g.to(dt).double(), (33,)
+        )
+        assert res[0][0].dtype == res[1][0].dtype
+        torch.testing.assert_close(res[0][0], res[1][0])
+        assert_within_rule(res[0][1], ref[1], res[1][1])
+
+
+def test_inplace_on_output_raises():
+    x = torch.randn(4, 8, requires_grad=True)
+    y = layer_norm(x, (8,))
+    y.relu_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_retain_graph_hooks_retain_grad():
+    x = torch.randn(4, 8, requires_grad=True)
+    w, b = _params((8,), torch.float32)
+    y = layer_norm(x, (8,), w, b)
+    y.retain_grad()
+    seen = []
+    y.register_hook(lambda g: seen.append(g))
+    (y * y).sum().backward(retain_graph=True)
+    g1 = x.grad.clone()
+    (y * y).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * g1)
+    assert len(seen) == 2
+    torch.testing.assert_close(y.grad, 4 * y.detach())
+
+
+def test_noncontiguous_and_views():
+    base = torch.randn(13, 10)
+    w, b = _params((13,), torch.float32)
+    g = torch.randn(10, 13)
+    out = _run(lambda x, *a: layer_norm(x.t(), *a), base, w, b, g, (13,))
+    eager = _run(lambda x, *a: F.layer_norm(x.t(), *a), base, w, b, g, (13,))
+    for o, e in zip(out, eager):
+        torch.testing.assert_close(o, e)
+
+
+def test_no_grad_inference_mode_zero_size():
+    x = torch.randn(3, 8)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            torch.testing.assert_close(layer_norm(x, (8,)), F.layer_norm(x, (8,)))
+    e = torch.randn(0, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    y = layer_norm(e, (8,), w)
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert e.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros(8))
+
+
+def test_nan_inf_propagate_like_eager():
+    x = torch.randn(4, 6)
+    x[1, 2] = float("nan")
+    x[2, 0] = float("inf")
+    w, b = _params((6,), torch.float32)
+    g = torch.randn(4, 6)
+    out = _run(layer_norm, x, w, b, g, (6,))
+    eager = _run(F.layer_norm, x, w, b, g, (6,))
+    for o, e in zip(out, eager):
+        assert torch.equal(torch.isnan(o), torch.isnan(e))
+        torch.testing.assert_close(o, e, equal_nan=True)
+
+
+def test_compile_traces_custom_ops():
+    torch._dynamo.reset()
+    w, b = _params((19,), torch.float32, "zero")
+    f = torch.compile(layer_norm, backend="aot_eager", fullgraph=True)
+    x0 = torch.randn(7, 19)
+    g = torch.randn(7, 19)
+    out = _run(lambda x, ns, w, b, eps: f(x, ns, w, b, eps), x0, w, b, g, (19,))
+    eager = _run(F.layer_norm, x0, w, b, g, (19,))
+    for o, e in zip(out, eager):
+        torch.testing.assert_close(o, e)

@@ -1,0 +1,29 @@
+import torch
+import torch.nn.functional as F
+
+from slimgrad.ops.leaky_relu import leaky_relu, leaky_relu_
+from tests.ops._output_act_helpers import Case, OutputActTests
+
+
+class TestLeakyRelu(OutputActTests):
+    CASES = [
+        Case("slope0.1", lambda x, ip: leaky_relu(x, 0.1, ip), lambda x: F.leaky_relu(x, 0.1)),
+        Case("default", lambda x, ip: leaky_relu(x, inplace=ip), F.leaky_relu),
+        Case("slope0", lambda x, ip: leaky_relu(x, 0.0, ip), lambda x: F.leaky_relu(x, 0.0)),
+        Case(
+            "slope-0.3_bits",
+            lambda x, ip: leaky_relu(x, -0.3, ip),
+            lambda x: F.leaky_relu(x, -0.3),
+            bits=True,
+            keeps_y=False,
+        ),
+    ]
+    COMPILE_CASES = [CASES[0], CASES[3]]
+
+
+def test_negative_slope_inplace_works_where_eager_refuses():
+    x0 = torch.randn(40)
+    x = x0.clone().requires_grad_()
+    leaky_relu_(x * 1, -0.3).sum().backward()
+    expected = torch.where(x0 > 0, 1.0, -0.3)
+    torch.testing.assert_close(x.grad, expected)

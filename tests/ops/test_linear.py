@@ -1,0 +1,145 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.ops.linear import conv1d_addmm, linear
+
+
+def _eager_conv1d(x, w, b=None):
+    y = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(b, y, w) if b is not None else y @ w
+    return y.view(*x.shape[:-1], w.shape[-1])
+
+
+FNS = {"linear": (linear, F.linear, False), "conv1d": (conv1d_addmm, _eager_conv1d, True)}
+
+
+def _args(kind, shape, out_f, dtype=torch.float32, device="cpu"):
+    in_f = shape[-1]
+    x = torch.randn(shape, dtype=dtype, device=device)
+    w = torch.randn((in_f, out_f) if FNS[kind][2] else (out_f, in_f), dtype=dtype, device=device)
+    return x, w, torch.randn(out_f, dtype=dtype, device=device)
+
+
+def _run(fn, x, w, b, g, grads=(True, True, True), inputs=None):
+    x, w = x.clone().requires_grad_(grads[0]), w.clone().requires_grad_(grads[1])
+    b = b.clone().requires_grad_(grads[2]) if b is not None else None
+    y = fn(x, w, b)
+    if y.requires_grad:
+        y.backward(g, inputs=inputs(x, w, b) if inputs else None)
+    return [y.detach(), x.grad, w.grad, b.grad if b is not None else None]
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape,out_f", [((7, 13), 5), ((2, 3, 11), 17), ((1, 1), 1), ((0, 4), 3)])
+def test_matches_eager(device, kind, dtype, shape, out_f):
+    ours, eager, _ = FNS[kind]
+    x, w, b = _args(kind, shape, out_f, dtype, device)
+    g = torch.randn(*shape[:-1], out_f, dtype=dtype, device=device)
+    for bias in (b, None):
+        out, ref = _run(ours, x, w, bias, g), _run(eager, x, w, bias, g)
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("grads", [(True, True, True), (True, False, False), (False, True, True)])
+def test_gradcheck(kind, grads):
+    x, w, b = _args(kind, (2, 3, 5), 4, torch.float64)
+    x, w, b = x.requires_grad_(grads[0]), w.requires_grad_(grads[1]), b.requires_grad_(grads[2])
+    assert torch.autograd.gradcheck(FNS[kind][0], (x, w, b))
+    assert torch.autograd.gradgradcheck(FNS[kind][0], (x, w, b))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_backward_inputs_subsets(kind):
+    ours, eager, _ = FNS[kind]
+    x, w, b = _args(kind, (6, 9), 7)
+    g = torch.randn(6, 7)
+    for pick in (lambda x, w, b: [x], lambda x, w, b: [w], lambda x, w, b: [b, x]):
+        out, ref = _run(ours, x, w, b, g, inputs=pick), _run(eager, x, w, b, g, inputs=pick)
+        for o, r in zip(out, ref):
+            assert (o is None) == (r is None)
+            if o is not None:
+                torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_memory_selective_saving(kind):
+    ours, eager, _ = FNS[kind]
+    n, in_f, out_f = 31, 23, 11
+    x0, w0, b0 = _args(kind, (n, in_f), out_f)
+    w = torch.nn.Parameter(w0)
+    b = torch.nn.Parameter(b0)
+    xg = x0.clone().requires_grad_()
+    # frozen weight: the input is not kept (only the weight, a Parameter)
+    w.requires_grad_(False)
+    b.requires_grad_(False)
+    m = measure(lambda: ours(xg * 1, w, b).sum())
+    assert m.saved_bytes == 0 and m.saved_param_bytes == 4 * in_f * out_f
+    me = measure(lambda: eager(xg * 1, w, b).sum())
+    assert me.saved_bytes == 0  # torch 2.13's mm/addmm have the same guard
+    # input without grad: the weight is not referenced, the input is kept
+    w.requires_grad_(True)
+    m = measure(lambda: ours(x0 * 1, w, b).sum())
+    assert m.saved_bytes == 4 * n * in_f and m.saved_param_bytes == 0
+    assert m.floor_bytes == m.saved_bytes  # a matmul input: the floor
+
+
+def test_autocast_matches_eager():
+    x, w, b = _args("linear", (5, 8), 3)
+    for dt in (torch.bfloat16, torch.float16):
+        res = []
+        for fn in (linear, F.linear):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=dt):
+                y = fn(xx, ww, b)
+            y.float().sum().backward()
+            res.append((y.detach(), xx.grad, ww.grad))
+        assert res[0][0].dtype == res[1][0].dtype == dt
+        for o, r in zip(*res):
+            torch.testing.assert_close(o, r)
+
+
+def test_hooks_retain_graph_views_nan_no_grad_compile():
+    x, w, b = _args("linear", (4, 6), 5)
+    xx = x.clone().requires_grad_()
+    ww = w.clone().requires_grad_()
+    y = linear(xx.t().t()[:, :6], ww, b)
+    y.retain_grad()
+    seen = []
+    y.register_hook(seen.append)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert len(seen) == 2 and torch.equal(y.grad, 2 * torch.ones_like(y))
+    torch.testing.assert_close(ww.grad, 2 * torch.ones(4, 5).t() @ x)
+    xn = x.clone()
+    xn[0, 0] = float("nan")
+    xn[1, 1] = float("inf")
+    torch.testing.assert_close(linear(xn, w, b), F.linear(xn, w, b), equal_nan=True)
+    with torch.no_grad():
+        assert linear(x, ww, b).grad_fn is None
+    torch._dynamo.reset()
+    f = torch.compile(linear, backend="aot_eager", fullgraph=True)
+    out = _run(f, x, w, b, torch.ones(4, 5))
+    ref = _run(F.linear, x, w, b, torch.ones(4, 5))
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+
+
+def test_shape_mismatch_raises():
+    with pytest.raises(ValueError, match=r"slimgrad.ops.linear: .*expected input.shape\[-1\] == 4"):
+        linear(torch.randn(2, 3), torch.randn(5, 4))
+    with pytest.raises(ValueError, match="slimgrad.ops.conv1d_addmm"):
+        conv1d_addmm(torch.randn(2, 3), torch.randn(4, 5))
+
+
+def test_inplace_on_saved_input_raises():
+    w = torch.randn(3, 4, requires_grad=True)
+    h = torch.randn(2, 4)
+    y = linear(h, w)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

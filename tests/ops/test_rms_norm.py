@@ -1,0 +1,153 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.ops.layer_norm import fallback_channels
+from slimgrad.ops.rms_norm import rms_norm
+from slimgrad.testing import assert_within_rule
+
+SHAPES = [((7, 13), (13,)), ((3, 5, 11), (5, 11)), ((2, 3, 97), (97,))]
+
+
+def _weight(ns, dtype, kind="normal", device="cpu"):
+    w = 1 + 0.5 * torch.randn(ns, dtype=torch.float64)
+    if kind == "zero":
+        w.view(-1)[::3] = 0
+    elif kind == "tiny":
+        w.view(-1)[::4] = 1e-30
+    return w.to(device, dtype)
+
+
+def _run(fn, x, w, g, ns, eps=None, inputs=None):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_() if w is not None else None
+    y = fn(x, ns, w, eps)
+    leaves = [t for t in (x, w) if t is not None]
+    y.backward(g, inputs=inputs(x, w) if inputs else leaves)
+    return [y.detach(), x.grad, w.grad if w is not None else None]
+
+
+@pytest.mark.parametrize("kind", ["normal", "zero", "tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,ns", SHAPES)
+def test_matches_eager_within_rule(device, dtype, shape, ns, kind):
+    x = (3 * torch.randn(shape, device=device) + 1).to(dtype)
+    w = _weight(ns, dtype, kind, device)
+    g = torch.randn(shape, device=device).to(dtype)
+    out = _run(rms_norm, x, w, g, ns)
+    eager = _run(F.rms_norm, x, w, g, ns)
+    ref = _run(F.rms_norm, x.double(), w.double(), g.double(), ns, eps=torch.finfo(dtype).eps)
+    for o in out:
+        assert torch.isfinite(o).all()
+    assert_within_rule(out, ref, eager, names=["y", "dx", "dw"])
+    torch.testing.assert_close(out[0], eager[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_gradcheck(with_weight):
+    ns = (2, 5)
+    x = torch.randn(3, *ns, dtype=torch.float64, requires_grad=True)
+    w = _weight(ns, torch.float64, "zero").requires_grad_()
+    if with_weight:
+        assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, ns, w, 1e-6), (x, w))
+    else:
+        assert torch.autograd.gradcheck(lambda x: rms_norm(x, ns, None, 1e-6), (x,))
+
+
+def test_create_graph_raises_clear_error():
+    x = torch.randn(3, 6, requires_grad=True)
+    y = rms_norm(x, (6,))
+    with pytest.raises(NotImplementedError, match="slimgrad.ops.rms_norm: double backward"):
+        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("kind,k", [("normal", 0), ("zero", 33)])
+def test_memory_contract(kind, k):
+    n, d = 29, 97
+    w = _weight((d,), torch.float32, kind).requires_grad_()
+    assert fallback_channels(w, None, torch.float32).numel() == k
+    x0 = torch.randn(n, d, requires_grad=True)
+    m = measure(lambda: rms_norm(x0 * 1, (d,), w).sum())
+    # y (4 B/elt) + rstd (4 B/row) + fallback columns (4 B each) + their int64 indices
+    assert m.saved_bytes == 4 * n * d + 4 * n + 4 * n * k + 8 * k
+    me = measure(lambda: F.rms_norm(x0 * 1, (d,), w).sum())
+    assert me.saved_bytes == 8 * n * d + 4 * n
+
+
+def test_peak_below_eager_in_mlp_chain():
+    n, d = 1031, 128
+    x0 = torch.randn(n, d, requires_grad=True)
+    norm = torch.nn.RMSNorm(d)
+    fc1, fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+    params = [x0, *norm.parameters(), *fc1.parameters(), *fc2.parameters()]
+    res = []
+    for fn in (rms_norm, F.rms_norm):
+        for t in params:
+            t.grad = None
+        res.append(measure(lambda fn=fn: fc2(fc1(fn(x0 * 1, (d,), norm.weight)).relu()).sum()))
+    assert res[0].peak_bytes < res[1].peak_bytes
+
+
+def test_backward_inputs_subsets_and_autocast():
+    x = torch.randn(5, 17)
+    w = _weight((17,), torch.float32)
+    g = torch.randn(5, 17)
+    for pick in (lambda x, w: [x], lambda x, w: [w]):
+        out = _run(rms_norm, x, w, g, (17,), inputs=pick)
+        eager = _run(F.rms_norm, x, w, g, (17,), inputs=pick)
+        for o, e in zip(out, eager):
+            assert (o is None) == (e is None)
+            if o is not None:
+                torch.testing.assert_close(o, e)
+    for dt in (torch.bfloat16, torch.float16):
+        ys = []
+        for fn in (rms_norm, F.rms_norm):
+            with torch.autocast("cpu", dtype=dt):
+                ys.append(fn(x.to(dt), (17,), w))
+        assert ys[0].dtype == ys[1].dtype
+        torch.testing.assert_close(ys[0], ys[1])
+
+
+def test_inplace_on_output_raises_and_retain_graph():
+    x = torch.randn(4, 8, requires_grad=True)
+    y = rms_norm(x, (8,))
+    y.relu_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    x.grad = None
+    y = rms_norm(x, (8,), torch.ones(8))
+    y.retain_grad()
+    (y * y).sum().backward(retain_graph=True)
+    g1 = x.grad.clone()
+    (y * y).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * g1)
+    torch.testing.assert_close(y.grad, 4 * y.detach())
+
+
+def test_noncontiguous_nan_zero_size_no_grad_compile():
+    base = torch.randn(13, 10)
+    w = _weight((13,), torch.float32)
+    g = torch.randn(10, 13)
+    out = _run(lambda x, *a: rms_norm(x.t(), *a), base, w, g, (13,))
+    eager = _run(lambda x, *a: F.rms_norm(x.t(), *a), base, w, g, (13,))
+    for o, e in zip(out, eager):
+        torch.testing.assert_close(o, e)
+    xn = torch.randn(4, 6)
+    xn[1, 2], xn[2, 0] = float("nan"), float("inf")
+    out = _run(rms_norm, xn, w[:6], torch.randn(4, 6), (6,))
+    eager = _run(F.rms_norm, xn, w[:6], torch.randn(4, 6), (6,))
+    for o, e in zip(out[:1], eager[:1]):
+        torch.testing.assert_close(o, e, equal_nan=True)
+    assert torch.equal(torch.isnan(out[1]), torch.isnan(eager[1]))
+    with torch.inference_mode():
+        torch.testing.assert_close(rms_norm(base, (10,)), F.rms_norm(base, (10,)))
+    e = torch.randn(0, 8, requires_grad=True)
+    rms_norm(e, (8,), torch.ones(8)).sum().backward()
+    assert e.grad.shape == (0, 8)
+    torch._dynamo.reset()
+    f = torch.compile(rms_norm, backend="aot_eager", fullgraph=True)
+    out = _run(lambda x, ns, w, eps: f(x, ns, w, eps), base, w[:10], torch.ones(13, 10), (10,))
+    eager = _run(F.rms_norm, base, w[:10], torch.ones(13, 10), (10,))
+    for o, e in zip(out, eager):
+        torch.testing.assert_close(o, e)

@@ -1,0 +1,168 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
+from slimgrad.testing import assert_within_rule
+
+
+def _eager(s, v, p=0.1, training=True, dim=-1):
+    return torch.matmul(F.dropout(F.softmax(s, dim), p, training), v)
+
+
+def _run(fn, s, v, p, g, seed=3, grads=(True, True), inputs=None, **kw):
+    s, v = s.clone().requires_grad_(grads[0]), v.clone().requires_grad_(grads[1])
+    torch.manual_seed(seed)
+    y = fn(s, v, p, **kw)
+    y.backward(g, inputs=inputs(s, v) if inputs else None)
+    return [y.detach(), s.grad, v.grad]
+
+
+SHAPES = [((2, 3, 7, 7), (2, 3, 7, 5)), ((1, 13, 13), (1, 13, 3)), ((2, 1, 5, 5), (2, 4, 5, 2))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("ss,vs", SHAPES)
+def test_matches_eager_bit_for_bit(device, dtype, p, ss, vs):
+    s = torch.randn(ss, dtype=dtype, device=device)
+    v = torch.randn(vs, dtype=dtype, device=device)
+    out_shape = torch.broadcast_shapes(ss[:-1], vs[:-2] + (1,))[:-1] + (ss[-2], vs[-1])
+    g = torch.randn(out_shape, dtype=dtype, device=device)
+    for o, r in zip(_run(softmax_dropout_matmul, s, v, p, g), _run(_eager, s, v, p, g)):
+        if ss[:-2] == vs[:-2]:
+            assert torch.equal(o, r)
+        else:  # broadcast batch: the reduction order of dv may differ
+            torch.testing.assert_close(o, r)
+
+
+def test_dim_and_eval_mode():
+    s, v = torch.randn(2, 6, 5), torch.randn(2, 6, 4)
+    g = torch.randn(2, 5, 4)
+    for kw in ({"dim": -2}, {"training": False}):
+        out = _run(softmax_dropout_matmul, s.transpose(1, 2), v, 0.3, g, **kw)
+        ref = _run(_eager, s.transpose(1, 2), v, 0.3, g, **kw)
+        for o, r in zip(out, ref):
+            torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2, 0.6])
+def test_gradcheck(p):
+    s = torch.randn(2, 5, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(s, v):
+        torch.manual_seed(7)
+        return softmax_dropout_matmul(s, v, p)
+
+    assert torch.autograd.gradcheck(f, (s, v))
+
+
+def test_create_graph_raises_clear_error():
+    s = torch.randn(4, 4, requires_grad=True)
+    y = softmax_dropout_matmul(s, torch.randn(4, 2), 0.1)
+    with pytest.raises(NotImplementedError, match="softmax_dropout_matmul: double backward"):
+        torch.autograd.grad(y.pow(2).sum(), s, create_graph=True)
+
+
+def test_backward_inputs_subsets():
+    s, v = torch.randn(3, 6, 6), torch.randn(3, 6, 4)
+    g = torch.randn(3, 6, 4)
+    for pick in (lambda s, v: [s], lambda s, v: [v]):
+        out = _run(softmax_dropout_matmul, s, v, 0.3, g, inputs=pick)
+        ref = _run(_eager, s, v, 0.3, g, inputs=pick)
+        for o, r in zip(out, ref):
+            assert (o is None) == (r is None)
+            if o is not None:
+                assert torch.equal(o, r)
+
+
+def test_memory_contract():
+    b, h, t, d = 2, 3, 17, 8
+    s0 = torch.randn(b, h, t, t, requires_grad=True)
+    v0 = torch.randn(b, h, t, d, requires_grad=True)
+    m = measure(lambda: softmax_dropout_matmul(s0 * 1, v0 * 1, 0.1).sum())
+    me = measure(lambda: _eager(s0 * 1, v0 * 1, 0.1).sum())
+    n_s, n_v = b * h * t * t, b * h * t * d
+    assert m.saved_bytes == 4 * n_s + (n_s + 7) // 8 + 4 * n_v  # P + bits + V
+    assert me.saved_bytes == 3 * 4 * n_s + 4 * n_v  # P, float mask, dropped P, V
+    assert m.floor_bytes == m.saved_bytes
+    # dS not needed (scores without grad): V is not kept
+    s1 = torch.randn(b, h, t, t)
+    m = measure(lambda: softmax_dropout_matmul(s1 * 1, v0 * 1, 0.1).sum())
+    assert m.saved_bytes == 4 * n_s + (n_s + 7) // 8
+
+
+def test_mask_reproducible_under_autocast_and_compile():
+    s, v = torch.randn(2, 9, 9), torch.randn(2, 9, 9)
+    g = torch.randn(2, 9, 9)
+    ref = _run(_eager, s, v, 0.25, g, seed=5)
+    torch._dynamo.reset()
+    f = torch.compile(softmax_dropout_matmul, backend="aot_eager", fullgraph=True)
+    for o, r in zip(_run(f, s, v, 0.25, g, seed=5), ref):
+        torch.testing.assert_close(o, r)
+    res = []
+    for fn in (softmax_dropout_matmul, _eager):
+        ss, vv = s.clone().requires_grad_(), v.clone().requires_grad_()
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(ss.bfloat16(), vv, 0.25)
+        y.backward(g.to(y.dtype))
+        res.append((y.detach(), ss.grad, vv.grad))
+    assert res[0][0].dtype == res[1][0].dtype
+    for o, r in zip(*res):
+        torch.testing.assert_close(o, r)
+
+
+def test_independent_calls_retain_graph_hooks():
+    s, v = torch.randn(64, 64), torch.eye(64)
+    torch.manual_seed(0)
+    a = softmax_dropout_matmul(s, v, 0.5)
+    b = softmax_dropout_matmul(s, v, 0.5)
+    assert not torch.equal(a != 0, b != 0)
+    ss = s.clone().requires_grad_()
+    y = softmax_dropout_matmul(ss, v, 0.5)
+    y.retain_grad()
+    seen = []
+    y.register_hook(seen.append)
+    y.sum().backward(retain_graph=True)
+    g1 = ss.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(ss.grad, 2 * g1)
+    assert len(seen) == 2
+
+
+def test_inplace_on_saved_v_raises_nan_no_grad_zero_size():
+    s = torch.randn(5, 5, requires_grad=True)
+    v = torch.randn(5, 3)
+    y = softmax_dropout_matmul(s, v, 0.2)
+    v.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    sn = torch.randn(4, 4)
+    sn[1, 2] = float("nan")
+    sn[2, 0] = float("inf")
+    g = torch.randn(4, 2)
+    vv = torch.randn(4, 2)
+    out, ref = _run(softmax_dropout_matmul, sn, vv, 0.3, g), _run(_eager, sn, vv, 0.3, g)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r, equal_nan=True)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        a = softmax_dropout_matmul(s, v, 0.2)
+        torch.manual_seed(1)
+        assert torch.equal(a, _eager(s, v, 0.2))
+    e = torch.randn(0, 4, 4, requires_grad=True)
+    softmax_dropout_matmul(e, torch.randn(0, 4, 2), 0.1).sum().backward()
+    assert e.grad.shape == (0, 4, 4)
+
+
+def test_bf16_within_rule():
+    s, v = torch.randn(2, 11, 11), torch.randn(2, 11, 6)
+    g = torch.randn(2, 11, 6)
+    sb, vb, gb = s.bfloat16(), v.bfloat16(), g.bfloat16()
+    out = _run(softmax_dropout_matmul, sb, vb, 0.1, gb)
+    eager = _run(_eager, sb, vb, 0.1, gb)
+    ref = _run(_eager, sb.double(), vb.double(), 0.1, gb.double())
+    assert_within_rule(out, ref, eager)
