@@ -214,7 +214,9 @@ def _discover() -> None:
                         case = replace(case, source=modname)
                     _add(case)
             elif callable(getattr(mod, "build", None)):
-                register_case(info.name)(mod.build)
+                # the module docstring's first line describes the case (cases/__init__.py)
+                doc = (mod.__doc__ or "").strip().splitlines()
+                register_case(info.name, description=doc[0] if doc else "")(mod.build)
         except Exception as e:  # a broken case module must not break the other cases or the CLI
             _BROKEN[modname] = f"{type(e).__name__}: {e}"
 
