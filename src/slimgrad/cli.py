@@ -9,6 +9,7 @@ returns the exit status. Heavy imports (harness, demo, matplotlib, transformers)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -49,6 +50,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         "--out", default="benchmarks/results", help="folder of the JSONL records (CASE.jsonl)"
     )
     p.add_argument("--no-record", action="store_true", help="write no record")
+    p.add_argument(
+        "--no-reuse", action="store_true", help="turn gradient-buffer reuse off (slimgrad side)"
+    )
 
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -142,20 +146,22 @@ def _bench_one(args: argparse.Namespace, case: str) -> int:
         )
     import torch
 
+    from slimgrad import ownership
     from slimgrad.bench.harness import run_case
 
     try:
-        rec = run_case(
-            case,
-            device=args.device,
-            dtype=getattr(torch, args.dtype),
-            small=args.small,
-            repeat=args.repeat,
-            warmup=args.warmup,
-            grad_check=False if args.no_grad_check else None,
-            out_dir=None if args.no_record else args.out,
-            progress=None if args.json else (lambda m: print(f"[{case}] {m}", flush=True)),
-        )
+        with ownership.reuse_disabled() if args.no_reuse else contextlib.nullcontext():
+            rec = run_case(
+                case,
+                device=args.device,
+                dtype=getattr(torch, args.dtype),
+                small=args.small,
+                repeat=args.repeat,
+                warmup=args.warmup,
+                grad_check=False if args.no_grad_check else None,
+                out_dir=None if args.no_record else args.out,
+                progress=None if args.json else (lambda m: print(f"[{case}] {m}", flush=True)),
+            )
     except (ValueError, RuntimeError) as e:
         return _err(str(e))
     print(json.dumps(rec) if args.json else format_record(rec))

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimgrad import ownership
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
 
 __all__ = [
@@ -636,6 +637,7 @@ def run_case(
     rec: dict[str, Any] = {
         "case": case.name,
         "provider": case.provider,
+        "grad_buffer_reuse": ownership.reuse_enabled(),
         "small": small,
         "shapes": _shapes(xs),
         "dtype": str(dtype).removeprefix("torch."),
