@@ -81,3 +81,21 @@ def test_subcommand_table_is_extensible(monkeypatch, capsys):
     monkeypatch.setitem(cli.SUBCOMMANDS, "profile", cli.Subcommand("profile a step", add, run))
     assert cli.main(["profile", "--n", "3"]) == 0
     assert "ran with 3" in capsys.readouterr().out
+
+
+def test_bench_all_small(tmp_path, capsys, monkeypatch):
+    from slimgrad.bench import harness
+    from slimgrad.bench.harness import list_cases
+
+    # Only the built-in model cases, so this test does not grow with every op's case.
+    builtin = {c.name: c for c in list_cases() if c.source == "slimgrad.bench.cases.models"}
+    monkeypatch.setattr(harness, "_REGISTRY", builtin)
+    argv = ["bench", "--all", "--small", "--repeat", "1", "--no-grad-check", "--json"]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = sorted(c.name for c in list_cases() if not c.missing())
+    assert sorted(r["case"] for r in recs) == expected
+    assert sorted(p.stem for p in tmp_path.glob("*.jsonl")) == expected
+    assert all(r["grad"] is None for r in recs)
+    assert cli.main(["bench", "gpt2", "--all"]) == 2
+    assert "--all takes no case" in capsys.readouterr().err

@@ -285,3 +285,21 @@ def test_fake_estimate_equals_real(case):
     fake = estimate(make)
     for field in ("peak_bytes", "saved_bytes", "floor_bytes", "retained_bytes", "end_bytes"):
         assert getattr(fake, field) == getattr(real, field), field
+
+
+def test_module_attribution_reaches_past_inner_modules():
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            h = torch.tanh(x * 2)  # computed by Blk itself; kept by TanhBackward and by lin's addmm
+            return self.lin(h) * 3
+
+    model = nn.Sequential(Blk())
+    x = torch.randn(N, D, requires_grad=True)
+    m = measure(lambda: model(x).sum(), module=model)
+    assert m.by_module == {"0": ACT}
+    (h,) = [s for s in m.saved if s.kind == "step"]
+    assert sorted(h.savers) == ["AddmmBackward0", "TanhBackward0"]

@@ -550,3 +550,25 @@ def test_take_from_a_helper_frame_is_refused():
     got, n = _run("plain_chain", fn_cls=_DoubleViaHelper)
     _assert_bitwise(got, ref)
     assert n == 0
+
+
+def test_hook_that_keeps_the_storage_object_is_refused():
+    def go(fn_cls, disabled=False):
+        x = torch.randn(N, generator=torch.Generator().manual_seed(11)).requires_grad_()
+        w = torch.randn(N, generator=torch.Generator().manual_seed(12))
+        kept = []
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if disabled else _null():
+            y = fn_cls.apply(x * 1.5)
+            y.register_hook(lambda g: kept.append((g.untyped_storage(), g.shape)))
+            (y * w).sum().backward()
+        st, shape = kept[0]
+        seen = torch.empty(0).set_(st, 0, shape)  # what the storage's keeper reads later
+        return seen.clone(), x.grad, ownership.reuse_count("grad")
+
+    ref_seen, ref_grad, _ = go(_Double, disabled=True)
+    seen, grad, n = go(_Double)
+    assert n == 0
+    assert torch.equal(seen, ref_seen) and torch.equal(grad, ref_grad)
+    bad_seen, _, _ = go(_Reckless)
+    assert not torch.equal(bad_seen, ref_seen)  # the case is real: an overwrite would show

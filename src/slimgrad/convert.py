@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+import slimgrad.nn as snn
+from slimgrad.convert_handlers import cnn as _cnn
+from slimgrad.convert_handlers import hf as _hf
+from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
+
 __all__ = ["ConvertConfig", "ConvertReport", "convert_", "report"]
 
 
@@ -38,7 +43,8 @@ class ConvertConfig:
         activations: activations whose backward works from their output (+ 1 bit/elt for GELU/SiLU).
         norms: LayerNorm/RMSNorm/GroupNorm that keep their output and per-row statistics.
         dropout: dropout that keeps a 1-bit mask.
-        linear: Linear/Conv1D/Conv that keep only what the requested gradients need.
+        selective_saving: convolutions keep only what the requested gradients need (a frozen
+            weight keeps no input), or the BatchNorm output they are derived from.
         batch_norm: BatchNorm followed by an activation keeps one tensor per block (exact).
         fused_loss: LM head + cross-entropy fused and chunked (HF causal LMs).
         inplace_abn: BatchNorm + ReLU becomes InPlaceABN with leaky_relu. Changes the model's
@@ -50,7 +56,7 @@ class ConvertConfig:
     activations: bool = True
     norms: bool = True
     dropout: bool = True
-    linear: bool = True
+    selective_saving: bool = True
     batch_norm: bool = True
     fused_loss: bool = True
     inplace_abn: bool = False
@@ -94,9 +100,42 @@ def _qualname(cls: type) -> str:
 
 
 # {qualified class name: (ConvertConfig field, handler)}. One line per op; see the module docstring.
-_TABLE: dict[str, tuple[str, Handler]] = {}
-# Passes over the whole model for patterns that need neighbours; each reports what it did.
-_PATTERNS: list[tuple[str, Pattern]] = []
+_TABLE: dict[str, tuple[str, Handler]] = {
+    # activations that keep their output (+ 1 bit/elt for the smooth ones)
+    "torch.nn.modules.activation.ReLU": ("activations", snn.ReLU.from_torch),
+    "torch.nn.modules.activation.Sigmoid": ("activations", snn.Sigmoid.from_torch),
+    "torch.nn.modules.activation.Tanh": ("activations", snn.Tanh.from_torch),
+    "torch.nn.modules.activation.Hardtanh": ("activations", snn.Hardtanh.from_torch),
+    "torch.nn.modules.activation.ReLU6": ("activations", snn.ReLU6.from_torch),
+    "torch.nn.modules.activation.LeakyReLU": ("activations", snn.LeakyReLU.from_torch),
+    "torch.nn.modules.activation.ELU": ("activations", snn.ELU.from_torch),
+    "torch.nn.modules.activation.GELU": ("activations", snn.GELU.from_torch),
+    "torch.nn.modules.activation.SiLU": ("activations", snn.SiLU.from_torch),
+    "torch.nn.modules.activation.Mish": ("activations", snn.Mish.from_torch),
+    "transformers.activations.GELUActivation": ("activations", snn.GELU.from_torch),
+    "transformers.activations.NewGELUActivation": ("activations", snn.GELU.from_torch),
+    "transformers.activations.FastGELUActivation": ("activations", snn.GELU.from_torch),
+    "transformers.activations.GELUTanh": ("activations", snn.GELU.from_torch),
+    "transformers.activations.PytorchGELUTanh": ("activations", snn.GELU.from_torch),
+    "transformers.activations.SiLUActivation": ("activations", snn.SiLU.from_torch),
+    "transformers.activations.MishActivation": ("activations", snn.Mish.from_torch),
+    # norms that keep their output and per-row statistics
+    "torch.nn.modules.normalization.LayerNorm": ("norms", snn.LayerNorm.from_torch),
+    "torch.nn.modules.normalization.RMSNorm": ("norms", snn.RMSNorm.from_torch),
+    "torch.nn.modules.normalization.GroupNorm": ("norms", snn.GroupNorm.from_torch),
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm": ("norms", _hf.rms_norm_from_hf),
+    # dropout with a 1-bit mask
+    "torch.nn.modules.dropout.Dropout": ("dropout", snn.Dropout.from_torch),
+    # convolutions that keep only what the requested gradients need, BatchNorm from its output
+    **{k: ("selective_saving" if t == "linear" else t, h) for k, (t, h) in _cnn.TABLE.items()},
+}
+# Passes over the whole model for patterns that need neighbours, in order; each reports what it did.
+_PATTERNS: list[tuple[str, Pattern]] = [
+    ("batch_norm", convert_sequential_bn_act_),  # BN + invertible act in a Sequential: InPlaceABN
+    ("batch_norm", _cnn.bn_act_pattern),  # BN next to ReLU/GELU/SiLU: keep the BN output only
+    ("dropout", _hf.attention_pattern),  # HF attention: softmax -> dropout -> @V keeps P + bits
+    ("fused_loss", _hf.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept
+]
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
 

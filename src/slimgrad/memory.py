@@ -27,17 +27,17 @@ temporaries they allocate (NOTE [Custom ops and the memory tracker] in
 ``slimgrad/ops/_library.py``).
 
 # NOTE [How saved bytes are counted]
-During forward, a ``saved_tensors_hooks`` pair records every tensor autograd packs for backward: its
-storage key, its size and the module running. The pack hook returns a *detached alias* (same
-storage, no ``grad_fn``): returning the tensor itself would make a reference cycle between a saved
-output and its own node, and the memory would never be freed. At the end of forward the graph is
-walked from the output: each node's saved tensors (``_raw_saved_*``, custom Functions'
-``saved_tensors``) and a custom Function's tensor attributes (``ctx.foo = t``: side buffers) name
-the node that keeps each storage. Saved tensors packed by someone else's hooks (e.g.
-``torch.utils.checkpoint``) are not unpacked by the walk, since unpacking would recompute them; such
-tensors are not kept by autograd anyway. Saved-tensor hooks do not nest (only the innermost pair
-runs), so slimgrad's ops never install their own: they keep what they need with
-``ctx.save_for_backward`` or as ctx attributes, both of which this walk sees.
+At the end of forward the autograd graph is walked from the output. Each node's saved tensors
+(``_raw_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions) and a custom Function's
+tensor attributes (``ctx.foo = t``: side buffers) name the node that keeps each storage; a storage
+kept by several nodes counts once. No ``saved_tensors_hooks`` are installed: they would change what
+is measured (a hook's unpacked tensor is a second reference, so an op that reuses a dead saved
+buffer, see NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``, could no longer prove it
+dead), and they do not nest with the hooks of the code being measured. Saved tensors packed by
+someone else's hooks (e.g. ``torch.utils.checkpoint``) are not unpacked by the walk, since
+unpacking would recompute them; autograd does not keep them anyway. Module attribution: each
+module's forward post-hook claims the graph nodes created since its inputs (inner modules first),
+keyed by the nodes' sequence numbers; a storage belongs to the module of its earliest saver.
 
 # NOTE [The matmul-input floor]
 ``floor_bytes`` counts the storages created in the step and kept by at least one node of a
@@ -61,7 +61,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from slimgrad._errors import internal_error
 from slimgrad.ops._library import python_impl
 
 __all__ = ["SavedStorage", "StepMemory", "estimate", "measure"]
@@ -249,49 +248,26 @@ class _Tracker(TorchDispatchMode):
         self.finalizers.clear()
 
 
-class _Packer:
-    # saved_tensors_hooks pair recording what autograd keeps (NOTE [How saved bytes are counted])
-
-    def __init__(self, tracker: _Tracker, module_stack: list[str], param_keys: set[int]):
-        self.tracker = tracker
-        self.stack = module_stack
-        self.param_keys = param_keys
-        self.records: dict[int, dict] = {}
-
-    def pack(self, t: torch.Tensor):
-        st = _storage(t)
-        if st is not None:
-            key = st._cdata
-            if key not in self.records:
-                if key in self.tracker.created:
-                    kind = "step"
-                elif key in self.param_keys or _is_param(t):
-                    kind = "param"
-                else:
-                    kind = "input"
-                self.tracker._follow(st, created=False)
-                self.records[key] = {
-                    "kind": kind,
-                    "dtype": str(t.dtype).replace("torch.", ""),
-                    "shape": tuple(t.shape),
-                    "module": self.stack[-1] if self.stack else "",
-                }
-        return t.detach()
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
 def _is_param(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(
         getattr(t, "_base", None), torch.nn.Parameter
     )
 
 
-def _walk_savers(roots: list, unpack_hook: Callable) -> dict[int, list[tuple[str, bool]]]:
-    """Storage key -> [(saver node name, is floor node)], walking the graph from ``roots``."""
-    savers: dict[int, list[tuple[str, bool]]] = {}
+@dataclass
+class _Saver:
+    name: str
+    floor: bool
+    seq: int
+
+
+def _grad_fns(obj: Any) -> list:
+    return [t.grad_fn for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
+
+
+def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
+    """Storage key -> (one tensor on it, its savers), walking the graph from ``roots``."""
+    found: dict[int, tuple[torch.Tensor, list[_Saver]]] = {}
     seen: set[int] = set()
     stack = list(roots)
     order: list[Any] = []
@@ -304,19 +280,25 @@ def _walk_savers(roots: list, unpack_hook: Callable) -> dict[int, list[tuple[str
         for nxt, _ in getattr(node, "next_functions", ()):
             stack.append(nxt)
     for node in order:
-        name = type(node).__name__
-        floor = _is_floor_node(node)
-        for t in _node_tensors(node, unpack_hook):
+        saver = _Saver(type(node).__name__, _is_floor_node(node), _seq(node))
+        for t in _node_tensors(node):
             st = _storage(t)
             if st is None:
                 continue
-            lst = savers.setdefault(st._cdata, [])
-            if (name, floor) not in lst:
-                lst.append((name, floor))
-    return savers
+            entry = found.setdefault(st._cdata, (t, []))
+            if all(sv.seq != saver.seq or sv.name != saver.name for sv in entry[1]):
+                entry[1].append(saver)
+    return found
 
 
-def _node_tensors(node: Any, unpack_hook: Callable):
+def _seq(node: Any) -> int:
+    try:
+        return int(node._sequence_nr())
+    except (AttributeError, RuntimeError):
+        return -1
+
+
+def _node_tensors(node: Any):
     for attr in dir(node):
         if not attr.startswith("_raw_saved_"):
             continue
@@ -325,11 +307,8 @@ def _node_tensors(node: Any, unpack_hook: Callable):
         except RuntimeError:  # freed (retain_graph=False after a backward)
             continue
         raws = raw if isinstance(raw, (list, tuple)) else (raw,)
-        if any(
-            r is not None and getattr(r, "unpack_hook", None) not in (None, unpack_hook)
-            for r in raws
-        ):
-            continue  # packed by someone else's hooks: unpacking could recompute
+        if any(r is not None and getattr(r, "unpack_hook", None) is not None for r in raws):
+            continue  # packed by someone's hooks: unpacking could recompute
         public = "saved_tensors" if attr == "_raw_saved_tensors" else attr.replace("_raw", "", 1)
         try:
             val = getattr(node, public)
@@ -345,24 +324,45 @@ def _node_tensors(node: Any, unpack_hook: Callable):
                     yield t
 
 
-class _ModuleStack:
+class _ModuleClaims:
+    """Module path of each graph node created inside a module's forward (by sequence number)."""
+
     def __init__(self, module: torch.nn.Module | None):
-        self.stack: list[str] = []
+        self.owner: dict[int, str] = {}
+        self.bounds: list[set[int]] = []
         self.handles = []
         if module is None:
             return
         for name, mod in module.named_modules():
             path = name or type(module).__name__
 
-            def pre(_m, _inp, path=path):
-                self.stack.append(path)
+            def pre(_m, args, kwargs):
+                self.bounds.append({_seq(n) for n in _grad_fns((args, kwargs))})
 
-            def post(_m, _inp, _out):
-                if self.stack:
-                    self.stack.pop()
+            def post(_m, args, kwargs, out, path=path):
+                bound = self.bounds.pop() if self.bounds else set()
+                self._claim(_grad_fns(out), bound, path)
 
-            self.handles.append(mod.register_forward_pre_hook(pre))
-            self.handles.append(mod.register_forward_hook(post, always_call=True))
+            self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def _claim(self, roots: list, bound: set[int], path: str) -> None:
+        # walk the module's own subgraph (down to its inputs' nodes), through nodes that inner
+        # modules already claimed, and claim the rest
+        stack = list(roots)
+        seen: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or not hasattr(node, "next_functions"):
+                continue
+            seq = _seq(node)
+            if seq < 0 or seq in bound or seq in seen:
+                continue
+            seen.add(seq)
+            if type(node).__name__ == "AccumulateGrad":
+                continue
+            self.owner.setdefault(seq, path)
+            stack.extend(n for n, _ in node.next_functions)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -389,6 +389,8 @@ def measure(
 
     Returns:
         A :class:`StepMemory`; every figure is in bytes above what was live before the step.
+        Tensors a library caches on first use (lookup tables, RNG buffers) count in the step that
+        creates them: run one step before measuring for steady-state figures.
 
     Raises:
         TypeError: ``forward`` did not return a tensor.
@@ -402,14 +404,13 @@ def measure(
         8192
     """
     tracker = _Tracker()
-    mods = _ModuleStack(module)
+    mods = _ModuleClaims(module)
     param_keys: set[int] = set()
     if module is not None:
         for p in module.parameters():
             st = _storage(p)
             if st is not None:
                 param_keys.add(st._cdata)
-    packer = _Packer(tracker, mods.stack, param_keys)
     orig_resize = torch.UntypedStorage.resize_
 
     def resize_(st, size):
@@ -420,8 +421,7 @@ def measure(
     torch.UntypedStorage.resize_ = resize_
     try:
         with tracker:
-            with torch.autograd.graph.saved_tensors_hooks(packer.pack, _Packer.unpack):
-                out = forward()
+            out = forward()
             if not isinstance(out, torch.Tensor):
                 raise TypeError(
                     "slimgrad.memory.measure: forward must return a tensor (the loss); expected "
@@ -430,7 +430,7 @@ def measure(
             forward_peak = tracker.peak
             retained = tracker.cur
             backward_start = tracker.n_ops
-            snap = _snapshot(tracker, packer, out)
+            snap = _snapshot(tracker, out, mods.owner, param_keys)
             if backward:
                 if grad is None and out.numel() != 1:
                     raise ValueError(
@@ -464,44 +464,44 @@ def measure(
     )
 
 
-def _snapshot(tracker: _Tracker, packer: _Packer, out: torch.Tensor) -> dict:
+def _snapshot(
+    tracker: _Tracker, out: torch.Tensor, owner: dict[int, str], param_keys: set[int]
+) -> dict:
     roots = [out.grad_fn] if out.grad_fn is not None else []
-    savers = _walk_savers(roots, _Packer.unpack) if roots else {}
+    found = _walk_savers(roots) if roots else {}
     saved: list[SavedStorage] = []
     by_node: dict[str, int] = {}
     by_module: dict[str, int] = {}
     by_dtype: dict[str, int] = {}
     totals = {"step": 0, "input": 0, "param": 0}
     floor = 0
-    keys = set(packer.records) | {k for k in savers if k in tracker.created}
-    for key in keys:
-        if key not in tracker.sizes:
-            continue  # freed before the end of forward: not kept
-        rec = packer.records.get(key)
-        who = savers.get(key, [])
-        if rec is None:
-            # kept as a custom Function's attribute (side buffer), created in the step
-            rec = {"kind": "step", "dtype": "?", "shape": (), "module": ""}
-        if rec["kind"] == "step" and key not in tracker.created:
-            raise internal_error("a storage created in the step is missing from the live set")
-        nbytes = tracker.sizes[key]
-        is_floor = any(f for _, f in who)
+    for key, (t, savers) in found.items():
+        if key in tracker.created:
+            kind = "step"
+        elif key in param_keys or _is_param(t):
+            kind = "param"
+        else:
+            kind = "input"
+        nbytes = tracker.sizes.get(key)
+        if nbytes is None:  # never seen by the mode (e.g. made before the step, never an op input)
+            nbytes = t.untyped_storage().nbytes()
+        earliest = min(savers, key=lambda sv: sv.seq)
         s = SavedStorage(
             nbytes=nbytes,
-            dtype=rec["dtype"],
-            shape=rec["shape"],
-            kind=rec["kind"],
-            module=rec["module"],
-            savers=[n for n, _ in who],
-            floor=is_floor and rec["kind"] == "step",
+            dtype=str(t.dtype).replace("torch.", ""),
+            shape=tuple(t.shape),
+            kind=kind,
+            module=owner.get(earliest.seq, ""),
+            savers=[sv.name for sv in savers],
+            floor=kind == "step" and any(sv.floor for sv in savers),
         )
         saved.append(s)
-        totals[s.kind] += nbytes
-        if s.kind != "step":
+        totals[kind] += nbytes
+        if kind != "step":
             continue
         if s.floor:
             floor += nbytes
-        first = next((n for n, f in who if f), who[0][0] if who else "<unattributed>")
+        first = next((sv.name for sv in savers if sv.floor), savers[0].name)
         by_node[first] = by_node.get(first, 0) + nbytes
         by_module[s.module] = by_module.get(s.module, 0) + nbytes
         by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + nbytes
@@ -533,7 +533,7 @@ def estimate(make_forward: Callable[[], Any], **kwargs) -> StepMemory:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
+    with FakeTensorMode(allow_non_fake_inputs=True):  # small cached constants of slimgrad ops
         made = make_forward()
         if isinstance(made, tuple):
             forward, module = made

@@ -25,9 +25,10 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    gradient that autograd hands to a sibling node still pending (the Gemma-2 pattern), a user
    ``gradient=G`` and the ``autograd.grad`` result of a non-leaf input (the engine keeps it as a
    captured gradient).
-2. Storage use count == 1 (``torch._C._storage_Use_Count`` minus the probe's own storage object,
-   calibrated): no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient) shares the
-   memory. Conservative: refuses disjoint slices too.
+2. Storage use count and the refcount of the storage's Python object equal those of a fresh
+   tensor (calibrated): no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient)
+   shares the memory, and nobody keeps ``g.untyped_storage()``. Conservative: refuses disjoint
+   slices too.
 3. ``sys.getrefcount(g)`` equals the baseline calibrated at import for the exact calling pattern
    below. Catches extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook
    that keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. The
@@ -45,8 +46,9 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    ``SLIMGRAD_NO_REUSE=1``). For saved tensors (:func:`take_saved`) also: the graph is not kept
    (``retain_graph=True`` keeps saved tensors intact, so no reuse), and (refcount, use count) are
    those calibrated for a saved tensor nobody else holds, kept by autograd or by a
-   ``saved_tensors_hooks`` pair that packs a detached alias (``slimgrad.memory``'s tracker): a hook
-   that keeps the packed tensor elsewhere, or unpacks a tensor it also holds, adds a reference.
+   ``saved_tensors_hooks`` pair that packs a detached alias: a hook that keeps the packed tensor
+   elsewhere, or unpacks a tensor it also holds, adds a reference. (``slimgrad.memory`` installs
+   no hooks, so measuring a step never changes what this rule grants.)
 
 Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails
 safe, refusing reuse, never the other way):
@@ -91,6 +93,7 @@ __all__ = [
     "reusable",
     "reuse_count",
     "reuse_disabled",
+    "reuse_enabled",
     "reset_reuse_count",
     "take",
     "take_saved",
@@ -110,10 +113,13 @@ _counter_lock = threading.Lock()
 # (a helper in between, another wrapper) has no baseline: never reuse.
 _GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
-# saved_tensors_hooks pair that packs a detached alias keeps it (slimgrad.memory's tracker does).
+# saved_tensors_hooks pair that packs a detached alias keeps it.
 _SAVED_SIGS: dict | None = None  # caller code -> {(refcount, use count)}
 # Storage use count of a tensor nobody else shares, the probe's own storage object included.
 _STORAGE_PROBE: int | None = None
+# (Python refcount, storage use count) of that storage's Python object, as _storage_sig sees it
+# for a fresh tensor: a user who keeps ``g.untyped_storage()`` raises the refcount.
+_STORAGE_SIG: tuple[int, int] | None = None
 
 
 def _env_disabled() -> bool:
@@ -144,6 +150,11 @@ def reuse_disabled() -> Iterator[None]:
             _disabled_depth -= 1
 
 
+def reuse_enabled() -> bool:
+    """False inside :func:`reuse_disabled` or with ``SLIMGRAD_NO_REUSE=1``."""
+    return not _disabled()
+
+
 def reuse_count(kind: str | None = None) -> int:
     """Reuses granted since the last reset (``kind``: "grad", "saved" or None for both)."""
     if kind is None:
@@ -168,8 +179,14 @@ def calibrated() -> bool:
     return _GRAD_REFCOUNT is not None and _SAVED_SIGS is not None
 
 
-def _storage_users(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - (_STORAGE_PROBE - 1)
+def _storage_sig(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return sys.getrefcount(st), torch._C._storage_Use_Count(st._cdata)
+
+
+def _storage_alone(t: torch.Tensor) -> bool:
+    # no other tensor shares the StorageImpl, and nobody keeps its Python storage object
+    return _STORAGE_SIG is not None and _storage_sig(t) == _STORAGE_SIG
 
 
 def _dense_whole(t: torch.Tensor) -> bool:
@@ -226,7 +243,7 @@ def _grad_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
         and _plain(t)
         and _context_ok()
         and t._use_count() == 1
-        and _storage_users(t) == 1
+        and _storage_alone(t)
         and _dense_whole(t)
     )
 
@@ -238,7 +255,7 @@ def _saved_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
         and _plain(t, saved=True)
         and _context_ok()
         and not torch._C._autograd._get_current_graph_task_keep_graph()
-        and _storage_users(t) == 1
+        and _storage_alone(t)
         and _dense_whole(t)
     )
 
@@ -377,14 +394,19 @@ def _calib_fns(seen: list):
 
 
 def _calibrate() -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG
     try:
         t = torch.empty(4)
         _STORAGE_PROBE = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+        sig = _storage_sig(torch.empty(4))
+        held = torch.empty(4)
+        keep = held.untyped_storage()
+        sensitive = _storage_sig(held)[0] == sig[0] + 1  # a kept storage object must show
+        del keep
         x = torch.randn(5, requires_grad=True)
         grad_base: dict = {}
         saved_sigs: dict = {}
-        ok = _STORAGE_PROBE >= 1
+        ok = _STORAGE_PROBE >= 1 and sensitive and sig[1] == _STORAGE_PROBE
         for grad_fn, saved_fn in zip(*_calib_fns(seen := []), strict=True):
             seen.clear()
             (grad_fn.apply(x) * 3).sum().backward()
@@ -420,9 +442,9 @@ def _calibrate() -> None:
             grad_base[caller] = g[0][0]
             saved_sigs[caller] = frozenset({sv[0][:2], sv[2][:2]})
         if ok:
-            _GRAD_REFCOUNT, _SAVED_SIGS = grad_base, saved_sigs
+            _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG = grad_base, saved_sigs, sig
     except Exception:  # any surprise: never reuse
-        _GRAD_REFCOUNT = _SAVED_SIGS = None
+        _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = None
 
 
 _calibrate()

@@ -258,3 +258,13 @@ def test_cases_list_with_functools_partial(scratch_registry):
     assert harness.case_names() == ["zz_p2", "zz_p3"]
     assert harness.get_case("zz_p3").source == "slimgrad.bench.cases.zz_partial"
     assert run_case("zz_p3", out_dir=None, repeat=1)["shapes"] == [[2, 3]]
+
+
+def test_dtypes_scale_the_saved_bytes_and_keep_the_rule():
+    # Every tensor conv_chain saves is a floating activation: bytes scale with the element size.
+    saved = {}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        rec = run_case("conv_chain", small=True, dtype=dtype, out_dir=None, repeat=1)
+        assert rec["grad"]["ok"] and rec["dtype"] == str(dtype).removeprefix("torch.")
+        saved[dtype] = rec["eager"]["saved_bytes"]
+    assert saved[torch.float64] == 2 * saved[torch.float32] == 4 * saved[torch.bfloat16]

@@ -124,5 +124,7 @@ def randomize_bn_(model: nn.Module, seed: int = 0) -> nn.Module:
                 m.weight.copy_(torch.empty(m.weight.shape).uniform_(0.5, 1.5, generator=g))
                 sign = torch.where(torch.rand(m.weight.shape, generator=g) < 0.2, -1.0, 1.0)
                 m.weight.mul_(sign)
-                m.bias.copy_(torch.empty(m.bias.shape).uniform_(-0.5, 0.5, generator=g))
+                # |β| < |γ| / 2: every channel's x̂ is recovered from the output (ops/batch_norm.py)
+                frac = torch.empty(m.bias.shape).uniform_(-0.45, 0.45, generator=g)
+                m.bias.copy_(m.weight.abs() * frac)
     return model

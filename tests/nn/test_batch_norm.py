@@ -144,15 +144,9 @@ def test_eval_frozen_bn_keeps_nothing_full_size():
     assert ms.saved_bytes == x0.numel() * 4 + full + 5 * 4 * 4
 
 
-def test_through_slimgrad_convert_(monkeypatch):
-    # The entries this stem asks for in slimgrad.convert, installed for this test only.
+def test_through_slimgrad_convert_():
     import slimgrad
-    from slimgrad import convert as conv_mod
 
-    monkeypatch.setattr(conv_mod, "_TABLE", {**conv_mod._TABLE, **CNN_TABLE})
-    monkeypatch.setattr(
-        conv_mod, "_PATTERNS", [*conv_mod._PATTERNS, ("batch_norm", bn_act_pattern)]
-    )
     torch.manual_seed(0)
     ref = _block()
     m = slimgrad.convert_(copy.deepcopy(ref))
@@ -161,7 +155,9 @@ def test_through_slimgrad_convert_(monkeypatch):
     assert ("1", "BatchNorm2d") in kinds and ("2", "ReLUAfterNorm") in kinds
     assert ("0", "Conv2d") in kinds and ("5", "SiLUAfterNorm") in kinds
     assert isinstance(m[0], sbn.nn.Conv2d) and type(m[0]).__module__ == "slimgrad.nn.conv"
-    off = slimgrad.convert_(copy.deepcopy(ref), slimgrad.ConvertConfig(batch_norm=False))
+    off = slimgrad.convert_(
+        copy.deepcopy(ref), slimgrad.ConvertConfig(batch_norm=False, activations=False)
+    )
     assert type(off[1]) is nn.BatchNorm2d and type(off[2]) is nn.ReLU
     x = torch.randn(2, 3, 7, 7)
     torch.testing.assert_close(m(x), ref(x))
@@ -184,3 +180,48 @@ def test_compile_aot_eager_converted_block():
         outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model_within_rule(dtype):
+    from slimgrad.testing import assert_within_rule
+
+    torch.manual_seed(0)
+    ref = _block()
+    x0 = torch.randn(2, 3, 9, 9)
+    res = {}
+    for name, dt, conv in (
+        ("ref", torch.float64, False),
+        ("eager", dtype, False),
+        ("ours", dtype, True),
+    ):
+        m = copy.deepcopy(ref).to(dt)
+        if conv:
+            convert_cnn_(m)
+        x = x0.to(dt).requires_grad_()
+        y = m(x)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        res[name] = [y, x.grad] + [p.grad for p in m.parameters()]
+    assert_within_rule(res["ours"], res["ref"], res["eager"])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_recompute_input_policy(k):
+    # conv -> BN -> (+1): the BN input is kept unless the policy allows re-running the conv.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, k, bias=False), nn.BatchNorm2d(4))
+    m = convert_cnn_(copy.deepcopy(ref))
+    x0 = torch.randn(2, 3, 9, 8)
+    full = 2 * 4 * (10 - k) * (9 - k) * 4
+
+    def saved(policy):
+        m[1].recompute_input = policy
+        return measure(lambda: (m(x0 * 1) + 1).relu_().sum()).saved_bytes
+
+    always, never, pointwise = saved("always"), saved("never"), saved("pointwise")
+    assert never - always == full
+    assert pointwise == (always if k == 1 else never)
+    assert sbn.BatchNorm2d.recompute_input == "pointwise"  # the class default is unchanged
+    m[1].recompute_input = "sometimes"
+    with pytest.raises(ValueError, match="slimgrad.ops.batch_norm: recompute_input must be"):
+        m(x0)

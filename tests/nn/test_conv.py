@@ -42,6 +42,8 @@ def test_from_torch_shares_parameters_and_matches(ours, theirs, args, kw, nd):
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
     assert len(calls) == 2  # the hook moved with the module
+    m.register_forward_hook(lambda mod, i, o: None)
+    assert len(m._forward_hooks) == 2 and len(ref._forward_hooks) == 1  # own hook dicts
 
 
 @pytest.mark.parametrize("ours,theirs,args,kw,nd", PAIRS)

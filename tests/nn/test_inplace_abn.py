@@ -210,3 +210,44 @@ def test_module_compile_inductor_with_kept_channel():
     torch.testing.assert_close(out, want_out)
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r)
+
+
+def test_convert_pattern_sequential_bn_act():
+    from slimgrad.convert import ConvertConfig, ConvertReport
+    from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
+
+    torch.manual_seed(0)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LeakyReLU(0.2),
+            nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ELU(),
+            nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU(),
+            nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.LeakyReLU(0.0),  # slope 0: not invertible
+        ).double()  # fmt: skip
+
+    ref, model = build(), build()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    rep = ConvertReport()
+    convert_sequential_bn_act_(model, ConvertConfig(), lambda m, n: True, rep)
+    assert [type(m).__name__ for m in model][:6] == [
+        "Conv2d", "InPlaceABN", "Identity", "Conv2d", "InPlaceABN", "Identity"
+    ]  # fmt: skip
+    assert type(model[7]) is nn.BatchNorm2d and type(model[10]) is nn.BatchNorm2d
+    assert [r[0] for r in rep.converted] == ["1", "4"]
+    assert model.state_dict().keys() == sd.keys()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    out, want = model(x), ref(x)
+    torch.testing.assert_close(out, want)
+    got = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+    exp = torch.autograd.grad(want.square().sum(), list(ref.parameters()))
+    for a, r in zip(got, exp):
+        torch.testing.assert_close(a, r)
+    # opt-in: ReLU becomes leaky_relu(slope); a filter keeps a module unchanged
+    rep2 = ConvertReport()
+    cfg = ConvertConfig(inplace_abn=True, leaky_relu_slope=0.05)
+    convert_sequential_bn_act_(model, cfg, lambda m, n: n != "10", rep2)
+    assert [r[0] for r in rep2.converted] == ["7"]
+    assert model[7].activation == "leaky_relu" and model[7].activation_param == 0.05
+    assert type(model[10]) is nn.BatchNorm2d

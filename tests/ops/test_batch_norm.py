@@ -12,10 +12,11 @@ EPS = 1e-5
 
 
 def _params(C, dtype=torch.float32, seed=0):
+    # both signs of γ; |β| < |γ| / 2 so every channel is recovered from the output
     g = torch.Generator().manual_seed(seed)
     w = torch.empty(C, dtype=dtype).uniform_(0.5, 1.5, generator=g)
     w = w * torch.where(torch.rand(C, generator=g) < 0.3, -1.0, 1.0).to(dtype)
-    b = torch.empty(C, dtype=dtype).uniform_(-0.5, 0.5, generator=g)
+    b = w.abs() * torch.empty(C, dtype=dtype).uniform_(-0.45, 0.45, generator=g)
     return w, b
 
 
@@ -176,7 +177,7 @@ def test_conv_bn_keeps_recipe_not_input():
             xin = x0 * 1
             if ours:
                 h = conv2d(xin, wc, padding=1)
-                y = batch_norm(h, None, None, w, b, True, 0.1, EPS)
+                y = batch_norm(h, None, None, w, b, True, 0.1, EPS, recompute_input="always")
             else:
                 h = F.conv2d(xin, wc, padding=1)
                 y = F.batch_norm(h, None, None, w, b, True, 0.1, EPS)
@@ -358,12 +359,12 @@ def test_autocast_bf16_block_within_rule():
 
 def test_recomputed_input_gives_bitwise_same_gradients():
     # The recipe re-runs the same conv on the same tensors: the BN gradients equal, bit for bit,
-    # those computed from the kept input (recompute_input=False).
+    # those computed from the kept input (recompute_input="never").
     x0 = torch.randn(3, 4, 9, 7)
     wc = torch.randn(5, 4, 3, 3)
     w0, b0 = _params(5)
     res = []
-    for recompute in (True, False):
+    for recompute in ("always", "never"):
         x, c, w, b = (t.clone().requires_grad_() for t in (x0, wc, w0, b0))
         h = conv2d(x * 1, c, padding=1)
         y = batch_norm(h, None, None, w, b, True, 0.1, EPS, recompute_input=recompute)
@@ -397,3 +398,52 @@ def test_inside_checkpoint_same_gradients():
         res.append([z, x.grad, w.grad, b.grad, k1.grad, k2.grad])
     for a, e in zip(*res):
         torch.testing.assert_close(a, e)
+
+
+def test_memory_channels_kept_from_input():
+    # Channels whose output cannot be inverted accurately keep their input channel (a copy);
+    # beyond half the channels the whole input is kept instead (2 full-size tensors, as eager).
+    N, C, H, W = 4, 6, 5, 7
+    x0 = torch.randn(N, C, H, W)
+    wc = torch.randn(3, C, 1, 1, requires_grad=True)
+    full, per_c = N * C * H * W * 4, N * H * W * 4
+    for n_bad, expect in [(0, full), (1, full + per_c), (3, full + 3 * per_c), (4, 2 * full)]:
+        w, b = _params(C)
+        b[:n_bad] = 3.0 * w[:n_bad].abs()  # |β| > |γ| / 2
+        w.requires_grad_()
+        b.requires_grad_()
+
+        def step(w=w, b=b):
+            h = x0 * 1
+            y = batch_norm(h, None, None, w, b, True, 0.1, EPS)
+            return conv2d(_derived.activation(y, "relu"), wc).sum()
+
+        # + per channel: mean, invstd, γ, β; + the int64 list of copied channels
+        listed = n_bad * 8 if 0 < n_bad <= C // 2 else 0
+        assert measure(step).saved_bytes == expect + 4 * C * 4 + listed
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.45, 2.0, 16.0])
+def test_float32_grads_within_rule_for_beta_over_gamma(ratio):
+    # |β/γ| near and beyond the threshold where x̂ stops being recovered from b (float32, data
+    # with and without a large channel mean); every gradient within the GUIDE.md rule.
+    C = 6
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(8):
+        mu = 5.0 * (trial % 2)
+        x0 = torch.randn(16, C, 9, 9, dtype=torch.float64, generator=gen) * 3 + mu
+        sign = torch.tensor([1, -1, 1, -1, 1, -1.0], dtype=torch.float64)
+        w0 = torch.empty(C, dtype=torch.float64).uniform_(0.05, 2, generator=gen) * sign
+        b0 = w0.abs() * ratio * torch.tensor([1, 1, -1, -1, 1, 1.0], dtype=torch.float64)
+        up = torch.randn(16, C, 9, 9, dtype=torch.float64, generator=gen)
+        res = {}
+        for name, dt, ours in [
+            ("ref", torch.float64, False),
+            ("eager", torch.float32, False),
+            ("ours", torch.float32, True),
+        ]:
+            x, w, b = (t.to(dt).requires_grad_() for t in (x0, w0, b0))
+            y = (batch_norm if ours else F.batch_norm)(x, None, None, w, b, True, 0.1, EPS)
+            r = _derived.activation(y, "relu") if ours else torch.relu(y)
+            res[name] = grads_of((r * up.to(dt)).sum(), [x, w, b])
+        assert_within_rule(res["ours"], res["ref"], res["eager"], names=["x", "weight", "bias"])

@@ -182,7 +182,8 @@ def test_derived_input_keeps_bn_output_only():
     x0 = torch.randn(4, 5, 12, 9)
     w1 = torch.randn(6, 5, 3, 3)
     w2 = torch.randn(7, 6, 3, 3, requires_grad=True)
-    g, be = torch.randn(6).requires_grad_(), torch.randn(6).mul(0.1).requires_grad_()
+    g = torch.randn(6).requires_grad_()
+    be = (g.detach().abs() * torch.empty(6).uniform_(-0.45, 0.45)).requires_grad_()  # |β| < |γ|/2
     full = 4 * 6 * 10 * 7 * 4
     rm, rv = torch.zeros(6), torch.ones(6)
 
@@ -249,7 +250,17 @@ def test_recipe_input_changed_raises():
     w = torch.randn(4, 2, 3, 3, requires_grad=True)
     xi = x * 1
     h = conv2d(xi, w, padding=1)
-    b = batch_norm(h, None, None, torch.ones(4, requires_grad=True), None, True, 0.1, 1e-5)
+    b = batch_norm(
+        h,
+        None,
+        None,
+        torch.ones(4, requires_grad=True),
+        None,
+        True,
+        0.1,
+        1e-5,
+        recompute_input="always",
+    )
     xi.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         b.square().sum().backward()

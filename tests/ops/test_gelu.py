@@ -1,8 +1,9 @@
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from slimgrad.ops import gelu as G
 from slimgrad.ops.gelu import gelu, gelu_, gelu_fast, gelu_new
 from slimgrad.testing import assert_within_rule
 from tests.ops._output_act_helpers import Case, OutputActTests
@@ -11,8 +12,11 @@ from tests.ops._smooth_helpers import (
     check_every_16bit,
     check_full_range,
     check_hard_window_every_float32,
+    check_output_vs_eager,
     check_random_inputs,
 )
+
+G = importlib.import_module("slimgrad.ops.gelu")
 
 
 def _erf(x, ip):
@@ -114,3 +118,42 @@ def test_inplace_alias_and_bad_approximate():
     assert gelu_(h, "tanh") is h
     with pytest.raises(ValueError, match=r"slimgrad.gelu: unknown approximate"):
         gelu(x, "fast")
+
+
+def test_compile_inplace_aot_eager():
+    # under torch.compile the in-place form runs out-of-place + copy_ (documented in smooth_apply)
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(12, 10)
+    x0 = torch.randn(7, 12)
+
+    def f(x, act):
+        return act(lin(x)).square().sum()
+
+    comp = torch.compile(lambda x: f(x, lambda h: gelu_(h, "tanh")), backend="aot_eager")
+    res = []
+    for fn in (comp, lambda x: f(x, _eager_tanh)):
+        x = x0.clone().requires_grad_()
+        lin.zero_grad()
+        out = fn(x)
+        out.backward()
+        res.append((out.detach(), x.grad, lin.weight.grad.clone()))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_nonfinite_counted_once_in_table(approximate):
+    from slimgrad.memory import measure
+    from tests.ops._output_act_helpers import expected_saved
+
+    case = FORMS[approximate][0]
+    x0 = torch.randn(40, 50) * 0.5
+    x0[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])  # -inf is also < tail
+    case.slim(x0.clone().requires_grad_() * 1, False).sum().backward()
+    m = measure(lambda: case.slim(x0.clone().requires_grad_() * 1, False).sum())
+    assert m.saved_bytes == expected_saved(case, x0)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_output_vs_eager(approximate):
+    check_output_vs_eager(G.SPECS[approximate], _fwd(approximate))

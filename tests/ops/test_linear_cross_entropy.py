@@ -177,7 +177,8 @@ def test_memory_contract_saved_and_peak():
     me = measure(lambda: _eager(x0 * 1, w, t, None))
     # ours: hidden (created in the step) + float32 lse per token; target and W pre-existing
     assert ms.saved_bytes == n * h * 4 + n * 4
-    assert ms.saved_input_bytes == me.saved_input_bytes == v * h * 4 + n * 8
+    # (+ 8: the int64 scalar ``1`` of ``x0 * 1``, kept by MulBackward0 and made outside dispatch)
+    assert ms.saved_input_bytes == me.saved_input_bytes == v * h * 4 + n * 8 + 8
     # eager keeps the N x V log-probabilities on top of the hidden
     assert me.saved_bytes >= n * h * 4 + n * v * 4
     assert ms.peak_bytes < me.peak_bytes
@@ -361,3 +362,17 @@ def test_bench_case_small_agrees_with_eager():
     assert len(ref) == len(got) == 4  # loss, ln_f weight/bias, lm_head weight
     for r, o in zip(ref, got, strict=True):
         torch.testing.assert_close(o, r)
+
+
+def test_memory_contract_under_bf16_autocast():
+    n, h, v = 48, 32, 509
+    hid, w, b, t = _data(n=n, v=v, h=h)
+    x0 = hid.requires_grad_()
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ms = measure(lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=16))
+        me = measure(lambda: _eager(x0 * 1, w, t, None))
+    # ours: the bf16 copy of hidden + float32 lse; the bf16 weight copy is not kept (recast)
+    assert ms.saved_bytes == n * h * 2 + n * 4
+    assert me.saved_bytes > ms.saved_bytes + n * v * 4  # eager keeps fp32 log-probs + bf16 W
+    assert ms.peak_bytes < me.peak_bytes

@@ -1,7 +1,8 @@
+import importlib
+
 import torch
 import torch.nn.functional as F
 
-from slimgrad.ops import mish as M
 from slimgrad.ops.mish import mish, mish_
 from tests.ops._output_act_helpers import Case, OutputActTests
 from tests.ops._smooth_helpers import (
@@ -9,8 +10,11 @@ from tests.ops._smooth_helpers import (
     check_every_16bit,
     check_full_range,
     check_hard_window_every_float32,
+    check_output_vs_eager,
     check_random_inputs,
 )
+
+M = importlib.import_module("slimgrad.ops.mish")
 
 CASE = Case("mish", mish, F.mish, spec=M.SPEC, scale=1.0, double_backward=False)
 
@@ -56,3 +60,7 @@ def test_inplace_keeps_no_clone():
     hid = 50 * 64 * 4
     assert me.floor_bytes == hid and me.saved_bytes == 2 * hid  # the clone
     assert hid < m.saved_bytes < 1.2 * hid
+
+
+def test_output_vs_eager():
+    check_output_vs_eager(M.SPEC, M._fwd_torch)

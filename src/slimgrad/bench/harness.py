@@ -4,7 +4,7 @@ A *case* builds an eager model, the slimgrad version of the same model (same ini
 function making inputs. :func:`run_case` then, for each side:
 
 - measures one step exactly with :func:`slimgrad.memory.measure` (saved, peak, floor, retained
-  bytes);
+  bytes), after one discarded instrumented step per side (lazy initialisation stays out of it);
 - times ``repeat`` interleaved eager/slimgrad step pairs after ``warmup`` steps each, and reports
   the median step time per side, the median of the per-pair ratios slimgrad/eager and their spread
   (min, max);
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimgrad import ownership
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
 
 __all__ = [
@@ -214,7 +215,9 @@ def _discover() -> None:
                         case = replace(case, source=modname)
                     _add(case)
             elif callable(getattr(mod, "build", None)):
-                register_case(info.name)(mod.build)
+                # the module docstring's first line describes the case (cases/__init__.py)
+                doc = (mod.__doc__ or "").strip().splitlines()
+                register_case(info.name, description=doc[0] if doc else "")(mod.build)
         except Exception as e:  # a broken case module must not break the other cases or the CLI
             _BROKEN[modname] = f"{type(e).__name__}: {e}"
 
@@ -537,7 +540,8 @@ def run_case(
         case: a :class:`Case` or its name.
         device, dtype: where and at which dtype the case is built.
         small: build the case's small variant (tests, quick looks).
-        repeat: timed eager/slimgrad pairs (default: the case's); warmup: untimed steps per side.
+        repeat: timed eager/slimgrad pairs (default: the case's); warmup: untimed steps per side
+            (at least one runs: it also gives the output's shape).
         grad_check: run the float64 gradient check (default: the case's).
         out_dir: the record is appended to ``out_dir/<case>.jsonl``; None writes nothing.
         seed: seeds the build, the inputs and the output gradient.
@@ -633,6 +637,7 @@ def run_case(
     rec: dict[str, Any] = {
         "case": case.name,
         "provider": case.provider,
+        "grad_buffer_reuse": ownership.reuse_enabled(),
         "small": small,
         "shapes": _shapes(xs),
         "dtype": str(dtype).removeprefix("torch."),

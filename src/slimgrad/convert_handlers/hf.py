@@ -1,16 +1,19 @@
 """HF transformers glue for ``convert_``: attention and LM-head losses reached through the instance.
 
-Nothing here rebinds an HF class or module-level function. Two things are changed *on the converted instance*:
+Nothing here rebinds an HF class or module-level function. Two things change on the converted
+instance only:
 
-- its attention implementation: the instance's own ``config._attn_implementation`` is set to ``"slimgrad"``,
-  a name added to HF's ``AttentionInterface`` registry (HF's documented extension point; other models keep
-  theirs). With dropout active it runs ``softmax -> dropout -> @V`` through
-  :func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output + 1 bit/elt instead of
-  softmax output + float mask + dropped matrix); without dropout it is HF's own SDPA function, unchanged;
-- its ``forward``, bound on the instance, for ``*ForCausalLM`` and ``BertForMaskedLM`` when called with
-  ``labels``: the loss comes from the hidden states through the chunked fused linear + cross-entropy
-  (:mod:`slimgrad.ops.linear_cross_entropy`), so the B x T x V logits and log-probabilities are never
-  materialised. The output's ``logits`` is then ``None``; without ``labels`` the class's own forward runs.
+- its attention implementation: the instance's own ``config._attn_implementation`` becomes
+  ``"slimgrad"``, a name added to HF's ``AttentionInterface`` registry (HF's documented extension
+  point; other models keep theirs). With dropout active it runs ``softmax -> dropout -> @V``
+  through :func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output +
+  1 bit/elt instead of softmax output + float mask + dropped matrix); without dropout it is HF's
+  own SDPA function, unchanged;
+- its ``forward``, bound on the instance, for ``*ForCausalLM`` and ``BertForMaskedLM`` when called
+  with ``labels``: the loss comes from the hidden states through the chunked fused linear +
+  cross-entropy (:mod:`slimgrad.ops.linear_cross_entropy`), so the B x T x V logits and
+  log-probabilities are never materialised. The output's ``logits`` is then ``None``; without
+  ``labels`` the class's own forward runs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import types
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 ATTN_NAME = "slimgrad"
 _registered = False
@@ -76,7 +80,7 @@ def register_attention() -> None:
 
 
 def use_slimgrad_attention(model: nn.Module) -> bool:
-    """Point the instance's config at the slimgrad attention; False when the model has no such config."""
+    """Point the instance's config at the slimgrad attention; False when it has no such config."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
@@ -133,11 +137,15 @@ def _masked_lm_forward(self, input_ids=None, labels=None, **kwargs):
         return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
     out = self.base_model(input_ids=input_ids, **kwargs)
     hidden = out.last_hidden_state
-    # only labelled positions reach the head: the loss is a mean over them, exactly as eager's
-    keep = labels != -100
-    h = self.cls.predictions.transform(hidden[keep])
     dec = self.cls.predictions.decoder
-    loss = linear_cross_entropy(h, dec.weight, labels[keep], bias=dec.bias)
+    if is_fake(labels):  # slimgrad.memory.estimate: which positions are labelled is data
+        h = self.cls.predictions.transform(hidden.flatten(0, -2))  # all of them: an upper bound
+        loss = linear_cross_entropy(h, dec.weight, labels.flatten(), bias=dec.bias)
+    else:
+        # only labelled positions reach the head: the loss is a mean over them, as eager's
+        keep = labels != -100
+        h = self.cls.predictions.transform(hidden[keep])
+        loss = linear_cross_entropy(h, dec.weight, labels[keep], bias=dec.bias)
     return MaskedLMOutput(
         loss=loss,
         logits=None,
@@ -166,3 +174,67 @@ def fuse_lm_loss(model: nn.Module) -> str | None:
         _bind(model, _masked_lm_forward)
         return "masked-LM loss on labelled positions only, fused with the decoder"
     return None
+
+
+def _hf_models(model: nn.Module):
+    # outermost HF PreTrainedModel instances (their config is shared with their submodules)
+    seen: set[int] = set()
+    for name, m in model.named_modules():
+        if id(m) in seen:
+            continue
+        cfg = getattr(m, "config", None)
+        if type(m).__module__.startswith("transformers.") and hasattr(cfg, "_attn_implementation"):
+            for sub in m.modules():
+                seen.add(id(sub))
+            yield name, m
+
+
+def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
+    """``convert_`` pattern (technique ``dropout``): HF models use the slimgrad attention."""
+    for name, m in _hf_models(model):
+        kind = type(m).__name__
+        if not any("Attention" in type(sub).__name__ for sub in m.modules()):
+            continue  # no attention layers (e.g. HF ResNet)
+        if not allowed(m, name):
+            rep.skipped.append((name, kind, "filter_fn returned False"))
+            continue
+        impl = m.config._attn_implementation
+        if use_slimgrad_attention(m):
+            rep.converted.append((name, f"{kind} attention ({impl})", "slimgrad attention"))
+        elif impl != ATTN_NAME:
+            rep.skipped.append(
+                (name, kind, f"attention implementation {impl!r} kept (only sdpa/eager convert)")
+            )
+
+
+def lm_loss_pattern(model: nn.Module, config, allowed, rep) -> None:
+    """``convert_`` pattern (technique ``fused_loss``): fused, chunked LM-head losses."""
+    for name, m in _hf_models(model):
+        if not allowed(m, name):
+            continue
+        what = fuse_lm_loss(m)
+        if what is not None:
+            rep.converted.append((name, f"{type(m).__name__}.forward", what))
+
+
+def rms_norm_from_hf(module: nn.Module) -> nn.Module:
+    """HF ``LlamaRMSNorm``-style module (``weight``, ``variance_epsilon``) -> slimgrad RMSNorm.
+
+    HF computes in float32 and casts back before scaling by the weight; ``F.rms_norm`` scales in
+    the input dtype. In float32 both are the same function; in half precision the rounding
+    order differs, so only float32 weights convert (others are reported as skipped).
+    """
+    from slimgrad.nn.rms_norm import RMSNorm
+
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None:
+        raise NotImplementedError("not a LlamaRMSNorm-style module (weight, variance_epsilon)")
+    if weight.dtype != torch.float32:
+        raise NotImplementedError(
+            f"{weight.dtype} weights: HF's cast order differs from F.rms_norm in half precision"
+        )
+    new = RMSNorm(weight.shape[0], eps=eps, elementwise_affine=True, device="meta")
+    new.weight = weight
+    new.train(module.training)
+    return new

@@ -15,13 +15,15 @@ Memory: as ``slimgrad.ops.inplace_abn`` (saves z + invstd); backward allocates o
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from slimgrad.ops import inplace_abn as _ref
+_ref = importlib.import_module("slimgrad.ops.inplace_abn")
+
 
 _ACT = {"identity": 0, "leaky_relu": 1, "elu": 2}
 _BLOCK = 1024
@@ -175,14 +177,14 @@ def _fwd_triton(
 
 def _bwd_triton(
     z, dz, weight, bias, invstd, side_idx, side_xhat, count, training, eps, activation, param,
-    need_dx=True, need_dparams=True, allreduce: Callable | None = None,
+    need_dx=True, need_dparams=True, allreduce: Callable | None = None, owned: bool = False,
 ):  # fmt: skip
     """``_bwd_torch`` as two Triton passes (reduction, then dx); side channels via PyTorch."""
     z3, dz3 = _flat3(z), _flat3(dz)
     if z3 is None or dz3 is None or z.dtype == torch.float64 or z.numel() == 0:
         return _ref._bwd_torch(
             z, dz, weight, bias, invstd, side_idx, side_xhat, count, training, eps, activation,
-            param, need_dx, need_dparams, allreduce,
+            param, need_dx, need_dparams, allreduce, owned,
         )  # fmt: skip
     n, c, s = z3.shape
     acc = _ref._acc_dtype(z.dtype)
@@ -213,7 +215,6 @@ def _bwd_triton(
     )
     dx = None
     if need_dx:
-        owned = False  # slimgrad.ownership (NOTE [Chunked backward] in ops/inplace_abn.py)
         dx = dz if owned else torch.empty_like(z)
         k = w * invstd
         if training:

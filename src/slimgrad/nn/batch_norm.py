@@ -10,13 +10,16 @@ that same tensor instead (NOTE [Derived saved inputs] in ``slimgrad/ops/_derived
 (``self.bn1(x)``; ``self.relu(x)``; ``self.conv2(x)``) does not change.
 
 Memory: BN → ReLU → Conv keeps the BN output only (4 B/elt fp32); eager keeps the BN input and the
-ReLU output (8 B/elt). A BN whose input comes from a slimgrad conv and whose output is not followed
-by an activation (ResNet's bn3 and downsample BN) keeps no input: it re-runs the conv in backward
-(``recompute_input``, NOTE [Recomputable inputs]). Eval with frozen γ, β keeps nothing full-size
+ReLU output (8 B/elt). A BN whose input comes from a slimgrad 1x1 conv and whose output is not
+followed by an activation (ResNet's bn3 and downsample BN) keeps no input: it re-runs the conv in
+backward (``recompute_input``: "pointwise" by default, "always", "never"; NOTE [Recomputable
+inputs]). Eval with frozen γ, β keeps nothing full-size
 (eager: the input).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -42,16 +45,17 @@ def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
             f"got {type(module).__name__}. Convert a plain torch.nn.{base.__name__}."
         )
     new = cls.__new__(cls)
-    new.__dict__.update(module.__dict__)
-    for k in ("_parameters", "_buffers", "_modules"):
-        new.__dict__[k] = dict(module.__dict__[k])
+    # Own containers (parameter/buffer/hook dicts are copied, so registering on one module does not
+    # touch the other); the Parameters, buffers and hook functions themselves are shared.
+    for k, v in module.__dict__.items():
+        new.__dict__[k] = type(v)(v) if type(v) in (dict, OrderedDict, list, set) else v
     return new
 
 
 class _BatchNormMixin:
     #: Keep how to recompute the input (re-running the slimgrad conv that produced it) instead of
-    #: the input itself; set False on an instance to trade memory back for compute.
-    recompute_input: bool = True
+    #: the input itself: "pointwise" (1x1 convs only), "always" or "never"; set per instance.
+    recompute_input: str = "pointwise"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # torch.nn.modules.batchnorm._BatchNorm.forward, calling slimgrad's batch_norm.

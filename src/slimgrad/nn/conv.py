@@ -7,6 +7,8 @@ the math and the memory contract.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
@@ -23,10 +25,10 @@ def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
             f"got {type(module).__name__}. Convert a plain torch.nn.{base.__name__}."
         )
     new = cls.__new__(cls)
-    new.__dict__.update(module.__dict__)
-    # Own containers, shared Parameters and buffers (tensors are the same objects).
-    for k in ("_parameters", "_buffers", "_modules"):
-        new.__dict__[k] = dict(module.__dict__[k])
+    # Own containers (parameter/buffer/hook dicts are copied, so registering on one module does not
+    # touch the other); the Parameters, buffers and hook functions themselves are shared.
+    for k, v in module.__dict__.items():
+        new.__dict__[k] = type(v)(v) if type(v) in (dict, OrderedDict, list, set) else v
     return new
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
 
-__all__ = ["InPlaceABN", "InPlaceABNSync"]
+__all__ = ["InPlaceABN", "InPlaceABNSync", "convert_sequential_bn_act_"]
 
 
 class InPlaceABN(nn.Module):
@@ -39,8 +39,11 @@ class InPlaceABN(nn.Module):
         ValueError: a non-invertible activation or a non-positive slope/alpha.
 
     Example:
+        >>> conv = torch.nn.Conv2d(3, 64, 3)
         >>> layer = InPlaceABN(64, activation="leaky_relu", activation_param=0.01)
-        >>> z = layer(conv(x))  # conv's output now holds z
+        >>> h = conv(torch.randn(2, 3, 9, 9))
+        >>> layer(h) is h  # conv's output now holds the result
+        True
     """
 
     _version = 2
@@ -163,14 +166,15 @@ class InPlaceABN(nn.Module):
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         return factor, bn_training
 
-    def _buffers_for(self, bn_training: bool):
+    def _running_stats(self):
+        # as nn.BatchNorm: buffers are used in eval, or in training when they are tracked
         use = not self.training or self.track_running_stats
         return (self.running_mean, self.running_var) if use else (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
-        rm, rv = self._buffers_for(bn_training)
+        rm, rv = self._running_stats()
         return inplace_abn(
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
@@ -239,7 +243,7 @@ class InPlaceABNSync(InPlaceABN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
-        rm, rv = self._buffers_for(bn_training)
+        rm, rv = self._running_stats()
         if bn_training and self.training:
             return inplace_abn_sync(
                 x, rm, rv, self.weight, self.bias, True, factor, self.eps, self.activation,
@@ -249,3 +253,50 @@ class InPlaceABNSync(InPlaceABN):
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
         )  # fmt: skip
+
+
+def _act_spec(module: nn.Module, relu_slope: float | None) -> tuple[str, float] | None:
+    # (activation, param) that InPlaceABN computes exactly like `module`, or None
+    if type(module) is nn.LeakyReLU and module.negative_slope > 0:
+        return "leaky_relu", float(module.negative_slope)
+    if type(module) is nn.ELU and module.alpha > 0:
+        return "elu", float(module.alpha)
+    if type(module) is nn.Identity:
+        return "identity", 0.0
+    if type(module) is nn.ReLU and relu_slope is not None:
+        return "leaky_relu", float(relu_slope)  # changes the model's function: opt-in only
+    return None
+
+
+def convert_sequential_bn_act_(model: nn.Module, config, allowed, rep) -> None:
+    """convert_ pattern: in every ``nn.Sequential``, BatchNorm{1,2,3}d followed by LeakyReLU
+    (slope > 0), ELU (alpha > 0) or Identity becomes ``InPlaceABN`` + ``nn.Identity`` (the same
+    function, one full-size tensor per block). With ``config.inplace_abn`` a following ReLU becomes
+    leaky_relu(``config.leaky_relu_slope``): an opt-in change of the model's function.
+
+    Parameters and buffers are shared. Like ``nn.ReLU(inplace=True)``, the result is written over
+    the BatchNorm's input: a tensor that another op saved for backward makes autograd raise; a
+    reference kept outside autograd (e.g. by a forward hook on the preceding layer) sees the output.
+
+    Args:
+        model: the model (changed in place).
+        config: a ``slimgrad.ConvertConfig`` (reads ``inplace_abn`` and ``leaky_relu_slope``).
+        allowed: ``allowed(module, qualified_name) -> bool`` (``convert_``'s filter_fn).
+        rep: the ``ConvertReport`` to append to.
+    """
+    relu_slope = config.leaky_relu_slope if getattr(config, "inplace_abn", False) else None
+    for prefix, seq in list(model.named_modules()):
+        if not isinstance(seq, nn.Sequential):
+            continue
+        names = list(seq._modules.keys())
+        for a, b in zip(names, names[1:]):
+            bn, act = seq._modules[a], seq._modules[b]
+            if type(bn) not in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+                continue
+            spec = _act_spec(act, relu_slope)
+            fqn = f"{prefix}.{a}" if prefix else a
+            if spec is None or not allowed(bn, fqn):
+                continue
+            setattr(seq, a, InPlaceABN.from_torch(bn, activation=spec[0], activation_param=spec[1]))
+            setattr(seq, b, nn.Identity())
+            rep.converted.append((fqn, f"{type(bn).__name__}+{type(act).__name__}", "InPlaceABN"))

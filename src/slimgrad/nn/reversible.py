@@ -227,7 +227,8 @@ class ReversibleSequential(nn.Module):
             reference, or for higher-order gradients).
         warn_rel_error: after each backward, warn (RuntimeWarning) when the sampled
             reconstruction error relative to the activations' size exceeds this; None skips the
-            check (and its one device sync per backward).
+            check (and its one device sync per backward). Default 1e-5 (~100 float32 ulps):
+            measured, a 1.2e-5 drift already meant 2.5% gradient error (ReLU sign flips).
 
     Raises:
         TypeError: a block is not an nn.Module with an ``inverse`` method (or a coupling).
@@ -259,7 +260,7 @@ class ReversibleSequential(nn.Module):
         grid_bits: int = 20,
         preserve_rng_state: bool = True,
         reversible: bool = True,
-        warn_rel_error: float | None = 1e-3,
+        warn_rel_error: float | None = 1e-5,
     ) -> None:
         super().__init__()
         api = "ReversibleSequential"
@@ -311,7 +312,7 @@ class ReversibleSequential(nn.Module):
             raise ValueError(
                 f"slimgrad.nn.{api}: warn_rel_error is the relative reconstruction error above "
                 f"which backward warns; expected a float > 0 or None, got {warn_rel_error!r}. "
-                "Pass e.g. 1e-3, or None to never check."
+                "Pass e.g. 1e-5, or None to never check."
             )
         self._sink = _Sink(warn_rel_error)
 

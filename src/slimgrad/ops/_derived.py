@@ -12,8 +12,8 @@ happen without any change to model code (``self.bn1(x)`` then ``self.relu(x)`` t
    eager, and registers its output ``b`` here with :func:`register_source` together with its
    version.
 2. :func:`activation` applied to a *pristine* source output (same tensor object, version unchanged)
-   asks the source to keep ``b`` instead of ``x`` (:meth:`Source.keep_output`; the source may
-   refuse, e.g. when too many channels have γ ≈ 0), computes ``r = act(b)`` out of place and
+   asks the source to keep ``b`` instead of ``x`` (``keep_output``; the source may refuse, e.g.
+   when too many channels have γ ≈ 0 or |β| > |γ|/2), computes ``r = act(b)`` out of place and
    registers ``r`` as *derived*: ``(base=b, act, versions)``. Its own Function keeps ``b`` (the same
    storage) for act'(b).
 3. slimgrad's conv, given an input tagged as derived (:func:`lookup`), keeps ``b`` and the act
@@ -21,8 +21,8 @@ happen without any change to model code (``self.bn1(x)`` then ``self.relu(x)`` t
    forward.
 
 Where ``b`` is not pristine (``out += identity`` in a ResNet block bumps its version before the
-ReLU) nothing is claimed and every op keeps what eager keeps: the mechanism only ever removes
-tensors that are provably re-derivable.
+ReLU) nothing is claimed: the BatchNorm keeps its input, or a recipe for it (below). The mechanism
+only ever drops tensors that are provably re-derivable.
 
 Safety. Registries are weak and keyed by tensor identity
 (:class:`torch.utils.weak.WeakIdKeyDictionary`): a view or a copy of ``r`` is not tagged and takes
@@ -89,13 +89,15 @@ class Derived:
 @dataclass(eq=False)
 class Recipe:
     """How to recompute a tensor y bit for bit: ``fn(*tensors)``; every tensor is a detached alias
-    of one
-    that another node keeps anyway (so keeping the recipe costs no bytes) and must be unchanged."""
+    of one that another node keeps anyway (so keeping the recipe costs no bytes) and must be
+    unchanged. ``cheap``: the producer is pointwise (e.g. a 1x1 conv), so re-running it costs little
+    next to the rest of the network."""
 
     fn: object
     tensors: tuple
     versions: tuple
     version: int  # version of y when it was registered
+    cheap: bool = False
 
     def __call__(self) -> torch.Tensor:
         for t, v in zip(self.tensors, self.versions):
@@ -105,21 +107,22 @@ class Recipe:
             return self.fn(*self.tensors)
 
 
-def register_recipe(y: torch.Tensor, fn, tensors: tuple) -> None:
+def register_recipe(y: torch.Tensor, fn, tensors: tuple, cheap: bool = False) -> None:
     """Register that ``y == fn(*tensors)`` bit for bit, with ``tensors`` kept by someone else."""
     if _tracing():
         return
     tensors = tuple(t.detach() if t is not None else None for t in tensors)
     versions = tuple(t._version if t is not None else 0 for t in tensors)
-    _RECIPES[y] = Recipe(fn, tensors, versions, y._version)
+    _RECIPES[y] = Recipe(fn, tensors, versions, y._version, cheap)
 
 
-def lookup_recipe(y: torch.Tensor) -> Recipe | None:
-    """The recipe of ``y`` if ``y`` is pristine and its ingredients unchanged."""
-    if _tracing():
+def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
+    """The recipe of ``y`` if ``y`` is pristine, its ingredients unchanged and ``policy`` allows it
+    (``"always"``; ``"pointwise"``: only cheap producers; ``"never"``)."""
+    if _tracing() or policy == "never":
         return None
     r = _RECIPES.get(y)
-    if r is None or y._version != r.version:
+    if r is None or y._version != r.version or (policy == "pointwise" and not r.cheap):
         return None
     if any(t is not None and t._version != v for t, v in zip(r.tensors, r.versions)):
         return None
@@ -131,15 +134,13 @@ def _tracing() -> bool:
 
 
 def register_source(out: torch.Tensor, source) -> None:
-    """Register ``out`` as the output of ``source`` (an object with ``keep_output(out) ->
-    bool``)."""
+    """Register ``out`` as the output of ``source`` (has ``keep_output(out) -> bool``)."""
     if not _tracing():
         _SOURCES[out] = (source, out._version)
 
 
 def claim_source(b: torch.Tensor) -> bool:
-    """Ask the source of ``b`` (if pristine) to keep ``b`` instead of its input; True if it
-    agreed."""
+    """Ask the source of ``b`` (if pristine) to keep ``b`` instead of its input; True if so."""
     entry = _SOURCES.get(b)
     if entry is None:
         return False
@@ -220,13 +221,10 @@ def activation(x: torch.Tensor, act: str, inplace: bool = False) -> torch.Tensor
     """``act(x)`` that, after a slimgrad norm, lets the block keep only the norm output.
 
     If ``x`` is the pristine output of a registered source (slimgrad's BatchNorm in training) and
-    the
-    source agrees to keep ``x`` instead of its input, the result ``r`` is computed out of place
-    (even with
-    ``inplace=True``: ``x`` is what is kept), saves ``x`` (shared with the source) and is tagged so
-    that a
-    following slimgrad conv keeps ``x`` instead of ``r``. Otherwise this is exactly eager
-    ``relu``/``relu_``/``gelu``/``silu``/``silu_``. See NOTE [Derived saved inputs].
+    the source agrees to keep ``x`` instead of its input, the result ``r`` is computed out of place
+    (even with ``inplace=True``: ``x`` is what is kept), saves ``x`` (shared with the source) and
+    is tagged so that a following slimgrad conv keeps ``x`` instead of ``r``. Otherwise this is
+    exactly eager ``relu``/``relu_``/``gelu``/``silu``/``silu_``. See NOTE [Derived saved inputs].
 
     Args:
         x: input tensor.

@@ -14,8 +14,9 @@ in-place op. Where y does not tell the side (leaky_relu slope < 0, elu alpha < 0
 float16/bfloat16 with a bound the dtype cannot represent) the side is kept as 1 bit/elt.
 
 Smooth non-monotone f (silu, gelu erf/tanh, mish) have one minimum x*: f decreases on (-inf, x*)
-and increases on (x*, inf), so (y, b = [x >= x*]) determines x. y > 0 implies x > 0, so b is kept
-only for the elements with y <= 0 (about half), bit-packed. Backward reads f' from float64-built
+and increases on (x*, inf), so (y, b = [x >= x*]) determines x; b is kept bit-packed (1/8 B/elt).
+(Keeping b only where y <= 0 would halve it but costs a masked select/scatter per element, 10x the
+activation itself on CPU.) Backward reads f' from float64-built
 tables against s = sqrt(y - y_min), one per branch (``_Inverse``). The inverse is ill-conditioned
 in two places (research/selective_inplace.md section 8, re-measured on every float32 here):
   (a) near x*: y - y_min ~ f''(x*) d^2 / 2 with d = x - x*, so an error dy of the stored y moves
@@ -46,12 +47,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
 
 from slimgrad._errors import internal_error
-from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
+from slimgrad.ops._bits import pack_bits, packed_numel
 
 # elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
-CHUNK = 1 << 17
+CHUNK = 1 << 16
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 _TABLE_N = 1 << 14
 
@@ -62,8 +65,7 @@ def needs_graph(x: torch.Tensor) -> bool:
 
 
 def forward_output_only(ctx, x: torch.Tensor, inplace: bool, fwd: Callable, fwd_: Callable):
-    """Forward of a monotone activation that saves only its output (see NOTE [Gradient from the
-    output])."""
+    """Forward of a monotone activation that keeps only y (NOTE [Gradient from the output])."""
     if inplace:
         y = fwd_(x)
         ctx.mark_dirty(y)
@@ -149,37 +151,45 @@ class _Inverse:
         x_r[0] = x_l[0] = self.x_star
         t_l = df(x_l)
         t_l[-1] = 0.0  # y = 0-: x = -inf
-        self.table = torch.cat([df(x_r), t_l])
+        # [right | pad | left | pad]: each pad repeats its table's last entry, so that a position at
+        # (or, by float32 rounding, just past) a table's end interpolates towards the same value
+        t_r = df(x_r)
+        self.table = torch.cat([t_r, t_r[-1:], t_l, t_l[-1:]])
         self.sc = ((n - 1) / self.s_r, (n - 1) / self.s_l)
+        # per-byte lookup tables: a packed byte of branch bits -> 8 scales / 8 offsets (see df)
+        byte = torch.arange(256, dtype=torch.int64)
+        right = ((byte.unsqueeze(1) >> torch.arange(8)) & 1).double()
+        self.byte_scale = self.sc[1] + right * (self.sc[0] - self.sc[1])
+        self.byte_offset = (1.0 - right) * (n + 1)
         self._dev: dict = {}
 
-    def table_on(self, device, dtype):
+    def tables_on(self, device, dtype):
         t = self._dev.get((device, dtype))
         if t is None:
-            t = self.table.to(device=device, dtype=dtype)
+            with _disable_current_modes():  # a cache: not part of any measured step
+                t = tuple(
+                    v.to(device=device, dtype=dtype)
+                    for v in (self.table, self.byte_scale, self.byte_offset)
+                )
             self._dev[(device, dtype)] = t
         return t
 
-    def df(self, y: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        """f'(x) from y (float32 or float64) and ``right`` (x >= x*, as 0/1 in y's dtype)."""
-        tab = self.table_on(y.device, y.dtype)
-        n = _TABLE_N
-        y_hi = torch.tensor(
-            self.y_min, dtype=y.dtype
-        ).item()  # y_min split in two: y - y_hi is exact
-        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(min=0.0).sqrt_()
-        sc_r, sc_l = self.sc
-        # right: s * sc_r clamped to [0, n-1]; left: n + s * sc_l clamped to [n, 2n-1]
-        pos = s.mul_(torch.mul(right, sc_r - sc_l).add_(sc_l)).sub_(right, alpha=n).add_(n)
-        pos = torch.minimum(pos, torch.mul(right, -n).add_(2 * n - 1))
-        i = pos.clamp(max=2 * n - 2).floor_()  # pos = 2n-1 (y = 0-): i = 2n-2, w = 1
+    def df(self, y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*)."""
+        tab, byte_scale, byte_offset = self.tables_on(y.device, y.dtype)
+        m = y.numel()
+        b = bits.to(torch.int32)
+        scale = torch.index_select(byte_scale, 0, b).view(-1)[:m]
+        pos = torch.index_select(byte_offset, 0, b).view(-1)[:m]
+        # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 past)
+        y_hi = torch.tensor(self.y_min, dtype=y.dtype).item()
+        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
+        # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
+        pos.addcmul_(s, scale)
+        i = pos.to(torch.int32).clamp_(min=0)  # pos >= 0: truncation = floor; NaN (hard) -> 0
         w = pos.sub_(i)
-        i = i.to(torch.int32).clamp_(
-            min=0
-        )  # NaN -> INT_MIN -> 0 (NaN x is hard: in the side table)
         lo = torch.index_select(tab, 0, i)
-        hi = torch.index_select(tab, 0, i.add_(1))
-        return lo.lerp_(hi, w)
+        return lo.lerp_(torch.index_select(tab, 0, i.add_(1)), w)
 
 
 _INVERSES: dict[str, _Inverse] = {}
@@ -188,7 +198,9 @@ _INVERSES: dict[str, _Inverse] = {}
 def inverse(spec: SmoothSpec) -> _Inverse:
     inv = _INVERSES.get(spec.name)
     if inv is None:
-        inv = _Inverse(spec)
+        # a process-wide cache: built outside any dispatch mode (fake tensors, the memory tracker)
+        with _disable_current_modes():
+            inv = _Inverse(spec)
         _INVERSES[spec.name] = inv
     return inv
 
@@ -208,10 +220,11 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
 
     Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
-    bits: [x >= x*] of the elements with y <= 0 only (y > 0 means x > 0), packed per chunk;
-    idx (int32, int64 above 2^31 elements) and xs (x's dtype): the hard elements. Dense fallback
-    (more than n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always):
-    (y, empty uint8, empty idx, x flattened).
+    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
+    dtype): the hard elements. Dense fallback (more than n / FALLBACK_DIV hard, unless
+    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened). Under fake
+    tensors (``slimgrad.memory.estimate``) the side table, being data-dependent, is taken as empty:
+    the estimate is y + 1 bit/elt, the measured figure is that + the few hard elements.
     """
     inv = inverse(spec)
     w, tail = _window(spec, x.dtype)
@@ -222,26 +235,33 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     empty_bits = torch.empty(0, dtype=torch.uint8, device=x.device)
     if x.dtype == torch.float64:  # the float32-grade tables would not meet float64's rule: keep x
         return fwd(x), empty_bits, empty_idx, flat.clone()
+    if is_fake(x):  # slimgrad.memory.estimate: the side table is data-dependent; count none
+        bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
+        return fwd(flat).view(x.shape), bits, empty_idx, flat[:0].clone()
     zone = spec.zone if x.dtype == torch.float32 else 0.0
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    flat = flat.contiguous()
+    y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
     yf = y.view(-1)
+    near = max(zone, w)
     bits, idx = [], []
     for a in range(0, n, CHUNK):
         c = flat[a : a + CHUNK]
-        yc = fwd(c)
-        cf = c.float()
-        t = (cf - inv.x_star).abs_()
-        if zone:
-            z = t < zone  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
-            if bool(z.any()):
-                yc[z] = spec.f(c[z].double()).to(x.dtype)
-        yf[a : a + CHUNK] = yc
-        sub = ~(yc > 0)
-        bits.append(pack_bits((cf >= inv.x_star)[sub]))
-        hard = (t < w) | ~(t < math.inf)  # NaN and +-inf are hard
+        d = c.float() - inv.x_star
+        bits.append(pack_bits(d >= 0))
+        t = d.abs_()
+        # candidates near x*, then work on that few percent only (full-chunk passes dominate)
+        zi = (t < near).nonzero().view(-1)
+        parts = [zi[t.index_select(0, zi) < w]]
+        if zone and zi.numel():  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
+            vals = spec.f(c.index_select(0, zi).double()).to(x.dtype)
+            yf.index_put_((zi + a,), vals)
         if tail is not None:
-            hard |= cf < tail
-        idx.append(hard.nonzero().reshape(-1).add_(a).to(idx_dtype))
+            parts.append((c < tail).nonzero().view(-1))
+        if not bool(torch.isfinite(t.sum())):  # NaN/inf in the chunk (or a sum overflow): rare
+            parts.append((~(t < math.inf)).nonzero().view(-1))
+            parts = [torch.cat(parts).unique()]  # -inf is also below the tail
+        hard = torch.cat(parts) if len(parts) > 1 else parts[0]
+        idx.append(hard.add_(a).to(idx_dtype))
     idx = torch.cat(idx) if idx else empty_idx
     if fallback and idx.numel() * FALLBACK_DIV > n:
         return y, empty_bits, empty_idx, flat.clone()
@@ -276,20 +296,15 @@ def smooth_grad(
     yf = y.reshape(-1)
     cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
     out = torch.empty(n, dtype=g.dtype, device=g.device)
-    off = 0
+    if bits.numel() != packed_numel(n):
+        raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
-        yc = yf[a:b].to(cdt)
-        pos = yc > 0
-        right = pos.to(cdt)
-        sub = ~pos
-        cnt = int(sub.sum())
-        nb = packed_numel(cnt)
-        right.masked_scatter_(sub, unpack_bits_as(bits[off : off + nb], cnt, cdt))
-        off += nb
-        out[a:b] = (gf[a:b].to(cdt) * inv.df(yc, right)).to(g.dtype)
-    if off != bits.numel():
-        raise internal_error(f"{spec.name}: used {off} of {bits.numel()} packed bytes")
+        df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
+        if g.dtype == cdt:
+            torch.mul(gf[a:b], df, out=out[a:b])
+        else:
+            out[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
     if idx.numel():
         i = idx.long()
         out[i] = bwd_exact(gf[i], xs)

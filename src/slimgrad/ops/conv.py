@@ -106,8 +106,7 @@ def _tuple(v, n: int, name: str, api: str) -> list[int]:
     if len(v) != n or not all(isinstance(i, int) for i in v):
         raise ValueError(
             f"slimgrad.ops.{api}: {name} must be an int or {n} ints; expected length {n}, got "
-            f"{v!r}. "
-            f"Pass {name}=k or a tuple of {n} ints."
+            f"{v!r}. Pass {name}=k or a tuple of {n} ints."
         )
     return v
 
@@ -173,8 +172,7 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     if x.dim() != n + 2:
         raise ValueError(
             f"slimgrad.ops.{api}: input must be {n + 1}-D (unbatched) or {n + 2}-D (batched); "
-            f"expected "
-            f"{n + 2} dims, got shape {tuple(x.shape)}. Reshape the input."
+            f"expected {n + 2} dims, got shape {tuple(x.shape)}. Reshape the input."
         )
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
@@ -219,7 +217,8 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
                 w, b = w.to(dt), (b.to(dt) if b is not None else None)
             return _fwd_torch(inp, w, b, *conf)
 
-        _derived.register_recipe(y, recompute, (kept, w0, b0))
+        pointwise = all(k == 1 for k in w0.shape[2:])
+        _derived.register_recipe(y, recompute, (kept, w0, b0), cheap=pointwise)
     return y
 
 
@@ -227,8 +226,7 @@ def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) 
     """``torch.nn.functional.conv1d`` keeping only what the requested gradients need.
 
     Memory: x only if ``weight`` needs grad (b of a slimgrad norm if x is derived from it); eager
-    keeps
-    x and weight always. See :func:`conv2d`.
+    keeps x and weight always. See :func:`conv2d`.
     """
     return _conv("conv1d", 1, input, weight, bias, stride, padding, dilation, groups, False, 0)
 
@@ -239,8 +237,8 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) 
     y = x ⋆ W + bias; dx needs W only, dW needs x only.
 
     Memory: keeps x (4 B/elt fp32) only if ``weight`` requires grad, and then the slimgrad norm
-    output
-    b instead of x when x = act(b) (NOTE [Derived saved inputs]); eager keeps x and W always.
+    output b instead of x when x = act(b) (NOTE [Derived saved inputs]); eager keeps x and W
+    always.
 
     Args:
         input: (N, C_in, H, W) or (C_in, H, W).
@@ -262,16 +260,14 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) 
 
 
 def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
-    """``torch.nn.functional.conv3d`` keeping only what the requested gradients need (see
-    conv2d)."""
+    """``torch.nn.functional.conv3d`` keeping only what gradients need (conv2d)."""
     return _conv("conv3d", 3, input, weight, bias, stride, padding, dilation, groups, False, 0)
 
 
 def conv_transpose1d(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose1d`` keeping only what the gradients need (see
-    conv2d)."""
+    """``torch.nn.functional.conv_transpose1d`` keeping only what gradients need (conv2d)."""
     return _conv(
         "conv_transpose1d",
         1,
@@ -290,8 +286,7 @@ def conv_transpose1d(
 def conv_transpose2d(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose2d`` keeping only what the gradients need (see
-    conv2d)."""
+    """``torch.nn.functional.conv_transpose2d`` keeping only what gradients need (conv2d)."""
     return _conv(
         "conv_transpose2d",
         2,
@@ -310,8 +305,7 @@ def conv_transpose2d(
 def conv_transpose3d(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose3d`` keeping only what the gradients need (see
-    conv2d)."""
+    """``torch.nn.functional.conv_transpose3d`` keeping only what gradients need (conv2d)."""
     return _conv(
         "conv_transpose3d",
         3,

@@ -10,11 +10,10 @@ mask of the input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUD
 # NOTE [Dropout masks: drawn like eager, kept as bits]
 The mask is drawn exactly as eager PyTorch draws it, from the global generator of the input's
 device, so it follows ``torch.manual_seed`` and is *the same mask eager would draw* at the same RNG
-state: out-of-place, the forward calls ``torch.native_dropout`` (what ``F.dropout`` uses on CUDA; on
-CPU it consumes the generator like ``F.dropout``'s ``empty_like(x).bernoulli_(1 - p)`` and gives the
-same output, bit for bit); in-place, the forward draws ``empty_like(x).bernoulli_(1 - p)`` like
-eager's ``dropout_``. The mask is then packed into bits and the backward unpacks those bits, so the
-backward mask is the forward mask by construction (no RNG replay, which is what broke
+state: on CUDA out-of-place, the forward calls ``torch.native_dropout`` (what ``F.dropout`` uses
+there); on CPU, and in-place everywhere, it runs eager's own ``noise = empty_like(x).bernoulli_(1 -
+p).div_(1 - p); x * noise``. The mask is then packed into bits and the backward unpacks those bits,
+so the backward mask is the forward mask by construction (no RNG replay, which is what broke
 memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.compile (the RNG draw
 happens inside an opaque custom op), and successive calls draw independent masks because the
 generator advances. The backward multiplies as eager's backward does (CPU and in-place: ``dy *
@@ -40,13 +39,20 @@ _PACK_MUL = 0x0102040810204080
 _SPREAD_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
-def _spread_table(device: torch.device) -> torch.Tensor:
-    t = _SPREAD_CACHE.get(device)
+def _cacheable(t: torch.Tensor) -> bool:
+    # Never cache (nor reuse a cached table for) fake tensors: slimgrad.memory.estimate runs these
+    # implementations under FakeTensorMode.
+    return type(t) is torch.Tensor
+
+
+def _spread_table(device: torch.device, like: torch.Tensor) -> torch.Tensor:
+    t = _SPREAD_CACHE.get(device) if _cacheable(like) else None
     if t is None:
-        v = torch.arange(256, dtype=torch.int64)
-        bits = (v.unsqueeze(1) >> torch.arange(8)) & 1  # (256, 8): bit i of v in byte i
-        t = bits.to(torch.uint8).view(torch.int64).reshape(256).to(device)
-        _SPREAD_CACHE[device] = t
+        v = torch.arange(256, dtype=torch.int64, device=device)
+        bits = (v.unsqueeze(1) >> torch.arange(8, device=device)) & 1  # bit i of v in byte i
+        t = bits.to(torch.uint8).view(torch.int64).reshape(256)
+        if _cacheable(t):
+            _SPREAD_CACHE[device] = t
     return t
 
 
@@ -58,11 +64,18 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor (any shape) into ``ceil(numel / 8)`` uint8, bit i of byte k = elt 8k+i."""
     flat = mask.reshape(-1)
     flat = flat.view(torch.uint8) if flat.dtype == torch.bool else (flat != 0).view(torch.uint8)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    words = flat.view(torch.int64)
-    return ((words * _PACK_MUL) >> 56).bitwise_and_(0xFF).to(torch.uint8)
+    if flat.storage_offset() % 8:
+        flat = flat.clone()
+    n = flat.numel()
+    n8 = n - n % 8
+    # the only temporary is one int64 per 8 elements (shifted and masked in place)
+    packed = (flat[:n8].view(torch.int64) * _PACK_MUL).bitwise_right_shift_(56).bitwise_and_(0xFF)
+    packed = packed.to(torch.uint8)
+    if n8 < n:
+        tail = torch.cat([flat[n8:], flat.new_zeros(8 - (n - n8))]).view(torch.int64)
+        tail = ((tail * _PACK_MUL) >> 56).bitwise_and_(0xFF).to(torch.uint8)
+        packed = torch.cat([packed, tail])
+    return packed
 
 
 def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
@@ -70,7 +83,7 @@ def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torc
     n = 1
     for s in shape:
         n *= s
-    spread = _spread_table(bits.device).index_select(0, bits.to(torch.int32))
+    spread = _spread_table(bits.device, bits).index_select(0, bits.to(torch.int32))
     return spread.view(torch.uint8)[:n].view(torch.bool).view(shape)
 
 
@@ -84,8 +97,15 @@ def _fused(x: torch.Tensor) -> bool:
 
 
 def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    out, mask = torch.native_dropout(x, p, True)
-    return out, pack_bits(mask)
+    if _fused(x):  # eager's CUDA path
+        out, mask = torch.native_dropout(x, p, True)
+        return out, pack_bits(mask)
+    # eager's CPU path, op for op (native_dropout's x * m * scale differs in the last bit for
+    # some p, e.g. 1e-6)
+    noise = torch.empty_like(x).bernoulli_(1 - p)
+    bits = pack_bits(noise != 0)
+    # noise * x == x * noise bit for bit; writing it into noise spares eager's extra buffer
+    return noise.div_(1 - p).mul_(x), bits
 
 
 def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -100,13 +120,18 @@ def _apply_mask_torch(
     g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool, inplace: bool = False
 ) -> torch.Tensor:
     # dy * m / (1 - p), rounded exactly as eager's backward; also rebuilds the forward output from
-    # its input. CPU: (g * m) * s equals eager's g * noise bit for bit (noise = m * s; g * 1 = g
-    # exactly, g * 0 = +-0 or NaN as in eager). inplace=True overwrites g (a caller-owned temp).
+    # its input. CPU and in-place: (g * m) * s equals eager's g * noise bit for bit (noise = m * s
+    # in dtype; g * 1 = g exactly, g * 0 = +-0 or NaN as in eager); the mask is the only
+    # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
     mask = unpack_bits(bits, g.shape)
     if fused:
         return torch.native_dropout_backward(g, mask, 1.0 / (1 - p))
+    scale = _noise_scale(p, g.dtype, g.device)
+    if 1.0 / (1 - p) >= torch.finfo(g.dtype).max:  # scale is inf in dtype: 0 * inf would be NaN
+        noise = torch.where(mask, scale, torch.zeros((), dtype=g.dtype, device=g.device))
+        return g.mul_(noise) if inplace else g * noise
     out = g.mul_(mask) if inplace else g.mul(mask)
-    return out.mul_(_noise_scale(p, g.dtype, g.device))
+    return out.mul_(scale)
 
 
 _bwd_torch = _apply_mask_torch

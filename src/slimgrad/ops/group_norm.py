@@ -24,9 +24,11 @@ from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
     _acc_dtype,
+    _rowdot,
     autocast_inputs,
     fallback_channels,
     no_double_backward,
+    rebuild_xhat,
 )
 
 __all__ = ["MIN_GROUP_NUMEL", "group_norm"]
@@ -60,16 +62,12 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     gidx = idx // cg
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
     dx = torch.empty((n, grp, cg, hw), dtype=y.dtype, device=y.device) if need_dx else None
-    dw = torch.zeros((grp, cg), dtype=acc, device=y.device) if need_dw else None
+    dw = torch.zeros((grp, cg), dtype=torch.float64, device=y.device) if need_dw else None
     per_sample = max(c * hw, 1)
-    step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 8) // per_sample)
+    step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 16) // per_sample)
     for i in range(0, n, step):
         sl = slice(i, i + step)
-        xh = y4[sl].to(acc, copy=True)
-        if b is not None:
-            xh.sub_(b)
-        if w is not None:
-            xh.div_(w)
+        xh = rebuild_xhat(y4[sl], w, b, acc)
         rc = r[sl].view(-1, grp, 1, 1)
         if idx.numel():
             m_k = mu[sl].index_select(1, gidx).unsqueeze(-1)
@@ -77,11 +75,15 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
             xh.view(-1, c, hw).index_copy_(1, idx, (xside[sl].to(acc) - m_k) * r_k)
         dyc = dy4[sl].to(acc)
         if need_dw:
-            dw += (dyc * xh).sum((0, 3))
+            dw += (dyc * xh).sum((0, 3), dtype=torch.float64)
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
             c1 = g.mean((2, 3), keepdim=True)
-            c2 = (g * xh).mean((2, 3), keepdim=True)
+            c2 = (
+                _rowdot(g.view(-1, cg * hw), xh.view(-1, cg * hw))
+                .div_(cg * hw)
+                .view(g.shape[:2] + (1, 1))
+            )
             dx[sl] = g.sub_(c1).sub_(xh.mul_(c2)).mul_(rc)
             del g
         del xh, dyc
@@ -91,7 +93,7 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
         dw = dw.to(weight.dtype).reshape(weight.shape)
     db = None
     if bias is not None and output_mask[2]:
-        db = dy4.sum((0, 3), dtype=acc).to(bias.dtype).reshape(bias.shape)
+        db = dy4.sum((0, 3), dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
     return dx, dw, db
 
 

@@ -37,16 +37,19 @@ is the rounding of the stored fp32 output itself: with ratio 1 it is 3 trials (1
 For bf16/fp16 inputs with fp32 weights, dweight carries the input dtype's rounding of z.
 
 # NOTE [Chunked backward]
-Backward runs over channel chunks of max(one channel, min(numel / 16, _CHUNK_ELEMS = 32768)) values:
-at most 16 chunks unless one channel is larger than that. Per chunk: rebuild y
-and dy from (z, dz) into chunk-sized temporaries, reduce sum(dy) and sum(dy * x̂) with aten's fused
-BatchNorm reduction (x̂ = (y - b) / w is formed on the fly, never stored), then write
-dx = k*dy + p*y + q into the chunk's slice of the one dx buffer. Full-size buffers in backward: dz
-(incoming) and dx, never more. dz and the saved z are never written: PR #218 of
-mapillary/inplace_abn overwrote both and gave silently wrong gradients for shared gradients and
-retain_graph. The dx buffer choice is one line in _bwd_torch (`dx = dz if owned else ...`);
-`owned` stays False until the gradient-buffer ownership rule (slimgrad.ownership) can prove that
-nobody else sees dz.
+Backward runs over chunks: budget = min(numel / 16, _CHUNK_ELEMS = 32768) values; channel groups of
+up to `budget` values, one channel when a channel is larger; a channel above 4 * max(budget, 4096)
+values is split over batch ranges of about that size (at least one sample's channel). Per chunk:
+rebuild y = act^-1(z) and dy from (z, dz) into chunk-sized temporaries; then aten's fused BatchNorm
+backward on the rebuilt input, with mean' = b, invstd' = 1/w, weight' = w * invstd * w (x̂ is formed
+on the fly, never stored), gives sum(dy), sum(dy * x̂) and the chunk's dx, copied into its slice of
+the one dx buffer. Split channels (partial sums add up) and the sync variant (sums all-reduced in
+between) take a reduction pass, then a pass writing dx = k*dy + p*y + q. Full-size buffers in
+backward: dz (incoming) and dx, never more; and only dz when the ownership rule
+(``slimgrad.ownership.take``, NOTE [Gradient-buffer ownership]) proves nobody else can see dz: then
+dx is written into dz's buffer (``owned``). The saved z is never written, and dz is never written
+unless owned: PR #218 of mapillary/inplace_abn overwrote both unconditionally and gave silently
+wrong gradients for shared gradients and retain_graph.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
+from slimgrad import ownership
 from slimgrad._errors import internal_error
-from slimgrad.ops._library import custom_op
+from slimgrad.ops._library import custom_op, python_impl
 
 __all__ = ["ACTIVATIONS", "inplace_abn", "inplace_abn_sync", "check_activation"]
 
@@ -68,6 +72,7 @@ REBUILD_MAX_BIAS_RATIO = 4.0
 ELU_MIN_PREACT = -math.log(256.0)
 _CHUNK_ELEMS = 1 << 15
 _MAX_CHUNKS = 16
+_MIN_CHUNK = 1 << 12
 
 
 def check_activation(api: str, activation: str, activation_param: float) -> None:
@@ -107,14 +112,24 @@ def _bshape(x: torch.Tensor) -> list[int]:
     return [1, -1] + [1] * (x.dim() - 2)
 
 
-def _chunks(x: torch.Tensor):
-    # NOTE [Chunked backward]: chunk = max(one channel, min(numel / 16, _CHUNK_ELEMS)) values.
-    c = x.shape[1]
+def _plan(x: torch.Tensor) -> tuple[int, int | None]:
+    # NOTE [Chunked backward]: (channels per chunk, None) for whole channels, or (1, batch rows per
+    # part) when one channel holds more than 4 * max(budget, _MIN_CHUNK) values.
+    n, c = x.shape[0], x.shape[1]
     per_channel = max(1, x.numel() // max(1, c))
-    budget = min(x.numel() // _MAX_CHUNKS, _CHUNK_ELEMS)
-    step = max(1, budget // per_channel)
+    budget = max(1, min(x.numel() // _MAX_CHUNKS, _CHUNK_ELEMS))
+    if per_channel <= 4 * max(budget, _MIN_CHUNK):
+        return max(1, budget // per_channel), None
+    return 1, max(1, max(budget, _MIN_CHUNK) // max(1, per_channel // max(1, n)))
+
+
+def _chunks(x: torch.Tensor):
+    # yields (c0, c1, [(n0, n1), ...]): channel groups, each split into batch ranges
+    n, c = x.shape[0], x.shape[1]
+    step, rows = _plan(x)
+    parts = [(0, n)] if rows is None else [(n0, min(n, n0 + rows)) for n0 in range(0, n, rows)]
     for c0 in range(0, c, step):
-        yield c0, min(c, c0 + step)
+        yield c0, min(c, c0 + step), parts
 
 
 def _affine(weight, bias, c, device, acc):
@@ -258,8 +273,11 @@ def _bwd_torch(
     need_dx: bool = True,
     need_dparams: bool = True,
     allreduce: Callable | None = None,
+    owned: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Returns (dx or None, dweight, dbias); NOTE [Chunked backward].
+
+    ``owned``: dz is dead (``slimgrad.ownership.take`` granted it): dx is written into its buffer.
 
     ``allreduce(sum_dy, sum_dy_xhat, count) -> (sum_dy, sum_dy_xhat, count)`` makes the sums
     global (sync variant).
@@ -277,34 +295,40 @@ def _bwd_torch(
         mean_p[side_idx] = 0
         invstd_p[side_idx] = 1
     need_inp = training or need_dparams
+    weight_p = w * invstd / invstd_p
 
-    def inputs(c0, c1):
-        zc = z[:, c0:c1]
-        zf = zc.to(acc)
-        dy = _act_grad(dz[:, c0:c1].to(acc), zf, activation, param)
+    def rebuild(zc, dzc, c0, n0, n1):
+        zf = zc if zc.dtype == acc else zc.to(acc)
+        dy = _act_grad(dzc if dzc.dtype == acc else dzc.to(acc), zf, activation, param)
         if not need_inp:
             return dy, None
         inp = _act_inverse(zf, activation, param)
+        if not side_pos:
+            return dy, inp
+        c1 = c0 + zc.shape[1]
         sides = [(ch - c0, s) for ch, s in side_pos.items() if c0 <= ch < c1]
         if sides:
             if inp is zc:
                 inp = inp.clone()
             for j, s in sides:
-                inp[:, j] = side_xhat[:, s]
+                inp[:, j] = side_xhat[n0:n1, s]
         return dy, inp
 
+    def inputs(c0, c1, n0, n1):
+        return rebuild(z[n0:n1, c0:c1], dz[n0:n1, c0:c1], c0, n0, n1)
+
     def reduce(c0, c1, dy, inp):
+        # partial sums over a batch range add up: a channel may span several parts
         if inp is None:
-            sum_dy[c0:c1] = dy.sum(dim=[0] + list(range(2, z.dim())))
+            sum_dy[c0:c1] += dy.sum(dim=[0] + list(range(2, z.dim())))
             return
         _, gw, gb = torch.ops.aten.native_batch_norm_backward(
             dy, inp, None, None, None, mean_p[c0:c1], invstd_p[c0:c1], True, eps,
             [False, True, True],
         )  # fmt: skip
-        sum_dy_xhat[c0:c1] = gw
-        sum_dy[c0:c1] = gb
+        sum_dy_xhat[c0:c1] += gw
+        sum_dy[c0:c1] += gb
 
-    owned = False  # slimgrad.ownership: True when nobody else can see dz (NOTE [Chunked backward]).
     dx = None
     if need_dx:
         dx = dz if owned else torch.empty_like(z)
@@ -318,8 +342,8 @@ def _bwd_torch(
         q = -p * mean_p[c0:c1] - k * (sdy[c0:c1] / n_total)
         return k, p, q
 
-    def write(c0, c1, dy, inp, k, p, q):
-        slot = dx[:, c0:c1]
+    def write(c0, c1, n0, n1, dy, inp, k, p, q):
+        slot = dx[n0:n1, c0:c1]
         kv = k.view(shape)
         if p is None:
             res = dy * kv
@@ -332,26 +356,54 @@ def _bwd_torch(
             res.addcmul_(dy, kv)
         slot.copy_(res)
 
+    reducing = training or need_dparams
+    step, rows = _plan(z) if z.numel() > 0 else (1, None)
+    if training and need_dx and allreduce is None and rows is None and z.numel() > 0:
+        # Common case, one pass per channel group: aten's fused BatchNorm backward on the rebuilt
+        # input, with mean' = mean_p, invstd' = invstd_p and weight' = w * invstd / invstd_p,
+        # gives this group's sums and dx. Views come from split() to keep per-chunk overhead low.
+        gws, gbs = [], []
+        groups = zip(
+            z.split(step, 1), dz.split(step, 1), dx.split(step, 1), weight_p.split(step),
+            mean_p.split(step), invstd_p.split(step), range(0, c, step),
+        )  # fmt: skip
+        for zc, dzc, slot, wp, mp, ip, c0 in groups:
+            dy, inp = rebuild(zc, dzc, c0, 0, z.shape[0])
+            dxc, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                dy, inp, wp, None, None, mp, ip, True, eps, [True, True, True]
+            )
+            slot.copy_(dxc)
+            gws.append(gw)
+            gbs.append(gb)
+            del dy, inp, dxc  # free this chunk's temporaries before the next chunk's
+        return dx, torch.cat(gws), torch.cat(gbs)
     if z.numel() > 0:
-        if allreduce is None:
-            for c0, c1 in _chunks(z):
-                dy, inp = inputs(c0, c1)
-                if training or need_dparams:
+        for c0, c1, parts in _chunks(z):
+            if allreduce is None and len(parts) == 1:
+                # one pass: the reduction of these channels is complete before their dx is written
+                dy, inp = inputs(c0, c1, *parts[0])
+                if reducing:
                     reduce(c0, c1, dy, inp)
                 if need_dx:
-                    write(c0, c1, dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
+                    write(c0, c1, *parts[0], dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
                 del dy, inp
-        else:
-            if training or need_dparams:
-                for c0, c1 in _chunks(z):
-                    reduce(c0, c1, *inputs(c0, c1))
+                continue
+            if reducing:
+                for n0, n1 in parts:
+                    reduce(c0, c1, *inputs(c0, c1, n0, n1))
+            if allreduce is None and need_dx:
+                for n0, n1 in parts:
+                    dy, inp = inputs(c0, c1, n0, n1)
+                    write(c0, c1, n0, n1, dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
+                    del dy, inp
     if allreduce is not None:
         g_dy, g_dyx, g_count = allreduce(sum_dy, sum_dy_xhat, count)
         if need_dx and z.numel() > 0:
-            for c0, c1 in _chunks(z):
-                dy, inp = inputs(c0, c1)
-                write(c0, c1, dy, inp, *coefs(c0, c1, g_count, g_dy, g_dyx))
-                del dy, inp
+            for c0, c1, parts in _chunks(z):
+                for n0, n1 in parts:
+                    dy, inp = inputs(c0, c1, n0, n1)
+                    write(c0, c1, n0, n1, dy, inp, *coefs(c0, c1, g_count, g_dy, g_dyx))
+                    del dy, inp
     return dx, sum_dy_xhat, sum_dy
 
 
@@ -484,6 +536,18 @@ def _(z, dz, weight, bias, invstd, side_idx, side_xhat, training, eps, activatio
     return dx, z.new_empty(c, dtype=acc), z.new_empty(c, dtype=acc)
 
 
+def _op(name: str):
+    # Under torch.compile: the registered op (traced without a graph break). Eagerly: its Python
+    # implementation, called directly: the custom-op dispatcher costs ~0.1 ms a call, and the memory
+    # tracker sees the same aten ops either way (NOTE [Custom ops and the memory tracker]).
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.slimgrad, name)
+    impl = python_impl(f"slimgrad::{name}")
+    if impl is None:
+        raise internal_error(f"slimgrad::{name} has no Python implementation")
+    return impl
+
+
 class _InPlaceABNFn(torch.autograd.Function):
     # Under torch.compile the side tensors are returned too (and dropped by the caller), so that
     # dynamo finds the data-dependent channel count k among the outputs. Eagerly the Function
@@ -492,10 +556,15 @@ class _InPlaceABNFn(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, param
     ):
-        ops = torch.ops.slimgrad
-        mean, invstd = ops.inplace_abn_stats(x, running_mean, running_var, training, momentum, eps)
-        side_idx, side_xhat = ops.inplace_abn_side(x, weight, bias, mean, invstd, act)
-        ops.inplace_abn_apply_(x, weight, bias, mean, invstd, act, param)
+        mean, invstd = _op("inplace_abn_stats")(
+            x, running_mean, running_var, training, momentum, eps
+        )
+        if any(ctx.needs_input_grad[:3]):
+            side_idx, side_xhat = _op("inplace_abn_side")(x, weight, bias, mean, invstd, act)
+        else:  # no backward will run (no_grad, inference_mode, frozen inputs): keep nothing
+            side_idx = x.new_empty(0, dtype=torch.long)
+            side_xhat = x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=mean.dtype)
+        _op("inplace_abn_apply_")(x, weight, bias, mean, invstd, act, param)
         ctx.mark_dirty(x)
         if torch.compiler.is_compiling():
             ctx.mark_non_differentiable(side_idx, side_xhat)
@@ -508,14 +577,22 @@ class _InPlaceABNFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dz, _didx=None, _dside=None):
+        owned = ownership.take(dz) is not None  # first use of dz: NOTE [Gradient-buffer ownership]
         z, weight, bias, invstd, side_idx, side_xhat = ctx.saved_tensors
         training, eps, act, param = ctx.cfg
         need_dx = ctx.needs_input_grad[0]
         need_dparams = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dx, dw, db = torch.ops.slimgrad.inplace_abn_bwd(
-            z, dz, weight, bias, invstd, side_idx, side_xhat, training, eps, act, param,
-            need_dx, need_dparams,
-        )  # fmt: skip
+        if owned and need_dx:  # eager only (take refuses under compile): dx goes into dz's buffer
+            count = z.numel() // z.shape[1] if z.shape[1] else 0
+            dx, dw, db = _impl(z)[1](
+                z, dz, weight, bias, invstd, side_idx, side_xhat, count, training, eps, act, param,
+                need_dx, need_dparams, owned=True,
+            )  # fmt: skip
+        else:
+            dx, dw, db = _op("inplace_abn_bwd")(
+                z, dz, weight, bias, invstd, side_idx, side_xhat, training, eps, act, param,
+                need_dx, need_dparams,
+            )  # fmt: skip
         return (
             dx if need_dx else None,
             dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
@@ -532,7 +609,7 @@ def _validate(api: str, x, weight, bias, running_mean, running_var, training, ac
         )
     if x.dim() < 2:
         raise ValueError(
-            f"slimgrad.{api}: input needs a channel dimension; expected 2D to 5D input "
+            f"slimgrad.{api}: input needs a channel dimension; expected at least 2D input "
             f"(N, C, ...), got {x.dim()}D. Add a batch dimension."
         )
     if not x.is_floating_point():
@@ -594,8 +671,11 @@ def inplace_abn(
         TypeError: non-tensor or integer input.
 
     Example:
-        >>> h = conv(x)
-        >>> h = inplace_abn(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, True)
+        >>> conv, bn = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)
+        >>> h = conv(torch.randn(2, 3, 9, 9))
+        >>> z = inplace_abn(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, True)
+        >>> z is h
+        True
     """
     _validate("ops.inplace_abn", x, weight, bias, running_mean, running_var, training, activation,
               activation_param)  # fmt: skip
@@ -712,8 +792,21 @@ def inplace_abn_sync(
 
     Memory: as :func:`inplace_abn`.
 
+    Args:
+        x, running_mean, running_var, weight, bias, training, momentum, eps, activation,
+            activation_param: as :func:`inplace_abn`.
+        process_group: the group to merge statistics over; None: the default group at call time.
+
+    Returns:
+        ``x``, now holding the output.
+
     Raises:
         RuntimeError: training while torch.distributed is not initialised.
+        ValueError: as :func:`inplace_abn`.
+
+    Example:
+        >>> torch.distributed.init_process_group("gloo")  # doctest: +SKIP
+        >>> z = inplace_abn_sync(conv(x), rm, rv, w, b, training=True)  # doctest: +SKIP
     """
     if not training:
         return inplace_abn(x, running_mean, running_var, weight, bias, training, momentum, eps,

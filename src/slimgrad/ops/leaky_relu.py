@@ -1,11 +1,11 @@
 """LeakyReLU that keeps only its output (slope >= 0) or only 1 bit per element (slope < 0).
 
 Math: y = x if x > 0 else slope * x,  dy/dx = 1 if x > 0 else slope.
-For slope >= 0, x > 0 iff y > 0, so backward is ``leaky_relu_backward(g, y, slope,
-self_is_result=True)``
-(eager's in-place formula). For slope < 0, y does not tell the sign of x; we keep [x > 0] as 1
-bit/elt, which is all the gradient needs (eager's ``leaky_relu_`` refuses a negative slope in
-backward). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
+For slope >= 0, x > 0 iff y > 0, so backward is eager's in-place formula
+``leaky_relu_backward(g, y, slope, self_is_result=True)``. For slope < 0, y does not tell the sign
+of x; we keep [x > 0] as 1 bit/elt, which is all the gradient needs (eager's ``leaky_relu_``
+refuses a negative slope in backward).
+See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: slope >= 0: saves y (the output, shared with the next layer); slope < 0: saves 1 bit/elt
 only. Eager saves x (4 B/elt float32).

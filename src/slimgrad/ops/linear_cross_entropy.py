@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
 
@@ -270,7 +271,7 @@ def _linear_cross_entropy(
         odt = torch.float32 if upcast and low else cdt
     t = target.long()
     n, v = t.numel(), weight.shape[0]
-    if not torch.compiler.is_compiling() and t.device.type == "cpu" and n:
+    if not torch.compiler.is_compiling() and t.device.type == "cpu" and n and not is_fake(t):
         bad = (t != ignore_index) & ((t < 0) | (t >= v))
         if bool(bad.any()):
             raise ValueError(

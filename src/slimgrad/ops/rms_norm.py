@@ -22,9 +22,11 @@ from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
     _acc_dtype,
+    _rowdot,
     autocast_inputs,
     fallback_channels,
     no_double_backward,
+    rebuild_xhat,
 )
 
 __all__ = ["rms_norm"]
@@ -46,21 +48,19 @@ def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
     w = weight.reshape(d).to(acc) if weight is not None else None
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
     dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
-    dw = torch.zeros(d, dtype=acc, device=y.device) if need_dw else None
-    step = max(1, max(CHUNK_ELEMS, (n * d) // 8) // max(d, 1))
+    dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
+    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
     for i in range(0, n, step):
         sl = slice(i, i + step)
-        xh = y2[sl].to(acc, copy=True)
-        if w is not None:
-            xh.div_(w)
+        xh = rebuild_xhat(y2[sl], w, None, acc)
         if idx.numel():
             xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
         dyc = dy2[sl].to(acc)
         if need_dw:
-            dw += (dyc * xh).sum(0)
+            dw += (dyc * xh).sum(0, dtype=torch.float64)
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
-            c2 = (g * xh).mean(1, keepdim=True)
+            c2 = _rowdot(g, xh).div_(d)  # no chunk-sized temporary
             dx[sl] = g.sub_(xh.mul_(c2)).mul_(r[sl])
             del g
         del xh, dyc  # free this chunk's temporaries before the next one

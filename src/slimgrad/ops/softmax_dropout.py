@@ -13,13 +13,17 @@ plays the part of D in the tracker's floor (``_slimgrad_floor``): saved - floor 
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
-from slimgrad.ops import dropout as _dropout
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.dropout import _check_p
 from slimgrad.ops.layer_norm import no_double_backward
+
+# the module (the package attribute slimgrad.ops.dropout is the function)
+_dropout = importlib.import_module("slimgrad.ops.dropout")
 
 __all__ = ["softmax_dropout_matmul"]
 

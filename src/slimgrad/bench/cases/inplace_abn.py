@@ -1,4 +1,4 @@
-"""Bench case ``inplace_abn_chain``: 8 x [Conv2d(64, 64, 3, padding=1) -> norm + act], 16x64x56x56.
+"""8 x [Conv2d(64, 64, 3, padding=1) -> BN + LeakyReLU(0.01)], 16x64x56x56: InPlaceABN vs eager.
 
 Eager: ``BatchNorm2d`` + ``LeakyReLU(0.01, inplace=True)``. slimgrad:
 ``InPlaceABN(activation='leaky_relu')`` sharing the same Parameters.
@@ -90,23 +90,18 @@ def measure_memory(model, x, up):
 
 
 def time_steps(eager, slim, x, up, steps: int = 5):
-    """Interleaved A/B step times (forward + backward) in ms; the first round is a warm-up."""
-    times: dict[str, list[float]] = {"eager": [], "slim": []}
+    """Interleaved A/B steps (forward + backward): wall and process-CPU ms per step; the first round
+    is a warm-up. CPU time is the steadier figure on a shared machine."""
+    times: dict[str, list[tuple[float, float]]] = {"eager": [], "slim": []}
     for i in range(steps + 1):
-        for name, model in (
-            (("eager", eager), ("slim", slim))
-            if i % 2 == 0
-            else (
-                ("slim", slim),
-                ("eager", eager),
-            )
-        ):
+        order = (("eager", eager), ("slim", slim))
+        for name, model in order if i % 2 == 0 else order[::-1]:
             model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _loss(model, x, up).backward()
-            dt = (time.perf_counter() - t0) * 1e3
+            dt, dc = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
             if i > 0:
-                times[name].append(dt)
+                times[name].append((dt, dc))
     return times
 
 
@@ -148,13 +143,16 @@ def main(argv=None) -> dict:
         "saved_ratio": ms.saved_bytes / me.saved_bytes,
         "peak_ratio": ms.peak_bytes / me.peak_bytes,
     }
-    rec["grad_max_err"] = grad_errors(eager, slim, x, up)
+    err = grad_errors(eager, slim, x, up)
+    rec["grad_max_err"] = err
+    rec["grad_rule_ok"] = err["slim"] <= 2 * err["eager"] + 1e-6  # GUIDE.md rule, all Parameters
     if args.steps > 0:
         t = time_steps(eager, slim, x, up, args.steps)
-        ratios = [s / e for s, e in zip(t["slim"], t["eager"])]
-        rec["step_ms"] = {k: statistics.median(v) for k, v in t.items()}
-        rec["step_ratio_median"] = statistics.median(ratios)
-        rec["step_ratio_range"] = [min(ratios), max(ratios)]
+        for j, kind in enumerate(("wall", "cpu")):
+            ratios = [s[j] / e[j] for s, e in zip(t["slim"], t["eager"])]
+            rec[f"step_{kind}_ms"] = {k: statistics.median(v[j] for v in t[k]) for k in t}
+            rec[f"step_{kind}_ratio_median"] = statistics.median(ratios)
+            rec[f"step_{kind}_ratio_range"] = [min(ratios), max(ratios)]
     print(json.dumps(rec, indent=1))
     return rec
 

@@ -15,6 +15,7 @@ import copy
 import functools
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -175,6 +176,7 @@ def run(depths=DEPTHS, small=False, repeat=5, exact=False, out: Path | None = No
         for name in models:
             rec[f"{name}_step_ms_median"] = 1e3 * statistics.median(times[name])
         rec.update(
+            commit=_commit(),
             torch=torch.__version__,
             device="cpu",
             threads=torch.get_num_threads(),
@@ -188,6 +190,16 @@ def run(depths=DEPTHS, small=False, repeat=5, exact=False, out: Path | None = No
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
     return records
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:
