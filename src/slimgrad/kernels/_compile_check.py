@@ -34,27 +34,22 @@ def _variants() -> Iterator[tuple[str, object, dict, dict]]:
                "a": "fp32", "b": "fp32"}  # fmt: skip
         yield f"mono_bwd[{act},{dt}]", A._mono_bwd_kernel, sig, {"ACT": act, "BLOCK": A.BLOCK}
     for act, dt in itertools.product(range(4), ("fp32", "bf16")):
-        sig = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "cnt_ptr": "*i32", "n": "i32",
-               "x_star": "fp32", "zone": "fp32", "window": "fp32", "tail": "fp32"}  # fmt: skip
+        sig = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "bits_ptr": "*u8", "cnt_ptr": "*i32",
+               "n": "i32", "x_star": "fp32", "zone": "fp32", "window": "fp32",
+               "tail": "fp32"}  # fmt: skip
         const = {"ACT": act, "ZONE": dt == "fp32", "TAIL": act in (1, 2), "BLOCK": A.BLOCK}
         yield f"smooth_fwd[{act},{dt}]", A._smooth_fwd_kernel, sig, const
     for dt, tail in (("fp32", True), ("bf16", False)):
         yield f"smooth_side[{dt},tail={tail}]", A._smooth_side_kernel, {
-            "x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "boff_ptr": "*i64", "hoff_ptr": "*i64",
-            "words_ptr": "*i32", "idx_ptr": "*i32", "xs_ptr": f"*{dt}", "n": "i32",
-            "x_star": "fp32", "window": "fp32", "tail": "fp32",
+            "x_ptr": f"*{dt}", "hoff_ptr": "*i64", "idx_ptr": "*i32", "xs_ptr": f"*{dt}",
+            "n": "i32", "x_star": "fp32", "window": "fp32", "tail": "fp32",
         }, {"TAIL": tail, "BLOCK": A.BLOCK}  # fmt: skip
-    yield (
-        "count_sub",
-        A._count_sub_kernel,
-        {"y_ptr": "*bf16", "cnt_ptr": "*i32", "n": "i32"},
-        {"BLOCK": A.BLOCK},
-    )
-    yield "smooth_bwd", A._smooth_bwd_kernel, {
-        "g_ptr": "*fp32", "y_ptr": "*fp32", "bits_ptr": "*u8", "boff_ptr": "*i64",
-        "tab_ptr": "*fp32", "dx_ptr": "*fp32", "n": "i32", "y_hi": "fp32", "y_lo": "fp32",
-        "sc_l": "fp32", "sc_d": "fp32",
-    }, {"NT": 1 << 14, "BLOCK": A.BLOCK}  # fmt: skip
+    for dt in ("fp32", "bf16"):
+        yield f"smooth_bwd[{dt}]", A._smooth_bwd_kernel, {
+            "g_ptr": f"*{dt}", "y_ptr": f"*{dt}", "bits_ptr": "*u8", "tab_ptr": "*fp32",
+            "dx_ptr": f"*{dt}", "n": "i32", "y_hi": "fp32", "y_lo": "fp32", "s2_max": "fp32",
+            "sc_r": "fp32", "sc_l": "fp32",
+        }, {"NT": 1 << 14, "BLOCK": A.BLOCK}  # fmt: skip
     for dt in ("fp32", "bf16", "fp16"):
         yield f"dropout_fwd[{dt}]", D._fwd_kernel, {
             "x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "bits_ptr": "*u8", "seed_ptr": "*i64",

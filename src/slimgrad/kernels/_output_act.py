@@ -6,20 +6,20 @@ Two families, as in ``slimgrad.ops._output_act`` (NOTE [Gradient from the output
   direction, the activation chosen by a constexpr; forward y = f(x), backward dx = g * f'(y) with
   PyTorch's own ``*_backward(..., is_result=True)`` formulas, in float32 (opmath) for float32,
   float16 and bfloat16. float64 and layouts that are not dense take the PyTorch path.
-* smooth with one minimum (silu, gelu erf/tanh, mish): the forward kernel computes y (float64
-  inside the zone around x*, exactly where the PyTorch path does) and counts per block the elements
-  that keep a branch bit (y <= 0) and the hard ones; from the counts' prefix sums a second kernel
-  re-reads x and y and writes each chunk's packed bits at their compacted positions (block-local
-  prefix sum plus the block's offset, ``tl.atomic_or`` into 32-bit words) and the hard elements'
-  indices and exact x at theirs. No element-sized temporary (the PyTorch path's temporaries are
-  chunk-sized). Backward: a counting kernel (elements with y <= 0 per block) and one kernel that
-  unpacks the bit at the element's compacted position, reads f' from the same float64-built table
-  as the PyTorch path (linear interpolation in s = sqrt(y - y_min)) and multiplies by g; the hard
-  elements are then overwritten by eager's formula on their exact x, as in the PyTorch path.
+* smooth with one minimum (silu, gelu erf/tanh, mish): one forward kernel computes y (float64
+  inside the zone around x*, exactly where the PyTorch path does), packs the branch bits
+  [x >= x*] (8 elements per byte, whole bytes per program) and counts the hard elements per
+  block; when there are any, a second kernel writes their flat indices and exact x, compacted by
+  rank (block-local prefix sum plus the block's offset). No element-sized temporary. Backward is
+  one kernel: unpack the bit, read f' from the same float64-built table as the PyTorch path
+  (linear interpolation in s = sqrt(y - y_min)), multiply by g; the hard elements are then
+  overwritten by eager's formula on their exact x, as in the PyTorch path.
 
-Saved tensors (y, bits, idx, xs) are bit-for-bit those of the PyTorch path's layout: same chunking
-of the packed bits (``ops._output_act.CHUNK``), same index dtype, same dense fallback rule. y
-itself may differ from torch's float32 kernel by an ulp outside the zone (different libm).
+Saved tensors (y, bits, idx, xs) follow the PyTorch path's layout: bits bit for bit, the same hard
+elements (listed in ascending order; the PyTorch path lists each chunk's window hits before its tail
+hits), the same dense fallback rule. y may differ from torch's float32 kernel by an ulp outside the
+zone (different libm); eager CPU's erf-GELU returns NaN at +inf where the kernel returns +inf (as
+CUDA eager does).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import triton
 import triton.language as tl
 
 from slimgrad._errors import internal_error
-from slimgrad.kernels._common import BLOCK, add, cast_out, grid1, unpack
+from slimgrad.kernels._common import BLOCK, add, cast_out, grid1, pack_tile, unpack
 from slimgrad.ops import _output_act as _ref
+from slimgrad.ops._bits import packed_numel
 
 # ---------------------------------------------------------------------------------------------
 # monotone activations
@@ -182,24 +183,25 @@ def _smooth_f64(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _classify(x, y, x_star, window, tail, m, TAIL: tl.constexpr):
-    # (keeps a bit: y <= 0 or NaN, the bit: x >= x*, hard), as ops._output_act.smooth_fwd
-    sub = (~(y > 0)) & m
+def _hard(x, x_star, window, tail, TAIL: tl.constexpr):
+    # elements kept exactly (ops._output_act.smooth_fwd): near x*, the tail, non-finite
     t = tl.abs(x - x_star)
-    hard = (t < window) | ~(t < float("inf"))  # NaN and +-inf are hard
+    hard = (t < window) | ~(t < float("inf"))
     if TAIL:
         hard = hard | (x < tail)
-    return sub, x >= x_star, hard & m
+    return hard
 
 
 @triton.jit
 def _smooth_fwd_kernel(
-    x_ptr, y_ptr, cnt_ptr, n, x_star, zone, window, tail,
+    x_ptr, y_ptr, bits_ptr, cnt_ptr, n, x_star, zone, window, tail,
     ACT: tl.constexpr, ZONE: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # y, and per block the number of elements that keep a bit and of hard elements
+    # y, the packed branch bits [x >= x*] (an (R, 8) tile per program: R whole bytes), and the
+    # number of hard elements of the block
     pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    rows = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    i = rows[:, None] * 8 + tl.arange(0, 8)[None, :]
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=1.0).to(tl.float32)
     y = _smooth_f32(x, ACT)
@@ -207,96 +209,62 @@ def _smooth_fwd_kernel(
         z = tl.abs(x - x_star) < zone
         y64 = _smooth_f64(x.to(tl.float64), ACT)
         y = tl.where(z, y64.to(tl.float32), y)
-    y = cast_out(y, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + i, y, mask=m)
-    sub, right, hard = _classify(x, y.to(tl.float32), x_star, window, tail, m, TAIL)
-    tl.store(cnt_ptr + 2 * pid, tl.reduce(sub.to(tl.int32), 0, add))
-    tl.store(cnt_ptr + 2 * pid + 1, tl.reduce(hard.to(tl.int32), 0, add))
+    tl.store(y_ptr + i, cast_out(y, y_ptr.dtype.element_ty), mask=m)
+    right = ((x >= x_star) & m).to(tl.int32)
+    tl.store(bits_ptr + rows, pack_tile(right).to(tl.uint8), mask=rows * 8 < n)
+    hard = (_hard(x, x_star, window, tail, TAIL) & m).to(tl.int32)
+    tl.store(cnt_ptr + pid, tl.reduce(tl.reduce(hard, 1, add), 0, add))
 
 
 @triton.jit
 def _smooth_side_kernel(
-    x_ptr, y_ptr, boff_ptr, hoff_ptr, words_ptr, idx_ptr, xs_ptr, n, x_star, window, tail,
+    x_ptr, hoff_ptr, idx_ptr, xs_ptr, n, x_star, window, tail,
     TAIL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # compaction by rank (block-local prefix sum + the block's offset): the branch bits at bit
-    # boff[pid] + rank (tl.atomic_or into 32-bit words, neighbours share words), the hard
-    # elements' flat index and exact x at hoff[pid] + rank (ascending, as torch.nonzero)
+    # the hard elements' flat index and exact x, compacted: slot hoff[pid] + rank in the block
+    # (block-local prefix sum), so ascending
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     xr = tl.load(x_ptr + i, mask=m, other=1.0)
-    y = tl.load(y_ptr + i, mask=m, other=1.0).to(tl.float32)
-    sub, right, hard = _classify(xr.to(tl.float32), y, x_star, window, tail, m, TAIL)
-    s = sub.to(tl.int32)
-    pos = tl.load(boff_ptr + pid) + (tl.associative_scan(s, 0, add) - s).to(tl.int64)
-    word = (right.to(tl.int32) << (pos & 31).to(tl.int32)).to(tl.int32)
-    tl.atomic_or(words_ptr + (pos >> 5), word, mask=sub & right)
+    hard = _hard(xr.to(tl.float32), x_star, window, tail, TAIL) & m
     h = hard.to(tl.int32)
-    hp = tl.load(hoff_ptr + pid) + (tl.associative_scan(h, 0, add) - h).to(tl.int64)
-    tl.store(idx_ptr + hp, i.to(idx_ptr.dtype.element_ty), mask=hard)
-    tl.store(xs_ptr + hp, xr, mask=hard)
-
-
-@triton.jit
-def _count_sub_kernel(y_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    y = tl.load(y_ptr + i, mask=m, other=1.0).to(tl.float32)
-    tl.store(cnt_ptr + pid, tl.reduce(((~(y > 0)) & m).to(tl.int32), 0, add))
+    slot = tl.load(hoff_ptr + pid) + (tl.associative_scan(h, 0, add) - h).to(tl.int64)
+    tl.store(idx_ptr + slot, i.to(idx_ptr.dtype.element_ty), mask=hard)
+    tl.store(xs_ptr + slot, xr, mask=hard)
 
 
 @triton.jit
 def _smooth_bwd_kernel(
-    g_ptr, y_ptr, bits_ptr, boff_ptr, tab_ptr, dx_ptr, n,
-    y_hi, y_lo, sc_l, sc_d, NT: tl.constexpr, BLOCK: tl.constexpr,
+    g_ptr, y_ptr, bits_ptr, tab_ptr, dx_ptr, n, y_hi, y_lo, s2_max, sc_r, sc_l,
+    NT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # f'(x) from y and the branch bit, as ops._output_act._Inverse.df: the table is
+    # [right (NT) | pad | left (NT) | pad]; right: pos = s sc_r, left: pos = NT + 1 + s sc_l
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     y = tl.load(y_ptr + i, mask=m, other=1.0).to(tl.float32)
     g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
-    sub = ((~(y > 0)) & m).to(tl.int32)
-    rank = tl.associative_scan(sub, 0, add) - sub
-    pos = tl.load(boff_ptr + pid) + rank.to(tl.int64)
-    right = tl.where(sub == 1, unpack(bits_ptr, pos, m & (sub == 1)), 1).to(tl.float32)
-    s = tl.sqrt(tl.maximum((y - y_hi) - y_lo, 0.0))
-    p = s * (right * sc_d + sc_l) - right * NT + NT
-    p = tl.minimum(p, right * (-NT) + (2 * NT - 1))
-    fi = tl.floor(tl.minimum(p, 2 * NT - 2))
-    w = p - fi
-    j = tl.maximum(fi.to(tl.int32), 0)  # NaN y: its element is hard (overwritten after)
-    j = tl.where(fi == fi, j, 0)
+    right = unpack(bits_ptr, i, m) == 1
+    s = tl.sqrt(tl.minimum(tl.maximum((y - y_hi) - y_lo, 0.0), s2_max))
+    pos = tl.where(right, 0.0, NT + 1.0) + s * tl.where(right, sc_r, sc_l)
+    j = tl.where(pos == pos, pos, 0.0).to(tl.int32)  # pos >= 0: truncation = floor; NaN: 0
+    j = tl.minimum(tl.maximum(j, 0), 2 * NT)
+    w = pos - j.to(tl.float32)
     lo = tl.load(tab_ptr + j, mask=m, other=0.0)
     hi = tl.load(tab_ptr + j + 1, mask=m, other=0.0)
-    df = lo + w * (hi - lo)
+    df = tl.where(w < 0.5, lo + w * (hi - lo), hi - (hi - lo) * (1.0 - w))  # as torch.lerp
     tl.store(dx_ptr + i, cast_out(g * df, dx_ptr.dtype.element_ty), mask=m)
 
 
 _SMOOTH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _chunk_bit_offsets(cnt_sub: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    # per block: the bit position of its first kept bit in the concatenated per-chunk packing
-    per_chunk = _ref.CHUNK // BLOCK
-    nb = cnt_sub.numel()
-    nchunk = triton.cdiv(nb, per_chunk)
-    pad = nchunk * per_chunk - nb
-    c = torch.nn.functional.pad(cnt_sub.to(torch.int64), (0, pad)).view(nchunk, per_chunk)
-    within = c.cumsum(1) - c
-    chunk_bytes = (c.sum(1) + 7) // 8
-    start = (chunk_bytes.cumsum(0) - chunk_bytes) * 8
-    boff = (within + start[:, None]).reshape(-1)[:nb].contiguous()
-    return boff, int(chunk_bytes.sum())
-
-
 def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True):
-    """``ops._output_act.smooth_fwd`` with Triton kernels: (y, bits, idx, xs), same layout."""
+    """``ops._output_act.smooth_fwd`` with Triton kernels: (y, bits, idx, xs). y, bits and the
+    fallback rule as the PyTorch path; idx / xs hold the same elements, in ascending order."""
     if x.dtype not in _SMOOTH_DTYPES or x.numel() == 0 or x.dim() == 0:
         return _ref.smooth_fwd(spec, x, fwd_torch, fallback)
-    if _ref.CHUNK % BLOCK:
-        raise internal_error("kernels._output_act: CHUNK must be a multiple of BLOCK")
     inv = _ref.inverse(spec)
     w, tail = _ref._window(spec, x.dtype)
     zone = spec.zone if x.dtype == torch.float32 else 0.0
@@ -304,35 +272,28 @@ def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True
     n = xc.numel()
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     grid = grid1(n)
-    cnt = torch.empty((grid[0], 2), dtype=torch.int32, device=x.device)
+    cnt = torch.empty(grid[0], dtype=torch.int32, device=x.device)
     tail_v = float(tail) if tail is not None else 0.0
     _smooth_fwd_kernel[grid](
-        xc, y, cnt, n, inv.x_star, float(zone), float(w), tail_v,
+        xc, y, bits, cnt, n, inv.x_star, float(zone), float(w), tail_v,
         ACT=act, ZONE=bool(zone), TAIL=tail is not None, BLOCK=BLOCK,
     )  # fmt: skip
     flat = xc.view(-1)
-    hard_cnt = cnt[:, 1].to(torch.int64)
+    hard_cnt = cnt.to(torch.int64)
     n_hard = int(hard_cnt.sum())
     if fallback and n_hard * _ref.FALLBACK_DIV > n:
-        return (
-            y,
-            cnt.new_empty(0, dtype=torch.uint8),
-            cnt.new_empty(0, dtype=idx_dtype),
-            flat.clone(),
-        )
-    boff, nbytes = _chunk_bit_offsets(cnt[:, 0], n)
-    hoff = hard_cnt.cumsum(0) - hard_cnt
-    words = torch.zeros(triton.cdiv(nbytes, 4), dtype=torch.int32, device=x.device)
+        empty_idx = cnt.new_empty(0, dtype=idx_dtype)
+        return y, cnt.new_empty(0, dtype=torch.uint8), empty_idx, flat.clone()
     idx = torch.empty(n_hard, dtype=idx_dtype, device=x.device)
     xs = torch.empty(n_hard, dtype=x.dtype, device=x.device)
-    _smooth_side_kernel[grid](
-        xc, y, boff, hoff, words, idx, xs, n, inv.x_star, float(w), tail_v,
-        TAIL=tail is not None, BLOCK=BLOCK,
-    )  # fmt: skip
-    bits = words.view(torch.uint8)
-    if bits.numel() != nbytes:  # own storage of exactly nbytes: the memory contract counts it
-        bits = bits[:nbytes].clone()
+    if n_hard:
+        hoff = hard_cnt.cumsum(0) - hard_cnt
+        _smooth_side_kernel[grid](
+            xc, hoff, idx, xs, n, inv.x_star, float(w), tail_v,
+            TAIL=tail is not None, BLOCK=BLOCK,
+        )  # fmt: skip
     return y, bits, idx, xs
 
 
@@ -346,20 +307,16 @@ def smooth_grad(spec, g, y, bits, idx, xs, bwd_exact):
         or n == 0
     ):
         return _ref.smooth_grad(spec, g, y, bits, idx, xs, bwd_exact)
+    if bits.numel() != packed_numel(n):
+        raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
     inv = _ref.inverse(spec)
     yc, gc = y.contiguous(), g.contiguous()
-    grid = grid1(n)
-    sub = torch.empty(grid[0], dtype=torch.int32, device=y.device)
-    _count_sub_kernel[grid](yc, sub, n, BLOCK=BLOCK)
-    boff, nbytes = _chunk_bit_offsets(sub, n)
-    if nbytes != bits.numel():
-        raise internal_error(f"{spec.name}: expected {nbytes} packed bytes, got {bits.numel()}")
-    tab = inv.table_on(y.device, torch.float32)
+    tab = inv.tables_on(y.device, torch.float32)[0]
     y_hi = torch.tensor(inv.y_min, dtype=torch.float32).item()
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     sc_r, sc_l = inv.sc
-    _smooth_bwd_kernel[grid](
-        gc, yc, bits, boff, tab, out, n, y_hi, inv.y_min - y_hi, sc_l, sc_r - sc_l,
+    _smooth_bwd_kernel[grid1(n)](
+        gc, yc, bits, tab, out, n, y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l,
         NT=_ref._TABLE_N, BLOCK=BLOCK,
     )  # fmt: skip
     if idx.numel():

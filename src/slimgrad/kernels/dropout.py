@@ -22,6 +22,8 @@ direction.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 import triton.language as tl
@@ -35,13 +37,16 @@ from slimgrad.kernels._common import (
     uniform01,
     unpack,
 )
-from slimgrad.ops import dropout as _ref
+
+# the submodule (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.dropout")
 
 
 @triton.jit
 def _fwd_kernel(
     x_ptr, out_ptr, bits_ptr, seed_ptr, n, keep_prob, scale, BLOCK: tl.constexpr
 ):  # fmt: skip
+
     R: tl.constexpr = BLOCK // 8
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * R + tl.arange(0, R)

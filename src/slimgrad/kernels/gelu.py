@@ -9,10 +9,14 @@ Memory: as ``slimgrad.ops.gelu`` (y + 1 bit per element with y <= 0 + the sparse
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 
 from slimgrad.kernels._output_act import GELU_ERF, GELU_TANH, smooth_fwd, smooth_grad
-from slimgrad.ops import gelu as _ref
+
+# the submodules (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.gelu")
 
 _ACT = {"none": GELU_ERF, "tanh": GELU_TANH}
 

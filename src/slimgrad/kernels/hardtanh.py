@@ -7,10 +7,14 @@ PyTorch path. Memory: as ``slimgrad.ops.hardtanh``.
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 
 from slimgrad.kernels._output_act import HARDTANH, mono_bwd, mono_fwd
-from slimgrad.ops import hardtanh as _ref
+
+# the submodules (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.hardtanh")
 
 
 def _fwd_triton(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:

@@ -22,6 +22,7 @@ Memory: as ``slimgrad.ops.layer_norm`` (saves y + mean + rstd + fallback columns
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -29,7 +30,9 @@ import triton
 import triton.language as tl
 
 from slimgrad.kernels._common import add, cast_out, num_warps
-from slimgrad.ops import layer_norm as _ref
+
+# the submodule (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.layer_norm")
 
 MAX_D = 16384  # one row per register tile in backward
 FWD_TILE = 8192  # forward: rows up to this stay in registers; longer rows loop over tiles
@@ -42,6 +45,7 @@ def _fwd_kernel(
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, ONE_TILE: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+
     row = tl.program_id(0).to(tl.int64)
     xr = x_ptr + row * d
     yr = y_ptr + row * d

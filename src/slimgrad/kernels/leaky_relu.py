@@ -7,10 +7,14 @@ the PyTorch path. Memory: as ``slimgrad.ops.leaky_relu``.
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 
 from slimgrad.kernels._output_act import LEAKY_RELU, mono_bwd, mono_fwd
-from slimgrad.ops import leaky_relu as _ref
+
+# the submodules (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.leaky_relu")
 
 
 def _fwd_triton(x: Tensor, negative_slope: float = 0.01) -> Tensor:

@@ -19,12 +19,16 @@ transient).
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 import triton.language as tl
 
 from slimgrad.kernels._common import add, cast_out, maximum, num_warps
-from slimgrad.ops import linear_cross_entropy as _ref
+
+# the submodule (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.linear_cross_entropy")
 
 _BLOCK_V = 4096
 
@@ -34,6 +38,7 @@ def _ce_fwd_kernel(
     z_ptr, t_ptr, loss_ptr, lse_ptr, v, stride, ignore_index, eps,
     HAS_EPS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
+
     row = tl.program_id(0).to(tl.int64)
     zr = z_ptr + row * stride
     cols = tl.arange(0, BLOCK_V)

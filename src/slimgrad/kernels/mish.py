@@ -9,10 +9,14 @@ Memory: as ``slimgrad.ops.mish`` (y + 1 bit per element with y <= 0 + the sparse
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 
 from slimgrad.kernels._output_act import MISH, smooth_fwd, smooth_grad
-from slimgrad.ops import mish as _ref
+
+# the submodules (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.mish")
 
 
 def _fwd_triton(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

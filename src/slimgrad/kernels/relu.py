@@ -7,10 +7,14 @@ PyTorch path. Memory: as ``slimgrad.ops.relu``.
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 
 from slimgrad.kernels._output_act import RELU, mono_bwd, mono_fwd
-from slimgrad.ops import relu as _ref
+
+# the submodules (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.relu")
 
 
 def _fwd_triton(x: Tensor) -> Tensor:

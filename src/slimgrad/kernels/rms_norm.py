@@ -7,13 +7,16 @@ description in ``kernels/layer_norm.py``. ``eps=None`` means ``torch.finfo(x.dty
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 
 from slimgrad.kernels.layer_norm import norm_bwd, norm_fwd
-from slimgrad.ops import layer_norm as _ln
-from slimgrad.ops import rms_norm as _ref
+
+# the submodules (slimgrad.ops re-exports functions under the same names)
+_ln = importlib.import_module("slimgrad.ops.layer_norm")
+_ref = importlib.import_module("slimgrad.ops.rms_norm")
 
 
 def _fwd_triton(x, normalized_shape, weight, eps):

@@ -7,10 +7,14 @@ PyTorch path. Memory: as ``slimgrad.ops.tanh``.
 
 from __future__ import annotations
 
+import importlib
+
 from torch import Tensor
 
 from slimgrad.kernels._output_act import TANH, mono_bwd, mono_fwd
-from slimgrad.ops import tanh as _ref
+
+# the submodules (slimgrad.ops re-exports functions under the same names)
+_ref = importlib.import_module("slimgrad.ops.tanh")
 
 
 def _fwd_triton(x: Tensor) -> Tensor:
