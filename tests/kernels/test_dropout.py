@@ -128,3 +128,17 @@ def test_raw_inplace_writes_bump_the_version(K):
     v = g._version
     K._bwd_triton(g, K._fwd_triton(torch.randn(40), 0.5)[1], 0.5, False, inplace=True)
     assert g._version > v
+
+
+def test_backward_when_the_scale_overflows_the_dtype(K):
+    # p near 1: 1/(1-p) is inf in float16; dropped elements stay 0 (not 0 * inf = NaN), as in the
+    # PyTorch path
+    p = 0.99999
+    x = torch.randn(5, 13).half()
+    _, bits = K._fwd_triton(x, p)
+    bits[:3] = torch.tensor([0b10110001, 0xFF, 0], dtype=torch.uint8)  # some kept elements
+    g = torch.randn(5, 13).half()
+    want = ref._bwd_torch(g.clone(), bits, p, False)
+    got = K._bwd_triton(g, bits, p, False)
+    assert torch.isinf(want).any() and not torch.isnan(want).any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -67,9 +67,12 @@ def _fwd_kernel(
 def _bwd_kernel(g_ptr, bits_ptr, dx_ptr, n, scale, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    keep = unpack(bits_ptr, i, m).to(tl.float32)
+    keep = unpack(bits_ptr, i, m)
     g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(dx_ptr + i, cast_out((g * keep) * scale, dx_ptr.dtype.element_ty), mask=m)
+    # kept: g * scale; dropped: g * 0 (+-0, NaN for a non-finite g), also when scale is inf in
+    # the dtype (p near 1), as _bwd_torch
+    dx = tl.where(keep == 1, g * scale, g * 0.0)
+    tl.store(dx_ptr + i, cast_out(dx, dx_ptr.dtype.element_ty), mask=m)
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

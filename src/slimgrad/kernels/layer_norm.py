@@ -230,8 +230,13 @@ def norm_bwd(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     )  # fmt: skip
     if need_dx:
         dx = dx.reshape(y.shape)
-    dw = dw_part.sum(0).to(weight.dtype).reshape(weight.shape) if need_dw else None
-    db = db_part.sum(0).to(bias.dtype).reshape(bias.shape) if need_db else None
+    # per-program float32 partials, summed in float64 (as the PyTorch path accumulates dw, db)
+    dw = (
+        dw_part.sum(0, dtype=torch.float64).to(weight.dtype).reshape(weight.shape)
+        if need_dw
+        else None
+    )
+    db = db_part.sum(0, dtype=torch.float64).to(bias.dtype).reshape(bias.shape) if need_db else None
     return dx, dw, db
 
 
