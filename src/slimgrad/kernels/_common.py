@@ -79,6 +79,38 @@ def cast_out(y, DT: tl.constexpr):
 
 
 @triton.jit
+def expm1(x):
+    # e^x - 1 without the cancellation of exp(x) - 1 near 0 (relative error ~1e-7): Taylor to x^8
+    # for |x| < 0.5 (truncation < 2e-8 relative), exp(x) - 1 beyond (no large cancellation there)
+    p = 1.0 / 40320.0
+    p = p * x + 1.0 / 5040.0
+    p = p * x + 1.0 / 720.0
+    p = p * x + 1.0 / 120.0
+    p = p * x + 1.0 / 24.0
+    p = p * x + 1.0 / 6.0
+    p = p * x + 0.5
+    p = p * x * x + x
+    return tl.where(tl.abs(x) < 0.5, p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def tanh(x):
+    # tanh with a small relative error near 0 (Cephes tanhf's scheme): an odd polynomial for
+    # |x| < 0.625, 1 - 2 / (e^{2|x|} + 1) with the sign beyond; NaN propagates
+    z = x * x
+    p = -5.70498872745e-3
+    p = p * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = p * z * x + x
+    a = tl.abs(x)
+    big = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(a < 0.625, small, big)
+
+
+@triton.jit
 def pack_tile(bit):
     # bit: (R, 8) int32 of 0/1 -> (R,) bytes (as int32), bit j of byte r = bit[r, j]
     shift = tl.arange(0, 8)[None, :]

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from slimgrad._errors import internal_error
-from slimgrad.kernels._common import BLOCK, add, cast_out, grid1, pack_tile, unpack
+from slimgrad.kernels._common import BLOCK, add, cast_out, expm1, grid1, pack_tile, tanh, unpack
 from slimgrad.ops import _output_act as _ref
 from slimgrad.ops._bits import packed_numel
 
@@ -52,13 +52,11 @@ def _mono_fwd_kernel(x_ptr, y_ptr, n, a, b, ACT: tl.constexpr, BLOCK: tl.constex
     elif ACT == 1:
         y = tl.where(x > 0, x, x * a)
     elif ACT == 2:
-        y = tl.where(x > 0, x, a * (tl.exp(x) - 1.0))
+        y = tl.where(x > 0, x, a * expm1(tl.minimum(x, 0.0)))
     elif ACT == 3:
         y = 1.0 / (1.0 + tl.exp(-x))
     elif ACT == 4:
-        e = tl.exp(-2.0 * tl.abs(x))
-        t = (1.0 - e) / (1.0 + e)
-        y = tl.where(x < 0, -t, t)
+        y = tanh(x)
     else:
         y = tl.where(x < a, a, tl.where(x > b, b, x))
     tl.store(y_ptr + i, cast_out(y, y_ptr.dtype.element_ty), mask=m)
