@@ -137,7 +137,7 @@ def _hard_inputs(spec, dtype, n):
 
 
 @pytest.mark.parametrize("stem,approx", SMOOTH)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_smooth_forward_side_info_bit_identical(K, monkeypatch, stem, approx, dtype):
     # small CHUNK: several chunks of packed bits, each padded, as in the PyTorch path
     monkeypatch.setattr(ref_act, "CHUNK", 1024)
@@ -155,7 +155,7 @@ def test_smooth_forward_side_info_bit_identical(K, monkeypatch, stem, approx, dt
 
 
 @pytest.mark.parametrize("stem,approx", SMOOTH)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_smooth_backward_within_rule(K, monkeypatch, stem, approx, dtype):
     monkeypatch.setattr(ref_act, "CHUNK", 1024)
     spec, ref, fwd, bwd, args = _smooth(K, stem, approx)

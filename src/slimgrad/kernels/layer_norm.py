@@ -162,7 +162,8 @@ def _row_block(d: int) -> int:
 
 def _n_programs(n: int, device: torch.device) -> int:
     if device.type == "cuda":
-        cap = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        # two programs per SM: enough rows in flight, few (P, D) partials to sum
+        cap = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         cap = 4  # the interpreter runs programs one after another
     return max(1, min(n, cap))
