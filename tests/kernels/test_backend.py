@@ -159,6 +159,11 @@ def test_compiled_code_takes_the_torch_path(monkeypatch):
 
     torch.compile(f, backend="eager", fullgraph=False)(torch.ones(3))
     assert seen == [False]
+    monkeypatch.setenv(B.ENV_VAR, "triton")  # no graph break on the env var / config either
+    out = torch.compile(
+        lambda x: x * 2 if B.use_triton(x) else x + 1, backend="eager", fullgraph=True
+    )(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0))
 
 
 @pytest.mark.triton

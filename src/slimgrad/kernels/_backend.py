@@ -136,8 +136,10 @@ def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True
         RuntimeError: ``"triton"`` forced where the kernels cannot run (triton missing, or a CPU
             tensor without ``TRITON_INTERPRET=1``).
     """
+    if torch.compiler.is_compiling():  # first: dynamo then traces nothing else here
+        return False
     b = get_backend() if backend is None else _check(backend, "backend")
-    if b == "torch" or torch.compiler.is_compiling() or _is_fake(x):
+    if b == "torch" or _is_fake(x):
         return False
     if b == "auto":
         return auto and x.is_cuda and triton_available()
