@@ -580,6 +580,7 @@ def run_case(
         )
     device = torch.device(device)
     say = progress or (lambda msg: None)
+    commit = git_commit()  # now, not after the run: the checkout may change meanwhile
 
     say("build")
     torch.manual_seed(seed)
@@ -664,7 +665,7 @@ def run_case(
         "time_ratio_max": max(ratios),
         "grad": grad_info,
         "versions": {k: v for k, v in environment().items() if k != "gpus"},
-        "commit": git_commit(),
+        "commit": commit,
         "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if out_dir is not None:
