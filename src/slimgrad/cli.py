@@ -1,4 +1,4 @@
-"""The ``slimgrad`` command: ``slimgrad demo | bench | env`` (and more subcommands as they land).
+"""The ``slimgrad`` command: ``slimgrad demo | bench | profile | estimate | env``.
 
 Each subcommand is one entry of :data:`SUBCOMMANDS`: ``name -> Subcommand(help, add_arguments,
 run)``. ``add_arguments(parser)`` declares its options, ``run(args) -> int`` does the work and
@@ -9,6 +9,7 @@ returns the exit status. Heavy imports (harness, demo, matplotlib, transformers)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -49,6 +50,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         "--out", default="benchmarks/results", help="folder of the JSONL records (CASE.jsonl)"
     )
     p.add_argument("--no-record", action="store_true", help="write no record")
+    p.add_argument(
+        "--no-reuse", action="store_true", help="turn gradient-buffer reuse off (slimgrad side)"
+    )
 
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -147,20 +151,22 @@ def _bench_one(args: argparse.Namespace, case: str) -> int:
         )
     import torch
 
+    from slimgrad import ownership
     from slimgrad.bench.harness import run_case
 
     try:
-        rec = run_case(
-            case,
-            device=args.device,
-            dtype=getattr(torch, args.dtype),
-            small=args.small,
-            repeat=args.repeat,
-            warmup=args.warmup,
-            grad_check=False if args.no_grad_check else None,
-            out_dir=None if args.no_record else args.out,
-            progress=None if args.json else (lambda m: print(f"[{case}] {m}", flush=True)),
-        )
+        with ownership.reuse_disabled() if args.no_reuse else contextlib.nullcontext():
+            rec = run_case(
+                case,
+                device=args.device,
+                dtype=getattr(torch, args.dtype),
+                small=args.small,
+                repeat=args.repeat,
+                warmup=args.warmup,
+                grad_check=False if args.no_grad_check else None,
+                out_dir=None if args.no_record else args.out,
+                progress=None if args.json else (lambda m: print(f"[{case}] {m}", flush=True)),
+            )
     except (ValueError, RuntimeError) as e:
         return _err(str(e))
     print(json.dumps(rec) if args.json else format_record(rec))
@@ -207,11 +213,100 @@ def _demo_run(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+# --------------------------------------------------------------------------------- profile/estimate
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "target", help="gpt2, bert, llama, vit, resnet (HF, random init), a bench case, or mod:fn"
+    )
+    p.add_argument("--batch", type=int, default=None, help="batch size (HF targets)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length (HF text targets)")
+    p.add_argument("--size", choices=("full", "tiny"), default="full", help="HF config size")
+    p.add_argument("--estimate", action="store_true", help="fake tensors: no compute, no memory")
+    p.add_argument("--fit-gib", type=float, default=None, help="largest batch fitting in N GiB")
+    p.add_argument("--plot", default=None, help="write a PNG of both memory timelines here")
+    p.add_argument("--depth", type=int, default=2, help="module-path depth of the table")
+    p.add_argument("--no-convert", action="store_true", help="eager only")
+    p.add_argument("--inplace-abn", action="store_true", help="ConvertConfig(inplace_abn=True)")
+    p.add_argument("--verify", action="store_true", help="also check loss and every gradient")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _estimate_args(p: argparse.ArgumentParser) -> None:
+    _profile_args(p)
+    p.set_defaults(estimate=True)
+
+
+def _profile_run(args: argparse.Namespace) -> int:
+    import slimgrad
+    from slimgrad.profile import fit_batch, profile
+    from slimgrad.targets import resolve
+
+    try:
+        target = resolve(args.target, size=args.size, seq=args.seq)
+    except (ValueError, ImportError) as e:
+        return _err(str(e))
+    config = slimgrad.ConvertConfig(inplace_abn=args.inplace_abn)
+    convert = not args.no_convert
+    if args.fit_gib is not None:
+        budget = int(args.fit_gib * 2**30)
+        batch, rep = fit_batch(target, budget, convert=convert, config=config, progress=True)
+        side = "slimgrad" if convert else "eager"
+        if rep is None:
+            print(f"{target.name}: even batch 1 does not fit in {args.fit_gib} GiB ({side})")
+            return 1
+        print(f"{target.name}: largest batch fitting in {args.fit_gib} GiB ({side}): {batch}")
+        print(rep.table())
+        return 0
+    rep = profile(
+        target,
+        batch=args.batch,
+        convert=convert,
+        config=config,
+        fake=args.estimate,
+        depth=args.depth,
+    )
+    if args.json:
+        out = {
+            "target": rep.target,
+            "batch": rep.batch,
+            "estimated": rep.estimated,
+            "resident_bytes": rep.resident_bytes,
+            "eager": rep.eager.to_dict(),
+            "slimgrad": rep.converted.to_dict() if rep.converted else None,
+        }
+        print(json.dumps(out, default=str))
+    else:
+        print(rep.table())
+    if args.plot:
+        print(f"memory timelines: {rep.plot(args.plot)}")
+    if args.verify:
+        if args.estimate or not convert:
+            return _err("slimgrad profile: --verify needs a real, converted run; drop --estimate.")
+        import copy
+
+        torch_seed = 0
+        model = target.build()
+        lean = slimgrad.convert_(copy.deepcopy(model), config)
+        vr = slimgrad.verify(model, lean, target.inputs(rep.batch), loss_fn=target.loss,
+                             seed=torch_seed)  # fmt: skip
+        print(vr)
+        return 0 if vr.ok else 1
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "demo": Subcommand(
         "train a small CNN and transformer, eager vs slimgrad", _demo_args, _demo_run
     ),
     "bench": Subcommand("run a benchmark case side by side", _bench_args, _bench_run),
+    "profile": Subcommand(
+        "where every byte of a step goes, eager vs converted", _profile_args, _profile_run
+    ),
+    "estimate": Subcommand(
+        "profile under fake tensors (big models and batches, no compute)",
+        _estimate_args,
+        _profile_run,
+    ),
     "env": Subcommand("print versions and devices (for bug reports)", _env_args, _env_run),
 }
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimgrad import ownership
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
 
 __all__ = [
@@ -214,7 +215,9 @@ def _discover() -> None:
                         case = replace(case, source=modname)
                     _add(case)
             elif callable(getattr(mod, "build", None)):
-                register_case(info.name)(mod.build)
+                # the module docstring's first line describes the case (cases/__init__.py)
+                doc = (mod.__doc__ or "").strip().splitlines()
+                register_case(info.name, description=doc[0] if doc else "")(mod.build)
         except Exception as e:  # a broken case module must not break the other cases or the CLI
             _BROKEN[modname] = f"{type(e).__name__}: {e}"
 
@@ -643,6 +646,7 @@ def run_case(
     rec: dict[str, Any] = {
         "case": case.name,
         "provider": case.provider,
+        "grad_buffer_reuse": ownership.reuse_enabled(),
         "small": small,
         "shapes": _shapes(xs),
         "dtype": str(dtype).removeprefix("torch."),
