@@ -10,14 +10,56 @@ activation saves the input and the output. See ``slimgrad.ops.inplace_abn``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
+from slimgrad.ops.leaky_relu import leaky_relu
 
-__all__ = ["InPlaceABN", "InPlaceABNSync", "convert_sequential_bn_act_"]
+__all__ = ["InPlaceABN", "InPlaceABNSync", "LeakyReLUAfterABN", "convert_sequential_bn_act_"]
+
+# NOTE [ABN-activation pairs]
+# torchvision's blocks call ``self.bn1`` and then ``self.relu`` (one ReLU instance, used after bn1,
+# after bn2 and after the residual add). convert_ with ``inplace_abn=True`` turns each BatchNorm
+# that is followed directly by that ReLU into an InPlaceABN(leaky_relu), which already applies the
+# activation, and the ReLU instance into a LeakyReLUAfterABN: the identity on the output of one of
+# *its own* InPlaceABNs, leaky_relu everywhere else (the post-residual call). Both sides hold the
+# same ``_PairToken``; the InPlaceABN records its output in ``_ABN_OUTPUTS`` (weak, keyed by tensor
+# identity) with that token and the output's version. The ReLU side takes the identity path only for
+# the same tensor object, unchanged since (version), with its own token, and only once (the entry
+# is consumed: ``relu(relu(bn(x)))`` applies leaky_relu the second time). Anything else (a view, a
+# copy, an in-place change, another module's output) gets leaky_relu, so the pair computes
+# leaky_relu(BN(x)) exactly on every path. Registration happens in every grad mode (the identity
+# path must be taken under no_grad/eval too); inference tensors have no version counter, so there
+# the identity is keyed by object only. deepcopy/pickle keep the pairing (one token object, copied
+# once per memo).
+_ABN_OUTPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _PairToken:
+    pass
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+@torch.compiler.disable
+def _register_output(out: torch.Tensor, token: _PairToken) -> None:
+    _ABN_OUTPUTS[out] = (token, _version(out))
+
+
+@torch.compiler.disable
+def _take_output(x: torch.Tensor, token: _PairToken) -> bool:
+    entry = _ABN_OUTPUTS.get(x)
+    if entry is None or entry[0] is not token or entry[1] != _version(x):
+        return False
+    del _ABN_OUTPUTS[x]
+    return True
 
 
 class InPlaceABN(nn.Module):
@@ -175,10 +217,14 @@ class InPlaceABN(nn.Module):
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
-        return inplace_abn(
+        out = inplace_abn(
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
         )  # fmt: skip
+        token = self.__dict__.get("_pair_token")
+        if token is not None:
+            _register_output(out, token)  # NOTE [ABN-activation pairs]
+        return out
 
     @classmethod
     def from_torch(
@@ -253,6 +299,76 @@ class InPlaceABNSync(InPlaceABN):
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
         )  # fmt: skip
+
+
+class LeakyReLUAfterABN(nn.Module):
+    """What convert_ (``inplace_abn=True``) puts in place of a ReLU that follows BatchNorms it
+    turned into InPlaceABN(leaky_relu): the identity on the output of those InPlaceABNs (they
+    already applied the activation), ``leaky_relu(x, negative_slope)`` on anything else (e.g. after
+    torchvision's residual add). NOTE [ABN-activation pairs].
+
+    Memory: nothing on the identity path; elsewhere as ``slimgrad.ops.leaky_relu`` (keeps its
+    output, shared with the next layer; eager LeakyReLU(inplace) keeps it too).
+
+    Args:
+        negative_slope: the slope (> 0) of the InPlaceABNs it pairs with.
+        inplace: as torch's ``inplace`` flag, on the leaky_relu path.
+    """
+
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
+        super().__init__()
+        check_activation("nn.LeakyReLUAfterABN", "leaky_relu", negative_slope)
+        self.negative_slope = float(negative_slope)
+        self.inplace = bool(inplace)
+        self._pair_token = _PairToken()
+
+    def extra_repr(self) -> str:
+        return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _take_output(input, self._pair_token):
+            return input
+        return leaky_relu(input, self.negative_slope, self.inplace)
+
+    def pair(self, abn: InPlaceABN) -> InPlaceABN:
+        """Make ``abn`` (leaky_relu with this slope) one whose output this module passes through.
+
+        Raises:
+            ValueError: ``abn`` does not compute leaky_relu with this module's slope.
+        """
+        if not (
+            isinstance(abn, InPlaceABN)
+            and abn.activation == "leaky_relu"
+            and abn.activation_param == self.negative_slope
+        ):
+            raise ValueError(
+                "slimgrad.nn.LeakyReLUAfterABN.pair: the InPlaceABN must apply this module's "
+                f"activation; expected leaky_relu with slope {self.negative_slope}, got "
+                f"{getattr(abn, 'activation', type(abn).__name__)!r} with "
+                f"{getattr(abn, 'activation_param', None)}. Build it with "
+                "activation='leaky_relu' and the same slope."
+            )
+        abn._pair_token = self._pair_token
+        return abn
+
+    @classmethod
+    def from_torch(cls, relu: nn.ReLU, negative_slope: float = 0.01) -> LeakyReLUAfterABN:
+        """Replace ``relu`` (an ``nn.ReLU``; its ``inplace`` flag and hooks are kept).
+
+        Raises:
+            TypeError: ``relu`` is not an ``nn.ReLU``.
+        """
+        if type(relu) is not nn.ReLU:
+            raise TypeError(
+                "slimgrad.nn.LeakyReLUAfterABN.from_torch: module type; expected torch.nn.ReLU, "
+                f"got {type(relu).__name__}. Convert a plain torch.nn.ReLU."
+            )
+        new = cls(negative_slope, relu.inplace)
+        for k, v in relu.__dict__.items():
+            if k.startswith("_") and "hook" in k and type(v) in (dict, OrderedDict):
+                new.__dict__[k] = type(v)(v)
+        new.train(relu.training)
+        return new
 
 
 def _act_spec(module: nn.Module, relu_slope: float | None) -> tuple[str, float] | None:
