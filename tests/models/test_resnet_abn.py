@@ -15,7 +15,13 @@ from torch import nn
 import slimgrad
 from slimgrad.memory import measure
 from slimgrad.nn.batch_norm import BatchNorm2d
-from slimgrad.nn.inplace_abn import _ABN_OUTPUTS, InPlaceABN, LeakyReLUAfterABN
+from slimgrad.nn.inplace_abn import (
+    _ABN_OUTPUTS,
+    InPlaceABN,
+    LeakyReLUAfterABN,
+    MaxPool2dRecompute,
+    RecomputeABN,
+)
 from slimgrad.testing import assert_within_rule
 from tests.models._resnet_helpers import randomize_bn_, small_resnet
 
@@ -53,8 +59,9 @@ def test_bottleneck_pairs_become_inplace_abn_and_the_rest_exact_batch_norm():
     assert isinstance(ours.bn1, InPlaceABN) and isinstance(ours.relu, LeakyReLUAfterABN)
     for layer in (ours.layer1, ours.layer2, ours.layer3, ours.layer4):
         for blk in layer:
-            assert type(blk.bn1) is InPlaceABN and type(blk.bn2) is InPlaceABN
-            assert (blk.bn1.activation, blk.bn1.activation_param) == ("leaky_relu", 0.01)
+            # after a 1x1 conv: recompute it (eager's kernels); after the 3x3: in place
+            assert type(blk.bn1) is RecomputeABN and type(blk.bn2) is InPlaceABN
+            assert (blk.bn2.activation, blk.bn2.activation_param) == ("leaky_relu", 0.01)
             assert type(blk.bn3) is BatchNorm2d  # followed by `+= identity`: exact path
             assert isinstance(blk.relu, LeakyReLUAfterABN) and blk.relu.inplace
             assert blk.bn1._pair_token is blk.relu._pair_token is blk.bn2._pair_token
@@ -104,11 +111,14 @@ def test_backward_inputs_subset():
 
 
 def test_saved_bytes_formula_and_peak():
-    # Eager (LeakyReLU) keeps every BN input + mean and invstd per channel. The converted model
-    # drops all of them: an InPlaceABN keeps its output (= the next conv's input, kept anyway) + 1
-    # float per channel; bn3 / downsample BNs keep a recipe (their 1x1 conv is re-run) + 4 floats
+    # Eager (LeakyReLU) keeps every BN input + mean and invstd per channel, and the stem max-pool
+    # its input + int64 indices. The converted model drops all of them: an InPlaceABN (bn2) keeps
+    # its output (= the next conv's input, kept anyway) + 1 float per channel; a RecomputeABN (the
+    # stem's bn1, whose max-pool keeps a recipe too, and each block's bn1) keeps a recipe + 2
+    # floats per channel (NOTE [Recomputed stem]); bn3 / downsample BNs keep a recipe + 4 floats
     # per channel (mean, invstd, γ and β as used).
     _, eager, ours = _pair(layers=(2, 1, 1, 1), width=8)
+    assert type(ours.bn1) is RecomputeABN and type(ours.maxpool) is MaxPool2dRecompute
     x0 = torch.randn(2, 3, 48, 40)
     bn_in, hooks = {}, []
     for name, mod in eager.named_modules():
@@ -124,19 +134,22 @@ def test_saved_bytes_formula_and_peak():
     for h in hooks:
         h.remove()
     ms = measure(lambda: ours(x0 * 1).square().sum())
-    c_abn = sum(m.num_features for m in ours.modules() if isinstance(m, InPlaceABN))
+    c_abn = sum(m.num_features for m in ours.modules() if type(m) is InPlaceABN)
+    c_stem = sum(m.num_features for m in ours.modules() if type(m) is RecomputeABN)
     c_bn = sum(m.num_features for m in ours.modules() if isinstance(m, BatchNorm2d))
-    assert c_abn > 0 and c_bn > 0 and len(bn_in) == sum(1 for _ in eager.modules() if
-                                                        isinstance(_, nn.BatchNorm2d))  # fmt: skip
+    n_bn = sum(1 for m in eager.modules() if isinstance(m, nn.BatchNorm2d))
+    assert c_abn > 0 and c_bn > 0 and len(bn_in) == n_bn
+    pool_bytes = pool["i"].numel() * 4 + pool["o"].numel() * 8
+    per_channel = 4 * c_abn + 8 * c_stem + 16 * c_bn
+    eager_per_channel = 2 * 4 * (c_abn + c_stem + c_bn)
     assert ms.saved_bytes == (
-        me.saved_bytes - sum(bn_in.values()) - 2 * 4 * (c_abn + c_bn) + 4 * c_abn + 16 * c_bn
+        me.saved_bytes - sum(bn_in.values()) - pool_bytes - eager_per_channel + per_channel
     )
-    # Against the matmul-input floor: beyond it only the max-pool (input + int64 indices), the
-    # last block's output (the average pool's input), the loss input and per-channel floats.
+    # Against the matmul-input floor: beyond it only the last block's output (the average pool's
+    # input), the loss input and per-channel floats.
     last = 2 * ours.fc.in_features * 2 * 2 * 4  # layer4 output: (2, C, 2, 2) float32
-    extra = pool["i"].numel() * 4 + pool["o"].numel() * 8 + last + 2 * 10 * 4
     assert ms.floor_bytes == me.floor_bytes
-    assert ms.saved_bytes == me.floor_bytes + extra + 4 * c_abn + 16 * c_bn
+    assert ms.saved_bytes == me.floor_bytes + last + 2 * 10 * 4 + per_channel
     assert ms.peak_bytes < me.peak_bytes
 
 
@@ -169,7 +182,7 @@ def test_parameters_and_buffers_shared_with_the_original():
 def test_inplace_error_when_a_converted_bn_input_was_saved_elsewhere():
     _, _, ours = _pair()
     kept = []
-    ours.layer1[0].conv1.register_forward_hook(lambda m, i, o: kept.append(o.sin()))
+    ours.layer1[0].conv2.register_forward_hook(lambda m, i, o: kept.append(o.sin()))
     loss = ours(torch.randn(2, 3, 32, 32)).sum() + kept[0].sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
@@ -273,7 +286,7 @@ def test_filter_fn_keeps_a_pair_on_the_exact_path():
     torch.manual_seed(0)
     base = randomize_bn_(small_resnet("bottleneck", width=4))
     ours = slimgrad.convert_(copy.deepcopy(base), ABN, filter_fn=lambda m, n: n != "layer2.0.bn2")
-    assert type(ours.layer2[0].bn2) is nn.BatchNorm2d and type(ours.layer2[0].bn1) is InPlaceABN
+    assert type(ours.layer2[0].bn2) is nn.BatchNorm2d and type(ours.layer2[0].bn1) is RecomputeABN
     assert ("layer2.0.bn2", "BatchNorm2d", "filter_fn returned False") in (
         slimgrad.report(ours).skipped
     )
@@ -305,3 +318,34 @@ def test_leaky_relu_after_abn_module():
     z.mul_(1.0)
     want = torch.nn.functional.leaky_relu(z.clone(), 0.2)
     torch.testing.assert_close(act(z), want)
+
+
+class _Stem(nn.Module):
+    def __init__(self, k=7):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, k, stride=2, padding=k // 2, bias=False)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.maxpool(self.relu(self.bn1(self.conv1(x))))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_recomputed_stem_is_eager_bit_for_bit(train):
+    # conv -> BN -> ReLU -> max-pool: the recompute path runs eager's own kernels on bit-identical
+    # recomputed tensors, so float32 gradients equal eager LeakyReLU's exactly; it keeps nothing
+    # full-size (eager: the BN input, the activation and int64 indices).
+    torch.manual_seed(3)
+    base = randomize_bn_(_Stem(), 3).train(train)
+    ref = _leaky_ref(copy.deepcopy(base))
+    ours = slimgrad.convert_(copy.deepcopy(base), ABN)
+    assert type(ours.bn1) is RecomputeABN and type(ours.maxpool) is MaxPool2dRecompute
+    x0 = torch.randn(2, 3, 29, 31)
+    for a, b in zip(_grads(ours, x0, torch.float32), _grads(ref, x0, torch.float32)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ms = measure(lambda: ours(x0 * 1).sum())
+    # beyond the conv input: 2 floats per channel (mean and invstd; in eval the running-stat copies)
+    assert ms.floor_bytes == x0.numel() * 4
+    assert ms.saved_bytes == ms.floor_bytes + 2 * 6 * 4

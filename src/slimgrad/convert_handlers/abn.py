@@ -9,7 +9,9 @@ converted when, at every call site:
 - its input is the fresh output of a convolution or linear module used by nothing else (InPlaceABN
   writes over it; a tensor from outside ``forward`` or a view could be seen by others).
 
-Such a ``bn`` becomes ``InPlaceABN(leaky_relu, slope)`` and the ReLU instance a
+Such a ``bn`` becomes ``InPlaceABN(leaky_relu, slope)`` (``RecomputeABN`` where the ReLU feeds
+an ``nn.MaxPool2d``, which becomes ``MaxPool2dRecompute``: ResNet's stem keeps nothing beyond the
+floor, NOTE [Recomputed stem]) and the ReLU instance a
 ``LeakyReLUAfterABN`` paired with it: the identity on its ABNs' outputs, leaky_relu everywhere else
 (the call after ``out += identity``); NOTE [ABN-activation pairs] in ``slimgrad/nn/inplace_abn.py``.
 Every other BatchNorm (ResNet's bn3, whose output is changed by ``+=`` before the ReLU, and the
@@ -27,7 +29,12 @@ from __future__ import annotations
 import torch.fx
 from torch import nn
 
-from slimgrad.nn.inplace_abn import InPlaceABN, LeakyReLUAfterABN
+from slimgrad.nn.inplace_abn import (
+    InPlaceABN,
+    LeakyReLUAfterABN,
+    MaxPool2dRecompute,
+    RecomputeABN,
+)
 
 __all__ = ["inplace_abn_pattern"]
 
@@ -49,6 +56,15 @@ def _module_of(parent: nn.Module, node: torch.fx.Node) -> nn.Module | None:
     return parent.get_submodule(node.target)
 
 
+def _pool_after(parent: nn.Module, relu_node: torch.fx.Node) -> nn.Module | None:
+    # the nn.MaxPool2d that alone consumes the ReLU's output, if any (ResNet's stem)
+    users = list(relu_node.users)
+    pool = _module_of(parent, users[0]) if len(users) == 1 else None
+    if type(pool) in (nn.MaxPool2d, MaxPool2dRecompute) and users[0].args == (relu_node,):
+        return pool
+    return None
+
+
 def _why_not(parent: nn.Module, node: torch.fx.Node) -> tuple[str | None, nn.Module | None]:
     # (reason it cannot become InPlaceABN at this call site, the ReLU that follows it)
     if len(node.args) != 1 or node.kwargs:
@@ -61,7 +77,9 @@ def _why_not(parent: nn.Module, node: torch.fx.Node) -> tuple[str | None, nn.Mod
     producer = _module_of(parent, src) if isinstance(src, torch.fx.Node) else None
     if not isinstance(producer, _FRESH_PRODUCERS) or len(src.users) != 1:
         return "its input is not a conv/linear output used only by it (it is written over)", None
-    return None, relu
+    if isinstance(producer, nn.modules.conv._ConvNd) and all(k == 1 for k in producer.kernel_size):
+        return None, (relu, "pointwise")
+    return None, (relu, None)
 
 
 def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
@@ -102,13 +120,16 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
             reasons = {r for r, _ in checks if r is not None}
             if _NOT_A_PAIR in reasons:
                 continue  # e.g. bn3 (``out += identity`` follows): not a BN -> ReLU pair
-            relus = {id(m): m for _, m in checks if m is not None}
+            relus = {id(m[0]): m[0] for _, m in checks if m is not None}
             if not reasons and len(relus) != 1:
                 reasons.add("it is followed by different ReLU modules")
             if reasons:
                 rep.skipped.append((fqn, type(bn).__name__, "inplace_abn: " + "; ".join(reasons)))
                 continue
             (relu,) = relus.values()
+            pools = {_pool_after(parent, next(iter(n.users))) for n in nodes}
+            pool = pools.pop() if len(pools) == 1 else None
+            pointwise = all(m[1] == "pointwise" for _, m in checks)
             relu_fqn = names.get(id(relu), "?")
             if not (allowed(bn, fqn) and allowed(relu, relu_fqn)):
                 rep.skipped.append((fqn, type(bn).__name__, "filter_fn returned False"))
@@ -117,9 +138,13 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
                 new_relu[id(relu)] = LeakyReLUAfterABN.from_torch(relu, slope)
                 swaps[id(relu)] = new_relu[id(relu)]
                 rep.converted.append((relu_fqn, "ReLU", "LeakyReLUAfterABN"))
-            abn = InPlaceABN.from_torch(bn, activation="leaky_relu", activation_param=slope)
+            cls = RecomputeABN if pool is not None or pointwise else InPlaceABN
+            abn = cls.from_torch(bn, activation="leaky_relu", activation_param=slope)
             swaps[id(bn)] = new_relu[id(relu)].pair(abn)
-            rep.converted.append((fqn, f"{type(bn).__name__}+ReLU", "InPlaceABN"))
+            rep.converted.append((fqn, f"{type(bn).__name__}+ReLU", cls.__name__))
+            if type(pool) is nn.MaxPool2d and id(pool) not in swaps:
+                swaps[id(pool)] = MaxPool2dRecompute.from_torch(pool)
+                rep.converted.append((names.get(id(pool), "?"), "MaxPool2d", "MaxPool2dRecompute"))
     # every parent holding a swapped instance (shared ReLUs, shared BNs) gets the same new module
     for parent in list(model.modules()):
         for n, c in list(parent._modules.items()):

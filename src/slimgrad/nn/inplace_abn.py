@@ -17,10 +17,18 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slimgrad.ops import _derived
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
 from slimgrad.ops.leaky_relu import leaky_relu
 
-__all__ = ["InPlaceABN", "InPlaceABNSync", "LeakyReLUAfterABN", "convert_sequential_bn_act_"]
+__all__ = [
+    "InPlaceABN",
+    "InPlaceABNSync",
+    "LeakyReLUAfterABN",
+    "MaxPool2dRecompute",
+    "RecomputeABN",
+    "convert_sequential_bn_act_",
+]
 
 # NOTE [ABN-activation pairs]
 # torchvision's blocks call ``self.bn1`` and then ``self.relu`` (one ReLU instance, used after bn1,
@@ -299,6 +307,189 @@ class InPlaceABNSync(InPlaceABN):
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
         )  # fmt: skip
+
+
+# NOTE [Recomputed stem]
+# In ``conv -> BN -> ReLU -> max-pool`` (a ResNet stem) the activation z is no conv's input, yet
+# InPlaceABN keeps it (for its own backward) and the max-pool keeps it plus int64 indices: 1.5x of
+# a full-size tensor outside the matmul-input floor. Both follow from what the conv keeps anyway
+# (its input and weight; NOTE [Recomputable inputs] in ``slimgrad/ops/_derived.py``): c = conv(x),
+# z = leaky_relu(BN(c)). So ``RecomputeABN`` (given an input with a recipe) computes z with eager's
+# own kernels (``native_batch_norm`` with batch statistics, ``leaky_relu_``), keeps the recipe and
+# the per-channel statistics, and registers a recipe for z; ``MaxPool2dRecompute`` given such a z
+# keeps only the recipe. In backward each re-runs the recipe (bit for bit the forward's ops on
+# unchanged, version-checked tensors: same z, same argmax) and calls eager's backward kernels
+# (``max_pool2d_with_indices_backward``, ``leaky_relu_backward``, ``native_batch_norm_backward``),
+# so gradients are eager's exactly. Cost: the conv, BN and activation run twice more in backward
+# (the ResNet-50 stem: about 4% of a step's FLOPs).
+
+
+class _RecomputeABNFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, c, weight, bias, running_mean, running_var, training, momentum, eps, slope,
+                recipe):  # fmt: skip
+        z, mean, invstd = torch.ops.aten.native_batch_norm(
+            c, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+        torch.ops.aten.leaky_relu_(z, slope)
+        ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
+        ctx.conf = (training, eps, slope)
+        if training:
+            ctx.stats = (None, None)
+        else:  # eval uses the running statistics as they are now (O(C) copies)
+            ctx.stats = (running_mean.clone(), running_var.clone())
+        ctx.save_for_backward(weight, bias, mean, invstd)
+        return z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dz):
+        weight, bias, mean, invstd = ctx.saved_tensors
+        training, eps, slope = ctx.conf
+        rm, rv = ctx.stats
+        c = _recipe_of(ctx)()
+        dy = _bn_leaky(c, weight, bias, rm, rv, training, eps, slope)  # z, then dy in its buffer
+        torch.ops.aten.leaky_relu_backward.grad_input(dz, dy, slope, True, grad_input=dy)
+        need = list(ctx.needs_input_grad[:3])
+        dc, dw, db = torch.ops.aten.native_batch_norm_backward(
+            dy, c, weight, rm, rv, mean if training else None, invstd if training else None,
+            training, eps, need,
+        )  # fmt: skip
+        _release(ctx)
+        return dc, dw, db, None, None, None, None, None, None, None
+
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _recipe_of(ctx):
+    if ctx.recipe is None:
+        raise RuntimeError(
+            "Trying to backward through the graph a second time (or directly access saved "
+            "tensors after they have already been freed). Specify retain_graph=True if you "
+            "need to backward through the graph a second time."
+        )
+    return ctx.recipe
+
+
+def _release(ctx) -> None:
+    # ctx attributes live as long as the graph; drop the recipe once the graph is being freed, as
+    # autograd does for save_for_backward tensors (it keeps them under retain_graph=True)
+    if _keep_graph is not None and not _keep_graph():
+        ctx.recipe = ctx.recipe_tensors = None
+
+
+def _bn_leaky(c, weight, bias, rm, rv, training, eps, slope):
+    # forward's ops on the same input: batch statistics recomputed by the same kernel
+    with torch.no_grad():
+        z = torch.ops.aten.native_batch_norm(c, weight, bias, rm, rv, training, 0.0, eps)[0]
+        return torch.ops.aten.leaky_relu_(z, slope)
+
+
+class RecomputeABN(InPlaceABN):
+    """InPlaceABN(leaky_relu) that, when its input can be recomputed (the output of a slimgrad
+    conv that keeps its own input), keeps nothing full-size: NOTE [Recomputed stem]. convert_ uses
+    it where the activation feeds a max-pool (ResNet's stem). Elsewhere (no recipe, no_grad,
+    torch.compile) it is :class:`InPlaceABN`.
+
+    Memory: with a recipe: 2 floats per channel (+ 2 running-stat copies in eval); the output is
+    a new tensor (the conv output is freed by the caller). Eager BN + LeakyReLU keeps c and z.
+    """
+
+    _api = "nn.RecomputeABN"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = None
+        if (
+            torch.is_grad_enabled()
+            and self.activation == "leaky_relu"
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            recipe = _derived.lookup_recipe(x, "always")
+        if recipe is None:
+            return super().forward(x)
+        self._check_input_dim(x)
+        factor, bn_training = self._factor_and_mode()
+        rm, rv = self._running_stats()
+        z = _RecomputeABNFn.apply(
+            x, self.weight, self.bias, rm, rv, bn_training, factor, self.eps,
+            self.activation_param, recipe,
+        )  # fmt: skip
+        _derived.register_recipe(
+            z, _recompute_z(recipe, bn_training, self.eps, self.activation_param, rm, rv),
+            (self.weight, self.bias),
+        )  # fmt: skip
+        token = self.__dict__.get("_pair_token")
+        if token is not None:
+            _register_output(z, token)
+        return z
+
+
+def _recompute_z(recipe, training, eps, slope, rm, rv):
+    stats = (None, None) if training else (rm.clone(), rv.clone())
+
+    def fn(weight, bias):
+        return _bn_leaky(recipe(), weight, bias, *stats, training, eps, slope)
+
+    return fn
+
+
+class _MaxPoolRecomputeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, conf, recipe):
+        out, _ = torch.ops.aten.max_pool2d_with_indices(z, *conf)
+        ctx.conf, ctx.recipe, ctx.recipe_tensors = conf, recipe, recipe.tensors
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        z = _recipe_of(ctx)()
+        _, idx = torch.ops.aten.max_pool2d_with_indices(z, *ctx.conf)
+        dz = torch.ops.aten.max_pool2d_with_indices_backward(grad, z, *ctx.conf, idx)
+        _release(ctx)
+        return dz, None, None
+
+
+class MaxPool2dRecompute(nn.MaxPool2d):
+    """``torch.nn.MaxPool2d`` that keeps nothing full-size when its input has a recipe (the output
+    of :class:`RecomputeABN`): it re-runs the recipe and the pooling in backward (NOTE
+    [Recomputed stem]). Elsewhere exactly torch's.
+
+    Memory: with a recipe: nothing; eager keeps its input and int64 indices.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        recipe = None
+        if torch.is_grad_enabled() and input.requires_grad and not self.return_indices:
+            recipe = _derived.lookup_recipe(input, "always")
+        if recipe is None or input.dim() != 4:
+            return super().forward(input)
+        pair = torch.nn.modules.utils._pair
+        stride = self.stride if self.stride else self.kernel_size  # torch's default
+        conf = (
+            pair(self.kernel_size), pair(stride), pair(self.padding), pair(self.dilation),
+            self.ceil_mode,
+        )  # fmt: skip
+        return _MaxPoolRecomputeFn.apply(input, conf, recipe)
+
+    @classmethod
+    def from_torch(cls, module: nn.MaxPool2d) -> MaxPool2dRecompute:
+        """Replace ``module`` (an ``nn.MaxPool2d``; its arguments and hooks are kept).
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.MaxPool2d``.
+        """
+        if type(module) is not nn.MaxPool2d:
+            raise TypeError(
+                "slimgrad.nn.MaxPool2dRecompute.from_torch: module type; expected "
+                f"torch.nn.MaxPool2d, got {type(module).__name__}. Convert a plain "
+                "torch.nn.MaxPool2d."
+            )
+        new = cls.__new__(cls)
+        for k, v in module.__dict__.items():
+            new.__dict__[k] = type(v)(v) if type(v) in (dict, OrderedDict, list, set) else v
+        return new
 
 
 class LeakyReLUAfterABN(nn.Module):
