@@ -44,7 +44,9 @@ __all__ = [
 # leaky_relu(BN(x)) exactly on every path. Registration happens in every grad mode (the identity
 # path must be taken under no_grad/eval too); inference tensors have no version counter, so there
 # the identity is keyed by object only. deepcopy/pickle keep the pairing (one token object, copied
-# once per memo).
+# once per memo). Under torch.compile the paired modules run eagerly (``torch.compiler.disable``:
+# graph breaks around them): traced, the registry lookups across graph breaks gave wrong gradients
+# (aot_eager, torch 2.13), and correctness comes first.
 _ABN_OUTPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -222,16 +224,24 @@ class InPlaceABN(nn.Module):
         return (self.running_mean, self.running_var) if use else (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_pair_token" in self.__dict__:
+            return self._forward_paired(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
-        out = inplace_abn(
+        return inplace_abn(
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
         )  # fmt: skip
-        token = self.__dict__.get("_pair_token")
-        if token is not None:
-            _register_output(out, token)  # NOTE [ABN-activation pairs]
+
+    @torch.compiler.disable
+    def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE [ABN-activation pairs]; run eagerly under torch.compile (see there)
+        out = self._forward(x)
+        _register_output(out, self._pair_token)
         return out
 
     @classmethod
@@ -398,7 +408,12 @@ class RecomputeABN(InPlaceABN):
 
     _api = "nn.RecomputeABN"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @torch.compiler.disable
+    def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = None
         if (
             torch.is_grad_enabled()
@@ -407,7 +422,11 @@ class RecomputeABN(InPlaceABN):
         ):
             recipe = _derived.lookup_recipe(x, "always")
         if recipe is None:
-            return super().forward(x)
+            out = super()._forward(x)
+            token = self.__dict__.get("_pair_token")
+            if token is not None:
+                _register_output(out, token)
+            return out
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
@@ -459,6 +478,7 @@ class MaxPool2dRecompute(nn.MaxPool2d):
     Memory: with a recipe: nothing; eager keeps its input and int64 indices.
     """
 
+    @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         recipe = None
         if torch.is_grad_enabled() and input.requires_grad and not self.return_indices:
@@ -516,6 +536,7 @@ class LeakyReLUAfterABN(nn.Module):
     def extra_repr(self) -> str:
         return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
 
+    @torch.compiler.disable
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _take_output(input, self._pair_token):
             return input
