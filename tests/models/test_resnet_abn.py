@@ -362,3 +362,31 @@ def test_torch_compile_aot_eager_same_gradients():
     assert len(got) == len(want)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_frozen_conv_no_recipe_falls_back_to_in_place():
+    # A frozen conv keeps no input, so there is no recipe: RecomputeABN works in place as
+    # InPlaceABN and the max-pool as torch's; gradients still equal eager's.
+    torch.manual_seed(4)
+    base = randomize_bn_(_Stem(k=3), 4).double()
+    base.conv1.weight.requires_grad_(False)
+    ref = _leaky_ref(copy.deepcopy(base))
+    ours = slimgrad.convert_(copy.deepcopy(base), ABN)
+    assert type(ours.bn1) is RecomputeABN
+    x0 = torch.randn(3, 3, 17, 13, dtype=torch.float64)
+    got, want = _grads(ours, x0, torch.float64), _grads(ref, x0, torch.float64)
+    assert len(got) == len(want) == 7  # output, x.grad, γ and β grads, 3 BN buffers
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_autocast_bf16_within_rule():
+    _, ref, ours = _pair(layers=(1, 1, 1, 1))
+    x0 = torch.randn(2, 3, 32, 32)
+    ref64 = _grads(copy.deepcopy(ref).double(), x0, torch.float64)
+    res = {}
+    for name, m in [("eager", ref), ("ours", ours)]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res[name] = _grads(m, x0, torch.float32)
+    assert len(res["ours"]) == len(ref64)
+    assert_within_rule(res["ours"], ref64, res["eager"])

@@ -6,6 +6,11 @@ unchanged), standard parametrisation (any sign of weight). The output is written
 
 Memory: saves the output (same storage as the input) + one float per channel; eager BatchNorm +
 activation saves the input and the output. See ``slimgrad.ops.inplace_abn``.
+
+For ``convert_(model, ConvertConfig(inplace_abn=True))`` on modules that call ``self.bn`` and then
+``self.relu`` (torchvision's ResNets): ``LeakyReLUAfterABN`` (NOTE [ABN-activation pairs]), and
+``RecomputeABN`` / ``MaxPool2dRecompute`` (NOTE [Recomputed stem]): a BatchNorm after a 1x1 conv or
+before a max-pool keeps nothing full-size and runs eager's kernels on its recomputed input.
 """
 
 from __future__ import annotations
