@@ -390,3 +390,10 @@ def test_autocast_bf16_within_rule():
             res[name] = _grads(m, x0, torch.float32)
     assert len(res["ours"]) == len(ref64)
     assert_within_rule(res["ours"], ref64, res["eager"])
+
+
+def test_one_value_per_channel_in_training_raises_like_torch():
+    ours = slimgrad.convert_(_Stem(k=1), ABN)
+    assert type(ours.bn1) is RecomputeABN
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        ours(torch.randn(1, 3, 2, 2))  # conv1 (stride 2) -> 1x1 spatial, batch of one

@@ -433,6 +433,8 @@ class RecomputeABN(InPlaceABN):
                 _register_output(out, token)
             return out
         self._check_input_dim(x)
+        if self.training:
+            torch.nn.functional._verify_batch_size(x.size())  # torch's error, as InPlaceABN
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
         z = _RecomputeABNFn.apply(
