@@ -389,6 +389,8 @@ def measure(
 
     Returns:
         A :class:`StepMemory`; every figure is in bytes above what was live before the step.
+        Tensors a library caches on first use (lookup tables, RNG buffers) count in the step that
+        creates them: run one step before measuring for steady-state figures.
 
     Raises:
         TypeError: ``forward`` did not return a tensor.

@@ -93,6 +93,7 @@ __all__ = [
     "reusable",
     "reuse_count",
     "reuse_disabled",
+    "reuse_enabled",
     "reset_reuse_count",
     "take",
     "take_saved",
@@ -147,6 +148,11 @@ def reuse_disabled() -> Iterator[None]:
     finally:
         with _counter_lock:
             _disabled_depth -= 1
+
+
+def reuse_enabled() -> bool:
+    """False inside :func:`reuse_disabled` or with ``SLIMGRAD_NO_REUSE=1``."""
+    return not _disabled()
 
 
 def reuse_count(kind: str | None = None) -> int:

@@ -192,6 +192,7 @@ def fit_batch(
     convert: bool = True,
     config: ConvertConfig | None = None,
     max_batch: int = 1 << 16,
+    progress: bool = False,
 ) -> tuple[int, ProfileReport | None]:
     """Largest batch whose step (resident + peak) fits in ``budget_bytes``, under fake tensors.
 
@@ -199,10 +200,15 @@ def fit_batch(
         ``(batch, report at that batch)``; ``(0, None)`` when even batch 1 does not fit.
     """
 
+    bar = _Progress(f"fit {target.name} in {budget_bytes / 2**30:.2f} GiB") if progress else None
+
     def need(b: int) -> tuple[int, ProfileReport]:
         rep = profile(target, batch=b, convert=convert, config=config, fake=True)
         m = rep.converted if convert else rep.eager
-        return rep.resident_bytes + m.peak_bytes, rep
+        used = rep.resident_bytes + m.peak_bytes
+        if bar is not None:
+            bar.note(f"batch {b}: {used / 2**30:.2f} GiB")
+        return used, rep
 
     lo, lo_rep = 0, None
     hi = 1
@@ -220,4 +226,28 @@ def fit_batch(
             lo, lo_rep = mid, rep
         else:
             hi = mid
+    if bar is not None:
+        bar.close()
     return lo, lo_rep
+
+
+class _Progress:
+    # a rich spinner with the last probe, when rich is installed; silent otherwise
+    def __init__(self, title: str):
+        try:
+            from rich.progress import Progress, SpinnerColumn, TextColumn
+        except ImportError:
+            self.p = None
+            return
+        self.p = Progress(SpinnerColumn(), TextColumn("{task.description}"), transient=True)
+        self.p.start()
+        self.title = title
+        self.task = self.p.add_task(title)
+
+    def note(self, text: str) -> None:
+        if self.p is not None:
+            self.p.update(self.task, description=f"{self.title}: {text}")
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()

@@ -164,6 +164,24 @@ def _factory(spec: str) -> Target:
     return Target(spec, lambda skip_init=False: build_and_inputs()[0], make_inputs, 1)
 
 
+def _case(case, small: bool) -> Target:
+    # a built-in bench case: its eager model; profile converts a copy with convert_
+    def build(skip_init: bool = False) -> nn.Module:
+        eager, _, _ = case.build(torch.device("cpu"), torch.float32, small=small)
+        if not isinstance(eager, nn.Module):
+            raise ValueError(
+                f"slimgrad.targets: bench case {case.name!r} is not a model; expected an "
+                f"nn.Module, got {type(eager).__name__}. Profile a model-level case."
+            )
+        return eager
+
+    def inputs(batch: int):
+        _, _, make_inputs = case.build(torch.device("cpu"), torch.float32, small=small)
+        return make_inputs()
+
+    return Target(case.name, build, inputs, 1)
+
+
 def resolve(
     target: str, *, size: str = "full", seq: int = 256, overrides: dict | None = None
 ) -> Target:
@@ -190,6 +208,10 @@ def resolve(
         return _hf(name, size, seq, overrides)
     if ":" in target:
         return _factory(target)
+    from slimgrad.bench.harness import case_names, get_case
+
+    if target in case_names():
+        return _case(get_case(target), small=size == "tiny")
     raise ValueError(
         f"slimgrad.targets.resolve: unknown target {target!r}; expected one of "
         f"{sorted(HF_TARGETS)}, a built-in bench case, or 'module:factory'. "

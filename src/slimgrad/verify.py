@@ -162,6 +162,8 @@ def verify(
         err = max_abs_err(g_c, g_r)
         bound = 2.0 * e_err + a
         checks.append(GradCheck(name, err, e_err, bound, err <= bound))
+    # the loss is one number of any magnitude: its absolute term scales with it
     la = atol if atol is not None else DEFAULT_ATOL.get(loss_c.dtype, 1e-6)
+    la *= max(1.0, abs(float(loss_r)))
     loss_ok = max_abs_err(loss_c, loss_r) <= 2.0 * max_abs_err(loss_e, loss_r) + la
     return VerifyReport(float(loss_e), float(loss_c), float(loss_r), loss_ok, checks)

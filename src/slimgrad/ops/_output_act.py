@@ -166,10 +166,11 @@ class _Inverse:
     def tables_on(self, device, dtype):
         t = self._dev.get((device, dtype))
         if t is None:
-            t = tuple(
-                v.to(device=device, dtype=dtype)
-                for v in (self.table, self.byte_scale, self.byte_offset)
-            )
+            with _disable_current_modes():  # a cache: not part of any measured step
+                t = tuple(
+                    v.to(device=device, dtype=dtype)
+                    for v in (self.table, self.byte_scale, self.byte_offset)
+                )
             self._dev[(device, dtype)] = t
         return t
 

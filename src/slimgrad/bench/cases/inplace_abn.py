@@ -1,4 +1,4 @@
-"""Bench case ``inplace_abn_chain``: 8 x [Conv2d(64, 64, 3, padding=1) -> norm + act], 16x64x56x56.
+"""8 x [Conv2d(64, 64, 3, padding=1) -> BN + LeakyReLU(0.01)], 16x64x56x56: InPlaceABN vs eager.
 
 Eager: ``BatchNorm2d`` + ``LeakyReLU(0.01, inplace=True)``. slimgrad:
 ``InPlaceABN(activation='leaky_relu')`` sharing the same Parameters.

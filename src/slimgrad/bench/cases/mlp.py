@@ -1,5 +1,4 @@
-"""GPT-2 MLP block: Linear(768, 3072) -> GELU(tanh) -> Linear(3072, 768) -> dropout 0.1, 4x256
-tokens.
+"""GPT-2 MLP block: Linear(768, 3072) -> GELU(tanh) -> Linear(3072, 768) -> dropout 0.1, 4x256.
 
 Eager keeps fc1's input, GELU's input (fc1's output), fc2's input (GELU's output) and a float32
 dropout mask (CPU); slimgrad keeps fc1's input, GELU's output (shared with fc2) + 1 bit per

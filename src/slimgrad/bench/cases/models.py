@@ -1,0 +1,169 @@
+"""Model-level cases: whole models, eager against ``slimgrad.convert_`` of a copy of the same model.
+
+Until ``slimgrad.convert_`` exists, the slimgrad side is an unchanged copy (ratios then read 1.0).
+``eager_<case>(device, dtype, small)`` builds the eager side alone, ``(model, make_inputs)``: use it
+under ``FakeTensorMode`` (``slimgrad.memory.estimate``), where the deep copy that makes the slimgrad
+side would read fake storages (undefined behaviour; it crashed the interpreter here).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from slimgrad.bench import models
+from slimgrad.bench.harness import register_case
+
+
+def slim_copy(model: nn.Module) -> nn.Module:
+    """``slimgrad.convert_(copy.deepcopy(model))`` when ``convert_`` exists, else a plain copy."""
+    import slimgrad
+
+    twin = copy.deepcopy(model)
+    convert_ = getattr(slimgrad, "convert_", None)
+    if convert_ is None:
+        return twin
+    out = convert_(twin)
+    return out if isinstance(out, nn.Module) else twin
+
+
+def place(model: nn.Module, device, dtype) -> nn.Module:
+    """``model.to(device, dtype)``, skipped when already there (under FakeTensorMode, ``.to`` of a
+    model with tied weights fails: the parameter swap meets a weakref)."""
+    device = torch.device(device)
+    for t in [*model.parameters(), *model.buffers()]:
+        same_device = t.device.type == device.type and (
+            device.index is None or t.device.index == device.index
+        )
+        if not same_device or (t.is_floating_point() and t.dtype != dtype):
+            return model.to(device=device, dtype=dtype)
+    return model
+
+
+def eager_resnet50(device, dtype, small=False):
+    """The eager side of case ``resnet50``: ``(model, make_inputs)`` (no copy is made)."""
+    if small:
+        net, batch, size, classes = models.resnet_small(num_classes=10), 2, 32, 10
+    else:
+        net, batch, size, classes = models.resnet50(), 8, 224, 1000
+    eager = place(models.WithLoss(net), device, dtype)
+
+    def make_inputs():
+        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+        return x, torch.randint(0, classes, (batch,), device=device)
+
+    return eager, make_inputs
+
+
+@register_case(
+    "resnet50",
+    description="torchvision-faithful ResNet-50 + cross-entropy, 8x3x224x224 "
+    "(small: 2-stage, 2x3x32x32)",
+    repeat=3,
+)
+def build_resnet50(device, dtype, small=False):
+    eager, make_inputs = eager_resnet50(device, dtype, small)
+    return eager, slim_copy(eager), make_inputs
+
+
+def eager_gpt2(device, dtype, small=False):
+    """The eager side of case ``gpt2``: ``(model, make_inputs)`` (no copy is made)."""
+    cfg = models.GPTConfig.tiny() if small else models.GPTConfig.small()
+    batch, seq = (2, 16) if small else (4, 256)
+    eager = place(models.GPT(cfg), device, dtype)
+
+    def make_inputs():
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+        return ids, ids
+
+    return eager, make_inputs
+
+
+@register_case(
+    "gpt2",
+    description="GPT-2 small in plain PyTorch (SDPA, dropout 0.1), 4x256 tokens "
+    "(small: tiny, 2x16)",
+    repeat=3,
+)
+def build_gpt2(device, dtype, small=False):
+    eager, make_inputs = eager_gpt2(device, dtype, small)
+    return eager, slim_copy(eager), make_inputs
+
+
+def eager_conv_chain(device, dtype, small=False):
+    """The eager side of case ``conv_chain``: ``(model, make_inputs)`` (no copy is made)."""
+    chain = models.conv_chain(2, channels=8) if small else models.conv_chain(8)
+    shape = (2, 8, 9, 11) if small else (16, 64, 56, 56)
+    eager = place(chain, device, dtype)
+
+    def make_inputs():
+        return torch.randn(shape, device=device, dtype=dtype)
+
+    return eager, make_inputs
+
+
+@register_case(
+    "conv_chain",
+    description="8 x Conv2d(64,64,3,pad=1)->BN->LeakyReLU(0.01, inplace), 16x64x56x56 "
+    "(small: 2 blocks, 2x8x9x11)",
+    repeat=5,
+)
+def build_conv_chain(device, dtype, small=False):
+    eager, make_inputs = eager_conv_chain(device, dtype, small)
+    return eager, slim_copy(eager), make_inputs
+
+
+class HFCausalLMLoss(nn.Module):
+    """``model(input_ids=ids, labels=ids, use_cache=False).loss`` as a module of ``ids``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def hf_gpt2(small: bool = False) -> nn.Module:
+    """``GPT2LMHeadModel(GPT2Config())`` (random init, dropout 0.1) wrapped in HFCausalLMLoss."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if small:
+        cfg = GPT2Config(
+            vocab_size=97,
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    else:
+        cfg = GPT2Config()
+    return HFCausalLMLoss(GPT2LMHeadModel(cfg))
+
+
+def eager_hf_gpt2(device, dtype, small=False):
+    """The eager side of case ``hf_gpt2``: ``(model, make_inputs)`` (no copy is made)."""
+    eager = place(hf_gpt2(small), device, dtype)
+    vocab = eager.model.config.vocab_size
+    batch, seq = (2, 16) if small else (4, 256)
+
+    def make_inputs():
+        return torch.randint(0, vocab, (batch, seq), device=device)
+
+    return eager, make_inputs
+
+
+@register_case(
+    "hf_gpt2",
+    description="HF GPT2LMHeadModel(GPT2Config()), random init, 4x256 tokens, labels=ids "
+    "[hf extra]",
+    requires=("transformers",),
+    repeat=3,
+)
+def build_hf_gpt2(device, dtype, small=False):
+    eager, make_inputs = eager_hf_gpt2(device, dtype, small)
+    return eager, slim_copy(eager), make_inputs

@@ -1,0 +1,132 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slimgrad.bench import models
+
+
+def _n_params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def test_resnet50_is_torchvision_sized_and_named():
+    with torch.device("meta"):
+        m = models.resnet50()
+    assert _n_params(m) == 25_557_032
+    keys = set(m.state_dict())
+    # torchvision's key names (loading its checkpoints needs these exact names).
+    for k in (
+        "conv1.weight",
+        "bn1.running_mean",
+        "bn1.num_batches_tracked",
+        "layer1.0.downsample.0.weight",
+        "layer1.0.downsample.1.running_var",
+        "layer2.3.conv3.weight",
+        "layer3.5.bn2.bias",
+        "layer4.2.bn3.running_var",
+        "fc.weight",
+        "fc.bias",
+    ):
+        assert k in keys, k
+    assert "layer3.6.conv1.weight" not in keys  # (3, 4, 6, 3) blocks
+    assert m.layer2[0].conv2.stride == (2, 2)  # v1.5: stride on the 3x3 conv
+    assert m.layer2[0].conv1.stride == (1, 1)
+
+
+def test_resnet_small_forward_backward():
+    m = models.resnet_small(num_classes=7)
+    x = torch.randn(3, 3, 17, 19)
+    out = m(x)
+    assert out.shape == (3, 7)
+    out.sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_resnet_rejects_bad_layers():
+    with pytest.raises(ValueError, match="slimgrad.bench.models.ResNet: layers"):
+        models.ResNet((3, 0))
+
+
+def test_gpt_small_matches_hf_gpt2_parameter_count():
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        ours = models.GPT(models.GPTConfig.small())
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    assert _n_params(ours) == _n_params(hf)
+    assert ours.lm_head.weight is ours.wte.weight
+
+
+def test_gpt_loss_is_shifted_cross_entropy():
+    cfg = models.GPTConfig.tiny(dropout=0.0)
+    m = models.GPT(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 13))
+    logits = m(ids)
+    assert logits.shape == (3, 13, cfg.vocab_size)
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(m(ids, ids), ref)
+
+
+def test_gpt_is_causal():
+    cfg = models.GPTConfig.tiny(dropout=0.0)
+    m = models.GPT(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    ids2 = ids.clone()
+    ids2[:, 7:] = (ids2[:, 7:] + 1) % cfg.vocab_size
+    torch.testing.assert_close(m(ids)[:, :7], m(ids2)[:, :7])
+    assert not torch.allclose(m(ids)[:, 7:], m(ids2)[:, 7:])
+
+
+def test_gpt_attention_dropout_follows_module_p():
+    cfg = models.GPTConfig.tiny(dropout=0.5)
+    m = models.GPT(cfg).train()
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    for mod in m.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+    torch.testing.assert_close(m(ids), m.eval()(ids))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n_embd": 30, "n_head": 4}, "divisible by n_head"),
+        ({"dropout": 1.0}, "dropout must be in"),
+    ],
+)
+def test_gpt_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        models.GPTConfig.tiny(**kwargs)
+
+
+def test_gpt_too_long_sequence():
+    m = models.GPT(models.GPTConfig.tiny(n_positions=8))
+    with pytest.raises(ValueError, match="sequence too long"):
+        m(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_conv_chain_structure():
+    chain = models.conv_chain()
+    assert len(chain) == 24
+    for i in range(8):
+        conv, bn, act = chain[3 * i : 3 * i + 3]
+        assert (conv.in_channels, conv.out_channels, conv.kernel_size, conv.padding) == (
+            64,
+            64,
+            (3, 3),
+            (1, 1),
+        )
+        assert isinstance(bn, nn.BatchNorm2d) and bn.num_features == 64
+        assert isinstance(act, nn.LeakyReLU) and act.negative_slope == 0.01 and act.inplace
+    x = torch.randn(2, 8, 5, 7)
+    assert models.conv_chain(2, channels=8)(x).shape == x.shape
+    with pytest.raises(ValueError, match="n_blocks must be positive"):
+        models.conv_chain(0)
+
+
+def test_with_loss():
+    net = nn.Linear(5, 3)
+    m = models.WithLoss(net)
+    x, y = torch.randn(4, 5), torch.tensor([0, 2, 1, 2])
+    torch.testing.assert_close(m(x, y), F.cross_entropy(net(x), y))
+    assert "model.weight" in m.state_dict()
