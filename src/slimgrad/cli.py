@@ -96,6 +96,11 @@ def format_record(rec: dict) -> str:
             f"max|g-g64| slimgrad {g['max_abs_err']:.3e}, eager {g['eager_max_abs_err']:.3e}"
             + (f"; unmatched {g['unmatched']}" if g["unmatched"] else "")
         )
+        for v in g.get("violations", []):
+            lines.append(
+                f"  {v['name']}: max|g-g64| {v['err']:.3e} > bound {v['bound']:.3e} "
+                f"(eager {v['eager_err']:.3e}, max|g64| {v['max_abs']:.3e})"
+            )
     if "record_path" in rec:
         lines.append(f"record appended to {rec['record_path']}")
     return "\n".join(lines)

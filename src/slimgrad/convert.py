@@ -132,6 +132,7 @@ _TABLE: dict[str, tuple[str, Handler]] = {
 # Passes over the whole model for patterns that need neighbours, in order; each reports what it did.
 _PATTERNS: list[tuple[str, Pattern]] = [
     ("batch_norm", convert_sequential_bn_act_),  # BN + invertible act in a Sequential: InPlaceABN
+    ("inplace_abn", _cnn.inplace_abn_pattern),  # BN -> ReLU anywhere (fx): InPlaceABN(leaky_relu)
     ("batch_norm", _cnn.bn_act_pattern),  # BN next to ReLU/GELU/SiLU: keep the BN output only
     ("dropout", _hf.attention_pattern),  # HF attention: softmax -> dropout -> @V keeps P + bits
     ("fused_loss", _hf.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept

@@ -415,7 +415,8 @@ def check_grads(
     Returns:
         ``ok`` (every tensor within ``2 max|g_eager - g64| + atol`` and none unmatched),
         ``max_abs_err``, ``eager_max_abs_err``, ``atol``, ``n_tensors``, ``n_violations``, ``worst``
-        (name closest to or furthest past its bound), ``unmatched`` (names missing from ``slim``).
+        (name closest to or furthest past its bound), ``violations`` (up to 5, worst first, with
+        their errors, bound and scale), ``unmatched`` (names missing from ``slim``).
     """
     ref = copy.deepcopy(eager)
     if isinstance(ref, nn.Module):
@@ -437,6 +438,7 @@ def check_grads(
     names = [n for n in runs["ref64"] if n in runs["slimgrad"] and n in runs["eager"]]
     unmatched = sorted(set(runs["ref64"]) - set(names))
     worst, worst_excess, max_err, max_eager_err, ok, n_bad = None, float("-inf"), 0.0, 0.0, True, 0
+    violations: list[dict[str, Any]] = []
     for n in names:
         r, e, s = runs["ref64"][n], runs["eager"][n], runs["slimgrad"][n]
         if r is None and s is None and e is None:
@@ -446,6 +448,10 @@ def check_grads(
         max_err, max_eager_err = max(max_err, err), max(max_eager_err, eager_err)
         if err > bound:
             ok, n_bad = False, n_bad + 1
+            scale = max_abs_err(r, torch.zeros_like(r)) if r is not None else 0.0
+            violations.append(
+                {"name": n, "err": err, "eager_err": eager_err, "bound": bound, "max_abs": scale}
+            )
         if err - bound > worst_excess:
             worst, worst_excess = n, err - bound
     return {
@@ -456,6 +462,8 @@ def check_grads(
         "n_tensors": len(names),
         "n_violations": n_bad,
         "worst": worst,
+        # The 5 tensors furthest past their bound: name, errors, bound and max|g64| (scale).
+        "violations": sorted(violations, key=lambda v: v["bound"] - v["err"])[:5],
         "unmatched": unmatched,
         "note": "float64 reference; dropout p=0 for this check",
     }
@@ -575,6 +583,7 @@ def run_case(
         )
     device = torch.device(device)
     say = progress or (lambda msg: None)
+    commit = git_commit()  # now, not after the run: the checkout may change meanwhile
 
     say("build")
     torch.manual_seed(seed)
@@ -660,7 +669,7 @@ def run_case(
         "time_ratio_max": max(ratios),
         "grad": grad_info,
         "versions": {k: v for k, v in environment().items() if k != "gpus"},
-        "commit": git_commit(),
+        "commit": commit,
         "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if out_dir is not None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from slimgrad.convert_handlers.abn import inplace_abn_pattern
 from slimgrad.nn import batch_norm as _bn
 from slimgrad.nn import conv as _conv
 
-__all__ = ["HANDLERS", "TABLE", "bn_act_pattern", "convert_cnn_"]
+__all__ = ["HANDLERS", "TABLE", "bn_act_pattern", "convert_cnn_", "inplace_abn_pattern"]
 
 
 def _handler(cls):

@@ -6,18 +6,75 @@ unchanged), standard parametrisation (any sign of weight). The output is written
 
 Memory: saves the output (same storage as the input) + one float per channel; eager BatchNorm +
 activation saves the input and the output. See ``slimgrad.ops.inplace_abn``.
+
+For ``convert_(model, ConvertConfig(inplace_abn=True))`` on modules that call ``self.bn`` and then
+``self.relu`` (torchvision's ResNets): ``LeakyReLUAfterABN`` (NOTE [ABN-activation pairs]), and
+``RecomputeABN`` / ``MaxPool2dRecompute`` (NOTE [Recomputed stem]): a BatchNorm after a 1x1 conv or
+before a max-pool keeps nothing full-size and runs eager's kernels on its recomputed input.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
+from slimgrad.ops import _derived
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
+from slimgrad.ops.leaky_relu import leaky_relu
 
-__all__ = ["InPlaceABN", "InPlaceABNSync", "convert_sequential_bn_act_"]
+__all__ = [
+    "InPlaceABN",
+    "InPlaceABNSync",
+    "LeakyReLUAfterABN",
+    "MaxPool2dRecompute",
+    "RecomputeABN",
+    "convert_sequential_bn_act_",
+]
+
+# NOTE [ABN-activation pairs]
+# torchvision's blocks call ``self.bn1`` and then ``self.relu`` (one ReLU instance, used after bn1,
+# after bn2 and after the residual add). convert_ with ``inplace_abn=True`` turns each BatchNorm
+# that is followed directly by that ReLU into an InPlaceABN(leaky_relu), which already applies the
+# activation, and the ReLU instance into a LeakyReLUAfterABN: the identity on the output of one of
+# *its own* InPlaceABNs, leaky_relu everywhere else (the post-residual call). Both sides hold the
+# same ``_PairToken``; the InPlaceABN records its output in ``_ABN_OUTPUTS`` (weak, keyed by tensor
+# identity) with that token and the output's version. The ReLU side takes the identity path only for
+# the same tensor object, unchanged since (version), with its own token, and only once (the entry
+# is consumed: ``relu(relu(bn(x)))`` applies leaky_relu the second time). Anything else (a view, a
+# copy, an in-place change, another module's output) gets leaky_relu, so the pair computes
+# leaky_relu(BN(x)) exactly on every path. Registration happens in every grad mode (the identity
+# path must be taken under no_grad/eval too); inference tensors have no version counter, so there
+# the identity is keyed by object only. deepcopy/pickle keep the pairing (one token object, copied
+# once per memo). Under torch.compile the paired modules run eagerly (``torch.compiler.disable``:
+# graph breaks around them): traced, the registry lookups across graph breaks gave wrong gradients
+# (aot_eager, torch 2.13), and correctness comes first.
+_ABN_OUTPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _PairToken:
+    pass
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+@torch.compiler.disable
+def _register_output(out: torch.Tensor, token: _PairToken) -> None:
+    _ABN_OUTPUTS[out] = (token, _version(out))
+
+
+@torch.compiler.disable
+def _take_output(x: torch.Tensor, token: _PairToken) -> bool:
+    entry = _ABN_OUTPUTS.get(x)
+    if entry is None or entry[0] is not token or entry[1] != _version(x):
+        return False
+    del _ABN_OUTPUTS[x]
+    return True
 
 
 class InPlaceABN(nn.Module):
@@ -172,6 +229,11 @@ class InPlaceABN(nn.Module):
         return (self.running_mean, self.running_var) if use else (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "_pair_token" in self.__dict__:
+            return self._forward_paired(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
@@ -179,6 +241,13 @@ class InPlaceABN(nn.Module):
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
         )  # fmt: skip
+
+    @torch.compiler.disable
+    def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE [ABN-activation pairs]; run eagerly under torch.compile (see there)
+        out = self._forward(x)
+        _register_output(out, self._pair_token)
+        return out
 
     @classmethod
     def from_torch(
@@ -253,6 +322,272 @@ class InPlaceABNSync(InPlaceABN):
             x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
             self.activation_param,
         )  # fmt: skip
+
+
+# NOTE [Recomputed stem]
+# In ``conv -> BN -> ReLU -> max-pool`` (a ResNet stem) the activation z is no conv's input, yet
+# InPlaceABN keeps it (for its own backward) and the max-pool keeps it plus int64 indices: 1.5x of
+# a full-size tensor outside the matmul-input floor. Both follow from what the conv keeps anyway
+# (its input and weight; NOTE [Recomputable inputs] in ``slimgrad/ops/_derived.py``): c = conv(x),
+# z = leaky_relu(BN(c)). So ``RecomputeABN`` (given an input with a recipe) computes z with eager's
+# own kernels (``native_batch_norm`` with batch statistics, ``leaky_relu_``), keeps the recipe and
+# the per-channel statistics, and registers a recipe for z; ``MaxPool2dRecompute`` given such a z
+# keeps only the recipe. In backward each re-runs the recipe (bit for bit the forward's ops on
+# unchanged, version-checked tensors: same z, same argmax) and calls eager's backward kernels
+# (``max_pool2d_with_indices_backward``, ``leaky_relu_backward``, ``native_batch_norm_backward``),
+# so gradients are eager's exactly. Cost: the conv, BN and activation run twice more in backward
+# (the ResNet-50 stem: about 4% of a step's FLOPs).
+
+
+class _RecomputeABNFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, c, weight, bias, running_mean, running_var, training, momentum, eps, slope,
+                recipe):  # fmt: skip
+        z, mean, invstd = torch.ops.aten.native_batch_norm(
+            c, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+        torch.ops.aten.leaky_relu_(z, slope)
+        ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
+        ctx.conf = (training, eps, slope)
+        if training:
+            ctx.stats = (None, None)
+        else:  # eval uses the running statistics as they are now (O(C) copies)
+            ctx.stats = (running_mean.clone(), running_var.clone())
+        ctx.save_for_backward(weight, bias, mean, invstd)
+        return z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dz):
+        weight, bias, mean, invstd = ctx.saved_tensors
+        training, eps, slope = ctx.conf
+        rm, rv = ctx.stats
+        c = _recipe_of(ctx)()
+        dy = _bn_leaky(c, weight, bias, rm, rv, training, eps, slope)  # z, then dy in its buffer
+        torch.ops.aten.leaky_relu_backward.grad_input(dz, dy, slope, True, grad_input=dy)
+        need = list(ctx.needs_input_grad[:3])
+        dc, dw, db = torch.ops.aten.native_batch_norm_backward(
+            dy, c, weight, rm, rv, mean if training else None, invstd if training else None,
+            training, eps, need,
+        )  # fmt: skip
+        _release(ctx)
+        return dc, dw, db, None, None, None, None, None, None, None
+
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _recipe_of(ctx):
+    if ctx.recipe is None:
+        raise RuntimeError(
+            "Trying to backward through the graph a second time (or directly access saved "
+            "tensors after they have already been freed). Specify retain_graph=True if you "
+            "need to backward through the graph a second time."
+        )
+    return ctx.recipe
+
+
+def _release(ctx) -> None:
+    # ctx attributes live as long as the graph; drop the recipe once the graph is being freed, as
+    # autograd does for save_for_backward tensors (it keeps them under retain_graph=True)
+    if _keep_graph is not None and not _keep_graph():
+        ctx.recipe = ctx.recipe_tensors = None
+
+
+def _bn_leaky(c, weight, bias, rm, rv, training, eps, slope):
+    # forward's ops on the same input: batch statistics recomputed by the same kernel
+    with torch.no_grad():
+        z = torch.ops.aten.native_batch_norm(c, weight, bias, rm, rv, training, 0.0, eps)[0]
+        return torch.ops.aten.leaky_relu_(z, slope)
+
+
+class RecomputeABN(InPlaceABN):
+    """InPlaceABN(leaky_relu) that, when its input can be recomputed (the output of a slimgrad
+    conv that keeps its own input), keeps nothing full-size: NOTE [Recomputed stem]. convert_ uses
+    it where the activation feeds a max-pool (ResNet's stem). Elsewhere (no recipe, no_grad,
+    torch.compile) it is :class:`InPlaceABN`.
+
+    Memory: with a recipe: 2 floats per channel (+ 2 running-stat copies in eval); the output is
+    a new tensor (the conv output is freed by the caller). Eager BN + LeakyReLU keeps c and z.
+    """
+
+    _api = "nn.RecomputeABN"
+
+    @torch.compiler.disable
+    def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = None
+        if (
+            torch.is_grad_enabled()
+            and self.activation == "leaky_relu"
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            recipe = _derived.lookup_recipe(x, "always")
+        if recipe is None:
+            out = super()._forward(x)
+            token = self.__dict__.get("_pair_token")
+            if token is not None:
+                _register_output(out, token)
+            return out
+        self._check_input_dim(x)
+        if self.training:
+            torch.nn.functional._verify_batch_size(x.size())  # torch's error, as InPlaceABN
+        factor, bn_training = self._factor_and_mode()
+        rm, rv = self._running_stats()
+        z = _RecomputeABNFn.apply(
+            x, self.weight, self.bias, rm, rv, bn_training, factor, self.eps,
+            self.activation_param, recipe,
+        )  # fmt: skip
+        _derived.register_recipe(
+            z, _recompute_z(recipe, bn_training, self.eps, self.activation_param, rm, rv),
+            (self.weight, self.bias),
+        )  # fmt: skip
+        token = self.__dict__.get("_pair_token")
+        if token is not None:
+            _register_output(z, token)
+        return z
+
+
+def _recompute_z(recipe, training, eps, slope, rm, rv):
+    stats = (None, None) if training else (rm.clone(), rv.clone())
+
+    def fn(weight, bias):
+        return _bn_leaky(recipe(), weight, bias, *stats, training, eps, slope)
+
+    return fn
+
+
+class _MaxPoolRecomputeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, conf, recipe):
+        out, _ = torch.ops.aten.max_pool2d_with_indices(z, *conf)
+        ctx.conf, ctx.recipe, ctx.recipe_tensors = conf, recipe, recipe.tensors
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        z = _recipe_of(ctx)()
+        _, idx = torch.ops.aten.max_pool2d_with_indices(z, *ctx.conf)
+        dz = torch.ops.aten.max_pool2d_with_indices_backward(grad, z, *ctx.conf, idx)
+        _release(ctx)
+        return dz, None, None
+
+
+class MaxPool2dRecompute(nn.MaxPool2d):
+    """``torch.nn.MaxPool2d`` that keeps nothing full-size when its input has a recipe (the output
+    of :class:`RecomputeABN`): it re-runs the recipe and the pooling in backward (NOTE
+    [Recomputed stem]). Elsewhere exactly torch's.
+
+    Memory: with a recipe: nothing; eager keeps its input and int64 indices.
+    """
+
+    @torch.compiler.disable
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        recipe = None
+        if torch.is_grad_enabled() and input.requires_grad and not self.return_indices:
+            recipe = _derived.lookup_recipe(input, "always")
+        if recipe is None or input.dim() != 4:
+            return super().forward(input)
+        pair = torch.nn.modules.utils._pair
+        stride = self.stride if self.stride else self.kernel_size  # torch's default
+        conf = (
+            pair(self.kernel_size), pair(stride), pair(self.padding), pair(self.dilation),
+            self.ceil_mode,
+        )  # fmt: skip
+        return _MaxPoolRecomputeFn.apply(input, conf, recipe)
+
+    @classmethod
+    def from_torch(cls, module: nn.MaxPool2d) -> MaxPool2dRecompute:
+        """Replace ``module`` (an ``nn.MaxPool2d``; its arguments and hooks are kept).
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.MaxPool2d``.
+        """
+        if type(module) is not nn.MaxPool2d:
+            raise TypeError(
+                "slimgrad.nn.MaxPool2dRecompute.from_torch: module type; expected "
+                f"torch.nn.MaxPool2d, got {type(module).__name__}. Convert a plain "
+                "torch.nn.MaxPool2d."
+            )
+        new = cls.__new__(cls)
+        for k, v in module.__dict__.items():
+            new.__dict__[k] = type(v)(v) if type(v) in (dict, OrderedDict, list, set) else v
+        return new
+
+
+class LeakyReLUAfterABN(nn.Module):
+    """What convert_ (``inplace_abn=True``) puts in place of a ReLU that follows BatchNorms it
+    turned into InPlaceABN(leaky_relu): the identity on the output of those InPlaceABNs (they
+    already applied the activation), ``leaky_relu(x, negative_slope)`` on anything else (e.g. after
+    torchvision's residual add). NOTE [ABN-activation pairs].
+
+    Memory: nothing on the identity path; elsewhere as ``slimgrad.ops.leaky_relu`` (keeps its
+    output, shared with the next layer; eager LeakyReLU(inplace) keeps it too).
+
+    Args:
+        negative_slope: the slope (> 0) of the InPlaceABNs it pairs with.
+        inplace: as torch's ``inplace`` flag, on the leaky_relu path.
+    """
+
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
+        super().__init__()
+        check_activation("nn.LeakyReLUAfterABN", "leaky_relu", negative_slope)
+        self.negative_slope = float(negative_slope)
+        self.inplace = bool(inplace)
+        self._pair_token = _PairToken()
+
+    def extra_repr(self) -> str:
+        return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
+
+    @torch.compiler.disable
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _take_output(input, self._pair_token):
+            return input
+        return leaky_relu(input, self.negative_slope, self.inplace)
+
+    def pair(self, abn: InPlaceABN) -> InPlaceABN:
+        """Make ``abn`` (leaky_relu with this slope) one whose output this module passes through.
+
+        Raises:
+            ValueError: ``abn`` does not compute leaky_relu with this module's slope.
+        """
+        if not (
+            isinstance(abn, InPlaceABN)
+            and abn.activation == "leaky_relu"
+            and abn.activation_param == self.negative_slope
+        ):
+            raise ValueError(
+                "slimgrad.nn.LeakyReLUAfterABN.pair: the InPlaceABN must apply this module's "
+                f"activation; expected leaky_relu with slope {self.negative_slope}, got "
+                f"{getattr(abn, 'activation', type(abn).__name__)!r} with "
+                f"{getattr(abn, 'activation_param', None)}. Build it with "
+                "activation='leaky_relu' and the same slope."
+            )
+        abn._pair_token = self._pair_token
+        return abn
+
+    @classmethod
+    def from_torch(cls, relu: nn.ReLU, negative_slope: float = 0.01) -> LeakyReLUAfterABN:
+        """Replace ``relu`` (an ``nn.ReLU``; its ``inplace`` flag and hooks are kept).
+
+        Raises:
+            TypeError: ``relu`` is not an ``nn.ReLU``.
+        """
+        if type(relu) is not nn.ReLU:
+            raise TypeError(
+                "slimgrad.nn.LeakyReLUAfterABN.from_torch: module type; expected torch.nn.ReLU, "
+                f"got {type(relu).__name__}. Convert a plain torch.nn.ReLU."
+            )
+        new = cls(negative_slope, relu.inplace)
+        for k, v in relu.__dict__.items():
+            if k.startswith("_") and "hook" in k and type(v) in (dict, OrderedDict):
+                new.__dict__[k] = type(v)(v)
+        new.train(relu.training)
+        return new
 
 
 def _act_spec(module: nn.Module, relu_slope: float | None) -> tuple[str, float] | None:

@@ -1,0 +1,152 @@
+"""convert_ pattern (``ConvertConfig.inplace_abn``, opt-in): BatchNorm -> ReLU becomes InPlaceABN
+with leaky_relu in any module, not only in ``nn.Sequential`` (torchvision's ResNet blocks).
+
+Which BatchNorm is followed by which ReLU is read from the parent's ``forward`` with
+``torch.fx`` (every child a leaf; the parent is traced, never changed). A BatchNorm child ``bn`` is
+converted when, at every call site:
+
+- its output goes to one place only: a call of an ``nn.ReLU`` module (``relu(bn(...))``);
+- its input is the fresh output of a convolution or linear module used by nothing else (InPlaceABN
+  writes over it; a tensor from outside ``forward`` or a view could be seen by others).
+
+Such a ``bn`` becomes ``InPlaceABN(leaky_relu, slope)`` (``RecomputeABN`` where the ReLU feeds
+an ``nn.MaxPool2d``, which becomes ``MaxPool2dRecompute``: ResNet's stem keeps nothing beyond the
+floor, NOTE [Recomputed stem]) and the ReLU instance a
+``LeakyReLUAfterABN`` paired with it: the identity on its ABNs' outputs, leaky_relu everywhere else
+(the call after ``out += identity``); NOTE [ABN-activation pairs] in ``slimgrad/nn/inplace_abn.py``.
+Every other BatchNorm (ResNet's bn3, whose output is changed by ``+=`` before the ReLU, and the
+downsample BN) is left to the exact BatchNorm handler, which keeps no input there (it re-runs the
+1x1 conv: NOTE [Recomputable inputs] in ``slimgrad/ops/_derived.py``); an InPlaceABN(identity)
+there would keep a full-size output, and for bn3 autograd would reject the ``+=`` on it.
+
+Result on torchvision's Bottleneck: per block the kept tensors are the conv inputs (the
+matmul-input floor) and nothing else. Parameters and buffers are shared; state_dict keys are
+unchanged; running it twice changes nothing (no ``nn.BatchNorm``/``nn.ReLU`` pair is left).
+"""
+
+from __future__ import annotations
+
+import torch.fx
+from torch import nn
+
+from slimgrad.nn.inplace_abn import (
+    InPlaceABN,
+    LeakyReLUAfterABN,
+    MaxPool2dRecompute,
+    RecomputeABN,
+)
+
+__all__ = ["inplace_abn_pattern"]
+
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_FRESH_PRODUCERS = (nn.modules.conv._ConvNd, nn.Linear)
+
+
+_NOT_A_PAIR = "its output does not go only to an nn.ReLU"
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return True
+
+
+def _module_of(parent: nn.Module, node: torch.fx.Node) -> nn.Module | None:
+    if node.op != "call_module":
+        return None
+    return parent.get_submodule(node.target)
+
+
+def _pool_after(parent: nn.Module, relu_node: torch.fx.Node) -> nn.Module | None:
+    # the nn.MaxPool2d that alone consumes the ReLU's output, if any (ResNet's stem)
+    users = list(relu_node.users)
+    pool = _module_of(parent, users[0]) if len(users) == 1 else None
+    if type(pool) in (nn.MaxPool2d, MaxPool2dRecompute) and users[0].args == (relu_node,):
+        return pool
+    return None
+
+
+def _why_not(parent: nn.Module, node: torch.fx.Node) -> tuple[str | None, nn.Module | None]:
+    # (reason it cannot become InPlaceABN at this call site, the ReLU that follows it)
+    if len(node.args) != 1 or node.kwargs:
+        return "called with extra arguments", None
+    users = list(node.users)
+    relu = _module_of(parent, users[0]) if len(users) == 1 else None
+    if type(relu) is not nn.ReLU or users[0].args != (node,) or users[0].kwargs:
+        return _NOT_A_PAIR, None
+    src = node.args[0]
+    producer = _module_of(parent, src) if isinstance(src, torch.fx.Node) else None
+    if not isinstance(producer, _FRESH_PRODUCERS) or len(src.users) != 1:
+        return "its input is not a conv/linear output used only by it (it is written over)", None
+    if isinstance(producer, nn.modules.conv._ConvNd) and all(k == 1 for k in producer.kernel_size):
+        return None, (relu, "pointwise")
+    return None, (relu, None)
+
+
+def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
+    """Turn BatchNorm{1,2,3}d -> ReLU pairs into InPlaceABN(leaky_relu) + LeakyReLUAfterABN.
+
+    Args:
+        model: the model (changed in place).
+        config: a ``slimgrad.ConvertConfig`` (reads ``leaky_relu_slope``).
+        allowed: ``allowed(module, qualified_name) -> bool`` (``convert_``'s filter_fn).
+        rep: the ``ConvertReport`` to append to.
+    """
+    slope = float(config.leaky_relu_slope)
+    names = {id(m): n for n, m in model.named_modules()}
+    new_relu: dict[int, LeakyReLUAfterABN] = {}
+    swaps: dict[int, nn.Module] = {}
+    for pname, parent in list(model.named_modules()):
+        kids = dict(parent.named_children())
+        if not any(type(c) in _BN_TYPES for c in kids.values()):
+            continue
+        if not any(type(m) is nn.ReLU for m in parent.modules()):
+            continue
+        try:
+            graph = _LeafTracer().trace(parent)
+        except Exception as e:  # fx raises many types on untraceable Python
+            rep.skipped.append(
+                (pname, type(parent).__name__, f"inplace_abn: forward not traceable by torch.fx "
+                 f"({type(e).__name__}); its BatchNorms take the exact path")
+            )  # fmt: skip
+            continue
+        sites: dict[str, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op == "call_module" and type(kids.get(node.target)) in _BN_TYPES:
+                sites.setdefault(node.target, []).append(node)
+        for bn_name, nodes in sites.items():
+            bn = kids[bn_name]
+            fqn = f"{pname}.{bn_name}" if pname else bn_name
+            checks = [_why_not(parent, n) for n in nodes]
+            reasons = {r for r, _ in checks if r is not None}
+            if _NOT_A_PAIR in reasons:
+                continue  # e.g. bn3 (``out += identity`` follows): not a BN -> ReLU pair
+            relus = {id(m[0]): m[0] for _, m in checks if m is not None}
+            if not reasons and len(relus) != 1:
+                reasons.add("it is followed by different ReLU modules")
+            if reasons:
+                rep.skipped.append((fqn, type(bn).__name__, "inplace_abn: " + "; ".join(reasons)))
+                continue
+            (relu,) = relus.values()
+            pools = {_pool_after(parent, next(iter(n.users))) for n in nodes}
+            pool = pools.pop() if len(pools) == 1 else None
+            pointwise = all(m[1] == "pointwise" for _, m in checks)
+            relu_fqn = names.get(id(relu), "?")
+            if not (allowed(bn, fqn) and allowed(relu, relu_fqn)):
+                rep.skipped.append((fqn, type(bn).__name__, "filter_fn returned False"))
+                continue
+            if id(relu) not in new_relu:
+                new_relu[id(relu)] = LeakyReLUAfterABN.from_torch(relu, slope)
+                swaps[id(relu)] = new_relu[id(relu)]
+                rep.converted.append((relu_fqn, "ReLU", "LeakyReLUAfterABN"))
+            cls = RecomputeABN if pool is not None or pointwise else InPlaceABN
+            abn = cls.from_torch(bn, activation="leaky_relu", activation_param=slope)
+            swaps[id(bn)] = new_relu[id(relu)].pair(abn)
+            rep.converted.append((fqn, f"{type(bn).__name__}+ReLU", cls.__name__))
+            if type(pool) is nn.MaxPool2d and id(pool) not in swaps:
+                swaps[id(pool)] = MaxPool2dRecompute.from_torch(pool)
+                rep.converted.append((names.get(id(pool), "?"), "MaxPool2d", "MaxPool2dRecompute"))
+    # every parent holding a swapped instance (shared ReLUs, shared BNs) gets the same new module
+    for parent in list(model.modules()):
+        for n, c in list(parent._modules.items()):
+            if c is not None and id(c) in swaps:
+                parent._modules[n] = swaps[id(c)]
