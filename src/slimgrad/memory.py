@@ -35,7 +35,9 @@ is measured (a hook's unpacked tensor is a second reference, so an op that reuse
 buffer, see NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``, could no longer prove it
 dead), and they do not nest with the hooks of the code being measured. Saved tensors packed by
 someone else's hooks (e.g. ``torch.utils.checkpoint``) are not unpacked by the walk, since
-unpacking would recompute them; autograd does not keep them anyway. Module attribution: each
+unpacking would recompute them; the tensors their packed objects hold (e.g. ``save_on_cpu``'s
+copies) count, what a hook keeps elsewhere (checkpoint's inputs, in its closure) shows only in
+``retained_bytes``. Module attribution: each
 module's forward post-hook claims the graph nodes created since its inputs (inner modules first),
 keyed by the nodes' sequence numbers; a storage belongs to the module of its earliest saver.
 
@@ -308,7 +310,17 @@ def _node_tensors(node: Any):
             continue
         raws = raw if isinstance(raw, (list, tuple)) else (raw,)
         if any(r is not None and getattr(r, "unpack_hook", None) is not None for r in raws):
-            continue  # packed by someone's hooks: unpacking could recompute
+            # packed by someone's hooks: unpacking could recompute (checkpoint); count the tensors
+            # the packed objects hold themselves (e.g. save_on_cpu's copies), without unpacking
+            for r in raws:
+                try:
+                    packed = r.data
+                except (RuntimeError, AttributeError):
+                    continue
+                for t in tree_flatten(packed)[0]:
+                    if isinstance(t, torch.Tensor):
+                        yield t
+            continue
         public = "saved_tensors" if attr == "_raw_saved_tensors" else attr.replace("_raw", "", 1)
         try:
             val = getattr(node, public)

@@ -621,5 +621,6 @@ def test_bench_case_small():
     torch.testing.assert_close(res[2], res[0], rtol=1e-5, atol=1e-6)
     (rec,) = case.run(depths=(3,), small=True, repeat=1)
     assert rec["rev_saved_bytes"] == 2 * 8 * 8 * 8 * 4  # the chain output only
-    assert rec["plain_saved_bytes"] > rec["ckpt_saved_bytes"] > rec["rev_saved_bytes"]
+    # checkpoint keeps its inputs in its hooks' closure: they show in retained, not saved, bytes
+    assert rec["plain_saved_bytes"] > rec["ckpt_retained_bytes"] > rec["rev_saved_bytes"]
     assert rec["rev_peak_bytes"] < rec["plain_peak_bytes"]

@@ -26,8 +26,12 @@ unchanged; running it twice changes nothing (no ``nn.BatchNorm``/``nn.ReLU`` pai
 
 from __future__ import annotations
 
-import torch.fx
+from typing import TYPE_CHECKING
+
 from torch import nn
+
+if TYPE_CHECKING:
+    import torch.fx
 
 from slimgrad.nn.inplace_abn import (
     InPlaceABN,
@@ -45,9 +49,15 @@ _FRESH_PRODUCERS = (nn.modules.conv._ConvNd, nn.Linear)
 _NOT_A_PAIR = "its output does not go only to an nn.ReLU"
 
 
-class _LeafTracer(torch.fx.Tracer):
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return True
+def _trace(parent: nn.Module) -> torch.fx.Graph:
+    # torch.fx is imported here, not at import time: it pulls in torch._dynamo (and triton)
+    import torch.fx
+
+    class _LeafTracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return True
+
+    return _LeafTracer().trace(parent)
 
 
 def _module_of(parent: nn.Module, node: torch.fx.Node) -> nn.Module | None:
@@ -74,7 +84,7 @@ def _why_not(parent: nn.Module, node: torch.fx.Node) -> tuple[str | None, nn.Mod
     if type(relu) is not nn.ReLU or users[0].args != (node,) or users[0].kwargs:
         return _NOT_A_PAIR, None
     src = node.args[0]
-    producer = _module_of(parent, src) if isinstance(src, torch.fx.Node) else None
+    producer = _module_of(parent, src) if hasattr(src, "op") and hasattr(src, "target") else None
     if not isinstance(producer, _FRESH_PRODUCERS) or len(src.users) != 1:
         return "its input is not a conv/linear output used only by it (it is written over)", None
     if isinstance(producer, nn.modules.conv._ConvNd) and all(k == 1 for k in producer.kernel_size):
@@ -102,7 +112,7 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
         if not any(type(m) is nn.ReLU for m in parent.modules()):
             continue
         try:
-            graph = _LeafTracer().trace(parent)
+            graph = _trace(parent)
         except Exception as e:  # fx raises many types on untraceable Python
             rep.skipped.append(
                 (pname, type(parent).__name__, f"inplace_abn: forward not traceable by torch.fx "

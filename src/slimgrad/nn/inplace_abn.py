@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slimgrad._compile import eager_only
 from slimgrad.ops import _derived
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
 from slimgrad.ops.leaky_relu import leaky_relu
@@ -49,9 +50,9 @@ __all__ = [
 # leaky_relu(BN(x)) exactly on every path. Registration happens in every grad mode (the identity
 # path must be taken under no_grad/eval too); inference tensors have no version counter, so there
 # the identity is keyed by object only. deepcopy/pickle keep the pairing (one token object, copied
-# once per memo). Under torch.compile the paired modules run eagerly (``torch.compiler.disable``:
-# graph breaks around them): traced, the registry lookups across graph breaks gave wrong gradients
-# (aot_eager, torch 2.13), and correctness comes first.
+# once per memo). Under torch.compile the paired modules run eagerly (graph breaks around them;
+# ``eager_only``, NOTE [Eager-only code under torch.compile]): traced, the registry lookups
+# across graph breaks gave wrong gradients (aot_eager, torch 2.13), and correctness comes first.
 _ABN_OUTPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -63,12 +64,12 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-@torch.compiler.disable
+@eager_only
 def _register_output(out: torch.Tensor, token: _PairToken) -> None:
     _ABN_OUTPUTS[out] = (token, _version(out))
 
 
-@torch.compiler.disable
+@eager_only
 def _take_output(x: torch.Tensor, token: _PairToken) -> bool:
     entry = _ABN_OUTPUTS.get(x)
     if entry is None or entry[0] is not token or entry[1] != _version(x):
@@ -242,7 +243,7 @@ class InPlaceABN(nn.Module):
             self.activation_param,
         )  # fmt: skip
 
-    @torch.compiler.disable
+    @eager_only
     def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE [ABN-activation pairs]; run eagerly under torch.compile (see there)
         out = self._forward(x)
@@ -413,11 +414,11 @@ class RecomputeABN(InPlaceABN):
 
     _api = "nn.RecomputeABN"
 
-    @torch.compiler.disable
+    @eager_only
     def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)
 
-    @torch.compiler.disable
+    @eager_only
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = None
         if (
@@ -485,7 +486,7 @@ class MaxPool2dRecompute(nn.MaxPool2d):
     Memory: with a recipe: nothing; eager keeps its input and int64 indices.
     """
 
-    @torch.compiler.disable
+    @eager_only
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         recipe = None
         if torch.is_grad_enabled() and input.requires_grad and not self.return_indices:
@@ -543,7 +544,7 @@ class LeakyReLUAfterABN(nn.Module):
     def extra_repr(self) -> str:
         return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
 
-    @torch.compiler.disable
+    @eager_only
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _take_output(input, self._pair_token):
             return input

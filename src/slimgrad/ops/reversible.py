@@ -54,7 +54,6 @@ vector-Jacobian product so backward kernels run as in eager.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimgrad._compile import eager_only
 from slimgrad._errors import internal_error
 
 __all__ = ["reversible_sequential"]
@@ -609,22 +609,14 @@ def reversible_sequential(
 
 def _apply(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
     # torch.compile runs the chain eagerly (one graph break per chain, code around it compiles):
-    # the backward calls autograd.grad on module recomputes, which Dynamo cannot trace. Importing
-    # torch._dynamo costs seconds, so the compiler.disable wrapper is built only once Dynamo is
-    # loaded (nothing can be compiling before that); when that first happens inside a trace,
-    # Dynamo also breaks at the wrapper's creation, once.
-    if _DISABLED[0] is None:
-        if "torch._dynamo" not in sys.modules:
-            return _ReversibleChainFn.apply(plan, x, *flat)
-        _DISABLED[0] = torch.compiler.disable(_apply_eager)
-    return _DISABLED[0](plan, x, flat)
+    # the backward calls autograd.grad on module recomputes, which Dynamo cannot trace
+    # (NOTE [Eager-only code under torch.compile] in slimgrad/_compile.py).
+    return _apply_eager(plan, x, flat)
 
 
+@eager_only
 def _apply_eager(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
     return _ReversibleChainFn.apply(plan, x, *flat)
-
-
-_DISABLED: list = [None]
 
 
 def reconstruction_error(
