@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.ops._bits import pack_bits, unpack_bits_as
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
@@ -46,7 +47,13 @@ class _HardtanhFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
+        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
+            lo, hi = ctx.bounds
+            dx = torch.ops.aten.hardtanh_backward.grad_input(buf, y, lo, hi, grad_input=buf)
+            return dx, None, None, None
         return _bwd_torch(g, y, *ctx.bounds), None, None, None
 
 
@@ -67,8 +74,12 @@ class _HardtanhBitsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
-        return g * unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape), None, None, None
+        keep = unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
+        if buf is not None:  # g * 1 and g * 0 are exact: the same bits in place
+            return buf.mul_(keep), None, None, None
+        return g * keep, None, None, None
 
 
 def _representable(v: float, dtype: torch.dtype) -> bool:

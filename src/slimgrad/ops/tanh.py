@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
 __all__ = ["tanh", "tanh_"]
@@ -31,7 +32,11 @@ class _TanhFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
+        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
+            return torch.ops.aten.tanh_backward.grad_input(buf, y, grad_input=buf), None
         return _bwd_torch(g, y), None
 
 
