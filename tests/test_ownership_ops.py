@@ -44,9 +44,9 @@ def _reuse_on(monkeypatch):
     monkeypatch.setattr(rms_mod, "CHUNK_ELEMS", 64)
 
 
-def _params(gen, dtype, zero_channel=False):
-    w = (torch.rand(D, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
-    b = (torch.rand(D, generator=gen, dtype=torch.float64) - 0.5).to(dtype)
+def _params(gen, dtype, zero_channel=False, device="cpu"):
+    w = (torch.rand(D, generator=gen, dtype=torch.float64) + 0.5).to(device, dtype)
+    b = (torch.rand(D, generator=gen, dtype=torch.float64) - 0.5).to(device, dtype)
     if zero_channel:  # a fallback channel: its input column is kept (NOTE in ops/layer_norm.py)
         w[3] = 0
     return w.requires_grad_(), b.requires_grad_()
@@ -82,13 +82,13 @@ SAFE = ["plain_chain", "used_twice"]
 UNSAFE = ["sibling_pending", "hook_keeps", "user_gradient"]
 
 
-def _case(op: str, case: str) -> dict[str, torch.Tensor]:
+def _case(op: str, case: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Run ``case`` around op ``op``; return every tensor to compare, by label."""
     dtype, f, has_params = OPS[op]
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-    wl = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(dtype)
-    params = _params(gen, dtype, zero_channel=op.endswith("fallback"))
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+    wl = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(device, dtype)
+    params = _params(gen, dtype, zero_channel=op.endswith("fallback"), device=device)
     torch.manual_seed(11)  # the same dropout mask in both runs
     out: dict[str, torch.Tensor] = {}
     h = x * 1.5  # a non-leaf input, so in-place forms are allowed
@@ -99,7 +99,11 @@ def _case(op: str, case: str) -> dict[str, torch.Tensor]:
         y = f(h, params)
         ((y * wl).sum() + y.float().sin().sum()).backward()
     elif case == "sibling_pending":  # the residual branch reads the same gradient after op's
-        x2 = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        x2 = (
+            torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+            .to(device, dtype)
+            .requires_grad_()
+        )
         r = x2 * 1.25
         y = f(h, params)
         ((y + r) * wl).sum().backward()
@@ -112,7 +116,7 @@ def _case(op: str, case: str) -> dict[str, torch.Tensor]:
         out["kept"] = kept[0]
     elif case == "user_gradient":
         y = f(h, params)
-        G = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(dtype)
+        G = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(device, dtype)
         y.backward(gradient=G)
         out["G"] = G
     else:
@@ -125,13 +129,13 @@ def _case(op: str, case: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(op, case, disabled=False):
+def _run(op, case, disabled=False, device="cpu"):
     ownership.reset_reuse_count()
     if disabled:
         with ownership.reuse_disabled():
-            out = _case(op, case)
+            out = _case(op, case, device)
     else:
-        out = _case(op, case)
+        out = _case(op, case, device)
     return out, ownership.reuse_count("grad")
 
 
@@ -158,6 +162,18 @@ def test_reuse_is_bitwise_identical(op, case):
         assert n_on == 1, f"{op}/{case}: expected one reuse, got {n_on}"
     else:
         assert n_on == 0, f"{op}/{case}: reuse granted on a shared gradient"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["plain_chain", "sibling_pending"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_reuse_is_bitwise_identical_cuda(op, case):
+    # CUDA runs backward on the engine's device thread and dropout takes its fused path there
+    ref, n_off = _run(op, case, disabled=True, device="cuda")
+    got, n_on = _run(op, case, device="cuda")
+    assert n_off == 0
+    _assert_bitwise(got, ref)
+    assert n_on == (1 if case == "plain_chain" else 0)
 
 
 @pytest.mark.parametrize("op", ["relu", "tanh", "dropout", "layer_norm", "rms_norm"])
