@@ -6,6 +6,8 @@ drawn per element; ``dx = dy * m / (1 - p)``. ``p == 0`` or ``training=False`` r
 
 Memory: saves the mask bit-packed, 1/8 B/elt (uint8, ``ceil(n / 8)`` bytes); eager saves a float
 mask of the input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUDA.
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 
 # NOTE [Dropout masks: drawn like eager, kept as bits]
 The mask is drawn exactly as eager PyTorch draws it, from the global generator of the input's

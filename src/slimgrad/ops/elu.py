@@ -8,6 +8,8 @@ backward). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: alpha >= 0: saves y (the output, shared with the next layer); alpha < 0: y + 1 bit/elt.
 Eager saves x (4 B/elt float32).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ x on both sides of the bound, so y no longer tells the side; then we keep [min_v
 
 Memory: saves y (the output, shared with the next layer), or 1 bit/elt only for a low-precision
 input with an unrepresentable bound; eager saves x (4 B/elt float32).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations

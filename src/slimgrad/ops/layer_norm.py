@@ -8,6 +8,8 @@ xhat)``, ``dbeta = sum_rows(dy)``, where ``xhat = (y - beta) / gamma`` is rebuil
 Memory: saves y (the output, shared with the next layer: 0 extra B/elt when that layer keeps it) +
 mean and rstd (8 B/row, fp32) + the input's columns of fallback channels (k * itemsize B/row, k = 0
 for usual weights); eager saves x, mean, rstd (x: 4 B/elt fp32 extra).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 
 # NOTE [Normalization from its output: the fallback channels]
 Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about

@@ -8,7 +8,10 @@ from the output. ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``F.rms_nor
 Memory: saves y (the output, shared with the next layer) + rstd (4 B/row, fp32) + the input columns
 of fallback channels (gamma = 0 or subnormal, see NOTE [Normalization from its output: the fallback
 channels] in ``ops/layer_norm.py``); eager (composite ``F.rms_norm``) saves x, x**2's rstd chain and
-x * rstd (about 8 B/elt fp32 plus 4 B/row)."""
+x * rstd (about 8 B/elt fp32 plus 4 B/row).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ Math: y = tanh(x),  dy/dx = 1 - y^2  (``tanh_backward(g, y)``, eager's own formu
 See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: saves y (the output, shared with the next layer); eager saves y too. ``tanh_`` overwrites x.
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations
