@@ -37,3 +37,8 @@ def test_fit_and_errors(capsys):
     assert "largest batch fitting" in capsys.readouterr().out
     assert main(["profile", "nope"]) == 2
     assert "unknown target" in capsys.readouterr().err
+
+
+def test_bench_verify_flag(capsys):
+    assert main(["bench", "resnet50", "--small", "--no-record", "--repeat", "1", "--verify"]) == 0
+    assert "verify: OK" in capsys.readouterr().out

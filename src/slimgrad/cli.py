@@ -53,6 +53,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-reuse", action="store_true", help="turn gradient-buffer reuse off (slimgrad side)"
     )
+    p.add_argument(
+        "--verify", action="store_true", help="also run slimgrad.verify (loss and every gradient)"
+    )
 
 
 _DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -171,7 +174,26 @@ def _bench_one(args: argparse.Namespace, case: str) -> int:
         return _err(str(e))
     print(json.dumps(rec) if args.json else format_record(rec))
     grad = rec.get("grad")
-    return 1 if grad is not None and not grad["ok"] else 0
+    status = 1 if grad is not None and not grad["ok"] else 0
+    if args.verify:
+        status = max(status, _bench_verify(case, args))
+    return status
+
+
+def _bench_verify(case: str, args: argparse.Namespace) -> int:
+    import torch
+
+    import slimgrad
+    from slimgrad.bench.harness import get_case
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    eager, slim, make_inputs = get_case(case).build(device, dtype, small=args.small)
+    if not (isinstance(eager, torch.nn.Module) and isinstance(slim, torch.nn.Module)):
+        return _err(f"slimgrad bench: --verify needs module cases; {case!r} is not one.")
+    xs = make_inputs()
+    rep = slimgrad.verify(eager, slim, xs if isinstance(xs, tuple) else (xs,))
+    print(rep)
+    return 0 if rep.ok else 1
 
 
 # ------------------------------------------------------------------------------------------ env
