@@ -6,6 +6,8 @@ drawn per element; ``dx = dy * m / (1 - p)``. ``p == 0`` or ``training=False`` r
 
 Memory: saves the mask bit-packed, 1/8 B/elt (uint8, ``ceil(n / 8)`` bytes); eager saves a float
 mask of the input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUDA.
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 
 # NOTE [Dropout masks: drawn like eager, kept as bits]
 The mask is drawn exactly as eager PyTorch draws it, from the global generator of the input's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad import ownership
 from slimgrad.ops._library import custom_op
 
 __all__ = ["dropout", "dropout_"]
@@ -125,6 +128,8 @@ def _apply_mask_torch(
     # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
     mask = unpack_bits(bits, g.shape)
     if fused:
+        if inplace:  # the same kernel, its result written into g
+            return torch.ops.aten.native_dropout_backward.out(g, mask, 1.0 / (1 - p), out=g)
         return torch.native_dropout_backward(g, mask, 1.0 / (1 - p))
     scale = _noise_scale(p, g.dtype, g.device)
     if 1.0 / (1 - p) >= torch.finfo(g.dtype).max:  # scale is inf in dtype: 0 * inf would be NaN
@@ -167,7 +172,11 @@ def _(g, bits, p, fused):
     return torch.empty_like(g, memory_format=torch.contiguous_format)
 
 
-def _backward(grad, bits, p, fused):
+def _backward(grad, bits, p, fused, owned):
+    # owned: grad's buffer is dead (slimgrad.ownership.take granted it; never under torch.compile,
+    # where take refuses): dx is written into it, eagerly, outside the custom op.
+    if owned:
+        return _apply_mask_torch(grad, bits, p, fused, inplace=True)
     # With create_graph the plain-PyTorch path runs so that double backward works.
     if torch.is_grad_enabled():
         return _apply_mask_torch(grad, bits, p, fused)
@@ -185,8 +194,9 @@ class _DropoutFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_bits):
+        owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
-        return _backward(grad, bits, ctx.p, ctx.fused), None
+        return _backward(grad, bits, ctx.p, ctx.fused, owned), None
 
 
 class _DropoutInplaceFn(torch.autograd.Function):
@@ -201,8 +211,9 @@ class _DropoutInplaceFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_bits):
+        owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
-        return _backward(grad, bits, ctx.p, False), None
+        return _backward(grad, bits, ctx.p, False, owned), None
 
 
 def _check_p(api: str, p: float) -> None:

@@ -8,6 +8,8 @@ backward). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: alpha >= 0: saves y (the output, shared with the next layer); alpha < 0: y + 1 bit/elt.
 Eager saves x (4 B/elt float32).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
@@ -29,10 +32,15 @@ def _bwd_torch(g: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
     return torch.ops.aten.elu_backward(g, alpha, 1.0, 1.0, True, y)
 
 
-def _bwd_bits(g: Tensor, y: Tensor, bits: Tensor, alpha: float) -> Tensor:
+def _bwd_bits(
+    g: Tensor, y: Tensor, bits: Tensor, alpha: float, out: Tensor | None = None
+) -> Tensor:
+    # out: g itself when g's buffer is dead (slimgrad.ownership.take), else None (a fresh result)
     pos = unpack_bits(bits, g.numel()).view(g.shape)
     opmath = torch.float64 if g.dtype == torch.float64 else torch.float32  # as eager
     neg = g.to(opmath) * (y.to(opmath) + alpha)
+    if out is not None:
+        return torch.where(pos, g, neg.to(g.dtype), out=out)
     return torch.where(pos, g, neg.to(g.dtype))
 
 
@@ -50,7 +58,14 @@ class _EluFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
+        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
+            dx = torch.ops.aten.elu_backward.grad_input(
+                buf, ctx.alpha, 1.0, 1.0, True, y, grad_input=buf
+            )
+            return dx, None, None
         return _bwd_torch(g, y, ctx.alpha), None, None
 
 
@@ -69,8 +84,9 @@ class _EluBitsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         y, bits = ctx.saved_tensors
-        return _bwd_bits(g, y, bits, ctx.alpha), None, None
+        return _bwd_bits(g, y, bits, ctx.alpha, out=buf), None, None
 
 
 def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:

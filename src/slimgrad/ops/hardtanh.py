@@ -11,6 +11,8 @@ x on both sides of the bound, so y no longer tells the side; then we keep [min_v
 
 Memory: saves y (the output, shared with the next layer), or 1 bit/elt only for a low-precision
 input with an unrepresentable bound; eager saves x (4 B/elt float32).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.ops._bits import pack_bits, unpack_bits_as
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
@@ -46,7 +49,13 @@ class _HardtanhFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
+        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
+            lo, hi = ctx.bounds
+            dx = torch.ops.aten.hardtanh_backward.grad_input(buf, y, lo, hi, grad_input=buf)
+            return dx, None, None, None
         return _bwd_torch(g, y, *ctx.bounds), None, None, None
 
 
@@ -67,8 +76,12 @@ class _HardtanhBitsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
-        return g * unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape), None, None, None
+        keep = unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
+        if buf is not None:  # g * 1 and g * 0 are exact: the same bits in place
+            return buf.mul_(keep), None, None, None
+        return g * keep, None, None, None
 
 
 def _representable(v: float, dtype: torch.dtype) -> bool:

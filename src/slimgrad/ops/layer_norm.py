@@ -8,6 +8,8 @@ xhat)``, ``dbeta = sum_rows(dy)``, where ``xhat = (y - beta) / gamma`` is rebuil
 Memory: saves y (the output, shared with the next layer: 0 extra B/elt when that layer keeps it) +
 mean and rstd (8 B/row, fp32) + the input's columns of fallback channels (k * itemsize B/row, k = 0
 for usual weights); eager saves x, mean, rstd (x: 4 B/elt fp32 extra).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 
 # NOTE [Normalization from its output: the fallback channels]
 Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from slimgrad import ownership
 from slimgrad.ops._library import custom_op
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
@@ -98,10 +101,14 @@ def _fwd_torch(x, normalized_shape, weight, bias, eps):
     return y, mean, rstd, idx, xside
 
 
-def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
+def _bwd_torch(
+    dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None
+):
     # Row chunks bound the fp32 temporaries (xhat, g); dgamma and dbeta accumulate in float64 (fp32
     # sums over rows exceeded the GUIDE.md rule at small shapes in the seed sweeps). Runs without
     # grad mode only (double backward is refused), so in-place updates of the temporaries are safe.
+    # out: dy itself (contiguous, y's dtype) when its buffer is dead (slimgrad.ownership.take); dx
+    # is then written into it chunk by chunk, each chunk after its last read (dbeta reads dy first).
     acc = _acc_dtype(y.dtype)
     d = math.prod(normalized_shape)
     n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
@@ -110,7 +117,11 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, ou
     w = weight.reshape(d).to(acc) if weight is not None else None
     b = bias.reshape(d).to(acc) if bias is not None else None
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
-    dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
+    db = None
+    if bias is not None and output_mask[2]:
+        db = dy2.sum(0, dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
+    if need_dx:
+        dx = out.view(n, d) if out is not None else y.new_empty((n, d))
     dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
     step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
     for i in range(0, n, step):
@@ -130,11 +141,10 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, ou
         del xh, dyc  # free this chunk's temporaries before the next one
     if need_dx:
         dx = dx.reshape(y.shape)
+    else:
+        dx = None
     if need_dw:
         dw = dw.to(weight.dtype).reshape(weight.shape)
-    db = None
-    if bias is not None and output_mask[2]:
-        db = dy2.sum(0, dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
     return dx, dw, db
 
 
@@ -208,13 +218,19 @@ class _LayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *_):
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
         if torch.is_grad_enabled():
             raise no_double_backward("layer_norm")
-        dx, dw, db = _layer_norm_bwd(
-            dy, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask
-        )
+        if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
+            dx, dw, db = _bwd_torch(
+                buf, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask, out=buf
+            )
+        else:
+            dx, dw, db = _layer_norm_bwd(
+                dy, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask
+            )
         return (
             dx if mask[0] else None,
             None,
@@ -222,6 +238,11 @@ class _LayerNormFn(torch.autograd.Function):
             db if bias is not None and mask[2] else None,
             None,
         )
+
+
+def owns_layout(buf: torch.Tensor | None, y: torch.Tensor) -> bool:
+    # dx may be written into the granted buffer: a contiguous (n, d) view of it, in y's dtype
+    return buf is not None and buf.shape == y.shape and buf.dtype == y.dtype and buf.is_contiguous()
 
 
 def no_double_backward(api: str, alternative: str | None = None) -> NotImplementedError:

@@ -9,6 +9,8 @@ See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: slope >= 0: saves y (the output, shared with the next layer); slope < 0: saves 1 bit/elt
 only. Eager saves x (4 B/elt float32).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
@@ -30,8 +33,11 @@ def _bwd_torch(g: Tensor, y: Tensor, negative_slope: float = 0.01) -> Tensor:
     return torch.ops.aten.leaky_relu_backward(g, y, negative_slope, True)
 
 
-def _bwd_bits(g: Tensor, bits: Tensor, negative_slope: float) -> Tensor:
+def _bwd_bits(g: Tensor, bits: Tensor, negative_slope: float, out: Tensor | None = None) -> Tensor:
+    # out: g itself when g's buffer is dead (slimgrad.ownership.take), else None (a fresh result)
     pos = unpack_bits(bits, g.numel()).view(g.shape)
+    if out is not None:
+        return torch.where(pos, g, g * negative_slope, out=out)
     return torch.where(pos, g, g * negative_slope)
 
 
@@ -49,7 +55,14 @@ class _LeakyReluFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
+        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
+            dx = torch.ops.aten.leaky_relu_backward.grad_input(
+                buf, y, ctx.slope, True, grad_input=buf
+            )
+            return dx, None, None
         return _bwd_torch(g, y, ctx.slope), None, None
 
 
@@ -68,8 +81,9 @@ class _LeakyReluBitsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
-        return _bwd_bits(g, bits, ctx.slope), None, None
+        return _bwd_bits(g, bits, ctx.slope, out=buf), None, None
 
 
 def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:

@@ -5,6 +5,8 @@ formula). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: saves y (the output, shared with the next layer): 0 extra B/elt when the next layer keeps y;
 eager saves y too. ``relu_`` overwrites x and keeps nothing else.
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
 __all__ = ["relu", "relu_"]
@@ -32,7 +35,11 @@ class _ReluFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
+        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
+            return torch.ops.aten.threshold_backward.grad_input(buf, y, 0, grad_input=buf), None
         return _bwd_torch(g, y), None
 
 

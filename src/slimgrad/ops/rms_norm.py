@@ -8,7 +8,10 @@ from the output. ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``F.rms_nor
 Memory: saves y (the output, shared with the next layer) + rstd (4 B/row, fp32) + the input columns
 of fallback channels (gamma = 0 or subnormal, see NOTE [Normalization from its output: the fallback
 channels] in ``ops/layer_norm.py``); eager (composite ``F.rms_norm``) saves x, x**2's rstd chain and
-x * rstd (about 8 B/elt fp32 plus 4 B/row)."""
+x * rstd (about 8 B/elt fp32 plus 4 B/row).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from slimgrad import ownership
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
@@ -26,6 +30,7 @@ from slimgrad.ops.layer_norm import (
     autocast_inputs,
     fallback_channels,
     no_double_backward,
+    owns_layout,
     rebuild_xhat,
 )
 
@@ -39,15 +44,18 @@ def _fwd_torch(x, normalized_shape, weight, eps):
     return y, rstd, idx, xside
 
 
-def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
-    # Same chunked scheme as ops/layer_norm.py's backward.
+def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, out=None):
+    # Same chunked scheme as ops/layer_norm.py's backward; out: dy itself when its buffer is dead
+    # (slimgrad.ownership.take), dx then overwrites each chunk of it after the chunk's last read.
     acc = _acc_dtype(y.dtype)
     d = math.prod(normalized_shape)
     n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
     dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1).to(acc)
     w = weight.reshape(d).to(acc) if weight is not None else None
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
-    dx = torch.empty((n, d), dtype=y.dtype, device=y.device) if need_dx else None
+    dx = None
+    if need_dx:
+        dx = out.view(n, d) if out is not None else y.new_empty((n, d))
     dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
     step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
     for i in range(0, n, step):
@@ -128,13 +136,20 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *_):
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, rstd, idx, xside, weight = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
         if torch.is_grad_enabled():
             raise no_double_backward("rms_norm")
-        dx, dw = _rms_norm_bwd(
-            dy, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, ctx.x_dtype
-        )
+        # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too
+        if mask[0] and y.dtype == ctx.x_dtype and owns_layout(buf, y):
+            dx, dw = _bwd_torch(
+                buf, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, out=buf
+            )
+        else:
+            dx, dw = _rms_norm_bwd(
+                dy, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, ctx.x_dtype
+            )
         return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
 
 

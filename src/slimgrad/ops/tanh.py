@@ -4,6 +4,8 @@ Math: y = tanh(x),  dy/dx = 1 - y^2  (``tanh_backward(g, y)``, eager's own formu
 See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: saves y (the output, shared with the next layer); eager saves y too. ``tanh_`` overwrites x.
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
 __all__ = ["tanh", "tanh_"]
@@ -31,7 +34,11 @@ class _TanhFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
+        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
+            return torch.ops.aten.tanh_backward.grad_input(buf, y, grad_input=buf), None
         return _bwd_torch(g, y), None
 
 

@@ -1,0 +1,271 @@
+"""Gradient-buffer reuse wired into the ops (issue 6; NOTE [Gradient-buffer ownership]).
+
+For every op whose backward writes dx into its dead incoming gradient: a plain chain where reuse
+happens, a gradient used twice, a sibling still pending on the same gradient (the Gemma-2 pattern)
+and a hook that keeps the gradient. Each runs with reuse on and under ``reuse_disabled()``; every
+gradient (and every kept tensor) must match bit for bit, and the reuse counter tells whether the
+op reused. Plus: torch.compile (take refuses there), retain_graph twice, and the backward peak
+measured with ``slimgrad.memory``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from slimgrad import ownership
+from slimgrad.memory import measure
+from slimgrad.ops.dropout import dropout
+from slimgrad.ops.elu import elu
+from slimgrad.ops.hardtanh import hardtanh, relu6
+from slimgrad.ops.layer_norm import layer_norm
+from slimgrad.ops.leaky_relu import leaky_relu
+from slimgrad.ops.relu import relu
+from slimgrad.ops.rms_norm import rms_norm
+from slimgrad.ops.sigmoid import sigmoid
+from slimgrad.ops.tanh import tanh
+
+# the modules themselves (slimgrad.ops re-exports functions of the same names)
+ln_mod = importlib.import_module("slimgrad.ops.layer_norm")
+rms_mod = importlib.import_module("slimgrad.ops.rms_norm")
+
+SHAPE = (3, 7, 13)  # odd and prime; 21 rows of 13 for the norms
+D = SHAPE[-1]
+
+
+@pytest.fixture(autouse=True)
+def _reuse_on(monkeypatch):
+    # these tests assert that reuse happens: a developer's SLIMGRAD_NO_REUSE=1 must not leak in
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+    # several row chunks in the norms' backward, so dx overwrites dy chunk by chunk
+    monkeypatch.setattr(ln_mod, "CHUNK_ELEMS", 64)
+    monkeypatch.setattr(rms_mod, "CHUNK_ELEMS", 64)
+
+
+def _params(gen, dtype, zero_channel=False, device="cpu"):
+    w = (torch.rand(D, generator=gen, dtype=torch.float64) + 0.5).to(device, dtype)
+    b = (torch.rand(D, generator=gen, dtype=torch.float64) - 0.5).to(device, dtype)
+    if zero_channel:  # a fallback channel: its input column is kept (NOTE in ops/layer_norm.py)
+        w[3] = 0
+    return w.requires_grad_(), b.requires_grad_()
+
+
+# name -> (dtype, f(h, params) -> y, has params, in-place forward)
+OPS = {
+    "relu": (torch.float32, lambda h, p: relu(h), False),
+    "relu_": (torch.float32, lambda h, p: relu(h, inplace=True), False),
+    "sigmoid": (torch.float32, lambda h, p: sigmoid(h), False),
+    "tanh": (torch.float32, lambda h, p: tanh(h), False),
+    "tanh_bf16": (torch.bfloat16, lambda h, p: tanh(h), False),
+    "leaky_relu": (torch.float32, lambda h, p: leaky_relu(h, 0.2), False),
+    "leaky_relu_neg_slope": (torch.float32, lambda h, p: leaky_relu(h, -0.3), False),
+    "elu": (torch.float32, lambda h, p: elu(h, 1.3), False),
+    "elu_neg_alpha": (torch.float32, lambda h, p: elu(h, -0.7), False),
+    "hardtanh": (torch.float32, lambda h, p: hardtanh(h, -0.7, 0.9), False),
+    "hardtanh_bf16_bits": (torch.bfloat16, lambda h, p: hardtanh(h, -0.7, 0.7), False),
+    "relu6": (torch.float32, lambda h, p: relu6(h * 4), False),
+    "dropout": (torch.float32, lambda h, p: dropout(h, 0.3), False),
+    "dropout_": (torch.float32, lambda h, p: dropout(h, 0.3, inplace=True), False),
+    "dropout_bf16": (torch.bfloat16, lambda h, p: dropout(h, 0.1), False),
+    "layer_norm": (torch.float32, lambda h, p: layer_norm(h, (D,), *p), True),
+    "layer_norm_plain": (torch.float32, lambda h, p: layer_norm(h, (D,)), False),
+    "layer_norm_fallback": (torch.float32, lambda h, p: layer_norm(h, (D,), *p), True),
+    "layer_norm_bf16": (torch.bfloat16, lambda h, p: layer_norm(h, (D,), *p), True),
+    "rms_norm": (torch.float32, lambda h, p: rms_norm(h, (D,), p[0]), True),
+    "rms_norm_plain": (torch.float32, lambda h, p: rms_norm(h, (D,)), False),
+    "rms_norm_fallback": (torch.float32, lambda h, p: rms_norm(h, (D,), p[0]), True),
+}
+
+SAFE = ["plain_chain", "used_twice"]
+UNSAFE = ["sibling_pending", "hook_keeps", "user_gradient"]
+
+
+def _case(op: str, case: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Run ``case`` around op ``op``; return every tensor to compare, by label."""
+    dtype, f, has_params = OPS[op]
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+    wl = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(device, dtype)
+    params = _params(gen, dtype, zero_channel=op.endswith("fallback"), device=device)
+    torch.manual_seed(11)  # the same dropout mask in both runs
+    out: dict[str, torch.Tensor] = {}
+    h = x * 1.5  # a non-leaf input, so in-place forms are allowed
+    if case == "plain_chain":
+        y = f(h, params)
+        (y * wl).sum().backward()
+    elif case == "used_twice":
+        y = f(h, params)
+        ((y * wl).sum() + y.float().sin().sum()).backward()
+    elif case == "sibling_pending":  # the residual branch reads the same gradient after op's
+        x2 = (
+            torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+            .to(device, dtype)
+            .requires_grad_()
+        )
+        r = x2 * 1.25
+        y = f(h, params)
+        ((y + r) * wl).sum().backward()
+        out["x2.grad"] = x2.grad
+    elif case == "hook_keeps":
+        y = f(h, params)
+        kept = []
+        y.register_hook(kept.append)
+        (y * wl).sum().backward()
+        out["kept"] = kept[0]
+    elif case == "user_gradient":
+        y = f(h, params)
+        G = torch.randn(SHAPE, generator=gen, dtype=torch.float64).to(device, dtype)
+        y.backward(gradient=G)
+        out["G"] = G
+    else:
+        raise AssertionError(case)
+    out["x.grad"] = x.grad
+    if has_params:
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                out[f"param{i}.grad"] = p.grad
+    return out
+
+
+def _run(op, case, disabled=False, device="cpu"):
+    ownership.reset_reuse_count()
+    if disabled:
+        with ownership.reuse_disabled():
+            out = _case(op, case, device)
+    else:
+        out = _case(op, case, device)
+    return out, ownership.reuse_count("grad")
+
+
+def _assert_bitwise(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] is not None and b[k] is not None, k
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def test_calibrated():
+    assert ownership.calibrated()
+
+
+@pytest.mark.parametrize("case", SAFE + UNSAFE)
+@pytest.mark.parametrize("op", list(OPS))
+def test_reuse_is_bitwise_identical(op, case):
+    ref, n_off = _run(op, case, disabled=True)
+    got, n_on = _run(op, case)
+    assert n_off == 0
+    _assert_bitwise(got, ref)
+    if case in SAFE:
+        assert n_on == 1, f"{op}/{case}: expected one reuse, got {n_on}"
+    else:
+        assert n_on == 0, f"{op}/{case}: reuse granted on a shared gradient"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["plain_chain", "sibling_pending"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_reuse_is_bitwise_identical_cuda(op, case):
+    # CUDA runs backward on the engine's device thread and dropout takes its fused path there
+    ref, n_off = _run(op, case, disabled=True, device="cuda")
+    got, n_on = _run(op, case, device="cuda")
+    assert n_off == 0
+    _assert_bitwise(got, ref)
+    assert n_on == (1 if case == "plain_chain" else 0)
+
+
+@pytest.mark.parametrize("op", ["relu", "tanh", "dropout", "layer_norm", "rms_norm"])
+def test_reuse_writes_into_the_incoming_gradient(op):
+    # Reuse must really overwrite the incoming buffer: dx (seen by a hook on h, the op's input) is
+    # the very storage that arrived as dy (seen by a hook on y that does not keep it).
+    dtype, f, _ = OPS[op]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(SHAPE, generator=gen, dtype=dtype).requires_grad_()
+    params = _params(gen, dtype)
+    h = x * 1.5
+    y = f(h, params)
+    ptr = {}
+    y.register_hook(lambda t: ptr.__setitem__("dy", t.data_ptr()))  # keeps an int only
+    h.register_hook(lambda t: ptr.__setitem__("dx", t.data_ptr()))
+    ownership.reset_reuse_count()
+    (y * 2).sum().backward()
+    assert ownership.reuse_count("grad") == 1
+    assert ptr["dx"] == ptr["dy"]
+
+
+@pytest.mark.parametrize("op", ["relu", "dropout", "layer_norm"])
+def test_retain_graph_twice(op):
+    # Only the incoming gradient is reused (never a saved tensor): a second backward is exact.
+    dtype, f, has_params = OPS[op]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(SHAPE, generator=gen, dtype=dtype).requires_grad_()
+    params = _params(gen, dtype)
+    h = x * 1.5
+    y = f(h, params)
+    loss = (y * 3).sum()
+    ownership.reset_reuse_count()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    loss.backward()
+    assert ownership.reuse_count("grad") == 2
+    assert torch.equal(x.grad, first)
+
+
+@pytest.mark.parametrize("op", ["relu", "layer_norm"])
+def test_compile_never_reuses(op):
+    dtype, f, _ = OPS[op]
+    gen = torch.Generator().manual_seed(9)
+    x0 = torch.randn(SHAPE, generator=gen, dtype=dtype)
+    params = _params(gen, dtype)
+
+    def step(x):
+        return (f(x * 1.5, params) * 2).sum()
+
+    x = x0.clone().requires_grad_()
+    with ownership.reuse_disabled():
+        step(x).backward()
+    ref = x.grad
+    torch._dynamo.reset()
+    xc = x0.clone().requires_grad_()
+    ownership.reset_reuse_count()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(xc).backward()
+    assert ownership.reuse_count("grad") == 0
+    torch.testing.assert_close(xc.grad, ref)
+
+
+def _chain_backward_peak(disabled: bool) -> tuple[int, int, int]:
+    # layer_norm -> relu -> dropout -> tanh on (64, 128) fp32; the input is created inside the step
+    # so everything counts. Returns (backward peak, peak, reuses).
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(64, 128, generator=gen)
+    w = torch.ones(128, requires_grad=True)
+    b = torch.zeros(128, requires_grad=True)
+
+    def fwd():
+        h = (x0 * 1).requires_grad_()
+        y = tanh(dropout(relu(layer_norm(h, (128,), w, b)), 0.25))
+        return (y * 2).sum()
+
+    torch.manual_seed(0)
+    ownership.reset_reuse_count()
+    if disabled:
+        with ownership.reuse_disabled():
+            m = measure(fwd)
+    else:
+        m = measure(fwd)
+    bwd_peak = max(live for i, _, live in m.timeline if i >= m.backward_start)
+    return bwd_peak, m.peak_bytes, ownership.reuse_count("grad")
+
+
+def test_chain_backward_peak_lower_with_reuse():
+    off, peak_off, n_off = _chain_backward_peak(disabled=True)
+    on, peak_on, n_on = _chain_backward_peak(disabled=False)
+    assert n_off == 0
+    assert n_on == 4, n_on  # layer_norm, relu, dropout, tanh
+    # at the backward peak (inside layer_norm's backward) dx lives in dy's buffer: at least one
+    # (64, 128) fp32 buffer fewer
+    assert on <= off - 64 * 128 * 4, (on, off)
+    assert peak_on <= peak_off
