@@ -197,8 +197,12 @@ def norm_fwd(x, normalized_shape, weight, bias, eps, rms: bool):
     return y, mean, rstd
 
 
-def norm_bwd(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, rms):
-    """(dx, dw, db) as the PyTorch paths return them, or None when unsupported."""
+def norm_bwd(
+    dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, rms, out=None
+):
+    """(dx, dw, db) as the PyTorch paths return them, or None when unsupported. ``out``: a
+    contiguous buffer of y's dtype and shape for dx, possibly dy itself (each row is read whole
+    before its dx is written)."""
     d = math.prod(normalized_shape)
     if y.dtype not in _DTYPES or y.numel() == 0 or d > MAX_D:
         return None
@@ -218,7 +222,9 @@ def norm_bwd(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
         col2k[idx.to(dev)] = torch.arange(k, dtype=torch.int32, device=dev)
         side = xside.reshape(n, k).contiguous()
     p = _n_programs(n, dev)
-    dx = torch.empty((n, d), dtype=y.dtype, device=dev) if need_dx else None
+    dx = None
+    if need_dx:
+        dx = out.view(n, d) if out is not None else torch.empty((n, d), dtype=y.dtype, device=dev)
     dw_part = torch.empty((p, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((p, d), dtype=torch.float32, device=dev) if need_db else None
     stat = rstd.reshape(n)
@@ -252,13 +258,15 @@ def _fwd_triton(x, normalized_shape, weight, bias, eps):
     return y, mean, rstd, idx, xside
 
 
-def _bwd_triton(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
-    """``ops.layer_norm._bwd_torch`` in one pass over y and dy."""
-    out = norm_bwd(
-        dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask, False
-    )
-    if out is None:
-        return _ref._bwd_torch(
-            dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask
-        )
-    return out
+def _bwd_triton(
+    dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None
+):
+    """``ops.layer_norm._bwd_torch`` in one pass over y and dy (``out``: dx's buffer, e.g. dy's
+    own when ``slimgrad.ownership`` grants it)."""
+    args = (dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask)
+    res = norm_bwd(*args, False, out=out)
+    if res is None:
+        return _ref._bwd_torch(*args, out=out)
+    if out is not None and output_mask[0]:
+        torch.autograd.graph.increment_version(out)  # a raw write: autograd must see it
+    return res

@@ -31,10 +31,14 @@ def _fwd_triton(x, normalized_shape, weight, eps):
     return y, rstd, idx, xside
 
 
-def _bwd_triton(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask):
-    """``ops.rms_norm._bwd_torch`` in one pass over y and dy."""
+def _bwd_triton(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, out=None):
+    """``ops.rms_norm._bwd_torch`` in one pass over y and dy (``out``: dx's buffer, e.g. dy's own
+    when ``slimgrad.ownership`` grants it)."""
     mask = (output_mask[0], output_mask[1], False)
-    out = norm_bwd(dy, y, None, rstd, idx, xside, weight, None, list(normalized_shape), mask, True)
-    if out is None:
-        return _ref._bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask)
-    return out[0], out[1]
+    ns = list(normalized_shape)
+    res = norm_bwd(dy, y, None, rstd, idx, xside, weight, None, ns, mask, True, out=out)
+    if res is None:
+        return _ref._bwd_torch(dy, y, rstd, idx, xside, weight, ns, output_mask, out=out)
+    if out is not None and output_mask[0]:
+        torch.autograd.graph.increment_version(out)  # a raw write: autograd must see it
+    return res[0], res[1]
