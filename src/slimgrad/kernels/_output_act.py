@@ -121,18 +121,22 @@ def mono_fwd(x: torch.Tensor, act: int, a: float = 0.0, b: float = 0.0, out=None
     return y
 
 
-def mono_bwd(g: torch.Tensor, y: torch.Tensor, act: int, a: float = 0.0, b: float = 0.0):
-    """dx from the output y and its gradient g, or None when unsupported (PyTorch path)."""
-    if not _flat_ok(y):
+def mono_bwd(g: torch.Tensor, y: torch.Tensor, act: int, a: float = 0.0, b: float = 0.0, out=None):
+    """dx from the output y and its gradient g (``out``: write there, e.g. into g's own buffer
+    when ``slimgrad.ownership`` grants it; elementwise, so in place is safe), or None when
+    unsupported (the caller then takes the PyTorch path)."""
+    if not _flat_ok(y) or (out is not None and not _flat_ok(y, out)):
         return None
     if not _flat_ok(y, g):
         g = torch.empty_like(y).copy_(g) if g.dtype == y.dtype else None
         if g is None:
             return None
-    dx = torch.empty_like(y)
+    dx = torch.empty_like(y) if out is None else out
     n = y.numel()
     if n:
         _mono_bwd_kernel[grid1(n)](g, y, dx, n, float(a), float(b), ACT=act, BLOCK=BLOCK)
+    if out is not None:
+        torch.autograd.graph.increment_version(out)  # a raw write: autograd must see it
     return dx
 
 

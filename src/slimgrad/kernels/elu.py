@@ -28,6 +28,10 @@ def _fwd_triton_(x: Tensor, alpha: float = 1.0) -> Tensor:
     return x.copy_(_ref._fwd_torch(x, alpha)) if y is None else y
 
 
-def _bwd_triton(g: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
-    dx = mono_bwd(g, y, ELU, alpha)
-    return _ref._bwd_torch(g, y, alpha) if dx is None else dx
+def _bwd_triton(g: Tensor, y: Tensor, alpha: float = 1.0, out: Tensor | None = None) -> Tensor:
+    # out: write dx there (g's own buffer when slimgrad.ownership grants it)
+    dx = mono_bwd(g, y, ELU, alpha, out=out)
+    if dx is not None:
+        return dx
+    dx = _ref._bwd_torch(g, y, alpha)
+    return dx if out is None else out.copy_(dx)

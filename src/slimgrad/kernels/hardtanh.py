@@ -28,6 +28,12 @@ def _fwd_triton_(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tens
     return x.copy_(_ref._fwd_torch(x, min_val, max_val)) if y is None else y
 
 
-def _bwd_triton(g: Tensor, y: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
-    dx = mono_bwd(g, y, HARDTANH, min_val, max_val)
-    return _ref._bwd_torch(g, y, min_val, max_val) if dx is None else dx
+def _bwd_triton(
+    g: Tensor, y: Tensor, min_val: float = -1.0, max_val: float = 1.0, out: Tensor | None = None
+) -> Tensor:
+    # out: write dx there (g's own buffer when slimgrad.ownership grants it)
+    dx = mono_bwd(g, y, HARDTANH, min_val, max_val, out=out)
+    if dx is not None:
+        return dx
+    dx = _ref._bwd_torch(g, y, min_val, max_val)
+    return dx if out is None else out.copy_(dx)

@@ -28,6 +28,12 @@ def _fwd_triton_(x: Tensor, negative_slope: float = 0.01) -> Tensor:
     return x.copy_(_ref._fwd_torch(x, negative_slope)) if y is None else y
 
 
-def _bwd_triton(g: Tensor, y: Tensor, negative_slope: float = 0.01) -> Tensor:
-    dx = mono_bwd(g, y, LEAKY_RELU, negative_slope)
-    return _ref._bwd_torch(g, y, negative_slope) if dx is None else dx
+def _bwd_triton(
+    g: Tensor, y: Tensor, negative_slope: float = 0.01, out: Tensor | None = None
+) -> Tensor:
+    # out: write dx there (g's own buffer when slimgrad.ownership grants it)
+    dx = mono_bwd(g, y, LEAKY_RELU, negative_slope, out=out)
+    if dx is not None:
+        return dx
+    dx = _ref._bwd_torch(g, y, negative_slope)
+    return dx if out is None else out.copy_(dx)

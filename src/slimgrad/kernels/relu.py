@@ -28,6 +28,10 @@ def _fwd_triton_(x: Tensor) -> Tensor:
     return x.copy_(_ref._fwd_torch(x)) if y is None else y
 
 
-def _bwd_triton(g: Tensor, y: Tensor) -> Tensor:
-    dx = mono_bwd(g, y, RELU)
-    return _ref._bwd_torch(g, y) if dx is None else dx
+def _bwd_triton(g: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
+    # out: write dx there (g's own buffer when slimgrad.ownership grants it)
+    dx = mono_bwd(g, y, RELU, out=out)
+    if dx is not None:
+        return dx
+    dx = _ref._bwd_torch(g, y)
+    return dx if out is None else out.copy_(dx)
