@@ -57,7 +57,7 @@ from slimgrad.ops._bits import pack_bits, packed_numel
 CHUNK = 1 << 16
 # the forward/backward loops run over BIG chunks (fewer dispatches; a multiple of CHUNK); the hard
 # elements are still ordered as by CHUNK-sized chunks (window hits, then tail hits, per chunk)
-BIG = 1 << 18
+BIG = 1 << 17
 _PACK_MAGIC = 0x0102040810204080  # 8 bytes of 0/1 (LSB first) -> bits 56..63 of the product
 _HUGE = 1e30  # |x - x*| below it in a whole BIG chunk: no CHUNK sum of |x - x*| can overflow
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
@@ -298,22 +298,25 @@ def _pack8(mask: torch.Tensor) -> torch.Tensor:
 def _hard_big(spec, c, t, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
     """Hard elements (int64, absolute) of the chunk ``c`` at offset ``a`` (all finite, small)."""
     m = t < near
-    if tail is not None:
+    # the tail pass only where some element is below it (a cheap reduction first)
+    has_tail = tail is not None and bool(c.amin() < tail)
+    if has_tail:
         m.logical_or_(c < tail)
-    cand = m.nonzero().view(-1)  # window and tail candidates, increasing
+    cand = m.nonzero().view(-1)  # window (and tail) candidates, increasing
     tv = t.index_select(0, cand)
-    isnear = tv < near
-    zi = cand[isnear] if tail is not None else cand
-    hard = zi[(tv[isnear] if tail is not None else tv) < w]
+    zi, tl = cand, None
+    if has_tail:
+        isnear = tv < near
+        zi, tv = torch.masked_select(cand, isnear), torch.masked_select(tv, isnear)
+        tl = torch.masked_select(cand, isnear.logical_not_())
+    hard = zi if near <= w else torch.masked_select(zi, tv < w)
     if zone and zi.numel():  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
         vals = spec.f(c.index_select(0, zi).double()).to(yf.dtype)
-        yf.index_put_((zi + a,), vals)
-    if tail is not None:
-        tl = cand[~isnear]
-        if tl.numel():  # order as by CHUNK: window hits, then tail hits, chunk after chunk
-            both = torch.cat([hard, tl])
-            key = torch.cat([(hard >> 16) * 2, (tl >> 16) * 2 + 1])
-            hard = both[torch.sort(key, stable=True).indices]
+        yf[a : a + c.numel()].index_copy_(0, zi, vals)
+    if tl is not None and tl.numel():  # order as by CHUNK: window, then tail hits, per CHUNK
+        both = torch.cat([hard, tl])
+        key = torch.cat([(hard >> 16) * 2, (tl >> 16) * 2 + 1])
+        hard = both[torch.sort(key, stable=True).indices]
     return hard.add_(a)
 
 
