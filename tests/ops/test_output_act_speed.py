@@ -268,3 +268,14 @@ def test_pack_matches_pack_bits():
         _same(oa._pack8(m), pack_bits(m), "packed bits")
     m = torch.ones(8 * 97, dtype=torch.bool)
     _same(oa._pack8(m), pack_bits(m), "packed bits")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_every_float32_at_the_thresholds(case):
+    """Every float32 within 2^-14 of x* +- zone, x* +- window and the tail threshold."""
+    spec = case[1]
+    xs, eps = inverse(spec).x_star, 2.0**-14
+    edges = [xs + s * r for s in (-1, 1) for r in (spec.zone, spec.window[torch.float32])]
+    edges += [spec.tail[torch.float32]] if torch.float32 in spec.tail else []
+    x = torch.cat([_every_f32(e - eps, e + eps, 1) for e in edges])
+    _check(case, x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(6))])
