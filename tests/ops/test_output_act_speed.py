@@ -279,3 +279,14 @@ def test_every_float32_at_the_thresholds(case):
     edges += [spec.tail[torch.float32]] if torch.float32 in spec.tail else []
     x = torch.cat([_every_f32(e - eps, e + eps, 1) for e in edges])
     _check(case, x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(6))])
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=IDS[:2] + IDS[3:])
+def test_bigger_chunks_keep_the_order(case, monkeypatch):
+    """BIG > CHUNK (the sorted window/tail merge inside one BIG chunk) gives the same results."""
+    monkeypatch.setattr(oa, "BIG", 4 * CHUNK)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9 * CHUNK + 5, generator=gen) * 1.7  # tail hits in most CHUNKs
+    x[5 * CHUNK + 3] = math.nan
+    x[6 * CHUNK : 6 * CHUNK + 64] = 3e38
+    _check(case, x)
