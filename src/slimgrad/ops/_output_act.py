@@ -55,9 +55,10 @@ from slimgrad.ops._bits import pack_bits, packed_numel
 
 # elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
 CHUNK = 1 << 16
-# the forward/backward loops run over BIG chunks (a multiple of CHUNK; the hard elements stay
-# ordered as by CHUNK: window hits, then tail hits, chunk after chunk). BIG = 2^17 was not
-# measurably faster on CPU but raised the GPT-2 MLP block's peak (52.7 vs 51.0 MiB): kept at CHUNK.
+# the forward loop runs over BIG chunks (a multiple of CHUNK; the hard elements stay ordered as by
+# CHUNK: window hits, then tail hits, chunk after chunk); the backward over CHUNKs. Measured on the
+# 4x256x3072 GELU: BIG = 2^17 or 2^18 no faster than 2^16 within the (shared) CPU's noise, and
+# 2^17 in the backward raised the GPT-2 MLP block's peak (52.7 vs 51.0 MiB): BIG = CHUNK.
 BIG = 1 << 16
 _PACK_MAGIC = 0x0102040810204080  # 8 bytes of 0/1 (LSB first) -> bits 56..63 of the product
 _HUGE = 1e30  # |x - x*| below it in a whole BIG chunk: no CHUNK sum of |x - x*| can overflow
@@ -369,8 +370,8 @@ def smooth_grad(
     out = torch.empty(n, dtype=g.dtype, device=g.device)
     if bits.numel() != packed_numel(n):
         raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
-    for a in range(0, n, BIG):
-        b = min(a + BIG, n)
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
         df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
         if g.dtype == cdt:
             torch.mul(gf[a:b], df, out=out[a:b])
