@@ -287,6 +287,20 @@ def test_weight_grad_buffer_reused_when_owned():
     torch.testing.assert_close(h.grad, ref[1] * hid.cos())
 
 
+def test_non_contiguous_hidden():
+    # a (T, B, H) -> (B, T, H) transposed hidden: reshape(-1, H) inside copies; dh keeps its shape
+    hid, w, b, t = _data(lead=(5, 3))
+    hid_t = hid.transpose(0, 1)  # (3, 5, H), non-contiguous
+    tt = t.transpose(0, 1)
+    hid_cm = hid.reshape(-1, H).t().contiguous().t()  # (15, H), column-major
+    for hh, th in ((hid_t, tt), (hid_cm, t.reshape(-1))):
+        for red in ("mean", "sum"):
+            ref = _run(_eager, hh, w, b, th, reduction=red)
+            got = _run(linear_cross_entropy, hh, w, b, th, reduction=red, chunk_size=4)
+            for r, o in zip(ref, got, strict=True):
+                torch.testing.assert_close(o, r)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_scaled_grad_output_and_repeated_backward(reduction):
     # backward scales the saved gradients by grad_output, out of place under retain_graph

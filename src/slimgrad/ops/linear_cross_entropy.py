@@ -146,7 +146,8 @@ def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, ne
     safe_t = torch.where(valid, target, torch.zeros_like(target))
     need_dh, need_dw, need_db = need
     loss = torch.empty(n, dtype=acc, device=h.device)
-    dh = torch.empty_like(h) if need_dh else None
+    # dh contiguous whatever h's strides: backward views it as hidden's shape
+    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
     for s in range(0, n, chunk):
