@@ -11,9 +11,17 @@ from slimgrad.memory import measure
 from slimgrad.ops.linear_cross_entropy import (
     causal_lm_loss,
     default_chunk_size,
-    linear_cross_entropy,
+)
+from slimgrad.ops.linear_cross_entropy import (
+    linear_cross_entropy as _lce,
 )
 from slimgrad.testing import assert_within_rule
+
+
+def linear_cross_entropy(*args, precompute_grads=True, **kwargs):
+    # most tests here exercise the precomputed-gradient path; the default (memory-first) recompute
+    # path is tested by the *_default_* tests, 'none' and N < H
+    return _lce(*args, precompute_grads=precompute_grads, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -510,3 +518,16 @@ def test_memory_contract_under_bf16_autocast():
     assert me.saved_bytes >= n * v * 4 + v * h * 2  # eager keeps fp32 log-probs + bf16 W
     assert ms.saved_bytes < me.saved_bytes
     assert ms.peak_bytes < me.peak_bytes
+
+
+def test_default_mean_path_keeps_hidden_and_lse_only():
+    n, h, v = 64, 32, 1001
+    hid = torch.randn(n, h)
+    w = torch.randn(v, h, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    x0 = hid.requires_grad_()
+    m = measure(lambda: _lce(x0 * 1, w, t, chunk_size=16))  # precompute_grads=False
+    assert m.saved_bytes == n * h * 4 + n * 4  # hidden (created in the step) + float32 lse
+    ref = F.cross_entropy(F.linear(x0.detach().double(), w.detach().double()), t)
+    got = _lce(x0, w, t, chunk_size=16)
+    torch.testing.assert_close(got.double(), ref)

@@ -373,7 +373,16 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reductio
 
 
 def _linear_cross_entropy(
-    hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, upcast
+    hidden,
+    weight,
+    target,
+    bias,
+    ignore_index,
+    label_smoothing,
+    reduction,
+    chunk_size,
+    upcast,
+    precompute_grads=False,
 ):
     _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
     dev = hidden.device.type
@@ -404,10 +413,11 @@ def _linear_cross_entropy(
     # 'mean'/'sum' under grad mode: forward computes the gradients too (grad_output is a scalar,
     # applied in backward), so the chunk logits are computed once. Decided here, outside the
     # Function: its forward runs with grad mode off.
-    # dW is kept from forward to backward: only when it is no larger than the N×V log-probs eager
-    # would keep (V·H <= N·V, i.e. N >= H), else the recompute path (4 matmuls, less memory).
+    # dW is kept from forward to backward: only when asked (precompute_grads: speed over memory)
+    # and no larger than the N×V log-probs eager would keep (V·H <= N·V, i.e. N >= H); else the
+    # recompute path (4 matmuls, keeps only hidden + lse).
     need = None
-    if reduction != "none" and torch.is_grad_enabled():
+    if precompute_grads and reduction != "none" and torch.is_grad_enabled():
         need = (
             hidden.requires_grad,
             weight.requires_grad,
@@ -448,15 +458,17 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    precompute_grads: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without keeping the logits.
 
     loss_i = lse_i − (1 − ε)·z_{i,t_i} − (ε/V)·Σ_j z_ij with z = hidden Wᵀ + b; ignored tokens
     contribute 0 and are not counted by 'mean' (all ignored: NaN, like torch).
 
-    Memory: 'mean'/'sum' (N >= H) save dh + dW (V×H float32, parameter-sized) + db, computed
-    in forward (3 matmuls like eager); 'none' saves hidden + lse (4 B/token) + target and
-    recomputes the logits in backward; eager saves hidden + the N×V log-probs.
+    Memory: by default saves hidden + lse (4 B/token) + target and recomputes each chunk's logits
+    in backward (4 matmuls where eager does 3); with ``precompute_grads=True`` ('mean'/'sum',
+    N >= H) saves dh + dW (V×H float32, parameter-sized) + db computed in forward (3 matmuls, as
+    fast as eager, but dW lives from forward to backward); eager saves hidden + the N×V log-probs.
 
     Args:
         hidden: (..., H) hidden states (the LM head's input).
@@ -467,6 +479,7 @@ def linear_cross_entropy(
         label_smoothing: ε in [0, 1], as torch's cross_entropy.
         reduction: 'mean', 'sum' or 'none' (then the result has target's shape).
         chunk_size: tokens per chunk; None picks :func:`default_chunk_size`.
+        precompute_grads: compute the gradients in forward (speed over memory; see Memory).
 
     Returns:
         The loss: a scalar, or per-token losses for reduction='none' (float32 under autocast).
@@ -482,7 +495,16 @@ def linear_cross_entropy(
         >>> linear_cross_entropy(h, w, t).backward()
     """
     return _linear_cross_entropy(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, False
+        hidden,
+        weight,
+        target,
+        bias,
+        ignore_index,
+        label_smoothing,
+        reduction,
+        chunk_size,
+        False,
+        precompute_grads,
     )
 
 
@@ -496,6 +518,7 @@ def causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    precompute_grads: bool = False,
 ) -> torch.Tensor:
     """The HF causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``) from hidden states.
 
@@ -518,7 +541,7 @@ def causal_lm_loss(
         num_items_in_batch: HF's gradient-accumulation normaliser; None for the mean.
         shift_labels: already shifted labels (HF's ``shift_labels`` kwarg); then ``labels`` is
             ignored.
-        chunk_size: see :func:`linear_cross_entropy`.
+        chunk_size, precompute_grads: see :func:`linear_cross_entropy`.
 
     Returns:
         Scalar float32 loss.
@@ -529,7 +552,16 @@ def causal_lm_loss(
     shift_labels = shift_labels.to(hidden.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = _linear_cross_entropy(
-        hidden, weight, shift_labels, bias, ignore_index, 0.0, reduction, chunk_size, True
+        hidden,
+        weight,
+        shift_labels,
+        bias,
+        ignore_index,
+        0.0,
+        reduction,
+        chunk_size,
+        True,
+        precompute_grads,
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
