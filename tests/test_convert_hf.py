@@ -162,3 +162,14 @@ def test_compile_on_a_converted_model():
     torch.testing.assert_close(outs[1][0], outs[0][0])
     for a, b in zip(outs[1][1], outs[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fast_loss_option_matches_eager():
+    t = resolve("gpt2", size="tiny", seq=32)
+    torch.manual_seed(0)
+    model = t.build()
+    fast = slimgrad.convert_(copy.deepcopy(model), slimgrad.ConvertConfig(fast_loss=True))
+    assert fast._slimgrad_fast_loss is True
+    torch.manual_seed(1)
+    rep = slimgrad.verify(model, fast, t.inputs(4))  # 4 x 32 tokens >= 64 wide: precomputed path
+    assert rep.ok, str(rep)

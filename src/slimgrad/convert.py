@@ -47,6 +47,8 @@ class ConvertConfig:
             weight keeps no input), or the BatchNorm output they are derived from.
         batch_norm: BatchNorm followed by an activation keeps one tensor per block (exact).
         fused_loss: LM head + cross-entropy fused and chunked (HF causal LMs).
+        fast_loss: the fused loss computes its gradients in forward: 3 matmuls like eager instead
+            of 4, but keeps a parameter-sized dW from forward to backward (speed over memory).
         inplace_abn: BatchNorm + ReLU becomes InPlaceABN with leaky_relu. Changes the model's
         function:
             off by default.
@@ -59,6 +61,7 @@ class ConvertConfig:
     selective_saving: bool = True
     batch_norm: bool = True
     fused_loss: bool = True
+    fast_loss: bool = False
     inplace_abn: bool = False
     leaky_relu_slope: float = 0.01
 

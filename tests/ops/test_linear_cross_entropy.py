@@ -11,9 +11,17 @@ from slimgrad.memory import measure
 from slimgrad.ops.linear_cross_entropy import (
     causal_lm_loss,
     default_chunk_size,
-    linear_cross_entropy,
+)
+from slimgrad.ops.linear_cross_entropy import (
+    linear_cross_entropy as _lce,
 )
 from slimgrad.testing import assert_within_rule
+
+
+def linear_cross_entropy(*args, precompute_grads=True, **kwargs):
+    # most tests here exercise the precomputed-gradient path; the default (memory-first) recompute
+    # path is tested by the *_default_* tests, 'none' and N < H
+    return _lce(*args, precompute_grads=precompute_grads, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -175,14 +183,143 @@ def test_memory_contract_saved_and_peak():
 
     ms = measure(lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=16))
     me = measure(lambda: _eager(x0 * 1, w, t, None))
-    # ours: hidden (created in the step) + float32 lse per token; target and W pre-existing
-    assert ms.saved_bytes == n * h * 4 + n * 4
+    # 'mean': forward computes the gradients and keeps dh (N x H, like the hidden it replaces) and
+    # dW (V x H, parameter-sized, float32); hidden, lse, target and W are not kept
+    assert ms.saved_bytes == n * h * 4 + v * h * 4
     # (+ 8: the int64 scalar ``1`` of ``x0 * 1``, kept by MulBackward0 and made outside dispatch)
-    assert ms.saved_input_bytes == me.saved_input_bytes == v * h * 4 + n * 8 + 8
+    assert ms.saved_input_bytes == 8
+    assert me.saved_input_bytes == v * h * 4 + n * 8 + 8
     # eager keeps the N x V log-probabilities on top of the hidden
     assert me.saved_bytes >= n * h * 4 + n * v * 4
     assert ms.peak_bytes < me.peak_bytes
     assert ms.forward_peak_bytes < me.forward_peak_bytes
+
+
+def test_memory_contract_reduction_none_recomputes():
+    # per-token grad_output is unknown in forward: keeps hidden + lse, recomputes in backward
+    n, h, v = 64, 32, 1001
+    hid, w, b, t = _data(n=n, v=v, h=h)
+    x0 = hid.requires_grad_()
+    w.requires_grad_()
+    gout = torch.randn(n)
+    ms = measure(
+        lambda: linear_cross_entropy(x0 * 1, w, t, reduction="none", chunk_size=16), grad=gout
+    )
+    me = measure(lambda: _eager(x0 * 1, w, t, None, reduction="none"), grad=gout)
+    assert ms.saved_bytes == n * h * 4 + n * 4
+    assert ms.saved_input_bytes == me.saved_input_bytes == v * h * 4 + n * 8 + 8
+    assert ms.peak_bytes < me.peak_bytes
+
+
+def test_memory_contract_weight_only_and_no_grad():
+    n, h, v = 40, 16, 257
+    hid, w, b, t = _data(n=n, v=v, h=h)
+    w.requires_grad_()
+    b.requires_grad_()
+    # hidden needs no grad: no dh is computed or kept; dW (float32) + db
+    ms = measure(lambda: linear_cross_entropy(hid * 1, w, t, b, chunk_size=8, reduction="sum"))
+    assert ms.saved_bytes == v * h * 4 + v * 4
+    with torch.no_grad():
+        loss = linear_cross_entropy(hid, w, t, b, chunk_size=8)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, _eager(hid, w, t, b))
+
+
+def test_estimate_under_fake_tensors_matches_measure():
+    from slimgrad.memory import estimate
+
+    n, h, v = 24, 16, 131
+
+    def make():
+        hid, w, b, t = _data(n=n, v=v, h=h)
+        x0 = hid.requires_grad_()
+        w.requires_grad_()
+        return lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=8)
+
+    fake, real = estimate(make), measure(make())
+    assert fake.saved_bytes == real.saved_bytes == n * h * 4 + v * h * 4
+
+
+class _CountLogitMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmuls whose output is a (rows, V) logits chunk."""
+
+    def __init__(self, v):
+        super().__init__()
+        self.v, self.n = v, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        mm = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        if func in mm and out.dim() == 2 and out.shape[1] == self.v:
+            self.n += 1
+        return out
+
+
+@pytest.mark.parametrize("reduction, per_chunk", [("mean", 1), ("sum", 1), ("none", 2)])
+def test_logits_computed_once_per_chunk(reduction, per_chunk):
+    # 'mean'/'sum': 3 big matmuls like eager (logits, dh, dW); 'none' recomputes the logits
+    hid, w, b, t = _data(n=13)
+    h = hid.clone().requires_grad_()
+    w.requires_grad_()
+    with _CountLogitMatmuls(V) as c:
+        out = linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=4)
+        out.sum().backward()
+    assert c.n == 4 * per_chunk  # ceil(13 / 4) chunks
+
+
+def test_few_tokens_keep_the_recompute_path():
+    # N < H: dW (V x H) would outweigh eager's N x V log-probs, so hidden + lse are kept instead
+    n, h, v = 12, 32, 211
+    hid, w, b, t = _data(n=n, v=v, h=h)
+    x0 = hid.requires_grad_()
+    w.requires_grad_()
+    ms = measure(lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=4))
+    assert ms.saved_bytes == n * h * 4 + n * 4
+    with _CountLogitMatmuls(v) as c:
+        linear_cross_entropy(x0 * 1, w, t, chunk_size=4).backward()
+    assert c.n == 2 * 3
+    # without a weight gradient there is no dW to keep: forward computes dh (N x H) only
+    w.requires_grad_(False)
+    ms = measure(lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=4))
+    assert ms.saved_bytes == n * h * 4
+
+
+def test_weight_grad_buffer_reused_when_owned():
+    hid, w, b, t = _data()
+    h, w2 = hid.clone().requires_grad_(), w.clone().requires_grad_()
+    ownership.reset_reuse_count()
+    linear_cross_entropy(h.sin(), w2, t, chunk_size=4).backward()
+    assert ownership.reuse_count("saved") == 2  # dh and dW
+    ref = _run(_eager, hid.sin(), w, None, t)
+    torch.testing.assert_close(w2.grad, ref[2])
+    torch.testing.assert_close(h.grad, ref[1] * hid.cos())
+
+
+def test_non_contiguous_hidden():
+    # a (T, B, H) -> (B, T, H) transposed hidden: reshape(-1, H) inside copies; dh keeps its shape
+    hid, w, b, t = _data(lead=(5, 3))
+    hid_t = hid.transpose(0, 1)  # (3, 5, H), non-contiguous
+    tt = t.transpose(0, 1)
+    hid_cm = hid.reshape(-1, H).t().contiguous().t()  # (15, H), column-major
+    for hh, th in ((hid_t, tt), (hid_cm, t.reshape(-1))):
+        for red in ("mean", "sum"):
+            ref = _run(_eager, hh, w, b, th, reduction=red)
+            got = _run(linear_cross_entropy, hh, w, b, th, reduction=red, chunk_size=4)
+            for r, o in zip(ref, got, strict=True):
+                torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_scaled_grad_output_and_repeated_backward(reduction):
+    # backward scales the saved gradients by grad_output, out of place under retain_graph
+    hid, w, b, t = _data()
+    ref = _run(_eager, hid, w, b, t, torch.tensor(-2.5), reduction=reduction)
+    h, w2, b2 = (x.clone().requires_grad_() for x in (hid, w, b))
+    out = linear_cross_entropy(h, w2, t, b2, reduction=reduction, chunk_size=4)
+    out.backward(torch.tensor(-1.5), retain_graph=True)
+    out.backward(torch.tensor(-1.0))
+    for r, o in zip(ref, [out.detach(), h.grad, w2.grad, b2.grad], strict=True):
+        torch.testing.assert_close(o, r)
 
 
 @pytest.mark.parametrize("view", [False, True])
@@ -208,28 +345,31 @@ def test_reuse_is_bitwise_and_counted(view):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("holder", ["user", "other_node"])
-def test_hidden_held_elsewhere_is_not_overwritten(holder):
-    hid, w, b, t = _data(n=9)
+def test_hidden_held_elsewhere_is_not_overwritten(holder, reduction):
+    # 'none' keeps the hidden (and must not overwrite it); 'mean' keeps only its own dh
+    hid, w, b, t = _data(n=13)
     x = hid.clone().requires_grad_()
     ownership.reset_reuse_count()
     hs = x.sin()
     other = hs.pow(2).sum()  # PowBackward keeps hs; it runs after our node
-    loss = linear_cross_entropy(hs, w, t, chunk_size=4) + other
+    loss = linear_cross_entropy(hs, w, t, chunk_size=4, reduction=reduction).sum() + other
     if holder == "other_node":
         del hs  # only autograd's two savers remain
     loss.backward()
-    assert ownership.reuse_count("saved") == 0
+    assert ownership.reuse_count("saved") == (1 if reduction == "mean" else 0)
     if holder == "user":
         assert torch.equal(hs, hid.sin())  # the caller's tensor is intact
     x2 = hid.clone().requires_grad_()
     hs2 = x2.sin()
-    (_eager(hs2, w, t, None) + hs2.pow(2).sum()).backward()
+    (_eager(hs2, w, t, None, reduction=reduction).sum() + hs2.pow(2).sum()).backward()
     torch.testing.assert_close(x.grad, x2.grad)
 
 
-def test_retain_graph_keeps_saved_hidden_and_second_backward_raises_after_reuse():
-    hid, w, b, t = _data(n=9)
+@pytest.mark.parametrize("n", [9, 13])  # 9 < H: recompute path (saved hidden); 13: saved dh
+def test_retain_graph_keeps_saved_hidden_and_second_backward_raises_after_reuse(n):
+    hid, w, b, t = _data(n=n)
     x = hid.clone().requires_grad_()
     ownership.reset_reuse_count()
     loss = linear_cross_entropy(x.sin(), w, t, chunk_size=4)
@@ -348,7 +488,8 @@ def test_forced_overwrite_of_a_shared_hidden_is_caught_by_autograd(monkeypatch):
     x = hid.clone().requires_grad_()
     hs = x.sin()
     other = hs.pow(2).sum()  # PowBackward saves hs; runs after our node
-    loss = linear_cross_entropy(hs, w, t, chunk_size=4) + other
+    # reduction='none' keeps the hidden ('mean'/'sum' keep only their own dh)
+    loss = linear_cross_entropy(hs, w, t, chunk_size=4, reduction="none").sum() + other
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
@@ -372,7 +513,21 @@ def test_memory_contract_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ms = measure(lambda: linear_cross_entropy(x0 * 1, w, t, chunk_size=16))
         me = measure(lambda: _eager(x0 * 1, w, t, None))
-    # ours: the bf16 copy of hidden + float32 lse; the bf16 weight copy is not kept (recast)
-    assert ms.saved_bytes == n * h * 2 + n * 4
-    assert me.saved_bytes > ms.saved_bytes + n * v * 4  # eager keeps fp32 log-probs + bf16 W
+    # ours: dh in bf16 (the compute dtype) + dW in float32; no weight copy is kept
+    assert ms.saved_bytes == n * h * 2 + v * h * 4
+    assert me.saved_bytes >= n * v * 4 + v * h * 2  # eager keeps fp32 log-probs + bf16 W
+    assert ms.saved_bytes < me.saved_bytes
     assert ms.peak_bytes < me.peak_bytes
+
+
+def test_default_mean_path_keeps_hidden_and_lse_only():
+    n, h, v = 64, 32, 1001
+    hid = torch.randn(n, h)
+    w = torch.randn(v, h, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    x0 = hid.requires_grad_()
+    m = measure(lambda: _lce(x0 * 1, w, t, chunk_size=16))  # precompute_grads=False
+    assert m.saved_bytes == n * h * 4 + n * 4  # hidden (created in the step) + float32 lse
+    ref = F.cross_entropy(F.linear(x0.detach().double(), w.detach().double()), t)
+    got = _lce(x0, w, t, chunk_size=16)
+    torch.testing.assert_close(got.double(), ref)

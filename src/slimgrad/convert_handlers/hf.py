@@ -99,6 +99,7 @@ def use_slimgrad_attention(model: nn.Module) -> bool:
 
 
 def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
+    precompute = getattr(self, "_slimgrad_fast_loss", False)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from slimgrad.ops.linear_cross_entropy import causal_lm_loss
@@ -118,6 +119,7 @@ def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
         getattr(head, "bias", None),
         num_items_in_batch=num_items,
         shift_labels=shift_labels,
+        precompute_grads=precompute,
     )
     return CausalLMOutputWithPast(
         loss=loss,
@@ -159,10 +161,14 @@ def _bind(model: nn.Module, fn) -> None:
     model._slimgrad_forward = fn.__name__
 
 
-def fuse_lm_loss(model: nn.Module) -> str | None:
-    """Bind the fused-loss forward on an HF LM instance; returns what was done, or None."""
+def fuse_lm_loss(model: nn.Module, fast: bool = False) -> str | None:
+    """Bind the fused-loss forward on an HF LM instance; returns what was done, or None.
+
+    ``fast``: precompute the head's gradients in forward (``ConvertConfig.fast_loss``).
+    """
     if getattr(model, "_slimgrad_forward", None):
         return None  # already converted
+    model._slimgrad_fast_loss = fast
     cls_name = type(model).__name__
     if cls_name.endswith("ForCausalLM") or cls_name.endswith("LMHeadModel"):
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -212,7 +218,7 @@ def lm_loss_pattern(model: nn.Module, config, allowed, rep) -> None:
     for name, m in _hf_models(model):
         if not allowed(m, name):
             continue
-        what = fuse_lm_loss(m)
+        what = fuse_lm_loss(m, fast=config.fast_loss)
         if what is not None:
             rep.converted.append((name, f"{type(m).__name__}.forward", what))
 

@@ -12,16 +12,25 @@ Backward, with s_i the incoming gradient's weight of token i (0 for ignored toke
     dz_ij = s_i · (softmax(z_i)_j − (1 − ε)·[j == t_i] − ε / V)
     dh = dz W,   dW = dzᵀ h,   db = Σ_i dz_i
 
-Forward and backward walk the tokens in chunks of ``chunk_size`` rows: each chunk's logits are
-computed, reduced to per-token statistics (forward) or turned into dz in place and consumed by the
-two matmuls (backward), then dropped. Backward recomputes the chunk logits (one extra matmul of
-2·N·V·H flops). Exact up to summation order. Low precision (bf16/fp16 inputs, or autocast): the
-matmuls run in that dtype, like eager; softmax statistics and the dW/db accumulators are float32.
+The tokens are walked in chunks of ``chunk_size`` rows; each chunk's logits are computed and
+dropped. 'mean'/'sum' (the loss is a scalar, so s_i = g·w_i with w_i = 1 or 1/#non-ignored known in
+forward and g = grad_output a scalar): forward computes each chunk's logits once, reduces them to
+the loss, turns them into dz for g = 1 in place and feeds the two gradient matmuls right away (dh
+rows, dW += dzᵀ h, db += Σ dz): 3 big matmuls in all, like eager; backward only multiplies the
+saved dh, dW, db by g. This runs when dW is no larger than eager's log-probs (N >= H), or when W
+needs no gradient. 'none' (per-token g, unknown in forward) and N < H: forward keeps lse, backward
+recomputes the chunk logits (one extra matmul of 2·N·V·H flops). Exact up to summation order.
+Low precision (bf16/fp16 inputs, or autocast): the matmuls run in that dtype, like eager; softmax
+statistics and the dW/db accumulators are float32.
 
-Memory: saves hidden (as given, or its autocast copy) + lse (4 B/token) + target (as given);
-eager saves hidden + the N×V log-probabilities (4 B per logit in fp32) + target. Transient peak:
-one chunk of logits (chunk_size×V) instead of two to three N×V buffers. Backward writes dh into the
-saved hidden when ownership allows (NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``).
+Memory: 'mean'/'sum' with N >= H saves dh (N×H in the compute dtype, like the hidden it replaces)
++ dW (V×H, float32 or float64: parameter-sized, kept from forward to backward; only when W needs
+a gradient)
++ db (V); 'none' or N < H saves hidden (as given, or its autocast copy) + lse (4 B/token) + target.
+Eager saves hidden + the N×V log-probabilities (4 B per logit in fp32) + target. Transient peak:
+one chunk of logits (chunk_size×V) instead of two to three N×V buffers. Backward writes its result
+into the saved dh / dW (or dh into the saved hidden) when ownership allows (NOTE [Gradient-buffer
+ownership] in ``slimgrad/ownership.py``); under retain_graph=True it scales out of place.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
+from slimgrad._errors import internal_error
 
 __all__ = ["causal_lm_loss", "default_chunk_size", "linear_cross_entropy"]
 
@@ -119,6 +129,65 @@ def _bwd_torch(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, ne
     return dh, dw, db
 
 
+def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, need):
+    """Forward and gradients in one pass: (loss, dh, dW, db) for the per-token weights ``scale``.
+
+    loss as :func:`_fwd_torch`; (dh, dW, db) as :func:`_bwd_torch` with s_i = ``scale`` (the
+    reduction's weight, known in forward for 'mean'/'sum'), so backward only multiplies them by
+    the incoming scalar. Each chunk's logits are computed once and consumed by the two gradient
+    matmuls right away: 3 big matmuls in all, like eager. In full precision (float32/64) s_i
+    scales the chunk's hidden rows (dW) and dh rows, never the chunk×V buffer; in low precision
+    it scales dz in float32 before the cast, as :func:`_bwd_torch` does.
+    """
+    n, v = h.shape[0], weight.shape[0]
+    acc = _acc_dtype(h.dtype)
+    full = acc == h.dtype
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    need_dh, need_dw, need_db = need
+    loss = torch.empty(n, dtype=acc, device=h.device)
+    # dh contiguous whatever h's strides: backward views it as hidden's shape
+    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
+    db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        hc = h[s:e]
+        tc = safe_t[s:e, None]
+        sc = scale[s:e, None]
+        z = torch.nn.functional.linear(hc, weight, bias).to(acc)
+        lse = torch.logsumexp(z, dim=1, keepdim=True)
+        li = lse - (1.0 - eps) * z.gather(1, tc)
+        if eps:
+            li = li - (eps / v) * z.sum(1, keepdim=True)
+        loss[s:e] = li.squeeze(1)
+        # z becomes dz in place: softmax minus the smoothed one-hot (times s_i in low precision)
+        z.sub_(lse).exp_()
+        if eps:
+            z.sub_(eps / v)
+        z.scatter_add_(1, tc, torch.full_like(lse, eps - 1.0))
+        if not full:
+            z.mul_(sc)
+        if need_db:
+            if full:
+                db.addmv_(z.t(), sc.squeeze(1))
+            else:
+                db += z.sum(0)
+        if need_dw:
+            hs = hc * sc if full else hc.to(acc)
+            dw.addmm_(z.t(), hs)
+            del hs
+        if need_dh:
+            dc = torch.mm(z.to(h.dtype), weight)
+            if full:
+                dc.mul_(sc)
+            dh[s:e] = dc
+            del dc
+        del z
+    loss.masked_fill_(~valid, 0)
+    return loss, dh, dw, db
+
+
 def _to_save(hidden, h):
     # The hidden as given, or its compute-dtype copy. If it is a full, contiguous view of its base
     # (HF's ``last_hidden_state`` is ``ln_f(x).view(shape)``), the base itself: same storage and
@@ -140,12 +209,33 @@ def _to_save(hidden, h):
 
 class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, eps, reduction, chunk, cdt, odt):
-        # hidden (..., H), target (...) int64; cdt: compute dtype of the matmuls; odt: loss dtype
+    def forward(
+        ctx, hidden, weight, bias, target, ignore_index, eps, reduction, chunk, cdt, odt, need
+    ):
+        # hidden (..., H), target (...) int64; cdt: compute dtype of the matmuls; odt: loss dtype;
+        # need: (dh, dW, db) to compute now ('mean'/'sum' under grad mode), or None (recompute)
         h = hidden.reshape(-1, hidden.shape[-1]).to(cdt)
         w = weight.to(cdt)
         b = bias.to(cdt) if bias is not None else None
         t = target.reshape(-1)
+        ctx.cfg = (ignore_index, eps, reduction, chunk, cdt, hidden.dtype, tuple(hidden.shape))
+        ctx.pre = need is not None
+        ctx.wdt, ctx.bdt = weight.dtype, None if bias is None else bias.dtype
+        if need is not None:
+            # the gradients of the reduced loss (grad_output = 1) now; backward only scales them
+            acc = _acc_dtype(cdt)
+            valid = t != ignore_index
+            zero = torch.zeros((), dtype=acc, device=h.device)
+            if reduction == "mean":
+                count = valid.sum()
+                tok = torch.where(valid, 1.0 / count.to(acc), zero)
+            else:
+                tok = torch.where(valid, torch.ones((), dtype=acc, device=h.device), zero)
+            loss, dh, dw, db = _fwd_grad_torch(h, w, b, t, tok, ignore_index, eps, chunk, need)
+            del w, b, h
+            out = loss.sum() / count if reduction == "mean" else loss.sum()
+            ctx.save_for_backward(dh, dw, db)
+            return out.to(odt)
         loss, lse = _fwd_torch(h, w, b, t, ignore_index, eps, chunk)
         del w, b
         if reduction == "none":
@@ -155,7 +245,6 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         else:
             out = (loss.sum() / (t != ignore_index).sum()).to(odt)
         ctx.save_for_backward(_to_save(hidden, h), weight, bias, target, lse)
-        ctx.cfg = (ignore_index, eps, reduction, chunk, cdt, hidden.dtype, tuple(hidden.shape))
         return out
 
     @staticmethod
@@ -166,6 +255,38 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 f"{_API}: double backward is not supported; expected create_graph=False, got "
                 "create_graph=True. Use F.cross_entropy(F.linear(...)) for higher-order gradients."
             )
+        if ctx.pre:
+            # 'mean'/'sum': forward saved the gradients for grad_output = 1; scale them by the
+            # incoming scalar, out of place unless ownership grants the saved buffer (never under
+            # retain_graph=True, so a second backward reads them intact). take_saved is called
+            # here, in backward itself (NOTE [Gradient-buffer ownership]: no helper frames).
+            dh, dw, db = ctx.saved_tensors
+            hdt, hshape = ctx.cfg[5], ctx.cfg[6]
+            need = tuple(ctx.needs_input_grad[:3])
+            if (need[0] and dh is None) or (need[1] and dw is None) or (need[2] and db is None):
+                raise internal_error(f"{_API}: a gradient needed in backward was not computed")
+            gh = gw = gb = None
+            if need[0] and dh.dtype == hdt:
+                buf = ownership.take_saved(ctx, dh)
+                gh = buf.mul_(grad_out.to(hdt)) if buf is not None else dh * grad_out.to(hdt)
+                gh = gh.detach().view(hshape)
+            elif need[0]:
+                gh = dh.to(hdt).mul_(grad_out.to(hdt)).view(hshape)
+            del dh
+            if need[1] and dw.dtype == ctx.wdt:
+                buf = ownership.take_saved(ctx, dw)
+                gw = (
+                    buf.mul_(grad_out.to(dw.dtype))
+                    if buf is not None
+                    else dw * grad_out.to(dw.dtype)
+                )
+                gw = gw.detach()
+            elif need[1]:
+                gw = (dw * grad_out.to(dw.dtype)).to(ctx.wdt)
+            del dw
+            if need[2]:
+                gb = (db * grad_out.to(db.dtype)).to(ctx.bdt)
+            return gh, gw, gb, None, None, None, None, None, None, None, None
         gbuf = ownership.take(grad_out)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         ignore_index, eps, reduction, chunk, cdt, hdt, hshape = ctx.cfg
@@ -204,7 +325,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if db is not None:
             db = db.to(bias.dtype)
-        return dh, dw, db, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None
 
 
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size):
@@ -252,7 +373,16 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reductio
 
 
 def _linear_cross_entropy(
-    hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, upcast
+    hidden,
+    weight,
+    target,
+    bias,
+    ignore_index,
+    label_smoothing,
+    reduction,
+    chunk_size,
+    upcast,
+    precompute_grads=False,
 ):
     _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
     dev = hidden.device.type
@@ -280,6 +410,21 @@ def _linear_cross_entropy(
                 "vocabulary size."
             )
     chunk = chunk_size if chunk_size is not None else default_chunk_size(n, hidden.shape[-1], v)
+    # 'mean'/'sum' under grad mode: forward computes the gradients too (grad_output is a scalar,
+    # applied in backward), so the chunk logits are computed once. Decided here, outside the
+    # Function: its forward runs with grad mode off.
+    # dW is kept from forward to backward: only when asked (precompute_grads: speed over memory)
+    # and no larger than the N×V log-probs eager would keep (V·H <= N·V, i.e. N >= H); else the
+    # recompute path (4 matmuls, keeps only hidden + lse).
+    need = None
+    if precompute_grads and reduction != "none" and torch.is_grad_enabled():
+        need = (
+            hidden.requires_grad,
+            weight.requires_grad,
+            bias is not None and bias.requires_grad,
+        )
+        if not any(need) or (need[1] and n < hidden.shape[-1]):
+            need = None
     with torch.autocast(dev, enabled=False) if autocast else _nullctx():
         return _LinearCrossEntropyFn.apply(
             hidden,
@@ -292,6 +437,7 @@ def _linear_cross_entropy(
             chunk,
             cdt,
             odt,
+            need,
         )
 
 
@@ -312,13 +458,17 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    precompute_grads: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without keeping the logits.
 
     loss_i = lse_i − (1 − ε)·z_{i,t_i} − (ε/V)·Σ_j z_ij with z = hidden Wᵀ + b; ignored tokens
     contribute 0 and are not counted by 'mean' (all ignored: NaN, like torch).
 
-    Memory: saves hidden + lse (4 B/token) + target; eager saves hidden + the N×V log-probs.
+    Memory: by default saves hidden + lse (4 B/token) + target and recomputes each chunk's logits
+    in backward (4 matmuls where eager does 3); with ``precompute_grads=True`` ('mean'/'sum',
+    N >= H) saves dh + dW (V×H float32, parameter-sized) + db computed in forward (3 matmuls, as
+    fast as eager, but dW lives from forward to backward); eager saves hidden + the N×V log-probs.
 
     Args:
         hidden: (..., H) hidden states (the LM head's input).
@@ -329,6 +479,7 @@ def linear_cross_entropy(
         label_smoothing: ε in [0, 1], as torch's cross_entropy.
         reduction: 'mean', 'sum' or 'none' (then the result has target's shape).
         chunk_size: tokens per chunk; None picks :func:`default_chunk_size`.
+        precompute_grads: compute the gradients in forward (speed over memory; see Memory).
 
     Returns:
         The loss: a scalar, or per-token losses for reduction='none' (float32 under autocast).
@@ -344,7 +495,16 @@ def linear_cross_entropy(
         >>> linear_cross_entropy(h, w, t).backward()
     """
     return _linear_cross_entropy(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size, False
+        hidden,
+        weight,
+        target,
+        bias,
+        ignore_index,
+        label_smoothing,
+        reduction,
+        chunk_size,
+        False,
+        precompute_grads,
     )
 
 
@@ -358,6 +518,7 @@ def causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    precompute_grads: bool = False,
 ) -> torch.Tensor:
     """The HF causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``) from hidden states.
 
@@ -380,7 +541,7 @@ def causal_lm_loss(
         num_items_in_batch: HF's gradient-accumulation normaliser; None for the mean.
         shift_labels: already shifted labels (HF's ``shift_labels`` kwarg); then ``labels`` is
             ignored.
-        chunk_size: see :func:`linear_cross_entropy`.
+        chunk_size, precompute_grads: see :func:`linear_cross_entropy`.
 
     Returns:
         Scalar float32 loss.
@@ -391,7 +552,16 @@ def causal_lm_loss(
     shift_labels = shift_labels.to(hidden.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = _linear_cross_entropy(
-        hidden, weight, shift_labels, bias, ignore_index, 0.0, reduction, chunk_size, True
+        hidden,
+        weight,
+        shift_labels,
+        bias,
+        ignore_index,
+        0.0,
+        reduction,
+        chunk_size,
+        True,
+        precompute_grads,
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
