@@ -92,11 +92,15 @@ def _variants() -> Iterator[tuple[str, object, dict, dict]]:
             sig,
             const,
         )
-    for eps, dt in itertools.product((False, True), ("fp32", "bf16")):
-        yield f"ce_fwd[eps={eps},{dt}]", C._ce_fwd_kernel, {
-            "z_ptr": f"*{dt}", "t_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32",
-            "v": "i32", "stride": "i32", "ignore_index": "i32", "eps": "fp32",
-        }, {"HAS_EPS": eps, "BLOCK_V": 4096}  # fmt: skip
+    for eps, dt, grad in itertools.product((False, True), ("fp32", "bf16"), (False, True)):
+        sig = {"z_ptr": f"*{dt}", "t_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32",
+               "scale_ptr": "*fp32", "v": "i32", "stride": "i32", "ignore_index": "i32",
+               "eps": "fp32"}  # fmt: skip
+        const = {"HAS_EPS": eps, "GRAD": grad, "SCALE": grad and dt == "bf16", "BLOCK_V": 4096}
+        if not const["SCALE"]:
+            sig["scale_ptr"] = "constexpr"
+            const["scale_ptr"] = None
+        yield f"ce_fwd[eps={eps},{dt},grad={grad}]", C._ce_fwd_kernel, sig, const
     yield "ce_grad", C._ce_grad_kernel, {
         "z_ptr": "*fp32", "t_ptr": "*i64", "lse_ptr": "*fp32", "scale_ptr": "*fp32", "v": "i32",
         "stride": "i32", "ignore_index": "i32", "eps": "fp32",

@@ -35,8 +35,8 @@ _BLOCK_V = 4096
 
 @triton.jit
 def _ce_fwd_kernel(
-    z_ptr, t_ptr, loss_ptr, lse_ptr, v, stride, ignore_index, eps,
-    HAS_EPS: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr, t_ptr, loss_ptr, lse_ptr, scale_ptr, v, stride, ignore_index, eps,
+    HAS_EPS: tl.constexpr, GRAD: tl.constexpr, SCALE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
 
     row = tl.program_id(0).to(tl.int64)
@@ -68,6 +68,20 @@ def _ce_fwd_kernel(
         loss = loss - (eps / v) * tl.reduce(sum_vec, 0, add)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    if GRAD:  # second pass: z <- s (softmax(z) - (1 - eps) onehot(t) - eps / V), in place
+        s = 1.0
+        if SCALE:
+            s = tl.load(scale_ptr + row)
+        tt = tl.where(valid, t, 0)
+        start = v * 0
+        while start < v:
+            c = start + cols
+            msk = c < v
+            z = tl.load(zr + c, mask=msk, other=0.0).to(tl.float32)
+            p = tl.exp(z - lse) - eps / v
+            p = tl.where(c == tt, p - (1.0 - eps), p)
+            tl.store(zr + c, cast_out(p * s, z_ptr.dtype.element_ty), mask=msk)
+            start += BLOCK_V
 
 
 @triton.jit
@@ -109,10 +123,26 @@ def ce_fwd_chunk(
         lse = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
         _ce_fwd_kernel[(rows,)](
-            z, target, loss, lse, v, z.stride(0), int(ignore_index), float(eps),
-            HAS_EPS=bool(eps), BLOCK_V=_block_v(v), num_warps=num_warps(_block_v(v)),
+            z, target, loss, lse, None, v, z.stride(0), int(ignore_index), float(eps),
+            HAS_EPS=bool(eps), GRAD=False, SCALE=False, BLOCK_V=_block_v(v),
+            num_warps=num_warps(_block_v(v)),
         )  # fmt: skip
     return loss, lse
+
+
+def ce_fwd_grad_chunk_(z, target, ignore_index: int, eps: float, loss, scale=None):
+    """Loss per row into ``loss`` and, in place, z <- [scale *] (softmax(z) - (1 - eps)
+    onehot(target) - eps / V): lse, loss and the logits' gradient in one kernel (two reads of
+    the row, one write). Returns z."""
+    rows, v = z.shape
+    if rows:
+        lse = torch.empty(rows, dtype=torch.float32, device=z.device)
+        _ce_fwd_kernel[(rows,)](
+            z, target, loss, lse, scale, v, z.stride(0), int(ignore_index), float(eps),
+            HAS_EPS=bool(eps), GRAD=True, SCALE=scale is not None, BLOCK_V=_block_v(v),
+            num_warps=num_warps(_block_v(v)),
+        )  # fmt: skip
+    return z
 
 
 def ce_grad_chunk_(z, target, lse, scale, ignore_index: int, eps: float) -> torch.Tensor:
@@ -175,3 +205,40 @@ def _bwd_triton(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, n
             torch.mm(z.to(h.dtype), weight, out=dh[s:e])
         del z
     return dh, dw, db
+
+
+def _fwd_grad_triton(h, weight, bias, target, scale, ignore_index, eps, chunk, need):
+    """``_fwd_grad_torch``: (loss, dh, dW, db) with each chunk's lse, loss and dz from one
+    kernel between the matmuls."""
+    if not _supported(h) or not hasattr(_ref, "_fwd_grad_torch"):
+        return _ref._fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, need)
+    n, v = h.shape[0], weight.shape[0]
+    full = h.dtype == torch.float32
+    t = target.contiguous()
+    scale = scale.float().contiguous()
+    need_dh, need_dw, need_db = need
+    loss = torch.empty(n, dtype=torch.float32, device=h.device)
+    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=h.device) if need_db else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        hc, sc = h[s:e], scale[s:e]
+        z = torch.nn.functional.linear(hc, weight, bias).float()
+        # full precision: s_i scales hc / dh rows (as the PyTorch path); low: dz in float32
+        ce_fwd_grad_chunk_(z, t[s:e], ignore_index, eps, loss[s:e], None if full else sc)
+        if need_db:
+            if full:
+                db.addmv_(z.t(), sc)
+            else:
+                db += z.sum(0)
+        if need_dw:
+            dw.addmm_(z.t(), hc * sc[:, None] if full else hc.float())
+        if need_dh:
+            dc = torch.mm(z.to(h.dtype), weight)
+            if full:
+                dc.mul_(sc[:, None])
+            dh[s:e] = dc
+            del dc
+        del z
+    return loss, dh, dw, db
