@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 
 __all__ = ["dropout", "dropout_"]
@@ -144,6 +145,8 @@ _bwd_torch = _apply_mask_torch
 
 @custom_op("dropout_fwd", mutates_args=())
 def _dropout_fwd(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _backend.use_triton(x, auto=False):
+        return _backend.kernels("dropout")._fwd_triton(x, p)
     return _fwd_torch(x, p)
 
 
@@ -154,6 +157,8 @@ def _(x, p):
 
 @custom_op("dropout_fwd_", mutates_args=("x",))
 def _dropout_fwd_(x: torch.Tensor, p: float) -> torch.Tensor:
+    if _backend.use_triton(x, auto=False):
+        return _backend.kernels("dropout")._fwd_inplace_triton(x, p)
     return _fwd_inplace_torch(x, p)
 
 
@@ -164,6 +169,8 @@ def _(x, p):
 
 @custom_op("dropout_apply_mask", mutates_args=())
 def _dropout_apply_mask(g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool) -> torch.Tensor:
+    if _backend.use_triton(g, auto=False):
+        return _backend.kernels("dropout")._bwd_triton(g.contiguous(), bits, p, fused)
     return _apply_mask_torch(g.contiguous(), bits, p, fused)
 
 
@@ -176,6 +183,9 @@ def _backward(grad, bits, p, fused, owned):
     # owned: grad's buffer is dead (slimgrad.ownership.take granted it; never under torch.compile,
     # where take refuses): dx is written into it, eagerly, outside the custom op.
     if owned:
+        if _backend.use_triton(grad, auto=False):
+            k = _backend.kernels("dropout")
+            return k._bwd_triton(grad, bits, p, fused, inplace=True)
         return _apply_mask_torch(grad, bits, p, fused, inplace=True)
     # With create_graph the plain-PyTorch path runs so that double backward works.
     if torch.is_grad_enabled():

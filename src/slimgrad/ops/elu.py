@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
@@ -48,6 +49,15 @@ class _EluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, alpha: float, inplace: bool):
         ctx.alpha = alpha
+        if _backend.use_triton(x):
+            k = _backend.kernels("elu")
+            return forward_output_only(
+                ctx,
+                x,
+                inplace,
+                lambda t: k._fwd_triton(t, alpha),
+                lambda t: k._fwd_triton_(t, alpha),
+            )
         return forward_output_only(
             ctx,
             x,
@@ -60,6 +70,10 @@ class _EluFn(torch.autograd.Function):
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
+            own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
+            k = _backend.kernels("elu")
+            return k._bwd_triton(g, y, ctx.alpha, out=buf if own else None), None, None
         # eager only (take refuses under torch.compile): dx is written into g's dead buffer
         if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
             dx = torch.ops.aten.elu_backward.grad_input(

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
     SmoothSpec,
@@ -107,6 +108,8 @@ def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
 
 @custom_op("gelu_fwd", mutates_args=())
 def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _backend.use_triton(x):
+        return _backend.kernels("gelu")._fwd_triton(x, approximate)
     return smooth_fwd(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
 
 
@@ -119,6 +122,8 @@ def _(x, approximate):
 def _gelu_bwd(
     g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor, approximate: str
 ) -> Tensor:
+    if y is not None and _backend.use_triton(g):
+        return _backend.kernels("gelu")._bwd_triton(g, y, bits, idx, xs, approximate)
     return _bwd_torch(g, y, bits, idx, xs, approximate)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits_as
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
@@ -39,6 +40,15 @@ class _HardtanhFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, min_val: float, max_val: float, inplace: bool):
         ctx.bounds = (min_val, max_val)
+        if _backend.use_triton(x):
+            k = _backend.kernels("hardtanh")
+            return forward_output_only(
+                ctx,
+                x,
+                inplace,
+                lambda t: k._fwd_triton(t, min_val, max_val),
+                lambda t: k._fwd_triton_(t, min_val, max_val),
+            )
         return forward_output_only(
             ctx,
             x,
@@ -51,6 +61,10 @@ class _HardtanhFn(torch.autograd.Function):
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
+            own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
+            k = _backend.kernels("hardtanh")
+            return k._bwd_triton(g, y, *ctx.bounds, out=buf if own else None), None, None, None
         # eager only (take refuses under torch.compile): dx is written into g's dead buffer
         if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
             lo, hi = ctx.bounds

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
@@ -148,6 +149,11 @@ def _bwd_torch(
     return dx, dw, db
 
 
+def _bwd_impl(t: torch.Tensor):
+    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py
+    return _backend.kernels("layer_norm")._bwd_triton if _backend.use_triton(t) else _bwd_torch
+
+
 @custom_op("layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd(
     x: torch.Tensor,
@@ -156,6 +162,9 @@ def _layer_norm_fwd(
     bias: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _backend.use_triton(x):
+        k = _backend.kernels("layer_norm")
+        return k._fwd_triton(x, list(normalized_shape), weight, bias, eps)
     return _fwd_torch(x, list(normalized_shape), weight, bias, eps)
 
 
@@ -188,7 +197,7 @@ def _layer_norm_bwd(
     normalized_shape: Sequence[int],
     output_mask: Sequence[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dw, db = _bwd_torch(
+    dx, dw, db = _bwd_impl(y)(
         dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask
     )
     empty = y.new_empty(0)
@@ -224,7 +233,7 @@ class _LayerNormFn(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise no_double_backward("layer_norm")
         if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
-            dx, dw, db = _bwd_torch(
+            dx, dw, db = _bwd_impl(y)(
                 buf, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask, out=buf
             )
         else:

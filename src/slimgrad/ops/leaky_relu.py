@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import forward_output_only, needs_graph
 
@@ -45,6 +46,15 @@ class _LeakyReluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, negative_slope: float, inplace: bool):
         ctx.slope = negative_slope
+        if _backend.use_triton(x):
+            k = _backend.kernels("leaky_relu")
+            return forward_output_only(
+                ctx,
+                x,
+                inplace,
+                lambda t: k._fwd_triton(t, negative_slope),
+                lambda t: k._fwd_triton_(t, negative_slope),
+            )
         return forward_output_only(
             ctx,
             x,
@@ -57,6 +67,10 @@ class _LeakyReluFn(torch.autograd.Function):
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors
+        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
+            own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
+            k = _backend.kernels("leaky_relu")
+            return k._bwd_triton(g, y, ctx.slope, out=buf if own else None), None, None
         # eager only (take refuses under torch.compile): dx is written into g's dead buffer
         if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
             dx = torch.ops.aten.leaky_relu_backward.grad_input(

@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
 from slimgrad._errors import internal_error
+from slimgrad.kernels import _backend
 
 __all__ = ["causal_lm_loss", "default_chunk_size", "linear_cross_entropy"]
 
@@ -231,12 +232,18 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 tok = torch.where(valid, 1.0 / count.to(acc), zero)
             else:
                 tok = torch.where(valid, torch.ones((), dtype=acc, device=h.device), zero)
-            loss, dh, dw, db = _fwd_grad_torch(h, w, b, t, tok, ignore_index, eps, chunk, need)
+            fwd_grad = _fwd_grad_torch
+            if _backend.use_triton(h):
+                fwd_grad = _backend.kernels("linear_cross_entropy")._fwd_grad_triton
+            loss, dh, dw, db = fwd_grad(h, w, b, t, tok, ignore_index, eps, chunk, need)
             del w, b, h
             out = loss.sum() / count if reduction == "mean" else loss.sum()
             ctx.save_for_backward(dh, dw, db)
             return out.to(odt)
-        loss, lse = _fwd_torch(h, w, b, t, ignore_index, eps, chunk)
+        fwd = _fwd_torch
+        if _backend.use_triton(h):
+            fwd = _backend.kernels("linear_cross_entropy")._fwd_triton
+        loss, lse = fwd(h, w, b, t, ignore_index, eps, chunk)
         del w, b
         if reduction == "none":
             out = loss.to(odt).reshape(target.shape)
@@ -313,7 +320,10 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         w = weight.to(cdt)
         b = bias.to(cdt) if bias is not None else None
         dh_flat = dh_out.reshape(-1, h.shape[1]) if dh_out is not None else None
-        dh, dw, db = _bwd_torch(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
+        bwd = _bwd_torch
+        if _backend.use_triton(h):
+            bwd = _backend.kernels("linear_cross_entropy")._bwd_triton
+        dh, dw, db = bwd(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
         del w, b, h
         if dh is not None:
             # a detached alias when dh is the saved hidden: its storage, not its autograd identity

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
     SmoothSpec,
@@ -67,6 +68,8 @@ def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
 
 @custom_op("mish_fwd", mutates_args=())
 def _mish_fwd(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if _backend.use_triton(x):
+        return _backend.kernels("mish")._fwd_triton(x)
     return smooth_fwd(SPEC, x, _fwd_torch)
 
 
@@ -77,6 +80,8 @@ def _(x):
 
 @custom_op("mish_bwd", mutates_args=())
 def _mish_bwd(g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
+    if y is not None and _backend.use_triton(g):
+        return _backend.kernels("mish")._bwd_triton(g, y, bits, idx, xs)
     return _bwd_torch(g, y, bits, idx, xs)
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
@@ -79,10 +80,17 @@ def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, o
     return dx, dw
 
 
+def _bwd_impl(t: torch.Tensor):
+    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py
+    return _backend.kernels("rms_norm")._bwd_triton if _backend.use_triton(t) else _bwd_torch
+
+
 @custom_op("rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(
     x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None, eps: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _backend.use_triton(x):
+        return _backend.kernels("rms_norm")._fwd_triton(x, list(normalized_shape), weight, eps)
     return _fwd_torch(x, list(normalized_shape), weight, eps)
 
 
@@ -113,7 +121,7 @@ def _rms_norm_bwd(
     output_mask: Sequence[bool],
     x_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _bwd_torch(dy, y, rstd, idx, xside, weight, list(normalized_shape), output_mask)
+    dx, dw = _bwd_impl(y)(dy, y, rstd, idx, xside, weight, list(normalized_shape), output_mask)
     empty = y.new_empty(0)
     return (dx.to(x_dtype) if dx is not None else empty, dw if dw is not None else empty.clone())
 
@@ -143,7 +151,7 @@ class _RMSNormFn(torch.autograd.Function):
             raise no_double_backward("rms_norm")
         # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too
         if mask[0] and y.dtype == ctx.x_dtype and owns_layout(buf, y):
-            dx, dw = _bwd_torch(
+            dx, dw = _bwd_impl(y)(
                 buf, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, out=buf
             )
         else:
