@@ -131,7 +131,7 @@ def _apply_mask_torch(
     if fused:
         if inplace:  # the same kernel, its result written into g
             return torch.ops.aten.native_dropout_backward.out(g, mask, 1.0 / (1 - p), out=g)
-        return torch.native_dropout_backward(g, mask, 1.0 / (1 - p))
+        return torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1 - p))
     scale = _noise_scale(p, g.dtype, g.device)
     if 1.0 / (1 - p) >= torch.finfo(g.dtype).max:  # scale is inf in dtype: 0 * inf would be NaN
         noise = torch.where(mask, scale, torch.zeros((), dtype=g.dtype, device=g.device))
