@@ -424,3 +424,71 @@ def smooth_fake_side_info(x: torch.Tensor):
         x.new_empty(k, dtype=idx_dtype),
         x.new_empty(m),
     )
+
+
+def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact: Callable):
+    """Register ``slimgrad::<stem>_fwd`` / ``_bwd`` and build the Function pair of a one-argument
+    smooth activation (SiLU, Mish): the forward keeps (y, bits, side table), the backward reads
+    the gradient from them (NOTE [Gradient from the output]); Triton kernels on CUDA through
+    ``slimgrad.kernels._backend``.
+
+    Args:
+        stem: the op's stem (``"silu"``): names the custom ops, the kernels module, the Functions.
+        spec: its :class:`SmoothSpec`.
+        fwd_torch: ``x -> y``, eager's own forward.
+        bwd_exact: ``(g, x) -> dx``, eager's own backward from x (side table and dense fallback).
+
+    Returns:
+        ``(fwd_op, bwd_op, Fn, InplaceFn)``.
+    """
+    from slimgrad.kernels import _backend
+    from slimgrad.ops._library import custom_op
+
+    def _fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _backend.use_triton(x):
+            return _backend.kernels(stem)._fwd_triton(x)
+        return smooth_fwd(spec, x, fwd_torch)
+
+    def _bwd(
+        g: torch.Tensor,
+        y: torch.Tensor | None,
+        bits: torch.Tensor,
+        idx: torch.Tensor,
+        xs: torch.Tensor,
+    ) -> torch.Tensor:
+        if y is not None and _backend.use_triton(g):
+            return _backend.kernels(stem)._bwd_triton(g, y, bits, idx, xs)
+        return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact)
+
+    fwd_op = custom_op(f"{stem}_fwd", mutates_args=())(_fwd)
+    bwd_op = custom_op(f"{stem}_bwd", mutates_args=())(_bwd)
+
+    @fwd_op.register_fake
+    def _(x):
+        return (torch.empty_like(x), *smooth_fake_side_info(x))
+
+    @bwd_op.register_fake
+    def _(g, y, bits, idx, xs):
+        return g.new_empty(g.shape)
+
+    def forward(ctx, x):
+        return smooth_forward(ctx, x, fwd_op(x), False)
+
+    def backward(ctx, g, *_side):
+        no_double_backward(stem)
+        return bwd_op(g, *ctx.saved_tensors)
+
+    def forward_inplace(ctx, x):
+        return smooth_forward(ctx, x, fwd_op(x), True)
+
+    # named classes: autograd names the nodes after them (``_SiluFnBackward``)
+    name = f"_{stem.capitalize()}Fn"
+    fn = type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+    fn_inplace = type(
+        f"_{stem.capitalize()}InplaceFn", (fn,), {"forward": staticmethod(forward_inplace)}
+    )
+    return fwd_op, bwd_op, fn, fn_inplace

@@ -19,17 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad.kernels import _backend
-from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
     SmoothSpec,
     needs_graph,
-    no_double_backward,
     smooth_apply,
-    smooth_fake_side_info,
-    smooth_forward,
-    smooth_fwd,
     smooth_grad,
+    smooth_unary_op,
 )
 
 __all__ = ["silu", "silu_"]
@@ -66,45 +61,9 @@ def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
     return smooth_grad(SPEC, g, y, bits, idx, xs, _bwd_exact)
 
 
-@custom_op("silu_fwd", mutates_args=())
-def _silu_fwd(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if _backend.use_triton(x):
-        return _backend.kernels("silu")._fwd_triton(x)
-    return smooth_fwd(SPEC, x, _fwd_torch)
-
-
-@_silu_fwd.register_fake
-def _(x):
-    return (torch.empty_like(x), *smooth_fake_side_info(x))
-
-
-@custom_op("silu_bwd", mutates_args=())
-def _silu_bwd(g: Tensor, y: Tensor | None, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
-    if y is not None and _backend.use_triton(g):
-        return _backend.kernels("silu")._bwd_triton(g, y, bits, idx, xs)
-    return _bwd_torch(g, y, bits, idx, xs)
-
-
-@_silu_bwd.register_fake
-def _(g, y, bits, idx, xs):
-    return g.new_empty(g.shape)
-
-
-class _SiluFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor):
-        return smooth_forward(ctx, x, _silu_fwd(x), False)
-
-    @staticmethod
-    def backward(ctx, g, *_side):
-        no_double_backward("silu")
-        return _silu_bwd(g, *ctx.saved_tensors)
-
-
-class _SiluInplaceFn(_SiluFn):
-    @staticmethod
-    def forward(ctx, x: Tensor):
-        return smooth_forward(ctx, x, _silu_fwd(x), True)
+_silu_fwd, _silu_bwd, _SiluFn, _SiluInplaceFn = smooth_unary_op(
+    "silu", SPEC, _fwd_torch, _bwd_exact
+)
 
 
 def silu(input: Tensor, inplace: bool = False) -> Tensor:
