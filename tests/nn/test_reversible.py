@@ -1,5 +1,6 @@
 import copy
 import gc
+import json
 import math
 import warnings
 import weakref
@@ -607,8 +608,9 @@ def test_memory_flat_in_depth(exact):
     assert p8.saved_bytes - p4.saved_bytes >= 4 * 2 * x0.numel() * 4
 
 
-def test_bench_case_small():
+def test_bench_case_small(tmp_path):
     pytest.importorskip("slimgrad.memory")
+    from slimgrad.bench import harness
     from slimgrad.bench.cases import reversible as case
 
     plain, ckpt, rev, make_inputs = case.build(3, small=True)
@@ -619,8 +621,21 @@ def test_bench_case_small():
         res.append([x.grad, *[p.grad for p in m.parameters()]])
     torch.testing.assert_close(res[1], res[0])
     torch.testing.assert_close(res[2], res[0], rtol=1e-5, atol=1e-6)
-    (rec,) = case.run(depths=(3,), small=True, repeat=1)
-    assert rec["rev_saved_bytes"] == 2 * 8 * 8 * 8 * 4  # the chain output only
+    # `slimgrad bench reversible` runs the sweep through the shared harness
+    assert harness.get_case("reversible").run is case.run_sweep
+    assert "reversible_exact_n64" in harness.case_names()
+    out = case.run_sweep(depths=(3,), small=True, repeat=1, warmup=0, out_dir=tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "reversible.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["n_blocks"]) for r in recs] == [("rev", 3), ("ckpt", 3), ("exact", 3)]
+    assert out["case"] == "reversible" and len(out["suite_records"]) == 3
+    by = {r["variant"]: r for r in recs}
+    assert by["rev"]["slimgrad"]["saved_bytes"] == 2 * 8 * 8 * 8 * 4  # the chain output only
+    assert by["exact"]["slimgrad"]["saved_bytes"] == 2 * 8 * 8 * 8 * 8  # its float64 stream
     # checkpoint keeps its inputs in its hooks' closure: they show in retained, not saved, bytes
-    assert rec["plain_saved_bytes"] > rec["ckpt_retained_bytes"] > rec["rev_saved_bytes"]
-    assert rec["rev_peak_bytes"] < rec["plain_peak_bytes"]
+    assert by["ckpt"]["eager"]["saved_bytes"] > by["ckpt"]["slimgrad"]["retained_bytes"]
+    assert by["ckpt"]["slimgrad"]["retained_bytes"] > by["rev"]["slimgrad"]["saved_bytes"]
+    assert by["rev"]["slimgrad"]["peak_bytes"] < by["rev"]["eager"]["peak_bytes"]
+    assert by["exact"]["grads_bit_identical"] and by["ckpt"]["grads_bit_identical"]
+    assert by["exact"]["reconstruction_max_abs"] == 0.0
+    assert all(r["grad"]["ok"] for r in recs)
+    assert 0 < by["rev"]["fg_over_plain"] < 1

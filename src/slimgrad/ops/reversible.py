@@ -101,6 +101,37 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
     return _GridRoundFn.apply(t, float(2**grid_bits))
 
 
+# NOTE [Exact-mode arithmetic without float64 passes]
+# ``round(f * 2^b) * 2^-b`` is the same number whether computed in float32 or float64 when f is a
+# float32 (or bf16/fp16) value: scaling by a power of two is exact, and rounding a float to an
+# integer is exact in its own format (overflow, |f| >= 2^(128-b), gives inf and fails the range
+# check either way). So F's output is rounded in float32 (half the bytes of float64), kept as
+# integer-valued "grid units" u, and added to the float64 stream with ``alpha = 2^-b``:
+# ``xa + 2^-b * u`` (the product is exact, so the one rounding is the sum's, as in ``xa + h``).
+# Mixed-dtype elementwise ops (float64 += float32) are ~30x slower on CPU than same-dtype ones
+# (no vectorised casting loop), so u is cast to float64 once, and that cast is the only float64
+# pass besides the sum. Gradients: the straight-through rounding passes ``g.to(f.dtype)`` to F,
+# and F's input gradient is cast back to float64 before it is added to the stream's: the same
+# values and the same two-term sums as plain autograd of ``xa + grid_round(f)``.
+def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
+    rd = torch.float64 if f.dtype == torch.float64 else torch.float32
+    return torch.mul(f.to(rd), scale).round_().to(torch.float64)
+
+
+class _AddOnGridFn(torch.autograd.Function):
+    # xa + grid_round(f) for autograd (reversible=False, and the first-order recompute is not
+    # needed here): same values and gradients, fewer float64 passes (NOTE [Exact-mode arithmetic
+    # without float64 passes]).
+    @staticmethod
+    def forward(ctx, xa: torch.Tensor, f: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.f_dtype = f.dtype
+        return torch.add(xa, _grid_units(f, scale), alpha=1.0 / scale)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, g.to(ctx.f_dtype), None
+
+
 # --------------------------------------------------------------------------------------------- plan
 @dataclass
 class _Plan:
@@ -120,29 +151,56 @@ class _Plan:
     autocast: tuple = ()
     device: torch.device | None = None
     stream_max: torch.Tensor | None = None
-    forward_params: dict[int, dict] = field(default_factory=dict)  # id(module) -> its parameters
+    # id(F, G or block) -> [(submodule, name, qualified name, parameter)] as seen in forward
+    forward_params: dict[int, list] = field(default_factory=dict)
+    bn_layers: dict[int, list] = field(default_factory=dict)  # id(module) -> BatchNorms inside
+
+    @property
+    def scale(self) -> float:
+        return float(2**self.grid_bits)
 
 
 def _is_coupling(blk: nn.Module) -> bool:
     return getattr(blk, "_slimgrad_coupling", None) in ("additive", "affine")
 
 
-def _sub(plan: _Plan, fn: nn.Module, xb: torch.Tensor, replay: bool = False) -> torch.Tensor:
+def _call(plan: _Plan, fn: nn.Module, xb: torch.Tensor, replay: bool = False) -> torch.Tensor:
+    # F or G on a stream half; exact mode runs it in the compute dtype and leaves the rounding to
+    # the caller (NOTE [Exact-mode arithmetic without float64 passes]).
     call = _as_in_forward(plan, fn) if replay else fn
-    if plan.exact:
-        return grid_round(call(xb.to(plan.compute_dtype)), plan.grid_bits)
-    return call(xb)
+    return call(xb.to(plan.compute_dtype) if plan.exact else xb)
+
+
+def _coupled(
+    plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
+    # ya = c(xa, h), h = F(xb) as returned by _call. ``inplace`` (exact mode, no grad): xa is a
+    # stream tensor of ours that no one else sees.
+    if not plan.exact:
+        return _half_fwd(blk, xa, h)
+    if torch.is_grad_enabled() and (xa.requires_grad or h.requires_grad):
+        return _AddOnGridFn.apply(xa, h, plan.scale)
+    u = _grid_units(h, plan.scale)
+    return xa.add_(u, alpha=1.0 / plan.scale) if inplace else xa.add(u, alpha=1.0 / plan.scale)
+
+
+def _uncoupled(
+    plan: _Plan, blk: nn.Module, ya: torch.Tensor, h: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
+    # xa = c^-1(ya, h), no grad; ``inplace`` writes into ya (a rebuilt tensor of ours).
+    if not plan.exact:
+        return _half_inv(blk, ya, h, inplace=inplace)
+    u = _grid_units(h, plan.scale)
+    return ya.sub_(u, alpha=1.0 / plan.scale) if inplace else ya.sub(u, alpha=1.0 / plan.scale)
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
     # The recompute must use the tensors forward used. Under torch.func.functional_call the module's
     # parameters are swapped only during forward; replay the swap so gradients reach them.
-    rec = plan.forward_params.get(id(fn))
-    if rec is None:
+    entries = plan.forward_params.get(id(fn))
+    if entries is None or all(sub._parameters.get(n) is p for sub, n, _, p in entries):
         return fn
-    now = dict(fn.named_parameters(remove_duplicate=False))
-    if now.keys() == rec.keys() and all(now[k] is v for k, v in rec.items()):
-        return fn
+    rec = {q: p for _, _, q, p in entries}
     return lambda x: torch.func.functional_call(fn, rec, (x,), strict=False)
 
 
@@ -196,14 +254,20 @@ def _autocast(state: tuple) -> Iterator[None]:
         yield
 
 
+def _bn_layers(plan: _Plan | None, module: nn.Module) -> list:
+    key = id(module)
+    found = plan.bn_layers.get(key) if plan is not None else None
+    if found is None:
+        found = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if plan is not None:
+            plan.bn_layers[key] = found
+    return found
+
+
 @contextlib.contextmanager
-def _stats_frozen(module: nn.Module) -> Iterator[None]:
+def _stats_frozen(module: nn.Module, plan: _Plan | None = None) -> Iterator[None]:
     # Recompute uses batch statistics (as forward did) without updating running stats a second time.
-    flipped = [
-        m
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
+    flipped = [m for m in _bn_layers(plan, module) if m.training and m.track_running_stats]
     for m in flipped:
         m.track_running_stats = False
     try:
@@ -217,12 +281,21 @@ def _stats_frozen(module: nn.Module) -> Iterator[None]:
 def _recompute(plan: _Plan, module: nn.Module, rng_state: tuple | None) -> Iterator[None]:
     if rng_state is not None:
         _rng_set(rng_state, plan.device)
-    with _stats_frozen(module), _autocast(plan.autocast):
+    # Entering torch.autocast costs more than a small F; skip it when backward already runs in the
+    # forward's autocast state (the common case: both off).
+    same = _autocast_state(plan.device) == plan.autocast
+    with (
+        _stats_frozen(module, plan),
+        contextlib.nullcontext() if same else _autocast(plan.autocast),
+    ):
         yield
 
 
 # ------------------------------------------------------------------------------------ diagnostics
-_SAMPLE_IDX: dict[tuple, tuple] = {}
+# NOTE [Reconstruction diagnostic]: forward keeps DIAG_SAMPLES elements of every block input half
+# (spread over the tensor, gathered with one ``take`` each: views need no copy); backward gathers
+# the same elements of each rebuilt input, and one vectorised pass at the end compares them all.
+_SAMPLE_IDX: dict[tuple, torch.Tensor] = {}
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -230,18 +303,39 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     idx = _SAMPLE_IDX.get(key)
     if idx is None:
         n, k = t.numel(), min(DIAG_SAMPLES, t.numel())
-        lin = torch.arange(k, device=t.device) * (n - 1) // max(k - 1, 1)  # spread, in bounds
-        idx = (lin, torch.unravel_index(lin, t.shape))
+        idx = torch.arange(k, device=t.device) * (n - 1) // max(k - 1, 1)  # spread, in bounds
         if len(_SAMPLE_IDX) > 64:
             _SAMPLE_IDX.clear()
         _SAMPLE_IDX[key] = idx
-    if t.is_contiguous():  # a gather of k elements (the multi-index path is ~100x slower)
-        return t.detach().view(-1).index_select(0, idx[0])
-    return t.detach()[idx[1]]
+    return torch.take(t.detach(), idx)
 
 
 def _samples(stream: tuple) -> tuple:
     return tuple(_sample(s) for s in stream)
+
+
+def _sample_diffs(refs: tuple, rebuilt: tuple) -> tuple:
+    # rebuilt samples minus forward samples, per stream part (no extra memory beyond the refs')
+    return tuple(_sample(t) - r for t, r in zip(rebuilt, refs, strict=True))
+
+
+def _sample_errors(refs: list[tuple], diffs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    # Per block: max |rebuilt - ref| and max |ref| over its samples, as float64 vectors.
+    inf = float("inf")
+    err = torch.stack([e.double() for e in torch._foreach_norm([t for d in diffs for t in d], inf)])
+    scale = torch.stack(
+        [s.double() for s in torch._foreach_norm([t for r in refs for t in r], inf)]
+    )
+    parts = {len(r) for r in refs}
+    if len(parts) == 1:
+        k = parts.pop()
+        return err.view(-1, k).amax(1), scale.view(-1, k).amax(1)
+    ends = torch.tensor([len(r) for r in refs]).cumsum(0).tolist()
+    starts = [0, *ends[:-1]]
+    return (
+        torch.stack([err[i:j].amax() for i, j in zip(starts, ends)]),
+        torch.stack([scale[i:j].amax() for i, j in zip(starts, ends)]),
+    )
 
 
 def _track_max(plan: _Plan, *ts: torch.Tensor) -> None:
@@ -273,18 +367,24 @@ def _to_full(stream: tuple, dim: int) -> tuple:
     return stream if len(stream) == 1 else (torch.cat(stream, dim=dim),)
 
 
-def _block_fwd(plan: _Plan, blk: nn.Module, stream: tuple, record: bool) -> tuple:
+def _block_fwd(
+    plan: _Plan, blk: nn.Module, stream: tuple, record: bool, inplace: bool = False
+) -> tuple:
     # One block forward; with ``record``, capture what its backward needs (RNG states, samples).
+    # ``inplace``: the stream halves are fresh tensors of ours that nothing else sees (exact mode
+    # under no_grad, after the first block), so the sums may overwrite them.
     if _is_coupling(blk):
         a, b = _to_halves(stream, plan.split_dim)
+        if len(stream) != 2:
+            inplace = False  # halves of the chain input (a view of a tensor we may not own)
         if record:
             plan.samples.append(_samples((a, b)))
             rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
-        a = _half_fwd(blk, a, _sub(plan, blk.F, b))
+        a = _coupled(plan, blk, a, _call(plan, blk.F, b), inplace and _private(plan, a))
         if record:
             rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
             plan.rng.append((rng_f, rng_g))
-        b = _half_fwd(blk, b, _sub(plan, blk.G, a))
+        b = _coupled(plan, blk, b, _call(plan, blk.G, a), inplace and _private(plan, b))
         if plan.exact:
             _track_max(plan, a, b)
         return a, b
@@ -293,6 +393,11 @@ def _block_fwd(plan: _Plan, blk: nn.Module, stream: tuple, record: bool) -> tupl
         plan.samples.append(_samples((x,)))
         plan.rng.append((_rng_get(plan.device) if plan.preserve_rng_state else None, None))
     return (blk(x),)
+
+
+def _private(plan: _Plan, t: torch.Tensor) -> bool:
+    # F and G saw t only through a dtype cast (a copy) unless they run in float64 themselves.
+    return plan.compute_dtype != torch.float64 or _sole(t)
 
 
 def _finish(plan: _Plan, stream: tuple) -> torch.Tensor:
@@ -319,8 +424,14 @@ def _sole(t: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
-def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    # Gradients are summed out of place: a hook may hold either operand.
+def _add(
+    a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    # Gradients are summed out of place (a hook may hold either operand), except into b's cast to
+    # the stream dtype (exact mode): that copy is ours alone. Two-term sums: order is irrelevant.
+    if b is not None and dtype is not None and b.dtype != dtype:
+        b = b.to(dtype)
+        return b if a is None else b.add_(a)
     if a is None:
         return b
     if b is None:
@@ -342,29 +453,33 @@ def _half_bwd(
     need_xa: bool,
 ) -> tuple:
     # ya = c(xa, fn(xb)): rebuild xa from ya and xb with ONE evaluation of fn, and return
-    # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn.
-    # ya is overwritten with xa when we own it (a tensor we rebuilt ourselves).
+    # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn (in fn's
+    # input dtype; the caller adds it to the stream's). ya is overwritten with xa when we own it
+    # (a tensor we rebuilt ourselves).
     additive = blk._slimgrad_coupling == "additive"
     with torch.enable_grad():
-        xb_l = xb.detach().requires_grad_(need_xb)
+        xin = xb.to(plan.compute_dtype) if plan.exact else xb
+        xb_l = xin.detach().requires_grad_(need_xb)
+        del xin
         with _recompute(plan, fn, rng_state):
-            h = _sub(plan, fn, xb_l, replay=True)
+            h = _call(plan, fn, xb_l, replay=True)
         with torch.no_grad():
-            xa = _half_inv(blk, ya, h.detach(), inplace=ya_own and _sole(ya))
+            xa = _uncoupled(plan, blk, ya, h.detach(), inplace=ya_own and _sole(ya))
         del ya
         if additive:
-            outs, dxa = h, dya
+            # straight-through rounding in exact mode: fn's output gradient is dya in its dtype
+            outs, dxa, gout = h, dya, dya.to(h.dtype)
             inputs = [xb_l if need_xb else None, *params]
         else:
             xa_l = xa.detach().requires_grad_(need_xa)
-            outs, dxa = _half_fwd(blk, xa_l, h), None
+            outs, dxa, gout = _half_fwd(blk, xa_l, h), None, dya
             inputs = [xb_l if need_xb else None, xa_l if need_xa else None, *params]
         del h
         if outs.requires_grad:
-            got = _grad(outs, inputs, dya)
+            got = _grad(outs, inputs, gout)
         else:
             got = [None] * len(inputs)
-        del outs, inputs
+        del outs, inputs, gout
     dxb = got[0]
     if not additive:
         dxa = got[1]
@@ -388,6 +503,7 @@ def _block_bwd(
     rng_f, rng_g = plan.rng[i]
     ystream, y_own, dstream = state
     state[:] = [None, False, None]
+    sdt = torch.float64 if plan.exact else None  # exact: the stream's gradient is float64
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
@@ -401,7 +517,7 @@ def _block_bwd(
         del y2, dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
-        dy1 = _add(dy1, dz)
+        dy1 = _add(dy1, dz, sdt)
         del dz
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
@@ -411,14 +527,14 @@ def _block_bwd(
         del y1, dy1
         _accumulate(pgrads, f_idx, df)
         del df
-        dx2 = _add(dx2, df2) if need_upstream else None
+        dx2 = _add(dx2, df2, sdt) if need_upstream else None
         state[:] = [(x1, x2), True, (dx1, dx2)]
         return
     (idx,) = groups
     (y,) = _to_full(ystream, plan.split_dim)
     (dy,) = _to_full(dstream, plan.split_dim)
     del ystream, dstream
-    with torch.no_grad(), _stats_frozen(blk), _autocast(plan.autocast):
+    with torch.no_grad(), _stats_frozen(blk, plan), _autocast(plan.autocast):
         x = blk.inverse(y)
     del y
     with torch.enable_grad():
@@ -438,29 +554,58 @@ def _accumulate(pgrads: dict[int, torch.Tensor], idx: list[int], grads: Sequence
             pgrads[j] = g if j not in pgrads else pgrads[j] + g
 
 
-def _param_groups(
-    blocks: Sequence[nn.Module], flat: Sequence[torch.Tensor]
-) -> list[list[list[int]]]:
-    index = {id(p): j for j, p in enumerate(flat)}
+def _walk(m: nn.Module, path: str, entries: list, bns: list) -> None:
+    # named_parameters(remove_duplicate=False) and the BatchNorms, in one plain recursion (the
+    # generator-based walkers cost ~5x more per module).
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        bns.append(m)
+    for n, p in m._parameters.items():
+        if p is not None:
+            entries.append((m, n, f"{path}{n}", p))
+    for name, sub in m._modules.items():
+        if sub is not None:
+            _walk(sub, f"{path}{name}.", entries, bns)
 
-    def idx(m: nn.Module) -> list[int]:
-        return [index[id(p)] for p in m.parameters() if id(p) in index]
 
-    groups = []
-    for blk in blocks:
-        if _is_coupling(blk):
-            groups.append([idx(blk.F), idx(blk.G)])
-        else:
-            groups.append([idx(blk)])
-    return groups
+def _param_table(plan: _Plan) -> list[torch.Tensor]:
+    # One walk over every F and G (or non-coupling block): the Function's parameter inputs (those
+    # requiring grad, each once), per block the indices of F's and G's, and the parameters as seen
+    # now (for _as_in_forward). Walking the modules is the dominant Python cost of a small block,
+    # so it happens once per forward.
+    flat: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    plan.block_params = []
+    for blk in plan.blocks:
+        groups = []
+        for m in (blk.F, blk.G) if _is_coupling(blk) else (blk,):
+            entries: list[tuple] = []
+            bns: list[nn.Module] = []
+            _walk(m, "", entries, bns)
+            plan.forward_params[id(m)] = entries
+            plan.bn_layers[id(m)] = bns
+            ids: list[int] = []
+            for *_, p in entries:
+                if not p.requires_grad:
+                    continue
+                j = index.get(id(p))
+                if j is None:
+                    j = index[id(p)] = len(flat)
+                    flat.append(p)
+                if j not in ids:
+                    ids.append(j)
+            groups.append(ids)
+        plan.block_params.append(groups)
+    return flat
 
 
 # ------------------------------------------------------------------------ forward and backward
 def _fwd_torch(plan: _Plan, x: torch.Tensor, record: bool) -> torch.Tensor:
-    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs.
+    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs. In exact
+    # mode without grad the stream is ours after the first block: sums go in place.
+    inplace = plan.exact and not torch.is_grad_enabled()
     stream: tuple = (x,)
     for blk in plan.blocks:
-        stream = _block_fwd(plan, blk, stream, record=record)
+        stream = _block_fwd(plan, blk, stream, record=record, inplace=inplace)
     return _finish(plan, stream)
 
 
@@ -470,7 +615,7 @@ def _bwd_torch(
     # Walk the blocks in reverse from the output: returns (dx or None, {param index: grad}).
     first_needed = _first_block_needing(plan, need_params)
     pgrads: dict[int, torch.Tensor] = {}
-    errors, scales = [], []
+    diffs: list[tuple] = []  # per rebuilt block input: sampled rebuilt - forward values
     state = [(y,), False, (dy,)]
     del y, dy
     devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
@@ -478,16 +623,15 @@ def _bwd_torch(
         for i in range(len(plan.blocks) - 1, -1, -1):
             need_upstream = need_x or i > first_needed
             _block_bwd(plan, i, plan.blocks[i], state, plan.flat_params, need_upstream, pgrads)
-            err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, state[0]))
-            errors.append(err)
-            scales.append(scale)
+            diffs.append(_sample_diffs(plan.samples[i], _rebuilt_for(plan, i, state[0])))
             if not need_upstream and i <= first_needed:
                 break
     dstream = state[2]
     state.clear()
-    if plan.sink is not None and errors:
-        first = len(plan.blocks) - len(errors)
-        plan.sink._record_reconstruction(first, errors[::-1], scales[::-1])
+    if plan.sink is not None and diffs:
+        first = len(plan.blocks) - len(diffs)
+        errors, scales = _sample_errors(plan.samples[first:], diffs[::-1])
+        plan.sink._record_reconstruction(first, errors, scales)
     return (_finish(plan, dstream) if need_x else None), pgrads
 
 
@@ -515,14 +659,6 @@ class _ReversibleChainFn(torch.autograd.Function):
         (y,) = ctx.saved_tensors
         dx, pgrads = _bwd_torch(plan, y, dy, ctx.needs_input_grad[1], ctx.needs_input_grad[2:])
         return (None, dx, *[pgrads.get(j) for j in range(len(plan.flat_params))])
-
-
-def _sample_error(refs: tuple, rebuilt: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    err = torch.stack(
-        [(_sample(t).double() - ref.double()).abs().max() for ref, t in zip(refs, rebuilt)]
-    )
-    scale = torch.stack([s.double().abs().max() for s in refs])
-    return err.max(), scale.max()
 
 
 def _rebuilt_for(plan: _Plan, i: int, stream: tuple) -> tuple:
@@ -575,13 +711,6 @@ def reversible_sequential(
     Memory: saves y (plus 10 KiB of RNG state per block); eager saves every activation of every
     block.
     """
-    flat = []
-    seen = set()
-    for blk in blocks:
-        for p in blk.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                flat.append(p)
     plan = _Plan(
         blocks=list(blocks),
         split_dim=split_dim,
@@ -592,13 +721,10 @@ def reversible_sequential(
         sink=sink,
     )
     x_in = grid_round(x, grid_bits) if exact else x
+    flat = _param_table(plan) if torch.is_grad_enabled() and reversible else []
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or bool(flat))
     if reversible and needs_graph and len(plan.blocks) > 0:
         plan.flat_params = flat
-        plan.block_params = _param_groups(plan.blocks, flat)
-        for blk in plan.blocks:
-            for m in (blk.F, blk.G) if _is_coupling(blk) else (blk,):
-                plan.forward_params[id(m)] = dict(m.named_parameters(remove_duplicate=False))
         y = _apply(plan, x_in, flat)
     else:
         y = _fwd_torch(plan, x_in, record=False)
@@ -664,9 +790,9 @@ def reconstruction_error(
             if _is_coupling(blk):
                 y1, y2 = _to_halves(stream, split_dim)
                 with _recompute(plan, blk.G, rng_g):
-                    x2 = _half_inv(blk, y2, _sub(plan, blk.G, y1))
+                    x2 = _uncoupled(plan, blk, y2, _call(plan, blk.G, y1))
                 with _recompute(plan, blk.F, rng_f):
-                    x1 = _half_inv(blk, y1, _sub(plan, blk.F, x2))
+                    x1 = _uncoupled(plan, blk, y1, _call(plan, blk.F, x2))
                 stream = (x1, x2)
                 ref = _to_halves(inputs[i], split_dim)
             else:
