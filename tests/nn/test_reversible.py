@@ -190,6 +190,47 @@ def test_float_mode_reports_reconstruction_error():
     assert check_invertible(ex, x.detach()) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, F64])
+def test_grid_rounding_in_low_precision_equals_float64(dtype):
+    # NOTE [Exact-mode arithmetic without float64 passes]: F's output is rounded onto the grid in
+    # float32 (or float64 for float64 F) and added as grid units; it must be the float64 result.
+    from slimgrad.ops.reversible import _grid_units, grid_round
+
+    bits = 20
+    s = 2.0**bits
+    k = torch.arange(-6, 7, dtype=F64)
+    ties = (k + 0.5) / s  # exact ties: round half to even on the grid
+    vals = torch.cat(
+        [
+            ties,
+            torch.tensor(
+                [0.0, -0.0, 2.0**-30, -(2.0**-21), 2.0**-149, 1e-3, -7.25, 3e8, -(2.0**40)]
+            ),
+            torch.randn(2000, dtype=F64) * torch.logspace(-8, 8, 2000, dtype=F64),
+        ]
+    ).to(dtype)
+    want = grid_round(vals, bits)
+    got = _grid_units(vals, s) / s
+    assert got.dtype == F64
+    assert torch.equal(got, want)
+    assert torch.equal(got.signbit(), want.signbit())  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_exact_mode_bit_identical_in_each_dtype(dtype):
+    # float32 F: the float32 rounding path; float64 F: the stream is F's input itself (in-place
+    # forward sums only where nothing aliases it)
+    blocks = [b.to(dtype) for b in additive_blocks(6, 5, seed=5)]
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(2, 5, 6, 6, dtype=dtype) * 4
+    r = torch.randn(2, 5, 6, 6, dtype=dtype)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+    assert_equal_list(got, want)
+    assert rev.last_reconstruction.max_abs == 0.0
+
+
 def test_exact_mode_range_overflow_raises():
     rev = ReversibleSequential(*additive_blocks(2, 4), exact=True, grid_bits=50)
     x = torch.full((1, 4, 3, 3), 100.0, requires_grad=True)
@@ -277,11 +318,13 @@ def test_output_of_relu_feeds_the_chain():
     torch.testing.assert_close(res[0], res[1])
 
 
-def test_hook_captured_tensors_are_untouched():
+@pytest.mark.parametrize("exact", [False, True])
+def test_hook_captured_tensors_are_untouched(exact):
     # Hooks on the chain and inside F/G (these fire again in the recompute) keep references to
     # their inputs; the rebuild must not overwrite them (rebuilt buffers are reused in place only
-    # when nothing else aliases them).
-    rev, _ = pair(additive_blocks(3, 4))
+    # when nothing else aliases them). Exact mode in float64 hands F and G the stream itself, and
+    # its forward sums in place only into stream tensors nothing else aliases.
+    rev, _ = pair(additive_blocks(3, 4), exact=exact)
     seen: dict = {}
     rev.register_forward_hook(lambda m, inp, out: seen.setdefault("chain", []).append(inp[0]))
     for i, blk in enumerate(rev):

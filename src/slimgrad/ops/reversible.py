@@ -164,11 +164,15 @@ def _is_coupling(blk: nn.Module) -> bool:
     return getattr(blk, "_slimgrad_coupling", None) in ("additive", "affine")
 
 
-def _call(plan: _Plan, fn: nn.Module, xb: torch.Tensor, replay: bool = False) -> torch.Tensor:
+def _call(plan: _Plan, fn: nn.Module, xb: torch.Tensor) -> torch.Tensor:
     # F or G on a stream half; exact mode runs it in the compute dtype and leaves the rounding to
     # the caller (NOTE [Exact-mode arithmetic without float64 passes]).
-    call = _as_in_forward(plan, fn) if replay else fn
-    return call(xb.to(plan.compute_dtype) if plan.exact else xb)
+    if not plan.exact:
+        return fn(xb)
+    t = xb.to(plan.compute_dtype)
+    # float64 F gets the stream itself: without grad, hand it an alias, so that a hook keeping it
+    # shows in the storage's use count and the in-place sums (_private) leave it alone
+    return fn(t.detach() if t is xb and not torch.is_grad_enabled() else t)
 
 
 def _coupled(
@@ -462,7 +466,7 @@ def _half_bwd(
         xb_l = xin.detach().requires_grad_(need_xb)
         del xin
         with _recompute(plan, fn, rng_state):
-            h = _call(plan, fn, xb_l, replay=True)
+            h = _as_in_forward(plan, fn)(xb_l)  # xb_l is in the compute dtype already
         with torch.no_grad():
             xa = _uncoupled(plan, blk, ya, h.detach(), inplace=ya_own and _sole(ya))
         del ya
