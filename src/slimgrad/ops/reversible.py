@@ -116,14 +116,24 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
 # check either way). So F's output is rounded in float32 (half the bytes of float64), kept as
 # integer-valued "grid units" u, and added to the float64 stream with ``alpha = 2^-b``:
 # ``xa + 2^-b * u`` (the product is exact, so the one rounding is the sum's, as in ``xa + h``).
-# Mixed-dtype elementwise ops (float64 += float32) are ~30x slower on CPU than same-dtype ones
-# (no vectorised casting loop), so u is cast to float64 once, and that cast is the only float64
-# pass besides the sum. Gradients: the straight-through rounding passes ``g.to(f.dtype)`` to F,
-# and F's input gradient is cast back to float64 before it is added to the stream's: the same
-# values and the same two-term sums as plain autograd of ``xa + grid_round(f)``.
+# In place (``xa.add_(u, alpha=...)``, u float32) the cast happens inside the sum's loop at the
+# speed of a float64 add; out of place, a mixed-dtype add is ~40x slower on CPU (measured, torch
+# 2.13), so there u is cast to float64 first. Gradients: the straight-through rounding passes
+# ``g.to(f.dtype)`` to F, and F's input gradient is cast back to float64 before it is added to
+# the stream's: the same values and the same two-term sums as plain autograd of
+# ``xa + grid_round(f)``.
 def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
+    # round(f * scale), integer-valued, in float32 (float64 for float64 f)
     rd = torch.float64 if f.dtype == torch.float64 else torch.float32
-    return torch.mul(f.to(rd), scale).round_().to(torch.float64)
+    return torch.mul(f.to(rd), scale).round_()
+
+
+def _add_units(xa: torch.Tensor, u: torch.Tensor, alpha: float, inplace: bool) -> torch.Tensor:
+    # xa + alpha * u with xa float64 on the grid (NOTE [Exact-mode arithmetic without float64
+    # passes])
+    if inplace:
+        return xa.add_(u, alpha=alpha)
+    return torch.add(xa, u.to(xa.dtype), alpha=alpha)
 
 
 class _AddOnGridFn(torch.autograd.Function):
@@ -133,7 +143,7 @@ class _AddOnGridFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xa: torch.Tensor, f: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.f_dtype = f.dtype
-        return torch.add(xa, _grid_units(f, scale), alpha=1.0 / scale)
+        return _add_units(xa, _grid_units(f, scale), 1.0 / scale, inplace=False)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -192,8 +202,7 @@ def _coupled(
         return _half_fwd(blk, xa, h)
     if torch.is_grad_enabled() and (xa.requires_grad or h.requires_grad):
         return _AddOnGridFn.apply(xa, h, plan.scale)
-    u = _grid_units(h, plan.scale)
-    return xa.add_(u, alpha=1.0 / plan.scale) if inplace else xa.add(u, alpha=1.0 / plan.scale)
+    return _add_units(xa, _grid_units(h, plan.scale), 1.0 / plan.scale, inplace)
 
 
 def _uncoupled(
@@ -202,8 +211,7 @@ def _uncoupled(
     # xa = c^-1(ya, h), no grad; ``inplace`` writes into ya (a rebuilt tensor of ours).
     if not plan.exact:
         return _half_inv(blk, ya, h, inplace=inplace)
-    u = _grid_units(h, plan.scale)
-    return ya.sub_(u, alpha=1.0 / plan.scale) if inplace else ya.sub(u, alpha=1.0 / plan.scale)
+    return _add_units(ya, _grid_units(h, plan.scale), -1.0 / plan.scale, inplace)
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
