@@ -2,13 +2,13 @@
 
 F = G = conv3x3(32, 32) + ReLU, input 8x64x32x32 fp32 (``small``: 2x8x8x8), loss
 ``(chain(x) * r).sum()``; every model is built from the same blocks (same weights). Cases for the
-shared harness (``slimgrad bench NAME``), eager side = the plain chain in each:
+shared harness, eager side = the plain chain in each member:
 
 - ``reversible_n{N}``: slim = ``ReversibleSequential`` (float mode);
 - ``reversible_ckpt_n{N}``: slim = the same blocks, each under ``torch.utils.checkpoint``;
 - ``reversible_exact_n{N}``: exact mode; its eager side is plain autograd of the same fixed-point
   network (``ReversibleSequential(..., exact=True, reversible=False)``);
-- ``reversible``: the sweep: all of the above at N = 4, 8, 16, 32, 64, one harness record each
+- ``slimgrad bench reversible``: the sweep: all of the above at N = 4, 8, 16, 32, 64, one record each
   (peak/saved bytes, interleaved time ratio with spread, float64 gradient-rule check), appended to
   ``benchmarks/results/reversible.jsonl`` with ``n_blocks``, ``variant``, the sampled
   reconstruction error, whether the gradients equal the eager side's bit for bit, and (float
@@ -253,7 +253,9 @@ def _case(variant: str, n: int) -> harness.Case:
 
 
 _build_sweep = functools.partial(_pair, "rev", DEPTHS[-1])
-CASES = [_case(v, n) for n in DEPTHS for v in VARIANTS] + [
+# Only the sweep is registered (``slimgrad bench --all`` runs each member once); one member alone:
+# ``run_sweep(depths=(64,), variants=("exact",), out_dir=...)`` or ``harness.run_case(_case(...))``.
+CASES = [
     harness.Case(
         name="reversible",
         build=_build_sweep,
