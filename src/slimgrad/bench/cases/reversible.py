@@ -8,9 +8,9 @@ shared harness, eager side = the plain chain in each member:
 - ``reversible_ckpt_n{N}``: slim = the same blocks, each under ``torch.utils.checkpoint``;
 - ``reversible_exact_n{N}``: exact mode; its eager side is plain autograd of the same fixed-point
   network (``ReversibleSequential(..., exact=True, reversible=False)``);
-- ``slimgrad bench reversible``: the sweep: all of the above at N = 4, 8, 16, 32, 64, one record each
-  (peak/saved bytes, interleaved time ratio with spread, float64 gradient-rule check), appended to
-  ``benchmarks/results/reversible.jsonl`` with ``n_blocks``, ``variant``, the sampled
+- ``slimgrad bench reversible``: the sweep, all of the above at N = 4, 8, 16, 32, 64: one record
+  each (peak/saved bytes, interleaved time ratio with spread, float64 gradient-rule check),
+  appended to ``benchmarks/results/reversible.jsonl`` with ``n_blocks``, ``variant``, the sampled
   reconstruction error, whether the gradients equal the eager side's bit for bit, and (float
   records) ``fg_over_plain``: the time of one forward of every F and G (no grad) over a plain step,
   the recompute a reversible backward cannot avoid.
