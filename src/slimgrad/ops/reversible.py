@@ -673,7 +673,11 @@ class _ReversibleChainFn(torch.autograd.Function):
             y = y.clone()  # a Function output must be a fresh tensor to be saved as an output
         ctx.plan = plan
         ctx.save_for_backward(y)
-        return y
+        # Exact mode returns the stream in the caller's dtype and keeps the float64 one: the
+        # incoming gradient is then the caller's dtype too (half the bytes of a float64 one); it
+        # enters the float64 gradient stream by exact casts (NOTE [Exact-mode arithmetic without
+        # float64 passes]).
+        return y.to(plan.compute_dtype) if plan.exact else y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
