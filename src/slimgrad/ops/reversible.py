@@ -454,18 +454,25 @@ def _sole(t: torch.Tensor) -> bool:
 
 
 def _add(
-    a: torch.Tensor | None, b: torch.Tensor | None, dtype: torch.dtype | None = None
-) -> torch.Tensor | None:
-    # Gradients are summed out of place (a hook may hold either operand), except into b's cast to
-    # the stream dtype (exact mode): that copy is ours alone. Two-term sums: order is irrelevant.
-    if b is not None and dtype is not None and b.dtype != dtype:
-        b = b.to(dtype)
-        return b if a is None else b.add_(a)
-    if a is None:
-        return b
+    a: torch.Tensor | None,
+    b: torch.Tensor | None,
+    dtype: torch.dtype | None = None,
+    a_own: bool = False,
+) -> tuple[torch.Tensor | None, bool]:
+    # a + b (b cast to ``dtype`` first) and whether the result is a tensor of ours that nothing
+    # else references. Gradients are summed out of place (a hook may hold either operand), except
+    # into ``a`` when the caller owns it (a_own) and into b's cast (a fresh copy). Two-term sums:
+    # the order is irrelevant.
     if b is None:
-        return a
-    return a + b
+        return a, a_own
+    if a is not None and a_own and (dtype is None or a.dtype == dtype):
+        return a.add_(b), True
+    if dtype is not None and b.dtype != dtype:
+        b = b.to(dtype)
+        return (b if a is None else b.add_(a)), True
+    if a is None:
+        return b, False
+    return a + b, True
 
 
 def _half_bwd(
@@ -525,18 +532,22 @@ def _block_bwd(
     need_upstream: bool,
     pgrads: dict[int, torch.Tensor],
 ) -> None:
-    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream] is
-    # replaced in place, so no caller reference keeps the old tensors alive. Only a stream we
-    # rebuilt ourselves (owned) and that nothing else aliases is overwritten by its rebuild.
+    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream,
+    # dstream_owned] is replaced in place, so no caller reference keeps the old tensors alive. Only
+    # a stream we rebuilt ourselves (owned) and that nothing else aliases is overwritten by its
+    # rebuild. Gradient halves are summed in place only when they are ours and never reached user
+    # code: exact mode with F, G below float64 hands them float32 copies of the stream gradient.
     groups = plan.block_params[i]
     rng_f, rng_g = plan.rng[i]
-    ystream, y_own, dstream = state
-    state[:] = [None, False, None]
+    ystream, y_own, dstream, d_own = state
+    state[:] = [None, False, None, (False, False)]
     sdt = torch.float64 if plan.exact else None  # exact: the stream's gradient is float64
+    private = plan.exact and plan.compute_dtype != torch.float64
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
         y_own = y_own and len(ystream) == 2
+        own1, own2 = d_own if private and len(dstream) == 2 else (False, False)
         del ystream, dstream
         f_idx, g_idx = groups
         # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
@@ -546,7 +557,7 @@ def _block_bwd(
         del y2, dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
-        dy1 = _add(dy1, dz, sdt)
+        dy1, own1 = _add(dy1, dz, sdt, own1)
         del dz
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
@@ -556,8 +567,8 @@ def _block_bwd(
         del y1, dy1
         _accumulate(pgrads, f_idx, df)
         del df
-        dx2 = _add(dx2, df2, sdt) if need_upstream else None
-        state[:] = [(x1, x2), True, (dx1, dx2)]
+        dx2, own2 = _add(dx2, df2, sdt, own2) if need_upstream else (None, False)
+        state[:] = [(x1, x2), True, (dx1, dx2), (own1, own2)]
         return
     (idx,) = groups
     (y,) = _to_full(ystream, plan.split_dim)
@@ -574,7 +585,7 @@ def _block_bwd(
         got = _grad(y_re, inputs, dy) if y_re.requires_grad else [None] * len(inputs)
         del y_re, inputs, dy
     _accumulate(pgrads, idx, got[1:])
-    state[:] = [(x,), False, (got[0],)]
+    state[:] = [(x,), False, (got[0],), (False, False)]
 
 
 def _accumulate(pgrads: dict[int, torch.Tensor], idx: list[int], grads: Sequence) -> None:
@@ -645,7 +656,7 @@ def _bwd_torch(
     first_needed = _first_block_needing(plan, need_params)
     pgrads: dict[int, torch.Tensor] = {}
     diffs: list[tuple] = []  # per rebuilt block input: sampled rebuilt - forward values
-    state = [(y,), False, (dy,)]
+    state = [(y,), False, (dy,), (False, False)]
     del y, dy
     devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
     with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
