@@ -345,6 +345,35 @@ def test_hook_captured_tensors_are_untouched(exact):
         torch.testing.assert_close(v[1], fwd[k])  # the recompute's input, still intact
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_hook_captured_gradients_are_untouched(exact):
+    # Backward hooks inside F and G see gradients of the recompute; backward sums the stream's
+    # gradients in place only where no hook can have seen them.
+    blocks = additive_blocks(4, 4, seed=2)
+    rev = ReversibleSequential(*copy.deepcopy(blocks), exact=exact)
+    ref = QuantisedPlain(copy.deepcopy(blocks)) if exact else nn.Sequential(*copy.deepcopy(blocks))
+    seen = []
+
+    def keep(m, grad_in, grad_out):
+        seen.append([(g, g.clone()) for g in (*grad_in, *grad_out) if g is not None])
+
+    for blk in rev:
+        for fn in (blk.F, blk.G):
+            fn.register_full_backward_hook(keep)
+    x = torch.randn(2, 4, 5, 5)
+    r = torch.randn(2, 4, 5, 5)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+    if exact:
+        assert_equal_list(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(seen) == 8
+    for pairs in seen:
+        for g, at_hook in pairs:
+            assert torch.equal(g, at_hook)
+
+
 def test_dropout_reproduced_bit_for_bit_and_caller_rng_untouched():
     blocks = additive_blocks(4, 4, dropout=0.5)
     ref = QuantisedPlain(copy.deepcopy(blocks))
