@@ -246,16 +246,16 @@ def test_op_triton_forward_under_compile(spy):
 
 
 def test_kernels_compile_for_sm90():
-    # the real compiler (TTIR -> cubin with triton's bundled ptxas), the activations' code paths
-    # and a 16-bit dtype: the interpreter accepts code the compiler rejects (a float64 literal
-    # once made the ELU reduction's loop-carried sums change type)
+    # the real compiler (TTIR -> cubin with triton's bundled ptxas), ELU (the largest code path)
+    # in float32 and a 16-bit dtype: the interpreter accepts code the compiler rejects (a float64
+    # literal once made the ELU reduction's loop-carried sums change type)
     code = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from slimgrad.kernels import inplace_abn as K
 st = lambda *names: {n: "i32" for n in names}
-for act, dt in ((2, "fp32"), (2, "bf16"), (1, "fp32")):  # identity: a subset of the code
+for act, dt in ((2, "fp32"), (2, "bf16")):  # ELU: a superset of the other activations' code
     sigs = {
         K._apply_kernel: {"x_ptr": f"*{dt}", "scale_ptr": "*fp32", "shift_ptr": "*fp32",
                           **st("S", "NS", "sN", "sC", "sS"), "param": "fp32"},
@@ -281,4 +281,4 @@ for act, dt in ((2, "fp32"), (2, "bf16"), (1, "fp32")):  # identity: a subset of
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 9, r.stdout
+    assert r.stdout.count("ok ") == 6, r.stdout
