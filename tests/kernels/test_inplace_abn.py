@@ -15,6 +15,7 @@ import torch
 from slimgrad.kernels import _backend
 from slimgrad.memory import measure
 from tests.kernels._kern_helpers import interpreted
+from tests.ops._inplace_abn_helpers import check_backends
 
 ref = importlib.import_module("slimgrad.ops.inplace_abn")
 
@@ -226,6 +227,17 @@ def test_op_backend_choice(spy, act, param, training):
     assert (sk, sik) == (st, sit)  # the memory contract does not depend on the backend
 
 
+@pytest.mark.parametrize(
+    "act,param,dtype,channels_last",
+    [("leaky_relu", 0.01, torch.float32, False), ("elu", 1.0, torch.float16, True),
+     ("identity", 0.0, torch.float32, True)],
+)  # fmt: skip
+def test_op_both_backends_match_eager(spy, act, param, dtype, channels_last):
+    # the check tests/ops/test_inplace_abn.py runs on CUDA, here with the interpreted kernels
+    check_backends(torch.device("cpu"), act, param, dtype, channels_last)
+    assert spy == ["_bwd_triton"]
+
+
 def test_op_triton_forward_under_compile(spy):
     # torch.compile runs the registered ops; their bodies pick the kernels at run time
     torch._dynamo.reset()
@@ -260,7 +272,7 @@ for act, dt in ((2, "fp32"), (2, "bf16")):  # ELU: a superset of the other activ
         K._apply_kernel: {"x_ptr": f"*{dt}", "scale_ptr": "*fp32", "shift_ptr": "*fp32",
                           **st("S", "NS", "sN", "sC", "sS"), "param": "fp32"},
         K._reduce_kernel: {"z_ptr": f"*{dt}", "dz_ptr": f"*{dt}", "mean_ptr": "*fp32",
-                           "invstd_ptr": "*fp32", "sdy_ptr": "*fp32", "sdyx_ptr": "*fp32",
+                           "invstd_ptr": "*fp32", "sdy_ptr": "*fp64", "sdyx_ptr": "*fp64",
                            **st("S", "NS", "PER", "zN", "zC", "zS", "gN", "gC", "gS"),
                            "param": "fp32"},
         K._dx_kernel: {"z_ptr": f"*{dt}", "dz_ptr": f"*{dt}", "dx_ptr": f"*{dt}",

@@ -3,8 +3,8 @@
 Same signatures as ``slimgrad.ops.inplace_abn._fwd_torch`` / ``_bwd_torch``; the op picks them
 through NOTE [Kernel backend choice] (``slimgrad/kernels/_backend.py``). The backward reduction
 recomputes y = act^-1(z), dy and x̂ per element in registers, so it needs no temporaries (the
-PyTorch path needs chunk-sized ones); it runs on (channel, part) programs whose float32 partial
-sums are added in float64 in a fixed order (deterministic); the elementwise pass then writes
+PyTorch path needs chunk-sized ones); it runs on (channel, part) programs whose float64 partial
+sums are added in a fixed order (deterministic); the elementwise pass then writes
 dx = k*dy + p*y + q into the one dx buffer (dz's own when ``owned``). Channels kept in the side
 tensor (NOTE [Invertibility] in ``slimgrad/ops/inplace_abn.py``) and batch statistics go through
 the PyTorch helpers. Inputs whose dimensions after the channel cannot be flattened into one strided
@@ -17,7 +17,7 @@ there). :func:`apply_` serves the custom op that torch.compile runs and the sync
 Imported lazily: nothing here runs at ``import slimgrad``. Tested under ``TRITON_INTERPRET=1`` and
 compiled for sm_90 without a GPU (``tests/kernels/test_inplace_abn.py``).
 
-Memory: as ``slimgrad.ops.inplace_abn`` (saves z + invstd); backward allocates dx and 2 floats per
+Memory: as ``slimgrad.ops.inplace_abn`` (saves z + invstd); backward allocates dx and 2 float64 per
 (channel, part) of the reduction.
 """
 
@@ -108,15 +108,19 @@ def _reduce_kernel(
     ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # program (c, p): partial sums of channel c over its values [p * PER, (p + 1) * PER), stored
-    # at [c, p] (summed by the caller: a fixed order, so the result is deterministic)
+    # at [c, p] in float64 (summed by the caller: a fixed order, so the result is deterministic)
     c = tl.program_id(0)
     p = tl.program_id(1)
     mean = tl.load(mean_ptr + c)
     invstd = tl.load(invstd_ptr + c)
     # core builtins only (tl.full, tl.reduce with _common.add): triton's standard-library helpers
     # (tl.zeros, tl.sum) stay compiled when triton was imported before TRITON_INTERPRET was set.
-    acc_dy = tl.full([BLOCK], 0.0, tl.float32)
-    acc_dyx = tl.full([BLOCK], 0.0, tl.float32)
+    # Sums in float64, as aten's CPU BatchNorm backward accumulates: float32 sums lost ~sqrt(n) u
+    # of sum |dy * x̂| and put dweight past the GUIDE.md bound against CPU eager (1.16x at 140
+    # values per channel). Two float64 adds per element: ~2% of an H100's float64 rate at copy
+    # bandwidth (more of a consumer GPU's, whose float64 rate is 1/64 of float32).
+    acc_dy = tl.full([BLOCK], 0.0, tl.float64)
+    acc_dyx = tl.full([BLOCK], 0.0, tl.float64)
     # (a while loop: the interpreter cannot turn a runtime bound into range()'s int)
     start = p * PER
     end = tl.minimum(start + PER, NS)
@@ -129,8 +133,8 @@ def _reduce_kernel(
         dz = tl.load(dz_ptr + n * gN + c * gC + s * gS, mask=m, other=0.0).to(tl.float32)
         y, dy = _rebuild(z, dz, ACT, param)
         xhat = (y - mean) * invstd
-        acc_dy += tl.where(m, dy, 0.0)
-        acc_dyx += tl.where(m, dy * xhat, 0.0)
+        acc_dy += tl.where(m, dy, 0.0).to(tl.float64)
+        acc_dyx += tl.where(m, dy * xhat, 0.0).to(tl.float64)
         start += BLOCK
     nprog = tl.num_programs(1)
     tl.store(sdy_ptr + c * nprog + p, tl.reduce(acc_dy, 0, add))
@@ -226,16 +230,14 @@ def _bwd_triton(
         invstd_p[side_idx] = 1
         invstd_p = torch.nan_to_num(invstd_p, nan=1.0, posinf=1.0, neginf=1.0)
     parts, per = _split(c, n * s)
-    sdy = torch.empty(c, parts, device=z.device, dtype=torch.float32)
-    sdyx = torch.empty(c, parts, device=z.device, dtype=torch.float32)
+    sdy = torch.empty(c, parts, device=z.device, dtype=torch.float64)
+    sdyx = torch.empty(c, parts, device=z.device, dtype=torch.float64)
     act = _ACT[activation]
     _reduce_kernel[(c, parts)](
         z3, dz3, mean_p.float().contiguous(), invstd_p.float().contiguous(), sdy, sdyx,
         s, n * s, per, *z3.stride(), *dz3.stride(), float(param), ACT=act, BLOCK=_BLOCK,
     )  # fmt: skip
-    # partial sums added in float64, in a fixed order (deterministic)
-    sdy = sdy.sum(1, dtype=torch.float64).to(acc)
-    sdyx = sdyx.sum(1, dtype=torch.float64).to(acc)
+    sdy, sdyx = sdy.sum(1).to(acc), sdyx.sum(1).to(acc)  # a fixed order: deterministic
     if has_side:
         # exact sums for the kept channels, from their x̂
         dz_side = dz.index_select(1, side_idx).to(acc)
