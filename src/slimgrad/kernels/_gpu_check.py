@@ -22,6 +22,13 @@ step can be run alone (``--steps``) to stay within a time limit. Exit status: 1 
 ran failed (a test, a gradient check, the tracker disagreeing with the allocator), else 0; timing
 and bandwidth targets are reported, not enforced.
 
+On a lent GPU with a 10-minute limit per command, one step per call::
+
+    python -m slimgrad.kernels._gpu_check --steps tests
+    python -m slimgrad.kernels._gpu_check --steps kernels            # --bench-args "--repeat 10"
+    python -m slimgrad.kernels._gpu_check --steps e2e --cases gpt2,resnet50
+    python -m slimgrad.kernels._gpu_check --steps e2e --cases resnet50_inplace_abn,hf_gpt2
+
 # NOTE [Tracker against the allocator]
 ``torch.cuda.max_memory_allocated`` counts block sizes: each request rounded up by the caching
 allocator (to 512 B; a cached block is handed out unsplit when less than 1 MiB would remain), at
