@@ -206,8 +206,9 @@ def _abn_step(x0, w0, b0, act, param, training=True):
     return z.detach(), x.grad, w.grad, b.grad, rm, rv
 
 
-@pytest.mark.parametrize("act,param", ACTS)
-@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize(
+    "act,param,training", [("identity", 0.0, True), ("leaky_relu", 0.1, False), ("elu", 1.0, True)]
+)
 def test_op_backend_choice(spy, act, param, training):
     x0, w0, b0 = _case((4, 5, 3, 3), torch.float32, zero_channel=True)
     res = {}
