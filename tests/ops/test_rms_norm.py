@@ -227,3 +227,9 @@ def test_half_precision_compile_retain_graph_and_buffer_reuse():
             grads.append((xs.grad, ownership.reuse_count() - before))
     assert torch.equal(grads[0][0], grads[1][0])
     assert grads[0][1] == 1 and grads[1][1] == 0
+    h = x.clone().requires_grad_()
+    hx = h * 1
+    y = rms_norm(hx, (24,), w)
+    hx.add_(1)  # x is kept in half precision: autograd must see the overwrite, as in eager
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
