@@ -197,6 +197,15 @@ class _RMSNormFn(torch.autograd.Function):
         return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
 
 
+def _bwd_from_input(dy, x, rstd, weight, normalized_shape, output_mask, out=None):
+    # no fallback channels: x is kept whole
+    no_idx = torch.empty(0, dtype=torch.int64, device=x.device)
+    ns = list(normalized_shape)
+    return _bwd_torch(
+        dy, x, rstd, no_idx, x.new_empty(0), weight, ns, output_mask, out=out, from_input=True
+    )
+
+
 @custom_op("rms_norm_bwd_from_input", mutates_args=())
 def _rms_norm_bwd_from_input(
     dy: torch.Tensor,
@@ -206,18 +215,7 @@ def _rms_norm_bwd_from_input(
     normalized_shape: Sequence[int],
     output_mask: Sequence[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    none = torch.empty(0, dtype=torch.int64, device=x.device)
-    dx, dw = _bwd_torch(
-        dy,
-        x,
-        rstd,
-        none,
-        x.new_empty(0),
-        weight,
-        list(normalized_shape),
-        output_mask,
-        from_input=True,
-    )
+    dx, dw = _bwd_from_input(dy, x, rstd, weight, normalized_shape, output_mask)
     empty = x.new_empty(0)
     return (dx if dx is not None else empty, dw if dw is not None else empty.clone())
 
@@ -247,19 +245,7 @@ class _RMSNormFromInputFn(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise no_double_backward("rms_norm")
         if mask[0] and owns_layout(buf, x):  # eager only (take refuses under torch.compile)
-            none = torch.empty(0, dtype=torch.int64, device=x.device)
-            dx, dw = _bwd_torch(
-                buf,
-                x,
-                rstd,
-                none,
-                x.new_empty(0),
-                weight,
-                ctx.normalized_shape,
-                mask,
-                out=buf,
-                from_input=True,
-            )
+            dx, dw = _bwd_from_input(buf, x, rstd, weight, ctx.normalized_shape, mask, out=buf)
         else:
             dx, dw = _rms_norm_bwd_from_input(dy, x, rstd, weight, ctx.normalized_shape, mask)
         return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
