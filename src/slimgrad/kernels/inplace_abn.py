@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimgrad.kernels._common import add, expm1
+from slimgrad.kernels._common import add, cast_out, expm1
 
 _ref = importlib.import_module("slimgrad.ops.inplace_abn")
 
@@ -98,7 +98,7 @@ def _apply_kernel(
     x = tl.load(x_ptr + off, mask=m).to(tl.float32)
     y = x * tl.load(scale_ptr + c) + tl.load(shift_ptr + c)
     y = _act_fwd(y, ACT, param)
-    tl.store(x_ptr + off, y.to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(x_ptr + off, cast_out(y, x_ptr.dtype.element_ty), mask=m)  # (bf16: rounded)
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def _dx_kernel(
     dz = tl.load(dz_ptr + n * gN + c * gC + s * gS, mask=m, other=0.0).to(tl.float32)
     y, dy = _rebuild(z, dz, ACT, param)
     dx = dy * tl.load(k_ptr + c) + y * tl.load(p_ptr + c) + tl.load(q_ptr + c)
-    tl.store(dx_ptr + n * xN + c * xC + s * xS, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    tl.store(dx_ptr + n * xN + c * xC + s * xS, cast_out(dx, dx_ptr.dtype.element_ty), mask=m)
 
 
 def apply_(
