@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.memory import measure
 from slimgrad.ops.layer_norm import fallback_channels
 from slimgrad.ops.rms_norm import rms_norm
@@ -47,7 +48,10 @@ def test_matches_eager_within_rule(device, dtype, shape, ns, kind):
     for o in out:
         assert torch.isfinite(o).all()
     assert_within_rule(out, ref, eager, names=["y", "dx", "dw"])
-    torch.testing.assert_close(out[0], eager[0], rtol=0, atol=0)
+    if dtype != torch.float32 or not _backend.use_triton(x):
+        # the PyTorch path's y is eager's own kernel (half precision runs eager's); the Triton
+        # kernel is within the rule, not bitwise
+        torch.testing.assert_close(out[0], eager[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("with_weight", [True, False])
