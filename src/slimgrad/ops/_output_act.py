@@ -111,6 +111,7 @@ class SmoothSpec:
     tail: dict = field(default_factory=dict)
     x_right: float = 20.0
     zone: float = 0.0  # float32: y is computed in float64 and rounded for |x - x*| < zone
+    c_act: int = -1  # the activation's number in kernels/cpu/output_act.c (-1: none)
 
 
 def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
@@ -353,34 +354,38 @@ def smooth_grad(
     idx: torch.Tensor,
     xs: torch.Tensor,
     bwd_exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dL/dx from the output y, the branch bits and the side table (inverse of :func:`smooth_fwd`).
 
     ``bwd_exact(g, x)`` is the op's plain-PyTorch backward from x, for the side table and fallback.
+    ``out``: a dead contiguous buffer shaped like ``g`` (maybe ``g`` itself) to write dx into.
     """
     n = g.numel()
     gf = g.reshape(-1)
     if is_dense_fallback(n, bits, idx, xs):
-        return bwd_exact(gf, xs).reshape(g.shape)
+        dx = bwd_exact(gf, xs).reshape(g.shape)
+        return dx if out is None else out.copy_(dx)
     if y is None:
         raise internal_error(f"{spec.name}: no saved output outside the dense fallback")
     inv = inverse(spec)
     yf = y.reshape(-1)
     cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
-    out = torch.empty(n, dtype=g.dtype, device=g.device)
     if bits.numel() != packed_numel(n):
         raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
+    i = idx.long() if idx.numel() else None
+    gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
+    res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
         df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
         if g.dtype == cdt:
-            torch.mul(gf[a:b], df, out=out[a:b])
+            torch.mul(gf[a:b], df, out=res[a:b])
         else:
-            out[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
-    if idx.numel():
-        i = idx.long()
-        out[i] = bwd_exact(gf[i], xs)
-    return out.reshape(g.shape)
+            res[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
+    if i is not None:
+        res[i] = bwd_exact(gh, xs)
+    return res.view(g.shape) if out is None else out
 
 
 def smooth_forward(ctx, x: torch.Tensor, fwd_out, inplace: bool):
@@ -492,3 +497,127 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
         f"_{stem.capitalize()}InplaceFn", (fn,), {"forward": staticmethod(forward_inplace)}
     )
     return fwd_op, bwd_op, fn, fn_inplace
+
+
+# -------------------------------------------------------------------------------------------------
+# The same forward and backward as compiled C (kernels/cpu/output_act.c; NOTE [CPU C kernels] in
+# slimgrad.kernels._cpu): float32 CPU tensors. y, bits, idx, xs and the gradient are those of
+# smooth_fwd / smooth_grad bit for bit (tests/kernels/test_cpu.py), except that a block of 2^16
+# elements holding a non-finite x lists its hard elements window-first (the PyTorch path: sorted);
+# the saved bytes are the same.
+
+C_STEM = "output_act"
+_C_SIGS: dict = {}
+
+
+def _c_fns(lib):
+    import ctypes as C
+
+    fns = _C_SIGS.get(id(lib))
+    if fns is None:
+        p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
+        specs = {
+            "smooth_fwd_f32": [p, p, p, p, i64, i, f, f, f, i, f, i],
+            "smooth_collect_i32": [p, p, p, p, p, i64, f, f, i, f, i],
+            "smooth_collect_i64": [p, p, p, p, p, i64, f, f, i, f, i],
+            "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i, i],
+        }
+        fns = {}
+        for name, args in specs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+            fns[name] = fn
+        _C_SIGS[id(lib)] = fns
+    return fns
+
+
+def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
+    """:func:`smooth_fwd` for float32 CPU tensors with the C kernels of ``lib``: y from ``fwd``
+    (eager's own kernel), then one pass for bits, zone and hard counts, one to collect them."""
+    from slimgrad.kernels._cpu import threads
+
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or spec.c_act < 0:
+        return smooth_fwd(spec, x, fwd, fallback)
+    fns = _c_fns(lib)
+    inv = inverse(spec)
+    w, tail = _window(spec, x.dtype)
+    flat = x.reshape(-1).contiguous()
+    n = flat.numel()
+    nt = threads()
+    idx_dtype = torch.int32 if n < 2**31 else torch.int64
+    y = fwd(flat).contiguous()
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8)
+    nb = (n + CHUNK - 1) // CHUNK
+    cnt = torch.empty(2 * nb, dtype=torch.int64)
+    has_tail, tail_v = (0, 0.0) if tail is None else (1, float(tail))
+    fns["smooth_fwd_f32"](
+        flat.data_ptr(), y.data_ptr(), bits.data_ptr(), cnt.data_ptr(), n, spec.c_act,
+        inv.x_star, spec.zone, w, has_tail, tail_v, nt,
+    )  # fmt: skip
+    per_block = cnt.view(nb, 2).sum(1)
+    n_hard = int(per_block.sum())
+    y = y.view(x.shape)
+    if fallback and n_hard * FALLBACK_DIV > n:
+        return y, bits[:0], torch.empty(0, dtype=idx_dtype), flat.clone()
+    idx = torch.empty(n_hard, dtype=idx_dtype)
+    xs = torch.empty(n_hard, dtype=x.dtype)
+    if n_hard:
+        off = per_block.cumsum(0).sub_(per_block)
+        collect = fns["smooth_collect_i32" if idx_dtype == torch.int32 else "smooth_collect_i64"]
+        collect(
+            flat.data_ptr(), cnt.data_ptr(), off.data_ptr(), idx.data_ptr(), xs.data_ptr(), n,
+            inv.x_star, w, has_tail, tail_v, nt,
+        )  # fmt: skip
+    return y, bits, idx, xs
+
+
+def smooth_grad_c(
+    lib,
+    spec: SmoothSpec,
+    g: torch.Tensor,
+    y: torch.Tensor | None,
+    bits: torch.Tensor,
+    idx: torch.Tensor,
+    xs: torch.Tensor,
+    bwd_exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`smooth_grad` with the C kernel of ``lib`` (float32 CPU), into ``out`` if given (a
+    dead buffer shaped like ``g``, possibly ``g`` itself: NOTE [Gradient-buffer ownership])."""
+    from slimgrad.kernels._cpu import threads
+
+    n = g.numel()
+    if (
+        y is None
+        or is_dense_fallback(n, bits, idx, xs)
+        or n == 0
+        or g.dtype != torch.float32
+        or y.dtype != torch.float32
+        or g.device.type != "cpu"
+    ):
+        return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact, out=out)
+    if bits.numel() != packed_numel(n):
+        raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
+    inv = inverse(spec)
+    gf = g.reshape(-1).contiguous()
+    yf = y.reshape(-1).contiguous()
+    i = idx.long() if idx.numel() else None
+    gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
+    if out is None:
+        out = torch.empty(g.shape, dtype=g.dtype)
+    of = out.view(-1)
+    tab, byte_scale, _ = inv.tables_on(g.device, torch.float32)
+    y_hi = torch.tensor(inv.y_min, dtype=torch.float32).item()
+    sc_r, sc_l = float(byte_scale[255, 0]), float(byte_scale[0, 0])
+    _c_fns(lib)["smooth_bwd_f32"](
+        gf.data_ptr(), yf.data_ptr(), bits.data_ptr(), tab.data_ptr(), of.data_ptr(), n, _TABLE_N,
+        y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, int(_FMA_LERP), threads(),
+    )  # fmt: skip
+    if i is not None:
+        of[i] = bwd_exact(gh, xs)
+    return out
+
+
+# whether torch.lerp (the PyTorch path's interpolation) rounds as a fused multiply-add on this build
+# (its vectorized CPU kernel does); the C kernel then does the same. Checked by the tests.
+_FMA_LERP = True

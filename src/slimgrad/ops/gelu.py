@@ -71,6 +71,7 @@ SPECS = {
         zone=0.06,
         tail={torch.float32: -2.5},
         x_right=8.0,
+        c_act=1,
     ),
     "tanh": SmoothSpec(
         "gelu_tanh",
@@ -80,6 +81,7 @@ SPECS = {
         zone=0.06,
         tail={torch.float32: -3.0},
         x_right=8.0,
+        c_act=2,
     ),
 }
 

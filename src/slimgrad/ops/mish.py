@@ -46,6 +46,7 @@ SPEC = SmoothSpec(
     window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     x_right=20.0,
     zone=0.2,
+    c_act=3,
 )
 
 
