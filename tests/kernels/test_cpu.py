@@ -184,3 +184,260 @@ def test_compiled_code_and_fake_tensors_take_torch(clean_backend):
 
     torch.compile(f, backend="eager")(torch.ones(3))
     assert seen == [None]
+
+
+# the smooth activations (GELU erf/tanh, SiLU, Mish): C path vs PyTorch path -------------------
+
+import importlib  # noqa: E402
+
+from slimgrad import ownership  # noqa: E402
+from slimgrad.memory import measure  # noqa: E402
+from slimgrad.ops import _output_act as oa  # noqa: E402
+from slimgrad.testing import assert_within_rule  # noqa: E402
+from tests.ops._output_act_helpers import all_float32_between, assert_grid_within_rule  # noqa: E402
+
+_G = importlib.import_module("slimgrad.ops.gelu")
+_S = importlib.import_module("slimgrad.ops.silu")
+_M = importlib.import_module("slimgrad.ops.mish")
+
+
+def _gelu(a):
+    return lambda t, inplace=False: _G.gelu(t, a, inplace)
+
+
+# name -> (spec, fwd, bwd_exact, op(x, inplace), eager)
+SMOOTH = {
+    "gelu": (
+        _G.SPECS["none"],
+        lambda t: _G._fwd_torch(t, "none"),
+        lambda g, x: _G._bwd_exact(g, x, "none"),
+        _gelu("none"),
+        lambda t: torch.nn.functional.gelu(t),
+    ),
+    "gelu_tanh": (
+        _G.SPECS["tanh"],
+        lambda t: _G._fwd_torch(t, "tanh"),
+        lambda g, x: _G._bwd_exact(g, x, "tanh"),
+        _gelu("tanh"),
+        lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    ),
+    "silu": (_S.SPEC, _S._fwd_torch, _S._bwd_exact, _S.silu, torch.nn.functional.silu),
+    "mish": (_M.SPEC, _M._fwd_torch, _M._bwd_exact, _M.mish, torch.nn.functional.mish),
+}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = _cpu.load(oa.C_STEM)
+    if lib is None:
+        pytest.skip(f"C kernels unavailable: {_cpu.last_error(oa.C_STEM)}")
+    return lib
+
+
+def _inputs(spec):
+    xs = oa.inverse(spec).x_star
+    gen = torch.Generator().manual_seed(3)
+    yield "randn0.577", torch.randn(200_003, generator=gen) * 0.577
+    yield "randn3_2d", (torch.randn(301, 499, generator=gen) * 3)
+    yield "near_x*", all_float32_between(xs - spec.zone - 0.05, xs + spec.zone + 0.05, 5)
+    yield "tail", all_float32_between(-6.0, -1.0, 401)
+    yield "odd7", torch.randn(7, generator=gen) - 0.75
+    yield "noncontig", (torch.randn(40, 66, generator=gen) - 1).t()[3:, ::3]
+
+
+def _eq_sorted(r, c):
+    # y and bits bit for bit; the hard elements as a set (same count, same (index, x) pairs)
+    assert torch.equal(r[0], c[0]) or torch.equal(r[0].isnan(), c[0].isnan())
+    torch.testing.assert_close(r[0], c[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(r[1], c[1])
+    assert r[2].dtype == c[2].dtype and r[3].dtype == c[3].dtype
+    ri, ci = r[2].sort(), c[2].sort()
+    assert torch.equal(ri.values, ci.values)
+    torch.testing.assert_close(r[3][ri.indices], c[3][ci.indices], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(SMOOTH))
+def test_forward_bitwise_and_grad_as_torch(lib, name):
+    spec, fwd, bwd, _, _ = SMOOTH[name]
+    for label, x in _inputs(spec):
+        r = oa.smooth_fwd(spec, x, fwd)
+        c = oa.smooth_fwd_c(lib, spec, x, fwd)
+        for a, b in zip(r, c):  # finite inputs: same order too, bit for bit
+            assert torch.equal(a, b), label
+        g = torch.randn(x.shape)
+        gr = oa.smooth_grad(spec, g, *r, bwd)
+        gc = oa.smooth_grad_c(lib, spec, g, *c, bwd)
+        # torch's float32 sqrt is not always correctly rounded (C's sqrtf is): s may differ by an
+        # ulp, f' by a few float32 ulp; everything else is the same arithmetic
+        torch.testing.assert_close(gc, gr, rtol=2e-6, atol=5e-7, msg=label)
+        assert gc.shape == g.shape
+
+
+@pytest.mark.parametrize("name", list(SMOOTH))
+def test_nan_inf_zero_and_fallback(lib, name):
+    spec, fwd, bwd, _, _ = SMOOTH[name]
+    xs = oa.inverse(spec).x_star
+    vals = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5, -2.0, 1e30, -1e30, xs]
+    x = torch.tensor(vals * 3000)
+    x[::7] = torch.randn(x[::7].shape)
+    r, c = oa.smooth_fwd(spec, x, fwd, fallback=False), oa.smooth_fwd_c(lib, spec, x, fwd, False)
+    _eq_sorted(r, c)
+    g = torch.randn(x.shape)
+    torch.testing.assert_close(
+        oa.smooth_grad_c(lib, spec, g, *c, bwd), oa.smooth_grad(spec, g, *r, bwd), equal_nan=True
+    )
+    # adversarial: more than 1/16 hard -> both fall back to dense x, same tensors
+    x = torch.full((3001,), xs) + torch.linspace(-0.01, 0.01, 3001)
+    r, c = oa.smooth_fwd(spec, x, fwd), oa.smooth_fwd_c(lib, spec, x, fwd)
+    assert oa.is_dense_fallback(x.numel(), *c[1:]) and oa.is_dense_fallback(x.numel(), *r[1:])
+    for a, b in zip(r, c):
+        assert torch.equal(a, b)
+    # zero-size
+    z = torch.empty(0, 3)
+    r, c = oa.smooth_fwd(spec, z, fwd), oa.smooth_fwd_c(lib, spec, z, fwd)
+    assert [t.shape for t in r] == [t.shape for t in c]
+
+
+@pytest.mark.parametrize("name", list(SMOOTH))
+def test_every_float32_near_minimum_within_rule(lib, name):
+    # the C path on every float32 of x* +- (zone + 0.05), as the PyTorch path's own grid test
+    spec, fwd, bwd, _, _ = SMOOTH[name]
+    xs = oa.inverse(spec).x_star
+    x = all_float32_between(xs - spec.zone - 0.05, xs + spec.zone + 0.05)
+    ref = spec.df(x.double())
+    c = oa.smooth_fwd_c(lib, spec, x, fwd, fallback=False)
+    g = torch.ones_like(x)
+    ours = (oa.smooth_grad_c(lib, spec, g, *c, bwd).double() - ref).abs()
+    eager = (bwd(g, x).double() - ref).abs()
+    assert_grid_within_rule(ours, eager, 1e-6)
+    # and a strided sweep of [-40, 40]
+    x = all_float32_between(-40.0, 40.0, 4099)
+    c = oa.smooth_fwd_c(lib, spec, x, fwd, fallback=False)
+    g = torch.ones_like(x)
+    ref = spec.df(x.double())
+    ours = (oa.smooth_grad_c(lib, spec, g, *c, bwd).double() - ref).abs()
+    assert_grid_within_rule(ours, (bwd(g, x).double() - ref).abs(), 1e-6)
+
+
+def _step(op, x0, g, inplace=False):
+    x = x0.clone().requires_grad_()
+    h = x * 1
+    y = op(h, inplace)
+    y.backward(g)
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("name", list(SMOOTH))
+def test_op_on_both_backends(clean_backend, lib, name):
+    spec, _, _, op, eager = SMOOTH[name]
+    x0 = torch.randn(33, 65) * 1.5
+    g = torch.randn(33, 65)
+    res = {}
+    for backend in ("torch", "cpu"):
+        with B.set_backend(backend):
+            res[backend] = [_step(op, x0, g, ip) for ip in (False, True)]
+
+            def fwd():
+                h = x0.clone().requires_grad_() * 1
+                return op(h).sum()
+
+            res[backend].append(measure(fwd).saved_bytes)
+    assert res["torch"][2] == res["cpu"][2]  # the memory contract does not depend on the backend
+    for (yt, gt), (yc, gc) in zip(res["torch"][:2], res["cpu"][:2]):
+        assert torch.equal(yt, yc)
+        torch.testing.assert_close(gc, gt, rtol=2e-6, atol=5e-7)
+    x64 = x0.double().requires_grad_()
+    eager(x64).backward(g.double())
+    xe = x0.clone().requires_grad_()
+    eager(xe).backward(g)
+    assert_within_rule(res["cpu"][0][1], x64.grad, xe.grad)
+
+
+def test_ops_fall_back_when_the_compiler_is_missing(tmp_path):
+    # a fresh process, an empty cache and no compiler: the op warns once, then runs on PyTorch
+    code = (
+        "import warnings, torch, torch.nn.functional as F\n"
+        "from slimgrad.ops.gelu import gelu\n"
+        "x = torch.randn(1000, requires_grad=True)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    gelu(x * 1, 'tanh').sum().backward(); gelu(x * 1).sum().backward()\n"
+        "msgs = [str(m.message) for m in w if 'cannot build' in str(m.message)]\n"
+        "assert len(msgs) == 1 and '/nonexistent/cc' in msgs[0], msgs\n"
+        "xe = x.detach().requires_grad_(); F.gelu(xe, approximate='tanh').sum().backward()\n"
+        "F.gelu(xe).sum().backward(); torch.testing.assert_close(x.grad, xe.grad)\n"
+        "print('ok')\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": SRC,
+        "SLIMGRAD_CACHE": str(tmp_path),
+        "CC": "/nonexistent/cc",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop(B.ENV_VAR, None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+# gradient-buffer reuse (issue 6; NOTE [Gradient-buffer ownership]) -----------------------------
+
+
+def _reuse_case(op, case):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 7, 13, generator=gen).requires_grad_()
+    wl = torch.randn(5, 7, 13, generator=gen)
+    out = {}
+    h = x * 1.5
+    if case == "plain_chain":
+        y = op(h)
+        (y * wl).sum().backward()
+    elif case == "used_twice":
+        y = op(h)
+        ((y * wl).sum() + y.sin().sum()).backward()
+    elif case == "sibling_pending":
+        x2 = torch.randn(5, 7, 13, generator=gen).requires_grad_()
+        r = x2 * 1.25  # created first: its node runs after op's, reading the same gradient
+        ((op(h) + r) * wl).sum().backward()
+        out["x2.grad"] = x2.grad
+    elif case == "hook_keeps":
+        y = op(h)
+        kept = []
+        y.register_hook(kept.append)
+        (y * wl).sum().backward()
+        out["kept"] = kept[0]
+    elif case == "user_gradient":
+        y = op(h)
+        G = torch.randn(5, 7, 13, generator=gen)
+        y.backward(gradient=G)
+        out["G"] = G
+    out["x.grad"] = x.grad
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("name", list(SMOOTH))
+@pytest.mark.parametrize(
+    "case", ["plain_chain", "used_twice", "sibling_pending", "hook_keeps", "user_gradient"]
+)
+def test_grad_reuse_bitwise(clean_backend, monkeypatch, backend, name, case):
+    monkeypatch.delenv(ownership.ENV_VAR, raising=False)
+    if backend == "cpu" and not _have_cc():
+        pytest.skip("no C compiler")
+    op = SMOOTH[name][3]
+    res = []
+    with B.set_backend(backend):
+        for disabled in (False, True):
+            ownership.reset_reuse_count()
+            if disabled:
+                with ownership.reuse_disabled():
+                    out = _reuse_case(op, case)
+            else:
+                out = _reuse_case(op, case)
+            res.append((out, ownership.reuse_count("grad")))
+    (on, n_on), (off, n_off) = res
+    assert n_off == 0
+    assert n_on == (1 if case in ("plain_chain", "used_twice") else 0), case
+    assert on.keys() == off.keys()
+    for k in on:
+        assert torch.equal(on[k], off[k]), k

@@ -50,7 +50,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes
 
+from slimgrad import ownership
 from slimgrad._errors import internal_error
+from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, packed_numel
 
 # elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
@@ -434,8 +436,9 @@ def smooth_fake_side_info(x: torch.Tensor):
 def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact: Callable):
     """Register ``slimgrad::<stem>_fwd`` / ``_bwd`` and build the Function pair of a one-argument
     smooth activation (SiLU, Mish): the forward keeps (y, bits, side table), the backward reads
-    the gradient from them (NOTE [Gradient from the output]); Triton kernels on CUDA through
-    ``slimgrad.kernels._backend``.
+    the gradient from them (NOTE [Gradient from the output]); Triton kernels on CUDA and C kernels
+    on CPU through ``slimgrad.kernels._backend``; the backward writes dx into the incoming
+    gradient when ``slimgrad.ownership.take`` proves it dead.
 
     Args:
         stem: the op's stem (``"silu"``): names the custom ops, the kernels module, the Functions.
@@ -452,7 +455,7 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
     def _fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if _backend.use_triton(x):
             return _backend.kernels(stem)._fwd_triton(x)
-        return smooth_fwd(spec, x, fwd_torch)
+        return smooth_fwd_any(spec, x, fwd_torch)
 
     def _bwd(
         g: torch.Tensor,
@@ -463,7 +466,7 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
     ) -> torch.Tensor:
         if y is not None and _backend.use_triton(g):
             return _backend.kernels(stem)._bwd_triton(g, y, bits, idx, xs)
-        return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact)
+        return smooth_grad_any(spec, g, y, bits, idx, xs, bwd_exact)
 
     fwd_op = custom_op(f"{stem}_fwd", mutates_args=())(_fwd)
     bwd_op = custom_op(f"{stem}_bwd", mutates_args=())(_bwd)
@@ -480,7 +483,11 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
         return smooth_forward(ctx, x, fwd_op(x), False)
 
     def backward(ctx, g, *_side):
+        # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
+        buf = ownership.take(g) if reuse_ok(g) else None
         no_double_backward(stem)
+        if buf is not None:  # eager only (take refuses under torch.compile): dx written into g
+            return smooth_grad_any(spec, buf, *ctx.saved_tensors, bwd_exact, out=buf)
         return bwd_op(g, *ctx.saved_tensors)
 
     def forward_inplace(ctx, x):
@@ -558,7 +565,8 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
     n_hard = int(per_block.sum())
     y = y.view(x.shape)
     if fallback and n_hard * FALLBACK_DIV > n:
-        return y, bits[:0], torch.empty(0, dtype=idx_dtype), flat.clone()
+        empty_bits = torch.empty(0, dtype=torch.uint8)
+        return y, empty_bits, torch.empty(0, dtype=idx_dtype), flat.clone()
     idx = torch.empty(n_hard, dtype=idx_dtype)
     xs = torch.empty(n_hard, dtype=x.dtype)
     if n_hard:
@@ -621,3 +629,25 @@ def smooth_grad_c(
 # whether torch.lerp (the PyTorch path's interpolation) rounds as a fused multiply-add on this build
 # (its vectorized CPU kernel does); the C kernel then does the same. Checked by the tests.
 _FMA_LERP = True
+
+
+def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
+    """:func:`smooth_fwd` on the C kernels when ``_backend.use_cpu`` picks them, else PyTorch."""
+    lib = _backend.use_cpu(x, C_STEM)
+    if lib is not None:
+        return smooth_fwd_c(lib, spec, x, fwd)
+    return smooth_fwd(spec, x, fwd)
+
+
+def smooth_grad_any(spec: SmoothSpec, g, y, bits, idx, xs, bwd_exact, out=None) -> torch.Tensor:
+    """:func:`smooth_grad` on the C kernels when ``_backend.use_cpu`` picks them, else PyTorch."""
+    lib = _backend.use_cpu(g, C_STEM)
+    if lib is not None:
+        return smooth_grad_c(lib, spec, g, y, bits, idx, xs, bwd_exact, out=out)
+    return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact, out=out)
+
+
+def reuse_ok(g: torch.Tensor) -> bool:
+    """Whether a smooth activation's backward can write into ``g`` if ownership grants it: a
+    contiguous gradient on the C or PyTorch path (the Triton kernels allocate their own)."""
+    return g.is_contiguous() and not _backend.use_triton(g)

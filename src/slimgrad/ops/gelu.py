@@ -23,17 +23,20 @@ import math
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
     SmoothSpec,
     needs_graph,
     no_double_backward,
+    reuse_ok,
     smooth_apply,
     smooth_fake_side_info,
     smooth_forward,
-    smooth_fwd,
+    smooth_fwd_any,
     smooth_grad,
+    smooth_grad_any,
 )
 
 __all__ = ["gelu", "gelu_", "gelu_fast", "gelu_new"]
@@ -112,7 +115,7 @@ def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
 def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if _backend.use_triton(x):
         return _backend.kernels("gelu")._fwd_triton(x, approximate)
-    return smooth_fwd(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
+    return smooth_fwd_any(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
 
 
 @_gelu_fwd.register_fake
@@ -126,7 +129,20 @@ def _gelu_bwd(
 ) -> Tensor:
     if y is not None and _backend.use_triton(g):
         return _backend.kernels("gelu")._bwd_triton(g, y, bits, idx, xs, approximate)
-    return _bwd_torch(g, y, bits, idx, xs, approximate)
+    return _bwd_any(g, y, bits, idx, xs, approximate)
+
+
+def _bwd_any(g, y, bits, idx, xs, approximate: str, out: Tensor | None = None) -> Tensor:
+    return smooth_grad_any(
+        SPECS[approximate],
+        g,
+        y,
+        bits,
+        idx,
+        xs,
+        lambda g_, x_: _bwd_exact(g_, x_, approximate),
+        out=out,
+    )
 
 
 @_gelu_bwd.register_fake
@@ -142,7 +158,11 @@ class _GeluFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, *_side):
+        # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
+        buf = ownership.take(g) if reuse_ok(g) else None
         no_double_backward("gelu")
+        if buf is not None:  # eager only (take refuses under torch.compile): dx written into g
+            return _bwd_any(buf, *ctx.saved_tensors, ctx.approximate, out=buf), None
         return _gelu_bwd(g, *ctx.saved_tensors, ctx.approximate), None
 
 
