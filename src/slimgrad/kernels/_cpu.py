@@ -8,9 +8,10 @@ takes well under a second (a torch C++ extension takes ~30 s). Callers allocate 
 Python with torch (so ``slimgrad.memory`` sees each allocation) and pass ``tensor.data_ptr()``,
 element counts and scalars; the C side only reads and writes those buffers.
 
-- Flags: ``-O3 -fPIC -shared -fopenmp -ffp-contract=off`` and ``-march=native`` when the compiler
-  accepts it. Never ``-ffast-math``: the kernels must round exactly as the PyTorch path does
-  (contractions into FMA are off; a kernel that needs torch's fused multiply-add calls ``fma``).
+- Flags: ``-O3 -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno`` and ``-march=native``
+  when the compiler accepts it. Never ``-ffast-math``: the kernels must round exactly as the
+  PyTorch path does (contractions into FMA are off; a kernel that needs torch's fused
+  multiply-add calls ``fmaf``).
 - Cache: ``$SLIMGRAD_CACHE`` (else ``~/.cache/slimgrad``)/``cpu/<stem>-<key>.so``, the key a hash
   of the source, the flags, the compiler's ``--version`` and the CPU's model and flags
   (``-march=native`` code is only valid on the CPU it was built for). A build writes a temporary
@@ -42,7 +43,16 @@ import torch
 
 __all__ = ["FLAGS", "available", "cache_dir", "compiler", "last_error", "load", "threads"]
 
-FLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-std=gnu99")
+# -fno-math-errno: sqrtf may vectorize (errno is never read; results are unchanged)
+FLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-std=gnu99",
+)
 _NATIVE = "-march=native"
 SRC_DIR = Path(__file__).with_name("cpu")
 

@@ -527,7 +527,7 @@ def _c_fns(lib):
             "smooth_fwd_f32": [p, p, p, p, i64, i, f, f, f, i, f, i],
             "smooth_collect_i32": [p, p, p, p, p, i64, f, f, i, f, i],
             "smooth_collect_i64": [p, p, p, p, p, i64, f, f, i, f, i],
-            "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i, i],
+            "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i],
         }
         fns = {}
         for name, args in specs.items():
@@ -619,16 +619,11 @@ def smooth_grad_c(
     sc_r, sc_l = float(byte_scale[255, 0]), float(byte_scale[0, 0])
     _c_fns(lib)["smooth_bwd_f32"](
         gf.data_ptr(), yf.data_ptr(), bits.data_ptr(), tab.data_ptr(), of.data_ptr(), n, _TABLE_N,
-        y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, int(_FMA_LERP), threads(),
+        y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, threads(),
     )  # fmt: skip
     if i is not None:
         of[i] = bwd_exact(gh, xs)
     return out
-
-
-# whether torch.lerp (the PyTorch path's interpolation) rounds as a fused multiply-add on this build
-# (its vectorized CPU kernel does); the C kernel then does the same. Checked by the tests.
-_FMA_LERP = True
 
 
 def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
