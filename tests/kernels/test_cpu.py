@@ -441,3 +441,79 @@ def test_grad_reuse_bitwise(clean_backend, monkeypatch, backend, name, case):
     assert on.keys() == off.keys()
     for k in on:
         assert torch.equal(on[k], off[k]), k
+
+
+# dropout: pack + apply in C, the mask drawn by torch as eager draws it -------------------------
+
+_D = importlib.import_module("slimgrad.ops.dropout")
+
+
+def _dropout_run(backend, x0, g, p, inplace, seed=13):
+    with B.set_backend(backend):
+        x = x0.clone().requires_grad_()
+        h = x * 1
+        torch.manual_seed(seed)
+        y = _D.dropout(h, p, inplace=inplace)
+        bits = _D._dropout_fwd(x0, p)[1] if not inplace else None
+        y.backward(g)
+        return y.detach(), x.grad, bits
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 1000, 70_001])
+@pytest.mark.parametrize("p", [1e-6, 0.1, 0.5, 1 - 1e-6])
+def test_dropout_c_matches_torch_and_eager(clean_backend, n, p):
+    if not _have_cc():
+        pytest.skip("no C compiler")
+    x0 = torch.randn(n)
+    x0[::5] = float("nan")
+    x0[1::7] = float("inf")
+    x0[2::11] = -0.0
+    g = torch.randn(n)
+    g[3::13] = float("inf")
+    for inplace in (False, True):
+        yt, gt, _ = _dropout_run("torch", x0, g, p, inplace)
+        yc, gc, _ = _dropout_run("cpu", x0, g, p, inplace)
+        torch.manual_seed(13)
+        xe = x0.clone().requires_grad_()
+        ye = torch.nn.functional.dropout(xe * 1, p)
+        ye.backward(g)
+        for a, b in ((yt, yc), (gt, gc), (ye.detach(), yc), (xe.grad, gc)):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))  # bit for bit, -0 and NaN
+
+
+def test_dropout_c_bits_and_apply_direct():
+    lib = _cpu.load(_D.C_STEM)
+    if lib is None:
+        pytest.skip("no C compiler")
+    for n in (1, 8, 31, 32, 33, 65_536 + 9):
+        noise = (torch.rand(n) < 0.7).float()
+        x = torch.randn(n)
+        out = torch.empty(n)
+        bits = _D._c_fwd(lib, noise, x, out, 0.3)
+        from slimgrad.ops._bits import pack_bits
+
+        assert torch.equal(bits, pack_bits(noise != 0))
+        ref = noise.clone().div_(0.7).mul_(x)
+        assert torch.equal(out, ref)
+        g = torch.randn(n)
+        with B.set_backend("torch"):
+            want = _D._apply_mask_torch(g, bits, 0.3, False)
+        with B.set_backend("cpu"):
+            got = _D._apply_mask_torch(g, bits, 0.3, False)
+            assert torch.equal(got, want)
+            g2 = g.clone()
+            assert _D._apply_mask_torch(g2, bits, 0.3, False, inplace=True) is g2
+            assert torch.equal(g2, want)
+
+
+def test_dropout_memory_same_on_both_backends(clean_backend):
+    if not _have_cc():
+        pytest.skip("no C compiler")
+    x0 = torch.randn(37, 41)
+    saved = []
+    for backend in ("torch", "cpu"):
+        with B.set_backend(backend):
+            m = measure(lambda: _D.dropout(x0.clone().requires_grad_() * 1, 0.2).sum())
+            saved.append((m.saved_bytes, m.peak_bytes))
+    assert saved[0][0] == saved[1][0] == (37 * 41 + 7) // 8
+    assert saved[1][1] <= saved[0][1]  # no bool / unpacked temporaries on the C path

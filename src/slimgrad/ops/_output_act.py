@@ -62,7 +62,6 @@ CHUNK = 1 << 16
 # 4x256x3072 GELU: BIG = 2^17 or 2^18 no faster than 2^16 within the (shared) CPU's noise, and
 # 2^17 in the backward raised the GPT-2 MLP block's peak (52.7 vs 51.0 MiB): BIG = CHUNK.
 BIG = 1 << 16
-_PACK_MAGIC = 0x0102040810204080  # 8 bytes of 0/1 (LSB first) -> bits 56..63 of the product
 _HUGE = 1e30  # |x - x*| below it in a whole BIG chunk: no CHUNK sum of |x - x*| can overflow
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 _TABLE_N = 1 << 14
@@ -272,10 +271,7 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
         c = flat[a : a + BIG]
         d = c.float() - inv.x_star
         ge = d >= 0
-        if ge.numel() % 8 == 0:
-            bits[a // 8 : a // 8 + ge.numel() // 8] = _pack8(ge)
-        else:
-            bits[a // 8 :] = pack_bits(ge)
+        bits[a // 8 : a // 8 + packed_numel(ge.numel())] = pack_bits(ge)
         t = d.abs_()
         # finite and small: no CHUNK has a non-finite sum of t, so every CHUNK's hard elements
         # are its window hits then its tail hits (else: the per-CHUNK path, which sorts them)
@@ -292,12 +288,6 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     if fallback and idx.numel() * FALLBACK_DIV > n:
         return y, empty_bits, empty_idx, flat.clone()
     return y, bits, idx, flat[idx.long()]
-
-
-def _pack8(mask: torch.Tensor) -> torch.Tensor:
-    """``pack_bits`` of a fresh contiguous bool tensor of 8k elements, in 4 passes over k int64."""
-    v = mask.view(torch.uint8).view(torch.int64)  # 8 bytes of 0/1 each (little-endian)
-    return ((v * _PACK_MAGIC) >> 56).bitwise_and_(255).to(torch.uint8)
 
 
 def _hard_big(spec, c, t, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
