@@ -34,6 +34,19 @@ bfloat16 value, and random inputs, against the GUIDE.md rule.
 
 float64 inputs keep x densely (as eager): the tables are float32-grade (~1e-8).
 
+Implementations (NOTE [Kernel backend choice] in ``slimgrad.kernels._backend``): the PyTorch path
+(``smooth_fwd`` / ``smooth_grad``, chunked), Triton on CUDA, and on CPU float32 compiled C
+(``kernels/cpu/output_act.c``, ``smooth_fwd_c`` / ``smooth_grad_c``): y still comes from eager's
+own kernel, then one vectorized pass writes the bits, corrects the zone and counts the hard
+elements per 2^16 block, a second collects them (block offsets by prefix sum, so the order is
+deterministic and, for finite inputs, the PyTorch path's); the backward is one pass (vector gathers
+from the same float32 tables, fused multiply-adds where torch's addcmul_/lerp_ use them). Same
+y, bits and side table bit for bit; the gradient within a few float32 ulp of the PyTorch path's
+(torch's float32 sqrt is not always correctly rounded, C's is), both within the GUIDE.md rule on
+the dense grids. The backward writes dx into the incoming gradient when
+``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]), on either path,
+bit for bit as out of place.
+
 Worst case: the side table is data-dependent (about 1-2% of N(0,1) elements). Inputs that crowd the
 hard windows (e.g. all at x*) would make it grow to 8 B per element, so when more than 1/16 of the
 elements are hard the op falls back to keeping x densely, exactly what eager keeps (4 B/elt in

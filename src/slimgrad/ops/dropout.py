@@ -20,7 +20,10 @@ memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.c
 happens inside an opaque custom op), and successive calls draw independent masks because the
 generator advances. The backward multiplies as eager's backward does (CPU and in-place: ``dy *
 noise`` with ``noise = m / (1 - p)`` rounded to the dtype; CUDA out-of-place:
-``native_dropout_backward``), so gradients match eager bit for bit."""
+``native_dropout_backward``), so gradients match eager bit for bit. On contiguous float32 CPU
+tensors the packing and both multiplies run as one C pass each (``kernels/cpu/dropout.c``, NOTE
+[CPU C kernels]): ``m ? x * s : x * 0`` is exactly eager's ``x * noise``, and no bool or unpacked
+mask is materialized; the draw itself stays eager's ``bernoulli_``."""
 
 from __future__ import annotations
 
