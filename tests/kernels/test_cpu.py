@@ -95,6 +95,14 @@ def test_compile_error_falls_back(toy):
     assert "failed on toy.c" in _cpu.last_error("toy")
 
 
+def test_unusable_cache_falls_back(toy, monkeypatch):
+    blocker = toy / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SLIMGRAD_CACHE", str(blocker))
+    with pytest.warns(RuntimeWarning, match="SLIMGRAD_CACHE to a writable directory"):
+        assert _cpu.load("toy") is None
+
+
 @needs_cc
 def test_concurrent_builds_are_safe(toy):
     # two processes build the same library into an empty cache at once; both load it

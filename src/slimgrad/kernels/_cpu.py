@@ -176,8 +176,9 @@ def load(stem: str) -> ctypes.CDLL | None:
         _warned[stem] = True
         warnings.warn(
             f"slimgrad.kernels: cannot build the CPU C kernels for {stem!r}; expected a working C "
-            f"compiler ($CC or cc), got {_errors[stem]}. Falling back to the (slower) PyTorch "
-            f"path; install gcc/clang or set CC=..., or set SLIMGRAD_BACKEND=torch to silence "
+            f"compiler ($CC or cc) and a writable cache ({cache_dir()}), got {_errors[stem]}. "
+            f"Falling back to the (slower) PyTorch path; install gcc/clang or set CC=..., set "
+            f"SLIMGRAD_CACHE to a writable directory, or set SLIMGRAD_BACKEND=torch to silence "
             f"this.",
             RuntimeWarning,
             stacklevel=3,

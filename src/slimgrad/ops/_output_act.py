@@ -612,8 +612,8 @@ def smooth_grad_c(
     inv = inverse(spec)
     gf = g.reshape(-1).contiguous()
     yf = y.reshape(-1).contiguous()
-    i = idx.long() if idx.numel() else None
-    gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
+    # the hard elements' g, read before out (maybe g's buffer) is written
+    gh = gf.index_select(0, idx) if idx.numel() else None
     if out is None:
         out = torch.empty(g.shape, dtype=g.dtype)
     of = out.view(-1)
@@ -624,8 +624,8 @@ def smooth_grad_c(
         gf.data_ptr(), yf.data_ptr(), bits.data_ptr(), tab.data_ptr(), of.data_ptr(), n, _TABLE_N,
         y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, threads(),
     )  # fmt: skip
-    if i is not None:
-        of[i] = bwd_exact(gh, xs)
+    if gh is not None:
+        of.index_copy_(0, idx.long(), bwd_exact(gh, xs))
     return out
 
 
