@@ -4,6 +4,7 @@ against their PyTorch paths (NOTE [CPU C kernels], NOTE [Kernel backend choice])
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -550,3 +551,53 @@ def test_threads_do_not_change_results(lib):
         torch.set_num_threads(old)
     for name, a, b in zip(("y", "bits", "idx", "xs", "dx"), *res):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("target", ["-march=haswell", "-march=x86-64"])
+def test_other_instruction_sets_give_the_same_bytes(lib, monkeypatch, tmp_path, target):
+    # the AVX2 gathers (haswell) and the plain scalar loop (x86-64: no AVX, software fmaf) must
+    # give what the native build gives, bit for bit
+    monkeypatch.setattr(_cpu, "_NATIVE", (target,))
+    monkeypatch.setattr(_cpu, "_libs", {})
+    monkeypatch.setenv("SLIMGRAD_CACHE", str(tmp_path))
+    other = _cpu.load(oa.C_STEM)
+    if other is None:
+        pytest.skip(f"cannot build for {target}: {_cpu.last_error(oa.C_STEM)}")
+    spec, fwd, bwd, _, _ = SMOOTH["gelu_tanh"]
+    x = torch.randn(65536 + 1003) * 2
+    g = torch.randn(x.shape)
+    a = oa.smooth_fwd_c(lib, spec, x, fwd)
+    b = oa.smooth_fwd_c(other, spec, x, fwd)
+    for t, u in zip(a, b):
+        assert torch.equal(t, u)
+    assert torch.equal(
+        oa.smooth_grad_c(lib, spec, g, *a, bwd), oa.smooth_grad_c(other, spec, g, *b, bwd)
+    )
+
+
+def test_int64_index_collection(lib):
+    # tensors above 2^31 elements list their hard elements as int64: the same kernel, checked on a
+    # small input by calling the int64 variant directly
+    spec, fwd, _, _, _ = SMOOTH["silu"]
+    x = torch.randn(70_001) * 2
+    y, bits, idx, xs = oa.smooth_fwd_c(lib, spec, x, fwd, fallback=False)
+    inv = oa.inverse(spec)
+    n = x.numel()
+    nb = (n + oa.CHUNK - 1) // oa.CHUNK
+    cnt = torch.empty(2 * nb, dtype=torch.int64)
+    fns = oa._c_fns(lib)
+    w = spec.window[torch.float32]
+    fns["smooth_fwd_f32"](
+        x.data_ptr(), y.clone().data_ptr(), torch.empty_like(bits).data_ptr(), cnt.data_ptr(), n,
+        spec.c_act, inv.x_star, spec.zone, w, 0, 0.0, 1,
+    )  # fmt: skip
+    per = cnt.view(nb, 2).sum(1)
+    off = per.cumsum(0) - per
+    i64 = torch.empty(idx.numel(), dtype=torch.int64)
+    xs64 = torch.empty(idx.numel())
+    fns["smooth_collect_i64"](
+        x.data_ptr(), cnt.data_ptr(), off.data_ptr(), i64.data_ptr(), xs64.data_ptr(), n,
+        inv.x_star, w, 0, 0.0, 1,
+    )  # fmt: skip
+    assert torch.equal(i64, idx.long()) and torch.equal(xs64, xs)

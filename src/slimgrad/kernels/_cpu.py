@@ -53,7 +53,7 @@ FLAGS = (
     "-fno-math-errno",
     "-std=gnu99",
 )
-_NATIVE = "-march=native"
+_NATIVE: tuple[str, ...] = ("-march=native",)  # tests may swap it for another target
 SRC_DIR = Path(__file__).with_name("cpu")
 
 _lock = threading.Lock()
@@ -131,7 +131,7 @@ def _build(stem: str) -> Path:
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
     for native in (True, False):
-        flags = [*FLAGS, _NATIVE] if native else list(FLAGS)
+        flags = [*FLAGS, *_NATIVE] if native else list(FLAGS)
         h = hashlib.sha256()
         for part in (text, " ".join(flags).encode(), cc.encode(), version.encode()):
             h.update(part)
