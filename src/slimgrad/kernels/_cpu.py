@@ -6,7 +6,9 @@ else ``gcc``) into a shared library, caches it, and returns it as a ``ctypes.CDL
 is impossible). The C files are plain C99 + OpenMP: no torch headers, no Python API, so a build
 takes well under a second (a torch C++ extension takes ~30 s). Callers allocate every buffer in
 Python with torch (so ``slimgrad.memory`` sees each allocation) and pass ``tensor.data_ptr()``,
-element counts and scalars; the C side only reads and writes those buffers.
+element counts and scalars; the C side only reads and writes those buffers. Hold every such tensor
+in a variable until the call returns: ``f(x.clone().data_ptr())`` hands C freed memory (the
+temporary dies before the call), a heap corruption that crashes later, elsewhere.
 
 - Flags: ``-O3 -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno`` and ``-march=native``
   when the compiler accepts it. Never ``-ffast-math``: the kernels must round exactly as the
