@@ -517,13 +517,12 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
 # the saved bytes are the same.
 
 C_STEM = "output_act"
-_C_SIGS: dict = {}
 
 
 def _c_fns(lib):
     import ctypes as C
 
-    fns = _C_SIGS.get(id(lib))
+    fns = getattr(lib, "_slimgrad_fns", None)  # kept on the library object itself
     if fns is None:
         p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
         specs = {
@@ -537,7 +536,7 @@ def _c_fns(lib):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
             fns[name] = fn
-        _C_SIGS[id(lib)] = fns
+        lib._slimgrad_fns = fns
     return fns
 
 
