@@ -89,6 +89,24 @@ def test_no_compiler_falls_back_with_one_warning(toy, monkeypatch):
         assert _cpu.load("toy") is None
 
 
+@needs_cc
+def test_builds_without_openmp_when_the_compiler_lacks_it(toy, monkeypatch):
+    # a compiler that rejects -fopenmp (clang without libomp): the third attempt drops it
+    real = _cpu._run_cc
+
+    def no_omp(cc, flags, src, out):
+        if "-fopenmp" in flags:
+            return subprocess.CompletedProcess([cc], 1, "", "unsupported option '-fopenmp'")
+        return real(cc, flags, src, out)
+
+    monkeypatch.setattr(_cpu, "_run_cc", no_omp)
+    lib = _cpu.load("toy")
+    assert lib is not None
+    y, x = torch.zeros(5), torch.ones(5)
+    _axpy(lib, y, x, 3.0)
+    assert torch.equal(y, torch.full((5,), 3.0))
+
+
 def test_compile_error_falls_back(toy):
     (toy / "src" / "toy.c").write_text("this is not C;")
     with pytest.warns(RuntimeWarning, match="SLIMGRAD_BACKEND=torch"):
