@@ -19,12 +19,15 @@ from slimgrad import ownership
 from slimgrad.memory import measure
 from slimgrad.ops.dropout import dropout
 from slimgrad.ops.elu import elu
+from slimgrad.ops.gelu import gelu
 from slimgrad.ops.hardtanh import hardtanh, relu6
 from slimgrad.ops.layer_norm import layer_norm
 from slimgrad.ops.leaky_relu import leaky_relu
+from slimgrad.ops.mish import mish
 from slimgrad.ops.relu import relu
 from slimgrad.ops.rms_norm import rms_norm
 from slimgrad.ops.sigmoid import sigmoid
+from slimgrad.ops.silu import silu
 from slimgrad.ops.tanh import tanh
 
 # the modules themselves (slimgrad.ops re-exports functions of the same names)
@@ -269,3 +272,101 @@ def test_chain_backward_peak_lower_with_reuse():
     # (64, 128) fp32 buffer fewer
     assert on <= off - 64 * 128 * 4, (on, off)
     assert peak_on <= peak_off
+
+
+# 3-D activations through nn.Linear: the incoming gradient is a view -----------------------------
+#
+# With (B, T, D) inputs, F.linear's backward hands the next op's backward its gradient as a reshape
+# VIEW of the 2-D mm result; ownership grants it when the view covers the whole buffer and nothing
+# but the view holds its base (NOTE [Gradient-buffer ownership], term 2b).
+
+LIN_OPS = {
+    "gelu": (torch.float32, lambda h, p: gelu(h)),
+    "gelu_tanh": (torch.float32, lambda h, p: gelu(h, approximate="tanh")),
+    "silu": (torch.float32, lambda h, p: silu(h)),
+    "mish": (torch.float32, lambda h, p: mish(h)),
+    "layer_norm": (torch.float32, lambda h, p: layer_norm(h, (D,), *p)),
+    "layer_norm_bf16": (torch.bfloat16, lambda h, p: layer_norm(h, (D,), *p)),
+    "rms_norm": (torch.float32, lambda h, p: rms_norm(h, (D,), p[0])),
+    "dropout": (torch.float32, lambda h, p: dropout(h, 0.3)),
+    "relu": (torch.float32, lambda h, p: relu(h)),
+    "tanh": (torch.float32, lambda h, p: tanh(h)),
+    # a transformer MLP's tail: three reuses, each op handing the next the view it overwrote
+    "ln_gelu_dropout": (
+        torch.float32,
+        lambda h, p: dropout(gelu(layer_norm(h, (D,), *p), approximate="tanh"), 0.1),
+    ),
+}
+LIN_REUSES = {"ln_gelu_dropout": 3}
+DI = 11
+
+
+def _linear_case(op: str, case: str) -> dict[str, torch.Tensor]:
+    dtype, f = LIN_OPS[op]
+    gen = torch.Generator().manual_seed(17)
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    x = rnd(*SHAPE[:-1], DI).requires_grad_()
+    w1, b1 = rnd(D, DI).requires_grad_(), rnd(D).requires_grad_()
+    w2, b2 = rnd(5, D).requires_grad_(), rnd(5).requires_grad_()
+    params = _params(gen, dtype)
+    wl = rnd(*SHAPE[:-1], 5)
+    torch.manual_seed(11)  # the same dropout mask in both runs
+    out: dict[str, torch.Tensor] = {}
+    h = torch.nn.functional.linear(x, w1, b1)
+    y = f(h, params)
+    z = torch.nn.functional.linear(y, w2, b2)
+    if case == "plain_chain":
+        (z * wl).sum().backward()
+    elif case == "hook_keeps":  # a hook keeps the gradient the op receives (a view)
+        kept = []
+        y.register_hook(kept.append)
+        (z * wl).sum().backward()
+        out["kept"] = kept[0]
+    elif case == "base_kept":  # a node prehook keeps the view's 2-D base (the mm result)
+        kept = []
+        node = z.grad_fn.next_functions[0][0].next_functions[1][0]
+        assert type(node).__name__ == "ViewBackward0", node
+        node.register_prehook(lambda gi: kept.append(gi[0]))
+        (z * wl).sum().backward()
+        out["kept"] = kept[0]
+    elif case == "retain_graph":
+        loss = (z * wl).sum()
+        loss.backward(retain_graph=True)
+        out["x.grad1"] = x.grad.clone()
+        loss.backward()
+    else:
+        raise AssertionError(case)
+    out["x.grad"] = x.grad
+    for k, p in (
+        ("w1", w1),
+        ("b1", b1),
+        ("w2", w2),
+        ("b2", b2),
+        ("p0", params[0]),
+        ("p1", params[1]),
+    ):
+        if p.grad is not None:
+            out[k + ".grad"] = p.grad
+    return out
+
+
+@pytest.mark.parametrize("case", ["plain_chain", "hook_keeps", "base_kept", "retain_graph"])
+@pytest.mark.parametrize("op", list(LIN_OPS))
+def test_linear3d_view_gradient_reused_bitwise(op, case):
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled():
+        ref = _linear_case(op, case)
+    assert ownership.reuse_count("grad") == 0
+    got = _linear_case(op, case)
+    n = ownership.reuse_count("grad")
+    _assert_bitwise(got, ref)
+    per_pass = LIN_REUSES.get(op, 1)
+    if case == "plain_chain":
+        assert n == per_pass, f"{op}: expected {per_pass} reuses of the view gradient, got {n}"
+    elif case == "retain_graph":
+        assert n == 2 * per_pass, n
+    else:  # the first op's gradient is held elsewhere: refused (later ones in a chain may reuse)
+        assert n == per_pass - 1, n
