@@ -10,6 +10,7 @@ measured with ``slimgrad.memory``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -33,6 +34,7 @@ from slimgrad.ops.tanh import tanh
 # the modules themselves (slimgrad.ops re-exports functions of the same names)
 ln_mod = importlib.import_module("slimgrad.ops.layer_norm")
 rms_mod = importlib.import_module("slimgrad.ops.rms_norm")
+LN_CHUNK_DEFAULT = ln_mod.CHUNK_ELEMS
 
 SHAPE = (3, 7, 13)  # odd and prime; 21 rows of 13 for the norms
 D = SHAPE[-1]
@@ -370,3 +372,36 @@ def test_linear3d_view_gradient_reused_bitwise(op, case):
         assert n == 2 * per_pass, n
     else:  # the first op's gradient is held elsewhere: refused (later ones in a chain may reuse)
         assert n == per_pass - 1, n
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "relu"])
+def test_linear3d_view_reuse_lowers_peak(op, monkeypatch):
+    # (4, 64, 8) -> Linear -> op -> Linear on fp32, the input created inside the step so
+    # everything counts. Without term 2b the op's gradient (a view of fc2's mm result) was refused.
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 64, 8, generator=gen)
+    w1 = torch.randn(32, 8, generator=gen).requires_grad_()
+    w2 = torch.randn(8, 32, generator=gen).requires_grad_()
+    f = {"layer_norm": lambda t: layer_norm(t, (32,)), "relu": relu}[op]
+    hidden = 4 * 64 * 32 * 4
+    monkeypatch.setattr(ln_mod, "CHUNK_ELEMS", LN_CHUNK_DEFAULT)  # one chunk: dx is one buffer
+
+    def fwd():
+        h = (x0 * 1).requires_grad_()
+        return (F.linear(f(F.linear(h, w1)), w2) * 2).sum()
+
+    res = {}
+    for mode in ("off", "on"):
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if mode == "off" else contextlib.nullcontext():
+            m = measure(fwd)
+        res[mode] = (m.peak_bytes, m.end_bytes, ownership.reuse_count("grad"))
+        w1.grad = w2.grad = None
+    (off, end_off, n_off), (on, end_on, n_on) = res["off"], res["on"]
+    assert (n_off, n_on) == (0, 1)
+    assert end_on == end_off  # reading g._base leaves nothing behind
+    if op == "layer_norm":  # the peak sits in its backward: dx in dy's buffer, one buffer fewer
+        assert off - on >= hidden, (off, on)
+    else:  # the peak moves elsewhere; it still drops
+        assert on < off, (off, on)
