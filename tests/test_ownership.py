@@ -683,6 +683,10 @@ def _view_case(name, fn_cls):
         node.register_prehook(lambda gi: kept.append(gi[0]))
         (z * wl).sum().backward()
         out["kept"] = kept[0]
+    elif name == "grad_of_base":  # autograd.grad captures the base itself (the engine holds it)
+        v = F(h).view(B * T, DH)
+        dx, dv = torch.autograd.grad((v.view(B, T, DH) * wn).sum(), [x, v])
+        return {"dx": dx, "dv": dv}
     elif name == "base_retain_grad":
         v = F(h).view(B * T, DH)
         v.retain_grad()
@@ -780,6 +784,7 @@ VIEW_REFUSED_UNSAFE = [
     "expanded",
     "overlap_strided",
     "saved_view_user_holds",
+    "grad_of_base",
 ]
 # cases where an unconditional overwrite corrupts something (or autograd raises)
 CORRUPTIBLE = VIEW_REFUSED_UNSAFE + ["two_views", "saved_view_retain_graph"]
@@ -844,3 +849,13 @@ def test_failed_view_calibration_refuses_views_only(monkeypatch):
     monkeypatch.setattr(ownership, "_VIEW_SIG", None)
     assert _view_run("linear3d")[1] == 0
     assert _view_run("linear3d_chain")[1] == 1  # F1 gets F2's plain dx
+
+
+def test_view_calibration_failure_refuses_views_only(monkeypatch):
+    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_STORAGE_PROBE", "_VIEW_SIG"):
+        monkeypatch.setattr(ownership, name, getattr(ownership, name))  # restored afterwards
+    monkeypatch.setattr(ownership, "_view_sig", lambda t: None)  # the view probe fails
+    ownership._calibrate()
+    assert ownership.calibrated() and ownership._VIEW_SIG is None
+    monkeypatch.undo()  # the real _view_sig and the import-time calibration
+    assert ownership._VIEW_SIG is not None

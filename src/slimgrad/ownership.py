@@ -467,6 +467,7 @@ def _calib_fns(seen: list):
 
 def _calibrate() -> None:
     global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG
+    _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None  # until proven
     try:
         t = torch.empty(4)
         _STORAGE_PROBE = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -479,6 +480,7 @@ def _calibrate() -> None:
         grad_base: dict = {}
         saved_sigs: dict = {}
         view_sigs: set = set()
+        view_ok = True
         ok = _STORAGE_PROBE >= 1 and sensitive and sig[1] == _STORAGE_PROBE
         for grad_fn, saved_fn in zip(*_calib_fns(seen := []), strict=True):
             seen.clear()
@@ -509,15 +511,6 @@ def _calibrate() -> None:
             ok = (
                 ok
                 and len(g) == 5
-                and len(vs) == 2
-                # a view gradient: same refcount and use count as a plain one; its storage is
-                # shared with the base's TensorImpl only
-                and g[3][:2] == g[0][:2]
-                and g[3][2] == _STORAGE_PROBE + 1
-                and vs[0] is not None
-                and vs[1] is not None
-                and vs[0][1] == (sig[0], sig[1] + 1)  # storage: the base's TensorImpl, nothing more
-                and vs[1][0][0] == vs[0][0][0] + 1  # the hook's reference to the base shows
                 and len(sv) == 3
                 and all(p[3] is caller for p in g + sv)
                 and g[0] == g[1]
@@ -532,9 +525,26 @@ def _calibrate() -> None:
                 break
             grad_base[caller] = g[0][0]
             saved_sigs[caller] = frozenset({sv[0][:2], sv[2][:2]})
-            view_sigs.add(vs[0])
-        # one view signature for both callers (it does not depend on the caller's frame)
-        if ok and len(view_sigs) == 1:
+            view_ok = (
+                view_ok
+                and (
+                    len(vs) == 2
+                    # a view gradient: same refcount and use count as a plain one; its storage is
+                    # shared with the base's TensorImpl only
+                    and g[3][:2] == g[0][:2]
+                    and g[3][2] == _STORAGE_PROBE + 1
+                    and vs[0] is not None
+                    and vs[1] is not None
+                    and vs[0][1]
+                    == (sig[0], sig[1] + 1)  # storage: the base's TensorImpl, nothing more
+                    and vs[1][0][0] == vs[0][0][0] + 1  # the hook's reference to the base shows
+                )
+            )
+            if view_ok:
+                view_sigs.add(vs[0])
+        # one view signature for both callers (it does not depend on the caller's frame); a
+        # failure here refuses views only
+        if ok and view_ok and len(view_sigs) == 1:
             _VIEW_SIG = view_sigs.pop()
         if ok:
             _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG = grad_base, saved_sigs, sig
