@@ -9,6 +9,7 @@ case really corrupts something (so the refusal is what keeps the result right).
 from __future__ import annotations
 
 import sys
+import weakref
 
 import pytest
 import torch
@@ -157,7 +158,15 @@ def _case(name, fn_cls):
     return out, x
 
 
-SAFE = ["plain_chain", "used_twice", "y_plus_y", "retain_grad", "hook_new", "sibling_leaf"]
+SAFE = [
+    "plain_chain",
+    "used_twice",
+    "y_plus_y",
+    "retain_grad",
+    "hook_new",
+    "sibling_leaf",
+    "reshape_view",  # a whole-storage view whose base only the view holds (term 2b)
+]
 UNSAFE = [
     "hook_keeps",
     "sum_expanded",
@@ -166,7 +175,7 @@ UNSAFE = [
     "user_gradient",
     "grad_of_x_and_y",
 ]
-CONSERVATIVE = ["cat_slice", "reshape_view", "create_graph"]  # safe here, refused by design
+CONSERVATIVE = ["cat_slice", "create_graph"]  # safe here, refused by design
 
 
 def _run(name, fn_cls=_Double, disabled=False):
@@ -188,6 +197,7 @@ def _assert_bitwise(a: dict, b: dict):
 
 def test_calibrated_on_this_interpreter():
     assert ownership.calibrated(), f"calibration failed on Python {sys.version}"
+    assert ownership._VIEW_SIG is not None, "view calibration (term 2b) failed"
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
@@ -572,3 +582,280 @@ def test_hook_that_keeps_the_storage_object_is_refused():
     assert torch.equal(seen, ref_seen) and torch.equal(grad, ref_grad)
     bad_seen, _, _ = go(_Reckless)
     assert not torch.equal(bad_seen, ref_seen)  # the case is real: an overwrite would show
+
+
+# Gradients that arrive as views (NOTE [Gradient-buffer ownership], term 2b) ---------------------
+#
+# Each case: the y = 2x Function F sits where its incoming gradient is a view; runs with reuse on,
+# under reuse_disabled(), and with the reckless Function (for the unsafe cases, to show that an
+# overwrite there really corrupts something). Every gradient and kept tensor is compared bit for
+# bit.
+
+B, T, DI, DH = 2, 3, 5, 4  # 3-D activations (B, T, D) as in a transformer block
+
+
+class _Upstream(torch.autograd.Function):
+    """Identity forward; backward hands down ``make(g)`` as the gradient (a view of some kind)."""
+
+    @staticmethod
+    def forward(ctx, x, make):
+        ctx.make = make
+        return x.view_as(x) * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.make(g), None
+
+
+class _SavedAsGrad(torch.autograd.Function):
+    """Identity forward that saves a fresh tensor w; backward hands down a view of w itself."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return w.view(g.shape), None
+
+
+class _TwoViews(torch.autograd.Function):
+    """a + b forward; backward hands both inputs whole-storage views of ONE buffer."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        base = g * 1
+        return base.view(g.shape), base.view(g.shape)
+
+
+def _deref(ref):
+    # what a weak reference's holder reads later: the tensor if it is still alive (out of place it
+    # is not: nothing else keeps it), else a sentinel
+    t = ref()
+    return torch.full((1,), -1.0) if t is None else t.clone()
+
+
+def _view_case(name, fn_cls):
+    """Run view case ``name``; return ({label: tensor}, retain-graph second pass or None)."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(B, T, DI, generator=gen).requires_grad_()
+    w1 = torch.randn(DH, DI, generator=gen).requires_grad_()
+    b1 = torch.randn(DH, generator=gen).requires_grad_()
+    w2 = torch.randn(3, DH, generator=gen).requires_grad_()
+    b2 = torch.randn(3, generator=gen).requires_grad_()
+    wl = torch.randn(B, T, 3, generator=gen)
+    wn = torch.randn(B, T, DH, generator=gen)
+    out: dict[str, torch.Tensor] = {}
+
+    def F(t):
+        return fn_cls.apply(t)
+
+    def lin2(t):  # its backward hands F a reshape view of the 2-D mm result
+        return torch.nn.functional.linear(t, w2, b2)
+
+    h = torch.nn.functional.linear(x, w1, b1)  # (B, T, DH)
+    if name == "linear3d":
+        (lin2(F(h)) * wl).sum().backward()
+    elif name == "linear3d_chain":  # F2 hands F1 the very view it overwrote
+        (lin2(F(F(h))) * wl).sum().backward()
+    elif name == "linear3d_retain_graph":
+        loss = (lin2(F(h)) * wl).sum()
+        loss.backward(retain_graph=True)
+        out["x.grad1"] = x.grad.clone()
+        loss.backward()
+    elif name == "base_kept_by_hook":  # a hook keeps the (B*T, DH) base of F's incoming view
+        kept = []
+        v = F(h).view(B * T, DH)
+        v.register_hook(kept.append)
+        (v.view(B, T, DH) * wn).sum().backward()
+        out["kept"] = kept[0]
+    elif name == "base_kept_by_prehook":  # the same through a node prehook inside nn.Linear
+        kept = []
+        z = lin2(F(h))
+        node = z.grad_fn.next_functions[0][0].next_functions[1][0]  # ViewBackward0 of F(h)
+        assert type(node).__name__ == "ViewBackward0", node
+        node.register_prehook(lambda gi: kept.append(gi[0]))
+        (z * wl).sum().backward()
+        out["kept"] = kept[0]
+    elif name == "grad_of_base":  # autograd.grad captures the base itself (the engine holds it)
+        v = F(h).view(B * T, DH)
+        dx, dv = torch.autograd.grad((v.view(B, T, DH) * wn).sum(), [x, v])
+        return {"dx": dx, "dv": dv}
+    elif name == "base_retain_grad":
+        v = F(h).view(B * T, DH)
+        v.retain_grad()
+        (v.view(B, T, DH) * wn).sum().backward()
+        out["v.grad"] = v.grad
+    elif name == "base_weakref":  # a later hook reads the base through a weak reference
+        refs, seen = [], []
+        z = lin2(F(h))
+        node = z.grad_fn.next_functions[0][0].next_functions[1][0]  # ViewBackward0 of F(h)
+        node.register_prehook(lambda gi: refs.append(weakref.ref(gi[0])))  # the 2-D base
+        h.register_hook(lambda t: seen.append(_deref(refs[0])))
+        (z * wl).sum().backward()
+        out["seen"] = seen[0]
+    elif name == "grad_weakref":  # the same on the view itself
+        refs, seen = [], []
+        y = F(h)
+        y.register_hook(lambda t: refs.append(weakref.ref(t)))
+        h.register_hook(lambda t: seen.append(_deref(refs[0])))
+        (lin2(y) * wl).sum().backward()
+        out["seen"] = seen[0]
+    elif name == "two_views":  # two whole-storage views of one buffer, two pending backwards
+        (_TwoViews.apply(F(h), F(h * 0.5)) * wn).sum().backward()
+    elif name == "cat_halves":  # chunk-like: each backward gets a half of one buffer
+        (torch.cat([F(h), F(h * 0.5)], dim=-1) * torch.cat([wn, wn], dim=-1)).sum().backward()
+    elif name == "partial_slice":  # a view of part of a buffer nobody else reads
+        (
+            torch.cat([F(h), torch.ones(B, T, 1)], dim=-1)
+            * torch.randn(B, T, DH + 1, generator=gen)
+        ).sum().backward()
+    elif name in ("offset_view", "expanded", "overlap_strided", "as_strided_whole", "transposed"):
+        make = {
+            "offset_view": lambda g: torch.cat([g.reshape(-1)[:1], g.reshape(-1)])[1:].view(
+                g.shape
+            ),
+            "expanded": lambda g: (g[:1] * 1).expand(g.shape),
+            "overlap_strided": lambda g: (
+                (g * 1).reshape(-1)[: g.shape[-1]].as_strided(g.shape, (0, 0, 1))
+            ),
+            "as_strided_whole": lambda g: torch.as_strided(g * 1, g.shape, g.stride(), 0),
+            "transposed": lambda g: (g * 1).transpose(0, 2).contiguous().transpose(0, 2),
+        }[name]
+        (_Upstream.apply(F(h), make) * wn).sum().backward()
+    elif name == "saved_view":  # the upstream's saved tensor, dead once its backward ran
+        wsave = torch.randn(B, T, DH, generator=gen)
+        (_SavedAsGrad.apply(F(h), wsave * 1) * wn).sum().backward()
+    elif name == "saved_view_user_holds":  # the saved tensor is also the user's
+        wsave = torch.randn(B, T, DH, generator=gen)
+        (_SavedAsGrad.apply(F(h), wsave) * wn).sum().backward()
+        out["wsave"] = wsave
+    elif name == "saved_view_retain_graph":  # the graph keeps the saved tensor for a 2nd pass
+        loss = (_SavedAsGrad.apply(F(h), torch.randn(B, T, DH, generator=gen) * 1) * wn).sum()
+        loss.backward(retain_graph=True)
+        assert ownership.reuse_count("grad") == 0  # first pass: the graph still holds w
+        out["x.grad1"] = x.grad.clone()
+        loss.backward()
+    elif name == "checkpoint":
+
+        def block(t):
+            return lin2(F(t.sin()))
+
+        def outer(t):
+            return ckpt.checkpoint(block, t * 1.1, use_reentrant=False) * 2
+
+        (ckpt.checkpoint(outer, h, use_reentrant=False) * wl).sum().backward()
+    else:
+        raise AssertionError(name)
+    out["x.grad"] = x.grad
+    for k, p in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        if p.grad is not None:
+            out[k + ".grad"] = p.grad
+    return out
+
+
+# name -> reuses granted (exact): the view cases that are safe and granted
+VIEW_GRANTED = {
+    "linear3d": 1,
+    "linear3d_chain": 2,
+    "linear3d_retain_graph": 2,  # only incoming gradients: the second pass is exact
+    "as_strided_whole": 1,
+    "transposed": 1,  # non-contiguous but dense over its whole storage
+    "saved_view": 1,  # the saved tensor was released with its node: the view is all that is left
+    "saved_view_retain_graph": 1,  # the second pass only (asserted inside the case)
+    "checkpoint": 1,
+    "base_retain_grad": 1,  # retain_grad stores a clone of the base's gradient
+    # the first F's view is refused (the second view shares the storage); once it is gone, the
+    # second F's view is the only way to the buffer and is granted
+    "two_views": 1,
+}
+# safe or not, refused; the ones marked unsafe corrupt something when overwritten unconditionally
+VIEW_REFUSED_UNSAFE = [
+    "base_kept_by_hook",
+    "base_kept_by_prehook",
+    "base_weakref",
+    "grad_weakref",
+    "expanded",
+    "overlap_strided",
+    "saved_view_user_holds",
+    "grad_of_base",
+]
+# cases where an unconditional overwrite corrupts something (or autograd raises)
+CORRUPTIBLE = VIEW_REFUSED_UNSAFE + ["two_views", "saved_view_retain_graph"]
+VIEW_REFUSED_SAFE = ["cat_halves", "partial_slice", "offset_view"]  # partial coverage, by design
+
+
+def _view_run(name, fn_cls=_Double, disabled=False):
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled() if disabled else _null():
+        out = _view_case(name, fn_cls)
+    return out, ownership.reuse_count("grad")
+
+
+@pytest.mark.parametrize("name", list(VIEW_GRANTED) + VIEW_REFUSED_UNSAFE + VIEW_REFUSED_SAFE)
+def test_view_gradient_case_bitwise(name):
+    ref, n_off = _view_run(name, disabled=True)
+    got, n_on = _view_run(name)
+    assert n_off == 0
+    _assert_bitwise(got, ref)
+    if name in VIEW_GRANTED:
+        assert n_on == VIEW_GRANTED[name], f"{name}: reuse count {n_on}"
+    else:
+        assert n_on == 0, f"{name}: reuse granted, count {n_on}"
+
+
+@pytest.mark.parametrize("name", CORRUPTIBLE)
+def test_view_unsafe_case_really_corrupts_without_the_predicate(name):
+    ref, _ = _view_run(name, disabled=True)
+    try:
+        bad, _ = _view_run(name, fn_cls=_Reckless)
+    except RuntimeError as e:  # overlapping memory, or autograd's version check on a saved w
+        msg = str(e)
+        assert (
+            "single memory location" in msg or "overlap" in msg or "modified by an inplace" in msg
+        )
+        return
+    assert any(not torch.equal(bad[k], ref[k]) for k in ref), "case does not exercise corruption"
+
+
+def test_view_gradient_is_really_a_view_and_is_overwritten():
+    # The 3-D linear case is the one that matters: the gradient F receives is a view of the 2-D
+    # mm result, and with reuse dx is written into that very buffer.
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(B, T, DI, generator=gen).requires_grad_()
+    lin1, lin2 = torch.nn.Linear(DI, DH), torch.nn.Linear(DH, 3)
+    h = lin1(x)
+    y = _Double.apply(h)
+    info = {}
+
+    def on_dy(t):
+        info["view"], info["dy"] = t._is_view(), t.data_ptr()
+
+    y.register_hook(on_dy)  # keeps no reference
+    h.register_hook(lambda t: info.__setitem__("dx", t.data_ptr()))
+    ownership.reset_reuse_count()
+    lin2(y).sum().backward()
+    assert info["view"] and ownership.reuse_count("grad") == 1
+    assert info["dx"] == info["dy"]
+
+
+def test_failed_view_calibration_refuses_views_only(monkeypatch):
+    monkeypatch.setattr(ownership, "_VIEW_SIG", None)
+    assert _view_run("linear3d")[1] == 0
+    assert _view_run("linear3d_chain")[1] == 1  # F1 gets F2's plain dx
+
+
+def test_view_calibration_failure_refuses_views_only(monkeypatch):
+    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_STORAGE_PROBE", "_VIEW_SIG"):
+        monkeypatch.setattr(ownership, name, getattr(ownership, name))  # restored afterwards
+    monkeypatch.setattr(ownership, "_view_sig", lambda t: None)  # the view probe fails
+    ownership._calibrate()
+    assert ownership.calibrated() and ownership._VIEW_SIG is None
+    monkeypatch.undo()  # the real _view_sig and the import-time calibration
+    assert ownership._VIEW_SIG is not None

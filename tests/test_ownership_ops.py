@@ -10,6 +10,7 @@ measured with ``slimgrad.memory``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -19,17 +20,21 @@ from slimgrad import ownership
 from slimgrad.memory import measure
 from slimgrad.ops.dropout import dropout
 from slimgrad.ops.elu import elu
+from slimgrad.ops.gelu import gelu
 from slimgrad.ops.hardtanh import hardtanh, relu6
 from slimgrad.ops.layer_norm import layer_norm
 from slimgrad.ops.leaky_relu import leaky_relu
+from slimgrad.ops.mish import mish
 from slimgrad.ops.relu import relu
 from slimgrad.ops.rms_norm import rms_norm
 from slimgrad.ops.sigmoid import sigmoid
+from slimgrad.ops.silu import silu
 from slimgrad.ops.tanh import tanh
 
 # the modules themselves (slimgrad.ops re-exports functions of the same names)
 ln_mod = importlib.import_module("slimgrad.ops.layer_norm")
 rms_mod = importlib.import_module("slimgrad.ops.rms_norm")
+LN_CHUNK_DEFAULT = ln_mod.CHUNK_ELEMS
 
 SHAPE = (3, 7, 13)  # odd and prime; 21 rows of 13 for the norms
 D = SHAPE[-1]
@@ -269,3 +274,134 @@ def test_chain_backward_peak_lower_with_reuse():
     # (64, 128) fp32 buffer fewer
     assert on <= off - 64 * 128 * 4, (on, off)
     assert peak_on <= peak_off
+
+
+# 3-D activations through nn.Linear: the incoming gradient is a view -----------------------------
+#
+# With (B, T, D) inputs, F.linear's backward hands the next op's backward its gradient as a reshape
+# VIEW of the 2-D mm result; ownership grants it when the view covers the whole buffer and nothing
+# but the view holds its base (NOTE [Gradient-buffer ownership], term 2b).
+
+LIN_OPS = {
+    "gelu": (torch.float32, lambda h, p: gelu(h)),
+    "gelu_tanh": (torch.float32, lambda h, p: gelu(h, approximate="tanh")),
+    "silu": (torch.float32, lambda h, p: silu(h)),
+    "mish": (torch.float32, lambda h, p: mish(h)),
+    "layer_norm": (torch.float32, lambda h, p: layer_norm(h, (D,), *p)),
+    "layer_norm_bf16": (torch.bfloat16, lambda h, p: layer_norm(h, (D,), *p)),
+    "rms_norm": (torch.float32, lambda h, p: rms_norm(h, (D,), p[0])),
+    "dropout": (torch.float32, lambda h, p: dropout(h, 0.3)),
+    "relu": (torch.float32, lambda h, p: relu(h)),
+    "tanh": (torch.float32, lambda h, p: tanh(h)),
+    # a transformer MLP's tail: three reuses, each op handing the next the view it overwrote
+    "ln_gelu_dropout": (
+        torch.float32,
+        lambda h, p: dropout(gelu(layer_norm(h, (D,), *p), approximate="tanh"), 0.1),
+    ),
+}
+LIN_REUSES = {"ln_gelu_dropout": 3}
+DI = 11
+
+
+def _linear_case(op: str, case: str) -> dict[str, torch.Tensor]:
+    dtype, f = LIN_OPS[op]
+    gen = torch.Generator().manual_seed(17)
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    x = rnd(*SHAPE[:-1], DI).requires_grad_()
+    w1, b1 = rnd(D, DI).requires_grad_(), rnd(D).requires_grad_()
+    w2, b2 = rnd(5, D).requires_grad_(), rnd(5).requires_grad_()
+    params = _params(gen, dtype)
+    wl = rnd(*SHAPE[:-1], 5)
+    torch.manual_seed(11)  # the same dropout mask in both runs
+    out: dict[str, torch.Tensor] = {}
+    h = torch.nn.functional.linear(x, w1, b1)
+    y = f(h, params)
+    z = torch.nn.functional.linear(y, w2, b2)
+    if case == "plain_chain":
+        (z * wl).sum().backward()
+    elif case == "hook_keeps":  # a hook keeps the gradient the op receives (a view)
+        kept = []
+        y.register_hook(kept.append)
+        (z * wl).sum().backward()
+        out["kept"] = kept[0]
+    elif case == "base_kept":  # a node prehook keeps the view's 2-D base (the mm result)
+        kept = []
+        node = z.grad_fn.next_functions[0][0].next_functions[1][0]
+        assert type(node).__name__ == "ViewBackward0", node
+        node.register_prehook(lambda gi: kept.append(gi[0]))
+        (z * wl).sum().backward()
+        out["kept"] = kept[0]
+    elif case == "retain_graph":
+        loss = (z * wl).sum()
+        loss.backward(retain_graph=True)
+        out["x.grad1"] = x.grad.clone()
+        loss.backward()
+    else:
+        raise AssertionError(case)
+    out["x.grad"] = x.grad
+    for k, p in (
+        ("w1", w1),
+        ("b1", b1),
+        ("w2", w2),
+        ("b2", b2),
+        ("p0", params[0]),
+        ("p1", params[1]),
+    ):
+        if p.grad is not None:
+            out[k + ".grad"] = p.grad
+    return out
+
+
+@pytest.mark.parametrize("case", ["plain_chain", "hook_keeps", "base_kept", "retain_graph"])
+@pytest.mark.parametrize("op", list(LIN_OPS))
+def test_linear3d_view_gradient_reused_bitwise(op, case):
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled():
+        ref = _linear_case(op, case)
+    assert ownership.reuse_count("grad") == 0
+    got = _linear_case(op, case)
+    n = ownership.reuse_count("grad")
+    _assert_bitwise(got, ref)
+    per_pass = LIN_REUSES.get(op, 1)
+    if case == "plain_chain":
+        assert n == per_pass, f"{op}: expected {per_pass} reuses of the view gradient, got {n}"
+    elif case == "retain_graph":
+        assert n == 2 * per_pass, n
+    else:  # the first op's gradient is held elsewhere: refused (later ones in a chain may reuse)
+        assert n == per_pass - 1, n
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "relu"])
+def test_linear3d_view_reuse_lowers_peak(op, monkeypatch):
+    # (4, 64, 8) -> Linear -> op -> Linear on fp32, the input created inside the step so
+    # everything counts. Without term 2b the op's gradient (a view of fc2's mm result) was refused.
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 64, 8, generator=gen)
+    w1 = torch.randn(32, 8, generator=gen).requires_grad_()
+    w2 = torch.randn(8, 32, generator=gen).requires_grad_()
+    f = {"layer_norm": lambda t: layer_norm(t, (32,)), "relu": relu}[op]
+    hidden = 4 * 64 * 32 * 4
+    monkeypatch.setattr(ln_mod, "CHUNK_ELEMS", LN_CHUNK_DEFAULT)  # one chunk: dx is one buffer
+
+    def fwd():
+        h = (x0 * 1).requires_grad_()
+        return (F.linear(f(F.linear(h, w1)), w2) * 2).sum()
+
+    res = {}
+    for mode in ("off", "on"):
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if mode == "off" else contextlib.nullcontext():
+            m = measure(fwd)
+        res[mode] = (m.peak_bytes, m.end_bytes, ownership.reuse_count("grad"))
+        w1.grad = w2.grad = None
+    (off, end_off, n_off), (on, end_on, n_on) = res["off"], res["on"]
+    assert (n_off, n_on) == (0, 1)
+    assert end_on == end_off  # reading g._base leaves nothing behind
+    if op == "layer_norm":  # the peak sits in its backward: dx in dy's buffer, one buffer fewer
+        assert off - on >= hidden, (off, on)
+    else:  # the peak moves elsewhere; it still drops
+        assert on < off, (off, on)

@@ -25,20 +25,45 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    gradient that autograd hands to a sibling node still pending (the Gemma-2 pattern), a user
    ``gradient=G`` and the ``autograd.grad`` result of a non-leaf input (the engine keeps it as a
    captured gradient).
-2. Storage use count and the refcount of the storage's Python object equal those of a fresh
-   tensor (calibrated): no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient)
-   shares the memory, and nobody keeps ``g.untyped_storage()``. Conservative: refuses disjoint
-   slices too.
+2. Nothing but ``g`` reaches its memory. (a) ``g`` not a view: storage use count and the
+   refcount of the storage's Python object equal those of a fresh tensor (calibrated): no other
+   tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient) shares the memory, and nobody
+   keeps ``g.untyped_storage()``. (b) ``g`` a view (``nn.Linear`` on 3-D input hands the next
+   backward a reshape view of its 2-D mm result; LayerNorm, dropout etc. then pass it on): with
+   term 4 (the view covers its whole storage densely from offset 0), all of:
+   - its base ``b = g._base`` is a plain strided ``torch.Tensor`` on ``g``'s device, with no
+     autograd state (not ``requires_grad``, no ``grad_fn``, no ``.grad``) and the same data
+     pointer. (PyTorch roots every view at a non-view base, so views of views are covered.)
+   - ``(sys.getrefcount(b), b._use_count())`` equals the calibrated pair of a base that only
+     the view holds: use count 2 = the view's autograd metadata + ``b``'s Python object, refcount
+     = our locals + the one reference PyTorch keeps on the Python object of a tensor C++ also
+     holds. A Python holder of the base (a hook or node prehook that keeps it) raises the
+     refcount; a C++ holder (another engine buffer, a SavedVariable under ``retain_graph``, a
+     leaf's ``.grad``) raises the use count. Reading ``g._base`` may create ``b``'s Python object;
+     PyTorch keeps it with ``b`` (freed with it; it adds no holder of the memory).
+   - the storage signature equals a fresh tensor's with ONE more use (``b``'s TensorImpl): a
+     second view of the same base (``chunk``/``split`` halves, two views handed to two pending
+     backwards) adds a use, and nobody keeps the storage object. Every TensorImpl that can read
+     the memory shares that StorageImpl, so these counts prove ``g`` is the only way in; once a
+     sibling view is gone, the remaining one may be granted.
+   - ``weakref.getweakrefcount`` is 0 for ``b`` and for ``g`` (checked for plain gradients too):
+     a weak reference taken by a hook can be dereferenced by a later hook that then reads the
+     buffer (measured: both corrupt without this term).
+   Saved tensors that are views are refused (no calibrated signature). Conservative: refuses
+   disjoint slices and partial views (``cat`` slices, offsets, expands) too. Term 2b was checked
+   on 21 view cases (tests/test_ownership.py: 3-D ``F.linear``, hooks/prehooks/weakrefs/
+   ``autograd.grad`` on the base, sibling views, partial/expanded/``as_strided`` views, a saved
+   tensor's view with and without ``retain_graph``, checkpoint), each bitwise vs reuse off.
 3. ``sys.getrefcount(g)`` equals the baseline calibrated at import for the exact calling pattern
    below. Catches extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook
    that keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. The
    baseline is chosen by the code object of the frame that called the backward (autograd's
    ``BackwardCFunction.apply``, or torch's ``once_differentiable`` wrapper, calibrated separately),
    never by the count itself; any other caller has no baseline. If calibration fails, reuse is
-   never granted.
+   never granted. A view gradient has the same refcount and use count as a plain one (checked).
 4. Non-overlapping and dense, offset 0, covering its whole storage, plain strided ``torch.Tensor``
-   (no subclass, functorch wrapper, conj/neg bit, view): an in-place kernel writes every byte
-   exactly once.
+   (no subclass, functorch wrapper, conj/neg bit; a view only under term 2b): an in-place kernel
+   writes every byte exactly once.
 5. Grad mode off (no ``create_graph=True``: a double backward may have saved ``g``) and ``not
    g.requires_grad`` (a saved non-leaf input may require grad; a leaf that does never qualifies).
 6. Running inside the autograd engine (``torch._C._current_graph_task_id() != -1``), not being
@@ -49,6 +74,13 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    ``saved_tensors_hooks`` pair that packs a detached alias: a hook that keeps the packed tensor
    elsewhere, or unpacks a tensor it also holds, adds a reference. (``slimgrad.memory`` installs
    no hooks, so measuring a step never changes what this rule grants.)
+
+Calibration (at import, :func:`_calibrate`): a y = 2x Function's backward probes its gradient in
+chains whose safety is known: plain, through a ``* 1`` (same figures), with a hook that keeps the
+gradient (refcount exactly one higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage
+view of a fresh base: gives the base pair and view storage signature) and the same with a hook
+keeping that base (base refcount exactly one higher). Any mismatch or exception: no baseline,
+never reuse (views alone: ``_VIEW_SIG`` None refuses every view).
 
 Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails
 safe, refusing reuse, never the other way):
@@ -81,6 +113,7 @@ import contextlib
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -120,6 +153,10 @@ _STORAGE_PROBE: int | None = None
 # (Python refcount, storage use count) of that storage's Python object, as _storage_sig sees it
 # for a fresh tensor: a user who keeps ``g.untyped_storage()`` raises the refcount.
 _STORAGE_SIG: tuple[int, int] | None = None
+# For a gradient that is a view (term 2b): _view_sig(g) of a whole-storage view whose base nobody
+# else holds: ((base refcount, base use count), storage (refcount, use count)) as _view_sig sees
+# them. The storage use count is one more than _STORAGE_SIG's: the base's TensorImpl.
+_VIEW_SIG: tuple[tuple[int, int], tuple[int, int]] | None = None
 
 
 def _env_disabled() -> bool:
@@ -189,6 +226,38 @@ def _storage_alone(t: torch.Tensor) -> bool:
     return _STORAGE_SIG is not None and _storage_sig(t) == _STORAGE_SIG
 
 
+def _view_sig(t: torch.Tensor):
+    # ((refcount, use count) of t's base, storage signature), or None if the base is not a plain
+    # strided tensor without autograd state sharing t's memory. Reads ``t._base`` (which may create
+    # the base's Python object; PyTorch preserves it with the base, no reference is added).
+    base = t._base
+    if (
+        type(base) is not torch.Tensor
+        or base._is_view()
+        or base.requires_grad
+        or base.grad is not None
+        or base.grad_fn is not None
+        or base.layout != torch.strided
+        or base.is_nested
+        or base.device != t.device
+        or weakref.getweakrefcount(base) != 0
+        or base.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        or torch._C._functorch.is_functorch_wrapped_tensor(base)
+    ):
+        return None
+    sig = (sys.getrefcount(base), base._use_count())
+    del base
+    return sig, _storage_sig(t)
+
+
+def _reachable_only_through(t: torch.Tensor) -> bool:
+    # Term 2: nothing but ``t`` reaches its memory.
+    if not t._is_view():
+        return _storage_alone(t)
+    # 2b: a view whose base is held by the view alone and shares the storage with nothing else.
+    return _VIEW_SIG is not None and _view_sig(t) == _VIEW_SIG
+
+
 def _dense_whole(t: torch.Tensor) -> bool:
     if t.storage_offset() != 0:
         return False
@@ -207,7 +276,9 @@ def _dense_whole(t: torch.Tensor) -> bool:
 def _plain(t: object, saved: bool = False) -> bool:
     if type(t) is not torch.Tensor:  # subclasses (FakeTensor, DTensor, ...) and None
         return False
-    if t.layout != torch.strided or t.is_nested or t._is_view() or t.is_conj() or t.is_neg():
+    if t.layout != torch.strided or t.is_nested or t.is_conj() or t.is_neg():
+        return False
+    if t._is_view() and saved:  # saved views: no calibrated signature, refused
         return False
     if t.numel() == 0:
         return False
@@ -243,8 +314,9 @@ def _grad_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
         and _plain(t)
         and _context_ok()
         and t._use_count() == 1
-        and _storage_alone(t)
+        and weakref.getweakrefcount(t) == 0
         and _dense_whole(t)
+        and _reachable_only_through(t)
     )
 
 
@@ -360,6 +432,8 @@ def _calib_fns(seen: list):
         @staticmethod
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
+            if grad_out._is_view():
+                seen.append(("view", _view_sig(grad_out)))
             return grad_out * 2
 
     class GradOnce(Grad):
@@ -367,6 +441,8 @@ def _calib_fns(seen: list):
         @once_differentiable
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
+            if grad_out._is_view():
+                seen.append(("view", _view_sig(grad_out)))
             return grad_out * 2
 
     class Saved(torch.autograd.Function):
@@ -394,7 +470,8 @@ def _calib_fns(seen: list):
 
 
 def _calibrate() -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG
+    _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None  # until proven
     try:
         t = torch.empty(4)
         _STORAGE_PROBE = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -406,6 +483,8 @@ def _calibrate() -> None:
         x = torch.randn(5, requires_grad=True)
         grad_base: dict = {}
         saved_sigs: dict = {}
+        view_sigs: set = set()
+        view_ok = True
         ok = _STORAGE_PROBE >= 1 and sensitive and sig[1] == _STORAGE_PROBE
         for grad_fn, saved_fn in zip(*_calib_fns(seen := []), strict=True):
             seen.clear()
@@ -421,12 +500,21 @@ def _calibrate() -> None:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
                 loss = (saved_fn.apply(x * 1) * 3).sum()
             loss.backward()
+            # term 2b: F's gradient arrives as ViewBackward0's reshape of mul's fresh gradient (a
+            # whole-storage view whose base only the view holds); then the same with a hook that
+            # keeps that base (it must show in the signature)
+            (grad_fn.apply(x).view(1, 5) * 3).sum().backward()
+            v = grad_fn.apply(x).view(1, 5)
+            v.register_hook(lambda g, kept=kept: kept.append(g))
+            (v * 3).sum().backward()
+            del v
+            vs = [p for k, p in seen if k == "view"]
             g = [p for k, p in seen if k == "grad"]
             sv = [p for k, p in seen if k == "saved"]
             caller = g[0][3]
             ok = (
                 ok
-                and len(g) == 3
+                and len(g) == 5
                 and len(sv) == 3
                 and all(p[3] is caller for p in g + sv)
                 and g[0] == g[1]
@@ -441,10 +529,31 @@ def _calibrate() -> None:
                 break
             grad_base[caller] = g[0][0]
             saved_sigs[caller] = frozenset({sv[0][:2], sv[2][:2]})
+            view_ok = (
+                view_ok
+                and (
+                    len(vs) == 2
+                    # a view gradient: same refcount and use count as a plain one; its storage is
+                    # shared with the base's TensorImpl only
+                    and g[3][:2] == g[0][:2]
+                    and g[3][2] == _STORAGE_PROBE + 1
+                    and vs[0] is not None
+                    and vs[1] is not None
+                    and vs[0][1]
+                    == (sig[0], sig[1] + 1)  # storage: the base's TensorImpl, nothing more
+                    and vs[1][0][0] == vs[0][0][0] + 1  # the hook's reference to the base shows
+                )
+            )
+            if view_ok:
+                view_sigs.add(vs[0])
+        # one view signature for both callers (it does not depend on the caller's frame); a
+        # failure here refuses views only
+        if ok and view_ok and len(view_sigs) == 1:
+            _VIEW_SIG = view_sigs.pop()
         if ok:
             _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG = grad_base, saved_sigs, sig
     except Exception:  # any surprise: never reuse
-        _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = None
+        _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None
 
 
 _calibrate()
