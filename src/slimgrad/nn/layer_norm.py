@@ -13,7 +13,8 @@ class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` (same args, defaults, parameters, state_dict keys) saving y + 8 B/row.
 
     Memory: saves the output (shared with the next layer), mean and rstd, and the input columns of
-    fallback channels (weight ~ 0); eager saves the input too.
+    fallback channels (weight ~ 0); eager saves the input too. bfloat16/float16 inputs run eager's
+    ``F.layer_norm`` (keeping the input, as eager): see ``slimgrad.ops.layer_norm``.
 
     Example:
         >>> ln = LayerNorm(8)

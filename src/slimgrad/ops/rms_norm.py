@@ -34,9 +34,9 @@ keep a fast subset of that grid which finds the old failures. Hence, in half pre
   keeping x in a Function of ours would cost too. The cost: keeping y saved 2 B/elt only where the
   next layer keeps y anyway (bench case group_norm, conv -> GN -> conv, small, bf16: 0.67x of
   eager's saved bytes before, 1.00x now); a residual of y's rounding could win part of it back.
-LayerNorm (``ops/layer_norm.py``, not changed here) rebuilds xhat the same way and shares the
-mechanism: on the RMSNorm shapes of the grid above (with a bias; 1,050 bf16/fp16 cases) its dgamma
-exceeded the bound in 4, by up to 1.78x ((1, 64) fp16).
+LayerNorm (``ops/layer_norm.py``) rebuilds xhat the same way and shares the mechanism: on the
+RMSNorm shapes of the grid above (with a bias; 1,050 bf16/fp16 cases) its dgamma exceeded the bound
+in 4, by up to 1.78x ((1, 64) fp16), so in half precision it runs eager's ``F.layer_norm`` too.
 """
 
 from __future__ import annotations
