@@ -65,6 +65,8 @@ vector-Jacobian product so backward kernels run as in eager.
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,45 +114,116 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
     return _GridRoundFn.apply(t, float(2**grid_bits))
 
 
-# NOTE [Exact-mode arithmetic without float64 passes]
-# ``round(f * 2^b) * 2^-b`` is the same number whether computed in float32 or float64 when f is a
-# float32 (or bf16/fp16) value: scaling by a power of two is exact, and rounding a float to an
-# integer is exact in its own format (overflow, |f| >= 2^(128-b), gives inf and fails the range
-# check either way). So F's output is rounded in float32 (half the bytes of float64), kept as
-# integer-valued "grid units" u, and added to the float64 stream with ``alpha = 2^-b``:
-# ``xa + 2^-b * u`` (the product is exact, so the one rounding is the sum's, as in ``xa + h``).
-# In place (``xa.add_(u, alpha=...)``, u float32) the cast happens inside the sum's loop at the
-# speed of a float64 add; out of place, a mixed-dtype add is ~40x slower on CPU (measured, torch
-# 2.13), so there u is cast to float64 first. Gradients: the straight-through rounding passes
-# ``g.to(f.dtype)`` to F, and F's input gradient is cast back to float64 before it is added to
-# the stream's: the same values and the same two-term sums as plain autograd of
-# ``xa + grid_round(f)``.
+# NOTE [Exact-mode integer stream]
+# Exact mode holds the residual stream as integers u on the grid 2^-b (value u * 2^-b; b =
+# grid_bits, default 20), in int32 (4 B/elt, |value| < 2^(31-b) = 2048 at b = 20) or int64
+# (8 B/elt, < 2^(63-b)). Per coupling half: F's input is the "image" of the stream half, its value
+# rounded to F's dtype (``_image``: int32 -> float32/float64 is correctly rounded and the scaling
+# by 2^-b is exact, so it equals rounding the exact value); F's output is rounded onto the grid,
+# ``q = round(F * 2^b)`` (``_grid_units``: scaling by a power of two is exact and rounding a float
+# to an integer is exact in its own format, so float32 gives the float64 result); the sum
+# ``u + q`` is integer arithmetic, hence exact. Backward re-runs F on the same image (bit-identical
+# input, same RNG state) and subtracts the same q: every block input is rebuilt bit for bit.
+# Gradients are straight-through, in F's dtype: d(stream) = d(y), d(F out) = d(y); the stream's
+# gradient is held in the input's dtype (no float64 pass), so it equals plain autograd of this
+# network (``_GridInFn``/``_GridStepFn``, reversible=False) to the bit: the same two-term sums.
+# Overflow is never silent: before each sum, max|u| + max|q| is checked against 2^31 (2^63),
+# conservatively, with the stream maxima taken after each sum (one ``aminmax`` per tensor, no
+# sync); forward ends with one sync and raises a RuntimeError naming grid_bits and stream_dtype.
+# NaN/inf in F's output fail the same check. Why 2^-20: ~6 decimal digits below 1 (the rounding
+# of F's output perturbs a float32 activation of size ~1 by <= 2^-21, about 4 float32 ulps) with
+# a range of +-2048 (the research note measured 2^-20 bit-exact at N = 8..64); a stream outside
+# that range needs grid_bits lowered or stream_dtype=torch.int64.
 def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
     # round(f * scale), integer-valued, in float32 (float64 for float64 f)
     rd = torch.float64 if f.dtype == torch.float64 else torch.float32
     return torch.mul(f.to(rd), scale).round_()
 
 
-def _add_units(xa: torch.Tensor, u: torch.Tensor, alpha: float, inplace: bool) -> torch.Tensor:
-    # xa + alpha * u with xa float64 on the grid (NOTE [Exact-mode arithmetic without float64
-    # passes])
-    if inplace:
-        return xa.add_(u, alpha=alpha)
-    return torch.add(xa, u.to(xa.dtype), alpha=alpha)
+def _image(plan: _Plan, u: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # the stream's value u * 2^-b rounded once to ``dtype`` (default: F's)
+    dtype = dtype or plan.compute_dtype
+    if dtype in (torch.float32, torch.float64):
+        return u.to(dtype).mul_(plan.inv_scale)
+    return u.to(torch.float64).mul_(plan.inv_scale).to(dtype)
 
 
-class _AddOnGridFn(torch.autograd.Function):
-    # xa + grid_round(f) for autograd (reversible=False, and the first-order recompute is not
-    # needed here): same values and gradients, fewer float64 passes (NOTE [Exact-mode arithmetic
-    # without float64 passes]).
+def _absmax(t: torch.Tensor) -> torch.Tensor:
+    # max |t| as a float64 scalar tensor (no sync); NaN propagates
+    lo, hi = torch.aminmax(t.detach())
+    return torch.maximum(lo.double().neg(), hi.double())
+
+
+class _ExactStream:
+    # The integer stream of one exact-mode forward: ``u`` (the whole stream; ``a``/``b`` are its
+    # halves, updated in place), ``bound_a``/``bound_b`` (max |half| as float64 scalars) and, in
+    # grad mode (reversible=False), the halves' images ``ia``/``ib`` carrying autograd's graph.
+    def __init__(self, plan: _Plan, x: torch.Tensor, grad: bool) -> None:
+        q = _grid_units(x.detach(), plan.scale)
+        m = _absmax(q)
+        plan.stream_max = m
+        if plan.stream_dtype == torch.int32 and not float(m) < 2.0**31:
+            _promote(plan)
+        self.plan = plan
+        self.u = q.to(plan.stream_dtype)
+        self.a, self.b = split_halves(self.u, plan.split_dim)
+        self.bound_a = self.bound_b = m
+        self.ia = self.ib = None
+        if grad:
+            self.ia, self.ib = split_halves(_GridInFn.apply(x, self.u, plan), plan.split_dim)
+
+    def add(self, half: str, h: torch.Tensor) -> None:
+        # half += round(h * 2^b), overflow checked first (NOTE [Exact-mode integer stream])
+        plan = self.plan
+        q = _grid_units(h.detach(), plan.scale)
+        worst = getattr(self, "bound_" + half) + _absmax(q)
+        plan.stream_max = torch.maximum(plan.stream_max, worst)
+        if plan.stream_dtype == torch.int32 and not float(worst) < 2.0**31:
+            _promote(plan)
+            self.u = self.u.to(torch.int64)
+            self.a, self.b = split_halves(self.u, plan.split_dim)
+        t = _add_units_(getattr(self, half), q, 1)
+        setattr(self, "bound_" + half, _absmax(t))
+        img = getattr(self, "i" + half)
+        if img is not None:
+            setattr(self, "i" + half, _GridStepFn.apply(img, h, t, plan))
+
+
+def _promote(plan: _Plan) -> None:
+    # int32 would overflow: continue in int64 (exact: every value so far is the same integer)
+    warnings.warn(
+        f"{_API}: exact mode's int32 stream would overflow (|values| reach 2^{31 - plan.grid_bits}"
+        f" with grid_bits={plan.grid_bits}); continuing in int64 (8 B/elt instead of 4, results "
+        "unchanged). Pass stream_dtype=torch.int64 to skip this warning, or a smaller grid_bits "
+        "to stay in int32.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    plan.stream_dtype = torch.int64
+
+
+class _GridInFn(torch.autograd.Function):
+    # plain-autograd view of the chain input on the grid: value = image(u), gradient to x as is
     @staticmethod
-    def forward(ctx, xa: torch.Tensor, f: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.f_dtype = f.dtype
-        return _add_units(xa, _grid_units(f, scale), 1.0 / scale, inplace=False)
+    def forward(ctx, x: torch.Tensor, u: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        return _image(plan, u, x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return g, g.to(ctx.f_dtype), None
+        return g, None, None
+
+
+class _GridStepFn(torch.autograd.Function):
+    # plain-autograd view of ``u_a + round(h)`` (u_a already updated in place): value = image(u_a),
+    # straight-through gradients to the old image and to h (in h's dtype)
+    @staticmethod
+    def forward(ctx, xa: torch.Tensor, h: torch.Tensor, u: torch.Tensor, plan: _Plan):
+        ctx.h_dtype = h.dtype
+        return _image(plan, u, xa.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, g.to(ctx.h_dtype), None, None
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -171,7 +244,8 @@ class _Plan:
     samples: list[tuple] = field(default_factory=list)  # per block input: sampled elements
     autocast: tuple = ()
     device: torch.device | None = None
-    stream_max: torch.Tensor | None = None
+    stream_max: torch.Tensor | None = None  # exact mode: bound on max|u| + max|q| (grid units)
+    stream_dtype: torch.dtype = torch.int32  # exact mode's integer stream
     # id(F, G or block) -> [(submodule, name, parameter)] as seen in forward
     forward_params: dict[int, list] = field(default_factory=dict)
     bn_layers: dict[int, list] = field(default_factory=dict)  # id(module) -> BatchNorms inside
@@ -180,41 +254,44 @@ class _Plan:
     def scale(self) -> float:
         return float(2**self.grid_bits)
 
+    @property
+    def inv_scale(self) -> float:
+        return 2.0**-self.grid_bits
+
 
 def _is_coupling(blk: nn.Module) -> bool:
     return getattr(blk, "_slimgrad_coupling", None) in ("additive", "affine")
 
 
 def _call(plan: _Plan, fn: nn.Module, xb: torch.Tensor) -> torch.Tensor:
-    # F or G on a stream half; exact mode runs it in the compute dtype and leaves the rounding to
-    # the caller (NOTE [Exact-mode arithmetic without float64 passes]).
-    if not plan.exact:
-        return fn(xb)
-    t = xb.to(plan.compute_dtype)
-    # float64 F gets the stream itself: without grad, hand it an alias, so that a hook keeping it
-    # shows in the storage's use count and the in-place sums (_private) leave it alone
-    return fn(t.detach() if t is xb and not torch.is_grad_enabled() else t)
+    # F or G on a stream half (exact mode, no grad: on its image)
+    return fn(_image(plan, xb) if plan.exact else xb)
 
 
-def _coupled(
-    plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor, inplace: bool = False
-) -> torch.Tensor:
-    # ya = c(xa, h), h = F(xb) as returned by _call. ``inplace`` (exact mode, no grad): xa is a
-    # stream tensor of ours that no one else sees.
-    if not plan.exact:
-        return _half_fwd(blk, xa, h)
-    if torch.is_grad_enabled() and (xa.requires_grad or h.requires_grad):
-        return _AddOnGridFn.apply(xa, h, plan.scale)
-    return _add_units(xa, _grid_units(h, plan.scale), 1.0 / plan.scale, inplace)
+def _coupled(plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    # ya = c(xa, h), h = F(xb) (float mode)
+    return _half_fwd(blk, xa, h)
 
 
 def _uncoupled(
     plan: _Plan, blk: nn.Module, ya: torch.Tensor, h: torch.Tensor, inplace: bool = False
 ) -> torch.Tensor:
-    # xa = c^-1(ya, h), no grad; ``inplace`` writes into ya (a rebuilt tensor of ours).
+    # xa = c^-1(ya, h), no grad; ``inplace`` writes into ya (a rebuilt tensor of ours). Exact
+    # mode: integer subtraction of the same grid units forward added.
     if not plan.exact:
         return _half_inv(blk, ya, h, inplace=inplace)
-    return _add_units(ya, _grid_units(h, plan.scale), -1.0 / plan.scale, inplace)
+    q = _grid_units(h, plan.scale)
+    del h
+    return _add_units_(ya if inplace else ya.clone(), q, -1)
+
+
+def _add_units_(t: torch.Tensor, q: torch.Tensor, sign: int) -> torch.Tensor:
+    # t += sign * q in t's integer dtype, q float units; converted in up to 8 slices along dim 0
+    # so that the integer copy of q never costs more than 1/8 of it
+    k = min(8, t.shape[0]) if t.dim() else 1
+    for ts, qs in zip(t.chunk(k), q.chunk(k), strict=True):
+        ts.add_(qs.to(t.dtype), alpha=sign)
+    return t
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
@@ -339,13 +416,16 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return torch.take(t.detach(), idx)
 
 
-def _samples(stream: tuple) -> tuple:
-    return tuple(_sample(s) for s in stream)
+def _samples(plan: _Plan, stream: tuple) -> tuple:
+    # exact mode: the sampled grid units as float64 values
+    if plan.exact:
+        return tuple(_sample(t).double().mul_(plan.inv_scale) for t in stream)
+    return tuple(_sample(t) for t in stream)
 
 
-def _sample_diffs(refs: tuple, rebuilt: tuple) -> tuple:
+def _sample_diffs(plan: _Plan, refs: tuple, rebuilt: tuple) -> tuple:
     # rebuilt samples minus forward samples, per stream part (no extra memory beyond the refs')
-    return tuple(_sample(t) - r for t, r in zip(rebuilt, refs, strict=True))
+    return tuple(t - r for t, r in zip(_samples(plan, rebuilt), refs, strict=True))
 
 
 def _sample_errors(refs: list[tuple], diffs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,23 +447,20 @@ def _sample_errors(refs: list[tuple], diffs: list[tuple]) -> tuple[torch.Tensor,
     )
 
 
-def _track_max(plan: _Plan, *ts: torch.Tensor) -> None:
-    for t in ts:
-        lo, hi = torch.aminmax(t.detach())
-        m = torch.maximum(-lo, hi)
-        plan.stream_max = m if plan.stream_max is None else torch.maximum(plan.stream_max, m)
-
-
 def check_exact_range(plan: _Plan) -> None:
+    # the one sync of an exact-mode forward (NOTE [Exact-mode integer stream])
     if not plan.exact or plan.stream_max is None:
         return
-    limit = 2.0 ** (53 - plan.grid_bits)
+    bits = torch.iinfo(plan.stream_dtype).bits - 1
     got = float(plan.stream_max)
-    if not got < limit:  # NaN fails too
+    if not got < 2.0**bits:  # NaN fails too
+        dt = str(plan.stream_dtype).replace("torch.", "")
         raise RuntimeError(
-            f"{_API}: exact mode's fixed-point stream left its exact range; expected |values| < "
-            f"2^{53 - plan.grid_bits} with grid_bits={plan.grid_bits}, got {got:.3g}. Use a "
-            "smaller grid_bits (range doubles per bit removed) or keep activations smaller."
+            f"{_API}: exact mode's fixed-point stream would overflow its {dt} range; expected "
+            f"|stream| + |rounded F/G output| < 2^{bits - plan.grid_bits} with "
+            f"grid_bits={plan.grid_bits}, got up to {got * plan.inv_scale:.4g}. Use a smaller "
+            "grid_bits (the range doubles per bit removed), stream_dtype=torch.int64 (8 B/elt, "
+            f"range 2^{63 - plan.grid_bits}), or keep activations smaller."
         )
 
 
@@ -396,37 +473,49 @@ def _to_full(stream: tuple, dim: int) -> tuple:
     return stream if len(stream) == 1 else (torch.cat(stream, dim=dim),)
 
 
-def _block_fwd(
-    plan: _Plan, blk: nn.Module, stream: tuple, record: bool, inplace: bool = False
-) -> tuple:
-    # One block forward; with ``record``, capture what its backward needs (RNG states, samples).
-    # ``inplace``: the stream halves are fresh tensors of ours that nothing else sees (exact mode
-    # under no_grad, after the first block), so the sums may overwrite them.
+def _block_fwd(plan: _Plan, blk: nn.Module, stream: tuple, record: bool) -> tuple:
+    # One block forward (float mode); with ``record``, capture what its backward needs (RNG
+    # states, samples).
     if _is_coupling(blk):
         a, b = _to_halves(stream, plan.split_dim)
-        if len(stream) != 2:
-            inplace = False  # halves of the chain input (a view of a tensor we may not own)
         if record:
-            plan.samples.append(_samples((a, b)))
+            plan.samples.append(_samples(plan, (a, b)))
             rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
-        a = _coupled(plan, blk, a, _call(plan, blk.F, b), inplace and _private(plan, a))
+        a = _coupled(plan, blk, a, _call(plan, blk.F, b))
         if record:
             rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
             plan.rng.append((rng_f, rng_g))
-        b = _coupled(plan, blk, b, _call(plan, blk.G, a), inplace and _private(plan, b))
-        if plan.exact:
-            _track_max(plan, a, b)
+        b = _coupled(plan, blk, b, _call(plan, blk.G, a))
         return a, b
     (x,) = _to_full(stream, plan.split_dim)
     if record:
-        plan.samples.append(_samples((x,)))
+        plan.samples.append(_samples(plan, (x,)))
         plan.rng.append((_rng_get(plan.device) if plan.preserve_rng_state else None, None))
     return (blk(x),)
 
 
-def _private(plan: _Plan, t: torch.Tensor) -> bool:
-    # F and G saw t only through a dtype cast (a copy) unless they run in float64 themselves.
-    return plan.compute_dtype != torch.float64 or _sole(t)
+def _exact_block_fwd(plan: _Plan, blk: nn.Module, st: _ExactStream, record: bool) -> None:
+    # One additive coupling on the integer stream (NOTE [Exact-mode integer stream]): the halves
+    # are ours (never handed to F or G, which see images), so the sums go in place.
+    if record:
+        plan.samples.append(_samples(plan, (st.a, st.b)))
+        rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
+    st.add("a", blk.F(st.ib if st.ib is not None else _image(plan, st.b)))
+    if record:
+        rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
+        plan.rng.append((rng_f, rng_g))
+    st.add("b", blk.G(st.ia if st.ia is not None else _image(plan, st.a)))
+
+
+def _exact_fwd(plan: _Plan, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # (the final integer stream, the chain output: its image in x's dtype). With grad enabled the
+    # output carries plain autograd's graph of the same network (reversible=False).
+    st = _ExactStream(plan, x, torch.is_grad_enabled())
+    for blk in plan.blocks:
+        _exact_block_fwd(plan, blk, st, record)
+    if st.ia is not None:
+        return st.u, torch.cat([st.ia, st.ib], dim=plan.split_dim)
+    return st.u, _image(plan, st.u, x.dtype)
 
 
 def _finish(plan: _Plan, stream: tuple) -> torch.Tensor:
@@ -493,18 +582,17 @@ def _half_bwd(
     # input dtype; the caller adds it to the stream's). ya is overwritten with xa when we own it
     # (a tensor we rebuilt ourselves).
     additive = blk._slimgrad_coupling == "additive"
+    if plan.exact:
+        return _exact_half_bwd(plan, fn, ya, ya_own, xb, dya, rng_state, params, need_xb, need_xa)
     with torch.enable_grad():
-        xin = xb.to(plan.compute_dtype) if plan.exact else xb
-        xb_l = xin.detach().requires_grad_(need_xb)
-        del xin
+        xb_l = xb.detach().requires_grad_(need_xb)
         with _recompute(plan, fn, rng_state):
-            h = _as_in_forward(plan, fn)(xb_l)  # xb_l is in the compute dtype already
+            h = _as_in_forward(plan, fn)(xb_l)
         with torch.no_grad():
             xa = _uncoupled(plan, blk, ya, h.detach(), inplace=ya_own and _sole(ya))
         del ya
         if additive:
-            # straight-through rounding in exact mode: fn's output gradient is dya in its dtype
-            outs, dxa, gout = h, dya, dya.to(h.dtype)
+            outs, dxa, gout = h, dya, dya
             inputs = [xb_l if need_xb else None, *params]
         else:
             xa_l = xa.detach().requires_grad_(need_xa)
@@ -523,6 +611,41 @@ def _half_bwd(
     return xa, (dxa if need_xa else None), dxb, got[1:]
 
 
+def _exact_half_bwd(
+    plan: _Plan,
+    fn: nn.Module,
+    ya: torch.Tensor,
+    ya_own: bool,
+    xb: torch.Tensor,
+    dya: torch.Tensor,
+    rng_state: tuple | None,
+    params: list[torch.Tensor | None],
+    need_xb: bool,
+    need_xa: bool,
+) -> tuple:
+    # _half_bwd on the integer stream (NOTE [Exact-mode integer stream]): fn runs on xb's image,
+    # its output gradient is dya (straight-through rounding). The vector-Jacobian product comes
+    # first, so fn's saved activations are freed before the rebuild's rounding temporaries exist.
+    with torch.enable_grad():
+        xb_l = _image(plan, xb).requires_grad_(need_xb)
+        with _recompute(plan, fn, rng_state):
+            h = _as_in_forward(plan, fn)(xb_l)
+        inputs = [xb_l if need_xb else None, *params]
+        del xb_l
+        got = _grad(h, inputs, dya.to(h.dtype)) if h.requires_grad else [None] * len(inputs)
+        del inputs
+    with torch.no_grad():
+        # round in place when h is fn's output that no one else holds (no hook kept it, no alias):
+        # one stream-half temporary less at the backward's peak
+        if h.dtype in (torch.float32, torch.float64) and sys.getrefcount(h) <= 2 and _sole(h):
+            q = h.detach().mul_(plan.scale).round_()
+        else:
+            q = _grid_units(h.detach(), plan.scale)
+        del h
+        xa = _add_units_(ya if ya_own and _sole(ya) else ya.clone(), q, -1)
+    return xa, (dya if need_xa else None), got[0], got[1:]
+
+
 def _block_bwd(
     plan: _Plan,
     i: int,
@@ -535,19 +658,17 @@ def _block_bwd(
     # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream,
     # dstream_owned] is replaced in place, so no caller reference keeps the old tensors alive. Only
     # a stream we rebuilt ourselves (owned) and that nothing else aliases is overwritten by its
-    # rebuild. Gradient halves are summed in place only when they are ours and never reached user
-    # code: exact mode with F, G below float64 hands them float32 copies of the stream gradient.
+    # rebuild. Gradient halves are summed out of place: F and G's backward (and their hooks) see
+    # them.
     groups = plan.block_params[i]
     rng_f, rng_g = plan.rng[i]
-    ystream, y_own, dstream, d_own = state
+    ystream, y_own, dstream, _ = state
     state[:] = [None, False, None, (False, False)]
-    sdt = torch.float64 if plan.exact else None  # exact: the stream's gradient is float64
-    private = plan.exact and plan.compute_dtype != torch.float64
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
         y_own = y_own and len(ystream) == 2
-        own1, own2 = d_own if private and len(dstream) == 2 else (False, False)
+        own1 = own2 = False
         del ystream, dstream
         f_idx, g_idx = groups
         # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
@@ -557,7 +678,7 @@ def _block_bwd(
         del y2, dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
-        dy1, own1 = _add(dy1, dz, sdt, own1)
+        dy1, own1 = _add(dy1, dz, None, own1)
         del dz
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
@@ -567,7 +688,7 @@ def _block_bwd(
         del y1, dy1
         _accumulate(pgrads, f_idx, df)
         del df
-        dx2, own2 = _add(dx2, df2, sdt, own2) if need_upstream else (None, False)
+        dx2, own2 = _add(dx2, df2, None, own2) if need_upstream else (None, False)
         state[:] = [(x1, x2), True, (dx1, dx2), (own1, own2)]
         return
     (idx,) = groups
@@ -640,12 +761,11 @@ def _param_table(plan: _Plan) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------ forward and backward
 def _fwd_torch(plan: _Plan, x: torch.Tensor, record: bool) -> torch.Tensor:
-    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs. In exact
-    # mode without grad the stream is ours after the first block: sums go in place.
-    inplace = plan.exact and not torch.is_grad_enabled()
+    # The chain forward (float mode); with ``record`` (no grad), keep per block what the rebuild
+    # needs.
     stream: tuple = (x,)
     for blk in plan.blocks:
-        stream = _block_fwd(plan, blk, stream, record=record, inplace=inplace)
+        stream = _block_fwd(plan, blk, stream, record=record)
     return _finish(plan, stream)
 
 
@@ -663,7 +783,7 @@ def _bwd_torch(
         for i in range(len(plan.blocks) - 1, -1, -1):
             need_upstream = need_x or i > first_needed
             _block_bwd(plan, i, plan.blocks[i], state, plan.flat_params, need_upstream, pgrads)
-            diffs.append(_sample_diffs(plan.samples[i], _rebuilt_for(plan, i, state[0])))
+            diffs.append(_sample_diffs(plan, plan.samples[i], _rebuilt_for(plan, i, state[0])))
             if not need_upstream and i <= first_needed:
                 break
     dstream = state[2]
@@ -680,16 +800,17 @@ class _ReversibleChainFn(torch.autograd.Function):
     def forward(ctx, plan: _Plan, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         plan.autocast = _autocast_state(x.device)
         plan.device = x.device
+        ctx.plan = plan
+        if plan.exact:
+            # keeps the integer stream (4 B/elt in int32), returns its image in x's dtype
+            u, y = _exact_fwd(plan, x, record=True)
+            ctx.save_for_backward(u)
+            return y
         y = _fwd_torch(plan, x, record=True)
         if y is x or y._base is not None:
             y = y.clone()  # a Function output must be a fresh tensor to be saved as an output
-        ctx.plan = plan
         ctx.save_for_backward(y)
-        # Exact mode returns the stream in the caller's dtype and keeps the float64 one: the
-        # incoming gradient is then the caller's dtype too (half the bytes of a float64 one); it
-        # enters the float64 gradient stream by exact casts (NOTE [Exact-mode arithmetic without
-        # float64 passes]).
-        return y.to(plan.compute_dtype) if plan.exact else y
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -731,6 +852,7 @@ def reversible_sequential(
     preserve_rng_state: bool = True,
     reversible: bool = True,
     sink: Any = None,
+    stream_dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
     """Run invertible ``blocks`` in sequence, keeping no activation for backward.
 
@@ -743,17 +865,23 @@ def reversible_sequential(
         x: input of the first block.
         blocks: couplings (``_slimgrad_coupling`` set) or modules with ``inverse``.
         split_dim: dimension the couplings split along.
-        exact: hold the stream in fixed point (grid ``2^-grid_bits``, float64): bit-exact rebuild.
+        exact: hold the stream in fixed point (integers on the grid ``2^-grid_bits``): bit-exact
+            rebuild.
         grid_bits: fixed-point fraction bits in exact mode.
         preserve_rng_state: replay each F/G's RNG state in the recompute (dropout).
         reversible: False runs the same maths with ordinary autograd (keeps activations).
         sink: receives the reconstruction diagnostic after each backward.
+        stream_dtype: exact mode's stream, ``torch.int32`` (range ``2^(31-grid_bits)``) or
+            ``torch.int64`` (``2^(63-grid_bits)``).
 
     Returns:
         The chain output, same dtype as ``x``.
 
-    Memory: saves y (plus 10 KiB of RNG state per block); eager saves every activation of every
-    block.
+    Raises:
+        RuntimeError: exact mode's stream would overflow ``stream_dtype``.
+
+    Memory: saves y (exact mode: the integer stream, 4 B/elt in int32) plus 10 KiB of RNG state
+    per block; eager saves every activation of every block.
     """
     plan = _Plan(
         blocks=list(blocks),
@@ -763,18 +891,20 @@ def reversible_sequential(
         compute_dtype=x.dtype if exact else None,
         preserve_rng_state=preserve_rng_state,
         sink=sink,
+        stream_dtype=stream_dtype,
     )
-    x_in = grid_round(x, grid_bits) if exact else x
     flat = _param_table(plan) if torch.is_grad_enabled() and reversible else []
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or bool(flat))
     if reversible and needs_graph and len(plan.blocks) > 0:
         plan.flat_params = flat
-        y = _apply(plan, x_in, flat)
+        y = _apply(plan, x, flat)
+    elif exact:
+        y = _exact_fwd(plan, x, record=False)[1]
     else:
-        y = _fwd_torch(plan, x_in, record=False)
+        y = _fwd_torch(plan, x, record=False)
     check_exact_range(plan)
     plan.stream_max = None
-    return y.to(x.dtype) if exact else y
+    return y
 
 
 def _apply(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
@@ -796,6 +926,7 @@ def reconstruction_error(
     split_dim: int = 1,
     exact: bool = False,
     grid_bits: int = 20,
+    stream_dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
     """Largest |x_rebuilt - x| over the block inputs of one forward and its inverse (no grad, no
     stat update).
@@ -811,6 +942,7 @@ def reconstruction_error(
         compute_dtype=x.dtype if exact else None,
         preserve_rng_state=True,
         sink=None,
+        stream_dtype=stream_dtype,
     )
     plan.device = x.device
     plan.autocast = _autocast_state(x.device)
@@ -822,12 +954,21 @@ def reconstruction_error(
             device_type=x.device.type,
         ),
     ):
-        stream: tuple = (grid_round(x, grid_bits) if exact else x,)
+        stream: tuple = (x,)
+        st = _ExactStream(plan, x, grad=False) if exact else None
         inputs = []
         for blk in plan.blocks:
-            inputs.append(stream)
             with _stats_frozen(blk):
-                stream = _block_fwd(plan, blk, stream, record=True)
+                if st is not None:  # the sums go in place: keep copies
+                    inputs.append((st.a.clone(), st.b.clone()))
+                    _exact_block_fwd(plan, blk, st, record=True)
+                else:
+                    inputs.append(stream)
+                    stream = _block_fwd(plan, blk, stream, record=True)
+        if st is not None:
+            check_exact_range(plan)
+            stream = (st.a, st.b)
+            del st
         for i in range(len(plan.blocks) - 1, -1, -1):
             blk = plan.blocks[i]
             rng_f, rng_g = plan.rng[i]
@@ -847,5 +988,7 @@ def reconstruction_error(
                 if r.shape != s.shape:
                     raise internal_error("rebuilt block input has a different shape")
                 err = (s.to(torch.float64) - r.to(torch.float64)).abs()
+                if exact:
+                    err.mul_(plan.inv_scale)
                 worst = torch.maximum(worst, err.max() if err.numel() else worst)
     return worst
