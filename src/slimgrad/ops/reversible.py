@@ -143,6 +143,8 @@ def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
 def _image(plan: _Plan, u: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     # the stream's value u * 2^-b rounded once to ``dtype`` (default: F's)
     dtype = dtype or plan.compute_dtype
+    if dtype == torch.get_default_dtype():  # int * float -> the default dtype, one pass
+        return torch.mul(u, plan.inv_scale)
     if dtype in (torch.float32, torch.float64):
         return u.to(dtype).mul_(plan.inv_scale)
     return u.to(torch.float64).mul_(plan.inv_scale).to(dtype)
@@ -182,7 +184,8 @@ class _ExactStream:
             _promote(plan)
             self.u = self.u.to(torch.int64)
             self.a, self.b = split_halves(self.u, plan.split_dim)
-        t = _add_units_(getattr(self, half), q, 1)
+        t = getattr(self, half)
+        t.add_(q.to(t.dtype))  # forward is not where the peak is: no slicing
         setattr(self, "bound_" + half, _absmax(t))
         img = getattr(self, "i" + half)
         if img is not None:
@@ -280,18 +283,8 @@ def _uncoupled(
     # mode: integer subtraction of the same grid units forward added.
     if not plan.exact:
         return _half_inv(blk, ya, h, inplace=inplace)
-    q = _grid_units(h, plan.scale)
-    del h
-    return _add_units_(ya if inplace else ya.clone(), q, -1)
-
-
-def _add_units_(t: torch.Tensor, q: torch.Tensor, sign: int) -> torch.Tensor:
-    # t += sign * q in t's integer dtype, q float units; converted in up to 8 slices along dim 0
-    # so that the integer copy of q never costs more than 1/8 of it
-    k = min(8, t.shape[0]) if t.dim() else 1
-    for ts, qs in zip(t.chunk(k), q.chunk(k), strict=True):
-        ts.add_(qs.to(t.dtype), alpha=sign)
-    return t
+    q = _grid_units(h, plan.scale).to(ya.dtype)
+    return ya.sub_(q) if inplace else ya - q
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
@@ -642,7 +635,8 @@ def _exact_half_bwd(
         else:
             q = _grid_units(h.detach(), plan.scale)
         del h
-        xa = _add_units_(ya if ya_own and _sole(ya) else ya.clone(), q, -1)
+        q = q.to(ya.dtype)
+        xa = ya.sub_(q) if ya_own and _sole(ya) else ya - q
     return xa, (dya if need_xa else None), got[0], got[1:]
 
 
