@@ -127,13 +127,17 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
 # Gradients are straight-through, in F's dtype: d(stream) = d(y), d(F out) = d(y); the stream's
 # gradient is held in the input's dtype (no float64 pass), so it equals plain autograd of this
 # network (``_GridInFn``/``_GridStepFn``, reversible=False) to the bit: the same two-term sums.
-# Overflow is never silent: before each sum, max|u| + max|q| is checked against 2^31 (2^63),
-# conservatively, with the stream maxima taken after each sum (one ``aminmax`` per tensor, no
-# sync); forward ends with one sync and raises a RuntimeError naming grid_bits and stream_dtype.
-# NaN/inf in F's output fail the same check. Why 2^-20: ~6 decimal digits below 1 (the rounding
-# of F's output perturbs a float32 activation of size ~1 by <= 2^-21, about 4 float32 ulps) with
-# a range of +-2048 (the research note measured 2^-20 bit-exact at N = 8..64); a stream outside
-# that range needs grid_bits lowered or stream_dtype=torch.int64.
+# Overflow is never silent: before each sum, max|q| is read (one sync per coupling half) and
+# bound + max|q| checked against the dtype's range, where bound >= max|half| is kept in a Python
+# float (bound_new = bound + max|q|, tightened to the half's true max when it gets close). A sum
+# that could leave int32 first converts the stream to int64 (the same integers: exact) and warns;
+# one that could leave int64, or a NaN/inf output, raises a RuntimeError naming grid_bits and
+# stream_dtype. Why 2^-20: F's output is perturbed by <= 2^-21 (about 4 float32 ulps at 1), and
+# the research note measured 2^-20 bit-exact at N = 8..64. Its int32 range, +-2048, holds chains
+# whose stream stays moderate; it does not hold the bench chain (random conv3x3+ReLU couplings
+# without normalisation: the stream grows ~1.3x per block, past 2048 at N ~ 28, to 1.5e7 at
+# N = 64): that chain needs grid_bits <= 6 to stay in int32, or int64 (what exact mode falls back
+# to).
 def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
     # round(f * scale), integer-valued, in float32 (float64 for float64 f)
     rd = torch.float64 if f.dtype == torch.float64 else torch.float32
@@ -158,15 +162,14 @@ def _absmax(t: torch.Tensor) -> torch.Tensor:
 
 class _ExactStream:
     # The integer stream of one exact-mode forward: ``u`` (the whole stream; ``a``/``b`` are its
-    # halves, updated in place), ``bound_a``/``bound_b`` (max |half| as float64 scalars) and, in
+    # halves, updated in place), ``bound_a``/``bound_b`` (Python floats >= max |half|) and, in
     # grad mode (reversible=False), the halves' images ``ia``/``ib`` carrying autograd's graph.
     def __init__(self, plan: _Plan, x: torch.Tensor, grad: bool) -> None:
-        q = _grid_units(x.detach(), plan.scale)
-        m = _absmax(q)
-        plan.stream_max = m
-        if plan.stream_dtype == torch.int32 and not float(m) < 2.0**31:
-            _promote(plan)
         self.plan = plan
+        q = _grid_units(x.detach(), plan.scale)
+        m = float(_absmax(q))
+        if not m < _LIMIT[plan.stream_dtype]:
+            _widen(plan, m)
         self.u = q.to(plan.stream_dtype)
         self.a, self.b = split_halves(self.u, plan.split_dim)
         self.bound_a = self.bound_b = m
@@ -178,31 +181,50 @@ class _ExactStream:
         # half += round(h * 2^b), overflow checked first (NOTE [Exact-mode integer stream])
         plan = self.plan
         q = _grid_units(h.detach(), plan.scale)
-        worst = getattr(self, "bound_" + half) + _absmax(q)
-        plan.stream_max = torch.maximum(plan.stream_max, worst)
-        if plan.stream_dtype == torch.int32 and not float(worst) < 2.0**31:
-            _promote(plan)
-            self.u = self.u.to(torch.int64)
-            self.a, self.b = split_halves(self.u, plan.split_dim)
+        mq = float(_absmax(q))  # the one sync per coupling half
+        worst = getattr(self, "bound_" + half) + mq
+        if not worst < _LIMIT[plan.stream_dtype]:
+            # the running bound is conservative: tighten it with the half's true max first
+            worst = float(_absmax(getattr(self, half))) + mq
+            if not worst < _LIMIT[plan.stream_dtype]:
+                _widen(plan, worst)
+                self.u = self.u.to(plan.stream_dtype)
+                self.a, self.b = split_halves(self.u, plan.split_dim)
         t = getattr(self, half)
-        t.add_(q.to(t.dtype))  # forward is not where the peak is: no slicing
-        setattr(self, "bound_" + half, _absmax(t))
+        t.add_(q.to(t.dtype))
+        setattr(self, "bound_" + half, worst)
         img = getattr(self, "i" + half)
         if img is not None:
             setattr(self, "i" + half, _GridStepFn.apply(img, h, t, plan))
 
 
-def _promote(plan: _Plan) -> None:
-    # int32 would overflow: continue in int64 (exact: every value so far is the same integer)
-    warnings.warn(
-        f"{_API}: exact mode's int32 stream would overflow (|values| reach 2^{31 - plan.grid_bits}"
-        f" with grid_bits={plan.grid_bits}); continuing in int64 (8 B/elt instead of 4, results "
-        "unchanged). Pass stream_dtype=torch.int64 to skip this warning, or a smaller grid_bits "
-        "to stay in int32.",
-        RuntimeWarning,
-        stacklevel=2,
+# |stream| + |units| below these fit the dtype (int64: a margin for the float64 bound's rounding)
+_LIMIT = {torch.int32: 2.0**31, torch.int64: 2.0**63 - 2.0**12}
+
+
+def _widen(plan: _Plan, worst: float) -> None:
+    # The stream would leave its dtype: int32 continues in int64 (exact: the same integers) with a
+    # warning; int64 (or NaN/inf) raises.
+    if plan.stream_dtype == torch.int32 and worst < _LIMIT[torch.int64]:
+        warnings.warn(
+            f"{_API}: exact mode's int32 stream would overflow (|values| reach "
+            f"2^{31 - plan.grid_bits} with grid_bits={plan.grid_bits}); continuing in int64 (8 "
+            "B/elt instead of 4, results unchanged). Pass stream_dtype=torch.int64 to skip this "
+            "warning, or a smaller grid_bits to stay in int32.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        plan.stream_dtype = torch.int64
+        return
+    bits = torch.iinfo(plan.stream_dtype).bits - 1
+    dt = str(plan.stream_dtype).replace("torch.", "")
+    raise RuntimeError(
+        f"{_API}: exact mode's fixed-point stream would overflow its {dt} range; expected "
+        f"|stream| + |rounded F/G output| < 2^{bits - plan.grid_bits} with "
+        f"grid_bits={plan.grid_bits}, got up to {worst * plan.inv_scale:.4g}. Use a smaller "
+        "grid_bits (the range doubles per bit removed), stream_dtype=torch.int64 (8 B/elt, "
+        f"range 2^{63 - plan.grid_bits}), or keep activations smaller."
     )
-    plan.stream_dtype = torch.int64
 
 
 class _GridInFn(torch.autograd.Function):
@@ -247,7 +269,6 @@ class _Plan:
     samples: list[tuple] = field(default_factory=list)  # per block input: sampled elements
     autocast: tuple = ()
     device: torch.device | None = None
-    stream_max: torch.Tensor | None = None  # exact mode: bound on max|u| + max|q| (grid units)
     stream_dtype: torch.dtype = torch.int32  # exact mode's integer stream
     # id(F, G or block) -> [(submodule, name, parameter)] as seen in forward
     forward_params: dict[int, list] = field(default_factory=dict)
@@ -438,23 +459,6 @@ def _sample_errors(refs: list[tuple], diffs: list[tuple]) -> tuple[torch.Tensor,
         torch.stack([err[i:j].amax() for i, j in zip(starts, ends)]),
         torch.stack([scale[i:j].amax() for i, j in zip(starts, ends)]),
     )
-
-
-def check_exact_range(plan: _Plan) -> None:
-    # the one sync of an exact-mode forward (NOTE [Exact-mode integer stream])
-    if not plan.exact or plan.stream_max is None:
-        return
-    bits = torch.iinfo(plan.stream_dtype).bits - 1
-    got = float(plan.stream_max)
-    if not got < 2.0**bits:  # NaN fails too
-        dt = str(plan.stream_dtype).replace("torch.", "")
-        raise RuntimeError(
-            f"{_API}: exact mode's fixed-point stream would overflow its {dt} range; expected "
-            f"|stream| + |rounded F/G output| < 2^{bits - plan.grid_bits} with "
-            f"grid_bits={plan.grid_bits}, got up to {got * plan.inv_scale:.4g}. Use a smaller "
-            "grid_bits (the range doubles per bit removed), stream_dtype=torch.int64 (8 B/elt, "
-            f"range 2^{63 - plan.grid_bits}), or keep activations smaller."
-        )
 
 
 # ---------------------------------------------------------------------------------- forward steps
@@ -896,8 +900,6 @@ def reversible_sequential(
         y = _exact_fwd(plan, x, record=False)[1]
     else:
         y = _fwd_torch(plan, x, record=False)
-    check_exact_range(plan)
-    plan.stream_max = None
     return y
 
 
@@ -960,7 +962,6 @@ def reconstruction_error(
                     inputs.append(stream)
                     stream = _block_fwd(plan, blk, stream, record=True)
         if st is not None:
-            check_exact_range(plan)
             stream = (st.a, st.b)
             del st
         for i in range(len(plan.blocks) - 1, -1, -1):
