@@ -251,7 +251,7 @@ def test_float_mode_reports_reconstruction_error():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, F64])
 def test_grid_rounding_in_low_precision_equals_float64(dtype):
-    # NOTE [Exact-mode arithmetic without float64 passes]: F's output is rounded onto the grid in
+    # NOTE [Exact-mode integer stream]: F's output is rounded onto the grid in
     # float32 (or float64 for float64 F) and added as grid units; it must be the float64 result.
     from slimgrad.ops.reversible import _grid_units, grid_round
 

@@ -177,8 +177,10 @@ class _ExactStream:
         if grad:
             self.ia, self.ib = split_halves(_GridInFn.apply(x, self.u, plan), plan.split_dim)
 
-    def add(self, half: str, h: torch.Tensor) -> None:
-        # half += round(h * 2^b), overflow checked first (NOTE [Exact-mode integer stream])
+    def add(self, half: str, h: torch.Tensor) -> torch.dtype:
+        # half += round(h * 2^b), overflow checked first (NOTE [Exact-mode integer stream]).
+        # Returns the integer dtype q was converted to: int32 whenever it fits (float -> int64
+        # conversion and int64 + int64 are several times slower on CPU than their int32 forms).
         plan = self.plan
         q = _grid_units(h.detach(), plan.scale)
         mq = float(_absmax(q))  # the one sync per coupling half
@@ -191,11 +193,13 @@ class _ExactStream:
                 self.u = self.u.to(plan.stream_dtype)
                 self.a, self.b = split_halves(self.u, plan.split_dim)
         t = getattr(self, half)
-        t.add_(q.to(t.dtype))
+        qdt = torch.int32 if mq < _LIMIT[torch.int32] else t.dtype
+        t.add_(q.to(qdt))
         setattr(self, "bound_" + half, worst)
         img = getattr(self, "i" + half)
         if img is not None:
             setattr(self, "i" + half, _GridStepFn.apply(img, h, t, plan))
+        return qdt
 
 
 # |stream| + |units| below these fit the dtype (int64: a margin for the float64 bound's rounding)
@@ -267,6 +271,7 @@ class _Plan:
     block_params: list[list[list[int]]] = field(default_factory=list)  # per block: [F, G] indices
     rng: list[tuple] = field(default_factory=list)  # per block (state before F, state before G)
     samples: list[tuple] = field(default_factory=list)  # per block input: sampled elements
+    qdt: list[tuple] = field(default_factory=list)  # exact: per block, F's and G's q dtypes
     autocast: tuple = ()
     device: torch.device | None = None
     stream_dtype: torch.dtype = torch.int32  # exact mode's integer stream
@@ -497,11 +502,13 @@ def _exact_block_fwd(plan: _Plan, blk: nn.Module, st: _ExactStream, record: bool
     if record:
         plan.samples.append(_samples(plan, (st.a, st.b)))
         rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
-    st.add("a", blk.F(st.ib if st.ib is not None else _image(plan, st.b)))
+    qdt_f = st.add("a", blk.F(st.ib if st.ib is not None else _image(plan, st.b)))
     if record:
         rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
         plan.rng.append((rng_f, rng_g))
-    st.add("b", blk.G(st.ia if st.ia is not None else _image(plan, st.a)))
+    qdt_g = st.add("b", blk.G(st.ia if st.ia is not None else _image(plan, st.a)))
+    if record:
+        plan.qdt.append((qdt_f, qdt_g))
 
 
 def _exact_fwd(plan: _Plan, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -573,6 +580,7 @@ def _half_bwd(
     params: list[torch.Tensor | None],
     need_xb: bool,
     need_xa: bool,
+    qdt: torch.dtype | None = None,
 ) -> tuple:
     # ya = c(xa, fn(xb)): rebuild xa from ya and xb with ONE evaluation of fn, and return
     # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn (in fn's
@@ -580,7 +588,8 @@ def _half_bwd(
     # (a tensor we rebuilt ourselves).
     additive = blk._slimgrad_coupling == "additive"
     if plan.exact:
-        return _exact_half_bwd(plan, fn, ya, ya_own, xb, dya, rng_state, params, need_xb, need_xa)
+        args = (plan, fn, ya, ya_own, xb, dya, rng_state, params, need_xb, need_xa, qdt)
+        return _exact_half_bwd(*args)
     with torch.enable_grad():
         xb_l = xb.detach().requires_grad_(need_xb)
         with _recompute(plan, fn, rng_state):
@@ -619,6 +628,7 @@ def _exact_half_bwd(
     params: list[torch.Tensor | None],
     need_xb: bool,
     need_xa: bool,
+    qdt: torch.dtype,
 ) -> tuple:
     # _half_bwd on the integer stream (NOTE [Exact-mode integer stream]): fn runs on xb's image,
     # its output gradient is dya (straight-through rounding). The vector-Jacobian product comes
@@ -639,7 +649,7 @@ def _exact_half_bwd(
         else:
             q = _grid_units(h.detach(), plan.scale)
         del h
-        q = q.to(ya.dtype)
+        q = q.to(qdt)  # the dtype forward used: int32 whenever it fits
         xa = ya.sub_(q) if ya_own and _sole(ya) else ya - q
     return xa, (dya if need_xa else None), got[0], got[1:]
 
@@ -672,7 +682,10 @@ def _block_bwd(
         # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
         need_y1 = need_upstream or bool(f_idx)
         gp = [flat_params[j] for j in g_idx]
-        x2, dx2, dz, dg = _half_bwd(plan, blk, blk.G, y2, y_own, y1, dy2, rng_g, gp, need_y1, True)
+        qdt_f, qdt_g = plan.qdt[i] if plan.exact else (None, None)
+        x2, dx2, dz, dg = _half_bwd(
+            plan, blk, blk.G, y2, y_own, y1, dy2, rng_g, gp, need_y1, True, qdt_g
+        )
         del y2, dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
@@ -681,7 +694,7 @@ def _block_bwd(
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
         x1, dx1, df2, df = _half_bwd(
-            plan, blk, blk.F, y1, y_own, x2, dy1, rng_f, fp, need_upstream, need_upstream
+            plan, blk, blk.F, y1, y_own, x2, dy1, rng_f, fp, need_upstream, need_upstream, qdt_f
         )
         del y1, dy1
         _accumulate(pgrads, f_idx, df)
