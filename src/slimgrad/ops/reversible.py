@@ -15,13 +15,16 @@ for the vector-Jacobian product (the RevNet algorithm):
     f = F(x2) (with grad): x1 = y1 - f, dx2 = dy2 + (df/dx2)^T dy1, dθ_F = (df/dθ_F)^T dy1,
         dx1 = dy1
 
-Exact mode (additive couplings): the residual stream is held in fixed point, values on the grid
-``2^-grid_bits`` carried in float64 (every sum of grid values below ``2^(53-grid_bits)`` is exact),
-F and G run in the input's dtype, and their outputs are rounded onto the grid (straight-through in
-backward: ``round(f) = f`` for the gradient). Then ``x1 = (x1 + round(F(x2))) - round(F(x2))`` holds
-bit for bit, every block input is rebuilt exactly, and the gradients equal plain autograd's on the
-same network to the bit. The rounding itself runs in float32 (NOTE [Exact-mode arithmetic without
-float64 passes]); its result is the float64 one.
+Exact mode (additive couplings): the residual stream is held in fixed point, as int32 integers
+counting ``2^-grid_bits`` (NOTE [Exact-mode integer stream]). F and G run in the input's dtype on
+the stream's value rounded to it, their outputs are rounded onto the grid (straight-through in
+backward: ``round(f) = f`` for the gradient) and added as integers. Then
+``x1 = (x1 + round(F(x2))) - round(F(x2))`` holds bit for bit, every block input is rebuilt
+exactly, and the gradients (held in the input's dtype) equal plain autograd's on the same network
+to the bit (``reversible=False``). A stream that would leave int32 (``|value| >= 2^(31 -
+grid_bits)``, 2048 at the default 20) continues in int64 with a RuntimeWarning (exact: the same
+integers; 8 B/elt from then on); one that would leave int64 raises a RuntimeError. Nothing
+overflows silently.
 
 Cost: backward evaluates every F and G once more than plain autograd: the recompute RevNet cannot
 avoid (its inversion and its vector-Jacobian product share that one evaluation; nothing else is
