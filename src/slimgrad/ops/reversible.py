@@ -31,14 +31,21 @@ avoid (its inversion and its vector-Jacobian product share that one evaluation; 
 recomputed, copied or zeroed). Measured on a shared 2-core CPU, one thread, chains of conv3x3+ReLU
 couplings on 8x64x32x32 (``benchmarks/results/reversible.jsonl``): one no-grad forward of every F
 and G costs 0.27-0.28 of a plain step (``fg_over_plain``), so about 1.2-1.3x plain is the floor
-there; step ratios (medians of 5 interleaved pairs, N = 4..64) were 1.16-1.35 in float mode,
-1.11-1.40 in exact mode (against plain autograd of the same fixed-point network) and 1.37-1.56 for
-torch.utils.checkpoint. Side by side at N = 64 (CPU time, 5 interleaved
-steps): revlib 1.7.2 1.28, a minimal hand-written RevNet backward 1.25, this 1.31.
+there; step ratios (medians of 5 interleaved pairs, N = 4..64) were 1.16-1.35 in float mode and
+1.37-1.56 for torch.utils.checkpoint; exact mode (against plain autograd of the same fixed-point
+network) 1.32-1.41 at N = 16 and 1.31 (int32 stream, grid 2^-6) / 1.37 (2^-20, promoted to
+int64) at N = 64; interleaved against the former float64-stream exact mode at N = 64 (4 rounds of
+3 pairs, pooled medians) 1.34 vs 1.37, i.e. no slower. Side by side at N = 64 (CPU time, 5
+interleaved steps): revlib 1.7.2 1.28, a minimal hand-written RevNet backward 1.25, this 1.31.
 
 Memory: saves the chain output y (float mode: 1x the input, often shared with the next layer; exact
-mode: the float64 stream, 8 B/elt) + per block 2 CPU RNG states (5056 B each) + 64 sampled elements;
-eager saves every activation of every F and G (and every block output), growing linearly with depth.
+mode: the int32 stream, 4 B/elt; 8 B/elt once promoted to int64) + per block 2 CPU RNG states
+(5056 B each) + 64 sampled elements; eager saves every activation of every F and G (and every
+block output), growing linearly with depth. Measured (8x64x32x32, conv couplings, one step, peak
+at N = 64): float mode 15.5 MiB; exact mode on int32 16.6 MiB (grid 2^-6; 1024 B more per added
+block beyond weight gradients, N = 16 vs 64); exact mode at the default 2^-20 grid 20.6 MiB (this
+chain's stream outgrows int32 past N ~ 28 and continues in int64; it is 13.1 MiB at N = 16, still
+int32); plain autograd 262-264 MiB.
 
 # NOTE [Reversible chains: nothing is freed, nothing is kept]
 memcnn saves memory by emptying the input's storage (``storage().resize_(0)``) and refilling it in

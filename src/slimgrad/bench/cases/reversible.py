@@ -7,7 +7,11 @@ shared harness, eager side = the plain chain in each member:
 - ``reversible_n{N}``: slim = ``ReversibleSequential`` (float mode);
 - ``reversible_ckpt_n{N}``: slim = the same blocks, each under ``torch.utils.checkpoint``;
 - ``reversible_exact_n{N}``: exact mode; its eager side is plain autograd of the same fixed-point
-  network (``ReversibleSequential(..., exact=True, reversible=False)``);
+  network (``ReversibleSequential(..., exact=True, reversible=False)``); records carry
+  ``grid_bits`` and ``stream_bytes_per_elt`` (4: the int32 stream held; 8: it was promoted to
+  int64, which this chain's stream needs past N ~ 28 on the default 2^-20 grid);
+- ``reversible_exact_g6_n{N}`` (optional variant ``"exact_g6"``, not in the default sweep): the
+  same on a 2^-6 grid, on which the stream stays in int32 up to N = 64;
 - ``slimgrad bench reversible``: the sweep, all of the above at N = 4, 8, 16, 32, 64: one record
   each (peak/saved bytes, interleaved time ratio with spread, float64 gradient-rule check),
   appended to ``benchmarks/results/reversible.jsonl`` with ``n_blocks``, ``variant``, the sampled
