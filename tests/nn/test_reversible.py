@@ -373,8 +373,8 @@ def test_output_of_relu_feeds_the_chain():
 def test_hook_captured_tensors_are_untouched(exact):
     # Hooks on the chain and inside F/G (these fire again in the recompute) keep references to
     # their inputs; the rebuild must not overwrite them (rebuilt buffers are reused in place only
-    # when nothing else aliases them). Exact mode in float64 hands F and G the stream itself, and
-    # its forward sums in place only into stream tensors nothing else aliases.
+    # when nothing else aliases them). Exact mode hands F and G images (copies) of its integer
+    # stream.
     rev, _ = pair(additive_blocks(3, 4), exact=exact)
     seen: dict = {}
     rev.register_forward_hook(lambda m, inp, out: seen.setdefault("chain", []).append(inp[0]))
@@ -395,6 +395,26 @@ def test_hook_captured_tensors_are_untouched(exact):
         assert len(v) == 2  # forward, then the recompute
         assert torch.equal(v[0], fwd[k])  # forward tensors are never written
         torch.testing.assert_close(v[1], fwd[k])  # the recompute's input, still intact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_exact_hook_captured_outputs_are_untouched(dtype):
+    # exact-mode backward rounds F's recomputed output onto the grid in place, but only when no
+    # one else holds it: outputs a forward hook kept (in forward and in the recompute) stay intact
+    blocks = [b.to(dtype) for b in additive_blocks(3, 4, seed=6)]
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    kept = []
+    for blk in list(rev)[:2]:  # the last block's F and G keep no hook: the in-place path runs
+        for fn in (blk.F, blk.G):
+            fn.register_forward_hook(lambda m, inp, out: kept.append((out, out.clone())))
+    x = torch.randn(2, 4, 5, 5, dtype=dtype)
+    r = torch.randn(2, 4, 5, 5, dtype=dtype)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    assert len(kept) == 8  # 4 hooked modules, forward and recompute
+    for out, at_hook in kept:
+        assert torch.equal(out, at_hook)
+    assert_equal_list(got, grads(ref, x.clone().requires_grad_(), weighted_sum(r)))
 
 
 @pytest.mark.parametrize("exact", [False, True])
