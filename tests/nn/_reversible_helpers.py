@@ -72,22 +72,35 @@ def grads(model: nn.Module, x: torch.Tensor, loss_fn, **kw) -> list[torch.Tensor
 
 
 def quantised_reference(blocks: list[nn.Module], x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Plain autograd of the exact-mode network, written independently of slimgrad's code:
-    stream on the grid 2^-bits in float64, F/G in x's dtype, straight-through rounding."""
+    """Plain autograd of the exact-mode network, written independently of slimgrad's code: the
+    stream's values on the grid 2^-bits held exactly in float64 (no grad); F/G run in x's dtype
+    on the stream value rounded to it; their outputs rounded onto the grid; gradients
+    straight-through, in x's dtype (the stream's gradient never passes through float64)."""
     s = float(2**bits)
 
     def q(t: torch.Tensor) -> torch.Tensor:
-        t64 = t.to(torch.float64)
-        return t64 + (torch.round(t64 * s) / s - t64).detach()
+        return torch.round(t.detach().to(torch.float64) * s) / s
 
-    h = q(x)
+    def image(v: torch.Tensor, *through: torch.Tensor) -> torch.Tensor:
+        # value v rounded to x's dtype; the gradient reaches each of ``through`` unchanged
+        out = v.to(x.dtype)
+        for t in through:
+            out = out + (t - t.detach())
+        return out
+
+    v = q(x)
+    h = image(v, x)
     for blk in blocks:
         c1 = (h.shape[1] + 1) // 2
-        a, b = h[:, :c1], h[:, c1:]
-        a = a + q(blk.F(b.to(x.dtype)))
-        b = b + q(blk.G(a.to(x.dtype)))
-        h = torch.cat([a, b], dim=1)
-    return h.to(x.dtype)
+        va, vb, ha, hb = v[:, :c1], v[:, c1:], h[:, :c1], h[:, c1:]
+        f = blk.F(hb)
+        va = va + q(f)
+        ha = image(va, ha, f)
+        g = blk.G(ha)
+        vb = vb + q(g)
+        hb = image(vb, hb, g)
+        v, h = torch.cat([va, vb], dim=1), torch.cat([ha, hb], dim=1)
+    return h
 
 
 class QuantisedPlain(nn.Module):

@@ -143,16 +143,75 @@ def test_shared_weights_across_blocks_and_halves():
 # ----------------------------------------------------------------------------------- exact mode
 @pytest.mark.parametrize("n", [8, 64])
 def test_exact_mode_bit_identical_to_plain(n):
-    blocks = additive_blocks(n, 4, seed=3)
+    # weights scaled by 0.5: the stream stays within int32's range at 2^-20 (|values| < 2048; it
+    # reaches ~570 at N = 64), so no promotion to int64 happens (warnings are errors here)
+    blocks = additive_blocks(n, 4, seed=3, scale=0.5)
     ref = QuantisedPlain(copy.deepcopy(blocks))
     rev = ReversibleSequential(*blocks, exact=True)
     x = torch.randn(2, 4, 8, 8)
     r = torch.randn(2, 4, 8, 8)
-    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
     want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
     assert_equal_list(got, want)
     rep = rev.last_reconstruction
     assert rep.max_abs == 0.0 and len(rep.per_block_abs) == n
+
+
+def test_exact_mode_int32_overflow_promotes_to_int64_bit_identical():
+    # unscaled, the 64-block stream grows past 2^11 = int32's range at 2^-20: forward warns and
+    # continues in int64 (8 B/elt); results stay bit-identical to the reference network
+    memory = pytest.importorskip("slimgrad.memory")
+    blocks = additive_blocks(64, 4, seed=3)
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(2, 4, 8, 8)
+    r = torch.randn(2, 4, 8, 8)
+    with pytest.warns(RuntimeWarning, match="int32 stream would overflow .* continuing in int64"):
+        got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+    assert_equal_list(got, want)
+    assert want[0].abs().max() > 2048  # the case really overflows int32 on the grid
+    # explicit int64: no warning, same bits, the saved stream is 8 B/elt
+    rev64 = ReversibleSequential(*copy.deepcopy(blocks), exact=True, stream_dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_equal_list(grads(rev64, x.clone().requires_grad_(), weighted_sum(r)), want)
+        m = memory.measure(lambda: (rev64(x * 1) * r).sum())
+    assert m.saved_bytes == x.numel() * 8
+
+
+def test_exact_mode_int32_never_overflows_silently():
+    # a single coupling whose F output alone leaves int32 (|F| ~ 3000 > 2048): promoted, exact
+    big = AdditiveCoupling(nn.Conv2d(2, 2, 1, bias=False), nn.Conv2d(2, 2, 1, bias=False))
+    with torch.no_grad():
+        big.F.weight.fill_(1000.0)
+        big.G.weight.zero_()
+    x = torch.full((1, 4, 3, 3), 1.5)
+    rev = ReversibleSequential(copy.deepcopy(big), exact=True)
+    with pytest.warns(RuntimeWarning, match="continuing in int64"):
+        y = rev(x)
+    assert torch.equal(y[:, :2], torch.full((1, 2, 3, 3), 1.5 + 3000.0))
+    with pytest.warns(RuntimeWarning, match="continuing in int64"):
+        assert check_invertible(rev, x) == 0.0
+
+
+@pytest.mark.parametrize(
+    "value, bits", [(1e4, 50), (float("inf"), 20), (float("nan"), 20), (3e13, 20)]
+)
+def test_exact_mode_int64_overflow_raises(value, bits):
+    # int64 is the widest stream: leaving it raises (input or F/G output; NaN/inf too)
+    rev = ReversibleSequential(
+        *additive_blocks(2, 4), exact=True, grid_bits=bits, stream_dtype=torch.int64
+    )
+    x = torch.full((1, 4, 3, 3), value, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"would overflow its int64 range; expected \|stream\|"):
+        rev(x)
+    with pytest.raises(RuntimeError, match="would overflow its int64 range"), torch.no_grad():
+        rev(x)
+    with pytest.raises(RuntimeError, match="would overflow its int64 range"):
+        check_invertible(rev, x.detach())
 
 
 def test_exact_mode_reversible_false_is_the_same_network():
@@ -180,7 +239,7 @@ def test_float_mode_reports_reconstruction_error():
     assert rep.max_abs > 0 and rep.max_rel > 0
     assert rep.max_abs == max(rep.per_block_abs)
     # the same chain in exact mode rebuilds exactly
-    ex = ReversibleSequential(*copy.deepcopy(blocks), exact=True)
+    ex = ReversibleSequential(*copy.deepcopy(blocks), exact=True, stream_dtype=torch.int64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ex(x).sum().backward()
@@ -192,7 +251,7 @@ def test_float_mode_reports_reconstruction_error():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, F64])
 def test_grid_rounding_in_low_precision_equals_float64(dtype):
-    # NOTE [Exact-mode arithmetic without float64 passes]: F's output is rounded onto the grid in
+    # NOTE [Exact-mode integer stream]: F's output is rounded onto the grid in
     # float32 (or float64 for float64 F) and added as grid units; it must be the float64 result.
     from slimgrad.ops.reversible import _grid_units, grid_round
 
@@ -228,13 +287,6 @@ def test_exact_mode_bit_identical_in_each_dtype(dtype):
     want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
     assert_equal_list(got, want)
     assert rev.last_reconstruction.max_abs == 0.0
-
-
-def test_exact_mode_range_overflow_raises():
-    rev = ReversibleSequential(*additive_blocks(2, 4), exact=True, grid_bits=50)
-    x = torch.full((1, 4, 3, 3), 100.0, requires_grad=True)
-    with pytest.raises(RuntimeError, match="exact range; expected \\|values\\| < 2\\^3"):
-        rev(x)
 
 
 # ------------------------------------------------------------------- memcnn's failures, fixed
@@ -321,8 +373,8 @@ def test_output_of_relu_feeds_the_chain():
 def test_hook_captured_tensors_are_untouched(exact):
     # Hooks on the chain and inside F/G (these fire again in the recompute) keep references to
     # their inputs; the rebuild must not overwrite them (rebuilt buffers are reused in place only
-    # when nothing else aliases them). Exact mode in float64 hands F and G the stream itself, and
-    # its forward sums in place only into stream tensors nothing else aliases.
+    # when nothing else aliases them). Exact mode hands F and G images (copies) of its integer
+    # stream.
     rev, _ = pair(additive_blocks(3, 4), exact=exact)
     seen: dict = {}
     rev.register_forward_hook(lambda m, inp, out: seen.setdefault("chain", []).append(inp[0]))
@@ -343,6 +395,26 @@ def test_hook_captured_tensors_are_untouched(exact):
         assert len(v) == 2  # forward, then the recompute
         assert torch.equal(v[0], fwd[k])  # forward tensors are never written
         torch.testing.assert_close(v[1], fwd[k])  # the recompute's input, still intact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_exact_hook_captured_outputs_are_untouched(dtype):
+    # exact-mode backward rounds F's recomputed output onto the grid in place, but only when no
+    # one else holds it: outputs a forward hook kept (in forward and in the recompute) stay intact
+    blocks = [b.to(dtype) for b in additive_blocks(3, 4, seed=6)]
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    kept = []
+    for blk in list(rev)[:2]:  # the last block's F and G keep no hook: the in-place path runs
+        for fn in (blk.F, blk.G):
+            fn.register_forward_hook(lambda m, inp, out: kept.append((out, out.clone())))
+    x = torch.randn(2, 4, 5, 5, dtype=dtype)
+    r = torch.randn(2, 4, 5, 5, dtype=dtype)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    assert len(kept) == 8  # 4 hooked modules, forward and recompute
+    for out, at_hook in kept:
+        assert torch.equal(out, at_hook)
+    assert_equal_list(got, grads(ref, x.clone().requires_grad_(), weighted_sum(r)))
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -632,8 +704,12 @@ def test_errors():
         ReversibleSequential(nn.ReLU())
     with pytest.raises(NotImplementedError, match="exact=True needs additive couplings"):
         ReversibleSequential(*affine_blocks(1, 4), exact=True)
-    with pytest.raises(ValueError, match="grid_bits .* expected an int"):
-        ReversibleSequential(*additive_blocks(1, 4), grid_bits=60)
+    with pytest.raises(ValueError, match="grid_bits .* expected an int in 1..30"):
+        ReversibleSequential(*additive_blocks(1, 4), grid_bits=31)
+    with pytest.raises(ValueError, match="grid_bits .* expected an int in 1..62"):
+        ReversibleSequential(*additive_blocks(1, 4), grid_bits=63, stream_dtype=torch.int64)
+    with pytest.raises(ValueError, match="stream_dtype .* expected torch.int32 or torch.int64"):
+        ReversibleSequential(*additive_blocks(1, 4), exact=True, stream_dtype=torch.float64)
     with pytest.raises(ValueError, match="same dim"):
         ReversibleSequential(
             AdditiveCoupling(nn.Identity(), nn.Identity(), split_dim=1),
@@ -664,7 +740,7 @@ def test_memory_flat_in_depth(exact):
             (m(x0 * 1) * r).sum().backward()
         got = [memory.measure(lambda m=m: (m(x0 * 1) * r).sum()) for m in (rev, plain)]
         res[n] = (got, sum(p.numel() * p.element_size() for p in rev.parameters()))
-    out_bytes = x0.numel() * (8 if exact else 4)  # the stream dtype: float64 in exact mode
+    out_bytes = x0.numel() * 4  # float32 output, or exact mode's int32 stream
     for n in (4, 8):
         (m_rev, _), _ = res[n]
         # contract: the chain keeps exactly its output (the r kept by the loss's mul is an input)
@@ -701,7 +777,7 @@ def test_bench_case_small(tmp_path):
     assert out["case"] == "reversible" and len(out["suite_records"]) == 3
     by = {r["variant"]: r for r in recs}
     assert by["rev"]["slimgrad"]["saved_bytes"] == 2 * 8 * 8 * 8 * 4  # the chain output only
-    assert by["exact"]["slimgrad"]["saved_bytes"] == 2 * 8 * 8 * 8 * 8  # its float64 stream
+    assert by["exact"]["slimgrad"]["saved_bytes"] == 2 * 8 * 8 * 8 * 4  # its int32 stream
     # checkpoint keeps its inputs in its hooks' closure: they show in retained, not saved, bytes
     assert by["ckpt"]["eager"]["saved_bytes"] > by["ckpt"]["slimgrad"]["retained_bytes"]
     assert by["ckpt"]["slimgrad"]["retained_bytes"] > by["rev"]["slimgrad"]["saved_bytes"]
@@ -710,3 +786,34 @@ def test_bench_case_small(tmp_path):
     assert by["exact"]["reconstruction_max_abs"] == 0.0
     assert all(r["grad"]["ok"] for r in recs)
     assert 0 < by["rev"]["fg_over_plain"] < 1
+    assert [r["grad_check"] for r in recs] == ["reported", "asserted", "asserted"]
+    assert by["exact"]["stream_bytes_per_elt"] == 4.0 and by["exact"]["grid_bits"] == 20
+    assert [r["case"] for r in out["grad_reported"]] == ["reversible_n3"]
+
+
+@pytest.mark.parametrize("failing", ["rev", "exact"])
+def test_bench_sweep_verdict_float_reported_exact_asserted(monkeypatch, failing):
+    # `slimgrad bench reversible` exits 1 iff the returned grad["ok"] is False: a float-mode
+    # rule violation (its documented drift) is reported, an exact-mode one fails the sweep
+    pytest.importorskip("slimgrad.memory")
+    from slimgrad.bench import harness
+    from slimgrad.bench.cases import reversible as case
+
+    real = harness.run_case
+
+    def run_case(c, **kw):
+        rec = real(c, **kw)
+        if c.name == case._name(failing, 2):
+            bad = {"name": "x", "err": 1.0, "bound": 0.5, "eager_err": 0.1, "max_abs": 1.0}
+            rec["grad"] = {**rec["grad"], "ok": False, "violations": [bad]}
+        return rec
+
+    monkeypatch.setattr(harness, "run_case", run_case)
+    out = case.run_sweep(depths=(2,), variants=("rev", "exact"), small=True, repeat=1, warmup=0)
+    by = {r["variant"]: r for r in out["suite_records"]}
+    assert by[failing]["grad"]["ok"] is False  # the record keeps the honest figures
+    if failing == "rev":
+        assert out["grad"]["ok"] and by["rev"]["grad_check"] == "reported"
+        assert out["grad_reported"][0]["rule_ok"] is False
+    else:
+        assert not out["grad"]["ok"] and out["grad"]["failed_cases"] == ["reversible_exact_n2"]

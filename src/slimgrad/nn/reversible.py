@@ -6,8 +6,8 @@ safety rules: ``slimgrad/ops/reversible.py``, NOTE [Reversible chains: nothing i
 kept]). Blocks are :class:`AdditiveCoupling`, :class:`AffineCoupling`, or any module with an
 ``inverse`` method.
 
-Memory: saves the chain output (exact mode: its float64 fixed-point copy) + 10 KiB of RNG state per
-block; eager saves every F/G activation and block output, linearly in depth.
+Memory: saves the chain output (exact mode: its int32 fixed-point stream, also 4 B/elt) + 10 KiB of
+RNG state per block; eager saves every F/G activation and block output, linearly in depth.
 """
 
 from __future__ import annotations
@@ -217,12 +217,16 @@ class ReversibleSequential(nn.Module):
     Args:
         *blocks: :class:`AdditiveCoupling`, :class:`AffineCoupling`, or modules with
             ``inverse(y)`` (an ``OrderedDict`` of them also works, as for ``nn.Sequential``).
-        exact: hold the residual stream in fixed point (values on the grid ``2^-grid_bits`` in
-            float64; F and G run in the input dtype and their outputs are rounded onto the grid,
-            straight-through in backward). Rebuilds are bit-exact and gradients equal plain
-            autograd's on the same network bit for bit. Additive couplings only.
-        grid_bits: fraction bits of the exact-mode grid; the stream must stay below
-            ``2^(53-grid_bits)``.
+        exact: hold the residual stream in fixed point (integers counting ``2^-grid_bits``, in
+            ``stream_dtype``; F and G run in the input dtype on the stream's value rounded to it,
+            and their outputs are rounded onto the grid, straight-through in backward). Rebuilds
+            are bit-exact and gradients equal plain autograd's on the same network bit for bit
+            (``reversible=False``). Additive couplings only.
+        grid_bits: fraction bits of the exact-mode grid (default 20: steps of ~1e-6). The
+            stream must stay below ``2^(31-grid_bits)`` (2048 at 20) in int32; forward raises a
+            RuntimeError, never overflows silently.
+        stream_dtype: exact mode's stream: ``torch.int32`` (4 B/elt) or ``torch.int64`` (8 B/elt,
+            range ``2^(63-grid_bits)``).
         preserve_rng_state: record the RNG state before each F and G and replay it in backward
             (dropout).
         reversible: False runs the same maths with ordinary autograd (keeps activations; a
@@ -234,8 +238,9 @@ class ReversibleSequential(nn.Module):
 
     Raises:
         TypeError: a block is not an nn.Module with an ``inverse`` method (or a coupling).
-        ValueError: couplings split along different dims, ``grid_bits`` outside 1..52, or a
-            ``warn_rel_error`` that is not None or > 0.
+        ValueError: couplings split along different dims, ``grid_bits`` outside 1..30 (int32;
+            1..62 for int64), ``stream_dtype`` not int32/int64, or a ``warn_rel_error`` that is
+            not None or > 0.
         NotImplementedError: ``exact=True`` with a non-additive block.
 
     Notes: inside the chain a coupling's F and G are called directly, so hooks on F, G and their
@@ -244,10 +249,10 @@ class ReversibleSequential(nn.Module):
     ``torch.compile`` the chain runs eagerly behind one graph break (``torch.compiler.disable``).
     Only block parameters and the input receive gradients (tensors captured by closure do not).
 
-    Memory: saves the chain output (float: 1x the input; exact: float64 stream) + 10 KiB RNG state
-    per block; eager saves all F/G activations and block outputs (linear in depth). Diagnostic:
-    after each backward, :attr:`last_reconstruction` reports the reconstruction error on sampled
-    elements (0 in exact mode).
+    Memory: saves the chain output (float: 1x the input; exact: the int32 stream, 4 B/elt, or 8
+    after a promotion to int64) + 10 KiB RNG state per block; eager saves all F/G activations and
+    block outputs (linear in depth). Diagnostic: after each backward, :attr:`last_reconstruction`
+    reports the reconstruction error on sampled elements (0 in exact mode).
 
     Example:
         >>> f = lambda: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
@@ -263,6 +268,7 @@ class ReversibleSequential(nn.Module):
         preserve_rng_state: bool = True,
         reversible: bool = True,
         warn_rel_error: float | None = 1e-5,
+        stream_dtype: torch.dtype = torch.int32,
     ) -> None:
         super().__init__()
         api = "ReversibleSequential"
@@ -296,12 +302,21 @@ class ReversibleSequential(nn.Module):
                 f"slimgrad.nn.{api}: all couplings must split along the same dim; expected one "
                 f"split_dim, got {sorted(dims)}. Give every coupling the same split_dim."
             )
+        if stream_dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"slimgrad.nn.{api}: stream_dtype is exact mode's integer stream; expected "
+                f"torch.int32 or torch.int64, got {stream_dtype!r}. Use torch.int64 for a wider "
+                "range."
+            )
+        top = torch.iinfo(stream_dtype).bits - 2
         bad_bits = not isinstance(grid_bits, int) or isinstance(grid_bits, bool)
-        if bad_bits or not 1 <= grid_bits <= 52:
+        if bad_bits or not 1 <= grid_bits <= top:
             raise ValueError(
                 f"slimgrad.nn.{api}: grid_bits sets the fixed-point fraction bits; expected an int "
-                f"in 1..52, got {grid_bits!r}. The default 20 allows |values| < 2^33."
+                f"in 1..{top} for stream_dtype={stream_dtype}, got {grid_bits!r}. The default 20 "
+                "allows |values| < 2048 in int32; stream_dtype=torch.int64 allows more bits."
             )
+        self.stream_dtype = stream_dtype
         self.split_dim = dims.pop() if dims else 1
         self.exact = bool(exact)
         self.grid_bits = grid_bits
@@ -324,7 +339,8 @@ class ReversibleSequential(nn.Module):
 
         Args:
             module: an ``nn.Sequential`` whose children are couplings or have ``inverse``.
-            **kwargs: ``exact``, ``grid_bits``, ``preserve_rng_state``, ``reversible``.
+            **kwargs: ``exact``, ``grid_bits``, ``stream_dtype``, ``preserve_rng_state``,
+                ``reversible``, ``warn_rel_error``.
 
         Raises:
             TypeError: ``module`` is not an ``nn.Sequential``, or a child is not invertible.
@@ -358,6 +374,7 @@ class ReversibleSequential(nn.Module):
             preserve_rng_state=self.preserve_rng_state,
             reversible=self.reversible,
             sink=self._sink,
+            stream_dtype=self.stream_dtype,
         )
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
@@ -388,7 +405,7 @@ class ReversibleSequential(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"exact={self.exact}, grid_bits={self.grid_bits}, "
+            f"exact={self.exact}, grid_bits={self.grid_bits}, stream_dtype={self.stream_dtype}, "
             f"warn_rel_error={self._sink.warn_rel_error}, "
             f"preserve_rng_state={self.preserve_rng_state}, reversible={self.reversible}"
         )
@@ -418,8 +435,10 @@ def check_invertible(block: nn.Module, x: torch.Tensor) -> float:
     """
     if isinstance(block, ReversibleSequential):
         blocks, dim, exact, bits = list(block), block.split_dim, block.exact, block.grid_bits
+        sdt = block.stream_dtype
     elif isinstance(block, _Coupling) or callable(getattr(block, "inverse", None)):
         blocks, dim, exact, bits = [block], getattr(block, "split_dim", 1), False, 20
+        sdt = torch.int32
     else:
         raise TypeError(
             f"slimgrad.nn.check_invertible: block has no inverse; expected a coupling, "
@@ -428,4 +447,7 @@ def check_invertible(block: nn.Module, x: torch.Tensor) -> float:
         )
     if any(isinstance(b, _Coupling) for b in blocks):
         _check_input("check_invertible", x, dim)
-    return float(_ops.reconstruction_error(blocks, x, split_dim=dim, exact=exact, grid_bits=bits))
+    err = _ops.reconstruction_error(
+        blocks, x, split_dim=dim, exact=exact, grid_bits=bits, stream_dtype=sdt
+    )
+    return float(err)

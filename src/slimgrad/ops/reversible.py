@@ -15,27 +15,37 @@ for the vector-Jacobian product (the RevNet algorithm):
     f = F(x2) (with grad): x1 = y1 - f, dx2 = dy2 + (df/dx2)^T dy1, dθ_F = (df/dθ_F)^T dy1,
         dx1 = dy1
 
-Exact mode (additive couplings): the residual stream is held in fixed point, values on the grid
-``2^-grid_bits`` carried in float64 (every sum of grid values below ``2^(53-grid_bits)`` is exact),
-F and G run in the input's dtype, and their outputs are rounded onto the grid (straight-through in
-backward: ``round(f) = f`` for the gradient). Then ``x1 = (x1 + round(F(x2))) - round(F(x2))`` holds
-bit for bit, every block input is rebuilt exactly, and the gradients equal plain autograd's on the
-same network to the bit. The rounding itself runs in float32 (NOTE [Exact-mode arithmetic without
-float64 passes]); its result is the float64 one.
+Exact mode (additive couplings): the residual stream is held in fixed point, as int32 integers
+counting ``2^-grid_bits`` (NOTE [Exact-mode integer stream]). F and G run in the input's dtype on
+the stream's value rounded to it, their outputs are rounded onto the grid (straight-through in
+backward: ``round(f) = f`` for the gradient) and added as integers. Then
+``x1 = (x1 + round(F(x2))) - round(F(x2))`` holds bit for bit, every block input is rebuilt
+exactly, and the gradients (held in the input's dtype) equal plain autograd's on the same network
+to the bit (``reversible=False``). A stream that would leave int32 (``|value| >= 2^(31 -
+grid_bits)``, 2048 at the default 20) continues in int64 with a RuntimeWarning (exact: the same
+integers; 8 B/elt from then on); one that would leave int64 raises a RuntimeError. Nothing
+overflows silently.
 
 Cost: backward evaluates every F and G once more than plain autograd: the recompute RevNet cannot
 avoid (its inversion and its vector-Jacobian product share that one evaluation; nothing else is
 recomputed, copied or zeroed). Measured on a shared 2-core CPU, one thread, chains of conv3x3+ReLU
 couplings on 8x64x32x32 (``benchmarks/results/reversible.jsonl``): one no-grad forward of every F
 and G costs 0.27-0.28 of a plain step (``fg_over_plain``), so about 1.2-1.3x plain is the floor
-there; step ratios (medians of 5 interleaved pairs, N = 4..64) were 1.16-1.35 in float mode,
-1.11-1.40 in exact mode (against plain autograd of the same fixed-point network) and 1.37-1.56 for
-torch.utils.checkpoint. Side by side at N = 64 (CPU time, 5 interleaved
-steps): revlib 1.7.2 1.28, a minimal hand-written RevNet backward 1.25, this 1.31.
+there; step ratios (medians of 5 interleaved pairs, N = 4..64) were 1.16-1.35 in float mode and
+1.37-1.56 for torch.utils.checkpoint; exact mode (against plain autograd of the same fixed-point
+network) 1.32-1.41 at N = 16 and 1.31 (int32 stream, grid 2^-6) / 1.37 (2^-20, promoted to
+int64) at N = 64; interleaved against the former float64-stream exact mode at N = 64 (4 rounds of
+3 pairs, pooled medians) 1.34 vs 1.37, i.e. no slower. Side by side at N = 64 (CPU time, 5
+interleaved steps): revlib 1.7.2 1.28, a minimal hand-written RevNet backward 1.25, this 1.31.
 
 Memory: saves the chain output y (float mode: 1x the input, often shared with the next layer; exact
-mode: the float64 stream, 8 B/elt) + per block 2 CPU RNG states (5056 B each) + 64 sampled elements;
-eager saves every activation of every F and G (and every block output), growing linearly with depth.
+mode: the int32 stream, 4 B/elt; 8 B/elt once promoted to int64) + per block 2 CPU RNG states
+(5056 B each) + 64 sampled elements; eager saves every activation of every F and G (and every
+block output), growing linearly with depth. Measured (8x64x32x32, conv couplings, one step, peak
+at N = 64): float mode 15.5 MiB; exact mode on int32 16.6 MiB (grid 2^-6; 1024 B more per added
+block beyond weight gradients, N = 16 vs 64); exact mode at the default 2^-20 grid 20.6 MiB (this
+chain's stream outgrows int32 past N ~ 28 and continues in int64; it is 13.1 MiB at N = 16, still
+int32); plain autograd 262-264 MiB.
 
 # NOTE [Reversible chains: nothing is freed, nothing is kept]
 memcnn saves memory by emptying the input's storage (``storage().resize_(0)``) and refilling it in
@@ -65,6 +75,8 @@ vector-Jacobian product so backward kernels run as in eager.
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,45 +124,145 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
     return _GridRoundFn.apply(t, float(2**grid_bits))
 
 
-# NOTE [Exact-mode arithmetic without float64 passes]
-# ``round(f * 2^b) * 2^-b`` is the same number whether computed in float32 or float64 when f is a
-# float32 (or bf16/fp16) value: scaling by a power of two is exact, and rounding a float to an
-# integer is exact in its own format (overflow, |f| >= 2^(128-b), gives inf and fails the range
-# check either way). So F's output is rounded in float32 (half the bytes of float64), kept as
-# integer-valued "grid units" u, and added to the float64 stream with ``alpha = 2^-b``:
-# ``xa + 2^-b * u`` (the product is exact, so the one rounding is the sum's, as in ``xa + h``).
-# In place (``xa.add_(u, alpha=...)``, u float32) the cast happens inside the sum's loop at the
-# speed of a float64 add; out of place, a mixed-dtype add is ~40x slower on CPU (measured, torch
-# 2.13), so there u is cast to float64 first. Gradients: the straight-through rounding passes
-# ``g.to(f.dtype)`` to F, and F's input gradient is cast back to float64 before it is added to
-# the stream's: the same values and the same two-term sums as plain autograd of
-# ``xa + grid_round(f)``.
+# NOTE [Exact-mode integer stream]
+# Exact mode holds the residual stream as integers u on the grid 2^-b (value u * 2^-b; b =
+# grid_bits, default 20), in int32 (4 B/elt, |value| < 2^(31-b) = 2048 at b = 20) or int64
+# (8 B/elt, < 2^(63-b)). Per coupling half: F's input is the "image" of the stream half, its value
+# rounded to F's dtype (``_image``: int32 -> float32/float64 is correctly rounded and the scaling
+# by 2^-b is exact, so it equals rounding the exact value); F's output is rounded onto the grid,
+# ``q = round(F * 2^b)`` (``_grid_units``: scaling by a power of two is exact and rounding a float
+# to an integer is exact in its own format, so float32 gives the float64 result); the sum
+# ``u + q`` is integer arithmetic, hence exact. Backward re-runs F on the same image (bit-identical
+# input, same RNG state) and subtracts the same q: every block input is rebuilt bit for bit.
+# Gradients are straight-through, in F's dtype: d(stream) = d(y), d(F out) = d(y); the stream's
+# gradient is held in the input's dtype (no float64 pass), so it equals plain autograd of this
+# network (``_GridInFn``/``_GridStepFn``, reversible=False) to the bit: the same two-term sums.
+# Overflow is never silent: before each sum, max|q| is read (one sync per coupling half) and
+# bound + max|q| checked against the dtype's range, where bound >= max|half| is kept in a Python
+# float (bound_new = bound + max|q|, tightened to the half's true max when it gets close). A sum
+# that could leave int32 first converts the stream to int64 (the same integers: exact) and warns;
+# one that could leave int64, or a NaN/inf output, raises a RuntimeError naming grid_bits and
+# stream_dtype. Why 2^-20: F's output is perturbed by <= 2^-21 (about 4 float32 ulps at 1), and
+# the research note measured 2^-20 bit-exact at N = 8..64. Its int32 range, +-2048, holds chains
+# whose stream stays moderate; it does not hold the bench chain (random conv3x3+ReLU couplings
+# without normalisation: the stream grows ~1.3x per block, past 2048 at N ~ 28, to 1.5e7 at
+# N = 64): that chain needs grid_bits <= 6 to stay in int32, or int64 (what exact mode falls back
+# to).
 def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
     # round(f * scale), integer-valued, in float32 (float64 for float64 f)
     rd = torch.float64 if f.dtype == torch.float64 else torch.float32
     return torch.mul(f.to(rd), scale).round_()
 
 
-def _add_units(xa: torch.Tensor, u: torch.Tensor, alpha: float, inplace: bool) -> torch.Tensor:
-    # xa + alpha * u with xa float64 on the grid (NOTE [Exact-mode arithmetic without float64
-    # passes])
-    if inplace:
-        return xa.add_(u, alpha=alpha)
-    return torch.add(xa, u.to(xa.dtype), alpha=alpha)
+def _image(plan: _Plan, u: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # the stream's value u * 2^-b rounded once to ``dtype`` (default: F's)
+    dtype = dtype or plan.compute_dtype
+    if dtype == torch.get_default_dtype():  # int * float -> the default dtype, one pass
+        return torch.mul(u, plan.inv_scale)
+    if dtype in (torch.float32, torch.float64):
+        return u.to(dtype).mul_(plan.inv_scale)
+    return u.to(torch.float64).mul_(plan.inv_scale).to(dtype)
 
 
-class _AddOnGridFn(torch.autograd.Function):
-    # xa + grid_round(f) for autograd (reversible=False, and the first-order recompute is not
-    # needed here): same values and gradients, fewer float64 passes (NOTE [Exact-mode arithmetic
-    # without float64 passes]).
+def _absmax(t: torch.Tensor) -> torch.Tensor:
+    # max |t| as a float64 scalar tensor (no sync); NaN propagates
+    lo, hi = torch.aminmax(t.detach())
+    return torch.maximum(lo.double().neg(), hi.double())
+
+
+class _ExactStream:
+    # The integer stream of one exact-mode forward: ``u`` (the whole stream; ``a``/``b`` are its
+    # halves, updated in place), ``bound_a``/``bound_b`` (Python floats >= max |half|) and, in
+    # grad mode (reversible=False), the halves' images ``ia``/``ib`` carrying autograd's graph.
+    def __init__(self, plan: _Plan, x: torch.Tensor, grad: bool) -> None:
+        self.plan = plan
+        q = _grid_units(x.detach(), plan.scale)
+        m = float(_absmax(q))
+        if not m < _LIMIT[plan.stream_dtype]:
+            _widen(plan, m)
+        self.u = q.to(plan.stream_dtype)
+        self.a, self.b = split_halves(self.u, plan.split_dim)
+        self.bound_a = self.bound_b = m
+        self.ia = self.ib = None
+        if grad:
+            self.ia, self.ib = split_halves(_GridInFn.apply(x, self.u, plan), plan.split_dim)
+
+    def add(self, half: str, h: torch.Tensor) -> torch.dtype:
+        # half += round(h * 2^b), overflow checked first (NOTE [Exact-mode integer stream]).
+        # Returns the integer dtype q was converted to: int32 whenever it fits (float -> int64
+        # conversion and int64 + int64 are several times slower on CPU than their int32 forms).
+        plan = self.plan
+        q = _grid_units(h.detach(), plan.scale)
+        mq = float(_absmax(q))  # the one sync per coupling half
+        worst = getattr(self, "bound_" + half) + mq
+        if not worst < _LIMIT[plan.stream_dtype]:
+            # the running bound is conservative: tighten it with the half's true max first
+            worst = float(_absmax(getattr(self, half))) + mq
+            if not worst < _LIMIT[plan.stream_dtype]:
+                _widen(plan, worst)
+                self.u = self.u.to(plan.stream_dtype)
+                self.a, self.b = split_halves(self.u, plan.split_dim)
+        t = getattr(self, half)
+        qdt = torch.int32 if mq < _LIMIT[torch.int32] else t.dtype
+        t.add_(q.to(qdt))
+        setattr(self, "bound_" + half, worst)
+        img = getattr(self, "i" + half)
+        if img is not None:
+            setattr(self, "i" + half, _GridStepFn.apply(img, h, t, plan))
+        return qdt
+
+
+# |stream| + |units| below these fit the dtype (int64: a margin for the float64 bound's rounding)
+_LIMIT = {torch.int32: 2.0**31, torch.int64: 2.0**63 - 2.0**12}
+
+
+def _widen(plan: _Plan, worst: float) -> None:
+    # The stream would leave its dtype: int32 continues in int64 (exact: the same integers) with a
+    # warning; int64 (or NaN/inf) raises.
+    if plan.stream_dtype == torch.int32 and worst < _LIMIT[torch.int64]:
+        warnings.warn(
+            f"{_API}: exact mode's int32 stream would overflow (|values| reach "
+            f"2^{31 - plan.grid_bits} with grid_bits={plan.grid_bits}); continuing in int64 (8 "
+            "B/elt instead of 4, results unchanged). Pass stream_dtype=torch.int64 to skip this "
+            "warning, or a smaller grid_bits to stay in int32.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        plan.stream_dtype = torch.int64
+        return
+    bits = torch.iinfo(plan.stream_dtype).bits - 1
+    dt = str(plan.stream_dtype).replace("torch.", "")
+    raise RuntimeError(
+        f"{_API}: exact mode's fixed-point stream would overflow its {dt} range; expected "
+        f"|stream| + |rounded F/G output| < 2^{bits - plan.grid_bits} with "
+        f"grid_bits={plan.grid_bits}, got up to {worst * plan.inv_scale:.4g}. Use a smaller "
+        "grid_bits (the range doubles per bit removed), stream_dtype=torch.int64 (8 B/elt, "
+        f"range 2^{63 - plan.grid_bits}), or keep activations smaller."
+    )
+
+
+class _GridInFn(torch.autograd.Function):
+    # plain-autograd view of the chain input on the grid: value = image(u), gradient to x as is
     @staticmethod
-    def forward(ctx, xa: torch.Tensor, f: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.f_dtype = f.dtype
-        return _add_units(xa, _grid_units(f, scale), 1.0 / scale, inplace=False)
+    def forward(ctx, x: torch.Tensor, u: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        return _image(plan, u, x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return g, g.to(ctx.f_dtype), None
+        return g, None, None
+
+
+class _GridStepFn(torch.autograd.Function):
+    # plain-autograd view of ``u_a + round(h)`` (u_a already updated in place): value = image(u_a),
+    # straight-through gradients to the old image and to h (in h's dtype)
+    @staticmethod
+    def forward(ctx, xa: torch.Tensor, h: torch.Tensor, u: torch.Tensor, plan: _Plan):
+        ctx.h_dtype = h.dtype
+        return _image(plan, u, xa.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, g.to(ctx.h_dtype), None, None
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -169,9 +281,10 @@ class _Plan:
     block_params: list[list[list[int]]] = field(default_factory=list)  # per block: [F, G] indices
     rng: list[tuple] = field(default_factory=list)  # per block (state before F, state before G)
     samples: list[tuple] = field(default_factory=list)  # per block input: sampled elements
+    qdt: list[tuple] = field(default_factory=list)  # exact: per block, F's and G's q dtypes
     autocast: tuple = ()
     device: torch.device | None = None
-    stream_max: torch.Tensor | None = None
+    stream_dtype: torch.dtype = torch.int32  # exact mode's integer stream
     # id(F, G or block) -> [(submodule, name, parameter)] as seen in forward
     forward_params: dict[int, list] = field(default_factory=dict)
     bn_layers: dict[int, list] = field(default_factory=dict)  # id(module) -> BatchNorms inside
@@ -180,41 +293,34 @@ class _Plan:
     def scale(self) -> float:
         return float(2**self.grid_bits)
 
+    @property
+    def inv_scale(self) -> float:
+        return 2.0**-self.grid_bits
+
 
 def _is_coupling(blk: nn.Module) -> bool:
     return getattr(blk, "_slimgrad_coupling", None) in ("additive", "affine")
 
 
 def _call(plan: _Plan, fn: nn.Module, xb: torch.Tensor) -> torch.Tensor:
-    # F or G on a stream half; exact mode runs it in the compute dtype and leaves the rounding to
-    # the caller (NOTE [Exact-mode arithmetic without float64 passes]).
-    if not plan.exact:
-        return fn(xb)
-    t = xb.to(plan.compute_dtype)
-    # float64 F gets the stream itself: without grad, hand it an alias, so that a hook keeping it
-    # shows in the storage's use count and the in-place sums (_private) leave it alone
-    return fn(t.detach() if t is xb and not torch.is_grad_enabled() else t)
+    # F or G on a stream half (exact mode, no grad: on its image)
+    return fn(_image(plan, xb) if plan.exact else xb)
 
 
-def _coupled(
-    plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor, inplace: bool = False
-) -> torch.Tensor:
-    # ya = c(xa, h), h = F(xb) as returned by _call. ``inplace`` (exact mode, no grad): xa is a
-    # stream tensor of ours that no one else sees.
-    if not plan.exact:
-        return _half_fwd(blk, xa, h)
-    if torch.is_grad_enabled() and (xa.requires_grad or h.requires_grad):
-        return _AddOnGridFn.apply(xa, h, plan.scale)
-    return _add_units(xa, _grid_units(h, plan.scale), 1.0 / plan.scale, inplace)
+def _coupled(plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    # ya = c(xa, h), h = F(xb) (float mode)
+    return _half_fwd(blk, xa, h)
 
 
 def _uncoupled(
     plan: _Plan, blk: nn.Module, ya: torch.Tensor, h: torch.Tensor, inplace: bool = False
 ) -> torch.Tensor:
-    # xa = c^-1(ya, h), no grad; ``inplace`` writes into ya (a rebuilt tensor of ours).
+    # xa = c^-1(ya, h), no grad; ``inplace`` writes into ya (a rebuilt tensor of ours). Exact
+    # mode: integer subtraction of the same grid units forward added.
     if not plan.exact:
         return _half_inv(blk, ya, h, inplace=inplace)
-    return _add_units(ya, _grid_units(h, plan.scale), -1.0 / plan.scale, inplace)
+    q = _grid_units(h, plan.scale).to(ya.dtype)
+    return ya.sub_(q) if inplace else ya - q
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
@@ -339,13 +445,16 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return torch.take(t.detach(), idx)
 
 
-def _samples(stream: tuple) -> tuple:
-    return tuple(_sample(s) for s in stream)
+def _samples(plan: _Plan, stream: tuple) -> tuple:
+    # exact mode: the sampled grid units as float64 values
+    if plan.exact:
+        return tuple(_sample(t).double().mul_(plan.inv_scale) for t in stream)
+    return tuple(_sample(t) for t in stream)
 
 
-def _sample_diffs(refs: tuple, rebuilt: tuple) -> tuple:
+def _sample_diffs(plan: _Plan, refs: tuple, rebuilt: tuple) -> tuple:
     # rebuilt samples minus forward samples, per stream part (no extra memory beyond the refs')
-    return tuple(_sample(t) - r for t, r in zip(rebuilt, refs, strict=True))
+    return tuple(t - r for t, r in zip(_samples(plan, rebuilt), refs, strict=True))
 
 
 def _sample_errors(refs: list[tuple], diffs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,26 +476,6 @@ def _sample_errors(refs: list[tuple], diffs: list[tuple]) -> tuple[torch.Tensor,
     )
 
 
-def _track_max(plan: _Plan, *ts: torch.Tensor) -> None:
-    for t in ts:
-        lo, hi = torch.aminmax(t.detach())
-        m = torch.maximum(-lo, hi)
-        plan.stream_max = m if plan.stream_max is None else torch.maximum(plan.stream_max, m)
-
-
-def check_exact_range(plan: _Plan) -> None:
-    if not plan.exact or plan.stream_max is None:
-        return
-    limit = 2.0 ** (53 - plan.grid_bits)
-    got = float(plan.stream_max)
-    if not got < limit:  # NaN fails too
-        raise RuntimeError(
-            f"{_API}: exact mode's fixed-point stream left its exact range; expected |values| < "
-            f"2^{53 - plan.grid_bits} with grid_bits={plan.grid_bits}, got {got:.3g}. Use a "
-            "smaller grid_bits (range doubles per bit removed) or keep activations smaller."
-        )
-
-
 # ---------------------------------------------------------------------------------- forward steps
 def _to_halves(stream: tuple, dim: int) -> tuple:
     return stream if len(stream) == 2 else split_halves(stream[0], dim)
@@ -396,37 +485,51 @@ def _to_full(stream: tuple, dim: int) -> tuple:
     return stream if len(stream) == 1 else (torch.cat(stream, dim=dim),)
 
 
-def _block_fwd(
-    plan: _Plan, blk: nn.Module, stream: tuple, record: bool, inplace: bool = False
-) -> tuple:
-    # One block forward; with ``record``, capture what its backward needs (RNG states, samples).
-    # ``inplace``: the stream halves are fresh tensors of ours that nothing else sees (exact mode
-    # under no_grad, after the first block), so the sums may overwrite them.
+def _block_fwd(plan: _Plan, blk: nn.Module, stream: tuple, record: bool) -> tuple:
+    # One block forward (float mode); with ``record``, capture what its backward needs (RNG
+    # states, samples).
     if _is_coupling(blk):
         a, b = _to_halves(stream, plan.split_dim)
-        if len(stream) != 2:
-            inplace = False  # halves of the chain input (a view of a tensor we may not own)
         if record:
-            plan.samples.append(_samples((a, b)))
+            plan.samples.append(_samples(plan, (a, b)))
             rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
-        a = _coupled(plan, blk, a, _call(plan, blk.F, b), inplace and _private(plan, a))
+        a = _coupled(plan, blk, a, _call(plan, blk.F, b))
         if record:
             rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
             plan.rng.append((rng_f, rng_g))
-        b = _coupled(plan, blk, b, _call(plan, blk.G, a), inplace and _private(plan, b))
-        if plan.exact:
-            _track_max(plan, a, b)
+        b = _coupled(plan, blk, b, _call(plan, blk.G, a))
         return a, b
     (x,) = _to_full(stream, plan.split_dim)
     if record:
-        plan.samples.append(_samples((x,)))
+        plan.samples.append(_samples(plan, (x,)))
         plan.rng.append((_rng_get(plan.device) if plan.preserve_rng_state else None, None))
     return (blk(x),)
 
 
-def _private(plan: _Plan, t: torch.Tensor) -> bool:
-    # F and G saw t only through a dtype cast (a copy) unless they run in float64 themselves.
-    return plan.compute_dtype != torch.float64 or _sole(t)
+def _exact_block_fwd(plan: _Plan, blk: nn.Module, st: _ExactStream, record: bool) -> None:
+    # One additive coupling on the integer stream (NOTE [Exact-mode integer stream]): the halves
+    # are ours (never handed to F or G, which see images), so the sums go in place.
+    if record:
+        plan.samples.append(_samples(plan, (st.a, st.b)))
+        rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
+    qdt_f = st.add("a", blk.F(st.ib if st.ib is not None else _image(plan, st.b)))
+    if record:
+        rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
+        plan.rng.append((rng_f, rng_g))
+    qdt_g = st.add("b", blk.G(st.ia if st.ia is not None else _image(plan, st.a)))
+    if record:
+        plan.qdt.append((qdt_f, qdt_g))
+
+
+def _exact_fwd(plan: _Plan, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # (the final integer stream, the chain output: its image in x's dtype). With grad enabled the
+    # output carries plain autograd's graph of the same network (reversible=False).
+    st = _ExactStream(plan, x, torch.is_grad_enabled())
+    for blk in plan.blocks:
+        _exact_block_fwd(plan, blk, st, record)
+    if st.ia is not None:
+        return st.u, torch.cat([st.ia, st.ib], dim=plan.split_dim)
+    return st.u, _image(plan, st.u, x.dtype)
 
 
 def _finish(plan: _Plan, stream: tuple) -> torch.Tensor:
@@ -487,24 +590,25 @@ def _half_bwd(
     params: list[torch.Tensor | None],
     need_xb: bool,
     need_xa: bool,
+    qdt: torch.dtype | None = None,
 ) -> tuple:
     # ya = c(xa, fn(xb)): rebuild xa from ya and xb with ONE evaluation of fn, and return
     # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn (in fn's
     # input dtype; the caller adds it to the stream's). ya is overwritten with xa when we own it
     # (a tensor we rebuilt ourselves).
     additive = blk._slimgrad_coupling == "additive"
+    if plan.exact:
+        args = (plan, fn, ya, ya_own, xb, dya, rng_state, params, need_xb, need_xa, qdt)
+        return _exact_half_bwd(*args)
     with torch.enable_grad():
-        xin = xb.to(plan.compute_dtype) if plan.exact else xb
-        xb_l = xin.detach().requires_grad_(need_xb)
-        del xin
+        xb_l = xb.detach().requires_grad_(need_xb)
         with _recompute(plan, fn, rng_state):
-            h = _as_in_forward(plan, fn)(xb_l)  # xb_l is in the compute dtype already
+            h = _as_in_forward(plan, fn)(xb_l)
         with torch.no_grad():
             xa = _uncoupled(plan, blk, ya, h.detach(), inplace=ya_own and _sole(ya))
         del ya
         if additive:
-            # straight-through rounding in exact mode: fn's output gradient is dya in its dtype
-            outs, dxa, gout = h, dya, dya.to(h.dtype)
+            outs, dxa, gout = h, dya, dya
             inputs = [xb_l if need_xb else None, *params]
         else:
             xa_l = xa.detach().requires_grad_(need_xa)
@@ -523,6 +627,43 @@ def _half_bwd(
     return xa, (dxa if need_xa else None), dxb, got[1:]
 
 
+def _exact_half_bwd(
+    plan: _Plan,
+    fn: nn.Module,
+    ya: torch.Tensor,
+    ya_own: bool,
+    xb: torch.Tensor,
+    dya: torch.Tensor,
+    rng_state: tuple | None,
+    params: list[torch.Tensor | None],
+    need_xb: bool,
+    need_xa: bool,
+    qdt: torch.dtype,
+) -> tuple:
+    # _half_bwd on the integer stream (NOTE [Exact-mode integer stream]): fn runs on xb's image,
+    # its output gradient is dya (straight-through rounding). The vector-Jacobian product comes
+    # first, so fn's saved activations are freed before the rebuild's rounding temporaries exist.
+    with torch.enable_grad():
+        xb_l = _image(plan, xb).requires_grad_(need_xb)
+        with _recompute(plan, fn, rng_state):
+            h = _as_in_forward(plan, fn)(xb_l)
+        inputs = [xb_l if need_xb else None, *params]
+        del xb_l
+        got = _grad(h, inputs, dya.to(h.dtype)) if h.requires_grad else [None] * len(inputs)
+        del inputs
+    with torch.no_grad():
+        # round in place when h is fn's output that no one else holds (no hook kept it, no alias):
+        # one stream-half temporary less at the backward's peak
+        if h.dtype in (torch.float32, torch.float64) and sys.getrefcount(h) <= 2 and _sole(h):
+            q = h.detach().mul_(plan.scale).round_()
+        else:
+            q = _grid_units(h.detach(), plan.scale)
+        del h
+        q = q.to(qdt)  # the dtype forward used: int32 whenever it fits
+        xa = ya.sub_(q) if ya_own and _sole(ya) else ya - q
+    return xa, (dya if need_xa else None), got[0], got[1:]
+
+
 def _block_bwd(
     plan: _Plan,
     i: int,
@@ -535,39 +676,40 @@ def _block_bwd(
     # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream,
     # dstream_owned] is replaced in place, so no caller reference keeps the old tensors alive. Only
     # a stream we rebuilt ourselves (owned) and that nothing else aliases is overwritten by its
-    # rebuild. Gradient halves are summed in place only when they are ours and never reached user
-    # code: exact mode with F, G below float64 hands them float32 copies of the stream gradient.
+    # rebuild. Gradient halves are summed out of place: F and G's backward (and their hooks) see
+    # them.
     groups = plan.block_params[i]
     rng_f, rng_g = plan.rng[i]
-    ystream, y_own, dstream, d_own = state
+    ystream, y_own, dstream, _ = state
     state[:] = [None, False, None, (False, False)]
-    sdt = torch.float64 if plan.exact else None  # exact: the stream's gradient is float64
-    private = plan.exact and plan.compute_dtype != torch.float64
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
         y_own = y_own and len(ystream) == 2
-        own1, own2 = d_own if private and len(dstream) == 2 else (False, False)
+        own1 = own2 = False
         del ystream, dstream
         f_idx, g_idx = groups
         # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
         need_y1 = need_upstream or bool(f_idx)
         gp = [flat_params[j] for j in g_idx]
-        x2, dx2, dz, dg = _half_bwd(plan, blk, blk.G, y2, y_own, y1, dy2, rng_g, gp, need_y1, True)
+        qdt_f, qdt_g = plan.qdt[i] if plan.exact else (None, None)
+        x2, dx2, dz, dg = _half_bwd(
+            plan, blk, blk.G, y2, y_own, y1, dy2, rng_g, gp, need_y1, True, qdt_g
+        )
         del y2, dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
-        dy1, own1 = _add(dy1, dz, sdt, own1)
+        dy1, own1 = _add(dy1, dz, None, own1)
         del dz
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
         x1, dx1, df2, df = _half_bwd(
-            plan, blk, blk.F, y1, y_own, x2, dy1, rng_f, fp, need_upstream, need_upstream
+            plan, blk, blk.F, y1, y_own, x2, dy1, rng_f, fp, need_upstream, need_upstream, qdt_f
         )
         del y1, dy1
         _accumulate(pgrads, f_idx, df)
         del df
-        dx2, own2 = _add(dx2, df2, sdt, own2) if need_upstream else (None, False)
+        dx2, own2 = _add(dx2, df2, None, own2) if need_upstream else (None, False)
         state[:] = [(x1, x2), True, (dx1, dx2), (own1, own2)]
         return
     (idx,) = groups
@@ -640,12 +782,11 @@ def _param_table(plan: _Plan) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------ forward and backward
 def _fwd_torch(plan: _Plan, x: torch.Tensor, record: bool) -> torch.Tensor:
-    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs. In exact
-    # mode without grad the stream is ours after the first block: sums go in place.
-    inplace = plan.exact and not torch.is_grad_enabled()
+    # The chain forward (float mode); with ``record`` (no grad), keep per block what the rebuild
+    # needs.
     stream: tuple = (x,)
     for blk in plan.blocks:
-        stream = _block_fwd(plan, blk, stream, record=record, inplace=inplace)
+        stream = _block_fwd(plan, blk, stream, record=record)
     return _finish(plan, stream)
 
 
@@ -663,7 +804,7 @@ def _bwd_torch(
         for i in range(len(plan.blocks) - 1, -1, -1):
             need_upstream = need_x or i > first_needed
             _block_bwd(plan, i, plan.blocks[i], state, plan.flat_params, need_upstream, pgrads)
-            diffs.append(_sample_diffs(plan.samples[i], _rebuilt_for(plan, i, state[0])))
+            diffs.append(_sample_diffs(plan, plan.samples[i], _rebuilt_for(plan, i, state[0])))
             if not need_upstream and i <= first_needed:
                 break
     dstream = state[2]
@@ -680,16 +821,17 @@ class _ReversibleChainFn(torch.autograd.Function):
     def forward(ctx, plan: _Plan, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         plan.autocast = _autocast_state(x.device)
         plan.device = x.device
+        ctx.plan = plan
+        if plan.exact:
+            # keeps the integer stream (4 B/elt in int32), returns its image in x's dtype
+            u, y = _exact_fwd(plan, x, record=True)
+            ctx.save_for_backward(u)
+            return y
         y = _fwd_torch(plan, x, record=True)
         if y is x or y._base is not None:
             y = y.clone()  # a Function output must be a fresh tensor to be saved as an output
-        ctx.plan = plan
         ctx.save_for_backward(y)
-        # Exact mode returns the stream in the caller's dtype and keeps the float64 one: the
-        # incoming gradient is then the caller's dtype too (half the bytes of a float64 one); it
-        # enters the float64 gradient stream by exact casts (NOTE [Exact-mode arithmetic without
-        # float64 passes]).
-        return y.to(plan.compute_dtype) if plan.exact else y
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -731,6 +873,7 @@ def reversible_sequential(
     preserve_rng_state: bool = True,
     reversible: bool = True,
     sink: Any = None,
+    stream_dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
     """Run invertible ``blocks`` in sequence, keeping no activation for backward.
 
@@ -743,17 +886,23 @@ def reversible_sequential(
         x: input of the first block.
         blocks: couplings (``_slimgrad_coupling`` set) or modules with ``inverse``.
         split_dim: dimension the couplings split along.
-        exact: hold the stream in fixed point (grid ``2^-grid_bits``, float64): bit-exact rebuild.
+        exact: hold the stream in fixed point (integers on the grid ``2^-grid_bits``): bit-exact
+            rebuild.
         grid_bits: fixed-point fraction bits in exact mode.
         preserve_rng_state: replay each F/G's RNG state in the recompute (dropout).
         reversible: False runs the same maths with ordinary autograd (keeps activations).
         sink: receives the reconstruction diagnostic after each backward.
+        stream_dtype: exact mode's stream, ``torch.int32`` (range ``2^(31-grid_bits)``) or
+            ``torch.int64`` (``2^(63-grid_bits)``).
 
     Returns:
         The chain output, same dtype as ``x``.
 
-    Memory: saves y (plus 10 KiB of RNG state per block); eager saves every activation of every
-    block.
+    Raises:
+        RuntimeError: exact mode's stream would overflow ``stream_dtype``.
+
+    Memory: saves y (exact mode: the integer stream, 4 B/elt in int32) plus 10 KiB of RNG state
+    per block; eager saves every activation of every block.
     """
     plan = _Plan(
         blocks=list(blocks),
@@ -763,18 +912,18 @@ def reversible_sequential(
         compute_dtype=x.dtype if exact else None,
         preserve_rng_state=preserve_rng_state,
         sink=sink,
+        stream_dtype=stream_dtype,
     )
-    x_in = grid_round(x, grid_bits) if exact else x
     flat = _param_table(plan) if torch.is_grad_enabled() and reversible else []
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or bool(flat))
     if reversible and needs_graph and len(plan.blocks) > 0:
         plan.flat_params = flat
-        y = _apply(plan, x_in, flat)
+        y = _apply(plan, x, flat)
+    elif exact:
+        y = _exact_fwd(plan, x, record=False)[1]
     else:
-        y = _fwd_torch(plan, x_in, record=False)
-    check_exact_range(plan)
-    plan.stream_max = None
-    return y.to(x.dtype) if exact else y
+        y = _fwd_torch(plan, x, record=False)
+    return y
 
 
 def _apply(plan: _Plan, x: torch.Tensor, flat: list[torch.Tensor]) -> torch.Tensor:
@@ -796,6 +945,7 @@ def reconstruction_error(
     split_dim: int = 1,
     exact: bool = False,
     grid_bits: int = 20,
+    stream_dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
     """Largest |x_rebuilt - x| over the block inputs of one forward and its inverse (no grad, no
     stat update).
@@ -811,6 +961,7 @@ def reconstruction_error(
         compute_dtype=x.dtype if exact else None,
         preserve_rng_state=True,
         sink=None,
+        stream_dtype=stream_dtype,
     )
     plan.device = x.device
     plan.autocast = _autocast_state(x.device)
@@ -822,12 +973,20 @@ def reconstruction_error(
             device_type=x.device.type,
         ),
     ):
-        stream: tuple = (grid_round(x, grid_bits) if exact else x,)
+        stream: tuple = (x,)
+        st = _ExactStream(plan, x, grad=False) if exact else None
         inputs = []
         for blk in plan.blocks:
-            inputs.append(stream)
             with _stats_frozen(blk):
-                stream = _block_fwd(plan, blk, stream, record=True)
+                if st is not None:  # the sums go in place: keep copies
+                    inputs.append((st.a.clone(), st.b.clone()))
+                    _exact_block_fwd(plan, blk, st, record=True)
+                else:
+                    inputs.append(stream)
+                    stream = _block_fwd(plan, blk, stream, record=True)
+        if st is not None:
+            stream = (st.a, st.b)
+            del st
         for i in range(len(plan.blocks) - 1, -1, -1):
             blk = plan.blocks[i]
             rng_f, rng_g = plan.rng[i]
@@ -847,5 +1006,7 @@ def reconstruction_error(
                 if r.shape != s.shape:
                     raise internal_error("rebuilt block input has a different shape")
                 err = (s.to(torch.float64) - r.to(torch.float64)).abs()
+                if exact:
+                    err.mul_(plan.inv_scale)
                 worst = torch.maximum(worst, err.max() if err.numel() else worst)
     return worst

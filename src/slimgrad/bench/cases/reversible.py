@@ -7,13 +7,23 @@ shared harness, eager side = the plain chain in each member:
 - ``reversible_n{N}``: slim = ``ReversibleSequential`` (float mode);
 - ``reversible_ckpt_n{N}``: slim = the same blocks, each under ``torch.utils.checkpoint``;
 - ``reversible_exact_n{N}``: exact mode; its eager side is plain autograd of the same fixed-point
-  network (``ReversibleSequential(..., exact=True, reversible=False)``);
+  network (``ReversibleSequential(..., exact=True, reversible=False)``); records carry
+  ``grid_bits`` and ``stream_bytes_per_elt`` (4: the int32 stream held; 8: it was promoted to
+  int64, which this chain's stream needs past N ~ 28 on the default 2^-20 grid);
+- ``reversible_exact_g6_n{N}`` (optional variant ``"exact_g6"``, not in the default sweep): the
+  same on a 2^-6 grid, on which the stream stays in int32 up to N = 64;
 - ``slimgrad bench reversible``: the sweep, all of the above at N = 4, 8, 16, 32, 64: one record
   each (peak/saved bytes, interleaved time ratio with spread, float64 gradient-rule check),
   appended to ``benchmarks/results/reversible.jsonl`` with ``n_blocks``, ``variant``, the sampled
   reconstruction error, whether the gradients equal the eager side's bit for bit, and (float
   records) ``fg_over_plain``: the time of one forward of every F and G (no grad) over a plain step,
   the recompute a reversible backward cannot avoid.
+
+Gradient verdicts (``grad_check`` in each record): checkpoint and exact mode are ``"asserted"``
+(the harness's float64 rule, and bit-identical gradients to the eager side); float mode is
+``"reported"``: its rebuild drifts with depth by design (it says so through
+``last_reconstruction``), so its float64-rule figures are recorded, listed in the sweep's
+``grad_reported``, and never make ``slimgrad bench reversible`` exit 1.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +46,10 @@ from slimgrad.nn.reversible import AdditiveCoupling, ReversibleSequential
 
 DEPTHS = (4, 8, 16, 32, 64)
 VARIANTS = ("rev", "ckpt", "exact")
+# Optional variant (not in the default sweep): exact mode on a 2^-6 grid, the finest grid on which
+# this chain's stream (it grows ~1.3x per block, to ~1.5e7 at N = 64) stays within int32; on the
+# default 2^-20 grid it leaves int32 past N ~ 24 and exact mode continues in int64.
+EXACT_GRID_BITS = {"exact_g6": 6}
 
 
 def _blocks(n_blocks: int, c_half: int, device, dtype) -> list[nn.Module]:
@@ -68,7 +83,14 @@ class _Loss(nn.Module):
         return (self.body(x) * r).sum()
 
 
-def build(n_blocks: int, device="cpu", dtype=torch.float32, small: bool = False, exact=False):
+def build(
+    n_blocks: int,
+    device="cpu",
+    dtype=torch.float32,
+    small: bool = False,
+    exact=False,
+    grid_bits: int = 20,
+):
     """(plain_model, checkpoint_model, rev_model, make_inputs): same blocks, separate copies.
 
     Each model maps ``(x, r)`` to the loss ``(chain(x) * r).sum()``; ``make_inputs()`` returns fresh
@@ -79,13 +101,21 @@ def build(n_blocks: int, device="cpu", dtype=torch.float32, small: bool = False,
     shape = (2, 8, 8, 8) if small else (8, 64, 32, 32)
     blocks = _blocks(n_blocks, shape[1] // 2, device, dtype)
     if exact:
-        plain = _Loss(ReversibleSequential(*copy.deepcopy(blocks), exact=True, reversible=False))
+        plain = _Loss(
+            ReversibleSequential(
+                *copy.deepcopy(blocks), exact=True, grid_bits=grid_bits, reversible=False
+            )
+        )
         ckpt = None
     else:
         plain = _Loss(nn.Sequential(*copy.deepcopy(blocks)))
         ckpt = _Loss(_Checkpointed(copy.deepcopy(blocks)))
     # the drift is recorded (reconstruction_max_rel), not warned about on every timed step
-    rev = _Loss(ReversibleSequential(*copy.deepcopy(blocks), exact=exact, warn_rel_error=None))
+    rev = _Loss(
+        ReversibleSequential(
+            *copy.deepcopy(blocks), exact=exact, grid_bits=grid_bits, warn_rel_error=None
+        )
+    )
 
     def make_inputs():
         g = torch.Generator().manual_seed(1)
@@ -98,20 +128,22 @@ def build(n_blocks: int, device="cpu", dtype=torch.float32, small: bool = False,
 
 def _pair(variant: str, n_blocks: int, device, dtype, small: bool = False):
     # the harness's (eager, slim, make_inputs); parameter names match across sides
-    plain, ckpt, rev, make_inputs = build(n_blocks, device, dtype, small, exact=variant == "exact")
+    exact = variant.startswith("exact")
+    bits = EXACT_GRID_BITS.get(variant, 20)
+    plain, ckpt, rev, make_inputs = build(n_blocks, device, dtype, small, exact, bits)
     return plain, (ckpt if variant == "ckpt" else rev), make_inputs
 
 
 def _name(variant: str, n: int) -> str:
-    return {"rev": "reversible", "ckpt": "reversible_ckpt", "exact": "reversible_exact"}[
-        variant
-    ] + f"_n{n}"
+    prefix = {"rev": "reversible", "ckpt": "reversible_ckpt"}.get(variant, f"reversible_{variant}")
+    return f"{prefix}_n{n}"
 
 
 _DESC = {
     "rev": "reversible chain (float mode) vs plain",
     "ckpt": "torch.utils.checkpoint per block vs plain",
     "exact": "reversible chain, exact (fixed-point) mode, vs plain autograd of the same network",
+    "exact_g6": "exact mode on a 2^-6 grid (int32 stream), vs plain autograd of the same network",
 }
 
 
@@ -142,6 +174,8 @@ def _extras(variant: str, n: int, device, dtype, small: bool) -> dict[str, Any]:
     if report is not None:
         out["reconstruction_max_abs"] = report.max_abs
         out["reconstruction_max_rel"] = report.max_rel
+    if variant.startswith("exact"):
+        out["grid_bits"] = EXACT_GRID_BITS.get(variant, 20)
     if variant == "rev":
         out.update(_fg_share(eager, make_inputs, device))
     return out
@@ -212,6 +246,11 @@ def run_sweep(
             )
             rec.update(suite="reversible", variant=variant, n_blocks=n)
             rec.update(_extras(variant, n, device, dtype, small))
+            if variant.startswith("exact"):
+                # 4: the int32 stream held; 8: it was promoted to int64 (a RuntimeWarning said so)
+                numel = rec["shapes"][0][0] * math.prod(rec["shapes"][0][1:])
+                rec["stream_bytes_per_elt"] = rec["slimgrad"]["saved_bytes"] / numel
+            _verdict(rec)
             if out_dir is not None:
                 path = Path(out_dir) / "reversible.jsonl"
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,17 +268,60 @@ def run_sweep(
                     else f"rel {rec['grad_max_rel_err']:.1e}"
                 )
                 + ("" if g is None else f", rule {'OK' if g['ok'] else 'VIOLATED'}")
+                + (" (reported: float-mode drift)" if rec["grad_check"] == "reported" else "")
             )
             records.append(rec)
     # What `slimgrad bench` prints and its exit status read: the last record (N = 64), renamed to
-    # the sweep, with the gradient verdict over all records (failing members' names prefixed).
+    # the sweep, with the gradient verdict over the asserted records (failing members' names
+    # prefixed); float mode's figures are listed under ``grad_reported``, never a failure.
     last = dict(records[-1], case="reversible", suite_records=records)
-    failed = [r for r in records if r.get("grad") is not None and not r["grad"]["ok"]]
+    last["grad_reported"] = [
+        {
+            "case": r["case"],
+            "rule_ok": r["grad"]["ok"],
+            "max_abs_err": r["grad"]["max_abs_err"],
+            "eager_max_abs_err": r["grad"]["eager_max_abs_err"],
+            "grad_max_rel_err": r["grad_max_rel_err"],
+            "reconstruction_max_rel": r.get("reconstruction_max_rel"),
+        }
+        for r in records
+        if r["grad_check"] == "reported"
+    ]
+    failed = [r for r in records if r["grad_check"] == "asserted" and not r["grad"]["ok"]]
     if failed:
         g = failed[0]["grad"]
         named = [{**v, "name": f"{failed[0]['case']}: {v['name']}"} for v in g["violations"]]
         last["grad"] = {**g, "violations": named, "failed_cases": [r["case"] for r in failed]}
     return last
+
+
+def _verdict(rec: dict[str, Any]) -> None:
+    # Which gradient checks count. Float mode ("rev") is inexact by design: its rebuild drifts with
+    # depth and it reports the drift (last_reconstruction, RuntimeWarning), so its float64-rule
+    # figures are recorded as "reported", never as a bench failure. Checkpoint and exact mode are
+    # asserted: the float64 rule, and bit-identical gradients to their eager side (the same
+    # blocks; for exact mode, plain autograd of the same fixed-point network).
+    g = rec.get("grad")
+    if g is None:
+        rec["grad_check"] = "off"
+        return
+    if rec["variant"] == "rev":
+        rec["grad_check"] = "reported"
+        g["note"] = g.get("note", "") + "; float mode: reported, not asserted (documented drift)"
+        return
+    rec["grad_check"] = "asserted"
+    if not rec["grads_bit_identical"]:
+        g["ok"] = False
+        g["violations"] = [
+            *g.get("violations", []),
+            {
+                "name": "gradients not bit-identical to the eager side (err: max relative)",
+                "err": rec["grad_max_rel_err"],
+                "bound": 0.0,
+                "eager_err": 0.0,
+                "max_abs": float("nan"),
+            },
+        ]
 
 
 def _case(variant: str, n: int) -> harness.Case:
