@@ -241,7 +241,7 @@ def test_estimate_under_fake_tensors_matches_measure():
 
 
 class _CountLogitMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the matmuls whose output is a (rows, V) logits chunk."""
+    """Counts the matmuls whose output is a logits chunk, (rows, V) or transposed (V, rows)."""
 
     def __init__(self, v):
         super().__init__()
@@ -250,7 +250,7 @@ class _CountLogitMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         mm = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-        if func in mm and out.dim() == 2 and out.shape[1] == self.v:
+        if func in mm and out.dim() == 2 and self.v in out.shape and H not in out.shape:
             self.n += 1
         return out
 
