@@ -6,6 +6,7 @@ instance only:
 - its attention implementation: the instance's own ``config._attn_implementation`` becomes
   ``"slimgrad"``, a name added to HF's ``AttentionInterface`` registry (HF's documented extension
   point; other models keep theirs). With dropout active it runs ``softmax -> dropout -> @V``
+  (the causal mask applied inside the op, the scaling on q as SDPA does)
   through :func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output +
   1 bit/elt instead of softmax output + float mask + dropped matrix); without dropout it is HF's
   own SDPA function, unchanged;
@@ -52,19 +53,20 @@ def _attention(
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    q_len, kv_len = query.shape[2], key.shape[2]
+    q_len = query.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = q_len > 1 and attention_mask is None and is_causal
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if is_causal:
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    elif attention_mask is not None:
+    # scale q (B·H·T·d) rather than the scores (B·H·T·T), as SDPA's math path does; exact for a
+    # power-of-two scaling such as GPT-2's 1/8
+    q = query * scaling if scaling != 1.0 else query
+    scores = torch.matmul(q, key.transpose(-1, -2))
+    if not is_causal and attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask
-    out = softmax_dropout_matmul(scores, value, p=dropout, training=True)
+    # the causal mask is applied inside the op (no masked copy of the scores kept by autograd)
+    out = softmax_dropout_matmul(scores, value, p=dropout, training=True, causal=is_causal)
     return out.transpose(1, 2).contiguous(), None
 
 
