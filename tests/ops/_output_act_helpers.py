@@ -271,6 +271,7 @@ class OutputActTests:
             raise AssertionError("side information computed without autograd")
 
         monkeypatch.setattr(oa, "smooth_fwd", boom)
+        monkeypatch.setattr(oa, "smooth_fwd_c", boom)
         for mod_name in ("gelu", "silu", "mish"):
             mod = __import__(f"slimgrad.ops.{mod_name}", fromlist=["x"])
             # ops that imported smooth_fwd by name (gelu); silu/mish reach oa.smooth_fwd

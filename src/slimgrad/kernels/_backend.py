@@ -1,31 +1,40 @@
-"""Which implementation an op runs: the plain-PyTorch path or the Triton kernels.
+"""Which implementation an op runs: the plain-PyTorch path, the Triton kernels or the CPU C kernels.
 
 # NOTE [Kernel backend choice]
 Every op with a ``kernels/<stem>.py`` asks :func:`use_triton` once per call, with its input tensor,
 and then calls either ``ops.<stem>._fwd_torch`` or ``kernels.<stem>._fwd_triton`` (same signature,
-same results up to the GUIDE.md rule, same memory contract). The choice, first match wins:
+same results up to the GUIDE.md rule, same memory contract). An op with a C file
+``kernels/cpu/<stem>.c`` (NOTE [CPU C kernels] in ``kernels/_cpu.py``) asks :func:`use_cpu`, which
+returns the loaded library or None (then the PyTorch path). The choice, first match wins:
 
-1. ``backend=`` passed to :func:`use_triton` (an op's own argument, when it has one);
+1. ``backend=`` passed to :func:`use_triton` / :func:`use_cpu` (an op's own argument, if any);
 2. :func:`set_backend` (process-wide; also usable as a context manager);
 3. the environment variable ``SLIMGRAD_BACKEND`` (read on every call);
 4. ``"auto"``.
 
 ``"torch"`` always takes the PyTorch path. ``"auto"`` takes Triton for CUDA tensors when triton is
-importable, PyTorch otherwise (CPU, MPS, meta/fake tensors); an op whose Triton kernel changes
+importable, the C kernels for CPU tensors of the dtypes the op's C file handles when a C compiler
+works (if none does: the PyTorch path, after one warning naming the cause), PyTorch otherwise (MPS,
+meta/fake tensors, other dtypes); an op whose Triton kernel changes
 something observable besides speed passes ``auto=False`` and gets its kernel only when
 ``"triton"`` is asked for explicitly (dropout: the Triton mask is drawn by a Philox kernel, not by
 the generator calls eager makes, so the default keeps eager's masks). ``"triton"`` forces the
 kernels; it is an error where they cannot run: triton missing, or a CPU tensor without
-``TRITON_INTERPRET=1`` (the interpreter runs kernels on CPU tensors, as the tests do).
+``TRITON_INTERPRET=1`` (the interpreter runs kernels on CPU tensors, as the tests do). ``"cpu"``
+forces the C kernels for CPU tensors (an error if they cannot be built; other devices and dtypes
+take the PyTorch path). The C kernels give the PyTorch path's results (bit for bit where the tests
+say so, else within the GUIDE.md rule) and the same memory contract, so ``"auto"`` may pick them
+for any op; ``SLIMGRAD_BACKEND=torch`` turns them off.
 
 Code that torch.compile traces (``torch.compiler.is_compiling()``) and fake/meta/functional
 tensors (tracing, export, ``slimgrad.memory`` estimates) always take the PyTorch path: inductor
 generates its own kernels from it. The ops' ``torch.library`` custom ops are opaque to the tracer
 and run their Python implementation at run time, where the choice above applies.
 
-``import slimgrad`` imports neither triton nor CUDA: this module only asks
-``importlib.util.find_spec("triton")`` (no import), and ``kernels/<stem>.py`` are imported by the op
-at the first call that takes the Triton path.
+``import slimgrad`` imports neither triton nor CUDA and compiles nothing: this module only asks
+``importlib.util.find_spec("triton")`` (no import), ``kernels/<stem>.py`` are imported by the op
+at the first call that takes the Triton path, and a C file is built at the first call that takes
+the C path.
 """
 
 from __future__ import annotations
@@ -34,13 +43,22 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import warnings
 from types import ModuleType
 
 import torch
 
-__all__ = ["BACKENDS", "get_backend", "kernels", "set_backend", "triton_available", "use_triton"]
+__all__ = [
+    "BACKENDS",
+    "get_backend",
+    "kernels",
+    "set_backend",
+    "triton_available",
+    "use_cpu",
+    "use_triton",
+]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 ENV_VAR = "SLIMGRAD_BACKEND"
 
 _state: dict[str, str | None] = {"backend": None}
@@ -51,13 +69,14 @@ def _check(backend: str, source: str) -> str:
     if not isinstance(backend, str):
         raise TypeError(
             f"slimgrad.kernels: {source} must be a str; expected one of {BACKENDS}, got "
-            f"{type(backend).__name__}. Pass backend='auto', 'torch' or 'triton'."
+            f"{type(backend).__name__}. Pass backend='auto', 'torch', 'triton' or 'cpu'."
         )
     b = backend.strip().lower()
     if b not in BACKENDS:
         raise ValueError(
             f"slimgrad.kernels: unknown {source}; expected one of {BACKENDS}, got {backend!r}. "
-            f"Use 'auto' (Triton on CUDA when installed), 'torch' or 'triton'."
+            f"Use 'auto' (Triton on CUDA when installed, C kernels on CPU), 'torch', 'triton' or "
+            f"'cpu'."
         )
     return b
 
@@ -139,7 +158,7 @@ def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True
     if torch.compiler.is_compiling():  # first: dynamo then traces nothing else here
         return False
     b = get_backend() if backend is None else _check(backend, "backend")
-    if b == "torch" or _is_fake(x):
+    if b in ("torch", "cpu") or _is_fake(x):
         return False
     if b == "auto":
         return auto and x.is_cuda and triton_available()
@@ -161,3 +180,48 @@ def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True
 def kernels(stem: str) -> ModuleType:
     """``slimgrad.kernels.<stem>``, imported on first use (this imports triton)."""
     return importlib.import_module(f"slimgrad.kernels.{stem}")
+
+
+def use_cpu(
+    x: torch.Tensor,
+    stem: str,
+    backend: str | None = None,
+    *,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+):
+    """The compiled ``kernels/cpu/<stem>.c`` if an op called on ``x`` should run it, else None.
+
+    Args:
+        x: the op's main input: a CPU tensor of one of ``dtypes``, not fake, not being traced.
+        stem: the C file's stem.
+        backend: per-call override, ``None`` for the process-wide choice.
+        dtypes: the dtypes the C kernels handle (others take the PyTorch path).
+
+    Returns:
+        A ``ctypes.CDLL`` (see ``slimgrad.kernels._cpu``) or None (use the PyTorch path).
+
+    Raises:
+        ValueError: unknown backend name.
+        RuntimeError: ``"cpu"`` forced and the C file cannot be built.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    b = get_backend() if backend is None else _check(backend, "backend")
+    if b not in ("auto", "cpu") or x.device.type != "cpu" or x.dtype not in dtypes:
+        return None
+    if _is_fake(x):
+        return None
+    from slimgrad.kernels import _cpu
+
+    if b == "cpu":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib = _cpu.load(stem)
+        if lib is None:
+            raise RuntimeError(
+                f"slimgrad.kernels: backend 'cpu' was forced but the C kernels for {stem!r} cannot "
+                f"be built; expected a working C compiler, got {_cpu.last_error(stem)}. Install "
+                f"gcc or set CC=..., or use backend='auto'."
+            )
+        return lib
+    return _cpu.load(stem)

@@ -34,6 +34,19 @@ bfloat16 value, and random inputs, against the GUIDE.md rule.
 
 float64 inputs keep x densely (as eager): the tables are float32-grade (~1e-8).
 
+Implementations (NOTE [Kernel backend choice] in ``slimgrad.kernels._backend``): the PyTorch path
+(``smooth_fwd`` / ``smooth_grad``, chunked), Triton on CUDA, and on CPU float32 compiled C
+(``kernels/cpu/output_act.c``, ``smooth_fwd_c`` / ``smooth_grad_c``): y still comes from eager's
+own kernel, then one vectorized pass writes the bits, corrects the zone and counts the hard
+elements per 2^16 block, a second collects them (block offsets by prefix sum, so the order is
+deterministic and, for finite inputs, the PyTorch path's); the backward is one pass (vector gathers
+from the same float32 tables, fused multiply-adds where torch's addcmul_/lerp_ use them). Same
+y, bits and side table bit for bit; the gradient within a few float32 ulp of the PyTorch path's
+(torch's float32 sqrt is not always correctly rounded, C's is), both within the GUIDE.md rule on
+the dense grids. The backward writes dx into the incoming gradient when
+``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]), on either path,
+bit for bit as out of place.
+
 Worst case: the side table is data-dependent (about 1-2% of N(0,1) elements). Inputs that crowd the
 hard windows (e.g. all at x*) would make it grow to 8 B per element, so when more than 1/16 of the
 elements are hard the op falls back to keeping x densely, exactly what eager keeps (4 B/elt in
@@ -50,7 +63,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes
 
+from slimgrad import ownership
 from slimgrad._errors import internal_error
+from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, packed_numel
 
 # elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
@@ -60,7 +75,6 @@ CHUNK = 1 << 16
 # 4x256x3072 GELU: BIG = 2^17 or 2^18 no faster than 2^16 within the (shared) CPU's noise, and
 # 2^17 in the backward raised the GPT-2 MLP block's peak (52.7 vs 51.0 MiB): BIG = CHUNK.
 BIG = 1 << 16
-_PACK_MAGIC = 0x0102040810204080  # 8 bytes of 0/1 (LSB first) -> bits 56..63 of the product
 _HUGE = 1e30  # |x - x*| below it in a whole BIG chunk: no CHUNK sum of |x - x*| can overflow
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 _TABLE_N = 1 << 14
@@ -111,6 +125,7 @@ class SmoothSpec:
     tail: dict = field(default_factory=dict)
     x_right: float = 20.0
     zone: float = 0.0  # float32: y is computed in float64 and rounded for |x - x*| < zone
+    c_act: int = -1  # the activation's number in kernels/cpu/output_act.c (-1: none)
 
 
 def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
@@ -269,10 +284,7 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
         c = flat[a : a + BIG]
         d = c.float() - inv.x_star
         ge = d >= 0
-        if ge.numel() % 8 == 0:
-            bits[a // 8 : a // 8 + ge.numel() // 8] = _pack8(ge)
-        else:
-            bits[a // 8 :] = pack_bits(ge)
+        bits[a // 8 : a // 8 + packed_numel(ge.numel())] = pack_bits(ge)
         t = d.abs_()
         # finite and small: no CHUNK has a non-finite sum of t, so every CHUNK's hard elements
         # are its window hits then its tail hits (else: the per-CHUNK path, which sorts them)
@@ -289,12 +301,6 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     if fallback and idx.numel() * FALLBACK_DIV > n:
         return y, empty_bits, empty_idx, flat.clone()
     return y, bits, idx, flat[idx.long()]
-
-
-def _pack8(mask: torch.Tensor) -> torch.Tensor:
-    """``pack_bits`` of a fresh contiguous bool tensor of 8k elements, in 4 passes over k int64."""
-    v = mask.view(torch.uint8).view(torch.int64)  # 8 bytes of 0/1 each (little-endian)
-    return ((v * _PACK_MAGIC) >> 56).bitwise_and_(255).to(torch.uint8)
 
 
 def _hard_big(spec, c, t, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
@@ -353,34 +359,38 @@ def smooth_grad(
     idx: torch.Tensor,
     xs: torch.Tensor,
     bwd_exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dL/dx from the output y, the branch bits and the side table (inverse of :func:`smooth_fwd`).
 
     ``bwd_exact(g, x)`` is the op's plain-PyTorch backward from x, for the side table and fallback.
+    ``out``: a dead contiguous buffer shaped like ``g`` (maybe ``g`` itself) to write dx into.
     """
     n = g.numel()
     gf = g.reshape(-1)
     if is_dense_fallback(n, bits, idx, xs):
-        return bwd_exact(gf, xs).reshape(g.shape)
+        dx = bwd_exact(gf, xs).reshape(g.shape)
+        return dx if out is None else out.copy_(dx)
     if y is None:
         raise internal_error(f"{spec.name}: no saved output outside the dense fallback")
     inv = inverse(spec)
     yf = y.reshape(-1)
     cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
-    out = torch.empty(n, dtype=g.dtype, device=g.device)
     if bits.numel() != packed_numel(n):
         raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
+    i = idx.long() if idx.numel() else None
+    gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
+    res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
         df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
         if g.dtype == cdt:
-            torch.mul(gf[a:b], df, out=out[a:b])
+            torch.mul(gf[a:b], df, out=res[a:b])
         else:
-            out[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
-    if idx.numel():
-        i = idx.long()
-        out[i] = bwd_exact(gf[i], xs)
-    return out.reshape(g.shape)
+            res[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
+    if i is not None:
+        res[i] = bwd_exact(gh, xs)
+    return res.view(g.shape) if out is None else out
 
 
 def smooth_forward(ctx, x: torch.Tensor, fwd_out, inplace: bool):
@@ -429,8 +439,9 @@ def smooth_fake_side_info(x: torch.Tensor):
 def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact: Callable):
     """Register ``slimgrad::<stem>_fwd`` / ``_bwd`` and build the Function pair of a one-argument
     smooth activation (SiLU, Mish): the forward keeps (y, bits, side table), the backward reads
-    the gradient from them (NOTE [Gradient from the output]); Triton kernels on CUDA through
-    ``slimgrad.kernels._backend``.
+    the gradient from them (NOTE [Gradient from the output]); Triton kernels on CUDA and C kernels
+    on CPU through ``slimgrad.kernels._backend``; the backward writes dx into the incoming
+    gradient when ``slimgrad.ownership.take`` proves it dead.
 
     Args:
         stem: the op's stem (``"silu"``): names the custom ops, the kernels module, the Functions.
@@ -447,7 +458,7 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
     def _fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if _backend.use_triton(x):
             return _backend.kernels(stem)._fwd_triton(x)
-        return smooth_fwd(spec, x, fwd_torch)
+        return smooth_fwd_any(spec, x, fwd_torch)
 
     def _bwd(
         g: torch.Tensor,
@@ -458,7 +469,7 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
     ) -> torch.Tensor:
         if y is not None and _backend.use_triton(g):
             return _backend.kernels(stem)._bwd_triton(g, y, bits, idx, xs)
-        return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact)
+        return smooth_grad_any(spec, g, y, bits, idx, xs, bwd_exact)
 
     fwd_op = custom_op(f"{stem}_fwd", mutates_args=())(_fwd)
     bwd_op = custom_op(f"{stem}_bwd", mutates_args=())(_bwd)
@@ -475,7 +486,11 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
         return smooth_forward(ctx, x, fwd_op(x), False)
 
     def backward(ctx, g, *_side):
+        # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
+        buf = ownership.take(g) if reuse_ok(g) else None
         no_double_backward(stem)
+        if buf is not None:  # eager only (take refuses under torch.compile): dx written into g
+            return smooth_grad_any(spec, buf, *ctx.saved_tensors, bwd_exact, out=buf)
         return bwd_op(g, *ctx.saved_tensors)
 
     def forward_inplace(ctx, x):
@@ -492,3 +507,145 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
         f"_{stem.capitalize()}InplaceFn", (fn,), {"forward": staticmethod(forward_inplace)}
     )
     return fwd_op, bwd_op, fn, fn_inplace
+
+
+# -------------------------------------------------------------------------------------------------
+# The same forward and backward as compiled C (kernels/cpu/output_act.c; NOTE [CPU C kernels] in
+# slimgrad.kernels._cpu): float32 CPU tensors. y, bits, idx, xs and the gradient are those of
+# smooth_fwd / smooth_grad bit for bit (tests/kernels/test_cpu.py), except that a block of 2^16
+# elements holding a non-finite x lists its hard elements window-first (the PyTorch path: sorted);
+# the saved bytes are the same.
+
+C_STEM = "output_act"
+_C_SIGS: dict = {}
+
+
+def _c_fns(lib):
+    import ctypes as C
+
+    fns = _C_SIGS.get(id(lib))
+    if fns is None:
+        p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
+        specs = {
+            "smooth_fwd_f32": [p, p, p, p, i64, i, f, f, f, i, f, i],
+            "smooth_collect_i32": [p, p, p, p, p, i64, f, f, i, f, i],
+            "smooth_collect_i64": [p, p, p, p, p, i64, f, f, i, f, i],
+            "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i],
+        }
+        fns = {}
+        for name, args in specs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
+            fns[name] = fn
+        _C_SIGS[id(lib)] = fns
+    return fns
+
+
+def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
+    """:func:`smooth_fwd` for float32 CPU tensors with the C kernels of ``lib``: y from ``fwd``
+    (eager's own kernel), then one pass for bits, zone and hard counts, one to collect them."""
+    from slimgrad.kernels._cpu import threads
+
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or spec.c_act < 0:
+        return smooth_fwd(spec, x, fwd, fallback)
+    fns = _c_fns(lib)
+    inv = inverse(spec)
+    w, tail = _window(spec, x.dtype)
+    flat = x.reshape(-1).contiguous()
+    n = flat.numel()
+    nt = threads()
+    idx_dtype = torch.int32 if n < 2**31 else torch.int64
+    y = fwd(flat).contiguous()
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8)
+    nb = (n + CHUNK - 1) // CHUNK
+    cnt = torch.empty(2 * nb, dtype=torch.int64)
+    has_tail, tail_v = (0, 0.0) if tail is None else (1, float(tail))
+    fns["smooth_fwd_f32"](
+        flat.data_ptr(), y.data_ptr(), bits.data_ptr(), cnt.data_ptr(), n, spec.c_act,
+        inv.x_star, spec.zone, w, has_tail, tail_v, nt,
+    )  # fmt: skip
+    per_block = cnt.view(nb, 2).sum(1)
+    n_hard = int(per_block.sum())
+    y = y.view(x.shape)
+    if fallback and n_hard * FALLBACK_DIV > n:
+        empty_bits = torch.empty(0, dtype=torch.uint8)
+        return y, empty_bits, torch.empty(0, dtype=idx_dtype), flat.clone()
+    idx = torch.empty(n_hard, dtype=idx_dtype)
+    xs = torch.empty(n_hard, dtype=x.dtype)
+    if n_hard:
+        off = per_block.cumsum(0).sub_(per_block)
+        collect = fns["smooth_collect_i32" if idx_dtype == torch.int32 else "smooth_collect_i64"]
+        collect(
+            flat.data_ptr(), cnt.data_ptr(), off.data_ptr(), idx.data_ptr(), xs.data_ptr(), n,
+            inv.x_star, w, has_tail, tail_v, nt,
+        )  # fmt: skip
+    return y, bits, idx, xs
+
+
+def smooth_grad_c(
+    lib,
+    spec: SmoothSpec,
+    g: torch.Tensor,
+    y: torch.Tensor | None,
+    bits: torch.Tensor,
+    idx: torch.Tensor,
+    xs: torch.Tensor,
+    bwd_exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`smooth_grad` with the C kernel of ``lib`` (float32 CPU), into ``out`` if given (a
+    dead buffer shaped like ``g``, possibly ``g`` itself: NOTE [Gradient-buffer ownership])."""
+    from slimgrad.kernels._cpu import threads
+
+    n = g.numel()
+    if (
+        y is None
+        or is_dense_fallback(n, bits, idx, xs)
+        or n == 0
+        or g.dtype != torch.float32
+        or y.dtype != torch.float32
+        or g.device.type != "cpu"
+    ):
+        return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact, out=out)
+    if bits.numel() != packed_numel(n):
+        raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
+    inv = inverse(spec)
+    gf = g.reshape(-1).contiguous()
+    yf = y.reshape(-1).contiguous()
+    # the hard elements' g, read before out (maybe g's buffer) is written
+    gh = gf.index_select(0, idx) if idx.numel() else None
+    if out is None:
+        out = torch.empty(g.shape, dtype=g.dtype)
+    of = out.view(-1)
+    tab, byte_scale, _ = inv.tables_on(g.device, torch.float32)
+    y_hi = torch.tensor(inv.y_min, dtype=torch.float32).item()
+    sc_r, sc_l = float(byte_scale[255, 0]), float(byte_scale[0, 0])
+    _c_fns(lib)["smooth_bwd_f32"](
+        gf.data_ptr(), yf.data_ptr(), bits.data_ptr(), tab.data_ptr(), of.data_ptr(), n, _TABLE_N,
+        y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, threads(),
+    )  # fmt: skip
+    if gh is not None:
+        of.index_copy_(0, idx.long(), bwd_exact(gh, xs))
+    return out
+
+
+def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
+    """:func:`smooth_fwd` on the C kernels when ``_backend.use_cpu`` picks them, else PyTorch."""
+    lib = _backend.use_cpu(x, C_STEM)
+    if lib is not None:
+        return smooth_fwd_c(lib, spec, x, fwd)
+    return smooth_fwd(spec, x, fwd)
+
+
+def smooth_grad_any(spec: SmoothSpec, g, y, bits, idx, xs, bwd_exact, out=None) -> torch.Tensor:
+    """:func:`smooth_grad` on the C kernels when ``_backend.use_cpu`` picks them, else PyTorch."""
+    lib = _backend.use_cpu(g, C_STEM)
+    if lib is not None:
+        return smooth_grad_c(lib, spec, g, y, bits, idx, xs, bwd_exact, out=out)
+    return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact, out=out)
+
+
+def reuse_ok(g: torch.Tensor) -> bool:
+    """Whether a smooth activation's backward can write into ``g`` if ownership grants it: a
+    contiguous gradient on the C or PyTorch path (the Triton kernels allocate their own)."""
+    return g.is_contiguous() and not _backend.use_triton(g)

@@ -20,7 +20,10 @@ memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.c
 happens inside an opaque custom op), and successive calls draw independent masks because the
 generator advances. The backward multiplies as eager's backward does (CPU and in-place: ``dy *
 noise`` with ``noise = m / (1 - p)`` rounded to the dtype; CUDA out-of-place:
-``native_dropout_backward``), so gradients match eager bit for bit."""
+``native_dropout_backward``), so gradients match eager bit for bit. On contiguous float32 CPU
+tensors the packing and both multiplies run as one C pass each (``kernels/cpu/dropout.c``, NOTE
+[CPU C kernels]): ``m ? x * s : x * 0`` is exactly eager's ``x * noise``, and no bool or unpacked
+mask is materialized; the draw itself stays eager's ``bernoulli_``."""
 
 from __future__ import annotations
 
@@ -28,58 +31,19 @@ import torch
 
 from slimgrad import ownership
 from slimgrad.kernels import _backend
+from slimgrad.ops import _bits
+from slimgrad.ops._bits import pack_bits, packed_numel
 from slimgrad.ops._library import custom_op
 
-__all__ = ["dropout", "dropout_"]
+__all__ = ["dropout", "dropout_", "pack_bits", "unpack_bits"]
 
-# NOTE [Bit packing with one multiply]
-# Eight 0/1 bytes read as one little-endian int64 x = sum_i b_i 2^(8i). Multiplying by
-# M = 0x0102040810204080 (byte j of M is 2^(7-j)) puts b_i at bit 56 + i with no carries (every
-# product bit lands on a distinct position below bit 64 or is dropped by the 64-bit wrap), so
-# (x * M) >> 56 & 0xFF = sum_i b_i 2^i: one int64 multiply per 8 elements instead of shifts and a
-# reduction. Unpacking looks up each byte in a 256-entry table of int64 "spread" bytes. Tested for
-# every byte value and for lengths that are not multiples of 8 (tests/ops/test_dropout.py).
-_PACK_MUL = 0x0102040810204080
-_SPREAD_CACHE: dict[torch.device, torch.Tensor] = {}
-
-
-def _cacheable(t: torch.Tensor) -> bool:
-    # Never cache (nor reuse a cached table for) fake tensors: slimgrad.memory.estimate runs these
-    # implementations under FakeTensorMode.
-    return type(t) is torch.Tensor
-
-
-def _spread_table(device: torch.device, like: torch.Tensor) -> torch.Tensor:
-    t = _SPREAD_CACHE.get(device) if _cacheable(like) else None
-    if t is None:
-        v = torch.arange(256, dtype=torch.int64, device=device)
-        bits = (v.unsqueeze(1) >> torch.arange(8, device=device)) & 1  # bit i of v in byte i
-        t = bits.to(torch.uint8).view(torch.int64).reshape(256)
-        if _cacheable(t):
-            _SPREAD_CACHE[device] = t
-    return t
+# Bit packing: slimgrad.ops._bits (NOTE [Bit packing with one multiply] there); re-exported here.
+C_STEM = "dropout"  # kernels/cpu/dropout.c: pack + apply in one pass on float32 CPU tensors
+_C_SIGS: dict = {}
 
 
 def _packed_numel(n: int) -> int:
-    return (n + 7) // 8
-
-
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """Pack a bool tensor (any shape) into ``ceil(numel / 8)`` uint8, bit i of byte k = elt 8k+i."""
-    flat = mask.reshape(-1)
-    flat = flat.view(torch.uint8) if flat.dtype == torch.bool else (flat != 0).view(torch.uint8)
-    if flat.storage_offset() % 8:
-        flat = flat.clone()
-    n = flat.numel()
-    n8 = n - n % 8
-    # the only temporary is one int64 per 8 elements (shifted and masked in place)
-    packed = (flat[:n8].view(torch.int64) * _PACK_MUL).bitwise_right_shift_(56).bitwise_and_(0xFF)
-    packed = packed.to(torch.uint8)
-    if n8 < n:
-        tail = torch.cat([flat[n8:], flat.new_zeros(8 - (n - n8))]).view(torch.int64)
-        tail = ((tail * _PACK_MUL) >> 56).bitwise_and_(0xFF).to(torch.uint8)
-        packed = torch.cat([packed, tail])
-    return packed
+    return packed_numel(n)
 
 
 def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
@@ -87,8 +51,38 @@ def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torc
     n = 1
     for s in shape:
         n *= s
-    spread = _spread_table(bits.device, bits).index_select(0, bits.to(torch.int32))
-    return spread.view(torch.uint8)[:n].view(torch.bool).view(shape)
+    return _bits.unpack_bits(bits, n).view(shape)
+
+
+def _c_fns(lib):
+    import ctypes as C
+
+    fns = _C_SIGS.get(id(lib))
+    if fns is None:
+        p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
+        fns = {"fwd": lib.dropout_fwd_f32, "bwd": lib.dropout_bwd_f32}
+        fns["fwd"].argtypes, fns["fwd"].restype = [p, p, p, p, i64, f, i], None
+        fns["bwd"].argtypes, fns["bwd"].restype = [p, p, p, i64, f, i], None
+        _C_SIGS[id(lib)] = fns
+    return fns
+
+
+def _c_lib(t: torch.Tensor):
+    # the C kernels for a contiguous float32 CPU tensor (NOTE [Kernel backend choice]), else None
+    if not t.is_contiguous() or t.numel() == 0:
+        return None
+    return _backend.use_cpu(t, C_STEM)
+
+
+def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
+    from slimgrad.kernels._cpu import threads
+
+    bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8)
+    scale = _noise_scale(p, x.dtype, x.device).item()
+    _c_fns(lib)["fwd"](
+        noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), x.numel(), scale, threads()
+    )
+    return bits
 
 
 def _noise_scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -107,6 +101,9 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     # eager's CPU path, op for op (native_dropout's x * m * scale differs in the last bit for
     # some p, e.g. 1e-6)
     noise = torch.empty_like(x).bernoulli_(1 - p)
+    lib = _c_lib(x)
+    if lib is not None:  # the same draw; pack + x * noise in one C pass, into noise
+        return noise, _c_fwd(lib, noise, x, noise, p)
     bits = pack_bits(noise != 0)
     # noise * x == x * noise bit for bit; writing it into noise spares eager's extra buffer
     return noise.div_(1 - p).mul_(x), bits
@@ -114,6 +111,9 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
     noise = torch.empty_like(x).bernoulli_(1 - p)
+    lib = _c_lib(x)
+    if lib is not None:
+        return _c_fwd(lib, noise, x, x, p)
     bits = pack_bits(noise != 0)
     noise.div_(1 - p)
     x.mul_(noise)
@@ -127,6 +127,16 @@ def _apply_mask_torch(
     # its input. CPU and in-place: (g * m) * s equals eager's g * noise bit for bit (noise = m * s
     # in dtype; g * 1 = g exactly, g * 0 = +-0 or NaN as in eager); the mask is the only
     # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
+    lib = None if fused else _c_lib(g)
+    if lib is not None:  # (g * m) * s == m ? g * s : g * 0, the same rounding, one pass
+        from slimgrad.kernels._cpu import threads
+
+        out = g if inplace else torch.empty_like(g)
+        scale = _noise_scale(p, g.dtype, g.device).item()
+        _c_fns(lib)["bwd"](
+            g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, threads()
+        )
+        return out
     mask = unpack_bits(bits, g.shape)
     if fused:
         if inplace:  # the same kernel, its result written into g

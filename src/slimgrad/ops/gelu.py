@@ -14,6 +14,10 @@ measured 0.246 B/elt (erf) and 0.207 B/elt (tanh) besides y at N(0, 1) inputs, 0
 N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst case (more than 1/16 of the
 elements hard), and float64: keeps x densely, as eager does, and neither y, bits nor table.
 float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt.
+
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
+(``kernels/cpu/output_act.c``, NOTE [CPU C kernels]), else PyTorch (or Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -23,17 +27,20 @@ import math
 import torch
 from torch import Tensor
 
+from slimgrad import ownership
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
     SmoothSpec,
     needs_graph,
     no_double_backward,
+    reuse_ok,
     smooth_apply,
     smooth_fake_side_info,
     smooth_forward,
-    smooth_fwd,
+    smooth_fwd_any,
     smooth_grad,
+    smooth_grad_any,
 )
 
 __all__ = ["gelu", "gelu_", "gelu_fast", "gelu_new"]
@@ -71,6 +78,7 @@ SPECS = {
         zone=0.06,
         tail={torch.float32: -2.5},
         x_right=8.0,
+        c_act=1,
     ),
     "tanh": SmoothSpec(
         "gelu_tanh",
@@ -80,6 +88,7 @@ SPECS = {
         zone=0.06,
         tail={torch.float32: -3.0},
         x_right=8.0,
+        c_act=2,
     ),
 }
 
@@ -110,7 +119,7 @@ def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
 def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if _backend.use_triton(x):
         return _backend.kernels("gelu")._fwd_triton(x, approximate)
-    return smooth_fwd(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
+    return smooth_fwd_any(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
 
 
 @_gelu_fwd.register_fake
@@ -124,7 +133,20 @@ def _gelu_bwd(
 ) -> Tensor:
     if y is not None and _backend.use_triton(g):
         return _backend.kernels("gelu")._bwd_triton(g, y, bits, idx, xs, approximate)
-    return _bwd_torch(g, y, bits, idx, xs, approximate)
+    return _bwd_any(g, y, bits, idx, xs, approximate)
+
+
+def _bwd_any(g, y, bits, idx, xs, approximate: str, out: Tensor | None = None) -> Tensor:
+    return smooth_grad_any(
+        SPECS[approximate],
+        g,
+        y,
+        bits,
+        idx,
+        xs,
+        lambda g_, x_: _bwd_exact(g_, x_, approximate),
+        out=out,
+    )
 
 
 @_gelu_bwd.register_fake
@@ -140,7 +162,11 @@ class _GeluFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, *_side):
+        # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
+        buf = ownership.take(g) if reuse_ok(g) else None
         no_double_backward("gelu")
+        if buf is not None:  # eager only (take refuses under torch.compile): dx written into g
+            return _bwd_any(buf, *ctx.saved_tensors, ctx.approximate, out=buf), None
         return _gelu_bwd(g, *ctx.saved_tensors, ctx.approximate), None
 
 

@@ -12,6 +12,10 @@ N(0, 1) and 0.158 B/elt at N(0, 0.577) besides y; eager saves x (4 B/elt), and e
 clone of x. Worst case (more than 1/16 of the elements hard), and float64: keeps x densely, as eager
 does, and neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element with
 |x - x*| < 0.15; eager 2 B/elt.
+
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
+(``kernels/cpu/output_act.c``, NOTE [CPU C kernels]), else PyTorch (or Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ SPEC = SmoothSpec(
     window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     x_right=20.0,
     zone=0.2,
+    c_act=3,
 )
 
 

@@ -2,10 +2,11 @@
 
 Eager keeps fc1's input, GELU's input (fc1's output), fc2's input (GELU's output) and a float32
 dropout mask (CPU); slimgrad keeps fc1's input, GELU's output (shared with fc2) + 1 bit per
-element + a sparse table, and a 1-bit dropout mask (``slimgrad.nn.dropout``, branch ``norm``;
-without it both sides run without dropout and the record says so).
+element + a sparse table, and a 1-bit dropout mask (``slimgrad.nn.dropout``). On CPU float32 the
+GELU and dropout passes run as compiled C (NOTE [CPU C kernels]); the record names the backend.
 
-Run: ``PYTHONPATH=src python -m slimgrad.bench.cases.mlp [--small] [--repeat N]``.
+Run: ``PYTHONPATH=src python -m slimgrad.bench.cases.mlp [--small] [--repeat N]``, or
+``slimgrad bench mlp`` (the harness; appends to ``benchmarks/results/mlp.jsonl``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ def build(device="cpu", dtype=torch.float32, small: bool = False):
         return torch.randn(*tokens, d, device=device, dtype=dtype)
 
     return eager, slim, make_inputs
+
+
+def _backend_name(x) -> str:
+    from slimgrad.kernels import _backend
+
+    b = _backend.get_backend()
+    if b in ("auto", "cpu") and _backend.use_cpu(x, "output_act") is not None:
+        return f"{b}: C kernels (kernels/cpu)"
+    return f"{b}: PyTorch"
 
 
 def _step(model, x, g, seed):
@@ -130,6 +140,7 @@ def main(argv=None) -> dict:
         "time_ratio_range": [ratios[0], ratios[-1]],
         "grad_rule": rule,
         "device": "cpu",
+        "backend": _backend_name(x),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),

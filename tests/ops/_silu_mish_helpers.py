@@ -1,0 +1,76 @@
+"""The tests SiLU and Mish share (the same design, one minimum, no tail): each test file
+subclasses :class:`SmoothUnaryTests` with its stem."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+from tests.ops._output_act_helpers import Case, OutputActTests
+from tests.ops._smooth_helpers import (
+    check_adversarial_fallback,
+    check_every_16bit,
+    check_full_range,
+    check_hard_window_every_float32,
+    check_output_vs_eager,
+    check_random_inputs,
+)
+
+
+def cases(stem: str) -> list[Case]:
+    mod = importlib.import_module(f"slimgrad.ops.{stem}")
+    fn, eager = getattr(mod, stem), getattr(F, stem)
+    return [
+        Case(stem, fn, eager, spec=mod.SPEC, scale=1.0, double_backward=False),
+        Case(f"{stem}_scale4", fn, eager, spec=mod.SPEC, scale=4.0, double_backward=False),
+    ]
+
+
+class SmoothUnaryTests(OutputActTests):
+    STEM = ""
+
+    @property
+    def mod(self):
+        return importlib.import_module(f"slimgrad.ops.{self.STEM}")
+
+    def test_every_float32_near_minimum(self):
+        m = self.mod
+        check_hard_window_every_float32(m.SPEC, m._fwd_torch, m._bwd_exact)
+
+    def test_full_range_float32(self):
+        m = self.mod
+        check_full_range(m.SPEC, m._fwd_torch, m._bwd_exact)
+
+    def test_every_16bit_value(self):
+        m = self.mod
+        for dtype in (torch.bfloat16, torch.float16):
+            check_every_16bit(m.SPEC, m._fwd_torch, m._bwd_exact, dtype)
+
+    def test_random_inputs(self):
+        fn = getattr(self.mod, self.STEM)
+        check_random_inputs(lambda t: fn(t), getattr(F, self.STEM))
+
+    def test_adversarial_inputs_fall_back(self):
+        check_adversarial_fallback(
+            getattr(self.mod, self.STEM), getattr(F, self.STEM), self.mod.SPEC
+        )
+
+    def test_inplace_keeps_no_clone(self):
+        # eager silu_/mish_ save a clone of x; ours keeps the overwritten output (shared with the
+        # next Linear) + bits + table only
+        from slimgrad.memory import measure
+
+        fn_, eager = getattr(self.mod, f"{self.STEM}_"), getattr(F, self.STEM)
+        fc1, fc2 = torch.nn.Linear(20, 64), torch.nn.Linear(64, 20)
+        x = torch.randn(50, 20)
+        fc2(fn_(fc1(x))).sum().backward()
+        m = measure(lambda: fc2(fn_(fc1(x))).sum())
+        me = measure(lambda: fc2(eager(fc1(x), inplace=True)).sum())
+        hid = 50 * 64 * 4
+        assert me.floor_bytes == hid and me.saved_bytes == 2 * hid  # the clone
+        assert hid < m.saved_bytes < 1.2 * hid
+
+    def test_output_vs_eager(self):
+        check_output_vs_eager(self.mod.SPEC, self.mod._fwd_torch)
