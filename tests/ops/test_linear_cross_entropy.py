@@ -531,3 +531,26 @@ def test_default_mean_path_keeps_hidden_and_lse_only():
     ref = F.cross_entropy(F.linear(x0.detach().double(), w.detach().double()), t)
     got = _lce(x0, w, t, chunk_size=16)
     torch.testing.assert_close(got.double(), ref)
+
+
+def test_dh_is_reusable_by_the_op_before(monkeypatch):
+    # default (recompute) path: dh comes back in hidden's shape (not a view of an (N, H) result):
+    # the layer_norm before the head may write its dx into it; bitwise the same as reuse off
+    import contextlib
+
+    from slimgrad.ops.layer_norm import layer_norm
+
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+    hid, w, b, t = _data(n=13)
+    grads, counts = [], []
+    for reuse in (True, False):
+        h, wt = hid.clone().reshape(1, 13, H).requires_grad_(), w.clone().requires_grad_()
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if not reuse else contextlib.nullcontext():
+            y = layer_norm(h * 1, (H,))
+            (_lce(y, wt, t.reshape(1, 13), b, chunk_size=4) * 1).backward()
+        grads.append((h.grad, wt.grad))
+        counts.append(ownership.reuse_count("grad"))
+    assert counts[1] == 0 and counts[0] >= 1
+    for a, c in zip(*grads, strict=True):
+        assert torch.equal(a, c)

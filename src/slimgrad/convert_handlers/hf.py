@@ -100,6 +100,23 @@ def use_slimgrad_attention(model: nn.Module) -> bool:
     return True
 
 
+def _skip_identity_view(t: torch.Tensor) -> torch.Tensor:
+    # HF's base models end with ``ln_f(x).view(output_shape)``, an identity view: feed the loss its
+    # base (same shape, strides, storage) so the gradient reaching ln_f is not a view of the
+    # loss's dh, and ln_f's backward may reuse it (NOTE [Gradient-buffer ownership]).
+    base = t._base
+    if (
+        base is not None
+        and base.shape == t.shape
+        and base.stride() == t.stride()
+        and base.storage_offset() == t.storage_offset()
+        and base.dtype == t.dtype
+        and base.requires_grad == t.requires_grad
+    ):
+        return base
+    return t
+
+
 def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
     precompute = getattr(self, "_slimgrad_fast_loss", False)
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -112,7 +129,7 @@ def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     out = self.base_model(input_ids=input_ids, **kwargs)
-    hidden = out.last_hidden_state
+    hidden = _skip_identity_view(out.last_hidden_state)
     head = self.get_output_embeddings()
     loss = causal_lm_loss(
         hidden,

@@ -338,7 +338,16 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             scale = torch.where(valid, g, torch.zeros((), dtype=acc, device=g.device))
         w = weight.to(cdt)
         b = bias.to(cdt) if bias is not None else None
-        dh_flat = dh_out.reshape(-1, h.shape[1]) if dh_out is not None else None
+        dh_full = None
+        if dh_out is None and need[0] and cdt == hdt:
+            # dh in hidden's own shape (a base, not a view of an (N, H) result), so the backward
+            # before this one may reuse its buffer (ownership refuses views)
+            dh_full = torch.empty(hshape, dtype=hdt, device=h.device)
+        dh_flat = (
+            dh_out.reshape(-1, h.shape[1])
+            if dh_out is not None
+            else (dh_full.view(-1, h.shape[1]) if dh_full is not None else None)
+        )
         bwd = _bwd_torch
         if _backend.use_triton(h):
             bwd = _backend.kernels("linear_cross_entropy")._bwd_triton
@@ -347,7 +356,10 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         if dh is not None:
             # a detached alias when dh is the saved hidden: its storage, not its autograd identity
             if dh_out is not None:
-                dh = dh_out.detach().view(hshape)
+                dh = dh_out.detach()
+                dh = dh if dh.shape == hshape else dh.view(hshape)
+            elif dh_full is not None:
+                dh = dh_full
             else:
                 dh = dh.to(hdt).reshape(hshape)
         if dw is not None:
