@@ -134,10 +134,10 @@ def test_bench_script_smoke():
         "slimgrad.kernels._bench",
         "--smoke",
         "--only",
-        "gelu,dropout,rms,ce",
+        "gelu,dropout,rms,ce,inplace",
     ]
     out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout
-    assert out.count("smoke ok") == 5, out
+    assert out.count("smoke ok") == 6, out
 
 
 def test_auto_false_needs_an_explicit_triton(monkeypatch):

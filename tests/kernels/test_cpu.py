@@ -89,6 +89,24 @@ def test_no_compiler_falls_back_with_one_warning(toy, monkeypatch):
         assert _cpu.load("toy") is None
 
 
+@needs_cc
+def test_builds_without_openmp_when_the_compiler_lacks_it(toy, monkeypatch):
+    # a compiler that rejects -fopenmp (clang without libomp): the third attempt drops it
+    real = _cpu._run_cc
+
+    def no_omp(cc, flags, src, out):
+        if "-fopenmp" in flags:
+            return subprocess.CompletedProcess([cc], 1, "", "unsupported option '-fopenmp'")
+        return real(cc, flags, src, out)
+
+    monkeypatch.setattr(_cpu, "_run_cc", no_omp)
+    lib = _cpu.load("toy")
+    assert lib is not None
+    y, x = torch.zeros(5), torch.ones(5)
+    _axpy(lib, y, x, 3.0)
+    assert torch.equal(y, torch.full((5,), 3.0))
+
+
 def test_compile_error_falls_back(toy):
     (toy / "src" / "toy.c").write_text("this is not C;")
     with pytest.warns(RuntimeWarning, match="SLIMGRAD_BACKEND=torch"):
@@ -586,18 +604,21 @@ def test_int64_index_collection(lib):
     n = x.numel()
     nb = (n + oa.CHUNK - 1) // oa.CHUNK
     cnt = torch.empty(2 * nb, dtype=torch.int64)
+    flags = torch.empty((n + 31) // 32, dtype=torch.uint8)
     fns = oa._c_fns(lib)
     w = spec.window[torch.float32]
+    y2, bits2 = y.clone(), torch.empty_like(bits)  # held: the kernel writes into them
     fns["smooth_fwd_f32"](
-        x.data_ptr(), y.clone().data_ptr(), torch.empty_like(bits).data_ptr(), cnt.data_ptr(), n,
+        x.data_ptr(), y2.data_ptr(), bits2.data_ptr(), cnt.data_ptr(), flags.data_ptr(), n,
         spec.c_act, inv.x_star, spec.zone, w, 0, 0.0, 1,
     )  # fmt: skip
+    assert torch.equal(bits2, bits)
     per = cnt.view(nb, 2).sum(1)
     off = per.cumsum(0) - per
     i64 = torch.empty(idx.numel(), dtype=torch.int64)
     xs64 = torch.empty(idx.numel())
     fns["smooth_collect_i64"](
-        x.data_ptr(), cnt.data_ptr(), off.data_ptr(), i64.data_ptr(), xs64.data_ptr(), n,
-        inv.x_star, w, 0, 0.0, 1,
+        x.data_ptr(), cnt.data_ptr(), flags.data_ptr(), off.data_ptr(), i64.data_ptr(),
+        xs64.data_ptr(), n, inv.x_star, w, 0, 0.0, 1,
     )  # fmt: skip
     assert torch.equal(i64, idx.long()) and torch.equal(xs64, xs)

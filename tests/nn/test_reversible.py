@@ -1,5 +1,6 @@
 import copy
 import gc
+import json
 import math
 import warnings
 import weakref
@@ -189,6 +190,46 @@ def test_float_mode_reports_reconstruction_error():
     assert check_invertible(ex, x.detach()) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, F64])
+def test_grid_rounding_in_low_precision_equals_float64(dtype):
+    # NOTE [Exact-mode arithmetic without float64 passes]: F's output is rounded onto the grid in
+    # float32 (or float64 for float64 F) and added as grid units; it must be the float64 result.
+    from slimgrad.ops.reversible import _grid_units, grid_round
+
+    bits = 20
+    s = 2.0**bits
+    k = torch.arange(-6, 7, dtype=F64)
+    ties = (k + 0.5) / s  # exact ties: round half to even on the grid
+    vals = torch.cat(
+        [
+            ties,
+            torch.tensor(
+                [0.0, -0.0, 2.0**-30, -(2.0**-21), 2.0**-149, 1e-3, -7.25, 3e8, -(2.0**40)]
+            ),
+            torch.randn(2000, dtype=F64) * torch.logspace(-8, 8, 2000, dtype=F64),
+        ]
+    ).to(dtype)
+    want = grid_round(vals, bits)
+    got = _grid_units(vals, s).double() / s
+    assert torch.equal(got, want)
+    assert torch.equal(got.signbit(), want.signbit())  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_exact_mode_bit_identical_in_each_dtype(dtype):
+    # float32 F: the float32 rounding path; float64 F: the stream is F's input itself (in-place
+    # forward sums only where nothing aliases it)
+    blocks = [b.to(dtype) for b in additive_blocks(6, 5, seed=5)]
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(2, 5, 6, 6, dtype=dtype) * 4
+    r = torch.randn(2, 5, 6, 6, dtype=dtype)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+    assert_equal_list(got, want)
+    assert rev.last_reconstruction.max_abs == 0.0
+
+
 def test_exact_mode_range_overflow_raises():
     rev = ReversibleSequential(*additive_blocks(2, 4), exact=True, grid_bits=50)
     x = torch.full((1, 4, 3, 3), 100.0, requires_grad=True)
@@ -276,11 +317,13 @@ def test_output_of_relu_feeds_the_chain():
     torch.testing.assert_close(res[0], res[1])
 
 
-def test_hook_captured_tensors_are_untouched():
+@pytest.mark.parametrize("exact", [False, True])
+def test_hook_captured_tensors_are_untouched(exact):
     # Hooks on the chain and inside F/G (these fire again in the recompute) keep references to
     # their inputs; the rebuild must not overwrite them (rebuilt buffers are reused in place only
-    # when nothing else aliases them).
-    rev, _ = pair(additive_blocks(3, 4))
+    # when nothing else aliases them). Exact mode in float64 hands F and G the stream itself, and
+    # its forward sums in place only into stream tensors nothing else aliases.
+    rev, _ = pair(additive_blocks(3, 4), exact=exact)
     seen: dict = {}
     rev.register_forward_hook(lambda m, inp, out: seen.setdefault("chain", []).append(inp[0]))
     for i, blk in enumerate(rev):
@@ -300,6 +343,35 @@ def test_hook_captured_tensors_are_untouched():
         assert len(v) == 2  # forward, then the recompute
         assert torch.equal(v[0], fwd[k])  # forward tensors are never written
         torch.testing.assert_close(v[1], fwd[k])  # the recompute's input, still intact
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_hook_captured_gradients_are_untouched(exact):
+    # Backward hooks inside F and G see gradients of the recompute; backward sums the stream's
+    # gradients in place only where no hook can have seen them.
+    blocks = additive_blocks(4, 4, seed=2)
+    rev = ReversibleSequential(*copy.deepcopy(blocks), exact=exact)
+    ref = QuantisedPlain(copy.deepcopy(blocks)) if exact else nn.Sequential(*copy.deepcopy(blocks))
+    seen = []
+
+    def keep(m, grad_in, grad_out):
+        seen.append([(g, g.clone()) for g in (*grad_in, *grad_out) if g is not None])
+
+    for blk in rev:
+        for fn in (blk.F, blk.G):
+            fn.register_full_backward_hook(keep)
+    x = torch.randn(2, 4, 5, 5)
+    r = torch.randn(2, 4, 5, 5)
+    got = grads(rev, x.clone().requires_grad_(), weighted_sum(r))
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))
+    if exact:
+        assert_equal_list(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(seen) == 8
+    for pairs in seen:
+        for g, at_hook in pairs:
+            assert torch.equal(g, at_hook)
 
 
 def test_dropout_reproduced_bit_for_bit_and_caller_rng_untouched():
@@ -607,8 +679,9 @@ def test_memory_flat_in_depth(exact):
     assert p8.saved_bytes - p4.saved_bytes >= 4 * 2 * x0.numel() * 4
 
 
-def test_bench_case_small():
+def test_bench_case_small(tmp_path):
     pytest.importorskip("slimgrad.memory")
+    from slimgrad.bench import harness
     from slimgrad.bench.cases import reversible as case
 
     plain, ckpt, rev, make_inputs = case.build(3, small=True)
@@ -619,8 +692,21 @@ def test_bench_case_small():
         res.append([x.grad, *[p.grad for p in m.parameters()]])
     torch.testing.assert_close(res[1], res[0])
     torch.testing.assert_close(res[2], res[0], rtol=1e-5, atol=1e-6)
-    (rec,) = case.run(depths=(3,), small=True, repeat=1)
-    assert rec["rev_saved_bytes"] == 2 * 8 * 8 * 8 * 4  # the chain output only
+    # `slimgrad bench reversible` runs the sweep through the shared harness
+    assert harness.get_case("reversible").run is case.run_sweep
+    assert "reversible" in harness.case_names()
+    out = case.run_sweep(depths=(3,), small=True, repeat=1, warmup=0, out_dir=tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "reversible.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["n_blocks"]) for r in recs] == [("rev", 3), ("ckpt", 3), ("exact", 3)]
+    assert out["case"] == "reversible" and len(out["suite_records"]) == 3
+    by = {r["variant"]: r for r in recs}
+    assert by["rev"]["slimgrad"]["saved_bytes"] == 2 * 8 * 8 * 8 * 4  # the chain output only
+    assert by["exact"]["slimgrad"]["saved_bytes"] == 2 * 8 * 8 * 8 * 8  # its float64 stream
     # checkpoint keeps its inputs in its hooks' closure: they show in retained, not saved, bytes
-    assert rec["plain_saved_bytes"] > rec["ckpt_retained_bytes"] > rec["rev_saved_bytes"]
-    assert rec["rev_peak_bytes"] < rec["plain_peak_bytes"]
+    assert by["ckpt"]["eager"]["saved_bytes"] > by["ckpt"]["slimgrad"]["retained_bytes"]
+    assert by["ckpt"]["slimgrad"]["retained_bytes"] > by["rev"]["slimgrad"]["saved_bytes"]
+    assert by["rev"]["slimgrad"]["peak_bytes"] < by["rev"]["eager"]["peak_bytes"]
+    assert by["exact"]["grads_bit_identical"] and by["ckpt"]["grads_bit_identical"]
+    assert by["exact"]["reconstruction_max_abs"] == 0.0
+    assert all(r["grad"]["ok"] for r in recs)
+    assert 0 < by["rev"]["fg_over_plain"] < 1

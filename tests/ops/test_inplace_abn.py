@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from slimgrad.memory import measure
 from slimgrad.ops.inplace_abn import inplace_abn
 from slimgrad.testing import assert_within_rule, gradcheck_inplace
+from tests.ops._inplace_abn_helpers import check_backends
 
 ACTS = [("identity", 0.0), ("leaky_relu", 0.01), ("leaky_relu", 3.0), ("elu", 1.0), ("elu", 0.3)]
 SHAPES = [(5, 3), (3, 5, 7), (3, 5, 4, 3), (2, 3, 3, 2, 5)]
@@ -99,6 +100,16 @@ def test_matches_eager_float64(shape, act, param, training, device):
     for a, r in zip(ga, gb):
         torch.testing.assert_close(a, r)
     torch.testing.assert_close(stats, ref_stats, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("act,param", ACTS)
+def test_cuda_both_backends_match_eager(act, param, channels_last, dtype):
+    # the forward is eager's own kernel (cuDNN where F.batch_norm picks it) on either backend: bit
+    # for bit; the backward (Triton by default on CUDA) within the rule
+    check_backends(torch.device("cuda"), act, param, dtype, channels_last)
 
 
 @pytest.mark.parametrize("act,param", ACTS)
@@ -678,16 +689,18 @@ def test_compile_aot_eager_fullgraph():
     torch.testing.assert_close((rm, rv), (rm2, rv2))
 
 
-def _abn_grads(disabled: bool, siblings: bool):
+def _abn_grads(disabled: bool, siblings: bool, device="cpu"):
     from slimgrad import ownership
     from slimgrad.nn.inplace_abn import InPlaceABN
 
     torch.manual_seed(0)
-    convs = torch.nn.ModuleList(torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
-    norms = torch.nn.ModuleList(InPlaceABN(4) for _ in range(2))
-    x = torch.randn(3, 4, 7, 5, requires_grad=True)
+    convs = torch.nn.ModuleList(torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(2)).to(device)
+    norms = torch.nn.ModuleList(InPlaceABN(4) for _ in range(2)).to(device)
+    x = torch.randn(3, 4, 7, 5).to(device).requires_grad_()
     ownership.reset_reuse_count()
-    with ownership.reuse_disabled() if disabled else contextlib.nullcontext():
+    reuse = ownership.reuse_disabled() if disabled else contextlib.nullcontext()
+    # deterministic cuDNN convolutions: the comparison is bit for bit (no effect on CPU)
+    with reuse, torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
         if siblings:  # PR #218's case: AddBackward hands the SAME gradient tensor to both branches
             h = norms[0](convs[0](x)) + norms[1](convs[1](x))
         else:  # a plain chain: each block's incoming gradient is dead after it
@@ -698,9 +711,10 @@ def _abn_grads(disabled: bool, siblings: bool):
 
 
 @pytest.mark.parametrize("siblings", [False, True])
-def test_dx_reuses_dead_incoming_gradient_bitwise(siblings):
-    off, n_off = _abn_grads(disabled=True, siblings=siblings)
-    on, n_on = _abn_grads(disabled=False, siblings=siblings)
+def test_dx_reuses_dead_incoming_gradient_bitwise(siblings, device):
+    # on CUDA: backward runs on the engine's device thread, and dx comes from the Triton kernels
+    off, n_off = _abn_grads(disabled=True, siblings=siblings, device=device)
+    on, n_on = _abn_grads(disabled=False, siblings=siblings, device=device)
     assert n_off == 0
     # siblings: the first branch to run sees the gradient still held for the second and must not
     # write it; the second, running last, may (nobody else can see it any more)

@@ -93,6 +93,9 @@ class Case:
         warmup: untimed steps per side before timing.
         provider: which slimgrad implementation runs (``"torch"``, ``"triton"``, ...), for the
         record. source: module that registered the case.
+        run: optional runner for a case made of several runs (e.g. a depth sweep): ``run_case``
+        calls ``run(**its keyword arguments)`` instead of running ``build``'s pair, and returns
+        what it returns (a record of the same form; the runner writes its own records).
     """
 
     name: str
@@ -105,6 +108,7 @@ class Case:
     provider: str = "torch"
     source: str = ""
     tags: tuple[str, ...] = field(default_factory=tuple)
+    run: Callable[..., dict[str, Any]] | None = None
 
     def missing(self) -> list[str]:
         """The modules in ``requires`` that cannot be imported here."""
@@ -581,6 +585,11 @@ def run_case(
             f"slimgrad.bench: case {case.name!r} needs {missing}; expected them importable, got "
             "ImportError. Install the extra, e.g. `pip install slimgrad[hf]`."
         )
+    if case.run is not None:
+        return case.run(
+            device=device, dtype=dtype, small=small, repeat=repeat, warmup=warmup,
+            grad_check=grad_check, out_dir=out_dir, seed=seed, progress=progress,
+        )  # fmt: skip
     device = torch.device(device)
     say = progress or (lambda msg: None)
     commit = git_commit()  # now, not after the run: the checkout may change meanwhile

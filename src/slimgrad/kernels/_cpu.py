@@ -6,12 +6,14 @@ else ``gcc``) into a shared library, caches it, and returns it as a ``ctypes.CDL
 is impossible). The C files are plain C99 + OpenMP: no torch headers, no Python API, so a build
 takes well under a second (a torch C++ extension takes ~30 s). Callers allocate every buffer in
 Python with torch (so ``slimgrad.memory`` sees each allocation) and pass ``tensor.data_ptr()``,
-element counts and scalars; the C side only reads and writes those buffers.
+element counts and scalars; the C side only reads and writes those buffers. Hold every such tensor
+in a variable until the call returns: ``f(x.clone().data_ptr())`` hands C freed memory (the
+temporary dies before the call), a heap corruption that crashes later, elsewhere.
 
 - Flags: ``-O3 -fPIC -shared -fopenmp -ffp-contract=off -fno-math-errno`` and ``-march=native``
-  when the compiler accepts it. Never ``-ffast-math``: the kernels must round exactly as the
-  PyTorch path does (contractions into FMA are off; a kernel that needs torch's fused
-  multiply-add calls ``fmaf``).
+  when the compiler accepts it (else without it; else without ``-fopenmp``, one thread). Never
+  ``-ffast-math``: the kernels must round exactly as the PyTorch path does (contractions into FMA
+  are off; a kernel that needs torch's fused multiply-add calls ``fmaf``).
 - Cache: ``$SLIMGRAD_CACHE`` (else ``~/.cache/slimgrad``)/``cpu/<stem>-<key>.so``, the key a hash
   of the source, the flags, the compiler's ``--version`` and the CPU's model and flags
   (``-march=native`` code is only valid on the CPU it was built for). A build writes a temporary
@@ -130,8 +132,11 @@ def _build(stem: str) -> Path:
     text = src.read_bytes()
     d = cache_dir()
     d.mkdir(parents=True, exist_ok=True)
-    for native in (True, False):
-        flags = [*FLAGS, *_NATIVE] if native else list(FLAGS)
+    # native first; then portable; then without OpenMP (e.g. a clang without libomp: the pragmas
+    # are ignored and the kernels run on one thread)
+    attempts = [([*FLAGS, *_NATIVE], True), (list(FLAGS), False)]
+    attempts.append(([f for f in FLAGS if f != "-fopenmp"], False))
+    for flags, native in attempts:
         h = hashlib.sha256()
         for part in (text, " ".join(flags).encode(), cc.encode(), version.encode()):
             h.update(part)

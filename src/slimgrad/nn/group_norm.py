@@ -12,8 +12,9 @@ __all__ = ["GroupNorm"]
 class GroupNorm(torch.nn.GroupNorm):
     """``torch.nn.GroupNorm`` (same args, defaults, parameters, state_dict keys) saving its output.
 
-    Memory: saves the output (shared with the next layer), mean and rstd per (sample, group), and
-    the input of fallback channels (weight ~ 0); eager saves the input too.
+    Memory: fp32: saves the output (shared with the next layer), mean and rstd per (sample, group),
+    and the input of fallback channels (weight ~ 0); eager saves the input too. bf16/fp16: runs
+    eager's group_norm (saves the input, as eager: ``ops/group_norm.py``).
 
     Example:
         >>> y = GroupNorm(2, 6)(torch.randn(3, 6, 5, requires_grad=True))

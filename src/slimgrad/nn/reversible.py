@@ -184,10 +184,12 @@ class _Sink:
         self.scales: torch.Tensor | None = None
         self.warn_rel_error = warn_rel_error
 
-    def _record_reconstruction(self, first: int, errors: list, scales: list) -> None:
+    def _record_reconstruction(
+        self, first: int, errors: torch.Tensor, scales: torch.Tensor
+    ) -> None:
         self.first = first
-        self.errors = torch.stack(errors)
-        self.scales = torch.stack(scales)
+        self.errors = errors
+        self.scales = scales
         if self.warn_rel_error is None:
             return
         rel = float(_rel_errors(self.errors, self.scales).max())  # the one sync per backward

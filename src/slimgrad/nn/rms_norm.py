@@ -10,10 +10,11 @@ __all__ = ["RMSNorm"]
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` (same args, defaults, parameters, state_dict keys) saving y + 4 B/row.
+    """``torch.nn.RMSNorm`` (same args, defaults, parameters, state_dict keys), memory-lean.
 
-    Memory: saves the output (shared with the next layer), rstd, and the input columns of channels
-    with weight 0; eager saves the input and intermediates.
+    Memory: fp32: saves the output (shared with the next layer), rstd (4 B/row), and the input
+    columns of channels with weight 0; bf16/fp16: saves the input (2 B/elt) + 4 B/row; eager
+    saves the input and x * rstd in fp32 (8 B/elt) + 4 B/row in every dtype.
 
     Example:
         >>> y = RMSNorm(8)(torch.randn(4, 8, requires_grad=True))

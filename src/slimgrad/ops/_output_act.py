@@ -517,19 +517,18 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
 # the saved bytes are the same.
 
 C_STEM = "output_act"
-_C_SIGS: dict = {}
 
 
 def _c_fns(lib):
     import ctypes as C
 
-    fns = _C_SIGS.get(id(lib))
+    fns = getattr(lib, "_slimgrad_fns", None)  # kept on the library object itself
     if fns is None:
         p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
         specs = {
-            "smooth_fwd_f32": [p, p, p, p, i64, i, f, f, f, i, f, i],
-            "smooth_collect_i32": [p, p, p, p, p, i64, f, f, i, f, i],
-            "smooth_collect_i64": [p, p, p, p, p, i64, f, f, i, f, i],
+            "smooth_fwd_f32": [p, p, p, p, p, i64, i, f, f, f, i, f, i],
+            "smooth_collect_i32": [p, p, p, p, p, p, i64, f, f, i, f, i],
+            "smooth_collect_i64": [p, p, p, p, p, p, i64, f, f, i, f, i],
             "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i],
         }
         fns = {}
@@ -537,7 +536,7 @@ def _c_fns(lib):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
             fns[name] = fn
-        _C_SIGS[id(lib)] = fns
+        lib._slimgrad_fns = fns
     return fns
 
 
@@ -559,10 +558,11 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
     bits = torch.empty(packed_numel(n), dtype=torch.uint8)
     nb = (n + CHUNK - 1) // CHUNK
     cnt = torch.empty(2 * nb, dtype=torch.int64)
+    flags = torch.empty((n + 31) // 32, dtype=torch.uint8)  # 1 byte per 32 elements, transient
     has_tail, tail_v = (0, 0.0) if tail is None else (1, float(tail))
     fns["smooth_fwd_f32"](
-        flat.data_ptr(), y.data_ptr(), bits.data_ptr(), cnt.data_ptr(), n, spec.c_act,
-        inv.x_star, spec.zone, w, has_tail, tail_v, nt,
+        flat.data_ptr(), y.data_ptr(), bits.data_ptr(), cnt.data_ptr(), flags.data_ptr(), n,
+        spec.c_act, inv.x_star, spec.zone, w, has_tail, tail_v, nt,
     )  # fmt: skip
     per_block = cnt.view(nb, 2).sum(1)
     n_hard = int(per_block.sum())
@@ -576,8 +576,8 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
         off = per_block.cumsum(0).sub_(per_block)
         collect = fns["smooth_collect_i32" if idx_dtype == torch.int32 else "smooth_collect_i64"]
         collect(
-            flat.data_ptr(), cnt.data_ptr(), off.data_ptr(), idx.data_ptr(), xs.data_ptr(), n,
-            inv.x_star, w, has_tail, tail_v, nt,
+            flat.data_ptr(), cnt.data_ptr(), flags.data_ptr(), off.data_ptr(), idx.data_ptr(),
+            xs.data_ptr(), n, inv.x_star, w, has_tail, tail_v, nt,
         )  # fmt: skip
     return y, bits, idx, xs
 

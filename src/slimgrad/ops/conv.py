@@ -13,6 +13,8 @@ extra bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from slimgrad.ops import _derived
@@ -184,24 +186,12 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     dev = x.device.type
     holder: list = []
     w0, b0, dt = weight, bias, None
-    if torch.is_autocast_enabled(dev):
+    autocast = torch.is_autocast_enabled(dev)
+    if autocast:
         dt = torch.get_autocast_dtype(dev)
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
-        with torch.autocast(dev, enabled=False):
-            y = _ConvFn.apply(
-                x,
-                weight,
-                bias,
-                stride,
-                padding,
-                dilation,
-                transposed,
-                output_padding,
-                groups,
-                holder,
-            )
-    else:
+    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
         y = _ConvFn.apply(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, holder
         )
@@ -222,100 +212,72 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     return y
 
 
-def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
-    """``torch.nn.functional.conv1d`` keeping only what the requested gradients need.
+_DOC = """``torch.nn.functional.{api}`` keeping only what the requested gradients need.
 
-    Memory: x only if ``weight`` needs grad (b of a slimgrad norm if x is derived from it); eager
-    keeps x and weight always. See :func:`conv2d`.
-    """
-    return _conv("conv1d", 1, input, weight, bias, stride, padding, dilation, groups, False, 0)
-
-
-def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
-    """``torch.nn.functional.conv2d`` keeping only what the requested gradients need.
-
-    y = x ⋆ W + bias; dx needs W only, dW needs x only.
+    ``y = {math}``; dx needs W only, dW needs x only.
 
     Memory: keeps x (4 B/elt fp32) only if ``weight`` requires grad, and then the slimgrad norm
     output b instead of x when x = act(b) (NOTE [Derived saved inputs]); eager keeps x and W
     always.
 
     Args:
-        input: (N, C_in, H, W) or (C_in, H, W).
-        weight: (C_out, C_in / groups, kH, kW).
-        bias: (C_out,) or None.
-        stride, padding, dilation, groups: as torch; padding may be 'valid' or 'same'.
+        input: ``(N, C_in, {spatial})`` or ``(C_in, {spatial})``.
+        weight: ``{w_shape}``.
+        bias: ``(C_out,)`` or None.
+        {args}: as torch{pad_note}.
 
     Returns:
-        The convolution output.
+        The {kind} output.
 
     Raises:
         ValueError: bad padding/stride specification or input rank.
         TypeError: non-tensor input or weight.
 
     Example:
-        >>> y = conv2d(x, conv.weight, conv.bias, padding=1)
+        >>> y = {api}(x, m.weight, m.bias{example})
     """
-    return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups, False, 0)
 
 
-def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
-    """``torch.nn.functional.conv3d`` keeping only what gradients need (conv2d)."""
-    return _conv("conv3d", 3, input, weight, bias, stride, padding, dilation, groups, False, 0)
+def _conv_fn(n: int, transposed: bool):
+    # One public functional per (dimensionality, transposed) row of the table below, with
+    # torch.nn.functional's name, argument order and defaults.
+    api = f"conv_transpose{n}d" if transposed else f"conv{n}d"
+    dims = ("D", "H", "W")[3 - n :]
+    if transposed:
 
+        def fn(
+            input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
+        ) -> torch.Tensor:
+            return _conv(
+                api, n, input, weight, bias, stride, padding, dilation, groups, True, output_padding
+            )
 
-def conv_transpose1d(
-    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
-) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose1d`` keeping only what gradients need (conv2d)."""
-    return _conv(
-        "conv_transpose1d",
-        1,
-        input,
-        weight,
-        bias,
-        stride,
-        padding,
-        dilation,
-        groups,
-        True,
-        output_padding,
+    else:
+
+        def fn(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+            return _conv(api, n, input, weight, bias, stride, padding, dilation, groups, False, 0)
+
+    fn.__name__ = fn.__qualname__ = api
+    fn.__doc__ = _DOC.format(
+        api=api,
+        math="conv_transpose(x, W) + bias" if transposed else "x ⋆ W + bias",
+        spatial=", ".join(dims),
+        w_shape=(
+            ("(C_in, C_out / groups, " if transposed else "(C_out, C_in / groups, ")
+            + ", ".join("k" + d for d in dims)
+            + ")"
+        ),
+        args=(
+            "stride, padding, output_padding, groups, dilation"
+            if transposed
+            else "stride, padding, dilation, groups"
+        ),
+        pad_note="" if transposed else "; padding may be 'valid' or 'same'",
+        kind="transposed convolution" if transposed else "convolution",
+        example=", stride=2" if transposed else ", padding=1",
     )
+    return fn
 
 
-def conv_transpose2d(
-    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
-) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose2d`` keeping only what gradients need (conv2d)."""
-    return _conv(
-        "conv_transpose2d",
-        2,
-        input,
-        weight,
-        bias,
-        stride,
-        padding,
-        dilation,
-        groups,
-        True,
-        output_padding,
-    )
-
-
-def conv_transpose3d(
-    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
-) -> torch.Tensor:
-    """``torch.nn.functional.conv_transpose3d`` keeping only what gradients need (conv2d)."""
-    return _conv(
-        "conv_transpose3d",
-        3,
-        input,
-        weight,
-        bias,
-        stride,
-        padding,
-        dilation,
-        groups,
-        True,
-        output_padding,
-    )
+conv1d, conv2d, conv3d = (_conv_fn(n, False) for n in (1, 2, 3))
+conv_transpose1d, conv_transpose2d, conv_transpose3d = (_conv_fn(n, True) for n in (1, 2, 3))

@@ -39,7 +39,6 @@ __all__ = ["dropout", "dropout_", "pack_bits", "unpack_bits"]
 
 # Bit packing: slimgrad.ops._bits (NOTE [Bit packing with one multiply] there); re-exported here.
 C_STEM = "dropout"  # kernels/cpu/dropout.c: pack + apply in one pass on float32 CPU tensors
-_C_SIGS: dict = {}
 
 
 def _packed_numel(n: int) -> int:
@@ -57,13 +56,13 @@ def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torc
 def _c_fns(lib):
     import ctypes as C
 
-    fns = _C_SIGS.get(id(lib))
+    fns = getattr(lib, "_slimgrad_fns", None)  # kept on the library object itself
     if fns is None:
         p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
         fns = {"fwd": lib.dropout_fwd_f32, "bwd": lib.dropout_bwd_f32}
         fns["fwd"].argtypes, fns["fwd"].restype = [p, p, p, p, i64, f, i], None
         fns["bwd"].argtypes, fns["bwd"].restype = [p, p, p, i64, f, i], None
-        _C_SIGS[id(lib)] = fns
+        lib._slimgrad_fns = fns
     return fns
 
 

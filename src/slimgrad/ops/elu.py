@@ -18,19 +18,15 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
-from slimgrad.kernels import _backend
-from slimgrad.ops._bits import pack_bits, unpack_bits
-from slimgrad.ops._output_act import forward_output_only, needs_graph
+from slimgrad.ops._bits import unpack_bits
+from slimgrad.ops._monotone import forward_with_bits, output_only_function
+from slimgrad.ops._output_act import needs_graph
 
 __all__ = ["elu", "elu_"]
 
 
 def _fwd_torch(x: Tensor, alpha: float = 1.0) -> Tensor:
     return torch.nn.functional.elu(x, alpha)
-
-
-def _bwd_torch(g: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
-    return torch.ops.aten.elu_backward(g, alpha, 1.0, 1.0, True, y)
 
 
 def _bwd_bits(
@@ -45,56 +41,29 @@ def _bwd_bits(
     return torch.where(pos, g, neg.to(g.dtype))
 
 
-class _EluFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, alpha: float, inplace: bool):
-        ctx.alpha = alpha
-        if _backend.use_triton(x):
-            k = _backend.kernels("elu")
-            return forward_output_only(
-                ctx,
-                x,
-                inplace,
-                lambda t: k._fwd_triton(t, alpha),
-                lambda t: k._fwd_triton_(t, alpha),
-            )
-        return forward_output_only(
-            ctx,
-            x,
-            inplace,
-            lambda t: torch.nn.functional.elu(t, alpha),
-            lambda t: torch.nn.functional.elu_(t, alpha),
-        )
-
-    @staticmethod
-    def backward(ctx, g):
-        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
-        (y,) = ctx.saved_tensors
-        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
-            own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
-            k = _backend.kernels("elu")
-            return k._bwd_triton(g, y, ctx.alpha, out=buf if own else None), None, None
-        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
-        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
-            dx = torch.ops.aten.elu_backward.grad_input(
-                buf, ctx.alpha, 1.0, 1.0, True, y, grad_input=buf
-            )
-            return dx, None, None
-        return _bwd_torch(g, y, ctx.alpha), None, None
+_EluFn, _bwd_torch = output_only_function(
+    "elu",
+    "_EluFn",
+    _fwd_torch,
+    torch.nn.functional.elu_,
+    torch.ops.aten.elu_backward,
+    lambda g, y, alpha=1.0: (g, alpha, 1.0, 1.0, True, y),
+)
 
 
 class _EluBitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, alpha: float, inplace: bool):
         ctx.alpha = alpha
-        bits = pack_bits(~(x <= 0))  # NaN counts as positive, as in eager's backward
-        if inplace:
-            y = torch.nn.functional.elu_(x, alpha)
-            ctx.mark_dirty(y)
-        else:
-            y = torch.nn.functional.elu(x, alpha)
-        ctx.save_for_backward(y, bits)
-        return y
+        return forward_with_bits(
+            ctx,
+            x,
+            inplace,
+            lambda t: ~(t <= 0),  # NaN counts as positive, as in eager's backward
+            lambda t: torch.nn.functional.elu(t, alpha),
+            lambda t: torch.nn.functional.elu_(t, alpha),
+            keep_y=True,
+        )
 
     @staticmethod
     def backward(ctx, g):

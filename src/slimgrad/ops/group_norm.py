@@ -1,4 +1,4 @@
-"""GroupNorm that keeps its output, not its input.
+"""GroupNorm that keeps its output, not its input (float32/float64; half precision runs eager's).
 
 Math: x of shape ``(N, C, *)`` split into G groups of C/G channels; per (sample, group) ``mu``,
 ``rstd = 1 / sqrt(var + eps)``, ``xhat = (x - mu) * rstd``, ``y = xhat * gamma_c + beta_c``.
@@ -7,10 +7,15 @@ Backward with ``g = dy * gamma_c`` and means over each (sample, group):
 ``dbeta_c = sum(dy)``, with ``xhat = (y - beta_c) / gamma_c`` rebuilt from the output; fallback
 channels as in NOTE [Normalization from its output: the fallback channels] (``ops/layer_norm.py``).
 
-Memory: saves y (the output, shared with the next layer) + mean and rstd (8 B per sample and
-group, fp32) + the input of fallback channels (k channels: k * N * HxW * itemsize B); eager saves x,
-mean and rstd (x: 4 B/elt fp32 extra). Groups of fewer than ``MIN_GROUP_NUMEL`` elements run eager's
-group_norm (saves x, as eager).
+Memory, per input dtype:
+- float32/float64: saves y (the output, shared with the next layer) + mean and rstd (2 * itemsize
+  B per sample and group) + the input of fallback channels (k channels: k * N * HxW * itemsize B)
+  and their int64 indices (8 B each); eager saves x, mean and rstd (x: 4 B/elt fp32 extra). Groups
+  of fewer than ``MIN_GROUP_NUMEL`` elements run eager's group_norm (saves x, as eager).
+- bfloat16/float16: runs eager's ``F.group_norm``, so saves exactly what eager saves: x (2 B/elt)
+  + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
+  broke the GUIDE.md rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
+  ``ops/rms_norm.py``), and keeping x instead costs what eager costs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from slimgrad.ops.layer_norm import (
     no_double_backward,
     rebuild_xhat,
 )
+from slimgrad.ops.rms_norm import HALF_DTYPES
 
 __all__ = ["MIN_GROUP_NUMEL", "group_norm"]
 
@@ -190,8 +196,9 @@ def group_norm(
 
     ``y = (x - mean_g) / sqrt(var_g + eps) * weight_c + bias_c`` per sample and group of channels.
 
-    Memory: saves y (shared with the next layer) + 8 B per (sample, group) + fallback input
-    channels; eager saves x + 8 B per (sample, group).
+    Memory: fp32: saves y (shared with the next layer) + 8 B per (sample, group) + fallback
+    input channels; eager saves x + 8 B per (sample, group). bf16/fp16: runs ``F.group_norm``
+    (saves x + 4 B per (sample, group), as eager).
 
     Args:
         input: ``(N, C, *)``.
@@ -214,13 +221,15 @@ def group_norm(
             f"with C divisible by num_groups, got shape {tuple(input.shape)} and num_groups="
             f"{num_groups}. Pick num_groups dividing the channel count."
         )
-    if math.prod(input.shape[1:]) // num_groups < MIN_GROUP_NUMEL:
-        # Tiny groups: xhat is too poorly determined by the rounded output (a group of 2 is +-1);
-        # keep eager's saving of the input (same memory as eager, exact).
-        return F.group_norm(input, num_groups, weight, bias, eps)
     dev = input.device.type
-    if torch.is_autocast_enabled(dev):
-        probe = F.group_norm(input.new_empty((0, *input.shape[1:])), num_groups)
+    autocast = torch.is_autocast_enabled(dev)
+    probe = F.group_norm(input.new_empty((0, *input.shape[1:])), num_groups) if autocast else input
+    if math.prod(input.shape[1:]) // num_groups < MIN_GROUP_NUMEL or probe.dtype in HALF_DTYPES:
+        # Tiny groups: xhat is too poorly determined by the rounded output (a group of 2 is +-1);
+        # half precision: NOTE [RMSNorm and GroupNorm in half precision]. Both keep eager's saving
+        # of the input (same memory as eager, exact).
+        return F.group_norm(input, num_groups, weight, bias, eps)
+    if autocast:
         if probe.dtype != input.dtype:
             input, weight, bias = autocast_inputs(probe.dtype, input, weight, bias)
         with torch.autocast(dev, enabled=False):

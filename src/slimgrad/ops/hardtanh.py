@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
-from slimgrad.kernels import _backend
-from slimgrad.ops._bits import pack_bits, unpack_bits_as
-from slimgrad.ops._output_act import forward_output_only, needs_graph
+from slimgrad.ops._bits import unpack_bits_as
+from slimgrad.ops._monotone import forward_with_bits, output_only_function
+from slimgrad.ops._output_act import needs_graph
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "relu6_"]
 
@@ -32,61 +32,27 @@ def _fwd_torch(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor
     return torch.nn.functional.hardtanh(x, min_val, max_val)
 
 
-def _bwd_torch(g: Tensor, y: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
-    return torch.ops.aten.hardtanh_backward(g, y, min_val, max_val)
-
-
-class _HardtanhFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, min_val: float, max_val: float, inplace: bool):
-        ctx.bounds = (min_val, max_val)
-        if _backend.use_triton(x):
-            k = _backend.kernels("hardtanh")
-            return forward_output_only(
-                ctx,
-                x,
-                inplace,
-                lambda t: k._fwd_triton(t, min_val, max_val),
-                lambda t: k._fwd_triton_(t, min_val, max_val),
-            )
-        return forward_output_only(
-            ctx,
-            x,
-            inplace,
-            lambda t: torch.nn.functional.hardtanh(t, min_val, max_val),
-            lambda t: torch.nn.functional.hardtanh_(t, min_val, max_val),
-        )
-
-    @staticmethod
-    def backward(ctx, g):
-        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
-        (y,) = ctx.saved_tensors
-        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
-            own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
-            k = _backend.kernels("hardtanh")
-            return k._bwd_triton(g, y, *ctx.bounds, out=buf if own else None), None, None, None
-        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
-        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
-            lo, hi = ctx.bounds
-            dx = torch.ops.aten.hardtanh_backward.grad_input(buf, y, lo, hi, grad_input=buf)
-            return dx, None, None, None
-        return _bwd_torch(g, y, *ctx.bounds), None, None, None
+_HardtanhFn, _bwd_torch = output_only_function(
+    "hardtanh",
+    "_HardtanhFn",
+    _fwd_torch,
+    torch.nn.functional.hardtanh_,
+    torch.ops.aten.hardtanh_backward,
+    lambda g, y, min_val=-1.0, max_val=1.0: (g, y, min_val, max_val),
+)
 
 
 class _HardtanhBitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, min_val: float, max_val: float, inplace: bool):
-        xo = (
-            x.float()
-        )  # compare in opmath (float32), as eager's backward does; NaN passes the gradient
-        bits = pack_bits(~((xo <= min_val) | (xo >= max_val)))
-        if inplace:
-            y = torch.nn.functional.hardtanh_(x, min_val, max_val)
-            ctx.mark_dirty(y)
-        else:
-            y = torch.nn.functional.hardtanh(x, min_val, max_val)
-        ctx.save_for_backward(bits)
-        return y
+        return forward_with_bits(
+            ctx,
+            x,
+            inplace,
+            lambda t: _inside(t.float(), min_val, max_val),
+            lambda t: torch.nn.functional.hardtanh(t, min_val, max_val),
+            lambda t: torch.nn.functional.hardtanh_(t, min_val, max_val),
+        )
 
     @staticmethod
     def backward(ctx, g):
@@ -96,6 +62,11 @@ class _HardtanhBitsFn(torch.autograd.Function):
         if buf is not None:  # g * 1 and g * 0 are exact: the same bits in place
             return buf.mul_(keep), None, None, None
         return g * keep, None, None, None
+
+
+def _inside(xo: Tensor, min_val: float, max_val: float) -> Tensor:
+    # compared in opmath (float32), as eager's backward does; NaN passes the gradient
+    return ~((xo <= min_val) | (xo >= max_val))
 
 
 def _representable(v: float, dtype: torch.dtype) -> bool:

@@ -55,7 +55,6 @@ wrong gradients for shared gradients and retain_graph.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -63,6 +62,7 @@ from torch.autograd.function import once_differentiable
 
 from slimgrad import ownership
 from slimgrad._errors import internal_error
+from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op, python_impl
 
 __all__ = ["ACTIVATIONS", "inplace_abn", "inplace_abn_sync", "check_activation"]
@@ -415,21 +415,13 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 # torch.library registration (for torch.compile) and the autograd Function
 
 
-def _kernels(t: torch.Tensor):
-    # Triton kernels (slimgrad/kernels/inplace_abn.py) are opt-in on CUDA with SLIMGRAD_TRITON=1:
-    # tested under TRITON_INTERPRET=1 only, not yet timed or run on a GPU.
-    if t.is_cuda and os.environ.get("SLIMGRAD_TRITON") == "1":
-        try:
-            from slimgrad.kernels import inplace_abn as kernels
-        except ImportError:
-            return None
-        return kernels
-    return None
-
-
 def _impl(t: torch.Tensor):
-    k = _kernels(t)
-    return (_fwd_torch, _bwd_torch) if k is None else (k._fwd_triton, k._bwd_triton)
+    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py: (fwd, bwd) of the Triton
+    # kernels (slimgrad/kernels/inplace_abn.py) or of the PyTorch path.
+    if _backend.use_triton(t):
+        k = _backend.kernels("inplace_abn")
+        return k._fwd_triton, k._bwd_triton
+    return _fwd_torch, _bwd_torch
 
 
 # The forward is three ops so that the only data-dependent shape (the side tensor's channel count)
@@ -491,9 +483,11 @@ def _apply_op(
     param: float,
 ) -> None:
     w, b = _affine(weight, bias, x.shape[1], x.device, mean.dtype)
-    k = _kernels(x)
-    if k is None or not k.apply_(x, w * invstd, b - mean * w * invstd, activation, param):
-        _apply_torch_(x, w, b, mean, invstd, activation, param)
+    if _backend.use_triton(x):  # NOTE [Kernel backend choice]; False: a layout it cannot take
+        scale = w * invstd
+        if _backend.kernels("inplace_abn").apply_(x, scale, b - mean * scale, activation, param):
+            return
+    _apply_torch_(x, w, b, mean, invstd, activation, param)
 
 
 @_apply_op.register_fake
@@ -549,12 +543,17 @@ def _op(name: str):
 
 
 # NOTE [Same forward as eager]
-# Eagerly (not under torch.compile, not for the sync variant) y = BN(x) comes from eager
-# BatchNorm's own kernel, then is copied over x: its statistics, its invstd rounding (computed in
-# double on CPU) and its fused x * alpha + beta are eager's, so every element is bit for bit
-# eager's, and so is every activation branch. A formula of our own that differs by one ulp flips
-# the leaky_relu branch of the few pre-activations within an ulp of 0, and their input gradients
-# then differ by (1 - slope) * dz: at 16x64x56x56 that broke the error rule on the 8-block chain.
+# Eagerly (not under torch.compile, not for the sync variant) y = BN(x) comes from the kernel eager
+# BatchNorm runs, then is copied over x: ``torch._batch_norm_impl_index`` is what
+# ``F.batch_norm`` calls and it picks the same backend (native on CPU; cuDNN on CUDA wherever
+# cuDNN takes the input, native elsewhere), so the statistics, the invstd rounding and the fused
+# x * alpha + beta are eager's: every element is bit for bit eager's, and so is every activation
+# branch. A formula of our own that differs by one ulp flips the leaky_relu branch of the few
+# pre-activations within an ulp of 0, and their input gradients then differ by (1 - slope) * dz:
+# at 16x64x56x56 that broke the error rule on the 8-block chain. This holds on both kernel
+# backends (NOTE [Kernel backend choice]): no kernel of ours can reproduce cuDNN's arithmetic,
+# so the Triton path changes the backward (two passes, no temporaries) and the forward only where
+# there is no eager kernel to match (the custom ops that torch.compile runs, the sync variant).
 # Cost: one transient full-size buffer in forward (eager allocates the same y), freed at once.
 def _eager_bn(x, weight, bias, running_mean, running_var, training, momentum, eps):
     if torch.compiler.is_compiling() or x.numel() == 0:
@@ -564,11 +563,12 @@ def _eager_bn(x, weight, bias, running_mean, running_var, training, momentum, ep
     if not training and (running_mean is None or running_var is None):
         return None
     with torch.no_grad():
-        y, mean, invstd = torch.native_batch_norm(
-            x, weight, bias, running_mean, running_var, training, momentum, eps
-        )
+        y, mean, invstd, _, _ = torch._batch_norm_impl_index(
+            x, weight, bias, running_mean, running_var, training, momentum, eps,
+            torch.backends.cudnn.enabled,
+        )  # fmt: skip
     acc = _acc_dtype(x.dtype)
-    if not training:
+    if not training:  # (cuDNN returns no statistics in eval mode)
         mean = running_mean.to(acc)
         invstd = 1.0 / torch.sqrt(running_var.to(acc) + eps)
     return y, mean.to(acc), invstd.to(acc)

@@ -19,19 +19,15 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
-from slimgrad.kernels import _backend
-from slimgrad.ops._bits import pack_bits, unpack_bits
-from slimgrad.ops._output_act import forward_output_only, needs_graph
+from slimgrad.ops._bits import unpack_bits
+from slimgrad.ops._monotone import forward_with_bits, output_only_function
+from slimgrad.ops._output_act import needs_graph
 
 __all__ = ["leaky_relu", "leaky_relu_"]
 
 
 def _fwd_torch(x: Tensor, negative_slope: float = 0.01) -> Tensor:
     return torch.nn.functional.leaky_relu(x, negative_slope)
-
-
-def _bwd_torch(g: Tensor, y: Tensor, negative_slope: float = 0.01) -> Tensor:
-    return torch.ops.aten.leaky_relu_backward(g, y, negative_slope, True)
 
 
 def _bwd_bits(g: Tensor, bits: Tensor, negative_slope: float, out: Tensor | None = None) -> Tensor:
@@ -42,56 +38,28 @@ def _bwd_bits(g: Tensor, bits: Tensor, negative_slope: float, out: Tensor | None
     return torch.where(pos, g, g * negative_slope)
 
 
-class _LeakyReluFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, negative_slope: float, inplace: bool):
-        ctx.slope = negative_slope
-        if _backend.use_triton(x):
-            k = _backend.kernels("leaky_relu")
-            return forward_output_only(
-                ctx,
-                x,
-                inplace,
-                lambda t: k._fwd_triton(t, negative_slope),
-                lambda t: k._fwd_triton_(t, negative_slope),
-            )
-        return forward_output_only(
-            ctx,
-            x,
-            inplace,
-            lambda t: torch.nn.functional.leaky_relu(t, negative_slope),
-            lambda t: torch.nn.functional.leaky_relu_(t, negative_slope),
-        )
-
-    @staticmethod
-    def backward(ctx, g):
-        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
-        (y,) = ctx.saved_tensors
-        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
-            own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
-            k = _backend.kernels("leaky_relu")
-            return k._bwd_triton(g, y, ctx.slope, out=buf if own else None), None, None
-        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
-        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
-            dx = torch.ops.aten.leaky_relu_backward.grad_input(
-                buf, y, ctx.slope, True, grad_input=buf
-            )
-            return dx, None, None
-        return _bwd_torch(g, y, ctx.slope), None, None
+_LeakyReluFn, _bwd_torch = output_only_function(
+    "leaky_relu",
+    "_LeakyReluFn",
+    _fwd_torch,
+    torch.nn.functional.leaky_relu_,
+    torch.ops.aten.leaky_relu_backward,
+    lambda g, y, negative_slope=0.01: (g, y, negative_slope, True),
+)
 
 
 class _LeakyReluBitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, negative_slope: float, inplace: bool):
         ctx.slope = negative_slope
-        bits = pack_bits(x > 0)
-        if inplace:
-            y = torch.nn.functional.leaky_relu_(x, negative_slope)
-            ctx.mark_dirty(y)
-        else:
-            y = torch.nn.functional.leaky_relu(x, negative_slope)
-        ctx.save_for_backward(bits)
-        return y
+        return forward_with_bits(
+            ctx,
+            x,
+            inplace,
+            lambda t: t > 0,
+            lambda t: torch.nn.functional.leaky_relu(t, negative_slope),
+            lambda t: torch.nn.functional.leaky_relu_(t, negative_slope),
+        )
 
     @staticmethod
     def backward(ctx, g):

@@ -20,7 +20,18 @@ Exact mode (additive couplings): the residual stream is held in fixed point, val
 F and G run in the input's dtype, and their outputs are rounded onto the grid (straight-through in
 backward: ``round(f) = f`` for the gradient). Then ``x1 = (x1 + round(F(x2))) - round(F(x2))`` holds
 bit for bit, every block input is rebuilt exactly, and the gradients equal plain autograd's on the
-same network to the bit.
+same network to the bit. The rounding itself runs in float32 (NOTE [Exact-mode arithmetic without
+float64 passes]); its result is the float64 one.
+
+Cost: backward evaluates every F and G once more than plain autograd: the recompute RevNet cannot
+avoid (its inversion and its vector-Jacobian product share that one evaluation; nothing else is
+recomputed, copied or zeroed). Measured on a shared 2-core CPU, one thread, chains of conv3x3+ReLU
+couplings on 8x64x32x32 (``benchmarks/results/reversible.jsonl``): one no-grad forward of every F
+and G costs 0.27-0.28 of a plain step (``fg_over_plain``), so about 1.2-1.3x plain is the floor
+there; step ratios (medians of 5 interleaved pairs, N = 4..64) were 1.16-1.35 in float mode,
+1.11-1.40 in exact mode (against plain autograd of the same fixed-point network) and 1.37-1.56 for
+torch.utils.checkpoint. Side by side at N = 64 (CPU time, 5 interleaved
+steps): revlib 1.7.2 1.28, a minimal hand-written RevNet backward 1.25, this 1.31.
 
 Memory: saves the chain output y (float mode: 1x the input, often shared with the next layer; exact
 mode: the float64 stream, 8 B/elt) + per block 2 CPU RNG states (5056 B each) + 64 sampled elements;
@@ -101,6 +112,47 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
     return _GridRoundFn.apply(t, float(2**grid_bits))
 
 
+# NOTE [Exact-mode arithmetic without float64 passes]
+# ``round(f * 2^b) * 2^-b`` is the same number whether computed in float32 or float64 when f is a
+# float32 (or bf16/fp16) value: scaling by a power of two is exact, and rounding a float to an
+# integer is exact in its own format (overflow, |f| >= 2^(128-b), gives inf and fails the range
+# check either way). So F's output is rounded in float32 (half the bytes of float64), kept as
+# integer-valued "grid units" u, and added to the float64 stream with ``alpha = 2^-b``:
+# ``xa + 2^-b * u`` (the product is exact, so the one rounding is the sum's, as in ``xa + h``).
+# In place (``xa.add_(u, alpha=...)``, u float32) the cast happens inside the sum's loop at the
+# speed of a float64 add; out of place, a mixed-dtype add is ~40x slower on CPU (measured, torch
+# 2.13), so there u is cast to float64 first. Gradients: the straight-through rounding passes
+# ``g.to(f.dtype)`` to F, and F's input gradient is cast back to float64 before it is added to
+# the stream's: the same values and the same two-term sums as plain autograd of
+# ``xa + grid_round(f)``.
+def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
+    # round(f * scale), integer-valued, in float32 (float64 for float64 f)
+    rd = torch.float64 if f.dtype == torch.float64 else torch.float32
+    return torch.mul(f.to(rd), scale).round_()
+
+
+def _add_units(xa: torch.Tensor, u: torch.Tensor, alpha: float, inplace: bool) -> torch.Tensor:
+    # xa + alpha * u with xa float64 on the grid (NOTE [Exact-mode arithmetic without float64
+    # passes])
+    if inplace:
+        return xa.add_(u, alpha=alpha)
+    return torch.add(xa, u.to(xa.dtype), alpha=alpha)
+
+
+class _AddOnGridFn(torch.autograd.Function):
+    # xa + grid_round(f) for autograd (reversible=False, and the first-order recompute is not
+    # needed here): same values and gradients, fewer float64 passes (NOTE [Exact-mode arithmetic
+    # without float64 passes]).
+    @staticmethod
+    def forward(ctx, xa: torch.Tensor, f: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.f_dtype = f.dtype
+        return _add_units(xa, _grid_units(f, scale), 1.0 / scale, inplace=False)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, g.to(ctx.f_dtype), None
+
+
 # --------------------------------------------------------------------------------------------- plan
 @dataclass
 class _Plan:
@@ -120,29 +172,60 @@ class _Plan:
     autocast: tuple = ()
     device: torch.device | None = None
     stream_max: torch.Tensor | None = None
-    forward_params: dict[int, dict] = field(default_factory=dict)  # id(module) -> its parameters
+    # id(F, G or block) -> [(submodule, name, parameter)] as seen in forward
+    forward_params: dict[int, list] = field(default_factory=dict)
+    bn_layers: dict[int, list] = field(default_factory=dict)  # id(module) -> BatchNorms inside
+
+    @property
+    def scale(self) -> float:
+        return float(2**self.grid_bits)
 
 
 def _is_coupling(blk: nn.Module) -> bool:
     return getattr(blk, "_slimgrad_coupling", None) in ("additive", "affine")
 
 
-def _sub(plan: _Plan, fn: nn.Module, xb: torch.Tensor, replay: bool = False) -> torch.Tensor:
-    call = _as_in_forward(plan, fn) if replay else fn
-    if plan.exact:
-        return grid_round(call(xb.to(plan.compute_dtype)), plan.grid_bits)
-    return call(xb)
+def _call(plan: _Plan, fn: nn.Module, xb: torch.Tensor) -> torch.Tensor:
+    # F or G on a stream half; exact mode runs it in the compute dtype and leaves the rounding to
+    # the caller (NOTE [Exact-mode arithmetic without float64 passes]).
+    if not plan.exact:
+        return fn(xb)
+    t = xb.to(plan.compute_dtype)
+    # float64 F gets the stream itself: without grad, hand it an alias, so that a hook keeping it
+    # shows in the storage's use count and the in-place sums (_private) leave it alone
+    return fn(t.detach() if t is xb and not torch.is_grad_enabled() else t)
+
+
+def _coupled(
+    plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
+    # ya = c(xa, h), h = F(xb) as returned by _call. ``inplace`` (exact mode, no grad): xa is a
+    # stream tensor of ours that no one else sees.
+    if not plan.exact:
+        return _half_fwd(blk, xa, h)
+    if torch.is_grad_enabled() and (xa.requires_grad or h.requires_grad):
+        return _AddOnGridFn.apply(xa, h, plan.scale)
+    return _add_units(xa, _grid_units(h, plan.scale), 1.0 / plan.scale, inplace)
+
+
+def _uncoupled(
+    plan: _Plan, blk: nn.Module, ya: torch.Tensor, h: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
+    # xa = c^-1(ya, h), no grad; ``inplace`` writes into ya (a rebuilt tensor of ours).
+    if not plan.exact:
+        return _half_inv(blk, ya, h, inplace=inplace)
+    return _add_units(ya, _grid_units(h, plan.scale), -1.0 / plan.scale, inplace)
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
     # The recompute must use the tensors forward used. Under torch.func.functional_call the module's
     # parameters are swapped only during forward; replay the swap so gradients reach them.
-    rec = plan.forward_params.get(id(fn))
-    if rec is None:
+    entries = plan.forward_params.get(id(fn))
+    if entries is None or all(sub._parameters.get(n) is p for sub, n, p in entries):
         return fn
-    now = dict(fn.named_parameters(remove_duplicate=False))
-    if now.keys() == rec.keys() and all(now[k] is v for k, v in rec.items()):
-        return fn
+    named: list[tuple] = []
+    _walk(fn, named, [], "")  # the same walk, now with qualified names
+    rec = {e[3]: p for e, (_, _, p) in zip(named, entries, strict=True)}
     return lambda x: torch.func.functional_call(fn, rec, (x,), strict=False)
 
 
@@ -196,14 +279,20 @@ def _autocast(state: tuple) -> Iterator[None]:
         yield
 
 
+def _bn_layers(plan: _Plan | None, module: nn.Module) -> list:
+    key = id(module)
+    found = plan.bn_layers.get(key) if plan is not None else None
+    if found is None:
+        found = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if plan is not None:
+            plan.bn_layers[key] = found
+    return found
+
+
 @contextlib.contextmanager
-def _stats_frozen(module: nn.Module) -> Iterator[None]:
+def _stats_frozen(module: nn.Module, plan: _Plan | None = None) -> Iterator[None]:
     # Recompute uses batch statistics (as forward did) without updating running stats a second time.
-    flipped = [
-        m
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
+    flipped = [m for m in _bn_layers(plan, module) if m.training and m.track_running_stats]
     for m in flipped:
         m.track_running_stats = False
     try:
@@ -213,16 +302,29 @@ def _stats_frozen(module: nn.Module) -> Iterator[None]:
             m.track_running_stats = True
 
 
-@contextlib.contextmanager
-def _recompute(plan: _Plan, module: nn.Module, rng_state: tuple | None) -> Iterator[None]:
+def _recompute(plan: _Plan, module: nn.Module, rng_state: tuple | None):
+    # Context for one recompute: the RNG state as before the forward evaluation, batch statistics
+    # without a second running-stat update, the forward's autocast state. Entering torch.autocast
+    # and generator-based contexts costs more than a small F, so the common case (no BatchNorm in
+    # training mode, autocast as in forward) gets a null context.
     if rng_state is not None:
         _rng_set(rng_state, plan.device)
-    with _stats_frozen(module), _autocast(plan.autocast):
-        yield
+    has_bn = any(m.training and m.track_running_stats for m in _bn_layers(plan, module))
+    same = _autocast_state(plan.device) == plan.autocast
+    if not has_bn and same:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(_stats_frozen(module, plan))
+    if not same:
+        stack.enter_context(_autocast(plan.autocast))
+    return stack
 
 
 # ------------------------------------------------------------------------------------ diagnostics
-_SAMPLE_IDX: dict[tuple, tuple] = {}
+# NOTE [Reconstruction diagnostic]: forward keeps DIAG_SAMPLES elements of every block input half
+# (spread over the tensor, gathered with one ``take`` each: views need no copy); backward gathers
+# the same elements of each rebuilt input, and one vectorised pass at the end compares them all.
+_SAMPLE_IDX: dict[tuple, torch.Tensor] = {}
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -230,18 +332,39 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     idx = _SAMPLE_IDX.get(key)
     if idx is None:
         n, k = t.numel(), min(DIAG_SAMPLES, t.numel())
-        lin = torch.arange(k, device=t.device) * (n - 1) // max(k - 1, 1)  # spread, in bounds
-        idx = (lin, torch.unravel_index(lin, t.shape))
+        idx = torch.arange(k, device=t.device) * (n - 1) // max(k - 1, 1)  # spread, in bounds
         if len(_SAMPLE_IDX) > 64:
             _SAMPLE_IDX.clear()
         _SAMPLE_IDX[key] = idx
-    if t.is_contiguous():  # a gather of k elements (the multi-index path is ~100x slower)
-        return t.detach().view(-1).index_select(0, idx[0])
-    return t.detach()[idx[1]]
+    return torch.take(t.detach(), idx)
 
 
 def _samples(stream: tuple) -> tuple:
     return tuple(_sample(s) for s in stream)
+
+
+def _sample_diffs(refs: tuple, rebuilt: tuple) -> tuple:
+    # rebuilt samples minus forward samples, per stream part (no extra memory beyond the refs')
+    return tuple(_sample(t) - r for t, r in zip(rebuilt, refs, strict=True))
+
+
+def _sample_errors(refs: list[tuple], diffs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    # Per block: max |rebuilt - ref| and max |ref| over its samples, as float64 vectors.
+    inf = float("inf")
+    err = torch.stack([e.double() for e in torch._foreach_norm([t for d in diffs for t in d], inf)])
+    scale = torch.stack(
+        [s.double() for s in torch._foreach_norm([t for r in refs for t in r], inf)]
+    )
+    parts = {len(r) for r in refs}
+    if len(parts) == 1:
+        k = parts.pop()
+        return err.view(-1, k).amax(1), scale.view(-1, k).amax(1)
+    ends = torch.tensor([len(r) for r in refs]).cumsum(0).tolist()
+    starts = [0, *ends[:-1]]
+    return (
+        torch.stack([err[i:j].amax() for i, j in zip(starts, ends)]),
+        torch.stack([scale[i:j].amax() for i, j in zip(starts, ends)]),
+    )
 
 
 def _track_max(plan: _Plan, *ts: torch.Tensor) -> None:
@@ -273,18 +396,24 @@ def _to_full(stream: tuple, dim: int) -> tuple:
     return stream if len(stream) == 1 else (torch.cat(stream, dim=dim),)
 
 
-def _block_fwd(plan: _Plan, blk: nn.Module, stream: tuple, record: bool) -> tuple:
+def _block_fwd(
+    plan: _Plan, blk: nn.Module, stream: tuple, record: bool, inplace: bool = False
+) -> tuple:
     # One block forward; with ``record``, capture what its backward needs (RNG states, samples).
+    # ``inplace``: the stream halves are fresh tensors of ours that nothing else sees (exact mode
+    # under no_grad, after the first block), so the sums may overwrite them.
     if _is_coupling(blk):
         a, b = _to_halves(stream, plan.split_dim)
+        if len(stream) != 2:
+            inplace = False  # halves of the chain input (a view of a tensor we may not own)
         if record:
             plan.samples.append(_samples((a, b)))
             rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
-        a = _half_fwd(blk, a, _sub(plan, blk.F, b))
+        a = _coupled(plan, blk, a, _call(plan, blk.F, b), inplace and _private(plan, a))
         if record:
             rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
             plan.rng.append((rng_f, rng_g))
-        b = _half_fwd(blk, b, _sub(plan, blk.G, a))
+        b = _coupled(plan, blk, b, _call(plan, blk.G, a), inplace and _private(plan, b))
         if plan.exact:
             _track_max(plan, a, b)
         return a, b
@@ -293,6 +422,11 @@ def _block_fwd(plan: _Plan, blk: nn.Module, stream: tuple, record: bool) -> tupl
         plan.samples.append(_samples((x,)))
         plan.rng.append((_rng_get(plan.device) if plan.preserve_rng_state else None, None))
     return (blk(x),)
+
+
+def _private(plan: _Plan, t: torch.Tensor) -> bool:
+    # F and G saw t only through a dtype cast (a copy) unless they run in float64 themselves.
+    return plan.compute_dtype != torch.float64 or _sole(t)
 
 
 def _finish(plan: _Plan, stream: tuple) -> torch.Tensor:
@@ -319,13 +453,26 @@ def _sole(t: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
 
 
-def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    # Gradients are summed out of place: a hook may hold either operand.
-    if a is None:
-        return b
+def _add(
+    a: torch.Tensor | None,
+    b: torch.Tensor | None,
+    dtype: torch.dtype | None = None,
+    a_own: bool = False,
+) -> tuple[torch.Tensor | None, bool]:
+    # a + b (b cast to ``dtype`` first) and whether the result is a tensor of ours that nothing
+    # else references. Gradients are summed out of place (a hook may hold either operand), except
+    # into ``a`` when the caller owns it (a_own) and into b's cast (a fresh copy). Two-term sums:
+    # the order is irrelevant.
     if b is None:
-        return a
-    return a + b
+        return a, a_own
+    if a is not None and a_own and (dtype is None or a.dtype == dtype):
+        return a.add_(b), True
+    if dtype is not None and b.dtype != dtype:
+        b = b.to(dtype)
+        return (b if a is None else b.add_(a)), True
+    if a is None:
+        return b, False
+    return a + b, True
 
 
 def _half_bwd(
@@ -342,29 +489,33 @@ def _half_bwd(
     need_xa: bool,
 ) -> tuple:
     # ya = c(xa, fn(xb)): rebuild xa from ya and xb with ONE evaluation of fn, and return
-    # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn.
-    # ya is overwritten with xa when we own it (a tensor we rebuilt ourselves).
+    # (xa, dxa, dxb_part, dparams) where dxb_part is the gradient reaching xb through fn (in fn's
+    # input dtype; the caller adds it to the stream's). ya is overwritten with xa when we own it
+    # (a tensor we rebuilt ourselves).
     additive = blk._slimgrad_coupling == "additive"
     with torch.enable_grad():
-        xb_l = xb.detach().requires_grad_(need_xb)
+        xin = xb.to(plan.compute_dtype) if plan.exact else xb
+        xb_l = xin.detach().requires_grad_(need_xb)
+        del xin
         with _recompute(plan, fn, rng_state):
-            h = _sub(plan, fn, xb_l, replay=True)
+            h = _as_in_forward(plan, fn)(xb_l)  # xb_l is in the compute dtype already
         with torch.no_grad():
-            xa = _half_inv(blk, ya, h.detach(), inplace=ya_own and _sole(ya))
+            xa = _uncoupled(plan, blk, ya, h.detach(), inplace=ya_own and _sole(ya))
         del ya
         if additive:
-            outs, dxa = h, dya
+            # straight-through rounding in exact mode: fn's output gradient is dya in its dtype
+            outs, dxa, gout = h, dya, dya.to(h.dtype)
             inputs = [xb_l if need_xb else None, *params]
         else:
             xa_l = xa.detach().requires_grad_(need_xa)
-            outs, dxa = _half_fwd(blk, xa_l, h), None
+            outs, dxa, gout = _half_fwd(blk, xa_l, h), None, dya
             inputs = [xb_l if need_xb else None, xa_l if need_xa else None, *params]
         del h
         if outs.requires_grad:
-            got = _grad(outs, inputs, dya)
+            got = _grad(outs, inputs, gout)
         else:
             got = [None] * len(inputs)
-        del outs, inputs
+        del outs, inputs, gout
     dxb = got[0]
     if not additive:
         dxa = got[1]
@@ -381,17 +532,22 @@ def _block_bwd(
     need_upstream: bool,
     pgrads: dict[int, torch.Tensor],
 ) -> None:
-    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream] is
-    # replaced in place, so no caller reference keeps the old tensors alive. Only a stream we
-    # rebuilt ourselves (owned) and that nothing else aliases is overwritten by its rebuild.
+    # Rebuild block i's input from its output. ``state`` = [stream, stream_owned, dstream,
+    # dstream_owned] is replaced in place, so no caller reference keeps the old tensors alive. Only
+    # a stream we rebuilt ourselves (owned) and that nothing else aliases is overwritten by its
+    # rebuild. Gradient halves are summed in place only when they are ours and never reached user
+    # code: exact mode with F, G below float64 hands them float32 copies of the stream gradient.
     groups = plan.block_params[i]
     rng_f, rng_g = plan.rng[i]
-    ystream, y_own, dstream = state
-    state[:] = [None, False, None]
+    ystream, y_own, dstream, d_own = state
+    state[:] = [None, False, None, (False, False)]
+    sdt = torch.float64 if plan.exact else None  # exact: the stream's gradient is float64
+    private = plan.exact and plan.compute_dtype != torch.float64
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
         y_own = y_own and len(ystream) == 2
+        own1, own2 = d_own if private and len(dstream) == 2 else (False, False)
         del ystream, dstream
         f_idx, g_idx = groups
         # G half: y2 = c(x2, G(y1)). y1's gradient is needed upstream and for F's parameters.
@@ -401,7 +557,7 @@ def _block_bwd(
         del y2, dy2
         _accumulate(pgrads, g_idx, dg)
         del dg
-        dy1 = _add(dy1, dz)
+        dy1, own1 = _add(dy1, dz, sdt, own1)
         del dz
         # F half: y1 = c(x1, F(x2)).
         fp = [flat_params[j] for j in f_idx]
@@ -411,14 +567,14 @@ def _block_bwd(
         del y1, dy1
         _accumulate(pgrads, f_idx, df)
         del df
-        dx2 = _add(dx2, df2) if need_upstream else None
-        state[:] = [(x1, x2), True, (dx1, dx2)]
+        dx2, own2 = _add(dx2, df2, sdt, own2) if need_upstream else (None, False)
+        state[:] = [(x1, x2), True, (dx1, dx2), (own1, own2)]
         return
     (idx,) = groups
     (y,) = _to_full(ystream, plan.split_dim)
     (dy,) = _to_full(dstream, plan.split_dim)
     del ystream, dstream
-    with torch.no_grad(), _stats_frozen(blk), _autocast(plan.autocast):
+    with torch.no_grad(), _stats_frozen(blk, plan), _autocast(plan.autocast):
         x = blk.inverse(y)
     del y
     with torch.enable_grad():
@@ -429,7 +585,7 @@ def _block_bwd(
         got = _grad(y_re, inputs, dy) if y_re.requires_grad else [None] * len(inputs)
         del y_re, inputs, dy
     _accumulate(pgrads, idx, got[1:])
-    state[:] = [(x,), False, (got[0],)]
+    state[:] = [(x,), False, (got[0],), (False, False)]
 
 
 def _accumulate(pgrads: dict[int, torch.Tensor], idx: list[int], grads: Sequence) -> None:
@@ -438,29 +594,58 @@ def _accumulate(pgrads: dict[int, torch.Tensor], idx: list[int], grads: Sequence
             pgrads[j] = g if j not in pgrads else pgrads[j] + g
 
 
-def _param_groups(
-    blocks: Sequence[nn.Module], flat: Sequence[torch.Tensor]
-) -> list[list[list[int]]]:
-    index = {id(p): j for j, p in enumerate(flat)}
+def _walk(m: nn.Module, entries: list, bns: list, path: str | None = None) -> None:
+    # named_parameters(remove_duplicate=False) as (module, name, parameter[, qualified name]) and
+    # the BatchNorms, in one plain recursion (the generator-based walkers cost ~5x more).
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        bns.append(m)
+    for n, p in m._parameters.items():
+        if p is not None:
+            entries.append((m, n, p) if path is None else (m, n, p, path + n))
+    for name, sub in m._modules.items():
+        if sub is not None:
+            _walk(sub, entries, bns, None if path is None else f"{path}{name}.")
 
-    def idx(m: nn.Module) -> list[int]:
-        return [index[id(p)] for p in m.parameters() if id(p) in index]
 
-    groups = []
-    for blk in blocks:
-        if _is_coupling(blk):
-            groups.append([idx(blk.F), idx(blk.G)])
-        else:
-            groups.append([idx(blk)])
-    return groups
+def _param_table(plan: _Plan) -> list[torch.Tensor]:
+    # One walk over every F and G (or non-coupling block): the Function's parameter inputs (those
+    # requiring grad, each once), per block the indices of F's and G's, and the parameters as seen
+    # now (for _as_in_forward). Walking the modules is the dominant Python cost of a small block,
+    # so it happens once per forward.
+    flat: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    plan.block_params = []
+    for blk in plan.blocks:
+        groups = []
+        for m in (blk.F, blk.G) if _is_coupling(blk) else (blk,):
+            entries: list[tuple] = []
+            bns: list[nn.Module] = []
+            _walk(m, entries, bns)
+            plan.forward_params[id(m)] = entries
+            plan.bn_layers[id(m)] = bns
+            ids: list[int] = []
+            for *_, p in entries:
+                if not p.requires_grad:
+                    continue
+                j = index.get(id(p))
+                if j is None:
+                    j = index[id(p)] = len(flat)
+                    flat.append(p)
+                if j not in ids:
+                    ids.append(j)
+            groups.append(ids)
+        plan.block_params.append(groups)
+    return flat
 
 
 # ------------------------------------------------------------------------ forward and backward
 def _fwd_torch(plan: _Plan, x: torch.Tensor, record: bool) -> torch.Tensor:
-    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs.
+    # The chain forward; with ``record`` (no grad), keep per block what the rebuild needs. In exact
+    # mode without grad the stream is ours after the first block: sums go in place.
+    inplace = plan.exact and not torch.is_grad_enabled()
     stream: tuple = (x,)
     for blk in plan.blocks:
-        stream = _block_fwd(plan, blk, stream, record=record)
+        stream = _block_fwd(plan, blk, stream, record=record, inplace=inplace)
     return _finish(plan, stream)
 
 
@@ -470,24 +655,23 @@ def _bwd_torch(
     # Walk the blocks in reverse from the output: returns (dx or None, {param index: grad}).
     first_needed = _first_block_needing(plan, need_params)
     pgrads: dict[int, torch.Tensor] = {}
-    errors, scales = [], []
-    state = [(y,), False, (dy,)]
+    diffs: list[tuple] = []  # per rebuilt block input: sampled rebuilt - forward values
+    state = [(y,), False, (dy,), (False, False)]
     del y, dy
     devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
     with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
         for i in range(len(plan.blocks) - 1, -1, -1):
             need_upstream = need_x or i > first_needed
             _block_bwd(plan, i, plan.blocks[i], state, plan.flat_params, need_upstream, pgrads)
-            err, scale = _sample_error(plan.samples[i], _rebuilt_for(plan, i, state[0]))
-            errors.append(err)
-            scales.append(scale)
+            diffs.append(_sample_diffs(plan.samples[i], _rebuilt_for(plan, i, state[0])))
             if not need_upstream and i <= first_needed:
                 break
     dstream = state[2]
     state.clear()
-    if plan.sink is not None and errors:
-        first = len(plan.blocks) - len(errors)
-        plan.sink._record_reconstruction(first, errors[::-1], scales[::-1])
+    if plan.sink is not None and diffs:
+        first = len(plan.blocks) - len(diffs)
+        errors, scales = _sample_errors(plan.samples[first:], diffs[::-1])
+        plan.sink._record_reconstruction(first, errors, scales)
     return (_finish(plan, dstream) if need_x else None), pgrads
 
 
@@ -501,7 +685,11 @@ class _ReversibleChainFn(torch.autograd.Function):
             y = y.clone()  # a Function output must be a fresh tensor to be saved as an output
         ctx.plan = plan
         ctx.save_for_backward(y)
-        return y
+        # Exact mode returns the stream in the caller's dtype and keeps the float64 one: the
+        # incoming gradient is then the caller's dtype too (half the bytes of a float64 one); it
+        # enters the float64 gradient stream by exact casts (NOTE [Exact-mode arithmetic without
+        # float64 passes]).
+        return y.to(plan.compute_dtype) if plan.exact else y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -515,14 +703,6 @@ class _ReversibleChainFn(torch.autograd.Function):
         (y,) = ctx.saved_tensors
         dx, pgrads = _bwd_torch(plan, y, dy, ctx.needs_input_grad[1], ctx.needs_input_grad[2:])
         return (None, dx, *[pgrads.get(j) for j in range(len(plan.flat_params))])
-
-
-def _sample_error(refs: tuple, rebuilt: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    err = torch.stack(
-        [(_sample(t).double() - ref.double()).abs().max() for ref, t in zip(refs, rebuilt)]
-    )
-    scale = torch.stack([s.double().abs().max() for s in refs])
-    return err.max(), scale.max()
 
 
 def _rebuilt_for(plan: _Plan, i: int, stream: tuple) -> tuple:
@@ -575,13 +755,6 @@ def reversible_sequential(
     Memory: saves y (plus 10 KiB of RNG state per block); eager saves every activation of every
     block.
     """
-    flat = []
-    seen = set()
-    for blk in blocks:
-        for p in blk.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                flat.append(p)
     plan = _Plan(
         blocks=list(blocks),
         split_dim=split_dim,
@@ -592,13 +765,10 @@ def reversible_sequential(
         sink=sink,
     )
     x_in = grid_round(x, grid_bits) if exact else x
+    flat = _param_table(plan) if torch.is_grad_enabled() and reversible else []
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or bool(flat))
     if reversible and needs_graph and len(plan.blocks) > 0:
         plan.flat_params = flat
-        plan.block_params = _param_groups(plan.blocks, flat)
-        for blk in plan.blocks:
-            for m in (blk.F, blk.G) if _is_coupling(blk) else (blk,):
-                plan.forward_params[id(m)] = dict(m.named_parameters(remove_duplicate=False))
         y = _apply(plan, x_in, flat)
     else:
         y = _fwd_torch(plan, x_in, record=False)
@@ -664,9 +834,9 @@ def reconstruction_error(
             if _is_coupling(blk):
                 y1, y2 = _to_halves(stream, split_dim)
                 with _recompute(plan, blk.G, rng_g):
-                    x2 = _half_inv(blk, y2, _sub(plan, blk.G, y1))
+                    x2 = _uncoupled(plan, blk, y2, _call(plan, blk.G, y1))
                 with _recompute(plan, blk.F, rng_f):
-                    x1 = _half_inv(blk, y1, _sub(plan, blk.F, x2))
+                    x1 = _uncoupled(plan, blk, y1, _call(plan, blk.F, x2))
                 stream = (x1, x2)
                 ref = _to_halves(inputs[i], split_dim)
             else:

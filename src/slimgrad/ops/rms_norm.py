@@ -1,16 +1,42 @@
-"""RMSNorm that keeps its output, not its input.
+"""RMSNorm that keeps its output, not its input (float32/float64; half precision keeps x).
 
 Math: over the trailing ``normalized_shape`` dims (D elements per row), ``rstd = 1 / sqrt(mean(x^2)
 + eps)``, ``xhat = x * rstd``, ``y = xhat * gamma``. Backward with ``g = dy * gamma``: ``dx = rstd *
 (g - xhat * mean(g * xhat))``, ``dgamma = sum_rows(dy * xhat)``, with ``xhat = y / gamma`` rebuilt
 from the output. ``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``F.rms_norm``.
 
-Memory: saves y (the output, shared with the next layer) + rstd (4 B/row, fp32) + the input columns
-of fallback channels (gamma = 0 or subnormal, see NOTE [Normalization from its output: the fallback
-channels] in ``ops/layer_norm.py``); eager (composite ``F.rms_norm``) saves x, x**2's rstd chain and
-x * rstd (about 8 B/elt fp32 plus 4 B/row).
+Memory, per input dtype:
+- float32/float64: saves y (the output, shared with the next layer) + rstd (4 B/row, fp32; 8 B/row
+  in float64) + the input columns of fallback channels (gamma = 0 or subnormal, see NOTE
+  [Normalization from its output: the fallback channels] in ``ops/layer_norm.py``) and their int64
+  indices (8 B each); eager (composite ``F.rms_norm``) saves x and x * rstd (8 B/elt fp32) + rstd.
+- bfloat16/float16: saves x (2 B/elt) + rstd (4 B/row, fp32), not y; eager saves the same float32
+  chain as above, 8 B/elt + 4 B/row (NOTE [RMSNorm and GroupNorm in half precision]).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
+
+# NOTE [RMSNorm and GroupNorm in half precision]
+An 8-bit (bf16) or 11-bit (fp16) output pins xhat = y / gamma only to half an ulp, and dgamma =
+sum_rows(dy * xhat) then rounds a second time; eager computes xhat in fp32 from x and rounds once.
+Measured on a seeded grid (25 seeds; 7 RMSNorm shapes from (1, 64) to (64, 512) and 6 GroupNorm
+shapes up to (8, 32, 16, 16); 3 weight kinds; bf16 and fp16): rebuilding from the output broke the
+GUIDE.md rule in 33 of 1,950 cases, all dgamma, by up to 1.73x the bound, from a single row
+(RMSNorm (1, 64), 1.50x) to GroupNorm (8, 32, 16, 16) (1.56x). The excess is a double rounding
+spread over every element, not confined to ill-conditioned rows or channels, so a per-row or
+per-channel fallback cannot catch it; only more bits of every element can: x itself, or a residual
+of y's rounding (a prototype, not wired in, that kept q = round(16 (y32 - y) / ulp(y)), 4 bits/elt,
+and rebuilt xhat = (y + q ulp / 16) / gamma passed all 350 RMSNorm bf16/fp16 cases of the grid at
+<= 0.47x the bound; 2 bits: 0.69x). ``tests/ops/test_rms_norm.py`` and ``test_group_norm.py``
+keep a fast subset of that grid which finds the old failures. Hence, in half precision:
+- RMSNorm keeps x (2 B/elt) and rstd and computes xhat = x * rstd in fp32 as eager does: 2 B/elt
+  against eager's 8 B/elt (its composite keeps two fp32 copies), still 4x less, and exact.
+- GroupNorm runs eager's ``F.group_norm``: it keeps x (2 B/elt) + its statistics, which is what
+  keeping x in a Function of ours would cost too. The cost: keeping y saved 2 B/elt only where the
+  next layer keeps y anyway (bench case group_norm, conv -> GN -> conv, small, bf16: 0.67x of
+  eager's saved bytes before, 1.00x now); a residual of y's rounding could win part of it back.
+LayerNorm (``ops/layer_norm.py``, not changed here) rebuilds xhat the same way and shares the
+mechanism: on the RMSNorm shapes of the grid above (with a bias; 1,050 bf16/fp16 cases) its dgamma
+exceeded the bound in 4, by up to 1.78x ((1, 64) fp16).
 """
 
 from __future__ import annotations
@@ -35,7 +61,10 @@ from slimgrad.ops.layer_norm import (
     rebuild_xhat,
 )
 
-__all__ = ["rms_norm"]
+__all__ = ["HALF_DTYPES", "rms_norm"]
+
+#: Input dtypes that take the keep-the-input path (NOTE [RMSNorm and GroupNorm in half precision]).
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _fwd_torch(x, normalized_shape, weight, eps):
@@ -45,9 +74,13 @@ def _fwd_torch(x, normalized_shape, weight, eps):
     return y, rstd, idx, xside
 
 
-def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, out=None):
+def _bwd_torch(
+    dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, out=None, from_input=False
+):
     # Same chunked scheme as ops/layer_norm.py's backward; out: dy itself when its buffer is dead
     # (slimgrad.ownership.take), dx then overwrites each chunk of it after the chunk's last read.
+    # from_input: ``y`` is the input x (half precision, NOTE [RMSNorm and GroupNorm in half
+    # precision]) and xhat = x * rstd, as eager computes it.
     acc = _acc_dtype(y.dtype)
     d = math.prod(normalized_shape)
     n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
@@ -61,7 +94,10 @@ def _bwd_torch(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, o
     step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
     for i in range(0, n, step):
         sl = slice(i, i + step)
-        xh = rebuild_xhat(y2[sl], w, None, acc)
+        if from_input:
+            xh = y2[sl].to(acc, copy=True).mul_(r[sl])
+        else:
+            xh = rebuild_xhat(y2[sl], w, None, acc)
         if idx.numel():
             xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
         dyc = dy2[sl].to(acc)
@@ -161,6 +197,65 @@ class _RMSNormFn(torch.autograd.Function):
         return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
 
 
+def _bwd_from_input(dy, x, rstd, weight, normalized_shape, output_mask, out=None):
+    # no fallback channels: x is kept whole
+    no_idx = torch.empty(0, dtype=torch.int64, device=x.device)
+    ns = list(normalized_shape)
+    return _bwd_torch(
+        dy, x, rstd, no_idx, x.new_empty(0), weight, ns, output_mask, out=out, from_input=True
+    )
+
+
+@custom_op("rms_norm_bwd_from_input", mutates_args=())
+def _rms_norm_bwd_from_input(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    normalized_shape: Sequence[int],
+    output_mask: Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _bwd_from_input(dy, x, rstd, weight, normalized_shape, output_mask)
+    empty = x.new_empty(0)
+    return (dx if dx is not None else empty, dw if dw is not None else empty.clone())
+
+
+@_rms_norm_bwd_from_input.register_fake
+def _(dy, x, rstd, weight, normalized_shape, output_mask):
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else None
+    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else None
+    return (dx if dx is not None else x.new_empty(0), dw if dw is not None else x.new_empty(0))
+
+
+class _RMSNormFromInputFn(torch.autograd.Function):
+    # Half precision: keeps x and rstd (NOTE [RMSNorm and GroupNorm in half precision]).
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
+        ctx.normalized_shape = normalized_shape
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.mark_non_differentiable(rstd)
+        return y, rstd
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        x, rstd, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+        if torch.is_grad_enabled():
+            raise no_double_backward("rms_norm")
+        if mask[0] and owns_layout(buf, x):  # eager only (take refuses under torch.compile)
+            dx, dw = _bwd_from_input(buf, x, rstd, weight, ctx.normalized_shape, mask, out=buf)
+        else:
+            dx, dw = _rms_norm_bwd_from_input(dy, x, rstd, weight, ctx.normalized_shape, mask)
+        return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
+
+
+def _apply(x, normalized_shape, weight, eps):
+    fn = _RMSNormFromInputFn if x.dtype in HALF_DTYPES else _RMSNormFn
+    return fn.apply(x, normalized_shape, weight, eps)[0]
+
+
 def rms_norm(
     input: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -171,8 +266,9 @@ def rms_norm(
 
     ``y = x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape`` dims.
 
-    Memory: saves y (shared with the next layer) + 4 B/row (rstd) + fallback input columns
-    (weight = 0); eager saves x and intermediates (about 8 B/elt fp32).
+    Memory: fp32: saves y (shared with the next layer) + 4 B/row (rstd) + fallback input
+    columns (weight = 0); bf16/fp16: saves x (2 B/elt) + 4 B/row; eager saves x and x * rstd in
+    fp32 (8 B/elt) + 4 B/row in every one of these dtypes.
 
     Args:
         input: ``(*, *normalized_shape)``.
@@ -196,5 +292,5 @@ def rms_norm(
         if probe.dtype != input.dtype:
             input, weight = autocast_inputs(probe.dtype, input, weight)
         with torch.autocast(dev, enabled=False):
-            return _RMSNormFn.apply(input, normalized_shape, weight, eps)[0]
-    return _RMSNormFn.apply(input, normalized_shape, weight, eps)[0]
+            return _apply(input, normalized_shape, weight, eps)
+    return _apply(input, normalized_shape, weight, eps)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad import ownership
-from slimgrad.kernels import _backend
-from slimgrad.ops._output_act import forward_output_only, needs_graph
+from slimgrad.ops._monotone import output_only_function
+from slimgrad.ops._output_act import needs_graph
 
 __all__ = ["tanh", "tanh_"]
 
@@ -24,32 +23,9 @@ def _fwd_torch(x: Tensor) -> Tensor:
     return torch.tanh(x)
 
 
-def _bwd_torch(g: Tensor, y: Tensor) -> Tensor:
-    return torch.ops.aten.tanh_backward(g, y)
-
-
-class _TanhFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, inplace: bool):
-        if _backend.use_triton(x):
-            k = _backend.kernels("tanh")
-            return forward_output_only(
-                ctx, x, inplace, lambda t: k._fwd_triton(t), lambda t: k._fwd_triton_(t)
-            )
-        return forward_output_only(ctx, x, inplace, torch.tanh, torch.tanh_)
-
-    @staticmethod
-    def backward(ctx, g):
-        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
-        (y,) = ctx.saved_tensors
-        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
-            own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
-            k = _backend.kernels("tanh")
-            return k._bwd_triton(g, y, out=buf if own else None), None
-        # eager only (take refuses under torch.compile): dx is written into g's dead buffer
-        if buf is not None and buf.shape == y.shape and buf.dtype == y.dtype:
-            return torch.ops.aten.tanh_backward.grad_input(buf, y, grad_input=buf), None
-        return _bwd_torch(g, y), None
+_TanhFn, _bwd_torch = output_only_function(
+    "tanh", "_TanhFn", _fwd_torch, torch.tanh_, torch.ops.aten.tanh_backward, lambda g, y: (g, y)
+)
 
 
 def tanh(input: Tensor, inplace: bool = False) -> Tensor:

@@ -1,32 +1,40 @@
-"""Reversible chain of N additive couplings (F = G = conv3x3 + ReLU) vs plain and checkpoint.
+"""Reversible chains of N additive conv couplings vs plain autograd and torch.utils.checkpoint.
 
-Input 8x64x32x32 fp32 (``small``: 2x8x8x8), loss ``(y * r).sum()``. ``build(n_blocks, ...)`` returns
-the three models on the same blocks (same weights) and an input maker; ``main()`` measures each with
-``slimgrad.memory.measure`` at N = 4, 8, 16, 32, 64, times interleaved steps (CPU time per step,
-one thread) and prints/appends JSON records. For ``slimgrad bench`` the module also registers
-harness cases ``reversible_n{N}`` (eager = plain chain, slim = ReversibleSequential) and
-``reversible_exact_n{N}`` (eager = plain autograd of the fixed-point network, slim = exact mode).
+F = G = conv3x3(32, 32) + ReLU, input 8x64x32x32 fp32 (``small``: 2x8x8x8), loss
+``(chain(x) * r).sum()``; every model is built from the same blocks (same weights). Cases for the
+shared harness, eager side = the plain chain in each member:
+
+- ``reversible_n{N}``: slim = ``ReversibleSequential`` (float mode);
+- ``reversible_ckpt_n{N}``: slim = the same blocks, each under ``torch.utils.checkpoint``;
+- ``reversible_exact_n{N}``: exact mode; its eager side is plain autograd of the same fixed-point
+  network (``ReversibleSequential(..., exact=True, reversible=False)``);
+- ``slimgrad bench reversible``: the sweep, all of the above at N = 4, 8, 16, 32, 64: one record
+  each (peak/saved bytes, interleaved time ratio with spread, float64 gradient-rule check),
+  appended to ``benchmarks/results/reversible.jsonl`` with ``n_blocks``, ``variant``, the sampled
+  reconstruction error, whether the gradients equal the eager side's bit for bit, and (float
+  records) ``fg_over_plain``: the time of one forward of every F and G (no grad) over a plain step,
+  the recompute a reversible backward cannot avoid.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from slimgrad.bench import harness
 from slimgrad.nn.reversible import AdditiveCoupling, ReversibleSequential
 
 DEPTHS = (4, 8, 16, 32, 64)
+VARIANTS = ("rev", "ckpt", "exact")
 
 
 def _blocks(n_blocks: int, c_half: int, device, dtype) -> list[nn.Module]:
@@ -38,18 +46,20 @@ def _blocks(n_blocks: int, c_half: int, device, dtype) -> list[nn.Module]:
 
 
 class _Checkpointed(nn.Module):
+    # each block under torch.utils.checkpoint; parameter names as the plain chain's ("0.F.0.weight")
     def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(blocks)
+        for i, blk in enumerate(blocks):
+            self.add_module(str(i), blk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.blocks:
+        for blk in self._modules.values():
             x = checkpoint(blk, x, use_reentrant=False)
         return x
 
 
 class _Loss(nn.Module):
-    # model(x, r) -> (model(x) * r).sum(), so every side is measured on the same scalar loss
+    # model(x, r) -> (body(x) * r).sum(), so every side is measured on the same scalar loss
     def __init__(self, body: nn.Module) -> None:
         super().__init__()
         self.body = body
@@ -74,7 +84,8 @@ def build(n_blocks: int, device="cpu", dtype=torch.float32, small: bool = False,
     else:
         plain = _Loss(nn.Sequential(*copy.deepcopy(blocks)))
         ckpt = _Loss(_Checkpointed(copy.deepcopy(blocks)))
-    rev = _Loss(ReversibleSequential(*copy.deepcopy(blocks), exact=exact))
+    # the drift is recorded (reconstruction_max_rel), not warned about on every timed step
+    rev = _Loss(ReversibleSequential(*copy.deepcopy(blocks), exact=exact, warn_rel_error=None))
 
     def make_inputs():
         g = torch.Generator().manual_seed(1)
@@ -85,133 +96,171 @@ def build(n_blocks: int, device="cpu", dtype=torch.float32, small: bool = False,
     return plain, ckpt, rev, make_inputs
 
 
-def _harness_build(n_blocks: int, device, dtype, small: bool = False, exact: bool = False):
-    plain, _, rev, make_inputs = build(n_blocks, device, dtype, small, exact=exact)
-    # same parameter names on both sides: plain.body.0.F.0.weight == rev.body.0.F.0.weight
-    return plain, rev, make_inputs
+def _pair(variant: str, n_blocks: int, device, dtype, small: bool = False):
+    # the harness's (eager, slim, make_inputs); parameter names match across sides
+    plain, ckpt, rev, make_inputs = build(n_blocks, device, dtype, small, exact=variant == "exact")
+    return plain, (ckpt if variant == "ckpt" else rev), make_inputs
 
 
-try:  # the bench harness lands separately; without it only main() is available
-    from slimgrad.bench.harness import Case
-
-    CASES = [
-        Case(
-            name=f"reversible_n{n}",
-            build=functools.partial(_harness_build, n),
-            description=f"reversible chain, {n} additive conv couplings, 8x64x32x32",
-            repeat=3,
-        )
-        for n in DEPTHS
-    ] + [
-        Case(
-            name=f"reversible_exact_n{n}",
-            build=functools.partial(_harness_build, n, exact=True),
-            description=f"reversible chain, exact (fixed-point) mode, {n} couplings, 8x64x32x32",
-            repeat=3,
-        )
-        for n in DEPTHS
-    ]
-except ImportError:  # pragma: no cover
-    CASES = []
+def _name(variant: str, n: int) -> str:
+    return {"rev": "reversible", "ckpt": "reversible_ckpt", "exact": "reversible_exact"}[
+        variant
+    ] + f"_n{n}"
 
 
-def _step(model: nn.Module, inputs) -> None:
+_DESC = {
+    "rev": "reversible chain (float mode) vs plain",
+    "ckpt": "torch.utils.checkpoint per block vs plain",
+    "exact": "reversible chain, exact (fixed-point) mode, vs plain autograd of the same network",
+}
+
+
+# --------------------------------------------------------------------------------- extra figures
+def _step(model: nn.Module, inputs) -> torch.Tensor:
     for p in model.parameters():
         p.grad = None
     model(*inputs).backward()
+    return inputs[0].grad
 
 
-def _grads(model: nn.Module, inputs) -> list[torch.Tensor]:
-    _step(model, inputs)
-    return [inputs[0].grad, *[p.grad for p in model.parameters()]]
+def _extras(variant: str, n: int, device, dtype, small: bool) -> dict[str, Any]:
+    # Gradients bit for bit against the eager side, the reversible chain's reconstruction report,
+    # and (float) the F+G-forward share of a plain step.
+    eager, slim, make_inputs = _pair(variant, n, device, dtype, small)
+    grads = []
+    for m in (eager, slim):
+        gx = _step(m, make_inputs())
+        grads.append([gx, *[p.grad for p in m.parameters()]])
+    out: dict[str, Any] = {
+        "grads_bit_identical": all(torch.equal(a, b) for a, b in zip(*grads, strict=True)),
+        "grad_max_rel_err": max(
+            float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+            for a, b in zip(grads[1], grads[0], strict=True)
+        ),
+    }
+    report = getattr(getattr(slim, "body", None), "last_reconstruction", None)
+    if report is not None:
+        out["reconstruction_max_abs"] = report.max_abs
+        out["reconstruction_max_rel"] = report.max_rel
+    if variant == "rev":
+        out.update(_fg_share(eager, make_inputs, device))
+    return out
 
 
-def _rel_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((u - v).abs().max() / v.abs().max().clamp_min(1e-30)) for u, v in zip(a, b))
+def _fg_share(plain: nn.Module, make_inputs, device, repeat: int = 3) -> dict[str, float]:
+    # Floor of any reversible backward: it evaluates every F and G once more than plain autograd.
+    blocks = list(plain.body)
+    x, _ = make_inputs()
+    halves = x.detach().chunk(2, dim=1)
+
+    def fg() -> None:
+        with torch.no_grad():
+            for blk in blocks:
+                blk.F(halves[1])
+                blk.G(halves[0])
+
+    ratios = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        _step(plain, make_inputs())
+        t1 = time.perf_counter()
+        fg()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ratios.append((time.perf_counter() - t1) / (t1 - t0))
+    return {"fg_over_plain": statistics.median(ratios)}
 
 
-def run(depths=DEPTHS, small=False, repeat=5, exact=False, out: Path | None = None) -> list[dict]:
-    """Measure and time plain / checkpoint / reversible at each depth; one record per depth."""
-    from slimgrad.memory import measure
+# ----------------------------------------------------------------------------------- the sweep
+def run_sweep(
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    small: bool = False,
+    repeat: int | None = None,
+    warmup: int | None = None,
+    grad_check: bool | None = None,
+    out_dir=None,
+    seed: int = 0,
+    progress=None,
+    depths=DEPTHS,
+    variants=VARIANTS,
+) -> dict[str, Any]:
+    """Run ``reversible_{variant}_n{N}`` for every depth and variant through the shared harness.
 
-    torch.set_num_threads(1)
+    Each record (the harness's, plus ``suite``, ``variant``, ``n_blocks`` and the figures of
+    ``_extras``) is appended to ``out_dir/reversible.jsonl``. Returns the last record with
+    ``suite_records`` (all of them) and ``grad`` replaced by the first failing check, if any.
+    """
+    say = progress or (lambda msg: None)
+    device = torch.device(device)
     records = []
     for n in depths:
-        plain, ckpt, rev, make_inputs = build(n, small=small, exact=exact)
-        models = {"plain": plain, "ckpt": ckpt, "rev": rev}
-        models = {k: m for k, m in models.items() if m is not None}
-        rec: dict = {"case": "reversible", "n_blocks": n, "small": small, "exact": exact}
-        ref = _grads(models["plain"], make_inputs())
-        for name, m in models.items():
-            inputs = make_inputs()
-            for p in m.parameters():
-                p.grad = None
-            mem = measure(lambda m=m, inputs=inputs: m(*inputs))
-            rec[f"{name}_peak_bytes"] = mem.peak_bytes
-            rec[f"{name}_saved_bytes"] = mem.saved_bytes
-            rec[f"{name}_retained_bytes"] = mem.retained_bytes
-            got = _grads(m, make_inputs())
-            rec[f"{name}_grad_rel_err"] = _rel_err(got, ref)
-            rec[f"{name}_grads_bit_identical"] = all(torch.equal(a, b) for a, b in zip(got, ref))
-        rec["param_bytes"] = sum(p.numel() * p.element_size() for p in models["rev"].parameters())
-        report = models["rev"].body.last_reconstruction
-        if report is not None:
-            rec["rev_reconstruction_max_abs"] = report.max_abs
-            rec["rev_reconstruction_max_rel"] = report.max_rel
-        # interleaved timing: CPU time of one step (one thread), pairs plain/ckpt/rev in turn
-        times: dict[str, list[float]] = {k: [] for k in models}
-        for m in models.values():
-            _step(m, make_inputs())  # warm-up
-        for _ in range(repeat):
-            for name, m in models.items():
-                inputs = make_inputs()
-                t0 = time.process_time()
-                _step(m, inputs)
-                times[name].append(time.process_time() - t0)
-        for name in [k for k in ("ckpt", "rev") if k in models]:
-            ratios = [a / b for a, b in zip(times[name], times["plain"])]
-            rec[f"{name}_over_plain_median"] = statistics.median(ratios)
-            rec[f"{name}_over_plain_min"] = min(ratios)
-            rec[f"{name}_over_plain_max"] = max(ratios)
-        for name in models:
-            rec[f"{name}_step_ms_median"] = 1e3 * statistics.median(times[name])
-        rec.update(
-            commit=_commit(),
-            torch=torch.__version__,
-            device="cpu",
-            threads=torch.get_num_threads(),
-            repeat=repeat,
-            timing="process_time per step, interleaved",
-        )
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with out.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-    return records
+        for variant in variants:
+            name = _name(variant, n)
+            rec = harness.run_case(
+                _case(variant, n),
+                device=device,
+                dtype=dtype,
+                small=small,
+                repeat=repeat,
+                warmup=warmup,
+                grad_check=grad_check,
+                out_dir=None,
+                seed=seed,
+                progress=None,
+            )
+            rec.update(suite="reversible", variant=variant, n_blocks=n)
+            rec.update(_extras(variant, n, device, dtype, small))
+            if out_dir is not None:
+                path = Path(out_dir) / "reversible.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                rec["record_path"] = str(path)
+            g = rec.get("grad")
+            say(
+                f"{name}: peak {rec['eager']['peak_bytes'] / 2**20:.1f} -> "
+                f"{rec['slimgrad']['peak_bytes'] / 2**20:.1f} MiB, time x{rec['time_ratio']:.3f} "
+                f"[{rec['time_ratio_min']:.3f}..{rec['time_ratio_max']:.3f}], grads "
+                + (
+                    "bit-identical"
+                    if rec["grads_bit_identical"]
+                    else f"rel {rec['grad_max_rel_err']:.1e}"
+                )
+                + ("" if g is None else f", rule {'OK' if g['ok'] else 'VIOLATED'}")
+            )
+            records.append(rec)
+    # What `slimgrad bench` prints and its exit status read: the last record (N = 64), renamed to
+    # the sweep, with the gradient verdict over all records (failing members' names prefixed).
+    last = dict(records[-1], case="reversible", suite_records=records)
+    failed = [r for r in records if r.get("grad") is not None and not r["grad"]["ok"]]
+    if failed:
+        g = failed[0]["grad"]
+        named = [{**v, "name": f"{failed[0]['case']}: {v['name']}"} for v in g["violations"]]
+        last["grad"] = {**g, "violations": named, "failed_cases": [r["case"] for r in failed]}
+    return last
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+def _case(variant: str, n: int) -> harness.Case:
+    return harness.Case(
+        name=_name(variant, n),
+        build=functools.partial(_pair, variant, n),
+        description=f"{_DESC[variant]}, {n} couplings (conv3x3+ReLU), 8x64x32x32",
+        repeat=5,
+        source=__name__,
+    )
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--depths", type=int, nargs="*", default=list(DEPTHS))
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--exact", action="store_true")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=None, help="append JSONL records here")
-    args = ap.parse_args(argv)
-    run(args.depths, args.small, args.repeat, args.exact, args.out)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+_build_sweep = functools.partial(_pair, "rev", DEPTHS[-1])
+# Only the sweep is registered (``slimgrad bench --all`` runs each member once); one member alone:
+# ``run_sweep(depths=(64,), variants=("exact",), out_dir=...)`` or ``harness.run_case(_case(...))``.
+CASES = [
+    harness.Case(
+        name="reversible",
+        build=_build_sweep,
+        description="sweep N = 4..64: reversible (float, exact) vs plain vs checkpoint",
+        repeat=5,
+        run=run_sweep,
+    )
+]

@@ -63,9 +63,11 @@ static inline void masks32(const float *restrict x, int64_t m, float xstar, floa
 }
 
 /* Pass 1: branch bits, y correctly rounded within the zone, and per block the number of hard
- * elements: cnt[2b] window hits (|x - x*| < window, or non-finite x), cnt[2b + 1] tail-only hits. */
-void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, int64_t n, int act,
-                    float xstar, float zone, float window, int has_tail, float tail, int nt) {
+ * elements: cnt[2b] window hits (|x - x*| < window, or non-finite x), cnt[2b + 1] tail-only hits;
+ * flags[w] (one byte per 32 elements): bit 0 = word w has window hits, bit 1 = tail-only hits. */
+void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, uint8_t *flags,
+                    int64_t n, int act, float xstar, float zone, float window, int has_tail,
+                    float tail, int nt) {
     int64_t nb = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t b = 0; b < nb; b++) {
@@ -78,6 +80,7 @@ void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, int64
             memcpy(bits + (k >> 3), &r, (size_t)((m + 7) >> 3)); /* little-endian: LSB first */
             cw += __builtin_popcount(w);
             ct += __builtin_popcount(tl);
+            flags[k >> 5] = (uint8_t)((w != 0) | ((tl != 0) << 1)); /* for pass 2 */
             while (z) { /* rare: the float64 forward, correctly rounded */
                 int j = __builtin_ctz(z);
                 y[k + j] = (float)f64((double)x[k + j], act);
@@ -90,10 +93,12 @@ void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, int64
 }
 
 /* Pass 2: the hard elements' flat index and x, block b's at off[b]: its window hits, then its
- * tail-only hits, each ascending (the PyTorch path's order for finite inputs). */
+ * tail-only hits, each ascending (the PyTorch path's order for finite inputs); only the words
+ * pass 1 flagged are read again. */
 #define COLLECT(IDX_T, NAME)                                                                       \
-    void NAME(const float *x, const int64_t *cnt, const int64_t *off, IDX_T *idx, float *xs,      \
-              int64_t n, float xstar, float window, int has_tail, float tail, int nt) {           \
+    void NAME(const float *x, const int64_t *cnt, const uint8_t *flags, const int64_t *off,       \
+              IDX_T *idx, float *xs, int64_t n, float xstar, float window, int has_tail,          \
+              float tail, int nt) {                                                                \
         int64_t nb = (n + BLOCK - 1) / BLOCK;                                                      \
         _Pragma("omp parallel for num_threads(nt) schedule(static)")                              \
         for (int64_t b = 0; b < nb; b++) {                                                         \
@@ -102,6 +107,7 @@ void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, int64
             for (int pass = 0; pass < 2; pass++) {                                                 \
                 if (!cnt[2 * b + pass]) continue;                                                  \
                 for (int64_t k = a; k < e; k += 32) {                                              \
+                    if (!((flags[k >> 5] >> pass) & 1)) continue; /* no such hit in the word */   \
                     int64_t m = e - k < 32 ? e - k : 32;                                           \
                     uint32_t r, z, w, tl;                                                          \
                     masks32(x + k, m, xstar, 0.0f, window, has_tail, tail, &r, &z, &w, &tl);      \

@@ -1,0 +1,420 @@
+"""Issue 8's GPU checks in one go: ``python -m slimgrad.kernels._gpu_check``.
+
+Three steps, each appending one JSON record (two per end-to-end case) to ``--out``
+(``benchmarks/results/gpu_check.jsonl``) with the device, versions, commit and backend:
+
+1. ``tests``: the suite's CUDA tests, ``pytest tests -k cuda`` (the ``cuda`` ids of the
+   ``device``-parametrised tests and the CUDA-only tests); counts and the failing test ids.
+2. ``kernels``: ``python -m slimgrad.kernels._bench`` (per op and size: bandwidth as a fraction of
+   the measured copy bandwidth, fwd+bwd against eager; its records go to
+   ``benchmarks/results/kernels.jsonl``); here the worst figures and the 80%-of-copy target.
+3. ``e2e`` per case (``gpt2``, ``resnet50``, ``resnet50_inplace_abn``; ``hf_gpt2`` when
+   transformers is installed): ``slimgrad.bench.run_case`` on CUDA (interleaved step times against
+   eager, saved/peak bytes by ``slimgrad.memory``, the float64 gradient check; its record goes to
+   ``benchmarks/results/<case>.jsonl``), then, per side, one more step measured by
+   ``slimgrad.memory.measure`` *and* the CUDA caching allocator at once (NOTE [Tracker against the
+   allocator]). Targets: step time <= 1.03x eager, peaks agreeing within the allocator's rounding.
+
+Without CUDA every CUDA part is skipped with a message and a record saying so; ``--device cpu``
+runs the end-to-end step on CPU (tracker figures only), ``--bench-smoke`` the bench under the
+interpreter, ``--force-tests`` the pytest step: the logic can be exercised on any machine. Each
+step can be run alone (``--steps``) to stay within a time limit. Exit status: 1 when a step that
+ran failed (a test, a gradient check, the tracker disagreeing with the allocator), else 0; timing
+and bandwidth targets are reported, not enforced.
+
+On a lent GPU with a 10-minute limit per command, one step per call::
+
+    python -m slimgrad.kernels._gpu_check --steps tests
+    python -m slimgrad.kernels._gpu_check --steps kernels            # --bench-args "--repeat 10"
+    python -m slimgrad.kernels._gpu_check --steps e2e --cases gpt2,resnet50
+    python -m slimgrad.kernels._gpu_check --steps e2e --cases resnet50_inplace_abn,hf_gpt2
+
+# NOTE [Tracker against the allocator]
+``torch.cuda.max_memory_allocated`` counts block sizes: each request rounded up by the caching
+allocator (to 512 B; a cached block is handed out unsplit when less than 1 MiB would remain), at
+allocation granularity, including buffers an op allocates and frees inside itself (cuDNN/cuBLAS
+workspaces), which no dispatch-level tracker sees. ``slimgrad.memory`` counts storage bytes at op
+boundaries. The allocator also keeps ``requested_bytes`` (sizes before rounding), so the step is
+run once under both and split into ``rounding_bytes = allocated_peak - requested_peak`` and
+``untracked_bytes = requested_peak - tracker_peak`` (intra-op temporaries). ``agrees`` means
+``tracker_peak <= allocated_peak <= tracker_peak + rounding_bytes + --mem-tol-bytes``; a failure
+names the op where the tracker peaked, to look for the workspace there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+E2E_CASES = ("gpt2", "resnet50", "resnet50_inplace_abn", "hf_gpt2")
+STEPS = ("tests", "kernels", "e2e")
+TIME_TARGET = 1.03  # end-to-end step time / eager (issue 8)
+BANDWIDTH_TARGET = 0.80  # kernel bandwidth / copy bandwidth (issue 8)
+
+
+def _say(msg: str) -> None:
+    print(f"[gpu_check] {msg}", flush=True)
+
+
+def meta(device: torch.device) -> dict[str, Any]:
+    """Device, versions, commit, backend: the fields every record carries."""
+    from slimgrad.bench.harness import device_name, environment, git_commit
+    from slimgrad.kernels import _backend
+
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "versions": {k: v for k, v in environment().items() if k != "gpus"},
+        "commit": git_commit(),
+        "backend": _backend.get_backend(),
+        "triton_available": _backend.triton_available(),
+        "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def _skipped(step: str, reason: str, **extra: Any) -> dict[str, Any]:
+    _say(f"{step}: SKIPPED: {reason}")
+    return {"step": step, "ok": None, "skipped": reason, **extra}
+
+
+# ------------------------------------------------------------------------------------- 1. tests
+def run_tests(pytest_args: list[str], *, force: bool = False, timeout_s: float = 3000) -> dict:
+    """Run pytest with ``pytest_args`` (default selection: the CUDA tests) and summarise it."""
+    if not torch.cuda.is_available() and not force:
+        return _skipped(
+            "tests", "no CUDA device: every CUDA test would be skipped or deselected (run with a "
+            "GPU, or --force-tests to run the selection anyway)"
+        )  # fmt: skip
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return _skipped("tests", "pytest is not installed (pip install slimgrad[dev])")
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *pytest_args, "-q", "-p", "no:cacheprovider",
+               f"--junitxml={xml}"]  # fmt: skip
+        _say("tests: " + " ".join(cmd[2:]))
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        summary = parse_junit(xml) if xml.exists() else {}
+    tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
+    rec = {
+        "step": "tests",
+        "command": cmd[2:-1],
+        "returncode": r.returncode,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        **summary,
+        "output_tail": tail,
+    }
+    # 5: no test collected (e.g. a selection that matches nothing): not a failure of the code
+    rec["ok"] = r.returncode in (0, 5) and not summary.get("failed_ids")
+    _say(f"tests: {summary.get('passed')} passed, {summary.get('failed')} failed, "
+         f"{summary.get('skipped')} skipped (exit {r.returncode})")  # fmt: skip
+    return rec
+
+
+def parse_junit(path: Path) -> dict[str, Any]:
+    """Counts and failing ids from a pytest ``--junitxml`` file."""
+    root = ET.parse(path).getroot()
+    cases = list(root.iter("testcase"))
+    failed, skipped = [], 0
+    for c in cases:
+        if c.find("failure") is not None or c.find("error") is not None:
+            failed.append(f"{c.get('classname')}::{c.get('name')}")
+        elif c.find("skipped") is not None:
+            skipped += 1
+    return {
+        "collected": len(cases),
+        "passed": len(cases) - len(failed) - skipped,
+        "failed": len(failed),
+        "skipped": skipped,
+        "failed_ids": failed[:50],
+    }
+
+
+# ----------------------------------------------------------------------------------- 2. kernels
+def run_kernel_bench(bench_args: list[str], out: str, *, smoke: bool = False) -> dict:
+    """``python -m slimgrad.kernels._bench`` in a subprocess, summarised from its new records."""
+    from slimgrad.kernels import _backend
+
+    if not _backend.triton_available():
+        return _skipped("kernels", "triton is not installed (pip install slimgrad[triton])")
+    if not torch.cuda.is_available() and not smoke:
+        return _skipped(
+            "kernels", "no CUDA device: the bandwidth figures need one (--bench-smoke runs the "
+            "bench's plumbing under the interpreter)"
+        )  # fmt: skip
+    cmd = [sys.executable, "-m", "slimgrad.kernels._bench", *bench_args]
+    cmd += ["--smoke"] if smoke else ["--out", out]
+    n_before = _count_lines(out)
+    _say("kernels: " + " ".join(cmd[2:]))
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    rec: dict[str, Any] = {
+        "step": "kernels",
+        "command": cmd[2:],
+        "returncode": r.returncode,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "ok": r.returncode == 0,
+        "output_tail": (r.stdout + r.stderr).strip().splitlines()[-20:],
+    }
+    if not smoke:
+        rec.update(summarize_kernels(_read_jsonl(out)[n_before:]))
+        rec["records"] = out
+    _say(f"kernels: exit {r.returncode}; " + json.dumps(rec.get("worst", {})))
+    return rec
+
+
+def summarize_kernels(records: list[dict]) -> dict[str, Any]:
+    """Worst figures over the bench's records, and the cases below the bandwidth target."""
+    if not records:
+        return {"n_records": 0}
+    frac = [(min(r["fwd_fraction_of_copy"], r["bwd_fraction_of_copy"]), r) for r in records]
+    below = sorted(
+        {f"{r['case']}@{r['numel']}" for f, r in frac if f < BANDWIDTH_TARGET}
+    )  # fmt: skip
+    worst_f, worst_r = min(frac, key=lambda t: t[0])
+    slowest = max(records, key=lambda r: r["triton_over_eager"])
+    return {
+        "n_records": len(records),
+        "copy_bandwidth_Bps": records[0]["copy_bandwidth_Bps"],
+        "bandwidth_target": BANDWIDTH_TARGET,
+        "below_bandwidth_target": below,
+        "worst": {
+            "fraction_of_copy": worst_f,
+            "fraction_case": f"{worst_r['case']}@{worst_r['numel']}",
+            "triton_over_eager": slowest["triton_over_eager"],
+            "ratio_case": f"{slowest['case']}@{slowest['numel']}",
+        },
+    }
+
+
+def _count_lines(path: str) -> int:
+    return len(_read_jsonl(path))
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# --------------------------------------------------------------------------------------- 3. e2e
+def _as_tuple(xs: Any) -> tuple:
+    return xs if isinstance(xs, tuple) else tuple(xs) if isinstance(xs, list) else (xs,)
+
+
+def _clear(model: Any, xs: tuple = ()) -> None:
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            p.grad = None
+    for x in xs:
+        if isinstance(x, torch.Tensor) and x.is_leaf:
+            x.grad = None
+
+
+def allocator_vs_tracker(
+    build: Callable, device: torch.device, dtype: torch.dtype, *, small: bool, seed: int = 0,
+    warmup: int = 2, mem_tol_bytes: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Per side (eager, slimgrad): one step measured by slimgrad.memory and, on CUDA, by the
+    caching allocator around the same step (NOTE [Tracker against the allocator])."""
+    from slimgrad.memory import measure
+
+    torch.manual_seed(seed)
+    eager, slim, make_inputs = build(device, dtype, small=small)
+
+    def fresh() -> tuple:
+        torch.manual_seed(seed + 1)
+        return _as_tuple(make_inputs())
+
+    cuda = device.type == "cuda"
+    out: dict[str, Any] = {}
+    grad = None
+    for side, model in (("eager", eager), ("slimgrad", slim)):
+        # warm-up: lazy initialisation, cuBLAS/cuDNN handles and workspaces, caches
+        for _ in range(max(warmup, 1)):
+            xs = fresh()
+            _clear(model, xs)
+            y = model(*xs)
+            if y.numel() != 1 and grad is None:
+                gen = torch.Generator().manual_seed(seed + 2)
+                grad = torch.randn(y.shape, generator=gen).to(device=y.device, dtype=y.dtype)
+            y.backward(grad if y.numel() != 1 else None)
+            del y, xs
+            _clear(model)
+        xs = fresh()
+        _clear(model, xs)
+        importlib.import_module("torch._dynamo")  # else imported lazily inside the measured step
+        gc.collect()
+        gc.disable()
+        try:
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                base_req = torch.cuda.memory_stats(device).get("requested_bytes.all.current")
+            m = measure(
+                lambda model=model, xs=xs: model(*xs),
+                grad=grad,
+                module=model if isinstance(model, torch.nn.Module) else None,
+                timeline=False,
+            )
+            if cuda:
+                torch.cuda.synchronize(device)
+                alloc_peak = torch.cuda.max_memory_allocated(device) - base
+                req = torch.cuda.memory_stats(device).get("requested_bytes.all.peak")
+        finally:
+            gc.enable()
+        side_rec: dict[str, Any] = {
+            "tracker_peak_bytes": m.peak_bytes,
+            "tracker_peak_op": m.peak_op,
+            "tracker_saved_bytes": m.saved_bytes,
+        }
+        if cuda:
+            side_rec.update(compare_peaks(m.peak_bytes, alloc_peak,
+                                          None if req is None else req - base_req,
+                                          mem_tol_bytes))  # fmt: skip
+        out[side] = side_rec
+        del xs, m
+        _clear(model)
+    del eager, slim
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def compare_peaks(
+    tracker_peak: int, allocated_peak: int, requested_peak: int | None, tol: int = 0
+) -> dict[str, Any]:
+    """The tracker's peak against the allocator's (NOTE [Tracker against the allocator])."""
+    rec: dict[str, Any] = {
+        "cuda_max_allocated_bytes": allocated_peak,
+        "cuda_requested_peak_bytes": requested_peak,
+        "allocated_minus_tracker_bytes": allocated_peak - tracker_peak,
+    }
+    if requested_peak is None:
+        rec.update(rounding_bytes=None, untracked_bytes=None, agrees=None,
+                   note="this torch keeps no requested_bytes statistics")  # fmt: skip
+        return rec
+    rounding = allocated_peak - requested_peak
+    rec["rounding_bytes"] = rounding
+    rec["untracked_bytes"] = requested_peak - tracker_peak
+    rec["agrees"] = tracker_peak <= allocated_peak <= tracker_peak + max(rounding, 0) + tol
+    return rec
+
+
+def run_e2e(
+    name: str, device: torch.device, dtype: torch.dtype, *, small: bool, repeat: int,
+    results_dir: str | None, mem_tol_bytes: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """One end-to-end case: harness record (time, tracker memory, gradients) + allocator check."""
+    from slimgrad.bench.harness import get_case, run_case
+
+    case = get_case(name)
+    if case.missing():
+        return _skipped(f"e2e:{name}", f"needs {case.missing()} (pip install slimgrad[hf])")
+    _say(f"e2e {name}: run_case on {device} (repeat {repeat})")
+    h = run_case(case, device=device, dtype=dtype, small=small, repeat=repeat,
+                 out_dir=results_dir, progress=lambda s: _say(f"e2e {name}: {s}"))  # fmt: skip
+    rec: dict[str, Any] = {
+        "step": f"e2e:{name}",
+        "small": small,
+        "time_ratio": h["time_ratio"],
+        "time_ratio_min": h["time_ratio_min"],
+        "time_ratio_max": h["time_ratio_max"],
+        "step_ms": {"eager": h["eager"]["step_ms"], "slimgrad": h["slimgrad"]["step_ms"]},
+        "saved_ratio": h["saved_ratio"],
+        "peak_ratio": h["peak_ratio"],
+        "grad_ok": None if h["grad"] is None else h["grad"]["ok"],
+        "time_target": TIME_TARGET,
+        "time_ok": h["time_ratio"] <= TIME_TARGET,
+        "harness_record": h.get("record_path"),
+    }
+    if device.type != "cuda":
+        rec["allocator"] = None
+        rec["allocator_skipped"] = "not a CUDA device: no allocator statistics to compare with"
+        _say(f"e2e {name}: allocator comparison SKIPPED ({rec['allocator_skipped']})")
+    else:
+        _say(f"e2e {name}: tracker against the allocator")
+        rec["allocator"] = allocator_vs_tracker(case.build, device, dtype, small=small,
+                                                mem_tol_bytes=mem_tol_bytes)  # fmt: skip
+    agrees = [s.get("agrees") for s in (rec["allocator"] or {}).values()]
+    rec["ok"] = rec["grad_ok"] is not False and all(a is not False for a in agrees)
+    _say(f"e2e {name}: time {rec['time_ratio']:.3f}x eager, peak {rec['peak_ratio']:.3f}x, "
+         f"grad_ok={rec['grad_ok']}, allocator agrees={agrees or None}")  # fmt: skip
+    return rec
+
+
+# -------------------------------------------------------------------------------------- driver
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated of {STEPS}")
+    p.add_argument("--out", default="benchmarks/results/gpu_check.jsonl")
+    p.add_argument(
+        "--results-dir",
+        default="benchmarks/results",
+        help="where run_case and the kernel bench write their own records",
+    )
+    p.add_argument("--device", default=None, help="end-to-end device (default: cuda if any)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--pytest-args", default="tests -k cuda", help="the tests step's selection")
+    p.add_argument("--force-tests", action="store_true", help="run the tests step without CUDA")
+    p.add_argument("--bench-args", default="", help="extra arguments for slimgrad.kernels._bench")
+    p.add_argument("--bench-smoke", action="store_true", help="bench plumbing on CPU (no GPU)")
+    p.add_argument("--cases", default=",".join(E2E_CASES), help="end-to-end bench cases")
+    p.add_argument("--small", action="store_true", help="the cases' small variants (plumbing)")
+    p.add_argument("--repeat", type=int, default=10, help="timed eager/slimgrad pairs per case")
+    p.add_argument("--mem-tol-bytes", type=int, default=0)
+    a = p.parse_args(argv)  # fmt: skip
+    steps = [s for s in a.steps.split(",") if s]
+    bad = [s for s in steps if s not in STEPS]
+    if bad:
+        p.error(f"unknown step(s) {bad}; expected some of {STEPS}")
+    cuda = torch.cuda.is_available()
+    device = torch.device(a.device or ("cuda" if cuda else "cpu"))
+    dtype = getattr(torch, a.dtype)
+    if not cuda:
+        _say("no CUDA device here: the CUDA parts are skipped (records say so)")
+    common = meta(device)
+    records: list[dict] = []
+    if "tests" in steps:
+        records.append(run_tests(a.pytest_args.split(), force=a.force_tests))
+    if "kernels" in steps:
+        out = os.path.join(a.results_dir, "kernels.jsonl")
+        records.append(run_kernel_bench(a.bench_args.split(), out, smoke=a.bench_smoke))
+    if "e2e" in steps:
+        if device.type == "cuda" and not cuda:
+            records.append(_skipped("e2e", "no CUDA device (pass --device cpu for the plumbing)"))
+        else:
+            for name in [c for c in a.cases.split(",") if c]:
+                records.append(run_e2e(name, device, dtype, small=a.small, repeat=a.repeat,
+                                       results_dir=a.results_dir,
+                                       mem_tol_bytes=a.mem_tol_bytes))  # fmt: skip
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "a") as f:
+        for r in records:
+            f.write(json.dumps({**r, **common}) + "\n")
+    failed = [r["step"] for r in records if r.get("ok") is False]
+    _say(f"{len(records)} record(s) appended to {a.out}; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""One factory for the activations whose gradient follows from their output alone.
+
+relu, sigmoid, tanh, leaky_relu (slope >= 0), elu (alpha >= 0) and hardtanh (bounds the dtype
+represents) keep y and nothing else: eager's own backward formula, fed y, is exact (NOTE [Gradient
+from the output] in ``slimgrad.ops._output_act``). Their Functions differed only in the forward,
+the Triton kernels' stem and the aten backward op; :func:`output_only_function` builds them.
+Where y does not tell the side (leaky_relu slope < 0, elu alpha < 0, hardtanh with a bound the
+dtype cannot represent), the side is kept as 1 bit/elt: :func:`forward_with_bits`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from slimgrad import ownership
+from slimgrad.kernels import _backend
+from slimgrad.ops._bits import pack_bits
+from slimgrad.ops._output_act import forward_output_only
+
+__all__ = ["forward_with_bits", "output_only_function"]
+
+
+def output_only_function(
+    stem: str,
+    name: str,
+    fwd: Callable[..., Tensor],
+    fwd_: Callable[..., Tensor],
+    bwd_op: torch._ops.OpOverloadPacket,
+    bwd_args: Callable[..., tuple],
+) -> tuple[type[torch.autograd.Function], Callable[..., Tensor]]:
+    """The Function of a monotone activation that keeps only y, and its plain-PyTorch backward.
+
+    ``Fn.apply(x, *params, inplace)`` runs ``fwd(x, *params)`` (``fwd_`` in place; Triton's
+    ``_fwd_triton``/``_fwd_triton_`` from ``slimgrad.kernels.<stem>`` on CUDA) and saves y. Backward
+    is ``bwd_op(*bwd_args(g, y, *params))``, written into g's buffer (``bwd_op.grad_input``) when
+    ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]); under
+    torch.compile, out of place.
+
+    Args:
+        stem: the op's stem (``"relu"``): names the kernels module.
+        name: the Function's class name (``"_ReluFn"``): autograd names the node after it.
+        fwd, fwd_: ``(x, *params) -> y``, out of place and in place (eager's own forward).
+        bwd_op: eager's backward op taking y (e.g. ``torch.ops.aten.threshold_backward``).
+        bwd_args: ``(g, y, *params) -> bwd_op``'s positional arguments.
+
+    Returns:
+        ``(Fn, bwd_torch)``, ``bwd_torch(g, y, *params) -> dx`` (the kernels' reference).
+    """
+
+    def bwd_torch(g: Tensor, y: Tensor, *params) -> Tensor:
+        return bwd_op(*bwd_args(g, y, *params))
+
+    def forward(ctx, x: Tensor, *args):
+        *params, inplace = args
+        ctx.params = params
+        if _backend.use_triton(x):
+            k = _backend.kernels(stem)
+            return forward_output_only(
+                ctx,
+                x,
+                inplace,
+                lambda t: k._fwd_triton(t, *params),
+                lambda t: k._fwd_triton_(t, *params),
+            )
+        return forward_output_only(
+            ctx, x, inplace, lambda t: fwd(t, *params), lambda t: fwd_(t, *params)
+        )
+
+    def backward(ctx, g):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
+        (y,) = ctx.saved_tensors
+        params, nones = ctx.params, (None,) * (len(ctx.params) + 1)
+        own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
+        if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g
+            k = _backend.kernels(stem)
+            return k._bwd_triton(g, y, *params, out=buf if own else None), *nones
+        if own:  # eager only (take refuses under torch.compile): dx into g's dead buffer
+            return bwd_op.grad_input(*bwd_args(buf, y, *params), grad_input=buf), *nones
+        return bwd_torch(g, y, *params), *nones
+
+    fn = type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+    return fn, bwd_torch
+
+
+def forward_with_bits(
+    ctx,
+    x: Tensor,
+    inplace: bool,
+    side: Callable,
+    fwd: Callable,
+    fwd_: Callable,
+    keep_y: bool = False,
+) -> Tensor:
+    """Forward that keeps ``side(x)`` (bool, like x) packed to 1 bit/elt, and y if ``keep_y``.
+
+    The mask is packed (and freed) before ``fwd_`` overwrites x.
+    """
+    bits = pack_bits(side(x))
+    if inplace:
+        y = fwd_(x)
+        ctx.mark_dirty(y)
+    else:
+        y = fwd(x)
+    ctx.save_for_backward(*((y, bits) if keep_y else (bits,)))
+    return y

@@ -1,0 +1,110 @@
+"""slimgrad.kernels._gpu_check and the kernel bench's records: the logic, on any machine (CUDA is
+hidden, so the CUDA parts take their skip paths; the end-to-end step runs a small case on CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slimgrad.kernels import _bench as B
+from slimgrad.kernels import _gpu_check as G
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_fake_run_writes_records(tmp_path, no_cuda):
+    out = tmp_path / "gpu_check.jsonl"
+    argv = ["--out", str(out), "--results-dir", str(tmp_path), "--device", "cpu",
+            "--cases", "dropout", "--small", "--repeat", "1"]  # fmt: skip
+    assert G.main(argv) == 0
+    recs = _records(out)
+    assert [r["step"] for r in recs] == ["tests", "kernels", "e2e:dropout"]
+    for r in recs:
+        assert r["device"] == "cpu" and r["versions"]["torch"] == torch.__version__
+        assert {"device_name", "commit", "backend", "triton_available", "time_utc"} <= set(r)
+    tests, kernels, e2e = recs
+    assert tests["ok"] is None and "no CUDA device" in tests["skipped"]
+    assert kernels["ok"] is None and kernels["skipped"]
+    assert e2e["ok"] is True and e2e["grad_ok"] is True and e2e["time_ratio"] > 0
+    assert e2e["allocator"] is None and "not a CUDA device" in e2e["allocator_skipped"]
+    (h,) = _records(tmp_path / "dropout.jsonl")  # the harness's own record, next to it
+    assert h["device"] == "cpu" and h["time_ratio"] == e2e["time_ratio"]
+    assert G.main(argv[:2] + ["--steps", "tests"]) == 0
+    assert len(_records(out)) == 4  # appended
+
+
+def test_failed_step_sets_exit_status(tmp_path, no_cuda, monkeypatch):
+    monkeypatch.setattr(G, "run_tests", lambda *a, **k: {"step": "tests", "ok": False})
+    out = tmp_path / "g.jsonl"
+    assert G.main(["--out", str(out), "--steps", "tests"]) == 1
+    assert _records(out)[0]["ok"] is False
+    with pytest.raises(SystemExit):
+        G.main(["--out", str(out), "--steps", "tests,bench"])
+
+
+def test_compare_peaks_splits_rounding_and_untracked():
+    # allocated 10_240 = requested 9_000 + rounding 1_240; the tracker saw all 9_000 requested
+    ok = G.compare_peaks(9_000, 10_240, 9_000)
+    assert ok["agrees"] and ok["rounding_bytes"] == 1_240 and ok["untracked_bytes"] == 0
+    # 500 requested bytes the tracker never saw (an op's workspace): not rounding
+    bad = G.compare_peaks(8_500, 10_240, 9_000)
+    assert not bad["agrees"] and bad["untracked_bytes"] == 500
+    assert G.compare_peaks(8_500, 10_240, 9_000, tol=500)["agrees"]
+    assert not G.compare_peaks(11_000, 10_240, 10_240)["agrees"]  # tracker above the allocator
+    assert G.compare_peaks(9_000, 10_240, None)["agrees"] is None
+
+
+def test_allocator_vs_tracker_on_cpu_gives_tracker_figures():
+    from slimgrad.bench.harness import get_case
+
+    res = G.allocator_vs_tracker(get_case("dropout").build, torch.device("cpu"), torch.float32,
+                                 small=True, warmup=1)  # fmt: skip
+    assert set(res) == {"eager", "slimgrad"}
+    for side in res.values():
+        assert side["tracker_peak_bytes"] > 0 and "cuda_max_allocated_bytes" not in side
+    assert res["slimgrad"]["tracker_saved_bytes"] < res["eager"]["tracker_saved_bytes"]
+
+
+def test_parse_junit(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" tests="4">'
+        '<testcase classname="tests.ops.test_x" name="test_a[cuda]"/>'
+        '<testcase classname="tests.ops.test_x" name="test_b[cuda]"><failure message="m"/>'
+        "</testcase>"
+        '<testcase classname="tests.ops.test_x" name="test_c[cuda]"><skipped message="s"/>'
+        "</testcase>"
+        '<testcase classname="tests.test_y" name="test_d"><error message="e"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    s = G.parse_junit(xml)
+    assert (s["collected"], s["passed"], s["failed"], s["skipped"]) == (4, 1, 2, 1)
+    assert s["failed_ids"] == ["tests.ops.test_x::test_b[cuda]", "tests.test_y::test_d"]
+
+
+def test_bench_record_and_kernel_summary():
+    # 2 GB moved in 1 ms at a copy bandwidth of 4 TB/s: half of copy
+    ms = {"triton_fwd": 1.0, "triton_bwd": 2.0, "torch_fwd": 2.0, "torch_bwd": 4.0,
+          "eager_fwd_bwd": 4.0, "op_fwd_bwd": 3.2}  # fmt: skip
+    r = B.record("relu", 10, "float32", ms, (2e9, 6e9), 4e12, device="cuda")
+    assert r["fwd_fraction_of_copy"] == pytest.approx(0.5)
+    assert r["bwd_fraction_of_copy"] == pytest.approx(0.75)
+    assert r["triton_over_eager"] == pytest.approx(0.75)
+    assert r["torch_path_over_eager"] == pytest.approx(1.5)
+    assert r["op_over_eager"] == pytest.approx(0.8)
+    assert r["device"] == "cuda"
+    fast = B.record("sigmoid", 10, "float32", {**ms, "triton_fwd": 0.5}, (1.8e9, 6e9), 4e12)
+    s = G.summarize_kernels([r, fast])
+    assert s["below_bandwidth_target"] == ["relu@10", "sigmoid@10"]
+    assert s["worst"]["fraction_case"] == "relu@10"
+    assert s["worst"]["fraction_of_copy"] == pytest.approx(0.5)
+    assert G.summarize_kernels([]) == {"n_records": 0}
