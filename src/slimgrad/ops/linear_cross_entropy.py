@@ -173,37 +173,38 @@ def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, ne
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         hc = h[s:e]
-        tc = safe_t[s:e, None]
-        sc = scale[s:e, None]
-        z = torch.nn.functional.linear(hc, weight, bias).to(acc)
-        lse = torch.logsumexp(z, dim=1, keepdim=True)
-        li = lse - (1.0 - eps) * z.gather(1, tc)
+        tc = safe_t[None, s:e]
+        row = scale[None, s:e]  # s_i per column of zT
+        col = scale[s:e, None]  # s_i per row of hc / dh
+        zt = _logits_t(hc, weight, bias, acc)  # NOTE [Logits as V x chunk]
+        lse = torch.logsumexp(zt, dim=0, keepdim=True)
+        li = lse - (1.0 - eps) * zt.gather(0, tc)
         if eps:
-            li = li - (eps / v) * z.sum(1, keepdim=True)
-        loss[s:e] = li.squeeze(1)
-        # z becomes dz in place: softmax minus the smoothed one-hot (times s_i in low precision)
-        z.sub_(lse).exp_()
+            li = li - (eps / v) * zt.sum(0, keepdim=True)
+        loss[s:e] = li.squeeze(0)
+        # zT becomes dzT in place: softmax minus the smoothed one-hot (times s_i in low precision)
+        zt.sub_(lse).exp_()
         if eps:
-            z.sub_(eps / v)
-        z.scatter_add_(1, tc, torch.full_like(lse, eps - 1.0))
+            zt.sub_(eps / v)
+        zt.scatter_add_(0, tc, torch.full_like(lse, eps - 1.0))
         if not full:
-            z.mul_(sc)
+            zt.mul_(row)
         if need_db:
             if full:
-                db.addmv_(z.t(), sc.squeeze(1))
+                db.addmv_(zt, row.squeeze(0))
             else:
-                db += z.sum(0)
+                db += zt.sum(1)
         if need_dw:
-            hs = hc * sc if full else hc.to(acc)
-            dw.addmm_(z.t(), hs)
+            hs = hc * col if full else hc.to(acc)
+            dw.addmm_(zt, hs)
             del hs
         if need_dh:
-            dc = torch.mm(z.to(h.dtype), weight)
+            dc = torch.mm(zt.to(h.dtype).t(), weight)
             if full:
-                dc.mul_(sc)
+                dc.mul_(col)
             dh[s:e] = dc
             del dc
-        del z
+        del zt
     loss.masked_fill_(~valid, 0)
     return loss, dh, dw, db
 
