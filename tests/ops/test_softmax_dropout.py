@@ -313,3 +313,26 @@ def test_backward_peak_one_score_buffer(_reuse_on):
         me = measure(lambda ref=ref: ref(s0 * 1, v0 * 1, 0.1).sum())
         assert bwd_extra(m) <= bwd_extra(m_off) < 2 * 4 * n_s
         assert m.peak_bytes <= m_off.peak_bytes < me.peak_bytes
+
+
+def test_causal_under_compile_bitwise_and_no_reuse(_reuse_on):
+    # the mask and the in-place softmax live inside the custom op: one graph, same bits as eager
+    # mode; take_saved refuses under torch.compile (a traced backward), so nothing is reused
+    from slimgrad import ownership
+
+    s0, v0 = torch.randn(2, 3, 7, 7), torch.randn(2, 3, 7, 5)
+
+    def f(s, v):
+        return softmax_dropout_matmul(s * 1, v * 1, 0.3, causal=True)
+
+    outs = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        s, v = s0.clone().requires_grad_(), v0.clone().requires_grad_()
+        torch.manual_seed(3)
+        ownership.reset_reuse_count()
+        y = fn(s, v)
+        y.pow(2).sum().backward()
+        outs.append((y.detach(), s.grad, v.grad, ownership.reuse_count("saved")))
+    assert outs[1][3] == 0
+    for a, b in zip(outs[0][:3], outs[1][:3], strict=True):
+        assert torch.equal(a, b)
