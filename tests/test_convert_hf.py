@@ -173,3 +173,29 @@ def test_fast_loss_option_matches_eager():
     torch.manual_seed(1)
     rep = slimgrad.verify(model, fast, t.inputs(4))  # 4 x 32 tokens >= 64 wide: precomputed path
     assert rep.ok, str(rep)
+
+
+def test_gpt2_gradient_buffer_reuse_changes_no_bit(monkeypatch):
+    # issue 6: the converted GPT-2 (dropout on) with reuse on and off, same seed: every gradient
+    # bit for bit, and reuse did happen (ln_f's dy from the fused loss, the softmax output in the
+    # attention backward)
+    from slimgrad import ownership
+
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+    t, _, conv = _pair("gpt2")
+    inputs = t.inputs(2)
+    grads, counts = [], []
+    for reuse in (True, False):
+        ownership.reset_reuse_count()
+        torch.manual_seed(5)
+        with ownership.reuse_disabled() if not reuse else torch.enable_grad():
+            t.loss(_call(conv, inputs)).backward()
+        grads.append({n: p.grad for n, p in conv.named_parameters()})
+        counts.append((ownership.reuse_count("grad"), ownership.reuse_count("saved")))
+        conv.zero_grad(set_to_none=True)
+    assert counts[1] == (0, 0)
+    n_layer = conv.config.n_layer
+    assert counts[0][0] >= 1 and counts[0][1] >= n_layer, counts  # P of every attention layer
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n

@@ -278,3 +278,46 @@ def test_half_precision_memory_is_eagers(dtype):
     # x (2 B/elt, created in the step) + mean and rstd per row (eager's CPU kernel keeps them in
     # the input dtype: 2 B each)
     assert got.saved_bytes == eager.saved_bytes == 6 * 40 * 2 + 6 * 2 * 2
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "none"])
+@pytest.mark.parametrize("shape", [(3, 7, 13), (2, 5, 768), (1, 1, 17)])
+def test_cpu_kernel_within_rule_of_the_torch_path(affine, shape):
+    # kernels/cpu/layer_norm.c (the default on float32 CPU) against the PyTorch path: the same
+    # formulas with double row sums, so within the GUIDE.md rule of it; dx into dy (the ownership
+    # path) gives the same bits as a fresh dx; a fallback channel takes the PyTorch path
+    import importlib
+
+    from slimgrad.kernels import _backend
+
+    mod = importlib.import_module("slimgrad.ops.layer_norm")
+    if _backend.use_cpu(torch.empty(1), "layer_norm") is None:
+        pytest.skip("C kernels unavailable (no compiler, or SLIMGRAD_BACKEND forces another)")
+    gen = torch.Generator().manual_seed(4)
+    d = shape[-1]
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    w = torch.rand(d, generator=gen, dtype=torch.float64) + 0.5 if affine != "none" else None
+    b = torch.rand(d, generator=gen, dtype=torch.float64) - 0.5 if affine == "both" else None
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    mask = [True, w is not None, b is not None]
+
+    def run(fn, dt, out=None):
+        cast = [t.to(dt) if t is not None else None for t in (x, w, b, dy)]
+        y, mean, rstd, idx, xside = mod._fwd_torch(cast[0], [d], cast[1], cast[2], 1e-5)
+        g = cast[3] if out is None else out
+        return fn(g, y, mean, rstd, idx, xside, cast[1], cast[2], [d], mask, out=out)
+
+    ref = run(mod._bwd_torch, torch.float64)
+    eager = run(mod._bwd_torch, torch.float32)
+    got = run(mod._bwd_cpu, torch.float32)
+    pick = [i for i, t in enumerate(ref) if t is not None]
+    assert_within_rule([got[i] for i in pick], [ref[i] for i in pick], [eager[i] for i in pick])
+    owned = run(mod._bwd_cpu, torch.float32, out=dy.float().clone())
+    for a, c in zip(got, owned, strict=True):
+        assert (a is None and c is None) or torch.equal(a, c)
+    if w is not None:  # a zero weight: a fallback channel, the PyTorch path bit for bit
+        w[2] = 0
+        assert all(
+            (a is None and c is None) or torch.equal(a, c)
+            for a, c in zip(run(mod._bwd_cpu, torch.float32), run(mod._bwd_torch, torch.float32))
+        )

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,3 +145,28 @@ def test_inplace_on_saved_input_raises():
     h.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("fn", ["linear", "conv1d_addmm"])
+def test_dx_is_reusable_by_the_op_before(monkeypatch, fn):
+    # dx comes back as a base tensor, not a view of the 2-D product: the layer_norm before it may
+    # write its own dx into it (NOTE [Gradient-buffer ownership]); bitwise the same as reuse off
+    from slimgrad import ownership
+    from slimgrad.ops.layer_norm import layer_norm
+
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+    op = linear if fn == "linear" else conv1d_addmm
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(3, 5, 7, generator=gen)
+    w = torch.randn(11, 7, generator=gen) if fn == "linear" else torch.randn(7, 11, generator=gen)
+    grads, counts = [], []
+    for reuse in (True, False):
+        x, wt = x0.clone().requires_grad_(), w.clone().requires_grad_()
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if not reuse else contextlib.nullcontext():
+            op(layer_norm(x * 1, (7,)), wt).pow(2).sum().backward()
+        grads.append((x.grad, wt.grad))
+        counts.append(ownership.reuse_count("grad"))
+    assert counts == [1, 0]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -6,6 +6,7 @@ instance only:
 - its attention implementation: the instance's own ``config._attn_implementation`` becomes
   ``"slimgrad"``, a name added to HF's ``AttentionInterface`` registry (HF's documented extension
   point; other models keep theirs). With dropout active it runs ``softmax -> dropout -> @V``
+  (the causal mask applied inside the op, the scaling on q as SDPA does)
   through :func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output +
   1 bit/elt instead of softmax output + float mask + dropped matrix); without dropout it is HF's
   own SDPA function, unchanged;
@@ -52,19 +53,20 @@ def _attention(
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    q_len, kv_len = query.shape[2], key.shape[2]
+    q_len = query.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = q_len > 1 and attention_mask is None and is_causal
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if is_causal:
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    elif attention_mask is not None:
+    # scale q (B·H·T·d) rather than the scores (B·H·T·T), as SDPA's math path does; exact for a
+    # power-of-two scaling such as GPT-2's 1/8
+    q = query * scaling if scaling != 1.0 else query
+    scores = torch.matmul(q, key.transpose(-1, -2))
+    if not is_causal and attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask
-    out = softmax_dropout_matmul(scores, value, p=dropout, training=True)
+    # the causal mask is applied inside the op (no masked copy of the scores kept by autograd)
+    out = softmax_dropout_matmul(scores, value, p=dropout, training=True, causal=is_causal)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -98,6 +100,23 @@ def use_slimgrad_attention(model: nn.Module) -> bool:
     return True
 
 
+def _skip_identity_view(t: torch.Tensor) -> torch.Tensor:
+    # HF's base models end with ``ln_f(x).view(output_shape)``, an identity view: feed the loss its
+    # base (same shape, strides, storage) so the gradient reaching ln_f is not a view of the
+    # loss's dh, and ln_f's backward may reuse it (NOTE [Gradient-buffer ownership]).
+    base = t._base
+    if (
+        base is not None
+        and base.shape == t.shape
+        and base.stride() == t.stride()
+        and base.storage_offset() == t.storage_offset()
+        and base.dtype == t.dtype
+        and base.requires_grad == t.requires_grad
+    ):
+        return base
+    return t
+
+
 def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
     precompute = getattr(self, "_slimgrad_fast_loss", False)
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -110,7 +129,7 @@ def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
     num_items = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     out = self.base_model(input_ids=input_ids, **kwargs)
-    hidden = out.last_hidden_state
+    hidden = _skip_identity_view(out.last_hidden_state)
     head = self.get_output_embeddings()
     loss = causal_lm_loss(
         hidden,

@@ -22,21 +22,29 @@ class SoftmaxDropoutMatmul(torch.nn.Module):
     Args:
         p: dropout probability in [0, 1].
         dim: softmax dimension.
+        causal: mask ``scores[..., i, j]`` (``j > i``) with ``-inf`` inside the op (last dim only).
 
     Raises:
-        ValueError: ``p`` outside [0, 1].
+        ValueError: ``p`` outside [0, 1], or ``causal`` with ``dim`` other than the last.
 
     Example:
         >>> o = SoftmaxDropoutMatmul(0.1)(torch.randn(2, 4, 7, 7), torch.randn(2, 4, 7, 8))
     """
 
-    def __init__(self, p: float = 0.1, dim: int = -1) -> None:
+    def __init__(self, p: float = 0.1, dim: int = -1, causal: bool = False) -> None:
         super().__init__()
         _check_p("nn.SoftmaxDropoutMatmul", p)
-        self.p, self.dim = float(p), dim
+        if causal and dim != -1:
+            raise ValueError(
+                "slimgrad.nn.SoftmaxDropoutMatmul: causal masks the last two dims; expected "
+                f"dim=-1, got dim={dim}. Pass dim=-1, or mask the scores yourself."
+            )
+        self.p, self.dim, self.causal = float(p), dim, bool(causal)
 
     def forward(self, scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        return softmax_dropout_matmul(scores, value, self.p, self.training, self.dim)
+        return softmax_dropout_matmul(
+            scores, value, self.p, self.training, self.dim, causal=self.causal
+        )
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, dim={self.dim}"
+        return f"p={self.p}, dim={self.dim}" + (", causal=True" if self.causal else "")

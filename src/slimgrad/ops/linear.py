@@ -29,8 +29,15 @@ def _bwd_torch(dy, x, weight, has_bias: bool, w_in_out: bool, output_mask):
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dw = db = None
     if output_mask[0]:
-        dx2 = dy2 @ weight.t() if w_in_out else dy2 @ weight
-        dx = dx2.view(*dy.shape[:-1], dx2.shape[-1])
+        # dx allocated in its final shape (a base, not a view of the 2-D product), so the next
+        # backward may reuse its buffer (NOTE [Gradient-buffer ownership] refuses views)
+        w = weight.t() if w_in_out else weight
+        if torch.is_grad_enabled():  # differentiable (gradcheck of this path): no out=
+            dx2 = dy2 @ w
+            dx = dx2.view(*dy.shape[:-1], dx2.shape[-1])
+        else:
+            dx = dy2.new_empty((*dy.shape[:-1], w.shape[1]))
+            torch.mm(dy2, w, out=dx.view(-1, w.shape[1]))
     if output_mask[1]:
         x2 = x.reshape(-1, x.shape[-1])
         dw = x2.t() @ dy2 if w_in_out else dy2.t() @ x2

@@ -1,6 +1,9 @@
 """Attention's ``softmax -> dropout -> matmul with V``, keeping softmax's output and mask bits only.
 
-Math: ``P = softmax(S, dim)``, ``D = dropout(P, p)`` (``D = P * m / (1 - p)``), ``O = D @ V``.
+Math: ``P = softmax(S, dim)``, ``D = dropout(P, p)`` (``D = P * m / (1 - p)``), ``O = D @ V``;
+``causal=True`` first sets ``S[..., i, j] = -inf`` for ``j > i`` (as ``S.masked_fill(~tril, -inf)``,
+inside the op: no masked copy of S and no masked_fill backward pass over dS, whose masked entries
+are ``P * (...) = 0`` already).
 Backward: ``dV = D^T dO`` with D rebuilt from P and the bits (bit-identical to the forward's D, see
 NOTE [Dropout masks: drawn like eager, kept as bits] in ``ops/dropout.py``), ``dD = dO V^T``, ``dP =
 dD * m / (1 - p)``, ``dS = P * (dP - sum(dP * P, dim))`` (``torch._softmax_backward_data``, as
@@ -9,6 +12,12 @@ eager).
 Memory: saves P (4 B/elt fp32 of S) + the mask bits (1/8 B/elt) + V; eager saves P (softmax), the
 float mask (4 B/elt on CPU, 1 B/elt bool on CUDA), the dropped D (4 B/elt, the bmm input) and V. P
 plays the part of D in the tracker's floor (``_slimgrad_floor``): saved - floor = 1/8 B/elt of S.
+Backward holds P + one S-sized buffer: dS is written into the dP temporary (the CPU softmax
+kernels read each row before writing it, so ``_softmax_backward_data(dP, P, out=dP)`` is the
+out-of-place result bit for bit; tested). When ``slimgrad.ownership.take_saved`` proves P dead
+(NOTE [Gradient-buffer ownership]) the dropped D for dV is rebuilt in P's own buffer after dS is
+done, instead of in a fresh S-sized one (bitwise the same D); then a second backward raises a
+clear error (``retain_graph=True`` keeps P intact: no reuse).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from slimgrad import ownership
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.dropout import _check_p
 from slimgrad.ops.layer_norm import no_double_backward
@@ -27,9 +37,35 @@ _dropout = importlib.import_module("slimgrad.ops.dropout")
 
 __all__ = ["softmax_dropout_matmul"]
 
+_API = "slimgrad.ops.softmax_dropout_matmul"
 
-def _fwd_torch(s, v, p, dim, mm_dtype):
-    probs = torch.softmax(s, dim)
+
+def _in_place_ok(t: torch.Tensor) -> bool:
+    # the aliased softmax kernels were checked bit for bit on CPU only (plain tensors: fake ones
+    # under slimgrad.memory.estimate allocate nothing anyway)
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def _softmax_fwd(s, dim, causal):
+    if not causal:
+        return torch.softmax(s, dim)
+    q_len, kv_len = s.shape[-2], s.shape[-1]
+    drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
+    t = s.masked_fill(drop, float("-inf"))  # our own copy: softmax may overwrite it
+    if _in_place_ok(t):
+        return torch.ops.aten._softmax.out(t, dim, False, out=t)
+    return torch.softmax(t, dim)
+
+
+def _softmax_bwd(dp, probs, dim):
+    # dp is the caller's temporary: dS goes into its buffer where that is exact
+    if _in_place_ok(dp) and dp.dtype == probs.dtype:
+        return torch.ops.aten._softmax_backward_data.out(dp, probs, dim, probs.dtype, grad_input=dp)
+    return torch._softmax_backward_data(dp, probs, dim, probs.dtype)
+
+
+def _fwd_torch(s, v, p, dim, mm_dtype, causal=False):
+    probs = _softmax_fwd(s, dim, causal)
     if p > 0:
         dropped, bits = _dropout._fwd_torch(probs, p)
     else:
@@ -38,14 +74,21 @@ def _fwd_torch(s, v, p, dim, mm_dtype):
     return out, probs, bits
 
 
-def _bwd_torch(d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_mask):
-    # One S-sized temporary at a time besides P: D is rebuilt, used for dV and dropped before dD.
+def _bwd_torch(
+    d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_mask, own_probs=False
+):
+    # One S-sized temporary at a time besides P. own_probs: P is dead after this backward
+    # (ownership.take_saved granted it): dS first, then D rebuilt in P's buffer for dV.
+    # Otherwise dV first (D in a fresh buffer, dropped before dP is made), then dS.
     ds = dv = None
-    if output_mask[1]:
-        dropped = _dropout._apply_mask_torch(probs, bits, p, fused) if p > 0 else probs
+
+    def grad_v(own):
+        dropped = _dropout._apply_mask_torch(probs, bits, p, fused, inplace=own) if p > 0 else probs
         dv = torch.matmul(dropped.to(mm_dtype).mT, d_out)
-        del dropped
-        dv = dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
+        return dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
+
+    if output_mask[1] and not own_probs:
+        dv = grad_v(False)
     if output_mask[0]:
         d_dropped = torch.matmul(d_out, v.to(mm_dtype).mT).to(probs.dtype)
         if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
@@ -56,19 +99,22 @@ def _bwd_torch(d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_m
             else d_dropped
         )
         del d_dropped
-        ds = torch._softmax_backward_data(dp, probs, dim, probs.dtype)
+        ds = _softmax_bwd(dp, probs, dim)
+        del dp
+    if output_mask[1] and own_probs:
+        dv = grad_v(True)
     return ds, dv
 
 
 @custom_op("softmax_dropout_matmul_fwd", mutates_args=())
 def _sdm_fwd(
-    s: torch.Tensor, v: torch.Tensor, p: float, dim: int, mm_dtype: torch.dtype
+    s: torch.Tensor, v: torch.Tensor, p: float, dim: int, mm_dtype: torch.dtype, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd_torch(s, v, p, dim, mm_dtype)
+    return _fwd_torch(s, v, p, dim, mm_dtype, causal)
 
 
 @_sdm_fwd.register_fake
-def _(s, v, p, dim, mm_dtype):
+def _(s, v, p, dim, mm_dtype, causal):
     probs = torch.empty_like(s, memory_format=torch.contiguous_format)
     out = torch.matmul(probs.to(mm_dtype), v.to(mm_dtype))
     nbits = (s.numel() + 7) // 8 if p > 0 else 0
@@ -107,39 +153,67 @@ class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, s, v, p, dim, mm_dtype):
-        out, probs, bits = _sdm_fwd(s, v, p, dim, mm_dtype)
+    def forward(ctx, s, v, p, dim, mm_dtype, causal):
+        out, probs, bits = _sdm_fwd(s, v, p, dim, mm_dtype, causal)
         ctx.p, ctx.dim, ctx.mm_dtype, ctx.fused = p, dim, mm_dtype, _dropout._fused(s)
         ctx.v_dtype, ctx.v_shape = v.dtype, list(v.shape)
         # v is needed only for dS; P and the bits for both gradients.
         ctx.save_for_backward(probs, bits, v if ctx.needs_input_grad[0] else None)
         ctx.mark_non_differentiable(probs, bits)
+        # no S-sized zero gradient for P (and none for the bits) at the start of backward
+        ctx.set_materialize_grads(False)
         return out, probs, bits
 
     @staticmethod
     def backward(ctx, d_out, *_):
+        ownership.check_not_consumed(ctx, _API)
+        if d_out is None:  # only the non-differentiable outputs were used
+            return None, None, None, None, None, None
         probs, bits, v = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
         if torch.is_grad_enabled():
             raise no_double_backward(
                 "softmax_dropout_matmul", "F.dropout(F.softmax(scores, dim), p) @ value"
             )
+        # P's buffer can hold the rebuilt D for dV (saves an S-sized allocation) when nobody else
+        # reads P: NOTE [Gradient-buffer ownership]; take_saved marks ctx consumed.
+        own = (
+            ownership.take_saved(ctx, probs) is not None
+            if mask[1] and ctx.p > 0 and probs.dtype == ctx.mm_dtype
+            else False
+        )
         if v is None:  # dS not needed: dV needs only v's shape and dtype
             v = probs.new_empty(0)
-        ds, dv = _sdm_bwd(
-            d_out,
-            probs,
-            bits,
-            v,
-            ctx.p,
-            ctx.dim,
-            ctx.fused,
-            ctx.mm_dtype,
-            ctx.v_dtype,
-            ctx.v_shape,
-            mask,
-        )
-        return (ds if mask[0] else None, dv if mask[1] else None, None, None, None)
+        if own:  # eager only (take_saved refuses under torch.compile): outside the custom op
+            ds, dv = _bwd_torch(
+                d_out,
+                probs,
+                bits,
+                v,
+                ctx.p,
+                ctx.dim,
+                ctx.fused,
+                ctx.mm_dtype,
+                torch.Size(ctx.v_shape),
+                mask,
+                own_probs=True,
+            )
+            dv = dv.to(ctx.v_dtype)
+        else:
+            ds, dv = _sdm_bwd(
+                d_out,
+                probs,
+                bits,
+                v,
+                ctx.p,
+                ctx.dim,
+                ctx.fused,
+                ctx.mm_dtype,
+                ctx.v_dtype,
+                ctx.v_shape,
+                mask,
+            )
+        return (ds if mask[0] else None, dv if mask[1] else None, None, None, None, None)
 
 
 def softmax_dropout_matmul(
@@ -148,6 +222,8 @@ def softmax_dropout_matmul(
     p: float = 0.1,
     training: bool = True,
     dim: int = -1,
+    *,
+    causal: bool = False,
 ) -> torch.Tensor:
     """``dropout(softmax(input, dim), p, training) @ value`` keeping P and the mask bits only.
 
@@ -163,19 +239,30 @@ def softmax_dropout_matmul(
         p: dropout probability in [0, 1].
         training: apply dropout if True.
         dim: softmax dimension.
+        causal: mask ``input[..., i, j]`` with ``-inf`` for ``j > i`` first (the last two dims,
+            softmax over the last), as ``input.masked_fill(~tril, float("-inf"))`` would.
 
     Returns:
         ``dropout(softmax(input)) @ value``.
 
     Raises:
-        ValueError: ``p`` outside [0, 1].
+        ValueError: ``p`` outside [0, 1], or ``causal`` with a softmax dim other than the last.
 
     Example:
         >>> o = softmax_dropout_matmul(torch.randn(2, 4, 7, 7), torch.randn(2, 4, 7, 8), p=0.1)
     """
     _check_p("ops.softmax_dropout_matmul", p)
+    if causal and (input.dim() < 2 or dim not in (-1, input.dim() - 1)):
+        raise ValueError(
+            f"{_API}: causal masks the last two dims; expected the softmax over the last dim of "
+            f"an input with at least 2 dims, got dim={dim} for {input.dim()} dims. Pass dim=-1, "
+            "or mask the scores yourself."
+        )
     p_eff = float(p) if training and input.numel() > 0 else 0.0
     if p_eff == 1.0:
+        if causal:
+            drop = torch.ones(input.shape[-2:], dtype=torch.bool, device=input.device).triu_(1)
+            input = input.masked_fill(drop, float("-inf"))
         return torch.matmul(F.dropout(F.softmax(input, dim), 1.0, True), value)
     # Keep a compact V: a strided view (e.g. of a fused qkv output) would keep its whole base alive.
     value = value.contiguous()
@@ -186,5 +273,7 @@ def softmax_dropout_matmul(
         with torch.autocast(dev, enabled=False):
             if value.dtype == torch.float64:
                 mm_dtype = torch.float64
-            return _SoftmaxDropoutMatmulFn.apply(input.to(sm_dtype), value, p_eff, dim, mm_dtype)[0]
-    return _SoftmaxDropoutMatmulFn.apply(input, value, p_eff, dim, value.dtype)[0]
+            return _SoftmaxDropoutMatmulFn.apply(
+                input.to(sm_dtype), value, p_eff, dim, mm_dtype, causal
+            )[0]
+    return _SoftmaxDropoutMatmulFn.apply(input, value, p_eff, dim, value.dtype, causal)[0]

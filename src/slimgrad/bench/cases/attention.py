@@ -62,12 +62,16 @@ class SlimAttentionBlock(EagerAttentionBlock):
         new.ln = LayerNorm.from_torch(eager.ln)
         new.qkv = Linear.from_torch(eager.qkv)
         new.proj = Linear.from_torch(eager.proj)
-        new.attn_drop = SoftmaxDropoutMatmul(eager.attn_drop.p)
+        new.attn_drop = SoftmaxDropoutMatmul(eager.attn_drop.p, causal=True)
         new.resid_drop = Dropout.from_torch(eager.resid_drop)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        att, v = self._qkv(x)
+        # the causal mask inside the op (no masked copy of the scores kept for backward)
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
         return self._out(x, self.attn_drop(att, v))
 
 
