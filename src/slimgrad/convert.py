@@ -129,6 +129,9 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     "transformers.models.llama.modeling_llama.LlamaRMSNorm": ("norms", _hf.rms_norm_from_hf),
     # dropout with a 1-bit mask
     "torch.nn.modules.dropout.Dropout": ("dropout", snn.Dropout.from_torch),
+    # HF GPT-2's x @ W + b: keeps only what the requested gradients need, and hands the op before
+    # it a plain (not view) gradient that it may reuse (NOTE [Gradient-buffer ownership])
+    "transformers.pytorch_utils.Conv1D": ("selective_saving", snn.Conv1D.from_torch),
     # convolutions that keep only what the requested gradients need, BatchNorm from its output
     **{k: ("selective_saving" if t == "linear" else t, h) for k, (t, h) in _cnn.TABLE.items()},
 }
