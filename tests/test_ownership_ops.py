@@ -22,6 +22,7 @@ from slimgrad.memory import measure
 from slimgrad.ops.dropout import dropout
 from slimgrad.ops.elu import elu
 from slimgrad.ops.gelu import gelu
+from slimgrad.ops.group_norm import group_norm
 from slimgrad.ops.hardtanh import hardtanh, relu6
 from slimgrad.ops.layer_norm import layer_norm
 from slimgrad.ops.leaky_relu import leaky_relu
@@ -79,6 +80,16 @@ OPS = {
     "layer_norm_plain": (torch.float32, lambda h, p: layer_norm(h, (D,)), False),
     "layer_norm_fallback": (torch.float32, lambda h, p: layer_norm(h, (D,), *p), True),
     "rms_norm_bf16": (torch.bfloat16, lambda h, p: rms_norm(h, (D,), p[0]), True),
+    "group_norm": (
+        torch.float32,
+        lambda h, p: group_norm(h.view(3, D, 7), 1, *p).view(h.shape),
+        True,
+    ),
+    "group_norm_fallback": (
+        torch.float32,
+        lambda h, p: group_norm(h.view(3, D, 7), 1, *p).view(h.shape),
+        True,
+    ),
     "rms_norm": (torch.float32, lambda h, p: rms_norm(h, (D,), p[0]), True),
     "rms_norm_plain": (torch.float32, lambda h, p: rms_norm(h, (D,)), False),
     "rms_norm_fallback": (torch.float32, lambda h, p: rms_norm(h, (D,), p[0]), True),

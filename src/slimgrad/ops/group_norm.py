@@ -16,6 +16,8 @@ Memory, per input dtype:
   + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
   broke the GUIDE.md rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
   ``ops/rms_norm.py``), and keeping x instead costs what eager costs.
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]; dbias is summed first); otherwise out of place.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from slimgrad import ownership
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
@@ -33,6 +36,7 @@ from slimgrad.ops.layer_norm import (
     autocast_inputs,
     fallback_channels,
     no_double_backward,
+    owns_layout,
     rebuild_xhat,
 )
 from slimgrad.ops.rms_norm import HALF_DTYPES
@@ -54,9 +58,11 @@ def _fwd_torch(x, num_groups, weight, bias, eps):
     return y, mean, rstd, idx, xside
 
 
-def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask):
+def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out=None):
     # Chunks of samples bound the fp32 temporaries, as in ops/layer_norm.py's backward (no grad
     # mode here: double backward is refused, so in-place updates of the temporaries are safe).
+    # out: dy itself (contiguous, y's dtype) when slimgrad.ownership proved its buffer dead; each
+    # chunk of dx is written after that chunk of dy is read, and dbias is summed first.
     acc = _acc_dtype(y.dtype)
     n, c = y.shape[0], y.shape[1]
     hw = math.prod(y.shape[2:])
@@ -67,7 +73,12 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     b = bias.reshape(1, grp, cg, 1).to(acc) if bias is not None else None
     gidx = idx // cg
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
-    dx = torch.empty((n, grp, cg, hw), dtype=y.dtype, device=y.device) if need_dx else None
+    db = None
+    if bias is not None and output_mask[2]:
+        db = dy4.sum((0, 3), dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
+    dx = None
+    if need_dx:
+        dx = out.view(n, grp, cg, hw) if out is not None else y.new_empty((n, grp, cg, hw))
     dw = torch.zeros((grp, cg), dtype=torch.float64, device=y.device) if need_dw else None
     per_sample = max(c * hw, 1)
     step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 16) // per_sample)
@@ -97,9 +108,6 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
         dx = dx.reshape(y.shape)
     if need_dw:
         dw = dw.to(weight.dtype).reshape(weight.shape)
-    db = None
-    if bias is not None and output_mask[2]:
-        db = dy4.sum((0, 3), dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
     return dx, dw, db
 
 
@@ -169,13 +177,19 @@ class _GroupNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *_):
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         if torch.is_grad_enabled():
             raise no_double_backward("group_norm")
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
-        dx, dw, db = _group_norm_bwd(
-            dy, y, mean, rstd, idx, xside, weight, bias, ctx.num_groups, mask
-        )
+        if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
+            dx, dw, db = _bwd_torch(
+                buf, y, mean, rstd, idx, xside, weight, bias, ctx.num_groups, mask, out=buf
+            )
+        else:
+            dx, dw, db = _group_norm_bwd(
+                dy, y, mean, rstd, idx, xside, weight, bias, ctx.num_groups, mask
+            )
         return (
             dx if mask[0] else None,
             None,
