@@ -281,7 +281,7 @@ def test_half_precision_memory_is_eagers(dtype):
 
 
 @pytest.mark.parametrize("affine", ["both", "weight", "none"])
-@pytest.mark.parametrize("shape", [(3, 7, 13), (2, 5, 768), (1, 1, 17)])
+@pytest.mark.parametrize("shape", [(3, 7, 13), (2, 5, 768), (1, 1, 17), (5, 13, 40), (70, 3)])
 def test_cpu_kernel_within_rule_of_the_torch_path(affine, shape):
     # kernels/cpu/layer_norm.c (the default on float32 CPU) against the PyTorch path: the same
     # formulas with double row sums, so within the GUIDE.md rule of it; dx into dy (the ownership
@@ -321,3 +321,75 @@ def test_cpu_kernel_within_rule_of_the_torch_path(affine, shape):
             (a is None and c is None) or torch.equal(a, c)
             for a, c in zip(run(mod._bwd_cpu, torch.float32), run(mod._bwd_torch, torch.float32))
         )
+
+
+def _cpu_kernel_case(n, d, affine, seed=5):
+    import importlib
+
+    mod = importlib.import_module("slimgrad.ops.layer_norm")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen) * 2 + 1
+    w = torch.rand(d, generator=gen) + 0.5 if affine in ("both", "weight") else None
+    b = torch.rand(d, generator=gen) - 0.5 if affine in ("both", "bias") else None
+    y, mean, rstd, idx, xside = mod._fwd_torch(x, [d], w, b, 1e-5)
+    dy = torch.randn(n, d, generator=gen)
+
+    def run(mask):
+        return mod._bwd_cpu(dy, y, mean, rstd, idx, xside, w, b, [d], mask)
+
+    return mod, run
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+def test_cpu_kernel_same_bits_for_any_thread_count(affine):
+    # dgamma/dbeta are summed per row block (the blocks a function of n alone), then the blocks in
+    # order: the thread count changes no bit, for every subset of the gradients
+    from slimgrad.kernels import _backend
+
+    if _backend.use_cpu(torch.empty(1), "layer_norm") is None:
+        pytest.skip("C kernels unavailable (no compiler, or SLIMGRAD_BACKEND forces another)")
+    mod, run = _cpu_kernel_case(517, 45, affine)  # 16 row blocks of 33 rows (the last: 22 rows)
+    assert mod.rows_per_block(517) == 33 and mod.rows_per_block(31) == 32
+    old = torch.get_num_threads()
+    masks = ([True, True, True], [True, False, False], [False, True, False], [False, False, True])
+    try:
+        res = []
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            res.append([run(list(m)) for m in masks])
+    finally:
+        torch.set_num_threads(old)
+    for other in res[1:]:
+        for got, ref in zip(other, res[0], strict=True):
+            for a, c in zip(got, ref, strict=True):
+                assert (a is None and c is None) or torch.equal(a, c)
+    for m, got in zip(masks, res[0], strict=True):  # each gradient alone is the same as together
+        for i in range(3):
+            if got[i] is not None:
+                assert m[i] and torch.equal(got[i], res[0][0][i])
+
+
+@pytest.mark.skipif(
+    __import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86 targets"
+)
+@pytest.mark.parametrize("target", ["-march=haswell", "-march=x86-64"])
+def test_cpu_kernel_same_bits_on_other_instruction_sets(monkeypatch, tmp_path, target):
+    # the explicit lanes (GNU C vectors) give the same bits whether they map to AVX-512, AVX2 or
+    # SSE2 registers
+    from slimgrad.kernels import _backend, _cpu
+
+    native = _backend.use_cpu(torch.empty(1), "layer_norm")
+    if native is None:
+        pytest.skip("C kernels unavailable (no compiler, or SLIMGRAD_BACKEND forces another)")
+    mod, run = _cpu_kernel_case(67, 93, "both")
+    ref = run([True, True, True])
+    monkeypatch.setattr(_cpu, "_NATIVE", (target,))
+    monkeypatch.setattr(_cpu, "_libs", {})
+    monkeypatch.setenv("SLIMGRAD_CACHE", str(tmp_path))
+    other = _cpu.load("layer_norm")
+    if other is None:
+        pytest.skip(f"cannot build for {target}: {_cpu.last_error('layer_norm')}")
+    monkeypatch.setattr(_backend, "use_cpu", lambda *a, **k: other)
+    got = run([True, True, True])
+    for a, c in zip(got, ref, strict=True):
+        assert torch.equal(a, c)

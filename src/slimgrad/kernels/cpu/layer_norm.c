@@ -2,68 +2,151 @@
  * slimgrad/ops/layer_norm.py (NOTE [CPU C kernels] in slimgrad/kernels/_cpu.py). Per row of d
  * elements, with xh = (y - b) / w rebuilt from the output (as the PyTorch path rebuilds it, float32,
  * no contraction) and g = dy * w:
- *   dx = rstd * ((g - mean(g)) - xh * mean(g * xh))      (row means accumulated in double)
- *   dw += dy * xh                                        (per-thread double partial sums)
- * Rows are read in full (statistics and dw) before dx is written, so dx may alias dy. No fallback
- * channel (ops/layer_norm.py runs its PyTorch path when there is one). w or b may be NULL. */
+ *   dx = rstd * ((g - mean(g)) - xh * mean(g * xh))
+ *   dw = sum_rows(dy * xh), db = sum_rows(dy)
+ * Precision, chosen by seed sweeps against float64 (ops/layer_norm.py, _bwd_cpu): the row sums
+ * mean(g), mean(g * xh) in float, 16 lanes (element j in lane j % 16; eager's own kernel sums rows
+ * in float lanes too), the lanes added in double; dw in double (float sums failed the GUIDE.md rule
+ * by too thin a margin: 0.97 of the bound); db in float within a row block (eager sums all rows in
+ * float), the blocks in double.
+ * Rows are cut into blocks of rows_per_block rows, a number the caller derives from n alone: each
+ * block sums its rows into its own slice of the parts buffers, and the blocks' sums are then added
+ * in block order, so dw and db have the same bits for any thread count (dx is per row anyway).
+ * One sweep per row builds xh into the thread's scratch row (d floats, cache resident) and reads
+ * dy for the row sums, dw and db; a second writes dx. Every read of a row of dy comes before its dx
+ * is written, so dx may alias dy. No fallback channel (ops/layer_norm.py runs its PyTorch path when
+ * there is one). w or b may be NULL. The GNU C vector type (gcc >= 9, clang) makes the lanes
+ * explicit: element-wise float/double arithmetic, the same bits on every instruction set. */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+typedef float vf8 __attribute__((vector_size(32)));
+typedef double vd8 __attribute__((vector_size(64)));
+
+static inline vf8 ld(const float *p) {
+    vf8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void st(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
+static inline void acc_d(double *p, vf8 v) { /* p[0..8) += (double)v */
+    vd8 a;
+    memcpy(&a, p, sizeof a);
+    a += __builtin_convertvector(v, vd8);
+    memcpy(p, &a, sizeof a);
+}
+
+/* One row: xs = xh; fb += dy (fb may be NULL); pw += (double)(dy * xh) (pw may be NULL); with
+ * sums: *s1 = sum(g), *s2 = sum(g * xh). */
+static void row_pass(const float *dyr, const float *yr, const float *w, const float *b, float *xs,
+                     float *fb, double *pw, int64_t d, int sums, double *s1, double *s2) {
+    vf8 a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}; /* lanes 0-7 and 8-15 */
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        vf8 x0 = ld(yr + j), x1 = ld(yr + j + 8), d0 = ld(dyr + j), d1 = ld(dyr + j + 8);
+        if (b) {
+            x0 = x0 - ld(b + j);
+            x1 = x1 - ld(b + j + 8);
+        }
+        if (w) {
+            x0 = x0 / ld(w + j);
+            x1 = x1 / ld(w + j + 8);
+        }
+        st(xs + j, x0);
+        st(xs + j + 8, x1);
+        if (fb) {
+            st(fb + j, ld(fb + j) + d0);
+            st(fb + j + 8, ld(fb + j + 8) + d1);
+        }
+        if (pw) {
+            acc_d(pw + j, d0 * x0);
+            acc_d(pw + j + 8, d1 * x1);
+        }
+        if (sums) {
+            vf8 g0 = w ? d0 * ld(w + j) : d0, g1 = w ? d1 * ld(w + j + 8) : d1;
+            a1 += g0;
+            b1 += g1;
+            a2 += g0 * x0;
+            b2 += g1 * x1;
+        }
+    }
+    float l1[16], l2[16];
+    memcpy(l1, &a1, sizeof a1);
+    memcpy(l1 + 8, &b1, sizeof b1);
+    memcpy(l2, &a2, sizeof a2);
+    memcpy(l2 + 8, &b2, sizeof b2);
+    for (int k = 0; j < d; j++, k++) { /* the tail: element j in lane j % 16 = k */
+        float x = yr[j];
+        if (b) x = x - b[j];
+        if (w) x = x / w[j];
+        xs[j] = x;
+        if (fb) fb[j] += dyr[j];
+        if (pw) pw[j] += (double)(dyr[j] * x);
+        float g = w ? dyr[j] * w[j] : dyr[j];
+        l1[k] += g;
+        l2[k] += g * x;
+    }
+    double t1 = 0.0, t2 = 0.0;
+    for (int k = 0; k < 16; k++) {
+        t1 += (double)l1[k];
+        t2 += (double)l2[k];
+    }
+    *s1 = t1;
+    *s2 = t2;
+}
+
+/* scratch: nt * 2 * d floats; dw_parts, db_parts: ceil(n / rows_per_block) * d doubles each
+ * (NULL when not needed); dw, db: d floats. */
 void layer_norm_bwd_f32(const float *dy, const float *y, const float *rstd, const float *w,
-                        const float *b, float *dx, double *dw_parts, int64_t n, int64_t d,
-                        int need_dx, int need_dw, int nt) {
-    if (need_dw) memset(dw_parts, 0, sizeof(double) * (size_t)d * (size_t)nt);
+                        const float *b, float *dx, float *dw, float *db, float *scratch,
+                        double *dw_parts, double *db_parts, int64_t n, int64_t d,
+                        int64_t rows_per_block, int need_dx, int need_dw, int need_db, int nt) {
+    int64_t nblk = rows_per_block > 0 ? (n + rows_per_block - 1) / rows_per_block : 0;
 #pragma omp parallel num_threads(nt)
     {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        double *dwp = need_dw ? dw_parts + (int64_t)tid * d : 0;
+        float *xs = scratch + (int64_t)tid * 2 * d, *fb = need_db ? xs + d : 0;
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) {
-            const float *dyr = dy + i * d, *yr = y + i * d;
-            /* 8 independent double lanes per sum (explicit, so it vectorizes without
-             * reassociation), added up in a fixed order */
-            double l1[8] = {0}, l2[8] = {0};
-            int64_t j = 0;
-            for (; j + 8 <= d; j += 8) {
-                for (int k = 0; k < 8; k++) {
-                    float xh = yr[j + k];
-                    if (b) xh = xh - b[j + k];
-                    if (w) xh = xh / w[j + k];
-                    float g = w ? dyr[j + k] * w[j + k] : dyr[j + k];
-                    l1[k] += (double)g;
-                    l2[k] += (double)(g * xh);
-                    if (need_dw) dwp[j + k] += (double)(dyr[j + k] * xh);
+        for (int64_t kb = 0; kb < nblk; kb++) {
+            double *pw = need_dw ? dw_parts + kb * d : 0;
+            if (pw) memset(pw, 0, sizeof(double) * (size_t)d);
+            if (fb) memset(fb, 0, sizeof(float) * (size_t)d);
+            int64_t i1 = (kb + 1) * rows_per_block < n ? (kb + 1) * rows_per_block : n;
+            for (int64_t i = kb * rows_per_block; i < i1; i++) {
+                const float *dyr = dy + i * d;
+                double s1 = 0.0, s2 = 0.0;
+                row_pass(dyr, y + i * d, w, b, xs, fb, pw, d, need_dx, &s1, &s2);
+                if (!need_dx) continue;
+                /* after every read of the row of dy: dx may alias it */
+                float c1 = (float)(s1 / (double)d), c2 = (float)(s2 / (double)d), r = rstd[i];
+                float *dxr = dx + i * d;
+                if (w) {
+                    for (int64_t j = 0; j < d; j++)
+                        dxr[j] = ((dyr[j] * w[j] - c1) - xs[j] * c2) * r;
+                } else {
+                    for (int64_t j = 0; j < d; j++) dxr[j] = ((dyr[j] - c1) - xs[j] * c2) * r;
                 }
             }
-            for (; j < d; j++) {
-                float xh = yr[j];
-                if (b) xh = xh - b[j];
-                if (w) xh = xh / w[j];
-                float g = w ? dyr[j] * w[j] : dyr[j];
-                l1[0] += (double)g;
-                l2[0] += (double)(g * xh);
-                if (need_dw) dwp[j] += (double)(dyr[j] * xh);
-            }
-            double s1 = 0.0, s2 = 0.0;
-            for (int k = 0; k < 8; k++) {
-                s1 += l1[k];
-                s2 += l2[k];
-            }
-            if (!need_dx) continue;
-            float c1 = (float)(s1 / (double)d), c2 = (float)(s2 / (double)d), r = rstd[i];
-            float *dxr = dx + i * d;
+            if (fb)
+                for (int64_t j = 0; j < d; j++) db_parts[kb * d + j] = (double)fb[j];
+        }
+        /* the blocks' sums in block order, split by columns (after the loop's implicit barrier) */
+        if (need_dw || need_db) {
+#pragma omp for schedule(static)
             for (int64_t j = 0; j < d; j++) {
-                float xh = yr[j];
-                if (b) xh = xh - b[j];
-                if (w) xh = xh / w[j];
-                float g = w ? dyr[j] * w[j] : dyr[j];
-                dxr[j] = ((g - c1) - xh * c2) * r;
+                double sw = 0.0, sb = 0.0;
+                for (int64_t kb = 0; kb < nblk; kb++) {
+                    if (need_dw) sw += dw_parts[kb * d + j];
+                    if (need_db) sb += db_parts[kb * d + j];
+                }
+                if (need_dw) dw[j] = (float)sw;
+                if (need_db) db[j] = (float)sb;
             }
         }
     }
