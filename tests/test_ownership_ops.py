@@ -420,3 +420,78 @@ def test_linear3d_view_reuse_lowers_peak(op, backend, monkeypatch):
         assert off - on >= hidden, (off, on)
     else:  # (the C LayerNorm backward has no temporaries) the peak moves elsewhere; it still drops
         assert on < off, (off, on)
+
+
+# Smooth activations on their dense fallback (x kept whole): dx straight into the dead gradient --
+#
+# With more than 1/16 hard elements (here: every x near the minimum x*) or in float64, GELU, SiLU
+# and Mish keep x and run eager's own backward. With reuse granted, GELU and SiLU write it into the
+# incoming gradient through aten's ``.grad_input`` out variants: one gradient-sized buffer fewer at
+# the backward peak, the same bits. Mish has no out variant: it still computes dx apart and copies.
+# Reuse off, the backward peak is eager's (autograd allocates no zero gradient for the side outputs,
+# whose xs is all of x here).
+
+_SMOOTH_SPECS = {
+    "gelu": ("slimgrad.ops.gelu", "none"),
+    "gelu_tanh": ("slimgrad.ops.gelu", "tanh"),
+    "silu": ("slimgrad.ops.silu", None),
+    "mish": ("slimgrad.ops.mish", None),
+}
+
+
+def _smooth_dense_fallback_run(op: str, dtype, backend: str, disabled: bool, eager=False):
+    from slimgrad.ops._output_act import inverse
+
+    F = torch.nn.functional
+    mod_name, approx = _SMOOTH_SPECS[op]
+    mod = importlib.import_module(mod_name)
+    spec = mod.SPECS[approx] if approx else mod.SPEC
+    f = {
+        "gelu": (gelu, F.gelu),
+        "gelu_tanh": (
+            lambda t: gelu(t, approximate="tanh"),
+            lambda t: F.gelu(t, approximate="tanh"),
+        ),
+        "silu": (silu, F.silu),
+        "mish": (mish, F.mish),
+    }[op][int(eager)]
+    gen = torch.Generator().manual_seed(0)
+    shape = (37, 53)
+    x_star = inverse(spec).x_star
+    x0 = (x_star + 0.004 * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+    wl = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    x = x0.clone().requires_grad_()
+    kept = {}
+
+    def fwd():
+        h = x * 1
+        y = f(h)
+        kept["dense"] = eager or y.grad_fn.saved_tensors[3].numel() == x.numel()  # xs: all x
+        return (y * wl).sum()
+
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled() if disabled else contextlib.nullcontext():
+        with _backend.set_backend(backend):
+            m = measure(fwd)
+    assert kept["dense"]
+    bwd_peak = max(live for i, _, live in m.timeline if i > m.backward_start)  # after the sum
+    return bwd_peak, ownership.reuse_count("grad"), x.grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op", list(_SMOOTH_SPECS))
+def test_smooth_dense_fallback_writes_dx_into_the_gradient(op, dtype, backend):
+    peak_off, n_off, grad_off = _smooth_dense_fallback_run(op, dtype, backend, disabled=True)
+    peak_on, n_on, grad_on = _smooth_dense_fallback_run(op, dtype, backend, disabled=False)
+    peak_eager, _, grad_eager = _smooth_dense_fallback_run(op, dtype, backend, True, eager=True)
+    assert (n_off, n_on) == (0, 1)
+    assert torch.equal(grad_on, grad_off)
+    assert torch.equal(grad_off, grad_eager)  # eager's own kernel on the kept x
+    # reuse off: eager's backward peak (x kept, g, dx); no zeros for the side outputs' gradients
+    assert peak_off == peak_eager, (peak_off, peak_eager)
+    grad_bytes = 37 * 53 * grad_on.element_size()
+    if op == "mish":  # no aten out variant: dx computed apart, then copied into the gradient
+        assert peak_on == peak_off, (peak_off, peak_on)
+    else:
+        assert peak_off - peak_on == grad_bytes, (peak_off, peak_on)

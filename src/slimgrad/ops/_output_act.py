@@ -126,6 +126,9 @@ class SmoothSpec:
     x_right: float = 20.0
     zone: float = 0.0  # float32: y is computed in float64 and rounded for |x - x*| < zone
     c_act: int = -1  # the activation's number in kernels/cpu/output_act.c (-1: none)
+    # (g, x, out) -> out: the op's backward from x (its bwd_exact) written into out, an aten
+    # ``.grad_input`` out variant (out may be g itself); None where aten has none (Mish)
+    grad_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
@@ -364,11 +367,16 @@ def smooth_grad(
     """dL/dx from the output y, the branch bits and the side table (inverse of :func:`smooth_fwd`).
 
     ``bwd_exact(g, x)`` is the op's plain-PyTorch backward from x, for the side table and fallback.
-    ``out``: a dead contiguous buffer shaped like ``g`` (maybe ``g`` itself) to write dx into.
+    ``out``: a dead contiguous buffer shaped like ``g`` (maybe ``g`` itself) to write dx into; the
+    dense fallback writes eager's kernel's result straight into it where ``spec.grad_into`` exists
+    (no gradient-sized temporary), else copies it there.
     """
     n = g.numel()
     gf = g.reshape(-1)
     if is_dense_fallback(n, bits, idx, xs):
+        if out is not None and spec.grad_into is not None:
+            spec.grad_into(gf, xs, out.view(-1))
+            return out
         dx = bwd_exact(gf, xs).reshape(g.shape)
         return dx if out is None else out.copy_(dx)
     if y is None:
@@ -408,6 +416,9 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_out, inplace: bool):
     # The side info is returned too (non-differentiable) so that its data-dependent sizes are
     # outputs of the Function traced by torch.compile; the functional drops it.
     ctx.mark_non_differentiable(bits, idx, xs)
+    # no zero gradients for them in backward (it never reads them): on the dense fallback xs is all
+    # of x, so autograd would allocate a gradient-sized zeros tensor
+    ctx.set_materialize_grads(False)
     return y, bits, idx, xs
 
 
@@ -486,6 +497,8 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
         return smooth_forward(ctx, x, fwd_op(x), False)
 
     def backward(ctx, g, *_side):
+        if g is None:  # only the side outputs got a gradient (grads are not materialized)
+            return None
         # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
         buf = ownership.take(g) if reuse_ok(g) else None
         no_double_backward(stem)

@@ -79,6 +79,7 @@ SPECS = {
         tail={torch.float32: -2.5},
         x_right=8.0,
         c_act=1,
+        grad_into=lambda g, x, out: _bwd_exact_into(g, x, out, "none"),
     ),
     "tanh": SmoothSpec(
         "gelu_tanh",
@@ -89,6 +90,7 @@ SPECS = {
         tail={torch.float32: -3.0},
         x_right=8.0,
         c_act=2,
+        grad_into=lambda g, x, out: _bwd_exact_into(g, x, out, "tanh"),
     ),
 }
 
@@ -107,6 +109,10 @@ def _fwd_torch(x: Tensor, approximate: str = "none") -> Tensor:
 
 def _bwd_exact(g: Tensor, x: Tensor, approximate: str) -> Tensor:
     return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+
+
+def _bwd_exact_into(g: Tensor, x: Tensor, out: Tensor, approximate: str) -> Tensor:
+    return torch.ops.aten.gelu_backward.grad_input(g, x, approximate=approximate, grad_input=out)
 
 
 def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
@@ -162,6 +168,8 @@ class _GeluFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, *_side):
+        if g is None:  # only the side outputs got a gradient (grads are not materialized)
+            return None, None
         # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
         buf = ownership.take(g) if reuse_ok(g) else None
         no_double_backward("gelu")

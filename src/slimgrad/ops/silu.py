@@ -51,6 +51,7 @@ SPEC = SmoothSpec(
     x_right=20.0,
     zone=0.1,
     c_act=0,
+    grad_into=lambda g, x, out: torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out),
 )
 
 
