@@ -554,3 +554,40 @@ def test_dh_is_reusable_by_the_op_before(monkeypatch):
     assert counts[1] == 0 and counts[0] >= 1
     for a, c in zip(*grads, strict=True):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+@pytest.mark.parametrize("views_refused", [False, True])
+@pytest.mark.parametrize("lead", [(13,), (1, 13)])
+def test_precomputed_dh_is_reusable_by_the_op_before(monkeypatch, lead, views_refused, retain):
+    # precompute_grads=True: dh comes back as a plain tensor of hidden's shape (the saved dh when
+    # ownership grants it, else a fresh one under retain_graph), never a view of an (N, H) buffer:
+    # the layer_norm before the head writes its dx into it even where view gradients are refused
+    # (ownership's term 2b off); bitwise the same as reuse off
+    import contextlib
+
+    from slimgrad.ops.layer_norm import layer_norm
+
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+    if views_refused:
+        monkeypatch.setattr(ownership, "_VIEW_SIG", None)
+    hid, w, b, t = _data(n=13)
+    grads, counts = [], []
+    for reuse in (True, False):
+        h, wt = hid.clone().reshape(*lead, H).requires_grad_(), w.clone().requires_grad_()
+        ptr = {}
+        ownership.reset_reuse_count()
+        with ownership.reuse_disabled() if not reuse else contextlib.nullcontext():
+            x1 = h * 1
+            x1.register_hook(lambda g, ptr=ptr: ptr.__setitem__("dx", g.data_ptr()))
+            y = layer_norm(x1, (H,))
+            y.register_hook(lambda g, ptr=ptr: ptr.__setitem__("dy", (g.data_ptr(), g._base)))
+            loss = _lce(y, wt, t.reshape(lead), b, chunk_size=4, precompute_grads=True) * 1
+            loss.backward(retain_graph=retain)
+        grads.append((h.grad, wt.grad))
+        counts.append((ownership.reuse_count("grad"), ownership.reuse_count("saved")))
+        assert ptr["dy"][1] is None  # not a view
+        assert (ptr["dx"] == ptr["dy"][0]) == reuse  # layer_norm's dx written into dh
+    assert counts == [(1, 0 if retain else 2), (0, 0)]  # layer_norm's reuse; dh and dW
+    for a, c in zip(*grads, strict=True):
+        assert torch.equal(a, c)

@@ -149,7 +149,7 @@ def _bwd_torch(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, ne
     return dh, dw, db
 
 
-def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, need):
+def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, need, dh_out=None):
     """Forward and gradients in one pass: (loss, dh, dW, db) for the per-token weights ``scale``.
 
     loss as :func:`_fwd_torch`; (dh, dW, db) as :func:`_bwd_torch` with s_i = ``scale`` (the
@@ -157,7 +157,8 @@ def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, ne
     the incoming scalar. Each chunk's logits are computed once and consumed by the two gradient
     matmuls right away: 3 big matmuls in all, like eager. In full precision (float32/64) s_i
     scales the chunk's hidden rows (dW) and dh rows, never the chunk×V buffer; in low precision
-    it scales dz in float32 before the cast, as :func:`_bwd_torch` does.
+    it scales dz in float32 before the cast, as :func:`_bwd_torch` does. ``dh_out``: an (N, H)
+    contiguous buffer in h's dtype to write dh into (else a fresh one).
     """
     n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
@@ -166,8 +167,11 @@ def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, ne
     safe_t = torch.where(valid, target, torch.zeros_like(target))
     need_dh, need_dw, need_db = need
     loss = torch.empty(n, dtype=acc, device=h.device)
-    # dh contiguous whatever h's strides: backward views it as hidden's shape
-    dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dh else None
+    # dh contiguous whatever h's strides
+    if need_dh:
+        dh = dh_out if dh_out is not None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    else:
+        dh = None
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
     for s in range(0, n, chunk):
@@ -252,10 +256,18 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 tok = torch.where(valid, 1.0 / count.to(acc), zero)
             else:
                 tok = torch.where(valid, torch.ones((), dtype=acc, device=h.device), zero)
-            fwd_grad = _fwd_grad_torch
             if _backend.use_triton(h):
                 fwd_grad = _backend.kernels("linear_cross_entropy")._fwd_grad_triton
-            loss, dh, dw, db = fwd_grad(h, w, b, t, tok, ignore_index, eps, chunk, need)
+                loss, dh, dw, db = fwd_grad(h, w, b, t, tok, ignore_index, eps, chunk, need)
+            else:
+                # dh in hidden's own shape (a base, not a view of an (N, H) buffer), so that the
+                # gradient backward returns is a plain tensor the op before may reuse
+                dh = torch.empty(hidden.shape, dtype=cdt, device=h.device) if need[0] else None
+                flat = dh.view(h.shape) if dh is not None else None
+                loss, _, dw, db = _fwd_grad_torch(
+                    h, w, b, t, tok, ignore_index, eps, chunk, need, dh_out=flat
+                )
+                del flat
             del w, b, h
             out = loss.sum() / count if reduction == "mean" else loss.sum()
             ctx.save_for_backward(dh, dw, db)
@@ -293,12 +305,20 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             if (need[0] and dh is None) or (need[1] and dw is None) or (need[2] and db is None):
                 raise internal_error(f"{_API}: a gradient needed in backward was not computed")
             gh = gw = gb = None
+            # dh comes back as a plain tensor of hidden's shape (not a view), so that the op before
+            # may reuse its buffer: the saved dh itself (already in that shape, except from the
+            # Triton forward) when ownership grants it, else a fresh one
             if need[0] and dh.dtype == hdt:
                 buf = ownership.take_saved(ctx, dh)
-                gh = buf.mul_(grad_out.to(hdt)) if buf is not None else dh * grad_out.to(hdt)
-                gh = gh.detach().view(hshape)
+                if buf is not None:
+                    gh = buf.mul_(grad_out.to(hdt)).detach()
+                    gh = gh if gh.shape == hshape else gh.view(hshape)
+                else:
+                    gh = torch.empty(hshape, dtype=hdt, device=dh.device)
+                    torch.mul(dh, grad_out.to(hdt), out=gh.view(dh.shape))
             elif need[0]:
-                gh = dh.to(hdt).mul_(grad_out.to(hdt)).view(hshape)
+                gh = torch.empty(hshape, dtype=hdt, device=dh.device)
+                gh.view(dh.shape).copy_(dh).mul_(grad_out.to(hdt))
             del dh
             if need[1] and dw.dtype == ctx.wdt:
                 buf = ownership.take_saved(ctx, dw)
