@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimgrad.bench.cases.attention import run_main
 from slimgrad.nn.linear import Linear
 from slimgrad.nn.rms_norm import RMSNorm
 
@@ -23,11 +22,3 @@ def build(device, dtype, small: bool = False):
         return torch.randn(b, t, c, device=device, dtype=dtype, requires_grad=True)
 
     return eager, slim, make_inputs
-
-
-def main() -> dict:
-    return run_main(build, "rms_norm")
-
-
-if __name__ == "__main__":
-    main()
