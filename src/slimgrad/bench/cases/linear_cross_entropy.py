@@ -62,3 +62,13 @@ def build(device="cpu", dtype=torch.float32, small: bool = False):
         return x, target.to(device)
 
     return eager, slim, make_inputs
+
+
+def _grads(model, x, target):
+    # [loss, *every Parameter's gradient] of one step (tests/ops/test_linear_cross_entropy.py).
+    model.zero_grad(set_to_none=True)
+    loss = model(x, target)
+    loss.backward()
+    out = [loss.detach()] + [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
