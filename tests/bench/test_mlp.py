@@ -36,4 +36,9 @@ def test_harness_record_small_floor_accounting():
     assert e["floor_bytes"] == hidden_bytes  # fc2's input; fc1's input x is pre-existing
     assert rec["saved_over_eager_floor"] == s["saved_bytes"] / e["floor_bytes"]
     assert rec["saved_over_eager_floor"] < rec["eager_saved_over_floor"]
+    # counting x, a matmul input, on both sides of the ratio
+    assert e["floor_input_bytes"] == s["floor_input_bytes"] == x_bytes
+    assert rec["saved_over_eager_floor_with_inputs"] == (
+        (s["saved_bytes"] + x_bytes) / (e["floor_bytes"] + x_bytes)
+    )
     assert rec["saved_ratio"] < 1.0

@@ -75,6 +75,7 @@ MEMORY_FIELDS = (
     "retained_bytes",
     "end_bytes",
     "floor_bytes",
+    "floor_input_bytes",
 )
 
 
@@ -530,6 +531,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def _with_inputs(side: dict, eager: dict) -> float | None:
+    # (saved + pre-existing inputs kept) / (eager floor + the pre-existing inputs its matmuls keep)
+    keys = ("saved_bytes", "saved_input_bytes", "floor_bytes", "floor_input_bytes")
+    if any(k not in d for d in (side, eager) for k in keys):
+        return None
+    return _ratio(
+        side["saved_bytes"] + side["saved_input_bytes"],
+        eager["floor_bytes"] + eager["floor_input_bytes"],
+    )
+
+
 def _shapes(xs: tuple) -> list:
     return [list(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in xs]
 
@@ -568,7 +580,9 @@ def run_case(
         ``time_ratio`` (slimgrad/eager; median of pairs) with ``time_ratio_min``/
         ``time_ratio_max``; ``saved_over_eager_floor`` and ``eager_saved_over_floor`` (each
         side's saved bytes over the eager floor, NOTE [The matmul-input floor] in
-        ``slimgrad/memory.py``; pre-existing inputs are in neither, see ``saved_input_bytes``);
+        ``slimgrad/memory.py``; pre-existing inputs are in neither) and the same ``*_with_inputs``
+        (saved + ``saved_input_bytes`` over floor + ``floor_input_bytes``: a first layer's input
+        is a matmul input too);
         ``grad``; ``versions``; ``commit``.
 
     Raises:
@@ -690,6 +704,8 @@ def run_case(
         "eager_saved_over_floor": _ratio(
             mem["eager"].get("saved_bytes"), mem["eager"].get("floor_bytes")
         ),
+        "saved_over_eager_floor_with_inputs": _with_inputs(mem["slimgrad"], mem["eager"]),
+        "eager_saved_over_floor_with_inputs": _with_inputs(mem["eager"], mem["eager"]),
         "time_ratio": statistics.median(ratios),
         "time_ratio_min": min(ratios),
         "time_ratio_max": max(ratios),
