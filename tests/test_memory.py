@@ -19,6 +19,7 @@ def test_linear_saves_its_input_not_its_weight():
     x = torch.randn(N, D)  # pre-existing, no grad: the weight is not needed for backward
     m = measure(lambda: lin(x).sum(), module=lin)
     assert m.saved_input_bytes == ACT
+    assert m.floor_input_bytes == ACT  # a pre-existing matmul input: the floor's input part
     assert m.saved_param_bytes == 0
     assert m.saved_bytes == 0
     assert m.end_bytes == W + B  # the two parameter grads
@@ -37,7 +38,7 @@ def test_relu_saves_only_its_output():
     x = torch.randn(N, D, requires_grad=True)
     m = measure(lambda: torch.relu(x * 2).sum())
     assert m.saved_bytes == ACT
-    assert m.floor_bytes == 0
+    assert m.floor_bytes == m.floor_input_bytes == 0
     assert m.by_node == {"ReluBackward0": ACT}
     assert m.retained_bytes == ACT + 4  # the output and the loss
 

@@ -87,6 +87,16 @@ def format_record(rec: dict) -> str:
         f"{'':<10} {'eager':>12} {'slimgrad':>12} {'ratio':>8}",
     ]
     lines += [f"{n:<10} {a:>12} {b:>12} {_fmt_ratio(r):>8}" for n, a, b, r in rows]
+    if rec.get("saved_over_eager_floor") is not None:
+        lines.append(
+            f"saved / eager floor: eager {rec['eager_saved_over_floor']:.3f}, "
+            f"slimgrad {rec['saved_over_eager_floor']:.3f}"
+        )
+    if rec.get("saved_over_eager_floor_with_inputs") is not None:
+        lines.append(
+            f"with pre-existing inputs: eager {rec['eager_saved_over_floor_with_inputs']:.3f}, "
+            f"slimgrad {rec['saved_over_eager_floor_with_inputs']:.3f}"
+        )
     lines.append(
         f"time ratio spread over {rec['repeat']} pairs: "
         f"{rec['time_ratio_min']:.3f} .. {rec['time_ratio_max']:.3f}"

@@ -6,7 +6,9 @@ what was live before the step, deterministically on any device (CPU included):
 - ``peak_bytes``: the most live tensor bytes at any moment of forward + backward;
 - ``saved_bytes``: unique storages created in the step that autograd keeps at the end of forward;
 - ``floor_bytes``: the part of ``saved_bytes`` kept by matmul-like nodes (the "matmul-input floor":
-  what an exact backward must keep unless it recomputes matmuls);
+  what an exact backward must keep unless it recomputes matmuls); ``floor_input_bytes``: the
+  pre-existing (non-Parameter) storages such nodes keep, e.g. a first layer's input, which are in
+  ``saved_input_bytes`` rather than ``saved_bytes``;
 - per autograd node, per module, per op breakdowns and a timeline.
 
 :func:`estimate` runs the same measurement under ``FakeTensorMode``: no memory is allocated and
@@ -123,6 +125,7 @@ class StepMemory:
     saved_input_bytes: int
     saved_param_bytes: int
     floor_bytes: int
+    floor_input_bytes: int
     peak_op: str
     peak_phase: str
     by_node: dict[str, int]
@@ -494,7 +497,7 @@ def _snapshot(
     by_module: dict[str, int] = {}
     by_dtype: dict[str, int] = {}
     totals = {"step": 0, "input": 0, "param": 0}
-    floor = 0
+    floor = floor_input = 0
     for key, (t, savers) in found.items():
         if key in tracker.created:
             kind = "step"
@@ -517,6 +520,8 @@ def _snapshot(
         )
         saved.append(s)
         totals[kind] += nbytes
+        if kind == "input" and any(sv.floor for sv in savers):
+            floor_input += nbytes
         if kind != "step":
             continue
         if s.floor:
@@ -531,6 +536,7 @@ def _snapshot(
         "saved_input_bytes": totals["input"],
         "saved_param_bytes": totals["param"],
         "floor_bytes": floor,
+        "floor_input_bytes": floor_input,
         "by_node": dict(sorted(by_node.items())),
         "by_module": dict(sorted(by_module.items())),
         "by_dtype": dict(sorted(by_dtype.items())),

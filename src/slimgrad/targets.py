@@ -36,41 +36,21 @@ class Target:
         return _default_loss(out)
 
 
+# The common part of the tiny transformer configs (HF's names, shared by BERT, Llama and ViT).
+_TINY_TX = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128)
 _TINY = {
     "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128),
-    "bert": dict(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        intermediate_size=128,
-        vocab_size=1000,
-        max_position_embeddings=128,
-    ),
-    "llama": dict(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=128,
-        vocab_size=1000,
-    ),
-    "vit": dict(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        intermediate_size=128,
-        image_size=32,
-        patch_size=8,
-    ),
+    "bert": dict(_TINY_TX, vocab_size=1000, max_position_embeddings=128),
+    "llama": dict(_TINY_TX, num_key_value_heads=4, vocab_size=1000),
+    "vit": dict(_TINY_TX, image_size=32, patch_size=8),
     "resnet": dict(
         embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck"
     ),
 }
 
 _FULL = {
-    "resnet": dict(
-        num_labels=1000
-    ),  # ImageNet head, as torchvision's ResNet-50 (25,557,032 params)
+    # ImageNet head, as torchvision's ResNet-50 (25,557,032 params)
+    "resnet": dict(num_labels=1000),
     "vit": dict(num_labels=1000),
     "llama": dict(
         num_hidden_layers=12,

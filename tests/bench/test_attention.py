@@ -33,7 +33,7 @@ def test_attention_block_saved_near_floor_and_same_grads():
     x0 = torch.randn(2, 7, 12)
     grads = []
     for model, dt in ((slim, torch.float32), (eager, torch.float32), (ref64, torch.float64)):
-        xx = x0.to(dt).requires_grad_()
+        xx = x0.detach().to(dt).requires_grad_()  # a fresh leaf per model
         model.zero_grad(set_to_none=True)
         model(xx).backward(grad.to(dt))
         grads.append([xx.grad] + [p.grad for p in model.parameters()])

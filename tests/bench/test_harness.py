@@ -8,6 +8,7 @@ from torch import nn
 import slimgrad
 from slimgrad.bench import harness
 from slimgrad.bench.harness import Case, check_grads, run_case
+from slimgrad.kernels._backend import get_backend
 from slimgrad.memory import measure
 from slimgrad.testing import DEFAULT_ATOL
 
@@ -54,6 +55,9 @@ def test_record_fields_and_hand_computed_bytes(tmp_path):
         assert rec[side]["floor_bytes"] == 0
         assert rec[side]["step_ms"] > 0
     assert rec["saved_ratio"] == 1.0 and rec["peak_ratio"] == 1.0
+    # No matmul input created in the step (x existed before): no floor to compare with.
+    assert rec["saved_over_eager_floor"] is None and rec["eager_saved_over_floor"] is None
+    assert rec["kernel_backend"] == get_backend() and rec["grad_buffer_reuses"] == 0
     assert rec["shapes"] == [[3, 7]] and rec["dtype"] == "float32" and rec["device"] == "cpu"
     assert len(rec["step_ms_all"]["eager"]) == len(rec["step_ms_all"]["slimgrad"]) == 3
     assert rec["time_ratio_min"] <= rec["time_ratio"] <= rec["time_ratio_max"]

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
 
 __all__ = [
@@ -74,6 +75,7 @@ MEMORY_FIELDS = (
     "retained_bytes",
     "end_bytes",
     "floor_bytes",
+    "floor_input_bytes",
 )
 
 
@@ -529,6 +531,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def _with_inputs(side: dict, eager: dict) -> float | None:
+    # (saved + pre-existing inputs kept) / (eager floor + the pre-existing inputs its matmuls keep)
+    keys = ("saved_bytes", "saved_input_bytes", "floor_bytes", "floor_input_bytes")
+    if any(k not in d for d in (side, eager) for k in keys):
+        return None
+    return _ratio(
+        side["saved_bytes"] + side["saved_input_bytes"],
+        eager["floor_bytes"] + eager["floor_input_bytes"],
+    )
+
+
 def _shapes(xs: tuple) -> list:
     return [list(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in xs]
 
@@ -560,10 +573,17 @@ def run_case(
         progress: called with a short message before each phase.
 
     Returns:
-        The record: ``case``, ``provider``, ``shapes``, ``dtype``, ``device``, per side
-        ``saved_bytes``, ``peak_bytes``, ``floor_bytes``, ... and ``step_ms``; ``saved_ratio``,
-        ``peak_ratio``, ``time_ratio`` (slimgrad/eager; median of pairs) with
-        ``time_ratio_min``/``time_ratio_max``; ``grad``; ``versions``; ``commit``.
+        The record: ``case``, ``provider``, ``kernel_backend`` (``slimgrad.kernels`` setting),
+        ``grad_buffer_reuse`` (on/off) and ``grad_buffer_reuses`` (buffers the measured slimgrad
+        step reused), ``shapes``, ``dtype``, ``device``, per side ``saved_bytes``,
+        ``peak_bytes``, ``floor_bytes``, ... and ``step_ms``; ``saved_ratio``, ``peak_ratio``,
+        ``time_ratio`` (slimgrad/eager; median of pairs) with ``time_ratio_min``/
+        ``time_ratio_max``; ``saved_over_eager_floor`` and ``eager_saved_over_floor`` (each
+        side's saved bytes over the eager floor, NOTE [The matmul-input floor] in
+        ``slimgrad/memory.py``; pre-existing inputs are in neither) and the same ``*_with_inputs``
+        (saved + ``saved_input_bytes`` over floor + ``floor_input_bytes``: a first layer's input
+        is a matmul input too);
+        ``grad``; ``versions``; ``commit``.
 
     Raises:
         ValueError: unknown case name or invalid counts.
@@ -624,7 +644,10 @@ def run_case(
     for model in (eager, slim):
         _measure(model, fresh, grad)
     gc.collect()
-    mem = {"eager": _measure(eager, fresh, grad), "slimgrad": _measure(slim, fresh, grad)}
+    mem = {"eager": _measure(eager, fresh, grad)}
+    ownership.reset_reuse_count()
+    mem["slimgrad"] = _measure(slim, fresh, grad)
+    reuses = ownership.reuse_count()
 
     say("timing")
     times: dict[str, list[float]] = {"eager": [], "slimgrad": []}
@@ -656,6 +679,8 @@ def run_case(
         "case": case.name,
         "provider": case.provider,
         "grad_buffer_reuse": ownership.reuse_enabled(),
+        "grad_buffer_reuses": reuses,
+        "kernel_backend": _backend.get_backend(),
         "small": small,
         "shapes": _shapes(xs),
         "dtype": str(dtype).removeprefix("torch."),
@@ -673,6 +698,14 @@ def run_case(
         "warmup": warmup,
         "saved_ratio": _ratio(mem["slimgrad"].get("saved_bytes"), mem["eager"].get("saved_bytes")),
         "peak_ratio": _ratio(mem["slimgrad"].get("peak_bytes"), mem["eager"].get("peak_bytes")),
+        "saved_over_eager_floor": _ratio(
+            mem["slimgrad"].get("saved_bytes"), mem["eager"].get("floor_bytes")
+        ),
+        "eager_saved_over_floor": _ratio(
+            mem["eager"].get("saved_bytes"), mem["eager"].get("floor_bytes")
+        ),
+        "saved_over_eager_floor_with_inputs": _with_inputs(mem["slimgrad"], mem["eager"]),
+        "eager_saved_over_floor_with_inputs": _with_inputs(mem["eager"], mem["eager"]),
         "time_ratio": statistics.median(ratios),
         "time_ratio_min": min(ratios),
         "time_ratio_max": max(ratios),

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from slimgrad.memory import measure
 from slimgrad.nn.dropout import Dropout
 from slimgrad.nn.layer_norm import LayerNorm
 from slimgrad.nn.linear import Linear
 from slimgrad.nn.softmax_dropout import SoftmaxDropoutMatmul
 
-__all__ = ["EagerAttentionBlock", "SlimAttentionBlock", "build", "main", "run_main"]
+__all__ = ["EagerAttentionBlock", "SlimAttentionBlock", "build"]
 
 
 class EagerAttentionBlock(nn.Module):
@@ -85,72 +81,3 @@ def build(device, dtype, small: bool = False):
         return torch.randn(b, t, c, device=device, dtype=dtype, requires_grad=True)
 
     return eager, slim, make_inputs
-
-
-def _step(model, x, grad):
-    for prm in model.parameters():
-        prm.grad = None
-    out = model(*x)
-    out.backward(grad)
-
-
-def run_main(
-    build_fn: Callable, name: str, *, small: bool = False, repeat: int = 7, seed: int = 0
-) -> dict:
-    """Measure one step per side exactly, time ``repeat`` interleaved pairs; print, return."""
-    torch.manual_seed(seed)
-    eager, slim, make_inputs = build_fn("cpu", torch.float32, small)
-    torch.manual_seed(seed + 1)
-
-    def inputs():
-        xs = make_inputs()
-        return xs if isinstance(xs, tuple) else (xs,)
-
-    x0 = inputs()
-    grad = torch.randn_like(eager(*x0))
-    rec: dict = {"case": name, "shapes": [tuple(t.shape) for t in x0]}
-    for side, model in (("eager", eager), ("slim", slim)):
-        x = inputs()
-        for prm in model.parameters():
-            prm.grad = None
-        m = measure(lambda model=model, x=x: model(*x), grad=grad)
-        rec[side] = {
-            "saved_bytes": m.saved_bytes,
-            "saved_input_bytes": m.saved_input_bytes,
-            "floor_bytes": m.floor_bytes,
-            "peak_bytes": m.peak_bytes,
-        }
-    times: dict[str, list[float]] = {"eager": [], "slim": []}
-    for i in range(repeat + 1):
-        for side, model in (
-            (("eager", eager), ("slim", slim))
-            if i % 2
-            else (
-                ("slim", slim),
-                ("eager", eager),
-            )
-        ):
-            x = inputs()
-            t0 = time.perf_counter()
-            _step(model, x, grad)
-            if i:  # the first pair warms up
-                times[side].append(time.perf_counter() - t0)
-    ratios = [s / e for s, e in zip(times["slim"], times["eager"])]
-    floor = rec["eager"]["floor_bytes"]
-    rec["saved_over_eager_floor"] = rec["slim"]["saved_bytes"] / floor if floor else float("nan")
-    rec["eager_saved_over_floor"] = rec["eager"]["saved_bytes"] / floor if floor else float("nan")
-    rec["peak_ratio"] = rec["slim"]["peak_bytes"] / rec["eager"]["peak_bytes"]
-    rec["step_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    rec["time_ratio"] = statistics.median(ratios)
-    rec["time_ratio_min_max"] = (min(ratios), max(ratios))
-    for k, v in rec.items():
-        print(f"{k}: {v}")
-    return rec
-
-
-def main() -> dict:
-    return run_main(build, "attention")
-
-
-if __name__ == "__main__":
-    main()

@@ -23,12 +23,9 @@ import copy
 import torch
 from torch import nn
 
-from slimgrad.bench import harness, models
+from slimgrad.bench import harness
+from slimgrad.bench.cases.models import eager_resnet50
 from slimgrad.convert_handlers.cnn import convert_cnn_
-
-
-def _place(model: nn.Module, device, dtype) -> nn.Module:
-    return model.to(device=device, dtype=dtype)
 
 
 @harness.register_case(
@@ -38,18 +35,8 @@ def _place(model: nn.Module, device, dtype) -> nn.Module:
     repeat=3,
 )
 def build_resnet50(device, dtype, small=False):
-    if small:
-        net, batch, size, classes = models.resnet_small(num_classes=10), 2, 32, 10
-    else:
-        net, batch, size, classes = models.resnet50(), 8, 224, 1000
-    eager = _place(models.WithLoss(net), device, dtype)
-    slim = convert_cnn_(copy.deepcopy(eager))
-
-    def make_inputs():
-        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
-        return x, torch.randint(0, classes, (batch,), device=device)
-
-    return eager, slim, make_inputs
+    eager, make_inputs = eager_resnet50(device, dtype, small)
+    return eager, convert_cnn_(copy.deepcopy(eager)), make_inputs
 
 
 def _chain(n_blocks: int, channels: int) -> nn.Sequential:
@@ -74,7 +61,7 @@ def _chain(n_blocks: int, channels: int) -> nn.Sequential:
 )
 def build_chain(device, dtype, small=False):
     c, shape = (8, (2, 8, 12, 12)) if small else (64, (16, 64, 56, 56))
-    eager = _place(_chain(8, c), device, dtype)
+    eager = _chain(8, c).to(device=device, dtype=dtype)
     slim = convert_cnn_(copy.deepcopy(eager))
 
     def make_inputs():

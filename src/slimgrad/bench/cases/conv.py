@@ -14,7 +14,8 @@ import copy
 import torch
 from torch import nn
 
-from slimgrad.bench import harness, models
+from slimgrad.bench import harness
+from slimgrad.bench.cases.models import eager_resnet50
 from slimgrad.convert_handlers.cnn import convert_cnn_
 
 
@@ -45,18 +46,8 @@ def build_frozen(device, dtype, small=False):
     repeat=3,
 )
 def build_resnet_frozen(device, dtype, small=False):
-    if small:
-        net, batch, size, classes = models.resnet_small(num_classes=10), 2, 32, 10
-    else:
-        net, batch, size, classes = models.resnet50(), 8, 224, 1000
-    net.eval()
-    for name, p in net.named_parameters():
+    eager, make_inputs = eager_resnet50(device, dtype, small, input_grad=True)
+    eager.model.eval()
+    for name, p in eager.model.named_parameters():
         p.requires_grad_(name.startswith("fc."))
-    eager = models.WithLoss(net).to(device=device, dtype=dtype)
-    slim = convert_cnn_(copy.deepcopy(eager))
-
-    def make_inputs():
-        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype, requires_grad=True)
-        return x, torch.randint(0, classes, (batch,), device=device)
-
-    return eager, slim, make_inputs
+    return eager, convert_cnn_(copy.deepcopy(eager)), make_inputs

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimgrad.bench.cases.attention import run_main
 from slimgrad.nn.dropout import Dropout
 
 
@@ -18,11 +17,3 @@ def build(device, dtype, small: bool = False):
         return torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
 
     return eager, slim, make_inputs
-
-
-def main() -> dict:
-    return run_main(build, "dropout")
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimgrad.bench.cases.attention import run_main
 from slimgrad.nn.group_norm import GroupNorm
 
 
@@ -22,11 +21,3 @@ def build(device, dtype, small: bool = False):
         return torch.randn(n, c, hw, hw, device=device, dtype=dtype, requires_grad=True)
 
     return eager, slim, make_inputs
-
-
-def main() -> dict:
-    return run_main(build, "group_norm")
-
-
-if __name__ == "__main__":
-    main()

@@ -14,21 +14,11 @@ import copy
 import torch
 from torch import nn
 
+from slimgrad.bench.models import conv_chain
 from slimgrad.nn.inplace_abn import InPlaceABN
 
 BLOCKS, CHANNELS, SHAPE = 8, 64, (16, 64, 56, 56)
 SMALL_SHAPE = (4, 64, 14, 14)
-
-
-def _eager(device, dtype) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(BLOCKS):
-        layers += [
-            nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1),
-            nn.BatchNorm2d(CHANNELS),
-            nn.LeakyReLU(0.01, inplace=True),
-        ]
-    return nn.Sequential(*layers).to(device=device, dtype=dtype)
 
 
 def _slim(eager: nn.Sequential) -> nn.Sequential:
@@ -49,7 +39,7 @@ def _slim(eager: nn.Sequential) -> nn.Sequential:
 def build(device="cpu", dtype=torch.float32, small: bool = False):
     device = torch.device(device)
     torch.manual_seed(0)
-    eager = _eager(device, dtype)
+    eager = conv_chain(BLOCKS, CHANNELS).to(device=device, dtype=dtype)
     with torch.no_grad():
         for m in eager:
             if isinstance(m, nn.BatchNorm2d):

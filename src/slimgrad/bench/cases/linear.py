@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from slimgrad.bench.cases.attention import run_main
 from slimgrad.nn.linear import Conv1D
 
 
@@ -21,11 +20,3 @@ def build(device, dtype, small: bool = False):
         return torch.randn(b, t, c, device=device, dtype=dtype, requires_grad=True)
 
     return eager, slim, make_inputs
-
-
-def main() -> dict:
-    return run_main(build, "linear")
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimgrad.bench.cases.attention import run_main
 from slimgrad.ops.matmul import matmul
 
 
@@ -27,11 +26,3 @@ def build(device, dtype, small: bool = False):
         return a, torch.randn(shape_b, device=device, dtype=dtype, requires_grad=True)
 
     return _MatMul(torch.matmul), _MatMul(matmul), make_inputs
-
-
-def main() -> dict:
-    return run_main(build, "matmul")
-
-
-if __name__ == "__main__":
-    main()

@@ -42,8 +42,13 @@ def place(model: nn.Module, device, dtype) -> nn.Module:
     return model
 
 
-def eager_resnet50(device, dtype, small=False):
-    """The eager side of case ``resnet50``: ``(model, make_inputs)`` (no copy is made)."""
+def eager_resnet50(device, dtype, small=False, input_grad=False):
+    """The eager side of case ``resnet50``: ``(model, make_inputs)`` (no copy is made).
+
+    ``model`` is ``WithLoss(net)`` (the network is ``model.model``); ``make_inputs()`` returns
+    ``(images, labels)``, the images requiring grad if ``input_grad``. The other ResNet cases
+    start from it too.
+    """
     if small:
         net, batch, size, classes = models.resnet_small(num_classes=10), 2, 32, 10
     else:
@@ -51,7 +56,7 @@ def eager_resnet50(device, dtype, small=False):
     eager = place(models.WithLoss(net), device, dtype)
 
     def make_inputs():
-        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype, requires_grad=input_grad)
         return x, torch.randint(0, classes, (batch,), device=device)
 
     return eager, make_inputs

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch import nn
 
 import slimgrad
-from slimgrad.bench import harness, models
+from slimgrad.bench import harness
+from slimgrad.bench.cases.models import eager_resnet50
 
 
 def _leaky(model: nn.Module, slope: float = 0.01) -> nn.Module:
@@ -39,16 +39,7 @@ def _leaky(model: nn.Module, slope: float = 0.01) -> nn.Module:
     repeat=3,
 )
 def build_resnet50_abn(device, dtype, small=False):
-    if small:
-        net, batch, size, classes = models.resnet_small(num_classes=10), 2, 32, 10
-    else:
-        net, batch, size, classes = models.resnet50(), 8, 224, 1000
-    base = models.WithLoss(net).to(device=device, dtype=dtype)
+    base, make_inputs = eager_resnet50(device, dtype, small)
     eager = _leaky(copy.deepcopy(base))
     slim = slimgrad.convert_(copy.deepcopy(base), slimgrad.ConvertConfig(inplace_abn=True))
-
-    def make_inputs():
-        x = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
-        return x, torch.randint(0, classes, (batch,), device=device)
-
     return eager, slim, make_inputs

@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from slimgrad.bench.cases.attention import run_main
-from slimgrad.nn.linear import Linear
+from slimgrad.bench.cases.layer_norm import norm_between_linears
 from slimgrad.nn.rms_norm import RMSNorm
 
 
 def build(device, dtype, small: bool = False):
     """Eager and slimgrad ``Linear(RMSNorm(Linear(x)))`` (same weights); an input maker."""
-    b, t, c = (2, 5, 12) if small else (4, 256, 768)
-    eager = nn.Sequential(nn.Linear(c, c), nn.RMSNorm(c), nn.Linear(c, c))
-    eager = eager.to(device=device, dtype=dtype)
-    slim = nn.Sequential(
-        Linear.from_torch(eager[0]), RMSNorm.from_torch(eager[1]), Linear.from_torch(eager[2])
-    )
-
-    def make_inputs():
-        return torch.randn(b, t, c, device=device, dtype=dtype, requires_grad=True)
-
-    return eager, slim, make_inputs
-
-
-def main() -> dict:
-    return run_main(build, "rms_norm")
-
-
-if __name__ == "__main__":
-    main()
+    return norm_between_linears(nn.RMSNorm, RMSNorm, device, dtype, small)

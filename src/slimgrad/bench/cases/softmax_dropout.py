@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimgrad.bench.cases.attention import run_main
 from slimgrad.nn.softmax_dropout import SoftmaxDropoutMatmul
 
 
@@ -31,11 +30,3 @@ def build(device, dtype, small: bool = False):
         return s, v
 
     return eager, slim, make_inputs
-
-
-def main() -> dict:
-    return run_main(build, "softmax_dropout")
-
-
-if __name__ == "__main__":
-    main()
