@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimgrad.kernels import _backend
 from slimgrad.memory import measure
 from slimgrad.ops.layer_norm import BETA_OVER_GAMMA_MAX, fallback_channels, layer_norm
 from slimgrad.testing import assert_within_rule
@@ -50,7 +51,9 @@ def test_matches_eager_within_rule(device, dtype, shape, ns, kind):
     for o in out:
         assert torch.isfinite(o).all()
     assert_within_rule(out, ref, eager, names=["y", "dx", "dw", "db"])
-    if dtype == torch.float32:
+    if dtype != torch.float32 or not _backend.use_triton(x):
+        # the PyTorch path's y is eager's own kernel (half precision runs eager's LayerNorm); the
+        # Triton kernel is within the rule, not bitwise
         torch.testing.assert_close(out[0], eager[0], rtol=0, atol=0)
 
 
