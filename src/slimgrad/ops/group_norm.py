@@ -31,15 +31,17 @@ from slimgrad import ownership
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
+    HALF_DTYPES,
     _acc_dtype,
     _rowdot,
     autocast_inputs,
+    fake_norm_grads,
     fallback_channels,
+    grads_or_empty,
     no_double_backward,
     owns_layout,
     rebuild_xhat,
 )
-from slimgrad.ops.rms_norm import HALF_DTYPES
 
 __all__ = ["MIN_GROUP_NUMEL", "group_norm"]
 
@@ -150,20 +152,12 @@ def _group_norm_bwd(
     output_mask: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask)
-    empty = y.new_empty(0)
-    return (
-        dx if dx is not None else empty,
-        dw if dw is not None else empty.clone(),
-        db if db is not None else empty.clone(),
-    )
+    return grads_or_empty(y, dx, dw, db)
 
 
 @_group_norm_bwd.register_fake
 def _(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask):
-    dx = torch.empty_like(y) if output_mask[0] else y.new_empty(0)
-    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else y.new_empty(0)
-    db = torch.empty_like(bias) if bias is not None and output_mask[2] else y.new_empty(0)
-    return dx, dw, db
+    return fake_norm_grads(y, weight, bias, output_mask)
 
 
 class _GroupNormFn(torch.autograd.Function):

@@ -60,7 +60,8 @@ BETA_OVER_GAMMA_MAX = 2.0
 #: Backward processes rows in chunks of max(CHUNK_ELEMS, numel / 16) elements: fp32 temporaries
 #: stay a small fraction of the dropped input, with at most ~16 chunks of Python overhead.
 CHUNK_ELEMS = 1 << 15
-#: Input dtypes that run eager's ``F.layer_norm`` (module docstring, Limits).
+#: Half-precision input dtypes: layer_norm and group_norm run eager's kernels for them, rms_norm
+#: keeps x (module docstring, Limits; NOTE [RMSNorm and GroupNorm in half precision]).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: The C backward's row blocks: at least C_MIN_BLOCK_ROWS rows each, at most C_MAX_BLOCKS blocks
 #: (``rows_per_block``); also its parallel grain (one block per OpenMP iteration).
@@ -306,20 +307,28 @@ def _layer_norm_bwd(
     dx, dw, db = _bwd_impl(y)(
         dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask
     )
-    empty = y.new_empty(0)
-    return (
-        dx if dx is not None else empty,
-        dw if dw is not None else empty.clone(),
-        db if db is not None else empty.clone(),
+    return grads_or_empty(y, dx, dw, db)
+
+
+def grads_or_empty(like: torch.Tensor, *grads: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """A norm backward op's outputs: each gradient, or its own empty tensor where it was not
+    computed (a custom op's outputs may not alias each other)."""
+    return tuple(g if g is not None else like.new_empty(0) for g in grads)
+
+
+def fake_norm_grads(y, weight, bias, output_mask) -> tuple[torch.Tensor, ...]:
+    """Fake (dx, dweight, dbias) of a norm backward op that computes those in ``output_mask``."""
+    return grads_or_empty(
+        y,
+        torch.empty_like(y) if output_mask[0] else None,
+        torch.empty_like(weight) if weight is not None and output_mask[1] else None,
+        torch.empty_like(bias) if bias is not None and output_mask[2] else None,
     )
 
 
 @_layer_norm_bwd.register_fake
 def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask):
-    dx = torch.empty_like(y) if output_mask[0] else y.new_empty(0)
-    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else y.new_empty(0)
-    db = torch.empty_like(bias) if bias is not None and output_mask[2] else y.new_empty(0)
-    return dx, dw, db
+    return fake_norm_grads(y, weight, bias, output_mask)
 
 
 class _LayerNormFn(torch.autograd.Function):

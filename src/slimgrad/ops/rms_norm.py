@@ -52,19 +52,18 @@ from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
+    HALF_DTYPES,
     _acc_dtype,
     _rowdot,
     autocast_inputs,
     fallback_channels,
+    grads_or_empty,
     no_double_backward,
     owns_layout,
     rebuild_xhat,
 )
 
 __all__ = ["HALF_DTYPES", "rms_norm"]
-
-#: Input dtypes that take the keep-the-input path (NOTE [RMSNorm and GroupNorm in half precision]).
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _fwd_torch(x, normalized_shape, weight, eps):
@@ -158,15 +157,14 @@ def _rms_norm_bwd(
     x_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dw = _bwd_impl(y)(dy, y, rstd, idx, xside, weight, list(normalized_shape), output_mask)
-    empty = y.new_empty(0)
-    return (dx.to(x_dtype) if dx is not None else empty, dw if dw is not None else empty.clone())
+    return grads_or_empty(y, dx.to(x_dtype) if dx is not None else None, dw)
 
 
 @_rms_norm_bwd.register_fake
 def _(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, x_dtype):
-    dx = torch.empty_like(y, dtype=x_dtype) if output_mask[0] else y.new_empty(0)
-    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else y.new_empty(0)
-    return dx, dw
+    dx = torch.empty_like(y, dtype=x_dtype) if output_mask[0] else None
+    dw = torch.empty_like(weight) if weight is not None and output_mask[1] else None
+    return grads_or_empty(y, dx, dw)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -216,15 +214,14 @@ def _rms_norm_bwd_from_input(
     output_mask: Sequence[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dw = _bwd_from_input(dy, x, rstd, weight, normalized_shape, output_mask)
-    empty = x.new_empty(0)
-    return (dx if dx is not None else empty, dw if dw is not None else empty.clone())
+    return grads_or_empty(x, dx, dw)
 
 
 @_rms_norm_bwd_from_input.register_fake
 def _(dy, x, rstd, weight, normalized_shape, output_mask):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else None
     dw = torch.empty_like(weight) if weight is not None and output_mask[1] else None
-    return (dx if dx is not None else x.new_empty(0), dw if dw is not None else x.new_empty(0))
+    return grads_or_empty(x, dx, dw)
 
 
 class _RMSNormFromInputFn(torch.autograd.Function):
