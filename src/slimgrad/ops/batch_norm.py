@@ -253,16 +253,6 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b):
     return gx, gw, gb
 
 
-def _verify_batch_size(size) -> None:
-    n = size[0]
-    for s in size[2:]:
-        n *= s
-    if n == 1:
-        raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size {size}"
-        )
-
-
 def batch_norm(
     input: torch.Tensor,
     running_mean: torch.Tensor | None,
@@ -313,7 +303,7 @@ def batch_norm(
             "(default), 'always' or 'never'."
         )
     if training:
-        _verify_batch_size(input.size())
+        torch.nn.functional._verify_batch_size(input.size())  # eager's check and message
     if not training and (running_mean is None or running_var is None):
         raise ValueError(
             "slimgrad.ops.batch_norm: eval mode needs running statistics; expected tensors, got "
