@@ -1,16 +1,13 @@
 """A converted model under DistributedDataParallel (2 gloo processes) equals plain DDP."""
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import slimgrad
+from tests.distributed._gloo import run_on_two_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -30,44 +27,27 @@ def _net() -> nn.Module:
     )
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        for kind in ("eager", "slimgrad"):
-            net = _net()
-            if kind == "slimgrad":
-                net = slimgrad.convert_(copy.deepcopy(net))
-            model = nn.parallel.DistributedDataParallel(net)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for step in range(2):
-                torch.manual_seed(100 + 10 * rank + step)  # different data per rank, same masks
-                x = torch.randn(4, 3, 5, 5)
-                opt.zero_grad()
-                model(x).square().mean().backward()
-                opt.step()
-            results[kind] = [p.detach().clone() for p in model.parameters()]
-            results[kind + "_grad"] = [p.grad.clone() for p in model.parameters()]
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _train(rank: int) -> dict:
+    results = {}
+    for kind in ("eager", "slimgrad"):
+        net = _net()
+        if kind == "slimgrad":
+            net = slimgrad.convert_(copy.deepcopy(net))
+        model = nn.parallel.DistributedDataParallel(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            torch.manual_seed(100 + 10 * rank + step)  # different data per rank, same masks
+            x = torch.randn(4, 3, 5, 5)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        results[kind] = [p.detach().clone() for p in model.parameters()]
+        results[kind + "_grad"] = [p.grad.clone() for p in model.parameters()]
+    return results
 
 
 def test_converted_ddp_matches_plain_ddp(tmp_path):
-    mp.start_processes(
-        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
-    )
-    r0 = torch.load(tmp_path / "rank0.pt")
-    r1 = torch.load(tmp_path / "rank1.pt")
+    r0, r1 = run_on_two_ranks(_train, tmp_path)
     for res in (r0, r1):
         for suffix in ("", "_grad"):
             torch.testing.assert_close(res["slimgrad" + suffix], res["eager" + suffix])

@@ -1,15 +1,11 @@
 """ReversibleSequential under DistributedDataParallel (2 gloo processes) equals plain DDP."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from slimgrad.nn.reversible import ReversibleSequential
+from tests.distributed._gloo import run_on_two_ranks
 from tests.nn._reversible_helpers import QuantisedPlain, additive_blocks
 
 pytestmark = pytest.mark.distributed
@@ -28,43 +24,24 @@ def _net(kind: str) -> nn.Module:
     return nn.Sequential(stem, nn.ReLU(), body, nn.Flatten(), nn.Linear(4 * 5 * 5, 2))
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        for kind in ("rev_exact", "plain_exact", "rev_float", "plain_float"):
-            model = nn.parallel.DistributedDataParallel(_net(kind))
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            torch.manual_seed(100 + rank)  # different data per rank
-            for _ in range(2):
-                x = torch.randn(2, 3, 5, 5)
-                opt.zero_grad()
-                model(x).square().sum().backward()
-                opt.step()
-            results[kind] = [p.detach().clone() for p in model.parameters()]
-            results[kind + "_grad"] = [p.grad.clone() for p in model.parameters()]
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _train(rank: int) -> dict:
+    results = {}
+    for kind in ("rev_exact", "plain_exact", "rev_float", "plain_float"):
+        model = nn.parallel.DistributedDataParallel(_net(kind))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(100 + rank)  # different data per rank
+        for _ in range(2):
+            x = torch.randn(2, 3, 5, 5)
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        results[kind] = [p.detach().clone() for p in model.parameters()]
+        results[kind + "_grad"] = [p.grad.clone() for p in model.parameters()]
+    return results
 
 
 def test_ddp_matches_plain_ddp(tmp_path):
-    # torch.multiprocessing's spawn API with the fork start method: the children skip re-importing
-    # torch and the test modules (3x faster on a loaded 2-core box; nothing CUDA is initialised).
-    mp.start_processes(
-        _worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
-    )
-    r0 = torch.load(tmp_path / "rank0.pt")
-    r1 = torch.load(tmp_path / "rank1.pt")
+    r0, r1 = run_on_two_ranks(_train, tmp_path)
     for res in (r0, r1):
         # exact mode: the reversible backward reproduces plain autograd to the bit, and so do the
         # all-reduced gradients and the updated weights
