@@ -27,19 +27,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from slimgrad import ownership
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
     HALF_DTYPES,
     _acc_dtype,
     _rowdot,
+    affine_norm_function,
     autocast_inputs,
     fake_norm_grads,
     fallback_channels,
     grads_or_empty,
-    no_double_backward,
-    owns_layout,
     rebuild_xhat,
 )
 
@@ -160,37 +158,9 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask):
     return fake_norm_grads(y, weight, bias, output_mask)
 
 
-class _GroupNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, num_groups, weight, bias, eps):
-        y, mean, rstd, idx, xside = _group_norm_fwd(x, num_groups, weight, bias, eps)
-        ctx.num_groups = num_groups
-        ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
-        ctx.mark_non_differentiable(mean, rstd, idx, xside)
-        return y, mean, rstd, idx, xside
-
-    @staticmethod
-    def backward(ctx, dy, *_):
-        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
-        if torch.is_grad_enabled():
-            raise no_double_backward("group_norm")
-        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
-        if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
-            dx, dw, db = _bwd_torch(
-                buf, y, mean, rstd, idx, xside, weight, bias, ctx.num_groups, mask, out=buf
-            )
-        else:
-            dx, dw, db = _group_norm_bwd(
-                dy, y, mean, rstd, idx, xside, weight, bias, ctx.num_groups, mask
-            )
-        return (
-            dx if mask[0] else None,
-            None,
-            dw if weight is not None and mask[1] else None,
-            db if bias is not None and mask[2] else None,
-            None,
-        )
+_GroupNormFn = affine_norm_function(
+    "_GroupNormFn", "group_norm", _group_norm_fwd, _group_norm_bwd, _bwd_torch
+)
 
 
 def group_norm(

@@ -331,30 +331,34 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask
     return fake_norm_grads(y, weight, bias, output_mask)
 
 
-class _LayerNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, normalized_shape, weight, bias, eps):
-        y, mean, rstd, idx, xside = _layer_norm_fwd(x, normalized_shape, weight, bias, eps)
-        ctx.normalized_shape = normalized_shape
+def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into) -> type:
+    """The autograd Function of a norm ``fn(x, arg, weight, bias, eps)`` that keeps its output.
+
+    ``fwd_op(x, arg, weight, bias, eps) -> (y, mean, rstd, idx, xside)`` and ``bwd_op(dy, y, mean,
+    rstd, idx, xside, weight, bias, arg, mask) -> (dx, dweight, dbias)`` are its custom ops;
+    ``bwd_into`` is the same backward taking ``out=``: it writes dx into a dead incoming gradient
+    that slimgrad.ownership granted (eager only). ``name`` names the autograd node.
+    """
+
+    def forward(ctx, x, arg, weight, bias, eps):
+        y, mean, rstd, idx, xside = fwd_op(x, arg, weight, bias, eps)
+        ctx.arg = arg
         ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
         ctx.mark_non_differentiable(mean, rstd, idx, xside)
         return y, mean, rstd, idx, xside
 
-    @staticmethod
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        if torch.is_grad_enabled():
+            raise no_double_backward(api)
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
-        if torch.is_grad_enabled():
-            raise no_double_backward("layer_norm")
         if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
-            dx, dw, db = _bwd_impl(y)(
-                buf, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask, out=buf
+            dx, dw, db = bwd_into(
+                buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf
             )
         else:
-            dx, dw, db = _layer_norm_bwd(
-                dy, y, mean, rstd, idx, xside, weight, bias, ctx.normalized_shape, mask
-            )
+            dx, dw, db = bwd_op(dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask)
         return (
             dx if mask[0] else None,
             None,
@@ -362,6 +366,21 @@ class _LayerNormFn(torch.autograd.Function):
             db if bias is not None and mask[2] else None,
             None,
         )
+
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+
+
+_LayerNormFn = affine_norm_function(
+    "_LayerNormFn",
+    "layer_norm",
+    _layer_norm_fwd,
+    _layer_norm_bwd,
+    lambda dy, y, *a, out: _bwd_impl(y)(dy, y, *a, out=out),
+)
 
 
 def owns_layout(buf: torch.Tensor | None, y: torch.Tensor) -> bool:
