@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import gc
 import json
@@ -157,6 +158,59 @@ def test_exact_mode_bit_identical_to_plain(n):
     assert_equal_list(got, want)
     rep = rev.last_reconstruction
     assert rep.max_abs == 0.0 and len(rep.per_block_abs) == n
+
+
+@pytest.mark.parametrize("case", ["plain", "retain_graph", "user_holds_saved", "no_reuse"])
+def test_exact_mode_rebuilds_into_its_saved_stream_only_when_it_owns_it(case):
+    # The last block rebuilds its input into the saved integer stream (one stream-sized buffer
+    # less at the backward's peak) only when ownership grants it: not under retain_graph, not
+    # when the user holds the saved tensor, not with reuse disabled. Gradients bit-identical in
+    # every case; a stream the user holds is left intact.
+    from slimgrad import ownership
+    from slimgrad.memory import measure
+
+    blocks = additive_blocks(4, 8, seed=3, scale=0.5)
+    ref = QuantisedPlain(copy.deepcopy(blocks))
+    rev = ReversibleSequential(*blocks, exact=True)
+    x = torch.randn(2, 8, 8, 8)
+    r = torch.randn(2, 8, 8, 8)
+    want = grads(ref, x.clone().requires_grad_(), weighted_sum(r))[1:]  # [dx, *dparams]
+    held = []
+
+    def forward():
+        xl = x.clone().requires_grad_()
+        y = rev(xl)
+        if case == "user_holds_saved":
+            held.append(y.grad_fn.saved_tensors[0])
+            held.append(held[0].clone())
+        return (y * r).sum(), xl
+
+    for p in rev.parameters():
+        p.grad = None
+    loss, xl = forward()
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled() if case == "no_reuse" else contextlib.nullcontext():
+        loss.backward(retain_graph=case == "retain_graph")
+    assert ownership.reuse_count("saved") == (1 if case == "plain" else 0)
+    assert_equal_list([xl.grad, *[p.grad for p in rev.parameters()]], want)
+    if case == "user_holds_saved":
+        assert torch.equal(held[0], held[1])
+    if case == "retain_graph":  # the kept stream gives the same gradients a second time
+        for p in rev.parameters():
+            p.grad = None
+        xl.grad = None
+        loss.backward()
+        assert_equal_list([xl.grad, *[p.grad for p in rev.parameters()]], want)
+
+    # exact bytes: the granted rebuild needs one int32 stream (4 B/elt) less at the peak
+    def peak():
+        (rev(x.clone().requires_grad_()) * r).sum().backward()  # warm-up
+        return measure(lambda: (rev(x.clone().requires_grad_()) * r).sum()).peak_bytes
+
+    on = peak()
+    with ownership.reuse_disabled():
+        off = peak()
+    assert off - on == x.numel() * 4
 
 
 def test_exact_mode_int32_overflow_promotes_to_int64_bit_identical():

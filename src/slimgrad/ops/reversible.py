@@ -84,6 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slimgrad import ownership
 from slimgrad._compile import eager_only
 from slimgrad._errors import internal_error
 
@@ -660,7 +661,8 @@ def _exact_half_bwd(
             q = _grid_units(h.detach(), plan.scale)
         del h
         q = q.to(qdt)  # the dtype forward used: int32 whenever it fits
-        xa = ya.sub_(q) if ya_own and _sole(ya) else ya - q
+        # stream halves never reach user code (F and G see images), so ownership is structural
+        xa = ya.sub_(q) if ya_own else ya - q
     return xa, (dya if need_xa else None), got[0], got[1:]
 
 
@@ -685,7 +687,8 @@ def _block_bwd(
     if _is_coupling(blk):
         y1, y2 = _to_halves(ystream, plan.split_dim)
         dy1, dy2 = _to_halves(dstream, plan.split_dim)
-        y_own = y_own and len(ystream) == 2
+        # float mode owns only halves it rebuilt; exact mode also the saved stream when granted
+        y_own = y_own and (plan.exact or len(ystream) == 2)
         own1 = own2 = False
         del ystream, dstream
         f_idx, g_idx = groups
@@ -791,13 +794,20 @@ def _fwd_torch(plan: _Plan, x: torch.Tensor, record: bool) -> torch.Tensor:
 
 
 def _bwd_torch(
-    plan: _Plan, y: torch.Tensor, dy: torch.Tensor, need_x: bool, need_params: Sequence[bool]
+    plan: _Plan,
+    y: torch.Tensor,
+    dy: torch.Tensor,
+    need_x: bool,
+    need_params: Sequence[bool],
+    y_own: bool = False,
 ) -> tuple:
     # Walk the blocks in reverse from the output: returns (dx or None, {param index: grad}).
+    # ``y_own``: y may be overwritten by the last block's rebuild (exact mode's saved stream, when
+    # ownership.take_saved granted it).
     first_needed = _first_block_needing(plan, need_params)
     pgrads: dict[int, torch.Tensor] = {}
     diffs: list[tuple] = []  # per rebuilt block input: sampled rebuilt - forward values
-    state = [(y,), False, (dy,), (False, False)]
+    state = [(y,), y_own, (dy,), (False, False)]
     del y, dy
     devices = [plan.device] if plan.device.type not in ("cpu", "meta") else []
     with torch.random.fork_rng(devices=devices, device_type=plan.device.type):
@@ -835,6 +845,7 @@ class _ReversibleChainFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        ownership.check_not_consumed(ctx, _API)
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():
             raise NotImplementedError(
@@ -843,7 +854,14 @@ class _ReversibleChainFn(torch.autograd.Function):
                 "reversible=False to differentiate twice."
             )
         (y,) = ctx.saved_tensors
-        dx, pgrads = _bwd_torch(plan, y, dy, ctx.needs_input_grad[1], ctx.needs_input_grad[2:])
+        # Exact mode saved its own integer stream (never handed out): unless the graph is kept
+        # (retain_graph) or someone else holds it, the last block rebuilds its input into it
+        # instead of a fresh stream-sized buffer. Float mode saved the chain output, which the
+        # user may still read: never overwritten.
+        own = plan.exact and ownership.take_saved(ctx, y) is not None
+        dx, pgrads = _bwd_torch(
+            plan, y, dy, ctx.needs_input_grad[1], ctx.needs_input_grad[2:], y_own=own
+        )
         return (None, dx, *[pgrads.get(j) for j in range(len(plan.flat_params))])
 
 
