@@ -60,6 +60,9 @@ def test_record_fields_and_hand_computed_bytes(tmp_path):
     assert rec["kernel_backend"] == get_backend() and rec["grad_buffer_reuses"] == 0
     assert rec["shapes"] == [[3, 7]] and rec["dtype"] == "float32" and rec["device"] == "cpu"
     assert len(rec["step_ms_all"]["eager"]) == len(rec["step_ms_all"]["slimgrad"]) == 3
+    for side in ("eager", "slimgrad"):  # per timed step, the process's minor page faults
+        counts = rec["minor_faults_all"][side]
+        assert len(counts) == 3 and all(isinstance(c, int) and c >= 0 for c in counts)
     assert rec["time_ratio_min"] <= rec["time_ratio"] <= rec["time_ratio_max"]
     assert rec["grad"]["ok"] and rec["grad"]["n_tensors"] == 2
     assert rec["versions"]["torch"] == torch.__version__
