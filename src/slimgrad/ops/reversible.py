@@ -87,6 +87,7 @@ from torch import nn
 from slimgrad import ownership
 from slimgrad._compile import eager_only
 from slimgrad._errors import internal_error
+from slimgrad.kernels import _backend
 
 __all__ = ["reversible_sequential"]
 
@@ -148,7 +149,14 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
 # whose stream stays moderate; it does not hold the bench chain (random conv3x3+ReLU couplings
 # without normalisation: the stream grows ~1.3x per block, past 2048 at N ~ 28, to 1.5e7 at
 # N = 64): that chain needs grid_bits <= 6 to stay in int32, or int64 (what exact mode falls back
-# to).
+# to). On CPU with float32 F/G, the three stream steps (image; max|q| then u += q; u - q in
+# backward) run kernels/cpu/reversible.c, one pass each and no temporaries (the PyTorch path takes
+# 4-6 passes and two stream-half temporaries per sum): the same integers and images, bit for bit
+# (tests/kernels/test_reversible.py); the whole exact step measured 0.96x the PyTorch path's
+# (N = 32 bench chain, median of 16 interleaved pairs, 1 thread).
+# The last block's rebuild goes into the saved stream itself when ``ownership.take_saved`` grants
+# it (the graph is not kept, nobody else holds the stream): the stream never reaches user code (F
+# and G see images), so after that grant every rebuilt half is ours to overwrite.
 def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
     # round(f * scale), integer-valued, in float32 (float64 for float64 f)
     rd = torch.float64 if f.dtype == torch.float64 else torch.float32
@@ -158,6 +166,14 @@ def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
 def _image(plan: _Plan, u: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     # the stream's value u * 2^-b rounded once to ``dtype`` (default: F's)
     dtype = dtype or plan.compute_dtype
+    if dtype == torch.float32 and (fns := _stream_lib(u)) is not None:
+        runs = _runs(u)
+        if runs is not None:
+            from slimgrad.kernels._cpu import threads
+
+            out = torch.empty(u.shape, dtype=dtype)
+            fns[u.dtype][2](u.data_ptr(), *runs, out.data_ptr(), plan.inv_scale, threads())
+            return out
     if dtype == torch.get_default_dtype():  # int * float -> the default dtype, one pass
         return torch.mul(u, plan.inv_scale)
     if dtype in (torch.float32, torch.float64):
@@ -169,6 +185,100 @@ def _absmax(t: torch.Tensor) -> torch.Tensor:
     # max |t| as a float64 scalar tensor (no sync); NaN propagates
     lo, hi = torch.aminmax(t.detach())
     return torch.maximum(lo.double().neg(), hi.double())
+
+
+# The stream steps below run kernels/cpu/reversible.c (one pass each) on CPU when F/G compute in
+# float32 and the backend allows it (NOTE [Kernel backend choice]); else the PyTorch path. Both
+# give the same integers (rounding half to even of an exactly scaled float, an exact conversion);
+# images are float32(u) * 2^-b either way, and one process uses one path for a whole step.
+C_STEM = "reversible"
+_STREAM_DTYPES = (torch.int32, torch.int64)
+
+
+def _runs(t: torch.Tensor) -> tuple[int, int, int] | None:
+    # (rows, len, stride): t's elements as ``rows`` contiguous runs of ``len``, ``stride`` apart
+    # (a stream half is a narrow view of the whole stream); None if t has no such layout.
+    shape, stride = t.shape, t.stride()
+    inner, k = 1, t.dim()
+    while k > 0 and (shape[k - 1] == 1 or stride[k - 1] == inner):
+        inner *= shape[k - 1]
+        k -= 1
+    rows, step = 1, inner
+    for d in range(k - 1, -1, -1):
+        if shape[d] == 1:
+            continue
+        if rows == 1:
+            rows, step = shape[d], stride[d]
+        elif stride[d] == step * rows:
+            rows *= shape[d]
+        else:
+            return None
+    return rows, inner, step
+
+
+def _stream_lib(u: torch.Tensor, h: torch.Tensor | None = None):
+    # the C kernels for stream (half) u and F/G output h, or None (PyTorch path)
+    if u.dtype not in _STREAM_DTYPES or u.numel() == 0 or u.device.type != "cpu":
+        return None
+    if h is not None and (h.dtype != torch.float32 or h.shape != u.shape or not h.is_contiguous()):
+        return None
+    lib = _backend.use_cpu(u, C_STEM, dtypes=_STREAM_DTYPES)
+    if lib is None:
+        return None
+    fns = getattr(lib, "_slimgrad_fns", None)
+    if fns is None:
+        import ctypes as C
+
+        p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
+        fns = {"absmax": lib.rev_absmax_units_f32}
+        fns["absmax"].argtypes, fns["absmax"].restype = [p, i64, f, i], C.c_double
+        for dt, name in ((torch.int32, "i32"), (torch.int64, "i64")):
+            add, sub, img = (
+                getattr(lib, f"rev_{k}_{name}") for k in ("add_units", "sub_units", "image")
+            )
+            add.argtypes, add.restype = [p, i64, i64, i64, p, f, i], None
+            sub.argtypes, sub.restype = [p, p, i64, i64, i64, i64, p, f, i], None
+            img.argtypes, img.restype = [p, i64, i64, i64, p, f, i], None
+            fns[dt] = (add, sub, img)
+        lib._slimgrad_fns = fns
+    return fns
+
+
+def _units_absmax(h: torch.Tensor, scale: float, fns) -> float:
+    # max |round(h * scale)| (NaN if any NaN): the one host read per coupling half
+    if fns is not None:
+        from slimgrad.kernels._cpu import threads
+
+        return fns["absmax"](h.data_ptr(), h.numel(), scale, threads())
+    return float(_absmax(_grid_units(h, scale)))
+
+
+def _add_units(t: torch.Tensor, h: torch.Tensor, scale: float, qdt: torch.dtype, fns) -> None:
+    # t += round(h * scale) in place (range checked by the caller); the PyTorch path converts the
+    # units to ``qdt`` first (int32 whenever they fit: faster than int64 on CPU)
+    runs = _runs(t) if fns is not None else None
+    if runs is None:
+        t.add_(_grid_units(h, scale).to(qdt))
+        return
+    from slimgrad.kernels._cpu import threads
+
+    fns[t.dtype][0](t.data_ptr(), *runs, h.data_ptr(), scale, threads())
+
+
+def _sub_units(
+    y: torch.Tensor, h: torch.Tensor, scale: float, qdt: torch.dtype, inplace: bool, fns
+) -> torch.Tensor:
+    # y - round(h * scale), into y when ``inplace`` (the subtraction forward's sum undoes)
+    runs = _runs(y) if fns is not None else None
+    if runs is None:
+        q = _grid_units(h, scale).to(qdt)
+        return y.sub_(q) if inplace else y - q
+    from slimgrad.kernels._cpu import threads
+
+    out = y if inplace else torch.empty(y.shape, dtype=y.dtype)
+    out_stride = runs[2] if inplace else runs[1]
+    fns[y.dtype][1](y.data_ptr(), out.data_ptr(), *runs, out_stride, h.data_ptr(), scale, threads())
+    return out
 
 
 class _ExactStream:
@@ -193,8 +303,9 @@ class _ExactStream:
         # Returns the integer dtype q was converted to: int32 whenever it fits (float -> int64
         # conversion and int64 + int64 are several times slower on CPU than their int32 forms).
         plan = self.plan
-        q = _grid_units(h.detach(), plan.scale)
-        mq = float(_absmax(q))  # the one sync per coupling half
+        hd = h.detach()
+        fns = _stream_lib(getattr(self, half), hd)
+        mq = _units_absmax(hd, plan.scale, fns)  # the one sync per coupling half
         worst = getattr(self, "bound_" + half) + mq
         if not worst < _LIMIT[plan.stream_dtype]:
             # the running bound is conservative: tighten it with the half's true max first
@@ -205,7 +316,7 @@ class _ExactStream:
                 self.a, self.b = split_halves(self.u, plan.split_dim)
         t = getattr(self, half)
         qdt = torch.int32 if mq < _LIMIT[torch.int32] else t.dtype
-        t.add_(q.to(qdt))
+        _add_units(t, hd, plan.scale, qdt, fns)
         setattr(self, "bound_" + half, worst)
         img = getattr(self, "i" + half)
         if img is not None:
@@ -320,8 +431,7 @@ def _uncoupled(
     # mode: integer subtraction of the same grid units forward added.
     if not plan.exact:
         return _half_inv(blk, ya, h, inplace=inplace)
-    q = _grid_units(h, plan.scale).to(ya.dtype)
-    return ya.sub_(q) if inplace else ya - q
+    return _sub_units(ya, h, plan.scale, ya.dtype, inplace, _stream_lib(ya, h))
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
@@ -653,16 +763,24 @@ def _exact_half_bwd(
         got = _grad(h, inputs, dya.to(h.dtype)) if h.requires_grad else [None] * len(inputs)
         del inputs
     with torch.no_grad():
-        # round in place when h is fn's output that no one else holds (no hook kept it, no alias):
-        # one stream-half temporary less at the backward's peak
-        if h.dtype in (torch.float32, torch.float64) and sys.getrefcount(h) <= 2 and _sole(h):
-            q = h.detach().mul_(plan.scale).round_()
-        else:
-            q = _grid_units(h.detach(), plan.scale)
-        del h
-        q = q.to(qdt)  # the dtype forward used: int32 whenever it fits
         # stream halves never reach user code (F and G see images), so ownership is structural
-        xa = ya.sub_(q) if ya_own else ya - q
+        hd = h.detach()
+        fns = _stream_lib(ya, hd)
+        if fns is not None and _runs(ya) is not None:  # one pass, no temporary
+            del h
+            xa = _sub_units(ya, hd, plan.scale, qdt, ya_own, fns)
+            del hd
+        else:
+            # round in place when h is fn's output that no one else holds (no hook kept it, no
+            # alias): one stream-half temporary less at the backward's peak
+            del hd
+            if h.dtype in (torch.float32, torch.float64) and sys.getrefcount(h) <= 2 and _sole(h):
+                q = h.detach().mul_(plan.scale).round_()
+            else:
+                q = _grid_units(h.detach(), plan.scale)
+            del h
+            q = q.to(qdt)  # the dtype forward used: int32 whenever it fits
+            xa = ya.sub_(q) if ya_own else ya - q
     return xa, (dya if need_xa else None), got[0], got[1:]
 
 
