@@ -29,23 +29,31 @@ overflows silently.
 Cost: backward evaluates every F and G once more than plain autograd: the recompute RevNet cannot
 avoid (its inversion and its vector-Jacobian product share that one evaluation; nothing else is
 recomputed, copied or zeroed). Measured on a shared 2-core CPU, one thread, chains of conv3x3+ReLU
-couplings on 8x64x32x32 (``benchmarks/results/reversible.jsonl``): one no-grad forward of every F
-and G costs 0.27-0.28 of a plain step (``fg_over_plain``), so about 1.2-1.3x plain is the floor
-there; step ratios (medians of 5 interleaved pairs, N = 4..64) were 1.16-1.35 in float mode and
-1.37-1.56 for torch.utils.checkpoint; exact mode (against plain autograd of the same fixed-point
-network) 1.32-1.41 at N = 16 and 1.31 (int32 stream, grid 2^-6) / 1.37 (2^-20, promoted to
-int64) at N = 64; interleaved against the former float64-stream exact mode at N = 64 (4 rounds of
-3 pairs, pooled medians) 1.34 vs 1.37, i.e. no slower. Side by side at N = 64 (CPU time, 5
-interleaved steps): revlib 1.7.2 1.28, a minimal hand-written RevNet backward 1.25, this 1.31.
+couplings on 8x64x32x32: one no-grad forward of every F and G costs 0.25-0.29 of a plain step
+(``fg_over_plain``), a floor the ratio only undercuts where plain autograd itself wastes time
+(zero-filled slice gradients, concatenations, and the page faults of its ~4 MiB per block of fresh
+activations: 0 to 7e4 per step, about 0.1 s of a 0.75 s step at N = 64, NOTE [Page faults in CPU
+step times]).
+``benchmarks/results/reversible.jsonl`` (medians of 7 interleaved pairs): float mode 1.17-1.32x
+plain at N = 4..64, torch.utils.checkpoint 1.37-1.48x; exact mode 1.38-1.46x against plain
+autograd of the same fixed-point network (which shares the stream kernels, so it is faster than
+the float plain chain), 1.29-1.31x on the 2^-6 grid. ``benchmarks/results/reversible_revlib.jsonl``
+(10 rotated rounds, same process): at N = 32 / 64, float mode 1.17 / 1.23x, a minimal hand-written
+RevNet backward 1.17 / 1.26x, revlib 1.7.2 1.18 / 1.31x, exact mode 1.22 / 1.32x (wall, median of
+rounds; the research note's CPU-time-min method gives 1.17 / 1.28 for float mode, 1.19 / 1.32 for
+revlib): this implementation costs what the bare algorithm costs.
 
 Memory: saves the chain output y (float mode: 1x the input, often shared with the next layer; exact
 mode: the int32 stream, 4 B/elt; 8 B/elt once promoted to int64) + per block 2 CPU RNG states
 (5056 B each) + 64 sampled elements; eager saves every activation of every F and G (and every
-block output), growing linearly with depth. Measured (8x64x32x32, conv couplings, one step, peak
-at N = 64): float mode 15.5 MiB; exact mode on int32 16.6 MiB (grid 2^-6; 1024 B more per added
-block beyond weight gradients, N = 16 vs 64); exact mode at the default 2^-20 grid 20.6 MiB (this
-chain's stream outgrows int32 past N ~ 28 and continues in int64; it is 13.1 MiB at N = 16, still
-int32); plain autograd 262-264 MiB.
+block output), growing linearly with depth. Exact mode rebuilds the last block's input into its
+saved stream when nothing else holds it and the graph is not kept (``ownership.take_saved``), so
+the backward needs no second stream-sized buffer. Measured (8x64x32x32, conv couplings, one step,
+``slimgrad.memory``): float mode 16,301,832 B (15.5 MiB) at N = 64; exact mode at the default
+2^-20 grid 11.1 MiB at N = 16 (int32), 14.3 at N = 32 and 16.6 (17,382,920 B) at N = 64 (this
+chain's stream outgrows int32 past N ~ 28 and continues in int64), 1,024 B per added block beyond
+weight gradients from N = 32 to 64; on a 2^-6 grid (int32 throughout) 14.6 MiB at N = 64; plain
+autograd 262-264 MiB.
 
 # NOTE [Reversible chains: nothing is freed, nothing is kept]
 memcnn saves memory by emptying the input's storage (``storage().resize_(0)``) and refilling it in
