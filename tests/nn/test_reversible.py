@@ -160,7 +160,9 @@ def test_exact_mode_bit_identical_to_plain(n):
     assert rep.max_abs == 0.0 and len(rep.per_block_abs) == n
 
 
-@pytest.mark.parametrize("case", ["plain", "retain_graph", "user_holds_saved", "no_reuse"])
+@pytest.mark.parametrize(
+    "case", ["plain", "retain_graph", "user_holds_saved", "pack_hook_keeps", "no_reuse"]
+)
 def test_exact_mode_rebuilds_into_its_saved_stream_only_when_it_owns_it(case):
     # The last block rebuilds its input into the saved integer stream (one stream-sized buffer
     # less at the backward's peak) only when ownership grants it: not under retain_graph, not
@@ -179,7 +181,14 @@ def test_exact_mode_rebuilds_into_its_saved_stream_only_when_it_owns_it(case):
 
     def forward():
         xl = x.clone().requires_grad_()
-        y = rev(xl)
+        if case == "pack_hook_keeps":  # a saved_tensors_hooks pair that keeps what it packs
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: held.append(t) or t, lambda t: t
+            ):
+                y = rev(xl)
+            held.append(held[0].clone())
+        else:
+            y = rev(xl)
         if case == "user_holds_saved":
             held.append(y.grad_fn.saved_tensors[0])
             held.append(held[0].clone())
@@ -193,7 +202,7 @@ def test_exact_mode_rebuilds_into_its_saved_stream_only_when_it_owns_it(case):
         loss.backward(retain_graph=case == "retain_graph")
     assert ownership.reuse_count("saved") == (1 if case == "plain" else 0)
     assert_equal_list([xl.grad, *[p.grad for p in rev.parameters()]], want)
-    if case == "user_holds_saved":
+    if case in ("user_holds_saved", "pack_hook_keeps"):
         assert torch.equal(held[0], held[1])
     if case == "retain_graph":  # the kept stream gives the same gradients a second time
         for p in rev.parameters():
@@ -720,19 +729,27 @@ def test_state_dict_keys_like_sequential_and_indexing():
     rev.inverse(rev(torch.randn(1, 4, 2, 2)))
 
 
-def test_inside_torch_checkpoint():
-    # an outer non-reentrant checkpoint packs the chain's saved output with its own hooks and
-    # reruns the chain's forward to unpack it; gradients are unchanged
+@pytest.mark.parametrize("exact", [False, True])
+def test_inside_torch_checkpoint(exact):
+    # an outer non-reentrant checkpoint packs the chain's saved output (exact mode: its saved
+    # stream, which backward may then rebuild into) with its own hooks and reruns the chain's
+    # forward to unpack it; gradients are unchanged (exact mode: bit for bit)
     from torch.utils.checkpoint import checkpoint
 
-    rev, plain = pair(additive_blocks(3, 4))
+    rev, plain = pair(additive_blocks(3, 4), exact=exact)
+    if exact:
+        plain = QuantisedPlain(list(plain))
     x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
     r = torch.randn(2, 4, 3, 3, dtype=F64)
-    got = torch.autograd.grad(
-        (checkpoint(rev, x, use_reentrant=False) * r).sum(), [x, *rev.parameters()]
-    )
-    want = torch.autograd.grad((plain(x) * r).sum(), [x, *plain.parameters()])
-    torch.testing.assert_close(got, want)
+    for _ in range(2):  # twice: the first backward's in-place rebuild must not leak into the next
+        got = torch.autograd.grad(
+            (checkpoint(rev, x, use_reentrant=False) * r).sum(), [x, *rev.parameters()]
+        )
+        want = torch.autograd.grad((plain(x) * r).sum(), [x, *plain.parameters()])
+        if exact:
+            assert_equal_list(list(got), list(want))
+        else:
+            torch.testing.assert_close(got, want)
 
 
 def test_from_torch_shares_modules():
