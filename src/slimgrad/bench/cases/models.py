@@ -1,6 +1,5 @@
 """Model-level cases: whole models, eager against ``slimgrad.convert_`` of a copy of the same model.
 
-Until ``slimgrad.convert_`` exists, the slimgrad side is an unchanged copy (ratios then read 1.0).
 ``eager_<case>(device, dtype, small)`` builds the eager side alone, ``(model, make_inputs)``: use it
 under ``FakeTensorMode`` (``slimgrad.memory.estimate``), where the deep copy that makes the slimgrad
 side would read fake storages (undefined behaviour; it crashed the interpreter here).
@@ -17,16 +16,11 @@ from slimgrad.bench import models
 from slimgrad.bench.harness import register_case
 
 
-def slim_copy(model: nn.Module) -> nn.Module:
-    """``slimgrad.convert_(copy.deepcopy(model))`` when ``convert_`` exists, else a plain copy."""
+def slim_copy(model: nn.Module, config=None) -> nn.Module:
+    """``slimgrad.convert_(copy.deepcopy(model), config)``: the slimgrad side of a case."""
     import slimgrad
 
-    twin = copy.deepcopy(model)
-    convert_ = getattr(slimgrad, "convert_", None)
-    if convert_ is None:
-        return twin
-    out = convert_(twin)
-    return out if isinstance(out, nn.Module) else twin
+    return slimgrad.convert_(copy.deepcopy(model), config)
 
 
 def place(model: nn.Module, device, dtype) -> nn.Module:
@@ -172,3 +166,17 @@ def eager_hf_gpt2(device, dtype, small=False):
 def build_hf_gpt2(device, dtype, small=False):
     eager, make_inputs = eager_hf_gpt2(device, dtype, small)
     return eager, slim_copy(eager), make_inputs
+
+
+@register_case(
+    "hf_gpt2_fast_loss",
+    description="hf_gpt2 converted with ConvertConfig(fast_loss=True): the LM-head gradients "
+    "computed in forward (3 matmuls like eager, a parameter-sized dW kept) [hf extra]",
+    requires=("transformers",),
+    repeat=3,
+)
+def build_hf_gpt2_fast_loss(device, dtype, small=False):
+    import slimgrad
+
+    eager, make_inputs = eager_hf_gpt2(device, dtype, small)
+    return eager, slim_copy(eager, slimgrad.ConvertConfig(fast_loss=True)), make_inputs
