@@ -1,4 +1,3 @@
-import slimgrad
 from slimgrad import cli
 from slimgrad.demo import run_demo
 
@@ -17,9 +16,8 @@ def test_demo_small_one_step(tmp_path, capsys):
             assert r[side]["peak_bytes"] > 0 and r[side]["saved_bytes"] > 0
             assert len(r[side]["losses"]) == 1
             assert max(r[side]["timeline"]) == r[side]["peak_bytes"]
-        if not hasattr(slimgrad, "convert_"):
-            assert r["slimgrad"]["peak_bytes"] == r["eager"]["peak_bytes"]
-            assert r["slimgrad"]["losses"] == r["eager"]["losses"]
+        assert r["slimgrad"]["peak_bytes"] < r["eager"]["peak_bytes"]
+        assert r["converted"]  # convert_ swapped something in both models
 
 
 def test_demo_cli_no_plot(tmp_path, monkeypatch, capsys):

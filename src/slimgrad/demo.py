@@ -1,13 +1,12 @@
 """``slimgrad demo``: train a small CNN and a small transformer, eager and slimgrad side by side.
 
 For each model, two copies start from the same weights: ``eager`` (plain PyTorch) and ``slimgrad``
-(``slimgrad.convert_`` of a copy; an unchanged copy while ``convert_`` does not exist). Both train
-for a few SGD steps on the same synthetic batches. The first step of each side is measured exactly
-with ``slimgrad.memory.measure``; its gradients are checked against a float64 copy with GUIDE.md's
-rule; the other steps are timed. A table reports peak MiB, saved MiB, median step ms, max gradient
-error and whether the loss curves agree; a PNG shows both memory timelines of the measured step.
-The transformer has dropout 0 so that both sides compute the same function and their loss curves
-can be compared.
+(``slimgrad.convert_`` of a copy). Both train for a few SGD steps on the same synthetic batches.
+The first step of each side is measured exactly with ``slimgrad.memory.measure``; its gradients
+are checked against a float64 copy with GUIDE.md's rule; the other steps are timed. A table
+reports peak MiB, saved MiB, median step ms, max gradient error and whether the loss curves agree;
+a PNG shows both memory timelines of the measured step. The transformer has dropout 0 so that both
+sides compute the same function and their loss curves can be compared.
 """
 
 from __future__ import annotations
@@ -100,7 +99,7 @@ def _train(
     eager = task["build"]()
     slim = slim_copy(eager)
     sides = {"eager": eager, "slimgrad": slim}
-    res: dict[str, Any] = {"title": task["title"], "converted": _converted(eager, slim)}
+    res: dict[str, Any] = {"title": task["title"], "converted": _converted(slim)}
 
     # Measured step (no optimizer update: it is the same forward/backward as step 0 below). Each
     # side runs once under the tracker first, and gc is off during the measured steps: see
@@ -160,21 +159,11 @@ def _train(
     return res
 
 
-def _converted(eager: nn.Module, slim: nn.Module) -> list[str]:
-    # What convert_ swapped, as "name: From -> To" (slimgrad.report when it exists, else by type).
+def _converted(slim: nn.Module) -> list[str]:
+    # What convert_ swapped, as "name: From -> To"
     import slimgrad
 
-    report = getattr(slimgrad, "report", None)
-    if report is not None:
-        try:
-            return [f"{n or '<root>'}: {a} -> {b}" for n, a, b in report(slim).converted]
-        except Exception:  # a model convert_ never saw, or an older report format
-            pass
-    return [
-        f"{n}: {type(a).__name__} -> {type(b).__name__}"
-        for (n, a), b in zip(eager.named_modules(), slim.modules())
-        if type(a) is not type(b)
-    ]
+    return [f"{n or '<root>'}: {a} -> {b}" for n, a, b in slimgrad.report(slim).converted]
 
 
 def _plot(results: dict[str, dict[str, Any]], path: str) -> str:
@@ -262,7 +251,6 @@ def run_demo(
         ``{"ok": bool, "png": path or None, "models": {name: {...}}}``; ``ok`` is False when a
         gradient breaks the rule or the loss curves differ.
     """
-    import slimgrad
 
     tasks = _tasks(small)
     total = len(tasks) * (steps + 1)
@@ -282,17 +270,11 @@ def run_demo(
             print(f"training {t['name']} ({steps} steps, eager + slimgrad) ...", flush=True)
             results[t["name"]] = _train(t, steps, seed, lambda: None)
     _print_table(results)
-    if not hasattr(slimgrad, "convert_"):
-        print(
-            "note: slimgrad.convert_ is not available in this build; the slimgrad side ran an "
-            "unchanged copy of the model."
-        )
-    else:
-        for name, r in results.items():
-            conv = r["converted"]
-            shown = "; ".join(conv[:4]) + (f"; ... ({len(conv) - 4} more)" if len(conv) > 4 else "")
-            tail = f": {shown}" if conv else ""
-            print(f"{name}: convert_ replaced {len(conv)} module(s){tail}")
+    for name, r in results.items():
+        conv = r["converted"]
+        shown = "; ".join(conv[:4]) + (f"; ... ({len(conv) - 4} more)" if len(conv) > 4 else "")
+        tail = f": {shown}" if conv else ""
+        print(f"{name}: convert_ replaced {len(conv)} module(s){tail}")
     png = None
     if out is not None:
         try:
