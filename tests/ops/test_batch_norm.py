@@ -423,10 +423,22 @@ def test_memory_channels_kept_from_input():
         assert measure(step).saved_bytes == expect + 4 * C * 4 + listed
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("ratio", [0.0, 0.45, 2.0, 16.0])
-def test_float32_grads_within_rule_for_beta_over_gamma(ratio):
+def test_float32_grads_within_rule_for_beta_over_gamma(ratio, backend, monkeypatch):
     # |β/γ| near and beyond the threshold where x̂ stops being recovered from b (float32, data
-    # with and without a large channel mean); every gradient within the GUIDE.md rule.
+    # with and without a large channel mean); every gradient within the GUIDE.md rule, on the
+    # PyTorch path and with the C kernel's one-pass channel sums (kernels/cpu/batch_norm.c).
+    from slimgrad.kernels import _backend, _cpu
+
+    if backend == "cpu" and _cpu.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    with _backend.set_backend(backend):
+        _check_rule_for_beta_over_gamma(ratio)
+
+
+def _check_rule_for_beta_over_gamma(ratio):
     C = 6
     gen = torch.Generator().manual_seed(7)
     for trial in range(8):
@@ -447,3 +459,43 @@ def test_float32_grads_within_rule_for_beta_over_gamma(ratio):
             r = _derived.activation(y, "relu") if ours else torch.relu(y)
             res[name] = grads_of((r * up.to(dt)).sum(), [x, w, b])
         assert_within_rule(res["ours"], res["ref"], res["eager"], names=["x", "weight", "bias"])
+
+
+@pytest.mark.parametrize("shape", [(16, 6, 9, 9), (5, 3, 7), (33, 4), (2, 5, 3, 4, 5)])
+def test_c_channel_sums_match_the_pytorch_path(shape, monkeypatch):
+    # kernels/cpu/batch_norm.c: per-channel Σ b, Σ dy, Σ dy·b in float64, the same bits for any
+    # thread count and equal to a float64 reference to ~1e-15; the gradients equal the PyTorch
+    # path's up to float32 rounding of the mean (the PyTorch path rounds each dy·(b - mean))
+    from slimgrad.kernels import _backend, _cpu
+    from slimgrad.ops.batch_norm import _channel_sums_c
+
+    if _cpu.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(shape, generator=gen) * 2 + 1
+    up = torch.randn(shape, generator=gen)
+    red = [d for d in range(len(shape)) if d != 1]
+    want = torch.stack(
+        [x0.double().sum(red), up.double().sum(red), (up.double() * x0.double()).sum(red)]
+    )
+    sums = []
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        try:
+            with _backend.set_backend("cpu"):
+                sums.append(_channel_sums_c(up, x0))
+        finally:
+            torch.set_num_threads(1)
+    assert torch.equal(sums[0], sums[1])
+    torch.testing.assert_close(sums[0], want, rtol=1e-13, atol=1e-12)
+
+    got = {}
+    w0, b0 = _params(shape[1], seed=4)
+    for backend in ("torch", "cpu"):
+        with _backend.set_backend(backend):
+            x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+            y = batch_norm(x, None, None, w, b, True, 0.1, EPS)
+            r = _derived.activation(y, "relu")
+            got[backend] = grads_of((r * up).sum(), [x, w, b])
+    torch.testing.assert_close(got["cpu"], got["torch"], rtol=1e-5, atol=1e-5)
