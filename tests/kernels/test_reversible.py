@@ -77,7 +77,7 @@ def test_kernels_equal_the_pytorch_path(fns, dtype, split_dim):
             u_c.copy_(u_c // 4)
             base.copy_(u_c)
         u_t.add_(q)
-        R._add_units(u_c, h, SCALE, dtype, fns)
+        R._add_units(u_c, h, SCALE, dtype, fns, None)
         assert torch.equal(u_c, u_t)
         out = R._sub_units(u_c, h, SCALE, dtype, False, fns)
         assert out is not u_c and torch.equal(out, base) and torch.equal(u_c, u_t)

@@ -252,21 +252,25 @@ def _stream_lib(u: torch.Tensor, h: torch.Tensor | None = None):
     return fns
 
 
-def _units_absmax(h: torch.Tensor, scale: float, fns) -> float:
-    # max |round(h * scale)| (NaN if any NaN): the one host read per coupling half
+def _units_absmax(h: torch.Tensor, scale: float, fns) -> tuple[float, torch.Tensor | None]:
+    # (max |round(h * scale)| (NaN if any NaN), the units themselves on the PyTorch path, for
+    # _add_units): the one host read per coupling half
     if fns is not None:
         from slimgrad.kernels._cpu import threads
 
-        return fns["absmax"](h.data_ptr(), h.numel(), scale, threads())
-    return float(_absmax(_grid_units(h, scale)))
+        return fns["absmax"](h.data_ptr(), h.numel(), scale, threads()), None
+    q = _grid_units(h, scale)
+    return float(_absmax(q)), q
 
 
-def _add_units(t: torch.Tensor, h: torch.Tensor, scale: float, qdt: torch.dtype, fns) -> None:
-    # t += round(h * scale) in place (range checked by the caller); the PyTorch path converts the
-    # units to ``qdt`` first (int32 whenever they fit: faster than int64 on CPU)
+def _add_units(
+    t: torch.Tensor, h: torch.Tensor, scale: float, qdt: torch.dtype, fns, q: torch.Tensor | None
+) -> None:
+    # t += round(h * scale) in place (range checked by the caller); the PyTorch path adds the
+    # units ``q`` converted to ``qdt`` (int32 whenever they fit: faster than int64 on CPU)
     runs = _runs(t) if fns is not None else None
     if runs is None:
-        t.add_(_grid_units(h, scale).to(qdt))
+        t.add_((q if q is not None else _grid_units(h, scale)).to(qdt))
         return
     from slimgrad.kernels._cpu import threads
 
@@ -313,7 +317,7 @@ class _ExactStream:
         plan = self.plan
         hd = h.detach()
         fns = _stream_lib(getattr(self, half), hd)
-        mq = _units_absmax(hd, plan.scale, fns)  # the one sync per coupling half
+        mq, q = _units_absmax(hd, plan.scale, fns)  # the one sync per coupling half
         worst = getattr(self, "bound_" + half) + mq
         if not worst < _LIMIT[plan.stream_dtype]:
             # the running bound is conservative: tighten it with the half's true max first
@@ -324,7 +328,7 @@ class _ExactStream:
                 self.a, self.b = split_halves(self.u, plan.split_dim)
         t = getattr(self, half)
         qdt = torch.int32 if mq < _LIMIT[torch.int32] else t.dtype
-        _add_units(t, hd, plan.scale, qdt, fns)
+        _add_units(t, hd, plan.scale, qdt, fns, q)
         setattr(self, "bound_" + half, worst)
         img = getattr(self, "i" + half)
         if img is not None:
