@@ -499,3 +499,32 @@ def test_c_channel_sums_match_the_pytorch_path(shape, monkeypatch):
             r = _derived.activation(y, "relu")
             got[backend] = grads_of((r * up).sum(), [x, w, b])
     torch.testing.assert_close(got["cpu"], got["torch"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_float32_some_channels_kept_from_input_within_rule(backend, monkeypatch):
+    # two of six channels cannot be inverted from the output (γ = 0, |β| >> |γ|) and are kept from
+    # the input; the rest come from the output (on "cpu", through the C channel sums): every
+    # gradient within the GUIDE.md rule
+    from slimgrad.kernels import _backend, _cpu
+
+    if backend == "cpu" and _cpu.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(11)
+    x0 = torch.randn(8, 6, 7, 7, dtype=torch.float64, generator=gen) * 2 + 3
+    up = torch.randn(8, 6, 7, 7, dtype=torch.float64, generator=gen)
+    w0, b0 = _params(6, torch.float64, seed=5)
+    w0[1], b0[4], w0[4] = 0.0, 40.0, 0.3
+    res = {}
+    with _backend.set_backend(backend):
+        for name, dt, ours in [
+            ("ref", torch.float64, False),
+            ("eager", torch.float32, False),
+            ("ours", torch.float32, True),
+        ]:
+            x, w, b = (t.to(dt).requires_grad_() for t in (x0, w0, b0))
+            y = (batch_norm if ours else F.batch_norm)(x, None, None, w, b, True, 0.1, EPS)
+            r = _derived.activation(y, "silu") if ours else F.silu(y)
+            res[name] = grads_of((r * up.to(dt)).sum(), [x, w, b])
+    assert_within_rule(res["ours"], res["ref"], res["eager"], names=["x", "weight", "bias"])
