@@ -5,6 +5,7 @@ whole streams and on strided halves (NOTE [Exact-mode integer stream], NOTE [CPU
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import pytest
@@ -21,9 +22,10 @@ needs_cc = pytest.mark.skipif(_cpu.compiler() is None, reason="no C compiler")
 SCALE = 2.0**20
 
 
-class _Plan:  # what _image reads
-    inv_scale = 1 / SCALE
-    compute_dtype = torch.float32
+def _plan():  # what _image reads; a fresh one per call (it keeps the backend choice)
+    return types.SimpleNamespace(
+        inv_scale=1 / SCALE, compute_dtype=torch.float32, stream_fns=R._UNSET
+    )
 
 
 @pytest.fixture
@@ -61,8 +63,8 @@ def test_kernels_equal_the_pytorch_path(fns, dtype, split_dim):
         h = _units_input(a.shape)
         # image: float32(u) * 2^-b
         with B.set_backend("torch"):
-            want = R._image(_Plan, a)
-        got = R._image(_Plan, a)
+            want = R._image(_plan(), a)
+        got = R._image(_plan(), a)
         assert torch.equal(got, want) and got.is_contiguous()
         # max |units|
         assert fns["absmax"](h.data_ptr(), h.numel(), SCALE, 1) == float(

@@ -174,7 +174,7 @@ def _grid_units(f: torch.Tensor, scale: float) -> torch.Tensor:
 def _image(plan: _Plan, u: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     # the stream's value u * 2^-b rounded once to ``dtype`` (default: F's)
     dtype = dtype or plan.compute_dtype
-    if dtype == torch.float32 and (fns := _stream_lib(u)) is not None:
+    if dtype == torch.float32 and (fns := _stream_lib(u, plan=plan)) is not None:
         runs = _runs(u)
         if runs is not None:
             from slimgrad.kernels._cpu import threads
@@ -224,12 +224,24 @@ def _runs(t: torch.Tensor) -> tuple[int, int, int] | None:
     return rows, inner, step
 
 
-def _stream_lib(u: torch.Tensor, h: torch.Tensor | None = None):
-    # the C kernels for stream (half) u and F/G output h, or None (PyTorch path)
+def _stream_lib(u: torch.Tensor, h: torch.Tensor | None = None, plan: _Plan | None = None):
+    # the C kernels for stream (half) u and F/G output h, or None (PyTorch path). The backend
+    # choice is made once per chain call and kept on ``plan`` (it costs more than a small kernel).
     if u.dtype not in _STREAM_DTYPES or u.numel() == 0 or u.device.type != "cpu":
         return None
     if h is not None and (h.dtype != torch.float32 or h.shape != u.shape or not h.is_contiguous()):
         return None
+    if plan is None:
+        return _load_stream_fns(u)
+    if plan.stream_fns is _UNSET:
+        plan.stream_fns = _load_stream_fns(u)
+    return plan.stream_fns
+
+
+_UNSET = object()
+
+
+def _load_stream_fns(u: torch.Tensor):
     lib = _backend.use_cpu(u, C_STEM, dtypes=_STREAM_DTYPES)
     if lib is None:
         return None
@@ -316,7 +328,7 @@ class _ExactStream:
         # conversion and int64 + int64 are several times slower on CPU than their int32 forms).
         plan = self.plan
         hd = h.detach()
-        fns = _stream_lib(getattr(self, half), hd)
+        fns = _stream_lib(getattr(self, half), hd, plan)
         mq, q = _units_absmax(hd, plan.scale, fns)  # the one sync per coupling half
         worst = getattr(self, "bound_" + half) + mq
         if not worst < _LIMIT[plan.stream_dtype]:
@@ -412,6 +424,7 @@ class _Plan:
     # id(F, G or block) -> [(submodule, name, parameter)] as seen in forward
     forward_params: dict[int, list] = field(default_factory=dict)
     bn_layers: dict[int, list] = field(default_factory=dict)  # id(module) -> BatchNorms inside
+    stream_fns: Any = _UNSET  # exact mode: the C stream kernels or None, chosen once (_stream_lib)
 
     @property
     def scale(self) -> float:
@@ -443,7 +456,7 @@ def _uncoupled(
     # mode: integer subtraction of the same grid units forward added.
     if not plan.exact:
         return _half_inv(blk, ya, h, inplace=inplace)
-    return _sub_units(ya, h, plan.scale, ya.dtype, inplace, _stream_lib(ya, h))
+    return _sub_units(ya, h, plan.scale, ya.dtype, inplace, _stream_lib(ya, h, plan))
 
 
 def _as_in_forward(plan: _Plan, fn: nn.Module):
@@ -777,7 +790,7 @@ def _exact_half_bwd(
     with torch.no_grad():
         # stream halves never reach user code (F and G see images), so ownership is structural
         hd = h.detach()
-        fns = _stream_lib(ya, hd)
+        fns = _stream_lib(ya, hd, plan)
         if fns is not None and _runs(ya) is not None:  # one pass, no temporary
             del h
             xa = _sub_units(ya, hd, plan.scale, qdt, ya_own, fns)
