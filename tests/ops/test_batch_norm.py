@@ -423,22 +423,38 @@ def test_memory_channels_kept_from_input():
         assert measure(step).saved_bytes == expect + 4 * C * 4 + listed
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("ratio", [0.0, 0.45, 2.0, 16.0])
-def test_float32_grads_within_rule_for_beta_over_gamma(ratio, backend, monkeypatch):
-    # |β/γ| near and beyond the threshold where x̂ stops being recovered from b (float32, data
-    # with and without a large channel mean); every gradient within the GUIDE.md rule, on the
-    # PyTorch path and with the C kernel's one-pass channel sums (kernels/cpu/batch_norm.c).
+@pytest.fixture(params=["torch", "cpu"])
+def backend(request, monkeypatch):
+    # the PyTorch path, and the C kernel's one-pass channel sums (kernels/cpu/batch_norm.c)
     from slimgrad.kernels import _backend, _cpu
 
-    if backend == "cpu" and _cpu.compiler() is None:
+    if request.param == "cpu" and _cpu.compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
-    with _backend.set_backend(backend):
-        _check_rule_for_beta_over_gamma(ratio)
+    with _backend.set_backend(request.param):
+        yield request.param
 
 
-def _check_rule_for_beta_over_gamma(ratio):
+def _assert_float32_within_rule(x0, w0, b0, up, act):
+    # BN -> act in float32, ours and eager's, against float64: every gradient within the rule
+    res = {}
+    for name, dt, ours in [
+        ("ref", torch.float64, False),
+        ("eager", torch.float32, False),
+        ("ours", torch.float32, True),
+    ]:
+        x, w, b = (t.to(dt).requires_grad_() for t in (x0, w0, b0))
+        y = (batch_norm if ours else F.batch_norm)(x, None, None, w, b, True, 0.1, EPS)
+        r = (_ours_act if ours else _eager_act)(act)(y)
+        res[name] = grads_of((r * up.to(dt)).sum(), [x, w, b])
+    assert_within_rule(res["ours"], res["ref"], res["eager"], names=["x", "weight", "bias"])
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.45, 2.0, 16.0])
+def test_float32_grads_within_rule_for_beta_over_gamma(ratio, backend):
+    # |β/γ| near and beyond the threshold where x̂ stops being recovered from b (float32, data
+    # with and without a large channel mean); every gradient within the GUIDE.md rule, on both
+    # backends.
     C = 6
     gen = torch.Generator().manual_seed(7)
     for trial in range(8):
@@ -448,17 +464,7 @@ def _check_rule_for_beta_over_gamma(ratio):
         w0 = torch.empty(C, dtype=torch.float64).uniform_(0.05, 2, generator=gen) * sign
         b0 = w0.abs() * ratio * torch.tensor([1, 1, -1, -1, 1, 1.0], dtype=torch.float64)
         up = torch.randn(16, C, 9, 9, dtype=torch.float64, generator=gen)
-        res = {}
-        for name, dt, ours in [
-            ("ref", torch.float64, False),
-            ("eager", torch.float32, False),
-            ("ours", torch.float32, True),
-        ]:
-            x, w, b = (t.to(dt).requires_grad_() for t in (x0, w0, b0))
-            y = (batch_norm if ours else F.batch_norm)(x, None, None, w, b, True, 0.1, EPS)
-            r = _derived.activation(y, "relu") if ours else torch.relu(y)
-            res[name] = grads_of((r * up.to(dt)).sum(), [x, w, b])
-        assert_within_rule(res["ours"], res["ref"], res["eager"], names=["x", "weight", "bias"])
+        _assert_float32_within_rule(x0, w0, b0, up, "relu")
 
 
 @pytest.mark.parametrize("shape", [(16, 6, 9, 9), (5, 3, 7), (33, 4), (2, 5, 3, 4, 5)])
@@ -501,30 +507,13 @@ def test_c_channel_sums_match_the_pytorch_path(shape, monkeypatch):
     torch.testing.assert_close(got["cpu"], got["torch"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_float32_some_channels_kept_from_input_within_rule(backend, monkeypatch):
+def test_float32_some_channels_kept_from_input_within_rule(backend):
     # two of six channels cannot be inverted from the output (γ = 0, |β| >> |γ|) and are kept from
     # the input; the rest come from the output (on "cpu", through the C channel sums): every
     # gradient within the GUIDE.md rule
-    from slimgrad.kernels import _backend, _cpu
-
-    if backend == "cpu" and _cpu.compiler() is None:
-        pytest.skip("no C compiler")
-    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
     gen = torch.Generator().manual_seed(11)
     x0 = torch.randn(8, 6, 7, 7, dtype=torch.float64, generator=gen) * 2 + 3
     up = torch.randn(8, 6, 7, 7, dtype=torch.float64, generator=gen)
     w0, b0 = _params(6, torch.float64, seed=5)
     w0[1], b0[4], w0[4] = 0.0, 40.0, 0.3
-    res = {}
-    with _backend.set_backend(backend):
-        for name, dt, ours in [
-            ("ref", torch.float64, False),
-            ("eager", torch.float32, False),
-            ("ours", torch.float32, True),
-        ]:
-            x, w, b = (t.to(dt).requires_grad_() for t in (x0, w0, b0))
-            y = (batch_norm if ours else F.batch_norm)(x, None, None, w, b, True, 0.1, EPS)
-            r = _derived.activation(y, "silu") if ours else F.silu(y)
-            res[name] = grads_of((r * up.to(dt)).sum(), [x, w, b])
-    assert_within_rule(res["ours"], res["ref"], res["eager"], names=["x", "weight", "bias"])
+    _assert_float32_within_rule(x0, w0, b0, up, "silu")
