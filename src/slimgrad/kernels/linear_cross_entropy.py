@@ -68,20 +68,25 @@ def _ce_fwd_kernel(
         loss = loss - (eps / v) * tl.reduce(sum_vec, 0, add)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
-    if GRAD:  # second pass: z <- s (softmax(z) - (1 - eps) onehot(t) - eps / V), in place
+    if GRAD:  # second pass: the chunk's gradient in place
         s = 1.0
         if SCALE:
             s = tl.load(scale_ptr + row)
-        tt = tl.where(valid, t, 0)
-        start = v * 0
-        while start < v:
-            c = start + cols
-            msk = c < v
-            z = tl.load(zr + c, mask=msk, other=0.0).to(tl.float32)
-            p = tl.exp(z - lse) - eps / v
-            p = tl.where(c == tt, p - (1.0 - eps), p)
-            tl.store(zr + c, cast_out(p * s, z_ptr.dtype.element_ty), mask=msk)
-            start += BLOCK_V
+        _grad_row(zr, cols, v, lse, s, tl.where(valid, t, 0), eps, z_ptr.dtype.element_ty, BLOCK_V)
+
+
+@triton.jit
+def _grad_row(zr, cols, v, lse, s, t, eps, out_ty: tl.constexpr, BLOCK_V: tl.constexpr):
+    # z <- s (softmax(z) - (1 - eps) onehot(t) - eps / V) over one row of logits, in place
+    start = v * 0
+    while start < v:
+        c = start + cols
+        msk = c < v
+        z = tl.load(zr + c, mask=msk, other=0.0).to(tl.float32)
+        p = tl.exp(z - lse) - eps / v
+        p = tl.where(c == t, p - (1.0 - eps), p)
+        tl.store(zr + c, cast_out(p * s, out_ty), mask=msk)
+        start += BLOCK_V
 
 
 @triton.jit
@@ -90,21 +95,12 @@ def _ce_grad_kernel(
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    zr = z_ptr + row * stride
-    cols = tl.arange(0, BLOCK_V)
-    lse = tl.load(lse_ptr + row)
-    s = tl.load(scale_ptr + row)
     t = tl.load(t_ptr + row)
-    t = tl.where(t != ignore_index, t, 0)
-    start = v * 0
-    while start < v:
-        c = start + cols
-        msk = c < v
-        z = tl.load(zr + c, mask=msk, other=0.0).to(tl.float32)
-        p = tl.exp(z - lse) - eps / v
-        p = tl.where(c == t, p - (1.0 - eps), p)
-        tl.store(zr + c, cast_out(p * s, z_ptr.dtype.element_ty), mask=msk)
-        start += BLOCK_V
+    _grad_row(
+        z_ptr + row * stride, tl.arange(0, BLOCK_V), v, tl.load(lse_ptr + row),
+        tl.load(scale_ptr + row), tl.where(t != ignore_index, t, 0), eps,
+        z_ptr.dtype.element_ty, BLOCK_V,
+    )  # fmt: skip
 
 
 def _block_v(v: int) -> int:
