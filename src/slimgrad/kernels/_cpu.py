@@ -20,6 +20,9 @@ temporary dies before the call), a heap corruption that crashes later, elsewhere
   file in the same directory and ``os.replace``-s it into place, so concurrent processes
   (pytest-xdist workers) never load a half-written library; the loser of a race simply rebuilds
   the same bytes.
+- Binding: an op module lists its C functions' ctypes signatures once (``_c_signatures(ctypes)``)
+  and gets them through :func:`functions`, which sets them on first use and keeps the table on
+  the library object.
 - Threads: kernels take the thread count as an argument (``threads()``, i.e.
   ``torch.get_num_threads()``), so ``torch.set_num_threads`` and ``OMP_NUM_THREADS`` govern them
   as they govern torch's own ops (the library links the ``libgomp.so.1`` torch has loaded).
@@ -43,7 +46,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FLAGS", "available", "cache_dir", "compiler", "last_error", "load", "threads"]
+__all__ = [
+    "FLAGS",
+    "available",
+    "cache_dir",
+    "compiler",
+    "functions",
+    "last_error",
+    "load",
+    "threads",
+]
 
 # -fno-math-errno: sqrtf may vectorize (errno is never read; results are unchanged)
 FLAGS = (
@@ -84,6 +96,21 @@ def compiler() -> str | None:
 def threads() -> int:
     """Thread count passed to the kernels: torch's own (``torch.get_num_threads()``)."""
     return max(1, torch.get_num_threads())
+
+
+def functions(lib: ctypes.CDLL, signatures) -> dict:
+    """``lib``'s C functions with their ctypes signatures set, bound on first use and kept on the
+    library object (each C file belongs to one op module; binding per call costs more than a small
+    kernel). ``signatures(ctypes)`` returns ``{key: (C name, argtypes, restype)}``."""
+    fns = getattr(lib, "_slimgrad_fns", None)
+    if fns is None:
+        fns = {}
+        for key, (name, args, res) in signatures(ctypes).items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+            fns[key] = fn
+        lib._slimgrad_fns = fns
+    return fns
 
 
 def _version(cc: str) -> str:

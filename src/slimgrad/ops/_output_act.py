@@ -532,25 +532,21 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
 C_STEM = "output_act"
 
 
-def _c_fns(lib):
-    import ctypes as C
+def _c_signatures(C):
+    p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
+    specs = {
+        "smooth_fwd_f32": [p, p, p, p, p, i64, i, f, f, f, i, f, i],
+        "smooth_collect_i32": [p, p, p, p, p, p, i64, f, f, i, f, i],
+        "smooth_collect_i64": [p, p, p, p, p, p, i64, f, f, i, f, i],
+        "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i],
+    }
+    return {name: (name, args, None) for name, args in specs.items()}
 
-    fns = getattr(lib, "_slimgrad_fns", None)  # kept on the library object itself
-    if fns is None:
-        p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
-        specs = {
-            "smooth_fwd_f32": [p, p, p, p, p, i64, i, f, f, f, i, f, i],
-            "smooth_collect_i32": [p, p, p, p, p, p, i64, f, f, i, f, i],
-            "smooth_collect_i64": [p, p, p, p, p, p, i64, f, f, i, f, i],
-            "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i],
-        }
-        fns = {}
-        for name, args in specs.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, None
-            fns[name] = fn
-        lib._slimgrad_fns = fns
-    return fns
+
+def _c_fns(lib):
+    from slimgrad.kernels._cpu import functions
+
+    return functions(lib, _c_signatures)
 
 
 def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):

@@ -210,20 +210,18 @@ def _channel_sums_c(dy: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     lib = _backend.use_cpu(b, C_STEM)
     if lib is None:
         return None
-    fn = getattr(lib, "_slimgrad_sums", None)
-    if fn is None:
-        import ctypes as C
+    from slimgrad.kernels._cpu import functions, threads
 
-        fn = lib.bn_channel_sums_f32
-        p, i64 = C.c_void_p, C.c_int64
-        fn.argtypes, fn.restype = [p, p, i64, i64, i64, p, C.c_int], None
-        lib._slimgrad_sums = fn
-    from slimgrad.kernels._cpu import threads
-
+    fn = functions(lib, _c_signatures)["sums"]
     n, c = b.shape[0], b.shape[1]
     out = torch.empty(3, c, dtype=torch.float64)
     fn(b.data_ptr(), dy.data_ptr(), n, c, b[0, 0].numel(), out.data_ptr(), threads())
     return out
+
+
+def _c_signatures(C):
+    p, i64 = C.c_void_p, C.c_int64
+    return {"sums": ("bn_channel_sums_f32", [p, p, i64, i64, i64, p, C.c_int], None)}
 
 
 def _bwd_from_output(ctx, grad, need_x, need_w, need_b):

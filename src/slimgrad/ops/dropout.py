@@ -53,17 +53,18 @@ def unpack_bits(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torc
     return _bits.unpack_bits(bits, n).view(shape)
 
 
-def _c_fns(lib):
-    import ctypes as C
+def _c_signatures(C):
+    p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
+    return {
+        "fwd": ("dropout_fwd_f32", [p, p, p, p, i64, f, i], None),
+        "bwd": ("dropout_bwd_f32", [p, p, p, i64, f, i], None),
+    }
 
-    fns = getattr(lib, "_slimgrad_fns", None)  # kept on the library object itself
-    if fns is None:
-        p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
-        fns = {"fwd": lib.dropout_fwd_f32, "bwd": lib.dropout_bwd_f32}
-        fns["fwd"].argtypes, fns["fwd"].restype = [p, p, p, p, i64, f, i], None
-        fns["bwd"].argtypes, fns["bwd"].restype = [p, p, p, i64, f, i], None
-        lib._slimgrad_fns = fns
-    return fns
+
+def _c_fns(lib):
+    from slimgrad.kernels._cpu import functions
+
+    return functions(lib, _c_signatures)
 
 
 def _c_lib(t: torch.Tensor):

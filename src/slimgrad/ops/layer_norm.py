@@ -165,17 +165,15 @@ def _bwd_torch(
     return dx, dw, db
 
 
-def _c_fns(lib):
-    import ctypes as C
+def _c_signatures(C):
+    p, i64, i = C.c_void_p, C.c_int64, C.c_int
+    return {"bwd": ("layer_norm_bwd_f32", [p] * 11 + [i64, i64, i64, i, i, i, i], None)}
 
-    fns = getattr(lib, "_slimgrad_fns", None)  # kept on the library object itself
-    if fns is None:
-        p, i64, i = C.c_void_p, C.c_int64, C.c_int
-        fns = {"bwd": lib.layer_norm_bwd_f32}
-        fns["bwd"].argtypes = [p] * 11 + [i64, i64, i64, i, i, i, i]
-        fns["bwd"].restype = None
-        lib._slimgrad_fns = fns
-    return fns
+
+def _c_fns(lib):
+    from slimgrad.kernels._cpu import functions
+
+    return functions(lib, _c_signatures)
 
 
 def rows_per_block(n: int) -> int:

@@ -180,7 +180,7 @@ def _image(plan: _Plan, u: torch.Tensor, dtype: torch.dtype | None = None) -> to
             from slimgrad.kernels._cpu import threads
 
             out = torch.empty(u.shape, dtype=dtype)
-            fns[u.dtype][2](u.data_ptr(), *runs, out.data_ptr(), plan.inv_scale, threads())
+            fns[u.dtype, "image"](u.data_ptr(), *runs, out.data_ptr(), plan.inv_scale, threads())
             return out
     if dtype == torch.get_default_dtype():  # int * float -> the default dtype, one pass
         return torch.mul(u, plan.inv_scale)
@@ -245,23 +245,20 @@ def _load_stream_fns(u: torch.Tensor):
     lib = _backend.use_cpu(u, C_STEM, dtypes=_STREAM_DTYPES)
     if lib is None:
         return None
-    fns = getattr(lib, "_slimgrad_fns", None)
-    if fns is None:
-        import ctypes as C
+    from slimgrad.kernels._cpu import functions
 
-        p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
-        fns = {"absmax": lib.rev_absmax_units_f32}
-        fns["absmax"].argtypes, fns["absmax"].restype = [p, i64, f, i], C.c_double
-        for dt, name in ((torch.int32, "i32"), (torch.int64, "i64")):
-            add, sub, img = (
-                getattr(lib, f"rev_{k}_{name}") for k in ("add_units", "sub_units", "image")
-            )
-            add.argtypes, add.restype = [p, i64, i64, i64, p, f, i], None
-            sub.argtypes, sub.restype = [p, p, i64, i64, i64, i64, p, f, i], None
-            img.argtypes, img.restype = [p, i64, i64, i64, p, f, i], None
-            fns[dt] = (add, sub, img)
-        lib._slimgrad_fns = fns
-    return fns
+    return functions(lib, _c_signatures)
+
+
+def _c_signatures(C):
+    # keys: "absmax", and (stream dtype, "add" | "sub" | "image")
+    p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
+    sigs = {"absmax": ("rev_absmax_units_f32", [p, i64, f, i], C.c_double)}
+    for dt, suffix in ((torch.int32, "i32"), (torch.int64, "i64")):
+        sigs[dt, "add"] = (f"rev_add_units_{suffix}", [p, i64, i64, i64, p, f, i], None)
+        sigs[dt, "sub"] = (f"rev_sub_units_{suffix}", [p, p, i64, i64, i64, i64, p, f, i], None)
+        sigs[dt, "image"] = (f"rev_image_{suffix}", [p, i64, i64, i64, p, f, i], None)
+    return sigs
 
 
 def _units_absmax(h: torch.Tensor, scale: float, fns) -> tuple[float, torch.Tensor | None]:
@@ -286,7 +283,7 @@ def _add_units(
         return
     from slimgrad.kernels._cpu import threads
 
-    fns[t.dtype][0](t.data_ptr(), *runs, h.data_ptr(), scale, threads())
+    fns[t.dtype, "add"](t.data_ptr(), *runs, h.data_ptr(), scale, threads())
 
 
 def _sub_units(
@@ -301,7 +298,8 @@ def _sub_units(
 
     out = y if inplace else torch.empty(y.shape, dtype=y.dtype)
     out_stride = runs[2] if inplace else runs[1]
-    fns[y.dtype][1](y.data_ptr(), out.data_ptr(), *runs, out_stride, h.data_ptr(), scale, threads())
+    sub = fns[y.dtype, "sub"]
+    sub(y.data_ptr(), out.data_ptr(), *runs, out_stride, h.data_ptr(), scale, threads())
     return out
 
 
