@@ -358,11 +358,11 @@ def _as_tuple(xs: Any) -> tuple:
 # NOTE [Page faults in CPU step times]
 # On CPU, the C allocator (glibc malloc) hands large freed blocks back to the kernel and faults
 # fresh pages in on the next allocation; how many depends on the allocation history, not on the
-# model. Measured on the 2-core CPU box (plain autograd of the 64-block reversible bench chain, 1
-# thread, same inputs): 0.74-0.76 s in steps with 1-3e3 minor faults, 0.86-0.87 s with 7e4.
-# Each timed step's count (``resource.getrusage``, the process's minor faults) is recorded with
-# its time in ``minor_faults_all`` so a step-time spread can be read against it (None where
-# unavailable).
+# model. Measured once on the 2-core CPU box (a one-off script, plain autograd of the 64-block
+# reversible bench chain, 1 thread, same inputs): 0.74-0.76 s in steps with 1-3e3 minor faults,
+# 0.86-0.87 s with 7e4. Each timed step's count (``resource.getrusage``, the process's minor
+# faults) is recorded with its time in ``minor_faults_all`` so a step-time spread can be read
+# against it (None where unavailable).
 def _minor_faults() -> int:
     return _resource.getrusage(_resource.RUSAGE_SELF).ru_minflt if _resource is not None else 0
 

@@ -14,10 +14,11 @@ From the output: x̂ = (b - β) / γ. Backward then runs aten's fused ``native_b
 buffer, no full-size temporaries; dγ = Σ dy (b - mean(b)) / γ is accumulated in float64 in batch
 chunks (temporaries of 1/8 of the tensor), or, for contiguous float32 CPU tensors, from Σ b, Σ dy
 and Σ dy·b summed in float64 in one pass by ``kernels/cpu/batch_norm.c`` (mean(b) comes from the
-same pass; measured: ResNet-50 8x224², 2 threads, slimgrad step 0.976x the PyTorch path's,
-6 interleaved pairs). A channel whose output cannot be inverted accurately
-(γ = 0, |γ| < 1e-20, |β| > |γ| / 2, or non-finite) keeps its input channel instead (a copy of those
-channels only); if more than half the channels are such, the layer keeps its whole input (eager).
+same pass; a one-off timing, not a bench record: ResNet-50 8x224², 2 threads, slimgrad step
+0.976x the PyTorch path's, median of 6 interleaved pairs). A channel whose output cannot be
+inverted accurately (γ = 0, |γ| < 1e-20, |β| > |γ| / 2, or non-finite) keeps its input channel
+instead (a copy of those channels only); if more than half the channels are such, the layer keeps
+its whole input (eager).
 
 Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad activation consumes
 the output, in which case it keeps the output b instead; b is also what the activation and the next

@@ -161,7 +161,7 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
 # backward) run kernels/cpu/reversible.c, one pass each and no temporaries (the PyTorch path takes
 # 4-6 passes and two stream-half temporaries per sum): the same integers and images, bit for bit
 # (tests/kernels/test_reversible.py); the whole exact step measured 0.96x the PyTorch path's
-# (N = 32 bench chain, median of 16 interleaved pairs, 1 thread).
+# (a one-off timing: N = 32 bench chain, median of 16 interleaved pairs, 1 thread).
 # The last block's rebuild goes into the saved stream itself when ``ownership.take_saved`` grants
 # it (the graph is not kept, nobody else holds the stream): the stream never reaches user code (F
 # and G see images), so after that grant every rebuilt half is ours to overwrite.
