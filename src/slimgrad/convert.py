@@ -30,6 +30,8 @@ import torch.nn as nn
 import slimgrad.nn as snn
 from slimgrad.convert_handlers import cnn as _cnn
 from slimgrad.convert_handlers import hf as _hf
+from slimgrad.convert_handlers import hf_attention as _hf_attention
+from slimgrad.convert_handlers import hf_loss as _hf_loss
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
 
 __all__ = ["ConvertConfig", "ConvertReport", "convert_", "report"]
@@ -49,6 +51,10 @@ class ConvertConfig:
         fused_loss: LM head + cross-entropy fused and chunked (HF causal LMs).
         fast_loss: the fused loss computes its gradients in forward: 3 matmuls like eager instead
             of 4, but keeps a parameter-sized dW from forward to backward (speed over memory).
+        keep_logits: with the fused loss, a training forward with labels also returns the logits
+            (computed without autograd history, so nothing extra is kept for backward; costs the
+            B x T x V logits' memory and one more head matmul). Off: ``logits`` is None in
+            training with labels. Eval and no_grad forwards always return logits, as HF does.
         inplace_abn: BatchNorm + ReLU becomes InPlaceABN with leaky_relu. Changes the model's
         function:
             off by default.
@@ -62,6 +68,7 @@ class ConvertConfig:
     batch_norm: bool = True
     fused_loss: bool = True
     fast_loss: bool = False
+    keep_logits: bool = False
     inplace_abn: bool = False
     leaky_relu_slope: float = 0.01
 
@@ -140,8 +147,11 @@ _PATTERNS: list[tuple[str, Pattern]] = [
     ("batch_norm", convert_sequential_bn_act_),  # BN + invertible act in a Sequential: InPlaceABN
     ("inplace_abn", _cnn.inplace_abn_pattern),  # BN -> ReLU anywhere (fx): InPlaceABN(leaky_relu)
     ("batch_norm", _cnn.bn_act_pattern),  # BN next to ReLU/GELU/SiLU: keep the BN output only
-    ("dropout", _hf.attention_pattern),  # HF attention: softmax -> dropout -> @V keeps P + bits
-    ("fused_loss", _hf.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept
+    (
+        "dropout",
+        _hf_attention.attention_pattern,
+    ),  # HF attention: softmax -> dropout -> @V keeps P + bits
+    ("fused_loss", _hf_loss.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept
 ]
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
@@ -196,22 +206,35 @@ def convert_(
     for technique, pattern in _PATTERNS:
         if getattr(config, technique):
             pattern(model, config, allowed, rep)
-    _convert_children(model, "", config, allowed, rep)
+    _convert_children(model, "", config, allowed, rep, {})
     _REPORTS[model] = rep
     return model
 
 
 def _convert_children(
-    parent: nn.Module, prefix: str, config: ConvertConfig, allowed: Callable, rep: ConvertReport
+    parent: nn.Module,
+    prefix: str,
+    config: ConvertConfig,
+    allowed: Callable,
+    rep: ConvertReport,
+    done: dict[int, tuple[nn.Module, nn.Module]],
 ) -> None:
+    # ``done``: {id(original): (original, replacement or original)}; it keeps the originals alive,
+    # so ids stay unique. A module held by several parents (or twice by one) is decided once and
+    # stays one module everywhere.
     for name, child in list(parent.named_children()):
         fqn = f"{prefix}.{name}" if prefix else name
+        if id(child) in done:
+            if done[id(child)][1] is not child:
+                setattr(parent, name, done[id(child)][1])
+            continue
+        done[id(child)] = (child, child)
         if _is_slimgrad(child):
-            _convert_children(child, fqn, config, allowed, rep)
+            _convert_children(child, fqn, config, allowed, rep, done)
             continue
         entry = _TABLE.get(_qualname(type(child)))
         if entry is None:
-            _convert_children(child, fqn, config, allowed, rep)
+            _convert_children(child, fqn, config, allowed, rep, done)
             continue
         technique, handler = entry
         kind = type(child).__name__
@@ -225,8 +248,9 @@ def _convert_children(
             new = handler(child)
         except NotImplementedError as e:
             rep.skipped.append((fqn, kind, str(e)))
-            _convert_children(child, fqn, config, allowed, rep)
+            _convert_children(child, fqn, config, allowed, rep, done)
             continue
+        done[id(child)] = (child, new)
         setattr(parent, name, new)
         rep.converted.append((fqn, kind, type(new).__name__))
 
