@@ -111,3 +111,58 @@ def test_import_is_lean():
         "assert not torch.cuda.is_initialized(), 'cuda initialised'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_module_shared_by_two_parents_stays_one_module():
+    gelu, ln = nn.GELU(), nn.LayerNorm(6)
+    ln.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    seen: list = []
+    model = nn.Sequential(nn.Sequential(nn.Linear(6, 6), gelu, ln), nn.Sequential(ln, gelu, gelu))
+    ref = copy.deepcopy(model)
+    slimgrad.convert_(model)
+    assert model[0][1] is model[1][1] is model[1][2]
+    assert model[0][2] is model[1][0]
+    assert type(model[0][2]).__module__.startswith("slimgrad.")
+    names = [n for n, _, _ in slimgrad.report(model).converted]
+    assert names == ["0.1", "0.2"]  # each instance converted and reported once
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(model(x), ref(x))
+    assert len(seen) == 4  # the hook kept on the one converted LayerNorm fires at both call sites
+    torch.testing.assert_close(seen[2], seen[0])
+    torch.testing.assert_close(seen[3], seen[1])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LayerNorm(6),
+        lambda: nn.GELU(approximate="tanh"),
+        lambda: nn.SiLU(),
+        lambda: nn.ReLU(),
+        lambda: nn.Tanh(),
+        lambda: nn.Dropout(0.2),
+        lambda: nn.RMSNorm(6),
+        lambda: nn.GroupNorm(2, 6),
+    ],
+)
+def test_hooks_registered_before_conversion_are_kept(make):
+    calls: list = []
+    m = make()
+    keep = m.register_forward_hook(lambda mod, i, o: calls.append(("fwd", o.detach().clone())))
+    m.register_forward_pre_hook(lambda mod, i: calls.append(("pre", i[0].detach().clone())))
+    m.register_full_backward_hook(lambda mod, gi, go: calls.append(("bwd", go[0].clone())))
+    model = nn.Sequential(nn.Linear(6, 6), m)
+    ref = copy.deepcopy(model)
+    slimgrad.convert_(model)
+    assert type(model[1]).__module__.startswith("slimgrad.")
+    x = torch.randn(3, 6)
+    for net in (ref, model):
+        torch.manual_seed(0)
+        net(x).square().sum().backward()
+    assert [k for k, _ in calls] == ["pre", "fwd", "bwd"] * 2
+    for (_, a), (_, b) in zip(calls[:3], calls[3:]):
+        torch.testing.assert_close(b, a)
+    keep.remove()  # the handle taken before conversion still removes the hook
+    calls.clear()
+    model(x)
+    assert [k for k, _ in calls] == ["pre"]

@@ -211,6 +211,17 @@ def convert_(
     return model
 
 
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    # The replacement takes over the original's hook dicts themselves (not copies): every hook
+    # registered before conversion fires on the new module, and its RemovableHandle still removes
+    # it. Forward hooks see the same inputs and outputs (the replacement computes the same
+    # function); state_dict hooks see the same keys.
+    for k, v in old.__dict__.items():
+        if k.startswith("_") and "hooks" in k and isinstance(v, dict):
+            new.__dict__[k] = v
+    new._is_full_backward_hook = old._is_full_backward_hook
+
+
 def _convert_children(
     parent: nn.Module,
     prefix: str,
@@ -222,7 +233,9 @@ def _convert_children(
     # ``done``: {id(original): (original, replacement or original)}; it keeps the originals alive,
     # so ids stay unique. A module held by several parents (or twice by one) is decided once and
     # stays one module everywhere.
-    for name, child in list(parent.named_children()):
+    for name, child in list(parent._modules.items()):  # named_children() skips repeats
+        if child is None:
+            continue
         fqn = f"{prefix}.{name}" if prefix else name
         if id(child) in done:
             if done[id(child)][1] is not child:
@@ -250,6 +263,8 @@ def _convert_children(
             rep.skipped.append((fqn, kind, str(e)))
             _convert_children(child, fqn, config, allowed, rep, done)
             continue
+        if new is not child:
+            _carry_hooks(child, new)
         done[id(child)] = (child, new)
         setattr(parent, name, new)
         rep.converted.append((fqn, kind, type(new).__name__))

@@ -180,3 +180,105 @@ def build_hf_gpt2_fast_loss(device, dtype, small=False):
 
     eager, make_inputs = eager_hf_gpt2(device, dtype, small)
     return eager, slim_copy(eager, slimgrad.ConvertConfig(fast_loss=True)), make_inputs
+
+
+class HFLoss(nn.Module):
+    """``model(input_ids=ids, attention_mask=mask, labels=labels).loss`` as a module (``use_cache``
+    off for causal LMs)."""
+
+    def __init__(self, model: nn.Module, causal: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.causal = causal
+
+    def forward(self, ids, mask, labels) -> torch.Tensor:
+        extra = {"use_cache": False} if self.causal else {}
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss
+
+
+def padded_batch(vocab, batch, seq, device, *, left: bool, mlm: bool = False):
+    """Token ids, attention mask and labels with every other row padded by ``seq // 8`` tokens
+    (left or right): the mask is honoured, so HF builds and applies it. Labels are -100 on padding
+    (and, for ``mlm``, on all but a seeded 15% of the real tokens)."""
+    ids = torch.randint(1, vocab, (batch, seq), device=device)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    pad = max(1, seq // 8)
+    for row in range(1, batch, 2):
+        cols = slice(0, pad) if left else slice(seq - pad, seq)
+        mask[row, cols] = 0
+        ids[row, cols] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if mlm:
+        keep = torch.rand(batch, seq, device=device) < 0.15
+        labels = labels.masked_fill(~keep, -100)
+    return ids, mask, labels
+
+
+def eager_hf_text(name: str, device, dtype, small=False):
+    """The eager side of cases ``hf_bert`` / ``hf_llama``: ``(model, make_inputs)``."""
+    import transformers
+
+    if name == "bert":
+        cfg_cls, model_cls, causal = transformers.BertConfig, transformers.BertForMaskedLM, False
+        full: dict = {}
+        tiny = dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=97,
+            max_position_embeddings=64,
+        )
+    else:
+        cfg_cls, model_cls, causal = transformers.LlamaConfig, transformers.LlamaForCausalLM, True
+        full = dict(
+            num_hidden_layers=12,
+            hidden_size=768,
+            num_attention_heads=12,
+            num_key_value_heads=12,
+            intermediate_size=2048,
+            vocab_size=32000,
+            attention_dropout=0.1,
+        )
+        tiny = dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=97,
+            attention_dropout=0.1,
+        )
+    cfg = cfg_cls(**(tiny if small else full))
+    cfg._attn_implementation = "sdpa"
+    eager = place(HFLoss(model_cls(cfg).train(), causal), device, dtype)
+    batch, seq = (2, 16) if small else (4, 256)
+
+    def make_inputs():
+        return padded_batch(cfg.vocab_size, batch, seq, device, left=causal, mlm=not causal)
+
+    return eager, make_inputs
+
+
+@register_case(
+    "hf_bert",
+    description="HF BertForMaskedLM(BertConfig()) (bert-base, dropout 0.1), 4x256 tokens, every "
+    "other row right-padded by 32, 15% of real tokens labelled [hf extra]",
+    requires=("transformers",),
+    repeat=3,
+)
+def build_hf_bert(device, dtype, small=False):
+    eager, make_inputs = eager_hf_text("bert", device, dtype, small)
+    return eager, slim_copy(eager), make_inputs
+
+
+@register_case(
+    "hf_llama",
+    description="HF LlamaForCausalLM, 12 x 768 (intermediate 2048, vocab 32000, attention dropout "
+    "0.1), 4x256 tokens, every other row left-padded by 32 [hf extra]",
+    requires=("transformers",),
+    repeat=3,
+)
+def build_hf_llama(device, dtype, small=False):
+    eager, make_inputs = eager_hf_text("llama", device, dtype, small)
+    return eager, slim_copy(eager), make_inputs
