@@ -110,6 +110,7 @@ safe, refusing reuse, never the other way):
 from __future__ import annotations
 
 import contextlib
+import dis
 import os
 import sys
 import threading
@@ -123,6 +124,8 @@ __all__ = [
     "calibrated",
     "check_not_consumed",
     "mark_consumed",
+    "owns_input",
+    "register_registry",
     "reusable",
     "reuse_count",
     "reuse_disabled",
@@ -137,7 +140,7 @@ ENV_VAR = "SLIMGRAD_NO_REUSE"
 # Process-wide, not thread-local: on CUDA the autograd engine runs backward functions on its own
 # device threads, which would not see a thread-local flag set around ``loss.backward()``.
 _disabled_depth = 0
-_counter = {"grad": 0, "saved": 0}
+_counter = {"grad": 0, "saved": 0, "forward": 0}
 _counter_lock = threading.Lock()
 
 # Calibrated at import (see _calibrate). None: calibration failed; never reuse.
@@ -193,13 +196,14 @@ def reuse_enabled() -> bool:
 
 
 def reuse_count(kind: str | None = None) -> int:
-    """Reuses granted since the last reset (``kind``: "grad", "saved" or None for both)."""
+    """Reuses granted since the last reset (``kind``: "grad", "saved", None for both of those
+    backward kinds, or "forward" for :func:`owns_input` grants)."""
     if kind is None:
         return _counter["grad"] + _counter["saved"]
     if kind not in _counter:
         raise ValueError(
-            "slimgrad.ownership.reuse_count: unknown kind; expected 'grad', 'saved' or None, "
-            f"got {kind!r}. Pass one of those."
+            "slimgrad.ownership.reuse_count: unknown kind; expected 'grad', 'saved', 'forward' or "
+            f"None, got {kind!r}. Pass one of those."
         )
     return _counter[kind]
 
@@ -207,8 +211,8 @@ def reuse_count(kind: str | None = None) -> int:
 def reset_reuse_count() -> None:
     """Reset the debug counter read by :func:`reuse_count`."""
     with _counter_lock:
-        _counter["grad"] = 0
-        _counter["saved"] = 0
+        for k in _counter:
+            _counter[k] = 0
 
 
 def calibrated() -> bool:
@@ -224,6 +228,14 @@ def _storage_sig(t: torch.Tensor) -> tuple[int, int]:
 def _storage_alone(t: torch.Tensor) -> bool:
     # no other tensor shares the StorageImpl, and nobody keeps its Python storage object
     return _STORAGE_SIG is not None and _storage_sig(t) == _STORAGE_SIG
+
+
+def _torch_owned(t: torch.Tensor) -> bool:
+    # Term 7: memory torch allocated itself. from_numpy/frombuffer/from_dlpack (and torch.load's
+    # mmap-able storages) wrap memory another owner can read: their storages are not resizable.
+    # Shared memory (share_memory_, DataLoader workers) may be read by another process.
+    st = t.untyped_storage()
+    return st.resizable() and not st.is_shared()
 
 
 def _view_sig(t: torch.Tensor):
@@ -317,6 +329,7 @@ def _grad_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
         and weakref.getweakrefcount(t) == 0
         and _dense_whole(t)
         and _reachable_only_through(t)
+        and _torch_owned(t)
     )
 
 
@@ -329,6 +342,7 @@ def _saved_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
         and not torch._C._autograd._get_current_graph_task_keep_graph()
         and _storage_alone(t)
         and _dense_whole(t)
+        and _torch_owned(t)
     )
 
 
@@ -412,6 +426,225 @@ def check_not_consumed(ctx, api: str) -> None:
             "retain_graph=False. Pass retain_graph=True to the first backward (saved tensors are "
             "then kept intact)."
         )
+
+
+# Forward in-place writes ------------------------------------------------------------------------
+
+# Refcount of a forward's input at owns_input when the parent runs ``v = module(v)`` on a ``v`` that
+# nobody else holds (calibrated at import by _calibrate_forward; None: never in place).
+_FWD_REFCOUNT: int | None = None
+# Weak registries of slimgrad's own (WeakIdKeyDictionary, one weak reference per key): their
+# weak references to a tensor are accounted for exactly (term F4); any other weak reference refuses.
+_REGISTRIES: list = []
+# (code object, instruction offset) -> whether that call site is ``v = m(v)`` (term F8).
+_SITES: dict = {}
+_SITES_MAX = 4096
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_WRAPPED_CALL_IMPL = torch.nn.Module._wrapped_call_impl.__code__
+_calib_seen: list | None = None
+
+
+def register_registry(registry) -> None:
+    """Account for ``registry`` (a ``torch.utils.weak.WeakIdKeyDictionary`` of slimgrad's own) in
+    :func:`owns_input`: its one weak reference per key is not another reader."""
+    if not any(r is registry for r in _REGISTRIES):
+        _REGISTRIES.append(registry)
+
+
+def _weakrefs_accounted(t: torch.Tensor) -> bool:
+    n = weakref.getweakrefcount(t)
+    if n == 0:
+        return True
+    return n == sum(1 for r in _REGISTRIES if t in r)
+
+
+def _rebinds_arg(code, lasti: int) -> bool:
+    key = (code, lasti)
+    hit = _SITES.get(key)
+    if hit is None:
+        if len(_SITES) >= _SITES_MAX:
+            _SITES.clear()
+        hit = _SITES[key] = _scan_site(code, lasti)
+    return hit
+
+
+def _scan_site(code, lasti: int) -> bool:
+    # True iff the instruction at ``lasti`` is a one-argument CALL whose argument is the fast local
+    # ``v`` loaded right before it and whose result is stored right after it into that same ``v``:
+    # ``v = m(v)``. Any other shape (kwargs, *args, a cell variable, the result kept elsewhere or
+    # dropped) is False.
+    try:
+        ins = list(dis.get_instructions(code))
+    except Exception:
+        return False
+    idx = next((k for k, i in enumerate(ins) if i.offset == lasti), None)
+    if idx is None or ins[idx].opname != "CALL" or ins[idx].arg != 1 or idx + 1 >= len(ins):
+        return False
+    k = idx - 1
+    if k >= 0 and ins[k].opname == "PRECALL":
+        if ins[k].arg != 1:
+            return False
+        k -= 1
+    if k < 0 or ins[k].opname not in ("LOAD_FAST", "LOAD_FAST_CHECK"):
+        return False
+    nxt = ins[idx + 1]
+    return nxt.opname == "STORE_FAST" and nxt.arg == ins[k].arg
+
+
+def _no_hooks(module) -> bool:
+    hooks = torch.nn.modules.module
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+        or "forward" in module.__dict__
+        or getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+def _fresh_plain(x: object) -> bool:
+    if type(x) is not torch.Tensor or x._is_view():
+        return False
+    if x.layout != torch.strided or x.is_nested or x.is_conj() or x.is_neg() or x.numel() == 0:
+        return False
+    if x.is_leaf and x.requires_grad:
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
+def _site_ok(frame, module) -> bool:
+    # frame: the module's forward. Above it, nn.Module's fast path (no hooks) and the parent's call
+    # site ``v = module(v)``.
+    f2 = frame.f_back
+    f3 = f2.f_back if f2 is not None else None
+    f4 = f3.f_back if f3 is not None else None
+    return (
+        f4 is not None
+        and f2.f_code is _CALL_IMPL
+        and f3.f_code is _WRAPPED_CALL_IMPL
+        and _no_hooks(module)
+        and _rebinds_arg(f4.f_code, f4.f_lasti)
+    )
+
+
+def _forward_ok(x, module, refcount: int, frame) -> bool:
+    if _calib_seen is not None:
+        _calib_seen.append((refcount, _site_ok(frame, module)))
+        return False
+    return (
+        _FWD_REFCOUNT is not None
+        and refcount == _FWD_REFCOUNT
+        and not _disabled()
+        and not torch._C._are_functorch_transforms_active()
+        and _fresh_plain(x)
+        and x._use_count() == 1
+        and _weakrefs_accounted(x)
+        and _dense_whole(x)
+        and _storage_alone(x)
+        and _torch_owned(x)
+        and _site_ok(frame, module)
+    )
+
+
+def owns_input(x: torch.Tensor, module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward may write over its input ``x`` (nobody else can see it).
+
+    Call it first thing in the module's ``forward``, on the bare parameter:
+    ``ownership.owns_input(x, self)`` (NOTE [Gradient-buffer ownership], forward terms F1-F9). True
+    only when the parent called the module as ``v = module(v)`` on a ``v`` nobody else holds (e.g.
+    the second child onwards of an ``nn.Sequential``, ``out = self.bn(out)`` on a fresh ``out``),
+    with no hooks; False everywhere else (the caller's own tensor, a residual, a second consumer, a
+    hook, a returned value, a view, torch.compile, calibration failure), and then the module must
+    not write over ``x``.
+
+    Args:
+        x: the forward's input.
+        module: the module whose forward is running (``self``).
+
+    Returns:
+        True if writing over ``x`` is invisible to everyone else.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    refcount = sys.getrefcount(x)
+    try:
+        frame = sys._getframe(1)
+    except ValueError:
+        return False
+    try:
+        ok = _forward_ok(x, module, refcount, frame)
+    finally:
+        del frame
+    if ok:
+        with _counter_lock:
+            _counter["forward"] += 1
+    return ok
+
+
+class _FwdProbe(torch.nn.Module):
+    def forward(self, x):
+        owns_input(x, self)
+        return x
+
+
+class _FwdFresh(torch.nn.Module):
+    def forward(self, x):
+        return x * 1
+
+
+class _FwdParent(torch.nn.Module):
+    def __init__(self, keep: bool = False, rebind: bool = True) -> None:
+        super().__init__()
+        self.p = _FwdProbe()
+        self.keep, self.rebind = keep, rebind
+
+    def forward(self, x):
+        out = x * 1
+        kept = out if self.keep else None
+        if self.rebind:
+            out = self.p(out)
+        else:
+            y = self.p(out)
+            del y
+        del kept
+        return out
+
+
+def _calibrate_forward() -> None:
+    global _FWD_REFCOUNT, _calib_seen
+    _FWD_REFCOUNT = None
+    seen: list = []
+    _calib_seen = seen
+    try:
+        x = torch.randn(4)
+        torch.nn.Sequential(_FwdFresh(), _FwdProbe())(x)  # 0: fresh, in a Sequential
+        _FwdParent()(x)  # 1: fresh, ``out = self.p(out)``
+        torch.nn.Sequential(_FwdProbe())(x)  # 2: the caller's tensor
+        _FwdParent(keep=True)(x)  # 3: one more local
+        _FwdParent(rebind=False)(x)  # 4: ``y = self.p(out)``
+        with torch.no_grad():
+            torch.nn.Sequential(_FwdFresh(), _FwdProbe())(x)  # 5: same under no_grad
+        ok = (
+            len(seen) == 6
+            and seen[0] == seen[1] == seen[5]
+            and seen[0][1]
+            and seen[2][1]
+            and seen[2][0] > seen[0][0]
+            and seen[3] == (seen[1][0] + 1, True)
+            and seen[4][1] is False
+        )
+        _calib_seen = None
+        if ok:
+            _FWD_REFCOUNT = seen[0][0]
+    except Exception:  # any surprise: never in place
+        _FWD_REFCOUNT = None
+    finally:
+        _calib_seen = None
 
 
 # Calibration ------------------------------------------------------------------------------------
@@ -557,3 +790,4 @@ def _calibrate() -> None:
 
 
 _calibrate()
+_calibrate_forward()

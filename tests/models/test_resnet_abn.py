@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import slimgrad
+from slimgrad import ownership
 from slimgrad.memory import measure
 from slimgrad.nn.batch_norm import BatchNorm2d
 from slimgrad.nn.inplace_abn import (
@@ -179,13 +180,27 @@ def test_parameters_and_buffers_shared_with_the_original():
     assert all(b is bufs[n] for n, b in base.named_buffers())
 
 
-def test_inplace_error_when_a_converted_bn_input_was_saved_elsewhere():
-    _, _, ours = _pair()
-    kept = []
-    ours.layer1[0].conv2.register_forward_hook(lambda m, i, o: kept.append(o.sin()))
-    loss = ours(torch.randn(2, 3, 32, 32)).sum() + kept[0].sum()
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+def test_a_converted_bn_input_kept_by_a_hook_is_not_written_over():
+    # the hook's sin() saves conv2's output for backward: owns_input refuses, the InPlaceABN
+    # writes into a new tensor, and the result is the reference's (main wrote over it in place)
+    _, ref, ours = _pair()
+    ref, ours = ref.double(), ours.double()
+    x0 = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    grants = []
+    for m in (ref, ours):
+        kept = []
+        m.layer1[0].conv2.register_forward_hook(lambda mod, i, o, kept=kept: kept.append(o.sin()))
+        ownership.reset_reuse_count()
+        y = m(x0.clone())
+        grants.append(ownership.reuse_count("forward"))
+        loss = y.square().sum() + kept[0].sum()
         loss.backward()
+    _, free = _pair()[1:]
+    ownership.reset_reuse_count()
+    free.double()(x0.clone())
+    assert grants[1] == ownership.reuse_count("forward") - 1  # only the hooked site refused
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=n)
 
 
 def test_retain_graph_two_backwards():
@@ -262,8 +277,8 @@ class _Branchy(_Twice):
     "cls, converted, reason",
     [
         (_Twice, True, None),
-        (_ConvOutReused, False, "written over"),
-        (_ViewInput, False, "written over"),
+        (_ConvOutReused, False, "used only by it"),
+        (_ViewInput, False, "used only by it"),
         (_Branchy, False, "not traceable"),
     ],
 )

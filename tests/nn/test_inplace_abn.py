@@ -167,11 +167,28 @@ def test_sync_without_distributed_raises_in_training_only():
     torch.testing.assert_close(m(x.clone()), InPlaceABN(4).eval()(x.clone()))
 
 
+class _Ptr(nn.Module):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x):
+        y = x.clone()  # preserves channels_last
+        self.seen.append(y.data_ptr())
+        return y
+
+
 def test_module_channels_last_and_repr():
     m = InPlaceABN(6, activation="elu", activation_param=1.0)
     x = torch.randn(2, 6, 4, 4).to(memory_format=torch.channels_last)
-    out = m(x)
-    assert out.data_ptr() == x.data_ptr()
+    x0 = x.clone()
+    out = m(x)  # the caller still holds x: out of place, x unchanged
+    assert out.data_ptr() != x.data_ptr() and torch.equal(x, x0)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    seen = []
+    fresh = nn.Sequential(nn.Identity(), _Ptr(seen), m)  # m's input is _Ptr's fresh output
+    out = fresh(x)
+    assert out.data_ptr() == seen[0] and torch.equal(x, x0)
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert "activation='elu'" in repr(m) and "activation_param=1.0" in repr(m)
 

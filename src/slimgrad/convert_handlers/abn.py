@@ -6,8 +6,17 @@ Which BatchNorm is followed by which ReLU is read from the parent's ``forward`` 
 converted when, at every call site:
 
 - its output goes to one place only: a call of an ``nn.ReLU`` module (``relu(bn(...))``);
-- its input is the fresh output of a convolution or linear module used by nothing else (InPlaceABN
-  writes over it; a tensor from outside ``forward`` or a view could be seen by others).
+- its input is the fresh output of a convolution or linear module used by nothing else;
+- neither it nor that ReLU has hooks (a hook on the BatchNorm would see act(BN(x)) as its output),
+  no global module hooks are registered, and every parent that holds it passes these checks (a
+  module held by several parents stays one module: converted everywhere or nowhere).
+
+Whether the InPlaceABN then writes over its input is decided at each call by
+``slimgrad.ownership.owns_input`` (NOTE [Gradient-buffer ownership]): in place only when nobody else
+can see the conv output (``out = self.bn(out)`` on a fresh ``out``, no hook keeping it), else into a
+new tensor. The graph check above is what makes the *function* the same (the BN output reaches the
+ReLU only); fx traces the branch the module's current attributes select, so a ``forward`` whose
+Python control flow reads a BN output twice on another branch is outside what this check sees.
 
 Such a ``bn`` becomes ``InPlaceABN(leaky_relu, slope)`` (``RecomputeABN`` where the ReLU feeds
 an ``nn.MaxPool2d``, which becomes ``MaxPool2dRecompute``: ResNet's stem keeps nothing beyond the
@@ -38,6 +47,9 @@ from slimgrad.nn.inplace_abn import (
     LeakyReLUAfterABN,
     MaxPool2dRecompute,
     RecomputeABN,
+    global_hooks,
+    has_hooks,
+    occurrences,
 )
 
 __all__ = ["inplace_abn_pattern"]
@@ -86,7 +98,9 @@ def _why_not(parent: nn.Module, node: torch.fx.Node) -> tuple[str | None, nn.Mod
     src = node.args[0]
     producer = _module_of(parent, src) if hasattr(src, "op") and hasattr(src, "target") else None
     if not isinstance(producer, _FRESH_PRODUCERS) or len(src.users) != 1:
-        return "its input is not a conv/linear output used only by it (it is written over)", None
+        return "its input is not a conv/linear output used only by it", None
+    if has_hooks(parent.get_submodule(node.target)) or has_hooks(relu):
+        return "it or the ReLU after it has hooks (they would see act(BN(x)) as BN's output)", None
     if isinstance(producer, nn.modules.conv._ConvNd) and all(k == 1 for k in producer.kernel_size):
         return None, (relu, "pointwise")
     return None, (relu, None)
@@ -103,13 +117,16 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
     """
     slope = float(config.leaky_relu_slope)
     names = {id(m): n for n, m in model.named_modules()}
-    new_relu: dict[int, LeakyReLUAfterABN] = {}
-    swaps: dict[int, nn.Module] = {}
+    occ = occurrences(model)
+    # id(bn) -> [(parent name, parent, [call nodes])] over every traced parent that holds it
+    found: dict[int, list] = {}
+    untraced: set[int] = set()
     for pname, parent in list(model.named_modules()):
         kids = dict(parent.named_children())
         if not any(type(c) in _BN_TYPES for c in kids.values()):
             continue
         if not any(type(m) is nn.ReLU for m in parent.modules()):
+            untraced.update(id(c) for c in kids.values() if type(c) in _BN_TYPES)
             continue
         try:
             graph = _trace(parent)
@@ -118,43 +135,56 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
                 (pname, type(parent).__name__, f"inplace_abn: forward not traceable by torch.fx "
                  f"({type(e).__name__}); its BatchNorms take the exact path")
             )  # fmt: skip
+            untraced.update(id(c) for c in kids.values() if type(c) in _BN_TYPES)
             continue
         sites: dict[str, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             if node.op == "call_module" and type(kids.get(node.target)) in _BN_TYPES:
                 sites.setdefault(node.target, []).append(node)
-        for bn_name, nodes in sites.items():
-            bn = kids[bn_name]
-            fqn = f"{pname}.{bn_name}" if pname else bn_name
-            checks = [_why_not(parent, n) for n in nodes]
-            reasons = {r for r, _ in checks if r is not None}
-            if _NOT_A_PAIR in reasons:
-                continue  # e.g. bn3 (``out += identity`` follows): not a BN -> ReLU pair
-            relus = {id(m[0]): m[0] for _, m in checks if m is not None}
-            if not reasons and len(relus) != 1:
-                reasons.add("it is followed by different ReLU modules")
-            if reasons:
-                rep.skipped.append((fqn, type(bn).__name__, "inplace_abn: " + "; ".join(reasons)))
-                continue
-            (relu,) = relus.values()
-            pools = {_pool_after(parent, next(iter(n.users))) for n in nodes}
-            pool = pools.pop() if len(pools) == 1 else None
-            pointwise = all(m[1] == "pointwise" for _, m in checks)
-            relu_fqn = names.get(id(relu), "?")
-            if not (allowed(bn, fqn) and allowed(relu, relu_fqn)):
-                rep.skipped.append((fqn, type(bn).__name__, "filter_fn returned False"))
-                continue
-            if id(relu) not in new_relu:
-                new_relu[id(relu)] = LeakyReLUAfterABN.from_torch(relu, slope)
-                swaps[id(relu)] = new_relu[id(relu)]
-                rep.converted.append((relu_fqn, "ReLU", "LeakyReLUAfterABN"))
-            cls = RecomputeABN if pool is not None or pointwise else InPlaceABN
-            abn = cls.from_torch(bn, activation="leaky_relu", activation_param=slope)
-            swaps[id(bn)] = new_relu[id(relu)].pair(abn)
-            rep.converted.append((fqn, f"{type(bn).__name__}+ReLU", cls.__name__))
-            if type(pool) is nn.MaxPool2d and id(pool) not in swaps:
-                swaps[id(pool)] = MaxPool2dRecompute.from_torch(pool)
-                rep.converted.append((names.get(id(pool), "?"), "MaxPool2d", "MaxPool2dRecompute"))
+        for bn_name, bn in kids.items():
+            if type(bn) in _BN_TYPES:
+                found.setdefault(id(bn), []).append((bn, parent, sites.get(bn_name, [])))
+    new_relu: dict[int, LeakyReLUAfterABN] = {}
+    swaps: dict[int, nn.Module] = {}
+    for key, places in found.items():
+        bn = places[0][0]
+        fqn = names.get(key, "?")
+        checks = [_why_not(p, n) for _, p, nodes in places for n in nodes]
+        reasons = {r for r, _ in checks if r is not None}
+        if not checks or _NOT_A_PAIR in reasons:
+            continue  # e.g. bn3 (``out += identity`` follows): not a BN -> ReLU pair
+        relus = {id(m[0]): m[0] for _, m in checks if m is not None}
+        if not reasons and len(relus) != 1:
+            reasons.add("it is followed by different ReLU modules")
+        if key in untraced or len(places) != len(occ.get(key, [])):
+            reasons.add("a parent that holds it was not traced")
+        elif any(not nodes for _, _, nodes in places):
+            reasons.add("a parent that holds it does not call it")
+        if not reasons and global_hooks():
+            reasons.add("global module hooks are registered (they would see act(BN(x)))")
+        if reasons:
+            why = "inplace_abn: " + "; ".join(sorted(reasons))
+            rep.skipped.append((fqn, type(bn).__name__, why))
+            continue
+        (relu,) = relus.values()
+        pools = {_pool_after(p, next(iter(n.users))) for _, p, nodes in places for n in nodes}
+        pool = pools.pop() if len(pools) == 1 else None
+        pointwise = all(m[1] == "pointwise" for _, m in checks)
+        relu_fqn = names.get(id(relu), "?")
+        if not (allowed(bn, fqn) and allowed(relu, relu_fqn)):
+            rep.skipped.append((fqn, type(bn).__name__, "filter_fn returned False"))
+            continue
+        if id(relu) not in new_relu:
+            new_relu[id(relu)] = LeakyReLUAfterABN.from_torch(relu, slope)
+            swaps[id(relu)] = new_relu[id(relu)]
+            rep.converted.append((relu_fqn, "ReLU", "LeakyReLUAfterABN"))
+        cls = RecomputeABN if pool is not None or pointwise else InPlaceABN
+        abn = cls.from_torch(bn, activation="leaky_relu", activation_param=slope)
+        swaps[key] = new_relu[id(relu)].pair(abn)
+        rep.converted.append((fqn, f"{type(bn).__name__}+ReLU", cls.__name__))
+        if type(pool) is nn.MaxPool2d and id(pool) not in swaps:
+            swaps[id(pool)] = MaxPool2dRecompute.from_torch(pool)
+            rep.converted.append((names.get(id(pool), "?"), "MaxPool2d", "MaxPool2dRecompute"))
     # every parent holding a swapped instance (shared ReLUs, shared BNs) gets the same new module
     for parent in list(model.modules()):
         for n, c in list(parent._modules.items()):

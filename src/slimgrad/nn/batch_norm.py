@@ -24,6 +24,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from slimgrad import ownership
 from slimgrad.ops import _derived
 from slimgrad.ops.batch_norm import batch_norm
 
@@ -117,15 +118,20 @@ class ReLUAfterNorm(nn.ReLU):
     """``torch.nn.ReLU`` (same ``inplace`` argument) that, after a slimgrad BatchNorm, lets the
     block keep only the BN output.
 
-    On that path the result is a new tensor even with ``inplace=True`` (the BN output is what is
-    kept, so it cannot be overwritten); everywhere else this is exactly torch's ReLU. Model code
-    must therefore use the return value (``out = self.relu(out)``, as torchvision and almost all
-    code does); code that calls an in-place ReLU for its side effect only must keep torch's ReLU
-    (exclude it with ``convert_``'s ``filter_fn``).
+    On that path the result is a new tensor (the BN output is what is kept, so it is not
+    overwritten). With ``inplace=True`` that path is taken only when
+    ``slimgrad.ownership.owns_input`` proves that nobody else can see the BN output (the parent
+    runs ``out = self.relu(out)`` on a fresh ``out``, no hooks; NOTE [Gradient-buffer
+    ownership]), so a new tensor is indistinguishable from eager's in-place write. Anywhere else
+    (``self.relu(out)`` for its side effect, ``a = self.relu(b)`` with ``b`` read later, hooks)
+    this is exactly torch's ReLU: it writes over its input, and the BatchNorm keeps its input, as
+    eager does.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _derived.activation(input, "relu", self.inplace)
+        # first use of input: NOTE [Gradient-buffer ownership]
+        owned = self.inplace and ownership.owns_input(input, self)
+        return _derived.activation(input, "relu", self.inplace, owned=owned)
 
     @classmethod
     def from_torch(cls, module: nn.ReLU) -> ReLUAfterNorm:
@@ -146,10 +152,12 @@ class GELUAfterNorm(nn.GELU):
 
 
 class SiLUAfterNorm(nn.SiLU):
-    """``torch.nn.SiLU`` (same ``inplace`` argument); see :class:`ReLUAfterNorm`."""
+    """``torch.nn.SiLU`` (same ``inplace`` argument, same rule); see :class:`ReLUAfterNorm`."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _derived.activation(input, "silu", self.inplace)
+        # first use of input: NOTE [Gradient-buffer ownership]
+        owned = self.inplace and ownership.owns_input(input, self)
+        return _derived.activation(input, "silu", self.inplace, owned=owned)
 
     @classmethod
     def from_torch(cls, module: nn.SiLU) -> SiLUAfterNorm:

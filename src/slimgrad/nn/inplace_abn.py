@@ -2,10 +2,14 @@
 
 Drop-in for ``nn.BatchNorm{1,2,3}d`` followed by an invertible activation: same arguments,
 Parameters, buffers and state_dict keys as ``nn.BatchNorm2d`` (a BatchNorm state_dict loads
-unchanged), standard parametrisation (any sign of weight). The output is written over the input.
+unchanged), standard parametrisation (any sign of weight). The output is written over the input
+only where ``slimgrad.ownership.owns_input`` proves at call time that nobody else can see the input
+(NOTE [Gradient-buffer ownership]); otherwise it goes into a new tensor and the input is unchanged.
 
-Memory: saves the output (same storage as the input) + one float per channel; eager BatchNorm +
-activation saves the input and the output. See ``slimgrad.ops.inplace_abn``.
+Memory: saves the output + one float per channel on both paths (in place the output reuses the
+input's storage; out of place the input stays the caller's and the output is one new full-size
+tensor, as eager BatchNorm's); eager BatchNorm + activation saves the input and the output. See
+``slimgrad.ops.inplace_abn``.
 
 For ``convert_(model, ConvertConfig(inplace_abn=True))`` on modules that call ``self.bn`` and then
 ``self.relu`` (torchvision's ResNets): ``LeakyReLUAfterABN`` (NOTE [ABN-activation pairs]), and
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slimgrad import ownership
 from slimgrad._compile import eager_only
 from slimgrad.ops import _derived
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
@@ -34,6 +39,9 @@ __all__ = [
     "MaxPool2dRecompute",
     "RecomputeABN",
     "convert_sequential_bn_act_",
+    "global_hooks",
+    "has_hooks",
+    "occurrences",
 ]
 
 # NOTE [ABN-activation pairs]
@@ -54,6 +62,7 @@ __all__ = [
 # ``eager_only``, NOTE [Eager-only code under torch.compile]): traced, the registry lookups
 # across graph breaks gave wrong gradients (aot_eager, torch 2.13), and correctness comes first.
 _ABN_OUTPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+ownership.register_registry(_ABN_OUTPUTS)
 
 
 class _PairToken:
@@ -79,12 +88,17 @@ def _take_output(x: torch.Tensor, token: _PairToken) -> bool:
 
 
 class InPlaceABN(nn.Module):
-    """BatchNorm (1d/2d/3d) + invertible activation, computed in place.
+    """BatchNorm (1d/2d/3d) + invertible activation, computed in place where that is invisible.
 
-    ``z = act(weight * (x - mean) / sqrt(var + eps) + bias)``, written over ``x``.
+    ``z = act(weight * (x - mean) / sqrt(var + eps) + bias)``, written over ``x`` when
+    ``slimgrad.ownership.owns_input`` proves at call time that nobody else can see ``x`` (the
+    parent runs ``v = layer(v)`` on a fresh ``v``: a later child of an ``nn.Sequential``,
+    ``out = self.bn(out)`` after a conv; no hooks, no other holder); else into a new tensor, and
+    ``x`` is left as it was (NOTE [Gradient-buffer ownership]).
 
-    Memory: saves z (shared with the next layer) + one float per channel; eager BatchNorm +
-    LeakyReLU(inplace) saves x and z.
+    Memory: saves z (shared with the next layer) + one float per channel on both paths; in place z
+    reuses x's storage, out of place z is one new full-size tensor (as eager BatchNorm's output).
+    Eager BatchNorm + LeakyReLU(inplace) saves x and z.
 
     Args:
         num_features: C of an (N, C, ...) input.
@@ -100,8 +114,10 @@ class InPlaceABN(nn.Module):
         >>> conv = torch.nn.Conv2d(3, 64, 3)
         >>> layer = InPlaceABN(64, activation="leaky_relu", activation_param=0.01)
         >>> h = conv(torch.randn(2, 3, 9, 9))
-        >>> layer(h) is h  # conv's output now holds the result
-        True
+        >>> layer(h) is h  # h is still visible here: computed out of place
+        False
+        >>> block = torch.nn.Sequential(conv, layer)
+        >>> z = block(torch.randn(2, 3, 9, 9))  # written over conv's fresh output
     """
 
     _version = 2
@@ -230,23 +246,24 @@ class InPlaceABN(nn.Module):
         return (self.running_mean, self.running_var) if use else (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        owned = ownership.owns_input(x, self)  # first use of x: NOTE [Gradient-buffer ownership]
         if "_pair_token" in self.__dict__:
-            return self._forward_paired(x)
-        return self._forward(x)
+            return self._forward_paired(x, owned)
+        return self._forward(x, owned)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
         return inplace_abn(
-            x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
-            self.activation_param,
+            x if owned else x.clone(), rm, rv, self.weight, self.bias, bn_training, factor,
+            self.eps, self.activation, self.activation_param,
         )  # fmt: skip
 
     @eager_only
-    def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_paired(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
         # NOTE [ABN-activation pairs]; run eagerly under torch.compile (see there)
-        out = self._forward(x)
+        out = self._forward(x, owned)
         _register_output(out, self._pair_token)
         return out
 
@@ -311,7 +328,10 @@ class InPlaceABNSync(InPlaceABN):
         self.process_group = process_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        owned = ownership.owns_input(x, self)  # first use of x: NOTE [Gradient-buffer ownership]
         self._check_input_dim(x)
+        if not owned:
+            x = x.clone()
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
         if bn_training and self.training:
@@ -415,11 +435,11 @@ class RecomputeABN(InPlaceABN):
     _api = "nn.RecomputeABN"
 
     @eager_only
-    def _forward_paired(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward(x)
+    def _forward_paired(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        return self._forward(x, owned)
 
     @eager_only
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
         recipe = None
         if (
             torch.is_grad_enabled()
@@ -428,7 +448,7 @@ class RecomputeABN(InPlaceABN):
         ):
             recipe = _derived.lookup_recipe(x, "always")
         if recipe is None:
-            out = super()._forward(x)
+            out = super()._forward(x, owned)
             token = self.__dict__.get("_pair_token")
             if token is not None:
                 _register_output(out, token)
@@ -604,15 +624,79 @@ def _act_spec(module: nn.Module, relu_slope: float | None) -> tuple[str, float] 
     return None
 
 
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own (forward, backward or state_dict ones)."""
+    return any(getattr(module, k, None) for k in _HOOK_DICTS)
+
+
+def global_hooks() -> bool:
+    """Whether global module forward/backward hooks are registered (they see every module)."""
+    g = torch.nn.modules.module
+    return bool(
+        g._global_forward_hooks
+        or g._global_forward_pre_hooks
+        or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+    )
+
+
+def occurrences(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """``{id(module): [(parent, name), ...]}``: every place a module is held in ``model``'s tree
+    (a module shared by several parents, or held twice by one, has several)."""
+    occ: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if child is not None:
+                occ.setdefault(id(child), []).append((parent, name))
+    return occ
+
+
+def _plain_sequential(m: nn.Module) -> bool:
+    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+
+
+_HOOKED = "it or the activation after it has hooks (they would see act(BN(x)) as the BN output)"
+_GLOBAL = "global module hooks are registered (they would see act(BN(x)) as the BN output)"
+
+
+def _bn_site_reason(parent, name, relu_slope):
+    # (reason this occurrence of a BatchNorm cannot pair, the activation module after it)
+    if not _plain_sequential(parent):
+        return "it is also used outside an nn.Sequential (or in one with its own forward)", None
+    names = list(parent._modules.keys())
+    k = names.index(name)
+    act = parent._modules[names[k + 1]] if k + 1 < len(names) else None
+    if act is None or _act_spec(act, relu_slope) is None:
+        return "it is also used where no invertible activation follows it", None
+    return None, act
+
+
 def convert_sequential_bn_act_(model: nn.Module, config, allowed, rep) -> None:
     """convert_ pattern: in every ``nn.Sequential``, BatchNorm{1,2,3}d followed by LeakyReLU
     (slope > 0), ELU (alpha > 0) or Identity becomes ``InPlaceABN`` + ``nn.Identity`` (the same
     function, one full-size tensor per block). With ``config.inplace_abn`` a following ReLU becomes
     leaky_relu(``config.leaky_relu_slope``): an opt-in change of the model's function.
 
-    Parameters and buffers are shared. Like ``nn.ReLU(inplace=True)``, the result is written over
-    the BatchNorm's input: a tensor that another op saved for backward makes autograd raise; a
-    reference kept outside autograd (e.g. by a forward hook on the preceding layer) sees the output.
+    Parameters and buffers are shared. The InPlaceABN writes over the BatchNorm's input only when
+    ``slimgrad.ownership.owns_input`` proves at call time that nobody else sees it (the previous
+    child's fresh output, no hooks); the Sequential's own input, a tensor a hook keeps and the like
+    get a new output tensor (NOTE [Gradient-buffer ownership]). Skipped, with the reason in the
+    report: a BatchNorm or activation with hooks, any pair while global module hooks are
+    registered, a BatchNorm or activation also used elsewhere than in such a pair (a module held by
+    several parents stays one module: all its places are swapped together or none), Sequential
+    subclasses with their own ``forward``.
 
     Args:
         model: the model (changed in place).
@@ -621,18 +705,70 @@ def convert_sequential_bn_act_(model: nn.Module, config, allowed, rep) -> None:
         rep: the ``ConvertReport`` to append to.
     """
     relu_slope = config.leaky_relu_slope if getattr(config, "inplace_abn", False) else None
-    for prefix, seq in list(model.named_modules()):
-        if not isinstance(seq, nn.Sequential):
+    names = {id(m): n for n, m in model.named_modules()}
+    occ = occurrences(model)
+    # candidate BatchNorms: some occurrence is directly followed by an invertible activation in a
+    # plain nn.Sequential
+    cands: dict[int, nn.Module] = {}
+    for seq in model.modules():
+        if not _plain_sequential(seq):
             continue
-        names = list(seq._modules.keys())
-        for a, b in zip(names, names[1:]):
-            bn, act = seq._modules[a], seq._modules[b]
-            if type(bn) not in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-                continue
-            spec = _act_spec(act, relu_slope)
-            fqn = f"{prefix}.{a}" if prefix else a
-            if spec is None or not allowed(bn, fqn):
-                continue
-            setattr(seq, a, InPlaceABN.from_torch(bn, activation=spec[0], activation_param=spec[1]))
-            setattr(seq, b, nn.Identity())
-            rep.converted.append((fqn, f"{type(bn).__name__}+{type(act).__name__}", "InPlaceABN"))
+        kids = list(seq._modules.values())
+        for bn, act in zip(kids, kids[1:]):
+            if type(bn) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) and act is not None:
+                if _act_spec(act, relu_slope) is not None:
+                    cands.setdefault(id(bn), bn)
+    ok: dict[int, tuple[nn.Module, list]] = {}  # id(bn) -> (bn, [(parent, name, act)])
+    for key, bn in cands.items():
+        fqn = names.get(key, "?")
+        sites, reason = [], None
+        for parent, name in occ.get(key, []):
+            why, act = _bn_site_reason(parent, name, relu_slope)
+            if why is not None:
+                reason = why
+                break
+            sites.append((parent, name, act))
+        specs = {_act_spec(a, relu_slope) for _, _, a in sites}
+        if reason is None and len(specs) != 1:
+            reason = "different activations follow it at its places"
+        if reason is None and (has_hooks(bn) or any(has_hooks(a) for _, _, a in sites)):
+            reason = _HOOKED
+        if reason is None and global_hooks():
+            reason = _GLOBAL
+        if not allowed(bn, fqn):
+            continue  # the table pass reports it
+        if reason is not None:
+            rep.skipped.append((fqn, type(bn).__name__, "InPlaceABN: " + reason))
+            continue
+        ok[key] = (bn, sites)
+    # an activation instance becomes nn.Identity everywhere, so each of its places must follow a
+    # converted BatchNorm; drop pairs until that holds
+    changed = True
+    while changed:
+        changed = False
+        after: dict[int, int] = {}  # id(act) -> places that follow a converted BatchNorm
+        for _, sites in ok.values():
+            for _, _, act in sites:
+                after[id(act)] = after.get(id(act), 0) + 1
+        for key in list(ok):
+            bn, sites = ok[key]
+            bad = [a for _, _, a in sites if after[id(a)] != len(occ.get(id(a), []))]
+            if bad:
+                del ok[key]
+                changed = True
+                rep.skipped.append((
+                    names.get(key, "?"), type(bn).__name__,
+                    f"InPlaceABN: the activation after it ({names.get(id(bad[0]), '?')}) is also "
+                    "used elsewhere",
+                ))  # fmt: skip
+    identity: dict[int, nn.Module] = {}
+    for key, (bn, sites) in ok.items():
+        spec = _act_spec(sites[0][2], relu_slope)
+        abn = InPlaceABN.from_torch(bn, activation=spec[0], activation_param=spec[1])
+        for parent, name, act in sites:
+            parent._modules[name] = abn
+            names_ = list(parent._modules.keys())
+            nxt = names_[names_.index(name) + 1]
+            parent._modules[nxt] = identity.setdefault(id(act), nn.Identity())
+        acts = "+".join(dict.fromkeys(type(a).__name__ for _, _, a in sites))
+        rep.converted.append((names.get(key, "?"), f"{type(bn).__name__}+{acts}", "InPlaceABN"))

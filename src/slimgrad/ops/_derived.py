@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slimgrad import ownership
+
 __all__ = [
     "ACTIVATIONS",
     "Derived",
@@ -76,6 +78,8 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 _SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _RECIPES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+for _registry in (_SOURCES, _DERIVED, _RECIPES):  # their weak references are not readers
+    ownership.register_registry(_registry)
 
 
 @dataclass(eq=False)
@@ -217,19 +221,25 @@ class _DerivedActFn(torch.autograd.Function):
         return _act_backward(ctx.act, grad, b), None
 
 
-def activation(x: torch.Tensor, act: str, inplace: bool = False) -> torch.Tensor:
+def activation(
+    x: torch.Tensor, act: str, inplace: bool = False, owned: bool = False
+) -> torch.Tensor:
     """``act(x)`` that, after a slimgrad norm, lets the block keep only the norm output.
 
     If ``x`` is the pristine output of a registered source (slimgrad's BatchNorm in training) and
-    the source agrees to keep ``x`` instead of its input, the result ``r`` is computed out of place
-    (even with ``inplace=True``: ``x`` is what is kept), saves ``x`` (shared with the source) and
-    is tagged so that a following slimgrad conv keeps ``x`` instead of ``r``. Otherwise this is
-    exactly eager ``relu``/``relu_``/``gelu``/``silu``/``silu_``. See NOTE [Derived saved inputs].
+    the source agrees to keep ``x`` instead of its input, the result ``r`` is computed out of place,
+    saves ``x`` (shared with the source) and is tagged so that a following slimgrad conv keeps ``x``
+    instead of ``r``. With ``inplace=True`` that path needs ``owned`` (the caller's
+    ``slimgrad.ownership.owns_input`` proved nobody else can see ``x``, so not writing over it is
+    invisible); without it this is eager's in-place op. Otherwise this is exactly eager
+    ``relu``/``relu_``/``gelu``/``silu``/``silu_``. See NOTE [Derived saved inputs].
 
     Args:
         x: input tensor.
         act: one of ``ACTIVATIONS``.
-        inplace: as torch's ``inplace`` flag on the eager path.
+        inplace: as torch's ``inplace`` flag.
+        owned: ``slimgrad.ownership.owns_input(x, module)`` of the calling module (needed for the
+            derived path when ``inplace``).
 
     Returns:
         The activation output.
@@ -239,7 +249,13 @@ def activation(x: torch.Tensor, act: str, inplace: bool = False) -> torch.Tensor
     """
     if act not in ACTIVATIONS:
         raise _bad_act(act)
-    if torch.is_grad_enabled() and x.requires_grad and not _tracing() and claim_source(x):
+    if (
+        (owned or not inplace or act not in ("relu", "silu"))
+        and torch.is_grad_enabled()
+        and x.requires_grad
+        and not _tracing()
+        and claim_source(x)
+    ):
         r = _DerivedActFn.apply(x, act)
         _DERIVED[r] = Derived(x.detach(), x._version, act, r._version)
         return r
