@@ -1,4 +1,5 @@
-"""Gradient-buffer ownership: when a backward may write its result into a buffer nobody else reads.
+"""Buffer ownership: when a backward may write its result into a buffer nobody else reads, and when
+a forward may write over its input.
 
 Once forward is done the backward graph is fixed, and reference counts tell which buffers are dead.
 A backward that writes its result into such a buffer (its incoming gradient, or a saved tensor at
@@ -16,6 +17,9 @@ Public API (all cheap, no allocation):
   environment).
 - :func:`mark_consumed` / :func:`check_not_consumed`: invalidate a Function's saved tensors after
   reuse, so a second backward raises a clear error instead of reading garbage.
+- :func:`owns_input`: whether a module's forward may write over its input (InPlaceABN over a conv
+  output, an in-place ReLU's derived path after a BatchNorm); grants count as
+  ``reuse_count("forward")``.
 
 # NOTE [Gradient-buffer ownership]
 A backward may overwrite a tensor ``g`` only if every one of these holds (measured on torch 2.13 /
@@ -74,6 +78,10 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    ``saved_tensors_hooks`` pair that packs a detached alias: a hook that keeps the packed tensor
    elsewhere, or unpacks a tensor it also holds, adds a reference. (``slimgrad.memory`` installs
    no hooks, so measuring a step never changes what this rule grants.)
+7. The memory is torch's own: the storage is resizable (torch allocated it; ``from_numpy``,
+   ``frombuffer``, ``from_dlpack`` and ``torch.load`` storages are not, and another owner, e.g. a
+   NumPy array kept by a Function, can read them) and not in shared memory (another process may
+   read it). Terms 1-3 count torch and Python holders only; this term covers the rest.
 
 Calibration (at import, :func:`_calibrate`): a y = 2x Function's backward probes its gradient in
 chains whose safety is known: plain, through a ``* 1`` (same figures), with a hook that keeps the
@@ -105,6 +113,50 @@ safe, refusing reuse, never the other way):
 - Write with ordinary in-place ops under the backward's no-grad mode: they bump the version counter,
   so any holder this predicate could not see still gets autograd's "modified by an inplace
   operation" error.
+
+Forward (:func:`owns_input`). A forward in-place write over a module's input ``x`` (InPlaceABN
+writing BN+act over the conv output; ``ReLUAfterNorm(inplace=True)`` returning a new tensor instead
+of writing over the BN output, which is the same question: may we treat ``x`` as dead?) happens
+only when every term holds at the call; otherwise the module takes its out-of-place path
+(InPlaceABN: a new output, the input unchanged; ReLU: eager's ``relu_``). Refcounts alone cannot
+tell ``out = self.bn(out)`` from ``y = self.bn(out); y + out`` (same count during the call), so the
+terms combine a structural proof read at the call site with the counts:
+
+F1. The call site (the parent's frame, three frames above ``owns_input``: forward <- nn.Module's
+    ``_call_impl`` <- ``_wrapped_call_impl`` <- parent) is ``v = module(v)``: the instruction being
+    executed is a one-argument CALL whose argument is the fast local ``v`` loaded just before it
+    and whose result is stored into that same ``v`` just after it (read from the code object with
+    ``dis``, cached per (code, offset)). So after the call ``v`` no longer names ``x``: no later
+    line of the parent can read ``x`` through ``v``. ``nn.Sequential.forward`` (``input =
+    module(input)``) and torchvision-style ``out = self.bn1(out)`` have this shape;
+    ``self.relu(out)`` for its side effect, ``a = self.relu(b)``, ``return self.bn(f), f``,
+    kwargs, ``*args`` and closures' cell variables do not.
+F2. ``sys.getrefcount(x)`` equals the count calibrated at import for exactly that call shape with
+    ``v`` the only holder (probe modules in an ``nn.Sequential`` and in a custom parent, with and
+    without grad; the calibration also checks that one more local shows as +1, that a
+    Sequential's own input (held by the caller and the Sequential's argument tuples) shows higher,
+    and that ``y = m(v)`` fails F1). Catches other locals, residuals (``body(h) + h``: ``h`` is
+    the Sequential's input), containers, hooks that keep ``x``, the caller's own input.
+F3. ``x._use_count() == 1`` (no C++ holder: a SavedVariable of another op, a view's base link) and
+    the storage signature of term 2a (no other tensor, e.g. a ``detach()`` alias or a view,
+    shares the memory; nobody keeps the storage object); term 7 (torch-owned memory).
+F4. No weak references to ``x`` except exactly one per slimgrad registry that holds it
+    (:func:`register_registry`: the ``WeakIdKeyDictionary`` registries of ``ops._derived`` and
+    ``nn.inplace_abn``): a hook that keeps a weakref could read ``x`` later.
+F5. ``x`` is a plain dense strided ``torch.Tensor`` covering its storage (term 4), not a view
+    (``Flatten``/``view`` of someone's tensor), not a leaf that requires grad, not
+    functorch-wrapped.
+F6. The module has no forward/backward hooks or pre-hooks, no global module hooks are registered,
+    no instance attribute ``forward`` overrides the class's, it is not ``module.compile()``d: then
+    ``_call_impl`` takes its fast path and holds ``x`` only in its argument tuple (counted in F2),
+    and no hook sees ``x`` before or after.
+F7. Not traced (torch.compile, torch.jit tracing: other frames above forward fail F1), no functorch
+    transform, reuse not disabled (:func:`reuse_disabled` / ``SLIMGRAD_NO_REUSE=1`` also turn
+    forward writes off). Grad mode does not matter (eval, no_grad, inference_mode are the same).
+If calibration fails, ``owns_input`` is always False. Call pattern: ``owned =
+ownership.owns_input(x, self)`` as the first statement of the module's ``forward``, on the bare
+parameter (any other depth or an extra reference refuses). The functional ops
+(``slimgrad.ops.inplace_abn``) write over their argument as documented; the modules decide.
 """
 
 from __future__ import annotations
@@ -555,7 +607,7 @@ def owns_input(x: torch.Tensor, module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward may write over its input ``x`` (nobody else can see it).
 
     Call it first thing in the module's ``forward``, on the bare parameter:
-    ``ownership.owns_input(x, self)`` (NOTE [Gradient-buffer ownership], forward terms F1-F9). True
+    ``ownership.owns_input(x, self)`` (NOTE [Gradient-buffer ownership], forward terms F1-F7). True
     only when the parent called the module as ``v = module(v)`` on a ``v`` nobody else holds (e.g.
     the second child onwards of an ``nn.Sequential``, ``out = self.bn(out)`` on a fresh ``out``),
     with no hooks; False everywhere else (the caller's own tensor, a residual, a second consumer, a
