@@ -24,23 +24,13 @@ def hf_models(model: nn.Module):
 
 
 def rms_norm_from_hf(module: nn.Module) -> nn.Module:
-    """HF ``LlamaRMSNorm``-style module (``weight``, ``variance_epsilon``) -> slimgrad RMSNorm.
-
-    HF computes in float32 and casts back before scaling by the weight; ``F.rms_norm`` scales in
-    the input dtype. In float32 both are the same function; in half precision the rounding
-    order differs, so only float32 weights convert (others are reported as skipped).
-    """
-    from slimgrad.nn.rms_norm import RMSNorm
+    """HF ``LlamaRMSNorm`` -> :class:`slimgrad.nn.rms_norm.HFRMSNorm` (HF's function in every
+    dtype; memory-lean where that equals ``F.rms_norm``: float32 input and weights)."""
+    from slimgrad.nn.rms_norm import HFRMSNorm
 
     weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", None)
-    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None:
-        raise NotImplementedError("not a LlamaRMSNorm-style module (weight, variance_epsilon)")
-    if weight.dtype != torch.float32:
+    if isinstance(weight, nn.Parameter) and weight.dtype != torch.float32:
         raise NotImplementedError(
             f"{weight.dtype} weights: HF's cast order differs from F.rms_norm in half precision"
         )
-    new = RMSNorm(weight.shape[0], eps=eps, elementwise_affine=True, device="meta")
-    new.weight = weight
-    new.train(module.training)
-    return new
+    return HFRMSNorm.from_hf(module)
