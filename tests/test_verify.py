@@ -84,3 +84,296 @@ def test_unusable_output_needs_loss_fn():
         slimgrad.verify(m, copy.deepcopy(m), torch.randn(3, 4))
     rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(3, 4), loss_fn=lambda o: o["y"].sum())
     assert rep.ok
+
+
+# --- verify cannot be fooled -------------------------------------------------------------------
+
+
+class _Out(dict):
+    """A minimal HF-style output: a mapping whose fields are also attributes."""
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+
+class _Head(nn.Module):
+    """logits = lin(x); loss = CE(logits, labels) (+ 0.1 * aux). Knobs make one side wrong."""
+
+    def __init__(self, logits_shift=0.0, drop_aux=False, none_logits=False):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        self.logits_shift, self.drop_aux, self.none_logits = logits_shift, drop_aux, none_logits
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        aux = logits.square().mean()
+        loss = nn.functional.cross_entropy(logits, labels) + 0.1 * aux
+        out = _Out(loss=loss, logits=logits + self.logits_shift, aux_loss=aux)
+        if self.drop_aux:
+            out.pop("aux_loss")
+        if self.none_logits:
+            out["logits"] = None
+        return out
+
+
+def _head_pair(**wrong):
+    torch.manual_seed(0)
+    m = _Head()
+    bad = _Head(**wrong)
+    bad.load_state_dict(m.state_dict())
+    return m, bad, {"x": torch.randn(5, 6), "labels": torch.tensor([0, 1, 2, 3, 0])}
+
+
+def test_every_output_is_compared():
+    m, same, x = _head_pair()
+    rep = slimgrad.verify(m, same, x)
+    assert rep.ok, str(rep)
+    assert {o.name for o in rep.runs[0].outputs} == {"logits", "aux_loss"}
+    assert "outputs: aux_loss, logits" in str(rep)
+
+
+def test_wrong_logits_with_the_right_loss_fail():
+    m, bad, x = _head_pair(logits_shift=1e-3)
+    rep = slimgrad.verify(m, bad, x)
+    assert rep.loss_ok and all(g.ok for g in rep.grads)  # loss and gradients are right
+    assert not rep.ok
+    assert [o.name for o in rep.runs[0].outputs if not o.ok] == ["logits"]
+    assert "output logits: err" in str(rep)
+
+
+def test_a_dropped_aux_loss_fails():
+    m, bad, x = _head_pair(drop_aux=True)
+    rep = slimgrad.verify(m, bad, x)
+    assert not rep.ok
+    assert "slimgrad.verify: output 'aux_loss' is missing from the converted model's output" in (
+        str(rep)
+    )
+    # and the other way round: an output eager does not return
+    rep = slimgrad.verify(bad, m, x)
+    assert not rep.ok
+    assert "returns output 'aux_loss' that eager does not" in str(rep)
+
+
+def test_logits_none_is_a_note_in_training_and_a_failure_in_eval():
+    m, fused, x = _head_pair(none_logits=True)
+    rep = slimgrad.verify(m, fused, x)
+    assert rep.ok, str(rep)
+    assert any("logits=None" in n for n in rep.runs[0].notes)
+    assert "note: the converted model returns logits=None" in str(rep)
+    m.eval(), fused.eval()
+    rep = slimgrad.verify(m, fused, x)
+    assert not rep.ok
+    assert "output 'logits' is missing" in str(rep)
+
+
+def test_every_floating_tensor_of_a_tuple_output_is_compared():
+    class Two(nn.Module):
+        def __init__(self, shift):
+            super().__init__()
+            self.lin, self.shift = nn.Linear(4, 3), shift
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y, (y.detach() * 2 + self.shift, torch.arange(3))
+
+    torch.manual_seed(0)
+    m, bad = Two(0.0), Two(1e-3)
+    bad.load_state_dict(m.state_dict())
+    x = torch.randn(2, 4)
+    assert slimgrad.verify(m, copy.deepcopy(m), x).ok
+    rep = slimgrad.verify(m, bad, x)  # the loss comes from y; the second output is wrong
+    assert not rep.ok
+    assert [o.name for o in rep.runs[0].outputs if not o.ok] == ["[1][0]"]
+
+
+class _NaNIn64(nn.Module):
+    """Finite in float32, NaN in float64: a reference that proves nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * float("nan") if y.dtype == torch.float64 else y
+
+
+def test_a_nan_reference_fails():
+    torch.manual_seed(0)
+    m = _NaNIn64()
+    rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(3, 4))
+    assert not rep.ok
+    assert "slimgrad.verify: the float64 reference has non-finite values" in str(rep)
+
+
+def test_nan_everywhere_fails():
+    class AllNaN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(x) * float("nan")
+
+    m = AllNaN()
+    rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(3, 4))
+    assert not rep.ok  # NaN == NaN on every side is no evidence
+    for label in ("float64 reference", "eager (original) model", "converted model"):
+        assert f"the {label} has non-finite values" in str(rep)
+
+
+class _Overwrites(nn.Module):
+    """Right output, right gradients, but zeroes its input after reading it."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x):
+        y = self.lin(x.clone())
+        x.data.zero_()
+        return y
+
+
+def test_a_converted_model_that_overwrites_its_input_fails():
+    torch.manual_seed(0)
+    m = _Plain(nn.Linear(4, 2))
+    bad = _Overwrites(copy.deepcopy(m.lin))
+    x = torch.randn(3, 4)
+    keep = x.clone()
+    rep = slimgrad.verify(m, bad, x)
+    assert torch.equal(x, keep)  # the caller's tensor is never handed to a side
+    assert rep.loss_ok and all(g.ok for g in rep.grads) and all(o.ok for o in rep.runs[0].outputs)
+    assert not rep.ok
+    assert "slimgrad.verify: the converted model changed input 'input'; expected it unchanged" in (
+        str(rep)
+    )
+    rep = slimgrad.verify(m, bad, (x,))
+    assert "changed input '[0]'" in str(rep)
+    # eager writing the same thing is eager's behaviour, not the conversion's
+    assert slimgrad.verify(bad, copy.deepcopy(bad), x).ok
+    # a converted model that leaves alone an input eager writes over fails too
+    rep = slimgrad.verify(bad, copy.deepcopy(m), x)
+    assert not rep.ok and "differs from eager's" in str(rep)
+
+
+class _Plain(nn.Module):
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_each_side_gets_its_own_copy_of_the_inputs():
+    # the reference used to run on inputs the converted model had already overwritten: a model
+    # that doubles its input in place and reads it back would then agree with a wrong reference
+    class Doubles(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            x.detach().mul_(2)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    m = _Plain(nn.Linear(4, 2))
+    bad = Doubles()
+    bad.lin = m.lin
+    m = _Plain(copy.deepcopy(m.lin))
+    rep = slimgrad.verify(m, bad, torch.randn(3, 4))
+    assert not rep.ok
+    assert not rep.loss_ok  # judged against a reference that saw the caller's x
+
+
+# --- padded batches for text models ---------------------------------------------------------------
+
+
+class _TinyText(nn.Module):
+    """Embeds ids, mixes in the masked mean over positions, predicts the next id (HF-style call)."""
+
+    def __init__(self, ignore_mask=False):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 20)
+        self.ignore_mask = ignore_mask
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.emb(input_ids)
+        m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        if self.ignore_mask:
+            m = torch.ones_like(m)
+        m = m.unsqueeze(-1).to(h.dtype)
+        ctx = (h * m).sum(1, keepdim=True) / m.sum(1, keepdim=True)
+        logits = self.head(h + ctx)
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return _Out(loss=loss, logits=logits)
+
+
+def _text():
+    torch.manual_seed(0)
+    m = _TinyText()
+    bad = _TinyText(ignore_mask=True)
+    bad.load_state_dict(m.state_dict())
+    ids = torch.randint(1, 20, (3, 8))
+    return m, bad, {"input_ids": ids, "labels": ids}
+
+
+def test_a_model_that_ignores_the_attention_mask_passes_unpadded_fails_padded():
+    m, bad, x = _text()
+    rep = slimgrad.verify(m, bad, x, padded=False)
+    assert rep.ok, str(rep)
+    assert [r.name for r in rep.runs] == ["inputs"]
+    assert "padded batch: not run (padded=False)" in str(rep)
+    rep = slimgrad.verify(m, bad, x)
+    assert [r.name for r in rep.runs] == ["inputs", "left-padded", "right-padded"]
+    assert rep.runs[0].ok and not rep.runs[1].ok and not rep.runs[2].ok
+    assert not rep.ok
+    assert "left-padded: FAILED" in str(rep) and "right-padded: FAILED" in str(rep)
+
+
+def test_padded_runs_pass_for_a_faithful_copy_and_mask_labels():
+    m, _, x = _text()
+    rep = slimgrad.verify(m, copy.deepcopy(m), x)
+    assert rep.ok, str(rep)
+    assert "padded batch: left and right, [0, 2, 4] pad positions per row" in str(rep)
+    # the padded runs saw pad ids, mask zeros and -100 labels (row 0 untouched), so their
+    # losses differ from the unpadded one's
+    assert len({r.loss_eager for r in rep.runs}) == 3
+
+
+def test_padded_runs_are_skipped_with_a_reason():
+    torch.manual_seed(0)
+    m = _model()
+    rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(5, 7))
+    assert len(rep.runs) == 1
+    assert "padded batch: not run (inputs are not a dict with 2-D integer input_ids)" in str(rep)
+
+    class NoMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 4)
+
+        def forward(self, input_ids):
+            return self.emb(input_ids).sum()
+
+    nm = NoMask()
+    rep = slimgrad.verify(nm, copy.deepcopy(nm), {"input_ids": torch.randint(0, 20, (2, 5))})
+    assert rep.ok and len(rep.runs) == 1
+    assert "not run (the model's forward takes no attention_mask)" in str(rep)
+
+
+def test_an_original_that_is_itself_converted_fails():
+    torch.manual_seed(0)
+    m = _model()
+    conv = slimgrad.convert_(copy.deepcopy(m))
+    assert slimgrad.verify(m, conv, torch.randn(5, 7)).ok
+    rep = slimgrad.verify(conv, copy.deepcopy(conv), torch.randn(5, 7))
+    assert not rep.ok  # slimgrad against slimgrad proves nothing
+    assert "slimgrad.verify: the original model is itself converted; expected plain modules" in (
+        str(rep)
+    )

@@ -1,15 +1,29 @@
-"""``verify``: prove that a converted model computes the same loss and gradients as the original.
+"""``verify``: prove that a converted model computes what the original does, outputs and gradients.
 
-Both models run the same step on the same inputs with the same RNG seed (so dropout draws the same
-masks), next to a float64 copy of the original as the reference. Each parameter's gradient must
-satisfy the GUIDE.md rule ``max|g - g64| <= 2 * max|g_eager - g64| + atol``: the converted model may
-be as far from exact as eager PyTorch is at that dtype (times two), never further.
+Three sides run the same step with the same RNG seed (so dropout draws the same masks): the
+original model ("eager"), the converted one, and a float64 copy of the original (the reference).
+Each side runs on its own deep copy of the inputs. Every result must satisfy the GUIDE.md rule
+``max|out - ref64| <= 2 * max|eager - ref64| + atol``: the converted model may be as far from exact
+as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot be fooled by:
+
+- a non-finite reference or result: a NaN/inf loss, gradient or output on any side fails (a NaN
+  reference or eager result would make the rule's bound infinite);
+- inputs written over: each side gets its own copy; a converted model that changes an input eager
+  leaves alone (or changes it differently) fails;
+- a right loss with a wrong output: every floating tensor the model returns is compared (HF outputs:
+  ``logits``, aux losses such as ``aux_loss``, hidden states, ...; plain tensors, tuples, dicts). An
+  output one side returns and the other does not fails, except ``logits=None`` from slimgrad's fused
+  LM loss in a training forward with labels, a documented choice that the report notes;
+- unpadded batches only: for text models (dict inputs with 2-D ``input_ids``) the step also runs on
+  a left-padded and a right-padded copy of the batch (``attention_mask`` 0, pad ids and label -100
+  on the padded positions) unless ``padded=False``.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +32,9 @@ import torch.nn as nn
 
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
 
-__all__ = ["GradCheck", "VerifyReport", "verify"]
+__all__ = ["GradCheck", "OutputCheck", "VerifyReport", "VerifyRun", "verify"]
+
+_SHOWN = 8  # failing gradients listed per run in str(report); all are in report.runs[i].grads
 
 
 @dataclass
@@ -33,34 +49,117 @@ class GradCheck:
 
 
 @dataclass
-class VerifyReport:
-    """Loss and per-parameter gradient agreement of a converted model with its original."""
+class OutputCheck:
+    """One floating tensor of the model's output against the float64 reference."""
 
+    name: str  # e.g. "logits", "aux_loss", "hidden_states[1]", "[0]"
+    err: float
+    eager_err: float
+    bound: float
+    ok: bool
+
+
+@dataclass
+class VerifyRun:
+    """One step on one batch (the given inputs, or a padded copy of them)."""
+
+    name: str  # "inputs", "left-padded", "right-padded"
     loss_eager: float
     loss_converted: float
     loss_ref64: float
     loss_ok: bool
     grads: list[GradCheck] = field(default_factory=list)
+    outputs: list[OutputCheck] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # non-finite, changed inputs, missing outputs
+    notes: list[str] = field(default_factory=list)  # documented differences that do not fail
 
     @property
     def ok(self) -> bool:
-        return self.loss_ok and all(g.ok for g in self.grads)
+        return (
+            self.loss_ok
+            and not self.failures
+            and all(g.ok for g in self.grads)
+            and all(o.ok for o in self.outputs)
+        )
+
+    def lines(self) -> list[str]:
+        gmax = max((g.err for g in self.grads), default=0.0)
+        omax = max((o.err for o in self.outputs), default=0.0)
+        out = [
+            f"  {self.name}: {'OK' if self.ok else 'FAILED'}; loss eager {self.loss_eager:.6g}, "
+            f"converted {self.loss_converted:.6g}, float64 {self.loss_ref64:.6g}"
+            f"{'' if self.loss_ok else ' (loss outside the rule)'}; {len(self.grads)} grads, "
+            f"max err {gmax:.3e}; {len(self.outputs)} outputs, max err {omax:.3e}"
+        ]
+        bad = [g for g in self.grads if not g.ok]
+        out += [
+            f"    {g.name}: err {g.err:.3e} > bound {g.bound:.3e} (eager err {g.eager_err:.3e})"
+            for g in bad[:_SHOWN]
+        ]
+        if len(bad) > _SHOWN:
+            out.append(f"    ... and {len(bad) - _SHOWN} more gradients outside the rule")
+        out += [
+            f"    output {o.name}: err {o.err:.3e} > bound {o.bound:.3e} "
+            f"(eager err {o.eager_err:.3e})"
+            for o in self.outputs
+            if not o.ok
+        ]
+        out += [f"    {f}" for f in self.failures]
+        out += [f"    note: {n}" for n in self.notes]
+        return out
+
+
+@dataclass
+class VerifyReport:
+    """Agreement of a converted model with its original: one :class:`VerifyRun` per batch.
+
+    ``ok`` is True only when every run passes. ``loss_*``, ``loss_ok`` and ``grads`` are those of
+    the first run (the inputs as given); ``checks`` says which checks ran, and which did not and
+    why.
+    """
+
+    runs: list[VerifyRun]
+    checks: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.runs)
+
+    @property
+    def loss_eager(self) -> float:
+        return self.runs[0].loss_eager
+
+    @property
+    def loss_converted(self) -> float:
+        return self.runs[0].loss_converted
+
+    @property
+    def loss_ref64(self) -> float:
+        return self.runs[0].loss_ref64
+
+    @property
+    def loss_ok(self) -> bool:
+        return self.runs[0].loss_ok
+
+    @property
+    def grads(self) -> list[GradCheck]:
+        return self.runs[0].grads
 
     @property
     def max_grad_err(self) -> float:
-        return max((g.err for g in self.grads), default=0.0)
+        return max((g.err for r in self.runs for g in r.grads), default=0.0)
 
     def __str__(self) -> str:
-        bad = [g for g in self.grads if not g.ok]
         head = (
             f"verify: {'OK' if self.ok else 'FAILED'}; loss eager {self.loss_eager:.6g}, converted "
             f"{self.loss_converted:.6g}, float64 {self.loss_ref64:.6g}; {len(self.grads)} grads, "
-            f"max err {self.max_grad_err:.3e}"
+            f"max err {self.max_grad_err:.3e}; {len(self.runs)} run(s): "
+            + ", ".join(f"{r.name} {'OK' if r.ok else 'FAILED'}" for r in self.runs)
         )
-        lines = [head] + [
-            f"  {g.name}: err {g.err:.3e} > bound {g.bound:.3e} (eager err {g.eager_err:.3e})"
-            for g in bad
-        ]
+        lines = [head]
+        for r in self.runs:
+            lines += r.lines()
+        lines += ["  checks:"] + [f"    {c}" for c in self.checks]
         return "\n".join(lines)
 
 
@@ -96,12 +195,274 @@ def _default_loss(out: Any) -> torch.Tensor:
     )
 
 
-def _step(model, inputs, loss_fn, seed) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+def _tensors(
+    obj: Any, path: str = "", root: str = "output"
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    # every tensor in a nest of mappings (HF ModelOutput, dict), tuples and lists, by path; None
+    # values are yielded too (a field one side leaves empty); other objects (caches) are not
+    if isinstance(obj, torch.Tensor) or obj is None:
+        yield path or root, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}.{k}" if path else str(k), root)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{path}[{i}]", root)
+
+
+def _float_outputs(out: Any) -> dict[str, torch.Tensor | None]:
+    return {
+        p: (t.detach() if t is not None else None)
+        for p, t in _tensors(out)
+        if t is None or t.is_floating_point() or t.is_complex()
+    }
+
+
+@dataclass
+class _Side:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    outputs: dict[str, torch.Tensor | None]
+    inputs: Any  # this side's copy of the inputs, after the step
+
+
+def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    mine = copy.deepcopy(inputs)
+    run_on = _cast(mine, dtype) if dtype is not None else mine
     torch.manual_seed(seed)
-    loss = loss_fn(_call(model, inputs))
+    out = _call(model, run_on)
+    loss = loss_fn(out)
     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-    return loss.detach(), {n: g for (n, _), g in zip(params, grads)}
+    return _Side(
+        loss.detach(), {n: g for (n, _), g in zip(params, grads)}, _float_outputs(out), run_on
+    )
+
+
+def _nonfinite(side: _Side, label: str) -> list[str]:
+    bad = []
+    items = [("loss", side.loss)] + [(f"grad {n}", g) for n, g in side.grads.items()]
+    items += [(f"output {n}", t) for n, t in side.outputs.items()]
+    for what, t in items:
+        if t is not None and not bool(torch.isfinite(t).all()):
+            bad.append(what)
+    if not bad:
+        return []
+    shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    return [
+        f"slimgrad.verify: the {label} has non-finite values; expected a finite loss, gradients "
+        f"and outputs, got NaN/inf in {shown}. A non-finite "
+        + ("reference" if label == "float64 reference" else "result")
+        + " proves nothing: check the inputs (e.g. fully masked rows) or pass a loss_fn that "
+        "ignores them."
+    ]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return max_abs_err(a, b) == 0.0
+
+
+def _changed_inputs(orig: Any, eager: _Side, conv: _Side, ref: _Side, atol) -> list[str]:
+    # eager's and the converted side's copies after the step, against the untouched original
+    fails = []
+    e_t = dict(_tensors(eager.inputs, root="input"))
+    c_t = dict(_tensors(conv.inputs, root="input"))
+    r_t = dict(_tensors(ref.inputs, root="input"))
+    for path, t in _tensors(orig, root="input"):
+        if t is None:
+            continue
+        e, c = e_t.get(path), c_t.get(path)
+        if e is None or c is None:
+            continue
+        e_changed, c_changed = not _same(t, e), not _same(t, c)
+        if c_changed and not e_changed:
+            err = max_abs_err(c, t) if c.shape == t.shape else float("inf")
+            fails.append(
+                f"slimgrad.verify: the converted model changed input '{path}'; expected it "
+                f"unchanged (eager leaves it), got a change of up to {err:.3e}. The conversion "
+                "writes in place over a tensor its caller still holds: it must not."
+            )
+        elif e_changed and c_changed and c.shape == e.shape and t.is_floating_point():
+            r = r_t.get(path)
+            bound = 2.0 * max_abs_err(e, r) + atol(c)
+            err = max_abs_err(c, r)
+            if not err <= bound:
+                fails.append(
+                    f"slimgrad.verify: the converted model changed input '{path}' differently "
+                    f"from eager; expected within {bound:.3e} of the float64 reference, got "
+                    f"{err:.3e}. The conversion must write what eager writes."
+                )
+        elif e_changed and not _same(e, c):
+            fails.append(
+                f"slimgrad.verify: input '{path}' after the step differs from eager's; expected "
+                "the converted model to change it as eager does, got "
+                + ("no change" if not c_changed else "a different change")
+                + ". The conversion must keep eager's side effects."
+            )
+    return fails
+
+
+def _fused_logits_note(path: str, converted: nn.Module, eager_out: dict, inputs: Any) -> bool:
+    # slimgrad's fused LM loss returns logits=None in a training forward with labels (documented:
+    # ConvertConfig.keep_logits keeps them); anywhere else a missing logits is a failure
+    labels = isinstance(inputs, Mapping) and inputs.get("labels") is not None
+    return path == "logits" and converted.training and labels and "loss" in eager_out
+
+
+def _compare_outputs(run: VerifyRun, e: _Side, c: _Side, r: _Side, converted, inputs, skip, atol):
+    for path in list(e.outputs) + [p for p in c.outputs if p not in e.outputs]:
+        if path in skip:
+            continue
+        oe, oc, orf = e.outputs.get(path), c.outputs.get(path), r.outputs.get(path)
+        if oe is None and oc is None:
+            continue
+        if oc is None:
+            if _fused_logits_note(path, converted, e.outputs, inputs):
+                run.notes.append(
+                    "the converted model returns logits=None (fused LM loss in a training forward "
+                    "with labels; ConvertConfig(keep_logits=True) keeps them): logits not compared"
+                )
+            else:
+                run.failures.append(
+                    f"slimgrad.verify: output '{path}' is missing from the converted model's "
+                    f"output; expected it as eager returns it, got None. The conversion must "
+                    "return every output the original returns."
+                )
+            continue
+        if oe is None or orf is None:
+            run.failures.append(
+                f"slimgrad.verify: the converted model returns output '{path}' that eager does "
+                f"not; expected None, got a tensor of shape {tuple(oc.shape)}. The conversion "
+                "must return what the original returns."
+            )
+            continue
+        if oc.shape != oe.shape:
+            run.failures.append(
+                f"slimgrad.verify: output '{path}' has the wrong shape; expected "
+                f"{tuple(oe.shape)}, got {tuple(oc.shape)}. The conversion must return what the "
+                "original returns."
+            )
+            continue
+        if oc.numel() == 0:
+            continue
+        # outputs are of any magnitude (logits, losses): the absolute term scales with them
+        a = atol(oc) * max(1.0, float(orf.abs().nan_to_num(0.0).max()))
+        eager_err, err = max_abs_err(oe, orf), max_abs_err(oc, orf)
+        bound = 2.0 * eager_err + a
+        run.outputs.append(OutputCheck(path, err, eager_err, bound, err <= bound))
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _pad_id(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        pid = getattr(c, "pad_token_id", None)
+        if isinstance(pid, int):
+            return pid
+    return 0
+
+
+def _padding_plan(model: nn.Module, inputs: Any) -> tuple[list[int] | None, str]:
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        return None, "not run (inputs are not a dict with 2-D integer input_ids)"
+    rows, length = ids.shape
+    if length < 2:
+        return None, "not run (input_ids has fewer than 2 positions)"
+    if not _accepts(model, "attention_mask"):
+        return None, "not run (the model's forward takes no attention_mask)"
+    # row 0 unpadded (when there are others), the others padded by up to half the length
+    if rows == 1:
+        counts = [max(1, length // 4)]
+    else:
+        counts = [0] + [
+            min(length - 1, max(1, (length // 2) * i // (rows - 1))) for i in range(1, rows)
+        ]
+    return counts, f"left and right, {counts} pad positions per row"
+
+
+def _padded(inputs: Mapping, model: nn.Module, counts: list[int], side: str) -> dict:
+    out = dict(inputs)
+    ids = inputs["input_ids"].clone()
+    length = ids.shape[1]
+    mask = inputs.get("attention_mask")
+    mask = mask.clone() if isinstance(mask, torch.Tensor) else torch.ones_like(ids)
+    labels = inputs.get("labels")
+    aligned = isinstance(labels, torch.Tensor) and labels.shape == ids.shape
+    if aligned:
+        labels = labels.clone()
+    pid = _pad_id(model)
+    for row, n in enumerate(counts):
+        if n == 0:
+            continue
+        cols = slice(0, n) if side == "left" else slice(length - n, length)
+        ids[row, cols] = pid
+        mask[row, cols] = 0
+        if aligned:
+            labels[row, cols] = -100
+    out["input_ids"], out["attention_mask"] = ids, mask
+    if aligned:
+        out["labels"] = labels
+    return out
+
+
+# where convert_'s replacement modules live (slimgrad's bench and test wrappers are plain models)
+_CONVERTED_MODULES = ("slimgrad.nn.", "slimgrad.convert_handlers.", "slimgrad.ops.")
+
+
+def _converted_parts(model: nn.Module) -> str | None:
+    # the "original" must not itself run slimgrad code: then both sides would agree on anything
+    for name, m in model.named_modules():
+        where = f"'{name or '<root>'}'"
+        if type(m).__module__.startswith(_CONVERTED_MODULES):
+            return f"{where} is a {type(m).__module__}.{type(m).__name__}"
+        if "_slimgrad_forward" in vars(m):
+            return f"{where} runs slimgrad's forward {m._slimgrad_forward}"
+        cfg = getattr(m, "config", None)
+        for c in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "vision_config", None)):
+            if getattr(c, "_attn_implementation", None) == "slimgrad":
+                return f"{where} has config._attn_implementation 'slimgrad'"
+    return None
+
+
+def _run(name, model, converted, ref, inputs, loss_fn, seed, atol, skip) -> VerifyRun:
+    e = _step(model, inputs, loss_fn, seed)
+    c = _step(converted, inputs, loss_fn, seed)
+    r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64)
+
+    def atol_of(t):
+        if atol is not None:
+            return atol
+        return DEFAULT_ATOL.get(t.dtype if t is not None else None, 1e-6)
+
+    grads = []
+    for pname, g_r in r.grads.items():
+        g_e, g_c = e.grads[pname], c.grads[pname]
+        if g_r is None and g_c is None and g_e is None:
+            continue
+        e_err = max_abs_err(g_e, g_r)
+        err = max_abs_err(g_c, g_r)
+        bound = 2.0 * e_err + atol_of(g_c)
+        grads.append(GradCheck(pname, err, e_err, bound, err <= bound))
+    # the loss is one number of any magnitude: its absolute term scales with it
+    la = atol_of(c.loss) * max(1.0, abs(float(r.loss)))
+    loss_ok = max_abs_err(c.loss, r.loss) <= 2.0 * max_abs_err(e.loss, r.loss) + la
+    run = VerifyRun(name, float(e.loss), float(c.loss), float(r.loss), loss_ok, grads)
+    run.failures += _nonfinite(r, "float64 reference")
+    run.failures += _nonfinite(e, "eager (original) model")
+    run.failures += _nonfinite(c, "converted model")
+    run.failures += _changed_inputs(inputs, e, c, r, atol_of)
+    _compare_outputs(run, e, c, r, converted, inputs, skip, atol_of)
+    return run
 
 
 def verify(
@@ -112,8 +473,21 @@ def verify(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     seed: int = 0,
     atol: float | None = None,
+    padded: bool = True,
 ) -> VerifyReport:
     """Compare a converted model with its original on one step, against a float64 reference.
+
+    Each run steps three sides with the same seed, each on its own deep copy of the inputs: the
+    original (eager), the converted model and a float64 copy of the original (the reference). A run
+    passes when the loss, every parameter's gradient and every floating tensor of the output satisfy
+    ``max|x - x64| <= 2 * max|x_eager - x64| + atol`` (the loss's and outputs' ``atol`` scaled by
+    ``max(1, max|x64|)``), nothing is NaN/inf on any side, the original runs no slimgrad code, the
+    converted model changes no input that eager leaves unchanged, and it returns every output
+    eager returns (``logits=None`` from the fused LM loss in a training forward with labels is
+    noted, not failed). For text models (a dict with 2-D ``input_ids``) the step also runs on a
+    left-padded and a right-padded copy of the batch: row 0 as given, the other rows with up to
+    half their positions set to the pad id with ``attention_mask`` 0 (and label -100 where
+    ``labels`` has ``input_ids``' shape).
 
     Args:
         model: the original model (left unchanged; a float64 copy is made from it).
@@ -121,19 +495,24 @@ def verify(
             parameter names must match ``model``'s.
         inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
         loss_fn: maps the model's output to a scalar loss; default: ``out.loss`` (HF), a scalar
-        output,
-            or the mean square of a tensor output.
-        seed: the RNG seed set before each of the three runs (same dropout masks).
+            output, or the mean square of a tensor output.
+        seed: the RNG seed set before each side's forward (same dropout masks).
         atol: the absolute term of the rule; default by dtype (``slimgrad.testing.DEFAULT_ATOL``).
+        padded: for text inputs, also run left- and right-padded batches (default True).
 
     Returns:
-        A :class:`VerifyReport`; ``report.ok`` is True when the loss and every gradient pass the
-        rule.
+        A :class:`VerifyReport` with one :class:`VerifyRun` per batch; ``report.ok`` is True only
+        when every run passes. ``str(report)`` lists the failures and the checks that ran.
 
     Raises:
         ValueError: the two models' trainable parameter names differ.
+        TypeError: no loss can be made from the output and no ``loss_fn`` was given.
+
+    Example:
+        >>> slim = slimgrad.convert_(copy.deepcopy(model))  # doctest: +SKIP
+        >>> rep = slimgrad.verify(model, slim, {"input_ids": ids, "labels": ids})  # doctest: +SKIP
+        >>> assert rep.ok, str(rep)  # doctest: +SKIP
     """
-    loss_fn = loss_fn or _default_loss
     names_a = [n for n, p in model.named_parameters() if p.requires_grad]
     names_b = [n for n, p in converted.named_parameters() if p.requires_grad]
     if names_a != names_b:
@@ -144,26 +523,33 @@ def verify(
             f"{next((a, b) for a, b in zip(names_a + [None], names_b + [None]) if a != b)}). "
             "Convert a copy of the same model."
         )
+    # with the default loss, ``out.loss`` is the loss check; a custom loss_fn leaves it an output
+    skip = {"loss"} if loss_fn is None else set()
+    loss_fn = loss_fn or _default_loss
     ref = copy.deepcopy(model).to(torch.float64)
-    loss_e, grads_e = _step(model, inputs, loss_fn, seed)
-    loss_c, grads_c = _step(converted, inputs, loss_fn, seed)
-    loss_r, grads_r = _step(ref, _cast(inputs, torch.float64), loss_fn, seed)
-    checks = []
-    for name in names_a:
-        g_e, g_c, g_r = grads_e[name], grads_c[name], grads_r[name]
-        if g_r is None and g_c is None and g_e is None:
-            continue
-        a = (
-            atol
-            if atol is not None
-            else DEFAULT_ATOL.get(g_c.dtype if g_c is not None else None, 1e-6)
+    batches = [("inputs", inputs)]
+    counts, pad_what = _padding_plan(model, inputs) if padded else (None, "not run (padded=False)")
+    if counts is not None:
+        batches += [(f"{s}-padded", _padded(inputs, model, counts, s)) for s in ("left", "right")]
+    runs = [
+        _run(name, model, converted, ref, batch, loss_fn, seed, atol, skip)
+        for name, batch in batches
+    ]
+    part = _converted_parts(model)
+    if part is not None:
+        runs[0].failures.append(
+            f"slimgrad.verify: the original model is itself converted; expected plain modules, "
+            f"got {part}. Verify against a model slimgrad has not touched (convert a deepcopy of "
+            "it; models built from one shared config object share its attention choice)."
         )
-        e_err = max_abs_err(g_e, g_r)
-        err = max_abs_err(g_c, g_r)
-        bound = 2.0 * e_err + a
-        checks.append(GradCheck(name, err, e_err, bound, err <= bound))
-    # the loss is one number of any magnitude: its absolute term scales with it
-    la = atol if atol is not None else DEFAULT_ATOL.get(loss_c.dtype, 1e-6)
-    la *= max(1.0, abs(float(loss_r)))
-    loss_ok = max_abs_err(loss_c, loss_r) <= 2.0 * max_abs_err(loss_e, loss_r) + la
-    return VerifyReport(float(loss_e), float(loss_c), float(loss_r), loss_ok, checks)
+    compared = sorted({o.name for r in runs for o in r.outputs})
+    checks = [
+        "loss: the rule against float64" + (" (out.loss)" if "loss" in skip else " (loss_fn)"),
+        f"gradients: {len(runs[0].grads)} trainable parameters, the rule against float64",
+        "outputs: " + (", ".join(compared) if compared else "none (no floating tensor output)"),
+        "finite: loss, gradients and outputs of the reference, eager and converted",
+        "inputs: each side on its own copy; the converted model changes only what eager changes",
+        "original: runs no slimgrad module, forward or attention",
+        f"padded batch: {pad_what}",
+    ]
+    return VerifyReport(runs, checks)
