@@ -1,15 +1,53 @@
 """HF attention for ``convert_``: reached through the instance's config, never by rebinding HF code.
 
-The converted instance's own ``config._attn_implementation`` becomes ``"slimgrad"``, a name added
-to HF's ``AttentionInterface`` registry (HF's documented extension point; other models keep
-theirs). With dropout active it runs ``softmax -> dropout -> @V`` (the causal mask applied inside
-the op, the scaling on q as SDPA does) through
-:func:`slimgrad.ops.softmax_dropout.softmax_dropout_matmul` (keeps the softmax output + 1 bit/elt
-instead of softmax output + float mask + dropped matrix); without dropout it is HF's own SDPA
-function, unchanged.
+# NOTE [HF attention: exact or untouched]
+HF models pick their attention function by name, ``ALL_ATTENTION_FUNCTIONS.get_interface(
+config._attn_implementation, eager_attention_forward)``, and their mask builder by the same name
+(``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]`` in ``masking_utils``). ``convert_``
+gives the converted model its own copy of every config object in it (re-pointed in every module
+that holds one; the caller's config objects are untouched) and sets the copies' implementation to
+``"slimgrad"``, a name registered in both registries (HF's documented extension points; other
+models keep theirs): the mask builder is HF's ``sdpa_mask`` itself, so HF builds exactly the masks
+it builds for SDPA, and the attention function (:func:`_attention`) computes what HF's
+``sdpa_attention_forward`` computes, bit for bit on CPU.
+
+A model converts only when that switch changes nothing but the attention function, decided by
+capability from the model's own code (its modeling files, parsed with ``ast``), never by class name:
+
+- at least one module's ``forward`` dispatches through ``ALL_ATTENTION_FUNCTIONS``;
+- no module computes attention in its own code instead (softmax + matmul or SDPA in a class that
+  does not dispatch: Bloom's ALiBi, Falcon, DeBERTa);
+- every other read of ``_attn_implementation`` in those classes (and the module-level functions of
+  their files) is a comparison with constants that gives the same answer for ``"slimgrad"`` as for
+  the original name (GPT-2's ``== "eager"``), or HF's lookups above; anything else (Falcon's
+  ``== "sdpa"`` branch, a value passed on) keeps the model as it is;
+- every config in the model uses ``"sdpa"`` (eager attention differs from SDPA on rows with no
+  visible key, in its mask values and in what ``output_attentions`` returns);
+- no class outside transformers overrides an HF class's ``forward``.
+
+At call time :func:`_attention` hands every call it does not reproduce exactly to HF's own
+``sdpa_attention_forward`` with the same arguments: no dropout (eval, ``dropout=0``), no grad, a
+device other than CPU (SDPA's fused CUDA kernels draw dropout differently and keep less than P +
+bits), a dtype other than float32/float64 or autocast, a keyword argument that SDPA's function
+reads and slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache``:
+found by reading that function's source), the single-query GQA packing, a mask that does not
+broadcast to the scores. Everything else (causal and bidirectional, 2-D/4-D padding masks made
+4-D by HF, bool and additive float masks, sliding windows, which arrive in the mask HF builds,
+cross-attention with ``q_len != k_len``, GQA, T5's ``position_bias``) runs SDPA's math path in
+slimgrad's op: ``S = (q sqrt(s)) (k sqrt(s))^T``, mask inside the op, safe softmax, dropout kept as
+bits, ``@ V``.
 """
 
 from __future__ import annotations
+
+import ast
+import copy
+import importlib
+import inspect
+import math
+import sys
+import textwrap
+from functools import cache
 
 import torch
 import torch.nn as nn
@@ -17,7 +55,88 @@ import torch.nn as nn
 from slimgrad.convert_handlers.hf import hf_models
 
 ATTN_NAME = "slimgrad"
+_ORIGIN = "sdpa"  # the implementation _attention reproduces
 _registered = False
+
+# the op's module (the package attribute slimgrad.ops.softmax_dropout may be a function)
+_sdm = importlib.import_module("slimgrad.ops.softmax_dropout")
+
+# sdpa_attention_forward's positional parameters and the keyword arguments _attention implements
+_STANDARD = ("module", "query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal")
+_IMPLEMENTED = frozenset({"position_bias"})
+
+
+# ----------------------------------------------------------------------------- call time
+
+
+@cache
+def _sdpa_reads() -> frozenset[str]:
+    # the keyword arguments HF's sdpa_attention_forward reads: its extra parameters and the names
+    # it gets from **kwargs. Any of them set (other than the implemented ones) -> the original.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    names = {
+        n
+        for n, p in inspect.signature(sdpa_attention_forward).parameters.items()
+        if p.kind is not p.VAR_KEYWORD and n not in _STANDARD
+    }
+    tree = ast.parse(textwrap.dedent(inspect.getsource(sdpa_attention_forward)))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "kwargs"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            names.add(node.args[0].value)
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "kwargs"
+            and isinstance(node.slice, ast.Constant)
+        ):
+            names.add(node.slice.value)
+    return frozenset(names)
+
+
+def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
+    if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
+        return False
+    if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return False
+    if query.dtype not in (torch.float32, torch.float64):
+        return False
+    if not (key.dtype == value.dtype == query.dtype and query.dim() == key.dim() == 4):
+        return False
+    if value.dim() != 4 or (scaling is not None and scaling < 0):
+        return False
+    for name in _sdpa_reads() - _IMPLEMENTED:
+        if kwargs.get(name) not in (None, False):
+            return False
+    groups = getattr(module, "num_key_value_groups", 1)
+    if not isinstance(groups, int) or query.shape[1] != key.shape[1] * max(groups, 1):
+        return False
+    if groups > 1 and query.shape[2] == 1:
+        from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+        if not use_gqa_in_sdpa(attention_mask, key, value):
+            return False  # SDPA packs the heads into the query length: another dropout layout
+    for extra in (attention_mask, kwargs.get("position_bias")):
+        if extra is None:
+            continue
+        if not isinstance(extra, torch.Tensor) or extra.device != query.device:
+            return False
+        if extra.dtype != torch.bool and extra.dtype != query.dtype:
+            return False
+        scores = (*query.shape[:3], key.shape[2])
+        try:
+            if torch.broadcast_shapes(extra.shape, scores) != scores:
+                return False
+        except RuntimeError:
+            return False
+    return True
 
 
 def _attention(
@@ -31,79 +150,353 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs,
 ):
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations import sdpa_attention as hf_sdpa
 
-    from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
-
-    if dropout == 0.0 or not torch.is_grad_enabled() or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(
+    if not _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+        return hf_sdpa.sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
+    # From here on: sdpa_attention_forward's steps, then SDPA's math path (the CPU kernel used
+    # with dropout), with softmax -> dropout -> @V in slimgrad's op.
+    position_bias = kwargs.get("position_bias")
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    q_len = query.shape[2]
+    if groups > 1:  # SDPA's enable_gqa and HF's repeat_kv both repeat each kv head in place
+        key, value = hf_sdpa.repeat_kv(key, groups), hf_sdpa.repeat_kv(value, groups)
+    q_len, kv_len = query.shape[2], key.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    is_causal = q_len > 1 and attention_mask is None and is_causal
-    # scale q (B·H·T·d) rather than the scores (B·H·T·T), as SDPA's math path does; exact for a
-    # power-of-two scaling such as GPT-2's 1/8
-    q = query * scaling if scaling != 1.0 else query
-    scores = torch.matmul(q, key.transpose(-1, -2))
-    if not is_causal and attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
-        else:
-            scores = scores + attention_mask
-    # the causal mask is applied inside the op (no masked copy of the scores kept by autograd)
-    out = softmax_dropout_matmul(scores, value, p=dropout, training=True, causal=is_causal)
+    is_causal = bool(q_len > 1 and attention_mask is None and is_causal)
+    if is_causal and kv_len > q_len:  # as sdpa_attention_forward: upper-left causal on a crop
+        key, value = key[:, :, :q_len, :], value[:, :, :q_len, :]
+        if position_bias is not None:
+            position_bias = position_bias[:, :, :, :q_len]
+    if position_bias is not None:
+        attention_mask = hf_sdpa.create_position_bias_mask(
+            position_bias, attention_mask, is_causal, query, key
+        )
+        is_causal = False
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    root = math.sqrt(scale)  # SDPA's math path scales q and k by sqrt(scale) each
+    scores = torch.matmul(query * root, key.transpose(-2, -1) * root)
+    out = _sdm.softmax_dropout_matmul(
+        scores, value, float(dropout), True, causal=is_causal, mask=attention_mask
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> None:
-    """Add ``"slimgrad"`` to HF's attention registry (idempotent)."""
+    """Add ``"slimgrad"`` to HF's attention and attention-mask registries (idempotent)."""
     global _registered
     if _registered:
         return
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     _registered = True
 
 
-def use_slimgrad_attention(model: nn.Module) -> bool:
-    """Point the instance's config at the slimgrad attention; False when it has no such config."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
+# A converted model unpickled in a fresh process imports slimgrad (its slimgrad modules) after
+# transformers: register then, so its configs' "slimgrad" resolves.
+if "transformers" in sys.modules:
+    try:
+        register_attention()
+    except ImportError:  # a transformers without these registries: nothing converts anyway
+        pass
+
+
+# ----------------------------------------------------------------------------- convert time
+
+
+def _hf_class(cls: type) -> bool:
+    return cls.__module__.startswith("transformers.models.")
+
+
+@cache
+def _file_tree(modname: str):
+    mod = sys.modules.get(modname)
+    try:
+        src = inspect.getsource(mod)
+    except (OSError, TypeError):
+        return None
+    tree = ast.parse(src)
+    parents = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[child] = node
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    return classes, funcs, parents
+
+
+def _dotted(node) -> str:
+    try:
+        return ast.unparse(node)
+    except Exception:  # noqa: BLE001 - only used for names in messages
+        return "?"
+
+
+def _is_dispatch(node, parents) -> bool:
+    # node: the `X._attn_implementation` read; OK inside ALL_ATTENTION_FUNCTIONS.get_interface(
+    # X._attn_implementation, ...) or ALL_ATTENTION_FUNCTIONS[X._attn_implementation]
+    parent = parents.get(node)
+    if isinstance(parent, ast.Call) and parent.args and parent.args[0] is node:
+        f = parent.func
+        return (
+            isinstance(f, ast.Attribute)
+            and f.attr in ("get_interface", "get")
+            and (_dotted(f.value).endswith("ALL_ATTENTION_FUNCTIONS"))
+        )
+    if isinstance(parent, ast.Subscript) and parent.slice is node:
+        return _dotted(parent.value).endswith("ALL_ATTENTION_FUNCTIONS")
+    return False
+
+
+def _const(node):
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise LookupError from None
+
+
+def _same_comparison(node, parents, before: str, after: str) -> bool:
+    cmp = parents.get(node)
+    if not isinstance(cmp, ast.Compare):
         return False
-    if getattr(cfg, "_attn_implementation", None) == "eager" and getattr(
-        cfg, "reorder_and_upcast_attn", False
-    ):
+    operands = [cmp.left, *cmp.comparators]
+    try:
+        consts = [None if o is node else _const(o) for o in operands]
+    except LookupError:
         return False
+
+    def evaluate(v):
+        vals = [v if o is node else c for o, c in zip(operands, consts)]
+        ops = {
+            ast.Eq: lambda a, b: a == b,
+            ast.NotEq: lambda a, b: a != b,
+            ast.In: lambda a, b: a in b,
+            ast.NotIn: lambda a, b: a not in b,
+            ast.Is: lambda a, b: a is b,
+            ast.IsNot: lambda a, b: a is not b,
+        }
+        result = True
+        for op, a, b in zip(cmp.ops, vals, vals[1:]):
+            fn = ops.get(type(op))
+            if fn is None:
+                raise LookupError
+            result = result and fn(a, b)
+        return result
+
+    try:
+        return evaluate(before) == evaluate(after)
+    except (LookupError, TypeError):
+        return False
+
+
+def _harmless_write(node, parents) -> bool:
+    # `self._attn_implementation = config._attn_implementation`: a copy taken at __init__ keeps
+    # the original name, so whatever reads it behaves as before the switch.
+    # `config._attn_implementation = "eager"` (Whisper's generate with timestamps): a constant
+    # written makes the converted model run what the original then runs.
+    parent = parents.get(node)
+    if isinstance(parent, ast.Assign) and parent.value is node:
+        return all(
+            isinstance(t, ast.Attribute) and _dotted(t) == "self._attn_implementation"
+            for t in parent.targets
+        )
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        if _dotted(node) == "self._attn_implementation":
+            return True
+        return isinstance(parent, ast.Assign) and isinstance(parent.value, ast.Constant)
+    return False
+
+
+def _impl_reads(scope, parents, before: str, after: str) -> list[str]:
+    bad = []
+    for node in ast.walk(scope):
+        hit = (isinstance(node, ast.Attribute) and node.attr == "_attn_implementation") or (
+            isinstance(node, ast.Constant) and node.value == "_attn_implementation"
+        )
+        if not hit:
+            continue
+        if _is_dispatch(node, parents) or _harmless_write(node, parents):
+            continue
+        if _same_comparison(node, parents, before, after):
+            continue
+        stmt = node
+        while parents.get(stmt) is not None and not isinstance(stmt, ast.stmt):
+            stmt = parents[stmt]
+        bad.append(f"line {getattr(node, 'lineno', '?')}: {_dotted(stmt).splitlines()[0]}")
+    return bad
+
+
+_ATTN_MATH = {"matmul", "bmm", "baddbmm", "einsum"}
+
+
+def _computes_attention(cls_node) -> bool:
+    calls = set()
+    matmul_op = False
+    for node in ast.walk(cls_node):
+        if isinstance(node, ast.Call):
+            f = node.func
+            calls.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            matmul_op = True
+    if "scaled_dot_product_attention" in calls:
+        return True
+    return "softmax" in calls and (matmul_op or bool(calls & _ATTN_MATH))
+
+
+def _method_node(cls: type, name: str):
+    # the FunctionDef of cls.<name> in the class that defines it, if that class is HF's
+    for owner in cls.__mro__:
+        if name in vars(owner):
+            if not _hf_class(owner):
+                return owner, None
+            parsed = _file_tree(owner.__module__)
+            if parsed is None or owner.__name__ not in parsed[0]:
+                return owner, None
+            for item in parsed[0][owner.__name__].body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    return owner, item
+            return owner, None
+    return None, None
+
+
+def _configs_in(model: nn.Module) -> list:
+    from transformers import PretrainedConfig
+
+    found: dict[int, object] = {}
+
+    def add(cfg):
+        if id(cfg) in found:
+            return
+        found[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if isinstance(sub, PretrainedConfig):
+                add(sub)
+
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, PretrainedConfig):
+                add(v)
+    return list(found.values())
+
+
+def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
+    """(the classes that dispatch, the reason the model keeps its attention or None).
+
+    No dispatching and no attention of its own (e.g. HF ResNet): ``([], None)``.
+    """
+    routed: dict[str, int] = {}
+    own: set[str] = set()
+    classes: set[type] = set()
+    for m in model.modules():
+        t = type(m)
+        hf = [c for c in t.__mro__ if _hf_class(c)]
+        if not hf:
+            continue
+        owner, fwd = _method_node(t, "forward")
+        if owner is not None and not _hf_class(owner):
+            return [], (
+                f"{t.__name__} overrides the forward of {hf[0].__name__}: its attention "
+                "cannot be checked"
+            )
+        classes.update(hf)
+        if fwd is not None and any(
+            isinstance(n, ast.Name | ast.Attribute)
+            and (getattr(n, "id", None) or getattr(n, "attr", None)) == "ALL_ATTENTION_FUNCTIONS"
+            for n in ast.walk(fwd)
+        ):
+            routed[t.__name__] = routed.get(t.__name__, 0) + 1
+        else:
+            parsed = _file_tree(owner.__module__) if owner is not None else None
+            cls_node = parsed[0].get(owner.__name__) if parsed is not None else None
+            if cls_node is not None and _computes_attention(cls_node):
+                own.add(t.__name__)
+    if own:
+        return [], (
+            f"{', '.join(sorted(own))} computes attention in its own code, not through HF's "
+            "AttentionInterface (attention kept as is)"
+        )
+    if not routed:
+        return [], None
+    impls = {getattr(c, "_attn_implementation", None) for c in _configs_in(model)}
+    if impls - {_ORIGIN}:
+        other = sorted(str(i) for i in impls - {_ORIGIN})
+        return [], (
+            f"attention implementation {', '.join(map(repr, other))} kept: the slimgrad attention "
+            "reproduces SDPA's (load the model with attn_implementation='sdpa' to convert it)"
+        )
+    bad: list[str] = []
+    files: dict[str, set[str]] = {}
+    for c in classes:
+        files.setdefault(c.__module__, set()).add(c.__name__)
+    for modname, names in sorted(files.items()):
+        parsed = _file_tree(modname)
+        if parsed is None:
+            return [], f"the source of {modname} is not available to check"
+        cls_nodes, funcs, parents = parsed
+        scopes = [cls_nodes[n] for n in sorted(names) if n in cls_nodes] + funcs
+        for scope in scopes:
+            where = f"{modname.rsplit('.', 1)[-1]}.{getattr(scope, 'name', '?')}"
+            bad += [f"{where} {b}" for b in _impl_reads(scope, parents, _ORIGIN, ATTN_NAME)]
+    if bad:
+        return [], (
+            "the model's code reads config._attn_implementation beyond the attention lookup "
+            f"({bad[0]}): attention kept as is"
+        )
+    return [f"{n} x{k}" for n, k in sorted(routed.items())], None
+
+
+def _own_configs(model: nn.Module) -> list:
+    # a private copy of every config object in the model (identity between them kept: a
+    # sub-config shared by two modules stays shared), re-pointed in every module holding one
+    configs = _configs_in(model)
+    copies = copy.deepcopy(configs)
+    new = {id(old): c for old, c in zip(configs, copies)}
+    for m in model.modules():  # `configs` keeps the originals alive: their ids stay unique
+        for k, v in list(vars(m).items()):
+            if id(v) in new:
+                setattr(m, k, new[id(v)])
+    return copies
+
+
+def use_slimgrad_attention(model: nn.Module) -> tuple[bool, str]:
+    """Give ``model`` its own configs using the slimgrad attention, when that is exact.
+
+    Returns:
+        ``(True, what converted)`` or ``(False, the reason the model keeps its attention)``.
+        See NOTE [HF attention: exact or untouched].
+    """
+    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        return False, "no HF config with an attention implementation"
+    routed, reason = _analyse(model)
+    if reason is not None or not routed:
+        return False, reason or "no attention module"
     register_attention()
-    cfg._attn_implementation = ATTN_NAME
-    for sub in model.modules():  # sub-configs (e.g. text_config) share the instance's choice
-        sub_cfg = getattr(sub, "config", None)
-        if sub_cfg is not None and sub_cfg is not cfg and hasattr(sub_cfg, "_attn_implementation"):
-            if sub_cfg._attn_implementation in ("sdpa", "eager"):
-                sub_cfg._attn_implementation = ATTN_NAME
-    return True
+    for cfg in _own_configs(model):
+        # the dict form sets this config only; each sub-config is in the list itself
+        cfg._attn_implementation = {"": ATTN_NAME}
+    return True, ", ".join(routed)
 
 
 def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
     """``convert_`` pattern (technique ``dropout``): HF models use the slimgrad attention."""
     for name, m in hf_models(model):
         kind = type(m).__name__
-        if not any("Attention" in type(sub).__name__ for sub in m.modules()):
-            continue  # no attention layers (e.g. HF ResNet)
+        impls = {getattr(c, "_attn_implementation", None) for c in _configs_in(m)}
+        if impls == {ATTN_NAME}:
+            continue  # converted before
         if not allowed(m, name):
             rep.skipped.append((name, kind, "filter_fn returned False"))
             continue
-        impl = m.config._attn_implementation
-        if use_slimgrad_attention(m):
-            rep.converted.append((name, f"{kind} attention ({impl})", "slimgrad attention"))
-        elif impl != ATTN_NAME:
-            rep.skipped.append(
-                (name, kind, f"attention implementation {impl!r} kept (only sdpa/eager convert)")
-            )
+        routed, reason = _analyse(m)
+        if not routed and reason is None:
+            continue  # no attention at all (e.g. HF ResNet)
+        ok, what = use_slimgrad_attention(m)
+        if ok:
+            rep.converted.append((name, f"{kind} attention (sdpa)", f"slimgrad attention: {what}"))
+        else:
+            rep.skipped.append((name, f"{kind} attention", what))

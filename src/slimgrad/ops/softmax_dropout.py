@@ -46,15 +46,28 @@ def _in_place_ok(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous()
 
 
-def _softmax_fwd(s, dim, causal):
-    if not causal:
+def _softmax_fwd(s, dim, causal, mask=None):
+    if not causal and mask is None:
         return torch.softmax(s, dim)
-    q_len, kv_len = s.shape[-2], s.shape[-1]
-    drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
-    t = s.masked_fill(drop, float("-inf"))  # our own copy: softmax may overwrite it
+    t = s
+    if causal:
+        q_len, kv_len = s.shape[-2], s.shape[-1]
+        drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
+        t = t.masked_fill(drop, float("-inf"))  # our own copy: softmax may overwrite it
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            t = torch.where(mask, t, float("-inf"))
+        else:
+            t = t + mask
+        # SDPA's safe softmax: a row with no finite score gives P = 0, not NaN
+        dead = t.amax(dim, keepdim=True) == float("-inf")
     if _in_place_ok(t):
-        return torch.ops.aten._softmax.out(t, dim, False, out=t)
-    return torch.softmax(t, dim)
+        probs = torch.ops.aten._softmax.out(t, dim, False, out=t)
+    else:
+        probs = torch.softmax(t, dim)
+    if mask is not None:
+        probs = probs.masked_fill_(dead, 0.0)
+    return probs
 
 
 def _softmax_bwd(dp, probs, dim):
@@ -64,8 +77,8 @@ def _softmax_bwd(dp, probs, dim):
     return torch._softmax_backward_data(dp, probs, dim, probs.dtype)
 
 
-def _fwd_torch(s, v, p, dim, mm_dtype, causal=False):
-    probs = _softmax_fwd(s, dim, causal)
+def _fwd_torch(s, v, p, dim, mm_dtype, causal=False, mask=None):
+    probs = _softmax_fwd(s, dim, causal, mask)
     if p > 0:
         dropped, bits = _dropout._fwd_torch(probs, p)
     else:
@@ -108,13 +121,19 @@ def _bwd_torch(
 
 @custom_op("softmax_dropout_matmul_fwd", mutates_args=())
 def _sdm_fwd(
-    s: torch.Tensor, v: torch.Tensor, p: float, dim: int, mm_dtype: torch.dtype, causal: bool
+    s: torch.Tensor,
+    v: torch.Tensor,
+    p: float,
+    dim: int,
+    mm_dtype: torch.dtype,
+    causal: bool,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd_torch(s, v, p, dim, mm_dtype, causal)
+    return _fwd_torch(s, v, p, dim, mm_dtype, causal, mask)
 
 
 @_sdm_fwd.register_fake
-def _(s, v, p, dim, mm_dtype, causal):
+def _(s, v, p, dim, mm_dtype, causal, mask=None):
     probs = torch.empty_like(s, memory_format=torch.contiguous_format)
     out = torch.matmul(probs.to(mm_dtype), v.to(mm_dtype))
     nbits = (s.numel() + 7) // 8 if p > 0 else 0
@@ -153,12 +172,15 @@ class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, s, v, p, dim, mm_dtype, causal):
-        out, probs, bits = _sdm_fwd(s, v, p, dim, mm_dtype, causal)
+    def forward(ctx, s, v, p, dim, mm_dtype, causal, mask):
+        out, probs, bits = _sdm_fwd(s, v, p, dim, mm_dtype, causal, mask)
+        # a float mask's gradient is dS summed to its shape: only the shape is kept
+        ctx.mask_shape = mask.shape if mask is not None else None
         ctx.p, ctx.dim, ctx.mm_dtype, ctx.fused = p, dim, mm_dtype, _dropout._fused(s)
         ctx.v_dtype, ctx.v_shape = v.dtype, list(v.shape)
         # v is needed only for dS; P and the bits for both gradients.
-        ctx.save_for_backward(probs, bits, v if ctx.needs_input_grad[0] else None)
+        need_ds = ctx.needs_input_grad[0] or ctx.needs_input_grad[6]
+        ctx.save_for_backward(probs, bits, v if need_ds else None)
         ctx.mark_non_differentiable(probs, bits)
         # no S-sized zero gradient for P (and none for the bits) at the start of backward
         ctx.set_materialize_grads(False)
@@ -168,9 +190,10 @@ class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
     def backward(ctx, d_out, *_):
         ownership.check_not_consumed(ctx, _API)
         if d_out is None:  # only the non-differentiable outputs were used
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         probs, bits, v = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+        need_s, need_mask = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
+        mask = [need_s or need_mask, ctx.needs_input_grad[1]]
         if torch.is_grad_enabled():
             raise no_double_backward(
                 "softmax_dropout_matmul", "F.dropout(F.softmax(scores, dim), p) @ value"
@@ -213,7 +236,12 @@ class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
                 ctx.v_shape,
                 mask,
             )
-        return (ds if mask[0] else None, dv if mask[1] else None, None, None, None, None)
+        d_mask = None
+        if need_mask:
+            d_mask = ds.sum_to_size(ctx.mask_shape)
+            if need_s and d_mask is ds:  # two inputs never share one gradient buffer
+                d_mask = ds.clone()
+        return (ds if need_s else None, dv if mask[1] else None, None, None, None, None, d_mask)
 
 
 def softmax_dropout_matmul(
@@ -224,11 +252,13 @@ def softmax_dropout_matmul(
     dim: int = -1,
     *,
     causal: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dropout(softmax(input, dim), p, training) @ value`` keeping P and the mask bits only.
 
     Values and gradients equal eager's ``F.dropout(F.softmax(input, dim), p, training) @ value``
-    (same mask at the same RNG state).
+    (same mask at the same RNG state). With ``mask`` they equal the math path of
+    ``F.scaled_dot_product_attention`` given ``attn_mask=mask`` (rows with no finite score give 0).
 
     Memory: saves P + 1/8 B/elt of P (bits) + value; eager saves P, a 4 B/elt (CPU) mask and the
     dropped P.
@@ -241,12 +271,18 @@ def softmax_dropout_matmul(
         dim: softmax dimension.
         causal: mask ``input[..., i, j]`` with ``-inf`` for ``j > i`` first (the last two dims,
             softmax over the last), as ``input.masked_fill(~tril, float("-inf"))`` would.
+        mask: SDPA's ``attn_mask``, broadcastable to ``input``'s shape: bool (False: the score is
+            dropped, as ``-inf``) or a float tensor of ``input``'s dtype added to the scores (it
+            gets gradient ``dS``). Applied inside the op after ``causal``; nothing extra is kept.
+            A row whose scores are all ``-inf`` afterwards gives P = 0 (SDPA's safe softmax).
 
     Returns:
         ``dropout(softmax(input)) @ value``.
 
     Raises:
-        ValueError: ``p`` outside [0, 1], or ``causal`` with a softmax dim other than the last.
+        ValueError: ``p`` outside [0, 1], ``causal`` with a softmax dim other than the last, or a
+            ``mask`` that does not broadcast to ``input``'s shape.
+        TypeError: a float ``mask`` whose dtype is not ``input``'s.
 
     Example:
         >>> o = softmax_dropout_matmul(torch.randn(2, 4, 7, 7), torch.randn(2, 4, 7, 8), p=0.1)
@@ -258,11 +294,21 @@ def softmax_dropout_matmul(
             f"an input with at least 2 dims, got dim={dim} for {input.dim()} dims. Pass dim=-1, "
             "or mask the scores yourself."
         )
+    if mask is not None:
+        _check_mask(input, mask)
     p_eff = float(p) if training and input.numel() > 0 else 0.0
     if p_eff == 1.0:
         if causal:
             drop = torch.ones(input.shape[-2:], dtype=torch.bool, device=input.device).triu_(1)
             input = input.masked_fill(drop, float("-inf"))
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                input = input.masked_fill(~mask, float("-inf"))
+            else:
+                input = input + mask
+            dead = input.amax(dim, keepdim=True) == float("-inf")
+            probs = F.softmax(input, dim).masked_fill(dead, 0.0)
+            return torch.matmul(F.dropout(probs, 1.0, True), value)
         return torch.matmul(F.dropout(F.softmax(input, dim), 1.0, True), value)
     # Keep a compact V: a strided view (e.g. of a fused qkv output) would keep its whole base alive.
     value = value.contiguous()
@@ -273,7 +319,32 @@ def softmax_dropout_matmul(
         with torch.autocast(dev, enabled=False):
             if value.dtype == torch.float64:
                 mm_dtype = torch.float64
+            if mask is not None and mask.dtype != torch.bool:
+                mask = mask.to(sm_dtype)
             return _SoftmaxDropoutMatmulFn.apply(
-                input.to(sm_dtype), value, p_eff, dim, mm_dtype, causal
+                input.to(sm_dtype), value, p_eff, dim, mm_dtype, causal, mask
             )[0]
-    return _SoftmaxDropoutMatmulFn.apply(input, value, p_eff, dim, value.dtype, causal)[0]
+    return _SoftmaxDropoutMatmulFn.apply(input, value, p_eff, dim, value.dtype, causal, mask)[0]
+
+
+def _check_mask(input, mask):
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"{_API}: mask must be a tensor; expected a bool or float torch.Tensor, got "
+            f"{type(mask).__name__}. Pass attn_mask as a tensor, or None."
+        )
+    if mask.dtype != torch.bool and mask.dtype != input.dtype:
+        raise TypeError(
+            f"{_API}: a float mask is added to the scores; expected dtype {input.dtype} (the "
+            f"scores') or torch.bool, got {mask.dtype}. Cast the mask with mask.to(scores.dtype)."
+        )
+    try:
+        shape = torch.broadcast_shapes(input.shape, mask.shape)
+    except RuntimeError:
+        shape = None
+    if shape != input.shape:
+        raise ValueError(
+            f"{_API}: mask must broadcast to the scores' shape; expected a shape broadcastable "
+            f"to {tuple(input.shape)}, got {tuple(mask.shape)}. Expand the scores or slice the "
+            "mask to the key length."
+        )
