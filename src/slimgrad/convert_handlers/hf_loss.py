@@ -1,20 +1,59 @@
-"""HF LM-head losses for ``convert_``: the instance's ``forward``, bound on the instance only.
+"""HF LM-head losses for ``convert_``: a fused, chunked loss where it provably equals HF's forward.
 
-For ``*ForCausalLM`` and ``BertForMaskedLM`` called with ``labels``, the loss comes from the hidden
-states through the chunked fused linear + cross-entropy (:mod:`slimgrad.ops.linear_cross_entropy`),
-so the B x T x V logits and log-probabilities are never materialised. The output's ``logits`` is
-then ``None``; without ``labels`` the class's own forward runs.
+A training forward with ``labels`` (``model.training`` and grad mode on) of a converted causal or
+masked LM computes its loss from the hidden states through the chunked fused linear +
+cross-entropy (:mod:`slimgrad.ops.linear_cross_entropy`), so the B x T x V logits and
+log-probabilities are never materialised. **Its output's ``logits`` is then ``None``**, unless
+``ConvertConfig(keep_logits=True)``: then the logits are computed as HF computes them but under
+``torch.no_grad()`` (detached: no autograd history, nothing more kept for backward; they cost the
+B x T x V buffer and one more head matmul). Every other call (no labels, ``eval()``,
+``torch.no_grad()``, ``return_dict=False`` included) runs the class's own forward and returns
+what HF returns, logits included.
+
+NOTE [Fused LM loss by template]
+The fused forward is applied only when the class's ``forward`` is, statement for statement, one of
+the transformers 5.x templates this module implements: its AST (docstring stripped, annotations
+dropped, local names renamed to their order of first assignment) must be
+
+    [output_router_logits = <arg> if <arg> is not None else self.config.output_router_logits]
+    out = self.<base>(<the forward's own parameters, by name or position>, **kwargs)
+    h = out.last_hidden_state | out[0]
+    [h = slice_logits_to_keep(h, logits_to_keep)]                   (causal LMs)
+    logits = self.<a>(h) [.contiguous()];  logits = self.<b>(logits) ...      (the head)
+    [one logit transform: / self.config.logits_scaling (Granite), * self.logit_scale (Cohere),
+     final_logit_softcapping (Gemma2/3)]
+    loss = None
+    if labels is not None: HF's causal loss (self.loss_function) or CrossEntropyLoss over
+        logits.view(-1, V) and labels.view(-1) (BERT, RoBERTa/XLM-R, ELECTRA, DistilBERT)
+    [Mixtral's router aux-loss block]
+    return <Output>(loss=loss, logits=logits, <key>=out.<key>, ...)
+
+and the head must expand (through head modules whose own forward is a chain ``x = f(x)``) into
+row-wise modules (Linear, LayerNorm, an elementwise activation) ending in an ``nn.Linear``: the
+decoder whose ``h W^T + b`` the fused loss computes. The transform modules are called as they
+are; an MLM head calls them on the labelled rows only (row-wise, so the same rows as eager's).
+Anything else (a subclass that overrides forward, other head code, another loss term, a head
+module with hooks or a patched forward, a LoRA-wrapped head, a custom ``loss_function``,
+``logits_to_keep`` other than 0, the router aux loss switched on) keeps HF's forward: at convert
+time the report names the reason; at call time the class's forward runs. The fused forward is a
+picklable callable kept on the instance (no class or function of transformers is rebound), so
+``torch.save``/``torch.load``, ``copy.deepcopy`` and ``pickle`` carry it, and it re-checks the
+class's forward in the process that calls it.
 """
 
 from __future__ import annotations
 
-import types
+import ast
+import inspect
+import textwrap
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad.convert_handlers.hf import hf_models
+
+__all__ = ["fuse_lm_loss", "lm_loss_pattern"]
 
 
 def _skip_identity_view(t: torch.Tensor) -> torch.Tensor:
@@ -34,95 +73,751 @@ def _skip_identity_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _causal_lm_forward(self, input_ids=None, labels=None, **kwargs):
-    precompute = getattr(self, "_slimgrad_fast_loss", False)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    from slimgrad.ops.linear_cross_entropy import causal_lm_loss
-
-    if labels is None or kwargs.get("return_dict") is False:
-        return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
-    kwargs.pop("logits_to_keep", None)
-    num_items = kwargs.pop("num_items_in_batch", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    out = self.base_model(input_ids=input_ids, **kwargs)
-    hidden = _skip_identity_view(out.last_hidden_state)
-    head = self.get_output_embeddings()
-    loss = causal_lm_loss(
-        hidden,
-        head.weight,
-        labels,
-        getattr(head, "bias", None),
-        num_items_in_batch=num_items,
-        shift_labels=shift_labels,
-        precompute_grads=precompute,
-    )
-    return CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        past_key_values=getattr(out, "past_key_values", None),
-        hidden_states=getattr(out, "hidden_states", None),
-        attentions=getattr(out, "attentions", None),
-    )
+# ---------------------------------------------------------------------------------------------
+# Templates (NOTE [Fused LM loss by template]); canonical local names _v0, _v1, ... in order of
+# first assignment, the forward's parameters by their own names.
 
 
-def _masked_lm_forward(self, input_ids=None, labels=None, **kwargs):
-    from transformers.modeling_outputs import MaskedLMOutput
-
-    from slimgrad.ops.linear_cross_entropy import linear_cross_entropy
-
-    if labels is None or kwargs.get("return_dict") is False:
-        return type(self).forward(self, input_ids=input_ids, labels=labels, **kwargs)
-    out = self.base_model(input_ids=input_ids, **kwargs)
-    hidden = out.last_hidden_state
-    dec = self.cls.predictions.decoder
-    if is_fake(labels):  # slimgrad.memory.estimate: which positions are labelled is data
-        h = self.cls.predictions.transform(hidden.flatten(0, -2))  # all of them: an upper bound
-        loss = linear_cross_entropy(h, dec.weight, labels.flatten(), bias=dec.bias)
-    else:
-        # only labelled positions reach the head: the loss is a mean over them, as eager's
-        keep = labels != -100
-        h = self.cls.predictions.transform(hidden[keep])
-        loss = linear_cross_entropy(h, dec.weight, labels[keep], bias=dec.bias)
-    return MaskedLMOutput(
-        loss=loss,
-        logits=None,
-        hidden_states=getattr(out, "hidden_states", None),
-        attentions=getattr(out, "attentions", None),
-    )
+def _dumps(src: str) -> list[str]:
+    return [ast.dump(s) for s in ast.parse(textwrap.dedent(src)).body]
 
 
-def _bind(model: nn.Module, fn) -> None:
-    model.forward = types.MethodType(fn, model)
-    model._slimgrad_forward = fn.__name__
-
-
-def fuse_lm_loss(model: nn.Module, fast: bool = False) -> str | None:
-    """Bind the fused-loss forward on an HF LM instance; returns what was done, or None.
-
-    ``fast``: precompute the head's gradients in forward (``ConvertConfig.fast_loss``).
+_ROUTER_PRE = _dumps(
+    "output_router_logits = (output_router_logits if output_router_logits is not None "
+    "else self.config.output_router_logits)"
+)
+_HIDDEN = {
+    _dumps("_v1 = _v0.last_hidden_state")[0]: "attr",
+    _dumps("_v1 = _v0[0]")[0]: "index",
+}
+_SLICE = _dumps("_v1 = slice_logits_to_keep(_v1, logits_to_keep)")[0]
+# (name, statements): the logits transform after the head (NOTE [Logit transforms] in the op)
+_TRANSFORMS = [
+    ("div_config_logits_scaling", _dumps("_v2 = _v2 / self.config.logits_scaling")),
+    ("mul_logit_scale", _dumps("_v2 = _v2 * self.logit_scale")),
+    (
+        "softcap",
+        _dumps(
+            """
+            if self.config.final_logit_softcapping is not None:
+                _v2 = _v2 / self.config.final_logit_softcapping
+                _v2 = torch.tanh(_v2)
+                _v2 = _v2 * self.config.final_logit_softcapping
+            """
+        ),
+    ),
+]
+_LOSS_NONE = _dumps("_v3 = None")[0]
+# (kind, vocab size source, statements)
+_LOSSES = [
+    (
+        "causal",
+        "config",
+        _dumps(
+            """
+            if labels is not None:
+                _v3 = self.loss_function(logits=_v2, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            """  # noqa: E501
+        ),
+    ),
+    (
+        "causal",
+        "config",
+        _dumps(
+            """
+            if labels is not None:
+                _v3 = self.loss_function(_v2, labels, vocab_size=self.config.vocab_size, **kwargs)
+            """
+        ),
+    ),
+    (
+        "causal",
+        "self",
+        _dumps(
+            """
+            if labels is not None:
+                _v3 = self.loss_function(_v2, labels, self.vocab_size, **kwargs)
+            """
+        ),
+    ),
+    (
+        "ce_new",
+        "config",
+        _dumps(
+            """
+            if labels is not None:
+                _v4 = CrossEntropyLoss()
+                _v3 = _v4(_v2.view(-1, self.config.vocab_size), labels.view(-1))
+            """
+        ),
+    ),
+    (
+        "ce_new",
+        "config",
+        _dumps(
+            """
+            if labels is not None:
+                labels = labels.to(_v2.device)
+                _v4 = CrossEntropyLoss()
+                _v3 = _v4(_v2.view(-1, self.config.vocab_size), labels.view(-1))
+            """
+        ),
+    ),
+    (
+        "ce_new_nn",
+        "config",
+        _dumps(
+            """
+            if labels is not None:
+                _v4 = nn.CrossEntropyLoss()
+                _v3 = _v4(_v2.view(-1, self.config.vocab_size), labels.view(-1))
+            """
+        ),
+    ),
+    (
+        "ce_attr",
+        "logits",
+        _dumps(
+            """
+            if labels is not None:
+                _v3 = self.mlm_loss_fct(_v2.view(-1, _v2.size(-1)), labels.view(-1))
+            """
+        ),
+    ),
+]
+# Mixtral (and other MoE LMs written the same way): the aux loss joins the loss only when
+# output_router_logits; the fused forward runs only when it is off (aux_loss=None then)
+_ROUTER_AUX = _dumps(
     """
-    if getattr(model, "_slimgrad_forward", None):
-        return None  # already converted
-    model._slimgrad_fast_loss = fast
-    cls_name = type(model).__name__
-    if cls_name.endswith("ForCausalLM") or cls_name.endswith("LMHeadModel"):
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if not isinstance(head, nn.Linear):
+    _v4 = None
+    if output_router_logits:
+        _v4 = load_balancing_loss_func(
+            _v0.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+        )
+        if labels is not None:
+            _v3 += self.router_aux_loss_coef * _v4.to(_v3.device)
+    """
+)
+
+
+class _Spec:
+    # what a matched forward does, in plain data
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Renamer(ast.NodeTransformer):
+    def __init__(self, params):
+        self.params, self.names = params, {}
+
+    def visit_Name(self, node):
+        if node.id in self.params:
+            return node
+        if isinstance(node.ctx, ast.Store) and node.id not in self.names:
+            self.names[node.id] = f"_v{len(self.names)}"
+        if node.id in self.names:
+            return ast.copy_location(ast.Name(self.names[node.id], node.ctx), node)
+        return node
+
+    def visit_AnnAssign(self, node):
+        if node.value is None:
             return None
-        _bind(model, _causal_lm_forward)
-        return "causal-LM loss fused with the LM head (chunked, no logits kept)"
-    if cls_name == "BertForMaskedLM":
-        _bind(model, _masked_lm_forward)
-        return "masked-LM loss on labelled positions only, fused with the decoder"
+        new = ast.Assign(targets=[node.target], value=node.value)
+        return self.visit(ast.copy_location(new, node))
+
+    def visit_Expr(self, node):
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return None  # docstrings and string statements
+        return self.generic_visit(node)
+
+
+def _normalised(fn):
+    # (body statements, parameter names, decorator names, globals) of a plain function's source
+    raw = inspect.unwrap(fn)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(raw)))
+    fdef = tree.body[0]
+    if not isinstance(fdef, ast.FunctionDef):
+        raise TypeError("not a function definition")
+    a = fdef.args
+    params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    varkw = a.kwarg.arg if a.kwarg else None
+    names = set(params) | ({varkw} if varkw else set()) | ({a.vararg.arg} if a.vararg else set())
+    ren = _Renamer(names)
+    body = [s for s in (ren.visit(s) for s in fdef.body) if s is not None]
+    decos = [ast.dump(d) for d in fdef.decorator_list]
+    return body, params, varkw, a.vararg is not None, decos, raw.__globals__
+
+
+def _self_path(node):
+    # self.a.b -> ("a", "b"); anything else -> None
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "self" and parts:
+        return tuple(reversed(parts))
     return None
 
 
+def _base_call(stmt, params, varkw):
+    # _v0 = self.<path>(<params by name/position, constants>, **kwargs)
+    if not (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)
+        and stmt.targets[0].id == "_v0"
+        and isinstance(stmt.value, ast.Call)
+    ):
+        return None
+    call = stmt.value
+    path = _self_path(call.func)
+    if path is None:
+        return None
+    pos = []
+    for a in call.args:
+        if not (isinstance(a, ast.Name) and a.id in params and a.id != "self"):
+            return None
+        pos.append(a.id)
+    kws, star = [], False
+    for k in call.keywords:
+        if k.arg is None:
+            if not (isinstance(k.value, ast.Name) and k.value.id == varkw) or star:
+                return None
+            star = True
+        elif isinstance(k.value, ast.Name) and k.value.id in params and k.value.id != "self":
+            kws.append((k.arg, "param", k.value.id))
+        elif isinstance(k.value, ast.Constant):
+            kws.append((k.arg, "const", k.value.value))
+        else:
+            return None
+    if not star:
+        return None
+    return path, tuple(pos), tuple(kws)
+
+
+def _head_step(stmt, first):
+    # _v2 = self.<attr>(_v1 | _v2) [.contiguous()] -> (attr, contiguous)
+    if not (
+        isinstance(stmt, ast.Assign)
+        and len(stmt.targets) == 1
+        and isinstance(stmt.targets[0], ast.Name)
+        and stmt.targets[0].id == "_v2"
+    ):
+        return None
+    call, contiguous = stmt.value, False
+    if (
+        first
+        and isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "contiguous"
+        and not call.args
+        and not call.keywords
+    ):
+        call, contiguous = call.func.value, True
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords):
+        return None
+    path = _self_path(call.func)
+    arg = call.args[0]
+    if path is None or len(path) != 1:
+        return None
+    if not (isinstance(arg, ast.Name) and arg.id == ("_v1" if first else "_v2")):
+        return None
+    return path[0], contiguous
+
+
+def _return(stmt, names):
+    # return Out(loss=_v3, logits=_v2, [aux_loss=_v4], key=_v0.key, ...)
+    if not (isinstance(stmt, ast.Return) and isinstance(stmt.value, ast.Call)):
+        return None
+    call = stmt.value
+    if not isinstance(call.func, ast.Name) or call.args:
+        return None
+    fields = []
+    for k in call.keywords:
+        v = k.value
+        if k.arg is None:
+            return None
+        if isinstance(v, ast.Name) and v.id in names:
+            fields.append((k.arg, names[v.id]))
+        elif isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == "_v0":
+            fields.append((k.arg, ("out", v.attr)))
+        else:
+            return None
+    if ("logits", "logits") not in fields or ("loss", "loss") not in fields:
+        return None
+    return call.func.id, tuple(fields)
+
+
+_CAN_RETURN_TUPLE = ast.dump(ast.parse("can_return_tuple").body[0].value)
+_AUTO_DOCSTRING = ast.dump(ast.parse("auto_docstring").body[0].value)
+
+
+def _match(fn):
+    # (_Spec, "") when ``fn`` (a class's forward) is a template; else (None, reason)
+    try:
+        body, params, varkw, varargs, decos, g = _normalised(fn)
+    except (OSError, TypeError, SyntaxError, IndexError) as e:
+        return None, f"forward's source is not available ({type(e).__name__})"
+    from transformers.utils.generic import can_return_tuple
+
+    if sorted(decos) != sorted([_CAN_RETURN_TUPLE, _AUTO_DOCSTRING]) or (
+        g.get("can_return_tuple") is not can_return_tuple
+    ):
+        return None, "forward is not decorated as transformers' @can_return_tuple templates are"
+    if "labels" not in params or varkw is None or varargs or params[0] != "self":
+        return None, "forward's signature is not a template's (labels, **kwargs)"
+    unknown = "forward is not a known LM template (other head code or loss terms)"
+    i, n = 0, len(body)
+    d = [ast.dump(s) for s in body]
+    router = d[:1] == _ROUTER_PRE
+    if router:
+        if "output_router_logits" not in params:
+            return None, unknown
+        i += 1
+    base = _base_call(body[i], params, varkw) if i < n else None
+    if base is None:
+        return None, unknown
+    i += 1
+    hidden = _HIDDEN.get(d[i]) if i < n else None
+    if hidden is None:
+        return None, unknown
+    i += 1
+    sliced = i < n and d[i] == _SLICE
+    if sliced:
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        if "logits_to_keep" not in params or g.get("slice_logits_to_keep") is not (
+            slice_logits_to_keep
+        ):
+            return None, unknown
+        i += 1
+    head = []
+    contiguous = False
+    while i < n:
+        step = _head_step(body[i], not head)
+        if step is None:
+            break
+        head.append(step[0])
+        contiguous = contiguous or step[1]
+        i += 1
+    if not head:
+        return None, unknown
+    transform = None
+    for tname, stmts in _TRANSFORMS:
+        if d[i : i + len(stmts)] == stmts:
+            transform = tname
+            i += len(stmts)
+            break
+    if transform == "softcap" and g.get("torch") is not torch:
+        return None, unknown
+    if i >= n or d[i] != _LOSS_NONE:
+        return None, unknown
+    i += 1
+    loss = None
+    for kind, vocab, stmts in _LOSSES:
+        if d[i : i + len(stmts)] == stmts:
+            loss, vocab_from = kind, vocab
+            i += len(stmts)
+            break
+    if loss is None:
+        return None, "forward's loss is not HF's causal-LM loss or a plain CrossEntropyLoss"
+    if loss == "ce_new" and g.get("CrossEntropyLoss") is not nn.CrossEntropyLoss:
+        return None, unknown
+    if loss == "ce_new_nn" and g.get("nn") is not nn:
+        return None, unknown
+    causal = loss == "causal"
+    if causal != sliced or (not causal and (transform or contiguous)):
+        return None, unknown
+    names = {"_v3": "loss", "_v2": "logits"}
+    if router:
+        if d[i : i + len(_ROUTER_AUX)] != _ROUTER_AUX:
+            return None, "forward adds a router aux loss in a form slimgrad does not know"
+        i += len(_ROUTER_AUX)
+        names["_v4"] = "aux"
+    ret = _return(body[i], names) if i == n - 1 else None
+    if ret is None:
+        return None, unknown
+    out_cls = g.get(ret[0])
+    from transformers.utils import ModelOutput
+
+    if not (isinstance(out_cls, type) and issubclass(out_cls, ModelOutput)):
+        return None, unknown
+    return (
+        _Spec(
+            causal=causal,
+            router=router,
+            base=base,
+            hidden=hidden,
+            head=tuple(head),
+            transform=transform,
+            loss=loss,
+            vocab_from=vocab_from,
+            out=ret,
+            varkw=varkw,
+            signature=inspect.signature(inspect.unwrap(fn)),
+            globals=g,
+        ),
+        "",
+    )
+
+
+def _chain(fn):
+    # a head module's forward ``x = self.a(x); x = self.b(x); ...; return x`` (or functions of
+    # its module's globals): [("attr", a) | ("global", name), ...]; None if it is anything else
+    try:
+        body, params, varkw, varargs, decos, g = _normalised(fn)
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if decos or varargs or len(params) != 2 or params[0] != "self" or not body:
+        return None
+    cur, steps = params[1], []
+    for s in body[:-1]:
+        if not (
+            isinstance(s, ast.Assign)
+            and len(s.targets) == 1
+            and isinstance(s.targets[0], ast.Name)
+            and isinstance(s.value, ast.Call)
+            and len(s.value.args) == 1
+            and not s.value.keywords
+            and isinstance(s.value.args[0], ast.Name)
+            and s.value.args[0].id == cur
+        ):
+            return None
+        f = s.value.func
+        path = _self_path(f)
+        if path is not None and len(path) == 1:
+            steps.append(("attr", path[0]))
+        elif isinstance(f, ast.Name) and f.id not in params:
+            steps.append(("global", g.get(f.id)))
+        else:
+            return None
+        cur = s.targets[0].id
+    last = body[-1]
+    if not (isinstance(last, ast.Return) and isinstance(last.value, ast.Name)):
+        return None
+    if last.value.id != cur or not steps:
+        return None
+    return steps
+
+
+_CACHE: dict = {}
+
+
+def _cached(fn, how):
+    key = (fn, how)
+    if key not in _CACHE:
+        _CACHE[key] = _match(fn) if how == "forward" else _chain(fn)
+    return _CACHE[key]
+
+
+_ROWWISE_TORCH = (nn.Linear, nn.LayerNorm, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Identity)
+_ROWWISE_SLIMGRAD = {"Linear", "LayerNorm", "GELU", "ReLU", "SiLU", "Tanh", "Sigmoid", "Mish"}
+
+
+def _plain(m) -> str:
+    # why calling (or not calling) ``m`` could differ from eager's ``m(x)``; "" when it cannot
+    if not isinstance(m, nn.Module):
+        return f"{type(m).__name__} is not a module"
+    if "forward" in m.__dict__:
+        return f"{type(m).__name__} has a patched forward"
+    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    if any(_foreign(h) for h in hooks) or any(_foreign(h) for h in _global_hooks()):
+        return f"{type(m).__name__} has hooks"
+    return ""
+
+
+def _foreign(hooks) -> bool:
+    # hooks other than slimgrad's own observers (slimgrad.memory's per-module claims, which change
+    # no value: a module the fused path does not call is accounted to its parent)
+    return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
+
+
+def _global_hooks():
+    from torch.nn.modules import module as _m
+
+    return (
+        _m._global_forward_hooks,
+        _m._global_forward_pre_hooks,
+        _m._global_backward_hooks,
+        _m._global_backward_pre_hooks,
+    )
+
+
+def _is_linear(m) -> bool:
+    import slimgrad.nn as snn
+
+    return type(m) in (nn.Linear, snn.Linear) and m.weight.dim() == 2
+
+
+def _rowwise(m) -> bool:
+    t = type(m)
+    if t in _ROWWISE_TORCH:
+        return True
+    if t.__module__ == "transformers.activations":
+        return True  # elementwise activations
+    return t.__module__.startswith("slimgrad.nn.") and t.__name__ in _ROWWISE_SLIMGRAD
+
+
+def _flatten(owner, steps, depth=0):
+    # the head as [row-wise module, ...]: containers expanded through their chain forward
+    out = []
+    for kind, ref in steps:
+        if kind == "attr":
+            m = getattr(owner, ref, None)
+        else:
+            m = ref
+        why = _plain(m)
+        if why:
+            return None, why
+        if _rowwise(m):
+            out.append(m)
+            continue
+        sub = _cached(type(m).forward, "chain") if depth < 8 else None
+        if sub is None:
+            return None, f"head module {type(m).__name__}'s forward is not a known chain"
+        got, why = _flatten(m, sub, depth + 1)
+        if got is None:
+            return None, why
+        out += got
+    return out, ""
+
+
+def _head(model, spec):
+    # (transform modules, decoder Linear) of the instance now, or (None, reason)
+    mods, why = _flatten(model, [("attr", a) for a in spec.head])
+    if mods is None:
+        return None, why
+    if not mods or not _is_linear(mods[-1]):
+        return None, "the head does not end in an nn.Linear (e.g. a LoRA-wrapped head)"
+    return (mods[:-1], mods[-1]), ""
+
+
+def _transform_of(model, spec):
+    # (logit_scale, logit_softcap) of the instance now
+    if spec.transform == "div_config_logits_scaling":
+        return 1.0 / float(model.config.logits_scaling), None
+    if spec.transform == "mul_logit_scale":
+        return float(model.logit_scale), None
+    if spec.transform == "softcap":
+        cap = model.config.final_logit_softcapping
+        return 1.0, None if cap is None else float(cap)
+    return 1.0, None
+
+
+def _eager_logits(model, spec, transform, decoder, h):
+    # the logits as HF computes them (same modules and operations), for keep_logits
+    for m in transform:
+        h = m(h)
+    z = torch.nn.functional.linear(h, decoder.weight, decoder.bias)
+    if spec.transform == "div_config_logits_scaling":
+        z = z / model.config.logits_scaling
+    elif spec.transform == "mul_logit_scale":
+        z = z * model.logit_scale
+    elif spec.transform == "softcap" and model.config.final_logit_softcapping is not None:
+        c = model.config.final_logit_softcapping
+        z = torch.tanh(z / c) * c
+    return z
+
+
+def _why_not_now(model, spec, ba, dec):
+    # a reason the fused forward cannot run for this call ("" when it can), before any work
+    if not isinstance(ba.arguments.get("labels"), torch.Tensor):
+        return "no labels"
+    if spec.vocab_from != "logits":
+        vocab = model.config.vocab_size if spec.vocab_from == "config" else model.vocab_size
+        if dec.weight.shape[0] != vocab:
+            return "head size is not the vocabulary size"  # HF's view(-1, V) decides
+    if spec.router:
+        ori = ba.arguments.get("output_router_logits")
+        if ori if ori is not None else model.config.output_router_logits:
+            return "router aux loss on"
+    if spec.causal:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if model.loss_function is not ForCausalLMLoss:
+            return "custom loss_function"
+        keep = ba.arguments.get("logits_to_keep", 0)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep != 0:
+            return "logits_to_keep"
+    elif spec.loss == "ce_attr":
+        fn = getattr(model, "mlm_loss_fct", None)
+        if type(fn) is not nn.CrossEntropyLoss or fn.weight is not None or fn.reduction == "none":
+            return "loss module is not a plain CrossEntropyLoss"
+    return ""
+
+
+class _FusedLMForward:
+    """The instance's ``forward`` after ``convert_``: HF's own, or the fused loss where exact.
+
+    See NOTE [Fused LM loss by template]. Kept on the instance as a plain picklable object.
+    """
+
+    def __init__(self, model: nn.Module, fast: bool, keep_logits: bool) -> None:
+        self.model, self.fast, self.keep_logits = model, fast, keep_logits
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        cls_forward = type(model).forward
+        if not (model.training and torch.is_grad_enabled()):
+            return cls_forward(model, *args, **kwargs)  # nothing to save memory for
+        spec, _ = _cached(cls_forward, "forward")
+        if spec is None:
+            return cls_forward(model, *args, **kwargs)
+        # as @can_return_tuple: return_dict from the call, else the config
+        kw = dict(kwargs)
+        return_dict = model.config.return_dict if hasattr(model, "config") else True
+        passed = kw.pop("return_dict", return_dict)
+        if passed is not None:
+            return_dict = passed
+        try:
+            ba = spec.signature.bind(model, *args, **kw)
+        except TypeError:
+            return cls_forward(model, *args, **kwargs)  # HF raises its own error
+        ba.apply_defaults()
+        head, _ = _head(model, spec)
+        if head is None or _why_not_now(model, spec, ba, head[1]):
+            return cls_forward(model, *args, **kwargs)
+        out = self._fused(model, spec, ba, head)
+        if not return_dict and not isinstance(out, tuple):
+            out = out.to_tuple()
+        return out
+
+    def _fused(self, model, spec, ba, head):
+        from slimgrad.ops.linear_cross_entropy import causal_lm_loss, linear_cross_entropy
+
+        a = dict(ba.arguments)
+        extra = dict(a.pop(spec.varkw, {}))
+        labels = a["labels"]
+        if spec.router:
+            ori = a["output_router_logits"]
+            a["output_router_logits"] = (
+                ori if ori is not None else model.config.output_router_logits
+            )
+        path, pos, kws = spec.base
+        base = model
+        for p in path:
+            base = getattr(base, p)
+        call_kw = {k: (a[v] if how == "param" else v) for k, how, v in kws}
+        outputs = base(*[a[p] for p in pos], **call_kw, **extra)
+        hidden = outputs.last_hidden_state if spec.hidden == "attr" else outputs[0]
+        transform, dec = head
+        scale, cap = _transform_of(model, spec)
+        logits = None
+        if self.keep_logits:
+            with torch.no_grad():  # documented: detached, nothing kept for backward
+                logits = _eager_logits(model, spec, transform, dec, hidden)
+        if spec.causal:
+            h = _skip_identity_view(hidden)
+            for m in transform:
+                h = m(h)
+            loss = causal_lm_loss(
+                h,
+                dec.weight,
+                labels,
+                dec.bias,
+                ignore_index=extra.get("ignore_index", -100),
+                num_items_in_batch=extra.get("num_items_in_batch"),
+                shift_labels=extra.get("shift_labels"),
+                precompute_grads=self.fast,
+                logit_scale=scale,
+                logit_softcap=cap,
+            )
+        else:
+            ignore, smoothing, reduction = -100, 0.0, "mean"
+            if spec.loss == "ce_attr":
+                fn = model.mlm_loss_fct
+                ignore, smoothing, reduction = fn.ignore_index, fn.label_smoothing, fn.reduction
+            t = labels.to(hidden.device).reshape(-1)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            if not is_fake(t):
+                # only labelled rows reach the (row-wise) head: the loss is over them only, as
+                # eager's; the other rows would contribute 0 and are not counted
+                keep = t != ignore
+                flat, t = flat[keep], t[keep]
+            # (slimgrad.memory.estimate, fake labels: which rows are labelled is data; all rows
+            # are an upper bound)
+            for m in transform:
+                flat = m(flat)
+            loss = linear_cross_entropy(
+                flat,
+                dec.weight,
+                t,
+                dec.bias,
+                ignore_index=ignore,
+                label_smoothing=smoothing,
+                reduction=reduction,
+            )
+        vals = {"loss": loss, "logits": logits, "aux": None}
+        cls_name, fields = spec.out
+        fields_kw = {
+            k: (vals[v] if isinstance(v, str) else getattr(outputs, v[1])) for k, v in fields
+        }
+        return spec.globals[cls_name](**fields_kw)
+
+
+def fuse_lm_loss(
+    model: nn.Module, fast: bool = False, keep_logits: bool = False
+) -> tuple[bool, str | None]:
+    """Put the fused-loss forward on an HF LM instance where it is exact (NOTE [Fused LM loss by
+    template]).
+
+    Args:
+        model: an HF ``PreTrainedModel`` instance.
+        fast: precompute the head's gradients in forward (``ConvertConfig.fast_loss``).
+        keep_logits: a training forward with labels also returns the (detached) logits
+            (``ConvertConfig.keep_logits``).
+
+    Returns:
+        ``(True, what was done)``; ``(False, why not)`` for an LM whose forward or head is not
+        one the fused loss implements exactly; ``(False, None)`` for a model that is no LM or is
+        already converted.
+    """
+    if isinstance(model.__dict__.get("forward"), _FusedLMForward):
+        return False, None  # already converted
+    get_out = getattr(model, "get_output_embeddings", None)
+    try:
+        out_emb = get_out() if callable(get_out) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        out_emb = None
+    if out_emb is None:
+        return False, None  # not an LM: nothing to say
+    if "forward" in model.__dict__:
+        return False, "the instance's forward is patched; kept as it is"
+    spec, why = _cached(type(model).forward, "forward")
+    if spec is None:
+        return False, f"{why}; HF's forward kept"
+    if spec.router and getattr(model.config, "output_router_logits", False):
+        return False, (
+            "config.output_router_logits=True adds the router aux loss to the loss; HF's forward "
+            "kept"
+        )
+    head, why = _head(model, spec)
+    if head is None:
+        return False, f"{why}; HF's forward kept"
+    model._slimgrad_fast_loss = fast
+    model.forward = _FusedLMForward(model, fast, keep_logits)
+    extra = f" with {spec.transform}" if spec.transform else ""
+    if spec.causal:
+        what = f"causal-LM loss fused with the LM head{extra} (chunked; training logits: "
+    else:
+        what = (
+            "masked-LM loss on labelled positions only, fused with the decoder (training logits: "
+        )
+    what += "kept, detached)" if keep_logits else "None)"
+    return True, what
+
+
 def lm_loss_pattern(model: nn.Module, config, allowed, rep) -> None:
-    """``convert_`` pattern (technique ``fused_loss``): fused, chunked LM-head losses."""
+    """``convert_`` pattern (technique ``fused_loss``): fused LM-head losses where exact."""
     for name, m in hf_models(model):
         if not allowed(m, name):
             continue
-        what = fuse_lm_loss(m, fast=config.fast_loss)
-        if what is not None:
+        done, what = fuse_lm_loss(m, fast=config.fast_loss, keep_logits=config.keep_logits)
+        if done:
             rep.converted.append((name, f"{type(m).__name__}.forward", what))
+        elif what is not None:
+            rep.skipped.append((name, f"{type(m).__name__}.forward", f"fused loss: {what}"))

@@ -42,6 +42,9 @@ class Conv1D(torch.nn.Module):
     """HF GPT-2 ``Conv1D(nf, nx)``: ``y = x @ weight + bias``, weight ``(nx, nf)``, bias ``(nf,)``.
 
     Same args, parameters and state_dict keys as ``transformers.pytorch_utils.Conv1D``.
+    ``from_torch`` of a transformers ``Conv1D`` returns a :class:`TransformersConv1D`, which is
+    also an instance of ``transformers.pytorch_utils.Conv1D``, so code that dispatches on that
+    class (PEFT's LoRA: ``isinstance(layer, Conv1D)``, ``fan_in_fan_out``) treats it as HF's.
 
     Memory: saves the input only if the weight needs grad (as eager's addmm).
 
@@ -64,16 +67,66 @@ class Conv1D(torch.nn.Module):
 
     @classmethod
     def from_torch(cls, module: torch.nn.Module) -> Conv1D:
-        """A slimgrad Conv1D sharing the Parameters of a ``transformers`` ``Conv1D`` (no copy)."""
+        """A slimgrad Conv1D sharing the Parameters of a ``transformers`` ``Conv1D`` (no copy).
+
+        For a ``transformers.pytorch_utils.Conv1D`` instance the result is a
+        :class:`TransformersConv1D` (a subclass of both classes).
+        """
         w = getattr(module, "weight", None)
         if type(module).__name__ != "Conv1D" or w is None or w.dim() != 2:
             raise TypeError(
                 f"slimgrad.nn.Conv1D.from_torch: expected a transformers Conv1D, got "
                 f"{type(module).__name__}. Pass a transformers.pytorch_utils.Conv1D instance."
             )
+        hf = _transformers_conv1d()
+        if cls is Conv1D and hf is not None and isinstance(module, hf):
+            cls = _transformers_subclass()
         new = cls.__new__(cls)
         torch.nn.Module.__init__(new)
         new.nf, new.nx = module.nf, module.nx
         new.weight, new.bias = module.weight, module.bias
         new.train(module.training)
         return new
+
+
+def _transformers_conv1d():
+    # transformers' Conv1D if transformers is already imported (a module holding one was built by
+    # it); never imports transformers itself
+    import sys
+
+    mod = sys.modules.get("transformers.pytorch_utils")
+    return getattr(mod, "Conv1D", None) if mod is not None else None
+
+
+_SUBCLASS: list[type] = []
+
+
+def _transformers_subclass() -> type:
+    # created once, on first use, when transformers is importable; reachable as
+    # ``slimgrad.nn.linear.TransformersConv1D`` (module __getattr__), so pickle finds it
+    if not _SUBCLASS:
+        from transformers.pytorch_utils import Conv1D as HFConv1D
+
+        _SUBCLASS.append(
+            type(
+                "TransformersConv1D",
+                (Conv1D, HFConv1D),
+                {
+                    "__module__": __name__,
+                    "__qualname__": "TransformersConv1D",
+                    "__doc__": (
+                        "slimgrad's :class:`Conv1D` that is also a "
+                        "``transformers.pytorch_utils.Conv1D`` (created when transformers is "
+                        "importable). Forward, memory and state_dict are slimgrad Conv1D's."
+                    ),
+                    "__repr__": torch.nn.Module.__repr__,
+                },
+            )
+        )
+    return _SUBCLASS[0]
+
+
+def __getattr__(name: str):
+    if name == "TransformersConv1D":
+        return _transformers_subclass()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -85,10 +85,42 @@ def _logits_t(hc, weight, bias, acc):
     return zt.to(acc)
 
 
-def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk):
+# NOTE [Logit transforms]
+# Some LM heads map the logits z elementwise before the loss: Cohere multiplies by a scale
+# (logit_scale), Granite divides by one (logits_scaling: scale = 1 / logits_scaling), Gemma2/3
+# soft-cap them, y = c·tanh(z / c) (final_logit_softcapping). The chunk's logits are mapped in place
+# with the same operations in the same order as HF (z·scale, then / c, tanh, · c), in the
+# accumulation dtype; the loss is the cross-entropy of y. Backward: dz = dy · scale · (1 − tanh²),
+# the tanh kept for the chunk only (one more chunk-sized transient, never saved).
+
+
+def _transform_(zt, scale, cap, keep_tanh=False):
+    # y = cap·tanh(scale·z / cap) in place (NOTE [Logit transforms]); with keep_tanh, also the tanh
+    # (then y is a new chunk buffer)
+    if scale != 1.0:
+        zt.mul_(scale)
+    if cap is None:
+        return zt, None
+    th = zt.div_(cap).tanh_()
+    if keep_tanh:
+        return th * cap, th
+    return th.mul_(cap), None
+
+
+def _transform_grad_(dy, th, scale):
+    # dy (the chunk's gradient w.r.t. the mapped logits) -> dz, in place; th is consumed
+    if th is not None:
+        dy.mul_(th.mul_(th).neg_().add_(1.0))
+    if scale != 1.0:
+        dy.mul_(scale)
+    return dy
+
+
+def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap=None):
     """Per-token loss (accumulation dtype, 0 where ignored) and lse (float32, float64 for fp64).
 
-    h: (N, H), weight (V, H), bias: in the compute dtype; target: (N,) int64.
+    h: (N, H), weight (V, H), bias: in the compute dtype; target: (N,) int64. ``scale``, ``cap``:
+    the logit transform (NOTE [Logit transforms]).
     """
     n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
@@ -99,6 +131,7 @@ def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk):
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         zt = _logits_t(h[s:e], weight, bias, acc)  # NOTE [Logits as V x chunk]
+        zt, _ = _transform_(zt, scale, cap)
         li = zt.gather(0, safe_t[None, s:e]).squeeze(0).mul_(-(1.0 - eps))
         if eps:
             li.sub_(zt.sum(0), alpha=eps / v)
@@ -114,12 +147,27 @@ def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk):
     return loss, lse
 
 
-def _bwd_torch(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, need, dh_out=None):
+def _bwd_torch(
+    h,
+    weight,
+    bias,
+    target,
+    lse,
+    scale,
+    ignore_index,
+    eps,
+    chunk,
+    need,
+    dh_out=None,
+    lscale=1.0,
+    cap=None,
+):
     """Gradients (dh, dW, db) for s_i = ``scale`` (accumulation dtype, 0 where ignored).
 
     ``need``: which of (dh, dW, db) to compute. dh is in h's dtype; dW and db in the accumulation
     dtype (float32 for low precision). ``dh_out``: optional (N, H) buffer in h's dtype that may
-    alias h: each chunk's rows of h are read before the same rows of dh are written.
+    alias h: each chunk's rows of h are read before the same rows of dh are written. ``lscale``,
+    ``cap``: the logit transform (NOTE [Logit transforms]).
     """
     n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
@@ -133,11 +181,14 @@ def _bwd_torch(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, ne
         e = min(s + chunk, n)
         hc = h[s:e]
         zt = _logits_t(hc, weight, bias, acc)  # NOTE [Logits as V x chunk]
+        zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
         # zT becomes dzT in place: softmax, minus the smoothed one-hot, times s_i
         zt.sub_(lse[None, s:e]).exp_()
         if eps:
             zt.sub_(eps / v)
         zt.scatter_add_(0, safe_t[None, s:e], zt.new_full((1, e - s), eps - 1.0))
+        zt = _transform_grad_(zt, th, lscale)
+        del th
         zt.mul_(scale[None, s:e])
         if need_db:
             db += zt.sum(1)
@@ -149,7 +200,20 @@ def _bwd_torch(h, weight, bias, target, lse, scale, ignore_index, eps, chunk, ne
     return dh, dw, db
 
 
-def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, need, dh_out=None):
+def _fwd_grad_torch(
+    h,
+    weight,
+    bias,
+    target,
+    scale,
+    ignore_index,
+    eps,
+    chunk,
+    need,
+    dh_out=None,
+    lscale=1.0,
+    cap=None,
+):
     """Forward and gradients in one pass: (loss, dh, dW, db) for the per-token weights ``scale``.
 
     loss as :func:`_fwd_torch`; (dh, dW, db) as :func:`_bwd_torch` with s_i = ``scale`` (the
@@ -158,7 +222,8 @@ def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, ne
     matmuls right away: 3 big matmuls in all, like eager. In full precision (float32/64) s_i
     scales the chunk's hidden rows (dW) and dh rows, never the chunk×V buffer; in low precision
     it scales dz in float32 before the cast, as :func:`_bwd_torch` does. ``dh_out``: an (N, H)
-    contiguous buffer in h's dtype to write dh into (else a fresh one).
+    contiguous buffer in h's dtype to write dh into (else a fresh one). ``lscale``, ``cap``: the
+    logit transform (NOTE [Logit transforms]).
     """
     n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
@@ -181,6 +246,7 @@ def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, ne
         row = scale[None, s:e]  # s_i per column of zT
         col = scale[s:e, None]  # s_i per row of hc / dh
         zt = _logits_t(hc, weight, bias, acc)  # NOTE [Logits as V x chunk]
+        zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
         lse = torch.logsumexp(zt, dim=0, keepdim=True)
         li = lse - (1.0 - eps) * zt.gather(0, tc)
         if eps:
@@ -191,6 +257,8 @@ def _fwd_grad_torch(h, weight, bias, target, scale, ignore_index, eps, chunk, ne
         if eps:
             zt.sub_(eps / v)
         zt.scatter_add_(0, tc, torch.full_like(lse, eps - 1.0))
+        zt = _transform_grad_(zt, th, lscale)
+        del th
         if not full:
             zt.mul_(row)
         if need_db:
@@ -235,15 +303,19 @@ def _to_save(hidden, h):
 class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, target, ignore_index, eps, reduction, chunk, cdt, odt, need
+        ctx, hidden, weight, bias, target, ignore_index, eps, reduction, chunk, cdt, odt, need, tf
     ):
         # hidden (..., H), target (...) int64; cdt: compute dtype of the matmuls; odt: loss dtype;
-        # need: (dh, dW, db) to compute now ('mean'/'sum' under grad mode), or None (recompute)
+        # need: (dh, dW, db) to compute now ('mean'/'sum' under grad mode), or None (recompute);
+        # tf: (scale, cap), the logit transform (NOTE [Logit transforms])
         h = hidden.reshape(-1, hidden.shape[-1]).to(cdt)
         w = weight.to(cdt)
         b = bias.to(cdt) if bias is not None else None
         t = target.reshape(-1)
         ctx.cfg = (ignore_index, eps, reduction, chunk, cdt, hidden.dtype, tuple(hidden.shape))
+        ctx.tf = tf
+        # the Triton kernels implement the plain logits only: a transform takes the PyTorch path
+        triton = _backend.use_triton(h) and tf == (1.0, None)
         ctx.pre = need is not None
         ctx.wdt, ctx.bdt = weight.dtype, None if bias is None else bias.dtype
         if need is not None:
@@ -256,7 +328,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 tok = torch.where(valid, 1.0 / count.to(acc), zero)
             else:
                 tok = torch.where(valid, torch.ones((), dtype=acc, device=h.device), zero)
-            if _backend.use_triton(h):
+            if triton:
                 fwd_grad = _backend.kernels("linear_cross_entropy")._fwd_grad_triton
                 loss, dh, dw, db = fwd_grad(h, w, b, t, tok, ignore_index, eps, chunk, need)
             else:
@@ -265,17 +337,18 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 dh = torch.empty(hidden.shape, dtype=cdt, device=h.device) if need[0] else None
                 flat = dh.view(h.shape) if dh is not None else None
                 loss, _, dw, db = _fwd_grad_torch(
-                    h, w, b, t, tok, ignore_index, eps, chunk, need, dh_out=flat
+                    h, w, b, t, tok, ignore_index, eps, chunk, need, flat, *tf
                 )
                 del flat
             del w, b, h
             out = loss.sum() / count if reduction == "mean" else loss.sum()
             ctx.save_for_backward(dh, dw, db)
             return out.to(odt)
-        fwd = _fwd_torch
-        if _backend.use_triton(h):
+        if triton:
             fwd = _backend.kernels("linear_cross_entropy")._fwd_triton
-        loss, lse = fwd(h, w, b, t, ignore_index, eps, chunk)
+            loss, lse = fwd(h, w, b, t, ignore_index, eps, chunk)
+        else:
+            loss, lse = _fwd_torch(h, w, b, t, ignore_index, eps, chunk, *tf)
         del w, b
         if reduction == "none":
             out = loss.to(odt).reshape(target.shape)
@@ -333,13 +406,13 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             del dw
             if need[2]:
                 gb = (db * grad_out.to(db.dtype)).to(ctx.bdt)
-            return gh, gw, gb, None, None, None, None, None, None, None, None
+            return gh, gw, gb, None, None, None, None, None, None, None, None, None
         gbuf = ownership.take(grad_out)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         ignore_index, eps, reduction, chunk, cdt, hdt, hshape = ctx.cfg
         need = tuple(ctx.needs_input_grad[:3])
         if not any(need):
-            return (None,) * 10
+            return (None,) * 12
         # dh may overwrite the saved hidden when nobody else reads it (NOTE [Gradient-buffer
         # ownership]); only when no dtype conversion sits between them.
         dh_out = ownership.take_saved(ctx, hidden) if need[0] and cdt == hdt else None
@@ -369,10 +442,13 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             if dh_out is not None
             else (dh_full.view(-1, h.shape[1]) if dh_full is not None else None)
         )
-        bwd = _bwd_torch
-        if _backend.use_triton(h):
+        if _backend.use_triton(h) and ctx.tf == (1.0, None):
             bwd = _backend.kernels("linear_cross_entropy")._bwd_triton
-        dh, dw, db = bwd(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
+            dh, dw, db = bwd(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
+        else:
+            dh, dw, db = _bwd_torch(
+                h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat, *ctx.tf
+            )
         del w, b, h
         if dh is not None:
             # a detached alias when dh is the saved hidden: its storage, not its autograd identity
@@ -387,7 +463,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if db is not None:
             db = db.to(bias.dtype)
-        return dh, dw, db, None, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size):
@@ -445,8 +521,30 @@ def _linear_cross_entropy(
     chunk_size,
     upcast,
     precompute_grads=False,
+    logit_scale=1.0,
+    logit_softcap=None,
 ):
     _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
+        raise TypeError(
+            f"{_API}: logit_scale must be a number; expected a float, got "
+            f"{type(logit_scale).__name__}. Pass a Python float (e.g. config.logit_scale)."
+        )
+    if not math.isfinite(logit_scale):
+        raise ValueError(
+            f"{_API}: logit_scale must be finite; expected a finite float, got {logit_scale}. "
+            "Pass a finite scale."
+        )
+    if logit_softcap is not None and (
+        isinstance(logit_softcap, bool)
+        or not isinstance(logit_softcap, (int, float))
+        or not (math.isfinite(logit_softcap) and logit_softcap > 0)
+    ):
+        raise ValueError(
+            f"{_API}: logit_softcap must be a positive finite float or None; expected > 0, got "
+            f"{logit_softcap!r}. Pass e.g. config.final_logit_softcapping, or None."
+        )
+    tf = (float(logit_scale), None if logit_softcap is None else float(logit_softcap))
     dev = hidden.device.type
     autocast = torch.is_autocast_enabled(dev) and hidden.is_floating_point()
     if autocast:
@@ -500,6 +598,7 @@ def _linear_cross_entropy(
             cdt,
             odt,
             need,
+            tf,
         )
 
 
@@ -521,10 +620,15 @@ def linear_cross_entropy(
     reduction: str = "mean",
     chunk_size: int | None = None,
     precompute_grads: bool = False,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without keeping the logits.
 
-    loss_i = lse_i − (1 − ε)·z_{i,t_i} − (ε/V)·Σ_j z_ij with z = hidden Wᵀ + b; ignored tokens
+    loss_i = lse_i − (1 − ε)·y_{i,t_i} − (ε/V)·Σ_j y_ij with y = z·s (``logit_scale``), then
+    y = c·tanh(y / c) if ``logit_softcap`` c is given, and z = hidden Wᵀ + b: the loss of
+    ``cross_entropy(c * tanh(s * linear(hidden, W, b) / c), target)``, HF's Cohere/Granite logit
+    scaling and Gemma2/3 final-logit soft-capping (NOTE [Logit transforms]). Ignored tokens
     contribute 0 and are not counted by 'mean' (all ignored: NaN, like torch).
 
     Memory: by default saves hidden + lse (4 B/token) + target and recomputes each chunk's logits
@@ -542,13 +646,18 @@ def linear_cross_entropy(
         reduction: 'mean', 'sum' or 'none' (then the result has target's shape).
         chunk_size: tokens per chunk; None picks :func:`default_chunk_size`.
         precompute_grads: compute the gradients in forward (speed over memory; see Memory).
+        logit_scale: s, multiplies the logits (1: none). Granite's ``logits / logits_scaling``
+            is ``logit_scale=1 / logits_scaling``.
+        logit_softcap: c > 0, soft-caps the scaled logits to (-c, c); None: none.
 
     Returns:
         The loss: a scalar, or per-token losses for reduction='none' (float32 under autocast).
 
     Raises:
-        ValueError: shapes, reduction, label_smoothing, chunk_size or a target out of range.
-        TypeError: non-integer target, or dtypes that differ outside autocast.
+        ValueError: shapes, reduction, label_smoothing, chunk_size, logit_softcap or a target
+            out of range.
+        TypeError: non-integer target, non-number logit_scale, or dtypes that differ outside
+            autocast.
 
     Example:
         >>> h = torch.randn(4, 16, 32, requires_grad=True)
@@ -567,6 +676,8 @@ def linear_cross_entropy(
         chunk_size,
         False,
         precompute_grads,
+        logit_scale,
+        logit_softcap,
     )
 
 
@@ -581,6 +692,8 @@ def causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     chunk_size: int | None = None,
     precompute_grads: bool = False,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The HF causal-LM loss (``transformers.loss.loss_utils.ForCausalLMLoss``) from hidden states.
 
@@ -603,7 +716,8 @@ def causal_lm_loss(
         num_items_in_batch: HF's gradient-accumulation normaliser; None for the mean.
         shift_labels: already shifted labels (HF's ``shift_labels`` kwarg); then ``labels`` is
             ignored.
-        chunk_size, precompute_grads: see :func:`linear_cross_entropy`.
+        chunk_size, precompute_grads, logit_scale, logit_softcap: see
+            :func:`linear_cross_entropy`.
 
     Returns:
         Scalar float32 loss.
@@ -624,6 +738,8 @@ def causal_lm_loss(
         chunk_size,
         True,
         precompute_grads,
+        logit_scale,
+        logit_softcap,
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
