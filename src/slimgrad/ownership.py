@@ -123,19 +123,22 @@ tell ``out = self.bn(out)`` from ``y = self.bn(out); y + out`` (same count durin
 terms combine a structural proof read at the call site with the counts:
 
 F1. The call site (the parent's frame, three frames above ``owns_input``: forward <- nn.Module's
-    ``_call_impl`` <- ``_wrapped_call_impl`` <- parent) is ``v = module(v)``: the instruction being
-    executed is a one-argument CALL whose argument is the fast local ``v`` loaded just before it
-    and whose result is stored into that same ``v`` just after it (read from the code object with
-    ``dis``, cached per (code, offset)). So after the call ``v`` no longer names ``x``: no later
-    line of the parent can read ``x`` through ``v``. ``nn.Sequential.forward`` (``input =
-    module(input)``) and torchvision-style ``out = self.bn1(out)`` have this shape;
+    ``_call_impl`` <- ``_wrapped_call_impl`` <- parent), read from its code object with ``dis`` at
+    the instruction being executed (cached per (code, offset)), is a one-argument CALL reached by
+    falling through from the instruction that pushed the argument (no jump lands in between), of
+    one of two shapes. "local": ``v = module(v)``, the argument is the fast local ``v`` loaded just
+    before and the result is stored into that same ``v`` just after, so after the call ``v`` no
+    longer names ``x`` (``nn.Sequential.forward``'s ``input = module(input)``, torchvision's
+    ``out = self.bn1(out)``). "temp": ``module(f(...))``, the argument is the result of the call
+    just before, held by the parent's value stack only (``self.relu(self.bn1(self.conv1(x)))``).
     ``self.relu(out)`` for its side effect, ``a = self.relu(b)``, ``return self.bn(f), f``,
-    kwargs, ``*args`` and closures' cell variables do not.
+    kwargs, ``*args`` and closures' cell variables are neither.
 F2. ``sys.getrefcount(x)`` equals the count calibrated at import for exactly that call shape with
-    ``v`` the only holder (probe modules in an ``nn.Sequential`` and in a custom parent, with and
-    without grad; the calibration also checks that one more local shows as +1, that a
+    nobody else holding ``x`` (probe modules in an ``nn.Sequential``, in a custom parent, nested,
+    with and without grad; the calibration also checks that one more local shows as +1, that a
     Sequential's own input (held by the caller and the Sequential's argument tuples) shows higher,
-    and that ``y = m(v)`` fails F1). Catches other locals, residuals (``body(h) + h``: ``h`` is
+    that "temp" is "local" minus the local, and that ``y = m(v)`` and a direct ``m.forward(v)``
+    fail F1). Catches other locals, residuals (``body(h) + h``: ``h`` is
     the Sequential's input), containers, hooks that keep ``x``, the caller's own input.
 F3. ``x._use_count() == 1`` (no C++ holder: a SavedVariable of another op, a view's base link) and
     the storage signature of term 2a (no other tensor, e.g. a ``detach()`` alias or a view,
@@ -482,13 +485,15 @@ def check_not_consumed(ctx, api: str) -> None:
 
 # Forward in-place writes ------------------------------------------------------------------------
 
-# Refcount of a forward's input at owns_input when the parent runs ``v = module(v)`` on a ``v`` that
-# nobody else holds (calibrated at import by _calibrate_forward; None: never in place).
-_FWD_REFCOUNT: int | None = None
+# Refcount of a forward's input at owns_input, per call-site shape (term F1): "local" for
+# ``v = module(v)`` with ``v`` the only holder, "temp" for ``module(f(...))`` (the argument is the
+# result of the call just before, held by the parent's value stack only). Calibrated at import by
+# _calibrate_forward; None: never in place.
+_FWD_REFCOUNT: dict | None = None
 # Weak registries of slimgrad's own (WeakIdKeyDictionary, one weak reference per key): their
 # weak references to a tensor are accounted for exactly (term F4); any other weak reference refuses.
 _REGISTRIES: list = []
-# (code object, instruction offset) -> whether that call site is ``v = m(v)`` (term F8).
+# (code object, instruction offset) -> that call site's shape, "local", "temp" or None (term F1).
 _SITES: dict = {}
 _SITES_MAX = 4096
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -510,37 +515,44 @@ def _weakrefs_accounted(t: torch.Tensor) -> bool:
     return n == sum(1 for r in _REGISTRIES if t in r)
 
 
-def _rebinds_arg(code, lasti: int) -> bool:
+def _site_shape(code, lasti: int) -> str | None:
     key = (code, lasti)
-    hit = _SITES.get(key)
-    if hit is None:
+    if key not in _SITES:
         if len(_SITES) >= _SITES_MAX:
             _SITES.clear()
-        hit = _SITES[key] = _scan_site(code, lasti)
-    return hit
+        _SITES[key] = _scan_site(code, lasti)
+    return _SITES[key]
 
 
-def _scan_site(code, lasti: int) -> bool:
-    # True iff the instruction at ``lasti`` is a one-argument CALL whose argument is the fast local
-    # ``v`` loaded right before it and whose result is stored right after it into that same ``v``:
-    # ``v = m(v)``. Any other shape (kwargs, *args, a cell variable, the result kept elsewhere or
-    # dropped) is False.
+def _scan_site(code, lasti: int) -> str | None:
+    # The instruction at ``lasti`` must be a one-argument CALL, reached only by falling through
+    # from the instruction that pushed its argument (no jump lands in between). "local": that
+    # instruction loads the fast local ``v`` and the result is stored right after into the same
+    # ``v`` (``v = m(v)``). "temp": that instruction is another CALL (``m(f(...))``: the argument
+    # is on the value stack only; where the result goes does not matter). Anything else (kwargs,
+    # *args, a cell variable, the result kept elsewhere or dropped): None.
     try:
         ins = list(dis.get_instructions(code))
     except Exception:
-        return False
+        return None
     idx = next((k for k, i in enumerate(ins) if i.offset == lasti), None)
     if idx is None or ins[idx].opname != "CALL" or ins[idx].arg != 1 or idx + 1 >= len(ins):
-        return False
+        return None
+    if ins[idx].is_jump_target:
+        return None
     k = idx - 1
     if k >= 0 and ins[k].opname == "PRECALL":
-        if ins[k].arg != 1:
-            return False
+        if ins[k].arg != 1 or ins[k].is_jump_target:
+            return None
         k -= 1
-    if k < 0 or ins[k].opname not in ("LOAD_FAST", "LOAD_FAST_CHECK"):
-        return False
+    if k < 0:
+        return None
+    if ins[k].opname == "CALL":
+        return "temp"
+    if ins[k].opname not in ("LOAD_FAST", "LOAD_FAST_CHECK"):
+        return None
     nxt = ins[idx + 1]
-    return nxt.opname == "STORE_FAST" and nxt.arg == ins[k].arg
+    return "local" if nxt.opname == "STORE_FAST" and nxt.arg == ins[k].arg else None
 
 
 def _no_hooks(module) -> bool:
@@ -569,28 +581,30 @@ def _fresh_plain(x: object) -> bool:
     return not torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
-def _site_ok(frame, module) -> bool:
+def _site(frame, module) -> str | None:
     # frame: the module's forward. Above it, nn.Module's fast path (no hooks) and the parent's call
-    # site ``v = module(v)``.
+    # site: its shape (term F1), or None.
     f2 = frame.f_back
     f3 = f2.f_back if f2 is not None else None
     f4 = f3.f_back if f3 is not None else None
-    return (
-        f4 is not None
-        and f2.f_code is _CALL_IMPL
-        and f3.f_code is _WRAPPED_CALL_IMPL
-        and _no_hooks(module)
-        and _rebinds_arg(f4.f_code, f4.f_lasti)
-    )
+    if (
+        f4 is None
+        or f2.f_code is not _CALL_IMPL
+        or f3.f_code is not _WRAPPED_CALL_IMPL
+        or not _no_hooks(module)
+    ):
+        return None
+    return _site_shape(f4.f_code, f4.f_lasti)
 
 
 def _forward_ok(x, module, refcount: int, frame) -> bool:
     if _calib_seen is not None:
-        _calib_seen.append((refcount, _site_ok(frame, module)))
+        _calib_seen.append((refcount, _site(frame, module)))
         return False
+    shape = _site(frame, module) if _FWD_REFCOUNT is not None else None
     return (
-        _FWD_REFCOUNT is not None
-        and refcount == _FWD_REFCOUNT
+        shape is not None
+        and refcount == _FWD_REFCOUNT[shape]
         and not _disabled()
         and not torch._C._are_functorch_transforms_active()
         and _fresh_plain(x)
@@ -599,7 +613,6 @@ def _forward_ok(x, module, refcount: int, frame) -> bool:
         and _dense_whole(x)
         and _storage_alone(x)
         and _torch_owned(x)
-        and _site_ok(frame, module)
     )
 
 
@@ -653,6 +666,7 @@ class _FwdParent(torch.nn.Module):
     def __init__(self, keep: bool = False, rebind: bool = True) -> None:
         super().__init__()
         self.p = _FwdProbe()
+        self.f = _FwdFresh()
         self.keep, self.rebind = keep, rebind
 
     def forward(self, x):
@@ -665,6 +679,13 @@ class _FwdParent(torch.nn.Module):
             del y
         del kept
         return out
+
+
+class _FwdNested(_FwdParent):
+    def forward(self, x):
+        if self.keep:
+            return self.p(self.f.forward(x))  # forward() returns x * 1 too, but kept below
+        return self.p(self.f(x))
 
 
 def _calibrate_forward() -> None:
@@ -681,18 +702,25 @@ def _calibrate_forward() -> None:
         _FwdParent(rebind=False)(x)  # 4: ``y = self.p(out)``
         with torch.no_grad():
             torch.nn.Sequential(_FwdFresh(), _FwdProbe())(x)  # 5: same under no_grad
+        _FwdNested()(x)  # 6: ``self.p(self.f(x))``, a temporary
+        _FwdNested(keep=True)(x)  # 7: ``self.p(self.f.forward(x))``: temp shape, x * 1 fresh
+        tmp = _FwdProbe()
+        tmp.forward(x)  # 8: not through nn.Module.__call__
         ok = (
-            len(seen) == 6
+            len(seen) == 9
             and seen[0] == seen[1] == seen[5]
-            and seen[0][1]
-            and seen[2][1]
+            and seen[0][1] == "local"
+            and seen[2][1] == "local"
             and seen[2][0] > seen[0][0]
-            and seen[3] == (seen[1][0] + 1, True)
-            and seen[4][1] is False
+            and seen[3] == (seen[1][0] + 1, "local")
+            and seen[4][1] is None
+            and seen[6][1] == seen[7][1] == "temp"
+            and seen[6][0] == seen[7][0] == seen[0][0] - 1  # no local holds it
+            and seen[8][1] is None
         )
         _calib_seen = None
         if ok:
-            _FWD_REFCOUNT = seen[0][0]
+            _FWD_REFCOUNT = {"local": seen[0][0], "temp": seen[6][0]}
     except Exception:  # any surprise: never in place
         _FWD_REFCOUNT = None
     finally:
