@@ -1,0 +1,288 @@
+"""``slimgrad.ownership.owns_input`` (NOTE [Gradient-buffer ownership], forward terms F1-F7) and
+term 7 (torch-owned storage) of the backward rule."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from slimgrad import ownership
+from slimgrad.ops import _derived
+from slimgrad.ops.leaky_relu import leaky_relu
+
+
+class Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(ownership.owns_input(x, self))
+        return x
+
+
+class Fresh(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def _seq_fresh(p, x):
+    return nn.Sequential(Fresh(), p)(x)
+
+
+class Parent(nn.Module):
+    def __init__(self, p, how):
+        super().__init__()
+        self.p, self.f, self.how = p, Fresh(), how
+
+    def forward(self, x):
+        out = x * 2
+        if self.how == "rebind":
+            out = self.p(out)
+        elif self.how == "other_name":
+            y = self.p(out)
+            return y + out
+        elif self.how == "side_effect":
+            self.p(out)
+        elif self.how == "alias":
+            alias = out
+            out = self.p(out)
+            return out + alias
+        elif self.how == "nested":
+            return self.p(self.f(x))
+        elif self.how == "nested_local":
+            return self.p(self.f(out))
+        elif self.how == "kwargs":
+            out = self.p(x=out)
+        elif self.how == "ternary":
+            out = self.p(out if x.numel() > 0 else x)
+        return out
+
+
+class CellParent(Parent):
+    def forward(self, x):
+        out = x * 2
+
+        def later():  # makes ``out`` a cell variable of the whole function
+            return out
+
+        out = self.p(out)
+        return out + later()
+
+
+def _parent(how):
+    return lambda p, x: Parent(p, how)(x)
+
+
+def _hook_keeps(p, x):
+    kept = []
+    m = nn.Sequential(Fresh(), p)
+    m[0].register_forward_hook(lambda mod, i, o: kept.append(o))
+    return m(x)
+
+
+def _hook_weakref(p, x):
+    kept = []
+    m = nn.Sequential(Fresh(), p)
+    m[0].register_forward_hook(lambda mod, i, o: kept.append(weakref.ref(o)))
+    return m(x)
+
+
+def _hook_detach(p, x):
+    kept = []
+    m = nn.Sequential(Fresh(), p)
+    m[0].register_forward_hook(lambda mod, i, o: kept.append(o.detach()))
+    return m(x)
+
+
+def _hook_saved(p, x):
+    kept = []
+    m = nn.Sequential(Fresh(), p)
+    m[0].register_forward_hook(lambda mod, i, o: kept.append(o.sin()))  # sin saves o
+    return m(x.requires_grad_())
+
+
+def _hook_on_module(p, x):
+    p.register_forward_hook(lambda mod, i, o: None)
+    return nn.Sequential(Fresh(), p)(x)
+
+
+def _global_hook(p, x):
+    h = torch.nn.modules.module.register_module_forward_pre_hook(lambda mod, a: None)
+    try:
+        return nn.Sequential(Fresh(), p)(x)
+    finally:
+        h.remove()
+
+
+def _forward_attr(p, x):
+    p.forward = p.forward
+    return nn.Sequential(Fresh(), p)(x)
+
+
+def _view_input(p, x):
+    return nn.Sequential(Fresh(), nn.Unflatten(0, (1, 3)), p)(x)
+
+
+def _numpy_input(p, x):
+    return nn.Sequential(nn.Identity(), p)(torch.from_numpy(np.ones(3, dtype=np.float32)))
+
+
+def _no_grad(p, x):
+    with torch.no_grad():
+        return _seq_fresh(p, x)
+
+
+def _inference(p, x):
+    with torch.inference_mode():
+        return _seq_fresh(p, x)
+
+
+def _disabled(p, x):
+    with ownership.reuse_disabled():
+        return _seq_fresh(p, x)
+
+
+def _registry_weakref(p, x):
+    # a slimgrad registry's weak reference is accounted for; one more (a user's) is not
+    class Reg(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            _derived.register_recipe(y, lambda: None, ())
+            return y
+
+    return nn.Sequential(Reg(), p)(x)
+
+
+def _registry_plus_user_weakref(p, x):
+    refs = []
+
+    class Reg(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            _derived.register_recipe(y, lambda: None, ())
+            refs.append(weakref.ref(y))
+            return y
+
+    return nn.Sequential(Reg(), p)(x)
+
+
+CASES = {
+    "sequential_fresh": (_seq_fresh, True),
+    "sequential_first_child": (lambda p, x: nn.Sequential(p)(x * 2), False),
+    "parent_rebind": (_parent("rebind"), True),
+    "parent_other_name": (_parent("other_name"), False),
+    "parent_side_effect": (_parent("side_effect"), False),
+    "parent_alias": (_parent("alias"), False),
+    "parent_nested_call": (_parent("nested"), True),
+    "parent_nested_identity_of_local": (_parent("nested_local"), True),
+    "parent_kwargs": (_parent("kwargs"), False),
+    "parent_ternary_jump": (_parent("ternary"), False),
+    "parent_cell_variable": (lambda p, x: CellParent(p, "")(x), False),
+    "hook_keeps_producer_output": (_hook_keeps, False),
+    "hook_keeps_weakref": (_hook_weakref, False),
+    "hook_keeps_detached_alias": (_hook_detach, False),
+    "hook_output_saved_by_autograd": (_hook_saved, False),
+    "hook_on_the_module": (_hook_on_module, False),
+    "global_pre_hook": (_global_hook, False),
+    "instance_forward_attribute": (_forward_attr, False),
+    "view_input": (_view_input, False),
+    "numpy_memory": (_numpy_input, False),
+    "no_grad": (_no_grad, True),
+    "inference_mode": (_inference, True),
+    "reuse_disabled": (_disabled, False),
+    "slimgrad_registry_weakref": (_registry_weakref, True),
+    "registry_and_user_weakref": (_registry_plus_user_weakref, False),
+}
+
+
+def test_calibrated():
+    assert ownership._FWD_REFCOUNT is not None
+    assert ownership._FWD_REFCOUNT["temp"] == ownership._FWD_REFCOUNT["local"] - 1
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_owns_input(case):
+    fn, expected = CASES[case]
+    p = Probe()
+    ownership.reset_reuse_count()
+    fn(p, torch.randn(3))
+    assert p.seen == [expected]
+    assert ownership.reuse_count("forward") == int(expected)
+    assert ownership.reuse_count() == 0  # forward grants are not backward reuses
+
+
+def test_nested_local_is_the_fresh_result_not_the_local():
+    # self.p(self.f(out)): f returns a new tensor, so the local ``out`` does not hold p's input;
+    # with an f that returns its input, the local shows in the refcount and p is refused
+    p = Probe()
+
+    class Ident(Parent):
+        def __init__(self, p):
+            super().__init__(p, "nested_local")
+            self.f = nn.Identity()
+
+    Ident(p)(torch.randn(3))
+    assert p.seen == [False]
+
+
+def test_not_through_module_call():
+    p = Probe()
+    p.forward(torch.randn(3) * 2)
+    assert p.seen == [False]
+
+
+def test_compile_refuses():
+    torch._dynamo.reset()
+    seen = []
+
+    class P(nn.Module):
+        def forward(self, x):
+            seen.append(ownership.owns_input(x, self))
+            return x + 1
+
+    m = torch.compile(nn.Sequential(Fresh(), P()), backend="eager")
+    m(torch.randn(3))
+    assert seen and not any(seen)
+
+
+# Term 7: a gradient whose memory belongs to NumPy and is kept elsewhere is never overwritten.
+
+
+class _NumpyGrad(torch.autograd.Function):
+    # hands backward a gradient that wraps a NumPy array it also keeps
+    keep: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        arr = np.full(tuple(g.shape), 3.0, dtype=np.float32)
+        _NumpyGrad.keep.append(arr)
+        return torch.from_numpy(arr)
+
+
+@pytest.mark.parametrize("share", ["from_numpy", "frombuffer", "share_memory"])
+def test_backward_never_overwrites_memory_torch_does_not_own(share):
+    x = torch.randn(16, requires_grad=True)
+    if share == "from_numpy":
+        _NumpyGrad.keep.clear()
+        y = _NumpyGrad.apply(leaky_relu(x, 0.1))
+        y.sum().backward()
+        assert np.all(_NumpyGrad.keep[0] == 3.0)  # leaky_relu's backward did not write into it
+        want = torch.where(x > 0, 3.0, 0.3)
+        torch.testing.assert_close(x.grad, want)
+        return
+    buf = bytearray(16 * 4)
+    g = torch.frombuffer(buf, dtype=torch.float32) if share == "frombuffer" else torch.ones(16)
+    if share == "share_memory":
+        g.share_memory_()
+    g.fill_(2.0)
+    assert not ownership._torch_owned(g)
+    assert ownership._torch_owned(torch.ones(16))
