@@ -412,3 +412,18 @@ def test_one_value_per_channel_in_training_raises_like_torch():
     assert type(ours.bn1) is RecomputeABN
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         ours(torch.randn(1, 3, 2, 2))  # conv1 (stride 2) -> 1x1 spatial, batch of one
+
+
+@pytest.mark.parametrize("block", ["bottleneck", "basic"])
+def test_every_abn_site_of_a_torchvision_resnet_takes_the_in_place_path(block):
+    # torchvision's layout (``out = self.bn2(out)`` after a conv; the stem's nested
+    # ``self.bn1(self.conv1(x))``): every BatchNorm input is a fresh conv output nobody else holds,
+    # so ownership grants every InPlaceABN/RecomputeABN call; the result is the reference's
+    _, ref, ours = _pair(block=block, layers=(1, 2, 1, 1))
+    abns = [m for m in ours.modules() if isinstance(m, InPlaceABN)]
+    assert len(abns) == (11 if block == "bottleneck" else 6)  # bn1 (+ bn2) per block + stem
+    x0 = torch.randn(2, 3, 32, 32)
+    ownership.reset_reuse_count()
+    y = ours(x0.clone())
+    assert ownership.reuse_count("forward") == len(abns)
+    torch.testing.assert_close(y, ref(x0.clone()), rtol=1e-4, atol=1e-4)
