@@ -10,6 +10,8 @@ Attention masks are all ones (unpadded): padding in attention is tested by the a
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -178,7 +180,8 @@ def _config(name):
 
 
 def _fused(model) -> bool:
-    return any(n == "" and "loss" in what for n, _, what in slimgrad.report(model).converted)
+    rep = slimgrad.report(model)
+    return any(a.endswith(".forward") and "loss" in what for _, a, what in rep.converted)
 
 
 # padded labels (-100) everywhere; the causal LMs also with num_items_in_batch (gradient
@@ -204,3 +207,188 @@ def test_train_loss_and_every_gradient_within_rule(name, padded, num_items):
     assert_within_rule(out_c.loss, out_r.loss, out_e.loss, atol=atol, names=["loss"])
     names = [n for n, p in eager.named_parameters() if p.requires_grad]
     assert_within_rule(g_c, g_r, g_e, names=names)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_eval_and_no_grad_with_labels_return_hf_logits(name):
+    eager = _build(name)
+    conv = slimgrad.convert_(copy.deepcopy(eager), _config(name))
+    inputs = _inputs(name, padded=True)
+    for mode in ("eval", "no_grad"):
+        outs = []
+        for m in (eager, conv):
+            if mode == "eval":
+                m.eval()
+                outs.append(m(**inputs))
+            else:
+                m.train()
+                with torch.no_grad():
+                    outs.append(m(**inputs))
+        e, c = outs
+        assert c.logits is not None, mode
+        torch.testing.assert_close(c.logits, e.logits)
+        torch.testing.assert_close(c.loss, e.loss)
+
+
+def test_mixtral_router_aux_loss_keeps_hf_forward():
+    eager = _build("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    skipped = {n: r for n, _, r in slimgrad.report(conv).skipped}
+    assert "router aux loss" in skipped[""], str(slimgrad.report(conv))
+    assert not _fused(conv)
+    inputs = _inputs("mixtral", padded=True)
+    e, c = eager(**inputs), conv(**inputs)
+    assert c.aux_loss is not None and c.logits is not None
+    torch.testing.assert_close(c.loss, e.loss)
+    torch.testing.assert_close(c.aux_loss, e.aux_loss)
+    # off in the config, asked for in the call: this call runs HF's forward, aux loss included
+    eager = _build("mixtral", router_aux_loss_coef=0.5)
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    assert _fused(conv)
+    e = eager(**inputs, output_router_logits=True)
+    c = conv(**inputs, output_router_logits=True)
+    assert c.logits is not None
+    torch.testing.assert_close(c.loss, e.loss)
+    assert conv(**inputs).logits is None  # and the fused loss otherwise
+
+
+def test_keep_logits_returns_detached_logits_at_no_extra_saved_bytes():
+    from slimgrad.memory import measure
+
+    eager = _build("gemma2")
+    figures = []
+    for keep in (False, True):
+        cfg = slimgrad.ConvertConfig(dropout=False, keep_logits=keep)
+        conv = slimgrad.convert_(copy.deepcopy(eager), cfg)
+        inputs = _inputs("gemma2", padded=True)
+        out = conv(**inputs)
+        if keep:
+            e = eager(**inputs)
+            assert out.logits is not None and not out.logits.requires_grad
+            torch.testing.assert_close(out.logits, e.logits.detach())
+        else:
+            assert out.logits is None
+        out.loss.backward()  # warm-up: one-time caches are not step memory
+        conv.zero_grad(set_to_none=True)
+        figures.append(measure(lambda c=conv, i=inputs: c(**i).loss, module=conv))
+    assert figures[1].saved_bytes == figures[0].saved_bytes
+
+
+def test_subclass_overriding_forward_is_skipped_with_reason():
+    base = transformers.LlamaForCausalLM
+
+    class Custom(base):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            out.loss = out.logits.float().square().mean()
+            return out
+
+    class Plain(base):  # same forward: converts
+        pass
+
+    cfg = getattr(transformers, FAMILIES["llama"][0])(**FAMILIES["llama"][2])
+    for cls, fused in ((Custom, False), (Plain, True)):
+        model = cls(cfg).train()
+        slimgrad.convert_(model)
+        assert _fused(model) is fused
+        if not fused:
+            skipped = {n: r for n, _, r in slimgrad.report(model).skipped}
+            assert "not decorated" in skipped[""] or "template" in skipped[""]
+
+
+def test_hooked_or_wrapped_head_runs_hf_forward():
+    eager = _build("gpt2")
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    inputs = _inputs("gpt2", padded=True)
+    seen = []
+    for m in (eager, conv):
+        m.lm_head.register_forward_hook(lambda mod, a, out: seen.append(out.sum().item()))
+    e, c = eager(**inputs), conv(**inputs)
+    assert len(seen) == 2 and c.logits is not None  # the hook ran: HF's forward
+    torch.testing.assert_close(c.loss, e.loss)
+
+
+def _roundtrip(kind, model):
+    if kind == "deepcopy":
+        return copy.deepcopy(model)
+    if kind == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "deepcopy", "pickle"])
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_converted_model_survives_copies(name, kind):
+    conv = slimgrad.convert_(_build(name))
+    back = _roundtrip(kind, conv)
+    assert back.forward.model is back  # the fused forward belongs to the copy
+    inputs = _inputs(name, padded=True)
+    a, ga = _loss_and_grads(conv, inputs)
+    b, gb = _loss_and_grads(back, inputs)
+    assert a.logits is None and b.logits is None  # still fused
+    torch.testing.assert_close(b.loss, a.loss)
+    torch.testing.assert_close(gb, ga)
+    assert back.state_dict().keys() == conv.state_dict().keys()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma2", "bert"])
+def test_save_pretrained_loads_into_the_plain_class(name, tmp_path):
+    eager = _build(name)
+    conv = slimgrad.convert_(copy.deepcopy(eager), _config(name))
+    conv.save_pretrained(tmp_path)
+    plain = type(eager).from_pretrained(tmp_path).eval()
+    assert "forward" not in plain.__dict__
+    sd, sd_e = plain.state_dict(), eager.state_dict()
+    assert sd.keys() == sd_e.keys()
+    for k in sd:
+        torch.testing.assert_close(sd[k], sd_e[k], rtol=0, atol=0)
+    inputs = _inputs(name, padded=True)
+    e, p = eager.eval()(**inputs), plain(**inputs)
+    torch.testing.assert_close(p.logits, e.logits)
+    torch.testing.assert_close(p.loss, e.loss)
+
+
+_LORA = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("order", ["peft_then_convert", "convert_then_peft"])
+def test_peft_lora_before_and_after_convert(name, order):
+    peft = pytest.importorskip("peft")
+
+    def lora(model):
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=_LORA[name], lora_dropout=0.0,
+                              init_lora_weights=False, fan_in_fan_out=name == "gpt2")  # fmt: skip
+        torch.manual_seed(3)
+        return peft.get_peft_model(model, cfg)
+
+    eager = lora(_build(name))
+    if order == "peft_then_convert":
+        conv = slimgrad.convert_(copy.deepcopy(eager))
+    else:
+        conv = lora(slimgrad.convert_(_build(name)))
+    n_lora = sum("lora_A" in n for n, _ in conv.named_parameters())
+    assert n_lora == sum("lora_A" in n for n, _ in eager.named_parameters()) > 0
+    assert _fused(conv if order == "peft_then_convert" else conv.base_model.model)
+    lean = slimgrad.nn.Conv1D if name == "gpt2" else torch.nn.Linear
+    bases = [m.base_layer for m in conv.modules() if hasattr(m, "lora_A")]
+    assert bases and all(isinstance(b, lean) for b in bases)  # LoRA wraps slimgrad's layers
+    inputs = _inputs(name, padded=True)
+    (e, ge), (c, gc) = _loss_and_grads(eager, inputs), _loss_and_grads(conv, inputs)
+    assert c.logits is None
+    names = [n for n, p in eager.named_parameters() if p.requires_grad]
+    assert names == [n for n, p in conv.named_parameters() if p.requires_grad]
+    torch.testing.assert_close(c.loss, e.loss)
+    torch.testing.assert_close(gc, ge, msg=lambda m: f"{names}: {m}")
+
+
+def test_return_dict_false_gives_hf_tuple():
+    eager = _build("llama")
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    inputs = _inputs("llama", padded=True)
+    e, c = eager(**inputs, return_dict=False), conv(**inputs, return_dict=False)
+    assert isinstance(c, tuple) and len(c) == len(e) - 1  # (loss, past...) without logits
+    torch.testing.assert_close(c[0], e[0])

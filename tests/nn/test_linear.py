@@ -33,3 +33,31 @@ def test_conv1d_matches_transformers_and_frozen_weight_keeps_no_input():
     assert m.saved_bytes == 0
     with pytest.raises(TypeError, match="slimgrad.nn.Conv1D.from_torch"):
         Conv1D.from_torch(torch.nn.Linear(2, 2))
+
+
+def test_conv1d_from_transformers_is_a_transformers_conv1d_and_pickles():
+    import copy
+    import io
+    import pickle
+
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    hf = pytorch_utils.Conv1D(6, 5)
+    new = Conv1D.from_torch(hf)
+    # code that dispatches on HF's class (PEFT LoRA's Conv1D branch) sees one
+    assert isinstance(new, pytorch_utils.Conv1D) and isinstance(new, Conv1D)
+    assert type(new).forward is Conv1D.forward
+    assert new.weight is hf.weight and new.bias is hf.bias
+    assert Conv1D.from_torch(hf).__class__ is type(new)  # one class, made once
+    x = torch.randn(3, 4, 5)
+    buf = io.BytesIO()
+    torch.save(new, buf)
+    buf.seek(0)
+    copies = [
+        copy.deepcopy(new),
+        pickle.loads(pickle.dumps(new)),
+        torch.load(buf, weights_only=False),
+    ]
+    for c in copies:
+        assert type(c) is type(new)
+        torch.testing.assert_close(c(x), hf(x))
+    assert new.state_dict().keys() == hf.state_dict().keys()

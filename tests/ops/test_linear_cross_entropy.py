@@ -591,3 +591,98 @@ def test_precomputed_dh_is_reusable_by_the_op_before(monkeypatch, lead, views_re
     assert counts == [(1, 0 if retain else 2), (0, 0)]  # layer_norm's reuse; dh and dW
     for a, c in zip(*grads, strict=True):
         assert torch.equal(a, c)
+
+
+# NOTE [Logit transforms]: logit_scale and logit_softcap are elementwise on each chunk's logits
+
+
+def _eager_tf(h, w, t, b, scale=1.0, cap=None, **kw):
+    z = F.linear(h, w, b) * scale
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+    return F.cross_entropy(z.reshape(-1, w.shape[0]), t.reshape(-1), **kw)
+
+
+_TRANSFORMS = [(0.37, None), (1.0, 0.9), (2.5, 1.7)]
+
+
+@pytest.mark.parametrize("precompute", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("scale,cap", _TRANSFORMS)
+def test_logit_transforms_gradcheck_float64(precompute, reduction, scale, cap):
+    hid, w, b, t = _data(n=5, v=7, h=3, dtype=torch.float64, n_ignored=1)
+
+    def ours(h, w, t, b, **kw):
+        return _lce(h, w, t, b, **kw, chunk_size=2, precompute_grads=precompute,
+                    logit_scale=scale, logit_softcap=cap)  # fmt: skip
+
+    def f(h, w, b):
+        return ours(h, w, t, b, label_smoothing=0.2, reduction=reduction)
+
+    inputs = [x.clone().requires_grad_() for x in (hid, w, b)]
+    assert torch.autograd.gradcheck(f, inputs)
+    kw = dict(label_smoothing=0.2, reduction=reduction)
+    gout = torch.randn(t.shape, dtype=torch.float64) if reduction == "none" else None
+    ref = _run(lambda *a, **k: _eager_tf(*a, scale, cap, **k), hid, w, b, t, gout, **kw)
+    got = _run(ours, hid, w, b, t, gout, **kw)
+    for r, o in zip(ref, got, strict=True):
+        torch.testing.assert_close(o, r.reshape(o.shape))
+
+
+@pytest.mark.parametrize("precompute", [True, False])
+@pytest.mark.parametrize("scale,cap", _TRANSFORMS)
+def test_logit_transforms_float32_within_rule(precompute, scale, cap):
+    hid, w, b, t = _data(n=29, v=V, h=H)
+    h64, w64, b64 = hid.double(), w.double(), b.double()
+    ref = _run(lambda *a, **k: _eager_tf(*a, scale, cap, **k), h64, w64, b64, t)
+    eager = _run(lambda *a, **k: _eager_tf(*a, scale, cap, **k), hid, w, b, t)
+    got = _run(
+        lambda *a, **k: _lce(*a, **k, chunk_size=8, precompute_grads=precompute,
+                             logit_scale=scale, logit_softcap=cap),  # fmt: skip
+        hid, w, b, t,
+    )  # fmt: skip
+    assert_within_rule(got, ref, eager, names=["loss", "dh", "dW", "db"])
+
+
+def test_logit_transforms_keep_the_memory_contract():
+    # the transform lives in each chunk: what is saved for backward does not change
+    n, h, v = 64, 32, 1001
+    hid, w, b, t = _data(n=n, v=v, h=h)
+    x0 = hid.requires_grad_()
+    w.requires_grad_()
+    for pre in (True, False):
+        plain = measure(lambda p=pre: _lce(x0 * 1, w, t, chunk_size=16, precompute_grads=p))
+        tf = measure(
+            lambda p=pre: _lce(
+                x0 * 1, w, t, chunk_size=16, precompute_grads=p, logit_scale=0.5, logit_softcap=3.0
+            )  # fmt: skip
+        )
+        assert tf.saved_bytes == plain.saved_bytes
+
+
+def test_causal_lm_loss_with_softcap_matches_hf():
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    hid, w, b, t = _data(lead=(2, 9))
+    labels = t.clone()
+    labels[0, :2] = -100
+    h = hid.clone().requires_grad_()
+    z = torch.tanh(F.linear(h, w) * 0.5 / 2.0) * 2.0
+    ref = loss_utils.ForCausalLMLoss(z, labels, V, num_items_in_batch=torch.tensor(5))
+    got = causal_lm_loss(hid, w, labels, num_items_in_batch=torch.tensor(5), logit_scale=0.5,
+                         logit_softcap=2.0)  # fmt: skip
+    torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(logit_scale="2"), TypeError, "logit_scale must be a number"),
+        (dict(logit_scale=float("inf")), ValueError, "logit_scale must be finite"),
+        (dict(logit_softcap=0.0), ValueError, "logit_softcap must be a positive finite"),
+        (dict(logit_softcap=-1.0), ValueError, "logit_softcap must be a positive finite"),
+    ],
+)
+def test_bad_logit_transforms(kwargs, exc, match):
+    hid, w, b, t = _data()
+    with pytest.raises(exc, match=f"slimgrad.ops.linear_cross_entropy: {match}"):
+        linear_cross_entropy(hid, w, t, **kwargs)
