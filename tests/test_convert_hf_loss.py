@@ -392,3 +392,39 @@ def test_return_dict_false_gives_hf_tuple():
     e, c = eager(**inputs, return_dict=False), conv(**inputs, return_dict=False)
     assert isinstance(c, tuple) and len(c) == len(e) - 1  # (loss, past...) without logits
     torch.testing.assert_close(c[0], e[0])
+
+
+def test_trainer_predict_hands_logits_to_compute_metrics(tmp_path):
+    pytest.importorskip("accelerate")
+    eager = _build("gpt2")
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    x = _inputs("gpt2", padded=True)
+    data = [{k: v[i] for k, v in x.items()} for i in range(B)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_eval_batch_size=B, report_to=[], use_cpu=True
+    )
+    seen = []
+
+    def metrics(p):
+        seen.append(p.predictions)
+        return {}
+
+    preds = []
+    for m in (eager, conv):
+        trainer = transformers.Trainer(model=m, args=args, compute_metrics=metrics)
+        preds.append(trainer.predict(data))
+    assert len(seen) == 2 and seen[1] is not None
+    torch.testing.assert_close(torch.as_tensor(seen[1]), torch.as_tensor(seen[0]))
+    assert preds[1].metrics["test_loss"] == pytest.approx(preds[0].metrics["test_loss"], rel=1e-6)
+
+
+def test_unknown_lm_forward_is_reported_and_left_alone():
+    cfg = transformers.BloomConfig(vocab_size=V, hidden_size=32, n_head=4, n_layer=1)
+    torch.manual_seed(0)
+    eager = transformers.BloomForCausalLM(cfg).train()
+    conv = slimgrad.convert_(copy.deepcopy(eager), slimgrad.ConvertConfig(dropout=False))
+    skipped = {(n, a): r for n, a, r in slimgrad.report(conv).skipped}
+    assert "HF's forward kept" in skipped[("", "BloomForCausalLM.forward")]
+    assert "forward" not in conv.__dict__
+    inputs = _inputs("gpt2", padded=True)
+    torch.testing.assert_close(conv(**inputs).loss, eager(**inputs).loss)

@@ -20,6 +20,10 @@ rows, dW += dzᵀ h, db += Σ dz): 3 big matmuls in all, like eager; backward on
 saved dh, dW, db by g. This runs when dW is no larger than eager's log-probs (N >= H), or when W
 needs no gradient. 'none' (per-token g, unknown in forward) and N < H: forward keeps lse, backward
 recomputes the chunk logits (one extra matmul of 2·N·V·H flops). Exact up to summation order.
+Optional elementwise logit transforms (``logit_scale`` s, ``logit_softcap`` c: the loss of
+``c·tanh(s·z / c)``, HF's Cohere/Granite scaling and Gemma2/3 soft-capping) are applied to each
+chunk's logits in forward and backward (NOTE [Logit transforms]); they change nothing that is
+saved. The Triton kernels implement the plain logits; with a transform the PyTorch chunk path runs.
 Low precision (bf16/fp16 inputs, or autocast): the matmuls run in that dtype, like eager; softmax
 statistics and the dW/db accumulators are float32.
 
