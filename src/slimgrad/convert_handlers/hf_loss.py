@@ -357,10 +357,13 @@ def _match(fn):
         body, params, varkw, varargs, decos, g = _normalised(fn)
     except (OSError, TypeError, SyntaxError, IndexError) as e:
         return None, f"forward's source is not available ({type(e).__name__})"
+    from transformers.utils import auto_docstring
     from transformers.utils.generic import can_return_tuple
 
-    if sorted(decos) != sorted([_CAN_RETURN_TUPLE, _AUTO_DOCSTRING]) or (
-        g.get("can_return_tuple") is not can_return_tuple
+    if (
+        sorted(decos) != sorted([_CAN_RETURN_TUPLE, _AUTO_DOCSTRING])
+        or g.get("can_return_tuple") is not can_return_tuple
+        or g.get("auto_docstring") is not auto_docstring
     ):
         return None, "forward is not decorated as transformers' @can_return_tuple templates are"
     if "labels" not in params or varkw is None or varargs or params[0] != "self":
