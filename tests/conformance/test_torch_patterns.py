@@ -21,7 +21,7 @@ from torch import nn
 import slimgrad
 from slimgrad import ownership
 from slimgrad.nn.inplace_abn import InPlaceABN, LeakyReLUAfterABN
-from slimgrad.testing import assert_within_rule
+from slimgrad.testing import assert_within_rule, rule_ok
 
 DEFAULT = slimgrad.ConvertConfig()
 ABN = slimgrad.ConvertConfig(inplace_abn=True)
@@ -434,7 +434,13 @@ def test_low_precision_within_rule(row, dtype):
         g = torch.autograd.grad(y.float().square().sum(), [x, *m.parameters()])
         assert torch.equal(x.detach(), xc)
         res.append([y, *g])
-    assert_within_rule(res[0], res[2], res[1])
+    # output and input gradient: the rule. Parameter gradients: InPlaceABN rebuilds x-hat from its
+    # stored output, whose rounding the rule's eager side does not have (NOTE [Invertibility] in
+    # slimgrad/ops/inplace_abn.py: dweight at most 1.36x the bound in fp32), in place or not
+    assert_within_rule(res[0][:2], res[2][:2], res[1][:2])
+    for name, o, r, e in zip(range(2, len(res[0])), res[0][2:], res[2][2:], res[1][2:]):
+        ok, err, bound = rule_ok(o, r, e)
+        assert err <= 1.5 * bound, (name, err, bound)
 
 
 def test_saved_bytes_same_on_both_paths():
