@@ -168,6 +168,31 @@ class SharedTwice(nn.Module):
         return self.b(self.block(self.block(self.a(x))))
 
 
+class _UsesBN(nn.Module):
+    def __init__(self, bn):
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x):
+        return self.bn(x) * 2
+
+
+class FxSharedBN(nn.Module):
+    # one BN: followed by the ReLU here (an fx pair), used without activation by a child
+    def __init__(self, act):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = act
+        self.sub = _UsesBN(self.bn)
+
+    def forward(self, x):
+        out = self.conv(x)
+        out = self.bn(out)
+        out = self.relu(out)
+        return self.sub(out)
+
+
 def _chain(act, n=3):
     layers = []
     for _ in range(n):
@@ -227,6 +252,13 @@ ROWS = {
     "relu_inplace_a_plus_b": (lambda act: ReLUSideEffect(True), _img),
     "relu_inplace_fresh": (lambda act: ReLUFresh(False), _img),
     "shared_modules": (SharedTwice, lambda: torch.randn(2, 3, 5, 6)),
+    "fx_shared_bn": (FxSharedBN, _img),
+    "abn_after_abn": (
+        lambda act: nn.Sequential(
+            nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), act, nn.BatchNorm2d(4), nn.ELU()
+        ),
+        _img,
+    ),
     "hook_on_producer": (_hooked("producer"), _img),
     "prehook_on_producer": (_hooked("producer_pre"), _img),
     "hook_on_bn": (_hooked("bn"), _img),
