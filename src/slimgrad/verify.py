@@ -249,12 +249,17 @@ def _nonfinite(side: _Side, label: str) -> list[str]:
     if not bad:
         return []
     shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    if label == "float64 reference":
+        fix = (
+            "A non-finite reference proves nothing. On a padded batch this is typically HF's eager "
+            "attention upcasting float64 scores to float32 (fully masked rows become NaN): "
+            "check that model with padded=False and its padded batches with the conformance suite"
+        )
+    else:
+        fix = f"The {label} is wrong here or the inputs are: check them (e.g. fully masked rows)"
     return [
         f"slimgrad.verify: the {label} has non-finite values; expected a finite loss, gradients "
-        f"and outputs, got NaN/inf in {shown}. A non-finite "
-        + ("reference" if label == "float64 reference" else "result")
-        + " proves nothing: check the inputs (e.g. fully masked rows) or pass a loss_fn that "
-        "ignores them."
+        f"and outputs, got NaN/inf in {shown}. {fix}."
     ]
 
 
@@ -419,6 +424,15 @@ def _padded(inputs: Mapping, model: nn.Module, counts: list[int], side: str) -> 
 _CONVERTED_MODULES = ("slimgrad.nn.", "slimgrad.convert_handlers.", "slimgrad.ops.")
 
 
+def _reference(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model).to(torch.float64)
+    for m in ref.modules():  # HF MoE experts: grouped_mm has no float64; the eager loop has
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+            cfg._experts_implementation = "eager"
+    return ref
+
+
 def _converted_parts(model: nn.Module) -> str | None:
     # the "original" must not itself run slimgrad code: then both sides would agree on anything
     for name, m in model.named_modules():
@@ -526,7 +540,7 @@ def verify(
     # with the default loss, ``out.loss`` is the loss check; a custom loss_fn leaves it an output
     skip = {"loss"} if loss_fn is None else set()
     loss_fn = loss_fn or _default_loss
-    ref = copy.deepcopy(model).to(torch.float64)
+    ref = _reference(model)
     batches = [("inputs", inputs)]
     counts, pad_what = _padding_plan(model, inputs) if padded else (None, "not run (padded=False)")
     if counts is not None:

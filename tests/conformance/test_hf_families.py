@@ -1,0 +1,323 @@
+"""Conformance of ``convert_`` over the HF families slimgrad claims: the gate for every HF handler.
+
+Each family (tiny random config, fp32, dropout on; see ``_hf_families.py``) is converted with the
+default ``ConvertConfig`` and compared with the eager model, against a float64 copy of the eager
+model, by the GUIDE.md rule ``max|x - x64| <= 2 * max|x_eager - x64| + atol``:
+
+- rows ``<family>-<train|eval>-<unpadded|left|right>-<labels|nolabels>``: every floating output
+  the model returns, the loss and every parameter's gradient, all finite, the caller's batch left
+  unchanged; eval rows also run a ``no_grad`` forward. With labels in training the converted model
+  may return ``logits=None`` (the fused loss; documented), nowhere else.
+- ``<family>-generate``: greedy ``generate()`` of a few tokens on a left-padded batch gives eager's
+  tokens (LMs and encoder-decoders).
+- ``<family>-report``: the family converts something, and every skipped entry says why.
+- ``<family>-verify``: ``slimgrad.verify`` (padded batches on by default) says OK exactly when the
+  train/labels rows pass, so verify and this suite cannot disagree.
+
+The comparisons here are written without ``slimgrad.verify`` (only ``slimgrad.testing``'s rule),
+and the padding without verify's, so that the ``-verify`` rows cross-check it. Models are built once
+per family and process (module-level cache); rows only switch train/eval.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+import slimgrad
+from slimgrad.testing import DEFAULT_ATOL, assert_within_rule, grads_of
+from tests.conformance import _hf_families as H
+
+pytest.importorskip("transformers")
+
+SEED = 7
+_CACHE: dict[str, tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]] = {}
+
+
+def _models(name: str):
+    """(eager, converted, float64 reference) of a family, built once per process."""
+    if name not in _CACHE:
+        eager = H.build(H.FAMILIES[name])
+        ref = copy.deepcopy(eager).to(torch.float64)
+        if getattr(ref.config, "_experts_implementation", None) not in (None, "eager"):
+            ref.config._experts_implementation = "eager"  # grouped_mm has no float64
+        conv = slimgrad.convert_(copy.deepcopy(eager))
+        _CACHE[name] = (eager, conv, ref)
+    return _CACHE[name]
+
+
+def _cast64(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(torch.float64) if obj.is_floating_point() else obj
+    if isinstance(obj, Mapping):
+        return {k: _cast64(v) for k, v in obj.items()}
+    return obj
+
+
+def _floats(out, path=""):
+    # {path: tensor or None} over nested outputs (ModelOutput, tuples); caches are not compared
+    if isinstance(out, torch.Tensor) or out is None:
+        if out is None or out.is_floating_point():
+            yield path, out
+    elif isinstance(out, Mapping):
+        for k, v in out.items():
+            yield from _floats(v, f"{path}.{k}" if path else k)
+    elif isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            yield from _floats(v, f"{path}[{i}]")
+
+
+def _loss_without_labels(out):
+    # every top-level floating tensor of the output (logits, embeddings, aux losses) feeds the loss
+    parts = [t.float().square().mean() for _, t in out.items() if isinstance(t, torch.Tensor)]
+    return torch.stack([p for p in parts if p.is_floating_point()]).sum()
+
+
+def _scaled_atol(ref: torch.Tensor) -> float:
+    # outputs and losses are of any magnitude: the rule's absolute term scales with them
+    return DEFAULT_ATOL[torch.float32] * max(1.0, float(ref.detach().abs().max()))
+
+
+def _side(model, batch, labels, grad=True):
+    params = [p for p in model.parameters() if p.requires_grad]
+    mine = copy.deepcopy(batch)
+    torch.manual_seed(SEED)
+    with torch.set_grad_enabled(grad):
+        out = model(**mine)
+    outs = dict(_floats(out))
+    if not grad:
+        return outs, None, None, mine
+    loss = out.loss if labels else _loss_without_labels(out)
+    assert loss is not None, "the model returned no loss"
+    return outs, loss.detach(), grads_of(loss, params), mine
+
+
+def _check_outputs(tag, e, c, r, *, may_drop_logits):
+    problems = []
+    for path in dict.fromkeys(list(e) + list(c)):
+        oe, oc, orf = e.get(path), c.get(path), r.get(path)
+        if oe is None and oc is None:
+            continue
+        if oc is None:
+            if not (path == "logits" and may_drop_logits):
+                problems.append(f"{tag}: output {path!r} missing from the converted model")
+            continue
+        if oe is None:
+            problems.append(f"{tag}: converted returns {path!r}, eager does not")
+            continue
+        if oc.shape != oe.shape:
+            problems.append(f"{tag}: output {path!r} shape {tuple(oc.shape)} != {tuple(oe.shape)}")
+            continue
+        if not torch.isfinite(orf).all():
+            problems.append(f"{tag}: float64 output {path!r} is not finite")
+        try:
+            assert_within_rule(oc, orf, oe, atol=_scaled_atol(orf), names=[f"output {path}"])
+        except AssertionError as err:
+            problems.append(f"{tag}: {err}".replace("error rule violated:\n  ", ""))
+    return problems
+
+
+def _finite(loss, grads, outs) -> bool:
+    tensors = [loss, *grads, *outs.values()]
+    return all(t is None or bool(t.isfinite().all()) for t in tensors)
+
+
+# NOTE [Non-finite float64 reference on padded batches]
+# HF's eager attention (Bloom, Gemma2, ...) computes the softmax in float32 whatever the model's
+# dtype: in the float64 copy the padding mask's finfo(float64).min becomes -inf, and a fully
+# masked query row (every left-padded causal row, a sliding window over padding) becomes NaN,
+# which reaches every gradient through P @ V. The rule has no reference then. Such rows compare
+# the converted model with eager directly (torch.testing.assert_close at float32's default
+# tolerances: a conversion changes only rounding) and record that they did; slimgrad.verify,
+# which must not be fooled, reports the non-finite reference instead (see test_verify_agrees...).
+_FALLBACK: set[tuple[str, str, str, bool]] = set()
+
+
+def _close(tag, c, e, problems):
+    try:
+        torch.testing.assert_close(c, e)
+    except AssertionError as err:
+        problems.append(f"{tag} (vs eager, float64 reference non-finite): {str(err)[:300]}")
+
+
+def check_row(name: str, mode: str, pad: str, labels: bool) -> None:
+    """Converted vs eager vs float64 on one batch; raises AssertionError listing every problem."""
+    fam = H.FAMILIES[name]
+    eager, conv, ref = _models(name)
+    for m in (eager, conv, ref):
+        m.train(mode == "train")
+    batch = H.pad(H.inputs(fam, eager, labels=labels), eager, pad)
+    keep = copy.deepcopy(batch)
+    oe, le, ge, _ = _side(eager, batch, labels)
+    oc, lc, gc, after = _side(conv, batch, labels)
+    orf, lr, gr, _ = _side(ref, _cast64(batch), labels)
+    problems = []
+    if not _finite(lr, gr, orf) and _finite(le, ge, oe):
+        _FALLBACK.add((name, mode, pad, labels))
+        if not _finite(lc, gc, oc):
+            problems.append("converted: non-finite loss, gradient or output (eager is finite)")
+        for k, v in keep.items():
+            if isinstance(v, torch.Tensor) and not torch.equal(v, after[k]):
+                problems.append(f"the converted model changed input {k!r}")
+        may_drop = labels and mode == "train"
+        for path in dict.fromkeys(list(oe) + list(oc)):
+            if oc.get(path) is None or oe.get(path) is None:
+                if not (oc.get(path) is None and (oe.get(path) is None or path == "logits")):
+                    problems.append(f"output {path!r}: present on one side only")
+                elif oe.get(path) is not None and not may_drop:
+                    problems.append(f"output {path!r} missing from the converted model")
+                continue
+            _close(f"output {path}", oc[path], oe[path], problems)
+        _close("loss", lc, le, problems)
+        for n, a, b in zip(_names(eager), gc, ge, strict=True):
+            _close(f"grad {n}", a, b, problems)
+        assert not problems, f"{name} {mode} {pad} {'labels' if labels else 'nolabels'}:\n" + (
+            "\n".join(problems[:6])
+        )
+        return
+    for side, loss, grads in (("float64", lr, gr), ("eager", le, ge), ("converted", lc, gc)):
+        bad = [
+            n
+            for n, g in zip(_names(eager), grads, strict=True)
+            if g is not None and not g.isfinite().all()
+        ]
+        if not loss.isfinite() or bad:
+            problems.append(f"{side}: non-finite loss {float(loss)} or grads {bad[:3]}")
+    for k, v in keep.items():
+        if isinstance(v, torch.Tensor) and not torch.equal(v, after[k]):
+            problems.append(f"the converted model changed input {k!r}")
+    problems += _check_outputs("forward", oe, oc, orf, may_drop_logits=labels and mode == "train")
+    try:
+        assert_within_rule(lc, lr, le, atol=_scaled_atol(lr), names=["loss"])
+    except AssertionError as err:
+        problems.append(str(err).replace("error rule violated:\n  ", ""))
+    try:
+        assert_within_rule(gc, gr, ge, names=_names(eager))
+    except AssertionError as err:
+        lines = str(err).splitlines()[1:]
+        more = f" (+{len(lines) - 3} more)" if len(lines) > 3 else ""
+        problems.append("grads: " + "; ".join(x.strip() for x in lines[:3]) + more)
+    if mode == "eval":  # an inference forward: eager's outputs, logits included
+        oe, _, _, _ = _side(eager, batch, labels, grad=False)
+        oc, _, _, _ = _side(conv, batch, labels, grad=False)
+        orf, _, _, _ = _side(ref, _cast64(batch), labels, grad=False)
+        problems += _check_outputs("no_grad", oe, oc, orf, may_drop_logits=False)
+    assert not problems, f"{name} {mode} {pad} {'labels' if labels else 'nolabels'}:\n" + (
+        "\n".join(problems)
+    )
+
+
+def _names(model):
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _rows():
+    for name, fam in H.FAMILIES.items():
+        for mode in ("train", "eval"):
+            for pad in ("unpadded", "left", "right") if fam.text else ("unpadded",):
+                for labels in (True, False):
+                    yield pytest.param(
+                        name,
+                        mode,
+                        pad,
+                        labels,
+                        id=f"{name}-{mode}-{pad}-{'labels' if labels else 'nolabels'}",
+                    )
+
+
+_RESULTS: dict[tuple[str, str, str, bool], str] = {}  # row -> "pass" or its first problem
+
+
+def _result(name, mode, pad, labels) -> str:
+    key = (name, mode, pad, labels)
+    if key not in _RESULTS:
+        try:
+            check_row(*key)
+            _RESULTS[key] = "pass"
+        except AssertionError as err:
+            lines = str(err).splitlines()
+            _RESULTS[key] = lines[1] if len(lines) > 1 else str(err)
+    return _RESULTS[key]
+
+
+@pytest.mark.parametrize("name,mode,pad,labels", list(_rows()))
+def test_row(name, mode, pad, labels):
+    key = (name, mode, "none" if pad == "unpadded" else pad, labels)
+    try:
+        check_row(*key)
+    except AssertionError as err:
+        lines = str(err).splitlines()
+        _RESULTS[key] = lines[1] if len(lines) > 1 else str(err)
+        raise
+    _RESULTS[key] = "pass"
+
+
+@pytest.mark.parametrize("name", [n for n, f in H.FAMILIES.items() if f.generates])
+def test_generate_left_padded(name):
+    fam = H.FAMILIES[name]
+    eager, conv, _ = _models(name)
+    batch = H.pad(H.inputs(fam, eager, labels=False), eager, "left")
+    kw = dict(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=H.pad_id(eager),
+    )
+    seqs = []
+    if getattr(eager.config, "output_router_logits", False):
+        kw["output_router_logits"] = False  # HF's aux loss fails on a padded generate step
+    for m in (eager, conv):
+        m.eval()
+        seqs.append(m.generate(**copy.deepcopy(kw)))
+    torch.testing.assert_close(seqs[1], seqs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(H.FAMILIES))
+def test_report_converts_or_says_why(name, record_property):
+    eager, conv, _ = _models(name)
+    rep = slimgrad.report(conv)
+    hf = [f"{a} -> {b}" for _, a, b in rep.converted if "." in a or "attention" in a.lower()]
+    record_property("converted", f"{len(rep.converted)} modules; " + "; ".join(hf))
+    record_property("skipped", "; ".join(f"{n or '<root>'} {t}: {r}" for n, t, r in rep.skipped))
+    assert rep.converted, f"{name}: convert_ converted nothing in a claimed family\n{rep}"
+    for entry in rep.skipped:
+        assert len(entry) == 3 and isinstance(entry[2], str) and entry[2].strip(), (
+            f"{name}: skipped without a reason: {entry}"
+        )
+    # the conversion changed something real: a module type, a bound forward or the attention
+    changed = any(
+        type(a) is not type(b)
+        or "forward" in vars(b)
+        or getattr(getattr(b, "config", None), "_attn_implementation", None)
+        != getattr(getattr(a, "config", None), "_attn_implementation", None)
+        for a, b in zip(eager.modules(), conv.modules(), strict=False)
+    ) or len(list(eager.modules())) != len(list(conv.modules()))
+    assert changed, f"{name}: the report lists conversions but the model is unchanged\n{rep}"
+
+
+@pytest.mark.parametrize("name", [n for n, f in H.FAMILIES.items() if f.text])
+def test_verify_agrees_with_the_rows(name, record_property):
+    fam = H.FAMILIES[name]
+    eager, conv, _ = _models(name)
+    rows = {pad: _result(name, "train", pad, True) for pad in ("none", "left", "right")}
+    for m in (eager, conv):
+        m.train()
+    rep = slimgrad.verify(eager, conv, H.inputs(fam, eager, labels=True), seed=SEED)
+    record_property("verify", "OK" if rep.ok else "FAILED")
+    assert [r.name for r in rep.runs] == ["inputs", "left-padded", "right-padded"], str(rep)
+    rows_ok = all(v == "pass" for v in rows.values())
+    fallback = [p for p in rows if (name, "train", p, True) in _FALLBACK]
+    if fallback:  # NOTE [Non-finite float64 reference on padded batches]: verify must say so
+        assert not rep.ok and "the float64 reference has non-finite values" in str(rep), str(rep)
+        judged = [r for r in rep.runs if not any("float64 reference" in f for f in r.failures)]
+        rep_ok = all(r.ok for r in judged)
+        rows_ok = all(v == "pass" for p, v in rows.items() if p not in fallback)
+    else:
+        rep_ok = rep.ok
+    assert rep_ok == rows_ok, f"verify says {'OK' if rep_ok else 'FAILED'}, rows: {rows}\n{rep}"
