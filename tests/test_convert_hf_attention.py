@@ -1,0 +1,528 @@
+"""HF attention under ``convert_``: exact by capability, or kept with the reason in the report.
+
+NOTE [HF attention: exact or untouched] in ``slimgrad/convert_handlers/hf_attention.py``. Every
+family: train (dropout on, attention dropout included) and eval, unpadded and padded (left and
+right, real zeros in ``attention_mask``), outputs and every gradient of the converted model against
+the original with the same seed (same dropout masks); ``generate()`` on a left-padded batch for the
+decoder LMs. Only the attention pass and the bit-exact passes run here (``activations`` and
+``norms`` round differently in the last bit and are held to the GUIDE rule in their own suites;
+the fused loss is another pass's: ``fused_loss=False``).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import functools
+
+import pytest
+import torch
+
+import slimgrad
+from slimgrad.memory import measure
+
+transformers = pytest.importorskip("transformers")
+
+CFG = slimgrad.ConvertConfig(fused_loss=False, activations=False, norms=False)
+V = 100  # vocab
+_LM = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=V)
+_GQA = dict(_LM, num_hidden_layers=2, num_key_value_heads=2, attention_dropout=0.1)
+
+
+def _configs():
+    t = transformers
+    return {
+        # name: (config, model class, input kind, attention modules or the skip reason)
+        "gpt2": (
+            t.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32),
+            t.GPT2LMHeadModel,
+            "lm",
+            2,
+        ),
+        "gpt_neox": (
+            t.GPTNeoXConfig(num_hidden_layers=2, attention_dropout=0.1, hidden_dropout=0.1, **_LM),
+            t.GPTNeoXForCausalLM,
+            "lm",
+            2,
+        ),
+        "llama": (t.LlamaConfig(**_GQA), t.LlamaForCausalLM, "lm", 2),
+        "mistral": (t.MistralConfig(sliding_window=3, **_GQA), t.MistralForCausalLM, "lm", 2),
+        "mistral_full": (
+            t.MistralConfig(sliding_window=None, **_GQA),
+            t.MistralForCausalLM,
+            "lm",
+            2,
+        ),
+        "qwen2": (t.Qwen2Config(**_GQA), t.Qwen2ForCausalLM, "lm", 2),
+        "qwen3": (t.Qwen3Config(head_dim=8, **_GQA), t.Qwen3ForCausalLM, "lm", 2),
+        "gemma": (t.GemmaConfig(head_dim=8, **_GQA), t.GemmaForCausalLM, "lm", 2),
+        "gemma2": (
+            t.Gemma2Config(head_dim=8, sliding_window=3, **_GQA),
+            t.Gemma2ForCausalLM,
+            "lm",
+            "attention implementation 'eager' kept",
+        ),
+        "phi3": (t.Phi3Config(pad_token_id=0, **_GQA), t.Phi3ForCausalLM, "lm", 2),
+        "opt": (
+            t.OPTConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                ffn_dim=64,
+                vocab_size=V,
+                word_embed_proj_dim=32,
+                attention_dropout=0.1,
+                max_position_embeddings=32,
+            ),
+            t.OPTForCausalLM,
+            "lm",
+            2,
+        ),
+        "bloom": (
+            t.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=V, attention_dropout=0.1),
+            t.BloomForCausalLM,
+            "lm",
+            "BloomAttention computes attention in its own code",
+        ),
+        "falcon": (
+            t.FalconConfig(num_hidden_layers=2, attention_dropout=0.1, **_LM),
+            t.FalconForCausalLM,
+            "lm",
+            "FalconAttention computes attention in its own code",
+        ),
+        "mixtral": (
+            t.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_GQA),
+            t.MixtralForCausalLM,
+            "lm",
+            2,
+        ),
+        "bert": (t.BertConfig(num_hidden_layers=2, **_LM), t.BertForMaskedLM, "enc", 2),
+        "roberta": (t.RobertaConfig(num_hidden_layers=2, **_LM), t.RobertaForMaskedLM, "enc", 2),
+        "distilbert": (
+            t.DistilBertConfig(n_layers=2, dim=32, n_heads=4, hidden_dim=64, vocab_size=V),
+            t.DistilBertForMaskedLM,
+            "enc",
+            2,
+        ),
+        "deberta_v2": (
+            t.DebertaV2Config(num_hidden_layers=2, **_LM),
+            t.DebertaV2ForMaskedLM,
+            "enc",
+            "DisentangledSelfAttention computes attention in its own code",
+        ),
+        "electra": (
+            t.ElectraConfig(num_hidden_layers=2, embedding_size=32, **_LM),
+            t.ElectraForMaskedLM,
+            "enc",
+            2,
+        ),
+        "t5": (
+            t.T5Config(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64, vocab_size=V),
+            t.T5ForConditionalGeneration,
+            "s2s",
+            6,  # encoder self, decoder self and cross: position_bias through the mask
+        ),
+        "bart": (
+            t.BartConfig(
+                encoder_layers=2,
+                decoder_layers=2,
+                d_model=32,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                vocab_size=V,
+                attention_dropout=0.1,
+                max_position_embeddings=32,
+            ),
+            t.BartForConditionalGeneration,
+            "s2s",
+            6,
+        ),
+        "whisper": (
+            t.WhisperConfig(
+                encoder_layers=2,
+                decoder_layers=2,
+                d_model=32,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                vocab_size=V,
+                num_mel_bins=8,
+                max_source_positions=8,
+                max_target_positions=32,
+                attention_dropout=0.1,
+                pad_token_id=1,
+                bos_token_id=2,
+                eos_token_id=2,
+                decoder_start_token_id=3,
+                begin_suppress_tokens=None,
+                suppress_tokens=None,
+            ),
+            t.WhisperForConditionalGeneration,
+            "speech",
+            6,
+        ),
+        "vit": (
+            t.ViTConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                intermediate_size=64,
+                image_size=8,
+                patch_size=4,
+                attention_probs_dropout_prob=0.1,
+                hidden_dropout_prob=0.1,
+            ),
+            t.ViTForImageClassification,
+            "image",
+            2,
+        ),
+        "clip": (
+            t.CLIPConfig(
+                text_config=dict(num_hidden_layers=2, attention_dropout=0.1, **_LM),
+                vision_config=dict(
+                    num_hidden_layers=2,
+                    hidden_size=32,
+                    num_attention_heads=4,
+                    intermediate_size=64,
+                    image_size=8,
+                    patch_size=4,
+                    attention_dropout=0.1,
+                ),
+            ),
+            t.CLIPModel,
+            "clip",
+            4,
+        ),
+    }
+
+
+FAMILIES = list(_configs())
+DECODER_LMS = [n for n in FAMILIES if _configs()[n][2] == "lm"]
+
+
+def _cases():
+    # converted families: train unpadded/left/right, eval left/right (unpadded eval is SDPA's own
+    # call on its own mask); images have no mask; families kept as they are: left, train + eval
+    for name, (_, _, kind, expect) in _configs().items():
+        if kind == "image":
+            combos = [("none", True), ("none", False)]
+        elif isinstance(expect, int):
+            combos = [("none", True), ("left", True), ("right", True)]
+            combos += [("left", False), ("right", False)]
+        else:
+            combos = [("left", True), ("left", False)]
+        for pad, train in combos:
+            yield pytest.param(name, pad, train, id=f"{name}-{pad}-{'train' if train else 'eval'}")
+
+
+@functools.cache
+def _pair(name):
+    cfg, cls, kind, expect = _configs()[name]
+    torch.manual_seed(0)
+    model = cls(cfg)
+    conv = slimgrad.convert_(copy.deepcopy(model), CFG)
+    return model, conv, kind, expect
+
+
+def _inputs(kind, pad, seq=8):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (2, seq), generator=g)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    if pad == "left":
+        mask[0, :3] = 0
+    elif pad == "right":
+        mask[0, -3:] = 0
+    if kind == "image":
+        return {"pixel_values": torch.randn(2, 3, 8, 8, generator=g)}
+    if kind == "speech":
+        return {
+            "input_features": torch.randn(2, 8, 16, generator=g),
+            "decoder_input_ids": ids,
+            "decoder_attention_mask": mask,
+        }
+    out = {"input_ids": ids, "attention_mask": mask}
+    if kind == "s2s":
+        out["decoder_input_ids"] = ids[:, :5]
+    if kind == "clip":
+        out["pixel_values"] = torch.randn(2, 3, 8, 8, generator=g)
+    return out
+
+
+class _Counter:
+    def __init__(self, monkeypatch):
+        import slimgrad.ops.softmax_dropout as sdm
+
+        self.n, real = 0, sdm.softmax_dropout_matmul
+
+        def counting(*args, **kwargs):
+            self.n += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(sdm, "softmax_dropout_matmul", counting)
+
+
+def _run(model, inputs, train, seed=7):
+    model.train(train)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(**inputs)
+    tensors = [v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    # weights differ per element, so every output element's gradient path counts
+    loss = sum((t * torch.linspace(-1, 1, t.numel()).view(t.shape)).sum() for t in tensors)
+    loss.backward()
+    return tensors, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _attention_line(model):
+    rep = slimgrad.report(model)
+    conv = [r for r in rep.converted if "attention" in r[1]]
+    skip = [r for r in rep.skipped if "attention" in r[1]]
+    return conv, skip
+
+
+@pytest.mark.parametrize("name, pad, train", list(_cases()))
+def test_family_matches_original(name, pad, train, monkeypatch):
+    model, conv, kind, expect = _pair(name)
+    converted, skipped = _attention_line(conv)
+    if isinstance(expect, int):
+        assert len(converted) == 1 and not skipped, (converted, skipped)
+    else:
+        assert not converted and len(skipped) == 1 and expect in skipped[0][2], skipped
+    inputs = _inputs(kind, pad)
+    ref_out, ref_grads = _run(model, inputs, train)
+    count = _Counter(monkeypatch)
+    out, grads = _run(conv, inputs, train)
+    # what is claimed runs slimgrad's op in training, once per attention module; never in eval
+    assert count.n == (expect if isinstance(expect, int) and train else 0)
+    assert len(out) == len(ref_out)
+    for o, r in zip(out, ref_out):
+        torch.testing.assert_close(o, r)
+    assert grads.keys() == ref_grads.keys()
+    for k in ref_grads:
+        if ref_grads[k] is None:
+            assert grads[k] is None, k
+        else:
+            torch.testing.assert_close(grads[k], ref_grads[k], msg=k)
+
+
+@pytest.mark.parametrize("name", DECODER_LMS)
+def test_generate_left_padded(name):
+    model, conv, kind, _ = _pair(name)
+    inputs = _inputs(kind, "left", seq=6)
+    tokens = []
+    for m in (model, conv):
+        m.eval()
+        tokens.append(
+            m.generate(
+                **inputs, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None
+            )
+        )
+    assert torch.equal(tokens[1], tokens[0])
+
+
+def test_padding_is_honoured_in_training(monkeypatch):
+    # the padded row changes when its mask does; the unpadded row (same dropout masks) does not
+    _, conv, kind, _ = _pair("gpt2")
+    padded = _inputs(kind, "left")
+    full = dict(padded, attention_mask=torch.ones_like(padded["attention_mask"]))
+    count = _Counter(monkeypatch)
+    a, _ = _run(conv, padded, True)
+    b, _ = _run(conv, full, True)
+    assert count.n == 4
+    torch.testing.assert_close(a[0][1], b[0][1])
+    assert not torch.allclose(a[0][0, 3:], b[0][0, 3:])
+
+
+def test_sliding_window_is_applied():
+    # same weights, window 3 vs none on 8 tokens: the outputs differ (each equals its original)
+    with_window, no_window = _pair("mistral")[1], _pair("mistral_full")[1]
+    no_window.load_state_dict(with_window.state_dict())
+    inputs = _inputs("lm", "none")
+    a, _ = _run(with_window, inputs, True)
+    b, _ = _run(no_window, inputs, True)
+    torch.testing.assert_close(a[0][:, :3], b[0][:, :3])  # inside the window: the same
+    assert not torch.allclose(a[0][:, 3:], b[0][:, 3:])
+
+
+def test_padded_batch_keeps_the_same_saving():
+    # the mask is applied inside the op: a padded batch saves exactly what an unpadded one saves
+    model, conv, kind, _ = _pair("gpt2")
+    saved = {}
+    for m in (model, conv):
+        m.train()
+        for pad in ("none", "left"):
+            inputs = _inputs(kind, pad, seq=16)
+            torch.manual_seed(2)
+            saved[m is conv, pad] = measure(lambda m=m, i=inputs: m(**i).logits.sum()).saved_bytes
+    assert saved[True, "left"] == saved[True, "none"]
+    assert saved[True, "left"] < saved[False, "left"]
+
+
+def test_config_is_copied_not_shared(monkeypatch):
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32)
+    torch.manual_seed(0)
+    a, b = transformers.GPT2LMHeadModel(cfg), transformers.GPT2LMHeadModel(cfg)
+    slimgrad.convert_(a, CFG)
+    assert cfg._attn_implementation == "sdpa" and b.config is cfg
+    assert all(m.config is cfg for m in b.modules() if hasattr(m, "config"))
+    assert a.config is not cfg and a.config._attn_implementation == "slimgrad"
+    assert all(m.config is a.config for m in a.modules() if hasattr(m, "config"))
+    count = _Counter(monkeypatch)
+    _run(b, _inputs("lm", "left"), True)
+    assert count.n == 0  # the other model still runs SDPA
+    # T5's stacks hold their own deep copies of the config: every one is switched in the copy
+    t5 = _pair("t5")[1]
+    impls = {m.config._attn_implementation for m in t5.modules() if hasattr(m, "config")}
+    assert impls == {"slimgrad"}
+
+
+def test_eager_origin_and_overridden_forward_are_kept():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32)
+    cfg._attn_implementation = "eager"
+    model = slimgrad.convert_(transformers.GPT2LMHeadModel(cfg), CFG)
+    (skip,) = _attention_line(model)[1]
+    assert "'eager' kept" in skip[2] and model.config._attn_implementation == "eager"
+
+    class Custom(transformers.GPT2LMHeadModel):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32)
+    model = slimgrad.convert_(Custom(cfg), CFG)
+    (skip,) = _attention_line(model)[1]
+    assert "Custom overrides the forward of GPT2LMHeadModel" in skip[2]
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_attn_implementation_reads_rule():
+    from slimgrad.convert_handlers import hf_attention as H
+
+    def flagged(src):
+        tree = ast.parse(src)
+        parents = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+        return H._impl_reads(tree, parents, "sdpa", "slimgrad")
+
+    assert not flagged(
+        "f = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, g)"
+    )
+    assert not flagged("f = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]")
+    assert not flagged('e = self.config._attn_implementation == "eager"')  # False both ways
+    assert not flagged("self._attn_implementation = config._attn_implementation")
+    assert not flagged('self.config._attn_implementation = "eager"')
+    assert flagged('if self.config._attn_implementation == "sdpa": pass')
+    assert flagged('if config._attn_implementation in ("eager", "sdpa"): pass')
+    assert flagged("impl = self.config._attn_implementation")
+    assert flagged('x = getattr(config, "_attn_implementation")')
+
+
+# _attention itself against HF's sdpa_attention_forward: every mask form it can receive
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups=1, causal=True):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, causal
+
+
+def _qkv(b=2, h=4, q=5, k=5, d=8, groups=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    q_ = torch.randn(b, h, q, d, generator=g, dtype=torch.float64).to(dtype)
+    k_ = torch.randn(b, h // groups, k, d, generator=g, dtype=torch.float64).to(dtype)
+    v_ = torch.randn(b, h // groups, k, d, generator=g, dtype=torch.float64).to(dtype)
+    return q_, k_, v_
+
+
+def _pad_mask(b, q, k, causal, float_dtype=None):
+    keep = torch.ones(b, 1, q, k, dtype=torch.bool)
+    if causal:
+        keep &= torch.ones(q, k, dtype=torch.bool).tril(k - q)
+    keep[0, :, :, :2] = False  # left padding: the first query rows see nothing
+    if float_dtype is None:
+        return keep
+    return torch.zeros(keep.shape, dtype=float_dtype).masked_fill(
+        ~keep, torch.finfo(float_dtype).min
+    )
+
+
+def _both(module, q, k, v, mask, extra=(), **kw):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from slimgrad.convert_handlers.hf_attention import _attention
+
+    results = []
+    for fn in (_attention, sdpa_attention_forward):
+        leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in (q, k, v)]
+        more = {n: t.detach().clone().requires_grad_() for n, t in extra}
+        torch.manual_seed(5)
+        out, weights = fn(module, *leaves, mask, **kw, **more)
+        assert weights is None
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        results.append([out, *(t.grad for t in leaves), *(t.grad for t in more.values())])
+    return results
+
+
+CASES = {
+    "causal_no_mask": dict(mask=None),
+    "causal_bool": dict(mask="bool"),
+    "causal_float": dict(mask="float"),
+    "bidirectional_bool": dict(mask="bool", causal=False),
+    "cross_q3_k7": dict(mask="bool", causal=False, q=3, k=7),
+    "causal_crop_k7": dict(mask=None, q=4, k=7),
+    "gqa_bool": dict(mask="bool", groups=2),
+    "gqa_no_mask": dict(mask=None, groups=2),
+    "decode_q1_cache": dict(mask=None, q=1, k=6),
+    "position_bias": dict(mask="bool", causal=False, bias=True),
+    "position_bias_causal": dict(mask=None, bias=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_function_matches_sdpa(case, monkeypatch):
+    c = CASES[case]
+    q_len, k_len, groups = c.get("q", 5), c.get("k", 5), c.get("groups", 1)
+    causal = c.get("causal", True)
+    q, k, v = _qkv(q=q_len, k=k_len, groups=groups)
+    mask = c["mask"]
+    if mask is not None:
+        mask = _pad_mask(2, q_len, k_len, causal, torch.float32 if mask == "float" else None)
+    extra = [("position_bias", torch.randn(1, 4, q_len, k_len))] if c.get("bias") else []
+    count = _Counter(monkeypatch)
+    ours, ref = _both(_Attn(groups, causal), q, k, v, mask, extra, dropout=0.3, scaling=0.3)
+    assert count.n == 1
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, rtol=0, atol=0)  # SDPA's math path, bit for bit
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["no_dropout", "no_grad", "bfloat16", "output_attentions", "softcap", "gqa_decode_packed"],
+)
+def test_attention_function_hands_the_rest_to_sdpa(why, monkeypatch):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from slimgrad.convert_handlers.hf_attention import _attention
+
+    dtype = torch.bfloat16 if why == "bfloat16" else torch.float32
+    groups, q_len = (2, 1) if why == "gqa_decode_packed" else (1, 5)
+    q, k, v = _qkv(q=q_len, groups=groups, dtype=dtype)
+    mask = _pad_mask(2, q_len, 5, True)
+    kw = {"dropout": 0.0 if why == "no_dropout" else 0.3, "scaling": 0.3}
+    kw.update({"output_attentions": True} if why == "output_attentions" else {})
+    kw.update({"softcap": 30.0} if why == "softcap" else {})
+    count = _Counter(monkeypatch)
+    outs = []
+    for fn in (_attention, sdpa_attention_forward):
+        torch.manual_seed(5)
+        with torch.set_grad_enabled(why != "no_grad"):
+            try:
+                outs.append(fn(_Attn(groups), q, k, v, mask, **kw)[0])
+            except ValueError as e:  # SDPA has no softcap: the same error, never a dropped cap
+                outs.append(str(e))
+    assert count.n == 0
+    if isinstance(outs[1], str):
+        assert outs[0] == outs[1] and "softcap" in outs[1]
+    else:
+        assert torch.equal(outs[0], outs[1])
