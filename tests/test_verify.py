@@ -377,3 +377,31 @@ def test_an_original_that_is_itself_converted_fails():
     assert "slimgrad.verify: the original model is itself converted; expected plain modules" in (
         str(rep)
     )
+
+
+def test_non_leaf_inputs_are_copied():
+    torch.manual_seed(0)
+    m = _model()
+    w = torch.randn(5, 7, requires_grad=True)
+    x = w * 2  # a non-leaf input: deepcopy refuses it
+    rep = slimgrad.verify(m, copy.deepcopy(m), (x,))
+    assert rep.ok, str(rep)
+
+
+def test_namedtuple_inputs():
+    from collections import namedtuple
+
+    Batch = namedtuple("Batch", "x")
+    torch.manual_seed(0)
+
+    class Unpack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _model()
+
+        def forward(self, batch):
+            return self.inner(batch.x)
+
+    u = Unpack()
+    rep = slimgrad.verify(u, copy.deepcopy(u), (Batch(torch.randn(5, 7)),))
+    assert rep.ok, str(rep)

@@ -163,13 +163,17 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+def _rebuild(seq: list | tuple, items: list) -> Any:
+    return type(seq)(*items) if hasattr(seq, "_fields") else type(seq)(items)  # namedtuples
+
+
 def _cast(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, Mapping):
         return {k: _cast(v, dtype) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast(v, dtype) for v in obj)
+        return _rebuild(obj, [_cast(v, dtype) for v in obj])
     return obj
 
 
@@ -218,6 +222,17 @@ def _float_outputs(out: Any) -> dict[str, torch.Tensor | None]:
     }
 
 
+def _copy(obj: Any) -> Any:
+    # a side's own inputs: tensors cloned (deepcopy refuses non-leaf tensors), the rest deep-copied
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone().requires_grad_(obj.requires_grad)
+    if isinstance(obj, Mapping):
+        return {k: _copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return _rebuild(obj, [_copy(v) for v in obj])
+    return copy.deepcopy(obj)
+
+
 @dataclass
 class _Side:
     loss: torch.Tensor
@@ -228,7 +243,7 @@ class _Side:
 
 def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    mine = copy.deepcopy(inputs)
+    mine = _copy(inputs)
     run_on = _cast(mine, dtype) if dtype is not None else mine
     torch.manual_seed(seed)
     out = _call(model, run_on)
