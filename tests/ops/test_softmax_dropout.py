@@ -336,3 +336,85 @@ def test_causal_under_compile_bitwise_and_no_reuse(_reuse_on):
     assert outs[1][3] == 0
     for a, b in zip(outs[0][:3], outs[1][:3], strict=True):
         assert torch.equal(a, b)
+
+
+# mask: F.scaled_dot_product_attention's attn_mask applied inside the op (bool or additive
+# float, rows with no finite score give 0 as SDPA's safe softmax), nothing extra kept
+
+
+def _eager_masked(s, v, p, mask, causal=False):
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    probs = torch.ops.aten._safe_softmax(s, -1)  # SDPA's math path: dead rows give 0
+    return torch.matmul(F.dropout(probs, p, True), v)
+
+
+def _masks(q, k):
+    keep = torch.rand(2, 1, q, k, generator=torch.Generator().manual_seed(2)) > 0.3
+    keep[0, :, 0] = False  # a row with nothing to attend to
+    additive = torch.randn(2, 3, q, k).masked_fill(~keep, float("-inf"))
+    return {"bool": keep, "float": additive, "float_finite": torch.randn(1, 3, q, k)}
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("kind", ["bool", "float", "float_finite"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_matches_eager_safe_softmax_bit_for_bit(p, kind, causal):
+    s, v = torch.randn(2, 3, 6, 6), torch.randn(2, 3, 6, 4)
+    g = torch.randn(2, 3, 6, 4)
+    mask = _masks(6, 6)[kind]
+    if kind == "float_finite":
+        mask.requires_grad_()
+    res = []
+    for fn in (
+        lambda s, v, p: softmax_dropout_matmul(s, v, p, causal=causal, mask=mask),
+        lambda s, v, p: _eager_masked(s, v, p, mask, causal),
+    ):
+        mask.grad = None
+        res.append(_run(fn, s, v, p, g) + ([mask.grad] if mask.requires_grad else []))
+    for o, r in zip(*res):
+        assert not o.isnan().any()
+        assert torch.equal(o, r)
+
+
+def test_mask_equals_sdpa_math_path_with_dropout():
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 4)
+    for mask in (_masks(5, 7)["bool"], _masks(5, 7)["float"]):
+        torch.manual_seed(4)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.2, scale=0.25)
+        torch.manual_seed(4)
+        s = (q * 0.5) @ (k.transpose(-2, -1) * 0.5)
+        assert torch.equal(softmax_dropout_matmul(s, v, 0.2, mask=mask), ref)
+
+
+def test_gradcheck_float_mask():
+    s = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    m = torch.randn(1, 4, 5, dtype=torch.float64, requires_grad=True)
+
+    def f(s, v, m):
+        torch.manual_seed(7)
+        return softmax_dropout_matmul(s, v, 0.2, mask=m)
+
+    assert torch.autograd.gradcheck(f, (s, v, m))
+
+
+def test_mask_keeps_nothing_extra():
+    b, h, t, d = 2, 3, 17, 8
+    s0 = torch.randn(b, h, t, t, requires_grad=True)
+    v0 = torch.randn(b, h, t, d, requires_grad=True)
+    keep = torch.rand(b, 1, t, t) > 0.2
+    plain = measure(lambda: softmax_dropout_matmul(s0 * 1, v0 * 1, 0.1).sum())
+    masked = measure(lambda: softmax_dropout_matmul(s0 * 1, v0 * 1, 0.1, mask=keep).sum())
+    assert masked.saved_bytes == plain.saved_bytes
+
+
+def test_mask_errors():
+    s, v = torch.randn(2, 3, 5, 5), torch.randn(2, 3, 5, 4)
+    with pytest.raises(TypeError, match="softmax_dropout_matmul: a float mask .* expected dtype"):
+        softmax_dropout_matmul(s, v, 0.1, mask=torch.zeros(5, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="softmax_dropout_matmul: mask must broadcast"):
+        softmax_dropout_matmul(s, v, 0.1, mask=torch.ones(4, 3, 5, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="softmax_dropout_matmul: mask must be a tensor"):
+        softmax_dropout_matmul(s, v, 0.1, mask=[[True]])

@@ -307,7 +307,8 @@ def softmax_dropout_matmul(
             else:
                 input = input + mask
             dead = input.amax(dim, keepdim=True) == float("-inf")
-            probs = F.softmax(input, dim).masked_fill(dead, 0.0)
+            # dead rows: finite before softmax (no NaN in its backward), 0 after
+            probs = F.softmax(input.masked_fill(dead, 0.0), dim).masked_fill(dead, 0.0)
             return torch.matmul(F.dropout(probs, 1.0, True), value)
         return torch.matmul(F.dropout(F.softmax(input, dim), 1.0, True), value)
     # Keep a compact V: a strided view (e.g. of a fused qkv output) would keep its whole base alive.
