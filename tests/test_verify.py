@@ -405,3 +405,32 @@ def test_namedtuple_inputs():
     u = Unpack()
     rep = slimgrad.verify(u, copy.deepcopy(u), (Batch(torch.randn(5, 7)),))
     assert rep.ok, str(rep)
+
+
+class _NoPadding(_TinyText):
+    """Refuses any attention_mask with zeros (as some models refuse padding)."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("padding is not supported")
+        return super().forward(input_ids, attention_mask, labels)
+
+
+def test_a_converted_model_that_raises_on_padding_fails():
+    m, _, x = _text()
+    bad = _NoPadding()
+    bad.load_state_dict(m.state_dict())
+    rep = slimgrad.verify(m, bad, x)
+    assert not rep.ok and rep.runs[0].ok
+    assert "slimgrad.verify: the converted model raised on the left-padded batch" in str(rep)
+
+
+def test_an_original_that_refuses_padding_runs_unpadded_only():
+    m, _, x = _text()
+    strict = _NoPadding()
+    strict.load_state_dict(m.state_dict())
+    rep = slimgrad.verify(strict, copy.deepcopy(strict), x)
+    assert rep.ok and [r.name for r in rep.runs] == ["inputs"]
+    assert "left-padded not run (the original raised ValueError: padding is not supported)" in (
+        str(rep)
+    )

@@ -463,9 +463,22 @@ def _converted_parts(model: nn.Module) -> str | None:
     return None
 
 
-def _run(name, model, converted, ref, inputs, loss_fn, seed, atol, skip) -> VerifyRun:
+def _run(name, inputs, model, converted, ref, loss_fn, seed, atol, skip) -> VerifyRun:
     e = _step(model, inputs, loss_fn, seed)
-    c = _step(converted, inputs, loss_fn, seed)
+    try:
+        c = _step(converted, inputs, loss_fn, seed)
+    except Exception as err:  # eager ran this batch: the converted model must too
+        if name == "inputs":
+            raise
+        nan = float("nan")
+        return VerifyRun(
+            name, float(e.loss), nan, nan, False,
+            failures=[
+                f"slimgrad.verify: the converted model raised on the {name} batch; expected it to "
+                f"run as eager does, got {type(err).__name__}: {err}. The conversion must accept "
+                "every input the original accepts."
+            ],
+        )  # fmt: skip
     r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64)
 
     def atol_of(t):
@@ -516,7 +529,8 @@ def verify(
     noted, not failed). For text models (a dict with 2-D ``input_ids``) the step also runs on a
     left-padded and a right-padded copy of the batch: row 0 as given, the other rows with up to
     half their positions set to the pad id with ``attention_mask`` 0 (and label -100 where
-    ``labels`` has ``input_ids``' shape).
+    ``labels`` has ``input_ids``' shape). A padded batch the original cannot run is left out (the
+    report says why); one that only the converted model cannot run fails.
 
     Args:
         model: the original model (left unchanged; a float64 copy is made from it).
@@ -560,10 +574,12 @@ def verify(
     counts, pad_what = _padding_plan(model, inputs) if padded else (None, "not run (padded=False)")
     if counts is not None:
         batches += [(f"{s}-padded", _padded(inputs, model, counts, s)) for s in ("left", "right")]
-    runs = [
-        _run(name, model, converted, ref, batch, loss_fn, seed, atol, skip)
-        for name, batch in batches
-    ]
+    runs = [_run(*batches[0], model, converted, ref, loss_fn, seed, atol, skip)]
+    for name, batch in batches[1:]:
+        try:
+            runs.append(_run(name, batch, model, converted, ref, loss_fn, seed, atol, skip))
+        except Exception as err:  # the original cannot run padded batches: nothing to compare
+            pad_what += f"; {name} not run (the original raised {type(err).__name__}: {err})"
     part = _converted_parts(model)
     if part is not None:
         runs[0].failures.append(
