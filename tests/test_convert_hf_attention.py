@@ -526,3 +526,25 @@ def test_attention_function_hands_the_rest_to_sdpa(why, monkeypatch):
         assert outs[0] == outs[1] and "softcap" in outs[1]
     else:
         assert torch.equal(outs[0], outs[1])
+
+
+def test_output_attentions_runs_the_original(monkeypatch):
+    # SDPA returns no weights and warns; the converted model hands that call to SDPA itself
+    model, conv, kind, _ = _pair("llama")
+    inputs = dict(_inputs(kind, "left"), output_attentions=True)
+    count = _Counter(monkeypatch)
+    out, grads = _run(conv, inputs, True)
+    ref, ref_grads = _run(model, inputs, True)
+    assert count.n == 0
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], msg=k)
+
+
+def test_save_pretrained_loads_into_the_plain_class(tmp_path):
+    _, conv, _, _ = _pair("bert")
+    conv.save_pretrained(tmp_path)
+    plain = transformers.BertForMaskedLM.from_pretrained(tmp_path)
+    assert plain.config._attn_implementation == "sdpa"
+    assert conv.config._attn_implementation == "slimgrad"
