@@ -441,7 +441,10 @@ def test_unknown_lm_forward_is_reported_and_left_alone():
     torch.testing.assert_close(conv(**inputs).loss, eager(**inputs).loss)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2", "opt", "mixtral", "bert", "distilbert"])
+PADDED = ["gpt2", "llama", "gemma2", "opt", "mixtral", "bert", "distilbert"]
+
+
+@pytest.mark.parametrize("name", PADDED)
 def test_left_padded_attention_mask_matches_eager(name):
     # float32 against eager (HF's eager attention gives NaN gradients in float64 for fully masked
     # query rows of Llama-style models, so there is no float64 reference for the rule here)
