@@ -365,7 +365,7 @@ def _match(fn):
         or g.get("can_return_tuple") is not can_return_tuple
         or g.get("auto_docstring") is not auto_docstring
     ):
-        return None, "forward is not decorated as transformers' @can_return_tuple templates are"
+        return None, "forward is not a known LM template (not @can_return_tuple/@auto_docstring)"
     if "labels" not in params or varkw is None or varargs or params[0] != "self":
         return None, "forward's signature is not a template's (labels, **kwargs)"
     unknown = "forward is not a known LM template (other head code or loss terms)"
@@ -802,7 +802,12 @@ def fuse_lm_loss(
         return False, f"{why}; HF's forward kept"
     model._slimgrad_fast_loss = fast
     model.forward = _FusedLMForward(model, fast, keep_logits)
-    extra = f" with {spec.transform}" if spec.transform else ""
+    extra = {
+        None: "",
+        "div_config_logits_scaling": " and logits / config.logits_scaling",
+        "mul_logit_scale": " and logits * logit_scale",
+        "softcap": " and config.final_logit_softcapping",
+    }[spec.transform]
     if spec.causal:
         what = f"causal-LM loss fused with the LM head{extra} (chunked; training logits: "
     else:
