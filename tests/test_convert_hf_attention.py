@@ -29,6 +29,11 @@ _LM = dict(hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_si
 _GQA = dict(_LM, num_hidden_layers=2, num_key_value_heads=2, attention_dropout=0.1)
 
 
+def _eager(cfg):
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
 def _configs():
     t = transformers
     return {
@@ -56,11 +61,19 @@ def _configs():
         "qwen2": (t.Qwen2Config(**_GQA), t.Qwen2ForCausalLM, "lm", 2),
         "qwen3": (t.Qwen3Config(head_dim=8, **_GQA), t.Qwen3ForCausalLM, "lm", 2),
         "gemma": (t.GemmaConfig(head_dim=8, **_GQA), t.GemmaForCausalLM, "lm", 2),
+        # Gemma2 defaults to eager (softcap): the family's eager function, probed, with softcap
         "gemma2": (
             t.Gemma2Config(head_dim=8, sliding_window=3, **_GQA),
             t.Gemma2ForCausalLM,
             "lm",
-            "attention implementation 'eager' kept",
+            2,
+        ),
+        "llama_eager": (_eager(t.LlamaConfig(**_GQA)), t.LlamaForCausalLM, "lm", 2),
+        "gpt2_eager": (
+            _eager(t.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=32)),
+            t.GPT2LMHeadModel,
+            "lm",
+            "using_eager = self.config._attn_implementation == 'eager'",
         ),
         "phi3": (t.Phi3Config(pad_token_id=0, **_GQA), t.Phi3ForCausalLM, "lm", 2),
         "opt": (
@@ -110,6 +123,12 @@ def _configs():
             "enc",
             "DisentangledSelfAttention computes attention in its own code",
         ),
+        "bert_eager": (
+            _eager(t.BertConfig(num_hidden_layers=2, **_LM)),
+            t.BertForMaskedLM,
+            "enc",
+            2,
+        ),
         "electra": (
             t.ElectraConfig(num_hidden_layers=2, embedding_size=32, **_LM),
             t.ElectraForMaskedLM,
@@ -121,6 +140,14 @@ def _configs():
             t.T5ForConditionalGeneration,
             "s2s",
             6,  # encoder self, decoder self and cross: position_bias through the mask
+        ),
+        "t5_eager": (
+            _eager(
+                t.T5Config(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64, vocab_size=V)
+            ),
+            t.T5ForConditionalGeneration,
+            "s2s",
+            "T5Attention passes position_bias to eager_attention_forward",
         ),
         "bart": (
             t.BartConfig(
@@ -224,6 +251,9 @@ def _pair(name):
     torch.manual_seed(0)
     model = cls(cfg)
     conv = slimgrad.convert_(copy.deepcopy(model), CFG)
+    # the eager origin probes its family's function once, at the first training call
+    conv.train()
+    conv(**_inputs(kind, "left"))
     return model, conv, kind, expect
 
 
@@ -269,7 +299,8 @@ def _run(model, inputs, train, seed=7):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     out = model(**inputs)
-    tensors = [v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    flat = [t for v in out.values() for t in (v if isinstance(v, tuple) else (v,))]
+    tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
     # weights differ per element, so every output element's gradient path counts
     loss = sum((t * torch.linspace(-1, 1, t.numel()).view(t.shape)).sum() for t in tensors)
     loss.backward()
@@ -379,12 +410,13 @@ def test_config_is_copied_not_shared(monkeypatch):
     assert impls == {"slimgrad"}
 
 
-def test_eager_origin_and_overridden_forward_are_kept():
+def test_gpt2_eager_and_overridden_forward_are_kept():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32)
     cfg._attn_implementation = "eager"
     model = slimgrad.convert_(transformers.GPT2LMHeadModel(cfg), CFG)
     (skip,) = _attention_line(model)[1]
-    assert "'eager' kept" in skip[2] and model.config._attn_implementation == "eager"
+    assert "using_eager = self.config._attn_implementation == 'eager'" in skip[2]
+    assert model.config._attn_implementation == "eager"
 
     class Custom(transformers.GPT2LMHeadModel):
         def forward(self, *args, **kwargs):
@@ -528,14 +560,17 @@ def test_attention_function_hands_the_rest_to_sdpa(why, monkeypatch):
         assert torch.equal(outs[0], outs[1])
 
 
-def test_output_attentions_runs_the_original(monkeypatch):
-    # SDPA returns no weights and warns; the converted model hands that call to SDPA itself
-    model, conv, kind, _ = _pair("llama")
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_output_attentions_runs_the_original(name, monkeypatch):
+    # SDPA returns no weights and warns, eager returns its weights: either way the converted
+    # model hands that call to the original, which returns what it returns
+    model, conv, kind, _ = _pair(name)
     inputs = dict(_inputs(kind, "left"), output_attentions=True)
     count = _Counter(monkeypatch)
     out, grads = _run(conv, inputs, True)
     ref, ref_grads = _run(model, inputs, True)
     assert count.n == 0
+    assert len(out) == len(ref) == (3 if name == "gemma2" else 1)  # logits (+ eager's weights)
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r)
     for k in ref_grads:
@@ -548,3 +583,21 @@ def test_save_pretrained_loads_into_the_plain_class(tmp_path):
     plain = transformers.BertForMaskedLM.from_pretrained(tmp_path)
     assert plain.config._attn_implementation == "sdpa"
     assert conv.config._attn_implementation == "slimgrad"
+
+
+def test_eager_probe_refuses_a_different_eager_function():
+    # the eager origin runs slimgrad's computation only where a probe proved it bit for bit equal
+    # to the family's function; one that orders its math differently keeps running itself
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from slimgrad.convert_handlers import hf_attention as H
+
+    def scaled_first(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        return eager_attention_forward(
+            module, query * scaling, key, value, attention_mask, 1.0, dropout, **kwargs
+        )
+
+    module = _Attn(groups=2)
+    assert H._probe(eager_attention_forward, module, torch.float32, False)
+    assert not H._probe(scaled_first, module, torch.float32, False)
+    assert module.training  # restored

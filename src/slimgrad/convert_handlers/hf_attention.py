@@ -6,10 +6,17 @@ config._attn_implementation, eager_attention_forward)``, and their mask builder 
 (``ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]`` in ``masking_utils``). ``convert_``
 gives the converted model its own copy of every config object in it (re-pointed in every module
 that holds one; the caller's config objects are untouched) and sets the copies' implementation to
-``"slimgrad"``, a name registered in both registries (HF's documented extension points; other
-models keep theirs): the mask builder is HF's ``sdpa_mask`` itself, so HF builds exactly the masks
-it builds for SDPA, and the attention function (:func:`_attention`) computes what HF's
-``sdpa_attention_forward`` computes, bit for bit on CPU.
+a slimgrad name registered in both registries (HF's documented extension points; other models keep
+theirs). A model that used ``"sdpa"`` gets ``"slimgrad"``: the mask builder is HF's
+``sdpa_mask`` itself, so HF builds exactly the masks it builds for SDPA, and the attention function
+(:func:`_attention`) computes what HF's ``sdpa_attention_forward`` computes, bit for bit on CPU. A
+model that used ``"eager"`` gets ``"slimgrad_eager"``: HF's ``eager_mask`` and
+:func:`_attention_eager`, which computes the family's own ``eager_attention_forward`` (the default
+its forward passes to ``get_interface``) as ``repeat_kv``, ``(q k^T) * scaling``, softcap
+``tanh(S / cap) * cap``, ``+ mask``, softmax, dropout, ``@ V``, but only after a probe (once per
+function, dtype, softcap and GQA setting: a padded GQA case, same seed) showed outputs and
+gradients equal to that function's bit for bit; otherwise, and whenever HF's output capture asks
+for the attention weights (``output_attentions``), the family's function runs.
 
 A model converts only when that switch changes nothing but the attention function, decided by
 capability from the model's own code (its modeling files, parsed with ``ast``), never by class name:
@@ -21,12 +28,14 @@ capability from the model's own code (its modeling files, parsed with ``ast``), 
   their files) is a comparison with constants that gives the same answer for ``"slimgrad"`` as for
   the original name (GPT-2's ``== "eager"``), or HF's lookups above; anything else (Falcon's
   ``== "sdpa"`` branch, a value passed on) keeps the model as it is;
-- every config in the model uses ``"sdpa"`` (eager attention differs from SDPA on rows with no
-  visible key, in its mask values and in what ``output_attentions`` returns);
+- every config in the model uses the same one of ``"sdpa"`` and ``"eager"``; with ``"eager"``, no
+  routed class passes its eager function a keyword slimgrad does not implement (T5's
+  ``position_bias``) and ``config.output_attentions`` is off;
 - no class outside transformers overrides an HF class's ``forward``.
 
-At call time :func:`_attention` hands every call it does not reproduce exactly to HF's own
-``sdpa_attention_forward`` with the same arguments: no dropout (eval, ``dropout=0``), no grad, a
+At call time :func:`_attention` (:func:`_attention_eager` likewise, to the family's function)
+hands every call it does not reproduce exactly to HF's own ``sdpa_attention_forward`` with the
+same arguments: no dropout (eval, ``dropout=0``), no grad, a
 device other than CPU (SDPA's fused CUDA kernels draw dropout differently and keep less than P +
 bits), a dtype other than float32/float64 or autocast, a keyword argument that SDPA's function
 reads and slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache``:
@@ -52,8 +61,9 @@ from functools import cache
 import torch
 import torch.nn as nn
 
-ATTN_NAME = "slimgrad"
-_ORIGIN = "sdpa"  # the implementation _attention reproduces
+ATTN_NAME = "slimgrad"  # reproduces "sdpa"
+EAGER_NAME = "slimgrad_eager"  # reproduces "eager" (the family's eager_attention_forward)
+_NAMES = {"sdpa": ATTN_NAME, "eager": EAGER_NAME}
 _registered = False
 
 # the op's module (the package attribute slimgrad.ops.softmax_dropout may be a function)
@@ -62,23 +72,22 @@ _sdm = importlib.import_module("slimgrad.ops.softmax_dropout")
 # sdpa_attention_forward's positional parameters and the keyword arguments _attention implements
 _STANDARD = ("module", "query", "key", "value", "attention_mask", "dropout", "scaling", "is_causal")
 _IMPLEMENTED = frozenset({"position_bias"})
+_EAGER_IMPLEMENTED = frozenset({"dropout", "scaling", "softcap"})
 
 
 # ----------------------------------------------------------------------------- call time
 
 
 @cache
-def _sdpa_reads() -> frozenset[str]:
-    # the keyword arguments HF's sdpa_attention_forward reads: its extra parameters and the names
-    # it gets from **kwargs. Any of them set (other than the implemented ones) -> the original.
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _reads(fn) -> frozenset[str]:
+    # the keyword arguments an attention function reads: its extra parameters and the names it
+    # gets from **kwargs. Any of them set (other than the implemented ones) -> the original.
     names = {
         n
-        for n, p in inspect.signature(sdpa_attention_forward).parameters.items()
+        for n, p in inspect.signature(fn).parameters.items()
         if p.kind is not p.VAR_KEYWORD and n not in _STANDARD
     }
-    tree = ast.parse(textwrap.dedent(inspect.getsource(sdpa_attention_forward)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Call)
@@ -99,6 +108,16 @@ def _sdpa_reads() -> frozenset[str]:
     return frozenset(names)
 
 
+def _sdpa_reads() -> frozenset[str]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return _reads(sdpa_attention_forward)
+
+
+def _is_set(v) -> bool:
+    return v is not None and v is not False
+
+
 def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
     if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
         return False
@@ -111,7 +130,7 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
     if value.dim() != 4 or (scaling is not None and scaling < 0):
         return False
     for name in _sdpa_reads() - _IMPLEMENTED:
-        if kwargs.get(name) not in (None, False):
+        if _is_set(kwargs.get(name)):
             return False
     groups = getattr(module, "num_key_value_groups", 1)
     if not isinstance(groups, int) or query.shape[1] != key.shape[1] * max(groups, 1):
@@ -181,16 +200,189 @@ def _attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+# eager origin: the family's own eager_attention_forward, reproduced where a probe proves it
+
+
+@cache
+def _interface_keywords(cls: type) -> frozenset[str]:
+    # the keyword arguments the class's forward passes to the attention function it looked up
+    _, fwd = _method_node(cls, "forward")
+    names: set[str] = set()
+    targets: set[str] = set()
+    for node in ast.walk(fwd) if fwd is not None else ():
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
+            if _dotted(node.value.func).endswith("get_interface"):
+                tgts = node.targets if isinstance(node, ast.Assign) else [node.target]
+                targets.update(t.id for t in tgts if isinstance(t, ast.Name))
+    for node in ast.walk(fwd) if fwd is not None else ():
+        if isinstance(node, ast.Call) and _dotted(node.func) in targets:
+            names.update(k.arg for k in node.keywords if k.arg is not None)
+    return frozenset(names)
+
+
+@cache
+def _eager_default(cls: type):
+    # the function the class's forward passes to get_interface as the default ("eager")
+    owner, fwd = _method_node(cls, "forward")
+    if fwd is None:
+        return None
+    for node in ast.walk(fwd):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get_interface"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Name)
+        ):
+            return getattr(sys.modules[owner.__module__], node.args[1].id, None)
+    return None
+
+
+def _capture_wants_attentions() -> bool:
+    # HF's output capture (output_attentions=True) keeps the weights eager returns: then the
+    # original runs. Unknown state (another transformers): assume it does.
+    try:
+        from transformers.utils.output_capturing import _active_collector
+
+        collected = _active_collector.get()
+    except Exception:  # noqa: BLE001 - any failure means we cannot tell
+        return True
+    return bool(collected) and any("attention" in k for k in collected)
+
+
+def _eager_compute(module, query, key, value, mask, dropout, scaling, softcap):
+    # the canonical eager attention (Llama/Gemma2/BERT...): repeat_kv, (q k^T) * scaling,
+    # softcap as tanh(S / cap) * cap, + mask, softmax, dropout, @ V
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask  # eager masks are finite (dtype min): eager's softmax, not SDPA's
+    out = _sdm.softmax_dropout_matmul(scores, value, float(dropout), True)
+    return out.transpose(1, 2).contiguous()
+
+
+_PROBES: dict[tuple, bool] = {}
+
+
+def _probe(original, module, dtype, softcap: bool) -> bool:
+    # Does _eager_compute give the family's eager function's outputs and gradients bit for bit
+    # (same seed: same dropout mask) on a small padded GQA/softcap case? Once per function.
+    groups = getattr(module, "num_key_value_groups", 1)
+    key = (original, dtype, softcap, groups)
+    if key in _PROBES:
+        return _PROBES[key]
+    gen = torch.Generator().manual_seed(0)
+    heads = 2 * groups
+    q = torch.randn(2, heads, 4, 8, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64).to(dtype)
+    mask = torch.zeros(2, 1, 4, 6, dtype=dtype)
+    mask[0, :, :, :2] = torch.finfo(dtype).min  # padding
+    mask[1, :, 0, :] = torch.finfo(dtype).min  # a row that sees nothing
+    kw = {"dropout": 0.3, "scaling": 0.3}
+    if softcap:
+        kw["softcap"] = 2.0
+    ours = lambda *a: (_eager_compute(module, *a, kw["dropout"], 0.3, kw.get("softcap")), None)  # noqa: E731
+    results = []
+    was = module.training
+    try:
+        module.training = True  # eager reads module.training for its dropout
+        with torch.random.fork_rng(devices=[]):
+            for fn in (ours, lambda *a: original(module, *a, **kw)):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                torch.manual_seed(0)
+                out = fn(*leaves, mask)[0]
+                g = torch.linspace(-1, 1, out.numel(), dtype=dtype).view(out.shape)
+                results.append([out.detach(), *torch.autograd.grad(out, leaves, g)])
+        ok = all(torch.equal(a, b) for a, b in zip(*results))
+    except Exception:  # noqa: BLE001 - any failure: the original keeps running
+        ok = False
+    finally:
+        module.training = was
+    _PROBES[key] = ok
+    return ok
+
+
+def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool:
+    params = inspect.signature(original).parameters
+    if "dropout" not in params or "scaling" not in params:
+        return False
+    dropout, scaling, softcap = args.get("dropout"), args.get("scaling"), args.get("softcap")
+    if not (isinstance(dropout, float | int) and dropout > 0.0 and module.training):
+        return False
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    if not isinstance(scaling, float | int) or (softcap is not None and not softcap > 0):
+        return False
+    if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return False
+    if query.dtype not in (torch.float32, torch.float64) or not (
+        key.dtype == value.dtype == query.dtype and query.dim() == key.dim() == value.dim() == 4
+    ):
+        return False
+    extra = dict(args.get("kwargs", {}))
+    for name in _reads(original) - _EAGER_IMPLEMENTED:
+        if _is_set(args.get(name, extra.get(name))):
+            return False
+    if mask is not None:
+        scores = (*query.shape[:3], key.shape[2])
+        if not isinstance(mask, torch.Tensor) or mask.dtype != query.dtype:
+            return False
+        if mask.shape[-1] != key.shape[2] or mask.device != query.device:
+            return False
+        try:
+            if torch.broadcast_shapes(mask.shape, scores) != scores:
+                return False
+        except RuntimeError:
+            return False
+    if _capture_wants_attentions():
+        return False
+    return _probe(original, module, query.dtype, softcap is not None)
+
+
+def _attention_eager(module, query, key, value, attention_mask, *args, **kwargs):
+    original = _eager_default(type(module))
+    if original is None:
+        raise RuntimeError(
+            f"slimgrad attention: {type(module).__name__} reached the slimgrad eager attention "
+            "without an eager default to reproduce; expected a class checked by convert_, got "
+            "one that was not. This is a slimgrad bug; please report it."
+        )
+    try:
+        bound = inspect.signature(original).bind(
+            module, query, key, value, attention_mask, *args, **kwargs
+        )
+        bound.apply_defaults()
+    except TypeError:
+        bound = None  # the original raises its own error
+    if bound is None or not _eager_fast_path_ok(
+        module, original, query, key, value, attention_mask, bound.arguments
+    ):
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+    a = bound.arguments
+    out = _eager_compute(
+        module, query, key, value, attention_mask, a["dropout"], a["scaling"], a.get("softcap")
+    )
+    return out, None
+
+
 def register_attention() -> None:
     """Add ``"slimgrad"`` to HF's attention and attention-mask registries (idempotent)."""
     global _registered
     if _registered:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     AttentionInterface.register(ATTN_NAME, _attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionInterface.register(EAGER_NAME, _attention_eager)
+    AttentionMaskInterface.register(EAGER_NAME, eager_mask)
     _registered = True
 
 
@@ -420,13 +612,29 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
         )
     if not routed:
         return [], None
-    impls = {getattr(c, "_attn_implementation", None) for c in _configs_in(model)}
-    if impls - {_ORIGIN}:
-        other = sorted(str(i) for i in impls - {_ORIGIN})
+    configs = _configs_in(model)
+    impls = {getattr(c, "_attn_implementation", None) for c in configs}
+    if len(impls) != 1 or not impls <= set(_NAMES):
+        other = sorted(str(i) for i in impls)
         return [], (
             f"attention implementation {', '.join(map(repr, other))} kept: the slimgrad attention "
-            "reproduces SDPA's (load the model with attn_implementation='sdpa' to convert it)"
+            "reproduces 'sdpa' or 'eager' used by every config of the model"
         )
+    (origin,) = impls
+    if origin == "eager" and any(getattr(c, "output_attentions", False) for c in configs):
+        return [], "config.output_attentions is set: eager returns the weights on every call"
+    if origin == "eager":
+        for n in sorted(routed):
+            cls = _class_named(model, n)
+            fn = _eager_default(cls)
+            if fn is None:
+                return [], f"{n}: no eager default function to reproduce (attention kept as is)"
+            unsupported = sorted(_interface_keywords(cls) & (_reads(fn) - _EAGER_IMPLEMENTED))
+            if unsupported:
+                return [], (
+                    f"{n} passes {', '.join(unsupported)} to {fn.__name__}, which the slimgrad "
+                    "eager attention does not implement (attention kept as is)"
+                )
     bad: list[str] = []
     files: dict[str, set[str]] = {}
     for c in classes:
@@ -439,13 +647,17 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
         scopes = [cls_nodes[n] for n in sorted(names) if n in cls_nodes] + funcs
         for scope in scopes:
             where = f"{modname.rsplit('.', 1)[-1]}.{getattr(scope, 'name', '?')}"
-            bad += [f"{where} {b}" for b in _impl_reads(scope, parents, _ORIGIN, ATTN_NAME)]
+            bad += [f"{where} {b}" for b in _impl_reads(scope, parents, origin, _NAMES[origin])]
     if bad:
         return [], (
             "the model's code reads config._attn_implementation beyond the attention lookup "
             f"({bad[0]}): attention kept as is"
         )
     return [f"{n} x{k}" for n, k in sorted(routed.items())], None
+
+
+def _class_named(model: nn.Module, name: str) -> type:
+    return next(type(m) for m in model.modules() if type(m).__name__ == name)
 
 
 def _own_configs(model: nn.Module) -> list:
@@ -476,7 +688,7 @@ def use_slimgrad_attention(model: nn.Module) -> tuple[bool, str]:
     register_attention()
     for cfg in _own_configs(model):
         # the dict form sets this config only; each sub-config is in the list itself
-        cfg._attn_implementation = {"": ATTN_NAME}
+        cfg._attn_implementation = {"": _NAMES[cfg._attn_implementation]}
     return True, ", ".join(routed)
 
 
@@ -500,7 +712,7 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
     for name, m in _hf_roots(model):
         kind = type(m).__name__
         impls = {getattr(c, "_attn_implementation", None) for c in _configs_in(m)}
-        if impls == {ATTN_NAME}:
+        if impls and impls <= set(_NAMES.values()):
             continue  # converted before
         if not allowed(m, name):
             rep.skipped.append((name, kind, "filter_fn returned False"))
@@ -508,8 +720,11 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
         routed, reason = _analyse(m)
         if not routed and reason is None:
             continue  # no attention at all (e.g. HF ResNet)
+        origin = next(iter(impls), None)
         ok, what = use_slimgrad_attention(m)
         if ok:
-            rep.converted.append((name, f"{kind} attention (sdpa)", f"slimgrad attention: {what}"))
+            rep.converted.append(
+                (name, f"{kind} attention ({origin})", f"slimgrad attention: {what}")
+            )
         else:
             rep.skipped.append((name, f"{kind} attention", what))
