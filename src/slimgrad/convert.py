@@ -48,7 +48,8 @@ class ConvertConfig:
         selective_saving: convolutions keep only what the requested gradients need (a frozen
             weight keeps no input), or the BatchNorm output they are derived from.
         batch_norm: BatchNorm followed by an activation keeps one tensor per block (exact).
-        fused_loss: LM head + cross-entropy fused and chunked (HF causal LMs).
+        fused_loss: LM head + cross-entropy fused and chunked (HF causal and masked LMs whose
+            forward is a known transformers template; others are reported skipped).
         fast_loss: the fused loss computes its gradients in forward: 3 matmuls like eager instead
             of 4, but keeps a parameter-sized dW from forward to backward (speed over memory).
         keep_logits: with the fused loss, a training forward with labels also returns the logits
