@@ -35,16 +35,16 @@ capability from the model's own code (its modeling files, parsed with ``ast``), 
 
 At call time :func:`_attention` (:func:`_attention_eager` likewise, to the family's function)
 hands every call it does not reproduce exactly to HF's own ``sdpa_attention_forward`` with the
-same arguments: no dropout (eval, ``dropout=0``), no grad, a
-device other than CPU (SDPA's fused CUDA kernels draw dropout differently and keep less than P +
-bits), a dtype other than float32/float64 or autocast, a keyword argument that SDPA's function
-reads and slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache``:
-found by reading that function's source), the single-query GQA packing, a mask that does not
-broadcast to the scores. Everything else (causal and bidirectional, 2-D/4-D padding masks made
-4-D by HF, bool and additive float masks, sliding windows, which arrive in the mask HF builds,
-cross-attention with ``q_len != k_len``, GQA, T5's ``position_bias``) runs SDPA's math path in
-slimgrad's op: ``S = (q sqrt(s)) (k sqrt(s))^T``, mask inside the op, safe softmax, dropout kept as
-bits, ``@ V``.
+same arguments: no dropout (eval, ``dropout=0``), no grad, torch.compile tracing, a device other
+than CPU (SDPA's fused CUDA kernels draw dropout differently and keep less than P + bits), a dtype
+other than float32/float64 or autocast, a keyword argument that SDPA's function reads and
+slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache``: found by
+reading that function's source), the single-query GQA packing, a mask that does not broadcast to
+the scores. Everything else (causal and bidirectional, 2-D/4-D padding masks made 4-D by HF, bool
+and additive float masks, sliding windows, which arrive in the mask HF builds, cross-attention
+with ``q_len != k_len``, GQA, T5's ``position_bias``) runs SDPA's math path in slimgrad's op:
+``S = (q sqrt(s)) (k sqrt(s))^T``, mask inside the op, safe softmax, dropout kept as bits, ``@ V``.
+The eager path keeps tanh's output for a softcap (as eager does) besides P + bits.
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def _is_set(v) -> bool:
 
 def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
     if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
+        return False
+    if torch.compiler.is_compiling():  # compiled SDPA draws its dropout its own way
         return False
     if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
         return False
