@@ -15,7 +15,11 @@ happen without any change to model code (``self.bn1(x)`` then ``self.relu(x)`` t
    asks the source to keep ``b`` instead of ``x`` (``keep_output``; the source may refuse, e.g.
    when too many channels have γ ≈ 0 or |β| > |γ|/2), computes ``r = act(b)`` out of place and
    registers ``r`` as *derived*: ``(base=b, act, versions)``. Its own Function keeps ``b`` (the same
-   storage) for act'(b).
+   storage) for act'(b). For an in-place activation (``nn.ReLU(inplace=True)``) a new ``r`` instead
+   of overwriting ``b`` is only invisible when nobody else can see ``b``: the module asks
+   ``slimgrad.ownership.owns_input`` (NOTE [Gradient-buffer ownership]), and without that proof
+   runs eager's in-place op (``self.relu(out)`` for its side effect, ``a = self.relu(b)`` with
+   ``b`` read later) and the BatchNorm keeps its input, as eager.
 3. slimgrad's conv, given an input tagged as derived (:func:`lookup`), keeps ``b`` and the act
    instead of ``r`` and recomputes ``r = act(b)`` in backward, bit for bit the same kernel as in
    forward.
