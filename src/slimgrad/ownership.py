@@ -271,7 +271,9 @@ def reset_reuse_count() -> None:
 
 
 def calibrated() -> bool:
-    """Whether the import-time calibration succeeded (if not, reuse is never granted)."""
+    """Whether the import-time calibration of the backward terms succeeded (if not, reuse is never
+    granted). The forward one (:func:`owns_input`) is separate: if it failed, ``owns_input`` is
+    always False."""
     return _GRAD_REFCOUNT is not None and _SAVED_SIGS is not None
 
 
@@ -683,8 +685,8 @@ class _FwdParent(torch.nn.Module):
 
 class _FwdNested(_FwdParent):
     def forward(self, x):
-        if self.keep:
-            return self.p(self.f.forward(x))  # forward() returns x * 1 too, but kept below
+        if self.keep:  # the inner call a plain method call: the same "temp" shape and count
+            return self.p(self.f.forward(x))
         return self.p(self.f(x))
 
 
