@@ -31,6 +31,7 @@ class Family:
     model: str  # transformers model class
     kind: str  # causal | mlm | seq2seq | speech | image | clip
     overrides: dict = field(default_factory=dict)
+    attn: str | None = None  # attn_implementation to build with; None: the class's default
 
     @property
     def text(self) -> bool:
@@ -96,6 +97,7 @@ FAMILIES: dict[str, Family] = {
             ),
         ),
         Family("llama", "LlamaConfig", "LlamaForCausalLM", "causal", _LLAMA),
+        Family("llama_eager", "LlamaConfig", "LlamaForCausalLM", "causal", _LLAMA, "eager"),
         Family("mistral", "MistralConfig", "MistralForCausalLM", "causal", _LLAMA),
         Family(
             "mistral_sw",
@@ -182,6 +184,7 @@ FAMILIES: dict[str, Family] = {
             ),
         ),
         Family("bert", "BertConfig", "BertForMaskedLM", "mlm", _BERT),
+        Family("bert_eager", "BertConfig", "BertForMaskedLM", "mlm", _BERT, "eager"),
         Family("roberta", "RobertaConfig", "RobertaForMaskedLM", "mlm", _BERT),
         Family(
             "distilbert",
@@ -385,6 +388,8 @@ def build(fam: Family) -> torch.nn.Module:
     import transformers
 
     cfg = getattr(transformers, fam.config)(**copy.deepcopy(fam.overrides))
+    if fam.attn is not None:
+        cfg._attn_implementation = fam.attn
     torch.manual_seed(0)
     model = getattr(transformers, fam.model)(cfg).float()
     return model.train()
