@@ -16,7 +16,15 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
   LM loss in a training forward with labels, a documented choice that the report notes;
 - unpadded batches only: for text models (dict inputs with 2-D ``input_ids``) the step also runs on
   a left-padded and a right-padded copy of the batch (``attention_mask`` 0, pad ids and label -100
-  on the padded positions) unless ``padded=False``.
+  on the padded positions) unless ``padded=False``;
+- an "original" that is itself converted (slimgrad modules, a bound slimgrad forward, a config set
+  to the slimgrad attention, e.g. through a config object shared with a converted model).
+
+Known limit: HF's eager attention (Bloom, Gemma2, any model loaded with
+``attn_implementation="eager"``) takes its softmax in float32, so in the float64 copy a fully
+masked row of a padded batch is NaN. ``verify`` then reports the non-finite reference (it cannot
+judge those runs) rather than passing; the HF conformance suite (``tests/conformance``) covers such
+families by comparing with eager directly.
 """
 
 from __future__ import annotations
