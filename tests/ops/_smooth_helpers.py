@@ -77,7 +77,8 @@ def check_adversarial_fallback(slim, eager, spec):
 
 def check_output_vs_eager(spec, fwd):
     """Outside the zone y is eager's, bit for bit; inside it is float64 rounded once (<= 1/2 ulp
-    from the exact value) and within a few ulp of eager's."""
+    from the exact value), so it is never further from eager's than eager's own error + 1/2 ulp
+    (eager's float32 erf-GELU is up to 8.4 ulp off on AVX2 CPUs, 2-5 with AVX-512)."""
     from slimgrad.ops._output_act import smooth_fwd
 
     xs = inverse(spec).x_star
@@ -89,4 +90,5 @@ def check_output_vs_eager(spec, fwd):
     ulp = torch.nextafter(y.abs(), torch.tensor(float("inf"))) - y.abs()
     exact = spec.f(x.double())
     assert bool(((y.double() - exact).abs() <= 0.5 * ulp.double())[inside].all())
-    assert bool(((y - ye).abs() <= 8 * ulp)[inside].all())
+    eager_err = (ye.double() - exact).abs()
+    assert bool(((y - ye).abs().double() <= eager_err + 0.5 * ulp.double())[inside].all())

@@ -75,7 +75,7 @@ SPECS = {
         _erf_f,
         _erf_df,
         window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
-        zone=0.06,
+        zone=0.12,
         tail={torch.float32: -2.5},
         x_right=8.0,
         c_act=1,
