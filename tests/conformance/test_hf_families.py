@@ -283,6 +283,12 @@ def test_report_converts_or_says_why(name, record_property):
         assert len(entry) == 3 and isinstance(entry[2], str) and entry[2].strip(), (
             f"{name}: skipped without a reason: {entry}"
         )
+    # the attention is converted or its skip says why (the vision CNNs have none)
+    if any("Attention" in type(m).__name__ for m in eager.modules()):
+        entries = [f"{a} {b}" for _, a, b in rep.converted] + [t for _, t, _ in rep.skipped]
+        assert any("attention" in e.lower() for e in entries), (
+            f"{name}: the report neither converts nor skips the attention\n{rep}"
+        )
     # the conversion changed something real: a module type, a bound forward or the attention
     changed = any(
         type(a) is not type(b)
