@@ -838,7 +838,12 @@ def test_bench_case_small(tmp_path):
         m(x, r).backward()
         res.append([x.grad, *[p.grad for p in m.parameters()]])
     torch.testing.assert_close(res[1], res[0])
-    torch.testing.assert_close(res[2], res[0], rtol=1e-5, atol=1e-6)
+    # float mode rebuilds each block's input (rounding): the GUIDE.md rule against float64
+    plain64 = copy.deepcopy(plain).double()
+    x, r = make_inputs()
+    x64 = x.detach().double().requires_grad_()
+    plain64(x64, r.double()).backward()
+    assert_within_rule(res[2], [x64.grad, *[p.grad for p in plain64.parameters()]], res[0])
     # `slimgrad bench reversible` runs the sweep through the shared harness
     assert harness.get_case("reversible").run is case.run_sweep
     assert "reversible" in harness.case_names()

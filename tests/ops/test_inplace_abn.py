@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -676,7 +677,7 @@ def test_compile_aot_eager_fullgraph():
     rm2, rv2 = torch.zeros(4), torch.ones(4)
     x = torch.randn(2, 3, 5, 5)
 
-    def f(x, rm, rv):
+    def f(x, rm, rv, conv=conv, w=w, b=b):
         h = inplace_abn(conv(x), rm, rv, w, b, True, 0.1, 1e-5, "leaky_relu", 0.01)
         return (h * h).sum()
 
@@ -684,8 +685,14 @@ def test_compile_aot_eager_fullgraph():
     leaves = [*conv.parameters(), w, b]
     got = torch.autograd.grad(cf(x, rm, rv), leaves)
     want = torch.autograd.grad(f(x, rm2, rv2), leaves)
-    for a, r in zip(got, want):
-        torch.testing.assert_close(a, r)
+    # traced, the ops take their PyTorch path (eager: the C kernels): the same math, another
+    # summation order, so both are judged against float64 (the conv bias gradient is rounding
+    # noise around 0: training BatchNorm removes it)
+    conv64 = copy.deepcopy(conv).double()
+    w64, b64 = (t.detach().double().requires_grad_() for t in (w, b))
+    loss64 = f(x.double(), rm.clone().double(), rv.clone().double(), conv64, w64, b64)
+    ref = torch.autograd.grad(loss64, [*conv64.parameters(), w64, b64])
+    assert_within_rule(list(got), list(ref), list(want))
     torch.testing.assert_close((rm, rv), (rm2, rv2))
 
 
