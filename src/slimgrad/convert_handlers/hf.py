@@ -6,21 +6,26 @@ Nothing here rebinds an HF class or module-level function. The attention pass li
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 
 
 def hf_models(model: nn.Module):
-    # outermost HF PreTrainedModel instances (their config is shared with their submodules)
+    """Yield ``(name, module)`` for the outermost HF ``PreTrainedModel`` instances in ``model``,
+    user subclasses included (each pass then decides from the instance's own code whether it may
+    touch it); their configs are shared with their submodules."""
+    mu = sys.modules.get("transformers.modeling_utils")
+    base = getattr(mu, "PreTrainedModel", None)
+    if base is None:  # transformers not imported: no HF model can be in there
+        return
     seen: set[int] = set()
     for name, m in model.named_modules():
-        if id(m) in seen:
+        if id(m) in seen or not isinstance(m, base):
             continue
-        cfg = getattr(m, "config", None)
-        if type(m).__module__.startswith("transformers.") and hasattr(cfg, "_attn_implementation"):
-            for sub in m.modules():
-                seen.add(id(sub))
-            yield name, m
+        seen.update(id(sub) for sub in m.modules())
+        yield name, m
 
 
 def rms_norm_from_hf(module: nn.Module) -> nn.Module:

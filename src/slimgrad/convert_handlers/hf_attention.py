@@ -61,6 +61,8 @@ from functools import cache
 import torch
 import torch.nn as nn
 
+from slimgrad.convert_handlers.hf import hf_models
+
 ATTN_NAME = "slimgrad"  # reproduces "sdpa"
 EAGER_NAME = "slimgrad_eager"  # reproduces "eager" (the family's eager_attention_forward)
 _NAMES = {"sdpa": ATTN_NAME, "eager": EAGER_NAME}
@@ -694,24 +696,9 @@ def use_slimgrad_attention(model: nn.Module) -> tuple[bool, str]:
     return True, ", ".join(routed)
 
 
-def _hf_roots(model: nn.Module):
-    # outermost modules that are HF models, subclasses defined elsewhere included (hf_models
-    # yields HF's own classes only; a subclass must be seen to be reported)
-    seen: set[int] = set()
-    for name, m in model.named_modules():
-        if id(m) in seen:
-            continue
-        cfg = getattr(m, "config", None)
-        if hasattr(cfg, "_attn_implementation") and any(
-            c.__module__.startswith("transformers.") for c in type(m).__mro__
-        ):
-            seen.update(id(sub) for sub in m.modules())
-            yield name, m
-
-
 def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
     """``convert_`` pattern (technique ``dropout``): HF models use the slimgrad attention."""
-    for name, m in _hf_roots(model):
+    for name, m in hf_models(model):
         kind = type(m).__name__
         impls = {getattr(c, "_attn_implementation", None) for c in _configs_in(m)}
         if impls and impls <= set(_NAMES.values()):

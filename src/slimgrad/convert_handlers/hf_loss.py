@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import ast
 import inspect
-import sys
 import textwrap
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
+
+from slimgrad.convert_handlers.hf import hf_models
 
 __all__ = ["fuse_lm_loss", "lm_loss_pattern"]
 
@@ -818,24 +819,9 @@ def fuse_lm_loss(
     return True, what
 
 
-def _lm_models(model: nn.Module):
-    # outermost transformers PreTrainedModel instances, user subclasses included (their forward
-    # decides: NOTE [Fused LM loss by template])
-    mu = sys.modules.get("transformers.modeling_utils")
-    base = getattr(mu, "PreTrainedModel", None)
-    if base is None:
-        return
-    seen: set[int] = set()
-    for name, m in model.named_modules():
-        if id(m) in seen or not isinstance(m, base):
-            continue
-        seen.update(id(sub) for sub in m.modules())
-        yield name, m
-
-
 def lm_loss_pattern(model: nn.Module, config, allowed, rep) -> None:
     """``convert_`` pattern (technique ``fused_loss``): fused LM-head losses where exact."""
-    for name, m in _lm_models(model):
+    for name, m in hf_models(model):
         if not allowed(m, name):
             continue
         done, what = fuse_lm_loss(m, fast=config.fast_loss, keep_logits=config.keep_logits)
