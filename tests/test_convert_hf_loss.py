@@ -396,13 +396,21 @@ def test_peft_lora_before_and_after_convert(name, order):
     torch.testing.assert_close(gc, ge, msg=lambda m: f"{names}: {m}")
 
 
-def test_return_dict_false_gives_hf_tuple():
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_return_dict_false_gives_hf_tuple(keep_logits):
+    # a tuple cannot hold logits=None without shifting every later field (``loss, logits =
+    # out[:2]``): without keep_logits HF's forward runs; with it the fused loss fills the slot
     eager = _build("llama")
-    conv = slimgrad.convert_(copy.deepcopy(eager))
+    cfg = slimgrad.ConvertConfig(keep_logits=keep_logits)
+    conv = slimgrad.convert_(copy.deepcopy(eager), cfg)
     inputs = _inputs("llama", padded=True)
-    e, c = eager(**inputs, return_dict=False), conv(**inputs, return_dict=False)
-    assert isinstance(c, tuple) and len(c) == len(e) - 1  # (loss, past...) without logits
+    kw = dict(return_dict=False, output_hidden_states=True, use_cache=False)
+    e, c = eager(**inputs, **kw), conv(**inputs, **kw)
+    assert isinstance(c, tuple) and len(c) == len(e)
     torch.testing.assert_close(c[0], e[0])
+    torch.testing.assert_close(c[1], e[1])  # the logits, in their slot
+    assert c[1].requires_grad is not keep_logits  # fused: detached logits
+    torch.testing.assert_close(c[2], e[2])  # hidden states, in their slot
 
 
 def test_trainer_predict_hands_logits_to_compute_metrics(tmp_path):

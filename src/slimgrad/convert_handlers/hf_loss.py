@@ -7,8 +7,8 @@ log-probabilities are never materialised. **Its output's ``logits`` is then ``No
 ``ConvertConfig(keep_logits=True)``: then the logits are computed as HF computes them but under
 ``torch.no_grad()`` (detached: no autograd history, nothing more kept for backward; they cost the
 B x T x V buffer and one more head matmul). Every other call (no labels, ``eval()``,
-``torch.no_grad()``, ``return_dict=False`` included) runs the class's own forward and returns
-what HF returns, logits included.
+``torch.no_grad()``, ``return_dict=False`` unless ``keep_logits``: a tuple has no slot for a
+``None`` logits) runs the class's own forward and returns what HF returns, logits included.
 
 NOTE [Fused LM loss by template]
 The fused forward is applied only when the class's ``forward`` is, statement for statement, one of
@@ -676,6 +676,10 @@ class _FusedLMForward:
         passed = kw.pop("return_dict", return_dict)
         if passed is not None:
             return_dict = passed
+        if not return_dict and not self.keep_logits:
+            # a tuple drops None fields: without logits every later field would move one slot
+            # left (``loss, logits = out[:2]`` would read the next field), so HF's forward runs
+            return cls_forward(model, *args, **kwargs)
         try:
             ba = spec.signature.bind(model, *args, **kw)
         except TypeError:
