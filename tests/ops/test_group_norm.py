@@ -169,3 +169,37 @@ def test_half_precision_runs_eager_with_eager_memory(dtype):
         y32 = group_norm(x0.float(), groups, w.float(), b.float())  # autocast keeps fp32 here
     assert type(y.grad_fn).__name__ == "NativeGroupNormBackward0"
     assert type(y32.grad_fn).__name__ == "_GroupNormFnBackward"
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
+def test_noncontiguous_layouts_match_eager(layout):
+    # Adversarial F1: channels_last crashed in backward, transposed/sliced in forward. Such
+    # inputs take eager's path: same values, output strides and gradients, bit for bit.
+    torch.manual_seed(0)
+    w, b = _params(8, torch.float32)
+    if layout == "channels_last":
+        x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = torch.randn(6, 5, 8).transpose(1, 2)
+    else:
+        x = torch.randn(2, 8, 12)[:, :, ::2]
+    assert not x.is_contiguous()
+
+    def run(fn, dy):
+        # The input itself is a non-leaf view (clone() would make a sliced input contiguous).
+        base = x.detach().clone().requires_grad_()
+        wr, br = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        xv = base * 1
+        if layout == "sliced":
+            xv = base.new_zeros(2, 8, 12).index_copy(2, torch.arange(0, 12, 2), base)[:, :, ::2]
+        assert xv.stride() == x.stride()
+        y = fn(xv, 2, wr, br, 1e-5)
+        y.backward(dy)
+        return [y.detach(), base.grad, wr.grad, br.grad]
+
+    dy_t = torch.randn(x.shape[::-1]).permute(*range(x.dim() - 1, -1, -1))
+    for dy in (torch.randn(x.shape), dy_t):
+        out, eager = run(group_norm, dy), run(F.group_norm, dy)
+        for o, e in zip(out, eager, strict=True):
+            torch.testing.assert_close(o, e, rtol=0, atol=0)
+            assert o.stride() == e.stride()

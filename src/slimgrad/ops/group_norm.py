@@ -11,7 +11,8 @@ Memory, per input dtype:
 - float32/float64: saves y (the output, shared with the next layer) + mean and rstd (2 * itemsize
   B per sample and group) + the input of fallback channels (k channels: k * N * HxW * itemsize B)
   and their int64 indices (8 B each); eager saves x, mean and rstd (x: 4 B/elt fp32 extra). Groups
-  of fewer than ``MIN_GROUP_NUMEL`` elements run eager's group_norm (saves x, as eager).
+  of fewer than ``MIN_GROUP_NUMEL`` elements, and non-contiguous inputs (channels_last,
+  transposed, sliced), run eager's group_norm (saves x, as eager).
 - bfloat16/float16: runs eager's ``F.group_norm``, so saves exactly what eager saves: x (2 B/elt)
   + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
   broke the GUIDE.md rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
@@ -202,10 +203,16 @@ def group_norm(
     dev = input.device.type
     autocast = torch.is_autocast_enabled(dev)
     probe = F.group_norm(input.new_empty((0, *input.shape[1:])), num_groups) if autocast else input
-    if math.prod(input.shape[1:]) // num_groups < MIN_GROUP_NUMEL or probe.dtype in HALF_DTYPES:
+    if (
+        math.prod(input.shape[1:]) // num_groups < MIN_GROUP_NUMEL
+        or probe.dtype in HALF_DTYPES
+        or not input.is_contiguous()
+    ):
         # Tiny groups: xhat is too poorly determined by the rounded output (a group of 2 is +-1);
-        # half precision: NOTE [RMSNorm and GroupNorm in half precision]. Both keep eager's saving
-        # of the input (same memory as eager, exact).
+        # half precision: NOTE [RMSNorm and GroupNorm in half precision]. Non-contiguous input
+        # (channels_last, transposed, sliced): eager picks the output's memory format and its
+        # kernels for that layout; taking eager's path keeps its output strides exactly. All keep
+        # eager's saving of the input (same memory as eager, exact).
         return F.group_norm(input, num_groups, weight, bias, eps)
     if autocast:
         if probe.dtype != input.dtype:
