@@ -247,3 +247,30 @@ def test_inplace_on_leaf_requiring_grad_raises_like_eager():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
         dropout(x, 0.5, inplace=True)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: torch.flatten(t, 1),  # conv -> pool -> flatten -> Dropout(inplace) (F6)
+        lambda t: t[:, 1:],
+        lambda t: t.transpose(0, 2),
+        lambda t: t[:, :, ::2],
+    ],
+)
+def test_inplace_on_a_view_matches_eager(view):
+    # Adversarial F6: in-place dropout of a view raised autograd's "cannot return more than one
+    # Tensor". Same mask as eager from the same seed; the base sees the write, as in eager.
+    x0 = torch.randn(4, 3, 6)
+    outs = []
+    for fn in (dropout, F.dropout):
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(11)
+        h = x * 1
+        v = view(h)
+        r = fn(v, 0.4, inplace=True)
+        assert r is v
+        g = torch.randn(h.shape, generator=torch.Generator().manual_seed(2))
+        (h * g).sum().backward()
+        outs.append((h.detach(), x.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

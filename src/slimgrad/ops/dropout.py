@@ -222,15 +222,17 @@ class _DropoutFn(torch.autograd.Function):
 class _DropoutInplaceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float):
+        # One output only: autograd refuses a Function that modifies a view in place and returns
+        # more than one tensor (torch.flatten(pool(x), 1) -> Dropout(inplace=True), adversarial
+        # F6). bits is an intermediate saved for backward.
         bits = _dropout_fwd_(x, p)
         ctx.p = p
         ctx.mark_dirty(x)
         ctx.save_for_backward(bits)
-        ctx.mark_non_differentiable(bits)
-        return x, bits
+        return x
 
     @staticmethod
-    def backward(ctx, grad, _grad_bits):
+    def backward(ctx, grad):
         owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
         return _backward(grad, bits, ctx.p, False, owned), None
@@ -249,13 +251,11 @@ def _check_p(api: str, p: float) -> None:
         )
 
 
-def _dropout_with_bits(
-    input: torch.Tensor, p: float, inplace: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Training-mode dropout for 0 < p < 1 on a non-empty tensor; also returns the packed mask.
+def _dropout_train(input: torch.Tensor, p: float, inplace: bool = False) -> torch.Tensor:
+    # Training-mode dropout for 0 < p < 1 on a non-empty tensor.
     if inplace:
         return _DropoutInplaceFn.apply(input, float(p))
-    return _DropoutFn.apply(input, float(p))
+    return _DropoutFn.apply(input, float(p))[0]
 
 
 def dropout(
@@ -290,7 +290,7 @@ def dropout(
     if p == 1:
         zero = input.new_zeros(())
         return input.mul_(zero) if inplace else input * zero
-    return _dropout_with_bits(input, p, inplace)[0]
+    return _dropout_train(input, p, inplace)
 
 
 def dropout_(input: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
