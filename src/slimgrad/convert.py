@@ -32,6 +32,7 @@ from slimgrad.convert_handlers import cnn as _cnn
 from slimgrad.convert_handlers import hf as _hf
 from slimgrad.convert_handlers import hf_attention as _hf_attention
 from slimgrad.convert_handlers import hf_loss as _hf_loss
+from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
 
 __all__ = ["ConvertConfig", "ConvertReport", "convert_", "report"]
@@ -153,6 +154,7 @@ _PATTERNS: list[tuple[str, Pattern]] = [
         _hf_attention.attention_pattern,
     ),  # HF attention: softmax -> dropout -> @V keeps P + bits
     ("fused_loss", _hf_loss.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept
+    ("__class__", _inplace_guard.inplace_guard_pattern),  # always runs: saver -> in-place write
 ]
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
@@ -252,6 +254,9 @@ def _convert_children(
             continue
         technique, handler = entry
         kind = type(child).__name__
+        if (kept := _inplace_guard.kept_reason(child)) is not None:
+            rep.skipped.append((fqn, kind, kept))
+            continue
         if not getattr(config, technique):
             rep.skipped.append((fqn, kind, f"ConvertConfig.{technique} is False"))
             continue

@@ -1,0 +1,272 @@
+"""Conformance: an in-place write after a module whose slimgrad version keeps its output.
+
+Adversarial F2 (issue 13): LayerNorm/RMSNorm/GroupNorm/LlamaRMSNorm and GELU/SiLU/Mish/LeakyReLU/
+ELU/Hardtanh/ReLU6 keep their output for backward once converted (eager keeps their input); an
+in-place writer of that output (ReLU(inplace=True), Dropout(inplace=True), ``h.relu_()``,
+``h += r``, ..., also through slices and transposes) made the converted backward raise where
+eager trains.
+``convert_`` must leave such modules unconverted and say why (NOTE [In-place writers after
+output-saving modules] in ``convert_handlers/inplace_guard.py``), and keep converting the others.
+Every row: converted vs eager vs a float64 copy by the GUIDE.md rule (outputs, every gradient), same
+seed for dropout, train and eval.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+import slimgrad
+from slimgrad.testing import assert_within_rule
+
+WRITERS = {
+    "ReLU": lambda: nn.ReLU(inplace=True),
+    "ReLU6": lambda: nn.ReLU6(inplace=True),
+    "LeakyReLU": lambda: nn.LeakyReLU(0.1, inplace=True),
+    "ELU": lambda: nn.ELU(inplace=True),
+    "Hardtanh": lambda: nn.Hardtanh(inplace=True),
+    "SiLU": lambda: nn.SiLU(inplace=True),
+    "Mish": lambda: nn.Mish(inplace=True),
+    "Dropout": lambda: nn.Dropout(0.3, inplace=True),
+}
+# (module, input shape); the (/tmp/adv/inplace_grid.py) grid: norms, BatchNorm and no norm at all
+NORMS = {
+    "LayerNorm": (lambda: nn.LayerNorm(8), (6, 8)),
+    "RMSNorm": (lambda: nn.RMSNorm(8), (6, 8)),
+    "GroupNorm": (lambda: nn.GroupNorm(2, 8), (6, 8, 5)),
+    "BatchNorm1d": (lambda: nn.BatchNorm1d(8), (6, 8)),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(8), (3, 8, 4, 4)),
+    "Identity": (lambda: nn.Identity(), (6, 8)),
+}
+SAVERS = {
+    "LlamaRMSNorm": lambda: LlamaRMSNorm(8),
+    "GELU": lambda: nn.GELU(),
+    "GELUtanh": lambda: nn.GELU("tanh"),
+    "SiLU": lambda: nn.SiLU(),
+    "Mish": lambda: nn.Mish(),
+    "LeakyReLU": lambda: nn.LeakyReLU(0.2),
+    "ELU": lambda: nn.ELU(),
+    "Hardtanh": lambda: nn.Hardtanh(-0.5, 0.5),
+    "ReLU6": lambda: nn.ReLU6(),
+    "LayerNorm": lambda: nn.LayerNorm(8),
+}
+MODES = ["plain", "view", "reuse", "transposed"]
+
+
+class Grid(nn.Module):
+    # /tmp/adv/inplace_grid.py's model: Linear -> norm -> act (inplace) used four ways -> Linear
+    def __init__(self, norm, act, mode):
+        super().__init__()
+        self.pre, self.norm, self.act, self.mode = nn.Linear(8, 8), norm, act, mode
+        self.post = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.pre(x.transpose(1, -1)).transpose(1, -1) if x.dim() > 2 else self.pre(x)
+        h = self.norm(h)
+        if self.mode == "plain":
+            h = self.act(h)
+        elif self.mode == "view":
+            self.act(h[:, :4])
+        elif self.mode == "reuse":
+            h = self.act(h) + h
+        elif self.mode == "transposed":
+            h = self.act(h.transpose(0, 1)).transpose(0, 1)
+        h = h.transpose(1, -1) if h.dim() > 2 else h
+        return self.post(h)
+
+
+class Functional(nn.Module):
+    # in-place writes in a plain-torch forward, no writer module
+    def __init__(self, saver, how):
+        super().__init__()
+        self.pre, self.saver, self.how, self.post = nn.Linear(8, 8), saver, how, nn.Linear(8, 8)
+
+    def forward(self, x):
+        r = self.pre(x)
+        h = self.saver(r)
+        if self.how == "relu_":
+            h.relu_()
+        elif self.how == "F.relu(inplace)":
+            h = F.relu(h, inplace=True)
+        elif self.how == "F.leaky_relu(positional)":
+            F.leaky_relu(h, 0.1, True)
+        elif self.how == "iadd":
+            h += r
+        elif self.how == "slice.mul_":
+            h[:, 1:5].mul_(2)
+        elif self.how == "t().clamp_":
+            h.t().clamp_(min=-0.1)
+        elif self.how == "flatten.dropout_":
+            F.dropout(torch.flatten(h, 1), 0.3, True, True)
+        elif self.how == "narrow.add_":
+            h.narrow(1, 2, 3).add_(1)
+        elif self.how == "setitem":
+            h[:, 0] = 0.0
+        return self.post(h)
+
+
+class Untraceable(nn.Module):
+    # data-dependent control flow: torch.fx cannot trace it
+    def __init__(self, act):
+        super().__init__()
+        self.pre, self.norm, self.act, self.post = (
+            nn.Linear(8, 8),
+            nn.LayerNorm(8),
+            act,
+            nn.Linear(8, 8),
+        )
+
+    def forward(self, x):
+        h = self.norm(self.pre(x))
+        if h.sum() > -1e9:
+            h = self.act(h)
+        return self.post(h)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # hundreds of tiny models: thread start-up, not arithmetic, would dominate
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _check(model, x, train):
+    model.train(train)
+    conv = slimgrad.convert_(copy.deepcopy(model))
+    ref = copy.deepcopy(model).double()
+    outs = []
+    for m, xx in ((conv, x), (model, x), (ref, x.double())):
+        xx = xx.clone().requires_grad_()
+        torch.manual_seed(7)
+        y = m(xx)
+        y.square().sum().backward()
+        outs.append([y, xx.grad, *(p.grad for p in m.parameters())])
+    assert_within_rule(outs[0], outs[2], outs[1])
+    return slimgrad.report(conv)
+
+
+def _skipped(rep):
+    return {n: r for n, _, r in rep.skipped}
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_grid_norm_then_inplace_writer(norm, train):
+    mk, shape = NORMS[norm]
+    for writer, mw in WRITERS.items():
+        for mode in MODES:
+            torch.manual_seed(0)
+            rep = _check(Grid(mk(), mw(), mode), torch.randn(*shape), train)
+            if norm in ("LayerNorm", "RMSNorm", "GroupNorm"):
+                assert "in-place write follows" in _skipped(rep).get("norm", ""), (writer, mode)
+
+
+@pytest.mark.parametrize("saver", list(SAVERS))
+def test_output_savers_then_writer_module(saver):
+    for writer, mode in (("ReLU", "plain"), ("LeakyReLU", "view"), ("Dropout", "transposed")):
+        for train in (True, False):
+            torch.manual_seed(0)
+            rep = _check(Grid(SAVERS[saver](), WRITERS[writer](), mode), torch.randn(6, 8), train)
+            assert "in-place write follows" in _skipped(rep)["norm"], (writer, mode)
+
+
+HOWS = [
+    "relu_",
+    "F.relu(inplace)",
+    "F.leaky_relu(positional)",
+    "iadd",
+    "slice.mul_",
+    "t().clamp_",
+    "flatten.dropout_",
+    "narrow.add_",
+    "setitem",
+]
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("saver", ["LayerNorm", "GELU", "LlamaRMSNorm"])
+def test_inplace_writes_in_a_plain_torch_forward(saver, how):
+    for train in (True, False):
+        torch.manual_seed(0)
+        rep = _check(Functional(SAVERS[saver](), how), torch.randn(6, 8), train)
+        assert "in-place write follows" in _skipped(rep)["saver"]
+
+
+def test_sequential_nested_and_through_view_modules():
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    seq = nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
+        nn.Identity(),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8)),
+        nn.GELU(),
+        nn.Linear(8, 8),
+        nn.SiLU(),
+        nn.Dropout(0.2, inplace=True),
+        nn.Linear(8, 8),
+    )
+    for train in (True, False):
+        rep = _check(seq, x, train)
+        skipped = _skipped(rep)
+        assert "in-place write follows" in skipped["1.1"]  # LayerNorm -> ... -> ReLU(inplace)
+        assert "in-place write follows" in skipped["8"]  # SiLU -> Dropout(inplace)
+        assert "6" not in skipped  # GELU -> Linear: fresh tensor, stays converted
+
+
+def test_writer_inside_a_child_module_and_saver_at_a_childs_end():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(self.lin(x)).transpose(0, 1)
+
+    class Writes(nn.Module):
+        def forward(self, x):
+            return x.clamp_(min=0)
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.writes, self.post = Block(), Writes(), nn.Linear(6, 6)
+
+        def forward(self, x):
+            return self.post(self.writes(self.block(x)[:, :]).transpose(0, 1).T)
+
+    torch.manual_seed(0)
+    for train in (True, False):
+        rep = _check(Parent(), torch.randn(6, 8), train)
+        assert "in-place write follows" in _skipped(rep)["block.norm"]
+
+
+def test_untraceable_parent_keeps_savers_only_with_an_inplace_child():
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    rep = _check(Untraceable(nn.ReLU(inplace=True)), x, True)
+    assert "untraceable Untraceable" in _skipped(rep)["norm"]
+    rep = _check(Untraceable(nn.ReLU()), x, True)
+    assert "norm" in {n for n, _, _ in rep.converted}
+
+
+def test_no_writer_keeps_the_saving():
+    # out-of-place acts after the savers, and a writer after a fresh tensor: all converted
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU(), nn.GELU(), nn.Linear(8, 8), nn.ReLU(True)
+    )
+    rep = _check(seq, torch.randn(6, 8), True)
+    assert {"1", "2", "3"} <= {n for n, _, _ in rep.converted}
+    for train in (True, False):
+        rep = _check(Grid(nn.LayerNorm(8), nn.ReLU(), "plain"), torch.randn(6, 8), train)
+        assert "norm" in {n for n, _, _ in rep.converted}
