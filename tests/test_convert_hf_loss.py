@@ -275,8 +275,12 @@ def test_keep_logits_returns_detached_logits_at_no_extra_saved_bytes():
         out = conv(**inputs)
         if keep:
             e = eager(**inputs)
-            assert out.logits is not None and not out.logits.requires_grad
-            torch.testing.assert_close(out.logits, e.logits.detach())
+            assert out.logits is not None
+            torch.testing.assert_close(out.logits.detach(), e.logits.detach())
+            # a loss that uses them fails loudly (no silent missing gradient term)
+            with pytest.raises(RuntimeError, match="slimgrad.ConvertConfig.keep_logits"):
+                (out.loss + out.logits.float().logsumexp(-1).mean()).backward(retain_graph=True)
+            conv.zero_grad(set_to_none=True)
         else:
             assert out.logits is None
         out.loss.backward()  # warm-up: one-time caches are not step memory
@@ -409,7 +413,6 @@ def test_return_dict_false_gives_hf_tuple(keep_logits):
     assert isinstance(c, tuple) and len(c) == len(e)
     torch.testing.assert_close(c[0], e[0])
     torch.testing.assert_close(c[1], e[1])  # the logits, in their slot
-    assert c[1].requires_grad is not keep_logits  # fused: detached logits
     torch.testing.assert_close(c[2], e[2])  # hidden states, in their slot
 
 

@@ -5,8 +5,9 @@ masked LM computes its loss from the hidden states through the chunked fused lin
 cross-entropy (:mod:`slimgrad.ops.linear_cross_entropy`), so the B x T x V logits and
 log-probabilities are never materialised. **Its output's ``logits`` is then ``None``**, unless
 ``ConvertConfig(keep_logits=True)``: then the logits are computed as HF computes them but under
-``torch.no_grad()`` (detached: no autograd history, nothing more kept for backward; they cost the
-B x T x V buffer and one more head matmul). Every other call (no labels, ``eval()``,
+``torch.no_grad()`` (no autograd history, nothing more kept for backward; they cost the B x T x V
+buffer and one more head matmul); a loss that differentiates them raises a clear error in
+backward rather than silently missing that term's gradient. Every other call (no labels, ``eval()``,
 ``torch.no_grad()``, ``return_dict=False`` unless ``keep_logits``: a tuple has no slot for a
 ``None`` logits) runs the class's own forward and returns what HF returns, logits included.
 
@@ -622,6 +623,25 @@ def _eager_logits(model, spec, transform, decoder, h):
     return z
 
 
+class _LogitsWithoutGradient(torch.autograd.Function):
+    # keep_logits: the logits computed under no_grad, handed back as a tensor that requires grad
+    # (through ``anchor``, the hidden states) so that a loss built on them fails loudly in
+    # backward instead of silently missing that term's gradient. Saves nothing.
+    @staticmethod
+    def forward(ctx, logits, anchor):
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "slimgrad.ConvertConfig.keep_logits: a loss used the logits of a converted LM's "
+            "training forward; expected only out.loss to be differentiated, got a gradient for "
+            "the logits, which the fused loss computes without autograd history. Compute that "
+            "term from a forward of the unconverted model, or convert with "
+            "ConvertConfig(fused_loss=False) so the logits carry their gradient."
+        )
+
+
 def _why_not_now(model, spec, ba, dec):
     # a reason the fused forward cannot run for this call ("" when it can), before any work
     if not isinstance(ba.arguments.get("labels"), torch.Tensor):
@@ -715,8 +735,10 @@ class _FusedLMForward:
         scale, cap = _transform_of(model, spec)
         logits = None
         if self.keep_logits:
-            with torch.no_grad():  # documented: detached, nothing kept for backward
+            with torch.no_grad():  # documented: no history, nothing kept for backward
                 logits = _eager_logits(model, spec, transform, dec, hidden)
+            if hidden.requires_grad:
+                logits = _LogitsWithoutGradient.apply(logits, hidden)
         if spec.causal:
             h = _skip_identity_view(hidden)
             for m in transform:
