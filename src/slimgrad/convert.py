@@ -55,7 +55,8 @@ class ConvertConfig:
             of 4, but keeps a parameter-sized dW from forward to backward (speed over memory).
         keep_logits: with the fused loss, a training forward with labels also returns the logits
             (computed without autograd history, so nothing extra is kept for backward; costs the
-            B x T x V logits' memory and one more head matmul). Off: ``logits`` is None in
+            B x T x V logits' memory and one more head matmul; a loss that differentiates them
+            raises in backward). Off: ``logits`` is None in
             training with labels. Eval and no_grad forwards always return logits, as HF does.
         inplace_abn: BatchNorm + ReLU becomes InPlaceABN with leaky_relu. Changes the model's
         function:
@@ -146,7 +147,7 @@ _TABLE: dict[str, tuple[str, Handler]] = {
 }
 # Passes over the whole model for patterns that need neighbours, in order; each reports what it did.
 _PATTERNS: list[tuple[str, Pattern]] = [
-    ("batch_norm", convert_sequential_bn_act_),  # BN + invertible act in a Sequential: InPlaceABN
+    ("inplace_abn", convert_sequential_bn_act_),  # Sequential BN + act slots fused: InPlaceABN
     ("inplace_abn", _cnn.inplace_abn_pattern),  # BN -> ReLU anywhere (fx): InPlaceABN(leaky_relu)
     ("batch_norm", _cnn.bn_act_pattern),  # BN next to ReLU/GELU/SiLU: keep the BN output only
     (
