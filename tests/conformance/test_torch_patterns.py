@@ -348,17 +348,18 @@ def _run_row(build, make_x, act, config, dtype=torch.float64, modes=ALL_MODES):
     return converted
 
 
-# LeakyReLU rows are converted the same way by both configs (the fx pattern pairs ReLUs only), so
-# inplace_abn=True runs the ReLU rows; eval with backward runs in the rows of the tests below
+# The default config keeps every module's function (BN -> LeakyReLU: derived saved input);
+# inplace_abn=True fuses Sequential BN + LeakyReLU/ReLU slots into InPlaceABN. Eval with backward
+# runs in the rows of the tests below
 @pytest.mark.parametrize(
     "config, act",
-    [(DEFAULT, "leaky"), (DEFAULT, "relu"), (ABN, "relu")],
-    ids=["default-leaky", "default-relu", "inplace_abn-relu"],
+    [(DEFAULT, "leaky"), (DEFAULT, "relu"), (ABN, "leaky"), (ABN, "relu")],
+    ids=["default-leaky", "default-relu", "inplace_abn-leaky", "inplace_abn-relu"],
 )
 @pytest.mark.parametrize("row", list(ROWS))
 def test_row_matches_eager(row, config, act):
     build, make_x = ROWS[row]
-    if act == "relu" and not config.inplace_abn and row.startswith("relu_inplace"):
+    if act == "relu" and row.startswith("relu_inplace"):
         pytest.skip("same model as the leaky row")
     act_module = _lrelu() if act == "leaky" else nn.ReLU(inplace=True)
     _run_row(build, make_x, act_module, config, modes=FAST_MODES)
@@ -371,8 +372,12 @@ def _grants(model, x):
 
 
 def test_fresh_chain_keeps_the_in_place_path():
-    # the conv chain: each InPlaceABN writes over its conv's fresh output (3 of 3)
-    converted = _run_row(_chain, _img, _lrelu(), DEFAULT)
+    # default: no fusion; each in-place LeakyReLU on its BN's fresh output takes the derived path
+    default = _run_row(_chain, _img, _lrelu(), DEFAULT)
+    assert not any(isinstance(m, (InPlaceABN, nn.Identity)) for m in default.modules())
+    assert _grants(default.train(), _img().double()) == 3
+    # inplace_abn=True: each InPlaceABN writes over its conv's fresh output (3 of 3)
+    converted = _run_row(_chain, _img, _lrelu(), ABN)
     assert sum(isinstance(m, InPlaceABN) for m in converted.modules()) == 3
     assert _grants(converted.train(), _img().double()) == 3
     relu = _run_row(_chain, _img, nn.ReLU(), ABN)
@@ -397,14 +402,14 @@ def test_fresh_chain_keeps_the_in_place_path():
 )
 def test_unsafe_sites_take_the_out_of_place_path(row, grants):
     build, make_x = ROWS[row]
-    converted = _run_row(build, make_x, _lrelu(), DEFAULT)
+    converted = _run_row(build, make_x, _lrelu(), ABN)
     assert _grants(converted.train(), make_x().double()) == grants
 
 
 @pytest.mark.parametrize("row", ["hook_on_bn", "prehook_on_bn", "hook_on_act", "prehook_on_act"])
 def test_hooked_bn_or_act_is_skipped_with_the_reason(row):
     build, make_x = ROWS[row]
-    converted = _run_row(build, make_x, _lrelu(), DEFAULT)
+    converted = _run_row(build, make_x, _lrelu(), ABN)
     assert not isinstance(converted[2], InPlaceABN) and isinstance(converted[5], InPlaceABN)
     reasons = [r for n, _, r in slimgrad.report(converted).skipped if n == "2"]
     assert reasons and "hooks" in reasons[0]
@@ -416,7 +421,7 @@ def test_hooked_bn_or_act_is_skipped_with_the_reason(row):
 
 
 def test_shared_modules_stay_one_module():
-    converted = _run_row(SharedTwice, ROWS["shared_modules"][1], _lrelu(), DEFAULT)
+    converted = _run_row(SharedTwice, ROWS["shared_modules"][1], _lrelu(), ABN)
     assert converted.a[1] is converted.b[1]  # one BN under two parents: one module
     assert not isinstance(converted.a[1], InPlaceABN)  # b uses it without an activation
     assert any(
@@ -431,14 +436,14 @@ def test_global_hooks():
     try:
         # registered at conversion: the pairs are skipped with the reason
         torch.manual_seed(0)
-        skipped = slimgrad.convert_(_randomize(_chain(_lrelu())).double())
+        skipped = slimgrad.convert_(_randomize(_chain(_lrelu())).double(), ABN)
         assert not any(isinstance(m, InPlaceABN) for m in skipped.modules())
         assert any("global" in r for _, _, r in slimgrad.report(skipped).skipped)
     finally:
         h.remove()
     torch.manual_seed(0)
     eager = _randomize(_chain(_lrelu())).double()
-    converted = slimgrad.convert_(copy.deepcopy(eager))
+    converted = slimgrad.convert_(copy.deepcopy(eager), ABN)
     x0 = _img().double()
     runs = []
     for m in (eager, converted):
@@ -459,13 +464,14 @@ def test_global_hooks():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("config", [DEFAULT, ABN], ids=["default", "inplace_abn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("row", ["chain_fresh", "preact_residual", "relu_inplace_a_plus_b"])
-def test_low_precision_within_rule(row, dtype):
+def test_low_precision_within_rule(row, dtype, config):
     build, make_x = ROWS[row]
     torch.manual_seed(0)
     eager = _randomize(build(_lrelu())).to(dtype)
-    converted = slimgrad.convert_(copy.deepcopy(eager))
+    converted = slimgrad.convert_(copy.deepcopy(eager), config)
     ref64 = copy.deepcopy(eager).double()
     x0 = make_x()
     res = []
@@ -491,7 +497,7 @@ def test_saved_bytes_same_on_both_paths():
 
     torch.manual_seed(0)
     model = slimgrad.convert_(_randomize(nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8),
-                                                       nn.LeakyReLU(0.1))))  # fmt: skip
+                                                       nn.LeakyReLU(0.1))), ABN)  # fmt: skip
     abn = model[1]
     x0 = torch.randn(4, 3, 6, 6)
     numel = 4 * 8 * 6 * 6
@@ -509,3 +515,114 @@ def test_saved_bytes_same_on_both_paths():
     conv_keeps = 0  # conv's input x0 pre-exists; its weight is a Parameter
     for r in (r_in, r_held):
         assert r.saved_bytes == conv_keeps + numel * 4 + per_channel, r.saved_bytes
+
+
+# F4: every slot of a converted Sequential keeps computing what it computed (default config):
+# slices, per-layer iteration, hooks added after conversion, replacing a slot. inplace_abn=True
+# fuses BN + activation slots (documented): the BN slot then returns BN + activation.
+_SLOT_ACTS = {
+    "leaky": lambda: nn.LeakyReLU(0.2),
+    "leaky_inplace": lambda: nn.LeakyReLU(0.1, inplace=True),
+    "elu": lambda: nn.ELU(),
+    "elu_inplace": lambda: nn.ELU(0.7, inplace=True),
+    "identity": nn.Identity,
+    "relu_inplace": lambda: nn.ReLU(inplace=True),
+}
+
+
+def _slots(act):
+    return _randomize(
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), act(),
+            nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), act(),
+            nn.Flatten(), nn.Linear(4 * 5 * 6, 3),
+        )
+    ).double()  # fmt: skip
+
+
+def _slot_run(model, fn, x0, train):
+    # fn(model, x) -> list of tensors; in train mode also every parameter and input gradient
+    model.train(train)
+    x = x0.clone().requires_grad_(train)
+    with torch.set_grad_enabled(train):
+        outs = fn(model, x)
+    if not train:
+        return outs
+    loss = sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum() for o in outs)
+    return outs + list(torch.autograd.grad(loss, [x, *model.parameters()], allow_unused=True))
+
+
+def _per_layer(model, x):
+    feats, h = [], x
+    for layer in model:
+        h = layer(h)
+        feats.append(h.clone())  # a copy: an in-place activation overwrites h, as in eager
+    return feats
+
+
+def _after_bn_hooks(model, x):
+    kept, grads = [], []
+    h1 = model[1].register_forward_hook(lambda m, i, o: kept.append(o.clone()))
+    h2 = model[1].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].clone()))
+    try:
+        y = model(x)
+        if y.requires_grad:
+            torch.autograd.grad(y.sum(), [x], retain_graph=True)
+    finally:
+        h1.remove()
+        h2.remove()
+    return [y, *kept, *grads]
+
+
+def _surgery(model, x):
+    model[2] = nn.Tanh()
+    model[4] = nn.Identity()
+    return [model(x)]
+
+
+def _slice(k):
+    return lambda m, x: [m[:k](x)]
+
+
+_SLOT_USES = {
+    **{f"slice_{k}": _slice(k) for k in range(1, 7)},
+    "bn_slot_alone": lambda m, x: [m[1](m[0](x))],
+    "per_layer": _per_layer,
+    "hooks_after_convert": _after_bn_hooks,
+    "surgery": _surgery,
+}
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("use", list(_SLOT_USES))
+@pytest.mark.parametrize("act", list(_SLOT_ACTS))
+def test_every_slot_keeps_its_function(act, use, train):
+    torch.manual_seed(0)
+    eager = _slots(_SLOT_ACTS[act])
+    converted = slimgrad.convert_(copy.deepcopy(eager))
+    assert not any(isinstance(m, InPlaceABN) for m in converted.modules())
+    assert all(isinstance(c, type(e)) for c, e in zip(converted, eager))  # same slots, subclasses
+    x0 = torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    try:
+        want = _slot_run(eager, _SLOT_USES[use], x0, train)
+    except RuntimeError as e:  # a full backward hook before an in-place op: torch refuses
+        with pytest.raises(RuntimeError, match=str(e)[:40]):
+            _slot_run(converted, _SLOT_USES[use], x0, train)
+        return
+    got = _slot_run(converted, _SLOT_USES[use], x0, train)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_inplace_abn_fuses_the_slots_as_documented():
+    # opt-in: the whole model is eager's function, but the BN slot returns BN + activation
+    torch.manual_seed(0)
+    eager = _slots(_SLOT_ACTS["leaky"])
+    converted = slimgrad.convert_(copy.deepcopy(eager), ABN)
+    assert isinstance(converted[1], InPlaceABN) and isinstance(converted[2], nn.Identity)
+    x0 = torch.randn(2, 3, 5, 6, dtype=torch.float64)
+    full = [_slot_run(m, lambda m, x: [m(x)], x0, False) for m in (converted, eager)]
+    torch.testing.assert_close(full[0][0], full[1][0])
+    bn = [_slot_run(m, _SLOT_USES["slice_2"], x0, False)[0] for m in (converted, eager)]
+    torch.testing.assert_close(bn[0], torch.nn.functional.leaky_relu(bn[1], 0.2))

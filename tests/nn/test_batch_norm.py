@@ -281,3 +281,87 @@ def test_inplace_relu_after_norm_is_eager_on_every_path(how):
         outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+
+
+_LEAKY_ELU = [
+    nn.LeakyReLU(0.2),
+    nn.LeakyReLU(0.01, inplace=True),
+    nn.LeakyReLU(-0.3),
+    nn.LeakyReLU(0.0, inplace=True),
+    nn.ELU(),
+    nn.ELU(0.7, inplace=True),
+    nn.ELU(-0.5),
+    nn.ELU(0.0, inplace=True),
+]
+
+
+@pytest.mark.parametrize("act", _LEAKY_ELU, ids=repr)
+def test_leaky_relu_elu_after_norm_keep_one_tensor_and_eager_bits(act):
+    # Sequential(conv, bn, act, conv): the act takes the derived path (in place: granted by
+    # ownership in a Sequential), gradients have eager's bits, one full-size tensor is kept
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), copy.deepcopy(act),
+        nn.Conv2d(6, 2, 1),
+    )  # fmt: skip
+    m = convert_cnn_(copy.deepcopy(ref))
+    assert type(m[2]) is (
+        sbn.LeakyReLUAfterNorm if isinstance(act, nn.LeakyReLU) else sbn.ELUAfterNorm
+    )
+    x0 = torch.randn(2, 3, 9, 8)
+    full = 2 * 6 * 9 * 8 * 4
+    ms, me = measure(lambda: m(x0 * 1).sum()), measure(lambda: ref(x0 * 1).sum())
+    # ours: x, the BN output, 4 floats/channel; eager: x, the BN input, the act's saved tensor
+    # (its input, or its output shared with the conv in place), the conv's input, 2 floats/channel
+    eager_full = 2 if act.inplace else 3
+    assert me.saved_bytes == x0.numel() * 4 + eager_full * full + 2 * 6 * 4
+    assert ms.saved_bytes == x0.numel() * 4 + full + 4 * 6 * 4
+    # the activation's own backward, bit for bit eager's aten kernel on the same BN output
+    bn = sbn.BatchNorm2d.from_torch(nn.BatchNorm2d(6))
+    c = torch.randn(2, 6, 9, 8, requires_grad=True)
+    b = bn(c)
+    b2 = b.detach().clone().requires_grad_()
+    r2 = copy.deepcopy(act)(b2 * 1)
+    r = m[2](b)  # the parent is this test function: an in-place act is refused, eager's op runs
+    if act.inplace:
+        assert r is b and torch.equal(r, r2)
+    else:
+        from slimgrad.ops import _derived
+
+        assert _derived.lookup(r) is not None  # the derived path
+        g = torch.randn_like(r)
+        (gb,) = torch.autograd.grad(r, b, g)
+        (gb2,) = torch.autograd.grad(r2, b2, g)
+        assert torch.equal(r, r2) and torch.equal(gb, gb2)
+    outs = []
+    for mod in (m, ref):
+        x = x0.clone().requires_grad_()
+        mod(x).square().sum().backward()
+        outs.append([x.grad] + [p.grad for p in mod.parameters()])
+    for a, b_ in zip(*outs):
+        torch.testing.assert_close(a, b_)
+
+
+@pytest.mark.parametrize("act", [nn.LeakyReLU(-0.3, inplace=True), nn.ELU(-0.5, inplace=True)])
+def test_inplace_negative_slope_is_eagers_error(act):
+    # eager's in-place op refuses a negative slope/alpha under autograd; so does the converted one
+    ref = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), act, nn.Conv2d(4, 2, 1))
+    m = convert_cnn_(copy.deepcopy(ref))
+    for mod in (ref, m):
+        with pytest.raises(RuntimeError, match="negative slope"):
+            mod(torch.randn(2, 3, 4, 4)).sum().backward()
+
+
+def test_derived_inplace_elu_backward_uses_eagers_output_formula():
+    # eager elu_ differentiates from its output; the derived Function recomputes it from b
+    from slimgrad.ops import _derived
+
+    b = torch.randn(4, 100, dtype=torch.float32) * 3
+    g = torch.randn_like(b)
+    x = b.clone().requires_grad_()
+    y = torch.nn.functional.elu(x * 1, 0.7, inplace=True)
+    (want,) = torch.autograd.grad(y, x, g)
+    got = _derived._act_backward(("elu", 0.7, True), g, b)
+    assert torch.equal(got, want)
+    out_of_place = torch.autograd.grad(torch.nn.functional.elu(x, 0.7), x, g)[0]
+    assert torch.equal(_derived._act_backward(("elu", 0.7, False), g, b), out_of_place)

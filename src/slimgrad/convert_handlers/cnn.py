@@ -2,10 +2,10 @@
 
 Each handler takes a torch module and returns the slimgrad module that replaces it, sharing its
 Parameters, buffers and hooks. Conv → slimgrad conv (selective saving); BatchNorm → slimgrad
-BatchNorm (registers its output); ReLU/GELU/SiLU → the ``*AfterNorm`` modules, which are plain
-activations except right after a slimgrad BatchNorm, where the pair keeps one full-size tensor (NOTE
-[Derived saved inputs] in ``slimgrad/ops/_derived.py``). Swapping all three is what gives the
-saving; any subset stays exact.
+BatchNorm (registers its output); ReLU/GELU/SiLU/LeakyReLU/ELU → the ``*AfterNorm`` modules, which
+are plain activations except right after a slimgrad BatchNorm, where the pair keeps one full-size
+tensor (NOTE [Derived saved inputs] in ``slimgrad/ops/_derived.py``). Swapping all three is what
+gives the saving; any subset stays exact.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ convert_batch_norm3d = _handler(_bn.BatchNorm3d)
 convert_relu = _handler(_bn.ReLUAfterNorm)
 convert_gelu = _handler(_bn.GELUAfterNorm)
 convert_silu = _handler(_bn.SiLUAfterNorm)
+convert_leaky_relu = _handler(_bn.LeakyReLUAfterNorm)
+convert_elu = _handler(_bn.ELUAfterNorm)
 
 #: {torch type: handler}; exact types only (a subclass may override forward).
 HANDLERS = {
@@ -55,6 +57,8 @@ HANDLERS = {
     nn.ReLU: convert_relu,
     nn.GELU: convert_gelu,
     nn.SiLU: convert_silu,
+    nn.LeakyReLU: convert_leaky_relu,
+    nn.ELU: convert_elu,
 }
 
 
@@ -62,12 +66,14 @@ _ACT_AFTER_NORM = {
     nn.ReLU: convert_relu,
     nn.GELU: convert_gelu,
     nn.SiLU: convert_silu,
+    nn.LeakyReLU: convert_leaky_relu,
+    nn.ELU: convert_elu,
 }
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 #: Entries for ``slimgrad.convert._TABLE``: {qualified class name: (ConvertConfig field, handler)}.
 #: Activations are not here: they are swapped by :func:`bn_act_pattern` only where a BatchNorm sits
-#: next to them, so the activation table keeps every other ReLU/GELU/SiLU.
+#: next to them, so the activation table keeps every other ReLU/GELU/SiLU/LeakyReLU/ELU.
 TABLE = {
     f"{cls.__module__}.{cls.__qualname__}": (
         "batch_norm" if issubclass(cls, _BN_TYPES) else "linear",
@@ -79,10 +85,11 @@ TABLE = {
 
 
 def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
-    """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU modules that share a
-    parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's ResNet blocks, which call
-    ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. Those act exactly like torch's
-    on any input, and keep nothing extra after a slimgrad BatchNorm (NOTE [Derived saved inputs]).
+    """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU/LeakyReLU/ELU modules
+    that share a parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's ResNet
+    blocks, which call ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. Those act
+    exactly like torch's on any input, and keep nothing extra after a slimgrad BatchNorm (NOTE
+    [Derived saved inputs]). Every module keeps its own function (slices, hooks, surgery as eager).
     An instance shared by several call sites (torchvision's one ``relu`` per block) is swapped once.
     """
     names = {id(m): n for n, m in model.named_modules()}

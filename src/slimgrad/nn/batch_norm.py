@@ -3,11 +3,16 @@ modules that cooperate with them.
 
 ``BatchNorm2d`` has torch's name, arguments, defaults, buffers and state_dict keys (it subclasses
 ``torch.nn.BatchNorm2d``); its output is registered as a *source*. ``ReLUAfterNorm`` (and the
-GELU/SiLU variants) are drop-in ``nn.ReLU``/``nn.GELU``/``nn.SiLU``: on an ordinary input they do
+GELU/SiLU/LeakyReLU/ELU variants) are drop-in ``nn.ReLU``/``nn.GELU``/``nn.SiLU``/
+``nn.LeakyReLU``/``nn.ELU``: on an ordinary input they do
 exactly what torch does; on the pristine output of a slimgrad BatchNorm they make the BatchNorm keep
 its output instead of its input, and tag their own output so that a following slimgrad conv keeps
 that same tensor instead (NOTE [Derived saved inputs] in ``slimgrad/ops/_derived.py``). Model code
 (``self.bn1(x)``; ``self.relu(x)``; ``self.conv2(x)``) does not change.
+
+Each module keeps computing its own function (the BatchNorm returns the normalised tensor, the
+activation applies the activation), so slicing a ``Sequential``, hooks and replacing a module all
+behave as in eager.
 
 Memory: BN → ReLU → Conv keeps the BN output only (4 B/elt fp32); eager keeps the BN input and the
 ReLU output (8 B/elt). A BN whose input comes from a slimgrad 1x1 conv and whose output is not
@@ -32,7 +37,9 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "ELUAfterNorm",
     "GELUAfterNorm",
+    "LeakyReLUAfterNorm",
     "ReLUAfterNorm",
     "SiLUAfterNorm",
 ]
@@ -163,3 +170,34 @@ class SiLUAfterNorm(nn.SiLU):
     def from_torch(cls, module: nn.SiLU) -> SiLUAfterNorm:
         """A SiLUAfterNorm with ``module``'s ``inplace`` flag and hooks."""
         return _from_torch(cls, module, nn.SiLU)
+
+
+class LeakyReLUAfterNorm(nn.LeakyReLU):
+    """``torch.nn.LeakyReLU`` (same ``negative_slope`` and ``inplace``, same rule); see
+    :class:`ReLUAfterNorm`. Any slope; in place with a negative slope it is eager's op."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # first use of input: NOTE [Gradient-buffer ownership]
+        owned = self.inplace and ownership.owns_input(input, self)
+        return _derived.activation(
+            input, "leaky_relu", self.inplace, owned=owned, param=self.negative_slope
+        )
+
+    @classmethod
+    def from_torch(cls, module: nn.LeakyReLU) -> LeakyReLUAfterNorm:
+        """A LeakyReLUAfterNorm with ``module``'s settings and hooks."""
+        return _from_torch(cls, module, nn.LeakyReLU)
+
+
+class ELUAfterNorm(nn.ELU):
+    """``torch.nn.ELU`` (same ``alpha`` and ``inplace``, same rule); see :class:`ReLUAfterNorm`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # first use of input: NOTE [Gradient-buffer ownership]
+        owned = self.inplace and ownership.owns_input(input, self)
+        return _derived.activation(input, "elu", self.inplace, owned=owned, param=self.alpha)
+
+    @classmethod
+    def from_torch(cls, module: nn.ELU) -> ELUAfterNorm:
+        """An ELUAfterNorm with ``module``'s settings and hooks."""
+        return _from_torch(cls, module, nn.ELU)

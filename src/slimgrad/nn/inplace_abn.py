@@ -684,10 +684,15 @@ def _bn_site_reason(parent, name, relu_slope):
 
 
 def convert_sequential_bn_act_(model: nn.Module, config, allowed, rep) -> None:
-    """convert_ pattern: in every ``nn.Sequential``, BatchNorm{1,2,3}d followed by LeakyReLU
-    (slope > 0), ELU (alpha > 0) or Identity becomes ``InPlaceABN`` + ``nn.Identity`` (the same
-    function, one full-size tensor per block). With ``config.inplace_abn`` a following ReLU becomes
-    leaky_relu(``config.leaky_relu_slope``): an opt-in change of the model's function.
+    """convert_ pattern, only with ``ConvertConfig(inplace_abn=True)``: in every ``nn.Sequential``,
+    BatchNorm{1,2,3}d followed by LeakyReLU (slope > 0), ELU (alpha > 0), Identity or ReLU becomes
+    ``InPlaceABN`` + ``nn.Identity``: one full-size tensor per block, but the two slots no longer
+    compute what they computed: the BatchNorm slot returns BN + activation, the activation slot the
+    identity, so ``model[:k]`` ending at the BatchNorm, per-layer iteration, hooks added after
+    conversion and replacing either slot see that. A ReLU becomes
+    leaky_relu(``config.leaky_relu_slope``), which changes the whole model's function. Both are why
+    this is opt-in; the default config keeps every slot's function and still keeps one tensor per
+    block (``bn_act_pattern`` in ``slimgrad/convert_handlers/cnn.py``, NOTE [Derived saved inputs]).
 
     Parameters and buffers are shared. The InPlaceABN writes over the BatchNorm's input only when
     ``slimgrad.ownership.owns_input`` proves at call time that nobody else sees it (the previous

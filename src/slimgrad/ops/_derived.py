@@ -15,7 +15,10 @@ happen without any change to model code (``self.bn1(x)`` then ``self.relu(x)`` t
    asks the source to keep ``b`` instead of ``x`` (``keep_output``; the source may refuse, e.g.
    when too many channels have γ ≈ 0 or |β| > |γ|/2), computes ``r = act(b)`` out of place and
    registers ``r`` as *derived*: ``(base=b, act, versions)``. Its own Function keeps ``b`` (the same
-   storage) for act'(b). For an in-place activation (``nn.ReLU(inplace=True)``) a new ``r`` instead
+   storage) for act'(b), with the aten backward kernel eager uses, so the gradient has eager's bits
+   (LeakyReLU: ``leaky_relu_backward`` on b; ELU: ``elu_backward`` on b, or, for eager's in-place
+   ``elu_``, on its output recomputed from b). For an in-place activation
+   (``nn.ReLU/SiLU/LeakyReLU/ELU(inplace=True)``) a new ``r`` instead
    of overwriting ``b`` is only invisible when nobody else can see ``b``: the module asks
    ``slimgrad.ownership.owns_input`` (NOTE [Gradient-buffer ownership]), and without that proof
    runs eager's in-place op (``self.relu(out)`` for its side effect, ``a = self.relu(b)`` with
@@ -77,7 +80,14 @@ __all__ = [
     "register_recipe",
 ]
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "leaky_relu", "elu")
+
+# An activation is named by a str (``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``) or, for
+# the ones with parameters, a tuple: ``("leaky_relu", negative_slope, inplace)`` and
+# ``("elu", alpha, inplace)``. ``inplace`` only selects which of eager's backward formulas to
+# reproduce bit for bit: eager's in-place ELU differentiates from its output (``is_result=True``),
+# so the derived Function recomputes that output from b first; out of place, from b itself.
+# torch.nn.ELU is ``elu(x, alpha, scale=1, input_scale=1)``.
 
 _SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -90,7 +100,7 @@ for _registry in (_SOURCES, _DERIVED, _RECIPES):  # their weak references are no
 class Derived:
     base: torch.Tensor  # detached alias of b (shares b's version counter)
     base_version: int
-    act: str
+    act: object  # an activation spec: a str or a tuple (see ACTIVATIONS)
     version: int  # version of r when it was registered
 
 
@@ -178,7 +188,13 @@ def check_version(t: torch.Tensor, version: int, what: str) -> None:
         )
 
 
-def apply_act(act: str, b: torch.Tensor) -> torch.Tensor:
+def apply_act(act, b: torch.Tensor) -> torch.Tensor:
+    if isinstance(act, tuple):
+        if act[0] == "leaky_relu":
+            return F.leaky_relu(b, act[1])
+        if act[0] == "elu":
+            return F.elu(b, act[1])
+        raise _bad_act(act)
     if act == "relu":
         return torch.relu(b)
     if act == "gelu":
@@ -190,8 +206,18 @@ def apply_act(act: str, b: torch.Tensor) -> torch.Tensor:
     raise _bad_act(act)
 
 
-def _act_backward(act: str, grad: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # The same aten backward kernels eager uses (ReLU's from the output, whose sign equals b's).
+def _act_backward(act, grad: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # The same aten backward kernels eager uses (ReLU's from the output, whose sign equals b's;
+    # in-place LeakyReLU's from the output too, whose sign equals b's for a slope >= 0, the only
+    # slopes eager's in-place op accepts under autograd, and which selects the same branch).
+    if isinstance(act, tuple):
+        if act[0] == "leaky_relu":
+            return torch.ops.aten.leaky_relu_backward(grad, b, act[1], False)
+        if act[0] == "elu":
+            if act[2]:  # eager elu_: from its output, recomputed from b bit for bit
+                return torch.ops.aten.elu_backward(grad, act[1], 1, 1, True, F.elu(b, act[1]))
+            return torch.ops.aten.elu_backward(grad, act[1], 1, 1, False, b)
+        raise _bad_act(act)
     if act == "relu":
         return torch.ops.aten.threshold_backward(grad, b, 0)
     if act == "gelu":
@@ -212,7 +238,7 @@ def _bad_act(act) -> ValueError:
 
 class _DerivedActFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, b: torch.Tensor, act: str):
+    def forward(ctx, b: torch.Tensor, act):
         r = apply_act(act, b)
         ctx.act = act
         ctx.save_for_backward(b)
@@ -226,7 +252,7 @@ class _DerivedActFn(torch.autograd.Function):
 
 
 def activation(
-    x: torch.Tensor, act: str, inplace: bool = False, owned: bool = False
+    x: torch.Tensor, act: str, inplace: bool = False, owned: bool = False, param: float = 0.0
 ) -> torch.Tensor:
     """``act(x)`` that, after a slimgrad norm, lets the block keep only the norm output.
 
@@ -236,7 +262,9 @@ def activation(
     instead of ``r``. With ``inplace=True`` that path needs ``owned`` (the caller's
     ``slimgrad.ownership.owns_input`` proved nobody else can see ``x``, so not writing over it is
     invisible); without it this is eager's in-place op. Otherwise this is exactly eager
-    ``relu``/``relu_``/``gelu``/``silu``/``silu_``. See NOTE [Derived saved inputs].
+    ``relu``/``relu_``/``gelu``/``silu``/``silu_``/``leaky_relu``/``leaky_relu_``/``elu``/
+    ``elu_``. In-place LeakyReLU/ELU with a negative slope/alpha always take eager's op (which
+    refuses them under autograd). See NOTE [Derived saved inputs].
 
     Args:
         x: input tensor.
@@ -244,6 +272,7 @@ def activation(
         inplace: as torch's ``inplace`` flag.
         owned: ``slimgrad.ownership.owns_input(x, module)`` of the calling module (needed for the
             derived path when ``inplace``).
+        param: ``negative_slope`` for ``"leaky_relu"``, ``alpha`` for ``"elu"``; else unused.
 
     Returns:
         The activation output.
@@ -253,16 +282,22 @@ def activation(
     """
     if act not in ACTIVATIONS:
         raise _bad_act(act)
+    spec = (act, float(param), bool(inplace)) if act in ("leaky_relu", "elu") else act
     if (
-        (owned or not inplace or act not in ("relu", "silu"))
+        (owned or not inplace)
+        and not (inplace and isinstance(spec, tuple) and spec[1] < 0)
         and torch.is_grad_enabled()
         and x.requires_grad
         and not _tracing()
         and claim_source(x)
     ):
-        r = _DerivedActFn.apply(x, act)
-        _DERIVED[r] = Derived(x.detach(), x._version, act, r._version)
+        r = _DerivedActFn.apply(x, spec)
+        _DERIVED[r] = Derived(x.detach(), x._version, spec, r._version)
         return r
+    if act == "leaky_relu":
+        return F.leaky_relu(x, param, inplace)
+    if act == "elu":
+        return F.elu(x, param, inplace)
     if inplace and act == "relu":
         return torch.relu_(x)
     if inplace and act == "silu":
