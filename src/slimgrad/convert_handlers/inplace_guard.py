@@ -217,7 +217,11 @@ class _Guard:
             # (and those at the end of child Sequentials) when anything below has inplace=True.
             if any(getattr(d, "inplace", False) is True for d in m.modules()):
                 for child in m.children():
-                    self.flag(self.info(child).ends, f"an untraceable {type(m).__name__}")
+                    self.flag(
+                        self.info(child).ends,
+                        f"maybe: its parent {type(m).__name__} cannot be traced by torch.fx and "
+                        "holds a module with inplace=True",
+                    )
             return _Info()
         state: dict[torch.fx.Node, _Info] = {}
         out = _Info()
@@ -229,7 +233,8 @@ class _Guard:
             elif node.op == "call_module":
                 ci = self.info(m.get_submodule(node.target))
                 if ci.writes:
-                    self.flag(a0.ends, f"{node.target}")
+                    sub = type(m.get_submodule(node.target)).__name__
+                    self.flag(a0.ends, f"{node.target}: {sub}, which writes its input in place")
                     out.writes = out.writes or a0.passes
                 if ci.passes:
                     state[node] = _Info(ends=a0.ends + ci.ends, passes=a0.passes)
