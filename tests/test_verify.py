@@ -156,14 +156,16 @@ def test_a_dropped_aux_loss_fails():
 
 def test_logits_none_is_a_note_in_training_and_a_failure_in_eval():
     m, fused, x = _head_pair(none_logits=True)
-    rep = slimgrad.verify(m, fused, x)
+    rep = slimgrad.verify(m, fused, x, modes=("train",))
     assert rep.ok, str(rep)
     assert any("logits=None" in n for n in rep.runs[0].notes)
     assert "note: the converted model returns logits=None" in str(rep)
-    m.eval(), fused.eval()
-    rep = slimgrad.verify(m, fused, x)
+    rep = slimgrad.verify(m, fused, x, modes=("eval",))
     assert not rep.ok
     assert "output 'logits' is missing" in str(rep)
+    rep = slimgrad.verify(m, fused, x)  # both modes by default: the eval run fails
+    assert [r.name for r in rep.runs] == ["inputs (train)", "inputs (eval)"]
+    assert rep.runs[0].ok and not rep.runs[1].ok and not rep.ok
 
 
 def test_every_floating_tensor_of_a_tuple_output_is_compared():
@@ -325,15 +327,19 @@ def _text():
 
 def test_a_model_that_ignores_the_attention_mask_passes_unpadded_fails_padded():
     m, bad, x = _text()
-    rep = slimgrad.verify(m, bad, x, padded=False)
+    rep = slimgrad.verify(m, bad, x, padded=False, modes=("train",))
     assert rep.ok, str(rep)
-    assert [r.name for r in rep.runs] == ["inputs"]
+    assert [r.name for r in rep.runs] == ["inputs (train)"]
     assert "padded batch: not run (padded=False)" in str(rep)
-    rep = slimgrad.verify(m, bad, x)
-    assert [r.name for r in rep.runs] == ["inputs", "left-padded", "right-padded"]
+    rep = slimgrad.verify(m, bad, x, modes=("train",))
+    assert [r.name for r in rep.runs] == [
+        "inputs (train)",
+        "left-padded (train)",
+        "right-padded (train)",
+    ]
     assert rep.runs[0].ok and not rep.runs[1].ok and not rep.runs[2].ok
     assert not rep.ok
-    assert "left-padded: FAILED" in str(rep) and "right-padded: FAILED" in str(rep)
+    assert "left-padded (train): FAILED" in str(rep) and "right-padded (train): FAILED" in str(rep)
 
 
 def test_padded_runs_pass_for_a_faithful_copy_and_mask_labels():
@@ -350,7 +356,7 @@ def test_padded_runs_are_skipped_with_a_reason():
     torch.manual_seed(0)
     m = _model()
     rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(5, 7))
-    assert len(rep.runs) == 1
+    assert [r.name for r in rep.runs] == ["inputs (train)", "inputs (eval)"]
     assert "padded batch: not run (inputs are not a dict with 2-D integer input_ids)" in str(rep)
 
     class NoMask(nn.Module):
@@ -362,7 +368,8 @@ def test_padded_runs_are_skipped_with_a_reason():
             return self.emb(input_ids).sum()
 
     nm = NoMask()
-    rep = slimgrad.verify(nm, copy.deepcopy(nm), {"input_ids": torch.randint(0, 20, (2, 5))})
+    ids = {"input_ids": torch.randint(0, 20, (2, 5))}
+    rep = slimgrad.verify(nm, copy.deepcopy(nm), ids, modes=("train",))
     assert rep.ok and len(rep.runs) == 1
     assert "not run (the model's forward takes no attention_mask)" in str(rep)
 
@@ -422,7 +429,7 @@ def test_a_converted_model_that_raises_on_padding_fails():
     bad.load_state_dict(m.state_dict())
     rep = slimgrad.verify(m, bad, x)
     assert not rep.ok and rep.runs[0].ok
-    assert "slimgrad.verify: the converted model raised on the left-padded batch" in str(rep)
+    assert "the converted model raised on the left-padded (train) batch" in str(rep)
 
 
 def test_an_original_that_refuses_padding_runs_unpadded_only():
@@ -430,7 +437,54 @@ def test_an_original_that_refuses_padding_runs_unpadded_only():
     strict = _NoPadding()
     strict.load_state_dict(m.state_dict())
     rep = slimgrad.verify(strict, copy.deepcopy(strict), x)
-    assert rep.ok and [r.name for r in rep.runs] == ["inputs"]
-    assert "left-padded not run (the original raised ValueError: padding is not supported)" in (
-        str(rep)
-    )
+    assert rep.ok and [r.name for r in rep.runs] == ["inputs (train)", "inputs (eval)"]
+    for mode in ("train", "eval"):
+        why = f"left-padded ({mode}) not run (the original raised ValueError: padding is not"
+        assert why in str(rep)
+
+
+class _EvalOnlyShift(nn.Module):
+    """Right in train mode, off by 1e-3 in eval mode (an eval-only code path gone wrong)."""
+
+    def __init__(self, shift: float):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.shift = shift
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if self.training else y + self.shift
+
+
+def test_every_batch_runs_in_train_and_eval_and_modes_are_restored():
+    torch.manual_seed(0)
+    m = nn.Sequential(_EvalOnlyShift(0.0))
+    bad = copy.deepcopy(m)
+    bad[0].shift = 1e-3
+    x = torch.randn(4, 6)
+    assert slimgrad.verify(m, bad, x, modes=("train",)).ok  # one mode cannot see it
+    m.train(), bad.train()
+    rep = slimgrad.verify(m, bad, x)
+    assert not rep.ok and [r.ok for r in rep.runs] == [True, False], str(rep)
+    assert m.training and bad.training and bad[0].training  # the caller's modes are restored
+    m.eval(), bad.eval()
+    slimgrad.verify(m, bad, x)
+    assert not m.training and not bad[0].training
+    with pytest.raises(ValueError, match="slimgrad.verify: modes must name 'train' and/or"):
+        slimgrad.verify(m, bad, x, modes=("training",))
+
+
+def test_buffers_are_compared_after_the_step():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+    wrong = copy.deepcopy(m)
+    wrong[1].momentum = 0.9  # same outputs and gradients in training, other running statistics
+    x = torch.randn(8, 6)
+    rep = slimgrad.verify(m, wrong, x, modes=("train",))
+    assert not rep.ok
+    assert "slimgrad.verify: buffer '1.running_mean' after the step differs" in str(rep)
+    assert slimgrad.verify(m, copy.deepcopy(m), x).ok
+    counter = copy.deepcopy(m)
+    counter[1].num_batches_tracked.add_(1)  # integer buffers: exactly
+    rep = slimgrad.verify(m, counter, x, modes=("train",))
+    assert "buffer '1.num_batches_tracked' after the step differs" in str(rep)

@@ -406,8 +406,10 @@ def measure(
         forward: zero-argument callable that runs the forward and returns the output (usually the
         loss). backward: also run ``out.backward(grad)`` under the tracker. grad: the gradient of
         ``out``; None requires a scalar output. module: the model, to attribute saved bytes to
-        module paths (``by_module``) and to recognise its
-            parameters.
+        module paths (``by_module``) and to recognise its parameters. Attribution installs
+        forward hooks on every module, and a hooked module never writes over its input in
+        forward (``slimgrad.ownership.owns_input``), so for models whose in-place writes matter
+        (BatchNorm -> in-place activation) measure the totals with ``module=None``.
         timeline: keep the per-op timeline (``StepMemory.timeline``).
 
     Returns:

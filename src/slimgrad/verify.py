@@ -18,7 +18,11 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
   a left-padded and a right-padded copy of the batch (``attention_mask`` 0, pad ids and label -100
   on the padded positions) unless ``padded=False``;
 - an "original" that is itself converted (slimgrad modules, a bound slimgrad forward, a config set
-  to the slimgrad attention, e.g. through a config object shared with a converted model).
+  to the slimgrad attention, e.g. through a config object shared with a converted model);
+- one mode only: every batch runs in train mode and in eval mode (``modes=``), whatever mode the
+  models are in (their modes are restored afterwards): slimgrad has eval-only paths;
+- buffers: after each step every buffer (BatchNorm running statistics, counters) is compared too,
+  floating ones by the rule, integer ones exactly, so a wrong running-statistics update fails.
 
 Known limit: HF's eager attention (Bloom, Gemma2, any model loaded with
 ``attn_implementation="eager"``) takes its softmax in float32, so in the float64 copy a fully
@@ -247,6 +251,7 @@ class _Side:
     grads: dict[str, torch.Tensor | None]
     outputs: dict[str, torch.Tensor | None]
     inputs: Any  # this side's copy of the inputs, after the step
+    buffers: dict[str, torch.Tensor]  # every buffer after the step
 
 
 def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
@@ -257,9 +262,43 @@ def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
     out = _call(model, run_on)
     loss = loss_fn(out)
     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
     return _Side(
-        loss.detach(), {n: g for (n, _), g in zip(params, grads)}, _float_outputs(out), run_on
+        loss.detach(),
+        {n: g for (n, _), g in zip(params, grads)},
+        _float_outputs(out),
+        run_on,
+        buffers,
     )
+
+
+def _compare_buffers(e: _Side, c: _Side, r: _Side, atol_of) -> list[str]:
+    bad = []
+    for name, b_e in e.buffers.items():
+        b_c, b_r = c.buffers.get(name), r.buffers.get(name)
+        if b_c is None:
+            bad.append(
+                f"slimgrad.verify: buffer {name!r} is missing from the converted model; expected "
+                "the original's buffers (state_dict keys) unchanged, got none. Convert with a "
+                "handler that keeps the module's buffers."
+            )
+            continue
+        if not b_e.is_floating_point() or b_r is None:
+            ok = b_c.shape == b_e.shape and torch.equal(b_c, b_e)
+            err = bound = None
+        else:
+            e_err, err = max_abs_err(b_e, b_r), max_abs_err(b_c, b_r)
+            scale = float(b_r.abs().max()) if b_r.numel() else 0.0
+            bound = 2.0 * e_err + atol_of(b_c) * max(1.0, scale)
+            ok = err <= bound
+        if not ok:
+            got = "different values" if err is None else f"err {err:.3e} > bound {bound:.3e}"
+            bad.append(
+                f"slimgrad.verify: buffer {name!r} after the step differs; expected the original's "
+                f"update (running statistics, counters), got {got}. The converted module must "
+                "update its buffers as the original does."
+            )
+    return bad
 
 
 def _nonfinite(side: _Side, label: str) -> list[str]:
@@ -476,7 +515,7 @@ def _run(name, inputs, model, converted, ref, loss_fn, seed, atol, skip) -> Veri
     try:
         c = _step(converted, inputs, loss_fn, seed)
     except Exception as err:  # eager ran this batch: the converted model must too
-        if name == "inputs":
+        if name.startswith("inputs"):
             raise
         nan = float("nan")
         return VerifyRun(
@@ -511,6 +550,7 @@ def _run(name, inputs, model, converted, ref, loss_fn, seed, atol, skip) -> Veri
     run.failures += _nonfinite(e, "eager (original) model")
     run.failures += _nonfinite(c, "converted model")
     run.failures += _changed_inputs(inputs, e, c, r, atol_of)
+    run.failures += _compare_buffers(e, c, r, atol_of)
     _compare_outputs(run, e, c, r, converted, inputs, skip, atol_of)
     return run
 
@@ -524,6 +564,7 @@ def verify(
     seed: int = 0,
     atol: float | None = None,
     padded: bool = True,
+    modes: tuple[str, ...] = ("train", "eval"),
 ) -> VerifyReport:
     """Compare a converted model with its original on one step, against a float64 reference.
 
@@ -550,6 +591,8 @@ def verify(
         seed: the RNG seed set before each side's forward (same dropout masks).
         atol: the absolute term of the rule; default by dtype (``slimgrad.testing.DEFAULT_ATOL``).
         padded: for text inputs, also run left- and right-padded batches (default True).
+        modes: the modes every batch runs in, ``"train"`` and/or ``"eval"`` (default both; the
+            models' own modes are restored afterwards). Eval runs step backward too.
 
     Returns:
         A :class:`VerifyReport` with one :class:`VerifyRun` per batch; ``report.ok`` is True only
@@ -574,6 +617,12 @@ def verify(
             f"{next((a, b) for a, b in zip(names_a + [None], names_b + [None]) if a != b)}). "
             "Convert a copy of the same model."
         )
+    modes = tuple(modes)
+    if not modes or any(m not in ("train", "eval") for m in modes):
+        raise ValueError(
+            "slimgrad.verify: modes must name 'train' and/or 'eval'; expected e.g. ('train', "
+            f"'eval'), got {modes!r}. Pass modes=('train',), ('eval',) or both."
+        )
     # with the default loss, ``out.loss`` is the loss check; a custom loss_fn leaves it an output
     skip = {"loss"} if loss_fn is None else set()
     loss_fn = loss_fn or _default_loss
@@ -582,12 +631,26 @@ def verify(
     counts, pad_what = _padding_plan(model, inputs) if padded else (None, "not run (padded=False)")
     if counts is not None:
         batches += [(f"{s}-padded", _padded(inputs, model, counts, s)) for s in ("left", "right")]
-    runs = [_run(*batches[0], model, converted, ref, loss_fn, seed, atol, skip)]
-    for name, batch in batches[1:]:
-        try:
-            runs.append(_run(name, batch, model, converted, ref, loss_fn, seed, atol, skip))
-        except Exception as err:  # the original cannot run padded batches: nothing to compare
-            pad_what += f"; {name} not run (the original raised {type(err).__name__}: {err})"
+    flags = [(m, m.training) for net in (model, converted) for m in net.modules()]
+    runs = []
+    try:
+        for mode in modes:
+            for net in (model, converted, ref):
+                net.train(mode == "train")
+            for k, (name, batch) in enumerate(batches):
+                label = f"{name} ({mode})"
+                args = (label, batch, model, converted, ref, loss_fn, seed, atol, skip)
+                try:
+                    runs.append(_run(*args))
+                except Exception as err:
+                    if k == 0:  # the inputs as given: the caller's error
+                        raise
+                    # the original cannot run this padded batch: nothing to compare
+                    pad_what += f"; {label} not run (the original raised {type(err).__name__}: "
+                    pad_what += f"{err})"
+    finally:
+        for m, was in flags:
+            m.training = was
     part = _converted_parts(model)
     if part is not None:
         runs[0].failures.append(
@@ -604,5 +667,7 @@ def verify(
         "inputs: each side on its own copy; the converted model changes only what eager changes",
         "original: runs no slimgrad module, forward or attention",
         f"padded batch: {pad_what}",
+        "modes: " + ", ".join(modes) + " (each batch in each; eval steps backward too)",
+        "buffers: after each step, floating by the rule, integer exactly",
     ]
     return VerifyReport(runs, checks)

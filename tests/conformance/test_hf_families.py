@@ -307,9 +307,11 @@ def test_verify_agrees_with_the_rows(name, record_property):
     rows = {pad: _result(name, "train", pad, True) for pad in ("none", "left", "right")}
     for m in (eager, conv):
         m.train()
-    rep = slimgrad.verify(eager, conv, H.inputs(fam, eager, labels=True), seed=SEED)
+    inputs = H.inputs(fam, eager, labels=True)
+    rep = slimgrad.verify(eager, conv, inputs, seed=SEED, modes=("train",))
     record_property("verify", "OK" if rep.ok else "FAILED")
-    assert [r.name for r in rep.runs] == ["inputs", "left-padded", "right-padded"], str(rep)
+    runs = ["inputs (train)", "left-padded (train)", "right-padded (train)"]
+    assert [r.name for r in rep.runs] == runs, str(rep)
     rows_ok = all(v == "pass" for v in rows.values())
     fallback = [p for p in rows if (name, "train", p, True) in _FALLBACK]
     if fallback:  # NOTE [Non-finite float64 reference on padded batches]: verify must say so

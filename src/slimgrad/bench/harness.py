@@ -507,12 +507,10 @@ def _measure(model: Any, fresh: Callable[[], tuple], grad: torch.Tensor | None) 
     enabled = gc.isenabled()
     gc.disable()
     try:
-        m = measure(
-            lambda: model(*xs),
-            grad=grad,
-            module=model if isinstance(model, nn.Module) else None,
-            timeline=False,
-        )
+        # no per-module attribution: its forward hooks would make slimgrad.ownership refuse every
+        # forward in-place write (a hooked module's input may be seen by the hook), so the step
+        # measured would not be the step the model runs
+        m = measure(lambda: model(*xs), grad=grad, module=None, timeline=False)
     finally:
         if enabled:
             gc.enable()

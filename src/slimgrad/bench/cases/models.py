@@ -105,19 +105,13 @@ def eager_conv_chain(device, dtype, small=False):
 
 @register_case(
     "conv_chain",
-    description="8 x Conv2d(64,64,3,pad=1)->BN->LeakyReLU(0.01, inplace), 16x64x56x56, "
-    "ConvertConfig(inplace_abn=True) (small: 2 blocks, 2x8x9x11)",
+    description="8 x Conv2d(64,64,3,pad=1)->BN->LeakyReLU(0.01, inplace), 16x64x56x56 "
+    "(small: 2 blocks, 2x8x9x11)",
     repeat=5,
 )
 def build_conv_chain(device, dtype, small=False):
-    # inplace_abn=True: the default config keeps each slot's function (BN -> LeakyReLUAfterNorm,
-    # derived saved input), whose in-place activation needs slimgrad.ownership's proof, which the
-    # harness's per-module attribution hooks refuse (hooks); measured without them the default
-    # keeps the same one tensor per block. InPlaceABN keeps it on both of its paths.
-    import slimgrad
-
     eager, make_inputs = eager_conv_chain(device, dtype, small)
-    return eager, slim_copy(eager, slimgrad.ConvertConfig(inplace_abn=True)), make_inputs
+    return eager, slim_copy(eager), make_inputs
 
 
 class HFCausalLMLoss(nn.Module):
