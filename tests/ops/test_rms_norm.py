@@ -237,3 +237,43 @@ def test_half_precision_compile_retain_graph_and_buffer_reuse():
     hx.add_(1)  # x is kept in half precision: autograd must see the overwrite, as in eager
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "channels_last_permuted"])
+@pytest.mark.parametrize("which", ["rms_norm", "layer_norm"])
+def test_layouts_match_eager_strides_and_grads(layout, which):
+    # Adversarial F1 asked for LayerNorm/RMSNorm on non-contiguous inputs (GroupNorm crashed): same
+    # values and output strides as eager, gradients by the rule.
+    from slimgrad.ops.layer_norm import layer_norm
+    from slimgrad.testing import assert_within_rule
+
+    def make(dtype):
+        torch.manual_seed(3)
+        if layout == "transposed":
+            base = torch.randn(8, 6, 5, dtype=dtype)
+            return base, lambda t: t.transpose(0, 2)
+        if layout == "sliced":
+            base = torch.randn(5, 6, 16, dtype=dtype)
+            return base, lambda t: t[..., ::2]
+        base = torch.randn(2, 8, 3, 4, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        return base, lambda t: t.permute(0, 2, 3, 1)
+
+    def run(fn, dtype):
+        base, view = make(dtype)
+        base.requires_grad_()
+        w = (1 + 0.5 * torch.randn(8, dtype=torch.float64)).to(dtype).requires_grad_()
+        x = view(base * 1)
+        y = fn(x, (8,), w, 1e-5)
+        y.backward(torch.randn(y.shape, dtype=dtype))
+        return [y.detach(), base.grad, w.grad], y.stride()
+
+    ours = rms_norm if which == "rms_norm" else (lambda x, ns, w, e: layer_norm(x, ns, w, None, e))
+    ref_fn = (
+        F.rms_norm if which == "rms_norm" else (lambda x, ns, w, e: F.layer_norm(x, ns, w, None, e))
+    )
+    out, s_out = run(ours, torch.float32)
+    eager, s_eager = run(ref_fn, torch.float32)
+    ref, _ = run(ref_fn, torch.float64)
+    assert s_out == s_eager
+    torch.testing.assert_close(out[0], eager[0])
+    assert_within_rule(out, ref, eager, names=["y", "dx", "dw"])
