@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from slimgrad import ownership
 from slimgrad.kernels import _backend
 from slimgrad.memory import measure
-from slimgrad.ops.layer_norm import fallback_channels
+from slimgrad.ops.layer_norm import fallback_channels, layer_norm
 from slimgrad.ops.rms_norm import rms_norm
 from slimgrad.testing import assert_within_rule, rule_ok
 
@@ -244,9 +244,6 @@ def test_half_precision_compile_retain_graph_and_buffer_reuse():
 def test_layouts_match_eager_strides_and_grads(layout, which):
     # Adversarial F1 asked for LayerNorm/RMSNorm on non-contiguous inputs (GroupNorm crashed): same
     # values and output strides as eager, gradients by the rule.
-    from slimgrad.ops.layer_norm import layer_norm
-    from slimgrad.testing import assert_within_rule
-
     def make(dtype):
         torch.manual_seed(3)
         if layout == "transposed":
