@@ -146,16 +146,13 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     **{k: ("selective_saving" if t == "linear" else t, h) for k, (t, h) in _cnn.TABLE.items()},
 }
 # Passes over the whole model for patterns that need neighbours, in order; each reports what it did.
-_PATTERNS: list[tuple[str, Pattern]] = [
+_PATTERNS: list[tuple[str | None, Pattern]] = [
     ("inplace_abn", convert_sequential_bn_act_),  # Sequential BN + act slots fused: InPlaceABN
     ("inplace_abn", _cnn.inplace_abn_pattern),  # BN -> ReLU anywhere (fx): InPlaceABN(leaky_relu)
     ("batch_norm", _cnn.bn_act_pattern),  # BN next to ReLU/GELU/SiLU: keep the BN output only
-    (
-        "dropout",
-        _hf_attention.attention_pattern,
-    ),  # HF attention: softmax -> dropout -> @V keeps P + bits
+    ("dropout", _hf_attention.attention_pattern),  # HF attention: keeps P + bits
     ("fused_loss", _hf_loss.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept
-    ("__class__", _inplace_guard.inplace_guard_pattern),  # always runs: saver -> in-place write
+    (None, _inplace_guard.inplace_guard_pattern),  # always: saver -> in-place write stays eager
 ]
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
@@ -208,7 +205,7 @@ def convert_(
     allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
     rep = ConvertReport()
     for technique, pattern in _PATTERNS:
-        if getattr(config, technique):
+        if technique is None or getattr(config, technique):
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
     _REPORTS[model] = rep
