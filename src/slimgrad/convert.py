@@ -56,11 +56,11 @@ class ConvertConfig:
         keep_logits: with the fused loss, a training forward with labels also returns the logits
             (computed without autograd history, so nothing extra is kept for backward; costs the
             B x T x V logits' memory and one more head matmul; a loss that differentiates them
-            raises in backward). Off: ``logits`` is None in
-            training with labels. Eval and no_grad forwards always return logits, as HF does.
-        inplace_abn: BatchNorm + ReLU becomes InPlaceABN with leaky_relu. Changes the model's
-        function:
-            off by default.
+            raises in backward). Off: ``logits`` is None in training with labels. Eval and
+            no_grad forwards always return logits, as HF does.
+        inplace_abn: BatchNorm + ReLU becomes InPlaceABN with leaky_relu, and in an
+            ``nn.Sequential`` BatchNorm + LeakyReLU/ELU/Identity fuse into one InPlaceABN (the BN
+            slot then returns BN + activation). Changes the model's function: off by default.
         leaky_relu_slope: the slope ``inplace_abn`` uses.
     """
 
