@@ -76,6 +76,18 @@ def test_activation_modules_on_plain_inputs_are_torch():
             torch.testing.assert_close(a, b)
 
 
+def _assert_same_step(model, ref, x0):
+    # one step of each on a copy of x0: outputs, input and parameter gradients equal
+    outs = []
+    for mod in (model, ref):
+        x = x0.clone().requires_grad_()
+        y = mod(x)
+        y.square().sum().backward()
+        outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
 def _block(width=6):
     return nn.Sequential(
         nn.Conv2d(3, width, 3, padding=1, bias=False),
@@ -172,14 +184,7 @@ def test_compile_aot_eager_converted_block():
     torch._dynamo.reset()
     cm = torch.compile(m, backend="aot_eager", fullgraph=True)
     x0 = torch.randn(2, 3, 7, 7)
-    outs = []
-    for mod in (cm, ref):
-        x = x0.clone().requires_grad_()
-        y = mod(x)
-        y.square().sum().backward()
-        outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b)
+    _assert_same_step(cm, ref, x0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -273,14 +278,7 @@ def test_inplace_relu_after_norm_is_eager_on_every_path(how):
         assert ms.peak_bytes < me.peak_bytes
     else:
         assert ms.saved_bytes == me.saved_bytes + extra
-    outs = []
-    for mod in (m, ref):
-        x = x0.clone().requires_grad_()
-        y = mod(x)
-        y.square().sum().backward()
-        outs.append([y, x.grad] + [p.grad for p in mod.parameters()])
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b)
+    _assert_same_step(m, ref, x0)
 
 
 _LEAKY_ELU = [
