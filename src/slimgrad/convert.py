@@ -32,6 +32,7 @@ from slimgrad.convert_handlers import cnn as _cnn
 from slimgrad.convert_handlers import hf as _hf
 from slimgrad.convert_handlers import hf_attention as _hf_attention
 from slimgrad.convert_handlers import hf_loss as _hf_loss
+from slimgrad.convert_handlers import hf_mlp as _hf_mlp
 from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
 
@@ -136,7 +137,9 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     "torch.nn.modules.normalization.LayerNorm": ("norms", snn.LayerNorm.from_torch),
     "torch.nn.modules.normalization.RMSNorm": ("norms", snn.RMSNorm.from_torch),
     "torch.nn.modules.normalization.GroupNorm": ("norms", snn.GroupNorm.from_torch),
-    "transformers.models.llama.modeling_llama.LlamaRMSNorm": ("norms", _hf.rms_norm_from_hf),
+    # HF modules by class name: RMSNorms (``convert_handlers.hf``), gated MLPs (``hf_mlp``)
+    **_hf.TABLE,
+    **_hf_mlp.TABLE,
     # dropout with a 1-bit mask
     "torch.nn.modules.dropout.Dropout": ("dropout", snn.Dropout.from_torch),
     # HF GPT-2's x @ W + b: keeps only what the requested gradients need, and hands the op before

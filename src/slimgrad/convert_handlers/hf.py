@@ -39,3 +39,9 @@ def rms_norm_from_hf(module: nn.Module) -> nn.Module:
             f"{weight.dtype} weights: HF's cast order differs from F.rms_norm in half precision"
         )
     return HFRMSNorm.from_hf(module)
+
+
+# {qualified HF class name: (ConvertConfig field, handler)}; merged into slimgrad.convert._TABLE.
+TABLE = {
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm": ("norms", rms_norm_from_hf),
+}
