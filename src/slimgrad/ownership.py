@@ -62,7 +62,8 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    below. Catches extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook
    that keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. The
    baseline is chosen by the code object of the frame that called the backward (autograd's
-   ``BackwardCFunction.apply``, or torch's ``once_differentiable`` wrapper, calibrated separately),
+   ``BackwardCFunction.apply``, torch's ``once_differentiable`` wrapper, or slimgrad's
+   ``_autograd.first_order`` wrapper, each calibrated separately),
    never by the count itself; any other caller has no baseline. If calibration fails, reuse is
    never granted. A view gradient has the same refcount and use count as a plain one (checked).
 4. Non-overlapping and dense, offset 0, covering its whole storage, plain strided ``torch.Tensor``
@@ -175,6 +176,8 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
+from slimgrad._autograd import first_order
+
 __all__ = [
     "calibrated",
     "check_not_consumed",
@@ -200,7 +203,8 @@ _counter_lock = threading.Lock()
 
 # Calibrated at import (see _calibrate). None: calibration failed; never reuse.
 # Keyed by the code object of the frame that called the Function's backward: autograd's
-# BackwardCFunction.apply (plain backward) or torch's once_differentiable wrapper. Any other caller
+# BackwardCFunction.apply (plain backward), torch's once_differentiable wrapper or slimgrad's
+# _autograd.first_order wrapper. Any other caller
 # (a helper in between, another wrapper) has no baseline: never reuse.
 _GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
@@ -781,7 +785,24 @@ def _calib_fns(seen: list):
             seen.append(("saved", _probe(y)))
             return grad_out * y
 
-    return (Grad, GradOnce), (Saved, SavedOnce)
+    class GradFirst(Grad):
+        @staticmethod
+        @first_order("ownership.calibration")
+        def backward(ctx, grad_out):
+            seen.append(("grad", _probe(grad_out)))
+            if grad_out._is_view():
+                seen.append(("view", _view_sig(grad_out)))
+            return grad_out * 2
+
+    class SavedFirst(Saved):
+        @staticmethod
+        @first_order("ownership.calibration")
+        def backward(ctx, grad_out):
+            (y,) = ctx.saved_tensors
+            seen.append(("saved", _probe(y)))
+            return grad_out * y
+
+    return (Grad, GradOnce, GradFirst), (Saved, SavedOnce, SavedFirst)
 
 
 def _calibrate() -> None:

@@ -1,0 +1,132 @@
+"""Autograd plumbing shared by every slimgrad Function: double backward, torch.func, TorchScript.
+
+# NOTE [Second derivatives]
+A slimgrad Function's backward computes first derivatives from what it kept, often not the input
+(an activation keeps its output and 1 bit; a norm keeps its output and row statistics). Under
+``create_graph=True`` (WGAN-GP penalties, Hessian-vector products, MAML) autograd differentiates
+that backward again. torch's ``once_differentiable`` then returns gradients with no history when
+the incoming gradient needs none, so ``autograd.grad(..., allow_unused=True)`` silently answers
+None where eager answers a tensor. slimgrad's rule: a second derivative is either eager's, or a
+clear error, never a silent None.
+
+:func:`first_order` replaces ``once_differentiable`` on every backward:
+
+- without ``create_graph`` it calls the backward as is (its call frame is calibrated by
+  ``slimgrad.ownership``, like autograd's own and ``once_differentiable``'s);
+- with ``create_graph`` and a ``double`` implementation, that runs instead: it computes the first
+  derivatives with differentiable torch ops from the saved tensors (an op that keeps its inputs
+  recomputes eager's forward and differentiates it), so autograd gets eager's second derivatives;
+- with ``create_graph`` and no ``double``, the first derivatives are computed as usual (their
+  values are right) and tied to :class:`_SecondOrderRefused` nodes whose inputs are everything the
+  backward read that requires grad (saved tensors, incoming gradients). Differentiating them
+  raises a ``slimgrad.<op>`` error naming the op and the fix; when nothing they read requires grad
+  the result has no history, as eager's has none.
+
+# NOTE [torch.func transforms]
+``torch.func`` (grad, vmap, jacrev, functional_call under them) needs ``setup_context`` and vmap
+rules on every autograd Function, and wraps tensors in functorch wrappers that slimgrad's
+ownership proofs and C kernels cannot see through. slimgrad ops therefore call eager's op while a
+transform is active (:func:`transforms_active`): the same function and gradients, eager's memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["first_order", "refuse_jit", "transforms_active"]
+
+
+class _SecondOrderRefused(torch.autograd.Function):
+    """Identity on a first derivative; differentiating it raises (NOTE [Second derivatives])."""
+
+    @staticmethod
+    def forward(ctx, op: str, grad: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+        ctx.op = op
+        ctx.n = len(deps)
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *args):
+        raise RuntimeError(
+            f"slimgrad.{ctx.op}: a second derivative through this op was requested "
+            "(backward with create_graph=True, then differentiated again); expected first "
+            "derivatives only, got a double backward. slimgrad keeps only what first derivatives "
+            "need: leave this module unconverted (convert_(model, filter_fn=...)) or call the "
+            "torch op for double backward."
+        )
+
+
+def _deps(ctx, grads: tuple) -> list[torch.Tensor]:
+    try:
+        saved = list(ctx.saved_tensors)
+    except RuntimeError:  # already freed or consumed: nothing more to tie to
+        saved = []
+    return [
+        t
+        for t in (*saved, *grads)
+        if isinstance(t, torch.Tensor) and (t.requires_grad or t.grad_fn is not None)
+    ]
+
+
+def _refusing(op: str, backward: Callable, ctx, grads: tuple):
+    # Separate frame from first_order's wrapper: ownership.take never finds a calibrated caller
+    # here, so nothing is overwritten under create_graph.
+    deps = _deps(ctx, grads)
+    with torch.no_grad():
+        out = backward(ctx, *grads)
+    if not deps:
+        return out
+    single = not isinstance(out, tuple)
+    outs = (out,) if single else out
+    tied = tuple(
+        _SecondOrderRefused.apply(op, o, *deps)
+        if isinstance(o, torch.Tensor) and o.is_floating_point()
+        else o
+        for o in outs
+    )
+    return tied[0] if single else tied
+
+
+def first_order(op: str, double: Callable | None = None) -> Callable:
+    """Decorate a Function's ``backward`` (under ``@staticmethod``) instead of
+    ``once_differentiable`` (NOTE [Second derivatives]).
+
+    Args:
+        op: the public name after ``slimgrad.``, e.g. ``"ops.conv"``; errors name it.
+        double: ``double(ctx, *grads)``, the backward written with differentiable torch ops,
+            used under ``create_graph=True``; None: second derivatives raise a clear error.
+    """
+
+    def deco(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def wrapper(ctx, *args):
+            if torch.is_grad_enabled():  # autograd turns grad mode on only for create_graph=True
+                if double is not None:
+                    return double(ctx, *args)
+                return _refusing(op, backward, ctx, args)
+            return backward(ctx, *args)
+
+        wrapper._slimgrad_first_order = True
+        return wrapper
+
+    return deco
+
+
+def transforms_active() -> bool:
+    """True inside ``torch.func`` transforms (grad, vmap, jacrev, ...): slimgrad ops then run
+    eager's op (NOTE [torch.func transforms])."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def refuse_jit(api: str) -> None:
+    """Raise a clear error under ``torch.jit.trace`` (its recorded graph would drop slimgrad's
+    autograd Functions and their saving)."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"slimgrad.{api}: torch.jit.trace cannot record slimgrad's autograd Functions; "
+            "expected an eager, torch.compile or torch.export run, got a TorchScript trace. "
+            "Trace the unconverted model, or use torch.compile / torch.export on the converted one."
+        )
