@@ -29,3 +29,36 @@ def test_validation_in_init_and_from_torch():
     assert ours.p == 0.2 and ours.inplace and not ours.training
     with pytest.raises(TypeError, match="slimgrad.nn.Dropout.from_torch"):
         Dropout.from_torch(torch.nn.ReLU())
+
+
+def test_converted_inplace_dropout_on_a_slice_view_matches_eager():
+    # Issue 15: a converted nn.Dropout(inplace=True) applied to a slice view crashed ("Function
+    # cannot return more than one Tensor"). Same mask as eager from the same seed.
+    import copy
+
+    import slimgrad
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.3, inplace=True)
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.drop(h[:, 2:6])
+            return h
+
+    torch.manual_seed(0)
+    eager = M()
+    ours = copy.deepcopy(eager)
+    slimgrad.convert_(ours)
+    assert type(ours.drop).__module__ == "slimgrad.nn.dropout"
+    x = torch.randn(5, 8)
+    res = []
+    for m in (eager, ours):
+        torch.manual_seed(4)
+        y = m(x)
+        y.backward(torch.arange(40.0).view(5, 8))
+        res.append([y.detach()] + [p.grad for p in m.parameters()])
+    for o, e in zip(res[1], res[0], strict=True):
+        assert torch.equal(o, e)

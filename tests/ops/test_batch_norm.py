@@ -517,3 +517,21 @@ def test_float32_some_channels_kept_from_input_within_rule(backend):
     w0, b0 = _params(6, torch.float64, seed=5)
     w0[1], b0[4], w0[4] = 0.0, 40.0, 0.3
     _assert_float32_within_rule(x0, w0, b0, up, "silu")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_only_bias_needs_grad_matches_eager(training):
+    # Issue 15: training with only the bias requiring grad crashed ("'NoneType' object is not
+    # callable"): nothing full-size is kept then, and dβ = Σ dy.
+    torch.manual_seed(0)
+    x, dy = torch.randn(4, 3, 5), torch.randn(4, 3, 5)
+    w, b = _params(3)
+    out = []
+    for fn in (batch_norm, F.batch_norm):
+        bb = b.clone().requires_grad_()
+        rm, rv = torch.zeros(3), torch.ones(3)
+        y = fn(x, rm, rv, w, bb, training, 0.1, EPS)
+        y.backward(dy)
+        out.append((y.detach(), bb.grad, rm, rv))
+    for o, e in zip(*out, strict=True):
+        torch.testing.assert_close(o, e)

@@ -203,3 +203,57 @@ def test_noncontiguous_layouts_match_eager(layout):
         for o, e in zip(out, eager, strict=True):
             torch.testing.assert_close(o, e, rtol=0, atol=0)
             assert o.stride() == e.stride()
+
+
+@pytest.mark.parametrize("dy_layout", ["channels_last", "transposed", "expanded"])
+def test_contiguous_input_any_gradient_layout_matches_eager(dy_layout):
+    # Issue 15: a contiguous input with a channels_last (or transposed, or stride-0) incoming
+    # gradient crashed in backward ("view size is not compatible").
+    torch.manual_seed(1)
+    w, b = _params(8, torch.float32)
+    x = torch.randn(2, 8, 5, 5)
+    if dy_layout == "channels_last":
+        dy = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    elif dy_layout == "transposed":
+        dy = torch.randn(2, 8, 5, 5).transpose(2, 3).contiguous().transpose(2, 3)
+    else:
+        dy = torch.randn(2, 8, 1, 1).expand(2, 8, 5, 5)
+    assert not dy.is_contiguous()
+    out = _run(group_norm, x, 2, w, b, dy)
+    ref = _run(F.group_norm, x.double(), 2, w.double(), b.double(), dy.double())
+    eager = _run(F.group_norm, x, 2, w, b, dy)
+    for o, r, e in zip(out, ref, eager, strict=True):
+        assert_within_rule(o, r, e)
+
+
+def test_expanded_input_matches_eager():
+    # Issue 15: an expanded (stride-0) input crashed ("Expected X.is_contiguous").
+    torch.manual_seed(2)
+    w, b = _params(4, torch.float32)
+    for x in (torch.randn(1, 4, 6, 6).expand(3, 4, 6, 6), torch.randn(3, 4, 1).expand(3, 4, 9)):
+        dy = torch.randn(x.shape)
+        out = _run(group_norm, x, 2, w, b, dy)
+        eager = _run(F.group_norm, x, 2, w, b, dy)
+        for o, e in zip(out, eager, strict=True):
+            torch.testing.assert_close(o, e)
+
+
+def test_channels_last_unet_block_after_convert_matches_eager():
+    # Issue 15: a channels_last Conv -> GroupNorm -> SiLU block failed in backward after convert_.
+    import slimgrad
+
+    torch.manual_seed(3)
+    block = torch.nn.Sequential(
+        torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.GroupNorm(2, 8), torch.nn.SiLU()
+    ).to(memory_format=torch.channels_last)
+    ours = __import__("copy").deepcopy(block)
+    slimgrad.convert_(ours)
+    x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    grads = []
+    for m in (block, ours):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        y.backward(torch.randn_like(y, memory_format=torch.channels_last).mul_(0).add_(1))
+        grads.append([y.detach(), xi.grad] + [p.grad for p in m.parameters()])
+    for o, e in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(o, e)

@@ -88,3 +88,16 @@ def test_inplace_on_saved_operand_raises_and_hooks():
     torch.testing.assert_close(matmul(an, torch.eye(2)), an @ torch.eye(2), equal_nan=True)
     with torch.inference_mode():
         assert matmul(an, torch.eye(2)).grad_fn is None
+
+
+@pytest.mark.parametrize(
+    "sa,sb", [((5, 5, 0), (0, 5)), ((0, 3), (2, 3, 4)), ((2, 0, 3), (3, 4)), ((4, 0), (0,))]
+)
+def test_empty_dimensions_match_eager(sa, sb):
+    # Issue 15: (5,5,0) @ (0,5) crashed in backward ("cannot reshape tensor of 0 elements");
+    # eager returns zero gradients.
+    out = _run(matmul, torch.randn(sa), torch.randn(sb))
+    ref = _run(torch.matmul, torch.randn(sa), torch.randn(sb))
+    for o, e in zip(out, ref, strict=True):
+        torch.testing.assert_close(o, e)
+        assert o.shape == e.shape

@@ -153,7 +153,9 @@ class _BatchNormFn(torch.autograd.Function):
             )
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         nd = grad.dim()
-        if not ctx.training and ctx.x is None and ctx.recipe is None:
+        if ctx.x is None and ctx.recipe is None and ctx.b is None:
+            # Nothing full-size kept: eval with a frozen affine, or training where only the bias
+            # needs a gradient (dx and dγ would have kept x).
             gx = gw = gb = None
             if need_x:
                 scale = ctx.save_invstd

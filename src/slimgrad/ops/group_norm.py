@@ -68,6 +68,9 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     n, c = y.shape[0], y.shape[1]
     hw = math.prod(y.shape[2:])
     grp, cg = num_groups, c // num_groups
+    # dy may come in any layout (channels_last, transposed, expanded): the flat (sample, group)
+    # views below need it contiguous (y is: the forward's output).
+    dy = dy.contiguous()
     y4, dy4 = y.reshape(n, grp, cg, hw), dy.reshape(n, grp, cg, hw)
     mu, r = mean.reshape(n, grp).to(acc), rstd.reshape(n, grp).to(acc)
     w = weight.reshape(1, grp, cg, 1).to(acc) if weight is not None else None

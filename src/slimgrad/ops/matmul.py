@@ -10,6 +10,8 @@ operands are matmul inputs and count in the tracker's floor (``_slimgrad_floor``
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from slimgrad.ops.linear import autocast_matmul_inputs
@@ -31,15 +33,19 @@ def _bwd_torch(dy, a, b, a_shape, b_shape, output_mask):
     da = db = None
     if output_mask[0]:
         if len(a_shape) == 2 and dy.dim() > 2:
+            # Explicit sizes, not -1: a reshape of 0 elements cannot infer one (empty dims).
             m, n = dy.shape[-2:]
-            dy_f = dy.movedim(-2, 0).reshape(m, -1)
-            da = dy_f @ b.expand(*dy.shape[:-2], *b.shape[-2:]).mT.reshape(-1, b.shape[-2])
+            batch = math.prod(dy.shape[:-2])
+            dy_f = dy.movedim(-2, 0).reshape(m, batch * n)
+            bt = b.expand(*dy.shape[:-2], *b.shape[-2:]).mT
+            da = dy_f @ bt.reshape(batch * n, b.shape[-2])
         else:
             da = _sum_to(dy @ b.mT, a_shape)
     if output_mask[1]:
         if len(b_shape) == 2 and dy.dim() > 2:
-            a_f = a.expand(*dy.shape[:-2], *a.shape[-2:]).reshape(-1, a.shape[-1])
-            db = a_f.mT @ dy.reshape(-1, dy.shape[-1])
+            rows = math.prod(dy.shape[:-1])
+            a_f = a.expand(*dy.shape[:-2], *a.shape[-2:]).reshape(rows, a.shape[-1])
+            db = a_f.mT @ dy.reshape(rows, dy.shape[-1])
         else:
             db = _sum_to(a.mT @ dy, b_shape)
     return da, db
