@@ -535,3 +535,21 @@ def test_only_bias_needs_grad_matches_eager(training):
         out.append((y.detach(), bb.grad, rm, rv))
     for o, e in zip(*out, strict=True):
         torch.testing.assert_close(o, e)
+
+
+def test_errors_raise_where_eager_raises_with_eager_types():
+    # Issue 15: aten.native_batch_norm does not check the (C,) arguments' sizes (eager's
+    # torch.batch_norm does): a wrong-size weight or running_mean ran silently.
+    x = torch.randn(2, 6, 5, requires_grad=True)
+    cases = [
+        (None, None, torch.randn(4), None, True),
+        (None, None, None, torch.randn(4), True),
+        (torch.zeros(4), torch.ones(4), None, None, True),
+        (torch.zeros(6), torch.ones(5), None, None, False),
+        (None, None, None, None, False),
+    ]
+    for rm, rv, w, b, training in cases:
+        with pytest.raises(RuntimeError):
+            F.batch_norm(x, rm, rv, w, b, training)
+        with pytest.raises(RuntimeError, match="slimgrad.ops.batch_norm"):
+            batch_norm(x, rm, rv, w, b, training)

@@ -142,9 +142,9 @@ def test_unbatched_and_errors():
     x = torch.randn(3, 8, 8, requires_grad=True)
     w = torch.randn(4, 3, 3, 3, requires_grad=True)
     torch.testing.assert_close(conv2d(x, w), F.conv2d(x, w))
-    with pytest.raises(ValueError, match=r"slimgrad.ops.conv2d: unknown padding string"):
+    with pytest.raises(RuntimeError, match=r"slimgrad.ops.conv2d: unknown padding string"):
         conv2d(x, w, padding="full")
-    with pytest.raises(ValueError, match=r"slimgrad.ops.conv2d: stride must be"):
+    with pytest.raises(RuntimeError, match=r"slimgrad.ops.conv2d: stride must be"):
         conv2d(x, w, stride=(1, 2, 3))
     with pytest.raises(TypeError, match=r"slimgrad.ops.conv2d: input and weight must be tensors"):
         conv2d([1.0], w)
@@ -282,3 +282,24 @@ def test_compile_aot_eager_fullgraph_matches(w_grad):
     ga = torch.autograd.grad(cf(x, w), ins)
     gb = torch.autograd.grad(f(x, w), ins)
     torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_errors_raise_where_eager_raises_with_eager_types(grad):
+    # Issue 15: a float bias on an integer input was dropped (eager raises); error types follow
+    # eager's (RuntimeError for bad values, TypeError for string padding of a transposed conv).
+    xi, wi = torch.randint(0, 5, (1, 2, 5, 5)), torch.randint(0, 5, (3, 2, 3, 3))
+    wf = wi.float().requires_grad_(grad)
+    cases = [
+        (conv2d, F.conv2d, (xi, wi, torch.randn(3))),
+        (conv2d, F.conv2d, (xi, wf, torch.randn(3))),
+        (conv2d, F.conv2d, (torch.randn(5, 5), wf)),
+        (conv2d, F.conv2d, (torch.randn(1, 2, 5, 5), wf, None, 2, "same")),
+        (conv2d, F.conv2d, (torch.randn(1, 2, 5, 5), wf, None, 1, "full")),
+        (conv_transpose2d, F.conv_transpose2d, (torch.randn(1, 3, 5, 5), wf, None, 1, "same")),
+    ]
+    for ours, eager, args in cases:
+        with pytest.raises(Exception) as ref:
+            eager(*args)
+        with pytest.raises(type(ref.value), match=r"slimgrad.ops.conv"):
+            ours(*args)

@@ -294,6 +294,19 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b):
     return gx, gw, gb
 
 
+def _check_channels(x, *named) -> None:
+    # aten.native_batch_norm does not check these sizes (eager's torch.batch_norm does).
+    c = x.shape[1] if x.dim() > 1 else 1
+    names = ("running_mean", "running_var", "weight", "bias")
+    for name, t in zip(names, named):
+        if t is not None and t.numel() != c:
+            raise RuntimeError(
+                f"slimgrad.ops.batch_norm: {name} should contain one element per channel; "
+                f"expected {c} elements, got {t.numel()} (shape {tuple(t.shape)}). Pass a "
+                f"({c},) tensor."
+            )
+
+
 def batch_norm(
     input: torch.Tensor,
     running_mean: torch.Tensor | None,
@@ -333,6 +346,8 @@ def batch_norm(
 
     Raises:
         ValueError: training with one value per channel (as torch); unknown ``recompute_input``.
+        RuntimeError: eval without running statistics, or a (C,) argument of another size (as
+            torch).
 
     Example:
         >>> y = batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, training=True)
@@ -346,10 +361,11 @@ def batch_norm(
     if training:
         torch.nn.functional._verify_batch_size(input.size())  # eager's check and message
     if not training and (running_mean is None or running_var is None):
-        raise ValueError(
+        raise RuntimeError(
             "slimgrad.ops.batch_norm: eval mode needs running statistics; expected tensors, got "
             "None. Pass running_mean and running_var, or training=True."
         )
+    _check_channels(input, running_mean, running_var, weight, bias)
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, weight, bias)
     )

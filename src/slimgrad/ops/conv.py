@@ -106,7 +106,7 @@ def _tuple(v, n: int, name: str, api: str) -> list[int]:
     if len(v) == 1:
         return v * n
     if len(v) != n or not all(isinstance(i, int) for i in v):
-        raise ValueError(
+        raise RuntimeError(
             f"slimgrad.ops.{api}: {name} must be an int or {n} ints; expected length {n}, got "
             f"{v!r}. Pass {name}=k or a tuple of {n} ints."
         )
@@ -124,7 +124,7 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     output_padding = _tuple(output_padding, n, "output_padding", api)
     if isinstance(padding, str):
         if transposed:
-            raise ValueError(
+            raise TypeError(
                 f"slimgrad.ops.{api}: string padding is not supported for transposed convolutions; "
                 f"expected ints, got {padding!r}. Pass padding as ints."
             )
@@ -132,7 +132,7 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
             padding = [0] * n
         elif padding == "same":
             if any(s != 1 for s in stride):
-                raise ValueError(
+                raise RuntimeError(
                     f"slimgrad.ops.{api}: padding='same' needs stride 1; expected stride 1, got "
                     f"{stride}. Use explicit padding."
                 )
@@ -150,7 +150,7 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
                 x = torch.nn.functional.pad(x, pad_arg)
             padding = pads
         else:
-            raise ValueError(
+            raise RuntimeError(
                 f"slimgrad.ops.{api}: unknown padding string; expected 'valid' or 'same', got "
                 f"{padding!r}. Use one of those or ints."
             )
@@ -172,9 +172,15 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
             output_padding,
         ).squeeze(0)
     if x.dim() != n + 2:
-        raise ValueError(
+        raise RuntimeError(
             f"slimgrad.ops.{api}: input must be {n + 1}-D (unbatched) or {n + 2}-D (batched); "
             f"expected {n + 2} dims, got shape {tuple(x.shape)}. Reshape the input."
+        )
+    if bias is not None and bias.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        # aten.convolution does not check this (it dropped a float bias on an integer input).
+        raise RuntimeError(
+            f"slimgrad.ops.{api}: input and bias types differ; expected the same dtype, got "
+            f"input {x.dtype} and bias {bias.dtype}. Cast the bias (or the input) to one dtype."
         )
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
@@ -230,8 +236,8 @@ _DOC = """``torch.nn.functional.{api}`` keeping only what the requested gradient
         The {kind} output.
 
     Raises:
-        ValueError: bad padding/stride specification or input rank.
-        TypeError: non-tensor input or weight.
+        RuntimeError: bad padding/stride specification, input rank or bias dtype (as torch).
+        TypeError: non-tensor input or weight{pad_type}.
 
     Example:
         >>> y = {api}(x, m.weight, m.bias{example})
@@ -273,6 +279,7 @@ def _conv_fn(n: int, transposed: bool):
             else "stride, padding, dilation, groups"
         ),
         pad_note="" if transposed else "; padding may be 'valid' or 'same'",
+        pad_type="; string padding (as torch)" if transposed else "",
         kind="transposed convolution" if transposed else "convolution",
         example=", stride=2" if transposed else ", padding=1",
     )

@@ -192,13 +192,14 @@ def group_norm(
         Tensor like ``input``.
 
     Raises:
-        ValueError: ``input`` has fewer than 2 dims, or ``num_groups`` does not divide C.
+        RuntimeError: ``input`` has fewer than 2 dims, or ``num_groups`` does not divide C (as
+            torch).
 
     Example:
         >>> y = group_norm(torch.randn(2, 6, 5, requires_grad=True), 3)
     """
     if input.dim() < 2 or num_groups <= 0 or input.shape[1] % num_groups:
-        raise ValueError(
+        raise RuntimeError(
             "slimgrad.ops.group_norm: channels must split into groups; expected input (N, C, *) "
             f"with C divisible by num_groups, got shape {tuple(input.shape)} and num_groups="
             f"{num_groups}. Pick num_groups dividing the channel count."

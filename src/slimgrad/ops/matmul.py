@@ -80,13 +80,13 @@ def matmul(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         The product.
 
     Raises:
-        ValueError: a 0-d operand.
+        RuntimeError: a 0-d operand (as torch).
 
     Example:
         >>> y = matmul(torch.randn(2, 3, 4), torch.randn(4, 5, requires_grad=True))
     """
     if input.dim() == 0 or other.dim() == 0:
-        raise ValueError(
+        raise RuntimeError(
             "slimgrad.ops.matmul: both arguments must have at least 1 dimension; expected "
             "tensors of "
             f"dim >= 1, got dims {input.dim()} and {other.dim()}. Use torch.mul for scalars."
