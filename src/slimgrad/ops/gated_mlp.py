@@ -1,0 +1,387 @@
+"""Gated MLP (SwiGLU, GeGLU): ``down(act(gate(x)) * up(x))`` keeping the two pre-activations.
+
+Math: ``g = x Wg^T + bg``, ``u = x Wu^T + bu`` (or one ``gate_up`` projection whose last dimension
+is split in two halves, gate first: HF Phi-3), ``h = act(g) * u``, ``y = h Wd^T + bd``, with
+``act`` one of SiLU (``'silu'``), erf GELU (``'gelu'``) and tanh GELU (``'gelu_tanh'``).
+Backward: ``dh = dy Wd``, ``dWd = dy^T h``, ``du = dh * act(g)``, ``dg = act'(g) (dh * u)``,
+``dWg = dg^T x``, ``dWu = du^T x``, ``dx = dg Wg + du Wu``.
+
+The forward runs eager's own ops in eager's order (``F.linear``, ``F.silu``/``F.gelu``, ``*``), so
+the output is eager's bit for bit in every dtype and under ``torch.autocast``. The backward
+recomputes ``a = act(g)`` and ``h = a * u`` (the same bits as forward's) and then runs eager's
+gradient formulas (``aten.silu_backward``/``gelu_backward``, the products, the matmuls): gradients
+equal eager's up to the order in which autograd would sum ``x``'s two contributions.
+
+Memory (per token; D = hidden, I = intermediate size, s = bytes/elt of the matmuls' dtype, s_x of
+``x``'s): saves x (D s_x) + g (I s) + u (I s) = D s_x + 2 I s; eager saves x + g, act(g), u and
+h = D s_x + 4 I s (SwiGLU/GeGLU in fp32 at I = 2048: 8192 + D s_x B/token vs 16384 + D s_x).
+Under autocast eager keeps two casts of x (one per projection, 2 D s) and a cast of every
+weight; this op keeps x as given (often already kept by the norm before it) and re-casts the
+weights, which it references as they are (no bytes), in backward. Selective saving: x is kept
+only if Wg or Wu needs a gradient; g and u only if anything before ``h`` (x, Wg, bg, Wu, bu)
+does; if only Wd needs a gradient, h alone (I s) is kept (eager: the same); weights are referenced
+only where the gradient of their input is needed. The tracker counts all it keeps in the
+matmul-input floor (``_slimgrad_floor``): x, and g and u standing in for h, down's input (h is a
+function of g and u, and no single tensor of I elements gives eager's gradients of g and u).
+
+:func:`glu` and :func:`glu_linear` are the same op from given ``gate``/``up`` (when a projection is
+a module slimgrad does not see through, e.g. a PEFT LoRA layer, ``slimgrad.nn.GatedMLP`` calls it
+and hands its output here): they save g and u (the product is recomputed), eager saves g,
+act(g), u and h.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad.ops.linear import _bwd_torch as _linear_bwd
+
+__all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_fused", "glu", "glu_linear"]
+
+#: The activations this op computes exactly: name -> (forward, backward from the pre-activation).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def _act(g: Tensor, activation: str) -> Tensor:
+    if activation == "silu":
+        return F.silu(g)
+    return F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def _act_bwd(da: Tensor, g: Tensor, activation: str, out: Tensor) -> Tensor:
+    # act'(g) * da written into ``out`` (``da`` itself, or a slice of the fused gradient)
+    if activation == "silu":
+        return torch.ops.aten.silu_backward.grad_input(da, g, grad_input=out)
+    approx = "tanh" if activation == "gelu_tanh" else "none"
+    return torch.ops.aten.gelu_backward.grad_input(da, g, approximate=approx, grad_input=out)
+
+
+def _fwd_torch(x, wg, bg, wu, bu, wd, bd, activation: str, fused: bool) -> Tensor:
+    # eager's composition (HF LlamaMLP's forward; Phi3MLP's for ``fused``), op for op
+    if fused:
+        g, u = F.linear(x, wg, bg).chunk(2, dim=-1)
+        return F.linear(u * _act(g, activation), wd, bd)
+    return F.linear(_act(F.linear(x, wg, bg), activation) * F.linear(x, wu, bu), wd, bd)
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    # the cast autocast made in forward for a matmul that ran in ``dtype``: the same bits
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _to(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    # a gradient back to its input's dtype (eager: the cast's ToCopyBackward)
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _dtypes(*ts) -> tuple:
+    return tuple(None if t is None else t.dtype for t in ts)
+
+
+def _act_into(g: Tensor, activation: str, out: Tensor | None) -> Tensor:
+    # act(g) (forward's bits: the same kernel), into ``out`` when given
+    if out is None:
+        return _act(g, activation)
+    if activation == "silu":
+        return torch.ops.aten.silu.out(g, out=out)
+    approx = "tanh" if activation == "gelu_tanh" else "none"
+    return torch.ops.aten.gelu.out(g, approximate=approx, out=out)
+
+
+def _glu_bwd(dy, g, u, h, wd, down: bool, need_gu, nwd, nbd, has_bd, act, fused: bool = False):
+    # (dg, du, dWd, dbd) from the kept g, u (or h alone); every product as eager's, on the same
+    # operands: a = act(g) and h = a * u are forward's bits, du = dh * a, dg = act'(g)(dh * u).
+    # Products are written into this backward's own buffers (a, dh). ``fused``: dg and du are
+    # written into the two halves of one (*, 2 I) gradient, returned as dg (du None): the
+    # gate_up projection's gradient (eager: a cat of the two).
+    dg = du = dwd = dbd = None
+    dgu = None
+    if fused and need_gu:
+        n = g.shape[-1]
+        dgu = g.new_empty((*g.shape[:-1], 2 * n))
+    a = _act_into(g, act, None if dgu is None else dgu[..., n:]) if g is not None else None
+    if down:
+        if nwd or nbd:
+            if nwd and h is None:
+                h = a * u
+            _, dwd, dbd = _linear_bwd(dy, h, None, has_bd, False, (False, nwd, nbd))
+            h = None
+        if not need_gu:
+            return dg, du, dwd, dbd
+        dh, _, _ = _linear_bwd(dy, None, _cast(wd, dy.dtype), False, False, (True, False, False))
+        du = a.mul_(dh)
+        da = dh.mul_(u)
+    else:  # glu: dy is dh, the caller's
+        du = a.mul_(dy)
+        da = dy * u
+    del a
+    if dgu is not None:
+        _act_bwd(da, g, act, dgu[..., :n])
+        return dgu, None, dwd, dbd
+    return _act_bwd(da, g, act, da), du, dwd, dbd
+
+
+def _records(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+class _GatedMLPFn(torch.autograd.Function):
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(ctx, x, wg, bg, wu, bu, wd, bd, activation: str, fused: bool):
+        nx, nwg, nbg, nwu, nbu, nwd, _ = ctx.needs_input_grad[:7]
+        gu = F.linear(x, wg, bg)
+        if fused:  # Phi-3: gate, up = gate_up_proj(x).chunk(2, dim=-1)
+            g, u = gu.chunk(2, dim=-1)
+        else:
+            g, u = gu, F.linear(x, wu, bu)
+        h = _act(g, activation).mul_(u)  # eager: act(g) * u (Phi-3: u * act(g)); the same bits
+        y = F.linear(h, wd, bd)
+        need_gu = nx or nwg or nbg or nwu or nbu
+        ctx.activation, ctx.fused = activation, fused
+        ctx.has = (bg is not None, bu is not None, bd is not None)
+        ctx.mm_dtypes = (g.dtype, u.dtype)
+        ctx.in_dtypes = _dtypes(x, wg, bg, wu, bu, wd, bd)
+        # autocast caches the cast of a leaf that requires grad: both projections then read one
+        # cast of x, whose two gradients eager sums before casting back
+        ctx.x_cast_cached = x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled()
+        ctx.save_for_backward(
+            x if (nwg or nwu) else None,
+            gu if need_gu else None,
+            u if need_gu and not fused else None,
+            h if nwd and not need_gu else None,
+            wg if nx else None,
+            wu if nx and not fused else None,
+            wd if need_gu else None,
+        )
+        return y
+
+    @staticmethod
+    @first_order("ops.gated_mlp")
+    def backward(ctx, dy):
+        x, g, u, h, wg, wu, wd = ctx.saved_tensors
+        m = ctx.needs_input_grad[:7]
+        need_gu = any(m[:5])
+        (has_bg, has_bu, has_bd), (gdt, udt) = ctx.has, ctx.mm_dtypes
+        xdt, wgdt, bgdt, wudt, budt, wddt, bddt = ctx.in_dtypes
+        dx = dwg = dbg = dwu = dbu = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.fused and g is not None:
+                g, u = g.chunk(2, dim=-1)
+            dg, du, dwd, dbd = _glu_bwd(
+                dy, g, u, h, wd, True, need_gu, m[5], m[6], has_bd, ctx.activation, ctx.fused
+            )
+            dwd, dbd = _to(dwd, wddt), _to(dbd, bddt)
+            del g, u, h
+            if need_gu:  # each gradient cast back as soon as it is made, its buffers dropped
+                xg = _cast(x, gdt)
+                # fused: dg is the (*, 2 I) gradient of the gate_up projection
+                dx, dwg, dbg = _linear_bwd(dg, xg, _cast(wg, gdt), has_bg, False, m[0:3])
+                del dg
+                dwg, dbg = _to(dwg, wgdt), _to(dbg, bgdt)
+                # eager: x's gradients from both projections, each cast back (a leaf's cast
+                # cached by autocast: summed before), summed by autograd
+                both = ctx.x_cast_cached and udt == gdt
+                if not both:
+                    dx = _to(dx, xdt)
+                if not ctx.fused:
+                    xu = xg if udt == gdt else _cast(x, udt)
+                    del xg
+                    mu = (m[0], m[3], m[4])
+                    dxu, dwu, dbu = _linear_bwd(du, xu, _cast(wu, udt), has_bu, False, mu)
+                    del du, xu
+                    dwu, dbu = _to(dwu, wudt), _to(dbu, budt)
+                    if m[0]:
+                        dx = dx.add_(dxu if both else _to(dxu, xdt))
+                        del dxu
+                dx = _to(dx, xdt)
+        return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None
+
+
+class _GluFn(torch.autograd.Function):
+    _slimgrad_floor = True  # h, when it is what is kept, is a matmul input
+
+    @staticmethod
+    def forward(ctx, g, u, wd, bd, activation: str):
+        ng, nu, nwd, _ = ctx.needs_input_grad[:4]
+        h = _act(g, activation).mul_(u)
+        y = F.linear(h, wd, bd) if wd is not None else h
+        need_gu = ng or nu
+        ctx.activation, ctx.down, ctx.has_bd = activation, wd is not None, bd is not None
+        ctx.in_dtypes = _dtypes(g, u, wd, bd)
+        ctx.save_for_backward(
+            g if need_gu else None,
+            u if need_gu else None,
+            h if nwd and not need_gu else None,
+            wd if need_gu else None,
+        )
+        return y
+
+    @staticmethod
+    @first_order("ops.glu")
+    def backward(ctx, dy):
+        g, u, h, wd = ctx.saved_tensors
+        ng, nu, nwd, nbd = ctx.needs_input_grad[:4]
+        with torch.autocast(dy.device.type, enabled=False):
+            dg, du, dwd, dbd = _glu_bwd(
+                dy, g, u, h, wd, ctx.down, ng or nu, nwd, nbd, ctx.has_bd, ctx.activation
+            )
+        grads = (dg if ng else None, du if nu else None, dwd, dbd)
+        return (*(_to(t, d) for t, d in zip(grads, ctx.in_dtypes, strict=True)), None)
+
+
+def _check_activation(api: str, activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"slimgrad.ops.{api}: unknown activation; expected one of {ACTIVATIONS}, got "
+            f"{activation!r}. Use 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU)."
+        )
+
+
+def _check_in(api: str, what: str, x: Tensor, w: Tensor) -> None:
+    if x.dim() == 0 or w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"slimgrad.ops.{api}: {what} does not match its weight; expected input.shape[-1] == "
+            f"weight.shape[1] with a 2-D weight, got input {tuple(x.shape)} and weight "
+            f"{tuple(w.shape)}. Pass (*, in_features) inputs and (out, in) weights."
+        )
+
+
+def gated_mlp(
+    input: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Tensor | None = None,
+    up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    activation: str = "silu",
+) -> Tensor:
+    """``down(act(gate(x)) * up(x))`` (HF LlamaMLP's forward) keeping x and the pre-activations.
+
+    ``F.linear(act(F.linear(x, Wg, bg)) * F.linear(x, Wu, bu), Wd, bd)``: output bit for bit
+    eager's in every dtype and under autocast; gradients eager's formulas on the same operands.
+
+    Memory: saves x + g + u (D s_x + 2 I s bytes per token), recomputing ``act(g) * u`` in
+    backward; eager saves x + g + act(g) + u + h (D s_x + 4 I s). Selective: x only if Wg or Wu
+    needs grad, g and u only if x, Wg, bg, Wu or bu does, h alone if only Wd does.
+
+    Args:
+        input: ``(*, D)``.
+        gate_weight, up_weight: ``(I, D)``.
+        down_weight: ``(D_out, I)``.
+        gate_bias, up_bias: optional ``(I,)``; down_bias: optional ``(D_out,)``.
+        activation: ``'silu'`` (SwiGLU), ``'gelu'`` (erf) or ``'gelu_tanh'`` (GeGLU, Gemma).
+
+    Returns:
+        ``(*, D_out)``.
+
+    Raises:
+        ValueError: unknown activation or mismatched shapes.
+        RuntimeError: double backward (``create_graph=True``) through this op; torch.jit.trace.
+
+    Example:
+        >>> y = gated_mlp(x, wg, wu, wd, activation="silu")  # doctest: +SKIP
+    """
+    _check_activation("gated_mlp", activation)
+    _check_in("gated_mlp", "input", input, gate_weight)
+    _check_in("gated_mlp", "input", input, up_weight)
+    args = (input, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    if transforms_active() or not _records(*args):
+        return _fwd_torch(*args, activation, False)
+    refuse_jit("ops.gated_mlp")
+    return _GatedMLPFn.apply(*args, activation, False)
+
+
+def gated_mlp_fused(
+    input: Tensor,
+    gate_up_weight: Tensor,
+    down_weight: Tensor,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    activation: str = "silu",
+) -> Tensor:
+    """HF Phi3MLP's forward: ``gate, up = F.linear(x, W, b).chunk(2, -1)``;
+    ``down(up * act(gate))``, keeping x and the fused pre-activation (gate first, then up).
+
+    Memory: as :func:`gated_mlp` (x + the ``(*, 2 I)`` projection output; eager also keeps
+    act(gate) and the product).
+
+    Args:
+        input: ``(*, D)``.
+        gate_up_weight: ``(2 I, D)``, rows of gate then up.
+        down_weight: ``(D_out, I)``.
+        gate_up_bias: optional ``(2 I,)``; down_bias: optional ``(D_out,)``.
+        activation: ``'silu'``, ``'gelu'`` or ``'gelu_tanh'``.
+
+    Returns:
+        ``(*, D_out)``.
+
+    Raises:
+        ValueError: unknown activation, mismatched shapes or an odd ``gate_up_weight.shape[0]``.
+        RuntimeError: double backward through this op; torch.jit.trace.
+    """
+    _check_activation("gated_mlp_fused", activation)
+    _check_in("gated_mlp_fused", "input", input, gate_up_weight)
+    if gate_up_weight.shape[0] % 2:
+        raise ValueError(
+            "slimgrad.ops.gated_mlp_fused: gate_up_weight must stack gate and up rows; expected "
+            f"an even number of rows, got {gate_up_weight.shape[0]}. Pass torch.cat([Wg, Wu])."
+        )
+    args = (input, gate_up_weight, gate_up_bias, None, None, down_weight, down_bias)
+    if transforms_active() or not _records(*args):
+        return _fwd_torch(*args, activation, True)
+    refuse_jit("ops.gated_mlp_fused")
+    return _GatedMLPFn.apply(*args, activation, True)
+
+
+def glu_linear(
+    gate: Tensor,
+    up: Tensor,
+    down_weight: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    activation: str = "silu",
+) -> Tensor:
+    """``F.linear(act(gate) * up, down_weight, down_bias)`` from given pre-activations, keeping
+    ``gate`` and ``up`` and recomputing the product; without ``down_weight``, ``act(gate) * up``.
+
+    Memory: saves gate + up (2 I s per token) if gate or up needs grad, the product alone (I s) if
+    only down_weight does; eager saves gate, act(gate), up and (for down_weight's gradient) the
+    product.
+
+    Args:
+        gate, up: ``(*, I)`` of one dtype and shape (e.g. a projection module's outputs).
+        down_weight: optional ``(D_out, I)``; down_bias: optional ``(D_out,)``.
+        activation: ``'silu'``, ``'gelu'`` or ``'gelu_tanh'``.
+
+    Returns:
+        ``(*, D_out)``, or ``act(gate) * up`` without ``down_weight``.
+
+    Raises:
+        ValueError: unknown activation or mismatched shapes.
+        RuntimeError: double backward through this op; torch.jit.trace.
+    """
+    _check_activation("glu_linear", activation)
+    if down_weight is not None:
+        _check_in("glu_linear", "gate", gate, down_weight)
+    if (
+        transforms_active()
+        or not _records(gate, up, down_weight, down_bias)
+        or gate.shape != up.shape
+        or gate.dtype != up.dtype
+    ):  # eager's composition (broadcasting or promoting products stay eager's)
+        h = _act(gate, activation) * up
+        return h if down_weight is None else F.linear(h, down_weight, down_bias)
+    refuse_jit("ops.glu_linear")
+    return _GluFn.apply(gate, up, down_weight, down_bias, activation)
+
+
+def glu(gate: Tensor, up: Tensor, activation: str = "silu") -> Tensor:
+    """``act(gate) * up`` keeping ``gate`` and ``up`` (eager keeps both and ``act(gate)``).
+
+    See :func:`glu_linear` (without a down projection)."""
+    return glu_linear(gate, up, None, None, activation)
