@@ -1,0 +1,212 @@
+"""``slimgrad.nn.GatedMLP``: HF's gated MLPs (LlamaMLP, Phi3MLP, ...) keeping the pre-activations.
+
+The module holds the original projection and activation modules under their original names, so
+``state_dict`` keys and values are unchanged and code that reaches ``mlp.gate_proj`` still finds
+it. Each call decides from what the modules are *now* (NOTE [Gated MLP: which path]).
+
+# NOTE [Gated MLP: which path]
+- every projection a plain ``nn.Linear`` (or ``slimgrad.nn.Linear``) without hooks or a patched
+  forward: :func:`slimgrad.ops.gated_mlp.gated_mlp` (or ``gated_mlp_fused``), which keeps x, g
+  and u;
+- a projection that is anything else (a PEFT LoRA layer, a quantized linear, a hooked Linear) is
+  called as a module, so it computes, keeps and hooks exactly as in eager; what is left
+  (``act(g) * u`` and a plain down projection) is :func:`~slimgrad.ops.gated_mlp.glu_linear`,
+  or :func:`~slimgrad.ops.gated_mlp.glu` before a down projection that is called;
+- the activation module no longer one this op computes exactly, a hook on it, a global module
+  hook, a ``torch.func`` transform, or no autograd recording: the eager composition, calling every
+  module (the HF forward, op for op).
+Hooks registered by ``slimgrad.memory`` to attribute bytes to modules change no value and do not
+count as hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as _module
+
+from slimgrad._autograd import transforms_active
+from slimgrad.ops.gated_mlp import gated_mlp, gated_mlp_fused, glu, glu_linear
+
+__all__ = ["GatedMLP", "activation_of"]
+
+
+def activation_of(act: object) -> str | None:
+    """The :mod:`slimgrad.ops.gated_mlp` activation that ``act(x)`` computes bit for bit, or
+    None: ``'silu'`` (``nn.SiLU``, HF ``SiLUActivation``), ``'gelu'`` (``nn.GELU()``, HF
+    ``GELUActivation``), ``'gelu_tanh'`` (``nn.GELU('tanh')``, HF ``GELUTanh``); slimgrad's SiLU
+    and GELU (same outputs). The python formulas (HF ``NewGELUActivation``, ``gelu_fast``, ...)
+    round differently: None."""
+    if not isinstance(act, nn.Module) or "forward" in act.__dict__:
+        return None
+    t = type(act)
+    name = f"{t.__module__}.{t.__qualname__}"
+    if name in ("torch.nn.modules.activation.SiLU", "slimgrad.nn.silu.SiLU"):
+        return "silu"
+    if name in ("torch.nn.modules.activation.GELU", "slimgrad.nn.gelu.GELU"):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    if name == "transformers.activations.SiLUActivation":
+        return "silu"
+    fn = getattr(act, "act", None)
+    if name == "transformers.activations.GELUActivation" and fn is F.gelu:
+        return "gelu"
+    if (
+        name in ("transformers.activations.GELUTanh", "transformers.activations.PytorchGELUTanh")
+        and isinstance(fn, functools.partial)
+        and fn.func is F.gelu
+        and not fn.args
+        and fn.keywords == {"approximate": "tanh"}
+    ):
+        return "gelu_tanh"
+    return None
+
+
+def _foreign(hooks: dict) -> bool:
+    return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
+
+
+def _hooked(m: nn.Module) -> bool:
+    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    return any(_foreign(h) for h in hooks)
+
+
+def _global_hooks() -> bool:
+    return any(
+        _foreign(h)
+        for h in (
+            _module._global_forward_hooks,
+            _module._global_forward_pre_hooks,
+            _module._global_backward_hooks,
+            _module._global_backward_pre_hooks,
+        )
+    )
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    import slimgrad.nn.linear as snl
+
+    return (
+        type(m) in (nn.Linear, snl.Linear)
+        and "forward" not in m.__dict__
+        and m.weight.dim() == 2
+        and not _hooked(m)
+    )
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` (``fused``: ``gate, up = gate_up(x).chunk(2, -1)``;
+    ``down(up * act(gate))``, HF Phi-3), keeping x, gate(x) and up(x) for backward.
+
+    Memory: saves x + gate(x) + up(x): D s_x + 2 I s bytes per token (D hidden, I intermediate,
+    s bytes/elt); eager also keeps act(gate(x)) and the product (D s_x + 4 I s). See
+    :mod:`slimgrad.ops.gated_mlp` for selective saving and autocast.
+
+    Args:
+        hidden_size: D. intermediate_size: I.
+        bias: projections with biases.
+        activation: ``'silu'``, ``'gelu'`` or ``'gelu_tanh'``.
+        fused: one ``gate_up_proj`` (2 I outputs, gate first) and ``activation_fn`` (Phi-3's
+            names) instead of ``gate_proj``, ``up_proj`` and ``act_fn`` (Llama's).
+
+    Example:
+        >>> mlp = GatedMLP(8, 16)
+        >>> y = mlp(torch.randn(2, 8))
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: str = "silu",
+        fused: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        acts = {"silu": nn.SiLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh")}
+        if activation not in acts:
+            raise ValueError(
+                f"slimgrad.nn.GatedMLP: unknown activation; expected one of {tuple(acts)}, got "
+                f"{activation!r}. Use 'silu' (SwiGLU), 'gelu' or 'gelu_tanh' (GeGLU)."
+            )
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        if fused:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **kw)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        act_name = "activation_fn" if fused else "act_fn"
+        self.add_module(act_name, acts[activation])
+        self._roles = (
+            ("gate_up_proj", None, "down_proj", act_name)
+            if fused
+            else ("gate_proj", "up_proj", "down_proj", act_name)
+        )
+        self.activation, self.fused = activation, fused
+
+    @classmethod
+    def from_hf(
+        cls, module: nn.Module, roles: tuple[str, str | None, str, str], activation: str
+    ) -> GatedMLP:
+        """A GatedMLP holding ``module``'s own submodules (no copy), its plain attributes and
+        training mode.
+
+        Args:
+            module: the HF MLP.
+            roles: the attribute names of (gate, up, down, activation); up None for a fused
+                ``gate_up`` projection (gate rows first).
+            activation: what ``module``'s activation computes (:func:`activation_of`).
+        """
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for k, v in vars(module).items():
+            if not k.startswith("_") and k != "training":
+                setattr(new, k, v)
+        for k, m in module._modules.items():
+            new.add_module(k, m)
+        new._roles = tuple(roles)
+        new.activation, new.fused = activation, roles[1] is None
+        new.train(module.training)
+        return new
+
+    def _eager(self, x, gate, up, down, act):
+        if self.fused:
+            g, u = gate(x).chunk(2, dim=-1)
+            return down(u * act(g))
+        return down(act(gate(x)) * up(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g_name, u_name, d_name, a_name = self._roles
+        gate, down, act = getattr(self, g_name), getattr(self, d_name), getattr(self, a_name)
+        up = getattr(self, u_name) if u_name is not None else None
+        if (
+            not torch.is_grad_enabled()
+            or transforms_active()
+            or activation_of(act) != self.activation
+            or _hooked(act)
+            or _global_hooks()
+        ):
+            return self._eager(x, gate, up, down, act)
+        a = self.activation
+        plain_down = _plain_linear(down)
+        if plain_down and _plain_linear(gate) and (up is None or _plain_linear(up)):
+            if self.fused:
+                return gated_mlp_fused(x, gate.weight, down.weight, gate.bias, down.bias, a)
+            return gated_mlp(
+                x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, a
+            )
+        if self.fused:  # the projections that are not plain Linears are called
+            g, u = gate(x).chunk(2, dim=-1)
+        else:
+            g, u = gate(x), up(x)
+        if plain_down:
+            return glu_linear(g, u, down.weight, down.bias, a)
+        return down(glu(g, u, a))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, fused={self.fused}"

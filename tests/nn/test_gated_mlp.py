@@ -1,0 +1,182 @@
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.nn.gated_mlp import GatedMLP, activation_of
+from slimgrad.testing import grads_of
+
+D, I = 12, 19  # noqa: E741  (hidden, intermediate)
+
+
+class LlamaLike(nn.Module):
+    # HF LlamaMLP's forward (and Phi3MLP's with fused=True), without transformers
+    def __init__(self, act="silu", fused=False, bias=False):
+        super().__init__()
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = nn.Linear(D, 2 * I, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(D, I, bias=bias)
+            self.up_proj = nn.Linear(D, I, bias=bias)
+        self.down_proj = nn.Linear(I, D, bias=bias)
+        self.act_fn = {"silu": nn.SiLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh")}[act]
+
+    def forward(self, x):
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * self.act_fn(gate))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _convert(m):
+    roles = ("gate_up_proj", None) if m.fused else ("gate_proj", "up_proj")
+    return GatedMLP.from_hf(m, (*roles, "down_proj", "act_fn"), activation_of(m.act_fn))
+
+
+def _step(model, x0, gy):
+    x = x0.clone().requires_grad_()
+    y = model(x)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [y.detach(), *grads_of((y * gy).sum(), [x, *params])]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for s, t in zip(a, b, strict=True):
+        torch.testing.assert_close(s, t, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_from_hf_shares_modules_and_matches(act, fused):
+    ref = LlamaLike(act, fused, bias=True)
+    ours = _convert(copy.deepcopy(ref))
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    x0, gy = torch.randn(3, 5, D), torch.randn(3, 5, D)
+    _same(_step(ours, x0, gy), _step(ref, x0, gy))
+    shared = _convert(ref)
+    assert shared.down_proj is ref.down_proj and shared.act_fn is ref.act_fn
+
+
+def test_constructor():
+    m = GatedMLP(D, I, bias=True, activation="gelu_tanh")
+    assert [k for k, _ in m.named_parameters()] == [
+        "gate_proj.weight",
+        "gate_proj.bias",
+        "up_proj.weight",
+        "up_proj.bias",
+        "down_proj.weight",
+        "down_proj.bias",
+    ]
+    x = torch.randn(4, D)
+    ref = m.down_proj(F.gelu(m.gate_proj(x), approximate="tanh") * m.up_proj(x))
+    torch.testing.assert_close(m(x), ref, rtol=0, atol=0)
+    f = GatedMLP(D, I, fused=True)
+    assert {k for k, _ in f.named_parameters()} == {"gate_up_proj.weight", "down_proj.weight"}
+    with pytest.raises(ValueError, match="unknown activation"):
+        GatedMLP(D, I, activation="relu")
+
+
+def test_activation_of():
+    assert activation_of(nn.SiLU()) == "silu"
+    assert activation_of(nn.GELU()) == "gelu"
+    assert activation_of(nn.GELU("tanh")) == "gelu_tanh"
+    assert activation_of(nn.ReLU()) is None
+    patched = nn.SiLU()
+    patched.forward = torch.tanh
+    assert activation_of(patched) is None
+
+
+def _saved(model, x0):
+    x = x0.clone().requires_grad_()
+    return measure(lambda: model(x * 1).sum()).saved_bytes
+
+
+def test_projection_hooks_fire_and_count():
+    # a forward hook that changes a projection's output is honoured: that projection is called
+    ref = LlamaLike()
+    ours = _convert(copy.deepcopy(ref))
+    x0, gy = torch.randn(2, 7, D), torch.randn(2, 7, D)
+    calls = []
+
+    def hook(mod, args, out):
+        calls.append(1)
+        return out * 2
+
+    for m in (ref, ours):
+        m.up_proj.register_forward_hook(hook)
+    _same(_step(ours, x0, gy), _step(ref, x0, gy))
+    assert len(calls) == 2
+    # a hooked down projection: called, the product from glu
+    for m in (ref, ours):
+        m.down_proj.register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,))
+    _same(_step(ours, x0, gy), _step(ref, x0, gy))
+
+
+def test_activation_hook_and_global_hooks_run_eager():
+    ref = LlamaLike("gelu")
+    ours = _convert(copy.deepcopy(ref))
+    x0, gy = torch.randn(2, 7, D), torch.randn(2, 7, D)
+    seen = []
+    h = ours.act_fn.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    _same(_step(ours, x0, gy), _step(ref, x0, gy))
+    assert seen == [torch.Size([2, 7, I])]
+    h.remove()
+    g = nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(type(m)))
+    try:
+        ours(x0)
+    finally:
+        g.remove()
+    assert nn.Linear in seen and nn.GELU in seen
+    # slimgrad.memory's attribution hooks change no value: the op path still runs
+    n = 2 * 7
+    x = x0.clone().requires_grad_()
+    m = measure(lambda: ours(x * 1).sum(), module=ours)
+    assert m.saved_bytes == 4 * (n * D + 2 * n * I)
+
+
+def test_swapped_activation_runs_eager():
+    ref = LlamaLike("silu")
+    ours = _convert(copy.deepcopy(ref))
+    ours.act_fn = ref.act_fn = nn.Tanh()  # no longer what the op computes: the modules are called
+    x0, gy = torch.randn(2, 7, D), torch.randn(2, 7, D)
+    _same(_step(ours, x0, gy), _step(ref, x0, gy))
+
+
+def test_no_grad_and_memory():
+    ref = LlamaLike()
+    ours = _convert(copy.deepcopy(ref))
+    x0 = torch.randn(4, 32, D)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x0), ref(x0), rtol=0, atol=0)
+    n = 4 * 32
+    assert _saved(ours, x0) == 4 * (n * D + 2 * n * I)
+    assert _saved(ref, x0) == 4 * (n * D + 4 * n * I)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("targets", [["down_proj"], ["gate_proj", "up_proj", "gate_up_proj"]])
+@pytest.mark.parametrize("order", ["lora_then_convert", "convert_then_lora"])
+def test_peft_lora(fused, targets, order):
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    base = LlamaLike("silu", fused)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(cfg)).base_model.model
+    if order == "lora_then_convert":
+        torch.manual_seed(3)
+        ours = _convert(peft.get_peft_model(copy.deepcopy(base), cfg).base_model.model)
+    else:
+        torch.manual_seed(3)
+        ours = peft.get_peft_model(_convert(copy.deepcopy(base)), cfg).base_model.model
+    assert type(ours).__name__ == "GatedMLP"
+    lora = [n for n, _ in ours.named_modules() if n.endswith("lora_A")]
+    assert lora, "no LoRA layer was made"
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    x0, gy = torch.randn(2, 9, D), torch.randn(2, 9, D)
+    _same(_step(ours, x0, gy), _step(ref, x0, gy))
+    assert _saved(ours, x0) < _saved(ref, x0)
