@@ -10,7 +10,9 @@ Two tables drive it:
 - ``_TABLE``: ``{qualified class name: (technique, handler)}``. A handler takes the module and
   returns its slimgrad replacement (usually ``slimgrad.nn.<Cls>.from_torch``), or raises
   ``NotImplementedError`` with the reason it cannot convert that instance (the reason goes into the
-  report). Keys are class names so that HF classes need no import of transformers.
+  report). Keys are class names so that HF and timm classes need no import of their library. A
+  module whose class is not a key but subclasses one converts only when it computes what that
+  class computes (NOTE [Subclasses convert by what they compute]).
 - ``_PATTERNS``: passes that need neighbours (BatchNorm followed by an activation; an LM head
   followed by the loss). They run first, on the whole model.
 
@@ -34,6 +36,7 @@ from slimgrad.convert_handlers import hf_attention as _hf_attention
 from slimgrad.convert_handlers import hf_loss as _hf_loss
 from slimgrad.convert_handlers import hf_mlp as _hf_mlp
 from slimgrad.convert_handlers import inplace_guard as _inplace_guard
+from slimgrad.convert_handlers import timm as _timm
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
 
 __all__ = ["ConvertConfig", "ConvertReport", "convert_", "report"]
@@ -140,6 +143,8 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     # HF modules by class name: RMSNorms (``convert_handlers.hf``), gated MLPs (``hf_mlp``)
     **_hf.TABLE,
     **_hf_mlp.TABLE,
+    # timm's layers by class name: its LayerNorm/LayerNorm2d, GELU forms (``convert_handlers.timm``)
+    **_timm.TABLE,
     # dropout with a 1-bit mask
     "torch.nn.modules.dropout.Dropout": ("dropout", snn.Dropout.from_torch),
     # HF GPT-2's x @ W + b: keeps only what the requested gradients need, and hands the op before
@@ -163,6 +168,153 @@ _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyD
 
 def _is_slimgrad(module: nn.Module) -> bool:
     return type(module).__module__.startswith("slimgrad.")
+
+
+# NOTE [Subclasses convert by what they compute]
+# The table is keyed by exact class names, but models subclass torch's modules (timm's LayerNorm,
+# a user's ``class MyGELU(nn.GELU): pass``). A module whose class is not a key converts with the
+# handler of its nearest base class that is (its *parent*) only when the instance provably
+# computes what the parent computes and holds what the parent holds:
+#   - no class between it and the parent defines a method or property the parent also has
+#     (``forward``, or a helper the parent's forward calls: ``_conv_forward``,
+#     ``_check_input_dim``, ``__call__``, ...), nor a class attribute the parent has with another
+#     value; and it adds no methods (the replacement is the parent's slimgrad class, so they would
+#     be lost). Only construction and printing (``__init__``, ``extra_repr``, ``reset_parameters``,
+#     class bookkeeping) may differ;
+#   - the instance has no ``forward`` (or ``__call__``) of its own in its ``__dict__`` (a patched
+#     or hook-like forward), which also holds for exact table classes;
+#   - the replacement has the same parameters, buffers and children by name as the instance
+#     (nothing extra that the parent's forward would not read and state_dict would lose).
+# Otherwise the module stays as it is (its children are still visited) and the report says why.
+# A known variant with its own forward (timm's LayerNorm, LayerNorm2d) is a key of its own, with a
+# handler that checks the instance's options; its subclasses then follow the same rule with it as
+# the parent. Classes are never rebound: the parent's handler sees the instance through
+# ``_as_parent``, a shallow copy typed as the parent (the same Parameters, buffers and hooks).
+_SAME_IN_SUBCLASS = frozenset(
+    {
+        "__init__",
+        "__module__",
+        "__qualname__",
+        "__doc__",
+        "__dict__",
+        "__weakref__",
+        "__annotations__",
+        "__annotate__",
+        "__firstlineno__",
+        "__static_attributes__",
+        "__orig_bases__",
+        "__parameters__",
+        "__slotnames__",
+        "_is_protocol",
+        "extra_repr",
+        "reset_parameters",
+    }
+)
+
+
+def _own_forward(module: nn.Module) -> str | None:
+    for name in ("forward", "__call__"):
+        if name in module.__dict__:
+            return (
+                f"its {name} is replaced on the instance (a patched or hook-like {name}); expected "
+                f"the class's {name}, got an instance attribute. Register a forward hook instead"
+            )
+    return None
+
+
+def _subclass_reason(cls: type, parent: type) -> str | None:
+    # Why instances of ``cls`` (a subclass of table class ``parent``) may not compute what
+    # ``parent`` computes, or None (NOTE [Subclasses convert by what they compute]).
+    pname = _qualname(parent)
+    for klass in cls.__mro__[: cls.__mro__.index(parent)]:
+        for name, val in vars(klass).items():
+            if name in _SAME_IN_SUBCLASS:
+                continue
+            fn = getattr(val, "__func__", val)
+            is_code = callable(fn) or isinstance(val, property)
+            if hasattr(parent, name):
+                if name == "forward":
+                    return (
+                        f"{_qualname(klass)} overrides forward; expected {pname}.forward (a "
+                        "subclass converts only when its forward is its parent's), got its own"
+                    )
+                if is_code:
+                    return (
+                        f"{_qualname(klass)} overrides {name}, which {pname}'s forward may call; "
+                        f"expected {pname}.{name}, got its own"
+                    )
+                if val is not getattr(parent, name) and val != getattr(parent, name):
+                    return (
+                        f"{_qualname(klass)} sets class attribute {name}; expected {pname}'s "
+                        f"value, got {val!r}"
+                    )
+            elif is_code:
+                return (
+                    f"{_qualname(klass)} adds method {name}, which the converted module (a "
+                    f"{pname} replacement) would not have; expected only {pname}'s methods"
+                )
+    return None
+
+
+def _state_names(m: nn.Module) -> tuple[set[str], set[str], set[str]]:
+    return set(m._parameters), set(m._buffers), set(m._modules)
+
+
+def _state_reason(old: nn.Module, new: nn.Module, parent: type) -> str | None:
+    kinds = ("parameter", "buffer", "submodule")
+    for what, a, b in zip(kinds, _state_names(old), _state_names(new), strict=True):
+        if a != b:
+            return (
+                f"has {what}s {sorted(a)} and its {_qualname(parent)} replacement {sorted(b)}; "
+                "expected the parent's state (state_dict keys would change)"
+            )
+    return None
+
+
+def _as_parent(module: nn.Module, parent: type) -> nn.Module:
+    # The instance seen as its table parent: same attributes (Parameters, buffers, hook dicts
+    # shared), so the parent's handler and its exact-type checks apply; ``module`` is unchanged.
+    view = parent.__new__(parent)
+    view.__dict__.update(module.__dict__)
+    return view
+
+
+def _lookup(module: nn.Module) -> tuple[tuple[str, Handler] | None, type | None, str | None]:
+    # (table entry, parent class if found through a base class, reason not to convert)
+    cls = type(module)
+    entry = _TABLE.get(_qualname(cls))
+    if entry is not None:
+        return entry, None, _own_forward(module)
+    for base in cls.__mro__[1:]:
+        entry = _TABLE.get(_qualname(base))
+        if entry is not None:
+            return entry, base, _own_forward(module) or _subclass_reason(cls, base)
+    return None, None, None
+
+
+def table_handler(module: nn.Module) -> tuple[str, Handler] | tuple[None, str | None]:
+    """``(technique, handler)`` that converts ``module`` by what it computes, or ``(None, reason)``
+    (reason None: no table class is among its bases). A subclass's handler checks the
+    replacement's state too (NOTE [Subclasses convert by what they compute])."""
+    entry, parent, reason = _lookup(module)
+    if entry is None:
+        return None, None
+    if reason is not None:
+        return None, reason
+    technique, handler = entry
+    if parent is None:
+        return technique, handler
+
+    def convert(m: nn.Module) -> nn.Module:
+        new = handler(_as_parent(m, parent))
+        if (bad := _state_reason(m, new, parent)) is not None:
+            raise NotImplementedError(bad)
+        for k, v in m.__dict__.items():  # the subclass's own settings (read by user code only)
+            if not k.startswith("_") and k not in new.__dict__:
+                new.__dict__[k] = v
+        return new
+
+    return technique, convert
 
 
 def convert_(
@@ -249,12 +401,13 @@ def _convert_children(
         if _is_slimgrad(child):
             _convert_children(child, fqn, config, allowed, rep, done)
             continue
-        entry = _TABLE.get(_qualname(type(child)))
-        if entry is None:
+        technique, handler = table_handler(child)
+        kind = type(child).__name__
+        if technique is None:
+            if handler is not None:  # a reason: a table subclass that may compute otherwise
+                rep.skipped.append((fqn, kind, handler))
             _convert_children(child, fqn, config, allowed, rep, done)
             continue
-        technique, handler = entry
-        kind = type(child).__name__
         if (kept := _inplace_guard.kept_reason(child)) is not None:
             rep.skipped.append((fqn, kind, kept))
             continue

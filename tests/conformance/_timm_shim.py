@@ -1,0 +1,45 @@
+"""Import timm in the tests (and only there) on a CPU-only torch.
+
+timm imports torchvision. The torchvision wheel that matches this torch (0.28.0 for torch 2.13) is
+built with CUDA and its C extension fails to load on a CPU-only torch, so its Python code then
+registers fake (meta) kernels for ``torchvision::nms`` and ``torchvision::qnms`` on schemas that do
+not exist, and ``import torchvision`` raises "operator torchvision::nms does not exist". Defining
+the two schemas (no kernels: nothing here calls them) lets the import go through. This is a test
+set-up concern only: slimgrad itself never imports timm or torchvision and never defines ops in
+another library's namespace.
+
+``timm`` is this module's attribute, or None when timm (or torchvision) is not installed; the
+suites skip then.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = ["timm"]
+
+
+def _define_torchvision_schemas() -> None:
+    try:
+        torch.ops.torchvision.nms.default  # noqa: B018  (a working torchvision defined it)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("torchvision", "DEF")  # noqa: TOR901  (schemas only)
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
+    _define_torchvision_schemas.lib = lib  # keep the Library alive (it unregisters when freed)
+
+
+def _import_timm():
+    if importlib.util.find_spec("timm") is None or importlib.util.find_spec("torchvision") is None:
+        return None
+    _define_torchvision_schemas()
+    import timm as t
+
+    return t
+
+
+timm = _import_timm()
