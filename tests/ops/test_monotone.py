@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad.memory import measure
+from slimgrad.ops.elu import TAIL
 
 # stem, args, eager, node name, saved bytes per element of float32 x (bits: 1/8)
 CASES = [
@@ -15,8 +16,15 @@ CASES = [
     ("tanh", (), torch.tanh, "_TanhFnBackward", 4),
     ("leaky_relu", (0.2,), F.leaky_relu, "_LeakyReluFnBackward", 4),
     ("leaky_relu", (-0.3,), F.leaky_relu, "_LeakyReluBitsFnBackward", 1 / 8),
-    ("elu", (0.7,), F.elu, "_EluFnBackward", 4),
-    ("elu", (-0.5,), F.elu, "_EluBitsFnBackward", 4 + 1 / 8),
+    # elu: + 8 B per element below its tail (NOTE [ELU's tail])
+    ("elu", (0.7,), F.elu, "_EluFnBackward", lambda x: 4 + 8 * float((x < TAIL).float().mean())),
+    (
+        "elu",
+        (-0.5,),
+        F.elu,
+        "_EluFnBackward",
+        lambda x: 4.125 + 8 * float((x < TAIL).float().mean()),
+    ),
     ("hardtanh", (-0.5, 1.5), F.hardtanh, "_HardtanhFnBackward", 4),
 ]
 
@@ -25,11 +33,14 @@ CASES = [
 @pytest.mark.parametrize("inplace", [False, True])
 def test_node_saved_bytes_and_grads(stem, args, eager, node, per_elt, inplace):
     fn = getattr(importlib.import_module(f"slimgrad.ops.{stem}"), stem)
+    torch.manual_seed(0)
     x0 = torch.randn(8, 13, requires_grad=True)  # 104 elements: whole bytes of bits
+    x0.data[0, :3] = torch.tensor([-2.5, -7.0, -30.0])  # elu: tail elements
     y = fn(x0 * 1, *args, inplace=inplace)
     assert type(y.grad_fn).__name__ == node
     m = measure(lambda: fn(x0 * 1, *args, inplace=inplace).sum())
-    assert m.saved_bytes == int(per_elt * x0.numel())
+    per_elt = per_elt(x0) if callable(per_elt) else per_elt
+    assert m.saved_bytes == round(per_elt * x0.numel())
     (got,) = torch.autograd.grad(fn(x0 * 1, *args, inplace=inplace).square().sum(), x0)
     (want,) = torch.autograd.grad(eager(x0 * 1, *args).square().sum(), x0)
     torch.testing.assert_close(got, want)  # elu: y + alpha vs alpha e^x, within rounding

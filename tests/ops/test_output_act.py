@@ -116,3 +116,51 @@ def test_random_chains_match_eager(names, inplace, mix, rows, cols, scale, seed)
     # the gradient's scale: 1e-6 * max(1, max|ref64|).
     for o, r, e in zip(ours, ref, eager):
         assert_within_rule(o, r, e, atol=1e-6 * max(1.0, float(r.abs().max())))
+
+
+# Every output-based gradient over the whole input range, every dtype, against float64: the
+# GUIDE.md rule on every window of width 0.5 (a tensor of inputs of one size: the tails, the
+# saturation of sigmoid/tanh, the minimum of the smooth ones). ELU's tail has its own, pointwise
+# test (tests/ops/test_elu.py).
+_RANGE_OPS = {
+    "silu": (silu, F.silu),
+    "mish": (mish, F.mish),
+    "gelu": (gelu, F.gelu),
+    "gelu_tanh": (lambda t: gelu(t, "tanh"), lambda t: F.gelu(t, approximate="tanh")),
+    "sigmoid": (sigmoid, torch.sigmoid),
+    "tanh": (tanh, torch.tanh),
+}
+
+
+def _range_values(dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float64:
+        return torch.linspace(-60.0, 60.0, 12001, dtype=dtype)
+    if dtype == torch.float32:  # every 131071st float32
+        x = torch.arange(-(2**31), 2**31 - 1, 131071, dtype=torch.int64).to(torch.int32)
+        x = x.view(torch.float32)
+    else:
+        x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[torch.isfinite(x) & (x.double().abs() < 60)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("op", list(_RANGE_OPS))
+def test_gradient_over_the_whole_range(op, dtype):
+    from slimgrad.testing import DEFAULT_ATOL
+
+    slim, eager = _RANGE_OPS[op]
+    x = _range_values(dtype)
+
+    def grad(fn, t):
+        t = t.clone().requires_grad_()
+        (g,) = torch.autograd.grad(fn(t * 1), t, torch.ones_like(t))
+        return g.double()
+
+    ref = grad(eager, x.double())
+    e_ours, e_eager = (grad(slim, x) - ref).abs(), (grad(eager, x) - ref).abs()
+    keep = ~torch.isnan(e_eager)  # bfloat16 tanh-GELU: eager's x^3 overflows to NaN
+    w = (torch.floor(x.double() * 2).long() + 120)[keep]
+    mo = torch.zeros(241, dtype=torch.float64).scatter_reduce(0, w, e_ours[keep], "amax")
+    me = torch.zeros(241, dtype=torch.float64).scatter_reduce(0, w, e_eager[keep], "amax")
+    bad = (mo > 2 * me + DEFAULT_ATOL[dtype]).nonzero().view(-1)
+    assert bad.numel() == 0, [(int(i) - 120) / 2 for i in bad[:5]]

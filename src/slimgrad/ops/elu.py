@@ -1,4 +1,4 @@
-"""ELU that keeps only its output (alpha >= 0), or its output plus 1 bit per element (alpha < 0).
+"""ELU that keeps its output (plus 1 bit/elt for alpha < 0) and the few inputs its output loses.
 
 Math: y = x if x > 0 else alpha (e^x - 1),  dy/dx = 1 if x > 0 else alpha e^x = y + alpha.
 For alpha > 0, x <= 0 iff y <= 0, so backward is ``elu_backward(g, alpha, 1, 1, is_result=True, y)``
@@ -6,8 +6,21 @@ For alpha > 0, x <= 0 iff y <= 0, so backward is ``elu_backward(g, alpha, 1, 1, 
 1 bit/elt and use y + alpha on the negative side (eager's ``elu_`` refuses a negative alpha in
 backward). See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
-Memory: alpha >= 0: saves y (the output, shared with the next layer); alpha < 0: y + 1 bit/elt.
-Eager saves x (4 B/elt float32).
+# NOTE [ELU's tail]
+y + alpha = alpha e^x is a difference of two numbers near alpha once x << 0: the output, rounded to
+its dtype, keeps only about e^x of alpha's significant bits (bfloat16, alpha 0.8, x = -7: y + alpha
+= -7.8e-4 where alpha e^x = +7.3e-4; float16 x = -8.5: 0; float32 from x = -17 on: 0). Eager's
+out-of-place backward reads x and has no such loss (its in-place ``elu_`` has it too). So below
+``TAIL`` (x < -2: alpha e^x < 0.14 alpha, at most ~3 bits lost; 2.3% of N(0, 1) inputs) x is kept
+exactly, as a sparse side table (flat index + x, as the smooth activations' hard elements), and
+backward uses eager's formula on it; -inf falls there too. When that table would hold as many bytes
+as x itself (more than elt / (4 + elt) of the elements), x is kept densely instead: exactly what
+eager keeps, and then neither y nor the table. alpha = 0 needs no table (the gradient is 0). Under
+torch.compile (data-dependent sizes) x is kept densely too. tests/ops/test_elu.py checks every
+float16/bfloat16 value and a float32 sweep of the whole range against float64.
+
+Memory: alpha > 0: saves y (the output, shared with the next layer) + (4 + elt) B per element with
+x < -2; alpha < 0: the same + 1 bit/elt. Eager saves x (4 B/elt float32). Dense case: x, as eager.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
@@ -18,15 +31,27 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
-from slimgrad.ops._bits import unpack_bits
-from slimgrad.ops._monotone import forward_with_bits, output_only_function
+from slimgrad._autograd import first_order
+from slimgrad.kernels import _backend
+from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import needs_graph
 
 __all__ = ["elu", "elu_"]
 
+TAIL = -2.0  # NOTE [ELU's tail]
+
 
 def _fwd_torch(x: Tensor, alpha: float = 1.0) -> Tensor:
     return torch.nn.functional.elu(x, alpha)
+
+
+def _bwd_torch(g: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
+    """dx from y alone (eager's in-place formula; the Triton kernels' reference)."""
+    return torch.ops.aten.elu_backward(g, alpha, 1.0, 1.0, True, y)
+
+
+def _bwd_exact(g: Tensor, x: Tensor, alpha: float) -> Tensor:
+    return torch.ops.aten.elu_backward(g, alpha, 1.0, 1.0, False, x)
 
 
 def _bwd_bits(
@@ -41,42 +66,136 @@ def _bwd_bits(
     return torch.where(pos, g, neg.to(g.dtype))
 
 
-_EluFn, _bwd_torch = output_only_function(
-    "elu",
-    "_EluFn",
-    _fwd_torch,
-    torch.nn.functional.elu_,
-    torch.ops.aten.elu_backward,
-    lambda g, y, alpha=1.0: (g, alpha, 1.0, 1.0, True, y),
-)
+def _tail_table(x: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """(idx, xs, dense): logical flat indices and values of x < TAIL, or dense when the table would
+    hold as many bytes as x (NOTE [ELU's tail])."""
+    mask = x < TAIL
+    idx_dtype = torch.int32 if x.numel() < 2**31 else torch.int64
+    k = int(mask.sum())
+    if k and k * (torch.iinfo(idx_dtype).bits // 8 + x.element_size()) >= x.numel() * (
+        x.element_size()
+    ):
+        return x.new_empty(0, dtype=idx_dtype), x.new_empty(0), True
+    idx = mask.reshape(-1).nonzero().view(-1).to(idx_dtype)
+    return idx, torch.masked_select(x, mask), False
 
 
-class _EluBitsFn(torch.autograd.Function):
+def _positions(idx: Tensor, shape) -> tuple[Tensor, ...]:
+    return torch.unravel_index(idx.long(), shape)
+
+
+def _double(ctx, g):
+    # create_graph=True: the same first derivatives with differentiable ops. From y: d(y + alpha) =
+    # dy, and autograd continues through y's node (alpha e^x): eager's second derivative. The tail
+    # table's values are exact; their derivative w.r.t. x is taken through y (straight through).
+    alpha = ctx.alpha
+    if ctx.dense:
+        if ctx.inplace:  # the copy of x taken before the overwrite has no history
+            raise RuntimeError(
+                "slimgrad.ops.elu: a second derivative through an in-place ELU that kept a copy "
+                "of its input was requested; expected create_graph=False here, got "
+                "create_graph=True. Use inplace=False (it keeps x itself) or "
+                "torch.nn.functional.elu for double backward."
+            )
+        (x,) = ctx.saved_tensors
+        return _bwd_exact(g, x, alpha), None, None
+    if ctx.bits:
+        y, bits, idx, xs = ctx.saved_tensors
+        pos = unpack_bits(bits, g.numel()).view(g.shape)
+        dx = torch.where(pos, g, g * (y + alpha))
+    else:
+        y, idx, xs = ctx.saved_tensors
+        dx = _bwd_torch(g, y, alpha)
+    if idx.numel():
+        p = _positions(idx, y.shape)
+        gh, yh = g[p], y[p]
+        via_y = gh.detach() * (yh + alpha)
+        exact = gh * (alpha * torch.exp(xs.to(yh.dtype)))
+        dx = dx.index_put(p, exact + (via_y - via_y.detach()))
+    return dx, None, None
+
+
+class _EluFn(torch.autograd.Function):
+    # alpha != 0 (alpha == 0 keeps y only: its gradient is 0 on the negative side, exactly)
     @staticmethod
     def forward(ctx, x: Tensor, alpha: float, inplace: bool):
-        ctx.alpha = alpha
-        return forward_with_bits(
-            ctx,
-            x,
-            inplace,
-            lambda t: ~(t <= 0),  # NaN counts as positive, as in eager's backward
-            lambda t: torch.nn.functional.elu(t, alpha),
-            lambda t: torch.nn.functional.elu_(t, alpha),
-            keep_y=True,
-        )
+        ctx.alpha, ctx.inplace = alpha, inplace
+        ctx.bits = alpha < 0
+        ctx.dense = torch.compiler.is_compiling() and alpha != 0
+        if alpha == 0:
+            idx, xs = x.new_empty(0, dtype=torch.int32), x.new_empty(0)
+        elif not ctx.dense:
+            idx, xs, ctx.dense = _tail_table(x)
+        if ctx.dense:  # x, as eager (a copy when it is overwritten)
+            keep = x.clone() if inplace else x
+        bits = pack_bits(~(x <= 0)) if ctx.bits and not ctx.dense else None  # NaN: positive
+        if inplace:
+            y = _fwd_inplace(x, alpha)
+            ctx.mark_dirty(y)
+        else:
+            y = _fwd(x, alpha)
+        if ctx.dense:
+            ctx.save_for_backward(keep)
+        elif ctx.bits:
+            ctx.save_for_backward(y, bits, idx, xs)
+        else:
+            ctx.save_for_backward(y, idx, xs)
+        return y
 
     @staticmethod
+    @first_order("ops.elu", double=_double)
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
-        y, bits = ctx.saved_tensors
-        return _bwd_bits(g, y, bits, ctx.alpha, out=buf), None, None
+        alpha = ctx.alpha
+        if ctx.dense:
+            (x,) = ctx.saved_tensors
+            if buf is not None and buf.shape == x.shape:
+                dx = torch.ops.aten.elu_backward.grad_input(
+                    buf, alpha, 1.0, 1.0, False, x, grad_input=buf
+                )
+                return dx, None, None
+            return _bwd_exact(g, x, alpha), None, None
+        if ctx.bits:
+            y, bits, idx, xs = ctx.saved_tensors
+        else:
+            (y, idx, xs), bits = ctx.saved_tensors, None
+        pos = _positions(idx, y.shape) if idx.numel() else None
+        gh = g[pos] if pos is not None else None  # read before g's buffer may be written
+        own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
+        if bits is not None:
+            dx = _bwd_bits(g, y, bits, alpha, out=buf if own else None)
+        elif _backend.use_triton(y):  # NOTE [Kernel backend choice]
+            dx = _backend.kernels("elu")._bwd_triton(g, y, alpha, out=buf if own else None)
+        elif own:
+            dx = torch.ops.aten.elu_backward.grad_input(
+                buf, alpha, 1.0, 1.0, True, y, grad_input=buf
+            )
+        else:
+            dx = _bwd_torch(g, y, alpha)
+        if pos is not None:
+            dx.index_put_(pos, _bwd_exact(gh, xs, alpha))
+        return dx, None, None
+
+
+def _fwd(x: Tensor, alpha: float) -> Tensor:
+    if _backend.use_triton(x):
+        return _backend.kernels("elu")._fwd_triton(x, alpha)
+    return _fwd_torch(x, alpha)
+
+
+def _fwd_inplace(x: Tensor, alpha: float) -> Tensor:
+    if _backend.use_triton(x):
+        return _backend.kernels("elu")._fwd_triton_(x, alpha)
+    return torch.nn.functional.elu_(x, alpha)
 
 
 def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
-    """ELU ``y = x if x > 0 else alpha (exp(x) - 1)`` that keeps y (+ 1 bit/elt if alpha < 0).
+    """ELU ``y = x if x > 0 else alpha (exp(x) - 1)`` that keeps y (+ 1 bit/elt if alpha < 0) and
+    x where y loses it (x < -2, NOTE [ELU's tail]).
 
-    Memory: ``alpha >= 0``: saves y (shared with the next layer); ``alpha < 0``: y + 1 bit/elt.
-    Eager saves x (4 B/elt float32).
+    Memory: saves y (shared with the next layer) + (4 + elt) B per element with x < -2
+    (``alpha < 0``: + 1 bit/elt); as many bytes as x at most: then x, as eager. Eager saves x
+    (4 B/elt float32).
 
     Args:
         input: any floating tensor.
@@ -91,8 +210,7 @@ def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
     """
     if not needs_graph(input):
         return torch.nn.functional.elu(input, alpha, inplace=inplace)
-    fn = _EluFn if alpha >= 0 else _EluBitsFn
-    return fn.apply(input, float(alpha), inplace)
+    return _EluFn.apply(input, float(alpha), inplace)
 
 
 def elu_(input: Tensor, alpha: float = 1.0) -> Tensor:
