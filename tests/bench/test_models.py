@@ -4,6 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimgrad.bench import models
+from slimgrad.bench.harness import get_case, run_case
+from slimgrad.nn.gated_mlp import GatedMLP
 
 
 def _n_params(m: nn.Module) -> int:
@@ -130,3 +132,34 @@ def test_with_loss():
     x, y = torch.randn(4, 5), torch.tensor([0, 2, 1, 2])
     torch.testing.assert_close(m(x, y), F.cross_entropy(net(x), y))
     assert "model.weight" in m.state_dict()
+
+
+@pytest.mark.parametrize(
+    "case", ["hf_mistral", "hf_qwen2", "hf_qwen3", "hf_gemma", "hf_phi3", "hf_llama_autocast"]
+)
+def test_hf_decoder_cases_small(case):
+    # each family case builds its model and converts its gated MLPs on the slimgrad side only
+    pytest.importorskip("transformers")
+    eager, slim, make_inputs = get_case(case).build("cpu", torch.float32, small=True)
+    assert any(isinstance(m, GatedMLP) for m in slim.modules())
+    assert not any(isinstance(m, GatedMLP) for m in eager.modules())
+    ids, mask, labels = make_inputs()
+    assert (mask == 0).any() and (labels == -100).any()  # padded, as hf_llama
+
+
+def test_hf_llama_autocast_case():
+    # the wrapper runs the model under autocast (fp32 weights, bf16 matmuls, fp32 loss), and the
+    # case's record passes the float64 gradient check
+    pytest.importorskip("transformers")
+    from slimgrad.bench.cases.models import eager_hf_llama_autocast
+
+    eager, make_inputs = eager_hf_llama_autocast("cpu", torch.float32, small=True)
+    seen = []
+    lm = eager.model.model
+    lm.lm_head.register_forward_hook(lambda m, a, o: seen.append((m.weight.dtype, o.dtype)))
+    loss = eager(*make_inputs())
+    assert loss.dtype == torch.float32
+    assert seen == [(torch.float32, torch.bfloat16)]
+    rec = run_case("hf_llama_autocast", small=True, repeat=1, out_dir=None)
+    assert rec["grad"]["ok"], rec["grad"]
+    assert rec["slimgrad"]["saved_bytes"] < rec["eager"]["saved_bytes"]

@@ -214,8 +214,25 @@ def padded_batch(vocab, batch, seq, device, *, left: bool, mlm: bool = False):
     return ids, mask, labels
 
 
+# HF decoder families at the Llama 12 x 768 shape class (intermediate 2048, vocab 32000, 12 heads
+# of 64, attention dropout 0.1): {name: (config class, model class, overrides)}
+_DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": None}),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+}
+
+
 def eager_hf_text(name: str, device, dtype, small=False):
-    """The eager side of cases ``hf_bert`` / ``hf_llama``: ``(model, make_inputs)``."""
+    """The eager side of cases ``hf_bert`` / ``hf_llama`` and the decoder families
+    (``hf_mistral``, ``hf_qwen2``, ...): ``(model, make_inputs)``."""
     import transformers
 
     if name == "bert":
@@ -230,7 +247,9 @@ def eager_hf_text(name: str, device, dtype, small=False):
             max_position_embeddings=64,
         )
     else:
-        cfg_cls, model_cls, causal = transformers.LlamaConfig, transformers.LlamaForCausalLM, True
+        cfg_name, model_name, extra = _DECODERS[name]
+        cfg_cls = getattr(transformers, cfg_name)
+        model_cls, causal = getattr(transformers, model_name), True
         full = dict(
             num_hidden_layers=12,
             hidden_size=768,
@@ -249,6 +268,10 @@ def eager_hf_text(name: str, device, dtype, small=False):
             vocab_size=97,
             attention_dropout=0.1,
         )
+        for d in (full, tiny):  # head_dim None: hidden / heads, as Llama (the config's own differs)
+            d.update(extra)
+            if "head_dim" in d:
+                d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
     cfg = cfg_cls(**(tiny if small else full))
     cfg._attn_implementation = "sdpa"
     eager = place(HFLoss(model_cls(cfg).train(), causal), device, dtype)
@@ -258,6 +281,21 @@ def eager_hf_text(name: str, device, dtype, small=False):
         return padded_batch(cfg.vocab_size, batch, seq, device, left=causal, mlm=not causal)
 
     return eager, make_inputs
+
+
+class Autocast(nn.Module):
+    """``model(*args)`` under ``torch.autocast(<its device>, dtype)``, the result in float32: the
+    weights stay as they are (float32), the matmuls run in ``dtype``."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.model = model
+        self.dtype = dtype
+
+    def forward(self, *args) -> torch.Tensor:
+        device = next(self.model.parameters()).device.type
+        with torch.autocast(device, dtype=self.dtype):
+            return self.model(*args).float()
 
 
 @register_case(
@@ -281,4 +319,50 @@ def build_hf_bert(device, dtype, small=False):
 )
 def build_hf_llama(device, dtype, small=False):
     eager, make_inputs = eager_hf_text("llama", device, dtype, small)
+    return eager, slim_copy(eager), make_inputs
+
+
+_FAMILY_NOTES = {
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM (q/k RMSNorm, head_dim 64)",
+    "gemma": "GemmaForCausalLM (GeGLU tanh, 1 + weight RMSNorm, tied head, head_dim 64)",
+    "phi3": "Phi3ForCausalLM (fused qkv and gate_up projections)",
+}
+
+
+def _family_case(fam: str) -> None:
+    @register_case(
+        f"hf_{fam}",
+        description=f"HF {_FAMILY_NOTES[fam]} at the hf_llama shape class: 12 x 768 (intermediate "
+        "2048, vocab 32000, 12 heads, attention dropout 0.1), 4x256 tokens, every other row "
+        "left-padded by 32 [hf extra]",
+        requires=("transformers",),
+        repeat=3,
+    )
+    def build(device, dtype, small=False):
+        eager, make_inputs = eager_hf_text(fam, device, dtype, small)
+        return eager, slim_copy(eager), make_inputs
+
+
+for _fam in _FAMILY_NOTES:
+    _family_case(_fam)
+
+
+def eager_hf_llama_autocast(device, dtype, small=False):
+    """The eager side of case ``hf_llama_autocast``: hf_llama's model with ``dtype`` weights
+    (float32 by default) run under ``torch.autocast(dtype=bfloat16)``."""
+    eager, make_inputs = eager_hf_text("llama", device, dtype, small)
+    return Autocast(eager, torch.bfloat16), make_inputs
+
+
+@register_case(
+    "hf_llama_autocast",
+    description="hf_llama (float32 weights) under torch.autocast(bfloat16): 12 x 768, 4x256 "
+    "tokens, every other row left-padded by 32 [hf extra]",
+    requires=("transformers",),
+    repeat=3,
+)
+def build_hf_llama_autocast(device, dtype, small=False):
+    eager, make_inputs = eager_hf_llama_autocast(device, dtype, small)
     return eager, slim_copy(eager), make_inputs
