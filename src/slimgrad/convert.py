@@ -37,6 +37,8 @@ from slimgrad.convert_handlers import hf_loss as _hf_loss
 from slimgrad.convert_handlers import hf_mlp as _hf_mlp
 from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.convert_handlers import timm as _timm
+from slimgrad.nn.hardsigmoid import Hardsigmoid as _Hardsigmoid
+from slimgrad.nn.hardswish import Hardswish as _Hardswish
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
 
 __all__ = ["ConvertConfig", "ConvertReport", "convert_", "report"]
@@ -129,6 +131,8 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     "torch.nn.modules.activation.GELU": ("activations", snn.GELU.from_torch),
     "torch.nn.modules.activation.SiLU": ("activations", snn.SiLU.from_torch),
     "torch.nn.modules.activation.Mish": ("activations", snn.Mish.from_torch),
+    "torch.nn.modules.activation.Hardswish": ("activations", _Hardswish.from_torch),
+    "torch.nn.modules.activation.Hardsigmoid": ("activations", _Hardsigmoid.from_torch),
     "transformers.activations.GELUActivation": ("activations", snn.GELU.from_torch),
     "transformers.activations.NewGELUActivation": ("activations", snn.GELU.from_torch),
     "transformers.activations.FastGELUActivation": ("activations", snn.GELU.from_torch),

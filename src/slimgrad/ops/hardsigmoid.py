@@ -1,0 +1,114 @@
+"""Hardsigmoid that keeps 1 bit per element.
+
+Math: y = clamp(x / 6 + 1/2, 0, 1),  dy/dx = [-3 < x < 3] / 6 (eager's ``hardsigmoid_backward``:
+``g * (1/6)`` inside the open interval, 0 outside and at the breakpoints; NaN gives 0).
+The gradient needs the side of x only, not y: float32 y == 1 already for x a few ulp below 3, so y
+would not tell the side there; the side is kept as 1 bit/elt and the backward runs eager's own
+kernel on a stand-in input (0 inside, -3 outside), so dx has eager's bits in every dtype.
+
+Memory: saves 1 bit/elt (the side); eager saves x (4 B/elt float32, 2 B/elt bfloat16/float16).
+Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
+dead (NOTE [Gradient-buffer ownership]); otherwise out of place. Second derivatives raise
+(NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is eager's
+op (NOTE [torch.func transforms]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
+from slimgrad.ops._output_act import needs_graph
+
+__all__ = ["hardsigmoid", "hardsigmoid_"]
+
+CHUNK = 1 << 16  # elements per chunk of the forward's side test (a multiple of 8)
+
+
+def _fwd_torch(x: Tensor) -> Tensor:
+    return F.hardsigmoid(x)
+
+
+def _side(x: Tensor) -> Tensor:
+    # eager's test, in opmath (float32 for half types: -3 and 3 are exact in every float dtype)
+    return (x > -3) & (x < 3)
+
+
+def _pack_side(x: Tensor) -> Tensor:
+    # chunked: the comparison temporaries stay below 4 B per element of a chunk
+    flat = x.reshape(-1)
+    n = flat.numel()
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
+    for a in range(0, n, CHUNK):
+        c = flat[a : a + CHUNK]
+        bits[a // 8 : (a + c.numel() + 7) // 8] = pack_bits(_side(c))
+    return bits
+
+
+def _stand_in(bits: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    # 0 where -3 < x < 3, -3 elsewhere: eager's kernel takes the same branch as on x
+    return unpack_bits_as(bits, n, dtype).sub_(1).mul_(3)
+
+
+def _bwd_torch(g: Tensor, bits: Tensor) -> Tensor:
+    z = _stand_in(bits, g.numel(), g.dtype).view(g.shape)
+    return torch.ops.aten.hardsigmoid_backward(g, z)
+
+
+class _HardsigmoidFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
+        bits = _pack_side(x)  # packed before x may be overwritten
+        if inplace:
+            y = F.hardsigmoid(x, inplace=True)
+            ctx.mark_dirty(y)
+        else:
+            y = _fwd_torch(x)
+        ctx.save_for_backward(bits)
+        return y
+
+    @staticmethod
+    @first_order("ops.hardsigmoid")
+    def backward(ctx, g: Tensor):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
+        (bits,) = ctx.saved_tensors
+        if buf is not None and buf.is_contiguous():
+            z = _stand_in(bits, buf.numel(), buf.dtype).view(buf.shape)
+            return torch.ops.aten.hardsigmoid_backward.grad_input(buf, z, grad_input=buf), None
+        return _bwd_torch(g.contiguous(), bits).view(g.shape), None
+
+
+def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
+    """Hardsigmoid ``y = clamp(x / 6 + 1/2, 0, 1)`` that keeps 1 bit/elt for backward.
+
+    Output and gradient are eager's bit for bit (``torch.nn.functional.hardsigmoid``).
+
+    Memory: saves 1 bit/elt (``-3 < x < 3``); eager saves x (4 B/elt float32).
+
+    Args:
+        input: any floating tensor.
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Raises:
+        RuntimeError: double backward (``create_graph=True``, differentiated again) through this
+            op, or a ``torch.jit.trace`` of it.
+
+    Example:
+        >>> y = hardsigmoid(torch.randn(4, 8, requires_grad=True))
+    """
+    if not needs_graph(input) or transforms_active():
+        return F.hardsigmoid(input, inplace=inplace)
+    refuse_jit("ops.hardsigmoid")
+    return _HardsigmoidFn.apply(input, inplace)
+
+
+def hardsigmoid_(input: Tensor) -> Tensor:
+    """In-place :func:`hardsigmoid`."""
+    return hardsigmoid(input, inplace=True)

@@ -1,0 +1,176 @@
+"""Hardswish that keeps its output, 1 branch bit per element and a sparse table of exact inputs.
+
+Math: y = x relu6(x + 3) / 6. Eager's gradient (``hardswish_backward``) is 0 for x <= -3,
+x / 3 + 1/2 for -3 < x < 3 and 1 for x >= 3. On (-3, 3) y = (d^2 - 9/4) / 6 with d = x + 3/2, so
+the slope x / 3 + 1/2 = d / 3 = +-sqrt(6 y + 9/4) / 3, the sign being the branch b = [x >= -3/2]
+(one minimum, y = -3/8 at x = -3/2). The other pieces follow from y and b: b = 0 and y == 0 is
+x <= -3 (no x in (-3, -3/2) rounds to y == 0, in any dtype); b = 1 and y >= 3 is x >= 3 (checked on
+every float16/bfloat16 value and the float32 neighbourhoods of the breakpoints by the tests).
+Near the minimum the inverse is ill-conditioned (an error dy of the stored y moves the slope by
+dy / |d|), so elements with |d| < ``_WINDOW[dtype]`` are kept exactly in a side table (int32 flat
+index + x), as are non-finite x (-inf gives y = NaN); their gradient is eager's formula on x (NaN
+for NaN x, as eager's vectorized kernel gives; its scalar tail gives g). See NOTE [Gradient from
+the output] in ``slimgrad.ops._output_act``. The rest is within eager's own error (GUIDE.md rule;
+dense float grids in the tests). The slope is computed in float32 from y + 3/8, exact near the
+minimum, so only y's own rounding enters.
+
+Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits) + 8 B
+per element within 0.1 of -3/2 (0.2-0.3 B/elt at N(0, 1)-like inputs); eager saves x (4 B/elt).
+float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B/elt. When more than
+1/16 of the elements are in the table, and for float64, keeps x densely, as eager does (no y, bits
+or table). Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take``
+proves it dead (NOTE [Gradient-buffer ownership]). Second derivatives raise (NOTE [Second
+derivatives] in ``slimgrad._autograd``); under torch.func transforms this is eager's op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
+from slimgrad.ops._output_act import needs_graph
+
+__all__ = ["hardswish", "hardswish_"]
+
+CHUNK = 1 << 14  # elements per chunk (a multiple of 8): bounds the temporaries (~12 B/elt)
+FALLBACK_DIV = 16  # keep x densely when more than numel / FALLBACK_DIV elements are hard
+# half-width of the hard window around x = -3/2, per dtype (from the stored y's rounding:
+# float32 y is eager's, within ~1.5 ulp; half types within 1/2 ulp)
+_WINDOW = {torch.float32: 0.1, torch.bfloat16: 0.15, torch.float16: 0.15}
+
+
+def _fwd_torch(x: Tensor) -> Tensor:
+    return F.hardswish(x)
+
+
+def _slope_into(s: Tensor, y: Tensor, b: Tensor) -> Tensor:
+    # dy/dx from y (float32) and the branch b = [x >= -3/2] (bool), away from -3/2, into s (float32,
+    # like y). y + 3/8 is exact where it matters (Sterbenz: |y| in [3/16, 3/4]), so the float32
+    # slope carries only y's own rounding, amplified by 1 / |d| (hence the window).
+    torch.add(y, 0.375, out=s).mul_(6.0).clamp_(min=0.0).sqrt_().div_(3.0)
+    s.mul_(b.to(s.dtype).mul_(2.0).sub_(1.0))  # left branch: negative slope
+    s.masked_fill_(y >= 3.0, 1.0)  # x >= 3 (then b = 1)
+    return s.masked_fill_((y == 0.0).logical_and_(b.logical_not()), 0.0)  # x <= -3
+
+
+def _bwd_table(g: Tensor, x: Tensor) -> Tensor:
+    # eager's formula for the side table, as its vectorized CPU kernel evaluates it (in float32
+    # for half types): 0 for x <= -3, g for x >= 3, g (x / 3 + 1/2) otherwise; NaN for NaN x (the
+    # kernel's scalar tail returns g there instead: the table is short, so it follows the result
+    # eager gives that element inside a whole tensor)
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf, gf = x.to(cdt), g.to(cdt)
+    out = torch.where(xf >= 3.0, gf, gf * (xf / 3.0 + 0.5))
+    return out.masked_fill_(xf <= -3.0, 0.0).to(g.dtype)
+
+
+def _side_info(x: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    # (bits, idx, xs), or None when too many elements are hard (then x is kept densely)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    w = _WINDOW[x.dtype]
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
+    hard = []
+    for a in range(0, n, CHUNK):
+        c = flat[a : a + CHUNK].float()
+        bits[a // 8 : (a + c.numel() + 7) // 8] = pack_bits(c >= -1.5)
+        d = (c + 1.5).abs_()
+        hard.append(((d < w) | ~torch.isfinite(c)).nonzero().view(-1).add_(a))
+    idx = torch.cat(hard) if hard else torch.empty(0, dtype=torch.int64, device=x.device)
+    if idx.numel() * FALLBACK_DIV > n:
+        return None
+    xs = flat.index_select(0, idx)
+    return bits, idx.to(torch.int32 if n < 2**31 else torch.int64), xs
+
+
+def _bwd_torch(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor, out=None) -> Tensor:
+    """dL/dx from y, the branch bits and the side table (``out``: a dead buffer like g, or None)."""
+    n = g.numel()
+    gf = g.reshape(-1)
+    yf = y.reshape(-1)
+    gh = gf.index_select(0, idx.long()) if idx.numel() else None  # read before out is written
+    res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
+    s = torch.empty(min(n, CHUNK), dtype=torch.float32, device=g.device)
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        sc = _slope_into(
+            s[: b - a], yf[a:b].float(), unpack_bits(bits[a // 8 : (b + 7) // 8], b - a)
+        )
+        if g.dtype == torch.float32:  # one rounding, as eager's g * slope
+            torch.mul(gf[a:b], sc, out=res[a:b])
+        else:  # half types: in float32, rounded once (eager's opmath)
+            res[a:b] = gf[a:b].float().mul_(sc)
+    if gh is not None:
+        res.index_copy_(0, idx.long(), _bwd_table(gh, xs))
+    return res.view(g.shape)
+
+
+class _HardswishFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
+        side = _side_info(x) if x.dtype in _WINDOW else None
+        dense = None
+        if side is None:  # float64, or crowded near -3/2: keep x as eager does
+            dense = x.detach().clone() if inplace else x
+        if inplace:
+            y = F.hardswish(x, inplace=True)
+            ctx.mark_dirty(y)
+        else:
+            y = _fwd_torch(x)
+        if side is None:
+            ctx.dense = True
+            ctx.save_for_backward(dense)
+        else:
+            ctx.dense = False
+            ctx.save_for_backward(y, *side)
+        return y
+
+    @staticmethod
+    @first_order("ops.hardswish")
+    def backward(ctx, g: Tensor):
+        buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
+        saved = ctx.saved_tensors
+        if ctx.dense:  # eager's own kernel on x
+            return torch.ops.aten.hardswish_backward(g, saved[0]), None
+        if buf is not None and buf.is_contiguous():
+            return _bwd_torch(buf, *saved, out=buf), None
+        return _bwd_torch(g.contiguous(), *saved), None
+
+
+def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
+    """Hardswish ``y = x relu6(x + 3) / 6`` that keeps y + 1 bit/elt (+ a sparse exact table).
+
+    Output as ``torch.nn.functional.hardswish``; the gradient is eager's at the breakpoints and
+    within eager's own error elsewhere (GUIDE.md rule).
+
+    Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per element within 0.1 of
+    -3/2 (float32; ~0.2 B/elt at N(0, 1)); eager saves x (4 B/elt). Crowded inputs and float64:
+    x densely, as eager.
+
+    Args:
+        input: a floating tensor.
+        inplace: write the result into ``input``.
+
+    Returns:
+        The activation, ``input`` itself when ``inplace``.
+
+    Raises:
+        RuntimeError: double backward (``create_graph=True``, differentiated again) through this
+            op, or a ``torch.jit.trace`` of it.
+
+    Example:
+        >>> y = hardswish(torch.randn(4, 8, requires_grad=True))
+    """
+    if not needs_graph(input) or transforms_active():
+        return F.hardswish(input, inplace=inplace)
+    refuse_jit("ops.hardswish")
+    return _HardswishFn.apply(input, inplace)
+
+
+def hardswish_(input: Tensor) -> Tensor:
+    """In-place :func:`hardswish`; keeps no copy of x (eager's in-place op keeps x's clone)."""
+    return hardswish(input, inplace=True)
