@@ -25,3 +25,19 @@ def test_from_torch_shares_parameters():
     assert ours.weight is ref.weight and ours.eps == 1e-4
     with pytest.raises(TypeError, match="slimgrad.nn.RMSNorm.from_torch"):
         RMSNorm.from_torch(torch.nn.LayerNorm(6))
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma", "t5", "unweighted"])
+def test_hf_rms_norm_constructor_and_values(variant):
+    from slimgrad.nn.rms_norm import HFRMSNorm
+    from slimgrad.ops.rms_norm import HF_VARIANTS
+
+    eps_attr = "eps" if variant in ("gemma", "unweighted") else "variance_epsilon"
+    m = HFRMSNorm(8, eps=1e-5, variant=variant, eps_attr=eps_attr)
+    assert getattr(m, eps_attr) == 1e-5
+    assert ("weight" in m.state_dict()) == (variant != "unweighted")
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    w = m.weight if variant != "unweighted" else None
+    torch.testing.assert_close(m(x), HF_VARIANTS[variant][0](x, w, 1e-5)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="slimgrad.nn.HFRMSNorm: unknown variant"):
+        HFRMSNorm(8, variant="nope")

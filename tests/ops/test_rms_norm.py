@@ -65,11 +65,70 @@ def test_gradcheck(with_weight):
         assert torch.autograd.gradcheck(lambda x: rms_norm(x, ns, None, 1e-6), (x,))
 
 
-def test_create_graph_raises_clear_error():
+def test_create_graph_float32_raises_clear_error():
+    # float32 keeps y, not x: first derivatives under create_graph are right, a second one raises
     x = torch.randn(3, 6, requires_grad=True)
-    y = rms_norm(x, (6,))
-    with pytest.raises(NotImplementedError, match="slimgrad.ops.rms_norm: double backward"):
-        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    (gx,) = torch.autograd.grad(rms_norm(x, (6,)).pow(2).sum(), x, create_graph=True)
+    (ref,) = torch.autograd.grad(F.rms_norm(x, (6,)).pow(2).sum(), x)
+    torch.testing.assert_close(gx, ref)
+    with pytest.raises(RuntimeError, match="slimgrad.ops.rms_norm: a second derivative"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_double_backward_half_is_eagers(dtype):
+    # half precision keeps x: second derivatives are eager's F.rms_norm's
+    x0 = torch.randn(5, 12).to(dtype)
+    w0 = _weight((12,), dtype)
+
+    def second(fn, dt):
+        x = x0.to(dt).requires_grad_()
+        w = w0.to(dt).requires_grad_()
+        gx, gw = torch.autograd.grad(
+            fn(x, (12,), w).float().pow(2).sum(), (x, w), create_graph=True
+        )
+        return list(torch.autograd.grad(gx.float().pow(2).sum() + gw.float().sum(), (x, w)))
+
+    out, eager = second(rms_norm, dtype), second(F.rms_norm, dtype)
+    ref = second(lambda x, ns, w: F.rms_norm(x, ns, w, torch.finfo(dtype).eps), torch.float64)
+    assert_within_rule(out, ref, eager, names=["ddx", "ddw"])
+
+
+@pytest.mark.parametrize(
+    "shape,ns,wshape",
+    [
+        ((3, 6), (5,), None),
+        ((3, 6), (6,), (5,)),
+        ((3, 6), (), None),
+        ((3, 6), (2, 3, 6), None),
+        ((3, 6), (6,), (1, 6)),
+        ((2, 3, 6), (2, 6), None),
+    ],
+)
+def test_wrong_shapes_raise_as_eager(shape, ns, wshape):
+    x = torch.randn(shape, requires_grad=True)
+    w = torch.randn(wshape) if wshape else None
+    with pytest.raises(Exception) as eager:
+        F.rms_norm(x, ns, w)
+    with pytest.raises(type(eager.value), match="slimgrad.ops.rms_norm"):
+        rms_norm(x, ns, w)
+
+
+def test_torch_func_transforms_run_eagers_op():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    w = _weight((6,), torch.float64)
+    f = lambda fn: lambda t: fn(t, (6,), w, 1e-6).pow(3).sum()  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(f(rms_norm))(x), torch.func.grad(f(F.rms_norm))(x))
+    v = torch.func.vmap(lambda t: rms_norm(t, (6,), w, 1e-6))(x)
+    torch.testing.assert_close(v, F.rms_norm(x, (6,), w, 1e-6))
+    j = torch.func.jacrev(lambda t: rms_norm(t, (6,), w, 1e-6))(x[0])
+    torch.testing.assert_close(j, torch.func.jacrev(lambda t: F.rms_norm(t, (6,), w, 1e-6))(x[0]))
+
+
+def test_jit_trace_refused():
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="slimgrad.ops.rms_norm: torch.jit.trace"):
+        torch.jit.trace(lambda t: rms_norm(t, (6,)), (x,))
 
 
 @pytest.mark.parametrize("kind,k", [("normal", 0), ("zero", 33)])

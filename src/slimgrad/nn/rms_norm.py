@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from slimgrad.ops.rms_norm import rms_norm
+from slimgrad.ops.rms_norm import HF_VARIANTS, hf_rms_norm, rms_norm
 
 __all__ = ["HFRMSNorm", "RMSNorm"]
 
@@ -38,43 +38,76 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 class HFRMSNorm(torch.nn.Module):
-    """HF's ``LlamaRMSNorm`` (parameter ``weight``, attribute ``variance_epsilon``, same state_dict
-    keys), memory-lean where it is exactly the same function.
+    """An HF RMSNorm (``LlamaRMSNorm``, ``GemmaRMSNorm``, ``T5LayerNorm``, ... : ``variant``) with
+    the original's parameters, attributes and state_dict keys, computing HF's forward bit for bit
+    (:func:`slimgrad.ops.rms_norm.hf_rms_norm`, NOTE [HF RMSNorm cast orders]).
 
-    HF computes ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``: float32
-    statistics whatever the input dtype, then the cast back, then the scale (which promotes, e.g.
-    a bf16 input with float32 weights gives a float32 output). With a float32 input and float32
-    weights that is :func:`slimgrad.ops.rms_norm.rms_norm`; every other dtype combination runs
-    HF's formula as written (eager's memory).
+    Memory: float32 input: saves the output (shared with the next layer), rstd (4 B/row), and the
+    input columns of channels whose scale is 0; other dtypes: saves the input (2 B/elt in
+    bf16/fp16); eager saves a float32 copy of the input and the normalized tensor.
 
-    Memory: float32: as :class:`RMSNorm` (the output + 4 B/row); other dtypes: as eager.
+    Example:
+        >>> y = HFRMSNorm(8)(torch.randn(4, 8, requires_grad=True))
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        variant: str = "llama",
+        eps_attr: str = "variance_epsilon",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.variance_epsilon = eps
+        if variant not in HF_VARIANTS:
+            raise ValueError(
+                f"slimgrad.nn.HFRMSNorm: unknown variant; expected one of {sorted(HF_VARIANTS)}, "
+                f"got {variant!r}. Pass a key of slimgrad.ops.rms_norm.HF_VARIANTS."
+            )
+        self.variant, self.eps_attr = variant, eps_attr
+        if HF_VARIANTS[variant][1] is not None:
+            init = 0.0 if variant in ("gemma", "centered") else 1.0
+            w = torch.full((hidden_size,), init, device=device, dtype=dtype)
+            self.weight = torch.nn.Parameter(w)
+        setattr(self, eps_attr, eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if hidden_states.dtype == torch.float32 and w.dtype == torch.float32:
-            return rms_norm(hidden_states, (w.shape[0],), w, self.variance_epsilon)
-        dtype = hidden_states.dtype
-        x = hidden_states.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return w * x.to(dtype)
+        w = None
+        if HF_VARIANTS[self.variant][1] is not None and getattr(self, "with_scale", True):
+            w = self.weight
+        return hf_rms_norm(hidden_states, w, getattr(self, self.eps_attr), self.variant)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        w = getattr(self, "weight", None)
+        shape = tuple(w.shape) if w is not None else None
+        return f"{shape}, eps={getattr(self, self.eps_attr)}, variant={self.variant!r}"
 
     @classmethod
-    def from_hf(cls, module: torch.nn.Module) -> HFRMSNorm:
-        """An HFRMSNorm sharing ``module``'s ``weight`` (a ``LlamaRMSNorm``-style module)."""
+    def from_hf(
+        cls, module: torch.nn.Module, variant: str = "llama", eps_attr: str = "variance_epsilon"
+    ) -> HFRMSNorm:
+        """An HFRMSNorm sharing ``module``'s parameters and buffers, with its public attributes
+        (``variance_epsilon``/``eps``, ``with_scale``, ...). The caller vouches that ``module``'s
+        forward is ``variant``'s (``slimgrad.convert_handlers.hf`` checks it from the source)."""
         weight = getattr(module, "weight", None)
-        eps = getattr(module, "variance_epsilon", None)
-        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or eps is None:
-            raise NotImplementedError("not a LlamaRMSNorm-style module (weight, variance_epsilon)")
-        new = cls(weight.shape[0], eps=eps, device="meta")
-        new.weight = weight
+        eps = getattr(module, eps_attr, None)
+        if HF_VARIANTS.get(variant, (None, None))[1] is not None and getattr(
+            module, "with_scale", True
+        ):
+            if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+                raise NotImplementedError("its weight is not a 1-D Parameter")
+        if not isinstance(eps, float | int):
+            raise NotImplementedError(f"its {eps_attr} is not a number")
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.variant, new.eps_attr = variant, eps_attr
+        for name, p in module._parameters.items():
+            new.register_parameter(name, p)
+        for name, b in module._buffers.items():
+            new.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
+        for k, v in vars(module).items():
+            if not k.startswith("_") and k != "training":
+                setattr(new, k, v)
         new.train(module.training)
         return new

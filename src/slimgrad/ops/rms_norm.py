@@ -37,6 +37,24 @@ keep a fast subset of that grid which finds the old failures. Hence, in half pre
 LayerNorm (``ops/layer_norm.py``) rebuilds xhat the same way and shares the mechanism: on the
 RMSNorm shapes of the grid above (with a bias; 1,050 bf16/fp16 cases) its dgamma exceeded the bound
 in 4, by up to 1.78x ((1, 64) fp16), so in half precision it runs eager's ``F.layer_norm`` too.
+
+# NOTE [HF RMSNorm cast orders]
+HF's RMSNorms compute float32 statistics whatever the input dtype, and differ in where they cast
+back and scale: Llama (and ~140 classes: Mistral, Qwen2/3, Phi-3, ...) ``w * (x32 * rstd).to(dt)``
+(scale after the cast; the product promotes); OLMo-2 ``(w * xhat32).to(dt)``; Gemma ``(xhat32 *
+(1.0 + w.float())).type_as(x)``; T5LayerNorm ``x * rstd`` (float32) cast to half weights only;
+Gemma3n ``torch.pow(ms, -0.5)``; Llama4 ``xhat32.type_as(x) * w``. ``hf_rms_norm(x, w, eps,
+variant)`` runs the variant's own ops in HF's order (``HF_VARIANTS``), so its forward is HF's bit
+for bit in every dtype and under autocast, and keeps:
+- a float32 input whose output is float32 (every variant but T5 with half weights): y = xhat *
+  gamma, gamma = w, w.float(), 1 + w.float(), ... in float32, so xhat = y / gamma as for
+  F.rms_norm: saves y (the next layer keeps it too) + rstd + the columns of channels whose gamma is
+  0 or subnormal; dgamma flows back through gamma(w) with autograd (eager's cast / ``1 +``);
+- every other dtype: x alone (2 B/elt in bf16/fp16), and backward recomputes HF's forward from x
+  (under the forward's autocast state) and differentiates it: eager's gradient bits (tested bit for
+  bit), eager's second derivatives under create_graph. Eager keeps a float32 copy of x (4 B/elt)
+  and the normalized tensor (2 B/elt) + rstd. Keeping y instead of x would need side bits: the
+  cast then scale loses the normalized tensor's bits where |w| < 1, and eager's dw uses them.
 """
 
 from __future__ import annotations
@@ -48,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops.layer_norm import (
@@ -58,7 +77,6 @@ from slimgrad.ops.layer_norm import (
     autocast_inputs,
     fallback_channels,
     grads_or_empty,
-    no_double_backward,
     owns_layout,
     rebuild_xhat,
 )
@@ -177,12 +195,11 @@ class _RMSNormFn(torch.autograd.Function):
         return y, rstd, idx, xside
 
     @staticmethod
+    @first_order("ops.rms_norm")  # keeps y, not x: second derivatives raise a clear error
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, rstd, idx, xside, weight = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
-        if torch.is_grad_enabled():
-            raise no_double_backward("rms_norm")
         # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too
         if mask[0] and y.dtype == ctx.x_dtype and owns_layout(buf, y):
             dx, dw = _bwd_impl(y)(
@@ -229,23 +246,63 @@ class _RMSNormFromInputFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, eps):
         y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
-        ctx.normalized_shape = normalized_shape
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
         ctx.save_for_backward(x, rstd, weight)
         ctx.mark_non_differentiable(rstd)
         return y, rstd
 
     @staticmethod
+    @first_order("ops.rms_norm", double=lambda ctx, dy, *_: _from_input_double(ctx, dy))
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         x, rstd, weight = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
-        if torch.is_grad_enabled():
-            raise no_double_backward("rms_norm")
         if mask[0] and owns_layout(buf, x):  # eager only (take refuses under torch.compile)
             dx, dw = _bwd_from_input(buf, x, rstd, weight, ctx.normalized_shape, mask, out=buf)
         else:
             dx, dw = _rms_norm_bwd_from_input(dy, x, rstd, weight, ctx.normalized_shape, mask)
         return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
+
+
+def _from_input_double(ctx, dy):
+    # x is kept: differentiate eager's F.rms_norm from it (eager's second derivatives)
+    x, _, weight = ctx.saved_tensors
+    need = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2]]
+    with torch.enable_grad():
+        xr = x.view_as(x) if x.requires_grad else x.detach().requires_grad_(need[0])
+        wr = weight
+        if weight is not None and not weight.requires_grad:
+            wr = weight.detach().requires_grad_(need[1])
+        y = F.rms_norm(xr, ctx.normalized_shape, wr, ctx.eps)
+        leaves = [t for t, n in zip((xr, wr), need, strict=True) if n]
+        grads = iter(torch.autograd.grad(y, leaves, dy, create_graph=True))
+    return (next(grads) if need[0] else None), None, (next(grads) if need[1] else None), None
+
+
+def _check_shapes(x, normalized_shape, weight):
+    # eager's checks, eager's exception types (RuntimeError; ValueError for too few dims)
+    ns = list(normalized_shape)
+    if not ns:
+        raise RuntimeError(
+            "slimgrad.ops.rms_norm: normalized_shape is empty; expected at least one dimension, "
+            "got []. Pass the trailing shape to normalize over, e.g. (x.shape[-1],)."
+        )
+    if x.dim() < len(ns):
+        raise ValueError(
+            f"slimgrad.ops.rms_norm: input has too few dimensions; expected at least {len(ns)}, "
+            f"got {x.dim()}. Pass an input of shape (*, *normalized_shape)."
+        )
+    if list(x.shape[x.dim() - len(ns) :]) != ns:
+        raise RuntimeError(
+            f"slimgrad.ops.rms_norm: input's trailing shape does not match normalized_shape; "
+            f"expected input of shape [*, {', '.join(map(str, ns))}], got {list(x.shape)}. "
+            "Pass normalized_shape=input.shape[-k:]."
+        )
+    if weight is not None and list(weight.shape) != ns:
+        raise RuntimeError(
+            f"slimgrad.ops.rms_norm: weight's shape does not match normalized_shape; expected "
+            f"{ns}, got {list(weight.shape)}. Pass a weight of shape normalized_shape."
+        )
 
 
 def _apply(x, normalized_shape, weight, eps):
@@ -276,6 +333,10 @@ def rms_norm(
     Returns:
         Tensor like ``input``.
 
+    Raises:
+        RuntimeError: ``normalized_shape`` empty or not the input's trailing shape, or a weight of
+            another shape (as eager); ValueError: fewer input dims than ``normalized_shape``.
+
     Example:
         >>> y = rms_norm(torch.randn(4, 8, requires_grad=True), (8,))
     """
@@ -283,6 +344,13 @@ def rms_norm(
         normalized_shape = (normalized_shape,)
     normalized_shape = [int(s) for s in normalized_shape]
     eps = None if eps is None else float(eps)
+    if transforms_active():  # NOTE [torch.func transforms]
+        return F.rms_norm(input, normalized_shape, weight, eps)
+    _check_shapes(input, normalized_shape, weight)
+    if torch.is_grad_enabled() and (
+        input.requires_grad or (weight is not None and weight.requires_grad)
+    ):
+        refuse_jit("ops.rms_norm")
     dev = input.device.type
     if torch.is_autocast_enabled(dev):
         probe = F.rms_norm(input.new_empty((0, *normalized_shape)), normalized_shape)
@@ -291,3 +359,211 @@ def rms_norm(
         with torch.autocast(dev, enabled=False):
             return _apply(input, normalized_shape, weight, eps)
     return _apply(input, normalized_shape, weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF RMSNorms: HF's own cast order (NOTE [HF RMSNorm cast orders])
+
+
+def _norm_rsqrt(h, eps):
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h * r, r
+
+
+def _norm_pow(h, eps):  # Gemma3n-style ``_norm``: torch.pow(mean(x^2) + eps, -0.5)
+    r = torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return h * r, r
+
+
+def _hf_llama(x, w, eps):
+    n, r = _norm_rsqrt(x.to(torch.float32), eps)
+    return w * n.to(x.dtype), r
+
+
+def _hf_scale_then_cast(x, w, eps):
+    n, r = _norm_rsqrt(x.to(torch.float32), eps)
+    return (w * n).to(x.dtype), r
+
+
+def _hf_fp32_scale_then_cast(x, w, eps):
+    n, r = _norm_rsqrt(x.to(torch.float32), eps)
+    return (w.to(torch.float32) * n).to(x.dtype), r
+
+
+def _hf_t5(x, w, eps):
+    r = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    h = x * r
+    if w.dtype in HALF_DTYPES:
+        h = h.to(w.dtype)
+    return w * h, r
+
+
+def _hf_gemma(x, w, eps, norm=_norm_rsqrt):
+    n, r = norm(x.float(), eps)
+    return (n * (1.0 + w.float())).type_as(x), r
+
+
+def _hf_centered(x, w, eps):  # (1.0 + weight) in the weight's dtype, then float
+    n, r = _norm_rsqrt(x.float(), eps)
+    return (n * (1.0 + w).float()).type_as(x), r
+
+
+def _hf_float_scale(x, w, eps, norm=_norm_rsqrt):  # Moshi; Gemma3n with_scale (norm=_norm_pow)
+    n, r = norm(x.float(), eps)
+    if w is not None:
+        n = n * w.float()
+    return n.type_as(x), r
+
+
+def _hf_cast_then_scale(x, w, eps):  # Llama4
+    n, r = _norm_rsqrt(x.float(), eps)
+    return n.type_as(x) * w, r
+
+
+def _hf_unweighted(x, w, eps):
+    n, r = _norm_rsqrt(x.float(), eps)
+    return n.type_as(x), r
+
+
+def _float(w):
+    return w.float()
+
+
+# {variant: (forward(x, weight, eps) -> (y, rstd), gamma(weight) -> the float32 scale y = xhat *
+# gamma of a float32 input, or None: no weight)}
+HF_VARIANTS = {
+    "llama": (_hf_llama, _float),
+    "scale_then_cast": (_hf_scale_then_cast, _float),
+    "fp32_scale_then_cast": (_hf_fp32_scale_then_cast, _float),
+    "t5": (_hf_t5, _float),
+    "gemma": (_hf_gemma, lambda w: 1.0 + w.float()),
+    "centered": (_hf_centered, lambda w: (1.0 + w).float()),
+    "float_scale": (_hf_float_scale, _float),
+    "float_scale_pow": (lambda x, w, eps: _hf_float_scale(x, w, eps, _norm_pow), _float),
+    "cast_then_scale": (_hf_cast_then_scale, _float),
+    "unweighted": (_hf_unweighted, None),
+}
+
+
+def _autocast_state(dev: str):
+    return torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+
+
+class _HFRMSNormFromOutputFn(torch.autograd.Function):
+    # float32 input and output: y = xhat * gamma, rebuilt from y (as _RMSNormFn)
+    @staticmethod
+    def forward(ctx, x, weight, eps, variant):
+        fwd, gamma_of = HF_VARIANTS[variant]
+        y, rstd = fwd(x, weight, eps)
+        gamma = gamma_of(weight) if weight is not None else None
+        idx = fallback_channels(gamma, None, y.dtype).to(x.device)
+        xside = x.reshape(-1, x.shape[-1]).index_select(1, idx)
+        ctx.variant = variant
+        ctx.save_for_backward(y, rstd, idx, xside, weight)
+        return y
+
+    @staticmethod
+    @first_order("ops.rms_norm")
+    def backward(ctx, dy):
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        y, rstd, idx, xside, weight = ctx.saved_tensors
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        mask = [ctx.needs_input_grad[0], need_w]
+        gamma_of = HF_VARIANTS[ctx.variant][1]
+        gamma = gamma_of(weight.detach()) if weight is not None else None
+        ns = [y.shape[-1]]
+        if mask[0] and owns_layout(buf, y):
+            dx, dg = _bwd_impl(y)(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
+        else:
+            dx, dg = _bwd_impl(y)(dy, y, rstd, idx, xside, gamma, ns, mask)
+        dw = None
+        if need_w:  # through gamma(weight): eager's cast / 1 + w backward
+            with torch.enable_grad():
+                w = weight.detach().requires_grad_()
+                (dw,) = torch.autograd.grad(gamma_of(w), w, dg)
+        return (dx if mask[0] else None), dw, None, None
+
+
+def _hf_recompute(ctx, dy, create_graph):
+    x, weight = ctx.saved_tensors
+    need = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+    enabled, dtype = ctx.autocast
+    with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+        if create_graph:  # differentiable in x and weight themselves: eager's 2nd derivatives
+            xr = x.view_as(x) if x.requires_grad else x.detach().requires_grad_(need[0])
+            wr = weight if weight is None or weight.requires_grad else weight.detach()
+        else:
+            xr = x.detach().requires_grad_(need[0])
+            wr = weight.detach().requires_grad_(need[1]) if weight is not None else None
+        y, _ = HF_VARIANTS[ctx.variant][0](xr, wr, ctx.eps)
+        leaves = [t for t, n in zip((xr, wr), need, strict=True) if n]
+        grads = iter(torch.autograd.grad(y, leaves, dy, create_graph=create_graph))
+    return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None, None
+
+
+class _HFRMSNormRecomputeFn(torch.autograd.Function):
+    # every other dtype: keeps x, recomputes HF's forward in backward (eager's gradient bits)
+    @staticmethod
+    def forward(ctx, x, weight, eps, variant):
+        y, _ = HF_VARIANTS[variant][0](x, weight, eps)
+        ctx.variant, ctx.eps = variant, eps
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    @first_order("ops.rms_norm", double=lambda ctx, dy: _hf_recompute(ctx, dy, True))
+    def backward(ctx, dy):
+        return _hf_recompute(ctx, dy, False)
+
+
+def hf_rms_norm(
+    input: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str = "llama"
+) -> torch.Tensor:
+    """An HF RMSNorm's forward, bit for bit, keeping less for backward.
+
+    ``variant`` names HF's code (``HF_VARIANTS``; NOTE [HF RMSNorm cast orders]), e.g. ``"llama"``:
+    ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``; ``"gemma"``:
+    ``(xhat * (1.0 + weight.float())).type_as(x)``; ``"t5"``: T5LayerNorm's.
+
+    Memory: float32 input and output: saves y (shared with the next layer) + rstd (4 B/row) + the
+    input columns of channels whose scale is 0 or subnormal; every other dtype: saves x (2 B/elt in
+    bf16/fp16), and backward recomputes HF's forward (eager's gradient bits). Eager saves a
+    float32 copy of x and the normalized tensor (bf16: 4 + 2 B/elt; fp32: 8 B/elt) + 4 B/row.
+
+    Args:
+        input: ``(*, D)``.
+        weight: ``(D,)`` or None (variant ``"unweighted"``, or Gemma3n's ``with_scale=False``).
+        eps: added to mean(x^2), as HF adds it.
+        variant: a key of ``HF_VARIANTS``.
+
+    Returns:
+        HF's output (its dtype: HF's promotion, e.g. bf16 x with fp32 weights gives fp32 for
+        ``"llama"``).
+
+    Example:
+        >>> y = hf_rms_norm(torch.randn(4, 8, requires_grad=True), torch.ones(8), 1e-6)
+    """
+    if variant not in HF_VARIANTS:
+        raise ValueError(
+            f"slimgrad.ops.rms_norm.hf_rms_norm: unknown variant; expected one of "
+            f"{sorted(HF_VARIANTS)}, got {variant!r}. Pass a key of HF_VARIANTS."
+        )
+    grads = input.requires_grad or (weight is not None and weight.requires_grad)
+    if (
+        not (torch.is_grad_enabled() and grads)
+        or transforms_active()
+        or torch.compiler.is_compiling()
+    ):
+        return HF_VARIANTS[variant][0](input, weight, eps)[0]
+    refuse_jit("ops.rms_norm.hf_rms_norm")
+    d = input.shape[-1] if input.dim() else 0
+    # y = xhat * gamma(weight) in float32 (NOTE [HF RMSNorm cast orders])
+    lean = (
+        input.dtype == torch.float32
+        and input.numel() > 0
+        and (weight is None or (weight.shape == (d,) and weight.dtype != torch.float64))
+        and not (variant == "t5" and weight is not None and weight.dtype in HALF_DTYPES)
+    )
+    fn = _HFRMSNormFromOutputFn if lean else _HFRMSNormRecomputeFn
+    return fn.apply(input, weight, float(eps), variant)
