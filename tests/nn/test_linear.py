@@ -61,3 +61,35 @@ def test_conv1d_from_transformers_is_a_transformers_conv1d_and_pickles():
         assert type(c) is type(new)
         torch.testing.assert_close(c(x), hf(x))
     assert new.state_dict().keys() == hf.state_dict().keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_modules_under_autocast_keep_no_weight_cast(dtype):
+    # nn.Linear and GPT-2's Conv1D under autocast: eager's bits, the fp32 weight kept instead of
+    # its cast (NOTE [Autocast weight casts] in ops/linear.py)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24)
+    conv = Conv1D(24, 16)
+    pairs = [(lin, Linear.from_torch(lin)), (conv, conv)]
+    for eager, slim in pairs:
+        res = []
+        for m, use_slim in ((eager, False), (slim, True)):
+            x = torch.randn(
+                3, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True
+            )
+            for p in m.parameters():
+                p.grad = None
+
+            def fwd(m=m, x=x, use_slim=use_slim):
+                with torch.autocast("cpu", dtype):
+                    if use_slim or isinstance(m, torch.nn.Linear):
+                        return m(x).float().pow(2).sum()
+                    return torch.addmm(m.bias, x.view(-1, 16), m.weight).float().pow(2).sum()
+
+            mem = measure(fwd)
+            res.append((mem.saved_bytes, x.grad, *[p.grad for p in m.parameters()]))
+        (e_saved, *e), (s_saved, *s) = res
+        for a, b in zip(s, e, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # eager keeps x's cast (x is a leaf, so in the step's inputs) and W's cast: 2 B/param
+        assert e_saved - s_saved == 2 * 16 * 24

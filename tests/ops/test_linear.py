@@ -132,9 +132,11 @@ def test_hooks_retain_graph_views_nan_no_grad_compile():
 
 
 def test_shape_mismatch_raises():
-    with pytest.raises(ValueError, match=r"slimgrad.ops.linear: .*expected input.shape\[-1\] == 4"):
+    with pytest.raises(
+        RuntimeError, match=r"slimgrad.ops.linear: .*expected input.shape\[-1\] == weight"
+    ):
         linear(torch.randn(2, 3), torch.randn(5, 4))
-    with pytest.raises(ValueError, match="slimgrad.ops.conv1d_addmm"):
+    with pytest.raises(RuntimeError, match="slimgrad.ops.conv1d_addmm"):
         conv1d_addmm(torch.randn(2, 3), torch.randn(4, 5))
 
 
@@ -170,3 +172,30 @@ def test_dx_is_reusable_by_the_op_before(monkeypatch, fn):
     assert counts == [1, 0]
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fn,ref", [(linear, F.linear), (conv1d_addmm, None)])
+def test_torch_func_transforms_run_eagers_op(fn, ref):
+    x = torch.randn(4, 6, dtype=torch.float64)
+    w = torch.randn(6, 6, dtype=torch.float64)
+    b = torch.randn(6, dtype=torch.float64)
+    if ref is None:  # HF Conv1D's forward
+
+        def ref(x, w, b):
+            return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[-1])
+
+    def loss(f):
+        return lambda t: f(t, w, b).tanh().sum()
+
+    torch.testing.assert_close(torch.func.grad(loss(fn))(x), torch.func.grad(loss(ref))(x))
+    torch.testing.assert_close(torch.func.vmap(lambda t: fn(t, w, b))(x), ref(x, w, b))
+    jac = torch.func.jacrev(lambda t: fn(t, w, b))(x[0])
+    torch.testing.assert_close(jac, torch.func.jacrev(lambda t: ref(t, w, b))(x[0]))
+
+
+def test_jit_trace_refused_and_one_dimensional_weight_is_eagers():
+    w = torch.randn(6, requires_grad=True)
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w))  # F.linear takes a 1-D weight
+    with pytest.raises(RuntimeError, match="slimgrad.ops.linear: torch.jit.trace"):
+        torch.jit.trace(lambda t, w: linear(t, w), (x, w.detach().view(1, 6).requires_grad_()))
