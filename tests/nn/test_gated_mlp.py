@@ -180,3 +180,12 @@ def test_peft_lora(fused, targets, order):
     x0, gy = torch.randn(2, 9, D), torch.randn(2, 9, D)
     _same(_step(ours, x0, gy), _step(ref, x0, gy))
     assert _saved(ours, x0) < _saved(ref, x0)
+
+
+def test_compile_fullgraph():
+    ref = LlamaLike("gelu_tanh", bias=True)
+    ours = _convert(copy.deepcopy(ref))
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    x0, gy = torch.randn(2, 5, D), torch.randn(2, 5, D)
+    _same(_step(compiled, x0, gy), _step(ref, x0, gy))
