@@ -62,6 +62,16 @@ def test_from_hf_shares_modules_and_matches(act, fused):
     assert shared.down_proj is ref.down_proj and shared.act_fn is ref.act_fn
 
 
+def test_from_hf_keeps_direct_parameters_and_buffers():
+    ref = LlamaLike()
+    ref.scale = nn.Parameter(torch.ones(3))
+    ref.register_buffer("step", torch.zeros(1))
+    ref.register_buffer("scratch", torch.zeros(2), persistent=False)
+    ours = _convert(ref)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    assert ours.scale is ref.scale and ours.scratch is ref.scratch
+
+
 def test_constructor():
     m = GatedMLP(D, I, bias=True, activation="gelu_tanh")
     assert [k for k, _ in m.named_parameters()] == [

@@ -153,8 +153,8 @@ class GatedMLP(nn.Module):
     def from_hf(
         cls, module: nn.Module, roles: tuple[str, str | None, str, str], activation: str
     ) -> GatedMLP:
-        """A GatedMLP holding ``module``'s own submodules (no copy), its plain attributes and
-        training mode.
+        """A GatedMLP holding ``module``'s own submodules, parameters and buffers (no copy, the
+        same ``state_dict``), its plain attributes and training mode.
 
         Args:
             module: the HF MLP.
@@ -167,6 +167,10 @@ class GatedMLP(nn.Module):
         for k, v in vars(module).items():
             if not k.startswith("_") and k != "training":
                 setattr(new, k, v)
+        for k, p in module._parameters.items():  # the forward reads none; state_dict keeps them
+            new.register_parameter(k, p)
+        for k, b in module._buffers.items():
+            new.register_buffer(k, b, persistent=k not in module._non_persistent_buffers_set)
         for k, m in module._modules.items():
             new.add_module(k, m)
         new._roles = tuple(roles)
