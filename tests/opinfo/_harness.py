@@ -42,7 +42,7 @@ from slimgrad.testing import DEFAULT_ATOL, max_abs_err, rule_ok
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 SHORT = {torch.float64: "f64", torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 GRADCHECK_NUMEL = 1200  # total elements of the differentiable inputs
-GRADCHECK_SLOW_NUMEL = 60  # below this, the full (slow-mode) Jacobian
+GRADCHECK_SLOW_NUMEL = 24  # up to this, the full (slow-mode) Jacobian; above, fast mode
 GRADGRAD_NUMEL = 150
 # OpInfo's reference inputs for elementwise ops include ~1M-element tensors (a contiguous one
 # for the vectorized paths, strided and transposed copies); they take most of the time, so only
@@ -66,17 +66,40 @@ class Spec:
     inplace: Callable | None = None  # slimgrad's in-place variant (used where the OpInfo has one)
     random: bool = False  # draws from the global generator (dropout): both sides get one seed
     elementwise: bool = True  # gradients at NaN inputs are not compared (see _nan_inputs)
-    # eager callables replacing the OpInfo's (dropout's OpInfo op reseeds with 42 inside)
+    # eager callables replacing the OpInfo's (dropout's OpInfo op reseeds with 42 inside), or
+    # an in-place variant where the OpInfo has none
     eager: Callable | None = None
     eager_inplace: Callable | None = None
 
 
 SPECS = [
-    Spec("relu", "nn.functional.relu", "act", sg.relu, sg.relu_),
+    # relu, hardtanh, relu6: OpInfo has no in-place variant; F.<op>(inplace=True) is theirs
+    Spec(
+        "relu",
+        "nn.functional.relu",
+        "act",
+        sg.relu,
+        sg.relu_,
+        eager_inplace=functools.partial(torch.nn.functional.relu, inplace=True),
+    ),
     Spec("sigmoid", "sigmoid", "act", sg.sigmoid, sg.sigmoid_),
     Spec("tanh", "tanh", "act", sg.tanh, sg.tanh_),
-    Spec("hardtanh", "nn.functional.hardtanh", "act", sg.hardtanh, sg.hardtanh_),
-    Spec("relu6", "nn.functional.relu6", "act", sg.relu6, sg.relu6_),
+    Spec(
+        "hardtanh",
+        "nn.functional.hardtanh",
+        "act",
+        sg.hardtanh,
+        sg.hardtanh_,
+        eager_inplace=functools.partial(torch.nn.functional.hardtanh, inplace=True),
+    ),
+    Spec(
+        "relu6",
+        "nn.functional.relu6",
+        "act",
+        sg.relu6,
+        sg.relu6_,
+        eager_inplace=functools.partial(torch.nn.functional.relu6, inplace=True),
+    ),
     Spec("leaky_relu", "nn.functional.leaky_relu", "act", sg.leaky_relu, sg.leaky_relu_),
     Spec("elu", "nn.functional.elu", "act", sg.elu, sg.elu_),
     Spec("gelu", "nn.functional.gelu", "act", sg.gelu, sg.gelu_),
@@ -145,10 +168,9 @@ def opinfo(key: str):
 
     spec = SPEC[key]
     (op,) = [o for o in op_db if o.name == spec.opinfo and o.variant_test_name == ""]
-    if spec.eager is None:
+    if spec.eager is None and spec.eager_inplace is None:
         return op
-    inplace = spec.eager_inplace if op.inplace_variant is not None else None
-    return _Eager(spec.eager, inplace, op)
+    return _Eager(spec.eager or op.op, spec.eager_inplace or op.inplace_variant, op)
 
 
 def dtypes(key: str) -> list[torch.dtype]:
@@ -180,18 +202,29 @@ def _generate(key: str, dtype: torch.dtype, plain: bool = False) -> list:
     return list(fn(op, "cpu", dtype, rg))
 
 
-@functools.lru_cache(maxsize=3)
-def samples(key: str, dtype: torch.dtype) -> tuple:
-    return tuple(_generate(key, dtype))
-
-
 @functools.cache
+def _load(key: str, dtype: torch.dtype) -> tuple[tuple, tuple]:
+    # Generated once per process (collection reads the metadata, the tests the samples); the
+    # big samples no check runs are dropped (None) so every (op, dtype) can stay cached.
+    gen = _generate(key, dtype)
+    info = tuple(
+        (s.input.numel(), s.input.dim(), bool(diff_paths(s)), s.input.is_contiguous()) for s in gen
+    )
+    keep_big = {dt for dts in BIG_DTYPES.values() for dt in dts}
+    kept = tuple(
+        None if (n > BIG_NUMEL and (not contig or dtype not in keep_big)) else s
+        for s, (n, _, _, contig) in zip(gen, info)
+    )
+    return kept, info
+
+
+def samples(key: str, dtype: torch.dtype) -> tuple:
+    return _load(key, dtype)[0]
+
+
 def meta(key: str, dtype: torch.dtype) -> tuple[tuple[int, int, bool, bool], ...]:
     """(input elements, dims, has differentiable tensors, contiguous) per sample (collection)."""
-    return tuple(
-        (s.input.numel(), s.input.dim(), bool(diff_paths(s)), s.input.is_contiguous())
-        for s in samples(key, dtype)
-    )
+    return _load(key, dtype)[1]
 
 
 # Layout variants of every sample, for the ops whose OpInfo samples are all contiguous (norms,
@@ -707,7 +740,7 @@ def check_f64(key: str, i: int) -> str:
             return torch.autograd.gradcheck(
                 g,
                 leaves,
-                fast_mode=n > GRADCHECK_SLOW_NUMEL,
+                fast_mode=n > GRADCHECK_SLOW_NUMEL or spec.random,
                 check_undefined_grad=True,
                 check_batched_grad=False,
                 raise_exception=True,
