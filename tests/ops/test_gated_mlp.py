@@ -293,3 +293,27 @@ def test_glu_memory():
     assert m.saved_bytes == 4 * 2 * n * I and me.saved_bytes == 4 * 4 * n * I
     m = measure(lambda: glu(g * 1, u * 1).sum())
     assert m.saved_bytes == 4 * 2 * n * I
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_autocast_weights_used_twice_and_not_leaves(fused):
+    # one MLP applied twice in one autocast region: each weight's two gradients meet at
+    # autocast's cached cast and are summed in bf16 before the cast back, as in eager; weights
+    # that are not leaves (computed) are cast per use and their casts kept, as in eager
+    x0 = torch.randn(*SHAPE, D)
+    ws0 = _params(fused, True, scale=0.2)
+    ws0[-2] = torch.randn(D, I) * 0.2  # down projects back to D, so the MLP can be applied twice
+    ws0[-1] = torch.randn(D) * 0.2
+    gy = torch.randn(*SHAPE, D)
+    for computed in (False, True):
+        res = []
+        for fn in (_ours, _eager):
+            x = x0.clone().requires_grad_()
+            leaves = _leaves(ws0)
+            ws = [None if w is None else (w * 1 if computed else w) for w in leaves]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = fn(fn(x, ws, "silu", fused), ws, "silu", fused)
+            ins = [x] + [w for w in leaves if w is not None]
+            res.append([y.detach(), *grads_of((y.float() * gy).sum(), ins)])
+        for a, b in zip(*res, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

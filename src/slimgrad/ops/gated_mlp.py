@@ -19,12 +19,16 @@ Memory (per token; D = hidden, I = intermediate size, s = bytes/elt of the matmu
 h = D s_x + 4 I s (fp32 at I = 2048: 16 KiB + D s_x per token, eager 32 KiB + D s_x).
 Under autocast eager keeps two casts of x (one per projection, 2 D s) and a cast of every
 weight; this op keeps x as given (often already kept by the norm before it) and re-casts the
-weights, which it references as they are (no bytes), in backward. Selective saving: x is kept
-only if Wg or Wu needs a gradient; g and u only if anything before ``h`` (x, Wg, bg, Wu, bu)
-does; if only Wd needs a gradient, h alone (I s) is kept (eager: the same); weights are referenced
-only where the gradient of their input is needed. The tracker counts all it keeps in the
-matmul-input floor (``_slimgrad_floor``): x, and g and u standing in for h, down's input (h is a
-function of g and u, and no single tensor of I elements gives eager's gradients of g and u).
+weights, which it references as they are (no bytes), in backward, while autocast's own casts are
+its inputs, so gradients reach the weights through autocast's cast nodes as in eager (a weight
+used twice in one region sums in the autocast dtype; NOTE [Autocast weight casts] in
+``ops/linear.py``). A weight that is not a leaf keeps eager's behaviour (its cast is kept).
+Selective saving: x is kept only if Wg or Wu needs a gradient; g and u only if anything before
+``h`` (x, Wg, bg, Wu, bu) does; if only Wd needs a gradient, h alone (I s) is kept (eager: the
+same); weights are referenced only where the gradient of their input is needed. The tracker
+counts all it keeps in the matmul-input floor (``_slimgrad_floor``): x, and g and u standing in
+for h, down's input (h is a function of g and u, and no single tensor of I elements gives eager's
+gradients of g and u).
 
 :func:`glu` and :func:`glu_linear` are the same op from given ``gate``/``up`` (when a projection is
 a module slimgrad does not see through, e.g. a PEFT LoRA layer, ``slimgrad.nn.GatedMLP`` calls it
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad.ops.linear import _autocast_cast
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
 
 __all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_fused", "glu", "glu_linear"]
@@ -126,6 +131,30 @@ def _glu_bwd(dy, g, u, h, wd, down: bool, need_gu, nwd, nbd, has_bd, act, fused:
     return _act_bwd(da, g, act, da), du, dwd, dbd
 
 
+def _autocast_args(x: Tensor, args: tuple) -> tuple:
+    # (x, ...weights and biases...) -> the same with each weight/bias as autocast hands it to the
+    # matmul (its cached cast for an fp32 leaf), then the masters kept instead of those casts:
+    # one per weight (args[1::2] after x), None where there is no autocast or the weight is not a
+    # leaf (eager's behaviour: the cast is kept) (NOTE [Autocast weight casts] in ops/linear.py)
+    n = (len(args) - 1) // 2
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return (*args, *([None] * n))
+    dt = torch.get_autocast_dtype(dev)
+    out = [args[0], *(_autocast_cast(t, dev, dt) for t in args[1:])]
+    masters = [
+        w
+        if w is not None
+        and w.grad_fn is None
+        and w.is_floating_point()
+        and w.dtype not in (dt, torch.float64)
+        and not torch.compiler.is_compiling()
+        else None
+        for w in args[1::2]
+    ]
+    return (*out, *masters)
+
+
 def _records(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -134,7 +163,10 @@ class _GatedMLPFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, x, wg, bg, wu, bu, wd, bd, activation: str, fused: bool):
+    def forward(ctx, x, wg, bg, wu, bu, wd, bd, mg, mu, md, activation: str, fused: bool):
+        # m*: the fp32 leaf weights under autocast, w* then their casts (NOTE [Autocast weight
+        # casts] in ops/linear.py): the masters are kept and re-cast in backward, the casts carry
+        # the gradients through autocast's own cast nodes, as in eager
         nx, nwg, nbg, nwu, nbu, nwd, _ = ctx.needs_input_grad[:7]
         gu = F.linear(x, wg, bg)
         if fused:  # Phi-3: gate, up = gate_up_proj(x).chunk(2, dim=-1)
@@ -156,9 +188,9 @@ class _GatedMLPFn(torch.autograd.Function):
             gu if need_gu else None,
             u if need_gu and not fused else None,
             h if nwd and not need_gu else None,
-            wg if nx else None,
-            wu if nx and not fused else None,
-            wd if need_gu else None,
+            (wg if mg is None else mg) if nx else None,
+            (wu if mu is None else mu) if nx and not fused else None,
+            (wd if md is None else md) if need_gu else None,
         )
         return y
 
@@ -201,14 +233,14 @@ class _GatedMLPFn(torch.autograd.Function):
                         dx = dx.add_(dxu if both else _to(dxu, xdt))
                         del dxu
                 dx = _to(dx, xdt)
-        return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None
+        return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None
 
 
 class _GluFn(torch.autograd.Function):
     _slimgrad_floor = True  # h, when it is what is kept, is a matmul input
 
     @staticmethod
-    def forward(ctx, g, u, wd, bd, activation: str):
+    def forward(ctx, g, u, wd, bd, md, activation: str):
         ng, nu, nwd, _ = ctx.needs_input_grad[:4]
         h = _act(g, activation).mul_(u)
         y = F.linear(h, wd, bd) if wd is not None else h
@@ -219,7 +251,7 @@ class _GluFn(torch.autograd.Function):
             g if need_gu else None,
             u if need_gu else None,
             h if nwd and not need_gu else None,
-            wd if need_gu else None,
+            (wd if md is None else md) if need_gu else None,
         )
         return y
 
@@ -233,7 +265,7 @@ class _GluFn(torch.autograd.Function):
                 dy, g, u, h, wd, ctx.down, ng or nu, nwd, nbd, ctx.has_bd, ctx.activation
             )
         grads = (dg if ng else None, du if nu else None, dwd, dbd)
-        return (*(_to(t, d) for t, d in zip(grads, ctx.in_dtypes, strict=True)), None)
+        return (*(_to(t, d) for t, d in zip(grads, ctx.in_dtypes, strict=True)), None, None)
 
 
 def _check_activation(api: str, activation: str) -> None:
@@ -296,7 +328,7 @@ def gated_mlp(
     if transforms_active() or not _records(*args):
         return _fwd_torch(*args, activation, False)
     refuse_jit("ops.gated_mlp")
-    return _GatedMLPFn.apply(*args, activation, False)
+    return _GatedMLPFn.apply(*_autocast_args(input, args), activation, False)
 
 
 def gated_mlp_fused(
@@ -338,7 +370,7 @@ def gated_mlp_fused(
     if transforms_active() or not _records(*args):
         return _fwd_torch(*args, activation, True)
     refuse_jit("ops.gated_mlp_fused")
-    return _GatedMLPFn.apply(*args, activation, True)
+    return _GatedMLPFn.apply(*_autocast_args(input, args), activation, True)
 
 
 def glu_linear(
@@ -379,7 +411,8 @@ def glu_linear(
         h = _act(gate, activation) * up
         return h if down_weight is None else F.linear(h, down_weight, down_bias)
     refuse_jit("ops.glu_linear")
-    return _GluFn.apply(gate, up, down_weight, down_bias, activation)
+    _, wd, bd, md = _autocast_args(gate, (gate, down_weight, down_bias))
+    return _GluFn.apply(gate, up, wd, bd, md, activation)
 
 
 def glu(gate: Tensor, up: Tensor, activation: str = "silu") -> Tensor:
