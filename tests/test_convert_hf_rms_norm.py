@@ -208,3 +208,13 @@ def test_state_dict_attributes_and_hooks_carried():
     assert m[0].variance_epsilon == 1e-5 and m.state_dict().keys() == sd.keys()
     m(torch.randn(2, D))
     assert seen == [torch.Size([2, D])]
+
+
+def test_torch_func_runs_hfs_formula_and_jit_trace_refused():
+    m = _make("gemma.modeling_gemma.GemmaRMSNorm")
+    c = hf.rms_norm_from_hf(copy.deepcopy(m))
+    x = torch.randn(3, D)
+    got = torch.func.grad(lambda t: c(t).pow(3).sum())(x)
+    torch.testing.assert_close(got, torch.func.grad(lambda t: m(t).pow(3).sum())(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="slimgrad.ops.rms_norm.hf_rms_norm: torch.jit.trace"):
+        torch.jit.trace(c, (x.requires_grad_(),))
