@@ -99,3 +99,20 @@ def test_bench_all_small(tmp_path, capsys, monkeypatch):
     assert all(r["grad"] is None for r in recs)
     assert cli.main(["bench", "gpt2", "--all"]) == 2
     assert "--all takes no case" in capsys.readouterr().err
+
+
+def test_python_dash_m_slimgrad_is_the_slimgrad_command():
+    # Issue 15: `python -m slimgrad` works like the `slimgrad` console script (same parser, same
+    # exit status).
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "slimgrad", "--help"], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "usage: slimgrad" in r.stdout
+    for name in ("demo", "bench", "env"):
+        assert name in r.stdout
+    r = subprocess.run([sys.executable, "-m", "slimgrad"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 2 and "usage: slimgrad" in r.stdout

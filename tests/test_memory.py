@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from slimgrad._library import custom_op
 from slimgrad.memory import estimate, measure
-from slimgrad.ops._library import custom_op
 
 N, D = 32, 64
 ACT = N * D * 4  # one fp32 activation, 8192 B

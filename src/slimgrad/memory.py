@@ -26,7 +26,7 @@ not go through the dispatcher, is wrapped for the duration of the step only. A s
 an op *input* existed before the step: it is not counted, but a resize or free of it during the step
 is. slimgrad's own custom ops are run through their Python implementation so the tracker sees the
 temporaries they allocate (NOTE [Custom ops and the memory tracker] in
-``slimgrad/ops/_library.py``).
+``slimgrad/_library.py``).
 
 Known over-count (measured): with any ``TorchDispatchMode`` active (ours, or a bare one that only
 calls ``func``), autograd sums two gradients meeting at one tensor out of place (``aten.add``) where
@@ -34,7 +34,7 @@ without a mode it may add in place (``aten::add_``): the mode's Python tensor ob
 counts that the engine's in-place test reads. The measured peak can then exceed the real one by
 one gradient-sized buffer at such a sum, e.g. a tied embedding's two weight gradients at the end of
 GPT-2's backward (vocab x hidden, 147 MiB in fp32). Saved bytes are not affected. On CUDA,
-``torch.cuda.max_memory_allocated`` shows the real figure (``slimgrad.kernels._gpu_check``).
+``torch.cuda.max_memory_allocated`` shows the real figure (``slimgrad.bench.gpu_check``).
 
 # NOTE [How saved bytes are counted]
 At the end of forward the autograd graph is walked from the output. Each node's saved tensors
@@ -73,7 +73,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from slimgrad.ops._library import python_impl
+from slimgrad._library import python_impl
 
 __all__ = ["SavedStorage", "StepMemory", "estimate", "measure"]
 

@@ -1,4 +1,4 @@
-"""slimgrad.kernels._gpu_check and the kernel bench's records: the logic, on any machine (CUDA is
+"""slimgrad.bench.gpu_check and the kernel bench's records: the logic, on any machine (CUDA is
 hidden, so the CUDA parts take their skip paths; the end-to-end step runs a small case on CPU)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from slimgrad.kernels import _bench as B
-from slimgrad.kernels import _gpu_check as G
+from slimgrad.bench import gpu_check as G
+from slimgrad.bench import kernels as B
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""Issue 8's GPU checks in one go: ``python -m slimgrad.kernels._gpu_check``.
+"""Issue 8's GPU checks in one go: ``python -m slimgrad.bench.gpu_check``.
 
 Three steps, each appending one JSON record (two per end-to-end case) to ``--out``
 (``benchmarks/results/gpu_check.jsonl``) with the device, versions, commit and backend:
 
 1. ``tests``: the suite's CUDA tests, ``pytest tests -k cuda`` (the ``cuda`` ids of the
    ``device``-parametrised tests and the CUDA-only tests); counts and the failing test ids.
-2. ``kernels``: ``python -m slimgrad.kernels._bench`` (per op and size: bandwidth as a fraction of
+2. ``kernels``: ``python -m slimgrad.bench.kernels`` (per op and size: bandwidth as a fraction of
    the measured copy bandwidth, fwd+bwd against eager; its records go to
    ``benchmarks/results/kernels.jsonl``); here the worst figures and the 80%-of-copy target.
 3. ``e2e`` per case (``gpt2``, ``resnet50``, ``resnet50_inplace_abn``; ``hf_gpt2`` when
@@ -24,10 +24,10 @@ and bandwidth targets are reported, not enforced.
 
 On a lent GPU with a 10-minute limit per command, one step per call::
 
-    python -m slimgrad.kernels._gpu_check --steps tests
-    python -m slimgrad.kernels._gpu_check --steps kernels            # --bench-args "--repeat 10"
-    python -m slimgrad.kernels._gpu_check --steps e2e --cases gpt2,resnet50
-    python -m slimgrad.kernels._gpu_check --steps e2e --cases resnet50_inplace_abn,hf_gpt2
+    python -m slimgrad.bench.gpu_check --steps tests
+    python -m slimgrad.bench.gpu_check --steps kernels            # --bench-args "--repeat 10"
+    python -m slimgrad.bench.gpu_check --steps e2e --cases gpt2,resnet50
+    python -m slimgrad.bench.gpu_check --steps e2e --cases resnet50_inplace_abn,hf_gpt2
 
 # NOTE [Tracker against the allocator]
 ``torch.cuda.max_memory_allocated`` counts block sizes: each request rounded up by the caching
@@ -148,7 +148,7 @@ def parse_junit(path: Path) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------- 2. kernels
 def run_kernel_bench(bench_args: list[str], out: str, *, smoke: bool = False) -> dict:
-    """``python -m slimgrad.kernels._bench`` in a subprocess, summarised from its new records."""
+    """``python -m slimgrad.bench.kernels`` in a subprocess, summarised from its new records."""
     from slimgrad.kernels import _backend
 
     if not _backend.triton_available():
@@ -158,7 +158,7 @@ def run_kernel_bench(bench_args: list[str], out: str, *, smoke: bool = False) ->
             "kernels", "no CUDA device: the bandwidth figures need one (--bench-smoke runs the "
             "bench's plumbing under the interpreter)"
         )  # fmt: skip
-    cmd = [sys.executable, "-m", "slimgrad.kernels._bench", *bench_args]
+    cmd = [sys.executable, "-m", "slimgrad.bench.kernels", *bench_args]
     cmd += ["--smoke"] if smoke else ["--out", out]
     n_before = _count_lines(out)
     _say("kernels: " + " ".join(cmd[2:]))
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--pytest-args", default="tests -k cuda", help="the tests step's selection")
     p.add_argument("--force-tests", action="store_true", help="run the tests step without CUDA")
-    p.add_argument("--bench-args", default="", help="extra arguments for slimgrad.kernels._bench")
+    p.add_argument("--bench-args", default="", help="extra arguments for slimgrad.bench.kernels")
     p.add_argument("--bench-smoke", action="store_true", help="bench plumbing on CPU (no GPU)")
     p.add_argument("--cases", default=",".join(E2E_CASES), help="end-to-end bench cases")
     p.add_argument("--small", action="store_true", help="the cases' small variants (plumbing)")

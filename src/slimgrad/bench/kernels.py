@@ -1,4 +1,4 @@
-"""Bandwidth benchmark of the Triton kernels (GPU): ``python -m slimgrad.kernels._bench``.
+"""Bandwidth benchmark of the Triton kernels (GPU): ``python -m slimgrad.bench.kernels``.
 
 Per kernel and size it reports the achieved bandwidth, ``essential bytes / time``, as a fraction of
 the measured device-to-device copy bandwidth (``y.copy_(x)``, read + write, timed the same way),
@@ -343,10 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         for name in [m for m in sys.modules if m.startswith("slimgrad.kernels.")]:
-            if name not in ("slimgrad.kernels._bench", "slimgrad.kernels._backend"):
+            if name != "slimgrad.kernels._backend":
                 del sys.modules[name]
     elif not torch.cuda.is_available():
-        print("slimgrad.kernels._bench: needs a CUDA device (or --smoke)", file=sys.stderr)
+        print("slimgrad.bench.kernels: needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
     dtype = getattr(torch, a.dtype)
     device = torch.device("cpu" if a.smoke else "cuda")
