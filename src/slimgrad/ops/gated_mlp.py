@@ -182,7 +182,13 @@ class _GatedMLPFn(torch.autograd.Function):
         ctx.in_dtypes = _dtypes(x, wg, bg, wu, bu, wd, bd)
         # autocast caches the cast of a leaf that requires grad: both projections then read one
         # cast of x, whose two gradients eager sums before casting back
-        ctx.x_cast_cached = x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled()
+        ctx.x_cast_cached = (  # autocast's cache condition
+            x.dtype == torch.float32
+            and x.is_leaf
+            and x.requires_grad
+            and not x._is_view()
+            and torch.is_autocast_cache_enabled()
+        )
         ctx.save_for_backward(
             x if (nwg or nwu) else None,
             gu if need_gu else None,
