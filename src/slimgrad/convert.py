@@ -432,6 +432,8 @@ def _convert_children(
         done[id(child)] = (child, new)
         setattr(parent, name, new)
         rep.converted.append((fqn, kind, type(new).__name__))
+        if getattr(new, "CONVERT_CHILDREN", False):  # e.g. timm's norm + act: its drop and act
+            _convert_children(new, fqn, config, allowed, rep, done)
 
 
 def report(model: nn.Module) -> ConvertReport:

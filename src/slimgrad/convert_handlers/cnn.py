@@ -70,6 +70,7 @@ _ACT_AFTER_NORM = {
     nn.ELU: convert_elu,
 }
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_TIMM_BN_ACT = "timm.layers.norm_act.BatchNormAct2d"  # by name: timm is never imported
 
 #: Entries for ``slimgrad.convert._TABLE``: {qualified class name: (ConvertConfig field, handler)}.
 #: Activations are not here: they are swapped by :func:`bn_act_pattern` only where a BatchNorm sits
@@ -89,13 +90,17 @@ def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
     that share a parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's ResNet
     blocks, which call ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. Those act
     exactly like torch's on any input, and keep nothing extra after a slimgrad BatchNorm (NOTE
-    [Derived saved inputs]). Every module keeps its own function (slices, hooks, surgery as eager).
+    [Derived saved inputs]). timm's ``BatchNormAct2d`` is a BatchNorm whose own ``act`` child
+    follows it (``convert_handlers.timm``): that child is swapped too. Every module keeps its own
+    function (slices, hooks, surgery as eager).
     An instance shared by several call sites (torchvision's one ``relu`` per block) is swapped once.
     """
     names = {id(m): n for n, m in model.named_modules()}
     for parent in list(model.modules()):
         kids = list(parent.named_children())
-        if not any(isinstance(c, _BN_TYPES) for _, c in kids):
+        if f"{type(parent).__module__}.{type(parent).__qualname__}" == _TIMM_BN_ACT:
+            kids = [(n, c) for n, c in kids if n == "act"]  # BN itself, then drop, then act
+        elif not any(isinstance(c, _BN_TYPES) for _, c in kids):
             continue
         for name, child in kids:
             h = _ACT_AFTER_NORM.get(type(child))

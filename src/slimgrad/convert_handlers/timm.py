@@ -14,21 +14,39 @@ slimgrad replacement computes (checked against timm 1.0's forwards), else raises
 - ``GELU`` / ``GELUTanh``: ``F.gelu(x)`` / ``F.gelu(x, approximate='tanh')`` (timm's ``inplace``
   argument is ignored by timm too).
 - ``Sigmoid``: ``x.sigmoid()``; with ``inplace=True`` (``x.sigmoid_()``) it stays timm's.
+- the fused norm + activation layers ``BatchNormAct2d``, ``GroupNormAct``, ``LayerNormAct`` and
+  ``LayerNormAct2d``: ``act(drop(norm(x)))`` with their own ``drop`` and ``act`` children. The
+  replacement (:class:`BatchNormAct2d`, ...) runs slimgrad's norm, then the same children; the
+  ``batch_norm`` pattern (``convert_handlers.cnn.bn_act_pattern``) has already swapped an ``act``
+  of ReLU/GELU/SiLU/LeakyReLU/ELU for its ``*AfterNorm`` form, so BatchNorm + act keeps one tensor
+  (NOTE [Derived saved inputs]); ``convert_`` then converts the other children (``drop``, a
+  Hardswish ``act``) by the table (``CONVERT_CHILDREN``). State_dict keys are timm's.
 
 Subclasses of these follow NOTE [Subclasses convert by what they compute] in ``slimgrad.convert``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
+from slimgrad.nn.batch_norm import BatchNorm2d
 from slimgrad.nn.gelu import GELU
+from slimgrad.nn.group_norm import GroupNorm
 from slimgrad.nn.layer_norm import LayerNorm
 from slimgrad.nn.sigmoid import Sigmoid
 from slimgrad.ops.layer_norm import layer_norm
 
-__all__ = ["TABLE", "LayerNorm2d"]
+__all__ = [
+    "TABLE",
+    "BatchNormAct2d",
+    "GroupNormAct",
+    "LayerNorm2d",
+    "LayerNormAct",
+    "LayerNormAct2d",
+]
 
 
 class LayerNorm2d(LayerNorm):
@@ -42,6 +60,96 @@ class LayerNorm2d(LayerNorm):
         x = input.permute(0, 2, 3, 1)
         x = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return x.permute(0, 3, 1, 2)
+
+
+class _NormAct:
+    # ``act(drop(norm(x)))`` as timm's forward; ``x = self.act(x)`` on a fresh x lets an in-place
+    # act prove it owns x (slimgrad.ownership.owns_input)
+    #: ``slimgrad.convert_`` converts this module's children too (drop, act) after replacing it
+    CONVERT_CHILDREN = True
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._norm(x)
+        x = self.drop(x)
+        x = self.act(x)
+        return x
+
+
+class BatchNormAct2d(_NormAct, BatchNorm2d):
+    """timm's ``BatchNormAct2d``: :class:`slimgrad.nn.BatchNorm2d`, then ``drop`` and ``act``.
+
+    Memory: with an ``*AfterNorm`` act right after the BatchNorm (drop an Identity), the block keeps
+    the BatchNorm output only (eager: its input and the act's input/output).
+    """
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4:  # timm's _assert
+            raise AssertionError(f"expected 4D input (got {x.ndim}D input)")
+        return BatchNorm2d.forward(self, x)
+
+
+class GroupNormAct(_NormAct, GroupNorm):
+    """timm's ``GroupNormAct``: :class:`slimgrad.nn.GroupNorm`, then ``drop`` and ``act``."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return GroupNorm.forward(self, x)
+
+
+class LayerNormAct(_NormAct, LayerNorm):
+    """timm's ``LayerNormAct``: :class:`slimgrad.nn.LayerNorm`, then ``drop`` and ``act``."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return LayerNorm.forward(self, x)
+
+
+class LayerNormAct2d(_NormAct, LayerNorm):
+    """timm's ``LayerNormAct2d``: :class:`LayerNorm2d`'s norm, then ``drop`` and ``act``."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return LayerNorm2d.forward(self, x)
+
+
+def _rebuild(cls: type, module: nn.Module) -> nn.Module:
+    # the instance's attributes in the slimgrad class: own containers (registering on one module
+    # does not touch the other), the same Parameters, buffers, children and hook functions
+    new = cls.__new__(cls)
+    for k, v in module.__dict__.items():
+        new.__dict__[k] = type(v)(v) if type(v) in (dict, OrderedDict, list, set) else v
+    return new
+
+
+def _norm_act(cls: type, timm_forward: str):
+    def convert(module: nn.Module) -> nn.Module:
+        fwd = type(module).forward
+        if f"{fwd.__module__}.{fwd.__qualname__}" != timm_forward:  # a subclass's own forward
+            raise NotImplementedError(
+                f"forward is {fwd.__module__}.{fwd.__qualname__}; expected {timm_forward}"
+            )
+        _no_fast_norm(module)
+        for child in ("drop", "act"):
+            c = module._modules.get(child)
+            if not isinstance(c, nn.Module):
+                raise NotImplementedError(
+                    f"no {child} module; expected timm's drop and act children, got "
+                    f"{type(c).__name__}"
+                )
+            if cls is not BatchNormAct2d and getattr(c, "inplace", False):
+                # slimgrad's GroupNorm/LayerNorm keep their output (NOTE [In-place writers after
+                # output-saving modules]); BatchNorm keeps it only when an *AfterNorm act claims
+                # it out of place, and its input otherwise
+                raise NotImplementedError(
+                    f"its {child} ({type(c).__name__}) writes in place over the norm's output, "
+                    f"which slimgrad's {cls.__mro__[2].__name__} keeps for backward; expected "
+                    "inplace=False, got True"
+                )
+        return _rebuild(cls, module)
+
+    convert.__name__ = f"{cls.__name__.lower()}_from_timm"
+    convert.__doc__ = f"timm ``{cls.__name__}`` -> :class:`{cls.__name__}` (shared state)."
+    return convert
 
 
 def _no_fast_norm(module: nn.Module) -> None:
@@ -94,4 +202,23 @@ TABLE = {
     "timm.layers.activations.GELU": ("activations", _gelu("none")),
     "timm.layers.activations.GELUTanh": ("activations", _gelu("tanh")),
     "timm.layers.activations.Sigmoid": ("activations", sigmoid_from_timm),
+    "timm.layers.norm_act.BatchNormAct2d": (
+        "batch_norm",
+        _norm_act(BatchNormAct2d, "timm.layers.norm_act.BatchNormAct2d.forward"),
+    ),
+    "timm.layers.norm_act.GroupNormAct": (
+        "norms",
+        _norm_act(GroupNormAct, "timm.layers.norm_act.GroupNormAct.forward"),
+    ),
+    "timm.layers.norm_act.LayerNormAct": (
+        "norms",
+        _norm_act(LayerNormAct, "timm.layers.norm_act.LayerNormAct.forward"),
+    ),
+    "timm.layers.norm_act.LayerNormAct2d": (
+        "norms",
+        _norm_act(LayerNormAct2d, "timm.layers.norm_act.LayerNormAct2d.forward"),
+    ),
 }
+
+#: qualified names of timm's norm + act classes (``cnn.bn_act_pattern`` swaps their BatchNorm's act)
+NORM_ACT = frozenset(k for k in TABLE if k.startswith("timm.layers.norm_act."))
