@@ -580,8 +580,9 @@ def test_autograd_grad_and_retain_graph_twice():
 def test_create_graph_raises_clearly_and_reversible_false_supports_it():
     rev, _ = pair(additive_blocks(2, 4))
     x = torch.randn(2, 4, 3, 3, dtype=F64, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="expected create_graph=False, got"):
-        torch.autograd.grad(rev(x).pow(2).sum(), [x], create_graph=True)
+    (g,) = torch.autograd.grad(rev(x).pow(2).sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="slimgrad.nn.ReversibleSequential: a second"):
+        g.sum().backward()
     rev.reversible = False
     (g,) = torch.autograd.grad(rev(x).pow(2).sum(), [x], create_graph=True)
     assert g.requires_grad
@@ -893,3 +894,61 @@ def test_bench_sweep_verdict_float_reported_exact_asserted(monkeypatch, failing)
         assert out["grad_reported"][0]["rule_ok"] is False
     else:
         assert not out["grad"]["ok"] and out["grad"]["failed_cases"] == ["reversible_exact_n2"]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_parameter_changed_between_forward_and_backward_raises_like_autograd(exact):
+    # Issue 15: an optimizer step between forward and backward gave wrong gradients with only a
+    # float-drift warning; eager raises autograd's in-place error, and so does the chain now.
+    dt = torch.float32 if exact else F64
+    rev, plain = pair(additive_blocks(2, 4), dtype=dt, exact=exact)
+    x = torch.randn(2, 4, 5, 5, dtype=dt, requires_grad=True)
+    for model in (plain, rev):
+        loss = model(x).square().sum()
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)  # what optimizer.step() does
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+class _Captured(nn.Module):
+    def __init__(self, c_in, c_out, t):
+        super().__init__()
+        self.conv, self.t = nn.Conv2d(c_in, c_out, 3, padding=1), t
+
+    def forward(self, x):
+        return self.conv(x) * self.t
+
+
+@pytest.mark.parametrize("kind", ["leaf", "nonleaf", "other_module"])
+def test_captured_tensor_requiring_grad_is_refused(kind):
+    # Issue 15: a tensor requiring grad that F or G captured but that is not one of the chain's
+    # parameters silently got no gradient; the backward now refuses it clearly.
+    torch.manual_seed(0)
+    leaf = torch.rand(1, 2, 1, 1, dtype=F64, requires_grad=True)
+    other = nn.Linear(1, 1).double()
+    t = {"leaf": leaf, "nonleaf": leaf * 2, "other_module": other.weight.view(1, 1, 1, 1)}[kind]
+    blk = AdditiveCoupling(_Captured(2, 2, t).double(), conv_fn(2, 2).double())
+    rev = ReversibleSequential(blk)
+    x = torch.randn(2, 4, 5, 5, dtype=F64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="uses a tensor that requires grad but is not a"):
+        rev(x).sum().backward()
+    # a buffer or a detached tensor is fine
+    blk.F.t = t.detach()
+    rev(x).sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize(
+    "coupling,exact", [("additive", False), ("additive", True), ("affine", False)]
+)  # exact mode takes additive couplings only
+def test_wrong_shape_from_F_is_a_clear_error(coupling, exact):
+    # Issue 15: an F returning a broadcastable or wrong shape gave a bare broadcasting error (or
+    # silently broadcast); the chain names the coupling and the expected shape.
+    c = AdditiveCoupling if coupling == "additive" else AffineCoupling
+    wrong = nn.Conv2d(2, 1, 3, padding=1)  # 1 channel: broadcasts over the 2-channel half
+    ok = nn.Conv2d(2, 2 if coupling == "additive" else 4, 3, padding=1)
+    rev = ReversibleSequential(c(wrong, ok), exact=exact)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="F or G returned the wrong shape; expected"):
+        rev(x)

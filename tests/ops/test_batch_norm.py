@@ -204,13 +204,26 @@ def test_retain_graph_two_passes_and_second_pass_without_retain_raises():
         torch.autograd.grad(y.sum(), (x, w, b, wc))
 
 
-def test_create_graph_is_a_clear_error():
-    x = torch.randn(4, 3, 5, requires_grad=True)
-    w, b = (t.requires_grad_() for t in _params(3))
-    y = batch_norm(x, None, None, w, b, True, 0.1, EPS)
-    (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        gx.sum().backward()
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("keep_output", [False, True])
+def test_gradgradcheck(training, keep_output):
+    # Issue 15: double backward was once_differentiable (a silent None with allow_unused); it
+    # now gives eager's second derivatives whether x, its recipe or b (an activation follows)
+    # was kept.
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    w, b = (t.double().requires_grad_() for t in _params(3))
+
+    def f(x, w, b):
+        y = batch_norm(
+            x, torch.zeros(3, dtype=x.dtype), torch.ones(3, dtype=x.dtype), w, b, training, 0.1, EPS
+        )
+        if keep_output:  # what a following slimgrad activation asks: keep b instead of x
+            assert _derived.claim_source(y) == training
+        return torch.tanh(y)
+
+    assert torch.autograd.gradgradcheck(f, (x, w, b))
+    assert torch.autograd.gradgradcheck(lambda x: f(x, w.detach(), b.detach()), (x,))
 
 
 def test_inplace_on_input_before_backward_raises():
@@ -553,3 +566,36 @@ def test_errors_raise_where_eager_raises_with_eager_types():
             F.batch_norm(x, rm, rv, w, b, training)
         with pytest.raises(RuntimeError, match="slimgrad.ops.batch_norm"):
             batch_norm(x, rm, rv, w, b, training)
+
+
+def test_torch_func_transforms_and_jit_trace():
+    # Issue 15: torch.func transforms run eager's batch_norm; torch.jit.trace refuses clearly.
+    from torch.func import grad, jacrev, vmap
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 3, 5)
+    w, b = _params(3)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    for training in (True, False):
+
+        def f(t, fn=batch_norm, training=training):
+            return fn(t, None if training else rm, None if training else rv, w, b, training)
+
+        def e(t, training=training):
+            return f(t, F.batch_norm, training)
+
+        torch.testing.assert_close(vmap(f)(x), vmap(e)(x))
+        torch.testing.assert_close(grad(lambda t: f(t).sin().sum())(x[0]),
+                                   grad(lambda t: e(t).sin().sum())(x[0]))  # fmt: skip
+        torch.testing.assert_close(jacrev(f)(x[0]), jacrev(e)(x[0]))
+    with pytest.raises(RuntimeError, match="slimgrad.ops.batch_norm: torch.jit.trace"):
+        torch.jit.trace(lambda t: batch_norm(t, None, None, w, b, True), x[0].requires_grad_())
+
+
+def test_empty_one_dim_input_like_eager():
+    # tests/opinfo finding: the (C,) size check refused an empty 1-D input eager accepts.
+    for training in (True, False):
+        x = torch.empty(0, requires_grad=True)
+        e = F.batch_norm(x, torch.empty(0), torch.empty(0), training=training)
+        y = batch_norm(x, torch.empty(0), torch.empty(0), training=training)
+        torch.testing.assert_close(y, e)

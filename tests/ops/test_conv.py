@@ -297,9 +297,77 @@ def test_errors_raise_where_eager_raises_with_eager_types(grad):
         (conv2d, F.conv2d, (torch.randn(1, 2, 5, 5), wf, None, 2, "same")),
         (conv2d, F.conv2d, (torch.randn(1, 2, 5, 5), wf, None, 1, "full")),
         (conv_transpose2d, F.conv_transpose2d, (torch.randn(1, 3, 5, 5), wf, None, 1, "same")),
+        (conv2d, F.conv2d, (torch.randn(1, 1, 4, 3), torch.randn(1, 2, 2), None, 1, "same")),
     ]
     for ours, eager, args in cases:
         with pytest.raises(Exception) as ref:
             eager(*args)
         with pytest.raises(type(ref.value), match=r"slimgrad.ops.conv"):
             ours(*args)
+
+
+def test_double_backward_gradgradcheck():
+    # Issue 15: conv / conv_transpose were once_differentiable (autograd.grad(...,
+    # allow_unused=True) returned None); second derivatives are now eager's.
+    torch.manual_seed(0)
+    d = torch.float64
+    x = torch.randn(2, 3, 5, 5, dtype=d, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, dtype=d, requires_grad=True)
+    b = torch.randn(4, dtype=d, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x, w, b: conv2d(x, w, b, 2, 1), (x, w, b))
+    assert torch.autograd.gradgradcheck(lambda x: conv2d(x, w.detach(), None, 1, 1), (x,))
+    assert torch.autograd.gradgradcheck(lambda w: conv2d(x.detach(), w, b.detach()), (w,))
+    wt = torch.randn(3, 2, 3, dtype=d, requires_grad=True)
+    x1 = torch.randn(2, 3, 4, dtype=d, requires_grad=True)
+    f = lambda x, w: conv_transpose1d(x, w, None, 2, 0, 1)  # noqa: E731
+    assert torch.autograd.gradgradcheck(f, (x1, wt))
+    # allow_unused: eager's answer (a tensor), not None
+    (gx,) = torch.autograd.grad(conv2d(x, w).square().sum(), x, create_graph=True)
+    (gw,) = torch.autograd.grad(gx.sum(), w, allow_unused=True)
+    (gx_e,) = torch.autograd.grad(F.conv2d(x, w).square().sum(), x, create_graph=True)
+    (gw_e,) = torch.autograd.grad(gx_e.sum(), w, allow_unused=True)
+    torch.testing.assert_close(gw, gw_e)
+
+
+def test_double_backward_through_derived_input():
+    # x = act(b) kept as b (NOTE [Derived saved inputs]): the second derivative recomputes x with
+    # eager's differentiable activation from b, which carries b's graph.
+    torch.manual_seed(1)
+    d = torch.float64
+    x = torch.randn(3, 2, 4, 4, dtype=d, requires_grad=True)
+    w = torch.randn(3, 2, 1, 1, dtype=d, requires_grad=True)
+    g, bb = torch.ones(2, dtype=d), torch.zeros(2, dtype=d)
+
+    def f(x, w):
+        r = _derived.activation(batch_norm(x, None, None, g, bb, True), "silu")
+        assert _derived.lookup(r) is not None
+        return conv2d(r, w)
+
+    def f_eager(x, w):
+        return F.conv2d(F.silu(F.batch_norm(x, None, None, g, bb, True)), w)
+
+    grads = []
+    for fn in (f, f_eager):
+        xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        (gw,) = torch.autograd.grad(fn(xs, ws).sin().sum(), ws, create_graph=True)
+        grads.append(torch.autograd.grad(gw.square().sum(), (xs, ws)))
+    for o, e in zip(*grads, strict=True):
+        torch.testing.assert_close(o, e)
+
+
+def test_torch_func_transforms_and_jit_trace():
+    # Issue 15: torch.func transforms run eager's convolution; torch.jit.trace refuses clearly.
+    from torch.func import grad, jacrev, vmap
+
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 2, 4, 7), torch.randn(5, 4, 3)
+    torch.testing.assert_close(vmap(lambda t: conv1d(t, w))(x), vmap(lambda t: F.conv1d(t, w))(x))
+    torch.testing.assert_close(
+        grad(lambda t: conv1d(t, w, padding=1).sin().sum())(x[0]),
+        grad(lambda t: F.conv1d(t, w, padding=1).sin().sum())(x[0]),
+    )
+    torch.testing.assert_close(
+        jacrev(lambda v: conv1d(x[0], v))(w), jacrev(lambda v: F.conv1d(x[0], v))(w)
+    )
+    with pytest.raises(RuntimeError, match="slimgrad.ops.conv1d: torch.jit.trace"):
+        torch.jit.trace(lambda t: conv1d(t, w), x[0].requires_grad_())

@@ -274,3 +274,26 @@ def test_inplace_on_a_view_matches_eager(view):
         (h * g).sum().backward()
         outs.append((h.detach(), x.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_double_backward_and_torch_func():
+    # Issue 15: dx = dy * m / (1 - p) is differentiated as eager's (linear in dy); torch.func
+    # transforms run F.dropout (same mask from the same seed); torch.jit.trace refuses clearly.
+    from torch.func import grad, vmap
+
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+
+    def f(t):
+        torch.manual_seed(3)
+        return dropout(t * 1, 0.4)
+
+    assert torch.autograd.gradgradcheck(f, (x,))
+    res = []
+    for fn in (dropout, F.dropout):
+        torch.manual_seed(5)
+        g = grad(lambda t, fn=fn: fn(t, 0.3).sin().sum())(x.detach())
+        torch.manual_seed(5)
+        res.append((g, vmap(lambda t, fn=fn: fn(t, 0.3, False))(x.detach())))
+    torch.testing.assert_close(res[0], res[1])
+    with pytest.raises(RuntimeError, match="slimgrad.ops.dropout: torch.jit.trace"):
+        torch.jit.trace(lambda t: dropout(t, 0.3), x)

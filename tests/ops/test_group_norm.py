@@ -68,9 +68,9 @@ def test_gradcheck_and_errors():
     assert torch.autograd.gradcheck(lambda x: group_norm(x, 4), (x,))
     with pytest.raises(RuntimeError, match="slimgrad.ops.group_norm: channels must split"):
         group_norm(torch.randn(2, 5, 3), 2)
-    y = group_norm(x, 2)
-    with pytest.raises(NotImplementedError, match="group_norm: double backward"):
-        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    # Issue 15: double backward gives eager's second derivatives (it was refused)
+    assert torch.autograd.gradgradcheck(lambda x, w, b: group_norm(x, 2, w, b), (x, w, b))
+    assert torch.autograd.gradgradcheck(lambda x: group_norm(x, 2), (x,))
 
 
 def test_memory_contract_and_subsets():
@@ -257,3 +257,41 @@ def test_channels_last_unet_block_after_convert_matches_eager():
         grads.append([y.detach(), xi.grad] + [p.grad for p in m.parameters()])
     for o, e in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(o, e)
+
+
+def test_torch_func_transforms_and_jit_trace():
+    # Issue 15: torch.func transforms run eager's group_norm; torch.jit.trace refuses clearly.
+    from torch.func import grad, jacrev, vmap
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 2, 4, 9), torch.randn(4), torch.randn(4)
+    torch.testing.assert_close(
+        vmap(lambda t: group_norm(t, 2, w, b))(x), vmap(lambda t: F.group_norm(t, 2, w, b))(x)
+    )
+    torch.testing.assert_close(
+        grad(lambda t: group_norm(t, 2, w, b).sin().sum())(x[0]),
+        grad(lambda t: F.group_norm(t, 2, w, b).sin().sum())(x[0]),
+    )
+    torch.testing.assert_close(
+        jacrev(lambda t: group_norm(t, 2))(x[0]), jacrev(lambda t: F.group_norm(t, 2))(x[0])
+    )
+    with pytest.raises(RuntimeError, match="slimgrad.ops.group_norm: torch.jit.trace"):
+        torch.jit.trace(lambda t: group_norm(t, 2, w, b), x[0].requires_grad_())
+
+
+def test_channels_last_input_without_grad_weight_grad_does_not_crash():
+    # tests/opinfo finding: torch 2.13's CPU GroupNorm backward segfaults for a channels_last
+    # input that needs no gradient while weight or bias does; slimgrad runs eager's contiguous
+    # kernels there (values within the rule, eager's output layout).
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 5, 5).contiguous(memory_format=torch.channels_last)
+    w, b = _params(6, torch.float32)
+    g = torch.randn(4, 6, 5, 5)
+    out = _run(lambda x, G, w, b, e: group_norm(x.detach(), G, w, b, e), x, 3, w, b, g)
+    ref = _run(lambda x, G, w, b, e: F.group_norm(x.detach().contiguous(), G, w, b, e),
+               x.double(), 3, w.double(), b.double(), g.double())  # fmt: skip
+    eager_contig = _run(lambda x, G, w, b, e: F.group_norm(x.detach().contiguous(), G, w, b, e),
+                        x, 3, w, b, g)  # fmt: skip
+    assert out[0].stride() == F.group_norm(x, 3, w, b).stride()
+    for i in (0, 2, 3):
+        assert_within_rule(out[i], ref[i], eager_contig[i])

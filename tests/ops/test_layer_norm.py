@@ -78,11 +78,35 @@ def test_gradcheck(affine):
     assert torch.autograd.gradcheck(f, args)
 
 
-def test_create_graph_raises_clear_error():
-    x = torch.randn(3, 6, requires_grad=True)
-    y = layer_norm(x, (6,))
-    with pytest.raises(NotImplementedError, match="slimgrad.ops.layer_norm: double backward"):
-        torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+@pytest.mark.parametrize("kind", ["affine", "fallback", "plain"])
+def test_gradgradcheck_and_second_derivatives_as_eager(kind):
+    # Issue 15: double backward was refused; it now gives eager's second derivatives from the
+    # rebuilt input (NOTE [Second derivatives of an op that keeps its output]).
+    torch.manual_seed(0)
+    d = torch.float64
+    x = torch.randn(3, 2, 5, dtype=d, requires_grad=True)
+    w = (1 + 0.5 * torch.randn(2, 5, dtype=d)) if kind != "plain" else None
+    b = 0.3 * torch.randn(2, 5, dtype=d) if kind != "plain" else None
+    if kind == "fallback":
+        w[0, 1] = 0
+        b[1, 2] = 5.0
+    params = [t.requires_grad_() for t in (w, b) if t is not None]
+
+    def f(x, *p):
+        return layer_norm(x, (2, 5), *p)
+
+    assert torch.autograd.gradgradcheck(f, (x, *params))
+
+    def hvp(fn):
+        xs = [t.detach().clone().requires_grad_() for t in (x, *params)]
+        y = fn(xs[0], (2, 5), *xs[1:])
+        (g,) = torch.autograd.grad((y * y.detach().cos()).sum(), xs[0], create_graph=True)
+        return torch.autograd.grad(g.square().sum(), xs, allow_unused=True)
+
+    for o, e in zip(hvp(layer_norm), hvp(F.layer_norm), strict=True):
+        assert (o is None) == (e is None)
+        if o is not None:
+            torch.testing.assert_close(o, e)
 
 
 def test_fallback_channels_rule():
@@ -396,3 +420,24 @@ def test_cpu_kernel_same_bits_on_other_instruction_sets(monkeypatch, tmp_path, t
     got = run([True, True, True])
     for a, c in zip(got, ref, strict=True):
         assert torch.equal(a, c)
+
+
+def test_torch_func_transforms_and_jit_trace():
+    # Issue 15: torch.func.grad / vmap / jacrev failed with "must override setup_context"; under
+    # a transform the op runs eager's layer_norm; torch.jit.trace gets a clear error.
+    from torch.func import grad, jacrev, vmap
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 4, 6), torch.randn(6), torch.randn(6)
+    torch.testing.assert_close(
+        vmap(lambda t: layer_norm(t, (6,), w, b))(x), vmap(lambda t: F.layer_norm(t, (6,), w, b))(x)
+    )
+    torch.testing.assert_close(
+        grad(lambda t: layer_norm(t, (6,), w, b).sin().sum())(x),
+        grad(lambda t: F.layer_norm(t, (6,), w, b).sin().sum())(x),
+    )
+    torch.testing.assert_close(
+        jacrev(lambda t: layer_norm(t, (6,)))(x[0]), jacrev(lambda t: F.layer_norm(t, (6,)))(x[0])
+    )
+    with pytest.raises(RuntimeError, match="slimgrad.ops.layer_norm: torch.jit.trace"):
+        torch.jit.trace(lambda t: layer_norm(t, (6,), w, b), x.requires_grad_())

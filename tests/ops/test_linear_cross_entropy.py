@@ -473,11 +473,19 @@ def test_compile_aot_eager():
 
 
 def test_double_backward_refused_clearly():
+    # first derivatives under create_graph=True are eager's; differentiating them raises a
+    # slimgrad error (never a silent None)
     hid, w, b, t = _data()
     h = hid.clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, t)
-    with pytest.raises(NotImplementedError, match="double backward is not supported"):
-        torch.autograd.grad(loss, h, create_graph=True)
+    wr = w.clone().requires_grad_()
+    loss = linear_cross_entropy(h, wr, t)
+    gh, gw = torch.autograd.grad(loss, (h, wr), create_graph=True)
+    h2, w2 = hid.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch.autograd.grad(torch.nn.functional.cross_entropy(h2 @ w2.T, t), (h2, w2))
+    torch.testing.assert_close(gh.detach(), ref[0])
+    torch.testing.assert_close(gw.detach(), ref[1])
+    with pytest.raises(RuntimeError, match="slimgrad.ops.linear_cross_entropy: a second"):
+        (gh.square().sum() + gw.square().sum()).backward()
 
 
 def test_forced_overwrite_of_a_shared_hidden_is_caught_by_autograd(monkeypatch):
@@ -686,3 +694,34 @@ def test_bad_logit_transforms(kwargs, exc, match):
     hid, w, b, t = _data()
     with pytest.raises(exc, match=f"slimgrad.ops.linear_cross_entropy: {match}"):
         linear_cross_entropy(hid, w, t, **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_func_transforms_and_jit_trace(reduction):
+    # Issue 15: torch.func transforms run eager's cross_entropy(linear(...)); torch.jit.trace
+    # refuses clearly.
+    from torch.func import grad, vmap
+
+    torch.manual_seed(0)
+    h, w, t = torch.randn(3, 4, 6), torch.randn(7, 6), torch.randint(0, 7, (3, 4))
+    t[0, 0] = -100
+
+    def eager(h, w, t):
+        z = torch.tanh(F.linear(h, w) * 0.5 / 3.0) * 3.0
+        out = F.cross_entropy(z.reshape(-1, 7), t.reshape(-1), reduction=reduction,
+                              label_smoothing=0.1)  # fmt: skip
+        return out.reshape(t.shape) if reduction == "none" else out
+
+    def ours(h, w, t):
+        return linear_cross_entropy(h, w, t, reduction=reduction, label_smoothing=0.1,
+                                    logit_scale=0.5, logit_softcap=3.0)  # fmt: skip
+
+    torch.testing.assert_close(
+        grad(lambda h, w: ours(h, w, t).sum(), argnums=(0, 1))(h, w),
+        grad(lambda h, w: eager(h, w, t).sum(), argnums=(0, 1))(h, w),
+    )
+    torch.testing.assert_close(
+        vmap(ours, (0, None, 0))(h, w, t), vmap(eager, (0, None, 0))(h, w, t)
+    )
+    with pytest.raises(RuntimeError, match="slimgrad.ops.linear_cross_entropy: torch.jit"):
+        torch.jit.trace(lambda h: ours(h, w, t), h.requires_grad_())

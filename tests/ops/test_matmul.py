@@ -101,3 +101,24 @@ def test_empty_dimensions_match_eager(sa, sb):
     for o, e in zip(out, ref, strict=True):
         torch.testing.assert_close(o, e)
         assert o.shape == e.shape
+
+
+def test_double_backward_and_torch_func():
+    # Issue 15: second derivatives as eager's (the backward is differentiable torch ops on the
+    # kept operands); torch.func transforms run torch.matmul; torch.jit.trace refuses clearly.
+    from torch.func import grad, jacrev, vmap
+
+    d = torch.float64
+    for sa, sb in SHAPES + [((5, 5, 0), (0, 5))]:
+        a = torch.randn(sa, dtype=d, requires_grad=True)
+        b = torch.randn(sb, dtype=d, requires_grad=True)
+        assert torch.autograd.gradgradcheck(matmul, (a, b))
+    a, b = torch.randn(4, 2, 3), torch.randn(3, 5)
+    torch.testing.assert_close(
+        vmap(matmul)(a, b.expand(4, 3, 5)), vmap(torch.matmul)(a, b.expand(4, 3, 5))
+    )
+    torch.testing.assert_close(grad(lambda t: matmul(t, b).sin().sum())(a),
+                               grad(lambda t: torch.matmul(t, b).sin().sum())(a))  # fmt: skip
+    torch.testing.assert_close(jacrev(matmul)(a[0], b), jacrev(torch.matmul)(a[0], b))
+    with pytest.raises(RuntimeError, match="slimgrad.ops.matmul: torch.jit.trace"):
+        torch.jit.trace(lambda t: matmul(t, b), a.requires_grad_())

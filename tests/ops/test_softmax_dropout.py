@@ -62,8 +62,9 @@ def test_gradcheck(p):
 def test_create_graph_raises_clear_error():
     s = torch.randn(4, 4, requires_grad=True)
     y = softmax_dropout_matmul(s, torch.randn(4, 2), 0.1)
-    with pytest.raises(NotImplementedError, match="softmax_dropout_matmul: double backward"):
-        torch.autograd.grad(y.pow(2).sum(), s, create_graph=True)
+    (g,) = torch.autograd.grad(y.pow(2).sum(), s, create_graph=True)
+    with pytest.raises(RuntimeError, match="slimgrad.ops.softmax_dropout_matmul: a second"):
+        g.sum().backward()
 
 
 def test_backward_inputs_subsets():
@@ -418,3 +419,26 @@ def test_mask_errors():
         softmax_dropout_matmul(s, v, 0.1, mask=torch.ones(4, 3, 5, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match="softmax_dropout_matmul: mask must be a tensor"):
         softmax_dropout_matmul(s, v, 0.1, mask=[[True]])
+
+
+def test_torch_func_transforms_and_jit_trace():
+    # Issue 15: torch.func transforms run eager's composition (same mask from the same seed);
+    # torch.jit.trace refuses clearly.
+    from torch.func import grad
+
+    s, v = torch.randn(3, 6, 6), torch.randn(3, 6, 2)
+    res = []
+    for fn in (
+        lambda s: softmax_dropout_matmul(s, v, 0.2, causal=True),
+        lambda s: (
+            F.dropout(
+                F.softmax(s.masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf")), -1), 0.2
+            )
+            @ v
+        ),
+    ):
+        torch.manual_seed(7)
+        res.append(grad(lambda t, fn=fn: fn(t).sin().sum())(s))
+    torch.testing.assert_close(res[0], res[1])
+    with pytest.raises(RuntimeError, match="slimgrad.ops.softmax_dropout_matmul: torch.jit"):
+        torch.jit.trace(lambda t: softmax_dropout_matmul(t, v, 0.2), s.requires_grad_())

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order
 from slimgrad._compile import eager_only
 from slimgrad.ops import _derived
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
@@ -378,7 +379,7 @@ class _RecomputeABNFn(torch.autograd.Function):
         return z
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order("nn.RecomputeABN")
     def backward(ctx, dz):
         weight, bias, mean, invstd = ctx.saved_tensors
         training, eps, slope = ctx.conf
@@ -489,7 +490,7 @@ class _MaxPoolRecomputeFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order("nn.MaxPool2dRecompute")
     def backward(ctx, grad):
         z = _recipe_of(ctx)()
         _, idx = torch.ops.aten.max_pool2d_with_indices(z, *ctx.conf)

@@ -245,9 +245,14 @@ class ReversibleSequential(nn.Module):
 
     Notes: inside the chain a coupling's F and G are called directly, so hooks on F, G and their
     submodules fire (a second time in backward, during the recompute) while hooks on the coupling
-    module itself do not. ``create_graph=True`` raises (use ``reversible=False``). Under
-    ``torch.compile`` the chain runs eagerly behind one graph break (``torch.compiler.disable``).
-    Only block parameters and the input receive gradients (tensors captured by closure do not).
+    module itself do not. Under ``create_graph=True`` the first derivatives are right and
+    differentiating them again raises (use ``reversible=False``). Under ``torch.compile`` the
+    chain runs eagerly behind one graph break (``torch.compiler.disable``); under ``torch.func``
+    transforms it runs with ordinary autograd (float mode; exact mode raises). Only block
+    parameters and the input receive gradients: a tensor requiring grad that F or G captures
+    otherwise (closure, plain attribute) makes backward raise, and so does a parameter changed
+    in place between forward and backward (e.g. ``optimizer.step()``), as autograd's saved
+    tensors would.
 
     Memory: saves the chain output (float: 1x the input; exact: the int32 stream, 4 B/elt, or 8
     after a promotion to int64) + 10 KiB RNG state per block; eager saves all F/G activations and

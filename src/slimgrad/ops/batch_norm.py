@@ -35,8 +35,10 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
+from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
 
 __all__ = ["batch_norm"]
 
@@ -121,6 +123,9 @@ class _BatchNormFn(torch.autograd.Function):
         ctx.x_version = ctx.b_version = 0
         ctx.weight_v = weight.detach().clone() if weight is not None else None
         ctx.bias_v = bias.detach().clone() if bias is not None else None
+        # the parameters themselves, for a second derivative (_double); no bytes for Parameters
+        ctx.weight_ref = weight if need_w else None
+        ctx.bias_ref = bias if ctx.needs_input_grad[2] else None
         ctx.running_mean = ctx.running_var = None
         if training:
             ctx.save_mean, ctx.save_invstd = save_mean, save_invstd
@@ -143,28 +148,43 @@ class _BatchNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        if ctx.released:
-            raise RuntimeError(
-                "Trying to backward through the graph a second time (or directly access saved "
-                "tensors after they have already been freed). Specify retain_graph=True if you "
-                "need to backward through the graph a second time."
-            )
+    def _double(ctx, grad):
+        _check_not_released(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        nd = grad.dim()
+        if ctx.x is None and ctx.recipe is None and ctx.b is None:
+            # eval with a frozen affine (dx = dy * γ * invstd: constants) or bias-only training
+            out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
+        else:
+            # NOTE [Second derivatives of an op that keeps its output] (ops/layer_norm.py): eager's
+            # forward recomputed on x's values (kept, recomputed from a recipe, or rebuilt from b)
+            with torch.no_grad():
+                x = _input_values(ctx)
+            if need_x:
+                x = bridged(ctx, "ops.batch_norm", x)
+            with torch.enable_grad():
+                w = _forward_value(ctx.weight_v, ctx.weight_ref)
+                b = _forward_value(ctx.bias_v, ctx.bias_ref)
+                pairs = [(x, need_x), (w, need_w), (b, need_b)]
+                inputs = [t for t, n in pairs if n]
+                y2 = torch.nn.functional.batch_norm(
+                    x, ctx.running_mean, ctx.running_var, w, b, ctx.training, 0.0, ctx.eps
+                )
+                grads = list(
+                    torch.autograd.grad(y2, inputs, grad, create_graph=True, allow_unused=True)
+                )
+            out = tuple(grads.pop(0) if n else None for _, n in pairs)
+        if _keep_graph is not None and not _keep_graph():
+            _release(ctx)
+        return out + (None,) * 7
+
+    @staticmethod
+    def backward(ctx, grad):
+        _check_not_released(ctx)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.x is None and ctx.recipe is None and ctx.b is None:
             # Nothing full-size kept: eval with a frozen affine, or training where only the bias
             # needs a gradient (dx and dγ would have kept x).
-            gx = gw = gb = None
-            if need_x:
-                scale = ctx.save_invstd
-                if ctx.weight_v is not None:
-                    scale = scale * ctx.weight_v.to(scale.dtype)
-                gx = grad * _bshape(scale.to(grad.dtype), nd)
-            if need_b:
-                gb = grad.sum([d for d in range(nd) if d != 1]).to(ctx.bias_v.dtype)
-            out = gx, gw, gb
+            out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
         elif ctx.b is None:
             out = torch.ops.aten.native_batch_norm_backward(
                 grad,
@@ -185,6 +205,66 @@ class _BatchNormFn(torch.autograd.Function):
         gx, gw, gb = out
         # one gradient per forward argument (x, weight, bias; 7 non-differentiable ones)
         return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 7
+
+
+_BatchNormFn.backward = staticmethod(
+    first_order("ops.batch_norm", double=_BatchNormFn._double)(_BatchNormFn.backward)
+)
+
+
+def _check_not_released(ctx) -> None:
+    if ctx.released:
+        raise RuntimeError(
+            "Trying to backward through the graph a second time (or directly access saved "
+            "tensors after they have already been freed). Specify retain_graph=True if you "
+            "need to backward through the graph a second time."
+        )
+
+
+def _bwd_kept_nothing(ctx, grad, need_x, need_b):
+    # Differentiable in grad (double backward uses it as is): dx = dy γ invstd, dβ = Σ dy.
+    nd = grad.dim()
+    gx = gb = None
+    if need_x:
+        scale = ctx.save_invstd
+        if ctx.weight_v is not None:
+            scale = scale * ctx.weight_v.to(scale.dtype)
+        gx = grad * _bshape(scale.to(grad.dtype), nd)
+    if need_b:
+        gb = grad.sum([d for d in range(nd) if d != 1]).to(ctx.bias_v.dtype)
+    return gx, None, gb
+
+
+def _forward_value(value, ref):
+    # value (the forward's, detached) with ref's graph: a second derivative sees the forward's
+    # parameter values and reaches the parameter itself.
+    if ref is None:
+        return value
+    return value + (ref - ref.detach())
+
+
+def _input_values(ctx) -> torch.Tensor:
+    # x as in forward: kept, recomputed from its recipe, or rebuilt from the kept output b
+    # (x = (b - β) / γ / invstd + μ; channels kept from x copied in).
+    if ctx.x is not None or ctx.b is None:
+        return _input(ctx)
+    _derived.check_version(ctx.b, ctx.b_version, "batch_norm output")
+    b = ctx.b
+    pdt = ctx.save_invstd.dtype
+    nd = b.dim()
+    xh = b.to(pdt, copy=True)
+    if ctx.weight_v is not None:
+        gamma = ctx.weight_v.to(pdt)
+        if ctx.bad is not None:
+            gamma = gamma.index_fill(0, ctx.bad, 1.0)
+        if ctx.bias_v is not None:
+            xh.sub_(_bshape(ctx.bias_v.to(pdt), nd))
+        xh.div_(_bshape(gamma, nd))
+    x = xh.div_(_bshape(ctx.save_invstd, nd)).add_(_bshape(ctx.save_mean.to(pdt), nd))
+    if ctx.bad is not None:
+        x_bad = ctx.x_bad if ctx.x_bad is not None else ctx.recipe().index_select(1, ctx.bad)
+        x.index_copy_(1, ctx.bad, x_bad.to(pdt))
+    return x.to(b.dtype)
 
 
 def _channel_dot(dy: torch.Tensor, b: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -365,16 +445,23 @@ def batch_norm(
             "slimgrad.ops.batch_norm: eval mode needs running statistics; expected tensors, got "
             "None. Pass running_mean and running_var, or training=True."
         )
-    _check_channels(input, running_mean, running_var, weight, bias)
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, weight, bias)
     )
-    if not needs_graph or input.numel() == 0 or torch.compiler.is_compiling():
+    if (
+        not needs_graph
+        or input.numel() == 0
+        or torch.compiler.is_compiling()
+        or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+    ):
         # Plain path: nothing is kept beyond what eager keeps (empty inputs: aten's own rules).
         return torch.nn.functional.batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
+    _check_channels(input, running_mean, running_var, weight, bias)  # eager's checks F does
+    refuse_jit("ops.batch_norm")
     holder: list = []
+    anchor = make_anchor(input)
     out = _BatchNormFn.apply(
         input,
         weight,
@@ -387,6 +474,7 @@ def batch_norm(
         holder,
         recompute_input,
     )
+    attach_anchor(out, anchor)
     if training and holder:
         _derived.register_source(out, holder[0])
     return out

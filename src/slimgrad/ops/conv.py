@@ -17,7 +17,9 @@ import contextlib
 
 import torch
 
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.ops import _derived
+from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
 
 __all__ = [
     "conv1d",
@@ -72,7 +74,32 @@ class _ConvFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    def _double(ctx, grad):
+        # aten.convolution_backward is differentiable (eager's double backward formula); the kept
+        # tensors come back with their graphs. A derived x = act(b) (b kept as a detached alias)
+        # is recomputed and bridged to x's anchor (NOTE [Second derivatives of an op that keeps
+        # its output] in ops/layer_norm.py), so second derivatives are eager's.
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        kept_x, weight = ctx.saved_tensors
+        shape, dtype, device = ctx.x_meta
+        x = torch.empty((), dtype=dtype, device=device).expand(shape)
+        if weight is None:
+            wshape, wdtype = ctx.w_meta
+            weight = torch.empty((), dtype=wdtype, device=device).expand(wshape)
+        with torch.enable_grad():
+            if kept_x is not None and ctx.act is not None:
+                with torch.no_grad():
+                    x = _derived.apply_act(ctx.act, kept_x)
+                if getattr(ctx, "_slimgrad_anchor", None) is not None:
+                    x = bridged(ctx, "ops.conv", x)
+            elif kept_x is not None:
+                x = kept_x
+            gx, gw, gb = _bwd_torch(
+                grad, x, weight, ctx.bias_sizes, *ctx.conf, [need_x, need_w, need_b]
+            )
+        return gx, gw, gb, None, None, None, None, None, None, None
+
+    @staticmethod
     def backward(ctx, grad):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         kept_x, weight = ctx.saved_tensors
@@ -99,6 +126,9 @@ class _ConvFn(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None, None
 
 
+_ConvFn.backward = staticmethod(first_order("ops.conv", double=_ConvFn._double)(_ConvFn.backward))
+
+
 def _tuple(v, n: int, name: str, api: str) -> list[int]:
     if isinstance(v, int):
         return [v] * n
@@ -118,6 +148,12 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
         raise TypeError(
             f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, got "
             f"{type(x).__name__} and {type(weight).__name__}. Pass tensors."
+        )
+    if weight.dim() != n + 2:  # eager's check (the 'same' padding below reads weight's dims)
+        raise RuntimeError(
+            f"slimgrad.ops.{api}: Expected {n + 2}-dimensional weight for {api}; expected "
+            f"(C_out, C_in / groups, {n} kernel dims), got weight of size {list(weight.shape)}. "
+            "Pass a weight with the kernel's spatial dims."
         )
     stride = _tuple(stride, n, "stride", api)
     dilation = _tuple(dilation, n, "dilation", api)
@@ -185,10 +221,11 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
-    if not needs_graph:
+    if not needs_graph or transforms_active():  # NOTE [torch.func transforms] in _autograd.py
         return _fwd_torch(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
+    refuse_jit(f"ops.{api}")
     dev = x.device.type
     holder: list = []
     w0, b0, dt = weight, bias, None
@@ -197,10 +234,14 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
         dt = torch.get_autocast_dtype(dev)
         x, weight = x.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
+    # a derived input is kept as its norm's output: anchor x for a second derivative
+    derived = weight.requires_grad and _derived.lookup(x) is not None
+    anchor = make_anchor(x) if derived else None
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
         y = _ConvFn.apply(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, holder
         )
+    attach_anchor(y, anchor)
     if holder:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
         kept, act = holder[0]

@@ -30,10 +30,11 @@ from __future__ import annotations
 import torch
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._library import custom_op
 from slimgrad.kernels import _backend
 from slimgrad.ops import _bits
 from slimgrad.ops._bits import pack_bits, packed_numel
-from slimgrad.ops._library import custom_op
 
 __all__ = ["dropout", "dropout_", "pack_bits", "unpack_bits"]
 
@@ -197,10 +198,14 @@ def _backward(grad, bits, p, fused, owned):
             k = _backend.kernels("dropout")
             return k._bwd_triton(grad, bits, p, fused, inplace=True)
         return _apply_mask_torch(grad, bits, p, fused, inplace=True)
-    # With create_graph the plain-PyTorch path runs so that double backward works.
-    if torch.is_grad_enabled():
-        return _apply_mask_torch(grad, bits, p, fused)
     return _dropout_apply_mask(grad, bits, p, fused)
+
+
+def _double(ctx, grad, *_):
+    # create_graph=True: dx = dy * m / (1 - p) with differentiable torch ops (linear in dy, no x:
+    # eager's second derivatives); no buffer reuse.
+    (bits,) = ctx.saved_tensors
+    return _apply_mask_torch(grad, bits, ctx.p, ctx.fused), None
 
 
 class _DropoutFn(torch.autograd.Function):
@@ -213,6 +218,7 @@ class _DropoutFn(torch.autograd.Function):
         return out, bits
 
     @staticmethod
+    @first_order("ops.dropout", double=_double)
     def backward(ctx, grad, _grad_bits):
         owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
@@ -226,12 +232,13 @@ class _DropoutInplaceFn(torch.autograd.Function):
         # more than one tensor (torch.flatten(pool(x), 1) -> Dropout(inplace=True), adversarial
         # F6). bits is an intermediate saved for backward.
         bits = _dropout_fwd_(x, p)
-        ctx.p = p
+        ctx.p, ctx.fused = p, False
         ctx.mark_dirty(x)
         ctx.save_for_backward(bits)
         return x
 
     @staticmethod
+    @first_order("ops.dropout_", double=_double)
     def backward(ctx, grad):
         owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
@@ -253,6 +260,8 @@ def _check_p(api: str, p: float) -> None:
 
 def _dropout_train(input: torch.Tensor, p: float, inplace: bool = False) -> torch.Tensor:
     # Training-mode dropout for 0 < p < 1 on a non-empty tensor.
+    if torch.is_grad_enabled() and input.requires_grad:
+        refuse_jit("ops.dropout")
     if inplace:
         return _DropoutInplaceFn.apply(input, float(p))
     return _DropoutFn.apply(input, float(p))[0]
@@ -285,6 +294,8 @@ def dropout(
         >>> y = dropout(torch.randn(4, 8, requires_grad=True), p=0.1)
     """
     _check_p("ops.dropout", p)
+    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        return torch.nn.functional.dropout(input, p, training, inplace)
     if p == 0 or not training or input.numel() == 0:
         return input
     if p == 1:

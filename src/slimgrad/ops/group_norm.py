@@ -28,17 +28,21 @@ import math
 import torch
 import torch.nn.functional as F
 
-from slimgrad.ops._library import custom_op
+from slimgrad._autograd import refuse_jit, transforms_active
+from slimgrad._library import custom_op
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
     HALF_DTYPES,
     _acc_dtype,
     _rowdot,
     affine_norm_function,
+    attach_anchor,
     autocast_inputs,
     fake_norm_grads,
     fallback_channels,
     grads_or_empty,
+    make_anchor,
+    norm_double,
     rebuild_xhat,
 )
 
@@ -61,7 +65,8 @@ def _fwd_torch(x, num_groups, weight, bias, eps):
 
 def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out=None):
     # Chunks of samples bound the fp32 temporaries, as in ops/layer_norm.py's backward (no grad
-    # mode here: double backward is refused, so in-place updates of the temporaries are safe).
+    # mode here: double backward runs norm_double instead, so in-place updates of the temporaries
+    # are safe).
     # out: dy itself (contiguous, y's dtype) when slimgrad.ownership proved its buffer dead; each
     # chunk of dx is written after that chunk of dy is read, and dbias is summed first.
     acc = _acc_dtype(y.dtype)
@@ -162,8 +167,33 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask):
     return fake_norm_grads(y, weight, bias, output_mask)
 
 
+def _rebuild_input(y, mean, rstd, idx, xside, weight, bias, num_groups):
+    # x = xhat / rstd + mean per (sample, group); fallback channels are their kept input
+    # (NOTE [Second derivatives of an op that keeps its output] in ops/layer_norm.py).
+    acc = _acc_dtype(y.dtype)
+    n, c = y.shape[0], y.shape[1]
+    hw = math.prod(y.shape[2:])
+    grp, cg = num_groups, c // num_groups
+    w = weight.detach().reshape(1, grp, cg, 1).to(acc) if weight is not None else None
+    b = bias.detach().reshape(1, grp, cg, 1).to(acc) if bias is not None else None
+    xh = rebuild_xhat(y.reshape(n, grp, cg, hw), w, b, acc)
+    x = xh.div_(rstd.reshape(n, grp, 1, 1).to(acc)).add_(mean.reshape(n, grp, 1, 1).to(acc))
+    if idx.numel():
+        x.view(n, c, hw).index_copy_(1, idx, xside.to(acc))
+    return x.to(y.dtype).reshape(y.shape)
+
+
+def _eager(x, num_groups, weight, bias, eps):
+    return F.group_norm(x, num_groups, weight, bias, eps)
+
+
 _GroupNormFn = affine_norm_function(
-    "_GroupNormFn", "group_norm", _group_norm_fwd, _group_norm_bwd, _bwd_torch
+    "_GroupNormFn",
+    "group_norm",
+    _group_norm_fwd,
+    _group_norm_bwd,
+    _bwd_torch,
+    double=norm_double("ops.group_norm", _eager, _rebuild_input),
 )
 
 
@@ -204,6 +234,8 @@ def group_norm(
             f"with C divisible by num_groups, got shape {tuple(input.shape)} and num_groups="
             f"{num_groups}. Pick num_groups dividing the channel count."
         )
+    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        return F.group_norm(input, num_groups, weight, bias, eps)
     dev = input.device.type
     autocast = torch.is_autocast_enabled(dev)
     probe = F.group_norm(input.new_empty((0, *input.shape[1:])), num_groups) if autocast else input
@@ -217,10 +249,42 @@ def group_norm(
         # (channels_last, transposed, sliced): eager picks the output's memory format and its
         # kernels for that layout; taking eager's path keeps its output strides exactly. All keep
         # eager's saving of the input (same memory as eager, exact).
+        if not input.is_contiguous() and _crashes_eager(input, weight, bias):
+            fmt = _memory_format(input)
+            y = F.group_norm(input.contiguous(), num_groups, weight, bias, eps)
+            return y.contiguous(memory_format=fmt)  # eager's output layout
         return F.group_norm(input, num_groups, weight, bias, eps)
     if autocast:
         if probe.dtype != input.dtype:
             input, weight, bias = autocast_inputs(probe.dtype, input, weight, bias)
         with torch.autocast(dev, enabled=False):
-            return _GroupNormFn.apply(input, int(num_groups), weight, bias, float(eps))[0]
-    return _GroupNormFn.apply(input, int(num_groups), weight, bias, float(eps))[0]
+            return _group_norm(input, int(num_groups), weight, bias, float(eps))
+    return _group_norm(input, int(num_groups), weight, bias, float(eps))
+
+
+def _crashes_eager(x, weight, bias) -> bool:
+    # torch 2.13's CPU GroupNorm backward segfaults for a channels_last input that needs no
+    # gradient while weight or bias does (tests/opinfo finding): run eager's contiguous kernels.
+    return (
+        x.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and not x.requires_grad
+        and any(t is not None and t.requires_grad for t in (weight, bias))
+    )
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    # the layout eager's group_norm gives its output: channels_last(_3d) inputs keep it
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _group_norm(input, num_groups: int, weight, bias, eps: float) -> torch.Tensor:
+    refuse_jit("ops.group_norm")
+    anchor = make_anchor(input)
+    y = _GroupNormFn.apply(input, num_groups, weight, bias, eps)[0]
+    attach_anchor(y, anchor)
+    return y

@@ -58,12 +58,12 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._errors import internal_error
+from slimgrad._library import custom_op, python_impl
 from slimgrad.kernels import _backend
-from slimgrad.ops._library import custom_op, python_impl
 
 __all__ = ["ACTIVATIONS", "inplace_abn", "inplace_abn_sync", "check_activation"]
 
@@ -611,7 +611,7 @@ class _InPlaceABNFn(torch.autograd.Function):
         return x
 
     @staticmethod
-    @once_differentiable
+    @first_order("ops.inplace_abn")
     def backward(ctx, dz, _didx=None, _dside=None):
         owned = ownership.take(dz) is not None  # first use of dz: NOTE [Gradient-buffer ownership]
         z, weight, bias, invstd, side_idx, side_xhat = ctx.saved_tensors
@@ -715,6 +715,13 @@ def inplace_abn(
     """
     _validate("ops.inplace_abn", x, weight, bias, running_mean, running_var, training, activation,
               activation_param)  # fmt: skip
+    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        return _eager_abn(x, running_mean, running_var, weight, bias, training, momentum, eps,
+                          activation, activation_param)  # fmt: skip
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias)
+    ):
+        refuse_jit("ops.inplace_abn")
     out = _InPlaceABNFn.apply(
         x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
         activation, float(activation_param),
@@ -789,7 +796,7 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
         return x
 
     @staticmethod
-    @once_differentiable
+    @first_order("ops.inplace_abn_sync")
     def backward(ctx, dz):
         z, weight, bias, invstd, side_idx, side_xhat = ctx.saved_tensors
         eps, act, param, group, count = ctx.cfg
@@ -803,6 +810,18 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
             db.to(bias.dtype) if ctx.needs_input_grad[2] else None,
             *([None] * 7),
         )
+
+
+def _eager_abn(x, running_mean, running_var, weight, bias, training, momentum, eps, act, param):
+    # eager's BatchNorm + activation, out of place (torch.func transforms)
+    y = torch.nn.functional.batch_norm(
+        x, running_mean, running_var, weight, bias, training, momentum, eps
+    )
+    if act == "leaky_relu":
+        return torch.nn.functional.leaky_relu(y, param)
+    if act == "elu":
+        return torch.nn.functional.elu(y, param)
+    return y
 
 
 def inplace_abn_sync(
@@ -855,6 +874,13 @@ def inplace_abn_sync(
     if dist.get_world_size(group) == 1:
         return inplace_abn(x, running_mean, running_var, weight, bias, True, momentum, eps,
                            activation, activation_param)  # fmt: skip
+    if transforms_active():
+        raise NotImplementedError(
+            "slimgrad.ops.inplace_abn_sync: torch.func transforms cannot run its collectives; "
+            "expected an eager call, got one under torch.func (grad/vmap/jacrev). Use "
+            "torch.nn.SyncBatchNorm and the activation there."
+        )
+    refuse_jit("ops.inplace_abn_sync")
     return _InPlaceABNSyncFn.apply(
         x, weight, bias, running_mean, running_var, float(momentum), float(eps), activation,
         float(activation_param), group,

@@ -48,8 +48,9 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._library import custom_op
 from slimgrad.kernels import _backend
-from slimgrad.ops._library import custom_op
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
 
@@ -123,7 +124,8 @@ def _bwd_torch(
 ):
     # Row chunks bound the fp32 temporaries (xhat, g); dgamma and dbeta accumulate in float64 (fp32
     # sums over rows exceeded the GUIDE.md rule at small shapes in the seed sweeps). Runs without
-    # grad mode only (double backward is refused), so in-place updates of the temporaries are safe.
+    # grad mode only (double backward runs norm_double), so in-place updates of the temporaries are
+    # safe.
     # out: dy itself (contiguous, y's dtype) when its buffer is dead (slimgrad.ownership.take); dx
     # is then written into it chunk by chunk, each chunk after its last read (dbeta reads dy first).
     acc = _acc_dtype(y.dtype)
@@ -329,26 +331,136 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask
     return fake_norm_grads(y, weight, bias, output_mask)
 
 
-def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into) -> type:
+# NOTE [Second derivatives of an op that keeps its output]
+# A norm that keeps its output y instead of its input x has no x to differentiate again under
+# ``create_graph=True`` (NOTE [Second derivatives] in ``slimgrad/_autograd.py``). Its ``double``
+# rebuilds x's *values* from what it kept (``x = xhat / rstd + mean`` with ``xhat = (y - beta) /
+# gamma``; fallback channels from their kept input columns), recomputes eager's forward on them
+# under ``enable_grad`` and differentiates it with ``create_graph=True``: eager's second
+# derivatives, at x's values up to the rounding of the rebuild. The rebuilt values carry no graph
+# back to x, so the forward leaves an *anchor* on x: :func:`make_anchor` applies
+# :class:`_InputAnchor` to x, a node with an edge to x that returns an empty tensor (0 bytes, keeps
+# nothing of x). In ``double``, :func:`bridged` wraps the rebuilt values in :class:`_Bridge`, whose
+# backward hands the gradient it receives to the anchor's node through a shared list, and the
+# anchor's backward returns it to x: the rebuilt values then act as x itself for every later
+# differentiation. Costs: one small node per forward call whose input requires grad; none in first-
+# order backward (the anchor is not on the loss's graph, so autograd never runs it).
+
+
+class _InputAnchor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _unused):
+        box = ctx.box
+        if not box:
+            return None, None
+        g = box[0]
+        for t in box[1:]:
+            g = g + t
+        box.clear()
+        return g, None
+
+
+class _Bridge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, anchor: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.box.append(g)
+        return None, g.new_empty(0), None
+
+
+def make_anchor(x: torch.Tensor) -> tuple | None:
+    """NOTE [Second derivatives of an op that keeps its output]: the anchor a forward leaves on
+    ``x`` (None when nothing will differentiate through x)."""
+    if not (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+        return None
+    box: list = []
+    return _InputAnchor.apply(x, box), box
+
+
+def attach_anchor(out: torch.Tensor, anchor: tuple | None) -> None:
+    """Hand ``anchor`` to the node that produced ``out`` (read by its ``double``)."""
+    if anchor is not None and out.grad_fn is not None:
+        out.grad_fn._slimgrad_anchor = anchor
+
+
+def bridged(ctx, api: str, values: torch.Tensor) -> torch.Tensor:
+    """Rebuilt input values that differentiate as the forward's input (NOTE [Second derivatives
+    of an op that keeps its output])."""
+    anchor = getattr(ctx, "_slimgrad_anchor", None)
+    if anchor is None:
+        raise RuntimeError(
+            f"slimgrad.{api}: a second derivative through this op was requested, but its forward "
+            "ran without grad mode on its input (or under torch.compile); expected a forward whose "
+            "input required grad, got none recorded. Run the forward eagerly with grad enabled, or "
+            "call the torch op for double backward."
+        )
+    return _Bridge.apply(values, *anchor)
+
+
+def norm_double(api: str, eager_fn, rebuild_input):
+    """The ``double`` of an output-keeping norm (NOTE [Second derivatives of an op that keeps its
+    output]): ``rebuild_input(y, mean, rstd, idx, xside, weight, bias, arg) -> x`` values;
+    ``eager_fn(x, arg, weight, bias, eps)`` eager's forward."""
+
+    def double(ctx, dy, *_):
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        with torch.no_grad():
+            x = rebuild_input(y.detach(), mean, rstd, idx, xside, weight, bias, ctx.arg)
+        if need[0]:
+            x = bridged(ctx, api, x)
+        pairs = [(x, need[0]), (weight, need[2]), (bias, need[3])]
+        inputs = [t for t, n in pairs if n and t is not None]
+        with torch.enable_grad():
+            y2 = eager_fn(x, ctx.arg, weight, bias, ctx.eps)
+            grads = list(torch.autograd.grad(y2, inputs, dy, create_graph=True, allow_unused=True))
+        out = [grads.pop(0) if n and t is not None else None for t, n in pairs]
+        return out[0], None, out[1], out[2], None
+
+    return double
+
+
+def _rebuild_ln_input(y, mean, rstd, idx, xside, weight, bias, normalized_shape):
+    acc = _acc_dtype(y.dtype)
+    d = math.prod(normalized_shape)
+    n = y.numel() // max(d, 1)
+    w = weight.detach().reshape(d).to(acc) if weight is not None else None
+    b = bias.detach().reshape(d).to(acc) if bias is not None else None
+    xh = rebuild_xhat(y.reshape(n, d), w, b, acc)
+    x = xh.div_(rstd.reshape(n, 1).to(acc)).add_(mean.reshape(n, 1).to(acc))
+    if idx.numel():
+        x.index_copy_(1, idx, xside.to(acc))
+    return x.to(y.dtype).reshape(y.shape)
+
+
+def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=None) -> type:
     """The autograd Function of a norm ``fn(x, arg, weight, bias, eps)`` that keeps its output.
 
     ``fwd_op(x, arg, weight, bias, eps) -> (y, mean, rstd, idx, xside)`` and ``bwd_op(dy, y, mean,
     rstd, idx, xside, weight, bias, arg, mask) -> (dx, dweight, dbias)`` are its custom ops;
     ``bwd_into`` is the same backward taking ``out=``: it writes dx into a dead incoming gradient
-    that slimgrad.ownership granted (eager only). ``name`` names the autograd node.
+    that slimgrad.ownership granted (eager only). ``name`` names the autograd node; ``double``
+    its backward under ``create_graph=True`` (:func:`norm_double`).
     """
 
     def forward(ctx, x, arg, weight, bias, eps):
         y, mean, rstd, idx, xside = fwd_op(x, arg, weight, bias, eps)
-        ctx.arg = arg
+        ctx.arg, ctx.eps = arg, eps
         ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
         ctx.mark_non_differentiable(mean, rstd, idx, xside)
         return y, mean, rstd, idx, xside
 
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
-        if torch.is_grad_enabled():
-            raise no_double_backward(api)
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
         if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
@@ -365,6 +477,7 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into) -> type:
             None,
         )
 
+    backward = first_order(f"ops.{api}", double=double)(backward)
     return type(
         name,
         (torch.autograd.Function,),
@@ -378,23 +491,13 @@ _LayerNormFn = affine_norm_function(
     _layer_norm_fwd,
     _layer_norm_bwd,
     lambda dy, y, *a, out: _bwd_impl(y)(dy, y, *a, out=out),
+    double=norm_double("ops.layer_norm", F.layer_norm, _rebuild_ln_input),
 )
 
 
 def owns_layout(buf: torch.Tensor | None, y: torch.Tensor) -> bool:
     # dx may be written into the granted buffer: a contiguous (n, d) view of it, in y's dtype
     return buf is not None and buf.shape == y.shape and buf.dtype == y.dtype and buf.is_contiguous()
-
-
-def no_double_backward(api: str, alternative: str | None = None) -> NotImplementedError:
-    # The statistics (and P for softmax) are kept without their own graph, so a second derivative
-    # through them would be silently wrong: refuse it.
-    alternative = alternative or f"torch.nn.functional.{api}"
-    return NotImplementedError(
-        f"slimgrad.ops.{api}: double backward is not supported; expected create_graph=False, got "
-        f"a backward with create_graph=True. Use {alternative} where higher-order gradients are "
-        "needed."
-    )
 
 
 def autocast_inputs(reference_out_dtype: torch.dtype | None, *tensors):
@@ -437,6 +540,8 @@ def layer_norm(
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = [int(s) for s in normalized_shape]
+    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)
     dev = input.device.type
     if torch.is_autocast_enabled(dev):
         probe = F.layer_norm(input.new_empty((0, *normalized_shape)), normalized_shape)
@@ -450,4 +555,8 @@ def layer_norm(
 def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tensor:
     if input.dtype in HALF_DTYPES:  # eager's: exact dgamma needs x (module docstring, Limits)
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
-    return _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
+    refuse_jit("ops.layer_norm")
+    anchor = make_anchor(input)
+    y = _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
+    attach_anchor(y, anchor)
+    return y

@@ -42,11 +42,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
+from slimgrad._autograd import _SecondOrderRefused, first_order, refuse_jit, transforms_active
 from slimgrad._errors import internal_error
 from slimgrad.kernels import _backend
+from slimgrad.ops.layer_norm import make_anchor
 
 __all__ = ["causal_lm_loss", "default_chunk_size", "linear_cross_entropy"]
 
@@ -364,13 +367,26 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    def _double(ctx, grad_out):
+        # refused (first derivatives right, differentiating them raises), tied to the inputs'
+        # anchors: the gradients precomputed in forward carry no graph of their own
+        with torch.no_grad():
+            out = _LinearCrossEntropyFn._first(ctx, grad_out)
+        deps = list(getattr(ctx, "_slimgrad_deps", []))
+        if grad_out.requires_grad:
+            deps.append(grad_out)
+        if not deps:
+            return out
+        return tuple(
+            _SecondOrderRefused.apply("ops.linear_cross_entropy", g, *deps)
+            if isinstance(g, torch.Tensor)
+            else g
+            for g in out
+        )
+
+    @staticmethod
     def backward(ctx, grad_out):
         ownership.check_not_consumed(ctx, _API)
-        if torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"{_API}: double backward is not supported; expected create_graph=False, got "
-                "create_graph=True. Use F.cross_entropy(F.linear(...)) for higher-order gradients."
-            )
         if ctx.pre:
             # 'mean'/'sum': forward saved the gradients for grad_output = 1; scale them by the
             # incoming scalar, out of place unless ownership grants the saved buffer (never under
@@ -470,6 +486,29 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         return dh, dw, db, None, None, None, None, None, None, None, None, None
 
 
+_LinearCrossEntropyFn._first = staticmethod(_LinearCrossEntropyFn.backward)
+_LinearCrossEntropyFn.backward = staticmethod(
+    first_order("ops.linear_cross_entropy", double=_LinearCrossEntropyFn._double)(
+        _LinearCrossEntropyFn._first
+    )
+)
+
+
+def _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf):
+    # The same function with eager ops (torch.func transforms): cross_entropy(c tanh(s z / c)).
+    z = F.linear(hidden, weight, bias) * tf[0] if tf[0] != 1.0 else F.linear(hidden, weight, bias)
+    if tf[1] is not None:
+        z = torch.tanh(z / tf[1]) * tf[1]
+    loss = F.cross_entropy(
+        z.reshape(-1, z.shape[-1]),
+        t.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+    )
+    return loss.reshape(t.shape) if reduction == "none" else loss
+
+
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size):
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(
@@ -564,6 +603,8 @@ def _linear_cross_entropy(
         low = cdt in (torch.float16, torch.bfloat16)
         odt = torch.float32 if upcast and low else cdt
     t = target.long()
+    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        return _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf)
     n, v = t.numel(), weight.shape[0]
     if not torch.compiler.is_compiling() and t.device.type == "cpu" and n and not is_fake(t):
         bad = (t != ignore_index) & ((t < 0) | (t >= v))
@@ -589,8 +630,15 @@ def _linear_cross_entropy(
         )
         if not any(need) or (need[1] and n < hidden.shape[-1]):
             need = None
+    # the inputs' anchors: a refused second derivative stays tied to them even where backward
+    # reads only gradients computed in forward (NOTE [Second derivatives] in _autograd.py)
+    if torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (hidden, weight, bias)
+    ):
+        refuse_jit("ops.linear_cross_entropy")
+    anchors = [a for a in (make_anchor(hidden), make_anchor(weight)) if a is not None]
     with torch.autocast(dev, enabled=False) if autocast else _nullctx():
-        return _LinearCrossEntropyFn.apply(
+        loss = _LinearCrossEntropyFn.apply(
             hidden,
             weight,
             bias,
@@ -604,6 +652,9 @@ def _linear_cross_entropy(
             need,
             tf,
         )
+    if anchors and loss.grad_fn is not None:
+        loss.grad_fn._slimgrad_deps = [a for a, _ in anchors]
+    return loss
 
 
 class _nullctx:

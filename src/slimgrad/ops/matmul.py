@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.ops.linear import autocast_matmul_inputs
 
 __all__ = ["matmul"]
@@ -63,9 +64,15 @@ class _MatmulFn(torch.autograd.Function):
         return _fwd_torch(a, b)
 
     @staticmethod
-    def backward(ctx, dy):
+    def _backward(ctx, dy):
+        # Differentiable torch ops on the kept operands (unpacked with their graphs under
+        # create_graph): also the double backward, with eager's second derivatives.
         a, b = ctx.saved_tensors
         return _bwd_torch(dy, a, b, ctx.a_shape, ctx.b_shape, ctx.needs_input_grad)
+
+    backward = staticmethod(
+        first_order("ops.matmul", double=_backward.__func__)(_backward.__func__)
+    )
 
 
 def matmul(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -91,6 +98,8 @@ def matmul(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
             "tensors of "
             f"dim >= 1, got dims {input.dim()} and {other.dim()}. Use torch.mul for scalars."
         )
+    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        return torch.matmul(input, other)
     dev = input.device.type
     if torch.is_autocast_enabled(dev):
         input, other = autocast_matmul_inputs(input, other)
@@ -99,6 +108,8 @@ def matmul(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     squeeze_a, squeeze_b = input.dim() == 1, other.dim() == 1
     a = input.unsqueeze(0) if squeeze_a else input
     b = other.unsqueeze(-1) if squeeze_b else other
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        refuse_jit("ops.matmul")
     y = _MatmulFn.apply(a, b)
     if squeeze_a:
         y = y.squeeze(-2)

@@ -93,6 +93,7 @@ import torch
 from torch import nn
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._compile import eager_only
 from slimgrad._errors import internal_error
 from slimgrad.kernels import _backend
@@ -125,6 +126,7 @@ class _GridRoundFn(torch.autograd.Function):
         return t64.round_().div_(scale)
 
     @staticmethod
+    @first_order("nn.ReversibleSequential", double=lambda ctx, g: (g.to(ctx.in_dtype), None))
     def backward(ctx, g: torch.Tensor):
         return g.to(ctx.in_dtype), None
 
@@ -382,6 +384,7 @@ class _GridInFn(torch.autograd.Function):
         return _image(plan, u, x.dtype)
 
     @staticmethod
+    @first_order("nn.ReversibleSequential", double=lambda ctx, g: (g, None, None))
     def backward(ctx, g: torch.Tensor):
         return g, None, None
 
@@ -395,6 +398,9 @@ class _GridStepFn(torch.autograd.Function):
         return _image(plan, u, xa.dtype)
 
     @staticmethod
+    @first_order(
+        "nn.ReversibleSequential", double=lambda ctx, g: (g, g.to(ctx.h_dtype), None, None)
+    )
     def backward(ctx, g: torch.Tensor):
         return g, g.to(ctx.h_dtype), None, None
 
@@ -421,6 +427,8 @@ class _Plan:
     stream_dtype: torch.dtype = torch.int32  # exact mode's integer stream
     # id(F, G or block) -> [(submodule, name, parameter)] as seen in forward
     forward_params: dict[int, list] = field(default_factory=dict)
+    # (parameter, its version at forward, its name): checked before the backward recompute
+    param_versions: list = field(default_factory=list)
     bn_layers: dict[int, list] = field(default_factory=dict)  # id(module) -> BatchNorms inside
     stream_fns: Any = _UNSET  # exact mode: the C stream kernels or None, chosen once (_stream_lib)
 
@@ -444,7 +452,23 @@ def _call(plan: _Plan, fn: nn.Module, xb: torch.Tensor) -> torch.Tensor:
 
 def _coupled(plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     # ya = c(xa, h), h = F(xb) (float mode)
+    _check_fg_output(plan, blk, xa, h)
     return _half_fwd(blk, xa, h)
+
+
+def _check_fg_output(plan: _Plan, blk: nn.Module, xa: torch.Tensor, h: torch.Tensor) -> None:
+    # F/G must return the other half's shape (affine: twice it along split_dim, [log-scale,
+    # shift]); a broadcastable shape would silently mix elements, another one fail in torch.
+    want = list(xa.shape)
+    if blk._slimgrad_coupling == "affine":
+        want[plan.split_dim] *= 2
+    if list(h.shape) != want or not isinstance(h, torch.Tensor):
+        raise RuntimeError(
+            f"{_API}: a coupling's F or G returned the wrong shape; expected {tuple(want)} "
+            f"({blk._slimgrad_coupling} coupling of halves {tuple(xa.shape)} along dim "
+            f"{plan.split_dim}), got {tuple(h.shape)}. Make F and G map one half to a tensor "
+            "of that shape."
+        )
 
 
 def _uncoupled(
@@ -646,11 +670,17 @@ def _exact_block_fwd(plan: _Plan, blk: nn.Module, st: _ExactStream, record: bool
     if record:
         plan.samples.append(_samples(plan, (st.a, st.b)))
         rng_f = _rng_get(plan.device) if plan.preserve_rng_state else None
-    qdt_f = st.add("a", blk.F(st.ib if st.ib is not None else _image(plan, st.b)))
+    h = blk.F(st.ib if st.ib is not None else _image(plan, st.b))
+    _check_fg_output(plan, blk, st.a, h)
+    qdt_f = st.add("a", h)
+    del h
     if record:
         rng_g = _rng_get(plan.device) if plan.preserve_rng_state else None
         plan.rng.append((rng_f, rng_g))
-    qdt_g = st.add("b", blk.G(st.ia if st.ia is not None else _image(plan, st.a)))
+    h = blk.G(st.ia if st.ia is not None else _image(plan, st.a))
+    _check_fg_output(plan, blk, st.b, h)
+    qdt_g = st.add("b", h)
+    del h
     if record:
         plan.qdt.append((qdt_f, qdt_g))
 
@@ -672,8 +702,9 @@ def _finish(plan: _Plan, stream: tuple) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- backward steps
-def _grad(outs, inputs: list, grads) -> list:
+def _grad(outs, inputs: list, grads, plan: _Plan) -> list:
     # autograd.grad that tolerates inputs outside the graph and an empty input list.
+    _check_captured(plan, outs, inputs)
     live = [i for i, t in enumerate(inputs) if t is not None]
     res: list = [None] * len(inputs)
     if not live:
@@ -682,6 +713,35 @@ def _grad(outs, inputs: list, grads) -> list:
     for i, g in zip(live, got):
         res[i] = g
     return res
+
+
+def _check_captured(plan: _Plan, outs: torch.Tensor, inputs: list) -> None:
+    # The recompute's graph may reach only the block input's leaf and the chain's parameters: a
+    # tensor requiring grad that F/G captured otherwise (a closure, a plain attribute, another
+    # module's parameter) would silently get no gradient. Walk the graph (depth first, so a
+    # captured non-leaf reaches the leaf it came from quickly) and refuse such a tensor.
+    allowed = {id(t) for t in inputs if t is not None}
+    allowed.update(id(p) for p in plan.flat_params)
+    seen: set = set()
+    stack = [outs.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:  # AccumulateGrad: a leaf requiring grad
+            if id(var) not in allowed:
+                raise RuntimeError(
+                    f"{_API}: a block's F or G uses a tensor that requires grad but is not a "
+                    f"parameter of the chain (shape {tuple(var.shape)}); expected only the block "
+                    "input and the blocks' own parameters to require grad, got a captured "
+                    "tensor, which the reversible backward could not give a gradient. Register "
+                    "it as an nn.Parameter of F or G, detach it, or build the chain with "
+                    "reversible=False."
+                )
+            continue
+        stack.extend(n for n, _ in node.next_functions)
 
 
 def _sole(t: torch.Tensor) -> bool:
@@ -750,7 +810,7 @@ def _half_bwd(
             inputs = [xb_l if need_xb else None, xa_l if need_xa else None, *params]
         del h
         if outs.requires_grad:
-            got = _grad(outs, inputs, gout)
+            got = _grad(outs, inputs, gout, plan)
         else:
             got = [None] * len(inputs)
         del outs, inputs, gout
@@ -783,7 +843,7 @@ def _exact_half_bwd(
             h = _as_in_forward(plan, fn)(xb_l)
         inputs = [xb_l if need_xb else None, *params]
         del xb_l
-        got = _grad(h, inputs, dya.to(h.dtype)) if h.requires_grad else [None] * len(inputs)
+        got = _grad(h, inputs, dya.to(h.dtype), plan) if h.requires_grad else [None] * len(inputs)
         del inputs
     with torch.no_grad():
         # stream halves never reach user code (F and G see images), so ownership is structural
@@ -868,7 +928,7 @@ def _block_bwd(
         with _recompute(plan, blk, rng_f):
             y_re = _as_in_forward(plan, blk)(x_l)
         inputs = [x_l if need_upstream else None] + [flat_params[j] for j in idx]
-        got = _grad(y_re, inputs, dy) if y_re.requires_grad else [None] * len(inputs)
+        got = _grad(y_re, inputs, dy, plan) if y_re.requires_grad else [None] * len(inputs)
         del y_re, inputs, dy
     _accumulate(pgrads, idx, got[1:])
     state[:] = [(x,), False, (got[0],), (False, False)]
@@ -910,7 +970,8 @@ def _param_table(plan: _Plan) -> list[torch.Tensor]:
             plan.forward_params[id(m)] = entries
             plan.bn_layers[id(m)] = bns
             ids: list[int] = []
-            for *_, p in entries:
+            for _sub, name, p in entries:
+                plan.param_versions.append((p, p._version, name))
                 if not p.requires_grad:
                     continue
                 j = index.get(id(p))
@@ -985,15 +1046,11 @@ class _ReversibleChainFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("nn.ReversibleSequential")
     def backward(ctx, dy: torch.Tensor):
         ownership.check_not_consumed(ctx, _API)
         plan: _Plan = ctx.plan
-        if torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"{_API}: higher-order gradients are not supported by the reversible backward; "
-                "expected create_graph=False, got create_graph=True. Build the chain with "
-                "reversible=False to differentiate twice."
-            )
+        _check_param_versions(plan)
         (y,) = ctx.saved_tensors
         # Exact mode saved its own integer stream (never handed out): unless the graph is kept
         # (retain_graph) or someone else holds it, the last block rebuilds its input into it
@@ -1004,6 +1061,20 @@ class _ReversibleChainFn(torch.autograd.Function):
             plan, y, dy, ctx.needs_input_grad[1], ctx.needs_input_grad[2:], y_own=own
         )
         return (None, dx, *[pgrads.get(j) for j in range(len(plan.flat_params))])
+
+
+def _check_param_versions(plan: _Plan) -> None:
+    # The recompute must see the parameters forward saw: an in-place change in between (an
+    # optimizer step before backward) raises autograd's error, as eager's saved tensors would.
+    for p, v, name in plan.param_versions:
+        if p._version != v:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [parameter {name!r} of a block, {tuple(p.shape)}] is at "
+                f"version {p._version}; expected version {v} instead. Hint: {_API} recomputes "
+                "its blocks in backward from the parameters as they were in forward; do not "
+                "modify them (e.g. optimizer.step()) between forward and backward."
+            )
 
 
 def _rebuilt_for(plan: _Plan, i: int, stream: tuple) -> tuple:
@@ -1073,9 +1144,20 @@ def reversible_sequential(
         sink=sink,
         stream_dtype=stream_dtype,
     )
+    if transforms_active():
+        # NOTE [torch.func transforms] in slimgrad/_autograd.py: ordinary autograd through the
+        # blocks (float mode); the fixed-point stream's Functions have no functorch rules
+        if exact:
+            raise NotImplementedError(
+                f"{_API}: exact mode cannot run under torch.func transforms; expected exact="
+                "False, got exact=True under grad/vmap/jacrev. Build the chain with exact=False "
+                "for torch.func."
+            )
+        return _fwd_torch(plan, x, record=False)
     flat = _param_table(plan) if torch.is_grad_enabled() and reversible else []
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or bool(flat))
     if reversible and needs_graph and len(plan.blocks) > 0:
+        refuse_jit("nn.ReversibleSequential")
         plan.flat_params = flat
         y = _apply(plan, x, flat)
     elif exact:

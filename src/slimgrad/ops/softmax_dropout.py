@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
-from slimgrad.ops._library import custom_op
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._library import custom_op
 from slimgrad.ops.dropout import _check_p
-from slimgrad.ops.layer_norm import no_double_backward
 
 # the module (the package attribute slimgrad.ops.dropout is the function)
 _dropout = importlib.import_module("slimgrad.ops.dropout")
@@ -187,6 +187,7 @@ class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
         return out, probs, bits
 
     @staticmethod
+    @first_order("ops.softmax_dropout_matmul")
     def backward(ctx, d_out, *_):
         ownership.check_not_consumed(ctx, _API)
         if d_out is None:  # only the non-differentiable outputs were used
@@ -194,10 +195,6 @@ class _SoftmaxDropoutMatmulFn(torch.autograd.Function):
         probs, bits, v = ctx.saved_tensors
         need_s, need_mask = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
         mask = [need_s or need_mask, ctx.needs_input_grad[1]]
-        if torch.is_grad_enabled():
-            raise no_double_backward(
-                "softmax_dropout_matmul", "F.dropout(F.softmax(scores, dim), p) @ value"
-            )
         # P's buffer can hold the rebuilt D for dV (saves an S-sized allocation) when nobody else
         # reads P: NOTE [Gradient-buffer ownership]; take_saved marks ctx consumed.
         own = (
@@ -297,7 +294,9 @@ def softmax_dropout_matmul(
     if mask is not None:
         _check_mask(input, mask)
     p_eff = float(p) if training and input.numel() > 0 else 0.0
-    if p_eff == 1.0:
+    if p_eff == 1.0 or transforms_active():
+        # eager's composition: p = 1 (nothing to keep), or under torch.func (NOTE [torch.func
+        # transforms] in slimgrad/_autograd.py)
         if causal:
             drop = torch.ones(input.shape[-2:], dtype=torch.bool, device=input.device).triu_(1)
             input = input.masked_fill(drop, float("-inf"))
@@ -309,8 +308,9 @@ def softmax_dropout_matmul(
             dead = input.amax(dim, keepdim=True) == float("-inf")
             # dead rows: finite before softmax (no NaN in its backward), 0 after
             probs = F.softmax(input.masked_fill(dead, 0.0), dim).masked_fill(dead, 0.0)
-            return torch.matmul(F.dropout(probs, 1.0, True), value)
-        return torch.matmul(F.dropout(F.softmax(input, dim), 1.0, True), value)
+            return torch.matmul(F.dropout(probs, p_eff, True), value)
+        return torch.matmul(F.dropout(F.softmax(input, dim), p_eff, True), value)
+    refuse_jit("ops.softmax_dropout_matmul")
     # Keep a compact V: a strided view (e.g. of a fused qkv output) would keep its whole base alive.
     value = value.contiguous()
     dev = input.device.type
