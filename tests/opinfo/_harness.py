@@ -18,7 +18,14 @@ supports the dtype on CPU. A check is one of:
 - ``inplace``: the in-place variant where the OpInfo has one (values, identity of the result,
   gradients through a non-leaf with the sample's strides);
 - ``error``: an error input must raise eager's error type with eager's message or a slimgrad
-  message naming the op.
+  message naming the op;
+- ``noncontig`` / ``channels_last`` (norms, conv, linear; float32): ``forward`` and ``grad`` on the
+  sample with every tensor non-contiguous, and with a 4-D/5-D input in channels_last (their
+  OpInfo samples are all contiguous; the elementwise ops' reference inputs already include
+  strided, transposed and overlapping layouts).
+
+Random ops (dropout) are compared bit for bit with ``F.dropout`` from the same seed. Gradients of
+elementwise ops at NaN inputs are not compared (see ``_nan_inputs``).
 
 A slimgrad error (``slimgrad.<api>: ...``) where eager returns is a refusal: it passes only when
 ``_tables.REFUSED`` lists it. Everything else that fails is a finding; ``_tables.KNOWN`` lists the

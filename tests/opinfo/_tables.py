@@ -26,17 +26,8 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
     "gelu": [(_DOUBLE, _double_refused(r"(ops\.)?gelu"))],
     "silu": [(_DOUBLE, _double_refused(r"(ops\.)?silu"))],
     "mish": [(_DOUBLE, _double_refused(r"(ops\.)?mish"))],
-    "layer_norm": [(_DOUBLE, _double_refused(r"ops\.layer_norm"))],
     # rms_norm keeps y (not x) in every OpInfo sample: first_order's refusing node
     "rms_norm": [(_DOUBLE, _double_refused(r"ops\.rms_norm"))],
-    # group_norm refuses on its own path; samples it sends to eager's F.group_norm
-    # (#0-15, #20 here) differentiate twice like eager.
-    "group_norm": [
-        (
-            r"^(double|gradgradcheck) group_norm f64 #(1[6-9]|2[1-9]|3[0-2]) ",
-            _double_refused(r"ops\.group_norm"),
-        )
-    ],
 }
 
 
@@ -46,18 +37,6 @@ def _ids(prefix: str, indices: list[int], reason: str) -> list[tuple[str, str]]:
 
 # Open findings (see /work/notes/opinfo_findings.md for messages and reproducers). Generated
 # from `python -m tests.opinfo._report` (<out>.known), reasons written by hand.
-_NONE2 = (
-    "silent None in double backward: d/dinput of <grads, v> is None where eager's is nonzero "
-    "(the backward is not differentiable and does not refuse; issue 15 double backward)"
-)
-_BN_EMPTY = (
-    "batch_norm refuses an empty 1-D input eager accepts: 'running_mean should contain one "
-    "element per channel; expected 1 elements, got 0'"
-)
-_CONV_RANK = (
-    "conv with padding='same' and a weight of another rank: aten's stride message instead of "
-    "eager's 'Expected N-dimensional input for N-dimensional weight'"
-)
 _GELU_TYPE = "gelu: unknown approximate raises ValueError; eager raises RuntimeError"
 _GN_RULE = (
     "group_norm grad weight (20, 6, 10, 10), 6 groups, f32: max|out-ref64| 1.022e-05 > "
@@ -68,21 +47,6 @@ KNOWN: dict[str, str] = dict(
     [
         *_ids("error:gelu-err", [0], _GELU_TYPE),
         *_ids("sample:group_norm-f32", [27], _GN_RULE),
-        *_ids("sample:batch_norm-f64", [3, 4], _BN_EMPTY),
-        *_ids("sample:batch_norm-f32", [3, 4], _BN_EMPTY),
-        *_ids("sample:batch_norm-bf16", [3, 4], _BN_EMPTY),
-        *_ids("sample:batch_norm-f16", [3, 4], _BN_EMPTY),
-        *_ids("noncontig:batch_norm-f32", [3, 4], _BN_EMPTY),
-        *_ids("f64:batch_norm-f64", [3, 4], _BN_EMPTY),
-        *_ids("f64:batch_norm-f64", [0, 1, 2, 5, 6, 7, 8, 9, 10, 11], _NONE2),
-        *_ids("f64:conv1d-f64", list(range(10)), _NONE2),
-        *_ids("f64:conv2d-f64", list(range(30)), _NONE2),
-        *_ids("f64:conv3d-f64", list(range(20)), _NONE2),
-        *_ids("f64:conv_transpose1d-f64", list(range(10)), _NONE2),
-        *_ids("f64:conv_transpose2d-f64", list(range(12)), _NONE2),
-        *_ids("f64:conv_transpose3d-f64", list(range(10)), _NONE2),
-        *_ids("error:conv2d-err", [5], _CONV_RANK),
-        *_ids("error:conv3d-err", [5], _CONV_RANK),
     ]
 )
 
