@@ -282,3 +282,26 @@ def test_no_writer_keeps_the_saving():
     for train in (True, False):
         rep = _check(Grid(nn.LayerNorm(8), nn.ReLU(), "plain"), torch.randn(6, 8), train)
         assert "norm" in {n for n, _, _ in rep.converted}
+
+
+class _CountingBlock(nn.Module):
+    # updates its own buffer in forward (as timm's BatchNormAct2d does with num_batches_tracked)
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.norm = nn.LayerNorm(8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.act(self.norm(x))
+
+
+def test_convert_traces_without_running_buffer_updates():
+    # the in-place guard and the ABN pass trace forwards with torch.fx: a buffer update in a
+    # traced forward must be recorded in the graph, not run on the model's real buffer
+    model = nn.Sequential(nn.Linear(8, 8), _CountingBlock(), nn.BatchNorm1d(8), nn.ReLU())
+    slimgrad.convert_(model, slimgrad.ConvertConfig(inplace_abn=True))
+    assert int(model[1].calls) == 0
+    rep = str(slimgrad.report(model))
+    assert "norm" in rep  # the block was analysed: its LayerNorm is reported (kept: ReLU writes)

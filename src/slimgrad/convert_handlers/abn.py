@@ -66,6 +66,8 @@ def _trace(parent: nn.Module) -> torch.fx.Graph:
     import torch.fx
 
     class _LeafTracer(torch.fx.Tracer):
+        proxy_buffer_attributes = True  # the root's own buffer updates are recorded, not run
+
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
             return True
 

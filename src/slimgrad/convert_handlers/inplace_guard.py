@@ -152,6 +152,10 @@ for _op in _INPLACE_OPERATORS - {operator.setitem}:
 
 
 class _LeafTracer(torch.fx.Tracer):
+    # Buffers become graph nodes: a traced forward that updates one (timm's BatchNormAct2d bumps
+    # num_batches_tracked) then records the update instead of running it on the real buffer.
+    proxy_buffer_attributes = True
+
     def __init__(self, root: nn.Module):
         super().__init__()
         self._root = root
