@@ -131,7 +131,7 @@ def test_bench_script_smoke():
     cmd = [
         sys.executable,
         "-m",
-        "slimgrad.kernels._bench",
+        "slimgrad.bench.kernels",  # moved out of kernels/ (issue 15, the house)
         "--smoke",
         "--only",
         "gelu,dropout,rms,ce,inplace",

@@ -230,20 +230,35 @@ class OutputActTests:
         torch.testing.assert_close(res[0], res[1])
 
     def test_create_graph(self, case):
+        # float64: eager's second derivatives for every op (the smooth ones keep x in float64)
         x0 = _rand((6, 7), torch.float64, case.scale)
         x = x0.clone().requires_grad_()
-        y = case.slim(x * 1, False).square().sum()
-        if not case.double_backward:
-            with pytest.raises(RuntimeError, match="double backward"):
-                torch.autograd.grad(y, x, create_graph=True)
-            return
-        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        (g,) = torch.autograd.grad(case.slim(x * 1, False).square().sum(), x, create_graph=True)
         (gg,) = torch.autograd.grad(g.sum(), x)
         xe = x0.clone().requires_grad_()
         (ge,) = torch.autograd.grad(case.eager(xe * 1).square().sum(), xe, create_graph=True)
         (gge,) = torch.autograd.grad(ge.sum(), xe)
         torch.testing.assert_close(g, ge)
         torch.testing.assert_close(gg, gge)
+        assert torch.autograd.gradgradcheck(lambda t: case.slim(t * 1, False), (x,))
+
+    def test_create_graph_float32(self, case):
+        # eager's second derivatives, or (smooth ops keeping y, bits and a table: f'' is not
+        # there) a slimgrad error when the first derivative is differentiated; never a silent None
+        x0 = _rand((6, 7), torch.float32, case.scale)
+        x = x0.clone().requires_grad_()
+        (g,) = torch.autograd.grad(case.slim(x * 1, False).square().sum(), x, create_graph=True)
+        xe = x0.clone().requires_grad_()
+        (ge,) = torch.autograd.grad(case.eager(xe * 1).square().sum(), xe, create_graph=True)
+        torch.testing.assert_close(g, ge)
+        dense = case.spec is not None and hard_count(case.spec, x0) * FALLBACK_DIV > x0.numel()
+        if case.double_backward or dense:
+            (gg,) = torch.autograd.grad(g.sum(), x)
+            (gge,) = torch.autograd.grad(ge.sum(), xe)
+            torch.testing.assert_close(gg, gge)
+        else:
+            with pytest.raises(RuntimeError, match=r"slimgrad\.ops\.\w+: a second derivative"):
+                torch.autograd.grad(g.sum(), x, allow_unused=True)
 
     @pytest.mark.parametrize("inplace", [False, True])
     def test_hooks_and_retain_grad(self, case, inplace):
@@ -280,6 +295,48 @@ class OutputActTests:
             fn(v)
             (gx,) = torch.autograd.grad((h * h).sum(), base)
             res.append((h.detach(), gx))
+        torch.testing.assert_close(res[0], res[1])
+
+    @pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
+    def test_layout_as_eager(self, case, layout):
+        # eager keeps the input's layout; its backward follows the incoming gradient's (NOTE
+        # [Layout of the smooth activations]); values as eager's
+        torch.manual_seed(5)
+        base = _rand((2, 6, 5, 3), scale=case.scale)
+        make = {
+            "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+            "transposed": lambda t: t.transpose(1, 3),
+            "sliced": lambda t: t[:, ::2],
+        }[layout]
+        shape = make(base).shape
+        grads = {
+            "contiguous": torch.randn(shape),
+            "as_input": make(torch.randn(base.shape)),
+            "channels_last": torch.randn(shape).contiguous(memory_format=torch.channels_last),
+            "expanded": torch.randn(1).expand(shape),
+        }
+        for gname, g in grads.items():
+            res = []
+            for fn in (lambda t: case.slim(t, False), case.eager):
+                leaf = base.clone().requires_grad_()
+                h = make(leaf * 1)
+                y = fn(h)
+                (gh,) = torch.autograd.grad(y, h, g)
+                res.append((y.detach(), gh))
+            (y, gh), (ye, ghe) = res
+            assert y.stride() == ye.stride(), (gname, y.stride(), ye.stride())
+            assert gh.stride() == ghe.stride(), (gname, gh.stride(), ghe.stride())
+            torch.testing.assert_close(y, ye)
+            torch.testing.assert_close(gh, ghe)
+        # in place on such a view: values and gradients as eager's
+        res = []
+        for fn in (lambda t: case.slim(t, True), lambda t: t.copy_(case.eager(t.clone()))):
+            leaf = base.clone().requires_grad_()
+            h = make(leaf * 1)
+            y = fn(h)
+            assert y is h
+            (gl,) = torch.autograd.grad(y, leaf, grads["contiguous"])
+            res.append((y.detach(), gl))
         torch.testing.assert_close(res[0], res[1])
 
     @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])

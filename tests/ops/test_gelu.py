@@ -117,6 +117,8 @@ def test_inplace_alias_and_bad_approximate():
     h = x * 1
     assert gelu_(h, "tanh") is h
     with pytest.raises(ValueError, match=r"slimgrad.gelu: unknown approximate"):
+        gelu(torch.randn(3, requires_grad=True), approximate="asdf")
+    with pytest.raises(RuntimeError, match=r"slimgrad.gelu: unknown approximate"):  # eager's type
         gelu(x, "fast")
 
 

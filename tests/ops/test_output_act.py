@@ -164,3 +164,49 @@ def test_gradient_over_the_whole_range(op, dtype):
     me = torch.zeros(241, dtype=torch.float64).scatter_reduce(0, w, e_eager[keep], "amax")
     bad = (mo > 2 * me + DEFAULT_ATOL[dtype]).nonzero().view(-1)
     assert bad.numel() == 0, [(int(i) - 120) / 2 for i in bad[:5]]
+
+
+# torch.func and TorchScript (NOTE [torch.func transforms] in slimgrad/_autograd.py) -------------
+_FUNC_OPS = {
+    "relu": (relu, F.relu),
+    "sigmoid": (sigmoid, torch.sigmoid),
+    "tanh": (tanh, torch.tanh),
+    "hardtanh": (lambda t: hardtanh(t, -0.5, 0.7), lambda t: F.hardtanh(t, -0.5, 0.7)),
+    "relu6": (relu6, F.relu6),
+    "leaky_relu": (lambda t: leaky_relu(t, 0.2), lambda t: F.leaky_relu(t, 0.2)),
+    "leaky_relu_neg": (lambda t: leaky_relu(t, -0.3), lambda t: F.leaky_relu(t, -0.3)),
+    "elu": (lambda t: elu(t, 0.8), lambda t: F.elu(t, 0.8)),
+    "elu_neg": (lambda t: elu(t, -0.7), lambda t: F.elu(t, -0.7)),
+    "gelu": (gelu, F.gelu),
+    "gelu_tanh": (lambda t: gelu(t, "tanh"), lambda t: F.gelu(t, approximate="tanh")),
+    "silu": (silu, F.silu),
+    "mish": (mish, F.mish),
+}
+
+
+@pytest.mark.parametrize("op", list(_FUNC_OPS))
+def test_torch_func_transforms_as_eager(op):
+    slim, eager = _FUNC_OPS[op]
+    torch.manual_seed(7)
+    x = torch.randn(3, 5) * 3
+    for transform in (
+        lambda f: torch.func.grad(lambda t: f(t).square().sum()),
+        torch.func.vmap,
+        torch.func.jacrev,
+        lambda f: torch.func.vmap(torch.func.grad(lambda t: f(t).sum())),
+    ):
+        torch.testing.assert_close(transform(slim)(x), transform(eager)(x))
+    # a transform over a tensor that requires grad: autograd still works through it
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(torch.func.vmap(slim)(xr).square().sum(), xr)
+    (ge,) = torch.autograd.grad(torch.func.vmap(eager)(xr).square().sum(), xr)
+    torch.testing.assert_close(g, ge)
+
+
+@pytest.mark.parametrize("op", list(_FUNC_OPS))
+def test_jit_trace_refused(op):
+    slim, _ = _FUNC_OPS[op]
+    x = torch.randn(3, 5, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"slimgrad\.ops\.\w+: torch\.jit\.trace cannot"):
+        torch.jit.trace(slim, (x,))
+    torch.jit.trace(slim, (x.detach(),))  # nothing recorded by autograd: eager's op, traceable

@@ -13,6 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad._errors import internal_error
+from slimgrad._math import smooth
 from slimgrad.ops import _output_act as oa
 from slimgrad.ops._bits import pack_bits, packed_numel
 from slimgrad.ops._output_act import (
@@ -290,7 +291,7 @@ def test_every_float32_at_the_thresholds(case):
 @pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=IDS[:2] + IDS[3:])
 def test_bigger_chunks_keep_the_order(case, monkeypatch):
     """BIG > CHUNK (the sorted window/tail merge inside one BIG chunk) gives the same results."""
-    monkeypatch.setattr(oa, "BIG", 4 * CHUNK)
+    monkeypatch.setattr(smooth, "BIG", 4 * CHUNK)  # smooth_fwd lives in slimgrad._math.smooth
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9 * CHUNK + 5, generator=gen) * 1.7  # tail hits in most CHUNKs
     x[5 * CHUNK + 3] = math.nan

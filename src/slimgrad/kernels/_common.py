@@ -13,7 +13,7 @@ import triton before it sets the flag and still interpret every kernel after rel
 runtime bound (the interpreter cannot turn a runtime bound into ``range``'s int).
 
 # NOTE [Bit order]
-Packed masks follow ``slimgrad.ops._bits``: element i of a logically row-major flattening is bit
+Packed masks follow ``slimgrad._math.bits``: element i of a logically row-major flattening is bit
 ``i % 8`` (least significant first) of byte ``i // 8``; padding bits are 0. A kernel packs a block
 of 8*R elements as an (R, 8) tile: ``byte = sum_j bit_j << j`` along the second axis.
 """

@@ -1,6 +1,7 @@
 """Triton kernels of the activations that compute their gradient from their output.
 
-Two families, as in ``slimgrad.ops._output_act`` (NOTE [Gradient from the output] there):
+Two families, as in ``slimgrad.ops._output_act`` (NOTE [Gradient from the output] there); the
+shared math and reference come from ``slimgrad._math.smooth`` (NOTE [Kernels are leaves]):
 
 * monotone (relu, leaky_relu, elu, sigmoid, tanh, hardtanh): one generic elementwise kernel per
   direction, the activation chosen by a constexpr; forward y = f(x), backward dx = g * f'(y) with
@@ -31,9 +32,9 @@ import triton
 import triton.language as tl
 
 from slimgrad._errors import internal_error
+from slimgrad._math import smooth as _ref
+from slimgrad._math.bits import packed_numel
 from slimgrad.kernels._common import BLOCK, add, cast_out, expm1, grid1, pack_tile, tanh, unpack
-from slimgrad.ops import _output_act as _ref
-from slimgrad.ops._bits import packed_numel
 
 # ---------------------------------------------------------------------------------------------
 # monotone activations
@@ -186,7 +187,7 @@ def _smooth_f64(x, ACT: tl.constexpr):
 
 @triton.jit
 def _hard(x, x_star, window, tail, TAIL: tl.constexpr):
-    # elements kept exactly (ops._output_act.smooth_fwd): near x*, the tail, non-finite
+    # elements kept exactly (_math.smooth.smooth_fwd): near x*, the tail, non-finite
     t = tl.abs(x - x_star)
     hard = (t < window) | ~(t < float("inf"))
     if TAIL:
@@ -241,7 +242,7 @@ def _smooth_bwd_kernel(
     g_ptr, y_ptr, bits_ptr, tab_ptr, dx_ptr, n, y_hi, y_lo, s2_max, sc_r, sc_l,
     NT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # f'(x) from y and the branch bit, as ops._output_act._Inverse.df: the table is
+    # f'(x) from y and the branch bit, as _math.smooth._Inverse.df: the table is
     # [right (NT) | pad | left (NT) | pad]; right: pos = s sc_r, left: pos = NT + 1 + s sc_l
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -263,7 +264,7 @@ _SMOOTH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True):
-    """``ops._output_act.smooth_fwd`` with Triton kernels: (y, bits, idx, xs). y, bits and the
+    """``_math.smooth.smooth_fwd`` with Triton kernels: (y, bits, idx, xs). y, bits and the
     fallback rule as the PyTorch path; idx / xs hold the same elements, in ascending order."""
     if x.dtype not in _SMOOTH_DTYPES or x.numel() == 0 or x.dim() == 0:
         return _ref.smooth_fwd(spec, x, fwd_torch, fallback)
@@ -300,7 +301,7 @@ def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True
 
 
 def smooth_grad(spec, g, y, bits, idx, xs, bwd_exact):
-    """``ops._output_act.smooth_grad`` as one Triton kernel plus the side-table fix-up."""
+    """``_math.smooth.smooth_grad`` as one Triton kernel plus the side-table fix-up."""
     n = g.numel()
     if (
         y is None

@@ -7,25 +7,31 @@ the PyTorch path. Memory: as ``slimgrad.ops.leaky_relu``.
 
 from __future__ import annotations
 
-import importlib
-
+import torch
 from torch import Tensor
 
 from slimgrad.kernels._output_act import LEAKY_RELU, mono_bwd, mono_fwd
 
-# the submodules (slimgrad.ops re-exports functions under the same names)
-_ref = importlib.import_module("slimgrad.ops.leaky_relu")
+
+# eager's own ops, the fallback for layouts and dtypes the kernels do not take (kernels import
+# nothing from slimgrad.ops: NOTE [Kernels are leaves] in slimgrad._math)
+def _eager(x: Tensor, negative_slope: float) -> Tensor:
+    return torch.nn.functional.leaky_relu(x, negative_slope)
+
+
+def _eager_bwd(g: Tensor, y: Tensor, negative_slope: float) -> Tensor:
+    return torch.ops.aten.leaky_relu_backward(g, y, negative_slope, True)
 
 
 def _fwd_triton(x: Tensor, negative_slope: float = 0.01) -> Tensor:
     y = mono_fwd(x, LEAKY_RELU, negative_slope)
-    return _ref._fwd_torch(x, negative_slope) if y is None else y
+    return _eager(x, negative_slope) if y is None else y
 
 
 def _fwd_triton_(x: Tensor, negative_slope: float = 0.01) -> Tensor:
     # in place: x <- act(x); the PyTorch fallback writes through copy_
     y = mono_fwd(x, LEAKY_RELU, negative_slope, out=x)
-    return x.copy_(_ref._fwd_torch(x, negative_slope)) if y is None else y
+    return x.copy_(_eager(x, negative_slope)) if y is None else y
 
 
 def _bwd_triton(
@@ -35,5 +41,5 @@ def _bwd_triton(
     dx = mono_bwd(g, y, LEAKY_RELU, negative_slope, out=out)
     if dx is not None:
         return dx
-    dx = _ref._bwd_torch(g, y, negative_slope)
+    dx = _eager_bwd(g, y, negative_slope)
     return dx if out is None else out.copy_(dx)

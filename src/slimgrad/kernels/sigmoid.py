@@ -7,25 +7,31 @@ PyTorch path. Memory: as ``slimgrad.ops.sigmoid``.
 
 from __future__ import annotations
 
-import importlib
-
+import torch
 from torch import Tensor
 
 from slimgrad.kernels._output_act import SIGMOID, mono_bwd, mono_fwd
 
-# the submodules (slimgrad.ops re-exports functions under the same names)
-_ref = importlib.import_module("slimgrad.ops.sigmoid")
+
+# eager's own ops, the fallback for layouts and dtypes the kernels do not take (kernels import
+# nothing from slimgrad.ops: NOTE [Kernels are leaves] in slimgrad._math)
+def _eager(x: Tensor) -> Tensor:
+    return torch.sigmoid(x)
+
+
+def _eager_bwd(g: Tensor, y: Tensor) -> Tensor:
+    return torch.ops.aten.sigmoid_backward(g, y)
 
 
 def _fwd_triton(x: Tensor) -> Tensor:
     y = mono_fwd(x, SIGMOID)
-    return _ref._fwd_torch(x) if y is None else y
+    return _eager(x) if y is None else y
 
 
 def _fwd_triton_(x: Tensor) -> Tensor:
     # in place: x <- act(x); the PyTorch fallback writes through copy_
     y = mono_fwd(x, SIGMOID, out=x)
-    return x.copy_(_ref._fwd_torch(x)) if y is None else y
+    return x.copy_(_eager(x)) if y is None else y
 
 
 def _bwd_triton(g: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
@@ -33,5 +39,5 @@ def _bwd_triton(g: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
     dx = mono_bwd(g, y, SIGMOID, out=out)
     if dx is not None:
         return dx
-    dx = _ref._bwd_torch(g, y)
+    dx = _eager_bwd(g, y)
     return dx if out is None else out.copy_(dx)

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 
 __all__ = [
     "ACTIVATIONS",
@@ -236,6 +237,15 @@ def _bad_act(act) -> ValueError:
     )
 
 
+def _act_double(ctx, grad: torch.Tensor) -> torch.Tensor:
+    # create_graph=True: b is kept (with its graph), so eager's activation is recomputed from it and
+    # differentiated with create_graph: eager's second derivatives (NOTE [Second derivatives])
+    (b,) = ctx.saved_tensors
+    with torch.enable_grad():
+        (db,) = torch.autograd.grad(apply_act(ctx.act, b), b, grad, create_graph=True)
+    return db
+
+
 class _DerivedActFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, b: torch.Tensor, act):
@@ -245,7 +255,7 @@ class _DerivedActFn(torch.autograd.Function):
         return r
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order("ops.activation", double=lambda ctx, grad: (_act_double(ctx, grad), None))
     def backward(ctx, grad):
         (b,) = ctx.saved_tensors
         return _act_backward(ctx.act, grad, b), None
@@ -289,8 +299,10 @@ def activation(
         and torch.is_grad_enabled()
         and x.requires_grad
         and not _tracing()
+        and not transforms_active()  # NOTE [torch.func transforms]: eager's op
         and claim_source(x)
     ):
+        refuse_jit("ops.activation")
         r = _DerivedActFn.apply(x, spec)
         _DERIVED[r] = Derived(x.detach(), x._version, spec, r._version)
         return r

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits
 from slimgrad.ops._output_act import forward_output_only
@@ -69,6 +70,13 @@ def output_only_function(
             ctx, x, inplace, lambda t: fwd(t, *params), lambda t: fwd_(t, *params)
         )
 
+    def double(ctx, g):
+        # create_graph=True: eager's formula from y with differentiable ops; autograd continues
+        # through y's node (NOTE [Second derivatives] in slimgrad._autograd): eager's result
+        (y,) = ctx.saved_tensors
+        return bwd_torch(g, y, *ctx.params), *((None,) * (len(ctx.params) + 1))
+
+    @first_order(f"ops.{stem}", double=double)
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (y,) = ctx.saved_tensors

@@ -34,8 +34,15 @@ bfloat16 value, and random inputs, against the GUIDE.md rule.
 
 float64 inputs keep x densely (as eager): the tables are float32-grade (~1e-8).
 
+Layout: outputs and gradients have eager's strides (NOTE [Layout of the smooth activations] at
+:func:`smooth_forward`). Second derivatives (``create_graph=True``): eager's where x is kept
+(float64, the dense fallback), otherwise a ``slimgrad.ops.<op>`` error when the gradient is
+differentiated (:func:`smooth_double`); torch.func transforms run eager's op.
+
 Implementations (NOTE [Kernel backend choice] in ``slimgrad.kernels._backend``): the PyTorch path
-(``smooth_fwd`` / ``smooth_grad``, chunked), Triton on CUDA, and on CPU float32 compiled C
+(``smooth_fwd`` / ``smooth_grad``, chunked; with the specs and tables in ``slimgrad._math.smooth``,
+below both this module and the kernels: NOTE [Kernels are leaves] in ``slimgrad._math``), Triton
+on CUDA, and on CPU float32 compiled C
 (``kernels/cpu/output_act.c``, ``smooth_fwd_c`` / ``smooth_grad_c``): y still comes from eager's
 own kernel, then one vectorized pass writes the bits, corrects the zone and counts the hard
 elements per 2^16 block, a second collects them (block offsets by prefix sum, so the order is
@@ -55,29 +62,29 @@ float32), without bits, table or y: the op never keeps more than eager plus y.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import _disable_current_modes
 
-from slimgrad import ownership
+from slimgrad import _autograd, ownership
 from slimgrad._errors import internal_error
+from slimgrad._math.bits import packed_numel
+from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
+    _HUGE,
+    _TABLE_N,
+    BIG,
+    CHUNK,
+    FALLBACK_DIV,
+    SmoothSpec,
+    _Inverse,
+    _window,
+    inverse,
+    is_dense_fallback,
+    smooth_fwd,
+    smooth_grad,
+)
 from slimgrad.kernels import _backend
-from slimgrad.ops._bits import pack_bits, packed_numel
-
-# elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
-CHUNK = 1 << 16
-# the forward loop runs over BIG chunks (a multiple of CHUNK; the hard elements stay ordered as by
-# CHUNK: window hits, then tail hits, chunk after chunk); the backward over CHUNKs. Measured on the
-# 4x256x3072 GELU: BIG = 2^17 or 2^18 no faster than 2^16 within the (shared) CPU's noise, and
-# 2^17 in the backward raised the GPT-2 MLP block's peak (52.7 vs 51.0 MiB): BIG = CHUNK.
-BIG = 1 << 16
-_HUGE = 1e30  # |x - x*| below it in a whole BIG chunk: no CHUNK sum of |x - x*| can overflow
-FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
-_TABLE_N = 1 << 14
 
 
 def needs_graph(x: torch.Tensor) -> bool:
@@ -96,330 +103,154 @@ def forward_output_only(ctx, x: torch.Tensor, inplace: bool, fwd: Callable, fwd_
     return y
 
 
-def no_double_backward(api: str) -> None:
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"slimgrad.{api}: double backward is not supported; expected create_graph=False, got "
-            f"create_graph=True. Use torch.nn.functional.{api.split('.')[-1].rstrip('_')} for "
-            f"higher-order gradients."
-        )
+def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation ``p`` with ``out.permute(p)`` contiguous for eager's output layout ``out`` of
+    an elementwise op on ``x`` (``torch.empty_like``: x's strides when x is dense, else its
+    dimension order); None for the identity (NOTE [Layout of the smooth activations])."""
+    if x.is_contiguous() or x.dim() < 2:
+        return None
+    like = torch.empty_like(x, device="meta")
+    st = like.stride()
+    p = tuple(sorted(range(x.dim()), key=lambda d: (-st[d], d)))
+    if p == tuple(range(x.dim())) or not like.permute(p).is_contiguous():
+        return None
+    return p
 
 
-# -------------------------------------------------------------------------------------------------
-# Smooth activations with one minimum: spec, f' tables, forward (bits + side table), backward.
+def _inverse_perm(p: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(p)
+    for i, d in enumerate(p):
+        inv[d] = i
+    return tuple(inv)
 
 
-@dataclass(frozen=True)
-class SmoothSpec:
-    """One smooth activation with a single minimum x* (float64 math in ``f`` / ``df``).
+def record_layout(ctx, x: torch.Tensor) -> None:
+    """Keep x's layout (shape and strides, no data) when it is not contiguous: backward returns
+    eager's gradient layout (:func:`eager_layout`)."""
+    ctx.x_layout = None if x.is_contiguous() else (tuple(x.shape), x.stride())
 
-    ``window`` maps a dtype to the half-width of the hard window around x*; ``tail`` maps a dtype to
-    a threshold below which x is hard too (None: no tail); ``x_right``: end of the right table
-    (beyond it f' = 1 to float32 precision).
+
+def eager_layout(ctx, g: torch.Tensor, bwd: Callable) -> tuple[int, ...] | None:
+    """The strides of eager's gradient: its backward ``bwd(g, x)`` run on meta tensors with g's
+    and x's layouts (eager's elementwise backward picks them from both operands, differently per
+    op); None when g and x are contiguous (so is the result) or while tracing."""
+    xl = getattr(ctx, "x_layout", None)
+    if (xl is None and g.is_contiguous()) or is_fake(g) or torch.compiler.is_compiling():
+        return None
+    shape, stride = xl if xl is not None else (tuple(g.shape), None)
+    xm = (
+        torch.empty(shape, dtype=g.dtype, device="meta")
+        if stride is None
+        else torch.empty_strided(shape, stride, dtype=g.dtype, device="meta")
+    )
+    gm = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device="meta")
+    return bwd(gm, xm).stride()
+
+
+def as_layout(dx: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
+    """``dx`` with the given strides (a copy only when they differ)."""
+    if strides is None or dx.stride() == strides:
+        return dx
+    out = torch.empty_strided(dx.shape, strides, dtype=dx.dtype, device=dx.device)
+    return out.copy_(dx)
+
+
+def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args):
+    """Forward of a smooth activation's Function: runs its custom op ``fwd_op(x, *args) -> (y,
+    bits, idx, xs)`` on x in eager's output memory order and keeps what backward needs.
+
+    # NOTE [Layout of the smooth activations]
+    Eager's elementwise ops keep the input's layout (channels_last, transposed) and their backward
+    follows the incoming gradient's (or, if that is not dense, the input's). The side information
+    (bits, hard indices) is in memory order: the op runs on ``x.permute(p)``, contiguous for a
+    dense x (:func:`memory_order`), and returns y permuted back (a ``detach``-ed alias, not a view,
+    so that in-place writes to it are allowed); backward reads g in the same order and returns dx
+    in g's layout (a copy only when g is dense with another layout than y).
+
+    The dense fallback (NOTE [Gradient from the output]) keeps x itself, as eager (``xs`` is
+    dropped), so its backward is eager's formula on x and a double backward gets eager's second
+    derivatives; in place, the copy ``xs`` (x is overwritten).
     """
-
-    name: str
-    f: Callable[[torch.Tensor], torch.Tensor]
-    df: Callable[[torch.Tensor], torch.Tensor]
-    window: dict
-    tail: dict = field(default_factory=dict)
-    x_right: float = 20.0
-    zone: float = 0.0  # float32: y is computed in float64 and rounded for |x - x*| < zone
-    c_act: int = -1  # the activation's number in kernels/cpu/output_act.c (-1: none)
-    # (g, x, out) -> out: the op's backward from x (its bwd_exact) written into out, an aten
-    # ``.grad_input`` out variant (out may be g itself); None where aten has none (Mish)
-    grad_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
-
-def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        up = f(mid) < y if increasing else f(mid) > y
-        lo = torch.where(up, mid, lo)
-        hi = torch.where(up, hi, mid)
-    return 0.5 * (lo + hi)
-
-
-class _Inverse:
-    """f' as a function of (y, branch): float64-built tables, linear interpolation at run time.
-
-    Each branch tabulates f'(x(s)) uniformly in s = sqrt(y - y_min) (2^16 points): x is analytic in
-    s at the minimum, so f' is smooth in s there (no square-root singularity), and on the left
-    branch f' is a smooth function of y up to y -> 0- (x -> -inf), where f' -> 0. Table values come
-    from an 60-step float64 bisection of f, so the run-time error is the interpolation (< 1e-8,
-    checked on every float32 by the tests), the float32 rounding of s, and the conditioning of (y,
-    bit) -> x near x* (hence the side table). The kernel is branch-free arithmetic on float32
-    (``torch.where`` and int64 indices are slow on CPU).
-    """
-
-    def __init__(self, spec: SmoothSpec):
-        self.spec = spec
-        f, df = spec.f, spec.df
-        one = torch.ones((), dtype=torch.float64)
-        lo, hi = -3.0 * one, 0.0 * one  # x*: root of f' on [-3, 0]
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            neg = df(mid) < 0
-            lo, hi = torch.where(neg, mid, lo), torch.where(neg, hi, mid)
-        self.x_star = float(0.5 * (lo + hi))
-        xs = self.x_star * one
-        self.y_min = float(f(xs))
-        n = _TABLE_N
-        self.s_r = math.sqrt(float(f(spec.x_right * one)) - self.y_min)
-        s = torch.linspace(0.0, self.s_r, n, dtype=torch.float64)
-        yy = self.y_min + s * s
-        x_r = _bisect(f, yy, xs.expand(n).clone(), torch.full_like(yy, spec.x_right + 1), True)
-        self.s_l = math.sqrt(-self.y_min)
-        s = torch.linspace(0.0, self.s_l, n, dtype=torch.float64)
-        yy = self.y_min + s * s
-        x_l = _bisect(f, yy, torch.full_like(yy, -60.0), xs.expand(n).clone(), False)
-        x_r[0] = x_l[0] = self.x_star
-        t_l = df(x_l)
-        t_l[-1] = 0.0  # y = 0-: x = -inf
-        # [right | pad | left | pad]: each pad repeats its table's last entry, so that a position at
-        # (or, by float32 rounding, just past) a table's end interpolates towards the same value
-        t_r = df(x_r)
-        self.table = torch.cat([t_r, t_r[-1:], t_l, t_l[-1:]])
-        self.sc = ((n - 1) / self.s_r, (n - 1) / self.s_l)
-        # per-byte lookup tables: a packed byte of branch bits -> 8 scales / 8 offsets (see df)
-        byte = torch.arange(256, dtype=torch.int64)
-        right = ((byte.unsqueeze(1) >> torch.arange(8)) & 1).double()
-        self.byte_scale = self.sc[1] + right * (self.sc[0] - self.sc[1])
-        self.byte_offset = (1.0 - right) * (n + 1)
-        self._dev: dict = {}
-
-    def tables_on(self, device, dtype):
-        t = self._dev.get((device, dtype))
-        if t is None:
-            with _disable_current_modes():  # a cache: not part of any measured step
-                t = tuple(
-                    v.to(device=device, dtype=dtype)
-                    for v in (self.table, self.byte_scale, self.byte_offset)
-                )
-            self._dev[(device, dtype)] = t
-        return t
-
-    def df(self, y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*)."""
-        tab, byte_scale, byte_offset = self.tables_on(y.device, y.dtype)
-        m = y.numel()
-        b = bits.to(torch.int32)
-        scale = torch.index_select(byte_scale, 0, b).view(-1)[:m]
-        pos = torch.index_select(byte_offset, 0, b).view(-1)[:m]
-        # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 past)
-        y_hi = torch.tensor(self.y_min, dtype=y.dtype).item()
-        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
-        # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
-        pos.addcmul_(s, scale)
-        i = pos.to(torch.int32).clamp_(min=0)  # pos >= 0: truncation = floor; NaN (hard) -> 0
-        w = pos.sub_(i)
-        lo = torch.index_select(tab, 0, i)
-        return lo.lerp_(torch.index_select(self.table_next_on(y.device, y.dtype), 0, i), w)
-
-    def table_next_on(self, device, dtype):
-        """``table[1:]`` (contiguous): ``table_next[i] == table[i + 1]`` without an index add."""
-        key = ("next", device, dtype)
-        t = self._dev.get(key)
-        if t is None:
-            with _disable_current_modes():
-                t = self.tables_on(device, dtype)[0][1:].clone()
-            self._dev[key] = t
-        return t
-
-
-_INVERSES: dict[str, _Inverse] = {}
-
-
-def inverse(spec: SmoothSpec) -> _Inverse:
-    inv = _INVERSES.get(spec.name)
-    if inv is None:
-        # a process-wide cache: built outside any dispatch mode (fake tensors, the memory tracker)
-        with _disable_current_modes():
-            inv = _Inverse(spec)
-        _INVERSES[spec.name] = inv
-    return inv
-
-
-def _window(spec: SmoothSpec, dtype: torch.dtype) -> tuple[float, float | None]:
-    w = spec.window.get(dtype)
-    if w is None:
-        raise NotImplementedError(
-            f"slimgrad.{spec.name}: unsupported dtype; expected one of "
-            f"{sorted(str(d) for d in spec.window)}, got {dtype}. Cast the input, or use "
-            f"torch.nn.functional for this dtype."
-        )
-    return w, spec.tail.get(dtype)
-
-
-def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
-    """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
-
-    Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
-    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
-    dtype): the hard elements. Dense fallback (more than n / FALLBACK_DIV hard, unless
-    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened). Under fake
-    tensors (``slimgrad.memory.estimate``) the side table, being data-dependent, is taken as empty:
-    the estimate is y + 1 bit/elt, the measured figure is that + the few hard elements.
-    """
-    inv = inverse(spec)
-    w, tail = _window(spec, x.dtype)
-    flat = x.reshape(-1)
-    n = flat.numel()
-    idx_dtype = torch.int32 if n < 2**31 else torch.int64
-    empty_idx = torch.empty(0, dtype=idx_dtype, device=x.device)
-    empty_bits = torch.empty(0, dtype=torch.uint8, device=x.device)
-    if x.dtype == torch.float64:  # the float32-grade tables would not meet float64's rule: keep x
-        return fwd(x), empty_bits, empty_idx, flat.clone()
-    if is_fake(x):  # slimgrad.memory.estimate: the side table is data-dependent; count none
-        bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
-        return fwd(flat).view(x.shape), bits, empty_idx, flat[:0].clone()
-    zone = spec.zone if x.dtype == torch.float32 else 0.0
-    flat = flat.contiguous()
-    y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
-    yf = y.view(-1)
-    near = max(zone, w)
-    # the window around x* and the tail are disjoint for every spec; were they not, an element in
-    # both would be listed twice per chunk: that case takes the CHUNK-by-CHUNK loop
-    split = tail is None or tail <= inv.x_star - near
-    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
-    idx = []
-    for a in range(0, n, BIG):
-        c = flat[a : a + BIG]
-        d = c.float() - inv.x_star
-        ge = d >= 0
-        bits[a // 8 : a // 8 + packed_numel(ge.numel())] = pack_bits(ge)
-        t = d.abs_()
-        # finite and small: no CHUNK has a non-finite sum of t, so every CHUNK's hard elements
-        # are its window hits then its tail hits (else: the per-CHUNK path, which sorts them)
-        if split and bool(t.amax() < _HUGE):
-            idx.append(_hard_big(spec, c, t, a, near, w, zone, tail, yf).to(idx_dtype))
-        else:
-            for a2 in range(0, c.numel(), CHUNK):
-                idx.append(
-                    _hard_chunk(spec, c[a2 : a2 + CHUNK], a + a2, near, w, zone, tail, yf).to(
-                        idx_dtype
-                    )
-                )
-    idx = torch.cat(idx) if len(idx) > 1 else (idx[0] if idx else empty_idx)
-    if fallback and idx.numel() * FALLBACK_DIV > n:
-        return y, empty_bits, empty_idx, flat.clone()
-    return y, bits, idx, flat[idx.long()]
-
-
-def _hard_big(spec, c, t, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
-    """Hard elements (int64, absolute) of the chunk ``c`` at offset ``a`` (all finite, small)."""
-    m = t < near
-    # the tail pass only where some element is below it (a cheap reduction first)
-    has_tail = tail is not None and bool(c.amin() < tail)
-    if has_tail:
-        m.logical_or_(c < tail)
-    cand = m.nonzero().view(-1)  # window (and tail) candidates, increasing
-    tv = t.index_select(0, cand)
-    zi, tl = cand, None
-    if has_tail:
-        isnear = tv < near
-        zi, tv = torch.masked_select(cand, isnear), torch.masked_select(tv, isnear)
-        tl = torch.masked_select(cand, isnear.logical_not_())
-    hard = zi if near <= w else torch.masked_select(zi, tv < w)
-    if zone and zi.numel():  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
-        vals = spec.f(c.index_select(0, zi).double()).to(yf.dtype)
-        yf[a : a + c.numel()].index_copy_(0, zi, vals)
-    if tl is not None and tl.numel():  # order as by CHUNK: window, then tail hits, per CHUNK
-        both = torch.cat([hard, tl])
-        key = torch.cat([(hard >> 16) * 2, (tl >> 16) * 2 + 1])
-        hard = both[torch.sort(key, stable=True).indices]
-    return hard.add_(a)
-
-
-def _hard_chunk(spec, c, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
-    """Hard elements (int64, absolute) of one CHUNK ``c`` at offset ``a``: any input."""
-    d = c.float() - inverse(spec).x_star
-    t = d.abs_()
-    # candidates near x*, then work on that few percent only (full-chunk passes dominate)
-    zi = (t < near).nonzero().view(-1)
-    parts = [zi[t.index_select(0, zi) < w]]
-    if zone and zi.numel():
-        vals = spec.f(c.index_select(0, zi).double()).to(yf.dtype)
-        yf.index_put_((zi + a,), vals)
-    if tail is not None:
-        parts.append((c < tail).nonzero().view(-1))
-    if not bool(torch.isfinite(t.sum())):  # NaN/inf in the chunk (or a sum overflow): rare
-        parts.append((~(t < math.inf)).nonzero().view(-1))
-        parts = [torch.cat(parts).unique()]  # -inf is also below the tail
-    hard = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return hard.add_(a)
-
-
-def is_dense_fallback(n: int, bits, idx, xs) -> bool:
-    return n > 0 and xs.numel() == n and idx.numel() == 0 and bits.numel() == 0
-
-
-def smooth_grad(
-    spec: SmoothSpec,
-    g: torch.Tensor,
-    y: torch.Tensor | None,
-    bits: torch.Tensor,
-    idx: torch.Tensor,
-    xs: torch.Tensor,
-    bwd_exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """dL/dx from the output y, the branch bits and the side table (inverse of :func:`smooth_fwd`).
-
-    ``bwd_exact(g, x)`` is the op's plain-PyTorch backward from x, for the side table and fallback.
-    ``out``: a dead contiguous buffer shaped like ``g`` (maybe ``g`` itself) to write dx into; the
-    dense fallback writes eager's kernel's result straight into it where ``spec.grad_into`` exists
-    (no gradient-sized temporary), else copies it there.
-    """
-    n = g.numel()
-    gf = g.reshape(-1)
-    if is_dense_fallback(n, bits, idx, xs):
-        if out is not None and spec.grad_into is not None:
-            spec.grad_into(gf, xs, out.view(-1))
-            return out
-        dx = bwd_exact(gf, xs).reshape(g.shape)
-        return dx if out is None else out.copy_(dx)
-    if y is None:
-        raise internal_error(f"{spec.name}: no saved output outside the dense fallback")
-    inv = inverse(spec)
-    yf = y.reshape(-1)
-    cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
-    if bits.numel() != packed_numel(n):
-        raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
-    i = idx.long() if idx.numel() else None
-    gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
-    res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
-    for a in range(0, n, CHUNK):
-        b = min(a + CHUNK, n)
-        df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
-        if g.dtype == cdt:
-            torch.mul(gf[a:b], df, out=res[a:b])
-        else:
-            res[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
-    if i is not None:
-        res[i] = bwd_exact(gh, xs)
-    return res.view(g.shape) if out is None else out
-
-
-def smooth_forward(ctx, x: torch.Tensor, fwd_out, inplace: bool):
-    """Forward of a smooth activation's Function, given its custom op's (y, bits, idx, xs)."""
-    y, bits, idx, xs = fwd_out
-    if inplace:
-        x.copy_(y)
-        y = x
-        ctx.mark_dirty(x)
+    perm = memory_order(x)
+    ctx.perm = perm
+    record_layout(ctx, x)
+    xp = x if perm is None else x.permute(perm)
+    y, bits, idx, xs = fwd_op(xp, *args)
+    out = y if perm is None else y.permute(_inverse_perm(perm)).detach()
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing, so kept then
-    fallback = not torch.compiler.is_compiling() and is_dense_fallback(x.numel(), bits, idx, xs)
-    ctx.save_for_backward(None if fallback else y, bits, idx, xs)
-    if inplace:
-        return y
+    dense = not torch.compiler.is_compiling() and is_dense_fallback(x.numel(), bits, idx, xs)
+    ctx.dense_x = dense and not inplace  # xs replaced by x itself (NOTE above)
+    ctx.y_is_x = inplace
+    if inplace:  # x holds y now: kept instead of y (no second copy); read as x.permute(perm)
+        x.copy_(out)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(None if dense else x, bits, idx, xs)
+        return x
+    ctx.save_for_backward(None if dense else y, bits, idx, x if dense else xs)
     # The side info is returned too (non-differentiable) so that its data-dependent sizes are
     # outputs of the Function traced by torch.compile; the functional drops it.
     ctx.mark_non_differentiable(bits, idx, xs)
     # no zero gradients for them in backward (it never reads them): on the dense fallback xs is all
     # of x, so autograd would allocate a gradient-sized zeros tensor
     ctx.set_materialize_grads(False)
-    return y, bits, idx, xs
+    return out, bits, idx, xs
+
+
+def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact: Callable, *args):
+    """dx of a smooth activation's Function (after ``buf = ownership.take(g)`` in its backward:
+    g's buffer when it is dead and in y's memory order, else None); NOTE [Layout of the smooth
+    activations]."""
+    y, bits, idx, xs = ctx.saved_tensors
+    if ctx.y_is_x and ctx.perm is not None and y is not None:
+        y = y.permute(ctx.perm)  # in place: y is x, in x's layout; the side info in memory order
+    if ctx.dense_x:  # xs is x itself: eager's formula, eager's layout
+        if buf is not None and xs.is_contiguous():
+            return bwd_any(buf, None, bits, idx, xs.view(-1), *args, out=buf)
+        return bwd_exact(g, xs, *args)
+    layout = eager_layout(ctx, g, lambda gm, xm: bwd_exact(gm, xm, *args))
+    perm = ctx.perm
+    if buf is not None and layout in (None, buf.stride()):  # eager only: dx written into g
+        if perm is None:
+            return bwd_any(buf, y, bits, idx, xs, *args, out=buf)
+        bwd_any(buf.permute(perm), y, bits, idx, xs, *args, out=buf.permute(perm))
+        return buf
+    if perm is None:
+        return as_layout(bwd_op(g, y, bits, idx, xs, *args).view(g.shape), layout)
+    gp = g.permute(perm)
+    dx = bwd_op(gp if gp.is_contiguous() else gp.contiguous(), y, bits, idx, xs, *args)
+    return as_layout(dx.permute(_inverse_perm(perm)), layout)
+
+
+def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) -> Callable:
+    """The ``double=`` of a smooth activation's backward (NOTE [Second derivatives] in
+    ``slimgrad._autograd``): on the dense fallback, which keeps x itself, eager's formula
+    ``exact(g, x, *extra(ctx))`` with differentiable ops; otherwise (y, bits and a table do not
+    give f''), the first derivatives tied to nodes that raise a ``slimgrad.<op>`` error when
+    differentiated."""
+
+    def double(ctx, g, *side):
+        args = extra(ctx)
+        if g is None:
+            return (None,) * (1 + len(args)) if args else None
+        if ctx.dense_x:
+            x = ctx.saved_tensors[3]
+            dx = exact(g, x, *args)
+            return (dx, *(None for _ in args)) if args else dx
+        return _autograd._refusing(op, ctx._forward_cls.backward, ctx, (g, *side))
+
+    return double
+
+
+def eager_double(fwd: Callable) -> Callable:
+    """``(g, x) -> dx`` with eager's second derivatives: eager's forward on x, differentiated with
+    ``create_graph`` (for ops whose aten backward has no derivative: silu, mish)."""
+
+    def exact(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            (dx,) = torch.autograd.grad(fwd(x), x, g, create_graph=True)
+        return dx
+
+    return exact
 
 
 def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> torch.Tensor:
@@ -493,21 +324,24 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
     def _(g, y, bits, idx, xs):
         return g.new_empty(g.shape)
 
-    def forward(ctx, x):
-        return smooth_forward(ctx, x, fwd_op(x), False)
+    def bwd_any(g, y, bits, idx, xs, out=None):
+        return smooth_grad_any(spec, g, y, bits, idx, xs, bwd_exact, out=out)
 
+    def forward(ctx, x):
+        return smooth_forward(ctx, x, fwd_op, False)
+
+    @_autograd.first_order(
+        f"ops.{stem}", double=smooth_double(f"ops.{stem}", eager_double(fwd_torch))
+    )
     def backward(ctx, g, *_side):
         if g is None:  # only the side outputs got a gradient (grads are not materialized)
             return None
         # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
-        buf = ownership.take(g) if reuse_ok(g) else None
-        no_double_backward(stem)
-        if buf is not None:  # eager only (take refuses under torch.compile): dx written into g
-            return smooth_grad_any(spec, buf, *ctx.saved_tensors, bwd_exact, out=buf)
-        return bwd_op(g, *ctx.saved_tensors)
+        buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
+        return smooth_backward(ctx, g, buf, bwd_op, bwd_any, bwd_exact)
 
     def forward_inplace(ctx, x):
-        return smooth_forward(ctx, x, fwd_op(x), True)
+        return smooth_forward(ctx, x, fwd_op, True)
 
     # named classes: autograd names the nodes after them (``_SiluFnBackward``)
     name = f"_{stem.capitalize()}Fn"
@@ -654,7 +488,9 @@ def smooth_grad_any(spec: SmoothSpec, g, y, bits, idx, xs, bwd_exact, out=None) 
     return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact, out=out)
 
 
-def reuse_ok(g: torch.Tensor) -> bool:
+def reuse_ok(g: torch.Tensor, perm: tuple[int, ...] | None = None) -> bool:
     """Whether a smooth activation's backward can write into ``g`` if ownership grants it: a
-    contiguous gradient on the C or PyTorch path (the Triton kernels allocate their own)."""
-    return g.is_contiguous() and not _backend.use_triton(g)
+    gradient contiguous in y's memory order (``perm``, NOTE [Layout of the smooth activations]) on
+    the C or PyTorch path (the Triton kernels allocate their own)."""
+    gp = g if perm is None else g.permute(perm)
+    return gp.is_contiguous() and not _backend.use_triton(g)

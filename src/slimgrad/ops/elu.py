@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
-from slimgrad._autograd import first_order
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
-from slimgrad.ops._output_act import needs_graph
+from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
 
 __all__ = ["elu", "elu_"]
 
@@ -120,6 +120,7 @@ class _EluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, alpha: float, inplace: bool):
         ctx.alpha, ctx.inplace = alpha, inplace
+        record_layout(ctx, x)
         ctx.bits = alpha < 0
         ctx.dense = torch.compiler.is_compiling() and alpha != 0
         if alpha == 0:
@@ -147,6 +148,11 @@ class _EluFn(torch.autograd.Function):
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         alpha = ctx.alpha
+        # the layout of eager's CPU elu_backward: a binary elementwise kernel like silu_backward
+        # (the meta kernel of elu_backward picks x's layout, the CPU kernel g's)
+        layout = eager_layout(ctx, g, torch.ops.aten.silu_backward)
+        if buf is not None and layout not in (None, buf.stride()):
+            buf = None
         if ctx.dense:
             (x,) = ctx.saved_tensors
             if buf is not None and buf.shape == x.shape:
@@ -174,7 +180,7 @@ class _EluFn(torch.autograd.Function):
             dx = _bwd_torch(g, y, alpha)
         if pos is not None:
             dx.index_put_(pos, _bwd_exact(gh, xs, alpha))
-        return dx, None, None
+        return as_layout(dx, layout), None, None
 
 
 def _fwd(x: Tensor, alpha: float) -> Tensor:
@@ -208,8 +214,9 @@ def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
     Example:
         >>> y = elu(torch.randn(4, 8, requires_grad=True), alpha=0.5)
     """
-    if not needs_graph(input):
+    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         return torch.nn.functional.elu(input, alpha, inplace=inplace)
+    refuse_jit("ops.elu")
     return _EluFn.apply(input, float(alpha), inplace)
 
 

@@ -22,20 +22,20 @@ dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compi
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
-    SmoothSpec,
     needs_graph,
-    no_double_backward,
     reuse_ok,
     smooth_apply,
+    smooth_backward,
+    smooth_double,
     smooth_fake_side_info,
     smooth_forward,
     smooth_fwd_any,
@@ -46,58 +46,17 @@ from slimgrad.ops._output_act import (
 __all__ = ["gelu", "gelu_", "gelu_fast", "gelu_new"]
 
 _APPROX = ("none", "tanh")
-_K = math.sqrt(2.0 / math.pi)
-_SQRT1_2 = math.sqrt(0.5)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+SPECS = GELU  # slimgrad._math.smooth (NOTE [Kernels are leaves])
 
 
-def _erf_f(x):
-    return x * 0.5 * torch.special.erfc(-x * _SQRT1_2)
-
-
-def _erf_df(x):
-    return 0.5 * torch.special.erfc(-x * _SQRT1_2) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
-
-
-def _tanh_f(x):  # x/2 (1 + tanh u) = x sigmoid(2u), stable in the left tail
-    return x * torch.sigmoid(2.0 * _K * (x + 0.044715 * x**3))
-
-
-def _tanh_df(x):
-    s = torch.sigmoid(2.0 * _K * (x + 0.044715 * x**3))
-    return s + x * 2.0 * s * (1.0 - s) * _K * (1.0 + 3.0 * 0.044715 * x * x)
-
-
-_LOW = {torch.bfloat16: 0.15, torch.float16: 0.15}
-SPECS = {
-    "none": SmoothSpec(
-        "gelu",
-        _erf_f,
-        _erf_df,
-        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
-        zone=0.12,
-        tail={torch.float32: -2.5},
-        x_right=8.0,
-        c_act=1,
-        grad_into=lambda g, x, out: _bwd_exact_into(g, x, out, "none"),
-    ),
-    "tanh": SmoothSpec(
-        "gelu_tanh",
-        _tanh_f,
-        _tanh_df,
-        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
-        zone=0.06,
-        tail={torch.float32: -3.0},
-        x_right=8.0,
-        c_act=2,
-        grad_into=lambda g, x, out: _bwd_exact_into(g, x, out, "tanh"),
-    ),
-}
+class ApproximateError(ValueError, RuntimeError):
+    """A bad ``approximate``: a ValueError (GUIDE.md) that is also eager's RuntimeError, so code
+    written against ``torch.nn.functional.gelu`` (``except RuntimeError``) keeps working."""
 
 
 def _check_approximate(approximate: str) -> None:
     if approximate not in _APPROX:
-        raise ValueError(
+        raise ApproximateError(
             f"slimgrad.gelu: unknown approximate; expected 'none' or 'tanh', got {approximate!r}. "
             f"Use approximate='tanh' for HF gelu_new/gelu_fast."
         )
@@ -108,7 +67,7 @@ def _fwd_torch(x: Tensor, approximate: str = "none") -> Tensor:
 
 
 def _bwd_exact(g: Tensor, x: Tensor, approximate: str) -> Tensor:
-    return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+    return gelu_bwd_exact(g, x, approximate)
 
 
 def _bwd_exact_into(g: Tensor, x: Tensor, out: Tensor, approximate: str) -> Tensor:
@@ -160,29 +119,35 @@ def _(g, y, bits, idx, xs, approximate):
     return g.new_empty(g.shape)
 
 
+def _bwd_exact_differentiable(g: Tensor, x: Tensor, approximate: str) -> Tensor:
+    return torch.ops.aten.gelu_backward(g, x, approximate=approximate)  # has a derivative
+
+
 class _GeluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, approximate: str):
         ctx.approximate = approximate
-        return smooth_forward(ctx, x, _gelu_fwd(x, approximate), False)
+        return smooth_forward(ctx, x, _gelu_fwd, False, approximate)
 
     @staticmethod
+    @first_order(
+        "ops.gelu",
+        double=smooth_double("ops.gelu", _bwd_exact_differentiable, lambda ctx: (ctx.approximate,)),
+    )
     def backward(ctx, g, *_side):
         if g is None:  # only the side outputs got a gradient (grads are not materialized)
             return None, None
         # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
-        buf = ownership.take(g) if reuse_ok(g) else None
-        no_double_backward("gelu")
-        if buf is not None:  # eager only (take refuses under torch.compile): dx written into g
-            return _bwd_any(buf, *ctx.saved_tensors, ctx.approximate, out=buf), None
-        return _gelu_bwd(g, *ctx.saved_tensors, ctx.approximate), None
+        buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
+        a = ctx.approximate
+        return smooth_backward(ctx, g, buf, _gelu_bwd, _bwd_any, _bwd_exact, a), None
 
 
 class _GeluInplaceFn(_GeluFn):
     @staticmethod
     def forward(ctx, x: Tensor, approximate: str):
         ctx.approximate = approximate
-        return smooth_forward(ctx, x, _gelu_fwd(x, approximate), True)
+        return smooth_forward(ctx, x, _gelu_fwd, True, approximate)
 
 
 def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Tensor:
@@ -206,15 +171,18 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
 
     Raises:
         ValueError: unknown ``approximate``.
-        RuntimeError: double backward (``create_graph=True``) through this op.
+        RuntimeError: when its gradient (``create_graph=True``) is differentiated again while
+            the op kept y, bits and a table (float32/16: f'' is not there); float64 and the
+            dense fallback keep x and give eager's second derivatives.
 
     Example:
         >>> y = gelu(torch.randn(4, 8, requires_grad=True), approximate="tanh")
     """
     _check_approximate(approximate)
-    if not needs_graph(input):
+    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         y = _fwd_torch(input, approximate)
         return input.copy_(y) if inplace else y
+    refuse_jit("ops.gelu")
     return smooth_apply(_GeluFn, _GeluInplaceFn, input, inplace, approximate)
 
 

@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.ops._bits import unpack_bits_as
 from slimgrad.ops._monotone import forward_with_bits, output_only_function
-from slimgrad.ops._output_act import needs_graph
+from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "relu6_"]
 
@@ -42,9 +43,17 @@ _HardtanhFn, _bwd_torch = output_only_function(
 )
 
 
+def _double_bits(ctx, g: Tensor) -> Tensor:
+    # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's
+    (bits,) = ctx.saved_tensors
+    return g * unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
+
+
 class _HardtanhBitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, min_val: float, max_val: float, inplace: bool):
+        ctx.bounds = (min_val, max_val)
+        record_layout(ctx, x)
         return forward_with_bits(
             ctx,
             x,
@@ -55,13 +64,18 @@ class _HardtanhBitsFn(torch.autograd.Function):
         )
 
     @staticmethod
+    @first_order("ops.hardtanh", double=lambda ctx, g: (_double_bits(ctx, g), None, None, None))
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
+        lo, hi = ctx.bounds
+        layout = eager_layout(
+            ctx, g, lambda gm, xm: torch.ops.aten.hardtanh_backward(gm, xm, lo, hi)
+        )
         keep = unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
-        if buf is not None:  # g * 1 and g * 0 are exact: the same bits in place
+        if buf is not None and layout in (None, buf.stride()):  # g * 1, g * 0: exact, in place
             return buf.mul_(keep), None, None, None
-        return g * keep, None, None, None
+        return as_layout(g * keep, layout), None, None, None
 
 
 def _inside(xo: Tensor, min_val: float, max_val: float) -> Tensor:
@@ -105,8 +119,9 @@ def hardtanh(
         >>> y = hardtanh(torch.randn(4, 8, requires_grad=True), -2.0, 2.0)
     """
     _check(min_val, max_val, "hardtanh")
-    if not needs_graph(input):
+    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         return torch.nn.functional.hardtanh(input, min_val, max_val, inplace=inplace)
+    refuse_jit("ops.hardtanh")
     exact = _representable(min_val, input.dtype) and _representable(max_val, input.dtype)
     fn = _HardtanhFn if exact else _HardtanhBitsFn
     return fn.apply(input, float(min_val), float(max_val), inplace)

@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.ops._bits import unpack_bits
 from slimgrad.ops._monotone import forward_with_bits, output_only_function
-from slimgrad.ops._output_act import needs_graph
+from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
 
 __all__ = ["leaky_relu", "leaky_relu_"]
 
@@ -48,10 +49,19 @@ _LeakyReluFn, _bwd_torch = output_only_function(
 )
 
 
+def _double_bits(ctx, g: Tensor) -> Tensor:
+    # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's (when g
+    # itself does not require grad the result has no history: eager's zero is then not produced)
+    (bits,) = ctx.saved_tensors
+    pos = unpack_bits(bits, g.numel()).view(g.shape)
+    return torch.where(pos, g, g * ctx.slope)
+
+
 class _LeakyReluBitsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, negative_slope: float, inplace: bool):
         ctx.slope = negative_slope
+        record_layout(ctx, x)
         return forward_with_bits(
             ctx,
             x,
@@ -62,10 +72,17 @@ class _LeakyReluBitsFn(torch.autograd.Function):
         )
 
     @staticmethod
+    @first_order("ops.leaky_relu", double=lambda ctx, g: (_double_bits(ctx, g), None, None))
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
-        return _bwd_bits(g, bits, ctx.slope, out=buf), None, None
+        slope = ctx.slope
+        layout = eager_layout(
+            ctx, g, lambda gm, xm: torch.ops.aten.leaky_relu_backward(gm, xm, slope, False)
+        )
+        if buf is not None and layout not in (None, buf.stride()):
+            buf = None
+        return as_layout(_bwd_bits(g, bits, slope, out=buf), layout), None, None
 
 
 def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
@@ -86,8 +103,9 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
     Example:
         >>> y = leaky_relu(torch.randn(4, 8, requires_grad=True), 0.2)
     """
-    if not needs_graph(input):
+    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         return torch.nn.functional.leaky_relu(input, negative_slope, inplace=inplace)
+    refuse_jit("ops.leaky_relu")
     fn = _LeakyReluFn if negative_slope >= 0 else _LeakyReluBitsFn
     return fn.apply(input, float(negative_slope), inplace)
 

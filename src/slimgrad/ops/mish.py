@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad._autograd import refuse_jit, transforms_active
+from slimgrad._math.smooth import MISH
 from slimgrad.ops._output_act import (
-    SmoothSpec,
     needs_graph,
     smooth_apply,
     smooth_grad,
@@ -34,24 +35,7 @@ from slimgrad.ops._output_act import (
 __all__ = ["mish", "mish_"]
 
 
-def _f(x):
-    return x * torch.tanh(torch.nn.functional.softplus(x))
-
-
-def _df(x):
-    t = torch.tanh(torch.nn.functional.softplus(x))
-    return t + x * torch.sigmoid(x) * (1.0 - t * t)
-
-
-SPEC = SmoothSpec(
-    "mish",
-    _f,
-    _df,
-    window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
-    x_right=20.0,
-    zone=0.2,
-    c_act=3,
-)
+SPEC = MISH  # slimgrad._math.smooth (NOTE [Kernels are leaves])
 
 
 def _fwd_torch(x: Tensor) -> Tensor:
@@ -90,13 +74,16 @@ def mish(input: Tensor, inplace: bool = False) -> Tensor:
         The activation, ``input`` itself when ``inplace``.
 
     Raises:
-        RuntimeError: double backward (``create_graph=True``) through this op.
+        RuntimeError: when its gradient (``create_graph=True``) is differentiated again while
+            the op kept y, bits and a table (float32/16: f'' is not there); float64 and the
+            dense fallback keep x and give eager's second derivatives.
 
     Example:
         >>> y = mish(torch.randn(4, 8, requires_grad=True))
     """
-    if not needs_graph(input):
+    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         return torch.nn.functional.mish(input, inplace=inplace)
+    refuse_jit("ops.mish")
     return smooth_apply(_MishFn, _MishInplaceFn, input, inplace)
 
 

@@ -1,0 +1,94 @@
+"""Bit-packing of boolean masks: 8 elements per byte (the one implementation slimgrad uses).
+
+``pack_bits(mask)`` flattens ``mask`` in logical (row-major) order, whatever its strides, and
+returns a 1-D ``uint8`` tensor of ``ceil(numel / 8)`` bytes on the same device: element ``i`` is bit
+``i % 8`` (least significant first) of byte ``i // 8``; padding bits are 0. ``unpack_bits(packed,
+numel)`` inverts it and returns a 1-D ``bool`` tensor of ``numel`` elements, to be reshaped by the
+caller. Round trip is exact for any shape, including zero-size tensors. Used by the output-based
+activations (branch bits), leaky_relu/elu/hardtanh (side bits) and dropout (the keep mask, 1 bit per
+element instead of eager's 4 B float mask on CPU). The C kernels (``kernels/cpu/*.c``) write and
+read the same layout.
+
+# NOTE [Bit packing with one multiply]
+Eight 0/1 bytes read as one little-endian int64 x = sum_i b_i 2^(8i). Multiplying by
+M = 0x0102040810204080 (byte j of M is 2^(7-j)) puts b_i at bit 56 + i with no carries (every
+product bit lands on a distinct position below bit 64 or is dropped by the 64-bit wrap), so
+(x * M) >> 56 & 0xFF = sum_i b_i 2^i: one int64 multiply per 8 elements instead of shifts and a
+reduction. Unpacking looks up each byte in a 256-entry table of int64 "spread" bytes (byte i of
+entry v is bit i of v). Tested for every byte value and for lengths that are not multiples of 8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pack_bits", "packed_numel", "unpack_bits", "unpack_bits_as"]
+
+PACK_MUL = 0x0102040810204080
+_SPREAD: dict[torch.device, torch.Tensor] = {}
+
+
+def packed_numel(numel: int) -> int:
+    """Bytes needed to pack ``numel`` bits."""
+    return (numel + 7) // 8
+
+
+def _cacheable(t: torch.Tensor) -> bool:
+    # never cache (nor reuse a cached table for) fake tensors: slimgrad.memory.estimate runs the
+    # ops under FakeTensorMode
+    return type(t) is torch.Tensor
+
+
+def _spread(device: torch.device, like: torch.Tensor) -> torch.Tensor:
+    t = _SPREAD.get(device) if _cacheable(like) else None
+    if t is None:
+        v = torch.arange(256, dtype=torch.int64, device=device)
+        bits = (v.unsqueeze(1) >> torch.arange(8, device=device)) & 1  # bit i of v in byte i
+        t = bits.to(torch.uint8).view(torch.int64).reshape(256)
+        if _cacheable(t):
+            _SPREAD[device] = t
+    return t
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean (or 0/1) tensor into a 1-D uint8 tensor, 8 elements per byte (LSB first).
+
+    Args:
+        mask: boolean tensor of any shape and strides (other dtypes: nonzero is 1).
+
+    Returns:
+        1-D uint8 tensor of ``ceil(mask.numel() / 8)`` bytes.
+    """
+    flat = mask.reshape(-1)
+    flat = flat.view(torch.uint8) if flat.dtype == torch.bool else (flat != 0).view(torch.uint8)
+    if torch.compiler.is_compiling():  # traceable form (no storage offset, no int64 view)
+        pad = (-flat.numel()) % 8
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
+        return (flat.view(-1, 8) * w).sum(dim=1, dtype=torch.uint8)
+    if flat.storage_offset() % 8:
+        flat = flat.clone()
+    n = flat.numel()
+    n8 = n - n % 8
+    # the only temporary is one int64 per 8 elements (shifted and masked in place)
+    packed = (flat[:n8].view(torch.int64) * PACK_MUL).bitwise_right_shift_(56).bitwise_and_(0xFF)
+    packed = packed.to(torch.uint8)
+    if n8 < n:
+        tail = torch.cat([flat[n8:], flat.new_zeros(8 - (n - n8))]).view(torch.int64)
+        tail = ((tail * PACK_MUL) >> 56).bitwise_and_(0xFF).to(torch.uint8)
+        packed = torch.cat([packed, tail])
+    return packed
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: a 1-D bool tensor of ``numel`` elements (one temporary byte
+    per element)."""
+    spread = _spread(packed.device, packed).index_select(0, packed.to(torch.int32))
+    return spread.view(torch.uint8)[:numel].view(torch.bool)
+
+
+def unpack_bits_as(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Like :func:`unpack_bits` but returns 0/1 in ``dtype`` (e.g. float32 for arithmetic
+    blending)."""
+    return unpack_bits(packed, numel).to(dtype)

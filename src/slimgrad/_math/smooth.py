@@ -1,0 +1,430 @@
+"""The smooth activations' math, below both ``slimgrad.ops`` and ``slimgrad.kernels``.
+
+SiLU, GELU (erf and tanh forms) and Mish have one minimum x*, so their input follows from their
+output and one branch bit (NOTE [Gradient from the output] in ``slimgrad.ops._output_act``). Here:
+each activation's :class:`SmoothSpec` (float64 f and f', hard windows, tails), the float64-built
+f' tables (:class:`_Inverse`), and the plain-PyTorch reference of the forward's side information
+and of the backward (:func:`smooth_fwd`, :func:`smooth_grad`), which the ops run on CPU and the
+Triton and C kernels reproduce. NOTE [Kernels are leaves] in ``slimgrad._math``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
+
+from slimgrad._errors import internal_error
+from slimgrad._math.bits import pack_bits, packed_numel
+
+# elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
+CHUNK = 1 << 16
+# the forward loop runs over BIG chunks (a multiple of CHUNK; the hard elements stay ordered as by
+# CHUNK: window hits, then tail hits, chunk after chunk); the backward over CHUNKs. Measured on the
+# 4x256x3072 GELU: BIG = 2^17 or 2^18 no faster than 2^16 within the (shared) CPU's noise, and
+# 2^17 in the backward raised the GPT-2 MLP block's peak (52.7 vs 51.0 MiB): BIG = CHUNK.
+BIG = 1 << 16
+_HUGE = 1e30  # |x - x*| below it in a whole BIG chunk: no CHUNK sum of |x - x*| can overflow
+FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
+_TABLE_N = 1 << 14
+
+
+# -------------------------------------------------------------------------------------------------
+# Smooth activations with one minimum: spec, f' tables, forward (bits + side table), backward.
+
+
+@dataclass(frozen=True)
+class SmoothSpec:
+    """One smooth activation with a single minimum x* (float64 math in ``f`` / ``df``).
+
+    ``window`` maps a dtype to the half-width of the hard window around x*; ``tail`` maps a dtype to
+    a threshold below which x is hard too (None: no tail); ``x_right``: end of the right table
+    (beyond it f' = 1 to float32 precision).
+    """
+
+    name: str
+    f: Callable[[torch.Tensor], torch.Tensor]
+    df: Callable[[torch.Tensor], torch.Tensor]
+    window: dict
+    tail: dict = field(default_factory=dict)
+    x_right: float = 20.0
+    zone: float = 0.0  # float32: y is computed in float64 and rounded for |x - x*| < zone
+    c_act: int = -1  # the activation's number in kernels/cpu/output_act.c (-1: none)
+    # (g, x, out) -> out: the op's backward from x (its bwd_exact) written into out, an aten
+    # ``.grad_input`` out variant (out may be g itself); None where aten has none (Mish)
+    grad_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        up = f(mid) < y if increasing else f(mid) > y
+        lo = torch.where(up, mid, lo)
+        hi = torch.where(up, hi, mid)
+    return 0.5 * (lo + hi)
+
+
+class _Inverse:
+    """f' as a function of (y, branch): float64-built tables, linear interpolation at run time.
+
+    Each branch tabulates f'(x(s)) uniformly in s = sqrt(y - y_min) (2^16 points): x is analytic in
+    s at the minimum, so f' is smooth in s there (no square-root singularity), and on the left
+    branch f' is a smooth function of y up to y -> 0- (x -> -inf), where f' -> 0. Table values come
+    from an 60-step float64 bisection of f, so the run-time error is the interpolation (< 1e-8,
+    checked on every float32 by the tests), the float32 rounding of s, and the conditioning of (y,
+    bit) -> x near x* (hence the side table). The kernel is branch-free arithmetic on float32
+    (``torch.where`` and int64 indices are slow on CPU).
+    """
+
+    def __init__(self, spec: SmoothSpec):
+        self.spec = spec
+        f, df = spec.f, spec.df
+        one = torch.ones((), dtype=torch.float64)
+        lo, hi = -3.0 * one, 0.0 * one  # x*: root of f' on [-3, 0]
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            neg = df(mid) < 0
+            lo, hi = torch.where(neg, mid, lo), torch.where(neg, hi, mid)
+        self.x_star = float(0.5 * (lo + hi))
+        xs = self.x_star * one
+        self.y_min = float(f(xs))
+        n = _TABLE_N
+        self.s_r = math.sqrt(float(f(spec.x_right * one)) - self.y_min)
+        s = torch.linspace(0.0, self.s_r, n, dtype=torch.float64)
+        yy = self.y_min + s * s
+        x_r = _bisect(f, yy, xs.expand(n).clone(), torch.full_like(yy, spec.x_right + 1), True)
+        self.s_l = math.sqrt(-self.y_min)
+        s = torch.linspace(0.0, self.s_l, n, dtype=torch.float64)
+        yy = self.y_min + s * s
+        x_l = _bisect(f, yy, torch.full_like(yy, -60.0), xs.expand(n).clone(), False)
+        x_r[0] = x_l[0] = self.x_star
+        t_l = df(x_l)
+        t_l[-1] = 0.0  # y = 0-: x = -inf
+        # [right | pad | left | pad]: each pad repeats its table's last entry, so that a position at
+        # (or, by float32 rounding, just past) a table's end interpolates towards the same value
+        t_r = df(x_r)
+        self.table = torch.cat([t_r, t_r[-1:], t_l, t_l[-1:]])
+        self.sc = ((n - 1) / self.s_r, (n - 1) / self.s_l)
+        # per-byte lookup tables: a packed byte of branch bits -> 8 scales / 8 offsets (see df)
+        byte = torch.arange(256, dtype=torch.int64)
+        right = ((byte.unsqueeze(1) >> torch.arange(8)) & 1).double()
+        self.byte_scale = self.sc[1] + right * (self.sc[0] - self.sc[1])
+        self.byte_offset = (1.0 - right) * (n + 1)
+        self._dev: dict = {}
+
+    def tables_on(self, device, dtype):
+        t = self._dev.get((device, dtype))
+        if t is None:
+            with _disable_current_modes():  # a cache: not part of any measured step
+                t = tuple(
+                    v.to(device=device, dtype=dtype)
+                    for v in (self.table, self.byte_scale, self.byte_offset)
+                )
+            self._dev[(device, dtype)] = t
+        return t
+
+    def df(self, y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*)."""
+        tab, byte_scale, byte_offset = self.tables_on(y.device, y.dtype)
+        m = y.numel()
+        b = bits.to(torch.int32)
+        scale = torch.index_select(byte_scale, 0, b).view(-1)[:m]
+        pos = torch.index_select(byte_offset, 0, b).view(-1)[:m]
+        # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 past)
+        y_hi = torch.tensor(self.y_min, dtype=y.dtype).item()
+        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
+        # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
+        pos.addcmul_(s, scale)
+        i = pos.to(torch.int32).clamp_(min=0)  # pos >= 0: truncation = floor; NaN (hard) -> 0
+        w = pos.sub_(i)
+        lo = torch.index_select(tab, 0, i)
+        return lo.lerp_(torch.index_select(self.table_next_on(y.device, y.dtype), 0, i), w)
+
+    def table_next_on(self, device, dtype):
+        """``table[1:]`` (contiguous): ``table_next[i] == table[i + 1]`` without an index add."""
+        key = ("next", device, dtype)
+        t = self._dev.get(key)
+        if t is None:
+            with _disable_current_modes():
+                t = self.tables_on(device, dtype)[0][1:].clone()
+            self._dev[key] = t
+        return t
+
+
+_INVERSES: dict[str, _Inverse] = {}
+
+
+def inverse(spec: SmoothSpec) -> _Inverse:
+    inv = _INVERSES.get(spec.name)
+    if inv is None:
+        # a process-wide cache: built outside any dispatch mode (fake tensors, the memory tracker)
+        with _disable_current_modes():
+            inv = _Inverse(spec)
+        _INVERSES[spec.name] = inv
+    return inv
+
+
+def _window(spec: SmoothSpec, dtype: torch.dtype) -> tuple[float, float | None]:
+    w = spec.window.get(dtype)
+    if w is None:
+        raise NotImplementedError(
+            f"slimgrad.{spec.name}: unsupported dtype; expected one of "
+            f"{sorted(str(d) for d in spec.window)}, got {dtype}. Cast the input, or use "
+            f"torch.nn.functional for this dtype."
+        )
+    return w, spec.tail.get(dtype)
+
+
+def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
+    """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
+
+    Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
+    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
+    dtype): the hard elements. Dense fallback (more than n / FALLBACK_DIV hard, unless
+    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened). Under fake
+    tensors (``slimgrad.memory.estimate``) the side table, being data-dependent, is taken as empty:
+    the estimate is y + 1 bit/elt, the measured figure is that + the few hard elements.
+    """
+    inv = inverse(spec)
+    w, tail = _window(spec, x.dtype)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    idx_dtype = torch.int32 if n < 2**31 else torch.int64
+    empty_idx = torch.empty(0, dtype=idx_dtype, device=x.device)
+    empty_bits = torch.empty(0, dtype=torch.uint8, device=x.device)
+    if x.dtype == torch.float64:  # the float32-grade tables would not meet float64's rule: keep x
+        return fwd(x), empty_bits, empty_idx, flat.clone()
+    if is_fake(x):  # slimgrad.memory.estimate: the side table is data-dependent; count none
+        bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
+        return fwd(flat).view(x.shape), bits, empty_idx, flat[:0].clone()
+    zone = spec.zone if x.dtype == torch.float32 else 0.0
+    flat = flat.contiguous()
+    y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
+    yf = y.view(-1)
+    near = max(zone, w)
+    # the window around x* and the tail are disjoint for every spec; were they not, an element in
+    # both would be listed twice per chunk: that case takes the CHUNK-by-CHUNK loop
+    split = tail is None or tail <= inv.x_star - near
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
+    idx = []
+    for a in range(0, n, BIG):
+        c = flat[a : a + BIG]
+        d = c.float() - inv.x_star
+        ge = d >= 0
+        bits[a // 8 : a // 8 + packed_numel(ge.numel())] = pack_bits(ge)
+        t = d.abs_()
+        # finite and small: no CHUNK has a non-finite sum of t, so every CHUNK's hard elements
+        # are its window hits then its tail hits (else: the per-CHUNK path, which sorts them)
+        if split and bool(t.amax() < _HUGE):
+            idx.append(_hard_big(spec, c, t, a, near, w, zone, tail, yf).to(idx_dtype))
+        else:
+            for a2 in range(0, c.numel(), CHUNK):
+                idx.append(
+                    _hard_chunk(spec, c[a2 : a2 + CHUNK], a + a2, near, w, zone, tail, yf).to(
+                        idx_dtype
+                    )
+                )
+    idx = torch.cat(idx) if len(idx) > 1 else (idx[0] if idx else empty_idx)
+    if fallback and idx.numel() * FALLBACK_DIV > n:
+        return y, empty_bits, empty_idx, flat.clone()
+    return y, bits, idx, flat[idx.long()]
+
+
+def _hard_big(spec, c, t, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
+    """Hard elements (int64, absolute) of the chunk ``c`` at offset ``a`` (all finite, small)."""
+    m = t < near
+    # the tail pass only where some element is below it (a cheap reduction first)
+    has_tail = tail is not None and bool(c.amin() < tail)
+    if has_tail:
+        m.logical_or_(c < tail)
+    cand = m.nonzero().view(-1)  # window (and tail) candidates, increasing
+    tv = t.index_select(0, cand)
+    zi, tl = cand, None
+    if has_tail:
+        isnear = tv < near
+        zi, tv = torch.masked_select(cand, isnear), torch.masked_select(tv, isnear)
+        tl = torch.masked_select(cand, isnear.logical_not_())
+    hard = zi if near <= w else torch.masked_select(zi, tv < w)
+    if zone and zi.numel():  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
+        vals = spec.f(c.index_select(0, zi).double()).to(yf.dtype)
+        yf[a : a + c.numel()].index_copy_(0, zi, vals)
+    if tl is not None and tl.numel():  # order as by CHUNK: window, then tail hits, per CHUNK
+        both = torch.cat([hard, tl])
+        key = torch.cat([(hard >> 16) * 2, (tl >> 16) * 2 + 1])
+        hard = both[torch.sort(key, stable=True).indices]
+    return hard.add_(a)
+
+
+def _hard_chunk(spec, c, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
+    """Hard elements (int64, absolute) of one CHUNK ``c`` at offset ``a``: any input."""
+    d = c.float() - inverse(spec).x_star
+    t = d.abs_()
+    # candidates near x*, then work on that few percent only (full-chunk passes dominate)
+    zi = (t < near).nonzero().view(-1)
+    parts = [zi[t.index_select(0, zi) < w]]
+    if zone and zi.numel():
+        vals = spec.f(c.index_select(0, zi).double()).to(yf.dtype)
+        yf.index_put_((zi + a,), vals)
+    if tail is not None:
+        parts.append((c < tail).nonzero().view(-1))
+    if not bool(torch.isfinite(t.sum())):  # NaN/inf in the chunk (or a sum overflow): rare
+        parts.append((~(t < math.inf)).nonzero().view(-1))
+        parts = [torch.cat(parts).unique()]  # -inf is also below the tail
+    hard = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return hard.add_(a)
+
+
+def is_dense_fallback(n: int, bits, idx, xs) -> bool:
+    return n > 0 and xs.numel() == n and idx.numel() == 0 and bits.numel() == 0
+
+
+def smooth_grad(
+    spec: SmoothSpec,
+    g: torch.Tensor,
+    y: torch.Tensor | None,
+    bits: torch.Tensor,
+    idx: torch.Tensor,
+    xs: torch.Tensor,
+    bwd_exact: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dL/dx from the output y, the branch bits and the side table (inverse of :func:`smooth_fwd`).
+
+    ``bwd_exact(g, x)`` is the op's plain-PyTorch backward from x, for the side table and fallback.
+    ``out``: a dead contiguous buffer shaped like ``g`` (maybe ``g`` itself) to write dx into; the
+    dense fallback writes eager's kernel's result straight into it where ``spec.grad_into`` exists
+    (no gradient-sized temporary), else copies it there.
+    """
+    n = g.numel()
+    gf = g.reshape(-1)
+    if is_dense_fallback(n, bits, idx, xs):
+        if out is not None and spec.grad_into is not None:
+            spec.grad_into(gf, xs, out.view(-1))
+            return out
+        dx = bwd_exact(gf, xs).reshape(g.shape)
+        return dx if out is None else out.copy_(dx)
+    if y is None:
+        raise internal_error(f"{spec.name}: no saved output outside the dense fallback")
+    inv = inverse(spec)
+    yf = y.reshape(-1)
+    cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
+    if bits.numel() != packed_numel(n):
+        raise internal_error(f"{spec.name}: {bits.numel()} packed bytes for {n} elements")
+    i = idx.long() if idx.numel() else None
+    gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
+    res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
+        if g.dtype == cdt:
+            torch.mul(gf[a:b], df, out=res[a:b])
+        else:
+            res[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
+    if i is not None:
+        res[i] = bwd_exact(gh, xs)
+    return res.view(g.shape) if out is None else out
+
+
+# -------------------------------------------------------------------------------------------------
+# The three activations (eager's own forward and backward from x for the side table and fallback)
+
+
+def _silu_f(x):
+    return x * torch.sigmoid(x)
+
+
+def _silu_df(x):
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+SILU = SmoothSpec(
+    "silu",
+    _silu_f,
+    _silu_df,
+    window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
+    x_right=20.0,
+    zone=0.1,
+    c_act=0,
+    grad_into=lambda g, x, out: torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out),
+)
+
+
+def _mish_f(x):
+    return x * torch.tanh(torch.nn.functional.softplus(x))
+
+
+def _mish_df(x):
+    t = torch.tanh(torch.nn.functional.softplus(x))
+    return t + x * torch.sigmoid(x) * (1.0 - t * t)
+
+
+MISH = SmoothSpec(
+    "mish",
+    _mish_f,
+    _mish_df,
+    window={torch.float32: 0.025, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
+    x_right=20.0,
+    zone=0.2,
+    c_act=3,
+)
+
+_K = math.sqrt(2.0 / math.pi)
+_SQRT1_2 = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_erf_f(x):
+    return x * 0.5 * torch.special.erfc(-x * _SQRT1_2)
+
+
+def _gelu_erf_df(x):
+    return 0.5 * torch.special.erfc(-x * _SQRT1_2) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+def _gelu_tanh_f(x):  # x/2 (1 + tanh u) = x sigmoid(2u), stable in the left tail
+    return x * torch.sigmoid(2.0 * _K * (x + 0.044715 * x**3))
+
+
+def _gelu_tanh_df(x):
+    s = torch.sigmoid(2.0 * _K * (x + 0.044715 * x**3))
+    return s + x * 2.0 * s * (1.0 - s) * _K * (1.0 + 3.0 * 0.044715 * x * x)
+
+
+def gelu_bwd_exact(g: torch.Tensor, x: torch.Tensor, approximate: str) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+
+
+def _gelu_grad_into(g, x, out, approximate: str):
+    return torch.ops.aten.gelu_backward.grad_input(g, x, approximate=approximate, grad_input=out)
+
+
+_LOW = {torch.bfloat16: 0.15, torch.float16: 0.15}
+GELU = {
+    "none": SmoothSpec(
+        "gelu",
+        _gelu_erf_f,
+        _gelu_erf_df,
+        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
+        zone=0.12,
+        tail={torch.float32: -2.5},
+        x_right=8.0,
+        c_act=1,
+        grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "none"),
+    ),
+    "tanh": SmoothSpec(
+        "gelu_tanh",
+        _gelu_tanh_f,
+        _gelu_tanh_df,
+        window={torch.float32: 0.015, torch.float64: 1e-6, **_LOW},
+        zone=0.06,
+        tail={torch.float32: -3.0},
+        x_right=8.0,
+        c_act=2,
+        grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "tanh"),
+    ),
+}
