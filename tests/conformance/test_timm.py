@@ -1,11 +1,12 @@
 """Conformance and savings: timm vision models through ``slimgrad.convert_``.
 
-Tiny variants of the six models of issue 18 (``timm.create_model(name, pretrained=False)`` with
-fewer blocks where timm takes it, at 32x32 or odd image sizes): the report converts timm's layers
-(no LayerNorm/BatchNormAct2d/Hardswish left as-is), ``slimgrad.verify`` passes (outputs, loss and
-every parameter gradient by the GUIDE.md rule against float64, inputs unchanged, train and eval,
-running statistics), the exact tracker's peak is not above eager's, and channels_last inputs and
-autocast bfloat16 agree too. Skipped without timm (tests/conformance/_timm_shim.py imports it).
+timm's fused norm + act layers in conv stacks (every option: drop, no act, in-place act, momentum
+None; contiguous and channels_last; train and eval), then tiny variants of the six models of issue
+18 (see MODELS): the report converts timm's layers (no timm norm left as-is), ``slimgrad.verify``
+passes (outputs, loss and every parameter gradient by the GUIDE.md rule against float64, inputs
+unchanged, running statistics), the exact tracker's peak is not above eager's and it saves less;
+channels_last (train and eval) and autocast bfloat16 rows too. Skipped without timm
+(tests/conformance/_timm_shim.py imports it).
 """
 
 from __future__ import annotations
@@ -112,3 +113,65 @@ def test_convert_leaves_timm_buffers_alone(monkeypatch):
     model = _stack(_bn_act(nn.SiLU))
     slimgrad.convert_(model)
     assert int(model[1].num_batches_tracked) == 0
+
+
+# The six models of issue 18 as tiny variants: fewer blocks where timm takes the option, else the
+# smallest timm model of the same family built from the same layers (test_efficientnet for
+# efficientnet_b0, regnety_002 for regnety_016, mobilenetv3_small_050 for mobilenetv3_large_100).
+# name: (create_model kwargs, batch x image HxW, classes that must all be converted)
+MODELS = {
+    "resnet50": (dict(layers=(1, 1, 1, 1)), (4, 32, 32), ("BatchNorm2d", "ReLU", "Conv2d")),
+    "test_efficientnet": ({}, (4, 33, 35), ("BatchNormAct2d", "SiLU", "Sigmoid")),
+    "vit_small_patch16_224": (dict(depth=2, img_size=32), (4, 32, 32), ("LayerNorm", "GELU")),
+    "regnety_002": ({}, (4, 32, 32), ("BatchNormAct2d", "ReLU", "Sigmoid")),
+    "convnext_tiny": (dict(depths=(1, 1, 1, 1)), (4, 35, 33), ("LayerNorm", "LayerNorm2d")),
+    "mobilenetv3_small_050": ({}, (4, 32, 32), ("BatchNormAct2d", "Hardswish", "Hardsigmoid")),
+}
+
+
+def _pair(name):
+    kwargs, shape, kinds = MODELS[name]
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, **kwargs)
+    for m in model.modules():  # non-trivial affine parameters
+        if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and m.weight is not None:
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.2, 0.2)
+    slim = slimgrad.convert_(copy.deepcopy(model))
+    return model, slim, shape, kinds
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_timm_model_converts_verifies_and_saves(name):
+    model, slim, shape, kinds = _pair(name)
+    rep = slimgrad.report(slim)
+    converted = {k for _, k, _ in rep.converted}
+    assert set(kinds) <= converted, rep
+    assert not any(k in kinds for _, k, _ in rep.skipped), rep
+    timm_norms = [
+        type(m).__name__ for m in slim.modules() if "timm.layers.norm" in type(m).__module__
+    ]
+    assert not timm_norms, timm_norms
+    x = torch.randn(shape[0], 3, *shape[1:])
+    res = slimgrad.verify(model, slim, x, modes=("train",))
+    assert res.ok, str(res)
+    me = measure(lambda: model(x).square().mean(), timeline=False)
+    ms = measure(lambda: slim(x).square().mean(), timeline=False)
+    assert ms.peak_bytes <= me.peak_bytes, (ms.peak_bytes, me.peak_bytes)
+    assert ms.saved_bytes < me.saved_bytes, (ms.saved_bytes, me.saved_bytes)
+
+
+@pytest.mark.parametrize("name", ["mobilenetv3_small_050"])  # LayerNorm2d: test_convert_subclass
+def test_timm_model_channels_last_train_and_eval(name):
+    model, slim, shape, _ = _pair(name)
+    x = torch.randn(shape[0], 3, *shape[1:]).to(memory_format=torch.channels_last)
+    res = slimgrad.verify(model, slim, x)
+    assert res.ok, str(res)
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_224", "test_efficientnet"])
+def test_timm_model_autocast_bf16(name):
+    model, slim, shape, _ = _pair(name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = slimgrad.verify(model, slim, torch.randn(shape[0], 3, *shape[1:]), modes=("train",))
+    assert res.ok, str(res)
