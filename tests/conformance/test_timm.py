@@ -18,25 +18,11 @@ import torch
 from torch import nn
 
 import slimgrad
-from slimgrad.convert_handlers import inplace_guard
 from slimgrad.convert_handlers import timm as timm_handlers
 from slimgrad.memory import measure
 from tests.conformance._timm_shim import timm
 
 pytestmark = pytest.mark.skipif(timm is None, reason="timm (and torchvision) not installed")
-
-
-@pytest.fixture(autouse=True)
-def _guard_traces_buffers_symbolically(monkeypatch):
-    # convert_'s in-place guard fx-traces modules; timm's BatchNormAct2d.forward runs
-    # ``self.num_batches_tracked.add_(1)``, and fx hands buffers to the trace as real tensors, so
-    # the trace itself bumped the counter (verify then fails on that buffer). The fix belongs in
-    # convert_handlers/inplace_guard.py (``proxy_buffer_attributes = True`` on its tracer); until it
-    # lands there, these tests apply it (test_convert_leaves_timm_buffers_alone shows the bug).
-    if not getattr(inplace_guard._LeafTracer, "proxy_buffer_attributes", False):
-        monkeypatch.setattr(
-            inplace_guard._LeafTracer, "proxy_buffer_attributes", True, raising=False
-        )
 
 
 def _bn_act(act, **kw):
@@ -107,9 +93,9 @@ def test_timm_norm_act_fast_norm_inplace_act_and_own_forward_are_skipped():
     assert model[0] is ln and type(model[1]) is MyBNAct and model[2] is gn
 
 
-@pytest.mark.xfail(strict=True, reason="inplace_guard's fx trace runs buffer updates (lead's fix)")
-def test_convert_leaves_timm_buffers_alone(monkeypatch):
-    monkeypatch.undo()  # without the fixture's tracer setting
+def test_convert_leaves_timm_buffers_alone():
+    # timm's BatchNormAct2d.forward runs ``self.num_batches_tracked.add_(1)``: convert_'s fx traces
+    # must record it, not run it (verify would then fail on that buffer)
     model = _stack(_bn_act(nn.SiLU))
     slimgrad.convert_(model)
     assert int(model[1].num_batches_tracked) == 0
