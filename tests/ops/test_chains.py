@@ -1,5 +1,6 @@
 """Property test: random chains of this area's ops give eager's values and every gradient."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -64,3 +65,31 @@ def test_random_chains_match_eager(kinds, rows, seed):
         assert (o is None) == (e is None)
         if o is not None:
             torch.testing.assert_close(o, e)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu", "elu", "leaky_relu"])
+def test_derived_activation_double_backward_is_eagers(act):
+    # NOTE [Derived saved inputs]: the derived act keeps b, so create_graph recomputes eager's act
+    import importlib
+
+    derived = importlib.import_module("slimgrad.ops._derived")
+
+    class _Source:
+        def keep_output(self, b):
+            return True
+
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = x * 2
+    derived.register_source(b, _Source())
+    r = derived.activation(b, act, param=0.3)
+    assert type(r.grad_fn).__name__ == "_DerivedActFnBackward"
+    (g,) = torch.autograd.grad(r.square().sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    spec = (act, 0.3, False) if act in ("elu", "leaky_relu") else act
+    xe = x.detach().clone().requires_grad_()
+    (ge,) = torch.autograd.grad(
+        derived.apply_act(spec, xe * 2).square().sum(), xe, create_graph=True
+    )
+    (gge,) = torch.autograd.grad(ge.sum(), xe)
+    torch.testing.assert_close(g, ge)
+    torch.testing.assert_close(gg, gge)
