@@ -89,9 +89,14 @@ def test_inplace_forward(K):
     torch.testing.assert_close(x, x0 * (m.float() * (1 / 0.6)), rtol=0, atol=0)
 
 
-def test_noncontiguous_input(K):
+def test_noncontiguous_input_is_the_ops_pytorch_path(K):
+    # kernels are leaves (issue 15): the op checks supports() and takes its PyTorch path for a
+    # non-contiguous (or float64) input; called directly, the kernel refuses clearly
     x = torch.randn(8, 13).t()
-    out, bits = K._fwd_triton(x, 0.5)
+    assert not K.supports(x) and not K.supports(torch.randn(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="slimgrad.kernels.dropout: called on"):
+        K._fwd_triton(x, 0.5)
+    out, bits = ref._fwd_torch(x, 0.5)
     torch.testing.assert_close(out, x * (_mask(bits, x.shape).float() * 2.0), rtol=0, atol=0)
 
 

@@ -22,12 +22,12 @@ direction.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import triton
 import triton.language as tl
 
+from slimgrad._errors import internal_error
+from slimgrad._math.bits import packed_numel
 from slimgrad.kernels._common import (
     BLOCK,
     cast_out,
@@ -39,7 +39,6 @@ from slimgrad.kernels._common import (
 )
 
 # the submodule (slimgrad.ops re-exports functions under the same names)
-_ref = importlib.import_module("slimgrad.ops.dropout")
 
 
 @triton.jit
@@ -78,9 +77,21 @@ def _bwd_kernel(g_ptr, bits_ptr, dx_ptr, n, scale, BLOCK: tl.constexpr):
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def supports(t: torch.Tensor) -> bool:
+    """Whether these kernels take ``t`` (the op runs its PyTorch path otherwise)."""
+    return t.dtype in _DTYPES and t.is_contiguous()
+
+
+def _unsupported(t: torch.Tensor):
+    return internal_error(
+        f"slimgrad.kernels.dropout: called on a {t.dtype} tensor (contiguous: "
+        f"{t.is_contiguous()}) it does not take; the op checks supports() first"
+    )
+
+
 def _draw(x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
     n = x.numel()
-    bits = torch.empty(_ref._packed_numel(n), dtype=torch.uint8, device=x.device)
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     seed = seed_tensor(x.device)
     if n:
         grid = (triton.cdiv(n, BLOCK),)
@@ -91,16 +102,16 @@ def _draw(x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
 def _fwd_triton(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Out-of-place dropout: (out, packed mask). Non-contiguous inputs take the PyTorch path (its
     output keeps x's strides, as the op's fake kernel declares)."""
-    if x.dtype not in _DTYPES or not x.is_contiguous():
-        return _ref._fwd_torch(x, p)
+    if not supports(x):
+        raise _unsupported(x)
     out = torch.empty_like(x)
     return out, _draw(x, out, p)
 
 
 def _fwd_inplace_triton(x: torch.Tensor, p: float) -> torch.Tensor:
     """In-place dropout: x <- x * m / (1 - p); returns the packed mask."""
-    if x.dtype not in _DTYPES or not x.is_contiguous():
-        return _ref._fwd_inplace_torch(x, p)
+    if not supports(x):
+        raise _unsupported(x)
     bits = _draw(x, x, p)
     torch.autograd.graph.increment_version(x)  # a raw write: autograd must see it
     return bits
@@ -113,10 +124,12 @@ def _bwd_triton(
     ``native_dropout_backward``; else the scale rounded to g's dtype first, as eager's CPU
     ``g * noise``). ``inplace``: write into g (a caller-owned temporary)."""
     if g.dtype not in _DTYPES or (inplace and not g.is_contiguous()):
-        return _ref._bwd_torch(g, bits, p, fused, inplace)
+        raise _unsupported(g)
     gc = g.contiguous()
     dx = gc if inplace else torch.empty_like(gc)
-    scale = 1.0 / (1.0 - p) if fused else _ref._noise_scale(p, g.dtype, g.device).item()
+    # eager's CPU scale: 1 / (1 - p) rounded to g's dtype (ops/dropout.py's _noise_scale)
+    noise_scale = torch.ones((), dtype=g.dtype, device=g.device).div_(1 - p).item()
+    scale = 1.0 / (1.0 - p) if fused else noise_scale
     n = g.numel()
     if n:
         _bwd_kernel[(triton.cdiv(n, BLOCK),)](gc, bits, dx, n, float(scale), BLOCK=BLOCK)

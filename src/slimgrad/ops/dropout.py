@@ -154,11 +154,18 @@ def _apply_mask_torch(
 _bwd_torch = _apply_mask_torch
 
 
+def _kernels(t: torch.Tensor):
+    # the Triton kernels when chosen (NOTE [Kernel backend choice]) and they take t, else None
+    if not _backend.use_triton(t, auto=False):
+        return None
+    k = _backend.kernels("dropout")
+    return k if k.supports(t) else None
+
+
 @custom_op("dropout_fwd", mutates_args=())
 def _dropout_fwd(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if _backend.use_triton(x, auto=False):
-        return _backend.kernels("dropout")._fwd_triton(x, p)
-    return _fwd_torch(x, p)
+    k = _kernels(x)
+    return k._fwd_triton(x, p) if k is not None else _fwd_torch(x, p)
 
 
 @_dropout_fwd.register_fake
@@ -168,9 +175,8 @@ def _(x, p):
 
 @custom_op("dropout_fwd_", mutates_args=("x",))
 def _dropout_fwd_(x: torch.Tensor, p: float) -> torch.Tensor:
-    if _backend.use_triton(x, auto=False):
-        return _backend.kernels("dropout")._fwd_inplace_triton(x, p)
-    return _fwd_inplace_torch(x, p)
+    k = _kernels(x)
+    return k._fwd_inplace_triton(x, p) if k is not None else _fwd_inplace_torch(x, p)
 
 
 @_dropout_fwd_.register_fake
@@ -180,9 +186,11 @@ def _(x, p):
 
 @custom_op("dropout_apply_mask", mutates_args=())
 def _dropout_apply_mask(g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool) -> torch.Tensor:
-    if _backend.use_triton(g, auto=False):
-        return _backend.kernels("dropout")._bwd_triton(g.contiguous(), bits, p, fused)
-    return _apply_mask_torch(g.contiguous(), bits, p, fused)
+    g = g.contiguous()
+    k = _kernels(g)
+    return (
+        k._bwd_triton(g, bits, p, fused) if k is not None else _apply_mask_torch(g, bits, p, fused)
+    )
 
 
 @_dropout_apply_mask.register_fake
@@ -194,8 +202,8 @@ def _backward(grad, bits, p, fused, owned):
     # owned: grad's buffer is dead (slimgrad.ownership.take granted it; never under torch.compile,
     # where take refuses): dx is written into it, eagerly, outside the custom op.
     if owned:
-        if _backend.use_triton(grad, auto=False):
-            k = _backend.kernels("dropout")
+        k = _kernels(grad)
+        if k is not None:
             return k._bwd_triton(grad, bits, p, fused, inplace=True)
         return _apply_mask_torch(grad, bits, p, fused, inplace=True)
     return _dropout_apply_mask(grad, bits, p, fused)
