@@ -36,7 +36,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["first_order", "refuse_jit", "transforms_active"]
+__all__ = [
+    "first_order",
+    "refuse_jit",
+    "refuse_second_order",
+    "tie_refusal",
+    "transforms_active",
+]
 
 
 class _SecondOrderRefused(torch.autograd.Function):
@@ -71,7 +77,18 @@ def _deps(ctx, grads: tuple) -> list[torch.Tensor]:
     ]
 
 
-def _refusing(op: str, backward: Callable, ctx, grads: tuple):
+def tie_refusal(op: str, grad: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+    """``grad`` itself (as a view) whose derivative with respect to ``deps`` raises the
+    ``slimgrad.<op>`` second-derivative error (NOTE [Second derivatives]). For a backward that
+    ties its results by hand, e.g. to anchors of its inputs when nothing it saved has history."""
+    return _SecondOrderRefused.apply(op, grad, *deps)
+
+
+def refuse_second_order(op: str, backward: Callable, ctx, grads: tuple):
+    """Run ``backward(ctx, *grads)`` without grad and tie each floating result to everything it
+    read that has history (saved tensors, ``grads``) through :func:`tie_refusal`: the first
+    derivatives are right, differentiating them raises. For a ``double=`` that only sometimes
+    has eager's second derivatives (NOTE [Second derivatives])."""
     # Separate frame from first_order's wrapper: ownership.take never finds a calibrated caller
     # here, so nothing is overwritten under create_graph.
     deps = _deps(ctx, grads)
@@ -82,9 +99,7 @@ def _refusing(op: str, backward: Callable, ctx, grads: tuple):
     single = not isinstance(out, tuple)
     outs = (out,) if single else out
     tied = tuple(
-        _SecondOrderRefused.apply(op, o, *deps)
-        if isinstance(o, torch.Tensor) and o.is_floating_point()
-        else o
+        tie_refusal(op, o, *deps) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
         for o in outs
     )
     return tied[0] if single else tied
@@ -106,7 +121,7 @@ def first_order(op: str, double: Callable | None = None) -> Callable:
             if torch.is_grad_enabled():  # autograd turns grad mode on only for create_graph=True
                 if double is not None:
                     return double(ctx, *args)
-                return _refusing(op, backward, ctx, args)
+                return refuse_second_order(op, backward, ctx, args)
             return backward(ctx, *args)
 
         wrapper._slimgrad_first_order = True

@@ -236,7 +236,7 @@ def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) ->
             x = ctx.saved_tensors[3]
             dx = exact(g, x, *args)
             return (dx, *(None for _ in args)) if args else dx
-        return _autograd._refusing(op, ctx._forward_cls.backward, ctx, (g, *side))
+        return _autograd.refuse_second_order(op, ctx._forward_cls.backward, ctx, (g, *side))
 
     return double
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
-from slimgrad._autograd import _SecondOrderRefused, first_order, refuse_jit, transforms_active
+from slimgrad._autograd import first_order, refuse_jit, tie_refusal, transforms_active
 from slimgrad._errors import internal_error
 from slimgrad.kernels import _backend
 from slimgrad.ops.layer_norm import make_anchor
@@ -378,9 +378,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         if not deps:
             return out
         return tuple(
-            _SecondOrderRefused.apply("ops.linear_cross_entropy", g, *deps)
-            if isinstance(g, torch.Tensor)
-            else g
+            tie_refusal("ops.linear_cross_entropy", g, *deps) if isinstance(g, torch.Tensor) else g
             for g in out
         )
 
