@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hf,triton]"
+	# timm + torchvision for the timm test suites only, outside site-packages (see
+	# tests/conformance/_timm_shim.py): a CUDA-built torchvision there would break transformers
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/timm-site -c constraints.txt timm torchvision
 	touch $(STAMP)
 
 env: $(STAMP)

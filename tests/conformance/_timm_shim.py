@@ -8,6 +8,11 @@ the two schemas (no kernels: nothing here calls them) lets the import go through
 set-up concern only: slimgrad itself never imports timm or torchvision and never defines ops in
 another library's namespace.
 
+Where they live: ``make env`` installs timm and torchvision with ``pip --target`` into
+``<venv>/timm-site``, outside the venv's site-packages, so that transformers (which imports
+torchvision whenever it can find it) keeps working everywhere else in the dev environment
+(the bench, the CLI). This module puts that directory on ``sys.path`` after defining the schemas.
+
 ``timm`` is this module's attribute, or None when timm (or torchvision) is not installed; the
 suites skip then.
 """
@@ -15,6 +20,8 @@ suites skip then.
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 
@@ -34,6 +41,9 @@ def _define_torchvision_schemas() -> None:
 
 
 def _import_timm():
+    site = Path(sys.prefix) / "timm-site"
+    if site.is_dir() and str(site) not in sys.path:
+        sys.path.append(str(site))
     if importlib.util.find_spec("timm") is None or importlib.util.find_spec("torchvision") is None:
         return None
     _define_torchvision_schemas()
