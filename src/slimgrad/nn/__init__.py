@@ -21,8 +21,11 @@ from slimgrad.nn.conv import (
 )
 from slimgrad.nn.dropout import Dropout
 from slimgrad.nn.elu import ELU
+from slimgrad.nn.gated_mlp import GatedMLP
 from slimgrad.nn.gelu import GELU
 from slimgrad.nn.group_norm import GroupNorm
+from slimgrad.nn.hardsigmoid import Hardsigmoid
+from slimgrad.nn.hardswish import Hardswish
 from slimgrad.nn.hardtanh import Hardtanh, ReLU6
 from slimgrad.nn.inplace_abn import InPlaceABN, InPlaceABNSync
 from slimgrad.nn.layer_norm import LayerNorm
@@ -38,7 +41,7 @@ from slimgrad.nn.reversible import (
     ReversibleSequential,
     check_invertible,
 )
-from slimgrad.nn.rms_norm import RMSNorm
+from slimgrad.nn.rms_norm import HFRMSNorm, RMSNorm
 from slimgrad.nn.sigmoid import Sigmoid
 from slimgrad.nn.silu import SiLU
 from slimgrad.nn.softmax_dropout import SoftmaxDropoutMatmul
@@ -62,6 +65,10 @@ __all__ = [
     "Dropout",
     "GELUAfterNorm",
     "GroupNorm",
+    "GatedMLP",
+    "HFRMSNorm",
+    "Hardsigmoid",
+    "Hardswish",
     "Hardtanh",
     "InPlaceABN",
     "InPlaceABNSync",

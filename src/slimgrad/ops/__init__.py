@@ -11,8 +11,11 @@ from slimgrad.ops.conv import (
 )
 from slimgrad.ops.dropout import dropout, dropout_
 from slimgrad.ops.elu import elu, elu_
+from slimgrad.ops.gated_mlp import gated_mlp, gated_mlp_fused
 from slimgrad.ops.gelu import gelu, gelu_, gelu_fast, gelu_new
 from slimgrad.ops.group_norm import group_norm
+from slimgrad.ops.hardsigmoid import hardsigmoid, hardsigmoid_
+from slimgrad.ops.hardswish import hardswish, hardswish_
 from slimgrad.ops.hardtanh import hardtanh, hardtanh_, relu6, relu6_
 from slimgrad.ops.inplace_abn import inplace_abn, inplace_abn_sync
 from slimgrad.ops.layer_norm import layer_norm
@@ -23,7 +26,7 @@ from slimgrad.ops.matmul import matmul
 from slimgrad.ops.mish import mish, mish_
 from slimgrad.ops.relu import relu, relu_
 from slimgrad.ops.reversible import reversible_sequential
-from slimgrad.ops.rms_norm import rms_norm
+from slimgrad.ops.rms_norm import hf_rms_norm, rms_norm
 from slimgrad.ops.sigmoid import sigmoid, sigmoid_
 from slimgrad.ops.silu import silu, silu_
 from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
@@ -47,8 +50,15 @@ __all__ = [
     "gelu_",
     "gelu_fast",
     "gelu_new",
+    "gated_mlp",
+    "gated_mlp_fused",
     "group_norm",
+    "hardsigmoid",
+    "hardsigmoid_",
+    "hardswish",
+    "hardswish_",
     "hardtanh",
+    "hf_rms_norm",
     "hardtanh_",
     "inplace_abn",
     "inplace_abn_sync",
