@@ -116,6 +116,10 @@ class GatedMLP(nn.Module):
         >>> y = mlp(torch.randn(2, 8))
     """
 
+    # convert_ converts the children it holds (the activation module, which the eager fallback
+    # paths call) in the same pass, so a second convert_ changes nothing
+    CONVERT_CHILDREN = True
+
     def __init__(
         self,
         hidden_size: int,

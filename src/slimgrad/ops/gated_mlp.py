@@ -181,9 +181,11 @@ class _GatedMLPFn(torch.autograd.Function):
         ctx.mm_dtypes = (g.dtype, u.dtype)
         ctx.in_dtypes = _dtypes(x, wg, bg, wu, bu, wd, bd)
         # autocast caches the cast of a leaf that requires grad: both projections then read one
-        # cast of x, whose two gradients eager sums before casting back
+        # cast of x, whose two gradients eager sums before casting back. Not under torch.compile
+        # (dynamo cannot trace _is_view; compiled graphs keep eager's casts: masters are None)
         ctx.x_cast_cached = (  # autocast's cache condition
-            x.dtype == torch.float32
+            not torch.compiler.is_compiling()
+            and x.dtype == torch.float32
             and x.is_leaf
             and x.requires_grad
             and not x._is_view()
