@@ -305,3 +305,30 @@ def test_convert_traces_without_running_buffer_updates():
     assert int(model[1].calls) == 0
     rep = str(slimgrad.report(model))
     assert "norm" in rep  # the block was analysed: its LayerNorm is reported (kept: ReLU writes)
+
+
+class _MyGELU(nn.GELU):  # converts under the subclass rule, so the guard must see it too
+    pass
+
+
+@pytest.mark.parametrize("saver", [_MyGELU, nn.Hardswish])
+def test_subclass_and_hardswish_savers_then_writer_stay_eager(saver):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.act = saver()
+
+        def forward(self, x):
+            h = self.act(self.lin(x))
+            h.add_(1.0)  # in-place write over the saver's output
+            return h
+
+    model = nn.Sequential(Block())
+    ref = copy.deepcopy(model)
+    slimgrad.convert_(model)
+    assert type(model[0].act) is saver, slimgrad.report(model)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # eager's behaviour: no in-place error
+    ref(x).sum().backward()
+    torch.testing.assert_close(model[0].lin.weight.grad, ref[0].lin.weight.grad)

@@ -246,7 +246,7 @@ def rms_norm_from_hf(module: nn.Module) -> nn.Module:
 
 # The transformers 5.23 classes whose forward (and _norm) is one of ``_TEMPLATES`` (found by parsing
 # every ``models/*/modeling_*.py``); the handler re-checks each instance's code when it converts.
-_RMS_NORM_CLASSES = (
+RMS_NORM_CLASSES = (
     "transformers.models.afmoe.modeling_afmoe.AfmoeRMSNorm",
     "transformers.models.aimv2.modeling_aimv2.Aimv2RMSNorm",
     "transformers.models.apertus.modeling_apertus.ApertusRMSNorm",
@@ -444,4 +444,4 @@ _RMS_NORM_CLASSES = (
 )
 
 # {qualified class name: (ConvertConfig field, handler)}; merged into slimgrad.convert._TABLE.
-TABLE = {name: ("norms", rms_norm_from_hf) for name in _RMS_NORM_CLASSES}
+TABLE = {name: ("norms", rms_norm_from_hf) for name in RMS_NORM_CLASSES}

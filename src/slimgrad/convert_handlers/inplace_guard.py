@@ -22,6 +22,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from slimgrad.convert_handlers import hf as _hf
+
 __all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason"]
 
 # NOTE [In-place writers after output-saving modules]
@@ -56,7 +58,10 @@ SAVES_OUTPUT = frozenset(
         "torch.nn.modules.normalization.LayerNorm",
         "torch.nn.modules.normalization.RMSNorm",
         "torch.nn.modules.normalization.GroupNorm",
-        "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+        "torch.nn.modules.activation.Hardswish",
+        "timm.layers.activations.GELU",
+        "timm.layers.activations.GELUTanh",
+        *_hf.RMS_NORM_CLASSES,  # every HF RMSNorm convert_ reaches (fp32: keeps y)
     }
 )
 
@@ -126,7 +131,8 @@ def _qualname(cls: type) -> str:
 
 
 def _saves_output(m: nn.Module) -> bool:
-    return _qualname(type(m)) in SAVES_OUTPUT
+    # the class or a base: subclasses of table classes convert too (convert.py's subclass rule)
+    return any(_qualname(c) in SAVES_OUTPUT for c in type(m).__mro__)
 
 
 def _is_hf(m: nn.Module) -> bool:
