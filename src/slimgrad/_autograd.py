@@ -51,7 +51,6 @@ class _SecondOrderRefused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: str, grad: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
         ctx.op = op
-        ctx.n = len(deps)
         return grad.view_as(grad)
 
     @staticmethod
@@ -124,7 +123,6 @@ def first_order(op: str, double: Callable | None = None) -> Callable:
                 return refuse_second_order(op, backward, ctx, args)
             return backward(ctx, *args)
 
-        wrapper._slimgrad_first_order = True
         return wrapper
 
     return deco
