@@ -69,11 +69,7 @@ def _deps(ctx, grads: tuple) -> list[torch.Tensor]:
         saved = list(ctx.saved_tensors)
     except RuntimeError:  # already freed or consumed: nothing more to tie to
         saved = []
-    return [
-        t
-        for t in (*saved, *grads)
-        if isinstance(t, torch.Tensor) and (t.requires_grad or t.grad_fn is not None)
-    ]
+    return [t for t in (*saved, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def tie_refusal(op: str, grad: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
