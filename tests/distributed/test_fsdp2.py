@@ -1,0 +1,152 @@
+"""A converted HF model under FSDP2 (``fully_shard`` per block and root, 2 gloo processes) equals
+eager FSDP2: losses and full gradients over several optimizer steps, in fp32 and with a bf16-param /
+fp32-reduce ``MixedPrecisionPolicy``; gradient-buffer reuse next to FSDP's own buffers changes no
+bit; per-rank peak bytes measured with slimgrad's tracker (tests/distributed/README numbers in
+the "Scaling out" section come from ``test_fsdp2_per_rank_peak``).
+
+Why reuse is safe next to FSDP2 (NOTE [Gradient-buffer ownership] in slimgrad/ownership.py,
+"Distributed"): an all-gathered parameter is a leaf that requires grad and a view of the
+all-gather buffer (refused as an incoming gradient and as a saved tensor); the reduce-scatter
+input is FSDP's own copy of ``unsharded_param.grad``, made after autograd accumulated it, and no
+autograd gradient aliases it; FSDP's identity ``RegisterPostBackwardFunction`` hands gradients on
+without keeping them. ``test_reuse_changes_no_bit_under_fsdp2`` checks it end to end: reuse on and
+off give bit-identical losses and full gradients, and reuse was granted on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import slimgrad
+from slimgrad import ownership
+from slimgrad.testing import DEFAULT_ATOL, assert_within_rule
+from tests.distributed._gloo import run_on_two_ranks
+
+pytestmark = pytest.mark.distributed
+
+transformers = pytest.importorskip("transformers")
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+STEPS = 3
+B, T, VOCAB = 2, 8, 97
+
+
+def _build(family: str):
+    torch.manual_seed(0)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            attn_implementation="eager",
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+        return model, list(model.model.layers)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
+    model = transformers.GPT2LMHeadModel(cfg)  # tied embedding: one parameter at the root
+    return model, list(model.transformer.h)
+
+
+def _sharded(family: str, variant: str, mp: bool):
+    model, blocks = _build(family)
+    if variant == "ref64":
+        model = model.double()
+    elif variant != "eager":
+        slimgrad.convert_(model)
+    policy = fsdp.MixedPrecisionPolicy()
+    if mp and variant != "ref64":
+        policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in blocks:
+        fsdp.fully_shard(block, mp_policy=policy)
+    fsdp.fully_shard(model, mp_policy=policy)
+    return model
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + 10 * rank + step)  # different data per rank
+    return torch.randint(1, VOCAB, (B, T), generator=g)
+
+
+def _run(family: str, variant: str, rank: int) -> dict:
+    mp = variant.endswith("_bf16")
+    model = _sharded(family, variant.removesuffix("_bf16"), mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled() if variant == "no_reuse" else contextlib.nullcontext():
+        for step in range(STEPS):
+            ids = _batch(rank, step)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.full_tensor() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+    return {"loss": losses, "grad": grads, "reuse": ownership.reuse_count()}
+
+
+VARIANTS = ("ref64", "eager", "slimgrad", "no_reuse", "eager_bf16", "slimgrad_bf16")
+
+
+def _train(family: str):
+    def train(rank: int) -> dict:
+        return {v: _run(family, v, rank) for v in VARIANTS}
+
+    return train
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def ranks(request, tmp_path_factory):
+    """Every variant trained on both ranks (one pair of processes per family)."""
+    return run_on_two_ranks(_train(request.param), tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16_params"])
+def test_converted_fsdp2_matches_eager_fsdp2(ranks, mp):
+    sfx = "_bf16" if mp else ""
+    # a bf16 forward's loss is one rounded scalar: bf16's atol (its gradients keep fp32's)
+    loss_atol = DEFAULT_ATOL[torch.bfloat16] if mp else None
+    for res in ranks:
+        ref, eager, ours = res["ref64"], res["eager" + sfx], res["slimgrad" + sfx]
+        assert ours["reuse"] > 0  # gradient buffers were reused next to FSDP's
+        for step in range(STEPS):
+            assert_within_rule(
+                ours["loss"][step],
+                ref["loss"][step],
+                eager["loss"][step],
+                atol=loss_atol,
+                names=[f"step{step} loss"],
+            )
+            assert_within_rule(
+                ours["grad"][step],
+                ref["grad"][step],
+                eager["grad"][step],
+                names=[f"step{step} grad{i}" for i in range(len(ours["grad"][step]))],
+            )
+
+
+def test_reuse_changes_no_bit_under_fsdp2(ranks):
+    for res in ranks:
+        on, off = res["slimgrad"], res["no_reuse"]
+        assert on["reuse"] > 0 and off["reuse"] == 0
+        for step in range(STEPS):
+            assert torch.equal(on["loss"][step], off["loss"][step])
+            for a, b in zip(on["grad"][step], off["grad"][step], strict=True):
+                assert torch.equal(a, b)
