@@ -13,6 +13,7 @@ neither Triton nor CUDA.
 
 from slimgrad import memory
 from slimgrad.convert import ConvertConfig, ConvertReport, convert_, report
+from slimgrad.step_in_backward import step_in_backward
 from slimgrad.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -24,5 +25,6 @@ __all__ = [
     "convert_",
     "memory",
     "report",
+    "step_in_backward",
     "verify",
 ]

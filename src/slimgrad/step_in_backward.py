@@ -1,0 +1,652 @@
+"""The optimizer step inside backward: each parameter is updated as soon as its gradient is
+complete, and the gradient is freed, so gradients never pile up.
+
+``handle = slimgrad.step_in_backward(model, torch.optim.AdamW, lr=1e-3)`` registers a
+``register_post_accumulate_grad_hook`` on every trainable parameter. When autograd has accumulated
+a parameter's gradient for this backward, the hook runs the optimizer's update for that parameter
+alone and sets ``.grad`` to None. The parameters after the step are bit for bit those of the plain
+loop ``loss.backward(); opt.step(); opt.zero_grad()`` with ``opt = AdamW(model.parameters(), ...)``.
+
+Memory: the gradients alive at any moment of backward are those of the autograd node running now
+(a layer's weight and bias come out of one node) and nothing else; the plain loop keeps every
+gradient from the moment backward reaches it until ``opt.step()``, so its peak (usually at the end
+of backward) holds all of them.
+
+# NOTE [Why the update is exact]
+The handle holds one ordinary optimizer (``handle.optimizer``, built as ``OptimizerClass(params,
+**kwargs)``): its ``param_groups`` and ``state`` are the handle's, in the plain optimizer's format.
+The hook of parameter ``p`` narrows the optimizer to ``p`` for one call of its own ``step()``
+(``param_groups`` becomes ``[group]`` with ``group["params"] == [p]``; restored afterwards) and runs
+it. Every ``torch.optim`` optimizer that needs no closure updates each parameter from that
+parameter's gradient and state alone, elementwise, so narrowing the call changes nothing in the
+bits: the single-tensor, foreach and fused implementations compute the same per-element formula for
+a list of one tensor as for a list of many (the default implementation is chosen per group from
+device and dtype, identical for the plain loop and here when a group's parameters share a device).
+Autograd sums every contribution to a leaf before its ``AccumulateGrad`` runs, and the
+post-accumulate hook fires once per backward per leaf, after that: a parameter used twice (tied
+embeddings) is updated once, from the summed gradient, as in the plain loop. Frozen parameters get
+no hook; a parameter that gets no gradient in a backward sees no hook call, so it is left alone as
+``opt.step()`` leaves a parameter whose ``.grad`` is None.
+
+# NOTE [What a step is, and what is refused]
+In the plain loop a step is everything between two ``opt.step()`` calls. Here the update happens in
+backward, so the handle needs to know when a step ends:
+
+- ``handle.step()`` and ``handle.zero_grad()`` are no-ops on the parameters (the update already
+  happened; there is no gradient to zero). They mark the end of a step. Once the loop calls either,
+  a parameter whose hook fires a second time before the next call raises (before touching that
+  parameter): a second ``backward`` over a retained graph, two losses backward'ed separately, or
+  micro-batch gradient accumulation with ``step()`` every N backward calls. The plain loop would sum
+  those gradients and step once; here each backward would step. ``accumulate=N`` is the exact mode
+  for accumulation.
+- A loop that never calls ``step()``/``zero_grad()`` makes every backward a step, and those
+  mistakes cannot be seen. The first ``step()``/``zero_grad()`` call checks what happened before it.
+- Global-norm clipping (``clip_grad_norm_(model.parameters(), c)``) needs every gradient before the
+  first update; after backward it sees no gradient and returns 0 without clipping. It cannot be
+  detected from here (slimgrad does not patch torch). Use ``clip_grad_norm_per_param`` (each
+  parameter clipped by its own norm) or ``clip_grad_value`` (elementwise: exactly the global
+  ``clip_grad_value_``).
+- DDP and FSDP reduce gradients across processes after accumulation; the update must wait for the
+  reduction. The handle refuses a DDP/FSDP-wrapped module, DTensor parameters, and any backward run
+  while a process group of more than one process is initialised.
+- Optimizers whose ``step`` needs a closure (LBFGS) re-evaluate the loss: refused.
+- ``torch.amp.GradScaler``: the update would use scaled gradients before the scaler could unscale
+  them; ``scaler.step(handle)`` raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["StepInBackward", "step_in_backward"]
+
+_API = "slimgrad.step_in_backward"
+
+# attribute of a parameter naming (weakly) the handle that updates it in backward: two handles on
+# one parameter would update it twice
+_OWNER = "_slimgrad_step_in_backward"
+
+
+def _owner(p: torch.Tensor) -> StepInBackward | None:
+    ref = getattr(p, _OWNER, None)
+    handle = ref() if ref is not None else None
+    # a deep copy of the parameter carries the attribute: only the handle's own hook counts
+    return handle if handle is not None and p in handle._hooks else None
+
+
+def _err(cls, what: str, expected: str, got: str, fix: str) -> Exception:
+    return cls(f"{_API}: {what}; expected {expected}, got {got}. {fix}.")
+
+
+def _dist_classes() -> tuple[type, ...]:
+    out: list[type] = [torch.nn.parallel.DistributedDataParallel]
+    if torch.distributed.is_available():
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            out.append(FullyShardedDataParallel)
+        except ImportError:  # pragma: no cover - depends on the build
+            pass
+        try:
+            from torch.distributed.fsdp import FSDPModule
+
+            out.append(FSDPModule)
+        except ImportError:  # pragma: no cover - depends on the build
+            pass
+    return tuple(out)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - depends on the build
+        return False
+    return isinstance(p, DTensor)
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def _needs_closure(optimizer_class: type) -> bool:
+    try:
+        sig = inspect.signature(optimizer_class.step)
+    except (TypeError, ValueError):  # pragma: no cover - builtin step
+        return False
+    p = sig.parameters.get("closure")
+    return p is not None and p.default is inspect.Parameter.empty
+
+
+class StepInBackward(torch.optim.Optimizer):
+    """The handle :func:`step_in_backward` returns: an optimizer whose update runs in backward.
+
+    It is a ``torch.optim.Optimizer`` where users touch one: ``param_groups``, ``state``,
+    ``defaults``, ``state_dict()``/``load_state_dict()`` (the plain optimizer's format, exchangeable
+    with it), ``add_param_group()``, and LR schedulers, which change the ``lr`` the next backward
+    uses. ``step()`` and ``zero_grad()`` do nothing to the parameters and mark the end of a step
+    (NOTE [What a step is, and what is refused]). ``optimizer`` is the plain optimizer that holds
+    the state; ``remove()`` detaches the hooks, after which ``optimizer`` can go on as a plain one.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type,
+        optimizer_kwargs: dict[str, Any],
+        *,
+        accumulate: int = 1,
+        clip_grad_norm_per_param: float | None = None,
+        clip_grad_value: float | None = None,
+    ) -> None:
+        # Optimizer.__init__ is not called: param_groups/state/defaults are the plain optimizer's
+        # (properties below), so that schedulers and load_state_dict act on the one copy.
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_state_dict_pre_hooks: dict = {}
+        self._optimizer_state_dict_post_hooks: dict = {}
+        self._optimizer_load_state_dict_pre_hooks: dict = {}
+        self._optimizer_load_state_dict_post_hooks: dict = {}
+        self._step_supports_amp_scaling = True  # so that GradScaler.step(handle) reaches step()
+        self.optimizer: torch.optim.Optimizer = optimizer_class(params, **optimizer_kwargs)
+        self._accumulate = accumulate
+        self._clip_norm = clip_grad_norm_per_param
+        self._clip_value = clip_grad_value
+        self._hooks: dict[torch.Tensor, Any] = {}
+        self._frozen: list[torch.Tensor] = []
+        self._group_index: dict[torch.Tensor, int] = {}
+        self._removed = False
+        # NOTE [What a step is, and what is refused]: per-parameter hook calls since the last
+        # boundary (step()/zero_grad(), or the end of a backward before the loop first calls
+        # either), and since the last step()/zero_grad() call or creation
+        self._explicit = False
+        self._fired: dict[torch.Tensor, int] = {}
+        self._fired_since_call: dict[torch.Tensor, int] = {}
+        self._task: int | None = None  # graph task of the backward in progress
+        self._micro = 0  # backward calls in the current accumulation cycle
+        for i, group in enumerate(self.optimizer.param_groups):
+            self._attach(group["params"], i)
+
+    # --- what users touch ------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return f"StepInBackward({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise _err(
+            TypeError,
+            "a step_in_backward handle cannot be pickled or copied (it holds autograd hooks)",
+            "handle.state_dict()",
+            "the handle",
+            "Save handle.state_dict() and load it into a new handle or a plain optimizer",
+        )
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The plain optimizer's ``state_dict()`` (same format; a plain optimizer loads it)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """The plain optimizer's ``load_state_dict`` (accepts a plain optimizer's state_dict)."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:  # type: ignore[override]
+        """Add a group (as ``Optimizer.add_param_group``); its parameters update in backward too."""
+        self._check_live("add_param_group")
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _check_params(params)
+        self.optimizer.add_param_group({**param_group, "params": params})
+        self._attach(params, len(self.optimizer.param_groups) - 1)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        """No-op on the parameters: their gradients were freed in backward. Marks the end of a
+        step (NOTE [What a step is, and what is refused]).
+
+        Raises:
+            RuntimeError: a parameter was updated more than once since the last
+                ``step()``/``zero_grad()``, or an accumulation cycle is unfinished.
+        """
+        self._check_live("zero_grad")
+        self._boundary("zero_grad()")
+
+    def step(self, closure: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
+        """No-op on the parameters: each was updated in backward. Marks the end of a step (NOTE
+        [What a step is, and what is refused]); returns None.
+
+        Raises:
+            NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
+                call from ``torch.amp.GradScaler`` (the update used unscaled gradients).
+            RuntimeError: a parameter was updated more than once since the last
+                ``step()``/``zero_grad()``, or an accumulation cycle is unfinished.
+        """
+        self._check_live("step")
+        if closure is not None:
+            raise _err(
+                NotImplementedError,
+                "step() got a closure; the update runs in backward and cannot re-evaluate the loss",
+                "handle.step() without arguments",
+                "a closure",
+                "Use a plain optimizer for closure-based steps",
+            )
+        if kwargs or getattr(self, "grad_scale", None) is not None:
+            raise _err(
+                NotImplementedError,
+                "torch.amp.GradScaler cannot drive step_in_backward; the update runs in backward, "
+                "before the scaler can unscale the gradients or skip a step with infs",
+                "no GradScaler (bf16 autocast needs none)",
+                "a GradScaler step",
+                "Use bf16/fp32 without loss scaling, or a plain optimizer with GradScaler",
+            )
+        self._boundary("step()")
+
+    def register_step_pre_hook(self, hook):  # type: ignore[override]
+        raise _err(
+            NotImplementedError,
+            "step hooks do not run (the update happens per parameter in backward)",
+            "no step hook on the handle",
+            "register_step_pre_hook",
+            "Use a post-accumulate-grad hook of your own, or a plain optimizer",
+        )
+
+    register_step_post_hook = register_step_pre_hook  # type: ignore[assignment]
+
+    def remove(self) -> None:
+        """Detach the hooks. ``handle.optimizer`` (same state) can go on as a plain optimizer;
+        the handle's ``step()`` and ``zero_grad()`` raise from now on."""
+        for h in self._hooks.values():
+            h.remove()
+        for p in self._hooks:
+            if getattr(p, _OWNER, None) is not None:
+                delattr(p, _OWNER)
+        self._hooks.clear()
+        self._removed = True
+
+    # --- the hooks -------------------------------------------------------------------------
+    def _attach(self, params: list[torch.Tensor], index: int) -> None:
+        for p in params:
+            if _owner(p) is not None:
+                raise _err(
+                    RuntimeError,
+                    "a parameter is already updated in backward by another step_in_backward handle",
+                    "each parameter in one live handle",
+                    f"a {tuple(p.shape)} parameter held twice",
+                    "Call remove() on the other handle first",
+                )
+        for p in params:
+            self._group_index[p] = index
+            if p.requires_grad:
+                self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
+                setattr(p, _OWNER, weakref.ref(self))
+            else:
+                self._frozen.append(p)
+
+    def _check_live(self, what: str) -> None:
+        if self._removed:
+            raise _err(
+                RuntimeError,
+                f"{what}() on a removed handle",
+                "a handle before remove()",
+                "a removed one",
+                "Use handle.optimizer, the plain optimizer with the same state",
+            )
+
+    def _start_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        if self._task is not None:
+            # a nested (reentrant) backward inside the one in progress: the same step
+            if self._accumulate > 1:
+                raise _err(
+                    NotImplementedError,
+                    "a reentrant backward (torch.utils.checkpoint with use_reentrant=True) inside "
+                    "an accumulate=N backward; the micro-batch count would be wrong",
+                    "use_reentrant=False",
+                    "a nested backward",
+                    "Pass use_reentrant=False to checkpoint",
+                )
+            return
+        for p in self._frozen:
+            if p.requires_grad:
+                raise _err(
+                    RuntimeError,
+                    "a parameter that was frozen when the handle was made now requires grad",
+                    "requires_grad as at step_in_backward()",
+                    f"a {tuple(p.shape)} parameter unfrozen",
+                    "Call handle.remove() and step_in_backward() again after changing "
+                    "requires_grad",
+                )
+        if _world_size() > 1:
+            raise _err(
+                NotImplementedError,
+                "backward under a process group of several processes; DDP/FSDP or a manual "
+                "all-reduce must reduce each gradient before its update",
+                "a single process",
+                f"world size {_world_size()}",
+                "Use a plain optimizer with DDP/FSDP",
+            )
+        self._task = task
+        self._micro += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._task = None
+        if self._accumulate > 1:
+            if self._micro == self._accumulate:
+                # parameters that got a gradient earlier in the cycle but none in its last
+                # backward: the plain loop updates them at step()
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None and p in self._hooks:
+                            self._update(p)
+                self._micro = 0
+        elif not self._explicit:
+            self._fired.clear()
+            self._micro = 0
+
+    def _hook(self, p: torch.Tensor) -> None:
+        try:
+            self._step_one(p)
+        except BaseException:
+            self._task = None  # the engine runs no end-of-backward callback after an error
+            raise
+
+    def _step_one(self, p: torch.Tensor) -> None:
+        self._start_backward()
+        n = self._fired.get(p, 0) + 1
+        if self._accumulate == 1 and n > 1:
+            raise _err(
+                RuntimeError,
+                "a parameter got a second gradient in one step (a second backward over a retained "
+                "graph, two losses backward'ed one by one, or micro-batch accumulation); the plain "
+                "loop would sum them and step once",
+                "one backward between two step()/zero_grad() calls",
+                f"a second gradient for a {tuple(p.shape)} parameter",
+                "Backward the summed loss once, or use accumulate=N for micro-batches",
+            )
+        self._fired[p] = n
+        self._fired_since_call[p] = self._fired_since_call.get(p, 0) + 1
+        if self._accumulate == 1 or self._micro == self._accumulate:
+            self._update(p)
+
+    def _update(self, p: torch.Tensor) -> None:
+        if self._clip_value is not None:
+            torch.nn.utils.clip_grad_value_([p], self._clip_value)
+        if self._clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p], self._clip_norm)
+        opt = self.optimizer
+        groups = opt.param_groups
+        group = groups[self._group_index[p]]
+        params = group["params"]
+        group["params"] = [p]
+        opt.param_groups = [group]
+        try:
+            opt.step()
+        finally:
+            group["params"] = params
+            opt.param_groups = groups
+        p.grad = None
+
+    def _boundary(self, call: str) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            raise _err(
+                RuntimeError,
+                f"{call} inside backward",
+                f"{call} after backward returns",
+                "a call from a backward hook",
+                f"Call {call} after loss.backward()",
+            )
+        self._task = None  # outside backward: a backward that raised left no callback to run
+        if self._accumulate > 1:
+            if self._micro != 0:
+                raise _err(
+                    RuntimeError,
+                    f"{call} in the middle of an accumulation cycle",
+                    f"accumulate={self._accumulate} backward calls per step",
+                    f"{self._micro}",
+                    f"Call {call} after every {self._accumulate} backward calls (or pass the "
+                    "accumulate= your loop uses)",
+                )
+        else:
+            twice = [p for p, n in self._fired_since_call.items() if n > 1]
+            if twice:
+                self._fired_since_call.clear()
+                self._fired.clear()
+                self._explicit = True
+                raise _err(
+                    RuntimeError,
+                    "parameters were updated by several backward calls since the last "
+                    "step()/zero_grad() (each backward steps; the plain loop would sum the "
+                    "gradients and step once)",
+                    "one backward per step",
+                    f"{len(twice)} parameters updated more than once",
+                    "Use accumulate=N for micro-batches, or backward the summed loss once",
+                )
+        self._explicit = True
+        self._fired.clear()
+        self._fired_since_call.clear()
+
+
+def _check_params(params: list) -> None:
+    for p in params:
+        if isinstance(p, torch.Tensor) and _is_dtensor(p):
+            raise _err(
+                NotImplementedError,
+                "DTensor parameters (FSDP2/tensor parallel) need their gradients reduced before "
+                "the update",
+                "plain tensors",
+                "a DTensor",
+                "Use a plain optimizer with FSDP",
+            )
+
+
+def step_in_backward(
+    model_or_params: torch.nn.Module | Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    optimizer_class: type[torch.optim.Optimizer],
+    /,
+    *,
+    accumulate: int = 1,
+    clip_grad_norm_per_param: float | None = None,
+    clip_grad_value: float | None = None,
+    **optimizer_kwargs: Any,
+) -> StepInBackward:
+    """Run the optimizer's update of each parameter inside backward, then free its gradient.
+
+    The parameters after each step equal, bit for bit, those of the plain loop
+    ``loss.backward(); opt.step(); opt.zero_grad()`` with ``opt = optimizer_class(params,
+    **optimizer_kwargs)``, for any ``torch.optim`` optimizer that takes no closure; tied weights
+    update once, from the summed gradient; frozen parameters and parameters without a gradient in
+    a step are left alone (NOTE [Why the update is exact]). Keep (or drop) ``opt.step()`` and
+    ``opt.zero_grad()`` in the loop: both are no-ops on the parameters that mark the end of a step,
+    and with them the handle refuses a second backward in one step (NOTE [What a step is, and what
+    is refused]).
+
+    Memory: the gradients alive at once are those produced by one autograd node (a layer's weight
+    and bias), not every parameter's as in the plain loop; with ``accumulate=N`` every gradient
+    stays until the last micro-batch (no saving over the plain loop, exactness only).
+
+    Args:
+        model_or_params: a module (its ``parameters()``), an iterable of parameters, or of param
+            group dicts, as ``torch.optim`` optimizers take.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass, e.g. ``torch.optim.AdamW``.
+        accumulate: backward calls per step (micro-batch gradient accumulation): gradients
+            accumulate as in the plain loop and each parameter updates in the last one; parameters
+            that got a gradient only in earlier micro-batches update at the end of the last
+            backward.
+        clip_grad_norm_per_param: clip each gradient by its own norm before the update (the plain
+            loop's ``for p in params: clip_grad_norm_([p], c)``); global-norm clipping is
+            impossible here.
+        clip_grad_value: clamp each gradient to ``[-c, c]`` (exactly the plain loop's
+            ``clip_grad_value_(params, c)``).
+        **optimizer_kwargs: the optimizer's keyword arguments (``lr=``, ``weight_decay=``, ...).
+
+    Returns:
+        A :class:`StepInBackward` handle (a ``torch.optim.Optimizer``: schedulers, ``state_dict``,
+        ``load_state_dict`` work on it). ``handle.remove()`` detaches the hooks.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate``.
+        ValueError: ``accumulate`` < 1; a negative clip.
+        NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
+            more than one process, an optimizer whose step needs a closure (LBFGS).
+        RuntimeError: a parameter already holds a gradient, or is held by another handle.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = step_in_backward(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+        >>> model(torch.randn(3, 4)).sum().backward()  # updated; model.weight.grad is None
+        >>> opt.step(); opt.zero_grad()  # no-ops that mark the end of the step
+    """
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        got = (
+            f"an instance of {type(optimizer_class).__name__}"
+            if isinstance(optimizer_class, torch.optim.Optimizer)
+            else repr(optimizer_class)
+        )
+        raise _err(
+            TypeError,
+            "optimizer_class must be an optimizer class",
+            "a torch.optim.Optimizer subclass, e.g. torch.optim.AdamW",
+            got,
+            "Pass the class and its keyword arguments: "
+            "step_in_backward(model, torch.optim.AdamW, lr=1e-3)",
+        )
+    if issubclass(optimizer_class, StepInBackward):
+        raise _err(
+            TypeError,
+            "optimizer_class is slimgrad's own handle class",
+            "a torch.optim optimizer class",
+            "StepInBackward",
+            "Pass the optimizer class, e.g. torch.optim.AdamW",
+        )
+    if _needs_closure(optimizer_class):
+        raise _err(
+            NotImplementedError,
+            f"{optimizer_class.__name__}.step needs a closure that re-evaluates the loss, which "
+            "cannot run inside backward",
+            "an optimizer whose step(closure=None) works without a closure",
+            optimizer_class.__name__,
+            "Use a plain optimizer loop for closure-based optimizers",
+        )
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int):
+        raise _err(
+            TypeError,
+            "accumulate must be an int",
+            "an int >= 1",
+            type(accumulate).__name__,
+            "Pass the number of backward calls per step, e.g. accumulate=4",
+        )
+    if accumulate < 1:
+        raise _err(
+            ValueError,
+            "accumulate must be at least 1",
+            "an int >= 1",
+            str(accumulate),
+            "Pass the number of backward calls per step, e.g. accumulate=4",
+        )
+    for name, c in (
+        ("clip_grad_norm_per_param", clip_grad_norm_per_param),
+        ("clip_grad_value", clip_grad_value),
+    ):
+        if c is not None and not c >= 0:
+            raise _err(
+                ValueError,
+                f"{name} must be a non-negative number",
+                ">= 0 or None",
+                repr(c),
+                f"Pass a non-negative {name}",
+            )
+    if isinstance(model_or_params, torch.nn.Module):
+        dist = _dist_classes()
+        for name, m in model_or_params.named_modules():
+            if isinstance(m, dist):
+                raise _err(
+                    NotImplementedError,
+                    f"a {type(m).__name__}-wrapped module ({name or 'the model'}); its gradients "
+                    "are reduced across processes after accumulation and must be before the update",
+                    "a module without DDP/FSDP",
+                    type(m).__name__,
+                    "Use a plain optimizer with DDP/FSDP",
+                )
+        params: Any = list(model_or_params.parameters())
+    elif isinstance(model_or_params, torch.Tensor):
+        params = [model_or_params]
+    else:
+        params = list(model_or_params)
+    flat: list = []
+    for item in params:
+        if isinstance(item, dict):
+            ps = item.get("params", [])
+            flat.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
+        else:
+            flat.append(item)
+    if params and isinstance(params[0], dict):
+        params = [
+            {
+                **g,
+                "params": [g["params"]]
+                if isinstance(g["params"], torch.Tensor)
+                else list(g["params"]),
+            }
+            for g in params
+        ]
+    _check_params(flat)
+    with_grad = [p for p in flat if isinstance(p, torch.Tensor) and p.grad is not None]
+    if with_grad:
+        raise _err(
+            RuntimeError,
+            "parameters already hold gradients; the first backward would add to them",
+            "every .grad None",
+            f"{len(with_grad)} parameters with a .grad",
+            "Call model.zero_grad(set_to_none=True) (or your optimizer's zero_grad()) first",
+        )
+    if _world_size() > 1:
+        raise _err(
+            NotImplementedError,
+            "a process group of several processes is initialised; DDP/FSDP or a manual "
+            "all-reduce must reduce each gradient before its update",
+            "a single process",
+            f"world size {_world_size()}",
+            "Use a plain optimizer with DDP/FSDP",
+        )
+    return StepInBackward(
+        params,
+        optimizer_class,
+        optimizer_kwargs,
+        accumulate=accumulate,
+        clip_grad_norm_per_param=clip_grad_norm_per_param,
+        clip_grad_value=clip_grad_value,
+    )
