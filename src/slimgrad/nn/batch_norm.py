@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from slimgrad import ownership
+from slimgrad.nn._script import NoScript
 from slimgrad.ops import _derived
 from slimgrad.ops.batch_norm import batch_norm
 
@@ -88,7 +89,7 @@ class _BatchNormMixin:
         )
 
 
-class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
+class BatchNorm1d(NoScript, _BatchNormMixin, nn.BatchNorm1d):
     """``torch.nn.BatchNorm1d``; keeps its output instead of its input when a slimgrad activation
     follows, nothing full-size in eval with frozen affine (``slimgrad.ops.batch_norm``)."""
 
@@ -98,7 +99,7 @@ class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
         return _from_torch(cls, module, nn.BatchNorm1d)
 
 
-class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
+class BatchNorm2d(NoScript, _BatchNormMixin, nn.BatchNorm2d):
     """``torch.nn.BatchNorm2d``; keeps its output instead of its input when a slimgrad activation
     follows, nothing full-size in eval with frozen affine (``slimgrad.ops.batch_norm``).
 
@@ -112,7 +113,7 @@ class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
         return _from_torch(cls, module, nn.BatchNorm2d)
 
 
-class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+class BatchNorm3d(NoScript, _BatchNormMixin, nn.BatchNorm3d):
     """``torch.nn.BatchNorm3d``; see :class:`BatchNorm2d`."""
 
     @classmethod
@@ -121,7 +122,7 @@ class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
         return _from_torch(cls, module, nn.BatchNorm3d)
 
 
-class ReLUAfterNorm(nn.ReLU):
+class ReLUAfterNorm(NoScript, nn.ReLU):
     """``torch.nn.ReLU`` (same ``inplace`` argument) that, after a slimgrad BatchNorm, lets the
     block keep only the BN output.
 
@@ -146,7 +147,7 @@ class ReLUAfterNorm(nn.ReLU):
         return _from_torch(cls, module, nn.ReLU)
 
 
-class GELUAfterNorm(nn.GELU):
+class GELUAfterNorm(NoScript, nn.GELU):
     """``torch.nn.GELU`` (same ``approximate`` argument); see :class:`ReLUAfterNorm`."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -158,7 +159,7 @@ class GELUAfterNorm(nn.GELU):
         return _from_torch(cls, module, nn.GELU)
 
 
-class SiLUAfterNorm(nn.SiLU):
+class SiLUAfterNorm(NoScript, nn.SiLU):
     """``torch.nn.SiLU`` (same ``inplace`` argument, same rule); see :class:`ReLUAfterNorm`."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -172,7 +173,7 @@ class SiLUAfterNorm(nn.SiLU):
         return _from_torch(cls, module, nn.SiLU)
 
 
-class LeakyReLUAfterNorm(nn.LeakyReLU):
+class LeakyReLUAfterNorm(NoScript, nn.LeakyReLU):
     """``torch.nn.LeakyReLU`` (same ``negative_slope`` and ``inplace``, same rule); see
     :class:`ReLUAfterNorm`. Any slope; in place with a negative slope it is eager's op."""
 
@@ -189,7 +190,7 @@ class LeakyReLUAfterNorm(nn.LeakyReLU):
         return _from_torch(cls, module, nn.LeakyReLU)
 
 
-class ELUAfterNorm(nn.ELU):
+class ELUAfterNorm(NoScript, nn.ELU):
     """``torch.nn.ELU`` (same ``alpha`` and ``inplace``, same rule); see :class:`ReLUAfterNorm`."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

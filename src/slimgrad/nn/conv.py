@@ -12,6 +12,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops import conv as _ops
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
@@ -52,7 +53,7 @@ class _ConvMixin:
         return fn(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
 
-class Conv1d(_ConvMixin, nn.Conv1d):
+class Conv1d(NoScript, _ConvMixin, nn.Conv1d):
     """``torch.nn.Conv1d`` that keeps x only if the weight needs grad (see ``slimgrad.ops.conv``).
 
     Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
@@ -66,7 +67,7 @@ class Conv1d(_ConvMixin, nn.Conv1d):
         return _from_torch(cls, module, nn.Conv1d)
 
 
-class Conv2d(_ConvMixin, nn.Conv2d):
+class Conv2d(NoScript, _ConvMixin, nn.Conv2d):
     """``torch.nn.Conv2d`` that keeps x only if the weight needs grad (see ``slimgrad.ops.conv``).
 
     Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
@@ -80,7 +81,7 @@ class Conv2d(_ConvMixin, nn.Conv2d):
         return _from_torch(cls, module, nn.Conv2d)
 
 
-class Conv3d(_ConvMixin, nn.Conv3d):
+class Conv3d(NoScript, _ConvMixin, nn.Conv3d):
     """``torch.nn.Conv3d`` that keeps x only if the weight needs grad (see ``slimgrad.ops.conv``).
 
     Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
@@ -126,7 +127,7 @@ class _ConvTransposeMixin:
         )
 
 
-class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
+class ConvTranspose1d(NoScript, _ConvTransposeMixin, nn.ConvTranspose1d):
     """``torch.nn.ConvTranspose1d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
 
     _fn = staticmethod(_ops.conv_transpose1d)
@@ -138,7 +139,7 @@ class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
         return _from_torch(cls, module, nn.ConvTranspose1d)
 
 
-class ConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
+class ConvTranspose2d(NoScript, _ConvTransposeMixin, nn.ConvTranspose2d):
     """``torch.nn.ConvTranspose2d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
 
     _fn = staticmethod(_ops.conv_transpose2d)
@@ -150,7 +151,7 @@ class ConvTranspose2d(_ConvTransposeMixin, nn.ConvTranspose2d):
         return _from_torch(cls, module, nn.ConvTranspose2d)
 
 
-class ConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
+class ConvTranspose3d(NoScript, _ConvTransposeMixin, nn.ConvTranspose3d):
     """``torch.nn.ConvTranspose3d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
 
     _fn = staticmethod(_ops.conv_transpose3d)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.dropout import _check_p, dropout
 
 __all__ = ["Dropout"]
 
 
-class Dropout(torch.nn.Dropout):
+class Dropout(NoScript, torch.nn.Dropout):
     """``torch.nn.Dropout(p=0.5, inplace=False)`` with the mask kept as 1 bit per element.
 
     Same values and gradients as ``torch.nn.Dropout`` at the same RNG state.

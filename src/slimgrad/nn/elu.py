@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.elu import elu
 
 __all__ = ["ELU"]
 
 
-class ELU(torch.nn.ELU):
+class ELU(NoScript, torch.nn.ELU):
     """Drop-in ``torch.nn.ELU`` (a subclass) using :func:`slimgrad.ops.elu.elu`."""
 
     def forward(self, input: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
 from slimgrad._autograd import transforms_active
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.gated_mlp import gated_mlp, gated_mlp_fused, glu, glu_linear
 
 __all__ = ["GatedMLP", "activation_of"]
@@ -96,7 +97,7 @@ def _plain_linear(m: nn.Module) -> bool:
     )
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(NoScript, nn.Module):
     """``down(act(gate(x)) * up(x))`` (``fused``: ``gate, up = gate_up(x).chunk(2, -1)``;
     ``down(up * act(gate))``, HF Phi-3), keeping x, gate(x) and up(x) for backward.
 

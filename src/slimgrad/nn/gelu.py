@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import hf_name, type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.gelu import _check_approximate, gelu
 
 __all__ = ["GELU"]
@@ -24,7 +25,7 @@ _HF = {
 }
 
 
-class GELU(torch.nn.GELU):
+class GELU(NoScript, torch.nn.GELU):
     """Drop-in ``torch.nn.GELU`` (a subclass) using :func:`slimgrad.ops.gelu.gelu`.
 
     Args:

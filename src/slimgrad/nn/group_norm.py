@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.group_norm import group_norm
 
 __all__ = ["GroupNorm"]
 
 
-class GroupNorm(torch.nn.GroupNorm):
+class GroupNorm(NoScript, torch.nn.GroupNorm):
     """``torch.nn.GroupNorm`` (same args, defaults, parameters, state_dict keys) saving its output.
 
     Memory: fp32: saves the output (shared with the next layer), mean and rstd per (sample, group),

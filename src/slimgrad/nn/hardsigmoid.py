@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.hardsigmoid import hardsigmoid
 
 __all__ = ["Hardsigmoid"]
 
 
-class Hardsigmoid(torch.nn.Hardsigmoid):
+class Hardsigmoid(NoScript, torch.nn.Hardsigmoid):
     """Drop-in ``torch.nn.Hardsigmoid`` (a subclass) using
     :func:`slimgrad.ops.hardsigmoid.hardsigmoid`."""
 

@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.hardswish import hardswish
 
 __all__ = ["Hardswish"]
 
 
-class Hardswish(torch.nn.Hardswish):
+class Hardswish(NoScript, torch.nn.Hardswish):
     """Drop-in ``torch.nn.Hardswish`` (a subclass) using
     :func:`slimgrad.ops.hardswish.hardswish`."""
 

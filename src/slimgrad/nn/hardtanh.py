@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.hardtanh import hardtanh
 
 __all__ = ["Hardtanh", "ReLU6"]
@@ -22,7 +23,7 @@ def _copy_settings(cls, module):
     return new
 
 
-class Hardtanh(torch.nn.Hardtanh):
+class Hardtanh(NoScript, torch.nn.Hardtanh):
     """Drop-in ``torch.nn.Hardtanh`` (a subclass) using :func:`slimgrad.ops.hardtanh.hardtanh`."""
 
     def forward(self, input: Tensor) -> Tensor:
@@ -39,7 +40,7 @@ class Hardtanh(torch.nn.Hardtanh):
         return _copy_settings(cls, module)
 
 
-class ReLU6(torch.nn.ReLU6):
+class ReLU6(NoScript, torch.nn.ReLU6):
     """Drop-in ``torch.nn.ReLU6`` (a subclass) using :func:`slimgrad.ops.hardtanh.hardtanh` (0,
     6)."""
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.layer_norm import layer_norm
 
 __all__ = ["LayerNorm"]
 
 
-class LayerNorm(torch.nn.LayerNorm):
+class LayerNorm(NoScript, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` (same args, defaults, parameters, state_dict keys) saving y + 8 B/row.
 
     Memory: saves the output (shared with the next layer), mean and rstd, and the input columns of

@@ -10,12 +10,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.leaky_relu import leaky_relu
 
 __all__ = ["LeakyReLU"]
 
 
-class LeakyReLU(torch.nn.LeakyReLU):
+class LeakyReLU(NoScript, torch.nn.LeakyReLU):
     """Drop-in ``torch.nn.LeakyReLU`` (a subclass) using
     :func:`slimgrad.ops.leaky_relu.leaky_relu`."""
 

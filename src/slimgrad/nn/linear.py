@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.linear import conv1d_addmm, linear
 
 __all__ = ["Conv1D", "Linear"]
 
 
-class Linear(torch.nn.Linear):
+class Linear(NoScript, torch.nn.Linear):
     """``torch.nn.Linear`` (same args, parameters, state_dict keys) keeping only what grads need.
 
     Memory: saves the input only if the weight needs grad (frozen weight: nothing of the input).
@@ -38,7 +39,7 @@ class Linear(torch.nn.Linear):
         return new
 
 
-class Conv1D(torch.nn.Module):
+class Conv1D(NoScript, torch.nn.Module):
     """HF GPT-2 ``Conv1D(nf, nx)``: ``y = x @ weight + bias``, weight ``(nx, nf)``, bias ``(nf,)``.
 
     Same args, parameters and state_dict keys as ``transformers.pytorch_utils.Conv1D``.

@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.linear_cross_entropy import _REDUCTIONS, linear_cross_entropy
 
 __all__ = ["LinearCrossEntropyLoss"]
 
 
-class LinearCrossEntropyLoss(nn.Module):
+class LinearCrossEntropyLoss(NoScript, nn.Module):
     """``nn.CrossEntropyLoss()(F.linear(input, weight, bias), target)`` without keeping the logits.
 
     The head's weight is passed to ``forward`` (it usually belongs to the model's ``lm_head``, and

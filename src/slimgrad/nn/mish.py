@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import hf_name, type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.mish import mish
 
 __all__ = ["Mish"]
 
 
-class Mish(torch.nn.Mish):
+class Mish(NoScript, torch.nn.Mish):
     """Drop-in ``torch.nn.Mish`` (a subclass) using :func:`slimgrad.ops.mish.mish`."""
 
     def forward(self, input: Tensor) -> Tensor:

@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.relu import relu
 
 __all__ = ["ReLU"]
 
 
-class ReLU(torch.nn.ReLU):
+class ReLU(NoScript, torch.nn.ReLU):
     """Drop-in ``torch.nn.ReLU`` (a subclass) using :func:`slimgrad.ops.relu.relu`."""
 
     def forward(self, input: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops import reversible as _ops
 
 __all__ = [
@@ -95,7 +96,7 @@ class _Coupling(nn.Module):
         return f"split_dim={self.split_dim}"
 
 
-class AdditiveCoupling(_Coupling):
+class AdditiveCoupling(NoScript, _Coupling):
     """Additive coupling (NICE/RevNet): ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``.
 
     The input is split along ``split_dim`` into ``x1`` (first ``ceil(n/2)``) and ``x2``; F maps x2's
@@ -118,7 +119,7 @@ class AdditiveCoupling(_Coupling):
         super().__init__(F, G, split_dim)
 
 
-class AffineCoupling(_Coupling):
+class AffineCoupling(NoScript, _Coupling):
     """Affine coupling: ``(r, t) = F(x2)``, ``y1 = x1 * s(r) + t``, and the same with G on ``(x2,
     y1)``.
 
@@ -205,7 +206,7 @@ class _Sink:
             )
 
 
-class ReversibleSequential(nn.Module):
+class ReversibleSequential(NoScript, nn.Module):
     """A chain of invertible blocks that keeps no activations: backward rebuilds them.
 
     Same call, names and ``state_dict`` keys as ``nn.Sequential`` (``"0.F.weight"``). In training

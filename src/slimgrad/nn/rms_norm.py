@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.rms_norm import HF_VARIANTS, hf_rms_norm, rms_norm
 
 __all__ = ["HFRMSNorm", "RMSNorm"]
 
 
-class RMSNorm(torch.nn.RMSNorm):
+class RMSNorm(NoScript, torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` (same args, defaults, parameters, state_dict keys), memory-lean.
 
     Memory: fp32: saves the output (shared with the next layer), rstd (4 B/row), and the input
@@ -37,7 +38,7 @@ class RMSNorm(torch.nn.RMSNorm):
         return new
 
 
-class HFRMSNorm(torch.nn.Module):
+class HFRMSNorm(NoScript, torch.nn.Module):
     """An HF RMSNorm (``LlamaRMSNorm``, ``GemmaRMSNorm``, ``T5LayerNorm``, ... : ``variant``) with
     the original's parameters, attributes and state_dict keys, computing HF's forward bit for bit
     (:func:`slimgrad.ops.rms_norm.hf_rms_norm`, NOTE [HF RMSNorm cast orders]).

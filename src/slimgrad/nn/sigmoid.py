@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.sigmoid import sigmoid
 
 __all__ = ["Sigmoid"]
 
 
-class Sigmoid(torch.nn.Sigmoid):
+class Sigmoid(NoScript, torch.nn.Sigmoid):
     """Drop-in ``torch.nn.Sigmoid`` (a subclass) using :func:`slimgrad.ops.sigmoid.sigmoid`."""
 
     def forward(self, input: Tensor) -> Tensor:

@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import hf_name, type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.silu import silu
 
 __all__ = ["SiLU"]
 
 
-class SiLU(torch.nn.SiLU):
+class SiLU(NoScript, torch.nn.SiLU):
     """Drop-in ``torch.nn.SiLU`` (a subclass) using :func:`slimgrad.ops.silu.silu`."""
 
     def forward(self, input: Tensor) -> Tensor:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.dropout import _check_p
 from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
 
 __all__ = ["SoftmaxDropoutMatmul"]
 
 
-class SoftmaxDropoutMatmul(torch.nn.Module):
+class SoftmaxDropoutMatmul(NoScript, torch.nn.Module):
     """``dropout(softmax(scores, dim), p) @ value``; dropout follows the module's training flag.
 
     Memory: saves softmax(scores) + 1/8 B/elt mask bits + value; eager also keeps the dropped matrix

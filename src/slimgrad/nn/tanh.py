@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from slimgrad.nn._output_act import type_error
+from slimgrad.nn._script import NoScript
 from slimgrad.ops.tanh import tanh
 
 __all__ = ["Tanh"]
 
 
-class Tanh(torch.nn.Tanh):
+class Tanh(NoScript, torch.nn.Tanh):
     """Drop-in ``torch.nn.Tanh`` (a subclass) using :func:`slimgrad.ops.tanh.tanh`."""
 
     def forward(self, input: Tensor) -> Tensor:
