@@ -1,8 +1,8 @@
 """A converted HF model under FSDP2 (``fully_shard`` per block and root, 2 gloo processes) equals
 eager FSDP2: losses and full gradients over several optimizer steps, in fp32 and with a bf16-param /
 fp32-reduce ``MixedPrecisionPolicy``; gradient-buffer reuse next to FSDP's own buffers changes no
-bit; per-rank peak bytes measured with slimgrad's tracker (tests/distributed/README numbers in
-the "Scaling out" section come from ``test_fsdp2_per_rank_peak``).
+bit; per-rank peak bytes measured with slimgrad's tracker (the README "Scaling out" numbers
+come from ``test_fsdp2_per_rank_peak``, run with -s).
 
 Why reuse is safe next to FSDP2 (NOTE [Gradient-buffer ownership] in slimgrad/ownership.py,
 "Distributed"): an all-gathered parameter is a leaf that requires grad and a view of the
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import slimgrad
-from slimgrad import ownership
+from slimgrad import memory, ownership
 from slimgrad.testing import DEFAULT_ATOL, assert_within_rule
 from tests.distributed._gloo import run_on_two_ranks
 
@@ -31,6 +31,7 @@ transformers = pytest.importorskip("transformers")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 STEPS = 3
+MEM_T = 32  # tokens per row in the measured step
 B, T, VOCAB = 2, 8, 97
 
 
@@ -105,9 +106,29 @@ def _run(family: str, variant: str, rank: int) -> dict:
 VARIANTS = ("ref64", "eager", "slimgrad", "no_reuse", "eager_bf16", "slimgrad_bf16")
 
 
+def _peak(family: str, variant: str, rank: int, sharded: bool) -> int:
+    # one warm-up step (lazy caches), then the measured step; a longer batch than training's
+    if sharded:
+        model = _sharded(family, variant, mp=False)
+    else:
+        model = _build(family)[0]
+        if variant == "slimgrad":
+            slimgrad.convert_(model)
+    ids = torch.randint(1, VOCAB, (B, MEM_T), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return memory.measure(lambda: model(input_ids=ids, labels=ids).loss).peak_bytes
+
+
 def _train(family: str):
     def train(rank: int) -> dict:
-        return {v: _run(family, v, rank) for v in VARIANTS}
+        res = {v: _run(family, v, rank) for v in VARIANTS}
+        res["peak"] = {
+            (v, sharded): _peak(family, v, rank, sharded)
+            for v in ("eager", "slimgrad")
+            for sharded in (True, False)
+        }
+        return res
 
     return train
 
@@ -150,3 +171,21 @@ def test_reuse_changes_no_bit_under_fsdp2(ranks):
             assert torch.equal(on["loss"][step], off["loss"][step])
             for a, b in zip(on["grad"][step], off["grad"][step], strict=True):
                 assert torch.equal(a, b)
+
+
+def test_fsdp2_per_rank_peak(ranks, request):
+    # Per-rank peak of one training step above the bytes live at its start (slimgrad.memory's
+    # exact tracker runs in each process; it sees FSDP's all-gather buffers, their frees and the
+    # reduce-scatter buffers). Eager and converted start from the same FSDP state, so their
+    # difference is the saving per rank. The one-process figures exclude the resident parameters
+    # while FSDP's include the all-gathered ones: compare within a setting, not across.
+    for res in ranks:
+        peak = res["peak"]
+        assert peak["slimgrad", True] < peak["eager", True]
+        assert peak["slimgrad", False] < peak["eager", False]
+    assert ranks[0]["peak"] == ranks[1]["peak"]  # same shapes on both ranks: same bytes
+    mib = {
+        f"{v} {'fsdp2 per rank' if s else 'one process'}": b
+        for (v, s), b in ranks[0]["peak"].items()
+    }
+    print(f"\n{request.node.callspec.id} peak bytes (B={B}, T={MEM_T}): {mib}")
