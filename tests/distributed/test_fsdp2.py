@@ -189,3 +189,67 @@ def test_fsdp2_per_rank_peak(ranks, request):
         for (v, s), b in ranks[0]["peak"].items()
     }
     print(f"\n{request.node.callspec.id} peak bytes (B={B}, T={MEM_T}): {mib}")
+
+
+class _SavesWeight(torch.autograd.Function):
+    """y = x * sum(w), saving w (under FSDP2: the all-gathered parameter); backward asks
+    ownership for w's buffer and, when ``reckless``, writes over it anyway."""
+
+    @staticmethod
+    def forward(ctx, x, w, reckless, seen):
+        ctx.save_for_backward(x, w)
+        ctx.reckless, ctx.seen = reckless, seen
+        return x * w.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        ctx.seen.append(ownership.take_saved(ctx, w) is not None)
+        dx, dw = g * w.sum(), (g * x).sum().expand_as(w).clone()
+        if ctx.reckless:
+            # an unchecked reuse of FSDP's all-gather output, written around the version counter
+            # (a plain in-place write gets autograd's "modified by an inplace operation" error)
+            w.data.zero_()
+        return dx, dw, None, None
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, reckless: bool, seen: list) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        self.reckless, self.seen = reckless, seen
+
+    def forward(self, x):
+        y = self.lin(x)
+        return _SavesWeight.apply(y, self.lin.weight, self.reckless, self.seen)
+
+
+def _probe_fsdp_buffers(rank: int) -> dict:
+    out = {}
+    for reckless in (False, True):
+        for sharded in (False, True) if not reckless else (True,):
+            seen: list = []
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(_Block(reckless, seen), _Block(reckless, seen))
+            if sharded:
+                for block in model:
+                    fsdp.fully_shard(block)
+                fsdp.fully_shard(model)
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+            model(x).sum().backward()
+            grads = [p.grad for p in model.parameters()]
+            if sharded:
+                grads = [g.full_tensor() for g in grads]
+            out[reckless, sharded] = {"grad": grads, "seen": seen}
+    return out
+
+
+def test_all_gathered_parameter_is_never_granted(tmp_path):
+    # A saved all-gathered parameter is read again later in backward (the Linear's dx reads the
+    # same buffer): ownership must refuse it, and a write over it must change the gradients that
+    # FSDP reduce-scatters (so the comparison below would catch a wrong grant).
+    for res in run_on_two_ranks(_probe_fsdp_buffers, tmp_path):
+        assert res[False, True]["seen"] == [False, False]  # refused under FSDP2
+        assert res[False, False]["seen"] == [False, False]  # a leaf that requires grad
+        sharded, bad = res[False, True]["grad"], res[True, True]["grad"]
+        assert any(not torch.equal(a, b) for a, b in zip(sharded, bad, strict=True))
