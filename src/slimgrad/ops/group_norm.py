@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from slimgrad._autograd import refuse_jit, transforms_active
 from slimgrad._library import custom_op
+from slimgrad._math.tables import dynamic_size
 from slimgrad.ops.layer_norm import (
     CHUNK_ELEMS,
     HALF_DTYPES,
@@ -133,7 +134,8 @@ def _group_norm_fwd(
 
 @_group_norm_fwd.register_fake
 def _(x, num_groups, weight, bias, eps):
-    k = torch.library.get_ctx().new_dynamic_size()
+    # NOTE [Side tables under FakeTensorMode and torch.compile] in slimgrad/_math/tables.py
+    k = dynamic_size(max=x.shape[1])
     n = x.shape[0]
     acc = _acc_dtype(x.dtype)
     return (

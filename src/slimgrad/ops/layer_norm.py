@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from slimgrad import ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._library import custom_op
+from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
@@ -277,7 +278,8 @@ def _layer_norm_fwd(
 
 @_layer_norm_fwd.register_fake
 def _(x, normalized_shape, weight, bias, eps):
-    k = torch.library.get_ctx().new_dynamic_size()
+    # NOTE [Side tables under FakeTensorMode and torch.compile] in slimgrad/_math/tables.py
+    k = dynamic_size(max=math.prod(normalized_shape))
     nd = len(normalized_shape)
     stat_shape = tuple(x.shape[: x.dim() - nd]) + (1,) * nd
     n = math.prod(x.shape[: x.dim() - nd])
