@@ -27,7 +27,7 @@ _FALLBACK = (
 )
 KNOWN: dict[str, str] = {
     f"slimgrad.kernels.{stem}": _FALLBACK.format(stem=stem)
-    for stem in ("inplace_abn", "layer_norm", "linear_cross_entropy", "rms_norm")
+    for stem in ("inplace_abn", "layer_norm", "rms_norm")
 }
 
 

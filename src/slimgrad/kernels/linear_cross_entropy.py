@@ -1,6 +1,6 @@
 """Triton kernels for the softmax part of the fused linear + cross-entropy.
 
-Same signatures as ``slimgrad.ops.linear_cross_entropy._fwd_torch`` / ``_bwd_torch``. The chunk
+Same signatures as ``slimgrad._math.linear_cross_entropy._fwd_torch`` / ``_bwd_torch``. The chunk
 loop and its matmuls stay in PyTorch (cuBLAS); what runs between them is one kernel per direction,
 one program per token row:
 
@@ -19,16 +19,12 @@ transient).
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import triton
 import triton.language as tl
 
+from slimgrad._math import linear_cross_entropy as _ref
 from slimgrad.kernels._common import add, cast_out, maximum, num_warps
-
-# the submodule (slimgrad.ops re-exports functions under the same names)
-_ref = importlib.import_module("slimgrad.ops.linear_cross_entropy")
 
 _BLOCK_V = 4096
 

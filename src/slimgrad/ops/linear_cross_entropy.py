@@ -22,8 +22,9 @@ needs no gradient. 'none' (per-token g, unknown in forward) and N < H: forward k
 recomputes the chunk logits (one extra matmul of 2·N·V·H flops). Exact up to summation order.
 Optional elementwise logit transforms (``logit_scale`` s, ``logit_softcap`` c: the loss of
 ``c·tanh(s·z / c)``, HF's Cohere/Granite scaling and Gemma2/3 soft-capping) are applied to each
-chunk's logits in forward and backward (NOTE [Logit transforms]); they change nothing that is
-saved. The Triton kernels implement the plain logits; with a transform the PyTorch chunk path runs.
+chunk's logits in forward and backward (NOTE [Logit transforms] in slimgrad/_math/); they change
+nothing that is saved. The Triton kernels implement the plain logits; with a transform the
+PyTorch chunk path runs.
 Low precision (bf16/fp16 inputs, or autocast): the matmuls run in that dtype, like eager; softmax
 statistics and the dW/db accumulators are float32.
 
@@ -48,6 +49,12 @@ from torch._subclasses.fake_tensor import is_fake
 from slimgrad import ownership
 from slimgrad._autograd import first_order, refuse_jit, tie_refusal, transforms_active
 from slimgrad._errors import internal_error
+from slimgrad._math.linear_cross_entropy import (
+    _acc_dtype,
+    _bwd_torch,
+    _fwd_grad_torch,
+    _fwd_torch,
+)
 from slimgrad.kernels import _backend
 from slimgrad.ops.layer_norm import make_anchor
 
@@ -70,222 +77,6 @@ def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
     floor = max(1, math.ceil((1 << 23) / max(vocab_size, 1)))
     rows = max(liger, floor)
     return min(max(1, n_tokens), 1 << (rows - 1).bit_length())
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# NOTE [Logits as V x chunk]
-# Each chunk's logits are computed transposed, zT = W hcᵀ (+ b) of shape (V, chunk), never
-# z = hc Wᵀ (chunk, V): with W (V, H) row-major as the left operand, the CPU GEMM runs about 30%
-# faster than with W transposed on the right (1.0 s vs 1.45 s for 1024 x 768 x 50257 in float32,
-# one thread; eager's own F.linear pays the slow layout), and both gradient matmuls take zT as it
-# is: dW += zT hc (V x chunk times chunk x H) and dh = zTᵀ W. The softmax statistics reduce over
-# dim 0. Same sums in another order: exact up to summation order, like the chunking itself.
-
-
-def _logits_t(hc, weight, bias, acc):
-    zt = torch.mm(weight, hc.t())
-    if bias is not None:
-        zt += bias[:, None]
-    return zt.to(acc)
-
-
-# NOTE [Logit transforms]
-# Some LM heads map the logits z elementwise before the loss: Cohere multiplies by a scale
-# (logit_scale), Granite divides by one (logits_scaling: scale = 1 / logits_scaling), Gemma2/3
-# soft-cap them, y = c·tanh(z / c) (final_logit_softcapping). The chunk's logits are mapped in place
-# with the same operations in the same order as HF (z·scale, then / c, tanh, · c), in the
-# accumulation dtype; the loss is the cross-entropy of y. Backward: dz = dy · scale · (1 − tanh²),
-# the tanh kept for the chunk only (one more chunk-sized transient, never saved).
-
-
-def _transform_(zt, scale, cap, keep_tanh=False):
-    # y = cap·tanh(scale·z / cap) in place (NOTE [Logit transforms]); with keep_tanh, also the tanh
-    # (then y is a new chunk buffer)
-    if scale != 1.0:
-        zt.mul_(scale)
-    if cap is None:
-        return zt, None
-    th = zt.div_(cap).tanh_()
-    if keep_tanh:
-        return th * cap, th
-    return th.mul_(cap), None
-
-
-def _transform_grad_(dy, th, scale):
-    # dy (the chunk's gradient w.r.t. the mapped logits) -> dz, in place; th is consumed
-    if th is not None:
-        dy.mul_(th.mul_(th).neg_().add_(1.0))
-    if scale != 1.0:
-        dy.mul_(scale)
-    return dy
-
-
-def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap=None):
-    """Per-token loss (accumulation dtype, 0 where ignored) and lse (float32, float64 for fp64).
-
-    h: (N, H), weight (V, H), bias: in the compute dtype; target: (N,) int64. ``scale``, ``cap``:
-    the logit transform (NOTE [Logit transforms]).
-    """
-    n, v = h.shape[0], weight.shape[0]
-    acc = _acc_dtype(h.dtype)
-    valid = target != ignore_index
-    safe_t = torch.where(valid, target, torch.zeros_like(target))
-    loss = torch.empty(n, dtype=acc, device=h.device)
-    lse = torch.empty(n, dtype=acc, device=h.device)
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        zt = _logits_t(h[s:e], weight, bias, acc)  # NOTE [Logits as V x chunk]
-        zt, _ = _transform_(zt, scale, cap)
-        li = zt.gather(0, safe_t[None, s:e]).squeeze(0).mul_(-(1.0 - eps))
-        if eps:
-            li.sub_(zt.sum(0), alpha=eps / v)
-        # logsumexp over dim 0 as torch.logsumexp computes it (an infinite max shifts by 0), but
-        # in place: the chunk's logits are not needed afterwards
-        m = zt.amax(0)
-        m.masked_fill_(m.abs() == float("inf"), 0)
-        lse_c = zt.sub_(m).exp_().sum(0).log_().add_(m)
-        loss[s:e] = li.add_(lse_c)
-        lse[s:e] = lse_c
-        del zt
-    loss.masked_fill_(~valid, 0)
-    return loss, lse
-
-
-def _bwd_torch(
-    h,
-    weight,
-    bias,
-    target,
-    lse,
-    scale,
-    ignore_index,
-    eps,
-    chunk,
-    need,
-    dh_out=None,
-    lscale=1.0,
-    cap=None,
-):
-    """Gradients (dh, dW, db) for s_i = ``scale`` (accumulation dtype, 0 where ignored).
-
-    ``need``: which of (dh, dW, db) to compute. dh is in h's dtype; dW and db in the accumulation
-    dtype (float32 for low precision). ``dh_out``: optional (N, H) buffer in h's dtype that may
-    alias h: each chunk's rows of h are read before the same rows of dh are written. ``lscale``,
-    ``cap``: the logit transform (NOTE [Logit transforms]).
-    """
-    n, v = h.shape[0], weight.shape[0]
-    acc = _acc_dtype(h.dtype)
-    valid = target != ignore_index
-    safe_t = torch.where(valid, target, torch.zeros_like(target))
-    need_dh, need_dw, need_db = need
-    dh = (dh_out if dh_out is not None else torch.empty_like(h)) if need_dh else None
-    dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
-    db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        hc = h[s:e]
-        zt = _logits_t(hc, weight, bias, acc)  # NOTE [Logits as V x chunk]
-        zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
-        # zT becomes dzT in place: softmax, minus the smoothed one-hot, times s_i
-        zt.sub_(lse[None, s:e]).exp_()
-        if eps:
-            zt.sub_(eps / v)
-        zt.scatter_add_(0, safe_t[None, s:e], zt.new_full((1, e - s), eps - 1.0))
-        zt = _transform_grad_(zt, th, lscale)
-        del th
-        zt.mul_(scale[None, s:e])
-        if need_db:
-            db += zt.sum(1)
-        if need_dw:
-            dw.addmm_(zt, hc.to(acc))
-        if need_dh:
-            torch.mm(zt.to(h.dtype).t(), weight, out=dh[s:e])
-        del zt
-    return dh, dw, db
-
-
-def _fwd_grad_torch(
-    h,
-    weight,
-    bias,
-    target,
-    scale,
-    ignore_index,
-    eps,
-    chunk,
-    need,
-    dh_out=None,
-    lscale=1.0,
-    cap=None,
-):
-    """Forward and gradients in one pass: (loss, dh, dW, db) for the per-token weights ``scale``.
-
-    loss as :func:`_fwd_torch`; (dh, dW, db) as :func:`_bwd_torch` with s_i = ``scale`` (the
-    reduction's weight, known in forward for 'mean'/'sum'), so backward only multiplies them by
-    the incoming scalar. Each chunk's logits are computed once and consumed by the two gradient
-    matmuls right away: 3 big matmuls in all, like eager. In full precision (float32/64) s_i
-    scales the chunk's hidden rows (dW) and dh rows, never the chunk×V buffer; in low precision
-    it scales dz in float32 before the cast, as :func:`_bwd_torch` does. ``dh_out``: an (N, H)
-    contiguous buffer in h's dtype to write dh into (else a fresh one). ``lscale``, ``cap``: the
-    logit transform (NOTE [Logit transforms]).
-    """
-    n, v = h.shape[0], weight.shape[0]
-    acc = _acc_dtype(h.dtype)
-    full = acc == h.dtype
-    valid = target != ignore_index
-    safe_t = torch.where(valid, target, torch.zeros_like(target))
-    need_dh, need_dw, need_db = need
-    loss = torch.empty(n, dtype=acc, device=h.device)
-    # dh contiguous whatever h's strides
-    if need_dh:
-        dh = dh_out if dh_out is not None else torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    else:
-        dh = None
-    dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
-    db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        hc = h[s:e]
-        tc = safe_t[None, s:e]
-        row = scale[None, s:e]  # s_i per column of zT
-        col = scale[s:e, None]  # s_i per row of hc / dh
-        zt = _logits_t(hc, weight, bias, acc)  # NOTE [Logits as V x chunk]
-        zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
-        lse = torch.logsumexp(zt, dim=0, keepdim=True)
-        li = lse - (1.0 - eps) * zt.gather(0, tc)
-        if eps:
-            li = li - (eps / v) * zt.sum(0, keepdim=True)
-        loss[s:e] = li.squeeze(0)
-        # zT becomes dzT in place: softmax minus the smoothed one-hot (times s_i in low precision)
-        zt.sub_(lse).exp_()
-        if eps:
-            zt.sub_(eps / v)
-        zt.scatter_add_(0, tc, torch.full_like(lse, eps - 1.0))
-        zt = _transform_grad_(zt, th, lscale)
-        del th
-        if not full:
-            zt.mul_(row)
-        if need_db:
-            if full:
-                db.addmv_(zt, row.squeeze(0))
-            else:
-                db += zt.sum(1)
-        if need_dw:
-            hs = hc * col if full else hc.to(acc)
-            dw.addmm_(zt, hs)
-            del hs
-        if need_dh:
-            dc = torch.mm(zt.to(h.dtype).t(), weight)
-            if full:
-                dc.mul_(col)
-            dh[s:e] = dc
-            del dc
-        del zt
-    loss.masked_fill_(~valid, 0)
-    return loss, dh, dw, db
 
 
 def _to_save(hidden, h):
