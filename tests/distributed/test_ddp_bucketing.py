@@ -1,0 +1,175 @@
+"""Gradient-buffer reuse next to DDP's buckets (2 gloo processes): a converted model under
+``DistributedDataParallel`` with ``gradient_as_bucket_view`` True and False, small buckets (one
+parameter or two each) and ``no_sync`` accumulation gives eager DDP's gradients (GUIDE rule
+against a float64 DDP run), reuse on and off give the same bits, and reuse was granted.
+
+Why it is safe (NOTE [Gradient-buffer ownership], "Distributed", in slimgrad/ownership.py): DDP's
+buckets hold parameter gradients (``param.grad``, a view of the bucket with
+``gradient_as_bucket_view=True``, else a copy taken by DDP's post-accumulate hook), and a
+backward asks for its incoming *activation* gradient. The one way those meet is a gradient
+autograd hands to a parameter's AccumulateGrad and to a slimgrad backward at once (``z = h + pos``
+below, ``pos`` a parameter of ``h``'s shape): AccumulateGrad runs first (the engine runs it as
+soon as it is ready) and, the tensor being shared, copies it into ``.grad`` or adds it into the
+bucket view; had it stolen the tensor, ``.grad`` would add a use and ``take`` would refuse it
+(term 1). ``test_gradient_shared_with_a_bucketed_parameter`` checks that a write granted there
+gives reuse off's bits, with and without bucket views and under ``no_sync``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import slimgrad
+from slimgrad import ownership
+from slimgrad.testing import assert_within_rule
+from tests.distributed._gloo import run_on_two_ranks
+
+pytestmark = pytest.mark.distributed
+
+MICRO = 2  # micro-batches per optimizer step: the first MICRO - 1 under no_sync
+STEPS = 2
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act1 = nn.GELU()
+        self.pos = nn.Parameter(torch.randn(4, 16) * 0.1)  # dL/dpos is act1's incoming gradient
+        self.norm = nn.LayerNorm(16)
+        self.act2 = nn.SiLU()
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        z = self.act1(self.fc1(x)) + self.pos
+        return self.fc2(self.act2(self.norm(z)))
+
+
+def _run(variant: str, rank: int, bucket_view: bool) -> dict:
+    torch.manual_seed(0)
+    net = _Net()
+    if variant == "ref64":
+        net = net.double()
+    elif variant in ("slimgrad", "no_reuse"):
+        slimgrad.convert_(net)
+    model = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    ownership.reset_reuse_count()
+    with ownership.reuse_disabled() if variant == "no_reuse" else contextlib.nullcontext():
+        for step in range(STEPS):
+            for micro in range(MICRO):
+                g = torch.Generator().manual_seed(100 + 10 * rank + MICRO * step + micro)
+                x = torch.randn(4, 8, generator=g, dtype=next(net.parameters()).dtype)
+                sync = micro == MICRO - 1
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    model(x).square().mean().backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+    return {"grad": grads, "reuse": ownership.reuse_count()}
+
+
+def _train(rank: int) -> dict:
+    return {
+        (v, bv): _run(v, rank, bv)
+        for bv in (True, False)
+        for v in ("ref64", "eager", "slimgrad", "no_reuse")
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_on_two_ranks(_train, tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.parametrize("bucket_view", [True, False], ids=["bucket_view", "copy"])
+def test_converted_ddp_buckets_match_eager(ranks, bucket_view):
+    for res in ranks:
+        ref, eager, ours = (res[v, bucket_view] for v in ("ref64", "eager", "slimgrad"))
+        assert ours["reuse"] > 0
+        for k, (o, r, e) in enumerate(zip(ours["grad"], ref["grad"], eager["grad"], strict=True)):
+            # k even: accumulated under no_sync (this rank's own); odd: all-reduced
+            assert_within_rule(o, r, e, names=[f"micro{k} grad{i}" for i in range(len(o))])
+    for a, b in zip(
+        ranks[0][("slimgrad", bucket_view)]["grad"][1::2],
+        ranks[1][("slimgrad", bucket_view)]["grad"][1::2],
+        strict=True,
+    ):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)  # synced micro-steps: replicas agree
+
+
+@pytest.mark.parametrize("bucket_view", [True, False], ids=["bucket_view", "copy"])
+def test_reuse_changes_no_bit_under_ddp(ranks, bucket_view):
+    for res in ranks:
+        on, off = res["slimgrad", bucket_view], res["no_reuse", bucket_view]
+        assert on["reuse"] > 0 and off["reuse"] == 0
+        for a, b in zip(on["grad"], off["grad"], strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y)
+
+
+class _Triple(torch.autograd.Function):
+    """y = 3x; backward writes 3g over its incoming gradient when ownership grants it."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.seen = seen
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        buf = ownership.take(grad_out)
+        ctx.seen.append(buf is not None)
+        if buf is not None:
+            return buf.mul_(3), None
+        return grad_out * 3, None
+
+
+class _Probe(nn.Module):
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x):
+        return _Triple.apply(x, self.seen)
+
+
+def _probe_buckets(rank: int) -> dict:
+    out = {}
+    for bucket_view in (True, False):
+        for reuse in (True, False):
+            seen: list = []
+            torch.manual_seed(0)
+            net = _Net()
+            net.act1 = _Probe(seen)  # its incoming gradient is also dL/dpos
+            model = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=1e-4)
+            with contextlib.nullcontext() if reuse else ownership.reuse_disabled():
+                for micro in range(MICRO):
+                    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank + micro))
+                    with contextlib.nullcontext() if micro == MICRO - 1 else model.no_sync():
+                        model(x).square().mean().backward()
+            out[bucket_view, reuse] = {
+                "grad": [p.grad.clone() for p in net.parameters()],
+                "seen": seen,
+            }
+    return out
+
+
+def test_gradient_shared_with_a_bucketed_parameter(tmp_path):
+    # The probe's incoming gradient is the one AddBackward hands to pos's AccumulateGrad too.
+    # AccumulateGrad runs first and, the tensor being shared, keeps a copy (or adds it into the
+    # bucket view); only then may ``take`` grant it. Whatever it decides, the bits DDP all-reduces
+    # and accumulates under no_sync are those of reuse off.
+    for res in run_on_two_ranks(_probe_buckets, tmp_path):
+        for bucket_view in (True, False):
+            on, off = res[bucket_view, True], res[bucket_view, False]
+            assert len(on["seen"]) == MICRO and off["seen"] == [False] * MICRO
+            for a, b in zip(on["grad"], off["grad"], strict=True):
+                assert torch.equal(a, b)
