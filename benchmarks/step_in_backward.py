@@ -1,0 +1,219 @@
+"""``slimgrad.step_in_backward`` (issue 17): peak bytes of a whole training step, and step time.
+
+Memory (``--what memory``): for each model, the peak live bytes of one whole step, exact
+(``slimgrad.memory.measure``; with ``--estimate`` under ``FakeTensorMode`` through
+``slimgrad.memory.estimate``: nothing computed or allocated), for four sides:
+
+- ``eager+plain``: the eager model, ``loss.backward(); opt.step(); opt.zero_grad()`` (the baseline);
+- ``converted+plain``: ``slimgrad.convert_`` of the same model, the same loop;
+- ``eager+sib`` / ``converted+sib``: ``step_in_backward(model, Opt, ...)`` and
+  ``loss.backward(); handle.step(); handle.zero_grad()``.
+
+The measured region is the whole step (forward, backward, ``step()``, ``zero_grad()``), after one
+unmeasured warm-up step per side, so the optimizer state exists before it and counts in neither
+side; the optimizer's own temporaries (AdamW's ``sqrt``/``div`` of the largest parameter) count
+in both. Models: HF ``LlamaForCausalLM`` 12 x 768 (intermediate 2048, vocab 32000, untied head,
+attention dropout 0.1) at 1 x 256 tokens, and HF ``GPT2LMHeadModel(GPT2Config())`` at 4 x 256,
+both fp32, labels = ids.
+
+Time (``--what time``): a small model (GPT-2-style, ``slimgrad.bench.models.GPT`` tiny by
+default), plain loop against step_in_backward on copies of it, interleaved A/B steps, median of
+the per-pair ratios and their spread; the parameters of both sides are checked bit for bit.
+
+Usage (from the repository root):
+    PYTHONPATH=src .venv/bin/python benchmarks/step_in_backward.py --what memory --estimate
+    PYTHONPATH=src .venv/bin/python benchmarks/step_in_backward.py --what time --repeat 21
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+
+MIB = 2**20
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        intermediate_size=2048,
+        vocab_size=32000,
+        attention_dropout=0.1,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg), cfg.vocab_size, (1, 256)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config()
+    return GPT2LMHeadModel(cfg), cfg.vocab_size, (4, 256)
+
+
+_MODELS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def _optimizer(name: str):
+    if name == "sgd":
+        return torch.optim.SGD, dict(lr=1e-3, momentum=0.9)
+    return torch.optim.AdamW, dict(lr=1e-4)
+
+
+def _side(model_name: str, convert: bool, sib: bool, opt_name: str):
+    """Build one side (under whatever mode is active) and return (step, module)."""
+    import slimgrad
+    from slimgrad.bench.cases.models import HFCausalLMLoss
+
+    net, vocab, shape = _MODELS[model_name]()
+    model = HFCausalLMLoss(net.train())
+    if convert:
+        slimgrad.convert_(model)
+    cls, kw = _optimizer(opt_name)
+    opt = slimgrad.step_in_backward(model, cls, **kw) if sib else cls(model.parameters(), **kw)
+    ids = torch.randint(0, vocab, shape)
+
+    def step():
+        loss = model(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step()  # warm-up: optimizer state and lazily built tables exist before the measured step
+    return step, model
+
+
+def memory(args) -> list[dict]:
+    from slimgrad.memory import estimate, measure
+
+    records = []
+    for model_name in args.models:
+        base = None
+        for convert, sib in ((False, False), (True, False), (False, True), (True, True)):
+            label = f"{'converted' if convert else 'eager'}+{'sib' if sib else 'plain'}"
+            t0 = time.perf_counter()
+            if args.estimate:
+                m = estimate(
+                    lambda n=model_name, c=convert, s=sib: _side(n, c, s, args.optimizer),
+                    backward=False,
+                    timeline=False,
+                )
+            else:
+                step, module = _side(model_name, convert, sib, args.optimizer)
+                m = measure(step, backward=False, module=module, timeline=False)
+            base = m.peak_bytes if base is None else base
+            rec = {
+                "case": f"step_in_backward/{model_name}",
+                "side": label,
+                "optimizer": args.optimizer,
+                "estimated": bool(args.estimate),
+                "peak_bytes": m.peak_bytes,
+                "peak_mib": round(m.peak_bytes / MIB, 1),
+                "ratio_to_eager_plain": round(m.peak_bytes / base, 3),
+                "peak_op": m.peak_op,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    return records
+
+
+def step_time(args) -> dict:
+    import slimgrad
+    from slimgrad.bench.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.tiny(dropout=0.0) if args.size == "tiny" else GPTConfig.small(dropout=0.0)
+    base = GPT(cfg)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    cls, kw = _optimizer(args.optimizer)
+    opt = cls(a.parameters(), **kw)
+    handle = slimgrad.step_in_backward(b, cls, **kw)
+    gen = torch.Generator().manual_seed(1)
+    batch, seq = args.batch, args.seq
+
+    def inputs():
+        idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+        return idx, torch.roll(idx, -1, 1)
+
+    def plain(idx, tgt):
+        t0 = time.perf_counter()
+        a(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    def sib(idx, tgt):
+        t0 = time.perf_counter()
+        b(idx, tgt).backward()
+        handle.step()
+        handle.zero_grad()
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        x = inputs()
+        plain(*x)
+        sib(*x)
+    ratios, ta, tb = [], [], []
+    for i in range(args.repeat):
+        x = inputs()
+        if i % 2:  # alternate which side runs first
+            t_b, t_a = sib(*x), plain(*x)
+        else:
+            t_a, t_b = plain(*x), sib(*x)
+        ta.append(t_a)
+        tb.append(t_b)
+        ratios.append(t_b / t_a)
+    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    rec = {
+        "case": "step_in_backward/time",
+        "model": f"GPT {args.size} ({sum(p.numel() for p in a.parameters())} params)",
+        "optimizer": args.optimizer,
+        "batch_seq": [batch, seq],
+        "plain_ms": round(1e3 * statistics.median(ta), 2),
+        "sib_ms": round(1e3 * statistics.median(tb), 2),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "repeat": args.repeat,
+        "params_bit_identical": same,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(rec), flush=True)
+    if not same:
+        raise SystemExit("parameters differ between the plain loop and step_in_backward")
+    return rec
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--what", choices=("memory", "time"), default="memory")
+    ap.add_argument("--models", nargs="+", choices=tuple(_MODELS), default=list(_MODELS))
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    ap.add_argument("--estimate", action="store_true", help="FakeTensorMode: no compute")
+    ap.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=21)
+    args = ap.parse_args(argv)
+    if args.what == "memory":
+        memory(args)
+    else:
+        step_time(args)
+
+
+if __name__ == "__main__":
+    main()
