@@ -254,6 +254,19 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=256, help="sequence length (HF text targets)")
     p.add_argument("--size", choices=("full", "tiny"), default="full", help="HF config size")
     p.add_argument("--estimate", action="store_true", help="fake tensors: no compute, no memory")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="whose kernels: measured there, or with --estimate modelled (no GPU needed)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an HF config field, e.g. --set n_layer=24 (repeatable)",
+    )
     p.add_argument("--fit-gib", type=float, default=None, help="largest batch fitting in N GiB")
     p.add_argument("--plot", default=None, help="write a PNG of both memory timelines here")
     p.add_argument("--depth", type=int, default=2, help="module-path depth of the table")
@@ -273,15 +286,29 @@ def _profile_run(args: argparse.Namespace) -> int:
     from slimgrad.profile import fit_batch, profile
     from slimgrad.targets import resolve
 
+    overrides = {}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            return _err(
+                f"slimgrad profile: --set takes KEY=VALUE; expected e.g. n_layer=24, got "
+                f"{item!r}. Pass --set KEY=VALUE."
+            )
+        try:
+            overrides[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key] = raw
     try:
-        target = resolve(args.target, size=args.size, seq=args.seq)
+        target = resolve(args.target, size=args.size, seq=args.seq, overrides=overrides or None)
     except (ValueError, ImportError) as e:
         return _err(str(e))
     config = slimgrad.ConvertConfig(inplace_abn=args.inplace_abn)
     convert = not args.no_convert
     if args.fit_gib is not None:
         budget = int(args.fit_gib * 2**30)
-        batch, rep = fit_batch(target, budget, convert=convert, config=config, progress=True)
+        batch, rep = fit_batch(
+            target, budget, convert=convert, config=config, progress=True, device=args.device
+        )
         side = "slimgrad" if convert else "eager"
         if rep is None:
             print(f"{target.name}: even batch 1 does not fit in {args.fit_gib} GiB ({side})")
@@ -296,12 +323,14 @@ def _profile_run(args: argparse.Namespace) -> int:
         config=config,
         fake=args.estimate,
         depth=args.depth,
+        device=args.device,
     )
     if args.json:
         out = {
             "target": rep.target,
             "batch": rep.batch,
             "estimated": rep.estimated,
+            "device": rep.device,
             "resident_bytes": rep.resident_bytes,
             "eager": rep.eager.to_dict(),
             "slimgrad": rep.converted.to_dict() if rep.converted else None,

@@ -18,6 +18,12 @@ Two tables drive it:
 
 ``ConvertConfig`` selects techniques by name: exact ones are on by default; ones that change the
 model's function (e.g. BatchNorm + ReLU -> InPlaceABN with leaky_relu) only when asked.
+
+Every technique also passes the device rule (``convert_handlers/device_rule.py``, NOTE [Never more
+than eager, per device and dtype]): a replacement is chosen only on the devices and dtypes where
+it keeps no more than eager's kernel keeps there (HF SDPA attention stays SDPA on CUDA, where
+eager's fused kernels keep O(T) per row). ``convert_(model, device="cuda")`` decides for a model
+that will be moved to CUDA later; by default it decides for the devices of the model's tensors.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 import slimgrad.nn as snn
 from slimgrad.convert_handlers import cnn as _cnn
+from slimgrad.convert_handlers import device_rule as _device_rule
 from slimgrad.convert_handlers import hf as _hf
 from slimgrad.convert_handlers import hf_attention as _hf_attention
 from slimgrad.convert_handlers import hf_loss as _hf_loss
@@ -102,9 +110,17 @@ class ConvertReport:
 
     converted: list[tuple[str, str, str]] = field(default_factory=list)  # (name, from, to)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, reason)
+    # (device type, dtype or None) pairs the device rule decided for
+    targets: tuple[tuple[str, object], ...] = (("cpu", None),)
 
     def __str__(self) -> str:
-        lines = [f"converted {len(self.converted)} modules, skipped {len(self.skipped)}"]
+        where = ", ".join(
+            f"{d} {str(t).removeprefix('torch.')}" if t is not None else d for d, t in self.targets
+        )
+        lines = [
+            f"converted {len(self.converted)} modules, skipped {len(self.skipped)} "
+            f"(decided for {where})"
+        ]
         lines += [f"  + {n or '<root>'}: {a} -> {b}" for n, a, b in self.converted]
         lines += [f"  - {n or '<root>'}: {t}: {r}" for n, t, r in self.skipped]
         return "\n".join(lines)
@@ -326,6 +342,8 @@ def convert_(
     config: ConvertConfig | None = None,
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Swap the modules of ``model`` for slimgrad modules that keep less for backward, in place.
 
@@ -333,8 +351,13 @@ def convert_(
         model: the model to convert (changed in place; Parameters and buffers are shared).
         config: which techniques to apply; ``ConvertConfig()`` (exact techniques only) by default.
         filter_fn: ``filter_fn(module, qualified_name) -> bool``; modules for which it returns False
-        are
-            left unchanged (reported as skipped).
+            are left unchanged (reported as skipped).
+        device: the device the model will train on, for the device rule (NOTE [Never more than
+            eager, per device and dtype]); by default the devices of its parameters and buffers.
+            Pass ``device="cuda"`` when converting on CPU a model that will then move to CUDA, so
+            the report says what runs there (the attention checks the device again at call time).
+        dtype: the floating dtype it will train in (e.g. the autocast dtype); by default those of
+            its floating parameters and buffers.
 
     Returns:
         ``model`` itself. ``slimgrad.report(model)`` tells what was converted and what was skipped,
@@ -361,10 +384,25 @@ def convert_(
             f"ConvertConfig, got {type(config).__name__}. Build one with "
             "slimgrad.ConvertConfig(...)."
         )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            "slimgrad.convert_: dtype must be a floating torch.dtype; expected e.g. "
+            f"torch.bfloat16, got {dtype!r}. Pass dtype=torch.float32 or leave it out."
+        )
+    try:
+        where = _device_rule.targets(model, device, dtype)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"slimgrad.convert_: device must name a torch device; expected e.g. 'cuda' or 'cpu', "
+            f"got {device!r} ({e}). Pass device='cuda' or leave it out."
+        ) from None
     allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
-    rep = ConvertReport()
+    rep = ConvertReport(targets=where)
     for technique, pattern in _PATTERNS:
         if technique is None or getattr(config, technique):
+            if technique is not None and (why := _device_rule.refuse(technique, where)):
+                rep.skipped.append(("", f"{technique} pass", why))
+                continue
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
     _REPORTS[model] = rep
@@ -420,6 +458,9 @@ def _convert_children(
             continue
         if not allowed(child, fqn):
             rep.skipped.append((fqn, kind, "filter_fn returned False"))
+            continue
+        if (why := _device_rule.refuse(technique, rep.targets)) is not None:
+            rep.skipped.append((fqn, kind, why))
             continue
         try:
             new = handler(child)

@@ -63,6 +63,7 @@ converted model with the floor of the *eager* model of the same case.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import weakref
 from collections.abc import Callable
@@ -75,7 +76,7 @@ from torch.utils._pytree import tree_flatten
 
 from slimgrad._library import python_impl
 
-__all__ = ["SavedStorage", "StepMemory", "estimate", "measure"]
+__all__ = ["DEVICES", "SavedStorage", "StepMemory", "estimate", "measure"]
 
 _FLOOR_NODE = re.compile(
     r"^(Mm|Addmm|Bmm|Baddbmm|Addbmm|Mv|Addmv|Dot|Vdot|Linear|Matmul|Embedding|EmbeddingBag"
@@ -546,22 +547,202 @@ def _snapshot(
     }
 
 
-def estimate(make_forward: Callable[[], Any], **kwargs) -> StepMemory:
+# NOTE [Estimating what CUDA kernels keep]
+# ``estimate(..., device="cuda")`` gives the figures of the same step on a CUDA device without
+# one. Fake CUDA tensors can be created on a CPU-only PyTorch, but autograd on them aborts the
+# process ("PyTorch is not linked with support for cuda devices", from the device guard), so the
+# step runs on fake *CPU* tensors that stand for CUDA ones, and the ops whose CUDA kernel keeps
+# something else than the CPU kernel are routed to the op CUDA would run. Those ops are real aten
+# ops with meta kernels: their autograd node is the one from PyTorch's
+# ``tools/autograd/derivatives.yaml``, so what is kept is PyTorch's own formula, not a copy of it:
+#
+# - ``F.scaled_dot_product_attention`` (``CompositeImplicitAutograd``; CUDA picks a backend in
+#   ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, default order flash, memory-
+#   efficient, math, each only if enabled by ``torch.backends.cuda.*_sdp_enabled()``):
+#     * flash (float16/bfloat16, no ``attn_mask``, head dim <= 256, not padded here):
+#       ``_scaled_dot_product_flash_attention``; derivatives.yaml passes query, key, value, output,
+#       logsumexp (B x H x T, fp32), cum_seq_q/k (undefined for dense inputs) and rng_state
+#       (philox seed + offset) to its backward: those are kept.
+#     * memory-efficient (float16/bfloat16/float32, masks allowed):
+#       ``_scaled_dot_product_efficient_attention`` keeps query, key, value, attn_bias, output,
+#       log_sumexp (B x H x ceil(T/32)*32, fp32), philox_seed and philox_offset. A bool mask is
+#       first made an additive float mask in the query's dtype, as ``convert_boolean_attn_mask``
+#       does, and that (B x 1 x T x S, padded to a multiple of 16 in S as ``preprocess_mask``
+#       does) is the attn_bias kept.
+#     * math (float64 or a backend-disabling setting): ``_scaled_dot_product_attention_math``
+#       composed in Python with CUDA's dropout: q and k scaled by sqrt(scale), S = q k^T, causal or
+#       given mask added, softmax (``_safe_softmax``), ``native_dropout``, @ V: it keeps the
+#       scaled q and k, P, the bool dropout mask and the dropped P (T x T each).
+#   The cuDNN backend (``_scaled_dot_product_cudnn_attention``: the same q, k, v, out, logsumexp +
+#   philox seed/offset) is not chosen: by PyTorch's default order it comes after flash and
+#   memory-efficient, which take every case it takes here. GQA (``enable_gqa`` with fewer kv
+#   heads) goes to flash when it qualifies, else to math (memory-efficient has no GQA).
+# - ``F.dropout`` out of place, training, 0 < p < 1: CUDA runs ``native_dropout`` (its autograd
+#   keeps a bool mask, 1 byte/elt) where CPU's ``at::dropout`` keeps a noise tensor in the input's
+#   dtype (``is_fused_kernel_acceptable`` in ``aten/src/ATen/native/Dropout.cpp`` is CUDA/XPU/lazy
+#   only). The in-place ``dropout_`` is unfused on CUDA too: not routed.
+# - ``native_layer_norm`` of a float16/bfloat16 input: CUDA's kernel returns (and autograd keeps)
+#   mean and rstd in float32; CPU's in the input's dtype (``torch._refs.native_layer_norm``).
+# Not modelled (the CPU figures stand): ``cudnn_batch_norm``'s reserve space (cuDNN-sized; its
+# other saved tensors match ``native_batch_norm``'s), ``_fused_rms_norm`` (``F.rms_norm`` on CUDA:
+# keeps input + fp32 rstd; on fake CPU it decomposes and keeps the composite's intermediates, so the
+# eager figure is an over-estimate there), cuBLAS/cuDNN workspaces, and the caching allocator's
+# rounding (the figures are tensor bytes; ``torch.cuda.max_memory_allocated`` rounds each block up
+# to 512 bytes). slimgrad's own ops keep their docstring contract on every device; the estimate
+# runs their PyTorch path. Call-time checks that depend on the device (the HF attention's device
+# rule) see CUDA through ``convert_handlers.device_rule.stands_for``.
+
+#: devices ``estimate`` models: ``cpu`` (the kernels of the running PyTorch) and ``cuda``
+DEVICES = ("cpu", "cuda")
+
+
+def _cuda_sdpa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    aten = torch.ops.aten
+    cuda = torch.backends.cuda
+    dt = query.dtype
+    gqa = bool(enable_gqa) and query.shape[-3] != key.shape[-3]
+    dims = query.dim() == key.dim() == value.dim() == 4
+    head = query.shape[-1]
+    same_head = head == key.shape[-1] == value.shape[-1]
+    if (
+        cuda.flash_sdp_enabled()
+        and dims
+        and same_head
+        and dt in (torch.float16, torch.bfloat16)
+        and attn_mask is None
+        and head <= 256
+        and head % 8 == 0
+    ):
+        out = aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, scale=scale
+        )
+        return out[0]
+    if (
+        cuda.mem_efficient_sdp_enabled()
+        and dims
+        and not gqa
+        and dt in (torch.float16, torch.bfloat16, torch.float32)
+        and not (is_causal and attn_mask is not None)
+    ):
+        bias = attn_mask
+        if bias is not None:
+            if bias.dtype == torch.bool:  # convert_boolean_attn_mask: -inf where False
+                bias = torch.zeros(bias.shape, dtype=dt).masked_fill(~bias, float("-inf"))
+            bias = bias.to(dt)
+            s = bias.shape[-1]
+            if s % 16:  # preprocess_mask / pad_bias: aligned storage, sliced view
+                bias = torch.nn.functional.pad(bias, (0, 16 - s % 16))[..., :s]
+            shape = (*query.shape[:-1], key.shape[-2])
+            bias = bias.expand(shape)
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        out = aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, need_lse, dropout_p, is_causal, scale=scale
+        )
+        return out[0]
+    return _cuda_sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+
+
+def _cuda_sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa):
+    # aten's _scaled_dot_product_attention_math, with CUDA's dropout (native_dropout)
+    if gqa:
+        rep = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(rep, -3)
+        value = value.repeat_interleave(rep, -3)
+    scale = scale if scale is not None else 1.0 / query.shape[-1] ** 0.5
+    root = scale**0.5
+    attn = torch.matmul(query * root, key.transpose(-2, -1) * root)
+    if is_causal:
+        attn_mask = torch.ones(attn.shape[-2:], dtype=torch.bool).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=attn.dtype).masked_fill(
+                ~attn_mask, float("-inf")
+            )
+        attn = attn + attn_mask
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = torch.ops.aten.native_dropout(attn, dropout_p, True)[0]
+    return torch.matmul(attn, value)
+
+
+def _cuda_dropout(input, p=0.5, training=True, inplace=False):
+    if training and not inplace and 0.0 < p < 1.0 and input.numel() > 0:
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+    return None
+
+
+class _CudaFunctions(torch.overrides.TorchFunctionMode):
+    # routes the Python-level ops whose CUDA kernel keeps something else (NOTE [Estimating what
+    # CUDA kernels keep])
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _cuda_sdpa(*args, **kwargs)
+        if func is torch.nn.functional.dropout or func is torch.dropout:
+            names = ("input", "p", "training", "inplace")
+            if func is torch.dropout:
+                names = ("input", "p", "train")
+            bound = dict(zip(names, args), **kwargs)
+            if "train" in bound:
+                bound["training"] = bound.pop("train")
+            out = _cuda_dropout(**bound)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+class _CudaDispatch(TorchDispatchMode):
+    # aten-level differences: CUDA's layer norm keeps float32 statistics for half inputs
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.native_layer_norm.default:
+            y, mean, rstd = out
+            if mean.dtype in (torch.float16, torch.bfloat16):
+                return y, mean.float(), rstd.float()
+        return out
+
+
+def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) -> StepMemory:
     """:func:`measure` under ``FakeTensorMode``: the same figures without allocating or computing.
 
     Args:
         make_forward: zero-argument callable, run under fake tensors, that builds the model and
-        inputs and
-            returns the ``forward`` callable for :func:`measure`, or a ``(forward, module)`` pair.
+            inputs (on CPU) and returns the ``forward`` callable for :func:`measure`, or a
+            ``(forward, module)`` pair.
+        device: whose kernels to model, one of :data:`DEVICES`. ``"cuda"``: the CPU tensors stand
+            for CUDA tensors and the ops whose CUDA kernels keep something else run as those
+            kernels would (fused SDPA, fused dropout, float32 layer-norm statistics; NOTE
+            [Estimating what CUDA kernels keep]); no GPU is needed. ``convert_`` called inside
+            ``make_forward`` decides for CUDA (the device rule).
         **kwargs: passed to :func:`measure`.
 
     Returns:
         The :class:`StepMemory` the real step would have (exact unless the model's code branches on
         fake tensors; see the research note on HF's causal-mask branch).
+
+    Raises:
+        ValueError: ``device`` is not one of :data:`DEVICES`.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):  # small cached constants of slimgrad ops
+    from slimgrad.convert_handlers.device_rule import stands_for
+
+    kind = device.type if isinstance(device, torch.device) else device
+    if kind not in DEVICES:
+        raise ValueError(
+            f"slimgrad.memory.estimate: device must be one of {list(DEVICES)}; expected a "
+            f"modelled device, got {device!r}. Pass device='cuda' or device='cpu'."
+        )
+    cuda = kind == "cuda"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # slimgrad's constants
+        if cuda:
+            stack.enter_context(stands_for("cuda"))
+            stack.enter_context(_CudaDispatch())
+            stack.enter_context(_CudaFunctions())
         made = make_forward()
         if isinstance(made, tuple):
             forward, module = made

@@ -38,6 +38,7 @@ class ProfileReport:
     resident_bytes: int  # parameters + buffers + inputs: live before the step
     depth: int
     estimated: bool
+    device: str = "cpu"  # whose kernels the figures are for
 
     def rows(self) -> list[tuple[str, int, int]]:
         """(module prefix at ``depth``, eager saved bytes, converted saved bytes), largest first."""
@@ -54,8 +55,8 @@ class ProfileReport:
         e, c = self.eager, self.converted
         mode = "estimated under fake tensors" if self.estimated else "measured"
         out = [
-            f"{self.target}, batch {self.batch} ({mode}); MiB above the resident "
-            f"{self.resident_bytes / MiB:.1f} MiB of parameters, buffers and inputs"
+            f"{self.target}, batch {self.batch}, {self.device} kernels ({mode}); MiB above the "
+            f"resident {self.resident_bytes / MiB:.1f} MiB of parameters, buffers and inputs"
         ]
         out.append(f"{'module':40s} {'eager saved':>12s} {'slimgrad':>12s}")
         for name, a, b in self.rows()[:limit]:
@@ -128,6 +129,16 @@ def _step_fn(model: nn.Module, inputs: Any, loss: Callable) -> Callable[[], torc
     return lambda: loss(_call(model, inputs))
 
 
+def _to(inputs: Any, device: torch.device) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: _to(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_to(v, device) for v in inputs)
+    return inputs
+
+
 def profile(
     target: Target,
     *,
@@ -137,6 +148,7 @@ def profile(
     fake: bool = False,
     depth: int = 2,
     seed: int = 0,
+    device: str = "cpu",
 ) -> ProfileReport:
     """Measure (or estimate) one step of ``target``'s model, eager and converted.
 
@@ -148,10 +160,25 @@ def profile(
         fake: estimate under ``FakeTensorMode`` (no compute, no memory) instead of measuring.
         depth: module-path depth of the per-module table.
         seed: RNG seed set before building and before each step.
+        device: ``"cpu"`` or ``"cuda"``. Measured: the model and inputs are moved there before
+            ``convert_``. Estimated (``fake=True``): CPU fake tensors stand for that device's
+            tensors and its kernels' saved tensors are modelled (``slimgrad.memory.estimate``);
+            ``convert_`` decides for that device (its device rule).
 
     Returns:
         A :class:`ProfileReport`.
+
+    Raises:
+        ValueError: ``batch`` is not positive or ``device`` is not cpu or cuda.
     """
+    from slimgrad.memory import DEVICES
+
+    kind = torch.device(device).type if isinstance(device, str | torch.device) else device
+    if kind not in DEVICES:
+        raise ValueError(
+            f"slimgrad.profile: device must be one of {list(DEVICES)}; expected cpu or cuda, got "
+            f"{device!r}. Pass --device cuda or --device cpu."
+        )
     batch = batch or target.default_batch
     if batch < 1:
         raise ValueError(
@@ -162,9 +189,11 @@ def profile(
         def make():
             torch.manual_seed(seed)
             model = target.build(skip_init=fake)
-            if do_convert:
-                convert_(model, config)
             inputs = target.inputs(batch)
+            if not fake and kind != "cpu":
+                model, inputs = model.to(device), _to(inputs, torch.device(device))
+            if do_convert:
+                convert_(model, config, device=kind)
             return _step_fn(model, inputs, target.loss), model, inputs
 
         if fake:
@@ -175,14 +204,14 @@ def profile(
                 holder["resident"] = resident_bytes(model, inputs)
                 return fwd, model
 
-            return estimate(make_fake), holder["resident"]
+            return estimate(make_fake, device=kind), holder["resident"]
         fwd, model, inputs = make()
         torch.manual_seed(seed)
         return measure(fwd, module=model), resident_bytes(model, inputs)
 
     eager, resident = run(False)
     converted = run(True)[0] if convert else None
-    return ProfileReport(target.name, batch, eager, converted, resident, depth, fake)
+    return ProfileReport(target.name, batch, eager, converted, resident, depth, fake, kind)
 
 
 def fit_batch(
@@ -193,6 +222,7 @@ def fit_batch(
     config: ConvertConfig | None = None,
     max_batch: int = 1 << 16,
     progress: bool = False,
+    device: str = "cpu",
 ) -> tuple[int, ProfileReport | None]:
     """Largest batch whose step (resident + peak) fits in ``budget_bytes``, under fake tensors.
 
@@ -203,7 +233,7 @@ def fit_batch(
     bar = _Progress(f"fit {target.name} in {budget_bytes / 2**30:.2f} GiB") if progress else None
 
     def need(b: int) -> tuple[int, ProfileReport]:
-        rep = profile(target, batch=b, convert=convert, config=config, fake=True)
+        rep = profile(target, batch=b, convert=convert, config=config, fake=True, device=device)
         m = rep.converted if convert else rep.eager
         used = rep.resident_bytes + m.peak_bytes
         if bar is not None:

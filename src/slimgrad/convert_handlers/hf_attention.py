@@ -33,11 +33,17 @@ capability from the model's own code (its modeling files, parsed with ``ast``), 
   ``position_bias``) and ``config.output_attentions`` is off;
 - no class outside transformers overrides an HF class's ``forward``.
 
+The device rule (NOTE [Never more than eager, per device and dtype] in ``device_rule.py``) comes
+first: for an ``"sdpa"`` model ``convert_`` decides for the devices and dtypes it will run on and
+keeps SDPA where eager's fused kernels keep O(T) per row (CUDA: float16/bfloat16/float32); the
+report says why. :func:`_attention` asks the same rule again with the query's device and dtype, so
+a model converted on CPU and moved to CUDA runs SDPA there.
+
 At call time :func:`_attention` (:func:`_attention_eager` likewise, to the family's function)
 hands every call it does not reproduce exactly to HF's own ``sdpa_attention_forward`` with the
-same arguments: no dropout (eval, ``dropout=0``), no grad, torch.compile tracing, a device other
-than CPU (SDPA's fused CUDA kernels draw dropout differently and keep less than P + bits), a dtype
-other than float32/float64 or autocast, a keyword argument that SDPA's function reads and
+same arguments: no dropout (eval, ``dropout=0``), no grad, torch.compile tracing, a device where
+the device rule keeps SDPA, a device other than CPU (other devices draw dropout differently), a
+dtype other than float32/float64 or autocast, a keyword argument that SDPA's function reads and
 slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache``: found by
 reading that function's source), the single-query GQA packing, a mask that does not broadcast to
 the scores. Everything else (causal and bidirectional, 2-D/4-D padding masks made 4-D by HF, bool
@@ -61,6 +67,7 @@ from functools import cache
 import torch
 import torch.nn as nn
 
+from slimgrad.convert_handlers import device_rule
 from slimgrad.convert_handlers.hf import hf_models
 
 ATTN_NAME = "slimgrad"  # reproduces "sdpa"
@@ -125,8 +132,13 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
         return False
     if torch.compiler.is_compiling():  # compiled SDPA draws its dropout its own way
         return False
+    if (
+        device_rule.check("attention", device_rule.tensor_device(query.device), query.dtype)
+        is not None
+    ):
+        return False  # eager's SDPA keeps less there (fused CUDA kernels)
     if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
-        return False
+        return False  # exactness: other devices draw dropout their own way
     if query.dtype not in (torch.float32, torch.float64):
         return False
     if not (key.dtype == value.dtype == query.dtype and query.dim() == key.dim() == 4):
@@ -323,8 +335,13 @@ def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool
         return False
     if not isinstance(scaling, float | int) or (softcap is not None and not softcap > 0):
         return False
-    if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+    if (
+        device_rule.check("attention_eager", device_rule.tensor_device(query.device), query.dtype)
+        is not None
+    ):
         return False
+    if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return False  # exactness: other devices draw dropout their own way
     if query.dtype not in (torch.float32, torch.float64) or not (
         key.dtype == value.dtype == query.dtype and query.dim() == key.dim() == value.dim() == 4
     ):
@@ -710,6 +727,11 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
         if not routed and reason is None:
             continue  # no attention at all (e.g. HF ResNet)
         origin = next(iter(impls), None)
+        family = "attention_eager" if origin == "eager" else "attention"
+        why = device_rule.refuse(family, getattr(rep, "targets", (("cpu", None),)))
+        if why is not None:
+            rep.skipped.append((name, f"{kind} attention ({origin})", why))
+            continue
         ok, what = use_slimgrad_attention(m)
         if ok:
             rep.converted.append(
