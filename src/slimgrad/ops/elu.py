@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._math.tables import select_table
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
@@ -71,6 +73,9 @@ def _tail_table(x: Tensor) -> tuple[Tensor, Tensor, bool]:
     hold as many bytes as x (NOTE [ELU's tail])."""
     mask = x < TAIL
     idx_dtype = torch.int32 if x.numel() < 2**31 else torch.int64
+    if is_fake(x):  # no values: the table's length is symbolic (or 0), no dense decision
+        # NOTE [Side tables under FakeTensorMode and torch.compile] in slimgrad/_math/tables.py
+        return (*select_table(x, mask, idx_dtype), False)
     k = int(mask.sum())
     if k and k * (torch.iinfo(idx_dtype).bits // 8 + x.element_size()) >= x.numel() * (
         x.element_size()
@@ -106,7 +111,7 @@ def _double(ctx, g):
     else:
         y, idx, xs = ctx.saved_tensors
         dx = _bwd_torch(g, y, alpha)
-    if idx.numel():
+    if is_fake(idx) or idx.numel():
         p = _positions(idx, y.shape)
         gh, yh = g[p], y[p]
         via_y = gh.detach() * (yh + alpha)
@@ -165,7 +170,7 @@ class _EluFn(torch.autograd.Function):
             y, bits, idx, xs = ctx.saved_tensors
         else:
             (y, idx, xs), bits = ctx.saved_tensors, None
-        pos = _positions(idx, y.shape) if idx.numel() else None
+        pos = _positions(idx, y.shape) if is_fake(idx) or idx.numel() else None
         gh = g[pos] if pos is not None else None  # read before g's buffer may be written
         own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
         if bits is not None:

@@ -17,10 +17,11 @@ minimum, so only y's own rounding enters.
 Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits) + 8 B
 per element within 0.1 of -3/2 (0.2-0.3 B/elt at N(0, 1)-like inputs); eager saves x (4 B/elt).
 float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B/elt. When more than
-1/16 of the elements are in the table, and for float64, keeps x densely, as eager does (no y, bits
-or table). Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take``
-proves it dead (NOTE [Gradient-buffer ownership]). Second derivatives raise (NOTE [Second
-derivatives] in ``slimgrad._autograd``); under torch.func transforms this is eager's op.
+1/16 of the elements are in the table, for float64, and under torch.compile, keeps x densely, as
+eager does (no y, bits or table). Backward writes dx into the incoming gradient's buffer when
+``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]). Second derivatives
+raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is
+eager's op.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
 from slimgrad.ops._output_act import needs_graph
 
@@ -73,6 +76,12 @@ def _side_info(x: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     flat = x.reshape(-1)
     n = flat.numel()
     w = _WINDOW[x.dtype]
+    if is_fake(x):  # no values: one table op of symbolic (or 0) length, no dense decision
+        # NOTE [Side tables under FakeTensorMode and torch.compile] in slimgrad/_math/tables.py
+        c = flat.float()
+        d = (c + 1.5).abs_()
+        idx = index_table((d < w) | ~torch.isfinite(c), torch.int32 if n < 2**31 else torch.int64)
+        return pack_bits(c >= -1.5), idx, flat.index_select(0, idx)
     bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     hard = []
     for a in range(0, n, CHUNK):
@@ -92,7 +101,9 @@ def _bwd_torch(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor, out=
     n = g.numel()
     gf = g.reshape(-1)
     yf = y.reshape(-1)
-    gh = gf.index_select(0, idx.long()) if idx.numel() else None  # read before out is written
+    gh = (
+        gf.index_select(0, idx.long()) if is_fake(idx) or idx.numel() else None
+    )  # read before out is written
     res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
     s = torch.empty(min(n, CHUNK), dtype=torch.float32, device=g.device)
     for a in range(0, n, CHUNK):
@@ -112,7 +123,11 @@ def _bwd_torch(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor, out=
 class _HardswishFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
-        side = _side_info(x) if x.dtype in _WINDOW else None
+        # under torch.compile x is kept densely: the table's length, and with it the choice
+        # between table and x, depend on values (NOTE [Side tables under FakeTensorMode and
+        # torch.compile] in slimgrad/_math/tables.py)
+        compiling = torch.compiler.is_compiling()
+        side = _side_info(x) if x.dtype in _WINDOW and not compiling else None
         dense = None
         if side is None:  # float64, or crowded near -3/2: keep x as eager does
             dense = x.detach().clone() if inplace else x
