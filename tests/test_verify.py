@@ -488,3 +488,46 @@ def test_buffers_are_compared_after_the_step():
     counter[1].num_batches_tracked.add_(1)  # integer buffers: exactly
     rep = slimgrad.verify(m, counter, x, modes=("train",))
     assert "buffer '1.num_batches_tracked' after the step differs" in str(rep)
+
+
+# --- reentrant activation checkpointing (NOTE [Gradients under reentrant checkpointing]) ---------
+
+
+class _Ckpt(nn.Module):
+    """stem, then ``body`` under torch.utils.checkpoint (reentrant or not)."""
+
+    def __init__(self, body: nn.Module, reentrant: bool):
+        super().__init__()
+        self.stem, self.body, self.reentrant = nn.Linear(7, 7), body, reentrant
+
+    def forward(self, x):
+        h = self.stem(x)
+        return torch.utils.checkpoint.checkpoint(self.body, h, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_models_verify_and_keep_their_grads(reentrant):
+    # reentrant checkpointing cannot run under autograd.grad: verify used to raise here
+    torch.manual_seed(0)
+    m = _Ckpt(_model(), reentrant)
+    keep = {n: torch.full_like(p, 7.0) for n, p in m.named_parameters()}
+    for n, p in m.named_parameters():
+        p.grad = keep[n].clone()  # gradients the caller accumulated before verify
+    slim = slimgrad.convert_(copy.deepcopy(m))
+    rep = slimgrad.verify(m, slim, torch.randn(5, 7))
+    assert rep.ok, str(rep)
+    assert len(rep.grads) == 6 and rep.max_grad_err < 1e-5
+    assert ("reentrant torch.utils.checkpoint" in str(rep)) == reentrant
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, keep[n])  # put back as they were
+    assert all(p.grad is None for p in slim.parameters())
+
+
+def test_a_wrong_gradient_inside_a_reentrant_region_is_caught():
+    torch.manual_seed(0)
+    m = _Ckpt(_model(), True)
+    bad = copy.deepcopy(m)
+    bad.body[2] = nn.Sequential(nn.GELU(), _Wrong())
+    rep = slimgrad.verify(m, bad, torch.randn(5, 7), modes=("train",))
+    assert not rep.ok
+    assert {g.name for g in rep.grads if not g.ok} >= {"stem.weight", "body.0.weight"}

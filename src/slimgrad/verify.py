@@ -24,6 +24,11 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
 - buffers: after each step every buffer (BatchNorm running statistics, counters) is compared too,
   floating ones by the rule, integer ones exactly, so a wrong running-statistics update fails.
 
+Activation checkpointing works on every side: ``torch.utils.checkpoint`` non-reentrant (HF's
+default) and selective policies run under ``autograd.grad``; a graph with a reentrant region takes
+its gradients with ``loss.backward()`` instead, every ``.grad`` put back afterwards (NOTE
+[Gradients under reentrant checkpointing]; the run's report notes it).
+
 Known limit: HF's eager attention (Bloom, Gemma2, any model loaded with
 ``attn_implementation="eager"``) takes its softmax in float32, so in the float64 copy a fully
 masked row of a padded batch is NaN. ``verify`` then reports the non-finite reference (it cannot
@@ -41,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
 
@@ -252,6 +258,58 @@ class _Side:
     outputs: dict[str, torch.Tensor | None]
     inputs: Any  # this side's copy of the inputs, after the step
     buffers: dict[str, torch.Tensor]  # every buffer after the step
+    by_backward: bool = False  # gradients from loss.backward() (reentrant checkpointing)
+
+
+# NOTE [Gradients under reentrant checkpointing]
+# ``verify`` takes gradients with ``torch.autograd.grad``: it leaves ``.grad`` alone and fires no
+# ``.grad`` hooks. But ``torch.utils.checkpoint(..., use_reentrant=True)`` (and its copies, e.g.
+# DeepSpeed's) recomputes its region in backward and runs a *nested* ``torch.autograd.backward``
+# there, which ``autograd.grad`` (or ``backward(inputs=...)``) cannot host: its backward raises
+# "torch.utils.checkpoint is incompatible with .grad()". The parameters of such a region are not
+# even reachable from the outer graph (the region keeps only its tensor inputs; its parameters are
+# found again when it reruns). So when the graph holds such a node, this side's gradients come from
+# ``loss.backward()`` into ``.grad``: each trainable parameter's ``.grad`` (and that of any other
+# leaf the outer graph reaches) is set aside first, cleared, read after the step and put back, so
+# the caller's accumulated gradients are unchanged. What differs from the ``autograd.grad`` path:
+# ``.grad`` hooks (``register_post_accumulate_grad_hook``) fire, as they do in the user's training
+# step with that checkpointing; a leaf that is neither a parameter nor reachable from the outer
+# graph (a tensor captured inside the region) gets its ``.grad`` accumulated. Non-reentrant
+# checkpointing (HF's default) works with ``autograd.grad`` and keeps the first path.
+
+
+def _reentrant_regions(loss: torch.Tensor) -> tuple[bool, list[torch.Tensor]]:
+    # (does the graph hold a reentrant checkpoint node, the leaves the outer graph reaches)
+    found, leaves, seen = False, [], set()
+    todo = [loss.grad_fn] if loss.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None and (
+            issubclass(cls, CheckpointFunction) or cls.__name__ == "CheckpointFunction"
+        ):
+            found = True
+        var = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(var, torch.Tensor):
+            leaves.append(var)
+        todo += [n for n, _ in node.next_functions]
+    return found, leaves
+
+
+def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tensor]) -> list:
+    held = {id(t): t for t in [*params, *leaves]}
+    kept = {k: t.grad for k, t in held.items()}
+    try:
+        for t in held.values():
+            t.grad = None
+        loss.backward()
+        return [p.grad for p in params]
+    finally:
+        for k, t in held.items():
+            t.grad = kept[k]
 
 
 def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
@@ -261,7 +319,11 @@ def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
     torch.manual_seed(seed)
     out = _call(model, run_on)
     loss = loss_fn(out)
-    grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    reentrant, leaves = _reentrant_regions(loss)
+    if reentrant:  # NOTE [Gradients under reentrant checkpointing]
+        grads = _grads_by_backward(loss, [p for _, p in params], leaves)
+    else:
+        grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
     return _Side(
         loss.detach(),
@@ -269,6 +331,7 @@ def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
         _float_outputs(out),
         run_on,
         buffers,
+        reentrant,
     )
 
 
@@ -552,6 +615,13 @@ def _run(name, inputs, model, converted, ref, loss_fn, seed, atol, skip) -> Veri
     run.failures += _changed_inputs(inputs, e, c, r, atol_of)
     run.failures += _compare_buffers(e, c, r, atol_of)
     _compare_outputs(run, e, c, r, converted, inputs, skip, atol_of)
+    which = [s for s, side in (("eager", e), ("converted", c), ("float64", r)) if side.by_backward]
+    if which:
+        run.notes.append(
+            "reentrant torch.utils.checkpoint in the graph of "
+            + ", ".join(which)
+            + ": gradients taken by loss.backward() (each .grad set aside and restored)"
+        )
     return run
 
 
