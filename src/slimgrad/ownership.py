@@ -84,6 +84,29 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    NumPy array kept by a Function, can read them) and not in shared memory (another process may
    read it). Terms 1-3 count torch and Python holders only; this term covers the rest.
 
+Distributed (DDP, FSDP2, tensor parallel; tests/distributed/test_ddp_bucketing.py,
+test_fsdp2.py, test_tensor_parallel.py, each on 2 gloo processes). Nothing here is shared between
+processes: calibration, the site cache and :func:`reuse_count` are per process (per rank);
+:func:`reuse_disabled` is process-wide on purpose (CUDA backward runs on autograd's device threads).
+The buffers a data-parallel wrapper reads are never granted:
+
+- DDP buckets hold *parameter* gradients (``param.grad``: a view of the bucket under
+  ``gradient_as_bucket_view=True``, else copied in by DDP's post-accumulate hook), never an incoming
+  activation gradient. A tensor autograd hands both to a parameter's AccumulateGrad and to a
+  slimgrad backward (``h + pos`` with ``pos`` a parameter of ``h``'s shape) is copied or added by
+  AccumulateGrad, which runs first; were it stolen into ``.grad``, that reference would fail term 1.
+  ``no_sync`` accumulation adds into ``.grad``: the same.
+- FSDP2's all-gathered parameters are leaves that require grad and ``as_strided`` views of the
+  all-gather buffer, shared by every parameter of the group: refused by terms 2, 4 and 5 as a
+  gradient and as a saved tensor (``take_saved``; measured). Its reduce-scatter input is FSDP's
+  own copy of ``unsharded_param.grad``, made after accumulation; no autograd gradient aliases it.
+  FSDP's ``RegisterPostBackwardFunction`` passes gradients on without keeping them, so a gradient
+  it hands on keeps the calibrated counts and may be granted (bit-identical to reuse off, tested).
+- DTensors (tensor parallel) are subclasses: refused by term 4; ops see DTensors only through
+  ``slimgrad._dtensor`` (NOTE [DTensor at a slimgrad op]), which hands them local shards.
+- On CUDA, NCCL reads bucket and reduce-scatter buffers on its own streams; since those buffers
+  are never granted, no write here races with a collective.
+
 Calibration (at import, :func:`_calibrate`): a y = 2x Function's backward probes its gradient in
 chains whose safety is known: plain, through a ``* 1`` (same figures), with a hook that keeps the
 gradient (refcount exactly one higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage
@@ -255,8 +278,9 @@ def reuse_enabled() -> bool:
 
 
 def reuse_count(kind: str | None = None) -> int:
-    """Reuses granted since the last reset (``kind``: "grad", "saved", None for both of those
-    backward kinds, or "forward" for :func:`owns_input` grants)."""
+    """Reuses granted in this process since the last reset (``kind``: "grad", "saved", None for
+    both of those backward kinds, or "forward" for :func:`owns_input` grants). Per process: under
+    DDP/FSDP each rank counts its own."""
     if kind is None:
         return _counter["grad"] + _counter["saved"]
     if kind not in _counter:
