@@ -8,6 +8,7 @@ case really corrupts something (so the refusal is what keeps the result right).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 
@@ -859,3 +860,28 @@ def test_view_calibration_failure_refuses_views_only(monkeypatch):
     assert ownership.calibrated() and ownership._VIEW_SIG is None
     monkeypatch.undo()  # the real _view_sig and the import-time calibration
     assert ownership._VIEW_SIG is not None
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["grad_none", "grad_accumulates"])
+def test_gradient_shared_with_a_parameters_accumulate_grad(accumulate):
+    # The data-parallel case without the wrapper (NOTE [Gradient-buffer ownership], "Distributed"):
+    # ``z = F(h) + pos`` hands one gradient to pos's AccumulateGrad and to F's backward. Whatever
+    # take decides, pos.grad (what DDP's bucket would reduce) and x.grad are reuse-off's bits: a
+    # grant before AccumulateGrad had read the gradient would double pos.grad.
+    def run(reuse: bool):
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(N, generator=g).requires_grad_()
+        pos = torch.nn.Parameter(torch.randn(N, generator=g))
+        for _ in range(2 if accumulate else 1):  # no_sync-style accumulation into pos.grad
+            with contextlib.nullcontext() if reuse else ownership.reuse_disabled():
+                ((_Double.apply(x * 1) + pos) * torch.arange(N)).sum().backward()
+        return x.grad, pos.grad
+
+    ownership.reset_reuse_count()
+    on = run(True)
+    granted = ownership.reuse_count("grad")
+    off = run(False)
+    for a, b in zip(on, off, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(on[1], torch.arange(N, dtype=on[1].dtype) * (2 if accumulate else 1))
+    assert granted == (2 if accumulate else 1)  # AccumulateGrad copied it first: a safe grant
