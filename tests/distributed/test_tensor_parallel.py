@@ -206,12 +206,40 @@ def _errors(mesh) -> dict:
     return out
 
 
+def _sequence_parallel_norm(rank: int) -> dict:
+    # a Llama RMSNorm under SequenceParallel: each rank holds half the sequence (Shard(1))
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
+    out = {}
+    for variant in ("eager", "slimgrad"):
+        torch.manual_seed(0)
+        norm = LlamaRMSNorm(8)
+        norm.weight.data.normal_()
+        if variant == "slimgrad":
+            norm = slimgrad.convert_(torch.nn.Sequential(norm))[0]
+            assert type(norm).__name__ != "LlamaRMSNorm"
+        tp.parallelize_module(norm, mesh, tp.SequenceParallel())
+        x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+        local = x.chunk(2, dim=1)[rank].requires_grad_()
+        try:
+            y = norm(local)
+            y.full_tensor().sin().sum().backward()
+            out[variant] = [y.full_tensor(), local.grad, norm.weight.grad.full_tensor()]
+        except Exception as e:  # recorded: the call sites are not in the ops yet
+            out[variant] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _train(rank: int) -> dict:
-    res = {
-        (v, local): _train_tp(v, rank, local)
-        for local in (True, False)
-        for v in ("ref64", "eager", "slimgrad")
-    }
+    res = {"sequence_parallel": _sequence_parallel_norm(rank)}
+    res.update(
+        {
+            (v, local): _train_tp(v, rank, local)
+            for local in (True, False)
+            for v in ("ref64", "eager", "slimgrad")
+        }
+    )
     res["helpers"] = _run_helpers(rank)
     return res
 
@@ -258,3 +286,16 @@ def test_dtensor_refusals_name_the_op_and_the_fix(ranks):
         assert ERROR_FORM.match(msg), f"{name}: {msg}"
     assert errors["refuse"].startswith("slimgrad.ops.dropout: ")
     assert "Partial" in errors["partial"] and "inplace=False" in errors["inplace"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs the rowwise call site in slimgrad.ops.rms_norm.hf_rms_norm "
+    "(/work/notes/dtensor_callsites.md); today a DTensor fails inside it at aten.nonzero",
+)
+def test_sequence_parallel_converted_rms_norm_matches_eager(ranks):
+    for res in ranks:
+        eager, ours = res["sequence_parallel"]["eager"], res["sequence_parallel"]["slimgrad"]
+        assert not isinstance(eager, str), eager
+        assert not isinstance(ours, str), ours
+        torch.testing.assert_close(ours, eager)
