@@ -399,3 +399,54 @@ def test_hf_gradient_checkpointing(name, when, reentrant):
     )
     assert rep.ok, str(rep)
     assert ("reentrant torch.utils.checkpoint" in str(rep)) == reentrant
+
+
+# --- memory: the combination saves over either alone (exact tracker) ------------------------------
+
+
+def _peak(model, loss_of) -> int:
+    from slimgrad.memory import measure
+
+    model.train()
+    loss_of(model).backward()  # warm-up (first-use caches), then a measured step
+    model.zero_grad(set_to_none=True)
+    return measure(lambda: loss_of(model), module=None, timeline=False).peak_bytes
+
+
+def test_gpt2_checkpointing_and_slimgrad_save_more_together():
+    # long enough rows that what checkpointing drops outweighs the recompute's own transients
+    # (at 16 tokens slimgrad alone is lower than both together)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=256, n_positions=64)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 256, (2, 64))
+
+    def loss_of(m):
+        torch.manual_seed(5)
+        return m(input_ids=ids, labels=ids).loss
+
+    ck, slim = copy.deepcopy(model), slimgrad.convert_(copy.deepcopy(model))
+    _enable(ck, False)
+    both = slimgrad.convert_(copy.deepcopy(model))
+    _enable(both, False)
+    p_eager, p_ck, p_slim, p_both = (_peak(m, loss_of) for m in (model, ck, slim, both))
+    assert p_ck < p_eager and p_slim < p_eager
+    assert p_both < min(p_ck, p_slim), (p_eager, p_ck, p_slim, p_both)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="slimgrad's BatchNorm keeps ctx attributes that checkpoint's saved_tensors_hooks do not "
+    "see (ops/_derived.py, Limitation): patch in /work/notes/ckpt_patches.md section 1",
+)
+def test_cnn_checkpoint_peak_not_above_eager_checkpoint():
+    model, (x,) = NETS["cnn"]()
+    slim = slimgrad.convert_(copy.deepcopy(model))
+    for m in (model, slim):
+        m.ckpt = _ckpt_kwargs(False)
+    r = torch.randn(2, 4, 7, 5)
+
+    def loss_of(m):
+        return (m(x) * r).sum()
+
+    assert _peak(slim, loss_of) <= _peak(model, loss_of)
