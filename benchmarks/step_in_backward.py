@@ -16,9 +16,10 @@ in both. Models: HF ``LlamaForCausalLM`` 12 x 768 (intermediate 2048, vocab 3200
 attention dropout 0.1) at 1 x 256 tokens, and HF ``GPT2LMHeadModel(GPT2Config())`` at 4 x 256,
 both fp32, labels = ids.
 
-Time (``--what time``): a small model (GPT-2-style, ``slimgrad.bench.models.GPT`` tiny by
-default), plain loop against step_in_backward on copies of it, interleaved A/B steps, median of
-the per-pair ratios and their spread; the parameters of both sides are checked bit for bit.
+Time (``--what time``): a small model (GPT-2-style ``slimgrad.bench.models.GPT``, 4 x 256 and
+vocabulary 8192 by default), plain loop against step_in_backward on copies of it, interleaved
+A/B steps, median of the per-pair ratios and their spread; the parameters of both sides are
+checked bit for bit.
 
 Usage (from the repository root):
     PYTHONPATH=src .venv/bin/python benchmarks/step_in_backward.py --what memory --estimate
@@ -134,8 +135,15 @@ def step_time(args) -> dict:
     import slimgrad
     from slimgrad.bench.models import GPT, GPTConfig
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = GPTConfig.tiny(dropout=0.0) if args.size == "tiny" else GPTConfig.small(dropout=0.0)
+    if args.size == "tiny":
+        cfg = GPTConfig.tiny(dropout=0.0)
+    elif args.size == "mid":  # 4 x 256, vocab 8192: about 5.5M parameters
+        cfg = GPTConfig(vocab_size=8192, n_positions=256, n_embd=256, n_layer=4, n_head=4)
+        cfg = GPTConfig(**{**cfg.__dict__, "dropout": 0.0})
+    else:
+        cfg = GPTConfig.small(dropout=0.0)
     base = GPT(cfg)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     cls, kw = _optimizer(args.optimizer)
@@ -203,11 +211,12 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="+", choices=tuple(_MODELS), default=list(_MODELS))
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     ap.add_argument("--estimate", action="store_true", help="FakeTensorMode: no compute")
-    ap.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    ap.add_argument("--size", choices=("tiny", "mid", "small"), default="mid")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=21)
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (time only)")
     args = ap.parse_args(argv)
     if args.what == "memory":
         memory(args)

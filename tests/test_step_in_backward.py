@@ -118,6 +118,30 @@ def test_bit_identical_to_the_plain_loop(cls, kw):
                 assert sb["state"][k][name] == v
 
 
+@pytest.mark.parametrize("bucket_bytes", [0, 200, 1 << 30])
+def test_bucket_sizes_do_not_change_the_bits(bucket_bytes):
+    # 0: every parameter alone; 200: some alone, some together; 1 << 30: all at the end
+    a, b = _net(), _net()
+    groups = [
+        {"params": [b.emb.weight, b.l1.bias]},
+        {"params": [*b.sometimes.parameters(), b.l1.weight], "lr": 0.2},
+    ]
+    opt = torch.optim.Adam(
+        [
+            {"params": [a.emb.weight, a.l1.bias]},
+            {"params": [*a.sometimes.parameters(), a.l1.weight], "lr": 0.2},
+        ],
+        lr=1e-2,
+        foreach=True,
+    )
+    handle = step_in_backward(
+        groups, torch.optim.Adam, bucket_bytes=bucket_bytes, lr=1e-2, foreach=True
+    )
+    _plain(a, opt)
+    _plain(b, handle)
+    _same(a, b)
+
+
 def test_loop_without_step_calls_is_the_same():
     a, b = _net(), _net()
     opt = torch.optim.AdamW(a.parameters(), lr=1e-2)
@@ -131,7 +155,7 @@ def test_loop_without_step_calls_is_the_same():
 def test_tied_weight_updates_once_after_its_last_accumulation():
     a, b = _net(), _net()
     opt = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    handle = step_in_backward(b, torch.optim.SGD, lr=0.1, momentum=0.9)
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_bytes=0)
     seen = []
     # registered after the handle's hook: runs right after the update, in the same accumulation
     b.emb.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
@@ -368,6 +392,8 @@ def test_refusals_at_creation():
         step_in_backward(m, torch.optim.SGD, accumulate=2.0, lr=0.1)
     with pytest.raises(ValueError, match=r"accumulate must be at least 1"):
         step_in_backward(m, torch.optim.SGD, accumulate=0, lr=0.1)
+    with pytest.raises(ValueError, match=r"bucket_bytes must be a non-negative int"):
+        step_in_backward(m, torch.optim.SGD, bucket_bytes=-1, lr=0.1)
     with pytest.raises(ValueError, match=r"clip_grad_norm_per_param must be a non-negative"):
         step_in_backward(m, torch.optim.SGD, clip_grad_norm_per_param=-1.0, lr=0.1)
     m(_batch(0)).backward()
@@ -459,9 +485,14 @@ def test_memory_one_gradient_alive_at_a_time():
     the end. The plain loop holds every gradient at its end."""
     x = torch.randn(2, 64)
     sib = _stack(bias=False)
-    step_in_backward(sib, torch.optim.SGD, lr=0.1, momentum=0.9)
+    step_in_backward(sib, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_bytes=0)
     sib(x).sum().backward()  # warm-up: momentum buffers exist (state counts on neither side)
     got = memory.measure(lambda: sib(x).sum(), module=sib)
+    # the default: parameters under bucket_bytes wait, up to bucket_bytes of them
+    bucketed = _stack(bias=False)
+    step_in_backward(bucketed, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_bytes=40_000)
+    bucketed(x).sum().backward()
+    got_bucketed = memory.measure(lambda: bucketed(x).sum(), module=bucketed)
 
     plain = _stack(bias=False)
     opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
@@ -477,6 +508,9 @@ def test_memory_one_gradient_alive_at_a_time():
     sizes = [p.numel() * p.element_size() for p in sib.parameters()]
     assert got.end_bytes == 0
     assert got.peak_bytes <= floor.peak_bytes + max(sizes)
+    assert got_bucketed.end_bytes == 0
+    assert floor.peak_bytes + max(sizes) < got_bucketed.peak_bytes  # two wait together
+    assert got_bucketed.peak_bytes <= floor.peak_bytes + 40_000 + max(sizes)
     assert ref.end_bytes == sum(sizes)
     assert ref.peak_bytes >= sum(sizes)
 

@@ -26,7 +26,25 @@ Autograd sums every contribution to a leaf before its ``AccumulateGrad`` runs, a
 post-accumulate hook fires once per backward per leaf, after that: a parameter used twice (tied
 embeddings) is updated once, from the summed gradient, as in the plain loop. Frozen parameters get
 no hook; a parameter that gets no gradient in a backward sees no hook call, so it is left alone as
-``opt.step()`` leaves a parameter whose ``.grad`` is None.
+``opt.step()`` leaves a parameter whose ``.grad`` is None (the plain loop with the default
+``zero_grad(set_to_none=True)``; a loop that zeroes gradients in place instead would also apply
+weight decay and momentum to parameters that got no gradient).
+
+The update writes the parameter in place while backward goes on. Every node that computes a
+gradient for ``p`` has run by then; a node that keeps ``p`` without computing its gradient (a
+``.detach()``ed use, a frozen copy sharing storage) and runs later meets autograd's version check
+("modified by an inplace operation") where the plain loop works. The same check (or the refusal
+below) stops a second backward over a retained graph.
+
+# NOTE [Small parameters update together]
+One optimizer call costs the same Python overhead (``_init_group``, dispatch, grad mode) whatever
+it updates: per parameter, a model of many small tensors (biases, norm weights) would pay it
+hundreds of times per step, for nothing, since their gradients are small. A parameter smaller than
+``bucket_bytes`` (default 1 MiB) waits in a list until the waiting gradients reach
+``bucket_bytes`` or backward ends (an engine callback), then the list updates in one call,
+narrowed per group. Parameters are independent in every such optimizer, so the bits do not
+change; the memory bound grows by at most ``bucket_bytes``. ``bucket_bytes=0`` updates every
+parameter alone.
 
 # NOTE [What a step is, and what is refused]
 In the plain loop a step is everything between two ``opt.step()`` calls. Here the update happens in
@@ -62,6 +80,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _optim_mod
 
 __all__ = ["StepInBackward", "step_in_backward"]
 
@@ -135,6 +154,9 @@ class StepInBackward(torch.optim.Optimizer):
     uses. ``step()`` and ``zero_grad()`` do nothing to the parameters and mark the end of a step
     (NOTE [What a step is, and what is refused]). ``optimizer`` is the plain optimizer that holds
     the state; ``remove()`` detaches the hooks, after which ``optimizer`` can go on as a plain one.
+    The hooks keep the handle alive: dropping the last reference does not detach them.
+    Optimizer step hooks, global ones included (``register_optimizer_step_pre_hook``), see one
+    ``step()`` of ``optimizer`` per parameter update.
     """
 
     def __init__(
@@ -146,6 +168,7 @@ class StepInBackward(torch.optim.Optimizer):
         accumulate: int = 1,
         clip_grad_norm_per_param: float | None = None,
         clip_grad_value: float | None = None,
+        bucket_bytes: int = 1 << 20,
     ) -> None:
         # Optimizer.__init__ is not called: param_groups/state/defaults are the plain optimizer's
         # (properties below), so that schedulers and load_state_dict act on the one copy.
@@ -160,6 +183,9 @@ class StepInBackward(torch.optim.Optimizer):
         self._accumulate = accumulate
         self._clip_norm = clip_grad_norm_per_param
         self._clip_value = clip_grad_value
+        self._bucket_bytes = bucket_bytes
+        self._pending: list[torch.Tensor] = []
+        self._pending_bytes = 0
         self._hooks: dict[torch.Tensor, Any] = {}
         self._frozen: list[torch.Tensor] = []
         self._group_index: dict[torch.Tensor, int] = {}
@@ -362,14 +388,19 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _end_backward(self) -> None:
         self._task = None
+        self._flush()
         if self._accumulate > 1:
             if self._micro == self._accumulate:
                 # parameters that got a gradient earlier in the cycle but none in its last
                 # backward: the plain loop updates them at step()
-                for group in self.optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None and p in self._hooks:
-                            self._update(p)
+                late = [
+                    p
+                    for group in self.optimizer.param_groups
+                    for p in group["params"]
+                    if p.grad is not None and p in self._hooks
+                ]
+                if late:
+                    self._update(late)
                 self._micro = 0
         elif not self._explicit:
             self._fired.clear()
@@ -380,6 +411,7 @@ class StepInBackward(torch.optim.Optimizer):
             self._step_one(p)
         except BaseException:
             self._task = None  # the engine runs no end-of-backward callback after an error
+            self._drop_pending()
             raise
 
     def _step_one(self, p: torch.Tensor) -> None:
@@ -398,25 +430,70 @@ class StepInBackward(torch.optim.Optimizer):
         self._fired[p] = n
         self._fired_since_call[p] = self._fired_since_call.get(p, 0) + 1
         if self._accumulate == 1 or self._micro == self._accumulate:
-            self._update(p)
+            nbytes = p.numel() * p.element_size()
+            if nbytes >= self._bucket_bytes:
+                self._update([p])
+                return
+            # NOTE [Small parameters update together]
+            self._pending.append(p)
+            self._pending_bytes += nbytes
+            if self._pending_bytes >= self._bucket_bytes:
+                self._flush()
 
-    def _update(self, p: torch.Tensor) -> None:
+    def _flush(self) -> None:
+        if self._pending:
+            pending = self._pending
+            self._pending, self._pending_bytes = [], 0
+            self._update(pending)
+
+    def _drop_pending(self) -> None:
+        # a backward that raised: its pending gradients are not applied (a refused second
+        # backward must leave the parameters as they were)
+        for p in self._pending:
+            p.grad = None
+        self._pending, self._pending_bytes = [], 0
+
+    def _update(self, params: list[torch.Tensor]) -> None:
         if self._clip_value is not None:
-            torch.nn.utils.clip_grad_value_([p], self._clip_value)
+            torch.nn.utils.clip_grad_value_(params, self._clip_value)
         if self._clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p], self._clip_norm)
+            for p in params:
+                torch.nn.utils.clip_grad_norm_([p], self._clip_norm)
         opt = self.optimizer
         groups = opt.param_groups
-        group = groups[self._group_index[p]]
-        params = group["params"]
-        group["params"] = [p]
-        opt.param_groups = [group]
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            by_group.setdefault(self._group_index[p], []).append(p)
+        saved = {i: groups[i]["params"] for i in by_group}
         try:
-            opt.step()
+            for i, ps in by_group.items():
+                groups[i]["params"] = ps
+            opt.param_groups = [groups[i] for i in sorted(by_group)]
+            self._raw_step()
         finally:
-            group["params"] = params
+            for i, ps in saved.items():
+                groups[i]["params"] = ps
             opt.param_groups = groups
-        p.grad = None
+        for p in params:
+            p.grad = None
+
+    def _raw_step(self) -> None:
+        # Optimizer.step's class-level wrapper (profiler record_function, step hooks) costs about
+        # as much as a small parameter's whole update; per parameter it would be paid N times.
+        # Without step hooks, call the function it wraps (the same update, bit for bit).
+        opt = self.optimizer
+        raw = getattr(type(opt).step, "__wrapped__", None)
+        if (
+            raw is None
+            or "step" in opt.__dict__
+            or opt._optimizer_step_pre_hooks
+            or opt._optimizer_step_post_hooks
+            or _optim_mod._global_optimizer_pre_hooks
+            or _optim_mod._global_optimizer_post_hooks
+        ):
+            opt.step()
+        else:
+            raw(opt)
 
     def _boundary(self, call: str) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -428,6 +505,7 @@ class StepInBackward(torch.optim.Optimizer):
                 f"Call {call} after loss.backward()",
             )
         self._task = None  # outside backward: a backward that raised left no callback to run
+        self._drop_pending()
         if self._accumulate > 1:
             if self._micro != 0:
                 raise _err(
@@ -479,6 +557,7 @@ def step_in_backward(
     accumulate: int = 1,
     clip_grad_norm_per_param: float | None = None,
     clip_grad_value: float | None = None,
+    bucket_bytes: int = 1 << 20,
     **optimizer_kwargs: Any,
 ) -> StepInBackward:
     """Run the optimizer's update of each parameter inside backward, then free its gradient.
@@ -493,7 +572,8 @@ def step_in_backward(
     is refused]).
 
     Memory: the gradients alive at once are those produced by one autograd node (a layer's weight
-    and bias), not every parameter's as in the plain loop; with ``accumulate=N`` every gradient
+    and bias) plus at most ``bucket_bytes`` of small parameters' gradients waiting for their
+    update, not every parameter's as in the plain loop; with ``accumulate=N`` every gradient
     stays until the last micro-batch (no saving over the plain loop, exactness only).
 
     Args:
@@ -509,6 +589,9 @@ def step_in_backward(
             impossible here.
         clip_grad_value: clamp each gradient to ``[-c, c]`` (exactly the plain loop's
             ``clip_grad_value_(params, c)``).
+        bucket_bytes: parameters smaller than this wait, up to this many gradient bytes
+            together, and update in one optimizer call (NOTE [Small parameters update
+            together]); 0: every parameter updates alone, as soon as its gradient is complete.
         **optimizer_kwargs: the optimizer's keyword arguments (``lr=``, ``weight_decay=``, ...).
 
     Returns:
@@ -568,6 +651,14 @@ def step_in_backward(
             "an int >= 1",
             type(accumulate).__name__,
             "Pass the number of backward calls per step, e.g. accumulate=4",
+        )
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise _err(
+            ValueError,
+            "bucket_bytes must be a non-negative int",
+            "an int >= 0 (0: every parameter updates alone)",
+            repr(bucket_bytes),
+            "Pass e.g. bucket_bytes=1 << 20",
         )
     if accumulate < 1:
         raise _err(
@@ -649,4 +740,5 @@ def step_in_backward(
         accumulate=accumulate,
         clip_grad_norm_per_param=clip_grad_norm_per_param,
         clip_grad_value=clip_grad_value,
+        bucket_bytes=bucket_bytes,
     )
