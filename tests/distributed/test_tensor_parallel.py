@@ -1,7 +1,9 @@
 """slimgrad under tensor parallelism on DTensors (2 gloo processes).
 
 - A converted tiny HF Llama with ``parallelize_module`` ColwiseParallel/RowwiseParallel on every
-  block's MLP (slimgrad's GatedMLP) and attention trains like eager TP: losses and full gradients
+  block's MLP (slimgrad's GatedMLP) and attention (converted: slimgrad attention with dropout on
+  each rank's local heads, HFRMSNorm, the fused LM-head loss) trains like eager TP: losses and full
+  gradients
   by the GUIDE rule against a float64 TP run, over 2 SGD steps, with the projections' outputs local
   (the default) and with DTensors reaching ``glu`` (``use_local_output=False``).
 - ``slimgrad._dtensor``'s entry helpers (NOTE [DTensor at a slimgrad op]): pointwise ops and norms
@@ -43,6 +45,7 @@ def _llama():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
+        attention_dropout=0.1,  # converted attention (softmax_dropout_matmul) on local heads
         attn_implementation="eager",
     )
     return transformers.LlamaForCausalLM(cfg)
