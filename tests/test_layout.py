@@ -26,8 +26,7 @@ _FALLBACK = (
     "both (issue 15, left open)"
 )
 KNOWN: dict[str, str] = {
-    f"slimgrad.kernels.{stem}": _FALLBACK.format(stem=stem)
-    for stem in ("inplace_abn", "layer_norm", "rms_norm")
+    f"slimgrad.kernels.{stem}": _FALLBACK.format(stem=stem) for stem in ("layer_norm", "rms_norm")
 }
 
 

@@ -1,6 +1,6 @@
 """Triton kernels for In-Place ABN: fused normalise+activation (in place) and a two-pass backward.
 
-Same signatures as ``slimgrad.ops.inplace_abn._fwd_torch`` / ``_bwd_torch``; the op picks them
+Same signatures as ``slimgrad._math.abn.fwd_torch`` / ``bwd_torch``; the op picks them
 through NOTE [Kernel backend choice] (``slimgrad/kernels/_backend.py``). The backward reduction
 recomputes y = act^-1(z), dy and x̂ per element in registers, so it needs no temporaries (the
 PyTorch path needs chunk-sized ones); it runs on (channel, part) programs whose float64 partial
@@ -23,17 +23,14 @@ Memory: as ``slimgrad.ops.inplace_abn`` (saves z + invstd); backward allocates d
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from slimgrad._math import abn as _ref
 from slimgrad.kernels._common import add, cast_out, expm1
-
-_ref = importlib.import_module("slimgrad.ops.inplace_abn")
-
 
 _ACT = {"identity": 0, "leaky_relu": 1, "elu": 2}
 _BLOCK = 1024
@@ -192,17 +189,17 @@ def _fwd_triton(
 ):  # fmt: skip
     """``_fwd_torch`` with the normalise+activation pass as one Triton kernel."""
     if _flat3(x) is None or x.dtype == torch.float64 or x.numel() == 0:
-        return _ref._fwd_torch(
+        return _ref.fwd_torch(
             x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
             param, merge,
         )  # fmt: skip
     # statistics, running stats, side tensors: the PyTorch helper with an identity activation on
     # a zero-size slice would be wasteful; reuse its pieces instead.
-    stats = _ref._stats(x, running_mean, running_var, training, momentum, eps, merge)
+    stats = _ref.stats(x, running_mean, running_var, training, momentum, eps, merge)
     mean, invstd, count = stats
-    acc = _ref._acc_dtype(x.dtype)
-    w, b = _ref._affine(weight, bias, x.shape[1], x.device, acc)
-    side_idx, side_xhat = _ref._side_channels(x, w, b, mean, invstd, activation)
+    acc = _ref.acc_dtype(x.dtype)
+    w, b = _ref.affine(weight, bias, x.shape[1], x.device, acc)
+    side_idx, side_xhat = _ref.side_channels(x, w, b, mean, invstd, activation)
     scale = w * invstd
     shift = b - mean * scale
     apply_(x, scale, shift, activation, param)
@@ -216,13 +213,13 @@ def _bwd_triton(
     """``_bwd_torch`` as two Triton passes (reduction, then dx); side channels via PyTorch."""
     z3, dz3 = _flat3(z), _flat3(dz)
     if z3 is None or dz3 is None or z.dtype == torch.float64 or z.numel() == 0:
-        return _ref._bwd_torch(
+        return _ref.bwd_torch(
             z, dz, weight, bias, invstd, side_idx, side_xhat, count, training, eps, activation,
             param, need_dx, need_dparams, allreduce, owned,
         )  # fmt: skip
     n, c, s = z3.shape
-    acc = _ref._acc_dtype(z.dtype)
-    w, b = _ref._affine(weight, bias, c, z.device, acc)
+    acc = _ref.acc_dtype(z.dtype)
+    w, b = _ref.affine(weight, bias, c, z.device, acc)
     mean_p, invstd_p = b.clone(), 1.0 / w
     has_side = side_idx.numel() > 0
     if has_side:
@@ -241,7 +238,7 @@ def _bwd_triton(
     if has_side:
         # exact sums for the kept channels, from their x̂
         dz_side = dz.index_select(1, side_idx).to(acc)
-        dy_side = _ref._act_grad(dz_side, z.index_select(1, side_idx).to(acc), activation, param)
+        dy_side = _ref.act_grad(dz_side, z.index_select(1, side_idx).to(acc), activation, param)
         dims = [0] + list(range(2, z.dim()))
         sdy[side_idx] = dy_side.sum(dims)
         sdyx[side_idx] = (dy_side * side_xhat).sum(dims)
@@ -267,7 +264,7 @@ def _bwd_triton(
             ACT=act, BLOCK=_BLOCK,
         )  # fmt: skip
         if has_side:
-            shape = _ref._bshape(z)
+            shape = _ref.bshape(z)
             res = dy_side * k[side_idx].view(shape)
             if training:
                 res = res + p[side_idx].view(shape) * side_xhat + q[side_idx].view(shape)

@@ -59,9 +59,36 @@ __all__ = [
 # leaky_relu(BN(x)) exactly on every path. Registration happens in every grad mode (the identity
 # path must be taken under no_grad/eval too); inference tensors have no version counter, so there
 # the identity is keyed by object only. deepcopy/pickle keep the pairing (one token object, copied
-# once per memo). Under torch.compile the paired modules run eagerly (graph breaks around them;
-# ``eager_only``, NOTE [Eager-only code under torch.compile]): traced, the registry lookups
-# across graph breaks gave wrong gradients (aot_eager, torch 2.13), and correctness comes first.
+# once per memo). Traced, the pair works differently: NOTE [ABN-activation pairs under
+# torch.compile].
+#
+# NOTE [ABN-activation pairs under torch.compile]
+# While Dynamo traces, the pair computes leaky_relu(BN(x)) as two ops: the InPlaceABN applies the
+# identity activation (BN only) and the ReLU applies leaky_relu to whatever it gets. No registry
+# is read (a WeakIdKeyDictionary is untraceable, and a tensor's ``_version`` traces to an
+# unbacked SymInt that cannot be compared), so nothing breaks the graph, and the function is the
+# pair's on every path: the ABN output through the ReLU gives leaky_relu(BN(x)) as the identity
+# path does, anything else leaky_relu(x). The ReLU writes in place only where eager would write
+# (``inplace``) and never over a traced pair output (tagged ``_TRACED_TAG`` at trace time): the
+# ABN's backward keeps that tensor. An output of an InPlaceABN that ran eagerly (it already
+# applied leaky_relu; ``_register_output`` tags it ``_TAG``, which Dynamo reads and guards on)
+# sends a traced ReLU to the eager registry lookup (one graph break), so mixing eager and
+# compiled modules stays exact. Under torch.compile the ABN keeps BN(x) and the leaky_relu keeps
+# what the compiler's partitioner chooses (eager InPlaceABN's one-tensor contract is an eager one).
+#
+# Root cause of the wrong gradients the earlier eager-only guard hid (torch 2.13, aot_eager and
+# inductor; pure-torch repros in tests/test_abn_compile.py): the registry calls were graph breaks
+# (Dynamo refuses to trace WeakIdKeyDictionary.get/__setitem__/__delitem__), so the ReLU's
+# leaky_relu(inplace=True) started a new graph whose *input* it wrote through slimgrad's
+# mark_dirty autograd.Function. AOTAutograd runs the Function's forward body with grad disabled,
+# records the write as an input mutation under no_grad (``mutations_under_no_grad_or_inference_
+# mode=True``) and the output as a view of the input, and the Function's backward disappears: the
+# compiled backward graph is ``return (tangents_1,)``, so the post-residual activation passed
+# gradients through unscaled (every grad off by O(1); outputs exact). A second torch defect bites
+# the two-op form: an in-place write over a tensor an autograd.Function saved is silently seen by
+# its compiled backward (eager raises autograd's in-place error), hence the out-of-place
+# leaky_relu on a traced pair output. The InPlaceABN's own mark_dirty Function never meets (1):
+# traced, ``ownership.owns_input`` refuses, so it writes over ``x.clone()``, never a graph input.
 _ABN_OUTPUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 ownership.register_registry(_ABN_OUTPUTS)
 
@@ -74,9 +101,14 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-@eager_only
+_TAG = "_slimgrad_abn_pair"  # on an eager pair output: a traced ReLU asks the registry
+_TRACED_TAG = "_slimgrad_abn_traced"  # on a traced pair output: BN(x), saved by the ABN's backward
+
+
 def _register_output(out: torch.Tensor, token: _PairToken) -> None:
+    # eager only (NOTE [ABN-activation pairs under torch.compile]): never called while tracing
     _ABN_OUTPUTS[out] = (token, _version(out))
+    setattr(out, _TAG, token)
 
 
 @eager_only
@@ -85,6 +117,7 @@ def _take_output(x: torch.Tensor, token: _PairToken) -> bool:
     if entry is None or entry[0] is not token or entry[1] != _version(x):
         return False
     del _ABN_OUTPUTS[x]
+    x.__dict__.pop(_TAG, None)
     return True
 
 
@@ -248,22 +281,29 @@ class InPlaceABN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         owned = ownership.owns_input(x, self)  # first use of x: NOTE [Gradient-buffer ownership]
-        if "_pair_token" in self.__dict__:
-            return self._forward_paired(x, owned)
-        return self._forward(x, owned)
+        paired = "_pair_token" in self.__dict__
+        if torch.compiler.is_compiling():  # NOTE [ABN-activation pairs under torch.compile]
+            if not paired:
+                return InPlaceABN._forward(self, x, owned)
+            out = InPlaceABN._forward(self, x, owned, "identity")
+            setattr(out, _TRACED_TAG, self._pair_token)
+            return out
+        return self._forward_paired(x, owned) if paired else self._forward(x, owned)
 
-    def _forward(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
+    def _forward(
+        self, x: torch.Tensor, owned: bool = False, activation: str | None = None
+    ) -> torch.Tensor:
         self._check_input_dim(x)
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
+        act = self.activation if activation is None else activation
         return inplace_abn(
             x if owned else x.clone(), rm, rv, self.weight, self.bias, bn_training, factor,
-            self.eps, self.activation, self.activation_param,
+            self.eps, act, self.activation_param if act != "identity" else 0.0,
         )  # fmt: skip
 
-    @eager_only
     def _forward_paired(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
-        # NOTE [ABN-activation pairs]; run eagerly under torch.compile (see there)
+        # NOTE [ABN-activation pairs]; eager only (forward traces the pair differently)
         out = self._forward(x, owned)
         _register_output(out, self._pair_token)
         return out
@@ -507,8 +547,13 @@ class MaxPool2dRecompute(nn.MaxPool2d):
     Memory: with a recipe: nothing; eager keeps its input and int64 indices.
     """
 
-    @eager_only
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # no recipe is made while tracing (RecomputeABN)
+            return super().forward(input)
+        return self._forward_eager(input)
+
+    @eager_only
+    def _forward_eager(self, input: torch.Tensor) -> torch.Tensor:
         recipe = None
         if torch.is_grad_enabled() and input.requires_grad and not self.return_indices:
             recipe = _derived.lookup_recipe(input, "always")
@@ -565,8 +610,18 @@ class LeakyReLUAfterABN(nn.Module):
     def extra_repr(self) -> str:
         return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
 
-    @eager_only
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # NOTE [ABN-activation pairs under torch.compile]
+            if getattr(input, _TAG, None) is not None:  # an eager InPlaceABN's output
+                return self._forward_eager(input)  # graph break: the registry decides
+            own = getattr(input, _TRACED_TAG, None) is self._pair_token
+            return torch.nn.functional.leaky_relu(
+                input, self.negative_slope, self.inplace and not own
+            )
+        return self._forward_eager(input)
+
+    @eager_only
+    def _forward_eager(self, input: torch.Tensor) -> torch.Tensor:
         if _take_output(input, self._pair_token):
             return input
         return leaky_relu(input, self.negative_slope, self.inplace)

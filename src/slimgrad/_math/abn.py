@@ -1,0 +1,350 @@
+"""In-Place ABN's math in plain PyTorch, below both ``slimgrad.ops`` and ``slimgrad.kernels``.
+
+The op (``slimgrad/ops/inplace_abn.py``, whose docstring has the math and NOTE [Invertibility] and
+NOTE [Chunked backward]) and the Triton kernels (``slimgrad/kernels/inplace_abn.py``, which fall
+back to these for the side channels, the batch statistics and layouts they cannot take) share:
+the batch statistics (:func:`stats`), the side channels (:func:`side_channels`), the forward
+(:func:`fwd_torch`) and the chunked backward (:func:`bwd_torch`). NOTE [Kernels are leaves] in
+``slimgrad._math``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from slimgrad._errors import internal_error
+from slimgrad._math.tables import unsized
+
+__all__ = [
+    "ELU_MIN_PREACT",
+    "REBUILD_MAX_BIAS_RATIO",
+    "act_",
+    "act_grad",
+    "act_inverse",
+    "acc_dtype",
+    "affine",
+    "apply_torch_",
+    "bshape",
+    "bwd_torch",
+    "chunks",
+    "fwd_torch",
+    "overlaps",
+    "plan",
+    "side_channels",
+    "stats",
+]
+
+REBUILD_MAX_BIAS_RATIO = 4.0  # NOTE [Invertibility]
+ELU_MIN_PREACT = -math.log(256.0)
+CHUNK_ELEMS = 1 << 15  # NOTE [Chunked backward]
+MAX_CHUNKS = 16
+MIN_CHUNK = 1 << 12
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def bshape(x: torch.Tensor) -> list[int]:
+    return [1, -1] + [1] * (x.dim() - 2)
+
+
+def plan(x: torch.Tensor) -> tuple[int, int | None]:
+    # NOTE [Chunked backward]: (channels per chunk, None) for whole channels, or (1, batch rows per
+    # part) when one channel holds more than 4 * max(budget, MIN_CHUNK) values.
+    n, c = x.shape[0], x.shape[1]
+    per_channel = max(1, x.numel() // max(1, c))
+    budget = max(1, min(x.numel() // MAX_CHUNKS, CHUNK_ELEMS))
+    if per_channel <= 4 * max(budget, MIN_CHUNK):
+        return max(1, budget // per_channel), None
+    return 1, max(1, max(budget, MIN_CHUNK) // max(1, per_channel // max(1, n)))
+
+
+def chunks(x: torch.Tensor):
+    # yields (c0, c1, [(n0, n1), ...]): channel groups, each split into batch ranges
+    n, c = x.shape[0], x.shape[1]
+    step, rows = plan(x)
+    parts = [(0, n)] if rows is None else [(n0, min(n, n0 + rows)) for n0 in range(0, n, rows)]
+    for c0 in range(0, c, step):
+        yield c0, min(c, c0 + step), parts
+
+
+def affine(weight, bias, c, device, acc):
+    w = weight.to(acc) if weight is not None else torch.ones(c, device=device, dtype=acc)
+    b = bias.to(acc) if bias is not None else torch.zeros(c, device=device, dtype=acc)
+    return w, b
+
+
+def act_(x: torch.Tensor, activation: str, param: float) -> None:
+    if activation == "leaky_relu":
+        torch.nn.functional.leaky_relu_(x, param)
+    elif activation == "elu":
+        torch.nn.functional.elu_(x, param)
+    elif activation != "identity":
+        raise internal_error(f"unknown activation {activation!r} reached the kernel")
+
+
+def act_inverse(z: torch.Tensor, activation: str, param: float) -> torch.Tensor:
+    # With activation == "identity" the result may be a view of the saved z: never write into it.
+    if activation == "leaky_relu":
+        return torch.nn.functional.leaky_relu(z, 1.0 / param)
+    if activation == "elu":
+        neg = torch.log1p(z / param)
+        return torch.where(z < 0, neg, z)
+    return z
+
+
+def act_grad(dz: torch.Tensor, z: torch.Tensor, activation: str, param: float) -> torch.Tensor:
+    if activation == "leaky_relu":
+        return torch.ops.aten.leaky_relu_backward(dz, z, param, True)
+    if activation == "elu":
+        return torch.ops.aten.elu_backward(dz, param, 1.0, 1.0, True, z)
+    return dz
+
+
+def stats(x, running_mean, running_var, training, momentum, eps, merge=None):
+    # (mean, invstd, count) in float32 (float64 for float64 input); updates the running statistics.
+    c = x.shape[1]
+    acc = acc_dtype(x.dtype)
+    count = x.numel() // c if c else 0
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError(
+                "slimgrad.ops.inplace_abn: running statistics are needed in eval mode; expected "
+                "running_mean and running_var tensors, got None. Pass training=True or the buffers."
+            )
+        return running_mean.to(acc), 1.0 / torch.sqrt(running_var.to(acc) + eps), count
+    if x.numel() == 0:
+        mean = torch.zeros(c, device=x.device, dtype=acc)
+        var = torch.ones(c, device=x.device, dtype=acc) if merge is None else torch.zeros_like(mean)
+    elif merge is None:
+        # eager BatchNorm's own kernel: the same statistics and running update, bit for bit
+        mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+    else:
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    if merge is not None:
+        count, mean, var = merge(count, mean, var)
+        with torch.no_grad():
+            if count > 0 and running_mean is not None:
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+            if count > 0 and running_var is not None:
+                unbiased = (var * (count / max(count - 1, 1))).to(running_var.dtype)
+                running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    return mean.to(acc), 1.0 / torch.sqrt(var.to(acc) + eps), count
+
+
+def side_channels(x, w, b, mean, invstd, activation):
+    # NOTE [Invertibility]: (side_idx, side_xhat) for the channels not rebuilt from z. Runs before
+    # x is overwritten.
+    acc = acc_dtype(x.dtype)
+    if unsized(x):  # a fake tensor without symbolic sizes: no values, assume no side channel
+        empty = x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc)
+        return x.new_empty(0, dtype=torch.long), empty
+    shape = bshape(x)
+    tiny = torch.finfo(x.dtype).tiny
+    side = ~((w.abs() > tiny) & (b.abs() <= REBUILD_MAX_BIAS_RATIO * w.abs()))
+    if activation == "elu" and x.numel() > 0:
+        dims = [0] + list(range(2, x.dim()))
+        lo = torch.where(w >= 0, x.amin(dim=dims).to(acc), x.amax(dim=dims).to(acc))
+        side |= (lo - mean) * invstd * w + b < ELU_MIN_PREACT
+    if x.numel() == 0 or not bool(side.any()):
+        return (
+            torch.zeros(0, dtype=torch.long, device=x.device),
+            x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc),
+        )
+    idx = side.nonzero().flatten()
+    xs = x.index_select(1, idx).to(acc)
+    return idx, (xs - mean[idx].view(shape)) * invstd[idx].view(shape)
+
+
+def fwd_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    activation: str,
+    param: float,
+    merge: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Writes act(BN(x)) over x. Returns (mean, invstd, side_idx, side_xhat, count).
+
+    ``merge(count, mean, var) -> (count, mean, var)`` combines per-rank statistics (sync variant);
+    the running statistics are then updated here with the merged figures.
+    """
+    mean, invstd, count = stats(x, running_mean, running_var, training, momentum, eps, merge)
+    w, b = affine(weight, bias, x.shape[1], x.device, mean.dtype)
+    side_idx, side_xhat = side_channels(x, w, b, mean, invstd, activation)
+    apply_torch_(x, w, b, mean, invstd, activation, param)
+    return mean, invstd, side_idx, side_xhat, count
+
+
+def apply_torch_(x, w, b, mean, invstd, activation, param):
+    if x.numel() == 0:
+        return
+    scale = w * invstd
+    shift = b - mean * scale
+    shape = bshape(x)
+    # the same alpha/beta form as eager BatchNorm's CPU kernel: x * (w * invstd) + shift
+    torch.addcmul(shift.view(shape), x, scale.view(shape), out=x)
+    act_(x, activation, param)
+
+
+def bwd_torch(
+    z: torch.Tensor,
+    dz: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    invstd: torch.Tensor,
+    side_idx: torch.Tensor,
+    side_xhat: torch.Tensor,
+    count: int,
+    training: bool,
+    eps: float,
+    activation: str,
+    param: float,
+    need_dx: bool = True,
+    need_dparams: bool = True,
+    allreduce: Callable | None = None,
+    owned: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Returns (dx or None, dweight, dbias); NOTE [Chunked backward].
+
+    ``owned``: dz is dead (``slimgrad.ownership.take`` granted it): dx is written into its buffer.
+
+    ``allreduce(sum_dy, sum_dy_xhat, count) -> (sum_dy, sum_dy_xhat, count)`` makes the sums
+    global (sync variant).
+    """
+    c = z.shape[1]
+    acc = acc_dtype(z.dtype)
+    w, b = affine(weight, bias, c, z.device, acc)
+    shape = bshape(z)
+    sum_dy = torch.zeros(c, device=z.device, dtype=acc)
+    sum_dy_xhat = torch.zeros(c, device=z.device, dtype=acc)
+    # x̂ = (inp - mean_p) * invstd_p, where inp is the rebuilt y, or the side tensor's x̂ itself.
+    mean_p, invstd_p = b.clone(), 1.0 / w
+    side_pos = {int(ch): s for s, ch in enumerate(side_idx.tolist())} if side_idx.numel() else {}
+    if side_pos:
+        mean_p[side_idx] = 0
+        invstd_p[side_idx] = 1
+    need_inp = training or need_dparams
+    weight_p = w * invstd / invstd_p
+
+    def rebuild(zc, dzc, c0, n0, n1):
+        zf = zc if zc.dtype == acc else zc.to(acc)
+        dy = act_grad(dzc if dzc.dtype == acc else dzc.to(acc), zf, activation, param)
+        if not need_inp:
+            return dy, None
+        inp = act_inverse(zf, activation, param)
+        if not side_pos:
+            return dy, inp
+        c1 = c0 + zc.shape[1]
+        sides = [(ch - c0, s) for ch, s in side_pos.items() if c0 <= ch < c1]
+        if sides:
+            if inp is zc:
+                inp = inp.clone()
+            for j, s in sides:
+                inp[:, j] = side_xhat[n0:n1, s]
+        return dy, inp
+
+    def inputs(c0, c1, n0, n1):
+        return rebuild(z[n0:n1, c0:c1], dz[n0:n1, c0:c1], c0, n0, n1)
+
+    def reduce(c0, c1, dy, inp):
+        # partial sums over a batch range add up: a channel may span several parts
+        if inp is None:
+            sum_dy[c0:c1] += dy.sum(dim=[0] + list(range(2, z.dim())))
+            return
+        _, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            dy, inp, None, None, None, mean_p[c0:c1], invstd_p[c0:c1], True, eps,
+            [False, True, True],
+        )  # fmt: skip
+        sum_dy_xhat[c0:c1] += gw
+        sum_dy[c0:c1] += gb
+
+    dx = None
+    if need_dx:
+        dx = dz if owned else torch.empty_like(z)
+
+    def coefs(c0, c1, n_total, sdy, sdyx):
+        k = w[c0:c1] * invstd[c0:c1]
+        if not training:
+            return k, None, None
+        m2 = sdyx[c0:c1] / n_total
+        p = -k * m2 * invstd_p[c0:c1]
+        q = -p * mean_p[c0:c1] - k * (sdy[c0:c1] / n_total)
+        return k, p, q
+
+    def write(c0, c1, n0, n1, dy, inp, k, p, q):
+        slot = dx[n0:n1, c0:c1]
+        kv = k.view(shape)
+        if p is None:
+            res = dy * kv
+        elif slot.dtype == acc and not overlaps(slot, dy):
+            torch.addcmul(q.view(shape), inp, p.view(shape), out=slot)
+            slot.addcmul_(dy, kv)
+            return
+        else:
+            res = torch.addcmul(q.view(shape), inp, p.view(shape))
+            res.addcmul_(dy, kv)
+        slot.copy_(res)
+
+    reducing = training or need_dparams
+    step, rows = plan(z) if z.numel() > 0 else (1, None)
+    if training and need_dx and allreduce is None and rows is None and z.numel() > 0:
+        # Common case, one pass per channel group: aten's fused BatchNorm backward on the rebuilt
+        # input, with mean' = mean_p, invstd' = invstd_p and weight' = w * invstd / invstd_p,
+        # gives this group's sums and dx. Views come from split() to keep per-chunk overhead low.
+        gws, gbs = [], []
+        groups = zip(
+            z.split(step, 1), dz.split(step, 1), dx.split(step, 1), weight_p.split(step),
+            mean_p.split(step), invstd_p.split(step), range(0, c, step),
+        )  # fmt: skip
+        for zc, dzc, slot, wp, mp, ip, c0 in groups:
+            dy, inp = rebuild(zc, dzc, c0, 0, z.shape[0])
+            dxc, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                dy, inp, wp, None, None, mp, ip, True, eps, [True, True, True]
+            )
+            slot.copy_(dxc)
+            gws.append(gw)
+            gbs.append(gb)
+            del dy, inp, dxc  # free this chunk's temporaries before the next chunk's
+        return dx, torch.cat(gws), torch.cat(gbs)
+    if z.numel() > 0:
+        for c0, c1, parts in chunks(z):
+            if allreduce is None and len(parts) == 1:
+                # one pass: the reduction of these channels is complete before their dx is written
+                dy, inp = inputs(c0, c1, *parts[0])
+                if reducing:
+                    reduce(c0, c1, dy, inp)
+                if need_dx:
+                    write(c0, c1, *parts[0], dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
+                del dy, inp
+                continue
+            if reducing:
+                for n0, n1 in parts:
+                    reduce(c0, c1, *inputs(c0, c1, n0, n1))
+            if allreduce is None and need_dx:
+                for n0, n1 in parts:
+                    dy, inp = inputs(c0, c1, n0, n1)
+                    write(c0, c1, n0, n1, dy, inp, *coefs(c0, c1, count, sum_dy, sum_dy_xhat))
+                    del dy, inp
+    if allreduce is not None:
+        g_dy, g_dyx, g_count = allreduce(sum_dy, sum_dy_xhat, count)
+        if need_dx and z.numel() > 0:
+            for c0, c1, parts in chunks(z):
+                for n0, n1 in parts:
+                    dy, inp = inputs(c0, c1, n0, n1)
+                    write(c0, c1, n0, n1, dy, inp, *coefs(c0, c1, g_count, g_dy, g_dyx))
+                    del dy, inp
+    return dx, sum_dy_xhat, sum_dy
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
