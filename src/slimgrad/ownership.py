@@ -96,9 +96,11 @@ The buffers a data-parallel wrapper reads are never granted:
   slimgrad backward (``h + pos`` with ``pos`` a parameter of ``h``'s shape) is copied or added by
   AccumulateGrad, which runs first; were it stolen into ``.grad``, that reference would fail term 1.
   ``no_sync`` accumulation adds into ``.grad``: the same.
-- FSDP2's all-gathered parameters are leaves that require grad and ``as_strided`` views of the
-  all-gather buffer, shared by every parameter of the group: refused by terms 2, 4 and 5 as a
-  gradient and as a saved tensor (``take_saved``; measured). Its reduce-scatter input is FSDP's
+- An FSDP2 all-gathered (unsharded) parameter is an ``nn.Parameter`` (a subclass: term 4), a leaf
+  that requires grad (term 5), and shares its storage with FSDP's all-gather output (term 2): each
+  term alone refuses it as a saved tensor (measured on torch 2.13, all three fail; a write over it
+  would change the gradients FSDP reduce-scatters, tests/distributed/test_fsdp2.py). It never
+  arrives as an incoming gradient. Its reduce-scatter input is FSDP's
   own copy of ``unsharded_param.grad``, made after accumulation; no autograd gradient aliases it.
   FSDP's ``RegisterPostBackwardFunction`` passes gradients on without keeping them, so a gradient
   it hands on keeps the calibrated counts and may be granted (bit-identical to reuse off, tested).

@@ -1,16 +1,17 @@
 """A converted HF model under FSDP2 (``fully_shard`` per block and root, 2 gloo processes) equals
 eager FSDP2: losses and full gradients over several optimizer steps, in fp32 and with a bf16-param /
 fp32-reduce ``MixedPrecisionPolicy``; gradient-buffer reuse next to FSDP's own buffers changes no
-bit; per-rank peak bytes measured with slimgrad's tracker (the README "Scaling out" numbers
-come from ``test_fsdp2_per_rank_peak``, run with -s).
+bit; forward in-place writes inside sharded blocks; per-rank peak bytes measured with slimgrad's
+tracker (``test_fsdp2_per_rank_peak``, run with -s, prints them).
 
 Why reuse is safe next to FSDP2 (NOTE [Gradient-buffer ownership] in slimgrad/ownership.py,
-"Distributed"): an all-gathered parameter is a leaf that requires grad and a view of the
-all-gather buffer (refused as an incoming gradient and as a saved tensor); the reduce-scatter
-input is FSDP's own copy of ``unsharded_param.grad``, made after autograd accumulated it, and no
-autograd gradient aliases it; FSDP's identity ``RegisterPostBackwardFunction`` hands gradients on
-without keeping them. ``test_reuse_changes_no_bit_under_fsdp2`` checks it end to end: reuse on and
-off give bit-identical losses and full gradients, and reuse was granted on every rank.
+"Distributed"): an all-gathered parameter is an ``nn.Parameter``, a leaf that requires grad, and
+shares its storage with FSDP's all-gather output (each refuses it as a saved tensor:
+``test_all_gathered_parameter_is_never_granted``); the reduce-scatter input is FSDP's own copy of
+``unsharded_param.grad``, made after autograd accumulated it, and no autograd gradient aliases it;
+FSDP's identity ``RegisterPostBackwardFunction`` hands gradients on without keeping them.
+``test_reuse_changes_no_bit_under_fsdp2`` checks it end to end: reuse on and off give
+bit-identical losses and full gradients, and reuse was granted on every rank.
 """
 
 from __future__ import annotations
