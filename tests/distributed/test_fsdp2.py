@@ -247,11 +247,21 @@ def _probe_fsdp_buffers(rank: int) -> dict:
     return out
 
 
-def test_all_gathered_parameter_is_never_granted(tmp_path):
+def _extras(rank: int) -> dict:
+    return {"probe": _probe_fsdp_buffers(rank), "cnn": _train_cnn(rank)}
+
+
+@pytest.fixture(scope="module")
+def extras(tmp_path_factory):
+    """The probe and CNN runs below, in one pair of processes."""
+    return run_on_two_ranks(_extras, tmp_path_factory.mktemp("extras"))
+
+
+def test_all_gathered_parameter_is_never_granted(extras):
     # A saved all-gathered parameter is read again later in backward (the Linear's dx reads the
     # same buffer): ownership must refuse it, and a write over it must change the gradients that
     # FSDP reduce-scatters (so the comparison below would catch a wrong grant).
-    for res in run_on_two_ranks(_probe_fsdp_buffers, tmp_path):
+    for res in (r["probe"] for r in extras):
         assert res[False, True]["seen"] == [False, False]  # refused under FSDP2
         assert res[False, False]["seen"] == [False, False]  # a leaf that requires grad
         sharded, bad = res[False, True]["grad"], res[True, True]["grad"]
@@ -302,12 +312,12 @@ def _train_cnn(rank: int) -> dict:
     return out
 
 
-def test_forward_inplace_writes_under_fsdp2(tmp_path):
+def test_forward_inplace_writes_under_fsdp2(extras):
     # Conv-BN-ReLU blocks, each fully_shard-ed: the converted ReLU writes over BN's output inside
     # FSDP's blocks (ownership.owns_input grants it: FSDP's hooks sit on the block, not on the
     # ReLU, and BN's output is no FSDP buffer). Both paths (written over, and reuse off: out of
     # place, whose BN backward rounds differently) keep the GUIDE rule over the steps.
-    for res in run_on_two_ranks(_train_cnn, tmp_path):
+    for res in (r["cnn"] for r in extras):
         assert res["slimgrad"]["forward"] > 0 and res["no_reuse"]["forward"] == 0
         for variant in ("slimgrad", "no_reuse"):
             ours = res[variant]
