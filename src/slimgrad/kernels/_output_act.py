@@ -315,7 +315,7 @@ def smooth_grad(spec, g, y, bits, idx, xs, bwd_exact):
     inv = _ref.inverse(spec)
     yc, gc = y.contiguous(), g.contiguous()
     tab = inv.tables_on(y.device, torch.float32)[0]
-    y_hi = torch.tensor(inv.y_min, dtype=torch.float32).item()
+    y_hi = _ref.round_f32(inv.y_min)
     out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     sc_r, sc_l = inv.sc
     _smooth_bwd_kernel[grid1(n)](

@@ -31,6 +31,8 @@ from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
+    dense_side_info,
+    few_elements,
     needs_graph,
     reuse_ok,
     smooth_apply,
@@ -82,6 +84,8 @@ def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
 
 @custom_op("gelu_fwd", mutates_args=())
 def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if few_elements(x):  # NOTE [Few elements] in slimgrad.ops._output_act
+        return dense_side_info(x, lambda t: _fwd_torch(t, approximate))
     if _backend.use_triton(x):
         return _backend.kernels("gelu")._fwd_triton(x, approximate)
     return smooth_fwd_any(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
