@@ -1,7 +1,8 @@
 """Gradient-buffer reuse next to DDP's buckets (2 gloo processes): a converted model under
 ``DistributedDataParallel`` with ``gradient_as_bucket_view`` True and False, small buckets (one
 parameter or two each) and ``no_sync`` accumulation gives eager DDP's gradients (GUIDE rule
-against a float64 DDP run), reuse on and off give the same bits, and reuse was granted.
+against a float64 DDP run), reuse on and off give the same bits, and reuse was granted; the same
+for a converted tiny HF GPT-2 (tied embedding, fused LM-head loss).
 
 Why it is safe (NOTE [Gradient-buffer ownership], "Distributed", in slimgrad/ownership.py): DDP's
 buckets hold parameter gradients (``param.grad``, a view of the bucket with
@@ -30,6 +31,11 @@ from slimgrad.testing import assert_within_rule
 from tests.distributed._gloo import run_on_two_ranks
 
 pytestmark = pytest.mark.distributed
+
+try:
+    import transformers
+except ImportError:  # the [hf] extra: only the GPT-2 case needs it
+    transformers = None
 
 MICRO = 2  # micro-batches per optimizer step: the first MICRO - 1 under no_sync
 STEPS = 2
@@ -76,11 +82,14 @@ def _run(variant: str, rank: int, bucket_view: bool) -> dict:
 
 
 def _train(rank: int) -> dict:
-    return {
+    res = {
         (v, bv): _run(v, rank, bv)
         for bv in (True, False)
         for v in ("ref64", "eager", "slimgrad", "no_reuse")
     }
+    if transformers is not None:
+        res["gpt2"] = _train_gpt2(rank)
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +182,60 @@ def test_gradient_shared_with_a_bucketed_parameter(tmp_path):
             assert len(on["seen"]) == MICRO and off["seen"] == [False] * MICRO
             for a, b in zip(on["grad"], off["grad"], strict=True):
                 assert torch.equal(a, b)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=97,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
+    return transformers.GPT2LMHeadModel(cfg)  # tied embedding, fused LM-head loss once converted
+
+
+def _run_gpt2(variant: str, rank: int, bucket_view: bool) -> list:
+    net = _gpt2()
+    if variant == "ref64":
+        net = net.double()
+    elif variant == "slimgrad":
+        slimgrad.convert_(net)
+    model = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.01)
+    grads = []
+    ownership.reset_reuse_count()
+    for micro in range(MICRO):
+        ids = torch.randint(
+            1, 97, (2, 8), generator=torch.Generator().manual_seed(10 * rank + micro)
+        )
+        with contextlib.nullcontext() if micro == MICRO - 1 else model.no_sync():
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    return {"grad": grads, "reuse": ownership.reuse_count()}
+
+
+def _train_gpt2(rank: int) -> dict:
+    return {
+        (v, bv): _run_gpt2(v, rank, bv)
+        for bv in (True, False)
+        for v in ("ref64", "eager", "slimgrad")
+    }
+
+
+def test_converted_gpt2_under_ddp_buckets(ranks):
+    if transformers is None:
+        pytest.skip("transformers is not installed (the [hf] extra)")
+    # a converted HF model (tied embedding: the fused LM-head loss hands the tied weight's
+    # gradient to AccumulateGrad next to the embedding's) under DDP with small buckets
+    for res in (r["gpt2"] for r in ranks):
+        for bv in (True, False):
+            assert res["slimgrad", bv]["reuse"] > 0
+            grads = (res[v, bv]["grad"] for v in ("slimgrad", "ref64", "eager"))
+            for k, (o, r, e) in enumerate(zip(*grads, strict=True)):
+                names = [f"bucket_view={bv} micro{k} grad{i}" for i in range(len(o))]
+                assert_within_rule(o, r, e, names=names)
