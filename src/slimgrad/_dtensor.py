@@ -29,13 +29,15 @@ eager computes on the DTensor:
   op's input local (``use_local_output=True`` on the parallel style before it), or leave the
   module unconverted (``convert_(model, filter_fn=...)``).
 
-Nothing here imports ``torch.distributed`` unless a non-plain tensor reaches an op (``is_dtensor``
-first checks ``type(t) is torch.Tensor``), so ``import slimgrad`` and the plain path stay as cheap
-as before.
+Nothing here imports ``torch.distributed.tensor``: ``is_dtensor`` answers False for plain tensors
+at once and, for subclasses (a Parameter), looks the DTensor class up in ``sys.modules`` (none can
+exist before that module is imported), so ``import slimgrad`` and the plain path stay as cheap as
+before.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -52,21 +54,15 @@ def is_dtensor(t: object) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (cheap for plain tensors)."""
     if t is None or type(t) is torch.Tensor or not isinstance(t, torch.Tensor):
         return False
-    cls = _dtensor_cls()
-    return cls is not None and isinstance(t, cls)
+    # no DTensor can exist before its module is imported: never import it here (a Parameter
+    # weight reaches this line on every call)
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def any_dtensor(*tensors: object) -> bool:
     """Whether any of ``tensors`` is a DTensor: the guard of every call site."""
     return any(is_dtensor(t) for t in tensors)
-
-
-def _dtensor_cls():
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 def _describe(name: str, t: object) -> str:
