@@ -185,3 +185,16 @@ def test_canary_torch_compiled_backward_sees_inplace_write_over_saved_output():
     torch.compile(f, backend="aot_eager")(a).sum().backward()
     # the backward saw the rewritten output (-0.02 + 1 > 0): slope 1 where eager's is 0.01
     torch.testing.assert_close(a.grad, torch.tensor([1.0, 1.0], dtype=torch.float64))
+
+
+def test_converted_resnet_compiles_without_graph_breaks():
+    # torchvision's Bottleneck layout: RecomputeABN + MaxPool2dRecompute (stem), InPlaceABN and
+    # LeakyReLUAfterABN pairs, exact BatchNorms (13 breaks when the pairs ran eagerly)
+    from tests.models._resnet_helpers import randomize_bn_, small_resnet
+
+    torch.manual_seed(0)
+    base = randomize_bn_(small_resnet("bottleneck", width=4, layers=(1, 1, 1, 1)), 0)
+    model = slimgrad.convert_(base, ABN)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 30, requires_grad=True))
+    assert explained.graph_break_count == 0, explained.break_reasons
