@@ -12,7 +12,8 @@ Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (
 + 8 B per hard element (int32 index + x; |x - x*| < 0.015, x < -2.5 erf / x < -3 tanh, non-finite):
 measured 0.246 B/elt (erf) and 0.207 B/elt (tanh) besides y at N(0, 1) inputs, 0.196 B/elt at
 N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst case (more than 1/16 of the
-elements hard), and float64: keeps x densely, as eager does, and neither y, bits nor table.
+elements hard), float64, and tensors of at most 512 elements (NOTE [Few elements] in
+``slimgrad.ops._output_act``): keeps x densely, as eager does, and neither y, bits nor table.
 float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt.
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
@@ -163,7 +164,7 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
 
     Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
     0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt). More than 1/16
-    hard elements, or float64: keeps x densely, as eager does.
+    hard elements, float64, or at most 512 elements: keeps x densely, as eager does.
 
     Args:
         input: tensor of float32, float16, bfloat16 or float64.

@@ -6,12 +6,13 @@ inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
 ``slimgrad.ops._output_act``). Within |x - x*| < 0.2 the float32 output is computed in float64
 and rounded (it may differ from eager's by a few ulp there).
 
-Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
-+ 8 B per hard element (int32 index + x; |x - x*| < 0.025, non-finite): measured 0.204 B/elt at
+Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits) + 8 B
+per hard element (int32 index + x; |x - x*| < 0.025, x < -6, non-finite): measured 0.204 B/elt at
 N(0, 1) and 0.158 B/elt at N(0, 0.577) besides y; eager saves x (4 B/elt), and eager ``mish_`` a
-clone of x. Worst case (more than 1/16 of the elements hard), and float64: keeps x densely, as eager
-does, and neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element with
-|x - x*| < 0.15; eager 2 B/elt.
+clone of x. Worst case (more than 1/16 of the elements hard), float64, and tensors of at most 512
+elements (NOTE [Few elements] in ``slimgrad.ops._output_act``): keeps x densely, as eager does, and
+neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15 or
+x < -10; eager 2 B/elt.
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
@@ -63,8 +64,8 @@ def mish(input: Tensor, inplace: bool = False) -> Tensor:
 
     Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
     0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt; eager
-    ``inplace=True`` saves a clone of x). More than 1/16 hard elements, or float64: keeps x densely,
-    as eager does.
+    ``inplace=True`` saves a clone of x). More than 1/16 hard elements, float64, or at most 512
+    elements: keeps x densely, as eager does.
 
     Args:
         input: tensor of float32, float16, bfloat16 or float64.
