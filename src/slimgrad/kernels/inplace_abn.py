@@ -187,7 +187,7 @@ def _fwd_triton(
     x, weight, bias, running_mean, running_var, training, momentum, eps, activation, param,
     merge: Callable | None = None,
 ):  # fmt: skip
-    """``_fwd_torch`` with the normalise+activation pass as one Triton kernel."""
+    """``slimgrad._math.abn.fwd_torch`` with the normalise+activation pass as one Triton kernel."""
     if _flat3(x) is None or x.dtype == torch.float64 or x.numel() == 0:
         return _ref.fwd_torch(
             x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
@@ -210,7 +210,7 @@ def _bwd_triton(
     z, dz, weight, bias, invstd, side_idx, side_xhat, count, training, eps, activation, param,
     need_dx=True, need_dparams=True, allreduce: Callable | None = None, owned: bool = False,
 ):  # fmt: skip
-    """``_bwd_torch`` as two Triton passes (reduction, then dx); side channels via PyTorch."""
+    """``_math.abn.bwd_torch`` as two Triton passes (reduction, then dx); side channels in torch."""
     z3, dz3 = _flat3(z), _flat3(dz)
     if z3 is None or dz3 is None or z.dtype == torch.float64 or z.numel() == 0:
         return _ref.bwd_torch(

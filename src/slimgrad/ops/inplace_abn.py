@@ -37,7 +37,7 @@ is the rounding of the stored fp32 output itself: with ratio 1 it is 3 trials (1
 For bf16/fp16 inputs with fp32 weights, dweight carries the input dtype's rounding of z.
 
 # NOTE [Chunked backward]
-Backward runs over chunks: budget = min(numel / 16, _CHUNK_ELEMS = 32768) values; channel groups of
+Backward runs over chunks: budget = min(numel / 16, CHUNK_ELEMS = 32768) values; channel groups of
 up to `budget` values, one channel when a channel is larger; a channel above 4 * max(budget, 4096)
 values is split over batch ranges of about that size (at least one sample's channel). Per chunk:
 rebuild y = act^-1(z) and dy from (z, dz) into chunk-sized temporaries; then aten's fused BatchNorm
