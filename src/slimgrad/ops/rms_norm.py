@@ -451,6 +451,23 @@ def _autocast_state(dev: str):
     return torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
 
 
+@custom_op("hf_rms_norm_side", mutates_args=())
+def _hf_side(
+    x: torch.Tensor, gamma: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # the fallback channels of y = xhat * gamma and x's columns there (a custom op: tracers see a
+    # table of data-dependent length, NOTE [Side tables under FakeTensorMode and torch.compile])
+    idx = fallback_channels(gamma, None, out_dtype).to(x.device)
+    return idx, x.reshape(-1, x.shape[-1]).index_select(1, idx)
+
+
+@_hf_side.register_fake
+def _(x, gamma, out_dtype):
+    d = x.shape[-1]
+    k = dynamic_size(max=d)
+    return x.new_empty((k,), dtype=torch.int64), x.new_empty((x.numel() // max(d, 1), k))
+
+
 class _HFRMSNormFromOutputFn(torch.autograd.Function):
     # float32 input and output: y = xhat * gamma, rebuilt from y (as _RMSNormFn)
     @staticmethod
@@ -458,15 +475,17 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         fwd, gamma_of = HF_VARIANTS[variant]
         y, rstd = fwd(x, weight, eps)
         gamma = gamma_of(weight) if weight is not None else None
-        idx = fallback_channels(gamma, None, y.dtype).to(x.device)
-        xside = x.reshape(-1, x.shape[-1]).index_select(1, idx)
+        idx, xside = _hf_side(x, gamma, y.dtype)
         ctx.variant = variant
         ctx.save_for_backward(y, rstd, idx, xside, weight)
-        return y
+        # the table is returned too: a traced forward must return every tensor of data-dependent
+        # size it creates (torch.compile's unbacked sizes)
+        ctx.mark_non_differentiable(idx, xside)
+        return y, idx, xside
 
     @staticmethod
     @first_order("ops.rms_norm")
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need_w = weight is not None and ctx.needs_input_grad[1]
@@ -474,15 +493,13 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         gamma_of = HF_VARIANTS[ctx.variant][1]
         gamma = gamma_of(weight.detach()) if weight is not None else None
         ns = [y.shape[-1]]
-        if mask[0] and owns_layout(buf, y):
+        if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
             dx, dg = _bwd_impl(y)(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
-        else:
-            dx, dg = _bwd_impl(y)(dy, y, rstd, idx, xside, gamma, ns, mask)
-        dw = None
-        if need_w:  # through gamma(weight): eager's cast / 1 + w backward
-            with torch.enable_grad():
-                w = weight.detach().requires_grad_()
-                (dw,) = torch.autograd.grad(gamma_of(w), w, dg)
+        else:  # the custom op: its table has a data-dependent length under tracers
+            dx, dg = _rms_norm_bwd(dy, y, rstd, idx, xside, gamma, ns, mask, y.dtype)
+        # through gamma(weight) (HF_VARIANTS: w.float(), 1.0 + w.float() or (1 + w).float()):
+        # autograd's backward of each is the cast of dg to the weight's dtype, exactly
+        dw = dg.to(weight.dtype) if need_w else None
         return (dx if mask[0] else None), dw, None, None
 
 
@@ -552,13 +569,6 @@ def hf_rms_norm(
             f"{sorted(HF_VARIANTS)}, got {variant!r}. Pass a key of HF_VARIANTS."
         )
     grads = input.requires_grad or (weight is not None and weight.requires_grad)
-    if (
-        not (torch.is_grad_enabled() and grads)
-        or transforms_active()
-        or torch.compiler.is_compiling()
-    ):
-        return HF_VARIANTS[variant][0](input, weight, eps)[0]
-    refuse_jit("ops.rms_norm.hf_rms_norm")
     d = input.shape[-1] if input.dim() else 0
     # y = xhat * gamma(weight) in float32 (NOTE [HF RMSNorm cast orders])
     lean = (
@@ -567,5 +577,14 @@ def hf_rms_norm(
         and (weight is None or (weight.shape == (d,) and weight.dtype != torch.float64))
         and not (variant == "t5" and weight is not None and weight.dtype in HALF_DTYPES)
     )
-    fn = _HFRMSNormFromOutputFn if lean else _HFRMSNormRecomputeFn
-    return fn.apply(input, weight, float(eps), variant)
+    if (
+        not (torch.is_grad_enabled() and grads)
+        or transforms_active()
+        # the recompute path calls autograd.grad in backward, which Dynamo cannot trace
+        or (torch.compiler.is_compiling() and not lean)
+    ):
+        return HF_VARIANTS[variant][0](input, weight, eps)[0]
+    refuse_jit("ops.rms_norm.hf_rms_norm")
+    if lean:
+        return _HFRMSNormFromOutputFn.apply(input, weight, float(eps), variant)[0]
+    return _HFRMSNormRecomputeFn.apply(input, weight, float(eps), variant)
