@@ -114,7 +114,9 @@ chains whose safety is known: plain, through a ``* 1`` (same figures), with a ho
 gradient (refcount exactly one higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage
 view of a fresh base: gives the base pair and view storage signature) and the same with a hook
 keeping that base (base refcount exactly one higher). Any mismatch or exception: no baseline,
-never reuse (views alone: ``_VIEW_SIG`` None refuses every view).
+never reuse (views alone: ``_VIEW_SIG`` None refuses every view). The baselines are kept per
+interpreter call mode, which a failed Dynamo trace changes for the rest of the process (NOTE
+[Calibration per call mode] at the end of this module).
 
 Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails
 safe, refusing reuse, never the other way):
@@ -446,7 +448,7 @@ def reusable(grad: torch.Tensor | None) -> bool:
         True if no other reader of ``grad``'s memory exists; False otherwise (and always under
         :func:`reuse_disabled`, outside backward, with grad mode on, or if calibration failed).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _ensure_calibrated():
         return False
     refcount = sys.getrefcount(grad)
     return grad is not None and _grad_ok(grad, refcount, _caller())
@@ -466,6 +468,8 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
     """
     if torch.compiler.is_compiling():  # traced backward: no refcounts, no unannounced mutation
         return None
+    if not _ensure_calibrated():
+        return None
     refcount = sys.getrefcount(grad)
     if grad is None or not _grad_ok(grad, refcount, _caller()):
         return None
@@ -483,7 +487,7 @@ def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
     ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` directly in
     ``backward`` (NOTE [Gradient-buffer ownership]).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _ensure_calibrated():
         return None
     refcount = sys.getrefcount(saved)
     if saved is None or not _saved_ok(saved, refcount, _caller()):
@@ -666,7 +670,7 @@ def owns_input(x: torch.Tensor, module: torch.nn.Module) -> bool:
     Returns:
         True if writing over ``x`` is invisible to everyone else.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _ensure_calibrated():
         return False
     refcount = sys.getrefcount(x)
     try:
@@ -918,5 +922,82 @@ def _calibrate() -> None:
         _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None
 
 
+# NOTE [Calibration per call mode]
+# The baselines above are Python reference counts, and CPython 3.11+ passes arguments to a plain
+# Python-to-Python call in one of two ways: normally the callee's frame takes over the caller's
+# stack reference (no extra count), but while an eval-frame hook (PEP 523) is installed every call
+# goes through the generic vectorcall path, which leaves the caller's reference in place: one more
+# count per argument in the callee (take(grad) called from backward sees refcount + 1). Dynamo
+# installs such a hook while it runs, and in torch 2.13 a failed trace (e.g. torch.compile(...,
+# fullgraph=True) raising Unsupported) leaves it installed for the rest of the process, although
+# its callback is None again: from then on every refcount was one above the import-time baseline,
+# and reuse was refused for good (safe, but the savings were lost). The mode is measured by one
+# nested call (_call_mode); the baselines are kept per mode, and a mode met for the first time is
+# calibrated then, with the same probes as at import, but only where nothing can distort them (no
+# Dynamo callback active, i.e. not between a compiled region's graph breaks; no saved-tensor hooks,
+# e.g. inside activation checkpointing; not under torch.func): otherwise that call refuses.
+
+
+def _nested(o: object) -> int:
+    return sys.getrefcount(o)
+
+
+def _call_mode() -> int:
+    o = object()
+    return _nested(o)
+
+
+_MODE: int | None = None  # the call mode whose baselines are in the globals above
+_BY_MODE: dict[int, tuple] = {}
+_calib_lock = threading.RLock()
+_recalibrating = False
+
+
+def _state() -> tuple:
+    return _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
+
+
+def _set_state(state: tuple) -> None:
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
+    _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT = state
+
+
+def _calibration_undisturbed() -> bool:
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
+        return False
+    return (
+        torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _ensure_calibrated() -> bool:
+    """Whether the globals hold the baselines of the current call mode (NOTE [Calibration per
+    call mode]); switches to them, calibrating a new mode once, where that is safe."""
+    global _MODE, _recalibrating
+    mode = _call_mode()
+    if mode == _MODE or _recalibrating:  # during a calibration its own probes run
+        return True
+    with _calib_lock:
+        state = _BY_MODE.get(mode)
+        if state is None:
+            if not _calibration_undisturbed():
+                return False
+            _recalibrating = True
+            try:
+                with torch.enable_grad():  # backward runs without grad mode
+                    _calibrate()
+                    _calibrate_forward()
+            finally:
+                _recalibrating = False
+            state = _BY_MODE[mode] = _state()
+        _set_state(state)
+        _MODE = mode
+    return True
+
+
 _calibrate()
 _calibrate_forward()
+_MODE = _call_mode()
+_BY_MODE[_MODE] = _state()
