@@ -1,0 +1,173 @@
+"""torch.compile of a converted HF model beside eager compiled (issue 16): step time, peak bytes.
+
+For each model, the same training step (forward with labels, backward, SGD step; dropout on) in
+two settings compiled with the same backend: ``eager`` (the model as built) and ``slimgrad``
+(``slimgrad.convert_`` of a copy). ``--backend`` defaults to inductor.
+
+- time: after 3 warm-up steps (compilation), ``--steps`` steps of each setting interleaved (A, B,
+  A, B, ...); the median step in ms and the median of the per-pair ratios (spread: min-max).
+- memory: slimgrad's exact tracker does not see inside inductor's generated code, so bytes come
+  from torch's own CPU allocator counters: ``torch.profiler`` with ``profile_memory=True`` records
+  every CPU allocation and free; the peak is the largest running sum over one step above what was
+  live when it began (parameters, inputs and optimizer state excluded; ``.grad`` is cleared
+  before the step, so gradients count).
+- graph breaks: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compilation.
+
+Models (random init, float32): HF GPT-2 and Llama, "tiny" (2 layers, width 64, vocab 512, 2 x 64
+tokens) and "small" (4 layers, width 128, vocab 2048, 4 x 128 tokens), as
+``benchmarks/checkpointing.py``.
+
+Usage (from the repository root):
+    PYTHONPATH=src .venv/bin/python benchmarks/compile_step.py \
+        --out benchmarks/results/compile_step.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+from datetime import datetime, timezone
+
+import torch
+
+MiB = 2**20
+KEYS = ("layers", "width", "vocab", "B", "T")
+SIZES = {"tiny": (2, 64, 512, 2, 64), "small": (4, 128, 2048, 4, 128)}  # layers, width, vocab, B, T
+
+
+def build(family: str, size: str) -> tuple[torch.nn.Module, dict]:
+    import transformers
+
+    layers, width, vocab, b, t = SIZES[size]
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=vocab, n_embd=width, n_layer=layers, n_head=4, n_positions=t,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=t, attention_dropout=0.1,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, vocab, (b, t), generator=g)
+    return model.float().train(), {"input_ids": ids, "labels": ids.clone()}
+
+
+def peak_bytes(step) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def make_step(model, batch, backend):
+    fwd = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(**batch).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+
+    return step, losses
+
+
+def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
+    import slimgrad
+
+    model, batch = build(family, size)
+    conv = copy.deepcopy(model)
+    slimgrad.convert_(conv)
+    settings = {"eager": model, "slimgrad": conv}
+    made, breaks = {}, {}
+    for name, m in settings.items():
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        step, losses = make_step(m, batch, backend)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        warm_s = time.perf_counter() - t0
+        breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        made[name] = (step, losses, warm_s)
+    ms = {n: [] for n in settings}
+    for _ in range(steps):
+        for n in settings:
+            t0 = time.perf_counter()
+            made[n][0]()
+            ms[n].append((time.perf_counter() - t0) * 1e3)
+    ratios = [s / e for s, e in zip(ms["slimgrad"], ms["eager"], strict=True)]
+    recs = []
+    for n in settings:
+        step, losses, warm_s = made[n]
+        recs.append(
+            {
+                "case": f"compile_step/{family}/{size}",
+                "provider": n,
+                "backend": backend,
+                "shapes": dict(
+                    zip(("layers", "width", "vocab", "B", "T"), SIZES[size], strict=True)
+                ),
+                "dtype": "float32",
+                "graph_breaks": breaks[n],
+                "peak_bytes": peak_bytes(step),
+                "step_ms_median": statistics.median(ms[n]),
+                "warmup_s": round(warm_s, 2),
+                "ratio_median": statistics.median(ratios) if n == "slimgrad" else 1.0,
+                "ratio_spread": [min(ratios), max(ratios)] if n == "slimgrad" else None,
+                "first_loss": losses[0],
+                "device": "cpu",
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+        )
+    return recs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default="gpt2,llama")
+    ap.add_argument("--sizes", default="tiny,small")
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    for size in args.sizes.split(","):
+        for fam in args.families.split(","):
+            recs = run(fam, size, args.backend, args.steps)
+            for r in recs:
+                print(
+                    f"{r['case']:28s} {r['provider']:9s} breaks {r['graph_breaks']:2d} "
+                    f"peak {r['peak_bytes'] / MiB:8.2f} MiB  step {r['step_ms_median']:8.2f} ms  "
+                    f"ratio {r['ratio_median']:.2f}  warmup {r['warmup_s']} s  "
+                    f"loss0 {r['first_loss']:.6f}",
+                    flush=True,
+                )
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

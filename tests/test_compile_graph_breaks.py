@@ -1,0 +1,158 @@
+"""torch.compile of converted HF models: graph breaks and compiled train steps (issue 16).
+
+``torch._dynamo.explain`` of a converted tiny GPT-2 / Llama forward must count no more graph breaks
+than the eager model's (HF's GPT-2 breaks once in its own code; Llama not at all). Slimgrad ops
+with data-dependent side tables used to break at each call ("Dynamic shape operator"); NOTE [Side
+tables under FakeTensorMode and torch.compile] in ``slimgrad/_math/tables.py``. A compiled train
+step of the converted model meets the GUIDE.md rule against float64 with eager-compiled as the
+baseline (``aot_eager``: inductor's C++ builds are too slow for the suite;
+``benchmarks/compile_step.py`` times inductor).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+import slimgrad
+from slimgrad.testing import assert_within_rule
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "conformance"))
+import _hf_families as H  # noqa: E402
+
+pytest.importorskip("transformers")
+
+# Source files whose breaks are another part's (named in the xfail below); every other slimgrad
+# frame that breaks a graph fails test_no_break_inside_these_ops.
+OTHERS = (
+    "ops/_output_act.py",
+    "ops/gelu.py",
+    "ops/silu.py",
+    "convert_handlers/hf_loss.py",
+    "ops/linear_cross_entropy.py",
+)
+
+
+def _family(name: str, dropout: bool) -> H.Family:
+    fam = H.FAMILIES[name]
+    if dropout:
+        return fam
+    off = {k: 0.0 for k in fam.overrides if "drop" in k}
+    return dataclasses.replace(fam, overrides={**fam.overrides, **off})
+
+
+def _explain(model, batch):
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(model)(**batch)
+    torch._dynamo.reset()
+    return out
+
+
+def _site(reason) -> str:
+    # the innermost slimgrad source frame of a break, or the innermost frame outside slimgrad
+    frames = list(reason.user_stack or [])
+    for f in reversed(frames):
+        if "/slimgrad/" in f.filename:
+            return f.filename.split("/slimgrad/")[-1]
+    return frames[-1].filename if frames else "?"
+
+
+# Parts of a default conversion that are another part's: GELU (smooth activations) and the fused
+# LM loss (convert_handlers/hf_loss.py, ops/linear_cross_entropy.py); without them, GPT-2 runs
+# every op of this part (layer_norm, dropout, the attention's softmax-dropout-matmul, linear).
+WITHOUT_OTHERS = slimgrad.ConvertConfig(activations=False, fused_loss=False)
+
+
+@pytest.fixture(scope="module")
+def explained():
+    out = {}
+    for name in ("gpt2", "llama"):
+        fam = _family(name, dropout=True)
+        model = H.build(fam)
+        batch = H.inputs(fam, model, labels=True)
+        eager = _explain(model, batch)
+        conv = copy.deepcopy(model)
+        slimgrad.convert_(conv)
+        out[name] = (eager, _explain(conv, batch))
+        if name == "gpt2":
+            conv = copy.deepcopy(model)
+            slimgrad.convert_(conv, WITHOUT_OTHERS)
+            out["gpt2_without_others"] = (eager, _explain(conv, batch))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_no_break_inside_these_ops(explained, name):
+    eager, conv = explained[name]
+    sites = [_site(r) for r in conv.break_reasons]
+    eager_sites = [_site(r) for r in eager.break_reasons]
+    ours = [s for s in sites if s not in eager_sites and not s.endswith(OTHERS)]
+    assert ours == [], [r.reason.splitlines()[0] for r in conv.break_reasons]
+
+
+def test_llama_breaks_no_more_than_eager(explained):
+    eager, conv = explained["llama"]
+    assert eager.graph_break_count == 0
+    assert conv.graph_break_count <= eager.graph_break_count
+
+
+def test_gpt2_without_others_parts_breaks_no_more_than_eager(explained):
+    eager, conv = explained["gpt2_without_others"]
+    assert eager.graph_break_count == 1
+    assert conv.graph_break_count <= eager.graph_break_count
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="gelu's fake kernel (ops/_output_act.py smooth_fake_side_info: new_dynamic_size), "
+    "convert_handlers/hf_loss.py _skip_identity_view and ops/linear_cross_entropy.py (_to_save "
+    "reads ._base under Dynamo; two unsupported steps in the fused loss) still break",
+)
+def test_gpt2_breaks_no_more_than_eager(explained):
+    eager, conv = explained["gpt2"]
+    assert eager.graph_break_count == 1
+    assert conv.graph_break_count <= eager.graph_break_count
+
+
+def _params(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _steps(model, batch, n, compiled):
+    fwd = torch.compile(model, backend="aot_eager") if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for _ in range(n):
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads = [p.grad.detach().clone() if p.grad is not None else None for p in _params(model)]
+        opt.step()
+    return losses, grads
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_compiled_train_steps_match_eager_compiled(name):
+    # dropout off: the float64 reference cannot draw the same masks
+    fam = _family(name, dropout=False)
+    model = H.build(fam)
+    batch = H.inputs(fam, model, labels=True)
+    ref = copy.deepcopy(model).double()
+    ref_losses, ref_grads = _steps(ref, batch, 2, compiled=False)
+    torch._dynamo.reset()
+    eager_losses, eager_grads = _steps(copy.deepcopy(model), batch, 2, compiled=True)
+    conv = copy.deepcopy(model)
+    slimgrad.convert_(conv)
+    assert any(type(m).__module__.startswith("slimgrad.") for m in conv.modules())
+    torch._dynamo.reset()
+    losses, grads = _steps(conv, batch, 2, compiled=True)
+    torch._dynamo.reset()
+    assert_within_rule(losses, ref_losses, eager_losses, names=["loss0", "loss1"])
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert_within_rule(grads, ref_grads, eager_grads, names=names)
