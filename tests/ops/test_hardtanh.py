@@ -50,3 +50,19 @@ def test_unrepresentable_bound_low_precision(dtype):
         fn(x).sum().backward()
         res.append(x.grad)
     torch.testing.assert_close(res[0], res[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_bits_path_second_derivative_without_cotangent_history(inplace):
+    # bfloat16 with bounds it cannot represent: the 1-bit path; eager's hardtanh_backward
+    # differentiates to zeros in x, also when g has no history
+    x0 = torch.randn(5, 7).to(torch.bfloat16)
+    g = torch.randn(5, 7).to(torch.bfloat16)
+    res = []
+    for fn in (lambda t: hardtanh(t, -0.3, 0.7, inplace), lambda t: F.hardtanh(t, -0.3, 0.7)):
+        x = x0.clone().requires_grad_()
+        (dx,) = torch.autograd.grad(fn(x * 1), x, g, create_graph=True)
+        (gg,) = torch.autograd.grad(dx.float().sum(), x)
+        res.append((dx, gg))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(res[0][1], res[1][1], rtol=0, atol=0)

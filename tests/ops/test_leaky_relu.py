@@ -27,3 +27,20 @@ def test_negative_slope_inplace_works_where_eager_refuses():
     leaky_relu_(x * 1, -0.3).sum().backward()
     expected = torch.where(x0 > 0, 1.0, -0.3)
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_negative_slope_second_derivative_without_cotangent_history():
+    # eager's leaky_relu_backward differentiates to zeros in x, also when g has no history
+    x0 = torch.randn(5, 7)
+    g = torch.randn(5, 7)
+    res = []
+    for fn, inplace in ((leaky_relu, False), (leaky_relu, True), (F.leaky_relu, False)):
+        x = x0.clone().requires_grad_()
+        h = x * 1
+        y = fn(h, -0.3, inplace) if fn is leaky_relu else fn(h, -0.3)
+        (dx,) = torch.autograd.grad(y, x, g, create_graph=True)
+        (gg,) = torch.autograd.grad(dx.sum(), x)
+        res.append((dx, gg))
+    for dx, gg in res[:2]:
+        torch.testing.assert_close(dx, res[2][0], rtol=0, atol=0)
+        torch.testing.assert_close(gg, res[2][1], rtol=0, atol=0)

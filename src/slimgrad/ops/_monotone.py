@@ -21,7 +21,7 @@ from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits
 from slimgrad.ops._output_act import forward_output_only
 
-__all__ = ["forward_with_bits", "output_only_function"]
+__all__ = ["apply_with_anchor", "forward_with_bits", "output_only_function", "zero_tie"]
 
 
 def output_only_function(
@@ -118,3 +118,49 @@ def forward_with_bits(
         y = fwd(x)
     ctx.save_for_backward(*((y, bits) if keep_y else (bits,)))
     return y
+
+
+# The 1-bit paths (leaky_relu slope < 0, hardtanh with a bound the dtype cannot represent) keep
+# no tensor with history, so their create_graph gradient where(bit, g, g * slope) had no history
+# when g had none, and differentiating it in x raised (or gave None with allow_unused) where
+# eager's ``*_backward(g, x)`` gives zeros (its derivative in x is zeros_like(grad)). The forward
+# leaves an empty anchor on x (``slimgrad.ops.layer_norm.make_anchor``: 0 bytes, NOTE [Second
+# derivatives of an op that keeps its output]) and the double ties its result to it with a zero
+# derivative: eager's zeros, whatever g.
+
+
+class _ZeroTie(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dx: Tensor, anchor: Tensor, box: list) -> Tensor:
+        ctx.box = box
+        return dx.view_as(dx)
+
+    @staticmethod
+    def backward(ctx, gg):
+        ctx.box.append(torch.zeros_like(gg))  # d dx / d x = 0 (eager's zeros_like(grad))
+        return gg, gg.new_empty(0), None
+
+
+def zero_tie(ctx, dx: Tensor) -> Tensor:
+    """``dx`` (a view) whose derivative in the forward's input is zeros, when the forward left an
+    anchor (:func:`apply_with_anchor`); else ``dx``."""
+    anchor = getattr(ctx, "_slimgrad_anchor", None)
+    if anchor is None:
+        return dx
+    return _ZeroTie.apply(dx, *anchor)
+
+
+def apply_with_anchor(fn, x: Tensor, *args) -> Tensor:
+    """``fn.apply(x, *args)`` with an empty anchor on x handed to its node (read by
+    :func:`zero_tie`; not for an in-place write on a view)."""
+    from slimgrad.ops.layer_norm import make_anchor
+
+    if torch.compiler.is_compiling():  # no anchors under torch.compile (as make_anchor)
+        return fn.apply(x, *args)
+    anchor = make_anchor(x)
+    out = fn.apply(x, *args)
+    node = out.grad_fn
+    # fn's own node only (in place on a view, out's node is autograd's view rebase: no tie there)
+    if anchor is not None and node is not None and getattr(type(node), "_forward_cls", None) is fn:
+        node._slimgrad_anchor = anchor
+    return out

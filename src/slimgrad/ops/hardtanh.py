@@ -23,7 +23,12 @@ from torch import Tensor
 from slimgrad import ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.ops._bits import unpack_bits_as
-from slimgrad.ops._monotone import forward_with_bits, output_only_function
+from slimgrad.ops._monotone import (
+    apply_with_anchor,
+    forward_with_bits,
+    output_only_function,
+    zero_tie,
+)
 from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "relu6_"]
@@ -44,9 +49,10 @@ _HardtanhFn, _bwd_torch = output_only_function(
 
 
 def _double_bits(ctx, g: Tensor) -> Tensor:
-    # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's
+    # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's, also
+    # when g has no history (zero_tie: NOTE in slimgrad.ops._monotone)
     (bits,) = ctx.saved_tensors
-    return g * unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
+    return zero_tie(ctx, g * unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape))
 
 
 class _HardtanhBitsFn(torch.autograd.Function):
@@ -123,8 +129,9 @@ def hardtanh(
         return torch.nn.functional.hardtanh(input, min_val, max_val, inplace=inplace)
     refuse_jit("ops.hardtanh")
     exact = _representable(min_val, input.dtype) and _representable(max_val, input.dtype)
-    fn = _HardtanhFn if exact else _HardtanhBitsFn
-    return fn.apply(input, float(min_val), float(max_val), inplace)
+    if exact:
+        return _HardtanhFn.apply(input, float(min_val), float(max_val), inplace)
+    return apply_with_anchor(_HardtanhBitsFn, input, float(min_val), float(max_val), inplace)
 
 
 def hardtanh_(input: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:

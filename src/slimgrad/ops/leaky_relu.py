@@ -21,7 +21,12 @@ from torch import Tensor
 from slimgrad import ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.ops._bits import unpack_bits
-from slimgrad.ops._monotone import forward_with_bits, output_only_function
+from slimgrad.ops._monotone import (
+    apply_with_anchor,
+    forward_with_bits,
+    output_only_function,
+    zero_tie,
+)
 from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
 
 __all__ = ["leaky_relu", "leaky_relu_"]
@@ -50,11 +55,11 @@ _LeakyReluFn, _bwd_torch = output_only_function(
 
 
 def _double_bits(ctx, g: Tensor) -> Tensor:
-    # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's (when g
-    # itself does not require grad the result has no history: eager's zero is then not produced)
+    # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's, also
+    # when g has no history (zero_tie: NOTE in slimgrad.ops._monotone)
     (bits,) = ctx.saved_tensors
     pos = unpack_bits(bits, g.numel()).view(g.shape)
-    return torch.where(pos, g, g * ctx.slope)
+    return zero_tie(ctx, torch.where(pos, g, g * ctx.slope))
 
 
 class _LeakyReluBitsFn(torch.autograd.Function):
@@ -106,8 +111,9 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
     if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         return torch.nn.functional.leaky_relu(input, negative_slope, inplace=inplace)
     refuse_jit("ops.leaky_relu")
-    fn = _LeakyReluFn if negative_slope >= 0 else _LeakyReluBitsFn
-    return fn.apply(input, float(negative_slope), inplace)
+    if negative_slope >= 0:
+        return _LeakyReluFn.apply(input, float(negative_slope), inplace)
+    return apply_with_anchor(_LeakyReluBitsFn, input, float(negative_slope), inplace)
 
 
 def leaky_relu_(input: Tensor, negative_slope: float = 0.01) -> Tensor:
