@@ -16,8 +16,11 @@ exactly, as a sparse side table (flat index + x, as the smooth activations' hard
 backward uses eager's formula on it; -inf falls there too. When that table would hold as many bytes
 as x itself (more than elt / (4 + elt) of the elements), x is kept densely instead: exactly what
 eager keeps, and then neither y nor the table. alpha = 0 needs no table (the gradient is 0). Under
-torch.compile (data-dependent sizes) x is kept densely too. tests/ops/test_elu.py checks every
-float16/bfloat16 value and a float32 sweep of the whole range against float64.
+torch.compile (data-dependent sizes) x is kept densely too; on fake tensors outside torch.compile
+the table comes from ``slimgrad::select_table`` with a symbolic length, or 0 without a ShapeEnv
+(NOTE [Side tables under FakeTensorMode and torch.compile] in ``slimgrad/_math/tables.py``).
+tests/ops/test_elu.py checks every float16/bfloat16 value and a float32 sweep of the whole range
+against float64.
 
 Memory: alpha > 0: saves y (the output, shared with the next layer) + (4 + elt) B per element with
 x < -2; alpha < 0: the same + 1 bit/elt. Eager saves x (4 B/elt float32). Dense case: x, as eager.
