@@ -449,4 +449,7 @@ def test_cnn_checkpoint_peak_not_above_eager_checkpoint():
     def loss_of(m):
         return (m(x) * r).sum()
 
-    assert _peak(slim, loss_of) <= _peak(model, loss_of)
+    # no full-size tensor above eager + checkpoint (per-channel statistics may differ by bytes;
+    # today a BatchNorm input per block is kept: +3616 B here, with the patch +32 B)
+    act_bytes = 2 * 4 * 7 * 5 * 4  # one block activation, float32
+    assert _peak(slim, loss_of) < _peak(model, loss_of) + act_bytes
