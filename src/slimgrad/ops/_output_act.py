@@ -328,9 +328,11 @@ def smooth_fake_side_info(x: torch.Tensor):
     if few_elements(x) or x.dtype == torch.float64:
         return (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=idx_dtype), x.new_empty(n))
     nbytes = packed_numel(n)
-    nb = dynamic_size(max=nbytes, otherwise=nbytes)  # packed bits, or 0 (dense fallback)
-    k = dynamic_size(max=n)
-    m = dynamic_size(max=n)
+    cap = n if isinstance(n, int) else None  # a symbolic numel (dynamic shapes): no static bound
+    ncap = nbytes if isinstance(nbytes, int) else None
+    nb = dynamic_size(max=ncap, otherwise=nbytes)  # packed bits, or 0 (dense fallback)
+    k = dynamic_size(max=cap)
+    m = dynamic_size(max=cap)
     return (
         x.new_empty(nb, dtype=torch.uint8),
         x.new_empty(k, dtype=idx_dtype),
