@@ -434,11 +434,6 @@ def test_gpt2_checkpointing_and_slimgrad_save_more_together():
     assert p_both < min(p_ck, p_slim), (p_eager, p_ck, p_slim, p_both)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="slimgrad's BatchNorm keeps ctx attributes that checkpoint's saved_tensors_hooks do not "
-    "see (ops/_derived.py, Limitation): patch in /work/notes/ckpt_patches.md section 1",
-)
 def test_cnn_checkpoint_peak_not_above_eager_checkpoint():
     model, (x,) = NETS["cnn"]()
     slim = slimgrad.convert_(copy.deepcopy(model))

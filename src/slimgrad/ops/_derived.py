@@ -54,8 +54,8 @@ between forward and backward raises autograd's error instead of giving a wrong g
 
 Limitation: the BatchNorm keeps its switchable slot as ctx attributes (``save_for_backward`` cannot
 be changed after forward), which saved-tensor hooks do not see. Inside ``torch.utils.checkpoint``
-(non-reentrant) or ``save_on_cpu`` regions those tensors are therefore kept on device rather than
-dropped/offloaded; use torch's own BatchNorm inside such regions.
+(non-reentrant) or ``save_on_cpu`` regions they would be kept on device for the whole step, so
+there the op takes eager's path (``ops/batch_norm.py``), keeping what eager keeps.
 """
 
 from __future__ import annotations

@@ -453,6 +453,11 @@ def batch_norm(
         or input.numel() == 0
         or torch.compiler.is_compiling()
         or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        # saved_tensors_hooks (non-reentrant checkpoint and its recompute, selective checkpoint,
+        # save_on_cpu) pack what save_for_backward saves; this op keeps ctx attributes they never
+        # see, so inside such a region it would keep x for the whole step (NOTE [Recomputable
+        # inputs], Limitation, in ops/_derived.py)
+        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     ):
         # Plain path: nothing is kept beyond what eager keeps (empty inputs: aten's own rules).
         return torch.nn.functional.batch_norm(
