@@ -448,3 +448,25 @@ def test_cnn_checkpoint_peak_not_above_eager_checkpoint():
     # today a BatchNorm input per block is kept: +3616 B here, with the patch +32 B)
     act_bytes = 2 * 4 * 7 * 5 * 4  # one block activation, float32
     assert _peak(slim, loss_of) < _peak(model, loss_of) + act_bytes
+
+
+def test_convert_of_reentrant_checkpoint_model_does_not_warn():
+    # convert_'s fx traces call forward on Proxies; torch's "None of the inputs have
+    # requires_grad=True" warning from a reentrant checkpoint there would alarm users
+    import warnings
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True)
+            )
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        slimgrad.convert_(Net())
+    msgs = [str(w.message) for w in seen]
+    assert not [m for m in msgs if "requires_grad" in m], msgs

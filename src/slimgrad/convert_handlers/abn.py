@@ -35,6 +35,7 @@ unchanged; running it twice changes nothing (no ``nn.BatchNorm``/``nn.ReLU`` pai
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -71,7 +72,9 @@ def _trace(parent: nn.Module) -> torch.fx.Graph:
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
             return True
 
-    return _LeafTracer().trace(parent)
+    with warnings.catch_warnings():  # the trace calls forward on Proxies (torch warns, e.g.
+        warnings.simplefilter("ignore")  # reentrant checkpoint: "None of the inputs have ...")
+        return _LeafTracer().trace(parent)
 
 
 def _module_of(parent: nn.Module, node: torch.fx.Node) -> nn.Module | None:

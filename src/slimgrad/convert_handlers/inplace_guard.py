@@ -13,6 +13,7 @@ they are and names the reason in its report (NOTE [In-place writers after output
 from __future__ import annotations
 
 import operator
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -221,7 +222,9 @@ class _Guard:
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
-            graph = _LeafTracer(m).trace(m)
+            with warnings.catch_warnings():  # the trace calls forward on Proxies (torch
+                warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
+                graph = _LeafTracer(m).trace(m)
         except Exception:
             # Untraceable forward: where tensors flow is unknown. Keep the output-saving children
             # (and those at the end of child Sequentials) when anything below has inplace=True.
