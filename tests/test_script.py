@@ -29,26 +29,7 @@ def _slimgrad_module_classes():
     return out
 
 
-# nn/inplace_abn.py is edited by the compile work this round; its classes get the mixin after.
-_PENDING = {
-    "InPlaceABN",
-    "InPlaceABNSync",
-    "RecomputeABN",
-    "MaxPool2dRecompute",
-    "LeakyReLUAfterABN",
-}
-
-
-@pytest.mark.parametrize(
-    "cls",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="mixin pending"))
-        if c.__name__ in _PENDING
-        else c
-        for c in _slimgrad_module_classes()
-    ],
-    ids=lambda c: c.__name__,
-)
+@pytest.mark.parametrize("cls", _slimgrad_module_classes(), ids=lambda c: c.__name__)
 def test_every_slimgrad_module_refuses_script(cls):
     assert hasattr(cls, "__prepare_scriptable__"), (
         f"{cls.__module__}.{cls.__name__} lacks NoScript (script would fail inside slimgrad)"

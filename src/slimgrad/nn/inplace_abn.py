@@ -29,6 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from slimgrad import ownership
 from slimgrad._autograd import first_order
 from slimgrad._compile import eager_only
+from slimgrad.nn._script import NoScript
 from slimgrad.ops import _derived
 from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
 from slimgrad.ops.leaky_relu import leaky_relu
@@ -121,7 +122,7 @@ def _take_output(x: torch.Tensor, token: _PairToken) -> bool:
     return True
 
 
-class InPlaceABN(nn.Module):
+class InPlaceABN(NoScript, nn.Module):
     """BatchNorm (1d/2d/3d) + invertible activation, computed in place where that is invisible.
 
     ``z = act(weight * (x - mean) / sqrt(var + eps) + bias)``, written over ``x`` when
@@ -539,7 +540,7 @@ class _MaxPoolRecomputeFn(torch.autograd.Function):
         return dz, None, None
 
 
-class MaxPool2dRecompute(nn.MaxPool2d):
+class MaxPool2dRecompute(NoScript, nn.MaxPool2d):
     """``torch.nn.MaxPool2d`` that keeps nothing full-size when its input has a recipe (the output
     of :class:`RecomputeABN`): it re-runs the recipe and the pooling in backward (NOTE
     [Recomputed stem]). Elsewhere exactly torch's.
@@ -586,7 +587,7 @@ class MaxPool2dRecompute(nn.MaxPool2d):
         return new
 
 
-class LeakyReLUAfterABN(nn.Module):
+class LeakyReLUAfterABN(NoScript, nn.Module):
     """What convert_ (``inplace_abn=True``) puts in place of a ReLU that follows BatchNorms it
     turned into InPlaceABN(leaky_relu): the identity on the output of those InPlaceABNs (they
     already applied the activation), ``leaky_relu(x, negative_slope)`` on anything else (e.g. after
