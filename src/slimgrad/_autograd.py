@@ -27,6 +27,17 @@ clear error, never a silent None.
 rules on every autograd Function, and wraps tensors in functorch wrappers that slimgrad's
 ownership proofs and C kernels cannot see through. slimgrad ops therefore call eager's op while a
 transform is active (:func:`transforms_active`): the same function and gradients, eager's memory.
+
+# NOTE [In-place Functions under torch.compile]
+torch 2.13's AOTAutograd loses the backward of an autograd.Function that writes a *graph input*
+in place (``ctx.mark_dirty``): it runs the forward without grad, records the write as an input
+mutation under no_grad, and the compiled backward passes the incoming gradient through unchanged.
+A slimgrad in-place activation (``relu_``, ``leaky_relu_``, ``sigmoid_``, ``tanh_``, ``elu_``,
+``hardtanh_``, ``relu6_``, ``hardswish_``, ``inplace=True``) on the first tensor of a compiled
+region (after a graph break, or a compiled submodule's input) gave wrong gradients without any
+error (aot_eager and inductor; eager Dynamo is right). While Dynamo traces, those ops therefore
+call torch's own in-place op (:func:`eager_op`); memory under torch.compile is the compiler's
+anyway. tests/test_compile_inplace.py checks every in-place op on a graph input against eager.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "eager_op",
     "first_order",
     "refuse_jit",
     "refuse_second_order",
@@ -122,6 +134,13 @@ def first_order(op: str, double: Callable | None = None) -> Callable:
         return wrapper
 
     return deco
+
+
+def eager_op(inplace: bool = False) -> bool:
+    """True where a slimgrad op must call eager's op instead of its Function: under torch.func
+    (NOTE [torch.func transforms]), and for an in-place call while Dynamo traces (NOTE [In-place
+    Functions under torch.compile])."""
+    return transforms_active() or (inplace and torch.compiler.is_compiling())
 
 
 def transforms_active() -> bool:

@@ -291,11 +291,6 @@ def test_dtensor_refusals_name_the_op_and_the_fix(ranks):
     assert "Partial" in errors["partial"] and "inplace=False" in errors["inplace"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the rowwise call site in slimgrad.ops.rms_norm.hf_rms_norm "
-    "(/work/notes/dtensor_callsites.md); today a DTensor fails inside it at aten.nonzero",
-)
 def test_sequence_parallel_converted_rms_norm_matches_eager(ranks):
     for res in ranks:
         eager, ours = res["sequence_parallel"]["eager"], res["sequence_parallel"]["slimgrad"]

@@ -17,6 +17,7 @@ import contextlib
 
 import torch
 
+from slimgrad import _dtensor
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad.ops import _derived
 from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
@@ -144,6 +145,7 @@ def _tuple(v, n: int, name: str, api: str) -> list[int]:
 
 
 def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed, output_padding):
+    _dtensor.refuse(f"slimgrad.ops.{api}", input=x, weight=weight, bias=bias)
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(
             f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, got "

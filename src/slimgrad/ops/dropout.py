@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from slimgrad import ownership
+from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._library import custom_op
 from slimgrad.kernels import _backend
@@ -301,6 +301,7 @@ def dropout(
     Example:
         >>> y = dropout(torch.randn(4, 8, requires_grad=True), p=0.1)
     """
+    _dtensor.refuse("slimgrad.ops.dropout", input=input)
     _check_p("ops.dropout", p)
     if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
         return torch.nn.functional.dropout(input, p, training, inplace)

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from slimgrad import ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad import _dtensor, ownership
+from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import select_table
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
@@ -222,7 +222,11 @@ def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
     Example:
         >>> y = elu(torch.randn(4, 8, requires_grad=True), alpha=0.5)
     """
-    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input):
+        return _dtensor.pointwise("slimgrad.ops.elu", elu, input, alpha=alpha, inplace=inplace)
+    # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
+    if eager_op(inplace) or not needs_graph(input):
         return torch.nn.functional.elu(input, alpha, inplace=inplace)
     refuse_jit("ops.elu")
     return _EluFn.apply(input, float(alpha), inplace)

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from slimgrad import _dtensor
 from slimgrad._autograd import refuse_jit, transforms_active
 from slimgrad._library import custom_op
 from slimgrad._math.tables import dynamic_size
@@ -230,6 +231,7 @@ def group_norm(
     Example:
         >>> y = group_norm(torch.randn(2, 6, 5, requires_grad=True), 3)
     """
+    _dtensor.refuse("slimgrad.ops.group_norm", input=input, weight=weight, bias=bias)
     if input.dim() < 2 or num_groups <= 0 or input.shape[1] % num_groups:
         raise RuntimeError(
             "slimgrad.ops.group_norm: channels must split into groups; expected input (N, C, *) "

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from slimgrad import ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad import _dtensor, ownership
+from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
 from slimgrad.ops._output_act import needs_graph
 
@@ -103,7 +103,11 @@ def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
     Example:
         >>> y = hardsigmoid(torch.randn(4, 8, requires_grad=True))
     """
-    if not needs_graph(input) or transforms_active():
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input):
+        return _dtensor.pointwise("slimgrad.ops.hardsigmoid", hardsigmoid, input, inplace=inplace)
+    # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
+    if not needs_graph(input) or eager_op(inplace):
         return F.hardsigmoid(input, inplace=inplace)
     refuse_jit("ops.hardsigmoid")
     return _HardsigmoidFn.apply(input, inplace)

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from slimgrad import ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad import _dtensor, ownership
+from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
 from slimgrad.ops._output_act import needs_graph
@@ -180,7 +180,11 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
     Example:
         >>> y = hardswish(torch.randn(4, 8, requires_grad=True))
     """
-    if not needs_graph(input) or transforms_active():
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input):
+        return _dtensor.pointwise("slimgrad.ops.hardswish", hardswish, input, inplace=inplace)
+    # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
+    if not needs_graph(input) or eager_op(inplace):
         return F.hardswish(input, inplace=inplace)
     refuse_jit("ops.hardswish")
     return _HardswishFn.apply(input, inplace)

@@ -59,7 +59,7 @@ import math
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimgrad import ownership
+from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._errors import internal_error
 from slimgrad._library import custom_op, python_impl
@@ -413,6 +413,14 @@ def inplace_abn(
         >>> z is h
         True
     """
+    _dtensor.refuse(
+        "slimgrad.ops.inplace_abn",
+        x=x,
+        running_mean=running_mean,
+        running_var=running_var,
+        weight=weight,
+        bias=bias,
+    )
     _validate("ops.inplace_abn", x, weight, bias, running_mean, running_var, training, activation,
               activation_param)  # fmt: skip
     if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
@@ -563,6 +571,14 @@ def inplace_abn_sync(
         >>> torch.distributed.init_process_group("gloo")  # doctest: +SKIP
         >>> z = inplace_abn_sync(conv(x), rm, rv, w, b, training=True)  # doctest: +SKIP
     """
+    _dtensor.refuse(
+        "slimgrad.ops.inplace_abn_sync",
+        x=x,
+        running_mean=running_mean,
+        running_var=running_var,
+        weight=weight,
+        bias=bias,
+    )
     if not training:
         return inplace_abn(x, running_mean, running_var, weight, bias, training, momentum, eps,
                            activation, activation_param)  # fmt: skip

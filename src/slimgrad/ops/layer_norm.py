@@ -47,7 +47,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from slimgrad import ownership
+from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._library import custom_op
 from slimgrad._math.tables import dynamic_size
@@ -539,6 +539,17 @@ def layer_norm(
     Example:
         >>> y = layer_norm(torch.randn(4, 8, requires_grad=True), (8,))
     """
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input, weight, bias):
+        return _dtensor.rowwise(
+            "slimgrad.ops.layer_norm",
+            layer_norm,
+            input,
+            {"weight": weight, "bias": bias},
+            1 if isinstance(normalized_shape, int) else len(normalized_shape),
+            normalized_shape=normalized_shape,
+            eps=eps,
+        )
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = [int(s) for s in normalized_shape]

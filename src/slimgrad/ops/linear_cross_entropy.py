@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from slimgrad import ownership
+from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, tie_refusal, transforms_active
 from slimgrad._errors import internal_error
 from slimgrad._math.linear_cross_entropy import (
@@ -509,6 +509,9 @@ def linear_cross_entropy(
         >>> t = torch.randint(0, 101, (4, 16))
         >>> linear_cross_entropy(h, w, t).backward()
     """
+    _dtensor.refuse(
+        "slimgrad.ops.linear_cross_entropy", hidden=hidden, weight=weight, target=target, bias=bias
+    )
     return _linear_cross_entropy(
         hidden,
         weight,
@@ -566,6 +569,9 @@ def causal_lm_loss(
     Returns:
         Scalar float32 loss.
     """
+    _dtensor.refuse(
+        "slimgrad.ops.causal_lm_loss", hidden=hidden, weight=weight, labels=labels, bias=bias
+    )
     if shift_labels is None:
         padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = padded[..., 1:].contiguous()

@@ -65,7 +65,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from slimgrad import ownership
+from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
@@ -342,6 +342,17 @@ def rms_norm(
     Example:
         >>> y = rms_norm(torch.randn(4, 8, requires_grad=True), (8,))
     """
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input, weight):
+        return _dtensor.rowwise(
+            "slimgrad.ops.rms_norm",
+            rms_norm,
+            input,
+            {"weight": weight},
+            1 if isinstance(normalized_shape, int) else len(normalized_shape),
+            normalized_shape=normalized_shape,
+            eps=eps,
+        )
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     normalized_shape = [int(s) for s in normalized_shape]
@@ -563,6 +574,17 @@ def hf_rms_norm(
     Example:
         >>> y = hf_rms_norm(torch.randn(4, 8, requires_grad=True), torch.ones(8), 1e-6)
     """
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input, weight):
+        return _dtensor.rowwise(
+            "slimgrad.ops.hf_rms_norm",
+            hf_rms_norm,
+            input,
+            {"weight": weight},
+            1,
+            eps=eps,
+            variant=variant,
+        )
     if variant not in HF_VARIANTS:
         raise ValueError(
             f"slimgrad.ops.rms_norm.hf_rms_norm: unknown variant; expected one of "

@@ -27,7 +27,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from slimgrad import ownership
+from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._library import custom_op
 from slimgrad.ops.dropout import _check_p
@@ -284,6 +284,7 @@ def softmax_dropout_matmul(
     Example:
         >>> o = softmax_dropout_matmul(torch.randn(2, 4, 7, 7), torch.randn(2, 4, 7, 8), p=0.1)
     """
+    _dtensor.refuse("slimgrad.ops.softmax_dropout_matmul", input=input, value=value, mask=mask)
     _check_p("ops.softmax_dropout_matmul", p)
     if causal and (input.dim() < 2 or dim not in (-1, input.dim() - 1)):
         raise ValueError(
