@@ -27,15 +27,8 @@ import _hf_families as H  # noqa: E402
 
 pytest.importorskip("transformers")
 
-# Source files whose breaks are another part's (named in the xfail below); every other slimgrad
-# frame that breaks a graph fails test_no_break_inside_these_ops.
-OTHERS = (
-    "ops/_output_act.py",
-    "ops/gelu.py",
-    "ops/silu.py",
-    "convert_handlers/hf_loss.py",
-    "ops/linear_cross_entropy.py",
-)
+# Every slimgrad frame that breaks a graph fails test_no_break_inside_these_ops.
+OTHERS: tuple[str, ...] = ()
 
 
 def _family(name: str, dropout: bool) -> H.Family:
@@ -62,9 +55,9 @@ def _site(reason) -> str:
     return frames[-1].filename if frames else "?"
 
 
-# The fused LM loss (convert_handlers/hf_loss.py, ops/linear_cross_entropy.py) is another part's
-# and still breaks; without it, a converted GPT-2 runs every other op (layer_norm, GELU, dropout,
-# the attention's softmax-dropout-matmul, linear) and must break no more than eager.
+# With and without the fused LM loss (convert_handlers/hf_loss.py, ops/linear_cross_entropy.py),
+# a converted GPT-2 (layer_norm, GELU, dropout, the attention's softmax-dropout-matmul, linear)
+# breaks no more than eager.
 WITHOUT_OTHERS = slimgrad.ConvertConfig(fused_loss=False)
 
 
@@ -107,12 +100,6 @@ def test_gpt2_without_others_parts_breaks_no_more_than_eager(explained):
     assert conv.graph_break_count <= eager.graph_break_count
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fused LM loss still breaks: convert_handlers/hf_loss.py _skip_identity_view reads "
-    "t._base under Dynamo, and behind it ops/linear_cross_entropy.py (_to_save reads ._base; two "
-    "unsupported steps)",
-)
 def test_gpt2_breaks_no_more_than_eager(explained):
     eager, conv = explained["gpt2"]
     assert eager.graph_break_count == 1

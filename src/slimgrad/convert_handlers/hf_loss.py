@@ -60,7 +60,10 @@ __all__ = ["fuse_lm_loss", "lm_loss_pattern"]
 def _skip_identity_view(t: torch.Tensor) -> torch.Tensor:
     # HF's base models end with ``ln_f(x).view(output_shape)``, an identity view: feed the loss its
     # base (same shape, strides, storage) so the gradient reaching ln_f is not a view of the
-    # loss's dh, and ln_f's backward may reuse it (NOTE [Gradient-buffer ownership]).
+    # loss's dh, and ln_f's backward may reuse it (NOTE [Gradient-buffer ownership]). Not under
+    # torch.compile: Dynamo cannot read ``_base`` (a graph break), and no buffer is reused there.
+    if torch.compiler.is_compiling():
+        return t
     base = t._base
     if (
         base is not None

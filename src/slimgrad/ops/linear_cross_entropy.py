@@ -83,7 +83,7 @@ def _to_save(hidden, h):
     # The hidden as given, or its compute-dtype copy. If it is a full, contiguous view of its base
     # (HF's ``last_hidden_state`` is ``ln_f(x).view(shape)``), the base itself: same storage and
     # bytes, but not a view, so backward may reuse it when ownership proves it dead.
-    if h.dtype != hidden.dtype:
+    if h.dtype != hidden.dtype or torch.compiler.is_compiling():  # compile: no _base, no reuse
         return h
     base = hidden._base
     if (
