@@ -2,6 +2,8 @@
 
 - kernels are leaves: no module under ``src/slimgrad/kernels/`` imports ``slimgrad.ops`` or
   ``slimgrad.bench`` (the math they share lives below both);
+- the math they share (``src/slimgrad/_math/``) imports nothing from ``slimgrad.ops``,
+  ``slimgrad.kernels``, ``slimgrad.bench``, ``slimgrad.convert`` or ``slimgrad.nn``;
 - ``slimgrad.memory`` imports nothing from ``slimgrad.ops``.
 
 Every import counts: ``import``/``from`` statements at any depth (inside functions too), relative
@@ -17,17 +19,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "slimgrad"
-
-# Modules known to break a rule, each with its reason: strict xfails, so a fix shows up as an
-# XPASS (then drop the entry).
-_FALLBACK = (
-    "falls back to its op's PyTorch path and reuses its helpers through "
-    "importlib.import_module('slimgrad.ops.{stem}'); the shared math is still to move below "
-    "both (issue 15, left open)"
-)
-KNOWN: dict[str, str] = {
-    f"slimgrad.kernels.{stem}": _FALLBACK.format(stem=stem) for stem in ("layer_norm", "rms_norm")
-}
 
 
 def _module_name(path: Path) -> str:
@@ -69,22 +60,26 @@ def _hits(names: set[str], forbidden: tuple[str, ...]) -> list[str]:
     return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
 
 
-def _params(paths: list[Path]) -> list:
-    out = []
-    for p in paths:
-        name = _module_name(p)
-        marks = [pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else []
-        out.append(pytest.param(p, id=name, marks=marks))
-    return out
-
-
 KERNEL_MODULES = sorted(PKG.joinpath("kernels").rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", _params(KERNEL_MODULES))
+@pytest.mark.parametrize("path", KERNEL_MODULES, ids=_module_name)
 def test_kernels_are_leaves(path):
     bad = _hits(imports_of(path), ("slimgrad.ops", "slimgrad.bench", "slimgrad.convert"))
     assert not bad, f"{_module_name(path)} imports {bad}; kernels import nothing from ops/bench"
+
+
+MATH_MODULES = sorted(PKG.joinpath("_math").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MATH_MODULES, ids=_module_name)
+def test_shared_math_lies_below_ops_and_kernels(path):
+    # NOTE [Kernels are leaves] in slimgrad._math: what ops and kernels share imports neither
+    bad = _hits(
+        imports_of(path),
+        ("slimgrad.ops", "slimgrad.kernels", "slimgrad.bench", "slimgrad.convert", "slimgrad.nn"),
+    )
+    assert not bad, f"{_module_name(path)} imports {bad}; slimgrad._math lies below ops and kernels"
 
 
 def test_memory_imports_nothing_from_ops():

@@ -13,9 +13,11 @@ of their side information) lives here, below both:
 - :mod:`slimgrad._math.abn`: In-Place ABN's plain-PyTorch statistics, side channels, forward and
   chunked backward;
 - :mod:`slimgrad._math.linear_cross_entropy`: the fused LM loss's chunk loops (PyTorch path);
+- :mod:`slimgrad._math.norms`: LayerNorm's and RMSNorm's fallback channels, xhat rebuilt from the
+  output, forwards and chunked backwards (PyTorch path);
 - :mod:`slimgrad._math.tables`: side tables of data-dependent length under fake tensors and
   torch.compile (``dynamic_size``, ``index_table``, ``select_table``).
 
 A kernel's fallback to eager calls torch itself (``torch.nn.functional.elu``, ``aten.*_backward``),
-not the op module. ``tests/kernels/test_output_act.py`` reads the kernels' imports.
+not the op module. ``tests/test_layout.py`` reads every kernel module's imports.
 """

@@ -1,6 +1,7 @@
 """Triton kernels for LayerNorm (and RMSNorm, ``kernels/rms_norm.py``) from the output.
 
-Same signatures as ``slimgrad.ops.layer_norm._fwd_torch`` / ``_bwd_torch``.
+Same signatures as ``slimgrad._math.norms.layer_norm_fwd_torch`` / ``layer_norm_bwd_torch`` (the
+op's ``_fwd_torch`` / ``_bwd_torch``).
 
 Forward: one program per row, the row in registers (rows longer than ``FWD_TILE`` loop over
 tiles): mean, then the variance of the centred row (two-pass, as eager), in float32, then
@@ -22,17 +23,14 @@ Memory: as ``slimgrad.ops.layer_norm`` (saves y + mean + rstd + fallback columns
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from slimgrad._math import norms as _ref
 from slimgrad.kernels._common import add, cast_out, num_warps
-
-# the submodule (slimgrad.ops re-exports functions under the same names)
-_ref = importlib.import_module("slimgrad.ops.layer_norm")
 
 MAX_D = 16384  # one row per register tile in backward
 FWD_TILE = 8192  # forward: rows up to this stay in registers; longer rows loop over tiles
@@ -248,10 +246,10 @@ def norm_bwd(
 
 
 def _fwd_triton(x, normalized_shape, weight, bias, eps):
-    """``ops.layer_norm._fwd_torch`` with the statistics and the output in one kernel."""
+    """``_math.norms.layer_norm_fwd_torch`` with the statistics and the output in one kernel."""
     out = norm_fwd(x, list(normalized_shape), weight, bias, eps, rms=False)
     if out is None:
-        return _ref._fwd_torch(x, normalized_shape, weight, bias, eps)
+        return _ref.layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps)
     y, mean, rstd = out
     idx = _ref.fallback_channels(weight, bias, y.dtype).to(x.device)
     xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
@@ -261,12 +259,12 @@ def _fwd_triton(x, normalized_shape, weight, bias, eps):
 def _bwd_triton(
     dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None
 ):
-    """``ops.layer_norm._bwd_torch`` in one pass over y and dy (``out``: dx's buffer, e.g. dy's
-    own when ``slimgrad.ownership`` grants it)."""
+    """``_math.norms.layer_norm_bwd_torch`` in one pass over y and dy (``out``: dx's buffer, e.g.
+    dy's own when ``slimgrad.ownership`` grants it)."""
     args = (dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask)
     res = norm_bwd(*args, False, out=out)
     if res is None:
-        return _ref._bwd_torch(*args, out=out)
+        return _ref.layer_norm_bwd_torch(*args, out=out)
     if out is not None and output_mask[0]:
         torch.autograd.graph.increment_version(out)  # a raw write: autograd must see it
     return res

@@ -1,44 +1,41 @@
 """Triton kernels for RMSNorm from the output (the LayerNorm kernels with no mean and no beta).
 
-Same signatures as ``slimgrad.ops.rms_norm._fwd_torch`` / ``_bwd_torch``; kernels and their
-description in ``kernels/layer_norm.py``. ``eps=None`` means ``torch.finfo(x.dtype).eps``, as
-``F.rms_norm``. Memory: as ``slimgrad.ops.rms_norm`` (saves y + rstd + fallback columns).
+Same signatures as ``slimgrad._math.norms.rms_norm_fwd_torch`` / ``rms_norm_bwd_torch`` (the op's
+``_fwd_torch`` / ``_bwd_torch``); kernels and their description in ``kernels/layer_norm.py``.
+``eps=None`` means ``torch.finfo(x.dtype).eps``, as ``F.rms_norm``. Memory: as
+``slimgrad.ops.rms_norm`` (saves y + rstd + fallback columns).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
 
+from slimgrad._math import norms as _ref
 from slimgrad.kernels.layer_norm import norm_bwd, norm_fwd
-
-# the submodules (slimgrad.ops re-exports functions under the same names)
-_ln = importlib.import_module("slimgrad.ops.layer_norm")
-_ref = importlib.import_module("slimgrad.ops.rms_norm")
 
 
 def _fwd_triton(x, normalized_shape, weight, eps):
-    """``ops.rms_norm._fwd_torch`` with rstd and the output in one kernel."""
+    """``_math.norms.rms_norm_fwd_torch`` with rstd and the output in one kernel."""
     e = torch.finfo(x.dtype).eps if eps is None else eps
     out = norm_fwd(x, list(normalized_shape), weight, None, e, rms=True)
     if out is None:
-        return _ref._fwd_torch(x, normalized_shape, weight, eps)
+        return _ref.rms_norm_fwd_torch(x, normalized_shape, weight, eps)
     y, _, rstd = out
-    idx = _ln.fallback_channels(weight, None, y.dtype).to(x.device)
+    idx = _ref.fallback_channels(weight, None, y.dtype).to(x.device)
     xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
     return y, rstd, idx, xside
 
 
 def _bwd_triton(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, out=None):
-    """``ops.rms_norm._bwd_torch`` in one pass over y and dy (``out``: dx's buffer, e.g. dy's own
-    when ``slimgrad.ownership`` grants it)."""
+    """``_math.norms.rms_norm_bwd_torch`` in one pass over y and dy (``out``: dx's buffer, e.g.
+    dy's own when ``slimgrad.ownership`` grants it)."""
     mask = (output_mask[0], output_mask[1], False)
     ns = list(normalized_shape)
     res = norm_bwd(dy, y, None, rstd, idx, xside, weight, None, ns, mask, True, out=out)
     if res is None:
-        return _ref._bwd_torch(dy, y, rstd, idx, xside, weight, ns, output_mask, out=out)
+        return _ref.rms_norm_bwd_torch(dy, y, rstd, idx, xside, weight, ns, output_mask, out=out)
     if out is not None and output_mask[0]:
         torch.autograd.graph.increment_version(out)  # a raw write: autograd must see it
     return res[0], res[1]

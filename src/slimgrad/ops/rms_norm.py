@@ -67,71 +67,16 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._math.norms import CHUNK_ELEMS, fallback_channels  # noqa: F401 (CHUNK_ELEMS: tests)
+from slimgrad._math.norms import acc_dtype as _acc_dtype
+from slimgrad._math.norms import rms_norm_bwd_torch as _bwd_torch
+from slimgrad._math.norms import rms_norm_fwd_torch as _fwd_torch
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
-from slimgrad.ops.layer_norm import (
-    CHUNK_ELEMS,
-    HALF_DTYPES,
-    _acc_dtype,
-    _rowdot,
-    autocast_inputs,
-    fallback_channels,
-    grads_or_empty,
-    owns_layout,
-    rebuild_xhat,
-)
+from slimgrad.ops.layer_norm import HALF_DTYPES, autocast_inputs, grads_or_empty, owns_layout
 
 __all__ = ["HALF_DTYPES", "rms_norm"]
-
-
-def _fwd_torch(x, normalized_shape, weight, eps):
-    y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
-    idx = fallback_channels(weight, None, y.dtype).to(x.device)
-    xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
-    return y, rstd, idx, xside
-
-
-def _bwd_torch(
-    dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, out=None, from_input=False
-):
-    # Same chunked scheme as ops/layer_norm.py's backward; out: dy itself when its buffer is dead
-    # (slimgrad.ownership.take), dx then overwrites each chunk of it after the chunk's last read.
-    # from_input: ``y`` is the input x (half precision, NOTE [RMSNorm and GroupNorm in half
-    # precision]) and xhat = x * rstd, as eager computes it.
-    acc = _acc_dtype(y.dtype)
-    d = math.prod(normalized_shape)
-    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
-    dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1).to(acc)
-    w = weight.reshape(d).to(acc) if weight is not None else None
-    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
-    dx = None
-    if need_dx:
-        dx = out.view(n, d) if out is not None else y.new_empty((n, d))
-    dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
-    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
-    for i in range(0, n, step):
-        sl = slice(i, i + step)
-        if from_input:
-            xh = y2[sl].to(acc, copy=True).mul_(r[sl])
-        else:
-            xh = rebuild_xhat(y2[sl], w, None, acc)
-        if idx.numel():
-            xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
-        dyc = dy2[sl].to(acc)
-        if need_dw:
-            dw += (dyc * xh).sum(0, dtype=torch.float64)
-        if need_dx:
-            g = dyc * w if w is not None else dyc.clone()
-            c2 = _rowdot(g, xh).div_(d)  # no chunk-sized temporary
-            dx[sl] = g.sub_(xh.mul_(c2)).mul_(r[sl])
-            del g
-        del xh, dyc  # free this chunk's temporaries before the next one
-    if need_dx:
-        dx = dx.reshape(y.shape)
-    if need_dw:
-        dw = dw.to(weight.dtype).reshape(weight.shape)
-    return dx, dw
 
 
 def _bwd_impl(t: torch.Tensor):

@@ -1,0 +1,184 @@
+"""LayerNorm's and RMSNorm's plain-PyTorch math, below ``slimgrad.ops`` and ``slimgrad.kernels``.
+
+The ops (``slimgrad/ops/layer_norm.py`` and ``ops/rms_norm.py``, whose docstrings have the math,
+the Memory lines and NOTE [Normalization from its output: the fallback channels]) and their Triton
+kernels (``slimgrad/kernels/layer_norm.py``, ``kernels/rms_norm.py``, which fall back to these for
+float64 and rows too long for a tile) share: the fallback channels (:func:`fallback_channels`), the
+rebuild of xhat from the output (:func:`rebuild_xhat`), and each norm's forward and chunked
+backward (:func:`layer_norm_fwd_torch` / :func:`layer_norm_bwd_torch`, :func:`rms_norm_fwd_torch` /
+:func:`rms_norm_bwd_torch`; the ops' ``_fwd_torch`` / ``_bwd_torch``). ``ops/group_norm.py`` uses
+the same helpers. NOTE [Kernels are leaves] in ``slimgrad._math``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "BETA_OVER_GAMMA_MAX",
+    "CHUNK_ELEMS",
+    "acc_dtype",
+    "fallback_channels",
+    "layer_norm_bwd_torch",
+    "layer_norm_fwd_torch",
+    "rebuild_xhat",
+    "rms_norm_bwd_torch",
+    "rms_norm_fwd_torch",
+    "rowdot",
+]
+
+#: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``: the
+#: rebuilt xhat then errs by at most ~eps * (|xhat| + 2), which keeps every gradient within the
+#: GUIDE.md rule (dense seed sweep in fp32/bf16/fp16; 4 already failed it once in 640 fp32 cases).
+BETA_OVER_GAMMA_MAX = 2.0
+#: Backward processes rows in chunks of max(CHUNK_ELEMS, numel / 16) elements: fp32 temporaries
+#: stay a small fraction of the dropped input, with at most ~16 chunks of Python overhead.
+CHUNK_ELEMS = 1 << 15
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # sum(a * b, dim=1, keepdim=True) for (rows, d) tensors as a batched GEMV: no (rows, d) product.
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1, 1)
+
+
+def rebuild_xhat(y: torch.Tensor, w, b, acc: torch.dtype) -> torch.Tensor:
+    # xhat = (y - b) / w in acc, as a fresh tensor (the caller updates it in place).
+    t = y.to(acc, copy=True)
+    if b is not None:
+        t.sub_(b)
+    if w is not None:
+        t.div_(w)
+    return t
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fallback_channels(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Indices (int64, flat over the normalized dims) of channels that keep their input column."""
+    if weight is None and bias is None:
+        dev = torch.device("cpu")
+        return torch.empty(0, dtype=torch.int64, device=dev)
+    ref = weight if weight is not None else bias
+    if type(ref) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(ref):
+        # Fake weights have no values (slimgrad.memory.estimate): assume no fallback channel.
+        return torch.empty(0, dtype=torch.int64, device=ref.device)
+    acc = acc_dtype(ref.dtype)
+    w = weight.detach().reshape(-1).to(acc) if weight is not None else None
+    b = bias.detach().reshape(-1).to(acc) if bias is not None else None
+    aw = w.abs() if w is not None else torch.ones_like(b)
+    ok = aw >= torch.finfo(out_dtype).tiny
+    if b is not None:
+        ok &= b.abs() <= BETA_OVER_GAMMA_MAX * aw
+    ok &= torch.isfinite(aw)
+    return torch.nonzero(~ok).reshape(-1)
+
+
+def layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps):
+    y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    idx = fallback_channels(weight, bias, y.dtype).to(x.device)
+    d = math.prod(normalized_shape)
+    xside = x.reshape(-1, d).index_select(1, idx)
+    return y, mean, rstd, idx, xside
+
+
+def layer_norm_bwd_torch(
+    dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None
+):
+    # Row chunks bound the fp32 temporaries (xhat, g); dgamma and dbeta accumulate in float64 (fp32
+    # sums over rows exceeded the GUIDE.md rule at small shapes in the seed sweeps). Runs without
+    # grad mode only (double backward runs norm_double, ops/layer_norm.py), so in-place updates of
+    # the temporaries are safe.
+    # out: dy itself (contiguous, y's dtype) when its buffer is dead (slimgrad.ownership.take); dx
+    # is then written into it chunk by chunk, each chunk after its last read (dbeta reads dy first).
+    acc = acc_dtype(y.dtype)
+    d = math.prod(normalized_shape)
+    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    dy2, y2 = dy.reshape(n, d), y.reshape(n, d)
+    mu, r = mean.reshape(n, 1), rstd.reshape(n, 1).to(acc)
+    w = weight.reshape(d).to(acc) if weight is not None else None
+    b = bias.reshape(d).to(acc) if bias is not None else None
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    db = None
+    if bias is not None and output_mask[2]:
+        db = dy2.sum(0, dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
+    if need_dx:
+        dx = out.view(n, d) if out is not None else y.new_empty((n, d))
+    dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
+    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
+    for i in range(0, n, step):
+        sl = slice(i, i + step)
+        xh = rebuild_xhat(y2[sl], w, b, acc)
+        if idx.numel():
+            xh.index_copy_(1, idx, (xside[sl].to(acc) - mu[sl]) * r[sl])
+        dyc = dy2[sl].to(acc)
+        if need_dw:
+            dw += (dyc * xh).sum(0, dtype=torch.float64)
+        if need_dx:
+            g = dyc * w if w is not None else dyc.clone()
+            c1 = g.mean(1, keepdim=True)
+            c2 = rowdot(g, xh).div_(d)  # no chunk-sized temporary
+            dx[sl] = g.sub_(c1).sub_(xh.mul_(c2)).mul_(r[sl])
+            del g
+        del xh, dyc  # free this chunk's temporaries before the next one
+    if need_dx:
+        dx = dx.reshape(y.shape)
+    else:
+        dx = None
+    if need_dw:
+        dw = dw.to(weight.dtype).reshape(weight.shape)
+    return dx, dw, db
+
+
+def rms_norm_fwd_torch(x, normalized_shape, weight, eps):
+    y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
+    idx = fallback_channels(weight, None, y.dtype).to(x.device)
+    xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
+    return y, rstd, idx, xside
+
+
+def rms_norm_bwd_torch(
+    dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, out=None, from_input=False
+):
+    # Same chunked scheme as layer_norm_bwd_torch; out: dy itself when its buffer is dead
+    # (slimgrad.ownership.take), dx then overwrites each chunk of it after the chunk's last read.
+    # from_input: ``y`` is the input x (half precision, NOTE [RMSNorm and GroupNorm in half
+    # precision]) and xhat = x * rstd, as eager computes it.
+    acc = acc_dtype(y.dtype)
+    d = math.prod(normalized_shape)
+    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1).to(acc)
+    w = weight.reshape(d).to(acc) if weight is not None else None
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    dx = None
+    if need_dx:
+        dx = out.view(n, d) if out is not None else y.new_empty((n, d))
+    dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
+    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
+    for i in range(0, n, step):
+        sl = slice(i, i + step)
+        if from_input:
+            xh = y2[sl].to(acc, copy=True).mul_(r[sl])
+        else:
+            xh = rebuild_xhat(y2[sl], w, None, acc)
+        if idx.numel():
+            xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
+        dyc = dy2[sl].to(acc)
+        if need_dw:
+            dw += (dyc * xh).sum(0, dtype=torch.float64)
+        if need_dx:
+            g = dyc * w if w is not None else dyc.clone()
+            c2 = rowdot(g, xh).div_(d)  # no chunk-sized temporary
+            dx[sl] = g.sub_(xh.mul_(c2)).mul_(r[sl])
+            del g
+        del xh, dyc  # free this chunk's temporaries before the next one
+    if need_dx:
+        dx = dx.reshape(y.shape)
+    if need_dw:
+        dw = dw.to(weight.dtype).reshape(weight.shape)
+    return dx, dw
