@@ -227,6 +227,9 @@ def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
         return _dtensor.pointwise("slimgrad.ops.elu", elu, input, alpha=alpha, inplace=inplace)
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
     if eager_op(inplace) or not needs_graph(input):
+        if inplace and alpha < 0 and needs_graph(input):
+            # eager's in-place op refuses a negative alpha in backward; this op accepts it
+            return input.copy_(torch.nn.functional.elu(input.clone(), alpha))
         return torch.nn.functional.elu(input, alpha, inplace=inplace)
     refuse_jit("ops.elu")
     return _EluFn.apply(input, float(alpha), inplace)

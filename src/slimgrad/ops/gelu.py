@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad import ownership
+from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
@@ -183,6 +183,11 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
     Example:
         >>> y = gelu(torch.randn(4, 8, requires_grad=True), approximate="tanh")
     """
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input):
+        return _dtensor.pointwise(
+            "slimgrad.ops.gelu", gelu, input, approximate=approximate, inplace=inplace
+        )
     _check_approximate(approximate)
     if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         y = _fwd_torch(input, approximate)

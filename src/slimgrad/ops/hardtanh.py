@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad import ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad import _dtensor, ownership
+from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad.ops._bits import unpack_bits_as
 from slimgrad.ops._monotone import (
     apply_with_anchor,
@@ -124,8 +124,19 @@ def hardtanh(
     Example:
         >>> y = hardtanh(torch.randn(4, 8, requires_grad=True), -2.0, 2.0)
     """
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input):
+        return _dtensor.pointwise(
+            "slimgrad.ops.hardtanh",
+            hardtanh,
+            input,
+            min_val=min_val,
+            max_val=max_val,
+            inplace=inplace,
+        )
     _check(min_val, max_val, "hardtanh")
-    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
+    # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
+    if eager_op(inplace) or not needs_graph(input):
         return torch.nn.functional.hardtanh(input, min_val, max_val, inplace=inplace)
     refuse_jit("ops.hardtanh")
     exact = _representable(min_val, input.dtype) and _representable(max_val, input.dtype)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad import _dtensor
 from slimgrad._autograd import refuse_jit, transforms_active
 from slimgrad._math.smooth import MISH
 from slimgrad.ops._output_act import (
@@ -82,6 +83,9 @@ def mish(input: Tensor, inplace: bool = False) -> Tensor:
     Example:
         >>> y = mish(torch.randn(4, 8, requires_grad=True))
     """
+    # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
+    if _dtensor.any_dtensor(input):
+        return _dtensor.pointwise("slimgrad.ops.mish", mish, input, inplace=inplace)
     if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
         return torch.nn.functional.mish(input, inplace=inplace)
     refuse_jit("ops.mish")

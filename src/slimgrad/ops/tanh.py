@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad._autograd import refuse_jit, transforms_active
+from slimgrad._autograd import eager_op, refuse_jit
 from slimgrad.ops._monotone import output_only_function
 from slimgrad.ops._output_act import needs_graph
 
@@ -44,7 +44,8 @@ def tanh(input: Tensor, inplace: bool = False) -> Tensor:
     Example:
         >>> y = tanh(torch.randn(4, 8, requires_grad=True))
     """
-    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
+    # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
+    if eager_op(inplace) or not needs_graph(input):
         return torch.tanh_(input) if inplace else torch.tanh(input)
     refuse_jit("ops.tanh")
     return _TanhFn.apply(input, inplace)
