@@ -36,7 +36,8 @@ from slimgrad.ops.tanh import tanh
 # the modules themselves (slimgrad.ops re-exports functions of the same names)
 ln_mod = importlib.import_module("slimgrad.ops.layer_norm")
 rms_mod = importlib.import_module("slimgrad.ops.rms_norm")
-LN_CHUNK_DEFAULT = ln_mod.CHUNK_ELEMS
+norms_mod = importlib.import_module("slimgrad._math.norms")  # their backward's chunk size
+LN_CHUNK_DEFAULT = norms_mod.CHUNK_ELEMS
 
 SHAPE = (3, 7, 13)  # odd and prime; 21 rows of 13 for the norms
 D = SHAPE[-1]
@@ -47,8 +48,7 @@ def _reuse_on(monkeypatch):
     # these tests assert that reuse happens: a developer's SLIMGRAD_NO_REUSE=1 must not leak in
     monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
     # several row chunks in the norms' backward, so dx overwrites dy chunk by chunk
-    monkeypatch.setattr(ln_mod, "CHUNK_ELEMS", 64)
-    monkeypatch.setattr(rms_mod, "CHUNK_ELEMS", 64)
+    monkeypatch.setattr(norms_mod, "CHUNK_ELEMS", 64)
 
 
 def _params(gen, dtype, zero_channel=False, device="cpu"):
@@ -399,7 +399,7 @@ def test_linear3d_view_reuse_lowers_peak(op, backend, monkeypatch):
     w2 = torch.randn(8, 32, generator=gen).requires_grad_()
     f = {"layer_norm": lambda t: layer_norm(t, (32,)), "relu": relu}[op]
     hidden = 4 * 64 * 32 * 4
-    monkeypatch.setattr(ln_mod, "CHUNK_ELEMS", LN_CHUNK_DEFAULT)  # one chunk: dx is one buffer
+    monkeypatch.setattr(norms_mod, "CHUNK_ELEMS", LN_CHUNK_DEFAULT)  # one chunk: dx is one buffer
 
     def fwd():
         h = (x0 * 1).requires_grad_()

@@ -56,7 +56,6 @@ SAVERS = {
     "LayerNorm": lambda: nn.LayerNorm(8),
 }
 MODES = ["plain", "view", "reuse", "transposed"]
-KNOWN_OFF = ("BatchNorm2d", "Mish", "reuse", True)
 
 
 class Grid(nn.Module):
@@ -167,13 +166,6 @@ def test_grid_norm_then_inplace_writer(norm, train):
         for mode in MODES:
             torch.manual_seed(0)
             model, x = Grid(mk(), mw(), mode, len(shape) > 2), torch.randn(*shape)
-            if (norm, writer, mode, train) == KNOWN_OFF:
-                # slimgrad's in-place Mish after its BatchNorm2d: norm.weight's gradient misses the
-                # rule by 11% (1.17e-5 > 1.05e-5): a precision issue of that pair, not of this
-                # guard (no in-place error); reported, kept visible here until fixed.
-                with pytest.raises(AssertionError, match="error rule violated"):
-                    _check(model, x, train)
-                continue
             rep = _check(model, x, train)
             if norm in ("LayerNorm", "RMSNorm", "GroupNorm"):
                 reason = _skipped(rep).get("norm", "")
