@@ -606,11 +606,12 @@ def test_int64_index_collection(lib):
     cnt = torch.empty(2 * nb, dtype=torch.int64)
     flags = torch.empty((n + 31) // 32, dtype=torch.uint8)
     fns = oa._c_fns(lib)
-    w = spec.window[torch.float32]
+    w, tail = oa._window(spec, torch.float32)  # as smooth_fwd_c: window and exact left tail
+    has_tail, tail_v = (0, 0.0) if tail is None else (1, float(tail))
     y2, bits2 = y.clone(), torch.empty_like(bits)  # held: the kernel writes into them
     fns["smooth_fwd_f32"](
         x.data_ptr(), y2.data_ptr(), bits2.data_ptr(), cnt.data_ptr(), flags.data_ptr(), n,
-        spec.c_act, inv.x_star, spec.zone, w, 0, 0.0, 1,
+        spec.c_act, inv.x_star, spec.zone, w, has_tail, tail_v, 1,
     )  # fmt: skip
     assert torch.equal(bits2, bits)
     per = cnt.view(nb, 2).sum(1)
@@ -619,6 +620,6 @@ def test_int64_index_collection(lib):
     xs64 = torch.empty(idx.numel())
     fns["smooth_collect_i64"](
         x.data_ptr(), cnt.data_ptr(), flags.data_ptr(), off.data_ptr(), i64.data_ptr(),
-        xs64.data_ptr(), n, inv.x_star, w, 0, 0.0, 1,
+        xs64.data_ptr(), n, inv.x_star, w, has_tail, tail_v, 1,
     )  # fmt: skip
     assert torch.equal(i64, idx.long()) and torch.equal(xs64, xs)
