@@ -5,20 +5,43 @@ Math: x of shape ``(N, C, *)`` split into G groups of C/G channels; per (sample,
 Backward with ``g = dy * gamma_c`` and means over each (sample, group):
 ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dgamma_c = sum(dy * xhat)``,
 ``dbeta_c = sum(dy)``, with ``xhat = (y - beta_c) / gamma_c`` rebuilt from the output; fallback
-channels as in NOTE [Normalization from its output: the fallback channels] (``ops/layer_norm.py``).
+channels as in NOTE [Normalization from its output: the fallback channels] (``ops/layer_norm.py``),
+with the tighter bound of NOTE [GroupNorm's fallback channels] below. dgamma is summed from float64
+products (NOTE [GroupNorm dgamma in float64], ``_dgamma_rows``).
 
 Memory, per input dtype:
 - float32/float64: saves y (the output, shared with the next layer) + mean and rstd (2 * itemsize
   B per sample and group) + the input of fallback channels (k channels: k * N * HxW * itemsize B)
-  and their int64 indices (8 B each); eager saves x, mean and rstd (x: 4 B/elt fp32 extra). Groups
-  of fewer than ``MIN_GROUP_NUMEL`` elements, and non-contiguous inputs (channels_last,
-  transposed, sliced), run eager's group_norm (saves x, as eager).
+  and their int64 indices (8 B each); a channel falls back where ``|beta| > |gamma|`` (layer_norm:
+  ``> 2 |gamma|``), or gamma ~ 0 / non-finite; eager saves x, mean and rstd (x: 4 B/elt fp32
+  extra). Groups of fewer than ``MIN_GROUP_NUMEL`` elements, and non-contiguous inputs
+  (channels_last, transposed, sliced), run eager's group_norm (saves x, as eager). Backward's
+  float64 dgamma copies dy and y of one chunk (16 B per chunk element: at most ~1 B per input
+  element, transient).
 - bfloat16/float16: runs eager's ``F.group_norm``, so saves exactly what eager saves: x (2 B/elt)
   + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
   broke the GUIDE.md rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
   ``ops/rms_norm.py``), and keeping x instead costs what eager costs.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]; dbias is summed first); otherwise out of place.
+
+# NOTE [GroupNorm's fallback channels]
+A rebuilt ``xhat = (y - beta) / gamma`` carries the output's rounding, about ``ulp(y) / |gamma| ~
+eps * (|xhat| + |beta / gamma|)`` per element, which no rebuild can undo; dgamma sums it over N *
+HxW elements per channel. The OpInfo sample ``group_norm`` f32 #27 ((20, 6, 10, 10), 6 groups,
+beta/gamma = 3.57, -0.61, -1.89, -2.65, -0.88, -0.82) broke the GUIDE.md rule in channel 2
+(|beta/gamma| = 1.89, inside layer_norm's bound 2): dgamma_2 = -99.35 (ulp 7.6e-6) came out
+1.022e-5 off where eager was 2.59e-6 off (bound 1.014e-5), one ulp past eager's correctly
+rounded value. Of its pre-rounding error 7.0e-6, the output's rounding alone gave 2.1e-6, the
+float32 rebuild arithmetic and products the rest. Sweeping 1,000 cotangents over that sample's
+x with every channel at one |beta/gamma| (all rebuilt, float64 dgamma), dgamma broke the rule in
+2, 2, 1, 5, 5 cases at |beta/gamma| = 0, 0.5, 1, 1.25, 1.5 (7 of 500 at 1.99): above 1 the
+output's rounding adds failures. So group_norm keeps the input of channels with |beta| > |gamma|
+(``BETA_OVER_GAMMA_MAX``); on sample #27 (channels 0, 2, 3 kept) dgamma then broke the rule
+in 0 of 1,000 cotangents (worst err/bound 0.95), against 4 of 1,000 (worst 1.22) before. The
+remaining ~0.2% at |beta/gamma| <= 1 is the rule's statistics, not bias: at beta = 0 the float32
+code broke it in 0 and the float64 one in 2 of 1,000, though the float64 one's per-channel rms
+error is lower in every channel (2.1-2.9e-6 against 2.7-3.2e-6; eager's: 5.4-5.9e-6).
 """
 
 from __future__ import annotations
@@ -48,21 +71,62 @@ from slimgrad.ops.layer_norm import (
     rebuild_xhat,
 )
 
-__all__ = ["MIN_GROUP_NUMEL", "group_norm"]
+__all__ = ["BETA_OVER_GAMMA_MAX", "MIN_GROUP_NUMEL", "group_norm"]
 
+#: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``
+#: (gamma = 1 without a weight), tighter than layer_norm's 2: NOTE [GroupNorm's fallback channels].
+BETA_OVER_GAMMA_MAX = 1.0
 #: Groups with fewer elements (C / G * spatial) run eager's group_norm, which keeps the input: in
 #: such groups rebuilding xhat from the rounded output exceeded the GUIDE.md error rule (groups of
 #: 2 and 3 elements in tests/ops/test_group_norm.py's seed sweep).
 MIN_GROUP_NUMEL = 16
 
 
+def _fallback_channels(weight, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    # NOTE [GroupNorm's fallback channels]: layer_norm's fallback channels (gamma ~ 0, non-finite,
+    # |beta| > 2 |gamma|) plus every channel with |beta| > BETA_OVER_GAMMA_MAX * |gamma|.
+    idx = fallback_channels(weight, bias, out_dtype)
+    if bias is None or (
+        type(bias) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(bias)
+    ):
+        return idx  # no beta: nothing to add; fake weights: no values, no fallback assumed
+    b = bias.detach().reshape(-1).to(torch.float64).abs()
+    aw = weight.detach().reshape(-1).to(torch.float64).abs() if weight is not None else 1.0
+    wide = b > BETA_OVER_GAMMA_MAX * aw
+    wide[idx.to(wide.device)] = True
+    return torch.nonzero(wide).reshape(-1)
+
+
 def _fwd_torch(x, num_groups, weight, bias, eps):
     n, c = x.shape[0], x.shape[1]
     hw = math.prod(x.shape[2:])
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
-    idx = fallback_channels(weight, bias, y.dtype).to(x.device)
+    idx = _fallback_channels(weight, bias, y.dtype).to(x.device)
     xside = x.reshape(n, c, hw).index_select(1, idx)
     return y, mean, rstd, idx, xside
+
+
+def _dgamma_rows(dy, y, xside, mu, r, w64, b64, idx, gidx):
+    # NOTE [GroupNorm dgamma in float64]: sum over this chunk's samples of dgamma's terms, (C,)
+    # float64. Rebuilt channels: sum_hw dy * xhat = (sum_hw dy * y - beta * sum_hw dy) / gamma,
+    # fallback channels: (sum_hw dy * x - mu * sum_hw dy) * rstd. A product of two float32 values
+    # is exact in float64, so the only error left is the output's own rounding (ulp(y) / |gamma|
+    # per element), which no rebuild can undo; rebuilding xhat and multiplying by dy in float32
+    # added three more roundings per element (tests/ops/test_group_norm.py, the OpInfo sample).
+    m, c = dy.shape[0], w64.numel()
+    hw = dy.numel() // max(m * c, 1)
+    d64 = dy.reshape(m * c, hw).to(torch.float64)
+    s0 = d64.sum(1).view(m, c)
+    s1 = _rowdot(d64, y.reshape(m * c, hw).to(torch.float64)).view(m, c)
+    t = (s1 - b64 * s0 if b64 is not None else s1).div_(w64)
+    if idx.numel():
+        k = idx.numel()
+        dk = d64.view(m, c, hw).index_select(1, idx).view(m * k, hw)
+        sx = _rowdot(dk, xside.reshape(m * k, hw).to(torch.float64)).view(m, k)
+        m_k = mu.index_select(1, gidx).to(torch.float64)
+        r_k = r.index_select(1, gidx).to(torch.float64)
+        t.index_copy_(1, idx, (sx - m_k * s0.index_select(1, idx)) * r_k)
+    return t.sum(0)
 
 
 def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out=None):
@@ -90,11 +154,16 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     dx = None
     if need_dx:
         dx = out.view(n, grp, cg, hw) if out is not None else y.new_empty((n, grp, cg, hw))
-    dw = torch.zeros((grp, cg), dtype=torch.float64, device=y.device) if need_dw else None
+    dw = torch.zeros(c, dtype=torch.float64, device=y.device) if need_dw else None
+    if need_dw:
+        w64 = weight.detach().reshape(c).to(torch.float64)
+        b64 = bias.detach().reshape(c).to(torch.float64) if bias is not None else None
     per_sample = max(c * hw, 1)
     step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 16) // per_sample)
     for i in range(0, n, step):
         sl = slice(i, i + step)
+        if need_dw:
+            dw += _dgamma_rows(dy4[sl], y4[sl], xside[sl], mu[sl], r[sl], w64, b64, idx, gidx)
         xh = rebuild_xhat(y4[sl], w, b, acc)
         rc = r[sl].view(-1, grp, 1, 1)
         if idx.numel():
@@ -102,8 +171,6 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
             r_k = r[sl].index_select(1, gidx).unsqueeze(-1)
             xh.view(-1, c, hw).index_copy_(1, idx, (xside[sl].to(acc) - m_k) * r_k)
         dyc = dy4[sl].to(acc)
-        if need_dw:
-            dw += (dyc * xh).sum((0, 3), dtype=torch.float64)
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
             c1 = g.mean((2, 3), keepdim=True)
@@ -211,8 +278,9 @@ def group_norm(
 
     ``y = (x - mean_g) / sqrt(var_g + eps) * weight_c + bias_c`` per sample and group of channels.
 
-    Memory: fp32: saves y (shared with the next layer) + 8 B per (sample, group) + fallback
-    input channels; eager saves x + 8 B per (sample, group). bf16/fp16: runs ``F.group_norm``
+    Memory: fp32: saves y (shared with the next layer) + 8 B per (sample, group) + the input
+    of fallback channels (``|bias| > |weight|``, weight ~ 0 or non-finite); eager saves x + 8 B
+    per (sample, group). bf16/fp16: runs ``F.group_norm``
     (saves x + 4 B per (sample, group), as eager).
 
     Args:
