@@ -16,8 +16,8 @@ Memory, per input dtype:
   ``> 2 |gamma|``), or gamma ~ 0 / non-finite; eager saves x, mean and rstd (x: 4 B/elt fp32
   extra). Groups of fewer than ``MIN_GROUP_NUMEL`` elements, and non-contiguous inputs
   (channels_last, transposed, sliced), run eager's group_norm (saves x, as eager). Backward's
-  float64 dgamma copies dy and y of one chunk (16 B per chunk element: at most ~1 B per input
-  element, transient).
+  float64 dgamma copies ``CHUNK_ELEMS`` elements of dy and y at a time (512 KiB, or one (sample,
+  channel) row if larger; transient).
 - bfloat16/float16: runs eager's ``F.group_norm``, so saves exactly what eager saves: x (2 B/elt)
   + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
   broke the GUIDE.md rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
@@ -113,19 +113,32 @@ def _dgamma_rows(dy, y, xside, mu, r, w64, b64, idx, gidx):
     # is exact in float64, so the only error left is the output's own rounding (ulp(y) / |gamma|
     # per element), which no rebuild can undo; rebuilding xhat and multiplying by dy in float32
     # added three more roundings per element (tests/ops/test_group_norm.py, the OpInfo sample).
+    # The float64 copies are made CHUNK_ELEMS elements (whole rows) at a time.
     m, c = dy.shape[0], w64.numel()
-    hw = dy.numel() // max(m * c, 1)
-    d64 = dy.reshape(m * c, hw).to(torch.float64)
-    s0 = d64.sum(1).view(m, c)
-    s1 = _rowdot(d64, y.reshape(m * c, hw).to(torch.float64)).view(m, c)
+    rows = m * c
+    hw = dy.numel() // max(rows, 1)
+    f64 = torch.float64
+    dyr, yr = dy.reshape(rows, hw), y.reshape(rows, hw)
+    s0 = torch.empty(rows, dtype=f64, device=dy.device)
+    s1 = torch.empty(rows, dtype=f64, device=dy.device)
+    step = max(1, CHUNK_ELEMS // max(hw, 1))
+    for j in range(0, rows, step):
+        d = dyr[j : j + step].to(f64)
+        s0[j : j + step] = d.sum(1)
+        s1[j : j + step] = _rowdot(d, yr[j : j + step].to(f64)).view(-1)
+    s0, s1 = s0.view(m, c), s1.view(m, c)
     t = (s1 - b64 * s0 if b64 is not None else s1).div_(w64)
     if idx.numel():
         k = idx.numel()
-        dk = d64.view(m, c, hw).index_select(1, idx).view(m * k, hw)
-        sx = _rowdot(dk, xside.reshape(m * k, hw).to(torch.float64)).view(m, k)
-        m_k = mu.index_select(1, gidx).to(torch.float64)
-        r_k = r.index_select(1, gidx).to(torch.float64)
-        t.index_copy_(1, idx, (sx - m_k * s0.index_select(1, idx)) * r_k)
+        krows = (torch.arange(m, device=dy.device).unsqueeze(1) * c + idx).reshape(-1)
+        xr = xside.reshape(m * k, hw)
+        sx = torch.empty(m * k, dtype=f64, device=dy.device)
+        for j in range(0, m * k, step):
+            d = dyr.index_select(0, krows[j : j + step]).to(f64)
+            sx[j : j + step] = _rowdot(d, xr[j : j + step].to(f64)).view(-1)
+        m_k = mu.index_select(1, gidx).to(f64)
+        r_k = r.index_select(1, gidx).to(f64)
+        t.index_copy_(1, idx, (sx.view(m, k) - m_k * s0.index_select(1, idx)) * r_k)
     return t.sum(0)
 
 
