@@ -105,11 +105,12 @@ class _ConvFn(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         kept_x, weight = ctx.saved_tensors
         shape, dtype, device = ctx.x_meta
-        # Only the shape of x is read when dW is not requested, and only W's shape when dx is not.
-        fake_x = torch.empty((), dtype=dtype, device=device).expand(shape)
+        # Only the shape of x is read when dW is not requested, and only W's shape when dx is not:
+        # stand-ins that allocate nothing (a 0-d view of grad, expanded) where the dtype allows.
+        fake_x = _shape_only(grad, shape, dtype, device)
         if weight is None:
             wshape, wdtype = ctx.w_meta
-            weight = torch.empty((), dtype=wdtype, device=device).expand(wshape)
+            weight = _shape_only(grad, wshape, wdtype, device)
         if ctx.act is not None and need_w:
             # x = act(b) is rebuilt for dW only and freed before dx is allocated, so the recompute
             # adds no full-size buffer to the backward peak.
@@ -128,6 +129,22 @@ class _ConvFn(torch.autograd.Function):
 
 
 _ConvFn.backward = staticmethod(first_order("ops.conv", double=_ConvFn._double)(_ConvFn.backward))
+
+
+def _shape_only(grad: torch.Tensor, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    # A tensor of ``shape`` whose values are never read (convolution_backward reads only the shape
+    # of an input whose gradient it does not compute): a 0-d view of grad's first element,
+    # expanded, so no byte is allocated; a fresh 0-d tensor when grad's dtype or device differs.
+    if (
+        grad.dtype == dtype
+        and grad.device == torch.device(device)
+        and grad.numel() > 0
+        and not torch.compiler.is_compiling()  # Dynamo cannot trace storage_offset()
+    ):
+        base = grad.as_strided((), (), grad.storage_offset())
+    else:
+        base = torch.empty((), dtype=dtype, device=device)
+    return base.expand(shape)
 
 
 def _tuple(v, n: int, name: str, api: str) -> list[int]:
