@@ -275,8 +275,20 @@ def _half_case(dtype, shape, seed):
     return x, w, b, torch.randn(shape).to(dtype), ns
 
 
+@pytest.fixture
+def _one_thread():
+    # the sweep that found HALF_FAILURES ran with one intra-op thread (as each xdist worker does);
+    # eager's bf16 backward sums in another order with two, which moves the rule's bound
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("dtype,shape,seed", HALF_FAILURES)
-def test_half_precision_runs_eager_where_the_output_cannot_pin_xhat(dtype, shape, seed):
+def test_half_precision_runs_eager_where_the_output_cannot_pin_xhat(
+    dtype, shape, seed, _one_thread
+):
     from slimgrad.ops.layer_norm import _LayerNormFn
     from slimgrad.testing import rule_ok
 
