@@ -2,10 +2,14 @@
 
 Public API (few names on purpose):
 
-- ``convert_(model, config=None, *, filter_fn=None)``: swap module instances for lean ones, in
-  place; ``ConvertConfig`` selects techniques; ``report(model)`` says what changed and why not.
+- ``convert_(model, config=None, *, filter_fn=None, device=None, dtype=None)``: swap module
+  instances for lean ones, in place, where they keep no more than eager on that device and dtype;
+  ``ConvertConfig`` selects techniques; ``report(model)`` says what changed and why not.
 - ``verify(model, converted, inputs)``: loss and every gradient against a float64 reference.
-- ``slimgrad.memory.measure`` / ``estimate``: exact bytes of a training step (peak, saved, floor).
+- ``slimgrad.memory.measure`` / ``estimate``: exact bytes of a training step (peak, saved, floor);
+  ``estimate(..., device="cuda")`` models what CUDA kernels keep.
+- ``step_in_backward(model, OptimizerClass, **kwargs)``: each parameter's optimizer update as soon
+  as its gradient is complete (bit-identical to the plain loop); the handle is an Optimizer.
 
 Ops live in ``slimgrad.ops`` (functional) and ``slimgrad.nn`` (modules). ``import slimgrad`` imports
 neither Triton nor CUDA.
