@@ -108,3 +108,21 @@ def test_bench_record_and_kernel_summary():
     assert s["worst"]["fraction_case"] == "relu@10"
     assert s["worst"]["fraction_of_copy"] == pytest.approx(0.5)
     assert G.summarize_kernels([]) == {"n_records": 0}
+
+
+def test_estimate_step_matches_the_cpu_tracker_and_models_cuda():
+    # the estimate the GPU check sets beside max_memory_allocated: on CPU kernels it must give the
+    # tracker's own figures for the same step; for CUDA it runs without a GPU
+    from slimgrad.bench.harness import get_case
+
+    build = get_case("dropout").build
+    res = G.allocator_vs_tracker(build, torch.device("cpu"), torch.float32, small=True, warmup=1)
+    for side in ("eager", "slimgrad"):
+        cpu = G.estimate_step(build, torch.float32, small=True, side=side, device="cpu")
+        assert cpu["estimate_saved_bytes"] == res[side]["tracker_saved_bytes"], side
+        cuda = G.estimate_step(build, torch.float32, small=True, side=side, device="cuda")
+        assert cuda["estimate_peak_bytes"] > 0
+    # on CUDA, eager's dropout keeps native_dropout's bool mask (1 B/elt), not CPU's float noise
+    eager_cpu = G.estimate_step(build, torch.float32, small=True, side="eager", device="cpu")
+    eager_cuda = G.estimate_step(build, torch.float32, small=True, side="eager", device="cuda")
+    assert eager_cuda["estimate_saved_bytes"] < eager_cpu["estimate_saved_bytes"]

@@ -138,7 +138,11 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    return isinstance(t, (FakeTensor, FunctionalTensor))
+    if isinstance(t, (FakeTensor, FunctionalTensor)):
+        return True
+    # a real tensor inside an active FakeTensorMode (allow_non_fake_inputs, e.g. a gradient handed
+    # to slimgrad.memory.estimate): what the kernel would write next to it is fake, so no kernel
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True) -> bool:
