@@ -448,6 +448,8 @@ def layer_norm(
     Example:
         >>> y = layer_norm(torch.randn(4, 8, requires_grad=True), (8,))
     """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input, weight, bias):
         return _dtensor.rowwise(
@@ -455,12 +457,10 @@ def layer_norm(
             layer_norm,
             input,
             {"weight": weight, "bias": bias},
-            1 if isinstance(normalized_shape, int) else len(normalized_shape),
+            len(normalized_shape),
             normalized_shape=normalized_shape,
             eps=eps,
         )
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
     normalized_shape = [int(s) for s in normalized_shape]
     if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
         return F.layer_norm(input, normalized_shape, weight, bias, eps)

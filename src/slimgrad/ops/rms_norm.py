@@ -287,6 +287,8 @@ def rms_norm(
     Example:
         >>> y = rms_norm(torch.randn(4, 8, requires_grad=True), (8,))
     """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input, weight):
         return _dtensor.rowwise(
@@ -294,12 +296,10 @@ def rms_norm(
             rms_norm,
             input,
             {"weight": weight},
-            1 if isinstance(normalized_shape, int) else len(normalized_shape),
+            len(normalized_shape),
             normalized_shape=normalized_shape,
             eps=eps,
         )
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
     normalized_shape = [int(s) for s in normalized_shape]
     eps = None if eps is None else float(eps)
     if transforms_active():  # NOTE [torch.func transforms]
