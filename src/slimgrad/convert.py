@@ -43,8 +43,11 @@ from slimgrad.convert_handlers import hf as _hf
 from slimgrad.convert_handlers import hf_attention as _hf_attention
 from slimgrad.convert_handlers import hf_loss as _hf_loss
 from slimgrad.convert_handlers import hf_mlp as _hf_mlp
+from slimgrad.convert_handlers import hf_moe as _hf_moe
 from slimgrad.convert_handlers import inplace_guard as _inplace_guard
+from slimgrad.convert_handlers import linear as _linear
 from slimgrad.convert_handlers import timm as _timm
+from slimgrad.convert_handlers import timm_blocks as _timm_blocks
 from slimgrad.nn.hardsigmoid import Hardsigmoid as _Hardsigmoid
 from slimgrad.nn.hardswish import Hardswish as _Hardswish
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
@@ -163,8 +166,10 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     # HF modules by class name: RMSNorms (``convert_handlers.hf``), gated MLPs (``hf_mlp``)
     **_hf.TABLE,
     **_hf_mlp.TABLE,
+    **_hf_moe.TABLE,  # MoE blocks with 3-D expert banks
     # timm's layers by class name: its LayerNorm/LayerNorm2d, GELU forms (``convert_handlers.timm``)
     **_timm.TABLE,
+    **_timm_blocks.TABLE,  # timm blocks: ViT attention, ConvNeXt
     # dropout with a 1-bit mask
     "torch.nn.modules.dropout.Dropout": ("dropout", snn.Dropout.from_torch),
     # HF GPT-2's x @ W + b: keeps only what the requested gradients need, and hands the op before
@@ -172,6 +177,8 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     "transformers.pytorch_utils.Conv1D": ("selective_saving", snn.Conv1D.from_torch),
     # convolutions that keep only what the requested gradients need, BatchNorm from its output
     **{k: ("selective_saving" if t == "linear" else t, h) for k, (t, h) in _cnn.TABLE.items()},
+    # plain nn.Linear (``convert_handlers.linear``)
+    **_linear.TABLE,
 }
 # Passes over the whole model for patterns that need neighbours, in order; each reports what it did.
 _PATTERNS: list[tuple[str | None, Pattern]] = [
@@ -180,6 +187,8 @@ _PATTERNS: list[tuple[str | None, Pattern]] = [
     ("batch_norm", _cnn.bn_act_pattern),  # BN next to ReLU/GELU/SiLU: keep the BN output only
     ("dropout", _hf_attention.attention_pattern),  # HF attention: keeps P + bits
     ("fused_loss", _hf_loss.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept
+    *_hf_moe.PATTERNS,
+    *_timm_blocks.PATTERNS,
     (None, _inplace_guard.inplace_guard_pattern),  # always: saver -> in-place write stays eager
 ]
 
