@@ -7,7 +7,15 @@ Memory (``--what memory``): for each model, the peak live bytes of one whole ste
 - ``eager+plain``: the eager model, ``loss.backward(); opt.step(); opt.zero_grad()`` (the baseline);
 - ``converted+plain``: ``slimgrad.convert_`` of the same model, the same loop;
 - ``eager+sib`` / ``converted+sib``: ``step_in_backward(model, Opt, ...)`` and
-  ``loss.backward(); handle.step(); handle.zero_grad()``.
+  ``loss.backward(); handle.step(); handle.zero_grad()``;
+- ``eager+peer`` / ``converted+peer``: the best peer, PyTorch's documented optimizer-in-backward
+  pattern (the tutorial "How to save memory by fusing the optimizer step into the backward pass",
+  torchtune's ``optimizer_in_bwd``): one optimizer per parameter, stepped and zeroed from that
+  parameter's ``register_post_accumulate_grad_hook``; the loop is ``loss.backward()``.
+
+Identity (``--what identity``): the converted model, 5 real steps of the plain loop, of
+step_in_backward and of the peer from the same start and batches; parameters compared bit for bit
+with the plain loop's.
 
 The measured region is the whole step (forward, backward, ``step()``, ``zero_grad()``), after one
 unmeasured warm-up step per side, so the optimizer state exists before it and counts in neither
@@ -72,7 +80,38 @@ def _optimizer(name: str):
     return torch.optim.AdamW, dict(lr=1e-4)
 
 
-def _side(model_name: str, convert: bool, sib: bool, opt_name: str):
+class _Peer:
+    """PyTorch's documented optimizer-in-backward: one optimizer per parameter, driven by
+    ``register_post_accumulate_grad_hook`` (step, then zero_grad); step()/zero_grad() do nothing."""
+
+    def __init__(self, params, cls, kw):
+        self.opts = {p: cls([p], **kw) for p in params if p.requires_grad}
+        for p in self.opts:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        self.opts[p].step()
+        self.opts[p].zero_grad()
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        pass
+
+
+def _make_opt(model, how: str, opt_name: str):
+    import slimgrad
+
+    cls, kw = _optimizer(opt_name)
+    if how == "sib":
+        return slimgrad.step_in_backward(model, cls, **kw)
+    if how == "peer":
+        return _Peer(model.parameters(), cls, kw)
+    return cls(model.parameters(), **kw)
+
+
+def _side(model_name: str, convert: bool, how: str, opt_name: str):
     """Build one side (under whatever mode is active) and return (step, module)."""
     import slimgrad
     from slimgrad.bench.cases.models import HFCausalLMLoss
@@ -81,8 +120,7 @@ def _side(model_name: str, convert: bool, sib: bool, opt_name: str):
     model = HFCausalLMLoss(net.train())
     if convert:
         slimgrad.convert_(model)
-    cls, kw = _optimizer(opt_name)
-    opt = slimgrad.step_in_backward(model, cls, **kw) if sib else cls(model.parameters(), **kw)
+    opt = _make_opt(model, how, opt_name)
     ids = torch.randint(0, vocab, shape)
 
     def step():
@@ -102,17 +140,18 @@ def memory(args) -> list[dict]:
     records = []
     for model_name in args.models:
         base = None
-        for convert, sib in ((False, False), (True, False), (False, True), (True, True)):
-            label = f"{'converted' if convert else 'eager'}+{'sib' if sib else 'plain'}"
+        for label in args.sides:
+            convert, how = label.split("+")
+            convert = convert == "converted"
             t0 = time.perf_counter()
             if args.estimate:
                 m = estimate(
-                    lambda n=model_name, c=convert, s=sib: _side(n, c, s, args.optimizer),
+                    lambda n=model_name, c=convert, s=how: _side(n, c, s, args.optimizer),
                     backward=False,
                     timeline=False,
                 )
             else:
-                step, module = _side(model_name, convert, sib, args.optimizer)
+                step, module = _side(model_name, convert, how, args.optimizer)
                 m = measure(step, backward=False, module=module, timeline=False)
             base = m.peak_bytes if base is None else base
             rec = {
@@ -124,7 +163,70 @@ def memory(args) -> list[dict]:
                 "peak_mib": round(m.peak_bytes / MIB, 1),
                 "ratio_to_eager_plain": round(m.peak_bytes / base, 3),
                 "peak_op": m.peak_op,
+                "peak_phase": m.peak_phase,
+                "saved_bytes": m.saved_bytes,
                 "seconds": round(time.perf_counter() - t0, 1),
+                **_env(),
+            }
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    return records
+
+
+def _env() -> dict:
+    import platform
+    import subprocess
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "commit": commit,
+    }
+
+
+def identity(args) -> list[dict]:
+    import slimgrad
+    from slimgrad.bench.cases.models import HFCausalLMLoss
+
+    records = []
+    for model_name in args.models:
+        torch.manual_seed(0)
+        net, vocab, shape = _MODELS[model_name]()
+        base = HFCausalLMLoss(net.train())
+        slimgrad.convert_(base)
+        sides = {h: copy.deepcopy(base) for h in ("plain", "sib", "peer")}
+        opts = {h: _make_opt(m, h, args.optimizer) for h, m in sides.items()}
+        gen = torch.Generator().manual_seed(1)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            ids = torch.randint(0, vocab, shape, generator=gen)
+            for h, m in sides.items():
+                torch.manual_seed(2)  # the same dropout masks on every side
+                m(ids).backward()
+                opts[h].step()
+                opts[h].zero_grad()
+        ref = list(sides["plain"].parameters())
+        for h in ("sib", "peer"):
+            got = list(sides[h].parameters())
+            differ = [
+                i for i, (p, q) in enumerate(zip(ref, got, strict=True)) if not torch.equal(p, q)
+            ]
+            rec = {
+                "case": f"step_in_backward/{model_name}/identity",
+                "side": f"converted+{h}",
+                "optimizer": args.optimizer,
+                "steps": args.steps,
+                "params_bit_identical": not differ,
+                "params_differing": len(differ),
+                "params": len(ref),
+                "seconds": round(time.perf_counter() - t0, 1),
+                **_env(),
             }
             print(json.dumps(rec), flush=True)
             records.append(rec)
@@ -198,6 +300,8 @@ def step_time(args) -> dict:
         "repeat": args.repeat,
         "params_bit_identical": same,
         "threads": torch.get_num_threads(),
+        "load_avg_1min": round(__import__("os").getloadavg()[0], 2),
+        **_env(),
     }
     print(json.dumps(rec), flush=True)
     if not same:
@@ -207,7 +311,22 @@ def step_time(args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--what", choices=("memory", "time"), default="memory")
+    ap.add_argument("--what", choices=("memory", "time", "identity"), default="memory")
+    ap.add_argument(
+        "--sides",
+        nargs="+",
+        default=[
+            "eager+plain",
+            "converted+plain",
+            "eager+sib",
+            "converted+sib",
+            "eager+peer",
+            "converted+peer",
+        ],
+        help="memory: which sides (the first is the ratio's base)",
+    )
+    ap.add_argument("--steps", type=int, default=5, help="identity: steps")
+    ap.add_argument("--out", default=None, help="append the records to this JSONL file")
     ap.add_argument("--models", nargs="+", choices=tuple(_MODELS), default=list(_MODELS))
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     ap.add_argument("--estimate", action="store_true", help="FakeTensorMode: no compute")
@@ -219,9 +338,15 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (time only)")
     args = ap.parse_args(argv)
     if args.what == "memory":
-        memory(args)
+        recs = memory(args)
+    elif args.what == "identity":
+        recs = identity(args)
     else:
-        step_time(args)
+        recs = [step_time(args)]
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optim_mod
 
+from slimgrad.ops.linear_cross_entropy import ROW_SINK
+
 __all__ = ["StepInBackward", "step_in_backward"]
 
 _API = "slimgrad.step_in_backward"
@@ -89,6 +91,28 @@ _API = "slimgrad.step_in_backward"
 # attribute of a parameter naming (weakly) the handle that updates it in backward: two handles on
 # one parameter would update it twice
 _OWNER = "_slimgrad_step_in_backward"
+
+
+# NOTE [Chunked updates]: the optimizers whose update of a parameter is proven (tests) to give the
+# same bits applied to pieces of it (views of the parameter, its gradient and its state) as to
+# the whole tensor; elements per piece of a large parameter's update
+_CHUNKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+CHUNK_ELEMS = 1 << 20
+
+
+class _RowSink:
+    # the op's ROW_SINK attribute: a weak reference to the handle (a deep copy of the parameter
+    # copies the attribute, and only the handle's own parameter counts)
+    __slots__ = ("ref",)
+
+    def __init__(self, handle: StepInBackward) -> None:
+        self.ref = weakref.ref(handle)
+
+    def __call__(self, weight: torch.Tensor, node: Any):
+        handle = self.ref()
+        if handle is None or weight not in handle._hooks:
+            return None
+        return handle._take_rows(weight, node)
 
 
 def _owner(p: torch.Tensor) -> StepInBackward | None:
@@ -190,6 +214,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._frozen: list[torch.Tensor] = []
         self._group_index: dict[torch.Tensor, int] = {}
         self._removed = False
+        self._rows_taken: set[torch.Tensor] = set()  # updated by rows in this backward
         # NOTE [What a step is, and what is refused]: per-parameter hook calls since the last
         # boundary (step()/zero_grad(), or the end of a backward before the loop first calls
         # either), and since the last step()/zero_grad() call or creation
@@ -313,8 +338,9 @@ class StepInBackward(torch.optim.Optimizer):
         for h in self._hooks.values():
             h.remove()
         for p in self._hooks:
-            if getattr(p, _OWNER, None) is not None:
-                delattr(p, _OWNER)
+            for attr in (_OWNER, ROW_SINK):
+                if getattr(p, attr, None) is not None:
+                    delattr(p, attr)
         self._hooks.clear()
         self._removed = True
 
@@ -334,6 +360,7 @@ class StepInBackward(torch.optim.Optimizer):
             if p.requires_grad:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
                 setattr(p, _OWNER, weakref.ref(self))
+                setattr(p, ROW_SINK, _RowSink(self))
             else:
                 self._frozen.append(p)
 
@@ -388,6 +415,7 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _end_backward(self) -> None:
         self._task = None
+        self._rows_taken.clear()
         self._flush()
         if self._accumulate > 1:
             if self._micro == self._accumulate:
@@ -416,6 +444,31 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _step_one(self, p: torch.Tensor) -> None:
         self._start_backward()
+        if p in self._rows_taken:
+            if p.grad is None:
+                return  # the fused loss returned no gradient for it: its rows are updated
+            raise _err(
+                RuntimeError,
+                "a weight updated row by row in the fused loss's backward got another gradient "
+                "in the same backward (a use of it beside the loss, e.g. loss + f(W)); its rows "
+                "were already updated without that gradient",
+                "the head weight used by the fused loss only",
+                f"a second gradient for a {tuple(p.shape)} weight",
+                "Add that term inside the model's graph below the loss, or use a plain optimizer",
+            )
+        self._count(p)
+        if self._accumulate == 1 or self._micro == self._accumulate:
+            nbytes = p.numel() * p.element_size()
+            if nbytes >= self._bucket_bytes:
+                self._update([p])
+                return
+            # NOTE [Small parameters update together]
+            self._pending.append(p)
+            self._pending_bytes += nbytes
+            if self._pending_bytes >= self._bucket_bytes:
+                self._flush()
+
+    def _count(self, p: torch.Tensor) -> None:
         n = self._fired.get(p, 0) + 1
         if self._accumulate == 1 and n > 1:
             raise _err(
@@ -429,16 +482,113 @@ class StepInBackward(torch.optim.Optimizer):
             )
         self._fired[p] = n
         self._fired_since_call[p] = self._fired_since_call.get(p, 0) + 1
-        if self._accumulate == 1 or self._micro == self._accumulate:
-            nbytes = p.numel() * p.element_size()
-            if nbytes >= self._bucket_bytes:
-                self._update([p])
-                return
-            # NOTE [Small parameters update together]
-            self._pending.append(p)
-            self._pending_bytes += nbytes
-            if self._pending_bytes >= self._bucket_bytes:
-                self._flush()
+
+    # --- chunked updates (NOTE [Chunked updates]) --------------------------------------------
+    def _chunkable(self, p: torch.Tensor) -> bool:
+        opt = self.optimizer
+        if (
+            type(opt) not in _CHUNKED_OPTIMIZERS
+            or p.device.type != "cpu"
+            or p.layout != torch.strided
+            or p.is_complex()
+            or not p.is_contiguous()
+        ):
+            return False
+        group = opt.param_groups[self._group_index[p]]
+        if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+            return False
+        g = p.grad
+        if g is not None and (
+            g.layout != torch.strided
+            or not g.is_contiguous()
+            or g.shape != p.shape
+            or g.dtype != p.dtype
+        ):
+            return False
+        st = opt.state.get(p)
+        if type(opt) is torch.optim.SGD:
+            if group["momentum"] != 0 and not (st and torch.is_tensor(st.get("momentum_buffer"))):
+                return False  # the first step creates the buffer from the whole gradient
+        elif not (st and torch.is_tensor(st.get("step"))):
+            return False  # the first step creates the state
+        for k, v in (st or {}).items():
+            if k == "step":
+                continue
+            if not (
+                torch.is_tensor(v)
+                and v.shape == p.shape
+                and v.dtype == p.dtype
+                and v.device == p.device
+                and v.is_contiguous()
+            ):
+                return False
+        return True
+
+    def _update_range(self, p: torch.Tensor, grad: torch.Tensor, a: int, b: int, last: bool):
+        # the optimizer's own step() on elements [a, b) of p: views of the parameter, gradient
+        # and state; the step counter advances once, in the last piece (the others count from a
+        # copy of it)
+        opt = self.optimizer
+        group = opt.param_groups[self._group_index[p]]
+        st = opt.state[p]
+        with torch.no_grad():
+            pv = p.detach().view(-1)[a:b]
+            view = {}
+            for k, v in st.items():
+                if k == "step":
+                    view[k] = v if last else v.clone()
+                elif torch.is_tensor(v) and v.shape == p.shape:
+                    view[k] = v.view(-1)[a:b]
+                else:
+                    view[k] = v
+            pv.grad = grad
+            groups, params = opt.param_groups, group["params"]
+            opt.state[pv] = view
+            try:
+                group["params"] = [pv]
+                opt.param_groups = [group]
+                self._raw_step()
+            finally:
+                group["params"] = params
+                opt.param_groups = groups
+                del opt.state[pv]
+                pv.grad = None
+
+    def _take_rows(self, p: torch.Tensor, node: Any):
+        # called by the fused loss's backward (slimgrad.ops.linear_cross_entropy.ROW_SINK) for an
+        # untied head weight: update it block of rows by block of rows, from each block's
+        # complete gradient (NOTE [Head gradient by vocabulary blocks] in slimgrad/_math/), or
+        # return None and let it come back whole
+        if (
+            self._removed
+            or self._accumulate != 1
+            or self._clip_norm is not None
+            or p.dim() != 2
+            or not torch._C._will_engine_execute_node(node)
+            or not self._chunkable(p)
+        ):
+            return None
+        try:
+            self._start_backward()
+            self._count(p)
+        except BaseException:
+            self._task = None
+            self._drop_pending()
+            raise
+        self._rows_taken.add(p)
+        width, total = p.shape[1], p.shape[0]
+
+        def take(v0: int, v1: int, g: torch.Tensor) -> None:
+            try:
+                if self._clip_value is not None:
+                    g.clamp_(min=-self._clip_value, max=self._clip_value)
+                self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
+            except BaseException:
+                self._task = None
+                self._drop_pending()
+                raise
+
+        return take
 
     def _flush(self) -> None:
         if self._pending:
@@ -459,6 +609,23 @@ class StepInBackward(torch.optim.Optimizer):
         if self._clip_norm is not None:
             for p in params:
                 torch.nn.utils.clip_grad_norm_([p], self._clip_norm)
+        whole = []
+        for p in params:
+            n = p.numel()
+            if n > CHUNK_ELEMS and p.grad is not None and self._chunkable(p):
+                # NOTE [Chunked updates]: the optimizer's temporaries are one piece's, not the
+                # parameter's (AdamW's sqrt and div of a 94 MiB embedding)
+                g = p.grad.view(-1)
+                for a in range(0, n, CHUNK_ELEMS):
+                    b = min(a + CHUNK_ELEMS, n)
+                    self._update_range(p, g[a:b], a, b, b == n)
+                p.grad = None
+                del g
+            else:
+                whole.append(p)
+        if not whole:
+            return
+        params = whole
         opt = self.optimizer
         groups = opt.param_groups
         by_group: dict[int, list[torch.Tensor]] = {}
@@ -505,6 +672,7 @@ class StepInBackward(torch.optim.Optimizer):
                 f"Call {call} after loss.backward()",
             )
         self._task = None  # outside backward: a backward that raised left no callback to run
+        self._rows_taken.clear()
         self._drop_pending()
         if self._accumulate > 1:
             if self._micro != 0:

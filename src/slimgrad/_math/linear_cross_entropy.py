@@ -11,6 +11,7 @@ import torch
 
 __all__ = [
     "_acc_dtype",
+    "_bwd_rows_torch",
     "_bwd_torch",
     "_fwd_grad_torch",
     "_fwd_torch",
@@ -152,6 +153,98 @@ def _bwd_torch(
         if need_dh:
             torch.mm(zt.to(h.dtype).t(), weight, out=dh[s:e])
         del zt
+    return dh, dw, db
+
+
+# NOTE [Head gradient by vocabulary blocks]
+# The token-chunk loop of _bwd_torch completes no row of dW before its last chunk: the whole V x H
+# dW lives from its first chunk to the end of the op. _bwd_rows_torch walks the vocabulary in
+# blocks of ``rows`` rows (outer) and the tokens in chunks (inner), from the lse saved in forward:
+# block v's logits zT_v = W_v hcᵀ (+ b_v) give dz_v, then dW_v = Σ_chunks dz_v hc is complete
+# (over every token) when the block ends, and dh = Σ_v dz_vᵀ W_v accumulates over the blocks. Each
+# block's dW_v is computed into its own (rows, H) buffer and handed to ``take_rows(v0, v1, dW_v)``
+# when given (slimgrad.step_in_backward updates those rows of the parameter and frees the buffer:
+# only one block of dW is alive), else copied into the full dW. Both ways run the same arithmetic
+# on the same buffers, so the bits do not depend on who takes the rows. W_v is read for dh before
+# take_rows is called, and no later block reads it. dh cannot share storage with h when there is
+# more than one block (every block reads all of h): ``dh_out`` must not alias h then.
+# Full precision only (dh accumulates in h's dtype). Memory: one block of logits (rows x chunk)
+# and one of dW (rows x H) instead of chunk x V and V x H.
+
+
+def _bwd_rows_torch(
+    h,
+    weight,
+    bias,
+    target,
+    lse,
+    scale,
+    ignore_index,
+    eps,
+    chunk,
+    rows,
+    need,
+    dh_out=None,
+    lscale=1.0,
+    cap=None,
+    take_rows=None,
+):
+    """:func:`_bwd_torch` by vocabulary blocks of ``rows`` rows (NOTE [Head gradient by vocabulary
+    blocks]): (dh, dW, db), dW None when ``take_rows`` took every block. Full precision only."""
+    n, v = h.shape[0], weight.shape[0]
+    acc = _acc_dtype(h.dtype)
+    if acc != h.dtype:
+        raise ValueError("_bwd_rows_torch: full precision only; this is a slimgrad bug")
+    valid = target != ignore_index
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    need_dh, need_dw, need_db = need
+    dh = (dh_out if dh_out is not None else torch.empty_like(h)) if need_dh else None
+    dw = None
+    if need_dw and take_rows is None:
+        dw = torch.empty(weight.shape, dtype=acc, device=h.device)
+    db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
+    for v0 in range(0, v, rows):
+        v1 = min(v0 + rows, v)
+        wv = weight[v0:v1]
+        bv = bias[v0:v1] if bias is not None else None
+        gw = torch.empty((v1 - v0, h.shape[1]), dtype=acc, device=h.device) if need_dw else None
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            hc = h[s:e]
+            zt = _logits_t(hc, wv, bv, acc)  # NOTE [Logits as V x chunk]
+            zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
+            zt.sub_(lse[None, s:e]).exp_()
+            if eps:
+                zt.sub_(eps / v)
+            # the smoothed one-hot of the targets inside this block (others add 0)
+            local = safe_t[s:e] - v0
+            inside = (local >= 0) & (local < v1 - v0)
+            add = torch.zeros((1, e - s), dtype=acc, device=h.device)
+            add.masked_fill_(inside[None], eps - 1.0)
+            zt.scatter_add_(0, torch.where(inside, local, 0)[None], add)
+            del local, inside, add
+            zt = _transform_grad_(zt, th, lscale)
+            del th
+            zt.mul_(scale[None, s:e])
+            if need_db:
+                db[v0:v1] += zt.sum(1)
+            if need_dw:
+                if s == 0:
+                    torch.mm(zt, hc, out=gw)
+                else:
+                    gw.addmm_(zt, hc)
+            if need_dh:
+                if v0 == 0:
+                    torch.mm(zt.t(), wv, out=dh[s:e])
+                else:
+                    dh[s:e].addmm_(zt.t(), wv)
+            del zt
+        if need_dw:
+            if take_rows is not None:
+                take_rows(v0, v1, gw)
+            else:
+                dw[v0:v1] = gw
+            del gw
     return dh, dw, db
 
 

@@ -51,6 +51,7 @@ from slimgrad._autograd import first_order, refuse_jit, tie_refusal, transforms_
 from slimgrad._errors import internal_error
 from slimgrad._math.linear_cross_entropy import (
     _acc_dtype,
+    _bwd_rows_torch,
     _bwd_torch,
     _fwd_grad_torch,
     _fwd_torch,
@@ -58,10 +59,49 @@ from slimgrad._math.linear_cross_entropy import (
 from slimgrad.kernels import _backend
 from slimgrad.ops.layer_norm import make_anchor
 
-__all__ = ["causal_lm_loss", "default_chunk_size", "linear_cross_entropy"]
+__all__ = [
+    "ROW_SINK",
+    "causal_lm_loss",
+    "default_chunk_size",
+    "linear_cross_entropy",
+    "vocab_block_rows",
+]
 
 _REDUCTIONS = ("none", "mean", "sum")
 _API = "slimgrad.ops.linear_cross_entropy"
+
+# Attribute of a head weight naming a callable ``sink(weight, accumulate_grad_node)`` that, inside
+# backward, returns ``take_rows(v0, v1, dW_rows)`` (it then takes every block of dW rows, and the
+# op returns no gradient for the weight) or None (the op returns dW as usual). Set by
+# slimgrad.step_in_backward (NOTE [Head gradient by vocabulary blocks] in slimgrad/_math/).
+ROW_SINK = "_slimgrad_row_sink"
+
+
+def vocab_block_rows(hidden_size: int) -> int:
+    """Vocabulary rows per block of the row-wise backward: about 2^20 elements of dW (4 MiB in
+    float32) per block, at least 1 (NOTE [Head gradient by vocabulary blocks])."""
+    return max(1, (1 << 20) // max(hidden_size, 1))
+
+
+def _weight_grad_only_here(ctx) -> bool:
+    # True when the weight (input 1) is a leaf whose AccumulateGrad no other path of this graph
+    # below the op reaches (an untied head; a tied embedding's lookup reaches it through hidden).
+    # A use beside the op (loss + f(W)) is not below it: step_in_backward refuses it when its
+    # gradient arrives.
+    acc = ctx.next_functions[1][0]
+    if acc is None or acc.name() != "torch::autograd::AccumulateGrad":
+        return False
+    seen = set()
+    stack = [f for i, (f, _) in enumerate(ctx.next_functions) if i != 1 and f is not None]
+    while stack:
+        f = stack.pop()
+        if f is acc:
+            return False
+        if f in seen:
+            continue
+        seen.add(f)
+        stack.extend(g for g, _ in f.next_functions if g is not None)
+    return True
 
 
 def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
@@ -161,6 +201,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
     def _double(ctx, grad_out):
         # refused (first derivatives right, differentiating them raises), tied to the inputs'
         # anchors: the gradients precomputed in forward carry no graph of their own
+        ctx._no_row_sink = True  # differentiable gradients: every dW row is returned
         with torch.no_grad():
             out = _LinearCrossEntropyFn._first(ctx, grad_out)
         deps = list(getattr(ctx, "_slimgrad_deps", []))
@@ -222,9 +263,26 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[:3])
         if not any(need):
             return (None,) * 12
+        triton = _backend.use_triton(hidden) and ctx.tf == (1.0, None)
+        # NOTE [Head gradient by vocabulary blocks]: full precision, a leaf weight whose only
+        # gradient comes from here (an untied head): dW by blocks of rows, each complete in turn
+        rows = None
+        if (
+            need[1]
+            and not triton
+            and cdt == hdt == weight.dtype == _acc_dtype(cdt)
+            and not torch.compiler.is_compiling()
+            and _weight_grad_only_here(ctx)
+        ):
+            rows = vocab_block_rows(hidden.shape[-1])
         # dh may overwrite the saved hidden when nobody else reads it (NOTE [Gradient-buffer
-        # ownership]); only when no dtype conversion sits between them.
-        dh_out = ownership.take_saved(ctx, hidden) if need[0] and cdt == hdt else None
+        # ownership]); only when no dtype conversion sits between them, and with one vocabulary
+        # block at most (each block reads all of hidden)
+        dh_out = (
+            ownership.take_saved(ctx, hidden)
+            if need[0] and cdt == hdt and (rows is None or rows >= weight.shape[0])
+            else None
+        )
         h = hidden.reshape(-1, hidden.shape[-1])
         t = target.reshape(-1)
         acc = _acc_dtype(cdt)
@@ -251,7 +309,29 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             if dh_out is not None
             else (dh_full.view(-1, h.shape[1]) if dh_full is not None else None)
         )
-        if _backend.use_triton(h) and ctx.tf == (1.0, None):
+        if rows is not None:
+            take_rows = None
+            sink = getattr(weight, ROW_SINK, None)
+            if sink is not None and not getattr(ctx, "_no_row_sink", False):
+                take_rows = sink(weight, ctx.next_functions[1][0])
+            dh, dw, db = _bwd_rows_torch(
+                h,
+                w,
+                b,
+                t,
+                lse,
+                scale,
+                ignore_index,
+                eps,
+                chunk,
+                rows,
+                need,
+                dh_flat,
+                *ctx.tf,
+                take_rows=take_rows,
+            )
+            del take_rows, sink
+        elif triton:
             bwd = _backend.kernels("linear_cross_entropy")._bwd_triton
             dh, dw, db = bwd(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
         else:
