@@ -2,10 +2,10 @@
 
 Each handler takes a torch module and returns the slimgrad module that replaces it, sharing its
 Parameters, buffers and hooks. Conv → slimgrad conv (selective saving); BatchNorm → slimgrad
-BatchNorm (registers its output); ReLU/GELU/SiLU/LeakyReLU/ELU → the ``*AfterNorm`` modules, which
-are plain activations except right after a slimgrad BatchNorm, where the pair keeps one full-size
-tensor (NOTE [Derived saved inputs] in ``slimgrad/ops/_derived.py``). Swapping all three is what
-gives the saving; any subset stays exact.
+BatchNorm (registers its output); ReLU/GELU/SiLU/LeakyReLU/ELU/Hardswish → the ``*AfterNorm``
+modules, which are plain activations (Hardswish: slimgrad's) except right after a slimgrad
+BatchNorm, where the pair keeps one full-size tensor (NOTE [Derived saved inputs] in
+``slimgrad/ops/_derived.py``). Swapping all three is what gives the saving; any subset stays exact.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from torch import nn
 from slimgrad.convert_handlers.abn import inplace_abn_pattern
 from slimgrad.nn import batch_norm as _bn
 from slimgrad.nn import conv as _conv
+from slimgrad.nn import hardswish as _hardswish
+from slimgrad.nn import squeeze_excite as _se
 
 __all__ = ["HANDLERS", "TABLE", "bn_act_pattern", "convert_cnn_", "inplace_abn_pattern"]
 
@@ -42,6 +44,7 @@ convert_gelu = _handler(_bn.GELUAfterNorm)
 convert_silu = _handler(_bn.SiLUAfterNorm)
 convert_leaky_relu = _handler(_bn.LeakyReLUAfterNorm)
 convert_elu = _handler(_bn.ELUAfterNorm)
+convert_hardswish = _handler(_hardswish.HardswishAfterNorm)
 
 #: {torch type: handler}; exact types only (a subclass may override forward).
 HANDLERS = {
@@ -59,6 +62,7 @@ HANDLERS = {
     nn.SiLU: convert_silu,
     nn.LeakyReLU: convert_leaky_relu,
     nn.ELU: convert_elu,
+    nn.Hardswish: convert_hardswish,
 }
 
 
@@ -68,6 +72,7 @@ _ACT_AFTER_NORM = {
     nn.SiLU: convert_silu,
     nn.LeakyReLU: convert_leaky_relu,
     nn.ELU: convert_elu,
+    nn.Hardswish: convert_hardswish,
 }
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _TIMM_BN_ACT = "timm.layers.norm_act.BatchNormAct2d"  # by name: timm is never imported
@@ -85,11 +90,24 @@ TABLE = {
 }
 
 
+def convert_squeeze_excitation(module: nn.Module) -> nn.Module:
+    """torchvision ``SqueezeExcitation`` -> :class:`slimgrad.nn.squeeze_excite.SqueezeExcitation`
+    (its forward and ``_scale``, the gating by ``slimgrad.ops.squeeze_excite``)."""
+    try:
+        return _se.SqueezeExcitation.from_torch(module)
+    except TypeError as e:  # another forward: the report names it
+        raise NotImplementedError(str(e)) from None
+
+
+# by name: torchvision is never imported
+TABLE["torchvision.ops.misc.SqueezeExcitation"] = ("activations", convert_squeeze_excitation)
+
+
 def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
-    """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU/LeakyReLU/ELU modules
-    that share a parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's ResNet
-    blocks, which call ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. Those act
-    exactly like torch's on any input, and keep nothing extra after a slimgrad BatchNorm (NOTE
+    """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU/LeakyReLU/ELU/Hardswish
+    modules that share a parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's
+    ResNet blocks, which call ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. They
+    act exactly like torch's on any input, and keep nothing extra after a slimgrad BatchNorm (NOTE
     [Derived saved inputs]). timm's ``BatchNormAct2d`` is a BatchNorm whose own ``act`` child
     follows it (``convert_handlers.timm``): that child is swapped too. Every module keeps its own
     function (slices, hooks, surgery as eager).

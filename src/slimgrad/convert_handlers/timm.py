@@ -22,6 +22,12 @@ slimgrad replacement computes (checked against timm 1.0's forwards), else raises
   (NOTE [Derived saved inputs]); ``convert_`` then converts the other children (``drop``, a
   Hardswish ``act``) by the table (``CONVERT_CHILDREN``). State_dict keys are timm's.
 
+- the squeeze-excite blocks ``SEModule`` (alias ``SqueezeExcite``), ``EffectiveSEModule`` and the
+  EfficientNet/MobileNet blocks' ``SqueezeExcite``: their forward with the last ``x * gate(s)`` as
+  ``slimgrad.ops.squeeze_excite`` (``slimgrad.nn.squeeze_excite``); their children (convs, act,
+  gate) are then converted by the table.
+- ``DropPath``: ``slimgrad.nn.DropPath`` (the same draw, the mask kept as 1 bit per sample).
+
 Subclasses of these follow NOTE [Subclasses convert by what they compute] in ``slimgrad.convert``.
 """
 
@@ -32,7 +38,9 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from slimgrad.nn import squeeze_excite as _se
 from slimgrad.nn.batch_norm import BatchNorm2d
+from slimgrad.nn.drop_path import DropPath
 from slimgrad.nn.gelu import GELU
 from slimgrad.nn.group_norm import GroupNorm
 from slimgrad.nn.layer_norm import LayerNorm
@@ -195,6 +203,18 @@ def sigmoid_from_timm(module: nn.Module) -> nn.Module:
     return new
 
 
+def _from_torch(cls: type):
+    def convert(module: nn.Module) -> nn.Module:
+        try:
+            return cls.from_torch(module)
+        except TypeError as e:  # another forward: the report names it
+            raise NotImplementedError(str(e)) from None
+
+    convert.__name__ = f"{cls.__name__.lower()}_from_timm"
+    convert.__doc__ = f"timm ``{cls.__name__}`` -> :class:`{cls.__module__}.{cls.__name__}`."
+    return convert
+
+
 # {qualified timm class name: (ConvertConfig field, handler)}; merged into slimgrad.convert._TABLE.
 TABLE = {
     "timm.layers.norm.LayerNorm": ("norms", layer_norm_from_timm),
@@ -218,6 +238,16 @@ TABLE = {
         "norms",
         _norm_act(LayerNormAct2d, "timm.layers.norm_act.LayerNormAct2d.forward"),
     ),
+    "timm.layers.squeeze_excite.SEModule": ("activations", _from_torch(_se.SEModule)),
+    "timm.layers.squeeze_excite.EffectiveSEModule": (
+        "activations",
+        _from_torch(_se.EffectiveSEModule),
+    ),
+    "timm.models._efficientnet_blocks.SqueezeExcite": (
+        "activations",
+        _from_torch(_se.SqueezeExciteBlock),
+    ),
+    "timm.layers.drop.DropPath": ("dropout", _from_torch(DropPath)),
 }
 
 #: qualified names of timm's norm + act classes (``cnn.bn_act_pattern`` swaps their BatchNorm's act)

@@ -78,17 +78,28 @@ __all__ = [
     "check_version",
     "lookup",
     "lookup_recipe",
+    "register_gated",
     "register_recipe",
 ]
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "leaky_relu", "elu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "leaky_relu", "elu", "hardswish")
 
 # An activation is named by a str (``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"``) or, for
 # the ones with parameters, a tuple: ``("leaky_relu", negative_slope, inplace)`` and
 # ``("elu", alpha, inplace)``. ``inplace`` only selects which of eager's backward formulas to
 # reproduce bit for bit: eager's in-place ELU differentiates from its output (``is_result=True``),
 # so the derived Function recomputes that output from b first; out of place, from b itself.
-# torch.nn.ELU is ``elu(x, alpha, scale=1, input_scale=1)``.
+# torch.nn.ELU is ``elu(x, alpha, scale=1, input_scale=1)``. Eager's in-place ``hardswish_`` keeps a
+# copy of its input and differentiates from it, as out of place: one spec for both.
+#
+# NOTE [Gated derived tensors]
+# Squeeze-excite gating ``y = x * g`` (``slimgrad.ops.squeeze_excite``) with x kept (or x = act(b),
+# b kept) registers y as derived with the spec ``("gate", inner, g, g_version, gate_first)``:
+# ``apply_act`` rebuilds y as ``apply_act(inner, b) * g`` (``inner`` None: ``b * g``), the same
+# multiply in the same operand order, so a following slimgrad conv keeps b instead of y. g (one
+# value per sample and channel) is a detached alias; its version is checked at lookup (forward) and
+# at every rebuild (backward), so an in-place change of g raises autograd's error instead of
+# giving a wrong gradient. Only ``apply_act`` knows this spec: it is never an activation's own.
 
 _SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -148,6 +159,18 @@ def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
     return r
 
 
+def register_gated(
+    y: torch.Tensor, base: torch.Tensor, inner, g: torch.Tensor, gate_first: bool
+) -> None:
+    """Register ``y == apply_act(inner, base) * g`` (NOTE [Gated derived tensors]); ``base`` is kept
+    by the caller's node."""
+    if _tracing():
+        return
+    gd = g.detach()
+    spec = ("gate", inner, gd, gd._version, bool(gate_first))
+    _DERIVED[y] = Derived(base.detach(), base._version, spec, y._version)
+
+
 def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
@@ -176,6 +199,8 @@ def lookup(x: torch.Tensor) -> Derived | None:
     d = _DERIVED.get(x)
     if d is None or x._version != d.version or d.base._version != d.base_version:
         return None
+    if isinstance(d.act, tuple) and d.act[0] == "gate" and d.act[2]._version != d.act[3]:
+        return None
     return d
 
 
@@ -191,6 +216,11 @@ def check_version(t: torch.Tensor, version: int, what: str) -> None:
 
 def apply_act(act, b: torch.Tensor) -> torch.Tensor:
     if isinstance(act, tuple):
+        if act[0] == "gate":  # NOTE [Gated derived tensors]
+            _, inner, g, g_version, gate_first = act
+            check_version(g, g_version, "squeeze-excite gate")
+            x = apply_act(inner, b) if inner is not None else b
+            return g * x if gate_first else x * g
         if act[0] == "leaky_relu":
             return F.leaky_relu(b, act[1])
         if act[0] == "elu":
@@ -204,6 +234,8 @@ def apply_act(act, b: torch.Tensor) -> torch.Tensor:
         return F.gelu(b, approximate="tanh")
     if act == "silu":
         return F.silu(b)
+    if act == "hardswish":
+        return F.hardswish(b)
     raise _bad_act(act)
 
 
@@ -227,6 +259,8 @@ def _act_backward(act, grad: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten.gelu_backward(grad, b, approximate="tanh")
     if act == "silu":
         return torch.ops.aten.silu_backward(grad, b)
+    if act == "hardswish":  # eager's (in place: from its copy of the input, which is b)
+        return torch.ops.aten.hardswish_backward(grad, b)
     raise _bad_act(act)
 
 
@@ -262,7 +296,12 @@ class _DerivedActFn(torch.autograd.Function):
 
 
 def activation(
-    x: torch.Tensor, act: str, inplace: bool = False, owned: bool = False, param: float = 0.0
+    x: torch.Tensor,
+    act: str,
+    inplace: bool = False,
+    owned: bool = False,
+    param: float = 0.0,
+    fallback=None,
 ) -> torch.Tensor:
     """``act(x)`` that, after a slimgrad norm, lets the block keep only the norm output.
 
@@ -283,6 +322,8 @@ def activation(
         owned: ``slimgrad.ownership.owns_input(x, module)`` of the calling module (needed for the
             derived path when ``inplace``).
         param: ``negative_slope`` for ``"leaky_relu"``, ``alpha`` for ``"elu"``; else unused.
+        fallback: ``fallback(x, inplace)`` computes the activation off the derived path (e.g.
+            slimgrad's own lean op); None: eager's op.
 
     Returns:
         The activation output.
@@ -306,6 +347,8 @@ def activation(
         r = _DerivedActFn.apply(x, spec)
         _DERIVED[r] = Derived(x.detach(), x._version, spec, r._version)
         return r
+    if fallback is not None:
+        return fallback(x, inplace)
     if act == "leaky_relu":
         return F.leaky_relu(x, param, inplace)
     if act == "elu":
@@ -314,4 +357,6 @@ def activation(
         return torch.relu_(x)
     if inplace and act == "silu":
         return F.silu(x, inplace=True)
+    if inplace and act == "hardswish":
+        return F.hardswish(x, inplace=True)
     return apply_act(act, x)
