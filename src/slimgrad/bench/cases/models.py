@@ -8,6 +8,7 @@ side would read fake storages (undefined behaviour; it crashed the interpreter h
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -356,6 +357,17 @@ def eager_hf_llama_autocast(device, dtype, small=False):
     return Autocast(eager, torch.bfloat16), make_inputs
 
 
+def eager_hf_autocast(name: str, device, dtype, small=False):
+    """The eager side of the ``hf_<name>_autocast`` cases (``name``: ``"gpt2"`` or a decoder family
+    such as ``"llama"``): the model with ``dtype`` weights (float32 by default) run under
+    ``torch.autocast(dtype=bfloat16)``, the loss in float32."""
+    if name == "gpt2":
+        eager, make_inputs = eager_hf_gpt2(device, dtype, small)
+    else:
+        eager, make_inputs = eager_hf_text(name, device, dtype, small)
+    return Autocast(eager, torch.bfloat16), make_inputs
+
+
 @register_case(
     "hf_llama_autocast",
     description="hf_llama (float32 weights) under torch.autocast(bfloat16): 12 x 768, 4x256 "
@@ -366,3 +378,153 @@ def eager_hf_llama_autocast(device, dtype, small=False):
 def build_hf_llama_autocast(device, dtype, small=False):
     eager, make_inputs = eager_hf_llama_autocast(device, dtype, small)
     return eager, slim_copy(eager), make_inputs
+
+
+def _autocast_case(name: str, what: str) -> None:
+    @register_case(
+        f"hf_{name}_autocast",
+        description=f"{what} (float32 weights) under torch.autocast(bfloat16) [hf extra]",
+        requires=("transformers",),
+        repeat=3,
+    )
+    def build(device, dtype, small=False):
+        eager, make_inputs = eager_hf_autocast(name, device, dtype, small)
+        return eager, slim_copy(eager), make_inputs
+
+
+_autocast_case("gpt2", "hf_gpt2 (GPT-2 small, 4x256 tokens, labels=ids)")
+for _fam in _FAMILY_NOTES:
+    _autocast_case(_fam, f"hf_{_fam} (12 x 768, 4x256 tokens, left-padded rows)")
+
+
+# {case: eager side builder (device, dtype, small) -> (model, make_inputs)} for estimate_case
+_EAGER_SIDES = {
+    "hf_gpt2": eager_hf_gpt2,
+    "hf_llama_autocast": eager_hf_llama_autocast,
+    **{f"hf_{n}": functools.partial(eager_hf_text, n) for n in ("llama", "bert", *_FAMILY_NOTES)},
+    **{f"hf_{n}_autocast": functools.partial(eager_hf_autocast, n) for n in _FAMILY_NOTES},
+    "hf_gpt2_autocast": functools.partial(eager_hf_autocast, "gpt2"),
+}
+
+
+def estimate_case(
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    small: bool = False,
+    device: str = "cpu",
+    out_dir=None,
+    seed: int = 0,
+) -> dict:
+    """One step of case ``name`` per side under ``slimgrad.memory.estimate`` (fake tensors: no
+    compute, no memory), as a record with the harness's memory fields.
+
+    For the HF model cases (``hf_llama``, the decoder families, their ``_autocast`` variants,
+    ``hf_gpt2``, ``hf_bert``) whose real runs at full size and in bfloat16 are too slow on a small
+    CPU box. The figures are those of a first step (``slimgrad.memory.measure`` on a fresh model;
+    exact unless the model branches on tensor values). No timing: ``step_ms`` is None.
+
+    Args:
+        name: the case (a key of the cases estimable here).
+        dtype: the weights' dtype (``torch.bfloat16``: bf16 weights).
+        small: the case's small variant. device: whose kernels are modelled (``"cpu"``/``"cuda"``).
+        out_dir: append the record to ``out_dir/<name>.jsonl`` when given.
+        seed: seeds the model and the inputs (the same for both sides).
+
+    Returns:
+        ``{"case", "estimated": True, "dtype", "device", "small", "eager": {...}, "slimgrad":
+        {...}, "peak_ratio", "saved_ratio", "saved_over_eager_floor", "eager_saved_over_floor",
+        "versions", "commit", "time_utc"}``; each side has the harness's ``MEMORY_FIELDS``,
+        ``by_node`` and ``step_ms`` (None).
+
+    Raises:
+        ValueError: ``name`` is not a case this function can estimate.
+    """
+    import json
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    import slimgrad
+    from slimgrad import memory
+    from slimgrad.bench.harness import MEMORY_FIELDS, _ratio, environment, git_commit
+
+    if name not in _EAGER_SIDES:
+        raise ValueError(
+            f"slimgrad.bench.cases.models.estimate_case: unknown case; expected one of "
+            f"{sorted(_EAGER_SIDES)}, got {name!r}. Run other cases with `slimgrad bench`."
+        )
+    commit = git_commit()
+
+    def side(convert: bool) -> dict:
+        def make():
+            torch.manual_seed(seed)
+            # built in float32, then cast as model.to(dtype) would (whose parameter swap fails
+            # under FakeTensorMode with tied weights), keeping tied Parameters tied
+            model, make_inputs = _EAGER_SIDES[name](device, torch.float32, small)
+            for p in {id(p): p for p in model.parameters()}.values():
+                p.data = p.data.to(dtype)
+            for m in model.modules():
+                for k, b in m._buffers.items():
+                    if b is not None and b.is_floating_point():
+                        m._buffers[k] = b.to(dtype)
+            if convert:
+                model = slimgrad.convert_(model)
+            torch.manual_seed(seed + 1)
+            xs = make_inputs()
+            xs = xs if isinstance(xs, tuple) else (xs,)
+            return lambda: model(*xs)
+
+        m = memory.estimate(make, device=device, timeline=False)
+        out = {f: int(getattr(m, f)) for f in MEMORY_FIELDS}
+        out["by_node"] = {k: int(v) for k, v in sorted(m.by_node.items(), key=lambda kv: -kv[1])}
+        out["step_ms"] = None
+        return out
+
+    eager, slim = side(False), side(True)
+    rec = {
+        "case": name,
+        "estimated": True,
+        "small": small,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "eager": eager,
+        "slimgrad": slim,
+        "saved_ratio": _ratio(slim["saved_bytes"], eager["saved_bytes"]),
+        "peak_ratio": _ratio(slim["peak_bytes"], eager["peak_bytes"]),
+        "saved_over_eager_floor": _ratio(slim["saved_bytes"], eager["floor_bytes"]),
+        "eager_saved_over_floor": _ratio(eager["saved_bytes"], eager["floor_bytes"]),
+        "time_ratio": None,
+        "versions": {k: v for k, v in environment().items() if k != "gpus"},
+        "commit": commit,
+        "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if out_dir is not None:
+        path = Path(out_dir) / f"{name}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def main(argv=None) -> int:
+    """``python -m slimgrad.bench.cases.models CASE [--dtype D] [--small] [--out DIR]``: one
+    :func:`estimate_case` record, printed (and appended under ``--out``)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m slimgrad.bench.cases.models")
+    p.add_argument("case", choices=sorted(_EAGER_SIDES))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", default=None, help="folder of the JSONL records (CASE.jsonl)")
+    a = p.parse_args(argv)
+    rec = estimate_case(
+        a.case, dtype=getattr(torch, a.dtype), small=a.small, device=a.device, out_dir=a.out
+    )
+    print(json.dumps({k: v for k, v in rec.items() if k != "versions"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
