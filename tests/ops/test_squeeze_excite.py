@@ -70,7 +70,7 @@ def _pair(**kw):
 
 
 @pytest.mark.parametrize("act", list(ACTS))
-@pytest.mark.parametrize("hw", [(9, 7), (3, 3), (12, 17)])
+@pytest.mark.parametrize("hw", [(9, 7), (3, 3)])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("norm", [True, False])
 def test_outputs_and_gradients_are_eagers_bit_for_bit(act, hw, layout, norm):
