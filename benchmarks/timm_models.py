@@ -12,7 +12,7 @@ this script only; the library never imports timm or torchvision.
 
 Usage (from the repository root):
     PYTHONPATH=src:. .venv/bin/python benchmarks/timm_models.py [--models resnet50 ...]
-        [--repeat 7] [--small] [--no-grad-check] [--out benchmarks/results]
+        [--repeat 7] [--threads 1] [--small] [--no-grad-check] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -40,8 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--small", action="store_true", help="the tiny siblings (a quick look)")
     ap.add_argument("--no-grad-check", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--out", default="benchmarks/results", help="record directory ('' for none)")
     args = ap.parse_args(argv)
+    if args.threads is not None:  # on a shared, loaded box 1 thread avoids OpenMP barrier stalls
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     for name in args.models:
         t0 = time.perf_counter()
