@@ -115,6 +115,15 @@ class _RowSink:
         return handle._take_rows(weight, node)
 
 
+def _accumulates(node: Any) -> bool:
+    # whether this backward runs the weight's AccumulateGrad (not torch.autograd.grad, nor
+    # backward(inputs=...) without it); torch refuses the question under autograd.grad
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
 def _owner(p: torch.Tensor) -> StepInBackward | None:
     ref = getattr(p, _OWNER, None)
     handle = ref() if ref is not None else None
@@ -530,7 +539,7 @@ class StepInBackward(torch.optim.Optimizer):
         # copy of it)
         opt = self.optimizer
         group = opt.param_groups[self._group_index[p]]
-        st = opt.state[p]
+        st = opt.state.get(p, {})  # (no entry is made for a stateless update, as step() makes none)
         with torch.no_grad():
             pv = p.detach().view(-1)[a:b]
             view = {}
@@ -564,7 +573,7 @@ class StepInBackward(torch.optim.Optimizer):
             or self._accumulate != 1
             or self._clip_norm is not None
             or p.dim() != 2
-            or not torch._C._will_engine_execute_node(node)
+            or not _accumulates(node)
             or not self._chunkable(p)
         ):
             return None
