@@ -3,10 +3,21 @@
 # NOTE [Eager-only code under torch.compile]
 Some slimgrad code must run eagerly inside a compiled model (it reads version counters, keeps weak
 registries, or calls ``autograd.grad`` on recomputes, which Dynamo cannot trace). The usual
-``@torch.compiler.disable`` imports ``torch._dynamo`` (and with it Triton) at decoration time, that
-is at ``import slimgrad``. ``eager_only`` builds the disabled wrapper only once Dynamo is loaded:
-nothing can be compiling before that. When the first call happens inside a trace, Dynamo also
-breaks at the wrapper's creation, once.
+``@torch.compiler.disable`` imports ``torch._dynamo`` (and with it Triton: seconds) at decoration
+time, that is at ``import slimgrad``. ``eager_only`` builds the disabled wrapper only once Dynamo
+is loaded (nothing can be compiling before that): at decoration when it already is, else at the
+first call after it is.
+
+Every ``eager_only`` wrapper shares one code object (``call`` below), and Dynamo caches compiled
+frames per code object, up to ``recompile_limit`` (8) entries. Had Dynamo traced ``call``, the
+wrappers would have shared those entries: tracing ``torch.compiler.disable(fn)`` (the lazy
+creation) guards on ``fn.__code__``, and the call through ``*args, **kwargs`` on the number of
+arguments, so ``call`` recompiled once per wrapped function and per signature, and a model with
+nine of them hit the limit (torch 2.13; ``tests/test_compile_eager_only.py``). So Dynamo never
+traces it: once Dynamo is loaded (at decoration, or at the first call after it loads, which
+creates every waiting wrapper at once), ``call`` is marked skipped (``torch._dynamo``'s ``skip``:
+its frames run as Python, the frames it calls are still seen, and the disabled ``fn`` runs
+eagerly). A trace breaks the graph at each call, as at a ``torch.compiler.disable`` function.
 """
 
 from __future__ import annotations
@@ -20,6 +31,22 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
+# (fn, its slot, its wrapper) for every wrapper made before Dynamo was loaded
+_LAZY: list[tuple[Callable, list, Callable]] = []
+
+
+def _disable(fn: Callable, slot: list, call: Callable) -> None:
+    from torch._dynamo.decorators import skip
+
+    slot[0] = torch.compiler.disable(fn)
+    skip(call)
+
+
+def _disable_lazy() -> None:
+    for fn, slot, call in _LAZY:
+        if slot[0] is None:
+            _disable(fn, slot, call)
+
 
 def eager_only(fn: F) -> F:
     """Like ``torch.compiler.disable(fn)``, but Dynamo is imported lazily (see the NOTE)."""
@@ -30,7 +57,12 @@ def eager_only(fn: F) -> F:
         if disabled[0] is None:
             if "torch._dynamo" not in sys.modules:
                 return fn(*args, **kwargs)
-            disabled[0] = torch.compiler.disable(fn)
+            # every wrapper at once, never traced: a trace meets this once (see the NOTE)
+            torch.compiler.disable(_disable_lazy)()
         return disabled[0](*args, **kwargs)
 
+    if "torch._dynamo" in sys.modules:
+        _disable(fn, disabled, call)
+    else:
+        _LAZY.append((fn, disabled, call))
     return call  # type: ignore[return-value]

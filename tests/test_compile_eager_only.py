@@ -1,0 +1,89 @@
+"""Many ``eager_only`` functions inside one compiled model (NOTE [Eager-only code under
+torch.compile] in slimgrad/_compile.py): every wrapper shares one code object, so had Dynamo traced
+it, each wrapped function and each call signature would have added a cache entry to that code
+object, and the ninth would have hit ``recompile_limit`` (torch 2.13: 8). Here 12 distinct
+functions with three signatures, made before Dynamo is loaded (the usual case: ``import slimgrad``
+and then ``torch.compile``) and after: the wrapper is never compiled, Dynamo compiles the model's
+frame and one resume frame per graph break and nothing else, every model segment is compiled (no
+fallback to eager), every wrapped function runs eagerly, and values and gradients are eager's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.utils import counters
+
+from slimgrad._compile import eager_only
+
+K = 12  # wrapped functions: more than recompile_limit
+SIGNATURES = ("(x)", "(x, k)", "(x, *, k)")
+
+
+def _functions(seen: list) -> list:
+    # K distinct code objects, as K decorated functions in a library (not K closures of one def)
+    funcs = []
+    for k in range(K):
+        ns = {"torch": torch, "seen": seen}
+        params = SIGNATURES[k % 3][1:-1].replace("k", f"k={k}")
+        exec(
+            f"def f{k}({params}):\n"
+            f"    seen.append(({k}, torch.compiler.is_compiling()))\n"
+            f"    return x * {k + 2}\n",
+            ns,
+        )
+        funcs.append(ns[f"f{k}"])
+    return funcs
+
+
+def _model(wrapped: list):
+    # unrolled (a graph break inside a loop makes Dynamo run the whole frame eagerly)
+    calls = ["(x.sin())", "(x.sin(), {k})", "(x.sin(), k={k})"]
+    body = "".join(f"    x = w[{k}]{calls[k % 3].format(k=k)}\n" for k in range(K))
+    ns = {"w": wrapped}
+    exec(f"def model(x):\n{body}    return x\n", ns)
+    return ns["model"]
+
+
+@pytest.mark.parametrize("before_dynamo", [True, False], ids=["made_before_dynamo", "made_after"])
+def test_many_wrapped_functions_compile_without_recompiles(before_dynamo):
+    seen: list = []
+    funcs = _functions(seen)
+    with pytest.MonkeyPatch.context() as mp:
+        if before_dynamo:  # as at ``import slimgrad``: the wrappers wait for Dynamo
+            mp.delitem(sys.modules, "torch._dynamo")
+        wrapped = [eager_only(f) for f in funcs]
+    model = _model(wrapped)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        outs = [compiled(x) for _ in range(2)]
+    frames = counters["frames"]["total"]
+
+    assert not any(_debug_get_cache_entry_list(w) for w in wrapped)  # never compiled
+    # the model's frame and one resume frame per graph break; made before Dynamo, the first call
+    # (which creates every wrapper) is also compiled, once, with its resume frame
+    assert frames == K + 1 + (2 if before_dynamo else 0)
+    assert len(graphs) == K  # one per segment with ops, once: the second run compiled nothing
+    sins = sum(n.op == "call_method" and n.target == "sin" for g in graphs for n in g.graph.nodes)
+    assert sins == K  # every segment between the wrapped calls compiled: no eager fallback
+    assert seen == [(k, False) for _ in outs for k in range(K)]  # each ran, eagerly
+
+    ref = model(x)
+    (grad,) = torch.autograd.grad(outs[-1].sum(), x)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(outs[-1], ref)
+    torch.testing.assert_close(grad, ref_grad)
