@@ -16,62 +16,42 @@ bit-identical losses and full gradients, and reuse was granted on every rank.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-import slimgrad
 from slimgrad import memory, ownership
-from slimgrad.testing import DEFAULT_ATOL, assert_within_rule
-from tests.distributed._gloo import run_on_two_ranks
+from slimgrad.testing import DEFAULT_ATOL
+from tests.distributed._gloo import (
+    VOCAB,
+    assert_steps_within_rule,
+    prepare,
+    reuse_for,
+    run_on_two_ranks,
+    tiny_gpt2,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.distributed
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the tiny HF models (_gloo.tiny_llama, tiny_gpt2)
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 STEPS = 3
 MEM_T = 32  # tokens per row in the measured step
-B, T, VOCAB = 2, 8, 97
+B, T = 2, 8
 
 
 def _build(family: str):
-    torch.manual_seed(0)
     if family == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            attn_implementation="eager",
-        )
-        model = transformers.LlamaForCausalLM(cfg)
+        model = tiny_llama()
         return model, list(model.model.layers)
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="eager",
-    )
-    model = transformers.GPT2LMHeadModel(cfg)  # tied embedding: one parameter at the root
+    model = tiny_gpt2()  # tied embedding: one parameter at the root
     return model, list(model.transformer.h)
 
 
 def _sharded(family: str, variant: str, mp: bool):
     model, blocks = _build(family)
-    if variant == "ref64":
-        model = model.double()
-    elif variant != "eager":
-        slimgrad.convert_(model)
+    model = prepare(model, variant)
     policy = fsdp.MixedPrecisionPolicy()
     if mp and variant != "ref64":
         policy = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -91,8 +71,7 @@ def _run(family: str, variant: str, rank: int) -> dict:
     model = _sharded(family, variant.removesuffix("_bf16"), mp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
-    ownership.reset_reuse_count()
-    with ownership.reuse_disabled() if variant == "no_reuse" else contextlib.nullcontext():
+    with reuse_for(variant):
         for step in range(STEPS):
             ids = _batch(rank, step)
             loss = model(input_ids=ids, labels=ids).loss
@@ -112,9 +91,7 @@ def _peak(family: str, variant: str, rank: int, sharded: bool) -> int:
     if sharded:
         model = _sharded(family, variant, mp=False)
     else:
-        model = _build(family)[0]
-        if variant == "slimgrad":
-            slimgrad.convert_(model)
+        model = prepare(_build(family)[0], variant)
     # the same batch on both ranks: the bytes must then agree (data-dependent side tables, e.g.
     # a smooth activation's hard elements, would otherwise differ per rank)
     ids = torch.randint(1, VOCAB, (B, MEM_T), generator=torch.Generator().manual_seed(7))
@@ -150,19 +127,9 @@ def test_converted_fsdp2_matches_eager_fsdp2(ranks, mp):
     for res in ranks:
         ref, eager, ours = res["ref64"], res["eager" + sfx], res["slimgrad" + sfx]
         assert ours["reuse"] > 0  # gradient buffers were reused next to FSDP's
-        for step in range(STEPS):
-            assert_within_rule(
-                ours["loss"][step],
-                ref["loss"][step],
-                eager["loss"][step],
-                atol=loss_atol,
-                names=[f"step{step} loss"],
-            )
-            assert_within_rule(
-                ours["grad"][step],
-                ref["grad"][step],
-                eager["grad"][step],
-                names=[f"step{step} grad{i}" for i in range(len(ours["grad"][step]))],
+        for what, atol in (("loss", loss_atol), ("grad", None)):
+            assert_steps_within_rule(
+                ours[what], ref[what], eager[what], what, steps=STEPS, atol=atol
             )
 
 
@@ -170,10 +137,10 @@ def test_reuse_changes_no_bit_under_fsdp2(ranks):
     for res in ranks:
         on, off = res["slimgrad"], res["no_reuse"]
         assert on["reuse"] > 0 and off["reuse"] == 0
-        for step in range(STEPS):
-            assert torch.equal(on["loss"][step], off["loss"][step])
-            for a, b in zip(on["grad"][step], off["grad"][step], strict=True):
-                assert torch.equal(a, b)
+        assert len(on["loss"]) == len(on["grad"]) == STEPS
+        torch.testing.assert_close(
+            (on["loss"], on["grad"]), (off["loss"], off["grad"]), rtol=0, atol=0
+        )
 
 
 def test_fsdp2_per_rank_peak(ranks, request):
@@ -289,18 +256,13 @@ def _cnn() -> torch.nn.Module:
 def _train_cnn(rank: int) -> dict:
     out = {}
     for variant in ("ref64", "eager", "slimgrad", "no_reuse"):
-        model = _cnn()
-        if variant == "ref64":
-            model = model.double()
-        elif variant != "eager":
-            slimgrad.convert_(model)
+        model = prepare(_cnn(), variant)
         for block in (model[1], model[2]):
             fsdp.fully_shard(block)
         fsdp.fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         grads = []
-        ownership.reset_reuse_count()
-        with ownership.reuse_disabled() if variant == "no_reuse" else contextlib.nullcontext():
+        with reuse_for(variant):
             for step in range(STEPS):
                 g = torch.Generator().manual_seed(100 + 10 * rank + step)
                 x = torch.randn(4, 3, 5, 5, generator=g, dtype=next(model.parameters()).dtype)
@@ -320,11 +282,5 @@ def test_forward_inplace_writes_under_fsdp2(extras):
     for res in (r["cnn"] for r in extras):
         assert res["slimgrad"]["forward"] > 0 and res["no_reuse"]["forward"] == 0
         for variant in ("slimgrad", "no_reuse"):
-            ours = res[variant]
-            for step in range(STEPS):
-                assert_within_rule(
-                    ours["grad"][step],
-                    res["ref64"]["grad"][step],
-                    res["eager"]["grad"][step],
-                    names=[f"{variant} step{step} grad{i}" for i in range(len(ours["grad"][step]))],
-                )
+            grads = (res[v]["grad"] for v in (variant, "ref64", "eager"))
+            assert_steps_within_rule(*grads, "grad", steps=STEPS, label=f"{variant} step")

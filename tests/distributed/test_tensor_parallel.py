@@ -21,34 +21,23 @@ import torch.nn.functional as F
 
 import slimgrad
 from slimgrad import _dtensor, ops
-from slimgrad.testing import assert_within_rule
-from tests.distributed._gloo import run_on_two_ranks
+from tests.distributed._gloo import (
+    VOCAB,
+    assert_steps_within_rule,
+    prepare,
+    run_on_two_ranks,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.distributed
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the tiny HF Llama (_gloo.tiny_llama)
 tensor = pytest.importorskip("torch.distributed.tensor")
 tp = pytest.importorskip("torch.distributed.tensor.parallel")
 
 STEPS = 2
-B, T, VOCAB = 2, 8, 97
+B, T = 2, 8
 ERROR_FORM = re.compile(r"^slimgrad\.[\w.]+: .+; expected .+, got .+\. .+\.$", re.S)
-
-
-def _llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        attention_dropout=0.1,  # converted attention (softmax_dropout_matmul) on local heads
-        attn_implementation="eager",
-    )
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _plan(local: bool) -> dict:
@@ -65,11 +54,9 @@ def _plan(local: bool) -> dict:
 
 
 def _train_tp(variant: str, rank: int, local: bool) -> dict:
-    model = _llama()
-    if variant == "ref64":
-        model = model.double()
-    elif variant == "slimgrad":
-        slimgrad.convert_(model)
+    # converted attention (softmax_dropout_matmul) with dropout on each rank's local heads
+    model = prepare(tiny_llama(attention_dropout=0.1), variant)
+    if variant == "slimgrad":
         assert type(model.model.layers[0].mlp).__name__ == "GatedMLP"
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
     for block in model.model.layers:
@@ -256,19 +243,8 @@ def ranks(tmp_path_factory):
 def test_converted_llama_tp_matches_eager_tp(ranks, local):
     for res in ranks:
         ref, eager, ours = (res[v, local] for v in ("ref64", "eager", "slimgrad"))
-        for step in range(STEPS):
-            assert_within_rule(
-                ours["loss"][step],
-                ref["loss"][step],
-                eager["loss"][step],
-                names=[f"step{step} loss"],
-            )
-            assert_within_rule(
-                ours["grad"][step],
-                ref["grad"][step],
-                eager["grad"][step],
-                names=[f"step{step} grad{i}" for i in range(len(ours["grad"][step]))],
-            )
+        for what in ("loss", "grad"):
+            assert_steps_within_rule(ours[what], ref[what], eager[what], what, steps=STEPS)
 
 
 @pytest.mark.parametrize("name", list(_helper_cases()) if tensor else [])
