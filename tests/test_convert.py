@@ -43,8 +43,9 @@ def test_converts_in_place_and_reports(table):
     assert [id(p) for p in m.parameters()] == params  # shared, not copied
     assert m.state_dict().keys() == sd.keys()
     rep = slimgrad.report(m)
-    assert [c[0] for c in rep.converted] == ["1", "2.1"]
-    assert "converted 2 modules" in str(rep)
+    # the Linears convert too (slimgrad.nn.Linear, NOTE [Which Linears convert])
+    assert [c[0] for c in rep.converted] == ["0", "1", "2.0", "2.1"]
+    assert "converted 4 modules" in str(rep)
 
 
 def test_idempotent(table):
@@ -57,7 +58,7 @@ def test_filter_fn_and_config_and_refusal(table):
     m = _model()
     slimgrad.convert_(m, filter_fn=lambda mod, name: name != "2.1")
     rep = slimgrad.report(m)
-    assert [c[0] for c in rep.converted] == ["1"]
+    assert [c[0] for c in rep.converted] == ["0", "1", "2.0"]
     assert rep.skipped == [("2.1", "Tanh", "filter_fn returned False")]
 
     m = _model()
@@ -124,7 +125,7 @@ def test_a_module_shared_by_two_parents_stays_one_module():
     assert model[0][2] is model[1][0]
     assert type(model[0][2]).__module__.startswith("slimgrad.")
     names = [n for n, _, _ in slimgrad.report(model).converted]
-    assert names == ["0.1", "0.2"]  # each instance converted and reported once
+    assert names == ["0.0", "0.1", "0.2"]  # each instance converted and reported once
     x = torch.randn(3, 6)
     torch.testing.assert_close(model(x), ref(x))
     assert len(seen) == 4  # the hook kept on the one converted LayerNorm fires at both call sites

@@ -5,6 +5,8 @@ twice in one region, a non-leaf weight, a frozen weight, no bias, HF GPT-2's Con
 and ``enabled=False`` regions, ``cache_enabled=False``; second derivatives; the bytes kept.
 """
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -145,3 +147,52 @@ def test_weight_changed_before_backward_raises():
         w.mul_(2)  # eager would silently use the old cast; the kept W would give other bits
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.float().sum().backward()
+
+
+def test_no_weight_cast_resident_at_the_end_of_forward():
+    # k bias-free Linears under autocast, x0 * 1 in float32 (n x d). Eager: autocast's cache holds
+    # every weight's bf16 cast (2 d^2 B each) until the region exits, and each mm keeps its own.
+    # slimgrad: one cast alive at a time, freed after its matmul, plus a 2-byte cast token per
+    # weight (NOTE [Autocast weight casts]); the x casts (2 n d each) are kept as in eager.
+    n, d, k = 37, 24, 3
+
+    def step(f):
+        torch.manual_seed(0)
+        ws = [torch.nn.Parameter(torch.randn(d, d) / d**0.5) for _ in range(k)]
+        x0 = torch.randn(n, d, requires_grad=True)
+
+        def fwd():
+            with torch.autocast("cpu", torch.bfloat16):
+                h = x0 * 1
+                for w in ws:
+                    h = f(h, w)
+                return h.float().sum()
+
+        return measure(fwd)
+
+    ours, eager = step(linear), step(F.linear)
+    # the forward peak (the end of forward) without the k casts, with k 2-byte tokens
+    assert eager.forward_peak_bytes - ours.forward_peak_bytes == k * 2 * d * d - 2 * k
+    assert eager.saved_bytes == k * 2 * n * d + k * 2 * d * d
+    assert ours.saved_bytes == k * 2 * n * d
+
+
+def test_cast_tokens_live_for_the_region_only():
+    lin = sys.modules["slimgrad.ops.linear"]
+    x, w, b = _leaves(5)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = linear(x, w, b)
+        tokens = lin._REGIONS.by_device["cpu"][1]
+        assert len(tokens) == 1  # one token for w in this region, reused by a second use
+        y = linear(y.float(), w, b)
+        assert len(tokens) == 1
+    assert tokens == {} and "cpu" not in lin._REGIONS.by_device  # dropped at the region's exit
+    torch.clear_autocast_cache()
+    with torch.autocast("cpu", torch.bfloat16):
+        linear(x, w, b)
+        first = dict(lin._REGIONS.by_device["cpu"][1])
+        torch.clear_autocast_cache()  # eager: a new cast on the next use; slimgrad: a new token
+        assert "cpu" not in lin._REGIONS.by_device
+        linear(x, w, b)
+        again = lin._REGIONS.by_device["cpu"][1]
+        assert next(iter(again.values()))[1] is not next(iter(first.values()))[1]

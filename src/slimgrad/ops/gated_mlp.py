@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
-from slimgrad.ops.linear import _autocast_cast
+from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
 
 __all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_fused", "glu", "glu_linear"]
@@ -132,27 +132,29 @@ def _glu_bwd(dy, g, u, h, wd, down: bool, need_gu, nwd, nbd, has_bd, act, fused:
 
 
 def _autocast_args(x: Tensor, args: tuple) -> tuple:
-    # (x, ...weights and biases...) -> the same with each weight/bias as autocast hands it to the
-    # matmul (its cached cast for an fp32 leaf), then the masters kept instead of those casts:
-    # one per weight (args[1::2] after x), None where there is no autocast or the weight is not a
-    # leaf (eager's behaviour: the cast is kept) (NOTE [Autocast weight casts] in ops/linear.py)
+    # (x, ...weights and biases...) -> the same with each bias as autocast hands it to the matmul
+    # (its cached cast for an fp32 leaf) and each weight that is a leaf as its cast token (None
+    # without a recorded gradient), then the masters (the leaf weights, which the op casts
+    # itself), one per weight (args[1::2] after x), None where there is no autocast or the weight
+    # is not a leaf (eager's behaviour: autocast's cast, kept), then the autocast dtype or None
+    # (NOTE [Autocast weight casts] in ops/linear.py)
     n = (len(args) - 1) // 2
     dev = x.device.type
     if not torch.is_autocast_enabled(dev):
-        return (*args, *([None] * n))
+        return (*args, *([None] * n), None)
     dt = torch.get_autocast_dtype(dev)
-    out = [args[0], *(_autocast_cast(t, dev, dt) for t in args[1:])]
-    masters = [
-        w
-        if w is not None
-        and w.grad_fn is None
-        and w.is_floating_point()
-        and w.dtype not in (dt, torch.float64)
-        and not torch.compiler.is_compiling()
-        else None
-        for w in args[1::2]
-    ]
-    return (*out, *masters)
+    out, masters = [args[0]], []
+    for w, b in zip(args[1::2], args[2::2], strict=True):
+        keep = keeps_master(w, dt)
+        out += [autocast_weight(w, dt) if keep else _autocast_cast(w, dev, dt)]
+        out += [_autocast_cast(b, dev, dt)]
+        masters.append(w if keep else None)
+    return (*out, *masters, dt)
+
+
+def _mm_weight(w: Tensor | None, master: Tensor | None, dt) -> Tensor | None:
+    # the weight a forward matmul reads: the leaf cast here (freed after its matmul) when kept
+    return w if master is None else master.to(dt)
 
 
 def _records(*ts) -> bool:
@@ -163,18 +165,18 @@ class _GatedMLPFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, x, wg, bg, wu, bu, wd, bd, mg, mu, md, activation: str, fused: bool):
-        # m*: the fp32 leaf weights under autocast, w* then their casts (NOTE [Autocast weight
-        # casts] in ops/linear.py): the masters are kept and re-cast in backward, the casts carry
-        # the gradients through autocast's own cast nodes, as in eager
+    def forward(ctx, x, wg, bg, wu, bu, wd, bd, mg, mu, md, dt, activation: str, fused: bool):
+        # m*: the fp32 leaf weights under autocast (dt: autocast's dtype), w* then their cast
+        # tokens (NOTE [Autocast weight casts] in ops/linear.py): each master is cast here for its
+        # matmul and dropped, kept and re-cast in backward; the tokens carry the gradients
         nx, nwg, nbg, nwu, nbu, nwd, _ = ctx.needs_input_grad[:7]
-        gu = F.linear(x, wg, bg)
+        gu = F.linear(x, _mm_weight(wg, mg, dt), bg)
         if fused:  # Phi-3: gate, up = gate_up_proj(x).chunk(2, dim=-1)
             g, u = gu.chunk(2, dim=-1)
         else:
-            g, u = gu, F.linear(x, wu, bu)
+            g, u = gu, F.linear(x, _mm_weight(wu, mu, dt), bu)
         h = _act(g, activation).mul_(u)  # eager: act(g) * u (Phi-3: u * act(g)); the same bits
-        y = F.linear(h, wd, bd)
+        y = F.linear(h, _mm_weight(wd, md, dt), bd)
         need_gu = nx or nwg or nbg or nwu or nbu
         ctx.activation, ctx.fused = activation, fused
         ctx.has = (bg is not None, bu is not None, bd is not None)
@@ -241,19 +243,20 @@ class _GatedMLPFn(torch.autograd.Function):
                         dx = dx.add_(dxu if both else _to(dxu, xdt))
                         del dxu
                 dx = _to(dx, xdt)
-        return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None
+        return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None, None
 
 
 class _GluFn(torch.autograd.Function):
     _slimgrad_floor = True  # h, when it is what is kept, is a matmul input
 
     @staticmethod
-    def forward(ctx, g, u, wd, bd, md, activation: str):
+    def forward(ctx, g, u, wd, bd, md, dt, activation: str):
         ng, nu, nwd, _ = ctx.needs_input_grad[:4]
         h = _act(g, activation).mul_(u)
-        y = F.linear(h, wd, bd) if wd is not None else h
+        y = F.linear(h, _mm_weight(wd, md, dt), bd) if wd is not None or md is not None else h
         need_gu = ng or nu
-        ctx.activation, ctx.down, ctx.has_bd = activation, wd is not None, bd is not None
+        ctx.activation, ctx.has_bd = activation, bd is not None
+        ctx.down = wd is not None or md is not None
         ctx.in_dtypes = _dtypes(g, u, wd, bd)
         ctx.save_for_backward(
             g if need_gu else None,
@@ -273,7 +276,7 @@ class _GluFn(torch.autograd.Function):
                 dy, g, u, h, wd, ctx.down, ng or nu, nwd, nbd, ctx.has_bd, ctx.activation
             )
         grads = (dg if ng else None, du if nu else None, dwd, dbd)
-        return (*(_to(t, d) for t, d in zip(grads, ctx.in_dtypes, strict=True)), None, None)
+        return (*(_to(t, d) for t, d in zip(grads, ctx.in_dtypes, strict=True)), None, None, None)
 
 
 def _check_activation(api: str, activation: str) -> None:
@@ -419,8 +422,8 @@ def glu_linear(
         h = _act(gate, activation) * up
         return h if down_weight is None else F.linear(h, down_weight, down_bias)
     refuse_jit("ops.glu_linear")
-    _, wd, bd, md = _autocast_args(gate, (gate, down_weight, down_bias))
-    return _GluFn.apply(gate, up, wd, bd, md, activation)
+    _, wd, bd, md, dt = _autocast_args(gate, (gate, down_weight, down_bias))
+    return _GluFn.apply(gate, up, wd, bd, md, dt, activation)
 
 
 def glu(gate: Tensor, up: Tensor, activation: str = "silu") -> Tensor:

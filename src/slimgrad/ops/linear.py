@@ -10,28 +10,45 @@ guard (measured), so this matches eager byte for byte and makes the contract exp
 x is a matmul input: it counts in the tracker's floor (``_slimgrad_floor``).
 
 Under autocast, a weight that is a leaf (a Parameter, frozen or not) is kept as itself, not as its
-low-precision cast, and re-cast in backward (NOTE [Autocast weight casts]): eager keeps the cast,
-2 B/param in bf16/fp16 per weight, for the whole backward.
+low-precision cast: forward casts it, uses the cast and frees it; backward casts it again (NOTE
+[Autocast weight casts]). Eager keeps the cast (2 B/param in bf16/fp16 per weight) for the whole
+backward, and autocast's cache holds it until the autocast region exits.
 
 # NOTE [Autocast weight casts]
-Eager ``F.linear`` under autocast casts x, W and b to the autocast dtype (W's cast comes from
-autocast's cache for an fp32 leaf that requires grad: one cast, one ``ToCopyBackward`` node, per
-weight per outermost autocast region) and ``mm``'s backward keeps the cast W16 for dx = dy W16.
-W itself is resident anyway, and fp32 -> bf16/fp16 rounding is deterministic, so slimgrad keeps W
-and computes ``W.to(dtype)`` again in backward: the same bits. The graph keeps eager's shape: the
-Function takes autocast's own cast of W as an input (fetched from the cache through a zero-row
-probe matmul that saves it, ``_autocast_cast``), not saved, so its gradient still reaches W
-through autocast's ``ToCopyBackward``: a weight used twice in one region sums its two gradients
-in the autocast dtype before the cast to fp32, exactly as eager; nested regions,
-``autocast(enabled=False)`` and ``cache_enabled=False`` behave as eager's cache does. The cast
-itself lives only as long as autocast's cache (until the outermost region exits), not until
-backward. A weight that is not a leaf (computed, e.g. a merged adapter) keeps eager's behaviour
-(its cast is kept). Under torch.compile the eager path runs (dynamo cannot read saved tensors).
-Caveat: W is a saved tensor, so changing W in place between forward and backward raises autograd's
-"modified by an inplace operation" error; eager would silently use the old cast.
+Eager ``F.linear`` under autocast casts x, W and b to the autocast dtype. The cast of an fp32 leaf
+that requires grad comes from autocast's cache: one cast, one ``ToCopyBackward`` node, per weight
+per outermost autocast region, held by the cache until that region exits (so at the end of a
+forward under autocast every weight's cast is resident), and ``mm``'s backward keeps it for
+dx = dy W16. W itself is resident anyway and fp32 -> bf16/fp16 rounding is deterministic, so
+slimgrad casts W itself (``W.to(dtype)``: the bits autocast's cast has; not through the cache),
+runs eager's matmul on that cast in the autocast dtype, drops it, and computes ``W.to(dtype)``
+again in backward. At most one weight cast is alive at a time, in forward and in backward.
+The graph keeps eager's shape: the gradient of W leaves the op in the autocast dtype through a
+cast node of slimgrad's (``_CastNode``: backward ``grad.to(W.dtype)``, ToCopyBackward's), whose
+output (a 1-element zero-stride tensor of W16's shape, ``cast token``) is the op's input in
+place of W16 and holds no cast. Like autocast's cache, slimgrad keeps one token per weight per
+outermost autocast region (``_region_tokens``: the region is told by a 0-element leaf whose
+cast autocast caches; when the cache is cleared at the region's exit that cast is freed and a
+weakref callback drops the region's tokens), so a weight used twice in one region sums its two
+gradients in the autocast dtype before the cast to fp32, exactly as eager; nested regions,
+``autocast(enabled=False)``, ``cache_enabled=False`` (a token per use, as eager casts per use) and
+``torch.clear_autocast_cache()`` behave as eager's cache does. Frozen weights (no gradient) need
+no token: eager keeps their cast per use, slimgrad nothing new. A weight that is not a leaf
+(computed, e.g. a merged adapter) keeps eager's behaviour (autocast's cast, kept). Under
+torch.compile and torch.func the eager path runs (dynamo cannot read saved tensors).
+Caveats: W is a saved tensor, so changing W in place between forward and backward raises
+autograd's "modified by an inplace operation" error (eager would silently use the old cast). A
+weight that one region uses both through slimgrad and through an eager autocast op (an
+unconverted ``F.linear``/``matmul`` on the same Parameter) reaches W through two cast nodes, so
+its two gradients are summed in fp32 instead of in the autocast dtype (the values differ in the
+last bits); convert_ converts every plain Linear, so within a converted model this needs a
+weight shared by a converted and an unconverted module.
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 
@@ -98,25 +115,109 @@ def _autocast_linear_backward(ctx, dy):
     w = master.to(ctx.cast_dtype) if master is not None else None  # eager's cast, same bits
     mask = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
     dx, dw, db = _bwd_torch(dy, x, w, ctx.has_bias, ctx.w_in_out, mask)
-    return dx, dw, None, db, None
+    return dx, dw, None, db, None, None
 
 
 class _AutocastLinearFn(torch.autograd.Function):
-    # NOTE [Autocast weight casts]: keeps the leaf weight ``master``, not its cast ``w_cast``
+    # NOTE [Autocast weight casts]: ``token`` stands for W's cast (its gradient goes there, in the
+    # autocast dtype); the cast itself is made here from the leaf ``master``, used and dropped
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, x, w_cast, master, bias, w_in_out):
-        ctx.w_in_out, ctx.has_bias, ctx.cast_dtype = w_in_out, bias is not None, w_cast.dtype
+    def forward(ctx, x, token, master, bias, cast_dtype, w_in_out):
+        ctx.w_in_out, ctx.has_bias, ctx.cast_dtype = w_in_out, bias is not None, cast_dtype
         ctx.save_for_backward(
             x if ctx.needs_input_grad[1] else None, master if ctx.needs_input_grad[0] else None
         )
-        return _fwd_torch(x, w_cast, bias, w_in_out)
+        return _fwd_torch(x, master.to(cast_dtype), bias, w_in_out)
 
     @staticmethod
     @first_order("ops.linear", double=_autocast_linear_backward)
     def backward(ctx, dy):
         return _autocast_linear_backward(ctx, dy)
+
+
+class _CastNode(torch.autograd.Function):
+    # autocast's cast node (ToCopyBackward) without the cast: the output has W16's shape and
+    # dtype but one element (zero strides); ops take it in place of W16 and never read it
+    @staticmethod
+    def forward(ctx, w, dtype):
+        ctx.w_dtype = w.dtype
+        return torch.empty_strided(w.shape, (0,) * w.dim(), dtype=dtype, device=w.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.w_dtype), None
+
+
+class _Regions(threading.local):
+    # autocast's cache is per thread: {device type: (weakref to the sentinel's cached cast,
+    # {(id(W), dtype): (weakref to W, token)}, sentinel)}
+    def __init__(self) -> None:
+        self.by_device: dict = {}
+
+
+_REGIONS = _Regions()
+
+
+def _region_tokens(w: torch.Tensor, dt: torch.dtype) -> dict | None:
+    # The token table of the current outermost autocast region (NOTE [Autocast weight casts]), or
+    # None when autocast would not cache W's cast (a token per use then)
+    if not (torch.is_autocast_cache_enabled() and w.dtype == torch.float32 and not w._is_view()):
+        return None
+    dev, table = w.device.type, _REGIONS.by_device
+    entry = table.get(dev)
+    if entry is not None:  # dropped by the callback when the region's cache was cleared
+        return entry[1]
+    sentinel = torch.zeros((0, 1), device=w.device, requires_grad=True)
+    with torch.enable_grad():
+        cast = _probe(sentinel, dt)
+    if cast is None or cast.grad_fn is None:  # autocast did not cache it: behave as cache off
+        return None
+    tokens: dict = {}
+
+    def region_exit(_ref, table=table, dev=dev, tokens=tokens) -> None:
+        tokens.clear()
+        if table.get(dev, (None, None))[1] is tokens:
+            del table[dev]
+
+    table[dev] = (weakref.ref(cast, region_exit), tokens, sentinel)
+    return tokens
+
+
+def _cast_token(w: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    # the stand-in for autocast's cast of the leaf ``w`` that requires grad: one per region (as
+    # autocast's cache) or one per use
+    tokens = _region_tokens(w, dt)
+    if tokens is None:
+        return _CastNode.apply(w, dt)
+    key = (id(w), dt)
+    hit = tokens.get(key)
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    token = _CastNode.apply(w, dt)
+    tokens[key] = (weakref.ref(w), token)
+    return token
+
+
+def keeps_master(w: torch.Tensor | None, dt: torch.dtype) -> bool:
+    """True when an op under autocast (to ``dt``) keeps the leaf ``w`` and casts it itself
+    (NOTE [Autocast weight casts]); False: ``w`` is taken as autocast hands it over."""
+    return (
+        w is not None
+        and w.grad_fn is None
+        and w.is_floating_point()
+        and w.dtype not in (dt, torch.float64)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def autocast_weight(w: torch.Tensor, dt: torch.dtype) -> torch.Tensor | None:
+    """For a weight that :func:`keeps_master`: its cast token (None when no gradient of ``w`` is
+    recorded); the op passes it where eager passes ``w``'s cast and casts ``w`` itself."""
+    if not (w.requires_grad and torch.is_grad_enabled()):
+        return None
+    return _cast_token(w, dt)
 
 
 def autocast_matmul_inputs(*tensors):
@@ -194,20 +295,24 @@ def _apply(x, weight, bias, w_in_out):
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x = _cast_input(x, dev, dt, w_in_out)
-        master = (
-            weight.grad_fn is None
-            and weight.is_floating_point()
-            and weight.dtype not in (dt, torch.float64)
-            and not torch.compiler.is_compiling()
-        )
-        if master:  # NOTE [Autocast weight casts]
-            w_cast, bias = (_autocast_cast(t, dev, dt) for t in (weight, bias))
+        bias = _autocast_cast(bias, dev, dt)
+        if keeps_master(weight, dt):  # NOTE [Autocast weight casts]
+            token = autocast_weight(weight, dt)
             with torch.autocast(dev, enabled=False):
-                return _AutocastLinearFn.apply(x, w_cast, weight, bias, w_in_out)
-        weight, bias = (_autocast_cast(t, dev, dt) for t in (weight, bias))
+                return _AutocastLinearFn.apply(x, token, weight, bias, dt, w_in_out)
+        weight = _autocast_cast(weight, dev, dt)
         with torch.autocast(dev, enabled=False):
             return _LinearFn.apply(x, weight, bias, w_in_out)
     return _LinearFn.apply(x, weight, bias, w_in_out)
+
+
+def _plain_layout(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # The layouts whose gradients _bwd_torch computes as eager's mm/addmm backward does, bit for
+    # bit: a contiguous 2-D weight (its transpose column-major) and a contiguous input whose rows
+    # eager's mm sees row-major (eager's mm_mat1_backward switches the product's layout for a
+    # column-major input, e.g. x.t(), and in_features == 1 can look column-major). Other layouts
+    # (rare) run eager's F.linear: exact, and eager's linear keeps what this op keeps.
+    return weight.dim() == 2 and weight.is_contiguous() and x.is_contiguous() and x.shape[-1] > 1
 
 
 def _refuse_jit_if_recorded(api, *tensors) -> None:
@@ -247,8 +352,8 @@ def linear(
     Example:
         >>> y = linear(torch.randn(4, 8), torch.randn(3, 8, requires_grad=True))
     """
-    if transforms_active() or weight.dim() != 2:  # torch.func (NOTE [torch.func transforms]),
-        return torch.nn.functional.linear(input, weight, bias)  # or a 1-D weight: eager's op
+    if transforms_active() or not _plain_layout(input, weight):  # torch.func (NOTE [torch.func
+        return torch.nn.functional.linear(input, weight, bias)  # transforms]), other layouts
     _check("linear", input, weight, 1)
     _refuse_jit_if_recorded("ops.linear", input, weight, bias)
     return _apply(input, weight, bias, False)
