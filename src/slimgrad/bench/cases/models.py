@@ -215,6 +215,14 @@ def padded_batch(vocab, batch, seq, device, *, left: bool, mlm: bool = False):
     return ids, mask, labels
 
 
+_MOE = dict(
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    output_router_logits=True,
+    router_aux_loss_coef=0.02,
+    experts_implementation="eager",
+)
+
 # HF decoder families at the Llama 12 x 768 shape class (intermediate 2048, vocab 32000, 12 heads
 # of 64, attention dropout 0.1): {name: (config class, model class, overrides)}
 _DECODERS = {
@@ -227,6 +235,17 @@ _DECODERS = {
         "Phi3Config",
         "Phi3ForCausalLM",
         {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # MoE: 8 experts of intermediate 512, top-2, the eager expert loop, router aux loss in the loss
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"intermediate_size": 512, "num_local_experts": 8, **_MOE},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": None, "moe_intermediate_size": 512, "num_experts": 8, **_MOE},
     ),
 }
 
@@ -329,6 +348,10 @@ _FAMILY_NOTES = {
     "qwen3": "Qwen3ForCausalLM (q/k RMSNorm, head_dim 64)",
     "gemma": "GemmaForCausalLM (GeGLU tanh, 1 + weight RMSNorm, tied head, head_dim 64)",
     "phi3": "Phi3ForCausalLM (fused qkv and gate_up projections)",
+    "mixtral": "MixtralForCausalLM (8 experts of intermediate 512, top-2, eager expert loop, "
+    "router aux loss)",
+    "qwen3_moe": "Qwen3MoeForCausalLM (8 experts of intermediate 512, top-2, eager expert loop, "
+    "router aux loss)",
 }
 
 
@@ -397,12 +420,14 @@ for _fam in _FAMILY_NOTES:
     _autocast_case(_fam, f"hf_{_fam} (12 x 768, 4x256 tokens, left-padded rows)")
 
 
-# {case: eager side builder (device, dtype, small) -> (model, make_inputs)} for estimate_case
+# {case: eager side builder (device, dtype, small) -> (model, make_inputs)} for estimate_case; not
+# the MoE families: their expert loop routes by tensor values (nonzero), which fake tensors cannot
+_DENSE = [n for n in _FAMILY_NOTES if "num_experts_per_tok" not in _DECODERS[n][2]]
 _EAGER_SIDES = {
     "hf_gpt2": eager_hf_gpt2,
     "hf_llama_autocast": eager_hf_llama_autocast,
-    **{f"hf_{n}": functools.partial(eager_hf_text, n) for n in ("llama", "bert", *_FAMILY_NOTES)},
-    **{f"hf_{n}_autocast": functools.partial(eager_hf_autocast, n) for n in _FAMILY_NOTES},
+    **{f"hf_{n}": functools.partial(eager_hf_text, n) for n in ("llama", "bert", *_DENSE)},
+    **{f"hf_{n}_autocast": functools.partial(eager_hf_autocast, n) for n in _DENSE},
     "hf_gpt2_autocast": functools.partial(eager_hf_autocast, "gpt2"),
 }
 
