@@ -947,3 +947,26 @@ def run(kind: str, key: str, dtype, i: int) -> str:
     if kind in VARIANTS:
         return check_sample(key, dtype, i, kind)
     return CHECKS[kind](key, dtype, i)
+
+
+_TEST_DOCS = {
+    "sample": "Forward (values, dtype, strides, mutated arguments) and every gradient vs eager.",
+    "f64": "float64: gradcheck, second derivatives vs eager (no silent None), gradgradcheck.",
+    "inplace": "The OpInfo in-place variant against slimgrad's: values, identity, gradients.",
+    "error": "OpInfo error_inputs: eager's error type, and eager's message or a slimgrad one.",
+    "noncontig": "The sample with every tensor non-contiguous (OpInfo's noncontiguous()), float32.",
+    "channels_last": "The sample with a 4-D/5-D input in channels_last, float32.",
+}
+
+
+def case_test(kind: str, groups: tuple[str, ...]):
+    """The test of a test_<group>.py module that runs every ``kind`` check of ``groups``, one
+    case per parameter (``params``); bind it to a ``test_*`` name there."""
+    import pytest
+
+    @pytest.mark.parametrize("key,dtype,i", params(kind, groups))
+    def test(key, dtype, i):
+        run(kind, key, dtype, i)
+
+    test.__doc__ = _TEST_DOCS[kind]
+    return test

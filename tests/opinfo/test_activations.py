@@ -4,32 +4,11 @@ elu, gelu, silu, mish.
 See tests/opinfo/_harness.py for the checks and tests/opinfo/_tables.py for REFUSED/KNOWN.
 """
 
-import pytest
-
-from tests.opinfo._harness import params, run
+from tests.opinfo._harness import case_test
 
 GROUPS = ("act",)
 
-
-@pytest.mark.parametrize("key,dtype,i", params("sample", GROUPS))
-def test_sample(key, dtype, i):
-    """Forward (values, dtype, strides, mutated arguments) and every gradient vs eager."""
-    run("sample", key, dtype, i)
-
-
-@pytest.mark.parametrize("key,dtype,i", params("f64", GROUPS))
-def test_f64_gradcheck_double(key, dtype, i):
-    """float64: gradcheck, second derivatives vs eager (no silent None), gradgradcheck."""
-    run("f64", key, dtype, i)
-
-
-@pytest.mark.parametrize("key,dtype,i", params("inplace", GROUPS))
-def test_inplace(key, dtype, i):
-    """The OpInfo in-place variant against slimgrad's: values, identity, gradients."""
-    run("inplace", key, dtype, i)
-
-
-@pytest.mark.parametrize("key,dtype,i", params("error", GROUPS))
-def test_error_input(key, dtype, i):
-    """OpInfo error_inputs: eager's error type, and eager's message or a slimgrad one."""
-    run("error", key, dtype, i)
+test_sample = case_test("sample", GROUPS)
+test_f64_gradcheck_double = case_test("f64", GROUPS)
+test_inplace = case_test("inplace", GROUPS)
+test_error_input = case_test("error", GROUPS)

@@ -3,26 +3,10 @@
 See tests/opinfo/_harness.py for the checks and tests/opinfo/_tables.py for REFUSED/KNOWN.
 """
 
-import pytest
-
-from tests.opinfo._harness import params, run
+from tests.opinfo._harness import case_test
 
 GROUPS = ("linear",)
 
-
-@pytest.mark.parametrize("key,dtype,i", params("sample", GROUPS))
-def test_sample(key, dtype, i):
-    """Forward (values, dtype, strides, mutated arguments) and every gradient vs eager."""
-    run("sample", key, dtype, i)
-
-
-@pytest.mark.parametrize("key,dtype,i", params("f64", GROUPS))
-def test_f64_gradcheck_double(key, dtype, i):
-    """float64: gradcheck, second derivatives vs eager (no silent None), gradgradcheck."""
-    run("f64", key, dtype, i)
-
-
-@pytest.mark.parametrize("key,dtype,i", params("noncontig", GROUPS))
-def test_noncontiguous(key, dtype, i):
-    """The sample with every tensor non-contiguous (OpInfo's noncontiguous()), float32."""
-    run("noncontig", key, dtype, i)
+test_sample = case_test("sample", GROUPS)
+test_f64_gradcheck_double = case_test("f64", GROUPS)
+test_noncontiguous = case_test("noncontig", GROUPS)
