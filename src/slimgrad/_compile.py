@@ -8,16 +8,16 @@ time, that is at ``import slimgrad``. ``eager_only`` builds the disabled wrapper
 is loaded (nothing can be compiling before that): at decoration when it already is, else at the
 first call after it is.
 
-Every ``eager_only`` wrapper shares one code object (``call`` below), and Dynamo caches compiled
-frames per code object, up to ``recompile_limit`` (8) entries. Had Dynamo traced ``call``, the
-wrappers would have shared those entries: tracing ``torch.compiler.disable(fn)`` (the lazy
-creation) guards on ``fn.__code__``, and the call through ``*args, **kwargs`` on the number of
-arguments, so ``call`` recompiled once per wrapped function and per signature, and a model with
-nine of them hit the limit (torch 2.13; ``tests/test_compile_eager_only.py``). So Dynamo never
-traces it: once Dynamo is loaded (at decoration, or at the first call after it loads, which
-creates every waiting wrapper at once), ``call`` is marked skipped (``torch._dynamo``'s ``skip``:
-its frames run as Python, the frames it calls are still seen, and the disabled ``fn`` runs
-eagerly). A trace breaks the graph at each call, as at a ``torch.compiler.disable`` function.
+Every ``eager_only`` wrapper shares one code object (``call`` below), and Dynamo keeps at most
+``recompile_limit`` (8) compiled entries per code object. Traced, ``call`` needed an entry per
+wrapped function (tracing the lazy ``torch.compiler.disable(fn)`` guards on ``fn.__code__``) and
+per call signature (``*args, **kwargs`` guards on their number): 12 wrapped functions in one
+compiled model hit the limit (torch 2.13; ``tests/test_compile_eager_only.py``). So once Dynamo
+is loaded, every wrapper is disabled and marked skipped together (``torch._dynamo``'s ``skip``:
+Dynamo neither inlines ``call`` nor compiles its frames; the disabled ``fn`` runs eagerly): at
+decoration when Dynamo is already loaded, else at the first call after it is, outside any trace
+(``_disable_lazy``). That first call's frame is compiled once; afterwards a call costs its caller
+one graph break, as a ``torch.compiler.disable`` function does.
 """
 
 from __future__ import annotations
