@@ -389,21 +389,26 @@ def test_row_path_gradients_match_eager(rows97, dtype, kw):
         assert_close(x, y)
 
 
-def test_row_path_is_taken_only_for_a_weight_with_no_other_gradient(monkeypatch):
+def test_row_path_in_full_precision_rows_offered_only_for_an_untied_head(monkeypatch):
+    """The op walks the head by blocks in full precision, tied or not (the bits of the plain loop
+    and of step_in_backward are the same code's); it offers the rows to the handle only for a
+    weight that gets no other gradient below it (not a tied embedding)."""
     calls = []
     real = lce_ops._bwd_rows_torch
     monkeypatch.setattr(
-        lce_ops, "_bwd_rows_torch", lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        lce_ops, "_bwd_rows_torch", lambda *a, **k: (calls.append(k["take_rows"]), real(*a, **k))[1]
     )
     x, t = _tokens(0)
-    _LM()(x, t).backward()
-    assert calls == [1]
-    _LM(tied=True)(x, t).backward()
-    assert calls == [1]  # tied: the usual token-chunk backward
+    for tied in (False, True):
+        m = _LM(tied=tied)
+        handle = step_in_backward(m, torch.optim.SGD, lr=0.1)  # stateless: rows from step 1
+        m(x, t).backward()
+        handle.step()
+        assert (calls[-1] is not None) == (not tied)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = _LM()(x, t)
     loss.backward()
-    assert calls == [1]  # low precision: the usual backward
+    assert len(calls) == 2  # low precision: the token-chunk backward
 
 
 # ------------------------------------------------------------------------------- memory (exact)

@@ -264,15 +264,14 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         if not any(need):
             return (None,) * 12
         triton = _backend.use_triton(hidden) and ctx.tf == (1.0, None)
-        # NOTE [Head gradient by vocabulary blocks]: full precision, a leaf weight whose only
-        # gradient comes from here (an untied head): dW by blocks of rows, each complete in turn
+        # NOTE [Head gradient by vocabulary blocks]: in full precision dW by blocks of rows, each
+        # complete in turn (one block of logits alive, not chunk x V)
         rows = None
         if (
             need[1]
             and not triton
             and cdt == hdt == weight.dtype == _acc_dtype(cdt)
             and not torch.compiler.is_compiling()
-            and _weight_grad_only_here(ctx)
         ):
             rows = vocab_block_rows(hidden.shape[-1])
         # dh may overwrite the saved hidden when nobody else reads it (NOTE [Gradient-buffer
@@ -312,7 +311,12 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         if rows is not None:
             take_rows = None
             sink = getattr(weight, ROW_SINK, None)
-            if sink is not None and not getattr(ctx, "_no_row_sink", False):
+            if (
+                sink is not None
+                and not getattr(ctx, "_no_row_sink", False)
+                and _weight_grad_only_here(ctx)
+            ):
+                # a leaf weight that gets no other gradient below this op (an untied head)
                 take_rows = sink(weight, ctx.next_functions[1][0])
             dh, dw, db = _bwd_rows_torch(
                 h,
