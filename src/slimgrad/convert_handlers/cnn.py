@@ -3,7 +3,7 @@
 Each handler takes a torch module and returns the slimgrad module that replaces it, sharing its
 Parameters, buffers and hooks. Conv → slimgrad conv (selective saving); BatchNorm → slimgrad
 BatchNorm (registers its output); ReLU/GELU/SiLU/LeakyReLU/ELU/Hardswish → the ``*AfterNorm``
-modules, which are plain activations (Hardswish: slimgrad's) except right after a slimgrad
+modules, which are plain activations except right after a slimgrad
 BatchNorm, where the pair keeps one full-size tensor (NOTE [Derived saved inputs] in
 ``slimgrad/ops/_derived.py``). Swapping all three is what gives the saving; any subset stays exact.
 """

@@ -42,25 +42,25 @@ class Hardswish(NoScript, torch.nn.Hardswish):
 
 class HardswishAfterNorm(NoScript, torch.nn.Hardswish):
     """``torch.nn.Hardswish`` (same ``inplace`` argument) that, after a slimgrad BatchNorm, lets the
-    block keep only the BatchNorm output; anywhere else :class:`Hardswish`.
+    block keep only the BatchNorm output; anywhere else exactly torch's Hardswish.
 
     Right after a slimgrad BatchNorm in training (its pristine output b), the result is a new
     tensor ``hardswish(b)`` that keeps b (kept by the norm already) and eager's own backward kernel
     on it, and a following slimgrad conv keeps b instead of the result (NOTE [Derived saved
     inputs]). With ``inplace=True`` that path needs ``slimgrad.ownership.owns_input`` (nobody
-    else can see b); otherwise it is :func:`slimgrad.ops.hardswish.hardswish` (in place when
-    asked), and the BatchNorm keeps its input, as eager.
+    else can see b); otherwise it is eager's op (in place when asked), and the BatchNorm keeps its
+    input, as eager. Not :class:`Hardswish` off the path: that keeps its output, which an in-place
+    write after this module (which ``convert_``'s in-place guard does not see once the module is
+    slimgrad's) could overwrite; eager's op keeps x, as the other ``*AfterNorm`` modules do.
 
-    Memory: after a BatchNorm, 0 bytes of its own (b is the norm's); elsewhere that of
-    :class:`Hardswish`. Eager keeps the BatchNorm input and x.
+    Memory: after a BatchNorm, 0 bytes of its own (b is the norm's); elsewhere eager's (x).
+    Eager keeps the BatchNorm input and x.
     """
 
     def forward(self, input: Tensor) -> Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
         owned = self.inplace and ownership.owns_input(input, self)
-        return _derived.activation(
-            input, "hardswish", self.inplace, owned=owned, fallback=hardswish
-        )
+        return _derived.activation(input, "hardswish", self.inplace, owned=owned)
 
     @classmethod
     def from_torch(cls, module: torch.nn.Module) -> HardswishAfterNorm:

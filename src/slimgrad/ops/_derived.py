@@ -301,7 +301,6 @@ def activation(
     inplace: bool = False,
     owned: bool = False,
     param: float = 0.0,
-    fallback=None,
 ) -> torch.Tensor:
     """``act(x)`` that, after a slimgrad norm, lets the block keep only the norm output.
 
@@ -322,8 +321,6 @@ def activation(
         owned: ``slimgrad.ownership.owns_input(x, module)`` of the calling module (needed for the
             derived path when ``inplace``).
         param: ``negative_slope`` for ``"leaky_relu"``, ``alpha`` for ``"elu"``; else unused.
-        fallback: ``fallback(x, inplace)`` computes the activation off the derived path (e.g.
-            slimgrad's own lean op); None: eager's op.
 
     Returns:
         The activation output.
@@ -347,8 +344,6 @@ def activation(
         r = _DerivedActFn.apply(x, spec)
         _DERIVED[r] = Derived(x.detach(), x._version, spec, r._version)
         return r
-    if fallback is not None:
-        return fallback(x, inplace)
     if act == "leaky_relu":
         return F.leaky_relu(x, param, inplace)
     if act == "elu":
