@@ -233,12 +233,100 @@ def identity(args) -> list[dict]:
     return records
 
 
+def _llama_time(args) -> dict:
+    # converted HF Llama, untied head (the head goes by vocabulary blocks in step_in_backward):
+    # 4 x 256 (intermediate 688), vocab 8192, no dropout; plain loop vs step_in_backward
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slimgrad
+    from slimgrad.bench.cases.models import HFCausalLMLoss
+
+    cfg = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=8192,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    base = slimgrad.convert_(HFCausalLMLoss(LlamaForCausalLM(cfg).train()))
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    cls, kw = _optimizer(args.optimizer)
+    opt = cls(a.parameters(), **kw)
+    handle = slimgrad.step_in_backward(b, cls, **kw)
+    gen = torch.Generator().manual_seed(1)
+
+    def run(model, o):
+        def one(ids):
+            t0 = time.perf_counter()
+            model(ids).backward()
+            o.step()
+            o.zero_grad()
+            return time.perf_counter() - t0
+
+        return one
+
+    plain, sib = run(a, opt), run(b, handle)
+    return _interleave(
+        args,
+        lambda: (torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen),),
+        plain,
+        sib,
+        a,
+        b,
+        f"HF Llama 4x256 vocab 8192 untied, converted ({sum(p.numel() for p in a.parameters())}"
+        " params)",
+    )
+
+
+def _interleave(args, inputs, plain, sib, a, b, model_name) -> dict:
+    for _ in range(args.warmup):
+        x = inputs()
+        plain(*x)
+        sib(*x)
+    ratios, ta, tb = [], [], []
+    for i in range(args.repeat):
+        x = inputs()
+        if i % 2:  # alternate which side runs first
+            t_b, t_a = sib(*x), plain(*x)
+        else:
+            t_a, t_b = plain(*x), sib(*x)
+        ta.append(t_a)
+        tb.append(t_b)
+        ratios.append(t_b / t_a)
+    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    rec = {
+        "case": "step_in_backward/time",
+        "model": model_name,
+        "optimizer": args.optimizer,
+        "batch_seq": [args.batch, args.seq],
+        "plain_ms": round(1e3 * statistics.median(ta), 2),
+        "sib_ms": round(1e3 * statistics.median(tb), 2),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "repeat": args.repeat,
+        "params_bit_identical": same,
+        "threads": torch.get_num_threads(),
+        "load_avg_1min": round(__import__("os").getloadavg()[0], 2),
+        **_env(),
+    }
+    print(json.dumps(rec), flush=True)
+    if not same:
+        raise SystemExit("parameters differ between the plain loop and step_in_backward")
+    return rec
+
+
 def step_time(args) -> dict:
     import slimgrad
     from slimgrad.bench.models import GPT, GPTConfig
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.size == "llama":
+        return _llama_time(args)
     if args.size == "tiny":
         cfg = GPTConfig.tiny(dropout=0.0)
     elif args.size == "mid":  # 4 x 256, vocab 8192: about 5.5M parameters
@@ -330,7 +418,7 @@ def main(argv=None) -> None:
     ap.add_argument("--models", nargs="+", choices=tuple(_MODELS), default=list(_MODELS))
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     ap.add_argument("--estimate", action="store_true", help="FakeTensorMode: no compute")
-    ap.add_argument("--size", choices=("tiny", "mid", "small"), default="mid")
+    ap.add_argument("--size", choices=("tiny", "mid", "small", "llama"), default="mid")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)

@@ -10,7 +10,8 @@ loop ``loss.backward(); opt.step(); opt.zero_grad()`` with ``opt = AdamW(model.p
 Memory: the gradients alive at any moment of backward are those of the autograd node running now
 (a layer's weight and bias come out of one node) and nothing else; the plain loop keeps every
 gradient from the moment backward reaches it until ``opt.step()``, so its peak (usually at the end
-of backward) holds all of them.
+of backward) holds all of them. An untied head under slimgrad's fused loss is not even whole: one
+block of its gradient rows at a time (NOTE [Chunked updates]).
 
 # NOTE [Why the update is exact]
 The handle holds one ordinary optimizer (``handle.optimizer``, built as ``OptimizerClass(params,
@@ -45,6 +46,36 @@ hundreds of times per step, for nothing, since their gradients are small. A para
 narrowed per group. Parameters are independent in every such optimizer, so the bits do not
 change; the memory bound grows by at most ``bucket_bytes``. ``bucket_bytes=0`` updates every
 parameter alone.
+
+# NOTE [Chunked updates]
+SGD, Adam and AdamW update each element of a parameter from the same element of its gradient and
+state, and the step counter. A large parameter (more than ``CHUNK_ELEMS`` elements) is updated
+piece by piece: the optimizer's own ``step()`` runs on views of ``CHUNK_ELEMS`` elements of the
+parameter, gradient and state, each piece counting from a copy of the step counter except the
+last, which advances the real one (once, as the whole update does). The optimizer's temporaries
+(AdamW's ``sqrt`` and division, 2 x the parameter) are one piece's. Bit-identity is not automatic:
+ATen's CPU loops compute a vector body and a scalar tail, and split the tensor across threads, so
+a piece boundary moves elements between the two; it holds when both compute the same bits, which
+tests/test_step_in_backward_chunked.py checks for every proven case (SGD with momentum, nesterov,
+dampening, weight decay; Adam with amsgrad and weight decay; AdamW; maximize; foreach True and
+False; pieces aligned and unaligned to the vector width, a last partial piece, two threads).
+Chunking is restricted to those: exactly those three classes, CPU tensors, not fused, capturable
+or differentiable, contiguous parameter, gradient and state of the parameter's shape and dtype,
+and state that exists (the first step creates it from the whole gradient, so it is whole).
+Anything else updates whole.
+
+The untied LM head goes further (NOTE [Head gradient by vocabulary blocks] in
+slimgrad/_math/linear_cross_entropy.py): the fused loss's backward offers each block of the head's
+gradient rows, complete over every token, to the handle (``ROW_SINK`` on the weight), which
+updates those rows as above and frees the block: the head's full gradient never exists. The op
+offers them only for a leaf weight no other node below it reaches (a tied embedding is reached
+through the hidden states: whole), only when this backward accumulates into ``.grad`` (not
+``torch.autograd.grad``) and not under ``create_graph``; the handle takes them only in the
+chunkable cases above, with ``accumulate=1`` and without ``clip_grad_norm_per_param`` (it needs the
+whole gradient; ``clip_grad_value`` is elementwise and applies per block). The row path runs in
+the plain loop too (it is the op's full-precision backward), so both compute the same gradient
+bits. A use of the weight beside the loss (``loss + f(W)``) is not below the op: its gradient
+arrives after the rows were updated, and the handle raises.
 
 # NOTE [What a step is, and what is refused]
 In the plain loop a step is everything between two ``opt.step()`` calls. Here the update happens in

@@ -27,6 +27,12 @@ nothing that is saved. The Triton kernels implement the plain logits; with a tra
 PyTorch chunk path runs.
 Low precision (bf16/fp16 inputs, or autocast): the matmuls run in that dtype, like eager; softmax
 statistics and the dW/db accumulators are float32.
+Full precision, recompute path (CPU PyTorch path): backward walks the vocabulary in blocks of
+:func:`vocab_block_rows` rows (about 2^20 elements of dW), each block's dW rows complete over all
+tokens in turn (NOTE [Head gradient by vocabulary blocks] in slimgrad/_math/): one block of logits
+alive instead of chunk×V; dh then takes its own N×H buffer (it cannot overwrite hidden, which
+every block reads) unless one block covers the vocabulary. slimgrad.step_in_backward takes the
+blocks of an untied head (``ROW_SINK``) and the full dW is never allocated.
 
 Memory: 'mean'/'sum' with N >= H saves dh (N×H in the compute dtype, like the hidden it replaces)
 + dW (V×H, float32 or float64: parameter-sized, kept from forward to backward; only when W needs
