@@ -12,6 +12,7 @@ the fused loss is another pass's: ``fused_loss=False``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import functools
 
@@ -285,13 +286,21 @@ class _Counter:
     def __init__(self, monkeypatch):
         import slimgrad.ops.softmax_dropout as sdm
 
-        self.n, real = 0, sdm.softmax_dropout_matmul
+        # calls of slimgrad's attention ops (either entry; one calling the other counts once)
+        self.n, self.depth = 0, 0
+        for name in ("softmax_dropout_matmul", "scores_softmax_dropout_matmul"):
+            monkeypatch.setattr(sdm, name, self._counting(getattr(sdm, name)))
 
+    def _counting(self, real):
         def counting(*args, **kwargs):
-            self.n += 1
-            return real(*args, **kwargs)
+            self.n += self.depth == 0
+            self.depth += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.depth -= 1
 
-        monkeypatch.setattr(sdm, "softmax_dropout_matmul", counting)
+        return counting
 
 
 def _run(model, inputs, train, seed=7):
@@ -379,7 +388,8 @@ def test_sliding_window_is_applied():
 
 
 def test_padded_batch_keeps_the_same_saving():
-    # the mask is applied inside the op: a padded batch saves exactly what an unpadded one saves
+    # the mask is applied inside the op, which recomputes P in backward: a padded batch saves
+    # what an unpadded one saves + HF's bool mask (B x 1 x T x T, one storage for every layer)
     model, conv, kind, _ = _pair("gpt2")
     saved = {}
     for m in (model, conv):
@@ -388,7 +398,8 @@ def test_padded_batch_keeps_the_same_saving():
             inputs = _inputs(kind, pad, seq=16)
             torch.manual_seed(2)
             saved[m is conv, pad] = measure(lambda m=m, i=inputs: m(**i).logits.sum()).saved_bytes
-    assert saved[True, "left"] == saved[True, "none"]
+    batch = inputs["input_ids"].shape[0]
+    assert saved[True, "left"] == saved[True, "none"] + batch * 16 * 16
     assert saved[True, "left"] < saved[False, "left"]
 
 
@@ -479,7 +490,14 @@ def _pad_mask(b, q, k, causal, float_dtype=None):
     )
 
 
-def _both(module, q, k, v, mask, extra=(), **kw):
+def _autocast(mode):
+    # "autocast_bf16" / "autocast_fp16": the region SDPA runs in; anything else: none
+    if mode.startswith("autocast"):
+        return torch.autocast("cpu", torch.bfloat16 if mode.endswith("bf16") else torch.float16)
+    return contextlib.nullcontext()
+
+
+def _both(module, q, k, v, mask, extra=(), mode="plain", **kw):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from slimgrad.convert_handlers.hf_attention import _attention
@@ -489,9 +507,10 @@ def _both(module, q, k, v, mask, extra=(), **kw):
         leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in (q, k, v)]
         more = {n: t.detach().clone().requires_grad_() for n, t in extra}
         torch.manual_seed(5)
-        out, weights = fn(module, *leaves, mask, **kw, **more)
+        with _autocast(mode):
+            out, weights = fn(module, *leaves, mask, **kw, **more)
         assert weights is None
-        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape))
         results.append([out, *(t.grad for t in leaves), *(t.grad for t in more.values())])
     return results
 
@@ -511,36 +530,89 @@ CASES = {
 }
 
 
+# (input dtype, autocast): SDPA's CPU math path upcasts half inputs to float32 (q, k, v; the
+# output is cast back), and under autocast it first casts every floating non-float64 argument
+DTYPES = {
+    "fp32": (torch.float32, "plain"),
+    "fp64": (torch.float64, "plain"),
+    "bf16": (torch.bfloat16, "plain"),
+    "fp16": (torch.float16, "plain"),
+    "fp32_autocast_bf16": (torch.float32, "autocast_bf16"),
+    "fp32_autocast_fp16": (torch.float32, "autocast_fp16"),
+    "bf16_autocast_fp16": (torch.bfloat16, "autocast_fp16"),
+    "fp64_autocast_bf16": (torch.float64, "autocast_bf16"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_attention_function_matches_sdpa(case, monkeypatch):
+def test_attention_function_matches_sdpa(case, dtype, monkeypatch):
     c = CASES[case]
+    dt, mode = DTYPES[dtype]
     q_len, k_len, groups = c.get("q", 5), c.get("k", 5), c.get("groups", 1)
     causal = c.get("causal", True)
-    q, k, v = _qkv(q=q_len, k=k_len, groups=groups)
+    q, k, v = _qkv(q=q_len, k=k_len, groups=groups, dtype=dt)
     mask = c["mask"]
     if mask is not None:
-        mask = _pad_mask(2, q_len, k_len, causal, torch.float32 if mask == "float" else None)
-    extra = [("position_bias", torch.randn(1, 4, q_len, k_len))] if c.get("bias") else []
+        mask = _pad_mask(2, q_len, k_len, causal, dt if mask == "float" else None)
+    extra = [("position_bias", torch.randn(1, 4, q_len, k_len).to(dt))] if c.get("bias") else []
     count = _Counter(monkeypatch)
-    ours, ref = _both(_Attn(groups, causal), q, k, v, mask, extra, dropout=0.3, scaling=0.3)
+    ours, ref = _both(
+        _Attn(groups, causal), q, k, v, mask, extra, mode=mode, dropout=0.3, scaling=0.3
+    )
     assert count.n == 1
     for o, r in zip(ours, ref):
+        assert o.dtype == r.dtype
         torch.testing.assert_close(o, r, rtol=0, atol=0)  # SDPA's math path, bit for bit
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32_autocast_bf16", "fp32"])
+def test_attention_function_keeps_less_than_sdpa(dtype):
+    # what one call keeps: q and k (S's operands, float32 copies for half inputs, as SDPA's math
+    # path keeps them), value and 1 bit per score; SDPA's math path also keeps P, its dropout
+    # noise and the dropped P (float32, T x T each) and a float32 copy of value
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from slimgrad.convert_handlers.hf_attention import _attention
+
+    dt, mode = DTYPES[dtype]
+    b, h, t, d = 2, 4, 16, 8
+    q, k, v = _qkv(b=b, h=h, q=t, k=t, d=d, dtype=dt)
+    saved = {}
+    for fn in (_attention, sdpa_attention_forward):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with _autocast(mode):
+            m = measure(lambda fn=fn, x=leaves: fn(_Attn(), *x, None, dropout=0.3)[0].float().sum())
+        saved[fn] = m.saved_bytes
+    qkv, scores = b * h * t * d, b * h * t * t
+    # the caller's value is not a step tensor; under autocast both keep the cast one (bf16 here,
+    # float32 in SDPA's math path), in bf16 SDPA keeps its float32 copy
+    ours_v = qkv * 2 if mode != "plain" else 0
+    sdpa_v = qkv * 4 if dt is torch.bfloat16 or mode != "plain" else 0
+    assert saved[_attention] == 2 * qkv * 4 + ours_v + scores // 8
+    assert saved[sdpa_attention_forward] == 2 * qkv * 4 + sdpa_v + 3 * scores * 4
 
 
 @pytest.mark.parametrize(
     "why",
-    ["no_dropout", "no_grad", "bfloat16", "output_attentions", "softcap", "gqa_decode_packed"],
+    [
+        "no_dropout",
+        "no_grad",
+        "float_mask_dtype",
+        "output_attentions",
+        "softcap",
+        "gqa_decode_packed",
+    ],
 )
 def test_attention_function_hands_the_rest_to_sdpa(why, monkeypatch):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from slimgrad.convert_handlers.hf_attention import _attention
 
-    dtype = torch.bfloat16 if why == "bfloat16" else torch.float32
     groups, q_len = (2, 1) if why == "gqa_decode_packed" else (1, 5)
-    q, k, v = _qkv(q=q_len, groups=groups, dtype=dtype)
-    mask = _pad_mask(2, q_len, 5, True)
+    q, k, v = _qkv(q=q_len, groups=groups, dtype=torch.bfloat16)
+    # a float mask of another dtype than the query's: SDPA's own error
+    mask = _pad_mask(2, q_len, 5, True, torch.float32 if why == "float_mask_dtype" else None)
     kw = {"dropout": 0.0 if why == "no_dropout" else 0.3, "scaling": 0.3}
     kw.update({"output_attentions": True} if why == "output_attentions" else {})
     kw.update({"softcap": 30.0} if why == "softcap" else {})
@@ -551,11 +623,11 @@ def test_attention_function_hands_the_rest_to_sdpa(why, monkeypatch):
         with torch.set_grad_enabled(why != "no_grad"):
             try:
                 outs.append(fn(_Attn(groups), q, k, v, mask, **kw)[0])
-            except ValueError as e:  # SDPA has no softcap: the same error, never a dropped cap
+            except (ValueError, RuntimeError) as e:  # softcap, mask dtype: SDPA's own error
                 outs.append(str(e))
     assert count.n == 0
     if isinstance(outs[1], str):
-        assert outs[0] == outs[1] and "softcap" in outs[1]
+        assert outs[0] == outs[1] and ("softcap" in outs[1] or "mask" in outs[1])
     else:
         assert torch.equal(outs[0], outs[1])
 

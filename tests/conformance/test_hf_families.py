@@ -21,6 +21,7 @@ per family and process (module-level cache); rows only switch train/eval.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
 
@@ -323,3 +324,91 @@ def test_verify_agrees_with_the_rows(name, record_property):
     else:
         rep_ok = rep.ok
     assert rep_ok == rows_ok, f"verify says {'OK' if rep_ok else 'FAILED'}, rows: {rows}\n{rep}"
+
+
+# Half precision and CPU autocast: the HF attention in the dtype a model trains in.
+# NOTE [SDPA's math path in half precision and under autocast] in convert_handlers/hf_attention.py.
+# The attention pass alone (the other passes have their own half-precision suites): the converted
+# model gives eager's loss and gradients bit for bit, and both are held to the GUIDE rule against
+# the float64 model. bf16 and fp16 weights, fp32 weights under autocast(bf16); padded left and
+# right; train (dropout on: slimgrad's attention runs) and eval (dropout off: SDPA runs).
+_ATTN_ONLY = slimgrad.ConvertConfig(
+    activations=False, norms=False, fused_loss=False, selective_saving=False, batch_norm=False
+)
+# Representative families (GQA, sliding window, q/k norms, fused qkv, Conv1D, bidirectional,
+# T5's position bias: the float-mask path, encoder-decoder): the suite's time budget.
+_HALF_FAMILIES = ["gpt2", "llama", "mistral_sw", "qwen3", "phi3", "bert", "t5", "bart"]
+_HALF_MODES = {
+    "bf16": (torch.bfloat16, None),
+    "fp16": (torch.float16, None),
+    "autocast_bf16": (torch.float32, torch.bfloat16),
+}
+_HALF_CACHE: dict = {}
+
+
+def _half_models(name, mode):
+    key = (name, mode)
+    if key not in _HALF_CACHE:
+        base = H.build(H.FAMILIES[name])
+        eager = copy.deepcopy(base).to(_HALF_MODES[mode][0])
+        conv = slimgrad.convert_(copy.deepcopy(eager), _ATTN_ONLY)
+        _HALF_CACHE[key] = (eager, conv, copy.deepcopy(base).to(torch.float64))
+    return _HALF_CACHE[key]
+
+
+def _half_side(model, batch, autocast, float64=False):
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(SEED)
+    region = (
+        torch.autocast("cpu", autocast) if autocast and not float64 else contextlib.nullcontext()
+    )
+    with region:
+        out = model(**copy.deepcopy(_cast64(batch) if float64 else batch))
+    loss = out.loss.float() if not float64 else out.loss
+    return loss.detach(), grads_of(loss, params)
+
+
+_HALF_COMBOS = [  # (mode, pad, train)
+    ("bf16", "left", True),
+    ("bf16", "left", False),
+    ("fp16", "right", True),
+    ("autocast_bf16", "left", True),
+    ("autocast_bf16", "right", True),
+]
+
+
+def _half_rows():
+    for name in _HALF_FAMILIES:
+        for mode, pad, train in _HALF_COMBOS:
+            tag = f"{name}-{mode}-{pad}-{'train' if train else 'eval'}"
+            yield pytest.param(name, mode, pad, train, id=tag)
+
+
+@pytest.mark.parametrize("name,mode,pad,train", list(_half_rows()))
+def test_half_precision_attention_row(name, mode, pad, train, monkeypatch):
+    import slimgrad.ops.softmax_dropout as sdm
+
+    fam = H.FAMILIES[name]
+    eager, conv, ref = _half_models(name, mode)
+    assert conv.config._attn_implementation == "slimgrad"
+    calls = []
+    for fn in ("softmax_dropout_matmul", "scores_softmax_dropout_matmul"):
+        real = getattr(sdm, fn)
+        monkeypatch.setattr(sdm, fn, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    for m in (eager, conv, ref):
+        m.train(train)
+    batch = H.pad(H.inputs(fam, eager, labels=True), eager, pad)
+    autocast = _HALF_MODES[mode][1]
+    le, ge = _half_side(eager, batch, autocast)
+    n_eager = len(calls)
+    lc, gc = _half_side(conv, batch, autocast)
+    lr, gr = _half_side(ref, batch, autocast, float64=True)
+    assert n_eager == 0 and (len(calls) > 0) == train  # slimgrad's attention ran in training
+    names = _names(eager)
+    torch.testing.assert_close(lc, le, rtol=0, atol=0)
+    for n, c, e in zip(names, gc, ge, strict=True):
+        torch.testing.assert_close(c, e, rtol=0, atol=0, msg=n)
+    assert _finite(le, ge, {}), "eager is not finite"
+    if _finite(lr, gr, {}):
+        assert_within_rule(lc, lr, le, atol=_scaled_atol(lr), names=["loss"])
+        assert_within_rule(gc, gr, ge, names=[f"grad {n}" for n in names])

@@ -13,13 +13,16 @@ the query's device and dtype, so a model converted on CPU and moved to CUDA keep
 What eager keeps (from PyTorch's ``tools/autograd/derivatives.yaml``, the autograd formula of each
 op, which is the same on every device; the device decides *which* op runs):
 
-- ``attention`` (HF ``"sdpa"`` origin; slimgrad keeps P = softmax(S) + 1 bit/elt of dropout mask,
-  B x H x T x T): ``F.scaled_dot_product_attention`` is ``CompositeImplicitAutograd``; its backend
-  choice (``aten/src/ATen/native/transformers/{sdp_utils_cpp.cpp,cuda/sdp_utils.cpp}``) decides
-  what is kept.
+- ``attention`` (HF ``"sdpa"`` origin; slimgrad keeps the scaled q and k, v and 1 bit/elt of
+  dropout mask, B x H x T x T, and recomputes P in backward; with a float mask it keeps P too):
+  ``F.scaled_dot_product_attention`` is ``CompositeImplicitAutograd``; its backend choice
+  (``aten/src/ATen/native/transformers/{sdp_utils_cpp.cpp,cuda/sdp_utils.cpp}``) decides what is
+  kept.
     * CPU: with dropout the only backend is the math path (``_scaled_dot_product_attention_math``):
-      it keeps the scaled q and k, P, the dropout noise and the dropped P, all T x T per head: more
-      than slimgrad (any dtype). Without dropout CPU runs ``_scaled_dot_product_flash_attention_
+      it keeps the scaled q and k, P, the dropout noise and the dropped P, all T x T per head
+      (float32 for float16/bfloat16 inputs and under autocast, with a float32 copy of v: NOTE
+      [SDPA's math path in half precision and under autocast] in ``hf_attention.py``): more than
+      slimgrad in every dtype. Without dropout CPU runs ``_scaled_dot_product_flash_attention_
       for_cpu`` (q, k, v, out, logsumexp), and slimgrad's attention hands such calls to SDPA.
     * CUDA, float16/bfloat16/float32: a fused backend (flash: fp16/bf16; memory-efficient: also
       fp32 and arbitrary masks; cuDNN), dropout included. Their derivative formulas keep q, k, v,
@@ -82,7 +85,8 @@ def _sdpa_attention(device: str, dtype: torch.dtype | None) -> str | None:
         return (
             f"on cuda with {got}, eager's SDPA runs a fused kernel (flash, memory-efficient or "
             "cuDNN; dropout included) that keeps q, k, v, out and logsumexp: O(T) per row; "
-            "slimgrad's attention keeps the T x T probabilities + 1 bit/elt, more. SDPA kept "
+            "slimgrad's attention keeps 1 bit per score (T x T; with a float mask also the "
+            "probabilities), more. SDPA kept "
             f"(slimgrad's attention replaces SDPA on cpu, and on cuda only for float64, where no "
             f"fused kernel runs; cuda's fused kernels take {_FUSED_CUDA})"
         )

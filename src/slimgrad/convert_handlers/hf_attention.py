@@ -42,15 +42,32 @@ a model converted on CPU and moved to CUDA runs SDPA there.
 At call time :func:`_attention` (:func:`_attention_eager` likewise, to the family's function)
 hands every call it does not reproduce exactly to HF's own ``sdpa_attention_forward`` with the
 same arguments: no dropout (eval, ``dropout=0``), no grad, torch.compile tracing, a device where
-the device rule keeps SDPA, a device other than CPU (other devices draw dropout differently), a
-dtype other than float32/float64 or autocast, a keyword argument that SDPA's function reads and
+the device rule keeps SDPA, a device other than CPU (other devices draw dropout differently),
+q/k/v that SDPA would not compute in one dtype, a keyword argument that SDPA's function reads and
 slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache``: found by
 reading that function's source), the single-query GQA packing, a mask that does not broadcast to
 the scores. Everything else (causal and bidirectional, 2-D/4-D padding masks made 4-D by HF, bool
 and additive float masks, sliding windows, which arrive in the mask HF builds, cross-attention
-with ``q_len != k_len``, GQA, T5's ``position_bias``) runs SDPA's math path in slimgrad's op:
-``S = (q sqrt(s)) (k sqrt(s))^T``, mask inside the op, safe softmax, dropout kept as bits, ``@ V``.
-The eager path keeps tanh's output for a softcap (as eager does) besides P + bits.
+with ``q_len != k_len``, GQA, T5's ``position_bias``; float32, float64, bfloat16, float16 and CPU
+autocast) runs SDPA's math path in slimgrad's ops: ``S = (q sqrt(s)) (k sqrt(s))^T``, mask inside
+the op, safe softmax, dropout kept as bits, ``@ V``. With no mask or a bool one (HF's ``sdpa_mask``)
+P is recomputed in backward from q and k (NOTE [Attention probabilities recomputed in backward]
+in ``ops/softmax_dropout.py``): nothing T x T is kept but the bits; a float mask (position bias)
+keeps P + bits. The eager path keeps tanh's output for a softcap (as eager does) besides P + bits
+(float32/float64 only).
+
+# NOTE [SDPA's math path in half precision and under autocast]
+What eager computes on CPU (read from the dispatched ops of ``F.scaled_dot_product_attention`` in
+torch 2.13; the tests compare bit for bit): under CPU autocast SDPA is a lower-precision op, so
+q, k, v and a float mask that are floating and not float64 are first cast to autocast's dtype
+(HF's q and k are float32 there, after RoPE's float32 cos/sin; v is the projection's bf16). The
+math path then copies float16/bfloat16 q, k and v to float32, repeats the kv heads (enable_gqa,
+HF's choice without a mask) after those copies, adds a half-precision mask promoted, and runs
+softmax, dropout (a float32 noise tensor) and ``@ V`` in float32, casting the output back. HF's
+own ``repeat_kv`` (with a mask) runs before SDPA, in the input dtype. :func:`_attention` does the
+same casts in the same order, with autocast off inside; value stays in its dtype and is cast to
+float32 for each product (``matmul_dtype``). Eager keeps the float32 scaled q and k, P, the noise,
+the dropped P and a float32 v; slimgrad keeps the same q and k, v in its own dtype and the bits.
 """
 
 from __future__ import annotations
@@ -127,23 +144,41 @@ def _is_set(v) -> bool:
     return v is not None and v is not False
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _sdpa_cast(t: torch.Tensor) -> torch.Tensor:
+    # what F.scaled_dot_product_attention's CPU autocast wrapper makes of a tensor argument:
+    # floating tensors other than float64 become autocast's dtype (lower_precision_fp op)
+    if t.is_floating_point() and t.dtype != torch.float64 and torch.is_autocast_enabled("cpu"):
+        return t.to(torch.get_autocast_dtype("cpu"))
+    return t
+
+
+def _sdpa_dtype(t: torch.Tensor) -> torch.dtype:
+    if t.is_floating_point() and t.dtype != torch.float64 and torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return t.dtype
+
+
 def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
     if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
         return False
     if torch.compiler.is_compiling():  # compiled SDPA draws its dropout its own way
         return False
-    if (
-        device_rule.check("attention", device_rule.tensor_device(query.device), query.dtype)
-        is not None
-    ):
-        return False  # eager's SDPA keeps less there (fused CUDA kernels)
-    if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+    if query.device.type != "cpu":
         return False  # exactness: other devices draw dropout their own way
-    if query.dtype not in (torch.float32, torch.float64):
+    if not (query.dim() == key.dim() == value.dim() == 4):
         return False
-    if not (key.dtype == value.dtype == query.dtype and query.dim() == key.dim() == 4):
+    floats = (*_HALF, torch.float32, torch.float64)
+    if not (query.dtype in floats and key.dtype in floats and value.dtype in floats):
         return False
-    if value.dim() != 4 or (scaling is not None and scaling < 0):
+    dtype = _sdpa_dtype(query)  # what SDPA computes with (autocast's dtype under autocast)
+    if not (_sdpa_dtype(key) == _sdpa_dtype(value) == dtype):
+        return False  # SDPA raises its own error
+    if device_rule.check("attention", device_rule.tensor_device(query.device), dtype) is not None:
+        return False  # eager's SDPA keeps less there (fused CUDA kernels)
+    if scaling is not None and scaling < 0:
         return False
     for name in _sdpa_reads() - _IMPLEMENTED:
         if _is_set(kwargs.get(name)):
@@ -156,14 +191,16 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
 
         if not use_gqa_in_sdpa(attention_mask, key, value):
             return False  # SDPA packs the heads into the query length: another dropout layout
-    for extra in (attention_mask, kwargs.get("position_bias")):
+    scores = (*query.shape[:3], key.shape[2])
+    for name, extra in (("mask", attention_mask), ("bias", kwargs.get("position_bias"))):
         if extra is None:
             continue
         if not isinstance(extra, torch.Tensor) or extra.device != query.device:
             return False
-        if extra.dtype != torch.bool and extra.dtype != query.dtype:
-            return False
-        scores = (*query.shape[:3], key.shape[2])
+        if name == "bias" and extra.dtype != query.dtype:
+            return False  # HF's position-bias mask then has another dtype than the query's
+        if extra.dtype != torch.bool and _sdpa_dtype(extra) != dtype:
+            return False  # SDPA raises its own error
         try:
             if torch.broadcast_shapes(extra.shape, scores) != scores:
                 return False
@@ -190,10 +227,13 @@ def _attention(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     # From here on: sdpa_attention_forward's steps, then SDPA's math path (the CPU kernel used
-    # with dropout), with softmax -> dropout -> @V in slimgrad's op.
+    # with dropout), with softmax -> dropout -> @V in slimgrad's op. NOTE [SDPA's math path in
+    # half precision and under autocast]
     position_bias = kwargs.get("position_bias")
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # SDPA's enable_gqa and HF's repeat_kv both repeat each kv head in place
+    # HF lets SDPA repeat the kv heads (enable_gqa: after its casts) or repeats them itself
+    gqa_in_sdpa = groups > 1 and hf_sdpa.use_gqa_in_sdpa(attention_mask, key, value)
+    if groups > 1 and not gqa_in_sdpa:
         key, value = hf_sdpa.repeat_kv(key, groups), hf_sdpa.repeat_kv(value, groups)
     q_len, kv_len = query.shape[2], key.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -207,12 +247,43 @@ def _attention(
             position_bias, attention_mask, is_causal, query, key
         )
         is_causal = False
+    # F.scaled_dot_product_attention: autocast's casts, then the math path with autocast off
+    query, key, value = _sdpa_cast(query), _sdpa_cast(key), _sdpa_cast(value)
+    if attention_mask is not None:
+        attention_mask = _sdpa_cast(attention_mask)
+    out_dtype = query.dtype
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     root = math.sqrt(scale)  # SDPA's math path scales q and k by sqrt(scale) each
-    scores = torch.matmul(query * root, key.transpose(-2, -1) * root)
-    out = _sdm.softmax_dropout_matmul(
-        scores, value, float(dropout), True, causal=is_causal, mask=attention_mask
-    )
+    with torch.autocast("cpu", enabled=False):
+        acc = torch.float32 if out_dtype in _HALF else out_dtype
+        query, key = query.to(acc), key.to(acc)
+        if gqa_in_sdpa:  # the math path repeats after its float32 copies
+            key, value = hf_sdpa.repeat_kv(key, groups), hf_sdpa.repeat_kv(value.to(acc), groups)
+        if attention_mask is not None and attention_mask.dtype not in (torch.bool, acc):
+            attention_mask = attention_mask.to(acc)  # exact; the math path adds it promoted
+        query, key_t = query * root, key.transpose(-2, -1) * root
+        if attention_mask is None or attention_mask.dtype == torch.bool:
+            # P recomputed in backward from q and k (kept for S's gradient anyway)
+            out = _sdm.scores_softmax_dropout_matmul(
+                query,
+                key_t,
+                value,
+                float(dropout),
+                causal=is_causal,
+                mask=attention_mask,
+                matmul_dtype=acc,
+            )
+        else:  # a float mask (position bias): P kept, the mask is not
+            out = _sdm.softmax_dropout_matmul(
+                torch.matmul(query, key_t),
+                value,
+                float(dropout),
+                True,
+                causal=is_causal,
+                mask=attention_mask,
+                matmul_dtype=acc,
+            )
+        out = out.to(out_dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

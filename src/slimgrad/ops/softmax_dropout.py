@@ -9,6 +9,11 @@ NOTE [Dropout masks: drawn like eager, kept as bits] in ``ops/dropout.py``), ``d
 dD * m / (1 - p)``, ``dS = P * (dP - sum(dP * P, dim))`` (``torch._softmax_backward_data``, as
 eager).
 
+``scores_softmax_dropout_matmul(q, k_t, V)`` is the same with ``S = q @ k_t`` inside: it keeps q,
+k_t (which S's matmul keeps anyway), V and the bits, and recomputes S and P in backward (NOTE
+[Attention probabilities recomputed in backward]); HF's attention uses it (NOTE [SDPA's math path
+in half precision and under autocast] in ``convert_handlers/hf_attention.py``).
+
 Memory: saves P (4 B/elt fp32 of S) + the mask bits (1/8 B/elt) + V; eager saves P (softmax), the
 float mask (4 B/elt on CPU, 1 B/elt bool on CUDA), the dropped D (4 B/elt, the bmm input) and V. P
 plays the part of D in the tracker's floor (``_slimgrad_floor``): saved - floor = 1/8 B/elt of S.
@@ -35,9 +40,10 @@ from slimgrad.ops.dropout import _check_p
 # the module (the package attribute slimgrad.ops.dropout is the function)
 _dropout = importlib.import_module("slimgrad.ops.dropout")
 
-__all__ = ["softmax_dropout_matmul"]
+__all__ = ["scores_softmax_dropout_matmul", "softmax_dropout_matmul"]
 
 _API = "slimgrad.ops.softmax_dropout_matmul"
+_API_QK = "slimgrad.ops.scores_softmax_dropout_matmul"
 
 
 def _in_place_ok(t: torch.Tensor) -> bool:
@@ -250,6 +256,7 @@ def softmax_dropout_matmul(
     *,
     causal: bool = False,
     mask: torch.Tensor | None = None,
+    matmul_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``dropout(softmax(input, dim), p, training) @ value`` keeping P and the mask bits only.
 
@@ -272,6 +279,11 @@ def softmax_dropout_matmul(
             dropped, as ``-inf``) or a float tensor of ``input``'s dtype added to the scores (it
             gets gradient ``dS``). Applied inside the op after ``causal``; nothing extra is kept.
             A row whose scores are all ``-inf`` afterwards gives P = 0 (SDPA's safe softmax).
+        matmul_dtype: the dtype ``D @ value`` is computed and returned in: ``D.to(matmul_dtype)
+            @ value.to(matmul_dtype)``, with ``value`` kept in its own dtype and cast again in
+            backward (its gradient is cast back to its dtype). SDPA's CPU math path computes
+            half-precision attention this way in float32. None: ``value``'s dtype (under
+            autocast, the dtype autocast gives the matmul).
 
     Returns:
         ``dropout(softmax(input)) @ value``.
@@ -294,6 +306,13 @@ def softmax_dropout_matmul(
         )
     if mask is not None:
         _check_mask(input, mask)
+    if matmul_dtype is not None and not (
+        isinstance(matmul_dtype, torch.dtype) and matmul_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{_API}: matmul_dtype must be a floating torch.dtype; expected e.g. torch.float32, "
+            f"got {matmul_dtype!r}. Pass a floating dtype, or None for value's dtype."
+        )
     p_eff = float(p) if training and input.numel() > 0 else 0.0
     if p_eff == 1.0 or transforms_active():
         # eager's composition: p = 1 (nothing to keep), or under torch.func (NOTE [torch.func
@@ -309,12 +328,21 @@ def softmax_dropout_matmul(
             dead = input.amax(dim, keepdim=True) == float("-inf")
             # dead rows: finite before softmax (no NaN in its backward), 0 after
             probs = F.softmax(input.masked_fill(dead, 0.0), dim).masked_fill(dead, 0.0)
-            return torch.matmul(F.dropout(probs, p_eff, True), value)
-        return torch.matmul(F.dropout(F.softmax(input, dim), p_eff, True), value)
+        else:
+            probs = F.softmax(input, dim)
+        dropped = F.dropout(probs, p_eff, True)
+        if matmul_dtype is not None:
+            dropped, value = dropped.to(matmul_dtype), value.to(matmul_dtype)
+        return torch.matmul(dropped, value)
     refuse_jit("ops.softmax_dropout_matmul")
     # Keep a compact V: a strided view (e.g. of a fused qkv output) would keep its whole base alive.
     value = value.contiguous()
     dev = input.device.type
+    if matmul_dtype is not None:
+        with torch.autocast(dev, enabled=False):
+            return _SoftmaxDropoutMatmulFn.apply(
+                input, value, p_eff, dim, matmul_dtype, causal, mask
+            )[0]
     if torch.is_autocast_enabled(dev):
         sm_dtype = F.softmax(input.new_empty((0,)), -1).dtype
         mm_dtype = torch.matmul(value.new_empty((0, 0)), value.new_empty((0, 0))).dtype
@@ -327,6 +355,138 @@ def softmax_dropout_matmul(
                 input.to(sm_dtype), value, p_eff, dim, mm_dtype, causal, mask
             )[0]
     return _SoftmaxDropoutMatmulFn.apply(input, value, p_eff, dim, value.dtype, causal, mask)[0]
+
+
+class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
+    # NOTE [Attention probabilities recomputed in backward]: S = q @ k_t is recomputed from the
+    # operands its matmul keeps anyway, and P = softmax(S) from S, with the same ops on the same
+    # tensors (same shapes and strides): the same bits as the forward's P (CPU kernels are
+    # deterministic for a fixed input and thread count; the tests compare with eager bit for bit).
+    # Nothing T x T is kept: q, k_t, value, the dropout bits and a bool mask (or none).
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(ctx, q, k_t, v, p, mm_dtype, causal, mask):
+        s = torch.matmul(q, k_t)
+        out, probs, bits = _sdm_fwd(s, v, p, -1, mm_dtype, causal, mask)
+        del s, probs
+        ctx.p, ctx.mm_dtype, ctx.causal, ctx.fused = p, mm_dtype, causal, _dropout._fused(q)
+        ctx.v_dtype, ctx.v_shape = v.dtype, v.shape
+        ctx.save_for_backward(q, k_t, v, bits, mask)
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    @first_order("ops.scores_softmax_dropout_matmul")
+    def backward(ctx, d_out):
+        if d_out is None:
+            return None, None, None, None, None, None, None
+        q, k_t, v, bits, mask = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        probs = _softmax_fwd(torch.matmul(q, k_t), -1, ctx.causal, mask)  # the forward's P
+        # P is this backward's own temporary: D for dV is rebuilt in its buffer after dS
+        ds, dv = _bwd_torch(
+            d_out,
+            probs,
+            bits,
+            v,
+            ctx.p,
+            -1,
+            ctx.fused,
+            ctx.mm_dtype,
+            ctx.v_shape,
+            [need_q or need_k, need_v],
+            own_probs=ctx.p > 0 and probs.dtype == ctx.mm_dtype,
+        )
+        del probs
+        dq = torch.matmul(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
+        dk = torch.matmul(q.mT, ds) if need_k else None
+        dv = dv.to(ctx.v_dtype) if dv is not None else None
+        return dq, dk, dv, None, None, None, None
+
+
+def scores_softmax_dropout_matmul(
+    query: torch.Tensor,
+    key_t: torch.Tensor,
+    value: torch.Tensor,
+    p: float = 0.1,
+    training: bool = True,
+    *,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    matmul_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``dropout(softmax(query @ key_t), p) @ value``, recomputing the probabilities in backward.
+
+    Values and gradients equal eager's ``F.dropout(F.softmax(query @ key_t, -1), p) @ value``
+    (with ``causal``/``mask`` as in :func:`softmax_dropout_matmul`, i.e. SDPA's math path given
+    the scaled query and transposed key) bit for bit: backward recomputes ``S = query @ key_t``
+    and ``P = softmax(S)`` from the kept operands with the same ops (NOTE [Attention
+    probabilities recomputed in backward]).
+
+    Memory: saves query, key_t (eager's ``q @ k^T`` keeps both too), value and 1/8 B/elt of S
+    (dropout bits) and ``mask`` (bool); eager also keeps P, a 4 B/elt (CPU) noise tensor and the
+    dropped P, all T x T. Backward holds one S-sized buffer besides dS at a time.
+
+    Args:
+        query: ``(..., T_q, d)``, already scaled.
+        key_t: ``(..., d, T_k)``, the transposed (scaled) key, same dtype as ``query``.
+        value: ``(..., T_k, d_v)``.
+        p: dropout probability in [0, 1].
+        training: apply dropout if True.
+        causal: mask ``S[..., i, j]`` (``j > i``) with ``-inf`` inside the op.
+        mask: None or a bool mask broadcastable to S (False drops the score); rows with no
+            finite score give P = 0 (SDPA's safe softmax).
+        matmul_dtype: the dtype of ``D @ value`` (see :func:`softmax_dropout_matmul`); None:
+            value's dtype.
+
+    Returns:
+        ``dropout(softmax(query @ key_t)) @ value`` in ``matmul_dtype``.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1], or a ``mask`` that does not broadcast to S.
+        TypeError: a ``mask`` that is not a bool tensor, or operands of different dtypes.
+
+    Example:
+        >>> q, k = torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
+        >>> o = scores_softmax_dropout_matmul(q, k.mT, torch.randn(2, 4, 7, 8), p=0.1)
+    """
+    _dtensor.refuse(_API_QK, query=query, key_t=key_t, value=value, mask=mask)
+    _check_p("ops.scores_softmax_dropout_matmul", p)
+    if query.dtype != key_t.dtype:
+        raise TypeError(
+            f"{_API_QK}: query and key_t must have one dtype; expected {query.dtype}, got "
+            f"{key_t.dtype}. Cast them to one dtype."
+        )
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(
+            f"{_API_QK}: mask must be a bool tensor; expected torch.bool, got {got}. Add a float "
+            "mask to the scores and use softmax_dropout_matmul."
+        )
+    mm_dtype = value.dtype if matmul_dtype is None else matmul_dtype
+    p_eff = float(p) if training and query.numel() > 0 and key_t.numel() > 0 else 0.0
+    if p_eff == 1.0 or transforms_active() or not torch.is_grad_enabled():
+        # nothing to keep (p = 1, no grad) or torch.func: the composition
+        return softmax_dropout_matmul(
+            torch.matmul(query, key_t),
+            value,
+            p_eff,
+            True,
+            causal=causal,
+            mask=mask,
+            matmul_dtype=mm_dtype,
+        )
+    if mask is not None:
+        batch = torch.broadcast_shapes(query.shape[:-2], key_t.shape[:-2])
+        scores = torch.empty((*batch, query.shape[-2], key_t.shape[-1]), device="meta")
+        _check_mask(scores, mask)
+    refuse_jit("ops.scores_softmax_dropout_matmul")
+    value = value.contiguous()  # a strided view would keep its whole base alive
+    with torch.autocast(query.device.type, enabled=False):
+        return _ScoresSoftmaxDropoutMatmulFn.apply(
+            query, key_t, value, p_eff, mm_dtype, causal, mask
+        )
 
 
 def _check_mask(input, mask):
