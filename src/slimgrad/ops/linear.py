@@ -53,6 +53,7 @@ import weakref
 import torch
 
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._dtensor import any_dtensor
 
 __all__ = ["conv1d_addmm", "linear"]
 
@@ -352,8 +353,12 @@ def linear(
     Example:
         >>> y = linear(torch.randn(4, 8), torch.randn(3, 8, requires_grad=True))
     """
-    if transforms_active() or not _plain_layout(input, weight):  # torch.func (NOTE [torch.func
-        return torch.nn.functional.linear(input, weight, bias)  # transforms]), other layouts
+    if (  # torch.func (NOTE [torch.func transforms]), other layouts, DTensors (tensor parallel:
+        transforms_active()  # DTensor's own linear; eager's linear keeps what this op keeps)
+        or not _plain_layout(input, weight)
+        or any_dtensor(input, weight, bias)
+    ):
+        return torch.nn.functional.linear(input, weight, bias)
     _check("linear", input, weight, 1)
     _refuse_jit_if_recorded("ops.linear", input, weight, bias)
     return _apply(input, weight, bias, False)
