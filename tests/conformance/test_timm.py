@@ -7,11 +7,20 @@ passes (outputs, loss and every parameter gradient by the GUIDE.md rule against 
 unchanged, running statistics), the exact tracker's peak is not above eager's and it saves less;
 channels_last (train and eval) and autocast bfloat16 rows too. Skipped without timm
 (tests/conformance/_timm_shim.py imports it).
+
+Run time: the suite runs with one intra-op thread (as each xdist worker does, tests/conftest.py),
+also in a single-process run. At these tiny shapes a second thread buys nothing, and on a loaded
+box it costs the most: verify's float64 reference runs a grouped or depthwise convolution as one
+small convolution per group (aten's slow path has no float64 grouped kernel), each one an OpenMP
+parallel region that waits for a descheduled thread. Measured on the 2-core box under a load
+average of ~18: verify of mobilenetv3_small_050 took 167 s with 2 threads, 15.5 s with 1. Each
+model is built and converted once; every test gets its own deep copies.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -23,6 +32,15 @@ from slimgrad.memory import measure
 from tests.conformance._timm_shim import timm
 
 pytestmark = pytest.mark.skipif(timm is None, reason="timm (and torchvision) not installed")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # see the module docstring (Run time); the thread count is restored for the next module
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _bn_act(act, **kw):
@@ -115,22 +133,28 @@ MODELS = {
 }
 
 
-def _pair(name):
-    kwargs, shape, kinds = MODELS[name]
+@functools.cache
+def _built(name):
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, **kwargs)
+    model = timm.create_model(name, pretrained=False, **MODELS[name][0])
     for m in model.modules():  # non-trivial affine parameters
         if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm, nn.GroupNorm)) and m.weight is not None:
             nn.init.uniform_(m.weight, 0.5, 1.5)
             nn.init.uniform_(m.bias, -0.2, 0.2)
-    slim = slimgrad.convert_(copy.deepcopy(model))
-    return model, slim, shape, kinds
+    return model, slimgrad.convert_(copy.deepcopy(model))
+
+
+def _pair(name):
+    # fresh copies of the model and its conversion (verify's train steps update running stats)
+    _, shape, kinds = MODELS[name]
+    model, slim = _built(name)
+    return copy.deepcopy(model), copy.deepcopy(slim), shape, kinds
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_timm_model_converts_verifies_and_saves(name):
     model, slim, shape, kinds = _pair(name)
-    rep = slimgrad.report(slim)
+    rep = slimgrad.report(_built(name)[1])  # convert_'s report is kept for the model it converted
     converted = {k for _, k, _ in rep.converted}
     assert set(kinds) <= converted, rep
     assert not any(k in kinds for _, k, _ in rep.skipped), rep
