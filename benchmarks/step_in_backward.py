@@ -71,7 +71,25 @@ def _gpt2():
     return GPT2LMHeadModel(cfg), cfg.vocab_size, (4, 256)
 
 
-_MODELS = {"llama": _llama, "gpt2": _gpt2}
+def _llama_small():
+    # the step-time model: 4 x 256 (intermediate 688), vocab 8192, untied head, dropout 0.1
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=8192,
+        attention_dropout=0.1,
+        tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg), cfg.vocab_size, (4, 64)
+
+
+_MODELS = {"llama": _llama, "gpt2": _gpt2, "llama-small": _llama_small}
 
 
 def _optimizer(name: str):
