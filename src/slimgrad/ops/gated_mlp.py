@@ -18,11 +18,13 @@ Memory (per token; D = hidden, I = intermediate size, s = bytes/elt of the matmu
 ``x``'s): saves x (D s_x) + g (I s) + u (I s) = D s_x + 2 I s; eager saves x + g, act(g), u and
 h = D s_x + 4 I s (fp32 at I = 2048: 16 KiB + D s_x per token, eager 32 KiB + D s_x).
 Under autocast eager keeps two casts of x (one per projection, 2 D s) and a cast of every
-weight; this op keeps x as given (often already kept by the norm before it) and re-casts the
-weights, which it references as they are (no bytes), in backward, while autocast's own casts are
-its inputs, so gradients reach the weights through autocast's cast nodes as in eager (a weight
-used twice in one region sums in the autocast dtype; NOTE [Autocast weight casts] in
-``ops/linear.py``). A weight that is not a leaf keeps eager's behaviour (its cast is kept).
+weight (and autocast's cache holds every weight's cast until the region exits); this op keeps x
+as given (often already kept by the norm before it) and casts each leaf weight itself for its
+matmul, drops the cast, and casts again in backward (no weight cast outlives its matmul); the
+gradients reach the weights through slimgrad's cast nodes, one per weight per region as
+autocast's cache, so a weight used twice in one region sums in the autocast dtype as in eager
+(NOTE [Autocast weight casts] in ``ops/linear.py``). A weight that is not a leaf keeps eager's
+behaviour (autocast's cast, kept).
 Selective saving: x is kept only if Wg or Wu needs a gradient; g and u only if anything before
 ``h`` (x, Wg, bg, Wu, bu) does; if only Wd needs a gradient, h alone (I s) is kept (eager: the
 same); weights are referenced only where the gradient of their input is needed. The tracker
