@@ -16,7 +16,10 @@ __all__ = ["Conv1D", "Linear"]
 class Linear(NoScript, torch.nn.Linear):
     """``torch.nn.Linear`` (same args, parameters, state_dict keys) keeping only what grads need.
 
-    Memory: saves the input only if the weight needs grad (frozen weight: nothing of the input).
+    Memory: saves the input only if the weight needs grad (frozen weight: nothing of the input),
+    as eager's ``linear``; under ``torch.autocast`` the weight is kept as itself and cast per use,
+    not as a cast kept for backward (NOTE [Autocast weight casts] in ``slimgrad/ops/linear.py``).
+    ``convert_`` converts plain ``nn.Linear`` to this (NOTE [Which Linears convert]).
 
     Example:
         >>> y = Linear(8, 3)(torch.randn(4, 8))
