@@ -69,5 +69,6 @@ def test_script_of_nested_converted_module():
     slimgrad.convert_(m)
     converted = [type(x).__module__ for x in m.modules()]
     assert any(c.startswith("slimgrad.") for c in converted)
-    with pytest.raises(RuntimeError, match=r"slimgrad\.nn\.SiLU: torch\.jit\.script"):
+    # the first slimgrad module scripting meets (the Linear, converted since nn.Linear converts)
+    with pytest.raises(RuntimeError, match=r"slimgrad\.nn\.(Linear|SiLU): torch\.jit\.script"):
         torch.jit.script(m)
