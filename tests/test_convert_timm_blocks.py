@@ -264,3 +264,12 @@ def _conv_step(fn, x, block=None):
     y = fn(x)
     params = list((block or fn).parameters())
     return [y, *torch.autograd.grad(y.square().sum(), [x, *params])]
+
+
+def test_converted_blocks_refuse_jit_script_clearly():
+    _, slim = _attn_pair()
+    with pytest.raises(RuntimeError, match="slimgrad.nn.Attention: torch.jit.script"):
+        torch.jit.script(slim)
+    block = _converted(_convnext()).stages[0].blocks[0]
+    with pytest.raises(RuntimeError, match="slimgrad.nn.ConvNeXtBlock: torch.jit.script"):
+        torch.jit.script(block)

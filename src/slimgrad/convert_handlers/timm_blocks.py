@@ -27,7 +27,8 @@ except two tensors that the block's own arithmetic makes redundant:
 Anything the fast path does not cover runs timm's own forward, copied verbatim (same children,
 same calls): attention masks, causal, qk_norm, scale_norm, gated attention, attention dropout in
 training, timm's non-fused path, hooks on the children the fast path does not call, autocast,
-no_grad, non-CPU devices.
+no_grad, torch.compile (the ops run eager's ops while Dynamo traces), non-CPU devices.
+torch.jit.script of a converted model raises slimgrad's clear error (``NoScript``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from slimgrad.nn._script import NoScript
 from slimgrad.nn.dropout import Dropout as _SlimDropout
 from slimgrad.nn.linear import Linear as _SlimLinear
 from slimgrad.ops.linear_scale import linear_scale
@@ -106,7 +108,7 @@ _CONVNEXT_FORWARD = "timm.models.convnext.ConvNeXtBlock.forward"
 _MLP = "timm.layers.mlp.Mlp"
 
 
-class ConvNeXtBlock(nn.Module):
+class ConvNeXtBlock(NoScript, nn.Module):
     """timm's ``ConvNeXtBlock`` whose layer scale keeps nothing (``slimgrad.ops.linear_scale``).
 
     dwconv -> permute -> LayerNorm -> Mlp(fc1, act, drop1, norm, fc2, drop2) -> permute ->
@@ -180,7 +182,7 @@ def convnext_block_from_timm(module: nn.Module) -> nn.Module:
 _ATTENTION_FORWARD = "timm.layers.attention.Attention.forward"
 
 
-class Attention(nn.Module):
+class Attention(NoScript, nn.Module):
     """timm's ``Attention`` whose qkv + SDPA keep q and k and recompute v
     (``slimgrad.ops.qkv_attention``); then timm's norm, proj and proj_drop.
 

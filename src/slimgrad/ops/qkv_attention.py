@@ -134,7 +134,7 @@ def qkv_attention(
 
     Memory: saves x, q, k, the output and its log-sum-exp; eager keeps x and q, k, v (module
     docstring). Off the CPU flash kernel (other devices, ``sdpa_kernel`` choices, autocast,
-    torch.func, no gradient needed) it runs eager's ops.
+    torch.func, torch.compile, no gradient needed) it runs eager's ops.
 
     Args:
         x: ``(B, N, C)``.
@@ -163,6 +163,7 @@ def qkv_attention(
     if (
         not needs_graph
         or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        or torch.compiler.is_compiling()  # the compiler's memory plan: eager's ops
         or torch.is_autocast_enabled(x.device.type)
         or not (x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))
         or x.shape[-1] != weight.shape[1]
