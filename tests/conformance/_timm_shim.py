@@ -6,7 +6,9 @@ registers fake (meta) kernels for ``torchvision::nms`` and ``torchvision::qnms``
 not exist, and ``import torchvision`` raises "operator torchvision::nms does not exist". Defining
 the two schemas (no kernels: nothing here calls them) lets the import go through. This is a test
 set-up concern only: slimgrad itself never imports timm or torchvision and never defines ops in
-another library's namespace.
+another library's namespace. One script outside the library applies it too:
+``benchmarks/timm_models.py`` (the bench records of the ``timm_*`` cases) imports timm through
+this module.
 
 Where they live: ``make env`` installs timm and torchvision with ``pip --target`` into
 ``<venv>/timm-site``, outside the venv's site-packages, so that transformers (which imports
