@@ -178,8 +178,8 @@ def test_fast_loss_option_matches_eager():
 
 def test_gpt2_gradient_buffer_reuse_changes_no_bit(monkeypatch):
     # issue 6: the converted GPT-2 (dropout on) with reuse on and off, same seed: every gradient
-    # bit for bit, and reuse did happen (ln_f's dy from the fused loss, the softmax output in the
-    # attention backward)
+    # bit for bit, and reuse did happen (ln_f's dy from the fused loss and the blocks' gradient
+    # buffers; attention recomputes P in backward, so no saved P is there to be reused)
     from slimgrad import ownership
 
     monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
@@ -195,8 +195,7 @@ def test_gpt2_gradient_buffer_reuse_changes_no_bit(monkeypatch):
         counts.append((ownership.reuse_count("grad"), ownership.reuse_count("saved")))
         conv.zero_grad(set_to_none=True)
     assert counts[1] == (0, 0)
-    n_layer = conv.config.n_layer
-    assert counts[0][0] >= 1 and counts[0][1] >= n_layer, counts  # P of every attention layer
+    assert counts[0][0] >= 1, counts
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         assert torch.equal(grads[0][n], grads[1][n]), n
