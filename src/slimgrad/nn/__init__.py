@@ -19,13 +19,14 @@ from slimgrad.nn.conv import (
     ConvTranspose2d,
     ConvTranspose3d,
 )
+from slimgrad.nn.drop_path import DropPath
 from slimgrad.nn.dropout import Dropout
 from slimgrad.nn.elu import ELU
 from slimgrad.nn.gated_mlp import GatedMLP
 from slimgrad.nn.gelu import GELU
 from slimgrad.nn.group_norm import GroupNorm
 from slimgrad.nn.hardsigmoid import Hardsigmoid
-from slimgrad.nn.hardswish import Hardswish
+from slimgrad.nn.hardswish import Hardswish, HardswishAfterNorm
 from slimgrad.nn.hardtanh import Hardtanh, ReLU6
 from slimgrad.nn.inplace_abn import InPlaceABN, InPlaceABNSync
 from slimgrad.nn.layer_norm import LayerNorm
@@ -45,9 +46,21 @@ from slimgrad.nn.rms_norm import HFRMSNorm, RMSNorm
 from slimgrad.nn.sigmoid import Sigmoid
 from slimgrad.nn.silu import SiLU
 from slimgrad.nn.softmax_dropout import SoftmaxDropoutMatmul
+from slimgrad.nn.squeeze_excite import (
+    EffectiveSEModule,
+    SEModule,
+    SqueezeExcitation,
+    SqueezeExciteBlock,
+)
 from slimgrad.nn.tanh import Tanh
 
 __all__ = [
+    "SqueezeExciteBlock",
+    "SqueezeExcitation",
+    "SEModule",
+    "EffectiveSEModule",
+    "HardswishAfterNorm",
+    "DropPath",
     "ELU",
     "GELU",
     "AdditiveCoupling",

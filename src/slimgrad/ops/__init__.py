@@ -9,6 +9,7 @@ from slimgrad.ops.conv import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from slimgrad.ops.drop_path import drop_path
 from slimgrad.ops.dropout import dropout, dropout_
 from slimgrad.ops.elu import elu, elu_
 from slimgrad.ops.gated_mlp import gated_mlp, gated_mlp_fused
@@ -22,17 +23,25 @@ from slimgrad.ops.layer_norm import layer_norm
 from slimgrad.ops.leaky_relu import leaky_relu, leaky_relu_
 from slimgrad.ops.linear import conv1d_addmm, linear
 from slimgrad.ops.linear_cross_entropy import causal_lm_loss, linear_cross_entropy
+from slimgrad.ops.linear_scale import linear_scale
 from slimgrad.ops.matmul import matmul
 from slimgrad.ops.mish import mish, mish_
+from slimgrad.ops.qkv_attention import qkv_attention
 from slimgrad.ops.relu import relu, relu_
 from slimgrad.ops.reversible import reversible_sequential
 from slimgrad.ops.rms_norm import hf_rms_norm, rms_norm
 from slimgrad.ops.sigmoid import sigmoid, sigmoid_
 from slimgrad.ops.silu import silu, silu_
-from slimgrad.ops.softmax_dropout import softmax_dropout_matmul
+from slimgrad.ops.softmax_dropout import scores_softmax_dropout_matmul, softmax_dropout_matmul
+from slimgrad.ops.squeeze_excite import squeeze_excite
 from slimgrad.ops.tanh import tanh, tanh_
 
 __all__ = [
+    "squeeze_excite",
+    "scores_softmax_dropout_matmul",
+    "qkv_attention",
+    "linear_scale",
+    "drop_path",
     "batch_norm",
     "causal_lm_loss",
     "conv1d",
