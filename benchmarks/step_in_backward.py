@@ -358,10 +358,9 @@ def step_time(args) -> dict:
     opt = cls(a.parameters(), **kw)
     handle = slimgrad.step_in_backward(b, cls, **kw)
     gen = torch.Generator().manual_seed(1)
-    batch, seq = args.batch, args.seq
 
     def inputs():
-        idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+        idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)
         return idx, torch.roll(idx, -1, 1)
 
     def plain(idx, tgt):
@@ -378,41 +377,8 @@ def step_time(args) -> dict:
         handle.zero_grad()
         return time.perf_counter() - t0
 
-    for _ in range(args.warmup):
-        x = inputs()
-        plain(*x)
-        sib(*x)
-    ratios, ta, tb = [], [], []
-    for i in range(args.repeat):
-        x = inputs()
-        if i % 2:  # alternate which side runs first
-            t_b, t_a = sib(*x), plain(*x)
-        else:
-            t_a, t_b = plain(*x), sib(*x)
-        ta.append(t_a)
-        tb.append(t_b)
-        ratios.append(t_b / t_a)
-    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-    rec = {
-        "case": "step_in_backward/time",
-        "model": f"GPT {args.size} ({sum(p.numel() for p in a.parameters())} params)",
-        "optimizer": args.optimizer,
-        "batch_seq": [batch, seq],
-        "plain_ms": round(1e3 * statistics.median(ta), 2),
-        "sib_ms": round(1e3 * statistics.median(tb), 2),
-        "ratio_median": round(statistics.median(ratios), 3),
-        "ratio_min": round(min(ratios), 3),
-        "ratio_max": round(max(ratios), 3),
-        "repeat": args.repeat,
-        "params_bit_identical": same,
-        "threads": torch.get_num_threads(),
-        "load_avg_1min": round(__import__("os").getloadavg()[0], 2),
-        **_env(),
-    }
-    print(json.dumps(rec), flush=True)
-    if not same:
-        raise SystemExit("parameters differ between the plain loop and step_in_backward")
-    return rec
+    name = f"GPT {args.size} ({sum(p.numel() for p in a.parameters())} params)"
+    return _interleave(args, inputs, plain, sib, a, b, name)
 
 
 def main(argv=None) -> None:
