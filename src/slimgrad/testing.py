@@ -11,6 +11,7 @@ never more.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -33,19 +34,37 @@ DEFAULT_ATOL = {
 
 
 def max_abs_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    """Largest absolute difference, in float64; NaN/inf where they agree count as equal."""
+    """Largest absolute difference, in float64; NaN/inf where they agree count as equal.
+
+    Complex tensors are compared on their real and imaginary parts (the largest difference of
+    either part); a real tensor against a complex one counts as imaginary part 0.
+    """
     if a is None and b is None:
         return 0.0
     if a is None or b is None:
         return float("inf")
-    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
-    if a64.shape != b64.shape:
+    if a.shape != b.shape:
         raise ValueError(
             f"slimgrad.testing.max_abs_err: shapes differ; expected equal shapes, got "
-            f"{tuple(a64.shape)} and {tuple(b64.shape)}. Compare the same tensors."
+            f"{tuple(a.shape)} and {tuple(b.shape)}. Compare the same tensors."
         )
-    if a64.numel() == 0:
+    if a.numel() == 0:
         return 0.0
+    a, b = a.detach(), b.detach()
+    if a.is_complex() or b.is_complex():
+        a = torch.view_as_real(a.to(torch.complex128).resolve_conj())
+        b = torch.view_as_real(b.to(torch.complex128).resolve_conj())
+    if a.is_floating_point() and b.is_floating_point():
+        # The fast path: one subtraction (the other side is promoted to float64 element by
+        # element, exactly), no float64 copies, masks or ``where``. If every difference is finite,
+        # equal elements differ by exactly 0 and this maximum is the masked one below; a NaN/inf
+        # anywhere (max propagates it) takes the masked path. verify compares every gradient
+        # twice: on a model with millions of parameters this was half its time.
+        a64 = a if torch.float64 in (a.dtype, b.dtype) else a.to(torch.float64)
+        d = float((a64 - b).abs_().max())
+        if math.isfinite(d):
+            return d
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
     same = (a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))
     diff = torch.where(same, torch.zeros_like(a64), (a64 - b64).abs())
     return float(diff.max().nan_to_num(nan=float("inf")))

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,23 +179,6 @@ class VerifyReport:
             lines += r.lines()
         lines += ["  checks:"] + [f"    {c}" for c in self.checks]
         return "\n".join(lines)
-
-
-# ``slimgrad.testing.max_abs_err`` without its float64 copies, masks and ``where`` when every
-# difference is finite (one subtraction: the other side is promoted to float64 element by element,
-# exactly). Then no element is NaN/inf, so equal elements differ by exactly 0 and the maximum is
-# max_abs_err's; a NaN/inf anywhere (max propagates it) takes max_abs_err itself. verify compares
-# every gradient twice: on a model with millions of parameters this was half its time.
-def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    real = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    real = real and a.is_floating_point() and b.is_floating_point()
-    if not real or a.shape != b.shape or a.numel() == 0:
-        return max_abs_err(a, b)
-    a, b = a.detach(), b.detach()
-    if torch.float64 not in (a.dtype, b.dtype):
-        a = a.to(torch.float64)
-    d = float((a - b).abs_().max())
-    return d if math.isfinite(d) else max_abs_err(a, b)
 
 
 def _rebuild(seq: list | tuple, items: list) -> Any:
@@ -368,7 +350,7 @@ def _compare_buffers(e: _Side, c: _Side, r: _Side, atol_of) -> list[str]:
             ok = b_c.shape == b_e.shape and torch.equal(b_c, b_e)
             err = bound = None
         else:
-            e_err, err = _err(b_e, b_r), _err(b_c, b_r)
+            e_err, err = max_abs_err(b_e, b_r), max_abs_err(b_c, b_r)
             scale = float(b_r.abs().max()) if b_r.numel() else 0.0
             bound = 2.0 * e_err + atol_of(b_c) * max(1.0, scale)
             ok = err <= bound
@@ -409,7 +391,7 @@ def _nonfinite(side: _Side, label: str) -> list[str]:
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return _err(a, b) == 0.0
+    return max_abs_err(a, b) == 0.0
 
 
 def _changed_inputs(orig: Any, eager: _Side, conv: _Side, ref: _Side, atol) -> list[str]:
@@ -426,7 +408,7 @@ def _changed_inputs(orig: Any, eager: _Side, conv: _Side, ref: _Side, atol) -> l
             continue
         e_changed, c_changed = not _same(t, e), not _same(t, c)
         if c_changed and not e_changed:
-            err = _err(c, t) if c.shape == t.shape else float("inf")
+            err = max_abs_err(c, t) if c.shape == t.shape else float("inf")
             fails.append(
                 f"slimgrad.verify: the converted model changed input '{path}'; expected it "
                 f"unchanged (eager leaves it), got a change of up to {err:.3e}. The conversion "
@@ -434,8 +416,8 @@ def _changed_inputs(orig: Any, eager: _Side, conv: _Side, ref: _Side, atol) -> l
             )
         elif e_changed and c_changed and c.shape == e.shape and t.is_floating_point():
             r = r_t.get(path)
-            bound = 2.0 * _err(e, r) + atol(c)
-            err = _err(c, r)
+            bound = 2.0 * max_abs_err(e, r) + atol(c)
+            err = max_abs_err(c, r)
             if not err <= bound:
                 fails.append(
                     f"slimgrad.verify: the converted model changed input '{path}' differently "
@@ -497,7 +479,7 @@ def _compare_outputs(run: VerifyRun, e: _Side, c: _Side, r: _Side, converted, in
             continue
         # outputs are of any magnitude (logits, losses): the absolute term scales with them
         a = atol(oc) * max(1.0, float(orf.abs().nan_to_num(0.0).max()))
-        eager_err, err = _err(oe, orf), _err(oc, orf)
+        eager_err, err = max_abs_err(oe, orf), max_abs_err(oc, orf)
         bound = 2.0 * eager_err + a
         run.outputs.append(OutputCheck(path, err, eager_err, bound, err <= bound))
 
@@ -619,13 +601,13 @@ def _run(name, inputs, model, converted, ref, loss_fn, seed, atol, skip) -> Veri
         g_e, g_c = e.grads[pname], c.grads[pname]
         if g_r is None and g_c is None and g_e is None:
             continue
-        e_err = _err(g_e, g_r)
-        err = _err(g_c, g_r)
+        e_err = max_abs_err(g_e, g_r)
+        err = max_abs_err(g_c, g_r)
         bound = 2.0 * e_err + atol_of(g_c)
         grads.append(GradCheck(pname, err, e_err, bound, err <= bound))
     # the loss is one number of any magnitude: its absolute term scales with it
     la = atol_of(c.loss) * max(1.0, abs(float(r.loss)))
-    loss_ok = _err(c.loss, r.loss) <= 2.0 * _err(e.loss, r.loss) + la
+    loss_ok = max_abs_err(c.loss, r.loss) <= 2.0 * max_abs_err(e.loss, r.loss) + la
     run = VerifyRun(name, float(e.loss), float(c.loss), float(r.loss), loss_ok, grads)
     run.failures += _nonfinite(r, "float64 reference")
     run.failures += _nonfinite(e, "eager (original) model")
