@@ -222,6 +222,13 @@ _MOE = dict(
     router_aux_loss_coef=0.02,
     experts_implementation="eager",
 )
+# The MoE cases' full size: 8 experts of intermediate 1024, so that the 2 experts a token is routed
+# to compute hf_llama's 2 x 1024 = 2048 intermediate features per token (the small variants keep
+# the 512 of _DECODERS)
+_MOE_FULL = {
+    "mixtral": {"intermediate_size": 1024},
+    "qwen3_moe": {"moe_intermediate_size": 1024},
+}
 
 # HF decoder families at the Llama 12 x 768 shape class (intermediate 2048, vocab 32000, 12 heads
 # of 64, attention dropout 0.1): {name: (config class, model class, overrides)}
@@ -236,7 +243,8 @@ _DECODERS = {
         "Phi3ForCausalLM",
         {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
-    # MoE: 8 experts of intermediate 512, top-2, the eager expert loop, router aux loss in the loss
+    # MoE: 8 experts (intermediate 1024 at full size, _MOE_FULL), top-2, the eager expert loop,
+    # router aux loss in the loss
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
@@ -250,9 +258,15 @@ _DECODERS = {
 }
 
 
-def eager_hf_text(name: str, device, dtype, small=False):
+def eager_hf_text(name: str, device, dtype, small=False, *, layers=None, experts="eager"):
     """The eager side of cases ``hf_bert`` / ``hf_llama`` and the decoder families
-    (``hf_mistral``, ``hf_qwen2``, ...): ``(model, make_inputs)``."""
+    (``hf_mistral``, ``hf_qwen2``, ...): ``(model, make_inputs)``.
+
+    ``layers`` overrides the number of decoder layers (a shorter model of the same width, for
+    boxes too slow for 12). ``experts`` is the MoE families' ``experts_implementation``:
+    ``"eager"`` (the expert loop, the only one ``convert_`` converts) or None (transformers'
+    default, ``"grouped_mm"`` where its kernel exists; cases ``hf_<family>_grouped_mm``).
+    """
     import transformers
 
     if name == "bert":
@@ -292,7 +306,13 @@ def eager_hf_text(name: str, device, dtype, small=False):
             d.update(extra)
             if "head_dim" in d:
                 d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-    cfg = cfg_cls(**(tiny if small else full))
+        full.update(_MOE_FULL.get(name, {}))
+    kwargs = dict(tiny if small else full)
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers
+    if "experts_implementation" in kwargs:
+        kwargs["experts_implementation"] = experts
+    cfg = cfg_cls(**kwargs)
     cfg._attn_implementation = "sdpa"
     eager = place(HFLoss(model_cls(cfg).train(), causal), device, dtype)
     batch, seq = (2, 16) if small else (4, 256)
@@ -348,10 +368,6 @@ _FAMILY_NOTES = {
     "qwen3": "Qwen3ForCausalLM (q/k RMSNorm, head_dim 64)",
     "gemma": "GemmaForCausalLM (GeGLU tanh, 1 + weight RMSNorm, tied head, head_dim 64)",
     "phi3": "Phi3ForCausalLM (fused qkv and gate_up projections)",
-    "mixtral": "MixtralForCausalLM (8 experts of intermediate 512, top-2, eager expert loop, "
-    "router aux loss)",
-    "qwen3_moe": "Qwen3MoeForCausalLM (8 experts of intermediate 512, top-2, eager expert loop, "
-    "router aux loss)",
 }
 
 
@@ -420,9 +436,84 @@ for _fam in _FAMILY_NOTES:
     _autocast_case(_fam, f"hf_{_fam} (12 x 768, 4x256 tokens, left-padded rows)")
 
 
+# MoE decoders: {family: what the description says}
+_MOE_NOTES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM (q/k RMSNorm, head_dim 64)",
+}
+
+
+def eager_hf_moe(name: str, device, dtype, small=False, *, layers=None, experts="eager",
+                 autocast=False):  # fmt: skip
+    """The eager side of the MoE cases ``hf_<name>``, ``hf_<name>_autocast`` and
+    ``hf_<name>_grouped_mm`` (``name``: ``"mixtral"`` or ``"qwen3_moe"``): ``(model,
+    make_inputs)``.
+
+    The hf_llama shape class with its MLP replaced by 8 experts of intermediate 1024, top-2 (each
+    token's two experts compute hf_llama's 2048 intermediate features), ``norm_topk_prob``, the
+    router's load-balancing loss (coefficient 0.02) added to the loss; 4x256 tokens, every other
+    row left-padded by 32. ``layers``, ``experts``: as :func:`eager_hf_text` (``experts="eager"``
+    is the expert loop, the only implementation ``convert_`` converts). ``autocast``: wrapped in
+    :class:`Autocast` (bfloat16), the weights in ``dtype``.
+
+    MoE routing depends on tensor values (``nonzero``, ``where`` on the top-k table), so these
+    cases run with real tensors only (``slimgrad.memory.measure``, not ``estimate``).
+    """
+    eager, make_inputs = eager_hf_text(name, device, dtype, small, layers=layers, experts=experts)
+    return (Autocast(eager, torch.bfloat16) if autocast else eager), make_inputs
+
+
+def _moe_cases(fam: str) -> None:
+    what = f"HF {_MOE_NOTES[fam]}, 12 x 768 (8 experts of intermediate 1024, top-2, vocab 32000)"
+
+    @register_case(
+        f"hf_{fam}",
+        description=f"{what}, experts_implementation='eager' (the expert loop: the only one "
+        "convert_ converts), router aux loss, 4x256 tokens, left-padded rows [hf extra]",
+        requires=("transformers",),
+        repeat=3,
+    )
+    def build(device, dtype, small=False):
+        """The eager expert loop (``experts_implementation="eager"``, the only setting convert_
+        converts: its banks become ``GatedExperts``); see :func:`eager_hf_moe`."""
+        eager, make_inputs = eager_hf_moe(fam, device, dtype, small)
+        return eager, slim_copy(eager), make_inputs
+
+    @register_case(
+        f"hf_{fam}_autocast",
+        description=f"hf_{fam} (float32 weights, eager expert loop) under "
+        "torch.autocast(bfloat16) [hf extra]",
+        requires=("transformers",),
+        repeat=3,
+    )
+    def build_autocast(device, dtype, small=False):
+        """hf_<family> under ``torch.autocast(bfloat16)`` (``experts_implementation="eager"``,
+        the only setting convert_ converts)."""
+        eager, make_inputs = eager_hf_moe(fam, device, dtype, small, autocast=True)
+        return eager, slim_copy(eager), make_inputs
+
+    @register_case(
+        f"hf_{fam}_grouped_mm",
+        description=f"{what}, transformers' default experts_implementation ('grouped_mm' where "
+        "its kernel exists): the expert banks stay unconverted; the rest converts [hf extra]",
+        requires=("transformers",),
+        repeat=3,
+    )
+    def build_grouped_mm(device, dtype, small=False):
+        """hf_<family> with transformers' default experts implementation (``grouped_mm``):
+        ``convert_`` leaves the expert banks as they are (the batched kernel sums in another
+        order than the loop; ``slimgrad.report`` says so) and converts the rest."""
+        eager, make_inputs = eager_hf_moe(fam, device, dtype, small, experts=None)
+        return eager, slim_copy(eager), make_inputs
+
+
+for _fam in _MOE_NOTES:
+    _moe_cases(_fam)
+
+
 # {case: eager side builder (device, dtype, small) -> (model, make_inputs)} for estimate_case; not
 # the MoE families: their expert loop routes by tensor values (nonzero), which fake tensors cannot
-_DENSE = [n for n in _FAMILY_NOTES if "num_experts_per_tok" not in _DECODERS[n][2]]
+_DENSE = list(_FAMILY_NOTES)
 _EAGER_SIDES = {
     "hf_gpt2": eager_hf_gpt2,
     "hf_llama_autocast": eager_hf_llama_autocast,
