@@ -266,6 +266,11 @@ def main(argv=None) -> int:
     for _, t, r in rep.skipped:
         skip.setdefault(t, [0, r])[0] += 1
     rec["convert"] = {"converted": conv, "skipped": skip}
+    if rec["commit"] is None:  # a `git archive` export (no .git): the commit it was made from
+        stamp = Path(__file__).resolve().parents[1] / ".slimgrad_commit"
+        if stamp.exists():
+            rec["commit"] = stamp.read_text().strip()
+            rec["source"] = "git archive export of this commit (clean tree)"
     rec["command"] = "PYTHONPATH=src .venv/bin/python benchmarks/moe_cases.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
