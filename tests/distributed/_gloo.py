@@ -1,6 +1,7 @@
 """What the distributed tests share: a training function run on 2 gloo ranks (forked processes)
-with what each returns collected; the tiny HF models; the variants (float64 reference, eager,
-converted, converted with reuse off); the GUIDE rule over training steps."""
+with what each returns collected; a few SGD steps under DistributedDataParallel; the tiny HF
+models; the variants (float64 reference, eager, converted, converted with reuse off); the GUIDE
+rule over training steps."""
 
 from __future__ import annotations
 
@@ -54,6 +55,29 @@ def run_on_two_ranks(train: Callable[[int], dict], out_dir) -> tuple[dict, dict]
 
 
 # ----------------------------------------------------- what the training functions share
+
+
+def train_ddp(
+    net: torch.nn.Module,
+    batch: Callable[[int], torch.Tensor],
+    loss: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    steps: int = 2,
+    lr: float = 0.1,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``steps`` SGD steps of ``net`` under DistributedDataParallel, the input of step ``k``
+    from ``batch(k)`` (called before ``zero_grad``: it may seed), the loss ``loss(output)``;
+    returns copies of the parameters and of their last gradients."""
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x = batch(step)
+        opt.zero_grad()
+        loss(model(x)).backward()
+        opt.step()
+    params = list(model.parameters())
+    return [p.detach().clone() for p in params], [p.grad.clone() for p in params]
+
 
 VOCAB = 97  # the tiny HF models' vocabulary
 

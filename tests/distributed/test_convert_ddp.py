@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import slimgrad
-from tests.distributed._gloo import run_on_two_ranks
+from tests.distributed._gloo import run_on_two_ranks, train_ddp
 
 pytestmark = pytest.mark.distributed
 
@@ -28,21 +28,16 @@ def _net() -> nn.Module:
 
 
 def _train(rank: int) -> dict:
+    def batch(step: int) -> torch.Tensor:
+        torch.manual_seed(100 + 10 * rank + step)  # different data per rank, same masks
+        return torch.randn(4, 3, 5, 5)
+
     results = {}
     for kind in ("eager", "slimgrad"):
         net = _net()
         if kind == "slimgrad":
             net = slimgrad.convert_(copy.deepcopy(net))
-        model = nn.parallel.DistributedDataParallel(net)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(2):
-            torch.manual_seed(100 + 10 * rank + step)  # different data per rank, same masks
-            x = torch.randn(4, 3, 5, 5)
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
-        results[kind] = [p.detach().clone() for p in model.parameters()]
-        results[kind + "_grad"] = [p.grad.clone() for p in model.parameters()]
+        results[kind], results[kind + "_grad"] = train_ddp(net, batch, lambda y: y.square().mean())
     return results
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from slimgrad.nn.reversible import ReversibleSequential
-from tests.distributed._gloo import run_on_two_ranks
+from tests.distributed._gloo import run_on_two_ranks, train_ddp
 from tests.nn._reversible_helpers import QuantisedPlain, additive_blocks
 
 pytestmark = pytest.mark.distributed
@@ -25,18 +25,16 @@ def _net(kind: str) -> nn.Module:
 
 
 def _train(rank: int) -> dict:
+    def batch(step: int) -> torch.Tensor:
+        if step == 0:
+            torch.manual_seed(100 + rank)  # different data per rank
+        return torch.randn(2, 3, 5, 5)
+
     results = {}
     for kind in ("rev_exact", "plain_exact", "rev_float", "plain_float"):
-        model = nn.parallel.DistributedDataParallel(_net(kind))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(100 + rank)  # different data per rank
-        for _ in range(2):
-            x = torch.randn(2, 3, 5, 5)
-            opt.zero_grad()
-            model(x).square().sum().backward()
-            opt.step()
-        results[kind] = [p.detach().clone() for p in model.parameters()]
-        results[kind + "_grad"] = [p.grad.clone() for p in model.parameters()]
+        results[kind], results[kind + "_grad"] = train_ddp(
+            _net(kind), batch, lambda y: y.square().sum()
+        )
     return results
 
 
