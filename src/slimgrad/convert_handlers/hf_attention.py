@@ -161,6 +161,20 @@ def _sdpa_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _autocast_bias_ok(bias: torch.Tensor, dtype: torch.dtype) -> bool:
+    # T5 under CPU autocast: a float32 position bias (the bias embedding's output) with a query
+    # in autocast's dtype. HF's position-bias mask is then float32 (with finfo(key.dtype).min,
+    # exact in float32), and SDPA's autocast casts it to autocast's dtype like any float32
+    # argument: _attention makes the same mask with HF's function and the same cast (autograd's
+    # ToCopy: the bias gradient is rounded where eager's engine rounds it, after the sum to its
+    # shape). NOTE [SDPA's math path in half precision and under autocast]
+    return (
+        torch.is_autocast_enabled("cpu")
+        and bias.dtype in (*_HALF, torch.float32)
+        and _sdpa_dtype(bias) == dtype
+    )
+
+
 def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
     if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
         return False
@@ -197,7 +211,7 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
             continue
         if not isinstance(extra, torch.Tensor) or extra.device != query.device:
             return False
-        if name == "bias" and extra.dtype != query.dtype:
+        if name == "bias" and extra.dtype != query.dtype and not _autocast_bias_ok(extra, dtype):
             return False  # HF's position-bias mask then has another dtype than the query's
         if extra.dtype != torch.bool and _sdpa_dtype(extra) != dtype:
             return False  # SDPA raises its own error
@@ -337,56 +351,107 @@ def _capture_wants_attentions() -> bool:
     return bool(collected) and any("attention" in k for k in collected)
 
 
-def _eager_compute(module, query, key, value, mask, dropout, scaling, softcap):
-    # the canonical eager attention (Llama/Gemma2/BERT...): repeat_kv, (q k^T) * scaling,
-    # softcap as tanh(S / cap) * cap, + mask, softmax, dropout, @ V
+@cache
+def _eager_variant(fn) -> tuple[tuple[bool, str | None] | None, str]:
+    # HF's cast order around softmax in the family's eager function, read from its source:
+    # (softmax's dtype is float32, the dtype P is cast to: "query" / "value" / None), or None and
+    # why. Llama & co.: softmax(S, dim=-1, dtype=torch.float32).to(query.dtype); BERT/T5:
+    # softmax(S, dim=-1); GPT-2: softmax(S, dim=-1) then .type(value.dtype).
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None, f"the source of {getattr(fn, '__name__', fn)!r} is not available to read"
+    softmaxes, casts = [], []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        if name == "softmax":
+            softmaxes.append(node)
+        elif (
+            name in ("to", "type")
+            and isinstance(f, ast.Attribute)
+            and len(node.args) == 1
+            and not node.keywords
+            and isinstance(node.args[0], ast.Attribute)
+            and node.args[0].attr == "dtype"
+            and isinstance(node.args[0].value, ast.Name)
+            and node.args[0].value.id in ("query", "value")
+        ):
+            casts.append(node.args[0].value.id)
+    where = fn.__name__
+    if len(softmaxes) != 1:
+        return None, f"{where} calls softmax {len(softmaxes)} times, not once"
+    dtypes = [k for k in softmaxes[0].keywords if k.arg == "dtype"]
+    if dtypes and _dotted(dtypes[0].value) not in ("torch.float32", "torch.float"):
+        return None, f"{where} runs softmax in {_dotted(dtypes[0].value)}, not float32"
+    if len(casts) > 1:
+        return None, f"{where} casts the probabilities {len(casts)} times"
+    return (bool(dtypes), casts[0] if casts else None), ""
+
+
+def _autocast_cast(t: torch.Tensor) -> torch.Tensor:
+    # what CPU autocast makes of a matmul argument (a lower_precision_fp op): floating tensors
+    # other than float64 become autocast's dtype; done before the op (autograd's ToCopy, as
+    # autocast's own cast) so that the op keeps the cast tensor, as eager's matmul does
+    if t.is_floating_point() and t.dtype != torch.float64 and torch.is_autocast_enabled("cpu"):
+        return t.to(torch.get_autocast_dtype("cpu"))
+    return t
+
+
+def _eager_compute(module, query, key, value, mask, dropout, scaling, softcap, variant):
+    # the family's eager_attention_forward: repeat_kv (in the input dtype), then slimgrad's
+    # ops.eager_attention with HF's own cast order (NOTE [HF eager attention in every dtype])
     from transformers.integrations.sdpa_attention import repeat_kv
 
+    upcast, cast_to = variant
+    probs_dtype = {"query": query.dtype, "value": value.dtype, None: None}[cast_to]
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores + mask  # eager masks are finite (dtype min): eager's softmax, not SDPA's
-    out = _sdm.softmax_dropout_matmul(scores, value, float(dropout), True)
+    query, key, value = _autocast_cast(query), _autocast_cast(key), _autocast_cast(value)
+    out = _sdm.eager_attention(
+        query,
+        key,
+        value,
+        float(dropout),
+        bool(module.training),
+        scaling=float(scaling),
+        softcap=None if softcap is None else float(softcap),
+        biases=(mask,),
+        softmax_dtype=torch.float32 if upcast else None,
+        probs_dtype=probs_dtype,
+    )
     return out.transpose(1, 2).contiguous()
 
 
 _PROBES: dict[tuple, bool] = {}
 
 
-def _probe(original, module, dtype, softcap: bool) -> bool:
+def _probe(
+    original, module, dtype, softcap: bool, *, k_dtype=None, v_dtype=None, mask_dtype=None
+) -> bool:
     # Does _eager_compute give the family's eager function's outputs and gradients bit for bit
-    # (same seed: same dropout mask) on a small padded GQA/softcap case? Once per function.
+    # (same seed: same dropout mask) on a small padded GQA/softcap case, in these dtypes and the
+    # current autocast state, with dropout and without? Once per setting. Runs outside any
+    # dispatch mode (slimgrad.memory's tracker, fake tensors): real tensors, not counted.
+    from torch.utils._python_dispatch import _disable_current_modes
+
     groups = getattr(module, "num_key_value_groups", 1)
-    key = (original, dtype, softcap, groups)
+    k_dtype, v_dtype, mask_dtype = k_dtype or dtype, v_dtype or dtype, mask_dtype or dtype
+    variant, _ = _eager_variant(original)
+    autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    key = (original, dtype, k_dtype, v_dtype, mask_dtype, softcap, groups, autocast)
     if key in _PROBES:
         return _PROBES[key]
-    gen = torch.Generator().manual_seed(0)
-    heads = 2 * groups
-    q = torch.randn(2, heads, 4, 8, generator=gen, dtype=torch.float64).to(dtype)
-    k = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64).to(dtype)
-    v = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64).to(dtype)
-    mask = torch.zeros(2, 1, 4, 6, dtype=dtype)
-    mask[0, :, :, :2] = torch.finfo(dtype).min  # padding
-    mask[1, :, 0, :] = torch.finfo(dtype).min  # a row that sees nothing
-    kw = {"dropout": 0.3, "scaling": 0.3}
-    if softcap:
-        kw["softcap"] = 2.0
-    ours = lambda *a: (_eager_compute(module, *a, kw["dropout"], 0.3, kw.get("softcap")), None)  # noqa: E731
-    results = []
+    if variant is None:
+        _PROBES[key] = False
+        return False
     was = module.training
     try:
-        module.training = True  # eager reads module.training for its dropout
-        with torch.random.fork_rng(devices=[]):
-            for fn in (ours, lambda *a: original(module, *a, **kw)):
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                torch.manual_seed(0)
-                out = fn(*leaves, mask)[0]
-                g = torch.linspace(-1, 1, out.numel(), dtype=dtype).view(out.shape)
-                results.append([out.detach(), *torch.autograd.grad(out, leaves, g)])
-        ok = all(torch.equal(a, b) for a, b in zip(*results))
+        with _disable_current_modes():
+            dtypes = (dtype, k_dtype, v_dtype, mask_dtype)
+            ok = _probe_run(original, module, variant, dtypes, softcap)
     except Exception:  # noqa: BLE001 - any failure: the original keeps running
         ok = False
     finally:
@@ -395,14 +460,52 @@ def _probe(original, module, dtype, softcap: bool) -> bool:
     return ok
 
 
+def _probe_run(original, module, variant, dtypes, softcap) -> bool:
+    dtype, k_dtype, v_dtype, mask_dtype = dtypes
+    groups = getattr(module, "num_key_value_groups", 1)
+    gen = torch.Generator().manual_seed(0)
+    heads = 2 * groups
+    q = torch.randn(2, heads, 4, 8, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64).to(k_dtype)
+    v = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64).to(v_dtype)
+    mask = torch.zeros(2, 1, 4, 6, dtype=mask_dtype)
+    mask[0, :, :, :2] = torch.finfo(mask_dtype).min  # padding
+    mask[1, :, 0, :] = torch.finfo(mask_dtype).min  # a row that sees nothing
+    ok = True
+    for training in (True, False):  # dropout on; off (eval, or attention_dropout = 0)
+        module.training = training
+        kw = {"dropout": 0.3 if training else 0.0, "scaling": 0.3}
+        if softcap:
+            kw["softcap"] = 2.0
+
+        def ours(*a, kw=kw):
+            return _eager_compute(module, *a, kw["dropout"], 0.3, kw.get("softcap"), variant), None
+
+        results = []
+        with torch.random.fork_rng(devices=[]):
+            for fn in (ours, lambda *a, kw=kw: original(module, *a, **kw)):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                torch.manual_seed(0)
+                out = fn(*leaves, mask)[0]
+                g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+                results.append([out.detach(), *torch.autograd.grad(out, leaves, g)])
+        ok = ok and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results))
+    return ok
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool:
     params = inspect.signature(original).parameters
     if "dropout" not in params or "scaling" not in params:
         return False
     dropout, scaling, softcap = args.get("dropout"), args.get("scaling"), args.get("softcap")
-    if not (isinstance(dropout, float | int) and dropout > 0.0 and module.training):
+    if not (isinstance(dropout, float | int) and 0.0 <= dropout < 1.0):
         return False
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False  # nothing kept for backward; compiled: the compiler's memory
+    if not any(t.requires_grad for t in (query, key, value)):
         return False
     if not isinstance(scaling, float | int) or (softcap is not None and not softcap > 0):
         return False
@@ -411,11 +514,18 @@ def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool
         is not None
     ):
         return False
-    if query.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+    if query.device.type != "cpu":
         return False  # exactness: other devices draw dropout their own way
-    if query.dtype not in (torch.float32, torch.float64) or not (
-        key.dtype == value.dtype == query.dtype and query.dim() == key.dim() == value.dim() == 4
-    ):
+    if not (query.dim() == key.dim() == value.dim() == 4):
+        return False
+    if not all(t.dtype in _FLOATS for t in (query, key, value)):
+        return False
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if torch.is_autocast_enabled("cpu") and torch.float64 in dtypes:
+        return False  # autocast leaves float64 alone: eager's own mixed-dtype error
+    if not torch.is_autocast_enabled("cpu") and len(dtypes) > 1:
+        return False  # eager's own dtype error
+    if query.device != key.device or key.device != value.device:
         return False
     extra = dict(args.get("kwargs", {}))
     for name in _reads(original) - _EAGER_IMPLEMENTED:
@@ -423,7 +533,7 @@ def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool
             return False
     if mask is not None:
         scores = (*query.shape[:3], key.shape[2])
-        if not isinstance(mask, torch.Tensor) or mask.dtype != query.dtype:
+        if not isinstance(mask, torch.Tensor) or mask.dtype not in _FLOATS:
             return False
         if mask.shape[-1] != key.shape[2] or mask.device != query.device:
             return False
@@ -434,7 +544,15 @@ def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool
             return False
     if _capture_wants_attentions():
         return False
-    return _probe(original, module, query.dtype, softcap is not None)
+    return _probe(
+        original,
+        module,
+        query.dtype,
+        softcap is not None,
+        k_dtype=key.dtype,
+        v_dtype=value.dtype,
+        mask_dtype=None if mask is None else mask.dtype,
+    )
 
 
 def _attention_eager(module, query, key, value, attention_mask, *args, **kwargs):
@@ -457,8 +575,17 @@ def _attention_eager(module, query, key, value, attention_mask, *args, **kwargs)
     ):
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     a = bound.arguments
+    variant, _ = _eager_variant(original)
     out = _eager_compute(
-        module, query, key, value, attention_mask, a["dropout"], a["scaling"], a.get("softcap")
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        a["dropout"],
+        a["scaling"],
+        a.get("softcap"),
+        variant,
     )
     return out, None
 
@@ -727,6 +854,20 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
                     f"{n} passes {', '.join(unsupported)} to {fn.__name__}, which the slimgrad "
                     "eager attention does not implement (attention kept as is)"
                 )
+            variant, why = _eager_variant(fn)
+            if variant is None:
+                return [], f"{n}: {why}: HF's cast order is not known (attention kept as is)"
+            module = next(m for m in model.modules() if type(m).__name__ == n)
+            dtype = _param_dtype(module) or _param_dtype(model) or torch.float32
+            softcap = "softcap" in _interface_keywords(cls)
+            if not _probe(fn, module, dtype, softcap):
+                where = str(dtype).removeprefix("torch.")
+                return [], (
+                    f"{n}: slimgrad's eager attention is not bit for bit equal to "
+                    f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} in {where} (probe: "
+                    "padded GQA case, dropout on and off, outputs and gradients): attention "
+                    "kept as is"
+                )
     bad: list[str] = []
     files: dict[str, set[str]] = {}
     for c in classes:
@@ -746,6 +887,10 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
             f"({bad[0]}): attention kept as is"
         )
     return [f"{n} x{k}" for n, k in sorted(routed.items())], None
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def _class_named(model: nn.Module, name: str) -> type:

@@ -40,7 +40,7 @@ from slimgrad.ops.dropout import _check_p
 # the module (the package attribute slimgrad.ops.dropout is the function)
 _dropout = importlib.import_module("slimgrad.ops.dropout")
 
-__all__ = ["scores_softmax_dropout_matmul", "softmax_dropout_matmul"]
+__all__ = ["eager_attention", "scores_softmax_dropout_matmul", "softmax_dropout_matmul"]
 
 _API = "slimgrad.ops.softmax_dropout_matmul"
 _API_QK = "slimgrad.ops.scores_softmax_dropout_matmul"
@@ -510,3 +510,191 @@ def _check_mask(input, mask):
             f"to {tuple(input.shape)}, got {tuple(mask.shape)}. Expand the scores or slice the "
             "mask to the key length."
         )
+
+
+# ----------------------------------------------------------------------------- eager attention
+
+
+def _eager_probs(q, k, biases, scaling, softcap, softmax_dtype, probs_dtype):
+    # HF's eager_attention_forward after repeat_kv up to the cast P, op for op (NOTE [HF eager
+    # attention, recomputed in backward])
+    s = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        s = s / softcap
+        s = torch.tanh(s)
+        s = s * softcap
+    for b in biases:
+        if b is not None:
+            s = s + b
+    if softmax_dtype is not None:
+        probs = F.softmax(s, dim=-1, dtype=softmax_dtype)
+    else:
+        probs = F.softmax(s, dim=-1)
+    del s
+    return probs.to(probs_dtype) if probs_dtype is not None else probs
+
+
+class _ApplyBitsFn(torch.autograd.Function):
+    # dropout with given bits: x * noise and dy * noise, bit for bit as eager's CPU dropout and
+    # its backward (NOTE [Dropout masks: drawn like eager, kept as bits]), without the noise tensor
+    @staticmethod
+    def forward(ctx, x, bits, p):
+        ctx.save_for_backward(bits)
+        ctx.p = p
+        return _dropout._dropout_apply_mask(x, bits, p, False)
+
+    @staticmethod
+    @first_order(
+        "ops.eager_attention",
+        double=lambda ctx, g: (_ApplyBitsFn.apply(g, *ctx.saved_tensors, ctx.p), None, None),
+    )
+    def backward(ctx, g):
+        (bits,) = ctx.saved_tensors
+        return _dropout._dropout_apply_mask(g, bits, ctx.p, False), None, None
+
+
+def _eager_attention_grads(ctx, d_out, create_graph):
+    q, k, v, b0, b1, bits = ctx.saved_tensors
+    need = list(ctx.needs_input_grad[:5])
+    leaves = [
+        t.detach().requires_grad_(n) if t is not None else None
+        for t, n in zip((q, k, v, b0, b1), need)
+    ]
+    enabled, ac_dtype = ctx.autocast
+    with torch.enable_grad():
+        # the forward's ops under the forward's autocast state; autograd's backward outside it
+        with torch.autocast("cpu", dtype=ac_dtype, enabled=enabled, cache_enabled=False):
+            probs = _eager_probs(
+                leaves[0],
+                leaves[1],
+                leaves[3:],
+                ctx.scaling,
+                ctx.softcap,
+                ctx.softmax_dtype,
+                ctx.probs_dtype,
+            )
+            if ctx.p > 0:  # eager's CPU dropout, input.mul(noise), from the bits
+                probs = _ApplyBitsFn.apply(probs, bits, ctx.p)
+            out = torch.matmul(probs, leaves[2])
+            del probs
+        wanted = [t for t, n in zip(leaves, need) if n]
+        got = iter(torch.autograd.grad(out, wanted, d_out, create_graph=create_graph))
+    return (*(next(got) if n else None for n in need), *(None,) * 5)
+
+
+class _EagerAttentionFn(torch.autograd.Function):
+    # NOTE [HF eager attention, recomputed in backward]: keeps what the score matmul keeps anyway
+    # (q, k), value, the biases (references: HF builds one mask for every layer) and 1 bit per
+    # score. Backward runs the forward's own ops again on the same tensors (same ops, shapes,
+    # strides, dtypes and autocast state: the same bits, CPU kernels being deterministic for a
+    # fixed input and thread count), with dropout's noise rebuilt from the bits, and
+    # differentiates that graph with autograd: eager's backward ops by construction (and eager's
+    # second derivatives under create_graph), one call's T x T tensors alive at a time instead of
+    # every layer's.
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(ctx, q, k, v, b0, b1, scaling, softcap, p, softmax_dtype, probs_dtype):
+        probs = _eager_probs(q, k, (b0, b1), scaling, softcap, softmax_dtype, probs_dtype)
+        if p > 0:  # eager's CPU draw: NOTE [Dropout masks: drawn like eager, kept as bits]
+            probs, bits = _dropout._dropout_fwd(probs, p)
+        else:
+            bits = probs.new_empty(0, dtype=torch.uint8)
+        out = torch.matmul(probs, v)
+        del probs
+        ctx.scaling, ctx.softcap, ctx.p = scaling, softcap, p
+        ctx.softmax_dtype, ctx.probs_dtype = softmax_dtype, probs_dtype
+        ctx.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        ctx.save_for_backward(q, k, v, b0, b1, bits)
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    @first_order(
+        "ops.eager_attention", double=lambda ctx, d_out: _eager_attention_grads(ctx, d_out, True)
+    )
+    def backward(ctx, d_out):
+        if d_out is None:
+            return (None,) * 10
+        return _eager_attention_grads(ctx, d_out, False)
+
+
+def eager_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    p: float = 0.0,
+    training: bool = True,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    biases: tuple[torch.Tensor | None, ...] = (),
+    softmax_dtype: torch.dtype | None = None,
+    probs_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """HF's eager attention after ``repeat_kv``, keeping no T x T tensor but 1 bit per score.
+
+    Math, op for op as HF's ``eager_attention_forward`` (Llama, Gemma2 with ``softcap``, BERT and
+    the families that copy them): ``S = (query @ key.transpose(2, 3)) * scaling``; with a softcap
+    ``S = tanh(S / softcap) * softcap``; ``S = S + b`` for each bias in order (position bias,
+    mask); ``P = softmax(S, -1, dtype=softmax_dtype)``; ``P = P.to(probs_dtype)``; ``D =
+    dropout(P, p)`` (eager's CPU draw, ``P * noise``); ``out = D @ value``. Every op runs under
+    the caller's autocast state, as eager's would. Output and gradients equal that composition's
+    bit for bit on CPU: backward recomputes it from the kept tensors and differentiates it (NOTE
+    [HF eager attention, recomputed in backward]).
+
+    Memory: saves query, key (eager's score matmul keeps them too), value, the biases (references,
+    not copies) and 1/8 B/elt of S (dropout bits, none for ``p = 0``); eager also keeps, T x T
+    each: P (softmax's output, in ``softmax_dtype``), dropout's noise and the dropped P (in
+    ``probs_dtype``; the cast P instead when ``p = 0`` and the cast changes the dtype; under
+    autocast the dropped P's cast for the matmul) and, with a softcap, tanh's output. Backward
+    holds one call's eager T x T tensors at a time.
+
+    Args:
+        query: ``(B, H, T_q, d)``.
+        key: ``(B, H, T_k, d)`` (kv heads already repeated).
+        value: ``(B, H, T_k, d_v)``.
+        p: dropout probability in [0, 1).
+        training: apply dropout if True.
+        scaling: the scores' scale.
+        softcap: Gemma2's logit softcap, or None.
+        biases: at most two tensors added to the scores in order (None entries skipped).
+        softmax_dtype: softmax's ``dtype`` argument (HF's float32 upcast) or None.
+        probs_dtype: the dtype P is cast to after softmax (HF's ``.to(query.dtype)``) or None.
+
+    Returns:
+        ``dropout(softmax(...)) @ value``, ``(B, H, T_q, d_v)``.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1), or more than two biases.
+
+    Example:
+        >>> q, k, v = (torch.randn(2, 4, 7, 8) for _ in range(3))
+        >>> o = eager_attention(q, k, v, 0.1, scaling=8**-0.5)
+    """
+    _dtensor.refuse(_API_EAGER, query=query, key=key, value=value)
+    _check_p("ops.eager_attention", p)
+    if p >= 1.0:
+        raise ValueError(
+            f"{_API_EAGER}: p must be below 1; expected p in [0, 1), got {p}. Use "
+            "torch.nn.functional.dropout after softmax for p = 1."
+        )
+    biases = tuple(biases)
+    if len(biases) > 2:
+        raise ValueError(
+            f"{_API_EAGER}: at most two biases are added to the scores; expected <= 2, got "
+            f"{len(biases)}. Add them together first."
+        )
+    b0, b1 = (*biases, None, None)[:2]
+    p_eff = float(p) if training else 0.0
+    if transforms_active() or not torch.is_grad_enabled():
+        # nothing to keep, or torch.func: eager's composition
+        probs = _eager_probs(query, key, (b0, b1), scaling, softcap, softmax_dtype, probs_dtype)
+        return torch.matmul(F.dropout(probs, p_eff, p_eff > 0), value)
+    refuse_jit("ops.eager_attention")
+    return _EagerAttentionFn.apply(
+        query, key, value, b0, b1, scaling, softcap, p_eff, softmax_dtype, probs_dtype
+    )
+
+
+_API_EAGER = "slimgrad.ops.eager_attention"
