@@ -72,6 +72,38 @@ def _transform_grad_(dy, th, scale):
     return dy
 
 
+def _spans(n, size):
+    # (start, end) of the blocks of ``size`` that cover range(n)
+    for s in range(0, n, size):
+        yield s, min(s + size, n)
+
+
+def _targets(target, ignore_index):
+    # (valid, safe_t): the tokens that count and the targets with ignored ones mapped to class 0
+    valid = target != ignore_index
+    return valid, torch.where(valid, target, torch.zeros_like(target))
+
+
+def _chunk_logits(h, weight, bias, acc, chunk, lscale, cap, keep_tanh=False):
+    # (s, e, hc, zT, th) for each chunk hc = h[s:e] of tokens: its logits zT (V x chunk, NOTE
+    # [Logits as V x chunk]) mapped by the logit transform (NOTE [Logit transforms]); th as
+    # _transform_ returns it. Nothing here keeps a yielded chunk alive: the caller frees zT (and
+    # th) before asking for the next one, so one chunk of logits is live at a time.
+    for s, e in _spans(h.shape[0], chunk):
+        hc = h[s:e]
+        yield (s, e, hc, *_transform_(_logits_t(hc, weight, bias, acc), lscale, cap, keep_tanh))
+
+
+def _dlogits_(zt, th, lse, index, add, eps, v, lscale):
+    # zT -> dzT in place: softmax (from the chunk's lse), minus the smoothed one-hot (``add``, i.e.
+    # eps - 1, scattered at ``index``), through the logit transform (th is consumed)
+    zt.sub_(lse).exp_()
+    if eps:
+        zt.sub_(eps / v)
+    zt.scatter_add_(0, index, add)
+    return _transform_grad_(zt, th, lscale)
+
+
 def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap=None):
     """Per-token loss (accumulation dtype, 0 where ignored) and lse (float32, float64 for fp64).
 
@@ -80,14 +112,10 @@ def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap
     """
     n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
-    valid = target != ignore_index
-    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    valid, safe_t = _targets(target, ignore_index)
     loss = torch.empty(n, dtype=acc, device=h.device)
     lse = torch.empty(n, dtype=acc, device=h.device)
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        zt = _logits_t(h[s:e], weight, bias, acc)  # NOTE [Logits as V x chunk]
-        zt, _ = _transform_(zt, scale, cap)
+    for s, e, _, zt, _ in _chunk_logits(h, weight, bias, acc, chunk, scale, cap):
         li = zt.gather(0, safe_t[None, s:e]).squeeze(0).mul_(-(1.0 - eps))
         if eps:
             li.sub_(zt.sum(0), alpha=eps / v)
@@ -125,26 +153,18 @@ def _bwd_torch(
     alias h: each chunk's rows of h are read before the same rows of dh are written. ``lscale``,
     ``cap``: the logit transform (NOTE [Logit transforms]).
     """
-    n, v = h.shape[0], weight.shape[0]
+    v = weight.shape[0]
     acc = _acc_dtype(h.dtype)
-    valid = target != ignore_index
-    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    _, safe_t = _targets(target, ignore_index)
     need_dh, need_dw, need_db = need
     dh = (dh_out if dh_out is not None else torch.empty_like(h)) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        hc = h[s:e]
-        zt = _logits_t(hc, weight, bias, acc)  # NOTE [Logits as V x chunk]
-        zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
+    for s, e, hc, zt, th in _chunk_logits(h, weight, bias, acc, chunk, lscale, cap, True):
         # zT becomes dzT in place: softmax, minus the smoothed one-hot, times s_i
-        zt.sub_(lse[None, s:e]).exp_()
-        if eps:
-            zt.sub_(eps / v)
-        zt.scatter_add_(0, safe_t[None, s:e], zt.new_full((1, e - s), eps - 1.0))
-        zt = _transform_grad_(zt, th, lscale)
-        del th
+        add = zt.new_full((1, e - s), eps - 1.0)
+        zt = _dlogits_(zt, th, lse[None, s:e], safe_t[None, s:e], add, eps, v, lscale)
+        del th, add
         zt.mul_(scale[None, s:e])
         if need_db:
             db += zt.sum(1)
@@ -191,40 +211,30 @@ def _bwd_rows_torch(
 ):
     """:func:`_bwd_torch` by vocabulary blocks of ``rows`` rows (NOTE [Head gradient by vocabulary
     blocks]): (dh, dW, db), dW None when ``take_rows`` took every block. Full precision only."""
-    n, v = h.shape[0], weight.shape[0]
+    v = weight.shape[0]
     acc = _acc_dtype(h.dtype)
     if acc != h.dtype:
         raise ValueError("_bwd_rows_torch: full precision only; this is a slimgrad bug")
-    valid = target != ignore_index
-    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    _, safe_t = _targets(target, ignore_index)
     need_dh, need_dw, need_db = need
     dh = (dh_out if dh_out is not None else torch.empty_like(h)) if need_dh else None
     dw = None
     if need_dw and take_rows is None:
         dw = torch.empty(weight.shape, dtype=acc, device=h.device)
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
-    for v0 in range(0, v, rows):
-        v1 = min(v0 + rows, v)
+    for v0, v1 in _spans(v, rows):
         wv = weight[v0:v1]
         bv = bias[v0:v1] if bias is not None else None
         gw = torch.empty((v1 - v0, h.shape[1]), dtype=acc, device=h.device) if need_dw else None
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            hc = h[s:e]
-            zt = _logits_t(hc, wv, bv, acc)  # NOTE [Logits as V x chunk]
-            zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
-            zt.sub_(lse[None, s:e]).exp_()
-            if eps:
-                zt.sub_(eps / v)
+        for s, e, hc, zt, th in _chunk_logits(h, wv, bv, acc, chunk, lscale, cap, True):
             # the smoothed one-hot of the targets inside this block (others add 0)
             local = safe_t[s:e] - v0
             inside = (local >= 0) & (local < v1 - v0)
             add = torch.zeros((1, e - s), dtype=acc, device=h.device)
             add.masked_fill_(inside[None], eps - 1.0)
-            zt.scatter_add_(0, torch.where(inside, local, 0)[None], add)
-            del local, inside, add
-            zt = _transform_grad_(zt, th, lscale)
-            del th
+            index = torch.where(inside, local, 0)[None]
+            zt = _dlogits_(zt, th, lse[None, s:e], index, add, eps, v, lscale)
+            del th, local, inside, add, index
             zt.mul_(scale[None, s:e])
             if need_db:
                 db[v0:v1] += zt.sum(1)
@@ -276,8 +286,7 @@ def _fwd_grad_torch(
     n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
     full = acc == h.dtype
-    valid = target != ignore_index
-    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    valid, safe_t = _targets(target, ignore_index)
     need_dh, need_dw, need_db = need
     loss = torch.empty(n, dtype=acc, device=h.device)
     # dh contiguous whatever h's strides
@@ -287,26 +296,19 @@ def _fwd_grad_torch(
         dh = None
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
-    for s in range(0, n, chunk):
-        e = min(s + chunk, n)
-        hc = h[s:e]
+    for s, e, hc, zt, th in _chunk_logits(h, weight, bias, acc, chunk, lscale, cap, True):
         tc = safe_t[None, s:e]
         row = scale[None, s:e]  # s_i per column of zT
         col = scale[s:e, None]  # s_i per row of hc / dh
-        zt = _logits_t(hc, weight, bias, acc)  # NOTE [Logits as V x chunk]
-        zt, th = _transform_(zt, lscale, cap, keep_tanh=True)
         lse = torch.logsumexp(zt, dim=0, keepdim=True)
         li = lse - (1.0 - eps) * zt.gather(0, tc)
         if eps:
             li = li - (eps / v) * zt.sum(0, keepdim=True)
         loss[s:e] = li.squeeze(0)
         # zT becomes dzT in place: softmax minus the smoothed one-hot (times s_i in low precision)
-        zt.sub_(lse).exp_()
-        if eps:
-            zt.sub_(eps / v)
-        zt.scatter_add_(0, tc, torch.full_like(lse, eps - 1.0))
-        zt = _transform_grad_(zt, th, lscale)
-        del th
+        add = torch.full_like(lse, eps - 1.0)
+        zt = _dlogits_(zt, th, lse, tc, add, eps, v, lscale)
+        del th, add
         if not full:
             zt.mul_(row)
         if need_db:
