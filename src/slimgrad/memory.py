@@ -28,13 +28,37 @@ is. slimgrad's own custom ops are run through their Python implementation so the
 temporaries they allocate (NOTE [Custom ops and the memory tracker] in
 ``slimgrad/_library.py``).
 
-Known over-count (measured): with any ``TorchDispatchMode`` active (ours, or a bare one that only
-calls ``func``), autograd sums two gradients meeting at one tensor out of place (``aten.add``) where
-without a mode it may add in place (``aten::add_``): the mode's Python tensor objects raise the use
-counts that the engine's in-place test reads. The measured peak can then exceed the real one by
-one gradient-sized buffer at such a sum, e.g. a tied embedding's two weight gradients at the end of
-GPT-2's backward (vocab x hidden, 147 MiB in fp32). Saved bytes are not affected. On CUDA,
-``torch.cuda.max_memory_allocated`` shows the real figure (``slimgrad.bench.gpu_check``).
+Gradient sums. Where two gradients meet at one tensor, autograd's engine sums them in its input
+buffer (``InputBuffer::accumulate``, torch/csrc/autograd/input_buffer.cpp): with grad mode off, in
+place (``old.add_(new)``) when ``old`` is a plain strided tensor (no subclass, not nested, not a
+zero tensor), non-overlapping and dense, and the buffer holds the last reference to it and to its
+storage (``use_count() == 1`` for both); else out of place (``old + new``). Under a dispatch mode
+the mode's Python objects raise those use counts, so the engine always sums out of place, and a
+tracker that counted what it sees would hold one gradient-sized buffer more than a real run (a
+tied embedding's two weight gradients at the end of GPT-2's backward: vocab x hidden). The
+tracker counts the sum as a real run does it: an ``aten.add.Tensor`` is the engine's sum when
+  (a) it is called by C++ code the engine runs (no Python frame between the engine's entry,
+      ``torch.autograd.graph._engine_run_backward``, and the mode: not a hook, not a custom
+      Function's backward), grad mode is off, and its operands meet the engine's layout and dtype
+      conditions above (``old`` not a view: a view's base holds the storage too);
+  (b) the current autograd node (``torch._C._current_autograd_node``) has already run its own
+      backward (an op from it came before: the sum follows the node's apply; retain_grad's C++
+      hook, which also sums ``.grad + grad``, runs before the node's apply), and ``old`` was made
+      before that node began, while the result is new;
+  (c) ``old``'s storage is freed right after the call, before any other op or free: the buffer
+      held its last reference. A sum inside a built-in node's formula whose first operand
+      existed before the node ran adds something the node still holds (an input gradient, a
+      saved tensor), which cannot die there, so (b) and (c) single out the buffer's sum.
+Such a sum is counted in place: no new bytes, its result takes ``old``'s bytes (timeline op
+``aten.add (in place)``). Any other sum, or when (c) fails, counts out of place as it runs.
+AccumulateGrad needs nothing of this: it steals an unshared incoming gradient (``detach``, no
+bytes) or copies it, and adds into an existing ``.grad`` in place (``add_``), under the mode as
+without it. ``tests/test_memory_truth.py`` checks the peaks against the CPU allocator of a real run
+(``torch.profiler``, no mode): tied GPT-2 eager and converted, fp32 and autocast, a leaf and an
+activation used twice, first gradients kept by hooks, expanded and view gradients, retain_grad
+over two backward calls, ``.grad`` accumulation. Not seen by any dispatch mode: the 0-dim tensors
+PyTorch makes from Python numbers inside an op call (8 bytes each; autograd keeps some, e.g.
+``x * 0.5``'s scalar), and a kernel's internal scratch, freed before the kernel returns.
 
 # NOTE [How saved bytes are counted]
 At the end of forward the autograd graph is walked from the output. Each node's saved tensors
@@ -64,13 +88,16 @@ converted model with the floor of the *eager* model of the same case.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -99,6 +126,49 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+# Gradient sums (NOTE [How live bytes are counted]). The frames that stand
+# between the engine (C++) and a dispatch mode's __torch_dispatch__: dynamo's disable wrappers.
+_WRAPPER_FILES = frozenset(
+    os.path.join(os.path.dirname(torch.__file__), *f)
+    for f in (("_dynamo", "eval_frame.py"), ("_compile.py",))
+)
+_ENGINE_CODE = torch.autograd.graph._engine_run_backward.__code__
+_PY_BACKWARD_CODE = torch.autograd.function.BackwardCFunction.apply.__code__
+_ADD = torch.ops.aten.add.Tensor
+
+
+def _origin(frame: Any) -> str:
+    # "engine": the op was called by C++ code the engine runs (a built-in node's apply, the input
+    # buffer's sum, a C++ hook); "function": by a custom Function's Python backward; "python":
+    # by any other Python code (a hook, user code). ``frame`` is __torch_dispatch__'s caller.
+    while frame is not None and frame.f_code.co_filename in _WRAPPER_FILES:
+        frame = frame.f_back
+    if frame is None:
+        return "python"
+    if frame.f_code is _ENGINE_CODE:
+        return "engine"
+    while frame is not None and frame.f_code is not _ENGINE_CODE:
+        if frame.f_code is _PY_BACKWARD_CODE:
+            return "function"
+        frame = frame.f_back
+    return "python"
+
+
+def _plain_dense(t: Any) -> bool:
+    # can_accumulate_inplace's "vanilla tensor with a favorable memory layout" (FakeTensor stands
+    # for the plain tensor it fakes)
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (
+        isinstance(t, torch.Tensor)
+        and type(t) in (torch.Tensor, torch.nn.Parameter, FakeTensor)
+        and t.layout == torch.strided
+        and not t.is_nested
+        and not t._is_zerotensor()
+        and is_non_overlapping_and_dense_or_false(t)
+    )
 
 
 @dataclass
@@ -172,11 +242,23 @@ class _Tracker(TorchDispatchMode):
         self.op_name = "<start>"
         self.timeline: list[tuple[int, str, int]] = []
         self.active = True
+        self.born: dict[int, int] = {}  # key -> index of the op that created it (step storages)
+        # the autograd node whose ops run now (a "window" of consecutive ops under one node)
+        self.window: tuple[Any, int] | None = None  # (node, graph task id)
+        self.window_start = 0
+        self.window_applied = False  # the node's own backward has dispatched an op
+        # an engine gradient sum waiting to learn whether its first operand dies right after:
+        # (old key, out key, live bytes after the out-of-place call, op name, op index)
+        self.pending: tuple[int, int, int, str, int] | None = None
 
     # --- bookkeeping -------------------------------------------------------------------------
     def _free(self, key: int) -> None:
         if not self.active:
             return
+        if self.pending is not None and self.pending[0] == key and key in self.sizes:
+            self._sum_in_place()
+            return
+        self.settle()
         size = self.sizes.pop(key, None)
         if size is None:
             return
@@ -196,6 +278,7 @@ class _Tracker(TorchDispatchMode):
         self.sizes[key] = n
         if created:
             self.created.add(key)
+            self.born[key] = self.n_ops
             self.cur += n
         else:
             self.base[key] = n
@@ -203,6 +286,7 @@ class _Tracker(TorchDispatchMode):
         return key
 
     def _resized(self, st: torch.UntypedStorage) -> None:
+        self.settle()
         key = st._cdata
         if key not in self.sizes:
             self._follow(st, created=False)
@@ -222,14 +306,89 @@ class _Tracker(TorchDispatchMode):
         self._resized(st)
         self._bump()
 
+    # --- gradient sums the engine does in place (NOTE [How live bytes are counted]) ----------
+    def settle(self) -> None:
+        # the pending sum's first operand did not die right after it: out of place, as counted
+        if self.pending is None:
+            return
+        _, _, value, name, index = self.pending
+        self.pending = None
+        if value > self.peak:
+            self.peak = value
+            self.peak_op = name
+            self.peak_index = index
+        self.timeline.append((index, name, value))
+
+    def _sum_in_place(self) -> None:
+        # the first operand died right after the sum: the engine's buffer held its last reference,
+        # so without the mode the sum is ``old.add_(new)``; its result takes old's bytes
+        old, out, _, name, index = self.pending
+        self.pending = None
+        self.created.discard(old)
+        self.base.pop(old, None)
+        self.born.pop(old, None)
+        old_size = self.sizes.pop(old)
+        self.cur -= self.sizes[out]  # the result's own bytes were never allocated...
+        self.sizes[out] = old_size  # ...it lives in old's, which stay counted
+        self.timeline.append((index, f"{name} (in place)", self.cur))
+
+    def _window(self) -> bool:
+        # enter the current autograd node's window; return whether its backward has run an op
+        node = torch._C._current_autograd_node()
+        if node is None:
+            self.window = None
+            return False
+        task = torch._C._current_graph_task_id()
+        if self.window is None or self.window[0] is not node or self.window[1] != task:
+            self.window = (node, task)
+            self.window_start = self.n_ops
+            self.window_applied = False
+        return self.window_applied
+
+    def _engine_sum(self, func, args, kwargs, out, origin: str) -> tuple[int, int] | None:
+        # (old key, out key) when this is the engine's input-buffer sum ``old + new`` that
+        # InputBuffer::accumulate (torch/csrc/autograd/input_buffer.cpp) would do in place
+        # if it held the last reference to old: checked here except that last condition, which
+        # the caller proves by old's storage dying right after the call
+        if func is not _ADD or kwargs or len(args) != 2 or origin != "engine":
+            return None
+        if not self.window_applied or torch.is_grad_enabled():
+            return None
+        old, new = args
+        if not (_plain_dense(old) and isinstance(new, torch.Tensor) and _plain_dense(out)):
+            return None
+        if old._is_view():  # its base shares the storage: storage use_count > 1
+            return None
+        if type(new) not in (torch.Tensor, torch.nn.Parameter, type(old)):
+            return None
+        if not (old.shape == new.shape == out.shape and old.dtype == new.dtype == out.dtype):
+            return None
+        if old.device != out.device:
+            return None
+        ko, kn, kout = _storage(old), _storage(new), _storage(out)
+        if ko is None or kn is None or kout is None:
+            return None
+        ko, kn, kout = ko._cdata, kn._cdata, kout._cdata
+        if len({ko, kn, kout}) != 3 or ko not in self.created or kout not in self.created:
+            return None
+        # old was buffered before this node ran (an earlier node's gradient): a sum inside a
+        # node's formula whose first operand existed before the node ran adds something the node
+        # still holds (its inputs, its saved tensors), which cannot die right after the sum
+        if self.born.get(ko, self.n_ops) > self.window_start or self.born.get(kout) != self.n_ops:
+            return None
+        return ko, kout
+
     # --- the mode ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.settle()  # another op: a pending sum's first operand did not die right after it
         kwargs = kwargs or {}
         flat_in, _ = tree_flatten((args, kwargs))
         for t in flat_in:
             st = _storage(t)
             if st is not None and st._cdata not in self.sizes:
                 self._follow(st, created=False)
+        self._window()
+        origin = _origin(sys._getframe(1)) if self.window is not None else "python"
         name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
         impl = python_impl(func.name()) if func.namespace == "slimgrad" else None
         if impl is not None:
@@ -252,10 +411,19 @@ class _Tracker(TorchDispatchMode):
             st = _storage(t)
             if st is not None and st._cdata not in self.sizes:
                 self._follow(st, created=True)
+        if self.window is not None:
+            summed = self._engine_sum(func, args, kwargs, out, origin)
+            if origin != "python":
+                self.window_applied = True
+            if summed is not None:  # counted when its first operand's fate is known
+                self.pending = (*summed, self.cur, name, self.n_ops)
+                return out
         self._bump()
         return out
 
     def close(self) -> None:
+        self.settle()
+        self.window = None
         self.active = False
         for f in self.finalizers:
             f.detach()
@@ -453,6 +621,7 @@ def measure(
                     "slimgrad.memory.measure: forward must return a tensor (the loss); expected "
                     f"torch.Tensor, got {type(out).__name__}. Return the loss from forward."
                 )
+            tracker.settle()
             forward_peak = tracker.peak
             retained = tracker.cur
             backward_start = tracker.n_ops
@@ -467,6 +636,8 @@ def measure(
                 if out.requires_grad:
                     out.backward(grad)
             del out
+            tracker.settle()
+            tracker.window = None
         end = tracker.cur
     finally:
         torch.UntypedStorage.resize_ = orig_resize
