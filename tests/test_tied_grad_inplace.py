@@ -1,13 +1,14 @@
 """A tied weight's two gradients are summed in place by autograd in a converted model.
 
-NOTE [How live bytes are counted] (``slimgrad/memory.py``) documents that under the tracker's
-dispatch mode autograd sums two gradients meeting at one tensor out of place, so the tracker's peak
-of HF GPT-2 (tied ``wte``/``lm_head``) includes one vocab x hidden buffer that a real run does not
-allocate. This test checks the real-run half of that claim without any dispatch mode: the
-gradient left in ``wte.grad`` is the buffer of the first gradient to arrive (the fused loss's),
-i.e. the embedding's gradient was added into it. It fails if slimgrad's fused loss (or anything
-between it and the weight) keeps a reference to the gradient it returns, which would force the
-out-of-place sum and a third buffer in real runs too.
+Without a dispatch mode, autograd's engine adds the second gradient meeting at a tensor into the
+first when it holds the last reference to it; NOTE [How live bytes are counted]
+(``slimgrad/memory.py``) says how the tracker, under whose mode the engine sums out of place,
+counts such sums as a real run does them, and ``tests/test_memory_truth.py`` checks the tracker's
+peaks against the allocator. This test checks the real-run fact itself for HF GPT-2 (tied
+``wte``/``lm_head``), without any dispatch mode: the gradient left in ``wte.grad`` is the buffer
+of the first gradient to arrive (the fused loss's), i.e. the embedding's gradient was added into
+it. It fails if slimgrad's fused loss (or anything between it and the weight) keeps a reference to
+the gradient it returns, which would force the out-of-place sum and a third buffer.
 """
 
 from __future__ import annotations
