@@ -12,7 +12,10 @@ they are and names the reason in its report (NOTE [In-place writers after output
 
 from __future__ import annotations
 
+import ast
+import inspect
 import operator
+import textwrap
 import warnings
 import weakref
 from collections.abc import Callable
@@ -37,9 +40,10 @@ __all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason"]
 # found from nn.Sequential order (nested Sequentials in line) and, for other plain-torch modules,
 # from a torch.fx trace in which every child module is a leaf; a child's own summary (which
 # output-saving modules can reach its output, whether it writes its input) comes from the same
-# analysis, recursively. HF transformers modules are not traced (their families are covered by the
-# HF conformance suite); a module that cannot be traced keeps its output-saving children
-# unconverted when any of its descendants has ``inplace=True``.
+# analysis, recursively. HF transformers modules are not traced (torch.fx fails on most of them):
+# their forward's source is read instead (NOTE [In-place writes in HF forwards]); a module that
+# cannot be traced keeps its output-saving children unconverted when any of its descendants has
+# ``inplace=True``.
 SAVES_OUTPUT = frozenset(
     {
         "torch.nn.modules.activation.Hardtanh",
@@ -198,8 +202,10 @@ class _Guard:
             return _Info(writes=inplace, passes=True)
         if isinstance(m, nn.Sequential):
             return self._sequential(m)
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or _is_hf(m):
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             return _Info(writes=inplace)
+        if _is_hf(m):
+            return _hf_forward_info(self, m, inplace)
         if not m._modules and type(m).__module__.startswith("torch."):
             return _Info(writes=inplace)  # a torch leaf: its 'inplace' says whether it writes
         if type(m).__module__.startswith("slimgrad."):
@@ -271,6 +277,351 @@ class _Guard:
         return out
 
 
+# NOTE [In-place writes in HF forwards]
+# HF modules write tensors in place in their own forwards (Chameleon's and Emu3's VQ-VAE blocks:
+# ``h = self.norm1(x); h *= torch.sigmoid(h)`` over a GroupNorm's output). torch.fx cannot trace
+# most HF forwards, so the guard reads the class's ``forward`` source (decorators unwrapped) and
+# follows, statement by statement, which output-saving children a local name may hold: the result
+# of ``self.<child>(...)`` holds the child's own ends (its ``_Info``), a view-like method or a plain
+# name or subscript holds what its base holds, a branch or loop holds the union of its paths, any
+# other expression holds nothing new. A write through a name (``h *= s``, ``h += r`` unless the
+# right side is a tuple literal, ``h[i] = v``, ``h.mul_(s)``, ``torch.relu_(h)``, ``f(h,
+# inplace=True)``, a child that writes its input, a method of the module whose source writes in
+# place) flags what it holds; a write to the forward's first parameter marks the module as a writer
+# of its input. The forward's returned names give its ends, as for traced modules. A forward whose
+# source cannot be read, or that does not parse as one function, keeps its output-saving children
+# unconverted when it or a descendant has ``inplace=True``, as an untraceable module does.
+_IN = "<input>"  # the forward's first parameter, among the aliases a name may hold
+_NOT_VALUES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "size"})
+_HF_AST: dict = {}
+
+
+def _forward_ast(fn) -> ast.FunctionDef | None:
+    if fn not in _HF_AST:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+            fdef = tree.body[0]
+            _HF_AST[fn] = fdef if isinstance(fdef, ast.FunctionDef) else None
+        except (OSError, TypeError, SyntaxError, IndexError):
+            _HF_AST[fn] = None
+    return _HF_AST[fn]
+
+
+def _written_params(fn) -> set[str] | None:
+    # the parameters a helper method's (or hook's, lambda's) source writes in place (None: its
+    # source is unknown)
+    fdef = _forward_ast(fn)
+    if fdef is not None:
+        bodies = [(fdef.args, fdef.body)]
+    else:  # a lambda: every lambda of its source line with its arity (all are assumed to run)
+        bodies = _lambdas(fn)
+        if not bodies:
+            return None
+    out: set[str] = set()
+    for args, body in bodies:
+        flow = _Flow(None, None)
+        params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+        flow.block(body, {a: {a} for a in params})
+        out |= {a for a in params[1:] if a in flow.written}
+    return out
+
+
+def _lambdas(fn) -> list:
+    code = getattr(fn, "__code__", None)
+    if code is None or getattr(fn, "__name__", "") != "<lambda>":
+        return []
+    try:
+        src = textwrap.dedent(inspect.getsource(fn)).strip()
+    except (OSError, TypeError, IndexError):
+        return []
+    for text in (src, src + "\n    pass"):  # a lambda in a block's header line
+        try:
+            tree = ast.parse(text)
+            break
+        except SyntaxError:
+            continue
+    else:
+        return []
+    n = code.co_argcount
+    found = [
+        (node.args, [ast.Return(node.body)])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Lambda) and len(node.args.posonlyargs + node.args.args) == n
+    ]
+    return found
+
+
+_MISSING = object()
+
+
+def _static(test, module: nn.Module | None):
+    # True/False when ``test`` reads only number/None/bool attributes of the module (``self.
+    # config.clip_qkv is not None``, ``self.training and self.jitter_noise > 0``), else None
+    if module is None:
+        return None
+    if isinstance(test, ast.BoolOp):
+        vals = [_static(v, module) for v in test.values]
+        if isinstance(test.op, ast.And):
+            return False if False in vals else (True if all(v is True for v in vals) else None)
+        return True if True in vals else (False if all(v is False for v in vals) else None)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        v = _static(test.operand, module)
+        return None if v is None else not v
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        a, b = _value(test.left, module), _value(test.comparators[0], module)
+        if a is _MISSING or b is _MISSING:
+            return None
+        op = test.ops[0]
+        if isinstance(op, (ast.Is, ast.IsNot)):
+            return (a is b) == isinstance(op, ast.Is)
+        fns = {ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Lt: operator.lt,
+               ast.LtE: operator.le, ast.Eq: operator.eq, ast.NotEq: operator.ne}  # fmt: skip
+        try:
+            return bool(fns[type(op)](a, b)) if type(op) in fns else None
+        except TypeError:
+            return None
+    v = _value(test, module)
+    return None if v is _MISSING else bool(v)
+
+
+def _value(e, module: nn.Module):
+    if isinstance(e, ast.Constant) and (e.value is None or isinstance(e.value, (int, float))):
+        return e.value
+    path = []
+    while isinstance(e, ast.Attribute):
+        path.append(e.attr)
+        e = e.value
+    if not (isinstance(e, ast.Name) and e.id == "self" and path) or path[-1] == "training":
+        return _MISSING  # the mode changes after conversion
+    v = module
+    for a in reversed(path):
+        v = getattr(v, a, _MISSING)
+        if v is _MISSING:
+            return _MISSING
+    return v if v is None or isinstance(v, (bool, int, float)) else _MISSING
+
+
+_NAMESPACES = frozenset({"torch", "F", "nn", "functional"})
+
+
+def _namespace(e) -> bool:
+    # torch.relu_, F.relu, nn.functional.dropout: a function, not a method of a tensor
+    while isinstance(e, ast.Attribute):
+        e = e.value
+    return isinstance(e, ast.Name) and e.id in _NAMESPACES
+
+
+class _Flow:
+    # NOTE [In-place writes in HF forwards]: an abstract run of one forward over alias sets
+    def __init__(self, guard: _Guard | None, module: nn.Module | None) -> None:
+        self.guard, self.module = guard, module
+        self.ret: set = set()
+        self.written: set = set()
+
+    def flag(self, held: set, why: str) -> None:
+        self.written |= held
+        if self.guard is not None:
+            self.guard.flag([m for m in held if isinstance(m, nn.Module)], why)
+
+    def block(self, stmts, env: dict) -> dict:
+        for s in stmts:
+            env = self.stmt(s, env)
+        return env
+
+    def stmt(self, s, env: dict) -> dict:
+        if isinstance(s, (ast.Assign, ast.AnnAssign)):
+            held = self.expr(s.value, env) if s.value is not None else set()
+            for t in s.targets if isinstance(s, ast.Assign) else [s.target]:
+                self.assign(t, held, env)
+        elif isinstance(s, ast.AugAssign):
+            self.expr(s.value, env)
+            if not isinstance(s.value, (ast.Tuple, ast.List)):  # x += (h,) extends a tuple
+                self.flag(self.expr(s.target, env), f"{_op_name(s.op)}= in its HF forward")
+        elif isinstance(s, ast.Expr):
+            self.expr(s.value, env)
+        elif isinstance(s, ast.Return):
+            if s.value is not None:
+                self.ret |= self.expr(s.value, env)
+        elif isinstance(s, ast.If):
+            self.expr(s.test, env)
+            known = _static(s.test, self.module)  # a branch the module's settings never take
+            if known is None:
+                env = _union(self.block(s.body, dict(env)), self.block(s.orelse, dict(env)))
+            else:
+                env = self.block(s.body if known else s.orelse, env)
+        elif isinstance(s, (ast.For, ast.While)):
+            if isinstance(s, ast.For):
+                self.assign(s.target, self.expr(s.iter, env), env)
+            else:
+                self.expr(s.test, env)
+            for _ in range(2):  # two passes: what one iteration leaves reaches the next
+                env = _union(env, self.block(s.body, dict(env)))
+            env = _union(env, self.block(s.orelse, dict(env)))
+        elif isinstance(s, ast.With):
+            for item in s.items:
+                self.expr(item.context_expr, env)
+            env = self.block(s.body, env)
+        elif isinstance(s, ast.Try):
+            env = self.block(s.body, env)
+            for h in s.handlers:
+                env = _union(env, self.block(h.body, dict(env)))
+            env = self.block(s.finalbody, self.block(s.orelse, env))
+        elif isinstance(s, ast.Delete):
+            for t in s.targets:
+                if isinstance(t, ast.Name):
+                    env.pop(t.id, None)
+        else:  # raise, assert, pass, nested defs, ...: only the writes their expressions make
+            for node in ast.iter_child_nodes(s):
+                if isinstance(node, ast.expr):
+                    self.expr(node, env)
+        return env
+
+    def assign(self, target, held: set, env: dict) -> None:
+        if isinstance(target, ast.Name):
+            env[target.id] = set(held)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for t in target.elts:  # a, b = h.chunk(2): each may hold what h holds
+                self.assign(t.value if isinstance(t, ast.Starred) else t, held, env)
+        elif isinstance(target, ast.Subscript):
+            self.expr(target.slice, env)
+            self.flag(self.expr(target.value, env), "an item assignment in its HF forward")
+        elif isinstance(target, ast.Attribute):
+            self.expr(target.value, env)
+
+    def expr(self, e, env: dict) -> set:
+        if e is None:
+            return set()
+        if isinstance(e, ast.Name):
+            return set(env.get(e.id, ()))
+        if isinstance(e, ast.NamedExpr):
+            held = self.expr(e.value, env)
+            self.assign(e.target, held, env)
+            return held
+        if isinstance(e, ast.Call):
+            return self.call(e, env)
+        if isinstance(e, ast.Attribute):
+            base = self.expr(e.value, env)
+            return set() if e.attr in _NOT_VALUES else base  # h.T, out.last_hidden_state
+        if isinstance(e, ast.Subscript):
+            self.expr(e.slice, env)
+            return self.expr(e.value, env)
+        if isinstance(e, ast.Starred):
+            return self.expr(e.value, env)
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(self.expr(x, env) for x in e.elts))
+        if isinstance(e, ast.IfExp):
+            self.expr(e.test, env)
+            return self.expr(e.body, env) | self.expr(e.orelse, env)
+        if isinstance(e, ast.BoolOp):
+            return set().union(*(self.expr(x, env) for x in e.values))
+        if isinstance(e, ast.Dict):
+            return set().union(*(self.expr(x, env) for x in [*e.keys, *e.values]))
+        for node in ast.iter_child_nodes(e):  # a new value; only nested writes matter
+            if isinstance(node, ast.expr):
+                self.expr(node, env)
+        return set()
+
+    def call(self, e: ast.Call, env: dict) -> set:
+        args = [self.expr(a, env) for a in e.args]
+        kws = {k.arg: self.expr(k.value, env) for k in e.keywords}
+        every = set().union(*args, *kws.values())
+        first = args[0] if args else set()
+        inplace_kw = any(
+            k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True
+            for k in e.keywords
+        )
+        f = e.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+            child = self.module._modules.get(f.attr) if self.module is not None else None
+            if isinstance(child, nn.Module):
+                ci = self.guard.info(child)
+                if ci.writes:
+                    self.flag(every, f"{f.attr}: {type(child).__name__}, which writes its input")
+                return set(ci.ends) | (every if ci.passes else set())
+            method = getattr(type(self.module), f.attr, None) if self.module is not None else None
+            if callable(method):
+                written = _written_params(method)
+                fdef = _forward_ast(method)
+                names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:] if fdef else []
+                hit = every
+                if written is not None:
+                    hit = set().union(
+                        *(a for n, a in zip(names, args, strict=False) if n in written),
+                        *(a for k, a in kws.items() if k in written),
+                    )
+                self.flag(hit, f"self.{f.attr}(...), which writes its argument in place")
+            return every  # a helper may return (a view of) what it was given
+        if isinstance(f, ast.Attribute) and _namespace(f.value):  # torch.fn(h), F.fn(h)
+            if _inplace_name(f.attr) or inplace_kw:
+                self.flag(first, f"{f.attr} in its HF forward")
+                return first
+            return first if f.attr in _VIEW_NAMES else set()
+        if isinstance(f, ast.Attribute):  # h.method(...)
+            base = self.expr(f.value, env)
+            if _inplace_name(f.attr):
+                self.flag(base, f"{f.attr} in its HF forward")
+                return base
+            if inplace_kw:
+                self.flag(base, f"{f.attr}(..., inplace=True) in its HF forward")
+            return base if f.attr in _VIEW_NAMES or inplace_kw else set()
+        if isinstance(f, ast.Name):
+            if _inplace_name(f.id) or inplace_kw:
+                self.flag(first, f"{f.id} in its HF forward")
+                return first
+            return first if f.id in _VIEW_NAMES else set()
+        self.expr(f, env)
+        return set()
+
+
+def _inplace_name(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
+
+
+def _op_name(op) -> str:
+    return {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}.get(type(op), "op")
+
+
+def _union(a: dict, b: dict) -> dict:
+    return {k: set(a.get(k, ())) | set(b.get(k, ())) for k in a.keys() | b.keys()}
+
+
+def _hf_forward_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
+    fdef = _forward_ast(getattr(type(m), "forward", None))
+    if fdef is None:  # as an untraceable module (NOTE [In-place writes in HF forwards])
+        if any(getattr(d, "inplace", False) is True for d in m.modules()):
+            for child in m.children():
+                guard.flag(
+                    guard.info(child).ends,
+                    f"maybe: its parent {type(m).__name__}'s forward source cannot be read and it "
+                    "holds a module with inplace=True",
+                )
+        return _Info(writes=inplace)
+    params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:]
+    env = {params[0]: {_IN}} if params else {}
+    flow = _Flow(guard, m)
+    flow.block(fdef.body, env)
+    ends = [x for x in flow.ret if isinstance(x, nn.Module)]
+    return _Info(ends=ends, writes=inplace or _IN in flow.written, passes=_IN in flow.ret)
+
+
+def _hook_writes(m: nn.Module) -> str | None:
+    # a forward hook on ``m`` that may write its output in place (source read as in NOTE [In-place
+    # writes in HF forwards]; unreadable source: assumed to), or None. slimgrad's own observers
+    # (slimgrad.memory) write nothing. Hooks added after convert_: NOTE [Forward hooks on an
+    # output-saving norm] in slimgrad/nn/rms_norm.py.
+    for hook in m._forward_hooks.values():
+        if getattr(hook, "__module__", "").startswith("slimgrad."):
+            continue
+        written = _written_params(hook)
+        if written is None:
+            return "maybe: a forward hook whose source cannot be read (it may edit the output)"
+        fdef = _forward_ast(hook)
+        arglists = [fdef.args] if fdef is not None else [a for a, _ in _lambdas(hook)]
+        if any(a.args and a.args[-1].arg in written for a in arglists):
+            return f"a forward hook ({hook.__name__}) that writes the output in place"
+    return None
+
+
 def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
@@ -307,5 +658,7 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
     guard = _Guard()
     for m in model.modules():
         guard.info(m)
+        if _saves_output(m) and (why := _hook_writes(m)) is not None:
+            guard.flag([m], why)
     for m, reason in guard.keep.items():
         _KEPT[m] = reason
