@@ -64,6 +64,15 @@ def _coef(n: int, i: int) -> torch.Tensor:
     return torch.randn(n, generator=g) * scale
 
 
+def _side_by_side(a, opt, b, handle, n: int, steps: int) -> None:
+    # the plain loop on a, step_in_backward on b: step by step, on the same coefficients
+    for i in range(steps):
+        for model, o in ((a, opt), (b, handle)):
+            model(_coef(n, i)).backward()
+            o.step()
+            o.zero_grad()
+
+
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize(("cls", "kw"), PROVEN, ids=_IDS)
 @pytest.mark.parametrize(
@@ -92,13 +101,7 @@ def test_chunked_update_is_the_whole_update(monkeypatch, cls, kw, foreach, n, ch
         monkeypatch.setattr(
             handle, "_update_range", lambda *args: (pieces.append(args[2:4]), real(*args))
         )
-        for i in range(5):
-            a(_coef(n, i)).backward()
-            opt.step()
-            opt.zero_grad()
-            b(_coef(n, i)).backward()
-            handle.step()
-            handle.zero_grad()
+        _side_by_side(a, opt, b, handle, n, 5)
         _same(a, b)
         assert_close(handle.state_dict()["state"], opt.state_dict()["state"], rtol=0, atol=0)
     finally:
@@ -126,13 +129,7 @@ def test_unproven_cases_update_whole(monkeypatch, cls, kw, why):
     handle = step_in_backward(b, cls, **kw)
     called = []
     monkeypatch.setattr(handle, "_update_range", lambda *args: called.append(args))
-    for i in range(3):
-        a(_coef(n, i)).backward()
-        opt.step()
-        opt.zero_grad()
-        b(_coef(n, i)).backward()
-        handle.step()
-        handle.zero_grad()
+    _side_by_side(a, opt, b, handle, n, 3)
     _same(a, b)
     assert not called, why
 
