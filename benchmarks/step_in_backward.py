@@ -48,31 +48,23 @@ MIB = 2**20
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    # bench case hf_llama's model (untied head, sdpa), without its padded batches
+    from slimgrad.bench.cases.models import eager_hf_text
 
-    cfg = LlamaConfig(
-        num_hidden_layers=12,
-        hidden_size=768,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        intermediate_size=2048,
-        vocab_size=32000,
-        attention_dropout=0.1,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg), cfg.vocab_size, (1, 256)
+    net = eager_hf_text("llama", "cpu", torch.float32)[0].model
+    return net, net.config.vocab_size, (1, 256)
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    # bench case hf_gpt2's model: GPT2LMHeadModel(GPT2Config())
+    from slimgrad.bench.cases.models import hf_gpt2
 
-    cfg = GPT2Config()
-    return GPT2LMHeadModel(cfg), cfg.vocab_size, (4, 256)
+    net = hf_gpt2().model
+    return net, net.config.vocab_size, (4, 256)
 
 
-def _llama_small():
-    # the step-time model: 4 x 256 (intermediate 688), vocab 8192, untied head, dropout 0.1
+def _llama_small(attention_dropout: float = 0.1):
+    # the step-time model: 4 x 256 (intermediate 688), vocab 8192, untied head
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -82,7 +74,7 @@ def _llama_small():
         num_key_value_heads=4,
         intermediate_size=688,
         vocab_size=8192,
-        attention_dropout=0.1,
+        attention_dropout=attention_dropout,
         tie_word_embeddings=False,
     )
     cfg._attn_implementation = "sdpa"
@@ -253,23 +245,12 @@ def identity(args) -> list[dict]:
 
 def _llama_time(args) -> dict:
     # converted HF Llama, untied head (the head goes by vocabulary blocks in step_in_backward):
-    # 4 x 256 (intermediate 688), vocab 8192, no dropout; plain loop vs step_in_backward
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    # _llama_small without dropout; plain loop vs step_in_backward
     import slimgrad
     from slimgrad.bench.cases.models import HFCausalLMLoss
 
-    cfg = LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=688,
-        vocab_size=8192,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    base = slimgrad.convert_(HFCausalLMLoss(LlamaForCausalLM(cfg).train()))
+    net, vocab, _ = _llama_small(attention_dropout=0.0)
+    base = slimgrad.convert_(HFCausalLMLoss(net.train()))
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     cls, kw = _optimizer(args.optimizer)
     opt = cls(a.parameters(), **kw)
@@ -289,7 +270,7 @@ def _llama_time(args) -> dict:
     plain, sib = run(a, opt), run(b, handle)
     return _interleave(
         args,
-        lambda: (torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen),),
+        lambda: (torch.randint(0, vocab, (args.batch, args.seq), generator=gen),),
         plain,
         sib,
         a,
