@@ -53,9 +53,15 @@ def _build_fn(name: str, layers: int | None, sides: dict):
     autocast = fam.endswith("_autocast")
     grouped = fam.endswith("_grouped_mm")
     fam = fam.removesuffix("_autocast").removesuffix("_grouped_mm")
+    block = fam.endswith("_moe_block")
+    fam = fam.removesuffix("_moe_block")
 
     def build(device, dtype, small=False):
-        if fam in cases._MOE_NOTES:
+        if block:
+            eager, make_inputs = cases.eager_hf_moe_block(
+                fam, device, dtype, small, autocast=autocast
+            )
+        elif fam in cases._MOE_NOTES:
             eager, make_inputs = cases.eager_hf_moe(
                 fam, device, dtype, small, layers=layers, experts=None if grouped else "eager",
                 autocast=autocast,
@@ -74,8 +80,10 @@ def _build_fn(name: str, layers: int | None, sides: dict):
 
 
 def _lm(model):
-    # the HF model inside HFLoss / Autocast(HFLoss)
+    # the HF model inside HFLoss / Autocast(HFLoss), or the MoE block (its experts hold config)
     while not hasattr(model, "config"):
+        if hasattr(model, "experts"):
+            return model.experts
         model = model.model
     return model
 
@@ -237,7 +245,11 @@ def main(argv=None) -> int:
         "experts_implementation": getattr(cfg, "_experts_implementation", None),
         "autocast": a.case.endswith("_autocast"),
     }
-    rec["layers_full"] = 2 if a.small else 12
+    rec["layers_full"] = (
+        1 if a.case.endswith(("_moe_block", "_block_autocast")) else 2 if a.small else 12
+    )
+    if rec["layers_full"] == 1:
+        rec["model"]["layers"] = 1  # one block
     cpu = _pair_stats(steps, 1)
     rec["cpu_ms_all"] = {"eager": cpu["eager_all"], "slimgrad": cpu["slimgrad_all"]}
     rec["cpu_time_ratio"] = cpu["ratio"]

@@ -511,6 +511,59 @@ for _fam in _MOE_NOTES:
     _moe_cases(_fam)
 
 
+def eager_hf_moe_block(name: str, device, dtype, small=False, *, autocast=False):
+    """The eager side of cases ``hf_<name>_moe_block`` (and ``_autocast``): one sparse-MoE block
+    (router + expert bank, ``experts_implementation="eager"``) of the ``hf_<name>`` model's first
+    layer, as initialised there, on ``(4, 256, 768)`` hidden states that require grad (small:
+    ``(2, 16, 32)``); the output's gradient is the harness's fixed random tensor.
+
+    What ``convert_`` changes in an MoE model's MLP, at full width and token count but without
+    the rest of the model: the whole models run too slowly on a small CPU box in bfloat16.
+    """
+    lm, _ = eager_hf_text(name, device, dtype, small, layers=1)
+    block = lm.model.model.layers[0].mlp
+    hidden = lm.model.config.hidden_size
+    batch, seq = (2, 16) if small else (4, 256)
+
+    def make_inputs():
+        return torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+
+    return (Autocast(block, torch.bfloat16) if autocast else block), make_inputs
+
+
+def _moe_block_cases(fam: str) -> None:
+    what = f"one {_MOE_NOTES[fam].split(' ')[0].removesuffix('ForCausalLM')} sparse-MoE block"
+
+    @register_case(
+        f"hf_{fam}_moe_block",
+        description=f"{what} (router + 8 experts of 1024, top-2, eager expert loop) of hf_{fam}, "
+        "on 4x256x768 hidden states [hf extra]",
+        requires=("transformers",),
+        repeat=3,
+    )
+    def build(device, dtype, small=False):
+        """See :func:`eager_hf_moe_block` (``experts_implementation="eager"``, the only setting
+        convert_ converts)."""
+        eager, make_inputs = eager_hf_moe_block(fam, device, dtype, small)
+        return eager, slim_copy(eager), make_inputs
+
+    @register_case(
+        f"hf_{fam}_moe_block_autocast",
+        description=f"hf_{fam}_moe_block (float32 weights) under torch.autocast(bfloat16) "
+        "[hf extra]",
+        requires=("transformers",),
+        repeat=3,
+    )
+    def build_autocast(device, dtype, small=False):
+        """hf_<family>_moe_block under ``torch.autocast(bfloat16)``."""
+        eager, make_inputs = eager_hf_moe_block(fam, device, dtype, small, autocast=True)
+        return eager, slim_copy(eager), make_inputs
+
+
+for _fam in _MOE_NOTES:
+    _moe_block_cases(_fam)
+
+
 # {case: eager side builder (device, dtype, small) -> (model, make_inputs)} for estimate_case; not
 # the MoE families: their expert loop routes by tensor values (nonzero), which fake tensors cannot
 _DENSE = list(_FAMILY_NOTES)
