@@ -971,3 +971,16 @@ def test_new_call_mode_calibrates_once_and_only_undisturbed(monkeypatch):
     assert ownership._BY_MODE[real + 100] == before
     assert ownership._MODE == real + 100
     assert run() == 1
+
+
+def test_calibration_leaves_the_global_rng_alone(monkeypatch):
+    # import slimgrad and a new call mode's calibration (mid-training, inside a backward) must not
+    # draw from torch's global generator: a seeded run's data and dropout masks would shift
+    real = ownership._call_mode()
+    monkeypatch.setattr(ownership, "_call_mode", lambda: real + 200)
+    monkeypatch.setattr(ownership, "_BY_MODE", dict(ownership._BY_MODE))
+    monkeypatch.setattr(ownership, "_MODE", ownership._MODE)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    assert ownership._ensure_calibrated() and real + 200 in ownership._BY_MODE
+    assert torch.equal(torch.get_rng_state(), state)

@@ -730,7 +730,7 @@ def _calibrate_forward() -> None:
     seen: list = []
     _calib_seen = seen
     try:
-        x = torch.randn(4)
+        x = torch.arange(1.0, 5.0)  # not randn: calibration must not draw from the global RNG
         torch.nn.Sequential(_FwdFresh(), _FwdProbe())(x)  # 0: fresh, in a Sequential
         _FwdParent()(x)  # 1: fresh, ``out = self.p(out)``
         torch.nn.Sequential(_FwdProbe())(x)  # 2: the caller's tensor
@@ -846,7 +846,7 @@ def _calibrate() -> None:
         keep = held.untyped_storage()
         sensitive = _storage_sig(held)[0] == sig[0] + 1  # a kept storage object must show
         del keep
-        x = torch.randn(5, requires_grad=True)
+        x = torch.arange(1.0, 6.0, requires_grad=True)  # not randn: no global RNG draw
         grad_base: dict = {}
         saved_sigs: dict = {}
         view_sigs: set = set()
