@@ -12,11 +12,9 @@ theirs). A model that used ``"sdpa"`` gets ``"slimgrad"``: the mask builder is H
 (:func:`_attention`) computes what HF's ``sdpa_attention_forward`` computes, bit for bit on CPU. A
 model that used ``"eager"`` gets ``"slimgrad_eager"``: HF's ``eager_mask`` and
 :func:`_attention_eager`, which computes the family's own ``eager_attention_forward`` (the default
-its forward passes to ``get_interface``) as ``repeat_kv``, ``(q k^T) * scaling``, softcap
-``tanh(S / cap) * cap``, ``+ mask``, softmax, dropout, ``@ V``, but only after a probe (once per
-function, dtype, softcap and GQA setting: a padded GQA case, same seed) showed outputs and
-gradients equal to that function's bit for bit; otherwise, and whenever HF's output capture asks
-for the attention weights (``output_attentions``), the family's function runs.
+its forward passes to ``get_interface``) in slimgrad's ``ops.eager_attention`` (NOTE [HF eager
+attention in every dtype]); whenever HF's output capture asks for the attention weights
+(``output_attentions``), the family's function runs.
 
 A model converts only when that switch changes nothing but the attention function, decided by
 capability from the model's own code (its modeling files, parsed with ``ast``), never by class name:
@@ -30,7 +28,8 @@ capability from the model's own code (its modeling files, parsed with ``ast``), 
   ``== "sdpa"`` branch, a value passed on) keeps the model as it is;
 - every config in the model uses the same one of ``"sdpa"`` and ``"eager"``; with ``"eager"``, no
   routed class passes its eager function a keyword slimgrad does not implement (T5's
-  ``position_bias``) and ``config.output_attentions`` is off;
+  ``position_bias``), ``config.output_attentions`` is off, the function's cast order around
+  softmax is one slimgrad knows (read from its source) and a probe in the model's dtype passes;
 - no class outside transformers overrides an HF class's ``forward``.
 
 The device rule (NOTE [Never more than eager, per device and dtype] in ``device_rule.py``) comes
@@ -48,13 +47,47 @@ slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache
 reading that function's source), the single-query GQA packing, a mask that does not broadcast to
 the scores. Everything else (causal and bidirectional, 2-D/4-D padding masks made 4-D by HF, bool
 and additive float masks, sliding windows, which arrive in the mask HF builds, cross-attention
-with ``q_len != k_len``, GQA, T5's ``position_bias``; float32, float64, bfloat16, float16 and CPU
+with ``q_len != k_len``, GQA, T5's ``position_bias``, also float32 under CPU autocast with a query
+in autocast's dtype: HF's position-bias mask is then float32 and SDPA's autocast casts it like any
+float32 argument, which ``_attention`` does too; float32, float64, bfloat16, float16 and CPU
 autocast) runs SDPA's math path in slimgrad's ops: ``S = (q sqrt(s)) (k sqrt(s))^T``, mask inside
 the op, safe softmax, dropout kept as bits, ``@ V``. With no mask or a bool one (HF's ``sdpa_mask``)
 P is recomputed in backward from q and k (NOTE [Attention probabilities recomputed in backward]
 in ``ops/softmax_dropout.py``): nothing T x T is kept but the bits; a float mask (position bias)
-keeps P + bits. The eager path keeps tanh's output for a softcap (as eager does) besides P + bits
-(float32/float64 only).
+keeps P + bits.
+
+# NOTE [HF eager attention in every dtype]
+HF's ``eager_attention_forward`` (Llama, Mistral, Qwen2/3, Gemma, Gemma2 with its softcap, Phi-3,
+BERT, ...) is ``repeat_kv``, ``S = (q @ k^T) * scaling``, softcap ``tanh(S / cap) * cap``, ``+
+mask``, then the family's cast order around softmax, which :func:`_eager_variant` reads from the
+function's source: ``softmax(S, dim=-1, dtype=torch.float32).to(query.dtype)`` (Llama & co.: a
+float32 P from half-precision scores, cast back), ``softmax(S, dim=-1)`` (BERT: in S's dtype) or
+``softmax`` then ``.type(value.dtype)`` (GPT-2); anything else (two softmaxes, two casts, another
+softmax dtype) keeps the model as it is, with the reason in the report. Then dropout (CPU:
+``P * noise``, the noise in P's dtype) and ``@ V``. :func:`_eager_compute` runs ``repeat_kv``
+itself (HF's, in the input dtype), makes CPU autocast's matmul casts of q, k and v itself (the
+same ``.to``, so that the op keeps the cast tensors as eager's matmuls do) and hands the rest to
+``ops.eager_attention`` with HF's dtypes: every op runs under the caller's autocast state, so
+under autocast (q, k float32 after RoPE's float32 cos/sin, v bf16, HF's float32 mask) S is bf16,
+``+ mask`` promotes it to float32, softmax and the ``.to(query.dtype)`` stay float32, and the
+second matmul casts the dropped P back, all as in eager. The op keeps q, k, v (what eager's
+matmuls keep), the mask by reference (one tensor for every layer) and 1 bit per score, and
+recomputes the rest in backward with eager's own ops (NOTE [HF eager attention, recomputed in
+backward] in ``ops/softmax_dropout.py``), so eager's float32 P, noise and dropped P (8 B/elt in
+bf16, 12 in float32, 10 under autocast; 6, 4 and 6 without dropout) are never kept. Dropout 0
+(``attention_dropout=0``, Llama's default, or eval with grad enabled) converts too: eager keeps P
+there as well.
+
+Proof, per call site: a probe (once per function, q/k/v/mask dtypes, autocast state, softcap and
+GQA setting, outside any dispatch mode) compares outputs and gradients with the family's function
+bit for bit on a padded GQA case with a row that sees nothing, with dropout (same seed: same
+mask) and without; rows that are NaN in eager (float64 masks overflow to -inf in HF's float32
+softmax) must be NaN here. ``convert_`` runs it in the model's parameter dtype and reports a
+failure; at call time a failed probe (e.g. an autocast setting it was not proven for) makes the
+family's function run. Calls slimgrad does not reproduce also run the family's function: no grad,
+torch.compile tracing, a device other than CPU, float64 under autocast, mixed dtypes without
+autocast, a bool mask, a mask that does not broadcast, ``scaling=None``, keywords the function
+reads that slimgrad does not implement, and HF's output capture of the weights.
 
 # NOTE [SDPA's math path in half precision and under autocast]
 What eager computes on CPU (read from the dispatched ops of ``F.scaled_dot_product_attention`` in

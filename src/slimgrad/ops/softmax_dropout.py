@@ -14,6 +14,11 @@ k_t (which S's matmul keeps anyway), V and the bits, and recomputes S and P in b
 [Attention probabilities recomputed in backward]); HF's attention uses it (NOTE [SDPA's math path
 in half precision and under autocast] in ``convert_handlers/hf_attention.py``).
 
+``eager_attention(q, k, V, p, scaling=..., softcap=..., biases=..., softmax_dtype=...,
+probs_dtype=...)`` is HF's eager attention (scale, softcap, additive biases, softmax in a given
+dtype, cast back, dropout, ``@ V``) keeping q, k, V, the biases (by reference) and the bits, and
+running the same ops again in backward (NOTE [HF eager attention, recomputed in backward]).
+
 Memory: saves P (4 B/elt fp32 of S) + the mask bits (1/8 B/elt) + V; eager saves P (softmax), the
 float mask (4 B/elt on CPU, 1 B/elt bool on CUDA), the dropped D (4 B/elt, the bmm input) and V. P
 plays the part of D in the tracker's floor (``_slimgrad_floor``): saved - floor = 1/8 B/elt of S.
