@@ -51,6 +51,7 @@ from slimgrad.nn.inplace_abn import (
     global_hooks,
     has_hooks,
     occurrences,
+    share_hooks,
 )
 
 __all__ = ["inplace_abn_pattern"]
@@ -189,6 +190,7 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
         rep.converted.append((fqn, f"{type(bn).__name__}+ReLU", cls.__name__))
         if type(pool) is nn.MaxPool2d and id(pool) not in swaps:
             swaps[id(pool)] = MaxPool2dRecompute.from_torch(pool)
+            share_hooks(pool, swaps[id(pool)])  # a handle taken before convert_ still removes it
             rep.converted.append((names.get(id(pool), "?"), "MaxPool2d", "MaxPool2dRecompute"))
     # every parent holding a swapped instance (shared ReLUs, shared BNs) gets the same new module
     for parent in list(model.modules()):

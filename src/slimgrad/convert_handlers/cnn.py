@@ -17,6 +17,7 @@ from slimgrad.nn import batch_norm as _bn
 from slimgrad.nn import conv as _conv
 from slimgrad.nn import hardswish as _hardswish
 from slimgrad.nn import squeeze_excite as _se
+from slimgrad.nn.inplace_abn import share_hooks
 
 __all__ = ["HANDLERS", "TABLE", "bn_act_pattern", "convert_cnn_", "inplace_abn_pattern"]
 
@@ -129,6 +130,7 @@ def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
                 rep.skipped.append((fqn, type(child).__name__, "filter_fn returned False"))
                 continue
             new = h(child)
+            share_hooks(child, new)  # a handle taken before convert_ still removes its hook
             # every parent that holds this instance gets the same new module
             for p2 in model.modules():
                 for n2, c2 in list(p2.named_children()):

@@ -698,6 +698,18 @@ def has_hooks(module: nn.Module) -> bool:
     return any(getattr(module, k, None) for k in _HOOK_DICTS)
 
 
+def share_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new``, the replacement of ``old``, ``old``'s hook dicts themselves (not copies), as
+    ``convert_`` does for the modules its table replaces (``slimgrad.convert._carry_hooks``): every
+    hook registered before the conversion fires on ``new``, and its ``RemovableHandle`` still
+    removes it (from a copy it would not: the converted model would keep running a removed hook).
+    For the passes that swap modules themselves (``bn_act_pattern``, ``inplace_abn_pattern``)."""
+    for k, v in old.__dict__.items():
+        if k.startswith("_") and "hooks" in k and isinstance(v, dict):
+            new.__dict__[k] = v
+    new._is_full_backward_hook = old._is_full_backward_hook
+
+
 def global_hooks() -> bool:
     """Whether global module forward/backward hooks are registered (they see every module)."""
     g = torch.nn.modules.module
