@@ -468,3 +468,29 @@ def test_left_padded_attention_mask_matches_eager(name):
     assert c.logits is None
     torch.testing.assert_close(c.loss, e.loss)
     torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast_bf16"])
+def test_float64_model_gives_eager_loss_dtype_and_bits(name, autocast):
+    # CPU autocast leaves float64 tensors alone (eager's F.linear runs in float64): the fused loss
+    # must not cast a float64 head to bf16; HF's causal loss computes float32 from logits.float()
+    # (a float32 loss), so a float64 causal head keeps HF's forward; a float64 MLM head fuses
+    eager = _build(name).double()
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    inputs = _inputs(name, padded=True)
+    outs = []
+    for m in (eager, conv):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out, grads = _loss_and_grads(m, copy.deepcopy(inputs))
+        outs.append((out.loss, grads))
+    (le, ge), (lc, gc) = outs
+    assert lc.dtype == le.dtype
+    if FAMILIES[name][3]:  # HF's forward ran: its bits
+        torch.testing.assert_close(lc, le, rtol=0, atol=0)
+        for a, b in zip(gc, ge, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    else:  # float64 throughout, like eager (a bf16 head would be ~1e-3 off)
+        torch.testing.assert_close(lc, le, rtol=1e-12, atol=1e-12)
+        for a, b in zip(gc, ge, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

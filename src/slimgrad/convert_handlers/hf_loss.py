@@ -35,6 +35,7 @@ decoder whose ``h W^T + b`` the fused loss computes. The transform modules are c
 are; an MLM head calls them on the labelled rows only (row-wise, so the same rows as eager's).
 Anything else (a subclass that overrides forward, other head code, another loss term, a head
 module with hooks or a patched forward, a LoRA-wrapped head, a custom ``loss_function``,
+a float64 causal head (HF's causal loss is float32: ``logits.float()``),
 ``logits_to_keep`` other than 0, the router aux loss switched on) keeps HF's forward: at convert
 time the report names the reason; at call time the class's forward runs. The fused forward is a
 picklable callable kept on the instance (no class or function of transformers is rebound), so
@@ -662,6 +663,9 @@ def _why_not_now(model, spec, ba, dec):
 
         if model.loss_function is not ForCausalLMLoss:
             return "custom loss_function"
+        if dec.weight.dtype == torch.float64:
+            return "float64 head"  # HF's loss takes logits.float(): a float32 loss
+
         keep = ba.arguments.get("logits_to_keep", 0)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep != 0:
             return "logits_to_keep"

@@ -468,7 +468,13 @@ def _linear_cross_entropy(
         )
     tf = (float(logit_scale), None if logit_softcap is None else float(logit_softcap))
     dev = hidden.device.type
-    autocast = torch.is_autocast_enabled(dev) and hidden.is_floating_point()
+    # autocast casts only eligible tensors: floating and not float64 (a float64 F.linear runs in
+    # float64 under autocast)
+    autocast = torch.is_autocast_enabled(dev) and all(
+        x.is_floating_point() and x.dtype != torch.float64
+        for x in (hidden, weight, bias)
+        if x is not None
+    )
     if autocast:
         cdt, odt = torch.get_autocast_dtype(dev), torch.float32
     else:
