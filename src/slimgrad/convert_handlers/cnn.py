@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from slimgrad.convert_handlers.abn import inplace_abn_pattern
+from slimgrad.convert_handlers.timm import LayerNorm2d as _LayerNorm2d
 from slimgrad.nn import batch_norm as _bn
 from slimgrad.nn import conv as _conv
 from slimgrad.nn import hardswish as _hardswish
@@ -100,8 +101,25 @@ def convert_squeeze_excitation(module: nn.Module) -> nn.Module:
         raise NotImplementedError(str(e)) from None
 
 
+_TV_LAYER_NORM2D_FORWARD = "torchvision.models.convnext.LayerNorm2d.forward"
+
+
+def convert_tv_layer_norm2d(module: nn.Module) -> nn.Module:
+    """torchvision ``convnext.LayerNorm2d`` -> :class:`slimgrad.convert_handlers.timm.LayerNorm2d`
+    (shared Parameters). Its forward is timm's LayerNorm2d's: ``permute(0, 2, 3, 1)``,
+    ``F.layer_norm(x, normalized_shape, weight, bias, eps)``, ``permute(0, 3, 1, 2)`` (checked
+    against torchvision 0.28)."""
+    fwd = type(module).forward
+    if f"{fwd.__module__}.{fwd.__qualname__}" != _TV_LAYER_NORM2D_FORWARD:
+        raise NotImplementedError(
+            f"forward is {fwd.__module__}.{fwd.__qualname__}; expected {_TV_LAYER_NORM2D_FORWARD}"
+        )
+    return _LayerNorm2d.from_torch(module)
+
+
 # by name: torchvision is never imported
 TABLE["torchvision.ops.misc.SqueezeExcitation"] = ("activations", convert_squeeze_excitation)
+TABLE["torchvision.models.convnext.LayerNorm2d"] = ("norms", convert_tv_layer_norm2d)
 
 
 def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
