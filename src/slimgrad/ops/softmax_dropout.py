@@ -561,10 +561,20 @@ class _ApplyBitsFn(torch.autograd.Function):
 def _eager_attention_grads(ctx, d_out, create_graph):
     q, k, v, b0, b1, bits = ctx.saved_tensors
     need = list(ctx.needs_input_grad[:5])
-    leaves = [
-        t.detach().requires_grad_(n) if t is not None else None
-        for t, n in zip((q, k, v, b0, b1), need)
-    ]
+    if create_graph:
+        # the recomputed graph on the inputs themselves, so that the first derivatives depend on
+        # them as eager's do (eager's second derivatives); an input passed twice gets its whole
+        # gradient in its first slot
+        leaves = [q, k, v, b0, b1]
+        firsts = {}
+        for i, (t, n) in enumerate(zip(leaves, need)):
+            if n and firsts.setdefault(id(t), i) != i:
+                need[i] = False
+    else:
+        leaves = [
+            t.detach().requires_grad_(n) if t is not None else None
+            for t, n in zip((q, k, v, b0, b1), need)
+        ]
     enabled, ac_dtype = ctx.autocast
     with torch.enable_grad():
         # the forward's ops under the forward's autocast state; autograd's backward outside it

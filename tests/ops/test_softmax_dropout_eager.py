@@ -1,0 +1,128 @@
+"""ops.eager_attention: HF's eager attention core, recomputed in backward (NOTE [HF eager
+attention, recomputed in backward] in slimgrad/ops/softmax_dropout.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimgrad.memory import measure
+from slimgrad.ops.softmax_dropout import eager_attention
+
+
+def _eager(q, k, v, p, scaling, softcap, biases, softmax_dtype, probs_dtype):
+    s = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    for b in biases:
+        s = s + b
+    probs = F.softmax(s, dim=-1, dtype=softmax_dtype) if softmax_dtype else F.softmax(s, -1)
+    if probs_dtype is not None:
+        probs = probs.to(probs_dtype)
+    return torch.matmul(F.dropout(probs, p, p > 0), v)
+
+
+def _inputs(dtype, bias_grad=False):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 3, 5, 7, generator=g, dtype=torch.float64).to(dtype) for _ in range(3)
+    )
+    bias = torch.randn(1, 3, 5, 5, generator=g, dtype=torch.float64).to(dtype)
+    mask = torch.zeros(2, 1, 5, 5, dtype=dtype)
+    mask[0, :, :, :2] = torch.finfo(dtype).min
+    return q, k, v, bias.requires_grad_(bias_grad), mask
+
+
+CASES = {
+    "llama": dict(softmax_dtype=torch.float32, probs_dtype="q"),
+    "bert": dict(softmax_dtype=None, probs_dtype=None),
+    "gemma2_softcap": dict(softmax_dtype=torch.float32, probs_dtype="q", softcap=2.0),
+}
+
+
+@pytest.mark.parametrize("p", [0.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_eager_composition_bitwise(case, dtype, p):
+    c = CASES[case]
+    q, k, v, bias, mask = _inputs(dtype, bias_grad=True)
+    kw = dict(
+        scaling=0.3,
+        softcap=c.get("softcap"),
+        softmax_dtype=c["softmax_dtype"],
+        probs_dtype=dtype if c["probs_dtype"] == "q" else None,
+    )
+    results = []
+    for fn in ("ours", "eager"):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        torch.manual_seed(1)
+        if fn == "ours":
+            out = eager_attention(*leaves[:3], p, biases=(leaves[3], mask), **kw)
+        else:
+            out = _eager(*leaves[:3], p, biases=(leaves[3], mask), **kw)
+        g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+        results.append([out, *torch.autograd.grad(out, leaves, g)])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gradcheck_float64_and_second_derivative():
+    q, k, v, bias, mask = _inputs(torch.float64, bias_grad=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+
+    def f(q, k, v, b):
+        return eager_attention(q, k, v, 0.0, scaling=0.3, softcap=2.0, biases=(b, mask))
+
+    torch.autograd.gradcheck(f, leaves)
+    # second derivatives: eager's, the backward being eager's own graph
+    grads = []
+    for fn in (f, lambda q, k, v, b: _eager(q, k, v, 0.0, 0.3, 2.0, (b, mask), None, None)):
+        x = [t.detach().clone().requires_grad_() for t in leaves]
+        (gq,) = torch.autograd.grad(fn(*x).pow(2).sum(), x[0], create_graph=True)
+        grads.append(torch.autograd.grad(gq.sum(), x))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_backward_inputs_subset():
+    q, k, v, bias, mask = _inputs(torch.bfloat16)
+    results = []
+    for fn in ("ours", "eager"):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(1)
+        kw = dict(scaling=0.3, biases=(mask,), softmax_dtype=torch.float32)
+        if fn == "ours":
+            out = eager_attention(*leaves, 0.2, probs_dtype=torch.bfloat16, **kw)
+        else:
+            out = _eager(*leaves, 0.2, kw["scaling"], None, (mask,), torch.float32, torch.bfloat16)
+        out.sum().backward(inputs=[leaves[1]])
+        assert leaves[0].grad is None and leaves[2].grad is None
+        results.append(leaves[1].grad)
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+def test_saved_bytes_are_the_bits():
+    # q, k, v are the caller's: only 1 bit per score is created and kept (eager: fp32 P,
+    # bf16 noise and dropped P, 8 B per score)
+    q, k, v, _, mask = _inputs(torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    kw = dict(scaling=0.3, biases=(mask,), softmax_dtype=torch.float32, probs_dtype=torch.bfloat16)
+    ours = measure(lambda: eager_attention(*leaves, 0.2, **kw).float().sum())
+    eager = measure(
+        lambda: (
+            _eager(*leaves, 0.2, 0.3, None, (mask,), torch.float32, torch.bfloat16).float().sum()
+        )
+    )
+    scores = 2 * 3 * 5 * 5
+    assert ours.saved_bytes == (scores + 7) // 8
+    assert eager.saved_bytes == scores * (4 + 2 + 2)
+
+
+def test_errors():
+    q, k, v, _, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"slimgrad.ops.eager_attention: p must be below 1"):
+        eager_attention(q, k, v, 1.0, scaling=1.0)
+    with pytest.raises(ValueError, match="at most two biases"):
+        eager_attention(q, k, v, 0.1, scaling=1.0, biases=(None, None, None))
