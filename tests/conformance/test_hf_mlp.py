@@ -24,6 +24,13 @@ FAMILIES = {
     "llama": ("LlamaConfig", "llama", "LlamaMLP"),
     "gemma": ("GemmaConfig", "gemma", "GemmaMLP"),
     "phi3": ("Phi3Config", "phi3", "Phi3MLP"),
+    # same template, other families (tanh GeGLU: Gemma3)
+    "gemma3": ("Gemma3TextConfig", "gemma3", "Gemma3MLP"),
+    "olmo2": ("Olmo2Config", "olmo2", "Olmo2MLP"),
+    "cohere": ("CohereConfig", "cohere", "CohereMLP"),
+    "granite": ("GraniteConfig", "granite", "GraniteMLP"),
+    "stablelm": ("StableLmConfig", "stablelm", "StableLmMLP"),
+    "deepseek_v3": ("DeepseekV3Config", "deepseek_v3", "DeepseekV3MLP"),
 }
 PARAM_DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

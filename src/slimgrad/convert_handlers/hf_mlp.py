@@ -13,8 +13,9 @@ path] in ``slimgrad/nn/gated_mlp.py``).
 
 Templates (the roles are read off the attribute names of the matched template):
 
-- Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, the dense MLPs and shared experts of Qwen2-MoE and
-  Qwen3-MoE: ``down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x));
+- Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2/3, OLMo/OLMo2, Cohere, Granite, StableLM,
+  Ministral, the dense MLPs and shared experts of Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V2/V3:
+  ``down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x));
   return down_proj`` (or returned directly);
 - Phi-3: ``up_states = self.gate_up_proj(x); gate, up_states = up_states.chunk(2, dim=-1);
   up_states = up_states * self.activation_fn(gate); return self.down_proj(up_states)``.
@@ -171,5 +172,17 @@ TABLE = {
         ("phi3", "Phi3MLP"),
         ("qwen2_moe", "Qwen2MoeMLP"),
         ("qwen3_moe", "Qwen3MoeMLP"),
+        # the same template (checked by parsing; the handler re-checks each instance)
+        ("gemma3", "Gemma3MLP"),
+        ("olmo", "OlmoMLP"),
+        ("olmo2", "Olmo2MLP"),
+        ("olmoe", "OlmoeMLP"),
+        ("cohere", "CohereMLP"),
+        ("cohere2", "Cohere2MLP"),
+        ("granite", "GraniteMLP"),
+        ("stablelm", "StableLmMLP"),
+        ("deepseek_v2", "DeepseekV2MLP"),
+        ("deepseek_v3", "DeepseekV3MLP"),
+        ("ministral", "MinistralMLP"),
     ]
 }
