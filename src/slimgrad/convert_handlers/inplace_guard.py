@@ -288,7 +288,12 @@ class _Guard:
 # right side is a tuple literal, ``h[i] = v``, ``h.mul_(s)``, ``torch.relu_(h)``, ``f(h,
 # inplace=True)``, a child that writes its input, a method of the module whose source writes in
 # place) flags what it holds; a write to the forward's first parameter marks the module as a writer
-# of its input. The forward's returned names give its ends, as for traced modules. A forward whose
+# of its input. A branch whose condition reads only number/None settings of the module (``if
+# self.config.clip_qkv is not None``; ``self.training and self.jitter_noise > 0`` with no jitter) is
+# followed only where those settings lead, as they are at convert time (changing such a setting
+# after convert_ is not covered; the mode and bool switches are never taken as known). A helper
+# method's writes hit only the arguments it writes. The forward's returned names give its ends, as
+# for traced modules. A forward whose
 # source cannot be read, or that does not parse as one function, keeps its output-saving children
 # unconverted when it or a descendant has ``inplace=True``, as an untraceable module does.
 _IN = "<input>"  # the forward's first parameter, among the aliases a name may hold
@@ -355,8 +360,8 @@ _MISSING = object()
 
 
 def _static(test, module: nn.Module | None):
-    # True/False when ``test`` reads only number/None/bool attributes of the module (``self.
-    # config.clip_qkv is not None``, ``self.training and self.jitter_noise > 0``), else None
+    # True/False when ``test`` reads only number/None attributes of the module (``self.config.
+    # clip_qkv is not None``, ``self.training and self.jitter_noise > 0``), else None
     if module is None:
         return None
     if isinstance(test, ast.BoolOp):
@@ -395,10 +400,15 @@ def _value(e, module: nn.Module):
         return _MISSING  # the mode changes after conversion
     v = module
     for a in reversed(path):
-        v = getattr(v, a, _MISSING)
+        try:
+            v = getattr(v, a, _MISSING)
+        except Exception:  # noqa: BLE001 - a property that raises: the branch is not known
+            return _MISSING
         if v is _MISSING:
             return _MISSING
-    return v if v is None or isinstance(v, (bool, int, float)) else _MISSING
+    # numbers and None only: a bool is a switch users flip after conversion
+    # (``gradient_checkpointing``, ``config.output_attentions``)
+    return v if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) else _MISSING
 
 
 _NAMESPACES = frozenset({"torch", "F", "nn", "functional"})
