@@ -61,17 +61,18 @@ class _ConvFn(torch.autograd.Function):
         ctx.x_meta = (x.shape, x.dtype, x.device)
         ctx.w_meta = (weight.shape, weight.dtype)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
-        ctx.act = None
+        ctx.act = ctx.rebuild = None
         kept_x = None
         if need_w:
             d = _derived.lookup(x)
             if d is not None:
                 ctx.act, kept_x = d.act, d.base
+                ctx.rebuild = d.consumer()  # NOTE [Rebuilt once per backward]
             else:
                 kept_x = x
         ctx.save_for_backward(kept_x, weight if need_x else None)
         if kept_x is not None:
-            holder.append((kept_x, ctx.act))
+            holder.append((kept_x, ctx.act, ctx.rebuild))
         return y
 
     @staticmethod
@@ -112,9 +113,10 @@ class _ConvFn(torch.autograd.Function):
             wshape, wdtype = ctx.w_meta
             weight = _shape_only(grad, wshape, wdtype, device)
         if ctx.act is not None and need_w:
-            # x = act(b) is rebuilt for dW only and freed before dx is allocated, so the recompute
-            # adds no full-size buffer to the backward peak.
-            x = _derived.apply_act(ctx.act, kept_x)
+            # x = act(b) is rebuilt for dW only (or taken from this backward's store: NOTE [Rebuilt
+            # once per backward]) and let go before dx is allocated, so the recompute adds no
+            # full-size buffer to the backward peak.
+            x = ctx.rebuild(kept_x)[0]
             _, gw, _ = _bwd_torch(grad, x, weight, None, *ctx.conf, [False, True, False])
             del x
             gx, _, gb = _bwd_torch(
@@ -263,18 +265,28 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     attach_anchor(y, anchor)
     if holder:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
-        kept, act = holder[0]
+        kept, act, handle = holder[0]
         conf = (stride, padding, dilation, transposed, output_padding, groups)
+        # the recipe's own handle on the rebuilt input, counted when a norm adopts the recipe
+        rebuild = _derived.Rebuild(act, handle.store, user=False) if handle is not None else None
 
-        def recompute(k, w, b, act=act, conf=conf, dt=dt):
-            # The same ops as forward (autocast's cast included), so the result is bit for bit y.
-            inp = _derived.apply_act(act, k) if act is not None else k
+        def recompute(k, w, b, rebuild=rebuild, conf=conf, dt=dt):
+            # The same ops as forward (autocast's cast included), so the result is bit for bit y;
+            # a derived input comes from this backward's store (NOTE [Rebuilt once per backward]).
+            inp = rebuild(k)[0] if rebuild is not None else k
             if dt is not None:
                 w, b = w.to(dt), (b.to(dt) if b is not None else None)
             return _fwd_torch(inp, w, b, *conf)
 
+        # "cheap" (the norm's default policy replays it): a 1x1 conv whose input is not a
+        # squeeze-excite output. The projection after an SE gate is the one replay that costs
+        # 11-12% of the conv FLOPs of an EfficientNet-B0/RegNetY-016/MobileNetV3 step, to save
+        # its (narrow) output: those norms keep their input (NOTE [Recomputable inputs]).
         pointwise = all(k == 1 for k in w0.shape[2:])
-        _derived.register_recipe(y, recompute, (kept, w0, b0), cheap=pointwise)
+        gated = isinstance(act, tuple) and act[0] == "gate"
+        _derived.register_recipe(
+            y, recompute, (kept, w0, b0), cheap=pointwise and not gated, rebuild=rebuild
+        )
     return y
 
 

@@ -17,12 +17,13 @@ backward raises autograd's "modified by an inplace operation" error, as eager's 
 
 Memory: saves g (N*C elements) + nothing when x is derived from a kept norm output, else x (as
 eager); a following slimgrad conv keeps b or x (already kept) instead of y. Eager saves x and g,
-and the conv keeps y. Backward recomputes act(b) (one full-size temporary, written over by
-grad * x when the layouts agree) and writes dx into the incoming gradient's buffer when
-``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]). Plain ``x * g``
-(eager) under no_grad, torch.func transforms, torch.compile, DTensor, and for any other shapes or
-mixed dtypes/devices. Second derivatives raise (NOTE [Second derivatives] in
-``slimgrad._autograd``).
+and the conv keeps y. Backward recomputes act(b) once for this node and the next conv (NOTE
+[Rebuilt once per backward] in ``ops/_derived.py``: one full-size temporary, written over by
+grad * x when the layouts agree and no other node will be handed it) and writes dx into the
+incoming gradient's buffer when ``slimgrad.ownership.take`` proves it dead (NOTE
+[Gradient-buffer ownership]). Plain ``x * g`` (eager) under no_grad, torch.func transforms,
+torch.compile, DTensor, and for any other shapes or mixed dtypes/devices. Second derivatives
+raise (NOTE [Second derivatives] in ``slimgrad._autograd``).
 """
 
 from __future__ import annotations
@@ -80,18 +81,19 @@ class _SqueezeExciteFn(torch.autograd.Function):
     def forward(ctx, x: Tensor, g: Tensor, gate_first: bool, holder: list) -> Tensor:
         y = _fwd_torch(x, g, gate_first)
         need_x, need_g = ctx.needs_input_grad[:2]
-        ctx.act = None
+        ctx.act = ctx.rebuild = None
         ctx.g_shape = tuple(g.shape)
         kept = None
         if need_g:
             d = _derived.lookup(x)
             if d is not None:
                 ctx.act, kept = d.act, d.base
+                ctx.rebuild = d.consumer()  # NOTE [Rebuilt once per backward]
             else:
                 kept = x
         ctx.save_for_backward(kept, g if need_x else None)
         if kept is not None:
-            holder.append((kept, ctx.act))
+            holder.append((kept, ctx.act, ctx.rebuild))
         return y
 
     @staticmethod
@@ -103,7 +105,11 @@ class _SqueezeExciteFn(torch.autograd.Function):
         dg = dx = None
         if need_g:
             if ctx.act is not None:
-                dg = _bwd_gate(grad, _derived.apply_act(ctx.act, kept), ctx.g_shape, True)
+                # x = act(b), rebuilt or taken from this backward's store (NOTE [Rebuilt once per
+                # backward]); written over only when no other node will be handed it
+                x, exclusive = ctx.rebuild(kept)
+                dg = _bwd_gate(grad, x, ctx.g_shape, exclusive)
+                del x
             else:
                 dg = _bwd_gate(grad, kept, ctx.g_shape, False)
         if need_x:
@@ -157,6 +163,7 @@ def squeeze_excite(input: Tensor, gate: Tensor, gate_first: bool = False) -> Ten
     holder: list = []
     y = _SqueezeExciteFn.apply(input, gate, gate_first, holder)
     if holder:
-        kept, act = holder[0]
-        _derived.register_gated(y, kept, act, gate, gate_first)
+        kept, act, handle = holder[0]
+        store = handle.store if handle is not None else None
+        _derived.register_gated(y, kept, act, gate, gate_first, store)
     return y
