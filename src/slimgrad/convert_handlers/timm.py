@@ -11,6 +11,8 @@ slimgrad replacement computes (checked against timm 1.0's forwards), else raises
   in float32 under autocast).
 - ``LayerNorm2d``: the same over the channels of an NCHW tensor: ``permute(0, 2, 3, 1)``, layer
   norm, ``permute(0, 3, 1, 2)`` (:class:`LayerNorm2d`, the same views around slimgrad's op).
+- ``GroupNorm`` / ``GroupNorm1`` (PoolFormer, ...): ``F.group_norm(x, num_groups, weight, bias,
+  eps)``, the forward of ``nn.GroupNorm`` (``GroupNorm1``: one group), unless fast norm is on.
 - ``GELU`` / ``GELUTanh``: ``F.gelu(x)`` / ``F.gelu(x, approximate='tanh')`` (timm's ``inplace``
   argument is ignored by timm too).
 - ``Sigmoid``: ``x.sigmoid()``; with ``inplace=True`` (``x.sigmoid_()``) it stays timm's.
@@ -180,6 +182,13 @@ def layer_norm2d_from_timm(module: nn.Module) -> nn.Module:
     return LayerNorm2d.from_torch(module)
 
 
+def group_norm_from_timm(module: nn.Module) -> nn.Module:
+    """timm ``GroupNorm`` / ``GroupNorm1`` -> :class:`slimgrad.nn.GroupNorm` (shared Parameters):
+    their forward is ``F.group_norm(x, num_groups, weight, bias, eps)`` unless fast norm is on."""
+    _no_fast_norm(module)
+    return GroupNorm.from_torch(module)
+
+
 def _gelu(approximate: str):
     def convert(module: nn.Module) -> nn.Module:
         new = GELU(approximate)
@@ -219,6 +228,8 @@ def _from_torch(cls: type):
 TABLE = {
     "timm.layers.norm.LayerNorm": ("norms", layer_norm_from_timm),
     "timm.layers.norm.LayerNorm2d": ("norms", layer_norm2d_from_timm),
+    "timm.layers.norm.GroupNorm": ("norms", group_norm_from_timm),
+    "timm.layers.norm.GroupNorm1": ("norms", group_norm_from_timm),
     "timm.layers.activations.GELU": ("activations", _gelu("none")),
     "timm.layers.activations.GELUTanh": ("activations", _gelu("tanh")),
     "timm.layers.activations.Sigmoid": ("activations", sigmoid_from_timm),
