@@ -25,14 +25,18 @@ def _check(m, saved, peak, floor):
 
 
 def test_resnet50_8x224_real_run():
-    # Real step on the case's own model and inputs: saved 651.1, peak 699.0, floor 271.9 MiB.
+    # Real step on the case's own model and inputs: saved 651.1, peak 697.0, floor 271.9 MiB.
+    # research/measurement.md (and issue 2) say peak 699.0 MiB = 732_908_968 B: their tracker, like
+    # slimgrad's before NOTE [How live bytes are counted] modelled the engine's in-place gradient
+    # sums, counted one 2 MiB residual-gradient sum out of place. A real run (CPU allocator, no
+    # dispatch mode) sums it in place: 730_811_816 B (tests/test_memory_truth.py checks the rule).
     torch.manual_seed(0)
     eager, make_inputs = eager_resnet50("cpu", torch.float32)
     x, y = make_inputs()
     assert x.shape == (8, 3, 224, 224) and y.shape == (8,)
     m = measure(lambda: eager(x, y), module=eager, timeline=False)
-    _check(m, saved=651.1, peak=699.0, floor=271.9)
-    assert m.peak_bytes == 732_908_968  # research/measurement.md, byte for byte
+    _check(m, saved=651.1, peak=696.96, floor=271.9)
+    assert m.peak_bytes == 730_811_816 == 732_908_968 - 2 * MiB
     # Pre-existing tensors kept: the image (conv1), the targets (nll_loss) and every BatchNorm's
     # running mean and variance (native_batch_norm's backward keeps them).
     bn_stats = sum(
