@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,7 @@ _SHOWN = 8  # failing gradients listed per run in str(report); all are in report
 
 @dataclass
 class GradCheck:
-    """One parameter's gradient against the float64 reference."""
+    """One gradient (a parameter's, or a floating input's) against the float64 reference."""
 
     name: str
     err: float  # max|g_converted - g64|
@@ -70,7 +71,7 @@ class GradCheck:
 class OutputCheck:
     """One floating tensor of the model's output against the float64 reference."""
 
-    name: str  # e.g. "logits", "aux_loss", "hidden_states[1]", "[0]"
+    name: str  # e.g. "logits", "aux_loss", "hidden_states[1]", "[0]"; "no_grad: logits" ...
     err: float
     eager_err: float
     bound: float
@@ -90,6 +91,10 @@ class VerifyRun:
     outputs: list[OutputCheck] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # non-finite, changed inputs, missing outputs
     notes: list[str] = field(default_factory=list)  # documented differences that do not fail
+    # the gradient of every floating input tensor ("input", "input[0]", "input.pixel_values")
+    input_grads: list[GradCheck] = field(default_factory=list)
+    # the outputs of a forward under torch.no_grad() / torch.inference_mode() ("no_grad: logits")
+    inference: list[OutputCheck] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -97,19 +102,25 @@ class VerifyRun:
             self.loss_ok
             and not self.failures
             and all(g.ok for g in self.grads)
+            and all(g.ok for g in self.input_grads)
             and all(o.ok for o in self.outputs)
+            and all(o.ok for o in self.inference)
         )
 
     def lines(self) -> list[str]:
         gmax = max((g.err for g in self.grads), default=0.0)
         omax = max((o.err for o in self.outputs), default=0.0)
+        imax = max((g.err for g in self.input_grads), default=0.0)
+        nmax = max((o.err for o in self.inference), default=0.0)
         out = [
             f"  {self.name}: {'OK' if self.ok else 'FAILED'}; loss eager {self.loss_eager:.6g}, "
             f"converted {self.loss_converted:.6g}, float64 {self.loss_ref64:.6g}"
             f"{'' if self.loss_ok else ' (loss outside the rule)'}; {len(self.grads)} grads, "
-            f"max err {gmax:.3e}; {len(self.outputs)} outputs, max err {omax:.3e}"
+            f"max err {gmax:.3e}; {len(self.input_grads)} input grads, max err {imax:.3e}; "
+            f"{len(self.outputs)} outputs, max err {omax:.3e}; {len(self.inference)} outputs "
+            f"without autograd, max err {nmax:.3e}"
         ]
-        bad = [g for g in self.grads if not g.ok]
+        bad = [g for g in self.input_grads if not g.ok] + [g for g in self.grads if not g.ok]
         out += [
             f"    {g.name}: err {g.err:.3e} > bound {g.bound:.3e} (eager err {g.eager_err:.3e})"
             for g in bad[:_SHOWN]
@@ -119,7 +130,7 @@ class VerifyRun:
         out += [
             f"    output {o.name}: err {o.err:.3e} > bound {o.bound:.3e} "
             f"(eager err {o.eager_err:.3e})"
-            for o in self.outputs
+            for o in self.outputs + self.inference
             if not o.ok
         ]
         out += [f"    {f}" for f in self.failures]
@@ -251,6 +262,29 @@ def _copy(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def _input_name(path: str) -> str:
+    return "input" + (path if not path or path.startswith("[") else "." + path)
+
+
+def _leaf_inputs(obj: Any, leaves: dict[str, torch.Tensor], path: str = "") -> Any:
+    # every floating input becomes a fresh leaf that requires grad (its gradient is compared, as
+    # a parameter's is), handed to the model through a clone: the model may still write over
+    # its input in place, as it may over one that needs no grad. Paths name as _tensors' do.
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_floating_point():
+            return obj
+        leaf = obj.detach().requires_grad_(True)
+        leaves[_input_name(path)] = leaf
+        return leaf.clone()
+    if isinstance(obj, Mapping):
+        return {
+            k: _leaf_inputs(v, leaves, f"{path}.{k}" if path else str(k)) for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return _rebuild(obj, [_leaf_inputs(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)])
+    return obj
+
+
 @dataclass
 class _Side:
     loss: torch.Tensor
@@ -259,6 +293,7 @@ class _Side:
     inputs: Any  # this side's copy of the inputs, after the step
     buffers: dict[str, torch.Tensor]  # every buffer after the step
     by_backward: bool = False  # gradients from loss.backward() (reentrant checkpointing)
+    input_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 # NOTE [Gradients under reentrant checkpointing]
@@ -315,15 +350,17 @@ def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tens
 def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mine = _copy(inputs)
-    run_on = _cast(mine, dtype) if dtype is not None else mine
+    x_leaves: dict[str, torch.Tensor] = {}
+    run_on = _leaf_inputs(_cast(mine, dtype) if dtype is not None else mine, x_leaves)
     torch.manual_seed(seed)
     out = _call(model, run_on)
     loss = loss_fn(out)
+    wrt = [p for _, p in params] + list(x_leaves.values())
     reentrant, leaves = _reentrant_regions(loss)
     if reentrant:  # NOTE [Gradients under reentrant checkpointing]
-        grads = _grads_by_backward(loss, [p for _, p in params], leaves)
+        grads = _grads_by_backward(loss, wrt, leaves)
     else:
-        grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
     return _Side(
         loss.detach(),
@@ -332,7 +369,51 @@ def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
         run_on,
         buffers,
         reentrant,
+        dict(zip(x_leaves, grads[len(params) :])),
     )
+
+
+def _held_buffers(net: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
+    # every buffer, the tensor object and a copy of its values: a forward that updates a buffer
+    # (BatchNorm's running statistics in training) is undone by _put_back
+    return [
+        (m, n, b, b.detach().clone())
+        for m in net.modules()
+        for n, b in m._buffers.items()
+        if b is not None
+    ]
+
+
+def _put_back(held: list) -> None:
+    with torch.no_grad():
+        for m, n, b, v in held:
+            m._buffers[n] = b
+            b.copy_(v)
+
+
+_NO_AUTOGRAD = (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode))
+
+
+def _forwards_without_autograd(model, inputs, seed, before) -> dict[str, Any]:
+    # the model's forward under torch.no_grad() and under torch.inference_mode(), each from the
+    # buffers the step started from (``before``) and with its seed (same dropout masks): slimgrad
+    # ops take other paths when there is no graph to record. {context: outputs or the exception}
+    after = _held_buffers(model)
+    found: dict[str, Any] = {}
+    try:
+        for what, ctx in _NO_AUTOGRAD:
+            _put_back(before)
+            try:
+                with ctx(), warnings.catch_warnings():
+                    # torch.utils.checkpoint warns that nothing requires grad: true, and meant here
+                    warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
+                    torch.manual_seed(seed)
+                    found[what] = _float_outputs(_call(model, _copy(inputs)))
+            except Exception as err:
+                found[what] = err
+    finally:
+        _put_back(after)
+    return found
 
 
 def _compare_buffers(e: _Side, c: _Side, r: _Side, atol_of) -> list[str]:
@@ -367,6 +448,7 @@ def _compare_buffers(e: _Side, c: _Side, r: _Side, atol_of) -> list[str]:
 def _nonfinite(side: _Side, label: str) -> list[str]:
     bad = []
     items = [("loss", side.loss)] + [(f"grad {n}", g) for n, g in side.grads.items()]
+    items += [(f"grad {n}", g) for n, g in side.input_grads.items()]
     items += [(f"output {n}", t) for n, t in side.outputs.items()]
     for what, t in items:
         if t is not None and not bool(torch.isfinite(t).all()):
@@ -441,38 +523,60 @@ def _fused_logits_note(path: str, converted: nn.Module, eager_out: dict, inputs:
     return path == "logits" and converted.training and labels and "loss" in eager_out
 
 
-def _compare_outputs(run: VerifyRun, e: _Side, c: _Side, r: _Side, converted, inputs, skip, atol):
-    for path in list(e.outputs) + [p for p in c.outputs if p not in e.outputs]:
+def _compare_outputs(
+    run: VerifyRun,
+    e_outs: dict,
+    c_outs: dict,
+    r_outs: dict,
+    converted,
+    inputs,
+    skip,
+    atol,
+    into: list[OutputCheck],
+    where: str = "",
+):
+    # ``where``: "" for the step's forward, else the context ("no_grad"): names and messages say it
+    at = f" under torch.{where}()" if where else ""
+    for path in list(e_outs) + [p for p in c_outs if p not in e_outs]:
         if path in skip:
             continue
-        oe, oc, orf = e.outputs.get(path), c.outputs.get(path), r.outputs.get(path)
+        oe, oc, orf = e_outs.get(path), c_outs.get(path), r_outs.get(path)
         if oe is None and oc is None:
             continue
         if oc is None:
-            if _fused_logits_note(path, converted, e.outputs, inputs):
-                run.notes.append(
+            if _fused_logits_note(path, converted, e_outs, inputs):
+                note = (
                     "the converted model returns logits=None (fused LM loss in a training forward "
                     "with labels; ConvertConfig(keep_logits=True) keeps them): logits not compared"
                 )
+                if note not in run.notes:
+                    run.notes.append(note)
             else:
                 run.failures.append(
-                    f"slimgrad.verify: output '{path}' is missing from the converted model's "
+                    f"slimgrad.verify: output '{path}'{at} is missing from the converted model's "
                     f"output; expected it as eager returns it, got None. The conversion must "
                     "return every output the original returns."
                 )
             continue
         if oe is None or orf is None:
             run.failures.append(
-                f"slimgrad.verify: the converted model returns output '{path}' that eager does "
-                f"not; expected None, got a tensor of shape {tuple(oc.shape)}. The conversion "
-                "must return what the original returns."
+                f"slimgrad.verify: the converted model returns output '{path}'{at} that eager "
+                f"does not; expected None, got a tensor of shape {tuple(oc.shape)}. The "
+                "conversion must return what the original returns."
             )
             continue
         if oc.shape != oe.shape:
             run.failures.append(
-                f"slimgrad.verify: output '{path}' has the wrong shape; expected "
+                f"slimgrad.verify: output '{path}'{at} has the wrong shape; expected "
                 f"{tuple(oe.shape)}, got {tuple(oc.shape)}. The conversion must return what the "
                 "original returns."
+            )
+            continue
+        if oc.dtype != oe.dtype:
+            run.failures.append(
+                f"slimgrad.verify: output '{path}'{at} has the wrong dtype; expected {oe.dtype} "
+                f"(eager's), got {oc.dtype}. The conversion must return what the original "
+                "returns, autocast included."
             )
             continue
         if oc.numel() == 0:
@@ -481,7 +585,44 @@ def _compare_outputs(run: VerifyRun, e: _Side, c: _Side, r: _Side, converted, in
         a = atol(oc) * max(1.0, float(orf.abs().nan_to_num(0.0).max()))
         eager_err, err = max_abs_err(oe, orf), max_abs_err(oc, orf)
         bound = 2.0 * eager_err + a
-        run.outputs.append(OutputCheck(path, err, eager_err, bound, err <= bound))
+        name = f"{where}: {path}" if where else path
+        into.append(OutputCheck(name, err, eager_err, bound, err <= bound))
+
+
+def _compare_without_autograd(run, e_found, c_found, r: _Side, converted, inputs, atol) -> None:
+    # each context's outputs against the step's float64 ones (no extra float64 pass: the float64
+    # copy is plain PyTorch, whose forward is the same with and without autograd)
+    for what, _ in _NO_AUTOGRAD:
+        oe, oc = e_found.get(what), c_found.get(what)
+        if isinstance(oe, Exception):
+            run.notes.append(
+                f"the original raised under torch.{what}() ({type(oe).__name__}: {oe}): "
+                "outputs without autograd not compared there"
+            )
+            continue
+        if isinstance(oc, Exception):
+            run.failures.append(
+                f"slimgrad.verify: the converted model raised under torch.{what}(); expected it "
+                f"to run as eager does, got {type(oc).__name__}: {oc}. The conversion must run "
+                "without autograd (inference, evaluation loops) as the original does."
+            )
+            continue
+        for label, outs in (("eager (original) model", oe), ("converted model", oc)):
+            bad = [
+                p for p, t in outs.items() if t is not None and not bool(torch.isfinite(t).all())
+            ]
+            finite_ref = all(
+                r.outputs.get(p) is None or bool(torch.isfinite(r.outputs[p]).all()) for p in bad
+            )
+            if bad and finite_ref:
+                run.failures.append(
+                    f"slimgrad.verify: the {label} has non-finite outputs under torch.{what}(); "
+                    f"expected finite ones as the float64 reference's, got NaN/inf in "
+                    f"{', '.join(bad[:4])}. The {label} is wrong without autograd."
+                )
+        _compare_outputs(
+            run, oe, oc, r.outputs, converted, inputs, set(), atol, run.inference, where=what
+        )
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
@@ -573,9 +714,13 @@ def _converted_parts(model: nn.Module) -> str | None:
     return None
 
 
-def _run(name, inputs, model, converted, ref, loss_fn, seed, atol, skip) -> VerifyRun:
+def _run(
+    name, inputs, model, converted, ref, loss_fn, seed, atol, skip, no_autograd=True
+) -> VerifyRun:
+    e_before = _held_buffers(model) if no_autograd else []
     e = _step(model, inputs, loss_fn, seed)
     try:
+        c_before = _held_buffers(converted) if no_autograd else []
         c = _step(converted, inputs, loss_fn, seed)
     except Exception as err:  # eager ran this batch: the converted model must too
         if name.startswith("inputs"):
@@ -596,25 +741,36 @@ def _run(name, inputs, model, converted, ref, loss_fn, seed, atol, skip) -> Veri
             return atol
         return DEFAULT_ATOL.get(t.dtype if t is not None else None, 1e-6)
 
-    grads = []
-    for pname, g_r in r.grads.items():
-        g_e, g_c = e.grads[pname], c.grads[pname]
-        if g_r is None and g_c is None and g_e is None:
-            continue
-        e_err = max_abs_err(g_e, g_r)
-        err = max_abs_err(g_c, g_r)
-        bound = 2.0 * e_err + atol_of(g_c)
-        grads.append(GradCheck(pname, err, e_err, bound, err <= bound))
+    def grad_checks(e_grads, c_grads, r_grads):
+        checks = []
+        for pname, g_r in r_grads.items():
+            g_e, g_c = e_grads[pname], c_grads[pname]
+            if g_r is None and g_c is None and g_e is None:
+                continue
+            e_err = max_abs_err(g_e, g_r)
+            err = max_abs_err(g_c, g_r)
+            bound = 2.0 * e_err + atol_of(g_c)
+            checks.append(GradCheck(pname, err, e_err, bound, err <= bound))
+        return checks
+
+    grads = grad_checks(e.grads, c.grads, r.grads)
     # the loss is one number of any magnitude: its absolute term scales with it
     la = atol_of(c.loss) * max(1.0, abs(float(r.loss)))
     loss_ok = max_abs_err(c.loss, r.loss) <= 2.0 * max_abs_err(e.loss, r.loss) + la
     run = VerifyRun(name, float(e.loss), float(c.loss), float(r.loss), loss_ok, grads)
+    run.input_grads = grad_checks(e.input_grads, c.input_grads, r.input_grads)
     run.failures += _nonfinite(r, "float64 reference")
     run.failures += _nonfinite(e, "eager (original) model")
     run.failures += _nonfinite(c, "converted model")
     run.failures += _changed_inputs(inputs, e, c, r, atol_of)
     run.failures += _compare_buffers(e, c, r, atol_of)
-    _compare_outputs(run, e, c, r, converted, inputs, skip, atol_of)
+    _compare_outputs(
+        run, e.outputs, c.outputs, r.outputs, converted, inputs, skip, atol_of, run.outputs
+    )
+    if no_autograd:
+        e_found = _forwards_without_autograd(model, inputs, seed, e_before)
+        c_found = _forwards_without_autograd(converted, inputs, seed, c_before)
+        _compare_without_autograd(run, e_found, c_found, r, converted, inputs, atol_of)
     which = [s for s, side in (("eager", e), ("converted", c), ("float64", r)) if side.by_backward]
     if which:
         run.notes.append(
@@ -635,21 +791,28 @@ def verify(
     atol: float | None = None,
     padded: bool = True,
     modes: tuple[str, ...] = ("train", "eval"),
+    inference: bool = True,
 ) -> VerifyReport:
     """Compare a converted model with its original on one step, against a float64 reference.
 
     Each run steps three sides with the same seed, each on its own deep copy of the inputs: the
     original (eager), the converted model and a float64 copy of the original (the reference). A run
-    passes when the loss, every parameter's gradient and every floating tensor of the output satisfy
-    ``max|x - x64| <= 2 * max|x_eager - x64| + atol`` (the loss's and outputs' ``atol`` scaled by
-    ``max(1, max|x64|)``), nothing is NaN/inf on any side, the original runs no slimgrad code, the
+    passes when the loss, every parameter's gradient, the gradient of every floating input tensor
+    (each side's copy is a leaf that requires grad; integer inputs are left alone) and every
+    floating tensor of the output satisfy ``max|x - x64| <= 2 * max|x_eager - x64| + atol`` (the
+    loss's and outputs' ``atol`` scaled by ``max(1, max|x64|)``), every output has eager's shape
+    and dtype, nothing is NaN/inf on any side, the original runs no slimgrad code, the
     converted model changes no input that eager leaves unchanged, and it returns every output
     eager returns (``logits=None`` from the fused LM loss in a training forward with labels is
-    noted, not failed). For text models (a dict with 2-D ``input_ids``) the step also runs on a
-    left-padded and a right-padded copy of the batch: row 0 as given, the other rows with up to
-    half their positions set to the pad id with ``attention_mask`` 0 (and label -100 where
-    ``labels`` has ``input_ids``' shape). A padded batch the original cannot run is left out (the
-    report says why); one that only the converted model cannot run fails.
+    noted, not failed). With ``inference`` (default) each run also calls eager and the converted
+    model under ``torch.no_grad()`` and under ``torch.inference_mode()`` (same seed, from the
+    buffers the step started from, buffer updates undone) and compares those outputs, dtype and
+    shape included, with the step's float64 ones by the same rule. For text models (a dict with
+    2-D ``input_ids``) the step also runs on a left-padded and a right-padded copy of the batch:
+    row 0 as given, the other rows with up to half their positions set to the pad id with
+    ``attention_mask`` 0 (and label -100 where ``labels`` has ``input_ids``' shape). A padded
+    batch the original cannot run is left out (the report says why); one that only the converted
+    model cannot run fails.
 
     Args:
         model: the original model (left unchanged; a float64 copy is made from it).
@@ -663,6 +826,8 @@ def verify(
         padded: for text inputs, also run left- and right-padded batches (default True).
         modes: the modes every batch runs in, ``"train"`` and/or ``"eval"`` (default both; the
             models' own modes are restored afterwards). Eval runs step backward too.
+        inference: also compare the outputs of forwards under ``torch.no_grad()`` and
+            ``torch.inference_mode()`` in every run (default True).
 
     Returns:
         A :class:`VerifyReport` with one :class:`VerifyRun` per batch; ``report.ok`` is True only
@@ -709,7 +874,7 @@ def verify(
                 net.train(mode == "train")
             for k, (name, batch) in enumerate(batches):
                 label = f"{name} ({mode})"
-                args = (label, batch, model, converted, ref, loss_fn, seed, atol, skip)
+                args = (label, batch, model, converted, ref, loss_fn, seed, atol, skip, inference)
                 try:
                     runs.append(_run(*args))
                 except Exception as err:
@@ -732,6 +897,12 @@ def verify(
     checks = [
         "loss: the rule against float64" + (" (out.loss)" if "loss" in skip else " (loss_fn)"),
         f"gradients: {len(runs[0].grads)} trainable parameters, the rule against float64",
+        "input gradients: "
+        + (
+            ", ".join(g.name for g in runs[0].input_grads) + ", the rule against float64"
+            if runs[0].input_grads
+            else "none (no floating input tensor reaches the loss)"
+        ),
         "outputs: " + (", ".join(compared) if compared else "none (no floating tensor output)"),
         "finite: loss, gradients and outputs of the reference, eager and converted",
         "inputs: each side on its own copy; the converted model changes only what eager changes",
@@ -739,5 +910,12 @@ def verify(
         f"padded batch: {pad_what}",
         "modes: " + ", ".join(modes) + " (each batch in each; eval steps backward too)",
         "buffers: after each step, floating by the rule, integer exactly",
+        "without autograd: "
+        + (
+            "every output under torch.no_grad() and torch.inference_mode() in each run, dtype "
+            "and shape exactly, values by the rule against the step's float64 outputs"
+            if inference
+            else "not run (inference=False)"
+        ),
     ]
     return VerifyReport(runs, checks)
