@@ -6,8 +6,10 @@ Memory: see ``slimgrad.ops.elu`` (same args, defaults and state_dict keys as tor
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import type_error
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.elu import elu
@@ -19,6 +21,8 @@ class ELU(NoScript, torch.nn.ELU):
     """Drop-in ``torch.nn.ELU`` (a subclass) using :func:`slimgrad.ops.elu.elu`."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.elu(input, self.alpha, self.inplace)
         return elu(input, self.alpha, self.inplace)
 
     @classmethod

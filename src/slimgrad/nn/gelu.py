@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.gelu import _check_approximate, gelu
@@ -42,6 +43,10 @@ class GELU(NoScript, torch.nn.GELU):
         self.inplace = inplace
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            if self.inplace:  # eager's in-place GELU (it keeps a copy of the input)
+                return torch.ops.aten.gelu_(input, approximate=self.approximate)
+            return torch.nn.functional.gelu(input, approximate=self.approximate)
         return gelu(input, self.approximate, self.inplace)
 
     @classmethod

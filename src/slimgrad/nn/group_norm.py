@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.group_norm import group_norm
 
@@ -22,6 +24,8 @@ class GroupNorm(NoScript, torch.nn.GroupNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
     @classmethod

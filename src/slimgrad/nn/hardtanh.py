@@ -6,8 +6,10 @@ Memory: see ``slimgrad.ops.hardtanh`` (same args, defaults and state_dict keys a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import type_error
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.hardtanh import hardtanh
@@ -27,6 +29,8 @@ class Hardtanh(NoScript, torch.nn.Hardtanh):
     """Drop-in ``torch.nn.Hardtanh`` (a subclass) using :func:`slimgrad.ops.hardtanh.hardtanh`."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.hardtanh(input, self.min_val, self.max_val, self.inplace)
         return hardtanh(input, self.min_val, self.max_val, self.inplace)
 
     @classmethod
@@ -45,6 +49,8 @@ class ReLU6(NoScript, torch.nn.ReLU6):
     6)."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.hardtanh(input, 0.0, 6.0, self.inplace)
         return hardtanh(input, 0.0, 6.0, self.inplace)
 
     @classmethod

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.layer_norm import layer_norm
 
@@ -23,6 +25,8 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     @classmethod

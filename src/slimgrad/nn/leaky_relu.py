@@ -7,8 +7,10 @@ torch.nn.LeakyReLU).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import type_error
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.leaky_relu import leaky_relu
@@ -21,6 +23,8 @@ class LeakyReLU(NoScript, torch.nn.LeakyReLU):
     :func:`slimgrad.ops.leaky_relu.leaky_relu`."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.leaky_relu(input, self.negative_slope, self.inplace)
         return leaky_relu(input, self.negative_slope, self.inplace)
 
     @classmethod

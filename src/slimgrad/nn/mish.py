@@ -6,8 +6,10 @@ Memory: see ``slimgrad.ops.mish`` (same args, defaults and state_dict keys as to
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.mish import mish
@@ -19,6 +21,8 @@ class Mish(NoScript, torch.nn.Mish):
     """Drop-in ``torch.nn.Mish`` (a subclass) using :func:`slimgrad.ops.mish.mish`."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.mish(input, self.inplace)
         return mish(input, self.inplace)
 
     @classmethod

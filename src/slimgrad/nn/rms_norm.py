@@ -4,28 +4,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as _module
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.rms_norm import HF_VARIANTS, hf_rms_norm, rms_norm
 
 __all__ = ["HFRMSNorm", "RMSNorm"]
-
-
-# NOTE [Forward hooks on an output-saving norm]
-# In float32 these norms keep their output for backward; eager keeps the input. A forward hook may
-# edit the output in place (activation steering: ``out.mul_(s)`` in a hook that returns None), which
-# eager tolerates and the kept output would not (autograd's "modified by an inplace operation" in
-# backward). So while the module, or every module (a global hook), has a forward hook that is not
-# slimgrad's own (``slimgrad.memory``'s observers change no value), the norm runs eager's ops and
-# keeps what eager keeps. ``convert_`` also leaves a norm whose hooks, registered before it, write
-# their output (NOTE [In-place writers after output-saving modules]).
-def _foreign(hooks: dict) -> bool:
-    return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
-
-
-def _forward_hooked(m: torch.nn.Module) -> bool:
-    return _foreign(m._forward_hooks) or _foreign(_module._global_forward_hooks)
 
 
 class RMSNorm(NoScript, torch.nn.RMSNorm):
@@ -40,7 +24,7 @@ class RMSNorm(NoScript, torch.nn.RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _forward_hooked(self):  # NOTE [Forward hooks on an output-saving norm]
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         return rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
@@ -98,7 +82,7 @@ class HFRMSNorm(NoScript, torch.nn.Module):
         if HF_VARIANTS[self.variant][1] is not None and getattr(self, "with_scale", True):
             w = self.weight
         eps = getattr(self, self.eps_attr)
-        if _forward_hooked(self):  # NOTE [Forward hooks on an output-saving norm]: HF's ops
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: HF's ops
             return HF_VARIANTS[self.variant][0](hidden_states, w, eps)[0]
         return hf_rms_norm(hidden_states, w, eps, self.variant)
 

@@ -1,0 +1,51 @@
+"""Which forward hooks a converted module must step aside for (NOTE [Forward hooks on an
+output-saving module])."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.modules import module as _module
+
+# NOTE [Forward hooks on an output-saving module]
+# A forward hook may edit the module's output in place (activation steering: ``out.mul_(s)`` in a
+# hook that returns None). Eager tolerates that wherever eager keeps the input for backward; a
+# converted module that keeps its output instead (or y plus bits from which backward rebuilds x)
+# would see the edit: the kept output fails autograd's version check ("modified by an inplace
+# operation" in backward), or, for the smooth activations whose output is an alias made inside
+# the custom Function, the hook's write itself raises. No value is silently wrong (every kept
+# output goes through ``save_for_backward``), but eager trains and the converted module does not.
+# A hook that only reads cannot be told apart from one that writes, so the policy is one rule:
+# while the module, or every module (a global hook), has a forward hook that is not slimgrad's
+# own, the module runs eager's op and keeps what eager keeps (exact: eager's values, gradients
+# and memory). Observers of slimgrad's own (``slimgrad.memory``'s attribution hooks, defined in
+# ``slimgrad.*`` modules) change no value and do not count, so measuring a converted model still
+# shows its savings. A hook registered before ``convert_`` that writes the output makes convert_
+# leave the module as is (NOTE [In-place writers after output-saving modules]); this rule covers
+# hooks registered after it.
+#
+# Which modules check (:func:`forward_hooked`, per class, whatever the instance's settings):
+# those that keep their output, or y plus bits from which backward rebuilds x, where eager keeps the
+# input: LayerNorm, GroupNorm, RMSNorm and the HF RMSNorms (float32: y + per-row stats), GELU and
+# Mish (y + 1 bit/elt + a sparse table), ELU, LeakyReLU, Hardtanh and ReLU6 (y). SiLU and Hardswish
+# keep y too and need the same check in ``nn/silu.py`` / ``nn/hardswish.py``, and timm's
+# LayerNorm2d (``convert_handlers/timm.py``) calls the op directly; until then a hook there still
+# raises (tests/nn/test_forward_hooks_inplace.py marks SiLU and Hardswish xfail, strict).
+# Which need none: modules eager also keeps the output of (ReLU, Sigmoid, Tanh, and the in-place
+# ELU/LeakyReLU: eager raises in backward on an edited output, and so does slimgrad's, by the same
+# version check); modules whose saved tensors are their inputs or side tensors the output does not
+# alias (Linear and Conv keep inputs; Dropout and Hardsigmoid keep bits; LeakyReLU with a negative
+# slope keeps bits; SoftmaxDropoutMatmul keeps the probabilities and the value, not its output);
+# BatchNorm (it keeps its output b only once an activation has read b unedited, by version;
+# after an in-place edit it keeps its input, as eager: bit for bit, tested); and the ``*AfterNorm``
+# activations, which keep nothing of their own: the next conv keeps the BatchNorm output b instead
+# of act(b) only while act(b) is at the version it had at forward (NOTE [Derived saved inputs] in
+# ``slimgrad/ops/_derived.py``), so an in-place edit makes that conv keep the edited tensor itself
+# and the gradient stays exact (tested).
+
+
+def foreign(hooks: dict) -> bool:
+    return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
+
+
+def forward_hooked(m: torch.nn.Module) -> bool:
+    return foreign(m._forward_hooks) or foreign(_module._global_forward_hooks)

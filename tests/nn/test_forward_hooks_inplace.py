@@ -1,0 +1,219 @@
+"""Forward hooks registered after ``convert_`` on modules that keep their output (NOTE [Forward
+hooks on an output-saving module] in ``slimgrad/nn/_hooks.py``): a hook that edits the output in
+place (activation steering) trains as in eager, bit for bit; slimgrad's observers do not count."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+import slimgrad
+import slimgrad.memory
+from slimgrad.nn._hooks import forward_hooked
+
+
+def _steer(m, args, out):
+    out.mul_(1.5)  # edits the output in place, returns None
+
+
+def _read(m, args, out):
+    out.sum()  # only reads
+
+
+# (name, builder of the module under test, 1-d (Linear) or channels (Conv1d) around it)
+CASES = [
+    ("LayerNorm", lambda: nn.LayerNorm(64), "linear"),
+    ("GroupNorm", lambda: nn.GroupNorm(4, 64), "conv"),
+    ("RMSNorm", lambda: nn.RMSNorm(64), "linear"),
+    ("GELU", nn.GELU, "linear"),
+    ("GELU-tanh", lambda: nn.GELU("tanh"), "linear"),
+    ("Mish", nn.Mish, "linear"),
+    ("Mish-inplace", lambda: nn.Mish(inplace=True), "linear"),
+    ("ELU", nn.ELU, "linear"),
+    ("ELU-neg", lambda: nn.ELU(alpha=-0.5), "linear"),
+    ("LeakyReLU", nn.LeakyReLU, "linear"),
+    ("Hardtanh", nn.Hardtanh, "linear"),
+    ("Hardtanh-inplace", lambda: nn.Hardtanh(inplace=True), "linear"),
+    ("ReLU6", nn.ReLU6, "linear"),
+]
+_PENDING = pytest.mark.xfail(
+    strict=True,
+    reason="nn/silu.py, nn/hardswish.py (another owner) do not call slimgrad.nn._hooks yet; "
+    "remove this mark once they do",
+)
+PENDING = [
+    pytest.param("SiLU", nn.SiLU, "linear", marks=_PENDING),
+    pytest.param("SiLU-inplace", lambda: nn.SiLU(inplace=True), "linear", marks=_PENDING),
+    pytest.param("Hardswish", nn.Hardswish, "linear", marks=_PENDING),
+]
+
+
+def _model(make, around):
+    torch.manual_seed(0)
+    if around == "linear":
+        return nn.Sequential(nn.Linear(64, 64), make(), nn.Linear(64, 64))
+    return nn.Sequential(nn.Conv1d(64, 64, 1), make(), nn.Conv1d(64, 64, 1))
+
+
+def _input(around):
+    torch.manual_seed(1)
+    shape = (32, 64) if around == "linear" else (4, 64, 9)  # above DENSE_MAX elements
+    return torch.randn(shape, requires_grad=True)
+
+
+def _step(model, x):
+    y = model(x)
+    params = list(model.parameters())
+    return (y, *torch.autograd.grad(y.square().sum(), [x, *params]))
+
+
+def _pair(make, around):
+    eager = _model(make, around)
+    conv = copy.deepcopy(eager)
+    slimgrad.convert_(conv)
+    assert type(conv[1]).__module__.startswith("slimgrad."), type(conv[1])
+    return eager, conv
+
+
+@pytest.mark.parametrize("name,make,around", [*CASES, *PENDING])
+def test_inplace_hook_after_convert_is_eager(name, make, around):
+    eager, conv = _pair(make, around)
+    eager[1].register_forward_hook(_steer)
+    conv[1].register_forward_hook(_steer)
+    x = _input(around)
+    ref = _step(eager, x.detach().requires_grad_())
+    got = _step(conv, x.detach().requires_grad_())
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,make,around", CASES[:5])
+def test_global_inplace_hook_is_eager(name, make, around):
+    eager, conv = _pair(make, around)
+    kinds = (type(eager[1]), type(conv[1]))
+
+    def steer(m, args, out):
+        if isinstance(m, kinds):
+            out.mul_(1.5)
+
+    handle = _module.register_module_forward_hook(steer)
+    try:
+        x = _input(around)
+        ref = _step(eager, x.detach().requires_grad_())
+        got = _step(conv, x.detach().requires_grad_())
+    finally:
+        handle.remove()
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _saved(model, x):
+    return slimgrad.memory.measure(lambda: model(x).square().sum(), timeline=False).saved_bytes
+
+
+@pytest.mark.parametrize("name,make,around", [CASES[0], CASES[3], CASES[9]])
+def test_read_only_hook_runs_eager_and_removal_restores(name, make, around):
+    # the policy: any foreign forward hook (a reader cannot be told from a writer) runs eager's op,
+    # values and memory; removing it brings slimgrad's saving back
+    eager, conv = _pair(make, around)
+    x = _input(around)
+    lean = _saved(conv, x)
+    handle = conv[1].register_forward_hook(_read)
+    assert forward_hooked(conv[1])
+    hooked = _saved(conv, x)
+    ref = _step(eager, x.detach().requires_grad_())
+    got = _step(conv, x.detach().requires_grad_())
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    handle.remove()
+    assert not forward_hooked(conv[1])
+    assert lean < hooked, (lean, hooked)
+    assert _saved(conv, x) == lean
+
+
+def test_memory_measure_observers_are_not_foreign():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64))
+    conv = copy.deepcopy(eager)
+    slimgrad.convert_(conv)
+    x = _input("linear")
+
+    def saved(model, module):
+        run = lambda: model(x).square().sum()  # noqa: E731
+        return slimgrad.memory.measure(run, module=module, timeline=False).saved_bytes
+
+    # slimgrad.memory's attribution hooks sit on every module while it measures
+    with_hooks = saved(conv, conv)
+    assert with_hooks == saved(conv, None)
+    assert with_hooks < saved(eager, eager), (with_hooks, saved(eager, eager))
+    assert not any(forward_hooked(m) for m in conv.modules())
+
+
+def test_forward_hooked_counts_foreign_kinds():
+    m = slimgrad.nn.LayerNorm(4)
+    assert not forward_hooked(m)
+    h = m.register_forward_hook(lambda mod, a, o: None)  # a lambda: foreign
+    assert forward_hooked(m)
+    h.remove()
+    h = m.register_forward_hook(_read, with_kwargs=False, always_call=True)
+    assert forward_hooked(m)
+    h.remove()
+    h = m.register_forward_pre_hook(lambda mod, a: None)  # sees no output: not counted
+    assert not forward_hooked(m)
+    h.remove()
+
+
+@pytest.mark.parametrize(
+    "act", [nn.ReLU, nn.SiLU, nn.GELU, nn.Hardswish, nn.LeakyReLU, nn.ELU], ids=lambda a: a.__name__
+)
+def test_bn_act_derived_path_inplace_hook_is_exact(act):
+    # NOTE [Derived saved inputs]: the next conv keeps the BatchNorm output b and rebuilds act(b)
+    # only while act's output is at its forward version; a hook that scales it in place makes the
+    # conv keep the edited tensor itself. Reference: the same model with the edit out of place
+    # (eager ReLU keeps its output and raises on the in-place edit).
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            act(),
+            nn.Conv2d(8, 8, 1, bias=False),
+            nn.BatchNorm2d(8),
+        )
+
+    conv, ref_conv = build(), build()
+    slimgrad.convert_(conv)
+    slimgrad.convert_(ref_conv)
+    assert type(conv[2]).__name__.endswith("AfterNorm"), type(conv[2])
+    conv[2].register_forward_hook(_steer)
+    ref_conv[2].register_forward_hook(lambda m, a, out: out * 1.5)
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 9, 9)
+    got = _step(conv, x.clone().requires_grad_())
+    ref = _step(ref_conv, x.clone().requires_grad_())
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU], ids=lambda a: a.__name__)
+def test_inplace_hook_on_batch_norm_is_eager(act):
+    # slimgrad's BatchNorm keeps its output only once an activation read it unedited
+    torch.manual_seed(0)
+    eager = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), act(), nn.Conv2d(8, 8, 1)
+    )
+    conv = copy.deepcopy(eager)
+    slimgrad.convert_(conv)
+    assert type(conv[2]).__name__.endswith("AfterNorm"), type(conv[2])
+    eager[1].register_forward_hook(_steer)
+    conv[1].register_forward_hook(_steer)
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 9, 9)
+    ref = _step(eager, x.clone().requires_grad_())
+    got = _step(conv, x.clone().requires_grad_())
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
