@@ -217,3 +217,18 @@ def test_inplace_hook_on_batch_norm_is_eager(act):
     got = _step(conv, x.clone().requires_grad_())
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_inplace_gelu_hooked_runs_eager_inplace_op():
+    # slimgrad.nn.GELU(inplace=True) (torch has no such flag): eager's in-place aten op while hooked
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    act = slimgrad.nn.GELU(inplace=True)
+    act.register_forward_hook(_steer)
+    x = _input("linear")
+    y = act(lin(x))
+    got = (y, *torch.autograd.grad(y.square().sum(), [x, lin.weight]))
+    ref_y = nn.functional.gelu(lin(x)).mul_(1.5)
+    ref = (ref_y, *torch.autograd.grad(ref_y.square().sum(), [x, lin.weight]))
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
