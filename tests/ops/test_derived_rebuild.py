@@ -34,6 +34,12 @@ class _SE(nn.Module):
         return self.op(x, torch.sigmoid(self.fc(x.mean((2, 3), keepdim=True))))
 
 
+@pytest.fixture(autouse=True)
+def _share(monkeypatch):
+    # the mechanism is off by default (_derived.SHARE: its peak cost on a tiny RegNetY); on here
+    monkeypatch.setattr(_derived, "SHARE", True)
+
+
 def _block(op, c=6):
     torch.manual_seed(0)
     m = nn.Sequential(
@@ -238,3 +244,11 @@ def test_inplace_change_of_norm_output_raises():
     b.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _loss(y).backward()
+
+
+def test_off_by_default_every_consumer_rebuilds(monkeypatch):
+    monkeypatch.setattr(_derived, "SHARE", False)
+    _, slim = _pair(recipe=True)
+    cnt = _Count()
+    _grads(slim, torch.randn(2, 3, 9, 7), mode=cnt)
+    assert (cnt.silu, cnt.mul) == (3, 3)

@@ -63,8 +63,8 @@ def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
 
 class _BatchNormMixin:
     #: Keep how to recompute the input (re-running the slimgrad conv that produced it) instead of
-    #: the input itself: "pointwise" (1x1 convs whose input is not a squeeze-excite output),
-    #: "always" or "never"; set per instance.
+    #: the input itself: "pointwise" (1x1 convs, not a channel-reducing projection of a
+    #: squeeze-excite output), "always" or "never"; set per instance.
     recompute_input: str = "pointwise"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

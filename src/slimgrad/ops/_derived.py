@@ -51,11 +51,12 @@ of c, and re-runs the same conv in backward (bit for bit: same op, same inputs; 
 replayed). The cost is one extra forward convolution for such layers (ResNet-50: the 1x1 conv3 and
 downsample convs); the versions of every ingredient are checked, so an in-place change of x or W
 between forward and backward raises autograd's error instead of giving a wrong gradient. The
-default policy (``"pointwise"``) replays 1x1 convs only, and not one whose input is a
-squeeze-excite output (NOTE [Gated derived tensors]): in EfficientNet-B0, RegNetY-016 and
-MobileNetV3 those replays were 11-12% of the step's convolution FLOPs, to save the projection's
-output (the narrow tensor of an inverted-residual block); measured peaks with those norms keeping
-their input: 0.350x eager (EfficientNet-B0), 0.574x (RegNetY-016), 8x3x224x224 fp32.
+default policy (``"pointwise"``) replays 1x1 convs only, and not a projection (fewer output than
+input channels) of a squeeze-excite output (NOTE [Gated derived tensors]): in EfficientNet-B0 and
+MobileNetV3 those replays were 11-12% of the step's convolution FLOPs, to save the narrow output
+of an inverted-residual block; with those norms keeping their input the peak is 0.350x eager
+(EfficientNet-B0, 8x3x224x224 fp32; 0.325x with the replays). RegNetY's SE conv keeps its width
+(no projection): it is still replayed.
 
 Limitation: the BatchNorm keeps its switchable slot as ctx attributes (``save_for_backward`` cannot
 be changed after forward), which saved-tensor hooks do not see. Inside ``torch.utils.checkpoint``
@@ -132,6 +133,12 @@ for _registry in (_SOURCES, _DERIVED, _RECIPES):  # their weak references are no
     ownership.register_registry(_registry)
 
 
+# Off by default: holding a rebuilt value from one consumer to the next raised the peak of a tiny
+# RegNetY (regnety_002, 4x3x32x32, tests/conformance/test_timm.py) 19 kB above eager's (the value
+# is alive while the norm's or the conv's dx is allocated). Every consumer then rebuilds its own.
+SHARE = False
+
+
 class _Store:
     # NOTE [Rebuilt once per backward]: per base b, the users counted at forward time and the
     # values rebuilt in the current backward, both keyed by id(act spec) (a handle holds its spec)
@@ -190,7 +197,7 @@ def _rebuilt(store: _Store, act, b: torch.Tensor, consume: bool) -> tuple[torch.
     else:
         value = apply_act(act, b)
     left = store.users.get(key, 0) - (1 if consume else 0)
-    if task < 0 or left <= 0 or torch.is_grad_enabled():
+    if not SHARE or task < 0 or left <= 0 or torch.is_grad_enabled():
         return value, True
     entry = [task, b._version, value, left, act]
     store.entries[key] = entry

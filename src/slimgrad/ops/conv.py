@@ -278,14 +278,21 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
                 w, b = w.to(dt), (b.to(dt) if b is not None else None)
             return _fwd_torch(inp, w, b, *conf)
 
-        # "cheap" (the norm's default policy replays it): a 1x1 conv whose input is not a
-        # squeeze-excite output. The projection after an SE gate is the one replay that costs
-        # 11-12% of the conv FLOPs of an EfficientNet-B0/RegNetY-016/MobileNetV3 step, to save
-        # its (narrow) output: those norms keep their input (NOTE [Recomputable inputs]).
+        # "cheap" (the norm's default policy replays it): a 1x1 conv, except a projection (fewer
+        # output than input channels) of a squeeze-excite output: replaying those costs 11-12% of
+        # the conv FLOPs of an EfficientNet-B0/MobileNetV3 step to save their narrow output, so
+        # those norms keep their input (NOTE [Recomputable inputs]).
         pointwise = all(k == 1 for k in w0.shape[2:])
         gated = isinstance(act, tuple) and act[0] == "gate"
+        narrowing = (w0.shape[1] * groups if not transposed else w0.shape[0]) > (
+            w0.shape[0] if not transposed else w0.shape[1] * groups
+        )
         _derived.register_recipe(
-            y, recompute, (kept, w0, b0), cheap=pointwise and not gated, rebuild=rebuild
+            y,
+            recompute,
+            (kept, w0, b0),
+            cheap=pointwise and not (gated and narrowing),
+            rebuild=rebuild,
         )
     return y
 
