@@ -184,8 +184,8 @@ def test_forward_hook_before_convert_writing_the_output(hook):
 
 
 def test_forward_hook_after_convert_on_rms_norms():
-    # NOTE [Forward hooks on an output-saving norm]: hooks added to a converted norm run on eager's
-    # ops (the float32 norms keep their output otherwise)
+    # NOTE [Forward hooks on an output-saving module] (nn/_hooks.py): hooks added to a converted
+    # norm run on eager's ops (the float32 norms keep their output otherwise)
     for name, eager in _nets():
         if "RMSNorm" not in name:
             continue

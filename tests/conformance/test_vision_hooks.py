@@ -96,3 +96,30 @@ def test_removed_hooks_on_the_stem_pool_stay_removed_with_inplace_abn():
     config = slimgrad.ConvertConfig(inplace_abn=True)
     _check(model, (nn.MaxPool2d,), torch.randn(2, 3, 9, 9), config)
     assert type(model.pool).__name__ == "MaxPool2dRecompute", slimgrad.report(model)
+
+
+@pytest.mark.skipif(timm is None, reason="timm (tests/conformance/_timm_shim.py) not installed")
+def test_inplace_hook_after_convert_on_timm_layer_norm2d():
+    # NOTE [Forward hooks on an output-saving module] (slimgrad/nn/_hooks.py): timm's LayerNorm2d
+    # converts to a LayerNorm that keeps its output; a hook added after convert_ that edits that
+    # output in place makes it run eager's F.layer_norm (before: autograd's in-place error)
+    from timm.layers import LayerNorm2d
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 8, 3), LayerNorm2d(8), nn.Conv2d(8, 4, 1))
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    assert type(conv[1]).__module__.startswith("slimgrad."), type(conv[1])
+
+    def steer(mod, args, out):
+        out.mul_(1.5)  # in place, returns None
+
+    for m in (eager, conv):
+        m[1].register_forward_hook(steer)
+    x = torch.randn(2, 3, 9, 11)
+    grads = []
+    for m in (eager, conv):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        grads.append((y, *torch.autograd.grad(y.square().sum(), [xi, *m.parameters()])))
+    for a, b in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -618,7 +618,7 @@ def _hook_writes(m: nn.Module) -> str | None:
     # a forward hook on ``m`` that may write its output in place (source read as in NOTE [In-place
     # writes in HF forwards]; unreadable source: assumed to), or None. slimgrad's own observers
     # (slimgrad.memory) write nothing. Hooks added after convert_: NOTE [Forward hooks on an
-    # output-saving norm] in slimgrad/nn/rms_norm.py.
+    # output-saving module] in slimgrad/nn/_hooks.py.
     for hook in m._forward_hooks.values():
         if getattr(hook, "__module__", "").startswith("slimgrad."):
             continue

@@ -38,9 +38,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slimgrad.nn import squeeze_excite as _se
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn.batch_norm import BatchNorm2d
 from slimgrad.nn.drop_path import DropPath
 from slimgrad.nn.gelu import GELU
@@ -68,7 +70,10 @@ class LayerNorm2d(LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = input.permute(0, 2, 3, 1)
-        x = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: eager's op
+            x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        else:
+            x = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return x.permute(0, 3, 1, 2)
 
 
