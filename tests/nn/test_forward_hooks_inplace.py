@@ -39,16 +39,9 @@ CASES = [
     ("Hardtanh", nn.Hardtanh, "linear"),
     ("Hardtanh-inplace", lambda: nn.Hardtanh(inplace=True), "linear"),
     ("ReLU6", nn.ReLU6, "linear"),
-]
-_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="nn/silu.py, nn/hardswish.py (another owner) do not call slimgrad.nn._hooks yet; "
-    "remove this mark once they do",
-)
-PENDING = [
-    pytest.param("SiLU", nn.SiLU, "linear", marks=_PENDING),
-    pytest.param("SiLU-inplace", lambda: nn.SiLU(inplace=True), "linear", marks=_PENDING),
-    pytest.param("Hardswish", nn.Hardswish, "linear", marks=_PENDING),
+    ("SiLU", nn.SiLU, "linear"),
+    ("SiLU-inplace", lambda: nn.SiLU(inplace=True), "linear"),
+    ("Hardswish", nn.Hardswish, "linear"),
 ]
 
 
@@ -79,7 +72,7 @@ def _pair(make, around):
     return eager, conv
 
 
-@pytest.mark.parametrize("name,make,around", [*CASES, *PENDING])
+@pytest.mark.parametrize("name,make,around", CASES)
 def test_inplace_hook_after_convert_is_eager(name, make, around):
     eager, conv = _pair(make, around)
     eager[1].register_forward_hook(_steer)

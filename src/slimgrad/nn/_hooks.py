@@ -26,10 +26,8 @@ from torch.nn.modules import module as _module
 # Which modules check (:func:`forward_hooked`, per class, whatever the instance's settings):
 # those that keep their output, or y plus bits from which backward rebuilds x, where eager keeps the
 # input: LayerNorm, GroupNorm, RMSNorm and the HF RMSNorms (float32: y + per-row stats), GELU and
-# Mish (y + 1 bit/elt + a sparse table), ELU, LeakyReLU, Hardtanh and ReLU6 (y). SiLU and Hardswish
-# keep y too and need the same check in ``nn/silu.py`` / ``nn/hardswish.py``, and timm's
-# LayerNorm2d (``convert_handlers/timm.py``) calls the op directly; until then a hook there still
-# raises (tests/nn/test_forward_hooks_inplace.py marks SiLU and Hardswish xfail, strict).
+# Mish (y + 1 bit/elt + a sparse table), SiLU (y + bits), ELU, LeakyReLU, Hardtanh, ReLU6 and
+# Hardswish (y), and timm's/torchvision's LayerNorm2d (``convert_handlers/timm.py``).
 # Which need none: modules eager also keeps the output of (ReLU, Sigmoid, Tanh, and the in-place
 # ELU/LeakyReLU: eager raises in backward on an edited output, and so does slimgrad's, by the same
 # version check); modules whose saved tensors are their inputs or side tensors the output does not

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import type_error
 from slimgrad.nn._script import NoScript
 from slimgrad.ops import _derived
@@ -26,6 +27,8 @@ class Hardswish(NoScript, torch.nn.Hardswish):
     :func:`slimgrad.ops.hardswish.hardswish`."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: eager's op
+            return torch.nn.functional.hardswish(input, self.inplace)
         return hardswish(input, self.inplace)
 
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.silu import silu
@@ -19,6 +20,8 @@ class SiLU(NoScript, torch.nn.SiLU):
     """Drop-in ``torch.nn.SiLU`` (a subclass) using :func:`slimgrad.ops.silu.silu`."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: eager's op
+            return torch.nn.functional.silu(input, self.inplace)
         return silu(input, self.inplace)
 
     @classmethod
