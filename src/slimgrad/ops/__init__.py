@@ -32,11 +32,16 @@ from slimgrad.ops.reversible import reversible_sequential
 from slimgrad.ops.rms_norm import hf_rms_norm, rms_norm
 from slimgrad.ops.sigmoid import sigmoid, sigmoid_
 from slimgrad.ops.silu import silu, silu_
-from slimgrad.ops.softmax_dropout import scores_softmax_dropout_matmul, softmax_dropout_matmul
+from slimgrad.ops.softmax_dropout import (
+    eager_attention,
+    scores_softmax_dropout_matmul,
+    softmax_dropout_matmul,
+)
 from slimgrad.ops.squeeze_excite import squeeze_excite
 from slimgrad.ops.tanh import tanh, tanh_
 
 __all__ = [
+    "eager_attention",
     "squeeze_excite",
     "scores_softmax_dropout_matmul",
     "qkv_attention",
