@@ -163,6 +163,13 @@ def _tuple(v, n: int, name: str, api: str) -> list[int]:
     return v
 
 
+def _autocast_cast(t, dt):
+    # autocast's rule for a lower-precision op: floating tensors other than float64 go to dt.
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dt)
+
+
 def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed, output_padding):
     _dtensor.refuse(f"slimgrad.ops.{api}", input=x, weight=weight, bias=bias)
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
@@ -242,19 +249,22 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     )
-    if not needs_graph or transforms_active():  # NOTE [torch.func transforms] in _autograd.py
-        return _fwd_torch(
-            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
-        )
-    refuse_jit(f"ops.{api}")
     dev = x.device.type
-    holder: list = []
-    w0, b0, dt = weight, bias, None
     autocast = torch.is_autocast_enabled(dev)
+    w0, b0, dt = weight, bias, None
     if autocast:
+        # autocast casts eager's aten::conv{n}d / conv_transpose{n}d, not the aten::convolution
+        # that both paths below call, so its cast is applied here, for the graph and the no-graph
+        # path alike.
         dt = torch.get_autocast_dtype(dev)
-        x, weight = x.to(dt), weight.to(dt)
-        bias = bias.to(dt) if bias is not None else None
+        x, weight, bias = (_autocast_cast(t, dt) for t in (x, weight, bias))
+    if not needs_graph or transforms_active():  # NOTE [torch.func transforms] in _autograd.py
+        with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+            return _fwd_torch(
+                x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+            )
+    refuse_jit(f"ops.{api}")
+    holder: list = []
     # a derived input is kept as its norm's output: anchor x for a second derivative
     derived = weight.requires_grad and _derived.lookup(x) is not None
     anchor = make_anchor(x) if derived else None
@@ -275,7 +285,7 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
             # a derived input comes from this backward's store (NOTE [Rebuilt once per backward]).
             inp = rebuild(k)[0] if rebuild is not None else k
             if dt is not None:
-                w, b = w.to(dt), (b.to(dt) if b is not None else None)
+                w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
             return _fwd_torch(inp, w, b, *conf)
 
         # "cheap" (the norm's default policy replays it): a 1x1 conv, except a projection (fewer
