@@ -67,7 +67,11 @@ def test_input_gradients_are_named_by_position_and_keyword():
     assert [(g.name, g.ok) for g in rep.runs[0].input_grads] == [("input.x", False)]
     rep = slimgrad.verify(m, copy.deepcopy(m), {"x": x, "labels": labels})
     assert rep.ok, str(rep)
-    assert [g.name for r in rep.runs for g in r.input_grads] == ["input.x", "input.x"]
+    # NOTE [Which runs take input gradients]: the first run (train) steps on the inputs as given
+    assert [(r.name, [g.name for g in r.input_grads]) for r in rep.runs] == [
+        ("inputs (train)", []),
+        ("inputs (eval)", ["input.x"]),
+    ]
 
 
 def test_an_input_that_requires_grad_is_compared_and_left_alone():
@@ -95,7 +99,7 @@ def test_a_model_may_still_write_over_its_input():
     m = Writes()
     rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(4, 5))
     assert rep.ok, str(rep)
-    assert rep.runs[0].input_grads[0].ok
+    assert rep.runs[-1].input_grads[0].ok
 
 
 class _NoGradShift(nn.Module):
@@ -232,3 +236,29 @@ def test_dropout_and_batchnorm_models_pass_and_keep_the_steps_buffers():
     conv = slimgrad.convert_(copy.deepcopy(m))
     rep = slimgrad.verify(m, conv, x)
     assert rep.ok, str(rep)
+
+
+def test_the_first_run_steps_on_the_inputs_as_given():
+    # NOTE [Which runs take input gradients]: an input that needs no gradient (an image batch) is
+    # stepped as such in the first run, so the path where the first layer computes no dx is the one
+    # verified there; the later runs compare input gradients
+    seen = []
+
+    class Records(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+
+        def forward(self, x):
+            seen.append(x.requires_grad)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    m = Records()
+    rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(4, 5), inference=False)
+    assert rep.ok, str(rep)
+    # train: eager, converted, float64 reference as given; eval: the three with input leaves
+    assert seen == [False] * 3 + [True] * 3
+    seen.clear()
+    rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(4, 5, requires_grad=True))
+    assert [len(r.input_grads) for r in rep.runs] == [1, 1]

@@ -266,22 +266,27 @@ def _input_name(path: str) -> str:
     return "input" + (path if not path or path.startswith("[") else "." + path)
 
 
-def _leaf_inputs(obj: Any, leaves: dict[str, torch.Tensor], path: str = "") -> Any:
+def _leaf_inputs(
+    obj: Any, leaves: dict[str, torch.Tensor], path: str = "", every: bool = True
+) -> Any:
     # every floating input becomes a fresh leaf that requires grad (its gradient is compared, as
     # a parameter's is), handed to the model through a clone: the model may still write over
     # its input in place, as it may over one that needs no grad. Paths name as _tensors' do.
     if isinstance(obj, torch.Tensor):
-        if not obj.is_floating_point():
+        if not obj.is_floating_point() or not (every or obj.requires_grad):
             return obj
         leaf = obj.detach().requires_grad_(True)
         leaves[_input_name(path)] = leaf
         return leaf.clone()
     if isinstance(obj, Mapping):
         return {
-            k: _leaf_inputs(v, leaves, f"{path}.{k}" if path else str(k)) for k, v in obj.items()
+            k: _leaf_inputs(v, leaves, f"{path}.{k}" if path else str(k), every)
+            for k, v in obj.items()
         }
     if isinstance(obj, (list, tuple)):
-        return _rebuild(obj, [_leaf_inputs(v, leaves, f"{path}[{i}]") for i, v in enumerate(obj)])
+        return _rebuild(
+            obj, [_leaf_inputs(v, leaves, f"{path}[{i}]", every) for i, v in enumerate(obj)]
+        )
     return obj
 
 
@@ -347,11 +352,25 @@ def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tens
             t.grad = kept[k]
 
 
-def _step(model, inputs, loss_fn, seed, dtype=None) -> _Side:
+# NOTE [Which runs take input gradients]
+# verify compares the gradient of every floating input (a converted first layer's dx is otherwise
+# never looked at) by making each side's copy of it a leaf that requires grad. That changes the
+# step itself: an op whose input needs no gradient (an image batch into the stem conv, the usual
+# training case) takes another path (no dx, other saved tensors), and that path must be verified
+# too. So the first run (the inputs as given, in the first mode) steps with the inputs exactly as
+# the caller passed them (inputs the caller made require grad have their gradients compared there
+# too), and every later run (the other mode, the padded batches) takes the gradient of every
+# floating input; a verify with a single run takes them there.
+
+
+def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mine = _copy(inputs)
     x_leaves: dict[str, torch.Tensor] = {}
-    run_on = _leaf_inputs(_cast(mine, dtype) if dtype is not None else mine, x_leaves)
+    run_on = _cast(mine, dtype) if dtype is not None else mine
+    # NOTE [Which runs take input gradients]: every floating input, or those the caller made
+    # require grad
+    run_on = _leaf_inputs(run_on, x_leaves, every=input_grads)
     torch.manual_seed(seed)
     out = _call(model, run_on)
     loss = loss_fn(out)
@@ -715,13 +734,13 @@ def _converted_parts(model: nn.Module) -> str | None:
 
 
 def _run(
-    name, inputs, model, converted, ref, loss_fn, seed, atol, skip, no_autograd=True
+    name, inputs, model, converted, ref, loss_fn, seed, atol, skip, no_autograd=True, dx=True
 ) -> VerifyRun:
     e_before = _held_buffers(model) if no_autograd else []
-    e = _step(model, inputs, loss_fn, seed)
+    e = _step(model, inputs, loss_fn, seed, input_grads=dx)
     try:
         c_before = _held_buffers(converted) if no_autograd else []
-        c = _step(converted, inputs, loss_fn, seed)
+        c = _step(converted, inputs, loss_fn, seed, input_grads=dx)
     except Exception as err:  # eager ran this batch: the converted model must too
         if name.startswith("inputs"):
             raise
@@ -734,7 +753,7 @@ def _run(
                 "every input the original accepts."
             ],
         )  # fmt: skip
-    r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64)
+    r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64, input_grads=dx)
 
     def atol_of(t):
         if atol is not None:
@@ -868,6 +887,7 @@ def verify(
         batches += [(f"{s}-padded", _padded(inputs, model, counts, s)) for s in ("left", "right")]
     flags = [(m, m.training) for net in (model, converted) for m in net.modules()]
     runs = []
+    planned = len(modes) * len(batches)
     try:
         for mode in modes:
             for net in (model, converted, ref):
@@ -875,8 +895,10 @@ def verify(
             for k, (name, batch) in enumerate(batches):
                 label = f"{name} ({mode})"
                 args = (label, batch, model, converted, ref, loss_fn, seed, atol, skip, inference)
+                # NOTE [Which runs take input gradients]: the first of several runs as given
+                dx = planned == 1 or bool(runs) or k > 0 or mode != modes[0]
                 try:
-                    runs.append(_run(*args))
+                    runs.append(_run(*args, dx=dx))
                 except Exception as err:
                     if k == 0:  # the inputs as given: the caller's error
                         raise
