@@ -80,6 +80,24 @@ by an engine callback queued at the first store, so nothing outlives its backwar
 backward (``retain_graph=True``) recomputes. The value is the one :func:`apply_act` computes (the
 same kernels on the same kept tensor: the same bits as recomputing it); the base's version is
 checked at every hit. Outside a backward (task id -1) nothing is stored.
+
+# NOTE [Held only between neighbours]
+A value held from one consumer to the next is live across everything the backward runs in
+between, so it may raise the peak. Two cases did (tiny timm models, exact tracker, SHARE on vs
+off): (1) in regnety_002 the stem's ReLU(b) (4x32x16x16, 131072 bytes) feeds the first block's
+shortcut conv (and its norm's recipe) and the branch's first conv; the shortcut runs first in
+backward, so the value was held across the whole branch, and through that branch's norm backward,
+the step's peak (+131072 bytes: 19 kB above eager's peak); (2) in a tiny ResNet-50 the last norm
+of a bottleneck replays its conv from ReLU(b) (a recipe) and held it for that conv's dW, across the
+norm's own dx (+65536 bytes). So: (1) a store shares only if all its users were registered within
+``NEIGHBOURS`` forward events (:func:`_tick`: a norm output, a conv's recipe, a derived
+activation, a user) of each other, i.e. inside one block, not across a branch; (2) a recipe's
+handle (``Rebuild(..., user=False)``; its adopter, a norm, counts as the user) never holds what it
+builds (nor the inner act(b) of a gate): it only counts its use down, and the next user rebuilds.
+What remains shared: the projection conv's dW (building ``act(b) * g``) keeps act(b) for the
+squeeze-excite's dg. That value is live while the conv allocates its weight gradient (besides the
+gated value, as when it is built: a few hundred bytes in a toy block whose peak is that moment)
+and its dx; the full-size peaks (benchmarks/timm_models.py) are the same as without sharing.
 """
 
 from __future__ import annotations
@@ -133,19 +151,31 @@ for _registry in (_SOURCES, _DERIVED, _RECIPES):  # their weak references are no
     ownership.register_registry(_registry)
 
 
-# Off by default: holding a rebuilt value from one consumer to the next raised the peak of a tiny
-# RegNetY (regnety_002, 4x3x32x32, tests/conformance/test_timm.py) 19 kB above eager's (the value
-# is alive while the norm's or the conv's dx is allocated). Every consumer then rebuilds its own.
-SHARE = False
+# Off: every consumer rebuilds its own (NOTE [Held only between neighbours]).
+SHARE = True
+# NOTE [Held only between neighbours]: a store's value is held only when all its users were
+# registered within this many forward events (_tick) of each other (in the timm CNNs a block's
+# users span at most 3; the stem's ReLU, used by a branch and its shortcut, 18).
+NEIGHBOURS = 8
+_CLOCK = [0]
+
+
+def _tick() -> int:
+    # one forward event: a norm output registered, a conv's recipe, a derived activation, a user
+    _CLOCK[0] += 1
+    return _CLOCK[0]
 
 
 class _Store:
     # NOTE [Rebuilt once per backward]: per base b, the users counted at forward time and the
     # values rebuilt in the current backward, both keyed by id(act spec) (a handle holds its spec)
-    __slots__ = ("entries", "users")
+    __slots__ = ("entries", "span", "users")
 
     def __init__(self) -> None:
         self.users: dict[int, int] = {}
+        # forward clock (_tick) of the first and the last user registered: NOTE [Held only
+        # between neighbours]
+        self.span = [-1, -1]
         # id(act): [task, base version, value, users left, act (ids are compared with it)]
         self.entries: dict[int, list] = {}
 
@@ -156,50 +186,74 @@ class Rebuild:
     ``handle(b)`` returns ``(value, exclusive)``: ``exclusive`` when no other consumer of this
     backward will be handed the same tensor (the caller may write over it)."""
 
-    __slots__ = ("act", "store")
+    __slots__ = ("act", "hold", "store")
 
-    def __init__(self, act, store: _Store, user: bool = True) -> None:
+    def __init__(self, act, store: _Store, user: bool = True, hold: bool | None = None) -> None:
+        # hold: may keep the value for the next user; by default only a counted user's handle.
+        # A recipe's (user=False: its adopter, a norm, counts) never does: the norm allocates its
+        # dx right after (NOTE [Held only between neighbours]).
         self.act, self.store = act, store
+        self.hold = user if hold is None else hold
         if user:
             self.add_user(1)
 
     def add_user(self, n: int) -> None:
         users = self.store.users
         users[id(self.act)] = users.get(id(self.act), 0) + n
+        if n > 0:
+            now = _tick()
+            span = self.store.span
+            if span[0] < 0:
+                span[0] = now
+            span[1] = now
 
     def __call__(self, b: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        return _rebuilt(self.store, self.act, b, True)
+        return _rebuilt(self.store, self.act, b, True, self.hold)
 
 
-def _rebuilt(store: _Store, act, b: torch.Tensor, consume: bool) -> tuple[torch.Tensor, bool]:
-    # consume: a user's call (counts down); else a producer's (the gate needs act(b) first)
+def _rebuilt(
+    store: _Store, act, b: torch.Tensor, consume: bool, hold: bool = True
+) -> tuple[torch.Tensor, bool]:
+    # consume: a user's call (counts down); else a producer's (the gate needs act(b) first).
+    # hold: the value may be kept for a later user (NOTE [Held only between neighbours]).
     key = id(act)
     task = torch._C._current_graph_task_id()
     e = store.entries.get(key)
+    left = store.users.get(key, 0)
     if e is not None:
         if e[0] == task and e[1] == b._version and e[4] is act:
             value = e[2]
-            if not consume:
+            left = e[3]
+            if value is not None:
+                if not consume:
+                    return value, False
+                e[3] -= 1
+                if e[3] <= 0:  # the last user: let go (the task-end callback holds the entry)
+                    del store.entries[key]
+                    e[2] = None
+                    return value, True
                 return value, False
-            e[3] -= 1
-            if e[3] <= 0:  # the last user: let go (the task-end callback holds the entry)
-                del store.entries[key]
-                e[2] = None
-                return value, True
-            return value, False
-        del store.entries[key]  # another backward's, or b changed since
+            # consumed by users that did not hold it: rebuild, counting on from there
+        del store.entries[key]  # another backward's, or b changed since, or not held
         e[2] = None
     if isinstance(act, tuple) and act[0] == "gate":  # NOTE [Gated derived tensors]
         _, inner, g, g_version, gate_first = act
         check_version(g, g_version, "squeeze-excite gate")
-        x = _rebuilt(store, inner, b, False)[0] if inner is not None else b
+        x = _rebuilt(store, inner, b, False, hold)[0] if inner is not None else b
         value = g * x if gate_first else x * g
     else:
         value = apply_act(act, b)
-    left = store.users.get(key, 0) - (1 if consume else 0)
-    if not SHARE or task < 0 or left <= 0 or torch.is_grad_enabled():
+    left -= 1 if consume else 0
+    if (
+        not SHARE
+        or task < 0
+        or left <= 0
+        or torch.is_grad_enabled()
+        or store.span[1] - store.span[0] > NEIGHBOURS
+    ):
         return value, True
-    entry = [task, b._version, value, left, act]
+    # a user that may not hold it still counts down (an entry without a value)
+    entry = [task, b._version, value if hold else None, left, act]
     store.entries[key] = entry
 
     def drop(store=store, key=key, entry=entry) -> None:  # the task's end: drop what is left
@@ -208,7 +262,7 @@ def _rebuilt(store: _Store, act, b: torch.Tensor, consume: bool) -> tuple[torch.
             del store.entries[key]
 
     torch.autograd.Variable._execution_engine.queue_callback(drop)
-    return value, False
+    return value, not hold
 
 
 @dataclass(eq=False)
@@ -262,6 +316,7 @@ def register_recipe(
     (``rebuild``: the handle ``fn`` rebuilds a derived input with, not yet counted as a user)."""
     if _tracing():
         return
+    _tick()
     tensors = tuple(t.detach() if t is not None else None for t in tensors)
     versions = tuple(t._version if t is not None else 0 for t in tensors)
     _RECIPES[y] = Recipe(fn, tensors, versions, y._version, cheap, rebuild)
@@ -308,6 +363,7 @@ def _tracing() -> bool:
 def register_source(out: torch.Tensor, source) -> None:
     """Register ``out`` as the output of ``source`` (has ``keep_output(out) -> bool``)."""
     if not _tracing():
+        _tick()
         _SOURCES[out] = (source, out._version)
 
 
@@ -472,6 +528,7 @@ def activation(
     ):
         refuse_jit("ops.activation")
         r = _DerivedActFn.apply(x, spec)
+        _tick()
         _DERIVED[r] = Derived(x.detach(), x._version, spec, r._version)
         return r
     if act == "leaky_relu":
