@@ -97,7 +97,9 @@ builds (nor the inner act(b) of a gate): it only counts its use down, and the ne
 What remains shared: the projection conv's dW (building ``act(b) * g``) keeps act(b) for the
 squeeze-excite's dg. That value is live while the conv allocates its weight gradient (besides the
 gated value, as when it is built: a few hundred bytes in a toy block whose peak is that moment)
-and its dx; the full-size peaks (benchmarks/timm_models.py) are the same as without sharing.
+and its dx; the full-size peaks (benchmarks/timm_models.py, efficientnet_b0, regnety_016,
+mobilenetv3_large_100, resnet50) are the same as without sharing to the 0.1 MiB printed.
+efficientnet_b0 (2x3x64x64) runs 65 SiLUs per step with sharing, 81 without (eager: 49).
 """
 
 from __future__ import annotations
