@@ -18,6 +18,7 @@ import torch
 
 import slimgrad
 from slimgrad.testing import assert_within_rule
+from tests._threads import one_thread
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,10 +139,8 @@ FAMILIES = {
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     # tiny shapes: intra-op threads only add spin-wait time on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 def _build(name, **over):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slimgrad.bench.harness import get_case, run_case
+from tests._threads import one_thread
 from tests.conformance._timm_shim import timm
 
 pytestmark = pytest.mark.skipif(timm is None, reason="timm (and torchvision) not installed")
@@ -28,10 +29,8 @@ SIX = (
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def test_six_cases_are_registered_full_size():

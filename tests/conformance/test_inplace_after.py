@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import slimgrad
 from slimgrad.testing import assert_within_rule
+from tests._threads import one_thread
 
 WRITERS = {
     "ReLU": lambda: nn.ReLU(inplace=True),
@@ -133,10 +134,8 @@ class Untraceable(nn.Module):
 @pytest.fixture(autouse=True)
 def _one_thread():
     # hundreds of tiny models: thread start-up, not arithmetic, would dominate
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 def _check(model, x, train):

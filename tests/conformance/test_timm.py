@@ -29,6 +29,7 @@ from torch import nn
 import slimgrad
 from slimgrad.convert_handlers import timm as timm_handlers
 from slimgrad.memory import measure
+from tests._threads import one_thread
 from tests.conformance._timm_shim import timm
 
 pytestmark = pytest.mark.skipif(timm is None, reason="timm (and torchvision) not installed")
@@ -37,10 +38,8 @@ pytestmark = pytest.mark.skipif(timm is None, reason="timm (and torchvision) not
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     # see the module docstring (Run time); the thread count is restored for the next module
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def _bn_act(act, **kw):

@@ -19,15 +19,14 @@ import torch
 from torch import nn
 
 import slimgrad
+from tests._threads import one_thread
 from tests.conformance._timm_shim import timm
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def _hook_all_then_remove(model, kinds):

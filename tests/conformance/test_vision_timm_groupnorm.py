@@ -18,6 +18,7 @@ from torch import nn
 
 import slimgrad
 from slimgrad.memory import measure
+from tests._threads import one_thread
 from tests.conformance._timm_shim import timm
 
 pytestmark = pytest.mark.skipif(timm is None, reason="timm (and torchvision) not installed")
@@ -25,10 +26,8 @@ pytestmark = pytest.mark.skipif(timm is None, reason="timm (and torchvision) not
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def _stack():

@@ -6,6 +6,7 @@ from slimgrad.kernels import _backend
 from slimgrad.memory import measure
 from slimgrad.ops.layer_norm import BETA_OVER_GAMMA_MAX, fallback_channels, layer_norm
 from slimgrad.testing import assert_within_rule
+from tests._threads import one_thread
 
 SHAPES = [((7, 13), (13,)), ((3, 5, 11), (5, 11)), ((2, 3, 97), (97,)), ((1, 1), (1,))]
 
@@ -279,10 +280,8 @@ def _half_case(dtype, shape, seed):
 def _one_thread():
     # the sweep that found HALF_FAILURES ran with one intra-op thread (as each xdist worker does);
     # eager's bf16 backward sums in another order with two, which moves the rule's bound
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 @pytest.mark.parametrize("dtype,shape,seed", HALF_FAILURES)
