@@ -54,6 +54,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad.convert_handlers.hf import hf_models
+from slimgrad.nn._hooks import foreign  # hooks other than slimgrad.memory's observers
 
 __all__ = ["fuse_lm_loss", "lm_loss_pattern"]
 
@@ -529,15 +530,9 @@ def _plain(m) -> str:
     if "forward" in m.__dict__:
         return f"{type(m).__name__} has a patched forward"
     hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-    if any(_foreign(h) for h in hooks) or any(_foreign(h) for h in _global_hooks()):
+    if any(foreign(h) for h in hooks) or any(foreign(h) for h in _global_hooks()):
         return f"{type(m).__name__} has hooks"
     return ""
-
-
-def _foreign(hooks) -> bool:
-    # hooks other than slimgrad's own observers (slimgrad.memory's per-module claims, which change
-    # no value: a module the fused path does not call is accounted to its parent)
-    return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
 
 
 def _global_hooks():

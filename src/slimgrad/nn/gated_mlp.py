@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
 from slimgrad._autograd import transforms_active
+from slimgrad.nn._hooks import foreign
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.gated_mlp import gated_mlp, gated_mlp_fused, glu, glu_linear
 
@@ -65,18 +66,14 @@ def activation_of(act: object) -> str | None:
     return None
 
 
-def _foreign(hooks: dict) -> bool:
-    return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
-
-
 def _hooked(m: nn.Module) -> bool:
     hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-    return any(_foreign(h) for h in hooks)
+    return any(foreign(h) for h in hooks)
 
 
 def _global_hooks() -> bool:
     return any(
-        _foreign(h)
+        foreign(h)
         for h in (
             _module._global_forward_hooks,
             _module._global_forward_pre_hooks,
