@@ -48,7 +48,12 @@ def _import_timm():
         sys.path.append(str(site))
     if importlib.util.find_spec("timm") is None or importlib.util.find_spec("torchvision") is None:
         return None
-    _define_torchvision_schemas()
+    try:  # a torchvision whose extension loads (a CUDA torch) defines its own schemas
+        import torchvision  # noqa: F401
+    except RuntimeError:  # "operator torchvision::nms does not exist": define them, try again
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        _define_torchvision_schemas()
     import timm as t
 
     return t

@@ -95,8 +95,11 @@ def _skipped(step: str, reason: str, **extra: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- 1. tests
-def run_tests(pytest_args: list[str], *, force: bool = False, timeout_s: float = 3000) -> dict:
-    """Run pytest with ``pytest_args`` (default selection: the CUDA tests) and summarise it."""
+def run_tests(
+    pytest_args: list[str], *, force: bool = False, timeout_s: float = 3000, log: str | None = None
+) -> dict:
+    """Run pytest with ``pytest_args`` (default selection: the CUDA tests) and summarise it; the
+    whole output goes to ``log`` when given (the record keeps its last lines)."""
     if not torch.cuda.is_available() and not force:
         return _skipped(
             "tests", "no CUDA device: every CUDA test would be skipped or deselected (run with a "
@@ -114,6 +117,8 @@ def run_tests(pytest_args: list[str], *, force: bool = False, timeout_s: float =
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         summary = parse_junit(xml) if xml.exists() else {}
+    if log:
+        Path(log).write_text(r.stdout + r.stderr)
     tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
     rec = {
         "step": "tests",
@@ -419,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--pytest-args", default="tests -k cuda", help="the tests step's selection")
     p.add_argument("--force-tests", action="store_true", help="run the tests step without CUDA")
+    p.add_argument("--tests-log", default=None, help="write the tests step's whole output here")
     p.add_argument("--bench-args", default="", help="extra arguments for slimgrad.bench.kernels")
     p.add_argument("--bench-smoke", action="store_true", help="bench plumbing on CPU (no GPU)")
     p.add_argument("--cases", default=",".join(E2E_CASES), help="end-to-end bench cases")
@@ -438,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     common = meta(device)
     records: list[dict] = []
     if "tests" in steps:
-        records.append(run_tests(a.pytest_args.split(), force=a.force_tests))
+        records.append(run_tests(a.pytest_args.split(), force=a.force_tests, log=a.tests_log))
     if "kernels" in steps:
         out = os.path.join(a.results_dir, "kernels.jsonl")
         records.append(run_kernel_bench(a.bench_args.split(), out, smoke=a.bench_smoke))

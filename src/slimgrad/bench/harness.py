@@ -288,7 +288,8 @@ def _dist_version(name: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """HEAD of the git checkout slimgrad is imported from, with ``+dirty`` for tracked changes."""
+    """HEAD of the git checkout slimgrad is imported from, with ``+dirty`` for tracked changes;
+    where there is no checkout (a copied tree), ``$SLIMGRAD_COMMIT`` if set."""
     root = Path(__file__).resolve().parents[3]
     try:
         head = subprocess.run(
@@ -306,7 +307,7 @@ def git_commit() -> str | None:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("SLIMGRAD_COMMIT") or None
     return head + ("+dirty" if dirty else "") if head else None
 
 
