@@ -190,7 +190,8 @@ def test_reuse_is_bitwise_identical_cuda(op, case):
     got, n_on = _run(op, case, device="cuda")
     assert n_off == 0
     _assert_bitwise(got, ref)
-    assert n_on == (1 if case == "plain_chain" else 0)
+    # no reuse at all where the calibration refuses this torch (torch 2.11: use count 2)
+    assert n_on == (1 if case == "plain_chain" and ownership.calibrated() else 0)
 
 
 @pytest.mark.parametrize("op", ["relu", "tanh", "dropout", "layer_norm", "rms_norm"])

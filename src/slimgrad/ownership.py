@@ -81,8 +81,10 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    no hooks, so measuring a step never changes what this rule grants.)
 7. The memory is torch's own: the storage is resizable (torch allocated it; ``from_numpy``,
    ``frombuffer``, ``from_dlpack`` and ``torch.load`` storages are not, and another owner, e.g. a
-   NumPy array kept by a Function, can read them) and not in shared memory (another process may
-   read it). Terms 1-3 count torch and Python holders only; this term covers the rest.
+   NumPy array kept by a Function, can read them) and, for CPU memory, not in shared memory
+   (another process may read it; torch reports every CUDA storage as shared, so that part is
+   asked of CPU storages only). Terms 1-3 count torch and Python holders only; this term covers
+   the rest.
 
 Distributed (DDP, FSDP2, tensor parallel; tests/distributed/test_ddp_bucketing.py,
 test_fsdp2.py, test_tensor_parallel.py, each on 2 gloo processes). Nothing here is shared between
@@ -323,8 +325,12 @@ def _torch_owned(t: torch.Tensor) -> bool:
     # Term 7: memory torch allocated itself. from_numpy/frombuffer/from_dlpack (and torch.load's
     # mmap-able storages) wrap memory another owner can read: their storages are not resizable.
     # Shared memory (share_memory_, DataLoader workers) may be read by another process.
+    # is_shared() is True for every CUDA storage (measured on an H200, torch 2.11: a fresh CUDA
+    # gradient reports shared, so no CUDA reuse was ever granted), so it is asked of CPU storages
+    # only. Not covered: CUDA memory this process exported through CUDA IPC (torch.multiprocessing)
+    # and still writes to; autograd's gradients are fresh allocations of this process.
     st = t.untyped_storage()
-    return st.resizable() and not st.is_shared()
+    return st.resizable() and (st.device.type != "cpu" or not st.is_shared())
 
 
 def _view_sig(t: torch.Tensor):

@@ -724,8 +724,12 @@ def test_dx_reuses_dead_incoming_gradient_bitwise(siblings, device):
     on, n_on = _abn_grads(disabled=False, siblings=siblings, device=device)
     assert n_off == 0
     # siblings: the first branch to run sees the gradient still held for the second and must not
-    # write it; the second, running last, may (nobody else can see it any more)
-    assert n_on == (1 if siblings else 2)
+    # write it; the second, running last, may (nobody else can see it any more). Where the
+    # ownership calibration refuses this torch (torch 2.11 hands a backward its gradient with use
+    # count 2), nothing is reused and the gradients must still match.
+    from slimgrad import ownership
+
+    assert n_on == ((1 if siblings else 2) if ownership.calibrated() else 0)
     for a, b in zip(off, on):
         assert torch.equal(a, b)
 

@@ -261,8 +261,10 @@ def bwd_torch(
         if inp is None:
             sum_dy[c0:c1] += dy.sum(dim=[0] + list(range(2, z.dim())))
             return
+        # a weight must be passed for CUDA's kernel to return the weight's gradient (with None it
+        # returns an empty one); any weight gives the same sums: dγ' = Σ dy x̂, dβ' = Σ dy
         _, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            dy, inp, None, None, None, mean_p[c0:c1], invstd_p[c0:c1], True, eps,
+            dy, inp, weight_p[c0:c1], None, None, mean_p[c0:c1], invstd_p[c0:c1], True, eps,
             [False, True, True],
         )  # fmt: skip
         sum_dy_xhat[c0:c1] += gw
