@@ -11,14 +11,19 @@ never more.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "DEFAULT_ATOL",
+    "HOST_SYNC_OPS",
     "assert_within_rule",
+    "count_host_syncs",
     "gradcheck_inplace",
     "grads_of",
     "max_abs_err",
@@ -115,3 +120,65 @@ def gradcheck_inplace(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, **
         return fn(*(x.clone() for x in xs))
 
     return torch.autograd.gradcheck(wrapped, inputs, **kwargs)
+
+
+# NOTE [Host syncs]
+# On CUDA these aten ops make the CPU wait for the GPU: their result's size or value is needed on
+# the host (``.item()``, ``bool(t)``, ``t.tolist()`` and ``int(t)`` all dispatch
+# ``_local_scalar_dense``; ``nonzero`` / ``masked_select`` / ``unique`` size their output from the
+# data; ``equal`` / ``is_nonzero`` return a Python bool). A training step that calls them cannot run
+# ahead of the GPU: every Python overhead is then paid on the GPU's time as well. Counted at the
+# dispatcher, so a CPU run shows what a CUDA run would sync on, without a GPU. Indexing with a
+# boolean mask calls ``nonzero`` below the dispatcher and is counted through ``index.Tensor``
+# with a bool index.
+HOST_SYNC_OPS = frozenset(
+    {
+        "aten._local_scalar_dense.default",
+        "aten.nonzero.default",
+        "aten.nonzero_static.default",
+        "aten.masked_select.default",
+        "aten.is_nonzero.default",
+        "aten.equal.default",
+        "aten.allclose.default",
+        "aten._unique2.default",
+        "aten.unique_dim.default",
+        "aten.unique_consecutive.default",
+        "aten.repeat_interleave.Tensor",
+    }
+)
+
+
+class _SyncCounter(TorchDispatchMode):
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name in HOST_SYNC_OPS:
+            if name != "aten.nonzero_static.default":  # static size: no sync
+                self.counts[name] += 1
+        elif name.startswith("aten.index.Tensor") or name.startswith("aten.index_put"):
+            idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx or ()):
+                self.counts[name + " (bool mask)"] += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[Counter]:
+    """Count, by op, the calls that would make the host wait for a CUDA device (NOTE [Host syncs]).
+
+    Works on any device (the ops are counted at the dispatcher, not timed)::
+
+        with count_host_syncs() as syncs:
+            model(x).sum().backward()
+        assert sum(syncs.values()) == 0, syncs
+
+    Backward ops are counted too: the autograd engine runs them on this thread for CPU tensors
+    (a CUDA backward runs on the engine's device thread, where a mode entered here is not seen).
+    """
+    counts: Counter = Counter()
+    with _SyncCounter(counts):
+        yield counts
