@@ -22,14 +22,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 from slimgrad._errors import internal_error
 from slimgrad._math.bits import pack_bits, packed_numel
 
-# elements per chunk: bounds the temporaries and keeps them in cache (a multiple of 8)
+# the side table lists its hard elements CHUNK by CHUNK (a multiple of 8; the C and Triton kernels'
+# blocks): NOTE [The PyTorch path on a GPU] at smooth_fwd
 CHUNK = 1 << 16
-# the forward loop runs over BIG chunks (a multiple of CHUNK; the hard elements stay ordered as by
-# CHUNK: window hits, then tail hits, chunk after chunk); the backward over CHUNKs. Measured on the
-# 4x256x3072 GELU: BIG = 2^17 or 2^18 no faster than 2^16 within the (shared) CPU's noise, and
-# 2^17 in the backward raised the GPT-2 MLP block's peak (52.7 vs 51.0 MiB): BIG = CHUNK.
-BIG = 1 << 16
-_HUGE = 1e30  # |x - x*| below it in a whole BIG chunk: no CHUNK sum of |x - x*| can overflow
+# the PyTorch path's passes run over spans of BIG elements (a multiple of CHUNK): a bounded number
+# of whole-tensor ops per call, and temporaries of at most ~16 B x BIG (64 MiB in float32)
+BIG = 1 << 22
+_HUGE = 1e30  # not used here any more; slimgrad.ops._output_act re-exports the name
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 # tensors of at most DENSE_MAX elements keep x densely (NOTE [Few elements] in ops._output_act)
 DENSE_MAX = 512
@@ -194,10 +193,31 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
 
     Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
     bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
-    dtype): the hard elements. Dense fallback (more than n / FALLBACK_DIV hard, unless
-    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened). Under fake
-    tensors (``slimgrad.memory.estimate``) the side table, being data-dependent, is taken as empty:
-    the estimate is y + 1 bit/elt, the measured figure is that + the few hard elements.
+    dtype): the hard elements, CHUNK by CHUNK (NOTE [The PyTorch path on a GPU]). Dense fallback
+    (more than n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always): (y, empty uint8,
+    empty idx, x flattened). Under fake tensors (``slimgrad.memory.estimate``) the side table,
+    being data-dependent, is taken as empty: the estimate is y + 1 bit/elt, the measured figure is
+    that + the few hard elements.
+
+    # NOTE [The PyTorch path on a GPU]
+    Every pass is a whole-tensor aten op (over spans of BIG elements, so that the temporaries stay
+    bounded: about 10 B x BIG here, 16 B x BIG in :func:`smooth_grad`), never a Python loop over
+    2^16-element chunks, and the only value the host reads is one 3-element count (``tolist``: one
+    device-to-host copy) after the last pass; the backward reads none. A call dispatches
+    O(1 + n / BIG) ops. (The first CUDA run measured the former chunk loop, ~30 ops and ~5 host
+    syncs per 2^16 elements, at 15 ms for a 1M-element GELU forward, 70x eager's forward and
+    backward.) Per span: t = |x - x*| in float32, the packed bits, a one-byte code per element
+    (bit 0: hard = window, tail or non-finite; bit 1: zone) and, with a tail, the float32 sum of t
+    per CHUNK. After the count: one ``nonzero_static`` over the codes; the zone and hard lists
+    are taken from that short list (``nonzero_static`` again, sized by the counts).
+
+    The side table's order is the one this function always had: CHUNK by CHUNK (2^16 elements,
+    as the C and Triton kernels' blocks), its window and non-finite hits in increasing order, then
+    its tail hits in increasing order; except in a CHUNK whose sum of t is not finite (NaN/inf in
+    it, or a float32 overflow of the sum), where all are in increasing order (a stable sort of the
+    short list by (CHUNK, tail) restores it). A per-CHUNK sum computed by another reduction order
+    could overflow where the former one did not only when it lies within rounding of float32's
+    largest value; then only the order of that CHUNK's table would differ, not its contents.
     """
     inv = inverse(spec)
     w, tail = _window(spec, x.dtype)
@@ -214,78 +234,60 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     zone = spec.zone if x.dtype == torch.float32 else 0.0
     flat = flat.contiguous()
     y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
-    yf = y.view(-1)
-    near = max(zone, w)
-    # the window around x* and the tail are disjoint for every spec; were they not, an element in
-    # both would be listed twice per chunk: that case takes the CHUNK-by-CHUNK loop
-    split = tail is None or tail <= inv.x_star - near
-    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
-    idx = []
-    for a in range(0, n, BIG):
-        c = flat[a : a + BIG]
-        d = c.float() - inv.x_star
-        ge = d >= 0
-        bits[a // 8 : a // 8 + packed_numel(ge.numel())] = pack_bits(ge)
-        t = d.abs_()
-        # finite and small: no CHUNK has a non-finite sum of t, so every CHUNK's hard elements
-        # are its window hits then its tail hits (else: the per-CHUNK path, which sorts them)
-        if split and bool(t.amax() < _HUGE):
-            idx.append(_hard_big(spec, c, t, a, near, w, zone, tail, yf).to(idx_dtype))
-        else:
-            for a2 in range(0, c.numel(), CHUNK):
-                idx.append(
-                    _hard_chunk(spec, c[a2 : a2 + CHUNK], a + a2, near, w, zone, tail, yf).to(
-                        idx_dtype
-                    )
-                )
-    idx = torch.cat(idx) if len(idx) > 1 else (idx[0] if idx else empty_idx)
-    if fallback and idx.numel() * FALLBACK_DIV > n:
+    if n == 0:
         return y, empty_bits, empty_idx, flat.clone()
-    return y, bits, idx, flat[idx.long()]
-
-
-def _hard_big(spec, c, t, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
-    """Hard elements (int64, absolute) of the chunk ``c`` at offset ``a`` (all finite, small)."""
-    m = t < near
-    # the tail pass only where some element is below it (a cheap reduction first)
-    has_tail = tail is not None and bool(c.amin() < tail)
-    if has_tail:
-        m.logical_or_(c < tail)
-    cand = m.nonzero().view(-1)  # window (and tail) candidates, increasing
-    tv = t.index_select(0, cand)
-    zi, tl = cand, None
-    if has_tail:
-        isnear = tv < near
-        zi, tv = torch.masked_select(cand, isnear), torch.masked_select(tv, isnear)
-        tl = torch.masked_select(cand, isnear.logical_not_())
-    hard = zi if near <= w else torch.masked_select(zi, tv < w)
-    if zone and zi.numel():  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
-        vals = spec.f(c.index_select(0, zi).double()).to(yf.dtype)
-        yf[a : a + c.numel()].index_copy_(0, zi, vals)
-    if tl is not None and tl.numel():  # order as by CHUNK: window, then tail hits, per CHUNK
-        both = torch.cat([hard, tl])
-        key = torch.cat([(hard >> 16) * 2, (tl >> 16) * 2 + 1])
-        hard = both[torch.sort(key, stable=True).indices]
-    return hard.add_(a)
-
-
-def _hard_chunk(spec, c, a: int, near: float, w: float, zone: float, tail, yf) -> torch.Tensor:
-    """Hard elements (int64, absolute) of one CHUNK ``c`` at offset ``a``: any input."""
-    d = c.float() - inverse(spec).x_star
-    t = d.abs_()
-    # candidates near x*, then work on that few percent only (full-chunk passes dominate)
-    zi = (t < near).nonzero().view(-1)
-    parts = [zi[t.index_select(0, zi) < w]]
-    if zone and zi.numel():
-        vals = spec.f(c.index_select(0, zi).double()).to(yf.dtype)
-        yf.index_put_((zi + a,), vals)
-    if tail is not None:
-        parts.append((c < tail).nonzero().view(-1))
-    if not bool(torch.isfinite(t.sum())):  # NaN/inf in the chunk (or a sum overflow): rare
-        parts.append((~(t < math.inf)).nonzero().view(-1))
-        parts = [torch.cat(parts).unique()]  # -inf is also below the tail
-    hard = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return hard.add_(a)
+    near = max(zone, w)
+    if tail is not None and tail > inv.x_star - near:  # no spec has it: window and tail disjoint
+        raise internal_error(f"{spec.name}: the tail {tail} reaches the window around x*")
+    bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
+    code = torch.empty(n, dtype=torch.uint8, device=x.device)  # bit 0: hard, bit 1: zone
+    nc = (n + CHUNK - 1) // CHUNK
+    sums = torch.empty(nc, dtype=torch.float32, device=x.device) if tail is not None else None
+    counts = None
+    for a in range(0, n, BIG):  # one span for n <= BIG
+        c = flat[a : a + BIG]
+        m = c.numel()
+        t = c - inv.x_star if c.dtype == torch.float32 else c.float().sub_(inv.x_star)
+        bits[a // 8 : a // 8 + packed_numel(m)] = pack_bits(t >= 0)
+        t.abs_()
+        h = (t < w).logical_or_((t < math.inf).logical_not_())  # window, NaN and +-inf
+        if tail is not None:
+            h.logical_or_(c < tail)
+            full = m // CHUNK
+            if full:
+                torch.sum(t[: full * CHUNK].view(full, CHUNK), 1, out=sums[a // CHUNK :][:full])
+            if full * CHUNK < m:
+                torch.sum(t[full * CHUNK :], 0, keepdim=True, out=sums[-1:])
+        cd = code[a : a + m]
+        if zone:
+            z = t < near
+            torch.add(h.view(torch.uint8), z.view(torch.uint8), alpha=2, out=cd)
+            k = torch.stack([h.sum(), z.sum(), torch.count_nonzero(cd)])
+        else:
+            cd.copy_(h)
+            k = h.sum(0, keepdim=True)
+        counts = k if counts is None else counts.add_(k)
+    # the one host read (NOTE [The PyTorch path on a GPU])
+    got = counts.tolist()
+    kh, kz, ku = got if zone else (got[0], 0, got[0])
+    u = torch.nonzero_static(code, size=ku).view(-1)  # hard or zone, increasing
+    hard = u
+    if zone and ku:
+        cu = code.index_select(0, u)
+        if kz:  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
+            zi = u.index_select(0, torch.nonzero_static(cu >= 2, size=kz).view(-1))
+            vals = spec.f(flat.index_select(0, zi).double()).to(y.dtype)
+            y.view(-1).index_copy_(0, zi, vals)
+        hard = u.index_select(0, torch.nonzero_static(cu.bitwise_and_(1), size=kh).view(-1))
+    if fallback and kh * FALLBACK_DIV > n:
+        return y, empty_bits, empty_idx, flat.clone()
+    xs = flat.index_select(0, hard)
+    if tail is not None and kh:  # CHUNK by CHUNK: window (and non-finite) hits, then tail hits
+        chunk = hard.div(CHUNK, rounding_mode="floor")
+        late = (xs < tail).logical_and_(torch.isfinite(sums).index_select(0, chunk))
+        order = torch.sort(chunk.mul_(2).add_(late), stable=True).indices
+        hard, xs = hard.index_select(0, order), xs.index_select(0, order)
+    return y, bits, hard.to(idx_dtype), xs
 
 
 def is_dense_fallback(n: int, bits, idx, xs) -> bool:
@@ -327,8 +329,8 @@ def smooth_grad(
     i = idx.long() if idx.numel() else None
     gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
     res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
-    for a in range(0, n, CHUNK):
-        b = min(a + CHUNK, n)
+    for a in range(0, n, BIG):  # one span for n <= BIG (NOTE [The PyTorch path on a GPU])
+        b = min(a + BIG, n)
         df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
         if g.dtype == cdt:
             torch.mul(gf[a:b], df, out=res[a:b])
