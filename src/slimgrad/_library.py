@@ -7,6 +7,28 @@ dispatch mode sees a custom op as one call; to account exactly for the temporari
 inside, the tracker runs the recorded Python implementation itself, with the mode still active,
 instead of the opaque kernel. Hence the rule: a slimgrad kernel that is plain PyTorch goes through
 this wrapper, never ``torch.library`` directly.
+
+# NOTE [Calling a custom op eagerly]
+Going through torch's custom-op dispatcher costs tens of microseconds of Python per call (schema
+parsing of the arguments, the Python dispatcher, the ADInplaceOrView and autograd kernels that
+torch registers for every custom op), on the host's time: on a GPU that is what a training step
+waits for. :func:`custom_op` therefore returns a :class:`SlimOp`, which calls the recorded Python
+implementation directly when nothing could tell the difference, i.e. all of:
+
+- not under torch.compile / Dynamo, ``torch.jit.trace`` or a ``torch.func`` transform;
+- no ``TorchDispatchMode`` (FakeTensorMode, export's proxy and functional modes, the memory
+  tracker, ``slimgrad.testing.count_host_syncs``) and no ``TorchFunctionMode`` active;
+- every tensor argument a plain ``torch.Tensor`` / ``nn.Parameter`` (no subclass: FakeTensor,
+  FunctionalTensor, DTensor, ...), not on the meta device, and none requiring grad while grad
+  mode is on (the registered op's autograd kernel then decides).
+
+Otherwise it calls the registered op, so tracers, export and the tracker see one
+``slimgrad::<name>`` call as before. What the dispatcher does and the direct call must do too: an
+op registered with ``mutates_args`` gets the version counters of those arguments bumped after
+the call (a Triton kernel's raw write is invisible to autograd; a torch in-place op inside the
+implementation bumps them as well, and bumping twice is harmless). What it does not do: the
+Python implementation runs with autograd's dispatch keys enabled, but grad mode is off or no
+argument requires grad (above), so nothing is recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +40,89 @@ import torch
 NAMESPACE = "slimgrad"
 _PYTHON_IMPLS: dict[str, Callable] = {}
 
+_C = torch._C
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_PLAIN = (_Tensor, _Parameter)
+_is_compiling = torch.compiler.is_compiling
+_dispatch_stack_len = _C._len_torch_dispatch_stack
+_function_mode_on = _C._is_torch_function_mode_enabled
+_functorch_on = _C._are_functorch_transforms_active
+_is_tracing = _C._is_tracing
+_grad_on = _C.is_grad_enabled
+_bump = _C._increment_version
+
+
+def _plain(a, grad: bool) -> bool:
+    # a tensor argument the direct call may take (NOTE [Calling a custom op eagerly]); other
+    # values are fine, lists/tuples are looked into (Tensor[] arguments)
+    t = type(a)
+    if t in _PLAIN:
+        return not (a.is_meta or (grad and a.requires_grad))
+    if t is list or t is tuple:
+        return all(_plain(e, grad) for e in a)
+    return not isinstance(a, _Tensor)
+
+
+def direct_call_ok(args: tuple, kwargs: dict) -> bool:
+    """Whether a slimgrad custom op may run its Python implementation directly on these
+    arguments (NOTE [Calling a custom op eagerly])."""
+    if (
+        _is_compiling()
+        or _dispatch_stack_len()
+        or _function_mode_on()
+        or _functorch_on()
+        or _is_tracing()
+    ):
+        return False
+    grad = _grad_on()
+    for a in args:
+        if not _plain(a, grad):
+            return False
+    if kwargs:
+        for a in kwargs.values():
+            if not _plain(a, grad):
+                return False
+    return True
+
+
+class SlimOp:
+    """A registered ``slimgrad::<name>`` op that, called eagerly with plain tensors, runs its
+    Python implementation without the dispatcher (NOTE [Calling a custom op eagerly]).
+
+    Everything else (``register_fake``, ``_opoverload``, ...) is the ``CustomOpDef``'s.
+    """
+
+    def __init__(self, op_def: torch.library.CustomOpDef, fn: Callable) -> None:
+        self._def = op_def
+        self._fn = fn
+        schema = op_def._opoverload._schema
+        self._mutated = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        self.__name__ = getattr(fn, "__name__", "op")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+        self.__doc__ = fn.__doc__
+        self.__module__ = getattr(fn, "__module__", __name__)
+
+    def __call__(self, *args, **kwargs):
+        if direct_call_ok(args, kwargs):
+            out = self._fn(*args, **kwargs)
+            for i, name in self._mutated:
+                t = args[i] if i < len(args) else kwargs.get(name)
+                if isinstance(t, _Tensor):
+                    _bump((t,))
+            return out
+        return self._def(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._def, name)
+
+    def __repr__(self) -> str:
+        return f"SlimOp({self._def._qualname})"
+
 
 def custom_op(
     name: str,
@@ -26,20 +131,24 @@ def custom_op(
     device_types: str | Iterable[str] | None = None,
     schema: str | None = None,
 ):
-    """``torch.library.custom_op`` in the ``slimgrad`` namespace, visible to the memory tracker.
+    """``torch.library.custom_op`` in the ``slimgrad`` namespace, visible to the memory tracker,
+    called without the dispatcher where nothing can tell (NOTE [Calling a custom op eagerly]).
 
     Args:
         name: op name without namespace, e.g. ``"gelu_fwd"``.
         mutates_args, device_types, schema: as for ``torch.library.custom_op``.
+
+    Returns:
+        A decorator turning the Python implementation into a :class:`SlimOp`.
     """
     qualname = f"{NAMESPACE}::{name}"
 
-    def deco(fn: Callable) -> torch.library.CustomOpDef:
+    def deco(fn: Callable) -> SlimOp:
         op = torch.library.custom_op(
             qualname, mutates_args=mutates_args, device_types=device_types, schema=schema
         )(fn)
         _PYTHON_IMPLS[qualname] = fn
-        return op
+        return SlimOp(op, fn)
 
     return deco
 

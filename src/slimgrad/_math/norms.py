@@ -13,6 +13,7 @@ the same helpers. NOTE [Kernels are leaves] in ``slimgrad._math``.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -57,10 +58,47 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# NOTE [Fallback channels, once per weight version]
+# The fallback channels (NOTE [Normalization from its output: the fallback channels] in
+# ops/layer_norm.py) depend only on the weight and bias values and the output dtype. Finding them
+# takes a ``nonzero``: on CUDA a host sync (the CPU waits for the GPU), once per norm per forward,
+# 25 per GPT-2 step. So they are found once per *version* of the parameters: the answer is kept
+# per (weight, bias) pair of tensor objects, keyed by each one's data pointer, strides, dtype and
+# autograd version counter, which every in-place write that autograd can see bumps (optimizer
+# steps, ``copy_``/``fill_`` under no_grad, ``load_state_dict``; views share their base's
+# counter). Each call still returns a tensor of its own (a 0-element one, or a copy), so what a
+# forward saves and what the memory tracker counts are unchanged. What the key cannot see: a
+# write that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or collective
+# writing into the parameter's memory): code that does that and then changes which channels are
+# fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as autograd's
+# own in-place checks would need too. Inference-mode, fake and subclass tensors, and code being
+# compiled, take no cache.
+_FB_CACHE: dict[int, tuple] = {}
+
+
+def _key(t: torch.Tensor | None):
+    if t is None:
+        return None
+    return (t.data_ptr(), t._version, t.dtype, t.shape, t.stride(), t.device)
+
+
+def _cacheable(t: torch.Tensor | None) -> bool:
+    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_inference())
+
+
+def _fresh(idx: torch.Tensor) -> torch.Tensor:
+    # a tensor of the caller's own (saved by the op, counted by the tracker as a new one)
+    if idx.numel() == 0:
+        return torch.empty(0, dtype=idx.dtype, device=idx.device)
+    return idx.clone()
+
+
 def fallback_channels(
     weight: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Indices (int64, flat over the normalized dims) of channels that keep their input column."""
+    """Indices (int64, flat over the normalized dims) of channels that keep their input column,
+    found once per version of ``weight`` and ``bias`` (NOTE [Fallback channels, once per weight
+    version])."""
     if weight is None and bias is None:
         dev = torch.device("cpu")
         return torch.empty(0, dtype=torch.int64, device=dev)
@@ -68,6 +106,21 @@ def fallback_channels(
     if type(ref) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(ref):
         # Fake weights have no values (slimgrad.memory.estimate): assume no fallback channel.
         return torch.empty(0, dtype=torch.int64, device=ref.device)
+    if not (_cacheable(weight) and _cacheable(bias)) or torch.compiler.is_compiling():
+        return _find_fallback_channels(weight, bias, out_dtype)
+    key = (_key(weight), _key(bias), out_dtype)
+    slot = id(ref)
+    hit = _FB_CACHE.get(slot)
+    if hit is not None and hit[0]() is ref and hit[1] == key:
+        return _fresh(hit[2])
+    idx = _find_fallback_channels(weight, bias, out_dtype)
+    wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
+    _FB_CACHE[slot] = (wref, key, idx)
+    return _fresh(idx)
+
+
+def _find_fallback_channels(weight, bias, out_dtype):
+    ref = weight if weight is not None else bias
     acc = acc_dtype(ref.dtype)
     w = weight.detach().reshape(-1).to(acc) if weight is not None else None
     b = bias.detach().reshape(-1).to(acc) if bias is not None else None

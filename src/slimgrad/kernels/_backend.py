@@ -131,15 +131,19 @@ def set_backend(backend: str | None) -> contextlib.AbstractContextManager:
     return _Restore(old)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    if t.device.type == "meta":
-        return True
-    # torch-internal classes (no CUDA init): tracing by torch.compile / export / slimgrad.memory
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-    if isinstance(t, (FakeTensor, FunctionalTensor)):
+
+def _is_fake(t: torch.Tensor) -> bool:
+    if t.is_meta:
         return True
+    if type(t) not in _PLAIN:  # plain tensors (every eager call) skip the imports below
+        # torch-internal classes (no CUDA init): tracing by torch.compile / export / slimgrad.memory
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        if isinstance(t, (FakeTensor, FunctionalTensor)):
+            return True
     # a real tensor inside an active FakeTensorMode (allow_non_fake_inputs, e.g. a gradient handed
     # to slimgrad.memory.estimate): what the kernel would write next to it is fake, so no kernel
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None

@@ -86,6 +86,8 @@ def _mono_bwd_kernel(g_ptr, y_ptr, dx_ptr, n, a, b, ACT: tl.constexpr, BLOCK: tl
 
 def _dense(t: torch.Tensor) -> bool:
     # non-overlapping and dense in some dimension order: its memory is numel elements in a row
+    if t.is_contiguous():
+        return True
     expected = 1
     for d in sorted(range(t.dim()), key=t.stride):
         if t.shape[d] != 1:
@@ -95,9 +97,14 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+_FLAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _flat_ok(*ts: torch.Tensor) -> bool:
     # elementwise over memory order: every tensor dense, same strides, float32/16/bf16
     t0 = ts[0]
+    if len(ts) == 1:
+        return t0.dtype in _FLAT_DTYPES and _dense(t0)
     return all(
         t.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and t.dtype == t0.dtype

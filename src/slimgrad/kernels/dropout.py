@@ -31,6 +31,7 @@ from slimgrad._math.bits import packed_numel
 from slimgrad.kernels._common import (
     BLOCK,
     cast_out,
+    cdiv,
     pack_tile,
     philox_u32,
     seed_tensor,
@@ -89,12 +90,28 @@ def _unsupported(t: torch.Tensor):
     )
 
 
+_SCALES: dict[tuple, float] = {}
+
+
+def _noise_scale(p: float, dtype: torch.dtype, device: torch.device) -> float:
+    # eager's CPU scale: 1 / (1 - p) rounded to g's dtype (ops/dropout.py's _noise_scale), found
+    # once per (p, dtype, device) and kept as a Python float: no .item() (a host sync on CUDA)
+    # per backward
+    key = (p, dtype, device)
+    s = _SCALES.get(key)
+    if s is None:
+        if len(_SCALES) > 256:
+            _SCALES.clear()
+        s = _SCALES[key] = torch.ones((), dtype=dtype, device=device).div_(1 - p).item()
+    return s
+
+
 def _draw(x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
     n = x.numel()
     bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     seed = seed_tensor(x.device)
     if n:
-        grid = (triton.cdiv(n, BLOCK),)
+        grid = (cdiv(n, BLOCK),)
         _fwd_kernel[grid](x, out, bits, seed, n, 1.0 - p, 1.0 / (1.0 - p), BLOCK=BLOCK)
     return bits
 
@@ -127,12 +144,10 @@ def _bwd_triton(
         raise _unsupported(g)
     gc = g.contiguous()
     dx = gc if inplace else torch.empty_like(gc)
-    # eager's CPU scale: 1 / (1 - p) rounded to g's dtype (ops/dropout.py's _noise_scale)
-    noise_scale = torch.ones((), dtype=g.dtype, device=g.device).div_(1 - p).item()
-    scale = 1.0 / (1.0 - p) if fused else noise_scale
+    scale = 1.0 / (1.0 - p) if fused else _noise_scale(p, g.dtype, g.device)
     n = g.numel()
     if n:
-        _bwd_kernel[(triton.cdiv(n, BLOCK),)](gc, bits, dx, n, float(scale), BLOCK=BLOCK)
+        _bwd_kernel[(cdiv(n, BLOCK),)](gc, bits, dx, n, float(scale), BLOCK=BLOCK)
     if inplace:
         torch.autograd.graph.increment_version(dx)
     return dx

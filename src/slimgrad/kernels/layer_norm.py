@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from slimgrad._math import norms as _ref
-from slimgrad.kernels._common import add, cast_out, num_warps
+from slimgrad.kernels._common import add, cast_out, next_power_of_2, num_warps
 
 MAX_D = 16384  # one row per register tile in backward
 FWD_TILE = 8192  # forward: rows up to this stay in registers; longer rows loop over tiles
@@ -155,15 +155,22 @@ def _bwd_kernel(
 
 
 def _row_block(d: int) -> int:
-    return max(16, triton.next_power_of_2(max(d, 1)))
+    return max(16, next_power_of_2(max(d, 1)))
+
+
+_CAPS: dict[torch.device, int] = {}
 
 
 def _n_programs(n: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        # two programs per SM: enough rows in flight, few (P, D) partials to sum
-        cap = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        cap = 4  # the interpreter runs programs one after another
+    cap = _CAPS.get(device)
+    if cap is None:
+        if device.type == "cuda":
+            # two programs per SM: enough rows in flight, few (P, D) partials to sum (asked once
+            # per device: the query is not free)
+            cap = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            cap = 4  # the interpreter runs programs one after another
+        _CAPS[device] = cap
     return max(1, min(n, cap))
 
 
@@ -226,12 +233,13 @@ def norm_bwd(
     dw_part = torch.empty((p, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((p, d), dtype=torch.float32, device=dev) if need_db else None
     stat = rstd.reshape(n)
+    block = _row_block(d)
     _bwd_kernel[(p,)](
         dy2, y2, mean.reshape(n) if mean is not None else stat, stat, w, b, side, col2k, dx,
         dw_part, db_part, n, d, k, p,
         HAS_W=w is not None, HAS_B=b is not None, HAS_SIDE=k > 0, RMS=rms,
-        NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=_row_block(d),
-        num_warps=num_warps(_row_block(d)),
+        NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=block,
+        num_warps=num_warps(block),
     )  # fmt: skip
     if need_dx:
         dx = dx.reshape(y.shape)

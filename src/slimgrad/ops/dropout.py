@@ -79,7 +79,7 @@ def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: floa
     from slimgrad.kernels._cpu import threads
 
     bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8)
-    scale = _noise_scale(p, x.dtype, x.device).item()
+    scale = _noise_scale_value(p, x.dtype, x.device)
     _c_fns(lib)["fwd"](
         noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), x.numel(), scale, threads()
     )
@@ -89,6 +89,22 @@ def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: floa
 def _noise_scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # 1 / (1 - p) rounded to dtype exactly as eager's ``noise.div_(1 - p)`` rounds it.
     return torch.ones((), dtype=dtype, device=device).div_(1 - p)
+
+
+_SCALES: dict[tuple, float] = {}
+
+
+def _noise_scale_value(p: float, dtype: torch.dtype, device: torch.device) -> float:
+    # _noise_scale's value as a Python float, computed once per (p, dtype, device) and kept: the
+    # same bits without a tensor op and an .item() per call (NOTE [Host syncs] in
+    # slimgrad.testing); a few p values per model, so the table stays small
+    key = (p, dtype, device)
+    s = _SCALES.get(key)
+    if s is None:
+        if len(_SCALES) > 256:
+            _SCALES.clear()
+        s = _SCALES[key] = _noise_scale(p, dtype, device).item()
+    return s
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -133,7 +149,7 @@ def _apply_mask_torch(
         from slimgrad.kernels._cpu import threads
 
         out = g if inplace else torch.empty_like(g)
-        scale = _noise_scale(p, g.dtype, g.device).item()
+        scale = _noise_scale_value(p, g.dtype, g.device)
         _c_fns(lib)["bwd"](
             g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, threads()
         )
