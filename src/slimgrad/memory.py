@@ -876,6 +876,120 @@ class _CudaDispatch(TorchDispatchMode):
         return out
 
 
+# NOTE [Building a model under fake tensors]
+# ``make_forward`` builds models under ``FakeTensorMode``, and building often deep-copies one
+# (``convert_(copy.deepcopy(model))``, the bench cases' slimgrad side). ``Tensor.__deepcopy__`` is
+# wrong for fake tensors in two ways, and :func:`fake_tensors` routes it:
+#
+# - A ``FakeTensor`` is cloned (its fake storage has data pointer 0), then its whole ``__dict__``
+#   is deep-copied: that includes ``fake_mode``, so the copy gets its *own* ``FakeTensorMode``
+#   (with deep copies of its caches, ShapeEnv and converter memo: C++ objects and storages copied
+#   as bytes), and the two models' tensors belong to different modes. On the lent GPU's torch
+#   (2.11) this segfaulted the interpreter (resnet50_inplace_abn, hf_gpt2); on 2.13, CPU, it
+#   crashed resnet50's slimgrad side the same way.
+# - ``__dict__`` also holds ``constant``: the real tensor behind a small fake one (BatchNorm's
+#   ``num_batches_tracked = torch.tensor(0)``). A real tensor is copied by storage:
+#   ``new_empty([])`` under the fake mode is a fake (meta) tensor, and ``set_`` of it to the
+#   copied CPU storage raises "Attempted to set the storage of a tensor on device "meta" to a
+#   storage on different device "cpu"" (resnet50, either side: its copy is made to build the
+#   case).
+#
+# - ``Module.to``/``.float()``/``.double()`` (``Module._apply``) always *swaps* a fake parameter
+#   with its converted copy (``torch.utils.swap_tensors``), even when nothing changes, and the swap
+#   refuses a tensor that has a weak reference, which every fake parameter has (the fake mode's
+#   memo): "_apply(): Couldn't swap Linear.weight" for any module made under fake tensors and then
+#   placed (the attention, bn_relu_chain and conv_frozen cases).
+#
+# So a fake tensor is cloned in its own mode (``clone`` gives the copy fresh fake internals,
+# ``constant`` included) and only the attributes a fresh fake tensor does not have (user
+# attributes, ``_is_param``) are deep-copied; a real tensor (a constant, a captured table) is
+# deep-copied with the fake mode set aside, so it stays real, as the original is. PyTorch's own
+# ``FakeCopyMode`` is not used: it returns a fake tensor as it is, so the copy would share the
+# original's buffers and parameters. While building, the swap of two fake tensors of one mode on
+# one device is ``t1.data = t2`` (what ``_apply`` does for real tensors), and a no-op when ``t2`` is
+# ``t1``; any other swap is PyTorch's.
+
+
+def _fake_deepcopy(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    if id(t) in memo:
+        return memo[id(t)]
+    if not isinstance(t, FakeTensor):
+        with unset_fake_temporarily():
+            new = torch.Tensor.__deepcopy__(t, memo)
+        memo[id(t)] = new
+        return new
+    if not t.is_leaf:
+        raise RuntimeError(
+            "slimgrad.memory.fake_tensors: deepcopy of a tensor that is not a graph leaf; "
+            f"expected a leaf (a parameter or buffer), got one made by {type(t.grad_fn).__name__}. "
+            "Copy the model before running it."
+        )
+    with torch.no_grad():
+        new = t.clone(memory_format=torch.preserve_format)
+    memo[id(t)] = new
+    if t.requires_grad:
+        new.requires_grad_()
+    if t.grad is not None:
+        new.grad = _fake_deepcopy(t.grad, memo)
+    fresh = set(new.__dict__)
+    for k, v in t.__dict__.items():
+        if k not in fresh:
+            setattr(new, k, copy.deepcopy(v, memo))
+    return new
+
+
+class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
+    # NOTE [Building a model under fake tensors]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__deepcopy__:
+            return _fake_deepcopy(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _fake_swap(t1: torch.Tensor, t2: torch.Tensor, _swap=torch.utils.swap_tensors) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fakes = isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)
+    if fakes and t1 is t2:
+        return
+    if fakes and t1.fake_mode is t2.fake_mode and t1.device == t2.device and type(t1) is type(t2):
+        with torch.no_grad():
+            t1.data = t2
+        return
+    _swap(t1, t2)
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """The ``FakeTensorMode`` :func:`estimate` runs under, for building models and inputs.
+
+    Real tensors may be mixed in (slimgrad's constant tables), and ``copy.deepcopy`` of a model
+    made under it gives an independent fake copy, and ``module.to(dtype)`` works (NOTE [Building
+    a model under fake tensors]).
+
+    Example:
+        >>> import copy
+        >>> with fake_tensors():
+        ...     bn = torch.nn.BatchNorm1d(4)
+        ...     twin = copy.deepcopy(bn)
+        >>> twin.weight is bn.weight
+        False
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    swap = torch.utils.swap_tensors
+    torch.utils.swap_tensors = _fake_swap
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, _FakeDeepcopy():
+            yield mode
+    finally:
+        torch.utils.swap_tensors = swap
+
+
 def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) -> StepMemory:
     """:func:`measure` under ``FakeTensorMode``: the same figures without allocating or computing.
 
@@ -897,8 +1011,6 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
     Raises:
         ValueError: ``device`` is not one of :data:`DEVICES`.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from slimgrad.convert_handlers.device_rule import stands_for
 
     kind = device.type if isinstance(device, torch.device) else device
@@ -909,7 +1021,7 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
         )
     cuda = kind == "cuda"
     with contextlib.ExitStack() as stack:
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # slimgrad's constants
+        stack.enter_context(fake_tensors())
         if cuda:
             stack.enter_context(stands_for("cuda"))
             stack.enter_context(_CudaDispatch())

@@ -336,9 +336,9 @@ def estimate_step(
         return (lambda: model(*xs)), (model if isinstance(model, torch.nn.Module) else None)
 
     if grad is None:  # a non-scalar output needs one (its values do not change the bytes)
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from slimgrad.memory import fake_tensors
 
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with fake_tensors(), torch.no_grad():
             out = make()[0]()
             shape, out_dtype = tuple(out.shape), out.dtype
         if out.numel() != 1:
