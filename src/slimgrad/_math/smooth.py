@@ -136,12 +136,17 @@ class _Inverse:
         b = bits.to(torch.int32)
         scale = torch.index_select(byte_scale, 0, b).view(-1)[:m]
         pos = torch.index_select(byte_offset, 0, b).view(-1)[:m]
+        del b  # each temporary is dropped as soon as it is dead: 16 B/elt at most (float32)
         # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 past)
         y_hi = self.y_min if y.dtype == torch.float64 else round_f32(self.y_min)
         s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
         # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
         pos.addcmul_(s, scale)
-        i = pos.to(torch.int32).clamp_(min=0)  # pos >= 0: truncation = floor; NaN (hard) -> 0
+        del scale
+        # pos >= 0: truncation = floor; NaN (hard) -> 0. float32: into s's buffer (the same cast)
+        i = s.view(torch.int32).copy_(pos) if s.dtype == torch.float32 else pos.to(torch.int32)
+        del s
+        i.clamp_(min=0)
         w = pos.sub_(i)
         lo = torch.index_select(tab, 0, i)
         return lo.lerp_(torch.index_select(self.table_next_on(y.device, y.dtype), 0, i), w)
@@ -245,27 +250,7 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     sums = torch.empty(nc, dtype=torch.float32, device=x.device) if tail is not None else None
     counts = None
     for a in range(0, n, BIG):  # one span for n <= BIG
-        c = flat[a : a + BIG]
-        m = c.numel()
-        t = c - inv.x_star if c.dtype == torch.float32 else c.float().sub_(inv.x_star)
-        bits[a // 8 : a // 8 + packed_numel(m)] = pack_bits(t >= 0)
-        t.abs_()
-        h = (t < w).logical_or_((t < math.inf).logical_not_())  # window, NaN and +-inf
-        if tail is not None:
-            h.logical_or_(c < tail)
-            full = m // CHUNK
-            if full:
-                torch.sum(t[: full * CHUNK].view(full, CHUNK), 1, out=sums[a // CHUNK :][:full])
-            if full * CHUNK < m:
-                torch.sum(t[full * CHUNK :], 0, keepdim=True, out=sums[-1:])
-        cd = code[a : a + m]
-        if zone:
-            z = t < near
-            torch.add(h.view(torch.uint8), z.view(torch.uint8), alpha=2, out=cd)
-            k = torch.stack([h.sum(), z.sum(), torch.count_nonzero(cd)])
-        else:
-            cd.copy_(h)
-            k = h.sum(0, keepdim=True)
+        k = _span_codes(flat[a : a + BIG], a, bits, code, sums, inv.x_star, w, zone, near, tail)
         counts = k if counts is None else counts.add_(k)
     # the one host read (NOTE [The PyTorch path on a GPU])
     got = counts.tolist()
@@ -288,6 +273,32 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
         order = torch.sort(chunk.mul_(2).add_(late), stable=True).indices
         hard, xs = hard.index_select(0, order), xs.index_select(0, order)
     return y, bits, hard.to(idx_dtype), xs
+
+
+def _span_codes(c, a: int, bits, code, sums, x_star: float, w: float, zone: float, near, tail):
+    """One span ``c`` at offset ``a`` of :func:`smooth_fwd`: writes its packed bits, its codes
+    (bit 0: hard, bit 1: zone) and, with a tail, its per-CHUNK sums of |x - x*|; returns its
+    counts (hard, zone, either) on the device (zone 0: hard only)."""
+    m = c.numel()
+    t = c - x_star if c.dtype == torch.float32 else c.float().sub_(x_star)
+    bits[a // 8 : a // 8 + packed_numel(m)] = pack_bits(t >= 0)
+    t.abs_()
+    h = (t < w).logical_or_((t < math.inf).logical_not_())  # window, NaN and +-inf
+    if tail is not None:
+        h.logical_or_(c < tail)
+        full = m // CHUNK
+        if full:
+            torch.sum(t[: full * CHUNK].view(full, CHUNK), 1, out=sums[a // CHUNK :][:full])
+        if full * CHUNK < m:  # the tensor's last, partial CHUNK
+            torch.sum(t[full * CHUNK :], 0, keepdim=True, out=sums[-1:])
+    cd = code[a : a + m]
+    if not zone:
+        cd.copy_(h)
+        return h.sum(0, keepdim=True)
+    z = t < near
+    del t
+    torch.add(h.view(torch.uint8), z.view(torch.uint8), alpha=2, out=cd)
+    return torch.stack([h.sum(), z.sum(), torch.count_nonzero(cd)])
 
 
 def is_dense_fallback(n: int, bits, idx, xs) -> bool:
@@ -331,14 +342,18 @@ def smooth_grad(
     res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
     for a in range(0, n, BIG):  # one span for n <= BIG (NOTE [The PyTorch path on a GPU])
         b = min(a + BIG, n)
-        df = inv.df(yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8])
-        if g.dtype == cdt:
-            torch.mul(gf[a:b], df, out=res[a:b])
-        else:
-            res[a:b] = (gf[a:b].to(cdt) * df).to(g.dtype)
+        _grad_span(inv, gf[a:b], yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8], res[a:b])
     if i is not None:
         res[i] = bwd_exact(gh, xs)
     return res.view(g.shape) if out is None else out
+
+
+def _grad_span(inv: _Inverse, g: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, out) -> None:
+    df = inv.df(y, bits)  # y in the compute dtype (float32 or float64)
+    if g.dtype == y.dtype:
+        torch.mul(g, df, out=out)
+    else:
+        out.copy_((g.to(y.dtype) * df).to(g.dtype))
 
 
 # -------------------------------------------------------------------------------------------------
