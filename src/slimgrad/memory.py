@@ -864,12 +864,38 @@ class _CudaFunctions(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _CudaDispatch(TorchDispatchMode):
-    # aten-level differences: CUDA's layer norm keeps float32 statistics for half inputs
+_GROUPED_MM_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+class _KernelDispatch(TorchDispatchMode):
+    # aten-level differences between fake kernels and the modelled device's kernels:
+    # - ``_grouped_mm``'s meta kernel checks CUDA's bf16-only rule, which CPU's kernel (and CUDA's
+    #   fallback) does not have: another float dtype gets the meta's shape and strides, computed
+    #   on bfloat16 stand-ins (made below the tracker, not counted), in the input's dtype;
+    # - CUDA's layer norm keeps float32 statistics for half inputs (NOTE [Estimating what CUDA
+    #   kernels keep]).
+    def __init__(self, cuda: bool) -> None:
+        super().__init__()
+        self.cuda = cuda
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and kwargs.get("out_dtype") is None:
+            a, b = args[0], args[1]
+            if a.dtype == b.dtype and a.dtype in _GROUPED_MM_DTYPES:
+                rest = [
+                    t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t
+                    for t in args[2:]
+                ]  # fmt: skip
+                bias = kwargs.get("bias")
+                kw = dict(kwargs)
+                if bias is not None:
+                    kw["bias"] = bias.to(torch.bfloat16)
+                out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kw)
+                return torch.empty_strided(out.shape, out.stride(), dtype=a.dtype)
         out = func(*args, **kwargs)
-        if func is torch.ops.aten.native_layer_norm.default:
+        if self.cuda and func is torch.ops.aten.native_layer_norm.default:
             y, mean, rstd = out
             if mean.dtype in (torch.float16, torch.bfloat16):
                 return y, mean.float(), rstd.float()
@@ -964,12 +990,19 @@ def _fake_swap(t1: torch.Tensor, t2: torch.Tensor, _swap=torch.utils.swap_tensor
 
 
 @contextlib.contextmanager
-def fake_tensors():
+def fake_tensors(device: str = "cpu"):
     """The ``FakeTensorMode`` :func:`estimate` runs under, for building models and inputs.
 
     Real tensors may be mixed in (slimgrad's constant tables), and ``copy.deepcopy`` of a model
     made under it gives an independent fake copy, and ``module.to(dtype)`` works (NOTE [Building
     a model under fake tensors]).
+
+    Args:
+        device: whose kernels the fake ones stand for (``"cpu"`` or ``"cuda"``; :func:`estimate`
+            adds the CUDA routing of Python-level ops).
+
+    Raises:
+        NotImplementedError: inside it, an output's size depended on tensor values.
 
     Example:
         >>> import copy
@@ -979,13 +1012,28 @@ def fake_tensors():
         >>> twin.weight is bn.weight
         False
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+    )
 
     swap = torch.utils.swap_tensors
     torch.utils.swap_tensors = _fake_swap
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, _FakeDeepcopy():
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True) as mode,
+            _KernelDispatch(device == "cuda"),
+            _FakeDeepcopy(),
+        ):
             yield mode
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise NotImplementedError(
+            "slimgrad.memory.estimate: the step's sizes depend on tensor values, which fake "
+            f"tensors do not have; expected value-independent shapes, got {e} (e.g. MoE "
+            "routing through nonzero). Measure a real small batch with slimgrad.memory.measure "
+            "instead."
+        ) from e
     finally:
         torch.utils.swap_tensors = swap
 
@@ -1010,6 +1058,8 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
 
     Raises:
         ValueError: ``device`` is not one of :data:`DEVICES`.
+        NotImplementedError: an output's size depends on tensor values (``nonzero``, boolean
+            indexing, ``.item()``), e.g. MoE routing: no exact estimate exists.
     """
     from slimgrad.convert_handlers.device_rule import stands_for
 
@@ -1021,10 +1071,9 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
         )
     cuda = kind == "cuda"
     with contextlib.ExitStack() as stack:
-        stack.enter_context(fake_tensors())
+        stack.enter_context(fake_tensors(kind))
         if cuda:
             stack.enter_context(stands_for("cuda"))
-            stack.enter_context(_CudaDispatch())
             stack.enter_context(_CudaFunctions())
         made = make_forward()
         if isinstance(made, tuple):

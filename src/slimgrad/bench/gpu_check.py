@@ -14,8 +14,10 @@ Three steps, each appending one JSON record (two per end-to-end case) to ``--out
    ``benchmarks/results/<case>.jsonl``), then, per side, one more step measured by
    ``slimgrad.memory.measure`` *and* the CUDA caching allocator at once (NOTE [Tracker against the
    allocator]), and the same step estimated for CUDA's kernels without running them
-   (``slimgrad.memory.estimate(device="cuda")``, :func:`estimate_step`): the estimate's peak is
-   recorded against ``max_memory_allocated`` and its saved bytes against the tracker's (issue 19).
+   (``slimgrad.memory.estimate(device="cuda")``, :func:`estimate_step`, run in a child
+   interpreter so that a crash costs only those fields: :func:`estimate_isolated`): the estimate's
+   peak is recorded against ``max_memory_allocated`` and its saved bytes against the tracker's
+   (issue 19).
    Targets: step time <= 1.03x eager, peaks agreeing within the allocator's rounding.
 
 Without CUDA every CUDA part is skipped with a message and a record saying so; ``--device cpu``
@@ -238,10 +240,12 @@ def _clear(model: Any, xs: tuple = ()) -> None:
 
 def allocator_vs_tracker(
     build: Callable, device: torch.device, dtype: torch.dtype, *, small: bool, seed: int = 0,
-    warmup: int = 2, mem_tol_bytes: int = 0,
+    warmup: int = 2, mem_tol_bytes: int = 0, case_name: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Per side (eager, slimgrad): one step measured by slimgrad.memory and, on CUDA, by the
-    caching allocator around the same step (NOTE [Tracker against the allocator])."""
+    caching allocator around the same step (NOTE [Tracker against the allocator]); on CUDA also
+    the step's CUDA estimate, in a child interpreter when ``case_name`` names the registered case
+    (:func:`estimate_isolated`), else in this one."""
     from slimgrad.memory import measure
 
     torch.manual_seed(seed)
@@ -298,15 +302,21 @@ def allocator_vs_tracker(
             side_rec.update(compare_peaks(m.peak_bytes, alloc_peak,
                                           None if req is None else req - base_req,
                                           mem_tol_bytes))  # fmt: skip
-            try:  # the CUDA estimate of this same step (issue 19): recorded, not enforced
-                est = estimate_step(build, dtype, small=small, side=side, seed=seed, grad=grad)
-                side_rec.update(est)
+            # the CUDA estimate of this same step (issue 19), in a child interpreter: recorded,
+            # not enforced; an estimate that fails or crashes is a finding, not a crash
+            if case_name is not None:
+                est = estimate_isolated(case_name, dtype, small=small, side=side, seed=seed)
+            else:
+                try:
+                    est = estimate_step(build, dtype, small=small, side=side, seed=seed, grad=grad)
+                except Exception as e:
+                    est = {"estimate_error": f"{type(e).__name__}: {e}"[:500]}
+            side_rec.update(est)
+            if "estimate_error" not in est:
                 side_rec["estimate_minus_allocated_bytes"] = est["estimate_peak_bytes"] - alloc_peak
                 side_rec["estimate_saved_equals_tracker"] = (
                     est["estimate_saved_bytes"] == m.saved_bytes
                 )
-            except Exception as e:  # an estimate that cannot run is a finding, not a crash
-                side_rec["estimate_error"] = f"{type(e).__name__}: {e}"[:500]
         out[side] = side_rec
         del xs, m
         _clear(model)
@@ -315,6 +325,35 @@ def allocator_vs_tracker(
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def case_step(
+    build: Callable, dtype: torch.dtype, *, small: bool, side: str, seed: int = 0
+) -> Callable[[], tuple]:
+    """The ``make_forward`` of :func:`slimgrad.memory.estimate` for one side of a bench case: the
+    case built on CPU (under the estimate's fake tensors), the seeds :func:`allocator_vs_tracker`
+    uses; returns ``(forward, module)``."""
+
+    def make():
+        torch.manual_seed(seed)
+        eager, slim, make_inputs = build(torch.device("cpu"), dtype, small=small)
+        model = eager if side == "eager" else slim
+        torch.manual_seed(seed + 1)
+        xs = _as_tuple(make_inputs())
+        return (lambda: model(*xs)), (model if isinstance(model, torch.nn.Module) else None)
+
+    return make
+
+
+def ones_grad(make: Callable[[], tuple]) -> torch.Tensor | None:
+    """The incoming gradient for a step whose output is not a scalar (ones: its values do not
+    change the bytes), from a forward under fake tensors; None for a scalar output."""
+    from slimgrad.memory import fake_tensors
+
+    with fake_tensors(), torch.no_grad():
+        out = make()[0]()
+        shape, out_dtype, numel = tuple(out.shape), out.dtype, out.numel()
+    return None if numel == 1 else torch.ones(shape, dtype=out_dtype)
 
 
 def estimate_step(
@@ -327,25 +366,49 @@ def estimate_step(
     seeds and incoming gradient; no GPU is needed."""
     from slimgrad.memory import estimate
 
-    def make():
-        torch.manual_seed(seed)
-        eager, slim, make_inputs = build(torch.device("cpu"), dtype, small=small)
-        model = eager if side == "eager" else slim
-        torch.manual_seed(seed + 1)
-        xs = _as_tuple(make_inputs())
-        return (lambda: model(*xs)), (model if isinstance(model, torch.nn.Module) else None)
-
-    if grad is None:  # a non-scalar output needs one (its values do not change the bytes)
-        from slimgrad.memory import fake_tensors
-
-        with fake_tensors(), torch.no_grad():
-            out = make()[0]()
-            shape, out_dtype = tuple(out.shape), out.dtype
-        if out.numel() != 1:
-            grad = torch.ones(shape, dtype=out_dtype)
-    g = None if grad is None else grad.detach().to("cpu")
+    make = case_step(build, dtype, small=small, side=side, seed=seed)
+    g = ones_grad(make) if grad is None else grad.detach().to("cpu")
     m = estimate(make, device=device, grad=g, timeline=False)
     return {"estimate_peak_bytes": m.peak_bytes, "estimate_saved_bytes": m.saved_bytes}
+
+
+def estimate_isolated(
+    case: str, dtype: torch.dtype, *, small: bool, side: str, seed: int = 0,
+    device: str = "cuda", timeout_s: float = 900,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`estimate_step` of a registered case in a child interpreter: an estimate that crashes
+    (the first GPU run's segfaults) or hangs costs only its own fields. CUDA is hidden from the
+    child (the estimate needs none). Returns the estimate's fields, or ``estimate_error``."""
+    cmd = [sys.executable, "-m", "slimgrad.bench.gpu_check", "--estimate-case", case,
+           "--estimate-side", side, "--dtype", str(dtype).replace("torch.", ""),
+           "--estimate-device", device, "--estimate-seed", str(seed)]  # fmt: skip
+    if small:
+        cmd.append("--small")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"estimate_error": f"timed out after {timeout_s:.0f} s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    died = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+    tail = " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])
+    return {"estimate_error": f"estimate process died ({died}): {tail}"[:500]}
+
+
+def _estimate_main(a: argparse.Namespace) -> int:
+    # the child of estimate_isolated: one JSON line on stdout
+    from slimgrad.bench.harness import get_case
+
+    build = get_case(a.estimate_case).build
+    try:
+        rec = estimate_step(build, getattr(torch, a.dtype), small=a.small, side=a.estimate_side,
+                            seed=a.estimate_seed, device=a.estimate_device)  # fmt: skip
+    except Exception as e:  # a finding, reported in the record
+        rec = {"estimate_error": f"{type(e).__name__}: {e}"[:500]}
+    print(json.dumps(rec), flush=True)
+    return 0
 
 
 def compare_peaks(
@@ -402,7 +465,8 @@ def run_e2e(
     else:
         _say(f"e2e {name}: tracker against the allocator")
         rec["allocator"] = allocator_vs_tracker(case.build, device, dtype, small=small,
-                                                mem_tol_bytes=mem_tol_bytes)  # fmt: skip
+                                                mem_tol_bytes=mem_tol_bytes,
+                                                case_name=name)  # fmt: skip
     agrees = [s.get("agrees") for s in (rec["allocator"] or {}).values()]
     rec["ok"] = rec["grad_ok"] is not False and all(a is not False for a in agrees)
     _say(f"e2e {name}: time {rec['time_ratio']:.3f}x eager, peak {rec['peak_ratio']:.3f}x, "
@@ -431,7 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="the cases' small variants (plumbing)")
     p.add_argument("--repeat", type=int, default=10, help="timed eager/slimgrad pairs per case")
     p.add_argument("--mem-tol-bytes", type=int, default=0)
+    # the child of estimate_isolated: print one case side's estimate as JSON, nothing else
+    p.add_argument("--estimate-case", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--estimate-side", default="eager", help=argparse.SUPPRESS)
+    p.add_argument("--estimate-device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--estimate-seed", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)  # fmt: skip
+    if a.estimate_case:
+        return _estimate_main(a)
     steps = [s for s in a.steps.split(",") if s]
     bad = [s for s in steps if s not in STEPS]
     if bad:
