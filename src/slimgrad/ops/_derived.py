@@ -51,12 +51,15 @@ of c, and re-runs the same conv in backward (bit for bit: same op, same inputs; 
 replayed). The cost is one extra forward convolution for such layers (ResNet-50: the 1x1 conv3 and
 downsample convs); the versions of every ingredient are checked, so an in-place change of x or W
 between forward and backward raises autograd's error instead of giving a wrong gradient. The
-default policy (``"pointwise"``) replays 1x1 convs only, and not a projection (fewer output than
-input channels) of a squeeze-excite output (NOTE [Gated derived tensors]): in EfficientNet-B0 and
-MobileNetV3 those replays were 11-12% of the step's convolution FLOPs, to save the narrow output
-of an inverted-residual block; with those norms keeping their input the peak is 0.350x eager
-(EfficientNet-B0, 8x3x224x224 fp32; 0.325x with the replays). RegNetY's SE conv keeps its width
-(no projection): it is still replayed.
+default policy (``"pointwise"``) replays 1x1 convs only, and not one whose input is a
+squeeze-excite output (NOTE [Gated derived tensors]): in EfficientNet-B0 and MobileNetV3 those
+convs are projections whose replays were 11-12% of the step's convolution FLOPs, to save the
+narrow output of an inverted-residual block; with those norms keeping their input the peak is
+0.350x eager (EfficientNet-B0, 8x3x224x224 fp32; 0.325x with the replays). RegNetY's conv3 keeps
+its width, and its replays (27 per step in regnety_016, 8x3x224x224 fp32) cost the most: with
+those norms keeping their input the peak is 0.574x eager (0.465x replaying) and the process time
+per step 1.05x eager (1.22x replaying; both with NOTE [A stand-in for x] in ops/conv.py; median
+of 4 interleaved pairs, 1 thread, on a loaded box).
 
 Limitation: the BatchNorm keeps its switchable slot as ctx attributes (``save_for_backward`` cannot
 be changed after forward), which saved-tensor hooks do not see. Inside ``torch.utils.checkpoint``

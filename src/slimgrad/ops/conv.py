@@ -62,12 +62,14 @@ class _ConvFn(torch.autograd.Function):
         ctx.w_meta = (weight.shape, weight.dtype)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.act = ctx.rebuild = None
+        ctx.base_stands_in = False
         kept_x = None
         if need_w:
             d = _derived.lookup(x)
             if d is not None:
                 ctx.act, kept_x = d.act, d.base
                 ctx.rebuild = d.consumer()  # NOTE [Rebuilt once per backward]
+                ctx.base_stands_in = _stands_in(kept_x, x)  # NOTE [A stand-in for x]
             else:
                 kept_x = x
         ctx.save_for_backward(kept_x, weight if need_x else None)
@@ -119,6 +121,8 @@ class _ConvFn(torch.autograd.Function):
             x = ctx.rebuild(kept_x)[0]
             _, gw, _ = _bwd_torch(grad, x, weight, None, *ctx.conf, [False, True, False])
             del x
+            if ctx.base_stands_in:  # NOTE [A stand-in for x]
+                fake_x = kept_x
             gx, _, gb = _bwd_torch(
                 grad, fake_x, weight, ctx.bias_sizes, *ctx.conf, [need_x, False, need_b]
             )
@@ -133,10 +137,26 @@ class _ConvFn(torch.autograd.Function):
 _ConvFn.backward = staticmethod(first_order("ops.conv", double=_ConvFn._double)(_ConvFn.backward))
 
 
+# NOTE [A stand-in for x]
+# convolution_backward reads only the shape (and the memory format) of an input whose gradient it
+# does not compute, but it first makes that input contiguous in the backend's memory format: an
+# expanded 0-d stand-in (``_shape_only``) is copied into a full-size buffer there (a write of
+# x's size and a transient of x's bytes at the conv's dx). Where x = act(b) was rebuilt for dW,
+# the kept b has x's shape, dtype and strides: it stands in for x in the dx call (nothing is
+# allocated or copied, and the backend picks the memory format eager picks for x). The values
+# are never read, so dx has the same bits either way.
+
+
+def _stands_in(b: torch.Tensor, x: torch.Tensor) -> bool:
+    # b (x = act(b), or act(b) * g) may stand in for x in a dx-only convolution_backward
+    return b.shape == x.shape and b.dtype == x.dtype and b.stride() == x.stride()
+
+
 def _shape_only(grad: torch.Tensor, shape, dtype: torch.dtype, device) -> torch.Tensor:
     # A tensor of ``shape`` whose values are never read (convolution_backward reads only the shape
     # of an input whose gradient it does not compute): a 0-d view of grad's first element,
-    # expanded, so no byte is allocated; a fresh 0-d tensor when grad's dtype or device differs.
+    # expanded, so no byte is allocated here (but see NOTE [A stand-in for x]: the conv's dx copies
+    # it); a fresh 0-d tensor when grad's dtype or device differs.
     if (
         grad.dtype == dtype
         and grad.device == torch.device(device)
@@ -288,20 +308,16 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
                 w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
             return _fwd_torch(inp, w, b, *conf)
 
-        # "cheap" (the norm's default policy replays it): a 1x1 conv, except a projection (fewer
-        # output than input channels) of a squeeze-excite output: replaying those costs 11-12% of
-        # the conv FLOPs of an EfficientNet-B0/MobileNetV3 step to save their narrow output, so
-        # those norms keep their input (NOTE [Recomputable inputs]).
+        # "cheap" (the norm's default policy replays it): a 1x1 conv, except one whose input is a
+        # squeeze-excite output (EfficientNet-B0's and MobileNetV3's projections, RegNetY's
+        # width-keeping conv3): those norms keep their input (NOTE [Recomputable inputs]).
         pointwise = all(k == 1 for k in w0.shape[2:])
         gated = isinstance(act, tuple) and act[0] == "gate"
-        narrowing = (w0.shape[1] * groups if not transposed else w0.shape[0]) > (
-            w0.shape[0] if not transposed else w0.shape[1] * groups
-        )
         _derived.register_recipe(
             y,
             recompute,
             (kept, w0, b0),
-            cheap=pointwise and not (gated and narrowing),
+            cheap=pointwise and not gated,
             rebuild=rebuild,
         )
     return y
