@@ -235,6 +235,17 @@ def bwd_torch(
         invstd_p[side_idx] = 1
     need_inp = training or need_dparams
     weight_p = w * invstd / invstd_p
+    # dγ = Σ dy (inp - mean_p) / γ, accumulated in float64 and divided once (side channels: inp is
+    # x̂ itself, divided by 1): the kernel's Σ dy x̂' multiplies by a rounded 1/γ (a systematic
+    # relative error on every term) and on CUDA accumulates in float32; both put dγ past the
+    # GUIDE.md rule on an H200 (float32, identity: 2.77e-6 against a bound of 2.73e-6)
+    dot64 = torch.zeros(c, device=z.device, dtype=torch.float64) if need_dparams else None
+    den64 = w.double() if side_idx.numel() == 0 else w.double().index_fill(0, side_idx, 1.0)
+
+    def dweight_part(c0, dy, inp, mp):
+        t = inp - mp.view(shape)
+        t.mul_(dy)
+        dot64[c0 : c0 + dy.shape[1]] += t.sum(dim=[0] + list(range(2, z.dim())), dtype=dot64.dtype)
 
     def rebuild(zc, dzc, c0, n0, n1):
         zf = zc if zc.dtype == acc else zc.to(acc)
@@ -269,6 +280,8 @@ def bwd_torch(
         )  # fmt: skip
         sum_dy_xhat[c0:c1] += gw
         sum_dy[c0:c1] += gb
+        if need_dparams:
+            dweight_part(c0, dy, inp, mean_p[c0:c1])
 
     dx = None
     if need_dx:
@@ -302,22 +315,24 @@ def bwd_torch(
     if training and need_dx and allreduce is None and rows is None and z.numel() > 0:
         # Common case, one pass per channel group: aten's fused BatchNorm backward on the rebuilt
         # input, with mean' = mean_p, invstd' = invstd_p and weight' = w * invstd / invstd_p,
-        # gives this group's sums and dx. Views come from split() to keep per-chunk overhead low.
-        gws, gbs = [], []
+        # gives this group's dx and Σ dy (dγ: dweight_part). Views come from split() to keep
+        # per-chunk overhead low.
+        gbs = []
         groups = zip(
             z.split(step, 1), dz.split(step, 1), dx.split(step, 1), weight_p.split(step),
             mean_p.split(step), invstd_p.split(step), range(0, c, step),
         )  # fmt: skip
         for zc, dzc, slot, wp, mp, ip, c0 in groups:
             dy, inp = rebuild(zc, dzc, c0, 0, z.shape[0])
-            dxc, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                dy, inp, wp, None, None, mp, ip, True, eps, [True, True, True]
+            dxc, _, gb = torch.ops.aten.native_batch_norm_backward(
+                dy, inp, wp, None, None, mp, ip, True, eps, [True, False, True]
             )
+            if need_dparams:  # before dx is written: dy may be a view of dz, dx's buffer
+                dweight_part(c0, dy, inp, mp)
             slot.copy_(dxc)
-            gws.append(gw)
             gbs.append(gb)
             del dy, inp, dxc  # free this chunk's temporaries before the next chunk's
-        return dx, torch.cat(gws), torch.cat(gbs)
+        return dx, _dweight(dot64, den64, acc, c, z.device), torch.cat(gbs)
     if z.numel() > 0:
         for c0, c1, parts in chunks(z):
             if allreduce is None and len(parts) == 1:
@@ -345,7 +360,13 @@ def bwd_torch(
                     dy, inp = inputs(c0, c1, n0, n1)
                     write(c0, c1, n0, n1, dy, inp, *coefs(c0, c1, g_count, g_dy, g_dyx))
                     del dy, inp
-    return dx, sum_dy_xhat, sum_dy
+    return dx, _dweight(dot64, den64, acc, c, z.device), sum_dy
+
+
+def _dweight(dot64, den64, acc, c, device):
+    if dot64 is None:  # not asked for (need_dparams=False): zeros, as the kernel's unused output
+        return torch.zeros(c, device=device, dtype=acc)
+    return (dot64 / den64).to(acc)
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
