@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from collections import Counter
 
 import pytest
@@ -87,6 +88,12 @@ def _cost(call):
     return out, ops.n, sum(syncs.values()), dict(reads)
 
 
+@pytest.fixture(autouse=True)
+def gpu_spans(monkeypatch):
+    """The spans a CUDA tensor gets (BIG elements), on these CPU tensors."""
+    monkeypatch.setattr(smooth, "CPU_SPAN", smooth.BIG)
+
+
 def _x(n: int, dtype: torch.dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     return torch.randn(n, generator=gen).to(dtype)
@@ -116,14 +123,14 @@ def test_one_call_is_a_bounded_number_of_ops_and_one_host_read(case, dtype):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_ops_grow_only_per_span(case, monkeypatch):
-    """Past BIG elements, each further span adds a bounded number of ops (and no host read)."""
+    """Past one span, each further span adds a bounded number of ops (and no host read)."""
     _, spec, fwd, bwd, _ = case
     n = N // 4
     x, g = _x(n, torch.float32), _x(n, torch.float32).flip(0)
     smooth.smooth_fwd(spec, x, fwd)
     side, f1, _, _ = _cost(lambda: smooth.smooth_fwd(spec, x, fwd, fallback=False))
     _, b1, _, _ = _cost(lambda: smooth.smooth_grad(spec, g, *side, bwd))
-    monkeypatch.setattr(smooth, "BIG", n // 4)
+    monkeypatch.setattr(smooth, "CPU_SPAN", n // 4)
     side4, f4, s4, r4 = _cost(lambda: smooth.smooth_fwd(spec, x, fwd, fallback=False))
     _, b4, _, _ = _cost(lambda: smooth.smooth_grad(spec, g, *side4, bwd))
     assert s4 == 0 and r4 == {"tolist": 1}
@@ -144,3 +151,24 @@ def test_op_on_the_torch_backend_reads_the_host_once(case):
         _, ops, syncs, reads = _cost(lambda: fn(x).sum().backward())
     assert syncs == 0 and reads == {"tolist": 1}, (syncs, reads)
     assert ops <= FWD_OPS + BWD_OPS + 20, ops
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_spans_do_not_change_results(case, monkeypatch):
+    """Spans of 1, 3 and 16 CHUNKs give the same y, bits, side table (its order too) and gradient,
+    with NaN/inf, a CHUNK whose float32 sum overflows and tail hits in most CHUNKs."""
+    _, spec, fwd, bwd, _ = case
+    chunk = smooth.CHUNK
+    x = _x(9 * chunk + 5, torch.float32) * 1.7
+    x[5 * chunk + 3], x[7 * chunk + 1], x[7 * chunk + 2] = math.nan, math.inf, -math.inf
+    x[6 * chunk : 6 * chunk + 64] = 3e38
+    x[8 * chunk + 9] = -2.75  # a tail hit after the NaN CHUNKs
+    g = _x(x.numel(), torch.float32).flip(0)
+    got = []
+    for span in (chunk, 3 * chunk, 16 * chunk):
+        monkeypatch.setattr(smooth, "CPU_SPAN", span)
+        side = smooth.smooth_fwd(spec, x, fwd, fallback=False)
+        got.append((*side, smooth.smooth_grad(spec, g, *side, bwd)))
+    for other in got[1:]:
+        for a, b in zip(got[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -25,9 +25,12 @@ from slimgrad._math.bits import pack_bits, packed_numel
 # the side table lists its hard elements CHUNK by CHUNK (a multiple of 8; the C and Triton kernels'
 # blocks): NOTE [The PyTorch path on a GPU] at smooth_fwd
 CHUNK = 1 << 16
-# the PyTorch path's passes run over spans of BIG elements (a multiple of CHUNK): a bounded number
-# of whole-tensor ops per call, and temporaries of at most ~16 B x BIG (64 MiB in float32)
+# the PyTorch path's passes run over spans (multiples of CHUNK; NOTE [The PyTorch path on a GPU]):
+# BIG elements on a GPU (a bounded number of whole-tensor ops per call, temporaries of at most
+# ~16 B x BIG: 64 MiB in float32); CPU_SPAN on CPU, where an op costs no launch and temporaries
+# that stay in cache matter more (1M-element float32, 1 thread: backward 1.7x slower with BIG)
 BIG = 1 << 22
+CPU_SPAN = CHUNK
 _HUGE = 1e30  # not used here any more; slimgrad.ops._output_act re-exports the name
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 # tensors of at most DENSE_MAX elements keep x densely (NOTE [Few elements] in ops._output_act)
@@ -205,8 +208,9 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     that + the few hard elements.
 
     # NOTE [The PyTorch path on a GPU]
-    Every pass is a whole-tensor aten op (over spans of BIG elements, so that the temporaries stay
-    bounded: about 10 B x BIG here, 16 B x BIG in :func:`smooth_grad`), never a Python loop over
+    Every pass is a whole-tensor aten op (over spans of BIG elements on a GPU, CPU_SPAN on CPU, so
+    that the temporaries stay bounded: about 10 B/elt of a span here, 16 B/elt in
+    :func:`smooth_grad`; plus the 1-byte codes of the whole tensor here), never a Python loop over
     2^16-element chunks, and the only value the host reads is one 3-element count (``tolist``: one
     device-to-host copy) after the last pass; the backward reads none. A call dispatches
     O(1 + n / BIG) ops. (The first CUDA run measured the former chunk loop, ~30 ops and ~5 host
@@ -249,8 +253,9 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     nc = (n + CHUNK - 1) // CHUNK
     sums = torch.empty(nc, dtype=torch.float32, device=x.device) if tail is not None else None
     counts = None
-    for a in range(0, n, BIG):  # one span for n <= BIG
-        k = _span_codes(flat[a : a + BIG], a, bits, code, sums, inv.x_star, w, zone, near, tail)
+    span = _span(x)
+    for a in range(0, n, span):  # on a GPU: one span for n <= BIG
+        k = _span_codes(flat[a : a + span], a, bits, code, sums, inv.x_star, w, zone, near, tail)
         counts = k if counts is None else counts.add_(k)
     # the one host read (NOTE [The PyTorch path on a GPU])
     got = counts.tolist()
@@ -275,6 +280,10 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     return y, bits, hard.to(idx_dtype), xs
 
 
+def _span(t: torch.Tensor) -> int:
+    return CPU_SPAN if t.device.type == "cpu" else BIG
+
+
 def _span_codes(c, a: int, bits, code, sums, x_star: float, w: float, zone: float, near, tail):
     """One span ``c`` at offset ``a`` of :func:`smooth_fwd`: writes its packed bits, its codes
     (bit 0: hard, bit 1: zone) and, with a tail, its per-CHUNK sums of |x - x*|; returns its
@@ -283,20 +292,21 @@ def _span_codes(c, a: int, bits, code, sums, x_star: float, w: float, zone: floa
     t = c - x_star if c.dtype == torch.float32 else c.float().sub_(x_star)
     bits[a // 8 : a // 8 + packed_numel(m)] = pack_bits(t >= 0)
     t.abs_()
-    h = (t < w).logical_or_((t < math.inf).logical_not_())  # window, NaN and +-inf
     if tail is not None:
-        h.logical_or_(c < tail)
         full = m // CHUNK
         if full:
             torch.sum(t[: full * CHUNK].view(full, CHUNK), 1, out=sums[a // CHUNK :][:full])
         if full * CHUNK < m:  # the tensor's last, partial CHUNK
             torch.sum(t[full * CHUNK :], 0, keepdim=True, out=sums[-1:])
+    z = t < near if zone else None  # NaN and inf are not in the zone
+    h = t.nan_to_num_(0.0, 0.0) < w  # the window, NaN and +-inf (set to 0 first)
+    del t
+    if tail is not None:
+        h.logical_or_(c < tail)
     cd = code[a : a + m]
-    if not zone:
+    if z is None:
         cd.copy_(h)
         return h.sum(0, keepdim=True)
-    z = t < near
-    del t
     torch.add(h.view(torch.uint8), z.view(torch.uint8), alpha=2, out=cd)
     return torch.stack([h.sum(), z.sum(), torch.count_nonzero(cd)])
 
@@ -340,8 +350,11 @@ def smooth_grad(
     i = idx.long() if idx.numel() else None
     gh = gf[i] if i is not None else None  # read before out (maybe g's buffer) is written
     res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
-    for a in range(0, n, BIG):  # one span for n <= BIG (NOTE [The PyTorch path on a GPU])
-        b = min(a + BIG, n)
+    span = _span(g)
+    for a in range(
+        0, n, span
+    ):  # on a GPU: one span for n <= BIG (NOTE [The PyTorch path on a GPU])
+        b = min(a + span, n)
         _grad_span(inv, gf[a:b], yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8], res[a:b])
     if i is not None:
         res[i] = bwd_exact(gh, xs)
