@@ -28,6 +28,7 @@ __all__ = [
     "rms_norm_bwd_torch",
     "rms_norm_fwd_torch",
     "rowdot",
+    "side_columns",
 ]
 
 #: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``: the
@@ -135,9 +136,14 @@ def _find_fallback_channels(weight, bias, out_dtype):
 def layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps):
     y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
     idx = fallback_channels(weight, bias, y.dtype).to(x.device)
-    d = math.prod(normalized_shape)
-    xside = x.reshape(-1, d).index_select(1, idx)
-    return y, mean, rstd, idx, xside
+    return y, mean, rstd, idx, side_columns(x, math.prod(normalized_shape), idx)
+
+
+def side_columns(x: torch.Tensor, d: int, idx: torch.Tensor) -> torch.Tensor:
+    """x's input columns of the fallback channels ``idx``, (rows, k); no gather when k = 0."""
+    if idx.numel() == 0:
+        return x.new_empty((x.numel() // d if d else 0, 0))
+    return x.reshape(-1, d).index_select(1, idx)
 
 
 def layer_norm_bwd_torch(
@@ -191,8 +197,7 @@ def layer_norm_bwd_torch(
 def rms_norm_fwd_torch(x, normalized_shape, weight, eps):
     y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
     idx = fallback_channels(weight, None, y.dtype).to(x.device)
-    xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
-    return y, rstd, idx, xside
+    return y, rstd, idx, side_columns(x, math.prod(normalized_shape), idx)
 
 
 def rms_norm_bwd_torch(

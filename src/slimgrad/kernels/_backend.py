@@ -43,6 +43,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 import warnings
 from types import ModuleType
 
@@ -63,6 +64,7 @@ ENV_VAR = "SLIMGRAD_BACKEND"
 
 _state: dict[str, str | None] = {"backend": None}
 _found: dict[str, bool] = {}
+_env_seen: list = [None, None]  # the last $SLIMGRAD_BACKEND value read and its parsed name
 
 
 def _check(backend: str, source: str) -> str:
@@ -102,7 +104,11 @@ def get_backend() -> str:
         return b
     env = os.environ.get(ENV_VAR)
     if env:
-        return _check(env, f"${ENV_VAR}")
+        if env == _env_seen[0]:  # read on every call, parsed once per value
+            return _env_seen[1]
+        b = _check(env, f"${ENV_VAR}")
+        _env_seen[:] = [env, b]
+        return b
     return "auto"
 
 
@@ -187,7 +193,10 @@ def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True
 
 def kernels(stem: str) -> ModuleType:
     """``slimgrad.kernels.<stem>``, imported on first use (this imports triton)."""
-    return importlib.import_module(f"slimgrad.kernels.{stem}")
+    # sys.modules first: import_module costs microseconds per call even for a loaded module
+    name = f"slimgrad.kernels.{stem}"
+    mod = sys.modules.get(name)
+    return mod if mod is not None else importlib.import_module(name)
 
 
 def use_cpu(

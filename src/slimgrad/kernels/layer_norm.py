@@ -154,6 +154,11 @@ def _bwd_kernel(
         tl.store(db_ptr + pid * d + c, db_acc, mask=m)
 
 
+def _dense(t):
+    # t itself when contiguous (the kernels read flat memory), else a contiguous copy
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def _row_block(d: int) -> int:
     return max(16, next_power_of_2(max(d, 1)))
 
@@ -186,16 +191,16 @@ def norm_fwd(x, normalized_shape, weight, bias, eps, rms: bool):
     ):
         return None
     n = x.numel() // d
-    x2 = x.reshape(n, d).contiguous()
+    # the kernels index flat memory: any contiguous tensor will do, whatever its shape (no
+    # reshape per call)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # as eager, whatever weight's dtype
     stat_shape = tuple(x.shape[: x.dim() - nd]) + (1,) * nd
     mean = None if rms else torch.empty(stat_shape, dtype=torch.float32, device=x.device)
     rstd = torch.empty(stat_shape, dtype=torch.float32, device=x.device)
-    w = weight.reshape(d).contiguous() if weight is not None else None
-    b = bias.reshape(d).contiguous() if bias is not None else None
     block = min(_row_block(d), FWD_TILE)
+    w, b = _dense(weight), _dense(bias)
     _fwd_kernel[(n,)](
-        x2, y, w, b, mean if mean is not None else rstd, rstd, d, float(eps),
+        _dense(x), y, w, b, mean if mean is not None else rstd, rstd, d, float(eps),
         HAS_W=w is not None, HAS_B=b is not None, RMS=rms, ONE_TILE=d <= block, BLOCK_D=block,
         num_warps=num_warps(block),
     )  # fmt: skip
@@ -216,10 +221,7 @@ def norm_bwd(
     need_dw = weight is not None and bool(output_mask[1])
     need_db = (not rms) and bias is not None and bool(output_mask[2])
     dev = y.device
-    y2 = y.reshape(n, d).contiguous()
-    dy2 = dy.reshape(n, d).contiguous()
-    w = weight.reshape(d).contiguous() if weight is not None else None
-    b = bias.reshape(d).contiguous() if bias is not None else None
+    w, b = _dense(weight), _dense(bias)
     k = idx.numel()
     col2k = side = None
     if k:
@@ -229,20 +231,19 @@ def norm_bwd(
     p = _n_programs(n, dev)
     dx = None
     if need_dx:
-        dx = out.view(n, d) if out is not None else torch.empty((n, d), dtype=y.dtype, device=dev)
+        dx = out if out is not None else torch.empty(y.shape, dtype=y.dtype, device=dev)
     dw_part = torch.empty((p, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((p, d), dtype=torch.float32, device=dev) if need_db else None
-    stat = rstd.reshape(n)
+    stat = _dense(rstd)
     block = _row_block(d)
     _bwd_kernel[(p,)](
-        dy2, y2, mean.reshape(n) if mean is not None else stat, stat, w, b, side, col2k, dx,
+        _dense(dy), _dense(y), _dense(mean) if mean is not None else stat, stat, w, b, side, col2k,
+        dx,
         dw_part, db_part, n, d, k, p,
         HAS_W=w is not None, HAS_B=b is not None, HAS_SIDE=k > 0, RMS=rms,
         NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=block,
         num_warps=num_warps(block),
     )  # fmt: skip
-    if need_dx:
-        dx = dx.reshape(y.shape)
     # per-program float32 partials, summed in float64 (as the PyTorch path accumulates dw, db)
     dw = (
         dw_part.sum(0, dtype=torch.float64).to(weight.dtype).reshape(weight.shape)
@@ -259,9 +260,17 @@ def _fwd_triton(x, normalized_shape, weight, bias, eps):
     if out is None:
         return _ref.layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps)
     y, mean, rstd = out
-    idx = _ref.fallback_channels(weight, bias, y.dtype).to(x.device)
-    xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
+    idx, xside = side_columns(x, normalized_shape, weight, bias, y.dtype)
     return y, mean, rstd, idx, xside
+
+
+def side_columns(x, normalized_shape, weight, bias, out_dtype):
+    """(idx, xside): the fallback channels and x's columns of them, (rows, k); no gather when
+    there are none (the usual case)."""
+    idx = _ref.fallback_channels(weight, bias, out_dtype)
+    if idx.device != x.device:
+        idx = idx.to(x.device)
+    return idx, _ref.side_columns(x, math.prod(normalized_shape), idx)
 
 
 def _bwd_triton(

@@ -8,12 +8,10 @@ Same signatures as ``slimgrad._math.norms.rms_norm_fwd_torch`` / ``rms_norm_bwd_
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from slimgrad._math import norms as _ref
-from slimgrad.kernels.layer_norm import norm_bwd, norm_fwd
+from slimgrad.kernels.layer_norm import norm_bwd, norm_fwd, side_columns
 
 
 def _fwd_triton(x, normalized_shape, weight, eps):
@@ -23,8 +21,7 @@ def _fwd_triton(x, normalized_shape, weight, eps):
     if out is None:
         return _ref.rms_norm_fwd_torch(x, normalized_shape, weight, eps)
     y, _, rstd = out
-    idx = _ref.fallback_channels(weight, None, y.dtype).to(x.device)
-    xside = x.reshape(-1, math.prod(normalized_shape)).index_select(1, idx)
+    idx, xside = side_columns(x, normalized_shape, weight, None, y.dtype)
     return y, rstd, idx, xside
 
 
