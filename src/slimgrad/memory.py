@@ -867,11 +867,29 @@ class _CudaFunctions(torch.overrides.TorchFunctionMode):
 _GROUPED_MM_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
+def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    # the output of aten._grouped_mm (shapes as _create_grouped_mm_output_tensor in
+    # torch/_meta_registrations.py), rows padded to 16 bytes as the CPU and CUDA kernels pad them
+    if a.dim() == 2 and b.dim() == 2:
+        shape = (offs.size(0), a.size(0), b.size(1))
+    elif a.dim() == 2:
+        shape = (a.size(0), b.size(-1))
+    elif b.dim() == 2:
+        shape = (a.size(1), b.size(1))
+    else:
+        shape = (a.size(0), a.size(1), b.size(-1))
+    align = 16 // a.dtype.itemsize
+    row = -(-shape[-1] // align) * align
+    stride = (row, 1) if len(shape) == 2 else (shape[1] * row, row, 1)
+    return torch.empty_strided(shape, stride, dtype=a.dtype)
+
+
 class _KernelDispatch(TorchDispatchMode):
     # aten-level differences between fake kernels and the modelled device's kernels:
     # - ``_grouped_mm``'s meta kernel checks CUDA's bf16-only rule, which CPU's kernel (and CUDA's
-    #   fallback) does not have: another float dtype gets the meta's shape and strides, computed
-    #   on bfloat16 stand-ins (made below the tracker, not counted), in the input's dtype;
+    #   fallback) does not have: another float dtype gets the meta's output shape in the input's
+    #   dtype, its rows padded to 16 bytes (CPU's kernel pads them too: a 6 x 5 float32 output
+    #   has strides (8, 1); the meta pads only in a CUDA build);
     # - CUDA's layer norm keeps float32 statistics for half inputs (NOTE [Estimating what CUDA
     #   kernels keep]).
     def __init__(self, cuda: bool) -> None:
@@ -882,18 +900,9 @@ class _KernelDispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._grouped_mm.default and kwargs.get("out_dtype") is None:
             a, b = args[0], args[1]
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
             if a.dtype == b.dtype and a.dtype in _GROUPED_MM_DTYPES:
-                rest = [
-                    t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                    else t
-                    for t in args[2:]
-                ]  # fmt: skip
-                bias = kwargs.get("bias")
-                kw = dict(kwargs)
-                if bias is not None:
-                    kw["bias"] = bias.to(torch.bfloat16)
-                out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kw)
-                return torch.empty_strided(out.shape, out.stride(), dtype=a.dtype)
+                return _grouped_mm_out(a, b, offs)
         out = func(*args, **kwargs)
         if self.cuda and func is torch.ops.aten.native_layer_norm.default:
             y, mean, rstd = out

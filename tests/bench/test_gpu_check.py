@@ -126,3 +126,21 @@ def test_estimate_step_matches_the_cpu_tracker_and_models_cuda():
     eager_cpu = G.estimate_step(build, torch.float32, small=True, side="eager", device="cpu")
     eager_cuda = G.estimate_step(build, torch.float32, small=True, side="eager", device="cuda")
     assert eager_cuda["estimate_saved_bytes"] < eager_cpu["estimate_saved_bytes"]
+
+
+def test_estimate_isolated_runs_in_a_child_and_a_crash_costs_only_its_fields(monkeypatch):
+    from slimgrad.bench.harness import get_case
+
+    build = get_case("dropout").build
+    here = G.estimate_step(build, torch.float32, small=True, side="slimgrad")
+    assert G.estimate_isolated("dropout", torch.float32, small=True, side="slimgrad") == here
+    # the child died of a signal (the first GPU run's segfaults): recorded, not raised
+    import subprocess
+
+    def died(cmd, **kw):
+        assert kw["env"]["CUDA_VISIBLE_DEVICES"] == "" and "--estimate-case" in cmd
+        return subprocess.CompletedProcess(cmd, -11, stdout="", stderr="Fatal Python error")
+
+    monkeypatch.setattr(G.subprocess, "run", died)
+    err = G.estimate_isolated("dropout", torch.float32, small=True, side="eager")
+    assert set(err) == {"estimate_error"} and "signal 11" in err["estimate_error"]
