@@ -172,3 +172,48 @@ def test_spans_do_not_change_results(case, monkeypatch):
     for other in got[1:]:
         for a, b in zip(got[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cuda_bit_identical_and_one_sync(case):
+    """On CUDA: the frozen pre-speed-up implementation's y, bits, table and gradient, bit for bit;
+    the forward synchronizes once (its counts), the backward never (torch's sync debug mode)."""
+    import warnings
+
+    from tests.ops.test_output_act_speed import ref_smooth_fwd, ref_smooth_grad
+
+    _, spec, fwd, bwd, _ = case
+    n = N + 2 * smooth.CHUNK + 13
+    x = (_x(n, torch.float32) * 1.7).cuda()
+    x[5], x[smooth.CHUNK + 3], x[smooth.CHUNK + 4] = math.nan, math.inf, -math.inf
+    x[2 * smooth.CHUNK : 2 * smooth.CHUNK + 64] = 3e38
+    g = _x(n, torch.float32).flip(0).cuda()
+    for fallback in (False, True):
+        ref = ref_smooth_fwd(spec, x, fwd, fallback)
+        got = smooth.smooth_fwd(spec, x, fwd, fallback)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    y, bits, idx, xs = ref_smooth_fwd(spec, x, fwd, False)
+    torch.testing.assert_close(
+        smooth.smooth_grad(spec, g, y, bits, idx, xs, bwd),
+        ref_smooth_grad(spec, g, y, bits, idx, xs, bwd),
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+    )
+    torch.cuda.synchronize()
+    old = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as fw:
+            warnings.simplefilter("always")
+            side = smooth.smooth_fwd(spec, x, fwd, False)
+        with warnings.catch_warnings(record=True) as bw:
+            warnings.simplefilter("always")
+            smooth.smooth_grad(spec, g, *side, bwd)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    syncs = [w for w in fw if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert not [w for w in bw if "synchroniz" in str(w.message)]

@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from slimgrad._errors import internal_error
 from slimgrad._math.bits import pack_bits, packed_numel
 
-# the side table lists its hard elements CHUNK by CHUNK (a multiple of 8; the C and Triton kernels'
-# blocks): NOTE [The PyTorch path on a GPU] at smooth_fwd
+# the side table lists its hard elements CHUNK by CHUNK (a multiple of 8; the C kernels' blocks):
+# NOTE [The PyTorch path on a GPU] at smooth_fwd
 CHUNK = 1 << 16
 # the PyTorch path's passes run over spans (multiples of CHUNK; NOTE [The PyTorch path on a GPU]):
 # BIG elements on a GPU (a bounded number of whole-tensor ops per call, temporaries of at most
@@ -211,17 +211,19 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     Every pass is a whole-tensor aten op (over spans of BIG elements on a GPU, CPU_SPAN on CPU, so
     that the temporaries stay bounded: about 10 B/elt of a span here, 16 B/elt in
     :func:`smooth_grad`; plus the 1-byte codes of the whole tensor here), never a Python loop over
-    2^16-element chunks, and the only value the host reads is one 3-element count (``tolist``: one
-    device-to-host copy) after the last pass; the backward reads none. A call dispatches
-    O(1 + n / BIG) ops. (The first CUDA run measured the former chunk loop, ~30 ops and ~5 host
-    syncs per 2^16 elements, at 15 ms for a 1M-element GELU forward, 70x eager's forward and
-    backward.) Per span: t = |x - x*| in float32, the packed bits, a one-byte code per element
+    2^16-element chunks, and the only value the host reads is one small count tensor (hard, zone,
+    either; ``tolist``: one device-to-host copy) after the last pass; the backward reads none. A
+    call dispatches O(1 + n / BIG) ops (tests/ops/test_smooth_path_cost.py pins them). The former
+    chunk loop dispatched 38-57 ops and 4-7 host syncs per 2^16 elements, which the first CUDA run
+    measured at 15 ms for a 1M-element GELU forward, 70x eager's forward and backward.
+
+    Per span: t = |x - x*| in float32, the packed bits, a one-byte code per element
     (bit 0: hard = window, tail or non-finite; bit 1: zone) and, with a tail, the float32 sum of t
     per CHUNK. After the count: one ``nonzero_static`` over the codes; the zone and hard lists
     are taken from that short list (``nonzero_static`` again, sized by the counts).
 
     The side table's order is the one this function always had: CHUNK by CHUNK (2^16 elements,
-    as the C and Triton kernels' blocks), its window and non-finite hits in increasing order, then
+    as the C kernels' blocks), its window and non-finite hits in increasing order, then
     its tail hits in increasing order; except in a CHUNK whose sum of t is not finite (NaN/inf in
     it, or a float32 overflow of the sum), where all are in increasing order (a stable sort of the
     short list by (CHUNK, tail) restores it). A per-CHUNK sum computed by another reduction order
