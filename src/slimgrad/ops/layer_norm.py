@@ -25,9 +25,11 @@ rule) only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|`` and ``|gamma| >= fi
 (no subnormal output, no division by 0). Every other channel -- gamma = 0, gamma ~ 0 with a sizeable
 beta, a NaN/inf weight -- is a *fallback* channel: the forward keeps that channel's input column (as
 eager keeps all of x) and the backward rebuilds its ``xhat = (x - mu) * rstd`` exactly as eager
-does. The fallback is decided per forward from the current weights, costs nothing when there is
-none, and in the worst case (all channels) keeps what eager keeps, x, plus the output that the next
-layer keeps anyway: never inf/NaN. RMSNorm and GroupNorm use the same rule (RMSNorm: beta = 0).
+does. The fallback follows the current weights (found once per version of weight and bias, no
+host sync per forward: NOTE [Fallback channels, once per weight version] in
+``slimgrad/_math/norms.py``), costs nothing when there is none, and in the worst case (all
+channels) keeps what eager keeps, x, plus the output that the next layer keeps anyway: never
+inf/NaN. RMSNorm and GroupNorm use the same rule (RMSNorm: beta = 0).
 
 Limits, measured (seed sweeps against float64 with the tests' shapes and weights, 25-40 seeds): in
 fp32 every gradient of LayerNorm, RMSNorm and GroupNorm stayed within the rule. A bf16/fp16 output
