@@ -224,11 +224,13 @@ def use_cpu(
     if torch.compiler.is_compiling():
         return None
     b = get_backend() if backend is None else _check(backend, "backend")
-    if b not in ("auto", "cpu") or x.device.type != "cpu" or x.dtype not in dtypes:
+    if b not in ("auto", "cpu") or not x.is_cpu or x.dtype not in dtypes:
         return None
     if _is_fake(x):
         return None
-    from slimgrad.kernels import _cpu
+    _cpu = sys.modules.get("slimgrad.kernels._cpu") or importlib.import_module(
+        "slimgrad.kernels._cpu"
+    )
 
     if b == "cpu":
         with warnings.catch_warnings():
