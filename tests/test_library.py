@@ -149,3 +149,12 @@ def test_real_op_direct_matches_dispatcher():
     assert "slimgrad.layer_norm_fwd.default" in mode.ops
     for a, r in zip(direct, registered, strict=True):
         torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def test_profiler_still_names_a_directly_called_op(spy):
+    from torch.profiler import profile
+
+    with profile() as prof:
+        _scale(torch.randn(3), 2.0)
+    assert spy == []
+    assert "slimgrad::_test_library_scale" in {k.key for k in prof.key_averages()}

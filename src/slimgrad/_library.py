@@ -28,7 +28,8 @@ op registered with ``mutates_args`` gets the version counters of those arguments
 the call (a Triton kernel's raw write is invisible to autograd; a torch in-place op inside the
 implementation bumps them as well, and bumping twice is harmless). What it does not do: the
 Python implementation runs with autograd's dispatch keys enabled, but grad mode is off or no
-argument requires grad (above), so nothing is recorded.
+argument requires grad (above), so nothing is recorded. Under ``torch.profiler`` the direct call
+is wrapped in ``record_function("slimgrad::<name>")``, so profiles still name the op.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _grad_on = _C.is_grad_enabled
 _bump = _C._increment_version
+_profiling = _C._autograd._profiler_enabled
 
 
 def _plain(a, grad: bool) -> bool:
@@ -96,6 +98,7 @@ class SlimOp:
     def __init__(self, op_def: torch.library.CustomOpDef, fn: Callable) -> None:
         self._def = op_def
         self._fn = fn
+        self._qualname = op_def._qualname
         schema = op_def._opoverload._schema
         self._mutated = tuple(
             (i, a.name)
@@ -109,7 +112,11 @@ class SlimOp:
 
     def __call__(self, *args, **kwargs):
         if direct_call_ok(args, kwargs):
-            out = self._fn(*args, **kwargs)
+            if _profiling():  # profiles name the op as the dispatcher's call would
+                with torch.autograd.profiler.record_function(self._qualname):
+                    out = self._fn(*args, **kwargs)
+            else:
+                out = self._fn(*args, **kwargs)
             for i, name in self._mutated:
                 t = args[i] if i < len(args) else kwargs.get(name)
                 if isinstance(t, _Tensor):
