@@ -144,3 +144,34 @@ def test_estimate_isolated_runs_in_a_child_and_a_crash_costs_only_its_fields(mon
     monkeypatch.setattr(G.subprocess, "run", died)
     err = G.estimate_isolated("dropout", torch.float32, small=True, side="eager")
     assert set(err) == {"estimate_error"} and "signal 11" in err["estimate_error"]
+
+
+def test_workspace_fields_compare_the_peak_with_workspace_against_the_allocator():
+    from slimgrad.memory import measure
+
+    class Alloc:  # requested bytes as CUDA's allocator counts them: 4 KiB scratch in every op
+        def current(self):
+            return 0
+
+        def peak(self):
+            return 4096
+
+        def reset_peak(self):
+            pass
+
+    def step():
+        w = torch.randn(64, requires_grad=True)
+        return lambda: (w * 2).exp().sum()
+
+    m = measure(step(), workspace=Alloc())
+    assert set(m.workspace_bytes.values()) == {4096} and "aten.exp" in m.workspace_bytes
+    assert m.peak_with_workspace_bytes == m.peak_bytes + 4096
+    # an allocator peak of tracker peak + workspace + 300 B of rounding agrees with the refined
+    # peak only
+    req = m.peak_with_workspace_bytes
+    rec = G.workspace_fields(m, req + 300, req)
+    assert rec["agrees_with_workspace"] is True and rec["untracked_with_workspace_bytes"] == 0
+    assert G.compare_peaks(m.peak_bytes, req + 300, req)["agrees"] is False
+    assert G._side_agrees({"agrees": False, **rec}) is True
+    assert G._side_agrees({"agrees": False, "agrees_with_workspace": False}) is False
+    assert G._side_agrees({"agrees": None, "agrees_with_workspace": None}) is None
