@@ -116,3 +116,21 @@ def test_an_op_run_as_its_python_implementation_leaves_the_reading_to_its_inner_
     assert m.workspace_bytes == {"sgtest_ws.scratch_double": WORKSPACE}
     # the second inner call: its input (the first's output) and its output are live
     assert m.peak_with_workspace_bytes == 2 * N_OUT + WORKSPACE
+
+
+def test_cuda_allocator_stats_reads_the_requested_bytes_counters(monkeypatch):
+    # CUDA's counters, faked: the plumbing of CudaAllocatorStats without a GPU
+    from slimgrad.memory import CudaAllocatorStats
+
+    seen = []
+    stats = {"requested_bytes": {"all": {"current": 7, "peak": 11}}}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "memory_stats_as_nested_dict", lambda i: seen.append(("stats", i)) or stats
+    )
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda i: seen.append(("reset", i)))
+    s = CudaAllocatorStats()
+    assert (s.current(), s.peak()) == (7, 11)
+    s.reset_peak()
+    assert seen == [("stats", 3), ("stats", 3), ("reset", 3)]
+    assert CudaAllocatorStats("cuda:1")._index == 1

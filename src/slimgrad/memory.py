@@ -270,7 +270,7 @@ class CudaAllocatorStats:
         self._index = torch.cuda.current_device() if index is None else index
 
     def _requested(self) -> dict:
-        return torch._C._cuda_memoryStats(self._index)["requested_bytes"]["all"]
+        return torch.cuda.memory_stats_as_nested_dict(self._index)["requested_bytes"]["all"]
 
     def current(self) -> int:
         return int(self._requested()["current"])
