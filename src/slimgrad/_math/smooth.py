@@ -276,8 +276,8 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     xs = flat.index_select(0, hard)
     if tail is not None and kh:  # CHUNK by CHUNK: window (and non-finite) hits, then tail hits
         chunk = hard.div(CHUNK, rounding_mode="floor")
-        late = (xs < tail).logical_and_(torch.isfinite(sums).index_select(0, chunk))
-        order = torch.sort(chunk.mul_(2).add_(late), stable=True).indices
+        late = (xs < tail).logical_and_((sums < math.inf).index_select(0, chunk))  # sums >= 0
+        order = torch.sort(torch.add(late, chunk, alpha=2), stable=True).indices
         hard, xs = hard.index_select(0, order), xs.index_select(0, order)
     return y, bits, hard.to(idx_dtype), xs
 
