@@ -175,3 +175,31 @@ def test_workspace_fields_compare_the_peak_with_workspace_against_the_allocator(
     assert G._side_agrees({"agrees": False, **rec}) is True
     assert G._side_agrees({"agrees": False, "agrees_with_workspace": False}) is False
     assert G._side_agrees({"agrees": None, "agrees_with_workspace": None}) is None
+
+
+def test_allocator_path_runs_with_faked_cuda_counters(monkeypatch):
+    # the CUDA-only branch of allocator_vs_tracker, on CPU: CUDA's counters faked (every op
+    # holds 512 B of scratch), the estimate in this process
+    from slimgrad.bench.harness import get_case
+
+    c = torch.cuda
+    monkeypatch.setattr(c, "synchronize", lambda *a: None)
+    monkeypatch.setattr(c, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(c, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(c, "max_memory_allocated", lambda *a: 10**9)
+    monkeypatch.setattr(
+        c,
+        "memory_stats",
+        lambda *a: {"requested_bytes.all.current": 0, "requested_bytes.all.peak": 10**9},
+    )
+    monkeypatch.setattr(c, "current_device", lambda: 0)
+    nested = {"requested_bytes": {"all": {"current": 0, "peak": 512}}}
+    monkeypatch.setattr(c, "memory_stats_as_nested_dict", lambda *a: nested)
+    res = G.allocator_vs_tracker(get_case("dropout").build, torch.device("cpu"), torch.float32,
+                                 small=True, warmup=1, allocator=True)  # fmt: skip
+    for side in res.values():
+        assert side["estimate_saved_bytes"] > 0 and "estimate_error" not in side
+        assert side["peak_with_workspace_bytes"] == side["tracker_peak_bytes"] + 512
+        assert set(side["workspace_bytes"].values()) == {512}
+        assert side["agrees"] is False and side["agrees_with_workspace"] is False
+        assert side["untracked_with_workspace_bytes"] == 10**9 - side["peak_with_workspace_bytes"]

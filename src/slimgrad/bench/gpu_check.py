@@ -245,11 +245,13 @@ def _clear(model: Any, xs: tuple = ()) -> None:
 def allocator_vs_tracker(
     build: Callable, device: torch.device, dtype: torch.dtype, *, small: bool, seed: int = 0,
     warmup: int = 2, mem_tol_bytes: int = 0, case_name: str | None = None,
+    allocator: bool | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Per side (eager, slimgrad): one step measured by slimgrad.memory and, on CUDA, by the
     caching allocator around the same step (NOTE [Tracker against the allocator]); on CUDA also
     the step's CUDA estimate, in a child interpreter when ``case_name`` names the registered case
-    (:func:`estimate_isolated`), else in this one."""
+    (:func:`estimate_isolated`), else in this one. ``allocator`` (default: ``device`` is CUDA)
+    forces the allocator comparison on or off (tests drive it with faked counters)."""
     from slimgrad.memory import CudaAllocatorStats, measure
 
     torch.manual_seed(seed)
@@ -259,7 +261,7 @@ def allocator_vs_tracker(
         torch.manual_seed(seed + 1)
         return _as_tuple(make_inputs())
 
-    cuda = device.type == "cuda"
+    cuda = device.type == "cuda" if allocator is None else allocator
     out: dict[str, Any] = {}
     grad = None
     for side, model in (("eager", eager), ("slimgrad", slim)):
