@@ -23,7 +23,7 @@ def _records(path):
 
 def test_fake_run_writes_records(tmp_path, no_cuda):
     out = tmp_path / "gpu_check.jsonl"
-    argv = ["--out", str(out), "--results-dir", str(tmp_path), "--device", "cpu",
+    argv = ["--out", str(out), "--results-dir", str(tmp_path), "--device", "cpu", "--no-estimate",
             "--cases", "dropout", "--small", "--repeat", "1"]  # fmt: skip
     assert G.main(argv) == 0
     recs = _records(out)
@@ -203,3 +203,7 @@ def test_allocator_path_runs_with_faked_cuda_counters(monkeypatch):
         assert set(side["workspace_bytes"].values()) == {512}
         assert side["agrees"] is False and side["agrees_with_workspace"] is False
         assert side["untracked_with_workspace_bytes"] == 10**9 - side["peak_with_workspace_bytes"]
+    res = G.allocator_vs_tracker(get_case("dropout").build, torch.device("cpu"), torch.float32,
+                                 small=True, warmup=1, allocator=True, estimate=False)  # fmt: skip
+    assert all(s["estimate_error"] == "not run (--no-estimate)" for s in res.values())
+    assert all("peak_with_workspace_bytes" in s for s in res.values())

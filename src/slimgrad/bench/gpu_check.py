@@ -245,7 +245,7 @@ def _clear(model: Any, xs: tuple = ()) -> None:
 def allocator_vs_tracker(
     build: Callable, device: torch.device, dtype: torch.dtype, *, small: bool, seed: int = 0,
     warmup: int = 2, mem_tol_bytes: int = 0, case_name: str | None = None,
-    allocator: bool | None = None,
+    allocator: bool | None = None, estimate: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Per side (eager, slimgrad): one step measured by slimgrad.memory and, on CUDA, by the
     caching allocator around the same step (NOTE [Tracker against the allocator]); on CUDA also
@@ -310,7 +310,9 @@ def allocator_vs_tracker(
                                           mem_tol_bytes))  # fmt: skip
             # the CUDA estimate of this same step (issue 19), in a child interpreter: recorded,
             # not enforced; an estimate that fails or crashes is a finding, not a crash
-            if case_name is not None:
+            if not estimate:
+                est = {"estimate_error": "not run (--no-estimate)"}
+            elif case_name is not None:
                 est = estimate_isolated(case_name, dtype, small=small, side=side, seed=seed)
             else:
                 try:
@@ -488,7 +490,7 @@ def compare_peaks(
 
 def run_e2e(
     name: str, device: torch.device, dtype: torch.dtype, *, small: bool, repeat: int,
-    results_dir: str | None, mem_tol_bytes: int = 0,
+    results_dir: str | None, mem_tol_bytes: int = 0, estimate: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """One end-to-end case: harness record (time, tracker memory, gradients) + allocator check."""
     from slimgrad.bench.harness import get_case, run_case
@@ -521,7 +523,7 @@ def run_e2e(
         _say(f"e2e {name}: tracker against the allocator")
         rec["allocator"] = allocator_vs_tracker(case.build, device, dtype, small=small,
                                                 mem_tol_bytes=mem_tol_bytes,
-                                                case_name=name)  # fmt: skip
+                                                case_name=name, estimate=estimate)  # fmt: skip
     # a side agrees when the tracker's peak does, or its peak plus the ops' intra-op workspace
     # (NOTE [Intra-op workspace]): the two figures are recorded apart
     agrees = [_side_agrees(s) for s in (rec["allocator"] or {}).values()]
@@ -552,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="the cases' small variants (plumbing)")
     p.add_argument("--repeat", type=int, default=10, help="timed eager/slimgrad pairs per case")
     p.add_argument("--mem-tol-bytes", type=int, default=0)
+    p.add_argument("--no-estimate", action="store_true",
+                   help="skip the CUDA estimates (a child process per side: ~20-75 s each at full "
+                        "size on a 2-core CPU box)")  # fmt: skip
     # the child of estimate_isolated: print one case side's estimate as JSON, nothing else
     p.add_argument("--estimate-case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--estimate-side", default="eager", help=argparse.SUPPRESS)
@@ -583,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in [c for c in a.cases.split(",") if c]:
                 records.append(run_e2e(name, device, dtype, small=a.small, repeat=a.repeat,
                                        results_dir=a.results_dir,
-                                       mem_tol_bytes=a.mem_tol_bytes))  # fmt: skip
+                                       mem_tol_bytes=a.mem_tol_bytes,
+                                       estimate=not a.no_estimate))  # fmt: skip
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "a") as f:
         for r in records:
