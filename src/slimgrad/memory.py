@@ -1008,15 +1008,15 @@ class _KernelDispatch(TorchDispatchMode):
 
 # NOTE [Building a model under fake tensors]
 # ``make_forward`` builds models under ``FakeTensorMode``, and building often deep-copies one
-# (``convert_(copy.deepcopy(model))``, the bench cases' slimgrad side). ``Tensor.__deepcopy__`` is
-# wrong for fake tensors in two ways, and :func:`fake_tensors` routes it:
+# (``convert_(copy.deepcopy(model))``, the bench cases' slimgrad side) and places it (``.to``).
+# Three things in PyTorch break there, and :func:`fake_tensors` routes around them:
 #
 # - A ``FakeTensor`` is cloned (its fake storage has data pointer 0), then its whole ``__dict__``
 #   is deep-copied: that includes ``fake_mode``, so the copy gets its *own* ``FakeTensorMode``
 #   (with deep copies of its caches, ShapeEnv and converter memo: C++ objects and storages copied
-#   as bytes), and the two models' tensors belong to different modes. On the lent GPU's torch
-#   (2.11) this segfaulted the interpreter (resnet50_inplace_abn, hf_gpt2); on 2.13, CPU, it
-#   crashed resnet50's slimgrad side the same way.
+#   as bytes), and the two models' tensors belong to different modes. On torch 2.13 (CPU) this
+#   segfaulted the interpreter in resnet50's slimgrad side; the first GPU run (torch 2.11)
+#   segfaulted in the same kind of build (resnet50_inplace_abn, hf_gpt2; not re-run there).
 # - ``__dict__`` also holds ``constant``: the real tensor behind a small fake one (BatchNorm's
 #   ``num_batches_tracked = torch.tensor(0)``). A real tensor is copied by storage:
 #   ``new_empty([])`` under the fake mode is a fake (meta) tensor, and ``set_`` of it to the
@@ -1026,9 +1026,9 @@ class _KernelDispatch(TorchDispatchMode):
 #
 # - ``Module.to``/``.float()``/``.double()`` (``Module._apply``) always *swaps* a fake parameter
 #   with its converted copy (``torch.utils.swap_tensors``), even when nothing changes, and the swap
-#   refuses a tensor that has a weak reference, which every fake parameter has (the fake mode's
-#   memo): "_apply(): Couldn't swap Linear.weight" for any module made under fake tensors and then
-#   placed (the attention, bn_relu_chain and conv_frozen cases).
+#   refuses a tensor that has a weak reference, which every fake parameter has (PyTorch's
+#   fake-tensor bookkeeping holds one): "_apply(): Couldn't swap Linear.weight" for any module
+#   made under fake tensors and then placed (the attention, bn_relu_chain and conv_frozen cases).
 #
 # So a fake tensor is cloned in its own mode (``clone`` gives the copy fresh fake internals,
 # ``constant`` included) and only the attributes a fresh fake tensor does not have (user
