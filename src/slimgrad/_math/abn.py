@@ -11,9 +11,12 @@ the batch statistics (:func:`stats`), the side channels (:func:`side_channels`),
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad._errors import internal_error
 from slimgrad._math.tables import unsized
@@ -21,6 +24,7 @@ from slimgrad._math.tables import unsized
 __all__ = [
     "ELU_MIN_PREACT",
     "REBUILD_MAX_BIAS_RATIO",
+    "ParamChannels",
     "act_",
     "act_grad",
     "act_inverse",
@@ -31,6 +35,7 @@ __all__ = [
     "bwd_torch",
     "chunks",
     "fwd_torch",
+    "host_list",
     "overlaps",
     "plan",
     "side_channels",
@@ -136,14 +141,132 @@ def stats(x, running_mean, running_var, training, momentum, eps, merge=None):
     return mean.to(acc), 1.0 / torch.sqrt(var.to(acc) + eps), count
 
 
-def side_channels(x, w, b, mean, invstd, activation):
+# NOTE [Decided once per parameter version]
+# Which channels of a BatchNorm cannot be rebuilt from its output (ops/batch_norm.py's bad
+# channels; In-Place ABN's side channels, NOTE [Invertibility]) depends, for most activations, on
+# γ and β alone, and it picks what forward saves, so the host must know it before forward returns:
+# reading it from the device each call was one host sync per layer per step (a CUDA host then waits
+# for the GPU to drain its queue, and cannot run ahead of it). ParamChannels keeps each decision
+# with the parameters' (version, data_ptr) and reuses it while they are unchanged (autograd's own
+# test of a saved tensor: an in-place write bumps the version, a new storage moves data_ptr). When
+# one parameter is stale, every stale parameter seen before is decided with it, in one read: after
+# an optimizer step the first BatchNorm of a forward decides them all, so a training step costs
+# one host sync, not one per layer (and none while the parameters do not change). Bits: the same
+# mask, the same ascending channel order as nonzero(); only where it is computed changes. A write
+# through ``.data``, which autograd does not see either, is not seen here.
+_HOST_LISTS = WeakIdKeyDictionary()  # a decided channel tensor -> its channels as a list
+
+
+def host_list(idx: torch.Tensor) -> list[int]:
+    # the channels of idx; no device read when ParamChannels made it
+    lst = _HOST_LISTS.get(idx)
+    return lst if lst is not None else idx.tolist()
+
+
+class ParamChannels:
+    def __init__(self, mask: Callable) -> None:
+        # mask(weight, bias, extra) -> (C,) bool tensor: the channels to treat apart
+        self.mask = mask
+        self.entries = WeakIdKeyDictionary()  # by identity: a tensor compares by value
+        # device reads so far (a .cpu() copy: a host sync on CUDA that count_host_syncs, which
+        # counts at the dispatcher on CPU tensors, cannot see; tests count them here)
+        self.reads = 0
+
+    @staticmethod
+    def _state(weight, bias, extra):
+        return tuple(
+            (t._version, t.data_ptr(), t.dtype, t.device) if t is not None else None
+            for t in (weight, bias)
+        ) + (extra,)
+
+    def lookup(self, weight, bias, extra=None) -> tuple[list[int], torch.Tensor | None]:
+        """(channel list, the same as a long tensor on the parameters' device or None if empty)."""
+        key = weight if weight is not None else bias
+        entry = self.entries.get(key)
+        if entry is not None and entry[0] == self._state(weight, bias, extra):
+            if (entry[1]() if entry[1] is not None else None) is bias:
+                return entry[2], entry[3]
+        self.entries[key] = (None, weakref.ref(bias) if bias is not None else None, None, None)
+        self._decide(key, weight, bias, extra)
+        entry = self.entries[key]
+        return entry[2], entry[3]
+
+    def _decide(self, key, weight, bias, extra):
+        todo = [(key, weight, bias, extra)]
+        for k, e in list(self.entries.items()):
+            if k is key or e[0] is None:
+                continue
+            b = e[1]() if e[1] is not None else None
+            if e[1] is not None and b is None:
+                continue
+            w = k if k is not b else None
+            if e[0] != self._state(w, b, e[0][-1]):
+                todo.append((k, w, b, e[0][-1]))
+        with torch.no_grad():
+            masks = [self.mask(w, b, ex) for _, w, b, ex in todo]
+        by_device: dict = {}
+        for item, m in zip(todo, masks, strict=True):
+            by_device.setdefault(m.device, []).append((item, m))
+        for device, group in by_device.items():
+            # one read per device (a host sync on CUDA) for every stale decision at once
+            flat = torch.cat([m.reshape(-1) for _, m in group]).cpu().tolist()
+            self.reads += 1
+            lists, pos = [], 0
+            for _, m in group:
+                lists.append([i for i, bad in enumerate(flat[pos : pos + m.numel()]) if bad])
+                pos += m.numel()
+            # the channel tensors in one copy; from pinned memory without a sync on CUDA
+            every = torch.tensor([i for lst in lists for i in lst], dtype=torch.long)
+            if every.numel() and device.type == "cuda":
+                every = every.pin_memory().to(device, non_blocking=True)
+            elif every.numel():
+                every = every.to(device)
+            pos = 0
+            for ((k, w, b, ex), _), lst in zip(group, lists, strict=True):
+                dev = every[pos : pos + len(lst)] if lst else None
+                pos += len(lst)
+                if dev is not None:
+                    _HOST_LISTS[dev] = lst
+                ref = weakref.ref(b) if b is not None else None
+                self.entries[k] = (self._state(w, b, ex), ref, lst, dev)
+
+
+def _side_mask(weight, bias, extra):
+    dtype, acc = extra
+    c = (weight if weight is not None else bias).shape[0]
+    device = (weight if weight is not None else bias).device
+    w, b = affine(weight, bias, c, device, acc)
+    tiny = torch.finfo(dtype).tiny
+    return ~((w.abs() > tiny) & (b.abs() <= REBUILD_MAX_BIAS_RATIO * w.abs()))
+
+
+_SIDE = ParamChannels(_side_mask)
+
+
+def side_channels(x, w, b, mean, invstd, activation, params=None):
     # NOTE [Invertibility]: (side_idx, side_xhat) for the channels not rebuilt from z. Runs before
-    # x is overwritten.
+    # x is overwritten. ``params``: the (weight, bias) that w, b were made from, or None: then the
+    # channels that only γ and β decide are looked up per parameter version (NOTE [Decided once
+    # per parameter version]) instead of read from the device on every call.
     acc = acc_dtype(x.dtype)
     if unsized(x):  # a fake tensor without symbolic sizes: no values, assume no side channel
         empty = x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc)
         return x.new_empty(0, dtype=torch.long), empty
     shape = bshape(x)
+    if (
+        params is not None
+        and activation != "elu"
+        and any(t is not None for t in params)
+        and not any(is_fake(t) for t in params if t is not None)
+    ):
+        _, dev = _SIDE.lookup(*params, (x.dtype, acc))
+        if dev is None or x.numel() == 0:
+            return (
+                torch.zeros(0, dtype=torch.long, device=x.device),
+                x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc),
+            )
+        xs = x.index_select(1, dev).to(acc)
+        return dev, (xs - mean[dev].view(shape)) * invstd[dev].view(shape)
     tiny = torch.finfo(x.dtype).tiny
     side = ~((w.abs() > tiny) & (b.abs() <= REBUILD_MAX_BIAS_RATIO * w.abs()))
     if activation == "elu" and x.numel() > 0:
@@ -180,7 +303,7 @@ def fwd_torch(
     """
     mean, invstd, count = stats(x, running_mean, running_var, training, momentum, eps, merge)
     w, b = affine(weight, bias, x.shape[1], x.device, mean.dtype)
-    side_idx, side_xhat = side_channels(x, w, b, mean, invstd, activation)
+    side_idx, side_xhat = side_channels(x, w, b, mean, invstd, activation, (weight, bias))
     apply_torch_(x, w, b, mean, invstd, activation, param)
     return mean, invstd, side_idx, side_xhat, count
 
@@ -229,7 +352,7 @@ def bwd_torch(
     sum_dy_xhat = torch.zeros(c, device=z.device, dtype=acc)
     # x̂ = (inp - mean_p) * invstd_p, where inp is the rebuilt y, or the side tensor's x̂ itself.
     mean_p, invstd_p = b.clone(), 1.0 / w
-    side_pos = {int(ch): s for s, ch in enumerate(side_idx.tolist())} if side_idx.numel() else {}
+    side_pos = {int(ch): s for s, ch in enumerate(host_list(side_idx))} if side_idx.numel() else {}
     if side_pos:
         mean_p[side_idx] = 0
         invstd_p[side_idx] = 1

@@ -199,7 +199,7 @@ def _fwd_triton(
     mean, invstd, count = stats
     acc = _ref.acc_dtype(x.dtype)
     w, b = _ref.affine(weight, bias, x.shape[1], x.device, acc)
-    side_idx, side_xhat = _ref.side_channels(x, w, b, mean, invstd, activation)
+    side_idx, side_xhat = _ref.side_channels(x, w, b, mean, invstd, activation, (weight, bias))
     scale = w * invstd
     shift = b - mean * scale
     apply_(x, scale, shift, activation, param)

@@ -155,7 +155,7 @@ def _side_op(
     activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w, b = _abn.affine(weight, bias, x.shape[1], x.device, mean.dtype)
-    return _abn.side_channels(x, w, b, mean, invstd, activation)
+    return _abn.side_channels(x, w, b, mean, invstd, activation, (weight, bias))
 
 
 @_side_op.register_fake

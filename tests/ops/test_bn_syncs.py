@@ -1,0 +1,127 @@
+"""Host syncs of BatchNorm and In-Place ABN per training step (NOTE [Decided once per parameter
+version] in slimgrad/_math/abn.py; NOTE [Host syncs] in slimgrad/testing.py).
+
+Which channels cannot be rebuilt from the output depends on γ and β only; it was read from the
+device on every call (converted ResNet-50, 2x3x32x32, SGD steps: 33 reads of ``bool(ok.all())``
+plus ~30 ``nonzero`` per step; ResNet-50 with In-Place ABN: 16 + 14, and 14 ``tolist`` in
+backward). Now: no sync at the dispatcher, and one device read per step (ParamChannels.reads: the
+first BatchNorm after the optimizer step decides every layer), none while the parameters do not
+change.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimgrad.bench.harness import get_case
+from slimgrad.convert_handlers.cnn import convert_cnn_
+from slimgrad.testing import count_host_syncs
+
+_abn = importlib.import_module("slimgrad._math.abn")
+_bn = importlib.import_module("slimgrad.ops.batch_norm")
+CASES = ("resnet50", "resnet50_inplace_abn")
+
+
+def _reads() -> int:
+    return _abn._SIDE.reads + _bn._BAD.reads
+
+
+def per_step(case: str) -> list[tuple[int, int]]:
+    """(dispatcher syncs, device reads) of three steps after a first (warm-up) step: an SGD step,
+    then two without one (the first still sees the parameters the last SGD step changed)."""
+    torch.manual_seed(0)
+    _, slim, make_inputs = get_case(case).build(torch.device("cpu"), torch.float32, small=True)
+    opt = torch.optim.SGD(slim.parameters(), lr=0.05, momentum=0.9)
+    x, y = make_inputs()
+    x = x[:, :, :16, :16].contiguous()
+    out = []
+    for optimizer in (True, True, False, False):
+        before = _reads()
+        with count_host_syncs() as syncs:
+            slim(x, y).backward()
+            if optimizer:
+                opt.step()
+            opt.zero_grad()
+        out.append((sum(syncs.values()), _reads() - before))
+    return out[1:]
+
+
+EXPECTED = [(0, 1), (0, 1), (0, 0)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_read_per_parameter_update(case):
+    assert per_step(case) == EXPECTED
+
+
+@pytest.mark.triton
+def test_triton_backend_same_counts():
+    # the Triton wrappers' Python code as on CUDA, under the interpreter (own process: the
+    # backend and the interpreter flag are chosen at import)
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, SLIMGRAD_BACKEND="triton", TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    code = f"from tests.ops.test_bn_syncs import per_step; print([per_step(c) for c in {CASES}])"
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().split("\n")[-1] == str([EXPECTED] * len(CASES))
+
+
+def _bn_relu(c=5):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.BatchNorm2d(c), torch.nn.ReLU())
+    torch.nn.init.uniform_(m[0].weight, 0.5, 1.5)
+    return m
+
+
+def _copy(m):
+    return convert_cnn_(copy.deepcopy(m))
+
+
+def _grads(m, x):
+    m.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    (m(x) * torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view(x.shape)).sum().backward()
+    return [x.grad, m[0].weight.grad, m[0].bias.grad]
+
+
+def test_decision_follows_an_inplace_change_of_gamma():
+    # a channel made bad (γ = 0) between steps keeps its input: the cached decision is dropped
+    eager = _bn_relu().double()
+    slim = _copy(eager)
+    x = torch.randn(3, 5, 4, 4, dtype=torch.float64)
+    for a, b in zip(_grads(slim, x), _grads(eager, x), strict=True):
+        torch.testing.assert_close(a, b)
+    reads = _bn._BAD.reads
+    for m in (eager, slim):
+        with torch.no_grad():
+            m[0].weight[2] = 0.0
+    for a, b in zip(_grads(slim, x), _grads(eager, x), strict=True):
+        torch.testing.assert_close(a, b)
+    assert _bn._BAD.reads == reads + 1
+    y = slim(x)
+    assert y.grad_fn.next_functions[0][0].bad.tolist() == [2]
+
+
+def test_inplace_change_of_gamma_before_backward_raises_as_eager():
+    # γ and β are kept by reference (no copy per call), as eager keeps them
+    eager = _bn_relu()
+    slim = _copy(eager)
+    for m in (eager, slim):
+        x = torch.randn(3, 5, 4, 4, requires_grad=True)
+        y = m(x).sum()
+        with torch.no_grad():
+            m[0].weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
