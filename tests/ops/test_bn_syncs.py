@@ -125,3 +125,40 @@ def test_inplace_change_of_gamma_before_backward_raises_as_eager():
             m[0].weight.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.backward()
+
+
+_OURS = ("_math/abn.py", "ops/batch_norm.py", "ops/inplace_abn.py", "kernels/inplace_abn.py")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_syncs_per_step(case):
+    # on the device: torch's sync debug mode warns at every synchronizing CUDA call; those raised
+    # from these files are the one read per parameter update (others are reported, not judged)
+    import warnings
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    _, slim, make_inputs = get_case(case).build(dev, torch.float32, small=True)
+    opt = torch.optim.SGD(slim.parameters(), lr=0.05, momentum=0.9)
+    x, y = make_inputs()
+    ours, others = [], []
+    for i, optimizer in enumerate((True, True, False, False)):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                slim(x, y).backward()
+                if optimizer:
+                    opt.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        mine = [w for w in syncs if w.filename.replace("\\", "/").endswith(_OURS)]
+        if i:
+            ours.append(len(mine))
+            others.append(sorted({f"{w.filename}:{w.lineno}" for w in syncs if w not in mine}))
+    print(case, "syncs from BatchNorm/ABN per step", ours, "elsewhere", others)
+    assert ours == [1, 1, 0], (ours, others)

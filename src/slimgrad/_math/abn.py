@@ -256,10 +256,11 @@ def side_channels(x, w, b, mean, invstd, activation, params=None):
     if (
         params is not None
         and activation != "elu"
-        and any(t is not None for t in params)
         and not any(is_fake(t) for t in params if t is not None)
     ):
-        _, dev = _SIDE.lookup(*params, (x.dtype, acc))
+        # no affine parameters: γ = 1, β = 0 rebuild every channel
+        none = all(t is None for t in params)
+        dev = None if none else _SIDE.lookup(*params, (x.dtype, acc))[1]
         if dev is None or x.numel() == 0:
             return (
                 torch.zeros(0, dtype=torch.long, device=x.device),
