@@ -386,9 +386,9 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b):
     red = [d for d in range(b.dim()) if d != 1]
     n = b.numel() // b.shape[1]
     # float32/float64 outputs: dx from per-channel coefficients (NOTE [dx from the output]); a
-    # 16-bit output (γ, β and the statistics in float32) keeps aten's kernel, which computes in
-    # float32 where the coefficients would have to be rounded to b's dtype
-    direct = b.dtype == pdt
+    # 16-bit output keeps aten's kernel, which computes in float32 where the coefficients would
+    # have to be rounded to b's dtype
+    direct = b.dtype == pdt and b.dtype in (torch.float32, torch.float64)
     # the CPU float32 kernel sums b, dy and dy·b per channel in one pass, in float64: mean(b) and
     # Σ dy (b - mean) = Σ dy·b - mean Σ dy (no cancellation: a good channel has |mean| <= |γ|/2)
     need_dot = need_w or (direct and need_x)
