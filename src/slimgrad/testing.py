@@ -130,10 +130,13 @@ def gradcheck_inplace(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, **
 # ahead of the GPU: every Python overhead is then paid on the GPU's time as well. Counted at the
 # dispatcher, so a CPU run shows what a CUDA run would sync on, without a GPU. Indexing with a
 # boolean mask calls ``nonzero`` below the dispatcher and is counted through ``index.Tensor``
-# with a bool index.
+# with a bool index. A slimgrad custom op is counted through its Python implementation. Not seen on
+# a CPU run: ``.tolist()`` and ``.cpu()`` (no dispatch on CPU tensors), which on CUDA copy to the
+# host and wait.
 HOST_SYNC_OPS = frozenset(
     {
         "aten._local_scalar_dense.default",
+        "aten.item.default",
         "aten.nonzero.default",
         "aten.nonzero_static.default",
         "aten.masked_select.default",
@@ -155,6 +158,15 @@ class _SyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "slimgrad":
+            # a slimgrad custom op is one call here: run its Python implementation under this mode
+            # so the syncs inside it are counted (as slimgrad.memory does for bytes)
+            from slimgrad._library import python_impl
+
+            impl = python_impl(func.name())
+            if impl is not None:
+                with self:
+                    return impl(*args, **kwargs)
         name = str(func)
         if name in HOST_SYNC_OPS:
             if name != "aten.nonzero_static.default":  # static size: no sync
