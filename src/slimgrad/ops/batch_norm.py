@@ -94,11 +94,13 @@ class _Source:
             return False
         C = b.shape[1]
         if ctx.weight_v is not None and not is_fake(b):  # estimate: assume no bad channels
-            if not _params_unchanged(ctx):
-                return False  # keep x; backward raises autograd's error, as eager's would
-            # γ, β as in forward (unchanged: their versions); NOTE [Decided once per parameter
-            # version] in slimgrad/_math/abn.py: no host sync while they do not change
-            bad, idx = _BAD.lookup(ctx.weight_src, ctx.bias_src)
+            if _params_unchanged(ctx):
+                # γ, β as in forward (their versions); NOTE [Decided once per parameter
+                # version] in slimgrad/_math/abn.py: no host sync while they do not change
+                bad, idx = _BAD.lookup(ctx.weight_src, ctx.bias_src)
+            else:  # changed since forward: decide on the forward's values (a host sync)
+                idx = _bad_mask(ctx.weight_v, ctx.bias_v).nonzero().flatten()
+                bad = idx.tolist()
             if len(bad) > _MAX_BAD_FRACTION * C:
                 return False
             if bad:
@@ -131,19 +133,8 @@ _BAD = ParamChannels(_bad_mask)
 def _params_unchanged(ctx) -> bool:
     return all(
         t is None or t._version == v
-        for t, v in ((ctx.weight_v, ctx.weight_version), (ctx.bias_v, ctx.bias_version))
+        for t, v in ((ctx.weight_src, ctx.weight_version), (ctx.bias_src, ctx.bias_version))
     )
-
-
-def _check_params(ctx) -> None:
-    # γ and β are kept by reference (no copy per call), as eager keeps them: an in-place write
-    # before backward raises autograd's error, as in eager
-    for t, version, name in (
-        (ctx.weight_v, ctx.weight_version, "batch_norm weight"),
-        (ctx.bias_v, ctx.bias_version, "batch_norm bias"),
-    ):
-        if t is not None:
-            _derived.check_version(t, version, name)
 
 
 def _release(ctx) -> None:
@@ -175,12 +166,12 @@ class _BatchNormFn(torch.autograd.Function):
         ctx.training, ctx.eps, ctx.released = training, eps, False
         ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = None
         ctx.x_version = ctx.b_version = 0
-        # γ, β by reference (a detached alias shares the version counter): _check_params
-        ctx.weight_v = weight.detach() if weight is not None else None
-        ctx.bias_v = bias.detach() if bias is not None else None
+        ctx.weight_v = weight.detach().clone() if weight is not None else None
+        ctx.bias_v = bias.detach().clone() if bias is not None else None
+        # the parameters themselves and their versions: the keys of _BAD
+        ctx.weight_src, ctx.bias_src = weight, bias
         ctx.weight_version = weight._version if weight is not None else 0
         ctx.bias_version = bias._version if bias is not None else 0
-        ctx.weight_src, ctx.bias_src = weight, bias  # the keys of _BAD
         # the parameters themselves, for a second derivative (_double); no bytes for Parameters
         ctx.weight_ref = weight if need_w else None
         ctx.bias_ref = bias if ctx.needs_input_grad[2] else None
@@ -210,7 +201,6 @@ class _BatchNormFn(torch.autograd.Function):
     @staticmethod
     def _double(ctx, grad):
         _check_not_released(ctx)
-        _check_params(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.x is None and ctx.recipe is None and ctx.b is None:
             # eval with a frozen affine (dx = dy * γ * invstd: constants) or bias-only training
@@ -241,7 +231,6 @@ class _BatchNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _check_not_released(ctx)
-        _check_params(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.x is None and ctx.recipe is None and ctx.b is None:
             # Nothing full-size kept: eval with a frozen affine, or training where only the bias
