@@ -148,4 +148,6 @@ def test_cuda_syncs_per_step(case):
             ours.append(len(mine))
             others.append(sorted({f"{w.filename}:{w.lineno}" for w in syncs if w not in mine}))
     print(case, "syncs from BatchNorm/ABN per step", ours, "elsewhere", others)
-    assert ours == [1, 1, 0], (ours, others)
+    # at most the one read per parameter update, none while the parameters do not change (H200,
+    # torch 2.11: resnet50_inplace_abn [1, 1, 0]; resnet50 [0, 0, 0], no synchronizing call at all)
+    assert all(n <= 1 for n in ours[:2]) and ours[2] == 0, (ours, others)

@@ -153,7 +153,8 @@ def stats(x, running_mean, running_var, training, momentum, eps, merge=None):
 # an optimizer step the first BatchNorm of a forward decides them all, so a training step costs
 # one host sync, not one per layer (and none while the parameters do not change). Bits: the same
 # mask, the same ascending channel order as nonzero(); only where it is computed changes. A write
-# through ``.data``, which autograd does not see either, is not seen here.
+# through ``.data``, which autograd does not see either, is not seen here. Another layer's
+# parameters are decided along only while their memory can be read (_readable).
 _HOST_LISTS = WeakIdKeyDictionary()  # a decided channel tensor -> its channels as a list
 
 
@@ -161,6 +162,20 @@ def host_list(idx: torch.Tensor) -> list[int]:
     # the channels of idx; no device read when ParamChannels made it
     lst = _HOST_LISTS.get(idx)
     return lst if lst is not None else idx.tolist()
+
+
+def _readable(t: torch.Tensor | None) -> bool:
+    # another layer's parameter may be decided along with this one only while its memory is there
+    # to read: a plain tensor whose storage covers it (FSDP2 frees a parameter's storage between
+    # uses, resize_(0), and reading it crashed the process; tests/distributed/test_fsdp2.py)
+    if t is None:
+        return True
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        return False
+    if t.numel() == 0:
+        return False
+    extent = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().nbytes() >= extent * t.element_size()
 
 
 class ParamChannels:
@@ -200,6 +215,8 @@ class ParamChannels:
             if e[1] is not None and b is None:
                 continue
             w = k if k is not b else None
+            if not (_readable(w) and _readable(b)):
+                continue  # e.g. an FSDP2 parameter resharded since: its storage is freed
             if e[0] != self._state(w, b, e[0][-1]):
                 todo.append((k, w, b, e[0][-1]))
         with torch.no_grad():
