@@ -5,7 +5,7 @@
 Per case and side: the step time with a sync after each step, the enqueue time of a loop of steps
 (CPU-bound when it is close to the step time), and torch.profiler tables (by self CPU time and by
 self CUDA time) in $OUT/prof_<case>.txt; one line per side in $OUT/prof_summary.txt. Records of the
-first run (H200, torch 2.11) are in benchmarks/results/gpu/.
+runs on an H200 (torch 2.11) are in benchmarks/results/gpu/h200_<commit>_prof_*.txt.
 """
 import os, sys, time, statistics, torch
 from torch.profiler import profile, ProfilerActivity
