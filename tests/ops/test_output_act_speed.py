@@ -290,8 +290,9 @@ def test_every_float32_at_the_thresholds(case):
 
 @pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=IDS[:2] + IDS[3:])
 def test_bigger_chunks_keep_the_order(case, monkeypatch):
-    """BIG > CHUNK (the sorted window/tail merge inside one BIG chunk) gives the same results."""
-    monkeypatch.setattr(smooth, "BIG", 4 * CHUNK)  # smooth_fwd lives in slimgrad._math.smooth
+    """A span > CHUNK (the sorted window/tail merge inside one span) gives the same results (CPU
+    tensors take CPU_SPAN, CUDA ones BIG)."""
+    monkeypatch.setattr(smooth, "CPU_SPAN", 4 * CHUNK)  # smooth_fwd lives in slimgrad._math.smooth
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9 * CHUNK + 5, generator=gen) * 1.7  # tail hits in most CHUNKs
     x[5 * CHUNK + 3] = math.nan

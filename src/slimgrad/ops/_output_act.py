@@ -40,8 +40,9 @@ Layout: outputs and gradients have eager's strides (NOTE [Layout of the smooth a
 differentiated (:func:`smooth_double`); torch.func transforms run eager's op.
 
 Implementations (NOTE [Kernel backend choice] in ``slimgrad.kernels._backend``): the PyTorch path
-(``smooth_fwd`` / ``smooth_grad``, chunked; with the specs and tables in ``slimgrad._math.smooth``,
-below both this module and the kernels: NOTE [Kernels are leaves] in ``slimgrad._math``), Triton
+(``smooth_fwd`` / ``smooth_grad``, whole-tensor passes per span: NOTE [The PyTorch path on a
+GPU]; with the specs and tables in ``slimgrad._math.smooth``, below both this module and the
+kernels: NOTE [Kernels are leaves] in ``slimgrad._math``), Triton
 on CUDA, and on CPU float32 compiled C
 (``kernels/cpu/output_act.c``, ``smooth_fwd_c`` / ``smooth_grad_c``): y still comes from eager's
 own kernel, then one vectorized pass writes the bits, corrects the zone and counts the hard
@@ -89,7 +90,6 @@ from slimgrad import _autograd, ownership
 from slimgrad._errors import internal_error
 from slimgrad._math.bits import packed_numel
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
-    _HUGE,
     _TABLE_N,
     BIG,
     CHUNK,
