@@ -28,6 +28,7 @@ import triton.language as tl
 
 from slimgrad._errors import internal_error
 from slimgrad._math.bits import packed_numel
+from slimgrad._math.dropout import noise_scale_value
 from slimgrad.kernels._common import (
     BLOCK,
     cast_out,
@@ -90,22 +91,6 @@ def _unsupported(t: torch.Tensor):
     )
 
 
-_SCALES: dict[tuple, float] = {}
-
-
-def _noise_scale(p: float, dtype: torch.dtype, device: torch.device) -> float:
-    # eager's CPU scale: 1 / (1 - p) rounded to g's dtype (ops/dropout.py's _noise_scale), found
-    # once per (p, dtype, device) and kept as a Python float: no .item() (a host sync on CUDA)
-    # per backward
-    key = (p, dtype, device)
-    s = _SCALES.get(key)
-    if s is None:
-        if len(_SCALES) > 256:
-            _SCALES.clear()
-        s = _SCALES[key] = torch.ones((), dtype=dtype, device=device).div_(1 - p).item()
-    return s
-
-
 def _draw(x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
     n = x.numel()
     bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
@@ -144,7 +129,7 @@ def _bwd_triton(
         raise _unsupported(g)
     gc = g.contiguous()
     dx = gc if inplace else torch.empty_like(gc)
-    scale = 1.0 / (1.0 - p) if fused else _noise_scale(p, g.dtype, g.device)
+    scale = 1.0 / (1.0 - p) if fused else noise_scale_value(p, g.dtype, g.device)
     n = g.numel()
     if n:
         _bwd_kernel[(cdiv(n, BLOCK),)](gc, bits, dx, n, float(scale), BLOCK=BLOCK)

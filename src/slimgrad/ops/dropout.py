@@ -32,6 +32,7 @@ import torch
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._library import custom_op
+from slimgrad._math.dropout import noise_scale, noise_scale_value
 from slimgrad.kernels import _backend
 from slimgrad.ops import _bits
 from slimgrad.ops._bits import pack_bits, packed_numel
@@ -79,32 +80,11 @@ def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: floa
     from slimgrad.kernels._cpu import threads
 
     bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8)
-    scale = _noise_scale_value(p, x.dtype, x.device)
+    scale = noise_scale_value(p, x.dtype, x.device)
     _c_fns(lib)["fwd"](
         noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), x.numel(), scale, threads()
     )
     return bits
-
-
-def _noise_scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # 1 / (1 - p) rounded to dtype exactly as eager's ``noise.div_(1 - p)`` rounds it.
-    return torch.ones((), dtype=dtype, device=device).div_(1 - p)
-
-
-_SCALES: dict[tuple, float] = {}
-
-
-def _noise_scale_value(p: float, dtype: torch.dtype, device: torch.device) -> float:
-    # _noise_scale's value as a Python float, computed once per (p, dtype, device) and kept: the
-    # same bits without a tensor op and an .item() per call (NOTE [Host syncs] in
-    # slimgrad.testing); a few p values per model, so the table stays small
-    key = (p, dtype, device)
-    s = _SCALES.get(key)
-    if s is None:
-        if len(_SCALES) > 256:
-            _SCALES.clear()
-        s = _SCALES[key] = _noise_scale(p, dtype, device).item()
-    return s
 
 
 def _fused(x: torch.Tensor) -> bool:
@@ -149,7 +129,7 @@ def _apply_mask_torch(
         from slimgrad.kernels._cpu import threads
 
         out = g if inplace else torch.empty_like(g)
-        scale = _noise_scale_value(p, g.dtype, g.device)
+        scale = noise_scale_value(p, g.dtype, g.device)
         _c_fns(lib)["bwd"](
             g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, threads()
         )
@@ -159,7 +139,7 @@ def _apply_mask_torch(
         if inplace:  # the same kernel, its result written into g
             return torch.ops.aten.native_dropout_backward.out(g, mask, 1.0 / (1 - p), out=g)
         return torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1 - p))
-    scale = _noise_scale(p, g.dtype, g.device)
+    scale = noise_scale(p, g.dtype, g.device)
     if 1.0 / (1 - p) >= torch.finfo(g.dtype).max:  # scale is inf in dtype: 0 * inf would be NaN
         noise = torch.where(mask, scale, torch.zeros((), dtype=g.dtype, device=g.device))
         return g.mul_(noise) if inplace else g * noise
