@@ -21,6 +21,7 @@ from slimgrad.ops import conv as conv_ops
 from slimgrad.ops._derived import activation
 from slimgrad.ops.batch_norm import batch_norm
 from slimgrad.ops.squeeze_excite import squeeze_excite
+from tests.ops.test_derived_rebuild import _SE  # the same SE block (x * gate)
 
 _derived = importlib.import_module("slimgrad.ops._derived")
 
@@ -92,16 +93,6 @@ def test_without_the_stand_in_dx_copies_x(monkeypatch):
     r, y = _chain(x, w1, gamma, beta, w2, "relu", 1)
     g = torch.randn_like(y)
     assert _copies_in_conv_backward(lambda: torch.autograd.grad(y, (r, w2), g)) == 1
-
-
-class _SE(nn.Module):
-    def __init__(self, c, op):
-        super().__init__()
-        self.fc = nn.Conv2d(c, c, 1)
-        self.op = op
-
-    def forward(self, x):
-        return self.op(x, torch.sigmoid(self.fc(x.mean((2, 3), keepdim=True))))
 
 
 def _se_block(c_out):
