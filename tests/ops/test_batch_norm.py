@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -518,6 +520,70 @@ def test_c_channel_sums_match_the_pytorch_path(shape, monkeypatch):
             r = _derived.activation(y, "relu")
             got[backend] = grads_of((r * up).sum(), [x, w, b])
     torch.testing.assert_close(got["cpu"], got["torch"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(16, 6, 9, 9), (5, 3, 7), (33, 4), (2, 5, 3, 4, 5)])
+def test_c_whole_backward_matches_the_pytorch_path(shape, affine, monkeypatch):
+    # kernels/cpu/batch_norm.c's bn_bwd_from_output_f32 (one call: sums, coefficients, dx): dx and
+    # dγ have the bits of the PyTorch coefficient path fed the same C channel sums (the same
+    # float64 coefficients, the same fused multiply-add rounding as torch.addcmul) for any thread
+    # count, and match the all-PyTorch path (whose float64 dot rounds each product first) to
+    # float32 rounding; dβ is the float64 Σ dy rounded once
+    import sys
+
+    from slimgrad.kernels import _backend, _cpu
+
+    bn_mod = sys.modules["slimgrad.ops.batch_norm"]
+    if _cpu.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    gen = torch.Generator().manual_seed(5)
+    x0 = torch.randn(shape, generator=gen) * 2 + 1
+    up = torch.randn(shape, generator=gen)
+    w0, b0 = _params(shape[1], seed=6) if affine else (None, None)
+    whole = bn_mod._bwd_from_output_c
+    got = {}
+    for variant, backend in (("torch", "torch"), ("sums only", "cpu"), ("whole", "cpu")):
+        if variant == "sums only":
+            monkeypatch.setattr(bn_mod, "_bwd_from_output_c", lambda *a: None)
+        try:
+            with _backend.set_backend(backend):
+                x = x0.clone().requires_grad_()
+                wb = [t.clone().requires_grad_() for t in (w0, b0) if t is not None]
+                y = batch_norm(x, None, None, *(wb or [None, None]), True, 0.1, EPS)
+                r = _derived.activation(y, "relu")
+                got[variant] = grads_of((r * up).sum(), [x, *wb])
+        finally:
+            monkeypatch.setattr(bn_mod, "_bwd_from_output_c", whole)
+    c1, split = got["whole"], got["sums only"]
+    # the kernel alone, on fixed inputs: the same bits for any thread count
+    ctx = types.SimpleNamespace(
+        b=x0,
+        save_invstd=torch.rand(shape[1], generator=gen) + 0.5,
+        weight_v=w0,
+        bias_v=b0,
+        bad=None,
+    )
+    with _backend.set_backend("cpu"):
+        outs = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            try:
+                outs.append(bn_mod._bwd_from_output_c(ctx, up, True, affine, affine))
+            finally:
+                torch.set_num_threads(1)
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for a, b in zip(c1[:2], split[:2]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(c1, got["torch"], rtol=1e-5, atol=1e-5)
+    if affine:
+        red = [d for d in range(len(shape)) if d != 1]
+        mask = (torch.nn.functional.batch_norm(x0, None, None, w0, b0, True) > 0).double()
+        want = (up.double() * mask).sum(red)  # dβ = Σ dy: float64 sum rounded once
+        torch.testing.assert_close(c1[2], want.float(), rtol=0, atol=0)
+        torch.testing.assert_close(got["torch"][2], want.float(), rtol=0, atol=0)
 
 
 def test_float32_some_channels_kept_from_input_within_rule(backend):
