@@ -430,28 +430,58 @@ def apply_act(act, b: torch.Tensor) -> torch.Tensor:
     raise _bad_act(act)
 
 
-def _act_backward(act, grad: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+_A = torch.ops.aten
+
+
+def _act_backward(act, grad: torch.Tensor, b: torch.Tensor, out=None) -> torch.Tensor:
     # The same aten backward kernels eager uses (ReLU's from the output, whose sign equals b's;
     # in-place LeakyReLU's from the output too, whose sign equals b's for a slope >= 0, the only
     # slopes eager's in-place op accepts under autograd, and which selects the same branch).
+    # out: grad itself when the caller owns its buffer (ownership.take) and it has b's layout:
+    # the kernels' out= overloads, elementwise, the same bits as a fresh result (tested).
+    if out is not None:
+        return _act_backward_into(act, grad, b, out)
     if isinstance(act, tuple):
         if act[0] == "leaky_relu":
-            return torch.ops.aten.leaky_relu_backward(grad, b, act[1], False)
+            return _A.leaky_relu_backward(grad, b, act[1], False)
         if act[0] == "elu":
             if act[2]:  # eager elu_: from its output, recomputed from b bit for bit
-                return torch.ops.aten.elu_backward(grad, act[1], 1, 1, True, F.elu(b, act[1]))
-            return torch.ops.aten.elu_backward(grad, act[1], 1, 1, False, b)
+                return _A.elu_backward(grad, act[1], 1, 1, True, F.elu(b, act[1]))
+            return _A.elu_backward(grad, act[1], 1, 1, False, b)
         raise _bad_act(act)
     if act == "relu":
-        return torch.ops.aten.threshold_backward(grad, b, 0)
+        return _A.threshold_backward(grad, b, 0)
     if act == "gelu":
-        return torch.ops.aten.gelu_backward(grad, b)
+        return _A.gelu_backward(grad, b)
     if act == "gelu_tanh":
-        return torch.ops.aten.gelu_backward(grad, b, approximate="tanh")
+        return _A.gelu_backward(grad, b, approximate="tanh")
     if act == "silu":
-        return torch.ops.aten.silu_backward(grad, b)
+        return _A.silu_backward(grad, b)
     if act == "hardswish":  # eager's (in place: from its copy of the input, which is b)
-        return torch.ops.aten.hardswish_backward(grad, b)
+        return _A.hardswish_backward(grad, b)
+    raise _bad_act(act)
+
+
+def _act_backward_into(act, grad, b, out):
+    if isinstance(act, tuple):
+        if act[0] == "leaky_relu":
+            return _A.leaky_relu_backward.grad_input(grad, b, act[1], False, grad_input=out)
+        if act[0] == "elu":
+            if act[2]:
+                r = F.elu(b, act[1])
+                return _A.elu_backward.grad_input(grad, act[1], 1, 1, True, r, grad_input=out)
+            return _A.elu_backward.grad_input(grad, act[1], 1, 1, False, b, grad_input=out)
+        raise _bad_act(act)
+    if act == "relu":
+        return _A.threshold_backward.grad_input(grad, b, 0, grad_input=out)
+    if act == "gelu":
+        return _A.gelu_backward.grad_input(grad, b, grad_input=out)
+    if act == "gelu_tanh":
+        return _A.gelu_backward.grad_input(grad, b, approximate="tanh", grad_input=out)
+    if act == "silu":
+        return _A.silu_backward.grad_input(grad, b, grad_input=out)
+    if act == "hardswish":
+        return _A.hardswish_backward.out(grad, b, out=out)
     raise _bad_act(act)
 
 
@@ -482,8 +512,11 @@ class _DerivedActFn(torch.autograd.Function):
     @staticmethod
     @first_order("ops.activation", double=lambda ctx, grad: (_act_double(ctx, grad), None))
     def backward(ctx, grad):
+        buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
         (b,) = ctx.saved_tensors
-        return _act_backward(ctx.act, grad, b), None
+        if buf is not None and (buf.stride() != b.stride() or buf.dtype != b.dtype):
+            buf = None  # a fresh result takes the layout eager's kernel picks
+        return _act_backward(ctx.act, grad, b, buf), None
 
 
 def activation(

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from slimgrad import ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._math.abn import ParamChannels
 from slimgrad.kernels import _backend
@@ -231,6 +232,9 @@ class _BatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
+        # may write dx over it
+        buf = ownership.take(grad) if _c_may_write_dx(ctx) else None
         _check_not_released(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.x is None and ctx.recipe is None and ctx.b is None:
@@ -251,7 +255,7 @@ class _BatchNormFn(torch.autograd.Function):
                 [need_x, need_w, need_b],
             )
         else:
-            out = _bwd_from_output(ctx, grad, need_x, need_w, need_b)
+            out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf)
         if _keep_graph is not None and not _keep_graph():
             _release(ctx)
         gx, gw, gb = out
@@ -362,11 +366,27 @@ def _c_signatures(C):
     }
 
 
-def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b):
+def _c_may_write_dx(ctx) -> bool:
+    # _bwd_from_output_c may run and write dx (what it checks of ctx alone)
+    b = ctx.b
+    return (
+        b is not None
+        and ctx.bad is None
+        and ctx.needs_input_grad[0]
+        and b.dtype == torch.float32
+        and b.is_cpu
+        and b.is_contiguous()
+        and _backend.use_cpu(b, C_STEM) is not None
+    )
+
+
+def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
     # The whole backward of a float32 CPU call with no channel kept from x in one C call
     # (kernels/cpu/batch_norm.c: per channel, the float64 sums, NOTE [dx from the output]'s
     # coefficients and dx, with the channel's data still in cache), or None: the caller's path.
     # dβ is Σ dy summed in float64 and rounded once (within the rule where aten's float32 sum is).
+    # buf: grad itself when ownership.take granted it: dx is written over it (no dx allocation;
+    # the kernel reads a channel's dy before it writes that channel's dx).
     b, invstd, w = ctx.b, ctx.save_invstd, ctx.weight_v
     if (
         ctx.bad is not None
@@ -387,7 +407,10 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b):
 
     fn = functions(lib, _c_signatures)["bwd"]
     n, c = b.shape[0], b.shape[1]
-    gx = torch.empty_like(b) if need_x else None
+    gx = None
+    if need_x:
+        own = buf is not None and buf.stride() == b.stride() and buf.dtype == b.dtype
+        gx = buf if own else torch.empty_like(b)
     gw = torch.empty(c, dtype=torch.float32) if need_w else None
     gb = torch.empty(c, dtype=torch.float32) if need_b else None
     w = w.contiguous() if w is not None else None
@@ -408,9 +431,9 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b):
     return gx, gw, gb
 
 
-def _bwd_from_output(ctx, grad, need_x, need_w, need_b):
+def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None):
     _derived.check_version(ctx.b, ctx.b_version, "batch_norm output")
-    out = _bwd_from_output_c(ctx, grad, need_x, need_w, need_b)
+    out = _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf)
     if out is not None:
         return out
     invstd = ctx.save_invstd

@@ -11,7 +11,8 @@
  * float64 coefficients of NOTE [dx from the output] rounded once to float and
  *   dx = fma(dy, S, fma(b, K, C))    (float, one rounding each: torch.addcmul's bits, twice)
  * plus dgamma and dbeta (sum dy, rounded once): the whole backward in two passes over b and dy,
- * as eager's kernel. Channels are split over threads; each channel is summed by one thread in a
+ * as eager's kernel. dx may be dy's own buffer (a channel's dx is written after its sums are read,
+ * and depends on that channel's dy and b only). Channels are split over threads; each channel is summed by one thread in a
  * fixed order, so the results have the same bits for any thread count. */
 #include <math.h>
 #include <stdint.h>
@@ -102,7 +103,17 @@ void bn_bwd_from_output_f32(const float *b, const float *dy, int64_t n, int64_t 
             const int64_t o = (i * c + ch) * s;
             const float *br = b + o, *dr = dy + o;
             float *xr = dx + o;
-            for (int64_t j = 0; j < s; j++) xr[j] = fmaf(dr[j], sf, fmaf(br[j], kf, cf));
+            int64_t j = 0;
+            /* dx may be dy itself (the caller owns dy's buffer): each block of 8 is loaded before
+             * it is written, so the compiler vectorizes without an overlap check */
+            for (; j + 8 <= s; j += 8) {
+                float bb[8], d[8], t[8];
+                memcpy(bb, br + j, sizeof bb);
+                memcpy(d, dr + j, sizeof d);
+                for (int k = 0; k < 8; k++) t[k] = fmaf(d[k], sf, fmaf(bb[k], kf, cf));
+                memcpy(xr + j, t, sizeof t);
+            }
+            for (; j < s; j++) xr[j] = fmaf(dr[j], sf, fmaf(br[j], kf, cf));
         }
     }
 }
