@@ -103,17 +103,11 @@ void bn_bwd_from_output_f32(const float *b, const float *dy, int64_t n, int64_t 
             const int64_t o = (i * c + ch) * s;
             const float *br = b + o, *dr = dy + o;
             float *xr = dx + o;
-            int64_t j = 0;
-            /* dx may be dy itself (the caller owns dy's buffer): each block of 8 is loaded before
-             * it is written, so the compiler vectorizes without an overlap check */
-            for (; j + 8 <= s; j += 8) {
-                float bb[8], d[8], t[8];
-                memcpy(bb, br + j, sizeof bb);
-                memcpy(d, dr + j, sizeof d);
-                for (int k = 0; k < 8; k++) t[k] = fmaf(d[k], sf, fmaf(bb[k], kf, cf));
-                memcpy(xr + j, t, sizeof t);
+            if (xr == dr) { /* dx over dy (the caller owns dy's buffer): two streams */
+                for (int64_t j = 0; j < s; j++) xr[j] = fmaf(xr[j], sf, fmaf(br[j], kf, cf));
+            } else {
+                for (int64_t j = 0; j < s; j++) xr[j] = fmaf(dr[j], sf, fmaf(br[j], kf, cf));
             }
-            for (; j < s; j++) xr[j] = fmaf(dr[j], sf, fmaf(br[j], kf, cf));
         }
     }
 }
