@@ -370,6 +370,8 @@ def _dense_whole(t: torch.Tensor) -> bool:
         return False
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return False
+    if t.is_contiguous():  # row-major strides: dense, non-overlapping (the loop below agrees)
+        return True
     expected = 1
     for size, stride in sorted(
         ((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda p: p[1]

@@ -43,6 +43,8 @@ its dtype) keeps b (within the rule: 0/40 seeds fail for each).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -95,7 +97,7 @@ class _Source:
             # within the rule (40 seeds each) and keeps b.
             return False
         C = b.shape[1]
-        if ctx.weight_v is not None and not is_fake(b):  # estimate: assume no bad channels
+        if ctx.weight_v is not None and not _maybe_fake(b):  # estimate: assume no bad channels
             if _params_unchanged(ctx):
                 # γ, β as in forward (their versions); NOTE [Decided once per parameter
                 # version] in slimgrad/_math/abn.py: no host sync while they do not change
@@ -119,6 +121,13 @@ class _Source:
         ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
         return True
+
+
+def _maybe_fake(t: torch.Tensor) -> bool:
+    # is_fake(t) without its unwrapping for a plain tensor (a fake tensor is a subclass; a
+    # functorch or functional wrapper never reaches here: the op takes eager's path under
+    # transforms and torch.compile)
+    return type(t) is not torch.Tensor and is_fake(t)
 
 
 def _bad_mask(weight, bias, extra=None):
@@ -406,7 +415,8 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
     from slimgrad.kernels._cpu import functions, threads
 
     fn = functions(lib, _c_signatures)["bwd"]
-    n, c = b.shape[0], b.shape[1]
+    shape = b.shape
+    n, c, s = shape[0], shape[1], math.prod(shape[2:])
     gx = None
     if need_x:
         own = buf is not None and buf.stride() == b.stride() and buf.dtype == b.dtype
@@ -420,7 +430,7 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
         grad.data_ptr(),
         n,
         c,
-        b[0, 0].numel(),
+        s,
         ptr(w),
         invstd.data_ptr(),
         ptr(gx),
