@@ -115,3 +115,47 @@ def test_blocks_autocast_bf16(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         res = slimgrad.verify(model, slim, x, modes=("train",))
     assert res.ok, str(res)
+
+
+def test_frozen_batch_norm_left_as_is_with_the_reason():
+    # timm's freeze_batch_norm_2d makes torchvision FrozenBatchNorm2d and timm
+    # FrozenBatchNormAct2d: x * scale + shift from buffers, for which eager keeps only the
+    # per-channel scale, so convert_ leaves them (the act inside still converts) and says why;
+    # the converted model computes eager's bits
+    layers = timm.layers
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 1),
+        layers.BatchNormAct2d(8, act_layer=nn.ReLU),
+    )
+    model = layers.freeze_batch_norm_2d(model).train()
+    kinds = [type(model[i]).__name__ for i in (1, 4)]
+    assert kinds == ["FrozenBatchNorm2d", "FrozenBatchNormAct2d"]
+    lean = slimgrad.convert_(copy.deepcopy(model))
+    rep = slimgrad.report(lean)
+    assert [type(lean[i]).__name__ for i in (1, 4)] == kinds
+    skipped = {name: why for name, _, why in rep.skipped}
+    assert set(skipped) == {"1", "4"}
+    assert all("nothing to save" in why for why in skipped.values())
+    assert any(name == "4.act" for name, *_ in rep.converted)
+
+    # eager keeps no full-size tensor for a frozen BatchNorm
+    saved = []
+    x = torch.randn(2, 8, 5, 5, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel()) or t, lambda t: t
+    ):
+        model[1](x * 1.0)
+    assert max(saved, default=0) <= 8
+
+    x = torch.randn(2, 3, 9, 9)
+    outs = []
+    for m in (model, lean):
+        y = m(x)
+        y.square().sum().backward()
+        outs.append([y] + [p.grad for p in m.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -117,9 +117,23 @@ def convert_tv_layer_norm2d(module: nn.Module) -> nn.Module:
     return _LayerNorm2d.from_torch(module)
 
 
+def frozen_batch_norm(module: nn.Module) -> nn.Module:
+    """torchvision ``FrozenBatchNorm2d`` and timm ``FrozenBatchNormAct2d``: left as they are, with
+    the reason in the report (their children, e.g. timm's ``act``, still convert)."""
+    # their forward is x * scale + shift with scale, shift built from buffers: autograd keeps the
+    # (1, C, 1, 1) scale only (x is kept only to differentiate scale, which needs no gradient)
+    raise NotImplementedError(
+        "frozen BatchNorm (statistics and affine are buffers): eager keeps no full-size tensor "
+        "for it (x * scale + shift keeps the per-channel scale only), so there is nothing to "
+        "save; left as is"
+    )
+
+
 # by name: torchvision is never imported
 TABLE["torchvision.ops.misc.SqueezeExcitation"] = ("activations", convert_squeeze_excitation)
 TABLE["torchvision.models.convnext.LayerNorm2d"] = ("norms", convert_tv_layer_norm2d)
+TABLE["torchvision.ops.misc.FrozenBatchNorm2d"] = ("batch_norm", frozen_batch_norm)
+TABLE["timm.layers.norm_act.FrozenBatchNormAct2d"] = ("batch_norm", frozen_batch_norm)
 
 
 def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
