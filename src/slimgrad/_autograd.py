@@ -48,12 +48,14 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "direct_apply",
     "eager_op",
     "first_order",
     "refuse_jit",
     "refuse_second_order",
     "tie_refusal",
     "transforms_active",
+    "unwrap_if_dead",
 ]
 
 
@@ -134,6 +136,33 @@ def first_order(op: str, double: Callable | None = None) -> Callable:
         return wrapper
 
     return deco
+
+
+# NOTE [Applying a Function without its Python wrapper]
+# ``torch.autograd.Function.apply`` is a Python classmethod around the C ``_FunctionBase.apply``:
+# for a Function without ``setup_context`` outside torch.func transforms it unwraps dead functorch
+# wrappers among the arguments and calls the C apply, about 4 us a call on CPU (one thread): a
+# quarter of the node's own cost at small shapes. :func:`direct_apply` gives that call without
+# the wrapper's frames. It is for eager only: while Dynamo traces (it recognises
+# ``Function.apply``, not the C method) or a transform is active the caller uses ``cls.apply``.
+
+
+def direct_apply(cls: type) -> Callable:
+    """The C ``apply`` of autograd Function ``cls`` (no ``setup_context``), bound to ``cls``: call
+    it as ``cls.apply`` with every tensor argument passed through ``unwrap_if_dead``, only when
+    neither ``torch.compiler.is_compiling()`` nor :func:`transforms_active` (NOTE [Applying a
+    Function without its Python wrapper])."""
+    if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
+        raise RuntimeError(
+            f"slimgrad._autograd.direct_apply: {cls.__name__} defines setup_context; expected a "
+            "Function with forward(ctx, ...) only, got one whose apply binds default arguments. "
+            "Call cls.apply instead; this is a slimgrad bug; please report it."
+        )
+    return torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
+
+
+#: ``torch._C._functorch.unwrap_if_dead``: what ``Function.apply`` does to each tensor argument.
+unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def eager_op(inplace: bool = False) -> bool:

@@ -81,6 +81,17 @@ def refuse(api: str, **tensors: object) -> None:
     Raises:
         NotImplementedError: a DTensor among them.
     """
+    # The common case in two lookups: no DTensor can exist before its module is imported (and
+    # its class is defined), and a plain tensor or Parameter is not one.
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    if cls is None:
+        return
+    for t in tensors.values():
+        if isinstance(t, cls):
+            break
+    else:
+        return
     got = [_describe(k, t) for k, t in tensors.items() if is_dtensor(t)]
     if got:
         raise NotImplementedError(

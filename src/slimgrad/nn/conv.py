@@ -33,24 +33,46 @@ def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
     return new
 
 
+def _slot(module: nn.Module) -> list | None:
+    # this module's store for its normalised conv arguments (NOTE [Conv arguments, normalised
+    # once per module] in slimgrad/ops/conv.py); a plain attribute, not state. None while Dynamo
+    # traces (no module state is written there; the arguments are normalised as functionals do).
+    if torch.compiler.is_compiling():
+        return None
+    slot = module.__dict__.get("_slimgrad_conv_args")
+    if slot is None:
+        slot = module.__dict__["_slimgrad_conv_args"] = [None]
+    return slot
+
+
 class _ConvMixin:
-    _fn = None  # set per class
+    _api = ""  # set per class: the ops.conv functional's name and its spatial dims
+    _nd = 0
 
     def _conv_forward(self, input, weight, bias):
-        fn = type(self)._fn
+        # ops.conv{n}d(input, weight, bias, stride, padding, dilation, groups), with this module's
+        # argument slot
         if self.padding_mode != "zeros":
-            return fn(
-                torch.nn.functional.pad(
-                    input, self._reversed_padding_repeated_twice, mode=self.padding_mode
-                ),
-                weight,
-                bias,
-                self.stride,
-                0,
-                self.dilation,
-                self.groups,
+            input = torch.nn.functional.pad(
+                input, self._reversed_padding_repeated_twice, mode=self.padding_mode
             )
-        return fn(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+            padding = 0
+        else:
+            padding = self.padding
+        return _ops._conv(
+            self._api,
+            self._nd,
+            input,
+            weight,
+            bias,
+            self.stride,
+            padding,
+            self.dilation,
+            self.groups,
+            False,
+            0,
+            _slot(self),
+        )
 
 
 class Conv1d(NoScript, _ConvMixin, nn.Conv1d):
@@ -59,7 +81,8 @@ class Conv1d(NoScript, _ConvMixin, nn.Conv1d):
     Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
     """
 
-    _fn = staticmethod(_ops.conv1d)
+    _api = "conv1d"
+    _nd = 1
 
     @classmethod
     def from_torch(cls, module: nn.Conv1d) -> Conv1d:
@@ -73,7 +96,8 @@ class Conv2d(NoScript, _ConvMixin, nn.Conv2d):
     Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
     """
 
-    _fn = staticmethod(_ops.conv2d)
+    _api = "conv2d"
+    _nd = 2
 
     @classmethod
     def from_torch(cls, module: nn.Conv2d) -> Conv2d:
@@ -87,7 +111,8 @@ class Conv3d(NoScript, _ConvMixin, nn.Conv3d):
     Memory: x only if ``weight`` requires grad (or the norm output it derives from); eager: x and W.
     """
 
-    _fn = staticmethod(_ops.conv3d)
+    _api = "conv3d"
+    _nd = 3
 
     @classmethod
     def from_torch(cls, module: nn.Conv3d) -> Conv3d:
@@ -96,7 +121,7 @@ class Conv3d(NoScript, _ConvMixin, nn.Conv3d):
 
 
 class _ConvTransposeMixin:
-    _fn = None
+    _api = ""  # set per class: the ops.conv_transpose functional's name and its spatial dims
     _nd = 0
 
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
@@ -115,22 +140,28 @@ class _ConvTransposeMixin:
             self._nd,
             self.dilation,
         )
-        return type(self)._fn(
+        # ops.conv_transpose{n}d(input, weight, bias, stride, padding, output_padding, groups,
+        # dilation), with this module's argument slot
+        return _ops._conv(
+            self._api,
+            self._nd,
             input,
             self.weight,
             self.bias,
             self.stride,
             self.padding,
-            output_padding,
-            self.groups,
             self.dilation,
+            self.groups,
+            True,
+            output_padding,
+            _slot(self),
         )
 
 
 class ConvTranspose1d(NoScript, _ConvTransposeMixin, nn.ConvTranspose1d):
     """``torch.nn.ConvTranspose1d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
 
-    _fn = staticmethod(_ops.conv_transpose1d)
+    _api = "conv_transpose1d"
     _nd = 1
 
     @classmethod
@@ -142,7 +173,7 @@ class ConvTranspose1d(NoScript, _ConvTransposeMixin, nn.ConvTranspose1d):
 class ConvTranspose2d(NoScript, _ConvTransposeMixin, nn.ConvTranspose2d):
     """``torch.nn.ConvTranspose2d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
 
-    _fn = staticmethod(_ops.conv_transpose2d)
+    _api = "conv_transpose2d"
     _nd = 2
 
     @classmethod
@@ -154,7 +185,7 @@ class ConvTranspose2d(NoScript, _ConvTransposeMixin, nn.ConvTranspose2d):
 class ConvTranspose3d(NoScript, _ConvTransposeMixin, nn.ConvTranspose3d):
     """``torch.nn.ConvTranspose3d`` keeping only what the gradients need (``slimgrad.ops.conv``)."""
 
-    _fn = staticmethod(_ops.conv_transpose3d)
+    _api = "conv_transpose3d"
     _nd = 3
 
     @classmethod

@@ -18,7 +18,13 @@ import contextlib
 import torch
 
 from slimgrad import _dtensor
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
 from slimgrad.ops import _derived
 from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
 
@@ -142,6 +148,18 @@ class _ConvFn(torch.autograd.Function):
 _ConvFn.backward = staticmethod(first_order("ops.conv", double=_ConvFn._double)(_ConvFn.backward))
 
 
+# NOTE [A conv that keeps what eager keeps]
+# When x and W both need grad and x is not a derived tensor (NOTE [Derived saved inputs]), the
+# Function would keep x and W (W only for dx) and run one convolution_backward with eager's mask:
+# exactly eager's node (``ConvolutionBackward0`` keeps x and W; a Parameter W costs no bytes). So
+# that call records eager's own node (``torch.convolution`` under grad mode, as F.conv{n}d and
+# F.conv_transpose{n}d do), with eager's double backward and its per-backward output mask, and
+# only the recipe of y (NOTE [Recomputable inputs]) is added: the same values, the same saved
+# bytes, without the Python Function's cost per call (about 40 us forward and backward on CPU,
+# one thread: most of a small conv's time). Under autocast (the cast is slimgrad's; eager keeps
+# the cast copies) and while Dynamo traces, the Function runs as before.
+
+
 # NOTE [A stand-in for x]
 # convolution_backward reads only the shape (and the memory format) of an input whose gradient it
 # does not compute, but it first makes that input contiguous in the backend's memory format: an
@@ -195,19 +213,30 @@ def _autocast_cast(t, dt):
     return t.to(dt)
 
 
-def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed, output_padding):
-    _dtensor.refuse(f"slimgrad.ops.{api}", input=x, weight=weight, bias=bias)
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(
-            f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, got "
-            f"{type(x).__name__} and {type(weight).__name__}. Pass tensors."
-        )
-    if weight.dim() != n + 2:  # eager's check (the 'same' padding below reads weight's dims)
-        raise RuntimeError(
-            f"slimgrad.ops.{api}: Expected {n + 2}-dimensional weight for {api}; expected "
-            f"(C_out, C_in / groups, {n} kernel dims), got weight of size {list(weight.shape)}. "
-            "Pass a weight with the kernel's spatial dims."
-        )
+# NOTE [Conv arguments, normalised once per module]
+# stride, padding, dilation and output_padding are normalised to lists of n ints (``_tuple``,
+# 'valid'/'same') on every functional call, as torch does. A slimgrad nn module passes a ``slot``
+# (a one-element list it owns): the first call stores its argument objects and their normalised
+# lists there, and later calls that pass the *same objects* (``is``; a module's tuples are
+# immutable, and reassigning ``m.stride`` gives a new object) reuse the lists. Checks run in the
+# same order with the same messages (the weight checks come first on every call, and a call that
+# raises stores nothing); string padding is never stored ('same' depends on the weight's shape
+# and pads x). The stored lists are read only (aten, ctx.conf, the recipe), never written.
+
+
+def _args(api, n, x, weight, stride, padding, dilation, transposed, output_padding, slot):
+    # -> (x, stride, padding, dilation, output_padding), normalised (NOTE [Conv arguments,
+    # normalised once per module])
+    c = slot[0] if slot is not None else None
+    if (
+        c is not None
+        and c[0] is stride
+        and c[1] is padding
+        and c[2] is dilation
+        and c[3] is output_padding
+    ):
+        return (x, *c[4])
+    key = (stride, padding, dilation, output_padding)
     stride = _tuple(stride, n, "stride", api)
     dilation = _tuple(dilation, n, "dilation", api)
     output_padding = _tuple(output_padding, n, "output_padding", api)
@@ -243,9 +272,55 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
                 f"slimgrad.ops.{api}: unknown padding string; expected 'valid' or 'same', got "
                 f"{padding!r}. Use one of those or ints."
             )
-    else:
-        padding = _tuple(padding, n, "padding", api)
-    if x.dim() == n + 1:
+        return x, stride, padding, dilation, output_padding
+    padding = _tuple(padding, n, "padding", api)
+    if slot is not None:
+        slot[0] = (*key, (stride, padding, dilation, output_padding))
+    return x, stride, padding, dilation, output_padding
+
+
+# per api: its public name in errors (``slimgrad.ops.<api>``) and refuse_jit's (``ops.<api>``)
+_NAMES = {
+    f"conv{t}{n}d": (f"slimgrad.ops.conv{t}{n}d", f"ops.conv{t}{n}d")
+    for t in ("", "_transpose")
+    for n in (1, 2, 3)
+}
+# NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
+_CONV_APPLY = direct_apply(_ConvFn)
+
+
+def _conv(
+    api,
+    n,
+    x,
+    weight,
+    bias,
+    stride,
+    padding,
+    dilation,
+    groups,
+    transposed,
+    output_padding,
+    slot=None,
+):
+    public, jit_name = _NAMES[api]
+    _dtensor.refuse(public, input=x, weight=weight, bias=bias)
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(
+            f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, got "
+            f"{type(x).__name__} and {type(weight).__name__}. Pass tensors."
+        )
+    if weight.dim() != n + 2:  # eager's check (the 'same' padding below reads weight's dims)
+        raise RuntimeError(
+            f"slimgrad.ops.{api}: Expected {n + 2}-dimensional weight for {api}; expected "
+            f"(C_out, C_in / groups, {n} kernel dims), got weight of size {list(weight.shape)}. "
+            "Pass a weight with the kernel's spatial dims."
+        )
+    x, stride, padding, dilation, output_padding = _args(
+        api, n, x, weight, stride, padding, dilation, transposed, output_padding, slot
+    )
+    xdim = x.dim()
+    if xdim == n + 1:
         # Unbatched input, as torch: add and remove a batch dim.
         return _conv(
             api,
@@ -260,22 +335,29 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
             transposed,
             output_padding,
         ).squeeze(0)
-    if x.dim() != n + 2:
+    if xdim != n + 2:
         raise RuntimeError(
             f"slimgrad.ops.{api}: input must be {n + 1}-D (unbatched) or {n + 2}-D (batched); "
             f"expected {n + 2} dims, got shape {tuple(x.shape)}. Reshape the input."
         )
-    if bias is not None and bias.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+    # torch._C._is_any_autocast_enabled(): False means autocast is off for every device type,
+    # so the per-device query (and x.device) is read only under some autocast.
+    any_autocast = torch._C._is_any_autocast_enabled()
+    if (
+        bias is not None
+        and bias.dtype != x.dtype
+        and not (any_autocast and torch.is_autocast_enabled(x.device.type))
+    ):
         # aten.convolution does not check this (it dropped a float bias on an integer input).
         raise RuntimeError(
             f"slimgrad.ops.{api}: input and bias types differ; expected the same dtype, got "
             f"input {x.dtype} and bias {bias.dtype}. Cast the bias (or the input) to one dtype."
         )
-    needs_graph = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
+    needs_graph = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    dev = x.device.type
-    autocast = torch.is_autocast_enabled(dev)
+    dev = x.device.type if any_autocast else None
+    autocast = any_autocast and torch.is_autocast_enabled(dev)
     w0, b0, dt = weight, bias, None
     if autocast:
         # autocast casts eager's aten::conv{n}d / conv_transpose{n}d, not the aten::convolution
@@ -288,16 +370,49 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
             return _fwd_torch(
                 x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
             )
-    refuse_jit(f"ops.{api}")
+    refuse_jit(jit_name)
     # a derived input is kept as its norm's output: anchor x for a second derivative
     d = _derived.lookup(x) if weight.requires_grad else None
-    anchor = make_anchor(x) if d is not None else None
-    holder: list = [d]  # forward takes d (when W needs grad) and appends what it keeps
-    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-        y = _ConvFn.apply(
-            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, holder
+    compiling = torch.compiler.is_compiling()
+    anchor = None
+    if d is None and x.requires_grad and weight.requires_grad and not autocast and not compiling:
+        # NOTE [A conv that keeps what eager keeps]
+        y = _fwd_torch(
+            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
-    attach_anchor(y, anchor)
+        holder: list = [(x, None, None)]
+    else:
+        anchor = make_anchor(x) if d is not None else None
+        holder = [d]  # forward takes d (when W needs grad) and appends what it keeps
+        with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+            if compiling:  # Dynamo traces Function.apply
+                y = _ConvFn.apply(
+                    x,
+                    weight,
+                    bias,
+                    stride,
+                    padding,
+                    dilation,
+                    transposed,
+                    output_padding,
+                    groups,
+                    holder,
+                )
+            else:
+                y = _CONV_APPLY(
+                    unwrap_if_dead(x),
+                    unwrap_if_dead(weight),
+                    None if bias is None else unwrap_if_dead(bias),
+                    stride,
+                    padding,
+                    dilation,
+                    transposed,
+                    output_padding,
+                    groups,
+                    holder,
+                )
+    if anchor is not None:
+        attach_anchor(y, anchor)
     if holder and holder[-1] is not None:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
         kept, act, handle = holder[0]
@@ -316,7 +431,7 @@ def _conv(api, n, x, weight, bias, stride, padding, dilation, groups, transposed
         # "cheap" (the norm's default policy replays it): a 1x1 conv, except one whose input is a
         # squeeze-excite output (EfficientNet-B0's and MobileNetV3's projections, RegNetY's
         # width-keeping conv3): those norms keep their input (NOTE [Recomputable inputs]).
-        pointwise = all(k == 1 for k in w0.shape[2:])
+        pointwise = w0.shape[2:].numel() == 1  # every kernel dim 1 (sizes are >= 0)
         gated = isinstance(act, tuple) and act[0] == "gate"
         _derived.register_recipe(
             y,

@@ -50,7 +50,13 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
 from slimgrad._library import custom_op
 
 # The plain-PyTorch math lives below ops and kernels (NOTE [Kernels are leaves] in slimgrad._math);
@@ -278,6 +284,9 @@ class _InputAnchor(torch.autograd.Function):
         return g, None
 
 
+_ANCHOR_APPLY = direct_apply(_InputAnchor)
+
+
 class _Bridge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values: torch.Tensor, anchor: torch.Tensor, box: list) -> torch.Tensor:
@@ -296,7 +305,10 @@ def make_anchor(x: torch.Tensor) -> tuple | None:
     if not (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
         return None
     box: list = []
-    return _InputAnchor.apply(x, box), box
+    if transforms_active():
+        return _InputAnchor.apply(x, box), box
+    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
+    return _ANCHOR_APPLY(unwrap_if_dead(x), box), box
 
 
 def attach_anchor(out: torch.Tensor, anchor: tuple | None) -> None:
