@@ -60,9 +60,22 @@ def is_dtensor(t: object) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
+def _dtensor_class() -> type | None:
+    # None while no DTensor can exist: its module not imported, or its class not defined yet
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
 def any_dtensor(*tensors: object) -> bool:
     """Whether any of ``tensors`` is a DTensor: the guard of every call site."""
-    return any(is_dtensor(t) for t in tensors)
+    # is_dtensor's answer for each, in one module lookup (this runs on every op call)
+    cls = _dtensor_class()
+    if cls is None:
+        return False
+    for t in tensors:
+        if isinstance(t, cls):
+            return True
+    return False
 
 
 def _describe(name: str, t: object) -> str:
@@ -81,16 +94,7 @@ def refuse(api: str, **tensors: object) -> None:
     Raises:
         NotImplementedError: a DTensor among them.
     """
-    # The common case in two lookups: no DTensor can exist before its module is imported (and
-    # its class is defined), and a plain tensor or Parameter is not one.
-    mod = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(mod, "DTensor", None) if mod is not None else None
-    if cls is None:
-        return
-    for t in tensors.values():
-        if isinstance(t, cls):
-            break
-    else:
+    if not any_dtensor(*tensors.values()):  # the common case, in one module lookup
         return
     got = [_describe(k, t) for k, t in tensors.items() if is_dtensor(t)]
     if got:

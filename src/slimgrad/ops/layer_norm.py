@@ -420,6 +420,9 @@ _LayerNormFn = affine_norm_function(
 )
 
 
+_LN_APPLY = direct_apply(_LayerNormFn)
+
+
 def owns_layout(buf: torch.Tensor | None, y: torch.Tensor) -> bool:
     # dx may be written into the granted buffer: a contiguous (n, d) view of it, in y's dtype
     return buf is not None and buf.shape == y.shape and buf.dtype == y.dtype and buf.is_contiguous()
@@ -493,6 +496,15 @@ def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tens
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     refuse_jit("ops.layer_norm")
     anchor = make_anchor(input)
-    y = _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
+    if torch.compiler.is_compiling():  # Dynamo traces Function.apply
+        y = _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
+    else:  # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
+        y = _LN_APPLY(
+            unwrap_if_dead(input),
+            normalized_shape,
+            None if weight is None else unwrap_if_dead(weight),
+            None if bias is None else unwrap_if_dead(bias),
+            eps,
+        )[0]
     attach_anchor(y, anchor)
     return y
