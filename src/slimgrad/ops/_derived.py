@@ -114,7 +114,13 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad import ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -519,6 +525,9 @@ class _DerivedActFn(torch.autograd.Function):
         return _act_backward(ctx.act, grad, b, buf), None
 
 
+_ACT_APPLY = direct_apply(_DerivedActFn)
+
+
 def activation(
     x: torch.Tensor,
     act: str,
@@ -565,7 +574,9 @@ def activation(
         and claim_source(x)
     ):
         refuse_jit("ops.activation")
-        r = _DerivedActFn.apply(x, spec)
+        # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py):
+        # not compiling (_tracing) and no transform active, checked above
+        r = _ACT_APPLY(unwrap_if_dead(x), spec)
         _tick()
         _DERIVED[r] = Derived(x.detach(), x._version, spec, r._version)
         return r

@@ -49,7 +49,13 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
 from slimgrad._math.abn import ParamChannels
 from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
@@ -275,6 +281,13 @@ class _BatchNormFn(torch.autograd.Function):
 _BatchNormFn.backward = staticmethod(
     first_order("ops.batch_norm", double=_BatchNormFn._double)(_BatchNormFn.backward)
 )
+
+
+_BN_APPLY = direct_apply(_BatchNormFn)
+
+
+def _unwrap(t):
+    return None if t is None else unwrap_if_dead(t)
 
 
 def _check_not_released(ctx) -> None:
@@ -655,12 +668,14 @@ def batch_norm(
     refuse_jit("ops.batch_norm")
     holder: list = []
     anchor = make_anchor(input)
-    out = _BatchNormFn.apply(
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
+    # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
+    # compiling and no transform is active here (the plain path above took those)
+    out = _BN_APPLY(
+        unwrap_if_dead(input),
+        _unwrap(weight),
+        _unwrap(bias),
+        _unwrap(running_mean),
+        _unwrap(running_var),
         training,
         momentum,
         eps,
