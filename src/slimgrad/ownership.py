@@ -556,7 +556,13 @@ def _weakrefs_accounted(t: torch.Tensor) -> bool:
     n = weakref.getweakrefcount(t)
     if n == 0:
         return True
-    return n == sum(1 for r in _REGISTRIES if t in r)
+    found = 0  # each registry holds at most one weak reference to t: stop once all are found
+    for r in _REGISTRIES:
+        if t in r:
+            found += 1
+            if found == n:
+                return True
+    return False
 
 
 def _site_shape(code, lasti: int) -> str | None:
