@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 from functools import partial
 
 import pytest
@@ -30,7 +31,10 @@ from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
 from slimgrad.ops.batch_norm import batch_norm
 from slimgrad.testing import rule_ok
+from tests._threads import one_thread
 from tests.conformance._timm_shim import timm
+
+bn_module = importlib.import_module("slimgrad.ops.batch_norm")  # the module, not the function
 
 EPS = 1e-5
 SHAPE = (3, 4, 5, 6)
@@ -47,6 +51,12 @@ ACTS = {
     "elu": ("elu", 1.3, False),
     "elu_": ("elu", 1.3, True),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():  # tiny shapes: OpenMP start-up and spin-waits would dominate
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -426,6 +436,20 @@ def _u_anomaly_mode(s, dt):
     x, w, b, wl = _mk(dt)
     with torch.autograd.set_detect_anomaly(True, check_nan=False):
         (_act(_bn(x, w, b, s), s) * wl).sum().backward()
+    return [x.grad, w.grad, b.grad]
+
+
+def _u_two_acts_on_one_output(s, dt):
+    x, w, b, wl = _mk(dt)
+    h = _bn(x, w, b, s)
+    ((_act(h, s) * wl).sum() + (_act(h, s, "silu") * wl.flip(0)).sum()).backward()
+    return [x.grad, w.grad, b.grad]
+
+
+def _u_same_act_twice_on_one_output(s, dt):
+    x, w, b, wl = _mk(dt)
+    h = _bn(x, w, b, s)
+    ((_act(h, s) * wl).sum() + (_act(h, s) * 2).sum()).backward()
     return [x.grad, w.grad, b.grad]
 
 
@@ -981,3 +1005,37 @@ def test_float16_model_dgamma_within_rule():
         return _one(x.to(dt), w.to(dt), b.to(dt), dy, slim, "relu", None, True, None, None)
 
     _assert_rule(at(torch.float16, True), at(torch.float64, False), at(torch.float16, False))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="794d4ad: the C kernel writes dx over its incoming gradient through a raw pointer "
+    "without torch.autograd.graph.increment_version (GUIDE.md tests 5, NOTE [Gradient-buffer "
+    "ownership]: 'write with ordinary in-place ops ... they bump the version counter'; the "
+    "activation's out= write does bump it): a holder ownership cannot see gets no error",
+)
+def test_c_kernel_write_over_gradient_bumps_its_version():
+    x, w, b, _ = _mk(torch.float32)
+    h = _bn(x, w, b, True)
+    _act(h, True)  # the BatchNorm now keeps b
+    grad = torch.randn(SHAPE)
+    before = grad._version
+    with torch.no_grad():
+        gx = bn_module._bwd_from_output_c(h.grad_fn, grad, True, True, True, buf=grad)[0]
+    assert gx.data_ptr() == grad.data_ptr()  # dx was written over grad
+    assert grad._version > before
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch's F.batch_norm raises ValueError('batch_norm eps must be positive during "
+    "training, but got 0.0') (and for eps < 0); slimgrad.ops.batch_norm and a converted "
+    "nn.BatchNorm2d(eps=0) run (their training path never reaches F.batch_norm's check)",
+)
+@pytest.mark.parametrize("eps", [0.0, -1e-5])
+def test_nonpositive_eps_in_training_raises_like_eager(eps):
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="eps must be positive"):
+        F.batch_norm(x, None, None, None, None, True, 0.1, eps)
+    with pytest.raises(ValueError, match="eps must be positive"):
+        batch_norm(x, None, None, None, None, True, 0.1, eps)
