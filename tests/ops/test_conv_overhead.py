@@ -15,7 +15,7 @@ from slimgrad.memory import measure
 from slimgrad.ops import _derived
 from slimgrad.ops.batch_norm import batch_norm
 from slimgrad.ops.conv import _ConvFn, conv2d, conv_transpose2d
-from slimgrad.ops.layer_norm import _InputAnchor, make_anchor
+from slimgrad.ops.layer_norm import _InputAnchor, _LayerNormFn, layer_norm, make_anchor
 
 
 def _slim(module):
@@ -204,3 +204,33 @@ def test_direct_apply_unwraps_dead_functorch_wrappers_as_apply_does():
     ref = _InputAnchor.apply(dead, [])
     assert (anchor.grad_fn is None) == (ref.grad_fn is None)
     assert wrapped(anchor) == wrapped(ref)
+
+
+def test_layer_norm_direct_apply_matches_apply():
+    leaked = []
+
+    def f(t):
+        leaked.append(t)
+        return t.sum()
+
+    torch.func.grad(f)(torch.randn(3, 8))
+    dead = leaked[0]
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    # a dead wrapper with frozen parameters: Function.apply unwraps it, so nothing needs grad
+    w, b = torch.randn(8), torch.randn(8)
+    y = layer_norm(dead, (8,), w, b)
+    ref = _LayerNormFn.apply(dead, [8], w, b, 1e-5)[0]
+    assert (y.grad_fn is None) == (ref.grad_fn is None)
+    assert wrapped(y) == wrapped(ref)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    w.requires_grad_()
+    b.requires_grad_()
+    x = torch.randn(3, 8, requires_grad=True)
+    y = layer_norm(x, (8,), w, b)
+    ref = _LayerNormFn.apply(x, [8], w, b, 1e-5)[0]
+    assert type(y.grad_fn) is type(ref.grad_fn)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    for a, e in zip(
+        torch.autograd.grad(y.sum(), [x, w, b]), torch.autograd.grad(ref.sum(), [x, w, b])
+    ):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
