@@ -453,6 +453,27 @@ def _u_same_act_twice_on_one_output(s, dt):
     return [x.grad, w.grad, b.grad]
 
 
+def _u_act_inside_saved_tensors_hooks(s, dt):
+    # the BatchNorm outside (keeps b), the activation inside a region that packs a copy
+    x, w, b, wl = _mk(dt)
+    h = _bn(x, w, b, s)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        y = _act(h, s)
+    (y * wl).sum().backward()
+    return [x.grad, w.grad, b.grad]
+
+
+def _u_bn_inside_save_on_cpu(s, dt):
+    # the BatchNorm inside a saved-tensor-hooks region takes eager's path: nothing to claim
+    x, w, b, wl = _mk(dt)
+    with torch.autograd.graph.save_on_cpu():
+        h = _bn(x, w, b, s)
+    y = _derived.activation(h, "relu") if s else torch.relu(h)
+    assert _derived.lookup(y) is None
+    (y * wl).sum().backward()
+    return [x.grad, w.grad, b.grad]
+
+
 USAGES = {
     f.__name__[3:]: f for f in list(globals().values()) if getattr(f, "__name__", "")[:3] == "_u_"
 }
@@ -875,6 +896,46 @@ def test_converted_model_autocast_bf16_same_bits_without_reuse_within_rule():
     _assert_same_bits(on, grads(slim, reuse=False))
     ref = _model_grads(copy.deepcopy(eager).double(), x.double())[1:]
     _assert_rule(on, ref, grads(eager))
+
+
+class _SharedBN(nn.Module):
+    # one BatchNorm (and ReLU) module applied twice in a forward
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c1 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.c0(x)
+        out = self.bn(out)
+        out = self.act(out)
+        out = self.c1(out)
+        out = self.bn(out)
+        out = self.act(out)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["shared_bn", "resnet_basic"])
+def test_converted_model_several_forwards_one_backward(kind):
+    # three forwards (two inputs, one twice) and one backward over their summed losses
+    torch.manual_seed(0)
+    eager = _SharedBN() if kind == "shared_bn" else _model(kind)
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    x1, x2 = torch.randn(2, 3, 8, 7), torch.randn(3, 3, 8, 7)
+
+    def grads(m, dt=torch.float32, reuse=True):
+        m.zero_grad(set_to_none=True)
+        a, b = (t.to(dt).clone().requires_grad_() for t in (x1, x2))
+        loss = m(a).pow(2).mean() + m(b).sin().mean() + m(a).mean()
+        with contextlib.nullcontext() if reuse else ownership.reuse_disabled():
+            loss.backward()
+        return [a.grad, b.grad] + [p.grad for p in m.parameters()]
+
+    on = grads(slim)
+    _assert_same_bits(on, grads(slim, reuse=False))
+    _assert_rule(on, grads(copy.deepcopy(eager).double(), torch.float64), grads(eager))
 
 
 # ---------------------------------------------------------------------------------------------
