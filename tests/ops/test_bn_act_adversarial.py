@@ -1068,13 +1068,6 @@ def test_float16_model_dgamma_within_rule():
     _assert_rule(at(torch.float16, True), at(torch.float64, False), at(torch.float16, False))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="794d4ad: the C kernel writes dx over its incoming gradient through a raw pointer "
-    "without torch.autograd.graph.increment_version (GUIDE.md tests 5, NOTE [Gradient-buffer "
-    "ownership]: 'write with ordinary in-place ops ... they bump the version counter'; the "
-    "activation's out= write does bump it): a holder ownership cannot see gets no error",
-)
 def test_c_kernel_write_over_gradient_bumps_its_version():
     x, w, b, _ = _mk(torch.float32)
     h = _bn(x, w, b, True)
@@ -1087,12 +1080,6 @@ def test_c_kernel_write_over_gradient_bumps_its_version():
     assert grad._version > before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's F.batch_norm raises ValueError('batch_norm eps must be positive during "
-    "training, but got 0.0') (and for eps < 0); slimgrad.ops.batch_norm and a converted "
-    "nn.BatchNorm2d(eps=0) run (their training path never reaches F.batch_norm's check)",
-)
 @pytest.mark.parametrize("eps", [0.0, -1e-5])
 def test_nonpositive_eps_in_training_raises_like_eager(eps):
     x = torch.randn(2, 3, 4, 4, requires_grad=True)

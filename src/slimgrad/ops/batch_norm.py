@@ -432,8 +432,8 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
     n, c, s = shape[0], shape[1], math.prod(shape[2:])
     gx = None
     if need_x:
-        own = buf is not None and buf.stride() == b.stride() and buf.dtype == b.dtype
-        gx = buf if own else torch.empty_like(b)
+        mine = buf is not None and buf.stride() == b.stride() and buf.dtype == b.dtype
+        gx = buf if mine else torch.empty_like(b)
     gw = torch.empty(c, dtype=torch.float32) if need_w else None
     gb = torch.empty(c, dtype=torch.float32) if need_b else None
     w = w.contiguous() if w is not None else None
@@ -451,6 +451,8 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
         ptr(gb),
         threads(),
     )
+    if gx is not None and gx is buf:  # a raw write over the incoming gradient: visible to autograd
+        torch.autograd.graph.increment_version(gx)
     return gx, gw, gb
 
 
@@ -641,6 +643,12 @@ def batch_norm(
         )
     if training:
         torch.nn.functional._verify_batch_size(input.size())  # eager's check and message
+    if eps <= 0.0 if training else eps < 0.0:  # eager's checks (F.batch_norm), before any path
+        what = "positive during training" if training else "non-negative"
+        raise ValueError(
+            f"slimgrad.ops.batch_norm: batch_norm eps must be {what}, but got {eps}; expected "
+            f"eps {'> 0' if training else '>= 0'}, got {eps}. Pass eps=1e-5 (torch's default)."
+        )
     if not training and (running_mean is None or running_var is None):
         raise RuntimeError(
             "slimgrad.ops.batch_norm: eval mode needs running statistics; expected tensors, got "
