@@ -21,9 +21,10 @@ then dx, the same bits as the PyTorch path for dx and dγ (dβ: its float64 sum 
 rounded once). BatchNorm + ReLU forward and backward at 8x96x56x56, one thread, process time,
 median of 15 interleaved runs: 13.7 ms against eager's 12.3 ms (the previous path, the C sums and
 then two ``addcmul`` passes and aten's kernel for dβ: 20.0 ms). A channel whose output cannot be
-inverted accurately (γ = 0, |γ| < 1e-20, |β| > |γ| / 2, or non-finite) keeps its input channel
-instead (a copy of those channels only); if more than half the channels are such, the layer keeps
-its whole input (eager).
+inverted accurately (γ = 0, |γ| < 1e-20, |β| > |γ| / 2, non-finite, or |γ| (sqrt(n) + 1) at or
+above b's dtype's largest value, n values per channel, so that b may overflow; without weight the
+same tests with γ = 1) keeps its input channel instead (a copy of those channels only); if more
+than half the channels are such, the layer keeps its whole input (eager).
 
 Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad activation consumes
 the output, in which case it keeps the output b instead; b is also what the activation and the next
@@ -103,13 +104,15 @@ class _Source:
             # within the rule (40 seeds each) and keeps b.
             return False
         C = b.shape[1]
-        if ctx.weight_v is not None and not _maybe_fake(b):  # estimate: assume no bad channels
+        affine = ctx.weight_v is not None or ctx.bias_v is not None
+        if affine and not _maybe_fake(b):  # estimate: assume no bad channels
+            lim = _overflow_limit(b)
             if _params_unchanged(ctx):
                 # γ, β as in forward (their versions); NOTE [Decided once per parameter
                 # version] in slimgrad/_math/abn.py: no host sync while they do not change
-                bad, idx = _BAD.lookup(ctx.weight_src, ctx.bias_src)
+                bad, idx = _BAD.lookup(ctx.weight_src, ctx.bias_src, lim)
             else:  # changed since forward: decide on the forward's values (a host sync)
-                idx = _bad_mask(ctx.weight_v, ctx.bias_v).nonzero().flatten()
+                idx = _bad_mask(ctx.weight_v, ctx.bias_v, lim).nonzero().flatten()
                 bad = idx.tolist()
             if len(bad) > _MAX_BAD_FRACTION * C:
                 return False
@@ -136,12 +139,25 @@ def _maybe_fake(t: torch.Tensor) -> bool:
     return type(t) is not torch.Tensor and is_fake(t)
 
 
+def _overflow_limit(b: torch.Tensor) -> float:
+    # |γ| at or above which b = γ x̂ + β may overflow b's dtype: |x̂| <= sqrt(n - 1) for n values
+    # per channel (biased variance) and |β| <= |γ| / 2 on a good channel, so |b| < |γ| (sqrt(n) + 1)
+    n = b.numel() // b.shape[1] if b.dim() > 1 else b.numel()
+    return torch.finfo(b.dtype).max / (math.sqrt(n) + 1.0)
+
+
 def _bad_mask(weight, bias, extra=None):
-    w = weight if weight.dtype == torch.float64 else weight.float()
+    # extra: _overflow_limit of the output (None: no such bound)
+    ref = weight if weight is not None else bias
+    w = ref if ref.dtype == torch.float64 else ref.float()
+    if weight is None:  # no affine scale: γ = 1
+        w = torch.ones_like(w)
     beta = bias.to(w.dtype) if bias is not None else torch.zeros_like(w)
     aw = w.abs()
-    # NaN compares False, so NaN γ or β count as bad too.
-    return ~((aw >= 1e-20) & (aw < float("inf")) & (beta.abs() <= _BAD_RATIO * aw))
+    lim = float("inf") if extra is None else extra
+    # NaN compares False, so NaN γ or β count as bad too; so does a γ whose output may overflow
+    # (x̂ = (b - β)/γ of an inf b is not x̂)
+    return ~((aw >= 1e-20) & (aw < lim) & (aw < float("inf")) & (beta.abs() <= _BAD_RATIO * aw))
 
 
 _BAD = ParamChannels(_bad_mask)
@@ -523,7 +539,7 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None):
         gx_b, gw_b, gb_b = torch.ops.aten.native_batch_norm_backward(
             grad.index_select(1, idx),
             x_bad,
-            ctx.weight_v.index_select(0, idx),
+            None if ctx.weight_v is None else ctx.weight_v.index_select(0, idx),
             None,
             None,
             ctx.save_mean.index_select(0, idx),
