@@ -1078,14 +1078,6 @@ def test_nonpositive_eps_in_training_raises_like_eager(eps):
         batch_norm(x, None, None, None, None, True, 0.1, eps)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.optim's fused=True steps (SGD, Adam, AdamW, Adagrad on CPU) do not bump the "
-    "parameters' version counters, so ParamChannels (NOTE [Decided once per parameter version], "
-    "slimgrad/_math/abn.py) keeps the first step's bad-channel decision: a γ the step set to 0 "
-    "stays 'good', x-hat = (b - β)/0 and the BatchNorm's and first conv's gradients are NaN "
-    "where eager's are finite (γ = 0.001, β = 0.999 the same way: dγ 28x past the rule)",
-)
 def test_fused_optimizer_step_that_zeroes_gamma_keeps_gradients_finite():
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
@@ -1124,3 +1116,24 @@ def test_weight_none_one_large_bias_channel_kept_from_input():
     _assert_rule(
         grads(True, torch.float32), grads(False, torch.float64), grads(False, torch.float32)
     )
+
+
+@pytest.mark.parametrize("opt", ["Adam", "AdamW"])
+def test_fused_step_renews_layer_norm_fallback_channels(opt):
+    # the LayerNorm fallback-channel cache keys on optimizer steps too: a fused step that zeroes
+    # a γ (no version bump) makes that column fall back to x, as with a plain step
+    from slimgrad._math import norms
+
+    w = nn.Parameter(torch.ones(6))
+    b = nn.Parameter(torch.zeros(6))
+    assert norms.fallback_channels(w, b, torch.float32).numel() == 0
+    w.grad = torch.zeros(6)
+    w.grad[2] = 1.0
+    b.grad = torch.zeros(6)
+    with torch.no_grad():
+        getattr(torch.optim, opt)([w, b], lr=1.0, fused=True).step()
+    assert w._version == 0 and w[2] != 1.0  # stepped without a version bump
+    with torch.no_grad():
+        w.data[2] = 0.0  # what a pruning step leaves (still no version bump)
+    getattr(torch.optim, opt)([w], lr=0.0, fused=True).step()  # any later step renews
+    assert norms.fallback_channels(w, b, torch.float32).tolist() == [2]

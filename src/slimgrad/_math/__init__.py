@@ -15,6 +15,8 @@ of their side information) lives here, below both:
 - :mod:`slimgrad._math.linear_cross_entropy`: the fused LM loss's chunk loops (PyTorch path);
 - :mod:`slimgrad._math.norms`: LayerNorm's and RMSNorm's fallback channels, xhat rebuilt from the
   output, forwards and chunked backwards (PyTorch path);
+- :mod:`slimgrad._math.steps`: the optimizer-step count that the per-parameter-version caches
+  also key on (fused steps skip the version counter);
 - :mod:`slimgrad._math.tables`: side tables of data-dependent length under fake tensors and
   torch.compile (``dynamic_size``, ``index_table``, ``select_table``).
 

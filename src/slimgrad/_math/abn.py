@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad._errors import internal_error
+from slimgrad._math.steps import epoch
 from slimgrad._math.tables import unsized
 
 __all__ = [
@@ -189,10 +190,12 @@ class ParamChannels:
 
     @staticmethod
     def _state(weight, bias, extra):
+        # + optimizer steps: fused steps skip the version counter (NOTE [Steps that skip the
+        # version counter] in _math/steps.py)
         return tuple(
             (t._version, t.data_ptr(), t.dtype, t.device) if t is not None else None
             for t in (weight, bias)
-        ) + (extra,)
+        ) + (epoch(), extra)
 
     def lookup(self, weight, bias, extra=None) -> tuple[list[int], torch.Tensor | None]:
         """(channel list, the same as a long tensor on the parameters' device or None if empty)."""

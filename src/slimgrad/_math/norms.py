@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from slimgrad._math.steps import epoch
+
 __all__ = [
     "BETA_OVER_GAMMA_MAX",
     "CHUNK_ELEMS",
@@ -109,7 +111,8 @@ def fallback_channels(
         return torch.empty(0, dtype=torch.int64, device=ref.device)
     if not (_cacheable(weight) and _cacheable(bias)) or torch.compiler.is_compiling():
         return _find_fallback_channels(weight, bias, out_dtype)
-    key = (_key(weight), _key(bias), out_dtype)
+    # + optimizer steps (NOTE [Steps that skip the version counter] in _math/steps.py)
+    key = (_key(weight), _key(bias), out_dtype, epoch())
     slot = id(ref)
     hit = _FB_CACHE.get(slot)
     if hit is not None and hit[0]() is ref and hit[1] == key:
