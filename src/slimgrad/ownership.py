@@ -647,7 +647,7 @@ def _site(frame, module) -> str | None:
     return _site_shape(f4.f_code, f4.f_lasti)
 
 
-def _forward_ok(x, module, refcount: int, frame) -> bool:
+def _forward_ok(x, module, refcount: int, frame, writes: bool = True) -> bool:
     if _calib_seen is not None:
         _calib_seen.append((refcount, _site(frame, module)))
         return False
@@ -655,7 +655,7 @@ def _forward_ok(x, module, refcount: int, frame) -> bool:
     return (
         shape is not None
         and refcount == _FWD_REFCOUNT[shape]
-        and not _disabled()
+        and not (writes and _disabled())
         and not torch._C._are_functorch_transforms_active()
         and _fresh_plain(x)
         and x._use_count() == 1
@@ -666,7 +666,7 @@ def _forward_ok(x, module, refcount: int, frame) -> bool:
     )
 
 
-def owns_input(x: torch.Tensor, module: torch.nn.Module) -> bool:
+def owns_input(x: torch.Tensor, module: torch.nn.Module, writes: bool = True) -> bool:
     """Whether ``module``'s forward may write over its input ``x`` (nobody else can see it).
 
     Call it first thing in the module's ``forward``, on the bare parameter:
@@ -680,9 +680,13 @@ def owns_input(x: torch.Tensor, module: torch.nn.Module) -> bool:
     Args:
         x: the forward's input.
         module: the module whose forward is running (``self``).
+        writes: the caller will write over ``x`` if granted (InPlaceABN). False for a caller that
+            only skips an in-place write when granted (a derived activation computes out of place
+            what eager's in-place op would write): then :func:`reuse_disabled` does not refuse,
+            so turning reuse off changes no result.
 
     Returns:
-        True if writing over ``x`` is invisible to everyone else.
+        True if writing over ``x`` (or not writing it) is invisible to everyone else.
     """
     if torch.compiler.is_compiling() or not _ensure_calibrated():
         return False
@@ -692,7 +696,7 @@ def owns_input(x: torch.Tensor, module: torch.nn.Module) -> bool:
     except ValueError:
         return False
     try:
-        ok = _forward_ok(x, module, refcount, frame)
+        ok = _forward_ok(x, module, refcount, frame, writes)
     finally:
         del frame
     if ok:

@@ -943,14 +943,6 @@ def test_converted_model_several_forwards_one_backward(kind):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reuse_disabled() (and SLIMGRAD_NO_REUSE=1) also turns off ownership.owns_input, so an "
-    "in-place activation after a converted BatchNorm (nn.ReLU/SiLU/Hardswish/LeakyReLU/ELU("
-    "inplace=True), timm's BatchNormAct2d/ConvNormAct) takes eager's in-place path (BN keeps x) "
-    "instead of the derived one (BN keeps b): other bits (within the rule) where the docstring "
-    "says 'results are identical either way'",
-)
 def test_reuse_disabled_same_bits_in_place_act_after_bn():
     torch.manual_seed(0)
     model = slimgrad.convert_(nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(True)))

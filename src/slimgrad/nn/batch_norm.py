@@ -139,7 +139,7 @@ class ReLUAfterNorm(NoScript, nn.ReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self)
+        owned = self.inplace and ownership.owns_input(input, self, writes=False)
         return _derived.activation(input, "relu", self.inplace, owned=owned)
 
     @classmethod
@@ -165,7 +165,7 @@ class SiLUAfterNorm(NoScript, nn.SiLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self)
+        owned = self.inplace and ownership.owns_input(input, self, writes=False)
         return _derived.activation(input, "silu", self.inplace, owned=owned)
 
     @classmethod
@@ -180,7 +180,7 @@ class LeakyReLUAfterNorm(NoScript, nn.LeakyReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self)
+        owned = self.inplace and ownership.owns_input(input, self, writes=False)
         return _derived.activation(
             input, "leaky_relu", self.inplace, owned=owned, param=self.negative_slope
         )
@@ -196,7 +196,7 @@ class ELUAfterNorm(NoScript, nn.ELU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self)
+        owned = self.inplace and ownership.owns_input(input, self, writes=False)
         return _derived.activation(input, "elu", self.inplace, owned=owned, param=self.alpha)
 
     @classmethod

@@ -62,7 +62,7 @@ class HardswishAfterNorm(NoScript, torch.nn.Hardswish):
 
     def forward(self, input: Tensor) -> Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self)
+        owned = self.inplace and ownership.owns_input(input, self, writes=False)
         return _derived.activation(input, "hardswish", self.inplace, owned=owned)
 
     @classmethod
