@@ -333,6 +333,16 @@ def register_recipe(
     _RECIPES[y] = Recipe(fn, tensors, versions, y._version, cheap, rebuild)
 
 
+def has_recipe(y: torch.Tensor, policy: str = "pointwise") -> bool:
+    """Whether :func:`lookup_recipe` would return a recipe (without counting a user)."""
+    if _tracing() or policy == "never":
+        return False
+    r = _RECIPES.get(y)
+    if r is None or y._version != r.version or (policy == "pointwise" and not r.cheap):
+        return False
+    return all(t is None or t._version == v for t, v in zip(r.tensors, r.versions))
+
+
 def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
     """The recipe of ``y`` if ``y`` is pristine, its ingredients unchanged and ``policy`` allows it
     (``"always"``; ``"pointwise"``: only cheap producers; ``"never"``)."""
