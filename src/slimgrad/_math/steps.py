@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["epoch"]
