@@ -118,15 +118,19 @@ def test_graph_and_registries_freed_by_refcount():
 
     model = convert_cnn_(small_resnet("bottleneck", width=4, layers=(1, 1, 1, 1)))
     x = torch.randn(2, 3, 32, 32)
+    regs = (_derived._SOURCES, _derived._DERIVED, _derived._RECIPES)
+    gc.collect()
+    # entries of tensors an earlier test still holds (e.g. a forward hook's list of outputs in
+    # tests/conformance/test_torch_patterns.py) are not this model's: count from them
+    before = [len(r) for r in regs]
     gc.disable()
     try:
         for do_backward in (True, False):
             loss = model(x).square().sum()
-            assert len(_derived._SOURCES) > 0
+            assert len(_derived._SOURCES) > before[0]
             if do_backward:
                 loss.backward()
             del loss
-            regs = (_derived._SOURCES, _derived._DERIVED, _derived._RECIPES)
-            assert [len(r) for r in regs] == [0, 0, 0]
+            assert [len(r) for r in regs] == before
     finally:
         gc.enable()
