@@ -333,19 +333,8 @@ def register_recipe(
     _RECIPES[y] = Recipe(fn, tensors, versions, y._version, cheap, rebuild)
 
 
-def has_recipe(y: torch.Tensor, policy: str = "pointwise") -> bool:
-    """Whether :func:`lookup_recipe` would return a recipe (without counting a user)."""
-    if _tracing() or policy == "never":
-        return False
-    r = _RECIPES.get(y)
-    if r is None or y._version != r.version or (policy == "pointwise" and not r.cheap):
-        return False
-    return all(t is None or t._version == v for t, v in zip(r.tensors, r.versions))
-
-
-def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
-    """The recipe of ``y`` if ``y`` is pristine, its ingredients unchanged and ``policy`` allows it
-    (``"always"``; ``"pointwise"``: only cheap producers; ``"never"``)."""
+def _usable_recipe(y: torch.Tensor, policy: str) -> Recipe | None:
+    # the recipe of y if y is pristine, its ingredients unchanged and policy allows it
     if _tracing() or policy == "never":
         return None
     r = _RECIPES.get(y)
@@ -353,7 +342,19 @@ def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
         return None
     if any(t is not None and t._version != v for t, v in zip(r.tensors, r.versions)):
         return None
-    if r.rebuild is not None:  # the caller keeps it: one more user of the rebuilt input
+    return r
+
+
+def has_recipe(y: torch.Tensor, policy: str = "pointwise") -> bool:
+    """Whether :func:`lookup_recipe` would return a recipe (without counting a user)."""
+    return _usable_recipe(y, policy) is not None
+
+
+def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
+    """The recipe of ``y`` if ``y`` is pristine, its ingredients unchanged and ``policy`` allows it
+    (``"always"``; ``"pointwise"``: only cheap producers; ``"never"``)."""
+    r = _usable_recipe(y, policy)
+    if r is not None and r.rebuild is not None:  # the caller keeps it: one more user
         r.rebuild.add_user(1)
     return r
 
