@@ -29,10 +29,12 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    gradient that autograd hands to a sibling node still pending (the Gemma-2 pattern), a user
    ``gradient=G`` and the ``autograd.grad`` result of a non-leaf input (the engine keeps it as a
    captured gradient).
-2. Nothing but ``g`` reaches its memory. (a) ``g`` not a view: storage use count and the
-   refcount of the storage's Python object equal those of a fresh tensor (calibrated): no other
-   tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient) shares the memory, and nobody
-   keeps ``g.untyped_storage()``. (b) ``g`` a view (``nn.Linear`` on 3-D input hands the next
+2. Nothing but ``g`` reaches its memory. (a) ``g`` not a view: the StorageImpl's use count is a
+   fresh tensor's (calibrated), read without making a storage object (NOTE [Storage facts without
+   a storage object]): no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient)
+   shares the memory, and nobody keeps ``g.untyped_storage()``; one use more passes only if it is
+   the storage object PyTorch keeps alive with the storage and nobody else holds it (its
+   calibrated refcount). (b) ``g`` a view (``nn.Linear`` on 3-D input hands the next
    backward a reshape view of its 2-D mm result; LayerNorm, dropout etc. then pass it on): with
    term 4 (the view covers its whole storage densely from offset 0), all of:
    - its base ``b = g._base`` is a plain strided ``torch.Tensor`` on ``g``'s device, with no
@@ -79,12 +81,13 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    ``saved_tensors_hooks`` pair that packs a detached alias: a hook that keeps the packed tensor
    elsewhere, or unpacks a tensor it also holds, adds a reference. (``slimgrad.memory`` installs
    no hooks, so measuring a step never changes what this rule grants.)
-7. The memory is torch's own: the storage is resizable (torch allocated it; ``from_numpy``,
-   ``frombuffer``, ``from_dlpack`` and ``torch.load`` storages are not, and another owner, e.g. a
-   NumPy array kept by a Function, can read them) and, for CPU memory, not in shared memory
-   (another process may read it; torch reports every CUDA storage as shared, so that part is
-   asked of CPU storages only). Terms 1-3 count torch and Python holders only; this term covers
-   the rest.
+7. The memory is torch's own: the StorageImpl's DataPtr deleter is that of
+   ``torch.empty`` on the same device type (calibrated words; ``from_numpy``, ``frombuffer``,
+   ``from_dlpack``, ``torch.load`` mmap and shared-memory storages differ, and another
+   owner, e.g. a NumPy array kept by a Function or another process, can read them). Without a
+   calibrated layout: the storage is resizable and, for CPU memory, not in shared memory (torch
+   reports every CUDA storage as shared, so that part is asked of CPU storages only). Terms 1-3
+   count torch and Python holders only; this term covers the rest.
 
 Distributed (DDP, FSDP2, tensor parallel; tests/distributed/test_ddp_bucketing.py,
 test_fsdp2.py, test_tensor_parallel.py, each on 2 gloo processes). Nothing here is shared between
@@ -195,6 +198,7 @@ parameter (any other depth or an extra reference refuses). The functional ops
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dis
 import os
 import sys
@@ -239,15 +243,15 @@ _GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
 # saved_tensors_hooks pair that packs a detached alias keeps it.
 _SAVED_SIGS: dict | None = None  # caller code -> {(refcount, use count)}
-# Storage use count of a tensor nobody else shares, the probe's own storage object included.
+# Storage use count of a tensor nobody else shares (NOTE [Storage facts without a storage object]).
 _STORAGE_PROBE: int | None = None
-# (Python refcount, storage use count) of that storage's Python object, as _storage_sig sees it
-# for a fresh tensor: a user who keeps ``g.untyped_storage()`` raises the refcount.
-_STORAGE_SIG: tuple[int, int] | None = None
+# The same, as _storage_sig sees it for a fresh tensor (a user who keeps ``g.untyped_storage()``
+# raises it), and the refcount of a storage object that only PyTorch keeps alive (_storage_free).
+_STORAGE_SIG: tuple[int, int] | None = None  # (that use count, _obj_refcount of a kept-alive one)
 # For a gradient that is a view (term 2b): _view_sig(g) of a whole-storage view whose base nobody
-# else holds: ((base refcount, base use count), storage (refcount, use count)) as _view_sig sees
-# them. The storage use count is one more than _STORAGE_SIG's: the base's TensorImpl.
-_VIEW_SIG: tuple[tuple[int, int], tuple[int, int]] | None = None
+# else holds: ((base refcount, base use count), storage use count) as _view_sig sees them. The
+# storage use count is one more than _STORAGE_SIG's: the base's TensorImpl.
+_VIEW_SIG: tuple[tuple[int, int], int] | None = None
 
 
 def _env_disabled() -> bool:
@@ -311,24 +315,160 @@ def calibrated() -> bool:
     return _GRAD_REFCOUNT is not None and _SAVED_SIGS is not None
 
 
-def _storage_sig(t: torch.Tensor) -> tuple[int, int]:
+# NOTE [Storage facts without a storage object]
+# ``t.untyped_storage()`` creates the storage's Python object, and PyTorch keeps that object alive
+# with the storage from then on (it is "preserved", so the same object comes back next time), and
+# with it one more reference to the StorageImpl, for as long as the tensor lives (torch 2.13:
+# ``_storage_Use_Count`` reads 1 for a fresh tensor, 2 after one ``untyped_storage()`` call whose
+# result was dropped). The autograd engine sums two gradients of one tensor in place only if it
+# holds the last reference to the buffer's TensorImpl and to its storage (``InputBuffer``'s
+# ``can_accumulate_inplace``), so every gradient these checks had looked at was summed out of place
+# later: a fresh full-size buffer and a write that eager does not make (regnety_016, 8x3x224x224:
+# 50 of its 77 adds a step; efficientnet_b0: 16; the accumulation into a squeeze-excite input and
+# into a residual block's input, where the gradient passed through a granted backward). So no check
+# here creates a storage object. The use count is read from the StorageImpl's address
+# (``torch._C._storage_address``), and two more facts from the StorageImpl's own words, located at
+# import by :func:`_calibrate_layout` (never assumed): its size in bytes (term 4) and its DataPtr's
+# deleter (term 7), the function that frees its memory, compared with ``torch.empty``'s on the same
+# device type (calibrated at the first tensor of each device type). A storage with another deleter
+# is refused: measured for from_numpy, frombuffer and share_memory_ (the calibration requires it);
+# memory from any other allocator (from_dlpack, mapped files, pinned memory) is freed by another
+# function. Only those words are read: a word the calibration's samples merely share (padding a
+# fresh heap left zero) would refuse later storages at random (seen in a first version).
+# If the layout cannot be calibrated (another torch build), the checks ask the storage object
+# (correct, and gradients are then summed out of place as before).
+
+_SCAN_WORDS = 16  # 128 bytes: within a StorageImpl (vptr, refcounts, DataPtr, size, flags, ...)
+_LAYOUT: tuple[int, tuple[int, ...]] | None = None  # (size word, (deleter word,))
+_OWNER_WORDS: dict[str, tuple[int, ...] | None] = {}  # device type -> torch.empty's deleter
+
+
+def _word(t: torch.Tensor, i: int) -> int:
+    # word i of t's StorageImpl; only called with t alive and i < _SCAN_WORDS
+    return ctypes.c_uint64.from_address(torch._C._storage_address(t) + 8 * i).value
+
+
+def _calibrate_layout() -> None:
+    global _LAYOUT
+    _LAYOUT = None
+    try:
+        import numpy as np  # a hard dependency of torch's from_numpy; absent: no fast path
+    except ImportError:  # pragma: no cover
+        return
+    try:
+        a = torch.arange(12.0).view(3, 4)
+        # torch's own allocations made in different ways
+        own = [
+            torch.empty(7),
+            torch.empty(1000, dtype=torch.float64),
+            torch.empty(3, 5, dtype=torch.int16),
+            torch.empty(1 << 21),  # 8 MiB: the C library maps it separately
+            a * 2,
+            a.mm(a.t()),
+            torch.cat([a, a]),
+            a.t().contiguous(),
+            torch.zeros(33, dtype=torch.bfloat16),
+            a.sum(0),
+        ]
+        arr = np.ones(6, dtype=np.float32)
+        foreign = [torch.from_numpy(arr), torch.frombuffer(bytearray(24), dtype=torch.float32)]
+        try:
+            foreign.append(torch.empty(5).share_memory_())
+        except Exception:  # no shared memory on this host: calibrate without it
+            pass
+        nbytes = [t.untyped_storage().nbytes() for t in own + foreign]  # our own probes
+        words = [[_word(t, i) for i in range(_SCAN_WORDS)] for t in own + foreign]
+        mine = words[: len(own)]
+        size = [i for i in range(_SCAN_WORDS) if all(w[i] == n for w, n in zip(words, nbytes))]
+        data = [
+            i for i in range(_SCAN_WORDS) if all(w[i] == t.data_ptr() for w, t in zip(mine, own))
+        ]
+        # The DataPtr's deleter: the word after its data pointer, one function for every
+        # allocation torch's allocator makes and another for each foreign storage. Only that
+        # word: a word the samples merely happen to share (struct padding a fresh heap left zero)
+        # would refuse later storages at random.
+        d = data[0] + 1 if data else -1
+        if (
+            len(size) == 1
+            and 0 < d < _SCAN_WORDS
+            and d not in data
+            and d != size[0]
+            and len({w[d] for w in mine}) == 1
+            and all(w[d] != mine[0][d] for w in words[len(own) :])
+        ):
+            _LAYOUT = (size[0], (d,))
+            _OWNER_WORDS["cpu"] = (mine[0][d],)
+    except Exception:  # any surprise: ask the storage objects
+        _LAYOUT = None
+
+
+def _owner_words(device: torch.device) -> tuple[int, ...] | None:
+    # torch.empty's deleter word on this device type (two allocations must agree)
+    key = device.type
+    if key not in _OWNER_WORDS:
+        with _calib_lock:
+            if key not in _OWNER_WORDS:
+                try:
+                    a, b = torch.empty(16, device=device), torch.empty(1 << 16, device=device)
+                    wa = tuple(_word(a, i) for i in _LAYOUT[1])
+                    wb = tuple(_word(b, i) for i in _LAYOUT[1])
+                    _OWNER_WORDS[key] = wa if wa == wb else None
+                except Exception:
+                    _OWNER_WORDS[key] = None
+    return _OWNER_WORDS[key]
+
+
+def _storage_sig(t: torch.Tensor) -> int:
+    # the StorageImpl's use count (a kept storage object holds one); creates no storage object
+    return torch._C._storage_Use_Count(torch._C._storage_address(t))
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    if _LAYOUT is not None:
+        return _word(t, _LAYOUT[0])
+    return t.untyped_storage().nbytes()
+
+
+def _obj_refcount(t: torch.Tensor) -> int:
+    # the refcount of t's storage object as seen here (it exists already when this is asked)
     st = t.untyped_storage()
-    return sys.getrefcount(st), torch._C._storage_Use_Count(st._cdata)
+    return sys.getrefcount(st)
+
+
+def _storage_free(t: torch.Tensor, others: int = 0) -> bool:
+    # No holder of t's StorageImpl but t and ``others`` known TensorImpls (a view's base), and
+    # nobody keeps its storage object. One holder more may be the storage object PyTorch keeps
+    # alive with the storage once one was made (by slimgrad.memory's tracker, or an
+    # ``untyped_storage()`` call whose result was dropped): asking for it then returns that object
+    # and creates none, and it passes if only PyTorch holds it (calibrated refcount) and asking made
+    # no new one (the use count did not move). Otherwise refused.
+    sig = _STORAGE_SIG
+    if sig is None:
+        return False
+    n = _storage_sig(t)
+    if n == sig[0] + others:
+        return True
+    return n == sig[0] + others + 1 and _obj_refcount(t) == sig[1] and _storage_sig(t) == n
 
 
 def _storage_alone(t: torch.Tensor) -> bool:
     # no other tensor shares the StorageImpl, and nobody keeps its Python storage object
-    return _STORAGE_SIG is not None and _storage_sig(t) == _STORAGE_SIG
+    return _storage_free(t)
 
 
 def _torch_owned(t: torch.Tensor) -> bool:
     # Term 7: memory torch allocated itself. from_numpy/frombuffer/from_dlpack (and torch.load's
-    # mmap-able storages) wrap memory another owner can read: their storages are not resizable.
-    # Shared memory (share_memory_, DataLoader workers) may be read by another process.
-    # is_shared() is True for every CUDA storage (measured on an H200, torch 2.11: a fresh CUDA
-    # gradient reports shared, so no CUDA reuse was ever granted), so it is asked of CPU storages
-    # only. Not covered: CUDA memory this process exported through CUDA IPC (torch.multiprocessing)
-    # and still writes to; autograd's gradients are fresh allocations of this process.
+    # mmap-able storages) wrap memory another owner can read; shared memory (share_memory_,
+    # DataLoader workers) may be read by another process. With the calibrated layout: the
+    # storage's deleter is torch.empty's on this device type (each of those differs). Without it:
+    # resizable, and not shared for CPU (is_shared() is True for every CUDA storage, measured on
+    # an H200, torch 2.11, so it is asked of CPU storages only). Not covered
+    # either way: CUDA memory this process exported through CUDA IPC (torch.multiprocessing) and
+    # still writes to; autograd's gradients are fresh allocations of this process.
+    if _LAYOUT is not None:
+        words = _owner_words(t.device)
+        if words is not None:
+            return all(_word(t, i) == w for i, w in zip(_LAYOUT[1], words))
     st = t.untyped_storage()
     return st.resizable() and (st.device.type != "cpu" or not st.is_shared())
 
@@ -348,7 +488,7 @@ def _view_sig(t: torch.Tensor):
         or base.is_nested
         or base.device != t.device
         or weakref.getweakrefcount(base) != 0
-        or base.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        or torch._C._storage_address(base) != torch._C._storage_address(t)
         or torch._C._functorch.is_functorch_wrapped_tensor(base)
     ):
         return None
@@ -362,13 +502,16 @@ def _reachable_only_through(t: torch.Tensor) -> bool:
     if not t._is_view():
         return _storage_alone(t)
     # 2b: a view whose base is held by the view alone and shares the storage with nothing else.
-    return _VIEW_SIG is not None and _view_sig(t) == _VIEW_SIG
+    if _VIEW_SIG is None:
+        return False
+    sig = _view_sig(t)
+    return sig is not None and sig[0] == _VIEW_SIG[0] and _storage_free(t, 1)
 
 
 def _dense_whole(t: torch.Tensor) -> bool:
     if t.storage_offset() != 0:
         return False
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    if _storage_nbytes(t) != t.numel() * t.element_size():
         return False
     if t.is_contiguous():  # row-major strides: dense, non-overlapping (the loop below agrees)
         return True
@@ -786,7 +929,7 @@ def _calibrate_forward() -> None:
 
 def _probe(t):
     # Same frame depth and argument passing as take()/take_saved(): one call from backward.
-    storage = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    storage = _storage_sig(t)
     return sys.getrefcount(t), t._use_count(), storage, sys._getframe(2).f_code
 
 
@@ -857,19 +1000,21 @@ def _calibrate() -> None:
     global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG
     _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None  # until proven
     try:
-        t = torch.empty(4)
-        _STORAGE_PROBE = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+        _STORAGE_PROBE = _storage_sig(torch.empty(4))
         sig = _storage_sig(torch.empty(4))
         held = torch.empty(4)
+        held.untyped_storage()  # dropped: PyTorch keeps the object alive with the storage
+        obj = _obj_refcount(held)
+        kept_alive = _storage_sig(held) == sig + 1
         keep = held.untyped_storage()
-        sensitive = _storage_sig(held)[0] == sig[0] + 1  # a kept storage object must show
+        sensitive = _obj_refcount(held) == obj + 1  # a kept storage object must show
         del keep
         x = torch.arange(1.0, 6.0, requires_grad=True)  # not randn: no global RNG draw
         grad_base: dict = {}
         saved_sigs: dict = {}
         view_sigs: set = set()
         view_ok = True
-        ok = _STORAGE_PROBE >= 1 and sensitive and sig[1] == _STORAGE_PROBE
+        ok = _STORAGE_PROBE >= 1 and sensitive and kept_alive and sig == _STORAGE_PROBE
         for grad_fn, saved_fn in zip(*_calib_fns(seen := []), strict=True):
             seen.clear()
             (grad_fn.apply(x) * 3).sum().backward()
@@ -923,8 +1068,7 @@ def _calibrate() -> None:
                     and g[3][2] == _STORAGE_PROBE + 1
                     and vs[0] is not None
                     and vs[1] is not None
-                    and vs[0][1]
-                    == (sig[0], sig[1] + 1)  # storage: the base's TensorImpl, nothing more
+                    and vs[0][1] == sig + 1  # storage: the base's TensorImpl, nothing more
                     and vs[1][0][0] == vs[0][0][0] + 1  # the hook's reference to the base shows
                 )
             )
@@ -935,7 +1079,7 @@ def _calibrate() -> None:
         if ok and view_ok and len(view_sigs) == 1:
             _VIEW_SIG = view_sigs.pop()
         if ok:
-            _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG = grad_base, saved_sigs, sig
+            _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG = grad_base, saved_sigs, (sig, obj)
     except Exception:  # any surprise: never reuse
         _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None
 
@@ -1015,6 +1159,7 @@ def _ensure_calibrated() -> bool:
     return True
 
 
+_calibrate_layout()
 _calibrate()
 _calibrate_forward()
 _MODE = _call_mode()
