@@ -466,7 +466,7 @@ def _torch_owned(t: torch.Tensor) -> bool:
     # either way: CUDA memory this process exported through CUDA IPC (torch.multiprocessing) and
     # still writes to; autograd's gradients are fresh allocations of this process.
     if _LAYOUT is not None:
-        words = _owner_words(t.device)
+        words = _OWNER_WORDS["cpu"] if t.is_cpu else _owner_words(t.device)
         if words is not None:
             return all(_word(t, i) == w for i, w in zip(_LAYOUT[1], words))
     st = t.untyped_storage()
