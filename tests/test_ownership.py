@@ -1099,3 +1099,21 @@ def test_storages_on_reused_heap_memory_are_still_torch_owned():
         assert all(ownership._torch_owned(t) for t in fresh)
         assert all(ownership._dense_whole(t) for t in fresh)
         assert all(_use_count(t) == 1 for t in fresh)
+
+
+def test_a_refused_alias_gets_no_storage_object():
+    # Another tensor shares the storage (one use more) and no storage object exists: refused
+    # without making one, so once the alias is gone the buffer is a fresh one again (and the
+    # engine may sum into it in place).
+    t = torch.empty(9)
+    alias = t.view(3, 3)
+    assert _use_count(t) == 2
+    assert not ownership._storage_alone(t)
+    assert _use_count(t) == 2  # nothing was added by the check
+    del alias
+    assert _use_count(t) == 1 and ownership._storage_alone(t)
+    held = torch.empty(9)
+    keep = held.untyped_storage()
+    assert not ownership._storage_alone(held)  # a storage object someone holds
+    del keep
+    assert ownership._storage_alone(held)  # now only PyTorch keeps it alive

@@ -334,13 +334,16 @@ def calibrated() -> bool:
 # is refused: measured for from_numpy, frombuffer and share_memory_ (the calibration requires it);
 # memory from any other allocator (from_dlpack, mapped files, pinned memory) is freed by another
 # function. Only those words are read: a word the calibration's samples merely share (padding a
-# fresh heap left zero) would refuse later storages at random (seen in a first version).
+# fresh heap left zero) would refuse later storages at random (seen in a first version). A third
+# calibrated word, the storage's Python-object slot (0 until an object is made), lets
+# :func:`_storage_free` refuse a storage shared with another tensor without making an object.
 # If the layout cannot be calibrated (another torch build), the checks ask the storage object
 # (correct, and gradients are then summed out of place as before).
 
 _SCAN_WORDS = 16  # 128 bytes: within a StorageImpl (vptr, refcounts, DataPtr, size, flags, ...)
 _LAYOUT: tuple[int, tuple[int, ...]] | None = None  # (size word, (deleter word,))
 _OWNER_WORDS: dict[str, tuple[int, ...] | None] = {}  # device type -> torch.empty's deleter
+_PYOBJ_WORD: int | None = None  # 0 while the storage has no Python object (None: not located)
 
 
 def _word(t: torch.Tensor, i: int) -> int:
@@ -349,8 +352,8 @@ def _word(t: torch.Tensor, i: int) -> int:
 
 
 def _calibrate_layout() -> None:
-    global _LAYOUT
-    _LAYOUT = None
+    global _LAYOUT, _PYOBJ_WORD
+    _LAYOUT = _PYOBJ_WORD = None
     try:
         import numpy as np  # a hard dependency of torch's from_numpy; absent: no fast path
     except ImportError:  # pragma: no cover
@@ -398,6 +401,19 @@ def _calibrate_layout() -> None:
         ):
             _LAYOUT = (size[0], (d,))
             _OWNER_WORDS["cpu"] = (mine[0][d],)
+            # the word that says a storage object exists (its interpreter pointer): 0 until one
+            # is made, then set; so _storage_free need not make one to learn there is none
+            fresh = [torch.empty(n) for n in (3, 40, 1000, 1 << 16)]
+            before = [[_word(t, i) for i in range(_SCAN_WORDS)] for t in fresh]
+            for t in fresh:
+                t.untyped_storage()
+            after = [[_word(t, i) for i in range(_SCAN_WORDS)] for t in fresh]
+            slot = [
+                i
+                for i in range(_SCAN_WORDS)
+                if all(w[i] == 0 for w in before) and all(w[i] != 0 for w in after)
+            ]
+            _PYOBJ_WORD = slot[0] if len(slot) == 1 else None
     except Exception:  # any surprise: ask the storage objects
         _LAYOUT = None
 
@@ -448,7 +464,11 @@ def _storage_free(t: torch.Tensor, others: int = 0) -> bool:
     n = _storage_sig(t)
     if n == sig[0] + others:
         return True
-    return n == sig[0] + others + 1 and _obj_refcount(t) == sig[1] and _storage_sig(t) == n
+    if n != sig[0] + others + 1:
+        return False
+    if _PYOBJ_WORD is not None and _word(t, _PYOBJ_WORD) == 0:
+        return False  # no storage object: the use is another tensor's (refused, none made)
+    return _obj_refcount(t) == sig[1] and _storage_sig(t) == n
 
 
 def _storage_alone(t: torch.Tensor) -> bool:
