@@ -784,3 +784,46 @@ def test_the_layout_scan_stays_inside_the_storage_impl():
         pytest.skip("no malloc_usable_size here")
     sizes = {usable(torch._C._storage_address(t)) for t in (torch.empty(3), torch.ones(1 << 20))}
     assert ownership._SCAN_WORDS * 8 <= min(sizes), sizes
+
+
+@pytest.mark.parametrize("how,granted", [("none", 1), ("dropped", 1), ("held", 0)])
+def test_view_gradient_storage_object(how, granted):
+    # term 2b: F's gradient is a reshape view of the 2-D mm result; its storage object asked for
+    # and dropped (preserved) is not a holder, one kept is
+    def fn():
+        kept, views = [], []
+        x = (torch.arange(30.0).view(2, 3, 5) / 30).requires_grad_()
+        y = _Twice.apply(torch.nn.functional.linear(x, torch.full((4, 5), 0.5)))
+
+        def hook(g):
+            views.append(g._is_view())
+            if how == "dropped":
+                g.untyped_storage()
+            elif how == "held":
+                kept.append(g.untyped_storage())
+
+        y.register_hook(hook)
+        (torch.nn.functional.linear(y, torch.full((3, 4), 0.25)) * 2).sum().backward()
+        assert views == [True]
+        out = {"x.grad": x.grad}
+        if kept:
+            out["kept"] = _as_tensor(kept[0])
+        return out
+
+    off, on, n = _on_off(fn)
+    assert n == granted
+    _assert_same(off, on)
+
+
+def test_owns_input_under_the_memory_tracker_is_the_same():
+    # the tracker made x's storage object (one more use): owns_input still grants
+    def run(meas):
+        p = _Probe()
+        m = torch.nn.Sequential(_Fresh("none"), p)
+        if meas:
+            measure(lambda: m(torch.ones(3)).sum(), backward=False)
+        else:
+            m(torch.ones(3))
+        return p.owned
+
+    assert run(False) is True and run(True) is True
