@@ -827,3 +827,22 @@ def test_owns_input_under_the_memory_tracker_is_the_same():
         return p.owned
 
     assert run(False) is True and run(True) is True
+
+
+def test_a_refusal_makes_no_storage_object():
+    # a hook keeps a detach() alias: refused, and the refusal made no storage object (at 658ff9e it
+    # made one, which stayed alive with the storage: the buffer could no longer be summed into in
+    # place once the alias was gone; fixed at 4e2ec35)
+    kept = []
+    x = torch.arange(1.0, N + 1).requires_grad_()
+    y = _Twice.apply(x * 1.5)
+    y.register_hook(lambda g: kept.append(g.detach()) and None)
+    ownership.reset_reuse_count()
+    (y * 3).sum().backward()
+    assert ownership.reuse_count("grad") == 0
+    assert _use_count(kept[0]) == 1  # the alias alone: no storage object was made
+    a = torch.ones(3)
+    alias = a.detach()
+    assert not ownership._storage_alone(a) and _use_count(a) == 2
+    del alias
+    assert ownership._storage_alone(a) and _use_count(a) == 1
