@@ -656,7 +656,10 @@ def test_no_random_refusals_under_heap_churn():
         x = torch.ones(N, requires_grad=True)
         (_Twice.apply(x * 1.5) * 3).sum().backward()
         _linear3d()
-        misses += ownership.reuse_count("grad") != 2
+        y = _Twice.apply(x * 1.5)  # the preserved-object path (and its Python-object slot word)
+        y.register_hook(lambda g: g.untyped_storage().nbytes() and None)
+        (y * 3).sum().backward()
+        misses += ownership.reuse_count("grad") != 3
         del junk
     assert misses == 0
 
