@@ -7,8 +7,8 @@ PyTorch keeps alive (preserved) and nobody holds. Every case here runs with reus
 count says whether the check granted. Holders of every kind (storage objects kept, aliases made
 without one, NumPy/DLPack views), memory torch does not own, dtypes and layouts, the tracker of
 ``slimgrad.memory`` (it makes a storage object for every tensor), threads, a new call mode and heap
-churn (random refusals). Cases marked xfail are holders the rule misses (a weak reference to the
-storage object), with the reproducer in the test.
+churn (random refusals). A weak reference to the storage object (Python or C++) is a holder: it
+can give the buffer back later (found by this review, fixed in _storage_free / _no_weak_refs).
 """
 
 from __future__ import annotations
@@ -224,15 +224,10 @@ def _storage_weak_case(kind):
     return fn
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ownership review: a weak reference to the gradient's storage object is not a "
-    "counted holder (_storage_free); a later hook reads the overwritten buffer",
-)
 @pytest.mark.parametrize("kind", sorted(STORAGE_WEAK))
 def test_weak_reference_to_the_storage_object_refuses(kind):
-    # today: granted (n == 1); reuse off the later hook sees [-1.] (the buffer was freed), reuse on
-    # it sees [4., 6., ..., 16.]: dL/dh written over the dL/dy it took the reference to
+    # granted before the fix (n == 1): reuse off, the later hook sees [-1.] (the buffer was freed);
+    # reuse on, it saw [4., 6., ..., 16.]: dL/dh written over the dL/dy it took the reference to
     off, on, n = _on_off(_storage_weak_case(kind))
     _assert_same(off, on)
     assert n == 0
@@ -309,9 +304,6 @@ def test_saved_tensor_storage_holders(mode, granted):
     _assert_same(off, on)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="ownership review: a weak reference to a saved tensor's storage object"
-)
 def test_saved_tensor_weak_reference_to_its_storage_refuses():
     off, on, n = _saved_on_off("weak")
     _assert_same(off, on)
@@ -355,9 +347,6 @@ def test_owns_input_storage_holders(keep, owned):
     assert p.owned is owned
 
 
-@pytest.mark.xfail(
-    strict=True, reason="ownership review: owns_input misses a weak reference to x's storage"
-)
 def test_owns_input_weak_reference_to_the_storage_refuses():
     p = _Probe()
     torch.nn.Sequential(_Fresh("weak_storage"), p)(torch.ones(3))
@@ -775,12 +764,6 @@ def _usable_size():
     return f
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ownership review: _calibrate_layout reads _SCAN_WORDS = 16 words (128 bytes) of each "
-    "sample StorageImpl, whose heap block holds 104 bytes on torch 2.13/glibc: 24 bytes past the "
-    "end (undefined behaviour; an ASan build reports it, a guard page would crash the import)",
-)
 def test_the_layout_scan_stays_inside_the_storage_impl():
     usable = _usable_size()
     if usable is None:

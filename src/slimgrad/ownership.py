@@ -34,9 +34,12 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    a storage object]): no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient)
    shares the memory, and nobody keeps ``g.untyped_storage()``; one use more passes only if it is
    the storage object PyTorch keeps alive with the storage and nobody else holds it (its
-   calibrated refcount). (b) ``g`` a view (``nn.Linear`` on 3-D input hands the next
-   backward a reshape view of its 2-D mm result; LayerNorm, dropout etc. then pass it on): with
-   term 4 (the view covers its whole storage densely from offset 0), all of:
+   calibrated refcount, and no weak reference to it but slimgrad.memory's tracker finalizers);
+   no C++ weak reference to the StorageImpl either (torch's ``StorageWeakRef``: its weak count,
+   a calibrated word). A weak reference can give the buffer back to a later hook. (b) ``g`` a
+   view (``nn.Linear`` on 3-D input hands the next backward a reshape view of its 2-D mm result;
+   LayerNorm, dropout etc. then pass it on): with term 4 (the view covers its whole storage
+   densely from offset 0), all of:
    - its base ``b = g._base`` is a plain strided ``torch.Tensor`` on ``g``'s device, with no
      autograd state (not ``requires_grad``, no ``grad_fn``, no ``.grad``) and the same data
      pointer. (PyTorch roots every view at a non-view base, so views of views are covered.)
@@ -336,14 +339,20 @@ def calibrated() -> bool:
 # function. Only those words are read: a word the calibration's samples merely share (padding a
 # fresh heap left zero) would refuse later storages at random (seen in a first version). A third
 # calibrated word, the storage's Python-object slot (0 until an object is made), lets
-# :func:`_storage_free` refuse a storage shared with another tensor without making an object.
+# :func:`_storage_free` refuse a storage shared with another tensor without making an object, and
+# a fourth, the StorageImpl's weak count, shows a C++ weak reference (``StorageWeakRef``). The
+# scan stays within the StorageImpl's heap block (12 words; 104 bytes on torch 2.13 / glibc).
 # If the layout cannot be calibrated (another torch build), the checks ask the storage object
 # (correct, and gradients are then summed out of place as before).
 
-_SCAN_WORDS = 16  # 128 bytes: within a StorageImpl (vptr, refcounts, DataPtr, size, flags, ...)
+_SCAN_WORDS = 12  # 96 bytes: within a StorageImpl (its heap block: 104 B, torch 2.13 / glibc)
 _LAYOUT: tuple[int, tuple[int, ...]] | None = None  # (size word, (deleter word,))
 _OWNER_WORDS: dict[str, tuple[int, ...] | None] = {}  # device type -> torch.empty's deleter
 _PYOBJ_WORD: int | None = None  # 0 while the storage has no Python object (None: not located)
+# (word, fresh value) of the StorageImpl's C++ weak count (the high half of its refcount word, below
+# the flag bit PyTorch sets once a storage object exists); None: not located, not checked
+_WEAK: tuple[int, int] | None = None
+_WEAK_MASK = 0x7FFFFFFF
 
 
 def _word(t: torch.Tensor, i: int) -> int:
@@ -352,8 +361,8 @@ def _word(t: torch.Tensor, i: int) -> int:
 
 
 def _calibrate_layout() -> None:
-    global _LAYOUT, _PYOBJ_WORD
-    _LAYOUT = _PYOBJ_WORD = None
+    global _LAYOUT, _PYOBJ_WORD, _WEAK
+    _LAYOUT = _PYOBJ_WORD = _WEAK = None
     try:
         import numpy as np  # a hard dependency of torch's from_numpy; absent: no fast path
     except ImportError:  # pragma: no cover
@@ -401,8 +410,8 @@ def _calibrate_layout() -> None:
         ):
             _LAYOUT = (size[0], (d,))
             _OWNER_WORDS["cpu"] = (mine[0][d],)
-            # the word that says a storage object exists (its interpreter pointer): 0 until one
-            # is made, then set; so _storage_free need not make one to learn there is none
+            # the word that says a storage object exists (its slot, the object's address): 0 until
+            # one is made, then set; so _storage_free need not make one to learn there is none
             fresh = [torch.empty(n) for n in (3, 40, 1000, 1 << 16)]
             before = [[_word(t, i) for i in range(_SCAN_WORDS)] for t in fresh]
             for t in fresh:
@@ -414,8 +423,61 @@ def _calibrate_layout() -> None:
                 if all(w[i] == 0 for w in before) and all(w[i] != 0 for w in after)
             ]
             _PYOBJ_WORD = slot[0] if len(slot) == 1 else None
+            _calibrate_weak_count()
     except Exception:  # any surprise: ask the storage objects
         _LAYOUT = None
+
+
+def _weak_count(t: torch.Tensor, i: int) -> int:
+    return (_word(t, i) >> 32) & _WEAK_MASK
+
+
+def _calibrate_weak_count() -> None:
+    # A C++ weak reference to the StorageImpl (torch's StorageWeakRef, which can give the storage
+    # back later) raises its weak count: located with one held and released.
+    global _WEAK
+    _WEAK = None
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+    except ImportError:  # pragma: no cover
+        return
+    t = torch.empty(8)
+    w0 = [_weak_count(t, i) for i in range(_SCAN_WORDS)]
+    ref = StorageWeakRef(t.untyped_storage())
+    w1 = [_weak_count(t, i) for i in range(_SCAN_WORDS)]
+    del ref
+    w2 = [_weak_count(t, i) for i in range(_SCAN_WORDS)]
+    u = torch.randn(3) * 2
+    cand = [
+        i
+        for i in range(_SCAN_WORDS)
+        if w0[i] == w2[i] == _weak_count(u, i) and w1[i] == w0[i] + 1 and 0 < w0[i] < 4
+    ]
+    if len(cand) == 1:
+        _WEAK = (cand[0], w0[cand[0]])
+
+
+def _no_weak_refs(t: torch.Tensor) -> bool:
+    # no C++ weak reference to t's StorageImpl beyond a fresh one's
+    return _WEAK is None or _weak_count(t, _WEAK[0]) == _WEAK[1]
+
+
+def _only_tracker_weakrefs(st) -> bool:
+    # Python weak references to the storage object: only slimgrad.memory's tracker finalizers
+    # (one per storage it follows; it never reads the storage through them). Any other (a hook's
+    # weakref.ref/proxy/finalize, a WeakValueDictionary) can give the buffer back later: refused.
+    refs = weakref.getweakrefs(st)
+    if not refs:
+        return True
+    mem = sys.modules.get("slimgrad.memory")
+    free = getattr(getattr(mem, "_Tracker", None), "_free", None)
+    registry = getattr(weakref.finalize, "_registry", {})
+    for r in refs:
+        fin = r.__callback__
+        info = registry.get(fin) if isinstance(fin, weakref.finalize) else None
+        if free is None or info is None or getattr(info.func, "__func__", None) is not free:
+            return False
+    return True
 
 
 def _owner_words(device: torch.device) -> tuple[int, ...] | None:
@@ -463,12 +525,17 @@ def _storage_free(t: torch.Tensor, others: int = 0) -> bool:
         return False
     n = _storage_sig(t)
     if n == sig[0] + others:
-        return True
+        return _no_weak_refs(t)
     if n != sig[0] + others + 1:
         return False
     if _PYOBJ_WORD is not None and _word(t, _PYOBJ_WORD) == 0:
         return False  # no storage object: the use is another tensor's (refused, none made)
-    return _obj_refcount(t) == sig[1] and _storage_sig(t) == n
+    return (
+        _obj_refcount(t) == sig[1]
+        and _storage_sig(t) == n
+        and _no_weak_refs(t)
+        and _only_tracker_weakrefs(t.untyped_storage())
+    )
 
 
 def _storage_alone(t: torch.Tensor) -> bool:
