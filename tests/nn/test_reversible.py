@@ -952,3 +952,21 @@ def test_wrong_shape_from_F_is_a_clear_error(coupling, exact):
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     with pytest.raises(RuntimeError, match="F or G returned the wrong shape; expected"):
         rev(x)
+
+
+def test_sole_refuses_a_storage_object_someone_holds():
+    # _sole gates the in-place rebuild of a stream half: a storage object a hook keeps (it can
+    # read the buffer later) is a holder; one PyTorch merely keeps alive is not; an alias is
+    import importlib
+
+    rev_ops = importlib.import_module("slimgrad.ops.reversible")
+    t = torch.randn(4)
+    assert rev_ops._sole(t)
+    keep = t.untyped_storage()
+    assert not rev_ops._sole(t)  # counted 2 uses, which the old check took for its own object
+    del keep
+    assert rev_ops._sole(t)
+    alias = t.view(2, 2)
+    assert not rev_ops._sole(t)
+    del alias
+    assert rev_ops._sole(t)

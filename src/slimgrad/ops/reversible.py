@@ -745,9 +745,10 @@ def _check_captured(plan: _Plan, outs: torch.Tensor, inputs: list) -> None:
 
 
 def _sole(t: torch.Tensor) -> bool:
-    # No other tensor (view, detached alias kept by a hook or a graph) shares t's storage. The
-    # Python storage object holds one reference of its own.
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    # No other tensor (view, detached alias kept by a hook or a graph) shares t's storage, and
+    # nobody holds its storage object or a weak reference to it; asked without making a storage
+    # object (NOTE [Storage facts without a storage object] in slimgrad.ownership)
+    return ownership._storage_alone(t)
 
 
 def _add(
