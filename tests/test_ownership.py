@@ -853,7 +853,7 @@ def test_failed_view_calibration_refuses_views_only(monkeypatch):
 
 
 def test_view_calibration_failure_refuses_views_only(monkeypatch):
-    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_STORAGE_PROBE", "_VIEW_SIG"):
+    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_VIEW_SIG"):
         monkeypatch.setattr(ownership, name, getattr(ownership, name))  # restored afterwards
     monkeypatch.setattr(ownership, "_view_sig", lambda t: None)  # the view probe fails
     ownership._calibrate()

@@ -246,15 +246,14 @@ _GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
 # saved_tensors_hooks pair that packs a detached alias keeps it.
 _SAVED_SIGS: dict | None = None  # caller code -> {(refcount, use count)}
-# Storage use count of a tensor nobody else shares (NOTE [Storage facts without a storage object]).
-_STORAGE_PROBE: int | None = None
-# The same, as _storage_sig sees it for a fresh tensor (a user who keeps ``g.untyped_storage()``
-# raises it), and the refcount of a storage object that only PyTorch keeps alive (_storage_free).
+# The storage use count of a tensor nobody else shares, as _storage_sig sees it (NOTE [Storage
+# facts without a storage object]; a user who keeps ``g.untyped_storage()`` raises it), and the
+# refcount of a storage object that only PyTorch keeps alive (_storage_free).
 _STORAGE_SIG: tuple[int, int] | None = None  # (that use count, _obj_refcount of a kept-alive one)
 # For a gradient that is a view (term 2b): _view_sig(g) of a whole-storage view whose base nobody
-# else holds: ((base refcount, base use count), storage use count) as _view_sig sees them. The
-# storage use count is one more than _STORAGE_SIG's: the base's TensorImpl.
-_VIEW_SIG: tuple[tuple[int, int], int] | None = None
+# else holds: (base refcount, base use count) as _view_sig sees them. Its storage has one use more
+# than _STORAGE_SIG's (the base's TensorImpl): _storage_free(g, 1).
+_VIEW_SIG: tuple[int, int] | None = None
 
 
 def _env_disabled() -> bool:
@@ -549,9 +548,9 @@ def _torch_owned(t: torch.Tensor) -> bool:
     # DataLoader workers) may be read by another process. With the calibrated layout: the
     # storage's deleter is torch.empty's on this device type (each of those differs). Without it:
     # resizable, and not shared for CPU (is_shared() is True for every CUDA storage, measured on
-    # an H200, torch 2.11, so it is asked of CPU storages only). Not covered
-    # either way: CUDA memory this process exported through CUDA IPC (torch.multiprocessing) and
-    # still writes to; autograd's gradients are fresh allocations of this process.
+    # an H200, torch 2.11, so it is asked of CPU storages only). Not covered either way: CUDA
+    # memory this process exported through CUDA IPC (torch.multiprocessing) and still writes to;
+    # autograd's gradients are fresh allocations of this process.
     if _LAYOUT is not None:
         words = _OWNER_WORDS["cpu"] if t.is_cpu else _owner_words(t.device)
         if words is not None:
@@ -561,8 +560,8 @@ def _torch_owned(t: torch.Tensor) -> bool:
 
 
 def _view_sig(t: torch.Tensor):
-    # ((refcount, use count) of t's base, storage signature), or None if the base is not a plain
-    # strided tensor without autograd state sharing t's memory. Reads ``t._base`` (which may create
+    # (refcount, use count) of t's base, or None if the base is not a plain strided tensor
+    # without autograd state sharing t's memory. Reads ``t._base`` (which may create
     # the base's Python object; PyTorch preserves it with the base, no reference is added).
     base = t._base
     if (
@@ -581,7 +580,7 @@ def _view_sig(t: torch.Tensor):
         return None
     sig = (sys.getrefcount(base), base._use_count())
     del base
-    return sig, _storage_sig(t)
+    return sig
 
 
 def _reachable_only_through(t: torch.Tensor) -> bool:
@@ -589,10 +588,7 @@ def _reachable_only_through(t: torch.Tensor) -> bool:
     if not t._is_view():
         return _storage_alone(t)
     # 2b: a view whose base is held by the view alone and shares the storage with nothing else.
-    if _VIEW_SIG is None:
-        return False
-    sig = _view_sig(t)
-    return sig is not None and sig[0] == _VIEW_SIG[0] and _storage_free(t, 1)
+    return _VIEW_SIG is not None and _view_sig(t) == _VIEW_SIG and _storage_free(t, 1)
 
 
 def _dense_whole(t: torch.Tensor) -> bool:
@@ -1084,11 +1080,10 @@ def _calib_fns(seen: list):
 
 
 def _calibrate() -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG
     _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None  # until proven
     try:
-        _STORAGE_PROBE = _storage_sig(torch.empty(4))
-        sig = _storage_sig(torch.empty(4))
+        sig = _storage_sig(torch.empty(4))  # a fresh tensor's storage use count
         held = torch.empty(4)
         held.untyped_storage()  # dropped: PyTorch keeps the object alive with the storage
         obj = _obj_refcount(held)
@@ -1101,7 +1096,7 @@ def _calibrate() -> None:
         saved_sigs: dict = {}
         view_sigs: set = set()
         view_ok = True
-        ok = _STORAGE_PROBE >= 1 and sensitive and kept_alive and sig == _STORAGE_PROBE
+        ok = sig >= 1 and sensitive and kept_alive
         for grad_fn, saved_fn in zip(*_calib_fns(seen := []), strict=True):
             seen.clear()
             (grad_fn.apply(x) * 3).sum().backward()
@@ -1135,10 +1130,10 @@ def _calibrate() -> None:
                 and all(p[3] is caller for p in g + sv)
                 and g[0] == g[1]
                 and g[0][1] == 1
-                and g[0][2] == _STORAGE_PROBE
+                and g[0][2] == sig
                 and g[2][0] == g[0][0] + 1
                 and sv[0] == sv[1]
-                and sv[0][2] == sv[2][2] == _STORAGE_PROBE
+                and sv[0][2] == sv[2][2] == sig
                 and caller not in grad_base
             )
             if not ok:
@@ -1152,11 +1147,10 @@ def _calibrate() -> None:
                     # a view gradient: same refcount and use count as a plain one; its storage is
                     # shared with the base's TensorImpl only
                     and g[3][:2] == g[0][:2]
-                    and g[3][2] == _STORAGE_PROBE + 1
+                    and g[3][2] == sig + 1
                     and vs[0] is not None
                     and vs[1] is not None
-                    and vs[0][1] == sig + 1  # storage: the base's TensorImpl, nothing more
-                    and vs[1][0][0] == vs[0][0][0] + 1  # the hook's reference to the base shows
+                    and vs[1][0] == vs[0][0] + 1  # the hook's reference to the base shows
                 )
             )
             if view_ok:
@@ -1203,12 +1197,12 @@ _recalibrating = False
 
 
 def _state() -> tuple:
-    return _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
+    return _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
 
 
 def _set_state(state: tuple) -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
-    _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_PROBE, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT = state
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
+    _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT = state
 
 
 def _calibration_undisturbed() -> bool:
