@@ -18,6 +18,7 @@ import torch.utils.checkpoint as ckpt
 from torch.autograd.function import once_differentiable
 
 from slimgrad import ownership
+from tests._ownership_helpers import ExpSaved, storage_use_count
 
 
 @pytest.fixture(autouse=True)
@@ -358,25 +359,6 @@ def test_reuse_count_bad_kind():
 # Saved tensors ----------------------------------------------------------------------------------
 
 
-class _ExpSaved(torch.autograd.Function):
-    """y = exp(x) (returned as a copy); saves exp(x), writes dx = g * exp(x) into it when dead."""
-
-    @staticmethod
-    def forward(ctx, x):
-        e = x.exp()
-        ctx.save_for_backward(e)
-        return e.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        ownership.check_not_consumed(ctx, "tests._ExpSaved")
-        (e,) = ctx.saved_tensors
-        buf = ownership.take_saved(ctx, e)
-        if buf is not None:
-            return buf.mul_(grad_out)
-        return grad_out * e
-
-
 class _ExpSavedOutput(torch.autograd.Function):
     """y = exp(x) saved as the output itself (shared with the caller)."""
 
@@ -408,7 +390,7 @@ def _saved_run(fn, x_seed=7, keep_output=False, retain=False):
 
 
 def test_saved_tensor_reused_at_last_use():
-    x, _, _, n = _saved_run(_ExpSaved)
+    x, _, _, n = _saved_run(ExpSaved)
     assert n == 1
     torch.testing.assert_close(
         x.grad,
@@ -421,7 +403,7 @@ def test_saved_tensor_reused_at_last_use():
 def test_saved_tensor_second_backward_raises_clearly():
     x = torch.randn(N, requires_grad=True)
     ownership.reset_reuse_count()
-    loss = _ExpSaved.apply(x * 1.0).sum()  # only _ExpSaved keeps tensors in this graph
+    loss = ExpSaved.apply(x * 1.0).sum()  # only ExpSaved keeps tensors in this graph
     loss.backward()
     assert ownership.reuse_count("saved") == 1
     with pytest.raises(RuntimeError, match="tests._ExpSaved: backward ran a second time"):
@@ -429,7 +411,7 @@ def test_saved_tensor_second_backward_raises_clearly():
 
 
 def test_saved_tensor_retain_graph_not_reused():
-    x, loss, _, n = _saved_run(_ExpSaved, retain=True)
+    x, loss, _, n = _saved_run(ExpSaved, retain=True)
     assert n == 0
     first = x.grad.clone()
     loss.backward()
@@ -474,7 +456,7 @@ def test_saved_reuse_under_memory_tracker_lowers_backward_peak_by_one_buffer():
     x = torch.randn(n, requires_grad=True)
 
     def step():
-        return _ExpSaved.apply(x).sum()
+        return ExpSaved.apply(x).sum()
 
     peaks = []
     for disabled in (True, False):
@@ -500,7 +482,7 @@ def test_saved_reuse_refused_when_a_pack_hook_keeps_the_tensor():
     x = torch.randn(N, requires_grad=True)
     ownership.reset_reuse_count()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _ExpSaved.apply(x * 1.0).sum()
+        loss = ExpSaved.apply(x * 1.0).sum()
     loss.backward()
     assert ownership.reuse_count("saved") == 0
     assert torch.equal(kept[0], x.detach().exp())
@@ -989,10 +971,6 @@ def test_calibration_leaves_the_global_rng_alone(monkeypatch):
 # Storage facts without a storage object (NOTE [Storage facts without a storage object]) ------
 
 
-def _use_count(t):
-    return torch._C._storage_Use_Count(torch._C._storage_address(t))
-
-
 class _DoubleSeen(_Double):
     """_Double that records the storage use count and data pointer of what it returns."""
 
@@ -1002,7 +980,7 @@ class _DoubleSeen(_Double):
     def backward(ctx, grad_out):
         buf = ownership.take(grad_out)
         out = buf.mul_(2) if buf is not None else grad_out * 2
-        _DoubleSeen.seen.append((buf is not None, _use_count(out), out.data_ptr()))
+        _DoubleSeen.seen.append((buf is not None, storage_use_count(out), out.data_ptr()))
         return out
 
 
@@ -1068,7 +1046,7 @@ def test_layout_is_calibrated_and_reads_what_the_storage_object_says():
     fresh = torch.empty(6)
     for check in (ownership._torch_owned, ownership._dense_whole, ownership._storage_alone):
         assert check(fresh)
-    assert _use_count(fresh) == 1  # none of the checks made a storage object
+    assert storage_use_count(fresh) == 1  # none of the checks made a storage object
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
@@ -1094,7 +1072,7 @@ def test_storages_on_reused_heap_memory_are_still_torch_owned():
         fresh = [torch.empty(size) for _ in range(300)] + [torch.ones(size) * 2 for _ in range(50)]
         assert all(ownership._torch_owned(t) for t in fresh)
         assert all(ownership._dense_whole(t) for t in fresh)
-        assert all(_use_count(t) == 1 for t in fresh)
+        assert all(storage_use_count(t) == 1 for t in fresh)
 
 
 def test_a_refused_alias_gets_no_storage_object():
@@ -1103,11 +1081,11 @@ def test_a_refused_alias_gets_no_storage_object():
     # engine may sum into it in place).
     t = torch.empty(9)
     alias = t.view(3, 3)
-    assert _use_count(t) == 2
+    assert storage_use_count(t) == 2
     assert not ownership._storage_alone(t)
-    assert _use_count(t) == 2  # nothing was added by the check
+    assert storage_use_count(t) == 2  # nothing was added by the check
     del alias
-    assert _use_count(t) == 1 and ownership._storage_alone(t)
+    assert storage_use_count(t) == 1 and ownership._storage_alone(t)
     held = torch.empty(9)
     keep = held.untyped_storage()
     assert not ownership._storage_alone(held)  # a storage object someone holds

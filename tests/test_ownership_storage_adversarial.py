@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from slimgrad import ownership
 from slimgrad.memory import measure
+from tests._ownership_helpers import ExpSaved, storage_use_count
 
 N = 7  # prime
 
@@ -33,10 +34,6 @@ N = 7  # prime
 @pytest.fixture(autouse=True)
 def _reuse_on(monkeypatch):
     monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
-
-
-def _use_count(t):
-    return torch._C._storage_Use_Count(torch._C._storage_address(t))
 
 
 class _Twice(torch.autograd.Function):
@@ -51,7 +48,7 @@ class _Twice(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         buf = ownership.take(grad_out)
-        _Twice.seen.append(_use_count(grad_out))
+        _Twice.seen.append(storage_use_count(grad_out))
         if buf is not None:
             return buf.mul_(2)
         return grad_out * 2
@@ -233,8 +230,8 @@ def test_weak_reference_to_the_storage_object_refuses(kind):
     assert n == 0
 
 
-class _ExpSaved(torch.autograd.Function):
-    """e = exp(x), saved and cloned out; backward writes g * e into e when ownership allows."""
+class _ExpSaved(ExpSaved):
+    """ExpSaved whose forward also makes, keeps or drops a holder of exp(x) (``mode``)."""
 
     keep: list = []
     mode = "none"
@@ -252,15 +249,6 @@ class _ExpSaved(torch.autograd.Function):
             _ExpSaved.keep.append(e.numpy())
         ctx.save_for_backward(e)
         return e.clone()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        ownership.check_not_consumed(ctx, "tests._ExpSaved")
-        (e,) = ctx.saved_tensors
-        buf = ownership.take_saved(ctx, e)
-        if buf is not None:
-            return buf.mul_(grad_out)
-        return grad_out * e
 
 
 def _saved_case(mode):
@@ -487,10 +475,10 @@ def test_storage_facts_match_the_storage_object():
     owned = [o for _, o in ts]
     ts = [t for t, _ in ts]
     for t, own in zip(ts, owned, strict=True):
-        n0 = _use_count(t)
+        n0 = storage_use_count(t)
         nbytes, torch_owned = ownership._storage_nbytes(t), ownership._torch_owned(t)
         ownership._dense_whole(t), ownership._storage_free(t)
-        assert _use_count(t) == n0, "a check made a storage object"
+        assert storage_use_count(t) == n0, "a check made a storage object"
         assert nbytes == t.untyped_storage().nbytes()
         assert torch_owned is own, (t.dtype, t.device, t.shape)
     assert ownership._dense_whole(big)  # resize_ grew the storage to the tensor's 400 bytes
@@ -826,9 +814,9 @@ def test_a_refusal_makes_no_storage_object():
     ownership.reset_reuse_count()
     (y * 3).sum().backward()
     assert ownership.reuse_count("grad") == 0
-    assert _use_count(kept[0]) == 1  # the alias alone: no storage object was made
+    assert storage_use_count(kept[0]) == 1  # the alias alone: no storage object was made
     a = torch.ones(3)
     alias = a.detach()
-    assert not ownership._storage_alone(a) and _use_count(a) == 2
+    assert not ownership._storage_alone(a) and storage_use_count(a) == 2
     del alias
-    assert ownership._storage_alone(a) and _use_count(a) == 1
+    assert ownership._storage_alone(a) and storage_use_count(a) == 1
