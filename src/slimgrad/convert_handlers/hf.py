@@ -7,11 +7,126 @@ Nothing here rebinds an HF class or module-level function. The attention pass li
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
 import inspect
 import sys
 import textwrap
 
 import torch.nn as nn
+
+# NOTE [Decorators that do not change the computation]
+# HF decorates model forwards with helpers that change no arithmetic, and adds or moves them
+# between releases (transformers 5.24 put ``@deprecate_kwarg`` on every causal LM's forward). A
+# matcher that decides by what a forward computes (``hf_loss``'s templates) accepts a decorator
+# only when it is in ``KNOWN_DECORATORS``: its name, looked up in the forward's own module, IS the
+# transformers object named there (not a look-alike of the same name); and the forward's wrapper
+# layers at run time (``functools.wraps``' ``__wrapped__`` chain) are exactly the wrappers those
+# decorators make, each recognised by its code object (a wrapper added by other code, or a
+# decorator that wraps where it did not, refuses). Kinds:
+#   "doc"           sets the docstring and returns the function itself (no layer);
+#   "return_tuple"  ``can_return_tuple``: pops ``return_dict`` (default: the config's) and turns
+#                   the output into a tuple; the fused forward does the same itself;
+#   "rename_kwarg"  ``deprecate_kwarg(old, version, new_name=...)``: renames (or only warns about)
+#                   a keyword argument before the call, warning or raising as HF decides; the fused
+#                   forward runs behind the same decorator, HF's own, built from the same literal
+#                   arguments, so a call with the old name behaves as HF's forward.
+# Anything else (``merge_with_config_defaults`` fills arguments from the config,
+# ``capture_outputs`` collects outputs, a user's wrapper) refuses, and the reason names it.
+KNOWN_DECORATORS: dict[str, tuple[str, str]] = {
+    # name: (transformers module that defines it, kind)
+    "auto_docstring": ("transformers.utils.auto_docstring", "doc"),
+    "can_return_tuple": ("transformers.utils.generic", "return_tuple"),
+    "deprecate_kwarg": ("transformers.utils.deprecation", "rename_kwarg"),
+}
+
+
+def _probe_fn(self, x=None):  # a function for the decorators to wrap, to learn their wrapper code
+    return x
+
+
+@functools.cache
+def _known_decorators() -> dict[str, tuple[object, str, object]]:
+    # {name: (the transformers object, kind, its wrapper's code object or None)} for the
+    # transformers installed; a name it does not define is not known
+    out = {}
+    for name, (modname, kind) in KNOWN_DECORATORS.items():
+        try:
+            obj = getattr(importlib.import_module(modname), name)
+            if kind == "return_tuple":
+                code = obj(_probe_fn).__code__
+            elif kind == "rename_kwarg":
+                code = obj("_slimgrad_old", "0.0", new_name="_slimgrad_new")(_probe_fn).__code__
+            else:
+                code = None
+        except (ImportError, AttributeError, TypeError, ValueError):
+            continue
+        out[name] = (obj, kind, code)
+    return out
+
+
+class Decorator:
+    """One decorator of a matched forward (NOTE [Decorators that do not change the computation]):
+    ``name``, ``kind``, the transformers object ``obj`` and its literal ``args``/``kwargs``."""
+
+    def __init__(self, name: str, kind: str, obj, args: tuple, kwargs: dict) -> None:
+        self.name, self.kind, self.obj, self.args, self.kwargs = name, kind, obj, args, kwargs
+
+    def apply(self, fn):
+        # the same decorator around ``fn`` (rename_kwarg: HF's own deprecate_kwarg)
+        return self.obj(*self.args, **self.kwargs)(fn)
+
+
+def forward_decorators(fn, nodes: list, g: dict) -> tuple[list[Decorator] | None, str]:
+    """The decorators of ``fn`` (a class's forward; ``nodes``: its source's decorator list,
+    ``g``: its module's globals), outermost first, when each is in ``KNOWN_DECORATORS`` and its
+    run-time wrapper layers are theirs; else ``(None, the reason)`` naming the decorator."""
+    known = _known_decorators()
+    found: list[Decorator] = []
+    for node in nodes:
+        call = node if isinstance(node, ast.Call) else None
+        target = call.func if call is not None else node
+        what = f"@{_unparse(node)}"
+        if not isinstance(target, ast.Name) or target.id not in known:
+            return None, f"forward has decorator {what}, not one known to leave it unchanged"
+        obj, kind, _ = known[target.id]
+        if g.get(target.id) is not obj:
+            return None, (
+                f"forward's {what} is not transformers' {target.id} (another object of that name)"
+            )
+        args, kwargs = (), {}
+        if call is not None:
+            if kind == "return_tuple":
+                return None, f"forward has decorator {what}, called with arguments"
+            if kind == "rename_kwarg":
+                try:
+                    args = tuple(ast.literal_eval(a) for a in call.args)
+                    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+                except ValueError:
+                    return None, f"forward's {what} has arguments that are not literals"
+                if None in kwargs or "return_dict" in (*args[:1], kwargs.get("new_name")):
+                    return None, f"forward's {what} renames return_dict or unpacks arguments"
+        found.append(Decorator(target.id, kind, obj, args, kwargs))
+    expected = [known[d.name][2] for d in found if known[d.name][2] is not None]
+    layers, f = [], fn
+    while hasattr(f, "__wrapped__") and len(layers) <= len(expected):
+        layers.append(f)
+        f = f.__wrapped__
+    got = [getattr(x, "__code__", None) for x in layers]
+    if len(got) != len(expected) or any(a is not b for a, b in zip(got, expected)):
+        names = [getattr(c, "co_qualname", "?") for c in got]
+        return None, (
+            f"forward's wrapper layers at run time ({', '.join(names) or 'none'}) are not the ones "
+            f"its source's decorators make ({', '.join('@' + d.name for d in found) or 'none'})"
+        )
+    return found, ""
+
+
+def _unparse(node) -> str:
+    try:
+        return ast.unparse(node)
+    except Exception:  # noqa: BLE001 - only used for names in messages
+        return "?"
 
 
 def hf_models(model: nn.Module):

@@ -29,6 +29,10 @@ dropped, local names renamed to their order of first assignment) must be
     [Mixtral's router aux-loss block]
     return <Output>(loss=loss, logits=logits, <key>=out.<key>, ...)
 
+decorated with ``@can_return_tuple`` and only other decorators of ``hf.KNOWN_DECORATORS`` (NOTE
+[Decorators that do not change the computation]): the fused call does what ``can_return_tuple``
+does and runs behind the forward's own ``@deprecate_kwarg`` layers (HF's decorator, same
+arguments), so a keyword renamed by a release reaches it as it reaches HF's body;
 and the head must expand (through head modules whose own forward is a chain ``x = f(x)``) into
 row-wise modules (Linear, LayerNorm, an elementwise activation) ending in an ``nn.Linear``: the
 decoder whose ``h W^T + b`` the fused loss computes. The transform modules are called as they
@@ -53,7 +57,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
-from slimgrad.convert_handlers.hf import hf_models
+from slimgrad.convert_handlers.hf import forward_decorators, hf_models
 from slimgrad.nn._hooks import foreign  # hooks other than slimgrad.memory's observers
 
 __all__ = ["fuse_lm_loss", "lm_loss_pattern"]
@@ -250,8 +254,7 @@ def _normalised(fn):
     names = set(params) | ({varkw} if varkw else set()) | ({a.vararg.arg} if a.vararg else set())
     ren = _Renamer(names)
     body = [s for s in (ren.visit(s) for s in fdef.body) if s is not None]
-    decos = [ast.dump(d) for d in fdef.decorator_list]
-    return body, params, varkw, a.vararg is not None, decos, raw.__globals__
+    return body, params, varkw, a.vararg is not None, fdef.decorator_list, raw.__globals__
 
 
 def _self_path(node):
@@ -354,25 +357,23 @@ def _return(stmt, names):
     return call.func.id, tuple(fields)
 
 
-_CAN_RETURN_TUPLE = ast.dump(ast.parse("can_return_tuple").body[0].value)
-_AUTO_DOCSTRING = ast.dump(ast.parse("auto_docstring").body[0].value)
-
-
 def _match(fn):
     # (_Spec, "") when ``fn`` (a class's forward) is a template; else (None, reason)
     try:
         body, params, varkw, varargs, decos, g = _normalised(fn)
     except (OSError, TypeError, SyntaxError, IndexError) as e:
         return None, f"forward's source is not available ({type(e).__name__})"
-    from transformers.utils import auto_docstring
-    from transformers.utils.generic import can_return_tuple
-
-    if (
-        sorted(decos) != sorted([_CAN_RETURN_TUPLE, _AUTO_DOCSTRING])
-        or g.get("can_return_tuple") is not can_return_tuple
-        or g.get("auto_docstring") is not auto_docstring
-    ):
-        return None, "forward is not a known LM template (not @can_return_tuple/@auto_docstring)"
+    decorators, why = forward_decorators(fn, decos, g)
+    if decorators is None:
+        return None, why
+    kinds = [d.kind for d in decorators]
+    if kinds.count("return_tuple") != 1:
+        return None, "forward is not a known LM template (expected @can_return_tuple once)"
+    # the converted forward: the fused call behind the forward's own @deprecate_kwarg layers
+    entry = _after_renames
+    for d in reversed(decorators):
+        if d.kind == "rename_kwarg":
+            entry = d.apply(entry)
     if "labels" not in params or varkw is None or varargs or params[0] != "self":
         return None, "forward's signature is not a template's (labels, **kwargs)"
     unknown = "forward is not a known LM template (other head code or loss terms)"
@@ -465,6 +466,7 @@ def _match(fn):
             varkw=varkw,
             signature=inspect.signature(inspect.unwrap(fn)),
             globals=g,
+            entry=None if entry is _after_renames else entry,
         ),
         "",
     )
@@ -671,6 +673,18 @@ def _why_not_now(model, spec, ba, dec):
     return ""
 
 
+def _after_renames(self, *args, **kwargs):
+    # the fused call behind HF's own @deprecate_kwarg decorators (NOTE [Decorators that do not
+    # change the computation]); named ``forward`` with a ``self`` so that HF's messages name
+    # ``<Class>.forward`` as they do for the class's forward
+    fused = self.__dict__["forward"]
+    spec, _ = _cached(type(self).forward, "forward")
+    return fused._call(spec, args, kwargs)
+
+
+_after_renames.__name__ = _after_renames.__qualname__ = "forward"
+
+
 class _FusedLMForward:
     """The instance's ``forward`` after ``convert_``: HF's own, or the fused loss where exact.
 
@@ -692,6 +706,13 @@ class _FusedLMForward:
         spec, _ = _cached(cls_forward, "forward")
         if spec is None:
             return cls_forward(model, *args, **kwargs)
+        if spec.entry is not None:  # the forward's @deprecate_kwarg layers first, as HF's
+            return spec.entry(model, *args, **kwargs)
+        return self._call(spec, args, kwargs)
+
+    def _call(self, spec, args, kwargs):
+        model = self.model
+        cls_forward = type(model).forward
         # as @can_return_tuple: return_dict from the call, else the config
         kw = dict(kwargs)
         return_dict = model.config.return_dict if hasattr(model, "config") else True
