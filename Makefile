@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slimgrad-env
 
-.PHONY: demo test lint env
+.PHONY: demo test lint env test-matrix test-hf-newest
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,3 +28,20 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -n 2 -q
+
+# The HF suites again under the newest declared transformers (pure Python: installed beside the
+# pinned one in $(VENV)/hf-newest and put first on the path)
+HF_NEWEST := 5.24.0
+HF_TESTS := tests/conformance/test_hf_families.py tests/test_convert_hf_loss.py \
+	tests/test_convert_hf_attention.py tests/test_convert_hf.py
+$(VENV)/hf-newest/.stamp-$(HF_NEWEST): $(STAMP)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/hf-newest transformers==$(HF_NEWEST)
+	touch $@
+
+test-hf-newest: $(VENV)/hf-newest/.stamp-$(HF_NEWEST)
+	PYTHONPATH=$(VENV)/hf-newest $(PY) -m pytest -n 2 -q $(HF_TESTS)
+
+# Lowest, pinned and newest declared torch/transformers in their own venvs (multi-GB downloads);
+# writes benchmarks/results/version_matrix.jsonl and docs/compatibility.md
+test-matrix: $(STAMP)
+	$(PY) benchmarks/version_matrix.py

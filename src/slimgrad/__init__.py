@@ -15,10 +15,14 @@ Ops live in ``slimgrad.ops`` (functional) and ``slimgrad.nn`` (modules). ``impor
 neither Triton nor CUDA.
 """
 
-from slimgrad import memory
-from slimgrad.convert import ConvertConfig, ConvertReport, convert_, report
-from slimgrad.step_in_backward import step_in_backward
-from slimgrad.verify import VerifyReport, verify
+from slimgrad import _compat
+
+_compat.check_torch()  # one clear message for an unsupported torch, before any private import
+
+from slimgrad import memory  # noqa: E402
+from slimgrad.convert import ConvertConfig, ConvertReport, convert_, report  # noqa: E402
+from slimgrad.step_in_backward import step_in_backward  # noqa: E402
+from slimgrad.verify import VerifyReport, verify  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -212,16 +212,33 @@ def _env_args(p: argparse.ArgumentParser) -> None:
 
 
 def _env_run(args: argparse.Namespace) -> int:
+    from slimgrad._compat import (
+        TORCH_MAX_TESTED,
+        TORCH_MIN,
+        TRANSFORMERS_MAX_TESTED,
+        TRANSFORMERS_MIN,
+        features,
+    )
     from slimgrad.bench.harness import environment, git_commit
 
     info = environment()
     info["commit"] = git_commit()
+    info["tested torch"] = (
+        f"{TORCH_MIN[0]}.{TORCH_MIN[1]} .. {TORCH_MAX_TESTED[0]}.{TORCH_MAX_TESTED[1]}"
+    )
+    lo, hi = TRANSFORMERS_MIN, TRANSFORMERS_MAX_TESTED
+    info["tested transformers"] = f"{lo[0]}.{lo[1]} .. {hi[0]}.{hi[1]}"
+    feats = features()
     if args.json:
+        info["features"] = {f.name: {"on": f.on, "detail": f.detail} for f in feats}
         print(json.dumps(info))
-    else:
-        width = max(len(k) for k in info)
-        for k, v in info.items():
-            print(f"{k:<{width}}  {v if v is not None else '-'}")
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v if v is not None else '-'}")
+    print("\nfeatures:")
+    for f in feats:
+        print(f"  [{'on ' if f.on else 'off'}] {f.name}: {f.detail}")
     return 0
 
 

@@ -97,10 +97,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from slimgrad._compat import is_non_overlapping_and_dense
 from slimgrad._library import python_impl
 
 __all__ = ["DEVICES", "SavedStorage", "StepMemory", "estimate", "measure"]
@@ -167,7 +167,7 @@ def _plain_dense(t: Any) -> bool:
         and t.layout == torch.strided
         and not t.is_nested
         and not t._is_zerotensor()
-        and is_non_overlapping_and_dense_or_false(t)
+        and is_non_overlapping_and_dense(t)
     )
 
 

@@ -53,7 +53,8 @@ def _mono_fwd_kernel(x_ptr, y_ptr, n, a, b, ACT: tl.constexpr, BLOCK: tl.constex
     elif ACT == 1:
         y = tl.where(x > 0, x, x * a)
     elif ACT == 2:
-        y = tl.where(x > 0, x, a * expm1(tl.minimum(x, 0.0)))
+        # not tl.minimum(x, 0): its NaN result is unspecified (triton 3.9's interpreter gives 0)
+        y = tl.where(x > 0, x, a * expm1(tl.where(x > 0, 0.0, x)))
     elif ACT == 3:
         y = 1.0 / (1.0 + tl.exp(-x))
     elif ACT == 4:

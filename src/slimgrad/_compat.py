@@ -1,0 +1,265 @@
+"""Supported versions, and which optional capabilities the running installation has.
+
+One place says which torch and transformers releases slimgrad is tested with (the ranges in
+``pyproject.toml``; the matrix in ``docs/compatibility.md``), and one registry says which features
+are on and, for those that are off, why. ``slimgrad env`` prints both and ``report`` names the
+features that are off; nothing here imports Triton, CUDA or transformers unless asked.
+
+A torch older than :data:`TORCH_MIN` is refused at ``import slimgrad`` with one message (slimgrad
+uses autograd and dispatch APIs that older releases lack or spell differently); a newer release
+than the newest tested imports with one warning. A transformers release outside the tested range
+gets one warning at the first ``convert_`` of an HF model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+#: Oldest and newest (major, minor) torch releases the test matrix runs (``make test-matrix``).
+TORCH_MIN = (2, 11)
+TORCH_MAX_TESTED = (2, 15)
+#: Oldest and newest (major, minor) transformers releases the HF suites run under.
+TRANSFORMERS_MIN = (5, 23)
+TRANSFORMERS_MAX_TESTED = (5, 24)
+
+_PIP_TORCH = (
+    f"pip install 'torch>={TORCH_MIN[0]}.{TORCH_MIN[1]},"
+    f"<{TORCH_MAX_TESTED[0]}.{TORCH_MAX_TESTED[1] + 1}'"
+)
+_PIP_HF = (
+    f"pip install 'transformers>={TRANSFORMERS_MIN[0]}.{TRANSFORMERS_MIN[1]},"
+    f"<{TRANSFORMERS_MAX_TESTED[0]}.{TRANSFORMERS_MAX_TESTED[1] + 1}'"
+)
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``; missing or non-numeric parts read as 0."""
+    parts = re.findall(r"\d+", text.split("+")[0])[:3]
+    nums = [int(p) for p in parts] + [0] * (3 - len(parts))
+    return nums[0], nums[1], nums[2]
+
+
+def _range_text(lo: tuple[int, int], hi: tuple[int, int]) -> str:
+    return f">={lo[0]}.{lo[1]}, <={hi[0]}.{hi[1]}.x"
+
+
+def torch_version_problem(version: str) -> tuple[str, str] | None:
+    """``("error" | "warning", message)`` for a torch outside the tested range, else None."""
+    v = parse_version(version)[:2]
+    if v < TORCH_MIN:
+        return "error", (
+            f"slimgrad: torch {version} is not supported; expected torch "
+            f"{_range_text(TORCH_MIN, TORCH_MAX_TESTED)}, got {version}. "
+            f"Upgrade torch: {_PIP_TORCH}."
+        )
+    if v > TORCH_MAX_TESTED:
+        return "warning", (
+            f"slimgrad: torch {version} is newer than the newest release slimgrad is tested with; "
+            f"expected torch {_range_text(TORCH_MIN, TORCH_MAX_TESTED)}, got {version}. slimgrad "
+            "still checks every capability it uses and turns off what it cannot find (see "
+            f"`slimgrad env`); to run a tested set: {_PIP_TORCH}."
+        )
+    return None
+
+
+def transformers_version_problem(version: str) -> str | None:
+    """A warning's text for a transformers release outside the tested range, else None."""
+    v = parse_version(version)[:2]
+    if TRANSFORMERS_MIN <= v <= TRANSFORMERS_MAX_TESTED:
+        return None
+    side = "older" if v < TRANSFORMERS_MIN else "newer"
+    return (
+        f"slimgrad.convert_: transformers {version} is {side} than the releases slimgrad is tested "
+        f"with; expected transformers {_range_text(TRANSFORMERS_MIN, TRANSFORMERS_MAX_TESTED)}, "
+        f"got {version}. HF handlers still match each model's code and keep HF's own forward "
+        f"where it differs (see `slimgrad.report(model)`); to run a tested set: {_PIP_HF}."
+    )
+
+
+def check_torch() -> None:
+    """Called once at ``import slimgrad``: refuse an unsupported torch, warn on an untested one."""
+    problem = torch_version_problem(torch.__version__)
+    if problem is None:
+        return
+    kind, msg = problem
+    if kind == "error":
+        raise ImportError(msg)
+    warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+_hf_checked = False
+
+
+def check_transformers() -> None:
+    """Warn once per process when the installed transformers is outside the tested range."""
+    global _hf_checked
+    if _hf_checked:
+        return
+    _hf_checked = True
+    try:
+        from importlib.metadata import version
+
+        msg = transformers_version_problem(version("transformers"))
+    except Exception:  # not installed or no metadata: nothing to say
+        return
+    if msg is not None:
+        warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------------- features
+@dataclass(frozen=True)
+class Feature:
+    """One optional capability: whether it is on here, and why not when it is off."""
+
+    name: str
+    on: bool
+    detail: str
+
+
+def _ownership() -> Feature:
+    from slimgrad import ownership
+
+    if ownership._env_disabled():
+        return Feature("buffer reuse (ownership)", False, f"turned off by {ownership.ENV_VAR}=1")
+    ok = ownership._ensure_calibrated() and ownership.calibrated()
+    if ok:
+        return Feature("buffer reuse (ownership)", True, "calibrated on this torch build")
+    return Feature(
+        "buffer reuse (ownership)",
+        False,
+        f"calibration refused on torch {torch.__version__}: backward buffers are never reused "
+        "(same gradients, a few more transient bytes)",
+    )
+
+
+def _forward_writes() -> Feature:
+    from slimgrad import ownership
+
+    ok = ownership._ensure_calibrated() and ownership._FWD_REFCOUNT is not None
+    if ok:
+        return Feature("forward in-place writes (owns_input)", True, "calibrated")
+    return Feature(
+        "forward in-place writes (owns_input)",
+        False,
+        f"calibration refused on torch {torch.__version__}: lean ops write out of place",
+    )
+
+
+def _triton() -> Feature:
+    if importlib.util.find_spec("triton") is None:
+        return Feature("Triton kernels", False, "triton is not installed (pip install triton)")
+    if not torch.cuda.is_available():
+        return Feature("Triton kernels", False, "no CUDA device (CPU runs the C or PyTorch path)")
+    return Feature("Triton kernels", True, "CUDA tensors use Triton kernels")
+
+
+def _c_kernels() -> Feature:
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return Feature("C CPU kernels", False, "no C compiler (cc/gcc) on PATH: PyTorch path")
+    return Feature("C CPU kernels", True, f"built on first use with {cc}")
+
+
+def _numpy() -> Feature:
+    if importlib.util.find_spec("numpy") is None:
+        return Feature("numpy", False, "not installed (only slimgrad's tests use it)")
+    return Feature("numpy", True, "installed")
+
+
+def _transformers() -> Feature:
+    try:
+        from importlib.metadata import version
+
+        v = version("transformers")
+    except Exception:
+        return Feature("HF handlers", False, "transformers is not installed (pip install '.[hf]')")
+    msg = transformers_version_problem(v)
+    if msg is None:
+        return Feature("HF handlers", True, f"transformers {v} (tested range)")
+    return Feature("HF handlers", True, f"transformers {v} is outside the tested range")
+
+
+def _keep_graph() -> Feature:
+    ok = hasattr(torch._C._autograd, "_get_current_graph_task_keep_graph")
+    return Feature(
+        "retain_graph detection",
+        ok,
+        "torch._C._autograd._get_current_graph_task_keep_graph"
+        + (" present" if ok else " missing: BatchNorm keeps its input under every backward"),
+    )
+
+
+def _dense_check() -> Feature:
+    ok = _prims_dense is not None
+    return Feature(
+        "engine in-place sum model (memory tracker)",
+        True,
+        "torch._prims_common" if ok else "public-API layout check (torch._prims_common lacks it)",
+    )
+
+
+_FEATURES: tuple[Callable[[], Feature], ...] = (
+    _ownership,
+    _forward_writes,
+    _triton,
+    _c_kernels,
+    _numpy,
+    _transformers,
+    _keep_graph,
+    _dense_check,
+)
+
+
+def features() -> list[Feature]:
+    """Every optional capability with its state; cheap (no kernels are built, no CUDA init)."""
+    out = []
+    for f in _FEATURES:
+        try:
+            out.append(f())
+        except Exception as e:  # a probe must never break `slimgrad env`
+            out.append(Feature(f.__name__.strip("_"), False, f"probe failed: {type(e).__name__}"))
+    return out
+
+
+def features_off() -> list[Feature]:
+    """The capabilities that are off in this installation (``report`` lists these)."""
+    return [f for f in features() if not f.on and f.name not in ("Triton kernels", "numpy")]
+
+
+# ------------------------------------------------------------------- guarded private imports
+try:  # torch._prims_common: private; its absence uses the public-API check below
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as _prims_dense
+except ImportError:  # pragma: no cover - depends on the torch release
+    _prims_dense = None
+
+
+def _dense_public(t: torch.Tensor) -> bool:
+    # c10's compute_non_overlapping_and_dense: dims sorted by stride (size-1 dims ignored) must
+    # tile memory exactly, each stride the product of the sizes before it
+    if t.dim() == 1:
+        return t.size(0) < 2 or t.stride(0) == 1
+    dims = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)))
+    expected = 1
+    for d in dims:
+        size = t.size(d)
+        if size < 2:  # c10 sorts size-0/1 dims last and stops there
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= size
+    return True
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements tile a block of memory exactly, in some dimension order."""
+    if _prims_dense is not None:
+        return bool(_prims_dense(t))
+    return _dense_public(t)
