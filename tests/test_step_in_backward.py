@@ -342,34 +342,11 @@ def test_accumulation_without_accumulate_is_refused_before_the_second_update():
     _plain(m, handle, steps=1)  # the loop calls step(): steps are known
     m(_batch(1)).backward()
     before = [p.clone() for p in m.parameters()]
-    with pytest.raises(RuntimeError, match=r"slimgrad.step_in_backward: a parameter got a second"):
+    with pytest.raises(RuntimeError, match=r"slimgrad.step_in_backward: a second backward in one"):
         m(_batch(2)).backward()
     for p, q in zip(before, m.parameters(), strict=True):
         assert_close(q, p, rtol=0, atol=0)  # refused before touching anything
-
-
-def test_second_backward_over_a_retained_graph_is_refused():
-    # a graph that keeps no parameter (the input needs no grad): the hook sees the second backward
-    lin = nn.Linear(4, 3)
-    handle = step_in_backward(lin, torch.optim.SGD, lr=0.1)
-    handle.zero_grad()  # a loop that calls zero_grad()/step()
-    loss = lin(torch.randn(2, 4)).square().sum()
-    loss.backward(retain_graph=True)
-    before = [p.clone() for p in lin.parameters()]
-    with pytest.raises(RuntimeError, match=r"second backward over a retained graph"):
-        loss.backward()
-    for p, q in zip(before, lin.parameters(), strict=True):
-        assert_close(q, p, rtol=0, atol=0)
-    handle.step()  # the handle recovers: the next step works
-    lin(torch.randn(2, 4)).sum().backward()
-    assert not torch.equal(lin.bias, before[1])
-    # a graph that keeps an updated parameter: autograd's own version check refuses first
-    m = _net()
-    handle = step_in_backward(m, torch.optim.SGD, lr=0.1)
-    loss = m(_batch(0))
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match=r"modified by an inplace operation"):
-        loss.backward()
+        assert q.grad is None
 
 
 def test_two_backwards_before_the_first_step_call_raise_at_step():
@@ -451,15 +428,6 @@ def test_refusals_on_the_handle():
     m.frozen.requires_grad_(False)
     m.zero_grad()
     _plain(m, handle, steps=1)
-
-
-def test_grad_scaler_is_refused():
-    m = _net()
-    handle = step_in_backward(m, torch.optim.SGD, lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(m(_batch(0))).backward()
-    with pytest.raises(NotImplementedError, match=r"GradScaler cannot drive step_in_backward"):
-        scaler.step(handle)
 
 
 def test_step_inside_backward_is_refused():

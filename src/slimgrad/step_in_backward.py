@@ -83,28 +83,82 @@ backward, so the handle needs to know when a step ends:
 
 - ``handle.step()`` and ``handle.zero_grad()`` are no-ops on the parameters (the update already
   happened; there is no gradient to zero). They mark the end of a step. Once the loop calls either,
-  a parameter whose hook fires a second time before the next call raises (before touching that
-  parameter): a second ``backward`` over a retained graph, two losses backward'ed separately, or
+  a second backward before the next call is refused at its first hook, before any change: two
+  losses backward'ed separately (even over disjoint parameters: backward their sum once), or
   micro-batch gradient accumulation with ``step()`` every N backward calls. The plain loop would sum
   those gradients and step once; here each backward would step. ``accumulate=N`` is the exact mode
   for accumulation.
 - A loop that never calls ``step()``/``zero_grad()`` makes every backward a step, and those
   mistakes cannot be seen. The first ``step()``/``zero_grad()`` call checks what happened before it.
-- Global-norm clipping (``clip_grad_norm_(model.parameters(), c)``) needs every gradient before the
-  first update; after backward it sees no gradient and returns 0 without clipping. It cannot be
-  detected from here (slimgrad does not patch torch). Use ``clip_grad_norm_per_param`` (each
-  parameter clipped by its own norm) or ``clip_grad_value`` (elementwise: exactly the global
-  ``clip_grad_value_``).
+- ``backward(retain_graph=True)`` (and ``create_graph=True``, which keeps the graph too) in a
+  backward that updates (every backward with ``accumulate=1``, the last of a cycle otherwise) is
+  refused at its first hook: the update writes the parameters in place, so a second backward over
+  the kept graph would fail autograd's version check ("modified by an inplace operation") where it
+  saved a parameter, or step twice where it did not. After the refusal nothing changed and the
+  kept graph is intact: ``loss.backward(retain_graph=True); loss.backward()`` raises at the first
+  call, and the second call (without ``retain_graph``) is an ordinary step. Backwards that only
+  accumulate (``accumulate=N``, not the last) may keep their graph: nothing is written in place
+  yet. (The query is torch's private ``_get_current_graph_task_keep_graph``; without it this
+  refusal is off and the old errors remain.)
+- Global-norm clipping (``clip_grad_norm_(model.parameters(), c)``, which HF Trainer runs by
+  default) needs every gradient before the first update; after backward it finds every ``.grad``
+  None, returns 0 and clips nothing. It cannot be detected from here: ``clip_grad_norm_`` reads
+  ``p.grad`` through the tensor's C getter and calls nothing a hook sees, and slimgrad does not
+  patch torch. An exact global clip is impossible for the reason that rules out GradScaler below
+  (the norm needs the whole gradient set before the first update). Use ``clip_grad_norm_per_param``
+  (each parameter clipped by its own norm: a different clip, exactly the plain loop's
+  ``for p in params: clip_grad_norm_([p], c)``) or ``clip_grad_value`` (elementwise: exactly the
+  global ``clip_grad_value_``), and turn the loop's own clipping off (HF: ``max_grad_norm=0``).
 - DDP and FSDP reduce gradients across processes after accumulation; the update must wait for the
   reduction. The handle refuses a DDP/FSDP-wrapped module, DTensor parameters, and any backward run
   while a process group of more than one process is initialised.
 - Optimizers whose ``step`` needs a closure (LBFGS) re-evaluate the loss: refused.
-- ``torch.amp.GradScaler``: the update would use scaled gradients before the scaler could unscale
-  them; ``scaler.step(handle)`` raises.
+- ``torch.amp.GradScaler``: refused (NOTE [GradScaler]).
+
+# NOTE [GradScaler]
+Exact support is impossible: the scaler skips the whole step when any gradient holds an inf or a
+nan, so every gradient must be checked before the first parameter changes; here a parameter is
+updated as soon as its own gradient is complete, and undoing an update is not exact (nor cheap:
+a copy of the parameters and state). So a scaled loss is refused before the first update. Whether
+this backward's loss went through ``scaler.scale`` cannot be seen from a post-accumulate-grad
+hook (the graph's root is not reachable from it; torch's private
+``_current_graph_task_execution_order`` asserts once the backward has started), so the handle asks
+a fact it can see: at its first backward, the garbage collector lists every live instance of
+``torch.amp.GradScaler`` and its subclasses (one walk, about 25 ms at 360k objects, once per
+handle); any enabled one refuses that backward at its first hook (public API only: ``is_enabled()``,
+not ``_scale``). Conservative: an enabled scaler kept for another model refuses too (the message
+says so; ``GradScaler(enabled=False)`` passes and is the plain loop). A scaler made after the
+handle's first backward is seen only by ``scaler.step(handle)``, which raises after that backward
+updated the parameters with scaled gradients: the one case that refuses late.
+
+# NOTE [Every refusal changes nothing]
+A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
+as they were (tests/test_step_in_backward_refusals.py compares them bit for bit):
+
+- ``step_in_backward()``: every argument check, the DDP/FSDP/DTensor/process-group checks, the
+  held-gradient check and the ownership check of every group run before the first hook is attached.
+  ``add_param_group``: checked before the group is added.
+- In backward, at the handle's first hook of that backward, before any update: a second backward
+  in one step, ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter
+  now requiring grad, several processes. The hook runs after ``AccumulateGrad`` wrote that one
+  parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's is,
+  between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
+  same checks before the gradient is added to the earlier micro-batches'.
+- ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
+  handle are removed), a call inside backward, an unfinished accumulation cycle, a removed handle;
+  ``register_step_pre_hook``/``register_step_post_hook``; pickling.
+
+Refusals that come after a change they cannot undo, stated where they happen: a loop that never
+calls ``step()``/``zero_grad()`` learns at its first call that earlier backwards stepped twice; a
+use of the fused loss's head weight beside the loss arrives after its rows were updated (NOTE
+[Chunked updates]); a reentrant checkpoint backward inside an ``accumulate=N`` backward is seen when
+it starts, after the gradients (and, in the last micro-batch, the updates) of the parameters above
+it; a GradScaler made after the first backward (NOTE [GradScaler]).
 """
 
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 from collections.abc import Iterable
@@ -129,6 +183,20 @@ _OWNER = "_slimgrad_step_in_backward"
 # the whole tensor; elements per piece of a large parameter's update
 _CHUNKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 CHUNK_ELEMS = 1 << 20
+
+
+class _PreHook:
+    # a tensor hook of a parameter (accumulate=N): runs the backward's refusals before its
+    # gradient is added to the one of an earlier micro-batch; weak, as _RowSink
+    __slots__ = ("ref",)
+
+    def __init__(self, handle: StepInBackward) -> None:
+        self.ref = weakref.ref(handle)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        handle = self.ref()
+        if handle is not None and not handle._removed:
+            handle._guarded(handle._start_backward)
 
 
 class _RowSink:
@@ -200,6 +268,30 @@ def _world_size() -> int:
     return 1
 
 
+def _keeps_graph() -> bool:
+    # whether the backward running now keeps its graph (retain_graph=True or create_graph=True);
+    # a private torch query: without it the refusal is off (NOTE [Every refusal changes nothing])
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(query()) if query is not None else False
+
+
+def _live_grad_scalers() -> list:
+    # NOTE [GradScaler]: every live enabled torch.amp.GradScaler (subclasses included). An instance
+    # of a Python class references its class for the garbage collector, so gc.get_referrers of the
+    # classes finds every instance (one walk over the tracked objects: about 25 ms at 360k objects,
+    # paid once per handle)
+    classes, todo = [], [torch.amp.GradScaler]
+    while todo:
+        c = todo.pop()
+        classes.append(c)
+        todo.extend(c.__subclasses__())
+    return [
+        o
+        for o in gc.get_referrers(*classes)
+        if isinstance(o, torch.amp.GradScaler) and o.is_enabled()
+    ]
+
+
 def _needs_closure(optimizer_class: type) -> bool:
     try:
         sig = inspect.signature(optimizer_class.step)
@@ -251,6 +343,10 @@ class StepInBackward(torch.optim.Optimizer):
         self._pending: list[torch.Tensor] = []
         self._pending_bytes = 0
         self._hooks: dict[torch.Tensor, Any] = {}
+        # accumulate=N: tensor hooks that run the backward's refusals before AccumulateGrad adds
+        # to a gradient of an earlier micro-batch (NOTE [Every refusal changes nothing])
+        self._pre_hooks: dict[torch.Tensor, Any] = {}
+        self._scalers_checked = False  # NOTE [GradScaler]: the scan runs at the first backward
         self._frozen: list[torch.Tensor] = []
         self._group_index: dict[torch.Tensor, int] = {}
         self._removed = False
@@ -263,7 +359,9 @@ class StepInBackward(torch.optim.Optimizer):
         self._fired_since_call: dict[torch.Tensor, int] = {}
         self._task: int | None = None  # graph task of the backward in progress
         self._micro = 0  # backward calls in the current accumulation cycle
-        for i, group in enumerate(self.optimizer.param_groups):
+        groups = self.optimizer.param_groups
+        _check_free([p for g in groups for p in g["params"]])  # before any hook is attached
+        for i, group in enumerate(groups):
             self._attach(group["params"], i)
 
     # --- what users touch ------------------------------------------------------------------
@@ -317,6 +415,7 @@ class StepInBackward(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params)
+        _check_free(params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._attach(params, len(self.optimizer.param_groups) - 1)
 
@@ -337,7 +436,8 @@ class StepInBackward(torch.optim.Optimizer):
 
         Raises:
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
-                call from ``torch.amp.GradScaler`` (the update used unscaled gradients).
+                call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
+                was).
             RuntimeError: a parameter was updated more than once since the last
                 ``step()``/``zero_grad()``, or an accumulation cycle is unfinished.
         """
@@ -351,10 +451,15 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use a plain optimizer for closure-based steps",
             )
         if kwargs or getattr(self, "grad_scale", None) is not None:
+            # GradScaler.step sets these for the call and deletes them only when step() returns
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
             raise _err(
                 NotImplementedError,
                 "torch.amp.GradScaler cannot drive step_in_backward; the update runs in backward, "
-                "before the scaler can unscale the gradients or skip a step with infs",
+                "before the scaler can unscale the gradients or skip a step with infs (a scaler "
+                "made after the handle's first backward is seen only here, after that backward "
+                "updated the parameters)",
                 "no GradScaler (bf16 autocast needs none)",
                 "a GradScaler step",
                 "Use bf16/fp32 without loss scaling, or a plain optimizer with GradScaler",
@@ -375,8 +480,9 @@ class StepInBackward(torch.optim.Optimizer):
     def remove(self) -> None:
         """Detach the hooks. ``handle.optimizer`` (same state) can go on as a plain optimizer;
         the handle's ``step()`` and ``zero_grad()`` raise from now on."""
-        for h in self._hooks.values():
+        for h in (*self._hooks.values(), *self._pre_hooks.values()):
             h.remove()
+        self._pre_hooks.clear()
         for p in self._hooks:
             for attr in (_OWNER, ROW_SINK):
                 if getattr(p, attr, None) is not None:
@@ -387,18 +493,11 @@ class StepInBackward(torch.optim.Optimizer):
     # --- the hooks -------------------------------------------------------------------------
     def _attach(self, params: list[torch.Tensor], index: int) -> None:
         for p in params:
-            if _owner(p) is not None:
-                raise _err(
-                    RuntimeError,
-                    "a parameter is already updated in backward by another step_in_backward handle",
-                    "each parameter in one live handle",
-                    f"a {tuple(p.shape)} parameter held twice",
-                    "Call remove() on the other handle first",
-                )
-        for p in params:
             self._group_index[p] = index
             if p.requires_grad:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
+                if self._accumulate > 1:
+                    self._pre_hooks[p] = p.register_hook(_PreHook(self))
                 setattr(p, _OWNER, weakref.ref(self))
                 setattr(p, ROW_SINK, _RowSink(self))
             else:
@@ -449,6 +548,45 @@ class StepInBackward(torch.optim.Optimizer):
                 f"world size {_world_size()}",
                 "Use a plain optimizer with DDP/FSDP",
             )
+        updates = self._accumulate == 1 or self._micro + 1 == self._accumulate
+        if self._accumulate == 1 and self._explicit and self._fired:
+            raise _err(
+                RuntimeError,
+                "a second backward in one step (two losses backward'ed one by one, or "
+                "micro-batch accumulation); the plain loop would sum the gradients and step "
+                "once, here each backward would step",
+                "one backward between two step()/zero_grad() calls",
+                f"a second backward after {len(self._fired)} parameters were updated",
+                "Backward the summed loss once, or use accumulate=N for micro-batches",
+            )
+        if updates and _keeps_graph():
+            raise _err(
+                NotImplementedError,
+                "backward(retain_graph=True) (or create_graph=True) in a backward that updates "
+                "the parameters; the update writes them in place, so a second backward over the "
+                "kept graph would read updated parameters (autograd's version check) or step "
+                "twice",
+                "retain_graph=False",
+                "retain_graph=True",
+                "Backward the summed loss once without retain_graph (or use a plain optimizer "
+                "for double backward)",
+            )
+        if not self._scalers_checked:
+            # NOTE [GradScaler]
+            scalers = _live_grad_scalers()
+            if scalers:
+                raise _err(
+                    NotImplementedError,
+                    "a live enabled torch.amp.GradScaler; a scaled loss must have every "
+                    "gradient checked for inf/nan before the first update (one inf skips the "
+                    "whole step), and this backward updates each parameter as soon as its "
+                    "gradient is complete",
+                    "no enabled GradScaler (bf16 autocast needs none)",
+                    f"{len(scalers)} enabled GradScaler",
+                    "Use bf16/fp32 without loss scaling (GradScaler(enabled=False)), or a plain "
+                    "optimizer with GradScaler",
+                )
+            self._scalers_checked = True
         self._task = task
         self._micro += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -474,12 +612,22 @@ class StepInBackward(torch.optim.Optimizer):
             self._fired.clear()
             self._micro = 0
 
-    def _hook(self, p: torch.Tensor) -> None:
+    def _guarded(self, fn, *args) -> Any:
         try:
-            self._step_one(p)
+            return fn(*args)
         except BaseException:
             self._task = None  # the engine runs no end-of-backward callback after an error
             self._drop_pending()
+            raise
+
+    def _hook(self, p: torch.Tensor) -> None:
+        try:
+            self._guarded(self._step_one, p)
+        except BaseException:
+            if self._accumulate == 1:
+                # NOTE [Every refusal changes nothing]: the gradient this backward accumulated;
+                # with accumulate=1 .grad is None when a backward starts
+                p.grad = None
             raise
 
     def _step_one(self, p: torch.Tensor) -> None:
@@ -608,25 +756,18 @@ class StepInBackward(torch.optim.Optimizer):
             or not self._chunkable(p)
         ):
             return None
-        try:
-            self._start_backward()
-            self._count(p)
-        except BaseException:
-            self._task = None
-            self._drop_pending()
-            raise
+        self._guarded(self._start_backward)
+        self._guarded(self._count, p)
         self._rows_taken.add(p)
         width, total = p.shape[1], p.shape[0]
 
+        def block(v0: int, v1: int, g: torch.Tensor) -> None:
+            if self._clip_value is not None:
+                g.clamp_(min=-self._clip_value, max=self._clip_value)
+            self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
+
         def take(v0: int, v1: int, g: torch.Tensor) -> None:
-            try:
-                if self._clip_value is not None:
-                    g.clamp_(min=-self._clip_value, max=self._clip_value)
-                self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
-            except BaseException:
-                self._task = None
-                self._drop_pending()
-                raise
+            self._guarded(block, v0, v1, g)
 
         return take
 
@@ -744,6 +885,18 @@ class StepInBackward(torch.optim.Optimizer):
         self._fired_since_call.clear()
 
 
+def _check_free(params: list) -> None:
+    for p in params:
+        if _owner(p) is not None:
+            raise _err(
+                RuntimeError,
+                "a parameter is already updated in backward by another step_in_backward handle",
+                "each parameter in one live handle",
+                f"a {tuple(p.shape)} parameter held twice",
+                "Call remove() on the other handle first",
+            )
+
+
 def _check_params(params: list) -> None:
     for p in params:
         if isinstance(p, torch.Tensor) and _is_dtensor(p):
@@ -777,7 +930,16 @@ def step_in_backward(
     a step are left alone (NOTE [Why the update is exact]). Keep (or drop) ``opt.step()`` and
     ``opt.zero_grad()`` in the loop: both are no-ops on the parameters that mark the end of a step,
     and with them the handle refuses a second backward in one step (NOTE [What a step is, and what
-    is refused]).
+    is refused]). Every refusal comes before anything changes (parameters, optimizer state,
+    ``.grad``, schedulers; NOTE [Every refusal changes nothing] lists the few late ones).
+
+    Not supported, refused before the first update: ``torch.amp.GradScaler`` (a skipped step
+    needs every gradient checked before the first update; an enabled scaler alive at the handle's
+    first backward refuses it, NOTE [GradScaler]) and ``backward(retain_graph=True)``/
+    ``create_graph=True`` in a backward that updates. Global-norm clipping
+    (``torch.nn.utils.clip_grad_norm_``, on by default in HF Trainer) silently clips nothing after
+    backward, since every gradient is freed, and cannot be detected without patching torch: use
+    ``clip_grad_norm_per_param`` or ``clip_grad_value`` instead and turn the loop's clip off.
 
     Memory: the gradients alive at once are those produced by one autograd node (a layer's weight
     and bias) plus at most ``bucket_bytes`` of small parameters' gradients waiting for their
@@ -810,8 +972,11 @@ def step_in_backward(
         TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate``.
         ValueError: ``accumulate`` < 1; a negative clip.
         NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
-            more than one process, an optimizer whose step needs a closure (LBFGS).
-        RuntimeError: a parameter already holds a gradient, or is held by another handle.
+            more than one process, an optimizer whose step needs a closure (LBFGS). In a later
+            backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
+            processes.
+        RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
+            later backward: a second backward in one step, a frozen parameter unfrozen.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -905,23 +1070,25 @@ def step_in_backward(
         params = [model_or_params]
     else:
         params = list(model_or_params)
-    flat: list = []
-    for item in params:
-        if isinstance(item, dict):
-            ps = item.get("params", [])
-            flat.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
-        else:
-            flat.append(item)
     if params and isinstance(params[0], dict):
+        # each group's params listed once (a generator, e.g. module.parameters(), is read once)
         params = [
             {
                 **g,
                 "params": [g["params"]]
-                if isinstance(g["params"], torch.Tensor)
-                else list(g["params"]),
+                if isinstance(g.get("params"), torch.Tensor)
+                else list(g.get("params", [])),
             }
+            if isinstance(g, dict)
+            else g
             for g in params
         ]
+    flat: list = []
+    for item in params:
+        if isinstance(item, dict):
+            flat.extend(item["params"])
+        else:
+            flat.append(item)
     _check_params(flat)
     with_grad = [p for p in flat if isinstance(p, torch.Tensor) and p.grad is not None]
     if with_grad:
