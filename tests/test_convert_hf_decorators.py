@@ -23,6 +23,7 @@ import torch
 
 import slimgrad
 from slimgrad.convert_handlers import hf as hf_glue
+from slimgrad.convert_handlers import hf_loss
 from slimgrad.testing import assert_within_rule
 from tests._threads import one_thread
 
@@ -276,3 +277,90 @@ def test_changed_computation_is_refused():
     model = _convert(_model(cls))
     assert not _fused(model)
     assert "not a known LM template" in _skip_reason(model)
+
+
+# ------------------------------------------------------------------ a refused known family
+
+
+def _slimgrad_warnings(fn):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn()
+    return [w for w in seen if str(w.message).startswith("slimgrad.convert_")]
+
+
+def _logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        return fn(*a, **k)
+
+    return wrapper
+
+
+def _claim(monkeypatch, cls, *techniques):
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    monkeypatch.setitem(hf_glue.CLAIMED, key, frozenset(techniques))
+
+
+def test_refused_known_family_warns_once_with_class_technique_and_reason(monkeypatch):
+    cls = _variant(["@can_return_tuple", "@logged", "@auto_docstring"], {"logged": _logged})
+    model = _model(cls)
+    assert _slimgrad_warnings(lambda: _convert(copy.deepcopy(model))) == []  # not claimed
+    _claim(monkeypatch, cls, "fused_loss")
+    seen = _slimgrad_warnings(lambda: _convert(model))
+    assert len(seen) == 1 and seen[0].category is UserWarning
+    msg = str(seen[0].message)
+    assert "GPT2Variant" in msg and "fused LM-head loss" in msg, msg
+    assert "@logged" in msg and "slimgrad env" in msg and "file an issue" in msg, msg
+    assert seen[0].filename == __file__  # points at the caller of convert_
+    assert slimgrad.report(model).refused_known == [
+        ("GPT2Variant", "fused_loss", _skip_reason(model).removeprefix("fused loss: "))
+    ]
+
+
+def test_both_techniques_refused_give_one_warning(monkeypatch):
+    # HF's GPT-2 as a release slimgrad does not follow might look: a decorator slimgrad does not
+    # know (auto_docstring taken out of the table) and attention source it cannot read
+    from slimgrad.convert_handlers import hf_attention
+
+    table = {k: v for k, v in hf_glue.KNOWN_DECORATORS.items() if k != "auto_docstring"}
+    monkeypatch.setattr(hf_glue, "KNOWN_DECORATORS", table)
+    hf_glue._known_decorators.cache_clear()
+    monkeypatch.setattr(hf_loss, "_CACHE", {})
+    monkeypatch.setattr(hf_attention, "_file_tree", lambda modname: None)
+    try:
+        model = _model()
+        model.config._attn_implementation = "sdpa"
+        seen = _slimgrad_warnings(lambda: slimgrad.convert_(model))
+    finally:
+        hf_glue._known_decorators.cache_clear()
+    assert len(seen) == 1
+    msg = str(seen[0].message)
+    # without the source no class is seen dispatching through the AttentionInterface
+    assert "slimgrad attention for 'sdpa'" in msg and "no module dispatches" in msg, msg
+    assert "fused LM-head loss" in msg and "@auto_docstring" in msg, msg
+    assert "GPT2LMHeadModel" in msg, msg
+
+
+def test_instance_settings_refusals_of_a_known_family_stay_quiet():
+    # a claimed class refused for the instance's own settings: the report says why, no warning
+    model = _model()
+    model.lm_head.register_forward_hook(lambda *a: None)
+    model.config._attn_implementation = "eager"
+    model.config.output_attentions = True
+    assert _slimgrad_warnings(lambda: slimgrad.convert_(model)) == []
+    rep = slimgrad.report(model)
+    assert rep.refused_known == []
+    assert "has hooks" in _skip_reason(model)
+    assert any("output_attentions" in r for _, _, r in rep.skipped), str(rep)
+
+
+def test_known_families_convert_quietly():
+    for cls in (transformers.GPT2LMHeadModel, transformers.LlamaForCausalLM):
+        key = f"{cls.__module__}.{cls.__qualname__}"
+        assert {"fused_loss", "attention"} <= hf_glue.CLAIMED[key]
+    for impl in ("sdpa", "eager"):  # GPT-2 with "eager": attention refused, not claimed
+        model = _model()
+        model.config._attn_implementation = impl
+        assert _slimgrad_warnings(lambda m=model: slimgrad.convert_(m)) == []
+        assert _fused(model)

@@ -115,6 +115,9 @@ class ConvertReport:
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, reason)
     # (device type, dtype or None) pairs the device rule decided for
     targets: tuple[tuple[str, object], ...] = (("cpu", None),)
+    # (model class, technique, reason): refusals of a family slimgrad claims, for its code
+    # (NOTE [A refused known family is loud] in convert_handlers/hf.py); convert_ warns once
+    refused_known: list[tuple[str, str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         where = ", ".join(
@@ -415,7 +418,33 @@ def convert_(
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
     _REPORTS[model] = rep
+    if rep.refused_known:
+        _warn_refused_known(rep.refused_known)
     return model
+
+
+_TECHNIQUE_NAMES = {
+    "fused_loss": "the fused LM-head loss (ConvertConfig.fused_loss)",
+    "attention": "the slimgrad attention for 'sdpa' (ConvertConfig.dropout)",
+    "attention_eager": "the slimgrad attention for 'eager' (ConvertConfig.dropout)",
+}
+
+
+def _warn_refused_known(refused: list[tuple[str, str, str]]) -> None:
+    # one warning for the whole convert_ call (NOTE [A refused known family is loud])
+    import warnings
+
+    what = "; ".join(
+        f"{_TECHNIQUE_NAMES.get(t, t)} on {cls}: {why}" for cls, t, why in dict.fromkeys(refused)
+    )
+    warnings.warn(
+        "slimgrad.convert_: a model family slimgrad supports was left unconverted; expected "
+        f"it to convert, got {what}. The model trains as before, without that saving (see "
+        "slimgrad.report(model)); this is likely a transformers release slimgrad does not follow "
+        "yet: please run `slimgrad env` and file an issue with its output and this message.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _carry_hooks(old: nn.Module, new: nn.Module) -> None:

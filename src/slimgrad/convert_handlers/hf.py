@@ -129,6 +129,97 @@ def _unparse(node) -> str:
         return "?"
 
 
+class CodeReason(str):
+    """A handler's refusal because an HF class's code is not what it knows (a release changed a
+    forward, a decorator it does not know), as opposed to this instance's settings (hooks, a
+    LoRA head, an attention implementation, the device rule). Refusals of this kind on a family
+    in ``CLAIMED`` are warned about (NOTE [A refused known family is loud])."""
+
+
+# NOTE [A refused known family is loud]
+# The HF classes whose techniques slimgrad's tests and conformance suites gate (the classes that
+# convert on the transformers versions the matrix tests). When a handler refuses one of them
+# because of the class's code (a ``CodeReason``), a new transformers most likely changed something
+# slimgrad should follow: ``convert_`` gives one UserWarning naming the class, the technique and
+# the reason, on top of the report's line. Refusals for the instance's own settings stay in the
+# report only.
+CLAIMED: dict[str, frozenset[str]] = {
+    f"transformers.models.{path}": frozenset(techniques)
+    for path, techniques in {
+        "bart.modeling_bart.BartForConditionalGeneration": ["attention", "attention_eager"],
+        "bert.modeling_bert.BertForMaskedLM": ["attention", "attention_eager", "fused_loss"],
+        "clip.modeling_clip.CLIPModel": ["attention", "attention_eager"],
+        "cohere.modeling_cohere.CohereForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "distilbert.modeling_distilbert.DistilBertForMaskedLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+        "electra.modeling_electra.ElectraForMaskedLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+        "gemma.modeling_gemma.GemmaForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "gemma2.modeling_gemma2.Gemma2ForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "gpt2.modeling_gpt2.GPT2LMHeadModel": ["attention", "fused_loss"],
+        "gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+        "granite.modeling_granite.GraniteForCausalLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+        "llama.modeling_llama.LlamaForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "mistral.modeling_mistral.MistralForCausalLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+        "mixtral.modeling_mixtral.MixtralForCausalLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+        "opt.modeling_opt.OPTForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "phi3.modeling_phi3.Phi3ForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "qwen2.modeling_qwen2.Qwen2ForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "qwen3.modeling_qwen3.Qwen3ForCausalLM": ["attention", "attention_eager", "fused_loss"],
+        "roberta.modeling_roberta.RobertaForMaskedLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+        "swin.modeling_swin.SwinForImageClassification": ["attention", "attention_eager"],
+        "t5.modeling_t5.T5ForConditionalGeneration": ["attention"],
+        "vit.modeling_vit.ViTForImageClassification": ["attention", "attention_eager"],
+        "whisper.modeling_whisper.WhisperForConditionalGeneration": [
+            "attention",
+            "attention_eager",
+        ],
+        "xlm_roberta.modeling_xlm_roberta.XLMRobertaForMaskedLM": [
+            "attention",
+            "attention_eager",
+            "fused_loss",
+        ],
+    }.items()
+}
+
+
+def note_refusal(rep, model: nn.Module, technique: str, reason) -> None:
+    """Record on ``rep`` a refusal that ``convert_`` warns about: ``reason`` is a ``CodeReason``
+    and ``model``'s exact class is claimed for ``technique`` (NOTE [A refused known family is
+    loud]). A user's subclass is not claimed: its own code may legitimately differ."""
+    cls = type(model)
+    if isinstance(reason, CodeReason) and technique in CLAIMED.get(
+        f"{cls.__module__}.{cls.__qualname__}", ()
+    ):
+        rep.refused_known.append((cls.__name__, technique, str(reason)))
+
+
 def hf_models(model: nn.Module):
     """Yield ``(name, module)`` for the outermost HF ``PreTrainedModel`` instances in ``model``,
     user subclasses included (each pass then decides from the instance's own code whether it may

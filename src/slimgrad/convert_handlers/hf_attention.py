@@ -118,7 +118,7 @@ import torch
 import torch.nn as nn
 
 from slimgrad.convert_handlers import device_rule
-from slimgrad.convert_handlers.hf import hf_models
+from slimgrad.convert_handlers.hf import CodeReason, hf_models, note_refusal
 
 ATTN_NAME = "slimgrad"  # reproduces "sdpa"
 EAGER_NAME = "slimgrad_eager"  # reproduces "eager" (the family's eager_attention_forward)
@@ -867,7 +867,7 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
             if cls_node is not None and _computes_attention(cls_node):
                 own.add(t.__name__)
     if own:
-        return [], (
+        return [], CodeReason(
             f"{', '.join(sorted(own))} computes attention in its own code, not through HF's "
             "AttentionInterface (attention kept as is)"
         )
@@ -889,22 +889,26 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
             cls = _class_named(model, n)
             fn = _eager_default(cls)
             if fn is None:
-                return [], f"{n}: no eager default function to reproduce (attention kept as is)"
+                return [], CodeReason(
+                    f"{n}: no eager default function to reproduce (attention kept as is)"
+                )
             unsupported = sorted(_interface_keywords(cls) & (_reads(fn) - _EAGER_IMPLEMENTED))
             if unsupported:
-                return [], (
+                return [], CodeReason(
                     f"{n} passes {', '.join(unsupported)} to {fn.__name__}, which the slimgrad "
                     "eager attention does not implement (attention kept as is)"
                 )
             variant, why = _eager_variant(fn)
             if variant is None:
-                return [], f"{n}: {why}: HF's cast order is not known (attention kept as is)"
+                return [], CodeReason(
+                    f"{n}: {why}: HF's cast order is not known (attention kept as is)"
+                )
             module = next(m for m in model.modules() if type(m).__name__ == n)
             dtype = _param_dtype(module) or _param_dtype(model) or torch.float32
             softcap = "softcap" in _interface_keywords(cls)
             if not _probe(fn, module, dtype, softcap):
                 where = str(dtype).removeprefix("torch.")
-                return [], (
+                return [], CodeReason(
                     f"{n}: slimgrad's eager attention is not bit for bit equal to "
                     f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} in {where} (probe: "
                     "padded GQA case, dropout on and off, outputs and gradients): attention "
@@ -917,14 +921,14 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
     for modname, names in sorted(files.items()):
         parsed = _file_tree(modname)
         if parsed is None:
-            return [], f"the source of {modname} is not available to check"
+            return [], CodeReason(f"the source of {modname} is not available to check")
         cls_nodes, funcs, parents = parsed
         scopes = [cls_nodes[n] for n in sorted(names) if n in cls_nodes] + funcs
         for scope in scopes:
             where = f"{modname.rsplit('.', 1)[-1]}.{getattr(scope, 'name', '?')}"
             bad += [f"{where} {b}" for b in _impl_reads(scope, parents, origin, _NAMES[origin])]
     if bad:
-        return [], (
+        return [], CodeReason(
             "the model's code reads config._attn_implementation beyond the attention lookup "
             f"({bad[0]}): attention kept as is"
         )
@@ -963,7 +967,7 @@ def use_slimgrad_attention(model: nn.Module) -> tuple[bool, str]:
         return False, "no HF config with an attention implementation"
     routed, reason = _analyse(model)
     if reason is not None or not routed:
-        return False, reason or "no attention module"
+        return False, reason or CodeReason("no attention module")
     register_attention()
     for cfg in _own_configs(model):
         # the dict form sets this config only; each sub-config is in the list itself
@@ -982,9 +986,14 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
             rep.skipped.append((name, kind, "filter_fn returned False"))
             continue
         routed, reason = _analyse(m)
-        if not routed and reason is None:
-            continue  # no attention at all (e.g. HF ResNet)
         origin = next(iter(impls), None)
+        technique = "attention_eager" if origin == "eager" else "attention"
+        if not routed and reason is None:
+            # no attention at all (e.g. HF ResNet); in a family known to dispatch, a release that
+            # stopped dispatching through the AttentionInterface
+            why = CodeReason("no module dispatches through HF's AttentionInterface")
+            note_refusal(rep, m, technique, why)
+            continue
         family = "attention_eager" if origin == "eager" else "attention"
         why = device_rule.refuse(family, getattr(rep, "targets", (("cpu", None),)))
         if why is not None:
@@ -997,3 +1006,4 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
             )
         else:
             rep.skipped.append((name, f"{kind} attention", what))
+            note_refusal(rep, m, technique, what)

@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
-from slimgrad.convert_handlers.hf import forward_decorators, hf_models
+from slimgrad.convert_handlers.hf import CodeReason, forward_decorators, hf_models, note_refusal
 from slimgrad.nn._hooks import foreign  # hooks other than slimgrad.memory's observers
 
 __all__ = ["fuse_lm_loss", "lm_loss_pattern"]
@@ -579,7 +579,9 @@ def _flatten(owner, steps, depth=0):
             continue
         sub = _cached(type(m).forward, "chain") if depth < 8 else None
         if sub is None:
-            return None, f"head module {type(m).__name__}'s forward is not a known chain"
+            return None, CodeReason(
+                f"head module {type(m).__name__}'s forward is not a known chain"
+            )
         got, why = _flatten(m, sub, depth + 1)
         if got is None:
             return None, why
@@ -841,7 +843,7 @@ def fuse_lm_loss(
         return False, "the instance's forward is patched; kept as it is"
     spec, why = _cached(type(model).forward, "forward")
     if spec is None:
-        return False, f"{why}; HF's forward kept"
+        return False, CodeReason(f"{why}; HF's forward kept")
     if spec.router and getattr(model.config, "output_router_logits", False):
         return False, (
             "config.output_router_logits=True adds the router aux loss to the loss; HF's forward "
@@ -849,7 +851,7 @@ def fuse_lm_loss(
         )
     head, why = _head(model, spec)
     if head is None:
-        return False, f"{why}; HF's forward kept"
+        return False, type(why)(f"{why}; HF's forward kept")  # a CodeReason stays one
     model._slimgrad_fast_loss = fast
     model.forward = _FusedLMForward(model, fast, keep_logits)
     extra = {
@@ -878,3 +880,4 @@ def lm_loss_pattern(model: nn.Module, config, allowed, rep) -> None:
             rep.converted.append((name, f"{type(m).__name__}.forward", what))
         elif what is not None:
             rep.skipped.append((name, f"{type(m).__name__}.forward", f"fused loss: {what}"))
+            note_refusal(rep, m, "fused_loss", what)
