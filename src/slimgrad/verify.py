@@ -22,7 +22,16 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
 - one mode only: every batch runs in train mode and in eval mode (``modes=``), whatever mode the
   models are in (their modes are restored afterwards): slimgrad has eval-only paths;
 - buffers: after each step every buffer (BatchNorm running statistics, counters) is compared too,
-  floating ones by the rule, integer ones exactly, so a wrong running-statistics update fails.
+  floating ones by the rule, integer ones exactly, so a wrong running-statistics update fails;
+- a layout or dtype it skips: sparse gradients (``nn.Embedding(sparse=True)``), outputs and buffers
+  (COO, CSR, CSC, BSR, BSC) are compared as the dense tensors they stand for, complex ones by
+  ``|x - x64|`` against a complex128 reference, a gradient or output in another layout than eager's
+  fails, and a tensor verify cannot compare (nested, ...) fails with a "not compared" line (NOTE
+  [Comparing every layout]).
+
+The original model is never run: its side steps a deep copy of it, so verify leaves it exactly as
+it was (parameters, ``.grad``, buffers, modes, attributes and caches); the converted model's modes,
+buffers and attributes are put back afterwards (NOTE [verify leaves the models as it found them]).
 
 Activation checkpointing works on every side: ``torch.utils.checkpoint`` non-reentrant (HF's
 default) and selective policies run under ``autograd.grad``; a graph with a reentrant region takes
@@ -196,13 +205,21 @@ def _rebuild(seq: list | tuple, items: list) -> Any:
     return type(seq)(*items) if hasattr(seq, "_fields") else type(seq)(items)  # namedtuples
 
 
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    # the float64 side's copy of a tensor: floating to float64, complex to complex128 (a plain
+    # ``.to(torch.float64)`` drops a complex tensor's imaginary part), the rest as it is
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.to(torch.float64) if t.is_floating_point() else t
+
+
+def _cast64(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
+        return _wide(obj)
     if isinstance(obj, Mapping):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
+        return {k: _cast64(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return _rebuild(obj, [_cast(v, dtype) for v in obj])
+        return _rebuild(obj, [_cast64(v) for v in obj])
     return obj
 
 
@@ -290,6 +307,117 @@ def _leaf_inputs(
     return obj
 
 
+# NOTE [Comparing every layout]
+# The rule is stated on the dense tensors: ``max|x - x64|`` over every element, the complex
+# modulus of the difference for complex tensors (not the larger of the real and imaginary
+# differences, which is up to sqrt(2) smaller). Sparse tensors (gradients of
+# ``nn.Embedding(sparse=True)``/``EmbeddingBag(sparse=True)``, of sparse parameters through
+# ``torch.sparse.mm``, sparse outputs or buffers) are compared as the dense tensors they stand for
+# without densifying them: each side becomes a coalesced COO tensor (CSR, CSC, BSR and BSC through
+# ``to_sparse_coo``; duplicates summed) and the two value lists are aligned on the union of their
+# indices, a missing entry counting as 0, so memory stays O(nnz) for a huge embedding table. A
+# sparse tensor against a dense one is densified (the dense side is already that large). A tensor
+# of any other layout (nested, mkldnn, ...) is not compared: the run fails with a line saying so,
+# never a silent pass and never an error from inside torch. A gradient whose layout differs from
+# eager's fails too: an optimizer sees the layout (SparseAdam refuses dense gradients).
+
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+_DENSE_LIMIT = 1 << 24  # elements: sparse tensors of differing shapes of values are densified
+
+
+class _NotComparable(Exception):
+    pass
+
+
+def _layout(t: torch.Tensor) -> str:
+    return "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+
+
+def _check_comparable(*ts: torch.Tensor | None) -> None:
+    for t in ts:
+        if t is not None and (t.is_nested or t.layout not in (torch.strided, *_SPARSE)):
+            raise _NotComparable(f"layout {_layout(t)}")
+
+
+def _coo(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t if t.layout is torch.sparse_coo else t.to_sparse_coo()).coalesce()
+
+
+def _dense_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not (a.is_complex() or b.is_complex()):
+        return max_abs_err(a, b)
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.detach().to(torch.complex128), b.detach().to(torch.complex128)
+    same = (a == b) | (a.isnan() & b.isnan())  # NaN/inf where they agree count as equal
+    diff = torch.where(same, 0.0, (a - b).abs())
+    return float(diff.max().nan_to_num(nan=float("inf")))
+
+
+def _sparse_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    # NOTE [Comparing every layout]: the two value lists on the union of the indices
+    if a.layout is torch.strided or b.layout is torch.strided:
+        return _dense_err(a.detach().to_dense(), b.detach().to_dense())
+    a, b = _coo(a), _coo(b)
+    if a.dense_dim() != b.dense_dim():
+        if a.numel() > _DENSE_LIMIT:
+            raise _NotComparable(
+                f"sparse tensors with {a.dense_dim()} and {b.dense_dim()} dense dimensions and "
+                f"{a.numel()} elements (more than {_DENSE_LIMIT} to densify)"
+            )
+        return _dense_err(a.to_dense(), b.to_dense())
+    na = a.indices().shape[1]
+    idx, where = torch.cat([a.indices(), b.indices()], 1).unique(dim=1, return_inverse=True)
+    shape = (idx.shape[1], *a.values().shape[1:])
+    va = a.values().new_zeros(shape)
+    vb = b.values().new_zeros(shape)
+    va[where[:na]] = a.values()
+    vb[where[na:]] = b.values()
+    return _dense_err(va, vb)
+
+
+def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    # max|a - b| for every layout and dtype verify meets (NOTE [Comparing every layout]); raises
+    # _NotComparable for a layout it cannot compare
+    if a is None or b is None:
+        return max_abs_err(a, b)
+    _check_comparable(a, b)
+    if a.shape != b.shape:
+        return max_abs_err(a, b)  # its error names both shapes
+    if a.layout in _SPARSE or b.layout in _SPARSE:
+        return _sparse_err(a, b)
+    return _dense_err(a, b)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    # every stored element of t (a sparse tensor's values; 0 elsewhere adds nothing to max or
+    # finiteness)
+    t = t.detach()
+    if t.layout is torch.sparse_coo:
+        return t.coalesce().values()
+    return t.values() if t.layout in _SPARSE else t
+
+
+def _finite(t: torch.Tensor) -> bool:
+    if t.is_nested or t.layout not in (torch.strided, *_SPARSE):
+        return True  # not compared: the comparison reports it
+    return bool(torch.isfinite(_values(t)).all())
+
+
+def _absmax(t: torch.Tensor) -> float:
+    v = _values(t)
+    return float(v.abs().nan_to_num(0.0).max()) if v.numel() else 0.0
+
+
+def _not_compared(what: str, err: _NotComparable) -> str:
+    return (
+        f"slimgrad.verify: {what} was not compared; expected a strided or sparse (COO, CSR, "
+        f"CSC, BSR, BSC) tensor, got {err}. verify cannot vouch for it: compare it another "
+        "way (e.g. a loss_fn that returns it as a dense tensor)."
+    )
+
+
 @dataclass
 class _Side:
     loss: torch.Tensor
@@ -367,7 +495,7 @@ def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mine = _copy(inputs)
     x_leaves: dict[str, torch.Tensor] = {}
-    run_on = _cast(mine, dtype) if dtype is not None else mine
+    run_on = _cast64(mine) if dtype is not None else mine
     # NOTE [Which runs take input gradients]: every floating input, or those the caller made
     # require grad
     run_on = _leaf_inputs(run_on, x_leaves, every=input_grads)
@@ -446,14 +574,17 @@ def _compare_buffers(e: _Side, c: _Side, r: _Side, atol_of) -> list[str]:
                 "handler that keeps the module's buffers."
             )
             continue
-        if not b_e.is_floating_point() or b_r is None:
-            ok = b_c.shape == b_e.shape and torch.equal(b_c, b_e)
-            err = bound = None
-        else:
-            e_err, err = max_abs_err(b_e, b_r), max_abs_err(b_c, b_r)
-            scale = float(b_r.abs().max()) if b_r.numel() else 0.0
-            bound = 2.0 * e_err + atol_of(b_c) * max(1.0, scale)
-            ok = err <= bound
+        try:
+            if not (b_e.is_floating_point() or b_e.is_complex()) or b_r is None:
+                ok = _same(b_c, b_e)
+                err = bound = None
+            else:
+                e_err, err = _err(b_e, b_r), _err(b_c, b_r)
+                bound = 2.0 * e_err + atol_of(b_c) * max(1.0, _absmax(b_r))
+                ok = err <= bound and b_c.layout == b_e.layout
+        except _NotComparable as why:
+            bad.append(_not_compared(f"buffer {name!r}", why))
+            continue
         if not ok:
             got = "different values" if err is None else f"err {err:.3e} > bound {bound:.3e}"
             bad.append(
@@ -470,7 +601,7 @@ def _nonfinite(side: _Side, label: str) -> list[str]:
     items += [(f"grad {n}", g) for n, g in side.input_grads.items()]
     items += [(f"output {n}", t) for n, t in side.outputs.items()]
     for what, t in items:
-        if t is not None and not bool(torch.isfinite(t).all()):
+        if t is not None and not _finite(t):
             bad.append(what)
     if not bad:
         return []
@@ -490,9 +621,12 @@ def _nonfinite(side: _Side, label: str) -> list[str]:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
+    _check_comparable(a, b)
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
         return False
-    return max_abs_err(a, b) == 0.0
+    if a.layout is torch.strided:
+        return torch.equal(a, b) or _err(a, b) == 0.0  # NaN where both have NaN is the same
+    return _err(a, b) == 0.0
 
 
 def _changed_inputs(orig: Any, eager: _Side, conv: _Side, ref: _Side, atol) -> list[str]:
@@ -507,32 +641,39 @@ def _changed_inputs(orig: Any, eager: _Side, conv: _Side, ref: _Side, atol) -> l
         e, c = e_t.get(path), c_t.get(path)
         if e is None or c is None:
             continue
-        e_changed, c_changed = not _same(t, e), not _same(t, c)
-        if c_changed and not e_changed:
-            err = max_abs_err(c, t) if c.shape == t.shape else float("inf")
-            fails.append(
-                f"slimgrad.verify: the converted model changed input '{path}'; expected it "
-                f"unchanged (eager leaves it), got a change of up to {err:.3e}. The conversion "
-                "writes in place over a tensor its caller still holds: it must not."
-            )
-        elif e_changed and c_changed and c.shape == e.shape and t.is_floating_point():
-            r = r_t.get(path)
-            bound = 2.0 * max_abs_err(e, r) + atol(c)
-            err = max_abs_err(c, r)
-            if not err <= bound:
-                fails.append(
-                    f"slimgrad.verify: the converted model changed input '{path}' differently "
-                    f"from eager; expected within {bound:.3e} of the float64 reference, got "
-                    f"{err:.3e}. The conversion must write what eager writes."
-                )
-        elif e_changed and not _same(e, c):
-            fails.append(
-                f"slimgrad.verify: input '{path}' after the step differs from eager's; expected "
-                "the converted model to change it as eager does, got "
-                + ("no change" if not c_changed else "a different change")
-                + ". The conversion must keep eager's side effects."
-            )
+        try:
+            fails += _changed_input(path, t, e, c, r_t.get(path), atol)
+        except _NotComparable as why:
+            fails.append(_not_compared(f"input '{path}' after the step", why))
     return fails
+
+
+def _changed_input(path, t, e, c, r, atol) -> list[str]:
+    e_changed, c_changed = not _same(t, e), not _same(t, c)
+    if c_changed and not e_changed:
+        err = _err(c, t) if c.shape == t.shape else float("inf")
+        return [
+            f"slimgrad.verify: the converted model changed input '{path}'; expected it "
+            f"unchanged (eager leaves it), got a change of up to {err:.3e}. The conversion "
+            "writes in place over a tensor its caller still holds: it must not."
+        ]
+    if e_changed and c_changed and c.shape == e.shape and (t.is_floating_point() or t.is_complex()):
+        bound = 2.0 * _err(e, r) + atol(c)
+        err = _err(c, r)
+        if not err <= bound:
+            return [
+                f"slimgrad.verify: the converted model changed input '{path}' differently "
+                f"from eager; expected within {bound:.3e} of the float64 reference, got "
+                f"{err:.3e}. The conversion must write what eager writes."
+            ]
+    elif e_changed and not _same(e, c):
+        return [
+            f"slimgrad.verify: input '{path}' after the step differs from eager's; expected "
+            "the converted model to change it as eager does, got "
+            + ("no change" if not c_changed else "a different change")
+            + ". The conversion must keep eager's side effects."
+        ]
+    return []
 
 
 def _fused_logits_note(path: str, converted: nn.Module, eager_out: dict, inputs: Any) -> bool:
@@ -584,6 +725,11 @@ def _compare_outputs(
                 "conversion must return what the original returns."
             )
             continue
+        try:
+            _check_comparable(oe, oc, orf)
+        except _NotComparable as why:
+            run.failures.append(_not_compared(f"output '{path}'{at}", why))
+            continue
         if oc.shape != oe.shape:
             run.failures.append(
                 f"slimgrad.verify: output '{path}'{at} has the wrong shape; expected "
@@ -591,18 +737,23 @@ def _compare_outputs(
                 "original returns."
             )
             continue
-        if oc.dtype != oe.dtype:
+        if oc.dtype != oe.dtype or oc.layout != oe.layout:
+            what, want, got = (
+                ("dtype", oe.dtype, oc.dtype)
+                if oc.dtype != oe.dtype
+                else ("layout", oe.layout, oc.layout)
+            )
             run.failures.append(
-                f"slimgrad.verify: output '{path}'{at} has the wrong dtype; expected {oe.dtype} "
-                f"(eager's), got {oc.dtype}. The conversion must return what the original "
+                f"slimgrad.verify: output '{path}'{at} has the wrong {what}; expected {want} "
+                f"(eager's), got {got}. The conversion must return what the original "
                 "returns, autocast included."
             )
             continue
         if oc.numel() == 0:
             continue
         # outputs are of any magnitude (logits, losses): the absolute term scales with them
-        a = atol(oc) * max(1.0, float(orf.abs().nan_to_num(0.0).max()))
-        eager_err, err = max_abs_err(oe, orf), max_abs_err(oc, orf)
+        a = atol(oc) * max(1.0, _absmax(orf))
+        eager_err, err = _err(oe, orf), _err(oc, orf)
         bound = 2.0 * eager_err + a
         name = f"{where}: {path}" if where else path
         into.append(OutputCheck(name, err, eager_err, bound, err <= bound))
@@ -627,12 +778,8 @@ def _compare_without_autograd(run, e_found, c_found, r: _Side, converted, inputs
             )
             continue
         for label, outs in (("eager (original) model", oe), ("converted model", oc)):
-            bad = [
-                p for p, t in outs.items() if t is not None and not bool(torch.isfinite(t).all())
-            ]
-            finite_ref = all(
-                r.outputs.get(p) is None or bool(torch.isfinite(r.outputs[p]).all()) for p in bad
-            )
+            bad = [p for p, t in outs.items() if t is not None and not _finite(t)]
+            finite_ref = all(r.outputs.get(p) is None or _finite(r.outputs[p]) for p in bad)
             if bad and finite_ref:
                 run.failures.append(
                     f"slimgrad.verify: the {label} has non-finite outputs under torch.{what}(); "
@@ -709,8 +856,125 @@ def _padded(inputs: Mapping, model: nn.Module, counts: list[int], side: str) -> 
 _CONVERTED_MODULES = ("slimgrad.nn.", "slimgrad.convert_handlers.", "slimgrad.ops.")
 
 
+# NOTE [verify leaves the models as it found them]
+# The original is never run: its side steps on a deep copy (made once and stepped by every run, as
+# the original itself was before), so its parameters, ``.grad``, ``requires_grad``, buffers
+# (running statistics, counters), modes and attributes stay as they were. That includes the
+# eval-mode caches some models keep: timm's LeViT, EfficientViT and EfficientFormer store
+# ``attention_biases[:, attention_bias_idxs]`` in a dict when not training; made with autograd
+# on, that is a non-leaf tensor, and ``copy.deepcopy`` of a model holding one fails (verify left
+# one behind in the original when it ran it in eval mode). The cost: one more copy of the model at
+# its dtype, next to the float64 one. The converted model is the one under test, so verify runs
+# it itself and then puts back what a step can change on it: every module's mode, its buffers
+# (objects and values), the attributes its modules gained or rebound and the entries of their dict
+# attributes (the form such caches take). Parameters are never written and ``.grad`` is restored
+# (NOTE [Gradients under reentrant checkpointing]). An original that already holds such a
+# non-leaf cache cannot be copied: verify says where it is and how to clear it.
+
+# nn.Module's own bookkeeping (parameters, buffers, submodules, hooks, training): never an
+# attribute verify puts back by itself
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
+def _non_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
+    if isinstance(obj, torch.Tensor):
+        return path if obj.grad_fn is not None else None
+    if depth > 3:
+        return None
+    if isinstance(obj, Mapping):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for k, v in items:
+        found = _non_leaf(v, f"{path}[{k!r}]", depth + 1)
+        if found:
+            return found
+    return None
+
+
+def _non_leaf_attribute(model: nn.Module) -> str | None:
+    for name, m in model.named_modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
+        for k, v in {**attrs, **m._buffers}.items():
+            where = _non_leaf(v, f"{name + '.' if name else ''}{k}")
+            if where is not None:
+                return where
+    return None
+
+
+def _copy_of(model: nn.Module) -> nn.Module:
+    # a sparse Parameter's own __deepcopy__ fails (it clones with memory_format=preserve_format,
+    # which sparse tensors refuse): those are copied here, everything else by deepcopy
+    memo = {
+        id(p): type(p)(p.detach().clone(), p.requires_grad)
+        for p in model.parameters()
+        if p.layout is not torch.strided
+    }
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as err:
+        where = _non_leaf_attribute(model)
+        if where is not None:
+            got = (
+                f"a tensor with autograd history in attribute {where} (a cache made by an eval "
+                "forward with autograd on, e.g. timm LeViT's attention_bias_cache)"
+            )
+            fix = (
+                "Clear it first (model.train() clears timm's caches) or run eval forwards under "
+                "torch.no_grad()"
+            )
+        else:
+            got, fix = f"{type(err).__name__}: {err}", "Make the model deep-copyable"
+        raise RuntimeError(
+            "slimgrad.verify: cannot copy the original model (verify steps copies of it, never "
+            f"the model itself); expected copy.deepcopy(model) to work, got {got}. {fix}."
+        ) from err
+
+
+def _snapshot(net: nn.Module) -> list:
+    # NOTE [verify leaves the models as it found them]: what a step can change on the model
+    saved = []
+    for m in net.modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
+        dicts = {k: dict(v) for k, v in attrs.items() if type(v) is dict}
+        buffers = dict(m._buffers)
+        values = {n: b.detach().clone() for n, b in buffers.items() if b is not None}
+        saved.append((m, m.training, attrs, dicts, buffers, values))
+    return saved
+
+
+def _restore(saved: list) -> None:
+    for m, training, attrs, dicts, buffers, values in saved:
+        m.training = training
+        now = vars(m)
+        for k in [k for k in now if k not in _MODULE_STATE and k not in attrs]:
+            del now[k]
+        now.update(attrs)
+        for k, entries in dicts.items():
+            attrs[k].clear()
+            attrs[k].update(entries)
+        m._buffers.clear()
+        m._buffers.update(buffers)
+        with torch.no_grad():
+            for n, v in values.items():
+                buffers[n].copy_(v)
+
+
 def _reference(model: nn.Module) -> nn.Module:
-    ref = copy.deepcopy(model).to(torch.float64)
+    ref = _copy_of(model)
+    # Module._apply sets a sparse CSR/CSC/BSR/BSC Parameter's .data to the float64 tensor, which
+    # changes its dtype but not its values' (torch 2.13): sparse Parameters are replaced here, one
+    # new Parameter per old one (tied ones stay tied)
+    wide: dict[int, nn.Parameter] = {}
+    for m in ref.modules():
+        for k, p in m._parameters.items():
+            if p is not None and p.layout is not torch.strided:
+                if id(p) not in wide:
+                    wide[id(p)] = type(p)(_wide(p.detach()), p.requires_grad)
+                m._parameters[k] = wide[id(p)]
+    ref._apply(_wide)
     for m in ref.modules():  # HF MoE experts: grouped_mm has no float64; the eager loop has
         cfg = getattr(m, "config", None)
         if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
@@ -760,24 +1024,40 @@ def _run(
             return atol
         return DEFAULT_ATOL.get(t.dtype if t is not None else None, 1e-6)
 
-    def grad_checks(e_grads, c_grads, r_grads):
+    def grad_checks(e_grads, c_grads, r_grads, failures):
         checks = []
         for pname, g_r in r_grads.items():
             g_e, g_c = e_grads[pname], c_grads[pname]
             if g_r is None and g_c is None and g_e is None:
                 continue
-            e_err = max_abs_err(g_e, g_r)
-            err = max_abs_err(g_c, g_r)
+            try:
+                e_err = _err(g_e, g_r)
+                err = _err(g_c, g_r)
+            except _NotComparable as why:
+                failures.append(_not_compared(f"the gradient of {pname!r}", why))
+                nan = float("nan")
+                checks.append(GradCheck(pname, nan, nan, nan, False))
+                continue
             bound = 2.0 * e_err + atol_of(g_c)
-            checks.append(GradCheck(pname, err, e_err, bound, err <= bound))
+            ok = err <= bound
+            if g_e is not None and g_c is not None and g_c.layout != g_e.layout:
+                ok = False
+                failures.append(
+                    f"slimgrad.verify: the gradient of {pname!r} has the wrong layout; expected "
+                    f"{g_e.layout} (eager's), got {g_c.layout}. The conversion must give the "
+                    "gradients the original gives (an optimizer sees their layout)."
+                )
+            checks.append(GradCheck(pname, err, e_err, bound, ok))
         return checks
 
-    grads = grad_checks(e.grads, c.grads, r.grads)
+    failures: list[str] = []
+    grads = grad_checks(e.grads, c.grads, r.grads, failures)
     # the loss is one number of any magnitude: its absolute term scales with it
     la = atol_of(c.loss) * max(1.0, abs(float(r.loss)))
-    loss_ok = max_abs_err(c.loss, r.loss) <= 2.0 * max_abs_err(e.loss, r.loss) + la
+    loss_ok = _err(c.loss, r.loss) <= 2.0 * _err(e.loss, r.loss) + la
     run = VerifyRun(name, float(e.loss), float(c.loss), float(r.loss), loss_ok, grads)
-    run.input_grads = grad_checks(e.input_grads, c.input_grads, r.input_grads)
+    run.input_grads = grad_checks(e.input_grads, c.input_grads, r.input_grads, failures)
+    run.failures += failures
     run.failures += _nonfinite(r, "float64 reference")
     run.failures += _nonfinite(e, "eager (original) model")
     run.failures += _nonfinite(c, "converted model")
@@ -834,9 +1114,13 @@ def verify(
     model cannot run fails.
 
     Args:
-        model: the original model (left unchanged; a float64 copy is made from it).
+        model: the original model, never run and left unchanged: its side steps a deep copy of
+            it, and the float64 reference is another (memory: two copies, one at the model's
+            dtype and one in float64).
         converted: the converted model (e.g. ``slimgrad.convert_(copy.deepcopy(model))``); its
-            parameter names must match ``model``'s.
+            parameter names must match ``model``'s. It is stepped itself; its modes, buffers,
+            ``.grad`` and the attributes its modules gain or rebind during the steps (eval
+            caches) are put back afterwards.
         inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
         loss_fn: maps the model's output to a scalar loss; default: ``out.loss`` (HF), a scalar
             output, or the mean square of a tensor output.
@@ -854,6 +1138,8 @@ def verify(
 
     Raises:
         ValueError: the two models' trainable parameter names differ.
+        RuntimeError: the original cannot be deep-copied (e.g. it holds a cache with autograd
+            history: the message names the attribute).
         TypeError: no loss can be made from the output and no ``loss_fn`` was given.
 
     Example:
@@ -880,21 +1166,22 @@ def verify(
     # with the default loss, ``out.loss`` is the loss check; a custom loss_fn leaves it an output
     skip = {"loss"} if loss_fn is None else set()
     loss_fn = loss_fn or _default_loss
-    ref = _reference(model)
+    # NOTE [verify leaves the models as it found them]
+    eager, ref = _copy_of(model), _reference(model)
     batches = [("inputs", inputs)]
     counts, pad_what = _padding_plan(model, inputs) if padded else (None, "not run (padded=False)")
     if counts is not None:
         batches += [(f"{s}-padded", _padded(inputs, model, counts, s)) for s in ("left", "right")]
-    flags = [(m, m.training) for net in (model, converted) for m in net.modules()]
+    saved = _snapshot(converted)
     runs = []
     planned = len(modes) * len(batches)
     try:
         for mode in modes:
-            for net in (model, converted, ref):
+            for net in (eager, converted, ref):
                 net.train(mode == "train")
             for k, (name, batch) in enumerate(batches):
                 label = f"{name} ({mode})"
-                args = (label, batch, model, converted, ref, loss_fn, seed, atol, skip, inference)
+                args = (label, batch, eager, converted, ref, loss_fn, seed, atol, skip, inference)
                 # NOTE [Which runs take input gradients]: the first of several runs as given
                 dx = planned == 1 or bool(runs) or k > 0 or mode != modes[0]
                 try:
@@ -906,8 +1193,7 @@ def verify(
                     pad_what += f"; {label} not run (the original raised {type(err).__name__}: "
                     pad_what += f"{err})"
     finally:
-        for m, was in flags:
-            m.training = was
+        _restore(saved)
     part = _converted_parts(model)
     if part is not None:
         runs[0].failures.append(
