@@ -106,6 +106,7 @@ from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and te
 )
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
+from slimgrad.ops.linear import fresh
 
 
 def needs_graph(x: torch.Tensor) -> bool:
@@ -197,7 +198,10 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args)
     record_layout(ctx, x)
     xp = x if perm is None else x.permute(perm)
     y, bits, idx, xs = fwd_op(xp, *args)
-    out = y if perm is None else y.permute(_inverse_perm(perm)).detach()
+    if perm is None:  # fwd_op may return its flat product viewed in x's shape
+        y = out = fresh(y)  # NOTE [Function outputs are not views] in ops/linear.py
+    else:
+        out = y.permute(_inverse_perm(perm)).detach()
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing (unbacked
     # sizes) except for the few-element rule (NOTE [Few elements]), so kept then
     dense = few_elements(x) or (

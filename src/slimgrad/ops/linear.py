@@ -43,6 +43,17 @@ unconverted ``F.linear``/``matmul`` on the same Parameter) reaches W through two
 its two gradients are summed in fp32 instead of in the autocast dtype (the values differ in the
 last bits); convert_ converts every plain Linear, so within a converted model this needs a
 weight shared by a converted and an unconverted module.
+
+# NOTE [Function outputs are not views]
+A tensor an autograd Function returns must not be a view of a tensor made inside its forward
+(``F.linear`` on a 3-D input returns its 2-D product reshaped by ``view``): autograd marks such an
+output so that any in-place write on it (``ReLU(inplace=True)``, ``h += x``, ``resize_``) raises
+"Output 0 of ... is a view and is being modified inplace", where eager's output takes the write.
+:func:`fresh` returns such a view as ``view.detach()``: the same storage, strides and version
+counter (no copy; a later in-place write still bumps what the op saved, so autograd raises its
+usual version error), but a base of its own, whose writes autograd records on the Function's node.
+Every op's forward returns its outputs through it where they may be views (linear, conv1d_addmm,
+linear_scale, linear_cross_entropy ``reduction='none'``, the smooth activations' flat product).
 """
 
 from __future__ import annotations
@@ -56,6 +67,13 @@ from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._dtensor import any_dtensor
 
 __all__ = ["conv1d_addmm", "linear"]
+
+
+def fresh(y: torch.Tensor) -> torch.Tensor:
+    """``y`` as a Function output that is not a view (NOTE [Function outputs are not views])."""
+    if torch.compiler.is_compiling():
+        return y.detach()
+    return y.detach() if y._is_view() else y
 
 
 def _fwd_torch(x, weight, bias, w_in_out: bool):
@@ -103,7 +121,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(
             x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None
         )
-        return _fwd_torch(x, weight, bias, w_in_out)
+        return fresh(_fwd_torch(x, weight, bias, w_in_out))
 
     @staticmethod
     @first_order("ops.linear", double=_linear_backward)  # differentiable: eager's 2nd derivatives
@@ -130,7 +148,7 @@ class _AutocastLinearFn(torch.autograd.Function):
         ctx.save_for_backward(
             x if ctx.needs_input_grad[1] else None, master if ctx.needs_input_grad[0] else None
         )
-        return _fwd_torch(x, master.to(cast_dtype), bias, w_in_out)
+        return fresh(_fwd_torch(x, master.to(cast_dtype), bias, w_in_out))
 
     @staticmethod
     @first_order("ops.linear", double=_autocast_linear_backward)

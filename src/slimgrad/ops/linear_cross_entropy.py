@@ -64,6 +64,7 @@ from slimgrad._math.linear_cross_entropy import (
 )
 from slimgrad.kernels import _backend
 from slimgrad.ops.layer_norm import make_anchor
+from slimgrad.ops.linear import fresh
 
 __all__ = [
     "ROW_SINK",
@@ -195,7 +196,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             loss, lse = _fwd_torch(h, w, b, t, ignore_index, eps, chunk, *tf)
         del w, b
         if reduction == "none":
-            out = loss.to(odt).reshape(target.shape)
+            out = fresh(loss.to(odt).reshape(target.shape))  # NOTE [Function outputs are not views]
         elif reduction == "sum":
             out = loss.sum().to(odt)
         else:

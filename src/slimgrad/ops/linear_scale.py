@@ -26,6 +26,7 @@ from torch import Tensor
 
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
 from slimgrad._math.norms import rowdot
+from slimgrad.ops.linear import fresh
 
 __all__ = ["linear_scale"]
 
@@ -65,7 +66,9 @@ class _LinearScaleFn(torch.autograd.Function):
             gamma if (need_x or need_w or need_b) else None,
         )
         z = F.linear(x, weight, bias)
-        return z.mul_(gamma)  # z is this Function's own tensor: eager's mul, without a copy
+        # z is this Function's own tensor: eager's mul, without a copy; not a view of it (NOTE
+        # [Function outputs are not views] in ops/linear.py)
+        return fresh(z.mul_(gamma))
 
     @staticmethod
     @first_order("ops.linear_scale")

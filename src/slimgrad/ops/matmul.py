@@ -111,8 +111,10 @@ def matmul(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         refuse_jit("ops.matmul")
     y = _MatmulFn.apply(a, b)
+    # in place, as eager's matmul: the result is no view (a view made under no_grad would refuse
+    # a later in-place write under grad mode, which eager's result takes)
     if squeeze_a:
-        y = y.squeeze(-2)
+        y = y.squeeze_(-2)
     if squeeze_b:
-        y = y.squeeze(-1)
+        y = y.squeeze_(-1)
     return y
