@@ -197,3 +197,79 @@ def test_a_wrong_cache_in_the_converted_model_still_fails():
     rep = slimgrad.verify(m, bad, torch.randn(4, 6, 6))
     assert [r.ok for r in rep.runs] == [True, False], str(rep)
     assert [g.name for g in rep.runs[1].grads if not g.ok] == ["attn.table"]
+
+
+# --- timm's models with eval-time attention-bias caches --------------------------------------
+
+
+def _timm_builds():
+    from tests.conformance._timm_shim import timm
+
+    if timm is None:
+        return {}
+    from timm.models.efficientformer import EfficientFormer
+    from timm.models.efficientvit_msra import EfficientVitMsra
+    from timm.models.levit import Levit
+
+    return {  # tiny configs (seconds on CPU); EfficientFormer's bias grid is fixed at 7x7 (224)
+        "levit": (
+            lambda: Levit(
+                img_size=32,
+                num_classes=5,
+                embed_dim=(16, 24),
+                key_dim=8,
+                depth=(1, 1),
+                num_heads=(2, 2),
+            ),
+            32,
+        ),
+        "efficientvit_msra": (
+            lambda: EfficientVitMsra(
+                img_size=32,
+                num_classes=5,
+                embed_dim=(16, 24, 32),
+                key_dim=(4, 4, 4),
+                depth=(1, 1, 1),
+                num_heads=(2, 2, 2),
+                window_size=(2, 2, 2),
+            ),
+            32,
+        ),
+        "efficientformer": (
+            lambda: EfficientFormer(
+                depths=(1, 1, 1, 1), embed_dims=(8, 8, 16, 16), num_vit=1, num_classes=5
+            ),
+            224,
+        ),
+    }
+
+
+@pytest.fixture
+def _one_thread():
+    # as tests/conformance/test_timm.py: small grouped float64 convs crawl with more intra-op
+    # threads on a loaded box
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["levit", "efficientvit_msra", "efficientformer"])
+def test_timm_models_with_attention_bias_caches_are_left_as_they_were(name, _one_thread):
+    builds = _timm_builds()
+    if not builds:
+        pytest.skip("timm is not installed")
+    build, size = builds[name]
+    torch.manual_seed(0)
+    m = _prepared(build())
+    conv = _prepared(slimgrad.convert_(copy.deepcopy(m)))
+    caches = [mod for mod in m.modules() if hasattr(mod, "attention_bias_cache")]
+    assert caches  # the model has the cache this test is about
+    before, before_c = _state(m), _state(conv)
+    rep = slimgrad.verify(m, conv, torch.randn(2, 3, size, size))
+    assert rep.ok, str(rep)
+    _assert_same_state(before, _state(m))
+    _assert_same_state(before_c, _state(conv))
+    assert all(mod.attention_bias_cache == {} for mod in caches)
+    copy.deepcopy(m)
+    copy.deepcopy(conv)
