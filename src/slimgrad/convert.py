@@ -46,6 +46,7 @@ from slimgrad.convert_handlers import hf_mlp as _hf_mlp
 from slimgrad.convert_handlers import hf_moe as _hf_moe
 from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.convert_handlers import linear as _linear
+from slimgrad.convert_handlers import parametrized as _parametrized
 from slimgrad.convert_handlers import timm as _timm
 from slimgrad.convert_handlers import timm_blocks as _timm_blocks
 from slimgrad.nn.hardsigmoid import Hardsigmoid as _Hardsigmoid
@@ -483,6 +484,9 @@ def _convert_children(
             continue
         technique, handler = table_handler(child)
         kind = type(child).__name__
+        if (technique or handler) and (why := _parametrized.parametrized_reason(child)):
+            rep.skipped.append((fqn, kind, why))  # NOTE [Parametrized weights stay eager]
+            continue
         if technique is None:
             if handler is not None:  # a reason: a table subclass that may compute otherwise
                 rep.skipped.append((fqn, kind, handler))
