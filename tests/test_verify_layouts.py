@@ -247,3 +247,19 @@ def test_err_is_the_modulus_and_sparse_tensors_compare_as_dense():
     moved = torch.sparse_coo_tensor(torch.tensor([[1], [1]]), torch.tensor([3.0]), (3, 2))
     torch.testing.assert_close(_err(s, moved), 4.0)  # 3 at (0, 1), -4 at (2, 0), 3 at (1, 1)
     torch.testing.assert_close(_err(s, d.double() + 0.5), 0.5)
+
+
+def test_a_non_finite_sparse_gradient_fails():
+    class NanEmbedding(nn.Embedding):
+        def forward(self, ids):
+            return F.embedding(ids, _ScaleGrad.apply(self.weight, float("nan")), sparse=True)
+
+    torch.manual_seed(0)
+    m = _Bag()
+    bad = copy.deepcopy(m)
+    bad.emb = NanEmbedding(11, 5, sparse=True)
+    bad.emb.load_state_dict(m.emb.state_dict())
+    rep = slimgrad.verify(m, bad, _inputs(), modes=("train",))
+    assert not rep.ok
+    assert "the converted model has non-finite values" in str(rep)
+    assert "grad emb.weight" in str(rep)
