@@ -273,3 +273,17 @@ def test_timm_models_with_attention_bias_caches_are_left_as_they_were(name, _one
     assert all(mod.attention_bias_cache == {} for mod in caches)
     copy.deepcopy(m)
     copy.deepcopy(conv)
+
+
+def test_verify_leaves_the_callers_rng_streams_as_they_were():
+    import slimgrad
+
+    torch.manual_seed(123)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.3), torch.nn.Linear(6, 2))
+    lean = slimgrad.convert_(copy.deepcopy(model))
+    x = torch.randn(4, 6)
+    state = torch.random.get_rng_state()
+    expected = torch.rand(5)
+    torch.random.set_rng_state(state)
+    assert slimgrad.verify(model, lean, (x,)).ok
+    torch.testing.assert_close(torch.rand(5), expected, rtol=0, atol=0)

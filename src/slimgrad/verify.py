@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -1080,6 +1081,18 @@ def _run(
     return run
 
 
+def _cuda_devices(*models: nn.Module) -> list[int]:
+    devs = {
+        t.device.index or 0
+        for m in models
+        for t in itertools.chain(m.parameters(), m.buffers())
+        if t.device.type == "cuda"
+    }
+    if not devs and torch.cuda.is_available() and torch.cuda.is_initialized():
+        devs = {torch.cuda.current_device()}
+    return sorted(devs)
+
+
 def verify(
     model: nn.Module,
     converted: nn.Module,
@@ -1124,7 +1137,8 @@ def verify(
         inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
         loss_fn: maps the model's output to a scalar loss; default: ``out.loss`` (HF), a scalar
             output, or the mean square of a tensor output.
-        seed: the RNG seed set before each side's forward (same dropout masks).
+        seed: the RNG seed set before each side's forward (same dropout masks); the caller's
+            global RNG state (CPU and the models' CUDA devices) is restored afterwards.
         atol: the absolute term of the rule; default by dtype (``slimgrad.testing.DEFAULT_ATOL``).
         padded: for text inputs, also run left- and right-padded batches (default True).
         modes: the modes every batch runs in, ``"train"`` and/or ``"eval"`` (default both; the
@@ -1175,6 +1189,9 @@ def verify(
     saved = _snapshot(converted)
     runs = []
     planned = len(modes) * len(batches)
+    # each side reseeds the global RNGs; the caller's streams continue as if verify never ran
+    rng = torch.random.fork_rng(devices=_cuda_devices(model, converted))
+    rng.__enter__()
     try:
         for mode in modes:
             for net in (eager, converted, ref):
@@ -1194,6 +1211,7 @@ def verify(
                     pad_what += f"{err})"
     finally:
         _restore(saved)
+        rng.__exit__(None, None, None)
     part = _converted_parts(model)
     if part is not None:
         runs[0].failures.append(
