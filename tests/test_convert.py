@@ -71,6 +71,18 @@ def test_filter_fn_and_config_and_refusal(table):
     assert ("1", "Tanh", "refused for the test") in slimgrad.report(m).skipped
 
 
+def test_report_prints_one_line_per_type_and_reason(table):
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(5)])
+    slimgrad.convert_(m, filter_fn=lambda mod, name: name not in ("3.1", "4.1"))
+    lines = str(slimgrad.report(m)).splitlines()
+    assert lines[0] == "converted 8 modules, skipped 2 (decided for cpu float32)"
+    assert lines[1:] == [
+        "  + Linear -> Linear x5 (0.0, 1.0, 2.0, +2 more)",
+        "  + Tanh -> _LeanTanh x3 (0.1, 1.1, 2.1)",
+        "  - Tanh x2 (3.1, 4.1): filter_fn returned False",
+    ]
+
+
 def test_verify_after_convert(table):
     torch.manual_seed(0)
     m = _model()

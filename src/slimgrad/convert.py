@@ -110,7 +110,11 @@ class ConvertConfig:
 
 @dataclass
 class ConvertReport:
-    """What ``convert_`` changed and what it left, with reasons."""
+    """What ``convert_`` changed and what it left, with reasons.
+
+    ``str(report)`` groups each list by type and reason, one line per group with its count and
+    the first few module names (the lists themselves keep every module).
+    """
 
     converted: list[tuple[str, str, str]] = field(default_factory=list)  # (name, from, to)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (name, type, reason)
@@ -119,6 +123,9 @@ class ConvertReport:
     # (model class, technique, reason): refusals of a family slimgrad claims, for its code
     # (NOTE [A refused known family is loud] in convert_handlers/hf.py); convert_ warns once
     refused_known: list[tuple[str, str, str]] = field(default_factory=list)
+    # (name, type, reason): every module with parameters (or state_dict float buffers) that
+    # stays as it was, outside converted modules (NOTE [Coverage in the report])
+    left_alone: list[tuple[str, str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         where = ", ".join(
@@ -128,9 +135,35 @@ class ConvertReport:
             f"converted {len(self.converted)} modules, skipped {len(self.skipped)} "
             f"(decided for {where})"
         ]
-        lines += [f"  + {n or '<root>'}: {a} -> {b}" for n, a, b in self.converted]
-        lines += [f"  - {n or '<root>'}: {t}: {r}" for n, t, r in self.skipped]
+        lines += [f"  + {a} -> {b}{names}" for (a, b), names in _grouped(self.converted)]
+        # a skipped module with parameters is told once, under "left alone"
+        left = set(self.left_alone)
+        rest = [s for s in self.skipped if s not in left]
+        lines += [f"  - {t}{names}: {r}" for (t, r), names in _grouped(rest)]
+        if self.left_alone:
+            types = {t for _, t, _ in self.left_alone}
+            lines.append(
+                f"left alone (they run as before): {len(self.left_alone)} modules with parameters "
+                f"or buffers, of {len(types)} types"
+            )
+            lines += [f"  = {t}{names}: {r}" for (t, r), names in _grouped(self.left_alone)]
         return "\n".join(lines)
+
+
+_NAMES_SHOWN = 3
+
+
+def _grouped(rows: list[tuple[str, str, str]]) -> list[tuple[tuple[str, str], str]]:
+    # rows (name, a, b) -> [((a, b), " x<count> (first names, +k more)")], in first-seen order
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, a, b in rows:
+        groups.setdefault((a, b), []).append(name or "<root>")
+    out = []
+    for key, names in groups.items():
+        shown = ", ".join(names[:_NAMES_SHOWN])
+        more = f", +{len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+        out.append((key, f" x{len(names)} ({shown}{more})"))
+    return out
 
 
 Handler = Callable[[nn.Module], nn.Module]
@@ -418,6 +451,7 @@ def convert_(
                 continue
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
+    rep.left_alone = _left_alone(model, rep)
     _REPORTS[model] = rep
     if rep.refused_known:
         _warn_refused_known(rep.refused_known)
@@ -517,6 +551,98 @@ def _convert_children(
         rep.converted.append((fqn, kind, type(new).__name__))
         if getattr(new, "CONVERT_CHILDREN", False):  # e.g. timm's norm + act: its drop and act
             _convert_children(new, fqn, config, allowed, rep, done)
+
+
+# NOTE [Coverage in the report]
+# ``convert_`` ends by listing what it left on the table (``ConvertReport.left_alone``): every
+# module that holds parameters, or floating buffers that state_dict saves (a frozen BatchNorm's
+# statistics and affine), and is still the module it was. Its reason is the one ``skipped`` has for
+# it (a handler's refusal, the subclass rule, the filter, the config, the in-place guard), else the
+# one of a skipped module it sits in, else a known reason below for a type no handler converts,
+# else "no handler for <class>". A converted module covers its subtree (its forward computes with
+# those children's weights), except one that has convert_ convert its children
+# (``CONVERT_CHILDREN``): those run as modules and are accounted for one by one. A module converted
+# where it stands (a pattern that swaps its forward, e.g. the fused loss) is not listed.
+_NO_HANDLER: dict[str, str] = {
+    # looked up along the MRO: a subclass carries its base's reason
+    "torch.nn.modules.batchnorm.SyncBatchNorm": (
+        "statistics synced across processes whenever a process group is initialised at call "
+        "time (DDP); slimgrad's BatchNorm does not sync, so a swap would be exact in one process "
+        "only: kept (slimgrad.nn.InPlaceABNSync syncs, for a manual swap)"
+    ),
+    "torch.nn.modules.rnn.RNNBase": (
+        "a fused recurrent op (aten's RNN/GRU/LSTM, cuDNN's on CUDA); slimgrad has no RNN op: kept"
+    ),
+    "torch.nn.modules.rnn.RNNCellBase": (
+        "a fused recurrent cell (aten's rnn/gru/lstm cell kernels); slimgrad has no RNN op: kept"
+    ),
+    "torch.nn.modules.sparse.Embedding": (
+        "eager's embedding keeps only the integer indices for backward: nothing to save: kept"
+    ),
+    "torch.nn.modules.sparse.EmbeddingBag": (
+        "eager's embedding bag keeps the integer indices and offsets (and per-bag max indices) "
+        "for backward: nothing to save: kept"
+    ),
+}
+
+
+def _holds_state(m: nn.Module) -> bool:
+    if any(p is not None for p in m._parameters.values()):
+        return True
+    return any(
+        b is not None and b.is_floating_point() and k not in m._non_persistent_buffers_set
+        for k, b in m._buffers.items()
+    )
+
+
+def _no_entry_reason(m: nn.Module, is_root: bool, inside: tuple[str, str] | None) -> str:
+    entry, _, _ = _lookup(m)
+    if entry is not None:
+        if is_root:
+            return (
+                "the model itself: convert_ replaces submodules in place, not the module it is "
+                "given; wrap it (e.g. nn.Sequential(model)) to convert it"
+            )
+        if inside is not None:
+            return f"inside {inside[0] or '<root>'}, which convert_ left as is: {inside[1]}"
+    for klass in type(m).__mro__:
+        if (why := _NO_HANDLER.get(_qualname(klass))) is not None:
+            return why
+    if entry is not None:  # not expected: every table module convert_ reaches is reported
+        return f"a handler for {_qualname(type(m))} exists, but convert_ did not apply it here"
+    return f"no handler for {_qualname(type(m))}"
+
+
+def _left_alone(model: nn.Module, rep: ConvertReport) -> list[tuple[str, str, str]]:
+    # NOTE [Coverage in the report]; the walk and names are named_modules()' (each module once)
+    why: dict[tuple[str, str], str] = {}
+    for n, kind, r in rep.skipped:
+        why.setdefault((n, kind), r)
+        for sep in (" ", "."):  # a pattern's row: "<Class> attention (sdpa)", "<Class>.forward"
+            if sep in kind:
+                why.setdefault((n, kind.split(sep, 1)[0]), r)
+    converted = {n for n, _, _ in rep.converted}
+    out: list[tuple[str, str, str]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module, tuple[str, str] | None]] = [("", model, None)]
+    while stack:
+        name, m, inside = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        kind = type(m).__name__
+        if _is_slimgrad(m):
+            if m is not model and not getattr(m, "CONVERT_CHILDREN", False):
+                continue  # a converted module computes with its children's weights
+        else:
+            own = why.get((name, kind))
+            if own is not None:
+                inside = (name, own)
+            if name not in converted and _holds_state(m):
+                out.append((name, kind, own or _no_entry_reason(m, m is model, inside)))
+        kids = [(f"{name}.{k}" if name else k, c) for k, c in m._modules.items() if c is not None]
+        stack.extend((n, c, inside) for n, c in reversed(kids))
+    return out
 
 
 def report(model: nn.Module) -> ConvertReport:

@@ -29,6 +29,8 @@ slimgrad replacement computes (checked against timm 1.0's forwards), else raises
   ``slimgrad.ops.squeeze_excite`` (``slimgrad.nn.squeeze_excite``); their children (convs, act,
   gate) are then converted by the table.
 - ``DropPath``: ``slimgrad.nn.DropPath`` (the same draw, the mask kept as 1 bit per sample).
+- the weight-standardised convs ``StdConv2d``, ``ScaledStdConv2d`` (and ``...Same``): refused with
+  the reason (they convolve with a weight computed in forward), so the report names them.
 
 Subclasses of these follow NOTE [Subclasses convert by what they compute] in ``slimgrad.convert``.
 """
@@ -229,6 +231,20 @@ def _from_torch(cls: type):
     return convert
 
 
+def std_conv_from_timm(module: nn.Module) -> nn.Module:
+    """timm's weight-standardised convs (``StdConv2d``, ``ScaledStdConv2d`` and their ``Same``
+    forms, NF-Nets, BiT): left as they are, with the reason in the report."""
+    # forward standardises the weight (F.batch_norm over self.weight's rows, times gain * scale for
+    # the Scaled ones) and convolves with the result: autograd keeps that weight and x, as a
+    # slimgrad conv with a trainable weight would; the Same forms pad x first
+    raise NotImplementedError(
+        f"{type(module).__name__} standardises its weight in forward (F.batch_norm over "
+        "self.weight) and convolves with the result; expected a conv that computes with its "
+        "weight Parameter, got a computed weight (slimgrad's conv would keep what eager keeps: x "
+        "and that weight): kept"
+    )
+
+
 # {qualified timm class name: (ConvertConfig field, handler)}; merged into slimgrad.convert._TABLE.
 TABLE = {
     "timm.layers.norm.LayerNorm": ("norms", layer_norm_from_timm),
@@ -264,6 +280,10 @@ TABLE = {
         _from_torch(_se.SqueezeExciteBlock),
     ),
     "timm.layers.drop.DropPath": ("dropout", _from_torch(DropPath)),
+    **{
+        f"timm.layers.std_conv.{c}": ("selective_saving", std_conv_from_timm)
+        for c in ("StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame")
+    },
 }
 
 #: qualified names of timm's norm + act classes (``cnn.bn_act_pattern`` swaps their BatchNorm's act)
