@@ -1,5 +1,5 @@
 """BatchNorm -> activation at few values per channel (NOTE [Few values per channel] in
-slimgrad/ops/batch_norm.py): a training call with at most 64 values per channel keeps x, as eager.
+slimgrad/ops/batch_norm.py): a training call with at most 32 values per channel keeps x, as eager.
 
 At 2 values per channel eager's dx sums to exactly 0 over the channel (what a preceding layer's
 bias gradient reduces); rebuilt from the output it summed to rounding noise, hundreds of times the
@@ -100,11 +100,11 @@ def _keeps_output(shape) -> bool:
 
 
 def test_count_decides_what_is_kept():
-    # the count per channel alone decides: up to 64 values x is kept, from 65 on b
-    assert not _keeps_output((64, 3))
-    assert not _keeps_output((4, 3, 4, 4))
-    assert _keeps_output((65, 3))
-    assert _keeps_output((1, 3, 5, 13))
+    # the count per channel alone decides: up to 32 values x is kept, from 33 on b
+    assert not _keeps_output((32, 3))
+    assert not _keeps_output((2, 3, 4, 4))
+    assert _keeps_output((33, 3))
+    assert _keeps_output((1, 3, 3, 11))
 
 
 def test_two_values_per_channel_bias_gradient_is_eager_s():

@@ -25,7 +25,7 @@ inverted accurately (γ = 0, |γ| < 1e-20, |β| > |γ| / 2, non-finite, or |γ| 
 above b's dtype's largest value, n values per channel, so that b may overflow; without weight the
 same tests with γ = 1) keeps its input channel instead (a copy of those channels only); if more
 than half the channels are such, the layer keeps its whole input (eager). So does a training call
-with at most 64 values per channel (NOTE [Few values per channel]: at 2 values eager's dx sums to
+with at most 32 values per channel (NOTE [Few values per channel]: at 2 values eager's dx sums to
 exactly 0 per channel, the rebuilt one to rounding noise, 221x the rule's bound in a timm ReXNet-100
 at batch 2).
 
@@ -83,7 +83,7 @@ __all__ = ["batch_norm"]
 _BAD_RATIO = 0.5
 _MAX_BAD_FRACTION = 0.5  # more such channels than this: keep the whole input (the eager path)
 # NOTE [Few values per channel]: at most this many values per channel, a training call keeps x
-_MAX_FEW = 64
+_MAX_FEW = 32
 _POLICIES = ("pointwise", "always", "never")
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
@@ -163,7 +163,7 @@ class _Source:
 # 16: 1, 32: 0): eager's own error there is one small draw that the rule compares against. timm
 # HGNetV2-B0 at 2x3x32x32 failed (a LearnableAffineBlock bias at 2.4x the bound) through a BatchNorm
 # with 32 values per channel. Such a layer holds n x C values, small next to the layers whose saving
-# matters, so a training call with n <= _MAX_FEW (64: twice the largest count seen failing in a
+# matters, so a training call with n <= _MAX_FEW (32: the largest count seen failing in a
 # model) keeps x (or its conv's recipe, which recomputes x's exact bits) and runs aten's backward:
 # eager's bits. Decided from the shape alone: no device read. Above it, the per-channel tests of
 # _bad_mask apply (|β| > |γ|/2 and the rest). A variance far below eps shrinks x̂ and so magnifies
