@@ -77,8 +77,8 @@ def test_report_prints_one_line_per_type_and_reason(table):
     lines = str(slimgrad.report(m)).splitlines()
     assert lines[0] == "converted 8 modules, skipped 2 (decided for cpu float32)"
     assert lines[1:] == [
-        "  + Linear -> Linear x5 (0.0, 1.0, 2.0, +2 more)",
-        "  + Tanh -> _LeanTanh x3 (0.1, 1.1, 2.1)",
+        "  + Linear x5 (0.0, 1.0, 2.0, +2 more) -> Linear",
+        "  + Tanh x3 (0.1, 1.1, 2.1) -> _LeanTanh",
         "  - Tanh x2 (3.1, 4.1): filter_fn returned False",
     ]
 

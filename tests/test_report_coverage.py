@@ -145,7 +145,7 @@ def test_report_groups_a_type_on_one_line_and_elides_names():
     assert _left_alone_lines(rep) == {
         "Custom": f"  = Custom x5 (0, 1, 2, +2 more): no handler for {__name__}.Custom"
     }
-    assert "left alone (they run as before): 5 modules with parameters or buffers, of 1 types" in (
+    assert "left alone (they run as before): 5 modules with parameters or buffers, of 1 type\n" in (
         str(rep)
     )
 
@@ -158,6 +158,21 @@ def test_a_skipped_module_is_told_once_and_a_parameterless_one_stays_in_skipped(
     assert "  - GELU x1 (1): filter_fn returned False" in text
     assert text.count("OwnForwardConv") == 2  # its line: type, then the reason's class name
     assert [n for n, _, _ in rep.left_alone] == ["2"]
+
+
+def test_a_parametrized_weight_is_named_with_its_module():
+    model = nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.MultiheadAttention(4, 2)
+    )
+    slimgrad.convert_(model)
+    lines = _assert_covered(model)
+    assert "is parametrized" in lines["ParametrizedLinear"]
+    assert "listed with its reason" in lines["ParametrizationList"]
+    assert "reads its weight directly" in lines["NonDynamicallyQuantizableLinear"]
+    assert (
+        "no handler for torch.nn.modules.activation.MultiheadAttention"
+        in (lines["MultiheadAttention"])
+    )
 
 
 def test_the_model_itself_is_named():

@@ -135,16 +135,17 @@ class ConvertReport:
             f"converted {len(self.converted)} modules, skipped {len(self.skipped)} "
             f"(decided for {where})"
         ]
-        lines += [f"  + {a} -> {b}{names}" for (a, b), names in _grouped(self.converted)]
+        lines += [f"  + {a}{names} -> {b}" for (a, b), names in _grouped(self.converted)]
         # a skipped module with parameters is told once, under "left alone"
         left = set(self.left_alone)
         rest = [s for s in self.skipped if s not in left]
         lines += [f"  - {t}{names}: {r}" for (t, r), names in _grouped(rest)]
         if self.left_alone:
             types = {t for _, t, _ in self.left_alone}
+            n, k = len(self.left_alone), len(types)
             lines.append(
-                f"left alone (they run as before): {len(self.left_alone)} modules with parameters "
-                f"or buffers, of {len(types)} types"
+                f"left alone (they run as before): {n} module{'s' * (n != 1)} with parameters or "
+                f"buffers, of {k} type{'s' * (k != 1)}"
             )
             lines += [f"  = {t}{names}: {r}" for (t, r), names in _grouped(self.left_alone)]
         return "\n".join(lines)
@@ -407,7 +408,8 @@ def convert_(
 
     Returns:
         ``model`` itself. ``slimgrad.report(model)`` tells what was converted and what was skipped,
-        and why.
+        and why, and names every module with parameters it left alone (NOTE [Coverage in the
+        report]).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``config`` is not a ``ConvertConfig``.
@@ -576,6 +578,10 @@ _NO_HANDLER: dict[str, str] = {
     "torch.nn.modules.rnn.RNNCellBase": (
         "a fused recurrent cell (aten's rnn/gru/lstm cell kernels); slimgrad has no RNN op: kept"
     ),
+    "torch.nn.utils.parametrize.ParametrizationList": (
+        "holds the original tensor of a parametrized weight (torch.nn.utils.parametrize); the "
+        "module whose weight it is is listed with its reason"
+    ),
     "torch.nn.modules.sparse.Embedding": (
         "eager's embedding keeps only the integer indices for backward: nothing to save: kept"
     ),
@@ -646,7 +652,9 @@ def _left_alone(model: nn.Module, rep: ConvertReport) -> list[tuple[str, str, st
 
 
 def report(model: nn.Module) -> ConvertReport:
-    """The report of the last ``convert_`` on ``model``.
+    """The report of the last ``convert_`` on ``model``: what was converted, what was skipped,
+    and every module with parameters (or state_dict float buffers) left alone, each with a reason;
+    ``print`` it for one line per type and reason.
 
     Raises:
         RuntimeError: ``model`` was never converted.
