@@ -3,11 +3,15 @@
 The ResNet-50 targets (8x224²) are measured by the bench case ``slimgrad.bench.cases.batch_norm``;
 here a small ResNet checks the byte formula exactly:
 
-    saved(slimgrad) = saved(eager) - Σ_{BN except the stem} |BN input| + Σ_BN 2·C·4
+    saved(slimgrad) = saved(eager) - Σ_{BN except the stem and few-valued bn2} |BN input|
+                      + Σ_BN 2·C·4
 
 (each BN input is dropped: bn1/bn2 keep their output in place of the ReLU output the next conv kept,
 bn3/downsample keep a recipe; the stem BN keeps its output in place of its input because its ReLU
-feeds a max-pool; each BN keeps γ and β as used, C floats each.)
+feeds a max-pool; each BN keeps γ and β as used, C floats each. A training BN with at most
+``_MAX_FEW`` values per channel keeps x, as eager (NOTE [Few values per channel] in
+``ops/batch_norm.py``): its ReLU and the next conv then keep the ReLU output, as eager, so nothing
+is dropped, unless x is the output of a 1x1 conv (bn1, bn3, downsample), which a recipe recomputes.)
 """
 
 import copy
@@ -19,6 +23,7 @@ from torch import nn
 from slimgrad.convert_handlers.cnn import convert_cnn_
 from slimgrad.memory import measure
 from slimgrad.nn.batch_norm import BatchNorm2d
+from slimgrad.ops.batch_norm import _MAX_FEW
 from slimgrad.testing import assert_within_rule
 from tests.models._resnet_helpers import randomize_bn_, resnet50, small_resnet
 
@@ -63,13 +68,14 @@ def test_saved_bytes_formula_and_peak():
     ours = convert_cnn_(copy.deepcopy(eager))
     x0 = torch.randn(2, 3, 48, 40)
 
-    bn_in = {}
+    bn_in, few = {}, {}
     hooks = []
     for name, mod in eager.named_modules():
         if isinstance(mod, nn.BatchNorm2d):
 
             def rec(m, inp, out, name=name):
                 bn_in[name] = inp[0].numel() * inp[0].element_size()
+                few[name] = inp[0].numel() <= _MAX_FEW * inp[0].shape[1]
 
             hooks.append(mod.register_forward_hook(rec))
 
@@ -78,7 +84,16 @@ def test_saved_bytes_formula_and_peak():
         h.remove()
     ms = measure(lambda: ours(x0 * 1).square().sum())
     n_ch = sum(m.num_features for m in eager.modules() if isinstance(m, nn.BatchNorm2d))
-    dropped = sum(v for k, v in bn_in.items() if k != "bn1")
+    convs = dict(eager.named_modules())
+
+    def conv_of(bn: str) -> nn.Conv2d:  # the conv whose output the BN normalizes
+        head, _, leaf = bn.rpartition(".")
+        return convs[f"{head}.0" if leaf == "1" else f"{head}.conv{leaf[2:]}"]
+
+    # few-valued BNs whose x no recipe recomputes (its conv is not 1x1) keep x: nothing dropped
+    keeps_x = [k for k in bn_in if k != "bn1" and few[k] and conv_of(k).kernel_size != (1, 1)]
+    assert keeps_x, "the shape must reach NOTE [Few values per channel]"
+    dropped = sum(v for k, v in bn_in.items() if k != "bn1" and k not in keeps_x)
     assert ms.saved_bytes == me.saved_bytes - dropped + 2 * n_ch * 4
     assert ms.peak_bytes < me.peak_bytes
     assert ms.saved_bytes < 0.75 * me.saved_bytes
