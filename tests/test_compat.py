@@ -154,3 +154,29 @@ def test_public_dense_check_agrees_with_torchs():
             assert _compat._dense_public(v) == bool(_compat._prims_dense(v))
             w = v[..., ::2]
             assert _compat._dense_public(w) == bool(_compat._prims_dense(w))
+
+
+def test_convert_warns_once_on_an_untested_transformers(monkeypatch):
+    pytest.importorskip("transformers")
+    import importlib.metadata
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import slimgrad
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(_compat, "_hf_checked", False)
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: "5.30.0" if name == "transformers" else real(name),
+    )
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    with pytest.warns(UserWarning, match="transformers 5.30.0 is newer") as rec:
+        slimgrad.convert_(GPT2LMHeadModel(cfg))
+    assert sum("transformers 5.30.0" in str(w.message) for w in rec) == 1
+    assert rec[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        slimgrad.convert_(torch.nn.Sequential(torch.nn.Linear(4, 4)))  # not HF: no check
+        slimgrad.convert_(GPT2LMHeadModel(cfg))  # once per process

@@ -29,6 +29,7 @@ that will be moved to CUDA later; by default it decides for the devices of the m
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import torch
 import torch.nn as nn
 
 import slimgrad.nn as snn
+from slimgrad import _compat
 from slimgrad.convert_handlers import cnn as _cnn
 from slimgrad.convert_handlers import device_rule as _device_rule
 from slimgrad.convert_handlers import hf as _hf
@@ -445,6 +447,8 @@ def convert_(
             f"got {device!r} ({e}). Pass device='cuda' or leave it out."
         ) from None
     allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
+    if _is_hf_model(model):
+        _compat.check_transformers()  # once per process, outside the tested range only
     rep = ConvertReport(targets=where)
     for technique, pattern in _PATTERNS:
         if technique is None or getattr(config, technique):
@@ -458,6 +462,13 @@ def convert_(
     if rep.refused_known:
         _warn_refused_known(rep.refused_known)
     return model
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    # without importing transformers: a model built with it has it loaded already
+    hf = sys.modules.get("transformers")
+    base = getattr(hf, "PreTrainedModel", None) if hf is not None else None
+    return isinstance(base, type) and any(isinstance(m, base) for m in model.modules())
 
 
 _TECHNIQUE_NAMES = {
