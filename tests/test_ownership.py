@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint as ckpt
 from torch.autograd.function import once_differentiable
 
-from slimgrad import ownership
+from slimgrad import _ext, ownership
 from tests._ownership_helpers import ExpSaved, storage_use_count
 
 
@@ -326,7 +326,7 @@ def test_refcount_baseline_matches_independent_probe():
     seen = []
 
     def probe(t):
-        return sys.getrefcount(t)
+        return sys.getrefcount(t), t._use_count()
 
     class P(torch.autograd.Function):
         @staticmethod
@@ -837,7 +837,7 @@ def test_failed_view_calibration_refuses_views_only(monkeypatch):
 def test_view_calibration_failure_refuses_views_only(monkeypatch):
     for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_VIEW_SIG"):
         monkeypatch.setattr(ownership, name, getattr(ownership, name))  # restored afterwards
-    monkeypatch.setattr(ownership, "_view_sig", lambda t: None)  # the view probe fails
+    monkeypatch.setattr(ownership, "_view_sig", lambda t, f: None)  # the view probe fails
     ownership._calibrate()
     assert ownership.calibrated() and ownership._VIEW_SIG is None
     monkeypatch.undo()  # the real _view_sig and the import-time calibration
@@ -873,7 +873,7 @@ def test_gradient_shared_with_a_parameters_accumulate_grad(accumulate):
 
 _AFTER_FAILED_COMPILE = r"""
 import torch
-from slimgrad import ownership
+from slimgrad import _ext, ownership
 
 class D(torch.autograd.Function):
     @staticmethod
@@ -1023,10 +1023,10 @@ def test_storage_object_only_torch_keeps_is_not_a_holder():
     assert torch.equal(got, ref)
 
 
-def test_layout_is_calibrated_and_reads_what_the_storage_object_says():
+def test_storage_facts_read_what_the_storage_object_says():
     import numpy as np
 
-    assert ownership._LAYOUT is not None, "StorageImpl layout calibration failed on this torch"
+    assert ownership.storage_facts_available(), _ext.error()
     big = torch.empty(100)
     big.resize_(10)  # the storage keeps its 400 bytes
     ts = [
@@ -1037,7 +1037,11 @@ def test_layout_is_calibrated_and_reads_what_the_storage_object_says():
         torch.from_numpy(np.ones(5, dtype=np.float32)),
     ]
     for t in ts:
+        f = _ext.facts(t)
+        assert f[0] == t._use_count()
+        assert f[1] == storage_use_count(t)
         assert ownership._storage_nbytes(t) == t.untyped_storage().nbytes()
+        assert _ext.facts(t)[3] == 1  # the storage object untyped_storage() made
     assert not ownership._dense_whole(big)  # covers 40 of its storage's 400 bytes
     assert ownership._torch_owned(torch.empty(5)) and ownership._torch_owned(torch.randn(2, 3) + 1)
     assert not ownership._torch_owned(torch.from_numpy(np.ones(5, dtype=np.float32)))
@@ -1047,18 +1051,32 @@ def test_layout_is_calibrated_and_reads_what_the_storage_object_says():
     for check in (ownership._torch_owned, ownership._dense_whole, ownership._storage_alone):
         assert check(fresh)
     assert storage_use_count(fresh) == 1  # none of the checks made a storage object
+    assert _ext.facts(fresh)[3] == 0
+    view = fresh.view(2, 3)
+    assert _ext.facts(view)[6] == _ext.facts(fresh)[6] != _ext.facts(torch.empty(6))[6]
+    assert _ext.facts(fresh)[1] == 2  # the view's TensorImpl holds the storage too
+
+
+def _without_extension(monkeypatch):
+    # as if the C++ extension could not be built (no compiler, a compile error)
+    monkeypatch.setattr(ownership, "_FACTS", None)
+    monkeypatch.setattr(ownership, "_STORAGE_SIG", None)
+    monkeypatch.setattr(
+        _ext, "_state", {"module": None, "error": "simulated", "tried": True, "seconds": 0.0}
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("name", SAFE + UNSAFE + CONSERVATIVE)
-def test_without_the_layout_the_storage_objects_decide_the_same(monkeypatch, name):
-    # another torch build whose StorageImpl the calibration cannot read: terms 4 and 7 ask the
-    # storage object; every case is decided as before
-    monkeypatch.setattr(ownership, "_LAYOUT", None)
+def test_without_the_extension_nothing_is_granted_and_results_are_the_same(monkeypatch, name):
     ref, _ = _run(name, disabled=True)
+    _without_extension(monkeypatch)
+    assert not ownership.storage_facts_available()
     got, n_on = _run(name)
     _assert_bitwise(got, ref)
-    assert (n_on > 0) == (name in SAFE), f"{name}: reuse count {n_on}"
+    assert n_on == 0, f"{name}: reuse count {n_on}"
+    assert not ownership._storage_alone(torch.empty(3))
+    assert not ownership._torch_owned(torch.empty(3))
 
 
 def test_storages_on_reused_heap_memory_are_still_torch_owned():

@@ -741,25 +741,6 @@ def test_a_hook_that_moves_the_gradient_into_shared_memory_refuses(how):
     _assert_same(off, on)
 
 
-def _usable_size():
-    import ctypes
-
-    try:
-        f = ctypes.CDLL(None).malloc_usable_size  # the allocator in use (glibc, or a preloaded one)
-    except (AttributeError, OSError):
-        return None
-    f.restype, f.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
-    return f
-
-
-def test_the_layout_scan_stays_inside_the_storage_impl():
-    usable = _usable_size()
-    if usable is None:
-        pytest.skip("no malloc_usable_size here")
-    sizes = {usable(torch._C._storage_address(t)) for t in (torch.empty(3), torch.ones(1 << 20))}
-    assert ownership._SCAN_WORDS * 8 <= min(sizes), sizes
-
-
 @pytest.mark.parametrize("how,granted", [("none", 1), ("dropped", 1), ("held", 0)])
 def test_view_gradient_storage_object(how, granted):
     # term 2b: F's gradient is a reshape view of the 2-D mm result; its storage object asked for

@@ -123,19 +123,20 @@ class Feature:
 
 
 def _ownership() -> Feature:
-    from slimgrad import ownership
+    from slimgrad import _ext, ownership
 
+    name = "buffer reuse (ownership)"
     if ownership._env_disabled():
-        return Feature("buffer reuse (ownership)", False, f"turned off by {ownership.ENV_VAR}=1")
-    ok = ownership._ensure_calibrated() and ownership.calibrated()
-    if ok:
-        return Feature("buffer reuse (ownership)", True, "calibrated on this torch build")
-    return Feature(
-        "buffer reuse (ownership)",
-        False,
-        f"calibration refused on torch {torch.__version__}: backward buffers are never reused "
-        "(same gradients, a few more transient bytes)",
-    )
+        return Feature(name, False, f"turned off by {ownership.ENV_VAR}=1")
+    off = "backward buffers are never reused (same gradients, a few more transient bytes)"
+    if not (ownership._ensure_calibrated() and ownership.calibrated()):
+        return Feature(name, False, f"calibration refused on torch {torch.__version__}: {off}")
+    ok, why = _ext.probe()  # builds nothing
+    if not ok:
+        return Feature(name, False, f"no storage facts ({why}): {off}")
+    if ownership._FACTS is not None and ownership._STORAGE_SIG is None:
+        return Feature(name, False, f"storage facts disagree with torch {torch.__version__}: {off}")
+    return Feature(name, True, f"calibrated; storage facts from {why}")
 
 
 def _forward_writes() -> Feature:

@@ -25,18 +25,21 @@ Public API (all cheap, no allocation):
 A backward may overwrite a tensor ``g`` only if every one of these holds (measured on torch 2.13 /
 CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single term suffices):
 
-1. ``g._use_count() == 1``: one C++ handle (the Python object) holds the TensorImpl. Catches a
-   gradient that autograd hands to a sibling node still pending (the Gemma-2 pattern), a user
-   ``gradient=G`` and the ``autograd.grad`` result of a non-leaf input (the engine keeps it as a
-   captured gradient).
-2. Nothing but ``g`` reaches its memory. (a) ``g`` not a view: the StorageImpl's use count is a
-   fresh tensor's (calibrated), read without making a storage object (NOTE [Storage facts without
-   a storage object]): no other tensor (a view, a ``cat`` slice, an expanded ``sum`` gradient)
-   shares the memory, and nobody keeps ``g.untyped_storage()``; one use more passes only if it is
-   the storage object PyTorch keeps alive with the storage and nobody else holds it (its
-   calibrated refcount, and no weak reference to it but slimgrad.memory's tracker finalizers);
-   no C++ weak reference to the StorageImpl either (torch's ``StorageWeakRef``: its weak count,
-   a calibrated word). A weak reference can give the buffer back to a later hook. (b) ``g`` a
+1. The TensorImpl's use count (``at::Tensor::use_count()``) is the calibrated one of a gradient
+   nobody else holds: 1, the Python object (torch 2.13, 2.15), or 2 where autograd's call into
+   Python keeps its own handle for the call (torch 2.11); a sibling still pending on the same
+   gradient must show one more (checked in calibration). Catches a gradient that autograd hands
+   to a sibling node still pending (the Gemma-2 pattern), a user ``gradient=G`` and the
+   ``autograd.grad`` result of a non-leaf input (the engine keeps it as a captured gradient).
+2. Nothing but ``g`` reaches its memory. (a) ``g`` not a view: the StorageImpl's use count
+   (``c10::Storage::use_count()``) is a fresh tensor's, read without making a storage object
+   (NOTE [Storage facts without a storage object]): no other tensor (a view, a ``cat`` slice, an
+   expanded ``sum`` gradient) shares the memory, and nobody keeps ``g.untyped_storage()``; one
+   use more passes only if it is the storage object PyTorch keeps alive with the storage and
+   nobody else holds it (the refcount of a probe's kept-alive object, and no weak reference to it
+   but slimgrad.memory's tracker finalizers); no C++ weak reference to the StorageImpl either
+   (torch's ``StorageWeakRef``: its weak count). A weak reference can give the buffer back to a
+   later hook. (b) ``g`` a
    view (``nn.Linear`` on 3-D input hands the next backward a reshape view of its 2-D mm result;
    LayerNorm, dropout etc. then pass it on): with term 4 (the view covers its whole storage
    densely from offset 0), all of:
@@ -84,13 +87,15 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    ``saved_tensors_hooks`` pair that packs a detached alias: a hook that keeps the packed tensor
    elsewhere, or unpacks a tensor it also holds, adds a reference. (``slimgrad.memory`` installs
    no hooks, so measuring a step never changes what this rule grants.)
-7. The memory is torch's own: the StorageImpl's DataPtr deleter is that of
-   ``torch.empty`` on the same device type (calibrated words; ``from_numpy``, ``frombuffer``,
-   ``from_dlpack``, ``torch.load`` mmap and shared-memory storages differ, and another
-   owner, e.g. a NumPy array kept by a Function or another process, can read them). Without a
-   calibrated layout: the storage is resizable and, for CPU memory, not in shared memory (torch
-   reports every CUDA storage as shared, so that part is asked of CPU storages only). Terms 1-3
-   count torch and Python holders only; this term covers the rest.
+7. The memory is torch's own: the StorageImpl's DataPtr deleter is the raw deleter of the
+   allocator torch uses for that device type (``from_numpy``, ``frombuffer``, ``from_dlpack``,
+   ``torch.load`` mmap, pinned and shared-memory storages differ, and another owner, e.g. a NumPy
+   array kept by a Function or another process, can read them). Terms 1-3 count torch and Python
+   holders only; this term covers the rest.
+
+The storage facts of terms 1, 2, 4 and 7 come from slimgrad's C++ extension (NOTE [Storage facts
+from the C++ API] in slimgrad/_ext), built on the first question and cached; without it (no
+compiler, a failed build) reuse is never granted and ``slimgrad env`` says why.
 
 Distributed (DDP, FSDP2, tensor parallel; tests/distributed/test_ddp_bucketing.py,
 test_fsdp2.py, test_tensor_parallel.py, each on 2 gloo processes). Nothing here is shared between
@@ -119,10 +124,11 @@ The buffers a data-parallel wrapper reads are never granted:
 
 Calibration (at import, :func:`_calibrate`): a y = 2x Function's backward probes its gradient in
 chains whose safety is known: plain, through a ``* 1`` (same figures), with a hook that keeps the
-gradient (refcount exactly one higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage
-view of a fresh base: gives the base pair and view storage signature) and the same with a hook
-keeping that base (base refcount exactly one higher). Any mismatch or exception: no baseline,
-never reuse (views alone: ``_VIEW_SIG`` None refuses every view). The baselines are kept per
+gradient (refcount exactly one higher), beside a sibling still pending on it (use count exactly
+one higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage view of a fresh base: gives
+the base pair) and the same with a hook keeping that base (base refcount exactly one higher).
+Any mismatch or exception: no baseline, never reuse (views alone: ``_VIEW_SIG`` None refuses
+every view). The baselines are kept per
 interpreter call mode, which a failed Dynamo trace changes for the rest of the process (NOTE
 [Calibration per call mode] at the end of this module).
 
@@ -201,7 +207,6 @@ parameter (any other depth or an extra reference refuses). The functional ops
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dis
 import os
 import sys
@@ -212,6 +217,7 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
+from slimgrad import _ext
 from slimgrad._autograd import first_order
 
 __all__ = [
@@ -241,18 +247,20 @@ _counter_lock = threading.Lock()
 # Keyed by the code object of the frame that called the Function's backward: autograd's
 # BackwardCFunction.apply (plain backward), torch's once_differentiable wrapper or slimgrad's
 # _autograd.first_order wrapper. Any other caller
-# (a helper in between, another wrapper) has no baseline: never reuse.
+# (a helper in between, another wrapper) has no baseline: never reuse. Value: (refcount, tensor use
+# count) of an incoming gradient nobody else holds (terms 3 and 1).
 _GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
 # saved_tensors_hooks pair that packs a detached alias keeps it.
 _SAVED_SIGS: dict | None = None  # caller code -> {(refcount, use count)}
-# The storage use count of a tensor nobody else shares, as _storage_sig sees it (NOTE [Storage
-# facts without a storage object]; a user who keeps ``g.untyped_storage()`` raises it), and the
-# refcount of a storage object that only PyTorch keeps alive (_storage_free).
-_STORAGE_SIG: tuple[int, int] | None = None  # (that use count, _obj_refcount of a kept-alive one)
+# Read from probes once the C++ extension is loaded (_load_facts; NOTE [Storage facts without a
+# storage object]), process-wide: (the storage use count of a tensor nobody else shares, the
+# refcount of a storage object that only PyTorch keeps alive as _obj_refcount sees it, the storage
+# weak count of a storage without weak references). None: not loaded yet, or unavailable.
+_STORAGE_SIG: tuple[int, int, int] | None = None
 # For a gradient that is a view (term 2b): _view_sig(g) of a whole-storage view whose base nobody
 # else holds: (base refcount, base use count) as _view_sig sees them. Its storage has one use more
-# than _STORAGE_SIG's (the base's TensorImpl): _storage_free(g, 1).
+# than a fresh one (the base's TensorImpl): _storage_free(g, 1).
 _VIEW_SIG: tuple[int, int] | None = None
 
 
@@ -320,145 +328,80 @@ def calibrated() -> bool:
 # NOTE [Storage facts without a storage object]
 # ``t.untyped_storage()`` creates the storage's Python object, and PyTorch keeps that object alive
 # with the storage from then on (it is "preserved", so the same object comes back next time), and
-# with it one more reference to the StorageImpl, for as long as the tensor lives (torch 2.13:
-# ``_storage_Use_Count`` reads 1 for a fresh tensor, 2 after one ``untyped_storage()`` call whose
-# result was dropped). The autograd engine sums two gradients of one tensor in place only if it
-# holds the last reference to the buffer's TensorImpl and to its storage (``InputBuffer``'s
-# ``can_accumulate_inplace``), so every gradient these checks had looked at was summed out of place
-# later: a fresh full-size buffer and a write that eager does not make (regnety_016, 8x3x224x224:
-# 50 of its 77 adds a step; efficientnet_b0: 16; the accumulation into a squeeze-excite input and
-# into a residual block's input, where the gradient passed through a granted backward). So no check
-# here creates a storage object. The use count is read from the StorageImpl's address
-# (``torch._C._storage_address``), and two more facts from the StorageImpl's own words, located at
-# import by :func:`_calibrate_layout` (never assumed): its size in bytes (term 4) and its DataPtr's
-# deleter (term 7), the function that frees its memory, compared with ``torch.empty``'s on the same
-# device type (calibrated at the first tensor of each device type). A storage with another deleter
-# is refused: measured for from_numpy, frombuffer and share_memory_ (the calibration requires it);
-# memory from any other allocator (from_dlpack, mapped files, pinned memory) is freed by another
-# function. Only those words are read: a word the calibration's samples merely share (padding a
-# fresh heap left zero) would refuse later storages at random (seen in a first version). A third
-# calibrated word, the storage's Python-object slot (0 until an object is made), lets
-# :func:`_storage_free` refuse a storage shared with another tensor without making an object, and
-# a fourth, the StorageImpl's weak count, shows a C++ weak reference (``StorageWeakRef``). The
-# scan stays within the StorageImpl's heap block (12 words; 104 bytes on torch 2.13 / glibc).
-# If the layout cannot be calibrated (another torch build), the checks ask the storage object
-# (correct, and gradients are then summed out of place as before).
+# with it one more reference to the StorageImpl, for as long as the tensor lives (the storage's use
+# count is 1 for a fresh tensor, 2 after one ``untyped_storage()`` call whose result was dropped).
+# The autograd engine sums two gradients of one tensor in place only if it holds the last reference
+# to the buffer's TensorImpl and to its storage (``InputBuffer``'s ``can_accumulate_inplace``), so
+# every gradient these checks had looked at was summed out of place later: a fresh full-size buffer
+# and a write that eager does not make (regnety_016, 8x3x224x224: 50 of its 77 adds a step;
+# efficientnet_b0: 16; the accumulation into a squeeze-excite input and into a residual block's
+# input, where the gradient passed through a granted backward). So no check here creates a storage
+# object. The facts come from slimgrad's small C++ extension (NOTE [Storage facts from the C++ API]
+# in slimgrad/_ext), each read through a public accessor of PyTorch's C++ API: the tensor's and the
+# storage's use counts, the storage's weak count (a C++ weak reference, torch's ``StorageWeakRef``,
+# can give the storage back later), whether a storage object exists (so :func:`_storage_free`
+# refuses a storage shared with another tensor without making one), its size in bytes (term 4) and
+# whether its DataPtr's deleter is the device allocator's own (term 7). The extension is built on
+# the first question (never at import) and cached; without it (no compiler, a failed build) no
+# storage question is answered yes, so reuse is never granted (``slimgrad env`` says why). The
+# counts of a storage nobody else holds are read once, from two probe tensors made at import (a
+# fresh one, and one whose storage object PyTorch keeps alive), so asking later allocates nothing,
+# even inside a measured region (slimgrad.memory sees every allocation).
 
-_SCAN_WORDS = 12  # 96 bytes: within a StorageImpl (its heap block: 104 B, torch 2.13 / glibc)
-_LAYOUT: tuple[int, tuple[int, ...]] | None = None  # (size word, (deleter word,))
-_OWNER_WORDS: dict[str, tuple[int, ...] | None] = {}  # device type -> torch.empty's deleter
-_PYOBJ_WORD: int | None = None  # 0 while the storage has no Python object (None: not located)
-# (word, fresh value) of the StorageImpl's C++ weak count (the high half of its refcount word, below
-# the flag bit PyTorch sets once a storage object exists); None: not located, not checked
-_WEAK: tuple[int, int] | None = None
-_WEAK_MASK = 0x7FFFFFFF
+_PROBE_FRESH = torch.empty(1)
+_PROBE_KEPT = torch.empty(1)
+_PROBE_KEPT.untyped_storage()  # dropped: PyTorch keeps the object alive with the storage
+_FACTS = None  # the extension's facts function, once loaded
 
 
-def _word(t: torch.Tensor, i: int) -> int:
-    # word i of t's StorageImpl; only called with t alive and i < _SCAN_WORDS
-    return ctypes.c_uint64.from_address(torch._C._storage_address(t) + 8 * i).value
+def _load_facts() -> bool:
+    # Load the extension (building it on first use) and read the probes' counts. Once per process;
+    # process-wide (the refcount of a kept-alive storage object is read with C calls only, which
+    # the call mode of NOTE [Calibration per call mode] does not change).
+    global _FACTS, _STORAGE_SIG
+    if _FACTS is not None:
+        return _STORAGE_SIG is not None
+    mod = _ext.load()  # its own lock; after a failure, returns None at once
+    if mod is None:
+        return False
+    with _calib_lock:
+        if _FACTS is None:
+            try:
+                fresh, kept = mod.facts(_PROBE_FRESH), mod.facts(_PROBE_KEPT)
+                obj = _obj_refcount(_PROBE_KEPT)
+                keep = _PROBE_KEPT.untyped_storage()
+                sensitive = _obj_refcount(_PROBE_KEPT) == obj + 1  # a kept object must show
+                del keep
+                ok = (
+                    fresh[0] == 1  # our probe's Python object is its only C++ handle
+                    and fresh[1] == 1
+                    and fresh[3] == 0
+                    and kept[1] == fresh[1] + 1  # the kept-alive storage object holds one use
+                    and kept[3] == 1
+                    and kept[2] == fresh[2]
+                    and fresh[5] == kept[5] == 1
+                    and sensitive
+                )
+                _STORAGE_SIG = (fresh[1], obj, fresh[2]) if ok else None
+            except Exception:  # any surprise: never reuse
+                _STORAGE_SIG = None
+            _FACTS = mod.facts
+    return _STORAGE_SIG is not None
 
 
-def _calibrate_layout() -> None:
-    global _LAYOUT, _PYOBJ_WORD, _WEAK
-    _LAYOUT = _PYOBJ_WORD = _WEAK = None
-    try:
-        import numpy as np  # a hard dependency of torch's from_numpy; absent: no fast path
-    except ImportError:  # pragma: no cover
-        return
-    try:
-        a = torch.arange(12.0).view(3, 4)
-        # torch's own allocations made in different ways
-        own = [
-            torch.empty(7),
-            torch.empty(1000, dtype=torch.float64),
-            torch.empty(3, 5, dtype=torch.int16),
-            torch.empty(1 << 21),  # 8 MiB: the C library maps it separately
-            a * 2,
-            a.mm(a.t()),
-            torch.cat([a, a]),
-            a.t().contiguous(),
-            torch.zeros(33, dtype=torch.bfloat16),
-            a.sum(0),
-        ]
-        arr = np.ones(6, dtype=np.float32)
-        foreign = [torch.from_numpy(arr), torch.frombuffer(bytearray(24), dtype=torch.float32)]
-        try:
-            foreign.append(torch.empty(5).share_memory_())
-        except Exception:  # no shared memory on this host: calibrate without it
-            pass
-        nbytes = [t.untyped_storage().nbytes() for t in own + foreign]  # our own probes
-        words = [[_word(t, i) for i in range(_SCAN_WORDS)] for t in own + foreign]
-        mine = words[: len(own)]
-        size = [i for i in range(_SCAN_WORDS) if all(w[i] == n for w, n in zip(words, nbytes))]
-        data = [
-            i for i in range(_SCAN_WORDS) if all(w[i] == t.data_ptr() for w, t in zip(mine, own))
-        ]
-        # The DataPtr's deleter: the word after its data pointer, one function for every
-        # allocation torch's allocator makes and another for each foreign storage. Only that
-        # word: a word the samples merely happen to share (struct padding a fresh heap left zero)
-        # would refuse later storages at random.
-        d = data[0] + 1 if data else -1
-        if (
-            len(size) == 1
-            and 0 < d < _SCAN_WORDS
-            and d not in data
-            and d != size[0]
-            and len({w[d] for w in mine}) == 1
-            and all(w[d] != mine[0][d] for w in words[len(own) :])
-        ):
-            _LAYOUT = (size[0], (d,))
-            _OWNER_WORDS["cpu"] = (mine[0][d],)
-            # the word that says a storage object exists (its slot, the object's address): 0 until
-            # one is made, then set; so _storage_free need not make one to learn there is none
-            fresh = [torch.empty(n) for n in (3, 40, 1000, 1 << 16)]
-            before = [[_word(t, i) for i in range(_SCAN_WORDS)] for t in fresh]
-            for t in fresh:
-                t.untyped_storage()
-            after = [[_word(t, i) for i in range(_SCAN_WORDS)] for t in fresh]
-            slot = [
-                i
-                for i in range(_SCAN_WORDS)
-                if all(w[i] == 0 for w in before) and all(w[i] != 0 for w in after)
-            ]
-            _PYOBJ_WORD = slot[0] if len(slot) == 1 else None
-            _calibrate_weak_count()
-    except Exception:  # any surprise: ask the storage objects
-        _LAYOUT = None
+def _facts(t: torch.Tensor):
+    # the extension's facts of t (NOTE [Storage facts from the C++ API]), or None when they are
+    # unavailable (no extension, a probe mismatch) or t has no storage
+    if _FACTS is None and not _load_facts():
+        return None
+    if _STORAGE_SIG is None:
+        return None
+    return _FACTS(t)
 
 
-def _weak_count(t: torch.Tensor, i: int) -> int:
-    return (_word(t, i) >> 32) & _WEAK_MASK
-
-
-def _calibrate_weak_count() -> None:
-    # A C++ weak reference to the StorageImpl (torch's StorageWeakRef, which can give the storage
-    # back later) raises its weak count: located with one held and released.
-    global _WEAK
-    _WEAK = None
-    try:
-        from torch.multiprocessing.reductions import StorageWeakRef
-    except ImportError:  # pragma: no cover
-        return
-    t = torch.empty(8)
-    w0 = [_weak_count(t, i) for i in range(_SCAN_WORDS)]
-    ref = StorageWeakRef(t.untyped_storage())
-    w1 = [_weak_count(t, i) for i in range(_SCAN_WORDS)]
-    del ref
-    w2 = [_weak_count(t, i) for i in range(_SCAN_WORDS)]
-    u = torch.randn(3) * 2
-    cand = [
-        i
-        for i in range(_SCAN_WORDS)
-        if w0[i] == w2[i] == _weak_count(u, i) and w1[i] == w0[i] + 1 and 0 < w0[i] < 4
-    ]
-    if len(cand) == 1:
-        _WEAK = (cand[0], w0[cand[0]])
-
-
-def _no_weak_refs(t: torch.Tensor) -> bool:
-    # no C++ weak reference to t's StorageImpl beyond a fresh one's
-    return _WEAK is None or _weak_count(t, _WEAK[0]) == _WEAK[1]
+def storage_facts_available() -> bool:
+    """Whether the storage facts reuse needs are available (loads or builds the C++ extension)."""
+    return _load_facts()
 
 
 def _only_tracker_weakrefs(st) -> bool:
@@ -479,31 +422,9 @@ def _only_tracker_weakrefs(st) -> bool:
     return True
 
 
-def _owner_words(device: torch.device) -> tuple[int, ...] | None:
-    # torch.empty's deleter word on this device type (two allocations must agree)
-    key = device.type
-    if key not in _OWNER_WORDS:
-        with _calib_lock:
-            if key not in _OWNER_WORDS:
-                try:
-                    a, b = torch.empty(16, device=device), torch.empty(1 << 16, device=device)
-                    wa = tuple(_word(a, i) for i in _LAYOUT[1])
-                    wb = tuple(_word(b, i) for i in _LAYOUT[1])
-                    _OWNER_WORDS[key] = wa if wa == wb else None
-                except Exception:
-                    _OWNER_WORDS[key] = None
-    return _OWNER_WORDS[key]
-
-
-def _storage_sig(t: torch.Tensor) -> int:
-    # the StorageImpl's use count (a kept storage object holds one); creates no storage object
-    return torch._C._storage_Use_Count(torch._C._storage_address(t))
-
-
-def _storage_nbytes(t: torch.Tensor) -> int:
-    if _LAYOUT is not None:
-        return _word(t, _LAYOUT[0])
-    return t.untyped_storage().nbytes()
+def _storage_nbytes(t: torch.Tensor) -> int | None:
+    f = _facts(t)
+    return None if f is None else f[4]
 
 
 def _obj_refcount(t: torch.Tensor) -> int:
@@ -512,27 +433,29 @@ def _obj_refcount(t: torch.Tensor) -> int:
     return sys.getrefcount(st)
 
 
-def _storage_free(t: torch.Tensor, others: int = 0) -> bool:
+def _storage_free(t: torch.Tensor, others: int = 0, f=None) -> bool:
     # No holder of t's StorageImpl but t and ``others`` known TensorImpls (a view's base), and
-    # nobody keeps its storage object. One holder more may be the storage object PyTorch keeps
-    # alive with the storage once one was made (by slimgrad.memory's tracker, or an
-    # ``untyped_storage()`` call whose result was dropped): asking for it then returns that object
-    # and creates none, and it passes if only PyTorch holds it (calibrated refcount) and asking made
+    # nobody keeps its storage object, and no C++ weak reference to it. One holder more may be
+    # the storage object PyTorch keeps alive with the storage once one was made (by
+    # slimgrad.memory's tracker, or an ``untyped_storage()`` call whose result was dropped): asking
+    # for it then returns that object and creates none, and it passes if only PyTorch holds it
+    # (the probe's refcount), nobody holds a weak reference to it but the tracker, and asking made
     # no new one (the use count did not move). Otherwise refused.
-    sig = _STORAGE_SIG
-    if sig is None:
+    if f is None:
+        f = _facts(t)
+    if f is None:
         return False
-    n = _storage_sig(t)
-    if n == sig[0] + others:
-        return _no_weak_refs(t)
-    if n != sig[0] + others + 1:
+    use, obj, weak = _STORAGE_SIG
+    n = f[1]
+    if f[2] != weak:
         return False
-    if _PYOBJ_WORD is not None and _word(t, _PYOBJ_WORD) == 0:
-        return False  # no storage object: the use is another tensor's (refused, none made)
+    if n == use + others:
+        return True
+    if n != use + others + 1 or not f[3]:
+        return False  # another tensor shares the storage (refused, no storage object made)
     return (
-        _obj_refcount(t) == sig[1]
-        and _storage_sig(t) == n
-        and _no_weak_refs(t)
+        _obj_refcount(t) == obj
+        and _FACTS(t)[1] == n
         and _only_tracker_weakrefs(t.untyped_storage())
     )
 
@@ -542,27 +465,25 @@ def _storage_alone(t: torch.Tensor) -> bool:
     return _storage_free(t)
 
 
-def _torch_owned(t: torch.Tensor) -> bool:
+def _torch_owned(t: torch.Tensor, f=None) -> bool:
     # Term 7: memory torch allocated itself. from_numpy/frombuffer/from_dlpack (and torch.load's
     # mmap-able storages) wrap memory another owner can read; shared memory (share_memory_,
-    # DataLoader workers) may be read by another process. With the calibrated layout: the
-    # storage's deleter is torch.empty's on this device type (each of those differs). Without it:
-    # resizable, and not shared for CPU (is_shared() is True for every CUDA storage, measured on
-    # an H200, torch 2.11, so it is asked of CPU storages only). Not covered either way: CUDA
-    # memory this process exported through CUDA IPC (torch.multiprocessing) and still writes to;
-    # autograd's gradients are fresh allocations of this process.
-    if _LAYOUT is not None:
-        words = _OWNER_WORDS["cpu"] if t.is_cpu else _owner_words(t.device)
-        if words is not None:
-            return all(_word(t, i) == w for i, w in zip(_LAYOUT[1], words))
-    st = t.untyped_storage()
-    return st.resizable() and (st.device.type != "cpu" or not st.is_shared())
+    # DataLoader workers) may be read by another process; pinned host memory has its own
+    # allocator. The storage's DataPtr deleter must be the raw deleter of the allocator torch uses
+    # for that device type (each of those differs). Not covered: CUDA memory this process exported
+    # through CUDA IPC (torch.multiprocessing) and still writes to; autograd's gradients are fresh
+    # allocations of this process.
+    if f is None:
+        f = _facts(t)
+    return f is not None and f[5] == 1
 
 
-def _view_sig(t: torch.Tensor):
+def _view_sig(t: torch.Tensor, f):
     # (refcount, use count) of t's base, or None if the base is not a plain strided tensor
-    # without autograd state sharing t's memory. Reads ``t._base`` (which may create
-    # the base's Python object; PyTorch preserves it with the base, no reference is added).
+    # without autograd state sharing t's memory (f: t's facts; None in the import-time
+    # calibration, which runs before the extension is loaded and whose views are known to share
+    # their base's storage). Reads ``t._base`` (which may create the base's Python object;
+    # PyTorch preserves it with the base, no reference is added).
     base = t._base
     if (
         type(base) is not torch.Tensor
@@ -574,27 +495,35 @@ def _view_sig(t: torch.Tensor):
         or base.is_nested
         or base.device != t.device
         or weakref.getweakrefcount(base) != 0
-        or torch._C._storage_address(base) != torch._C._storage_address(t)
         or torch._C._functorch.is_functorch_wrapped_tensor(base)
     ):
         return None
-    sig = (sys.getrefcount(base), base._use_count())
+    if f is None:
+        use = base._use_count()
+    else:
+        fb = _FACTS(base)
+        if fb is None or fb[6] != f[6]:  # not the same StorageImpl
+            return None
+        use = fb[0]
+    sig = (sys.getrefcount(base), use)
     del base
     return sig
 
 
-def _reachable_only_through(t: torch.Tensor) -> bool:
-    # Term 2: nothing but ``t`` reaches its memory.
+def _reachable_only_through(t: torch.Tensor, f) -> bool:
+    # Term 2: nothing but ``t`` reaches its memory (f: t's facts).
     if not t._is_view():
-        return _storage_alone(t)
+        return _storage_free(t, 0, f)
     # 2b: a view whose base is held by the view alone and shares the storage with nothing else.
-    return _VIEW_SIG is not None and _view_sig(t) == _VIEW_SIG and _storage_free(t, 1)
+    return _VIEW_SIG is not None and _view_sig(t, f) == _VIEW_SIG and _storage_free(t, 1, f)
 
 
-def _dense_whole(t: torch.Tensor) -> bool:
+def _dense_whole(t: torch.Tensor, f=None) -> bool:
     if t.storage_offset() != 0:
         return False
-    if _storage_nbytes(t) != t.numel() * t.element_size():
+    if f is None:
+        f = _facts(t)
+    if f is None or f[4] != t.numel() * t.element_size():
         return False
     if t.is_contiguous():  # row-major strides: dense, non-overlapping (the loop below agrees)
         return True
@@ -643,29 +572,40 @@ def _caller() -> object:
 
 
 def _grad_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
-    return (
+    if not (
         _GRAD_REFCOUNT is not None
-        and refcount == _GRAD_REFCOUNT.get(caller)
+        and (base := _GRAD_REFCOUNT.get(caller)) is not None
+        and refcount == base[0]
         and _plain(t)
         and _context_ok()
-        and t._use_count() == 1
         and weakref.getweakrefcount(t) == 0
-        and _dense_whole(t)
-        and _reachable_only_through(t)
-        and _torch_owned(t)
+    ):
+        return False
+    f = _facts(t)  # one call to the extension: the terms below read these facts
+    return (
+        f is not None
+        and f[0] == base[1]  # term 1
+        and _dense_whole(t, f)
+        and _reachable_only_through(t, f)
+        and f[5] == 1  # term 7 (_torch_owned)
     )
 
 
 def _saved_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
-    return (
+    if not (
         _SAVED_SIGS is not None
-        and (refcount, t._use_count()) in _SAVED_SIGS.get(caller, ())
         and _plain(t, saved=True)
         and _context_ok()
         and not torch._C._autograd._get_current_graph_task_keep_graph()
-        and _storage_alone(t)
-        and _dense_whole(t)
-        and _torch_owned(t)
+    ):
+        return False
+    f = _facts(t)
+    return (
+        f is not None
+        and (refcount, f[0]) in _SAVED_SIGS.get(caller, ())
+        and _storage_free(t, 0, f)
+        and _dense_whole(t, f)
+        and f[5] == 1  # term 7 (_torch_owned)
     )
 
 
@@ -1012,8 +952,9 @@ def _calibrate_forward() -> None:
 
 def _probe(t):
     # Same frame depth and argument passing as take()/take_saved(): one call from backward.
-    storage = _storage_sig(t)
-    return sys.getrefcount(t), t._use_count(), storage, sys._getframe(2).f_code
+    # ``t._use_count()`` is the tensor use count the extension's facts report (at::Tensor's); it
+    # is read here because calibration runs at import, before the extension is loaded.
+    return sys.getrefcount(t), t._use_count(), sys._getframe(2).f_code
 
 
 def _calib_fns(seen: list):
@@ -1026,7 +967,7 @@ def _calib_fns(seen: list):
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
             if grad_out._is_view():
-                seen.append(("view", _view_sig(grad_out)))
+                seen.append(("view", _view_sig(grad_out, None)))
             return grad_out * 2
 
     class GradOnce(Grad):
@@ -1035,7 +976,7 @@ def _calib_fns(seen: list):
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
             if grad_out._is_view():
-                seen.append(("view", _view_sig(grad_out)))
+                seen.append(("view", _view_sig(grad_out, None)))
             return grad_out * 2
 
     class Saved(torch.autograd.Function):
@@ -1065,7 +1006,7 @@ def _calib_fns(seen: list):
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
             if grad_out._is_view():
-                seen.append(("view", _view_sig(grad_out)))
+                seen.append(("view", _view_sig(grad_out, None)))
             return grad_out * 2
 
     class SavedFirst(Saved):
@@ -1080,23 +1021,15 @@ def _calib_fns(seen: list):
 
 
 def _calibrate() -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG
-    _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None  # until proven
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG
+    _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = None  # until proven
     try:
-        sig = _storage_sig(torch.empty(4))  # a fresh tensor's storage use count
-        held = torch.empty(4)
-        held.untyped_storage()  # dropped: PyTorch keeps the object alive with the storage
-        obj = _obj_refcount(held)
-        kept_alive = _storage_sig(held) == sig + 1
-        keep = held.untyped_storage()
-        sensitive = _obj_refcount(held) == obj + 1  # a kept storage object must show
-        del keep
         x = torch.arange(1.0, 6.0, requires_grad=True)  # not randn: no global RNG draw
         grad_base: dict = {}
         saved_sigs: dict = {}
         view_sigs: set = set()
         view_ok = True
-        ok = sig >= 1 and sensitive and kept_alive
+        ok = True
         for grad_fn, saved_fn in zip(*_calib_fns(seen := []), strict=True):
             seen.clear()
             (grad_fn.apply(x) * 3).sum().backward()
@@ -1119,35 +1052,39 @@ def _calibrate() -> None:
             v.register_hook(lambda g, kept=kept: kept.append(g))
             (v * 3).sum().backward()
             del v
+            # term 1: a sibling still pending on the same gradient (the Gemma-2 pattern) is a C++
+            # holder: the use count must be exactly one above the baseline
+            r = x * 1.25
+            ((grad_fn.apply(x) + r) * 3).sum().backward()
+            del r
             vs = [p for k, p in seen if k == "view"]
             g = [p for k, p in seen if k == "grad"]
             sv = [p for k, p in seen if k == "saved"]
-            caller = g[0][3]
+            caller = g[0][2]
             ok = (
                 ok
-                and len(g) == 5
+                and len(g) == 6
                 and len(sv) == 3
-                and all(p[3] is caller for p in g + sv)
+                and all(p[2] is caller for p in g + sv)
                 and g[0] == g[1]
-                and g[0][1] == 1
-                and g[0][2] == sig
+                # one C++ handle (the Python object), or two where autograd's call into Python
+                # keeps its own (torch 2.11: the node's input list); never more
+                and g[0][1] in (1, 2)
+                and g[5][1] == g[0][1] + 1
                 and g[2][0] == g[0][0] + 1
                 and sv[0] == sv[1]
-                and sv[0][2] == sv[2][2] == sig
                 and caller not in grad_base
             )
             if not ok:
                 break
-            grad_base[caller] = g[0][0]
+            grad_base[caller] = g[0][:2]
             saved_sigs[caller] = frozenset({sv[0][:2], sv[2][:2]})
             view_ok = (
                 view_ok
                 and (
                     len(vs) == 2
-                    # a view gradient: same refcount and use count as a plain one; its storage is
-                    # shared with the base's TensorImpl only
+                    # a view gradient: same refcount and use count as a plain one
                     and g[3][:2] == g[0][:2]
-                    and g[3][2] == sig + 1
                     and vs[0] is not None
                     and vs[1] is not None
                     and vs[1][0] == vs[0][0] + 1  # the hook's reference to the base shows
@@ -1160,9 +1097,9 @@ def _calibrate() -> None:
         if ok and view_ok and len(view_sigs) == 1:
             _VIEW_SIG = view_sigs.pop()
         if ok:
-            _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG = grad_base, saved_sigs, (sig, obj)
+            _GRAD_REFCOUNT, _SAVED_SIGS = grad_base, saved_sigs
     except Exception:  # any surprise: never reuse
-        _GRAD_REFCOUNT = _SAVED_SIGS = _STORAGE_SIG = _VIEW_SIG = None
+        _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = None
 
 
 # NOTE [Calibration per call mode]
@@ -1197,12 +1134,12 @@ _recalibrating = False
 
 
 def _state() -> tuple:
-    return _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
+    return _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _FWD_REFCOUNT
 
 
 def _set_state(state: tuple) -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT
-    _GRAD_REFCOUNT, _SAVED_SIGS, _STORAGE_SIG, _VIEW_SIG, _FWD_REFCOUNT = state
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _FWD_REFCOUNT
+    _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _FWD_REFCOUNT = state
 
 
 def _calibration_undisturbed() -> bool:
@@ -1240,8 +1177,6 @@ def _ensure_calibrated() -> bool:
     return True
 
 
-_calibrate_layout()
-_calibrate()
-_calibrate_forward()
-_MODE = _call_mode()
-_BY_MODE[_MODE] = _state()
+# import-time calibration of this call mode (the probes' own owns_input calls then see
+# _recalibrating and do not start a nested one); the storage facts are loaded on first use
+_ensure_calibrated()

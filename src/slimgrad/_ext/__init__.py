@@ -1,0 +1,203 @@
+"""Optional C++ extension: storage facts that PyTorch states through its public C++ API.
+
+# NOTE [Storage facts from the C++ API]
+:mod:`slimgrad.ownership` needs to know who can reach a tensor's memory without making the
+storage's Python object (NOTE [Storage facts without a storage object] in ownership.py explains
+why making one costs a buffer). Python exposes none of these facts without making that object, so
+``storage_facts.cpp`` reads them in C++, each through a public accessor of the installed torch's
+headers, and :func:`facts` returns them as a tuple of ints:
+
+0. ``at::Tensor::use_count()``: C++ handles of the TensorImpl (the argument is borrowed: the
+   count is the one Python's ``t._use_count()`` reports).
+1. ``c10::Storage::use_count()``: strong holders of the StorageImpl (TensorImpls sharing it, a
+   kept storage object).
+2. the StorageImpl's weak count (``Storage::getWeakStorageImpl().weak_use_count()``, less the
+   weak pointer used to ask): raised by a C++ weak reference such as torch's ``StorageWeakRef``.
+3. whether the storage has a Python object (``StorageImpl::pyobj_slot()->load_pyobj()``).
+4. ``c10::Storage::nbytes()``.
+5. whether the memory is torch's own: the DataPtr's deleter is the raw deleter of the allocator
+   torch uses for that device type (``c10::GetAllocator(type)->raw_deleter()``). ``from_numpy``,
+   ``frombuffer``, ``from_dlpack``, shared or mapped memory and pinned host memory carry other
+   deleters, and another owner can read them.
+6. the StorageImpl's address, as an identity (two tensors share memory iff they share it).
+
+The source is compiled with ``torch.utils.cpp_extension.load`` against the headers of the torch
+that runs, on first use (never at ``import slimgrad``), and cached in ``$SLIMGRAD_CACHE/ext`` (else
+``~/.cache/slimgrad/ext``), one directory per torch version, Python version and source hash
+(torch's file lock there serialises concurrent builds, e.g. pytest-xdist workers). Without a C++
+compiler, or if the build or the import fails, :func:`load` returns None and :func:`error` says
+why; ownership then grants no reuse (the out-of-place path: same results, a few more transient
+bytes) and ``slimgrad env`` shows the reason. ``SLIMGRAD_NO_EXT=1`` skips the build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "build_seconds", "cache_dir", "error", "facts", "load", "loaded", "probe"]
+
+ENV_VAR = "SLIMGRAD_NO_EXT"
+NAME = "slimgrad_storage_facts"
+_FAILED = "build-failed.txt"
+_STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old belongs to no one
+SOURCE = Path(__file__).with_name("storage_facts.cpp")
+
+_lock = threading.Lock()
+_state: dict = {"module": None, "error": None, "tried": False, "seconds": None}
+
+
+def cache_dir() -> Path:
+    """Where builds go: ``$SLIMGRAD_CACHE/ext`` or ``~/.cache/slimgrad/ext``."""
+    root = os.environ.get("SLIMGRAD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slimgrad"
+    )
+    return Path(root) / "ext"
+
+
+def _build_dir() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    return cache_dir() / f"{NAME}-torch{torch.__version__}-{py}-{digest}"
+
+
+def _missing_tool() -> str | None:
+    cxx = os.environ.get("CXX") or "c++"
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx}) to build the C++ extension; install g++ or set CXX"
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401  (the PyPI package puts the binary on its own path)
+        except ImportError:
+            return "ninja is not installed (pip install ninja) to build the C++ extension"
+    return None
+
+
+def _build():
+    # torch logs notes about CUDA_HOME and the compiler's ABI: not ours to report
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+
+        path = _build_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        lock = path / "lock"  # torch's FileBaton: left behind by a killed build, it blocks forever
+        try:
+            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+                lock.unlink(missing_ok=True)
+        except OSError:
+            pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cpp_extension.load(
+                NAME,
+                [str(SOURCE)],
+                extra_cflags=["-O2"],
+                build_directory=str(path),
+                verbose=False,
+            )
+    finally:
+        log.setLevel(level)
+
+
+def _reason(e: BaseException) -> str:
+    # the compiler's first error line, else the message's last line (not the command line)
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    keys = ("error:", "not found", "No such file", "undefined symbol")
+    detail = next((ln for ln in lines if any(k in ln for k in keys)), lines[-1] if lines else "")
+    return f"{type(e).__name__}: {detail[:300]}"
+
+
+def load():
+    """The built extension module, building it on the first call in this process (None if that
+    is impossible; :func:`error` says why). Thread-safe; later calls cost a dict lookup."""
+    if _state["tried"]:
+        return _state["module"]
+    with _lock:
+        if not _state["tried"]:
+            if os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no", "off"):
+                _state["error"] = f"turned off by {ENV_VAR}=1"
+            else:
+                t0 = time.perf_counter()
+                try:
+                    missing = _missing_tool()
+                    if missing is not None:
+                        raise RuntimeError(missing)
+                    _state["module"] = _build()
+                except Exception as e:  # no compiler, a compile or import error: no extension
+                    _state["error"] = _reason(e)
+                _state["seconds"] = time.perf_counter() - t0
+                _record(_state["error"])
+            _state["tried"] = True
+    return _state["module"]
+
+
+def _record(err: str | None) -> None:
+    # the last outcome, for ``slimgrad env`` in another process (best effort)
+    try:
+        f = _build_dir() / _FAILED
+        if err is None:
+            f.unlink(missing_ok=True)
+        else:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(err)
+    except OSError:
+        pass
+
+
+def probe() -> tuple[bool, str]:
+    """(usable, why) without building anything: for ``slimgrad env``. Usable means loaded in this
+    process, built and cached, or buildable here (a C++ compiler and ninja are present); a
+    failure recorded by an earlier process for this torch and source is reported as such."""
+    if os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return False, f"turned off by {ENV_VAR}=1"
+    if _state["module"] is not None:
+        return True, f"the C++ extension ({_state['module'].__file__})"
+    if _state["tried"]:
+        return False, f"the C++ extension failed to build: {_state['error']}"
+    path = _build_dir()
+    if (path / f"{NAME}.so").exists():
+        return True, f"the C++ extension (cached in {path})"
+    if (path / _FAILED).exists():
+        return False, "the C++ extension failed to build: " + (path / _FAILED).read_text()[:300]
+    missing = _missing_tool()
+    if missing is not None:
+        return False, missing
+    return True, f"the C++ extension, built on first use (once, cached in {path})"
+
+
+def loaded() -> bool:
+    """Whether :func:`load` already ran in this process and succeeded (builds nothing)."""
+    return _state["module"] is not None
+
+
+def available() -> bool:
+    """Whether the extension can be used (builds it if needed)."""
+    return load() is not None
+
+
+def error() -> str | None:
+    """Why the extension is unavailable (None if it loaded or was not tried yet)."""
+    return _state["error"]
+
+
+def build_seconds() -> float | None:
+    """Seconds :func:`load` took to build (or load from the cache) in this process."""
+    return _state["seconds"]
+
+
+def facts(t: torch.Tensor):
+    """``t``'s storage facts (NOTE [Storage facts from the C++ API]), or None without storage.
+    Requires :func:`load` to have succeeded."""
+    return _state["module"].facts(t)

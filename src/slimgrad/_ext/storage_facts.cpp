@@ -1,0 +1,79 @@
+// Storage facts for slimgrad.ownership, read through PyTorch's public C++ API only (NOTE [Storage
+// facts from the C++ API] in slimgrad/_ext/__init__.py). One function, ``facts(tensor)``, returns
+// a tuple of ints about the tensor and its storage; it creates no storage object and no tensor, and
+// takes no reference that would show in the counts it reads (the tensor argument is borrowed).
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Storage.h>
+#include <c10/core/StorageImpl.h>
+
+#include <cstdint>
+
+namespace {
+
+// (tensor use count, storage use count, storage weak count, has storage object, storage nbytes,
+//  torch-owned, StorageImpl address as an identity): see NOTE [Storage facts from the C++ API].
+// None for a tensor without storage.
+PyObject* facts(PyObject* /*self*/, PyObject* arg) {
+  if (!THPVariable_Check(arg)) {
+    PyErr_SetString(PyExc_TypeError, "slimgrad._ext.storage_facts.facts: expected a Tensor");
+    return nullptr;
+  }
+  try {
+    const at::Tensor& t = THPVariable_Unpack(arg);
+    if (!t.defined() || !t.has_storage()) {
+      Py_RETURN_NONE;
+    }
+    const c10::Storage& s = t.storage();
+    c10::StorageImpl* impl = s.unsafeGetStorageImpl();
+    if (impl == nullptr) {
+      Py_RETURN_NONE;
+    }
+    // the weak count as seen through one more weak pointer (ours), less that one
+    long long weak = static_cast<long long>(s.getWeakStorageImpl().weak_use_count()) - 1;
+    int has_obj = impl->pyobj_slot()->load_pyobj() != nullptr ? 1 : 0;
+    // Memory torch's allocator for this device type made: its DataPtr is freed by that
+    // allocator's raw deleter. from_numpy, frombuffer, from_dlpack, shared or mapped memory and
+    // pinned host memory carry other deleters.
+    int owned = 0;
+    c10::DeleterFnPtr deleter = s.data_ptr().get_deleter();
+    if (deleter != nullptr) {  // a null deleter: memory nobody frees here (from_blob)
+      c10::Allocator* alloc = nullptr;
+      try {
+        alloc = c10::GetAllocator(s.device_type());
+      } catch (const std::exception&) {
+        alloc = nullptr;
+      }
+      owned = (alloc != nullptr && alloc->raw_deleter() == deleter) ? 1 : 0;
+    }
+    return Py_BuildValue(
+        "(KKLiKiK)",
+        static_cast<unsigned long long>(t.use_count()),
+        static_cast<unsigned long long>(s.use_count()),
+        weak,
+        has_obj,
+        static_cast<unsigned long long>(s.nbytes()),
+        owned,
+        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(impl)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef methods[] = {
+    {"facts", facts, METH_O, "Storage facts of a tensor (slimgrad.ownership)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, C10_STRINGIZE(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+
+}  // namespace
+
+#define SLIMGRAD_CONCAT_(a, b) a##b
+#define SLIMGRAD_CONCAT(a, b) SLIMGRAD_CONCAT_(a, b)
+
+PyMODINIT_FUNC SLIMGRAD_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,188 @@
+"""slimgrad._ext: the storage facts of NOTE [Storage facts from the C++ API], checked against what
+PyTorch states in Python, and the extension's lazy build and its failure path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimgrad import _ext, ownership
+from tests._ownership_helpers import storage_use_count
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def facts():
+    if _ext.load() is None:
+        pytest.fail(f"the C++ extension did not build: {_ext.error()}")
+    return _ext.facts
+
+
+def test_counts_match_pytorch(facts):
+    t = torch.empty(6)
+    f = facts(t)
+    assert f[0] == t._use_count() == 1
+    assert f[1] == storage_use_count(t) == 1
+    assert f[3] == 0 and f[4] == 24 and f[5] == 1
+    view = t.view(2, 3)
+    assert facts(t)[1] == storage_use_count(t) == 2  # the view's TensorImpl
+    assert facts(view)[6] == f[6] != facts(torch.empty(6))[6]  # same StorageImpl, another's
+    del view
+    assert facts(t)[1] == 1
+    assert facts(t)[3] == 0 and storage_use_count(t) == 1  # asking made no storage object
+
+
+def test_storage_object_and_weak_references_show(facts):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    t = torch.empty(4)
+    fresh = facts(t)
+    t.untyped_storage()  # dropped: PyTorch keeps it alive with the storage
+    kept = facts(t)
+    assert kept[3] == 1 and kept[1] == fresh[1] + 1
+    ref = StorageWeakRef(t.untyped_storage())
+    assert facts(t)[2] == fresh[2] + 1
+    del ref
+    assert facts(t)[2] == fresh[2]
+
+
+def test_tensor_use_count_sees_cpp_holders(facts):
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    assert facts(y)[0] == y._use_count()
+    z = y.sin()  # sin saves its input: autograd's SavedVariable holds y's TensorImpl
+    assert facts(y)[0] == y._use_count() == 2
+    del z
+    assert facts(y)[0] == 1
+
+
+def test_foreign_memory_is_not_torch_owned(facts):
+    np = pytest.importorskip("numpy")
+    assert facts(torch.empty(3))[5] == 1 and facts(torch.randn(2, 3) @ torch.randn(3, 2))[5] == 1
+    assert facts(torch.zeros(1 << 21))[5] == 1  # a large block the C library maps separately
+    assert facts(torch.from_numpy(np.ones(3)))[5] == 0
+    assert facts(torch.frombuffer(bytearray(16), dtype=torch.float32))[5] == 0
+    assert facts(torch.ones(3).share_memory_())[5] == 0
+    assert facts(torch.from_dlpack(np.ones(4)))[5] == 0
+    t = torch.empty(5)
+    t.share_memory_()  # the same StorageImpl, a new DataPtr
+    assert facts(t)[5] == 0
+
+
+def test_nbytes_and_no_storage(facts):
+    big = torch.empty(100)
+    big.resize_(10)
+    assert facts(big)[4] == 400
+    assert facts(torch.empty(0))[4] == 0
+    with pytest.raises(TypeError):
+        facts(object())
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT), **env}
+    full.pop("SLIMGRAD_NO_REUSE", None)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+def test_import_and_forward_build_nothing(tmp_path):
+    r = _python(
+        """
+        import torch, slimgrad
+        from slimgrad import _ext
+        from slimgrad.ops import gelu
+        gelu(torch.randn(5))
+        print(_ext._state["tried"], sorted(p.name for p in _ext.cache_dir().glob("*")))
+        """,
+        SLIMGRAD_CACHE=str(tmp_path),
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "[]"]
+
+
+def test_without_a_compiler_reuse_is_off_same_gradients_and_env_says_why(tmp_path):
+    code = """
+        import torch
+        from slimgrad import _compat, _ext, ownership
+        from tests._ownership_helpers import ExpSaved
+
+        def grads():
+            x = torch.linspace(-1, 1, 7, requires_grad=True)
+            ownership.reset_reuse_count()
+            (ExpSaved.apply(x * 0.5) * 3).sum().backward()
+            return x.grad, ownership.reuse_count()
+
+        with ownership.reuse_disabled():
+            ref, _ = grads()
+        got, n = grads()
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        feat = next(f for f in _compat.features() if f.name == "buffer reuse (ownership)")
+        for line in (n, feat.on, _ext.error(), feat.detail):
+            print(line)
+        """
+    env = {"SLIMGRAD_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    r = _python(code, **env)
+    assert r.returncode == 0, r.stderr
+    n, on, err, detail = r.stdout.splitlines()[-4:]
+    assert (n, on) == ("0", "False")
+    assert "no C++ compiler" in err and "no C++ compiler" in detail
+    # with a compiler (and this session's cached build): granted, the same bits
+    r = _python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-4:-2] == ["1", "True"], r.stdout
+
+
+def test_a_failed_build_is_recorded_for_slimgrad_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIMGRAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(_ext, "_state", {"module": None, "error": None, "tried": False})
+    assert _ext.probe()[0]  # a compiler is here: buildable
+
+    def broken():
+        raise RuntimeError("Error building extension\nstorage_facts.cpp:3:1: error: simulated")
+
+    monkeypatch.setattr(_ext, "_build", broken)
+    assert _ext.load() is None
+    assert _ext.error() == "RuntimeError: storage_facts.cpp:3:1: error: simulated"
+    monkeypatch.setattr(_ext, "_state", {"module": None, "error": None, "tried": False})
+    ok, why = _ext.probe()  # as another process sees it
+    assert not ok and "error: simulated" in why
+
+
+def test_ownership_decisions_cost_microseconds(facts):
+    # the storage facts of one tensor: one C call (the number is in the issue's report)
+    import timeit
+
+    t = torch.empty(16)
+    per_call = min(timeit.repeat(lambda: facts(t), number=2000, repeat=5)) / 2000
+    assert per_call < 20e-6, per_call
+    assert ownership.storage_facts_available()
+
+
+def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
+    # torch's FileBaton waits forever on a lock a killed build left behind
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("SLIMGRAD_CACHE", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: seen.append(lock.exists()))
+    lock = _ext._build_dir() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    _ext._build()  # a fresh lock: another process is building; kept
+    old = lock.stat().st_mtime - _ext._STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    _ext._build()
+    assert seen == [True, False]
