@@ -186,3 +186,12 @@ def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
     os.utime(lock, (old, old))
     _ext._build()
     assert seen == [True, False]
+
+
+def test_no_ext_env_var_skips_the_build(monkeypatch):
+    monkeypatch.setenv(_ext.ENV_VAR, "1")
+    monkeypatch.setattr(_ext, "_state", {"module": None, "error": None, "tried": False})
+    monkeypatch.setattr(_ext, "_build", lambda: pytest.fail("built despite SLIMGRAD_NO_EXT=1"))
+    assert _ext.load() is None
+    assert _ext.error() == f"turned off by {_ext.ENV_VAR}=1"
+    assert _ext.probe() == (False, f"turned off by {_ext.ENV_VAR}=1")
