@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad.memory import measure
+from slimgrad.ops._output_act import DENSE_MAX
 from slimgrad.ops.elu import TAIL, elu
 from slimgrad.testing import DEFAULT_ATOL
 from tests.ops._output_act_helpers import Case, OutputActTests, dense_tail
@@ -79,14 +80,15 @@ def test_tail_examples_of_the_issue():
 
 
 def test_dense_when_the_table_would_be_as_big_as_x():
-    x0 = torch.full((64,), -5.0)
-    x0[:8] = 1.0
+    n = 2 * DENSE_MAX  # above NOTE [Few elements]'s size, where the table path runs
+    x0 = torch.full((n,), -5.0)
+    x0[: n // 8] = 1.0
     m = measure(lambda: elu(x0.clone().requires_grad_() * 1, 0.8).sum())
     assert m.saved_bytes == x0.numel() * 4  # x, as eager: no y, no table
     x1 = x0.clone()
-    x1[:40] = 1.0  # 24 of 64 in the tail: y + 24 * 8 B
+    x1[: n * 5 // 8] = 1.0  # 3/8 of the elements in the tail: y + 8 B each
     m = measure(lambda: elu(x1.clone().requires_grad_() * 1, 0.8).sum())
-    assert m.saved_bytes == 64 * 4 + 24 * 8
+    assert m.saved_bytes == n * 4 + (n * 3 // 8) * 8
     for x in (x0, x1):
         torch.testing.assert_close(
             _grad(lambda t: elu(t, 0.8), x), _grad(lambda t: F.elu(t, 0.8), x.double())

@@ -23,7 +23,8 @@ tests/ops/test_elu.py checks every float16/bfloat16 value and a float32 sweep of
 against float64.
 
 Memory: alpha > 0: saves y (the output, shared with the next layer) + (4 + elt) B per element with
-x < -2; alpha < 0: the same + 1 bit/elt. Eager saves x (4 B/elt float32). Dense case: x, as eager.
+x < -2; alpha < 0: the same + 1 bit/elt. Eager saves x (4 B/elt float32). Dense case: x, as eager;
+so is a tensor of at most ``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
@@ -39,7 +40,13 @@ from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import select_table
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
-from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
+from slimgrad.ops._output_act import (
+    DENSE_MAX,
+    as_layout,
+    eager_layout,
+    needs_graph,
+    record_layout,
+)
 
 __all__ = ["elu", "elu_"]
 
@@ -130,7 +137,10 @@ class _EluFn(torch.autograd.Function):
         ctx.alpha, ctx.inplace = alpha, inplace
         record_layout(ctx, x)
         ctx.bits = alpha < 0
-        ctx.dense = torch.compiler.is_compiling() and alpha != 0
+        # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): the
+        # bits, the tail table and their temporaries cost more than x there (1 element, alpha < 0:
+        # peak 33 B, 34,829 B on the first call (the unpacking table), against eager's 12-20 B)
+        ctx.dense = alpha != 0 and (torch.compiler.is_compiling() or x.numel() <= DENSE_MAX)
         if alpha == 0:
             idx, xs = x.new_empty(0, dtype=torch.int32), x.new_empty(0)
         elif not ctx.dense:
@@ -157,18 +167,23 @@ class _EluFn(torch.autograd.Function):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         alpha = ctx.alpha
         # the layout of eager's CPU elu_backward: a binary elementwise kernel like silu_backward
-        # (the meta kernel of elu_backward picks x's layout, the CPU kernel g's)
-        layout = eager_layout(ctx, g, torch.ops.aten.silu_backward)
-        if buf is not None and layout not in (None, buf.stride()):
-            buf = None
+        # (the meta kernel of elu_backward picks x's layout, the CPU kernel g's). The dense path
+        # asks only when it would write into g's buffer: out of place it is eager's own call
         if ctx.dense:
             (x,) = ctx.saved_tensors
-            if buf is not None and buf.shape == x.shape:
+            if (
+                buf is not None
+                and buf.shape == x.shape
+                and eager_layout(ctx, g, torch.ops.aten.silu_backward) in (None, buf.stride())
+            ):
                 dx = torch.ops.aten.elu_backward.grad_input(
                     buf, alpha, 1.0, 1.0, False, x, grad_input=buf
                 )
                 return dx, None, None
             return _bwd_exact(g, x, alpha), None, None
+        layout = eager_layout(ctx, g, torch.ops.aten.silu_backward)
+        if buf is not None and layout not in (None, buf.stride()):
+            buf = None
         if ctx.bits:
             y, bits, idx, xs = ctx.saved_tensors
         else:
