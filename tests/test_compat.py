@@ -180,3 +180,17 @@ def test_convert_warns_once_on_an_untested_transformers(monkeypatch):
         warnings.simplefilter("error", UserWarning)
         slimgrad.convert_(torch.nn.Sequential(torch.nn.Linear(4, 4)))  # not HF: no check
         slimgrad.convert_(GPT2LMHeadModel(cfg))  # once per process
+
+
+def test_no_numpy_no_torch_numpy_warning_from_slimgrad():
+    # numpy hidden: torch's own import warns "Failed to initialize NumPy"; slimgrad's first import
+    # of torch (the CLI's path) stays quiet, and a converted step runs
+    code = (
+        "import sys, warnings; sys.modules['numpy'] = None; warnings.simplefilter('error');"
+        "import slimgrad, torch;"
+        "m = slimgrad.convert_(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()));"
+        "m(torch.randn(2, 4)).sum().backward(); print('ok')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert "NumPy" not in r.stderr

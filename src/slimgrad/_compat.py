@@ -19,7 +19,11 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+with warnings.catch_warnings():
+    # without numpy, ``import torch`` warns "Failed to initialize NumPy" (torch.export imports its
+    # numpy bridge); slimgrad never converts to or from numpy, so its own first import stays quiet
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch
 
 #: Oldest and newest (major, minor) torch releases the test matrix runs (``make test-matrix``).
 TORCH_MIN = (2, 11)
