@@ -449,9 +449,9 @@ def _demo_run(args: argparse.Namespace) -> int:
 _FACTORY_CONTRACT = """\
 Your own model, as MODULE:FACTORY (e.g. mymodel:build for build() in ./mymodel.py; the current
 directory is on the import path):
-  FACTORY is called with no arguments, once per side (eager, then the copy slimgrad converts),
-  and returns (model, make_inputs):
-    model        an nn.Module with fresh weights, in train mode;
+  FACTORY is called with no arguments and returns (model, make_inputs); it is called once to
+  check that, then once more for each model a run needs (eager, the copy slimgrad converts):
+    model        an nn.Module with fresh weights, used as returned (train or eval mode);
     make_inputs  make_inputs(batch: int) -> the inputs of one step: a tensor (model(x)), a tuple
                  (model(*xs)) or a dict (model(**kw)).
   The loss is out.loss when the output has one, the output when it is a scalar, else the mean of
@@ -498,8 +498,8 @@ _ESTIMATE_DESCRIPTION = f"""\
 and converted, computed without allocating or running anything, so full-size models and batches
 that would not fit on this machine take seconds. --device cuda models what CUDA's kernels keep
 (fused attention, fused dropout), no GPU needed. The tests check that an estimate equals a
-measured run's bytes on the HF targets. Every option of `slimgrad profile` applies (--estimate is
-implied).
+measured run's bytes on gpt2, bert, vit and resnet. Every option of `slimgrad profile` applies
+(--estimate is implied).
 
 {_HF_HELP}
 
