@@ -7,6 +7,8 @@ would not tell the side there; the side is kept as 1 bit/elt and the backward ru
 kernel on a stand-in input (0 inside, -3 outside), so dx has eager's bits in every dtype.
 
 Memory: saves 1 bit/elt (the side); eager saves x (4 B/elt float32, 2 B/elt bfloat16/float16).
+A tensor of at most ``DENSE_MAX`` (512) elements keeps x, as eager (NOTE [Few elements] in
+``ops._output_act``).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise out of place. Second derivatives raise
 (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is eager's
@@ -22,7 +24,7 @@ from torch import Tensor
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
-from slimgrad.ops._output_act import needs_graph
+from slimgrad.ops._output_act import DENSE_MAX, needs_graph
 
 __all__ = ["hardsigmoid", "hardsigmoid_"]
 
@@ -62,13 +64,20 @@ def _bwd_torch(g: Tensor, bits: Tensor) -> Tensor:
 class _HardsigmoidFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
-        bits = _pack_side(x)  # packed before x may be overwritten
+        # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): the
+        # bits' packing and unpacking temporaries peak above eager's there (1 element: 34 B
+        # against 20 B)
+        ctx.dense = x.numel() <= DENSE_MAX
+        if ctx.dense:
+            keep = x.detach().clone() if inplace else x
+        else:
+            keep = _pack_side(x)  # packed before x may be overwritten
         if inplace:
             y = F.hardsigmoid(x, inplace=True)
             ctx.mark_dirty(y)
         else:
             y = _fwd_torch(x)
-        ctx.save_for_backward(bits)
+        ctx.save_for_backward(keep)
         return y
 
     @staticmethod
@@ -76,6 +85,8 @@ class _HardsigmoidFn(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
+        if ctx.dense:  # x itself: eager's own kernel
+            return torch.ops.aten.hardsigmoid_backward(g, bits), None
         if buf is not None and buf.is_contiguous():
             z = _stand_in(bits, buf.numel(), buf.dtype).view(buf.shape)
             return torch.ops.aten.hardsigmoid_backward.grad_input(buf, z, grad_input=buf), None

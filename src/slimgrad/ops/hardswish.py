@@ -17,7 +17,8 @@ minimum, so only y's own rounding enters.
 Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits) + 8 B
 per element within 0.1 of -3/2 (0.2-0.3 B/elt at N(0, 1)-like inputs); eager saves x (4 B/elt).
 float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B/elt. When more than
-1/16 of the elements are in the table, for float64, and under torch.compile, keeps x densely, as
+1/16 of the elements are in the table, for float64, under torch.compile and for tensors of at most
+``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``), keeps x densely, as
 eager does (no y, bits or table). Backward writes dx into the incoming gradient's buffer when
 ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]). Second derivatives
 raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is
@@ -35,7 +36,7 @@ from slimgrad import _dtensor, ownership
 from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
-from slimgrad.ops._output_act import needs_graph
+from slimgrad.ops._output_act import DENSE_MAX, needs_graph
 
 __all__ = ["hardswish", "hardswish_"]
 
@@ -127,7 +128,11 @@ class _HardswishFn(torch.autograd.Function):
         # between table and x, depend on values (NOTE [Side tables under FakeTensorMode and
         # torch.compile] in slimgrad/_math/tables.py)
         compiling = torch.compiler.is_compiling()
-        side = _side_info(x) if x.dtype in _WINDOW and not compiling else None
+        # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): y,
+        # bits and table cost more than x there (1 element: saved 5 B, peak 34,841 B on the first
+        # call, against eager's 4 B and 20 B)
+        few = x.numel() <= DENSE_MAX
+        side = _side_info(x) if x.dtype in _WINDOW and not compiling and not few else None
         dense = None
         if side is None:  # float64, or crowded near -3/2: keep x as eager does
             dense = x.detach().clone() if inplace else x
