@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slimgrad-env
 
-.PHONY: demo test lint env test-matrix test-hf-newest
+.PHONY: demo test lint env test-matrix test-hf-newest test-no-reuse
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,3 +45,8 @@ test-hf-newest: $(VENV)/hf-newest/.stamp-$(HF_NEWEST)
 # writes benchmarks/results/version_matrix.jsonl and docs/compatibility.md
 test-matrix: $(STAMP)
 	$(PY) benchmarks/version_matrix.py
+
+# The suite as an installation without the ownership extension (no compiler) runs it: tests that
+# assert a grant skip (tests/_needs_reuse.py), everything else must pass
+test-no-reuse: $(STAMP)
+	SLIMGRAD_NO_EXT=1 $(PY) -m pytest -n 2 -q
