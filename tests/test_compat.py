@@ -194,3 +194,17 @@ def test_no_numpy_no_torch_numpy_warning_from_slimgrad():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
     assert "NumPy" not in r.stderr
+
+
+def test_report_names_features_that_are_off(monkeypatch):
+    import slimgrad
+
+    off = _compat.Feature("buffer reuse (ownership)", False, "no C++ compiler here")
+    monkeypatch.setattr(_compat, "features", lambda: [off, _compat.Feature("numpy", False, "x")])
+    rep = slimgrad.report(slimgrad.convert_(torch.nn.Sequential(torch.nn.Linear(3, 3))))
+    text = str(rep)
+    assert "! buffer reuse (ownership): no C++ compiler here" in text
+    assert "numpy" not in text
+    monkeypatch.undo()
+    rep = slimgrad.report(slimgrad.convert_(torch.nn.Sequential(torch.nn.Linear(3, 3))))
+    assert [n for n, _ in rep.features_off] == [f.name for f in _compat.features_off()]

@@ -128,6 +128,9 @@ class ConvertReport:
     # (name, type, reason): every module with parameters (or state_dict float buffers) that
     # stays as it was, outside converted modules (NOTE [Coverage in the report])
     left_alone: list[tuple[str, str, str]] = field(default_factory=list)
+    # (feature, why): capabilities this installation lacks (slimgrad._compat.features_off), e.g.
+    # buffer reuse without a compiler for the ownership extension; ``slimgrad env`` lists all
+    features_off: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         where = ", ".join(
@@ -150,6 +153,9 @@ class ConvertReport:
                 f"buffers, of {k} type{'s' * (k != 1)}"
             )
             lines += [f"  = {t}{names}: {r}" for (t, r), names in _grouped(self.left_alone)]
+        if self.features_off:
+            lines.append("off in this installation (see `slimgrad env`):")
+            lines += [f"  ! {name}: {why}" for name, why in self.features_off]
         return "\n".join(lines)
 
 
@@ -450,6 +456,7 @@ def convert_(
     if _is_hf_model(model):
         _compat.check_transformers()  # once per process, outside the tested range only
     rep = ConvertReport(targets=where)
+    rep.features_off = [(f.name, f.detail) for f in _compat.features_off()]
     for technique, pattern in _PATTERNS:
         if technique is None or getattr(config, technique):
             if technique is not None and (why := _device_rule.refuse(technique, where)):
