@@ -15,7 +15,7 @@ import math
 import torch
 
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
-from slimgrad.ops.linear import autocast_matmul_inputs
+from slimgrad.ops.linear import autocast_matmul_inputs, fresh
 
 __all__ = ["matmul"]
 
@@ -61,7 +61,7 @@ class _MatmulFn(torch.autograd.Function):
         ctx.save_for_backward(
             a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None
         )
-        return _fwd_torch(a, b)
+        return fresh(_fwd_torch(a, b))  # NOTE [Function outputs are not views] in ops/linear.py
 
     @staticmethod
     def _backward(ctx, dy):
