@@ -84,11 +84,13 @@ def run_row(row: str, pytest_args: list[str]) -> dict:
     py = _venv(row)
     t0 = time.perf_counter()
     r = _run(
-        [str(py), "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider", *pytest_args],
+        [str(py), "-m", "pytest", "-n", "2", "-q", "-rfE", "-p", "no:cacheprovider", *pytest_args],
         capture_output=True,
     )
+    log = ROOT / ".venv-matrix" / f"{row}-pytest.log"
+    log.write_text(r.stdout + r.stderr)
     tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
-    print(tail)
+    print(tail, f"(full output: {log.relative_to(ROOT)})")
     vers = _run(
         [
             str(py),
