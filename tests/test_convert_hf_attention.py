@@ -5,7 +5,7 @@ family: train (dropout on, attention dropout included) and eval, unpadded and pa
 right, real zeros in ``attention_mask``), outputs and every gradient of the converted model against
 the original with the same seed (same dropout masks); ``generate()`` on a left-padded batch for the
 decoder LMs. Only the attention pass and the bit-exact passes run here (``activations`` and
-``norms`` round differently in the last bit and are held to the GUIDE rule in their own suites;
+``norms`` round differently in the last bit and are held to the error rule in their own suites;
 the fused loss is another pass's: ``fused_loss=False``).
 """
 

@@ -1,6 +1,6 @@
 """convert_'s fused LM-head loss on HF families (tiny random configs, CPU): exact where applied.
 
-Every family: converted vs eager by the GUIDE.md rule (loss and every gradient, float64 reference),
+Every family: converted vs eager by the error rule (loss and every gradient, float64 reference),
 train with labels (padded labels -100, num_items_in_batch), eval / no_grad with labels (logits as
 HF returns them), and the report converts or names why not. Dropout probabilities are 0 in these
 configs so that the float64 reference draws no masks: the loss is what is under test here.

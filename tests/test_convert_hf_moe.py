@@ -3,7 +3,7 @@
 Each test builds a tiny HF sparse-MoE block (router + 3-D expert bank) with
 ``experts_implementation="eager"``, converts a copy with ``convert_`` (the expert bank only, so the
 comparison is of this handler alone) and compares outputs and every gradient with eager's
-(``rtol=0, atol=0``: the GUIDE.md rule is implied).
+(``rtol=0, atol=0``: the error rule is implied).
 """
 
 from __future__ import annotations

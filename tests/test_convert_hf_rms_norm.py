@@ -3,7 +3,7 @@
 Each template is checked on a representative class: the converted module's forward equals HF's
 bit for bit (value and dtype) for float32/bfloat16/float16 inputs, float32/bfloat16 weights, and
 under CPU autocast; gradients equal eager's bit for bit where the input is kept (every dtype but
-float32), and are within the GUIDE.md rule against a float64 reference where the output is kept
+float32), and are within the error rule against a float64 reference where the output is kept
 (float32); the memory contract holds exactly.
 """
 

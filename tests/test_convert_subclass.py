@@ -199,7 +199,7 @@ def test_timm_layers_convert_and_match_eager():
         o1, o2 = model(x), slim(x)
         torch.testing.assert_close(o2, o1)
         assert o2.stride() == o1.stride()
-        rep = slimgrad.verify(model, slim, x)  # every gradient by the GUIDE.md rule
+        rep = slimgrad.verify(model, slim, x)  # every gradient by the error rule
         assert rep.ok, str(rep)
 
 

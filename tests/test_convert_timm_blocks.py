@@ -1,7 +1,7 @@
 """convert_handlers.timm_blocks: timm's Attention and ConvNeXtBlock, exact on every path.
 
 The fast paths (``ops.qkv_attention``, ``ops.linear_scale``) against timm's modules: forward bit
-for bit, gradients by the GUIDE.md rule (``slimgrad.verify`` against float64), the bytes they no
+for bit, gradients by the error rule (``slimgrad.verify`` against float64), the bytes they no
 longer keep, exactly; every input the fast path does not cover runs timm's own forward (masks,
 qk_norm, timm's non-fused path, attention dropout in training, hooks, conv_mlp, no layer scale,
 GlobalResponseNorm MLPs). Skipped without timm (tests/conformance/_timm_shim.py imports it).

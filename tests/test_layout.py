@@ -1,4 +1,4 @@
-"""The house's layout rules (GUIDE.md, issue 15), read from the source's imports with ``ast``:
+"""The house's layout rules (CONTRIBUTING.md), read from the source's imports with ``ast``:
 
 - kernels are leaves: no module under ``src/slimgrad/kernels/`` imports ``slimgrad.ops`` or
   ``slimgrad.bench`` (the math they share lives below both);

@@ -1,4 +1,4 @@
-"""Issue 19: the GUIDE.md error rule at small batch and spatial sizes, for every output-based op.
+"""Issue 19: the error rule at small batch and spatial sizes, for every output-based op.
 
 The rule's bound is set by eager's largest error in the tensor; on a tensor of a few elements, or a
 reduction over a few of them (a BatchNorm's parameter gradient at batch 2 and 2x2 spatial size),

@@ -1,4 +1,4 @@
-"""Helpers for slimgrad's error messages (form: see GUIDE.md)."""
+"""Helpers for slimgrad's error messages (form: see CONTRIBUTING.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 For each model, two copies start from the same weights: ``eager`` (plain PyTorch) and ``slimgrad``
 (``slimgrad.convert_`` of a copy). Both train for a few SGD steps on the same synthetic batches.
 The first step of each side is measured exactly with ``slimgrad.memory.measure``; its gradients
-are checked against a float64 copy with GUIDE.md's rule; the other steps are timed. A table
+are checked against a float64 copy with the error rule; the other steps are timed. A table
 reports peak MiB, saved MiB, median step ms, max gradient error and whether the loss curves agree;
 a PNG shows both memory timelines of the measured step. The transformer has dropout 0 so that both
 sides compute the same function and their loss curves can be compared.

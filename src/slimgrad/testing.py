@@ -1,6 +1,6 @@
 """The tolerance rule and helpers shared by slimgrad's tests and benchmarks.
 
-The rule (GUIDE.md): a result ``out`` computed at some dtype is correct when
+The rule (CONTRIBUTING.md): a result ``out`` computed at some dtype is correct when
 
     max|out - ref64| <= 2 * max|eager - ref64| + atol
 
@@ -76,7 +76,7 @@ def max_abs_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def rule_ok(out, ref64, eager, atol: float | None = None) -> tuple[bool, float, float]:
-    """Return (ok, err, bound) of the GUIDE.md rule for one tensor."""
+    """Return (ok, err, bound) of the error rule for one tensor."""
     if atol is None:
         atol = DEFAULT_ATOL.get(out.dtype, 1e-6) if out is not None else 0.0
     err = max_abs_err(out, ref64)
@@ -91,7 +91,7 @@ def assert_within_rule(
     atol: float | None = None,
     names: Iterable[str] | None = None,
 ) -> None:
-    """Assert the GUIDE.md error rule for one tensor or a sequence of them (e.g. all gradients)."""
+    """Assert the error rule for one tensor or a sequence of them (e.g. all gradients)."""
     if isinstance(out, torch.Tensor) or out is None:
         out, ref64, eager = [out], [ref64], [eager]
     names = list(names) if names is not None else [str(i) for i in range(len(out))]

@@ -2,7 +2,7 @@
 
 Three sides run the same step with the same RNG seed (so dropout draws the same masks): the
 original model ("eager"), the converted one, and a float64 copy of the original (the reference).
-Each side runs on its own deep copy of the inputs. Every result must satisfy the GUIDE.md rule
+Each side runs on its own deep copy of the inputs. Every result must satisfy the error rule
 ``max|out - ref64| <= 2 * max|eager - ref64| + atol``: the converted model may be as far from exact
 as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot be fooled by:
 

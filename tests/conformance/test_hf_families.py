@@ -2,7 +2,7 @@
 
 Each family (tiny random config, fp32, dropout on; see ``_hf_families.py``) is converted with the
 default ``ConvertConfig`` and compared with the eager model, against a float64 copy of the eager
-model, by the GUIDE.md rule ``max|x - x64| <= 2 * max|x_eager - x64| + atol``:
+model, by the error rule ``max|x - x64| <= 2 * max|x_eager - x64| + atol``:
 
 - rows ``<family>-<train|eval>-<unpadded|left|right>-<labels|nolabels>``: every floating output
   the model returns, the loss and every parameter's gradient, all finite, the caller's batch left
@@ -97,7 +97,7 @@ def _side(model, batch, labels, grad=True):
 
 
 def _by_rule(tag, c, r, e, scaled=True):
-    # the GUIDE rule against float64; outputs and losses scale the absolute term with their size
+    # the error rule against float64; outputs and losses scale the absolute term with their size
     try:
         assert_within_rule(c, r, e, atol=_scaled_atol(r) if scaled else None, names=[tag])
     except AssertionError as err:
@@ -329,7 +329,7 @@ def test_verify_agrees_with_the_rows(name, record_property):
 # Half precision and CPU autocast: the HF attention in the dtype a model trains in.
 # NOTE [SDPA's math path in half precision and under autocast] in convert_handlers/hf_attention.py.
 # The attention pass alone (the other passes have their own half-precision suites): the converted
-# model gives eager's loss and gradients bit for bit, and both are held to the GUIDE rule against
+# model gives eager's loss and gradients bit for bit, and both are held to the error rule against
 # the float64 model. bf16 and fp16 weights, fp32 weights under autocast(bf16); padded left and
 # right; train (dropout on: slimgrad's attention runs) and eval (dropout off: SDPA runs).
 _ATTN_ONLY = slimgrad.ConvertConfig(

@@ -13,7 +13,7 @@ it is when its HF parent writes that output in place, or the converted backward 
 Where the parent's settings never take the writing branch (``clip_qkv=None``, no jitter) or the
 write is to a fresh tensor (DeepSeek-V3's ``expand_kv``), the module still converts. Each row trains
 eager and converted on the same batch (same seed) and compares the loss and every gradient by the
-GUIDE.md rule against a float64 copy.
+error rule against a float64 copy.
 """
 
 from __future__ import annotations

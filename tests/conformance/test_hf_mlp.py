@@ -4,7 +4,7 @@ Each row converts one tiny HF MLP (Llama's SwiGLU, Gemma's tanh GeGLU, Phi-3's f
 ``convert_`` and runs eager and converted on the same input in train/eval x grad/no_grad/
 inference_mode, parameters in float32/bfloat16/float64, inputs in float32/bfloat16/float16/float64,
 and under CPU autocast: the converted MLP raises where eager raises, returns eager's dtype and bits,
-and its gradients are eager's bits (the GUIDE.md rule is implied).
+and its gradients are eager's bits (the error rule is implied).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Tiny Mixtral, Qwen2-MoE and Qwen3-MoE language models (OLMoE: its report row onl
 suite short) built with ``experts_implementation="eager"`` (the loop the handler converts) and the
 router's aux loss in the loss, converted with the default ``ConvertConfig`` (attention, norms,
 gated MLPs, the LM loss and the expert banks together), and judged by
-``test_hf_families.check_row``: every output, the loss and every gradient within the GUIDE.md rule
+``test_hf_families.check_row``: every output, the loss and every gradient within the error rule
 against a float64 copy, on unpadded and left/right padded batches, train and eval (eval also under
 no_grad), the caller's batch unchanged.
 """

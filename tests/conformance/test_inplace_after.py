@@ -7,7 +7,7 @@ in-place writer of that output (ReLU(inplace=True), Dropout(inplace=True), ``h.r
 eager trains.
 ``convert_`` must leave such modules unconverted and say why (NOTE [In-place writers after
 output-saving modules] in ``convert_handlers/inplace_guard.py``), and keep converting the others.
-Every row: converted vs eager vs a float64 copy by the GUIDE.md rule (outputs, every gradient), same
+Every row: converted vs eager vs a float64 copy by the error rule (outputs, every gradient), same
 seed for dropout, train and eval.
 """
 

@@ -4,7 +4,7 @@ Each row builds one module, converts a copy inside a Sequential with the default
 and runs both on the same input in train/eval x grad/no_grad/inference_mode, with parameters in
 float32/bfloat16/float64 and inputs in float32/bfloat16/float16/float64. Converted must do what
 eager does: raise where eager raises, same output dtype and values, the input left as eager
-leaves it (or changed as eager changes it, for inplace=True), and gradients within the GUIDE.md
+leaves it (or changed as eager changes it, for inplace=True), and gradients within the error
 rule against a float64 reference.
 """
 

@@ -3,7 +3,7 @@
 timm's fused norm + act layers in conv stacks (every option: drop, no act, in-place act, momentum
 None; contiguous and channels_last; train and eval), then tiny variants of the six models of issue
 18 (see MODELS): the report converts timm's layers (no timm norm left as-is), ``slimgrad.verify``
-passes (outputs, loss and every parameter gradient by the GUIDE.md rule against float64, inputs
+passes (outputs, loss and every parameter gradient by the error rule against float64, inputs
 unchanged, running statistics), the exact tracker's peak is not above eager's and it saves less;
 channels_last (train and eval) and autocast bfloat16 rows too. Skipped without timm
 (tests/conformance/_timm_shim.py imports it).

@@ -4,7 +4,7 @@ Tiny stacks of the blocks that efficientnet_b0, mobilenetv3_large_100 and regnet
 from (timm's ``InvertedResidual``/``DepthwiseSeparableConv`` with their ``SqueezeExcite``, RegNet's
 ``Bottleneck`` with ``SEModule``), with stochastic depth on: ``convert_`` converts every SE block,
 DropPath and BatchNorm -> Hardswish, ``slimgrad.verify`` passes (outputs, loss and every gradient
-by the GUIDE.md rule against float64, the same DropPath draws on every side, train and eval), on
+by the error rule against float64, the same DropPath draws on every side, train and eval), on
 odd image sizes, channels_last and autocast bfloat16, and the exact tracker's peak and saved bytes
 are below eager's. Skipped without timm (tests/conformance/_timm_shim.py imports it).
 """

@@ -1,6 +1,6 @@
 """What the distributed tests share: a training function run on 2 gloo ranks (forked processes)
 with what each returns collected; a few SGD steps under DistributedDataParallel; the tiny HF
-models; the variants (float64 reference, eager, converted, converted with reuse off); the GUIDE
+models; the variants (float64 reference, eager, converted, converted with reuse off); the error
 rule over training steps."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def reuse_for(variant: str):
 def assert_steps_within_rule(
     ours: list, ref: list, eager: list, what: str, *, steps: int, label: str = "step", atol=None
 ) -> None:
-    """The GUIDE rule at every step: one tensor per step (named ``<label><k> <what>``) or a list
+    """The error rule at every step: one tensor per step (named ``<label><k> <what>``) or a list
     of them (``<label><k> <what><i>``), against the float64 run."""
     counts = (len(ours), len(ref), len(eager))
     assert counts == (steps,) * 3, f"{label}: {counts} results, expected {steps} each"

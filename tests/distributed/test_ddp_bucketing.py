@@ -1,6 +1,6 @@
 """Gradient-buffer reuse next to DDP's buckets (2 gloo processes): a converted model under
 ``DistributedDataParallel`` with ``gradient_as_bucket_view`` True and False, small buckets (one
-parameter or two each) and ``no_sync`` accumulation gives eager DDP's gradients (GUIDE rule
+parameter or two each) and ``no_sync`` accumulation gives eager DDP's gradients (error rule
 against a float64 DDP run), reuse on and off give the same bits, and reuse was granted; the same
 for a converted tiny HF GPT-2 (tied embedding, fused LM-head loss).
 

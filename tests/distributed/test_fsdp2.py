@@ -279,7 +279,7 @@ def test_forward_inplace_writes_under_fsdp2(extras):
     # (the BatchNorm keeps its output) inside FSDP's blocks (ownership.owns_input grants it:
     # FSDP's hooks sit on the block, not on the ReLU, and BN's output is no FSDP buffer). That
     # grant writes nothing (owns_input(writes=False)), so reuse off takes the same path: the same
-    # grants, the same bits, within the GUIDE rule over the steps.
+    # grants, the same bits, within the error rule over the steps.
     for res in (r["cnn"] for r in extras):
         assert res["slimgrad"]["forward"] > 0
         assert res["no_reuse"]["forward"] == res["slimgrad"]["forward"]

@@ -4,7 +4,7 @@
   block's MLP (slimgrad's GatedMLP) and attention (converted: slimgrad attention with dropout on
   each rank's local heads, HFRMSNorm, the fused LM-head loss) trains like eager TP: losses and full
   gradients
-  by the GUIDE rule against a float64 TP run, over 2 SGD steps, with the projections' outputs local
+  by the error rule against a float64 TP run, over 2 SGD steps, with the projections' outputs local
   (the default) and with DTensors reaching ``glu`` (``use_local_output=False``).
 - ``slimgrad._dtensor``'s entry helpers (NOTE [DTensor at a slimgrad op]): pointwise ops and norms
   on sharded DTensors give eager's values, gradients and placements; what is not exact on local

@@ -1,4 +1,4 @@
-"""The activation kernels are leaves (GUIDE.md "The house", NOTE [Kernels are leaves] in
+"""The activation kernels are leaves (CONTRIBUTING.md, NOTE [Kernels are leaves] in
 ``slimgrad._math``): they import nothing from ``slimgrad.ops``, ``slimgrad.bench`` or
 ``slimgrad.convert``, neither by an import statement nor through ``importlib``."""
 

@@ -75,7 +75,7 @@ def test_bottleneck_pairs_become_inplace_abn_and_the_rest_exact_batch_norm():
 @pytest.mark.parametrize("block", ["bottleneck", "basic"])
 def test_same_gradients_as_eager_leaky_relu(block):
     # float64: equal to the LeakyReLU model (output, input grad, every Parameter grad, running
-    # stats); float32: within the GUIDE.md rule against that float64 reference.
+    # stats); float32: within the error rule against that float64 reference.
     base, _, _ = _pair(block)
     x0 = torch.randn(3, 3, 33, 31)
     res = {}

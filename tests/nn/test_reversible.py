@@ -839,7 +839,7 @@ def test_bench_case_small(tmp_path):
         m(x, r).backward()
         res.append([x.grad, *[p.grad for p in m.parameters()]])
     torch.testing.assert_close(res[1], res[0])
-    # float mode rebuilds each block's input (rounding): the GUIDE.md rule against float64
+    # float mode rebuilds each block's input (rounding): the error rule against float64
     plain64 = copy.deepcopy(plain).double()
     x, r = make_inputs()
     x64 = x.detach().double().requires_grad_()

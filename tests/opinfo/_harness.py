@@ -6,7 +6,7 @@ For every slimgrad op with a torch counterpart in
 slimgrad op and through eager PyTorch, in float64/float32/bfloat16/float16 where the OpInfo
 supports the dtype on CPU. A check is one of:
 
-- ``forward``: output values (float64: ``assert_close`` with eager; lower precision: the GUIDE.md
+- ``forward``: output values (float64: ``assert_close`` with eager; lower precision: the error
   rule against eager at float64), dtype, shape, strides (eager's layout), and every tensor
   argument after the call (batch_norm's running statistics);
 - ``grad``: every gradient under a random cotangent, for all differentiable inputs at once and for

@@ -35,7 +35,7 @@ def _slim(x, rm, rv, w, b, act, param):
 
 def check_backends(device, act, param, dtype=torch.float32, channels_last=False):
     """Both backends: output and running statistics bit for bit eager's (the forward is eager's
-    kernel on either backend), gradients within the GUIDE.md rule (for 16-bit inputs with float32
+    kernel on either backend), gradients within the error rule (for 16-bit inputs with float32
     parameters, dweight is exempt: documented in ops/inplace_abn.py), layout kept."""
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(4, 6, 5, 7, generator=gen) * 2 + 0.5

@@ -476,7 +476,7 @@ def _assert_float32_within_rule(x0, w0, b0, up, act):
 @pytest.mark.parametrize("ratio", [0.0, 0.45, 2.0, 16.0])
 def test_float32_grads_within_rule_for_beta_over_gamma(ratio, backend):
     # |β/γ| near and beyond the threshold where x̂ stops being recovered from b (float32, data
-    # with and without a large channel mean); every gradient within the GUIDE.md rule, on both
+    # with and without a large channel mean); every gradient within the error rule, on both
     # backends.
     C = 6
     gen = torch.Generator().manual_seed(7)
@@ -597,7 +597,7 @@ def test_c_whole_backward_matches_the_pytorch_path(shape, affine, monkeypatch):
 def test_float32_some_channels_kept_from_input_within_rule(backend):
     # two of six channels cannot be inverted from the output (γ = 0, |β| >> |γ|) and are kept from
     # the input; the rest come from the output (on "cpu", through the C channel sums): every
-    # gradient within the GUIDE.md rule
+    # gradient within the error rule
     gen = torch.Generator().manual_seed(11)
     x0 = torch.randn(8, 6, 7, 7, dtype=torch.float64, generator=gen) * 2 + 3
     up = torch.randn(8, 6, 7, 7, dtype=torch.float64, generator=gen)

@@ -1,4 +1,4 @@
-"""Conv -> BatchNorm -> ReLU under CPU autocast bf16 keeps the GUIDE.md rule on every gradient for
+"""Conv -> BatchNorm -> ReLU under CPU autocast bf16 keeps the error rule on every gradient for
 every seed: a mixed-precision BatchNorm (bf16 output, fp32 γ, β) keeps its input as eager does,
 not its rounded output (x rebuilt from the bf16 output put dγ and the conv's dbias up to 1.7x past
 the bound). bf16/fp16 models (no autocast) keep their input too (dγ from a 16-bit output broke

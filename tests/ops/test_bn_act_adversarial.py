@@ -6,7 +6,7 @@ its own, where ``slimgrad.ownership.take`` grants them (NOTE [Derived saved inpu
 
 Every case checks, where it applies: the derived path ran (the BatchNorm keeps b); the gradients
 (and any gradient a hook or ``retain_grad`` kept) have the same bits with reuse on and inside
-``ownership.reuse_disabled()`` around the backward (NaN-aware); each result is within the GUIDE.md
+``ownership.reuse_disabled()`` around the backward (NaN-aware); each result is within the error
 rule against eager at the same dtype and float64; NaN/inf sit where eager's are; the C kernel's
 bits do not depend on the thread count. Passing cases document coverage; the ``xfail(strict=True)``
 tests at the end are the breaks found (each the smallest reproducer found).
@@ -997,7 +997,7 @@ def _dy_along_output_rounding(x, w, b):
 @pytest.mark.parametrize("shape", [(8, 1, 32, 32), (2, 3, 16, 16), (16, 2, 32, 32)])
 def test_dgamma_bound_for_gradient_along_output_rounding(shape, beta):
     # The documented worst case (module docstring of ops/batch_norm.py, Limitation): a loss gradient
-    # correlated with b's own float32 rounding sums it coherently into dγ, past the GUIDE.md rule
+    # correlated with b's own float32 rounding sums it coherently into dγ, past the error rule
     # (8x1x32x32: 16x the bound at β = 0, 37x at β = γ/2), but never past the rule's bound plus
     # u Σ|dy_i| |b_i| / |γ| per channel (u = 2^-24: b_i's one rounding, divided by γ); measured at
     # most 0.51 of that extra term over these shapes and seeds.

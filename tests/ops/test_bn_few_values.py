@@ -3,7 +3,7 @@ slimgrad/ops/batch_norm.py): a training call with at most 32 values per channel 
 
 At 2 values per channel eager's dx sums to exactly 0 over the channel (what a preceding layer's
 bias gradient reduces); rebuilt from the output it summed to rounding noise, hundreds of times the
-GUIDE.md rule's bound (timm ReXNet-100 at batch 2: 221x). The sweep below runs a per-channel
+error rule's bound (timm ReXNet-100 at batch 2: 221x). The sweep below runs a per-channel
 affine (a stand-in for the preceding conv, so its weight and bias gradients are checked), the
 BatchNorm and each activation the converters fuse with it, at 2 to 8 values per channel, in float32
 and bfloat16, against eager and float64.

@@ -1,4 +1,4 @@
-"""BatchNorm from its output (x̂ rebuilt as (b - β)/γ) against the GUIDE.md error rule, through the
+"""BatchNorm from its output (x̂ rebuilt as (b - β)/γ) against the error rule, through the
 conv before it: NOTE [dx from the output] in slimgrad/ops/batch_norm.py.
 
 The block is tests/ops/test_derived_rebuild.py's Conv-BN-SiLU-SE-Conv-BN (float32, 3x3x11x9 inputs;

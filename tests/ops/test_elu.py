@@ -63,7 +63,7 @@ def test_gradient_over_the_whole_range(dtype, alpha, inplace):
     # output's cancellation gave 0 or the wrong sign (bfloat16 alpha 0.8 x = -7: -7.8e-4 vs 7.3e-4)
     excess = e_ours - 2 * e_eager - 9 * _U[dtype] * ref.abs()
     assert float(excess.max()) <= 0, float(x[excess.argmax()])
-    # the GUIDE.md rule on every window of width 0.5 (a tensor of inputs of one size)
+    # the error rule on every window of width 0.5 (a tensor of inputs of one size)
     w = torch.floor(x.double().clamp(-100, 100) * 2).long() + 200
     mo = torch.zeros(401, dtype=torch.float64).scatter_reduce(0, w, e_ours, "amax")
     me = torch.zeros(401, dtype=torch.float64).scatter_reduce(0, w, e_eager, "amax")

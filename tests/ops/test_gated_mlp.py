@@ -76,7 +76,7 @@ def test_forward_bits_and_gradients_as_eager(act, fused, dtype, bias):
     torch.testing.assert_close(y, ye, rtol=0, atol=0)  # forward: eager's bits
     for a, b in zip(gr, gre, strict=True):  # backward: eager's formulas on eager's operands
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    if dtype != torch.float32:  # and the GUIDE rule against float64
+    if dtype != torch.float32:  # and the error rule against float64
         y64, g64 = _step(
             _eager, x0.double(), [None if w is None else w.double() for w in ws0], act, fused, gy
         )

@@ -1,5 +1,5 @@
 """slimgrad.ops.hardswish: eager's output bit for bit, eager's gradient at the breakpoints and by
-the GUIDE.md rule elsewhere, keeping y + 1 bit/elt + a sparse table near x = -3/2."""
+the error rule elsewhere, keeping y + 1 bit/elt + a sparse table near x = -3/2."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """In-place ABN's PyTorch backward (slimgrad._math.abn.bwd_torch): dγ = Σ dy (y - β) / γ summed in
 float64 and divided once, as ops/batch_norm.py does. Multiplying by a rounded 1/γ (aten's kernel
-with invstd' = 1/γ) and, on CUDA, accumulating in float32 put dγ past the GUIDE.md rule on an H200
+with invstd' = 1/γ) and, on CUDA, accumulating in float32 put dγ past the error rule on an H200
 (tests/ops/test_inplace_abn.py::test_cuda_both_backends_match_eager[identity-0.0-False-dtype0]:
 2.77e-6 against a bound of 2.73e-6); on CPU the rounded 1/γ alone leaves dγ up to 0.66 eps from
 the exact sum of the same products (these inputs), past what one rounding allows (0.5 eps).

@@ -322,7 +322,7 @@ def test_half_precision_memory_is_eagers(dtype):
 @pytest.mark.parametrize("shape", [(3, 7, 13), (2, 5, 768), (1, 1, 17), (5, 13, 40), (70, 3)])
 def test_cpu_kernel_within_rule_of_the_torch_path(affine, shape):
     # kernels/cpu/layer_norm.c (the default on float32 CPU) against the PyTorch path: the same
-    # formulas with double row sums, so within the GUIDE.md rule of it; dx into dy (the ownership
+    # formulas with double row sums, so within the error rule of it; dx into dy (the ownership
     # path) gives the same bits as a fresh dx; a fallback channel takes the PyTorch path
     import importlib
 

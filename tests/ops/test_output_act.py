@@ -119,7 +119,7 @@ def test_random_chains_match_eager(names, inplace, mix, rows, cols, scale, seed)
 
 
 # Every output-based gradient over the whole input range, every dtype, against float64: the
-# GUIDE.md rule on every window of width 0.5 (a tensor of inputs of one size: the tails, the
+# error rule on every window of width 0.5 (a tensor of inputs of one size: the tails, the
 # saturation of sigmoid/tanh, the minimum of the smooth ones). ELU's tail has its own, pointwise
 # test (tests/ops/test_elu.py).
 _RANGE_OPS = {

@@ -2,7 +2,7 @@
 
 # NOTE [Kernels are leaves]
 A kernel module (``slimgrad/kernels/*.py``) imports nothing from ``slimgrad.ops``,
-``slimgrad.bench`` or ``slimgrad.convert`` (GUIDE.md, "The house"): an op picks its kernel, never
+``slimgrad.bench`` or ``slimgrad.convert`` (CONTRIBUTING.md): an op picks its kernel, never
 the other way round, so the kernels can be read, tested and benchmarked alone. What both need (the
 bit layout of packed masks, the smooth activations' specs, f' tables and plain-PyTorch reference
 of their side information) lives here, below both:

@@ -382,7 +382,7 @@ def bwd_torch(
     # dγ = Σ dy (inp - mean_p) / γ, accumulated in float64 and divided once (side channels: inp is
     # x̂ itself, divided by 1): the kernel's Σ dy x̂' multiplies by a rounded 1/γ (a systematic
     # relative error on every term) and on CUDA accumulates in float32; both put dγ past the
-    # GUIDE.md rule on an H200 (float32, identity: 2.77e-6 against a bound of 2.73e-6)
+    # error rule on an H200 (float32, identity: 2.77e-6 against a bound of 2.73e-6)
     dot64 = torch.zeros(c, device=z.device, dtype=torch.float64) if need_dparams else None
     den64 = w.double() if side_idx.numel() == 0 else w.double().index_fill(0, side_idx, 1.0)
 

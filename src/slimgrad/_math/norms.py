@@ -35,7 +35,7 @@ __all__ = [
 
 #: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``: the
 #: rebuilt xhat then errs by at most ~eps * (|xhat| + 2), which keeps every gradient within the
-#: GUIDE.md rule (dense seed sweep in fp32/bf16/fp16; 4 already failed it once in 640 fp32 cases).
+#: error rule (dense seed sweep in fp32/bf16/fp16; 4 already failed it once in 640 fp32 cases).
 BETA_OVER_GAMMA_MAX = 2.0
 #: Backward processes rows in chunks of max(CHUNK_ELEMS, numel / 16) elements: fp32 temporaries
 #: stay a small fraction of the dropped input, with at most ~16 chunks of Python overhead.
@@ -153,7 +153,7 @@ def layer_norm_bwd_torch(
     dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None
 ):
     # Row chunks bound the fp32 temporaries (xhat, g); dgamma and dbeta accumulate in float64 (fp32
-    # sums over rows exceeded the GUIDE.md rule at small shapes in the seed sweeps). Runs without
+    # sums over rows exceeded the error rule at small shapes in the seed sweeps). Runs without
     # grad mode only (double backward runs norm_double, ops/layer_norm.py), so in-place updates of
     # the temporaries are safe.
     # out: dy itself (contiguous, y's dtype) when its buffer is dead (slimgrad.ownership.take); dx

@@ -8,7 +8,7 @@ function making inputs. :func:`run_case` then, for each side:
 - times ``repeat`` interleaved eager/slimgrad step pairs after ``warmup`` steps each, and reports
   the median step time per side, the median of the per-pair ratios slimgrad/eager and their spread
   (min, quartiles, max; NOTE [Spread of short steps]);
-- checks every gradient with the GUIDE.md rule ``max|g - g64| <= 2 max|g_eager - g64| + atol``
+- checks every gradient with the error rule ``max|g - g64| <= 2 max|g_eager - g64| + atol``
   against a float64 copy of the eager model (dropout set to p=0 on all three models for this check
   only, so that the three runs compute the same function);
 - appends one JSON record to ``<out_dir>/<case>.jsonl`` when given an ``out_dir`` (by default it
@@ -280,7 +280,7 @@ def slim_version() -> str:
 
 
 def _dist_version(name: str) -> str | None:
-    # Metadata only: `slimgrad env` and the records must not import triton (GUIDE.md, test_import).
+    # Metadata only: `slimgrad env` and the records must not import triton (test_import).
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -446,7 +446,7 @@ def _named_grads(model: Any, inputs: Sequence[Any]) -> dict[str, torch.Tensor | 
 def check_grads(
     eager: Any, slim: Any, fresh: Callable[[], tuple], grad: torch.Tensor | None, dtype: torch.dtype
 ) -> dict[str, Any]:
-    """Check slimgrad's gradients against a float64 copy of ``eager`` with the GUIDE.md rule.
+    """Check slimgrad's gradients against a float64 copy of ``eager`` with the error rule.
 
     Runs one step on ``eager``, ``slim`` and the float64 copy (dropout p=0 on all three), on
     ``fresh()`` inputs, backpropagating ``grad`` (None for a scalar output). Parameters are matched

@@ -13,7 +13,7 @@ fresh module (``Linear``, ``LayerNorm``, ``GroupNorm``) failed to assign the pla
 tensor as a Parameter ("cannot assign 'torch.FloatTensor' as parameter 'weight'"); those that
 copy the module's ``__dict__`` (the convolutions, BatchNorm) carried the hook along and ran, but
 with a weight that is a new non-leaf tensor each call, which the per-parameter decisions made
-once per Parameter version (NOTE "Decide once" in GUIDE.md) do not describe. So ``convert_``
+once per Parameter version (NOTE "Decide once" in CONTRIBUTING.md) do not describe. So ``convert_``
 decides once, before any handler runs, that such a module stays eager, and the report says why;
 its parametrization runs exactly as eager's and its gradients reach ``weight_g``/``weight_v``/
 ``original0`` as in eager. The module's children (the parametrization modules) stay too.

@@ -20,7 +20,7 @@ except two tensors that the block's own arithmetic makes redundant:
   block keeps its input (the depthwise conv's), the norm's output and GELU's output + 1 bit.
 - ViT attention keeps q, k and v (SDPA's backward needs all three) and, for the qkv weight's
   gradient, qkv's input x. v is ``x W_v^T + b_v``: ``slimgrad.ops.qkv_attention`` computes qk and v
-  with two GEMMs (bit for bit the fused one on CPU at timm's shapes; within the GUIDE.md rule in
+  with two GEMMs (bit for bit the fused one on CPU at timm's shapes; within the error rule in
   any case), keeps q, k, x and SDPA's output, and recomputes v in backward with the same call (one
   C x C GEMM per token, about 2.6% of a ViT-S step's FLOPs).
 

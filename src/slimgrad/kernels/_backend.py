@@ -3,7 +3,7 @@
 # NOTE [Kernel backend choice]
 Every op with a ``kernels/<stem>.py`` asks :func:`use_triton` once per call, with its input tensor,
 and then calls either ``ops.<stem>._fwd_torch`` or ``kernels.<stem>._fwd_triton`` (same signature,
-same results up to the GUIDE.md rule, same memory contract). An op with a C file
+same results up to the error rule, same memory contract). An op with a C file
 ``kernels/cpu/<stem>.c`` (NOTE [CPU C kernels] in ``kernels/_cpu.py``) asks :func:`use_cpu`, which
 returns the loaded library or None (then the PyTorch path). The choice, first match wins:
 
@@ -23,7 +23,7 @@ kernels; it is an error where they cannot run: triton missing, or a CPU tensor w
 ``TRITON_INTERPRET=1`` (the interpreter runs kernels on CPU tensors, as the tests do). ``"cpu"``
 forces the C kernels for CPU tensors (an error if they cannot be built; other devices and dtypes
 take the PyTorch path). The C kernels give the PyTorch path's results (bit for bit where the tests
-say so, else within the GUIDE.md rule) and the same memory contract, so ``"auto"`` may pick them
+say so, else within the error rule) and the same memory contract, so ``"auto"`` may pick them
 for any op; ``SLIMGRAD_BACKEND=torch`` turns them off.
 
 Code that torch.compile traces (``torch.compiler.is_compiling()``) and fake/meta/functional

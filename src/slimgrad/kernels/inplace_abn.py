@@ -113,7 +113,7 @@ def _reduce_kernel(
     # core builtins only (tl.full, tl.reduce with _common.add): triton's standard-library helpers
     # (tl.zeros, tl.sum) stay compiled when triton was imported before TRITON_INTERPRET was set.
     # Sums in float64, as aten's CPU BatchNorm backward accumulates: float32 sums lost ~sqrt(n) u
-    # of sum |dy * x̂| and put dweight past the GUIDE.md bound against CPU eager (1.16x at 140
+    # of sum |dy * x̂| and put dweight past the error rule's bound against CPU eager (1.16x at 140
     # values per channel). Two float64 adds per element: ~2% of an H100's float64 rate at copy
     # bandwidth (more of a consumer GPU's, whose float64 rate is 1/64 of float32).
     acc_dy = tl.full([BLOCK], 0.0, tl.float64)

@@ -30,7 +30,7 @@ Hard elements, and non-finite x (so NaN/inf propagate exactly as eager's formula
 kept exactly in a sparse side table: int32 flat index (int64 above 2^31 elements) + x in its own
 dtype; their gradient is eager's formula on the exact x. The tests check every float32 within
 x* +- (zone + 0.05) and at the tail thresholds, a strided sweep of [-40, 40], every float16 and
-bfloat16 value, and random inputs, against the GUIDE.md rule.
+bfloat16 value, and random inputs, against the error rule.
 
 float64 inputs keep x densely (as eager): the tables are float32-grade (~1e-8).
 
@@ -50,7 +50,7 @@ elements per 2^16 block, a second collects them (block offsets by prefix sum, so
 deterministic and, for finite inputs, the PyTorch path's); the backward is one pass (vector gathers
 from the same float32 tables, fused multiply-adds where torch's addcmul_/lerp_ use them). Same
 y, bits and side table bit for bit; the gradient within a few float32 ulp of the PyTorch path's
-(torch's float32 sqrt is not always correctly rounded, C's is), both within the GUIDE.md rule on
+(torch's float32 sqrt is not always correctly rounded, C's is), both within the error rule on
 the dense grids. The backward writes dx into the incoming gradient when
 ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]), on either path,
 bit for bit as out of place.
@@ -65,7 +65,7 @@ The gradient from (y, bit) is as exact as y allows, not as exact as eager's form
 an error dy of the stored y (1/2 ulp after the zone's rounding) moves f'(x) by dy / |x - x*| (at
 |x - x*| = 0.026, just outside SiLU's window, 5.4e-7 for g = 1; eager's formula there errs by
 2.3e-8), and the f' tables' interpolation in float32 errs by up to ~1.4e-7 (absolute) anywhere;
-eager's error is relative to f' and its terms. On a large tensor the GUIDE.md rule's bound,
+eager's error is relative to f' and its terms. On a large tensor the error rule's bound,
 2 max|eager - ref64|, is set by the elements where eager's own error is largest (f' ~ 1: up to
 5e-7 |g|), so the op passes; on a tensor of a few elements, or a reduction over a few of them (a
 BatchNorm's parameter gradient at batch 2 and 2x2 spatial size: 8 elements per channel), the bound

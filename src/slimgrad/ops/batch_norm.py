@@ -46,7 +46,7 @@ its dtype) keeps x too: one 16-bit rounding of b, divided by γ and summed over 
 past the rule on the op itself (4x3x8x8, random dy: 10 of 30 seeds in float16, 4 of 30 in
 bfloat16, up to 3.1x the bound; tests/ops/test_bn_act_adversarial.py), where eager's dγ comes from
 the exact x. Limitation (float32): a loss gradient correlated with b's own rounding errors (dy =
-±1 by the sign of each element's rounding) sums them coherently into dγ, past the GUIDE.md rule
+±1 by the sign of each element's rounding) sums them coherently into dγ, past the error rule
 (8x1x32x32: 16x its bound at β = 0, 37x at β = γ/2; the factor grows like sqrt(n), as the coherent
 sum against eager's random-walk one); random gradients do not (NOTE [dx from the output]). The
 worst case is bounded: each b_i is one rounding away from its value (|error| <= u |b_i|, u = 2^-24),
@@ -78,7 +78,7 @@ from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
 __all__ = ["batch_norm"]
 
 # |β| / |γ| above which x̂ is not recovered from b: b's rounding error, divided by γ, grows with
-# |β/γ|; at 0.5 dγ stays within 0.65x of the GUIDE.md bound over 90 adversarial float32 trials
+# |β/γ|; at 0.5 dγ stays within 0.65x of the error rule's bound over 90 adversarial float32 trials
 # (1.6x over the bound at 1.0, 3x at 4).
 _BAD_RATIO = 0.5
 _MAX_BAD_FRACTION = 0.5  # more such channels than this: keep the whole input (the eager path)
@@ -119,7 +119,7 @@ class _Source:
         if b.is_floating_point() and _less_precise(b.dtype, ctx.param_dtype):
             # A mixed-precision call (autocast: bf16/fp16 x, fp32 statistics and γ, β): x rebuilt
             # from the rounded output, x̂ = (b - β)/γ, carries b's rounding into dγ and the input
-            # conv's dbias (up to 1.7x the GUIDE.md rule's bound in Conv-BN-ReLU), where eager
+            # conv's dbias (up to 1.7x the error rule's bound in Conv-BN-ReLU), where eager
             # uses x itself; keep x, as eager.
             return False
         C = b.shape[1]
@@ -617,7 +617,7 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None):
 # projection squared and the scale with weight', itself two roundings): a systematic relative error
 # on every element of a channel, which sums coherently in the preceding conv's dW. Measured on the
 # Conv-BN-SiLU-SE-Conv-BN block of tests/ops/test_derived_rebuild.py (3x3x11x9 float32, 200 seeds,
-# one thread): the first conv's dW broke the GUIDE.md rule on 11 seeds with the kernel, 4 with these
+# one thread): the first conv's dW broke the error rule on 11 seeds with the kernel, 4 with these
 # coefficients, and 4 for a control that computes eager's BatchNorm backward in float64 from x
 # itself (every input the same: more accurate than eager, yet outside 2x eager's error on those
 # seeds: eager's own float32 reduction error is sometimes far below its typical size, and the rule

@@ -53,7 +53,7 @@ SPECS = GELU  # slimgrad._math.smooth (NOTE [Kernels are leaves])
 
 
 class ApproximateError(ValueError, RuntimeError):
-    """A bad ``approximate``: a ValueError (GUIDE.md) that is also eager's RuntimeError, so code
+    """A bad ``approximate``: a ValueError (a bad value) that is also eager's RuntimeError, so code
     written against ``torch.nn.functional.gelu`` (``except RuntimeError``) keeps working."""
 
 
@@ -160,7 +160,7 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
 
     ``y = x Phi(x)`` (``approximate='none'``) or ``x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))``
     (``'tanh'``). Output as ``torch.nn.functional.gelu``; the gradient is within eager's own
-    error (GUIDE.md rule), tested on every float32 of the ill-conditioned windows.
+    error (error rule), tested on every float32 of the ill-conditioned windows.
 
     Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
     0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt). More than 1/16

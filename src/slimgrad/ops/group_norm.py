@@ -20,7 +20,7 @@ Memory, per input dtype:
   channel) row if larger; transient).
 - bfloat16/float16: runs eager's ``F.group_norm``, so saves exactly what eager saves: x (2 B/elt)
   + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
-  broke the GUIDE.md rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
+  broke the error rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
   ``ops/rms_norm.py``), and keeping x instead costs what eager costs.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]; dbias is summed first); otherwise out of place.
@@ -29,7 +29,7 @@ dead (NOTE [Gradient-buffer ownership]; dbias is summed first); otherwise out of
 A rebuilt ``xhat = (y - beta) / gamma`` carries the output's rounding, about ``ulp(y) / |gamma| ~
 eps * (|xhat| + |beta / gamma|)`` per element, which no rebuild can undo; dgamma sums it over N *
 HxW elements per channel. The OpInfo sample ``group_norm`` f32 #27 ((20, 6, 10, 10), 6 groups,
-beta/gamma = 3.57, -0.61, -1.89, -2.65, -0.88, -0.82) broke the GUIDE.md rule in channel 2
+beta/gamma = 3.57, -0.61, -1.89, -2.65, -0.88, -0.82) broke the error rule in channel 2
 (|beta/gamma| = 1.89, inside layer_norm's bound 2): dgamma_2 = -99.35 (ulp 7.6e-6) came out
 1.022e-5 off where eager was 2.59e-6 off (bound 1.014e-5), one ulp past eager's correctly
 rounded value. Of its pre-rounding error 7.0e-6, the output's rounding alone gave 2.1e-6, the
@@ -77,7 +77,7 @@ __all__ = ["BETA_OVER_GAMMA_MAX", "MIN_GROUP_NUMEL", "group_norm"]
 #: (gamma = 1 without a weight), tighter than layer_norm's 2: NOTE [GroupNorm's fallback channels].
 BETA_OVER_GAMMA_MAX = 1.0
 #: Groups with fewer elements (C / G * spatial) run eager's group_norm, which keeps the input: in
-#: such groups rebuilding xhat from the rounded output exceeded the GUIDE.md error rule (groups of
+#: such groups rebuilding xhat from the rounded output exceeded the error rule (groups of
 #: 2 and 3 elements in tests/ops/test_group_norm.py's seed sweep).
 MIN_GROUP_NUMEL = 16
 

@@ -10,7 +10,7 @@ Near the minimum the inverse is ill-conditioned (an error dy of the stored y mov
 dy / |d|), so elements with |d| < ``_WINDOW[dtype]`` are kept exactly in a side table (int32 flat
 index + x), as are non-finite x (-inf gives y = NaN); their gradient is eager's formula on x (NaN
 for NaN x, as eager's vectorized kernel gives; its scalar tail gives g). See NOTE [Gradient from
-the output] in ``slimgrad.ops._output_act``. The rest is within eager's own error (GUIDE.md rule;
+the output] in ``slimgrad.ops._output_act``. The rest is within eager's own error (error rule;
 dense float grids in the tests). The slope is computed in float32 from y + 3/8, exact near the
 minimum, so only y's own rounding enters.
 
@@ -165,7 +165,7 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
     """Hardswish ``y = x relu6(x + 3) / 6`` that keeps y + 1 bit/elt (+ a sparse exact table).
 
     Output as ``torch.nn.functional.hardswish``; the gradient is eager's at the breakpoints and
-    within eager's own error elsewhere (GUIDE.md rule).
+    within eager's own error elsewhere (error rule).
 
     Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per element within 0.1 of
     -3/2 (float32; ~0.2 B/elt at N(0, 1)); eager saves x (4 B/elt). Crowded inputs and float64:

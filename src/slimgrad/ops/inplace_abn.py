@@ -30,7 +30,7 @@ log1p(z/alpha) loses about u*exp(-y) and reaches -inf where elu saturates. Every
 float64 for float64 input) in a side tensor of shape (N, k, *spatial) for its k channels: at most
 k/C of one float32 activation, zero bytes in the common case. Never inf/NaN, never an
 approximation beyond the tolerance rule for those channels. Measured (fp32, 16 channels x 4096
-values, random w and b, 144 trials, tests are not timed): dx and dbias always within the GUIDE.md
+values, random w and b, 144 trials, tests are not timed): dx and dbias always within the error
 rule; dweight within it in 137 trials, at most 1.36x the rule's bound in the other 7. That residue
 is the rounding of the stored fp32 output itself: with ratio 1 it is 3 trials (1.10x), with 8 it is
 18 trials (2.32x); 4 is the knee.
@@ -71,14 +71,14 @@ __all__ = ["ACTIVATIONS", "inplace_abn", "inplace_abn_sync", "check_activation"]
 
 ACTIVATIONS = ("identity", "leaky_relu", "elu")
 
-# the op's plain-PyTorch forward and backward (GUIDE.md layout), shared with the Triton kernels'
+# the op's plain-PyTorch forward and backward (the layout), shared with the Triton kernels'
 # fallbacks from below both (NOTE [Kernels are leaves] in slimgrad._math)
 _fwd_torch = _abn.fwd_torch
 _bwd_torch = _abn.bwd_torch
 
 
 def check_activation(api: str, activation: str, activation_param: float) -> None:
-    """Refuse activations that cannot be inverted (GUIDE.md error form)."""
+    """Refuse activations that cannot be inverted (error form)."""
     if not isinstance(activation, str):
         raise TypeError(
             f"slimgrad.{api}: activation must be a str; expected one of {ACTIVATIONS}, got "

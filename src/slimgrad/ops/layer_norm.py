@@ -20,7 +20,7 @@ for dx; NOTE [CPU C kernels] in ``kernels/_cpu.py``), the same bits for any thre
 
 # NOTE [Normalization from its output: the fallback channels]
 Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about
-``eps_dtype * (|xhat| + |beta / gamma|)``, so it is exact to the dtype's rounding (the GUIDE.md
+``eps_dtype * (|xhat| + |beta / gamma|)``, so it is exact to the dtype's rounding (the error
 rule) only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|`` and ``|gamma| >= finfo(dtype).tiny``
 (no subnormal output, no division by 0). Every other channel -- gamma = 0, gamma ~ 0 with a sizeable
 beta, a NaN/inf weight -- is a *fallback* channel: the forward keeps that channel's input column (as
@@ -108,7 +108,7 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     # scratch row, dx, dgamma and dbeta in one sweep over the rows) for contiguous float32 without
     # fallback channels; else the PyTorch path. Same formulas; the precision of each sum (float row
     # sums and dbeta blocks, double dgamma) is what the seed sweeps allowed: 40 seeds x 9 shapes x 5
-    # weight kinds (4,320 gradients) against float64 stayed within the GUIDE.md rule, worst dx 0.33,
+    # weight kinds (4,320 gradients) against float64 stayed within the error rule, worst dx 0.33,
     # dgamma 0.76, dbeta 0.49 of the bound (float dgamma reached 0.97: kept in double).
     from slimgrad.kernels._cpu import threads
 

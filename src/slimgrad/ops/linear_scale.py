@@ -11,7 +11,7 @@ flattened to rows and ``M = g^T x`` (out_features x in_features, one GEMM):
 ``dgamma`` is read off ``M``, which the weight gradient needs anyway, so ``z`` (the Linear's
 output, an activation-sized tensor eager's ``mul`` keeps for gamma's gradient) is not kept. The
 forward computes eager's ops (``linear``, then ``mul`` by gamma) bit for bit; ``dx`` and ``db`` are
-eager's; ``dW`` and ``dgamma`` are sums in another order, within the GUIDE.md rule (``dgamma``'s
+eager's; ``dW`` and ``dgamma`` are sums in another order, within the error rule (``dgamma``'s
 sum over in_features is a batched GEMV, so backward allocates nothing of (out, in) but dW).
 
 Memory: saves x (the Linear's input, usually shared with the activation before it), W, b and

@@ -60,8 +60,8 @@ _mish_fwd, _mish_bwd, _MishFn, _MishInplaceFn = smooth_unary_op(
 def mish(input: Tensor, inplace: bool = False) -> Tensor:
     """Mish ``y = x tanh(softplus(x))`` that keeps its output + 1 bit/elt (+ a sparse exact table).
 
-    Output as ``torch.nn.functional.mish``; the gradient is within eager's own error (GUIDE.md
-    rule).
+    Output as ``torch.nn.functional.mish``; the gradient is within eager's own error
+    (the error rule).
 
     Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
     0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt; eager

@@ -4,7 +4,7 @@ Math: ``qkv = x W^T + b`` split into heads (timm's ``Attention``: ``reshape(B, N
 ``permute(2, 0, 3, 1, 4)``), ``o = softmax(q k^T * scale [+ causal]) v`` by torch's CPU flash
 kernel (what ``F.scaled_dot_product_attention`` runs there), returned as ``(B, H, N, D)``.
 qk and v are two GEMMs over the row blocks of W (on CPU bit for bit the fused one at timm's
-shapes, and within the GUIDE.md rule in any case). Backward recomputes ``v = x W_v^T + b_v`` with
+shapes, and within the error rule in any case). Backward recomputes ``v = x W_v^T + b_v`` with
 the same call (the same bits), runs the kernel's backward, and forms the projection's gradients
 from the kernel's dq, dk, dv blocks without assembling eager's ``(B*N, 3*H*D)`` gradient (dW and
 db as eager's; dx as three accumulated GEMMs, within the rule).

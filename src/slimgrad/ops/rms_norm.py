@@ -20,7 +20,7 @@ An 8-bit (bf16) or 11-bit (fp16) output pins xhat = y / gamma only to half an ul
 sum_rows(dy * xhat) then rounds a second time; eager computes xhat in fp32 from x and rounds once.
 Measured on a seeded grid (25 seeds; 7 RMSNorm shapes from (1, 64) to (64, 512) and 6 GroupNorm
 shapes up to (8, 32, 16, 16); 3 weight kinds; bf16 and fp16): rebuilding from the output broke the
-GUIDE.md rule in 33 of 1,950 cases, all dgamma, by up to 1.73x the bound, from a single row
+error rule in 33 of 1,950 cases, all dgamma, by up to 1.73x the bound, from a single row
 (RMSNorm (1, 64), 1.50x) to GroupNorm (8, 32, 16, 16) (1.56x). The excess is a double rounding
 spread over every element, not confined to ill-conditioned rows or channels, so a per-row or
 per-channel fallback cannot catch it; only more bits of every element can: x itself, or a residual

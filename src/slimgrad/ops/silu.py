@@ -60,8 +60,8 @@ _silu_fwd, _silu_bwd, _SiluFn, _SiluInplaceFn = smooth_unary_op(
 def silu(input: Tensor, inplace: bool = False) -> Tensor:
     """SiLU ``y = x sigmoid(x)`` that keeps its output + 1 bit/elt (+ a sparse exact table).
 
-    Output as ``torch.nn.functional.silu``; the gradient is within eager's own error (GUIDE.md
-    rule).
+    Output as ``torch.nn.functional.silu``; the gradient is within eager's own error
+    (the error rule).
 
     Memory: saves y (shared with the next layer) + 1 bit/elt + 8 B per hard element (float32;
     0.15-0.25 B/elt besides y at N(0, 1)-like inputs); eager saves x (4 B/elt; eager

@@ -7,7 +7,7 @@ ReLU -> leaky_relu(0.01)), against eager PyTorch on the same model with LeakyReL
 Measured here (harness record ``benchmarks/results/resnet50_inplace_abn.jsonl``, CPU 1 thread,
 fp32, torch 2.13, repeat 3): eager saved 651.1 MiB = 2.39x the matmul-input floor (271.9 MiB), peak
 699.0 MiB (the same as with ReLU); converted: saved 275.3 MiB = 1.013x the floor, peak 342.4 MiB =
-0.490x eager (targets <= 1.10x, <= 0.52x); 161 gradients within the GUIDE.md rule. Step time
+0.490x eager (targets <= 1.10x, <= 0.52x); 161 gradients within the error rule. Step time
 1.18x eager (1.17-1.33 over 3 pairs): the stem conv, each block's 1x1 conv1 and conv3 and the
 downsample conv run again in backward (NOTE [Recomputed stem], NOTE [Recomputable inputs]).
 """

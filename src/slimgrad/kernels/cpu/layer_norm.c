@@ -6,7 +6,7 @@
  *   dw = sum_rows(dy * xh), db = sum_rows(dy)
  * Precision, chosen by seed sweeps against float64 (ops/layer_norm.py, _bwd_cpu): the row sums
  * mean(g), mean(g * xh) in float, 16 lanes (element j in lane j % 16; eager's own kernel sums rows
- * in float lanes too), the lanes added in double; dw in double (float sums failed the GUIDE.md rule
+ * in float lanes too), the lanes added in double; dw in double (float sums failed the error rule
  * by too thin a margin: 0.97 of the bound); db in float within a row block (eager sums all rows in
  * float), the blocks in double.
  * Rows are cut into blocks of rows_per_block rows, a number the caller derives from n alone: each
