@@ -243,6 +243,49 @@ def test_inplace_under_compile_and_fp16_autocast_match_eager():
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
 
 
+def _returned(fn):
+    return lambda x: fn(x * 2, 0.3, inplace=True).sin()
+
+
+def _written_then_read(fn):  # the caller reads h again, not the tensor dropout returned
+    def f(x):
+        h = x * 2
+        fn(h, 0.3, inplace=True)
+        return h.sin()
+
+    return f
+
+
+def _view_written(fn):
+    def f(x):
+        h = x * 2
+        fn(h[:, 1:], 0.3, inplace=True)
+        return h.sin()
+
+    return f
+
+
+def _graph_input(fn):  # compiled alone, it receives x * 2 as its input
+    return lambda h: fn(h, 0.3, inplace=True)
+
+
+@pytest.mark.parametrize("case", [_returned, _written_then_read, _view_written, _graph_input])
+def test_inplace_under_compile_matches_eager_gradients(case):
+    # NOTE [In-place Functions under torch.compile]: traced as is, the in-place Function lost its
+    # backward on a graph input (torch 2.13, 2.15) and when the written tensor is read on (2.11)
+    res = []
+    for fn in (dropout, F.dropout):
+        torch._dynamo.reset()
+        f = torch.compile(case(fn), backend="aot_eager") if fn is dropout else case(fn)
+        x = torch.randn(5, 7, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        torch.manual_seed(3)
+        y = f(x * 2) if case is _graph_input else f(x)
+        y.sin().sum().backward()
+        res.append((y.detach(), x.grad))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(res[0][1], res[1][1], rtol=0, atol=0)
+
+
 def test_inplace_on_leaf_requiring_grad_raises_like_eager():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):

@@ -8,6 +8,10 @@ Memory: saves the mask bit-packed, 1/8 B/elt (uint8, ``ceil(n / 8)`` bytes); eag
 mask of the input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUDA.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
+While Dynamo traces, ``inplace=True`` runs the in-place Function on a copy and writes the result
+back with ``copy_`` (the same mask and gradients; the copy is the compiler's memory): traced as
+is, torch 2.13+ dropped its backward on a graph input and torch 2.11 when the caller keeps using
+the written tensor instead of the returned one (NOTE [In-place Functions under torch.compile]).
 
 # NOTE [Dropout masks: drawn like eager, kept as bits]
 The mask is drawn exactly as eager PyTorch draws it, from the global generator of the input's
@@ -267,6 +271,10 @@ def _dropout_train(input: torch.Tensor, p: float, inplace: bool = False) -> torc
     if torch.is_grad_enabled() and input.requires_grad:
         refuse_jit("ops.dropout")
     if inplace:
+        if torch.compiler.is_compiling():
+            # NOTE [In-place Functions under torch.compile] in slimgrad/_autograd.py: the
+            # in-place Function on a copy (eager's in-place draw), written back with copy_
+            return input.copy_(_DropoutInplaceFn.apply(input.clone(), float(p)))
         return _DropoutInplaceFn.apply(input, float(p))
     return _DropoutFn.apply(input, float(p))[0]
 
