@@ -145,6 +145,12 @@ def _to_save(hidden, h):
     return hidden
 
 
+def _cast(t, dtype):
+    # a no-op .to() (the same tensor object) as the Function's output: torch 2.11's Dynamo then
+    # traced backward with a zero incoming gradient (all gradients 0 under torch.compile)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -188,7 +194,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             del w, b, h
             out = loss.sum() / count if reduction == "mean" else loss.sum()
             ctx.save_for_backward(dh, dw, db)
-            return out.to(odt)
+            return _cast(out, odt)
         if triton:
             fwd = _backend.kernels("linear_cross_entropy")._fwd_triton
             loss, lse = fwd(h, w, b, t, ignore_index, eps, chunk)
@@ -198,9 +204,9 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         if reduction == "none":
             out = fresh(loss.to(odt).reshape(target.shape))  # NOTE [Function outputs are not views]
         elif reduction == "sum":
-            out = loss.sum().to(odt)
+            out = _cast(loss.sum(), odt)
         else:
-            out = (loss.sum() / (t != ignore_index).sum()).to(odt)
+            out = _cast(loss.sum() / (t != ignore_index).sum(), odt)
         ctx.save_for_backward(_to_save(hidden, h), weight, bias, target, lse)
         return out
 
