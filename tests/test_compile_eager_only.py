@@ -18,6 +18,7 @@ import torch._dynamo
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
+from slimgrad._compat import parse_version
 from slimgrad._compile import eager_only
 
 K = 12  # wrapped functions: more than recompile_limit
@@ -49,6 +50,11 @@ def _model(wrapped: list):
     return ns["model"]
 
 
+@pytest.mark.skipif(
+    parse_version(torch.__version__)[:2] < (2, 13),
+    reason="torch < 2.13: Dynamo keeps one more cache entry for the skipped wrapper (14 vs 13) "
+    "and its skip() reports 'Bad import result'; a count of Dynamo's, not a result",
+)
 @pytest.mark.parametrize("before_dynamo", [True, False], ids=["made_before_dynamo", "made_after"])
 def test_many_wrapped_functions_compile_without_recompiles(before_dynamo):
     seen: list = []
