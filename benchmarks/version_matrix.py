@@ -132,7 +132,10 @@ def write_table() -> None:
         "`benchmarks/results/version_matrix.jsonl` (do not edit by hand). Each row is a fresh venv",
         "with the listed releases and the project's test suite run on CPU (2 cores). Tests that",
         "depend on a release's internals skip with a reason there; `python -m slimgrad env`",
-        "lists what is turned off on a given installation.",
+        "lists what is turned off on a given installation. The pinned set (`constraints.txt`:",
+        "torch 2.13.0, transformers 5.23.0, triton 3.6.0, timm included) is what `make test` and",
+        "CI run on every change; CI also runs the HF suites under the newest declared",
+        "transformers.",
         "",
         "| row | torch | transformers | triton | Python | what ran | passed | failed | skipped"
         " | commit | date |",
