@@ -179,3 +179,34 @@ def test_hooks_registered_before_conversion_are_kept(make):
     calls.clear()
     model(x)
     assert [k for k, _ in calls] == ["pre"]
+
+
+def test_report_follows_wrappers_made_after_convert():
+    import slimgrad
+
+    model = slimgrad.convert_(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
+    rep = slimgrad.report(model)
+    assert slimgrad.report(torch.compile(model)) is rep
+    assert slimgrad.report(torch.nn.DataParallel(model)) is rep
+    assert slimgrad.report(torch.compile(torch.nn.DataParallel(model))) is rep
+    with pytest.raises(RuntimeError, match="this model was not converted"):
+        slimgrad.report(torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4))))
+
+
+def test_report_follows_a_peft_model():
+    peft = pytest.importorskip("peft")
+    import slimgrad
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.act = torch.nn.GELU()
+
+        def forward(self, x):
+            return self.act(self.fc(x))
+
+    model = slimgrad.convert_(Net())
+    rep = slimgrad.report(model)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["fc"]))
+    assert slimgrad.report(wrapped) is rep

@@ -669,15 +669,37 @@ def _left_alone(model: nn.Module, rep: ConvertReport) -> list[tuple[str, str, st
     return out
 
 
+def _wrapped(model: nn.Module) -> nn.Module | None:
+    # the module a known wrapper holds, else None
+    inner = None
+    if type(model).__name__ == "OptimizedModule":  # torch.compile(model)
+        inner = getattr(model, "_orig_mod", None)
+    elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        inner = model.module
+    elif type(model).__module__.startswith("peft.") and callable(
+        getattr(model, "get_base_model", None)
+    ):
+        inner = model.get_base_model()
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def report(model: nn.Module) -> ConvertReport:
     """The report of the last ``convert_`` on ``model``: what was converted, what was skipped,
     and every module with parameters (or state_dict float buffers) left alone, each with a reason;
     ``print`` it for one line per type and reason.
 
+    Wrappers made after ``convert_`` are followed to the converted model inside: ``torch.compile``'s
+    ``OptimizedModule``, ``DistributedDataParallel``/``DataParallel`` and PEFT's ``PeftModel``
+    (FSDP2's ``fully_shard`` keeps the module itself).
+
     Raises:
         RuntimeError: ``model`` was never converted.
     """
     rep = _REPORTS.get(model)
+    seen = {id(model)}
+    while rep is None and (inner := _wrapped(model)) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        model, rep = inner, _REPORTS.get(inner)
     if rep is None:
         raise RuntimeError(
             "slimgrad.report: this model was not converted; expected a model passed to "
