@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from slimgrad.convert import ConvertConfig, convert_
 from slimgrad.memory import StepMemory, estimate, measure
-from slimgrad.targets import Target
+from slimgrad.targets import Target, hf_target
 from slimgrad.verify import _call
 
 __all__ = [
@@ -666,7 +666,6 @@ def hf_config_target(
             f"got {type(e).__name__}: {' '.join(str(e).split()).rstrip('.')}. Fix the --set "
             "values or the config.json."
         ) from e
-    model_cls = getattr(transformers, head[0])
     kind = head[1]
     vocab = getattr(cfg, "vocab_size", None)
     if kind != "image" and not isinstance(vocab, int):
@@ -675,30 +674,4 @@ def hf_config_target(
             f"{vocab!r}. Pass --set vocab_size=N."
         )
 
-    def build(skip_init: bool = False) -> nn.Module:
-        if skip_init:  # under fake tensors HF's data-dependent init cannot run (as targets.py)
-            from transformers.initialization import no_init_weights
-
-            with no_init_weights():
-                model = model_cls(cfg)
-            model.tie_weights()
-        else:
-            model = model_cls(cfg)
-        return model.train()
-
-    def inputs(batch: int) -> dict:
-        if kind == "causal":
-            ids = torch.randint(0, vocab, (batch, seq))
-            return {"input_ids": ids, "labels": ids, "use_cache": False}
-        if kind == "mlm":
-            ids = torch.randint(0, vocab, (batch, seq))
-            labels = torch.where(torch.rand(batch, seq) < 0.15, ids, torch.full_like(ids, -100))
-            return {"input_ids": ids, "labels": labels}
-        px = getattr(cfg, "image_size", 224)
-        h, w = (px, px) if isinstance(px, int) else tuple(px)
-        return {
-            "pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), h, w),
-            "labels": torch.randint(0, getattr(cfg, "num_labels", 2), (batch,)),
-        }
-
-    return Target(f"hf-config:{spec}", build, inputs, 8 if kind == "image" else 4)
+    return hf_target(f"hf-config:{spec}", cfg, getattr(transformers, head[0]), kind, seq)

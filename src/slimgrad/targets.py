@@ -72,6 +72,40 @@ HF_TARGETS = {
 }
 
 
+def hf_target(label: str, cfg: Any, model_cls: type, kind: str, seq: int) -> Target:
+    """A :class:`Target` for an HF model class and config: ``kind`` is "causal" (labels = ids),
+    "mlm" (15% of positions labelled) or "image" (pixel values and class labels)."""
+    vocab = getattr(cfg, "vocab_size", None)
+
+    def build(skip_init: bool = False) -> nn.Module:
+        if skip_init:  # under fake tensors: HF's data-dependent init (trunc_normal_) cannot run
+            from transformers.initialization import no_init_weights
+
+            with no_init_weights():
+                model = model_cls(cfg)
+            model.tie_weights()  # tying happens during init, which was skipped
+        else:
+            model = model_cls(cfg)
+        return model.train()
+
+    def inputs(batch: int) -> dict:
+        if kind == "causal":
+            ids = torch.randint(0, vocab, (batch, seq))
+            return {"input_ids": ids, "labels": ids, "use_cache": False}
+        if kind == "mlm":
+            ids = torch.randint(0, vocab, (batch, seq))
+            labels = torch.where(torch.rand(batch, seq) < 0.15, ids, torch.full_like(ids, -100))
+            return {"input_ids": ids, "labels": labels}
+        px = getattr(cfg, "image_size", 224)
+        h, w = (px, px) if isinstance(px, int) else tuple(px)
+        return {
+            "pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), h, w),
+            "labels": torch.randint(0, getattr(cfg, "num_labels", 2), (batch,)),
+        }
+
+    return Target(label, build, inputs, 8 if kind == "image" else 4)
+
+
 def _hf(name: str, size: str, seq: int, overrides: dict | None) -> Target:
     try:
         transformers = importlib.import_module("transformers")
@@ -86,38 +120,7 @@ def _hf(name: str, size: str, seq: int, overrides: dict | None) -> Target:
     cfg = getattr(transformers, cfg_name)(**kw)
     if name != "resnet":
         cfg._attn_implementation = "sdpa"  # as measured in the research notes
-    model_cls = getattr(transformers, model_name)
-
-    def build(skip_init: bool = False) -> nn.Module:
-        if skip_init:  # under fake tensors: HF's data-dependent init (trunc_normal_) cannot run
-            from transformers.initialization import no_init_weights
-
-            with no_init_weights():
-                model = model_cls(cfg)
-            model.tie_weights()  # tying happens during init, which was skipped
-        else:
-            model = model_cls(cfg)
-        model.train()
-        return model
-
-    vocab = getattr(cfg, "vocab_size", None)
-
-    def inputs(batch: int) -> dict:
-        if kind == "causal":
-            ids = torch.randint(0, vocab, (batch, seq))
-            return {"input_ids": ids, "labels": ids, "use_cache": False}
-        if kind == "mlm":
-            ids = torch.randint(0, vocab, (batch, seq))
-            labels = torch.where(torch.rand(batch, seq) < 0.15, ids, torch.full_like(ids, -100))
-            return {"input_ids": ids, "labels": labels}
-        size_px = getattr(cfg, "image_size", 224)
-        n_cls = getattr(cfg, "num_labels", 2)
-        return {
-            "pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), size_px, size_px),
-            "labels": torch.randint(0, n_cls, (batch,)),
-        }
-
-    return Target(f"hf:{name}", build, inputs, 4 if kind != "image" else 8)
+    return hf_target(f"hf:{name}", cfg, getattr(transformers, model_name), kind, seq)
 
 
 def _factory(spec: str) -> Target:
