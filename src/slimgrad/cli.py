@@ -182,6 +182,9 @@ def _spread_lines(rec: dict) -> list[str]:
 
 def format_record(rec: dict) -> str:
     """A human-readable summary of one bench record (plain text, aligned)."""
+    if "table" in rec:  # a case with its own runner and summary (host_overhead)
+        tail = [f"record appended to {rec['record_path']}"] if "record_path" in rec else []
+        return "\n".join([f"case {rec['case']} ({rec['device_name']})", rec["table"], *tail])
     e, s = rec["eager"], rec["slimgrad"]
     rows = [
         ("saved MiB", _mib(e.get("saved_bytes")), _mib(s.get("saved_bytes")), rec["saved_ratio"]),
