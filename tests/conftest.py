@@ -17,6 +17,17 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _backend_resolved_per_test():
+    # the process-wide kernel backend is resolved once (NOTE [Kernel backend choice]); a test that
+    # changes $SLIMGRAD_BACKEND (monkeypatch) must not leave its choice to the tests after it
+    from slimgrad.kernels import _backend
+
+    _backend.refresh()
+    yield
+    _backend.refresh()
+
+
 def pytest_configure(config):
     # Keep the suite within 2 cores: each xdist worker uses one intra-op thread.
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -677,6 +677,7 @@ def test_backend_from_environment(monkeypatch):
     eager = _u_mse_loss_gelu(False, torch.float32)
     auto = _u_mse_loss_gelu(True, torch.float32)
     monkeypatch.setenv(_backend.ENV_VAR, "torch")
+    _backend.refresh()  # the variable is read once per process (NOTE [Kernel backend choice])
     ownership.reset_reuse_count()
     plain = _u_mse_loss_gelu(True, torch.float32)
     assert ownership.reuse_count("grad") == 1  # the activation's only

@@ -9,8 +9,18 @@ returns the loaded library or None (then the PyTorch path). The choice, first ma
 
 1. ``backend=`` passed to :func:`use_triton` / :func:`use_cpu` (an op's own argument, if any);
 2. :func:`set_backend` (process-wide; also usable as a context manager);
-3. the environment variable ``SLIMGRAD_BACKEND`` (read on every call);
+3. the environment variable ``SLIMGRAD_BACKEND``, read once: at the first call that needs it, and
+   again only after :func:`set_backend` (any argument, ``None`` included, and when its context
+   manager restores) or :func:`refresh`; a change to the variable in between is not seen;
 4. ``"auto"``.
+
+Decided once: the process-wide name (2-4) is resolved once and kept until :func:`set_backend` or
+:func:`refresh` drops it, so a converted model follows a later ``set_backend`` at its next call;
+a C library is looked up once per stem (``kernels/_cpu.py`` keeps it, or the failure). No call
+reads the environment on the ``"auto"``, ``"torch"`` and ``"cpu"`` paths; a forced ``"triton"`` on
+a CPU tensor checks ``TRITON_INTERPRET`` (the interpreter, tests only). What stays per call is what
+the call's tensor decides: its device and dtype, whether it is fake, and whether torch.compile is
+tracing.
 
 ``"torch"`` always takes the PyTorch path. ``"auto"`` takes Triton for CUDA tensors when triton is
 importable, the C kernels for CPU tensors of the dtypes the op's C file handles when a C compiler
@@ -53,6 +63,7 @@ __all__ = [
     "BACKENDS",
     "get_backend",
     "kernels",
+    "refresh",
     "set_backend",
     "triton_available",
     "use_cpu",
@@ -62,9 +73,12 @@ __all__ = [
 BACKENDS = ("auto", "torch", "triton", "cpu")
 ENV_VAR = "SLIMGRAD_BACKEND"
 
-_state: dict[str, str | None] = {"backend": None}
+_state: dict[str, str | None] = {"backend": None}  # set_backend's name, None: not set
 _found: dict[str, bool] = {}
-_env_seen: list = [None, None]  # the last $SLIMGRAD_BACKEND value read and its parsed name
+# the process-wide name in force (set_backend's, else $SLIMGRAD_BACKEND's, else "auto"), resolved
+# once; None: resolve at the next call (NOTE [Kernel backend choice], "Decided once")
+_resolved: list[str | None] = [None]
+_UNSET = object()
 
 
 def _check(backend: str, source: str) -> str:
@@ -96,20 +110,25 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _resolve() -> str:
+    b = _state["backend"]
+    if b is None:
+        env = os.environ.get(ENV_VAR)
+        b = _check(env, f"${ENV_VAR}") if env else "auto"
+    _resolved[0] = b
+    return b
+
+
 def get_backend() -> str:
     """The backend in force when no per-call ``backend`` is given: :func:`set_backend`, else
-    ``$SLIMGRAD_BACKEND``, else ``"auto"``."""
-    b = _state["backend"]
-    if b is not None:
-        return b
-    env = os.environ.get(ENV_VAR)
-    if env:
-        if env == _env_seen[0]:  # read on every call, parsed once per value
-            return _env_seen[1]
-        b = _check(env, f"${ENV_VAR}")
-        _env_seen[:] = [env, b]
-        return b
-    return "auto"
+    ``$SLIMGRAD_BACKEND`` (read once, NOTE [Kernel backend choice]), else ``"auto"``."""
+    return _resolved[0] or _resolve()
+
+
+def refresh() -> None:
+    """Forget the resolved process-wide backend: the next call reads :func:`set_backend`'s setting
+    and ``$SLIMGRAD_BACKEND`` again (after changing the variable inside a running process)."""
+    _resolved[0] = None
 
 
 class _Restore(contextlib.AbstractContextManager):
@@ -118,10 +137,12 @@ class _Restore(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         _state["backend"] = self._old
+        _resolved[0] = None
 
 
 def set_backend(backend: str | None) -> contextlib.AbstractContextManager:
-    """Set the process-wide backend (``None``: back to ``$SLIMGRAD_BACKEND`` / ``"auto"``).
+    """Set the process-wide backend (``None``: back to ``$SLIMGRAD_BACKEND``, read again, or
+    ``"auto"``). Models converted before follow it from their next call.
 
     Returns a context manager that restores the previous setting, so both forms work::
 
@@ -134,10 +155,13 @@ def set_backend(backend: str | None) -> contextlib.AbstractContextManager:
     """
     old = _state["backend"]
     _state["backend"] = None if backend is None else _check(backend, "backend")
+    _resolved[0] = None  # resolved again at the next call (and $SLIMGRAD_BACKEND read again)
     return _Restore(old)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_get_dispatch_mode = torch._C._get_dispatch_mode
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -152,7 +176,7 @@ def _is_fake(t: torch.Tensor) -> bool:
             return True
     # a real tensor inside an active FakeTensorMode (allow_non_fake_inputs, e.g. a gradient handed
     # to slimgrad.memory.estimate): what the kernel would write next to it is fake, so no kernel
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    return _get_dispatch_mode(_FAKE_MODE_KEY) is not None
 
 
 def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True) -> bool:
@@ -171,11 +195,11 @@ def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True
     """
     if torch.compiler.is_compiling():  # first: dynamo then traces nothing else here
         return False
-    b = get_backend() if backend is None else _check(backend, "backend")
-    if b in ("torch", "cpu") or _is_fake(x):
+    b = (_resolved[0] or _resolve()) if backend is None else _check(backend, "backend")
+    if b == "auto":  # a CPU tensor (the common case) answers without the fake check
+        return auto and x.is_cuda and triton_available() and not _is_fake(x)
+    if b != "triton" or _is_fake(x):
         return False
-    if b == "auto":
-        return auto and x.is_cuda and triton_available()
     if not triton_available():
         raise RuntimeError(
             "slimgrad.kernels: backend 'triton' was forced but triton is not installed; expected "
@@ -223,15 +247,15 @@ def use_cpu(
     """
     if torch.compiler.is_compiling():
         return None
-    b = get_backend() if backend is None else _check(backend, "backend")
-    if b not in ("auto", "cpu") or not x.is_cpu or x.dtype not in dtypes:
+    b = (_resolved[0] or _resolve()) if backend is None else _check(backend, "backend")
+    if (b != "auto" and b != "cpu") or not x.is_cpu or x.dtype not in dtypes or _is_fake(x):
         return None
-    if _is_fake(x):
-        return None
-    _cpu = sys.modules.get("slimgrad.kernels._cpu") or importlib.import_module(
-        "slimgrad.kernels._cpu"
-    )
-
+    _cpu = sys.modules.get("slimgrad.kernels._cpu")
+    if _cpu is None:
+        _cpu = importlib.import_module("slimgrad.kernels._cpu")
+    lib = _cpu._libs.get(stem, _UNSET)  # built or failed once per stem (NOTE [CPU C kernels])
+    if lib is not None and lib is not _UNSET:
+        return lib
     if b == "cpu":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
