@@ -66,12 +66,20 @@ def _dtensor_class() -> type | None:
     return getattr(mod, "DTensor", None) if mod is not None else None
 
 
+_CLS: list[type] = []  # the DTensor class, kept once its module has defined it
+
+
 def any_dtensor(*tensors: object) -> bool:
     """Whether any of ``tensors`` is a DTensor: the guard of every call site."""
-    # is_dtensor's answer for each, in one module lookup (this runs on every op call)
-    cls = _dtensor_class()
-    if cls is None:
-        return False
+    # is_dtensor's answer for each; the class is looked up until it exists, then kept (this runs
+    # on every op call)
+    if _CLS:
+        cls = _CLS[0]
+    else:
+        cls = _dtensor_class()
+        if cls is None:
+            return False
+        _CLS.append(cls)
     for t in tensors:
         if isinstance(t, cls):
             return True

@@ -47,8 +47,13 @@ from torch.nn.modules import module as _module
 
 
 def foreign(hooks: dict) -> bool:
+    if not hooks:  # the common case: no hook at all, answered without a generator
+        return False
     return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
 
 
 def forward_hooked(m: torch.nn.Module) -> bool:
-    return foreign(m._forward_hooks) or foreign(_module._global_forward_hooks)
+    own, glob = m._forward_hooks, _module._global_forward_hooks
+    if not own and not glob:  # checked on every call: hooks come and go after convert_
+        return False
+    return foreign(own) or foreign(glob)

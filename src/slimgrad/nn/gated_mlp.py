@@ -36,6 +36,9 @@ from slimgrad.ops.gated_mlp import gated_mlp, gated_mlp_fused, glu, glu_linear
 __all__ = ["GatedMLP", "activation_of"]
 
 
+_TYPE_NAMES: dict[type, str] = {}  # a class's full name, built once per class (every call asks)
+
+
 def activation_of(act: object) -> str | None:
     """The :mod:`slimgrad.ops.gated_mlp` activation that ``act(x)`` computes bit for bit, or
     None: ``'silu'`` (``nn.SiLU``, HF ``SiLUActivation``), ``'gelu'`` (``nn.GELU()``, HF
@@ -45,7 +48,9 @@ def activation_of(act: object) -> str | None:
     if not isinstance(act, nn.Module) or "forward" in act.__dict__:
         return None
     t = type(act)
-    name = f"{t.__module__}.{t.__qualname__}"
+    name = _TYPE_NAMES.get(t)
+    if name is None:
+        name = _TYPE_NAMES[t] = f"{t.__module__}.{t.__qualname__}"
     if name in ("torch.nn.modules.activation.SiLU", "slimgrad.nn.silu.SiLU"):
         return "silu"
     if name in ("torch.nn.modules.activation.GELU", "slimgrad.nn.gelu.GELU"):
@@ -67,27 +72,30 @@ def activation_of(act: object) -> str | None:
 
 
 def _hooked(m: nn.Module) -> bool:
-    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-    return any(foreign(h) for h in hooks)
+    f, fp, b, bp = m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks
+    if not (f or fp or b or bp):  # the common case, without a generator per dict
+        return False
+    return foreign(f) or foreign(fp) or foreign(b) or foreign(bp)
 
 
 def _global_hooks() -> bool:
-    return any(
-        foreign(h)
-        for h in (
-            _module._global_forward_hooks,
-            _module._global_forward_pre_hooks,
-            _module._global_backward_hooks,
-            _module._global_backward_pre_hooks,
-        )
-    )
+    f, fp = _module._global_forward_hooks, _module._global_forward_pre_hooks
+    b, bp = _module._global_backward_hooks, _module._global_backward_pre_hooks
+    if not (f or fp or b or bp):
+        return False
+    return foreign(f) or foreign(fp) or foreign(b) or foreign(bp)
+
+
+_LINEARS: list[tuple[type, ...]] = []  # (nn.Linear, slimgrad.nn.Linear), imported at first use
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    import slimgrad.nn.linear as snl
+    if not _LINEARS:
+        import slimgrad.nn.linear as snl
 
+        _LINEARS.append((nn.Linear, snl.Linear))
     return (
-        type(m) in (nn.Linear, snl.Linear)
+        type(m) in _LINEARS[0]
         and "forward" not in m.__dict__
         and m.weight.dim() == 2
         and not _hooked(m)
