@@ -858,6 +858,18 @@ def _snapshot(
 # runs their PyTorch path. Call-time checks that depend on the device (the HF attention's device
 # rule) see CUDA through ``convert_handlers.device_rule.stands_for``.
 
+#
+# NOTE [Routing in backward]
+# A torch-function mode is popped while its own handler runs, and ``out.backward()`` reaches the
+# engine through the modes' handlers (``Tensor.backward`` is overridable): called plainly, the
+# whole backward ran without the routing above. A checkpointed region (``torch.utils.checkpoint``
+# non-reentrant, HF ``gradient_checkpointing_enable``) recomputes its forward in backward, so its
+# recompute ran CPU's SDPA and dropout where its forward had run CUDA's and saved a different
+# number of tensors ("CheckpointError: A different number of tensors was saved"; the estimate
+# failed for every checkpointed model with attention or dropout). So ``_CudaFunctions`` runs
+# ``Tensor.backward`` itself, with the mode pushed back: ``autograd.backward``'s steps
+# (``_make_grads``, then the engine), and the recompute is routed as the forward was.
+
 #: devices ``estimate`` models: ``cpu`` (the kernels of the running PyTorch) and ``cuda``
 DEVICES = ("cpu", "cuda")
 
@@ -939,11 +951,25 @@ def _cuda_dropout(input, p=0.5, training=True, inplace=False):
     return None
 
 
+def _backward_here(t, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    # ``Tensor.backward`` past its torch-function check: autograd.backward's own steps
+    grads = torch.autograd._make_grads((t,), (gradient,), is_grads_batched=False)
+    if retain_graph is None:
+        retain_graph = create_graph
+    torch.autograd.graph._engine_run_backward(
+        (t,), grads, retain_graph, create_graph, (), allow_unreachable=True, accumulate_grad=True
+    )
+
+
 class _CudaFunctions(torch.overrides.TorchFunctionMode):
     # routes the Python-level ops whose CUDA kernel keeps something else (NOTE [Estimating what
     # CUDA kernels keep])
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.backward and kwargs.get("inputs") is None:
+            # NOTE [Routing in backward]
+            with self:
+                return _backward_here(*args, **kwargs)
         if func is torch.nn.functional.scaled_dot_product_attention:
             return _cuda_sdpa(*args, **kwargs)
         if func is torch.nn.functional.dropout or func is torch.dropout:
