@@ -34,7 +34,13 @@ from __future__ import annotations
 import torch
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
 from slimgrad._library import custom_op
 from slimgrad._math.dropout import noise_scale, noise_scale_value
 from slimgrad.kernels import _backend
@@ -68,9 +74,16 @@ def _c_signatures(C):
 
 
 def _c_fns(lib):
-    from slimgrad.kernels._cpu import functions
+    fns = getattr(lib, "_slimgrad_fns", None)  # bound once per library (kernels/_cpu.functions)
+    if fns is None:
+        from slimgrad.kernels._cpu import functions
 
-    return functions(lib, _c_signatures)
+        fns = functions(lib, _c_signatures)
+    return fns
+
+
+# kernels/_cpu.threads() without its frame: torch's thread count (never below 1)
+_nthreads = torch.get_num_threads
 
 
 def _c_lib(t: torch.Tensor):
@@ -81,12 +94,12 @@ def _c_lib(t: torch.Tensor):
 
 
 def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
-    from slimgrad.kernels._cpu import threads
-
-    bits = torch.empty(packed_numel(x.numel()), dtype=torch.uint8)
+    n = x.numel()
+    bits = torch.empty((n + 7) // 8, dtype=torch.uint8)  # packed_numel(n)
     scale = noise_scale_value(p, x.dtype, x.device)
+    # the thread count as kernels/_cpu.threads() gives it (torch's own, at least 1)
     _c_fns(lib)["fwd"](
-        noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), x.numel(), scale, threads()
+        noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), n, scale, _nthreads()
     )
     return bits
 
@@ -96,7 +109,7 @@ def _fused(x: torch.Tensor) -> bool:
 
 
 def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if _fused(x):  # eager's CUDA path
+    if x.device.type != "cpu":  # _fused(x): eager's CUDA path
         out, mask = torch.native_dropout(x, p, True)
         return out, pack_bits(mask)
     # eager's CPU path, op for op (native_dropout's x * m * scale differs in the last bit for
@@ -130,12 +143,10 @@ def _apply_mask_torch(
     # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
     lib = None if fused else _c_lib(g)
     if lib is not None:  # (g * m) * s == m ? g * s : g * 0, the same rounding, one pass
-        from slimgrad.kernels._cpu import threads
-
         out = g if inplace else torch.empty_like(g)
         scale = noise_scale_value(p, g.dtype, g.device)
         _c_fns(lib)["bwd"](
-            g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, threads()
+            g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads()
         )
         return out
     mask = unpack_bits(bits, g.shape)
@@ -155,8 +166,9 @@ _bwd_torch = _apply_mask_torch
 
 
 def _kernels(t: torch.Tensor):
-    # the Triton kernels when chosen (NOTE [Kernel backend choice]) and they take t, else None
-    if not _backend.use_triton(t, auto=False):
+    # the Triton kernels when chosen (NOTE [Kernel backend choice]) and they take t, else None.
+    # auto=False: only a forced "triton" picks them, so any other process-wide name answers at once
+    if _backend.get_backend() != "triton" or not _backend.use_triton(t, auto=False):
         return None
     k = _backend.kernels("dropout")
     return k if k.supports(t) else None
@@ -233,6 +245,9 @@ class _DropoutFn(torch.autograd.Function):
         return _backward(grad, bits, ctx.p, ctx.fused, owned), None
 
 
+_DROPOUT_APPLY = direct_apply(_DropoutFn)
+
+
 class _DropoutInplaceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float):
@@ -276,7 +291,11 @@ def _dropout_train(input: torch.Tensor, p: float, inplace: bool = False) -> torc
             # in-place Function on a copy (eager's in-place draw), written back with copy_
             return input.copy_(_DropoutInplaceFn.apply(input.clone(), float(p)))
         return _DropoutInplaceFn.apply(input, float(p))
-    return _DropoutFn.apply(input, float(p))[0]
+    if torch.compiler.is_compiling():  # Dynamo traces Function.apply
+        return _DropoutFn.apply(input, float(p))[0]
+    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py (the caller,
+    # dropout(), has already taken eager's op under torch.func transforms)
+    return _DROPOUT_APPLY(unwrap_if_dead(input), float(p))[0]
 
 
 def dropout(
