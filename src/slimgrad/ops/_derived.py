@@ -61,10 +61,12 @@ those norms keeping their input the peak is 0.574x eager (0.465x replaying) and 
 per step 1.05x eager (1.22x replaying; both with NOTE [A stand-in for x] in ops/conv.py; median
 of 4 interleaved pairs, 1 thread, on a loaded box).
 
-Limitation: the BatchNorm keeps its switchable slot as ctx attributes (``save_for_backward`` cannot
-be changed after forward), which saved-tensor hooks do not see. Inside ``torch.utils.checkpoint``
-(non-reentrant) or ``save_on_cpu`` regions they would be kept on device for the whole step, so
-there the op takes eager's path (``ops/batch_norm.py``), keeping what eager keeps.
+Under saved-tensor hooks: the BatchNorm keeps its switchable slot as ctx attributes
+(``save_for_backward`` cannot be changed after forward), which saved-tensor hooks do not see. So
+inside a ``torch.utils.checkpoint`` (non-reentrant), ``save_on_cpu`` or other hooks region it
+decides at forward and saves through ``save_for_backward``: x, or a recipe's input where that is
+smaller than x, and it registers nothing to claim (NOTE [Under saved-tensor hooks] in
+``ops/batch_norm.py``).
 
 # NOTE [Rebuilt once per backward]
 Several nodes may rebuild the same tensor from one kept base b in one backward: in an

@@ -53,6 +53,10 @@ worst case is bounded: each b_i is one rounding away from its value (|error| <= 
 and Σ dy (b - mean(b)) is summed in float64 and divided once, so per channel
 |dγ - dγ64| <= (the rule's bound) + u Σ_i |dy_i| |b_i| / |γ|, measured at most 0.51 of that last
 term (tests/ops/test_bn_act_adversarial.py, test_dgamma_bound_for_gradient_along_output_rounding).
+Inside a saved_tensors_hooks region (save_on_cpu, offloading, non-reentrant checkpointing) what
+is kept full-size goes through save_for_backward, decided at forward: x, or the input of x's 1x1
+conv where that is smaller (re-run in backward), never b (NOTE [Under saved-tensor hooks]); eval
+with frozen γ, β keeps nothing full-size there too.
 """
 
 from __future__ import annotations
@@ -222,7 +226,62 @@ def _release(ctx) -> None:
     ctx.released = True
 
 
+def _kept_nothing(ctx) -> bool:
+    # nothing full-size kept: eval with a frozen affine, or training where only β needs a gradient
+    return ctx.x is None and ctx.recipe is None and ctx.b is None and not ctx.saved_x
+
+
+# NOTE [Under saved-tensor hooks]
+# saved_tensors_hooks (save_on_cpu, torchtune-style offloading, non-reentrant checkpointing and its
+# recompute) see only what goes through save_for_backward, and see it when forward returns; the
+# switchable slot (_Source.keep_output swaps x for b after forward) cannot be packed then. So
+# inside such a region a call decides at forward, once, and saves through save_for_backward: the
+# input x (as eager), or, where x has a recipe (NOTE [Recomputable inputs] in ops/_derived.py)
+# whose full-size ingredient is smaller than x (ResNet's bn3 after its 1x1 conv3: a quarter of
+# x), that ingredient, and re-runs the conv on it in backward (bit for bit, as the recipe does;
+# the conv's weight and bias are Parameters, kept as attributes and version-checked, not packed,
+# as eager's BatchNorm does not pack them). A recipe that rebuilds a derived input (a
+# Rebuild handle) is not used here: x is saved. Nothing is registered for a following
+# activation to claim (its claim would swap the slot after forward). Eval with γ, β frozen saves
+# nothing full-size, as outside hooks. The number of saved tensors depends only on the call's
+# arguments and the model's structure, so a checkpoint's recompute saves as many as its forward.
+def _save_under_hooks(ctx, x: torch.Tensor, policy: str) -> None:
+    kept = x
+    recipe = _derived.lookup_recipe(x, policy)
+    if recipe is not None:
+        k = recipe.tensors[0]
+        if (
+            recipe.rebuild is None
+            and k is not None
+            and k.numel() * k.element_size() < x.numel() * x.element_size()
+        ):
+            # the closure holds no tensor; its parameters are held here, not the Recipe (whose
+            # aliases would keep k on the device beside its packed copy)
+            ctx.recipe_fn = recipe.fn
+            ctx.recipe_params = recipe.tensors[1:]
+            ctx.recipe_versions = recipe.versions[1:]
+            kept = k
+        else:
+            recipe.drop()
+    ctx.saved_x = True
+    ctx.save_for_backward(kept)
+
+
+def _saved_input(ctx) -> torch.Tensor:
+    # NOTE [Under saved-tensor hooks]: x from what save_for_backward kept (unpacked by the hooks)
+    (k,) = ctx.saved_tensors
+    if ctx.recipe_fn is None:
+        return k
+    for t, v in zip(ctx.recipe_params, ctx.recipe_versions):
+        if t is not None:
+            _derived.check_version(t, v, "tensor kept to recompute a normalisation input")
+    with torch.no_grad():
+        return ctx.recipe_fn(k, *ctx.recipe_params)
+
+
 def _input(ctx) -> torch.Tensor:
+    if ctx.saved_x:
+        return _saved_input(ctx)
     if ctx.x is not None:
         _derived.check_version(ctx.x, ctx.x_version, "batch_norm input")
         return ctx.x
@@ -236,7 +295,18 @@ class _BatchNormFn(torch.autograd.Function):
     # graph.
     @staticmethod
     def forward(
-        ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, holder, recompute
+        ctx,
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+        holder,
+        recompute,
+        hooked,
     ):
         out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
             x, weight, bias, running_mean, running_var, training, momentum, eps
@@ -245,6 +315,9 @@ class _BatchNormFn(torch.autograd.Function):
         ctx.training, ctx.eps, ctx.released = training, eps, False
         ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = None
         ctx.x_version = ctx.b_version = 0
+        # NOTE [Under saved-tensor hooks]: what this call keeps full-size went through
+        # save_for_backward (x, or its recipe's input), rebuilt by ctx.recipe_fn if set
+        ctx.saved_x, ctx.recipe_fn = False, None
         ctx.weight_v = weight.detach().clone() if weight is not None else None
         ctx.bias_v = bias.detach().clone() if bias is not None else None
         # the parameters themselves and their versions: the keys of _BAD
@@ -267,7 +340,9 @@ class _BatchNormFn(torch.autograd.Function):
             ctx.save_invstd = torch.rsqrt(running_var.to(save_mean.dtype) + eps)
             keep_x = need_w
         ctx.recipe = None
-        if keep_x:
+        if keep_x and hooked:
+            _save_under_hooks(ctx, x, recompute)
+        elif keep_x:
             recipe = _derived.lookup_recipe(x, recompute)
             if recipe is not None:
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
@@ -281,7 +356,7 @@ class _BatchNormFn(torch.autograd.Function):
     def _double(ctx, grad):
         _check_not_released(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.x is None and ctx.recipe is None and ctx.b is None:
+        if _kept_nothing(ctx):
             # eval with a frozen affine (dx = dy * γ * invstd: constants) or bias-only training
             out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
         else:
@@ -305,7 +380,7 @@ class _BatchNormFn(torch.autograd.Function):
             out = tuple(grads.pop(0) if n else None for _, n in pairs)
         if _keep_graph is not None and not _keep_graph():
             _release(ctx)
-        return out + (None,) * 7
+        return out + (None,) * 8
 
     @staticmethod
     def backward(ctx, grad):
@@ -314,7 +389,7 @@ class _BatchNormFn(torch.autograd.Function):
         buf = ownership.take(grad) if _c_may_write_dx(ctx) else None
         _check_not_released(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.x is None and ctx.recipe is None and ctx.b is None:
+        if _kept_nothing(ctx):
             # Nothing full-size kept: eval with a frozen affine, or training where only the bias
             # needs a gradient (dx and dγ would have kept x).
             out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
@@ -336,8 +411,8 @@ class _BatchNormFn(torch.autograd.Function):
         if _keep_graph is not None and not _keep_graph():
             _release(ctx)
         gx, gw, gb = out
-        # one gradient per forward argument (x, weight, bias; 7 non-differentiable ones)
-        return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 7
+        # one gradient per forward argument (x, weight, bias; 8 non-differentiable ones)
+        return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 8
 
 
 _BatchNormFn.backward = staticmethod(
@@ -724,11 +799,6 @@ def batch_norm(
         or input.numel() == 0
         or torch.compiler.is_compiling()
         or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
-        # saved_tensors_hooks (non-reentrant checkpoint and its recompute, selective checkpoint,
-        # save_on_cpu) pack what save_for_backward saves; this op keeps ctx attributes they never
-        # see, so inside such a region it would keep x for the whole step (NOTE [Recomputable
-        # inputs], Limitation, in ops/_derived.py)
-        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
         # a 16-bit output in training keeps x (_Source.keep_output): unless x has a recipe,
         # eager's op keeps exactly that, without this op's O(C) copies of γ and β
         or (
@@ -744,6 +814,9 @@ def batch_norm(
         )
     _check_channels(input, running_mean, running_var, weight, bias)  # eager's checks F does
     refuse_jit("ops.batch_norm")
+    # NOTE [Under saved-tensor hooks]: inside a hooks region, decided at forward and saved through
+    # save_for_backward
+    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     holder: list = []
     anchor = make_anchor(input)
     # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
@@ -759,6 +832,7 @@ def batch_norm(
         eps,
         holder,
         recompute_input,
+        hooked,
     )
     attach_anchor(out, anchor)
     if training and holder:
