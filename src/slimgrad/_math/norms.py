@@ -85,8 +85,11 @@ def _key(t: torch.Tensor | None):
     return (t.data_ptr(), t._version, t.dtype, t.shape, t.stride(), t.device)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _cacheable(t: torch.Tensor | None) -> bool:
-    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_inference())
+    return t is None or (type(t) in _PLAIN and not t.is_inference())
 
 
 def _fresh(idx: torch.Tensor) -> torch.Tensor:
@@ -109,10 +112,21 @@ def fallback_channels(
     if type(ref) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(ref):
         # Fake weights have no values (slimgrad.memory.estimate): assume no fallback channel.
         return torch.empty(0, dtype=torch.int64, device=ref.device)
-    if not (_cacheable(weight) and _cacheable(bias)) or torch.compiler.is_compiling():
+    # _cacheable and _key for both, inline (every norm call comes here)
+    w_key = b_key = None
+    if weight is not None:
+        if type(weight) not in _PLAIN or weight.is_inference():
+            return _find_fallback_channels(weight, bias, out_dtype)
+        w_key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape, weight.stride())
+        w_key += (weight.device,)
+    if bias is not None:
+        if type(bias) not in _PLAIN or bias.is_inference():
+            return _find_fallback_channels(weight, bias, out_dtype)
+        b_key = (bias.data_ptr(), bias._version, bias.dtype, bias.shape, bias.stride(), bias.device)
+    if torch.compiler.is_compiling():
         return _find_fallback_channels(weight, bias, out_dtype)
     # + optimizer steps (NOTE [Steps that skip the version counter] in _math/steps.py)
-    key = (_key(weight), _key(bias), out_dtype, epoch())
+    key = (w_key, b_key, out_dtype, epoch())
     slot = id(ref)
     hit = _FB_CACHE.get(slot)
     if hit is not None and hit[0]() is ref and hit[1] == key:

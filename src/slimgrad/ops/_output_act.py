@@ -204,14 +204,13 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args)
         out = y.permute(_inverse_perm(perm)).detach()
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing (unbacked
     # sizes) except for the few-element rule (NOTE [Few elements]), so kept then
+    compiling = torch.compiler.is_compiling()
     dense = few_elements(x) or (
-        not torch.compiler.is_compiling()
-        and not _unbacked(xs)
-        and is_dense_fallback(x.numel(), bits, idx, xs)
+        not compiling and not _unbacked(xs) and is_dense_fallback(x.numel(), bits, idx, xs)
     )
     # xs replaced by x itself (NOTE above); not while compiling, where in place runs as this
     # out-of-place Function + copy_ into x (smooth_apply): the copy xs is kept then
-    ctx.dense_x = dense and not inplace and not torch.compiler.is_compiling()
+    ctx.dense_x = dense and not inplace and not compiling
     ctx.y_is_x = inplace
     if inplace:  # x holds y now: kept instead of y (no second copy); read as x.permute(perm)
         x.copy_(out)
@@ -292,11 +291,22 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
     the side info; so while compiling, ``inplace=True`` costs a temporary y and keeps it:
     documented.)
     """
-    if not inplace:
-        return fn_out.apply(x, *args)[0]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # Dynamo traces Function.apply
+        if not inplace:
+            return fn_out.apply(x, *args)[0]
         return x.copy_(fn_out.apply(x, *args)[0])
-    return fn_inplace.apply(x, *args)
+    if torch._C._are_functorch_transforms_active():  # the callers take eager's op then; kept safe
+        return fn_out.apply(x, *args)[0] if not inplace else fn_inplace.apply(x, *args)
+    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
+    fn = fn_inplace if inplace else fn_out
+    apply = _DIRECT.get(fn)
+    if apply is None:
+        apply = _DIRECT[fn] = _autograd.direct_apply(fn)
+    out = apply(_autograd.unwrap_if_dead(x), *args)
+    return out if inplace else out[0]
+
+
+_DIRECT: dict[type, Callable] = {}  # each smooth Function's C apply, bound once
 
 
 def _unbacked(t: torch.Tensor) -> bool:
@@ -446,16 +456,17 @@ def _c_signatures(C):
 
 
 def _c_fns(lib):
-    from slimgrad.kernels._cpu import functions
+    fns = getattr(lib, "_slimgrad_fns", None)  # bound once per library (kernels/_cpu.functions)
+    if fns is None:
+        from slimgrad.kernels._cpu import functions
 
-    return functions(lib, _c_signatures)
+        fns = functions(lib, _c_signatures)
+    return fns
 
 
 def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
     """:func:`smooth_fwd` for float32 CPU tensors with the C kernels of ``lib``: y from ``fwd``
     (eager's own kernel), then one pass for bits, zone and hard counts, one to collect them."""
-    from slimgrad.kernels._cpu import threads
-
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or spec.c_act < 0:
         return smooth_fwd(spec, x, fwd, fallback)
     fns = _c_fns(lib)
@@ -463,7 +474,7 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
     w, tail = _window(spec, x.dtype)
     flat = x.reshape(-1).contiguous()
     n = flat.numel()
-    nt = threads()
+    nt = torch.get_num_threads()  # kernels/_cpu.threads(): torch's count, never below 1
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
     y = fwd(flat).contiguous()
     bits = torch.empty(packed_numel(n), dtype=torch.uint8)
@@ -518,8 +529,6 @@ def smooth_grad_c(
 ) -> torch.Tensor:
     """:func:`smooth_grad` with the C kernel of ``lib`` (float32 CPU), into ``out`` if given (a
     dead buffer shaped like ``g``, possibly ``g`` itself: NOTE [Gradient-buffer ownership])."""
-    from slimgrad.kernels._cpu import threads
-
     n = g.numel()
     if (
         y is None
@@ -545,7 +554,7 @@ def smooth_grad_c(
     sc_r, sc_l = _byte_scales(inv, byte_scale)
     _c_fns(lib)["smooth_bwd_f32"](
         gf.data_ptr(), yf.data_ptr(), bits.data_ptr(), tab.data_ptr(), of.data_ptr(), n, _TABLE_N,
-        y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, threads(),
+        y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, torch.get_num_threads(),
     )  # fmt: skip
     if gh is not None:
         of.index_copy_(0, idx.long(), bwd_exact(gh, xs))

@@ -110,15 +110,14 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     # sums and dbeta blocks, double dgamma) is what the seed sweeps allowed: 40 seeds x 9 shapes x 5
     # weight kinds (4,320 gradients) against float64 stayed within the error rule, worst dx 0.33,
     # dgamma 0.76, dbeta 0.49 of the bound (float dgamma reached 0.97: kept in double).
-    from slimgrad.kernels._cpu import threads
-
     lib = _backend.use_cpu(y, "layer_norm")
-    params = [t for t in (weight, bias) if t is not None]
+    f32 = torch.float32
     if (
         lib is None
         or idx.numel()
-        or not (dy.is_contiguous() and y.is_contiguous() and dy.dtype == torch.float32)
-        or any(t.dtype != torch.float32 for t in params)
+        or not (dy.is_contiguous() and y.is_contiguous() and dy.dtype == f32)
+        or (weight is not None and weight.dtype != f32)
+        or (bias is not None and bias.dtype != f32)
         or (out is not None and not out.is_contiguous())
     ):
         return _bwd_torch(
@@ -128,8 +127,8 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     n = y.numel() // max(d, 1)
     need_dx, need_dw = bool(output_mask[0]), weight is not None and bool(output_mask[1])
     need_db = bias is not None and bool(output_mask[2])
-    nt = threads()
-    rpb = rows_per_block(n)
+    nt = torch.get_num_threads()  # kernels/_cpu.threads(): torch's count, never below 1
+    rpb = max(C_MIN_BLOCK_ROWS, -(-n // C_MAX_BLOCKS))  # rows_per_block(n)
     nblk = -(-n // rpb)
     # hold every buffer in a variable until the call returns (NOTE [CPU C kernels])
     r = rstd.reshape(n).contiguous()
@@ -141,18 +140,16 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     scratch = torch.empty((nt, 2, d), dtype=torch.float32)
     parts = torch.empty((int(need_dw) + int(need_db), nblk, d), dtype=torch.float64)
 
-    def ptr(t):
-        return t.data_ptr() if t is not None else None
-
-    _c_fns(lib)["bwd"](
+    fns = getattr(lib, "_slimgrad_fns", None) or _c_fns(lib)  # bound once per library
+    fns["bwd"](
         dy.data_ptr(),
         y.data_ptr(),
         r.data_ptr(),
-        ptr(w),
-        ptr(b),
-        ptr(dx),
-        ptr(dw),
-        ptr(db),
+        None if w is None else w.data_ptr(),
+        None if b is None else b.data_ptr(),
+        None if dx is None else dx.data_ptr(),
+        None if dw is None else dw.data_ptr(),
+        None if db is None else db.data_ptr(),
         scratch.data_ptr(),
         parts[0].data_ptr() if need_dw else None,
         parts[int(need_dw)].data_ptr() if need_db else None,
@@ -492,19 +489,30 @@ def layer_norm(
 
 
 def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tensor:
+    # the caller has taken eager's op under torch.func transforms (transforms_active())
     if input.dtype in HALF_DTYPES:  # eager's: exact dgamma needs x (module docstring, Limits)
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
-    refuse_jit("ops.layer_norm")
-    anchor = make_anchor(input)
-    if torch.compiler.is_compiling():  # Dynamo traces Function.apply
-        y = _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
-    else:  # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
-        y = _LN_APPLY(
-            unwrap_if_dead(input),
-            normalized_shape,
-            None if weight is None else unwrap_if_dead(weight),
-            None if bias is None else unwrap_if_dead(bias),
-            eps,
-        )[0]
-    attach_anchor(y, anchor)
+    if torch.compiler.is_compiling():  # Dynamo traces Function.apply; no anchor (make_anchor)
+        refuse_jit("ops.layer_norm")
+        return _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
+    if _is_tracing():  # torch.jit.is_tracing() in eager Python (Dynamo cannot trace this one)
+        refuse_jit("ops.layer_norm")
+    # make_anchor's eager case, inline (no transform, not compiling): one per recorded forward
+    anchor = None
+    if input.requires_grad and torch.is_grad_enabled():
+        box: list = []
+        anchor = _ANCHOR_APPLY(unwrap_if_dead(input), box), box
+    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
+    y = _LN_APPLY(
+        unwrap_if_dead(input),
+        normalized_shape,
+        None if weight is None else unwrap_if_dead(weight),
+        None if bias is None else unwrap_if_dead(bias),
+        eps,
+    )[0]
+    if anchor is not None and y.grad_fn is not None:  # attach_anchor
+        y.grad_fn._slimgrad_anchor = anchor
     return y
+
+
+_is_tracing = torch._C._is_tracing
