@@ -8,6 +8,8 @@ Public API (few names on purpose):
 - ``verify(model, converted, inputs)``: loss and every gradient against a float64 reference.
 - ``slimgrad.memory.measure`` / ``estimate``: exact bytes of a training step (peak, saved, floor);
   ``estimate(..., device="cuda")`` models what CUDA kernels keep.
+- ``plan(make_forward, budget)``: per-block eager / lean / recomputed choices that fit a memory
+  budget with the least recompute; ``convert_(model, plan=plan)`` applies them.
 - ``step_in_backward(model, OptimizerClass, **kwargs)``: each parameter's optimizer update as soon
   as its gradient is complete (bit-identical to the plain loop); the handle is an Optimizer.
 
@@ -21,6 +23,7 @@ _compat.check_torch()  # one clear message for an unsupported torch, before any 
 
 from slimgrad import memory  # noqa: E402
 from slimgrad.convert import ConvertConfig, ConvertReport, convert_, report  # noqa: E402
+from slimgrad.plan import Plan, plan  # noqa: E402
 from slimgrad.step_in_backward import step_in_backward  # noqa: E402
 from slimgrad.verify import VerifyReport, verify  # noqa: E402
 
@@ -32,6 +35,8 @@ __all__ = [
     "VerifyReport",
     "convert_",
     "memory",
+    "Plan",
+    "plan",
     "report",
     "step_in_backward",
     "verify",

@@ -33,6 +33,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -399,6 +400,7 @@ def convert_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
+    plan: Any = None,
 ) -> nn.Module:
     """Swap the modules of ``model`` for slimgrad modules that keep less for backward, in place.
 
@@ -413,6 +415,9 @@ def convert_(
             the report says what runs there (the attention checks the device again at call time).
         dtype: the floating dtype it will train in (e.g. the autocast dtype); by default those of
             its floating parameters and buffers.
+        plan: a :class:`slimgrad.plan.Plan` (from :func:`slimgrad.plan`): its blocks are left
+            eager, converted, or recomputed in backward as it says (by module name, so a plan
+            made for a config applies to any model built from it); the rest converts as usual.
 
     Returns:
         ``model`` itself. ``slimgrad.report(model)`` tells what was converted and what was skipped,
@@ -452,6 +457,8 @@ def convert_(
             f"slimgrad.convert_: device must name a torch device; expected e.g. 'cuda' or 'cpu', "
             f"got {device!r} ({e}). Pass device='cuda' or leave it out."
         ) from None
+    if plan is not None:
+        return _apply_plan(model, plan, config, filter_fn, device, dtype)
     allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
     if _is_hf_model(model):
         _compat.check_transformers()  # once per process, outside the tested range only
@@ -469,6 +476,24 @@ def convert_(
     if rep.refused_known:
         _warn_refused_known(rep.refused_known)
     return model
+
+
+def _apply_plan(model, plan, config, filter_fn, device, dtype) -> nn.Module:
+    from slimgrad.plan import Plan, apply_choices
+
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            "slimgrad.convert_: plan must be a slimgrad.plan.Plan; expected the result of "
+            f"slimgrad.plan(...), got {type(plan).__name__}. Make one with slimgrad.plan."
+        )
+    if getattr(model, "_slimgrad_plan", None) is not None:
+        raise RuntimeError(
+            "slimgrad.convert_: this model already has a plan applied; expected a model built "
+            "afresh, got one converted with plan= before. Build a new model and apply the plan."
+        )
+    return apply_choices(
+        model, plan.choices, config=config, filter_fn=filter_fn, device=device, dtype=dtype
+    )
 
 
 def _is_hf_model(model: nn.Module) -> bool:

@@ -1,0 +1,694 @@
+"""Fit a step into a memory budget with the least recompute: :func:`plan`.
+
+A *plan* picks, for each repeated block of a model (HF decoder layers, GPT-2 blocks, a ResNet
+stage's shape-preserving blocks), one of these choices:
+
+- ``eager``: left as it is;
+- ``lean``: slimgrad's lean ops (what ``convert_`` does);
+- ``lean+recompute``: lean ops, and the whole block recomputed in backward
+  (``torch.utils.checkpoint``, non-reentrant, RNG state restored);
+- ``lean+recompute:<child>``: lean ops, and only that child (e.g. ``mlp``) recomputed;
+- ``eager+recompute``: the block as it is, recomputed (plain activation checkpointing);
+- ``eager+sac``: the block as it is under torch's selective checkpointing that saves every
+  matmul/attention output and recomputes the rest (no matmul FLOPs recomputed).
+
+The rest of the model (embeddings, head, loss) is converted as ``convert_`` converts it. A plan
+names blocks by their qualified module names, so it applies to any model built from the same
+config (:func:`slimgrad.convert_` with ``plan=``). Recompute is exact: the recomputed forward runs
+the same ops on the same inputs with the RNG state of the first forward, so it gives the bits of
+the same choice without recompute (dropout masks included).
+
+# NOTE [How plan chooses]
+1. Measure. One forward under fake tensors finds the blocks (children of a ModuleList or
+   Sequential with at least two children of one class, whose output has its input's shape; the
+   outermost such) and the matmul FLOPs of every module (``FlopCounterMode``). Blocks of the same
+   class and parameter shapes are one *kind*. For each kind and each choice, one
+   :func:`slimgrad.memory.estimate` runs the model with that kind's first block real, in that
+   choice, and every other block passed through (its forward returns its input); one more runs
+   with every block passed through. From them, per kind and choice: ``r`` = bytes the block keeps
+   from forward to backward (the retained bytes above the all-passed-through run), ``P1`` = the
+   step's peak with that one block (its backward transient, recompute included, on top of the
+   rest of the step), and ``g`` = its parameters' gradient bytes. Estimates: 1 + kinds x choices,
+   each of a model with one real block, however many blocks the model has.
+2. Compose. Blocks run forward in order and backward in reverse; while block ``i`` runs its
+   backward, the blocks before it still keep their ``r`` and the blocks after it have left their
+   gradients ``g``. The composed peak of a choice vector ``x`` is
+   ``max(P0 + sum_i r(x_i), max_i [P1(x_i) + sum_{j<i} r(x_j) + sum_{j>i} g_j])``
+   (``P0``: the all-passed-through peak: the head and loss at the start of backward). It
+   over-counts by at most the bytes the one-block run already had of the blocks' shared terms;
+   the chosen plan is then estimated whole (``verify``, one full estimate) and, if that peak is
+   above the budget, the search runs again against the budget lowered by the excess (at most
+   three times). ``Plan.peak_bytes`` is that full estimate's peak.
+3. Choose. Per kind, the choices' points (recompute FLOPs, kept bytes ``r``) are reduced to
+   their lower convex hull: walking it, each step frees the most bytes per recomputed FLOP.
+   Greedy: start with every block at the hull's first point (the least kept bytes among the
+   choices that recompute nothing), then repeatedly move the one block whose next hull step frees
+   the most bytes per FLOP (blocks are taken from the first block on: an early block's backward
+   runs last, when the least is kept, so its recompute transient lands lowest), until the composed
+   peak fits the budget. Every prefix of this walk is a point of the Pareto curve.
+   Optimality: for the kept-bytes term alone (the sum, which sets the peak at the start of
+   backward whenever activations outweigh a block's gradients) this is the greedy solution of a
+   multiple-choice knapsack over convex hulls, which is optimal for the LP relaxation; the
+   integral plan is at most one hull step of one block (that block's recompute FLOPs) above the
+   optimum at its peak. The transient terms (``P1`` and the gradients left by later blocks) are
+   not additive; where they set the peak the greedy is a heuristic: it keeps going while the
+   composed peak falls, and a budget it cannot reach raises with the lowest peak it found.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["CHOICES", "Plan", "parse_bytes", "plan"]
+
+#: block choices; ``lean+recompute:<child>`` names one child (see the module docstring)
+CHOICES = ("eager", "lean", "eager+sac", "lean+recompute", "eager+recompute")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(budget: int | float | str, api: str = "slimgrad.plan") -> int:
+    """``6GiB``, ``"512 MiB"``, ``1.5e9`` or an int: a byte count."""
+    if isinstance(budget, bool) or not isinstance(budget, int | float | str):
+        raise TypeError(
+            f"{api}: budget must be bytes or a size string; expected an int or e.g. '6GiB', got "
+            f"{type(budget).__name__}. Pass budget='6GiB'."
+        )
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", budget)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{api}: budget must be a size; expected e.g. '6GiB', '512MiB' or '2e9', got "
+                f"{budget!r}. Use a number with B, KiB, MiB, GiB (or KB, MB, GB)."
+            )
+        value = float(m.group(1)) * _UNITS[unit]
+    else:
+        value = float(budget)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{api}: budget must be positive; expected a size above 0, got {budget!r}. "
+            "Pass the bytes the step may use."
+        )
+    return int(value)
+
+
+def _fmt(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class CurvePoint:
+    """One point of the budget -> recompute curve (composed peak; NOTE [How plan chooses])."""
+
+    peak_bytes: int
+    recompute_flops: int
+    recompute_fraction: float
+    label: str = ""
+
+
+@dataclass
+class Plan:
+    """Per-block choices that fit a budget; apply with ``slimgrad.convert_(model, plan=plan)``."""
+
+    budget_bytes: int
+    peak_bytes: int
+    predicted_peak_bytes: int
+    verified: bool
+    recompute_flops: int
+    forward_flops: int
+    choices: dict[str, str]
+    device: str
+    curve: list[CurvePoint] = field(default_factory=list)
+    baselines: dict[str, CurvePoint] = field(default_factory=dict)
+    blocks: dict[str, dict] = field(default_factory=dict)  # per kind: what was measured
+    seconds: float = 0.0
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Recomputed matmul FLOPs as a fraction of the eager forward's matmul FLOPs."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for c in self.choices.values():
+            counts[c] = counts.get(c, 0) + 1
+        lines = [
+            f"budget    {_fmt(self.budget_bytes)}  ({self.device})",
+            f"peak      {_fmt(self.peak_bytes)}"
+            + ("  (full estimate)" if self.verified else "  (composed, not verified)"),
+            f"recompute {self.recompute_flops:.4g} FLOPs = {self.recompute_fraction:.3f} x the "
+            "forward's matmul FLOPs",
+            "choices   " + ", ".join(f"{n} x {c}" for c, n in sorted(counts.items())),
+        ]
+        for name, c in self.choices.items():
+            lines.append(f"  {name:40s} {c}")
+        if self.baselines:
+            lines.append("baselines (composed):")
+            for label, p in self.baselines.items():
+                lines.append(
+                    f"  {label:20s} peak {_fmt(p.peak_bytes):>12s}  recompute "
+                    f"{p.recompute_fraction:.3f}"
+                )
+        return "\n".join(lines)
+
+    def curve_text(self) -> str:
+        lines = ["peak (composed)   recompute (x forward)"]
+        for p in self.curve:
+            lines.append(f"{_fmt(p.peak_bytes):>14s}   {p.recompute_fraction:.3f}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("curve", "baselines")}
+        d["recompute_fraction"] = self.recompute_fraction
+        d["curve"] = [p.__dict__ for p in self.curve]
+        d["baselines"] = {k: p.__dict__ for k, p in self.baselines.items()}
+        return d
+
+
+# --- applying choices to a model --------------------------------------------------------------
+
+
+def _inner_forward(module: nn.Module):
+    own = module.__dict__.get("_slimgrad_plan_inner")
+    return own if own is not None else type(module).forward.__get__(module)
+
+
+def _recompute_forward(self, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    fn = _inner_forward(self)
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    ctx = self.__dict__.get("_slimgrad_plan_context")
+    extra = {"context_fn": ctx} if ctx is not None else {}
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def _pass_forward(self, *args, **kwargs):
+    # a block passed through (measurement only): its output is its input
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+def _set_forward(module: nn.Module, fn) -> None:
+    if "_slimgrad_plan_inner" not in module.__dict__:
+        module._slimgrad_plan_inner = module.__dict__.get("forward")
+    module.forward = fn.__get__(module)
+
+
+_SAVE_OPS: tuple = ()
+
+
+def _sac_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    global _SAVE_OPS
+    if not _SAVE_OPS:
+        aten = torch.ops.aten
+        names = (
+            "mm",
+            "addmm",
+            "bmm",
+            "baddbmm",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_cudnn_attention",
+            "convolution",
+        )
+        _SAVE_OPS = tuple(getattr(aten, n) for n in names if hasattr(aten, n))
+
+    def policy(ctx, op, *args, **kwargs):
+        packet = getattr(op, "overloadpacket", op)
+        if packet in _SAVE_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _parse_choice(api: str, name: str, choice: str) -> tuple[bool, str | None, str | None]:
+    # (lean, recompute what: None / "" (the block) / child name, "sac" or None)
+    if choice == "eager":
+        return False, None, None
+    if choice == "lean":
+        return True, None, None
+    if choice == "eager+recompute":
+        return False, "", None
+    if choice == "lean+recompute":
+        return True, "", None
+    if choice == "eager+sac":
+        return False, "", "sac"
+    if choice.startswith("lean+recompute:") and choice.split(":", 1)[1]:
+        return True, choice.split(":", 1)[1], None
+    raise ValueError(
+        f"{api}: block {name!r} has an unknown choice; expected one of {list(CHOICES)} or "
+        f"'lean+recompute:<child>', got {choice!r}. Use a plan made by slimgrad.plan."
+    )
+
+
+def apply_choices(
+    model: nn.Module,
+    choices: dict[str, str],
+    *,
+    convert: Callable[..., nn.Module] | None = None,
+    passed: tuple[str, ...] = (),
+    api: str = "slimgrad.convert_",
+    **convert_kwargs: Any,
+) -> nn.Module:
+    """Apply per-block choices to ``model`` in place (``convert_(model, plan=...)`` calls this)."""
+    from slimgrad.convert import convert_
+
+    convert = convert or convert_
+    mods = dict(model.named_modules())
+    missing = [n for n in (*choices, *passed) if n not in mods]
+    if missing:
+        raise ValueError(
+            f"{api}: the plan names modules this model does not have; expected every planned "
+            f"block in the model, got missing {missing[:3]}. Apply a plan to a model built "
+            "from the config it was made for."
+        )
+    parsed = {n: _parse_choice(api, n, c) for n, c in choices.items()}
+    eager = tuple(n for n, (lean, _, _) in parsed.items() if not lean) + tuple(passed)
+    user_filter = convert_kwargs.pop("filter_fn", None)
+
+    def allowed(m: nn.Module, qual: str) -> bool:
+        if any(qual == e or qual.startswith(e + ".") for e in eager):
+            return False
+        return user_filter(m, qual) if user_filter is not None else True
+
+    convert(model, filter_fn=allowed, **convert_kwargs)
+    mods = dict(model.named_modules())  # conversion may have swapped modules
+    for n in passed:
+        _set_forward(mods[n], _pass_forward)
+    for n, (_, what, sac) in parsed.items():
+        if what is None:
+            continue
+        target = mods.get(n if what == "" else f"{n}.{what}")
+        if target is None:
+            raise ValueError(
+                f"{api}: block {n!r} has no child {what!r}; expected a child module named in "
+                f"the choice, got children {[c for c, _ in mods[n].named_children()]}. Apply a "
+                "plan to a model built from the config it was made for."
+            )
+        if sac:
+            target._slimgrad_plan_context = _sac_context
+        _set_forward(target, _recompute_forward)
+    model._slimgrad_plan = dict(choices)
+    return model
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+
+def _made(api: str, made: Any) -> tuple[Callable, nn.Module]:
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], nn.Module)):
+        raise TypeError(
+            f"{api}: make_forward must return (forward, model); expected a pair with the "
+            f"nn.Module, got {type(made).__name__}. Return (forward, model) from make_forward."
+        )
+    return made
+
+
+def _find_blocks(model: nn.Module, forward: Callable) -> tuple[list[str], dict[str, int], int]:
+    # (block names in forward order, forward matmul FLOPs per module name, total)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cands: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList | nn.Sequential):
+            continue
+        kids = [(f"{name}.{k}" if name else k, c) for k, c in m.named_children()]
+        by_cls: dict[type, list] = {}
+        for k, c in kids:
+            if any(True for _ in c.parameters()):
+                by_cls.setdefault(type(c), []).append((k, c))
+        for group in by_cls.values():
+            if len(group) >= 2:
+                cands.update(group)
+    same_shape: dict[str, bool] = {}
+    order: list[str] = []
+    hooks = []
+    for n, c in cands.items():
+
+        def hook(mod, args, kwargs, out, n=n):
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            ok = isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor)
+            ok = ok and out.shape == x.shape and out.dtype == x.dtype
+            same_shape[n] = same_shape.get(n, True) and ok
+            if n not in order:
+                order.append(n)
+
+        hooks.append(c.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False, depth=None) as fc:
+            forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    root = type(model).__name__
+    flops: dict[str, int] = {}
+    for key, per_op in fc.get_flop_counts().items():
+        total = int(sum(per_op.values()))
+        if key == "Global":
+            flops[""] = total
+        elif key == root:
+            flops.setdefault("", total)
+        elif key.startswith(root + "."):
+            flops[key[len(root) + 1 :]] = total
+    blocks = [n for n in order if same_shape.get(n)]
+    # outermost only: a block inside another block is part of it
+    blocks = [n for n in blocks if not any(n.startswith(o + ".") for o in blocks if o != n)]
+    return blocks, flops, flops.get("", 0)
+
+
+def _kind_key(m: nn.Module) -> tuple:
+    return (type(m).__qualname__, tuple((n, tuple(p.shape)) for n, p in m.named_parameters()))
+
+
+def _child_choices(block: nn.Module, flops: dict[str, int], name: str) -> list[str]:
+    # children worth recomputing alone: those with parameters and matmul FLOPs
+    out = []
+    for k, c in block.named_children():
+        if any(True for _ in c.parameters()) and flops.get(f"{name}.{k}", 0) > 0:
+            out.append(f"lean+recompute:{k}")
+    return out
+
+
+def _grad_bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+
+
+@dataclass
+class _Kind:
+    names: list[str]
+    g: int
+    r: dict[str, int] = field(default_factory=dict)
+    p1: dict[str, int] = field(default_factory=dict)
+    flops: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def _hull(kind: _Kind, allowed: list[str]) -> list[str]:
+    # the lower convex hull of (flops, r) from the least-flops point with the least r on; a
+    # choice another beats or ties in flops, r and one-block peak is left out
+    def key(c):
+        return (kind.flops[c], kind.r[c], kind.p1[c])
+
+    pts = [
+        c
+        for c in allowed
+        if c in kind.r
+        and not any(
+            d != c and all(a <= b for a, b in zip(key(d), key(c), strict=True)) and key(d) != key(c)
+            for d in allowed
+            if d in kind.r
+        )
+    ]
+    pts = sorted(set(pts), key=key)
+    start = min(pts, key=key)
+    hull = [start]
+    while True:
+        cur = hull[-1]
+        best, best_rate = None, 0.0
+        for c in pts:
+            df, dr = kind.flops[c] - kind.flops[cur], kind.r[cur] - kind.r[c]
+            if dr <= 0:
+                continue
+            rate = math.inf if df <= 0 else dr / df
+            if best is None or rate > best_rate:
+                best, best_rate = c, rate
+        if best is None:
+            return hull
+        hull.append(best)
+
+
+class _Model:
+    # the composed peak (NOTE [How plan chooses])
+    def __init__(self, blocks, kind_of: dict[str, _Kind], p0: int, allowed: dict) -> None:
+        self.blocks, self.kind_of, self.p0, self.allowed = blocks, kind_of, p0, allowed
+
+    def peak(self, x: dict[str, str]) -> int:
+        rs = [self.kind_of[b].r[x[b]] for b in self.blocks]
+        gs = [self.kind_of[b].g for b in self.blocks]
+        best = self.p0 + sum(rs)
+        before, after = 0, sum(gs)
+        for i, b in enumerate(self.blocks):
+            after -= gs[i]
+            best = max(best, self.kind_of[b].p1[x[b]] + before + after)
+            before += rs[i]
+        return best
+
+    def flops(self, x: dict[str, str]) -> int:
+        return sum(self.kind_of[b].flops[x[b]] for b in self.blocks)
+
+
+def _walk(model: _Model) -> list[dict[str, str]]:
+    # the greedy path from the least-recompute plan on (each step: one block, one hull step)
+    hulls = {id(k): _hull(k, model.allowed[id(k)]) for k in model.kind_of.values()}
+    level = {b: 0 for b in model.blocks}
+    x = {b: hulls[id(model.kind_of[b])][0] for b in model.blocks}
+    path = [dict(x)]
+    while True:
+        best, best_rate = None, -1.0
+        for b in model.blocks:  # first blocks first at equal rate
+            h = hulls[id(model.kind_of[b])]
+            if level[b] + 1 >= len(h):
+                continue
+            k = model.kind_of[b]
+            cur, nxt = h[level[b]], h[level[b] + 1]
+            df, dr = k.flops[nxt] - k.flops[cur], k.r[cur] - k.r[nxt]
+            rate = math.inf if df <= 0 else dr / df
+            if rate > best_rate:
+                best, best_rate = b, rate
+        if best is None:
+            return path
+        level[best] += 1
+        x[best] = hulls[id(model.kind_of[best])][level[best]]
+        path.append(dict(x))
+
+
+def _estimate_with(make_forward, api, device, choices, passed, convert_kwargs) -> Any:
+    from slimgrad.memory import estimate
+
+    def make():
+        forward, model = _made(api, make_forward())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_choices(model, choices, passed=passed, api=api, **convert_kwargs)
+        return forward, model
+
+    return estimate(make, device=device, timeline=False)
+
+
+def plan(
+    make_forward: Callable[[], Any],
+    budget: int | float | str,
+    *,
+    device: str = "cpu",
+    choices: tuple[str, ...] | None = None,
+    verify: bool = True,
+    progress: Callable[[str], None] | None = None,
+    **convert_kwargs: Any,
+) -> Plan:
+    """Choose, per repeated block, eager, lean or recomputed so the step fits ``budget``
+    with the least recomputed matmul FLOPs (NOTE [How plan chooses]).
+
+    Args:
+        make_forward: as for :func:`slimgrad.memory.estimate`: builds the *unconverted* model and
+            its inputs (on CPU, under fake tensors) and returns ``(forward, model)``; called once
+            per measurement.
+        budget: the step's peak as ``estimate`` counts it, in bytes or a string (``"6GiB"``).
+        device: whose kernels to model (``"cpu"`` or ``"cuda"``), as ``estimate``.
+        choices: the block choices to consider (default: all of :data:`CHOICES` and
+            ``lean+recompute:<child>`` for each child with parameters and matmul FLOPs).
+        verify: estimate the chosen plan whole (one full estimate) and report its peak.
+        progress: called with a line of text as the search goes.
+        **convert_kwargs: passed to ``convert_`` (``config``, ``dtype``).
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        TypeError: ``make_forward`` does not return ``(forward, model)``.
+        ValueError: a bad budget, no repeated blocks, or a budget below the lowest peak
+            reachable (the message names that peak and its recompute).
+
+    Example:
+        >>> p = slimgrad.plan(make_forward, "6GiB")  # doctest: +SKIP
+        >>> slimgrad.convert_(model, plan=p)  # doctest: +SKIP
+    """
+    from slimgrad.memory import DEVICES, fake_tensors
+
+    api = "slimgrad.plan"
+    t0 = time.perf_counter()
+    budget_bytes = parse_bytes(budget, api)
+    if device not in DEVICES:
+        raise ValueError(
+            f"{api}: device must be one of {list(DEVICES)}; expected a modelled device, got "
+            f"{device!r}. Pass device='cuda' or device='cpu'."
+        )
+    say = progress or (lambda s: None)
+    with fake_tensors(device):
+        forward, model = _made(api, make_forward())
+        blocks, flops, fwd_flops = _find_blocks(model, forward)
+        if not blocks:
+            raise ValueError(
+                f"{api}: found no repeated blocks to plan; expected a ModuleList or Sequential "
+                f"of at least two modules of one class that keep their input's shape, got none "
+                f"in {type(model).__name__}. Use slimgrad.convert_ alone for this model."
+            )
+        mods = dict(model.named_modules())
+        kinds: dict[tuple, _Kind] = {}
+        kind_of: dict[str, _Kind] = {}
+        for b in blocks:
+            k = kinds.setdefault(_kind_key(mods[b]), _Kind(names=[], g=_grad_bytes(mods[b])))
+            k.names.append(b)
+            kind_of[b] = k
+        wanted: dict[int, list[str]] = {}
+        chosen_from: dict[int, list[str]] = {}
+        for k in kinds.values():
+            first = k.names[0]
+            options = list(CHOICES) + _child_choices(mods[first], flops, first)
+            if choices is not None:
+                options = [c for c in options if c in choices or c.split(":")[0] in choices]
+            # SAC is measured as a baseline; it recomputes every non-matmul op, so it is only
+            # chosen when asked for by name
+            chosen_from[id(k)] = [c for c in options if c != "eager+sac" or choices is not None]
+            if "eager+sac" not in options:
+                options.append("eager+sac")
+            wanted[id(k)] = options
+            for c in options:
+                lean, what, sac = _parse_choice(api, first, c)
+                if what is None or sac:
+                    k.flops[c] = 0
+                else:
+                    k.flops[c] = flops.get(first if what == "" else f"{first}.{what}", 0)
+        del model, forward, mods
+    say(f"{len(blocks)} blocks, {len(kinds)} kind(s); forward {fwd_flops:.4g} matmul FLOPs")
+    base = _estimate_with(make_forward, api, device, {}, tuple(blocks), convert_kwargs)
+    p0, r0 = base.peak_bytes, base.retained_bytes
+    for k in kinds.values():
+        first, rest = k.names[0], tuple(b for b in blocks if b != k.names[0])
+        for c in wanted[id(k)]:
+            say(f"measuring {first} as {c}")
+            try:
+                m = _estimate_with(make_forward, api, device, {first: c}, rest, convert_kwargs)
+            except Exception as e:  # noqa: BLE001 - a choice that cannot run is not offered
+                k.errors[c] = f"{type(e).__name__}: {e}"
+                k.flops.pop(c, None)
+                continue
+            k.r[c] = m.retained_bytes - r0
+            k.p1[c] = m.peak_bytes
+        for c in list(k.flops):
+            if c not in k.r:
+                k.flops.pop(c)
+    if any(not k.r for k in kinds.values()):
+        raise RuntimeError(
+            f"{api}: no choice could be measured for a block; expected at least 'eager', got "
+            f"errors {[k.errors for k in kinds.values() if not k.r][:1]}. This is a slimgrad "
+            "bug; please report it."
+        )
+    allowed = {
+        id(k): [c for c in k.r if c in chosen_from[id(k)]] or list(k.r) for k in kinds.values()
+    }
+    composed = _Model(blocks, kind_of, p0, allowed)
+    path = _walk(composed)
+
+    def point(x: dict[str, str], label: str = "") -> CurvePoint:
+        f = composed.flops(x)
+        return CurvePoint(composed.peak(x), f, f / fwd_flops if fwd_flops else 0.0, label)
+
+    curve = [point(x) for x in path]
+    pareto = [p for i, p in enumerate(curve) if all(q.peak_bytes > p.peak_bytes for q in curve[:i])]
+    baselines = {}
+    for label, c in (
+        ("eager", "eager"),
+        ("slimgrad", "lean"),
+        ("checkpoint-all", "eager+recompute"),
+        ("slimgrad+checkpoint", "lean+recompute"),
+        ("sac", "eager+sac"),
+    ):
+        if all(c in kind_of[b].r for b in blocks):
+            baselines[label] = point({b: c for b in blocks}, label)
+    lowest = min(range(len(curve)), key=lambda i: (curve[i].peak_bytes, curve[i].recompute_flops))
+
+    def pick(target: int) -> dict[str, str] | None:
+        for x, p in zip(path, curve, strict=True):
+            if p.peak_bytes <= target:
+                return x
+        return None
+
+    def whole(x: dict[str, str]) -> int:
+        say("estimating the chosen plan whole")
+        return _estimate_with(make_forward, api, device, x, (), convert_kwargs).peak_bytes
+
+    target, x, full = budget_bytes, None, None
+    for _ in range(4):
+        x = pick(target)
+        if x is None:
+            lo = curve[lowest]
+            raise ValueError(
+                f"{api}: the budget is below the lowest peak this model can reach; expected a "
+                f"budget of at least {_fmt(lo.peak_bytes)} (recompute {lo.recompute_fraction:.3f}"
+                f" x the forward's matmul FLOPs), got {_fmt(budget_bytes)}. Raise the budget "
+                "or shrink the batch."
+            )
+        if not verify:
+            break
+        full = whole(x)
+        if full <= budget_bytes:
+            # the composed peak over-counts a little: one try at the plan the measured slack allows
+            looser = pick(target + (budget_bytes - full))
+            if looser is not None and composed.flops(looser) < composed.flops(x):
+                full2 = whole(looser)
+                if full2 <= budget_bytes:
+                    x, full = looser, full2
+            break
+        target -= full - budget_bytes
+        x, full = None, None
+    if x is None:
+        lo = curve[lowest]
+        raise ValueError(
+            f"{api}: no plan's full estimate fits the budget; expected a budget of at least "
+            f"{_fmt(lo.peak_bytes)} (composed; recompute {lo.recompute_fraction:.3f} x the "
+            f"forward's matmul FLOPs), got {_fmt(budget_bytes)}. Raise the budget."
+        )
+    predicted = composed.peak(x)
+    return Plan(
+        budget_bytes=budget_bytes,
+        peak_bytes=full if full is not None else predicted,
+        predicted_peak_bytes=predicted,
+        verified=full is not None,
+        recompute_flops=composed.flops(x),
+        forward_flops=fwd_flops,
+        choices=dict(x),
+        device=device,
+        curve=pareto,
+        baselines=baselines,
+        blocks={
+            k.names[0]: {
+                "blocks": len(k.names),
+                "grad_bytes": k.g,
+                "kept_bytes": dict(k.r),
+                "one_block_peak_bytes": dict(k.p1),
+                "recompute_flops": dict(k.flops),
+                "refused": dict(k.errors),
+            }
+            for k in kinds.values()
+        },
+        seconds=time.perf_counter() - t0,
+    )
