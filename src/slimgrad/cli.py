@@ -896,6 +896,113 @@ def _fit_work(args: argparse.Namespace, sub: str, target, config, convert: bool)
     return 0
 
 
+# ------------------------------------------------------------------------------------------ plan
+_PLAN_DESCRIPTION = f"""\
+Fit one training step into a memory budget with the least recompute (slimgrad.plan): per
+repeated block (decoder layers, GPT-2 blocks, ResNet blocks) eager, lean (slimgrad's ops), or
+recomputed in backward (the whole block, or one child such as the MLP), chosen by bytes freed per
+recomputed matmul FLOP against the step's peak, estimated under fake tensors (no compute, no
+memory; --device cuda models CUDA's kernels without a GPU). Prints the plan, the budget ->
+recompute curve next to eager, slimgrad, checkpoint-all and SAC, and progress on stderr. The
+budget is the step's peak above what is resident (weights, inputs), as `slimgrad estimate`
+reports it. Apply the plan in Python with slimgrad.convert_(model, plan=slimgrad.plan(...)).
+
+{_HF_HELP}
+
+{_FACTORY_CONTRACT}"""
+
+_PLAN_EXAMPLES = """\
+  slimgrad plan llama --size tiny --seq 64 --budget 8MiB
+  slimgrad plan --hf-config llama --set num_hidden_layers=16 --batch 4 --seq 2048 \\
+      --autocast bf16 --device cuda --budget 6GiB --plot curve.png
+  slimgrad plan mymodel:build --batch 16 --budget 2GiB --json"""
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", nargs="?", help="as `slimgrad profile` takes it (below)")
+    p.add_argument("--hf-config", metavar="CONFIG", default=None, help="an HF config (local)")
+    p.add_argument("--budget", required=True, help="the step's peak, e.g. 6GiB, 512MiB or bytes")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the target's)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length of text models")
+    p.add_argument("--size", choices=("full", "tiny"), default="full", help="named HF targets")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="whose kernels")
+    p.add_argument(
+        "--autocast", default=None, choices=("bf16", "fp16"), help="run the step under autocast"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="HF field")
+    p.add_argument("--no-verify", action="store_true", help="skip the chosen plan's full estimate")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    sub = "plan"
+    try:
+        if (args.target is None) == (args.hf_config is None):
+            got = "both" if args.target is not None else "neither"
+            raise _UsageError(
+                f"slimgrad plan: one model to plan; expected TARGET or --hf-config CONFIG, got "
+                f"{got}. Pass e.g. `slimgrad plan gpt2 --budget 6GiB`."
+            )
+        if args.batch is not None and args.batch < 1 or args.seq < 1:
+            raise _UsageError(
+                f"slimgrad plan: --batch and --seq must be positive; expected integers >= 1, got "
+                f"{args.batch} and {args.seq}. Pass e.g. --batch 4 --seq 256."
+            )
+        from slimgrad.plan import parse_bytes
+
+        try:
+            budget = parse_bytes(args.budget)
+        except (TypeError, ValueError) as e:
+            raise _UsageError(_one_line(sub, e)) from None
+        target, user = _profile_target(args, sub)
+        with _user_code(sub, user):
+            return _plan_work(args, target, budget)
+    except _UsageError as e:
+        return _err(str(e))
+
+
+def _plan_work(args: argparse.Namespace, target, budget: int) -> int:
+    import torch
+
+    import slimgrad
+    from slimgrad.profile import _step_fn
+
+    batch = args.batch or target.default_batch
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
+
+    def make():
+        torch.manual_seed(0)
+        model = target.build(skip_init=True)
+        step = _step_fn(model, target.inputs(batch), target.loss)
+        if amp is None:
+            return step, model
+
+        def fwd():
+            with torch.autocast("cpu", dtype=amp):
+                return step()
+
+        return fwd, model
+
+    say = _progress("plan")
+    say(f"planning {target.name}, batch {batch}, within {args.budget} ({args.device} kernels)")
+    kwargs = {"dtype": amp} if amp is not None else {}
+    try:
+        p = slimgrad.plan(
+            make, budget, device=args.device, verify=not args.no_verify, progress=say, **kwargs
+        )
+    except ValueError as e:
+        return _err(_one_line("plan", e))
+    if args.json:
+        print(json.dumps({"target": target.name, "batch": batch, **p.to_dict()}, default=str))
+    else:
+        print(p.summary())
+        print(p.curve_text())
+    if args.plot:
+        print(f"curve: {p.plot(args.plot)}")
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "demo": Subcommand(
         "train a small CNN and transformer, eager vs slimgrad",
@@ -927,6 +1034,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         _profile_run,
         _ESTIMATE_DESCRIPTION,
         _ESTIMATE_EXAMPLES,
+    ),
+    "plan": Subcommand(
+        "fit a step into a memory budget with the least recompute",
+        _plan_args,
+        _plan_run,
+        _PLAN_DESCRIPTION,
+        _PLAN_EXAMPLES,
     ),
     "env": Subcommand(
         "print versions and devices (for bug reports)",

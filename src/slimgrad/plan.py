@@ -171,6 +171,44 @@ class Plan:
             lines.append(f"{_fmt(p.peak_bytes):>14s}   {p.recompute_fraction:.3f}")
         return "\n".join(lines)
 
+    def plot(self, path: str) -> str:
+        """Write the budget -> recompute curve and the baselines to a PNG (needs matplotlib)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError(
+                "slimgrad.plan: plot needs matplotlib; expected it installed, got ImportError. "
+                "Install the extra: pip install 'slimgrad[plot]'."
+            ) from e
+        top = max([self.peak_bytes] + [p.peak_bytes for p in self.curve])
+        unit, gib = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.step(
+            [p.peak_bytes / gib for p in self.curve],
+            [p.recompute_fraction for p in self.curve],
+            where="post",
+            marker=".",
+            label="slimgrad.plan (composed)",
+        )
+        for label, p in self.baselines.items():
+            ax.scatter([p.peak_bytes / gib], [p.recompute_fraction], marker="x")
+            ax.annotate(label, (p.peak_bytes / gib, p.recompute_fraction), fontsize=8)
+        ax.scatter(
+            [self.peak_bytes / gib], [self.recompute_fraction], marker="o", color="k", zorder=3
+        )
+        ax.annotate("plan", (self.peak_bytes / gib, self.recompute_fraction), fontsize=8)
+        ax.axvline(self.budget_bytes / gib, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xlabel(f"peak of the step ({unit}, {self.device})")
+        ax.set_ylabel("recomputed matmul FLOPs / forward's")
+        ax.legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("curve", "baselines")}
         d["recompute_fraction"] = self.recompute_fraction

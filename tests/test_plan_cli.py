@@ -1,0 +1,42 @@
+"""`slimgrad plan TARGET --budget ...` (issue 33): the plan, the curve, progress, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slimgrad.cli import main
+
+pytest.importorskip("transformers")
+
+_TINY = ["plan", "llama", "--size", "tiny", "--seq", "32", "--batch", "2"]
+
+
+def test_plan_json_fits_its_budget_and_reports_progress(capsys):
+    assert main([*_TINY, "--budget", "1GiB", "--json"]) == 0
+    out, err = capsys.readouterr()
+    rec = json.loads(out)
+    assert rec["budget_bytes"] == 2**30
+    assert rec["peak_bytes"] <= rec["budget_bytes"] and rec["verified"]
+    assert set(rec["choices"]) == {"model.layers.0", "model.layers.1"}
+    assert rec["recompute_flops"] == 0  # everything fits: nothing recomputed
+    assert {"eager", "checkpoint-all", "sac"} <= set(rec["baselines"])
+    assert rec["curve"][0]["recompute_flops"] == 0 and rec["curve"][-1]["recompute_flops"] > 0
+    assert "slimgrad plan: measuring model.layers.0 as lean" in err
+
+    # a budget between the ends of the curve: a plan that recomputes, printed as text
+    mid = (rec["curve"][0]["peak_bytes"] + rec["curve"][-1]["peak_bytes"]) // 2
+    assert main([*_TINY, "--budget", str(mid)]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out and "(full estimate)" in out and "checkpoint-all" in out
+
+
+def test_plan_budget_too_low_and_bad_budget(capsys):
+    assert main([*_TINY, "--budget", "1KiB", "--no-verify"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("slimgrad plan: the budget is below the lowest peak")
+    assert "expected a budget of at least" in err
+    assert main([*_TINY, "--budget", "lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("slimgrad plan: budget must be a size")
