@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slimgrad-env
 
-.PHONY: demo test lint env test-matrix test-hf-newest test-no-reuse
+.PHONY: demo test lint env test-matrix test-hf-newest test-no-reuse docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,3 +50,15 @@ test-matrix: $(STAMP)
 # assert a grant skip (tests/_needs_reuse.py), everything else must pass
 test-no-reuse: $(STAMP)
 	SLIMGRAD_NO_EXT=1 $(PY) -m pytest -n 2 -q
+
+# The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors. Installs the
+# [docs] extra's packages into $(VENV) here, not in env: CI's test set-up stays as fast as it was.
+DOCS_STAMP := $(VENV)/.slimgrad-docs
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs'], sep='\n')" > $(VENV)/docs-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/docs-requirements.txt
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(PY) benchmarks/make_docs_tables.py --check
+	$(PY) -m mkdocs build --strict --site-dir build/site
