@@ -173,6 +173,20 @@ def _sdpa_reads() -> frozenset[str]:
     return _reads(sdpa_attention_forward)
 
 
+_UNIMPLEMENTED: list = [None, frozenset()]  # (sdpa_attention_forward, its reads - _IMPLEMENTED)
+
+
+def _sdpa_unimplemented() -> frozenset[str]:
+    # the keywords HF's SDPA function reads that _attention does not implement: worked out once
+    # per function object (a patched sdpa_attention_forward is read again), not per call
+    from transformers.integrations import sdpa_attention as hf_sdpa
+
+    fn = hf_sdpa.sdpa_attention_forward
+    if _UNIMPLEMENTED[0] is not fn:
+        _UNIMPLEMENTED[:] = [fn, _reads(fn) - _IMPLEMENTED]
+    return _UNIMPLEMENTED[1]
+
+
 def _is_set(v) -> bool:
     return v is not None and v is not False
 
@@ -227,7 +241,7 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
         return False  # eager's SDPA keeps less there (fused CUDA kernels)
     if scaling is not None and scaling < 0:
         return False
-    for name in _sdpa_reads() - _IMPLEMENTED:
+    for name in _sdpa_unimplemented():
         if _is_set(kwargs.get(name)):
             return False
     groups = getattr(module, "num_key_value_groups", 1)
@@ -254,6 +268,40 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
         except RuntimeError:
             return False
     return True
+
+
+def _math_path(query, key, value, attention_mask, dropout, is_causal, root, out_dtype, gqa, hf):
+    # SDPA's math path (CPU, autocast off) with softmax -> dropout -> @V in slimgrad's op
+    groups = gqa
+    acc = torch.float32 if out_dtype in _HALF else out_dtype
+    query, key = query.to(acc), key.to(acc)
+    if groups:  # the math path repeats after its float32 copies
+        key, value = hf.repeat_kv(key, groups), hf.repeat_kv(value.to(acc), groups)
+    if attention_mask is not None and attention_mask.dtype not in (torch.bool, acc):
+        attention_mask = attention_mask.to(acc)  # exact; the math path adds it promoted
+    query, key_t = query * root, key.transpose(-2, -1) * root
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        # P recomputed in backward from q and k (kept for S's gradient anyway)
+        out = _sdm.scores_softmax_dropout_matmul(
+            query,
+            key_t,
+            value,
+            float(dropout),
+            causal=is_causal,
+            mask=attention_mask,
+            matmul_dtype=acc,
+        )
+    else:  # a float mask (position bias): P kept, the mask is not
+        out = _sdm.softmax_dropout_matmul(
+            torch.matmul(query, key_t),
+            value,
+            float(dropout),
+            True,
+            causal=is_causal,
+            mask=attention_mask,
+            matmul_dtype=acc,
+        )
+    return out.to(out_dtype)
 
 
 def _attention(
@@ -301,36 +349,13 @@ def _attention(
     out_dtype = query.dtype
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     root = math.sqrt(scale)  # SDPA's math path scales q and k by sqrt(scale) each
-    with torch.autocast("cpu", enabled=False):
-        acc = torch.float32 if out_dtype in _HALF else out_dtype
-        query, key = query.to(acc), key.to(acc)
-        if gqa_in_sdpa:  # the math path repeats after its float32 copies
-            key, value = hf_sdpa.repeat_kv(key, groups), hf_sdpa.repeat_kv(value.to(acc), groups)
-        if attention_mask is not None and attention_mask.dtype not in (torch.bool, acc):
-            attention_mask = attention_mask.to(acc)  # exact; the math path adds it promoted
-        query, key_t = query * root, key.transpose(-2, -1) * root
-        if attention_mask is None or attention_mask.dtype == torch.bool:
-            # P recomputed in backward from q and k (kept for S's gradient anyway)
-            out = _sdm.scores_softmax_dropout_matmul(
-                query,
-                key_t,
-                value,
-                float(dropout),
-                causal=is_causal,
-                mask=attention_mask,
-                matmul_dtype=acc,
-            )
-        else:  # a float mask (position bias): P kept, the mask is not
-            out = _sdm.softmax_dropout_matmul(
-                torch.matmul(query, key_t),
-                value,
-                float(dropout),
-                True,
-                causal=is_causal,
-                mask=attention_mask,
-                matmul_dtype=acc,
-            )
-        out = out.to(out_dtype)
+    args = (query, key, value, attention_mask, dropout, is_causal, root, out_dtype)
+    gqa = groups if gqa_in_sdpa else 0
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            out = _math_path(*args, gqa, hf_sdpa)
+    else:  # autocast off already: the same ops without entering and leaving the context
+        out = _math_path(*args, gqa, hf_sdpa)
     return out.transpose(1, 2).contiguous(), None
 
 
