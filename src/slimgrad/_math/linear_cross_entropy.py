@@ -188,8 +188,12 @@ def _bwd_torch(
 # on the same buffers, so the bits do not depend on who takes the rows. W_v is read for dh before
 # take_rows is called, and no later block reads it. dh cannot share storage with h when there is
 # more than one block (every block reads all of h): ``dh_out`` must not alias h then.
-# Full precision only (dh accumulates in h's dtype). Memory: one block of logits (rows x chunk)
-# and one of dW (rows x H) instead of chunk x V and V x H.
+# Full precision only (dh accumulates in h's dtype). Memory: one block of logits (rows x tokens)
+# and one of dW (rows x H) instead of chunk x V and V x H. ``tokens`` (the inner chunk) is the
+# largest that holds no more logits than forward's chunk did (chunk x V), at most N: a block is then
+# one pass over all tokens at the usual sizes (GPT-2 small 4x256: 37 blocks of 1365 rows x 1024
+# tokens, where chunks of 256 tokens made 148 block-chunk pairs of ~17 ops each). The targets'
+# one-hot inside a block is computed once per block for all tokens, not per chunk.
 
 
 def _bwd_rows_torch(
@@ -222,20 +226,27 @@ def _bwd_rows_torch(
     if need_dw and take_rows is None:
         dw = torch.empty(weight.shape, dtype=acc, device=h.device)
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
+    n = h.shape[0]
+    tokens = min(n, max(chunk, chunk * v // max(rows, 1)))  # NOTE: no more logits than forward's
+    lse_t, scale_t = lse[None], scale[None]
     for v0, v1 in _spans(v, rows):
         wv = weight[v0:v1]
         bv = bias[v0:v1] if bias is not None else None
         gw = torch.empty((v1 - v0, h.shape[1]), dtype=acc, device=h.device) if need_dw else None
-        for s, e, hc, zt, th in _chunk_logits(h, wv, bv, acc, chunk, lscale, cap, True):
-            # the smoothed one-hot of the targets inside this block (others add 0)
-            local = safe_t[s:e] - v0
-            inside = (local >= 0) & (local < v1 - v0)
-            add = torch.zeros((1, e - s), dtype=acc, device=h.device)
-            add.masked_fill_(inside[None], eps - 1.0)
-            index = torch.where(inside, local, 0)[None]
-            zt = _dlogits_(zt, th, lse[None, s:e], index, add, eps, v, lscale)
-            del th, local, inside, add, index
-            zt.mul_(scale[None, s:e])
+        # the smoothed one-hot of the targets inside this block (others add 0), for every token
+        local = safe_t - v0
+        inside = (local >= 0) & (local < v1 - v0)
+        add = torch.zeros((1, n), dtype=acc, device=h.device).masked_fill_(inside[None], eps - 1.0)
+        index = torch.where(inside, local, 0)[None]
+        del local, inside
+        for s, e, hc, zt, th in _chunk_logits(h, wv, bv, acc, tokens, lscale, cap, True):
+            whole = s == 0 and e == n
+            zt = _dlogits_(
+                zt, th, lse_t if whole else lse_t[:, s:e], index if whole else index[:, s:e],
+                add if whole else add[:, s:e], eps, v, lscale,
+            )  # fmt: skip
+            del th
+            zt.mul_(scale_t if whole else scale_t[:, s:e])
             if need_db:
                 db[v0:v1] += zt.sum(1)
             if need_dw:
@@ -249,6 +260,7 @@ def _bwd_rows_torch(
                 else:
                     dh[s:e].addmm_(zt.t(), wv)
             del zt
+        del add, index
         if need_dw:
             if take_rows is not None:
                 take_rows(v0, v1, gw)
