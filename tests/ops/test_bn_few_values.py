@@ -96,7 +96,8 @@ def _keeps_output(shape) -> bool:
     h = batch_norm(x, None, None, w, b, True, 0.1, EPS)
     ctx = h.grad_fn
     _derived.activation(h, "relu")
-    return ctx.b is not None
+    # up to 32 values without a recipe for x the call is eager's own node (it keeps x)
+    return getattr(ctx, "b", None) is not None
 
 
 def test_count_decides_what_is_kept():

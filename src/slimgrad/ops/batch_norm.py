@@ -799,6 +799,15 @@ def batch_norm(
         or input.numel() == 0
         or torch.compiler.is_compiling()
         or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        # NOTE [Few values per channel]: such a training call keeps x (or its recipe) and runs
+        # aten's backward whatever follows; where x has no recipe and x or γ needs a gradient
+        # (so x is kept) that is eager's own node, decided from the shape before any Function
+        or (
+            training
+            and _few_per_channel(input)
+            and (input.requires_grad or (weight is not None and weight.requires_grad))
+            and not _derived.has_recipe(input, recompute_input)
+        )
         # a 16-bit output in training keeps x (_Source.keep_output): unless x has a recipe,
         # eager's op keeps exactly that, without this op's O(C) copies of γ and β
         or (
