@@ -540,6 +540,7 @@ def plan(
     choices: tuple[str, ...] | None = None,
     verify: bool = True,
     progress: Callable[[str], None] | None = None,
+    reuse: Plan | None = None,
     **convert_kwargs: Any,
 ) -> Plan:
     """Choose, per repeated block, eager, lean or recomputed so the step fits ``budget``
@@ -555,6 +556,8 @@ def plan(
             ``lean+recompute:<child>`` for each child with parameters and matmul FLOPs).
         verify: estimate the chosen plan whole (one full estimate) and report its peak.
         progress: called with a line of text as the search goes.
+        reuse: a plan made for the same ``make_forward`` and device: its measurements are
+            reused (only the choice and its full estimate run again), e.g. to plan a second budget.
         **convert_kwargs: passed to ``convert_`` (``config``, ``dtype``).
 
     Returns:
@@ -580,69 +583,73 @@ def plan(
             f"{device!r}. Pass device='cuda' or device='cpu'."
         )
     say = progress or (lambda s: None)
-    with fake_tensors(device):
-        forward, model = _made(api, make_forward())
-        blocks, flops, fwd_flops = _find_blocks(model, forward)
-        if not blocks:
-            raise ValueError(
-                f"{api}: found no repeated blocks to plan; expected a ModuleList or Sequential "
-                f"of at least two modules of one class that keep their input's shape, got none "
-                f"in {type(model).__name__}. Use slimgrad.convert_ alone for this model."
-            )
-        mods = dict(model.named_modules())
-        kinds: dict[tuple, _Kind] = {}
-        kind_of: dict[str, _Kind] = {}
-        for b in blocks:
-            k = kinds.setdefault(_kind_key(mods[b]), _Kind(names=[], g=_grad_bytes(mods[b])))
-            k.names.append(b)
-            kind_of[b] = k
-        wanted: dict[int, list[str]] = {}
-        chosen_from: dict[int, list[str]] = {}
+    measured = getattr(reuse, "_measured", None) if reuse is not None else None
+    if measured is not None and reuse.device == device:
+        blocks, kinds, kind_of, p0, allowed, fwd_flops = measured
+    else:
+        with fake_tensors(device):
+            forward, model = _made(api, make_forward())
+            blocks, flops, fwd_flops = _find_blocks(model, forward)
+            if not blocks:
+                raise ValueError(
+                    f"{api}: found no repeated blocks to plan; expected a ModuleList or Sequential "
+                    f"of at least two modules of one class that keep their input's shape, got none "
+                    f"in {type(model).__name__}. Use slimgrad.convert_ alone for this model."
+                )
+            mods = dict(model.named_modules())
+            kinds: dict[tuple, _Kind] = {}
+            kind_of: dict[str, _Kind] = {}
+            for b in blocks:
+                k = kinds.setdefault(_kind_key(mods[b]), _Kind(names=[], g=_grad_bytes(mods[b])))
+                k.names.append(b)
+                kind_of[b] = k
+            wanted: dict[int, list[str]] = {}
+            chosen_from: dict[int, list[str]] = {}
+            for k in kinds.values():
+                first = k.names[0]
+                options = list(CHOICES) + _child_choices(mods[first], flops, first)
+                if choices is not None:
+                    options = [c for c in options if c in choices or c.split(":")[0] in choices]
+                # SAC is measured as a baseline; it recomputes every non-matmul op, so it is only
+                # chosen when asked for by name
+                chosen_from[id(k)] = [c for c in options if c != "eager+sac" or choices is not None]
+                if "eager+sac" not in options:
+                    options.append("eager+sac")
+                wanted[id(k)] = options
+                for c in options:
+                    lean, what, sac = _parse_choice(api, first, c)
+                    if what is None or sac:
+                        k.flops[c] = 0
+                    else:
+                        k.flops[c] = flops.get(first if what == "" else f"{first}.{what}", 0)
+            del model, forward, mods
+        say(f"{len(blocks)} blocks, {len(kinds)} kind(s); forward {fwd_flops:.4g} matmul FLOPs")
+        base = _estimate_with(make_forward, api, device, {}, tuple(blocks), convert_kwargs)
+        p0, r0 = base.peak_bytes, base.retained_bytes
         for k in kinds.values():
-            first = k.names[0]
-            options = list(CHOICES) + _child_choices(mods[first], flops, first)
-            if choices is not None:
-                options = [c for c in options if c in choices or c.split(":")[0] in choices]
-            # SAC is measured as a baseline; it recomputes every non-matmul op, so it is only
-            # chosen when asked for by name
-            chosen_from[id(k)] = [c for c in options if c != "eager+sac" or choices is not None]
-            if "eager+sac" not in options:
-                options.append("eager+sac")
-            wanted[id(k)] = options
-            for c in options:
-                lean, what, sac = _parse_choice(api, first, c)
-                if what is None or sac:
-                    k.flops[c] = 0
-                else:
-                    k.flops[c] = flops.get(first if what == "" else f"{first}.{what}", 0)
-        del model, forward, mods
-    say(f"{len(blocks)} blocks, {len(kinds)} kind(s); forward {fwd_flops:.4g} matmul FLOPs")
-    base = _estimate_with(make_forward, api, device, {}, tuple(blocks), convert_kwargs)
-    p0, r0 = base.peak_bytes, base.retained_bytes
-    for k in kinds.values():
-        first, rest = k.names[0], tuple(b for b in blocks if b != k.names[0])
-        for c in wanted[id(k)]:
-            say(f"measuring {first} as {c}")
-            try:
-                m = _estimate_with(make_forward, api, device, {first: c}, rest, convert_kwargs)
-            except Exception as e:  # noqa: BLE001 - a choice that cannot run is not offered
-                k.errors[c] = f"{type(e).__name__}: {e}"
-                k.flops.pop(c, None)
-                continue
-            k.r[c] = m.retained_bytes - r0
-            k.p1[c] = m.peak_bytes
-        for c in list(k.flops):
-            if c not in k.r:
-                k.flops.pop(c)
-    if any(not k.r for k in kinds.values()):
-        raise RuntimeError(
-            f"{api}: no choice could be measured for a block; expected at least 'eager', got "
-            f"errors {[k.errors for k in kinds.values() if not k.r][:1]}. This is a slimgrad "
-            "bug; please report it."
-        )
-    allowed = {
-        id(k): [c for c in k.r if c in chosen_from[id(k)]] or list(k.r) for k in kinds.values()
-    }
+            first, rest = k.names[0], tuple(b for b in blocks if b != k.names[0])
+            for c in wanted[id(k)]:
+                say(f"measuring {first} as {c}")
+                try:
+                    m = _estimate_with(make_forward, api, device, {first: c}, rest, convert_kwargs)
+                except Exception as e:  # noqa: BLE001 - a choice that cannot run is not offered
+                    k.errors[c] = f"{type(e).__name__}: {e}"
+                    k.flops.pop(c, None)
+                    continue
+                k.r[c] = m.retained_bytes - r0
+                k.p1[c] = m.peak_bytes
+            for c in list(k.flops):
+                if c not in k.r:
+                    k.flops.pop(c)
+        if any(not k.r for k in kinds.values()):
+            raise RuntimeError(
+                f"{api}: no choice could be measured for a block; expected at least 'eager', got "
+                f"errors {[k.errors for k in kinds.values() if not k.r][:1]}. This is a slimgrad "
+                "bug; please report it."
+            )
+        allowed = {
+            id(k): [c for c in k.r if c in chosen_from[id(k)]] or list(k.r) for k in kinds.values()
+        }
     composed = _Model(blocks, kind_of, p0, allowed)
     path = _walk(composed)
 
@@ -706,7 +713,7 @@ def plan(
             f"forward's matmul FLOPs), got {_fmt(budget_bytes)}. Raise the budget."
         )
     predicted = composed.peak(x)
-    return Plan(
+    result = Plan(
         budget_bytes=budget_bytes,
         peak_bytes=full if full is not None else predicted,
         predicted_peak_bytes=predicted,
@@ -730,3 +737,5 @@ def plan(
         },
         seconds=time.perf_counter() - t0,
     )
+    result._measured = (blocks, kinds, kind_of, p0, allowed, fwd_flops)
+    return result

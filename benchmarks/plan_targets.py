@@ -1,0 +1,209 @@
+"""slimgrad.plan on the issue-33 targets, under fake tensors (no compute, no memory).
+
+For each target: the full-estimate peaks of eager, per-block checkpointing ("ckpt": every block
+recomputed, nothing converted), torch's selective checkpointing saving matmul/attention outputs
+("sac"), slimgrad (convert_) and slimgrad + checkpointing; then plans at two budgets: the lower
+of ckpt's and slimgrad's peaks ("low") and their midpoint ("mid"), each with its full-estimate
+peak and recomputed matmul FLOPs as a fraction of the forward's, against ckpt's.
+
+Targets: HF Llama ~1B (16 x 2048, intermediate 5504, vocab 32000, default config otherwise),
+4 x 2048 tokens, fp32 weights under autocast bf16; GPT-2 medium, 8 x 1024, fp32; a
+Llama-3-8B-like model (32 x 4096, intermediate 14336, 8 kv heads, vocab 128256), 1 x 4096, fp32.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/plan_targets.py --device cuda \\
+        --out benchmarks/results/plan.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from datetime import datetime, timezone
+
+import torch
+
+GiB = 2**30
+
+
+def _llama(layers, hidden, inter, batch, seq, amp, **extra):
+    import transformers as t
+
+    from slimgrad.targets import hf_target
+
+    cfg = t.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, **extra
+    )
+    cfg._attn_implementation = "sdpa"
+    return hf_target("llama", cfg, t.LlamaForCausalLM, "causal", seq), batch, amp, str(cfg)
+
+
+def _gpt2(batch, seq):
+    import transformers as t
+
+    from slimgrad.targets import hf_target
+
+    cfg = t.GPT2Config(n_layer=24, n_embd=1024, n_head=16)
+    cfg._attn_implementation = "sdpa"
+    return hf_target("gpt2", cfg, t.GPT2LMHeadModel, "causal", seq), batch, None, "gpt2-medium"
+
+
+TARGETS = {
+    "llama_1b_bf16": (
+        "HF Llama ~1B (16x2048, inter 5504, vocab 32000), 4x2048, autocast bf16",
+        lambda: _llama(16, 2048, 5504, 4, 2048, torch.bfloat16, vocab_size=32000),
+    ),
+    "gpt2_medium": ("GPT-2 medium, 8x1024, fp32", lambda: _gpt2(8, 1024)),
+    "llama3_8b_like": (
+        "Llama-3-8B-like (32x4096, inter 14336, kv 8, vocab 128256), 1x4096, fp32",
+        lambda: _llama(
+            32,
+            4096,
+            14336,
+            1,
+            4096,
+            None,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        ),
+    ),
+}
+
+
+def _maker(target, batch, amp):
+    from slimgrad.profile import _step_fn
+
+    def make():
+        torch.manual_seed(0)
+        model = target.build(skip_init=True)
+        step = _step_fn(model, target.inputs(batch), target.loss)
+        if amp is None:
+            return step, model
+
+        def fwd():
+            with torch.autocast("cpu", dtype=amp):
+                return step()
+
+        return fwd, model
+
+    return make
+
+
+def _full(make, device, choices, convert: bool, dtype):
+    from slimgrad.memory import estimate
+    from slimgrad.plan import apply_choices
+
+    def made():
+        fwd, model = make()
+        conv = None if convert else (lambda m, **k: m)
+        kw = {"dtype": dtype} if (convert and dtype is not None) else {}
+        apply_choices(model, choices, convert=conv, **kw)
+        return fwd, model
+
+    return estimate(made, device=device, timeline=False).peak_bytes
+
+
+def run(name: str, device: str, say) -> dict:
+    import slimgrad
+    from slimgrad.bench.harness import environment, git_commit
+
+    label, build = TARGETS[name]
+    target, batch, amp, _ = build()
+    make = _maker(target, batch, amp)
+    kw = {"dtype": amp} if amp is not None else {}
+    t0 = time.perf_counter()
+    top = slimgrad.plan(make, "1024TiB", device=device, verify=False, progress=say, **kw)
+    measure_s = time.perf_counter() - t0
+    blocks = list(top.choices)
+
+    def every(c):
+        return {b: c for b in blocks}
+
+    say("full estimates of the baselines")
+    peaks = {
+        "eager": _full(make, device, {}, False, amp),
+        "ckpt": _full(make, device, every("eager+recompute"), False, amp),
+        "sac": _full(make, device, every("eager+sac"), False, amp),
+        "slimgrad": _full(make, device, every("lean"), True, amp),
+        "slimgrad+ckpt": _full(make, device, every("lean+recompute"), True, amp),
+    }
+    ckpt_frac = top.baselines["checkpoint-all"].recompute_fraction
+    low = min(peaks["ckpt"], peaks["slimgrad"])
+    mid = (peaks["ckpt"] + peaks["slimgrad"]) // 2
+    plans = {}
+    for tag, budget in (("low", low), ("mid", mid)):
+        t1 = time.perf_counter()
+        try:
+            p = slimgrad.plan(make, budget, device=device, reuse=top, progress=say, **kw)
+            plans[tag] = {
+                "budget_bytes": budget,
+                "peak_bytes": p.peak_bytes,
+                "recompute_fraction": p.recompute_fraction,
+                "vs_ckpt_recompute": p.recompute_fraction / ckpt_frac if ckpt_frac else None,
+                "choices": sorted(
+                    {c: list(p.choices.values()).count(c) for c in p.choices.values()}.items()
+                ),
+                "seconds": time.perf_counter() - t1,
+            }
+        except ValueError as e:
+            plans[tag] = {"budget_bytes": budget, "error": str(e)}
+    return {
+        "case": f"plan_{name}",
+        "target": label,
+        "device": device,
+        "estimated": True,
+        "peaks_bytes": peaks,
+        "ckpt_recompute_fraction": ckpt_frac,
+        "slimgrad_ckpt_recompute_fraction": top.baselines["slimgrad+checkpoint"].recompute_fraction,
+        "plans": plans,
+        "measure_seconds": measure_s,
+        "per_kind": top.blocks,
+        "versions": environment(),
+        "commit": git_commit(),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", nargs="*", default=list(TARGETS), choices=list(TARGETS))
+    ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    ap.add_argument("--out", default=None, help="JSONL file to append the records to")
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore")
+
+    def say(msg):
+        print(f"  {msg}", flush=True)
+
+    rows = []
+    for name in args.targets:
+        print(f"{name}: {TARGETS[name][0]}", flush=True)
+        rec = run(name, args.device, say)
+        pk = rec["peaks_bytes"]
+        print(
+            "  peaks GiB: "
+            + ", ".join(f"{k} {v / GiB:.2f}" for k, v in pk.items())
+            + f"; ckpt recompute {rec['ckpt_recompute_fraction']:.3f}",
+            flush=True,
+        )
+        for tag, p in rec["plans"].items():
+            if "error" in p:
+                print(f"  {tag} budget {p['budget_bytes'] / GiB:.2f} GiB: {p['error']}")
+                continue
+            print(
+                f"  {tag} budget {p['budget_bytes'] / GiB:.2f} GiB: plan peak "
+                f"{p['peak_bytes'] / GiB:.2f}, recompute {p['recompute_fraction']:.3f} "
+                f"({p['vs_ckpt_recompute']:.2f}x ckpt's), {p['choices']}",
+                flush=True,
+            )
+        rows.append(rec)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
