@@ -241,3 +241,19 @@ def test_hf_plan_transfers_to_a_model_built_from_the_config():
     assert est.peak_bytes <= p.budget_bytes
     assert abs(est.peak_bytes - p.peak_bytes) <= 0.01 * p.peak_bytes
     assert p.recompute_flops > 0
+
+
+def test_reuse_plans_a_second_budget_from_the_same_measurements(curve_plan, monkeypatch):
+    budget = _mid_budget(curve_plan)
+    fresh = slimgrad.plan(_make(), budget)
+    calls = []
+    real = sm.estimate
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(sm, "estimate", counting)
+    again = slimgrad.plan(_make(), budget, reuse=curve_plan)
+    assert again.choices == fresh.choices and again.peak_bytes == fresh.peak_bytes
+    assert 1 <= len(calls) <= 2  # the chosen plan's full estimate (and one looser try) only

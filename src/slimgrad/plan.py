@@ -10,7 +10,8 @@ stage's shape-preserving blocks), one of these choices:
 - ``lean+recompute:<child>``: lean ops, and only that child (e.g. ``mlp``) recomputed;
 - ``eager+recompute``: the block as it is, recomputed (plain activation checkpointing);
 - ``eager+sac``: the block as it is under torch's selective checkpointing that saves every
-  matmul/attention output and recomputes the rest (no matmul FLOPs recomputed).
+  matmul/attention output and recomputes the rest (no matmul FLOPs recomputed, every elementwise
+  op recomputed): measured as the SAC baseline, chosen only when ``choices`` names it.
 
 The rest of the model (embeddings, head, loss) is converted as ``convert_`` converts it. A plan
 names blocks by their qualified module names, so it applies to any model built from the same
@@ -38,7 +39,10 @@ the same choice without recompute (dropout masks included).
    over-counts by at most the bytes the one-block run already had of the blocks' shared terms;
    the chosen plan is then estimated whole (``verify``, one full estimate) and, if that peak is
    above the budget, the search runs again against the budget lowered by the excess (at most
-   three times). ``Plan.peak_bytes`` is that full estimate's peak.
+   three times); if it is below, the plan the measured slack allows is tried once (one more full
+   estimate) and kept if it fits. ``Plan.peak_bytes`` is that full estimate's peak: planned =
+   estimated, exactly. On a 4-layer Llama (128 wide, bf16 autocast) the composed peak was 0.7%,
+   3.2% and 4.5% above the full estimate at three budgets along the curve.
 3. Choose. Per kind, the choices' points (recompute FLOPs, kept bytes ``r``) are reduced to
    their lower convex hull: walking it, each step frees the most bytes per recomputed FLOP.
    Greedy: start with every block at the hull's first point (the least kept bytes among the
