@@ -111,7 +111,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    mp.spawn(worker, args=(free_port(), args.steps), nprocs=WORLD, join=True)
+    # fork: the workers inherit the imported torch and slimgrad instead of importing them again
+    mp.start_processes(
+        worker, args=(free_port(), args.steps), nprocs=WORLD, join=True, start_method="fork"
+    )
     print(f"ddp: {WORLD} processes, {args.steps} steps, losses and parameters within the rule")
 
 

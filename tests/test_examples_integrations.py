@@ -55,6 +55,14 @@ def test_ddp_example_two_gloo_ranks():
     assert "ddp: 2 processes, 2 steps" in out
 
 
+@pytest.mark.distributed
+def test_fsdp2_example_two_gloo_ranks():
+    pytest.importorskip("torch.distributed.fsdp")
+    out = _run("fsdp2_gloo.py", "--steps", "2")
+    assert out.count("parameters within the error rule") == 2  # one line per rank
+    assert "fsdp2: 2 processes, 2 steps" in out
+
+
 def test_every_example_is_run_by_a_test():
     """A new example needs a test that runs it (CI runs the examples through the suite)."""
     tests = "\n".join(p.read_text() for p in TESTS.rglob("test_*.py"))
