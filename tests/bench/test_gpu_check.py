@@ -25,7 +25,7 @@ def test_fake_run_writes_records(tmp_path, no_cuda):
     out = tmp_path / "gpu_check.jsonl"
     argv = ["--out", str(out), "--results-dir", str(tmp_path), "--device", "cpu", "--no-estimate",
             "--cases", "dropout", "--small", "--repeat", "1"]  # fmt: skip
-    assert G.main(argv) == 0
+    assert G.main([*argv, "--steps", "tests,kernels,e2e"]) == 0
     recs = _records(out)
     assert [r["step"] for r in recs] == ["tests", "kernels", "e2e:dropout"]
     for r in recs:
@@ -40,6 +40,22 @@ def test_fake_run_writes_records(tmp_path, no_cuda):
     assert h["device"] == "cpu" and h["time_ratio"] == e2e["time_ratio"]
     assert G.main(argv[:2] + ["--steps", "tests"]) == 0
     assert len(_records(out)) == 4  # appended
+
+
+def test_speed_step_records_time_against_its_target(tmp_path, no_cuda):
+    pytest.importorskip("transformers")
+    out = tmp_path / "gpu_check.jsonl"
+    argv = ["--out", str(out), "--device", "cpu", "--small", "--repeat", "2", "--steps", "speed",
+            "--speed-cases", "hf_gpt2_16x1024,hf_llama_1b_autocast"]  # fmt: skip
+    assert G.main(argv) == 0
+    recs = _records(out)
+    assert [r["step"] for r in recs] == ["speed:hf_gpt2_16x1024", "speed:hf_llama_1b_autocast"]
+    for r in recs:
+        assert r["time_target"] == 1.05 and r["time_ok"] == (r["time_ratio"] <= 1.05)
+        assert r["peak_bytes"]["slimgrad"] < r["peak_bytes"]["eager"]
+        assert r["ok"] is True and r["grad_ok"] is None and r["small"] is True
+    names = [c.name for c, _, _ in G.speed_cases()]
+    assert names == ["hf_gpt2", "resnet50", "hf_gpt2_16x1024", "hf_llama_1b_autocast"]
 
 
 def test_failed_step_sets_exit_status(tmp_path, no_cuda, monkeypatch):

@@ -1,6 +1,6 @@
 """Issue 8's GPU checks in one go: ``python -m slimgrad.bench.gpu_check``.
 
-Three steps, each appending one JSON record (two per end-to-end case) to ``--out``
+Four steps, each appending one JSON record (two per end-to-end case) to ``--out``
 (``benchmarks/results/gpu_check.jsonl``) with the device, versions, commit and backend:
 
 1. ``tests``: the suite's CUDA tests, ``pytest tests -k cuda`` (the ``cuda`` ids of the
@@ -19,6 +19,9 @@ Three steps, each appending one JSON record (two per end-to-end case) to ``--out
    peak is recorded against ``max_memory_allocated`` and its saved bytes against the tracker's
    (issue 19).
    Targets: step time <= 1.03x eager, peaks agreeing within the allocator's rounding.
+4. ``speed`` (issue 32): the converted step's time against eager's where users train, HF GPT-2
+   small 4x256 and ResNet-50 8x224 (target 1.10x), HF GPT-2 small 16x1024 and a ~1B HF Llama at
+   4x2048 under autocast bf16 (1.05x); NOTE [Step time where users train].
 
 Without CUDA every CUDA part is skipped with a message and a record saying so; ``--device cpu``
 runs the end-to-end step on CPU (tracker figures only), ``--bench-smoke`` the bench under the
@@ -33,6 +36,7 @@ On a lent GPU with a 10-minute limit per command, one step per call::
     python -m slimgrad.bench.gpu_check --steps kernels            # --bench-args "--repeat 10"
     python -m slimgrad.bench.gpu_check --steps e2e --cases gpt2,resnet50
     python -m slimgrad.bench.gpu_check --steps e2e --cases resnet50_inplace_abn,hf_gpt2
+    python -m slimgrad.bench.gpu_check --steps speed --repeat 5
 
 # NOTE [Tracker against the allocator]
 ``torch.cuda.max_memory_allocated`` counts block sizes: each request rounded up by the caching
@@ -70,7 +74,7 @@ from typing import Any
 import torch
 
 E2E_CASES = ("gpt2", "resnet50", "resnet50_inplace_abn", "hf_gpt2")
-STEPS = ("tests", "kernels", "e2e")
+STEPS = ("tests", "kernels", "e2e", "speed")
 TIME_TARGET = 1.03  # end-to-end step time / eager (issue 8)
 BANDWIDTH_TARGET = 0.80  # kernel bandwidth / copy bandwidth (issue 8)
 
@@ -533,6 +537,114 @@ def run_e2e(
     return rec
 
 
+# ----------------------------------------------------------------------------- speed (issue 32)
+# NOTE [Step time where users train]
+# Issue 32's GPU targets: the converted step at eager's time where models are launch-bound (HF GPT-2
+# small 4x256 and ResNet-50 8x224: <= 1.10x) and at sizes people train (HF GPT-2 small 16x1024 fp32
+# and a ~1B HF Llama, 16 layers x 2048, intermediate 5504, vocab 32000, its default config (no
+# dropout), 4x2048 tokens, fp32 weights under autocast bf16: <= 1.05x). Each is ``run_case``:
+# interleaved eager/slimgrad steps (the median of the pair ratios), the tracker's peaks, no float64
+# check at the large sizes (``e2e`` checks gradients on the first two). ``--small`` builds each
+# case's tiny sibling (2 layers, 2x16 tokens; ResNet's small variant) to run the plumbing on CPU.
+
+
+def _gpt2_long(device, dtype, small=False):
+    import transformers
+
+    from slimgrad.bench.cases.models import HFCausalLMLoss, place, slim_copy
+
+    cfg = (
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=64)
+        if small
+        else transformers.GPT2Config()
+    )
+    eager = place(HFCausalLMLoss(transformers.GPT2LMHeadModel(cfg).train()), device, dtype)
+    batch, seq = (2, 16) if small else (16, 1024)
+
+    def make_inputs():
+        return torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+
+    return eager, slim_copy(eager), make_inputs
+
+
+def _llama_1b_autocast(device, dtype, small=False):
+    import transformers
+
+    from slimgrad.bench.cases.models import Autocast, HFCausalLMLoss, place, slim_copy
+
+    size = (
+        dict(num_hidden_layers=2, hidden_size=32, intermediate_size=88, num_attention_heads=2,
+             vocab_size=97)
+        if small
+        else dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=5504,
+                  num_attention_heads=16, vocab_size=32000)
+    )  # fmt: skip
+    cfg = transformers.LlamaConfig(**size, max_position_embeddings=2048)
+    cfg._attn_implementation = "sdpa"
+    net = HFCausalLMLoss(transformers.LlamaForCausalLM(cfg).train())
+    eager = Autocast(place(net, device, torch.float32), torch.bfloat16)
+    batch, seq = (2, 16) if small else (4, 2048)
+
+    def make_inputs():
+        return torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+
+    return eager, slim_copy(eager), make_inputs
+
+
+def speed_cases() -> list[tuple[Any, float, bool]]:
+    """``(case, time target, float64 check)`` of NOTE [Step time where users train]."""
+    from slimgrad.bench.harness import Case, get_case
+
+    extra = dict(requires=("transformers",), source=__name__)
+    return [
+        (get_case("hf_gpt2"), 1.10, True),
+        (get_case("resnet50"), 1.10, True),
+        (Case("hf_gpt2_16x1024", _gpt2_long, "HF GPT-2 small, 16x1024 tokens", **extra),
+         1.05, False),
+        (Case("hf_llama_1b_autocast", _llama_1b_autocast,
+              "HF Llama ~1B (16 x 2048), 4x2048 tokens, autocast bf16", **extra), 1.05, False),
+    ]  # fmt: skip
+
+
+def run_speed(
+    device: torch.device, *, small: bool, repeat: int, cases: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """One record per case of :func:`speed_cases` (all, or those named in ``cases``)."""
+    from slimgrad.bench.harness import run_case
+
+    records = []
+    for case, target, check in speed_cases():
+        if cases and case.name not in cases:
+            continue
+        step = f"speed:{case.name}"
+        if case.missing():
+            records.append(_skipped(step, f"needs {case.missing()} (pip install slimgrad[hf])"))
+            continue
+        _say(f"{step}: run_case on {device} (repeat {repeat})")
+        h = run_case(case, device=device, small=small, repeat=repeat, grad_check=check,
+                     progress=lambda m, step=step: _say(f"{step}: {m}"))  # fmt: skip
+        rec = {
+            "step": step,
+            "small": small,
+            "shapes": h["shapes"],
+            "time_ratio": h["time_ratio"],
+            "time_ratio_q1": h.get("time_ratio_q1"),
+            "time_ratio_q3": h.get("time_ratio_q3"),
+            "step_ms": {"eager": h["eager"]["step_ms"], "slimgrad": h["slimgrad"]["step_ms"]},
+            "peak_bytes": {"eager": h["eager"]["peak_bytes"],
+                           "slimgrad": h["slimgrad"]["peak_bytes"]},
+            "peak_ratio": h["peak_ratio"],
+            "grad_ok": None if h["grad"] is None else h["grad"]["ok"],
+            "time_target": target,
+            "time_ok": h["time_ratio"] <= target,
+        }  # fmt: skip
+        rec["ok"] = rec["grad_ok"] is not False
+        _say(f"{step}: time {rec['time_ratio']:.3f}x eager (target {target}), peak "
+             f"{rec['peak_ratio']:.3f}x, grad_ok={rec['grad_ok']}")  # fmt: skip
+        records.append(rec)
+    return records
+
+
 # -------------------------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -551,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-args", default="", help="extra arguments for slimgrad.bench.kernels")
     p.add_argument("--bench-smoke", action="store_true", help="bench plumbing on CPU (no GPU)")
     p.add_argument("--cases", default=",".join(E2E_CASES), help="end-to-end bench cases")
+    p.add_argument("--speed-cases", default="",
+                   help="the speed step's cases (default: all of speed_cases())")  # fmt: skip
     p.add_argument("--small", action="store_true", help="the cases' small variants (plumbing)")
     p.add_argument("--repeat", type=int, default=10, help="timed eager/slimgrad pairs per case")
     p.add_argument("--mem-tol-bytes", type=int, default=0)
@@ -590,6 +704,12 @@ def main(argv: list[str] | None = None) -> int:
                                        results_dir=a.results_dir,
                                        mem_tol_bytes=a.mem_tol_bytes,
                                        estimate=not a.no_estimate))  # fmt: skip
+    if "speed" in steps:
+        if device.type == "cuda" and not cuda:
+            records.append(_skipped("speed", "no CUDA device (pass --device cpu for the plumbing)"))
+        else:
+            named = [c for c in a.speed_cases.split(",") if c]
+            records += run_speed(device, small=a.small, repeat=a.repeat, cases=named)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "a") as f:
         for r in records:
