@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slimgrad-env
 
-.PHONY: demo test lint env test-matrix test-hf-newest test-no-reuse docs
+.PHONY: demo test lint env test-matrix test-hf-newest test-no-reuse docs test-integrations
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -62,3 +62,15 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 docs: $(DOCS_STAMP)
 	$(PY) benchmarks/make_docs_tables.py --check
 	$(PY) -m mkdocs build --strict --site-dir build/site
+
+# slimgrad.integrations' Lightning callback needs Lightning, which the default set-up does not
+# install: three pure-Python wheels beside the venv's site-packages (their other dependencies come
+# with torch and transformers), then the integration tests with nothing skipped
+INTEGRATIONS_SITE := $(VENV)/integrations-site
+$(INTEGRATIONS_SITE)/.stamp: $(STAMP) constraints.txt
+	$(PY) -m pip install -q --no-deps --upgrade --target $(INTEGRATIONS_SITE) -c constraints.txt \
+		lightning lightning-utilities torchmetrics
+	touch $@
+
+test-integrations: $(INTEGRATIONS_SITE)/.stamp
+	PYTHONPATH=$(INTEGRATIONS_SITE) $(PY) -m pytest -p no:xdist -q -rs tests/integrations
