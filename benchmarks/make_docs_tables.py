@@ -37,8 +37,8 @@ HEADLINE = {
     "gpt2": "HF GPT-2 small, `GPT2Config()` (dropout 0.1, its default)",
     "llama": "HF Llama 12 x 768, vocab 32000 (no attention dropout, its default)",
     "bert": "HF BERT-base MLM, `BertConfig()` (dropout 0.1), 15% labelled",
-    "vit": "HF ViT-base/16, `ViTConfig()`, 224²",
-    "resnet": "HF ResNet-50, `ResNetConfig()`, 224²",
+    "vit": "HF ViT-base/16, `ViTConfig()`, 1000 classes",
+    "resnet": "HF ResNet-50, `ResNetConfig()`, 1000 classes",
 }
 
 
@@ -99,11 +99,12 @@ def headline_rows() -> list[list[str]]:
             continue
         p = rec["profile"]
         e, s = p["eager"], p["slimgrad"]
-        verify = (rec.get("verify") or "").removeprefix("verify: ").split(";")[0] or "-"
+        verify = (rec.get("verify") or "").removeprefix("verify: ").split(";")[0] or "not run"
         rows.append(
             [
                 what,
-                f"{p['batch']}" + (" x 256 tokens" if target in ("gpt2", "llama", "bert") else ""),
+                f"{p['batch']}"
+                + (" x 256 tokens" if target in ("gpt2", "llama", "bert") else " x 3 x 224²"),
                 f"{_mib(e['peak_bytes'])} -> **{_mib(s['peak_bytes'])}**",
                 f"**{s['peak_bytes'] / e['peak_bytes']:.2f}x**",
                 f"{_mib(e['saved_bytes'])} -> {_mib(s['saved_bytes'])}",
@@ -124,16 +125,19 @@ def headline() -> str:
         + ["verify"],
         rows,
     )
-    commits = sorted({_commit(r) for r in recs[-len(HEADLINE) :]})
+    latest = {r["case"]: r for r in recs}.values()
+    commits = sorted({_commit(r) for r in latest})
+    verified = [r["case"].removeprefix("default_config/") for r in latest if r.get("verify")]
     lines.append("")
     lines.append(
-        f"One training step measured on CPU in float32 by `slimgrad profile TARGET --verify` "
-        f"(exact byte counts from `slimgrad.memory`; parameters and their gradients count on both "
-        f"sides), torch {_ver(last, 'torch')}, transformers {_ver(last, 'transformers')}, "
-        f"commit {', '.join(commits)}, {_date(last)}; `verify`: loss and every gradient within "
-        f"the error rule against float64, train and eval, padded and unpadded. Records: "
-        f"`benchmarks/results/default_configs.jsonl`; more in "
-        f"[docs/benchmarks.md](docs/benchmarks.md)."
+        "One training step of a random-init model measured on CPU in float32 by `slimgrad profile "
+        "TARGET` (exact byte counts from `slimgrad.memory`; parameters and their gradients count "
+        f"on both sides), torch {_ver(last, 'torch')}, transformers {_ver(last, 'transformers')}, "
+        f"commit {', '.join(commits)}, {_date(last)}. verify OK: the run also passed `--verify` "
+        "(loss and every gradient within the error rule against float64, train and eval, padded "
+        f"and unpadded batches; run for {', '.join(verified) or 'none'}). Records: "
+        "`benchmarks/results/default_configs.jsonl` (`benchmarks/default_configs.py`); more in "
+        "[docs/benchmarks.md](docs/benchmarks.md)."
     )
     return "\n".join(lines)
 
