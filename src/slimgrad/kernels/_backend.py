@@ -248,8 +248,12 @@ def use_cpu(
     if torch.compiler.is_compiling():
         return None
     b = (_resolved[0] or _resolve()) if backend is None else _check(backend, "backend")
-    if (b != "auto" and b != "cpu") or not x.is_cpu or x.dtype not in dtypes or _is_fake(x):
+    if (b != "auto" and b != "cpu") or not x.is_cpu or x.dtype not in dtypes:
         return None
+    # _is_fake(x), its plain-tensor case inline (this runs on every call of a C-backed op)
+    if type(x) not in _PLAIN or x.is_meta or _get_dispatch_mode(_FAKE_MODE_KEY) is not None:
+        if _is_fake(x):
+            return None
     _cpu = sys.modules.get("slimgrad.kernels._cpu")
     if _cpu is None:
         _cpu = importlib.import_module("slimgrad.kernels._cpu")

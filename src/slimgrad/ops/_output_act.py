@@ -469,7 +469,7 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
     (eager's own kernel), then one pass for bits, zone and hard counts, one to collect them."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or spec.c_act < 0:
         return smooth_fwd(spec, x, fwd, fallback)
-    fns = _c_fns(lib)
+    fns = getattr(lib, "_slimgrad_fns", None) or _c_fns(lib)  # bound once per library
     inv = inverse(spec)
     w, tail = _window(spec, x.dtype)
     flat = x.reshape(-1).contiguous()
@@ -552,7 +552,7 @@ def smooth_grad_c(
     tab, byte_scale, _ = inv.tables_on(g.device, torch.float32)
     y_hi = round_f32(inv.y_min)
     sc_r, sc_l = _byte_scales(inv, byte_scale)
-    _c_fns(lib)["smooth_bwd_f32"](
+    (getattr(lib, "_slimgrad_fns", None) or _c_fns(lib))["smooth_bwd_f32"](
         gf.data_ptr(), yf.data_ptr(), bits.data_ptr(), tab.data_ptr(), of.data_ptr(), n, _TABLE_N,
         y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l, torch.get_num_threads(),
     )  # fmt: skip

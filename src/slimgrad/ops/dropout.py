@@ -98,7 +98,7 @@ def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: floa
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)  # packed_numel(n)
     scale = noise_scale_value(p, x.dtype, x.device)
     # the thread count as kernels/_cpu.threads() gives it (torch's own, at least 1)
-    _c_fns(lib)["fwd"](
+    (getattr(lib, "_slimgrad_fns", None) or _c_fns(lib))["fwd"](
         noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), n, scale, _nthreads()
     )
     return bits
@@ -115,7 +115,8 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     # eager's CPU path, op for op (native_dropout's x * m * scale differs in the last bit for
     # some p, e.g. 1e-6)
     noise = torch.empty_like(x).bernoulli_(1 - p)
-    lib = _c_lib(x)
+    # _c_lib(x), inline
+    lib = _backend.use_cpu(x, C_STEM) if x.is_contiguous() and x.numel() else None
     if lib is not None:  # the same draw; pack + x * noise in one C pass, into noise
         return noise, _c_fwd(lib, noise, x, noise, p)
     bits = pack_bits(noise != 0)
@@ -141,11 +142,12 @@ def _apply_mask_torch(
     # its input. CPU and in-place: (g * m) * s equals eager's g * noise bit for bit (noise = m * s
     # in dtype; g * 1 = g exactly, g * 0 = +-0 or NaN as in eager); the mask is the only
     # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
-    lib = None if fused else _c_lib(g)
+    # _c_lib(g), inline
+    lib = None if fused or not g.is_contiguous() or not g.numel() else _backend.use_cpu(g, C_STEM)
     if lib is not None:  # (g * m) * s == m ? g * s : g * 0, the same rounding, one pass
         out = g if inplace else torch.empty_like(g)
         scale = noise_scale_value(p, g.dtype, g.device)
-        _c_fns(lib)["bwd"](
+        (getattr(lib, "_slimgrad_fns", None) or _c_fns(lib))["bwd"](
             g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads()
         )
         return out
@@ -168,7 +170,9 @@ _bwd_torch = _apply_mask_torch
 def _kernels(t: torch.Tensor):
     # the Triton kernels when chosen (NOTE [Kernel backend choice]) and they take t, else None.
     # auto=False: only a forced "triton" picks them, so any other process-wide name answers at once
-    if _backend.get_backend() != "triton" or not _backend.use_triton(t, auto=False):
+    if (_backend._resolved[0] or _backend.get_backend()) != "triton":  # get_backend(), no frame
+        return None
+    if not _backend.use_triton(t, auto=False):
         return None
     k = _backend.kernels("dropout")
     return k if k.supports(t) else None
@@ -325,7 +329,8 @@ def dropout(
         >>> y = dropout(torch.randn(4, 8, requires_grad=True), p=0.1)
     """
     _dtensor.refuse("slimgrad.ops.dropout", input=input)
-    _check_p("ops.dropout", p)
+    if type(p) is not float or not 0.0 <= p <= 1.0:  # a float in range passes _check_p
+        _check_p("ops.dropout", p)
     if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
         return torch.nn.functional.dropout(input, p, training, inplace)
     if p == 0 or not training or input.numel() == 0:
