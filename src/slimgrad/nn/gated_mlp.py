@@ -196,8 +196,13 @@ class GatedMLP(NoScript, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g_name, u_name, d_name, a_name = self._roles
-        gate, down, act = getattr(self, g_name), getattr(self, d_name), getattr(self, a_name)
-        up = getattr(self, u_name) if u_name is not None else None
+        mods = self._modules  # what getattr finds for a submodule, without Module.__getattr__
+        if g_name in mods and d_name in mods and a_name in mods and (u_name in mods or not u_name):
+            gate, down, act = mods[g_name], mods[d_name], mods[a_name]
+            up = mods[u_name] if u_name is not None else None
+        else:
+            gate, down, act = getattr(self, g_name), getattr(self, d_name), getattr(self, a_name)
+            up = getattr(self, u_name) if u_name is not None else None
         if (
             not torch.is_grad_enabled()
             or transforms_active()

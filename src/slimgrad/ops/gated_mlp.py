@@ -87,7 +87,10 @@ def _to(t: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
 
 
 def _dtypes(*ts) -> tuple:
-    return tuple(None if t is None else t.dtype for t in ts)
+    out = []  # a loop, not a generator: one frame per call instead of one per element
+    for t in ts:
+        out.append(None if t is None else t.dtype)
+    return tuple(out)
 
 
 def _act_into(g: Tensor, activation: str, out: Tensor | None) -> Tensor:
