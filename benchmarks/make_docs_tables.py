@@ -2,8 +2,8 @@
 
 - ``docs/benchmarks.md``: tables from ``benchmarks/results/*.jsonl`` (the latest record of each
   case, device, dtype and size; every row says device, dtype, shapes and commit).
-- ``docs/design-notes.md``: an index of the ``NOTE [Title]`` blocks in ``src/`` (where each is
-  written, its first sentence, how many places cite it).
+- ``docs/design-notes.md``: an index of the ``NOTE [Title]`` blocks in ``src/`` (the file each is
+  written in, its first sentence).
 - README.md: the headline table (between ``<!-- headline:begin -->`` and ``<!-- headline:end -->``)
   from ``benchmarks/results/default_configs.jsonl`` (``benchmarks/default_configs.py``), and the
   step-time limits (``<!-- limits:... -->``) from the GPU checks and the whole-model CPU records.
@@ -572,6 +572,9 @@ def _block(lines: list[str], start: int, inline: str) -> str:
     follows the header, else (in a docstring) its paragraph."""
     after = lines[start + 1].strip() if start + 1 < len(lines) else ""
     comment = after.startswith(("#", "//"))
+    in_docstring = sum(line.count('"""') for line in lines[:start]) % 2 == 1
+    if not comment and not in_docstring and lines[start].strip().startswith(("#", "//")):
+        return ""  # a header over code, not over prose: a marker, not the block
     text = [inline.strip()] if inline.strip() else []
     for line in lines[start + 1 : start + 40]:
         s = line.strip()
@@ -627,9 +630,11 @@ def notes() -> tuple[dict[str, tuple[str, int, str]], Counter]:
 
 def notes_page() -> str:
     found, cites = notes()
+    # no line numbers or citation counts: the page changes when a block is added, moved to
+    # another file or reworded, not on every edit above one
     rows = [
-        [title, f"`{path}:{line}`", str(cites[title] - 1), summary]
-        for title, (path, line, summary) in sorted(found.items(), key=lambda kv: kv[0].lower())
+        [title, f"`{path}`", summary]
+        for title, (path, _, summary) in sorted(found.items(), key=lambda kv: kv[0].lower())
     ]
     missing = sorted(t for t in cites if t not in found)
     out = [
@@ -640,10 +645,10 @@ def notes_page() -> str:
         "",
         "Reasoning that several files rely on is written once, in a `# NOTE [Title]` block next to "
         "the code it explains, and other places cite the title (CONTRIBUTING.md). This index lists "
-        f"every block in `src/` ({len(rows)}): where it is written, its first sentence, and how "
-        "many other places cite it. Read the block itself in the source.",
+        f"every block in `src/` ({len(rows)}): the file it is written in and its first sentence. "
+        "Read the block itself in the source (search for `NOTE [Title]`).",
         "",
-        *_table(["note", "written at", "cited", "first sentence"], rows),
+        *_table(["note", "written in", "first sentence"], rows),
         "",
     ]
     if missing:
