@@ -257,9 +257,45 @@ def test_untraceable_parent_keeps_savers_only_with_an_inplace_child():
     torch.manual_seed(0)
     x = torch.randn(6, 8)
     rep = _check(Untraceable(nn.ReLU(inplace=True)), x, True)
-    assert "Untraceable cannot be traced" in _skipped(rep)["norm"]
+    assert "in-place write follows it (act: ReLU, which writes its input)" in _skipped(rep)["norm"]
     rep = _check(Untraceable(nn.ReLU()), x, True)
     assert "norm" in {n for n, _, _ in rep.converted}
+
+
+class UntraceableWriter(nn.Module):
+    # torch.fx cannot trace it (data-dependent branch) and its own code writes a saver's output
+    # in place: the forward's source is read (NOTE [In-place writes in HF forwards])
+    def __init__(self, saver, how):
+        super().__init__()
+        self.pre, self.saver, self.post = nn.Linear(8, 8), saver, nn.Linear(8, 8)
+        # a number setting: the source reading follows only the branch it selects
+        self.how = ["iadd", "method", "slice", "fresh"].index(how)
+
+    def forward(self, x):
+        h = self.saver(self.pre(x))
+        if h.sum() > -1e9:
+            if self.how == 0:
+                h += x
+            elif self.how == 1:
+                h.mul_(2.0)
+            elif self.how == 2:
+                h[:, :2] = 0.0
+            else:  # a fresh tensor is written: the saver keeps converting
+                h = h * 1.0
+                h += x
+        return self.post(h)
+
+
+@pytest.mark.parametrize("how", ["iadd", "method", "slice", "fresh"])
+@pytest.mark.parametrize("saver", ["GELU", "SiLU", "LayerNorm", "ELU"])
+def test_untraceable_parent_writing_in_its_own_code(saver, how):
+    torch.manual_seed(0)
+    for train in (True, False):
+        rep = _check(UntraceableWriter(SAVERS[saver](), how), torch.randn(6, 8), train)
+        if how == "fresh":
+            assert "saver" in {n for n, _, _ in rep.converted}
+        else:
+            assert "in-place write follows it" in _skipped(rep)["saver"], how
 
 
 def test_no_writer_keeps_the_saving():

@@ -41,8 +41,9 @@ __all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason"]
 # from a torch.fx trace in which every child module is a leaf; a child's own summary (which
 # output-saving modules can reach its output, whether it writes its input) comes from the same
 # analysis, recursively. HF transformers modules are not traced (torch.fx fails on most of them):
-# their forward's source is read instead (NOTE [In-place writes in HF forwards]); a module that
-# cannot be traced keeps its output-saving children unconverted when any of its descendants has
+# their forward's source is read instead (NOTE [In-place writes in HF forwards]), and so is the
+# source of any other module torch.fx cannot trace; a module whose forward can neither be traced
+# nor read keeps its output-saving children unconverted when any of its descendants has
 # ``inplace=True``.
 SAVES_OUTPUT = frozenset(
     {
@@ -205,7 +206,7 @@ class _Guard:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             return _Info(writes=inplace)
         if _is_hf(m):
-            return _hf_forward_info(self, m, inplace)
+            return _source_info(self, m, inplace)
         if not m._modules and type(m).__module__.startswith("torch."):
             return _Info(writes=inplace)  # a torch leaf: its 'inplace' says whether it writes
         if type(m).__module__.startswith("slimgrad."):
@@ -232,16 +233,11 @@ class _Guard:
                 warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
                 graph = _LeafTracer(m).trace(m)
         except Exception:
-            # Untraceable forward: where tensors flow is unknown. Keep the output-saving children
-            # (and those at the end of child Sequentials) when anything below has inplace=True.
-            if any(getattr(d, "inplace", False) is True for d in m.modules()):
-                for child in m.children():
-                    self.flag(
-                        self.info(child).ends,
-                        f"maybe: its parent {type(m).__name__} cannot be traced by torch.fx and "
-                        "holds a module with inplace=True",
-                    )
-            return _Info()
+            # Untraceable forward (data-dependent control flow, ...): its source is read as an HF
+            # forward's is (NOTE [In-place writes in HF forwards]), so ``h += r`` in its own code
+            # is seen too; a forward whose source cannot be read falls back there to keeping the
+            # output-saving children when anything below has inplace=True.
+            return _source_info(self, m, getattr(m, "inplace", False) is True)
         state: dict[torch.fx.Node, _Info] = {}
         out = _Info()
         for node in graph.nodes:
@@ -293,9 +289,9 @@ class _Guard:
 # followed only where those settings lead, as they are at convert time (changing such a setting
 # after convert_ is not covered; the mode and bool switches are never taken as known). A helper
 # method's writes hit only the arguments it writes. The forward's returned names give its ends, as
-# for traced modules. A forward whose
+# for traced modules. The same reading serves every module torch.fx cannot trace. A forward whose
 # source cannot be read, or that does not parse as one function, keeps its output-saving children
-# unconverted when it or a descendant has ``inplace=True``, as an untraceable module does.
+# unconverted when it or a descendant has ``inplace=True``.
 _IN = "<input>"  # the forward's first parameter, among the aliases a name may hold
 _NOT_VALUES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "size"})
 _HF_AST: dict = {}
@@ -595,15 +591,15 @@ def _union(a: dict, b: dict) -> dict:
     return {k: set(a.get(k, ())) | set(b.get(k, ())) for k in a.keys() | b.keys()}
 
 
-def _hf_forward_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
+def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     fdef = _forward_ast(getattr(type(m), "forward", None))
-    if fdef is None:  # as an untraceable module (NOTE [In-place writes in HF forwards])
+    if fdef is None:  # where tensors flow is unknown (NOTE [In-place writes in HF forwards])
         if any(getattr(d, "inplace", False) is True for d in m.modules()):
             for child in m.children():
                 guard.flag(
                     guard.info(child).ends,
-                    f"maybe: its parent {type(m).__name__}'s forward source cannot be read and it "
-                    "holds a module with inplace=True",
+                    f"maybe: its parent {type(m).__name__} cannot be traced by torch.fx, its "
+                    "forward source cannot be read, and it holds a module with inplace=True",
                 )
         return _Info(writes=inplace)
     params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:]
