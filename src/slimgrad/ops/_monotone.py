@@ -18,10 +18,17 @@ from torch import Tensor
 from slimgrad import ownership
 from slimgrad._autograd import first_order
 from slimgrad.kernels import _backend
-from slimgrad.ops._bits import pack_bits
-from slimgrad.ops._output_act import forward_output_only
+from slimgrad.ops._bits import pack_bits, unpack_bits
+from slimgrad.ops._output_act import forward_output_only, memory_order
 
-__all__ = ["apply_with_anchor", "forward_with_bits", "output_only_function", "zero_tie"]
+__all__ = [
+    "apply_with_anchor",
+    "forward_with_bits",
+    "output_only_function",
+    "same_layout",
+    "unpack_side",
+    "zero_tie",
+]
 
 
 def output_only_function(
@@ -108,9 +115,13 @@ def forward_with_bits(
 ) -> Tensor:
     """Forward that keeps ``side(x)`` (bool, like x) packed to 1 bit/elt, and y if ``keep_y``.
 
-    The mask is packed (and freed) before ``fwd_`` overwrites x.
+    The mask is packed (and freed) before ``fwd_`` overwrites x, in x's memory order (a
+    channels_last x packs its bits in channels_last order), so that :func:`unpack_side` gives it
+    back with x's strides and backward's elementwise ops need no copy into eager's layout.
     """
-    bits = pack_bits(side(x))
+    p = memory_order(x)
+    ctx.bits_perm = p
+    bits = pack_bits(side(x if p is None else x.permute(p)))
     if inplace:
         y = fwd_(x)
         ctx.mark_dirty(y)
@@ -118,6 +129,29 @@ def forward_with_bits(
         y = fwd(x)
     ctx.save_for_backward(*((y, bits) if keep_y else (bits,)))
     return y
+
+
+def unpack_side(ctx, bits: Tensor, like: Tensor) -> Tensor:
+    """The bool mask :func:`forward_with_bits` packed, with the forward input's shape and layout
+    (its memory order; ``like``'s shape)."""
+    p = getattr(ctx, "bits_perm", None)
+    if p is None:
+        return unpack_bits(bits, like.numel()).view(like.shape)
+    shape = [like.shape[d] for d in p]
+    inv = [0] * len(p)
+    for i, d in enumerate(p):
+        inv[d] = i
+    return unpack_bits(bits, like.numel()).view(shape).permute(inv)
+
+
+def same_layout(ctx, g: Tensor) -> bool:
+    """True when g has the forward input's shape and strides (``record_layout``): eager's
+    elementwise backward of g and x then returns that layout, and so does one computed from g and
+    :func:`unpack_side`'s mask, so no layout needs working out (nor any meta tensor made)."""
+    xl = getattr(ctx, "x_layout", None)
+    if xl is None:
+        return g.is_contiguous()
+    return xl[0] == tuple(g.shape) and xl[1] == g.stride()
 
 
 # The 1-bit paths (leaky_relu slope < 0, hardtanh with a bound the dtype cannot represent) keep

@@ -22,11 +22,12 @@ from torch import Tensor
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import eager_op, first_order, refuse_jit
-from slimgrad.ops._bits import unpack_bits_as
 from slimgrad.ops._monotone import (
     apply_with_anchor,
     forward_with_bits,
     output_only_function,
+    same_layout,
+    unpack_side,
     zero_tie,
 )
 from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
@@ -52,7 +53,7 @@ def _double_bits(ctx, g: Tensor) -> Tensor:
     # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's, also
     # when g has no history (zero_tie: NOTE in slimgrad.ops._monotone)
     (bits,) = ctx.saved_tensors
-    return zero_tie(ctx, g * unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape))
+    return zero_tie(ctx, g * unpack_side(ctx, bits, g).to(g.dtype))
 
 
 class _HardtanhBitsFn(torch.autograd.Function):
@@ -75,10 +76,14 @@ class _HardtanhBitsFn(torch.autograd.Function):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
         lo, hi = ctx.bounds
-        layout = eager_layout(
-            ctx, g, lambda gm, xm: torch.ops.aten.hardtanh_backward(gm, xm, lo, hi)
+        layout = (
+            None
+            if same_layout(ctx, g)
+            else eager_layout(
+                ctx, g, lambda gm, xm: torch.ops.aten.hardtanh_backward(gm, xm, lo, hi)
+            )
         )
-        keep = unpack_bits_as(bits, g.numel(), g.dtype).view(g.shape)
+        keep = unpack_side(ctx, bits, g).to(g.dtype)
         if buf is not None and layout in (None, buf.stride()):  # g * 1, g * 0: exact, in place
             return buf.mul_(keep), None, None, None
         return as_layout(g * keep, layout), None, None, None

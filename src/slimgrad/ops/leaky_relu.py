@@ -8,7 +8,8 @@ refuses a negative slope in backward).
 See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: slope >= 0: saves y (the output, shared with the next layer); slope < 0: saves 1 bit/elt
-only. Eager saves x (4 B/elt float32).
+only (in x's memory order), or x itself (as eager) for a tensor of at most ``DENSE_MAX`` (512)
+elements out of place. Eager saves x (4 B/elt float32).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
@@ -25,9 +26,17 @@ from slimgrad.ops._monotone import (
     apply_with_anchor,
     forward_with_bits,
     output_only_function,
+    same_layout,
+    unpack_side,
     zero_tie,
 )
-from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
+from slimgrad.ops._output_act import (
+    as_layout,
+    eager_layout,
+    few_elements,
+    needs_graph,
+    record_layout,
+)
 
 __all__ = ["leaky_relu", "leaky_relu_"]
 
@@ -36,9 +45,17 @@ def _fwd_torch(x: Tensor, negative_slope: float = 0.01) -> Tensor:
     return torch.nn.functional.leaky_relu(x, negative_slope)
 
 
-def _bwd_bits(g: Tensor, bits: Tensor, negative_slope: float, out: Tensor | None = None) -> Tensor:
-    # out: g itself when g's buffer is dead (slimgrad.ownership.take), else None (a fresh result)
-    pos = unpack_bits(bits, g.numel()).view(g.shape)
+def _bwd_bits(
+    g: Tensor,
+    bits: Tensor,
+    negative_slope: float,
+    out: Tensor | None = None,
+    pos: Tensor | None = None,
+) -> Tensor:
+    # out: g itself when g's buffer is dead (slimgrad.ownership.take), else None (a fresh result);
+    # pos: the unpacked side in the forward input's layout (unpack_side), else bits in g's order
+    if pos is None:
+        pos = unpack_bits(bits, g.numel()).view(g.shape)
     if out is not None:
         return torch.where(pos, g, g * negative_slope, out=out)
     return torch.where(pos, g, g * negative_slope)
@@ -58,7 +75,7 @@ def _double_bits(ctx, g: Tensor) -> Tensor:
     # create_graph=True: differentiable in g; the second derivative in x is 0, as eager's, also
     # when g has no history (zero_tie: NOTE in slimgrad.ops._monotone)
     (bits,) = ctx.saved_tensors
-    pos = unpack_bits(bits, g.numel()).view(g.shape)
+    pos = unpack_side(ctx, bits, g)
     return zero_tie(ctx, torch.where(pos, g, g * ctx.slope))
 
 
@@ -82,12 +99,17 @@ class _LeakyReluBitsFn(torch.autograd.Function):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
         slope = ctx.slope
-        layout = eager_layout(
-            ctx, g, lambda gm, xm: torch.ops.aten.leaky_relu_backward(gm, xm, slope, False)
+        layout = (
+            None
+            if same_layout(ctx, g)
+            else eager_layout(
+                ctx, g, lambda gm, xm: torch.ops.aten.leaky_relu_backward(gm, xm, slope, False)
+            )
         )
         if buf is not None and layout not in (None, buf.stride()):
             buf = None
-        return as_layout(_bwd_bits(g, bits, slope, out=buf), layout), None, None
+        pos = unpack_side(ctx, bits, g)
+        return as_layout(_bwd_bits(g, bits, slope, out=buf, pos=pos), layout), None, None
 
 
 def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
@@ -114,6 +136,10 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
             # eager's in-place op refuses a negative slope in backward; this op accepts it
             return input.copy_(torch.nn.functional.leaky_relu(input.clone(), negative_slope))
         return torch.nn.functional.leaky_relu(input, negative_slope, inplace=inplace)
+    if negative_slope < 0 and not inplace and few_elements(input):
+        # NOTE [Few elements] (ops/_output_act.py): the bits' unpacking temporaries cost more
+        # than x on a tensor this small (2 elements: peak 34 B, eager's 32); keep x, as eager
+        return torch.nn.functional.leaky_relu(input, negative_slope)
     refuse_jit("ops.leaky_relu")
     if negative_slope >= 0:
         return _LeakyReluFn.apply(input, float(negative_slope), inplace)
