@@ -273,7 +273,9 @@ def _probe(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor | None:
     # A zero-row matmul under autocast: autocast casts ``t`` through its cache and the matmul's
     # node saves that very cast; read it back (NOTE [Autocast weight casts]). The probe's node
     # saves through identity hooks of its own (NOTE [Probes bypass saved-tensor hooks]).
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # no outer hooks can run
+    # no outer hooks: read the node's own saved cast (the very tensor autocast's cache holds; a
+    # hook's unpack hands back another tensor object sharing its storage)
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
         return _probe_saved(t, dt)
     with torch.autograd.graph.saved_tensors_hooks(_same, _same):
         return _probe_saved(t, dt)
