@@ -40,6 +40,7 @@ from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import select_table
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
+from slimgrad.ops._monotone import hooks_active
 from slimgrad.ops._output_act import (
     DENSE_MAX,
     as_layout,
@@ -241,7 +242,8 @@ def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise("slimgrad.ops.elu", elu, input, alpha=alpha, inplace=inplace)
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
-    if eager_op(inplace) or not needs_graph(input):
+    # NOTE [Output and side information under saved-tensor hooks] (ops/_monotone.py)
+    if eager_op(inplace) or not needs_graph(input) or hooks_active():
         if inplace and alpha < 0 and needs_graph(input):
             # eager's in-place op refuses a negative alpha in backward; this op accepts it
             return input.copy_(torch.nn.functional.elu(input.clone(), alpha))

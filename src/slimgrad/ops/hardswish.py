@@ -36,6 +36,7 @@ from slimgrad import _dtensor, ownership
 from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
+from slimgrad.ops._monotone import hooks_active
 from slimgrad.ops._output_act import DENSE_MAX, needs_graph
 
 __all__ = ["hardswish", "hardswish_"]
@@ -189,7 +190,8 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise("slimgrad.ops.hardswish", hardswish, input, inplace=inplace)
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
-    if not needs_graph(input) or eager_op(inplace):
+    # NOTE [Output and side information under saved-tensor hooks] (ops/_monotone.py)
+    if not needs_graph(input) or eager_op(inplace) or hooks_active():
         return F.hardswish(input, inplace=inplace)
     refuse_jit("ops.hardswish")
     return _HardswishFn.apply(input, inplace)
