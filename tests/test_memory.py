@@ -304,3 +304,19 @@ def test_module_attribution_reaches_past_inner_modules():
     assert m.by_module == {"0": ACT}
     (h,) = [s for s in m.saved if s.kind == "step"]
     assert sorted(h.savers) == ["AddmmBackward0", "TanhBackward0"]
+
+
+def test_meta_tensors_hold_no_bytes():
+    # a meta tensor (a layout probe, shape arithmetic) allocates nothing: the step's peak is the
+    # real tensors' only; fake tensors (estimate) still count
+    x = torch.ones(4, requires_grad=True)
+
+    def step():
+        probe = torch.empty(100_000, device="meta")
+        probe.add_(1)
+        return (x * 2).sum()
+
+    m = measure(step)
+    assert m.peak_bytes == measure(lambda: (x * 2).sum()).peak_bytes < 1000
+    est = estimate(lambda: lambda: (torch.ones(1000, requires_grad=True) * 2).sum())
+    assert est.peak_bytes >= 4000

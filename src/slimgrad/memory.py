@@ -120,7 +120,9 @@ def _is_floor_node(node: Any) -> bool:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_nested:
+    # meta tensors hold no memory (layout probes, shape arithmetic); fake tensors are not meta
+    # (``is_meta`` is False on them: their fake device is the modelled one) and are counted
+    if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_nested or t.is_meta:
         return None
     try:
         return t.untyped_storage()
