@@ -7,8 +7,8 @@ labels on padding), so the converted attention sees real padding masks. Asserts 
 loss of the converted run is within the error rule against float64:
 ``|slimgrad - ref64| <= 2 |eager - ref64| + atol``.
 
-Run: ``python examples/hf_trainer.py [--steps 4] [--gradient-checkpointing]`` (seconds on CPU;
-needs the ``[hf]`` extra and accelerate, which Trainer requires).
+Run: ``python examples/hf_trainer.py [--steps 4] [--gradient-checkpointing] [--peft]`` (seconds on
+CPU; needs the ``[hf]`` extra and accelerate, which Trainer requires; ``--peft`` needs peft).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--peft", action="store_true", help="LoRA adapters (peft) on q/v projections")
     args = ap.parse_args()
 
     eager = make_model()
@@ -91,6 +92,15 @@ def main() -> None:
     print(str(slimgrad.report(lean)).splitlines()[0])
 
     models = {"eager": eager, "slimgrad": lean, "float64": ref}
+    if args.peft:  # adapters on the converted model (PEFT wraps slimgrad's Linear as nn.Linear)
+        from peft import LoraConfig, get_peft_model
+
+        for name, model in models.items():
+            torch.manual_seed(2)  # the same adapter init on every side
+            cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+            models[name] = get_peft_model(model, cfg)
+            if name == "float64":
+                models[name].double()
     if args.gradient_checkpointing:  # HF's own switch, before or after convert_ alike
         for model in models.values():
             model.gradient_checkpointing_enable()
