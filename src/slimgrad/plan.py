@@ -214,11 +214,30 @@ class Plan:
         return path
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("curve", "baselines")}
+        # the dataclass fields only: ``_measured`` (what reuse= takes) is not part of the record
+        skip = ("curve", "baselines")
+        d = {k: v for k, v in self.__dict__.items() if k not in skip and not k.startswith("_")}
         d["recompute_fraction"] = self.recompute_fraction
         d["curve"] = [p.__dict__ for p in self.curve]
         d["baselines"] = {k: p.__dict__ for k, p in self.baselines.items()}
+        d["blocks"] = _json_keys(d["blocks"])
         return d
+
+
+def _json_keys(obj):
+    # what was measured is keyed by tuples in places (a choice and its child): JSON needs str keys
+    if isinstance(obj, dict):
+        return {
+            k
+            if isinstance(k, (str, int, float, bool)) or k is None
+            else ":".join(map(str, k))
+            if isinstance(k, tuple)
+            else str(k): _json_keys(v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return [_json_keys(v) for v in obj]
+    return obj
 
 
 # --- applying choices to a model --------------------------------------------------------------

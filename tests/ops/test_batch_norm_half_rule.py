@@ -69,6 +69,6 @@ def test_mixed_precision_keeps_input_half_model_keeps_input():
     for xd, pd, kept in [(torch.bfloat16, torch.float32, False), (torch.bfloat16,) * 2 + (False,)]:
         holder: list = []
         out = sbn._BatchNormFn.apply(
-            x.to(xd), w.to(pd), b.to(pd), None, None, True, 0.1, 1e-5, holder, "never"
+            x.to(xd), w.to(pd), b.to(pd), None, None, True, 0.1, 1e-5, holder, "never", False
         )
         assert holder[0].keep_output(out) is kept
