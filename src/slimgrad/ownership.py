@@ -207,10 +207,10 @@ parameter (any other depth or an extra reference refuses). The functional ops
 from __future__ import annotations
 
 import contextlib
-import dis
 import os
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Iterator
 
@@ -319,10 +319,10 @@ def reset_reuse_count() -> None:
 
 
 def calibrated() -> bool:
-    """Whether the import-time calibration of the backward terms succeeded (if not, reuse is never
-    granted). The forward one (:func:`owns_input`) is separate: if it failed, ``owns_input`` is
-    always False."""
-    return _GRAD_REFCOUNT is not None and _SAVED_SIGS is not None
+    """Whether the refcount baselines of the backward terms are measured for the current call mode
+    (measuring them on the first question, never at import; if that fails, reuse is never
+    granted)."""
+    return _ensure_calibrated() and _GRAD_REFCOUNT is not None and _SAVED_SIGS is not None
 
 
 # NOTE [Storage facts without a storage object]
@@ -563,12 +563,43 @@ def _context_ok() -> bool:
     return True
 
 
-def _caller() -> object:
-    # take/reusable/take_saved <- the Function's backward <- its caller (3 frames up from here)
-    try:
-        return sys._getframe(3).f_code
-    except ValueError:
+# The chain that called a Function's backward, decided once per node class (the Function's
+# ``_backward_cls``) from what the class states: slimgrad's ``first_order`` wrapper marks itself,
+# torch's ``once_differentiable`` wrapper is recognised by its code object, a plain function is the
+# Function's own ``backward`` (or ``vjp``). Anything else (another decorator, a callable object)
+# has no baseline: refused. The node comes from ``torch._C._current_autograd_node()`` (the engine's
+# running node; for a Python Function it is ``ctx`` itself), so no frame is read.
+_ONCE_CODE = once_differentiable(lambda ctx, g: g).__code__
+_FIRST_ORDER_CODE = first_order("ownership")(lambda ctx, g: g).__code__
+_CHAINS: dict = {}
+_current_node = torch._C._current_autograd_node
+
+
+def _chain_of(node_cls: type) -> str | None:
+    fwd = getattr(node_cls, "_forward_cls", None)
+    if fwd is None:
         return None
+    fn = fwd.vjp if fwd.vjp is not torch.autograd.Function.vjp else fwd.backward
+    code = getattr(fn, "__code__", None)
+    if code is _FIRST_ORDER_CODE:
+        return "first_order"
+    if code is _ONCE_CODE:
+        return "once"
+    if type(fn) is types.FunctionType and not hasattr(fn, "__wrapped__"):
+        return "plain"
+    return None
+
+
+def _caller() -> str | None:
+    node = _current_node()
+    if node is None:
+        return None
+    cls = type(node)
+    try:
+        return _CHAINS[cls]
+    except KeyError:
+        kind = _CHAINS[cls] = _chain_of(cls)
+        return kind
 
 
 def _grad_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
@@ -951,10 +982,9 @@ def _calibrate_forward() -> None:
 
 
 def _probe(t):
-    # Same frame depth and argument passing as take()/take_saved(): one call from backward.
-    # ``t._use_count()`` is the tensor use count the extension's facts report (at::Tensor's); it
-    # is read here because calibration runs at import, before the extension is loaded.
-    return sys.getrefcount(t), t._use_count(), sys._getframe(2).f_code
+    # Same call depth and argument passing as take()/take_saved(): one call from backward.
+    # ``t._use_count()`` is the tensor use count the extension's facts report (at::Tensor's).
+    return sys.getrefcount(t), t._use_count(), _caller()
 
 
 def _calib_fns(seen: list):
@@ -1065,7 +1095,8 @@ def _calibrate() -> None:
                 ok
                 and len(g) == 6
                 and len(sv) == 3
-                and all(p[2] is caller for p in g + sv)
+                and caller is not None
+                and all(p[2] == caller for p in g + sv)
                 and g[0] == g[1]
                 # one C++ handle (the Python object), or two where autograd's call into Python
                 # keeps its own (torch 2.11: the node's input list); never more
@@ -1175,8 +1206,3 @@ def _ensure_calibrated() -> bool:
         _set_state(state)
         _MODE = mode
     return True
-
-
-# import-time calibration of this call mode (the probes' own owns_input calls then see
-# _recalibrating and do not start a nested one); the storage facts are loaded on first use
-_ensure_calibrated()
