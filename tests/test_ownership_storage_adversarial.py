@@ -299,6 +299,9 @@ def test_saved_tensor_weak_reference_to_its_storage_refuses():
 
 
 class _Fresh(torch.nn.Module):
+    # states a new output (the storage facts must still catch what it keeps of it: the test)
+    _slimgrad_fresh_output = True
+
     def __init__(self, keep):
         super().__init__()
         self.keep, self.kept = keep, []
@@ -319,6 +322,8 @@ class _Fresh(torch.nn.Module):
 
 
 class _Probe(torch.nn.Module):
+    _slimgrad_owns_input = True
+
     def forward(self, x):
         self.owned = ownership.owns_input(x, self)
         return x
@@ -331,13 +336,17 @@ class _Probe(torch.nn.Module):
 )
 def test_owns_input_storage_holders(keep, owned):
     p = _Probe()
-    torch.nn.Sequential(_Fresh(keep), p)(torch.ones(3))
+    m = torch.nn.Sequential(_Fresh(keep), p)
+    assert ownership.state_inputs_(m) == 1
+    m(torch.ones(3))
     assert p.owned is owned
 
 
 def test_owns_input_weak_reference_to_the_storage_refuses():
     p = _Probe()
-    torch.nn.Sequential(_Fresh("weak_storage"), p)(torch.ones(3))
+    m = torch.nn.Sequential(_Fresh("weak_storage"), p)
+    assert ownership.state_inputs_(m) == 1
+    m(torch.ones(3))
     assert p.owned is False
 
 
@@ -775,6 +784,7 @@ def test_owns_input_under_the_memory_tracker_is_the_same():
     def run(meas):
         p = _Probe()
         m = torch.nn.Sequential(_Fresh("none"), p)
+        ownership.state_inputs_(m)
         if meas:
             measure(lambda: m(torch.ones(3)).sum(), backward=False)
         else:

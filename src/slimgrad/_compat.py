@@ -144,15 +144,19 @@ def _ownership() -> Feature:
 
 
 def _forward_writes() -> Feature:
-    from slimgrad import ownership
+    from slimgrad import _ext, ownership
 
-    ok = ownership._ensure_calibrated() and ownership._FWD_REFCOUNT is not None
-    if ok:
-        return Feature("forward in-place writes (owns_input)", True, "calibrated")
+    name = "forward in-place writes (owns_input)"
+    if ownership._env_disabled():
+        return Feature(name, False, f"turned off by {ownership.ENV_VAR}=1")
+    ok, why = _ext.probe()  # builds nothing
+    if not ok:
+        return Feature(name, False, f"no storage facts ({why}): lean ops write out of place")
     return Feature(
-        "forward in-place writes (owns_input)",
-        False,
-        f"calibration refused on torch {torch.__version__}: lean ops write out of place",
+        name,
+        True,
+        "from the structure convert_ states (NOTE [Forward ownership from stated structure]); "
+        "refused under a dispatch or function mode other than slimgrad's tracker",
     )
 
 

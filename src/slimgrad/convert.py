@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 import slimgrad.nn as snn
-from slimgrad import _compat
+from slimgrad import _compat, ownership
 from slimgrad.convert_handlers import cnn as _cnn
 from slimgrad.convert_handlers import device_rule as _device_rule
 from slimgrad.convert_handlers import hf as _hf
@@ -471,6 +471,7 @@ def convert_(
                 continue
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
+    ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
     rep.left_alone = _left_alone(model, rep)
     _REPORTS[model] = rep
     if rep.refused_known:

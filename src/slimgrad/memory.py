@@ -285,6 +285,10 @@ class CudaAllocatorStats:
 
 
 class _Tracker(TorchDispatchMode):
+    # keeps storage keys, sizes and finalizers, never a tensor: ownership.owns_input may grant a
+    # forward write under it (NOTE [Forward ownership from stated structure])
+    _slimgrad_keeps_no_tensor = True
+
     def __init__(self, stats: Any = None) -> None:
         super().__init__()
         self.stats = stats  # NOTE [Intra-op workspace]
@@ -611,6 +615,10 @@ class _ModuleClaims:
                 bound = self.bounds.pop() if self.bounds else set()
                 self._claim(_grad_fns(out), bound, path)
 
+            # they keep graph nodes' sequence numbers, never a tensor: a module they watch may
+            # still write over its input (NOTE [Forward ownership from stated structure])
+            pre._slimgrad_keeps_no_tensor = post._slimgrad_keeps_no_tensor = True
+
             self.handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
 
@@ -653,9 +661,9 @@ def measure(
         loss). backward: also run ``out.backward(grad)`` under the tracker. grad: the gradient of
         ``out``; None requires a scalar output. module: the model, to attribute saved bytes to
         module paths (``by_module``) and to recognise its parameters. Attribution installs
-        forward hooks on every module, and a hooked module never writes over its input in
-        forward (``slimgrad.ownership.owns_input``), so for models whose in-place writes matter
-        (BatchNorm -> in-place activation) measure the totals with ``module=None``.
+        forward hooks on every module; they keep no tensor and say so, so a module they watch
+        writes over its input in forward as in an unwatched step
+        (``slimgrad.ownership.owns_input``).
         timeline: keep the per-op timeline (``StepMemory.timeline``).
         workspace: also attribute each op's intra-op workspace from an allocator's counters
             (NOTE [Intra-op workspace]): ``"cuda"`` for the CUDA caching allocator

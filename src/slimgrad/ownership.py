@@ -231,6 +231,7 @@ __all__ = [
     "reuse_disabled",
     "reuse_enabled",
     "reset_reuse_count",
+    "state_inputs_",
     "take",
     "take_saved",
 ]
@@ -726,20 +727,67 @@ def check_not_consumed(ctx, api: str) -> None:
 
 # Forward in-place writes ------------------------------------------------------------------------
 
-# Refcount of a forward's input at owns_input, per call-site shape (term F1): "local" for
-# ``v = module(v)`` with ``v`` the only holder, "temp" for ``module(f(...))`` (the argument is the
-# result of the call just before, held by the parent's value stack only). Calibrated at import by
-# _calibrate_forward; None: never in place.
-_FWD_REFCOUNT: dict | None = None
-# Weak registries of slimgrad's own (WeakIdKeyDictionary, one weak reference per key): their
-# weak references to a tensor are accounted for exactly (term F4); any other weak reference refuses.
+# NOTE [Forward ownership from stated structure]
+# A module C that asks :func:`owns_input` (its class sets ``_slimgrad_owns_input = True``:
+# InPlaceABN, the ``*AfterNorm`` activations) is granted a forward write over its input ``x`` only
+# from facts stated before the call and cheap public facts read at it; no frame, bytecode or
+# Python reference count is read.
+#
+# Stated by :func:`state_inputs_` (``convert_`` runs it), per parent Q with such children, from
+# Q's forward as the code is written (an ``nn.Sequential`` by its order; any other forward from a
+# torch.fx trace with every child a leaf, in train and in eval mode, both traces agreeing):
+# S1. C is a child of Q and of no other module of the model, and every call of C in Q's forward
+#     takes one positional argument and no keyword arguments;
+# S2. that argument is a value nothing else in Q's forward reads (its node has one user, C's call;
+#     an fx Proxy still alive after the trace, i.e. stored on ``self``, in a list, a global or a
+#     closure, counts as another reader), and it is *fresh*: the output of a child whose type
+#     states a new output it keeps no Python reference to (torch's and slimgrad's convolutions,
+#     Linear, BatchNorm, InPlaceABN, or a class with ``_slimgrad_fresh_output = True``), of an
+#     op that always allocates its result (``+ - * /``, ``cat``, ``clone``, ``F.batch_norm``,
+#     ``F.conv2d``, ...), or an in-place ``+= -= *= /=`` / an ``nn.Identity`` / ``nn.Dropout``
+#     child applied to such a fresh value that only it reads (its result is that same tensor).
+#     ``self.relu(out)`` for its side effect, ``y = self.relu(b); y + b``, ``return self.bn(f),
+#     f``, keyword arguments, a value-dependent branch (the trace fails) and a view or alias op
+#     (``view``, ``contiguous``, ``to``, ...) are not stated.
+# Stored in Q's ``__dict__`` as {C's name: names of the children whose outputs reach C}, with Q's
+# forward function; Q gets two slimgrad hooks (a pre-hook and an always-called post hook) that
+# keep a per-thread stack of running stated parents.
+#
+# Checked at the call, all cheap reads of public state:
+# C1. the innermost running stated parent is Q, Q's forward is the stated one (no instance
+#     ``forward`` attribute), and C is stated for it; a direct call of C (``model.relu(t)``), of
+#     ``Q.forward`` without ``Q.__call__``, or a call under torch.compile finds no stated parent;
+# C2. no forward or backward hook on C, on the children whose outputs reach C, or globally, except
+#     slimgrad's observers that keep no tensor (functions with ``_slimgrad_keeps_no_tensor``:
+#     ``slimgrad.memory.measure(module=...)``'s attribution hooks); C not ``compile()``d;
+# C3. no TorchDispatchMode but slimgrad's memory tracker (which keeps storage keys, never a
+#     tensor), no TorchFunctionMode (either could keep any op's output), no functorch transform,
+#     reuse not disabled (for a caller that writes);
+# C4. ``x`` plain (``torch.Tensor``, strided, not a view, not a leaf that requires grad, not
+#     functorch-wrapped), its TensorImpl held by its Python object only (``_use_count() == 1``: no
+#     SavedVariable, no view's base link), no weak reference but one per slimgrad registry
+#     (:func:`register_registry`), dense over its whole storage, the storage shared with no other
+#     tensor and its storage object kept by nobody, and torch-owned memory (terms 2a, 4 and 7 of
+#     the backward rule, from the C++ extension).
+# What the stated structure does not see, and therefore is outside the contract: a forward whose
+# path depends on an attribute changed after ``convert_`` (call :func:`state_inputs_` again after
+# changing the model), and a child of Q that calls C through a reference it keeps outside the
+# module tree.
+_STATED = "_slimgrad_stated_inputs"
 _REGISTRIES: list = []
-# (code object, instruction offset) -> that call site's shape, "local", "temp" or None (term F1).
-_SITES: dict = {}
-_SITES_MAX = 4096
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
-_WRAPPED_CALL_IMPL = torch.nn.Module._wrapped_call_impl.__code__
-_calib_seen: list | None = None
+
+
+class _Running(threading.local):
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+_running = _Running()
+_module_hooks = torch.nn.modules.module
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_functorch_on = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
 
 
 def register_registry(registry) -> None:
@@ -762,60 +810,258 @@ def _weakrefs_accounted(t: torch.Tensor) -> bool:
     return False
 
 
-def _site_shape(code, lasti: int) -> str | None:
-    key = (code, lasti)
-    if key not in _SITES:
-        if len(_SITES) >= _SITES_MAX:
-            _SITES.clear()
-        _SITES[key] = _scan_site(code, lasti)
-    return _SITES[key]
+def _observers_only(hooks) -> bool:
+    # an empty dict, or hooks that state they keep no tensor (slimgrad.memory's attribution)
+    if not hooks:
+        return True
+    return all(getattr(f, "_slimgrad_keeps_no_tensor", False) for f in hooks.values())
 
 
-def _scan_site(code, lasti: int) -> str | None:
-    # The instruction at ``lasti`` must be a one-argument CALL, reached only by falling through
-    # from the instruction that pushed its argument (no jump lands in between). "local": that
-    # instruction loads the fast local ``v`` and the result is stored right after into the same
-    # ``v`` (``v = m(v)``). "temp": that instruction is another CALL (``m(f(...))``: the argument
-    # is on the value stack only; where the result goes does not matter). Anything else (kwargs,
-    # *args, a cell variable, the result kept elsewhere or dropped): None.
-    try:
-        ins = list(dis.get_instructions(code))
-    except Exception:
-        return None
-    idx = next((k for k, i in enumerate(ins) if i.offset == lasti), None)
-    if idx is None or ins[idx].opname != "CALL" or ins[idx].arg != 1 or idx + 1 >= len(ins):
-        return None
-    if ins[idx].is_jump_target:
-        return None
-    k = idx - 1
-    if k >= 0 and ins[k].opname == "PRECALL":
-        if ins[k].arg != 1 or ins[k].is_jump_target:
-            return None
-        k -= 1
-    if k < 0:
-        return None
-    if ins[k].opname == "CALL":
-        return "temp"
-    if ins[k].opname not in ("LOAD_FAST", "LOAD_FAST_CHECK"):
-        return None
-    nxt = ins[idx + 1]
-    return "local" if nxt.opname == "STORE_FAST" and nxt.arg == ins[k].arg else None
-
-
-def _no_hooks(module) -> bool:
-    hooks = torch.nn.modules.module
-    return not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
-        or "forward" in module.__dict__
-        or getattr(module, "_compiled_call_impl", None) is not None
+def _hooks_ok(m: torch.nn.Module) -> bool:
+    return (
+        _observers_only(m._forward_hooks)
+        and _observers_only(m._forward_pre_hooks)
+        and not m._backward_hooks
+        and not m._backward_pre_hooks
+        and "forward" not in m.__dict__
+        and getattr(m, "_compiled_call_impl", None) is None
     )
+
+
+def _global_hooks_ok() -> bool:
+    g = _module_hooks
+    return (
+        _observers_only(g._global_forward_hooks)
+        and _observers_only(g._global_forward_pre_hooks)
+        and not g._global_backward_hooks
+        and not g._global_backward_pre_hooks
+    )
+
+
+def _modes_ok() -> bool:
+    # C3: a dispatch mode sees (and may keep) every op's output; only slimgrad's tracker states
+    # that it keeps none
+    if _function_mode_on():
+        return False
+    n = _dispatch_depth()
+    if not n:
+        return True
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = _get_current_dispatch_mode_stack()
+    return len(modes) == n and all(
+        getattr(type(m), "_slimgrad_keeps_no_tensor", False) for m in modes
+    )
+
+
+def _enter(module, args) -> None:
+    if not _is_compiling():
+        _running.stack.append(module)
+
+
+def _leave(module, args, output) -> None:
+    stack = _running.stack
+    if stack and stack[-1] is module:
+        stack.pop()
+
+
+_enter._slimgrad_keeps_no_tensor = True  # type: ignore[attr-defined]
+_leave._slimgrad_keeps_no_tensor = True  # type: ignore[attr-defined]
+
+
+def _asks(m: object) -> bool:
+    return bool(getattr(type(m), "_slimgrad_owns_input", False))
+
+
+def _fresh_producer(m: torch.nn.Module) -> bool:
+    # a child whose output is a new tensor it keeps no Python reference to (S2)
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.conv import _ConvNd
+
+    cls = type(m)
+    if getattr(cls, "_slimgrad_fresh_output", False):
+        return True
+    if "forward" in m.__dict__:
+        return False
+    known = cls.__module__.startswith(("torch.nn.", "slimgrad."))
+    return known and isinstance(m, (_ConvNd, torch.nn.Linear, _BatchNorm))
+
+
+def _passes_through(m: torch.nn.Module) -> bool:
+    # children whose output is their input or a new tensor (S2): Identity, Dropout
+    cls = type(m)
+    return (
+        cls in (torch.nn.Identity, torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d)
+        and "forward" not in m.__dict__
+    )
+
+
+def _fresh_ops() -> tuple[frozenset, frozenset, frozenset, frozenset]:
+    import operator
+
+    import torch.nn.functional as F
+
+    fns = frozenset(
+        {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg}
+        | {torch.add, torch.sub, torch.mul, torch.div, torch.cat, torch.clone}
+        | {F.batch_norm, F.layer_norm, F.group_norm, F.instance_norm, F.linear}
+        | {F.conv1d, F.conv2d, F.conv3d}
+    )
+    methods = frozenset({"add", "sub", "mul", "div", "clone"})
+    inplace_fns = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv})
+    inplace_methods = frozenset({"add_", "sub_", "mul_", "div_"})
+    return fns, methods, inplace_fns, inplace_methods
+
+
+def _fresh_value(node, kids: dict, kept: set, ops, sources: list) -> bool:
+    # S2 for one fx node: read by one user only, and fresh (collects the children it came from)
+    fns, methods, inplace_fns, inplace_methods = ops
+    if len(node.users) != 1 or node in kept:
+        return False
+    if node.op == "call_module":
+        m = kids.get(node.target)
+        if m is None or _asks(m):
+            return False
+        sources.append(node.target)
+        if _fresh_producer(m):
+            return True
+        if _passes_through(m) and len(node.args) == 1 and not node.kwargs:
+            a = node.args[0]
+            return hasattr(a, "users") and _fresh_value(a, kids, kept, ops, sources)
+        return False
+    if node.op == "call_function" and node.target in fns:
+        return True
+    if node.op == "call_method" and node.target in methods:
+        return True
+    inplace = (node.op == "call_function" and node.target in inplace_fns) or (
+        node.op == "call_method" and node.target in inplace_methods
+    )
+    if inplace and node.args and hasattr(node.args[0], "users"):
+        return _fresh_value(node.args[0], kids, kept, ops, sources)
+    return False
+
+
+def _fx_statement(parent: torch.nn.Module, kids: dict) -> dict | None:
+    # {consumer name: names of the children whose outputs reach it}, from one fx trace of
+    # parent's forward with every child a leaf; None if the trace fails
+    import warnings
+
+    import torch.fx
+
+    proxies: list = []
+
+    class _Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname) -> bool:
+            return True
+
+        def proxy(self, node):
+            p = super().proxy(node)
+            proxies.append(weakref.ref(p))
+            return p
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = _Tracer().trace(parent)
+    except Exception:  # fx raises many types on Python it cannot trace
+        return None
+    kept = {p.node for r in proxies if (p := r()) is not None}  # proxies someone kept (S2)
+    ops = _fresh_ops()
+    calls: dict = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in kids and _asks(kids[node.target]):
+            calls.setdefault(node.target, []).append(node)
+    stated: dict = {}
+    for name, nodes in calls.items():
+        sources: list = []
+        ok = all(
+            len(n.args) == 1
+            and not n.kwargs
+            and hasattr(n.args[0], "users")
+            and _fresh_value(n.args[0], kids, kept, ops, sources)
+            for n in nodes
+        )
+        if ok:
+            stated[name] = tuple((s, type(kids[s])) for s in dict.fromkeys(sources))
+    return stated
+
+
+def _sequential_statement(kids: dict) -> dict:
+    names = list(kids)
+    stated: dict = {}
+    for i, name in enumerate(names):
+        c = kids[name]
+        if not _asks(c):
+            continue
+        prev = kids[names[i - 1]] if i > 0 else None
+        if (
+            prev is not None
+            and _fresh_producer(prev)
+            and sum(kids[n] is c for n in names) == 1
+            and sum(kids[n] is prev for n in names) == 1
+        ):
+            stated[name] = ((names[i - 1], type(prev)),)
+    return stated
+
+
+def _install(module: torch.nn.Module) -> None:
+    if not any(f is _enter for f in module._forward_pre_hooks.values()):
+        module.register_forward_pre_hook(_enter)
+    if not any(f is _leave for f in module._forward_hooks.values()):
+        module.register_forward_hook(_leave, always_call=True)
+
+
+def state_inputs_(model: torch.nn.Module) -> int:
+    """State, for each module of ``model`` that asks :func:`owns_input` (InPlaceABN, the
+    ``*AfterNorm`` activations), whether every call of it in its parent's forward takes a fresh
+    value that nothing else reads (NOTE [Forward ownership from stated structure]). ``convert_``
+    runs it; without a statement a module never writes over its input. Run it again after
+    changing the model's structure or a parent's forward.
+
+    Args:
+        model: the model (in place: a parent with stated children gets two slimgrad hooks).
+
+    Returns:
+        The number of (parent, child) pairs stated.
+    """
+    parents: dict = {}
+    for parent in model.modules():
+        for c in parent._modules.values():
+            if c is not None:
+                parents.setdefault(id(c), set()).add(id(parent))
+    n = 0
+    for parent in model.modules():
+        kids = {k: c for k, c in parent._modules.items() if c is not None}
+        fwd = type(parent).forward
+        key = (fwd, parent.__dict__.get("forward"), tuple((k, id(c)) for k, c in kids.items()))
+        old = parent.__dict__.get(_STATED)
+        if old is not None and old[2] == key:  # the same forward and children: stated already
+            n += len(old[1])
+            continue
+        parent.__dict__.pop(_STATED, None)
+        if not any(_asks(c) for c in kids.values()) or "forward" in parent.__dict__:
+            continue
+        if fwd is torch.nn.Sequential.forward:
+            stated = _sequential_statement(kids)
+        else:
+            was = parent.training
+            try:
+                parent.training = True
+                train = _fx_statement(parent, kids)
+                parent.training = False
+                evals = _fx_statement(parent, kids)
+            finally:
+                parent.training = was
+            if train is None or evals is None:
+                continue
+            stated = {c: p for c, p in train.items() if evals.get(c) == p}
+        stated = {c: p for c, p in stated.items() if len(parents.get(id(kids[c]), ())) == 1}
+        if not stated:
+            continue
+        parent.__dict__[_STATED] = (fwd, stated, key)
+        _install(parent)
+        n += len(stated)
+    return n
 
 
 def _fresh_plain(x: object) -> bool:
@@ -828,51 +1074,60 @@ def _fresh_plain(x: object) -> bool:
     return not torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
-def _site(frame, module) -> str | None:
-    # frame: the module's forward. Above it, nn.Module's fast path (no hooks) and the parent's call
-    # site: its shape (term F1), or None.
-    f2 = frame.f_back
-    f3 = f2.f_back if f2 is not None else None
-    f4 = f3.f_back if f3 is not None else None
-    if (
-        f4 is None
-        or f2.f_code is not _CALL_IMPL
-        or f3.f_code is not _WRAPPED_CALL_IMPL
-        or not _no_hooks(module)
-    ):
+def _stated_sources(module: torch.nn.Module):
+    # C1: the children whose outputs reach ``module`` in the innermost running stated parent, or
+    # None when the call is not a stated one
+    stack = _running.stack
+    if not stack:
         return None
-    return _site_shape(f4.f_code, f4.f_lasti)
+    parent = stack[-1]
+    if parent is module:  # module is itself a stated parent: its own parent is below
+        if len(stack) < 2:
+            return None
+        parent = stack[-2]
+    stated = parent.__dict__.get(_STATED)
+    if stated is None or stated[0] is not type(parent).forward or "forward" in parent.__dict__:
+        return None
+    mods = parent._modules
+    for name, sources in stated[1].items():
+        if mods.get(name) is module:
+            out = []
+            for s, cls in sources:  # the children the statement was made for (by type)
+                m = mods.get(s)
+                if type(m) is not cls:
+                    return None
+                out.append(m)
+            return out
+    return None
 
 
-def _forward_ok(x, module, refcount: int, frame, writes: bool = True) -> bool:
-    if _calib_seen is not None:
-        _calib_seen.append((refcount, _site(frame, module)))
+def _forward_ok(x, module, writes: bool) -> bool:
+    sources = _stated_sources(module)
+    if sources is None:
         return False
-    shape = _site(frame, module) if _FWD_REFCOUNT is not None else None
-    return (
-        shape is not None
-        and refcount == _FWD_REFCOUNT[shape]
-        and not (writes and _disabled())
-        and not torch._C._are_functorch_transforms_active()
-        and _fresh_plain(x)
-        and x._use_count() == 1
-        and _weakrefs_accounted(x)
-        and _dense_whole(x)
-        and _storage_alone(x)
-        and _torch_owned(x)
-    )
+    if not (_hooks_ok(module) and _global_hooks_ok()):
+        return False
+    for s in sources:
+        if not _hooks_ok(s):
+            return False
+    if (writes and _disabled()) or _functorch_on() or not _modes_ok():
+        return False
+    if not _fresh_plain(x) or x._use_count() != 1 or not _weakrefs_accounted(x):
+        return False
+    f = _facts(x)
+    return f is not None and _dense_whole(x, f) and _storage_free(x, 0, f) and f[5] == 1
 
 
 def owns_input(x: torch.Tensor, module: torch.nn.Module, writes: bool = True) -> bool:
     """Whether ``module``'s forward may write over its input ``x`` (nobody else can see it).
 
-    Call it first thing in the module's ``forward``, on the bare parameter:
-    ``ownership.owns_input(x, self)`` (NOTE [Gradient-buffer ownership], forward terms F1-F7). True
-    only when the parent called the module as ``v = module(v)`` on a ``v`` nobody else holds (e.g.
-    the second child onwards of an ``nn.Sequential``, ``out = self.bn(out)`` on a fresh ``out``),
-    with no hooks; False everywhere else (the caller's own tensor, a residual, a second consumer, a
-    hook, a returned value, a view, torch.compile, calibration failure), and then the module must
-    not write over ``x``.
+    True only where :func:`state_inputs_` stated that every call of ``module`` in its parent's
+    forward takes a fresh value nothing else reads, the call comes from that parent's running
+    forward, and the call-time facts hold: no hook but slimgrad's observers, no foreign dispatch
+    or function mode, ``x`` plain and held by nobody else (NOTE [Forward ownership from stated
+    structure]). False everywhere else (the caller's own tensor, a residual, a second consumer, a
+    hook, a returned value, a view, torch.compile, a model ``convert_`` did not see), and then
+    the module must not write over ``x``. The module's class sets ``_slimgrad_owns_input = True``.
 
     Args:
         x: the forward's input.
@@ -885,97 +1140,11 @@ def owns_input(x: torch.Tensor, module: torch.nn.Module, writes: bool = True) ->
     Returns:
         True if writing over ``x`` (or not writing it) is invisible to everyone else.
     """
-    if torch.compiler.is_compiling() or not _ensure_calibrated():
+    if not _running.stack or _is_compiling() or not _forward_ok(x, module, writes):
         return False
-    refcount = sys.getrefcount(x)
-    try:
-        frame = sys._getframe(1)
-    except ValueError:
-        return False
-    try:
-        ok = _forward_ok(x, module, refcount, frame, writes)
-    finally:
-        del frame
-    if ok:
-        with _counter_lock:
-            _counter["forward"] += 1
-    return ok
-
-
-class _FwdProbe(torch.nn.Module):
-    def forward(self, x):
-        owns_input(x, self)
-        return x
-
-
-class _FwdFresh(torch.nn.Module):
-    def forward(self, x):
-        return x * 1
-
-
-class _FwdParent(torch.nn.Module):
-    def __init__(self, keep: bool = False, rebind: bool = True) -> None:
-        super().__init__()
-        self.p = _FwdProbe()
-        self.f = _FwdFresh()
-        self.keep, self.rebind = keep, rebind
-
-    def forward(self, x):
-        out = x * 1
-        kept = out if self.keep else None
-        if self.rebind:
-            out = self.p(out)
-        else:
-            y = self.p(out)
-            del y
-        del kept
-        return out
-
-
-class _FwdNested(_FwdParent):
-    def forward(self, x):
-        if self.keep:  # the inner call a plain method call: the same "temp" shape and count
-            return self.p(self.f.forward(x))
-        return self.p(self.f(x))
-
-
-def _calibrate_forward() -> None:
-    global _FWD_REFCOUNT, _calib_seen
-    _FWD_REFCOUNT = None
-    seen: list = []
-    _calib_seen = seen
-    try:
-        x = torch.arange(1.0, 5.0)  # not randn: calibration must not draw from the global RNG
-        torch.nn.Sequential(_FwdFresh(), _FwdProbe())(x)  # 0: fresh, in a Sequential
-        _FwdParent()(x)  # 1: fresh, ``out = self.p(out)``
-        torch.nn.Sequential(_FwdProbe())(x)  # 2: the caller's tensor
-        _FwdParent(keep=True)(x)  # 3: one more local
-        _FwdParent(rebind=False)(x)  # 4: ``y = self.p(out)``
-        with torch.no_grad():
-            torch.nn.Sequential(_FwdFresh(), _FwdProbe())(x)  # 5: same under no_grad
-        _FwdNested()(x)  # 6: ``self.p(self.f(x))``, a temporary
-        _FwdNested(keep=True)(x)  # 7: ``self.p(self.f.forward(x))``: temp shape, x * 1 fresh
-        tmp = _FwdProbe()
-        tmp.forward(x)  # 8: not through nn.Module.__call__
-        ok = (
-            len(seen) == 9
-            and seen[0] == seen[1] == seen[5]
-            and seen[0][1] == "local"
-            and seen[2][1] == "local"
-            and seen[2][0] > seen[0][0]
-            and seen[3] == (seen[1][0] + 1, "local")
-            and seen[4][1] is None
-            and seen[6][1] == seen[7][1] == "temp"
-            and seen[6][0] == seen[7][0] == seen[0][0] - 1  # no local holds it
-            and seen[8][1] is None
-        )
-        _calib_seen = None
-        if ok:
-            _FWD_REFCOUNT = {"local": seen[0][0], "temp": seen[6][0]}
-    except Exception:  # any surprise: never in place
-        _FWD_REFCOUNT = None
-    finally:
-        _calib_seen = None
+    with _counter_lock:
+        _counter["forward"] += 1
+    return True
 
 
 # Calibration ------------------------------------------------------------------------------------
@@ -1165,12 +1334,12 @@ _recalibrating = False
 
 
 def _state() -> tuple:
-    return _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _FWD_REFCOUNT
+    return _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG
 
 
 def _set_state(state: tuple) -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _FWD_REFCOUNT
-    _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _FWD_REFCOUNT = state
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG
+    _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG = state
 
 
 def _calibration_undisturbed() -> bool:
@@ -1199,7 +1368,6 @@ def _ensure_calibrated() -> bool:
             try:
                 with torch.enable_grad():  # backward runs without grad mode
                     _calibrate()
-                    _calibrate_forward()
             finally:
                 _recalibrating = False
             state = _BY_MODE[mode] = _state()

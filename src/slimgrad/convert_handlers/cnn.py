@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from slimgrad import ownership
 from slimgrad.convert_handlers.abn import inplace_abn_pattern
 from slimgrad.convert_handlers.timm import LayerNorm2d as _LayerNorm2d
 from slimgrad.nn import batch_norm as _bn
@@ -169,6 +170,7 @@ def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
                     if c2 is child:
                         setattr(p2, n2, new)
             rep.converted.append((fqn, type(child).__name__, type(new).__name__))
+    ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
 
 
 def convert_cnn_(model: nn.Module) -> nn.Module:
@@ -194,4 +196,6 @@ def convert_cnn_(model: nn.Module) -> nn.Module:
         for name, child in list(parent._modules.items()):
             if child is not None:
                 parent._modules[name] = swap(child)
-    return swap(model)
+    model = swap(model)
+    ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
+    return model

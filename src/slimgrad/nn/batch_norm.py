@@ -137,6 +137,8 @@ class ReLUAfterNorm(NoScript, nn.ReLU):
     eager does.
     """
 
+    _slimgrad_owns_input = True  # NOTE [Forward ownership from stated structure]
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
         owned = self.inplace and ownership.owns_input(input, self, writes=False)
@@ -163,6 +165,8 @@ class GELUAfterNorm(NoScript, nn.GELU):
 class SiLUAfterNorm(NoScript, nn.SiLU):
     """``torch.nn.SiLU`` (same ``inplace`` argument, same rule); see :class:`ReLUAfterNorm`."""
 
+    _slimgrad_owns_input = True  # NOTE [Forward ownership from stated structure]
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
         owned = self.inplace and ownership.owns_input(input, self, writes=False)
@@ -177,6 +181,8 @@ class SiLUAfterNorm(NoScript, nn.SiLU):
 class LeakyReLUAfterNorm(NoScript, nn.LeakyReLU):
     """``torch.nn.LeakyReLU`` (same ``negative_slope`` and ``inplace``, same rule); see
     :class:`ReLUAfterNorm`. Any slope; in place with a negative slope it is eager's op."""
+
+    _slimgrad_owns_input = True  # NOTE [Forward ownership from stated structure]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
@@ -193,6 +199,8 @@ class LeakyReLUAfterNorm(NoScript, nn.LeakyReLU):
 
 class ELUAfterNorm(NoScript, nn.ELU):
     """``torch.nn.ELU`` (same ``alpha`` and ``inplace``, same rule); see :class:`ReLUAfterNorm`."""
+
+    _slimgrad_owns_input = True  # NOTE [Forward ownership from stated structure]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]

@@ -60,6 +60,8 @@ class HardswishAfterNorm(NoScript, torch.nn.Hardswish):
     Eager keeps the BatchNorm input and x.
     """
 
+    _slimgrad_owns_input = True  # NOTE [Forward ownership from stated structure]
+
     def forward(self, input: Tensor) -> Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
         owned = self.inplace and ownership.owns_input(input, self, writes=False)

@@ -157,6 +157,10 @@ class InPlaceABN(NoScript, nn.Module):
 
     _version = 2
     _api = "nn.InPlaceABN"
+    # asks ownership.owns_input; its output is a new tensor or its owned input (NOTE [Forward
+    # ownership from stated structure])
+    _slimgrad_owns_input = True
+    _slimgrad_fresh_output = True
 
     def __init__(
         self,
@@ -846,3 +850,4 @@ def convert_sequential_bn_act_(model: nn.Module, config, allowed, rep) -> None:
             parent._modules[nxt] = identity.setdefault(id(act), nn.Identity())
         acts = "+".join(dict.fromkeys(type(a).__name__ for _, _, a in sites))
         rep.converted.append((names.get(key, "?"), f"{type(bn).__name__}+{acts}", "InPlaceABN"))
+    ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
