@@ -931,7 +931,7 @@ def test_reuse_survives_a_failed_compile():
 
 def test_new_call_mode_calibrates_once_and_only_undisturbed(monkeypatch):
     real = ownership._call_mode()
-    monkeypatch.setattr(ownership, "_call_mode", lambda: real + 100)
+    monkeypatch.setattr(ownership, "_nested", lambda o: real + 100)
     monkeypatch.setattr(ownership, "_BY_MODE", dict(ownership._BY_MODE))
     monkeypatch.setattr(ownership, "_MODE", ownership._MODE)
     before = ownership._BY_MODE[real]
@@ -958,7 +958,7 @@ def test_calibration_leaves_the_global_rng_alone(monkeypatch):
     # import slimgrad and a new call mode's calibration (mid-training, inside a backward) must not
     # draw from torch's global generator: a seeded run's data and dropout masks would shift
     real = ownership._call_mode()
-    monkeypatch.setattr(ownership, "_call_mode", lambda: real + 200)
+    monkeypatch.setattr(ownership, "_nested", lambda o: real + 200)
     monkeypatch.setattr(ownership, "_BY_MODE", dict(ownership._BY_MODE))
     monkeypatch.setattr(ownership, "_MODE", ownership._MODE)
     torch.manual_seed(0)

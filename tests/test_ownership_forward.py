@@ -315,3 +315,133 @@ def test_backward_never_overwrites_memory_torch_does_not_own(share):
     g.fill_(2.0)
     assert not ownership._torch_owned(g)
     assert ownership._torch_owned(torch.ones(16))
+
+
+# NOTE [Forward ownership from stated structure]: what the statement and the call-time facts see
+
+
+class Keeper(nn.Module):
+    _slimgrad_fresh_output = True  # claims a fresh output, but the test replaces it (type check)
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def forward(self, x):
+        out = x * 2
+        self.kept.append(out)
+        return out
+
+
+class Other(Keeper):
+    pass
+
+
+def test_direct_calls_outside_the_stated_parent_are_refused():
+    # the user calls the producer and the consumer themselves and keeps the producer's output
+    p = Probe()
+    m = _stated(nn.Sequential(Fresh(), p))
+    y = m[0](torch.randn(3))
+    m[1](y)
+    assert p.seen == [False]
+    m(torch.randn(3))  # through the parent: granted
+    assert p.seen == [False, True]
+
+
+def test_a_child_replaced_after_the_statement_is_refused():
+    p = Probe()
+    m = _stated(nn.Sequential(Fresh(), p))
+    m[0] = Other()  # not the stated producer's type: its output may be kept (it is)
+    m(torch.randn(3))
+    assert p.seen == [False]
+    ownership.state_inputs_(m)  # stated again: Other states a fresh output
+    m(torch.randn(3))
+    assert p.seen == [False, True]
+
+
+class Residual(nn.Module):
+    # torchvision's Bottleneck tail: out = bn(conv(x)); out += identity; out = relu(out)
+    def __init__(self, p, read_after):
+        super().__init__()
+        self.f, self.p, self.read_after = Fresh(), p, read_after
+
+    def forward(self, x):
+        out = self.f(x)
+        out += x
+        if self.read_after:
+            return self.p(out), out
+        return self.p(out)
+
+
+@pytest.mark.parametrize("read_after", [False, True])
+def test_in_place_add_on_a_fresh_value_passes_it_on(read_after):
+    p = Probe()
+    _stated(Residual(p, read_after))(torch.randn(3))
+    assert p.seen == [not read_after]
+
+
+class ModeDependent(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.f, self.p = Fresh(), p
+
+    def forward(self, x):
+        out = self.f(x)
+        if self.training:  # the producer's output is returned too, in training only
+            return self.p(out), out
+        return self.p(out)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_forward_that_differs_by_mode_is_not_stated(train):
+    p = Probe()
+    m = _stated(ModeDependent(p)).train(train)
+    m(torch.randn(3))
+    assert p.seen == [False]
+
+
+def test_a_consumer_shared_by_two_parents_is_not_stated():
+    p = Probe()
+    a, b = nn.Sequential(Fresh(), p), nn.Sequential(Fresh(), p)
+    assert ownership.state_inputs_(nn.ModuleList([a, b])) == 0
+    a(torch.randn(3))
+    assert p.seen == [False]
+
+
+class _CountStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.outs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.outs.append(out)  # a mode can keep any op's output
+        return out
+
+
+def test_a_foreign_dispatch_mode_refuses_and_the_tracker_does_not():
+    from slimgrad.memory import measure
+
+    p = Probe()
+    m = _stated(nn.Sequential(Fresh(), p))
+    with _CountStorages() as mode:
+        m(torch.randn(3))
+    assert p.seen == [False] and mode.outs
+    measure(lambda: m(torch.randn(3)).sum(), backward=False)
+    measure(lambda: m(torch.randn(3)).sum(), backward=False, module=m)
+    assert p.seen == [False, True, True]  # attribution hooks keep no tensor: the same grant
+
+
+def test_an_observer_hook_that_states_it_keeps_nothing_is_allowed():
+    p = Probe()
+    m = _stated(nn.Sequential(Fresh(), p))
+
+    def watch(mod, args, out):
+        return None
+
+    watch._slimgrad_keeps_no_tensor = True
+    m[0].register_forward_hook(watch)
+    m(torch.randn(3))
+    m[0].register_forward_hook(lambda mod, args, out: None)  # a user's hook: could keep it
+    m(torch.randn(3))
+    assert p.seen == [True, False]

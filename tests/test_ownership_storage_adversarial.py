@@ -683,7 +683,7 @@ def test_threads_grant_and_refuse_exactly():
 def test_a_new_call_mode_keeps_the_preserved_object_path(monkeypatch):
     # NOTE [Calibration per call mode]: a mode met later recalibrates the storage signature too
     real = ownership._call_mode()
-    monkeypatch.setattr(ownership, "_call_mode", lambda: real + 300)
+    monkeypatch.setattr(ownership, "_nested", lambda o: real + 300)
     monkeypatch.setattr(ownership, "_BY_MODE", dict(ownership._BY_MODE))
     monkeypatch.setattr(ownership, "_MODE", ownership._MODE)
     for how in ("storage_object_dropped", "nothing"):

@@ -265,7 +265,17 @@ _STORAGE_SIG: tuple[int, int, int] | None = None
 _VIEW_SIG: tuple[int, int] | None = None
 
 
+# os.environ's own dict (bytes keys on POSIX): one dict lookup per question instead of the
+# Mapping methods of os.environ; it is what os.environ reads and writes (monkeypatch.setenv too)
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if hasattr(os.environ, "encodekey") else None
+if not isinstance(_ENV_DATA, dict) or _ENV_KEY is None:  # another os.environ: read it each time
+    _ENV_DATA = None
+
+
 def _env_disabled() -> bool:
+    if _ENV_DATA is not None and _ENV_KEY not in _ENV_DATA:
+        return False
     return os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
@@ -353,13 +363,14 @@ _PROBE_FRESH = torch.empty(1)
 _PROBE_KEPT = torch.empty(1)
 _PROBE_KEPT.untyped_storage()  # dropped: PyTorch keeps the object alive with the storage
 _FACTS = None  # the extension's facts function, once loaded
+_PLAIN_FACTS = None  # and its plain_facts
 
 
 def _load_facts() -> bool:
     # Load the extension (building it on first use) and read the probes' counts. Once per process;
     # process-wide (the refcount of a kept-alive storage object is read with C calls only, which
     # the call mode of NOTE [Calibration per call mode] does not change).
-    global _FACTS, _STORAGE_SIG
+    global _FACTS, _PLAIN_FACTS, _STORAGE_SIG
     if _FACTS is not None:
         return _STORAGE_SIG is not None
     mod = _ext.load()  # its own lock; after a failure, returns None at once
@@ -386,6 +397,7 @@ def _load_facts() -> bool:
                 _STORAGE_SIG = (fresh[1], obj, fresh[2]) if ok else None
             except Exception:  # any surprise: never reuse
                 _STORAGE_SIG = None
+            _PLAIN_FACTS = mod.plain_facts
             _FACTS = mod.facts
     return _STORAGE_SIG is not None
 
@@ -481,7 +493,7 @@ def _torch_owned(t: torch.Tensor, f=None) -> bool:
 
 def _view_sig(t: torch.Tensor, f):
     # (refcount, use count) of t's base, or None if the base is not a plain strided tensor
-    # without autograd state sharing t's memory (f: t's facts; None in the import-time
+    # without autograd state sharing t's memory (f: t's plain facts; None in the
     # calibration, which runs before the extension is loaded and whose views are known to share
     # their base's storage). Reads ``t._base`` (which may create the base's Python object;
     # PyTorch preserves it with the base, no reference is added).
@@ -503,20 +515,12 @@ def _view_sig(t: torch.Tensor, f):
         use = base._use_count()
     else:
         fb = _FACTS(base)
-        if fb is None or fb[6] != f[6]:  # not the same StorageImpl
+        if fb is None or fb[6] != f[5]:  # not the same StorageImpl (f: t's plain facts)
             return None
         use = fb[0]
     sig = (sys.getrefcount(base), use)
     del base
     return sig
-
-
-def _reachable_only_through(t: torch.Tensor, f) -> bool:
-    # Term 2: nothing but ``t`` reaches its memory (f: t's facts).
-    if not t._is_view():
-        return _storage_free(t, 0, f)
-    # 2b: a view whose base is held by the view alone and shares the storage with nothing else.
-    return _VIEW_SIG is not None and _view_sig(t, f) == _VIEW_SIG and _storage_free(t, 1, f)
 
 
 def _dense_whole(t: torch.Tensor, f=None) -> bool:
@@ -535,32 +539,6 @@ def _dense_whole(t: torch.Tensor, f=None) -> bool:
         if stride != expected:
             return False
         expected *= size
-    return True
-
-
-def _plain(t: object, saved: bool = False) -> bool:
-    if type(t) is not torch.Tensor:  # subclasses (FakeTensor, DTensor, ...) and None
-        return False
-    if t.layout != torch.strided or t.is_nested or t.is_conj() or t.is_neg():
-        return False
-    if t._is_view() and saved:  # saved views: no calibrated signature, refused
-        return False
-    if t.numel() == 0:
-        return False
-    # A gradient that requires grad belongs to a double backward. A saved non-leaf input may require
-    # grad (its own history does not read its values); a leaf that requires grad never qualifies.
-    if t.requires_grad and not (saved and not t.is_leaf):
-        return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
-def _context_ok() -> bool:
-    if _disabled() or torch.is_grad_enabled():
-        return False
-    if torch._C._current_graph_task_id() == -1:  # not inside the autograd engine
-        return False
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
     return True
 
 
@@ -592,6 +570,7 @@ def _chain_of(node_cls: type) -> str | None:
 
 
 def _caller() -> str | None:
+    # the chain of the running node (for calibration's probes; take/take_saved inline it)
     node = _current_node()
     if node is None:
         return None
@@ -603,41 +582,78 @@ def _caller() -> str | None:
         return kind
 
 
-def _grad_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
-    if not (
-        _GRAD_REFCOUNT is not None
-        and (base := _GRAD_REFCOUNT.get(caller)) is not None
-        and refcount == base[0]
-        and _plain(t)
-        and _context_ok()
-        and weakref.getweakrefcount(t) == 0
-    ):
-        return False
-    f = _facts(t)  # one call to the extension: the terms below read these facts
-    return (
-        f is not None
-        and f[0] == base[1]  # term 1
-        and _dense_whole(t, f)
-        and _reachable_only_through(t, f)
-        and f[5] == 1  # term 7 (_torch_owned)
-    )
+_grad_on = torch._C.is_grad_enabled
+_functorch_on = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
+_graph_task_id = torch._C._current_graph_task_id
+_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+_getrefcount = sys.getrefcount
+_weakcount = weakref.getweakrefcount
 
 
-def _saved_ok(t: torch.Tensor, refcount: int, caller: object) -> bool:
-    if not (
-        _SAVED_SIGS is not None
-        and _plain(t, saved=True)
-        and _context_ok()
-        and not torch._C._autograd._get_current_graph_task_keep_graph()
+def _plain_facts(t, kind: int):
+    # the extension's facts of a plain dense whole-storage tensor (terms 4, 5 and the tensor part
+    # of 2 and 7 in one call), None otherwise or without the extension
+    if _FACTS is None and not _load_facts():
+        return None
+    if _STORAGE_SIG is None:
+        return None
+    return _PLAIN_FACTS(t, kind)
+
+
+def _grad_ok(t: torch.Tensor, refcount: int) -> bool:
+    # terms 1-7 for an incoming gradient; the cheap Python facts first, then one extension call
+    grads = _GRAD_REFCOUNT
+    node = _current_node()
+    if grads is None or node is None:
+        return False
+    cls = type(node)
+    kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
+    base = grads.get(kind)
+    if (
+        base is None
+        or refcount != base[0]
+        or _grad_on()
+        or _disabled_depth
+        or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled())
+        or _graph_task_id() == -1
+        or _functorch_on()
+        or _weakcount(t)
     ):
         return False
-    f = _facts(t)
+    f = _plain_facts(t, 0)
+    if f is None or f[0] != base[1] or f[4] != 1:  # terms 4-5; 1; 7
+        return False
+    if f[6]:  # 2b: a view
+        return _VIEW_SIG is not None and _view_sig(t, f) == _VIEW_SIG and _storage_free(t, 1, f)
+    use, _, weak = _STORAGE_SIG
+    if f[1] == use and f[2] == weak:  # 2a: nothing else holds the storage (the common case)
+        return True
+    return _storage_free(t, 0, f)
+
+
+def _saved_ok(t: torch.Tensor, refcount: int) -> bool:
+    sigs = _SAVED_SIGS
+    node = _current_node()
+    if sigs is None or node is None:
+        return False
+    cls = type(node)
+    kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
+    if (
+        _grad_on()
+        or _disabled_depth
+        or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled())
+        or _graph_task_id() == -1
+        or _functorch_on()
+        or _keep_graph()
+    ):
+        return False
+    f = _plain_facts(t, 1)
     return (
         f is not None
-        and (refcount, f[0]) in _SAVED_SIGS.get(caller, ())
+        and (refcount, f[0]) in sigs.get(kind, ())
+        and f[4] == 1  # term 7
         and _storage_free(t, 0, f)
-        and _dense_whole(t, f)
-        and f[5] == 1  # term 7 (_torch_owned)
     )
 
 
@@ -654,10 +670,10 @@ def reusable(grad: torch.Tensor | None) -> bool:
         True if no other reader of ``grad``'s memory exists; False otherwise (and always under
         :func:`reuse_disabled`, outside backward, with grad mode on, or if calibration failed).
     """
-    if torch.compiler.is_compiling() or not _ensure_calibrated():
+    if _is_compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
         return False
-    refcount = sys.getrefcount(grad)
-    return grad is not None and _grad_ok(grad, refcount, _caller())
+    refcount = _getrefcount(grad)
+    return grad is not None and _grad_ok(grad, refcount)
 
 
 def take(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -672,12 +688,12 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
         ...     buf = ownership.take(grad_out)
         ...     return grad_out.mul_(2) if buf is not None else grad_out * 2
     """
-    if torch.compiler.is_compiling():  # traced backward: no refcounts, no unannounced mutation
+    # a traced backward: no refcounts, no unannounced mutation; then the call mode's baselines
+    # (NOTE [Calibration per call mode]): one nested call, the rest only when the mode changed
+    if _is_compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
         return None
-    if not _ensure_calibrated():
-        return None
-    refcount = sys.getrefcount(grad)
-    if grad is None or not _grad_ok(grad, refcount, _caller()):
+    refcount = _getrefcount(grad)
+    if grad is None or not _grad_ok(grad, refcount):
         return None
     with _counter_lock:
         _counter["grad"] += 1
@@ -693,10 +709,10 @@ def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
     ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` directly in
     ``backward`` (NOTE [Gradient-buffer ownership]).
     """
-    if torch.compiler.is_compiling() or not _ensure_calibrated():
+    if _is_compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
         return None
-    refcount = sys.getrefcount(saved)
-    if saved is None or not _saved_ok(saved, refcount, _caller()):
+    refcount = _getrefcount(saved)
+    if saved is None or not _saved_ok(saved, refcount):
         return None
     mark_consumed(ctx)
     with _counter_lock:
@@ -786,8 +802,6 @@ _running = _Running()
 _module_hooks = torch.nn.modules.module
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _function_mode_on = torch._C._is_torch_function_mode_enabled
-_functorch_on = torch._C._are_functorch_transforms_active
-_is_compiling = torch.compiler.is_compiling
 
 
 def register_registry(registry) -> None:
@@ -1064,16 +1078,6 @@ def state_inputs_(model: torch.nn.Module) -> int:
     return n
 
 
-def _fresh_plain(x: object) -> bool:
-    if type(x) is not torch.Tensor or x._is_view():
-        return False
-    if x.layout != torch.strided or x.is_nested or x.is_conj() or x.is_neg() or x.numel() == 0:
-        return False
-    if x.is_leaf and x.requires_grad:
-        return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(x)
-
-
 def _stated_sources(module: torch.nn.Module):
     # C1: the children whose outputs reach ``module`` in the innermost running stated parent, or
     # None when the call is not a stated one
@@ -1112,10 +1116,11 @@ def _forward_ok(x, module, writes: bool) -> bool:
             return False
     if (writes and _disabled()) or _functorch_on() or not _modes_ok():
         return False
-    if not _fresh_plain(x) or x._use_count() != 1 or not _weakrefs_accounted(x):
+    f = _plain_facts(x, 2)  # C4: plain, not a view, dense over its storage; its holders
+    if f is None or f[0] != 1 or f[4] != 1 or not _weakrefs_accounted(x):
         return False
-    f = _facts(x)
-    return f is not None and _dense_whole(x, f) and _storage_free(x, 0, f) and f[5] == 1
+    use, _, weak = _STORAGE_SIG
+    return (f[1] == use and f[2] == weak) or _storage_free(x, 0, f)
 
 
 def owns_input(x: torch.Tensor, module: torch.nn.Module, writes: bool = True) -> bool:
@@ -1322,9 +1327,11 @@ def _nested(o: object) -> int:
     return sys.getrefcount(o)
 
 
+_MODE_PROBE = object()  # passed to _nested: held by this module and the call only
+
+
 def _call_mode() -> int:
-    o = object()
-    return _nested(o)
+    return _nested(_MODE_PROBE)
 
 
 _MODE: int | None = None  # the call mode whose baselines are in the globals above

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from slimgrad import ownership
 from slimgrad.nn.inplace_abn import InPlaceABN, InPlaceABNSync
 
 BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -168,6 +169,8 @@ def test_sync_without_distributed_raises_in_training_only():
 
 
 class _Ptr(nn.Module):
+    _slimgrad_fresh_output = True  # returns a new tensor it does not keep
+
     def __init__(self, seen):
         super().__init__()
         self.seen = seen
@@ -187,6 +190,10 @@ def test_module_channels_last_and_repr():
     assert out.is_contiguous(memory_format=torch.channels_last)
     seen = []
     fresh = nn.Sequential(nn.Identity(), _Ptr(seen), m)  # m's input is _Ptr's fresh output
+    out = fresh(x)  # no stated structure yet: out of place
+    assert out.data_ptr() != seen[0] and torch.equal(x, x0)
+    assert ownership.state_inputs_(fresh) == 1
+    seen.clear()
     out = fresh(x)
     assert out.data_ptr() == seen[0] and torch.equal(x, x0)
     assert out.is_contiguous(memory_format=torch.channels_last)

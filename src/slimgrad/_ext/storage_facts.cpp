@@ -62,8 +62,80 @@ PyObject* facts(PyObject* /*self*/, PyObject* arg) {
   }
 }
 
+// The facts of ``facts`` for a tensor that may be written over in place, in one call (the hot path
+// of slimgrad.ownership.take/take_saved/owns_input), or None where the tensor is not one:
+// ``plain_facts(t, kind)`` with kind 0 (an incoming gradient: views allowed, not requiring grad),
+// 1 (a saved tensor: no view; a non-leaf that requires grad allowed) or 2 (a forward input: no
+// view, not a leaf that requires grad). A tensor is one when it is exactly ``torch.Tensor`` (no
+// subclass), strided, not nested, no conj/neg bit, not a functorch wrapper or functional tensor,
+// has elements, and covers its whole storage densely from offset 0 (``is_non_overlapping_and_dense``
+// with ``numel * itemsize == storage nbytes``). Returns (tensor use count, storage use count,
+// storage weak count, has storage object, torch-owned, StorageImpl address, is a view).
+PyObject* plain_facts(PyObject* /*self*/, PyObject* args) {
+  PyObject* arg = nullptr;
+  int kind = 0;
+  if (!PyArg_ParseTuple(args, "Oi", &arg, &kind)) {
+    return nullptr;
+  }
+  if (!THPVariable_CheckExact(arg)) {  // None, a subclass (Parameter, FakeTensor, DTensor, ...)
+    Py_RETURN_NONE;
+  }
+  try {
+    const at::Tensor& t = THPVariable_Unpack(arg);
+    if (!t.defined() || !t.has_storage() || t.layout() != c10::kStrided || t.is_nested() ||
+        t.is_conj() || t.is_neg() || t.numel() == 0 || t.storage_offset() != 0) {
+      Py_RETURN_NONE;
+    }
+    const c10::DispatchKeySet ks = t.key_set();
+    if (ks.has(c10::DispatchKey::FuncTorchGradWrapper) ||
+        ks.has(c10::DispatchKey::FuncTorchBatched) || ks.has(c10::DispatchKey::Functionalize) ||
+        ks.has(c10::DispatchKey::Python)) {
+      Py_RETURN_NONE;
+    }
+    const bool view = t.is_view();
+    const bool rg = t.requires_grad();
+    if ((kind == 0 && rg) || (kind != 0 && view) || (kind != 0 && rg && t.is_leaf())) {
+      Py_RETURN_NONE;
+    }
+    const c10::Storage& s = t.storage();
+    c10::StorageImpl* impl = s.unsafeGetStorageImpl();
+    if (impl == nullptr ||
+        static_cast<size_t>(t.numel()) * t.element_size() != s.nbytes() ||
+        !t.unsafeGetTensorImpl()->is_non_overlapping_and_dense()) {
+      Py_RETURN_NONE;
+    }
+    long long weak = static_cast<long long>(s.getWeakStorageImpl().weak_use_count()) - 1;
+    int has_obj = impl->pyobj_slot()->load_pyobj() != nullptr ? 1 : 0;
+    int owned = 0;
+    c10::DeleterFnPtr deleter = s.data_ptr().get_deleter();
+    if (deleter != nullptr) {
+      c10::Allocator* alloc = nullptr;
+      try {
+        alloc = c10::GetAllocator(s.device_type());
+      } catch (const std::exception&) {
+        alloc = nullptr;
+      }
+      owned = (alloc != nullptr && alloc->raw_deleter() == deleter) ? 1 : 0;
+    }
+    return Py_BuildValue(
+        "(KKLiiKi)",
+        static_cast<unsigned long long>(t.use_count()),
+        static_cast<unsigned long long>(s.use_count()),
+        weak,
+        has_obj,
+        owned,
+        static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(impl)),
+        view ? 1 : 0);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 PyMethodDef methods[] = {
     {"facts", facts, METH_O, "Storage facts of a tensor (slimgrad.ownership)."},
+    {"plain_facts", plain_facts, METH_VARARGS,
+     "Storage facts of a plain dense tensor, else None (slimgrad.ownership)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {
