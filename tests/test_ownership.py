@@ -1108,3 +1108,50 @@ def test_a_refused_alias_gets_no_storage_object():
     assert not ownership._storage_alone(held)  # a storage object someone holds
     del keep
     assert ownership._storage_alone(held)  # now only PyTorch keeps it alive
+
+
+# The backward's chain (term 3): a fact of the running node's class, no frame read ---------------
+
+
+def test_chain_is_decided_by_the_functions_backward():
+    import functools
+
+    from slimgrad._autograd import first_order
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(ctx, *args):
+            return fn(ctx, *args)
+
+        return inner
+
+    class FirstOrder(_Double):
+        @staticmethod
+        @first_order("tests.first_order")
+        def backward(ctx, g):
+            return g * 2
+
+    class Wrapped(_Double):
+        @staticmethod
+        @wrap
+        def backward(ctx, g):
+            return g * 2
+
+    kinds = {
+        c: ownership._chain_of(c._backward_cls)
+        for c in (_Double, _DoubleOnce, FirstOrder, Wrapped)
+    }
+    assert kinds == {_Double: "plain", _DoubleOnce: "once", FirstOrder: "first_order", Wrapped: None}
+    assert ownership._caller() is None  # outside backward: no running node, no chain
+
+
+def test_take_from_a_tensor_hook_is_refused():
+    got = []
+    x = torch.randn(N, requires_grad=True)
+    y = _Double.apply(x * 1.5)
+    y.register_hook(lambda g: got.append(ownership.take(g)))
+    ownership.reset_reuse_count()
+    (y * 3).sum().backward()
+    assert got == [None]
+    assert ownership.reuse_count("grad") == 1  # _Double's own take, after the hook
+    torch.testing.assert_close(x.grad, torch.full((N,), 9.0), rtol=0, atol=0)

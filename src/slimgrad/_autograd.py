@@ -11,8 +11,9 @@ clear error, never a silent None.
 
 :func:`first_order` replaces ``once_differentiable`` on every backward:
 
-- without ``create_graph`` it calls the backward as is (its call frame is calibrated by
-  ``slimgrad.ownership``, like autograd's own and ``once_differentiable``'s);
+- without ``create_graph`` it calls the backward as is (``slimgrad.ownership`` knows this chain
+  by the wrapper's code object and has a refcount baseline for it, like autograd's own and
+  ``once_differentiable``'s);
 - with ``create_graph`` and a ``double`` implementation, that runs instead: it computes the first
   derivatives with differentiable torch ops from the saved tensors (an op that keeps its inputs
   recomputes eager's forward and differentiates it), so autograd gets eager's second derivatives;
@@ -98,8 +99,8 @@ def refuse_second_order(op: str, backward: Callable, ctx, grads: tuple):
     read that has history (saved tensors, ``grads``) through :func:`tie_refusal`: the first
     derivatives are right, differentiating them raises. For a ``double=`` that only sometimes
     has eager's second derivatives (NOTE [Second derivatives])."""
-    # Separate frame from first_order's wrapper: ownership.take never finds a calibrated caller
-    # here, so nothing is overwritten under create_graph.
+    # grad mode is on here (create_graph): ownership.take refuses, so nothing is overwritten, and
+    # this extra call would hold one more reference anyway.
     deps = _deps(ctx, grads)
     with torch.no_grad():
         out = backward(ctx, *grads)

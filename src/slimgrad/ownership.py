@@ -66,14 +66,20 @@ CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single t
    on 21 view cases (tests/test_ownership.py: 3-D ``F.linear``, hooks/prehooks/weakrefs/
    ``autograd.grad`` on the base, sibling views, partial/expanded/``as_strided`` views, a saved
    tensor's view with and without ``retain_graph``, checkpoint), each bitwise vs reuse off.
-3. ``sys.getrefcount(g)`` equals the baseline calibrated at import for the exact calling pattern
-   below. Catches extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook
-   that keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. The
-   baseline is chosen by the code object of the frame that called the backward (autograd's
-   ``BackwardCFunction.apply``, torch's ``once_differentiable`` wrapper, or slimgrad's
-   ``_autograd.first_order`` wrapper, each calibrated separately),
-   never by the count itself; any other caller has no baseline. If calibration fails, reuse is
-   never granted. A view gradient has the same refcount and use count as a plain one (checked).
+3. ``sys.getrefcount(g)`` equals the baseline measured for the chain that called the backward.
+   Catches extra *Python* holders of the same object, which terms 1-2 miss: a tensor hook that
+   keeps ``g``, an upstream Function that returns its own saved tensor as the gradient. The chain
+   is a fact of the running node's class, decided once per class (``_chain_of``): the engine's
+   running node (``torch._C._current_autograd_node()``, which for a Python Function is ``ctx``)
+   names the Function, and its ``backward`` (or ``vjp``) is slimgrad's ``_autograd.first_order``
+   wrapper, torch's ``once_differentiable`` wrapper (both recognised by their code objects) or a
+   plain function called by autograd's ``BackwardCFunction.apply``; each chain has its own
+   baseline, never chosen by the count itself; any other chain (another decorator, a callable
+   object, no Python node) has none: refused. A deeper call (a helper between the backward and
+   ``take``) holds more references, so it refuses. No frame is read. The baselines are measured
+   by probe Functions run through autograd on the first question in the process (never at
+   import); if that fails, reuse is never granted. A view gradient has the same refcount and use
+   count as a plain one (checked).
 4. Non-overlapping and dense, offset 0, covering its whole storage, plain strided ``torch.Tensor``
    (no subclass, functorch wrapper, conj/neg bit; a view only under term 2b): an in-place kernel
    writes every byte exactly once.
@@ -99,7 +105,7 @@ compiler, a failed build) reuse is never granted and ``slimgrad env`` says why.
 
 Distributed (DDP, FSDP2, tensor parallel; tests/distributed/test_ddp_bucketing.py,
 test_fsdp2.py, test_tensor_parallel.py, each on 2 gloo processes). Nothing here is shared between
-processes: calibration, the site cache and :func:`reuse_count` are per process (per rank);
+processes: calibration, the chain cache and :func:`reuse_count` are per process (per rank);
 :func:`reuse_disabled` is process-wide on purpose (CUDA backward runs on autograd's device threads).
 The buffers a data-parallel wrapper reads are never granted:
 
@@ -122,7 +128,8 @@ The buffers a data-parallel wrapper reads are never granted:
 - On CUDA, NCCL reads bucket and reduce-scatter buffers on its own streams; since those buffers
   are never granted, no write here races with a collective.
 
-Calibration (at import, :func:`_calibrate`): a y = 2x Function's backward probes its gradient in
+Calibration (on the first question, :func:`_calibrate`): a y = 2x Function's backward probes its
+gradient in
 chains whose safety is known: plain, through a ``* 1`` (same figures), with a hook that keeps the
 gradient (refcount exactly one higher), beside a sibling still pending on it (use count exactly
 one higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage view of a fresh base: gives
@@ -141,9 +148,10 @@ safe, refusing reuse, never the other way):
             buf = ownership.take(grad_out)    # FIRST use of grad_out, called directly from backward
             ...                               # buf is grad_out (overwrite it) or None (allocate)
 
-- Call it directly in the Function's ``backward`` staticmethod (plain or ``@once_differentiable``),
-  on the bare parameter, before any other use: no ``g = grad_out``, no list/tuple/ctx attribute
-  holding it, not from a helper the backward calls (a helper frame has no baseline: refused).
+- Call it directly in the Function's ``backward`` staticmethod (plain, ``@once_differentiable`` or
+  ``@first_order``), on the bare parameter, before any other use: no ``g = grad_out``, no
+  list/tuple/ctx attribute holding it, not from a helper the backward calls (a helper holds one
+  more reference: refused), not from a hook (no chain of its own; the engine's handle shows).
 - Several gradients (``backward(ctx, g1, g2)``) are fine: call ``take`` on each parameter.
 - Saved tensors: ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` with ``a``
   held only by that one local (do not keep the ``saved_tensors`` tuple in a variable); then
@@ -158,50 +166,14 @@ safe, refusing reuse, never the other way):
 
 Forward (:func:`owns_input`). A forward in-place write over a module's input ``x`` (InPlaceABN
 writing BN+act over the conv output; ``ReLUAfterNorm(inplace=True)`` returning a new tensor instead
-of writing over the BN output, which is the same question: may we treat ``x`` as dead?) happens
-only when every term holds at the call; otherwise the module takes its out-of-place path
-(InPlaceABN: a new output, the input unchanged; ReLU: eager's ``relu_``). Refcounts alone cannot
-tell ``out = self.bn(out)`` from ``y = self.bn(out); y + out`` (same count during the call), so the
-terms combine a structural proof read at the call site with the counts:
-
-F1. The call site (the parent's frame, three frames above ``owns_input``: forward <- nn.Module's
-    ``_call_impl`` <- ``_wrapped_call_impl`` <- parent), read from its code object with ``dis`` at
-    the instruction being executed (cached per (code, offset)), is a one-argument CALL reached by
-    falling through from the instruction that pushed the argument (no jump lands in between), of
-    one of two shapes. "local": ``v = module(v)``, the argument is the fast local ``v`` loaded just
-    before and the result is stored into that same ``v`` just after, so after the call ``v`` no
-    longer names ``x`` (``nn.Sequential.forward``'s ``input = module(input)``, torchvision's
-    ``out = self.bn1(out)``). "temp": ``module(f(...))``, the argument is the result of the call
-    just before, held by the parent's value stack only (``self.relu(self.bn1(self.conv1(x)))``).
-    ``self.relu(out)`` for its side effect, ``a = self.relu(b)``, ``return self.bn(f), f``,
-    kwargs, ``*args`` and closures' cell variables are neither.
-F2. ``sys.getrefcount(x)`` equals the count calibrated at import for exactly that call shape with
-    nobody else holding ``x`` (probe modules in an ``nn.Sequential``, in a custom parent, nested,
-    with and without grad; the calibration also checks that one more local shows as +1, that a
-    Sequential's own input (held by the caller and the Sequential's argument tuples) shows higher,
-    that "temp" is "local" minus the local, and that ``y = m(v)`` and a direct ``m.forward(v)``
-    fail F1). Catches other locals, residuals (``body(h) + h``: ``h`` is
-    the Sequential's input), containers, hooks that keep ``x``, the caller's own input.
-F3. ``x._use_count() == 1`` (no C++ holder: a SavedVariable of another op, a view's base link) and
-    the storage signature of term 2a (no other tensor, e.g. a ``detach()`` alias or a view,
-    shares the memory; nobody keeps the storage object); term 7 (torch-owned memory).
-F4. No weak references to ``x`` except exactly one per slimgrad registry that holds it
-    (:func:`register_registry`: the ``WeakIdKeyDictionary`` registries of ``ops._derived`` and
-    ``nn.inplace_abn``): a hook that keeps a weakref could read ``x`` later.
-F5. ``x`` is a plain dense strided ``torch.Tensor`` covering its storage (term 4), not a view
-    (``Flatten``/``view`` of someone's tensor), not a leaf that requires grad, not
-    functorch-wrapped.
-F6. The module has no forward/backward hooks or pre-hooks, no global module hooks are registered,
-    no instance attribute ``forward`` overrides the class's, it is not ``module.compile()``d: then
-    ``_call_impl`` takes its fast path and holds ``x`` only in its argument tuple (counted in F2),
-    and no hook sees ``x`` before or after.
-F7. Not traced (torch.compile, torch.jit tracing: other frames above forward fail F1), no functorch
-    transform, reuse not disabled (:func:`reuse_disabled` / ``SLIMGRAD_NO_REUSE=1`` also turn
-    forward writes off). Grad mode does not matter (eval, no_grad, inference_mode are the same).
-If calibration fails, ``owns_input`` is always False. Call pattern: ``owned =
-ownership.owns_input(x, self)`` as the first statement of the module's ``forward``, on the bare
-parameter (any other depth or an extra reference refuses). The functional ops
-(``slimgrad.ops.inplace_abn``) write over their argument as documented; the modules decide.
+of writing over the BN output, which is the same question: may we treat ``x`` as dead?) is decided
+from the structure ``convert_`` states (:func:`state_inputs_`: in the parent's forward, every call
+of the module takes a fresh value nothing else reads) and cheap public facts at the call (the
+stated parent is running, hooks, modes, ``x``'s own holders): NOTE [Forward ownership from stated
+structure] below. No frame, bytecode or reference count is read, and nothing is calibrated.
+Otherwise the module takes its out-of-place path (InPlaceABN: a new output, the input unchanged;
+ReLU: eager's ``relu_``). The functional ops (``slimgrad.ops.inplace_abn``) write over their
+argument as documented; the modules decide.
 """
 
 from __future__ import annotations
@@ -244,12 +216,12 @@ _disabled_depth = 0
 _counter = {"grad": 0, "saved": 0, "forward": 0}
 _counter_lock = threading.Lock()
 
-# Calibrated at import (see _calibrate). None: calibration failed; never reuse.
-# Keyed by the code object of the frame that called the Function's backward: autograd's
-# BackwardCFunction.apply (plain backward), torch's once_differentiable wrapper or slimgrad's
-# _autograd.first_order wrapper. Any other caller
-# (a helper in between, another wrapper) has no baseline: never reuse. Value: (refcount, tensor use
-# count) of an incoming gradient nobody else holds (terms 3 and 1).
+# Measured on the first question (see _calibrate). None: calibration failed; never reuse.
+# Keyed by the chain that called the Function's backward (_chain_of: "plain" for autograd's
+# BackwardCFunction.apply, "once" for torch's once_differentiable wrapper, "first_order" for
+# slimgrad's _autograd.first_order wrapper). Any other chain (another wrapper) has no baseline:
+# never reuse. Value: (refcount, tensor use count) of an incoming gradient nobody else holds (terms
+# 3 and 1).
 _GRAD_REFCOUNT: dict | None = None
 # (refcount, tensor use count) of a saved tensor nobody else holds: as autograd keeps it, and as a
 # saved_tensors_hooks pair that packs a detached alias keeps it.
@@ -1315,10 +1287,10 @@ def _calibrate() -> None:
 # count per argument in the callee (take(grad) called from backward sees refcount + 1). Dynamo
 # installs such a hook while it runs, and in torch 2.13 a failed trace (e.g. torch.compile(...,
 # fullgraph=True) raising Unsupported) leaves it installed for the rest of the process, although
-# its callback is None again: from then on every refcount was one above the import-time baseline,
+# its callback is None again: from then on every refcount was one above the first baseline,
 # and reuse was refused for good (safe, but the savings were lost). The mode is measured by one
 # nested call (_call_mode); the baselines are kept per mode, and a mode met for the first time is
-# calibrated then, with the same probes as at import, but only where nothing can distort them (no
+# calibrated then, with the same probes as the first, but only where nothing can distort them (no
 # Dynamo callback active, i.e. not between a compiled region's graph breaks; no saved-tensor hooks,
 # e.g. inside activation checkpointing; not under torch.func): otherwise that call refuses.
 
