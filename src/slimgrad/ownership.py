@@ -804,13 +804,14 @@ def _observers_only(hooks) -> bool:
 
 
 def _hooks_ok(m: torch.nn.Module) -> bool:
+    # C2 for one module (empty dicts are the common case: no call for them)
     return (
-        _observers_only(m._forward_hooks)
-        and _observers_only(m._forward_pre_hooks)
+        (not m._forward_hooks or _observers_only(m._forward_hooks))
+        and (not m._forward_pre_hooks or _observers_only(m._forward_pre_hooks))
         and not m._backward_hooks
         and not m._backward_pre_hooks
         and "forward" not in m.__dict__
-        and getattr(m, "_compiled_call_impl", None) is None
+        and m._compiled_call_impl is None
     )
 
 
@@ -1079,17 +1080,25 @@ def _stated_sources(module: torch.nn.Module):
 
 def _forward_ok(x, module, writes: bool) -> bool:
     sources = _stated_sources(module)
-    if sources is None:
-        return False
-    if not (_hooks_ok(module) and _global_hooks_ok()):
+    if sources is None or not _hooks_ok(module):
         return False
     for s in sources:
         if not _hooks_ok(s):
             return False
-    if (writes and _disabled()) or _functorch_on() or not _modes_ok():
+    g = _module_hooks
+    if (
+        (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks)
+        and not _global_hooks_ok()
+    ) or g._global_backward_pre_hooks:
+        return False
+    if writes and (
+        _disabled_depth or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled())
+    ):
+        return False
+    if _functorch_on() or ((_dispatch_depth() or _function_mode_on()) and not _modes_ok()):
         return False
     f = _plain_facts(x, 2)  # C4: plain, not a view, dense over its storage; its holders
-    if f is None or f[0] != 1 or f[4] != 1 or not _weakrefs_accounted(x):
+    if f is None or f[0] != 1 or f[4] != 1 or (_weakcount(x) and not _weakrefs_accounted(x)):
         return False
     use, _, weak = _STORAGE_SIG
     return (f[1] == use and f[2] == weak) or _storage_free(x, 0, f)
