@@ -1141,7 +1141,8 @@ def test_chain_is_decided_by_the_functions_backward():
         c: ownership._chain_of(c._backward_cls)
         for c in (_Double, _DoubleOnce, FirstOrder, Wrapped)
     }
-    assert kinds == {_Double: "plain", _DoubleOnce: "once", FirstOrder: "first_order", Wrapped: None}
+    want = {_Double: "plain", _DoubleOnce: "once", FirstOrder: "first_order", Wrapped: None}
+    assert kinds == want
     assert ownership._caller() is None  # outside backward: no running node, no chain
 
 

@@ -841,6 +841,36 @@ def _modes_ok() -> bool:
     )
 
 
+def _fake_input_ok(x) -> bool:
+    # Under fake tensors (slimgrad.memory.estimate) the decision models the real step's: the same
+    # statement and hooks, and the facts a fake tensor carries (not a view, dense from offset 0,
+    # no other C++ holder, no weak reference but slimgrad's registries). Its storage's holders
+    # are not read (no real memory: nothing can be corrupted); in a stated structure without
+    # foreign hooks they are the real step's.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def ours(m) -> bool:  # slimgrad.memory's estimate machinery (fake tensors only)
+        return type(m).__module__ == "slimgrad.memory"
+
+    return (
+        type(x) is FakeTensor
+        and all(
+            isinstance(m, FakeTensorMode) or ours(m) for m in _get_current_dispatch_mode_stack()
+        )
+        and all(ours(m) for m in _get_current_function_mode_stack())
+        and x.layout == torch.strided
+        and not x._is_view()
+        and not (x.is_leaf and x.requires_grad)
+        and x.numel() > 0
+        and x.storage_offset() == 0
+        and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))
+        and x._use_count() == 1
+        and (not _weakcount(x) or _weakrefs_accounted(x))
+    )
+
+
 def _enter(module, args) -> None:
     if not _is_compiling():
         _running.stack.append(module)
@@ -1095,7 +1125,11 @@ def _forward_ok(x, module, writes: bool) -> bool:
         _disabled_depth or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled())
     ):
         return False
-    if _functorch_on() or ((_dispatch_depth() or _function_mode_on()) and not _modes_ok()):
+    if _functorch_on():
+        return False
+    if type(x) is not torch.Tensor:
+        return _fake_input_ok(x)
+    if (_dispatch_depth() or _function_mode_on()) and not _modes_ok():
         return False
     f = _plain_facts(x, 2)  # C4: plain, not a view, dense over its storage; its holders
     if f is None or f[0] != 1 or f[4] != 1 or (_weakcount(x) and not _weakrefs_accounted(x)):
