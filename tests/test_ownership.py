@@ -1138,8 +1138,7 @@ def test_chain_is_decided_by_the_functions_backward():
             return g * 2
 
     kinds = {
-        c: ownership._chain_of(c._backward_cls)
-        for c in (_Double, _DoubleOnce, FirstOrder, Wrapped)
+        c: ownership._chain_of(c._backward_cls) for c in (_Double, _DoubleOnce, FirstOrder, Wrapped)
     }
     want = {_Double: "plain", _DoubleOnce: "once", FirstOrder: "first_order", Wrapped: None}
     assert kinds == want
