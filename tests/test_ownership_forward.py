@@ -408,6 +408,70 @@ def test_a_consumer_shared_by_two_parents_is_not_stated():
     assert p.seen == [False]
 
 
+class Counting(nn.Module):
+    # updates its own state in forward as timm's BatchNormAct2d does (num_batches_tracked, then
+    # float() of it for momentum=None), and keeps a Python attribute
+    def __init__(self, p):
+        super().__init__()
+        self.f, self.p = Fresh(), p
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.scale = torch.ones(())
+
+    def forward(self, x):
+        self.calls.add_(1)
+        self.scale.mul_(2)
+        self.last_rate = 1.0 / float(self.calls)
+        return self.p(self.f(x))
+
+
+def test_stating_a_forward_leaves_the_parent_as_it_was():
+    p = Probe()
+    m = Counting(p).eval()
+    version = m.calls._version
+    ownership.state_inputs_(m)
+    assert int(m.calls) == 0 and m.calls._version == version and float(m.scale) == 1.0
+    assert "last_rate" not in m.__dict__ and not m.training
+    m.train()(torch.randn(3))  # stated all the same: the same grant
+    assert p.seen == [True] and int(m.calls) == 1
+
+
+class DeclaredNormAct(nn.Module):
+    # a forward fx cannot trace (a branch on the input's shape) whose class states it
+    def __init__(self, p, drop):
+        super().__init__()
+        self.drop, self.act = drop, p
+
+    def forward(self, x):
+        if x.ndim != 1:
+            raise ValueError("1-D only")
+        return self.act(self.drop(x * 2))
+
+    _slimgrad_forward_statement = (forward, {"act": ("drop",)})
+
+
+class OwnForward(DeclaredNormAct):
+    def forward(self, x):
+        y = x * 2
+        self.act(self.drop(y))
+        return y
+
+
+@pytest.mark.parametrize(
+    "cls, drop, granted",
+    [
+        (DeclaredNormAct, nn.Identity, True),
+        (DeclaredNormAct, lambda: nn.Dropout(0.5), True),
+        (DeclaredNormAct, Fresh, False),  # not a pass-through child: the statement does not hold
+        (OwnForward, nn.Identity, False),  # the statement is for the parent's forward only
+    ],
+)
+def test_a_class_statement_holds_for_its_own_forward_and_children(cls, drop, granted):
+    p = Probe()
+    m = _stated(cls(p, drop()))
+    m(torch.randn(3))
+    assert p.seen == [granted]
+
+
 class _CountStorages(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()

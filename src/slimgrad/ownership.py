@@ -737,6 +737,11 @@ def check_not_consumed(ctx, api: str) -> None:
 #     ``self.relu(out)`` for its side effect, ``y = self.relu(b); y + b``, ``return self.bn(f),
 #     f``, keyword arguments, a value-dependent branch (the trace fails) and a view or alias op
 #     (``view``, ``contiguous``, ``to``, ...) are not stated.
+# A class whose forward the fx trace cannot follow may state it itself, as
+# ``_slimgrad_forward_statement = (forward, {C's name: names of the Identity/Dropout children
+# between a value the forward makes fresh and C})``, used only while the instance's forward is
+# that function and its children are of those kinds (slimgrad's timm BatchNormAct2d:
+# ``act(drop(batch_norm(x)))``).
 # Stored in Q's ``__dict__`` as {C's name: names of the children whose outputs reach C}, with Q's
 # forward function; Q gets two slimgrad hooks (a pre-hook and an always-called post hook) that
 # keep a per-thread stack of running stated parents.
@@ -958,14 +963,42 @@ def _fresh_value(node, kids: dict, kept: set, ops, sources: list) -> bool:
     return False
 
 
-def _fx_statement(parent: torch.nn.Module, kids: dict) -> dict | None:
+def _trace_stand_in(parent: torch.nn.Module, training: bool) -> torch.nn.Module | None:
+    # A trace runs parent's forward as Python on real objects: what it does to ``self`` that fx
+    # does not record (timm's BatchNormAct2d bumps ``num_batches_tracked``, momentum=None then
+    # reads it with ``float``; ``self.x = ...``) would change the user's model at convert_ time.
+    # The trace runs on a stand-in instead: parent's class and attributes, its own attribute
+    # dict, and copies of its buffers and tensor attributes; the same children and Parameters
+    # (children are leaves, not run; fx records Parameter use as graph nodes).
+    cls = type(parent)
+    try:
+        new = object.__new__(cls)
+    except TypeError:  # a class whose instances object.__new__ cannot make: not stated
+        return None
+    attrs = dict(parent.__dict__)
+    for k, v in attrs.items():
+        if type(v) is torch.Tensor:
+            attrs[k] = v.detach().clone()
+    attrs["_buffers"] = {
+        k: None if b is None else b.detach().clone() for k, b in parent._buffers.items()
+    }
+    attrs["training"] = training
+    new.__dict__.update(attrs)
+    return new
+
+
+def _fx_statement(parent: torch.nn.Module, kids: dict, training: bool) -> dict | None:
     # {consumer name: names of the children whose outputs reach it}, from one fx trace of
-    # parent's forward with every child a leaf; None if the trace fails
+    # parent's forward (in train or eval mode, on a stand-in: parent itself is left as it was)
+    # with every child a leaf; None if the trace fails
     import warnings
 
     import torch.fx
 
     proxies: list = []
+    stand_in = _trace_stand_in(parent, training)
+    if stand_in is None:
+        return None
 
     class _Tracer(torch.fx.Tracer):
         def is_leaf_module(self, m, qualname) -> bool:
@@ -979,7 +1012,7 @@ def _fx_statement(parent: torch.nn.Module, kids: dict) -> dict | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            graph = _Tracer().trace(parent)
+            graph = _Tracer().trace(stand_in)
     except Exception:  # fx raises many types on Python it cannot trace
         return None
     kept = {p.node for r in proxies if (p := r()) is not None}  # proxies someone kept (S2)
@@ -1000,6 +1033,27 @@ def _fx_statement(parent: torch.nn.Module, kids: dict) -> dict | None:
         )
         if ok:
             stated[name] = tuple((s, type(kids[s])) for s in dict.fromkeys(sources))
+    return stated
+
+
+def _declared_statement(kids: dict, declared: dict) -> dict:
+    # a class's own statement of its forward ({child: children between a fresh value and it}),
+    # checked against the instance's children as the fx and Sequential statements are
+    stated: dict = {}
+    for name, through in declared.items():
+        c = kids.get(name)
+        if c is None or not _asks(c) or sum(k is c for k in kids.values()) != 1:
+            continue
+        chain = [kids.get(t) for t in through]
+        if all(
+            m is not None
+            and m is not c
+            and not _asks(m)
+            and _passes_through(m)
+            and sum(k is m for k in kids.values()) == 1
+            for m in chain
+        ):
+            stated[name] = tuple((t, type(m)) for t, m in zip(through, chain))
     return stated
 
 
@@ -1058,17 +1112,14 @@ def state_inputs_(model: torch.nn.Module) -> int:
         parent.__dict__.pop(_STATED, None)
         if not any(_asks(c) for c in kids.values()) or "forward" in parent.__dict__:
             continue
+        declared = getattr(type(parent), "_slimgrad_forward_statement", None)
         if fwd is torch.nn.Sequential.forward:
             stated = _sequential_statement(kids)
+        elif declared is not None and declared[0] is fwd:
+            stated = _declared_statement(kids, declared[1])
         else:
-            was = parent.training
-            try:
-                parent.training = True
-                train = _fx_statement(parent, kids)
-                parent.training = False
-                evals = _fx_statement(parent, kids)
-            finally:
-                parent.training = was
+            train = _fx_statement(parent, kids, True)
+            evals = _fx_statement(parent, kids, False)
             if train is None or evals is None:
                 continue
             stated = {c: p for c, p in train.items() if evals.get(c) == p}

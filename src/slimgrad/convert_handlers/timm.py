@@ -102,6 +102,11 @@ class BatchNormAct2d(_NormAct, BatchNorm2d):
     the BatchNorm output only (eager: its input and the act's input/output).
     """
 
+    # act's input is the BatchNorm's new output passed through drop, read by act alone; fx cannot
+    # trace _norm's shape checks, so the class states it (NOTE [Forward ownership from stated
+    # structure])
+    _slimgrad_forward_statement = (_NormAct.forward, {"act": ("drop",)})
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim != 4:  # timm's _assert
             raise AssertionError(f"expected 4D input (got {x.ndim}D input)")
