@@ -152,6 +152,11 @@ HOST_SYNC_OPS = frozenset(
 
 
 class _SyncCounter(TorchDispatchMode):
+    # counts op names, never keeps a tensor: ownership.owns_input grants under it what it grants
+    # unwatched, so the counted step is the real one (NOTE [Forward ownership from stated
+    # structure])
+    _slimgrad_keeps_no_tensor = True
+
     def __init__(self, counts: Counter) -> None:
         super().__init__()
         self.counts = counts
