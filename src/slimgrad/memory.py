@@ -658,12 +658,13 @@ def measure(
 
     Args:
         forward: zero-argument callable that runs the forward and returns the output (usually the
-        loss). backward: also run ``out.backward(grad)`` under the tracker. grad: the gradient of
-        ``out``; None requires a scalar output. module: the model, to attribute saved bytes to
-        module paths (``by_module``) and to recognise its parameters. Attribution installs
-        forward hooks on every module; they keep no tensor and say so, so a module they watch
-        writes over its input in forward as in an unwatched step
-        (``slimgrad.ownership.owns_input``).
+            loss).
+        backward: also run ``out.backward(grad)`` under the tracker.
+        grad: the gradient of ``out``; None requires a scalar output.
+        module: the model, to attribute saved bytes to module paths (``by_module``) and to
+            recognise its parameters. Attribution installs forward hooks on every module; they
+            keep no tensor and say so, so a module they watch writes over its input in forward as
+            in an unwatched step (``slimgrad.ownership.owns_input``).
         timeline: keep the per-op timeline (``StepMemory.timeline``).
         workspace: also attribute each op's intra-op workspace from an allocator's counters
             (NOTE [Intra-op workspace]): ``"cuda"`` for the CUDA caching allocator
