@@ -348,9 +348,23 @@ def test_direct_calls_outside_the_stated_parent_are_refused():
     assert p.seen == [False, True]
 
 
+class Unstated(nn.Module):
+    # a new output it keeps no reference to, but no statement says so: only the statement (made
+    # for another type) can refuse it, nothing about the tensor does
+    def forward(self, x):
+        return x * 2
+
+
 def test_a_child_replaced_after_the_statement_is_refused():
     p = Probe()
     m = _stated(nn.Sequential(Fresh(), p))
+    m[0] = Unstated()  # not the type the statement was made for
+    m(torch.randn(3))
+    assert p.seen == [False]
+    m[0] = Fresh()  # the stated type again (another instance): the statement holds
+    m(torch.randn(3))
+    assert p.seen == [False, True]
+    p.seen.clear()
     m[0] = Other()  # not the stated producer's type: its output may be kept (it is)
     m(torch.randn(3))
     assert p.seen == [False]
@@ -472,6 +486,17 @@ def test_a_class_statement_holds_for_its_own_forward_and_children(cls, drop, gra
     assert p.seen == [granted]
 
 
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    # keeps nothing, but does not say so: a foreign mode is refused for what it could do
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 class _CountStorages(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -491,9 +516,15 @@ def test_a_foreign_dispatch_mode_refuses_and_the_tracker_does_not():
     with _CountStorages() as mode:
         m(torch.randn(3))
     assert p.seen == [False] and mode.outs
+    with _CountOps() as counting:
+        m(torch.randn(3))
+    assert p.seen == [False, False] and counting.n
+    p.seen.clear()
+    m(torch.randn(3))
+    assert p.seen == [True]  # unwatched: granted
     measure(lambda: m(torch.randn(3)).sum(), backward=False)
     measure(lambda: m(torch.randn(3)).sum(), backward=False, module=m)
-    assert p.seen == [False, True, True]  # attribution hooks keep no tensor: the same grant
+    assert p.seen == [True, True, True]  # attribution hooks keep no tensor: the same grant
 
 
 def test_an_observer_hook_that_states_it_keeps_nothing_is_allowed():
