@@ -73,22 +73,9 @@ TARGETS = {
 
 
 def _maker(target, batch, amp):
-    from slimgrad.profile import _step_fn
+    from slimgrad.profile import _target_make
 
-    def make():
-        torch.manual_seed(0)
-        model = target.build(skip_init=True)
-        step = _step_fn(model, target.inputs(batch), target.loss)
-        if amp is None:
-            return step, model
-
-        def fwd():
-            with torch.autocast("cpu", dtype=amp):
-                return step()
-
-        return fwd, model
-
-    return make
+    return _target_make(target, batch, amp)
 
 
 def _full(make, device, choices, convert: bool, dtype):

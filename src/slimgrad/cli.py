@@ -966,23 +966,11 @@ def _plan_work(args: argparse.Namespace, target, budget: int) -> int:
     import torch
 
     import slimgrad
-    from slimgrad.profile import _step_fn
+    from slimgrad.profile import _target_make
 
     batch = args.batch or target.default_batch
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
-
-    def make():
-        torch.manual_seed(0)
-        model = target.build(skip_init=True)
-        step = _step_fn(model, target.inputs(batch), target.loss)
-        if amp is None:
-            return step, model
-
-        def fwd():
-            with torch.autocast("cpu", dtype=amp):
-                return step()
-
-        return fwd, model
+    make = _target_make(target, batch, amp)
 
     say = _progress("plan")
     say(f"planning {target.name}, batch {batch}, within {args.budget} ({args.device} kernels)")

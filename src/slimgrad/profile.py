@@ -147,6 +147,27 @@ def _step_fn(model: nn.Module, inputs: Any, loss: Callable) -> Callable[[], torc
     return lambda: loss(_call(model, inputs))
 
 
+def _target_make(target: Any, batch: int, amp: torch.dtype | None) -> Callable:
+    """``make_forward`` of ``slimgrad.plan``/``memory.estimate`` for a ``slimgrad.targets``
+    target: a fresh model (seed 0, init skipped) and its loss step, under CPU autocast to ``amp``
+    when given."""
+
+    def make():
+        torch.manual_seed(0)
+        model = target.build(skip_init=True)
+        step = _step_fn(model, target.inputs(batch), target.loss)
+        if amp is None:
+            return step, model
+
+        def fwd():
+            with torch.autocast("cpu", dtype=amp):
+                return step()
+
+        return fwd, model
+
+    return make
+
+
 def _to(inputs: Any, device: torch.device) -> Any:
     if isinstance(inputs, torch.Tensor):
         return inputs.to(device)

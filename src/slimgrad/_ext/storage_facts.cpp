@@ -12,6 +12,23 @@
 
 namespace {
 
+// Whether torch's allocator for this device type made the memory: its DataPtr is freed by that
+// allocator's raw deleter. from_numpy, frombuffer, from_dlpack, shared or mapped memory and pinned
+// host memory carry other deleters; a null deleter is memory nobody frees here (from_blob).
+int torch_owned(const c10::Storage& s) {
+  c10::DeleterFnPtr deleter = s.data_ptr().get_deleter();
+  if (deleter == nullptr) {
+    return 0;
+  }
+  c10::Allocator* alloc = nullptr;
+  try {
+    alloc = c10::GetAllocator(s.device_type());
+  } catch (const std::exception&) {
+    return 0;
+  }
+  return (alloc != nullptr && alloc->raw_deleter() == deleter) ? 1 : 0;
+}
+
 // (tensor use count, storage use count, storage weak count, has storage object, storage nbytes,
 //  torch-owned, StorageImpl address as an identity): see NOTE [Storage facts from the C++ API].
 // None for a tensor without storage.
@@ -33,20 +50,7 @@ PyObject* facts(PyObject* /*self*/, PyObject* arg) {
     // the weak count as seen through one more weak pointer (ours), less that one
     long long weak = static_cast<long long>(s.getWeakStorageImpl().weak_use_count()) - 1;
     int has_obj = impl->pyobj_slot()->load_pyobj() != nullptr ? 1 : 0;
-    // Memory torch's allocator for this device type made: its DataPtr is freed by that
-    // allocator's raw deleter. from_numpy, frombuffer, from_dlpack, shared or mapped memory and
-    // pinned host memory carry other deleters.
-    int owned = 0;
-    c10::DeleterFnPtr deleter = s.data_ptr().get_deleter();
-    if (deleter != nullptr) {  // a null deleter: memory nobody frees here (from_blob)
-      c10::Allocator* alloc = nullptr;
-      try {
-        alloc = c10::GetAllocator(s.device_type());
-      } catch (const std::exception&) {
-        alloc = nullptr;
-      }
-      owned = (alloc != nullptr && alloc->raw_deleter() == deleter) ? 1 : 0;
-    }
+    const int owned = torch_owned(s);
     return Py_BuildValue(
         "(KKLiKiK)",
         static_cast<unsigned long long>(t.use_count()),
@@ -106,17 +110,7 @@ PyObject* plain_facts(PyObject* /*self*/, PyObject* args) {
     }
     long long weak = static_cast<long long>(s.getWeakStorageImpl().weak_use_count()) - 1;
     int has_obj = impl->pyobj_slot()->load_pyobj() != nullptr ? 1 : 0;
-    int owned = 0;
-    c10::DeleterFnPtr deleter = s.data_ptr().get_deleter();
-    if (deleter != nullptr) {
-      c10::Allocator* alloc = nullptr;
-      try {
-        alloc = c10::GetAllocator(s.device_type());
-      } catch (const std::exception&) {
-        alloc = nullptr;
-      }
-      owned = (alloc != nullptr && alloc->raw_deleter() == deleter) ? 1 : 0;
-    }
+    const int owned = torch_owned(s);
     return Py_BuildValue(
         "(KKLiiKi)",
         static_cast<unsigned long long>(t.use_count()),
