@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "DEFAULT_ATOL",
     "HOST_SYNC_OPS",
+    "OpObserver",
     "assert_within_rule",
     "count_host_syncs",
     "gradcheck_inplace",
@@ -151,27 +152,38 @@ HOST_SYNC_OPS = frozenset(
 )
 
 
-class _SyncCounter(TorchDispatchMode):
-    # counts op names, never keeps a tensor: ownership.owns_input grants under it what it grants
-    # unwatched, so the counted step is the real one (NOTE [Forward ownership from stated
-    # structure])
+class OpObserver(TorchDispatchMode):
+    """A dispatch mode that sees every aten op of a step and keeps no tensor: subclasses define
+    ``see(func, args, kwargs)``. ``ownership.owns_input`` grants under it what it grants unwatched,
+    so the observed step is the real one (NOTE [Forward ownership from stated structure]); a
+    slimgrad custom op is one call at the dispatcher, so its Python implementation runs under this
+    mode and the ops inside it are seen (as slimgrad.memory does for bytes)."""
+
     _slimgrad_keeps_no_tensor = True
 
-    def __init__(self, counts: Counter) -> None:
-        super().__init__()
-        self.counts = counts
+    def see(self, func, args, kwargs) -> None:
+        raise NotImplementedError
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "slimgrad":
-            # a slimgrad custom op is one call here: run its Python implementation under this mode
-            # so the syncs inside it are counted (as slimgrad.memory does for bytes)
             from slimgrad._library import python_impl
 
             impl = python_impl(func.name())
             if impl is not None:
                 with self:
                     return impl(*args, **kwargs)
+        self.see(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _SyncCounter(OpObserver):
+    # counts op names (NOTE [Host syncs])
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def see(self, func, args, kwargs) -> None:
         name = str(func)
         if name in HOST_SYNC_OPS:
             if name != "aten.nonzero_static.default":  # static size: no sync
@@ -180,7 +192,6 @@ class _SyncCounter(TorchDispatchMode):
             idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx or ()):
                 self.counts[name + " (bool mask)"] += 1
-        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
