@@ -15,10 +15,10 @@ from tests.ops._output_act_helpers import (
 
 
 def check_hard_window_every_float32(spec, fwd, bwd_exact):
-    """Every float32 within x* +- (zone + 0.05): the hard window, the correctly rounded zone and the
-    ill-conditioned stretch beyond it."""
+    """Every float32 within x* +- (window + 0.3): the hard window and the ill-conditioned stretch
+    beyond it, where y (eager's own float32 output, a few ulp off near x*) pins x least."""
     xs = inverse(spec).x_star
-    margin = spec.zone + 0.05
+    margin = spec.window[torch.float32] + 0.3
     x = all_float32_between(xs - margin, xs + margin)
     assert x.numel() > 2_000_000
     ours, eager = grid_errors(spec, fwd, bwd_exact, x)
@@ -76,19 +76,15 @@ def check_adversarial_fallback(slim, eager, spec):
 
 
 def check_output_vs_eager(spec, fwd):
-    """Outside the zone y is eager's, bit for bit; inside it is float64 rounded once (<= 1/2 ulp
-    from the exact value), so it is never further from eager's than eager's own error + 1/2 ulp
-    (eager's float32 erf-GELU is up to 8.4 ulp off on AVX2 CPUs, 2-5 with AVX-512)."""
+    """The output is eager's, bit for bit, everywhere (the forward runs eager's own kernel; near x*
+    the inverse's accuracy comes from the hard window, never from a different y): every float32
+    within x* +- 0.5, every 7th, and the tail threshold's neighbourhood."""
     from slimgrad.ops._output_act import smooth_fwd
 
     xs = inverse(spec).x_star
-    x = all_float32_between(xs - spec.zone - 0.05, xs + spec.zone + 0.05, 7)
+    x = all_float32_between(xs - 0.5, xs + 0.5, 7)
+    t = spec.tail.get(torch.float32)
+    if t is not None:
+        x = torch.cat([x, all_float32_between(t - 0.05, t + 0.05, 7)])
     y = smooth_fwd(spec, x, fwd, fallback=False)[0]
-    ye = fwd(x)
-    inside = (x.double() - xs).abs() < spec.zone
-    assert torch.equal(y[~inside], ye[~inside])
-    ulp = torch.nextafter(y.abs(), torch.tensor(float("inf"))) - y.abs()
-    exact = spec.f(x.double())
-    assert bool(((y.double() - exact).abs() <= 0.5 * ulp.double())[inside].all())
-    eager_err = (ye.double() - exact).abs()
-    assert bool(((y - ye).abs().double() <= eager_err + 0.5 * ulp.double())[inside].all())
+    assert torch.equal(y, fwd(x))

@@ -5,14 +5,13 @@ tanh form (HF ``gelu_new``, ``gelu_fast``)  y = x/2 (1 + tanh u),  u = sqrt(2/pi
 x^3), dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2).
 Both have one minimum (x* = -0.75179 erf, -0.75246 tanh), so x follows from (y, [x >= x*]);
 where that inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
-``slimgrad.ops._output_act``). Within |x - x*| < 0.06 the float32 output is computed in float64 and
-rounded (it may differ from eager's by a few ulp there).
+``slimgrad.ops._output_act``). The output is eager's, bit for bit.
 
-Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits)
-+ 8 B per hard element (int32 index + x; |x - x*| < 0.015, x < -2.5 erf / x < -3 tanh, non-finite):
-measured 0.246 B/elt (erf) and 0.207 B/elt (tanh) besides y at N(0, 1) inputs, 0.196 B/elt at
-N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst case (more than 1/16 of the
-elements hard), float64, and tensors of at most 512 elements (NOTE [Few elements] in
+Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits) + 8 B
+per hard element (int32 index + x; |x - x*| < 0.03 erf / 0.06 tanh, x < -2.5 erf / x < -3 tanh,
+non-finite): 0.319 B/elt (erf) and 0.423 B/elt (tanh) besides y at N(0, 1) inputs, 0.267 and 0.411
+B/elt at N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst case (more than
+1/16 of the elements hard), float64, and tensors of at most 512 elements (NOTE [Few elements] in
 ``slimgrad.ops._output_act``): keeps x densely, as eager does, and neither y, bits nor table.
 float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt.
 

@@ -3,12 +3,11 @@
 Math: y = x sigmoid(x),  dy/dx = sigmoid(x) (1 + x (1 - sigmoid(x))).
 One minimum at x* = -1.27846 (y_min = x* + 1 = -0.27846), so x follows from (y, [x >= x*]); where
 that inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the output] in
-``slimgrad.ops._output_act``). Within |x - x*| < 0.1 the float32 output is computed in float64
-and rounded (it may differ from eager's by a few ulp there).
+``slimgrad.ops._output_act``). The output is eager's, bit for bit.
 
 Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits) + 8 B
-per hard element (int32 index + x; |x - x*| < 0.025, x < -6, non-finite): measured 0.196 B/elt at
-N(0, 1) and 0.149 B/elt at N(0, 0.577) besides y; eager saves x (4 B/elt), and eager ``silu_`` a
+per hard element (int32 index + x; |x - x*| < 0.05, x < -6, non-finite): 0.267 B/elt at
+N(0, 1) and 0.173 B/elt at N(0, 0.577) besides y; eager saves x (4 B/elt), and eager ``silu_`` a
 clone of x. Worst case (more than 1/16 of the elements hard), float64, and tensors of at most 512
 elements (NOTE [Few elements] in ``slimgrad.ops._output_act``): keeps x densely, as eager does, and
 neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15 or
