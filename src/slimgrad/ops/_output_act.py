@@ -18,7 +18,7 @@ and increases on (x*, inf), so (y, b = [x >= x*]) determines x; b is kept bit-pa
 (Keeping b only where y <= 0 would halve it but costs a masked select/scatter per element, 10x the
 activation itself on CPU.) Backward reads f' from float64-built
 tables against s = sqrt(y - y_min), one per branch (``_Inverse``). The inverse is ill-conditioned
-in two places (research/selective_inplace.md section 8, re-measured on every float32 here):
+in two places (checked on every float32):
   (a) near x*: y - y_min ~ f''(x*) d^2 / 2 with d = x - x*, so an error dy of the stored y moves
       f'(x) by about dy / |d|. With torch's float32 kernels dy reaches ~2-5 ulp; so within
       |d| < ``zone`` the forward computes y in float64 and rounds it (dy <= 1/2 ulp, the output
