@@ -31,11 +31,12 @@ MARKERS = {
     "limits": ("<!-- limits:begin -->", "<!-- limits:end -->"),
 }
 
-# Headline rows: {profile target: what the model is}. The targets are slimgrad.targets' named HF
-# models, built from their config class's defaults (Llama at 12 x 768).
+# Headline rows: {profile target[/dtype]: what the model is}. The targets are slimgrad.targets'
+# named HF models, built from their config class's defaults (Llama at 12 x 768).
 HEADLINE = {
     "gpt2": "HF GPT-2 small, `GPT2Config()` (dropout 0.1, its default)",
     "llama": "HF Llama 12 x 768, vocab 32000 (no attention dropout, its default)",
+    "llama/bfloat16": "the same Llama in bf16 weights (`--dtype bfloat16`)",
     "bert": "HF BERT-base MLM, `BertConfig()` (dropout 0.1), 15% labelled",
     "vit": "HF ViT-base/16, `ViTConfig()`, 1000 classes",
     "resnet": "HF ResNet-50, `ResNetConfig()`, 1000 classes",
@@ -99,12 +100,15 @@ def headline_rows() -> list[list[str]]:
             continue
         p = rec["profile"]
         e, s = p["eager"], p["slimgrad"]
+        text = target.split("/")[0] in ("gpt2", "llama", "bert")
         verify = (rec.get("verify") or "").removeprefix("verify: ").split(";")[0] or "not run"
+        if rec.get("verify"):  # where it ran: the measured step's shape, or a smaller one
+            shape = rec.get("verify_shape", "as measured")
+            verify += " (this batch)" if shape == "as measured" else f" (at {shape})"
         rows.append(
             [
                 what,
-                f"{p['batch']}"
-                + (" x 256 tokens" if target in ("gpt2", "llama", "bert") else " x 3 x 224²"),
+                f"{p['batch']}" + (" x 256 tokens" if text else " x 3 x 224²"),
                 f"{_mib(e['peak_bytes'])} -> **{_mib(s['peak_bytes'])}**",
                 f"**{s['peak_bytes'] / e['peak_bytes']:.2f}x**",
                 f"{_mib(e['saved_bytes'])} -> {_mib(s['saved_bytes'])}",
@@ -127,17 +131,18 @@ def headline() -> str:
     )
     latest = {r["case"]: r for r in recs}.values()
     commits = sorted({_commit(r) for r in latest})
-    verified = [r["case"].removeprefix("default_config/") for r in latest if r.get("verify")]
     lines.append("")
     lines.append(
-        "One training step of a random-init model measured on CPU in float32 by `slimgrad profile "
-        "TARGET` (exact byte counts from `slimgrad.memory`; parameters and their gradients count "
-        f"on both sides), torch {_ver(last, 'torch')}, transformers {_ver(last, 'transformers')}, "
-        f"commit {', '.join(commits)}, {_date(last)}. verify OK: the run also passed `--verify` "
-        "(loss and every gradient within the error rule against float64, train and eval, padded "
-        f"and unpadded batches; run for {', '.join(verified) or 'none'}). Records: "
-        "`benchmarks/results/default_configs.jsonl` (`benchmarks/default_configs.py`); more in "
-        "[docs/benchmarks.md](docs/benchmarks.md)."
+        "One training step of a random-init model measured on CPU by `slimgrad profile TARGET` "
+        "(exact byte counts from `slimgrad.memory`; parameters and their gradients count on both "
+        "sides), in float32 unless the row says bf16 (weights and float inputs in bfloat16), "
+        f"torch {_ver(last, 'torch')}, transformers {_ver(last, 'transformers')}, commit "
+        f"{', '.join(commits)}, {_date(last)}. verify: `slimgrad profile TARGET --verify` on the "
+        "same model, config and dtype passed (loss and every gradient within the error rule "
+        "against float64, train and eval, padded and unpadded batches), at the measured batch or, "
+        "where a float64 step of the full batch takes too long on a 2-core CPU, at the smaller "
+        "batch the cell names. Records: `benchmarks/results/default_configs.jsonl` "
+        "(`benchmarks/default_configs.py`); more in [docs/benchmarks.md](docs/benchmarks.md)."
     )
     return "\n".join(lines)
 

@@ -106,6 +106,20 @@ def test_fit_json_each_side_is_the_largest_that_fits(factory_dir, capsys):
     assert rec["report"]["batch"] == s and rec["report"]["estimated"]
 
 
+def test_profile_dtype_bfloat16_is_a_bf16_weights_step(capsys):
+    argv = ["profile", "llama", "--size", "tiny", "--seq", "16", "--batch", "2", "--json"]
+    recs = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main([*argv, "--dtype", dtype]) == 0
+        recs[dtype] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    f32, bf16 = recs["float32"], recs["bfloat16"]
+    assert (f32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    # every parameter the step keeps is kept at 2 bytes instead of 4, on both sides
+    for side in ("eager", "slimgrad"):
+        assert 2 * bf16[side]["saved_param_bytes"] == f32[side]["saved_param_bytes"] > 0
+    assert bf16["slimgrad"]["saved_bytes"] < bf16["eager"]["saved_bytes"]
+
+
 def test_unknown_target(capsys):
     _one_line_error(capsys, ["profile", "nope"], "unknown target 'nope'")
 
@@ -124,6 +138,7 @@ def test_unknown_target(capsys):
         (["profile", "resnet", "--batch", "two"], "invalid int value: 'two'"),
         (["profile", "gpt2", "--seq", "0"], "--seq must be positive"),
         (["profile", "gpt2", "--depth", "0"], "--depth must be positive"),
+        (["profile", "gpt2", "--dtype", "float16"], "invalid choice: 'float16'"),
         (["profile", "gpt2", "--bogus"], "unrecognized arguments: --bogus"),
         (["profile"], "expected TARGET or --hf-config CONFIG, got neither"),
         (["profile", "gpt2", "--hf-config", "llama"], "got both"),

@@ -142,10 +142,9 @@ def first_order(op: str, double: Callable | None = None) -> Callable:
 # NOTE [Applying a Function without its Python wrapper]
 # ``torch.autograd.Function.apply`` is a Python classmethod around the C ``_FunctionBase.apply``:
 # for a Function without ``setup_context`` outside torch.func transforms it unwraps dead functorch
-# wrappers among the arguments and calls the C apply. The wrapper costs 4-15 us a call on CPU (one
-# thread, min of timeit repeats: the 0-byte anchor of ops/layer_norm.py 9.3 -> 4.6 us, a 2x8x4x4
-# 1x1 conv's _ConvFn 41 -> 26 us). :func:`direct_apply` gives that call without the wrapper's
-# frames. It is for eager only: while Dynamo traces (it recognises
+# wrappers among the arguments and calls the C apply. The wrapper's Python frames cost about as
+# much as the C apply itself on CPU (docs/measurements.md). :func:`direct_apply` gives that call
+# without the wrapper's frames. It is for eager only: while Dynamo traces (it recognises
 # ``Function.apply``, not the C method) or a transform is active the caller uses ``cls.apply``.
 
 

@@ -492,6 +492,7 @@ Plots (--plot) need matplotlib: pip install 'slimgrad[plot]'."""
 _PROFILE_EXAMPLES = """\
   slimgrad profile gpt2 --size tiny --seq 64             # seconds: measured on this CPU
   slimgrad profile resnet --fit-gib 8                    # largest batch in 8 GiB, both sides
+  slimgrad profile llama --dtype bfloat16 --verify       # a bf16-weights step, checked
   slimgrad profile --hf-config llama --set num_hidden_layers=4 --estimate --device cuda
   slimgrad profile --hf-config ./my-model/config.json --batch 2 --seq 512 --estimate
   slimgrad profile mymodel:build --batch 16 --plot step.png --verify"""
@@ -541,6 +542,12 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
         default="cpu",
         choices=("cpu", "cuda"),
         help="whose kernels: measured there, or with --estimate modelled (no GPU needed)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the model's weights and float inputs (bfloat16: a bf16-weights step)",
     )
     p.add_argument(
         "--set",
@@ -802,6 +809,7 @@ def _report_dict(rep) -> dict:
         "batch": rep.batch,
         "estimated": rep.estimated,
         "device": rep.device,
+        "dtype": rep.dtype,
         "resident_bytes": rep.resident_bytes,
         "eager": rep.eager.to_dict(),
         "slimgrad": rep.converted.to_dict() if rep.converted else None,
@@ -828,6 +836,7 @@ def _profile_work(args: argparse.Namespace, sub: str, target) -> int:
     convert = not args.no_convert
     if args.fit_gib is not None:
         return _fit_work(args, sub, target, config, convert)
+    dtype = _profile_dtype(args)
     rep = profile(
         target,
         batch=args.batch,
@@ -836,6 +845,7 @@ def _profile_work(args: argparse.Namespace, sub: str, target) -> int:
         fake=args.estimate,
         depth=args.depth,
         device=args.device,
+        dtype=dtype,
         progress=say,
     )
     print(json.dumps(_report_dict(rep), default=str) if args.json else rep.table())
@@ -844,13 +854,23 @@ def _profile_work(args: argparse.Namespace, sub: str, target) -> int:
     if args.verify:
         import copy
 
+        from slimgrad.profile import _cast_floating
+
         say("verifying the loss and every gradient against float64")
-        model = target.build()
+        model, inputs = target.build(), target.inputs(rep.batch)
+        if dtype is not None:
+            model, inputs = model.to(dtype), _cast_floating(inputs, dtype)
         lean = slimgrad.convert_(copy.deepcopy(model), config)
-        vr = slimgrad.verify(model, lean, target.inputs(rep.batch), loss_fn=target.loss, seed=0)
+        vr = slimgrad.verify(model, lean, inputs, loss_fn=target.loss, seed=0)
         print(vr)
         return 0 if vr.ok else 1
     return 0
+
+
+def _profile_dtype(args: argparse.Namespace):
+    import torch
+
+    return None if args.dtype == "float32" else getattr(torch, args.dtype)
 
 
 def _fit_work(args: argparse.Namespace, sub: str, target, config, convert: bool) -> int:
@@ -864,7 +884,7 @@ def _fit_work(args: argparse.Namespace, sub: str, target, config, convert: bool)
     )
     r = fit(
         target, int(args.fit_gib * 2**30), convert=convert, eager=True, config=config,
-        device=args.device, progress=say,
+        device=args.device, dtype=_profile_dtype(args), progress=say,
     )  # fmt: skip
     best = r.slimgrad_batch if convert else r.eager_batch
     if args.json:

@@ -1195,7 +1195,7 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
 
     Returns:
         The :class:`StepMemory` the real step would have (exact unless the model's code branches on
-        fake tensors; see the research note on HF's causal-mask branch).
+        fake tensors, as HF's causal-mask construction can).
 
     Raises:
         ValueError: ``device`` is not one of :data:`DEVICES`.

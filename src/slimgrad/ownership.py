@@ -22,8 +22,8 @@ Public API (all cheap, no allocation):
   ``reuse_count("forward")``.
 
 # NOTE [Gradient-buffer ownership]
-A backward may overwrite a tensor ``g`` only if every one of these holds (measured on torch 2.13 /
-CPython 3.11 over 15 cases, research/selective_inplace.md section 6; no single term suffices):
+A backward may overwrite a tensor ``g`` only if every one of these holds (checked on torch 2.13 /
+CPython 3.11 over 15 cases; no single term suffices):
 
 1. The TensorImpl's use count (``at::Tensor::use_count()``) is the calibrated one of a gradient
    nobody else holds: 1, the Python object (torch 2.13, 2.15), or 2 where autograd's call into
@@ -117,7 +117,7 @@ The buffers a data-parallel wrapper reads are never granted:
   ``no_sync`` accumulation adds into ``.grad``: the same.
 - An FSDP2 all-gathered (unsharded) parameter is an ``nn.Parameter`` (a subclass: term 4), a leaf
   that requires grad (term 5), and shares its storage with FSDP's all-gather output (term 2): each
-  term alone refuses it as a saved tensor (measured on torch 2.13, all three fail; a write over it
+  term alone refuses it as a saved tensor (on torch 2.13 all three fail; a write over it
   would change the gradients FSDP reduce-scatters, tests/distributed/test_fsdp2.py). It never
   arrives as an incoming gradient. Its reduce-scatter input is FSDP's
   own copy of ``unsharded_param.grad``, made after accumulation; no autograd gradient aliases it.
@@ -216,7 +216,7 @@ _disabled_depth = 0
 _counter = {"grad": 0, "saved": 0, "forward": 0}
 _counter_lock = threading.Lock()
 
-# Measured on the first question (see _calibrate). None: calibration failed; never reuse.
+# Calibrated on the first question (see _calibrate). None: calibration failed; never reuse.
 # Keyed by the chain that called the Function's backward (_chain_of: "plain" for autograd's
 # BackwardCFunction.apply, "once" for torch's once_differentiable wrapper, "first_order" for
 # slimgrad's _autograd.first_order wrapper). Any other chain (another wrapper) has no baseline:

@@ -57,6 +57,7 @@ class ProfileReport:
     depth: int
     estimated: bool
     device: str = "cpu"  # whose kernels the figures are for
+    dtype: str = "float32"  # the model's floating parameters and inputs
 
     def rows(self) -> list[tuple[str, int, int]]:
         """(module prefix at ``depth``, eager saved bytes, converted saved bytes), largest first."""
@@ -72,9 +73,11 @@ class ProfileReport:
     def table(self, limit: int = 25) -> str:
         e, c = self.eager, self.converted
         mode = "estimated under fake tensors" if self.estimated else "measured"
+        weights = "" if self.dtype == "float32" else f", {self.dtype} weights"
         out = [
-            f"{self.target}, batch {self.batch}, {self.device} kernels ({mode}); MiB above the "
-            f"resident {self.resident_bytes / MiB:.1f} MiB of parameters, buffers and inputs"
+            f"{self.target}, batch {self.batch}{weights}, {self.device} kernels ({mode}); MiB "
+            f"above the resident {self.resident_bytes / MiB:.1f} MiB of parameters, buffers and "
+            "inputs"
         ]
         out.append(f"{'module':40s} {'eager saved':>12s} {'slimgrad':>12s}")
         for name, a, b in self.rows()[:limit]:
@@ -178,6 +181,17 @@ def _to(inputs: Any, device: torch.device) -> Any:
     return inputs
 
 
+def _cast_floating(inputs: Any, dtype: torch.dtype) -> Any:
+    """``inputs`` with every floating tensor (in dicts, tuples, lists) cast to ``dtype``."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(dtype) if inputs.is_floating_point() else inputs
+    if isinstance(inputs, dict):
+        return {k: _cast_floating(v, dtype) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_cast_floating(v, dtype) for v in inputs)
+    return inputs
+
+
 def profile(
     target: Target,
     *,
@@ -188,6 +202,7 @@ def profile(
     depth: int = 2,
     seed: int = 0,
     device: str = "cpu",
+    dtype: torch.dtype | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ProfileReport:
     """Measure (or estimate) one step of ``target``'s model, eager and converted.
@@ -204,6 +219,8 @@ def profile(
             ``convert_``. Estimated (``fake=True``): CPU fake tensors stand for that device's
             tensors and its kernels' saved tensors are modelled (``slimgrad.memory.estimate``);
             ``convert_`` decides for that device (its device rule).
+        dtype: cast the model (``model.to(dtype)``) and its floating inputs to this dtype before
+            ``convert_``, e.g. ``torch.bfloat16`` for a bf16-weights step; None: as built.
         progress: called with a short message before each side's step (None: silent).
 
     Returns:
@@ -233,6 +250,8 @@ def profile(
             torch.manual_seed(seed)
             model = target.build(skip_init=fake)
             inputs = target.inputs(batch)
+            if dtype is not None:
+                model, inputs = model.to(dtype), _cast_floating(inputs, dtype)
             if not fake and kind != "cpu":
                 model, inputs = model.to(device), _to(inputs, torch.device(device))
             if do_convert:
@@ -256,7 +275,8 @@ def profile(
 
     eager, resident = run(False)
     converted = run(True)[0] if convert else None
-    return ProfileReport(target.name, batch, eager, converted, resident, depth, fake, kind)
+    named = str(dtype or torch.float32).removeprefix("torch.")
+    return ProfileReport(target.name, batch, eager, converted, resident, depth, fake, kind, named)
 
 
 # ------------------------------------------------------------------------------------ batch fit
@@ -287,6 +307,7 @@ def fit(
     config: ConvertConfig | None = None,
     max_batch: int = 1 << 16,
     device: str = "cpu",
+    dtype: torch.dtype | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Largest batch whose step (resident + peak bytes) fits in ``budget_bytes``, per side.
@@ -307,6 +328,7 @@ def fit(
         config: the ``ConvertConfig``.
         max_batch: the largest batch tried.
         device: whose kernels (``"cpu"`` or ``"cuda"``; no GPU needed).
+        dtype: the model's dtype, as :func:`profile` takes it.
         progress: called with one line per probe (batch, bytes per side, fits or over).
 
     Returns:
@@ -339,7 +361,7 @@ def fit(
         if side not in have:
             rep = profile(
                 target, batch=b, convert=side == "slimgrad", config=config, fake=True,
-                device=device,
+                device=device, dtype=dtype,
             )  # fmt: skip
             for name, m in (("eager", rep.eager), ("slimgrad", rep.converted)):
                 if m is not None:

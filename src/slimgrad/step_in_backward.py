@@ -124,7 +124,7 @@ this backward's loss went through ``scaler.scale`` cannot be seen from a post-ac
 hook (the graph's root is not reachable from it; torch's private
 ``_current_graph_task_execution_order`` asserts once the backward has started), so the handle asks
 a fact it can see: at its first backward, the garbage collector lists every live instance of
-``torch.amp.GradScaler`` and its subclasses (one walk, about 25 ms at 360k objects, once per
+``torch.amp.GradScaler`` and its subclasses (one walk over the tracked objects, once per
 handle); any enabled one refuses that backward at its first hook (public API only: ``is_enabled()``,
 not ``_scale``). Conservative: an enabled scaler kept for another model refuses too (the message
 says so; ``GradScaler(enabled=False)`` passes and is the plain loop). A scaler made after the
@@ -278,8 +278,8 @@ def _keeps_graph() -> bool:
 def _live_grad_scalers() -> list:
     # NOTE [GradScaler]: every live enabled torch.amp.GradScaler (subclasses included). An instance
     # of a Python class references its class for the garbage collector, so gc.get_referrers of the
-    # classes finds every instance (one walk over the tracked objects: about 25 ms at 360k objects,
-    # paid once per handle)
+    # classes finds every instance (one walk over the tracked objects, paid once per handle; its
+    # cost: docs/measurements.md)
     classes, todo = [], [torch.amp.GradScaler]
     while todo:
         c = todo.pop()

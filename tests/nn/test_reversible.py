@@ -862,7 +862,13 @@ def test_bench_case_small(tmp_path):
     assert by["exact"]["grads_bit_identical"] and by["ckpt"]["grads_bit_identical"]
     assert by["exact"]["reconstruction_max_abs"] == 0.0
     assert all(r["grad"]["ok"] for r in recs)
-    assert 0 < by["rev"]["fg_over_plain"] < 1
+    # time is the bench's to judge (interleaved pairs, median ratio): here only that every record
+    # carries its timings, and the float record the F+G share of a plain step
+    for r in recs:
+        assert r["time_ratio_min"] <= r["time_ratio"] <= r["time_ratio_max"], r
+        assert math.isfinite(r["time_ratio"]) and r["time_ratio"] > 0
+    assert math.isfinite(by["rev"]["fg_over_plain"]) and by["rev"]["fg_over_plain"] > 0
+    assert "fg_over_plain" not in by["exact"] and "fg_over_plain" not in by["ckpt"]
     assert [r["grad_check"] for r in recs] == ["reported", "asserted", "asserted"]
     assert by["exact"]["stream_bytes_per_elt"] == 4.0 and by["exact"]["grid_bits"] == 20
     assert [r["case"] for r in out["grad_reported"]] == ["reversible_n3"]

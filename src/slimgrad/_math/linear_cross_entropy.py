@@ -28,8 +28,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # NOTE [Logits as V x chunk]
 # Each chunk's logits are computed transposed, zT = W hcᵀ (+ b) of shape (V, chunk), never
 # z = hc Wᵀ (chunk, V): with W (V, H) row-major as the left operand, the CPU GEMM runs about 30%
-# faster than with W transposed on the right (1.0 s vs 1.45 s for 1024 x 768 x 50257 in float32,
-# one thread; eager's own F.linear pays the slow layout), and both gradient matmuls take zT as it
+# faster than with W transposed on the right (docs/measurements.md; eager's own F.linear pays the
+# slow layout), and both gradient matmuls take zT as it
 # is: dW += zT hc (V x chunk times chunk x H) and dh = zTᵀ W. The softmax statistics reduce over
 # dim 0. Same sums in another order: exact up to summation order, like the chunking itself.
 

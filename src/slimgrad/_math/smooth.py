@@ -213,9 +213,9 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     :func:`smooth_grad`; plus the 1-byte codes of the whole tensor here), never a Python loop over
     2^16-element chunks, and the only value the host reads is one small count tensor (hard, zone,
     either; ``tolist``: one device-to-host copy) after the last pass; the backward reads none. A
-    call dispatches O(1 + n / BIG) ops (tests/ops/test_smooth_path_cost.py pins them). The former
-    chunk loop dispatched 38-57 ops and 4-7 host syncs per 2^16 elements, which the first CUDA run
-    measured at 15 ms for a 1M-element GELU forward, 70x eager's forward and backward.
+    call dispatches O(1 + n / BIG) ops (tests/ops/test_smooth_path_cost.py pins them): a Python
+    loop over chunks dispatches ops and host syncs per chunk, which on a GPU costs many times
+    eager's whole forward and backward (``docs/measurements.md``).
 
     Per span: t = |x - x*| in float32, the packed bits, a one-byte code per element
     (bit 0: hard = window, tail or non-finite; bit 1: zone) and, with a tail, the float32 sum of t
@@ -379,7 +379,7 @@ def _grad_span(inv: _Inverse, g: torch.Tensor, y: torch.Tensor, bits: torch.Tens
 
 # SiLU's and Mish's left tail: there f' -> 0 like x e^x while the left table's last interval (y in
 # (-3.4e-5, 0)) interpolates it linearly: the table's absolute error (~1e-7) becomes a large
-# relative one (measured on every 1009th float32: 1.6e-4 on [-10, -6), 2.4e-2 on [-15, -12), 100%
+# relative one (on every 1009th float32: 1.6e-4 on [-10, -6), 2.4e-2 on [-15, -12), 100%
 # below -15; eager: 2e-7). Below the tail x is kept exactly (N(0, 1): 1e-9 of the elements).
 _LEFT_TAIL = {torch.float32: -6.0, torch.bfloat16: -10.0, torch.float16: -10.0}
 

@@ -375,10 +375,9 @@ def _as_tuple(xs: Any) -> tuple:
 # NOTE [Page faults in CPU step times]
 # On CPU, the C allocator (glibc malloc) hands large freed blocks back to the kernel and faults
 # fresh pages in on the next allocation; how many depends on the allocation history, not on the
-# model. Measured once on the 2-core CPU box (a one-off script, plain autograd of the 64-block
-# reversible bench chain, 1 thread, same inputs): 0.74-0.76 s in steps with 1-3e3 minor faults,
-# 0.86-0.87 s with 7e4. Each timed step's count (``resource.getrusage``, the process's minor
-# faults) is recorded with its time in ``minor_faults_all`` so a step-time spread can be read
+# model, and a step with tens of thousands of faults takes a sixth longer than one with a few
+# thousand (docs/measurements.md). Each timed step's count (``resource.getrusage``, the process's
+# minor faults) is recorded with its time in ``minor_faults_all`` so a step-time spread can be read
 # against it (None where unavailable).
 def _minor_faults() -> int:
     return _resource.getrusage(_resource.RUSAGE_SELF).ru_minflt if _resource is not None else 0
@@ -520,7 +519,7 @@ def _measure(model: Any, fresh: Callable[[], tuple], grad: torch.Tensor | None) 
     xs = fresh()
     _clear_grads(model, xs)
     # No cyclic collection inside the step: it would free older garbage at a random moment. (A
-    # gc.collect() first would do too, but takes ~0.4 s with a large heap.)
+    # gc.collect() first would do too, but is slow with a large heap.)
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -698,9 +697,9 @@ def run_case(
     # NOTE [Spread of short steps]
     # A small case's step lasts a fraction of a millisecond; anything that interrupts one step
     # (another process on a shared CPU, a burst of page faults, a full gc pass over a heap holding
-    # transformers: 0.28 s measured) multiplies that side of that one pair by 100-1000. Measured on
-    # the shared 2-core box: conv_chain --small, 30 pairs, eager steps 0.63-635 ms, per-pair ratios
-    # 0.004 .. 523 around a median near 1. The min and max of the ratios are then the two most
+    # transformers) multiplies that side of that one pair by 100-1000: on a shared CPU the per-pair
+    # ratios of conv_chain --small spread over five orders of magnitude around a median near 1
+    # (docs/measurements.md). The min and max of the ratios are then the two most
     # interrupted pairs, not the cost of the code: the record keeps them and the quartiles (the
     # middle half of the pairs), and gc stays off while the pairs run; a young-generation pass
     # between pairs, untimed, frees a step's cyclic garbage (held activations must not pile up).

@@ -57,9 +57,8 @@ convs are projections whose replays were 11-12% of the step's convolution FLOPs,
 narrow output of an inverted-residual block; with those norms keeping their input the peak is
 0.350x eager (EfficientNet-B0, 8x3x224x224 fp32; 0.325x with the replays). RegNetY's conv3 keeps
 its width, and its replays (27 per step in regnety_016, 8x3x224x224 fp32) cost the most: with
-those norms keeping their input the peak is 0.574x eager (0.465x replaying) and the process time
-per step 1.05x eager (1.22x replaying; both with NOTE [A stand-in for x] in ops/conv.py; median
-of 4 interleaved pairs, 1 thread, on a loaded box).
+those norms keeping their input the peak is 0.574x eager (0.465x replaying), and replaying costs
+a sixth more step time on CPU (NOTE [A stand-in for x] in ops/conv.py; ``docs/measurements.md``).
 
 Under saved-tensor hooks: the BatchNorm keeps its switchable slot as ctx attributes
 (``save_for_backward`` cannot be changed after forward), which saved-tensor hooks do not see. So
@@ -103,7 +102,7 @@ What remains shared: the projection conv's dW (building ``act(b) * g``) keeps ac
 squeeze-excite's dg. That value is live while the conv allocates its weight gradient (besides the
 gated value, as when it is built: a few hundred bytes in a toy block whose peak is that moment)
 and its dx; the full-size peaks (benchmarks/timm_models.py, efficientnet_b0, regnety_016,
-mobilenetv3_large_100, resnet50) are the same as without sharing to the 0.1 MiB printed.
+mobilenetv3_large_100, resnet50) are the same as without sharing, to the tenth of a MiB printed.
 efficientnet_b0 (2x3x64x64) runs 65 SiLUs per step with sharing, 81 without (eager: 49).
 """
 

@@ -18,7 +18,7 @@ and increases on (x*, inf), so (y, b = [x >= x*]) determines x; b is kept bit-pa
 (Keeping b only where y <= 0 would halve it but costs a masked select/scatter per element, 10x the
 activation itself on CPU.) Backward reads f' from float64-built
 tables against s = sqrt(y - y_min), one per branch (``_Inverse``). The inverse is ill-conditioned
-in two places (research/selective_inplace.md section 8, re-measured on every float32 here):
+in two places (checked on every float32):
   (a) near x*: y - y_min ~ f''(x*) d^2 / 2 with d = x - x*, so an error dy of the stored y moves
       f'(x) by about dy / |d|. The output is eager's own (torch's float32 kernels are a few ulp off
       near x*), so within |d| < ``window`` (float32: erf-GELU 0.03, tanh-GELU 0.06, SiLU 0.05, Mish

@@ -18,9 +18,7 @@ of 1/8 of the tensor). For contiguous float32 CPU tensors with every channel rec
 call to ``kernels/cpu/batch_norm.c`` does the whole backward, channel by channel while the
 channel's data is in cache: Σ b, Σ dy and Σ dy·b in float64 (mean(b), dβ, dγ), the coefficients,
 then dx, the same bits as the PyTorch path for dx and dγ (dβ: its float64 sum in another order,
-rounded once). BatchNorm + ReLU forward and backward at 8x96x56x56, one thread, process time,
-median of 15 interleaved runs: 13.7 ms against eager's 12.3 ms (the previous path, the C sums and
-then two ``addcmul`` passes and aten's kernel for dβ: 20.0 ms). A channel whose output cannot be
+rounded once), in about eager's time (``docs/measurements.md``). A channel whose output cannot be
 inverted accurately (γ = 0, |γ| < 1e-20, |β| > |γ| / 2, non-finite, or |γ| (sqrt(n) + 1) at or
 above b's dtype's largest value, n values per channel, so that b may overflow; without weight the
 same tests with γ = 1) keeps its input channel instead (a copy of those channels only); if more
@@ -51,7 +49,7 @@ the exact x. Limitation (float32): a loss gradient correlated with b's own round
 sum against eager's random-walk one); random gradients do not (NOTE [dx from the output]). The
 worst case is bounded: each b_i is one rounding away from its value (|error| <= u |b_i|, u = 2^-24),
 and Σ dy (b - mean(b)) is summed in float64 and divided once, so per channel
-|dγ - dγ64| <= (the rule's bound) + u Σ_i |dy_i| |b_i| / |γ|, measured at most 0.51 of that last
+|dγ - dγ64| <= (the rule's bound) + u Σ_i |dy_i| |b_i| / |γ|, found at most 0.51 of that last
 term (tests/ops/test_bn_act_adversarial.py, test_dgamma_bound_for_gradient_along_output_rounding).
 Inside a saved_tensors_hooks region (save_on_cpu, offloading, non-reentrant checkpointing) what
 is kept full-size goes through save_for_backward, decided at forward: x, or the input of x's 1x1
@@ -706,7 +704,7 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None):
 # dtype; dx is then two fused passes (addcmul, addcmul_). aten's kernel, fed mean' = m,
 # invstd' = 1/γ and weight' = γ² σ⁻¹, computes the same dx with 1/γ rounded to float32 (entering the
 # projection squared and the scale with weight', itself two roundings): a systematic relative error
-# on every element of a channel, which sums coherently in the preceding conv's dW. Measured on the
+# on every element of a channel, which sums coherently in the preceding conv's dW. On the
 # Conv-BN-SiLU-SE-Conv-BN block of tests/ops/test_derived_rebuild.py (3x3x11x9 float32, 200 seeds,
 # one thread): the first conv's dW broke the error rule on 11 seeds with the kernel, 4 with these
 # coefficients, and 4 for a control that computes eager's BatchNorm backward in float64 from x

@@ -40,7 +40,7 @@ __all__ = [
 
 # aten::convolution through its torch binding, and convolution_backward through its overload: the
 # same aten ops as ``torch.ops.aten.<op>(...)``, without the packet's Python overload resolution
-# (~14 and ~8 us a call on CPU, 1 thread: a tenth of a small conv's time).
+# (a tenth of a small conv's time on CPU: docs/measurements.md).
 _CONV_BWD = torch.ops.aten.convolution_backward.default
 
 
@@ -155,8 +155,8 @@ _ConvFn.backward = staticmethod(first_order("ops.conv", double=_ConvFn._double)(
 # that call records eager's own node (``torch.convolution`` under grad mode, as F.conv{n}d and
 # F.conv_transpose{n}d do), with eager's double backward and its per-backward output mask, and
 # only the recipe of y (NOTE [Recomputable inputs]) is added: the same values, the same saved
-# bytes, without the Python Function's cost per call (about 40 us forward and backward on CPU,
-# one thread: most of a small conv's time). Under autocast (the cast is slimgrad's; eager keeps
+# bytes, without the Python Function's cost per call (most of a small conv's time on CPU:
+# docs/measurements.md). Under autocast (the cast is slimgrad's; eager keeps
 # the cast copies) and while Dynamo traces, the Function runs as before.
 
 

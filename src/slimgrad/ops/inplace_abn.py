@@ -232,8 +232,8 @@ def _traced(t: torch.Tensor) -> bool:
 def _op(name: str, t: torch.Tensor):
     # Under torch.compile or on fake tensors: the registered op (traced without a graph break; its
     # fake kernel sizes the side table). Eagerly: its Python implementation, called directly: the
-    # custom-op dispatcher costs ~0.1 ms a call, and the memory tracker sees the same aten ops
-    # either way (NOTE [Custom ops and the memory tracker]).
+    # custom-op dispatcher costs time per call (docs/measurements.md), and the memory tracker sees
+    # the same aten ops either way (NOTE [Custom ops and the memory tracker]).
     if _traced(t):
         return getattr(torch.ops.slimgrad, name)
     impl = python_impl(f"slimgrad::{name}")

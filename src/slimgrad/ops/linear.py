@@ -50,9 +50,8 @@ someone else's ``saved_tensors_hooks`` that read is an unpack of *their* packed 
 non-reentrant ``torch.utils.checkpoint`` region (HF ``gradient_checkpointing_enable``), unpacking
 during forward runs the region's recompute there and then, and the frame keeps every recomputed
 tensor until backward; under autocast every converted Linear probes (the region's token sentinel,
-its bias), so slimgrad + checkpointing kept the whole block's activations and more (a 2-layer
-Llama under bf16 autocast: 1.74 MiB retained after forward, eager 1.64, checkpointing alone
-0.76, slimgrad + checkpointing with this 0.12); offloading hooks would hand back a copy (a
+its bias), so slimgrad + checkpointing kept the whole block's activations and more (more than
+eager without checkpointing: ``docs/measurements.md``); offloading hooks would hand back a copy (a
 different tensor, not the cache's). So the probe runs under identity hooks of its own (the
 innermost hooks win): the outer hooks never see the probe's node, nothing is packed, recomputed
 or copied, and the region saves the same tensors in forward and in recompute.

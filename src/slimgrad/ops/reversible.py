@@ -28,32 +28,20 @@ overflows silently.
 
 Cost: backward evaluates every F and G once more than plain autograd: the recompute RevNet cannot
 avoid (its inversion and its vector-Jacobian product share that one evaluation; nothing else is
-recomputed, copied or zeroed). Measured on a shared 2-core CPU, one thread, chains of conv3x3+ReLU
-couplings on 8x64x32x32: one no-grad forward of every F and G costs 0.25-0.29 of a plain step
-(``fg_over_plain``), a floor the ratio only undercuts where plain autograd itself wastes time
-(zero-filled slice gradients, concatenations, and the page faults of its ~4 MiB per block of fresh
-activations: 0 to 7e4 per step, about 0.1 s of a 0.75 s step at N = 64, NOTE [Page faults in CPU
-step times]).
-``benchmarks/results/reversible.jsonl`` (medians of 7 interleaved pairs): float mode 1.17-1.32x
-plain at N = 4..64, torch.utils.checkpoint 1.37-1.48x; exact mode 1.38-1.46x against plain
-autograd of the same fixed-point network (which shares the stream kernels, so it is faster than
-the float plain chain), 1.29-1.31x on the 2^-6 grid. ``benchmarks/results/reversible_revlib.jsonl``
-(10 rotated rounds, same process): at N = 32 / 64, float mode 1.17 / 1.23x, a minimal hand-written
-RevNet backward 1.17 / 1.26x, revlib 1.7.2 1.18 / 1.31x, exact mode 1.22 / 1.32x (wall, median of
-rounds; the research note's CPU-time-min method gives 1.17 / 1.28 for float mode, 1.19 / 1.32 for
-revlib): this implementation costs what the bare algorithm costs.
+recomputed, copied or zeroed). One no-grad forward of every F and G (``fg_over_plain`` in the
+bench records) is therefore the floor of the extra time, undercut only where plain autograd itself
+wastes time (zero-filled slice gradients, concatenations, the page faults of its fresh activations:
+NOTE [Page faults in CPU step times]). The measured ratios against plain autograd,
+``torch.utils.checkpoint``, a hand-written RevNet backward and revlib are in
+``benchmarks/results/reversible*.jsonl`` and ``docs/measurements.md``.
 
 Memory: saves the chain output y (float mode: 1x the input, often shared with the next layer; exact
 mode: the int32 stream, 4 B/elt; 8 B/elt once promoted to int64) + per block 2 CPU RNG states
 (5056 B each) + 64 sampled elements; eager saves every activation of every F and G (and every
 block output), growing linearly with depth. Exact mode rebuilds the last block's input into its
 saved stream when nothing else holds it and the graph is not kept (``ownership.take_saved``), so
-the backward needs no second stream-sized buffer. Measured (8x64x32x32, conv couplings, one step,
-``slimgrad.memory``): float mode 16,301,832 B (15.5 MiB) at N = 64; exact mode at the default
-2^-20 grid 11.1 MiB at N = 16 (int32), 14.3 at N = 32 and 16.6 (17,382,920 B) at N = 64 (this
-chain's stream outgrows int32 past N ~ 28 and continues in int64), 1,024 B per added block beyond
-weight gradients from N = 32 to 64; on a 2^-6 grid (int32 throughout) 14.6 MiB at N = 64; plain
-autograd 262-264 MiB.
+the backward needs no second stream-sized buffer. The bytes of the bench chain at N = 4..64:
+``benchmarks/results/reversible.jsonl`` and ``docs/measurements.md``.
 
 # NOTE [Reversible chains: nothing is freed, nothing is kept]
 memcnn saves memory by emptying the input's storage (``storage().resize_(0)``) and refilling it in
@@ -155,15 +143,14 @@ def grid_round(t: torch.Tensor, grid_bits: int) -> torch.Tensor:
 # that could leave int32 first converts the stream to int64 (the same integers: exact) and warns;
 # one that could leave int64, or a NaN/inf output, raises a RuntimeError naming grid_bits and
 # stream_dtype. Why 2^-20: F's output is perturbed by <= 2^-21 (about 4 float32 ulps at 1), and
-# the research note measured 2^-20 bit-exact at N = 8..64. Its int32 range, +-2048, holds chains
-# whose stream stays moderate; it does not hold the bench chain (random conv3x3+ReLU couplings
-# without normalisation: the stream grows ~1.3x per block, past 2048 at N ~ 28, to 1.5e7 at
+# 2^-20 rebuilt bit for bit at N = 8..64 (docs/measurements.md). Its int32 range, +-2048, holds
+# chains whose stream stays moderate; not the bench chain (random conv3x3+ReLU couplings without
+# normalisation: the stream grows ~1.3x per block, past 2048 at N ~ 28, to 1.5e7 at
 # N = 64): that chain needs grid_bits <= 6 to stay in int32, or int64 (what exact mode falls back
 # to). On CPU with float32 F/G, the three stream steps (image; max|q| then u += q; u - q in
 # backward) run kernels/cpu/reversible.c, one pass each and no temporaries (the PyTorch path takes
 # 4-6 passes and two stream-half temporaries per sum): the same integers and images, bit for bit
-# (tests/kernels/test_reversible.py); the whole exact step measured 0.96x the PyTorch path's
-# (a one-off timing: N = 32 bench chain, median of 16 interleaved pairs, 1 thread).
+# (tests/kernels/test_reversible.py); the step time against the PyTorch path: docs/measurements.md.
 # The last block's rebuild goes into the saved stream itself when ``ownership.take_saved`` grants
 # it (the graph is not kept, nobody else holds the stream): the stream never reaches user code (F
 # and G see images), so after that grant every rebuilt half is ours to overwrite.

@@ -18,7 +18,7 @@ dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out
 # NOTE [RMSNorm and GroupNorm in half precision]
 An 8-bit (bf16) or 11-bit (fp16) output pins xhat = y / gamma only to half an ulp, and dgamma =
 sum_rows(dy * xhat) then rounds a second time; eager computes xhat in fp32 from x and rounds once.
-Measured on a seeded grid (25 seeds; 7 RMSNorm shapes from (1, 64) to (64, 512) and 6 GroupNorm
+On a seeded grid (25 seeds; 7 RMSNorm shapes from (1, 64) to (64, 512) and 6 GroupNorm
 shapes up to (8, 32, 16, 16); 3 weight kinds; bf16 and fp16): rebuilding from the output broke the
 error rule in 33 of 1,950 cases, all dgamma, by up to 1.73x the bound, from a single row
 (RMSNorm (1, 64), 1.50x) to GroupNorm (8, 32, 16, 16) (1.56x). The excess is a double rounding
@@ -33,7 +33,8 @@ keep a fast subset of that grid which finds the old failures. Hence, in half pre
 - GroupNorm runs eager's ``F.group_norm``: it keeps x (2 B/elt) + its statistics, which is what
   keeping x in a Function of ours would cost too. The cost: keeping y saved 2 B/elt only where the
   next layer keeps y anyway (bench case group_norm, conv -> GN -> conv, small, bf16: 0.67x of
-  eager's saved bytes before, 1.00x now); a residual of y's rounding could win part of it back.
+  eager's saved bytes keeping y, 1.00x keeping x); a residual of y's rounding could win part of
+  it back.
 LayerNorm (``ops/layer_norm.py``) rebuilds xhat the same way and shares the mechanism: on the
 RMSNorm shapes of the grid above (with a bias; 1,050 bf16/fp16 cases) its dgamma exceeded the bound
 in 4, by up to 1.78x ((1, 64) fp16), so in half precision it runs eager's ``F.layer_norm`` too.

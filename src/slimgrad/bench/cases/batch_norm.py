@@ -6,14 +6,11 @@ Cases (eager against slimgrad's CNN handlers, ``slimgrad.convert_handlers.cnn``)
 - ``bn_relu_chain``: 8 x ``Conv2d(64, 64, 3, pad=1, bias=False) -> BatchNorm2d -> ReLU(inplace)``
   at 16x64x56x56 (small: 2x8x12x12), the InPlace-ABN study's chain with ReLU kept.
 
-Measured here (harness record, CPU 1 thread, fp32, torch 2.13; bytes from ``slimgrad.memory``):
-ResNet-50 eager saved 651.1 MiB = 2.39x the matmul-input floor (271.9 MiB), peak 699.0 MiB;
-slimgrad saved 336.6 MiB = 1.24x the floor, peak 403.7 MiB = 0.58x eager (targets <= 1.9x,
-<= 0.80x); 161 gradients within the error rule. BN -> ReLU pairs keep the BN output only; bn3 and
-the downsample BN, whose outputs feed the residual add, keep no input and re-run their 1x1 conv in
-backward (NOTE [Recomputable inputs]). With ``recompute_input="never"`` on every BN: 2.03x, peak
-0.87x; recomputing for the downsample BNs only: 1.86x, peak 0.73x. Chain (16x64x56x56): saved
-0.50x, peak 0.65x.
+ResNet-50 targets: saved bytes <= 1.9x the matmul-input floor, peak <= 0.80x eager's, every
+gradient within the error rule. BN -> ReLU pairs keep the BN output only; bn3 and the downsample
+BN, whose outputs feed the residual add, keep no input and re-run their 1x1 conv in backward (NOTE
+[Recomputable inputs]). Measured figures: ``benchmarks/results/resnet50.jsonl`` and, for the
+``recompute_input`` ablations, ``docs/measurements.md``.
 """
 
 from __future__ import annotations

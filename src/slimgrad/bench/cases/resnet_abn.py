@@ -4,12 +4,10 @@ ReLU -> leaky_relu(0.01)), against eager PyTorch on the same model with LeakyReL
 - ``resnet50_inplace_abn``: the built-in ResNet-50 + cross-entropy at 8x3x224x224 (small:
   2x3x32x32).
 
-Measured here (harness record ``benchmarks/results/resnet50_inplace_abn.jsonl``, CPU 1 thread,
-fp32, torch 2.13, repeat 3): eager saved 651.1 MiB = 2.39x the matmul-input floor (271.9 MiB), peak
-699.0 MiB (the same as with ReLU); converted: saved 275.3 MiB = 1.013x the floor, peak 342.4 MiB =
-0.490x eager (targets <= 1.10x, <= 0.52x); 161 gradients within the error rule. Step time
-1.18x eager (1.17-1.33 over 3 pairs): the stem conv, each block's 1x1 conv1 and conv3 and the
-downsample conv run again in backward (NOTE [Recomputed stem], NOTE [Recomputable inputs]).
+Targets: saved bytes <= 1.10x the matmul-input floor, peak <= 0.52x eager's, every gradient
+within the error rule. The cost is step time: the stem conv, each block's 1x1 conv1 and conv3 and
+the downsample conv run again in backward (NOTE [Recomputed stem], NOTE [Recomputable inputs]).
+Measured figures: ``benchmarks/results/resnet50_inplace_abn.jsonl`` and ``docs/measurements.md``.
 """
 
 from __future__ import annotations

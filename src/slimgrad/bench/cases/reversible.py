@@ -74,7 +74,7 @@ class _Checkpointed(nn.Module):
 
 
 class _Loss(nn.Module):
-    # model(x, r) -> (body(x) * r).sum(), so every side is measured on the same scalar loss
+    # model(x, r) -> (body(x) * r).sum(), so every side steps on the same scalar loss
     def __init__(self, body: nn.Module) -> None:
         super().__init__()
         self.body = body
