@@ -1201,12 +1201,8 @@ def _unchanged(parent: torch.nn.Module, snap) -> bool:
     # compares; a child added, removed or of another type, or a flag the forward branches on
     # reassigned, makes the statement stale: refused until state_inputs_ runs again)
     kids, attrs = snap
-    mods = parent._modules
-    if len(mods) != len(kids):
+    if tuple(map(type, parent._modules.values())) != kids:  # types compare by identity
         return False
-    for a, b in zip(mods.values(), kids):
-        if type(a) is not b:
-            return False
     for name, v in attrs:
         if _attr_fact(parent, name) is not v:
             return False
@@ -1287,7 +1283,10 @@ def _stated_sources(module: torch.nn.Module):
     stated = parent.__dict__.get(_STATED)
     if stated is None or stated[0] is not type(parent).forward or "forward" in parent.__dict__:
         return None
-    if not _unchanged(parent, stated[3]):  # S3: stale since convert_
+    kids, attrs = stated[3]  # S3 (_unchanged, inlined): stale since convert_?
+    if tuple(map(type, parent._modules.values())) != kids or (
+        attrs and not _unchanged(parent, stated[3])
+    ):
         return None
     mods = parent._modules
     for name, sources in stated[1].items():
