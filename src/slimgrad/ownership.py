@@ -250,7 +250,7 @@ _VIEW_SIG: tuple[int, int] | None = None
 # on the backward's stack must add exactly one). Elsewhere no backward buffer is reused and no
 # forward write relies on a storage object's count (the same bits, a few more bytes), and
 # ``slimgrad env`` and ``report`` say why.
-_REFCOUNT_SHOWN = ((3, 11), (3, 12))
+_REFCOUNT_SHOWN = ((3, 11), (3, 12), (3, 13))
 
 
 def refcount_problem() -> str | None:
