@@ -257,3 +257,16 @@ def test_tied_gpt2(convert, autocast, monkeypatch):
     m = _check(setup, forward, monkeypatch, sum_bytes=None if in_place else 0, slack=16)
     e = estimate(lambda: (lambda s: lambda: forward(s))(setup()))
     assert (e.peak_bytes, e.end_bytes) == (m.peak_bytes, m.end_bytes)
+
+
+def test_without_the_extension_sums_count_out_of_place(monkeypatch):
+    # the caller of an op is read by the C++ extension (call_origin); without it no sum is taken
+    # for the engine's in-place one: the peak is one gradient above the real run's, never below
+    state = _leaf_used_twice()
+    _two_matmuls(state).backward()
+    real_peak, _ = _real(_leaf_used_twice, lambda s: _two_matmuls(s).backward())
+    monkeypatch.setattr(memory, "_origin_reader", lambda: None)
+    state = _leaf_used_twice()
+    m = measure(lambda: _two_matmuls(state))
+    assert m.peak_bytes - real_peak == N * D * 4
+    assert not any(op.endswith("(in place)") for _, op, _ in m.timeline)

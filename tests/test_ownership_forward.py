@@ -540,3 +540,93 @@ def test_an_observer_hook_that_states_it_keeps_nothing_is_allowed():
     m[0].register_forward_hook(lambda mod, args, out: None)  # a user's hook: could keep it
     m(torch.randn(3))
     assert p.seen == [True, False]
+
+
+class Tapped(nn.Module):
+    # p's input is read again only when a tap child is set (None at convert_ time)
+    def __init__(self, p):
+        super().__init__()
+        self.f, self.p, self.tap = Fresh(), p, None
+
+    def forward(self, x):
+        out = self.f(x)
+        y = self.p(out)
+        if self.tap is not None:
+            return y + self.tap(out)
+        return y
+
+
+def test_a_flag_changed_after_the_statement_makes_it_stale():
+    # S3: the forward branches on a plain attribute; reassigning it after convert_ adds a second
+    # reader of p's input, so the statement made before is stale and refused
+    p = Probe()
+    m = _stated(Parent(p, "rebind"))
+    m(torch.randn(3))
+    m.how = "other_name"  # now ``y = p(out); return y + out``
+    m(torch.randn(3))
+    assert p.seen == [True, False]
+    assert ownership.state_inputs_(m) == 0  # stated again: out has two readers, not stated
+    m(torch.randn(3))
+    m.how = "rebind"
+    m(torch.randn(3))  # not stated since the last state_inputs_: still refused
+    assert ownership.state_inputs_(m) == 1
+    m(torch.randn(3))
+    assert p.seen == [True, False, False, False, True]
+
+
+def test_a_child_added_after_the_statement_makes_it_stale():
+    p = Probe()
+    m = _stated(Tapped(p))
+    m(torch.randn(3))
+    m.tap = nn.Identity()  # a child where there was None: the forward now reads p's input again
+    m(torch.randn(3))
+    assert p.seen == [True, False]
+    m.tap = None  # now a None child slot (it was a plain attribute): refused until stated again
+    m(torch.randn(3))
+    assert ownership.state_inputs_(m) == 1
+    m(torch.randn(3))
+    assert p.seen == [True, False, False, True]
+
+
+def test_a_stale_statement_keeps_the_bits_of_a_writer():
+    # the same change under a module that writes over its input (InPlaceABN): after the tap is
+    # added the stated step computes what the never-stated one computes, bit for bit
+    from slimgrad.nn import InPlaceABN
+
+    x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(5))
+
+    def run(stated):
+        ownership.reset_reuse_count()
+        m = Tapped(InPlaceABN(3))
+        if stated:
+            ownership.state_inputs_(m)
+        m(x)
+        granted = ownership.reuse_count("forward")
+        m.tap = nn.Identity()
+        return m(x), granted, ownership.reuse_count("forward")
+
+    ref, n0, _ = run(False)
+    got, n1, n2 = run(True)
+    assert (n0, n1, n2) == (0, 1, 1)  # granted before the change, refused after it
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+class ConfigParent(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.p, self.cfg = p, {"read_again": False}
+
+    def forward(self, x):
+        out = x * 2
+        y = self.p(out)
+        return y + out if self.cfg["read_again"] else y
+
+
+def test_a_forward_that_reads_a_mutable_attribute_is_not_stated():
+    p = Probe()
+    m = ConfigParent(p)
+    assert ownership.state_inputs_(m) == 0  # cfg's contents can change without an assignment
+    m(torch.randn(3))
+    m.cfg["read_again"] = True
+    m(torch.randn(3))
+    assert p.seen == [False, False]

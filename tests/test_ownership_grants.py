@@ -1,19 +1,26 @@
-"""The same reuse grants on every supported torch (issue 31; NOTE [Storage facts from the C++ API]).
+"""The same reuse grants on every supported torch and Python (issue 31; NOTE [Storage facts from
+the C++ API], NOTE [Forward ownership from stated structure]).
 
 A fixed set of small blocks of slimgrad ops (a GPT-2-like MLP block, a ResNet basic block, a saved
 tensor at its last use) runs forward and backward with reuse on and with reuse off: every gradient
 must match bit for bit, and the number of grants (``ownership.reuse_count``) must be the fixed
-count below on torch 2.11, 2.13 and 2.15 alike (run this file in each venv). Before the storage
-facts came from the C++ extension, torch 2.11 granted nothing here (the StorageImpl layout
-calibration refused on that build).
+count below on torch 2.11, 2.13 and 2.15 and on Python 3.11 and 3.12 alike (run this file in each
+venv). Before the storage facts came from the C++ extension, torch 2.11 granted nothing here (the
+StorageImpl layout calibration refused on that build). A fixed set of small converted models (a
+conv/BN/in-place LeakyReLU chain with and without InPlaceABN, a torchvision-style basic block) does
+the same for forward grants (``reuse_count("forward")``) and the backward grants of their step.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+import slimgrad
 from slimgrad import ownership
 from slimgrad.ops import batch_norm, dropout, gelu, layer_norm, linear, relu
 from tests._ownership_helpers import ExpSaved
@@ -105,3 +112,72 @@ def test_same_grants_on_every_torch_and_same_bits(case):
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
     assert on == EXPECTED[case], f"torch {torch.__version__}: grants {on}"
+
+
+class _BasicBlock(nn.Module):
+    # torchvision's BasicBlock (two activations, so each is its own module)
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu2 = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu2(out)
+
+
+def _chain():
+    layers = [nn.Conv2d(3, 4, 1)]
+    for _ in range(3):
+        layers += [nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.LeakyReLU(0.1, True)]
+    return nn.Sequential(*layers), (2, 3, 5, 6)
+
+
+def _block():
+    return nn.Sequential(nn.Conv2d(3, 4, 1), _BasicBlock(4), _BasicBlock(4)), (2, 3, 7, 5)
+
+
+MODELS = {
+    "chain_default": (_chain, slimgrad.ConvertConfig()),
+    "chain_inplace_abn": (_chain, slimgrad.ConvertConfig(inplace_abn=True)),
+    "basic_blocks_default": (_block, slimgrad.ConvertConfig()),
+}
+# grants per model: (reuse_count("forward"), reuse_count("grad"), reuse_count("saved")) of one
+# training step; the same on torch 2.11, 2.13, 2.15 and Python 3.11, 3.12
+EXPECTED_MODELS = {
+    "chain_default": (3, 6, 0),
+    "chain_inplace_abn": (3, 3, 0),
+    "basic_blocks_default": (4, 4, 0),
+}
+
+
+def _model_step(name, disabled):
+    build, config = MODELS[name]
+    torch.manual_seed(0)
+    eager, shape = build()
+    model = slimgrad.convert_(copy.deepcopy(eager), config).train()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    ownership.reset_reuse_count()
+    if disabled:
+        with ownership.reuse_disabled():
+            y = model(x)
+            y.square().sum().backward()
+    else:
+        y = model(x)
+        y.square().sum().backward()
+    counts = tuple(ownership.reuse_count(k) for k in ("forward", "grad", "saved"))
+    return [y.detach()] + [p.grad for p in model.parameters()], counts
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_same_model_grants_on_every_torch_and_same_bits(name):
+    assert ownership.storage_facts_available(), "the C++ extension did not load"
+    ref, off = _model_step(name, disabled=True)
+    got, on = _model_step(name, disabled=False)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert on == EXPECTED_MODELS[name], f"torch {torch.__version__}: grants {on} (off: {off})"

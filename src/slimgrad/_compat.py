@@ -133,6 +133,9 @@ def _ownership() -> Feature:
     if ownership._env_disabled():
         return Feature(name, False, f"turned off by {ownership.ENV_VAR}=1")
     off = "backward buffers are never reused (same gradients, a few more transient bytes)"
+    problem = ownership.refcount_problem()  # NOTE [Reference counts and the interpreter]
+    if problem is not None:
+        return Feature(name, False, f"{problem}: {off}")
     if not (ownership._ensure_calibrated() and ownership.calibrated()):
         return Feature(name, False, f"calibration refused on torch {torch.__version__}: {off}")
     ok, why = _ext.probe()  # builds nothing

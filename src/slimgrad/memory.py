@@ -39,8 +39,11 @@ tied embedding's two weight gradients at the end of GPT-2's backward: vocab x hi
 tracker counts the sum as a real run does it: an ``aten.add.Tensor`` is the engine's sum when
   (a) it is called by C++ code the engine runs (no Python frame between the engine's entry,
       ``torch.autograd.graph._engine_run_backward``, and the mode: not a hook, not a custom
-      Function's backward), grad mode is off, and its operands meet the engine's layout and dtype
-      conditions above (``old`` not a view: a view's base holds the storage too);
+      Function's backward; the frames are read by slimgrad's C++ extension, ``call_origin``,
+      never in Python, and without the extension no sum qualifies: it counts out of place, at
+      most one gradient buffer above a real run), grad mode is off, and its operands meet the
+      engine's layout and dtype conditions above (``old`` not a view: a view's base holds the
+      storage too);
   (b) the current autograd node (``torch._C._current_autograd_node``) has already run its own
       backward (an op from it came before: the sum follows the node's apply; retain_grad's C++
       hook, which also sums ``.grad + grad``, runs before the node's apply), and ``old`` was made
@@ -90,7 +93,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -141,21 +143,24 @@ _PY_BACKWARD_CODE = torch.autograd.function.BackwardCFunction.apply.__code__
 _ADD = torch.ops.aten.add.Tensor
 
 
-def _origin(frame: Any) -> str:
-    # "engine": the op was called by C++ code the engine runs (a built-in node's apply, the input
-    # buffer's sum, a C++ hook); "function": by a custom Function's Python backward; "python":
-    # by any other Python code (a hook, user code). ``frame`` is __torch_dispatch__'s caller.
-    while frame is not None and frame.f_code.co_filename in _WRAPPER_FILES:
-        frame = frame.f_back
-    if frame is None:
-        return "python"
-    if frame.f_code is _ENGINE_CODE:
-        return "engine"
-    while frame is not None and frame.f_code is not _ENGINE_CODE:
-        if frame.f_code is _PY_BACKWARD_CODE:
-            return "function"
-        frame = frame.f_back
-    return "python"
+_ORIGINS = ("python", "engine", "function")
+
+
+_ORIGIN_ARGS = (_ENGINE_CODE, _PY_BACKWARD_CODE, _WRAPPER_FILES)
+
+
+def _origin_reader() -> Callable[..., int] | None:
+    # Who called the op being counted: "engine" (C++ code the engine runs: a built-in node's
+    # apply, the input buffer's sum, a C++ hook), "function" (a custom Function's Python
+    # backward) or "python" (any other Python code: a hook, user code). Read from the Python
+    # frames below __torch_dispatch__ by slimgrad's C++ extension (``call_origin(*_ORIGIN_ARGS)``
+    # called from __torch_dispatch__ itself, CPython's public frame API; NOTE [Storage facts from
+    # the C++ API]); no frame is read in Python. None without the extension: every op then
+    # counts as "python", so no gradient sum is taken for the engine's in-place one (sums count
+    # out of place: a peak up to one gradient buffer above a real run's, never below).
+    from slimgrad import _ext
+
+    return getattr(_ext.load(), "call_origin", None)
 
 
 def _plain_dense(t: Any) -> bool:
@@ -313,6 +318,7 @@ class _Tracker(TorchDispatchMode):
         self.window: tuple[Any, int] | None = None  # (node, graph task id)
         self.window_start = 0
         self.window_applied = False  # the node's own backward has dispatched an op
+        self.call_origin = _origin_reader()  # who calls an op in a window (None: "python")
         # an engine gradient sum waiting to learn whether its first operand dies right after:
         # (old key, out key, live bytes after the out-of-place call, op name, op index)
         self.pending: tuple[int, int, int, str, int] | None = None
@@ -454,7 +460,8 @@ class _Tracker(TorchDispatchMode):
             if st is not None and st._cdata not in self.sizes:
                 self._follow(st, created=False)
         self._window()
-        origin = _origin(sys._getframe(1)) if self.window is not None else "python"
+        call = self.call_origin  # called here: it reads the frames below this method's
+        origin = _ORIGINS[call(*_ORIGIN_ARGS)] if call and self.window is not None else "python"
         name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
         impl = python_impl(func.name()) if func.namespace == "slimgrad" else None
         stats = self.stats

@@ -129,15 +129,15 @@ The buffers a data-parallel wrapper reads are never granted:
   are never granted, no write here races with a collective.
 
 Calibration (on the first question, :func:`_calibrate`): a y = 2x Function's backward probes its
-gradient in
-chains whose safety is known: plain, through a ``* 1`` (same figures), with a hook that keeps the
-gradient (refcount exactly one higher), beside a sibling still pending on it (use count exactly
-one higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage view of a fresh base: gives
-the base pair) and the same with a hook keeping that base (base refcount exactly one higher).
-Any mismatch or exception: no baseline, never reuse (views alone: ``_VIEW_SIG`` None refuses
-every view). The baselines are kept per
-interpreter call mode, which a failed Dynamo trace changes for the rest of the process (NOTE
-[Calibration per call mode] at the end of this module).
+gradient in chains whose safety is known: plain, through a ``* 1`` (same figures), with a hook
+that keeps the gradient (refcount exactly one higher), with the gradient also on the backward's
+own evaluation stack (exactly one higher: NOTE [Reference counts and the interpreter]; only on an
+interpreter in ``_REFCOUNT_SHOWN``), beside a sibling still pending on it (use count exactly one
+higher), and, for term 2b, after ``.view(1, 5)`` (a whole-storage view of a fresh base: gives the
+base pair) and the same with a hook keeping that base (base refcount exactly one higher). Any
+mismatch or exception: no baseline, never reuse (views alone: ``_VIEW_SIG`` None refuses every
+view). The baselines are kept per interpreter call mode, which a failed Dynamo trace changes for
+the rest of the process (NOTE [Calibration per call mode] at the end of this module).
 
 Calling pattern (the refcount baseline depends on it; any deviation adds references, so it fails
 safe, refusing reuse, never the other way):
@@ -230,11 +230,47 @@ _SAVED_SIGS: dict | None = None  # caller code -> {(refcount, use count)}
 # storage object]), process-wide: (the storage use count of a tensor nobody else shares, the
 # refcount of a storage object that only PyTorch keeps alive as _obj_refcount sees it, the storage
 # weak count of a storage without weak references). None: not loaded yet, or unavailable.
-_STORAGE_SIG: tuple[int, int, int] | None = None
+_STORAGE_SIG: tuple[int, int | None, int] | None = None
 # For a gradient that is a view (term 2b): _view_sig(g) of a whole-storage view whose base nobody
 # else holds: (base refcount, base use count) as _view_sig sees them. Its storage has one use more
 # than a fresh one (the base's TensorImpl): _storage_free(g, 1).
 _VIEW_SIG: tuple[int, int] | None = None
+
+
+# NOTE [Reference counts and the interpreter]
+# Terms 3 and 6 (and the storage-object check of _storage_free) compare Python reference counts
+# with baselines measured on the running interpreter. That is sound only where every holder of an
+# object adds one to its count. Heap holders (containers, attributes, closure cells, frame locals)
+# always own a reference, but CPython 3.14 lets the evaluation stack borrow a local's reference
+# (LOAD_FAST_BORROW): a second use of a gradient on the backward's own stack
+# (``f(grad_out, ownership.take(grad_out))``) would no longer show; and a free-threaded build keeps
+# per-thread counts. So reference counts are read only on a GIL-enabled CPython whose minor version
+# was shown to hold (``_REFCOUNT_SHOWN``: tests/test_ownership_refcount.py, run with each Python of
+# the matrix), and the calibration measures the property on the running interpreter too (a holder
+# on the backward's stack must add exactly one). Elsewhere no backward buffer is reused and no
+# forward write relies on a storage object's count (the same bits, a few more bytes), and
+# ``slimgrad env`` and ``report`` say why.
+_REFCOUNT_SHOWN = ((3, 11), (3, 12), (3, 13))
+
+
+def refcount_problem() -> str | None:
+    """Why Python reference counts cannot decide ownership on this interpreter, or None
+    (NOTE [Reference counts and the interpreter])."""
+    import sysconfig
+
+    impl = sys.implementation.name
+    if impl != "cpython":
+        return f"{impl} is not CPython (reference counts are not CPython's)"
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return "a free-threaded CPython build (its reference counts are per thread)"
+    v = sys.version_info[:2]
+    if v not in _REFCOUNT_SHOWN:
+        shown = ", ".join(f"{a}.{b}" for a, b in _REFCOUNT_SHOWN)
+        return (
+            f"Python {v[0]}.{v[1]}: reference-count facts were shown to hold on {shown} only "
+            "(CPython 3.14 borrows references on the evaluation stack)"
+        )
+    return None
 
 
 # os.environ's own dict (bytes keys on POSIX): one dict lookup per question instead of the
@@ -352,10 +388,12 @@ def _load_facts() -> bool:
         if _FACTS is None:
             try:
                 fresh, kept = mod.facts(_PROBE_FRESH), mod.facts(_PROBE_KEPT)
-                obj = _obj_refcount(_PROBE_KEPT)
-                keep = _PROBE_KEPT.untyped_storage()
-                sensitive = _obj_refcount(_PROBE_KEPT) == obj + 1  # a kept object must show
-                del keep
+                obj, sensitive = None, True  # None: a storage object's count decides nothing
+                if refcount_problem() is None:  # NOTE [Reference counts and the interpreter]
+                    obj = _obj_refcount(_PROBE_KEPT)
+                    keep = _PROBE_KEPT.untyped_storage()
+                    sensitive = _obj_refcount(_PROBE_KEPT) == obj + 1  # a kept object must show
+                    del keep
                 ok = (
                     fresh[0] == 1  # our probe's Python object is its only C++ handle
                     and fresh[1] == 1
@@ -436,8 +474,10 @@ def _storage_free(t: torch.Tensor, others: int = 0, f=None) -> bool:
         return False
     if n == use + others:
         return True
-    if n != use + others + 1 or not f[3]:
-        return False  # another tensor shares the storage (refused, no storage object made)
+    if n != use + others + 1 or not f[3] or obj is None:
+        # another tensor shares the storage (refused, no storage object made), or the storage
+        # object's count cannot be read here (NOTE [Reference counts and the interpreter])
+        return False
     return (
         _obj_refcount(t) == obj
         and _FACTS(t)[1] == n
@@ -742,14 +782,23 @@ def check_not_consumed(ctx, api: str) -> None:
 # between a value the forward makes fresh and C})``, used only while the instance's forward is
 # that function and its children are of those kinds (slimgrad's timm BatchNormAct2d:
 # ``act(drop(batch_norm(x)))``).
+# S3. What the statement was made from: Q's children (their types in order, a None slot included;
+#     another instance of the same type computes what the stated one did) and
+#     the attributes the fx trace read on Q (recorded by the stand-in's class; a flag such as
+#     ``self.use_residual``, compared by identity; a tensor attribute, Parameter or buffer only as
+#     present, absent or None, since a tensor's value cannot pick a traced path). A forward that
+#     reads a list, dict or set attribute (whose contents can change without an assignment) is
+#     not stated.
 # Stored in Q's ``__dict__`` as {C's name: names of the children whose outputs reach C}, with Q's
-# forward function; Q gets two slimgrad hooks (a pre-hook and an always-called post hook) that
-# keep a per-thread stack of running stated parents.
+# forward function and the S3 snapshot; Q gets two slimgrad hooks (a pre-hook and an
+# always-called post hook) that keep a per-thread stack of running stated parents.
 #
 # Checked at the call, all cheap reads of public state:
 # C1. the innermost running stated parent is Q, Q's forward is the stated one (no instance
-#     ``forward`` attribute), and C is stated for it; a direct call of C (``model.relu(t)``), of
-#     ``Q.forward`` without ``Q.__call__``, or a call under torch.compile finds no stated parent;
+#     ``forward`` attribute), S3's children and attributes are what they were (else the
+#     statement is stale: refused until :func:`state_inputs_` runs again), and C is stated for
+#     it; a direct call of C (``model.relu(t)``), of ``Q.forward`` without ``Q.__call__``, or a
+#     call under torch.compile finds no stated parent;
 # C2. no forward or backward hook on C, on the children whose outputs reach C, or globally, except
 #     slimgrad's observers that keep no tensor (functions with ``_slimgrad_keeps_no_tensor``:
 #     ``slimgrad.memory.measure(module=...)``'s attribution hooks); C not ``compile()``d;
@@ -763,9 +812,9 @@ def check_not_consumed(ctx, api: str) -> None:
 #     tensor and its storage object kept by nobody, and torch-owned memory (terms 2a, 4 and 7 of
 #     the backward rule, from the C++ extension).
 # What the stated structure does not see, and therefore is outside the contract: a forward whose
-# path depends on an attribute changed after ``convert_`` (call :func:`state_inputs_` again after
-# changing the model), and a child of Q that calls C through a reference it keeps outside the
-# module tree.
+# path depends on the contents of an attribute object changed in place after ``convert_`` (not a
+# list, dict or set: those are not stated), on a global or a class attribute, and a child of Q
+# that calls C through a reference it keeps outside the module tree.
 _STATED = "_slimgrad_stated_inputs"
 _REGISTRIES: list = []
 
@@ -963,7 +1012,28 @@ def _fresh_value(node, kids: dict, kept: set, ops, sources: list) -> bool:
     return False
 
 
-def _trace_stand_in(parent: torch.nn.Module, training: bool) -> torch.nn.Module | None:
+def _recording_class(cls: type, reads: set) -> type | None:
+    # parent's class, recording every attribute name its instances are asked for (the trace's
+    # reads: S3 of NOTE [Forward ownership from stated structure]); None if it cannot be made
+    get = cls.__getattribute__
+
+    def __getattribute__(self, name, _get=get, _add=reads.add):
+        _add(name)
+        return _get(self, name)
+
+    try:
+        return type(cls)(
+            cls.__name__,
+            (cls,),
+            {"__getattribute__": __getattribute__, "__module__": cls.__module__},
+        )
+    except Exception:  # a metaclass or __init_subclass__ that refuses: not stated
+        return None
+
+
+def _trace_stand_in(
+    parent: torch.nn.Module, training: bool, reads: set | None = None
+) -> torch.nn.Module | None:
     # A trace runs parent's forward as Python on real objects: what it does to ``self`` that fx
     # does not record (timm's BatchNormAct2d bumps ``num_batches_tracked``, momentum=None then
     # reads it with ``float``; ``self.x = ...``) would change the user's model at convert_ time.
@@ -971,6 +1041,10 @@ def _trace_stand_in(parent: torch.nn.Module, training: bool) -> torch.nn.Module 
     # dict, and copies of its buffers and tensor attributes; the same children and Parameters
     # (children are leaves, not run; fx records Parameter use as graph nodes).
     cls = type(parent)
+    if reads is not None:
+        cls = _recording_class(cls, reads)
+        if cls is None:
+            return None
     try:
         new = object.__new__(cls)
     except TypeError:  # a class whose instances object.__new__ cannot make: not stated
@@ -987,16 +1061,17 @@ def _trace_stand_in(parent: torch.nn.Module, training: bool) -> torch.nn.Module 
     return new
 
 
-def _fx_statement(parent: torch.nn.Module, kids: dict, training: bool) -> dict | None:
+def _fx_statement(parent: torch.nn.Module, kids: dict, training: bool, reads: set) -> dict | None:
     # {consumer name: names of the children whose outputs reach it}, from one fx trace of
     # parent's forward (in train or eval mode, on a stand-in: parent itself is left as it was)
-    # with every child a leaf; None if the trace fails
+    # with every child a leaf; None if the trace fails. ``reads`` gets the attribute names the
+    # trace asked the stand-in for.
     import warnings
 
     import torch.fx
 
     proxies: list = []
-    stand_in = _trace_stand_in(parent, training)
+    stand_in = _trace_stand_in(parent, training, reads)
     if stand_in is None:
         return None
 
@@ -1075,6 +1150,65 @@ def _sequential_statement(kids: dict) -> dict:
     return stated
 
 
+_MISSING = object()  # an attribute the forward asked for that the parent did not have
+_TENSOR = object()  # a tensor attribute, Parameter or buffer (its value never picks a path)
+_MUTABLE = (list, dict, set, bytearray)
+_MACHINERY: frozenset | None = None  # nn.Module's own attributes (hook dicts, training, ...)
+
+
+def _attr_fact(parent: torch.nn.Module, name: str):
+    # what an attribute the forward reads is, as the statement depends on it: the object itself
+    # (compared by identity), _TENSOR for any tensor, _MISSING when absent
+    d = parent.__dict__
+    v = d.get(name, _MISSING)
+    if v is _MISSING:
+        for store in ("_parameters", "_buffers"):
+            s = d.get(store)
+            if s is not None and name in s:
+                v = s[name]
+                break
+    return _TENSOR if isinstance(v, torch.Tensor) else v
+
+
+def _snapshot(parent: torch.nn.Module, reads: set | None):
+    # S3: what the statement was made from: every child's type (None included) and the
+    # plain attributes the traced forward read; None if one of those is a mutable container
+    # (its contents can change the path without any assignment)
+    global _MACHINERY
+    if _MACHINERY is None:
+        _MACHINERY = frozenset(torch.nn.Module().__dict__)
+    kids = tuple(type(c) for c in parent._modules.values())
+    attrs = []
+    cls = type(parent)
+    for name in sorted(reads or ()):
+        if (
+            name in _MACHINERY
+            or name == _STATED
+            or name in parent._modules
+            or (name.startswith("__") and name.endswith("__"))
+            or (name not in parent.__dict__ and hasattr(cls, name))  # methods, class constants
+        ):
+            continue
+        v = _attr_fact(parent, name)
+        if isinstance(v, _MUTABLE):
+            return None
+        attrs.append((name, v))
+    return kids, tuple(attrs)
+
+
+def _unchanged(parent: torch.nn.Module, snap) -> bool:
+    # S3 at the call: the children and read attributes are the ones stated (a few identity
+    # compares; a child added, removed or of another type, or a flag the forward branches on
+    # reassigned, makes the statement stale: refused until state_inputs_ runs again)
+    kids, attrs = snap
+    if tuple(map(type, parent._modules.values())) != kids:  # types compare by identity
+        return False
+    for name, v in attrs:
+        if _attr_fact(parent, name) is not v:
+            return False
+    return True
+
+
 def _install(module: torch.nn.Module) -> None:
     if not any(f is _enter for f in module._forward_pre_hooks.values()):
         module.register_forward_pre_hook(_enter)
@@ -1106,27 +1240,30 @@ def state_inputs_(model: torch.nn.Module) -> int:
         fwd = type(parent).forward
         key = (fwd, parent.__dict__.get("forward"), tuple((k, id(c)) for k, c in kids.items()))
         old = parent.__dict__.get(_STATED)
-        if old is not None and old[2] == key:  # the same forward and children: stated already
-            n += len(old[1])
+        if old is not None and old[2] == key and _unchanged(parent, old[3]):
+            n += len(old[1])  # the same forward, children and read attributes: stated already
             continue
         parent.__dict__.pop(_STATED, None)
         if not any(_asks(c) for c in kids.values()) or "forward" in parent.__dict__:
             continue
         declared = getattr(type(parent), "_slimgrad_forward_statement", None)
+        reads: set | None = None  # the Sequential and declared forwards read only children
         if fwd is torch.nn.Sequential.forward:
             stated = _sequential_statement(kids)
         elif declared is not None and declared[0] is fwd:
             stated = _declared_statement(kids, declared[1])
         else:
-            train = _fx_statement(parent, kids, True)
-            evals = _fx_statement(parent, kids, False)
+            reads = set()
+            train = _fx_statement(parent, kids, True, reads)
+            evals = _fx_statement(parent, kids, False, reads)
             if train is None or evals is None:
                 continue
             stated = {c: p for c, p in train.items() if evals.get(c) == p}
         stated = {c: p for c, p in stated.items() if len(parents.get(id(kids[c]), ())) == 1}
-        if not stated:
+        snap = _snapshot(parent, reads) if stated else None
+        if snap is None:
             continue
-        parent.__dict__[_STATED] = (fwd, stated, key)
+        parent.__dict__[_STATED] = (fwd, stated, key, snap)
         _install(parent)
         n += len(stated)
     return n
@@ -1145,6 +1282,11 @@ def _stated_sources(module: torch.nn.Module):
         parent = stack[-2]
     stated = parent.__dict__.get(_STATED)
     if stated is None or stated[0] is not type(parent).forward or "forward" in parent.__dict__:
+        return None
+    kids, attrs = stated[3]  # S3 (_unchanged, inlined): stale since convert_?
+    if tuple(map(type, parent._modules.values())) != kids or (
+        attrs and not _unchanged(parent, stated[3])
+    ):
         return None
     mods = parent._modules
     for name, sources in stated[1].items():
@@ -1236,6 +1378,7 @@ def _calib_fns(seen: list):
         @staticmethod
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
+            seen.append(("stack", (grad_out, _probe(grad_out))[1][0]))  # grad_out on the stack
             if grad_out._is_view():
                 seen.append(("view", _view_sig(grad_out, None)))
             return grad_out * 2
@@ -1245,6 +1388,7 @@ def _calib_fns(seen: list):
         @once_differentiable
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
+            seen.append(("stack", (grad_out, _probe(grad_out))[1][0]))  # grad_out on the stack
             if grad_out._is_view():
                 seen.append(("view", _view_sig(grad_out, None)))
             return grad_out * 2
@@ -1275,6 +1419,7 @@ def _calib_fns(seen: list):
         @first_order("ownership.calibration")
         def backward(ctx, grad_out):
             seen.append(("grad", _probe(grad_out)))
+            seen.append(("stack", (grad_out, _probe(grad_out))[1][0]))  # grad_out on the stack
             if grad_out._is_view():
                 seen.append(("view", _view_sig(grad_out, None)))
             return grad_out * 2
@@ -1293,6 +1438,8 @@ def _calib_fns(seen: list):
 def _calibrate() -> None:
     global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG
     _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = None  # until proven
+    if refcount_problem() is not None:  # NOTE [Reference counts and the interpreter]
+        return
     try:
         x = torch.arange(1.0, 6.0, requires_grad=True)  # not randn: no global RNG draw
         grad_base: dict = {}
@@ -1328,6 +1475,7 @@ def _calibrate() -> None:
             ((grad_fn.apply(x) + r) * 3).sum().backward()
             del r
             vs = [p for k, p in seen if k == "view"]
+            stack = [p for k, p in seen if k == "stack"]
             g = [p for k, p in seen if k == "grad"]
             sv = [p for k, p in seen if k == "saved"]
             caller = g[0][2]
@@ -1343,6 +1491,10 @@ def _calibrate() -> None:
                 and g[0][1] in (1, 2)
                 and g[5][1] == g[0][1] + 1
                 and g[2][0] == g[0][0] + 1
+                # a holder on the backward's own evaluation stack adds exactly one (NOTE
+                # [Reference counts and the interpreter]); a borrowing interpreter shows none
+                and len(stack) == len(g)
+                and all(n == p[0] + 1 for n, p in zip(stack, g))
                 and sv[0] == sv[1]
                 and caller not in grad_base
             )

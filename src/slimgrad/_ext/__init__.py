@@ -21,6 +21,12 @@ headers, and :func:`facts` returns them as a tuple of ints:
    deleters, and another owner can read them.
 6. the StorageImpl's address, as an identity (two tensors share memory iff they share it).
 
+The same module has ``call_origin``, for slimgrad.memory's tracker only (never on a converted
+step's path): whether the op being counted was called by C++ code the autograd engine runs, by a
+custom Function's Python backward or by other Python code, read from the Python frames below
+``__torch_dispatch__`` with CPython's public frame API (PyEval_GetFrame, PyFrame_GetBack,
+PyFrame_GetCode), so slimgrad's Python code reads no frame (NOTE [How live bytes are counted]).
+
 The source is compiled with ``torch.utils.cpp_extension.load`` against the headers of the torch
 that runs, on first use (never at ``import slimgrad``), and cached in ``$SLIMGRAD_CACHE/ext`` (else
 ``~/.cache/slimgrad/ext``), one directory per torch version, Python version and source hash

@@ -1,7 +1,8 @@
 // Storage facts for slimgrad.ownership, read through PyTorch's public C++ API only (NOTE [Storage
-// facts from the C++ API] in slimgrad/_ext/__init__.py). One function, ``facts(tensor)``, returns
-// a tuple of ints about the tensor and its storage; it creates no storage object and no tensor, and
-// takes no reference that would show in the counts it reads (the tensor argument is borrowed).
+// facts from the C++ API] in slimgrad/_ext/__init__.py). ``facts(tensor)`` (and ``plain_facts``)
+// return a tuple of ints about the tensor and its storage; they create no storage object and no
+// tensor, and take no reference that would show in the counts they read (the tensor argument is
+// borrowed). ``call_origin`` serves slimgrad.memory's tracker (below).
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <c10/core/Allocator.h>
@@ -126,10 +127,70 @@ PyObject* plain_facts(PyObject* /*self*/, PyObject* args) {
   }
 }
 
+// Who called the op slimgrad.memory's tracker is counting (NOTE [How live bytes are counted] in
+// slimgrad/memory.py): 1 ("engine") when the nearest Python frame below the caller of this function
+// (``__torch_dispatch__``), past frames whose file is in ``skip`` (dynamo's wrappers), runs
+// ``engine`` (the engine's entry: the op was called by C++ code the engine runs), 2 ("function")
+// when a frame running ``py_backward`` (a custom Function's backward) comes before the engine's
+// entry, 0 ("python") otherwise. Read with CPython's public frame API (PyEval_GetFrame,
+// PyFrame_GetBack, PyFrame_GetCode); only the tracker calls it, never slimgrad's per-call path.
+PyObject* call_origin(PyObject* /*self*/, PyObject* args) {
+  PyObject* engine = nullptr;
+  PyObject* py_backward = nullptr;
+  PyObject* skip = nullptr;
+  if (!PyArg_ParseTuple(args, "OOO!", &engine, &py_backward, &PyFrozenSet_Type, &skip)) {
+    return nullptr;
+  }
+  PyFrameObject* top = PyEval_GetFrame();  // borrowed: the frame that called this function
+  PyFrameObject* f = top == nullptr ? nullptr : PyFrame_GetBack(top);  // new reference
+  while (f != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(f);
+    PyObject* file = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_filename");
+    Py_DECREF(code);
+    const int in = file == nullptr ? -1 : PySet_Contains(skip, file);
+    Py_XDECREF(file);
+    if (in < 0) {
+      Py_DECREF(f);
+      return nullptr;
+    }
+    if (in == 0) {
+      break;
+    }
+    PyFrameObject* back = PyFrame_GetBack(f);
+    Py_DECREF(f);
+    f = back;
+  }
+  long origin = 0;
+  bool first = true;
+  while (f != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(f);
+    const bool is_engine = reinterpret_cast<PyObject*>(code) == engine;
+    const bool is_backward = reinterpret_cast<PyObject*>(code) == py_backward;
+    Py_DECREF(code);
+    if (is_engine) {
+      origin = first ? 1 : 0;
+      break;
+    }
+    if (is_backward) {
+      origin = 2;
+      break;
+    }
+    first = false;
+    PyFrameObject* back = PyFrame_GetBack(f);
+    Py_DECREF(f);
+    f = back;
+  }
+  Py_XDECREF(f);
+  return PyLong_FromLong(origin);
+}
+
 PyMethodDef methods[] = {
     {"facts", facts, METH_O, "Storage facts of a tensor (slimgrad.ownership)."},
     {"plain_facts", plain_facts, METH_VARARGS,
      "Storage facts of a plain dense tensor, else None (slimgrad.ownership)."},
+    {"call_origin", call_origin, METH_VARARGS,
+     "Who called the op being counted: 0 Python, 1 the engine, 2 a Function's backward "
+     "(slimgrad.memory)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {
