@@ -4,7 +4,8 @@ For each target: the full-estimate peaks of eager, per-block checkpointing ("ckp
 recomputed, nothing converted), torch's selective checkpointing saving matmul/attention outputs
 ("sac"), slimgrad (convert_) and slimgrad + checkpointing; then plans at two budgets: the lower
 of ckpt's and slimgrad's peaks ("low") and their midpoint ("mid"), each with its full-estimate
-peak and recomputed matmul FLOPs as a fraction of the forward's, against ckpt's.
+peak and recomputed matmul FLOPs as a fraction of the forward's, against ckpt's, and the time
+(wall and this process's CPU seconds: the box may be shared) of measuring and of each plan.
 
 Targets: HF Llama ~1B (16 x 2048, intermediate 5504, vocab 32000, default config otherwise),
 4 x 2048 tokens, fp32 weights under autocast bf16; GPT-2 medium, 8 x 1024, fp32; a
@@ -100,9 +101,9 @@ def run(name: str, device: str, say) -> dict:
     target, batch, amp, _ = build()
     make = _maker(target, batch, amp)
     kw = {"dtype": amp} if amp is not None else {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     top = slimgrad.plan(make, "1024TiB", device=device, verify=False, progress=say, **kw)
-    measure_s = time.perf_counter() - t0
+    measure_s, measure_cpu = time.perf_counter() - t0, time.process_time() - c0
     blocks = list(top.choices)
 
     def every(c):
@@ -121,7 +122,7 @@ def run(name: str, device: str, say) -> dict:
     mid = (peaks["ckpt"] + peaks["slimgrad"]) // 2
     plans = {}
     for tag, budget in (("low", low), ("mid", mid)):
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         try:
             p = slimgrad.plan(make, budget, device=device, reuse=top, progress=say, **kw)
             plans[tag] = {
@@ -133,6 +134,10 @@ def run(name: str, device: str, say) -> dict:
                     {c: list(p.choices.values()).count(c) for c in p.choices.values()}.items()
                 ),
                 "seconds": time.perf_counter() - t1,
+                "cpu_seconds": time.process_time() - c1,
+                # the default path (slimgrad.plan(make, budget) from scratch): measuring + this
+                "default_path_cpu_seconds": measure_cpu + time.process_time() - c1,
+                "full_estimates": p.full_estimates,
             }
         except ValueError as e:
             plans[tag] = {"budget_bytes": budget, "error": str(e)}
@@ -146,6 +151,7 @@ def run(name: str, device: str, say) -> dict:
         "slimgrad_ckpt_recompute_fraction": top.baselines["slimgrad+checkpoint"].recompute_fraction,
         "plans": plans,
         "measure_seconds": measure_s,
+        "measure_cpu_seconds": measure_cpu,
         "per_kind": top.blocks,
         "versions": environment(),
         "commit": git_commit(),

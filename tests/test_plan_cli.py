@@ -23,7 +23,7 @@ def test_plan_json_fits_its_budget_and_reports_progress(capsys):
     assert rec["recompute_flops"] == 0  # everything fits: nothing recomputed
     assert {"eager", "checkpoint-all", "sac"} <= set(rec["baselines"])
     assert rec["curve"][0]["recompute_flops"] == 0 and rec["curve"][-1]["recompute_flops"] > 0
-    assert "slimgrad plan: measuring model.layers.0 as lean" in err
+    assert "slimgrad plan: measuring model.layers.0 and model.layers.1 as lean" in err
 
     # a budget between the ends of the curve: a plan that recomputes, printed as text
     mid = (rec["curve"][0]["peak_bytes"] + rec["curve"][-1]["peak_bytes"]) // 2
