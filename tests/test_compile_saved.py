@@ -120,3 +120,70 @@ def test_compiled_converted_gradients_within_rule(name):
         torch._dynamo.reset()
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert_within_rule(got, ref, base, names=names)
+
+
+# Op level: what the compiled graph keeps is the op's Memory line, byte for byte, and the op
+# computes what it computes uncompiled (the same dropout draws: the attention's mask is drawn
+# inside its custom op, from the global generator, at run time).
+
+
+def _op_step(fn, inputs, compiled: bool):
+    f = torch.compile(fn, backend=BACKEND, fullgraph=True) if compiled else fn
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    torch.manual_seed(0)
+    out = f(*leaves)
+    found = _walk_savers([out.grad_fn])
+    keep = {_storage(t)._cdata for t in leaves}
+    kept = sum(_storage(t).nbytes() for k, (t, _) in found.items() if k not in keep)
+    kept_inputs = sum(_storage(t).nbytes() for k, (t, _) in found.items() if k in keep)
+    out.backward(torch.ones_like(out))
+    return out.detach(), [t.grad for t in leaves], kept, kept_inputs
+
+
+def test_attention_keeps_q_k_v_and_bits_under_compile():
+    from slimgrad.ops import scores_softmax_dropout_matmul
+
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 3, 37, 8  # odd, prime sizes
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+
+    def fn(q, k, v):
+        return scores_softmax_dropout_matmul(q, k.transpose(-2, -1), v, p=0.2, causal=True)
+
+    torch._dynamo.reset()
+    try:
+        out, grads, kept, kept_inputs = _op_step(fn, (q, k, v), compiled=True)
+    finally:
+        torch._dynamo.reset()
+    ref_out, ref_grads, _, _ = _op_step(fn, (q, k, v), compiled=False)
+    # Memory line: q, k_t, v (the inputs, by reference) and 1 bit per score; nothing T x T
+    assert kept == (b * h * t * t + 7) // 8
+    assert kept_inputs == 3 * q.numel() * 4
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def test_gated_mlp_keeps_x_g_u_under_compile():
+    from slimgrad.ops import gated_mlp
+
+    g = torch.Generator().manual_seed(0)
+    n, d, i = 13, 16, 40
+    x = torch.randn(n, d, generator=g)
+    wg, wu = torch.randn(i, d, generator=g), torch.randn(i, d, generator=g)
+    wd = torch.randn(d, i, generator=g)
+
+    def fn(x, wg, wu, wd):
+        return gated_mlp(x, wg, wu, wd)
+
+    torch._dynamo.reset()
+    try:
+        out, grads, kept, kept_inputs = _op_step(fn, (x, wg, wu, wd), compiled=True)
+    finally:
+        torch._dynamo.reset()
+    ref_out, ref_grads, _, _ = _op_step(fn, (x, wg, wu, wd), compiled=False)
+    # Memory line: x (the input, by reference) + g + u; act(g) * u is recomputed, not kept
+    assert kept == 2 * n * i * 4
+    torch.testing.assert_close(out, ref_out)
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r)
