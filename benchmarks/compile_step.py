@@ -11,6 +11,11 @@ two settings compiled with the same backend: ``eager`` (the model as built) and 
   every CPU allocation and free; the peak is the largest running sum over one step above what was
   live when it began (parameters, inputs and optimizer state excluded; ``.grad`` is cleared
   before the step, so gradients count).
+- kept bytes: after forward, the unique storages the autograd graph holds (walked from the loss as
+  ``slimgrad.memory`` walks it; a compiled region is one node holding what the partitioner saved),
+  parameters excluded, for the compiled model (``kept_bytes``) and the same model uncompiled
+  (``kept_bytes_uncompiled``): exact, independent of the allocator (NOTE [slimgrad ops under
+  torch.compile] in ``slimgrad/_compile.py``).
 - graph breaks: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compilation.
 
 Models (random init, float32): HF GPT-2 and Llama, "tiny" (2 layers, width 64, vocab 512, 2 x 64
@@ -87,7 +92,19 @@ def make_step(model, batch, backend):
         opt.step()
         losses.append(float(loss))
 
-    return step, losses
+    return step, losses, fwd
+
+
+def kept_bytes(model, fwd, batch) -> int:
+    from slimgrad.memory import _storage, _walk_savers
+
+    params = {_storage(p)._cdata for p in model.parameters()}
+    loss = fwd(**batch).loss
+    found = _walk_savers([loss.grad_fn])
+    kept = sum(_storage(t).nbytes() for k, (t, _) in found.items() if k not in params)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return kept
 
 
 def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
@@ -97,17 +114,19 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
     conv = copy.deepcopy(model)
     slimgrad.convert_(conv)
     settings = {"eager": model, "slimgrad": conv}
-    made, breaks = {}, {}
+    made, breaks, kept = {}, {}, {}
     for name, m in settings.items():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         torch.manual_seed(0)
-        step, losses = make_step(m, batch, backend)
+        step, losses, fwd = make_step(m, batch, backend)
         t0 = time.perf_counter()
         for _ in range(3):
             step()
         warm_s = time.perf_counter() - t0
         breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        torch.manual_seed(0)
+        kept[name] = (kept_bytes(m, fwd, batch), kept_bytes(m, m, batch))
         made[name] = (step, losses, warm_s)
     ms = {n: [] for n in settings}
     for _ in range(steps):
@@ -119,6 +138,7 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
     recs = []
     for n in settings:
         step, losses, warm_s = made[n]
+        k, k_eager = kept[n]
         recs.append(
             {
                 "case": f"compile_step/{family}/{size}",
@@ -130,6 +150,8 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
                 "dtype": "float32",
                 "graph_breaks": breaks[n],
                 "peak_bytes": peak_bytes(step),
+                "kept_bytes": k,
+                "kept_bytes_uncompiled": k_eager,
                 "step_ms_median": statistics.median(ms[n]),
                 "warmup_s": round(warm_s, 2),
                 "ratio_median": statistics.median(ratios) if n == "slimgrad" else 1.0,
@@ -138,10 +160,23 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
                 "device": "cpu",
                 "threads": torch.get_num_threads(),
                 "torch": torch.__version__,
+                "commit": _commit(),
                 "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
         )
     return recs
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def main() -> None:
@@ -159,7 +194,9 @@ def main() -> None:
             for r in recs:
                 print(
                     f"{r['case']:28s} {r['provider']:9s} breaks {r['graph_breaks']:2d} "
-                    f"peak {r['peak_bytes'] / MiB:8.2f} MiB  step {r['step_ms_median']:8.2f} ms  "
+                    f"peak {r['peak_bytes'] / MiB:8.2f} MiB  kept {r['kept_bytes']} B "
+                    f"(uncompiled {r['kept_bytes_uncompiled']} B)  "
+                    f"step {r['step_ms_median']:8.2f} ms  "
                     f"ratio {r['ratio_median']:.2f}  warmup {r['warmup_s']} s  "
                     f"loss0 {r['first_loss']:.6f}",
                     flush=True,

@@ -18,6 +18,33 @@ Dynamo neither inlines ``call`` nor compiles its frames; the disabled ``fn`` run
 decoration when Dynamo is already loaded, else at the first call after it is, outside any trace
 (``_disable_lazy``). That first call's frame is compiled once; afterwards a call costs its caller
 one graph break, as a ``torch.compiler.disable`` function does.
+
+# NOTE [slimgrad ops under torch.compile]
+How a converted op looks to the compiler. Dynamo traces a slimgrad autograd Function's forward
+and backward (it inlines ``Function.apply``); AOTAutograd joins both into one graph, runs CSE on
+it and lets the partitioner (inductor's min-cut) choose which forward values backward reads. What
+the Function's ``save_for_backward`` names is no constraint there: the partitioner keeps whatever
+forward value the traced backward reads. Two things lose slimgrad's saving that way:
+
+- a recompute in backward written as plain torch ops (S = q @ k^T and softmax in the attention,
+  act(g) in the gated MLP) is merged by CSE with the forward's identical ops, so backward reads
+  the forward's S, P or act(g) * u and the partitioner keeps them (tiny HF Llama, 1 layer:
+  the gated MLP's h was kept, 32 KiB);
+- a path that hands the call to eager's ops under compile (HF SDPA attention did: P, the bool
+  dropout mask and the dropped P kept, T x T each).
+
+So under compile every value slimgrad's backward recomputes is made inside a custom op
+(``slimgrad::<name>``, ``slimgrad._library.custom_op``, with a fake kernel): the joint graph
+cannot merge it with the forward, and the min-cut partitioner never recomputes a custom op's
+output (not in its recomputable allowlist), so what backward reads is exactly the op's contract:
+the custom op's inputs that came from forward. An op whose Function cannot be traced as it is
+(eager-only decisions, ``autograd.grad`` on recomputes) runs, while compiling, as one custom op
+with ``register_autograd`` whose ``setup_context`` saves the contract and whose backward is one
+more custom op (``ops/softmax_dropout.py``: ``scores_softmax_dropout_matmul``); the eager path
+keeps its Function and its bits. Dropout inside such an op draws from the global generator at
+run time as eager does, so compiled and uncompiled converted models draw the same masks (compiled
+eager draws with inductor's RNG). ``tests/test_compile_saved.py`` holds the compiled converted
+models' saved bytes to the uncompiled ones'.
 """
 
 from __future__ import annotations

@@ -130,8 +130,12 @@ def stands_for(device: str | None) -> Iterator[None]:
 def tensor_device(device) -> str:
     """The device type a tensor on ``device`` stands for (see :func:`stands_for`)."""
     kind = torch.device(device).type
-    if kind == "cpu" and (other := _STANDS_FOR.get()) is not None:
-        return other
+    # not while Dynamo traces (it cannot trace ContextVar.get: a graph break per call); fake
+    # tensors stand for CUDA ones under slimgrad.memory.estimate, which does not compile
+    if kind == "cpu" and not torch.compiler.is_compiling():
+        other = _STANDS_FOR.get()
+        if other is not None:
+            return other
     return kind
 
 

@@ -40,8 +40,8 @@ a model converted on CPU and moved to CUDA runs SDPA there.
 
 At call time :func:`_attention` (:func:`_attention_eager` likewise, to the family's function)
 hands every call it does not reproduce exactly to HF's own ``sdpa_attention_forward`` with the
-same arguments: no dropout (eval, ``dropout=0``), no grad, torch.compile tracing, a device where
-the device rule keeps SDPA, a device other than CPU (other devices draw dropout differently),
+same arguments: no dropout (eval, ``dropout=0``), no grad, a device where the device rule keeps
+SDPA, a device other than CPU (other devices draw dropout differently),
 q/k/v that SDPA would not compute in one dtype, a keyword argument that SDPA's function reads and
 slimgrad does not implement (``softcap``, ``output_attentions``, a paged ``cache``: found by
 reading that function's source), the single-query GQA packing, a mask that does not broadcast to
@@ -224,8 +224,6 @@ def _autocast_bias_ok(bias: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
     if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
-        return False
-    if torch.compiler.is_compiling():  # compiled SDPA draws its dropout its own way
         return False
     if query.device.type != "cpu":
         return False  # exactness: other devices draw dropout their own way
@@ -669,6 +667,7 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     AttentionInterface.register(EAGER_NAME, _attention_eager)
     AttentionMaskInterface.register(EAGER_NAME, eager_mask)
+    _sdpa_unimplemented()  # read HF's source now: Dynamo cannot trace inspect (a graph break)
     _registered = True
 
 

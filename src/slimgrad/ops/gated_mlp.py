@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._library import custom_op
 from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
 
@@ -114,7 +115,12 @@ def _glu_bwd(dy, g, u, h, wd, down: bool, need_gu, nwd, nbd, has_bd, act, fused:
     if fused and need_gu:
         n = g.shape[-1]
         dgu = g.new_empty((*g.shape[:-1], 2 * n))
-    a = _act_into(g, act, None if dgu is None else dgu[..., n:]) if g is not None else None
+    if g is not None and torch.compiler.is_compiling():  # NOTE [slimgrad ops under torch.compile]
+        a = _act_recompute(g, act)  # opaque: the joint graph's CSE would keep forward's act(g)
+        if dgu is not None:
+            a = dgu[..., n:].copy_(a)
+    else:
+        a = _act_into(g, act, None if dgu is None else dgu[..., n:]) if g is not None else None
     if down:
         if nwd or nbd:
             if nwd and h is None:
@@ -134,6 +140,18 @@ def _glu_bwd(dy, g, u, h, wd, down: bool, need_gu, nwd, nbd, has_bd, act, fused:
         _act_bwd(da, g, act, dgu[..., :n])
         return dgu, None, dwd, dbd
     return _act_bwd(da, g, act, da), du, dwd, dbd
+
+
+@custom_op("glu_act_recompute", mutates_args=())
+def _act_recompute(g: Tensor, activation: str) -> Tensor:
+    # act(g) in backward under torch.compile (NOTE [slimgrad ops under torch.compile]); the same
+    # kernel on the same g as forward's: the same bits
+    return _act(g, activation).contiguous()
+
+
+@_act_recompute.register_fake
+def _(g, activation):
+    return g.new_empty(g.shape)
 
 
 def _autocast_args(x: Tensor, args: tuple) -> tuple:

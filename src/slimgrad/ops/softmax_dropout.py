@@ -489,6 +489,8 @@ def scores_softmax_dropout_matmul(
     refuse_jit("ops.scores_softmax_dropout_matmul")
     value = value.contiguous()  # a strided view would keep its whole base alive
     with torch.autocast(query.device.type, enabled=False):
+        if torch.compiler.is_compiling():  # NOTE [slimgrad ops under torch.compile]
+            return _scores_sdm(query, key_t, value, p_eff, mm_dtype, causal, mask)[0]
         return _ScoresSoftmaxDropoutMatmulFn.apply(
             query, key_t, value, p_eff, mm_dtype, causal, mask
         )
@@ -713,3 +715,98 @@ def eager_attention(
 
 
 _API_EAGER = "slimgrad.ops.eager_attention"
+
+
+# --- torch.compile: the op as one custom op each way (NOTE [slimgrad ops under torch.compile] in
+# slimgrad/_compile.py). Traced, _ScoresSoftmaxDropoutMatmulFn's backward recompute of S = q @ k_t
+# would be merged with the forward's S by the joint graph's CSE and S kept.
+
+
+@custom_op("scores_softmax_dropout_matmul", mutates_args=())
+def _scores_sdm(
+    q: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    p: float,
+    mm_dtype: torch.dtype,
+    causal: bool,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, _, bits = _fwd_torch(torch.matmul(q, k_t), v, p, -1, mm_dtype, causal, mask)
+    return out, bits
+
+
+@_scores_sdm.register_fake
+def _(q, k_t, v, p, mm_dtype, causal, mask):
+    s = torch.matmul(q, k_t)
+    out = torch.matmul(s.to(mm_dtype), v.to(mm_dtype))
+    nbits = (s.numel() + 7) // 8 if p > 0 else 0
+    return out, s.new_empty((nbits,), dtype=torch.uint8)
+
+
+@custom_op("scores_softmax_dropout_matmul_bwd", mutates_args=())
+def _scores_sdm_bwd(
+    d_out: torch.Tensor,
+    q: torch.Tensor,
+    k_t: torch.Tensor,
+    v: torch.Tensor,
+    bits: torch.Tensor,
+    mask: torch.Tensor | None,
+    p: float,
+    mm_dtype: torch.dtype,
+    causal: bool,
+    fused: bool,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # _ScoresSoftmaxDropoutMatmulFn.backward's math: the same ops on the same tensors
+    need_q, need_k, need_v = needs
+    probs = _softmax_fwd(torch.matmul(q, k_t), -1, causal, mask)
+    ds, dv = _bwd_torch(
+        d_out,
+        probs,
+        bits,
+        v,
+        p,
+        -1,
+        fused,
+        mm_dtype,
+        v.shape,
+        [need_q or need_k, need_v],
+        own_probs=p > 0 and probs.dtype == mm_dtype,
+    )
+    del probs
+    empty = q.new_empty(0)
+    dq = torch.matmul(ds, k_t.mT) if need_q else empty
+    dk = torch.matmul(q.mT, ds) if need_k else empty.clone()
+    return dq, dk, dv.to(v.dtype) if dv is not None else v.new_empty(0)
+
+
+@_scores_sdm_bwd.register_fake
+def _(d_out, q, k_t, v, bits, mask, p, mm_dtype, causal, fused, needs):
+    ds = torch.empty(
+        (*torch.broadcast_shapes(q.shape[:-2], k_t.shape[:-2]), q.shape[-2], k_t.shape[-1]),
+        dtype=q.dtype,
+        device=q.device,
+    )
+    dq = torch.matmul(ds, k_t.mT) if needs[0] else q.new_empty(0)
+    dk = torch.matmul(q.mT, ds) if needs[1] else q.new_empty(0)
+    return dq, dk, torch.empty_like(v) if needs[2] else v.new_empty(0)
+
+
+def _scores_sdm_setup(ctx, inputs, output):
+    q, k_t, v, p, mm_dtype, causal, mask = inputs
+    ctx.save_for_backward(q, k_t, v, output[1], mask)
+    ctx.p, ctx.mm_dtype, ctx.causal, ctx.fused = p, mm_dtype, causal, _dropout._fused(q)
+
+
+def _scores_sdm_backward(ctx, d_out, _d_bits):
+    q, k_t, v, bits, mask = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:3])
+    dq, dk, dv = _scores_sdm_bwd(
+        d_out, q, k_t, v, bits, mask, ctx.p, ctx.mm_dtype, ctx.causal, ctx.fused, needs
+    )
+    grads = [g if n else None for g, n in zip((dq, dk, dv), needs, strict=True)]
+    return (*grads, None, None, None, None)
+
+
+_scores_sdm.register_autograd(_scores_sdm_backward, setup_context=_scores_sdm_setup)

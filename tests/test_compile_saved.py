@@ -1,0 +1,189 @@
+"""torch.compile keeps what a converted model keeps (issue 32; NOTE [slimgrad ops under
+torch.compile] in ``slimgrad/_compile.py``).
+
+A tiny converted HF GPT-2 / Llama compiled with ``aot_eager_decomp_partition`` (inductor's
+decompositions and its min-cut partitioner, without inductor's C++ builds: the same choice of
+saved values, minutes faster) keeps, after forward, at most 1.05x the bytes the uncompiled
+converted model keeps; no graph break comes from slimgrad; and its gradients meet the error rule
+with the uncompiled converted model as the baseline.
+
+Kept bytes: the unique storages the autograd graph holds at the end of forward, walked from the
+loss (``slimgrad.memory``'s walk: a compiled region is one ``CompiledFunctionBackward`` node whose
+saved tensors are what the partitioner chose), parameters excluded. Exact, not an allocator
+estimate.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+import slimgrad
+from slimgrad.memory import _storage, _walk_savers
+from slimgrad.testing import assert_within_rule
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "conformance"))
+import _hf_families as H  # noqa: E402
+
+pytest.importorskip("transformers")
+
+BACKEND = "aot_eager_decomp_partition"  # inductor's partitioner and decompositions, no codegen
+
+
+def _family(name: str, dropout: bool) -> H.Family:
+    fam = H.FAMILIES[name]
+    if dropout:
+        return fam
+    off = {k: 0.0 for k in fam.overrides if "drop" in k}
+    return dataclasses.replace(fam, overrides={**fam.overrides, **off})
+
+
+def _kept_bytes(model: torch.nn.Module, loss: torch.Tensor) -> int:
+    params = {_storage(p)._cdata for p in model.parameters()}
+    found = _walk_savers([loss.grad_fn])
+    return sum(_storage(t).nbytes() for key, (t, _) in found.items() if key not in params)
+
+
+def _forward(model, batch, compiled: bool):
+    fwd = torch.compile(model, backend=BACKEND) if compiled else model
+    torch.manual_seed(0)
+    fwd(**batch).loss.backward()  # the first step compiles backward too
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    return fwd(**batch).loss
+
+
+@pytest.mark.slow  # 50-100 s on two loaded CPU cores (compiles)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_compiled_converted_keeps_what_uncompiled_keeps(name):
+    fam = _family(name, dropout=True)
+    conv = H.build(fam)
+    batch = H.inputs(fam, conv, labels=True)
+    slimgrad.convert_(conv)
+    kept = _kept_bytes(conv, _forward(conv, batch, compiled=False))
+    torch._dynamo.reset()
+    try:
+        kept_compiled = _kept_bytes(conv, _forward(conv, batch, compiled=True))
+    finally:
+        torch._dynamo.reset()
+    assert kept_compiled <= 1.05 * kept, (kept_compiled, kept, kept_compiled / kept)
+
+
+def _site(reason) -> str:
+    frames = list(reason.user_stack or [])
+    for f in reversed(frames):
+        if "/slimgrad/" in f.filename:
+            return f.filename.split("/slimgrad/")[-1]
+    return ""
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_no_graph_break_in_slimgrad(name):
+    fam = _family(name, dropout=True)
+    conv = H.build(fam)
+    batch = H.inputs(fam, conv, labels=True)
+    slimgrad.convert_(conv)
+    torch._dynamo.reset()
+    try:
+        out = torch._dynamo.explain(conv)(**batch)
+    finally:
+        torch._dynamo.reset()
+    sites = [_site(r) for r in out.break_reasons]
+    assert [s for s in sites if s] == [], [r.reason.splitlines()[0] for r in out.break_reasons]
+
+
+def _grads(model, batch, compiled: bool):
+    loss = _forward(model, batch, compiled)
+    loss.backward()
+    return [p.grad for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.slow  # 80-140 s on two loaded CPU cores (compiles)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_compiled_converted_gradients_within_rule(name):
+    # dropout off: the float64 reference cannot draw the same masks
+    fam = _family(name, dropout=False)
+    model = H.build(fam)
+    batch = H.inputs(fam, model, labels=True)
+    ref = _grads(copy.deepcopy(model).double(), batch, compiled=False)
+    slimgrad.convert_(model)
+    base = _grads(model, batch, compiled=False)
+    torch._dynamo.reset()
+    try:
+        got = _grads(model, batch, compiled=True)
+    finally:
+        torch._dynamo.reset()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert_within_rule(got, ref, base, names=names)
+
+
+# Op level: what the compiled graph keeps is the op's Memory line, byte for byte, and the op
+# computes what it computes uncompiled (the same dropout draws: the attention's mask is drawn
+# inside its custom op, from the global generator, at run time).
+
+
+def _op_step(fn, inputs, compiled: bool):
+    f = torch.compile(fn, backend=BACKEND, fullgraph=True) if compiled else fn
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    torch.manual_seed(0)
+    out = f(*leaves)
+    found = _walk_savers([out.grad_fn])
+    keep = {_storage(t)._cdata for t in leaves}
+    kept = sum(_storage(t).nbytes() for k, (t, _) in found.items() if k not in keep)
+    kept_inputs = sum(_storage(t).nbytes() for k, (t, _) in found.items() if k in keep)
+    out.backward(torch.ones_like(out))
+    return out.detach(), [t.grad for t in leaves], kept, kept_inputs
+
+
+def test_attention_keeps_q_k_v_and_bits_under_compile():
+    from slimgrad.ops import scores_softmax_dropout_matmul
+
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 3, 37, 8  # odd, prime sizes
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+
+    def fn(q, k, v):
+        return scores_softmax_dropout_matmul(q, k.transpose(-2, -1), v, p=0.2, causal=True)
+
+    torch._dynamo.reset()
+    try:
+        out, grads, kept, kept_inputs = _op_step(fn, (q, k, v), compiled=True)
+    finally:
+        torch._dynamo.reset()
+    ref_out, ref_grads, _, _ = _op_step(fn, (q, k, v), compiled=False)
+    # Memory line: q, k_t, v (the inputs, by reference) and 1 bit per score; nothing T x T
+    assert kept == (b * h * t * t + 7) // 8
+    assert kept_inputs == 3 * q.numel() * 4
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def test_gated_mlp_keeps_x_g_u_under_compile():
+    from slimgrad.ops import gated_mlp
+
+    g = torch.Generator().manual_seed(0)
+    n, d, i = 13, 16, 40
+    x = torch.randn(n, d, generator=g)
+    wg, wu = torch.randn(i, d, generator=g), torch.randn(i, d, generator=g)
+    wd = torch.randn(d, i, generator=g)
+
+    def fn(x, wg, wu, wd):
+        return gated_mlp(x, wg, wu, wd)
+
+    torch._dynamo.reset()
+    try:
+        out, grads, kept, kept_inputs = _op_step(fn, (x, wg, wu, wd), compiled=True)
+    finally:
+        torch._dynamo.reset()
+    ref_out, ref_grads, _, _ = _op_step(fn, (x, wg, wu, wd), compiled=False)
+    # Memory line: x (the input, by reference) + g + u; act(g) * u is recomputed, not kept
+    assert kept == 2 * n * i * 4
+    torch.testing.assert_close(out, ref_out)
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r)
