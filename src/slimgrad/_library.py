@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from slimgrad._autograd import compiling
+
 NAMESPACE = "slimgrad"
 _PYTHON_IMPLS: dict[str, Callable] = {}
 
@@ -45,7 +47,7 @@ _C = torch._C
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _PLAIN = (_Tensor, _Parameter)
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = compiling  # NOTE [One-frame compile check] in slimgrad/_autograd.py
 _dispatch_stack_len = _C._len_torch_dispatch_stack
 _function_mode_on = _C._is_torch_function_mode_enabled
 _functorch_on = _C._are_functorch_transforms_active

@@ -117,6 +117,7 @@ from functools import cache
 import torch
 import torch.nn as nn
 
+from slimgrad._autograd import compiling
 from slimgrad.convert_handlers import device_rule
 from slimgrad.convert_handlers.hf import CodeReason, hf_models, note_refusal
 
@@ -225,7 +226,7 @@ def _autocast_bias_ok(bias: torch.Tensor, dtype: torch.dtype) -> bool:
 def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
     if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
         return False
-    if torch.compiler.is_compiling():  # compiled SDPA draws its dropout its own way
+    if compiling():  # compiled SDPA draws its dropout its own way (one frame: _autograd)
         return False
     if query.device.type != "cpu":
         return False  # exactness: other devices draw dropout their own way

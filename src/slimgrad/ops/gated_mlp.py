@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     first_order,
     refuse_jit,
@@ -72,7 +73,7 @@ def _act(g: Tensor, activation: str) -> Tensor:
 
 
 _C = torch._C
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = compiling  # NOTE [One-frame compile check] in slimgrad/_autograd.py
 _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _any_autocast = _C._is_any_autocast_enabled
@@ -224,7 +225,7 @@ class _GatedMLPFn(torch.autograd.Function):
             x.dtype == torch.float32
             and x.is_leaf
             and x.requires_grad
-            and not torch.compiler.is_compiling()
+            and not compiling()
             and not x._is_view()
             and torch.is_autocast_cache_enabled()
         )

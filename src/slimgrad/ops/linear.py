@@ -77,6 +77,7 @@ import weakref
 import torch
 
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     first_order,
     refuse_jit,
@@ -90,7 +91,7 @@ __all__ = ["conv1d_addmm", "linear"]
 
 def fresh(y: torch.Tensor) -> torch.Tensor:
     """``y`` as a Function output that is not a view (NOTE [Function outputs are not views])."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return y.detach()
     return y.detach() if y._is_view() else y
 
@@ -417,7 +418,7 @@ _C = torch._C
 _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _any_autocast = _C._is_any_autocast_enabled
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = compiling  # NOTE [One-frame compile check] in slimgrad/_autograd.py
 _PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))
 _Parameter = torch.nn.Parameter
 
