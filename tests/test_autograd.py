@@ -85,3 +85,26 @@ def test_transforms_active_and_refuse_jit():
 
     with pytest.raises(RuntimeError, match=r"slimgrad\.test\.op: torch\.jit\.trace"):
         torch.jit.trace(traced, torch.ones(2))
+
+
+def test_compiling_is_one_frame_and_a_dynamo_constant():
+    # NOTE [One-frame compile check]: False in eager, True while Dynamo traces, and no guard on
+    # the flag (a guard would fail at run time, where the flag is False: a recompile per call)
+    from slimgrad._autograd import compiling
+
+    assert compiling() is False and compiling() == torch.compiler.is_compiling()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    def f(x):
+        return x + 1 if compiling() else x - 1
+
+    g = torch.compile(f, backend=backend)
+    x = torch.zeros(3)
+    for _ in range(3):
+        torch.testing.assert_close(g(x), torch.ones(3))
+    assert len(frames) == 1
+    torch.testing.assert_close(f(x), -torch.ones(3))

@@ -49,6 +49,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "compiling",
     "direct_apply",
     "eager_op",
     "first_order",
@@ -160,6 +161,27 @@ def direct_apply(cls: type) -> Callable:
             "Call cls.apply instead; this is a slimgrad bug; please report it."
         )
     return torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
+
+
+# NOTE [One-frame compile check]
+# ``torch.compiler.is_compiling()`` is two Python frames in eager (it asks
+# ``torch.jit.is_scripting()`` first); slimgrad's hot paths ask it several times per op call
+# (about 490 calls per tiny GPT-2 step). :func:`compiling` is the same answer in one frame: in
+# eager it reads the flag ``is_compiling`` returns (torch.compile holds it True while it traces,
+# torch.export sets it); while Dynamo traces, the function is marked as having a constant result
+# (what ``torch.compiler.assume_constant_result`` does, without importing Dynamo at slimgrad's
+# import), so Dynamo evaluates it once at trace time (True) and installs no guard on the flag,
+# exactly as it treats ``is_compiling`` itself. tests/test_autograd.py checks both: one compiled
+# frame over several calls, True inside it, False in eager.
+_compiler = torch.compiler
+
+
+def compiling() -> bool:
+    """``torch.compiler.is_compiling()`` in one frame (NOTE [One-frame compile check])."""
+    return _compiler._is_compiling_flag
+
+
+compiling._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 #: ``torch._C._functorch.unwrap_if_dead``: what ``Function.apply`` does to each tensor argument.

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from slimgrad._autograd import compiling
+
 NAMESPACE = "slimgrad"
 _PYTHON_IMPLS: dict[str, Callable] = {}
 
@@ -45,7 +47,7 @@ _C = torch._C
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _PLAIN = (_Tensor, _Parameter)
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = compiling  # NOTE [One-frame compile check] in slimgrad/_autograd.py
 _dispatch_stack_len = _C._len_torch_dispatch_stack
 _function_mode_on = _C._is_torch_function_mode_enabled
 _functorch_on = _C._are_functorch_transforms_active
@@ -64,6 +66,35 @@ def _plain(a, grad: bool) -> bool:
     if t is list or t is tuple:
         return all(_plain(e, grad) for e in a)
     return not isinstance(a, _Tensor)
+
+
+def straight() -> bool:
+    """Whether nothing but eager PyTorch is watching: not compiling (read first: Dynamo folds it
+    and traces nothing else here), no ``TorchDispatchMode`` (FakeTensorMode and the memory
+    tracker included) or ``TorchFunctionMode``, no ``torch.func`` transform, no TorchScript
+    trace, no profiler (NOTE [One gate per call]).
+
+    # NOTE [One gate per call]
+    An op's public function that passes this gate, on arguments it has checked are plain
+    tensors (``type(t) in (Tensor, Parameter)``, not meta), may take its straight path for the
+    whole call: its autograd Function through the C apply (NOTE [Applying a Function without
+    its Python wrapper] in slimgrad/_autograd.py), and the Python implementations of its custom
+    ops through ``SlimOp.impl`` instead of :meth:`SlimOp.__call__`, which would ask
+    :func:`direct_call_ok` again per custom op (inside a Function's forward grad mode is off, so
+    the one condition of NOTE [Calling a custom op eagerly] not checked here holds). Nothing can
+    change these facts between the gate and the op's forward. A backward asks the gate again: a
+    mode may have been entered between forward and backward (``slimgrad.memory`` measures a
+    backward alone). An op under the profiler takes its general path, so profiles still name
+    each custom op.
+    """
+    return not (
+        _is_compiling()
+        or _dispatch_stack_len()
+        or _function_mode_on()
+        or _functorch_on()
+        or _is_tracing()
+        or _profiling()
+    )
 
 
 def direct_call_ok(args: tuple, kwargs: dict) -> bool:
@@ -98,6 +129,16 @@ class SlimOp:
     def __init__(self, op_def: torch.library.CustomOpDef, fn: Callable) -> None:
         self._def = op_def
         self._fn = fn
+        #: the Python implementation, for a caller past :func:`straight` (NOTE [One gate per
+        #: call]); it bumps no version counter, so only for ops that mutate nothing
+        self.impl = (
+            fn
+            if not any(
+                a.alias_info is not None and a.alias_info.is_write
+                for a in op_def._opoverload._schema.arguments
+            )
+            else None
+        )
         self._qualname = op_def._qualname
         schema = op_def._opoverload._schema
         self._mutated = tuple(

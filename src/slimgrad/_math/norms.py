@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from slimgrad._autograd import compiling
 from slimgrad._math.steps import epoch
 
 __all__ = [
@@ -123,7 +124,7 @@ def fallback_channels(
         if type(bias) not in _PLAIN or bias.is_inference():
             return _find_fallback_channels(weight, bias, out_dtype)
         b_key = (bias.data_ptr(), bias._version, bias.dtype, bias.shape, bias.stride(), bias.device)
-    if torch.compiler.is_compiling():
+    if compiling():  # NOTE [One-frame compile check] in slimgrad/_autograd.py
         return _find_fallback_channels(weight, bias, out_dtype)
     # + optimizer steps (NOTE [Steps that skip the version counter] in _math/steps.py)
     key = (w_key, b_key, out_dtype, epoch())

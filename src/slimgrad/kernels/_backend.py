@@ -59,6 +59,8 @@ from types import ModuleType
 
 import torch
 
+from slimgrad._autograd import compiling
+
 __all__ = [
     "BACKENDS",
     "get_backend",
@@ -193,7 +195,7 @@ def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True
         RuntimeError: ``"triton"`` forced where the kernels cannot run (triton missing, or a CPU
             tensor without ``TRITON_INTERPRET=1``).
     """
-    if torch.compiler.is_compiling():  # first: dynamo then traces nothing else here
+    if compiling():  # first: dynamo then traces nothing else here
         return False
     b = (_resolved[0] or _resolve()) if backend is None else _check(backend, "backend")
     if b == "auto":  # a CPU tensor (the common case) answers without the fake check
@@ -245,7 +247,7 @@ def use_cpu(
         ValueError: unknown backend name.
         RuntimeError: ``"cpu"`` forced and the C file cannot be built.
     """
-    if torch.compiler.is_compiling():
+    if compiling():  # torch.compiler.is_compiling() (NOTE [One-frame compile check])
         return None
     b = (_resolved[0] or _resolve()) if backend is None else _check(backend, "backend")
     if (b != "auto" and b != "cpu") or not x.is_cpu or x.dtype not in dtypes:

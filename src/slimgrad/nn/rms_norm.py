@@ -79,7 +79,8 @@ class HFRMSNorm(NoScript, torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         w = None
-        if HF_VARIANTS[self.variant][1] is not None and getattr(self, "with_scale", True):
+        # with_scale: a plain attribute when the HF module had one (from_hf copies it)
+        if HF_VARIANTS[self.variant][1] is not None and self.__dict__.get("with_scale", True):
             w = self.weight
         eps = getattr(self, self.eps_attr)
         if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: HF's ops

@@ -207,7 +207,7 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args)
         out = y.permute(_inverse_perm(perm)).detach()
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing (unbacked
     # sizes) except for the few-element rule (NOTE [Few elements]), so kept then
-    compiling = torch.compiler.is_compiling()
+    compiling = _autograd.compiling()  # NOTE [One-frame compile check]
     dense = few_elements(x) or (
         not compiling and not _unbacked(xs) and is_dense_fallback(x.numel(), bits, idx, xs)
     )
@@ -294,7 +294,7 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
     the side info; so while compiling, ``inplace=True`` costs a temporary y and keeps it:
     documented.)
     """
-    if torch.compiler.is_compiling():  # Dynamo traces Function.apply
+    if _autograd.compiling():  # Dynamo traces Function.apply
         if not inplace:
             return fn_out.apply(x, *args)[0]
         return x.copy_(fn_out.apply(x, *args)[0])

@@ -40,11 +40,20 @@ act(g), u and h.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    compiling,
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
 from slimgrad._library import custom_op
 from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
@@ -55,10 +64,24 @@ __all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_fused", "glu", "glu_linear"]
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
+_silu = torch._C._nn.silu  # F.silu's kernel without its Python frame (the same bits)
+
+
 def _act(g: Tensor, activation: str) -> Tensor:
     if activation == "silu":
-        return F.silu(g)
+        return _silu(g) if type(g) is Tensor else F.silu(g)
     return F.gelu(g, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+_C = torch._C
+_is_compiling = compiling  # NOTE [One-frame compile check] in slimgrad/_autograd.py
+_functorch_on = _C._are_functorch_transforms_active
+_is_tracing = _C._is_tracing
+_any_autocast = _C._is_any_autocast_enabled
+_grad_on = _C.is_grad_enabled
+_PLAIN = (Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _act_bwd(da: Tensor, g: Tensor, activation: str, out: Tensor) -> Tensor:
@@ -204,15 +227,23 @@ class _GatedMLPFn(torch.autograd.Function):
         ctx.activation, ctx.fused = activation, fused
         ctx.has = (bg is not None, bu is not None, bd is not None)
         ctx.mm_dtypes = (g.dtype, u.dtype)
-        ctx.in_dtypes = _dtypes(x, wg, bg, wu, bu, wd, bd)
+        ctx.in_dtypes = (  # _dtypes(x, wg, bg, wu, bu, wd, bd), without its calls
+            x.dtype,
+            None if wg is None else wg.dtype,
+            None if bg is None else bg.dtype,
+            None if wu is None else wu.dtype,
+            None if bu is None else bu.dtype,
+            None if wd is None else wd.dtype,
+            None if bd is None else bd.dtype,
+        )
         # autocast caches the cast of a leaf that requires grad: both projections then read one
         # cast of x, whose two gradients eager sums before casting back. Not under torch.compile
         # (dynamo cannot trace _is_view; compiled graphs keep eager's casts: masters are None)
         ctx.x_cast_cached = (  # autocast's cache condition
-            not torch.compiler.is_compiling()
-            and x.dtype == torch.float32
+            x.dtype == torch.float32
             and x.is_leaf
             and x.requires_grad
+            and not compiling()
             and not x._is_view()
             and torch.is_autocast_cache_enabled()
         )
@@ -236,7 +267,9 @@ class _GatedMLPFn(torch.autograd.Function):
         (has_bg, has_bu, has_bd), (gdt, udt) = ctx.has, ctx.mm_dtypes
         xdt, wgdt, bgdt, wudt, budt, wddt, bddt = ctx.in_dtypes
         dx = dwg = dbg = dwu = dbu = None
-        with torch.autocast(dy.device.type, enabled=False):
+        # autocast off for the products; entering the context costs more than the products at
+        # small sizes, so only when some autocast is on
+        with torch.autocast(dy.device.type, enabled=False) if _any_autocast() else _NO_CONTEXT:
             if ctx.fused and g is not None:
                 g, u = g.chunk(2, dim=-1)
             dg, du, dwd, dbd = _glu_bwd(
@@ -267,6 +300,9 @@ class _GatedMLPFn(torch.autograd.Function):
                         del dxu
                 dx = _to(dx, xdt)
         return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None, None
+
+
+_GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
 
 
 class _GluFn(torch.autograd.Function):
@@ -311,7 +347,7 @@ def _check_activation(api: str, activation: str) -> None:
 
 
 def _check_in(api: str, what: str, x: Tensor, w: Tensor) -> None:
-    if x.dim() == 0 or w.dim() != 2 or x.shape[-1] != w.shape[1]:
+    if not x.shape or w.ndim != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"slimgrad.ops.{api}: {what} does not match its weight; expected input.shape[-1] == "
             f"weight.shape[1] with a 2-D weight, got input {tuple(x.shape)} and weight "
@@ -355,10 +391,39 @@ def gated_mlp(
     Example:
         >>> y = gated_mlp(x, wg, wu, wd, activation="silu")  # doctest: +SKIP
     """
-    _check_activation("gated_mlp", activation)
+    if activation not in ACTIVATIONS:
+        _check_activation("gated_mlp", activation)
     _check_in("gated_mlp", "input", input, gate_weight)
     _check_in("gated_mlp", "input", input, up_weight)
     args = (input, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    if (  # NOTE [Linear's straight path] in ops/linear.py, for the block
+        not _is_compiling()
+        and not (_functorch_on() or _is_tracing() or _any_autocast())
+        and _grad_on()
+        and (
+            input.requires_grad
+            or gate_weight.requires_grad
+            or up_weight.requires_grad
+            or down_weight.requires_grad
+        )
+        and type(input) in _PLAIN
+        and type(gate_weight) is _Parameter
+        and type(up_weight) is _Parameter
+        and type(down_weight) is _Parameter
+        and gate_bias is None
+        and up_bias is None
+        and down_bias is None
+    ):
+        return _GATED_MLP_APPLY(
+            unwrap_if_dead(input),
+            *args[1:],
+            None,
+            None,
+            None,
+            None,
+            activation,
+            False,
+        )
     if transforms_active() or not _records(*args):
         return _fwd_torch(*args, activation, False)
     refuse_jit("ops.gated_mlp")

@@ -26,7 +26,14 @@ import torch
 from torch import Tensor
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
+from slimgrad._library import straight
 from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
@@ -127,24 +134,33 @@ def _bwd_exact_differentiable(g: Tensor, x: Tensor, approximate: str) -> Tensor:
     return torch.ops.aten.gelu_backward(g, x, approximate=approximate)  # has a derivative
 
 
+_SMOOTH_DOUBLE = smooth_double(
+    "ops.gelu", _bwd_exact_differentiable, lambda ctx: (ctx.approximate,)
+)
+
+
+def _double(ctx, g, *side):
+    out = _SMOOTH_DOUBLE(ctx, g, *side)
+    return (*out, None) if len(out) == 2 else out  # the last: forward's ``direct``
+
+
 class _GeluFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, approximate: str):
+    def forward(ctx, x: Tensor, approximate: str, direct: bool = False):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
         ctx.approximate = approximate
-        return smooth_forward(ctx, x, _gelu_fwd, False, approximate)
+        return smooth_forward(ctx, x, _gelu_fwd.impl if direct else _gelu_fwd, False, approximate)
 
     @staticmethod
-    @first_order(
-        "ops.gelu",
-        double=smooth_double("ops.gelu", _bwd_exact_differentiable, lambda ctx: (ctx.approximate,)),
-    )
+    @first_order("ops.gelu", double=_double)
     def backward(ctx, g, *_side):
         if g is None:  # only the side outputs got a gradient (grads are not materialized)
-            return None, None
+            return None, None, None
         # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
         buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
         a = ctx.approximate
-        return smooth_backward(ctx, g, buf, _gelu_bwd, _bwd_any, _bwd_exact, a), None
+        bwd = _gelu_bwd.impl if buf is None and straight() else _gelu_bwd  # NOTE [One gate ...]
+        return smooth_backward(ctx, g, buf, bwd, _bwd_any, _bwd_exact, a), None, None
 
 
 class _GeluInplaceFn(_GeluFn):
@@ -152,6 +168,11 @@ class _GeluInplaceFn(_GeluFn):
     def forward(ctx, x: Tensor, approximate: str):
         ctx.approximate = approximate
         return smooth_forward(ctx, x, _gelu_fwd, True, approximate)
+
+
+_GELU_APPLY = direct_apply(_GeluFn)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_grad_on = torch._C.is_grad_enabled
 
 
 def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Tensor:
@@ -182,6 +203,16 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
     Example:
         >>> y = gelu(torch.randn(4, 8, requires_grad=True), approximate="tanh")
     """
+    if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
+        not inplace
+        and type(input) in _PLAIN
+        and approximate in _APPROX
+        and input.requires_grad
+        and not input.is_meta
+        and _grad_on()
+        and straight()
+    ):
+        return _GELU_APPLY(unwrap_if_dead(input), approximate, True)[0]
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise(

@@ -56,7 +56,7 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
-from slimgrad._library import custom_op
+from slimgrad._library import custom_op, straight
 
 # The plain-PyTorch math lives below ops and kernels (NOTE [Kernels are leaves] in slimgrad._math);
 # its names stay importable from here (ops/group_norm.py, the tests), hence the F401s.
@@ -345,7 +345,7 @@ def norm_double(api: str, eager_fn, rebuild_input):
             y2 = eager_fn(x, ctx.arg, weight, bias, ctx.eps)
             grads = list(torch.autograd.grad(y2, inputs, dy, create_graph=True, allow_unused=True))
         out = [grads.pop(0) if n and t is not None else None for t, n in pairs]
-        return out[0], None, out[1], out[2], None
+        return out[0], None, out[1], out[2], None, None  # the last: forward's ``direct``
 
     return double
 
@@ -373,8 +373,11 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
     its backward under ``create_graph=True`` (:func:`norm_double`).
     """
 
-    def forward(ctx, x, arg, weight, bias, eps):
-        y, mean, rstd, idx, xside = fwd_op(x, arg, weight, bias, eps)
+    fwd_impl, bwd_impl = fwd_op.impl, bwd_op.impl
+
+    def forward(ctx, x, arg, weight, bias, eps, direct=False):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
+        y, mean, rstd, idx, xside = (fwd_impl if direct else fwd_op)(x, arg, weight, bias, eps)
         ctx.arg, ctx.eps = arg, eps
         ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
         ctx.mark_non_differentiable(mean, rstd, idx, xside)
@@ -383,18 +386,22 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        need = ctx.needs_input_grad
+        mask = [need[0], need[2], need[3]]
         if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
             dx, dw, db = bwd_into(
                 buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf
             )
-        else:
-            dx, dw, db = bwd_op(dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask)
+        else:  # the custom op, or its implementation past the gate (NOTE [One gate per call])
+            dx, dw, db = (bwd_impl if straight() else bwd_op)(
+                dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask
+            )
         return (
             dx if mask[0] else None,
             None,
             dw if weight is not None and mask[1] else None,
             db if bias is not None and mask[2] else None,
+            None,
             None,
         )
 
@@ -463,6 +470,16 @@ def layer_norm(
     """
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
+    if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
+        type(input) in _PLAIN
+        and type(weight) in _PLAIN_OR_NONE
+        and type(bias) in _PLAIN_OR_NONE
+        and input.dtype not in HALF_DTYPES
+        and not input.is_meta
+        and not _any_autocast()
+        and straight()
+    ):
+        return _layer_norm_straight(input, [int(s) for s in normalized_shape], weight, bias, eps)
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input, weight, bias):
         return _dtensor.rowwise(
@@ -515,3 +532,22 @@ def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tens
 
 
 _is_tracing = torch._C._is_tracing
+_any_autocast = torch._C._is_any_autocast_enabled
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+
+
+def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Tensor:
+    # _layer_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors
+    anchor = None
+    if input.requires_grad and torch.is_grad_enabled():  # make_anchor's eager case
+        box: list = []
+        anchor = _ANCHOR_APPLY(unwrap_if_dead(input), box), box
+    if type(weight) is not torch.nn.Parameter and weight is not None:
+        weight = unwrap_if_dead(weight)
+    if type(bias) is not torch.nn.Parameter and bias is not None:
+        bias = unwrap_if_dead(bias)
+    y = _LN_APPLY(unwrap_if_dead(input), normalized_shape, weight, bias, float(eps), True)[0]
+    if anchor is not None and y.grad_fn is not None:  # attach_anchor
+        y.grad_fn._slimgrad_anchor = anchor
+    return y

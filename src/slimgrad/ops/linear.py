@@ -75,7 +75,14 @@ import weakref
 
 import torch
 
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    compiling,
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
 from slimgrad._dtensor import any_dtensor
 
 __all__ = ["conv1d_addmm", "linear"]
@@ -83,7 +90,7 @@ __all__ = ["conv1d_addmm", "linear"]
 
 def fresh(y: torch.Tensor) -> torch.Tensor:
     """``y`` as a Function output that is not a view (NOTE [Function outputs are not views])."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return y.detach()
     return y.detach() if y._is_view() else y
 
@@ -96,14 +103,18 @@ def _fwd_torch(x, weight, bias, w_in_out: bool):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _bwd_torch(dy, x, weight, has_bias: bool, w_in_out: bool, output_mask):
+def _bwd_torch(dy, x, weight, has_bias: bool, w_in_out: bool, output_mask, differentiable=None):
+    # ``differentiable``: whether grad mode is on (None: ask torch); output_mask: the first three
+    # of needs_input_grad (x, weight, bias)
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = dw = db = None
     if output_mask[0]:
         # dx allocated in its final shape (a base, not a view of the 2-D product), so the next
         # backward may reuse its buffer (NOTE [Gradient-buffer ownership] refuses views)
         w = weight.t() if w_in_out else weight
-        if torch.is_grad_enabled():  # differentiable (gradcheck of this path): no out=
+        if differentiable is None:
+            differentiable = torch.is_grad_enabled()
+        if differentiable:  # gradcheck of this path, double backward: no out=
             dx2 = dy2 @ w
             dx = dx2.view(*dy.shape[:-1], dx2.shape[-1])
         else:
@@ -118,9 +129,18 @@ def _bwd_torch(dy, x, weight, has_bias: bool, w_in_out: bool, output_mask):
 
 
 def _linear_backward(ctx, dy):
+    # first derivatives (first_order calls this with grad mode off)
     x, weight = ctx.saved_tensors
-    mask = ctx.needs_input_grad[:3]
-    dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask)
+    mask = ctx.needs_input_grad  # (x, weight, bias, w_in_out): _bwd_torch reads the first three
+    dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, False)
+    return dx, dw, db, None
+
+
+def _linear_double(ctx, dy):
+    # the same with differentiable ops, under create_graph=True
+    x, weight = ctx.saved_tensors
+    mask = ctx.needs_input_grad
+    dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, True)
     return dx, dw, db, None
 
 
@@ -133,12 +153,15 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(
             x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None
         )
-        return fresh(_fwd_torch(x, weight, bias, w_in_out))
+        # fresh() without its checks: detaching a product that is not a view is harmless (an
+        # alias of it, as fresh() returns while compiling)
+        return _fwd_torch(x, weight, bias, w_in_out).detach()
 
-    @staticmethod
-    @first_order("ops.linear", double=_linear_backward)  # differentiable: eager's 2nd derivatives
-    def backward(ctx, dy):
-        return _linear_backward(ctx, dy)
+    # differentiable double: eager's 2nd derivatives
+    backward = staticmethod(first_order("ops.linear", _linear_double)(_linear_backward))
+
+
+_LINEAR_APPLY = direct_apply(_LinearFn)
 
 
 def _autocast_linear_backward(ctx, dy):
@@ -357,7 +380,13 @@ def _plain_layout(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # eager's mm sees row-major (eager's mm_mat1_backward switches the product's layout for a
     # column-major input, e.g. x.t(), and in_features == 1 can look column-major). Other layouts
     # (rare) run eager's F.linear: exact, and eager's linear keeps what this op keeps.
-    return weight.dim() == 2 and weight.is_contiguous() and x.is_contiguous() and x.shape[-1] > 1
+    return (
+        weight.ndim == 2
+        and x.ndim > 0
+        and x.shape[-1] > 1
+        and weight.is_contiguous()
+        and x.is_contiguous()
+    )
 
 
 def _refuse_jit_if_recorded(api, *tensors) -> None:
@@ -374,6 +403,32 @@ def _check(api: str, x: torch.Tensor, weight: torch.Tensor, in_dim: int) -> None
             f"{tuple(x.shape)} and weight of shape {tuple(weight.shape)}. "
             "Pass an input whose last dimension is the layer's in_features."
         )
+
+
+# NOTE [Linear's straight path]
+# A converted model calls linear/conv1d_addmm several times per block, so the common case is told
+# by a few C-level reads and goes straight to the Function's C apply (NOTE [Applying a Function
+# without its Python wrapper] in slimgrad/_autograd.py): not compiling (read first: Dynamo folds
+# it to True and never traces the other reads), no torch.func transform, no TorchScript trace, no
+# autocast, and (linear) every tensor a plain Tensor or Parameter, so no DTensor. Anything else
+# takes the general path (``_linear_general``/``_conv1d_general``), unchanged. Backward runs the
+# first-order body directly; ``double`` (create_graph=True) the same math with differentiable ops.
+_C = torch._C
+_functorch_on = _C._are_functorch_transforms_active
+_is_tracing = _C._is_tracing
+_any_autocast = _C._is_any_autocast_enabled
+_is_compiling = compiling  # NOTE [One-frame compile check] in slimgrad/_autograd.py
+_PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))
+_Parameter = torch.nn.Parameter
+
+
+def _straight(x, weight, bias, w_in_out: bool) -> torch.Tensor:
+    # the C apply, each tensor through unwrap_if_dead (a Parameter is never a functorch wrapper)
+    if type(weight) is not _Parameter:
+        weight = unwrap_if_dead(weight)
+    if bias is not None and type(bias) is not _Parameter:
+        bias = unwrap_if_dead(bias)
+    return _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, w_in_out)
 
 
 def linear(
@@ -397,6 +452,22 @@ def linear(
     Example:
         >>> y = linear(torch.randn(4, 8), torch.randn(3, 8, requires_grad=True))
     """
+    if (  # NOTE [Linear's straight path]
+        _is_compiling()
+        or _functorch_on()
+        or _is_tracing()
+        or _any_autocast()
+        or not (type(input) in _PLAIN and type(weight) in _PLAIN and type(bias) in _PLAIN)
+    ):
+        return _linear_general(input, weight, bias)
+    if not _plain_layout(input, weight):
+        return torch.nn.functional.linear(input, weight, bias)
+    if not input.shape or input.shape[-1] != weight.shape[1]:
+        _check("linear", input, weight, 1)
+    return _straight(input, weight, bias, False)
+
+
+def _linear_general(input, weight, bias):
     if (  # torch.func (NOTE [torch.func transforms]), other layouts, DTensors (tensor parallel:
         transforms_active()  # DTensor's own linear; eager's linear keeps what this op keeps)
         or not _plain_layout(input, weight)
@@ -426,6 +497,14 @@ def conv1d_addmm(
     Raises:
         RuntimeError: ``input.shape[-1] != in_features`` (eager raises RuntimeError too).
     """
+    if _is_compiling() or _functorch_on() or _is_tracing() or _any_autocast():
+        return _conv1d_general(input, weight, bias)  # NOTE [Linear's straight path]
+    if not input.shape or input.shape[-1] != weight.shape[0]:
+        _check("conv1d_addmm", input, weight, 0)
+    return _straight(input, weight, bias, True)
+
+
+def _conv1d_general(input, weight, bias):
     if transforms_active():  # NOTE [torch.func transforms]
         return _fwd_torch(input, weight, bias, True)
     _check("conv1d_addmm", input, weight, 0)

@@ -67,7 +67,14 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
+from slimgrad._library import straight
 from slimgrad._math.norms import CHUNK_ELEMS, fallback_channels  # noqa: F401 (CHUNK_ELEMS: tests)
 from slimgrad._math.norms import acc_dtype as _acc_dtype
 from slimgrad._math.norms import rms_norm_bwd_torch as _bwd_torch
@@ -388,6 +395,9 @@ def _float(w):
     return w.float()
 
 
+_grad_on = torch._C.is_grad_enabled
+
+
 # {variant: (forward(x, weight, eps) -> (y, rstd), gamma(weight) -> the float32 scale y = xhat *
 # gamma of a float32 input, or None: no weight)}
 HF_VARIANTS = {
@@ -428,11 +438,12 @@ def _(x, gamma, out_dtype):
 class _HFRMSNormFromOutputFn(torch.autograd.Function):
     # float32 input and output: y = xhat * gamma, rebuilt from y (as _RMSNormFn)
     @staticmethod
-    def forward(ctx, x, weight, eps, variant):
+    def forward(ctx, x, weight, eps, variant, direct=False):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
         fwd, gamma_of = HF_VARIANTS[variant]
         y, rstd = fwd(x, weight, eps)
         gamma = gamma_of(weight) if weight is not None else None
-        idx, xside = _hf_side(x, gamma, y.dtype)
+        idx, xside = (_hf_side.impl if direct else _hf_side)(x, gamma, y.dtype)
         ctx.variant = variant
         ctx.save_for_backward(y, rstd, idx, xside, weight)
         # the table is returned too: a traced forward must return every tensor of data-dependent
@@ -452,12 +463,20 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         ns = [y.shape[-1]]
         if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
             dx, dg = _bwd_impl(y)(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
-        else:  # the custom op: its table has a data-dependent length under tracers
-            dx, dg = _rms_norm_bwd(dy, y, rstd, idx, xside, gamma, ns, mask, y.dtype)
+        else:  # the custom op (its table has a data-dependent length under tracers), or its
+            # implementation past the gate (NOTE [One gate per call] in slimgrad/_library.py)
+            dx, dg = (_rms_norm_bwd.impl if straight() else _rms_norm_bwd)(
+                dy, y, rstd, idx, xside, gamma, ns, mask, y.dtype
+            )
         # through gamma(weight) (HF_VARIANTS: w.float(), 1.0 + w.float() or (1 + w).float()):
         # autograd's backward of each is the cast of dg to the weight's dtype, exactly
         dw = dg.to(weight.dtype) if need_w else None
-        return (dx if mask[0] else None), dw, None, None
+        return (dx if mask[0] else None), dw, None, None, None
+
+
+_HF_RMS_APPLY = direct_apply(_HFRMSNormFromOutputFn)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 
 
 def _hf_recompute(ctx, dy, create_graph):
@@ -520,6 +539,29 @@ def hf_rms_norm(
     Example:
         >>> y = hf_rms_norm(torch.randn(4, 8, requires_grad=True), torch.ones(8), 1e-6)
     """
+    if (  # the straight path of the lean case below: NOTE [One gate per call]
+        type(input) in _PLAIN
+        and type(weight) in _PLAIN_OR_NONE
+        and input.dtype == torch.float32
+        and input.shape
+        and 0 not in input.shape
+        and variant in HF_VARIANTS
+        and (
+            weight is None
+            or (
+                weight.shape == input.shape[-1:]
+                and weight.dtype != torch.float64
+                and not (variant == "t5" and weight.dtype in HALF_DTYPES)
+            )
+        )
+        and (input.requires_grad or (weight is not None and weight.requires_grad))
+        and not input.is_meta
+        and _grad_on()
+        and straight()
+    ):
+        if type(weight) is not torch.nn.Parameter and weight is not None:
+            weight = unwrap_if_dead(weight)
+        return _HF_RMS_APPLY(unwrap_if_dead(input), weight, float(eps), variant, True)[0]
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input, weight):
         return _dtensor.rowwise(
