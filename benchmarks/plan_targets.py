@@ -117,6 +117,8 @@ def run(name: str, device: str, say) -> dict:
         "slimgrad": _full(make, device, every("lean"), True, amp),
         "slimgrad+ckpt": _full(make, device, every("lean+recompute"), True, amp),
     }
+    # the same baselines as the planner composes them from its per-kind measurements
+    composed = {k: v.peak_bytes for k, v in top.baselines.items()}
     ckpt_frac = top.baselines["checkpoint-all"].recompute_fraction
     low = min(peaks["ckpt"], peaks["slimgrad"])
     mid = (peaks["ckpt"] + peaks["slimgrad"]) // 2
@@ -147,6 +149,7 @@ def run(name: str, device: str, say) -> dict:
         "device": device,
         "estimated": True,
         "peaks_bytes": peaks,
+        "composed_peaks_bytes": composed,
         "ckpt_recompute_fraction": ckpt_frac,
         "slimgrad_ckpt_recompute_fraction": top.baselines["slimgrad+checkpoint"].recompute_fraction,
         "plans": plans,

@@ -902,6 +902,8 @@ def plan(
                 "grad_bytes": k.g,
                 "kept_bytes": dict(k.r),
                 "one_block_peak_bytes": dict(k.p1),
+                "left_bytes": dict(k.left),
+                "segment_peak_bytes": {c: dict(v) for c, v in k.seg.items()},
                 "recompute_flops": dict(k.flops),
                 "refused": dict(k.errors),
             }
