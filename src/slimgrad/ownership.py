@@ -273,6 +273,18 @@ def refcount_problem() -> str | None:
     return None
 
 
+_REFCOUNTS_OK: bool | None = None
+
+
+def refcounts_ok() -> bool:
+    """Whether Python reference counts may decide ownership here (:func:`refcount_problem` is
+    None), read once per process: for callers outside this module that compare a count."""
+    global _REFCOUNTS_OK
+    if _REFCOUNTS_OK is None:
+        _REFCOUNTS_OK = refcount_problem() is None
+    return _REFCOUNTS_OK
+
+
 # os.environ's own dict (bytes keys on POSIX): one dict lookup per question instead of the
 # Mapping methods of os.environ; it is what os.environ reads and writes (monkeypatch.setenv too)
 _ENV_DATA = getattr(os.environ, "_data", None)
