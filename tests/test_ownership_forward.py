@@ -630,3 +630,32 @@ def test_a_forward_that_reads_a_mutable_attribute_is_not_stated():
     m.cfg["read_again"] = True
     m(torch.randn(3))
     assert p.seen == [False, False]
+
+
+class ReadsWeight(nn.Module):
+    # the forward reads a Parameter and a missing attribute: markers in the statement's snapshot
+    def __init__(self, p):
+        super().__init__()
+        self.p, self.w = p, nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        out = x * self.w
+        if getattr(self, "extra", None) is not None:
+            out = out * 2
+        return self.p(out)
+
+
+def test_a_copied_model_keeps_its_statement():
+    import copy
+    import pickle
+
+    p = Probe()
+    m = _stated(ReadsWeight(p))
+    m(torch.randn(3))
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        c.p.seen.clear()
+        c(torch.randn(3))
+        assert c.p.seen == [True]
+    m.extra = 1.0  # was missing when stated: the forward's path may change
+    m(torch.randn(3))
+    assert p.seen == [True, False]

@@ -172,3 +172,38 @@ def test_a_free_threaded_build_fails_closed(monkeypatch):
         sysconfig, "get_config_var", lambda k: 1 if k == "Py_GIL_DISABLED" else real(k)
     )
     assert "free-threaded" in ownership.refcount_problem()
+
+
+def test_reversible_rounds_in_place_only_where_counts_hold(monkeypatch):
+    # slimgrad.ops.reversible rounds F's output in place when its count says nobody else holds
+    # it; on an interpreter whose counts are not shown it rounds out of place (_grid_units): the
+    # same bits, one temporary more per rounding
+    import copy
+
+    from slimgrad.nn.reversible import ReversibleSequential
+    from slimgrad.ops import reversible
+    from tests.nn._reversible_helpers import additive_blocks
+
+    if ownership.refcount_problem() is not None:
+        pytest.skip(ownership.refcount_problem())
+    monkeypatch.setenv("SLIMGRAD_BACKEND", "torch")
+    monkeypatch.setattr(reversible, "_stream_lib", lambda *a, **k: None)  # the rounding branch
+    calls = []
+    real = reversible._grid_units
+    monkeypatch.setattr(reversible, "_grid_units", lambda *a: calls.append(1) or real(*a))
+    blocks = additive_blocks(2, 4, seed=3, scale=0.5)
+    x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+
+    def step(counts_ok):
+        monkeypatch.setattr(ownership, "_REFCOUNTS_OK", counts_ok)
+        calls.clear()
+        rev = ReversibleSequential(*copy.deepcopy(blocks), exact=True)
+        xi = x.clone().requires_grad_()
+        rev(xi).square().sum().backward()
+        return [xi.grad] + [p.grad for p in rev.parameters()], len(calls)
+
+    shown, n_shown = step(None)
+    closed, n_closed = step(False)
+    assert n_closed - n_shown == 4  # 2 blocks x 2 halves rounded out of place instead
+    for a, b in zip(shown, closed, strict=True):
+        assert torch.equal(a, b)

@@ -273,6 +273,18 @@ def refcount_problem() -> str | None:
     return None
 
 
+_REFCOUNTS_OK: bool | None = None
+
+
+def refcounts_ok() -> bool:
+    """Whether Python reference counts may decide ownership here (:func:`refcount_problem` is
+    None), read once per process: for callers outside this module that compare a count."""
+    global _REFCOUNTS_OK
+    if _REFCOUNTS_OK is None:
+        _REFCOUNTS_OK = refcount_problem() is None
+    return _REFCOUNTS_OK
+
+
 # os.environ's own dict (bytes keys on POSIX): one dict lookup per question instead of the
 # Mapping methods of os.environ; it is what os.environ reads and writes (monkeypatch.setenv too)
 _ENV_DATA = getattr(os.environ, "_data", None)
@@ -1150,8 +1162,24 @@ def _sequential_statement(kids: dict) -> dict:
     return stated
 
 
-_MISSING = object()  # an attribute the forward asked for that the parent did not have
-_TENSOR = object()  # a tensor attribute, Parameter or buffer (its value never picks a path)
+class _Marker:
+    # a snapshot's marker: the same object after copy.deepcopy (a copied model's statement holds)
+    # and after pickling
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return self.name
+
+
+_MISSING = _Marker("_MISSING")  # an attribute the forward asked for that the parent did not have
+_TENSOR = _Marker("_TENSOR")  # a tensor attribute, Parameter or buffer (its value picks no path)
 _MUTABLE = (list, dict, set, bytearray)
 _MACHINERY: frozenset | None = None  # nn.Module's own attributes (hook dicts, training, ...)
 

@@ -843,9 +843,15 @@ def _exact_half_bwd(
             del hd
         else:
             # round in place when h is fn's output that no one else holds (no hook kept it, no
-            # alias): one stream-half temporary less at the backward's peak
+            # alias): one stream-half temporary less at the backward's peak; the count only where
+            # every holder adds one (NOTE [Reference counts and the interpreter] in ownership.py)
             del hd
-            if h.dtype in (torch.float32, torch.float64) and sys.getrefcount(h) <= 2 and _sole(h):
+            if (
+                h.dtype in (torch.float32, torch.float64)
+                and ownership.refcounts_ok()
+                and sys.getrefcount(h) <= 2
+                and _sole(h)
+            ):
                 q = h.detach().mul_(plan.scale).round_()
             else:
                 q = _grid_units(h.detach(), plan.scale)
