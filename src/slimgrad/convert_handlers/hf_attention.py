@@ -232,15 +232,21 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
     floats = (*_HALF, torch.float32, torch.float64)
     if not (query.dtype in floats and key.dtype in floats and value.dtype in floats):
         return False
-    dtype = _sdpa_dtype(query)  # what SDPA computes with (autocast's dtype under autocast)
-    if not (_sdpa_dtype(key) == _sdpa_dtype(value) == dtype):
-        return False  # SDPA raises its own error
+    if torch.is_autocast_enabled("cpu"):  # what SDPA computes with: autocast's dtype
+        dtype = _sdpa_dtype(query)
+        if not (_sdpa_dtype(key) == _sdpa_dtype(value) == dtype):
+            return False  # SDPA raises its own error
+    else:  # _sdpa_dtype(t) is t.dtype without autocast
+        dtype = query.dtype
+        if not (key.dtype == value.dtype == dtype):
+            return False
     if device_rule.check("attention", device_rule.tensor_device(query.device), dtype) is not None:
         return False  # eager's SDPA keeps less there (fused CUDA kernels)
     if scaling is not None and scaling < 0:
         return False
-    for name in _sdpa_unimplemented():
-        if _is_set(kwargs.get(name)):
+    for name in _sdpa_unimplemented() if kwargs else ():
+        v = kwargs.get(name)
+        if v is not None and v is not False:  # _is_set
             return False
     groups = getattr(module, "num_key_value_groups", 1)
     if not isinstance(groups, int) or query.shape[1] != key.shape[1] * max(groups, 1):
@@ -341,9 +347,10 @@ def _attention(
         )
         is_causal = False
     # F.scaled_dot_product_attention: autocast's casts, then the math path with autocast off
-    query, key, value = _sdpa_cast(query), _sdpa_cast(key), _sdpa_cast(value)
-    if attention_mask is not None:
-        attention_mask = _sdpa_cast(attention_mask)
+    if torch.is_autocast_enabled("cpu"):  # _sdpa_cast is the identity without autocast
+        query, key, value = _sdpa_cast(query), _sdpa_cast(key), _sdpa_cast(value)
+        if attention_mask is not None:
+            attention_mask = _sdpa_cast(attention_mask)
     out_dtype = query.dtype
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     root = math.sqrt(scale)  # SDPA's math path scales q and k by sqrt(scale) each

@@ -159,7 +159,8 @@ class _GeluFn(torch.autograd.Function):
         # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
         buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
         a = ctx.approximate
-        bwd = _gelu_bwd.impl if buf is None and straight() else _gelu_bwd  # NOTE [One gate ...]
+        # the op's implementation past the gate: NOTE [One gate per call]
+        bwd = _gelu_bwd.impl if buf is None and straight() else _gelu_bwd
         return smooth_backward(ctx, g, buf, bwd, _bwd_any, _bwd_exact, a), None, None
 
 

@@ -38,8 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import first_order, refuse_jit, transforms_active
-from slimgrad._library import custom_op
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
+from slimgrad._library import custom_op, straight
 from slimgrad.ops.dropout import _check_p
 
 # the module (the package attribute slimgrad.ops.dropout is the function)
@@ -48,6 +54,8 @@ _dropout = importlib.import_module("slimgrad.ops.dropout")
 __all__ = ["eager_attention", "scores_softmax_dropout_matmul", "softmax_dropout_matmul"]
 
 _API = "slimgrad.ops.softmax_dropout_matmul"
+_grad_on = torch._C.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
 _API_QK = "slimgrad.ops.scores_softmax_dropout_matmul"
 
 
@@ -371,9 +379,12 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, q, k_t, v, p, mm_dtype, causal, mask):
+    def forward(ctx, q, k_t, v, p, mm_dtype, causal, mask, direct=False):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
         s = torch.matmul(q, k_t)
-        out, probs, bits = _sdm_fwd(s, v, p, -1, mm_dtype, causal, mask)
+        out, probs, bits = (_sdm_fwd.impl if direct else _sdm_fwd)(
+            s, v, p, -1, mm_dtype, causal, mask
+        )
         del s, probs
         ctx.p, ctx.mm_dtype, ctx.causal, ctx.fused = p, mm_dtype, causal, _dropout._fused(q)
         ctx.v_dtype, ctx.v_shape = v.dtype, v.shape
@@ -385,7 +396,7 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
     @first_order("ops.scores_softmax_dropout_matmul")
     def backward(ctx, d_out):
         if d_out is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         q, k_t, v, bits, mask = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         probs = _softmax_fwd(torch.matmul(q, k_t), -1, ctx.causal, mask)  # the forward's P
@@ -407,7 +418,11 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         dq = torch.matmul(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
         dk = torch.matmul(q.mT, ds) if need_k else None
         dv = dv.to(ctx.v_dtype) if dv is not None else None
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
+
+
+_SSDM_APPLY = direct_apply(_ScoresSoftmaxDropoutMatmulFn)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def scores_softmax_dropout_matmul(
@@ -456,6 +471,33 @@ def scores_softmax_dropout_matmul(
         >>> q, k = torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
         >>> o = scores_softmax_dropout_matmul(q, k.mT, torch.randn(2, 4, 7, 8), p=0.1)
     """
+    if (  # the straight path (no mask): NOTE [One gate per call] in slimgrad/_library.py
+        mask is None
+        and type(p) is float
+        and 0.0 <= p < 1.0
+        and training
+        and type(query) in _PLAIN
+        and type(key_t) in _PLAIN
+        and type(value) in _PLAIN
+        and query.dtype == key_t.dtype
+        and 0 not in query.shape
+        and 0 not in key_t.shape
+        and _grad_on()
+        and not _any_autocast()
+        and straight()
+    ):
+        mm_dtype = value.dtype if matmul_dtype is None else matmul_dtype
+        value = value.contiguous()  # a strided view would keep its whole base alive
+        return _SSDM_APPLY(
+            unwrap_if_dead(query),
+            unwrap_if_dead(key_t),
+            unwrap_if_dead(value),
+            p,
+            mm_dtype,
+            causal,
+            None,
+            True,
+        )
     _dtensor.refuse(_API_QK, query=query, key_t=key_t, value=value, mask=mask)
     _check_p("ops.scores_softmax_dropout_matmul", p)
     if query.dtype != key_t.dtype:
