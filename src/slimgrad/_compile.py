@@ -20,7 +20,8 @@ decoration when Dynamo is already loaded, else at the first call after it is, ou
 one graph break, as a ``torch.compiler.disable`` function does.
 
 # NOTE [slimgrad ops under torch.compile]
-How a converted op looks to the compiler. Dynamo traces a slimgrad autograd Function's forward
+Compiled, a slimgrad op keeps its contract only where every value its backward recomputes is
+made inside a custom op. Dynamo traces a slimgrad autograd Function's forward
 and backward (it inlines ``Function.apply``); AOTAutograd joins both into one graph, runs CSE on
 it and lets the partitioner (inductor's min-cut) choose which forward values backward reads. What
 the Function's ``save_for_backward`` names is no constraint there: the partitioner keeps whatever
