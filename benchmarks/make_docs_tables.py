@@ -54,6 +54,10 @@ def _mib(b: float | None) -> str:
     return "-" if b is None else f"{b / MiB:,.1f}"
 
 
+def _kib(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1024:,.1f}"
+
+
 def _x(r: float | None, digits: int = 3) -> str:
     return "-" if r is None else f"{r:.{digits}f}"
 
@@ -375,6 +379,8 @@ def compile_section() -> list[str]:
                 ", ".join(f"{k} {v}" for k, v in sh.items()),
                 str(rec.get("graph_breaks", "-")),
                 _mib(rec.get("peak_bytes")),
+                _kib(rec.get("kept_bytes")),
+                _kib(rec.get("kept_bytes_uncompiled")),
                 f"{rec['step_ms_median']:.1f}",
                 _x(rec.get("ratio_median"), 2),
                 _machine(rec),
@@ -387,7 +393,9 @@ def compile_section() -> list[str]:
         "### torch.compile (`benchmarks/compile_step.py`)",
         "",
         "Compiled training step (inductor), eager compiled vs converted compiled, float32, dropout "
-        "on; peak from torch's CPU allocator counters; median step time of interleaved pairs.",
+        "on; peak from torch's CPU allocator counters; kept after forward: the storages the "
+        "autograd graph holds (parameters excluded), compiled and the same model uncompiled; "
+        "median step time of interleaved pairs.",
         "",
         *_table(
             [
@@ -396,6 +404,8 @@ def compile_section() -> list[str]:
                 "shapes",
                 "graph breaks",
                 "peak MiB",
+                "kept KiB",
+                "kept uncompiled KiB",
                 "step ms",
                 "ratio",
                 "machine",

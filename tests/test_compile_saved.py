@@ -187,3 +187,34 @@ def test_gated_mlp_keeps_x_g_u_under_compile():
     torch.testing.assert_close(out, ref_out)
     for a, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, r)
+
+
+@pytest.mark.slow  # inductor's C++ build: 1-3 min on two loaded CPU cores
+def test_fused_loss_keeps_no_logits_under_inductor():
+    # inductor (not aot_eager_decomp_partition) merged the backward's recompute of the chunk x V
+    # logits with the forward's and kept them (tiny HF Llama: 262,144 of 962,216 B)
+    from slimgrad.ops import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 61, 16, 97
+    h, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+    target = torch.randint(0, v, (n,), generator=g)
+
+    def fn(h, w):
+        return linear_cross_entropy(h, w, target)
+
+    f = torch.compile(fn, backend="inductor", fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        kept = []
+        for step in (f, fn):
+            leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+            loss = step(*leaves)
+            found = _walk_savers([loss.grad_fn])
+            own = {_storage(t)._cdata for t in leaves}
+            kept.append(sum(_storage(t).nbytes() for k, (t, _) in found.items() if k not in own))
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
+    # compiled: 801 B, uncompiled 732 (lse, the valid mask and scalars); the logits: 23,668
+    assert kept[0] < n * v * 4, kept

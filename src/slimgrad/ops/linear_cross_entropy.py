@@ -55,6 +55,7 @@ from torch._subclasses.fake_tensor import is_fake
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, tie_refusal, transforms_active
 from slimgrad._errors import internal_error
+from slimgrad._library import custom_op
 from slimgrad._math.linear_cross_entropy import (
     _acc_dtype,
     _bwd_rows_torch,
@@ -351,6 +352,13 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         elif triton:
             bwd = _backend.kernels("linear_cross_entropy")._bwd_triton
             dh, dw, db = bwd(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
+        elif torch.compiler.is_compiling():  # NOTE [slimgrad ops under torch.compile]
+            # opaque: the joint graph's CSE would keep forward's chunk x V logits
+            grads = _bwd_compiled(
+                h, w, b, t, lse, scale, ignore_index, float(eps), chunk, list(need), *ctx.tf
+            )
+            dh, dw, db = (g if n else None for g, n in zip(grads, need, strict=True))
+            dh_full = None
         else:
             dh, dw, db = _bwd_torch(
                 h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat, *ctx.tf
@@ -370,6 +378,38 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         if db is not None:
             db = db.to(bias.dtype)
         return dh, dw, db, None, None, None, None, None, None, None, None, None
+
+
+@custom_op("linear_cross_entropy_bwd", mutates_args=())
+def _bwd_compiled(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    t: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    eps: float,
+    chunk: int,
+    need: list[bool],
+    lscale: float,
+    cap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # _bwd_torch under torch.compile (NOTE [slimgrad ops under torch.compile]): its recompute of
+    # the logits stays inside this op
+    grads = _bwd_torch(h, w, b, t, lse, scale, ignore_index, eps, chunk, tuple(need), None,
+                       lscale, cap)  # fmt: skip
+    return tuple(g if g is not None else h.new_empty(0) for g in grads)
+
+
+@_bwd_compiled.register_fake
+def _(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, lscale, cap):
+    acc = _acc_dtype(h.dtype)
+    return (
+        torch.empty_like(h) if need[0] else h.new_empty(0),
+        w.new_empty(w.shape, dtype=acc) if need[1] else h.new_empty(0),
+        w.new_empty((w.shape[0],), dtype=acc) if need[2] else h.new_empty(0),
+    )
 
 
 _LinearCrossEntropyFn._first = staticmethod(_LinearCrossEntropyFn.backward)
