@@ -41,15 +41,13 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
-from slimgrad._library import custom_op, straight
+from slimgrad._library import custom_op
 from slimgrad._math.dropout import noise_scale, noise_scale_value
 from slimgrad.kernels import _backend
 from slimgrad.ops import _bits
 from slimgrad.ops._bits import pack_bits, packed_numel
 
 __all__ = ["dropout", "dropout_", "pack_bits", "unpack_bits"]
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Bit packing: slimgrad.ops._bits (NOTE [Bit packing with one multiply] there); re-exported here.
 C_STEM = "dropout"  # kernels/cpu/dropout.c: pack + apply in one pass on float32 CPU tensors
@@ -234,36 +232,21 @@ def _double(ctx, grad, *_):
     return _apply_mask_torch(grad, bits, ctx.p, ctx.fused), None
 
 
-def _double3(ctx, grad, *_):
-    return _double(ctx, grad)[0], None, None
-
-
-def _dropout_backward(ctx, grad, _grad_bits):
-    owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
-    (bits,) = ctx.saved_tensors
-    if not owned and straight():  # NOTE [One gate per call] in slimgrad/_library.py
-        k = _kernels(grad)
-        dx = (
-            k._bwd_triton(grad.contiguous(), bits, ctx.p, ctx.fused)
-            if k is not None
-            else _apply_mask_torch(grad.contiguous(), bits, ctx.p, ctx.fused)
-        )
-        return dx, None, None
-    return _backward(grad, bits, ctx.p, ctx.fused, owned), None, None
-
-
 class _DropoutFn(torch.autograd.Function):
-    # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py), so
-    # the custom op's Python implementation runs without asking again
     @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float, direct: bool = False):
-        out, bits = _dropout_fwd.impl(x, p) if direct else _dropout_fwd(x, p)
-        ctx.p, ctx.fused = p, x.device.type != "cpu"  # _fused(x)
+    def forward(ctx, x: torch.Tensor, p: float):
+        out, bits = _dropout_fwd(x, p)
+        ctx.p, ctx.fused = p, _fused(x)
         ctx.save_for_backward(bits)
         ctx.mark_non_differentiable(bits)
         return out, bits
 
-    backward = staticmethod(first_order("ops.dropout", double=_double3)(_dropout_backward))
+    @staticmethod
+    @first_order("ops.dropout", double=_double)
+    def backward(ctx, grad, _grad_bits):
+        owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
+        (bits,) = ctx.saved_tensors
+        return _backward(grad, bits, ctx.p, ctx.fused, owned), None
 
 
 _DROPOUT_APPLY = direct_apply(_DropoutFn)
@@ -345,17 +328,6 @@ def dropout(
     Example:
         >>> y = dropout(torch.randn(4, 8, requires_grad=True), p=0.1)
     """
-    if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
-        type(p) is float
-        and 0.0 < p < 1.0
-        and training
-        and not inplace
-        and type(input) in _PLAIN
-        and 0 not in input.shape
-        and not input.is_meta
-        and straight()
-    ):
-        return _DROPOUT_APPLY(unwrap_if_dead(input), p, True)[0]
     _dtensor.refuse("slimgrad.ops.dropout", input=input)
     if type(p) is not float or not 0.0 <= p <= 1.0:  # a float in range passes _check_p
         _check_p("ops.dropout", p)
