@@ -239,7 +239,7 @@ _VIEW_SIG: tuple[int, int] | None = None
 
 # NOTE [Reference counts and the interpreter]
 # Terms 3 and 6 (and the storage-object check of _storage_free) compare Python reference counts
-# with baselines measured on the running interpreter. That is sound only where every holder of an
+# with baselines taken on the running interpreter. That is sound only where every holder of an
 # object adds one to its count. Heap holders (containers, attributes, closure cells, frame locals)
 # always own a reference, but CPython 3.14 lets the evaluation stack borrow a local's reference
 # (LOAD_FAST_BORROW): a second use of a gradient on the backward's own stack
