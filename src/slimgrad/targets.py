@@ -119,7 +119,7 @@ def _hf(name: str, size: str, seq: int, overrides: dict | None) -> Target:
     kw.update(overrides or {})
     cfg = getattr(transformers, cfg_name)(**kw)
     if name != "resnet":
-        cfg._attn_implementation = "sdpa"  # as measured in the research notes
+        cfg._attn_implementation = "sdpa"  # HF's default where torch has SDPA
     return hf_target(f"hf:{name}", cfg, getattr(transformers, model_name), kind, seq)
 
 
