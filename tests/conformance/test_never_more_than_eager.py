@@ -64,31 +64,19 @@ SHAPES = [(1, 1, 1, False), (2, 3, 1, False), (1, 4, 2, True), (4, 16, 7, False)
 
 # Measured above eager (or outside the rule) and not fixed yet (issue 30, class 7): strict xfails,
 # so a fix shows up as an unexpected pass. Bytes are saved / peak, converted (eager).
-_BN_COPIES = (
-    "BatchNorm's O(C) copies (gamma, beta; eval: running stats, invstd) live through its backward, "
-    "where eager holds x: peak +2C*4 B train, +5C*4 B eval, e.g. (4,16,7,7) train 38,024 "
-    "(37,896); with an activation after it +4 KiB at (4,16,7,7): 54,408 (50,312)"
-)
 _FROM_Y = (
     "keeps y + side information where the loss does not keep y (nothing shares it): saved above "
     "eager's x, e.g. ELU (4,16,7,7) 12,552 (12,544); channels_last: peak 62,736 (37,640)"
 )
 KNOWN = {
-    "batch_norm-train": _BN_COPIES,
-    "batch_norm-eval": _BN_COPIES,
     "group_norm": "backward's float32 x-hat and g for the whole (small) batch: (4,16,7,7) peak "
     "77,319 (62,760); a shape rule breaks tests/ops/test_group_norm.py's small lean cases",
     "elu": _FROM_Y,
     "elu_neg": _FROM_Y,
     "hardswish": _FROM_Y,
-    "hardsigmoid": "channels_last: peak above eager's ((4,16,7,7) cl 50,576 (37,640) while the "
-    "tracker still counted meta tensors; it no longer does, the row still fails: not re-measured)",
     "silu": _FROM_Y + " (ops/silu.py, not this suite's owner)",
     "gelu": _FROM_Y + " (ops/gelu.py)",
     "mish": _FROM_Y + " (ops/mish.py; channels_last peak 151,016)",
-    "bn_silu-train": _BN_COPIES + "; and conv bias gradient 6.68e-6 > bound 5.77e-6 at (4,16,7,7)",
-    "bn_hardsigmoid-eval": "channels_last: peak above eager's (50,896 (50,184) with meta tensors "
-    "counted; still fails without them: not re-measured)",
 }
 
 
@@ -121,8 +109,6 @@ def _params():
         for mode in modes:
             base = kind.partition("/")[0]
             why = KNOWN.get(f"{kind}-{mode}") or KNOWN.get(f"{base}-{mode}") or KNOWN.get(base)
-            if base.startswith("bn_") and mode == "train" and why is None:
-                why = _BN_COPIES
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
             yield pytest.param(kind, mode == "train", id=f"{kind}-{mode}", marks=marks)
 

@@ -40,6 +40,23 @@ def _side(x: Tensor) -> Tensor:
     return (x > -3) & (x < 3)
 
 
+def _memory_order(t: Tensor) -> tuple[int, ...] | None:
+    # The permutation that lists a dense tensor's dims from outermost to innermost in memory
+    # (channels_last: (0, 2, 3, 1)), so that t.permute(perm) is contiguous; None for a
+    # contiguous tensor or one whose elements do not fill its memory (then a copy is made, as
+    # before). The side bits are packed, and dx computed, in that order: no full-size copy of a
+    # channels_last x in forward or of its gradient in backward (those copies peaked above
+    # eager's, (4, 16, 7, 7) channels_last: 50,576 B against 50,184 after a BatchNorm).
+    if t.is_contiguous():
+        return None
+    perm = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def _in_order(t: Tensor, perm: tuple[int, ...] | None) -> Tensor:
+    return t if perm is None else t.permute(perm)
+
+
 def _pack_side(x: Tensor) -> Tensor:
     # chunked: the comparison temporaries stay below 4 B per element of a chunk
     flat = x.reshape(-1)
@@ -68,10 +85,12 @@ class _HardsigmoidFn(torch.autograd.Function):
         # bits' packing and unpacking temporaries peak above eager's there (1 element: 34 B
         # against 20 B)
         ctx.dense = x.numel() <= DENSE_MAX
+        ctx.perm = None
         if ctx.dense:
             keep = x.detach().clone() if inplace else x
         else:
-            keep = _pack_side(x)  # packed before x may be overwritten
+            ctx.perm = _memory_order(x)
+            keep = _pack_side(_in_order(x, ctx.perm))  # packed before x may be overwritten
         if inplace:
             y = F.hardsigmoid(x, inplace=True)
             ctx.mark_dirty(y)
@@ -87,10 +106,18 @@ class _HardsigmoidFn(torch.autograd.Function):
         (bits,) = ctx.saved_tensors
         if ctx.dense:  # x itself: eager's own kernel
             return torch.ops.aten.hardsigmoid_backward(g, bits), None
-        if buf is not None and buf.is_contiguous():
-            z = _stand_in(bits, buf.numel(), buf.dtype).view(buf.shape)
+        perm = ctx.perm
+        if perm is None:
+            z = _stand_in(bits, g.numel(), g.dtype).view(g.shape)
+        else:  # in x's memory order, viewed with x's strides (no copy of g whatever its layout)
+            inv = [0] * len(perm)
+            for i, d in enumerate(perm):
+                inv[d] = i
+            z = _stand_in(bits, g.numel(), g.dtype).view([g.shape[d] for d in perm])
+            z = z.permute(inv)
+        if buf is not None:
             return torch.ops.aten.hardsigmoid_backward.grad_input(buf, z, grad_input=buf), None
-        return _bwd_torch(g.contiguous(), bits).view(g.shape), None
+        return torch.ops.aten.hardsigmoid_backward(g, z), None
 
 
 def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:

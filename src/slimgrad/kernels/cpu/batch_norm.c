@@ -8,7 +8,8 @@
  * so mean(b) and dgamma = sum dy (b - mean) / gamma come from exact products (the PyTorch path
  * rounds each dy * (b - mean) to float before its float64 sum) and the mean costs no pass of its
  * own. bn_bwd_from_output_f32 then computes, for the same channel while its data is in cache, the
- * float64 coefficients of NOTE [dx from the output] rounded once to float and
+ * float64 coefficients of NOTE [dx from the output] rounded once to float (C from the rounded S
+ * and K) and
  *   dx = fma(dy, S, fma(b, K, C))    (float, one rounding each: torch.addcmul's bits, twice)
  * plus dgamma and dbeta (sum dy, rounded once): the whole backward in two passes over b and dy,
  * as eager's kernel. dx may be dy's own buffer (a channel's dx is written after its sums are read,
@@ -97,8 +98,10 @@ void bn_bwd_from_output_f32(const float *b, const float *dy, int64_t n, int64_t 
         const double s64 = g * (double)invstd[ch];
         const double k = dot / (g * g) / cnt;
         const float kf = (float)(-k * s64);
-        const float cf = (float)(-(sdy / cnt - mean * k) * s64);
         const float sf = (float)s64;
+        /* C from the rounded S and K and the float64 sums, so that S sum dy + K sum b + n C
+         * cancels exactly but for C's own rounding (NOTE [dx from the output]) */
+        const float cf = (float)(-((double)sf * sdy + (double)kf * t[0]) / cnt);
         for (int64_t i = 0; i < n; i++) {
             const int64_t o = (i * c + ch) * s;
             const float *br = b + o, *dr = dy + o;
