@@ -394,3 +394,46 @@ def test_wgan_gp_gradient_penalty_through_converted_critic_matches_eager():
         res.append([gp.detach()] + [p.grad for p in m.parameters()])
     for o, e in zip(res[1], res[0], strict=True):
         torch.testing.assert_close(o, e)
+
+
+class _ResidualReLU(nn.Module):
+    # torchvision's block shape: one in-place ReLU after a BN and again after ``out += identity``
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+def test_inplace_relu_asks_ownership_only_after_a_norm(monkeypatch):
+    # The ReLU after ``out += x`` takes eager's in-place op whatever ownership answers (its input
+    # is no norm output), so ownership is not asked there (its checks are ~20 host calls): one
+    # question per step, the ReLU after bn1 (was 2), and the same step as eager
+    from slimgrad import ownership
+
+    torch.manual_seed(0)
+    ref = _ResidualReLU()
+    m = convert_cnn_(copy.deepcopy(ref))
+    assert isinstance(m.relu, sbn.ReLUAfterNorm)
+    x0 = torch.randn(2, 4, 9, 8)
+    _assert_same_step(m, ref, x0)
+    asked = []
+    owns_input = ownership.owns_input
+
+    def counting(x, module, writes=True):
+        asked.append(module)
+        return owns_input(x, module, writes)
+
+    monkeypatch.setattr(ownership, "owns_input", counting)
+    ownership.reset_reuse_count()
+    m(x0.clone().requires_grad_())
+    assert asked == [m.relu]
+    assert ownership.reuse_count("forward") == 1  # granted: the derived path after bn1

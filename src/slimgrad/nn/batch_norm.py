@@ -61,28 +61,46 @@ def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
     return new
 
 
+def _owned(x: torch.Tensor, module: nn.Module) -> bool:
+    # ownership.owns_input(x, module, writes=False), asked only where its answer is read: the
+    # derived path needs x to be a pristine slimgrad norm output (_derived.activation; anything
+    # else runs eager's in-place op whatever the answer)
+    return _derived.is_source(x) and ownership.owns_input(x, module, writes=False)
+
+
 class _BatchNormMixin:
     #: Keep how to recompute the input (re-running the slimgrad conv that produced it) instead of
     #: the input itself: "pointwise" (1x1 convs, not a channel-reducing projection of a
     #: squeeze-excite output), "always" or "never"; set per instance.
     recompute_input: str = "pointwise"
 
+    _ndims: tuple = ()  # the input ranks _check_input_dim accepts (it runs for any other)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # torch.nn.modules.batchnorm._BatchNorm.forward, calling slimgrad's batch_norm.
-        self._check_input_dim(input)
+        # torch.nn.modules.batchnorm._BatchNorm.forward, calling slimgrad's batch_norm; parameters
+        # and buffers read from their dicts (Module.__getattr__'s first two places, in its order;
+        # a name in neither, e.g. a parametrization's property, by attribute)
+        if input.ndim not in self._ndims:
+            self._check_input_dim(input)
+        params, bufs = self._parameters, self._buffers
+        mean = bufs["running_mean"] if "running_mean" in bufs else self.running_mean
+        var = bufs["running_var"] if "running_var" in bufs else self.running_var
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if self.training and self.track_running_stats:
+            n = "num_batches_tracked"
+            nbt = bufs[n] if n in bufs else self.num_batches_tracked
+            if nbt is not None:
+                nbt.add_(1)
+                if self.momentum is None:
+                    factor = 1.0 / float(nbt)
+        bn_training = self.training or (mean is None and var is None)
         track = not self.training or self.track_running_stats
         return batch_norm(
             input,
-            self.running_mean if track else None,
-            self.running_var if track else None,
-            self.weight,
-            self.bias,
+            mean if track else None,
+            var if track else None,
+            params["weight"] if "weight" in params else self.weight,
+            params["bias"] if "bias" in params else self.bias,
             bn_training,
             factor,
             self.eps,
@@ -93,6 +111,8 @@ class _BatchNormMixin:
 class BatchNorm1d(NoScript, _BatchNormMixin, nn.BatchNorm1d):
     """``torch.nn.BatchNorm1d``; keeps its output instead of its input when a slimgrad activation
     follows, nothing full-size in eval with frozen affine (``slimgrad.ops.batch_norm``)."""
+
+    _ndims = (2, 3)
 
     @classmethod
     def from_torch(cls, module: nn.BatchNorm1d) -> BatchNorm1d:
@@ -108,6 +128,8 @@ class BatchNorm2d(NoScript, _BatchNormMixin, nn.BatchNorm2d):
         >>> bn = BatchNorm2d.from_torch(model.bn1)   # shares weight, bias, running stats
     """
 
+    _ndims = (4,)
+
     @classmethod
     def from_torch(cls, module: nn.BatchNorm2d) -> BatchNorm2d:
         """A slimgrad BatchNorm2d sharing ``module``'s Parameters, buffers and hooks."""
@@ -116,6 +138,8 @@ class BatchNorm2d(NoScript, _BatchNormMixin, nn.BatchNorm2d):
 
 class BatchNorm3d(NoScript, _BatchNormMixin, nn.BatchNorm3d):
     """``torch.nn.BatchNorm3d``; see :class:`BatchNorm2d`."""
+
+    _ndims = (5,)
 
     @classmethod
     def from_torch(cls, module: nn.BatchNorm3d) -> BatchNorm3d:
@@ -141,7 +165,7 @@ class ReLUAfterNorm(NoScript, nn.ReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self, writes=False)
+        owned = self.inplace and _owned(input, self)
         return _derived.activation(input, "relu", self.inplace, owned=owned)
 
     @classmethod
@@ -169,7 +193,7 @@ class SiLUAfterNorm(NoScript, nn.SiLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self, writes=False)
+        owned = self.inplace and _owned(input, self)
         return _derived.activation(input, "silu", self.inplace, owned=owned)
 
     @classmethod
@@ -186,7 +210,7 @@ class LeakyReLUAfterNorm(NoScript, nn.LeakyReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self, writes=False)
+        owned = self.inplace and _owned(input, self)
         return _derived.activation(
             input, "leaky_relu", self.inplace, owned=owned, param=self.negative_slope
         )
@@ -204,7 +228,7 @@ class ELUAfterNorm(NoScript, nn.ELU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and ownership.owns_input(input, self, writes=False)
+        owned = self.inplace and _owned(input, self)
         return _derived.activation(input, "elu", self.inplace, owned=owned, param=self.alpha)
 
     @classmethod

@@ -37,17 +37,33 @@ def _slot(module: nn.Module) -> list | None:
     # this module's store for its normalised conv arguments (NOTE [Conv arguments, normalised
     # once per module] in slimgrad/ops/conv.py); a plain attribute, not state. None while Dynamo
     # traces (no module state is written there; the arguments are normalised as functionals do).
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return None
-    slot = module.__dict__.get("_slimgrad_conv_args")
-    if slot is None:
-        slot = module.__dict__["_slimgrad_conv_args"] = [None]
+    d = module.__dict__
+    if "_slimgrad_conv_args" in d:
+        return d["_slimgrad_conv_args"]
+    slot = d["_slimgrad_conv_args"] = [None]
     return slot
+
+
+# torch.compiler.is_compiling itself (Dynamo folds it by identity), without a wrapper's frame
+_is_compiling = torch.compiler.is_compiling
 
 
 class _ConvMixin:
     _api = ""  # set per class: the ops.conv functional's name and its spatial dims
     _nd = 0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # torch's ``self._conv_forward(input, self.weight, self.bias)``, the Parameters read from
+        # their dict (Module.__getattr__'s first place; a name not there, e.g. a parametrization's
+        # property, by attribute)
+        p = self._parameters
+        return self._conv_forward(
+            input,
+            p["weight"] if "weight" in p else self.weight,
+            p["bias"] if "bias" in p else self.bias,
+        )
 
     def _conv_forward(self, input, weight, bias):
         # ops.conv{n}d(input, weight, bias, stride, padding, dilation, groups), with this module's

@@ -108,18 +108,17 @@ efficientnet_b0 (2x3x64x64) runs 65 SiLUs per step with sharing, 81 without (eag
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad import ownership
 from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
-    transforms_active,
     unwrap_if_dead,
 )
 
@@ -156,11 +155,66 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "leaky_relu", "elu", "hardsw
 # at every rebuild (backward), so an in-place change of g raises autograd's error instead of
 # giving a wrong gradient. Only ``apply_act`` knows this spec: it is never an activation's own.
 
-_SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_DERIVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_RECIPES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+# NOTE [Registries keyed by identity]
+# A registry maps a tensor (by identity, as long as its Python object lives) to a value, as
+# torch.utils.weak.WeakIdKeyDictionary does: {id(t): (weakref.ref(t, drop), value)}, the entry
+# dropped by the weak reference's callback when t dies (before its id can be reused). One weak
+# reference per key, kept when a key is registered again (ownership.owns_input counts it as the
+# registry's, not a reader: ownership.register_registry). A hit is ``data.get(id(t))`` and
+# ``entry[0]() is t``: two calls where WeakIdKeyDictionary.get made 6 to 12 in Python (the key
+# object, its hash, and on a hit its __eq__ and two derefs); that was ~1,000 of a converted
+# ResNet-50 step's 18,000 Python calls. A weak reference is dereferenced only with the tensor of
+# that id in hand (a lookup, ``in``), so it returns that live tensor or None, never a tensor whose
+# Python object only C++ keeps (what WeakIdRef's ``_fix_weakref`` is for when it iterates).
+class _Registry:
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data: dict[int, tuple] = {}
+
+    def get(self, t, default=None):
+        e = self.data.get(id(t))
+        return e[1] if e is not None and e[0]() is t else default
+
+    def __contains__(self, t) -> bool:
+        e = self.data.get(id(t))
+        return e is not None and e[0]() is t
+
+    def __setitem__(self, t, value) -> None:
+        _put(self.data, t, value)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def _put(data: dict, t, value) -> None:
+    k = id(t)
+    e = data.get(k)
+    if e is not None and e[0]() is t:
+        data[k] = (e[0], value)  # one weak reference per key
+        return
+
+    def drop(ref, k=k, data=data) -> None:  # t died: its entry goes (if still its own)
+        e = data.get(k)
+        if e is not None and e[0] is ref:
+            del data[k]
+
+    data[k] = (weakref.ref(t, drop), value)
+
+
+_SOURCES = _Registry()
+_DERIVED = _Registry()
+_RECIPES = _Registry()
 for _registry in (_SOURCES, _DERIVED, _RECIPES):  # their weak references are not readers
     ownership.register_registry(_registry)
+_SOURCES_D, _DERIVED_D, _RECIPES_D = _SOURCES.data, _DERIVED.data, _RECIPES.data
+# torch.compiler.is_compiling itself (Dynamo folds it by identity), without a wrapper's frame;
+# transforms_active's and refuse_jit's tests themselves (the C functions): one call, not two or
+# three, on the hot path (refuse_jit raises only where the tracing state is set)
+_is_compiling = torch.compiler.is_compiling
+_transforms_active = torch._C._are_functorch_transforms_active
+_jit_tracing = torch._C._is_tracing
 
 
 # Off: every consumer rebuilds its own (NOTE [Held only between neighbours]).
@@ -315,10 +369,12 @@ class Recipe:
 
     def __call__(self) -> torch.Tensor:
         for t, v in zip(self.tensors, self.versions):
-            if t is not None:
+            if t is not None and t._version != v:
                 check_version(t, v, "tensor kept to recompute a normalisation input")
-        with torch.no_grad():
-            return self.fn(*self.tensors)
+        if torch.is_grad_enabled():  # a double backward (create_graph): no graph for the replay
+            with torch.no_grad():
+                return self.fn(*self.tensors)
+        return self.fn(*self.tensors)  # a backward runs without grad mode: as under no_grad
 
 
 def register_recipe(
@@ -326,23 +382,40 @@ def register_recipe(
 ) -> None:
     """Register that ``y == fn(*tensors)`` bit for bit, with ``tensors`` kept by someone else
     (``rebuild``: the handle ``fn`` rebuilds a derived input with, not yet counted as a user)."""
-    if _tracing():
+    if _is_compiling():
         return
-    _tick()
-    tensors = tuple(t.detach() if t is not None else None for t in tensors)
-    versions = tuple(t._version if t is not None else 0 for t in tensors)
-    _RECIPES[y] = Recipe(fn, tensors, versions, y._version, cheap, rebuild)
+    tensors = tuple([t if t is None else t.detach() for t in tensors])
+    versions = tuple([0 if t is None else t._version for t in tensors])
+    put_recipe(y, Recipe(fn, tensors, versions, y._version, cheap, rebuild))
+
+
+def put_recipe(y: torch.Tensor, recipe: Recipe) -> None:
+    """:func:`register_recipe` of a made :class:`Recipe` (its tensors detached aliases, their
+    versions read), for a caller that has checked that Dynamo is not tracing."""
+    _CLOCK[0] += 1  # _tick()
+    _put(_RECIPES_D, y, recipe)
 
 
 def _usable_recipe(y: torch.Tensor, policy: str) -> Recipe | None:
     # the recipe of y if y is pristine, its ingredients unchanged and policy allows it
-    if _tracing() or policy == "never":
+    if _is_compiling():
         return None
-    r = _RECIPES.get(y)
-    if r is None or y._version != r.version or (policy == "pointwise" and not r.cheap):
+    return recipe_of(y, policy)
+
+
+def recipe_of(y: torch.Tensor, policy: str) -> Recipe | None:
+    """:func:`usable_recipe` for a caller that has checked that Dynamo is not tracing."""
+    if policy == "never":
         return None
-    if any(t is not None and t._version != v for t, v in zip(r.tensors, r.versions)):
+    e = _RECIPES_D.get(id(y))
+    if e is None or e[0]() is not y:
         return None
+    r = e[1]
+    if y._version != r.version or (policy == "pointwise" and not r.cheap):
+        return None
+    for t, v in zip(r.tensors, r.versions):
+        if t is not None and t._version != v:
+            return None
     return r
 
 
@@ -358,6 +431,19 @@ def lookup_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
     if r is not None and r.rebuild is not None:  # the caller keeps it: one more user
         r.rebuild.add_user(1)
     return r
+
+
+def adopt_recipe(r: Recipe) -> Recipe:
+    """The caller keeps ``r`` (from :func:`usable_recipe`): what :func:`lookup_recipe` counts."""
+    if r.rebuild is not None:
+        r.rebuild.add_user(1)
+    return r
+
+
+def usable_recipe(y: torch.Tensor, policy: str = "pointwise") -> Recipe | None:
+    """:func:`lookup_recipe` without counting a user (:func:`adopt_recipe` does, for a caller that
+    keeps it): one lookup for a caller that first decides, then keeps."""
+    return _usable_recipe(y, policy)
 
 
 def register_gated(
@@ -376,7 +462,7 @@ def register_gated(
         return
     gd = g.detach()
     spec = ("gate", inner, gd, gd._version, bool(gate_first))
-    _DERIVED[y] = Derived(base.detach(), base._version, spec, y._version, store)
+    _put(_DERIVED_D, y, Derived(base.detach(), base._version, spec, y._version, store))
 
 
 def _tracing() -> bool:
@@ -385,17 +471,29 @@ def _tracing() -> bool:
 
 def register_source(out: torch.Tensor, source) -> None:
     """Register ``out`` as the output of ``source`` (has ``keep_output(out) -> bool``)."""
-    if not _tracing():
-        _tick()
-        _SOURCES[out] = (source, out._version)
+    if not _is_compiling():
+        put_source(out, source)
+
+
+def put_source(out: torch.Tensor, source) -> None:
+    """:func:`register_source` for a caller that has checked that Dynamo is not tracing."""
+    _CLOCK[0] += 1  # _tick()
+    _put(_SOURCES_D, out, (source, out._version))
+
+
+def is_source(b: torch.Tensor) -> bool:
+    """Whether ``b`` is a pristine registered source output (what :func:`claim_source` asks its
+    source about); no side effect."""
+    e = _SOURCES_D.get(id(b))
+    return e is not None and e[0]() is b and b._version == e[1][1]
 
 
 def claim_source(b: torch.Tensor) -> bool:
     """Ask the source of ``b`` (if pristine) to keep ``b`` instead of its input; True if so."""
-    entry = _SOURCES.get(b)
-    if entry is None:
+    e = _SOURCES_D.get(id(b))
+    if e is None or e[0]() is not b:
         return False
-    source, version = entry
+    source, version = e[1]
     if b._version != version:
         return False
     return bool(source.keep_output(b))
@@ -403,10 +501,18 @@ def claim_source(b: torch.Tensor) -> bool:
 
 def lookup(x: torch.Tensor) -> Derived | None:
     """The derivation of ``x`` if ``x`` is a pristine derived tensor whose base is unchanged."""
-    if _tracing():
+    if _is_compiling():
         return None
-    d = _DERIVED.get(x)
-    if d is None or x._version != d.version or d.base._version != d.base_version:
+    return _lookup(x)
+
+
+def _lookup(x: torch.Tensor) -> Derived | None:
+    # lookup() where the caller has checked that Dynamo is not tracing
+    e = _DERIVED_D.get(id(x))
+    if e is None or e[0]() is not x:
+        return None
+    d = e[1]
+    if x._version != d.version or d.base._version != d.base_version:
         return None
     if isinstance(d.act, tuple) and d.act[0] == "gate" and d.act[2]._version != d.act[3]:
         return None
@@ -578,19 +684,20 @@ def activation(
     spec = (act, float(param), bool(inplace)) if act in ("leaky_relu", "elu") else act
     if (
         (owned or not inplace)
-        and not (inplace and isinstance(spec, tuple) and spec[1] < 0)
-        and torch.is_grad_enabled()
+        and not (inplace and type(spec) is tuple and spec[1] < 0)
         and x.requires_grad
-        and not _tracing()
-        and not transforms_active()  # NOTE [torch.func transforms]: eager's op
+        and torch.is_grad_enabled()
+        and not _is_compiling()
+        and not _transforms_active()  # NOTE [torch.func transforms]: eager's op
         and claim_source(x)
     ):
-        refuse_jit("ops.activation")
+        if _jit_tracing():
+            refuse_jit("ops.activation")
         # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py):
-        # not compiling (_tracing) and no transform active, checked above
+        # not compiling and no transform active, checked above
         r = _ACT_APPLY(unwrap_if_dead(x), spec)
-        _tick()
-        _DERIVED[r] = Derived(x.detach(), x._version, spec, r._version)
+        _CLOCK[0] += 1  # _tick()
+        _put(_DERIVED_D, r, Derived(x.detach(), x._version, spec, r._version))
         return r
     if act == "leaky_relu":
         return F.leaky_relu(x, param, inplace)

@@ -69,7 +69,6 @@ from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
-    transforms_active,
     unwrap_if_dead,
 )
 from slimgrad._math.abn import ParamChannels
@@ -243,10 +242,11 @@ def _kept_nothing(ctx) -> bool:
 # activation to claim (its claim would swap the slot after forward). Eval with γ, β frozen saves
 # nothing full-size, as outside hooks. The number of saved tensors depends only on the call's
 # arguments and the model's structure, so a checkpoint's recompute saves as many as its forward.
-def _save_under_hooks(ctx, x: torch.Tensor, policy: str) -> None:
+def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
+    # recipe: x's (batch_norm looked it up), or None
     kept = x
-    recipe = _derived.lookup_recipe(x, policy)
     if recipe is not None:
+        _derived.adopt_recipe(recipe)
         k = recipe.tensors[0]
         if (
             recipe.rebuild is None
@@ -327,7 +327,7 @@ class _BatchNormFn(torch.autograd.Function):
         ctx.weight_ref = weight if need_w else None
         ctx.bias_ref = bias if ctx.needs_input_grad[2] else None
         ctx.running_mean = ctx.running_var = None
-        ref = next((t for t in (weight, bias, running_mean) if t is not None), None)
+        ref = weight if weight is not None else bias if bias is not None else running_mean
         ctx.param_dtype = ref.dtype if ref is not None else x.dtype
         if training:
             ctx.save_mean, ctx.save_invstd = save_mean, save_invstd
@@ -341,11 +341,12 @@ class _BatchNormFn(torch.autograd.Function):
             ctx.stat_dtype = save_mean.dtype
             keep_x = need_w
         ctx.recipe = None
+        recipe = holder.pop()  # x's recipe, looked up by batch_norm (not yet adopted)
         if keep_x and hooked:
-            _save_under_hooks(ctx, x, recompute)
+            _save_under_hooks(ctx, x, recipe)
         elif keep_x:
-            recipe = _derived.lookup_recipe(x, recompute)
             if recipe is not None:
+                _derived.adopt_recipe(recipe)
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
                 ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
             else:
@@ -388,13 +389,14 @@ class _BatchNormFn(torch.autograd.Function):
     def backward(ctx, grad):
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
         # may write dx over it
-        buf = ownership.take(grad) if _c_may_write_dx(ctx) else None
-        _check_not_released(ctx)
+        buf = ownership.take(grad) if ctx.b is not None and _c_may_write_dx(ctx) else None
+        if ctx.released:
+            _check_not_released(ctx)
         _check_params(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if _kept_nothing(ctx):
-            # Nothing full-size kept: eval with a frozen affine, or training where only the bias
-            # needs a gradient (dx and dγ would have kept x).
+        if ctx.x is None and ctx.recipe is None and ctx.b is None and not ctx.saved_x:
+            # _kept_nothing: nothing full-size kept: eval with a frozen affine, or training where
+            # only the bias needs a gradient (dx and dγ would have kept x).
             out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
         elif ctx.b is None:
             out = torch.ops.aten.native_batch_norm_backward(
@@ -424,10 +426,6 @@ _BatchNormFn.backward = staticmethod(
 
 
 _BN_APPLY = direct_apply(_BatchNormFn)
-
-
-def _unwrap(t):
-    return None if t is None else unwrap_if_dead(t)
 
 
 # NOTE [Eval calls that cannot win]
@@ -850,7 +848,9 @@ def batch_norm(
             f"{_POLICIES}; expected one of them, got {recompute_input!r}. Use 'pointwise' "
             "(default), 'always' or 'never'."
         )
-    if training:
+    shape = input.shape
+    ndim = input.ndim
+    if training and (ndim < 2 or shape[0] < 2):  # else more than one value per channel
         torch.nn.functional._verify_batch_size(input.size())  # eager's check and message
     if eps <= 0.0 if training else eps < 0.0:  # eager's checks (F.batch_norm), before any path
         what = "positive during training" if training else "non-negative"
@@ -863,22 +863,27 @@ def batch_norm(
             "slimgrad.ops.batch_norm: eval mode needs running statistics; expected tensors, got "
             "None. Pass running_mean and running_var, or training=True."
         )
-    needs_graph = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (input, weight, bias)
-    )
+    needs_graph = (
+        input.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    ) and torch.is_grad_enabled()
+    numel = input.numel() if needs_graph else 0
+    plain = numel == 0 or _is_compiling() or _transforms_active()  # NOTE [torch.func transforms]
+    # x's recipe (NOTE [Recomputable inputs]), looked up once: the forward keeps it if it keeps x
+    recipe = None
+    if not plain and (training or (weight is not None and weight.requires_grad)):
+        recipe = _derived.recipe_of(input, recompute_input)  # not compiling (plain)
     if (
-        not needs_graph
-        or input.numel() == 0
-        or torch.compiler.is_compiling()
-        or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+        plain
         # NOTE [Few values per channel]: such a training call keeps x (or its recipe) and runs
         # aten's backward whatever follows; where x has no recipe and x or γ needs a gradient
         # (so x is kept) that is eager's own node, decided from the shape before any Function
         or (
             training
-            and _few_per_channel(input)
+            and numel <= _MAX_FEW * (shape[1] if ndim > 1 else 1)  # _few_per_channel
             and (input.requires_grad or (weight is not None and weight.requires_grad))
-            and not _derived.has_recipe(input, recompute_input)
+            and recipe is None
         )
         # NOTE [Eval calls that cannot win]
         or (not training and _eval_cannot_win(input, weight, bias, running_mean, recompute_input))
@@ -886,30 +891,35 @@ def batch_norm(
         # eager's op keeps exactly that
         or (
             training
-            and input.is_floating_point()
-            and input.element_size() < 4
-            and not _derived.has_recipe(input, recompute_input)
+            and input.dtype.is_floating_point
+            and input.dtype.itemsize < 4
+            and recipe is None
         )
     ):
         # Plain path: nothing is kept beyond what eager keeps (empty inputs: aten's own rules).
         return torch.nn.functional.batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
-    _check_channels(input, running_mean, running_var, weight, bias)  # eager's checks F does
-    refuse_jit("ops.batch_norm")
+    c = shape[1] if ndim > 1 else 1
+    for t in (running_mean, running_var, weight, bias):  # eager's checks F does
+        if t is not None and t.shape != (c,):  # (C,): no call; anything else is checked
+            _check_channels(input, running_mean, running_var, weight, bias)
+            break
+    if _jit_tracing():
+        refuse_jit("ops.batch_norm")
     # NOTE [Under saved-tensor hooks]: inside a hooks region, decided at forward and saved through
     # save_for_backward
-    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    holder: list = []
+    hooked = _top_hooks(False) is not None
+    holder: list = [recipe]  # the forward takes x's recipe and appends its _Source
     anchor = make_anchor(input)
     # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
     # compiling and no transform is active here (the plain path above took those)
     out = _BN_APPLY(
         unwrap_if_dead(input),
-        _unwrap(weight),
-        _unwrap(bias),
-        _unwrap(running_mean),
-        _unwrap(running_var),
+        None if weight is None else unwrap_if_dead(weight),
+        None if bias is None else unwrap_if_dead(bias),
+        None if running_mean is None else unwrap_if_dead(running_mean),
+        None if running_var is None else unwrap_if_dead(running_var),
         training,
         momentum,
         eps,
@@ -919,5 +929,13 @@ def batch_norm(
     )
     attach_anchor(out, anchor)
     if training and holder:
-        _derived.register_source(out, holder[0])
+        _derived.put_source(out, holder[0])  # not compiling (plain path above)
     return out
+
+
+# The C tests of transforms_active and refuse_jit, and torch.compiler.is_compiling itself (Dynamo
+# folds it by identity): one call each on the hot path, not two or three
+_is_compiling = torch.compiler.is_compiling
+_transforms_active = torch._C._are_functorch_transforms_active
+_jit_tracing = torch._C._is_tracing
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks

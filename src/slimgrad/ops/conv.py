@@ -13,8 +13,6 @@ extra bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from slimgrad import _dtensor
@@ -22,7 +20,6 @@ from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
-    transforms_active,
     unwrap_if_dead,
 )
 from slimgrad.ops import _derived
@@ -287,6 +284,28 @@ _NAMES = {
 }
 # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
 _CONV_APPLY = direct_apply(_ConvFn)
+# Types whose instances are plain tensors (no DTensor, no subclass): checked without a call
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# The C tests of transforms_active, refuse_jit and torch.compiler.is_compiling (the latter itself:
+# Dynamo folds it by identity): one call each on the hot path, not two or three
+_transforms_active = torch._C._are_functorch_transforms_active
+_jit_tracing = torch._C._is_tracing
+_is_compiling = torch.compiler.is_compiling
+
+
+def _apply_fn(compiling: bool, args: tuple, holder: list) -> torch.Tensor:
+    if compiling:  # Dynamo traces Function.apply
+        return _ConvFn.apply(*args, holder)
+    x, weight, bias = args[:3]
+    # the C apply (NOTE [Applying a Function without its Python wrapper]): not compiling, and no
+    # transform is active (the caller took eager's op then)
+    return _CONV_APPLY(
+        unwrap_if_dead(x),
+        unwrap_if_dead(weight),
+        None if bias is None else unwrap_if_dead(bias),
+        *args[3:],
+        holder,
+    )
 
 
 def _conv(
@@ -304,13 +323,18 @@ def _conv(
     slot=None,
 ):
     public, jit_name = _NAMES[api]
-    _dtensor.refuse(public, input=x, weight=weight, bias=bias)
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError(
-            f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, got "
-            f"{type(x).__name__} and {type(weight).__name__}. Pass tensors."
-        )
-    if weight.dim() != n + 2:  # eager's check (the 'same' padding below reads weight's dims)
+    # plain tensors (the common case, read by type alone: no call) are neither DTensors nor
+    # anything but tensors; anything else takes the full checks
+    if not (
+        type(x) in _PLAIN and type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN)
+    ):
+        _dtensor.refuse(public, input=x, weight=weight, bias=bias)
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise TypeError(
+                f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, "
+                f"got {type(x).__name__} and {type(weight).__name__}. Pass tensors."
+            )
+    if weight.ndim != n + 2:  # eager's check (the 'same' padding below reads weight's dims)
         raise RuntimeError(
             f"slimgrad.ops.{api}: Expected {n + 2}-dimensional weight for {api}; expected "
             f"(C_out, C_in / groups, {n} kernel dims), got weight of size {list(weight.shape)}. "
@@ -319,7 +343,7 @@ def _conv(
     x, stride, padding, dilation, output_padding = _args(
         api, n, x, weight, stride, padding, dilation, transposed, output_padding, slot
     )
-    xdim = x.dim()
+    xdim = x.ndim
     if xdim == n + 1:
         # Unbatched input, as torch: add and remove a batch dim.
         return _conv(
@@ -365,55 +389,40 @@ def _conv(
         # path alike.
         dt = torch.get_autocast_dtype(dev)
         x, weight, bias = (_autocast_cast(t, dt) for t in (x, weight, bias))
-    if not needs_graph or transforms_active():  # NOTE [torch.func transforms] in _autograd.py
-        with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+    if not needs_graph or _transforms_active():  # NOTE [torch.func transforms] in _autograd.py
+        if not autocast:
             return _fwd_torch(
                 x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
             )
-    refuse_jit(jit_name)
+        with torch.autocast(dev, enabled=False):
+            return _fwd_torch(
+                x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+            )
+    # a module's argument slot is None while Dynamo traces (nn/conv.py's _slot): no second test
+    compiling = False if slot is not None else _is_compiling()
+    if not compiling and _jit_tracing():
+        refuse_jit(jit_name)
     # a derived input is kept as its norm's output: anchor x for a second derivative
-    d = _derived.lookup(x) if weight.requires_grad else None
-    compiling = torch.compiler.is_compiling()
+    d = _derived._lookup(x) if weight.requires_grad and not compiling else None
     anchor = None
     if d is None and x.requires_grad and weight.requires_grad and not autocast and not compiling:
-        # NOTE [A conv that keeps what eager keeps]
-        y = _fwd_torch(
+        # NOTE [A conv that keeps what eager keeps] (_fwd_torch, without its frame)
+        y = torch.convolution(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
         holder: list = [(x, None, None)]
     else:
         anchor = make_anchor(x) if d is not None else None
         holder = [d]  # forward takes d (when W needs grad) and appends what it keeps
-        with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
-            if compiling:  # Dynamo traces Function.apply
-                y = _ConvFn.apply(
-                    x,
-                    weight,
-                    bias,
-                    stride,
-                    padding,
-                    dilation,
-                    transposed,
-                    output_padding,
-                    groups,
-                    holder,
-                )
-            else:
-                y = _CONV_APPLY(
-                    unwrap_if_dead(x),
-                    unwrap_if_dead(weight),
-                    None if bias is None else unwrap_if_dead(bias),
-                    stride,
-                    padding,
-                    dilation,
-                    transposed,
-                    output_padding,
-                    groups,
-                    holder,
-                )
+        args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        if autocast:
+            with torch.autocast(dev, enabled=False):
+                y = _apply_fn(compiling, args, holder)
+        else:
+            y = _apply_fn(compiling, args, holder)
     if anchor is not None:
         attach_anchor(y, anchor)
-    if holder and holder[-1] is not None:
+    if holder and holder[-1] is not None and not compiling:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
         kept, act, handle = holder[0]
         conf = (stride, padding, dilation, transposed, output_padding, groups)
@@ -431,15 +440,15 @@ def _conv(
         # "cheap" (the norm's default policy replays it): a 1x1 conv, except one whose input is a
         # squeeze-excite output (EfficientNet-B0's and MobileNetV3's projections, RegNetY's
         # width-keeping conv3): those norms keep their input (NOTE [Recomputable inputs]).
-        pointwise = w0.shape[2:].numel() == 1  # every kernel dim 1 (sizes are >= 0)
-        gated = isinstance(act, tuple) and act[0] == "gate"
-        _derived.register_recipe(
-            y,
-            recompute,
-            (kept, w0, b0),
-            cheap=pointwise and not gated,
-            rebuild=rebuild,
+        pointwise = w0.shape[2:] == (1,) * n  # every kernel dim 1
+        gated = type(act) is tuple and act[0] == "gate"
+        # register_recipe(y, recompute, (kept, w0, b0), ...), its aliases made here
+        kept, wd, bd = kept.detach(), w0.detach(), None if b0 is None else b0.detach()
+        versions = (kept._version, wd._version, 0 if bd is None else bd._version)
+        recipe = _derived.Recipe(
+            recompute, (kept, wd, bd), versions, y._version, pointwise and not gated, rebuild
         )
+        _derived.put_recipe(y, recipe)
     return y
 
 
