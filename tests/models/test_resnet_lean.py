@@ -4,14 +4,15 @@ The ResNet-50 targets (8x224²) are measured by the bench case ``slimgrad.bench.
 here a small ResNet checks the byte formula exactly:
 
     saved(slimgrad) = saved(eager) - Σ_{BN except the stem and few-valued bn2} |BN input|
-                      + Σ_BN 2·C·4
 
 (each BN input is dropped: bn1/bn2 keep their output in place of the ReLU output the next conv kept,
 bn3/downsample keep a recipe; the stem BN keeps its output in place of its input because its ReLU
-feeds a max-pool; each BN keeps γ and β as used, C floats each. A training BN with at most
-``_MAX_FEW`` values per channel keeps x, as eager (NOTE [Few values per channel] in
-``ops/batch_norm.py``): its ReLU and the next conv then keep the ReLU output, as eager, so nothing
-is dropped, unless x is the output of a 1x1 conv (bn1, bn3, downsample), which a recipe recomputes.)
+feeds a max-pool; per channel each BN keeps save_mean and save_invstd, as eager, and γ and β as
+themselves, not copies, per NOTE [BatchNorm keeps its parameters, not copies] in
+``ops/batch_norm.py``. A training BN with at most ``_MAX_FEW`` values per channel keeps x, as
+eager (NOTE [Few values per channel] in ``ops/batch_norm.py``): its ReLU and the next conv then
+keep the ReLU output, as eager, so nothing is dropped, unless x is the output of a 1x1 conv (bn1,
+bn3, downsample), which a recipe recomputes.)
 """
 
 import copy
@@ -83,7 +84,6 @@ def test_saved_bytes_formula_and_peak():
     for h in hooks:
         h.remove()
     ms = measure(lambda: ours(x0 * 1).square().sum())
-    n_ch = sum(m.num_features for m in eager.modules() if isinstance(m, nn.BatchNorm2d))
     convs = dict(eager.named_modules())
 
     def conv_of(bn: str) -> nn.Conv2d:  # the conv whose output the BN normalizes
@@ -94,10 +94,10 @@ def test_saved_bytes_formula_and_peak():
     keeps_x = [k for k in bn_in if k != "bn1" and few[k] and conv_of(k).kernel_size != (1, 1)]
     assert keeps_x, "the shape must reach NOTE [Few values per channel]"
     dropped = sum(v for k, v in bn_in.items() if k != "bn1" and k not in keeps_x)
-    # every BN keeps 2 per-channel copies (gamma, beta) beyond eager, except the few-valued ones
-    # that keep x: they run eager's own node (ops/batch_norm.py), which keeps exactly eager's bytes
-    eager_node_ch = sum(convs[k].num_features for k in keeps_x)
-    assert ms.saved_bytes == me.saved_bytes - dropped + 2 * (n_ch - eager_node_ch) * 4
+    # nothing per channel beyond eager: every BN keeps eager's save_mean and save_invstd and γ, β
+    # as themselves (NOTE [BatchNorm keeps its parameters, not copies] in ops/batch_norm.py); the
+    # few-valued ones that keep x run eager's own node, which keeps exactly eager's bytes
+    assert ms.saved_bytes == me.saved_bytes - dropped
     assert ms.peak_bytes < me.peak_bytes
     assert ms.saved_bytes < 0.75 * me.saved_bytes
 
@@ -121,13 +121,15 @@ def test_frozen_backbone_eval_keeps_no_conv_or_bn_input():
         h.remove()
     ms = measure(lambda: ours((x0 * 1).requires_grad_()).square().sum())
     # dropped: every BN input, and the conv inputs that no ReLU keeps (the leaf input, the max-pool
-    # output); added: 5 floats per channel (running stats as used, 1/sqrt(var+eps), γ, β), except
-    # at BNs whose channels hold no more bytes than those 5 floats: they run eager's own node and
-    # keep what eager keeps (NOTE [Eval calls that cannot win] in ops/batch_norm.py)
+    # output); nothing added: a BN keeps the running statistics, γ and β as themselves and computes
+    # invstd in backward (NOTE [BatchNorm keeps its parameters, not copies] in ops/batch_norm.py).
+    # Except at BNs whose channels hold no more bytes than 5 floats (running mean, var, invstd, γ,
+    # β: the bound _eval_cannot_win still applies): they run eager's own node and keep what eager
+    # keeps, their input (NOTE [Eval calls that cannot win] in ops/batch_norm.py)
     lean = [sh for sh in bn_in if sh.numel() // sh[1] * 4 > 5 * 4]
     assert len(lean) < len(bn_in), "the shape must reach a BN that cannot win"
     dropped = sum(sh.numel() * 4 for sh in lean) + x0.numel() * 4 + pooled[0]
-    assert ms.saved_bytes == me.saved_bytes - dropped + sum(5 * sh[1] * 4 for sh in lean)
+    assert ms.saved_bytes == me.saved_bytes - dropped
 
 
 def test_graph_and_registries_freed_by_refcount():
