@@ -444,3 +444,59 @@ def test_inplace_relu_asks_ownership_only_after_a_norm(monkeypatch):
     m(x0.clone().requires_grad_())
     assert asked == [m.relu]
     assert ownership.reuse_count("forward") == 1  # granted: the derived path after bn1
+
+
+class _TwoReLUBlock(nn.Module):
+    # torchvision's BasicBlock with its two activations as two modules (each can be stated)
+    def __init__(self, c=4):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu2 = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu2(out)
+
+
+def test_residual_relu_grant_is_never_read(monkeypatch):
+    # The pre-check's premise: ownership's answer for the ReLU after ``out += x`` changes nothing
+    # (_derived.activation reads ``owned`` only for a pristine norm output), so asking there, as
+    # before the pre-check, grants one more forward write per block (reuse_count("forward")) and
+    # gives the same bits and the same saved and peak bytes. If the answer ever mattered there, the
+    # pre-check would lose a saving and this test fails.
+    from slimgrad import ownership
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 1), _TwoReLUBlock(), _TwoReLUBlock())
+    x0 = torch.randn(2, 3, 7, 5)
+    runs = []
+    for always_ask in (False, True):
+        m = convert_cnn_(copy.deepcopy(ref))
+        assert isinstance(m[1].relu2, sbn.ReLUAfterNorm)
+        if always_ask:  # the activation modules' question before the pre-check
+            monkeypatch.setattr(sbn, "_owned", lambda x, mod: ownership.owns_input(x, mod, False))
+        ownership.reset_reuse_count()
+        y = m(x0)
+        y.square().sum().backward()
+        grants = ownership.reuse_count("forward")
+        mem = measure(lambda m=m: m(x0).square().sum())
+        runs.append((grants, [y.detach()] + [p.grad for p in m.parameters()], mem))
+    (g0, t0, m0), (g1, t1, m1) = runs
+    assert (g0, g1) == (2, 4)  # the ReLU after bn1 of each block; asked: also each residual ReLU
+    for a, b in zip(t0, t1, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (m0.saved_bytes, m0.peak_bytes) == (m1.saved_bytes, m1.peak_bytes)
+    # the premise itself: an input that is no pristine norm output takes eager's in-place op
+    # whatever ``owned`` says
+    from slimgrad.ops import _derived
+
+    for act, param in (("relu", 0.0), ("silu", 0.0), ("leaky_relu", 0.1), ("elu", 1.0)):
+        for owned in (False, True):
+            h = torch.randn(2, 4, 3, 3, requires_grad=True) * 1
+            before = h._version
+            assert _derived.activation(h, act, True, owned=owned, param=param) is h
+            assert h._version == before + 1

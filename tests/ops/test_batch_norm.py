@@ -204,6 +204,36 @@ def test_conv_bn_keeps_recipe_not_input():
     assert ms.saved_bytes == full_in + full + 2 * C * 4  # xin (conv), relu output; no BN input
 
 
+def test_function_applied_with_an_empty_holder_keeps_the_recipe_as_batch_norm():
+    # batch_norm hands its Function x's recipe (holder == [recipe]); applied directly with an empty
+    # holder (the older way to call it) the Function looks the recipe up itself: no IndexError,
+    # and the same kept bytes and gradients as through batch_norm
+    sbn = importlib.import_module("slimgrad.ops.batch_norm")
+    N, C, H, W = 3, 4, 7, 6
+    x0 = torch.randn(N, 3, H, W)
+    wc = torch.randn(C, 3, 3, 3, requires_grad=True)
+    w, b = (t.requires_grad_() for t in _params(C))
+
+    def step(direct):
+        def f():
+            h = conv2d(x0 * 1, wc, padding=1)
+            if direct:
+                args = (None, None, True, 0.1, EPS, [], "always", False)
+                y = sbn._BatchNormFn.apply(h, w, b, *args)
+                assert y.grad_fn.recipe is not None  # kept how to rebuild h, not h
+            else:
+                y = batch_norm(h, None, None, w, b, True, 0.1, EPS, recompute_input="always")
+            return (y + 1).relu_().sum()
+
+        return f
+
+    ms, md = measure(step(False)), measure(step(True))
+    assert md.saved_bytes == ms.saved_bytes
+    grads = [grads_of(step(d)(), (wc, w, b)) for d in (False, True)]
+    for a, c in zip(*grads, strict=True):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
 def test_retain_graph_two_passes_and_second_pass_without_retain_raises():
     x = torch.randn(4, 3, 5, 5, requires_grad=True)
     w, b = (t.requires_grad_() for t in _params(3))

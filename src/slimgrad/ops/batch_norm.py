@@ -341,7 +341,12 @@ class _BatchNormFn(torch.autograd.Function):
             ctx.stat_dtype = save_mean.dtype
             keep_x = need_w
         ctx.recipe = None
-        recipe = holder.pop()  # x's recipe, looked up by batch_norm (not yet adopted)
+        # x's recipe (not yet adopted): batch_norm looks it up once and hands it over as
+        # holder == [recipe]; an empty holder (the Function applied directly) looks it up here
+        if holder:
+            recipe = holder.pop()
+        else:
+            recipe = _derived.usable_recipe(x, recompute) if keep_x else None
         if keep_x and hooked:
             _save_under_hooks(ctx, x, recipe)
         elif keep_x:
