@@ -151,7 +151,10 @@ MODELS = {
 EXPECTED_MODELS = {
     "chain_default": (3, 6, 0),
     "chain_inplace_abn": (3, 3, 0),
-    "basic_blocks_default": (4, 4, 0),
+    # 2 forward grants: the ReLU after bn1 of each block; the residual ReLU (after ``out += x``)
+    # is not asked, its answer would never be read (tests/nn/test_batch_norm.py,
+    # test_residual_relu_grant_is_never_read)
+    "basic_blocks_default": (2, 4, 0),
 }
 
 
