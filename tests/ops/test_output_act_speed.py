@@ -51,12 +51,12 @@ def ref_df(self, y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def ref_smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
     """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
 
-    Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
-    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
-    dtype): the hard elements. Dense fallback (more than n / FALLBACK_DIV hard, unless
-    ``fallback=False``; float64 always): (y, empty uint8, empty idx, x flattened). Under fake
-    tensors (``slimgrad.memory.estimate``) the side table, being data-dependent, is taken as empty:
-    the estimate is y + 1 bit/elt, the measured figure is that + the few hard elements.
+    Returns (y, bits, idx, xs): y = fwd(x) (eager's output); bits: [x >= x*] packed, ceil(n / 8)
+    bytes; idx (int32, int64 above 2^31 elements) and xs (x's dtype): the hard elements. Dense
+    fallback (more than n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always): (y,
+    empty uint8, empty idx, x flattened). Under fake tensors (``slimgrad.memory.estimate``) the
+    side table, being data-dependent, is taken as empty: the estimate is y + 1 bit/elt, the
+    measured figure is that + the few hard elements.
     """
     inv = inverse(spec)
     w, tail = _window(spec, x.dtype)
@@ -70,11 +70,8 @@ def ref_smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: b
     if is_fake(x):  # slimgrad.memory.estimate: the side table is data-dependent; count none
         bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
         return fwd(flat).view(x.shape), bits, empty_idx, flat[:0].clone()
-    zone = spec.zone if x.dtype == torch.float32 else 0.0
     flat = flat.contiguous()
-    y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
-    yf = y.view(-1)
-    near = max(zone, w)
+    y = fwd(flat).view(x.shape)  # one vectorized pass
     bits, idx = [], []
     for a in range(0, n, CHUNK):
         c = flat[a : a + CHUNK]
@@ -82,11 +79,7 @@ def ref_smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: b
         bits.append(pack_bits(d >= 0))
         t = d.abs_()
         # candidates near x*, then work on that few percent only (full-chunk passes dominate)
-        zi = (t < near).nonzero().view(-1)
-        parts = [zi[t.index_select(0, zi) < w]]
-        if zone and zi.numel():  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
-            vals = spec.f(c.index_select(0, zi).double()).to(x.dtype)
-            yf.index_put_((zi + a,), vals)
+        parts = [(t < w).nonzero().view(-1)]
         if tail is not None:
             parts.append((c < tail).nonzero().view(-1))
         if not bool(torch.isfinite(t.sum())):  # NaN/inf in the chunk (or a sum overflow): rare
@@ -279,10 +272,10 @@ def test_pack_matches_pack_bits():
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_every_float32_at_the_thresholds(case):
-    """Every float32 within 2^-14 of x* +- zone, x* +- window and the tail threshold."""
+    """Every float32 within 2^-14 of x*, x* +- window and the tail threshold."""
     spec = case[1]
     xs, eps = inverse(spec).x_star, 2.0**-14
-    edges = [xs + s * r for s in (-1, 1) for r in (spec.zone, spec.window[torch.float32])]
+    edges = [xs] + [xs + s * spec.window[torch.float32] for s in (-1, 1)]
     edges += [spec.tail[torch.float32]] if torch.float32 in spec.tail else []
     x = torch.cat([_every_f32(e - eps, e + eps, 1) for e in edges])
     _check(case, x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(6))])

@@ -31,7 +31,6 @@ CHUNK = 1 << 16
 # that stay in cache matter more (1M-element float32, 1 thread: backward 1.7x slower with BIG)
 BIG = 1 << 22
 CPU_SPAN = CHUNK
-_HUGE = 1e30  # not used here any more; slimgrad.ops._output_act re-exports the name
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 # tensors of at most DENSE_MAX elements keep x densely (NOTE [Few elements] in ops._output_act)
 DENSE_MAX = 512
@@ -57,8 +56,6 @@ class SmoothSpec:
     window: dict
     tail: dict = field(default_factory=dict)
     x_right: float = 20.0
-    zone: float = 0.0  # float32: y is computed in float64 and rounded for |x - x*| < zone
-    c_act: int = -1  # the activation's number in kernels/cpu/output_act.c (-1: none)
     # (g, x, out) -> out: the op's backward from x (its bwd_exact) written into out, an aten
     # ``.grad_input`` out variant (out may be g itself); None where aten has none (Mish)
     grad_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -199,28 +196,27 @@ def _window(spec: SmoothSpec, dtype: torch.dtype) -> tuple[float, float | None]:
 def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
     """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
 
-    Returns (y, bits, idx, xs): y = fwd(x) (float32: correctly rounded inside the zone around x*);
-    bits: [x >= x*] packed, ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's
-    dtype): the hard elements, CHUNK by CHUNK (NOTE [The PyTorch path on a GPU]). Dense fallback
-    (more than n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always): (y, empty uint8,
-    empty idx, x flattened). Under fake tensors (``slimgrad.memory.estimate``) the side table,
+    Returns (y, bits, idx, xs): y = fwd(x) (eager's output, bit for bit); bits: [x >= x*] packed,
+    ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's dtype): the hard
+    elements, CHUNK by CHUNK (NOTE [The PyTorch path on a GPU]). Dense fallback (more than
+    n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always): (y, empty uint8, empty idx,
+    x flattened). Under fake tensors (``slimgrad.memory.estimate``) the side table,
     being data-dependent, is taken as empty: the estimate is y + 1 bit/elt, the measured figure is
     that + the few hard elements.
 
     # NOTE [The PyTorch path on a GPU]
     Every pass is a whole-tensor aten op (over spans of BIG elements on a GPU, CPU_SPAN on CPU, so
     that the temporaries stay bounded: about 10 B/elt of a span here, 16 B/elt in
-    :func:`smooth_grad`; plus the 1-byte codes of the whole tensor here), never a Python loop over
-    2^16-element chunks, and the only value the host reads is one small count tensor (hard, zone,
-    either; ``tolist``: one device-to-host copy) after the last pass; the backward reads none. A
-    call dispatches O(1 + n / BIG) ops (tests/ops/test_smooth_path_cost.py pins them): a Python
+    :func:`smooth_grad`; plus the 1-byte hard flags of the whole tensor here), never a Python loop
+    over 2^16-element chunks, and the only value the host reads is the hard count (one element,
+    ``tolist``: one device-to-host copy) after the last pass; the backward reads none. A call
+    dispatches O(1 + n / BIG) ops (tests/ops/test_smooth_path_cost.py pins them): a Python
     loop over chunks dispatches ops and host syncs per chunk, which on a GPU costs many times
     eager's whole forward and backward (``docs/measurements.md``).
 
-    Per span: t = |x - x*| in float32, the packed bits, a one-byte code per element
-    (bit 0: hard = window, tail or non-finite; bit 1: zone) and, with a tail, the float32 sum of t
-    per CHUNK. After the count: one ``nonzero_static`` over the codes; the zone and hard lists
-    are taken from that short list (``nonzero_static`` again, sized by the counts).
+    Per span: t = |x - x*| in float32, the packed bits, a one-byte hard flag per element (window,
+    tail or non-finite) and, with a tail, the float32 sum of t per CHUNK. After the count: one
+    ``nonzero_static`` over the flags, sized by the count.
 
     The side table's order is the one this function always had: CHUNK by CHUNK (2^16 elements,
     as the C kernels' blocks), its window and non-finite hits in increasing order, then
@@ -242,37 +238,24 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     if is_fake(x):  # slimgrad.memory.estimate: the side table is data-dependent; count none
         bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
         return fwd(flat).view(x.shape), bits, empty_idx, flat[:0].clone()
-    zone = spec.zone if x.dtype == torch.float32 else 0.0
     flat = flat.contiguous()
-    y = fwd(flat).view(x.shape)  # one vectorized pass; zone elements are then corrected in place
+    y = fwd(flat).view(x.shape)  # eager's own kernel, one vectorized pass
     if n == 0:
         return y, empty_bits, empty_idx, flat.clone()
-    near = max(zone, w)
-    if tail is not None and tail > inv.x_star - near:  # no spec has it: window and tail disjoint
+    if tail is not None and tail > inv.x_star - w:  # no spec has it: window and tail disjoint
         raise internal_error(f"{spec.name}: the tail {tail} reaches the window around x*")
     bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
-    code = torch.empty(n, dtype=torch.uint8, device=x.device)  # bit 0: hard, bit 1: zone
+    flags = torch.empty(n, dtype=torch.bool, device=x.device)  # hard or not
     nc = (n + CHUNK - 1) // CHUNK
     sums = torch.empty(nc, dtype=torch.float32, device=x.device) if tail is not None else None
     counts = None
     span = _span(x)
     for a in range(0, n, span):  # on a GPU: one span for n <= BIG
-        k = _span_codes(flat[a : a + span], a, bits, code, sums, inv.x_star, w, zone, near, tail)
+        k = _span_flags(flat[a : a + span], a, bits, flags, sums, inv.x_star, w, tail)
         counts = k if counts is None else counts.add_(k)
     # the one host read (NOTE [The PyTorch path on a GPU])
-    got = counts.tolist()
-    kh, kz, ku = got if zone else (got[0], 0, got[0])
-    u = torch.nonzero_static(code, size=ku).view(-1)  # hard or zone, increasing
-    hard = u
-    if zone and ku:
-        cu = code.index_select(0, u)
-        if kz:  # y correctly rounded here: the inverse's error is ~ dy / |x - x*|
-            zi = u.index_select(0, torch.nonzero_static(cu >= 2, size=kz).view(-1))
-            # float64 temporaries, ~32 B per zone element: at most 16 B per element of a span
-            for b in range(0, kz, span // 2):
-                zb = zi[b : b + span // 2]
-                y.view(-1).index_copy_(0, zb, spec.f(flat.index_select(0, zb).double()).to(y.dtype))
-        hard = u.index_select(0, torch.nonzero_static(cu.bitwise_and_(1), size=kh).view(-1))
+    (kh,) = counts.tolist()
+    hard = torch.nonzero_static(flags, size=kh).view(-1)  # increasing
     if fallback and kh * FALLBACK_DIV > n:
         return y, empty_bits, empty_idx, flat.clone()
     xs = flat.index_select(0, hard)
@@ -288,10 +271,10 @@ def _span(t: torch.Tensor) -> int:
     return CPU_SPAN if t.device.type == "cpu" else BIG
 
 
-def _span_codes(c, a: int, bits, code, sums, x_star: float, w: float, zone: float, near, tail):
-    """One span ``c`` at offset ``a`` of :func:`smooth_fwd`: writes its packed bits, its codes
-    (bit 0: hard, bit 1: zone) and, with a tail, its per-CHUNK sums of |x - x*|; returns its
-    counts (hard, zone, either) on the device (zone 0: hard only)."""
+def _span_flags(c, a: int, bits, flags, sums, x_star: float, w: float, tail):
+    """One span ``c`` at offset ``a`` of :func:`smooth_fwd`: writes its packed bits, its hard
+    flags and, with a tail, its per-CHUNK sums of |x - x*|; returns its hard count on the device
+    (one element)."""
     m = c.numel()
     t = c - x_star if c.dtype == torch.float32 else c.float().sub_(x_star)
     bits[a // 8 : a // 8 + packed_numel(m)] = pack_bits(t >= 0)
@@ -302,17 +285,11 @@ def _span_codes(c, a: int, bits, code, sums, x_star: float, w: float, zone: floa
             torch.sum(t[: full * CHUNK].view(full, CHUNK), 1, out=sums[a // CHUNK :][:full])
         if full * CHUNK < m:  # the tensor's last, partial CHUNK
             torch.sum(t[full * CHUNK :], 0, keepdim=True, out=sums[-1:])
-    z = t < near if zone else None  # NaN and inf are not in the zone
-    h = t.nan_to_num_(0.0, 0.0) < w  # the window, NaN and +-inf (set to 0 first)
+    h = torch.lt(t.nan_to_num_(0.0, 0.0), w, out=flags[a : a + m])  # window, NaN, +-inf (as 0)
     del t
     if tail is not None:
         h.logical_or_(c < tail)
-    cd = code[a : a + m]
-    if z is None:
-        cd.copy_(h)
-        return h.sum(0, keepdim=True)
-    torch.add(h.view(torch.uint8), z.view(torch.uint8), alpha=2, out=cd)
-    return torch.stack([h.sum(), z.sum(), torch.count_nonzero(cd)])
+    return h.sum(0, keepdim=True)
 
 
 def is_dense_fallback(n: int, bits, idx, xs) -> bool:
@@ -400,7 +377,6 @@ SILU = SmoothSpec(
     window={torch.float32: 0.05, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     tail=_LEFT_TAIL,
     x_right=20.0,
-    c_act=0,
     grad_into=lambda g, x, out: torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out),
 )
 
@@ -421,7 +397,6 @@ MISH = SmoothSpec(
     window={torch.float32: 0.08, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     tail=_LEFT_TAIL,
     x_right=20.0,
-    c_act=3,
 )
 
 _K = math.sqrt(2.0 / math.pi)
@@ -463,7 +438,6 @@ GELU = {
         window={torch.float32: 0.03, torch.float64: 1e-6, **_LOW},
         tail={torch.float32: -2.5},
         x_right=8.0,
-        c_act=1,
         grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "none"),
     ),
     "tanh": SmoothSpec(
@@ -473,7 +447,6 @@ GELU = {
         window={torch.float32: 0.06, torch.float64: 1e-6, **_LOW},
         tail={torch.float32: -3.0},
         x_right=8.0,
-        c_act=2,
         grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "tanh"),
     ),
 }

@@ -35,9 +35,8 @@ def _variants() -> Iterator[tuple[str, object, dict, dict]]:
         yield f"mono_bwd[{act},{dt}]", A._mono_bwd_kernel, sig, {"ACT": act, "BLOCK": A.BLOCK}
     for act, dt in itertools.product(range(4), ("fp32", "bf16")):
         sig = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "bits_ptr": "*u8", "cnt_ptr": "*i32",
-               "n": "i32", "x_star": "fp32", "zone": "fp32", "window": "fp32",
-               "tail": "fp32"}  # fmt: skip
-        const = {"ACT": act, "ZONE": dt == "fp32", "TAIL": act in (1, 2), "BLOCK": A.BLOCK}
+               "n": "i32", "x_star": "fp32", "window": "fp32", "tail": "fp32"}  # fmt: skip
+        const = {"ACT": act, "TAIL": act in (1, 2), "BLOCK": A.BLOCK}
         yield f"smooth_fwd[{act},{dt}]", A._smooth_fwd_kernel, sig, const
     for dt, tail in (("fp32", True), ("bf16", False)):
         yield f"smooth_side[{dt},tail={tail}]", A._smooth_side_kernel, {

@@ -7,20 +7,20 @@ shared math and reference come from ``slimgrad._math.smooth`` (NOTE [Kernels are
   direction, the activation chosen by a constexpr; forward y = f(x), backward dx = g * f'(y) with
   PyTorch's own ``*_backward(..., is_result=True)`` formulas, in float32 (opmath) for float32,
   float16 and bfloat16. float64 and layouts that are not dense take the PyTorch path.
-* smooth with one minimum (silu, gelu erf/tanh, mish): one forward kernel computes y (float64
-  inside the zone around x*, exactly where the PyTorch path does), packs the branch bits
-  [x >= x*] (8 elements per byte, whole bytes per program) and counts the hard elements per
-  block; when there are any, a second kernel writes their flat indices and exact x, compacted by
-  rank (block-local prefix sum plus the block's offset). No element-sized temporary. Backward is
-  one kernel: unpack the bit, read f' from the same float64-built table as the PyTorch path
-  (linear interpolation in s = sqrt(y - y_min)), multiply by g; the hard elements are then
-  overwritten by eager's formula on their exact x, as in the PyTorch path.
+* smooth with one minimum (silu, gelu erf/tanh, mish): one forward kernel computes y in float32
+  (no float64 work per element), packs the branch bits [x >= x*] (8 elements per byte, whole
+  bytes per program) and counts the hard elements per block; when there are any, a second
+  kernel writes their flat indices and exact x, compacted by rank (block-local prefix sum plus
+  the block's offset). No element-sized temporary. Backward is one kernel: unpack the bit, read
+  f' from the same float64-built table as the PyTorch path (linear interpolation in
+  s = sqrt(y - y_min)), multiply by g; the hard elements are then overwritten by eager's formula
+  on their exact x, as in the PyTorch path.
 
 Saved tensors (y, bits, idx, xs) follow the PyTorch path's layout: bits bit for bit, the same hard
 elements (listed in ascending order; the PyTorch path lists each chunk's window hits before its tail
-hits), the same dense fallback rule. y may differ from torch's float32 kernel by an ulp outside the
-zone (different libm); eager CPU's erf-GELU returns NaN at +inf where the kernel returns +inf (as
-CUDA eager does).
+hits), the same dense fallback rule. y may differ from torch's float32 kernel by an ulp (different
+libm); eager CPU's erf-GELU returns NaN at +inf where the kernel returns +inf (as CUDA eager
+does).
 """
 
 from __future__ import annotations
@@ -179,21 +179,6 @@ def _mish(x):
 
 
 @triton.jit
-def _smooth_f64(x, ACT: tl.constexpr):
-    # the float64 forms of ops/silu.py, gelu.py, mish.py (``spec.f``); only used inside the zone
-    if ACT == 0:
-        y = x / (1.0 + tl.exp(-x))
-    elif ACT == 1:
-        y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 2:
-        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        y = x / (1.0 + tl.exp(-2.0 * u))
-    else:
-        y = _mish(x)
-    return y
-
-
-@triton.jit
 def _hard(x, x_star, window, tail, TAIL: tl.constexpr):
     # elements kept exactly (_math.smooth.smooth_fwd): near x*, the tail, non-finite
     t = tl.abs(x - x_star)
@@ -205,8 +190,8 @@ def _hard(x, x_star, window, tail, TAIL: tl.constexpr):
 
 @triton.jit
 def _smooth_fwd_kernel(
-    x_ptr, y_ptr, bits_ptr, cnt_ptr, n, x_star, zone, window, tail,
-    ACT: tl.constexpr, ZONE: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, y_ptr, bits_ptr, cnt_ptr, n, x_star, window, tail,
+    ACT: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # y, the packed branch bits [x >= x*] (an (R, 8) tile per program: R whole bytes), and the
     # number of hard elements of the block
@@ -216,10 +201,6 @@ def _smooth_fwd_kernel(
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=1.0).to(tl.float32)
     y = _smooth_f32(x, ACT)
-    if ZONE:
-        z = tl.abs(x - x_star) < zone
-        y64 = _smooth_f64(x.to(tl.float64), ACT)
-        y = tl.where(z, y64.to(tl.float32), y)
     tl.store(y_ptr + i, cast_out(y, y_ptr.dtype.element_ty), mask=m)
     right = ((x >= x_star) & m).to(tl.int32)
     tl.store(bits_ptr + rows, pack_tile(right).to(tl.uint8), mask=rows * 8 < n)
@@ -278,7 +259,6 @@ def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True
         return _ref.smooth_fwd(spec, x, fwd_torch, fallback)
     inv = _ref.inverse(spec)
     w, tail = _ref._window(spec, x.dtype)
-    zone = spec.zone if x.dtype == torch.float32 else 0.0
     xc = x.contiguous()
     n = xc.numel()
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
@@ -288,8 +268,8 @@ def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True
     cnt = torch.empty(grid[0], dtype=torch.int32, device=x.device)
     tail_v = float(tail) if tail is not None else 0.0
     _smooth_fwd_kernel[grid](
-        xc, y, bits, cnt, n, inv.x_star, float(zone), float(w), tail_v,
-        ACT=act, ZONE=bool(zone), TAIL=tail is not None, BLOCK=BLOCK,
+        xc, y, bits, cnt, n, inv.x_star, float(w), tail_v,
+        ACT=act, TAIL=tail is not None, BLOCK=BLOCK,
     )  # fmt: skip
     flat = xc.view(-1)
     hard_cnt = cnt.to(torch.int64)

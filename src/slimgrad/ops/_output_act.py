@@ -48,8 +48,8 @@ GPU]; with the specs and tables in ``slimgrad._math.smooth``, below both this mo
 kernels: NOTE [Kernels are leaves] in ``slimgrad._math``), Triton
 on CUDA, and on CPU float32 compiled C
 (``kernels/cpu/output_act.c``, ``smooth_fwd_c`` / ``smooth_grad_c``): y still comes from eager's
-own kernel, then one vectorized pass writes the bits, corrects the zone and counts the hard
-elements per 2^16 block, a second collects them (block offsets by prefix sum, so the order is
+own kernel, then one vectorized pass writes the bits and counts the hard elements per 2^16
+block, a second collects them (block offsets by prefix sum, so the order is
 deterministic and, for finite inputs, the PyTorch path's); the backward is one pass (vector gathers
 from the same float32 tables, fused multiply-adds where torch's addcmul_/lerp_ use them). Same
 y, bits and side table bit for bit; the gradient within a few float32 ulp of the PyTorch path's
@@ -94,12 +94,10 @@ from slimgrad._errors import internal_error
 from slimgrad._math.bits import packed_numel
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
     _TABLE_N,
-    BIG,
     CHUNK,
     DENSE_MAX,
     FALLBACK_DIV,
     SmoothSpec,
-    _Inverse,
     _window,
     inverse,
     is_dense_fallback,
@@ -450,7 +448,7 @@ C_STEM = "output_act"
 def _c_signatures(C):
     p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
     specs = {
-        "smooth_fwd_f32": [p, p, p, p, p, i64, i, f, f, f, i, f, i],
+        "smooth_fwd_f32": [p, p, p, p, i64, f, f, i, f, i],
         "smooth_collect_i32": [p, p, p, p, p, p, i64, f, f, i, f, i],
         "smooth_collect_i64": [p, p, p, p, p, p, i64, f, f, i, f, i],
         "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i],
@@ -469,8 +467,8 @@ def _c_fns(lib):
 
 def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
     """:func:`smooth_fwd` for float32 CPU tensors with the C kernels of ``lib``: y from ``fwd``
-    (eager's own kernel), then one pass for bits, zone and hard counts, one to collect them."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or spec.c_act < 0:
+    (eager's own kernel), then one pass for bits and hard counts, one to collect them."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
         return smooth_fwd(spec, x, fwd, fallback)
     fns = getattr(lib, "_slimgrad_fns", None) or _c_fns(lib)  # bound once per library
     inv = inverse(spec)
@@ -479,15 +477,15 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
     n = flat.numel()
     nt = torch.get_num_threads()  # kernels/_cpu.threads(): torch's count, never below 1
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
-    y = fwd(flat).contiguous()
+    y = fwd(flat)
     bits = torch.empty(packed_numel(n), dtype=torch.uint8)
     nb = (n + CHUNK - 1) // CHUNK
     cnt = torch.empty(2 * nb, dtype=torch.int64)
     flags = torch.empty((n + 31) // 32, dtype=torch.uint8)  # 1 byte per 32 elements, transient
     has_tail, tail_v = (0, 0.0) if tail is None else (1, float(tail))
     fns["smooth_fwd_f32"](
-        flat.data_ptr(), y.data_ptr(), bits.data_ptr(), cnt.data_ptr(), flags.data_ptr(), n,
-        spec.c_act, inv.x_star, spec.zone, w, has_tail, tail_v, nt,
+        flat.data_ptr(), bits.data_ptr(), cnt.data_ptr(), flags.data_ptr(), n, inv.x_star, w,
+        has_tail, tail_v, nt,
     )  # fmt: skip
     per_block = cnt.view(nb, 2).sum(1)
     n_hard = int(per_block.sum())

@@ -2,7 +2,8 @@
  * packed branch bit [x >= x*] per element and a sparse table of "hard" elements: the C kernels of
  * slimgrad/ops/_output_act.py (smooth_fwd, smooth_grad), float32 only. NOTE [Gradient from the
  * output] there; NOTE [CPU C kernels] in slimgrad/kernels/_cpu.py. Every buffer is allocated by the
- * caller (torch); arithmetic is float32 in the order the PyTorch path uses, float64 for the zone. */
+ * caller (torch); arithmetic is float32 in the order the PyTorch path uses. y is eager's own output
+ * (computed by torch before these kernels run). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -12,40 +13,17 @@
 
 #define BLOCK 65536 /* = ops._output_act.CHUNK: the hard elements are ordered per block */
 
-enum { ACT_SILU = 0, ACT_GELU_ERF = 1, ACT_GELU_TANH = 2, ACT_MISH = 3 };
-
-/* the float64 forms of ops/silu.py, gelu.py, mish.py (spec.f), same operation order */
-static double f64(double x, int act) {
-    switch (act) {
-    case ACT_SILU:
-        return x * (1.0 / (1.0 + exp(-x)));
-    case ACT_GELU_ERF:
-        return x * 0.5 * erfc(-x * 0.70710678118654757);
-    case ACT_GELU_TANH: {
-        double u2 = (2.0 * 0.79788456080286541) * (x + 0.044715 * (x * x * x));
-        return x * (1.0 / (1.0 + exp(-u2)));
-    }
-    default: { /* mish: softplus (beta 1, threshold 20) */
-        double sp = x > 20.0 ? x : log1p(exp(x));
-        return x * tanh(sp);
-    }
-    }
-}
-
 /* Masks of 32 consecutive elements x[0..m) (m <= 32; bit j = element j): the branch bit
- * [x - x* >= 0], |x - x*| < zone, "window" hits (|x - x*| < window or non-finite x) and tail-only
- * hits (x < tail, not a window hit). For m == 32 the loop has a constant trip count and
- * vectorizes. */
-static inline void masks32(const float *restrict x, int64_t m, float xstar, float zone,
-                           float window, int has_tail, float tail, uint32_t *right, uint32_t *zm,
-                           uint32_t *wm, uint32_t *tm) {
-    uint32_t r = 0, z = 0, w = 0, tl = 0;
+ * [x - x* >= 0], "window" hits (|x - x*| < window or non-finite x) and tail-only hits (x < tail,
+ * not a window hit). For m == 32 the loop has a constant trip count and vectorizes. */
+static inline void masks32(const float *restrict x, int64_t m, float xstar, float window,
+                           int has_tail, float tail, uint32_t *right, uint32_t *wm, uint32_t *tm) {
+    uint32_t r = 0, w = 0, tl = 0;
     if (m == 32) {
         for (int j = 0; j < 32; j++) {
             float d = x[j] - xstar, t = fabsf(d);
             uint32_t hw = (uint32_t)((t < window) | !(t < INFINITY));
             r |= (uint32_t)(d >= 0.0f) << j;
-            z |= (uint32_t)(t < zone) << j;
             w |= hw << j;
             tl |= ((uint32_t)(has_tail & (x[j] < tail)) & (hw ^ 1)) << j;
         }
@@ -54,20 +32,18 @@ static inline void masks32(const float *restrict x, int64_t m, float xstar, floa
             float d = x[j] - xstar, t = fabsf(d);
             uint32_t hw = (uint32_t)((t < window) | !(t < INFINITY));
             r |= (uint32_t)(d >= 0.0f) << j;
-            z |= (uint32_t)(t < zone) << j;
             w |= hw << j;
             tl |= ((uint32_t)(has_tail & (x[j] < tail)) & (hw ^ 1)) << j;
         }
     }
-    *right = r, *zm = z, *wm = w, *tm = tl;
+    *right = r, *wm = w, *tm = tl;
 }
 
-/* Pass 1: branch bits, y correctly rounded within the zone, and per block the number of hard
- * elements: cnt[2b] window hits (|x - x*| < window, or non-finite x), cnt[2b + 1] tail-only hits;
- * flags[w] (one byte per 32 elements): bit 0 = word w has window hits, bit 1 = tail-only hits. */
-void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, uint8_t *flags,
-                    int64_t n, int act, float xstar, float zone, float window, int has_tail,
-                    float tail, int nt) {
+/* Pass 1: branch bits and per block the number of hard elements: cnt[2b] window hits
+ * (|x - x*| < window, or non-finite x), cnt[2b + 1] tail-only hits; flags[w] (one byte per 32
+ * elements): bit 0 = word w has window hits, bit 1 = tail-only hits. */
+void smooth_fwd_f32(const float *x, uint8_t *bits, int64_t *cnt, uint8_t *flags, int64_t n,
+                    float xstar, float window, int has_tail, float tail, int nt) {
     int64_t nb = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t b = 0; b < nb; b++) {
@@ -75,17 +51,12 @@ void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, uint8
         int64_t cw = 0, ct = 0;
         for (int64_t k = a; k < e; k += 32) {
             int64_t m = e - k < 32 ? e - k : 32;
-            uint32_t r, z, w, tl;
-            masks32(x + k, m, xstar, zone, window, has_tail, tail, &r, &z, &w, &tl);
+            uint32_t r, w, tl;
+            masks32(x + k, m, xstar, window, has_tail, tail, &r, &w, &tl);
             memcpy(bits + (k >> 3), &r, (size_t)((m + 7) >> 3)); /* little-endian: LSB first */
             cw += __builtin_popcount(w);
             ct += __builtin_popcount(tl);
             flags[k >> 5] = (uint8_t)((w != 0) | ((tl != 0) << 1)); /* for pass 2 */
-            while (z) { /* rare: the float64 forward, correctly rounded */
-                int j = __builtin_ctz(z);
-                y[k + j] = (float)f64((double)x[k + j], act);
-                z &= z - 1;
-            }
         }
         cnt[2 * b] = cw;
         cnt[2 * b + 1] = ct;
@@ -109,8 +80,8 @@ void smooth_fwd_f32(const float *x, float *y, uint8_t *bits, int64_t *cnt, uint8
                 for (int64_t k = a; k < e; k += 32) {                                              \
                     if (!((flags[k >> 5] >> pass) & 1)) continue; /* no such hit in the word */   \
                     int64_t m = e - k < 32 ? e - k : 32;                                           \
-                    uint32_t r, z, w, tl;                                                          \
-                    masks32(x + k, m, xstar, 0.0f, window, has_tail, tail, &r, &z, &w, &tl);      \
+                    uint32_t r, w, tl;                                                             \
+                    masks32(x + k, m, xstar, window, has_tail, tail, &r, &w, &tl);                \
                     uint32_t h = pass ? tl : w;                                                    \
                     while (h) {                                                                    \
                         int j = __builtin_ctz(h);                                                \
