@@ -43,8 +43,10 @@ from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._monotone import hooks_active
 from slimgrad.ops._output_act import (
     DENSE_MAX,
+    _inverse_perm,
     as_layout,
     eager_layout,
+    memory_order,
     needs_graph,
     record_layout,
 )
@@ -67,16 +69,33 @@ def _bwd_exact(g: Tensor, x: Tensor, alpha: float) -> Tensor:
     return torch.ops.aten.elu_backward(g, alpha, 1.0, 1.0, False, x)
 
 
+def _neg_side(g: Tensor, y: Tensor, alpha: float) -> Tensor:
+    # eager's g (y + alpha) in opmath, computed in place (the same roundings), in g's dtype
+    opmath = torch.float64 if g.dtype == torch.float64 else torch.float32  # as eager
+    neg = torch.add(y, alpha) if y.dtype == opmath else y.to(opmath).add_(alpha)
+    return neg.mul_(g if g.dtype == opmath else g.to(opmath)).to(g.dtype)
+
+
 def _bwd_bits(
     g: Tensor, y: Tensor, bits: Tensor, alpha: float, out: Tensor | None = None
 ) -> Tensor:
-    # out: g itself when g's buffer is dead (slimgrad.ownership.take), else None (a fresh result)
-    pos = unpack_bits(bits, g.numel()).view(g.shape)
-    opmath = torch.float64 if g.dtype == torch.float64 else torch.float32  # as eager
-    neg = g.to(opmath) * (y.to(opmath) + alpha)
-    if out is not None:
-        return torch.where(pos, g, neg.to(g.dtype), out=out)
-    return torch.where(pos, g, neg.to(g.dtype))
+    """dx from y and the bits [x > 0], all in the bits' order (y's memory order, as
+    ``_EluFn.forward`` packs them); out: g itself when g's buffer is dead
+    (slimgrad.ownership.take), else None."""
+    n = g.numel()
+    if n and y.is_contiguous() and g.is_contiguous() and (out is None or out.is_contiguous()):
+        # in 8 pieces: the temporaries (g (y + alpha), the unpacked bits) stay at 1/8 of them
+        res = torch.empty_like(y, dtype=g.dtype) if out is None else out
+        gf, yf, rf = g.view(-1), y.view(-1), res.view(-1)
+        step = max(8, -(-n // 64) * 8)  # a multiple of 8: each piece starts on a whole byte
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            pos = unpack_bits(bits[a // 8 : (b + 7) // 8], b - a)
+            torch.where(pos, gf[a:b], _neg_side(gf[a:b], yf[a:b], alpha), out=rf[a:b])
+        return res
+    neg = _neg_side(g, y, alpha)  # one gradient-sized temporary; it takes the result too
+    pos = unpack_bits(bits, n).view(g.shape)
+    return torch.where(pos, g, neg, out=neg if out is None else out)
 
 
 def _tail_table(x: Tensor) -> tuple[Tensor, Tensor, bool]:
@@ -94,6 +113,14 @@ def _tail_table(x: Tensor) -> tuple[Tensor, Tensor, bool]:
         return x.new_empty(0, dtype=idx_dtype), x.new_empty(0), True
     idx = mask.reshape(-1).nonzero().view(-1).to(idx_dtype)
     return idx, torch.masked_select(x, mask), False
+
+
+def _unpack_as(bits: Tensor, y: Tensor, perm) -> Tensor:
+    # [x > 0] shaped like y, from bits packed in y's memory order (as _EluFn.forward packs them)
+    if perm is None:
+        return unpack_bits(bits, y.numel()).view(y.shape)
+    pos = unpack_bits(bits, y.numel()).view(y.permute(perm).shape)
+    return pos.permute(_inverse_perm(perm))
 
 
 def _positions(idx: Tensor, shape) -> tuple[Tensor, ...]:
@@ -117,7 +144,7 @@ def _double(ctx, g):
         return _bwd_exact(g, x, alpha), None, None
     if ctx.bits:
         y, bits, idx, xs = ctx.saved_tensors
-        pos = unpack_bits(bits, g.numel()).view(g.shape)
+        pos = _unpack_as(bits, y, ctx.perm)
         dx = torch.where(pos, g, g * (y + alpha))
     else:
         y, idx, xs = ctx.saved_tensors
@@ -148,7 +175,12 @@ class _EluFn(torch.autograd.Function):
             idx, xs, ctx.dense = _tail_table(x)
         if ctx.dense:  # x, as eager (a copy when it is overwritten)
             keep = x.clone() if inplace else x
-        bits = pack_bits(~(x <= 0)) if ctx.bits and not ctx.dense else None  # NaN: positive
+        # the bits [x > 0] in the output's memory order (x permuted by memory_order), so that
+        # backward reads y, g and the bits in the same order, in pieces
+        ctx.perm = memory_order(x) if ctx.bits and not ctx.dense else None
+        xp = x if ctx.perm is None else x.permute(ctx.perm)
+        bits = pack_bits(~(xp <= 0)) if ctx.bits and not ctx.dense else None  # NaN: positive
+        del xp
         if inplace:
             y = _fwd_inplace(x, alpha)
             ctx.mark_dirty(y)
@@ -192,8 +224,15 @@ class _EluFn(torch.autograd.Function):
         pos = _positions(idx, y.shape) if is_fake(idx) or idx.numel() else None
         gh = g[pos] if pos is not None else None  # read before g's buffer may be written
         own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
-        if bits is not None:
-            dx = _bwd_bits(g, y, bits, alpha, out=buf if own else None)
+        if bits is not None:  # in the bits' order (y's memory order)
+            p = ctx.perm
+            o = buf if own else None
+            if p is None:
+                dx = _bwd_bits(g, y, bits, alpha, out=o)
+            else:
+                op = None if o is None else o.permute(p)
+                dx = _bwd_bits(g.permute(p), y.permute(p), bits, alpha, out=op)
+                dx = o if o is not None else dx.permute(_inverse_perm(p))
         elif _backend.use_triton(y):  # NOTE [Kernel backend choice]
             dx = _backend.kernels("elu")._bwd_triton(g, y, alpha, out=buf if own else None)
         elif own:

@@ -37,7 +37,7 @@ from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
 from slimgrad.ops._monotone import hooks_active
-from slimgrad.ops._output_act import DENSE_MAX, needs_graph
+from slimgrad.ops._output_act import DENSE_MAX, _inverse_perm, memory_order, needs_graph
 
 __all__ = ["hardswish", "hardswish_"]
 
@@ -89,8 +89,11 @@ def _side_info(x: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     for a in range(0, n, CHUNK):
         c = flat[a : a + CHUNK].float()
         bits[a // 8 : (a + c.numel() + 7) // 8] = pack_bits(c >= -1.5)
-        d = (c + 1.5).abs_()
-        hard.append(((d < w) | ~torch.isfinite(c)).nonzero().view(-1).add_(a))
+        # |x + 3/2| < w, or x non-finite (|x + 3/2| NaN or inf, set to 0 first): one float
+        # temporary and one bool (isfinite's decomposition would add three more)
+        d = (c + 1.5).abs_().nan_to_num_(0.0, 0.0, 0.0)
+        hard.append(torch.lt(d, w).nonzero().view(-1).add_(a))
+        del d
     idx = torch.cat(hard) if hard else torch.empty(0, dtype=torch.int64, device=x.device)
     if idx.numel() * FALLBACK_DIV > n:
         return None
@@ -107,9 +110,12 @@ def _bwd_torch(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor, out=
         gf.index_select(0, idx.long()) if is_fake(idx) or idx.numel() else None
     )  # read before out is written
     res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
-    s = torch.empty(min(n, CHUNK), dtype=torch.float32, device=g.device)
-    for a in range(0, n, CHUNK):
-        b = min(a + CHUNK, n)
+    # pieces of at most CHUNK and at most ~1/8 of the tensor: the temporaries (~12 B per element
+    # of a piece) stay below the tensor's own size on small tensors too
+    step = min(CHUNK, max(8, -(-n // 64) * 8))
+    s = torch.empty(min(n, step), dtype=torch.float32, device=g.device)
+    for a in range(0, n, step):
+        b = min(a + step, n)
         sc = _slope_into(
             s[: b - a], yf[a:b].float(), unpack_bits(bits[a // 8 : (b + 7) // 8], b - a)
         )
@@ -133,7 +139,12 @@ class _HardswishFn(torch.autograd.Function):
         # bits and table cost more than x there (1 element: saved 5 B, peak 34,841 B on the first
         # call, against eager's 4 B and 20 B)
         few = x.numel() <= DENSE_MAX
-        side = _side_info(x) if x.dtype in _WINDOW and not compiling and not few else None
+        # the side information in y's memory order (x permuted by memory_order), so that
+        # backward reads y and g in place, without a reshaped copy of either
+        ctx.perm = memory_order(x)
+        xp = x if ctx.perm is None else x.permute(ctx.perm)
+        side = _side_info(xp) if x.dtype in _WINDOW and not compiling and not few else None
+        del xp
         dense = None
         if side is None:  # float64, or crowded near -3/2: keep x as eager does
             dense = x.detach().clone() if inplace else x
@@ -157,9 +168,16 @@ class _HardswishFn(torch.autograd.Function):
         saved = ctx.saved_tensors
         if ctx.dense:  # eager's own kernel on x
             return torch.ops.aten.hardswish_backward(g, saved[0]), None
-        if buf is not None and buf.is_contiguous():
-            return _bwd_torch(buf, *saved, out=buf), None
-        return _bwd_torch(g.contiguous(), *saved), None
+        p = ctx.perm
+        y, side = saved[0], saved[1:]
+        yp = y if p is None else y.permute(p)
+        bp = None if buf is None else buf if p is None else buf.permute(p)
+        if bp is not None and bp.is_contiguous() and yp.is_contiguous():
+            _bwd_torch(bp, yp, *side, out=bp)
+            return buf, None
+        gp = g if p is None else g.permute(p)
+        dx = _bwd_torch(gp.contiguous(), yp, *side)
+        return (dx if p is None else dx.permute(_inverse_perm(p))), None
 
 
 def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
