@@ -25,8 +25,6 @@ does).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -153,7 +151,6 @@ def mono_bwd(g: torch.Tensor, y: torch.Tensor, act: int, a: float = 0.0, b: floa
 # smooth activations with one minimum
 
 SILU, GELU_ERF, GELU_TANH, MISH = range(4)
-_K = math.sqrt(2.0 / math.pi)
 
 
 @triton.jit
