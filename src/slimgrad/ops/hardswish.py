@@ -110,9 +110,9 @@ def _bwd_torch(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor, out=
         gf.index_select(0, idx.long()) if is_fake(idx) or idx.numel() else None
     )  # read before out is written
     res = torch.empty(n, dtype=g.dtype, device=g.device) if out is None else out.view(-1)
-    # pieces of at most CHUNK and at most ~1/8 of the tensor: the temporaries (~12 B per element
+    # pieces of at most CHUNK and at most ~1/4 of the tensor: the temporaries (~12 B per element
     # of a piece) stay below the tensor's own size on small tensors too
-    step = min(CHUNK, max(8, -(-n // 64) * 8))
+    step = min(CHUNK, max(8, -(-n // 32) * 8))
     s = torch.empty(min(n, step), dtype=torch.float32, device=g.device)
     for a in range(0, n, step):
         b = min(a + step, n)
