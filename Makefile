@@ -20,7 +20,7 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/slimgrad demo
 
-LINT_PATHS := src tests $(wildcard examples)
+LINT_PATHS := src tests benchmarks $(wildcard examples)
 
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
