@@ -66,6 +66,9 @@ from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
 from slimgrad._autograd import (
+    compiling as _compiling,
+)
+from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
@@ -74,7 +77,7 @@ from slimgrad._autograd import (
 from slimgrad._math.abn import ParamChannels
 from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
-from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
+from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
 
 __all__ = ["batch_norm"]
 
@@ -306,7 +309,8 @@ class _BatchNormFn(torch.autograd.Function):
         recompute,
         hooked,
     ):
-        out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
+        # aten::native_batch_norm through its torch binding (one C call; the packet's is two)
+        out, save_mean, save_invstd = torch.native_batch_norm(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
@@ -397,7 +401,10 @@ class _BatchNormFn(torch.autograd.Function):
         buf = ownership.take(grad) if ctx.b is not None and _c_may_write_dx(ctx) else None
         if ctx.released:
             _check_not_released(ctx)
-        _check_params(ctx)
+        if (ctx.weight_v is not None and ctx.weight_v._version != ctx.weight_version) or (
+            ctx.running_mean is not None
+        ):
+            _check_params(ctx)  # raises where a version changed (read inline: the common case)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.x is None and ctx.recipe is None and ctx.b is None and not ctx.saved_x:
             # _kept_nothing: nothing full-size kept: eval with a frozen affine, or training where
@@ -419,7 +426,10 @@ class _BatchNormFn(torch.autograd.Function):
         else:
             out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf)
         if _keep_graph is not None and not _keep_graph():
-            _release(ctx)
+            # _release(ctx), inline
+            ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
+            ctx.weight_src = ctx.bias_src = None
+            ctx.released = True
         gx, gw, gb = out
         # one gradient per forward argument (x, weight, bias; 8 non-differentiable ones)
         return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 8
@@ -874,7 +884,7 @@ def batch_norm(
         or (bias is not None and bias.requires_grad)
     ) and torch.is_grad_enabled()
     numel = input.numel() if needs_graph else 0
-    plain = numel == 0 or _is_compiling() or _transforms_active()  # NOTE [torch.func transforms]
+    plain = numel == 0 or _compiling() or _transforms_active()  # NOTE [torch.func transforms]
     # x's recipe (NOTE [Recomputable inputs]), looked up once: the forward keeps it if it keeps x
     recipe = None
     if not plain and (training or (weight is not None and weight.requires_grad)):
@@ -916,7 +926,11 @@ def batch_norm(
     # save_for_backward
     hooked = _top_hooks(False) is not None
     holder: list = [recipe]  # the forward takes x's recipe and appends its _Source
-    anchor = make_anchor(input)
+    # make_anchor(input) where grad mode is on and nothing compiles or transforms (checked above)
+    anchor = None
+    if input.requires_grad:
+        box: list = []
+        anchor = (_ANCHOR_APPLY(unwrap_if_dead(input), box), box)
     # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
     # compiling and no transform is active here (the plain path above took those)
     out = _BN_APPLY(
@@ -932,15 +946,33 @@ def batch_norm(
         recompute_input,
         hooked,
     )
-    attach_anchor(out, anchor)
-    if training and holder:
+    if anchor is not None and out.grad_fn is not None:  # attach_anchor(out, anchor)
+        out.grad_fn._slimgrad_anchor = anchor
+    if (
+        training
+        and holder
+        # NOTE [A source only where it can be claimed]
+        and numel > _MAX_FEW * (shape[1] if ndim > 1 else 1)
+        and input.dtype.itemsize >= 4
+        and (
+            out.dtype == holder[0].ctx.param_dtype
+            or not _less_precise(out.dtype, holder[0].ctx.param_dtype)
+        )
+    ):
         _derived.put_source(out, holder[0])  # not compiling (plain path above)
     return out
 
 
+# NOTE [A source only where it can be claimed]
+# _Source.keep_output refuses, from the output's shape and dtypes alone, a training call with few
+# values per channel (NOTE [Few values per channel]), a 16-bit output and an output less precise
+# than γ, β (module docstring). Such a call registers no source: a following activation then finds
+# none and runs eager's op, what it ran after the refusal, without asking for ownership or a claim
+# (the same bits and bytes; fewer host calls per layer).
+
+
 # The C tests of transforms_active and refuse_jit, and torch.compiler.is_compiling itself (Dynamo
 # folds it by identity): one call each on the hot path, not two or three
-_is_compiling = torch.compiler.is_compiling
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks

@@ -17,13 +17,16 @@ import torch
 
 from slimgrad import _dtensor
 from slimgrad._autograd import (
+    compiling as _compiling,
+)
+from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
     unwrap_if_dead,
 )
 from slimgrad.ops import _derived
-from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
+from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
 
 __all__ = [
     "conv1d",
@@ -290,7 +293,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Dynamo folds it by identity): one call each on the hot path, not two or three
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
-_is_compiling = torch.compiler.is_compiling
+_DERIVED_D = _derived._DERIVED_D
 
 
 def _apply_fn(compiling: bool, args: tuple, holder: list) -> torch.Tensor:
@@ -340,9 +343,19 @@ def _conv(
             f"(C_out, C_in / groups, {n} kernel dims), got weight of size {list(weight.shape)}. "
             "Pass a weight with the kernel's spatial dims."
         )
-    x, stride, padding, dilation, output_padding = _args(
-        api, n, x, weight, stride, padding, dilation, transposed, output_padding, slot
-    )
+    c = slot[0] if slot is not None else None
+    if (
+        c is not None
+        and c[0] is stride
+        and c[1] is padding
+        and c[2] is dilation
+        and c[3] is output_padding
+    ):  # _args' first test, inline (NOTE [Conv arguments, normalised once per module])
+        stride, padding, dilation, output_padding = c[4]
+    else:
+        x, stride, padding, dilation, output_padding = _args(
+            api, n, x, weight, stride, padding, dilation, transposed, output_padding, slot
+        )
     xdim = x.ndim
     if xdim == n + 1:
         # Unbatched input, as torch: add and remove a batch dim.
@@ -399,11 +412,15 @@ def _conv(
                 x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
             )
     # a module's argument slot is None while Dynamo traces (nn/conv.py's _slot): no second test
-    compiling = False if slot is not None else _is_compiling()
+    compiling = False if slot is not None else _compiling()
     if not compiling and _jit_tracing():
         refuse_jit(jit_name)
     # a derived input is kept as its norm's output: anchor x for a second derivative
-    d = _derived._lookup(x) if weight.requires_grad and not compiling else None
+    d = None
+    if weight.requires_grad and not compiling:
+        e = _DERIVED_D.get(id(x))  # _derived._lookup(x): its first test inline (most miss)
+        if e is not None:
+            d = _derived._lookup(x)
     anchor = None
     if d is None and x.requires_grad and weight.requires_grad and not autocast and not compiling:
         # NOTE [A conv that keeps what eager keeps] (_fwd_torch, without its frame)
@@ -412,7 +429,10 @@ def _conv(
         )
         holder: list = [(x, None, None)]
     else:
-        anchor = make_anchor(x) if d is not None else None
+        if d is not None and x.requires_grad:
+            # make_anchor(x): grad mode is on, nothing compiles (d) or transforms (checked above)
+            box: list = []
+            anchor = (_ANCHOR_APPLY(unwrap_if_dead(x), box), box)
         holder = [d]  # forward takes d (when W needs grad) and appends what it keeps
         args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         if autocast:
@@ -420,8 +440,8 @@ def _conv(
                 y = _apply_fn(compiling, args, holder)
         else:
             y = _apply_fn(compiling, args, holder)
-    if anchor is not None:
-        attach_anchor(y, anchor)
+    if anchor is not None and y.grad_fn is not None:  # attach_anchor(y, anchor)
+        y.grad_fn._slimgrad_anchor = anchor
     if holder and holder[-1] is not None and not compiling:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
         kept, act, handle = holder[0]
@@ -435,7 +455,7 @@ def _conv(
             inp = rebuild(k)[0] if rebuild is not None else k
             if dt is not None:
                 w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
-            return _fwd_torch(inp, w, b, *conf)
+            return torch.convolution(inp, w, b, *conf)  # _fwd_torch, without its frame
 
         # "cheap" (the norm's default policy replays it): a 1x1 conv, except one whose input is a
         # squeeze-excite output (EfficientNet-B0's and MobileNetV3's projections, RegNetY's
