@@ -60,6 +60,8 @@ with frozen γ, β keeps nothing full-size there too.
 from __future__ import annotations
 
 import math
+import weakref
+from functools import partial as _partial
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -74,6 +76,7 @@ from slimgrad._autograd import (
     refuse_jit,
     unwrap_if_dead,
 )
+from slimgrad._math import steps as _steps
 from slimgrad._math.abn import ParamChannels
 from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
@@ -130,13 +133,16 @@ class _Source:
         affine = ctx.weight_v is not None or ctx.bias_v is not None
         if affine and not _maybe_fake(b):  # estimate: assume no bad channels
             lim = _overflow_limit(b)
-            if not _params_unchanged(ctx):
+            w, bb = ctx.weight_src, ctx.bias_src
+            if (w is not None and w._version != ctx.weight_version) or (
+                bb is not None and bb._version != ctx.bias_version
+            ):  # γ or β written since forward
                 # γ or β changed since forward: b cannot be inverted with them (NOTE [BatchNorm
                 # keeps its parameters, not copies]); keep x, as eager
                 return False
             # γ, β as in forward (their versions); NOTE [Decided once per parameter version] in
             # slimgrad/_math/abn.py: no host sync while they do not change
-            bad, idx = _BAD.lookup(ctx.weight_src, ctx.bias_src, lim)
+            bad, idx = _bad_channels(w, bb, lim)
             if len(bad) > _MAX_BAD_FRACTION * C:
                 return False
             if bad:
@@ -211,13 +217,37 @@ def _bad_mask(weight, bias, extra=None):
 
 
 _BAD = ParamChannels(_bad_mask)
+# _BAD's last answer per parameter, read with plain comparisons: {id(γ, or β without γ): (weak
+# reference to it, weak reference to β or None, state, answer)}; state as ParamChannels._state
+# (each parameter's version, data_ptr, dtype and device, the optimizer steps, the output's
+# overflow limit). A changed state asks _BAD, which decides (NOTE [Decided once per parameter
+# version] in slimgrad/_math/abn.py); the same state gives _BAD's same answer.
+_BAD_LAST: dict = {}
 
 
-def _params_unchanged(ctx) -> bool:
-    return all(
-        t is None or t._version == v
-        for t, v in ((ctx.weight_src, ctx.weight_version), (ctx.bias_src, ctx.bias_version))
+def _bad_channels(w, bias, lim):
+    key = w if w is not None else bias
+    e = _BAD_LAST.get(id(key))
+    if e is not None and e[0]() is key and (e[1]() if e[1] is not None else None) is bias:
+        st = e[2]
+        if (
+            st[0] == lim
+            and st[1] == _steps._count[0]
+            and (w is None or (w._version, w.data_ptr(), w.dtype, w.device) == st[2])
+            and (bias is None or (bias._version, bias.data_ptr(), bias.dtype, bias.device) == st[3])
+        ):
+            return e[3]
+    out = _BAD.lookup(w, bias, lim)  # epoch() is asked there: the step hook is registered
+    st = (
+        lim,
+        _steps._count[0],
+        None if w is None else (w._version, w.data_ptr(), w.dtype, w.device),
+        None if bias is None else (bias._version, bias.data_ptr(), bias.dtype, bias.device),
     )
+    k = id(key)
+    ref = weakref.ref(key, _partial(_BAD_LAST.pop, k))  # NOTE [A registry entry dropped in C]
+    _BAD_LAST[k] = (ref, weakref.ref(bias) if bias is not None else None, st, out)
+    return out
 
 
 def _release(ctx) -> None:
@@ -355,7 +385,8 @@ class _BatchNormFn(torch.autograd.Function):
             _save_under_hooks(ctx, x, recipe)
         elif keep_x:
             if recipe is not None:
-                _derived.adopt_recipe(recipe)
+                if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
+                    recipe.rebuild.add_user(1)
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
                 ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
             else:
@@ -398,7 +429,8 @@ class _BatchNormFn(torch.autograd.Function):
     def backward(ctx, grad):
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
         # may write dx over it
-        buf = ownership.take(grad) if ctx.b is not None and _c_may_write_dx(ctx) else None
+        lib = _c_lib_for_dx(ctx) if ctx.b is not None else None
+        buf = ownership.take(grad) if lib is not None else None
         if ctx.released:
             _check_not_released(ctx)
         if (ctx.weight_v is not None and ctx.weight_v._version != ctx.weight_version) or (
@@ -411,9 +443,13 @@ class _BatchNormFn(torch.autograd.Function):
             # only the bias needs a gradient (dx and dγ would have kept x).
             out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
         elif ctx.b is None:
+            if ctx.x is None and ctx.recipe is not None and not ctx.saved_x:
+                x = ctx.recipe()  # _input(ctx), inline for the kept recipe
+            else:
+                x = _input(ctx)
             out = torch.ops.aten.native_batch_norm_backward(
                 grad,
-                _input(ctx),
+                x,
                 ctx.weight_v,
                 ctx.running_mean,
                 ctx.running_var,
@@ -424,7 +460,7 @@ class _BatchNormFn(torch.autograd.Function):
                 [need_x, need_w, need_b],
             )
         else:
-            out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf)
+            out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf, lib)
         if _keep_graph is not None and not _keep_graph():
             # _release(ctx), inline
             ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
@@ -580,27 +616,33 @@ def _c_signatures(C):
     }
 
 
-def _c_may_write_dx(ctx) -> bool:
-    # _bwd_from_output_c may run and write dx (what it checks of ctx alone)
+def _c_lib_for_dx(ctx):
+    # the C library _bwd_from_output_c would run to write dx (what it checks of ctx alone), else
+    # None; handed on to it (one backend choice per backward)
     b = ctx.b
-    return (
+    if (
         b is not None
         and ctx.bad is None
         and ctx.needs_input_grad[0]
         and b.dtype == torch.float32
         and b.is_cpu
         and b.is_contiguous()
-        and _backend.use_cpu(b, C_STEM) is not None
-    )
+    ):
+        return _backend.use_cpu(b, C_STEM)
+    return None
 
 
-def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
+_C_FNS: dict = {}  # a loaded library -> its functions (kernels/_cpu.functions), read per call
+
+
+def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     # The whole backward of a float32 CPU call with no channel kept from x in one C call
     # (kernels/cpu/batch_norm.c: per channel, the float64 sums, NOTE [dx from the output]'s
     # coefficients and dx, with the channel's data still in cache), or None: the caller's path.
     # dβ is Σ dy summed in float64 and rounded once (within the rule where aten's float32 sum is).
     # buf: grad itself when ownership.take granted it: dx is written over it (no dx allocation;
-    # the kernel reads a channel's dy before it writes that channel's dx).
+    # the kernel reads a channel's dy before it writes that channel's dx). lib: the backend's
+    # library where the caller asked already (_c_lib_for_dx).
     b, invstd, w = ctx.b, ctx.save_invstd, ctx.weight_v
     if (
         ctx.bad is not None
@@ -614,12 +656,16 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
         or not b.numel()
     ):
         return None
-    lib = _backend.use_cpu(b, C_STEM)
     if lib is None:
-        return None
-    from slimgrad.kernels._cpu import functions, threads
+        lib = _backend.use_cpu(b, C_STEM)
+        if lib is None:
+            return None
+    fns = _C_FNS.get(lib)
+    if fns is None:
+        from slimgrad.kernels._cpu import functions
 
-    fn = functions(lib, _c_signatures)["bwd"]
+        fns = _C_FNS[lib] = functions(lib, _c_signatures)
+    fn = fns["bwd"]
     shape = b.shape
     n, c, s = shape[0], shape[1], math.prod(shape[2:])
     gx = None
@@ -629,28 +675,28 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
     gw = torch.empty(c, dtype=torch.float32) if need_w else None
     gb = torch.empty(c, dtype=torch.float32) if need_b else None
     w = w.contiguous() if w is not None else None
-    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     fn(
         b.data_ptr(),
         grad.data_ptr(),
         n,
         c,
         s,
-        ptr(w),
+        None if w is None else w.data_ptr(),
         invstd.data_ptr(),
-        ptr(gx),
-        ptr(gw),
-        ptr(gb),
-        threads(),
+        None if gx is None else gx.data_ptr(),
+        None if gw is None else gw.data_ptr(),
+        None if gb is None else gb.data_ptr(),
+        torch.get_num_threads() or 1,  # kernels/_cpu.threads()
     )
     if gx is not None and gx is buf:  # a raw write over the incoming gradient: visible to autograd
         torch.autograd.graph.increment_version(gx)
     return gx, gw, gb
 
 
-def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None):
-    _derived.check_version(ctx.b, ctx.b_version, "batch_norm output")
-    out = _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf)
+def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
+    if ctx.b._version != ctx.b_version:
+        _derived.check_version(ctx.b, ctx.b_version, "batch_norm output")
+    out = _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf, lib)
     if out is not None:
         return out
     invstd = ctx.save_invstd
