@@ -121,7 +121,6 @@ from slimgrad._autograd import (
 )
 from slimgrad._autograd import (
     direct_apply,
-    first_order,
     refuse_jit,
     unwrap_if_dead,
 )
@@ -652,8 +651,11 @@ class _DerivedActFn(torch.autograd.Function):
         return r
 
     @staticmethod
-    @first_order("ops.activation", double=lambda ctx, grad: (_act_double(ctx, grad), None))
     def backward(ctx, grad):
+        if (
+            torch.is_grad_enabled()
+        ):  # first_order's test, inline (NOTE [First order, tested inline])
+            return _act_double(ctx, grad), None
         buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
         (b,) = ctx.saved_tensors
         if buf is not None and (buf.stride() != b.stride() or buf.dtype != b.dtype):
@@ -662,6 +664,14 @@ class _DerivedActFn(torch.autograd.Function):
 
 
 _ACT_APPLY = direct_apply(_DerivedActFn)
+
+
+# NOTE [First order, tested inline]
+# The Functions of the CNN hot path (conv, batch_norm, the derived activation) test grad mode at
+# the top of their own ``backward`` (autograd turns it on only under ``create_graph=True``) and
+# run their eager-formula ``double`` there: what ``_autograd.first_order`` does, without its
+# wrapper's frame per backward. ``ownership.take`` in such a backward is called from autograd's
+# plain chain (``ownership._chain_of``: "plain"), which has its own calibrated baseline.
 
 
 def activation(

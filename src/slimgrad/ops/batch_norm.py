@@ -72,7 +72,6 @@ from slimgrad._autograd import (
 )
 from slimgrad._autograd import (
     direct_apply,
-    first_order,
     refuse_jit,
     unwrap_if_dead,
 )
@@ -427,6 +426,8 @@ class _BatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if _grad_on():  # first_order's test, inline (NOTE [First order, tested inline])
+            return _BatchNormFn._double(ctx, grad)
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
         # may write dx over it
         lib = _c_lib_for_dx(ctx) if ctx.b is not None else None
@@ -443,8 +444,15 @@ class _BatchNormFn(torch.autograd.Function):
             # only the bias needs a gradient (dx and dγ would have kept x).
             out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
         elif ctx.b is None:
-            if ctx.x is None and ctx.recipe is not None and not ctx.saved_x:
-                x = ctx.recipe()  # _input(ctx), inline for the kept recipe
+            r = ctx.recipe
+            if ctx.x is None and r is not None and not ctx.saved_x:
+                # _input(ctx) -> r(), inline: grad mode is off here (tested above)
+                for t, v in zip(r.tensors, r.versions):
+                    if t is not None and t._version != v:
+                        _derived.check_version(
+                            t, v, "tensor kept to recompute a normalisation input"
+                        )
+                x = r.fn(*r.tensors)
             else:
                 x = _input(ctx)
             out = torch.ops.aten.native_batch_norm_backward(
@@ -469,11 +477,6 @@ class _BatchNormFn(torch.autograd.Function):
         gx, gw, gb = out
         # one gradient per forward argument (x, weight, bias; 8 non-differentiable ones)
         return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 8
-
-
-_BatchNormFn.backward = staticmethod(
-    first_order("ops.batch_norm", double=_BatchNormFn._double)(_BatchNormFn.backward)
-)
 
 
 _BN_APPLY = direct_apply(_BatchNormFn)
@@ -1024,3 +1027,4 @@ def batch_norm(
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_grad_on = torch._C.is_grad_enabled

@@ -14,6 +14,9 @@ extra bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch
 
 from __future__ import annotations
 
+from functools import partial as _partial
+from weakref import ref as _weakref
+
 import torch
 
 from slimgrad import _dtensor
@@ -22,7 +25,6 @@ from slimgrad._autograd import (
 )
 from slimgrad._autograd import (
     direct_apply,
-    first_order,
     refuse_jit,
     unwrap_if_dead,
 )
@@ -118,6 +120,10 @@ class _ConvFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if (
+            torch.is_grad_enabled()
+        ):  # first_order's test, inline (NOTE [First order, tested inline])
+            return _ConvFn._double(ctx, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # NOTE [The bias gradient in float64]: summed here, not by convolution_backward
         bias64 = need_b and grad.dtype in _BIAS64
@@ -174,9 +180,6 @@ _BIAS64 = (torch.float32, torch.bfloat16, torch.float16)
 
 def _other_dims(t: torch.Tensor) -> list[int]:
     return [0, *range(2, t.dim())]
-
-
-_ConvFn.backward = staticmethod(first_order("ops.conv", double=_ConvFn._double)(_ConvFn.backward))
 
 
 # NOTE [A conv that keeps what eager keeps]
@@ -325,6 +328,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _DERIVED_D = _derived._DERIVED_D
+_RECIPES_D = _derived._RECIPES_D
+_CLOCK = _derived._CLOCK
 
 
 def _apply_fn(compiling: bool, args: tuple, holder: list) -> torch.Tensor:
@@ -448,7 +453,7 @@ def _conv(
         refuse_jit(jit_name)
     # a derived input is kept as its norm's output: anchor x for a second derivative
     d = None
-    if weight.requires_grad and not compiling:
+    if weight.requires_grad and not compiling and _DERIVED_D:
         e = _DERIVED_D.get(id(x))  # _derived._lookup(x): its first test inline (most miss)
         if e is not None:
             d = _derived._lookup(x)
@@ -488,13 +493,27 @@ def _conv(
         # the recipe's own handle on the rebuilt input, counted when a norm adopts the recipe
         rebuild = _derived.Rebuild(act, handle.store, user=False) if handle is not None else None
 
-        def recompute(k, w, b, rebuild=rebuild, conf=conf, dt=dt):
-            # The same ops as forward (autocast's cast included), so the result is bit for bit y;
-            # a derived input comes from this backward's store (NOTE [Rebuilt once per backward]).
-            inp = rebuild(k)[0] if rebuild is not None else k
-            if dt is not None:
-                w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
-            return torch.convolution(inp, w, b, *conf)  # _fwd_torch, without its frame
+        if rebuild is None and dt is None:
+            # recompute(k, w, b) below, as torch.convolution itself (no Python frame per replay)
+            recompute = _partial(
+                torch.convolution,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                transposed=transposed,
+                output_padding=output_padding,
+                groups=groups,
+            )
+        else:
+
+            def recompute(k, w, b, rebuild=rebuild, conf=conf, dt=dt):
+                # The same ops as forward (autocast's cast included), so the result is bit for bit
+                # y; a derived input comes from this backward's store (NOTE [Rebuilt once per
+                # backward]).
+                inp = rebuild(k)[0] if rebuild is not None else k
+                if dt is not None:
+                    w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
+                return torch.convolution(inp, w, b, *conf)  # _fwd_torch, without its frame
 
         # "cheap" (the norm's default policy replays it): a 1x1 conv, except one whose input is a
         # squeeze-excite output (EfficientNet-B0's and MobileNetV3's projections, RegNetY's
@@ -507,7 +526,14 @@ def _conv(
         recipe = _derived.Recipe(
             recompute, (kept, wd, bd), versions, y._version, pointwise and not gated, rebuild
         )
-        _derived.put_recipe(y, recipe)
+        # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C])
+        _CLOCK[0] += 1  # _derived._tick()
+        k = id(y)
+        e = _RECIPES_D.get(k)
+        if e is not None and e[0]() is y:
+            _RECIPES_D[k] = (e[0], recipe)
+        else:
+            _RECIPES_D[k] = (_weakref(y, _partial(_RECIPES_D.pop, k)), recipe)
     return y
 
 
