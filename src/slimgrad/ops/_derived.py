@@ -652,9 +652,8 @@ class _DerivedActFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if (
-            torch.is_grad_enabled()
-        ):  # first_order's test, inline (NOTE [First order, tested inline])
+        # first_order's test, inline (NOTE [First order, tested inline])
+        if torch.is_grad_enabled():
             return _act_double(ctx, grad), None
         buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
         (b,) = ctx.saved_tensors

@@ -811,15 +811,13 @@ def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
 # (K_rounded - K) n m in that sum, m = mean(b) ~ β: the sweep's BN -> SiLU at 4x16x7x7
 # (tests/conformance/test_never_more_than_eager.py) put the 1x1 conv's bias gradient at 6.68e-6
 # against the rule's bound 5.77e-6; now 5.72e-6. That gradient is rounding noise around 0 (the
-# conv then summed dx in float32), so the rule compares one draw of noise against eager's: over
-# 2,000 seeds of that block (float32, one thread), the conv bias broke the rule on 4 seeds before
+# conv sums dx in float32), so the rule compares one draw of noise against eager's: over 2,000
+# seeds of that block (float32, one thread), the conv bias broke the rule on 4 seeds before
 # (worst 1.33x), 3 now (worst 1.13x), and on 1 (1.44x) for a control that computes the
 # BatchNorm's dx in float64 from x itself and rounds it once (the most accurate float32 dx there
 # is). In an emulation of this formula on eager's b and dy, summing the conv bias gradient in
-# float64 instead left 0 of 3,000 seeds past the rule (worst 0.70x). slimgrad's conv now does
-# (NOTE [The bias gradient in float64] in ops/conv.py): over 1,200 seeds of that block on one
-# thread the conv bias broke the rule on 3 with aten's float32 sum (up to 1.26x the bound) and on
-# none with the float64 sum (tests/ops/test_conv.py). aten's kernel, fed mean' = m,
+# float64 instead left 0 of 3,000 seeds past the rule (worst 0.70x; ops/conv.py sums it in aten's
+# float32). aten's kernel, fed mean' = m,
 # invstd' = 1/γ and weight' = γ² σ⁻¹, computes the same dx with 1/γ rounded to float32 (entering the
 # projection squared and the scale with weight', itself two roundings): a systematic relative error
 # on every element of a channel, which sums coherently in the preceding conv's dW. On the

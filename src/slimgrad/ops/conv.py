@@ -1,8 +1,7 @@
 """Convolutions (1d/2d/3d, transposed) that keep only what the requested gradients need.
 
 Math: y = conv(x, W) + bias. dx = conv_transpose(dy, W) needs W only; dW = corr(x, dy) needs x only;
-dbias = Σ dy needs nothing (summed in float64 and rounded once: NOTE [The bias gradient in
-float64]). So: a frozen W (no grad) → x is not kept; an x that needs no grad → W is
+dbias = Σ dy needs nothing. So: a frozen W (no grad) → x is not kept; an x that needs no grad → W is
 not needed (and since W is a Parameter, keeping it costs nothing anyway). When x is the output of a
 slimgrad activation applied to a slimgrad norm output b (NOTE [Derived saved inputs] in
 ``ops/_derived.py``), the conv keeps b (kept by the norm already) and recomputes x = act(b) in
@@ -120,16 +119,10 @@ class _ConvFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if (
-            torch.is_grad_enabled()
-        ):  # first_order's test, inline (NOTE [First order, tested inline])
+        # first_order's test, inline (NOTE [First order, tested inline])
+        if torch.is_grad_enabled():
             return _ConvFn._double(ctx, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        # NOTE [The bias gradient in float64]: summed here, not by convolution_backward
-        bias64 = need_b and grad.dtype in _BIAS64
-        if bias64:
-            gb64 = grad.sum(_other_dims(grad), dtype=torch.float64).to(grad.dtype)
-            need_b = False
         kept_x, weight = ctx.saved_tensors
         shape, dtype, device = ctx.x_meta
         # Only the shape of x is read when dW is not requested, and only W's shape when dx is not:
@@ -146,40 +139,15 @@ class _ConvFn(torch.autograd.Function):
             del x
             # NOTE [A stand-in for x]
             fake_x = kept_x if ctx.base_stands_in else _shape_only(grad, shape, dtype, device)
-            gx = gb = None
-            if need_x or need_b:
-                gx, _, gb = _bwd_torch(
-                    grad, fake_x, weight, ctx.bias_sizes, *ctx.conf, [need_x, False, need_b]
-                )
-        elif not (need_x or need_w or need_b):
-            gx = gw = gb = None  # only the bias's gradient, summed above
+            gx, _, gb = _bwd_torch(
+                grad, fake_x, weight, ctx.bias_sizes, *ctx.conf, [need_x, False, need_b]
+            )
         else:
             x = kept_x if kept_x is not None else _shape_only(grad, shape, dtype, device)
             gx, gw, gb = _bwd_torch(
                 grad, x, weight, ctx.bias_sizes, *ctx.conf, [need_x, need_w, need_b]
             )
-        if bias64:
-            gb = gb64
         return gx, gw, gb, None, None, None, None, None, None, None
-
-
-# NOTE [The bias gradient in float64]
-# dbias = Σ dy over every dim but the channel dim. aten's convolution_backward sums it in the
-# gradient's dtype (float32 accumulation for float32, bf16 and fp16). After a BatchNorm whose dx is
-# computed from its output (NOTE [dx from the output] in ops/batch_norm.py), Σ dy over a channel is
-# 0 in exact arithmetic and the float32 sum is rounding noise around 0, which the error rule
-# compares against one draw of eager's own noise: over seeds of a Conv(1x1) -> BN -> SiLU block
-# (4x16x7x7 float32) the conv bias broke the rule on a few. So this conv sums dbias in float64 and
-# rounds it once to the gradient's dtype, for float32, bf16 and fp16 gradients (float64 stays
-# aten's): a reduction that casts on the fly (no float64 copy of dy; peak unchanged), separate from
-# convolution_backward, which then computes dx and dW only. Where the bias needs a gradient, the
-# call takes this Function, not eager's node (NOTE [A conv that keeps what eager keeps]): the same
-# tensors kept. Under create_graph the double backward (_double) is eager's formula, unchanged.
-_BIAS64 = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _other_dims(t: torch.Tensor) -> list[int]:
-    return [0, *range(2, t.dim())]
 
 
 # NOTE [A conv that keeps what eager keeps]
@@ -458,15 +426,7 @@ def _conv(
         if e is not None:
             d = _derived._lookup(x)
     anchor = None
-    if (
-        d is None
-        and x.requires_grad
-        and weight.requires_grad
-        and not autocast
-        and not compiling
-        # NOTE [The bias gradient in float64]: a bias that needs a gradient takes the Function
-        and (bias is None or not bias.requires_grad or bias.dtype not in _BIAS64)
-    ):
+    if d is None and x.requires_grad and weight.requires_grad and not autocast and not compiling:
         # NOTE [A conv that keeps what eager keeps] (_fwd_torch, without its frame)
         y = torch.convolution(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
