@@ -190,6 +190,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from slimgrad import _ext
+from slimgrad._autograd import compiling as _compiling
 from slimgrad._autograd import first_order
 
 __all__ = [
@@ -608,7 +609,6 @@ def _caller() -> str | None:
 
 _grad_on = torch._C.is_grad_enabled
 _functorch_on = torch._C._are_functorch_transforms_active
-_is_compiling = torch.compiler.is_compiling
 _graph_task_id = torch._C._current_graph_task_id
 _keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
 _getrefcount = sys.getrefcount
@@ -694,7 +694,7 @@ def reusable(grad: torch.Tensor | None) -> bool:
         True if no other reader of ``grad``'s memory exists; False otherwise (and always under
         :func:`reuse_disabled`, outside backward, with grad mode on, or if calibration failed).
     """
-    if _is_compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
+    if _compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
         return False
     refcount = _getrefcount(grad)
     return grad is not None and _grad_ok(grad, refcount)
@@ -714,7 +714,7 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
     """
     # a traced backward: no refcounts, no unannounced mutation; then the call mode's baselines
     # (NOTE [Calibration per call mode]): one nested call, the rest only when the mode changed
-    if _is_compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
+    if _compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
         return None
     refcount = _getrefcount(grad)
     if grad is None or not _grad_ok(grad, refcount):
@@ -733,7 +733,7 @@ def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
     ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` directly in
     ``backward`` (NOTE [Gradient-buffer ownership]).
     """
-    if _is_compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
+    if _compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
         return None
     refcount = _getrefcount(saved)
     if saved is None or not _saved_ok(saved, refcount):
@@ -938,7 +938,7 @@ def _fake_input_ok(x) -> bool:
 
 
 def _enter(module, args) -> None:
-    if not _is_compiling():
+    if not _compiling():
         _running.stack.append(module)
 
 
@@ -1381,7 +1381,7 @@ def owns_input(x: torch.Tensor, module: torch.nn.Module, writes: bool = True) ->
     Returns:
         True if writing over ``x`` (or not writing it) is invisible to everyone else.
     """
-    if not _running.stack or _is_compiling() or not _forward_ok(x, module, writes):
+    if not _running.stack or _compiling() or not _forward_ok(x, module, writes):
         return False
     with _counter_lock:
         _counter["forward"] += 1

@@ -65,7 +65,14 @@ def _owned(x: torch.Tensor, module: nn.Module) -> bool:
     # ownership.owns_input(x, module, writes=False), asked only where its answer is read: the
     # derived path needs x to be a pristine slimgrad norm output (_derived.activation; anything
     # else runs eager's in-place op whatever the answer)
-    return _derived.is_source(x) and ownership.owns_input(x, module, writes=False)
+    # (an empty registry of sources, the common case, asks nothing: NOTE [A source only where it
+    # can be claimed] in ops/batch_norm.py)
+    return (
+        bool(_SOURCES_D) and _derived.is_source(x) and ownership.owns_input(x, module, writes=False)
+    )
+
+
+_SOURCES_D = _derived._SOURCES_D
 
 
 class _BatchNormMixin:
@@ -165,8 +172,11 @@ class ReLUAfterNorm(NoScript, nn.ReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and _owned(input, self)
-        return _derived.activation(input, "relu", self.inplace, owned=owned)
+        if self.inplace:
+            if _owned(input, self):
+                return _derived.activation(input, "relu", True, owned=True)
+            return torch.relu_(input)  # what activation() runs in place without ownership
+        return _derived.activation(input, "relu", False)
 
     @classmethod
     def from_torch(cls, module: nn.ReLU) -> ReLUAfterNorm:

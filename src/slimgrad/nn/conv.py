@@ -12,6 +12,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from slimgrad._autograd import compiling as _compiling
 from slimgrad.nn._script import NoScript
 from slimgrad.ops import conv as _ops
 
@@ -37,7 +38,7 @@ def _slot(module: nn.Module) -> list | None:
     # this module's store for its normalised conv arguments (NOTE [Conv arguments, normalised
     # once per module] in slimgrad/ops/conv.py); a plain attribute, not state. None while Dynamo
     # traces (no module state is written there; the arguments are normalised as functionals do).
-    if _is_compiling():
+    if _compiling():
         return None
     d = module.__dict__
     if "_slimgrad_conv_args" in d:
@@ -46,23 +47,40 @@ def _slot(module: nn.Module) -> list | None:
     return slot
 
 
-# torch.compiler.is_compiling itself (Dynamo folds it by identity), without a wrapper's frame
-_is_compiling = torch.compiler.is_compiling
-
-
 class _ConvMixin:
     _api = ""  # set per class: the ops.conv functional's name and its spatial dims
     _nd = 0
+    _slimgrad_conv_args = None  # an instance's own slot once _slot made it
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # torch's ``self._conv_forward(input, self.weight, self.bias)``, the Parameters read from
         # their dict (Module.__getattr__'s first place; a name not there, e.g. a parametrization's
         # property, by attribute)
         p = self._parameters
-        return self._conv_forward(
+        weight = p["weight"] if "weight" in p else self.weight
+        bias = p["bias"] if "bias" in p else self.bias
+        if (
+            self.padding_mode != "zeros"
+            or "_conv_forward" in self.__dict__
+            or type(self)._conv_forward is not _ConvMixin._conv_forward
+        ):
+            return self._conv_forward(input, weight, bias)
+        # _conv_forward's zero-padding call, without its frame; the argument slot read as an
+        # attribute (the class's None until _slot makes it), in one compile check
+        slot = None if _compiling() else self._slimgrad_conv_args or _slot(self)
+        return _ops._conv(
+            self._api,
+            self._nd,
             input,
-            p["weight"] if "weight" in p else self.weight,
-            p["bias"] if "bias" in p else self.bias,
+            weight,
+            bias,
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
+            False,
+            0,
+            slot,
         )
 
     def _conv_forward(self, input, weight, bias):

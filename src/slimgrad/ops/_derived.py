@@ -110,14 +110,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import partial as _partial
 
 import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
 from slimgrad._autograd import (
+    compiling as _compiling,
+)
+from slimgrad._autograd import (
     direct_apply,
-    first_order,
     refuse_jit,
     unwrap_if_dead,
 )
@@ -194,13 +197,17 @@ def _put(data: dict, t, value) -> None:
     if e is not None and e[0]() is t:
         data[k] = (e[0], value)  # one weak reference per key
         return
+    # NOTE [A registry entry dropped in C]
+    data[k] = (weakref.ref(t, _partial(data.pop, k)), value)
 
-    def drop(ref, k=k, data=data) -> None:  # t died: its entry goes (if still its own)
-        e = data.get(k)
-        if e is not None and e[0] is ref:
-            del data[k]
 
-    data[k] = (weakref.ref(t, drop), value)
+# NOTE [A registry entry dropped in C]
+# The weak reference's callback is ``functools.partial(data.pop, k)``: called with the dead
+# reference, it runs ``data.pop(k, ref)`` (ref is the default), all in C, no Python frame per dying
+# key. The entry at k is always t's own when it runs: an entry is replaced only for the same live
+# tensor (which keeps its weak reference, above) or for another tensor of the same id, which can
+# exist only after t died, and t's callback runs as t dies (a tensor whose Python object torch
+# resurrects keeps its weak references and is not dead).
 
 
 _SOURCES = _Registry()
@@ -393,7 +400,12 @@ def put_recipe(y: torch.Tensor, recipe: Recipe) -> None:
     """:func:`register_recipe` of a made :class:`Recipe` (its tensors detached aliases, their
     versions read), for a caller that has checked that Dynamo is not tracing."""
     _CLOCK[0] += 1  # _tick()
-    _put(_RECIPES_D, y, recipe)
+    k = id(y)  # _put(_RECIPES_D, y, recipe), inline
+    e = _RECIPES_D.get(k)
+    if e is not None and e[0]() is y:
+        _RECIPES_D[k] = (e[0], recipe)
+    else:
+        _RECIPES_D[k] = (weakref.ref(y, _partial(_RECIPES_D.pop, k)), recipe)
 
 
 def _usable_recipe(y: torch.Tensor, policy: str) -> Recipe | None:
@@ -478,7 +490,12 @@ def register_source(out: torch.Tensor, source) -> None:
 def put_source(out: torch.Tensor, source) -> None:
     """:func:`register_source` for a caller that has checked that Dynamo is not tracing."""
     _CLOCK[0] += 1  # _tick()
-    _put(_SOURCES_D, out, (source, out._version))
+    k = id(out)  # _put(_SOURCES_D, out, ...), inline
+    e = _SOURCES_D.get(k)
+    if e is not None and e[0]() is out:
+        _SOURCES_D[k] = (e[0], (source, out._version))
+    else:
+        _SOURCES_D[k] = (weakref.ref(out, _partial(_SOURCES_D.pop, k)), (source, out._version))
 
 
 def is_source(b: torch.Tensor) -> bool:
@@ -634,8 +651,10 @@ class _DerivedActFn(torch.autograd.Function):
         return r
 
     @staticmethod
-    @first_order("ops.activation", double=lambda ctx, grad: (_act_double(ctx, grad), None))
     def backward(ctx, grad):
+        # first_order's test, inline (NOTE [First order, tested inline])
+        if torch.is_grad_enabled():
+            return _act_double(ctx, grad), None
         buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
         (b,) = ctx.saved_tensors
         if buf is not None and (buf.stride() != b.stride() or buf.dtype != b.dtype):
@@ -644,6 +663,14 @@ class _DerivedActFn(torch.autograd.Function):
 
 
 _ACT_APPLY = direct_apply(_DerivedActFn)
+
+
+# NOTE [First order, tested inline]
+# The Functions of the CNN hot path (conv, batch_norm, the derived activation) test grad mode at
+# the top of their own ``backward`` (autograd turns it on only under ``create_graph=True``) and
+# run their eager-formula ``double`` there: what ``_autograd.first_order`` does, without its
+# wrapper's frame per backward. ``ownership.take`` in such a backward is called from autograd's
+# plain chain (``ownership._chain_of``: "plain"), which has its own calibrated baseline.
 
 
 def activation(
@@ -687,7 +714,7 @@ def activation(
         and not (inplace and type(spec) is tuple and spec[1] < 0)
         and x.requires_grad
         and torch.is_grad_enabled()
-        and not _is_compiling()
+        and not _compiling()
         and not _transforms_active()  # NOTE [torch.func transforms]: eager's op
         and claim_source(x)
     ):

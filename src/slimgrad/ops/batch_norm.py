@@ -60,21 +60,26 @@ with frozen γ, β keeps nothing full-size there too.
 from __future__ import annotations
 
 import math
+import weakref
+from functools import partial as _partial
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import ownership
 from slimgrad._autograd import (
+    compiling as _compiling,
+)
+from slimgrad._autograd import (
     direct_apply,
-    first_order,
     refuse_jit,
     unwrap_if_dead,
 )
+from slimgrad._math import steps as _steps
 from slimgrad._math.abn import ParamChannels
 from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
-from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
+from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
 
 __all__ = ["batch_norm"]
 
@@ -127,13 +132,16 @@ class _Source:
         affine = ctx.weight_v is not None or ctx.bias_v is not None
         if affine and not _maybe_fake(b):  # estimate: assume no bad channels
             lim = _overflow_limit(b)
-            if not _params_unchanged(ctx):
+            w, bb = ctx.weight_src, ctx.bias_src
+            if (w is not None and w._version != ctx.weight_version) or (
+                bb is not None and bb._version != ctx.bias_version
+            ):  # γ or β written since forward
                 # γ or β changed since forward: b cannot be inverted with them (NOTE [BatchNorm
                 # keeps its parameters, not copies]); keep x, as eager
                 return False
             # γ, β as in forward (their versions); NOTE [Decided once per parameter version] in
             # slimgrad/_math/abn.py: no host sync while they do not change
-            bad, idx = _BAD.lookup(ctx.weight_src, ctx.bias_src, lim)
+            bad, idx = _bad_channels(w, bb, lim)
             if len(bad) > _MAX_BAD_FRACTION * C:
                 return False
             if bad:
@@ -208,13 +216,37 @@ def _bad_mask(weight, bias, extra=None):
 
 
 _BAD = ParamChannels(_bad_mask)
+# _BAD's last answer per parameter, read with plain comparisons: {id(γ, or β without γ): (weak
+# reference to it, weak reference to β or None, state, answer)}; state as ParamChannels._state
+# (each parameter's version, data_ptr, dtype and device, the optimizer steps, the output's
+# overflow limit). A changed state asks _BAD, which decides (NOTE [Decided once per parameter
+# version] in slimgrad/_math/abn.py); the same state gives _BAD's same answer.
+_BAD_LAST: dict = {}
 
 
-def _params_unchanged(ctx) -> bool:
-    return all(
-        t is None or t._version == v
-        for t, v in ((ctx.weight_src, ctx.weight_version), (ctx.bias_src, ctx.bias_version))
+def _bad_channels(w, bias, lim):
+    key = w if w is not None else bias
+    e = _BAD_LAST.get(id(key))
+    if e is not None and e[0]() is key and (e[1]() if e[1] is not None else None) is bias:
+        st = e[2]
+        if (
+            st[0] == lim
+            and st[1] == _steps._count[0]
+            and (w is None or (w._version, w.data_ptr(), w.dtype, w.device) == st[2])
+            and (bias is None or (bias._version, bias.data_ptr(), bias.dtype, bias.device) == st[3])
+        ):
+            return e[3]
+    out = _BAD.lookup(w, bias, lim)  # epoch() is asked there: the step hook is registered
+    st = (
+        lim,
+        _steps._count[0],
+        None if w is None else (w._version, w.data_ptr(), w.dtype, w.device),
+        None if bias is None else (bias._version, bias.data_ptr(), bias.dtype, bias.device),
     )
+    k = id(key)
+    ref = weakref.ref(key, _partial(_BAD_LAST.pop, k))  # NOTE [A registry entry dropped in C]
+    _BAD_LAST[k] = (ref, weakref.ref(bias) if bias is not None else None, st, out)
+    return out
 
 
 def _release(ctx) -> None:
@@ -306,7 +338,8 @@ class _BatchNormFn(torch.autograd.Function):
         recompute,
         hooked,
     ):
-        out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
+        # aten::native_batch_norm through its torch binding (one C call; the packet's is two)
+        out, save_mean, save_invstd = torch.native_batch_norm(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
@@ -351,7 +384,8 @@ class _BatchNormFn(torch.autograd.Function):
             _save_under_hooks(ctx, x, recipe)
         elif keep_x:
             if recipe is not None:
-                _derived.adopt_recipe(recipe)
+                if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
+                    recipe.rebuild.add_user(1)
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
                 ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
             else:
@@ -392,21 +426,38 @@ class _BatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if _grad_on():  # first_order's test, inline (NOTE [First order, tested inline])
+            return _BatchNormFn._double(ctx, grad)
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
         # may write dx over it
-        buf = ownership.take(grad) if ctx.b is not None and _c_may_write_dx(ctx) else None
+        lib = _c_lib_for_dx(ctx) if ctx.b is not None else None
+        buf = ownership.take(grad) if lib is not None else None
         if ctx.released:
             _check_not_released(ctx)
-        _check_params(ctx)
+        if (ctx.weight_v is not None and ctx.weight_v._version != ctx.weight_version) or (
+            ctx.running_mean is not None
+        ):
+            _check_params(ctx)  # raises where a version changed (read inline: the common case)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.x is None and ctx.recipe is None and ctx.b is None and not ctx.saved_x:
             # _kept_nothing: nothing full-size kept: eval with a frozen affine, or training where
             # only the bias needs a gradient (dx and dγ would have kept x).
             out = _bwd_kept_nothing(ctx, grad, need_x, need_b)
         elif ctx.b is None:
+            r = ctx.recipe
+            if ctx.x is None and r is not None and not ctx.saved_x:
+                # _input(ctx) -> r(), inline: grad mode is off here (tested above)
+                for t, v in zip(r.tensors, r.versions):
+                    if t is not None and t._version != v:
+                        _derived.check_version(
+                            t, v, "tensor kept to recompute a normalisation input"
+                        )
+                x = r.fn(*r.tensors)
+            else:
+                x = _input(ctx)
             out = torch.ops.aten.native_batch_norm_backward(
                 grad,
-                _input(ctx),
+                x,
                 ctx.weight_v,
                 ctx.running_mean,
                 ctx.running_var,
@@ -417,17 +468,15 @@ class _BatchNormFn(torch.autograd.Function):
                 [need_x, need_w, need_b],
             )
         else:
-            out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf)
+            out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf, lib)
         if _keep_graph is not None and not _keep_graph():
-            _release(ctx)
+            # _release(ctx), inline
+            ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
+            ctx.weight_src = ctx.bias_src = None
+            ctx.released = True
         gx, gw, gb = out
         # one gradient per forward argument (x, weight, bias; 8 non-differentiable ones)
         return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 8
-
-
-_BatchNormFn.backward = staticmethod(
-    first_order("ops.batch_norm", double=_BatchNormFn._double)(_BatchNormFn.backward)
-)
 
 
 _BN_APPLY = direct_apply(_BatchNormFn)
@@ -570,27 +619,33 @@ def _c_signatures(C):
     }
 
 
-def _c_may_write_dx(ctx) -> bool:
-    # _bwd_from_output_c may run and write dx (what it checks of ctx alone)
+def _c_lib_for_dx(ctx):
+    # the C library _bwd_from_output_c would run to write dx (what it checks of ctx alone), else
+    # None; handed on to it (one backend choice per backward)
     b = ctx.b
-    return (
+    if (
         b is not None
         and ctx.bad is None
         and ctx.needs_input_grad[0]
         and b.dtype == torch.float32
         and b.is_cpu
         and b.is_contiguous()
-        and _backend.use_cpu(b, C_STEM) is not None
-    )
+    ):
+        return _backend.use_cpu(b, C_STEM)
+    return None
 
 
-def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
+_C_FNS: dict = {}  # a loaded library -> its functions (kernels/_cpu.functions), read per call
+
+
+def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     # The whole backward of a float32 CPU call with no channel kept from x in one C call
     # (kernels/cpu/batch_norm.c: per channel, the float64 sums, NOTE [dx from the output]'s
     # coefficients and dx, with the channel's data still in cache), or None: the caller's path.
     # dβ is Σ dy summed in float64 and rounded once (within the rule where aten's float32 sum is).
     # buf: grad itself when ownership.take granted it: dx is written over it (no dx allocation;
-    # the kernel reads a channel's dy before it writes that channel's dx).
+    # the kernel reads a channel's dy before it writes that channel's dx). lib: the backend's
+    # library where the caller asked already (_c_lib_for_dx).
     b, invstd, w = ctx.b, ctx.save_invstd, ctx.weight_v
     if (
         ctx.bad is not None
@@ -604,12 +659,16 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
         or not b.numel()
     ):
         return None
-    lib = _backend.use_cpu(b, C_STEM)
     if lib is None:
-        return None
-    from slimgrad.kernels._cpu import functions, threads
+        lib = _backend.use_cpu(b, C_STEM)
+        if lib is None:
+            return None
+    fns = _C_FNS.get(lib)
+    if fns is None:
+        from slimgrad.kernels._cpu import functions
 
-    fn = functions(lib, _c_signatures)["bwd"]
+        fns = _C_FNS[lib] = functions(lib, _c_signatures)
+    fn = fns["bwd"]
     shape = b.shape
     n, c, s = shape[0], shape[1], math.prod(shape[2:])
     gx = None
@@ -619,28 +678,28 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None):
     gw = torch.empty(c, dtype=torch.float32) if need_w else None
     gb = torch.empty(c, dtype=torch.float32) if need_b else None
     w = w.contiguous() if w is not None else None
-    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     fn(
         b.data_ptr(),
         grad.data_ptr(),
         n,
         c,
         s,
-        ptr(w),
+        None if w is None else w.data_ptr(),
         invstd.data_ptr(),
-        ptr(gx),
-        ptr(gw),
-        ptr(gb),
-        threads(),
+        None if gx is None else gx.data_ptr(),
+        None if gw is None else gw.data_ptr(),
+        None if gb is None else gb.data_ptr(),
+        torch.get_num_threads() or 1,  # kernels/_cpu.threads()
     )
     if gx is not None and gx is buf:  # a raw write over the incoming gradient: visible to autograd
         torch.autograd.graph.increment_version(gx)
     return gx, gw, gb
 
 
-def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None):
-    _derived.check_version(ctx.b, ctx.b_version, "batch_norm output")
-    out = _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf)
+def _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
+    if ctx.b._version != ctx.b_version:
+        _derived.check_version(ctx.b, ctx.b_version, "batch_norm output")
+    out = _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf, lib)
     if out is not None:
         return out
     invstd = ctx.save_invstd
@@ -874,7 +933,7 @@ def batch_norm(
         or (bias is not None and bias.requires_grad)
     ) and torch.is_grad_enabled()
     numel = input.numel() if needs_graph else 0
-    plain = numel == 0 or _is_compiling() or _transforms_active()  # NOTE [torch.func transforms]
+    plain = numel == 0 or _compiling() or _transforms_active()  # NOTE [torch.func transforms]
     # x's recipe (NOTE [Recomputable inputs]), looked up once: the forward keeps it if it keeps x
     recipe = None
     if not plain and (training or (weight is not None and weight.requires_grad)):
@@ -916,7 +975,11 @@ def batch_norm(
     # save_for_backward
     hooked = _top_hooks(False) is not None
     holder: list = [recipe]  # the forward takes x's recipe and appends its _Source
-    anchor = make_anchor(input)
+    # make_anchor(input) where grad mode is on and nothing compiles or transforms (checked above)
+    anchor = None
+    if input.requires_grad:
+        box: list = []
+        anchor = (_ANCHOR_APPLY(unwrap_if_dead(input), box), box)
     # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
     # compiling and no transform is active here (the plain path above took those)
     out = _BN_APPLY(
@@ -932,15 +995,34 @@ def batch_norm(
         recompute_input,
         hooked,
     )
-    attach_anchor(out, anchor)
-    if training and holder:
+    if anchor is not None and out.grad_fn is not None:  # attach_anchor(out, anchor)
+        out.grad_fn._slimgrad_anchor = anchor
+    if (
+        training
+        and holder
+        # NOTE [A source only where it can be claimed]
+        and numel > _MAX_FEW * (shape[1] if ndim > 1 else 1)
+        and input.dtype.itemsize >= 4
+        and (
+            out.dtype == holder[0].ctx.param_dtype
+            or not _less_precise(out.dtype, holder[0].ctx.param_dtype)
+        )
+    ):
         _derived.put_source(out, holder[0])  # not compiling (plain path above)
     return out
 
 
+# NOTE [A source only where it can be claimed]
+# _Source.keep_output refuses, from the output's shape and dtypes alone, a training call with few
+# values per channel (NOTE [Few values per channel]), a 16-bit output and an output less precise
+# than γ, β (module docstring). Such a call registers no source: a following activation then finds
+# none and runs eager's op, what it ran after the refusal, without asking for ownership or a claim
+# (the same bits and bytes; fewer host calls per layer).
+
+
 # The C tests of transforms_active and refuse_jit, and torch.compiler.is_compiling itself (Dynamo
 # folds it by identity): one call each on the hot path, not two or three
-_is_compiling = torch.compiler.is_compiling
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_grad_on = torch._C.is_grad_enabled

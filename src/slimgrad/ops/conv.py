@@ -13,17 +13,22 @@ extra bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch
 
 from __future__ import annotations
 
+from functools import partial as _partial
+from weakref import ref as _weakref
+
 import torch
 
 from slimgrad import _dtensor
 from slimgrad._autograd import (
+    compiling as _compiling,
+)
+from slimgrad._autograd import (
     direct_apply,
-    first_order,
     refuse_jit,
     unwrap_if_dead,
 )
 from slimgrad.ops import _derived
-from slimgrad.ops.layer_norm import attach_anchor, bridged, make_anchor
+from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
 
 __all__ = [
     "conv1d",
@@ -114,6 +119,9 @@ class _ConvFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # first_order's test, inline (NOTE [First order, tested inline])
+        if torch.is_grad_enabled():
+            return _ConvFn._double(ctx, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         kept_x, weight = ctx.saved_tensors
         shape, dtype, device = ctx.x_meta
@@ -140,9 +148,6 @@ class _ConvFn(torch.autograd.Function):
                 grad, x, weight, ctx.bias_sizes, *ctx.conf, [need_x, need_w, need_b]
             )
         return gx, gw, gb, None, None, None, None, None, None, None
-
-
-_ConvFn.backward = staticmethod(first_order("ops.conv", double=_ConvFn._double)(_ConvFn.backward))
 
 
 # NOTE [A conv that keeps what eager keeps]
@@ -290,7 +295,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Dynamo folds it by identity): one call each on the hot path, not two or three
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
-_is_compiling = torch.compiler.is_compiling
+_DERIVED_D = _derived._DERIVED_D
+_RECIPES_D = _derived._RECIPES_D
+_CLOCK = _derived._CLOCK
 
 
 def _apply_fn(compiling: bool, args: tuple, holder: list) -> torch.Tensor:
@@ -340,9 +347,19 @@ def _conv(
             f"(C_out, C_in / groups, {n} kernel dims), got weight of size {list(weight.shape)}. "
             "Pass a weight with the kernel's spatial dims."
         )
-    x, stride, padding, dilation, output_padding = _args(
-        api, n, x, weight, stride, padding, dilation, transposed, output_padding, slot
-    )
+    c = slot[0] if slot is not None else None
+    if (
+        c is not None
+        and c[0] is stride
+        and c[1] is padding
+        and c[2] is dilation
+        and c[3] is output_padding
+    ):  # _args' first test, inline (NOTE [Conv arguments, normalised once per module])
+        stride, padding, dilation, output_padding = c[4]
+    else:
+        x, stride, padding, dilation, output_padding = _args(
+            api, n, x, weight, stride, padding, dilation, transposed, output_padding, slot
+        )
     xdim = x.ndim
     if xdim == n + 1:
         # Unbatched input, as torch: add and remove a batch dim.
@@ -399,11 +416,15 @@ def _conv(
                 x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
             )
     # a module's argument slot is None while Dynamo traces (nn/conv.py's _slot): no second test
-    compiling = False if slot is not None else _is_compiling()
+    compiling = False if slot is not None else _compiling()
     if not compiling and _jit_tracing():
         refuse_jit(jit_name)
     # a derived input is kept as its norm's output: anchor x for a second derivative
-    d = _derived._lookup(x) if weight.requires_grad and not compiling else None
+    d = None
+    if weight.requires_grad and not compiling and _DERIVED_D:
+        e = _DERIVED_D.get(id(x))  # _derived._lookup(x): its first test inline (most miss)
+        if e is not None:
+            d = _derived._lookup(x)
     anchor = None
     if d is None and x.requires_grad and weight.requires_grad and not autocast and not compiling:
         # NOTE [A conv that keeps what eager keeps] (_fwd_torch, without its frame)
@@ -412,7 +433,10 @@ def _conv(
         )
         holder: list = [(x, None, None)]
     else:
-        anchor = make_anchor(x) if d is not None else None
+        if d is not None and x.requires_grad:
+            # make_anchor(x): grad mode is on, nothing compiles (d) or transforms (checked above)
+            box: list = []
+            anchor = (_ANCHOR_APPLY(unwrap_if_dead(x), box), box)
         holder = [d]  # forward takes d (when W needs grad) and appends what it keeps
         args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         if autocast:
@@ -420,8 +444,8 @@ def _conv(
                 y = _apply_fn(compiling, args, holder)
         else:
             y = _apply_fn(compiling, args, holder)
-    if anchor is not None:
-        attach_anchor(y, anchor)
+    if anchor is not None and y.grad_fn is not None:  # attach_anchor(y, anchor)
+        y.grad_fn._slimgrad_anchor = anchor
     if holder and holder[-1] is not None and not compiling:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
         kept, act, handle = holder[0]
@@ -429,13 +453,27 @@ def _conv(
         # the recipe's own handle on the rebuilt input, counted when a norm adopts the recipe
         rebuild = _derived.Rebuild(act, handle.store, user=False) if handle is not None else None
 
-        def recompute(k, w, b, rebuild=rebuild, conf=conf, dt=dt):
-            # The same ops as forward (autocast's cast included), so the result is bit for bit y;
-            # a derived input comes from this backward's store (NOTE [Rebuilt once per backward]).
-            inp = rebuild(k)[0] if rebuild is not None else k
-            if dt is not None:
-                w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
-            return _fwd_torch(inp, w, b, *conf)
+        if rebuild is None and dt is None:
+            # recompute(k, w, b) below, as torch.convolution itself (no Python frame per replay)
+            recompute = _partial(
+                torch.convolution,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                transposed=transposed,
+                output_padding=output_padding,
+                groups=groups,
+            )
+        else:
+
+            def recompute(k, w, b, rebuild=rebuild, conf=conf, dt=dt):
+                # The same ops as forward (autocast's cast included), so the result is bit for bit
+                # y; a derived input comes from this backward's store (NOTE [Rebuilt once per
+                # backward]).
+                inp = rebuild(k)[0] if rebuild is not None else k
+                if dt is not None:
+                    w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
+                return torch.convolution(inp, w, b, *conf)  # _fwd_torch, without its frame
 
         # "cheap" (the norm's default policy replays it): a 1x1 conv, except one whose input is a
         # squeeze-excite output (EfficientNet-B0's and MobileNetV3's projections, RegNetY's
@@ -448,7 +486,14 @@ def _conv(
         recipe = _derived.Recipe(
             recompute, (kept, wd, bd), versions, y._version, pointwise and not gated, rebuild
         )
-        _derived.put_recipe(y, recipe)
+        # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C])
+        _CLOCK[0] += 1  # _derived._tick()
+        k = id(y)
+        e = _RECIPES_D.get(k)
+        if e is not None and e[0]() is y:
+            _RECIPES_D[k] = (e[0], recipe)
+        else:
+            _RECIPES_D[k] = (_weakref(y, _partial(_RECIPES_D.pop, k)), recipe)
     return y
 
 
