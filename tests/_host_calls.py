@@ -1,0 +1,27 @@
+"""Python calls slimgrad's own code makes (issue 32's host overhead, per op): deterministic counts,
+not times. Counted with ``sys.setprofile``: every Python frame in ``src/slimgrad`` entered, and
+every C function called from one; torch's and the test's own frames are not counted, so the count
+does not move with torch's Python internals."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+_SRC = "/src/slimgrad/"
+
+
+def slimgrad_calls(fn: Callable[[], object]) -> int:
+    """Calls of and from slimgrad's frames while ``fn()`` runs (forward and backward alike)."""
+    n = [0]
+
+    def prof(frame, event, arg):
+        if (event == "call" or event == "c_call") and _SRC in frame.f_code.co_filename:
+            n[0] += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
