@@ -180,6 +180,12 @@ def _is_fake(t: torch.Tensor) -> bool:
     return _get_dispatch_mode(_FAKE_MODE_KEY) is not None
 
 
+#: Process-wide names (``_resolved[0]``) under which :func:`use_triton` answers False for every
+#: tensor not on CUDA: a hot path reads ``not x.is_cuda and _resolved[0] in NO_TRITON_OFF_CUDA``
+#: (attribute reads, no call) and asks :func:`use_triton` only otherwise.
+NO_TRITON_OFF_CUDA = ("auto", "torch", "cpu")
+
+
 def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True) -> bool:
     """Whether an op called on ``x`` should run its Triton kernels (NOTE [Kernel backend choice]).
 
