@@ -344,8 +344,8 @@ def test_double_backward_and_torch_func():
 
 def test_host_calls_per_call():
     # issue 32: past one gate (NOTE [One gate per call]) the forward runs the custom op's
-    # implementation and backward reuses the forward's kernel choice: 58 calls of and from
-    # slimgrad's code per fwd + bwd (87 before), counted, not timed
+    # implementation and backward reuses the forward's kernel choice: 61 calls of and from
+    # slimgrad's code per fwd + bwd (92 before), counted, not timed
     from tests._host_calls import slimgrad_calls
 
     torch.manual_seed(0)
@@ -355,4 +355,4 @@ def test_host_calls_per_call():
         (dropout(x * 1, 0.1) * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 58
+    assert slimgrad_calls(step) <= 61
