@@ -100,21 +100,17 @@ def _scale(p: float, t: torch.Tensor) -> float:
     return noise_scale_value(p, t.dtype, t.device)
 
 
-def _fns(lib):
-    # the library's bound C functions (kernels/_cpu.functions), an attribute once bound
-    try:
-        return lib._slimgrad_fns
-    except AttributeError:
-        return _c_fns(lib)
-
-
 def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
     n = x.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)  # packed_numel(n)
     key = (p, x.dtype, x.device)
     scale = _SCALES[key] if key in _SCALES else _scale(p, x)
+    try:  # the bound C functions (_c_fns), an attribute once bound
+        fns = lib._slimgrad_fns
+    except AttributeError:
+        fns = _c_fns(lib)
     # the thread count as kernels/_cpu.threads() gives it (torch's own, at least 1)
-    _fns(lib)["fwd"](
+    fns["fwd"](
         noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), n, scale, _nthreads()
     )
     return bits
@@ -164,9 +160,11 @@ def _apply_mask_torch(
         out = g if inplace else torch.empty_like(g)
         key = (p, g.dtype, g.device)
         scale = _SCALES[key] if key in _SCALES else _scale(p, g)
-        _fns(lib)["bwd"](
-            g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads()
-        )
+        try:  # the bound C functions (_c_fns), an attribute once bound
+            fns = lib._slimgrad_fns
+        except AttributeError:
+            fns = _c_fns(lib)
+        fns["bwd"](g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads())
         return out
     mask = unpack_bits(bits, g.shape)
     if fused:
