@@ -337,8 +337,9 @@ def test_layouts_match_eager_strides_and_grads(layout, which):
 
 def test_hf_rms_norm_host_calls_per_call():
     # issue 32: HFRMSNorm reads its weight and eps without Module.__getattr__/getattr, and the
-    # kernel choice asks use_triton only where it may pick Triton: 92 calls of and from
-    # slimgrad's code per fwd + bwd (106 before), counted, not timed
+    # kernel choice asks use_triton only where it may pick Triton, and the PyTorch backward sizes
+    # its rows and chunks without helper calls: 86 calls of and from slimgrad's code per fwd +
+    # bwd (106 before), counted, not timed
     pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -353,4 +354,4 @@ def test_hf_rms_norm_host_calls_per_call():
         (norm(x * 1) * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 92
+    assert slimgrad_calls(step) <= 86

@@ -238,9 +238,10 @@ def rms_norm_bwd_torch(
     # (slimgrad.ownership.take), dx then overwrites each chunk of it after the chunk's last read.
     # from_input: ``y`` is the input x (half precision, NOTE [RMSNorm and GroupNorm in half
     # precision]) and xhat = x * rstd, as eager computes it.
-    acc = acc_dtype(y.dtype)
+    acc = torch.float64 if y.dtype == torch.float64 else torch.float32  # acc_dtype, inline
     d = math.prod(normalized_shape)
-    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    # the rows: y.numel() // d, or the leading dims' product when d == 0
+    n = y.numel() // d if d else math.prod(y.shape[: y.dim() - len(normalized_shape)])
     dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1).to(acc)
     w = weight.reshape(d).to(acc) if weight is not None else None
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
@@ -248,7 +249,13 @@ def rms_norm_bwd_torch(
     if need_dx:
         dx = out.view(n, d) if out is not None else y.new_empty((n, d))
     dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
-    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
+    # max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1)), without max()'s calls
+    step = (n * d) // 16
+    if step < CHUNK_ELEMS:
+        step = CHUNK_ELEMS
+    step //= d if d > 1 else 1
+    if step < 1:
+        step = 1
     for i in range(0, n, step):
         sl = slice(i, i + step)
         if from_input:
