@@ -179,3 +179,24 @@ def test_compiled_ops_run_the_kernels_at_run_time(spy):
             res.append((x.grad, w.grad))
     assert {"gelu._fwd_triton", "gelu._bwd_triton", "layer_norm._fwd_triton"} <= set(calls)
     torch.testing.assert_close(res[1], res[0], rtol=2e-5, atol=2e-6)
+
+
+def test_dropout_backward_uses_the_forwards_kernels(spy):
+    # the straight path keeps the forward's choice in ctx: a forward under 'triton' runs the Triton
+    # backward even when the process-wide name changed before backward (its mask came from the
+    # Philox kernel); a forward under 'torch' keeps the PyTorch backward under 'triton'
+    calls = spy("dropout")
+    drop = _op("dropout").dropout
+    x = torch.randn(7, 9, requires_grad=True)
+    with _backend.set_backend("triton"):
+        y = drop(x * 1, 0.3)
+    with _backend.set_backend("torch"):
+        y.sum().backward()
+    assert calls == ["dropout._fwd_triton", "dropout._bwd_triton"]
+    torch.testing.assert_close(x.grad, (y.detach() != 0).float() / 0.7)
+    calls.clear()
+    with _backend.set_backend("torch"):
+        y = drop(x * 1, 0.3)
+    with _backend.set_backend("triton"):
+        y.sum().backward()
+    assert calls == []

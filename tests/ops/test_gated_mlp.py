@@ -317,3 +317,23 @@ def test_autocast_weights_used_twice_and_not_leaves(fused):
             res.append([y.detach(), *grads_of((y.float() * gy).sum(), ins)])
         for a, b in zip(*res, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_host_calls_per_call():
+    # issue 32: shapes checked inline, and the backward skips its casts when forward saw one
+    # dtype throughout (no autocast, no master weights): 63 calls of and from slimgrad's code per
+    # fwd + bwd (77 before), counted, not timed
+    from slimgrad.ops.gated_mlp import gated_mlp
+    from tests._host_calls import slimgrad_calls
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, 64, requires_grad=True)
+    wg = torch.nn.Parameter(torch.randn(160, 64) * 0.1)
+    wu = torch.nn.Parameter(torch.randn(160, 64) * 0.1)
+    wd = torch.nn.Parameter(torch.randn(64, 160) * 0.1)
+
+    def step():
+        (gated_mlp(x * 1, wg, wu, wd) * 1).sum().backward()
+
+    step()
+    assert slimgrad_calls(step) <= 63

@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from slimgrad._autograd import compiling
+from slimgrad._math import steps
 from slimgrad._math.steps import epoch
 
 __all__ = [
@@ -110,28 +111,38 @@ def fallback_channels(
         dev = torch.device("cpu")
         return torch.empty(0, dtype=torch.int64, device=dev)
     ref = weight if weight is not None else bias
-    if type(ref) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(ref):
+    # a Tensor or Parameter is never fake (a fake parameter is a FakeTensor)
+    if type(ref) not in _PLAIN and torch._subclasses.fake_tensor.is_fake(ref):
         # Fake weights have no values (slimgrad.memory.estimate): assume no fallback channel.
         return torch.empty(0, dtype=torch.int64, device=ref.device)
-    # _cacheable and _key for both, inline (every norm call comes here)
+    # _cacheable and _key for both, inline (every norm call comes here); an inference tensor has
+    # no version counter: reading _version raises for it (no is_inference() call per norm)
     w_key = b_key = None
-    if weight is not None:
-        if type(weight) not in _PLAIN or weight.is_inference():
-            return _find_fallback_channels(weight, bias, out_dtype)
-        w_key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape, weight.stride())
-        w_key += (weight.device,)
-    if bias is not None:
-        if type(bias) not in _PLAIN or bias.is_inference():
-            return _find_fallback_channels(weight, bias, out_dtype)
-        b_key = (bias.data_ptr(), bias._version, bias.dtype, bias.shape, bias.stride(), bias.device)
+    try:
+        if weight is not None:
+            if type(weight) not in _PLAIN:
+                return _find_fallback_channels(weight, bias, out_dtype)
+            w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
+            w_key += (weight.stride(), weight.device)
+        if bias is not None:
+            if type(bias) not in _PLAIN:
+                return _find_fallback_channels(weight, bias, out_dtype)
+            b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
+            b_key += (bias.device,)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return _find_fallback_channels(weight, bias, out_dtype)
     if compiling():  # NOTE [One-frame compile check] in slimgrad/_autograd.py
         return _find_fallback_channels(weight, bias, out_dtype)
-    # + optimizer steps (NOTE [Steps that skip the version counter] in _math/steps.py)
-    key = (w_key, b_key, out_dtype, epoch())
+    # + optimizer steps (NOTE [Steps that skip the version counter] in _math/steps.py); epoch()
+    # without its frame once its hook is in place
+    key = (w_key, b_key, out_dtype, steps._count[0] if steps._hooked[0] else epoch())
     slot = id(ref)
-    hit = _FB_CACHE.get(slot)
+    hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
     if hit is not None and hit[0]() is ref and hit[1] == key:
-        return _fresh(hit[2])
+        idx = hit[2]  # _fresh(idx), inline: a tensor of the caller's own
+        if idx.shape[0] == 0:
+            return torch.empty(0, dtype=torch.int64, device=idx.device)
+        return idx.clone()
     idx = _find_fallback_channels(weight, bias, out_dtype)
     wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
     _FB_CACHE[slot] = (wref, key, idx)
@@ -153,13 +164,15 @@ def _find_fallback_channels(weight, bias, out_dtype):
 
 def layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps):
     y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-    idx = fallback_channels(weight, bias, y.dtype).to(x.device)
+    idx = fallback_channels(weight, bias, y.dtype)
+    if idx.device != x.device:
+        idx = idx.to(x.device)
     return y, mean, rstd, idx, side_columns(x, math.prod(normalized_shape), idx)
 
 
 def side_columns(x: torch.Tensor, d: int, idx: torch.Tensor) -> torch.Tensor:
     """x's input columns of the fallback channels ``idx``, (rows, k); no gather when k = 0."""
-    if idx.numel() == 0:
+    if idx.shape[0] == 0:
         return x.new_empty((x.numel() // d if d else 0, 0))
     return x.reshape(-1, d).index_select(1, idx)
 
@@ -225,9 +238,10 @@ def rms_norm_bwd_torch(
     # (slimgrad.ownership.take), dx then overwrites each chunk of it after the chunk's last read.
     # from_input: ``y`` is the input x (half precision, NOTE [RMSNorm and GroupNorm in half
     # precision]) and xhat = x * rstd, as eager computes it.
-    acc = acc_dtype(y.dtype)
+    acc = torch.float64 if y.dtype == torch.float64 else torch.float32  # acc_dtype, inline
     d = math.prod(normalized_shape)
-    n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    # the rows: y.numel() // d, or the leading dims' product when d == 0
+    n = y.numel() // d if d else math.prod(y.shape[: y.dim() - len(normalized_shape)])
     dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1).to(acc)
     w = weight.reshape(d).to(acc) if weight is not None else None
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
@@ -235,7 +249,13 @@ def rms_norm_bwd_torch(
     if need_dx:
         dx = out.view(n, d) if out is not None else y.new_empty((n, d))
     dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
-    step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
+    # max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1)), without max()'s calls
+    step = (n * d) // 16
+    if step < CHUNK_ELEMS:
+        step = CHUNK_ELEMS
+    step //= d if d > 1 else 1
+    if step < 1:
+        step = 1
     for i in range(0, n, step):
         sl = slice(i, i + step)
         if from_input:

@@ -176,10 +176,34 @@ def _sdpa_reads() -> frozenset[str]:
 _UNIMPLEMENTED: list = [None, frozenset()]  # (sdpa_attention_forward, its reads - _IMPLEMENTED)
 
 
+_HF_SDPA: list = []  # transformers.integrations.sdpa_attention, imported at the first call
+
+
+def _hf_sdpa():
+    # the module, imported once (a `from ... import` per call costs frames); its attributes are
+    # read at each call, so a patched function is seen
+    if not _HF_SDPA:
+        from transformers.integrations import sdpa_attention
+
+        _HF_SDPA.append(sdpa_attention)
+    return _HF_SDPA[0]
+
+
+def _groups(module) -> object:
+    # getattr(module, "num_key_value_groups", 1), from the instance dict where it lives (HF sets
+    # it in __init__) without Module.__getattr__
+    d = module.__dict__
+    return (
+        d["num_key_value_groups"]
+        if "num_key_value_groups" in d
+        else getattr(module, "num_key_value_groups", 1)
+    )
+
+
 def _sdpa_unimplemented() -> frozenset[str]:
     # the keywords HF's SDPA function reads that _attention does not implement: worked out once
     # per function object (a patched sdpa_attention_forward is read again), not per call
-    from transformers.integrations import sdpa_attention as hf_sdpa
+    hf_sdpa = _HF_SDPA[0] if _HF_SDPA else _hf_sdpa()
 
     fn = hf_sdpa.sdpa_attention_forward
     if _UNIMPLEMENTED[0] is not fn:
@@ -223,11 +247,15 @@ def _autocast_bias_ok(bias: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs) -> bool:
-    if not (isinstance(dropout, float | int) and dropout > 0.0 and torch.is_grad_enabled()):
+    if not (
+        (type(dropout) is float or isinstance(dropout, float | int))
+        and dropout > 0.0
+        and torch.is_grad_enabled()
+    ):
         return False
     if query.device.type != "cpu":
         return False  # exactness: other devices draw dropout their own way
-    if not (query.dim() == key.dim() == value.dim() == 4):
+    if not (query.ndim == key.ndim == value.ndim == 4):
         return False
     floats = (*_HALF, torch.float32, torch.float64)
     if not (query.dtype in floats and key.dtype in floats and value.dtype in floats):
@@ -248,7 +276,7 @@ def _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, k
         v = kwargs.get(name)
         if v is not None and v is not False:  # _is_set
             return False
-    groups = getattr(module, "num_key_value_groups", 1)
+    groups = _groups(module)
     if not isinstance(groups, int) or query.shape[1] != key.shape[1] * max(groups, 1):
         return False
     if groups > 1 and query.shape[2] == 1:
@@ -319,8 +347,7 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs,
 ):
-    from transformers.integrations import sdpa_attention as hf_sdpa
-
+    hf_sdpa = _HF_SDPA[0] if _HF_SDPA else _hf_sdpa()
     if not _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs):
         return hf_sdpa.sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
@@ -329,7 +356,7 @@ def _attention(
     # with dropout), with softmax -> dropout -> @V in slimgrad's op. NOTE [SDPA's math path in
     # half precision and under autocast]
     position_bias = kwargs.get("position_bias")
-    groups = getattr(module, "num_key_value_groups", 1)
+    groups = _groups(module)
     # HF lets SDPA repeat the kv heads (enable_gqa: after its casts) or repeats them itself
     gqa_in_sdpa = groups > 1 and hf_sdpa.use_gqa_in_sdpa(attention_mask, key, value)
     if groups > 1 and not gqa_in_sdpa:

@@ -80,7 +80,6 @@ _found: dict[str, bool] = {}
 # the process-wide name in force (set_backend's, else $SLIMGRAD_BACKEND's, else "auto"), resolved
 # once; None: resolve at the next call (NOTE [Kernel backend choice], "Decided once")
 _resolved: list[str | None] = [None]
-_UNSET = object()
 
 
 def _check(backend: str, source: str) -> str:
@@ -181,6 +180,12 @@ def _is_fake(t: torch.Tensor) -> bool:
     return _get_dispatch_mode(_FAKE_MODE_KEY) is not None
 
 
+#: Process-wide names (``_resolved[0]``) under which :func:`use_triton` answers False for every
+#: tensor not on CUDA: a hot path reads ``not x.is_cuda and _resolved[0] in NO_TRITON_OFF_CUDA``
+#: (attribute reads, no call) and asks :func:`use_triton` only otherwise.
+NO_TRITON_OFF_CUDA = ("auto", "torch", "cpu")
+
+
 def use_triton(x: torch.Tensor, backend: str | None = None, *, auto: bool = True) -> bool:
     """Whether an op called on ``x`` should run its Triton kernels (NOTE [Kernel backend choice]).
 
@@ -225,6 +230,15 @@ def kernels(stem: str) -> ModuleType:
     return mod if mod is not None else importlib.import_module(name)
 
 
+_cpu_module: list[ModuleType | None] = [None]  # slimgrad.kernels._cpu once imported
+
+
+def _load_cpu_module() -> ModuleType:
+    mod = importlib.import_module("slimgrad.kernels._cpu")
+    _cpu_module[0] = mod
+    return mod
+
+
 def use_cpu(
     x: torch.Tensor,
     stem: str,
@@ -256,11 +270,10 @@ def use_cpu(
     if type(x) not in _PLAIN or x.is_meta or _get_dispatch_mode(_FAKE_MODE_KEY) is not None:
         if _is_fake(x):
             return None
-    _cpu = sys.modules.get("slimgrad.kernels._cpu")
-    if _cpu is None:
-        _cpu = importlib.import_module("slimgrad.kernels._cpu")
-    lib = _cpu._libs.get(stem, _UNSET)  # built or failed once per stem (NOTE [CPU C kernels])
-    if lib is not None and lib is not _UNSET:
+    _cpu = _cpu_module[0] or _load_cpu_module()
+    libs = _cpu._libs  # built or failed once per stem (NOTE [CPU C kernels]); read, no call
+    lib = libs[stem] if stem in libs else None
+    if lib is not None:
         return lib
     if b == "cpu":
         with warnings.catch_warnings():

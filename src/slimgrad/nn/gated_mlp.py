@@ -94,11 +94,23 @@ def _plain_linear(m: nn.Module) -> bool:
         import slimgrad.nn.linear as snl
 
         _LINEARS.append((nn.Linear, snl.Linear))
+    if type(m) not in _LINEARS[0] or "forward" in m.__dict__:
+        return False
+    p = m._parameters  # m.weight without Module.__getattr__ (a Linear's weight is a Parameter)
+    w = p["weight"] if "weight" in p else m.weight
+    if w.ndim != 2:
+        return False
+    # _hooked(m) only when some hook dict is not empty
+    hooks = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    return not (hooks and _hooked(m))
+
+
+def _params(m: nn.Module) -> tuple:
+    # (weight, bias) of a plain Linear (_plain_linear) without Module.__getattr__
+    p = m._parameters
     return (
-        type(m) in _LINEARS[0]
-        and "forward" not in m.__dict__
-        and m.weight.dim() == 2
-        and not _hooked(m)
+        p["weight"] if "weight" in p else m.weight,
+        p["bias"] if "bias" in p else m.bias,
     )
 
 
@@ -207,18 +219,27 @@ class GatedMLP(NoScript, nn.Module):
             not torch.is_grad_enabled()
             or transforms_active()
             or activation_of(act) != self.activation
-            or _hooked(act)
-            or _global_hooks()
+            # _hooked(act) and _global_hooks() only when some hook dict is not empty
+            or (
+                (act._forward_hooks or act._forward_pre_hooks)
+                or (act._backward_hooks or act._backward_pre_hooks)
+            )
+            and _hooked(act)
+            or (
+                (_module._global_forward_hooks or _module._global_forward_pre_hooks)
+                or (_module._global_backward_hooks or _module._global_backward_pre_hooks)
+            )
+            and _global_hooks()
         ):
             return self._eager(x, gate, up, down, act)
         a = self.activation
         plain_down = _plain_linear(down)
         if plain_down and _plain_linear(gate) and (up is None or _plain_linear(up)):
+            (gw, gb), (dw, db) = _params(gate), _params(down)
             if self.fused:
-                return gated_mlp_fused(x, gate.weight, down.weight, gate.bias, down.bias, a)
-            return gated_mlp(
-                x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias, a
-            )
+                return gated_mlp_fused(x, gw, dw, gb, db, a)
+            uw, ub = _params(up)
+            return gated_mlp(x, gw, uw, dw, gb, ub, db, a)
         if self.fused:  # the projections that are not plain Linears are called
             g, u = gate(x).chunk(2, dim=-1)
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as _module
 
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
@@ -43,7 +44,8 @@ class GELU(NoScript, torch.nn.GELU):
         self.inplace = inplace
 
     def forward(self, input: Tensor) -> Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+        hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
+        if hooks and forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
             if self.inplace:  # eager's in-place GELU (it keeps a copy of the input)
                 return torch.ops.aten.gelu_(input, approximate=self.approximate)
             return torch.nn.functional.gelu(input, approximate=self.approximate)

@@ -26,7 +26,12 @@ class Linear(NoScript, torch.nn.Linear):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias)
+        p = self._parameters  # _params(self), inline
+        return linear(
+            input,
+            p["weight"] if "weight" in p else self.weight,
+            p["bias"] if "bias" in p else self.bias,
+        )
 
     @classmethod
     def from_torch(cls, module: torch.nn.Linear) -> Linear:
@@ -64,7 +69,14 @@ class Conv1D(NoScript, torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return conv1d_addmm(x, self.weight, self.bias)
+        # the Parameters without Module.__getattr__; a parametrized weight is a property of the
+        # parametrized class, not in _parameters: read as an attribute
+        p = self._parameters
+        return conv1d_addmm(
+            x,
+            p["weight"] if "weight" in p else self.weight,
+            p["bias"] if "bias" in p else self.bias,
+        )
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}"

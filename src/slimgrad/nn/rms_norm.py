@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as _module
 
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
@@ -79,11 +80,16 @@ class HFRMSNorm(NoScript, torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         w = None
+        d = self.__dict__  # attribute reads without Module.__getattr__ / getattr calls
         # with_scale: a plain attribute when the HF module had one (from_hf copies it)
-        if HF_VARIANTS[self.variant][1] is not None and self.__dict__.get("with_scale", True):
-            w = self.weight
-        eps = getattr(self, self.eps_attr)
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: HF's ops
+        if HF_VARIANTS[self.variant][1] is not None and ("with_scale" not in d or d["with_scale"]):
+            p = self._parameters  # a parametrized weight is a property: read as an attribute
+            w = p["weight"] if "weight" in p else self.weight
+        ea = self.eps_attr
+        eps = d[ea] if ea in d else getattr(self, ea)
+        # NOTE [Forward hooks on an output-saving module]: HF's ops; forward_hooked only when a
+        # hook exists
+        if (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self):
             return HF_VARIANTS[self.variant][0](hidden_states, w, eps)[0]
         return hf_rms_norm(hidden_states, w, eps, self.variant)
 

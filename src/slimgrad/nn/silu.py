@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as _module
 
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
@@ -20,7 +21,9 @@ class SiLU(NoScript, torch.nn.SiLU):
     """Drop-in ``torch.nn.SiLU`` (a subclass) using :func:`slimgrad.ops.silu.silu`."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: eager's op
+        hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
+        # NOTE [Forward hooks on an output-saving module]: eager's op
+        if hooks and forward_hooked(self):
             return torch.nn.functional.silu(input, self.inplace)
         return silu(input, self.inplace)
 

@@ -41,13 +41,15 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
-from slimgrad._library import custom_op
-from slimgrad._math.dropout import noise_scale, noise_scale_value
+from slimgrad._library import custom_op, straight
+from slimgrad._math.dropout import _SCALES, noise_scale, noise_scale_value
 from slimgrad.kernels import _backend
 from slimgrad.ops import _bits
 from slimgrad.ops._bits import pack_bits, packed_numel
 
 __all__ = ["dropout", "dropout_", "pack_bits", "unpack_bits"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Bit packing: slimgrad.ops._bits (NOTE [Bit packing with one multiply] there); re-exported here.
 C_STEM = "dropout"  # kernels/cpu/dropout.c: pack + apply in one pass on float32 CPU tensors
@@ -93,12 +95,22 @@ def _c_lib(t: torch.Tensor):
     return _backend.use_cpu(t, C_STEM)
 
 
+def _scale(p: float, t: torch.Tensor) -> float:
+    # noise_scale_value(p, t.dtype, t.device); the callers read its table first, without a frame
+    return noise_scale_value(p, t.dtype, t.device)
+
+
 def _c_fwd(lib, noise: torch.Tensor, x: torch.Tensor, out: torch.Tensor, p: float) -> torch.Tensor:
     n = x.numel()
     bits = torch.empty((n + 7) // 8, dtype=torch.uint8)  # packed_numel(n)
-    scale = noise_scale_value(p, x.dtype, x.device)
+    key = (p, x.dtype, x.device)
+    scale = _SCALES[key] if key in _SCALES else _scale(p, x)
+    try:  # the bound C functions (_c_fns), an attribute once bound
+        fns = lib._slimgrad_fns
+    except AttributeError:
+        fns = _c_fns(lib)
     # the thread count as kernels/_cpu.threads() gives it (torch's own, at least 1)
-    (getattr(lib, "_slimgrad_fns", None) or _c_fns(lib))["fwd"](
+    fns["fwd"](
         noise.data_ptr(), x.data_ptr(), out.data_ptr(), bits.data_ptr(), n, scale, _nthreads()
     )
     return bits
@@ -116,7 +128,7 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     # some p, e.g. 1e-6)
     noise = torch.empty_like(x).bernoulli_(1 - p)
     # _c_lib(x), inline
-    lib = _backend.use_cpu(x, C_STEM) if x.is_contiguous() and x.numel() else None
+    lib = _backend.use_cpu(x, C_STEM) if 0 not in x.shape and x.is_contiguous() else None
     if lib is not None:  # the same draw; pack + x * noise in one C pass, into noise
         return noise, _c_fwd(lib, noise, x, noise, p)
     bits = pack_bits(noise != 0)
@@ -143,13 +155,16 @@ def _apply_mask_torch(
     # in dtype; g * 1 = g exactly, g * 0 = +-0 or NaN as in eager); the mask is the only
     # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
     # _c_lib(g), inline
-    lib = None if fused or not g.is_contiguous() or not g.numel() else _backend.use_cpu(g, C_STEM)
+    lib = None if fused or 0 in g.shape or not g.is_contiguous() else _backend.use_cpu(g, C_STEM)
     if lib is not None:  # (g * m) * s == m ? g * s : g * 0, the same rounding, one pass
         out = g if inplace else torch.empty_like(g)
-        scale = noise_scale_value(p, g.dtype, g.device)
-        (getattr(lib, "_slimgrad_fns", None) or _c_fns(lib))["bwd"](
-            g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads()
-        )
+        key = (p, g.dtype, g.device)
+        scale = _SCALES[key] if key in _SCALES else _scale(p, g)
+        try:  # the bound C functions (_c_fns), an attribute once bound
+            fns = lib._slimgrad_fns
+        except AttributeError:
+            fns = _c_fns(lib)
+        fns["bwd"](g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads())
         return out
     mask = unpack_bits(bits, g.shape)
     if fused:
@@ -232,21 +247,45 @@ def _double(ctx, grad, *_):
     return _apply_mask_torch(grad, bits, ctx.p, ctx.fused), None
 
 
+def _double3(ctx, grad, *_):
+    # _double of _DropoutFn, whose forward takes a third argument (direct)
+    return (*_double(ctx, grad), None)
+
+
+_UNDECIDED = object()  # ctx.k of a forward that ran the custom op: backward decides itself
+
+
 class _DropoutFn(torch.autograd.Function):
+    # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py): the
+    # custom op's implementation runs here, and the kernels it picks (NOTE [Kernel backend
+    # choice]) are kept in ctx.k for backward (None: the PyTorch/C path)
     @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float):
-        out, bits = _dropout_fwd(x, p)
-        ctx.p, ctx.fused = p, _fused(x)
+    def forward(ctx, x: torch.Tensor, p: float, direct: bool = False):
+        if direct:
+            # _kernels(x): only a forced 'triton' picks the kernels (auto=False)
+            k = None if _backend._resolved[0] == "auto" else _kernels(x)
+            out, bits = k._fwd_triton(x, p) if k is not None else _fwd_torch(x, p)
+            ctx.k = k
+        else:
+            out, bits = _dropout_fwd(x, p)
+            ctx.k = _UNDECIDED
+        ctx.p, ctx.fused = p, x.device.type != "cpu"  # _fused(x)
         ctx.save_for_backward(bits)
         ctx.mark_non_differentiable(bits)
         return out, bits
 
     @staticmethod
-    @first_order("ops.dropout", double=_double)
+    @first_order("ops.dropout", double=_double3)
     def backward(ctx, grad, _grad_bits):
         owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
-        return _backward(grad, bits, ctx.p, ctx.fused, owned), None
+        k = ctx.k
+        if k is not _UNDECIDED and not owned and straight():  # the forward's choice (ctx.k)
+            g = grad.contiguous()  # what the custom op _dropout_apply_mask runs on
+            if k is not None and k.supports(g):
+                return k._bwd_triton(g, bits, ctx.p, ctx.fused), None, None
+            return _apply_mask_torch(g, bits, ctx.p, ctx.fused), None, None
+        return _backward(grad, bits, ctx.p, ctx.fused, owned), None, None
 
 
 _DROPOUT_APPLY = direct_apply(_DropoutFn)
@@ -328,6 +367,17 @@ def dropout(
     Example:
         >>> y = dropout(torch.randn(4, 8, requires_grad=True), p=0.1)
     """
+    if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
+        type(p) is float
+        and 0.0 < p < 1.0
+        and training
+        and not inplace
+        and type(input) in _PLAIN
+        and not input.is_meta
+        and straight()
+        and 0 not in input.shape
+    ):
+        return _DROPOUT_APPLY(unwrap_if_dead(input), p, True)[0]
     _dtensor.refuse("slimgrad.ops.dropout", input=input)
     if type(p) is not float or not 0.0 <= p <= 1.0:  # a float in range passes _check_p
         _check_p("ops.dropout", p)

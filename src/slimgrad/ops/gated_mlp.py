@@ -236,6 +236,22 @@ class _GatedMLPFn(torch.autograd.Function):
             None if wd is None else wd.dtype,
             None if bd is None else bd.dtype,
         )
+        # every input, weight and matmul in one dtype, no master weights (no autocast): the
+        # backward's casts (_cast, _to) are identities, skipped
+        dts, gdt = ctx.in_dtypes, g.dtype
+        ctx.one_dtype = (
+            mg is None
+            and mu is None
+            and md is None
+            and u.dtype == gdt
+            and dts[0] == gdt
+            and dts[1] in (None, gdt)
+            and dts[2] in (None, gdt)
+            and dts[3] in (None, gdt)
+            and dts[4] in (None, gdt)
+            and dts[5] in (None, gdt)
+            and dts[6] in (None, gdt)
+        )
         # autocast caches the cast of a leaf that requires grad: both projections then read one
         # cast of x, whose two gradients eager sums before casting back. Not under torch.compile
         # (dynamo cannot trace _is_view; compiled graphs keep eager's casts: masters are None)
@@ -275,30 +291,37 @@ class _GatedMLPFn(torch.autograd.Function):
             dg, du, dwd, dbd = _glu_bwd(
                 dy, g, u, h, wd, True, need_gu, m[5], m[6], has_bd, ctx.activation, ctx.fused
             )
-            dwd, dbd = _to(dwd, wddt), _to(dbd, bddt)
+            one = ctx.one_dtype  # every cast below is then the identity (forward)
+            if not one:
+                dwd, dbd = _to(dwd, wddt), _to(dbd, bddt)
             del g, u, h
             if need_gu:  # each gradient cast back as soon as it is made, its buffers dropped
-                xg = _cast(x, gdt)
+                xg = x if one else _cast(x, gdt)
                 # fused: dg is the (*, 2 I) gradient of the gate_up projection
-                dx, dwg, dbg = _linear_bwd(dg, xg, _cast(wg, gdt), has_bg, False, m[0:3])
-                del dg
-                dwg, dbg = _to(dwg, wgdt), _to(dbg, bgdt)
+                wgc = wg if one else _cast(wg, gdt)
+                dx, dwg, dbg = _linear_bwd(dg, xg, wgc, has_bg, False, m[0:3])
+                del dg, wgc
+                if not one:
+                    dwg, dbg = _to(dwg, wgdt), _to(dbg, bgdt)
                 # eager: x's gradients from both projections, each cast back (a leaf's cast
                 # cached by autocast: summed before), summed by autograd
                 both = ctx.x_cast_cached and udt == gdt
-                if not both:
+                if not both and not one:
                     dx = _to(dx, xdt)
                 if not ctx.fused:
                     xu = xg if udt == gdt else _cast(x, udt)
                     del xg
                     mu = (m[0], m[3], m[4])
-                    dxu, dwu, dbu = _linear_bwd(du, xu, _cast(wu, udt), has_bu, False, mu)
-                    del du, xu
-                    dwu, dbu = _to(dwu, wudt), _to(dbu, budt)
+                    wuc = wu if one else _cast(wu, udt)
+                    dxu, dwu, dbu = _linear_bwd(du, xu, wuc, has_bu, False, mu)
+                    del du, xu, wuc
+                    if not one:
+                        dwu, dbu = _to(dwu, wudt), _to(dbu, budt)
                     if m[0]:
-                        dx = dx.add_(dxu if both else _to(dxu, xdt))
+                        dx = dx.add_(dxu if both or one else _to(dxu, xdt))
                         del dxu
-                dx = _to(dx, xdt)
+                if not one:
+                    dx = _to(dx, xdt)
         return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None, None
 
 
@@ -393,8 +416,11 @@ def gated_mlp(
     """
     if activation not in ACTIVATIONS:
         _check_activation("gated_mlp", activation)
-    _check_in("gated_mlp", "input", input, gate_weight)
-    _check_in("gated_mlp", "input", input, up_weight)
+    s = input.shape  # _check_in raises where these fail (no call when they hold)
+    if not (s and gate_weight.ndim == 2 and s[-1] == gate_weight.shape[1]):
+        _check_in("gated_mlp", "input", input, gate_weight)
+    if not (s and up_weight.ndim == 2 and s[-1] == up_weight.shape[1]):
+        _check_in("gated_mlp", "input", input, up_weight)
     args = (input, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     if (  # NOTE [Linear's straight path] in ops/linear.py, for the block
         not _is_compiling()

@@ -113,33 +113,43 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     f32 = torch.float32
     if (
         lib is None
-        or idx.numel()
-        or not (dy.is_contiguous() and y.is_contiguous() and dy.dtype == f32)
+        or idx.shape[0]
+        or dy.dtype != f32
         or (weight is not None and weight.dtype != f32)
         or (bias is not None and bias.dtype != f32)
-        or (out is not None and not out.is_contiguous())
+        or not (dy.is_contiguous() and y.is_contiguous())
+        or (out is not None and out is not dy and not out.is_contiguous())
     ):
         return _bwd_torch(
             dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out
         )
     d = math.prod(normalized_shape)
-    n = y.numel() // max(d, 1)
+    n = y.numel() // (d if d > 1 else 1)
     need_dx, need_dw = bool(output_mask[0]), weight is not None and bool(output_mask[1])
     need_db = bias is not None and bool(output_mask[2])
     nt = torch.get_num_threads()  # kernels/_cpu.threads(): torch's count, never below 1
-    rpb = max(C_MIN_BLOCK_ROWS, -(-n // C_MAX_BLOCKS))  # rows_per_block(n)
+    rpb = -(-n // C_MAX_BLOCKS)  # rows_per_block(n), without max()'s call
+    if rpb < C_MIN_BLOCK_ROWS:
+        rpb = C_MIN_BLOCK_ROWS
     nblk = -(-n // rpb)
-    # hold every buffer in a variable until the call returns (NOTE [CPU C kernels])
+    # hold every buffer in a variable until the call returns (NOTE [CPU C kernels]); a 1-D
+    # weight/bias is its own (d,) view
     r = rstd.reshape(n).contiguous()
-    w = weight.reshape(d).contiguous() if weight is not None else None
-    b = bias.reshape(d).contiguous() if bias is not None else None
+    w = b = None
+    if weight is not None:
+        w = (weight if weight.ndim == 1 else weight.reshape(d)).contiguous()
+    if bias is not None:
+        b = (bias if bias.ndim == 1 else bias.reshape(d)).contiguous()
     dx = (out if out is not None else torch.empty_like(y)) if need_dx else None
     dw = torch.empty(d, dtype=torch.float32) if need_dw else None
     db = torch.empty(d, dtype=torch.float32) if need_db else None
     scratch = torch.empty((nt, 2, d), dtype=torch.float32)
     parts = torch.empty((int(need_dw) + int(need_db), nblk, d), dtype=torch.float64)
 
-    fns = getattr(lib, "_slimgrad_fns", None) or _c_fns(lib)  # bound once per library
+    try:  # bound once per library (kernels/_cpu.functions), then an attribute
+        fns = lib._slimgrad_fns
+    except AttributeError:
+        fns = _c_fns(lib)
     fns["bwd"](
         dy.data_ptr(),
         y.data_ptr(),
@@ -162,15 +172,16 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     )
     del scratch, parts
     return (
-        dx.view(y.shape) if dx is not None else None,
-        dw.reshape(weight.shape) if dw is not None else None,
-        db.reshape(bias.shape) if db is not None else None,
+        dx,  # y's shape: empty_like(y), or out (the granted dy: y's shape, owns_layout)
+        None if dw is None else (dw if weight.ndim == 1 else dw.reshape(weight.shape)),
+        None if db is None else (db if bias.ndim == 1 else db.reshape(bias.shape)),
     )
 
 
 def _bwd_impl(t: torch.Tensor):
-    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py
-    if _backend.use_triton(t):
+    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py; use_triton(t) only where it
+    # may answer True
+    if (t.is_cuda or _backend._resolved[0] not in _NO_TRITON) and _backend.use_triton(t):
         return _backend.kernels("layer_norm")._bwd_triton
     return _bwd_cpu if t.device.type == "cpu" else _bwd_torch
 
@@ -183,10 +194,14 @@ def _layer_norm_fwd(
     bias: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _backend.use_triton(x):
+    # use_triton(x) only where it may answer True (NOTE [Kernel backend choice])
+    if (x.is_cuda or _backend._resolved[0] not in _NO_TRITON) and _backend.use_triton(x):
         k = _backend.kernels("layer_norm")
         return k._fwd_triton(x, list(normalized_shape), weight, bias, eps)
     return _fwd_torch(x, list(normalized_shape), weight, bias, eps)
+
+
+_NO_TRITON = _backend.NO_TRITON_OFF_CUDA
 
 
 @_layer_norm_fwd.register_fake
@@ -388,7 +403,13 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
-        if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
+        if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
+            mask[0]
+            and buf is not None
+            and buf.shape == y.shape
+            and buf.dtype == y.dtype
+            and buf.is_contiguous()
+        ):
             dx, dw, db = bwd_into(
                 buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf
             )
@@ -468,7 +489,7 @@ def layer_norm(
     Example:
         >>> y = layer_norm(torch.randn(4, 8, requires_grad=True), (8,))
     """
-    if isinstance(normalized_shape, int):
+    if type(normalized_shape) is not tuple and isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
         type(input) in _PLAIN

@@ -88,15 +88,22 @@ __all__ = ["HALF_DTYPES", "rms_norm"]
 
 
 def _bwd_impl(t: torch.Tensor):
-    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py
+    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py; use_triton(t) only where it
+    # may answer True
+    if not t.is_cuda and _backend._resolved[0] in _NO_TRITON:
+        return _bwd_torch
     return _backend.kernels("rms_norm")._bwd_triton if _backend.use_triton(t) else _bwd_torch
+
+
+_NO_TRITON = _backend.NO_TRITON_OFF_CUDA
 
 
 @custom_op("rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(
     x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None, eps: float | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _backend.use_triton(x):
+    # use_triton(x) only where it may answer True (NOTE [Kernel backend choice])
+    if (x.is_cuda or _backend._resolved[0] not in _NO_TRITON) and _backend.use_triton(x):
         return _backend.kernels("rms_norm")._fwd_triton(x, list(normalized_shape), weight, eps)
     return _fwd_torch(x, list(normalized_shape), weight, eps)
 
@@ -424,7 +431,9 @@ def _hf_side(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the fallback channels of y = xhat * gamma and x's columns there (a custom op: tracers see a
     # table of data-dependent length, NOTE [Side tables under FakeTensorMode and torch.compile])
-    idx = fallback_channels(gamma, None, out_dtype).to(x.device)
+    idx = fallback_channels(gamma, None, out_dtype)
+    if idx.device != x.device:
+        idx = idx.to(x.device)
     return idx, x.reshape(-1, x.shape[-1]).index_select(1, idx)
 
 
@@ -461,7 +470,13 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         gamma_of = HF_VARIANTS[ctx.variant][1]
         gamma = gamma_of(weight.detach()) if weight is not None else None
         ns = [y.shape[-1]]
-        if mask[0] and owns_layout(buf, y):  # eager only (take refuses under torch.compile)
+        if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
+            mask[0]
+            and buf is not None
+            and buf.shape == y.shape
+            and buf.dtype == y.dtype
+            and buf.is_contiguous()
+        ):
             dx, dg = _bwd_impl(y)(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
         else:  # the custom op (its table has a data-dependent length under tracers), or its
             # implementation past the gate (NOTE [One gate per call] in slimgrad/_library.py)

@@ -59,12 +59,6 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _API_QK = "slimgrad.ops.scores_softmax_dropout_matmul"
 
 
-def _in_place_ok(t: torch.Tensor) -> bool:
-    # the aliased softmax kernels were checked bit for bit on CPU only (plain tensors: fake ones
-    # under slimgrad.memory.estimate allocate nothing anyway)
-    return t.device.type == "cpu" and t.is_contiguous()
-
-
 def _softmax_fwd(s, dim, causal, mask=None):
     if not causal and mask is None:
         return torch.softmax(s, dim)
@@ -80,7 +74,9 @@ def _softmax_fwd(s, dim, causal, mask=None):
             t = t + mask
         # SDPA's safe softmax: a row with no finite score gives P = 0, not NaN
         dead = t.amax(dim, keepdim=True) == float("-inf")
-    if _in_place_ok(t):
+    # the aliased softmax kernels (here and in _softmax_bwd) were checked bit for bit on CPU only
+    # (plain tensors: fake ones under slimgrad.memory.estimate allocate nothing anyway)
+    if t.device.type == "cpu" and t.is_contiguous():
         probs = torch.ops.aten._softmax.out(t, dim, False, out=t)
     else:
         probs = torch.softmax(t, dim)
@@ -91,7 +87,8 @@ def _softmax_fwd(s, dim, causal, mask=None):
 
 def _softmax_bwd(dp, probs, dim):
     # dp is the caller's temporary: dS goes into its buffer where that is exact
-    if _in_place_ok(dp) and dp.dtype == probs.dtype:
+    # the aliased kernel on CPU only (_softmax_fwd)
+    if dp.dtype == probs.dtype and dp.device.type == "cpu" and dp.is_contiguous():
         return torch.ops.aten._softmax_backward_data.out(dp, probs, dim, probs.dtype, grad_input=dp)
     return torch._softmax_backward_data(dp, probs, dim, probs.dtype)
 
@@ -386,7 +383,8 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             s, v, p, -1, mm_dtype, causal, mask
         )
         del s, probs
-        ctx.p, ctx.mm_dtype, ctx.causal, ctx.fused = p, mm_dtype, causal, _dropout._fused(q)
+        ctx.p, ctx.mm_dtype, ctx.causal = p, mm_dtype, causal
+        ctx.fused = q.device.type != "cpu"  # _dropout._fused(q)
         ctx.v_dtype, ctx.v_shape = v.dtype, v.shape
         ctx.save_for_backward(q, k_t, v, bits, mask)
         ctx.set_materialize_grads(False)
