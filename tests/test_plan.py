@@ -198,11 +198,14 @@ def test_estimates_do_not_grow_with_the_number_of_blocks(monkeypatch):
 
     monkeypatch.setattr(sm, "estimate", counting)
     counts = []
-    for n in (2, 8):
+    for n in (2, 8, 15):
         calls.clear()
-        slimgrad.plan(_make(n), "1TiB", verify=False)
+        p = slimgrad.plan(_make(n), "1TiB", verify=False)
         counts.append(len(calls))
-    assert counts[0] == counts[1]
+    # 7 choices (eager, lean, eager+sac, lean+recompute, eager+recompute, fc1 or fc2 recomputed):
+    # one step holds (n - 1) // 2 of them, two blocks each (NOTE [How plan chooses], 1)
+    assert len(p.blocks["blocks.0"]["kept_bytes"]) == 7
+    assert counts == [8, 3, 1]
 
 
 def test_hf_plan_transfers_to_a_model_built_from_the_config():

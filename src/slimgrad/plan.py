@@ -23,24 +23,30 @@ the same choice without recompute (dropout masks included).
 1. Measure. One forward under fake tensors finds the blocks (children of a ModuleList or
    Sequential with at least two children of one class, whose output has its input's shape; the
    outermost such) and the matmul FLOPs of every module (``FlopCounterMode``). Blocks of the same
-   class and parameter shapes are one *kind*. For each kind and each choice, one
-   :func:`slimgrad.memory.estimate` runs the model with that kind's first two blocks real, both
-   in that choice, and every other block passed through (its forward returns its input); one more
-   runs with every block passed through. Hooks that keep no tensor mark on the tracker's timeline
-   where each real block's forward starts and ends and its backward starts (its output's gradient
-   is ready) and ends (its input's is). From them, per kind and choice: ``r`` = bytes a block
-   keeps from forward to backward (half the retained bytes above the all-passed-through run),
-   ``left`` = bytes a block leaves live once its backward ran (its parameters' gradients and what
-   else outlives it, e.g. a checkpoint's leftovers: the live bytes when the first block's backward
-   starts less those when the second's does, plus ``r``), and the peak of each segment of the
-   timeline (before the blocks, their forwards, the head from the last block's forward to its
-   backward, their backwards, after them) less what the other real block keeps or has left there.
-   Two real blocks, not one: a block's backward transient depends on whether the gradient it
-   receives comes from another block or from the head (ownership may write over one and not the
-   other), and the leftovers of blocks already done only show with a block after them. Estimates:
-   1 + kinds x choices, each of a model with two real blocks, however many blocks the model has
-   (one real block and the step's peak only, as ``P1``, where a kind has one block or the marks
-   cannot be read).
+   class and parameter shapes are one *kind*, measured once whatever its number of blocks. Each
+   choice is measured on two adjacent real blocks in that choice; one
+   :func:`slimgrad.memory.estimate` holds as many such pairs as the kind's blocks allow (a kind of
+   ``n`` blocks: ``(n - 1) // 2`` pairs, its first blocks in order, the block after them passed
+   through to close the last pair's forward, every other block passed through: its forward
+   returns its input), so the head (embeddings, loss) runs once per ``(n - 1) // 2`` choices, not
+   once per choice. Hooks that keep no tensor mark on the tracker's timeline where each real
+   block's forward starts and ends and its backward starts (its output's gradient is ready) and
+   ends (its input's is). From them, per kind and choice: ``r`` = bytes a block keeps from
+   forward to backward (half the live bytes its pair added from its first block's forward start
+   to the next block's), ``left`` = bytes a block leaves live once its backward ran (its
+   parameters' gradients and what else outlives it, e.g. a checkpoint's leftovers: the live bytes
+   when the pair's first block's backward starts less those when the second's does, plus ``r``),
+   and the peak of each segment of the timeline (before the blocks, their forwards, the head from
+   the last block's forward to its backward, their backwards, after them) less what the other
+   real blocks keep or have left there. The head's segment is measured with the last pair's
+   choice (``lean``, what late blocks mostly are) and taken for the others as that less its
+   ``r`` plus theirs. Two real blocks per choice, not one: a block's backward transient depends
+   on whether the gradient it receives comes from another block or from the head (ownership may
+   write over one and not the other), and the leftovers of blocks already done only show with a
+   block after them. Estimates: per kind, ``ceil(choices / ((n - 1) // 2))``; one for a 32-block
+   model's 7 choices. A kind of two blocks (or a step whose marks cannot be read) is measured one
+   choice per estimate against one more with every block passed through (``r`` = half the
+   retained bytes above it), a kind of one block on one real block and the step's peak only.
 2. Compose. Blocks run forward in order and backward in reverse; while block ``i`` runs its
    forward or backward, the blocks before it keep their ``r`` and (backward) the blocks after it
    have left their ``left``. The composed peak of a choice vector ``x`` is the largest of: before
@@ -668,6 +674,106 @@ def _pair_segments(m: Any, r0: int) -> tuple[int, int, dict[str, int]] | None:
     )
 
 
+def _estimate_pairs(
+    make_forward, api, device, names: list[str], group: list[str], blocks, convert_kwargs
+) -> list[tuple[int, int, dict[str, int]]] | None:
+    # (r, left, segment peaks) of each choice in ``group`` from one step: the kind's first
+    # 2 x len(group) blocks real, two adjacent ones per choice in ``group``'s order, the block
+    # after them passed through (its forward's start closes the last pair's forward) and every
+    # other block passed through. Each pair's segments less what the other pairs keep or have
+    # left there (NOTE [How plan chooses], 1); None where the marks cannot be read.
+    from slimgrad.memory import estimate
+
+    g = len(group)
+    real = names[: 2 * g]
+    closing = names[2 * g]
+    choices = {b: group[i // 2] for i, b in enumerate(real)}
+    passed = tuple(b for b in blocks if b not in choices)
+    marks: dict[str, int] = {}
+
+    def close(mod, args, kwargs):
+        t = _tracker()
+        if t is not None and "closefwd_start" not in marks:
+            marks["closefwd_start"] = len(t.timeline)
+
+    def make():
+        forward, model = _made(api, make_forward())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_choices(model, choices, passed=passed, api=api, **convert_kwargs)
+        mods = dict(model.named_modules())
+        for i, w in enumerate(real):
+            _watch(mods[w], marks, str(i))
+        mods[closing].register_forward_pre_hook(close, with_kwargs=True)
+        return forward, model
+
+    m = estimate(make, device=device, timeline=True)
+    tl, n = m.timeline, 2 * g
+    order = [f"{i}fwd_{e}" for i in range(n) for e in ("start", "end")] + ["closefwd_start"]
+    order += [f"{i}bwd_{e}" for i in reversed(range(n)) for e in ("start", "end")]
+    if set(marks) != set(order) or not tl:
+        return None
+    cuts = [marks[o] for o in order]
+    if cuts != sorted(cuts) or cuts[0] == 0:
+        return None
+
+    def live(o: str) -> int:
+        return tl[marks[o] - 1][2]
+
+    def peak(a: int, b: int) -> int:
+        return max([v for _, _, v in tl[max(a - 1, 0) : b]] or [0])
+
+    def seg(o1: str, o2: str) -> int:
+        return peak(marks[o1], marks[o2])
+
+    rs, lefts = [], []
+    for j in range(g):
+        a, b = 2 * j, 2 * j + 1
+        nxt = f"{b + 1}fwd_start" if j < g - 1 else "closefwd_start"
+        two_r = live(nxt) - live(f"{a}fwd_start")
+        if two_r % 2:
+            return None
+        r = two_r // 2
+        rs.append(r)
+        lefts.append(live(f"{a}bwd_start") - live(f"{b}bwd_start") + r)
+    pre = peak(0, marks["0fwd_start"])
+    post = peak(marks["0bwd_end"], len(tl) + 1) - 2 * sum(lefts)
+    last = n - 1
+    # the head: from the last real block's forward end to its backward start
+    head = seg(f"{last}fwd_end", f"{last}bwd_start") - 2 * sum(rs)  # what no block keeps
+    if max(peak(0, len(tl) + 1), 0) != m.peak_bytes:
+        return None
+    out = []
+    for j in range(g):
+        a, b, r, left = 2 * j, 2 * j + 1, rs[j], lefts[j]
+        before = 2 * sum(rs[:j])
+        after = 2 * sum(lefts[j + 1 :])
+        fwd = max(
+            seg(f"{a}fwd_start", f"{a}fwd_end"),
+            seg(f"{a}fwd_end", f"{b}fwd_start") - r,
+            seg(f"{b}fwd_start", f"{b}fwd_end") - r,
+        )
+        bwd = max(
+            seg(f"{b}bwd_start", f"{b}bwd_end") - r,
+            seg(f"{b}bwd_end", f"{a}bwd_start") - left,
+            seg(f"{a}bwd_start", f"{a}bwd_end") - left,
+        )
+        out.append(
+            (
+                r,
+                left,
+                {
+                    "pre": pre,
+                    "fwd": fwd - before,
+                    "head": head + r,
+                    "bwd": bwd - before - after,
+                    "post": post,
+                },
+            )
+        )
+    return out
+
+
 def _estimate_with(
     make_forward, api, device, choices, passed, convert_kwargs, watch: tuple[str, ...] = ()
 ) -> Any:
@@ -784,15 +890,50 @@ def plan(
                         k.flops[c] = flops.get(first if what == "" else f"{first}.{what}", 0)
             del model, forward, mods
         say(f"{len(blocks)} blocks, {len(kinds)} kind(s); forward {fwd_flops:.4g} matmul FLOPs")
-        base = _estimate_with(make_forward, api, device, {}, tuple(blocks), convert_kwargs)
-        p0, r0 = base.peak_bytes, base.retained_bytes
+        base = None
+
+        def r0_p0() -> tuple[int, int]:
+            # the step with every block passed through (only for kinds with fewer than three
+            # blocks, or a run whose marks cannot be read)
+            nonlocal base
+            if base is None:
+                base = _estimate_with(make_forward, api, device, {}, tuple(blocks), convert_kwargs)
+            return base.retained_bytes, base.peak_bytes
+
         for k in kinds.values():
             first, rest = k.names[0], tuple(b for b in blocks if b != k.names[0])
             pair = tuple(k.names[:2])
             two = tuple(b for b in blocks if b not in pair)
+            # "lean" last: the pair next to the head is measured with what late blocks mostly are
+            todo = sorted(wanted[id(k)], key=lambda c: c == "lean")
+            per = (len(k.names) - 1) // 2  # pairs one estimate holds: 2 per pair, 1 to close
+            groups = [todo[at : at + per] for at in range(0, len(todo), per)] if per else []
+            while groups:
+                group = groups.pop(0)
+                say(f"measuring {len(group)} choice(s) of {first} in one step: {', '.join(group)}")
+                try:
+                    segs = _estimate_pairs(make_forward, api, device, k.names, group, blocks,
+                                           convert_kwargs)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a choice that cannot run is not offered
+                    if len(group) == 1:
+                        k.errors[group[0]] = f"{type(e).__name__}: {e}"
+                        k.flops.pop(group[0], None)
+                    elif "eager+sac" in group:
+                        # torch's selective checkpointing is the choice that fails on some
+                        # models (a recomputed op not found in its storage): the rest without it
+                        groups[:0] = [[c for c in group if c != "eager+sac"], ["eager+sac"]]
+                    continue  # any other: one by one below, with the reason
+                if segs is None:
+                    continue
+                for c, seg in zip(group, segs, strict=True):
+                    k.r[c], k.left[c], k.seg[c] = seg
+                    k.p1[c] = max(seg[2].values())
             for c in wanted[id(k)]:
+                if c in k.r or c in k.errors:
+                    continue
                 say(f"measuring {' and '.join(pair)} as {c}")
                 try:
+                    r0, _ = r0_p0()
                     m = None
                     if len(pair) == 2:
                         m = _estimate_with(
@@ -827,6 +968,7 @@ def plan(
         allowed = {
             id(k): [c for c in k.r if c in chosen_from[id(k)]] or list(k.r) for k in kinds.values()
         }
+        p0 = base.peak_bytes if base is not None else None
     composed = _Model(blocks, kind_of, p0, allowed)
     path = _walk(composed)
 
