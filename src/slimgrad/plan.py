@@ -820,7 +820,9 @@ def plan(
         device: whose kernels to model (``"cpu"`` or ``"cuda"``), as ``estimate``.
         choices: the block choices to consider (default: all of :data:`CHOICES` and
             ``lean+recompute:<child>`` for each child with parameters and matmul FLOPs).
-        verify: estimate the chosen plan whole (one full estimate) and report its peak.
+        verify: estimate the chosen plan whole and report that peak, moving on along the
+            curve while it is above the budget (a full estimate each). Without it a budget
+            below every composed peak is still checked whole before it is refused.
         progress: called with a line of text as the search goes.
         reuse: a plan made for the same ``make_forward`` and device: its measurements are
             reused (only the choice and its full estimate run again), e.g. to plan a second budget.
@@ -831,8 +833,8 @@ def plan(
 
     Raises:
         TypeError: ``make_forward`` does not return ``(forward, model)``.
-        ValueError: a bad budget, no repeated blocks, or a budget below the lowest peak
-            reachable (the message names that peak and its recompute).
+        ValueError: a bad budget, no repeated blocks, or a budget below the lowest peak the
+            whole-model check measured (the message names that peak and its recompute).
 
     Example:
         >>> p = slimgrad.plan(make_forward, "6GiB")  # doctest: +SKIP
