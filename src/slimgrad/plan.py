@@ -716,15 +716,22 @@ def _estimate_pairs(
     cuts = [marks[o] for o in order]
     if cuts != sorted(cuts) or cuts[0] == 0:
         return None
+    vals = [v for _, _, v in tl]
+    # the peak of each stretch between consecutive marks (from the state before the first's
+    # event), one pass over the timeline; a segment spanning several stretches is their max
+    ends = [*cuts, len(vals) + 1]
+    stretch = [max(vals[c - 1 : e]) for c, e in zip(ends, ends[1:])]
+    at = {o: i for i, o in enumerate(order)}
 
     def live(o: str) -> int:
-        return tl[marks[o] - 1][2]
-
-    def peak(a: int, b: int) -> int:
-        return max([v for _, _, v in tl[max(a - 1, 0) : b]] or [0])
+        return vals[marks[o] - 1]
 
     def seg(o1: str, o2: str) -> int:
-        return peak(marks[o1], marks[o2])
+        return max(stretch[at[o1] : at[o2]])
+
+    pre_peak = max(vals[: cuts[0]])
+    if max(pre_peak, *stretch) != m.peak_bytes:
+        return None
 
     rs, lefts = [], []
     for j in range(g):
@@ -736,13 +743,11 @@ def _estimate_pairs(
         r = two_r // 2
         rs.append(r)
         lefts.append(live(f"{a}bwd_start") - live(f"{b}bwd_start") + r)
-    pre = peak(0, marks["0fwd_start"])
-    post = peak(marks["0bwd_end"], len(tl) + 1) - 2 * sum(lefts)
+    pre = pre_peak
+    post = stretch[-1] - 2 * sum(lefts)
     last = n - 1
     # the head: from the last real block's forward end to its backward start
     head = seg(f"{last}fwd_end", f"{last}bwd_start") - 2 * sum(rs)  # what no block keeps
-    if max(peak(0, len(tl) + 1), 0) != m.peak_bytes:
-        return None
     out = []
     for j in range(g):
         a, b, r, left = 2 * j, 2 * j + 1, rs[j], lefts[j]
@@ -906,8 +911,9 @@ def plan(
             first, rest = k.names[0], tuple(b for b in blocks if b != k.names[0])
             pair = tuple(k.names[:2])
             two = tuple(b for b in blocks if b not in pair)
-            # "lean" last: the pair next to the head is measured with what late blocks mostly are
-            todo = sorted(wanted[id(k)], key=lambda c: c == "lean")
+            # "lean" last: the pair next to the head is measured with what late blocks mostly are;
+            # "eager+sac" just before it: where it fails, it fails early in the backward
+            todo = sorted(wanted[id(k)], key=lambda c: (c == "lean", c == "eager+sac"))
             per = (len(k.names) - 1) // 2  # pairs one estimate holds: 2 per pair, 1 to close
             groups = [todo[at : at + per] for at in range(0, len(todo), per)] if per else []
             while groups:
