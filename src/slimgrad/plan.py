@@ -24,7 +24,7 @@ the same choice without recompute (dropout masks included).
    Sequential with at least two children of one class, whose output has its input's shape; the
    outermost such) and the matmul FLOPs of every module (``FlopCounterMode``). Blocks of the same
    class and parameter shapes are one *kind*, measured once whatever its number of blocks. Each
-   choice is measured on two adjacent real blocks in that choice; one
+   choice runs as two adjacent real blocks in that choice; one
    :func:`slimgrad.memory.estimate` holds as many such pairs as the kind's blocks allow (a kind of
    ``n`` blocks: ``(n - 1) // 2`` pairs, its first blocks in order, the block after them passed
    through to close the last pair's forward, every other block passed through: its forward
