@@ -950,7 +950,12 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
         "--autocast", default=None, choices=("bf16", "fp16"), help="run the step under autocast"
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="HF field")
-    p.add_argument("--no-verify", action="store_true", help="skip the chosen plan's full estimate")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the chosen plan's full estimate (a budget below the composed curve is "
+        "still checked whole)",
+    )
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -23,24 +23,30 @@ the same choice without recompute (dropout masks included).
 1. Measure. One forward under fake tensors finds the blocks (children of a ModuleList or
    Sequential with at least two children of one class, whose output has its input's shape; the
    outermost such) and the matmul FLOPs of every module (``FlopCounterMode``). Blocks of the same
-   class and parameter shapes are one *kind*. For each kind and each choice, one
-   :func:`slimgrad.memory.estimate` runs the model with that kind's first two blocks real, both
-   in that choice, and every other block passed through (its forward returns its input); one more
-   runs with every block passed through. Hooks that keep no tensor mark on the tracker's timeline
-   where each real block's forward starts and ends and its backward starts (its output's gradient
-   is ready) and ends (its input's is). From them, per kind and choice: ``r`` = bytes a block
-   keeps from forward to backward (half the retained bytes above the all-passed-through run),
-   ``left`` = bytes a block leaves live once its backward ran (its parameters' gradients and what
-   else outlives it, e.g. a checkpoint's leftovers: the live bytes when the first block's backward
-   starts less those when the second's does, plus ``r``), and the peak of each segment of the
-   timeline (before the blocks, their forwards, the head from the last block's forward to its
-   backward, their backwards, after them) less what the other real block keeps or has left there.
-   Two real blocks, not one: a block's backward transient depends on whether the gradient it
-   receives comes from another block or from the head (ownership may write over one and not the
-   other), and the leftovers of blocks already done only show with a block after them. Estimates:
-   1 + kinds x choices, each of a model with two real blocks, however many blocks the model has
-   (one real block and the step's peak only, as ``P1``, where a kind has one block or the marks
-   cannot be read).
+   class and parameter shapes are one *kind*, measured once whatever its number of blocks. Each
+   choice runs as two adjacent real blocks in that choice; one
+   :func:`slimgrad.memory.estimate` holds as many such pairs as the kind's blocks allow (a kind of
+   ``n`` blocks: ``(n - 1) // 2`` pairs, its first blocks in order, the block after them passed
+   through to close the last pair's forward, every other block passed through: its forward
+   returns its input), so the head (embeddings, loss) runs once per ``(n - 1) // 2`` choices, not
+   once per choice. Hooks that keep no tensor mark on the tracker's timeline where each real
+   block's forward starts and ends and its backward starts (its output's gradient is ready) and
+   ends (its input's is). From them, per kind and choice: ``r`` = bytes a block keeps from
+   forward to backward (half the live bytes its pair added from its first block's forward start
+   to the next block's), ``left`` = bytes a block leaves live once its backward ran (its
+   parameters' gradients and what else outlives it, e.g. a checkpoint's leftovers: the live bytes
+   when the pair's first block's backward starts less those when the second's does, plus ``r``),
+   and the peak of each segment of the timeline (before the blocks, their forwards, the head from
+   the last block's forward to its backward, their backwards, after them) less what the other
+   real blocks keep or have left there. The head's segment is measured with the last pair's
+   choice (``lean``, what late blocks mostly are) and taken for the others as that less its
+   ``r`` plus theirs. Two real blocks per choice, not one: a block's backward transient depends
+   on whether the gradient it receives comes from another block or from the head (ownership may
+   write over one and not the other), and the leftovers of blocks already done only show with a
+   block after them. Estimates: per kind, ``ceil(choices / ((n - 1) // 2))``; one for a 32-block
+   model's 7 choices. A kind of two blocks (or a step whose marks cannot be read) is measured one
+   choice per estimate against one more with every block passed through (``r`` = half the
+   retained bytes above it), a kind of one block on one real block and the step's peak only.
 2. Compose. Blocks run forward in order and backward in reverse; while block ``i`` runs its
    forward or backward, the blocks before it keep their ``r`` and (backward) the blocks after it
    have left their ``left``. The composed peak of a choice vector ``x`` is the largest of: before
@@ -52,10 +58,11 @@ the same choice without recompute (dropout masks included).
    under). Where neighbours differ it is not exact (a block's backward transient depends on its
    neighbour's choice): on those three models, between 6.6% under and 3.9% over the full
    estimate over the greedy's walk and mixed plans. So the chosen plan is then estimated whole
-   (``verify``, one full estimate) and, if that peak is above the budget, the search runs again
-   against the budget lowered by the excess (at most three times); if it is below, the plan the
-   measured slack allows is tried once (one more full estimate) and kept if it fits.
-   ``Plan.peak_bytes`` is that full estimate's peak: planned = estimated, exactly.
+   (``verify``, one full estimate of the applied model) and repaired greedily: while that peak is
+   above the budget, the plan moves on along the curve (more recompute) to the first point whose
+   composed peak is lower by at least the measured excess (at most four moves). Once one fits, the
+   plan the measured slack allows is tried once (one more full estimate) and kept if it fits.
+   ``Plan.peak_bytes`` is the full estimate of the returned plan: planned = estimated, exactly.
 3. Choose. Per kind, the choices' points (recompute FLOPs, kept bytes ``r``) are reduced to
    their lower convex hull: walking it, each step frees the most bytes per recomputed FLOP.
    Greedy: start with every block at the hull's first point (the least kept bytes among the
@@ -69,7 +76,13 @@ the same choice without recompute (dropout masks included).
    integral plan is at most one hull step of one block (that block's recompute FLOPs) above the
    optimum at its peak. The transient terms (the segments' peaks and what later blocks left) are
    not additive; where they set the peak the greedy is a heuristic: it keeps going while the
-   composed peak falls, and a budget it cannot reach raises with the lowest peak it found.
+   composed peak falls.
+4. Refuse. A budget below every composed peak of the curve, or one the repair could not reach,
+   is refused only after a whole-model check: the curve's plan with the lowest composed peak and
+   the most recomputed plan (every block at its hull's last point) are estimated whole; the first
+   that fits is returned, else the error names the lowest peak those full estimates measured and
+   its recompute. (The composition can over-count: on a 4-layer Llama, 64 wide, 4 x 256 tokens
+   under bf16 autocast, its lowest point composes to 0.5% above its full estimate.)
 """
 
 from __future__ import annotations
@@ -86,6 +99,8 @@ import torch
 import torch.nn as nn
 
 __all__ = ["CHOICES", "Plan", "parse_bytes", "plan"]
+
+_REPAIRS = 4  # full estimates the greedy repair spends before the whole-model check
 
 #: block choices; ``lean+recompute:<child>`` names one child (see the module docstring)
 CHOICES = ("eager", "lean", "eager+sac", "lean+recompute", "eager+recompute")
@@ -659,6 +674,111 @@ def _pair_segments(m: Any, r0: int) -> tuple[int, int, dict[str, int]] | None:
     )
 
 
+def _estimate_pairs(
+    make_forward, api, device, names: list[str], group: list[str], blocks, convert_kwargs
+) -> list[tuple[int, int, dict[str, int]]] | None:
+    # (r, left, segment peaks) of each choice in ``group`` from one step: the kind's first
+    # 2 x len(group) blocks real, two adjacent ones per choice in ``group``'s order, the block
+    # after them passed through (its forward's start closes the last pair's forward) and every
+    # other block passed through. Each pair's segments less what the other pairs keep or have
+    # left there (NOTE [How plan chooses], 1); None where the marks cannot be read.
+    from slimgrad.memory import estimate
+
+    g = len(group)
+    real = names[: 2 * g]
+    closing = names[2 * g]
+    choices = {b: group[i // 2] for i, b in enumerate(real)}
+    passed = tuple(b for b in blocks if b not in choices)
+    marks: dict[str, int] = {}
+
+    def close(mod, args, kwargs):
+        t = _tracker()
+        if t is not None and "closefwd_start" not in marks:
+            marks["closefwd_start"] = len(t.timeline)
+
+    def make():
+        forward, model = _made(api, make_forward())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_choices(model, choices, passed=passed, api=api, **convert_kwargs)
+        mods = dict(model.named_modules())
+        for i, w in enumerate(real):
+            _watch(mods[w], marks, str(i))
+        mods[closing].register_forward_pre_hook(close, with_kwargs=True)
+        return forward, model
+
+    m = estimate(make, device=device, timeline=True)
+    tl, n = m.timeline, 2 * g
+    order = [f"{i}fwd_{e}" for i in range(n) for e in ("start", "end")] + ["closefwd_start"]
+    order += [f"{i}bwd_{e}" for i in reversed(range(n)) for e in ("start", "end")]
+    if set(marks) != set(order) or not tl:
+        return None
+    cuts = [marks[o] for o in order]
+    if cuts != sorted(cuts) or cuts[0] == 0:
+        return None
+    vals = [v for _, _, v in tl]
+    # the peak of each stretch between consecutive marks (from the state before the first's
+    # event), one pass over the timeline; a segment spanning several stretches is their max
+    ends = [*cuts, len(vals) + 1]
+    stretch = [max(vals[c - 1 : e]) for c, e in zip(ends, ends[1:])]
+    at = {o: i for i, o in enumerate(order)}
+
+    def live(o: str) -> int:
+        return vals[marks[o] - 1]
+
+    def seg(o1: str, o2: str) -> int:
+        return max(stretch[at[o1] : at[o2]])
+
+    pre_peak = max(vals[: cuts[0]])
+    if max(pre_peak, *stretch) != m.peak_bytes:
+        return None
+
+    rs, lefts = [], []
+    for j in range(g):
+        a, b = 2 * j, 2 * j + 1
+        nxt = f"{b + 1}fwd_start" if j < g - 1 else "closefwd_start"
+        two_r = live(nxt) - live(f"{a}fwd_start")
+        if two_r % 2:
+            return None
+        r = two_r // 2
+        rs.append(r)
+        lefts.append(live(f"{a}bwd_start") - live(f"{b}bwd_start") + r)
+    pre = pre_peak
+    post = stretch[-1] - 2 * sum(lefts)
+    last = n - 1
+    # the head: from the last real block's forward end to its backward start
+    head = seg(f"{last}fwd_end", f"{last}bwd_start") - 2 * sum(rs)  # what no block keeps
+    out = []
+    for j in range(g):
+        a, b, r, left = 2 * j, 2 * j + 1, rs[j], lefts[j]
+        before = 2 * sum(rs[:j])
+        after = 2 * sum(lefts[j + 1 :])
+        fwd = max(
+            seg(f"{a}fwd_start", f"{a}fwd_end"),
+            seg(f"{a}fwd_end", f"{b}fwd_start") - r,
+            seg(f"{b}fwd_start", f"{b}fwd_end") - r,
+        )
+        bwd = max(
+            seg(f"{b}bwd_start", f"{b}bwd_end") - r,
+            seg(f"{b}bwd_end", f"{a}bwd_start") - left,
+            seg(f"{a}bwd_start", f"{a}bwd_end") - left,
+        )
+        out.append(
+            (
+                r,
+                left,
+                {
+                    "pre": pre,
+                    "fwd": fwd - before,
+                    "head": head + r,
+                    "bwd": bwd - before - after,
+                    "post": post,
+                },
+            )
+        )
+    return out
+
+
 def _estimate_with(
     make_forward, api, device, choices, passed, convert_kwargs, watch: tuple[str, ...] = ()
 ) -> Any:
@@ -705,7 +825,9 @@ def plan(
         device: whose kernels to model (``"cpu"`` or ``"cuda"``), as ``estimate``.
         choices: the block choices to consider (default: all of :data:`CHOICES` and
             ``lean+recompute:<child>`` for each child with parameters and matmul FLOPs).
-        verify: estimate the chosen plan whole (one full estimate) and report its peak.
+        verify: estimate the chosen plan whole and report that peak, moving on along the
+            curve while it is above the budget (a full estimate each). Without it a budget
+            below every composed peak is still checked whole before it is refused.
         progress: called with a line of text as the search goes.
         reuse: a plan made for the same ``make_forward`` and device: its measurements are
             reused (only the choice and its full estimate run again), e.g. to plan a second budget.
@@ -716,8 +838,8 @@ def plan(
 
     Raises:
         TypeError: ``make_forward`` does not return ``(forward, model)``.
-        ValueError: a bad budget, no repeated blocks, or a budget below the lowest peak
-            reachable (the message names that peak and its recompute).
+        ValueError: a bad budget, no repeated blocks, or a budget below the lowest peak the
+            whole-model check measured (the message names that peak and its recompute).
 
     Example:
         >>> p = slimgrad.plan(make_forward, "6GiB")  # doctest: +SKIP
@@ -775,15 +897,51 @@ def plan(
                         k.flops[c] = flops.get(first if what == "" else f"{first}.{what}", 0)
             del model, forward, mods
         say(f"{len(blocks)} blocks, {len(kinds)} kind(s); forward {fwd_flops:.4g} matmul FLOPs")
-        base = _estimate_with(make_forward, api, device, {}, tuple(blocks), convert_kwargs)
-        p0, r0 = base.peak_bytes, base.retained_bytes
+        base = None
+
+        def r0_p0() -> tuple[int, int]:
+            # the step with every block passed through (only for kinds with fewer than three
+            # blocks, or a run whose marks cannot be read)
+            nonlocal base
+            if base is None:
+                base = _estimate_with(make_forward, api, device, {}, tuple(blocks), convert_kwargs)
+            return base.retained_bytes, base.peak_bytes
+
         for k in kinds.values():
             first, rest = k.names[0], tuple(b for b in blocks if b != k.names[0])
             pair = tuple(k.names[:2])
             two = tuple(b for b in blocks if b not in pair)
+            # "lean" last: the pair next to the head is measured with what late blocks mostly are;
+            # "eager+sac" just before it: where it fails, it fails early in the backward
+            todo = sorted(wanted[id(k)], key=lambda c: (c == "lean", c == "eager+sac"))
+            per = (len(k.names) - 1) // 2  # pairs one estimate holds: 2 per pair, 1 to close
+            groups = [todo[at : at + per] for at in range(0, len(todo), per)] if per else []
+            while groups:
+                group = groups.pop(0)
+                say(f"measuring {len(group)} choice(s) of {first} in one step: {', '.join(group)}")
+                try:
+                    segs = _estimate_pairs(make_forward, api, device, k.names, group, blocks,
+                                           convert_kwargs)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a choice that cannot run is not offered
+                    if len(group) == 1:
+                        k.errors[group[0]] = f"{type(e).__name__}: {e}"
+                        k.flops.pop(group[0], None)
+                    elif "eager+sac" in group:
+                        # torch's selective checkpointing is the choice that fails on some
+                        # models (a recomputed op not found in its storage): the rest without it
+                        groups[:0] = [[c for c in group if c != "eager+sac"], ["eager+sac"]]
+                    continue  # any other: one by one below, with the reason
+                if segs is None:
+                    continue
+                for c, seg in zip(group, segs, strict=True):
+                    k.r[c], k.left[c], k.seg[c] = seg
+                    k.p1[c] = max(seg[2].values())
             for c in wanted[id(k)]:
+                if c in k.r or c in k.errors:
+                    continue
                 say(f"measuring {' and '.join(pair)} as {c}")
                 try:
+                    r0, _ = r0_p0()
                     m = None
                     if len(pair) == 2:
                         m = _estimate_with(
@@ -818,6 +976,7 @@ def plan(
         allowed = {
             id(k): [c for c in k.r if c in chosen_from[id(k)]] or list(k.r) for k in kinds.values()
         }
+        p0 = base.peak_bytes if base is not None else None
     composed = _Model(blocks, kind_of, p0, allowed)
     path = _walk(composed)
 
@@ -839,51 +998,72 @@ def plan(
             baselines[label] = point({b: c for b in blocks}, label)
     lowest = min(range(len(curve)), key=lambda i: (curve[i].peak_bytes, curve[i].recompute_flops))
 
-    def pick(target: int) -> dict[str, str] | None:
-        for x, p in zip(path, curve, strict=True):
-            if p.peak_bytes <= target:
-                return x
-        return None
-
     n_full = 0
+    real: dict[int, int] = {}  # path index -> the applied plan's full estimate
 
-    def whole(x: dict[str, str]) -> int:
+    def whole(i: int) -> int:
         nonlocal n_full
-        n_full += 1
-        say("estimating the chosen plan whole")
-        return _estimate_with(make_forward, api, device, x, (), convert_kwargs).peak_bytes
+        if i not in real:
+            n_full += 1
+            say(f"estimating plan {i} of the curve whole")
+            real[i] = _estimate_with(
+                make_forward, api, device, path[i], (), convert_kwargs
+            ).peak_bytes
+        return real[i]
 
-    target, x, full = budget_bytes, None, None
-    for _ in range(4):
-        x = pick(target)
-        if x is None:
-            lo = curve[lowest]
-            raise ValueError(
-                f"{api}: the budget is below the lowest peak this model can reach; expected a "
-                f"budget of at least {_fmt(lo.peak_bytes)} (recompute {lo.recompute_fraction:.3f}"
-                f" x the forward's matmul FLOPs), got {_fmt(budget_bytes)}. Raise the budget "
-                "or shrink the batch."
-            )
-        if not verify:
-            break
-        full = whole(x)
-        if full <= budget_bytes:
-            # the composed peak over-counts a little: one try at the plan the measured slack allows
-            looser = pick(target + (budget_bytes - full))
-            if looser is not None and composed.flops(looser) < composed.flops(x):
-                full2 = whole(looser)
-                if full2 <= budget_bytes:
-                    x, full = looser, full2
-            break
-        target -= full - budget_bytes
-        x, full = None, None
-    if x is None:
-        lo = curve[lowest]
-        raise ValueError(
-            f"{api}: no plan's full estimate fits the budget; expected a budget of at least "
-            f"{_fmt(lo.peak_bytes)} (composed; recompute {lo.recompute_fraction:.3f} x the "
-            f"forward's matmul FLOPs), got {_fmt(budget_bytes)}. Raise the budget."
+    def first_at_most(target: int, after: int = -1) -> int | None:
+        return next((i for i in range(after + 1, len(path)) if curve[i].peak_bytes <= target), None)
+
+    def refuse() -> ValueError:
+        # the lowest peak a full estimate measured (NOTE [How plan chooses], 4)
+        i = min(real, key=lambda j: (real[j], curve[j].recompute_flops))
+        return ValueError(
+            f"{api}: the budget is below the lowest peak this model can reach; expected a budget "
+            f"of at least {_fmt(real[i])} (the applied plan's full estimate; recompute "
+            f"{curve[i].recompute_fraction:.3f} x the forward's matmul FLOPs), got "
+            f"{_fmt(budget_bytes)}. Raise the budget or shrink the batch."
         )
+
+    last = len(path) - 1
+    i = first_at_most(budget_bytes)
+    if i is None:
+        # the composed peak can be above the real one: a whole-model check before refusing, of
+        # the composed curve's lowest plan and of the most recomputed one
+        for j in dict.fromkeys((lowest, last)):
+            if whole(j) <= budget_bytes:
+                i = j
+                break
+        if i is None:
+            raise refuse()
+    elif verify:
+        # greedy repair: the applied plan above the budget moves on along the curve (more
+        # recompute, fewer composed bytes) by at least the bytes it was over
+        for _ in range(_REPAIRS):
+            full = whole(i)
+            if full <= budget_bytes:
+                break
+            nxt = first_at_most(curve[i].peak_bytes - (full - budget_bytes), after=i)
+            if nxt is None:
+                later = range(i + 1, len(path))
+                nxt = min(later, key=lambda j: curve[j].peak_bytes) if later else None
+            if nxt is None:
+                break
+            i = nxt
+        if whole(i) > budget_bytes:
+            for j in dict.fromkeys((lowest, last)):
+                if whole(j) <= budget_bytes:
+                    i = j
+                    break
+            else:
+                raise refuse()
+    if i in real:
+        # the composed peak can over-count: one try at the plan the measured slack allows
+        looser = first_at_most(curve[i].peak_bytes + (budget_bytes - real[i]))
+        if looser is not None and curve[looser].recompute_flops < curve[i].recompute_flops:
+            if whole(looser) <= budget_bytes:
+                i = looser
+    x = path[i]
+    full = real.get(i)
     predicted = composed.peak(x)
     result = Plan(
         budget_bytes=budget_bytes,
