@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from slimgrad import ownership
+
+
+@pytest.fixture(autouse=True)
+def reuse_on(monkeypatch):
+    """Reuse on for every test of a module that imports this fixture.
+
+    These tests assert that reuse happens: a developer's ``SLIMGRAD_NO_REUSE=1`` must not leak in.
+    """
+    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
 
 
 def storage_use_count(t: torch.Tensor) -> int:
@@ -29,3 +39,27 @@ class ExpSaved(torch.autograd.Function):
         if buf is not None:
             return buf.mul_(grad_out)
         return grad_out * e
+
+
+class Double(torch.autograd.Function):
+    """y = 2x; backward writes 2g into g when ``ownership.take`` grants it, else returns 2g anew.
+
+    Each backward appends to ``Double.taken`` whether it was granted and to ``Double.uses`` the
+    incoming gradient's storage use count after ``take`` (rebind or clear them before a run).
+    """
+
+    taken: list[bool] = []
+    uses: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        buf = ownership.take(grad_out)
+        Double.taken.append(buf is not None)
+        Double.uses.append(storage_use_count(grad_out))
+        if buf is not None:
+            return buf.mul_(2)
+        return grad_out * 2

@@ -18,28 +18,12 @@ import torch.utils.checkpoint as ckpt
 from torch.autograd.function import once_differentiable
 
 from slimgrad import _ext, ownership
-from tests._ownership_helpers import ExpSaved, storage_use_count
-
-
-@pytest.fixture(autouse=True)
-def _reuse_on(monkeypatch):
-    # these tests assert that reuse happens: a developer's SLIMGRAD_NO_REUSE=1 must not leak in
-    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
-
-
-class _Double(torch.autograd.Function):
-    """y = 2x; backward writes 2g into g when ownership allows."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        buf = ownership.take(grad_out)
-        if buf is not None:
-            return buf.mul_(2)
-        return grad_out * 2
+from tests._ownership_helpers import (  # reuse_on: an autouse fixture
+    Double,
+    ExpSaved,
+    reuse_on,  # noqa: F401
+    storage_use_count,
+)
 
 
 class _Reckless(torch.autograd.Function):
@@ -180,7 +164,7 @@ UNSAFE = [
 CONSERVATIVE = ["cat_slice", "create_graph"]  # safe here, refused by design
 
 
-def _run(name, fn_cls=_Double, disabled=False):
+def _run(name, fn_cls=Double, disabled=False):
     ownership.reset_reuse_count()
     if disabled:
         with ownership.reuse_disabled():
@@ -259,7 +243,7 @@ def test_retain_graph_twice():
         ownership.reset_reuse_count()
         ctx = ownership.reuse_disabled() if disabled else _null()
         with ctx:
-            loss = (_Double.apply(x * 1.5).sin() * w).sum()
+            loss = (Double.apply(x * 1.5).sin() * w).sum()
             loss.backward(retain_graph=True)
             first = x.grad.clone()
             loss.backward()
@@ -283,7 +267,7 @@ class _null:
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpoint_nesting(reentrant):
     def block(t):
-        return _Double.apply(t.sin()).cos()
+        return Double.apply(t.sin()).cos()
 
     def outer(t):
         return ckpt.checkpoint(block, t * 1.1, use_reentrant=reentrant) * 2
@@ -558,8 +542,8 @@ def test_hook_that_keeps_the_storage_object_is_refused():
         seen = torch.empty(0).set_(st, 0, shape)  # what the storage's keeper reads later
         return seen.clone(), x.grad, ownership.reuse_count("grad")
 
-    ref_seen, ref_grad, _ = go(_Double, disabled=True)
-    seen, grad, n = go(_Double)
+    ref_seen, ref_grad, _ = go(Double, disabled=True)
+    seen, grad, n = go(Double)
     assert n == 0
     assert torch.equal(seen, ref_seen) and torch.equal(grad, ref_grad)
     bad_seen, _, _ = go(_Reckless)
@@ -773,7 +757,7 @@ CORRUPTIBLE = VIEW_REFUSED_UNSAFE + ["two_views", "saved_view_retain_graph"]
 VIEW_REFUSED_SAFE = ["cat_halves", "partial_slice", "offset_view"]  # partial coverage, by design
 
 
-def _view_run(name, fn_cls=_Double, disabled=False):
+def _view_run(name, fn_cls=Double, disabled=False):
     ownership.reset_reuse_count()
     with ownership.reuse_disabled() if disabled else _null():
         out = _view_case(name, fn_cls)
@@ -813,7 +797,7 @@ def test_view_gradient_is_really_a_view_and_is_overwritten():
     x = torch.randn(B, T, DI, generator=gen).requires_grad_()
     lin1, lin2 = torch.nn.Linear(DI, DH), torch.nn.Linear(DH, 3)
     h = lin1(x)
-    y = _Double.apply(h)
+    y = Double.apply(h)
     info = {}
 
     def on_dy(t):
@@ -855,7 +839,7 @@ def test_gradient_shared_with_a_parameters_accumulate_grad(accumulate):
         pos = torch.nn.Parameter(torch.randn(N, generator=g))
         for _ in range(2 if accumulate else 1):  # no_sync-style accumulation into pos.grad
             with contextlib.nullcontext() if reuse else ownership.reuse_disabled():
-                ((_Double.apply(x * 1) + pos) * torch.arange(N)).sum().backward()
+                ((Double.apply(x * 1) + pos) * torch.arange(N)).sum().backward()
         return x.grad, pos.grad
 
     ownership.reset_reuse_count()
@@ -939,7 +923,7 @@ def test_new_call_mode_calibrates_once_and_only_undisturbed(monkeypatch):
     def run():
         ownership.reset_reuse_count()
         x = torch.randn(6, requires_grad=True)
-        (_Double.apply(x * 1) * 3).sum().backward()
+        (Double.apply(x * 1) * 3).sum().backward()
         assert torch.equal(x.grad, torch.full((6,), 6.0))
         return ownership.reuse_count()
 
@@ -970,8 +954,8 @@ def test_calibration_leaves_the_global_rng_alone(monkeypatch):
 # Storage facts without a storage object (NOTE [Storage facts without a storage object]) ------
 
 
-class _DoubleSeen(_Double):
-    """_Double that records the storage use count and data pointer of what it returns."""
+class _DoubleSeen(Double):
+    """Double that records the storage use count and data pointer of what it returns."""
 
     seen: list = []
 
@@ -1011,7 +995,7 @@ def test_storage_object_only_torch_keeps_is_not_a_holder():
         x = torch.randn(N, generator=torch.Generator().manual_seed(3)).requires_grad_()
         ownership.reset_reuse_count()
         with ownership.reuse_disabled() if disabled else _null():
-            y = _Double.apply(x * 1.5)
+            y = Double.apply(x * 1.5)
             y.register_hook(lambda g: g.untyped_storage().nbytes() and None)
             (y * 3).sum().backward()
         return x.grad, ownership.reuse_count("grad")
@@ -1125,22 +1109,22 @@ def test_chain_is_decided_by_the_functions_backward():
 
         return inner
 
-    class FirstOrder(_Double):
+    class FirstOrder(Double):
         @staticmethod
         @first_order("tests.first_order")
         def backward(ctx, g):
             return g * 2
 
-    class Wrapped(_Double):
+    class Wrapped(Double):
         @staticmethod
         @wrap
         def backward(ctx, g):
             return g * 2
 
     kinds = {
-        c: ownership._chain_of(c._backward_cls) for c in (_Double, _DoubleOnce, FirstOrder, Wrapped)
+        c: ownership._chain_of(c._backward_cls) for c in (Double, _DoubleOnce, FirstOrder, Wrapped)
     }
-    want = {_Double: "plain", _DoubleOnce: "once", FirstOrder: "first_order", Wrapped: None}
+    want = {Double: "plain", _DoubleOnce: "once", FirstOrder: "first_order", Wrapped: None}
     assert kinds == want
     assert ownership._caller() is None  # outside backward: no running node, no chain
 
@@ -1148,10 +1132,10 @@ def test_chain_is_decided_by_the_functions_backward():
 def test_take_from_a_tensor_hook_is_refused():
     got = []
     x = torch.randn(N, requires_grad=True)
-    y = _Double.apply(x * 1.5)
+    y = Double.apply(x * 1.5)
     y.register_hook(lambda g: got.append(ownership.take(g)))
     ownership.reset_reuse_count()
     (y * 3).sum().backward()
     assert got == [None]
-    assert ownership.reuse_count("grad") == 1  # _Double's own take, after the hook
+    assert ownership.reuse_count("grad") == 1  # Double's own take, after the hook
     torch.testing.assert_close(x.grad, torch.full((N,), 9.0), rtol=0, atol=0)

@@ -23,12 +23,11 @@ from torch import nn
 import slimgrad
 from slimgrad import ownership
 from slimgrad.ops import batch_norm, dropout, gelu, layer_norm, linear, relu
-from tests._ownership_helpers import ExpSaved
+from tests._ownership_helpers import ExpSaved, reuse_on  # noqa: F401 (reuse_on: autouse fixture)
 
 
 @pytest.fixture(autouse=True)
-def _reuse_on(monkeypatch):
-    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+def _default_backend(monkeypatch):
     monkeypatch.delenv("SLIMGRAD_BACKEND", raising=False)
 
 

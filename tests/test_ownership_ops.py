@@ -32,6 +32,7 @@ from slimgrad.ops.rms_norm import rms_norm
 from slimgrad.ops.sigmoid import sigmoid
 from slimgrad.ops.silu import silu
 from slimgrad.ops.tanh import tanh
+from tests._ownership_helpers import reuse_on  # noqa: F401 (reuse_on: autouse fixture)
 
 # the modules themselves (slimgrad.ops re-exports functions of the same names)
 ln_mod = importlib.import_module("slimgrad.ops.layer_norm")
@@ -55,9 +56,7 @@ D = SHAPE[-1]
 
 
 @pytest.fixture(autouse=True)
-def _reuse_on(monkeypatch):
-    # these tests assert that reuse happens: a developer's SLIMGRAD_NO_REUSE=1 must not leak in
-    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
+def _small_chunks(monkeypatch):
     # several row chunks in the norms' backward, so dx overwrites dy chunk by chunk
     monkeypatch.setattr(norms_mod, "CHUNK_ELEMS", 64)
 

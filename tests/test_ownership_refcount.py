@@ -18,53 +18,35 @@ import pytest
 import torch
 
 from slimgrad import _compat, ownership
+from tests._ownership_helpers import Double, reuse_on  # noqa: F401 (reuse_on: autouse fixture)
 
 N = 257
 
 
-@pytest.fixture(autouse=True)
-def _reuse_on(monkeypatch):
-    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
-
-
-class _Plain(torch.autograd.Function):
-    taken: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        buf = ownership.take(grad_out)
-        _Plain.taken.append(buf is not None)
-        return grad_out.mul_(2) if buf is not None else grad_out * 2
-
-
-class _OnTheStack(_Plain):
+class _OnTheStack(Double):
     # grad_out is on this frame's evaluation stack (the tuple being built) while take runs
     @staticmethod
     def backward(ctx, grad_out):
         pair = (grad_out, ownership.take(grad_out))
-        _Plain.taken.append(pair[1] is not None)
+        Double.taken.append(pair[1] is not None)
         return grad_out * 2
 
 
-class _Alias(_Plain):
+class _Alias(Double):
     @staticmethod
     def backward(ctx, grad_out):
         g = grad_out
         buf = ownership.take(grad_out)
-        _Plain.taken.append(buf is not None)
+        Double.taken.append(buf is not None)
         return g * 2
 
 
-class _InAList(_Plain):
+class _InAList(Double):
     @staticmethod
     def backward(ctx, grad_out):
         keep = [grad_out]
         buf = ownership.take(grad_out)
-        _Plain.taken.append(buf is not None)
+        Double.taken.append(buf is not None)
         return keep[0] * 2
 
 
@@ -72,21 +54,21 @@ def _closure(t):
     return lambda: t * 2
 
 
-class _InACell(_Plain):
+class _InACell(Double):
     # a closure's cell (as a hook's closure would keep it)
     @staticmethod
     def backward(ctx, grad_out):
         later = _closure(grad_out)
         buf = ownership.take(grad_out)
-        _Plain.taken.append(buf is not None)
+        Double.taken.append(buf is not None)
         return later()
 
 
 def _taken(fn) -> list[bool]:
-    _Plain.taken = []
+    Double.taken = []
     x = torch.linspace(-1, 1, N, requires_grad=True)
     (fn.apply(x * 1.5) * 3).sum().backward()
-    return _Plain.taken
+    return Double.taken
 
 
 def test_this_interpreter_is_one_shown_to_hold():
@@ -102,7 +84,7 @@ def test_this_interpreter_is_one_shown_to_hold():
 def test_every_holder_adds_one_and_is_refused(fn):
     if ownership.refcount_problem() is not None:
         pytest.skip(ownership.refcount_problem())
-    assert _taken(_Plain) == [True]  # the same chain without the holder is granted
+    assert _taken(Double) == [True]  # the same chain without the holder is granted
     assert _taken(fn) == [False]
 
 
@@ -145,16 +127,16 @@ def test_an_interpreter_not_shown_fails_closed(monkeypatch):
     ref = None
     x = torch.linspace(-1, 1, N, requires_grad=True)
     with ownership.reuse_disabled():
-        (_Plain.apply(x * 1.5) * 3).sum().backward()
+        (Double.apply(x * 1.5) * 3).sum().backward()
     ref, x.grad = x.grad, None
     _fresh_calibration(monkeypatch)
     monkeypatch.setattr(ownership, "_REFCOUNT_SHOWN", ())  # as on CPython 3.14
     problem = ownership.refcount_problem()
     assert problem is not None and "Python" in problem
     ownership.reset_reuse_count()
-    _Plain.taken = []
-    (_Plain.apply(x * 1.5) * 3).sum().backward()
-    assert _Plain.taken == [False] and ownership.reuse_count() == 0
+    Double.taken = []
+    (Double.apply(x * 1.5) * 3).sum().backward()
+    assert Double.taken == [False] and ownership.reuse_count() == 0
     assert not ownership.calibrated()
     assert torch.equal(x.grad, ref)
     # a storage object's count is not read either (the forward path's only count)

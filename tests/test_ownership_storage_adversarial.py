@@ -26,32 +26,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from slimgrad import ownership
 from slimgrad.memory import measure
-from tests._ownership_helpers import ExpSaved, storage_use_count
+from tests._ownership_helpers import (  # reuse_on: an autouse fixture
+    Double,
+    ExpSaved,
+    reuse_on,  # noqa: F401
+    storage_use_count,
+)
 
 N = 7  # prime
-
-
-@pytest.fixture(autouse=True)
-def _reuse_on(monkeypatch):
-    monkeypatch.delenv("SLIMGRAD_NO_REUSE", raising=False)
-
-
-class _Twice(torch.autograd.Function):
-    """y = 2x; backward writes 2g into g when ownership allows (records g's storage use count)."""
-
-    seen: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        buf = ownership.take(grad_out)
-        _Twice.seen.append(storage_use_count(grad_out))
-        if buf is not None:
-            return buf.mul_(2)
-        return grad_out * 2
 
 
 def _on_off(fn):
@@ -115,7 +97,7 @@ def _hook_case(holder):
         x = torch.arange(1.0, N + 1).requires_grad_()
         w = torch.arange(2.0, N + 2)
         kept = []
-        y = _Twice.apply(x * 1.5)
+        y = Double.apply(x * 1.5)
         y.register_hook(lambda g: kept.append(HOLDERS[holder](g)) and None)
         (y * w).sum().backward()
         return {"x.grad": x.grad, "kept": _as_tensor(kept[0])}
@@ -141,14 +123,14 @@ def test_no_holder_is_granted(how):
     def fn():
         x = torch.arange(1.0, N + 1).requires_grad_()
         w = torch.arange(2.0, N + 2)
-        y = _Twice.apply(x * 1.5)
+        y = Double.apply(x * 1.5)
         if how == "storage_object_dropped":
             y.register_hook(lambda g: g.untyped_storage().nbytes() and None)
         elif how == "typed_storage_dropped":
             y.register_hook(lambda g: g.storage().size() and None)
         elif how == "returns_a_whole_view":  # g dies; the view is the only way to its memory
             y.register_hook(lambda g: g.view(1, N).view(N))
-        _Twice.seen.clear()
+        Double.uses.clear()
         (y * w).sum().backward()
         return {"x.grad": x.grad}
 
@@ -156,14 +138,14 @@ def test_no_holder_is_granted(how):
     assert n == 1
     _assert_same(off, on)
     if how.endswith("dropped"):
-        assert _Twice.seen == [2]  # the preserved-object path was the one taken
+        assert Double.uses == [2]  # the preserved-object path was the one taken
 
 
 def test_complex_gradient_view_as_real_kept_refuses():
     def fn():
         x = torch.arange(1.0, N + 1).to(torch.complex64).requires_grad_()
         kept = []
-        y = _Twice.apply(x * 1.5)
+        y = Double.apply(x * 1.5)
         y.register_hook(lambda g: kept.append(torch.view_as_real(g)) and None)
         (y * torch.arange(2.0, N + 2)).sum().real.backward()
         return {"x.grad": torch.view_as_real(x.grad), "kept": kept[0].clone()}
@@ -203,7 +185,7 @@ def _storage_weak_case(kind):
         w = torch.arange(2.0, N + 2)
         refs, seen = [], []
         h = x * 1.5
-        y = _Twice.apply(h)
+        y = Double.apply(h)
         y.register_hook(lambda g: refs.append(make(g.untyped_storage())) and None)
 
         def read(t):
@@ -445,7 +427,7 @@ def test_memory_torch_does_not_own_is_refused(kind, via, tmp_path):
         keep = []
         _Hand.kind, _Hand.keep, _Hand.tmp = kind, keep, tmp_path
         x = torch.arange(1.0, N + 1).requires_grad_()
-        y = _Twice.apply(x * 1.5)
+        y = Double.apply(x * 1.5)
         if via == "hook":
             y.register_hook(lambda g: _foreign(kind, g.detach(), keep, tmp_path))
         else:
@@ -501,12 +483,12 @@ def test_dtypes_and_layouts_granted_bitwise(case):
     def fn():
         if case == "zero_d":
             x = torch.tensor(2.0, requires_grad=True)
-            (_Twice.apply(x * 1) * 3).backward()
+            (Double.apply(x * 1) * 3).backward()
             return {"x.grad": x.grad}
         if case in ("channels_last", "conv_cl"):
             x = torch.arange(2 * 3 * 5 * 5.0).view(2, 3, 5, 5) / 50
             x = x.to(memory_format=torch.channels_last).requires_grad_()
-            y = _Twice.apply(x * 1)
+            y = Double.apply(x * 1)
             assert y.is_contiguous(memory_format=torch.channels_last)
             if case == "conv_cl":
                 w = torch.full((4, 3, 3, 3), 0.25).to(memory_format=torch.channels_last)
@@ -516,7 +498,7 @@ def test_dtypes_and_layouts_granted_bitwise(case):
             return {"x.grad": x.grad}
         dt = getattr(torch, case)
         x = torch.arange(1.0, N + 1).to(dt).requires_grad_()
-        loss = (_Twice.apply(x * 1) * torch.arange(2.0, N + 2).to(dt)).sum()
+        loss = (Double.apply(x * 1) * torch.arange(2.0, N + 2).to(dt)).sum()
         (loss.real if dt.is_complex else loss).backward()
         return {"x.grad": torch.view_as_real(x.grad) if dt.is_complex else x.grad}
 
@@ -528,7 +510,7 @@ def test_dtypes_and_layouts_granted_bitwise(case):
 def test_zero_size_gradient_is_refused():
     x = torch.ones(0, 3, requires_grad=True)
     ownership.reset_reuse_count()
-    (_Twice.apply(x * 1) * 3).sum().backward()
+    (Double.apply(x * 1) * 3).sum().backward()
     assert ownership.reuse_count("grad") == 0 and x.grad.shape == (0, 3)
 
 
@@ -559,7 +541,7 @@ def test_storage_object_made_in_forward(how, granted):
     def fn():
         _Made.how, _Made.keep = how, []
         x = torch.arange(1.0, N + 1).requires_grad_()
-        (_Made.apply(_Twice.apply(x * 1.5)) * 2).sum().backward()
+        (_Made.apply(Double.apply(x * 1.5)) * 2).sum().backward()
         out = {"x.grad": x.grad}
         if _Made.keep:
             out["kept"] = _as_tensor(_Made.keep[0])
@@ -582,7 +564,7 @@ def _measured(fn, meas):
 
 def _linear3d():
     x = (torch.arange(30.0).view(2, 3, 5) / 30).requires_grad_()
-    y = _Twice.apply(torch.nn.functional.linear(x, torch.full((4, 5), 0.5)))
+    y = Double.apply(torch.nn.functional.linear(x, torch.full((4, 5), 0.5)))
     (torch.nn.functional.linear(y, torch.full((3, 4), 0.25)) * 2).sum().backward()
     return {"x.grad": x.grad}
 
@@ -599,7 +581,7 @@ def test_grants_under_the_memory_tracker_are_the_same(case):
         if case == "saved":
             return _saved_case("none")()
         x = torch.arange(1.0, N + 1).requires_grad_()
-        y = _Twice.apply(x * 1.5)
+        y = Double.apply(x * 1.5)
         kept = []
         if case == "hook_keeps":
             y.register_hook(kept.append)
@@ -613,16 +595,16 @@ def test_grants_under_the_memory_tracker_are_the_same(case):
             out["kept"] = _as_tensor(kept[0])
         return out
 
-    _Twice.seen.clear()
+    Double.uses.clear()
     plain, g0, s0 = _measured(fn, False)
-    seen_plain = list(_Twice.seen)
-    _Twice.seen.clear()
+    seen_plain = list(Double.uses)
+    Double.uses.clear()
     tracked, g1, s1 = _measured(fn, True)
     assert (g1, s1) == (g0, s0)
     assert (g0 + s0 > 0) == (case in ("plain", "storage_dropped", "linear3d", "saved"))
     _assert_same(plain, tracked)
     if case == "plain":  # the tracker did make the storage object: the other path was taken
-        assert seen_plain == [1] and _Twice.seen == [2]
+        assert seen_plain == [1] and Double.uses == [2]
 
 
 def test_no_random_refusals_under_heap_churn():
@@ -640,9 +622,9 @@ def test_no_random_refusals_under_heap_churn():
         del junk[::2]
         ownership.reset_reuse_count()
         x = torch.ones(N, requires_grad=True)
-        (_Twice.apply(x * 1.5) * 3).sum().backward()
+        (Double.apply(x * 1.5) * 3).sum().backward()
         _linear3d()
-        y = _Twice.apply(x * 1.5)  # the preserved-object path (and its Python-object slot word)
+        y = Double.apply(x * 1.5)  # the preserved-object path (and its Python-object slot word)
         y.register_hook(lambda g: g.untyped_storage().nbytes() and None)
         (y * 3).sum().backward()
         misses += ownership.reuse_count("grad") != 3
@@ -658,7 +640,7 @@ def test_threads_grant_and_refuse_exactly():
             good = 0
             for i in range(40):
                 x = torch.full((4000 if k % 2 else N,), float(k + 1), requires_grad=True)
-                y = _Twice.apply(x * 1.5)
+                y = Double.apply(x * 1.5)
                 kept = []
                 if i % 2:
                     y.register_hook(kept.append)
@@ -698,7 +680,7 @@ def test_a_new_call_mode_keeps_the_preserved_object_path(monkeypatch):
 
 def _dropped_case(how):
     x = torch.arange(1.0, N + 1).requires_grad_()
-    y = _Twice.apply(x * 1.5)
+    y = Double.apply(x * 1.5)
     if how == "storage_object_dropped":
         y.register_hook(lambda g: g.untyped_storage().nbytes() and None)
     (y * 3).sum().backward()
@@ -709,7 +691,7 @@ def test_gc_cycle_holding_the_storage_object_refuses_until_collected():
     # a storage object in an uncollected cycle is still a holder (refused); never a crash
     def fn():
         x = torch.arange(1.0, N + 1).requires_grad_()
-        y = _Twice.apply(x * 1.5)
+        y = Double.apply(x * 1.5)
         cyc = []
         y.register_hook(lambda g: (cyc.append(g.untyped_storage()), cyc.append(cyc)) and None)
         (y * 3).sum().backward()
@@ -736,7 +718,7 @@ def test_a_hook_that_moves_the_gradient_into_shared_memory_refuses(how):
 
     def fn():
         x = torch.arange(1.0, N + 1).requires_grad_()
-        y = _Twice.apply(x * 1.5)
+        y = Double.apply(x * 1.5)
         handles = []
         if how == "share_memory_":
             y.register_hook(lambda g: (g.share_memory_(), None)[1])
@@ -757,7 +739,7 @@ def test_view_gradient_storage_object(how, granted):
     def fn():
         kept, views = [], []
         x = (torch.arange(30.0).view(2, 3, 5) / 30).requires_grad_()
-        y = _Twice.apply(torch.nn.functional.linear(x, torch.full((4, 5), 0.5)))
+        y = Double.apply(torch.nn.functional.linear(x, torch.full((4, 5), 0.5)))
 
         def hook(g):
             views.append(g._is_view())
@@ -800,7 +782,7 @@ def test_a_refusal_makes_no_storage_object():
     # place once the alias was gone; fixed at 4e2ec35)
     kept = []
     x = torch.arange(1.0, N + 1).requires_grad_()
-    y = _Twice.apply(x * 1.5)
+    y = Double.apply(x * 1.5)
     y.register_hook(lambda g: kept.append(g.detach()) and None)
     ownership.reset_reuse_count()
     (y * 3).sum().backward()
