@@ -97,20 +97,19 @@ def _split(t, size, dim=0):
 
 # NOTE [Whole-chunk ops]
 # Every loop below issues a fixed number of ops per chunk (per vocabulary block and token chunk in
-# _bwd_rows_torch), none per token or row, and nothing per chunk that does not depend on its
-# logits: on a GPU each op is a launch. The chunk views (hidden rows, target columns, lse, s_i,
-# loss / dh / dW / db rows, weight blocks) come from one ``split`` per tensor before the loop
-# (none when one chunk covers the tensor); the smoothed one-hot's values (eps - 1 at each token's
-# target) are one (1, N) tensor. _bwd_rows_torch keeps each token's block (t // rows) and its row
-# inside the block (t mod rows, the same index for every block): block k's values are
-# where(block == k, eps - 1, 0), two ops, in the (1, N) buffer the one-hot always took. A token
-# outside the block adds 0 at its row (clamped into a shorter last block), which leaves that
-# softmax entry (non-negative, never -0.0) as it was. Results go straight into their rows of the
-# output (``out=``) where a copy used to follow; dh's GEMM takes the transposed operands (dhᵀ +=
-# W_vᵀ dz_v for dh += dz_vᵀ W_v: the same BLAS call, so the same bits) so that W_vᵀ is a view
-# made once. Same arithmetic on the same values as one chunk at a time with slices: the same
-# bits (tests/ops/test_linear_cross_entropy_blocks.py compares them with the slice-by-slice
-# loops).
+# _bwd_rows_torch), none per token or row, and nothing per chunk that does not depend on its logits:
+# on a GPU each op is a launch. The chunk views (hidden rows, target columns, lse, s_i, loss / dh /
+# dW / db rows, weight blocks) come from one ``split`` per tensor before the loop (none when one
+# chunk covers the tensor); the smoothed one-hot's values (eps - 1 at each token's target) are one
+# (1, N) tensor. _bwd_rows_torch keeps each token's block (t // rows) and its row inside the block
+# (t mod rows, the same index for every block): block k's values are (block == k) · (eps - 1), two
+# ops into one (1, N) buffer, the bytes the one-hot always took. A token outside the block adds ±0
+# at its row (clamped into a shorter last block), which leaves that softmax entry (non-negative,
+# never -0.0) as it was. Results go straight into their rows of the output (``out=``) where a copy
+# used to follow; dh's GEMM takes the transposed operands (dhᵀ += W_vᵀ dz_v for dh += dz_vᵀ W_v: the
+# same BLAS call, so the same bits) so that W_vᵀ is a view made once. Same arithmetic on the same
+# values as one chunk at a time with slices: the same bits
+# (tests/ops/test_linear_cross_entropy_blocks.py compares them with the slice-by-slice loops).
 
 
 def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap=None):
@@ -271,9 +270,8 @@ def _bwd_rows_torch(
     # last block). safe_t is this function's own: it becomes that row in place.
     blk = torch.div(safe_t, rows, rounding_mode="floor")[None]
     index = safe_t.remainder_(rows)[None]
-    em1 = torch.full((), eps - 1.0, dtype=acc, device=h.device)
-    zero = torch.zeros((), dtype=acc, device=h.device)
-    idx = _split(index, tokens, 1)
+    add = torch.empty((1, n), dtype=acc, device=h.device)  # block k's one-hot values
+    idx, adds = _split(index, tokens, 1), _split(add, tokens, 1)
     hcs = _split(h, tokens)
     hts = [hc.t() for hc in hcs]
     lses = _split(lse[None], tokens, 1)
@@ -288,7 +286,7 @@ def _bwd_rows_torch(
     dws = _split(dw, rows) if dw is not None else None
     for k, (wv, bv) in enumerate(zip(wvs, bvs, strict=True)):
         v0, v1 = k * rows, k * rows + wv.shape[0]
-        adds = _split(torch.where(blk == k, em1, zero), tokens, 1)
+        torch.eq(blk, k, out=add).mul_(eps - 1.0)  # eps - 1 in the block, else (-)0
         if k == blocks - 1 and k and v1 - v0 < rows:
             index.clamp_max_(v1 - v0 - 1)
         if dws is not None:
