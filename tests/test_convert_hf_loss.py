@@ -493,3 +493,60 @@ def test_float64_model_gives_eager_loss_dtype_and_bits(name, autocast):
         torch.testing.assert_close(lc, le, rtol=1e-12, atol=1e-12)
         for a, b in zip(gc, ge, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_call_shapes_bind_once_as_signature_bind_binds(monkeypatch):
+    # the fused forward binds the forward's signature once per call shape (positional count,
+    # keyword names) and maps each call's arguments as Signature.bind + apply_defaults does;
+    # a shape bind refuses falls back to HF's forward (which raises its own error)
+    import inspect
+
+    from slimgrad.convert_handlers import hf_loss
+
+    eager = _build("gpt2")
+    conv = slimgrad.convert_(copy.deepcopy(eager))
+    spec, _ = hf_loss._cached(type(conv).forward, "forward")
+    sig = spec.signature
+    inputs = _inputs("gpt2", padded=True)
+    ids, mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+    names = list(sig.parameters)[1:]
+    upto_labels = [ids] + [None] * (names.index("labels") - 1) + [labels]
+    upto_labels[names.index("attention_mask")] = mask
+    shapes = [
+        ((ids,), dict(labels=labels)),
+        ((), dict(labels=labels, input_ids=ids, attention_mask=mask, num_items_in_batch=7)),
+        (tuple(upto_labels), {}),
+        (tuple(upto_labels), dict(use_cache=False, shift_labels=labels, ignore_index=3)),
+        ((ids, None), dict(labels=labels, logits_to_keep=0)),
+        ((ids,), dict(input_ids=ids, labels=labels)),  # twice: bind refuses
+        (tuple(upto_labels) + (None,) * 3, {}),  # too many positional arguments
+    ]
+    for args, kw in shapes:
+        plan = hf_loss._binding(spec, len(args) + 1, tuple(kw))
+        try:
+            ba = sig.bind(conv, *args, **kw)
+        except TypeError:
+            assert plan is None
+            continue
+        ba.apply_defaults()
+        got = hf_loss._bound(plan, (conv, *args), kw)
+        assert list(got) == list(ba.arguments)
+        for k, v in got.items():
+            want = ba.arguments[k]
+            if isinstance(want, dict):
+                assert list(v.items()) == list(want.items())
+                assert all(v[x] is want[x] for x in want)
+            else:
+                assert v is want
+    # the same results as eager for positional labels, and bind runs once per new shape
+    seen = []
+    bind = inspect.Signature.bind
+    monkeypatch.setattr(
+        inspect.Signature, "bind", lambda s, *a, **k: seen.append(1) or bind(s, *a, **k)
+    )
+    out = [conv(*upto_labels[:-1], labels=labels, use_cache=False) for _ in range(3)]
+    assert len(seen) <= 1 and out[0].logits is None
+    torch.testing.assert_close(out[2].loss, eager(*upto_labels, use_cache=False).loss)
+    monkeypatch.setattr(inspect.Signature, "bind", bind)
+    with pytest.raises(TypeError):
+        conv(ids, input_ids=ids, labels=labels)  # HF's own error

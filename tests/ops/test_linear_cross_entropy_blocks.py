@@ -1,6 +1,7 @@
 """The fused loss's backward by vocabulary blocks walks all tokens of a block in one pass when
 that holds no more logits than forward's chunk (NOTE [Head gradient by vocabulary blocks] in
-slimgrad/_math/linear_cross_entropy.py): O(blocks) ops, not O(blocks x chunks)."""
+slimgrad/_math/linear_cross_entropy.py): O(blocks) ops, not O(blocks x chunks); a fixed handful
+of ops per block or chunk with the bits of slice-by-slice loops (NOTE [Whole-chunk ops])."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from slimgrad._math import linear_cross_entropy as _math
 from slimgrad.ops.linear_cross_entropy import linear_cross_entropy
+from slimgrad.testing import OpObserver
 
 lce_ops = importlib.import_module("slimgrad.ops.linear_cross_entropy")
 MM = {"aten.mm.default", "aten.mm.out", "aten.addmm.default", "aten.addmm_.default"}
@@ -62,7 +65,7 @@ def test_one_pass_per_block(monkeypatch, bias):
     # so each block is one pass: its logits, dW rows and dh, 3 matmuls (chunks of 16: 4 x 3)
     outs = _backward_matmuls(monkeypatch, rows=20, chunk=16, bias=bias)
     assert len(outs) == 5 * 3
-    logits = [s for s in outs if s[1] != 8]  # dW rows and dh are (., H = 8)
+    logits = [s for s in outs if 8 not in s]  # dW rows (., H = 8) and dh, transposed (H, .)
     assert logits == [(20, 64)] * 4 + [(17, 64)]
 
 
@@ -70,6 +73,153 @@ def test_small_chunk_keeps_its_memory_bound(monkeypatch):
     # chunk 4 x V = 388 logits < 90 rows x 64 tokens: the block walks tokens in 4s and no matmul
     # output holds more logits than forward's chunk did
     outs = _backward_matmuls(monkeypatch, rows=90, chunk=4)
-    logits = [s for s in outs if s[1] != 8]
+    logits = [s for s in outs if 8 not in s]
     assert max(a * b for a, b in logits) <= 4 * 97
     assert len(outs) == 2 * 16 * 3  # 2 blocks x 16 chunks x 3 matmuls
+
+
+# NOTE [Whole-chunk ops]: the loops issue a fixed number of ops per chunk (per vocabulary block in
+# the row-wise backward), none per token; and the same bits as slice-by-slice loops.
+
+
+class _Ops(OpObserver):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def see(self, func, args, kwargs) -> None:
+        self.n += 1
+
+
+def _ops(fn):
+    with _Ops() as c:
+        fn()
+    return c.n
+
+
+@pytest.mark.parametrize("bias, most", [(False, 9), (True, 12)])
+def test_backward_ops_per_vocabulary_block(monkeypatch, bias, most):
+    # each block: where its targets are, logits, softmax (2), one-hot, s_i, dW rows, dh (+ the
+    # bias, and db's sum and add); before: ~25, slicing and rebuilding the one-hot per block
+    def backward_ops(rows):
+        monkeypatch.setattr(lce_ops, "vocab_block_rows", lambda hidden_size: rows)
+        hidden, weight, b, target = _case(bias=bias)
+        linear_cross_entropy(hidden, weight, target, bias=b).backward()  # one-time set-up
+        loss = linear_cross_entropy(hidden, weight, target, bias=b)
+        return _ops(loss.backward)
+
+    few, many = backward_ops(20), backward_ops(5)  # 5 and 20 blocks of V = 97, last short
+    assert (many - few) / 15 <= most
+    assert few <= 5 * most + 40
+
+
+def test_forward_ops_per_chunk():
+    # each chunk: logits (2), target logit (2), logsumexp in place (8), loss; before: ~21
+    hidden, weight, _, target = _case()
+    with torch.no_grad():
+        linear_cross_entropy(hidden, weight, target)  # one-time set-up
+        a = _ops(lambda: linear_cross_entropy(hidden, weight, target, chunk_size=16))
+        b = _ops(lambda: linear_cross_entropy(hidden, weight, target, chunk_size=4))
+    assert (b - a) / 12 <= 14  # 4 and 16 chunks
+
+
+def _rows_by_slices(h, w, b, t, lse, scale, ignore, eps, chunk, rows, need, lscale, cap, take):
+    # the row-wise backward one block and one chunk at a time by slices, the one-hot rebuilt for
+    # each block, each dW block copied into dW: the reference the whole-chunk loops must match
+    v, n = w.shape[0], h.shape[0]
+    safe = torch.where(t != ignore, t, 0)
+    dh = torch.empty_like(h) if need[0] else None
+    dw = torch.empty_like(w) if need[1] and take is None else None
+    db = torch.zeros(v, dtype=h.dtype) if need[2] else None
+    tokens = min(n, max(chunk, chunk * v // rows))
+    for v0 in range(0, v, rows):
+        v1 = min(v0 + rows, v)
+        local = safe - v0
+        inside = (local >= 0) & (local < v1 - v0)
+        add = torch.zeros((1, n), dtype=h.dtype).masked_fill_(inside[None], eps - 1.0)
+        index = torch.where(inside, local, 0)[None]
+        gw = torch.empty((v1 - v0, h.shape[1]), dtype=h.dtype) if need[1] else None
+        for s in range(0, n, tokens):
+            e = min(s + tokens, n)
+            hc = h[s:e]
+            zt = torch.mm(w[v0:v1], hc.t())
+            if b is not None:
+                zt += b[v0:v1, None]
+            th = None
+            if lscale != 1.0:
+                zt.mul_(lscale)
+            if cap is not None:
+                th = zt.div_(cap).tanh_()
+                zt = th * cap
+            zt.sub_(lse[None, s:e]).exp_()
+            if eps:
+                zt.sub_(eps / v)
+            zt.scatter_add_(0, index[:, s:e], add[:, s:e])
+            if th is not None:
+                zt.mul_(th.mul_(th).neg_().add_(1.0))
+            if lscale != 1.0:
+                zt.mul_(lscale)
+            zt.mul_(scale[None, s:e])
+            if need[2]:
+                db[v0:v1] += zt.sum(1)
+            if need[1]:
+                if s == 0:
+                    torch.mm(zt, hc, out=gw)
+                else:
+                    gw.addmm_(zt, hc)
+            if need[0]:
+                if v0 == 0:
+                    torch.mm(zt.t(), w[v0:v1], out=dh[s:e])
+                else:
+                    dh[s:e].addmm_(zt.t(), w[v0:v1])
+        if need[1]:
+            if take is not None:
+                take(v0, v1, gw)
+            else:
+                dw[v0:v1] = gw
+    return dh, dw, db
+
+
+def _taker(blocks):
+    # a take_rows that keeps a copy of every block it is handed
+    return lambda v0, v1, gw: blocks.append((v0, v1, gw.clone()))
+
+
+def _bitwise(a, b):
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("eps, tf", [(0.0, (1.0, None)), (0.1, (0.5, 3.0))])
+@pytest.mark.parametrize("rows, chunk", [(20, 16), (7, 4), (97, 4), (200, 1000)])
+@pytest.mark.parametrize("sink", [False, True])
+def test_whole_chunk_row_backward_has_the_slice_by_slice_bits(dtype, bias, eps, tf, rows, chunk,
+                                                               sink):  # fmt: skip
+    g = torch.Generator().manual_seed(rows + chunk)
+    n, hs, v = 37, 8, 97
+    h = torch.randn(n, hs, generator=g, dtype=torch.float64).to(dtype) * 2
+    w = torch.randn(v, hs, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(v, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    t[1] = v - 1  # a target in the (short) last block
+    lse = _math._fwd_torch(h, w, b, t, -100, eps, chunk, *tf)[1]
+    scale = torch.rand(n, generator=g, dtype=torch.float64).to(dtype).masked_fill_(t == -100, 0)
+    for need in [(True, True, bias), (True, False, False), (False, True, bias)]:
+        taken = {"new": [], "ref": []}
+        got = _math._bwd_rows_torch(
+            h, w, b, t, lse, scale, -100, eps, chunk, rows, need, None, *tf,
+            take_rows=_taker(taken["new"]) if sink else None,
+        )  # fmt: skip
+        want = _rows_by_slices(
+            h, w, b, t, lse, scale, -100, eps, chunk, rows, need, *tf,
+            _taker(taken["ref"]) if sink else None,
+        )  # fmt: skip
+        for x, y in zip(got, want, strict=True):
+            assert _bitwise(x, y)
+        assert [x[:2] for x in taken["new"]] == [x[:2] for x in taken["ref"]]
+        for x, y in zip(taken["new"], taken["ref"], strict=True):
+            assert _bitwise(x[2], y[2])

@@ -34,10 +34,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # dim 0. Same sums in another order: exact up to summation order, like the chunking itself.
 
 
-def _logits_t(hc, weight, bias, acc):
-    zt = torch.mm(weight, hc.t())
-    if bias is not None:
-        zt += bias[:, None]
+def _logits_t(hc, weight, bcol, acc, hct=None):
+    # zT of one chunk; bcol: the bias as a (V, 1) column; hct: hc.t() when the caller has it
+    zt = torch.mm(weight, hc.t() if hct is None else hct)
+    if bcol is not None:
+        zt += bcol
     return zt.to(acc)
 
 
@@ -72,26 +73,10 @@ def _transform_grad_(dy, th, scale):
     return dy
 
 
-def _spans(n, size):
-    # (start, end) of the blocks of ``size`` that cover range(n)
-    for s in range(0, n, size):
-        yield s, min(s + size, n)
-
-
 def _targets(target, ignore_index):
     # (valid, safe_t): the tokens that count and the targets with ignored ones mapped to class 0
     valid = target != ignore_index
     return valid, torch.where(valid, target, torch.zeros_like(target))
-
-
-def _chunk_logits(h, weight, bias, acc, chunk, lscale, cap, keep_tanh=False):
-    # (s, e, hc, zT, th) for each chunk hc = h[s:e] of tokens: its logits zT (V x chunk, NOTE
-    # [Logits as V x chunk]) mapped by the logit transform (NOTE [Logit transforms]); th as
-    # _transform_ returns it. Nothing here keeps a yielded chunk alive: the caller frees zT (and
-    # th) before asking for the next one, so one chunk of logits is live at a time.
-    for s, e in _spans(h.shape[0], chunk):
-        hc = h[s:e]
-        yield (s, e, hc, *_transform_(_logits_t(hc, weight, bias, acc), lscale, cap, keep_tanh))
 
 
 def _dlogits_(zt, th, lse, index, add, eps, v, lscale):
@@ -102,6 +87,29 @@ def _dlogits_(zt, th, lse, index, add, eps, v, lscale):
         zt.sub_(eps / v)
     zt.scatter_add_(0, index, add)
     return _transform_grad_(zt, th, lscale)
+
+
+def _split(t, size, dim=0):
+    # t in blocks of ``size`` along ``dim`` (views): one op for all of them, none when one block
+    # covers t (NOTE [Whole-chunk ops])
+    return (t,) if t.shape[dim] <= size else t.split(size, dim)
+
+
+# NOTE [Whole-chunk ops]
+# Every loop below issues a fixed number of ops per chunk (per vocabulary block and token chunk in
+# _bwd_rows_torch), none per token or row, and nothing per chunk that does not depend on its logits:
+# on a GPU each op is a launch. The chunk views (hidden rows, target columns, lse, s_i, loss / dh /
+# dW / db rows, weight blocks) come from one ``split`` per tensor before the loop (none when one
+# chunk covers the tensor); the smoothed one-hot's values (eps - 1 at each token's target) are one
+# (1, N) tensor. _bwd_rows_torch keeps each token's block (t // rows) and its row inside the block
+# (t mod rows, the same index for every block): block k's values are (block == k) · (eps - 1), two
+# ops into one (1, N) buffer, the bytes the one-hot always took. A token outside the block adds ±0
+# at its row (clamped into a shorter last block), which leaves that softmax entry (non-negative,
+# never -0.0) as it was. Results go straight into their rows of the output (``out=``) where a copy
+# used to follow; dh's GEMM takes the transposed operands (dhᵀ += W_vᵀ dz_v for dh += dz_vᵀ W_v: the
+# same BLAS call, so the same bits) so that W_vᵀ is a view made once. Same arithmetic on the same
+# values as one chunk at a time with slices: the same bits
+# (tests/ops/test_linear_cross_entropy_blocks.py compares them with the slice-by-slice loops).
 
 
 def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap=None):
@@ -115,18 +123,29 @@ def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap
     valid, safe_t = _targets(target, ignore_index)
     loss = torch.empty(n, dtype=acc, device=h.device)
     lse = torch.empty(n, dtype=acc, device=h.device)
-    for s, e, _, zt, _ in _chunk_logits(h, weight, bias, acc, chunk, scale, cap):
-        li = zt.gather(0, safe_t[None, s:e]).squeeze(0).mul_(-(1.0 - eps))
+    bcol = bias[:, None] if bias is not None else None
+    for hc, tc, loss_c, lse_c in zip(
+        _split(h, chunk),
+        _split(safe_t[None], chunk, 1),
+        _split(loss, chunk),
+        _split(lse, chunk),
+        strict=True,
+    ):
+        zt, _ = _transform_(_logits_t(hc, weight, bcol, acc), scale, cap)
+        li = zt.gather(0, tc).squeeze(0)
         if eps:
-            li.sub_(zt.sum(0), alpha=eps / v)
+            li.mul_(-(1.0 - eps)).sub_(zt.sum(0), alpha=eps / v)
         # logsumexp over dim 0 as torch.logsumexp computes it (an infinite max shifts by 0), but
         # in place: the chunk's logits are not needed afterwards
         m = zt.amax(0)
         m.masked_fill_(m.abs() == float("inf"), 0)
-        lse_c = zt.sub_(m).exp_().sum(0).log_().add_(m)
-        loss[s:e] = li.add_(lse_c)
-        lse[s:e] = lse_c
+        torch.sum(zt.sub_(m).exp_(), 0, out=lse_c).log_().add_(m)
         del zt
+        # loss = lse - z_t (eps = 0: lse + (-z_t) in IEEE arithmetic), else lse + li
+        if eps:
+            torch.add(li, lse_c, out=loss_c)
+        else:
+            torch.sub(lse_c, li, out=loss_c)
     loss.masked_fill_(~valid, 0)
     return loss, lse
 
@@ -153,27 +172,42 @@ def _bwd_torch(
     alias h: each chunk's rows of h are read before the same rows of dh are written. ``lscale``,
     ``cap``: the logit transform (NOTE [Logit transforms]).
     """
-    v = weight.shape[0]
+    n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
     _, safe_t = _targets(target, ignore_index)
     need_dh, need_dw, need_db = need
     dh = (dh_out if dh_out is not None else torch.empty_like(h)) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
-    for s, e, hc, zt, th in _chunk_logits(h, weight, bias, acc, chunk, lscale, cap, True):
+    bcol = bias[:, None] if bias is not None else None
+    add = torch.full((1, n), eps - 1.0, dtype=acc, device=h.device)  # the smoothed one-hot
+    for hc, tc, lc, sc, ac, dc in zip(
+        _split(h, chunk),
+        _split(safe_t[None], chunk, 1),
+        _split(lse[None], chunk, 1),
+        _split(scale[None], chunk, 1),
+        _split(add, chunk, 1),
+        _split(dh, chunk) if need_dh else _nones(n, chunk),
+        strict=True,
+    ):
+        zt, th = _transform_(_logits_t(hc, weight, bcol, acc), lscale, cap, True)
         # zT becomes dzT in place: softmax, minus the smoothed one-hot, times s_i
-        add = zt.new_full((1, e - s), eps - 1.0)
-        zt = _dlogits_(zt, th, lse[None, s:e], safe_t[None, s:e], add, eps, v, lscale)
-        del th, add
-        zt.mul_(scale[None, s:e])
+        zt = _dlogits_(zt, th, lc, tc, ac, eps, v, lscale)
+        del th
+        zt.mul_(sc)
         if need_db:
             db += zt.sum(1)
         if need_dw:
             dw.addmm_(zt, hc.to(acc))
         if need_dh:
-            torch.mm(zt.to(h.dtype).t(), weight, out=dh[s:e])
+            torch.mm(zt.to(h.dtype).t(), weight, out=dc)
         del zt
     return dh, dw, db
+
+
+def _nones(n, size):
+    # one None per chunk of ``size`` over range(n), as many as _split makes
+    return (None,) * (1 if n <= size else -(-n // size))
 
 
 # NOTE [Head gradient by vocabulary blocks]
@@ -184,16 +218,16 @@ def _bwd_torch(
 # (over every token) when the block ends, and dh = Σ_v dz_vᵀ W_v accumulates over the blocks. Each
 # block's dW_v is computed into its own (rows, H) buffer and handed to ``take_rows(v0, v1, dW_v)``
 # when given (slimgrad.step_in_backward updates those rows of the parameter and frees the buffer:
-# only one block of dW is alive), else copied into the full dW. Both ways run the same arithmetic
-# on the same buffers, so the bits do not depend on who takes the rows. W_v is read for dh before
+# only one block of dW is alive), else straight into its rows of the full dW. Both ways run the
+# same arithmetic, so the bits do not depend on who takes the rows. W_v is read for dh before
 # take_rows is called, and no later block reads it. dh cannot share storage with h when there is
 # more than one block (every block reads all of h): ``dh_out`` must not alias h then.
 # Full precision only (dh accumulates in h's dtype). Memory: one block of logits (rows x tokens)
-# and one of dW (rows x H) instead of chunk x V and V x H. ``tokens`` (the inner chunk) is the
-# largest that holds no more logits than forward's chunk did (chunk x V), at most N: a block is then
-# one pass over all tokens at the usual sizes (GPT-2 small 4x256: 37 blocks of 1365 rows x 1024
-# tokens, where chunks of 256 tokens made 148 block-chunk pairs of ~17 ops each). The targets'
-# one-hot inside a block is computed once per block for all tokens, not per chunk.
+# instead of chunk x V, and with take_rows one block of dW (rows x H) instead of V x H.
+# ``tokens`` (the inner chunk) is the largest that holds no more logits than forward's chunk did
+# (chunk x V), at most N: a block is then one pass over all tokens at the usual sizes (GPT-2
+# small 4x256: 37 blocks of 1365 rows x 1024 tokens, where chunks of 256 tokens made 148
+# block-chunk pairs). Each block-chunk pair issues a fixed handful of ops (NOTE [Whole-chunk ops]).
 
 
 def _bwd_rows_torch(
@@ -227,46 +261,61 @@ def _bwd_rows_torch(
         dw = torch.empty(weight.shape, dtype=acc, device=h.device)
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
     n = h.shape[0]
-    tokens = min(n, max(chunk, chunk * v // max(rows, 1)))  # NOTE: no more logits than forward's
-    lse_t, scale_t = lse[None], scale[None]
-    for v0, v1 in _spans(v, rows):
-        wv = weight[v0:v1]
-        bv = bias[v0:v1] if bias is not None else None
-        gw = torch.empty((v1 - v0, h.shape[1]), dtype=acc, device=h.device) if need_dw else None
-        # the smoothed one-hot of the targets inside this block (others add 0), for every token
-        local = safe_t - v0
-        inside = (local >= 0) & (local < v1 - v0)
-        add = torch.zeros((1, n), dtype=acc, device=h.device).masked_fill_(inside[None], eps - 1.0)
-        index = torch.where(inside, local, 0)[None]
-        del local, inside
-        for s, e, hc, zt, th in _chunk_logits(h, wv, bv, acc, tokens, lscale, cap, True):
-            whole = s == 0 and e == n
-            zt = _dlogits_(
-                zt, th, lse_t if whole else lse_t[:, s:e], index if whole else index[:, s:e],
-                add if whole else add[:, s:e], eps, v, lscale,
-            )  # fmt: skip
+    rows = max(rows, 1)
+    # NOTE: no more logits than forward's
+    tokens = max(1, min(n, max(chunk, chunk * v // rows)))
+    blocks = -(-v // rows)
+    # the targets' smoothed one-hot by blocks (NOTE [Whole-chunk ops]): token i adds eps - 1 in
+    # block t_i // rows, at row t_i mod rows; other blocks add 0 at that row (clamped into the
+    # last block). safe_t is this function's own: it becomes that row in place.
+    blk = torch.div(safe_t, rows, rounding_mode="floor")[None]
+    index = safe_t.remainder_(rows)[None]
+    add = torch.empty((1, n), dtype=acc, device=h.device)  # block k's one-hot values
+    idx, adds = _split(index, tokens, 1), _split(add, tokens, 1)
+    hcs = _split(h, tokens)
+    hts = [hc.t() for hc in hcs]
+    lses = _split(lse[None], tokens, 1)
+    scales = _split(scale[None], tokens, 1)
+    # dh's chunks transposed: dhᵀ += W_vᵀ dz_v is the GEMM that dh += dz_vᵀ W_v runs (same bits),
+    # with W_vᵀ a view made once instead of dz_vᵀ one per block
+    dhts = [dc.t() for dc in _split(dh, tokens)] if need_dh else None
+    wvs = _split(weight, rows)
+    wts = _split(weight.t(), rows, 1) if need_dh else None
+    bvs = _split(bias[:, None], rows) if bias is not None else (None,) * blocks
+    dbs = _split(db, rows) if need_db else None
+    dws = _split(dw, rows) if dw is not None else None
+    for k, (wv, bv) in enumerate(zip(wvs, bvs, strict=True)):
+        v0, v1 = k * rows, k * rows + wv.shape[0]
+        torch.eq(blk, k, out=add).mul_(eps - 1.0)  # eps - 1 in the block, else (-)0
+        if k == blocks - 1 and k and v1 - v0 < rows:
+            index.clamp_max_(v1 - v0 - 1)
+        if dws is not None:
+            gw = dws[k]
+        elif need_dw:  # its own buffer, handed to take_rows
+            gw = torch.empty((v1 - v0, h.shape[1]), dtype=acc, device=h.device)
+        else:
+            gw = None
+        for j, hc in enumerate(hcs):
+            zt, th = _transform_(_logits_t(hc, wv, bv, acc, hts[j]), lscale, cap, True)
+            zt = _dlogits_(zt, th, lses[j], idx[j], adds[j], eps, v, lscale)
             del th
-            zt.mul_(scale_t if whole else scale_t[:, s:e])
+            zt.mul_(scales[j])
             if need_db:
-                db[v0:v1] += zt.sum(1)
+                dbs[k].add_(zt.sum(1))
             if need_dw:
-                if s == 0:
+                if j == 0:
                     torch.mm(zt, hc, out=gw)
                 else:
                     gw.addmm_(zt, hc)
             if need_dh:
-                if v0 == 0:
-                    torch.mm(zt.t(), wv, out=dh[s:e])
+                if k == 0:
+                    torch.mm(wts[k], zt, out=dhts[j])
                 else:
-                    dh[s:e].addmm_(zt.t(), wv)
+                    dhts[j].addmm_(wts[k], zt)
             del zt
-        del add, index
-        if need_dw:
-            if take_rows is not None:
-                take_rows(v0, v1, gw)
-            else:
-                dw[v0:v1] = gw
-            del gw
+        if need_dw and take_rows is not None:
+            take_rows(v0, v1, gw)
+        del gw
     return dh, dw, db
 
 
@@ -308,19 +357,28 @@ def _fwd_grad_torch(
         dh = None
     dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_dw else None
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
-    for s, e, hc, zt, th in _chunk_logits(h, weight, bias, acc, chunk, lscale, cap, True):
-        tc = safe_t[None, s:e]
-        row = scale[None, s:e]  # s_i per column of zT
-        col = scale[s:e, None]  # s_i per row of hc / dh
+    bcol = bias[:, None] if bias is not None else None
+    add = torch.full((1, n), eps - 1.0, dtype=acc, device=h.device)  # the smoothed one-hot
+    for hc, tc, row, col, lc, ac, dc in zip(
+        _split(h, chunk),
+        _split(safe_t[None], chunk, 1),
+        _split(scale[None], chunk, 1),  # s_i per column of zT
+        _split(scale[:, None], chunk),  # s_i per row of hc / dh
+        _split(loss[None], chunk, 1),
+        _split(add, chunk, 1),
+        _split(dh, chunk) if need_dh else _nones(n, chunk),
+        strict=True,
+    ):
+        zt, th = _transform_(_logits_t(hc, weight, bcol, acc), lscale, cap, True)
         lse = torch.logsumexp(zt, dim=0, keepdim=True)
         li = lse - (1.0 - eps) * zt.gather(0, tc)
         if eps:
             li = li - (eps / v) * zt.sum(0, keepdim=True)
-        loss[s:e] = li.squeeze(0)
+        lc.copy_(li)
+        del li
         # zT becomes dzT in place: softmax minus the smoothed one-hot (times s_i in low precision)
-        add = torch.full_like(lse, eps - 1.0)
-        zt = _dlogits_(zt, th, lse, tc, add, eps, v, lscale)
-        del th, add
+        zt = _dlogits_(zt, th, lse, tc, ac, eps, v, lscale)
+        del th
         if not full:
             zt.mul_(row)
         if need_db:
@@ -333,11 +391,9 @@ def _fwd_grad_torch(
             dw.addmm_(zt, hs)
             del hs
         if need_dh:
-            dc = torch.mm(zt.to(h.dtype).t(), weight)
+            torch.mm(zt.to(h.dtype).t(), weight, out=dc)
             if full:
                 dc.mul_(col)
-            dh[s:e] = dc
-            del dc
         del zt
     loss.masked_fill_(~valid, 0)
     return loss, dh, dw, db

@@ -465,6 +465,7 @@ def _match(fn):
             out=ret,
             varkw=varkw,
             signature=inspect.signature(inspect.unwrap(fn)),
+            binds={},
             globals=g,
             entry=None if entry is _after_renames else entry,
         ),
@@ -645,16 +646,70 @@ class _LogitsWithoutGradient(torch.autograd.Function):
         )
 
 
-def _why_not_now(model, spec, ba, dec):
-    # a reason the fused forward cannot run for this call ("" when it can), before any work
-    if not isinstance(ba.arguments.get("labels"), torch.Tensor):
+class _Arg:
+    # stands for the call's argument at a position (int) or keyword (str) in _binding
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+
+def _binding(spec, nargs, names):
+    # How the forward's parameters take a call with ``nargs`` positional arguments (self
+    # included) and keywords ``names`` (in call order): ((parameter, how, what), ...) as
+    # Signature.bind + apply_defaults would bind them (``how``: _Arg, from the call at position
+    # or keyword ``what``; dict, the **kwargs of keywords ``what``; None, the default ``what``),
+    # or None when bind refuses the call. Binding depends on the call's shape only, never on
+    # its values, so it is bound once per shape (with stand-ins) and kept on the spec.
+    key = (nargs, names)
+    plan = spec.binds.get(key, _UNBOUND)
+    if plan is _UNBOUND:
+        try:
+            ba = spec.signature.bind(*map(_Arg, range(nargs)), **{k: _Arg(k) for k in names})
+        except TypeError:
+            plan = None
+        else:
+            ba.apply_defaults()
+            plan = tuple(
+                (p, dict, tuple(v))
+                if p == spec.varkw
+                else (p, _Arg, v.key)
+                if isinstance(v, _Arg)
+                else (p, None, v)
+                for p, v in ba.arguments.items()
+            )
+        spec.binds[key] = plan
+    return plan
+
+
+_UNBOUND = object()
+
+
+def _bound(plan, args, kw):
+    # the call's arguments by parameter name, as ``Signature.bind(...).arguments`` after
+    # apply_defaults (``args`` with self first)
+    out = {}
+    for p, how, what in plan:
+        if how is _Arg:
+            out[p] = args[what] if type(what) is int else kw[what]
+        elif how is dict:
+            out[p] = {k: kw[k] for k in what}
+        else:
+            out[p] = what
+    return out
+
+
+def _why_not_now(model, spec, a, dec):
+    # a reason the fused forward cannot run for this call ("" when it can), before any work;
+    # ``a``: the call's arguments by parameter name (_bound)
+    if not isinstance(a.get("labels"), torch.Tensor):
         return "no labels"
     if spec.vocab_from != "logits":
         vocab = model.config.vocab_size if spec.vocab_from == "config" else model.vocab_size
         if dec.weight.shape[0] != vocab:
             return "head size is not the vocabulary size"  # HF's view(-1, V) decides
     if spec.router:
-        ori = ba.arguments.get("output_router_logits")
+        ori = a.get("output_router_logits")
         if ori if ori is not None else model.config.output_router_logits:
             return "router aux loss on"
     if spec.causal:
@@ -665,7 +720,7 @@ def _why_not_now(model, spec, ba, dec):
         if dec.weight.dtype == torch.float64:
             return "float64 head"  # HF's loss takes logits.float(): a float32 loss
 
-        keep = ba.arguments.get("logits_to_keep", 0)
+        keep = a.get("logits_to_keep", 0)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep != 0:
             return "logits_to_keep"
     elif spec.loss == "ce_attr":
@@ -725,23 +780,21 @@ class _FusedLMForward:
             # a tuple drops None fields: without logits every later field would move one slot
             # left (``loss, logits = out[:2]`` would read the next field), so HF's forward runs
             return cls_forward(model, *args, **kwargs)
-        try:
-            ba = spec.signature.bind(model, *args, **kw)
-        except TypeError:
+        plan = _binding(spec, len(args) + 1, tuple(kw))
+        if plan is None:
             return cls_forward(model, *args, **kwargs)  # HF raises its own error
-        ba.apply_defaults()
+        a = _bound(plan, (model, *args), kw)
         head, _ = _head(model, spec)
-        if head is None or _why_not_now(model, spec, ba, head[1]):
+        if head is None or _why_not_now(model, spec, a, head[1]):
             return cls_forward(model, *args, **kwargs)
-        out = self._fused(model, spec, ba, head)
+        out = self._fused(model, spec, a, head)
         if not return_dict and not isinstance(out, tuple):
             out = out.to_tuple()
         return out
 
-    def _fused(self, model, spec, ba, head):
+    def _fused(self, model, spec, a, head):
         from slimgrad.ops.linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 
-        a = dict(ba.arguments)
         extra = dict(a.pop(spec.varkw, {}))
         labels = a["labels"]
         if spec.router:
