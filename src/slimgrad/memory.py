@@ -220,6 +220,10 @@ class StepMemory:
     peak_with_workspace_bytes: int | None = None
     #: the op at that peak
     peak_with_workspace_op: str = ""
+    #: forward writes over an input that slimgrad.ownership refused in this step because a hook or
+    #: a mode could keep the input, by reason (NOTE [Forward writes a watcher refuses]); each
+    #: makes the step keep a tensor the unwatched step writes over
+    writes_refused: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self, timeline: bool = False) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("saved", "timeline")}
@@ -238,6 +242,11 @@ class StepMemory:
         ]
         for name, b in sorted(self.by_node.items(), key=lambda kv: -kv[1])[:10]:
             lines.append(f"  {name:40s} {b / mib:10.2f} MiB")
+        for reason, n in sorted(self.writes_refused.items()):
+            lines.append(
+                f"forward write refused x{n}: {reason} could keep the input (state it with "
+                "slimgrad.ownership.keeps_no_tensor if it keeps no tensor)"
+            )
         return "\n".join(lines)
 
 
@@ -705,8 +714,11 @@ def measure(
             "expected one with current(), peak() and reset_peak(), got "
             f"{type(workspace).__name__}. Pass workspace='cuda' on a CUDA device."
         )
+    from slimgrad import ownership
+
     tracker = _Tracker(workspace)
     mods = _ModuleClaims(module)
+    refused_before = ownership.refused_writes()
     param_keys: set[int] = set()
     if module is not None:
         for p in module.parameters():
@@ -771,6 +783,11 @@ def measure(
         peak_with_workspace_op=tracker.peak_op
         if tracker.peak_ws <= tracker.peak
         else tracker.peak_ws_op,
+        writes_refused={
+            k: n - refused_before.get(k, 0)
+            for k, n in ownership.refused_writes().items()
+            if n > refused_before.get(k, 0)
+        },
     )
 
 
