@@ -107,6 +107,30 @@ def triton_available() -> bool:
     return ok
 
 
+def cpu_kernel_would_run(
+    x: torch.Tensor, stem: str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> bool:
+    """Whether :func:`use_cpu` would pick ``kernels/cpu/<stem>.c`` for ``x`` if ``x`` were real.
+
+    For ops whose PyTorch path keeps temporaries the C kernel does not: under fake tensors
+    (``slimgrad.memory.estimate``) such an op allocates what the C kernel would (its outputs
+    only), so the estimate models the real CPU step. Never true for a backend other than
+    ``"auto"``/``"cpu"``, another device or dtype, or a stem whose C file cannot be built.
+    """
+    if compiling():
+        return False
+    b = _resolved[0] or _resolve()
+    if (b != "auto" and b != "cpu") or not x.is_cpu or x.dtype not in dtypes:
+        return False
+    _cpu = _cpu_module[0] or _load_cpu_module()
+    libs = _cpu._libs
+    if stem in libs:
+        return libs[stem] is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _cpu.load(stem) is not None
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 

@@ -95,6 +95,23 @@ def _c_lib(t: torch.Tensor):
     return _backend.use_cpu(t, C_STEM)
 
 
+# NOTE [Fake tensors model the C kernel]
+# use_cpu never picks the C kernels for a fake tensor (there is no memory to run them on), so under
+# slimgrad.memory.estimate this op would run its PyTorch path, whose mask temporaries (a bool
+# mask, an int32 copy of the packed bits and an index_select in unpack_bits: 1 to 9 B per element)
+# the real CPU step never allocates: Linear-Dropout-Linear at 8x64x16 (128 hidden) estimated a
+# peak of 663,552 B where the real step peaks at 573,512 (now both). A fake tensor the real C kernel
+# would take (kernels/_backend.cpu_kernel_would_run) allocates the kernel's outputs only, the
+# same tensors with the same shapes; values are never read under fake tensors.
+def _fake_c(t: torch.Tensor) -> bool:
+    return (
+        t.is_contiguous()
+        and t.numel() > 0
+        and _backend._is_fake(t)
+        and _backend.cpu_kernel_would_run(t, C_STEM)
+    )
+
+
 def _scale(p: float, t: torch.Tensor) -> float:
     # noise_scale_value(p, t.dtype, t.device); the callers read its table first, without a frame
     return noise_scale_value(p, t.dtype, t.device)
@@ -131,6 +148,8 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _backend.use_cpu(x, C_STEM) if 0 not in x.shape and x.is_contiguous() else None
     if lib is not None:  # the same draw; pack + x * noise in one C pass, into noise
         return noise, _c_fwd(lib, noise, x, noise, p)
+    if _fake_c(x):  # NOTE [Fake tensors model the C kernel]
+        return noise, x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8)
     bits = pack_bits(noise != 0)
     # noise * x == x * noise bit for bit; writing it into noise spares eager's extra buffer
     return noise.div_(1 - p).mul_(x), bits
@@ -141,6 +160,8 @@ def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
     lib = _c_lib(x)
     if lib is not None:
         return _c_fwd(lib, noise, x, x, p)
+    if _fake_c(x):  # NOTE [Fake tensors model the C kernel]
+        return x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8)
     bits = pack_bits(noise != 0)
     noise.div_(1 - p)
     x.mul_(noise)
@@ -166,6 +187,8 @@ def _apply_mask_torch(
             fns = _c_fns(lib)
         fns["bwd"](g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads())
         return out
+    if not fused and _fake_c(g):  # NOTE [Fake tensors model the C kernel]
+        return g if inplace else torch.empty_like(g)
     mask = unpack_bits(bits, g.shape)
     if fused:
         if inplace:  # the same kernel, its result written into g
