@@ -570,8 +570,6 @@ def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
     lib = _backend.use_cpu(x, C_STEM)
     if lib is not None:
         return smooth_fwd_c(lib, spec, x, fwd)
-    if _fake_c(x):  # NOTE [Fake tensors model the C kernels]
-        return _smooth_fwd_fake_c(x, fwd)
     return smooth_fwd(spec, x, fwd)
 
 
@@ -580,49 +578,7 @@ def smooth_grad_any(spec: SmoothSpec, g, y, bits, idx, xs, bwd_exact, out=None) 
     lib = _backend.use_cpu(g, C_STEM)
     if lib is not None:
         return smooth_grad_c(lib, spec, g, y, bits, idx, xs, bwd_exact, out=out)
-    if (  # NOTE [Fake tensors model the C kernels]: smooth_grad_c's own conditions
-        y is not None
-        and g.dtype == torch.float32
-        and y.dtype == torch.float32
-        and g.numel()
-        and not is_dense_fallback(g.numel(), bits, idx, xs)
-        and _fake_c(g)
-    ):
-        g.reshape(-1).contiguous(), y.reshape(-1).contiguous()  # smooth_grad_c's (views if dense)
-        return torch.empty(g.shape, dtype=g.dtype) if out is None else out
     return smooth_grad(spec, g, y, bits, idx, xs, bwd_exact, out=out)
-
-
-# NOTE [Fake tensors model the C kernels]
-# use_cpu never picks the C kernels for a fake tensor (no memory to run them on), so under
-# slimgrad.memory.estimate the smooth activations would run their PyTorch path, whose span
-# temporaries (about 10 B/elt of a span forward, 16 B/elt backward, and index_select of the byte
-# tables) the real CPU step never allocates: Linear-GELU-Dropout-Linear at 8x64x16 (128 hidden)
-# estimated a peak of 1,851,464 B, at the GELU backward's index_select, where the real step peaks
-# at 853,392 (now estimated 843,848). A fake tensor the C kernels would take
-# (kernels/_backend.cpu_kernel_would_run) allocates what smooth_fwd_c and smooth_grad_c allocate,
-# with the side table empty: fake values cannot say which elements are hard, and the real step
-# keeps 8 B more per hard element (there 1,193 of 65,536: the 9,544 B between the two figures).
-def _fake_c(t: torch.Tensor) -> bool:
-    return (
-        t.dtype == torch.float32
-        and _backend._is_fake(t)
-        and _backend.cpu_kernel_would_run(t, C_STEM)
-    )
-
-
-def _smooth_fwd_fake_c(x: torch.Tensor, fwd: Callable):
-    # what smooth_fwd_c allocates for x with no hard element
-    flat = x.reshape(-1).contiguous()
-    n = flat.numel()
-    idx_dtype = torch.int32 if n < 2**31 else torch.int64
-    y = fwd(flat)
-    bits = torch.empty(packed_numel(n), dtype=torch.uint8)
-    nb = (n + CHUNK - 1) // CHUNK
-    cnt = torch.empty(2 * nb, dtype=torch.int64)
-    flags = torch.empty((n + 31) // 32, dtype=torch.uint8)  # transient
-    del cnt, flags
-    return y.view(x.shape), bits, torch.empty(0, dtype=idx_dtype), torch.empty(0, dtype=x.dtype)
 
 
 def reuse_ok(g: torch.Tensor, perm: tuple[int, ...] | None = None) -> bool:
