@@ -3,8 +3,9 @@
 Trains a converted tiny HF GPT-2 for a few steps twice from the same weights and batches: the plain
 loop (``loss.backward(); opt.step(); opt.zero_grad()``) and the same loop with the handle that
 ``step_in_backward`` returns in place of the optimizer. Asserts the parameters are bit for bit the
-same after every step, and that a steady step's peak (``slimgrad.memory.measure``, the optimizer
-state already made) is below the plain loop's: no step holds every gradient at once.
+same after every step, and that a steady step's peak (``slimgrad.memory.measure`` over the whole
+step: forward, backward and the optimizer's step; the optimizer state already made) is below the
+plain loop's: no step holds every gradient at once.
 
 Run: ``python examples/step_in_backward_loop.py [--steps 3]`` (seconds on CPU; needs the ``[hf]``
 extra).
@@ -27,7 +28,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     steps = p.parse_args().steps
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64,
+    cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
                      tie_word_embeddings=False)  # fmt: skip
     base = slimgrad.convert_(GPT2LMHeadModel(cfg))
     g = torch.Generator().manual_seed(1)
@@ -66,16 +67,14 @@ def main() -> None:
     ids = batches[steps]
 
     def measured(model, opt):
-        def fwd():
-            return model(input_ids=ids, labels=ids).loss
-
-        def after():  # the rest of the step runs after measure's backward
+        def whole_step():  # forward, backward and the optimizer's step, all under the tracker
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
             opt.step()
             opt.zero_grad()
+            return loss.detach()
 
-        m = memory.measure(fwd, timeline=False)
-        after()
-        return m.peak_bytes
+        return memory.measure(whole_step, backward=False, timeline=False).peak_bytes
 
     peak_plain, peak_sib = measured(plain, popt), measured(sib, sopt)
     assert peak_sib < peak_plain, (peak_sib, peak_plain)
