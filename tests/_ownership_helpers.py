@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from slimgrad import ownership
 
@@ -63,3 +64,22 @@ class Double(torch.autograd.Function):
         if buf is not None:
             return buf.mul_(2)
         return grad_out * 2
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock shape with its two in-place ReLUs as two modules (each can be
+    stated): conv, BatchNorm, ReLU, conv, BatchNorm, ``out += x``, ReLU. Converted, the ReLU after
+    the first BatchNorm is asked whether it owns its input; the one after the residual is not."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu2 = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu2(out)

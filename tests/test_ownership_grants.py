@@ -23,7 +23,7 @@ from torch import nn
 import slimgrad
 from slimgrad import ownership
 from slimgrad.ops import batch_norm, dropout, gelu, layer_norm, linear, relu
-from tests._ownership_helpers import ExpSaved, reuse_on  # noqa: F401 (reuse_on: autouse fixture)
+from tests._ownership_helpers import BasicBlock, ExpSaved, reuse_on  # noqa: F401 (reuse_on: autouse fixture)
 
 
 @pytest.fixture(autouse=True)
@@ -113,22 +113,6 @@ def test_same_grants_on_every_torch_and_same_bits(case):
     assert on == EXPECTED[case], f"torch {torch.__version__}: grants {on}"
 
 
-class _BasicBlock(nn.Module):
-    # torchvision's BasicBlock (two activations, so each is its own module)
-    def __init__(self, c):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.relu1 = nn.ReLU(inplace=True)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.relu2 = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        out = self.relu1(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return self.relu2(out)
-
-
 def _chain():
     layers = [nn.Conv2d(3, 4, 1)]
     for _ in range(3):
@@ -137,7 +121,7 @@ def _chain():
 
 
 def _block():
-    return nn.Sequential(nn.Conv2d(3, 4, 1), _BasicBlock(4), _BasicBlock(4)), (2, 3, 7, 5)
+    return nn.Sequential(nn.Conv2d(3, 4, 1), BasicBlock(4), BasicBlock(4)), (2, 3, 7, 5)
 
 
 MODELS = {

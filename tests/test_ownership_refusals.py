@@ -22,27 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import slimgrad
 from slimgrad import ownership
 from slimgrad.memory import measure
-from tests._ownership_helpers import reuse_on  # noqa: F401 (reuse_on: autouse fixture)
-
-
-class _Block(nn.Module):
-    def __init__(self, c: int = 8) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.relu1 = nn.ReLU(inplace=True)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.relu2 = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        out = self.relu1(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return self.relu2(out)
+from tests._ownership_helpers import BasicBlock, reuse_on  # noqa: F401 (reuse_on: autouse fixture)
 
 
 def _model():
     torch.manual_seed(0)
-    eager = nn.Sequential(nn.Conv2d(3, 8, 1), _Block(), _Block())
+    eager = nn.Sequential(nn.Conv2d(3, 8, 1), BasicBlock(8), BasicBlock(8))
     return slimgrad.convert_(copy.deepcopy(eager)).train()
 
 

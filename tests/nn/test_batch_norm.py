@@ -8,6 +8,7 @@ from slimgrad.convert_handlers.cnn import HANDLERS, bn_act_pattern, convert_cnn_
 from slimgrad.convert_handlers.cnn import TABLE as CNN_TABLE
 from slimgrad.memory import measure
 from slimgrad.nn import batch_norm as sbn
+from tests._ownership_helpers import BasicBlock
 
 
 @pytest.mark.parametrize(
@@ -446,22 +447,6 @@ def test_inplace_relu_asks_ownership_only_after_a_norm(monkeypatch):
     assert ownership.reuse_count("forward") == 1  # granted: the derived path after bn1
 
 
-class _TwoReLUBlock(nn.Module):
-    # torchvision's BasicBlock with its two activations as two modules (each can be stated)
-    def __init__(self, c=4):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.relu1 = nn.ReLU(inplace=True)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.relu2 = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        out = self.relu1(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return self.relu2(out)
-
-
 def test_residual_relu_grant_is_never_read(monkeypatch):
     # The pre-check's premise: ownership's answer for the ReLU after ``out += x`` changes nothing
     # (_derived.activation reads ``owned`` only for a pristine norm output), so asking there, as
@@ -471,7 +456,7 @@ def test_residual_relu_grant_is_never_read(monkeypatch):
     from slimgrad import ownership
 
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Conv2d(3, 4, 1), _TwoReLUBlock(), _TwoReLUBlock())
+    ref = nn.Sequential(nn.Conv2d(3, 4, 1), BasicBlock(4), BasicBlock(4))
     x0 = torch.randn(2, 3, 7, 5)
     runs = []
     for always_ask in (False, True):
