@@ -875,16 +875,20 @@ def _observers_only(hooks) -> bool:
     return all(getattr(f, "_slimgrad_keeps_no_tensor", False) for f in hooks.values())
 
 
-def _hooks_ok(m: torch.nn.Module) -> bool:
-    # C2 for one module (empty dicts are the common case: no call for them)
-    return (
-        (not m._forward_hooks or _observers_only(m._forward_hooks))
-        and (not m._forward_pre_hooks or _observers_only(m._forward_pre_hooks))
-        and not m._backward_hooks
-        and not m._backward_pre_hooks
-        and "forward" not in m.__dict__
-        and m._compiled_call_impl is None
-    )
+def _hooks_refusal(m: torch.nn.Module) -> str | None:
+    # C2 for one module: None where it holds, else why a forward write is refused there (NOTE
+    # [Forward writes a watcher refuses]); empty dicts are the common case: no call for them
+    if (m._forward_hooks and not _observers_only(m._forward_hooks)) or (
+        m._forward_pre_hooks and not _observers_only(m._forward_pre_hooks)
+    ):
+        return f"a forward hook on {type(m).__name__}"
+    if m._backward_hooks or m._backward_pre_hooks:
+        return f"a backward hook on {type(m).__name__}"
+    if "forward" in m.__dict__:
+        return f"an instance attribute forward on {type(m).__name__}"
+    if m._compiled_call_impl is not None:
+        return f"{type(m).__name__} compiled (Module.compile)"
+    return None
 
 
 def _global_hooks_ok() -> bool:
@@ -897,18 +901,22 @@ def _global_hooks_ok() -> bool:
     )
 
 
-def _modes_ok() -> bool:
-    # C3: a dispatch mode sees (and may keep) every op's output; only slimgrad's tracker states
-    # that it keeps none
+def _modes_refusal() -> str | None:
+    # C3: a dispatch mode sees (and may keep) every op's output; None where every active mode
+    # states that it keeps none (slimgrad's tracker, keeps_no_tensor), else why a forward write
+    # is refused (NOTE [Forward writes a watcher refuses])
     if _function_mode_on():
-        return False
+        return "a TorchFunctionMode"
     n = _dispatch_depth()
     if not n:
-        return True
+        return None
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     modes = _get_current_dispatch_mode_stack()
-    return len(modes) == n and all(getattr(m, "_slimgrad_keeps_no_tensor", False) for m in modes)
+    names = [type(m).__name__ for m in modes if not getattr(m, "_slimgrad_keeps_no_tensor", False)]
+    if len(modes) == n and not names:
+        return None
+    return f"TorchDispatchMode {', '.join(names) or '(not on the Python mode stack)'}"
 
 
 # NOTE [Forward writes a watcher refuses]
@@ -928,30 +936,6 @@ def _refuse(reason: str) -> bool:
     with _counter_lock:
         _refused[reason] = _refused.get(reason, 0) + 1
     return False
-
-
-def _hooks_reason(m: torch.nn.Module) -> str:
-    name = type(m).__name__
-    if not _observers_only(m._forward_hooks) or not _observers_only(m._forward_pre_hooks):
-        return f"a forward hook on {name}"
-    if m._backward_hooks or m._backward_pre_hooks:
-        return f"a backward hook on {name}"
-    if "forward" in m.__dict__:
-        return f"an instance attribute forward on {name}"
-    return f"{name} compiled (Module.compile)"
-
-
-def _modes_reason() -> str:
-    if _function_mode_on():
-        return "a TorchFunctionMode"
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    names = [
-        type(m).__name__
-        for m in _get_current_dispatch_mode_stack()
-        if not getattr(m, "_slimgrad_keeps_no_tensor", False)
-    ]
-    return f"TorchDispatchMode {', '.join(names) or '(not on the Python mode stack)'}"
 
 
 def refused_writes() -> dict[str, int]:
@@ -1424,11 +1408,13 @@ def _forward_ok(x, module, writes: bool) -> bool:
     sources = _stated_sources(module)
     if sources is None:
         return False
-    if not _hooks_ok(module):
-        return _refuse(_hooks_reason(module))
+    why = _hooks_refusal(module)
+    if why is not None:
+        return _refuse(why)
     for s in sources:
-        if not _hooks_ok(s):
-            return _refuse(_hooks_reason(s))
+        why = _hooks_refusal(s)
+        if why is not None:
+            return _refuse(why)
     g = _module_hooks
     if (
         (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks)
@@ -1443,8 +1429,10 @@ def _forward_ok(x, module, writes: bool) -> bool:
         return False
     if type(x) is not torch.Tensor:
         return _fake_input_ok(x)
-    if (_dispatch_depth() or _function_mode_on()) and not _modes_ok():
-        return _refuse(_modes_reason())
+    if _dispatch_depth() or _function_mode_on():
+        why = _modes_refusal()
+        if why is not None:
+            return _refuse(why)
     f = _plain_facts(x, 2)  # C4: plain, not a view, dense over its storage; its holders
     if f is None or f[0] != 1 or f[4] != 1 or (_weakcount(x) and not _weakrefs_accounted(x)):
         return False
