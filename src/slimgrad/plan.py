@@ -682,32 +682,13 @@ def _estimate_pairs(
     # after them passed through (its forward's start closes the last pair's forward) and every
     # other block passed through. Each pair's segments less what the other pairs keep or have
     # left there (NOTE [How plan chooses], 1); None where the marks cannot be read.
-    from slimgrad.memory import estimate
-
     g = len(group)
     real = names[: 2 * g]
-    closing = names[2 * g]
     choices = {b: group[i // 2] for i, b in enumerate(real)}
     passed = tuple(b for b in blocks if b not in choices)
-    marks: dict[str, int] = {}
-
-    def close(mod, args, kwargs):
-        t = _tracker()
-        if t is not None and "closefwd_start" not in marks:
-            marks["closefwd_start"] = len(t.timeline)
-
-    def make():
-        forward, model = _made(api, make_forward())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            apply_choices(model, choices, passed=passed, api=api, **convert_kwargs)
-        mods = dict(model.named_modules())
-        for i, w in enumerate(real):
-            _watch(mods[w], marks, str(i))
-        mods[closing].register_forward_pre_hook(close, with_kwargs=True)
-        return forward, model
-
-    m = estimate(make, device=device, timeline=True)
+    m, marks = _marked_estimate(
+        make_forward, api, device, choices, passed, convert_kwargs, tuple(real), names[2 * g]
+    )
     tl, n = m.timeline, 2 * g
     order = [f"{i}fwd_{e}" for i in range(n) for e in ("start", "end")] + ["closefwd_start"]
     order += [f"{i}bwd_{e}" for i in reversed(range(n)) for e in ("start", "end")]
@@ -779,12 +760,27 @@ def _estimate_pairs(
     return out
 
 
-def _estimate_with(
-    make_forward, api, device, choices, passed, convert_kwargs, watch: tuple[str, ...] = ()
-) -> Any:
+def _marked_estimate(
+    make_forward,
+    api,
+    device,
+    choices,
+    passed,
+    convert_kwargs,
+    watch: tuple[str, ...] = (),
+    closing: str | None = None,
+) -> tuple[Any, dict[str, int]]:
+    # estimate of the model with ``choices`` applied, and the timeline positions of the watched
+    # blocks' forward and backward starts and ends (_watch: "<i>fwd_start", ...) and of the
+    # ``closing`` block's forward start ("closefwd_start"); the timeline is kept when any is marked
     from slimgrad.memory import estimate
 
     marks: dict[str, int] = {}
+
+    def close(mod, args, kwargs):
+        t = _tracker()
+        if t is not None and "closefwd_start" not in marks:
+            marks["closefwd_start"] = len(t.timeline)
 
     def make():
         forward, model = _made(api, make_forward())
@@ -794,9 +790,18 @@ def _estimate_with(
         mods = dict(model.named_modules())
         for i, w in enumerate(watch):
             _watch(mods[w], marks, str(i))
+        if closing is not None:
+            mods[closing].register_forward_pre_hook(close, with_kwargs=True)
         return forward, model
 
-    m = estimate(make, device=device, timeline=bool(watch))
+    m = estimate(make, device=device, timeline=bool(watch) or closing is not None)
+    return m, marks
+
+
+def _estimate_with(
+    make_forward, api, device, choices, passed, convert_kwargs, watch: tuple[str, ...] = ()
+) -> Any:
+    m, marks = _marked_estimate(make_forward, api, device, choices, passed, convert_kwargs, watch)
     if watch:
         m.segments = _segments(m, marks, len(watch))
         m.timeline = []
