@@ -158,3 +158,32 @@ def test_profiler_still_names_a_directly_called_op(spy):
         _scale(torch.randn(3), 2.0)
     assert spy == []
     assert "slimgrad::_test_library_scale" in {k.key for k in prof.key_averages()}
+
+
+def test_straight_is_one_call_and_a_dynamo_constant():
+    # NOTE [One-call gate]: straight reads the compile flag in place (no compiling() frame) and
+    # Dynamo evaluates it once at trace time (no guard on the flag: a guard would fail at run
+    # time, where the flag is False, and recompile per call)
+    from slimgrad._library import straight
+    from tests._host_calls import slimgrad_calls
+
+    assert straight() is True
+    # the gate's frame and torch's five C checks, nothing of slimgrad's own beside
+    assert slimgrad_calls(straight) == 6
+    with torch.profiler.profile():
+        assert straight() is False
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    def f(x):
+        return x + 1 if straight() else x - 1
+
+    g = torch.compile(f, backend=backend)
+    x = torch.zeros(3)
+    for _ in range(3):
+        torch.testing.assert_close(g(x), -torch.ones(3))
+    assert len(frames) == 1
+    torch.testing.assert_close(f(x), torch.ones(3))

@@ -44,6 +44,7 @@ NAMESPACE = "slimgrad"
 _PYTHON_IMPLS: dict[str, Callable] = {}
 
 _C = torch._C
+_compiler = torch.compiler
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _PLAIN = (_Tensor, _Parameter)
@@ -72,7 +73,8 @@ def straight() -> bool:
     """Whether nothing but eager PyTorch is watching: not compiling (read first: Dynamo folds it
     and traces nothing else here), no ``TorchDispatchMode`` (FakeTensorMode and the memory
     tracker included) or ``TorchFunctionMode``, no ``torch.func`` transform, no TorchScript
-    trace, no profiler (NOTE [One gate per call]).
+    trace, no profiler (NOTE [One gate per call]). One call: nothing but torch's own C checks
+    (NOTE [One-call gate]).
 
     # NOTE [One gate per call]
     An op's public function that passes this gate, on arguments it has checked are plain
@@ -88,13 +90,23 @@ def straight() -> bool:
     each custom op.
     """
     return not (
-        _is_compiling()
+        _compiler._is_compiling_flag  # compiling() read in place (NOTE [One-call gate])
         or _dispatch_stack_len()
         or _function_mode_on()
         or _functorch_on()
         or _is_tracing()
         or _profiling()
     )
+
+
+# NOTE [One-call gate]
+# :func:`straight` reads the flag :func:`slimgrad._autograd.compiling` returns in place, saving
+# that frame on every op call. Dynamo must not trace the read (it would guard on the flag, which is
+# False at run time: a recompile per call), so ``straight`` is marked as having a constant result,
+# as ``compiling`` is (NOTE [One-frame compile check] in slimgrad/_autograd.py): Dynamo calls it
+# once at trace time, where torch.compile and torch.export hold the flag True, and uses the answer
+# (False) as a constant, exactly what tracing ``not (compiling() or ...)`` gave.
+straight._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def direct_call_ok(args: tuple, kwargs: dict) -> bool:
