@@ -26,6 +26,7 @@ __all__ = [
     "CHUNK_ELEMS",
     "acc_dtype",
     "fallback_channels",
+    "fallback_or_none",
     "layer_norm_bwd_torch",
     "layer_norm_fwd_torch",
     "rebuild_xhat",
@@ -71,13 +72,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # per (weight, bias) pair of tensor objects, keyed by each one's data pointer, strides, dtype and
 # autograd version counter, which every in-place write that autograd can see bumps (optimizer
 # steps, ``copy_``/``fill_`` under no_grad, ``load_state_dict``; views share their base's
-# counter). Each call still returns a tensor of its own (a 0-element one, or a copy), so what a
-# forward saves and what the memory tracker counts are unchanged. What the key cannot see: a
-# write that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or collective
-# writing into the parameter's memory): code that does that and then changes which channels are
-# fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as autograd's
-# own in-place checks would need too. Inference-mode, fake and subclass tensors, and code being
-# compiled, take no cache.
+# counter). Each call still returns a tensor of its own (a 0-element one, or a copy; on the
+# straight path, :func:`fallback_or_none`, None when there is no fallback channel: nothing saved),
+# so what a forward saves and what the memory tracker counts are unchanged. What the key cannot
+# see: a write that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or
+# collective writing into the parameter's memory): code that does that and then changes which
+# channels are fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as
+# autograd's own in-place checks would need too. Inference-mode, fake and subclass tensors, and
+# code being compiled, take no cache.
 _FB_CACHE: dict[int, tuple] = {}
 
 
@@ -149,6 +151,42 @@ def fallback_channels(
     return _fresh(idx)
 
 
+def fallback_or_none(
+    weight: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """:func:`fallback_channels` for a caller past the gate of NOTE [One gate per call] (eager,
+    plain tensors: no compile or fake check), or None where there is no fallback channel (the
+    common case: nothing to allocate or save)."""
+    try:  # an inference tensor has no version counter: reading _version raises
+        if weight is not None:
+            w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
+            w_key += (weight.stride(), weight.device)
+            ref = weight
+        else:
+            w_key = None
+            if bias is None:
+                return None
+            ref = bias
+        b_key = None
+        if bias is not None:
+            b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
+            b_key += (bias.device,)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        idx = _find_fallback_channels(weight, bias, out_dtype)
+        return idx if idx.shape[0] else None
+    # the key of fallback_channels, the same cache (NOTE [Fallback channels, once per weight
+    # version])
+    key = (w_key, b_key, out_dtype, steps._count[0] if steps._hooked[0] else epoch())
+    slot = id(ref)
+    hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
+    if hit is None or hit[0]() is not ref or hit[1] != key:
+        idx = _find_fallback_channels(weight, bias, out_dtype)
+        wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
+        hit = _FB_CACHE[slot] = (wref, key, idx)
+    idx = hit[2]
+    return idx.clone() if idx.shape[0] else None  # a tensor of the caller's own
+
+
 def _find_fallback_channels(weight, bias, out_dtype):
     ref = weight if weight is not None else bias
     acc = acc_dtype(ref.dtype)
@@ -204,7 +242,7 @@ def layer_norm_bwd_torch(
     for i in range(0, n, step):
         sl = slice(i, i + step)
         xh = rebuild_xhat(y2[sl], w, b, acc)
-        if idx.numel():
+        if idx is not None and idx.numel():
             xh.index_copy_(1, idx, (xside[sl].to(acc) - mu[sl]) * r[sl])
         dyc = dy2[sl].to(acc)
         if need_dw:
@@ -262,7 +300,7 @@ def rms_norm_bwd_torch(
             xh = y2[sl].to(acc, copy=True).mul_(r[sl])
         else:
             xh = rebuild_xhat(y2[sl], w, None, acc)
-        if idx.numel():
+        if idx is not None and idx.numel():
             xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
         dyc = dy2[sl].to(acc)
         if need_dw:
