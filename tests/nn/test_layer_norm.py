@@ -32,3 +32,43 @@ def test_from_torch_shares_parameters():
     assert ref.weight.grad is not None
     with pytest.raises(TypeError, match="slimgrad.nn.LayerNorm.from_torch: expected a torch.nn"):
         LayerNorm.from_torch(torch.nn.Linear(2, 2))
+
+
+def test_fallback_channels_follow_the_weights_between_calls():
+    # the module's straight path keeps no index table when no channel falls back, and finds the
+    # channels again after each in-place write (version), an optimizer step and a .data swap:
+    # gradients stay eager's (finite) when a weight channel becomes 0 between calls
+    torch.manual_seed(0)
+    ours = LayerNorm(6)
+    ref = torch.nn.LayerNorm(6)
+    x = torch.randn(4, 6)
+
+    def grads(m):
+        xi = x.clone().requires_grad_()
+        m.zero_grad()
+        m(xi * 1).backward(torch.arange(24.0).reshape(4, 6))
+        return xi.grad, m.weight.grad.clone(), m.bias.grad.clone()
+
+    def check():
+        ref.load_state_dict(ours.state_dict())
+        for a, e in zip(grads(ours), grads(ref), strict=True):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, e)
+
+    check()
+    y = ours(x.detach().requires_grad_())
+    assert len(y.grad_fn.saved_tensors) == 7 and y.grad_fn.saved_tensors[3] is None
+    with torch.no_grad():
+        ours.weight[2] = 0.0  # a version bump
+    check()
+    with torch.no_grad():
+        ours.weight.fill_(1.0)
+    check()
+    ours.weight.data = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # no version bump
+    check()
+    ours.weight.grad = torch.zeros(6)
+    ours.weight.grad[3] = 1.0
+    with torch.no_grad():
+        ours.weight.data[3] = 1e-3  # no version bump; then a step renews the decision
+        torch.optim.Adam([ours.weight], lr=1e-3, fused=True).step()
+    check()

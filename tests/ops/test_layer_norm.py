@@ -455,10 +455,12 @@ def test_torch_func_transforms_and_jit_trace():
 
 
 def test_host_calls_per_call():
-    # issue 32: the module reads its Parameters without Module.__getattr__, the fallback channels
-    # of an unchanged weight come from their cache without fake/inference probes, and the kernel
-    # choice asks use_triton only where it may pick Triton: 86 calls of and from slimgrad's code
-    # per fwd + bwd of a converted LayerNorm (116 before), counted, not timed
+    # issue 32: the module reads its Parameters without Module.__getattr__, passes the gate itself
+    # with its normalized_shape converted once, runs torch's forward inside its Function (no
+    # custom-op wrappers) and saves no index table or input columns when there is no fallback
+    # channel; the backward takes the C kernel without re-deciding the backend, one scratch buffer:
+    # 67 calls of and from slimgrad's code per fwd + bwd of a converted LayerNorm (86 before, 116
+    # before that), counted, not timed
     from slimgrad.nn import LayerNorm
     from tests._host_calls import slimgrad_calls
 
@@ -470,4 +472,4 @@ def test_host_calls_per_call():
         (ln(x * 1) * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 86
+    assert slimgrad_calls(step) <= 67

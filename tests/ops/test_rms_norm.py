@@ -338,8 +338,11 @@ def test_layouts_match_eager_strides_and_grads(layout, which):
 def test_hf_rms_norm_host_calls_per_call():
     # issue 32: HFRMSNorm reads its weight and eps without Module.__getattr__/getattr, and the
     # kernel choice asks use_triton only where it may pick Triton, and the PyTorch backward sizes
-    # its rows and chunks without helper calls: 86 calls of and from slimgrad's code per fwd +
-    # bwd (106 before), counted, not timed
+    # its rows and chunks without helper calls; its forward finds the fallback channels once per
+    # weight version past the gate and saves no index table or input columns when there is none,
+    # Llama's casts of a float32 input (the tensor itself) are skipped, and the backward skips
+    # no-op casts and views: 61 calls of and from slimgrad's code per fwd + bwd (86 before, 106
+    # before that), counted, not timed
     pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -354,4 +357,4 @@ def test_hf_rms_norm_host_calls_per_call():
         (norm(x * 1) * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 86
+    assert slimgrad_calls(step) <= 61

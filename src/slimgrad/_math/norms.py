@@ -26,6 +26,7 @@ __all__ = [
     "CHUNK_ELEMS",
     "acc_dtype",
     "fallback_channels",
+    "fallback_or_none",
     "layer_norm_bwd_torch",
     "layer_norm_fwd_torch",
     "rebuild_xhat",
@@ -71,13 +72,14 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # per (weight, bias) pair of tensor objects, keyed by each one's data pointer, strides, dtype and
 # autograd version counter, which every in-place write that autograd can see bumps (optimizer
 # steps, ``copy_``/``fill_`` under no_grad, ``load_state_dict``; views share their base's
-# counter). Each call still returns a tensor of its own (a 0-element one, or a copy), so what a
-# forward saves and what the memory tracker counts are unchanged. What the key cannot see: a
-# write that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or collective
-# writing into the parameter's memory): code that does that and then changes which channels are
-# fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as autograd's
-# own in-place checks would need too. Inference-mode, fake and subclass tensors, and code being
-# compiled, take no cache.
+# counter). Each call still returns a tensor of its own (a 0-element one, or a copy; on the
+# straight path, :func:`fallback_or_none`, None when there is no fallback channel: nothing saved),
+# so what a forward saves and what the memory tracker counts are unchanged. What the key cannot
+# see: a write that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or
+# collective writing into the parameter's memory): code that does that and then changes which
+# channels are fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as
+# autograd's own in-place checks would need too. Inference-mode, fake and subclass tensors, and
+# code being compiled, take no cache.
 _FB_CACHE: dict[int, tuple] = {}
 
 
@@ -149,6 +151,55 @@ def fallback_channels(
     return _fresh(idx)
 
 
+def fallback_or_none(
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    gamma_of=None,
+) -> torch.Tensor | None:
+    """:func:`fallback_channels` for a caller past the gate of NOTE [One gate per call] (eager,
+    plain tensors: no compile or fake check), or None where there is no fallback channel (the
+    common case: nothing to allocate or save). ``gamma_of``: the channels are those of the scale
+    ``gamma_of(weight)`` (an HF RMSNorm's ``1 + w``, ...), cached per version of ``weight``."""
+    try:  # an inference tensor has no version counter: reading _version raises
+        if weight is not None:
+            w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
+            w_key += (weight.stride(), weight.device)
+            ref = weight
+        else:
+            w_key = None
+            if bias is None:
+                return None
+            ref = bias
+        b_key = None
+        if bias is not None:
+            b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
+            b_key += (bias.device,)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        idx = _find_scaled(weight, bias, out_dtype, gamma_of)
+        return idx if idx.shape[0] else None
+    # the key of fallback_channels, the same cache (NOTE [Fallback channels, once per weight
+    # version])
+    key = (w_key, b_key, out_dtype, steps._count[0] if steps._hooked[0] else epoch())
+    if gamma_of is not None:
+        key += (gamma_of,)
+    slot = id(ref)
+    hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
+    if hit is None or hit[0]() is not ref or hit[1] != key:
+        idx = _find_scaled(weight, bias, out_dtype, gamma_of)
+        wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
+        hit = _FB_CACHE[slot] = (wref, key, idx)
+    idx = hit[2]
+    return idx.clone() if idx.shape[0] else None  # a tensor of the caller's own
+
+
+def _find_scaled(weight, bias, out_dtype, gamma_of):
+    if gamma_of is not None:
+        with torch.no_grad():
+            weight = gamma_of(weight.detach())
+    return _find_fallback_channels(weight, bias, out_dtype)
+
+
 def _find_fallback_channels(weight, bias, out_dtype):
     ref = weight if weight is not None else bias
     acc = acc_dtype(ref.dtype)
@@ -204,7 +255,7 @@ def layer_norm_bwd_torch(
     for i in range(0, n, step):
         sl = slice(i, i + step)
         xh = rebuild_xhat(y2[sl], w, b, acc)
-        if idx.numel():
+        if idx is not None and idx.numel():
             xh.index_copy_(1, idx, (xside[sl].to(acc) - mu[sl]) * r[sl])
         dyc = dy2[sl].to(acc)
         if need_dw:
@@ -242,12 +293,22 @@ def rms_norm_bwd_torch(
     d = math.prod(normalized_shape)
     # the rows: y.numel() // d, or the leading dims' product when d == 0
     n = y.numel() // d if d else math.prod(y.shape[: y.dim() - len(normalized_shape)])
-    dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1).to(acc)
-    w = weight.reshape(d).to(acc) if weight is not None else None
+    # no-op calls skipped (a view or cast to the tensor's own shape or dtype): the same bits
+    dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1)
+    if r.dtype != acc:
+        r = r.to(acc)
+    w = None
+    if weight is not None:
+        w = weight if weight.ndim == 1 else weight.reshape(d)
+        if w.dtype != acc:
+            w = w.to(acc)
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
     dx = None
     if need_dx:
-        dx = out.view(n, d) if out is not None else y.new_empty((n, d))
+        if out is dy:  # dy2 is that view already
+            dx = dy2
+        else:
+            dx = out.view(n, d) if out is not None else y.new_empty((n, d))
     dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
     # max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1)), without max()'s calls
     step = (n * d) // 16
@@ -258,23 +319,29 @@ def rms_norm_bwd_torch(
         step = 1
     for i in range(0, n, step):
         sl = slice(i, i + step)
+        xh = y2[sl].to(acc, copy=True)
         if from_input:
-            xh = y2[sl].to(acc, copy=True).mul_(r[sl])
-        else:
-            xh = rebuild_xhat(y2[sl], w, None, acc)
-        if idx.numel():
+            xh.mul_(r[sl])
+        elif w is not None:  # rebuild_xhat(y2[sl], w, None, acc), inline
+            xh.div_(w)
+        if idx is not None and idx.numel():
             xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
-        dyc = dy2[sl].to(acc)
+        dyc = dy2[sl]
+        if dyc.dtype != acc:
+            dyc = dyc.to(acc)
         if need_dw:
             dw += (dyc * xh).sum(0, dtype=torch.float64)
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
-            c2 = rowdot(g, xh).div_(d)  # no chunk-sized temporary
+            # rowdot(g, xh), inline: no chunk-sized temporary
+            c2 = torch.bmm(g.unsqueeze(1), xh.unsqueeze(2)).view(-1, 1).div_(d)
             dx[sl] = g.sub_(xh.mul_(c2)).mul_(r[sl])
             del g
         del xh, dyc  # free this chunk's temporaries before the next one
-    if need_dx:
+    if need_dx and y.ndim != 2:
         dx = dx.reshape(y.shape)
     if need_dw:
-        dw = dw.to(weight.dtype).reshape(weight.shape)
+        dw = dw.to(weight.dtype)
+        if weight.ndim != 1:
+            dw = dw.reshape(weight.shape)
     return dx, dw

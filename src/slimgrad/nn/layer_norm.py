@@ -6,11 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from slimgrad._library import straight
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.layer_norm import layer_norm
+from slimgrad.ops.layer_norm import HALF_DTYPES, _layer_norm_straight, layer_norm
 
 __all__ = ["LayerNorm"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 class LayerNorm(NoScript, torch.nn.LayerNorm):
@@ -33,7 +38,23 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
         # is a property of the parametrized class, not in _parameters: read as an attribute)
         w = p["weight"] if "weight" in p else self.weight
         b = p["bias"] if "bias" in p else self.bias
-        return layer_norm(input, self.normalized_shape, w, b, self.eps)
+        ns = self.normalized_shape
+        if (  # layer_norm's straight path: NOTE [One gate per call] in slimgrad/_library.py
+            type(input) in _PLAIN
+            and type(w) in _PLAIN_OR_NONE
+            and type(b) in _PLAIN_OR_NONE
+            and input.dtype not in HALF_DTYPES
+            and not input.is_meta
+            and not _any_autocast()
+            and straight()
+        ):
+            # normalized_shape as a list of ints, once per tuple (layer_norm's conversion)
+            d = self.__dict__
+            c = d["_slimgrad_ns"] if "_slimgrad_ns" in d else None
+            if c is None or c[0] is not ns:
+                c = d["_slimgrad_ns"] = (ns, [int(s) for s in ns])
+            return _layer_norm_straight(input, c[1], w, b, self.eps)
+        return layer_norm(input, ns, w, b, self.eps)
 
     @classmethod
     def from_torch(cls, module: torch.nn.LayerNorm) -> LayerNorm:

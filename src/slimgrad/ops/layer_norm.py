@@ -64,7 +64,9 @@ from slimgrad._math.norms import (  # noqa: F401
     BETA_OVER_GAMMA_MAX,
     CHUNK_ELEMS,
     fallback_channels,
+    fallback_or_none,
     rebuild_xhat,
+    side_columns,
 )
 from slimgrad._math.norms import acc_dtype as _acc_dtype
 from slimgrad._math.norms import layer_norm_bwd_torch as _bwd_torch
@@ -113,11 +115,13 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     f32 = torch.float32
     if (
         lib is None
-        or idx.shape[0]
+        or (idx is not None and idx.shape[0])
         or dy.dtype != f32
         or (weight is not None and weight.dtype != f32)
         or (bias is not None and bias.dtype != f32)
-        or not (dy.is_contiguous() and y.is_contiguous())
+        or not y.is_contiguous()
+        # out is dy: the caller checked its layout (owns_layout)
+        or (out is not dy and not dy.is_contiguous())
         or (out is not None and out is not dy and not out.is_contiguous())
     ):
         return _bwd_torch(
@@ -132,36 +136,41 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     if rpb < C_MIN_BLOCK_ROWS:
         rpb = C_MIN_BLOCK_ROWS
     nblk = -(-n // rpb)
-    # hold every buffer in a variable until the call returns (NOTE [CPU C kernels]); a 1-D
-    # weight/bias is its own (d,) view
-    r = rstd.reshape(n).contiguous()
+    # hold every buffer in a variable until the call returns (NOTE [CPU C kernels]); rstd has one
+    # element per row; a 1-D weight/bias is its own (d,) view
+    r = rstd if rstd.is_contiguous() else rstd.contiguous()
     w = b = None
     if weight is not None:
         w = (weight if weight.ndim == 1 else weight.reshape(d)).contiguous()
     if bias is not None:
         b = (bias if bias.ndim == 1 else bias.reshape(d)).contiguous()
     dx = (out if out is not None else torch.empty_like(y)) if need_dx else None
-    dw = torch.empty(d, dtype=torch.float32) if need_dw else None
-    db = torch.empty(d, dtype=torch.float32) if need_db else None
-    scratch = torch.empty((nt, 2, d), dtype=torch.float32)
-    parts = torch.empty((int(need_dw) + int(need_db), nblk, d), dtype=torch.float64)
+    dw = torch.empty(d, dtype=f32) if need_dw else None
+    db = torch.empty(d, dtype=f32) if need_db else None
+    # one buffer for the float64 row-block parts of dgamma and dbeta (nblk * d each), then the
+    # threads' float32 scratch rows (nt * 2 * d floats: nt * d doubles): the bytes of two buffers
+    k = int(need_dw) + int(need_db)
+    tmp = torch.empty((k * nblk + nt) * d, dtype=torch.float64)
+    base = tmp.data_ptr()
+    part = nblk * d * 8  # bytes of one parts buffer
 
     try:  # bound once per library (kernels/_cpu.functions), then an attribute
         fns = lib._slimgrad_fns
     except AttributeError:
         fns = _c_fns(lib)
+    dy_ptr = dy.data_ptr()
     fns["bwd"](
-        dy.data_ptr(),
+        dy_ptr,
         y.data_ptr(),
         r.data_ptr(),
         None if w is None else w.data_ptr(),
         None if b is None else b.data_ptr(),
-        None if dx is None else dx.data_ptr(),
+        None if dx is None else (dy_ptr if dx is dy else dx.data_ptr()),
         None if dw is None else dw.data_ptr(),
         None if db is None else db.data_ptr(),
-        scratch.data_ptr(),
-        parts[0].data_ptr() if need_dw else None,
-        parts[int(need_dw)].data_ptr() if need_db else None,
+        base + k * part,  # scratch
+        base if need_dw else None,
+        base + int(need_dw) * part if need_db else None,
         n,
         d,
         rpb,
@@ -170,7 +179,7 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
         int(need_db),
         nt,
     )
-    del scratch, parts
+    del tmp
     return (
         dx,  # y's shape: empty_like(y), or out (the granted dy: y's shape, owns_layout)
         None if dw is None else (dw if weight.ndim == 1 else dw.reshape(weight.shape)),
@@ -373,7 +382,7 @@ def _rebuild_ln_input(y, mean, rstd, idx, xside, weight, bias, normalized_shape)
     b = bias.detach().reshape(d).to(acc) if bias is not None else None
     xh = rebuild_xhat(y.reshape(n, d), w, b, acc)
     x = xh.div_(rstd.reshape(n, 1).to(acc)).add_(mean.reshape(n, 1).to(acc))
-    if idx.numel():
+    if idx is not None and idx.numel():
         x.index_copy_(1, idx, xside.to(acc))
     return x.to(y.dtype).reshape(y.shape)
 
@@ -434,14 +443,84 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
     )
 
 
-_LayerNormFn = affine_norm_function(
-    "_LayerNormFn",
-    "layer_norm",
-    _layer_norm_fwd,
-    _layer_norm_bwd,
-    lambda dy, y, *a, out: _bwd_impl(y)(dy, y, *a, out=out),
-    double=norm_double("ops.layer_norm", F.layer_norm, _rebuild_ln_input),
-)
+_LN_DOUBLE = norm_double("ops.layer_norm", F.layer_norm, _rebuild_ln_input)
+
+
+class _LayerNormFn(torch.autograd.Function):
+    # affine_norm_function's Function for LayerNorm, with the straight path's PyTorch forward
+    # (direct=_TORCH): no fallback channel (the common case) saves None for their index table and
+    # input columns and returns neither (nothing to allocate); backward reads the kernel choice
+    # from attributes (NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py)
+    @staticmethod
+    def forward(ctx, x, arg, weight, bias, eps, direct=False):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
+        # _TORCH: and the PyTorch forward is the kernel choice (not CUDA, no Triton backend)
+        ctx.arg, ctx.eps = arg, eps
+        if direct is _TORCH:
+            y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
+            idx = fallback_or_none(weight, bias, y.dtype)
+            if idx is None:
+                ctx.save_for_backward(y, mean, rstd, None, None, weight, bias)
+                ctx.mark_non_differentiable(mean, rstd)
+                return y, mean, rstd
+            if idx.device != x.device:
+                idx = idx.to(x.device)
+            xside = side_columns(x, math.prod(arg), idx)
+        else:
+            fwd = _layer_norm_fwd.impl if direct else _layer_norm_fwd
+            y, mean, rstd, idx, xside = fwd(x, arg, weight, bias, eps)
+        ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
+        ctx.mark_non_differentiable(mean, rstd, idx, xside)
+        return y, mean, rstd, idx, xside
+
+    @staticmethod
+    @first_order(
+        "ops.layer_norm", double=norm_double("ops.layer_norm", F.layer_norm, _rebuild_ln_input)
+    )
+    def backward(ctx, dy, *_):
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = [need[0], need[2], need[3]]
+        if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
+            mask[0]
+            and buf is not None
+            and buf.shape == y.shape
+            and buf.dtype == y.dtype
+            and buf.is_contiguous()
+        ):
+            # _bwd_impl(y), inline where it cannot pick Triton
+            if not y.is_cuda and _backend._resolved[0] in _NO_TRITON:
+                impl = _bwd_cpu if y.is_cpu else _bwd_torch
+            else:
+                impl = _bwd_impl(y)
+                if idx is None:
+                    idx, xside = _no_side(y, arg=ctx.arg)
+            dx, dw, db = impl(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf)
+        else:  # the custom op, or its implementation past the gate (NOTE [One gate per call])
+            if idx is None:  # the op's schema takes tensors
+                idx, xside = _no_side(y, arg=ctx.arg)
+            dx, dw, db = (_layer_norm_bwd.impl if straight() else _layer_norm_bwd)(
+                dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask
+            )
+        return (
+            dx if mask[0] else None,
+            None,
+            dw if weight is not None and mask[1] else None,
+            db if bias is not None and mask[2] else None,
+            None,
+            None,
+        )
+
+
+def _no_side(y: torch.Tensor, arg) -> tuple[torch.Tensor, torch.Tensor]:
+    # the empty index table and input columns of a forward without fallback channels
+    d = math.prod(arg)
+    return y.new_empty(0, dtype=torch.int64), y.new_empty((y.numel() // d if d else 0, 0))
+
+
+_TORCH = object()  # _LayerNormFn's ``direct`` for the straight path's PyTorch forward
+_native_layer_norm = torch.native_layer_norm
 
 
 _LN_APPLY = direct_apply(_LayerNormFn)
@@ -560,15 +639,21 @@ _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 
 def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Tensor:
     # _layer_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors
+    x = unwrap_if_dead(input)
     anchor = None
-    if input.requires_grad and torch.is_grad_enabled():  # make_anchor's eager case
+    if input.requires_grad and _grad_on():  # make_anchor's eager case
         box: list = []
-        anchor = _ANCHOR_APPLY(unwrap_if_dead(input), box), box
+        anchor = _ANCHOR_APPLY(x, box), box
     if type(weight) is not torch.nn.Parameter and weight is not None:
         weight = unwrap_if_dead(weight)
     if type(bias) is not torch.nn.Parameter and bias is not None:
         bias = unwrap_if_dead(bias)
-    y = _LN_APPLY(unwrap_if_dead(input), normalized_shape, weight, bias, float(eps), True)[0]
+    # the PyTorch forward where use_triton cannot answer True (NOTE [Kernel backend choice])
+    direct = _TORCH if not x.is_cuda and _backend._resolved[0] in _NO_TRITON else True
+    y = _LN_APPLY(x, normalized_shape, weight, bias, float(eps), direct)[0]
     if anchor is not None and y.grad_fn is not None:  # attach_anchor
         y.grad_fn._slimgrad_anchor = anchor
     return y
+
+
+_grad_on = torch._C.is_grad_enabled

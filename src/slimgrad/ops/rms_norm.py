@@ -75,7 +75,11 @@ from slimgrad._autograd import (
     unwrap_if_dead,
 )
 from slimgrad._library import straight
-from slimgrad._math.norms import CHUNK_ELEMS, fallback_channels  # noqa: F401 (CHUNK_ELEMS: tests)
+from slimgrad._math.norms import (  # noqa: F401 (CHUNK_ELEMS: tests)
+    CHUNK_ELEMS,
+    fallback_channels,
+    fallback_or_none,
+)
 from slimgrad._math.norms import acc_dtype as _acc_dtype
 from slimgrad._math.norms import rms_norm_bwd_torch as _bwd_torch
 from slimgrad._math.norms import rms_norm_fwd_torch as _fwd_torch
@@ -349,8 +353,12 @@ def _norm_pow(h, eps):  # Gemma3n-style ``_norm``: torch.pow(mean(x^2) + eps, -0
 
 
 def _hf_llama(x, w, eps):
-    n, r = _norm_rsqrt(x.to(torch.float32), eps)
-    return w * n.to(x.dtype), r
+    # _norm_rsqrt inline; the casts only where they are not the tensor itself (a float32 x)
+    f32 = x.dtype == torch.float32
+    h = x if f32 else x.to(torch.float32)
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    n = h * r
+    return w * (n if f32 else n.to(x.dtype)), r
 
 
 def _hf_scale_then_cast(x, w, eps):
@@ -451,9 +459,20 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
         fwd, gamma_of = HF_VARIANTS[variant]
         y, rstd = fwd(x, weight, eps)
-        gamma = gamma_of(weight) if weight is not None else None
-        idx, xside = (_hf_side.impl if direct else _hf_side)(x, gamma, y.dtype)
         ctx.variant = variant
+        if direct and weight is not None:
+            # the fallback channels once per weight version; None: there is none, nothing saved
+            # for them (the common case)
+            idx = fallback_or_none(weight, None, y.dtype, _SCALE_CHANNELS[variant])
+            if idx is None:
+                ctx.save_for_backward(y, rstd, None, None, weight)
+                return (y,)
+            if idx.device != x.device:
+                idx = idx.to(x.device)
+            xside = x.reshape(-1, x.shape[-1]).index_select(1, idx)
+        else:
+            gamma = gamma_of(weight) if weight is not None else None
+            idx, xside = (_hf_side.impl if direct else _hf_side)(x, gamma, y.dtype)
         ctx.save_for_backward(y, rstd, idx, xside, weight)
         # the table is returned too: a traced forward must return every tensor of data-dependent
         # size it creates (torch.compile's unbacked sizes)
@@ -467,8 +486,14 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need_w = weight is not None and ctx.needs_input_grad[1]
         mask = [ctx.needs_input_grad[0], need_w]
-        gamma_of = HF_VARIANTS[ctx.variant][1]
-        gamma = gamma_of(weight.detach()) if weight is not None else None
+        gamma = None
+        if weight is not None:
+            gamma_of = HF_VARIANTS[ctx.variant][1]
+            # a float32 weight's w.float() is w itself (no grad mode in backward)
+            if gamma_of is _float and weight.dtype == torch.float32:
+                gamma = weight
+            else:
+                gamma = gamma_of(weight.detach())
         ns = [y.shape[-1]]
         if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
             mask[0]
@@ -477,16 +502,38 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
             and buf.dtype == y.dtype
             and buf.is_contiguous()
         ):
-            dx, dg = _bwd_impl(y)(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
+            # _bwd_impl(y), inline where it cannot pick Triton
+            if not y.is_cuda and _backend._resolved[0] in _NO_TRITON:
+                impl = _bwd_torch
+            else:
+                impl = _bwd_impl(y)
+                if idx is None:
+                    idx, xside = _no_side(y)
+            dx, dg = impl(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
         else:  # the custom op (its table has a data-dependent length under tracers), or its
             # implementation past the gate (NOTE [One gate per call] in slimgrad/_library.py)
+            if idx is None:  # the op's schema takes tensors
+                idx, xside = _no_side(y)
             dx, dg = (_rms_norm_bwd.impl if straight() else _rms_norm_bwd)(
                 dy, y, rstd, idx, xside, gamma, ns, mask, y.dtype
             )
         # through gamma(weight) (HF_VARIANTS: w.float(), 1.0 + w.float() or (1 + w).float()):
         # autograd's backward of each is the cast of dg to the weight's dtype, exactly
-        dw = dg.to(weight.dtype) if need_w else None
+        dw = None
+        if need_w:
+            dw = dg if dg.dtype == weight.dtype else dg.to(weight.dtype)
         return (dx if mask[0] else None), dw, None, None, None
+
+
+def _no_side(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # the empty index table and input columns of a forward without fallback channels
+    d = y.shape[-1]
+    return y.new_empty(0, dtype=torch.int64), y.new_empty((y.numel() // d if d else 0, 0))
+
+
+#: {variant: what fallback_or_none takes as gamma_of}: None where gamma(w) = w.float() has w's
+#: fallback channels (found in float32 from w itself, _find_fallback_channels)
+_SCALE_CHANNELS = {v: (None if g is _float else g) for v, (_, g) in HF_VARIANTS.items()}
 
 
 _HF_RMS_APPLY = direct_apply(_HFRMSNormFromOutputFn)
