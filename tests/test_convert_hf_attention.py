@@ -287,9 +287,11 @@ class _Counter:
     def __init__(self, monkeypatch):
         import slimgrad.ops.softmax_dropout as sdm
 
-        # calls of slimgrad's attention ops (either entry; one calling the other counts once)
+        # calls of slimgrad's attention ops (either entry, or the scores op's Function applied
+        # directly by NOTE [HF attention's straight path]; one calling another counts once)
         self.n, self.depth = 0, 0
-        for name in ("softmax_dropout_matmul", "scores_softmax_dropout_matmul", "eager_attention"):
+        names = ("softmax_dropout_matmul", "scores_softmax_dropout_matmul", "eager_attention")
+        for name in (*names, "_SSDM_APPLY"):
             monkeypatch.setattr(sdm, name, self._counting(getattr(sdm, name)))
 
     def _counting(self, real):
@@ -676,3 +678,27 @@ def test_eager_probe_refuses_a_different_eager_function():
     assert H._probe(eager_attention_forward, module, torch.float32, False)
     assert not H._probe(scaled_first, module, torch.float32, False)
     assert module.training  # restored
+
+
+def test_host_calls_per_call():
+    # issue 32: GPT-2's training call (dropout, no mask tensor, no num_key_value_groups attribute)
+    # takes NOTE [HF attention's straight path] and the scores op's backward reuses the forward's
+    # dropout kernels: 77 calls of and from slimgrad's code per fwd + bwd (119 before), counted,
+    # not timed
+    from slimgrad.convert_handlers.hf_attention import _attention
+    from tests._host_calls import slimgrad_calls
+
+    class GPT2LikeAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.is_causal = True
+
+    module = GPT2LikeAttention()
+    q, k, v = (t.requires_grad_() for t in _qkv(b=1, h=4, q=16, k=16, d=16))
+
+    def step():
+        out, _ = _attention(module, q * 1, k * 1, v * 1, None, dropout=0.1, scaling=0.25)
+        (out * 1).sum().backward()
+
+    step()
+    assert slimgrad_calls(step) <= 77

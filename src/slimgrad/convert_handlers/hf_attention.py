@@ -117,6 +117,8 @@ from functools import cache
 import torch
 import torch.nn as nn
 
+from slimgrad._autograd import unwrap_if_dead
+from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
 from slimgrad.convert_handlers.hf import CodeReason, hf_models, note_refusal
 
@@ -336,6 +338,83 @@ def _math_path(query, key, value, attention_mask, dropout, is_causal, root, out_
     return out.to(out_dtype)
 
 
+# NOTE [HF attention's straight path]
+# The common training call (GPT-2 & co.: dropout on, no mask tensor because HF's ``sdpa_mask``
+# leaves a causal unpadded batch to ``is_causal``, no position bias, one kv head per query head,
+# plain float32/float64 CPU tensors, no autocast) is told by attribute reads, two C reads (grad
+# mode, autocast) and the gate (NOTE [One gate per call] in slimgrad/_library.py), and runs
+# :func:`_attention`'s steps for that case, which are then the identity (no casts, no
+# ``repeat_kv``, no mask) but for the crop, the scaling and the op: the scores op's Function is
+# applied directly (its own straight path, which the same facts pass). The facts
+# :func:`_fast_path_ok` derives from calls are read instead: the device rule keeps slimgrad's
+# attention on CPU for every dtype (its rule is the one this module was written against, and no
+# ``stands_for`` makes CPU tensors stand for another device), the keywords HF's SDPA function
+# reads and slimgrad does not implement are looked up in the keywords, the kv-group count
+# is the instance's attribute or the class's (one C ``getattr``), and ``sqrt`` of a scaling is
+# kept per (scaling, head size). Every other call takes the general path below, unchanged.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_LEAN_DTYPES = (torch.float32, torch.float64)
+_grad_on = torch._C.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_SDPA_RULE = device_rule.RULES["attention"]
+_ROOTS: dict[tuple, tuple[float, float]] = {}  # (scaling, head size) -> (scale, sqrt(scale))
+
+
+def _roots(scaling, head: int) -> tuple[float, float]:
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head)
+    if len(_ROOTS) > 256:
+        _ROOTS.clear()
+    r = _ROOTS[(scaling, head)] = (scale, math.sqrt(scale))
+    return r
+
+
+def _straight_attention(module, query, key, value, dropout, scaling, is_causal, kwargs):
+    # NOTE [HF attention's straight path]: the output, or None for the general path
+    d = module.__dict__
+    if "num_key_value_groups" in d:
+        groups = d["num_key_value_groups"]
+    elif (
+        "num_key_value_groups" in d["_parameters"]
+        or "num_key_value_groups" in d["_buffers"]
+        or "num_key_value_groups" in d["_modules"]
+    ):
+        return None
+    else:
+        groups = getattr(type(module), "num_key_value_groups", 1)
+    if groups != 1 or type(groups) is not int or query.shape[1] != key.shape[1]:
+        return None
+    if kwargs:
+        if "position_bias" in kwargs and kwargs["position_bias"] is not None:
+            return None
+        fn = _HF_SDPA[0].sdpa_attention_forward
+        unimplemented = _UNIMPLEMENTED[1] if _UNIMPLEMENTED[0] is fn else _sdpa_unimplemented()
+        for name in unimplemented:
+            if name in kwargs:
+                v = kwargs[name]
+                if v is not None and v is not False:  # _is_set
+                    return None
+    q_len = query.shape[2]
+    if is_causal is None:
+        is_causal = d["is_causal"] if "is_causal" in d else getattr(module, "is_causal", True)
+    is_causal = bool(q_len > 1 and is_causal)
+    if is_causal and key.shape[2] > q_len:  # as sdpa_attention_forward: upper-left causal
+        key, value = key[:, :, :q_len, :], value[:, :, :q_len, :]
+    rk = (scaling, query.shape[-1])
+    _, root = _ROOTS[rk] if rk in _ROOTS else _roots(scaling, query.shape[-1])
+    # q * root and k^T * root are fresh products (a dead functorch wrapper's product is plain)
+    out = _sdm._SSDM_APPLY(
+        query * root,
+        key.transpose(-2, -1) * root,
+        unwrap_if_dead(value.contiguous()),
+        dropout,
+        query.dtype,
+        is_causal,
+        None,
+        True,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -347,6 +426,33 @@ def _attention(
     is_causal: bool | None = None,
     **kwargs,
 ):
+    if (  # NOTE [HF attention's straight path]
+        attention_mask is None
+        and type(dropout) is float
+        and 0.0 < dropout < 1.0
+        and _HF_SDPA
+        and type(query) in _PLAIN
+        and type(key) in _PLAIN
+        and type(value) in _PLAIN
+        and query.is_cpu
+        and query.ndim == 4
+        and key.ndim == 4
+        and value.ndim == 4
+        and query.dtype in _LEAN_DTYPES
+        and key.dtype == query.dtype
+        and value.dtype == query.dtype
+        and (scaling is None or scaling >= 0)
+        and 0 not in query.shape
+        and 0 not in key.shape
+        and device_rule.RULES["attention"] is _SDPA_RULE
+        and _grad_on()
+        and not _any_autocast()
+        and straight()
+        and device_rule._STANDS_FOR.get() is None
+    ):
+        out = _straight_attention(module, query, key, value, dropout, scaling, is_causal, kwargs)
+        if out is not None:
+            return out
     hf_sdpa = _HF_SDPA[0] if _HF_SDPA else _hf_sdpa()
     if not _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs):
         return hf_sdpa.sdpa_attention_forward(

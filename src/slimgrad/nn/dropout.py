@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad._autograd import unwrap_if_dead
+from slimgrad._library import straight
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.dropout import _check_p, dropout
+from slimgrad.ops.dropout import _DROPOUT_APPLY, _PLAIN, _check_p, dropout
 
 __all__ = ["Dropout"]
 
@@ -29,7 +31,19 @@ class Dropout(NoScript, torch.nn.Dropout):
         super().__init__(p, inplace)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return dropout(input, self.p, self.training, self.inplace)
+        p = self.p
+        if (  # ops.dropout's straight path, without its frame (NOTE [One gate per call])
+            type(p) is float
+            and 0.0 < p < 1.0
+            and self.training
+            and not self.inplace
+            and type(input) in _PLAIN
+            and not input.is_meta
+            and straight()
+            and 0 not in input.shape
+        ):
+            return _DROPOUT_APPLY(unwrap_if_dead(input), p, True)
+        return dropout(input, p, self.training, self.inplace)
 
     @classmethod
     def from_torch(cls, module: torch.nn.Dropout) -> Dropout:

@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from slimgrad._autograd import compiling, unwrap_if_dead
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.linear import conv1d_addmm, linear
+from slimgrad.ops.linear import _LINEAR_APPLY, conv1d_addmm, linear
+
+_C = torch._C
+_functorch_on = _C._are_functorch_transforms_active
+_is_tracing = _C._is_tracing
+_any_autocast = _C._is_any_autocast_enabled
+_INPUT = (torch.Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
 
 __all__ = ["Conv1D", "Linear"]
 
@@ -27,11 +35,25 @@ class Linear(NoScript, torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         p = self._parameters  # _params(self), inline
-        return linear(
-            input,
-            p["weight"] if "weight" in p else self.weight,
-            p["bias"] if "bias" in p else self.bias,
-        )
+        weight = p["weight"] if "weight" in p else self.weight
+        bias = p["bias"] if "bias" in p else self.bias
+        if (  # ops.linear's straight path without its frames (NOTE [Linear's straight path])
+            type(weight) is _Parameter
+            and (bias is None or type(bias) is _Parameter)
+            and type(input) in _INPUT
+            and input.ndim > 0
+            and weight.ndim == 2
+            and input.shape[-1] > 1
+            and input.shape[-1] == weight.shape[1]
+            and not compiling()
+            and not _functorch_on()
+            and not _is_tracing()
+            and not _any_autocast()
+            and weight.is_contiguous()  # _plain_layout
+            and input.is_contiguous()
+        ):
+            return _LINEAR_APPLY(unwrap_if_dead(input), weight, bias, False)
+        return linear(input, weight, bias)
 
     @classmethod
     def from_torch(cls, module: torch.nn.Linear) -> Linear:
@@ -72,11 +94,20 @@ class Conv1D(NoScript, torch.nn.Module):
         # the Parameters without Module.__getattr__; a parametrized weight is a property of the
         # parametrized class, not in _parameters: read as an attribute
         p = self._parameters
-        return conv1d_addmm(
-            x,
-            p["weight"] if "weight" in p else self.weight,
-            p["bias"] if "bias" in p else self.bias,
-        )
+        weight = p["weight"] if "weight" in p else self.weight
+        bias = p["bias"] if "bias" in p else self.bias
+        if (  # ops.conv1d_addmm's straight path without its frames (NOTE [Linear's straight path])
+            type(weight) is _Parameter
+            and (bias is None or type(bias) is _Parameter)
+            and x.ndim > 0
+            and x.shape[-1] == weight.shape[0]
+            and not compiling()
+            and not _functorch_on()
+            and not _is_tracing()
+            and not _any_autocast()
+        ):
+            return _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, True)
+        return conv1d_addmm(x, weight, bias)
 
     def extra_repr(self) -> str:
         return f"nf={self.nf}, nx={self.nx}"

@@ -35,6 +35,7 @@ import torch
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     first_order,
     refuse_jit,
@@ -277,14 +278,82 @@ def _double3(ctx, grad, *_):
 
 _UNDECIDED = object()  # ctx.k of a forward that ran the custom op: backward decides itself
 
+# NOTE [Dropout's straight path]
+# Past the gate (NOTE [One gate per call] in slimgrad/_library.py: not compiling, no dispatch or
+# function mode, no transform, trace or profiler), a forward on a contiguous float32 CPU tensor
+# whose backend takes the C kernels ("auto"/"cpu", kernels/cpu/dropout.c built once: a table
+# read, NOTE [Kernel backend choice]) draws eager's noise and runs the C pass itself, with no
+# custom-op or kernel-choice frame; the library is kept in ``ctx.lib`` and the element count in
+# ``ctx.n``. Backward reuses that choice when the incoming gradient is a plain tensor, nothing is
+# compiling and no dispatch mode is active (FakeTensorMode, the memory tracker: they take the
+# general path, as before): the C pass on the gradient, written into its buffer when
+# ``ownership.take`` granted it, or (not granted and not contiguous) on a contiguous copy, as the
+# custom op does. Every other forward and backward runs the general path.
+_Tensor = torch.Tensor
+_F32 = torch.float32
+_U8 = torch.uint8
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+
+
+def _direct_c(x: torch.Tensor):
+    # NOTE [Dropout's straight path]: the C kernels for x on a gated path, read from the tables
+    # use_cpu fills (None: not chosen, or not built yet: the general path then builds them)
+    b, cpu = _backend._resolved[0], _backend._cpu_module[0]
+    if (
+        (b == "auto" or b == "cpu")
+        and x.is_cpu
+        and x.dtype is _F32
+        and cpu is not None
+        and C_STEM in cpu._libs
+        and x.is_contiguous()
+    ):
+        return cpu._libs[C_STEM]
+    return None
+
+
+def _c_dropout(lib, x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    # eager's draw, then pack + x * noise in one C pass into the noise: (out, bits, numel)
+    out = torch.empty_like(x).bernoulli_(1 - p)
+    n = x.numel()
+    bits = torch.empty((n + 7) // 8, dtype=_U8)  # packed_numel(n)
+    key = (p, _F32, x.device)
+    scale = _SCALES[key] if key in _SCALES else _scale(p, x)
+    try:  # the bound C functions (_c_fns), an attribute once bound
+        fns = lib._slimgrad_fns
+    except AttributeError:
+        fns = _c_fns(lib)
+    ptr = out.data_ptr()
+    fns["fwd"](ptr, x.data_ptr(), ptr, bits.data_ptr(), n, scale, _nthreads())
+    return out, bits, n
+
+
+def _c_bwd(lib, g: torch.Tensor, bits: torch.Tensor, p: float, n: int, out: torch.Tensor):
+    # the C pass (g * m) * s (eager's g * noise) into out: g itself or a fresh tensor
+    key = (p, _F32, g.device)
+    scale = _SCALES[key] if key in _SCALES else _scale(p, g)
+    try:  # the bound C functions (_c_fns), an attribute once bound
+        fns = lib._slimgrad_fns
+    except AttributeError:
+        fns = _c_fns(lib)
+    fns["bwd"](g.data_ptr(), bits.data_ptr(), out.data_ptr(), n, scale, _nthreads())
+    return out
+
 
 class _DropoutFn(torch.autograd.Function):
     # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py): the
     # custom op's implementation runs here, and the kernels it picks (NOTE [Kernel backend
-    # choice]) are kept in ctx.k for backward (None: the PyTorch/C path)
+    # choice]) are kept in ctx.k for backward (None: the PyTorch/C path). The bits are saved as
+    # an intermediate (never an output: nothing to mark non-differentiable).
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, direct: bool = False):
+        ctx.p, ctx.lib = p, None
         if direct:
+            lib = _direct_c(x)  # NOTE [Dropout's straight path]
+            if lib is not None:
+                out, bits, ctx.n = _c_dropout(lib, x, p)
+                ctx.k, ctx.fused, ctx.lib = None, False, lib
+                ctx.save_for_backward(bits)
+                return out
             # _kernels(x): only a forced 'triton' picks the kernels (auto=False)
             k = None if _backend._resolved[0] == "auto" else _kernels(x)
             out, bits = k._fwd_triton(x, p) if k is not None else _fwd_torch(x, p)
@@ -292,16 +361,28 @@ class _DropoutFn(torch.autograd.Function):
         else:
             out, bits = _dropout_fwd(x, p)
             ctx.k = _UNDECIDED
-        ctx.p, ctx.fused = p, x.device.type != "cpu"  # _fused(x)
+        ctx.fused = x.device.type != "cpu"  # _fused(x)
         ctx.save_for_backward(bits)
-        ctx.mark_non_differentiable(bits)
-        return out, bits
+        return out
 
     @staticmethod
     @first_order("ops.dropout", double=_double3)
-    def backward(ctx, grad, _grad_bits):
+    def backward(ctx, grad):
         owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
         (bits,) = ctx.saved_tensors
+        lib = ctx.lib
+        if (  # NOTE [Dropout's straight path]: the forward's C kernels
+            lib is not None
+            and type(grad) is _Tensor
+            and not compiling()
+            and not _dispatch_stack_len()
+        ):
+            if grad.is_contiguous():
+                out = grad if owned else torch.empty_like(grad)
+                return _c_bwd(lib, grad, bits, ctx.p, ctx.n, out), None, None
+            if not owned:  # as the custom op _dropout_apply_mask: on a contiguous copy
+                g = grad.contiguous()
+                return _c_bwd(lib, g, bits, ctx.p, ctx.n, torch.empty_like(g)), None, None
         k = ctx.k
         if k is not _UNDECIDED and not owned and straight():  # the forward's choice (ctx.k)
             g = grad.contiguous()  # what the custom op _dropout_apply_mask runs on
@@ -358,10 +439,10 @@ def _dropout_train(input: torch.Tensor, p: float, inplace: bool = False) -> torc
             return input.copy_(_DropoutInplaceFn.apply(input.clone(), float(p)))
         return _DropoutInplaceFn.apply(input, float(p))
     if torch.compiler.is_compiling():  # Dynamo traces Function.apply
-        return _DropoutFn.apply(input, float(p))[0]
+        return _DropoutFn.apply(input, float(p))
     # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py (the caller,
     # dropout(), has already taken eager's op under torch.func transforms)
-    return _DROPOUT_APPLY(unwrap_if_dead(input), float(p))[0]
+    return _DROPOUT_APPLY(unwrap_if_dead(input), float(p))
 
 
 def dropout(
@@ -400,7 +481,7 @@ def dropout(
         and straight()
         and 0 not in input.shape
     ):
-        return _DROPOUT_APPLY(unwrap_if_dead(input), p, True)[0]
+        return _DROPOUT_APPLY(unwrap_if_dead(input), p, True)
     _dtensor.refuse("slimgrad.ops.dropout", input=input)
     if type(p) is not float or not 0.0 <= p <= 1.0:  # a float in range passes _check_p
         _check_p("ops.dropout", p)

@@ -87,6 +87,8 @@ from slimgrad._dtensor import any_dtensor
 
 __all__ = ["conv1d_addmm", "linear"]
 
+_grad_on = torch._C.is_grad_enabled
+
 
 def fresh(y: torch.Tensor) -> torch.Tensor:
     """``y`` as a Function output that is not a view (NOTE [Function outputs are not views])."""
@@ -128,14 +130,6 @@ def _bwd_torch(dy, x, weight, has_bias: bool, w_in_out: bool, output_mask, diffe
     return dx, dw, db
 
 
-def _linear_backward(ctx, dy):
-    # first derivatives (first_order calls this with grad mode off)
-    x, weight = ctx.saved_tensors
-    mask = ctx.needs_input_grad  # (x, weight, bias, w_in_out): _bwd_torch reads the first three
-    dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, False)
-    return dx, dw, db, None
-
-
 def _linear_double(ctx, dy):
     # the same with differentiable ops, under create_graph=True
     x, weight = ctx.saved_tensors
@@ -154,11 +148,38 @@ class _LinearFn(torch.autograd.Function):
             x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None
         )
         # fresh() without its checks: detaching a product that is not a view is harmless (an
-        # alias of it, as fresh() returns while compiling)
-        return _fwd_torch(x, weight, bias, w_in_out).detach()
+        # alias of it, as fresh() returns while compiling); _fwd_torch inline
+        if w_in_out:
+            y2 = x.reshape(-1, x.shape[-1])
+            y2 = torch.addmm(bias, y2, weight) if bias is not None else y2 @ weight
+            return y2.view(*x.shape[:-1], weight.shape[-1]).detach()
+        return torch.nn.functional.linear(x, weight, bias).detach()
 
-    # differentiable double: eager's 2nd derivatives
-    backward = staticmethod(first_order("ops.linear", _linear_double)(_linear_backward))
+    @staticmethod
+    def backward(ctx, dy):
+        # first_order("ops.linear", _linear_double) inline (NOTE [Second derivatives]): autograd
+        # turns grad mode on only for create_graph=True, then eager's 2nd derivatives
+        if _grad_on():
+            return _linear_double(ctx, dy)
+        # first derivatives: _bwd_torch's math, inline for a contiguous gradient
+        x, weight = ctx.saved_tensors
+        mask = ctx.needs_input_grad  # (x, weight, bias, w_in_out): the first three are read
+        if not dy.is_contiguous():
+            dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, False)
+            return dx, dw, db, None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if mask[0]:
+            # torch.matmul of a contiguous (..., out) gradient and a 2-D weight folds to mm on
+            # the 2-D view and returns the product as an _unsafe_view: _bwd_torch's mm, bit for
+            # bit, in its final shape and not a view (the next backward may reuse its buffer)
+            dx = torch.matmul(dy, weight.t() if ctx.w_in_out else weight)
+        if mask[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            dw = x2.t() @ dy2 if ctx.w_in_out else dy2.t() @ x2
+        if mask[2] and ctx.has_bias:
+            db = dy2.sum(0)
+        return dx, dw, db, None
 
 
 _LINEAR_APPLY = direct_apply(_LinearFn)

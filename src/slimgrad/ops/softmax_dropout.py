@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     first_order,
     refuse_jit,
@@ -57,6 +58,8 @@ _API = "slimgrad.ops.softmax_dropout_matmul"
 _grad_on = torch._C.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _API_QK = "slimgrad.ops.scores_softmax_dropout_matmul"
+_Tensor = torch.Tensor
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 
 def _softmax_fwd(s, dim, causal, mask=None):
@@ -77,7 +80,7 @@ def _softmax_fwd(s, dim, causal, mask=None):
     # the aliased softmax kernels (here and in _softmax_bwd) were checked bit for bit on CPU only
     # (plain tensors: fake ones under slimgrad.memory.estimate allocate nothing anyway)
     if t.device.type == "cpu" and t.is_contiguous():
-        probs = torch.ops.aten._softmax.out(t, dim, False, out=t)
+        probs = torch._softmax(t, dim, False, out=t)  # aten::_softmax.out, one C call
     else:
         probs = torch.softmax(t, dim)
     if mask is not None:
@@ -89,7 +92,8 @@ def _softmax_bwd(dp, probs, dim):
     # dp is the caller's temporary: dS goes into its buffer where that is exact
     # the aliased kernel on CPU only (_softmax_fwd)
     if dp.dtype == probs.dtype and dp.device.type == "cpu" and dp.is_contiguous():
-        return torch.ops.aten._softmax_backward_data.out(dp, probs, dim, probs.dtype, grad_input=dp)
+        # aten::_softmax_backward_data.out, one C call
+        return torch._softmax_backward_data(dp, probs, dim, probs.dtype, grad_input=dp)
     return torch._softmax_backward_data(dp, probs, dim, probs.dtype)
 
 
@@ -104,29 +108,55 @@ def _fwd_torch(s, v, p, dim, mm_dtype, causal=False, mask=None):
 
 
 def _bwd_torch(
-    d_out, probs, bits, v, p, dim, fused, mm_dtype, v_shape, output_mask, own_probs=False
+    d_out,
+    probs,
+    bits,
+    v,
+    p,
+    dim,
+    fused,
+    mm_dtype,
+    v_shape,
+    output_mask,
+    own_probs=False,
+    lib=None,
+    n=0,
 ):
     # One S-sized temporary at a time besides P. own_probs: P is dead after this backward
     # (ownership.take_saved granted it): dS first, then D rebuilt in P's buffer for dV.
     # Otherwise dV first (D in a fresh buffer, dropped before dP is made), then dS.
+    # lib: the forward's C kernels for the float32 CPU P of n elements (NOTE [Dropout's straight
+    # path] in ops/dropout.py), run without the kernel choice; None: _apply_mask_torch decides.
+    # A .to() to the dtype a tensor has returns the tensor itself: such casts are skipped.
     ds = dv = None
 
     def grad_v(own):
-        dropped = _dropout._apply_mask_torch(probs, bits, p, fused, inplace=own) if p > 0 else probs
-        dv = torch.matmul(dropped.to(mm_dtype).mT, d_out)
+        if p > 0 and lib is not None and probs.is_contiguous():
+            out = probs if own else torch.empty_like(probs)
+            dropped = _dropout._c_bwd(lib, probs, bits, p, n, out)
+        elif p > 0:
+            dropped = _dropout._apply_mask_torch(probs, bits, p, fused, inplace=own)
+        else:
+            dropped = probs
+        if dropped.dtype != mm_dtype:
+            dropped = dropped.to(mm_dtype)
+        dv = torch.matmul(dropped.mT, d_out)
         return dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
 
     if output_mask[1] and not own_probs:
         dv = grad_v(False)
     if output_mask[0]:
-        d_dropped = torch.matmul(d_out, v.to(mm_dtype).mT).to(probs.dtype)
+        d_dropped = torch.matmul(d_out, (v if v.dtype == mm_dtype else v.to(mm_dtype)).mT)
+        if d_dropped.dtype != probs.dtype:
+            d_dropped = d_dropped.to(probs.dtype)
         if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
             d_dropped = d_dropped.sum_to_size(probs.shape).contiguous()
-        dp = (
-            _dropout._apply_mask_torch(d_dropped, bits, p, fused, inplace=True)
-            if p > 0
-            else d_dropped
-        )
+        if p > 0 and lib is not None and d_dropped.is_contiguous():
+            dp = _dropout._c_bwd(lib, d_dropped, bits, p, n, d_dropped)
+        elif p > 0:
+            dp = _dropout._apply_mask_torch(d_dropped, bits, p, fused, inplace=True)
+        else:
+            dp = d_dropped
         del d_dropped
         ds = _softmax_bwd(dp, probs, dim)
         del dp
@@ -377,11 +407,29 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_t, v, p, mm_dtype, causal, mask, direct=False):
-        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py):
+        # _sdm_fwd's implementation runs here, its dropout on the C kernels when they take P
+        # (NOTE [Dropout's straight path] in ops/dropout.py), kept in ctx.lib for backward
         s = torch.matmul(q, k_t)
-        out, probs, bits = (_sdm_fwd.impl if direct else _sdm_fwd)(
-            s, v, p, -1, mm_dtype, causal, mask
-        )
+        ctx.lib = None
+        if direct:
+            probs = _softmax_fwd(s, -1, causal, mask)
+            lib = _dropout._direct_c(probs) if p > 0 else None
+            if lib is not None:
+                dropped, bits, ctx.n = _dropout._c_dropout(lib, probs, p)
+                ctx.lib = lib
+            elif p > 0:
+                dropped, bits = _dropout._fwd_torch(probs, p)
+            else:
+                dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
+            # _fwd_torch's product; .to() to a tensor's own dtype is the tensor itself
+            out = torch.matmul(
+                dropped if dropped.dtype == mm_dtype else dropped.to(mm_dtype),
+                v if v.dtype == mm_dtype else v.to(mm_dtype),
+            )
+            del dropped
+        else:
+            out, probs, bits = _sdm_fwd(s, v, p, -1, mm_dtype, causal, mask)
         del s, probs
         ctx.p, ctx.mm_dtype, ctx.causal = p, mm_dtype, causal
         ctx.fused = q.device.type != "cpu"  # _dropout._fused(q)
@@ -398,6 +446,9 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         q, k_t, v, bits, mask = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         probs = _softmax_fwd(torch.matmul(q, k_t), -1, ctx.causal, mask)  # the forward's P
+        lib = ctx.lib  # the forward's C kernels, outside compile and dispatch modes
+        if lib is not None and (type(d_out) is not _Tensor or compiling() or _dispatch_stack_len()):
+            lib = None
         # P is this backward's own temporary: D for dV is rebuilt in its buffer after dS
         ds, dv = _bwd_torch(
             d_out,
@@ -411,11 +462,14 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             ctx.v_shape,
             [need_q or need_k, need_v],
             own_probs=ctx.p > 0 and probs.dtype == ctx.mm_dtype,
+            lib=lib,
+            n=ctx.n if lib is not None else 0,
         )
         del probs
         dq = torch.matmul(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
         dk = torch.matmul(q.mT, ds) if need_k else None
-        dv = dv.to(ctx.v_dtype) if dv is not None else None
+        if dv is not None and dv.dtype != ctx.v_dtype:
+            dv = dv.to(ctx.v_dtype)
         return dq, dk, dv, None, None, None, None, None
 
 
