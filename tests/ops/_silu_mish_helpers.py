@@ -16,6 +16,7 @@ from tests.ops._smooth_helpers import (
     check_hard_window_every_float32,
     check_output_vs_eager,
     check_random_inputs,
+    check_straight_c_path,
 )
 
 
@@ -74,3 +75,31 @@ class SmoothUnaryTests(OutputActTests):
 
     def test_output_vs_eager(self):
         check_output_vs_eager(self.mod.SPEC, self.mod._fwd_torch)
+
+    def test_straight_c_path_matches_general_path(self):
+        # issue 32: the straight C path decides once per activation and reads forward's choice in
+        # backward; the same bits as the general path
+        from slimgrad.ops._output_act import inverse
+
+        m = self.mod
+        fn = getattr(m, f"_{self.STEM.capitalize()}Fn")
+        check_straight_c_path(
+            getattr(m, self.STEM), lambda x: fn.apply(x)[0], inverse(m.SPEC).x_star
+        )
+
+    def test_host_calls_per_call(self):
+        # issue 32: the module's gate inline, the C path's constants decided once per activation,
+        # backward reading forward's choice: 58 calls of and from slimgrad's code per fwd + bwd of
+        # a float32 CPU SiLU or Mish module (SiLU 165, Mish 166 before), counted, not timed
+        import slimgrad.nn
+        from tests._host_calls import slimgrad_calls
+
+        torch.manual_seed(0)
+        x = torch.randn(1, 16, 256, requires_grad=True)
+        mod = getattr(slimgrad.nn, {"silu": "SiLU", "mish": "Mish"}[self.STEM])()
+
+        def step():
+            (mod(x * 1) * 1).sum().backward()
+
+        step()
+        assert slimgrad_calls(step) <= 58

@@ -88,3 +88,45 @@ def check_output_vs_eager(spec, fwd):
         x = torch.cat([x, all_float32_between(t - 0.05, t + 0.05, 7)])
     y = smooth_fwd(spec, x, fwd, fallback=False)[0]
     assert torch.equal(y, fwd(x))
+
+
+def check_straight_c_path(straight, general, x_star):
+    """NOTE [The straight C path of the smooth activations]: ``straight(x)`` (the functional past
+    the gate, float32 CPU) keeps the y, saved tensors and gradient bits of ``general(x)`` (the
+    Function's general path, through its custom ops), with the incoming gradient granted to the
+    backward and not, on random inputs with non-finite and hard elements, 70,001 elements (two
+    C blocks) and the dense fallback."""
+    from slimgrad import ownership
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 41)
+    x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), x_star, -30.0, 0.0])
+    big = torch.randn(70_001)
+    crowded = x_star + torch.randn(4, 300) * 1e-3  # every element hard: x kept densely
+    for name, x0, fast in (
+        ("randn", x, True),
+        ("two blocks", big, True),
+        ("fallback", crowded, False),
+    ):
+        for reuse in (True, False):
+            res = []
+            for fn in (straight, general):
+                xi = x0.clone().requires_grad_()
+                y = fn(xi)
+                node = y.grad_fn
+                assert (node.cpath is not None) == (fast and fn is straight), (name, fn)
+                saved = [t.clone() if t is not None else None for t in node.saved_tensors]
+                w = torch.randn(x0.shape, generator=torch.Generator().manual_seed(1))
+                ownership.reset_reuse_count()
+                if reuse:
+                    (y * w).sum().backward()  # MulBackward's dy is dead: granted
+                else:
+                    y.backward(w)  # w is held here: refused
+                assert ownership.reuse_count("grad") == (1 if reuse else 0), (name, fn)
+                res.append([y.detach(), *saved, xi.grad])
+            for a, b in zip(*res, strict=True):
+                if a is None or b is None:
+                    assert a is None and b is None, name
+                else:
+                    assert a.dtype == b.dtype and a.stride() == b.stride(), name
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -28,10 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-from slimgrad._autograd import transforms_active
+from slimgrad._autograd import compiling, unwrap_if_dead
 from slimgrad.nn._hooks import foreign
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.gated_mlp import gated_mlp, gated_mlp_fused, glu, glu_linear
+from slimgrad.ops.gated_mlp import _GATED_MLP_APPLY, gated_mlp, gated_mlp_fused, glu, glu_linear
 
 __all__ = ["GatedMLP", "activation_of"]
 
@@ -87,6 +87,26 @@ def _global_hooks() -> bool:
 
 
 _LINEARS: list[tuple[type, ...]] = []  # (nn.Linear, slimgrad.nn.Linear), imported at first use
+#: (the SiLU classes, the GELU classes, the Linear classes) whose instances the forward checks
+#: inline, imported at first use
+_KNOWN: list[tuple[type, ...]] = []
+
+
+def _known() -> None:
+    import slimgrad.nn.gelu as sng
+    import slimgrad.nn.linear as snl
+    import slimgrad.nn.silu as sns
+
+    _KNOWN[:] = [(nn.SiLU, sns.SiLU), (nn.GELU, sng.GELU), (nn.Linear, snl.Linear)]
+
+
+_grad_on = torch._C.is_grad_enabled
+_functorch_on = torch._C._are_functorch_transforms_active
+_is_tracing = torch._C._is_tracing
+_any_autocast = torch._C._is_any_autocast_enabled
+_compiling = compiling  # NOTE [One-frame compile check] in slimgrad/_autograd.py
+_PLAIN = (torch.Tensor, nn.Parameter)
+_Parameter = nn.Parameter
 
 
 def _plain_linear(m: nn.Module) -> bool:
@@ -215,10 +235,24 @@ class GatedMLP(NoScript, nn.Module):
         else:
             gate, down, act = getattr(self, g_name), getattr(self, d_name), getattr(self, a_name)
             up = getattr(self, u_name) if u_name is not None else None
+        a = self.activation
+        if not _KNOWN:
+            _known()
+        t = type(act)
+        if t in _KNOWN[0]:  # activation_of(act) == a for torch's and slimgrad's SiLU, inline
+            act_ok = a == "silu" and "forward" not in act.__dict__
+        elif t in _KNOWN[1]:  # and GELU
+            ap = act.approximate
+            act_ok = (
+                a == ("gelu" if ap == "none" else "gelu_tanh" if ap == "tanh" else None)
+                and "forward" not in act.__dict__
+            )
+        else:
+            act_ok = activation_of(act) == a
         if (
-            not torch.is_grad_enabled()
-            or transforms_active()
-            or activation_of(act) != self.activation
+            not _grad_on()
+            or _functorch_on()
+            or not act_ok
             # _hooked(act) and _global_hooks() only when some hook dict is not empty
             or (
                 (act._forward_hooks or act._forward_pre_hooks)
@@ -232,7 +266,55 @@ class GatedMLP(NoScript, nn.Module):
             and _global_hooks()
         ):
             return self._eager(x, gate, up, down, act)
-        a = self.activation
+        lin = _KNOWN[2]
+        if (  # gated_mlp's straight path for plain Linears without biases, its frames inline
+            # (_plain_linear and _params of each projection; NOTE [Linear's straight path])
+            up is not None
+            and type(gate) in lin
+            and type(up) in lin
+            and type(down) in lin
+            and "weight" in (gp := gate._parameters)
+            and "weight" in (up_ := up._parameters)
+            and "weight" in (dp := down._parameters)
+            and type(gw := gp["weight"]) is _Parameter
+            and type(uw := up_["weight"]) is _Parameter
+            and type(dw := dp["weight"]) is _Parameter
+            and "bias" in gp
+            and "bias" in up_
+            and "bias" in dp
+            and gp["bias"] is None
+            and up_["bias"] is None
+            and dp["bias"] is None
+            and "forward" not in gate.__dict__
+            and "forward" not in up.__dict__
+            and "forward" not in down.__dict__
+            and not (
+                gate._forward_hooks
+                or gate._forward_pre_hooks
+                or gate._backward_hooks
+                or gate._backward_pre_hooks
+                or up._forward_hooks
+                or up._forward_pre_hooks
+                or up._backward_hooks
+                or up._backward_pre_hooks
+                or down._forward_hooks
+                or down._forward_pre_hooks
+                or down._backward_hooks
+                or down._backward_pre_hooks
+            )
+            and gw.ndim == 2
+            and uw.ndim == 2
+            and dw.ndim == 2
+            and type(x) in _PLAIN
+            and (xs := x.shape)
+            and xs[-1] == gw.shape[1]
+            and xs[-1] == uw.shape[1]
+            and (x.requires_grad or gw.requires_grad or uw.requires_grad or dw.requires_grad)
+            and not (_compiling() or _is_tracing() or _any_autocast())
+        ):
+            return _GATED_MLP_APPLY(
+                unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False
+            )
         plain_down = _plain_linear(down)
         if plain_down and _plain_linear(gate) and (up is None or _plain_linear(up)):
             (gw, gb), (dw, db) = _params(gate), _params(down)

@@ -10,10 +10,12 @@ import torch
 from torch import Tensor
 from torch.nn.modules import module as _module
 
+from slimgrad._autograd import unwrap_if_dead
+from slimgrad._library import straight
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.gelu import _check_approximate, gelu
+from slimgrad.ops.gelu import _APPROX, _GELU_APPLY, _PLAIN, _check_approximate, _grad_on, gelu
 
 __all__ = ["GELU"]
 
@@ -49,7 +51,18 @@ class GELU(NoScript, torch.nn.GELU):
             if self.inplace:  # eager's in-place GELU (it keeps a copy of the input)
                 return torch.ops.aten.gelu_(input, approximate=self.approximate)
             return torch.nn.functional.gelu(input, approximate=self.approximate)
-        return gelu(input, self.approximate, self.inplace)
+        a = self.approximate
+        if (  # gelu()'s straight path, without its frame (NOTE [One gate per call])
+            not self.inplace
+            and type(input) in _PLAIN
+            and a in _APPROX
+            and input.requires_grad
+            and not input.is_meta
+            and _grad_on()
+            and straight()
+        ):
+            return _GELU_APPLY(unwrap_if_dead(input), a, True)
+        return gelu(input, a, self.inplace)
 
     @classmethod
     def from_torch(cls, module: torch.nn.Module) -> GELU:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.modules import module as _module
 
+from slimgrad._autograd import unwrap_if_dead
+from slimgrad._library import straight
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.mish import mish
+from slimgrad.ops.mish import _MISH_APPLY, _PLAIN, _grad_on, mish
 
 __all__ = ["Mish"]
 
@@ -21,8 +24,18 @@ class Mish(NoScript, torch.nn.Mish):
     """Drop-in ``torch.nn.Mish`` (a subclass) using :func:`slimgrad.ops.mish.mish`."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+        hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
+        if hooks and forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
             return F.mish(input, self.inplace)
+        if (  # mish()'s straight path, without its frame (NOTE [One gate per call])
+            not self.inplace
+            and type(input) in _PLAIN
+            and input.requires_grad
+            and not input.is_meta
+            and _grad_on()
+            and straight()
+        ):
+            return _MISH_APPLY(unwrap_if_dead(input), True)
         return mish(input, self.inplace)
 
     @classmethod

@@ -9,10 +9,12 @@ import torch
 from torch import Tensor
 from torch.nn.modules import module as _module
 
+from slimgrad._autograd import unwrap_if_dead
+from slimgrad._library import straight
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.silu import silu
+from slimgrad.ops.silu import _PLAIN, _SILU_APPLY, _grad_on, silu
 
 __all__ = ["SiLU"]
 
@@ -25,6 +27,15 @@ class SiLU(NoScript, torch.nn.SiLU):
         # NOTE [Forward hooks on an output-saving module]: eager's op
         if hooks and forward_hooked(self):
             return torch.nn.functional.silu(input, self.inplace)
+        if (  # silu()'s straight path, without its frame (NOTE [One gate per call])
+            not self.inplace
+            and type(input) in _PLAIN
+            and input.requires_grad
+            and not input.is_meta
+            and _grad_on()
+            and straight()
+        ):
+            return _SILU_APPLY(unwrap_if_dead(input), True)
         return silu(input, self.inplace)
 
     @classmethod

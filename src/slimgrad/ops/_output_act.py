@@ -91,6 +91,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import _autograd, ownership
 from slimgrad._errors import internal_error
+from slimgrad._library import straight
 from slimgrad._math.bits import packed_numel
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
     _TABLE_N,
@@ -178,7 +179,7 @@ def as_layout(dx: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor
     return out.copy_(dx)
 
 
-def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args):
+def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args, single=False):
     """Forward of a smooth activation's Function: runs its custom op ``fwd_op(x, *args) -> (y,
     bits, idx, xs)`` on x in eager's output memory order and keeps what backward needs.
 
@@ -196,6 +197,7 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args)
     """
     perm = memory_order(x)
     ctx.perm = perm
+    ctx.cpath = None  # NOTE [The straight C path of the smooth activations]
     record_layout(ctx, x)
     xp = x if perm is None else x.permute(perm)
     y, bits, idx, xs = fwd_op(xp, *args)
@@ -219,12 +221,14 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args)
         ctx.save_for_backward(None if dense else x, bits, idx, xs)
         return x
     ctx.save_for_backward(None if dense else y, bits, idx, x if ctx.dense_x else xs)
-    # The side info is returned too (non-differentiable) so that its data-dependent sizes are
-    # outputs of the Function traced by torch.compile; the functional drops it.
-    ctx.mark_non_differentiable(bits, idx, xs)
     # no zero gradients for them in backward (it never reads them): on the dense fallback xs is all
     # of x, so autograd would allocate a gradient-sized zeros tensor
     ctx.set_materialize_grads(False)
+    if single:  # an eager call past the gate: y alone (NOTE [One gate per call])
+        return out
+    # The side info is returned too (non-differentiable) so that its data-dependent sizes are
+    # outputs of the Function traced by torch.compile; the functional drops it.
+    ctx.mark_non_differentiable(bits, idx, xs)
     return out, bits, idx, xs
 
 
@@ -355,7 +359,13 @@ def smooth_fake_side_info(x: torch.Tensor):
     )
 
 
-def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact: Callable):
+def smooth_unary_op(
+    stem: str,
+    spec: SmoothSpec,
+    fwd_torch: Callable,
+    bwd_exact: Callable,
+    c_fwd_torch: Callable | None = None,
+):
     """Register ``slimgrad::<stem>_fwd`` / ``_bwd`` and build the Function pair of a one-argument
     smooth activation (SiLU, Mish): the forward keeps (y, bits, side table), the backward reads
     the gradient from them (NOTE [Gradient from the output]); Triton kernels on CUDA and C kernels
@@ -367,6 +377,8 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
         spec: its :class:`SmoothSpec`.
         fwd_torch: ``x -> y``, eager's own forward.
         bwd_exact: ``(g, x) -> dx``, eager's own backward from x (side table and dense fallback).
+        c_fwd_torch: ``fwd_torch``'s kernel for a plain float32 CPU tensor without its Python
+            wrapper (the straight C path), if it has one.
 
     Returns:
         ``(fwd_op, bwd_op, Fn, InplaceFn)``.
@@ -406,18 +418,50 @@ def smooth_unary_op(stem: str, spec: SmoothSpec, fwd_torch: Callable, bwd_exact:
     def bwd_any(g, y, bits, idx, xs, out=None):
         return smooth_grad_any(spec, g, y, bits, idx, xs, bwd_exact, out=out)
 
-    def forward(ctx, x):
+    cp = CPath(spec)
+    c_fwd = c_fwd_torch or fwd_torch
+
+    def forward(ctx, x, direct=False):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
+        # y alone is returned then
+        if direct:
+            if (  # NOTE [The straight C path of the smooth activations]
+                x.dtype is _F32
+                and x.is_cpu
+                and (
+                    (_backend._resolved[0] or _backend.get_backend()) in _C_BACKENDS
+                    if cp.ready
+                    else cp.prepare(x)
+                )
+            ):
+                y = c_forward(ctx, x, c_fwd, cp)
+                if y is not None:
+                    return y
+            return smooth_forward(ctx, x, fwd_op.impl, False, single=True)
         return smooth_forward(ctx, x, fwd_op, False)
 
-    @_autograd.first_order(
-        f"ops.{stem}", double=smooth_double(f"ops.{stem}", eager_double(fwd_torch))
-    )
+    second = smooth_double(f"ops.{stem}", eager_double(fwd_torch))
+
+    def double(ctx, g, *side):  # backward's (dx, None): the second for ``direct``
+        out = second(ctx, g, *side)
+        return out if isinstance(out, tuple) else (out, None)
+
+    @_autograd.first_order(f"ops.{stem}", double=double)
     def backward(ctx, g, *_side):
         if g is None:  # only the side outputs got a gradient (grads are not materialized)
-            return None
-        # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
-        buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
-        return smooth_backward(ctx, g, buf, bwd_op, bwd_any, bwd_exact)
+            return None, None
+        # forward's choice: NOTE [The straight C path of the smooth activations]
+        if ctx.cpath is not None:
+            # first use of g: NOTE [Gradient-buffer ownership]
+            buf = ownership.take(g) if g.is_contiguous() else None
+            if buf is not None or straight():
+                dx = c_backward(ctx, g, buf, bwd_exact)
+                if dx is not None:
+                    return dx, None
+        else:
+            buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
+        bwd = bwd_op.impl if buf is None and straight() else bwd_op
+        return smooth_backward(ctx, g, buf, bwd, bwd_any, bwd_exact), None
 
     def forward_inplace(ctx, x):
         return smooth_forward(ctx, x, fwd_op, True)
@@ -449,11 +493,13 @@ def _c_signatures(C):
     p, i64, f, i = C.c_void_p, C.c_int64, C.c_float, C.c_int
     specs = {
         "smooth_fwd_f32": [p, p, p, p, i64, f, f, i, f, i],
+        "smooth_fwd_off_f32": [p, p, p, p, p, i64, f, f, i, f, i],
         "smooth_collect_i32": [p, p, p, p, p, p, i64, f, f, i, f, i],
         "smooth_collect_i64": [p, p, p, p, p, p, i64, f, f, i, f, i],
         "smooth_bwd_f32": [p, p, p, p, p, i64, i64, f, f, f, f, f, i],
     }
-    return {name: (name, args, None) for name, args in specs.items()}
+    res = {"smooth_fwd_off_f32": i64}
+    return {name: (name, args, res.get(name)) for name, args in specs.items()}
 
 
 def _c_fns(lib):
@@ -480,15 +526,15 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
     y = fwd(flat)
     bits = torch.empty(packed_numel(n), dtype=torch.uint8)
     nb = (n + CHUNK - 1) // CHUNK
-    cnt = torch.empty(2 * nb, dtype=torch.int64)
-    flags = torch.empty((n + 31) // 32, dtype=torch.uint8)  # 1 byte per 32 elements, transient
+    # transient: per block two counts and an offset (int64), then 1 byte per 32 elements
+    ws = torch.empty(24 * nb + (n + 31) // 32, dtype=torch.uint8)
+    cnt = ws.data_ptr()
+    off, flags = cnt + 16 * nb, cnt + 24 * nb
     has_tail, tail_v = (0, 0.0) if tail is None else (1, float(tail))
-    fns["smooth_fwd_f32"](
-        flat.data_ptr(), bits.data_ptr(), cnt.data_ptr(), flags.data_ptr(), n, inv.x_star, w,
-        has_tail, tail_v, nt,
-    )  # fmt: skip
-    per_block = cnt.view(nb, 2).sum(1)
-    n_hard = int(per_block.sum())
+    xp = flat.data_ptr()
+    n_hard = fns["smooth_fwd_off_f32"](
+        xp, bits.data_ptr(), cnt, flags, off, n, inv.x_star, w, has_tail, tail_v, nt
+    )
     y = y.view(x.shape)
     if fallback and n_hard * FALLBACK_DIV > n:
         empty_bits = torch.empty(0, dtype=torch.uint8)
@@ -496,11 +542,10 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
     idx = torch.empty(n_hard, dtype=idx_dtype)
     xs = torch.empty(n_hard, dtype=x.dtype)
     if n_hard:
-        off = per_block.cumsum(0).sub_(per_block)
         collect = fns["smooth_collect_i32" if idx_dtype == torch.int32 else "smooth_collect_i64"]
         collect(
-            flat.data_ptr(), cnt.data_ptr(), flags.data_ptr(), off.data_ptr(), idx.data_ptr(),
-            xs.data_ptr(), n, inv.x_star, w, has_tail, tail_v, nt,
+            xp, cnt, flags, off, idx.data_ptr(), xs.data_ptr(), n, inv.x_star, w, has_tail,
+            tail_v, nt,
         )  # fmt: skip
     return y, bits, idx, xs
 
@@ -587,3 +632,127 @@ def reuse_ok(g: torch.Tensor, perm: tuple[int, ...] | None = None) -> bool:
     the C or PyTorch path (the Triton kernels allocate their own)."""
     gp = g if perm is None else g.permute(perm)
     return gp.is_contiguous() and not _backend.use_triton(g)
+
+
+# -------------------------------------------------------------------------------------------------
+# NOTE [The straight C path of the smooth activations]
+# An eager call past the gate (NOTE [One gate per call] in slimgrad/_library.py) on a contiguous
+# float32 CPU tensor of more than DENSE_MAX elements, with the C kernels chosen ("auto" or "cpu")
+# and built, runs :func:`c_forward` inside its Function: what :func:`smooth_forward` and
+# :func:`smooth_fwd_c` do for that case, with what depends only on the activation (x*, window,
+# tail, the f' tables and their scales, the bound C functions) read from its :class:`CPath`,
+# prepared once per process. The Function then returns y alone (the side outputs exist for
+# torch.compile's tracing). ``ctx.cpath`` records the choice, so backward runs :func:`c_backward`
+# without deciding again: after ``ownership.take`` and, when nothing was granted, the gate again (a
+# mode may have been entered since forward). Same y, bits, side table, saved tensors and gradient
+# bits as the general path (the ops' tests compare both); everything else takes the general path.
+
+_F32 = torch.float32
+_U8 = torch.uint8
+_I32 = torch.int32
+_I64 = torch.int64
+_C_BACKENDS = ("auto", "cpu")  # process-wide backends under which use_cpu may pick the C kernels
+_num_threads = torch.get_num_threads
+
+
+class CPath:
+    """The C path's constants of one :class:`SmoothSpec` (NOTE [The straight C path of the smooth
+    activations]); ``ready`` once :meth:`prepare` found the library."""
+
+    __slots__ = (
+        "spec", "ready", "fwd", "collect32", "collect64", "fwd_args", "bwd", "tab", "bwd_args",
+    )  # fmt: skip
+
+    def __init__(self, spec: SmoothSpec) -> None:
+        self.spec = spec
+        self.ready = False
+
+    def prepare(self, x: torch.Tensor) -> bool:
+        """Bind the C functions and constants if ``_backend.use_cpu`` picks the C kernels for x."""
+        lib = _backend.use_cpu(x, C_STEM)
+        if lib is None:
+            return False
+        fns = _c_fns(lib)
+        inv = inverse(self.spec)
+        w, tail = _window(self.spec, _F32)
+        has_tail, tail_v = (0, 0.0) if tail is None else (1, float(tail))
+        tab, byte_scale, _ = inv.tables_on(x.device, _F32)  # cached on inv: kept alive there
+        y_hi = round_f32(inv.y_min)
+        sc_r, sc_l = _byte_scales(inv, byte_scale)
+        self.fwd = fns["smooth_fwd_off_f32"]
+        self.collect32, self.collect64 = fns["smooth_collect_i32"], fns["smooth_collect_i64"]
+        self.fwd_args = (inv.x_star, w, has_tail, tail_v)
+        self.bwd = fns["smooth_bwd_f32"]
+        self.tab = tab.data_ptr()
+        self.bwd_args = (_TABLE_N, y_hi, inv.y_min - y_hi, inv.s_r**2, sc_r, sc_l)
+        self.ready = True
+        return True
+
+
+def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | None:
+    """y = fwd(x) with the bits and side table of :func:`smooth_fwd_c`, saved as
+    :func:`smooth_forward` saves them; None (nothing done) for x of at most DENSE_MAX elements or
+    not contiguous. Call only for a float32 CPU x, the C kernels chosen and ``cp`` ready (the
+    Functions check that inline)."""
+    n = x.numel()
+    if n <= DENSE_MAX or not x.is_contiguous():
+        return None
+    y = fwd(x)
+    nb = (n + CHUNK - 1) // CHUNK
+    # transient: per block two counts and an offset (int64), then 1 byte per 32 elements
+    ws = torch.empty(24 * nb + ((n + 31) >> 5), dtype=_U8)
+    bits = torch.empty((n + 7) >> 3, dtype=_U8)  # packed_numel(n)
+    cnt = ws.data_ptr()
+    xp = x.data_ptr()
+    nt = 1 if nb == 1 else _num_threads()  # one block: one thread does all the work anyway
+    k = cp.fwd(xp, bits.data_ptr(), cnt, cnt + 24 * nb, cnt + 16 * nb, n, *cp.fwd_args, nt)
+    ctx.perm = ctx.x_layout = None
+    ctx.y_is_x = False
+    ctx.set_materialize_grads(False)
+    big = n >= 2**31
+    if k * FALLBACK_DIV > n:  # dense fallback: x itself, as eager (NOTE [Gradient from the output])
+        ctx.dense_x, ctx.cpath = True, None
+        ctx.save_for_backward(
+            None, torch.empty(0, dtype=_U8), torch.empty(0, dtype=_I64 if big else _I32), x
+        )
+        return y
+    idx = torch.empty(k, dtype=_I64 if big else _I32)
+    xs = torch.empty(k, dtype=_F32)
+    if k:
+        (cp.collect64 if big else cp.collect32)(
+            xp, cnt, cnt + 24 * nb, cnt + 16 * nb, idx.data_ptr(), xs.data_ptr(), n,
+            *cp.fwd_args, nt,
+        )  # fmt: skip
+    ctx.dense_x = False
+    ctx.cpath, ctx.n = cp, n
+    ctx.save_for_backward(y, bits, idx, xs)
+    return y
+
+
+def c_backward(ctx, g: torch.Tensor, buf, exact: Callable, *args) -> torch.Tensor | None:
+    """dx of a Function whose forward ran :func:`c_forward` (``ctx.cpath``), for a contiguous g;
+    into ``buf`` (g itself, granted by ``ownership.take``) if given. None (nothing done) when the
+    saved tensors come back other than saved (a saved-tensor hook's layout, dtype or device)."""
+    y, bits, idx, xs = ctx.saved_tensors
+    if not (
+        y.dtype is _F32
+        and y.is_cpu
+        and y.shape == g.shape
+        and y.is_contiguous()
+        and bits.is_contiguous()
+    ):
+        return None
+    cp = ctx.cpath
+    gp = g.data_ptr()
+    gf = g.view(-1)
+    of = gf if buf is not None else torch.empty_like(gf)
+    k = idx.shape[0]
+    if k:  # the hard elements' g, read before out (maybe g's buffer) is written
+        gh = gf.index_select(0, idx)
+    cp.bwd(
+        gp, y.data_ptr(), bits.data_ptr(), cp.tab, gp if buf is not None else of.data_ptr(),
+        ctx.n, *cp.bwd_args, _num_threads(),
+    )  # fmt: skip
+    if k:
+        of.index_put_((idx,), exact(gh, xs, *args))
+    return buf if buf is not None else of.view(g.shape)

@@ -65,6 +65,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 _silu = torch._C._nn.silu  # F.silu's kernel without its Python frame (the same bits)
+_silu_bwd_into = torch.ops.aten.silu_backward.grad_input
 
 
 def _act(g: Tensor, activation: str) -> Tensor:
@@ -216,13 +217,16 @@ class _GatedMLPFn(torch.autograd.Function):
         # tokens (NOTE [Autocast weight casts] in ops/linear.py): each master is cast here for its
         # matmul and dropped, kept and re-cast in backward; the tokens carry the gradients
         nx, nwg, nbg, nwu, nbu, nwd, _ = ctx.needs_input_grad[:7]
-        gu = F.linear(x, _mm_weight(wg, mg, dt), bg)
+        # _mm_weight and _act inline
+        gu = F.linear(x, wg if mg is None else mg.to(dt), bg)
         if fused:  # Phi-3: gate, up = gate_up_proj(x).chunk(2, dim=-1)
             g, u = gu.chunk(2, dim=-1)
         else:
-            g, u = gu, F.linear(x, _mm_weight(wu, mu, dt), bu)
-        h = _act(g, activation).mul_(u)  # eager: act(g) * u (Phi-3: u * act(g)); the same bits
-        y = F.linear(h, _mm_weight(wd, md, dt), bd)
+            g, u = gu, F.linear(x, wu if mu is None else mu.to(dt), bu)
+        # eager: act(g) * u (Phi-3: u * act(g)); the same bits
+        a = _silu(g) if activation == "silu" and type(g) is Tensor else _act(g, activation)
+        h = a.mul_(u)
+        y = F.linear(h, wd if md is None else md.to(dt), bd)
         need_gu = nx or nwg or nbg or nwu or nbu
         ctx.activation, ctx.fused = activation, fused
         ctx.has = (bg is not None, bu is not None, bd is not None)
@@ -263,6 +267,19 @@ class _GatedMLPFn(torch.autograd.Function):
             and not x._is_view()
             and torch.is_autocast_cache_enabled()
         )
+        # the usual training call, whose backward runs straight (every input but the biases needs
+        # a gradient, none given, one dtype, not fused): NOTE [The gated MLP's straight backward]
+        ctx.straight = (
+            ctx.one_dtype
+            and not fused
+            and nx
+            and nwg
+            and nwu
+            and nwd
+            and bg is None
+            and bu is None
+            and bd is None
+        )
         ctx.save_for_backward(
             x if (nwg or nwu) else None,
             gu if need_gu else None,
@@ -278,6 +295,34 @@ class _GatedMLPFn(torch.autograd.Function):
     @first_order("ops.gated_mlp")
     def backward(ctx, dy):
         x, g, u, h, wg, wu, wd = ctx.saved_tensors
+        if ctx.straight and not (_any_autocast() or compiling()):
+            # NOTE [The gated MLP's straight backward]
+            # The general path below for this one case, its helpers' frames inline: the same
+            # ops on the same operands in the same order (g, u and dh as 2-D (tokens, I) views:
+            # elementwise, the same bits), dx allocated in its final shape (a base: the next
+            # backward may reuse it, NOTE [Gradient-buffer ownership])
+            d, n = dy.shape[-1], g.shape[-1]
+            dy2 = dy.reshape(-1, d)
+            g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
+            act = ctx.activation
+            a = _silu(g2) if act == "silu" else _act(g2, act)
+            dwd = dy2.t() @ (a * u2)
+            dh = dy2 @ wd
+            du = a.mul_(dh)
+            da = dh.mul_(u2)
+            if act == "silu":
+                dg = _silu_bwd_into(da, g2, grad_input=da)
+            else:
+                dg = _act_bwd(da, g2, act, da)
+            xd = x.shape[-1]
+            dx = dg.new_empty((*dy.shape[:-1], xd))
+            dx2 = dx.view(-1, xd)
+            torch.mm(dg, wg, out=dx2)
+            x2 = x.reshape(-1, xd)
+            dwg = dg.t() @ x2
+            dx2.add_(du @ wu)
+            dwu = du.t() @ x2
+            return dx, dwg, None, dwu, None, dwd, None, None, None, None, None, None, None
         m = ctx.needs_input_grad[:7]
         need_gu = any(m[:5])
         (has_bg, has_bu, has_bd), (gdt, udt) = ctx.has, ctx.mm_dtypes

@@ -22,6 +22,8 @@ dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -38,6 +40,11 @@ from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
+    _C_BACKENDS,
+    _F32,
+    CPath,
+    c_backward,
+    c_forward,
     dense_side_info,
     few_elements,
     needs_graph,
@@ -144,20 +151,54 @@ def _double(ctx, g, *side):
     return (*out, None) if len(out) == 2 else out  # the last: forward's ``direct``
 
 
+# NOTE [The straight C path of the smooth activations] in slimgrad/ops/_output_act.py: per
+# approximate, the C path's constants and eager's forward kernel without F.gelu's keyword parsing
+_CPATH = {a: CPath(SPECS[a]) for a in _APPROX}
+_C_FWD = {a: functools.partial(torch._C._nn.gelu, approximate=a) for a in _APPROX}
+_C_BWD = {  # the hard elements' dx
+    a: functools.partial(torch.ops.aten.gelu_backward.default, approximate=a) for a in _APPROX
+}
+
+
 class _GeluFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, approximate: str, direct: bool = False):
-        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
+        # y alone is returned then
         ctx.approximate = approximate
-        return smooth_forward(ctx, x, _gelu_fwd.impl if direct else _gelu_fwd, False, approximate)
+        if direct:
+            cp = _CPATH[approximate]
+            if (  # NOTE [The straight C path of the smooth activations]
+                x.dtype is _F32
+                and x.is_cpu
+                and (
+                    (_backend._resolved[0] or _backend.get_backend()) in _C_BACKENDS
+                    if cp.ready
+                    else cp.prepare(x)
+                )
+            ):
+                y = c_forward(ctx, x, _C_FWD[approximate], cp)
+                if y is not None:
+                    return y
+            return smooth_forward(ctx, x, _gelu_fwd.impl, False, approximate, single=True)
+        return smooth_forward(ctx, x, _gelu_fwd, False, approximate)
 
     @staticmethod
     @first_order("ops.gelu", double=_double)
     def backward(ctx, g, *_side):
         if g is None:  # only the side outputs got a gradient (grads are not materialized)
             return None, None, None
-        # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
-        buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
+        # forward's choice: NOTE [The straight C path of the smooth activations]
+        if ctx.cpath is not None:
+            # first use of g: NOTE [Gradient-buffer ownership]
+            buf = ownership.take(g) if g.is_contiguous() else None
+            if buf is not None or straight():
+                dx = c_backward(ctx, g, buf, _C_BWD[ctx.approximate])
+                if dx is not None:
+                    return dx, None, None
+        else:
+            # first use of g: NOTE [Gradient-buffer ownership] (reuse_ok only reads attributes)
+            buf = ownership.take(g) if reuse_ok(g, ctx.perm) else None
         a = ctx.approximate
         # the op's implementation past the gate: NOTE [One gate per call]
         bwd = _gelu_bwd.impl if buf is None and straight() else _gelu_bwd
@@ -213,7 +254,7 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
         and _grad_on()
         and straight()
     ):
-        return _GELU_APPLY(unwrap_if_dead(input), approximate, True)[0]
+        return _GELU_APPLY(unwrap_if_dead(input), approximate, True)
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise(

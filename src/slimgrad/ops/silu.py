@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from slimgrad import _dtensor
-from slimgrad._autograd import refuse_jit, transforms_active
+from slimgrad._autograd import direct_apply, refuse_jit, transforms_active, unwrap_if_dead
+from slimgrad._library import straight
 from slimgrad._math.smooth import SILU
 from slimgrad.ops._output_act import (
     needs_graph,
@@ -52,8 +53,11 @@ def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
 
 
 _silu_fwd, _silu_bwd, _SiluFn, _SiluInplaceFn = smooth_unary_op(
-    "silu", SPEC, _fwd_torch, _bwd_exact
+    "silu", SPEC, _fwd_torch, _bwd_exact, torch._C._nn.silu
 )
+_SILU_APPLY = direct_apply(_SiluFn)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_grad_on = torch._C.is_grad_enabled
 
 
 def silu(input: Tensor, inplace: bool = False) -> Tensor:
@@ -82,6 +86,15 @@ def silu(input: Tensor, inplace: bool = False) -> Tensor:
     Example:
         >>> y = silu(torch.randn(4, 8, requires_grad=True))
     """
+    if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
+        not inplace
+        and type(input) in _PLAIN
+        and input.requires_grad
+        and not input.is_meta
+        and _grad_on()
+        and straight()
+    ):
+        return _SILU_APPLY(unwrap_if_dead(input), True)
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise("slimgrad.ops.silu", silu, input, inplace=inplace)

@@ -63,6 +63,21 @@ void smooth_fwd_f32(const float *x, uint8_t *bits, int64_t *cnt, uint8_t *flags,
     }
 }
 
+/* Pass 1 as smooth_fwd_f32, then block b's offset off[b] into the hard-element table (a prefix
+ * sum over the blocks, in block order) and the number of hard elements, returned: what the
+ * caller needs to allocate the table and run pass 2, in one call. */
+int64_t smooth_fwd_off_f32(const float *x, uint8_t *bits, int64_t *cnt, uint8_t *flags,
+                           int64_t *off, int64_t n, float xstar, float window, int has_tail,
+                           float tail, int nt) {
+    int64_t nb = (n + BLOCK - 1) / BLOCK, total = 0;
+    smooth_fwd_f32(x, bits, cnt, flags, n, xstar, window, has_tail, tail, nt);
+    for (int64_t b = 0; b < nb; b++) {
+        off[b] = total;
+        total += cnt[2 * b] + cnt[2 * b + 1];
+    }
+    return total;
+}
+
 /* Pass 2: the hard elements' flat index and x, block b's at off[b]: its window hits, then its
  * tail-only hits, each ascending (the PyTorch path's order for finite inputs); only the words
  * pass 1 flagged are read again. */
