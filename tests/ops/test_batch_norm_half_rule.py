@@ -71,4 +71,4 @@ def test_mixed_precision_keeps_input_half_model_keeps_input():
         out = sbn._BatchNormFn.apply(
             x.to(xd), w.to(pd), b.to(pd), None, None, True, 0.1, 1e-5, holder, "never", False
         )
-        assert holder[0].keep_output(out) is kept
+        assert sbn._Source(ctx=holder[0]).keep_output(out) is kept

@@ -32,7 +32,7 @@ from torch import nn
 from slimgrad import ownership
 from slimgrad.nn._script import NoScript
 from slimgrad.ops import _derived
-from slimgrad.ops.batch_norm import batch_norm
+from slimgrad.ops.batch_norm import _batch_norm
 
 __all__ = [
     "BatchNorm1d",
@@ -63,13 +63,20 @@ def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
 
 def _owned(x: torch.Tensor, module: nn.Module) -> bool:
     # ownership.owns_input(x, module, writes=False), asked only where its answer is read: the
-    # derived path needs x to be a pristine slimgrad norm output (_derived.activation; anything
-    # else runs eager's in-place op whatever the answer)
-    # (an empty registry of sources, the common case, asks nothing: NOTE [A source only where it
-    # can be claimed] in ops/batch_norm.py)
-    return (
-        bool(_SOURCES_D) and _derived.is_source(x) and ownership.owns_input(x, module, writes=False)
-    )
+    # derived path needs x to be a pristine slimgrad norm output (_is_source first; anything else
+    # runs eager's in-place op whatever the answer; an empty registry of sources, the common case,
+    # asks nothing: NOTE [A source only where it can be claimed] in ops/batch_norm.py)
+    return ownership.owns_input(x, module, writes=False)
+
+
+def _is_source(x: torch.Tensor) -> bool:
+    # _derived.is_source(x), inline: a pristine registered source output (most inputs are not
+    # registered: one id() and a dict test)
+    k = id(x)
+    if k not in _SOURCES_D:
+        return False
+    e = _SOURCES_D[k]
+    return e[0]() is x and x._version == e[1][1]
 
 
 _SOURCES_D = _derived._SOURCES_D
@@ -102,7 +109,9 @@ class _BatchNormMixin:
                     factor = 1.0 / float(nbt)
         bn_training = self.training or (mean is None and var is None)
         track = not self.training or self.track_running_stats
-        return batch_norm(
+        # ops.batch_norm(..., recompute_input=self.recompute_input), with this module's dict for
+        # NOTE [Arguments known to be plain] in slimgrad/ops/batch_norm.py
+        return _batch_norm(
             input,
             mean if track else None,
             var if track else None,
@@ -111,7 +120,8 @@ class _BatchNormMixin:
             bn_training,
             factor,
             self.eps,
-            recompute_input=self.recompute_input,
+            self.recompute_input,
+            self.__dict__,
         )
 
 
@@ -173,9 +183,12 @@ class ReLUAfterNorm(NoScript, nn.ReLU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
         if self.inplace:
-            if _owned(input, self):
+            # _is_source's first test inline: most inputs are no source
+            if id(input) in _SOURCES_D and _is_source(input) and _owned(input, self):
                 return _derived.activation(input, "relu", True, owned=True)
             return torch.relu_(input)  # what activation() runs in place without ownership
+        if id(input) not in _SOURCES_D:  # no source: activation() would run eager's op
+            return torch.relu(input)
         return _derived.activation(input, "relu", False)
 
     @classmethod
@@ -203,7 +216,7 @@ class SiLUAfterNorm(NoScript, nn.SiLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and _owned(input, self)
+        owned = self.inplace and _is_source(input) and _owned(input, self)
         return _derived.activation(input, "silu", self.inplace, owned=owned)
 
     @classmethod
@@ -220,7 +233,7 @@ class LeakyReLUAfterNorm(NoScript, nn.LeakyReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and _owned(input, self)
+        owned = self.inplace and _is_source(input) and _owned(input, self)
         return _derived.activation(
             input, "leaky_relu", self.inplace, owned=owned, param=self.negative_slope
         )
@@ -238,7 +251,7 @@ class ELUAfterNorm(NoScript, nn.ELU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
-        owned = self.inplace and _owned(input, self)
+        owned = self.inplace and _is_source(input) and _owned(input, self)
         return _derived.activation(input, "elu", self.inplace, owned=owned, param=self.alpha)
 
     @classmethod

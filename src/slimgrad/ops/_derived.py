@@ -109,8 +109,8 @@ efficientnet_b0 (2x3x64x64) runs 65 SiLUs per step with sharing, 81 without (eag
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from functools import partial as _partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -272,9 +272,11 @@ class Rebuild:
 
     def add_user(self, n: int) -> None:
         users = self.store.users
-        users[id(self.act)] = users.get(id(self.act), 0) + n
+        k = id(self.act)
+        users[k] = (users[k] if k in users else 0) + n
         if n > 0:
-            now = _tick()
+            _CLOCK[0] += 1  # _tick()
+            now = _CLOCK[0]
             span = self.store.span
             if span[0] < 0:
                 span[0] = now
@@ -338,13 +340,28 @@ def _rebuilt(
     return value, not hold
 
 
-@dataclass(eq=False)
-class Derived:
-    base: torch.Tensor  # detached alias of b (shares b's version counter)
-    base_version: int
-    act: object  # an activation spec: a str or a tuple (see ACTIVATIONS)
-    version: int  # version of r when it was registered
-    store: _Store | None = None  # NOTE [Rebuilt once per backward]; shared by b's derived tensors
+# NOTE [Records made without a Python frame]
+# Derived and Recipe are made on the hot path (a Recipe for every conv output of a step, a Derived
+# for every claimed activation): as SimpleNamespace subclasses without a Python __init__ they are
+# built by the C constructor from keyword arguments, no Python frame per record (the dataclasses
+# they were cost one __init__ frame each: 53 of a converted ResNet-50 step's calls). They compare
+# and hash by identity, as the ``dataclass(eq=False)`` classes did; a field not passed reads the
+# class's default.
+class _Record(SimpleNamespace):
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+
+class Derived(_Record):
+    """``Derived(base=, base_version=, act=, version=, store=None)``: a tensor that is
+    ``apply_act(act, base)``.
+
+    base: detached alias of b (shares b's version counter); act: an activation spec (a str or a
+    tuple, see ACTIVATIONS); version: the derived tensor's version when it was registered; store:
+    NOTE [Rebuilt once per backward], shared by b's derived tensors."""
+
+    store: _Store | None = None
 
     def consumer(self) -> Rebuild:
         """A handle for one node that will rebuild this tensor in backward (counted as a user)."""
@@ -353,20 +370,18 @@ class Derived:
         return Rebuild(self.act, self.store)
 
 
-@dataclass(eq=False)
-class Recipe:
-    """How to recompute a tensor y bit for bit: ``fn(*tensors)``; every tensor is a detached alias
-    of one that another node keeps anyway (so keeping the recipe costs no bytes) and must be
-    unchanged. ``cheap``: the producer is pointwise (e.g. a 1x1 conv), so re-running it costs little
-    next to the rest of the network."""
+class Recipe(_Record):
+    """How to recompute a tensor y bit for bit: ``fn(*tensors)``;
+    ``Recipe(fn=, tensors=, versions=, version=, cheap=False, rebuild=None)``. Every tensor is a
+    detached alias of one that another node keeps anyway (a conv's weight and bias: the
+    Parameters themselves), so keeping the recipe costs no bytes, and must be unchanged
+    (``versions``; ``version``: y's when it was registered). ``cheap``: the producer is pointwise
+    (e.g. a 1x1 conv), so re-running it costs little next to the rest of the network.
+    ``rebuild``: the handle fn rebuilds its derived input with (NOTE [Rebuilt once per
+    backward]); each adopter (lookup_recipe) counts as one user of it until it drops the recipe
+    (drop())."""
 
-    fn: object
-    tensors: tuple
-    versions: tuple
-    version: int  # version of y when it was registered
     cheap: bool = False
-    # the handle fn rebuilds its derived input with (NOTE [Rebuilt once per backward]); each
-    # adopter (lookup_recipe) counts as one user of it until it drops the recipe (drop())
     rebuild: Rebuild | None = None
 
     def drop(self) -> None:
@@ -393,7 +408,17 @@ def register_recipe(
         return
     tensors = tuple([t if t is None else t.detach() for t in tensors])
     versions = tuple([0 if t is None else t._version for t in tensors])
-    put_recipe(y, Recipe(fn, tensors, versions, y._version, cheap, rebuild))
+    put_recipe(
+        y,
+        Recipe(
+            fn=fn,
+            tensors=tensors,
+            versions=versions,
+            version=y._version,
+            cheap=cheap,
+            rebuild=rebuild,
+        ),
+    )
 
 
 def put_recipe(y: torch.Tensor, recipe: Recipe) -> None:
@@ -474,7 +499,10 @@ def register_gated(
         return
     gd = g.detach()
     spec = ("gate", inner, gd, gd._version, bool(gate_first))
-    _put(_DERIVED_D, y, Derived(base.detach(), base._version, spec, y._version, store))
+    d = Derived(
+        base=base.detach(), base_version=base._version, act=spec, version=y._version, store=store
+    )
+    _put(_DERIVED_D, y, d)
 
 
 def _tracing() -> bool:
@@ -716,7 +744,11 @@ def activation(
         and torch.is_grad_enabled()
         and not _compiling()
         and not _transforms_active()  # NOTE [torch.func transforms]: eager's op
-        and claim_source(x)
+        # claim_source(x), inline: a pristine registered source output whose source keeps it
+        and (k := id(x)) in _SOURCES_D
+        and _SOURCES_D[k][0]() is x
+        and x._version == _SOURCES_D[k][1][1]
+        and _SOURCES_D[k][1][0].keep_output(x)
     ):
         if _jit_tracing():
             refuse_jit("ops.activation")
@@ -724,7 +756,15 @@ def activation(
         # not compiling and no transform active, checked above
         r = _ACT_APPLY(unwrap_if_dead(x), spec)
         _CLOCK[0] += 1  # _tick()
-        _put(_DERIVED_D, r, Derived(x.detach(), x._version, spec, r._version))
+        d = Derived(base=x.detach(), base_version=x._version, act=spec, version=r._version)
+        # _put(_DERIVED_D, r, d), inline (NOTE [A registry entry dropped in C]): r is this
+        # call's fresh output
+        k = id(r)
+        e = _DERIVED_D[k] if k in _DERIVED_D else None
+        if e is not None and e[0]() is r:
+            _DERIVED_D[k] = (e[0], d)
+        else:
+            _DERIVED_D[k] = (weakref.ref(r, _partial(_DERIVED_D.pop, k)), d)
         return r
     if act == "leaky_relu":
         return F.leaky_relu(x, param, inplace)

@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 import weakref
 from functools import partial as _partial
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -103,13 +104,16 @@ def _less_precise(a: torch.dtype, b: torch.dtype) -> bool:
     return b.is_floating_point and torch.finfo(a).eps > torch.finfo(b).eps
 
 
-class _Source:
-    """The source side of NOTE [Derived saved inputs]: lets a following activation make this
-    BatchNorm call keep its output instead of its input. Holds the call's ctx; the ctx does not
-    hold it (no reference cycle, so the graph is freed by reference counting as in eager)."""
+class _Source(SimpleNamespace):
+    """``_Source(ctx=ctx)``: the source side of NOTE [Derived saved inputs]: lets a following
+    activation make this BatchNorm call keep its output instead of its input. Holds the call's
+    ctx; the ctx does not hold it (no reference cycle, so the graph is freed by reference counting
+    as in eager). Made by the C constructor, no Python frame (NOTE [Records made without a Python
+    frame] in ops/_derived.py)."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
 
     def keep_output(self, b: torch.Tensor) -> bool:
         ctx = self.ctx
@@ -117,21 +121,25 @@ class _Source:
             return True
         if (ctx.x is None and ctx.recipe is None) or not ctx.training:
             return False
-        if _few_per_channel(b):
+        # the shape and dtype tests below read attributes (b's dtype, ndim, shape) and b.numel()
+        # only: a claim is one of a step's most frequent calls
+        n = b.numel()
+        C = b.shape[1] if b.ndim > 1 else 1
+        if n <= _MAX_FEW * C:  # _few_per_channel(b)
             return False  # NOTE [Few values per channel]: keep x, as eager
-        if b.is_floating_point() and b.element_size() < 4:
+        dt = b.dtype
+        if dt.is_floating_point and dt.itemsize < 4:
             # a 16-bit output (a bf16/fp16 model, or autocast): keep x (module docstring)
             return False
-        if b.is_floating_point() and _less_precise(b.dtype, ctx.param_dtype):
+        if dt.is_floating_point and dt != ctx.param_dtype and _less_precise(dt, ctx.param_dtype):
             # A mixed-precision call (autocast: bf16/fp16 x, fp32 statistics and γ, β): x rebuilt
             # from the rounded output, x̂ = (b - β)/γ, carries b's rounding into dγ and the input
             # conv's dbias (up to 1.7x the error rule's bound in Conv-BN-ReLU), where eager
             # uses x itself; keep x, as eager.
             return False
-        C = b.shape[1]
         affine = ctx.weight_v is not None or ctx.bias_v is not None
-        if affine and not _maybe_fake(b):  # estimate: assume no bad channels
-            lim = _overflow_limit(b)
+        # not _maybe_fake(b), inline: estimate: assume no bad channels
+        if affine and (type(b) is torch.Tensor or not is_fake(b)):
             w, bb = ctx.weight_src, ctx.bias_src
             if (w is not None and w._version != ctx.weight_version) or (
                 bb is not None and bb._version != ctx.bias_version
@@ -139,21 +147,24 @@ class _Source:
                 # γ or β changed since forward: b cannot be inverted with them (NOTE [BatchNorm
                 # keeps its parameters, not copies]); keep x, as eager
                 return False
+            # _overflow_limit(b), inline (C > 0 here: n > 0 values)
+            lim = torch.finfo(dt).max / (math.sqrt(n // C if b.ndim > 1 else n) + 1.0)
             # γ, β as in forward (their versions); NOTE [Decided once per parameter version] in
             # slimgrad/_math/abn.py: no host sync while they do not change
             bad, idx = _bad_channels(w, bb, lim)
-            if len(bad) > _MAX_BAD_FRACTION * C:
+            if bad and len(bad) > _MAX_BAD_FRACTION * C:
                 return False
             if bad:
                 ctx.bad = idx
                 if ctx.x is not None:
                     ctx.x_bad = ctx.x.index_select(1, idx)
-        if ctx.x is not None:
+        if ctx.x is not None and ctx.x._version != ctx.x_version:
             _derived.check_version(ctx.x, ctx.x_version, "batch_norm input")
         if ctx.bad is None or ctx.x_bad is not None:
-            if ctx.recipe is not None:
-                # its backward will not call it (NOTE [Rebuilt once per backward])
-                ctx.recipe.drop()
+            r = ctx.recipe
+            if r is not None and r.rebuild is not None:
+                # r.drop(): its backward will not call it (NOTE [Rebuilt once per backward])
+                r.rebuild.add_user(-1)
             ctx.recipe = ctx.recipe_tensors = None
         ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
@@ -349,9 +360,9 @@ class _BatchNormFn(torch.autograd.Function):
         # NOTE [Under saved-tensor hooks]: what this call keeps full-size went through
         # save_for_backward (x, or its recipe's input), rebuilt by ctx.recipe_fn if set
         ctx.saved_x, ctx.recipe_fn = False, None
-        # NOTE [BatchNorm keeps its parameters, not copies]
-        ctx.weight_v = weight.detach() if weight is not None else None
-        ctx.bias_v = bias.detach() if bias is not None else None
+        # NOTE [BatchNorm keeps its parameters, not copies]: the tensors themselves, read in a
+        # first-order backward (grad mode off: no graph); _double detaches them first
+        ctx.weight_v, ctx.bias_v = weight, bias
         # the parameters themselves and their versions: the keys of _BAD
         ctx.weight_src, ctx.bias_src = weight, bias
         ctx.weight_version = weight._version if weight is not None else 0
@@ -375,11 +386,15 @@ class _BatchNormFn(torch.autograd.Function):
             keep_x = need_w
         ctx.recipe = None
         # x's recipe (not yet adopted): batch_norm looks it up once and hands it over as
-        # holder == [recipe]; an empty holder (the Function applied directly) looks it up here
+        # holder == [recipe]; an empty holder (the Function applied directly) looks it up here.
+        # holder[0] then says what this call kept: ctx where it keeps x or its recipe (what
+        # batch_norm registers as a source), else None.
         if holder:
-            recipe = holder.pop()
+            recipe = holder[0]
+            holder[0] = None
         else:
             recipe = _derived.usable_recipe(x, recompute) if keep_x else None
+            holder.append(None)
         if keep_x and hooked:
             _save_under_hooks(ctx, x, recipe)
         elif keep_x:
@@ -390,11 +405,17 @@ class _BatchNormFn(torch.autograd.Function):
                 ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
             else:
                 ctx.x, ctx.x_version = x.detach(), x._version
-            holder.append(_Source(ctx))
+            holder[0] = ctx
         return out
 
     @staticmethod
     def _double(ctx, grad):
+        # grad mode is on here (create_graph): the forward's values without their graphs, so the
+        # second derivative reaches γ and β only through weight_ref and bias_ref
+        if ctx.weight_v is not None:
+            ctx.weight_v = ctx.weight_v.detach()
+        if ctx.bias_v is not None:
+            ctx.bias_v = ctx.bias_v.detach()
         _check_not_released(ctx)
         _check_params(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -430,7 +451,18 @@ class _BatchNormFn(torch.autograd.Function):
             return _BatchNormFn._double(ctx, grad)
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
         # may write dx over it
-        lib = _c_lib_for_dx(ctx) if ctx.b is not None else None
+        # (_c_lib_for_dx(ctx), inline)
+        b = ctx.b
+        lib = None
+        if (
+            b is not None
+            and ctx.bad is None
+            and ctx.needs_input_grad[0]
+            and b.dtype == torch.float32
+            and b.is_cpu
+            and b.is_contiguous()
+        ):
+            lib = _backend.use_cpu(b, C_STEM)
         buf = ownership.take(grad) if lib is not None else None
         if ctx.released:
             _check_not_released(ctx)
@@ -502,7 +534,7 @@ def _eval_cannot_win(x, weight, bias, running_mean, recompute) -> bool:
 # NOTE [BatchNorm keeps its parameters, not copies]
 # Eager's BatchNorm node keeps γ (and in eval the running mean and variance) as saved variables:
 # the tensors themselves, no bytes beyond x, version-checked at backward. This op keeps them the
-# same way (detached aliases of γ and β, the running statistics themselves, their versions), not
+# same way (γ and β themselves, the running statistics themselves, their versions), not
 # O(C) copies: copies made a BatchNorm keep and peak above eager on every shape (2C x 4 B in
 # training, 5C x 4 B in eval with invstd; tests/conformance/test_never_more_than_eager.py). A γ or
 # running statistic modified in place between forward and backward raises autograd's error, as
@@ -649,7 +681,7 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     b, invstd, w = ctx.b, ctx.save_invstd, ctx.weight_v
     if (
         ctx.bad is not None
-        or b.dim() < 2
+        or b.ndim < 2
         or b.dtype != torch.float32
         or invstd.dtype != torch.float32
         or grad.dtype != torch.float32
@@ -663,14 +695,18 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
         lib = _backend.use_cpu(b, C_STEM)
         if lib is None:
             return None
-    fns = _C_FNS.get(lib)
-    if fns is None:
+    if lib in _C_FNS:
+        fns = _C_FNS[lib]
+    else:
         from slimgrad.kernels._cpu import functions
 
         fns = _C_FNS[lib] = functions(lib, _c_signatures)
     fn = fns["bwd"]
     shape = b.shape
-    n, c, s = shape[0], shape[1], math.prod(shape[2:])
+    n, c = shape[0], shape[1]
+    s = 1
+    for d in shape[2:]:  # math.prod(shape[2:])
+        s *= d
     gx = None
     if need_x:
         mine = buf is not None and buf.stride() == b.stride() and buf.dtype == b.dtype
@@ -906,6 +942,25 @@ def batch_norm(
     Example:
         >>> y = batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, training=True)
     """
+    return _batch_norm(
+        input, running_mean, running_var, weight, bias, training, momentum, eps, recompute_input
+    )
+
+
+def _batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    recompute_input: str,
+    state: dict | None = None,
+) -> torch.Tensor:
+    # batch_norm; state: the calling module's __dict__, where the parameters and buffers last seen
+    # not to be functorch wrappers are kept (NOTE [Arguments known to be plain]), or None
     if recompute_input not in _POLICIES:
         raise ValueError(
             "slimgrad.ops.batch_norm: recompute_input must be one of "
@@ -937,7 +992,21 @@ def batch_norm(
     # x's recipe (NOTE [Recomputable inputs]), looked up once: the forward keeps it if it keeps x
     recipe = None
     if not plain and (training or (weight is not None and weight.requires_grad)):
-        recipe = _derived.recipe_of(input, recompute_input)  # not compiling (plain)
+        # _derived.recipe_of(input, recompute_input), inline (not compiling: plain)
+        k = id(input)
+        if k in _RECIPES_D and recompute_input != "never":
+            e = _RECIPES_D[k]
+            r = e[1]
+            if (
+                e[0]() is input
+                and input._version == r.version
+                and (r.cheap or recompute_input != "pointwise")
+            ):
+                for t, v in zip(r.tensors, r.versions):
+                    if t is not None and t._version != v:
+                        break
+                else:
+                    recipe = r
     if (
         plain
         # NOTE [Few values per channel]: such a training call keeps x (or its recipe) and runs
@@ -974,42 +1043,69 @@ def batch_norm(
     # NOTE [Under saved-tensor hooks]: inside a hooks region, decided at forward and saved through
     # save_for_backward
     hooked = _top_hooks(False) is not None
-    holder: list = [recipe]  # the forward takes x's recipe and appends its _Source
+    # the forward takes x's recipe from holder[0] and puts there its ctx where it keeps x or its
+    # recipe (what a _Source asks), else None
+    holder: list = [recipe]
+    # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
+    # compiling and no transform is active here (the plain path above took those)
+    x = unwrap_if_dead(input)
     # make_anchor(input) where grad mode is on and nothing compiles or transforms (checked above)
     anchor = None
     if input.requires_grad:
         box: list = []
-        anchor = (_ANCHOR_APPLY(unwrap_if_dead(input), box), box)
-    # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
-    # compiling and no transform is active here (the plain path above took those)
-    out = _BN_APPLY(
-        unwrap_if_dead(input),
-        None if weight is None else unwrap_if_dead(weight),
-        None if bias is None else unwrap_if_dead(bias),
-        None if running_mean is None else unwrap_if_dead(running_mean),
-        None if running_var is None else unwrap_if_dead(running_var),
-        training,
-        momentum,
-        eps,
-        holder,
-        recompute_input,
-        hooked,
-    )
+        anchor = (_ANCHOR_APPLY(x, box), box)
+    # NOTE [Arguments known to be plain]
+    known = state[_PLAIN_KEY] if state is not None and _PLAIN_KEY in state else None
+    if (
+        known is not None
+        and known[0] is weight
+        and known[1] is bias
+        and known[2] is running_mean
+        and known[3] is running_var
+    ):
+        w, b, rm, rv = weight, bias, running_mean, running_var
+    else:
+        w = None if weight is None else unwrap_if_dead(weight)
+        b = None if bias is None else unwrap_if_dead(bias)
+        rm = None if running_mean is None else unwrap_if_dead(running_mean)
+        rv = None if running_var is None else unwrap_if_dead(running_var)
+        if state is not None and w is weight and b is bias and rm is running_mean:
+            if rv is running_var:
+                state[_PLAIN_KEY] = (weight, bias, running_mean, running_var)
+    out = _BN_APPLY(x, w, b, rm, rv, training, momentum, eps, holder, recompute_input, hooked)
     if anchor is not None and out.grad_fn is not None:  # attach_anchor(out, anchor)
         out.grad_fn._slimgrad_anchor = anchor
+    ctx = holder[0]
     if (
         training
-        and holder
+        and ctx is not None
         # NOTE [A source only where it can be claimed]
         and numel > _MAX_FEW * (shape[1] if ndim > 1 else 1)
         and input.dtype.itemsize >= 4
-        and (
-            out.dtype == holder[0].ctx.param_dtype
-            or not _less_precise(out.dtype, holder[0].ctx.param_dtype)
-        )
+        and (out.dtype == ctx.param_dtype or not _less_precise(out.dtype, ctx.param_dtype))
     ):
-        _derived.put_source(out, holder[0])  # not compiling (plain path above)
+        # _derived.put_source(out, _Source(ctx=ctx)), inline (not compiling: plain path above;
+        # NOTE [A registry entry dropped in C]); out is this call's fresh output
+        _CLOCK[0] += 1  # _derived._tick()
+        k = id(out)
+        src = (_Source(ctx=ctx), out._version)
+        e = _SOURCES_D[k] if k in _SOURCES_D else None
+        if e is not None and e[0]() is out:
+            _SOURCES_D[k] = (e[0], src)
+        else:
+            _SOURCES_D[k] = (weakref.ref(out, _partial(_SOURCES_D.pop, k)), src)
     return out
+
+
+# NOTE [Arguments known to be plain]
+# The C apply needs every tensor argument passed through ``unwrap_if_dead`` (what Function.apply
+# does). With no torch.func transform active (the only case that reaches the apply) any functorch
+# wrapper is dead, so a tensor that ``unwrap_if_dead`` returned as itself is no wrapper, and never
+# becomes one. A slimgrad BatchNorm module keeps, in its ``__dict__``, the weight, bias and running
+# statistics objects found so once; a later call with the same objects (``is``) passes them as
+# they are, without the four calls. Any other object (a replaced Parameter, a functional call's
+# tensors) is unwrapped, and stored when it is plain.
+_PLAIN_KEY = "_slimgrad_bn_plain"
 
 
 # NOTE [A source only where it can be claimed]
@@ -1026,3 +1122,4 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _grad_on = torch._C.is_grad_enabled
+_RECIPES_D, _SOURCES_D, _CLOCK = _derived._RECIPES_D, _derived._SOURCES_D, _derived._CLOCK

@@ -67,7 +67,8 @@ class _ConvFn(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, holder
     ):
-        y = _fwd_torch(
+        # _fwd_torch, without its frame
+        y = torch.convolution(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
@@ -79,7 +80,7 @@ class _ConvFn(torch.autograd.Function):
         ctx.base_stands_in = False
         kept_x = None
         if need_w:
-            d = holder.pop()  # _derived.lookup(x), made by _conv (need_w: W requires grad)
+            d = holder[0]  # _derived.lookup(x), made by _conv (need_w: W requires grad)
             if d is not None:
                 ctx.act, kept_x = d.act, d.base
                 ctx.rebuild = d.consumer()  # NOTE [Rebuilt once per backward]
@@ -87,8 +88,8 @@ class _ConvFn(torch.autograd.Function):
             else:
                 kept_x = x
         ctx.save_for_backward(kept_x, weight if need_x else None)
-        if kept_x is not None:
-            holder.append((kept_x, ctx.act, ctx.rebuild))
+        # holder[0] becomes what this call keeps (the caller registers y's recipe from it), or None
+        holder[0] = None if kept_x is None else (kept_x, ctx.act, ctx.rebuild)
         return y
 
     @staticmethod
@@ -298,16 +299,18 @@ _jit_tracing = torch._C._is_tracing
 _DERIVED_D = _derived._DERIVED_D
 _RECIPES_D = _derived._RECIPES_D
 _CLOCK = _derived._CLOCK
+_Recipe = _derived.Recipe
 
 
-def _apply_fn(compiling: bool, args: tuple, holder: list) -> torch.Tensor:
+def _apply_fn(compiling: bool, args: tuple, holder: list, x=None) -> torch.Tensor:
+    # x: args[0] passed through unwrap_if_dead already (the caller's anchor), or None
     if compiling:  # Dynamo traces Function.apply
         return _ConvFn.apply(*args, holder)
-    x, weight, bias = args[:3]
+    weight, bias = args[1], args[2]
     # the C apply (NOTE [Applying a Function without its Python wrapper]): not compiling, and no
     # transform is active (the caller took eager's op then)
     return _CONV_APPLY(
-        unwrap_if_dead(x),
+        unwrap_if_dead(args[0]) if x is None else x,
         unwrap_if_dead(weight),
         None if bias is None else unwrap_if_dead(bias),
         *args[3:],
@@ -422,10 +425,19 @@ def _conv(
     # a derived input is kept as its norm's output: anchor x for a second derivative
     d = None
     if weight.requires_grad and not compiling and _DERIVED_D:
-        e = _DERIVED_D.get(id(x))  # _derived._lookup(x): its first test inline (most miss)
-        if e is not None:
-            d = _derived._lookup(x)
-    anchor = None
+        k = id(x)
+        if k in _DERIVED_D:  # _derived._lookup(x), inline (most inputs miss)
+            e = _DERIVED_D[k]
+            d = e[1]
+            act = d.act
+            if not (
+                e[0]() is x
+                and x._version == d.version
+                and d.base._version == d.base_version
+                and (type(act) is not tuple or act[0] != "gate" or act[2]._version == act[3])
+            ):
+                d = None
+    anchor = xu = None
     if d is None and x.requires_grad and weight.requires_grad and not autocast and not compiling:
         # NOTE [A conv that keeps what eager keeps] (_fwd_torch, without its frame)
         y = torch.convolution(
@@ -436,17 +448,18 @@ def _conv(
         if d is not None and x.requires_grad:
             # make_anchor(x): grad mode is on, nothing compiles (d) or transforms (checked above)
             box: list = []
-            anchor = (_ANCHOR_APPLY(unwrap_if_dead(x), box), box)
-        holder = [d]  # forward takes d (when W needs grad) and appends what it keeps
+            xu = unwrap_if_dead(x)
+            anchor = (_ANCHOR_APPLY(xu, box), box)
+        holder = [d]  # forward takes d (when W needs grad) and puts there what it keeps
         args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         if autocast:
             with torch.autocast(dev, enabled=False):
-                y = _apply_fn(compiling, args, holder)
+                y = _apply_fn(compiling, args, holder, xu)
         else:
-            y = _apply_fn(compiling, args, holder)
+            y = _apply_fn(compiling, args, holder, xu)
     if anchor is not None and y.grad_fn is not None:  # attach_anchor(y, anchor)
         y.grad_fn._slimgrad_anchor = anchor
-    if holder and holder[-1] is not None and not compiling:
+    if holder[0] is not None and not compiling:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
         kept, act, handle = holder[0]
         conf = (stride, padding, dilation, transposed, output_padding, groups)
@@ -480,16 +493,24 @@ def _conv(
         # width-keeping conv3): those norms keep their input (NOTE [Recomputable inputs]).
         pointwise = w0.shape[2:] == (1,) * n  # every kernel dim 1
         gated = type(act) is tuple and act[0] == "gate"
-        # register_recipe(y, recompute, (kept, w0, b0), ...), its aliases made here
-        kept, wd, bd = kept.detach(), w0.detach(), None if b0 is None else b0.detach()
-        versions = (kept._version, wd._version, 0 if bd is None else bd._version)
-        recipe = _derived.Recipe(
-            recompute, (kept, wd, bd), versions, y._version, pointwise and not gated, rebuild
+        # register_recipe(y, recompute, (kept, w0, b0), ...): a detached alias of the kept input;
+        # the weight and bias themselves (Parameters, as eager's conv node keeps them: read under
+        # no_grad only, their versions checked at every replay)
+        kept = kept.detach()
+        versions = (kept._version, w0._version, 0 if b0 is None else b0._version)
+        recipe = _Recipe(
+            fn=recompute,
+            tensors=(kept, w0, b0),
+            versions=versions,
+            version=y._version,
+            cheap=pointwise and not gated,
+            rebuild=rebuild,
         )
-        # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C])
+        # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C]); y is
+        # this call's fresh output, so an entry at its id is a live y's only if y were registered
         _CLOCK[0] += 1  # _derived._tick()
         k = id(y)
-        e = _RECIPES_D.get(k)
+        e = _RECIPES_D[k] if k in _RECIPES_D else None
         if e is not None and e[0]() is y:
             _RECIPES_D[k] = (e[0], recipe)
         else:
