@@ -277,12 +277,40 @@ def _inner_forward(module: nn.Module):
     return own if own is not None else type(module).forward.__get__(module)
 
 
+# NOTE [A recomputed block does not write the KV cache]
+# An HF decoder layer called with a cache (``past_key_values``, ``layer_past``; HF models make a
+# DynamicCache whenever ``use_cache`` is on, in training too) appends its keys and values to it.
+# Recomputed in backward, it would append them a second time: the replayed attention then reads
+# twice the keys (HF's SDPA slices them back, so plain checkpointing computes the same values
+# with a cat and a slice more, and a cache kept alive through backward), and torch's selective
+# checkpointing, which replays the recorded ops, fails ("aten.slice.Tensor ... not found in
+# storage" on a 2-layer Llama, 64 wide). A recomputed block is therefore called without the cache,
+# in forward and in recompute, exactly as HF's own ``gradient_checkpointing_enable`` calls a layer
+# (transformers' GradientCheckpointingLayer: ``use_cache=False``, ``past_key_values=None``,
+# ``layer_past=None`` unless the layer sets ``_can_checkpoint_with_cache``). The loss and the
+# gradients are those without recompute when the cache starts empty (a training step); the
+# returned cache lacks the recomputed blocks' keys, as under HF's checkpointing.
+_CACHE_KWARGS = ("past_key_values", "layer_past")
+
+
+def _without_cache(module: nn.Module, kwargs: dict) -> dict:
+    if kwargs.get("use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for k in _CACHE_KWARGS:
+            if kwargs.get(k) is not None:
+                kwargs = {**kwargs, k: None}
+    return kwargs
+
+
 def _recompute_forward(self, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
     fn = _inner_forward(self)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if kwargs:  # NOTE [A recomputed block does not write the KV cache]
+        kwargs = _without_cache(self, kwargs)
     ctx = self.__dict__.get("_slimgrad_plan_context")
     extra = {"context_fn": ctx} if ctx is not None else {}
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)

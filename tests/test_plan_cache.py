@@ -1,0 +1,78 @@
+"""A recomputed HF decoder layer does not write the KV cache a second time (NOTE [A recomputed
+block does not write the KV cache] in slimgrad/plan.py): torch's selective checkpointing then
+replays the ops it recorded, and every recompute choice gives the gradients without recompute."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import slimgrad.memory as sm
+from slimgrad.plan import apply_choices
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    # the tiny Llama of benchmarks/checkpointing.py; HF makes a DynamicCache in training
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train(), torch.randint(0, 512, (2, 64))
+
+
+def _grads(model, ids):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    cache = out.past_key_values
+    cached = [cache.get_seq_length(i) for i in range(len(model.model.layers))]
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}, cached
+
+
+@pytest.mark.parametrize(
+    "choice, plain",
+    [
+        ("eager+sac", "eager"),  # failed: aten.slice.Tensor ... not found in storage
+        ("eager+recompute", "eager"),
+        ("lean+recompute:self_attn", "lean"),
+    ],
+)
+def test_recomputed_llama_layers_give_the_gradients_without_recompute(choice, plain):
+    base, ids = _llama()
+    names = ("model.layers.0", "model.layers.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = apply_choices(copy.deepcopy(base), dict.fromkeys(names, choice))
+        b = apply_choices(copy.deepcopy(base), dict.fromkeys(names, plain))
+    la, ga, cached = _grads(a, ids)
+    lb, gb, _ = _grads(b, ids)
+    assert torch.equal(la, lb)
+    for n, g in ga.items():
+        assert torch.equal(g, gb[n]), n
+    # no token is cached twice (the recompute appended the 64 tokens again: 128)
+    assert max(cached) <= ids.shape[1], cached
+
+
+def test_selective_checkpointing_of_llama_layers_is_estimated_as_measured():
+    def make():
+        m, ids = _llama()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_choices(m, dict.fromkeys(("model.layers.0", "model.layers.1"), "eager+sac"))
+        return (lambda: m(input_ids=ids, labels=ids).loss), m
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = sm.estimate(make)
+        fwd, m = make()
+        fwd().backward()  # warm-up
+        m.zero_grad(set_to_none=True)
+        real = sm.measure(fwd)
+    assert est.peak_bytes == real.peak_bytes
