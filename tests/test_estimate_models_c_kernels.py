@@ -99,6 +99,23 @@ def test_estimate_grants_the_buffer_reuse_of_the_real_step():
     assert real == fake == 2
 
 
+def test_cuda_estimate_models_no_buffer_reuse():
+    # on CUDA the smooth activations run Triton kernels, which write no incoming gradient: fake
+    # CPU tensors standing for CUDA ones are not granted (NOTE [Ownership under fake tensors])
+    def make():
+        torch.manual_seed(0)
+        m = slimgrad.convert_(nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 16)))
+        x = torch.randn(8, 64, 16)
+        return (lambda: m(x).square().sum()), m
+
+    ownership.reset_reuse_count()
+    estimate(make)
+    assert ownership.reuse_count() == 1
+    ownership.reset_reuse_count()
+    estimate(make, device="cuda")
+    assert ownership.reuse_count() == 0
+
+
 def test_tiny_gpt2_estimate_is_within_one_percent_of_the_real_cpu_step():
     # before: 1,697,032 B estimated (GELU's PyTorch path at its backward's index_select), 1.47x
     # the real 1,152,016

@@ -646,10 +646,17 @@ def _plain_facts(t, kind: int):
 # same questions in the same order as the real step under slimgrad.memory.measure and gets the
 # same answers (12 of 12, 8 of 14, 5 of 7 granted). Only while every active mode is a
 # FakeTensorMode or slimgrad.memory's tracker (the estimate's own machinery, as for
-# :func:`owns_input`); nothing is written to real memory there.
+# :func:`owns_input`); nothing is written to real memory there. Not where the fake CPU tensors
+# stand for CUDA ones (``estimate(device="cuda")``): there the ops' call-time choices (the smooth
+# activations' Triton kernels write no incoming gradient) are not the CPU ones the fake step makes,
+# so no reuse is modelled, as before (an estimate above the step, never below it).
 def _fake_plain_facts(t, kind: int):
     # the tuple of the extension's plain_facts for a FakeTensor under the estimate, else None
     if not _estimate_modes_only(t):
+        return None
+    from slimgrad.convert_handlers.device_rule import tensor_device
+
+    if tensor_device(t.device) != "cpu":
         return None
     if t.layout != torch.strided or t.is_nested or t.is_conj() or t.is_neg():
         return None

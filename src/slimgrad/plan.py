@@ -53,11 +53,13 @@ the same choice without recompute (dropout masks included).
    the blocks; ``fwd(x_i) + sum_{j<i} r_j``; the head's ``head(x_last) + sum_{j<last} r_j``;
    ``bwd(x_i) + sum_{j<i} r_j + sum_{j>i} left_j``; after them ``post + sum_j left_j``. For a
    plan with every block in one choice this was the full estimate's peak exactly on a 4-block
-   GPT-2 (128 wide, fp32) and the toy MLP of tests/test_plan.py, and 0.4% to 3.2% above it on a
-   4-layer Llama (128 wide) under bf16 autocast (the one-block model this replaces: up to 19%
-   under). Where neighbours differ it is not exact (a block's backward transient depends on its
-   neighbour's choice): on those three models, between 6.6% under and 3.9% over the full
-   estimate over the greedy's walk and mixed plans. So the chosen plan is then estimated whole
+   GPT-2 (128 wide, fp32) and the toy MLP of tests/test_plan.py, and 0% (eager, lean+recompute)
+   to 5.8% (eager+recompute) above it on a 4-layer Llama (128 wide, 4 x 256 tokens) under bf16
+   autocast (the one-block model this replaces: up to 19% under). Where neighbours differ it is
+   not exact (a block's backward transient depends on its neighbour's choice): on those three
+   models, between 6.6% under and 3.9% over the full estimate over the greedy's walk and mixed
+   plans (measured while recomputed HF layers still wrote their KV cache twice: NOTE [A
+   recomputed block does not write the KV cache]). So the chosen plan is then estimated whole
    (``verify``, one full estimate of the applied model) and repaired greedily: while that peak is
    above the budget, the plan moves on along the curve (more recompute) to the first point whose
    composed peak is lower by at least the measured excess (at most four moves). Once one fits, the
@@ -82,7 +84,8 @@ the same choice without recompute (dropout masks included).
    the most recomputed plan (every block at its hull's last point) are estimated whole; the first
    that fits is returned, else the error names the lowest peak those full estimates measured and
    its recompute. (The composition can over-count: on a 4-layer Llama, 64 wide, 4 x 256 tokens
-   under bf16 autocast, its lowest point composes to 0.5% above its full estimate.)
+   under bf16 autocast, uniform plans compose up to 4.7% above their full estimates; its lowest
+   point, every layer lean+recompute, composes to its full estimate exactly.)
 """
 
 from __future__ import annotations
