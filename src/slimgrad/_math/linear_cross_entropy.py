@@ -39,7 +39,7 @@ def _logits_t(hc, weight, bcol, acc, hct=None):
     zt = torch.mm(weight, hc.t() if hct is None else hct)
     if bcol is not None:
         zt += bcol
-    return zt.to(acc)
+    return zt if zt.dtype == acc else zt.to(acc)
 
 
 # NOTE [Logit transforms]
@@ -74,9 +74,9 @@ def _transform_grad_(dy, th, scale):
 
 
 def _targets(target, ignore_index):
-    # (valid, safe_t): the tokens that count and the targets with ignored ones mapped to class 0
-    valid = target != ignore_index
-    return valid, torch.where(valid, target, torch.zeros_like(target))
+    # (ignored, safe_t): the tokens that do not count and the targets with them mapped to class 0
+    ignored = target == ignore_index
+    return ignored, torch.where(ignored, 0, target)
 
 
 def _dlogits_(zt, th, lse, index, add, eps, v, lscale):
@@ -119,34 +119,35 @@ def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap
     the logit transform (NOTE [Logit transforms]).
     """
     n, v = h.shape[0], weight.shape[0]
-    acc = _acc_dtype(h.dtype)
-    valid, safe_t = _targets(target, ignore_index)
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32  # _acc_dtype
+    ignored, safe_t = _targets(target, ignore_index)
     loss = torch.empty(n, dtype=acc, device=h.device)
     lse = torch.empty(n, dtype=acc, device=h.device)
     bcol = bias[:, None] if bias is not None else None
+    # every per-token value as a (1, chunk) row of zT's columns: no squeeze per chunk
     for hc, tc, loss_c, lse_c in zip(
         _split(h, chunk),
         _split(safe_t[None], chunk, 1),
-        _split(loss, chunk),
-        _split(lse, chunk),
+        _split(loss[None], chunk, 1),
+        _split(lse[None], chunk, 1),
         strict=True,
     ):
         zt, _ = _transform_(_logits_t(hc, weight, bcol, acc), scale, cap)
-        li = zt.gather(0, tc).squeeze(0)
+        li = zt.gather(0, tc)
         if eps:
-            li.mul_(-(1.0 - eps)).sub_(zt.sum(0), alpha=eps / v)
+            li.mul_(-(1.0 - eps)).sub_(zt.sum(0, keepdim=True), alpha=eps / v)
         # logsumexp over dim 0 as torch.logsumexp computes it (an infinite max shifts by 0), but
         # in place: the chunk's logits are not needed afterwards
-        m = zt.amax(0)
-        m.masked_fill_(m.abs() == float("inf"), 0)
-        torch.sum(zt.sub_(m).exp_(), 0, out=lse_c).log_().add_(m)
+        m = zt.amax(0, keepdim=True)
+        m.masked_fill_(m.isinf(), 0)
+        torch.sum(zt.sub_(m).exp_(), 0, keepdim=True, out=lse_c).log_().add_(m)
         del zt
         # loss = lse - z_t (eps = 0: lse + (-z_t) in IEEE arithmetic), else lse + li
         if eps:
             torch.add(li, lse_c, out=loss_c)
         else:
             torch.sub(lse_c, li, out=loss_c)
-    loss.masked_fill_(~valid, 0)
+    loss.masked_fill_(ignored, 0)
     return loss, lse
 
 
@@ -347,7 +348,7 @@ def _fwd_grad_torch(
     n, v = h.shape[0], weight.shape[0]
     acc = _acc_dtype(h.dtype)
     full = acc == h.dtype
-    valid, safe_t = _targets(target, ignore_index)
+    ignored, safe_t = _targets(target, ignore_index)
     need_dh, need_dw, need_db = need
     loss = torch.empty(n, dtype=acc, device=h.device)
     # dh contiguous whatever h's strides
@@ -395,5 +396,5 @@ def _fwd_grad_torch(
             if full:
                 dc.mul_(col)
         del zt
-    loss.masked_fill_(~valid, 0)
+    loss.masked_fill_(ignored, 0)
     return loss, dh, dw, db

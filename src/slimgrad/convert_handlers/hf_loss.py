@@ -56,7 +56,9 @@ import textwrap
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn.modules import module as _torch_module
 
+from slimgrad._autograd import compiling
 from slimgrad.convert_handlers.hf import CodeReason, forward_decorators, hf_models, note_refusal
 from slimgrad.nn._hooks import foreign  # hooks other than slimgrad.memory's observers
 
@@ -68,7 +70,7 @@ def _skip_identity_view(t: torch.Tensor) -> torch.Tensor:
     # base (same shape, strides, storage) so the gradient reaching ln_f is not a view of the
     # loss's dh, and ln_f's backward may reuse it (NOTE [Gradient-buffer ownership]). Not under
     # torch.compile: Dynamo cannot read ``_base`` (a graph break), and no buffer is reused there.
-    if torch.compiler.is_compiling():
+    if compiling():
         return t
     base = t._base
     if (
@@ -533,14 +535,16 @@ def _plain(m) -> str:
     if "forward" in m.__dict__:
         return f"{type(m).__name__} has a patched forward"
     hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-    if any(foreign(h) for h in hooks) or any(foreign(h) for h in _global_hooks()):
+    glob = _global_hooks()
+    if not any(hooks) and not any(glob):  # no hook at all (every call): nothing foreign
+        return ""
+    if any(foreign(h) for h in hooks) or any(foreign(h) for h in glob):
         return f"{type(m).__name__} has hooks"
     return ""
 
 
 def _global_hooks():
-    from torch.nn.modules import module as _m
-
+    _m = _torch_module
     return (
         _m._global_forward_hooks,
         _m._global_forward_pre_hooks,
@@ -552,7 +556,7 @@ def _global_hooks():
 def _is_linear(m) -> bool:
     import slimgrad.nn as snn
 
-    return type(m) in (nn.Linear, snn.Linear) and m.weight.dim() == 2
+    return type(m) in (nn.Linear, snn.Linear) and m.weight.ndim == 2
 
 
 def _rowwise(m) -> bool:
@@ -713,9 +717,7 @@ def _why_not_now(model, spec, a, dec):
         if ori if ori is not None else model.config.output_router_logits:
             return "router aux loss on"
     if spec.causal:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        if model.loss_function is not ForCausalLMLoss:
+        if model.loss_function is not _for_causal_lm_loss():
             return "custom loss_function"
         if dec.weight.dtype == torch.float64:
             return "float64 head"  # HF's loss takes logits.float(): a float32 loss
@@ -728,6 +730,17 @@ def _why_not_now(model, spec, a, dec):
         if type(fn) is not nn.CrossEntropyLoss or fn.weight is not None or fn.reduction == "none":
             return "loss module is not a plain CrossEntropyLoss"
     return ""
+
+
+_HF_CAUSAL_LOSS: list = []  # transformers' ForCausalLMLoss, imported at the first fused call
+
+
+def _for_causal_lm_loss():
+    if not _HF_CAUSAL_LOSS:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        _HF_CAUSAL_LOSS.append(ForCausalLMLoss)
+    return _HF_CAUSAL_LOSS[0]
 
 
 def _after_renames(self, *args, **kwargs):

@@ -53,7 +53,14 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import first_order, refuse_jit, tie_refusal, transforms_active
+from slimgrad._autograd import (
+    compiling,
+    direct_apply,
+    first_order,
+    refuse_jit,
+    tie_refusal,
+    unwrap_if_dead,
+)
 from slimgrad._errors import internal_error
 from slimgrad._library import custom_op
 from slimgrad._math.linear_cross_entropy import (
@@ -64,7 +71,7 @@ from slimgrad._math.linear_cross_entropy import (
     _fwd_torch,
 )
 from slimgrad.kernels import _backend
-from slimgrad.ops.layer_norm import make_anchor
+from slimgrad.ops.layer_norm import _ANCHOR_APPLY
 from slimgrad.ops.linear import fresh
 
 __all__ = [
@@ -76,6 +83,7 @@ __all__ = [
 ]
 
 _REDUCTIONS = ("none", "mean", "sum")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _API = "slimgrad.ops.linear_cross_entropy"
 
 # Attribute of a head weight naming a callable ``sink(weight, accumulate_grad_node)`` that, inside
@@ -88,6 +96,8 @@ ROW_SINK = "_slimgrad_row_sink"
 def vocab_block_rows(hidden_size: int) -> int:
     """Vocabulary rows per block of the row-wise backward: about 2^20 elements of dW (4 MiB in
     float32) per block, at least 1 (NOTE [Head gradient by vocabulary blocks])."""
+    if 0 < hidden_size <= 1 << 20:  # the usual case, without the calls of the bounds below
+        return (1 << 20) // hidden_size
     return max(1, (1 << 20) // max(hidden_size, 1))
 
 
@@ -131,7 +141,7 @@ def _to_save(hidden, h):
     # The hidden as given, or its compute-dtype copy. If it is a full, contiguous view of its base
     # (HF's ``last_hidden_state`` is ``ln_f(x).view(shape)``), the base itself: same storage and
     # bytes, but not a view, so backward may reuse it when ownership proves it dead.
-    if h.dtype != hidden.dtype or torch.compiler.is_compiling():  # compile: no _base, no reuse
+    if h.dtype != hidden.dtype or compiling():  # compile: no _base, no reuse
         return h
     base = hidden._base
     if (
@@ -160,14 +170,21 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         # hidden (..., H), target (...) int64; cdt: compute dtype of the matmuls; odt: loss dtype;
         # need: (dh, dW, db) to compute now ('mean'/'sum' under grad mode), or None (recompute);
         # tf: (scale, cap), the logit transform (NOTE [Logit transforms])
-        h = hidden.reshape(-1, hidden.shape[-1]).to(cdt)
-        w = weight.to(cdt)
-        b = bias.to(cdt) if bias is not None else None
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if h.dtype != cdt:
+            h = h.to(cdt)
+        w = weight if weight.dtype == cdt else weight.to(cdt)
+        b = bias if bias is None or bias.dtype == cdt else bias.to(cdt)
         t = target.reshape(-1)
         ctx.cfg = (ignore_index, eps, reduction, chunk, cdt, hidden.dtype, tuple(hidden.shape))
         ctx.tf = tf
         # the Triton kernels implement the plain logits only: a transform takes the PyTorch path
-        triton = _backend.use_triton(h) and tf == (1.0, None)
+        # _backend.use_triton(h), read without the call off CUDA (NO_TRITON_OFF_CUDA)
+        triton = (
+            (h.is_cuda or _backend._resolved[0] not in _backend.NO_TRITON_OFF_CUDA)
+            and _backend.use_triton(h)
+            and tf == (1.0, None)
+        )
         ctx.pre = need is not None
         ctx.wdt, ctx.bdt = weight.dtype, None if bias is None else bias.dtype
         if need is not None:
@@ -275,17 +292,22 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         hidden, weight, bias, target, lse = ctx.saved_tensors
         ignore_index, eps, reduction, chunk, cdt, hdt, hshape = ctx.cfg
         need = tuple(ctx.needs_input_grad[:3])
-        if not any(need):
+        if not (need[0] or need[1] or need[2]):
             return (None,) * 12
-        triton = _backend.use_triton(hidden) and ctx.tf == (1.0, None)
+        triton = (
+            (hidden.is_cuda or _backend._resolved[0] not in _backend.NO_TRITON_OFF_CUDA)
+            and _backend.use_triton(hidden)
+            and ctx.tf == (1.0, None)
+        )
         # NOTE [Head gradient by vocabulary blocks]: in full precision dW by blocks of rows, each
         # complete in turn (one block of logits alive, not chunk x V)
         rows = None
         if (
             need[1]
             and not triton
-            and cdt == hdt == weight.dtype == _acc_dtype(cdt)
-            and not torch.compiler.is_compiling()
+            and cdt == hdt == weight.dtype
+            and (cdt == torch.float32 or cdt == torch.float64)  # == _acc_dtype(cdt)
+            and not compiling()
         ):
             rows = vocab_block_rows(hidden.shape[-1])
         # dh may overwrite the saved hidden when nobody else reads it (NOTE [Gradient-buffer
@@ -306,12 +328,12 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             else:
                 scale = grad_out.reshape(-1).to(acc).masked_fill(~valid, 0)
         else:
-            g = grad_out.to(acc)
+            g = grad_out if grad_out.dtype == acc else grad_out.to(acc)
             if reduction == "mean":
                 g = g / valid.sum()
-            scale = torch.where(valid, g, torch.zeros((), dtype=acc, device=g.device))
-        w = weight.to(cdt)
-        b = bias.to(cdt) if bias is not None else None
+            scale = torch.where(valid, g, 0.0)
+        w = weight if weight.dtype == cdt else weight.to(cdt)
+        b = bias if bias is None or bias.dtype == cdt else bias.to(cdt)
         dh_full = None
         if dh_out is None and need[0] and cdt == hdt:
             # dh in hidden's own shape (a base, not a view of an (N, H) result), so the backward
@@ -352,7 +374,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         elif triton:
             bwd = _backend.kernels("linear_cross_entropy")._bwd_triton
             dh, dw, db = bwd(h, w, b, t, lse, scale, ignore_index, eps, chunk, need, dh_flat)
-        elif torch.compiler.is_compiling():  # NOTE [slimgrad ops under torch.compile]
+        elif compiling():  # NOTE [slimgrad ops under torch.compile]
             # opaque: the joint graph's CSE would keep forward's chunk x V logits
             grads = _bwd_compiled(
                 h, w, b, t, lse, scale, ignore_index, float(eps), chunk, list(need), *ctx.tf
@@ -373,9 +395,9 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 dh = dh_full
             else:
                 dh = dh.to(hdt).reshape(hshape)
-        if dw is not None:
+        if dw is not None and dw.dtype != weight.dtype:
             dw = dw.to(weight.dtype)
-        if db is not None:
+        if db is not None and db.dtype != bias.dtype:
             db = db.to(bias.dtype)
         return dh, dw, db, None, None, None, None, None, None, None, None, None
 
@@ -436,12 +458,14 @@ def _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reductio
 
 
 def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size):
-    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+    if not (type(hidden) in _PLAIN or isinstance(hidden, torch.Tensor)) or not (
+        type(weight) in _PLAIN or isinstance(weight, torch.Tensor)
+    ):
         raise TypeError(
             f"{_API}: hidden and weight must be tensors; expected torch.Tensor, got "
             f"{type(hidden).__name__} and {type(weight).__name__}. Pass tensors."
         )
-    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+    if weight.ndim != 2 or hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"{_API}: shapes do not match; expected hidden (..., H) and weight (V, H), got "
             f"{tuple(hidden.shape)} and {tuple(weight.shape)}. Pass the LM head's weight (V, H)."
@@ -451,7 +475,10 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reductio
             f"{_API}: bias has the wrong shape; expected ({weight.shape[0]},), got "
             f"{tuple(bias.shape)}. Pass the head's bias or None."
         )
-    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
+    if not (type(target) in _PLAIN or isinstance(target, torch.Tensor)) or target.dtype not in (
+        torch.int64,
+        torch.int32,
+    ):
         raise TypeError(
             f"{_API}: target must be class indices; expected an int64 tensor, got "
             f"{getattr(target, 'dtype', type(target).__name__)}. Pass token ids (probabilities "
@@ -472,7 +499,9 @@ def _check(hidden, weight, target, bias, ignore_index, label_smoothing, reductio
             f"{_API}: label_smoothing out of range; expected 0 <= label_smoothing <= 1, got "
             f"{label_smoothing}. Pass a value in [0, 1]."
         )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (
+        (type(chunk_size) is not int and not isinstance(chunk_size, int)) or chunk_size < 1
+    ):
         raise ValueError(
             f"{_API}: chunk_size must be a positive int or None; expected >= 1, got "
             f"{chunk_size!r}. Pass None for the default."
@@ -494,12 +523,15 @@ def _linear_cross_entropy(
     logit_softcap=None,
 ):
     _check(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
+    ts = type(logit_scale)
+    if (ts is not float and ts is not int) and (
+        isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float))
+    ):
         raise TypeError(
             f"{_API}: logit_scale must be a number; expected a float, got "
             f"{type(logit_scale).__name__}. Pass a Python float (e.g. config.logit_scale)."
         )
-    if not math.isfinite(logit_scale):
+    if logit_scale != 1.0 and not math.isfinite(logit_scale):
         raise ValueError(
             f"{_API}: logit_scale must be finite; expected a finite float, got {logit_scale}. "
             "Pass a finite scale."
@@ -534,11 +566,12 @@ def _linear_cross_entropy(
         cdt = hidden.dtype
         low = cdt in (torch.float16, torch.bfloat16)
         odt = torch.float32 if upcast and low else cdt
-    t = target.long()
-    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+    t = target if target.dtype == torch.int64 else target.long()
+    if _functorch_on():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
         return _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf)
+    comp = compiling()  # NOTE [One-frame compile check] in slimgrad/_autograd.py
     n, v = t.numel(), weight.shape[0]
-    if not torch.compiler.is_compiling() and t.device.type == "cpu" and n and not is_fake(t):
+    if not comp and t.device.type == "cpu" and n and not _fake(t):
         bad = (t != ignore_index) & ((t < 0) | (t >= v))
         if bool(bad.any()):
             raise ValueError(
@@ -546,7 +579,13 @@ def _linear_cross_entropy(
                 f"ignore_index={ignore_index}, got {int(t[bad][0])}. Check the labels and the "
                 "vocabulary size."
             )
-    chunk = chunk_size if chunk_size is not None else default_chunk_size(n, hidden.shape[-1], v)
+    if chunk_size is not None:
+        chunk = chunk_size
+    elif comp:
+        chunk = default_chunk_size(n, hidden.shape[-1], v)
+    else:
+        chunk = _chunk_rows(n, hidden.shape[-1], v)
+    grad = torch.is_grad_enabled()
     # 'mean'/'sum' under grad mode: forward computes the gradients too (grad_output is a scalar,
     # applied in backward), so the chunk logits are computed once. Decided here, outside the
     # Function: its forward runs with grad mode off.
@@ -554,47 +593,82 @@ def _linear_cross_entropy(
     # and no larger than the N×V log-probs eager would keep (V·H <= N·V, i.e. N >= H); else the
     # recompute path (4 matmuls, keeps only hidden + lse).
     need = None
-    if precompute_grads and reduction != "none" and torch.is_grad_enabled():
+    if precompute_grads and reduction != "none" and grad:
         need = (
             hidden.requires_grad,
             weight.requires_grad,
             bias is not None and bias.requires_grad,
         )
-        if not any(need) or (need[1] and n < hidden.shape[-1]):
+        if not (need[0] or need[1] or need[2]) or (need[1] and n < hidden.shape[-1]):
             need = None
-    # the inputs' anchors: a refused second derivative stays tied to them even where backward
-    # reads only gradients computed in forward (NOTE [Second derivatives] in _autograd.py)
-    if torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (hidden, weight, bias)
-    ):
+    args = (int(ignore_index), float(label_smoothing), reduction, chunk, cdt, odt, need, tf)
+    tracked = grad and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if comp:  # Dynamo traces Function.apply (NOTE [slimgrad ops under torch.compile])
+        if tracked:
+            refuse_jit("ops.linear_cross_entropy")
+        return _LinearCrossEntropyFn.apply(hidden, weight, bias, t, *args)
+    if tracked and _jit_tracing():
         refuse_jit("ops.linear_cross_entropy")
-    anchors = [a for a in (make_anchor(hidden), make_anchor(weight)) if a is not None]
-    with torch.autocast(dev, enabled=False) if autocast else _nullctx():
-        loss = _LinearCrossEntropyFn.apply(
-            hidden,
-            weight,
-            bias,
-            t,
-            int(ignore_index),
-            float(label_smoothing),
-            reduction,
-            chunk,
-            cdt,
-            odt,
-            need,
-            tf,
-        )
+    # the inputs' anchors (make_anchor's, grad mode on and nothing compiling or transforming): a
+    # refused second derivative stays tied to them even where backward reads only gradients
+    # computed in forward (NOTE [Second derivatives] in _autograd.py)
+    anchors = None
+    if grad and (hidden.requires_grad or weight.requires_grad):
+        anchors = [
+            _ANCHOR_APPLY(unwrap_if_dead(x), []) for x in (hidden, weight) if x.requires_grad
+        ]
+    # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py): not
+    # compiling and no transform is active here
+    tensors = (
+        unwrap_if_dead(hidden),
+        unwrap_if_dead(weight),
+        None if bias is None else unwrap_if_dead(bias),
+        unwrap_if_dead(t),
+    )
+    if autocast:
+        with torch.autocast(dev, enabled=False):
+            loss = _LCE_APPLY(*tensors, *args)
+    else:
+        loss = _LCE_APPLY(*tensors, *args)
     if anchors and loss.grad_fn is not None:
-        loss.grad_fn._slimgrad_deps = [a for a, _ in anchors]
+        loss.grad_fn._slimgrad_deps = anchors
     return loss
 
 
-class _nullctx:
-    def __enter__(self):
-        return None
+_LCE_APPLY = direct_apply(_LinearCrossEntropyFn)
+_functorch_on = torch._C._are_functorch_transforms_active
+_jit_tracing = torch._C._is_tracing
+_is_functional = torch._is_functional_tensor
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
-    def __exit__(self, *exc):
-        return False
+
+def _fake(t: torch.Tensor) -> bool:
+    # is_fake(t), a plain tensor's answer in two C checks (a functional or functorch wrapper is
+    # asked in full)
+    if type(t) is not torch.Tensor or _is_functional(t) or _functorch_wrapped(t):
+        return is_fake(t)
+    return False
+
+
+_CHUNKS: dict[tuple[int, int, int], int] = {}
+
+
+def _chunk_rows(n: int, hidden_size: int, vocab_size: int) -> int:
+    # default_chunk_size, computed once per shape (a training loop sees a handful); a traced
+    # size (torch.jit.trace's numel) is not kept
+    if type(n) is not int:
+        return default_chunk_size(n, hidden_size, vocab_size)
+    key = (n, hidden_size, vocab_size)
+    try:
+        return _CHUNKS[key]
+    except KeyError:
+        pass
+    if len(_CHUNKS) >= 256:
+        _CHUNKS.clear()
+    rows = _CHUNKS[key] = default_chunk_size(n, hidden_size, vocab_size)
+    return rows
 
 
 def linear_cross_entropy(
@@ -652,9 +726,19 @@ def linear_cross_entropy(
         >>> t = torch.randint(0, 101, (4, 16))
         >>> linear_cross_entropy(h, w, t).backward()
     """
-    _dtensor.refuse(
-        "slimgrad.ops.linear_cross_entropy", hidden=hidden, weight=weight, target=target, bias=bias
-    )
+    if not (
+        type(hidden) in _PLAIN
+        and type(weight) in _PLAIN
+        and type(target) in _PLAIN
+        and (bias is None or type(bias) in _PLAIN)
+    ):  # a plain tensor is no DTensor: refuse() only for the others
+        _dtensor.refuse(
+            "slimgrad.ops.linear_cross_entropy",
+            hidden=hidden,
+            weight=weight,
+            target=target,
+            bias=bias,
+        )
     return _linear_cross_entropy(
         hidden,
         weight,
@@ -712,13 +796,24 @@ def causal_lm_loss(
     Returns:
         Scalar float32 loss.
     """
-    _dtensor.refuse(
-        "slimgrad.ops.causal_lm_loss", hidden=hidden, weight=weight, labels=labels, bias=bias
-    )
+    if not (
+        type(hidden) in _PLAIN
+        and type(weight) in _PLAIN
+        and type(labels) in _PLAIN
+        and (bias is None or type(bias) in _PLAIN)
+    ):  # a plain tensor is no DTensor: refuse() only for the others
+        _dtensor.refuse(
+            "slimgrad.ops.causal_lm_loss", hidden=hidden, weight=weight, labels=labels, bias=bias
+        )
     if shift_labels is None:
-        padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = padded[..., 1:].contiguous()
-    shift_labels = shift_labels.to(hidden.device)
+        if labels.ndim and labels.shape[-1]:
+            # HF's pad (0, 1) then [..., 1:].contiguous() in one op: a negative pad crops
+            shift_labels = torch.constant_pad_nd(labels, (-1, 1), ignore_index)
+        else:
+            padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = padded[..., 1:].contiguous()
+    if shift_labels.device != hidden.device:
+        shift_labels = shift_labels.to(hidden.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = _linear_cross_entropy(
         hidden,
