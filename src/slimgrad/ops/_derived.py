@@ -311,7 +311,7 @@ def _rebuilt(
             # consumed by users that did not hold it: rebuild, counting on from there
         del store.entries[key]  # another backward's, or b changed since, or not held
         e[2] = None
-    if isinstance(act, tuple) and act[0] == "gate":  # NOTE [Gated derived tensors]
+    if type(act) is tuple and act[0] == "gate":  # NOTE [Gated derived tensors]
         _, inner, g, g_version, gate_first = act
         check_version(g, g_version, "squeeze-excite gate")
         x = _rebuilt(store, inner, b, False, hold)[0] if inner is not None else b
@@ -559,7 +559,7 @@ def _lookup(x: torch.Tensor) -> Derived | None:
     d = e[1]
     if x._version != d.version or d.base._version != d.base_version:
         return None
-    if isinstance(d.act, tuple) and d.act[0] == "gate" and d.act[2]._version != d.act[3]:
+    if type(d.act) is tuple and d.act[0] == "gate" and d.act[2]._version != d.act[3]:
         return None
     return d
 
@@ -575,7 +575,7 @@ def check_version(t: torch.Tensor, version: int, what: str) -> None:
 
 
 def apply_act(act, b: torch.Tensor) -> torch.Tensor:
-    if isinstance(act, tuple):
+    if type(act) is tuple:  # a spec is a str or a tuple itself (ACTIVATIONS): no call
         if act[0] == "gate":  # NOTE [Gated derived tensors]
             _, inner, g, g_version, gate_first = act
             check_version(g, g_version, "squeeze-excite gate")
@@ -610,7 +610,7 @@ def _act_backward(act, grad: torch.Tensor, b: torch.Tensor, out=None) -> torch.T
     # the kernels' out= overloads, elementwise, the same bits as a fresh result (tested).
     if out is not None:
         return _act_backward_into(act, grad, b, out)
-    if isinstance(act, tuple):
+    if type(act) is tuple:  # a spec is a str or a tuple itself (ACTIVATIONS): no call
         if act[0] == "leaky_relu":
             return _A.leaky_relu_backward(grad, b, act[1], False)
         if act[0] == "elu":
@@ -632,7 +632,7 @@ def _act_backward(act, grad: torch.Tensor, b: torch.Tensor, out=None) -> torch.T
 
 
 def _act_backward_into(act, grad, b, out):
-    if isinstance(act, tuple):
+    if type(act) is tuple:  # a spec is a str or a tuple itself (ACTIVATIONS): no call
         if act[0] == "leaky_relu":
             return _A.leaky_relu_backward.grad_input(grad, b, act[1], False, grad_input=out)
         if act[0] == "elu":

@@ -138,7 +138,8 @@ class _Source(SimpleNamespace):
             # uses x itself; keep x, as eager.
             return False
         affine = ctx.weight_v is not None or ctx.bias_v is not None
-        # not _maybe_fake(b), inline: estimate: assume no bad channels
+        # a fake b (an estimate: assume no bad channels) is a subclass, tested without is_fake's
+        # unwrapping for a plain tensor (a functorch or functional wrapper never reaches here)
         if affine and (type(b) is torch.Tensor or not is_fake(b)):
             w, bb = ctx.weight_src, ctx.bias_src
             if (w is not None and w._version != ctx.weight_version) or (
@@ -196,13 +197,6 @@ class _Source(SimpleNamespace):
 def _few_per_channel(b: torch.Tensor) -> bool:
     c = b.shape[1] if b.dim() > 1 else 1
     return b.numel() <= _MAX_FEW * c
-
-
-def _maybe_fake(t: torch.Tensor) -> bool:
-    # is_fake(t) without its unwrapping for a plain tensor (a fake tensor is a subclass; a
-    # functorch or functional wrapper never reaches here: the op takes eager's path under
-    # transforms and torch.compile)
-    return type(t) is not torch.Tensor and is_fake(t)
 
 
 def _overflow_limit(b: torch.Tensor) -> float:
@@ -451,7 +445,8 @@ class _BatchNormFn(torch.autograd.Function):
             return _BatchNormFn._double(ctx, grad)
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
         # may write dx over it
-        # (_c_lib_for_dx(ctx), inline)
+        # (the C library _bwd_from_output_c runs where what it checks of ctx alone holds; handed
+        # on to it: one backend choice per backward)
         b = ctx.b
         lib = None
         if (
@@ -651,22 +646,6 @@ def _c_signatures(C):
     }
 
 
-def _c_lib_for_dx(ctx):
-    # the C library _bwd_from_output_c would run to write dx (what it checks of ctx alone), else
-    # None; handed on to it (one backend choice per backward)
-    b = ctx.b
-    if (
-        b is not None
-        and ctx.bad is None
-        and ctx.needs_input_grad[0]
-        and b.dtype == torch.float32
-        and b.is_cpu
-        and b.is_contiguous()
-    ):
-        return _backend.use_cpu(b, C_STEM)
-    return None
-
-
 _C_FNS: dict = {}  # a loaded library -> its functions (kernels/_cpu.functions), read per call
 
 
@@ -677,7 +656,7 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     # dβ is Σ dy summed in float64 and rounded once (within the rule where aten's float32 sum is).
     # buf: grad itself when ownership.take granted it: dx is written over it (no dx allocation;
     # the kernel reads a channel's dy before it writes that channel's dx). lib: the backend's
-    # library where the caller asked already (_c_lib_for_dx).
+    # library where the caller asked already (backward).
     b, invstd, w = ctx.b, ctx.save_invstd, ctx.weight_v
     if (
         ctx.bad is not None
