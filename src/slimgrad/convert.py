@@ -52,6 +52,7 @@ from slimgrad.convert_handlers import linear as _linear
 from slimgrad.convert_handlers import parametrized as _parametrized
 from slimgrad.convert_handlers import timm as _timm
 from slimgrad.convert_handlers import timm_blocks as _timm_blocks
+from slimgrad.nn import _output_act as _nn_output_act
 from slimgrad.nn.hardsigmoid import Hardsigmoid as _Hardsigmoid
 from slimgrad.nn.hardswish import Hardswish as _Hardswish
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
@@ -472,6 +473,7 @@ def convert_(
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
     ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
+    _nn_output_act.state_consumers_(model)  # NOTE [Keep y only where its consumer keeps it]
     rep.left_alone = _left_alone(model, rep)
     _REPORTS[model] = rep
     if rep.refused_known:

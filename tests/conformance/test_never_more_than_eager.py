@@ -71,17 +71,12 @@ KNOWN = {
 
 # Activations that keep y (+ side information: bits, a sparse table of exact inputs) where eager
 # keeps x. That wins when the next layer keeps y too (test_saved_bytes_when_the_next_layer_keeps_y)
-# and loses the side information's bytes when nothing does, as here (the loss keeps w, not y):
-# e.g. ELU (4,16,7,7) saved 12,552 (12,544), one tail element; Mish 13,200 (12,544). The shape
-# does not tell the two apart (the loss is the same at every size: +0.003 to +0.27 B/elt at
-# 3,136 to 524,288 elements); what does is whether y's consumer keeps it, a fact of the model's
-# structure at convert_ time (the module after the activation), not of the op. Their peak and
-# gradients are checked by test_saved_peak_and_gradients, their saved bytes here by a strict xfail.
+# and would lose the side information's bytes when nothing does, as here (the loss keeps w, not
+# y): e.g. ELU (4,16,7,7) saved 12,552 (12,544), Mish 13,200 (12,544) before issue 30's fix. What
+# decides is whether y's consumer keeps it, a fact of the model's structure read at convert_ time
+# (NOTE [Keep y only where its consumer keeps it] in slimgrad/nn/_output_act.py): here nothing
+# follows the activation, so it keeps x, as eager.
 KEEPS_Y = ("elu", "elu_neg", "hardswish", "silu", "gelu", "mish")
-_NOTHING_KEEPS_Y = (
-    "keeps y + side information where nothing downstream keeps y: saved above eager's x by the "
-    "side information at every size; decided by y's consumer, not by the shape"
-)
 
 
 def _randomize(m: nn.Module, gen: torch.Generator) -> None:
@@ -158,13 +153,7 @@ def test_saved_peak_and_gradients(kind, train):
     _run(kind, train, check_saved=kind.partition("/")[0] not in KEEPS_Y)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=_NOTHING_KEEPS_Y))
-        for k in KEEPS_Y
-    ],
-)
+@pytest.mark.parametrize("kind", KEEPS_Y)
 def test_saved_bytes_when_nothing_keeps_y(kind):
     _run(kind, True, check_peak=False)
 

@@ -17,3 +17,182 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
         f"slimgrad.nn.{api}.from_torch: unsupported module; expected {expected}, got "
         f"{type(module).__name__}. Convert only modules of the listed types."
     )
+
+
+# NOTE [Keep y only where its consumer keeps it]
+# SiLU, GELU, Mish, ELU and Hardswish keep y + side information (branch bits, a sparse table)
+# where eager keeps x (NOTE [Gradient from the output] in slimgrad/ops/_output_act.py). That wins
+# when y's consumer keeps y too (a Linear or convolution saves its input: y is then kept once, for
+# both) and costs the side information above eager's bytes when nothing does (the loss keeps
+# another tensor, a Dropout keeps its mask). Which holds is a fact of the model's structure, read
+# once at ``convert_`` time by :func:`state_consumers_` and stored on the module as ``keep_y``:
+# True where the module's one call site hands y straight to a Linear, convolution or HF Conv1D
+# whose weight requires grad (through ``nn.Identity`` / ``Dropout(p=0)`` children only, no hooks
+# on the way), as written in
+#   - an ``nn.Sequential``: the next child; after its last child, what follows the Sequential in
+#     its own parent, recursively; a Sequential consumer by its first child;
+#   - a forward slimgrad knows by its qualified name (``_DECLARED``, the class's own method, no
+#     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
+#     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
+#     output) and BertOutput (its input -> dense).
+# Anywhere else (a forward not known, the model's output, a module held at several places) it is
+# False: the module runs eager's op and keeps what eager keeps (x; in place, eager's copy of x:
+# y + the side information would be above it too). A module built directly, not by ``convert_``,
+# keeps y (the class's
+# ``keep_y``). Run :func:`state_consumers_` again after changing the model's structure; weights
+# frozen after ``convert_`` leave ``keep_y`` as it was (then y + the side information are kept
+# where eager keeps x).
+
+_OUT = "<output>"  # the child's output is the parent's output
+
+#: {(class, method) the call is written in: {child: children y passes through, consumer last; or
+#: _OUT}}
+_DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
+    ("transformers.models.gpt2.modeling_gpt2.GPT2MLP", "forward"): {"act": ("c_proj",)},
+    ("timm.layers.mlp.Mlp", "forward"): {"act": ("drop1", "norm", "fc2")},
+    ("transformers.models.bert.modeling_bert.BertIntermediate", "forward"): {
+        "intermediate_act_fn": _OUT
+    },
+    ("transformers.models.bert.modeling_bert.BertLayer", "feed_forward_chunk"): {
+        "intermediate": ("output",)
+    },
+}
+#: {class: the child its forward hands its (first) input to first}
+_ENTRY: dict[str, str] = {"transformers.models.bert.modeling_bert.BertOutput": "dense"}
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain(m) -> bool:
+    # its own class's forward, no hooks that could replace its input or output
+    return isinstance(m, torch.nn.Module) and not (
+        "forward" in m.__dict__
+        or m._forward_pre_hooks
+        or m._forward_hooks
+        or m._backward_pre_hooks
+        or m._backward_hooks
+    )
+
+
+def _passes(m) -> bool:
+    # returns its input itself (nn.Identity; a Dropout with p == 0 in train and eval)
+    import slimgrad.nn as snn
+
+    if not _plain(m):
+        return False
+    t = type(m)
+    return t is torch.nn.Identity or (t in (torch.nn.Dropout, snn.Dropout) and m.p == 0)
+
+
+def _sequential(m) -> bool:
+    return isinstance(m, torch.nn.Sequential) and type(m).forward is torch.nn.Sequential.forward
+
+
+def _keepers() -> tuple:
+    import slimgrad.nn as snn
+
+    nn = torch.nn
+    return (
+        nn.Linear,
+        snn.Linear,
+        nn.Conv1d,
+        snn.Conv1d,
+        nn.Conv2d,
+        snn.Conv2d,
+        nn.Conv3d,
+        snn.Conv3d,
+    )
+
+
+def _keeps_input(m, depth: int = 0) -> bool:
+    # m saves the very tensor it is called with for its weight's gradient
+    import slimgrad.nn as snn
+
+    if depth > 32 or not _plain(m):
+        return False
+    t = type(m)
+    name = _name(t)
+    if t in _keepers() or isinstance(m, snn.Conv1D) or name == "transformers.pytorch_utils.Conv1D":
+        w = m._parameters.get("weight")
+        return w is not None and w.requires_grad
+    if _sequential(m):
+        for c in m._modules.values():
+            if c is None or _passes(c):
+                continue
+            return _keeps_input(c, depth + 1)
+        return False
+    entry = _ENTRY.get(name)
+    if entry is not None and _declared_method(m, "forward", name):
+        return _keeps_input(m._modules.get(entry), depth + 1)
+    return False
+
+
+def _declared_method(m, method: str, name: str) -> bool:
+    # m's class defines ``method`` itself (no subclass or instance override)
+    fn = getattr(type(m), method, None)
+    return (
+        fn is not None
+        and method not in m.__dict__
+        and f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
+        == f"{name}.{method}"
+    )
+
+
+def _kept_after(child, sites: dict, depth: int = 0) -> bool:
+    # whether what ``child`` returns is kept by the module it is handed to
+    where = sites.get(id(child), ())
+    if depth > 32 or len(where) != 1:  # the model itself, or held at several places
+        return False
+    parent, name = where[0]
+    if _sequential(parent):
+        if "forward" in parent.__dict__:
+            return False
+        kids = [c for c in parent._modules.values() if c is not None]
+        after = kids[kids.index(child) + 1 :]
+        for c in after:
+            if _passes(c):
+                continue
+            return _keeps_input(c)
+        return _kept_after(parent, sites, depth + 1)
+    pname = _name(type(parent))
+    for (cls, method), rule in _DECLARED.items():
+        if cls == pname and name in rule and _declared_method(parent, method, cls):
+            spec = rule[name]
+            if spec == _OUT:
+                return _kept_after(parent, sites, depth + 1)
+            *through, consumer = spec
+            mods = parent._modules
+            return all(_passes(mods.get(t)) for t in through) and _keeps_input(mods.get(consumer))
+    return False
+
+
+def state_consumers_(model: torch.nn.Module) -> int:
+    """Set ``keep_y`` on every converted SiLU, GELU, Mish, ELU and Hardswish module of ``model``:
+    False where nothing known keeps its output (NOTE [Keep y only where its consumer keeps it]).
+    ``convert_`` runs it.
+
+    Args:
+        model: the converted model (in place).
+
+    Returns:
+        The number of modules that keep y.
+    """
+    import slimgrad.nn as snn
+
+    sites: dict[int, list] = {}
+    for parent in model.modules():
+        for name, c in parent._modules.items():
+            if c is not None:
+                sites.setdefault(id(c), []).append((parent, name))
+    n = 0
+    kinds = (snn.SiLU, snn.GELU, snn.Mish, snn.ELU, snn.Hardswish)
+    for m in model.modules():
+        if type(m) in kinds:
+            keep = _kept_after(m, sites)
+            m.__dict__.pop("keep_y", None)
+            if not keep:
+                m.keep_y = False
+            n += keep
+    return n

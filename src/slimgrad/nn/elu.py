@@ -20,8 +20,15 @@ __all__ = ["ELU"]
 class ELU(NoScript, torch.nn.ELU):
     """Drop-in ``torch.nn.ELU`` (a subclass) using :func:`slimgrad.ops.elu.elu`."""
 
+    #: False where ``convert_`` found nothing downstream that keeps the output: eager's op (it
+    #: keeps x) runs instead (NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py)
+    keep_y = True
+
     def forward(self, input: Tensor) -> Tensor:
         if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.elu(input, self.alpha, self.inplace)
+        # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
+        if not self.keep_y:
             return F.elu(input, self.alpha, self.inplace)
         return elu(input, self.alpha, self.inplace)
 

@@ -40,6 +40,10 @@ class GELU(NoScript, torch.nn.GELU):
         ValueError: unknown ``approximate``.
     """
 
+    #: False where ``convert_`` found nothing downstream that keeps the output: eager's op (it
+    #: keeps x) runs instead (NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py)
+    keep_y = True
+
     def __init__(self, approximate: str = "none", *, inplace: bool = False) -> None:
         _check_approximate(approximate)
         super().__init__(approximate)
@@ -52,6 +56,11 @@ class GELU(NoScript, torch.nn.GELU):
                 return torch.ops.aten.gelu_(input, approximate=self.approximate)
             return torch.nn.functional.gelu(input, approximate=self.approximate)
         a = self.approximate
+        # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
+        if not self.keep_y:
+            if self.inplace:  # eager's in-place GELU (it keeps a copy of the input)
+                return torch.ops.aten.gelu_(input, approximate=a)
+            return torch.nn.functional.gelu(input, approximate=a)
         if (  # gelu()'s straight path, without its frame (NOTE [One gate per call])
             not self.inplace
             and type(input) in _PLAIN

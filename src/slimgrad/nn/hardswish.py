@@ -26,8 +26,15 @@ class Hardswish(NoScript, torch.nn.Hardswish):
     """Drop-in ``torch.nn.Hardswish`` (a subclass) using
     :func:`slimgrad.ops.hardswish.hardswish`."""
 
+    #: False where ``convert_`` found nothing downstream that keeps the output: eager's op (it
+    #: keeps x) runs instead (NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py)
+    keep_y = True
+
     def forward(self, input: Tensor) -> Tensor:
         if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: eager's op
+            return torch.nn.functional.hardswish(input, self.inplace)
+        # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
+        if not self.keep_y:
             return torch.nn.functional.hardswish(input, self.inplace)
         return hardswish(input, self.inplace)
 

@@ -23,9 +23,16 @@ __all__ = ["Mish"]
 class Mish(NoScript, torch.nn.Mish):
     """Drop-in ``torch.nn.Mish`` (a subclass) using :func:`slimgrad.ops.mish.mish`."""
 
+    #: False where ``convert_`` found nothing downstream that keeps the output: eager's op (it
+    #: keeps x) runs instead (NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py)
+    keep_y = True
+
     def forward(self, input: Tensor) -> Tensor:
         hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
         if hooks and forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+            return F.mish(input, self.inplace)
+        # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
+        if not self.keep_y:
             return F.mish(input, self.inplace)
         if (  # mish()'s straight path, without its frame (NOTE [One gate per call])
             not self.inplace

@@ -22,10 +22,17 @@ __all__ = ["SiLU"]
 class SiLU(NoScript, torch.nn.SiLU):
     """Drop-in ``torch.nn.SiLU`` (a subclass) using :func:`slimgrad.ops.silu.silu`."""
 
+    #: False where ``convert_`` found nothing downstream that keeps the output: eager's op (it
+    #: keeps x) runs instead (NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py)
+    keep_y = True
+
     def forward(self, input: Tensor) -> Tensor:
         hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
         # NOTE [Forward hooks on an output-saving module]: eager's op
         if hooks and forward_hooked(self):
+            return torch.nn.functional.silu(input, self.inplace)
+        # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
+        if not self.keep_y:
             return torch.nn.functional.silu(input, self.inplace)
         if (  # silu()'s straight path, without its frame (NOTE [One gate per call])
             not self.inplace

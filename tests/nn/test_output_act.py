@@ -1,0 +1,123 @@
+"""NOTE [Keep y only where its consumer keeps it] (slimgrad/nn/_output_act.py): which converted
+activations keep y, decided from the model's structure at convert_ time."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import slimgrad
+import slimgrad.nn as snn
+from slimgrad.memory import measure
+
+ACTS = {
+    "gelu": lambda: nn.GELU(),
+    "silu": lambda: nn.SiLU(),
+    "mish": lambda: nn.Mish(),
+    "elu": lambda: nn.ELU(),
+    "hardswish": lambda: nn.Hardswish(),
+}
+KINDS = (snn.GELU, snn.SiLU, snn.Mish, snn.ELU, snn.Hardswish)
+
+
+def _acts(model):
+    return [m for m in model.modules() if type(m) in KINDS]
+
+
+def _trained(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _models(act):
+    blk = lambda: nn.Sequential(nn.Conv2d(4, 4, 1), act())  # noqa: E731
+    frozen = nn.Conv2d(4, 4, 1).requires_grad_(False)
+    shared = act()
+    return {
+        # (model, keeps y, input shape)
+        "alone": (blk(), False, (4, 4, 16, 8)),
+        "nested, then a conv": (nn.Sequential(blk(), nn.Conv2d(4, 4, 1)), True, (4, 4, 16, 8)),
+        "then a frozen conv": (nn.Sequential(blk(), frozen), False, (4, 4, 16, 8)),
+        "Dropout(0), Identity, Linear": (
+            nn.Sequential(nn.Linear(8, 8), act(), nn.Dropout(0.0), nn.Identity(), nn.Linear(8, 8)),
+            True,
+            (128, 8),
+        ),
+        "Dropout(0.1), Linear": (
+            nn.Sequential(nn.Linear(8, 8), act(), nn.Dropout(0.1), nn.Linear(8, 8)),
+            False,
+            (128, 8),
+        ),
+        "held twice": (
+            nn.Sequential(nn.Linear(8, 8), shared, nn.Linear(8, 8), shared, nn.Linear(8, 8)),
+            False,
+            (128, 8),
+        ),
+    }
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_keep_y_from_structure(act):
+    # issue 30: y + side information only where y's consumer keeps y; elsewhere x, as eager
+    for name, (eager, keeps, shape) in _models(ACTS[act]).items():
+        torch.manual_seed(0)
+        slim = slimgrad.convert_(copy.deepcopy(eager))
+        assert [m.keep_y for m in _acts(slim)] == [keeps] * len(_acts(slim)), (act, name)
+        x = torch.randn(*shape)
+        w = torch.randn_like(eager(x))
+        for m in (eager, slim):  # warm-up: tables built at a first call are not the step's
+            (m(x) * w).sum().backward()
+        got = [
+            measure(lambda m=m, x=x, w=w: (m(x) * w).sum(), timeline=False) for m in (eager, slim)
+        ]
+        assert got[1].saved_bytes <= got[0].saved_bytes, (act, name)
+        assert got[1].peak_bytes <= got[0].peak_bytes, (act, name)
+        if keeps:  # y kept once for both: below eager by about x's bytes
+            assert got[1].saved_bytes < got[0].saved_bytes - x.numel() * 4 * 0.5, (act, name)
+        grads = []
+        for m in (eager, slim):
+            torch.manual_seed(1)  # the same dropout masks
+            grads.append(torch.autograd.grad((m(x) * w).sum(), _trained(m)))
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_built_directly_and_in_place():
+    # a module made by hand keeps y (the class's keep_y); in place with nothing keeping y: eager's
+    # in-place op, eager's bytes (its copy of x; y + side information would be above it)
+    assert snn.GELU().keep_y and snn.SiLU().keep_y
+    for ip in (nn.SiLU(inplace=True), nn.Hardswish(inplace=True)):
+        for tail, kept in (((), False), ((nn.Linear(8, 8),), True)):
+            eager = nn.Sequential(nn.Linear(8, 8), copy.deepcopy(ip), *tail)
+            slim = slimgrad.convert_(copy.deepcopy(eager))
+            assert [m.keep_y for m in _acts(slim)] == [kept]
+            x = torch.randn(128, 8)
+            for m in (eager, slim):
+                m(x).sum().backward()
+            got = [
+                measure(lambda m=m, x=x: m(x).sum(), timeline=False).saved_bytes
+                for m in (eager, slim)
+            ]
+            assert got[1] < got[0] if kept else got[1] == got[0], (ip, tail, got)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_hf_mlp_keeps_y(family):
+    # the structures written as forwards: GPT2MLP (act -> c_proj), BertIntermediate's act ->
+    # BertLayer.feed_forward_chunk -> BertOutput.dense; BERT's MLM head (act -> LayerNorm) keeps x
+    tf = pytest.importorskip("transformers")
+    if family == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+        model, want = tf.GPT2LMHeadModel(cfg), [True, True]
+    else:
+        cfg = tf.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=256,
+            vocab_size=128,
+            max_position_embeddings=64,
+        )
+        model, want = tf.BertForMaskedLM(cfg), [True, True, False]
+    slim = slimgrad.convert_(model)
+    assert [m.keep_y for m in _acts(slim)] == want
