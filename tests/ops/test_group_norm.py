@@ -418,3 +418,40 @@ def test_small_shapes_run_eager_exactly(shape, groups):
     assert (m.saved_bytes, m.peak_bytes) == (me.saved_bytes, me.peak_bytes)
     n = shape[0]
     assert m.saved_bytes == x0.numel() * 4 + 8 * n * groups  # x + mean, rstd (eager's)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the incoming gradient is shared (a residual add), so dx cannot take dy's buffer and "
+    "the backward's per-row float64 sums and per-(sample, channel) coefficients come on top of "
+    "eager's bytes: (4, 16, 7, 7) one group peak 39,462 (eager 37,800; 89,863 before the chunked "
+    "backward), (8, 32, 16, 16) 8 groups 795,398 (787,208)",
+)
+def test_residual_step_peak_never_above_eager():
+    import copy
+
+    import slimgrad
+
+    class Res(torch.nn.Module):
+        def __init__(self, c, g):
+            super().__init__()
+            self.conv, self.gn = torch.nn.Conv2d(c, c, 1), torch.nn.GroupNorm(g, c)
+
+        def forward(self, x):
+            h = self.conv(x)
+            return self.gn(h) + h
+
+    failures = []
+    for shape, g in (((4, 16, 7, 7), 1), ((8, 32, 16, 16), 8)):
+        torch.manual_seed(0)
+        eager = Res(shape[1], g)
+        slim = copy.deepcopy(eager)
+        slimgrad.convert_(slim)
+        x, w = torch.randn(shape), torch.randn(shape)
+        for m in (eager, slim):
+            (m(x) * w).sum().backward()
+        me, ms = (measure(lambda m=m: (m(x) * w).sum(), timeline=False) for m in (eager, slim))  # noqa: B023
+        assert ms.saved_bytes <= me.saved_bytes
+        if ms.peak_bytes > me.peak_bytes:
+            failures.append((shape, g, ms.peak_bytes, me.peak_bytes))
+    assert not failures, failures
