@@ -16,7 +16,8 @@ class GroupNorm(NoScript, torch.nn.GroupNorm):
     """``torch.nn.GroupNorm`` (same args, defaults, parameters, state_dict keys) saving its output.
 
     Memory: fp32: saves the output (shared with the next layer), mean and rstd per (sample, group),
-    and the input of fallback channels (weight ~ 0); eager saves the input too. bf16/fp16: runs
+    and the input of fallback channels (weight ~ 0); eager saves the input too. Shapes with few
+    values per channel (where the backward would not fit in eager's bytes) and bf16/fp16 run
     eager's group_norm (saves the input, as eager: ``ops/group_norm.py``).
 
     Example:

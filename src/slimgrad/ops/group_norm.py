@@ -6,18 +6,22 @@ Backward with ``g = dy * gamma_c`` and means over each (sample, group):
 ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))``, ``dgamma_c = sum(dy * xhat)``,
 ``dbeta_c = sum(dy)``, with ``xhat = (y - beta_c) / gamma_c`` rebuilt from the output; fallback
 channels as in NOTE [Normalization from its output: the fallback channels] (``ops/layer_norm.py``),
-with the tighter bound of NOTE [GroupNorm's fallback channels] below. dgamma is summed from float64
-products (NOTE [GroupNorm dgamma in float64], ``_dgamma_rows``).
+with the tighter bound of NOTE [GroupNorm's fallback channels] below. The backward's sums run in
+float64 (NOTE [GroupNorm dgamma in float64], ``_sums``) and dx is ``a * dy + b * y + c`` with
+coefficients per (sample, channel) (NOTE [GroupNorm's backward within eager's bytes],
+``_bwd_torch``).
 
 Memory, per input dtype:
 - float32/float64: saves y (the output, shared with the next layer) + mean and rstd (2 * itemsize
   B per sample and group) + the input of fallback channels (k channels: k * N * HxW * itemsize B)
   and their int64 indices (8 B each); a channel falls back where ``|beta| > |gamma|`` (layer_norm:
   ``> 2 |gamma|``), or gamma ~ 0 / non-finite; eager saves x, mean and rstd (x: 4 B/elt fp32
-  extra). Groups of fewer than ``MIN_GROUP_NUMEL`` elements, and non-contiguous inputs
-  (channels_last, transposed, sliced), run eager's group_norm (saves x, as eager). Backward's
-  float64 dgamma copies ``CHUNK_ELEMS`` elements of dy and y at a time (512 KiB, or one (sample,
-  channel) row if larger; transient).
+  extra). Groups of fewer than ``MIN_GROUP_NUMEL`` elements, shapes whose backward would not fit
+  in the bytes of x it does not keep (few values per channel: ``_backward_fits``), and
+  non-contiguous inputs (channels_last, transposed, sliced) run eager's group_norm (saves x, as
+  eager). Backward: float64 copies of ``min(numel / 32, CHUNK_ELEMS)`` values of dy and y at a
+  time (in dx's buffer before dx is written, else 0.5 B/elt at most) and per-channel and
+  per-(sample, group) float64 sums; no activation-sized temporary (transient).
 - bfloat16/float16: runs eager's ``F.group_norm``, so saves exactly what eager saves: x (2 B/elt)
   + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
   broke the error rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
@@ -106,99 +110,178 @@ def _fwd_torch(x, num_groups, weight, bias, eps):
     return y, mean, rstd, idx, xside
 
 
-def _dgamma_rows(dy, y, xside, mu, r, w64, b64, idx, gidx):
-    # NOTE [GroupNorm dgamma in float64]: sum over this chunk's samples of dgamma's terms, (C,)
-    # float64. Rebuilt channels: sum_hw dy * xhat = (sum_hw dy * y - beta * sum_hw dy) / gamma,
-    # fallback channels: (sum_hw dy * x - mu * sum_hw dy) * rstd. A product of two float32 values
-    # is exact in float64, so the only error left is the output's own rounding (ulp(y) / |gamma|
-    # per element), which no rebuild can undo; rebuilding xhat and multiplying by dy in float32
-    # added three more roundings per element (tests/ops/test_group_norm.py, the OpInfo sample).
-    # The float64 copies are made CHUNK_ELEMS elements (whole rows) at a time.
-    m, c = dy.shape[0], w64.numel()
-    rows = m * c
-    hw = dy.numel() // max(rows, 1)
-    f64 = torch.float64
+def _sums(dy, y, xside, mean, rstd, weight, bias, idx, num_groups, chunk, scratch, mask):
+    # NOTE [GroupNorm dgamma in float64]: the backward's reductions, each (sample, channel) row
+    # summed in float64: per (sample, group) G1 = sum(g) and G2 = sum(g * xhat) with g = dy *
+    # gamma, per channel S0 = sum(dy) (dbeta) and T = sum(dy * xhat) (dgamma). Rebuilt channels:
+    # sum_hw dy * xhat = (sum_hw dy * y - beta * sum_hw dy) / gamma, fallback channels:
+    # (sum_hw dy * x - mu * sum_hw dy) * rstd. A product of two float32 values is exact in
+    # float64, so the only error left is the output's own rounding (ulp(y) / |gamma| per
+    # element), which no rebuild can undo; rebuilding xhat and multiplying by dy in float32 added
+    # three more roundings per element (tests/ops/test_group_norm.py, the OpInfo sample). The
+    # float64 copies of dy and y (or x) go through ``scratch`` (2 * chunk float64 values), whole
+    # rows at a time, or pieces of one row where a row is longer than ``chunk``.
+    # mask: (G1 and G2, S0, T) wanted; returns them (None where not wanted).
+    f64, dev = torch.float64, y.device
+    n, c = y.shape[0], y.shape[1]
+    grp, cg = num_groups, c // num_groups
+    rows, hw = n * c, math.prod(y.shape[2:])
     dyr, yr = dy.reshape(rows, hw), y.reshape(rows, hw)
-    s0 = torch.empty(rows, dtype=f64, device=dy.device)
-    s1 = torch.empty(rows, dtype=f64, device=dy.device)
-    step = max(1, CHUNK_ELEMS // max(hw, 1))
-    for j in range(0, rows, step):
-        d = dyr[j : j + step].to(f64)
-        s0[j : j + step] = d.sum(1)
-        s1[j : j + step] = _rowdot(d, yr[j : j + step].to(f64)).view(-1)
-    s0, s1 = s0.view(m, c), s1.view(m, c)
-    t = (s1 - b64 * s0 if b64 is not None else s1).div_(w64)
-    if idx.numel():
-        k = idx.numel()
-        krows = (torch.arange(m, device=dy.device).unsqueeze(1) * c + idx).reshape(-1)
-        xr = xside.reshape(m * k, hw)
-        sx = torch.empty(m * k, dtype=f64, device=dy.device)
-        for j in range(0, m * k, step):
-            d = dyr.index_select(0, krows[j : j + step]).to(f64)
-            sx[j : j + step] = _rowdot(d, xr[j : j + step].to(f64)).view(-1)
-        m_k = mu.index_select(1, gidx).to(f64)
-        r_k = r.index_select(1, gidx).to(f64)
-        t.index_copy_(1, idx, (sx.view(m, k) - m_k * s0.index_select(1, idx)) * r_k)
-    return t.sum(0)
+    w = weight.detach().reshape(c) if weight is not None else None
+    beta = bias.detach().reshape(c) if bias is not None else None
+    k = idx.numel()
+    fb = torch.zeros(c, dtype=torch.bool, device=dev)  # the fallback channels
+    fb[idx] = True
+    prods = mask[0] or mask[2]
+    g1 = torch.zeros(n * grp, dtype=f64, device=dev) if mask[0] else None
+    g2 = torch.zeros(n * grp, dtype=f64, device=dev) if mask[0] else None
+    s0 = torch.zeros(c, dtype=f64, device=dev) if mask[1] else None
+    t = torch.zeros(c, dtype=f64, device=dev) if mask[2] else None
+    sa, sb = scratch[:chunk], scratch[chunk : 2 * chunk]
+    r_step, c_step = (chunk // hw, hw) if chunk >= hw else (1, chunk)
+
+    def row_sums(j, r, other, pick=None):
+        p0 = p1 = None
+        for k in range(0, hw, c_step):
+            m = min(c_step, hw - k)
+            part = dyr[j : j + r, k : k + m] if pick is None else dyr[:, k : k + m][pick]
+            d = sa[: r * m].view(r, m).copy_(part)
+            del part
+            q0 = d.sum(1)
+            p0 = q0 if p0 is None else p0.add_(q0)
+            if prods:
+                o = sb[: r * m].view(r, m).copy_(other[j : j + r, k : k + m])
+                q1 = _rowdot(d, o).view(-1)
+                p1 = q1 if p1 is None else p1.add_(q1)
+        return p0, p1
+
+    for j in range(0, rows, r_step):
+        r = min(r_step, rows - j)
+        p0, p1 = row_sums(j, r, yr)
+        ch = torch.arange(j, j + r, device=dev)
+        ng = ch.div(c, rounding_mode="floor").mul_(grp)
+        ch.remainder_(c)
+        ng.add_(ch.div(cg, rounding_mode="floor"))
+        if s0 is not None:
+            s0.index_add_(0, ch, p0)
+        if prods:  # p1 becomes this row's sum(dy * xhat) (0 on fallback channels)
+            if beta is not None:
+                p1.sub_(p0 * beta[ch])
+            if w is not None:
+                p1.div_(w[ch])
+            if k:
+                p1.masked_fill_(fb[ch], 0.0)
+            if t is not None:
+                t.index_add_(0, ch, p1)
+        if g1 is not None:
+            if w is not None:
+                gam = w[ch]
+                p0.mul_(gam)
+                p1.mul_(gam)
+            g1.index_add_(0, ng, p0)
+            g2.index_add_(0, ng, p1)
+    if prods and k:
+        xr = xside.reshape(n * k, hw)
+        ar = torch.arange(n, device=dev).unsqueeze(1)
+        krows = (ar * c + idx).reshape(-1)
+        kng = (ar * grp + idx.div(cg, rounding_mode="floor")).reshape(-1)
+        kch = idx.repeat(n)
+        for j in range(0, n * k, r_step):
+            r = min(r_step, n * k - j)
+            p0, p1 = row_sums(j, r, xr, pick=krows[j : j + r])
+            ng, ch = kng[j : j + r], kch[j : j + r]
+            p1.sub_(p0.mul_(mean.reshape(-1)[ng])).mul_(rstd.reshape(-1)[ng])
+            if t is not None:
+                t.index_add_(0, ch, p1)
+            if g2 is not None:
+                g2.index_add_(0, ng, p1.mul_(w[ch]) if w is not None else p1)
+    return g1, g2, s0, t
 
 
 def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out=None):
-    # Chunks of samples bound the fp32 temporaries, as in ops/layer_norm.py's backward (no grad
-    # mode here: double backward runs norm_double instead, so in-place updates of the temporaries
-    # are safe).
-    # out: dy itself (contiguous, y's dtype) when slimgrad.ownership proved its buffer dead; each
-    # chunk of dx is written after that chunk of dy is read, and dbias is summed first.
-    acc = _acc_dtype(y.dtype)
+    # NOTE [GroupNorm's backward within eager's bytes]
+    # Eager's backward holds x, dy and dx; this one holds y, dy and dx, so what it adds must fit
+    # in eager's dx where dx is written into dy's buffer (NOTE [Gradient-buffer ownership]).
+    # Two passes, neither with an activation-sized temporary:
+    # 1. the float64 sums of NOTE [GroupNorm dgamma in float64], through float64 copies of
+    #    ``chunk = min(numel / 32, CHUNK_ELEMS)`` values of dy and y at a time (0.5 B per float32
+    #    element at most): in dx's own buffer while it holds nothing yet, else in a buffer of
+    #    their own; the same chunks either way, so the same bits with and without the grant;
+    # 2. dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * gamma, written as
+    #    ``dx = a * dy + b * y + c`` (rebuilt channels: xhat = (y - beta) / gamma, so a = rstd *
+    #    gamma, b = -rstd * c2 / gamma, c = rstd * (c2 * beta / gamma - c1), with c1 = mean(g),
+    #    c2 = mean(g * xhat) per (sample, group)) and ``a * dy + b' * x + c'`` (fallback channels:
+    #    b' = -rstd^2 * c2, c' = rstd * (c2 * mu * rstd - c1)): the coefficients per (sample,
+    #    channel) in float64, rounded once to y's dtype, then three in-place passes over dx.
+    # What is left grows with the channels and groups, not the values: per-channel and
+    # per-(sample, group) float64 sums, the block's per-row sums, autograd's zero gradients for
+    # mean and rstd. Where few values share a channel these outweigh the x that keeping y saves,
+    # and ``group_norm`` runs eager's kernel instead (``_backward_fits``: 16 B per chunk value, 48
+    # per row of a block, 24 per (sample, group), 17 per channel and 256 B, against x's bytes; it
+    # held for the 290 fitting shapes of a sweep of N 1-8, C 1-32, groups 1, C/2, C and 1-49
+    # values per channel, alone and before a 1x1 conv). Before, the backward rebuilt float32
+    # xhat and g and copied dy and y to float64 for up to a sixteenth of the batch (at least
+    # CHUNK_ELEMS values): Conv1x1 -> GroupNorm(1, 16) on (4, 16, 7, 7) peaked at 77,319 B
+    # against eager's 37,800 (now 27,166; before a 1x1 conv: 77,319 -> 38,759, eager 51,304).
+    f64 = torch.float64
     n, c = y.shape[0], y.shape[1]
     hw = math.prod(y.shape[2:])
     grp, cg = num_groups, c // num_groups
-    # dy may come in any layout (channels_last, transposed, expanded): the flat (sample, group)
-    # views below need it contiguous (y is: the forward's output).
+    numel = n * c * hw
+    # dy may come in any layout (channels_last, transposed, expanded): the flat (sample, channel)
+    # rows below need it contiguous (y is: the forward's output).
     dy = dy.contiguous()
-    y4, dy4 = y.reshape(n, grp, cg, hw), dy.reshape(n, grp, cg, hw)
-    mu, r = mean.reshape(n, grp).to(acc), rstd.reshape(n, grp).to(acc)
-    w = weight.reshape(1, grp, cg, 1).to(acc) if weight is not None else None
-    b = bias.reshape(1, grp, cg, 1).to(acc) if bias is not None else None
-    gidx = idx // cg
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
-    db = None
-    if bias is not None and output_mask[2]:
-        db = dy4.sum((0, 3), dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
+    need_db = bias is not None and output_mask[2]
     dx = None
     if need_dx:
-        dx = out.view(n, grp, cg, hw) if out is not None else y.new_empty((n, grp, cg, hw))
-    dw = torch.zeros(c, dtype=torch.float64, device=y.device) if need_dw else None
-    if need_dw:
-        w64 = weight.detach().reshape(c).to(torch.float64)
-        b64 = bias.detach().reshape(c).to(torch.float64) if bias is not None else None
-    per_sample = max(c * hw, 1)
-    step = max(1, max(CHUNK_ELEMS, (n * per_sample) // 16) // per_sample)
+        dx = out if out is not None else torch.empty_like(y, memory_format=torch.contiguous_format)
+    chunk = _chunk(numel)  # the same chunks with and without out: the same bits
+    if dx is not None and out is None and 16 * chunk <= numel * y.element_size():
+        scratch = dx.view(-1)[: 16 * chunk // y.element_size()].view(f64)  # dx's bytes, unused yet
+    else:
+        scratch = torch.empty(2 * chunk, dtype=f64, device=y.device)
+    mask = (need_dx, need_db, need_dw)
+    g1, g2, s0, t = _sums(dy, y, xside, mean, rstd, weight, bias, idx, grp, chunk, scratch, mask)
+    del scratch
+    db = s0.to(bias.dtype).reshape(bias.shape) if need_db else None
+    dw = t.to(weight.dtype).reshape(weight.shape) if need_dw else None
+    del s0, t
+    if not need_dx:
+        return None, dw, db
+    m = cg * hw
+    c1, c2 = g1.view(n, grp, 1).div_(m), g2.view(n, grp, 1).div_(m)
+    k = idx.numel()
+    gidx = idx.div(cg, rounding_mode="floor")
+    w = weight.detach().view(1, grp, cg) if weight is not None else None
+    beta = bias.detach().view(1, grp, cg) if bias is not None else None
+    dy4, y4, dx4 = dy.view(n, grp, cg, hw), y.view(n, grp, cg, hw), dx.view(n, grp, cg, hw)
+    dt = dy.dtype
+    step = max(1, 16 * chunk // (24 * c + 4 * k * hw + 1))
     for i in range(0, n, step):
         sl = slice(i, i + step)
-        if need_dw:
-            dw += _dgamma_rows(dy4[sl], y4[sl], xside[sl], mu[sl], r[sl], w64, b64, idx, gidx)
-        xh = rebuild_xhat(y4[sl], w, b, acc)
-        rc = r[sl].view(-1, grp, 1, 1)
-        if idx.numel():
-            m_k = mu[sl].index_select(1, gidx).unsqueeze(-1)
-            r_k = r[sl].index_select(1, gidx).unsqueeze(-1)
-            xh.view(-1, c, hw).index_copy_(1, idx, (xside[sl].to(acc) - m_k) * r_k)
-        dyc = dy4[sl].to(acc)
-        if need_dx:
-            g = dyc * w if w is not None else dyc.clone()
-            c1 = g.mean((2, 3), keepdim=True)
-            c2 = (
-                _rowdot(g.view(-1, cg * hw), xh.view(-1, cg * hw))
-                .div_(cg * hw)
-                .view(g.shape[:2] + (1, 1))
-            )
-            dx[sl] = g.sub_(c1).sub_(xh.mul_(c2)).mul_(rc)
-            del g
-        del xh, dyc
-    if need_dx:
-        dx = dx.reshape(y.shape)
-    if need_dw:
-        dw = dw.to(weight.dtype).reshape(weight.shape)
+        rr = rstd[sl].view(-1, grp, 1).to(f64)
+        rc2 = c2[sl].mul_(rr)  # rstd * c2 (c2 is not needed past this chunk)
+        q = (rr * w if w is not None else rr.expand(-1, grp, cg)).to(dt)
+        torch.mul(dy4[sl], q.unsqueeze(-1), out=dx4[sl])  # a * dy
+        # rstd * c2 / gamma on rebuilt channels, 0 on fallback ones
+        u = rc2 / w if w is not None else rc2.expand(-1, grp, cg).clone()
+        if k:
+            u.view(-1, c).index_fill_(1, idx, 0.0)
+        q = u.neg().to(dt)
+        dx4[sl].addcmul_(y4[sl], q.unsqueeze(-1))  # + b * y
+        del q
+        cc = u.mul_(beta) if beta is not None else u.zero_()  # rstd * c2 * beta / gamma
+        if k:  # fallback channels: rstd^2 * c2 * mu
+            cf = (rc2 * mean[sl].view(-1, grp, 1).to(f64)).mul_(rr)
+            cc.view(-1, c).index_copy_(1, idx, cf.view(-1, grp).index_select(1, gidx))
+            del cf
+        cc.sub_(c1[sl].mul_(rr))
+        dx4[sl].add_(cc.to(dt).unsqueeze(-1))  # + c
+        del cc, u
+        if k:
+            bk = rc2.mul_(rr).neg_().view(-1, grp).index_select(1, gidx).to(dt).unsqueeze(-1)
+            dx.view(n, c, hw)[sl].index_add_(1, idx, xside[sl] * bk)  # + b' * x
     return dx, dw, db
 
 
@@ -293,8 +376,9 @@ def group_norm(
 
     Memory: fp32: saves y (shared with the next layer) + 8 B per (sample, group) + the input
     of fallback channels (``|bias| > |weight|``, weight ~ 0 or non-finite); eager saves x + 8 B
-    per (sample, group). bf16/fp16: runs ``F.group_norm``
-    (saves x + 4 B per (sample, group), as eager).
+    per (sample, group). Shapes with few values per channel, groups of fewer than 16 values and
+    non-contiguous inputs run ``F.group_norm`` (saves what eager saves). bf16/fp16: runs
+    ``F.group_norm`` (saves x + 4 B per (sample, group), as eager).
 
     Args:
         input: ``(N, C, *)``.
@@ -327,6 +411,7 @@ def group_norm(
     if (
         math.prod(input.shape[1:]) // num_groups < MIN_GROUP_NUMEL
         or probe.dtype in HALF_DTYPES
+        or not _backward_fits(input.shape, num_groups, probe.dtype.itemsize)
         or not input.is_contiguous()
     ):
         # Tiny groups: xhat is too poorly determined by the rounded output (a group of 2 is +-1);
@@ -345,6 +430,25 @@ def group_norm(
         with torch.autocast(dev, enabled=False):
             return _group_norm(input, int(num_groups), weight, bias, float(eps))
     return _group_norm(input, int(num_groups), weight, bias, float(eps))
+
+
+def _chunk(numel: int) -> int:
+    # values of dy and y copied to float64 at a time (NOTE [GroupNorm's backward within eager's
+    # bytes])
+    return max(1, min(numel // 32, CHUNK_ELEMS))
+
+
+def _backward_fits(shape, num_groups: int, itemsize: int) -> bool:
+    # NOTE [GroupNorm's backward within eager's bytes]: what the backward holds beyond y, dy and
+    # dx (eager: x, dy and dx) fits in the bytes of x that the output-keeping forward does not
+    # keep. Integer arithmetic on the shape, no tensor touched.
+    n, c = shape[0], shape[1]
+    hw = math.prod(shape[2:])
+    numel = n * c * hw
+    chunk = _chunk(numel)
+    rows = max(1, chunk // max(hw, 1))
+    extra = 16 * chunk + 48 * rows + 24 * n * num_groups + 17 * c + 256
+    return extra <= itemsize * numel
 
 
 def _crashes_eager(x, weight, bias) -> bool:
