@@ -25,23 +25,29 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 # when y's consumer keeps y too (a Linear or convolution saves its input: y is then kept once, for
 # both) and costs the side information above eager's bytes when nothing does (the loss keeps
 # another tensor, a Dropout keeps its mask). Which holds is a fact of the model's structure, read
-# once at ``convert_`` time by :func:`state_consumers_` and stored on the module as ``keep_y``:
-# True where the module's one call site hands y straight to a Linear, convolution or HF Conv1D
-# whose weight requires grad (through ``nn.Identity`` / ``Dropout(p=0)`` children only, no hooks
-# on the way), as written in
+# once at ``convert_`` time by :func:`state_consumers_` and stored on the module as ``keep_y``.
+# Three answers, from the module's one call site:
+#   - kept: y goes straight to a Linear, convolution or HF Conv1D whose weight requires grad
+#     (through ``nn.Identity`` / ``Dropout(p=0)`` children only, no hooks on the way);
+#   - not kept: y is the model's output, or goes to a frozen one of those, or to another module of
+#     ``torch.nn`` / ``slimgrad.nn`` (a Dropout with p > 0, a norm, a pool);
+#   - unknown: a forward slimgrad cannot read (a model's own class), a module held at several
+#     places, a module with hooks on the way.
+# The call site is read where the structure is written down:
 #   - an ``nn.Sequential``: the next child; after its last child, what follows the Sequential in
 #     its own parent, recursively; a Sequential consumer by its first child;
 #   - a forward slimgrad knows by its qualified name (``_DECLARED``, the class's own method, no
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
 #     output) and BertOutput (its input -> dense).
-# Anywhere else (a forward not known, the model's output, a module held at several places) it is
-# False: the module runs eager's op and keeps what eager keeps (x; in place, eager's copy of x:
-# y + the side information would be above it too). A module built directly, not by ``convert_``,
-# keeps y (the class's
-# ``keep_y``). Run :func:`state_consumers_` again after changing the model's structure; weights
-# frozen after ``convert_`` leave ``keep_y`` as it was (then y + the side information are kept
-# where eager keeps x).
+# Only "not kept" turns ``keep_y`` off: the module then runs eager's op and keeps what eager keeps
+# (x; in place, eager's copy of x: y + the side information would be above it too). "Unknown"
+# keeps y: most models' MLPs (CLIP, ViT, T5, GPT-NeoX, OPT, ...) hand the activation's output to a
+# Linear in a forward no table can list, and there keeping y saves x's bytes, where a wrong guess
+# the other way costs only the side information (+0.003 to +0.27 B per element). A module built
+# directly, not by ``convert_``, keeps y (the class's ``keep_y``). Run :func:`state_consumers_`
+# again after changing the model's structure; weights frozen after ``convert_`` leave ``keep_y``
+# as it was.
 
 _OUT = "<output>"  # the child's output is the parent's output
 
@@ -106,12 +112,12 @@ def _keepers() -> tuple:
     )
 
 
-def _keeps_input(m, depth: int = 0) -> bool:
-    # m saves the very tensor it is called with for its weight's gradient
+def _keeps_input(m, depth: int = 0) -> bool | None:
+    # whether m saves the very tensor it is called with for its weight's gradient; None: unknown
     import slimgrad.nn as snn
 
-    if depth > 32 or not _plain(m):
-        return False
+    if m is None or depth > 32 or not _plain(m):
+        return None
     t = type(m)
     name = _name(t)
     if t in _keepers() or isinstance(m, snn.Conv1D) or name == "transformers.pytorch_utils.Conv1D":
@@ -122,11 +128,13 @@ def _keeps_input(m, depth: int = 0) -> bool:
             if c is None or _passes(c):
                 continue
             return _keeps_input(c, depth + 1)
-        return False
+        return None
     entry = _ENTRY.get(name)
     if entry is not None and _declared_method(m, "forward", name):
         return _keeps_input(m._modules.get(entry), depth + 1)
-    return False
+    if t.__module__.startswith(("torch.nn.", "slimgrad.nn.")):
+        return False  # a library module that is not one of the keepers
+    return None
 
 
 def _declared_method(m, method: str, name: str) -> bool:
@@ -140,15 +148,17 @@ def _declared_method(m, method: str, name: str) -> bool:
     )
 
 
-def _kept_after(child, sites: dict, depth: int = 0) -> bool:
-    # whether what ``child`` returns is kept by the module it is handed to
+def _kept_after(child, sites: dict, depth: int = 0) -> bool | None:
+    # whether what ``child`` returns is kept by the module it is handed to; None: unknown
     where = sites.get(id(child), ())
-    if depth > 32 or len(where) != 1:  # the model itself, or held at several places
-        return False
+    if not where:
+        return False  # the model's output
+    if depth > 32 or len(where) != 1:  # held at several places
+        return None
     parent, name = where[0]
     if _sequential(parent):
         if "forward" in parent.__dict__:
-            return False
+            return None
         kids = [c for c in parent._modules.values() if c is not None]
         after = kids[kids.index(child) + 1 :]
         for c in after:
@@ -164,14 +174,16 @@ def _kept_after(child, sites: dict, depth: int = 0) -> bool:
                 return _kept_after(parent, sites, depth + 1)
             *through, consumer = spec
             mods = parent._modules
-            return all(_passes(mods.get(t)) for t in through) and _keeps_input(mods.get(consumer))
-    return False
+            if not all(_passes(mods.get(t)) for t in through):
+                return None
+            return _keeps_input(mods.get(consumer))
+    return None
 
 
 def state_consumers_(model: torch.nn.Module) -> int:
     """Set ``keep_y`` on every converted SiLU, GELU, Mish, ELU and Hardswish module of ``model``:
-    False where nothing known keeps its output (NOTE [Keep y only where its consumer keeps it]).
-    ``convert_`` runs it.
+    False where its output is known not to be kept by its consumer (NOTE [Keep y only where its
+    consumer keeps it]). ``convert_`` runs it.
 
     Args:
         model: the converted model (in place).
@@ -190,7 +202,7 @@ def state_consumers_(model: torch.nn.Module) -> int:
     kinds = (snn.SiLU, snn.GELU, snn.Mish, snn.ELU, snn.Hardswish)
     for m in model.modules():
         if type(m) in kinds:
-            keep = _kept_after(m, sites)
+            keep = _kept_after(m, sites) is not False
             m.__dict__.pop("keep_y", None)
             if not keep:
                 m.keep_y = False
