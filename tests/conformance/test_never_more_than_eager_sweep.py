@@ -79,25 +79,10 @@ MODULES = {
     "ConvTranspose": (lambda s: CONVT[len(s)](s[1], s[1], 3, padding=1), (3, 4, 5), "chan", False),
 }
 
-# Measured above eager's and not in this helper's files (issue 30, class 7): strict xfails, so a
+# Measured above eager's (issue 30, class 7): strict xfails, so a
 # fix shows up as an unexpected pass. Key: "name-context" (context: alone or kept); bytes are
 # saved / peak, converted (eager), at the first shape that broke.
-_KEEPS_Y = (
-    "keeps y + side information where nothing after it keeps y (tests/conformance/"
-    "test_never_more_than_eager.py, KEEPS_Y): (3, 8, 5, 7) saved / peak "
-)
 KNOWN: dict[str, str] = {
-    "ELU-alone": _KEEPS_Y + "3368 / 6776 (3360 / 10088)",
-    "ELU/inplace-alone": _KEEPS_Y + "3368 / 6776 (3360 / 10088)",
-    "ELU_neg-alone": _KEEPS_Y + "3465 / 7913 (3360 / 10088)",
-    "GELU-alone": _KEEPS_Y + "3633 / 7337 (3360 / 10088)",
-    "GELU_tanh-alone": _KEEPS_Y + "3697 / 7529 (3360 / 10088)",
-    "SiLU-alone": _KEEPS_Y + "3481 / 6900 (3360 / 10088)",
-    "SiLU/inplace-alone": _KEEPS_Y + "3561 / 7121 (3360 / 10088)",
-    "Mish-alone": _KEEPS_Y + "3569 / 7145 (3360 / 10088)",
-    "Mish/inplace-alone": _KEEPS_Y + "3641 / 7361 (3360 / 10088)",
-    "Hardswish-alone": _KEEPS_Y + "3489 / 8813 (3360 / 10088)",
-    "Hardswish/inplace-alone": _KEEPS_Y + "3505 / 8837 (3360 / 10088)",
     "ELU/inplace-kept": "ops/elu.py in place at few elements: (2, 3, 1, 1) saved 48 (24), "
     "peak 152 (128); (3, 8, 5, 7) peak 10,384 (10,376)",
     "LayerNorm-alone": "ops/layer_norm.py: peak above eager at few rows and channels_last: "
