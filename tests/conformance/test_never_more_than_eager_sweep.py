@@ -67,7 +67,9 @@ ACT_NAMES = set(ACTS) | {f"{a}/inplace" for a in INPLACE}
 # whether its forward depends on train/eval)
 MODULES = {
     **{a: (lambda s, f=f: f(False), (4,), "chan", False) for a, f in ACTS.items()},
-    **{f"{a}/inplace": (lambda s, f=ACTS[a]: f(True), (4,), "chan", False) for a in INPLACE},
+    **{
+        f"{a}/inplace": (lambda s, f=ACTS[a]: f(True), (4,), "chan", False) for a in sorted(INPLACE)
+    },
     "BatchNorm": (lambda s: BN[len(s)](s[1]), (2, 3, 4, 5), "chan", True),
     "GroupNorm1": (lambda s: nn.GroupNorm(1, s[1]), (2, 3, 4, 5), "chan", False),
     "GroupNormC": (lambda s: nn.GroupNorm(s[1], s[1]), (3, 4, 5), "chan", False),
