@@ -473,3 +473,30 @@ def test_host_calls_per_call():
 
     step()
     assert slimgrad_calls(step) <= 67
+
+
+@pytest.mark.parametrize("weight", ["usual", "fallback"])
+def test_checkpoint_recomputation_under_a_mode_saves_what_forward_saved(weight):
+    # NOTE [An empty side table is saved as None]: the forward takes the straight path, the
+    # recomputation of non-reentrant checkpointing (under the profiler, a mode) the general one;
+    # both save the same tensors, so checkpointing accepts the recomputation
+    from torch.utils.checkpoint import checkpoint
+
+    from slimgrad.nn import LayerNorm
+
+    torch.manual_seed(0)
+    ln, ref = LayerNorm(8), torch.nn.LayerNorm(8)
+    if weight == "fallback":
+        with torch.no_grad():
+            ln.weight[3] = 0.0
+    ref.load_state_dict(ln.state_dict())
+    x = torch.randn(3, 8)
+    g = torch.randn(3, 8)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ln(x)  # the backend resolved: the forward below takes the straight path's torch forward
+    y = checkpoint(lambda t: ln(t * 1), xs[0], use_reentrant=False)
+    with torch.profiler.profile():
+        y.backward(g)
+    ref(xs[1] * 1).backward(g)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    torch.testing.assert_close(ln.weight.grad, ref.weight.grad)

@@ -6,11 +6,22 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from slimgrad._library import straight
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.rms_norm import HF_VARIANTS, hf_rms_norm, rms_norm
+from slimgrad.ops.rms_norm import (
+    HALF_DTYPES,
+    HF_VARIANTS,
+    _rms_norm_straight,
+    hf_rms_norm,
+    rms_norm,
+)
 
 __all__ = ["HFRMSNorm", "RMSNorm"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 class RMSNorm(NoScript, torch.nn.RMSNorm):
@@ -25,9 +36,36 @@ class RMSNorm(NoScript, torch.nn.RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+        # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
+        if (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self):
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        p = self._parameters  # without Module.__getattr__ (a parametrized weight is a property)
+        w = p["weight"] if "weight" in p else self.weight
+        ns, eps = self.normalized_shape, self.eps
+        if (  # rms_norm's straight path: NOTE [One gate per call] in slimgrad/_library.py
+            type(x) in _PLAIN
+            and type(w) in _PLAIN_OR_NONE
+            and x.dtype not in HALF_DTYPES
+            and not x.is_meta
+            and not _any_autocast()
+            and straight()
+        ):
+            # normalized_shape as ints and a Size, once per tuple (rms_norm's conversion)
+            d = self.__dict__
+            c = d["_slimgrad_ns"] if "_slimgrad_ns" in d else None
+            if c is None or c[0] is not ns:
+                ints = [int(s) for s in ns]
+                c = d["_slimgrad_ns"] = (ns, ints, torch.Size(ints), len(ints))
+            k = c[3]
+            # eager's shape checks, as attribute compares (rms_norm raises eager's errors)
+            if (
+                k
+                and x.ndim >= k
+                and x.shape[x.ndim - k :] == c[2]
+                and (w is None or w.shape == c[2])
+            ):
+                return _rms_norm_straight(x, c[1], w, None if eps is None else float(eps))
+        return rms_norm(x, ns, w, eps)
 
     @classmethod
     def from_torch(cls, module: torch.nn.RMSNorm) -> RMSNorm:

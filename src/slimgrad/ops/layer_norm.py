@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     first_order,
     refuse_jit,
@@ -443,14 +444,21 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
     )
 
 
+# NOTE [An empty side table is saved as None]
+# Without fallback channels (the common case) LayerNorm's and RMSNorm's Functions save None for the
+# index table and the input columns, and return neither: the straight path (NOTE [One gate per
+# call] in slimgrad/_library.py) then allocates nothing for them (``fallback_or_none``). Every
+# eager path does the same, so a forward saves the same tensors whichever path it takes: non-
+# reentrant checkpointing counts and compares the tensors a recomputation saves with the
+# forward's, and the recomputation may run under a mode (a profiler, a tracker) that the forward
+# did not see. A traced forward, whose table length is a symbolic size, saves the tables.
 _LN_DOUBLE = norm_double("ops.layer_norm", F.layer_norm, _rebuild_ln_input)
 
 
 class _LayerNormFn(torch.autograd.Function):
     # affine_norm_function's Function for LayerNorm, with the straight path's PyTorch forward
-    # (direct=_TORCH): no fallback channel (the common case) saves None for their index table and
-    # input columns and returns neither (nothing to allocate); backward reads the kernel choice
-    # from attributes (NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py)
+    # (direct=_TORCH) and NOTE [An empty side table is saved as None]; backward reads the kernel
+    # choice from attributes (NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py)
     @staticmethod
     def forward(ctx, x, arg, weight, bias, eps, direct=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
@@ -459,24 +467,28 @@ class _LayerNormFn(torch.autograd.Function):
         if direct is _TORCH:
             y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
             idx = fallback_or_none(weight, bias, y.dtype)
-            if idx is None:
-                ctx.save_for_backward(y, mean, rstd, None, None, weight, bias)
-                ctx.mark_non_differentiable(mean, rstd)
-                return y, mean, rstd
-            if idx.device != x.device:
-                idx = idx.to(x.device)
-            xside = side_columns(x, math.prod(arg), idx)
+            if idx is not None:
+                if idx.device != x.device:
+                    idx = idx.to(x.device)
+                xside = side_columns(x, math.prod(arg), idx)
         else:
             fwd = _layer_norm_fwd.impl if direct else _layer_norm_fwd
             y, mean, rstd, idx, xside = fwd(x, arg, weight, bias, eps)
+            k = idx.shape[0]
+            # NOTE [An empty side table is saved as None]; eager only (a traced table has a
+            # symbolic length)
+            if not compiling() and type(k) is int and k == 0:
+                idx = None
+        if idx is None:
+            ctx.save_for_backward(y, mean, rstd, None, None, weight, bias)
+            ctx.mark_non_differentiable(mean, rstd)
+            return y, mean, rstd
         ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
         ctx.mark_non_differentiable(mean, rstd, idx, xside)
         return y, mean, rstd, idx, xside
 
     @staticmethod
-    @first_order(
-        "ops.layer_norm", double=norm_double("ops.layer_norm", F.layer_norm, _rebuild_ln_input)
-    )
+    @first_order("ops.layer_norm", double=_LN_DOUBLE)
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
@@ -649,7 +661,8 @@ def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Te
     if type(bias) is not torch.nn.Parameter and bias is not None:
         bias = unwrap_if_dead(bias)
     # the PyTorch forward where use_triton cannot answer True (NOTE [Kernel backend choice])
-    direct = _TORCH if not x.is_cuda and _backend._resolved[0] in _NO_TRITON else True
+    backend = _backend._resolved[0] or _backend.get_backend()
+    direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else True
     y = _LN_APPLY(x, normalized_shape, weight, bias, float(eps), direct)[0]
     if anchor is not None and y.grad_fn is not None:  # attach_anchor
         y.grad_fn._slimgrad_anchor = anchor

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     first_order,
     refuse_jit,
@@ -79,6 +80,7 @@ from slimgrad._math.norms import (  # noqa: F401 (CHUNK_ELEMS: tests)
     CHUNK_ELEMS,
     fallback_channels,
     fallback_or_none,
+    side_columns,
 )
 from slimgrad._math.norms import acc_dtype as _acc_dtype
 from slimgrad._math.norms import rms_norm_bwd_torch as _bwd_torch
@@ -100,6 +102,9 @@ def _bwd_impl(t: torch.Tensor):
 
 
 _NO_TRITON = _backend.NO_TRITON_OFF_CUDA
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 @custom_op("rms_norm_fwd", mutates_args=())
@@ -153,9 +158,28 @@ def _(dy, y, rstd, idx, xside, weight, normalized_shape, output_mask, x_dtype):
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, normalized_shape, weight, eps):
-        y, rstd, idx, xside = _rms_norm_fwd(x, normalized_shape, weight, eps)
+    def forward(ctx, x, normalized_shape, weight, eps, direct=False):
+        # direct=_TORCH: the straight path (NOTE [One gate per call] in slimgrad/_library.py) on
+        # the PyTorch forward; NOTE [An empty side table is saved as None] in ops/layer_norm.py
         ctx.normalized_shape, ctx.x_dtype = normalized_shape, x.dtype
+        if direct is _TORCH:
+            y, rstd = _fused_rms_norm(x, normalized_shape, weight, eps)
+            idx = fallback_or_none(weight, None, y.dtype) if weight is not None else None
+            if idx is not None:
+                if idx.device != x.device:
+                    idx = idx.to(x.device)
+                xside = side_columns(x, math.prod(normalized_shape), idx)
+        else:
+            y, rstd, idx, xside = _rms_norm_fwd(x, normalized_shape, weight, eps)
+            k = idx.shape[0]
+            # NOTE [An empty side table is saved as None]; eager only (a traced table has a
+            # symbolic length)
+            if not compiling() and type(k) is int and k == 0:
+                idx = None
+        if idx is None:
+            ctx.save_for_backward(y, rstd, None, None, weight)
+            ctx.mark_non_differentiable(rstd)
+            return y, rstd
         ctx.save_for_backward(y, rstd, idx, xside, weight)
         ctx.mark_non_differentiable(rstd, idx, xside)
         return y, rstd, idx, xside
@@ -165,17 +189,58 @@ class _RMSNormFn(torch.autograd.Function):
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, rstd, idx, xside, weight = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
+        need = ctx.needs_input_grad
+        mask = [need[0], need[2]]
         # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too
-        if mask[0] and y.dtype == ctx.x_dtype and owns_layout(buf, y):
-            dx, dw = _bwd_impl(y)(
-                buf, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, out=buf
-            )
+        if (  # owns_layout(buf, y), inline
+            mask[0]
+            and buf is not None
+            and y.dtype == ctx.x_dtype
+            and buf.shape == y.shape
+            and buf.dtype == y.dtype
+            and buf.is_contiguous()
+        ):
+            # _bwd_impl(y), inline where it cannot pick Triton
+            if not y.is_cuda and _backend._resolved[0] in _NO_TRITON:
+                impl = _bwd_torch
+            else:
+                impl = _bwd_impl(y)
+                if idx is None:
+                    idx, xside = _no_side(y, ctx.normalized_shape)
+            dx, dw = impl(buf, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, out=buf)
         else:
+            if idx is None:  # the op's schema takes tensors
+                idx, xside = _no_side(y, ctx.normalized_shape)
             dx, dw = _rms_norm_bwd(
                 dy, y, rstd, idx, xside, weight, ctx.normalized_shape, mask, ctx.x_dtype
             )
-        return (dx if mask[0] else None, None, dw if weight is not None and mask[1] else None, None)
+        dw = dw if weight is not None and mask[1] else None
+        return (dx if mask[0] else None), None, dw, None, None
+
+
+def _no_side(y: torch.Tensor, normalized_shape=None) -> tuple[torch.Tensor, torch.Tensor]:
+    # the empty index table and input columns of a forward without fallback channels
+    d = math.prod(normalized_shape) if normalized_shape is not None else y.shape[-1]
+    return y.new_empty(0, dtype=torch.int64), y.new_empty((y.numel() // d if d else 0, 0))
+
+
+_TORCH = object()  # _RMSNormFn's ``direct`` for the straight path's PyTorch forward
+_fused_rms_norm = getattr(torch, "_fused_rms_norm", None) or (
+    lambda *a: torch.ops.aten._fused_rms_norm(*a)
+)
+_RMS_APPLY = direct_apply(_RMSNormFn)
+
+
+def _rms_norm_straight(input, normalized_shape, weight, eps) -> torch.Tensor:
+    # rms_norm past the gate and eager's shape checks: no transform, trace, compile, mode or
+    # autocast; plain float32/float64 tensors
+    if type(weight) is not torch.nn.Parameter and weight is not None:
+        weight = unwrap_if_dead(weight)
+    x = unwrap_if_dead(input)
+    # the PyTorch forward where use_triton cannot answer True (NOTE [Kernel backend choice])
+    backend = _backend._resolved[0] or _backend.get_backend()
+    direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else False
+    return _RMS_APPLY(x, normalized_shape, weight, eps, direct)[0]
 
 
 def _bwd_from_input(dy, x, rstd, weight, normalized_shape, output_mask, out=None):
@@ -308,6 +373,19 @@ def rms_norm(
     """
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
+    if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
+        type(input) in _PLAIN
+        and type(weight) in _PLAIN_OR_NONE
+        and input.dtype not in HALF_DTYPES
+        and not input.is_meta
+        and not _any_autocast()
+        and straight()
+    ):
+        normalized_shape = [int(s) for s in normalized_shape]
+        _check_shapes(input, normalized_shape, weight)
+        return _rms_norm_straight(
+            input, normalized_shape, weight, None if eps is None else float(eps)
+        )
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input, weight):
         return _dtensor.rowwise(
@@ -461,18 +539,22 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         y, rstd = fwd(x, weight, eps)
         ctx.variant = variant
         if direct and weight is not None:
-            # the fallback channels once per weight version; None: there is none, nothing saved
-            # for them (the common case)
+            # the fallback channels once per weight version (None: there is none)
             idx = fallback_or_none(weight, None, y.dtype, _SCALE_CHANNELS[variant])
-            if idx is None:
-                ctx.save_for_backward(y, rstd, None, None, weight)
-                return (y,)
-            if idx.device != x.device:
-                idx = idx.to(x.device)
-            xside = x.reshape(-1, x.shape[-1]).index_select(1, idx)
+            if idx is not None:
+                if idx.device != x.device:
+                    idx = idx.to(x.device)
+                xside = x.reshape(-1, x.shape[-1]).index_select(1, idx)
         else:
             gamma = gamma_of(weight) if weight is not None else None
             idx, xside = (_hf_side.impl if direct else _hf_side)(x, gamma, y.dtype)
+            k = idx.shape[0]
+            # eager only (a traced table has a symbolic length)
+            if not compiling() and type(k) is int and k == 0:
+                idx = None
+        if idx is None:  # NOTE [An empty side table is saved as None] in ops/layer_norm.py
+            ctx.save_for_backward(y, rstd, None, None, weight)
+            return (y,)
         ctx.save_for_backward(y, rstd, idx, xside, weight)
         # the table is returned too: a traced forward must return every tensor of data-dependent
         # size it creates (torch.compile's unbacked sizes)
@@ -525,20 +607,12 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         return (dx if mask[0] else None), dw, None, None, None
 
 
-def _no_side(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # the empty index table and input columns of a forward without fallback channels
-    d = y.shape[-1]
-    return y.new_empty(0, dtype=torch.int64), y.new_empty((y.numel() // d if d else 0, 0))
-
-
 #: {variant: what fallback_or_none takes as gamma_of}: None where gamma(w) = w.float() has w's
 #: fallback channels (found in float32 from w itself, _find_fallback_channels)
 _SCALE_CHANNELS = {v: (None if g is _float else g) for v, (_, g) in HF_VARIANTS.items()}
 
 
 _HF_RMS_APPLY = direct_apply(_HFRMSNormFromOutputFn)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 
 
 def _hf_recompute(ctx, dy, create_graph):
