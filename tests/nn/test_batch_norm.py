@@ -471,7 +471,9 @@ def test_residual_relu_grant_is_never_read(monkeypatch):
         mem = measure(lambda m=m: m(x0).square().sum())
         runs.append((grants, [y.detach()] + [p.grad for p in m.parameters()], mem))
     (g0, t0, m0), (g1, t1, m1) = runs
-    assert (g0, g1) == (2, 4)  # the ReLU after bn1 of each block; asked: also each residual ReLU
+    # the ReLU after bn1 of each block; the residual ReLU's input is no norm output, so the module
+    # runs eager's op before any question (one id() and a dict test): asking is never reached
+    assert (g0, g1) == (2, 2)
     for a, b in zip(t0, t1, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert (m0.saved_bytes, m0.peak_bytes) == (m1.saved_bytes, m1.peak_bytes)
