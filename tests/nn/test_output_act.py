@@ -133,3 +133,18 @@ def test_hf_mlp_keeps_y(family):
         model, want = tf.BertForMaskedLM(cfg), [True, True, True]
     slim = slimgrad.convert_(model)
     assert [m.keep_y for m in _acts(slim)] == want
+
+
+@pytest.mark.parametrize(("drop", "keeps"), [(0.0, True), (0.1, False)])
+def test_timm_mlp_consumer_is_the_first_child_that_does_not_pass_y(drop, keeps):
+    # timm Mlp: act -> drop1 -> norm -> fc2; with drop1's p > 0 the Dropout is y's consumer (it
+    # keeps its mask, not y): x, as eager; with p == 0 (and no norm) fc2 keeps y
+    from tests.conformance._timm_shim import timm
+
+    if timm is None:
+        pytest.skip("timm is not installed")
+    from timm.layers import Mlp
+
+    model = nn.Sequential(Mlp(16, 32, 16, drop=drop), nn.LayerNorm(16))
+    slim = slimgrad.convert_(copy.deepcopy(model))
+    assert [m.keep_y for m in _acts(slim)] == [keeps]

@@ -172,11 +172,11 @@ def _kept_after(child, sites: dict, depth: int = 0) -> bool | None:
             spec = rule[name]
             if spec == _OUT:
                 return _kept_after(parent, sites, depth + 1)
-            *through, consumer = spec
-            mods = parent._modules
-            if not all(_passes(mods.get(t)) for t in through):
-                return None
-            return _keeps_input(mods.get(consumer))
+            for t in spec:  # the first child that does not pass y on is its consumer
+                c = parent._modules.get(t)
+                if not _passes(c):
+                    return _keeps_input(c)
+            return None
     return None
 
 
