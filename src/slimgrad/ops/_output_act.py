@@ -425,18 +425,9 @@ def smooth_unary_op(
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
         # y alone is returned then
         if direct:
-            if (  # NOTE [The straight C path of the smooth activations]
-                x.dtype is _F32
-                and x.is_cpu
-                and (
-                    (_backend._resolved[0] or _backend.get_backend()) in _C_BACKENDS
-                    if cp.ready
-                    else cp.prepare(x)
-                )
-            ):
-                y = c_forward(ctx, x, c_fwd, cp)
-                if y is not None:
-                    return y
+            y = c_forward(ctx, x, c_fwd, cp)  # NOTE [The straight C path of the smooth activations]
+            if y is not None:
+                return y
             return smooth_forward(ctx, x, fwd_op.impl, False, single=True)
         return smooth_forward(ctx, x, fwd_op, False)
 
@@ -737,9 +728,19 @@ class CPath:
 
 def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | None:
     """y = fwd(x) with the bits and side table of :func:`smooth_fwd_c`, saved as
-    :func:`smooth_forward` saves them; None (nothing done) for x of at most DENSE_MAX elements or
-    not contiguous. Call only for a float32 CPU x, the C kernels chosen and ``cp`` ready (the
-    Functions check that inline)."""
+    :func:`smooth_forward` saves them; None (nothing done) unless x is a float32 CPU tensor of more
+    than DENSE_MAX elements, contiguous, with the C kernels chosen (``cp`` prepared at its first
+    such call)."""
+    if not (
+        x.dtype is _F32
+        and x.is_cpu
+        and (
+            (_backend._resolved[0] or _backend.get_backend()) in _C_BACKENDS
+            if cp.ready
+            else cp.prepare(x)
+        )
+    ):
+        return None
     n = x.numel()
     if n <= DENSE_MAX or not x.is_contiguous():
         return None

@@ -40,8 +40,6 @@ from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
-    _C_BACKENDS,
-    _F32,
     CPath,
     c_backward,
     c_forward,
@@ -167,19 +165,10 @@ class _GeluFn(torch.autograd.Function):
         # y alone is returned then
         ctx.approximate = approximate
         if direct:
-            cp = _CPATH[approximate]
-            if (  # NOTE [The straight C path of the smooth activations]
-                x.dtype is _F32
-                and x.is_cpu
-                and (
-                    (_backend._resolved[0] or _backend.get_backend()) in _C_BACKENDS
-                    if cp.ready
-                    else cp.prepare(x)
-                )
-            ):
-                y = c_forward(ctx, x, _C_FWD[approximate], cp)
-                if y is not None:
-                    return y
+            # NOTE [The straight C path of the smooth activations]
+            y = c_forward(ctx, x, _C_FWD[approximate], _CPATH[approximate])
+            if y is not None:
+                return y
             return smooth_forward(ctx, x, _gelu_fwd.impl, False, approximate, single=True)
         return smooth_forward(ctx, x, _gelu_fwd, False, approximate)
 
