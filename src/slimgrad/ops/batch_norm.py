@@ -125,7 +125,7 @@ class _Source(SimpleNamespace):
         # only: a claim is one of a step's most frequent calls
         n = b.numel()
         C = b.shape[1] if b.ndim > 1 else 1
-        if n <= _MAX_FEW * C:  # _few_per_channel(b)
+        if n <= _MAX_FEW * C:
             return False  # NOTE [Few values per channel]: keep x, as eager
         dt = b.dtype
         if dt.is_floating_point and dt.itemsize < 4:
@@ -148,7 +148,9 @@ class _Source(SimpleNamespace):
                 # γ or β changed since forward: b cannot be inverted with them (NOTE [BatchNorm
                 # keeps its parameters, not copies]); keep x, as eager
                 return False
-            # _overflow_limit(b), inline (C > 0 here: n > 0 values)
+            # |γ| at or above which b = γ x̂ + β may overflow b's dtype: |x̂| <= sqrt(m - 1) for m
+            # values per channel (biased variance) and |β| <= |γ| / 2 on a good channel, so
+            # |b| < |γ| (sqrt(m) + 1) (C > 0 here: n > 0 values)
             lim = torch.finfo(dt).max / (math.sqrt(n // C if b.ndim > 1 else n) + 1.0)
             # γ, β as in forward (their versions); NOTE [Decided once per parameter version] in
             # slimgrad/_math/abn.py: no host sync while they do not change
@@ -194,20 +196,9 @@ class _Source(SimpleNamespace):
 # 1e-7 eps), the same order as the scatter the sweep above saw at every n, and not growing as σ²/eps
 # falls. No per-call variance test: it would be a host read per layer per step on CUDA (NOTE
 # [Decided once per parameter version]).
-def _few_per_channel(b: torch.Tensor) -> bool:
-    c = b.shape[1] if b.dim() > 1 else 1
-    return b.numel() <= _MAX_FEW * c
-
-
-def _overflow_limit(b: torch.Tensor) -> float:
-    # |γ| at or above which b = γ x̂ + β may overflow b's dtype: |x̂| <= sqrt(n - 1) for n values
-    # per channel (biased variance) and |β| <= |γ| / 2 on a good channel, so |b| < |γ| (sqrt(n) + 1)
-    n = b.numel() // b.shape[1] if b.dim() > 1 else b.numel()
-    return torch.finfo(b.dtype).max / (math.sqrt(n) + 1.0)
-
-
 def _bad_mask(weight, bias, extra=None):
-    # extra: _overflow_limit of the output (None: no such bound)
+    # extra: the |γ| at or above which the output may overflow (keep_output's limit; None: no
+    # such bound)
     ref = weight if weight is not None else bias
     w = ref if ref.dtype == torch.float64 else ref.float()
     if weight is None:  # no affine scale: γ = 1
@@ -993,7 +984,7 @@ def _batch_norm(
         # (so x is kept) that is eager's own node, decided from the shape before any Function
         or (
             training
-            and numel <= _MAX_FEW * (shape[1] if ndim > 1 else 1)  # _few_per_channel
+            and numel <= _MAX_FEW * (shape[1] if ndim > 1 else 1)
             and (input.requires_grad or (weight is not None and weight.requires_grad))
             and recipe is None
         )
