@@ -9,7 +9,7 @@ channels as in NOTE [Normalization from its output: the fallback channels] (``op
 with the tighter bound of NOTE [GroupNorm's fallback channels] below. The backward's sums run in
 float64 (NOTE [GroupNorm dgamma in float64], ``_sums``) and dx is ``a * dy + b * y + c`` with
 coefficients per (sample, channel) (NOTE [GroupNorm's backward within eager's bytes],
-``_bwd_torch``).
+``_bwd_torch``); float32 CPU tensors take the same math in C (``_bwd_cpu``, the same bits).
 
 Memory, per input dtype:
 - float32/float64: saves y (the output, shared with the next layer) + mean and rstd (2 * itemsize
@@ -19,9 +19,11 @@ Memory, per input dtype:
   extra). Groups of fewer than ``MIN_GROUP_NUMEL`` elements, shapes whose backward would not fit
   in the bytes of x it does not keep (few values per channel: ``_backward_fits``), and
   non-contiguous inputs (channels_last, transposed, sliced) run eager's group_norm (saves x, as
-  eager). Backward: float64 copies of ``min(numel / 32, CHUNK_ELEMS)`` values of dy and y at a
-  time (in dx's buffer before dx is written, else 0.5 B/elt at most) and per-channel and
-  per-(sample, group) float64 sums; no activation-sized temporary (transient).
+  eager). Backward (transient): on CPU in float32 the C kernel (``kernels/cpu/group_norm.c``)
+  allocates nothing besides dx, dgamma and dbeta, as eager; elsewhere float64 copies of
+  ``min(numel / 32, CHUNK_ELEMS)`` values of dy and y at a time (in dx's buffer before dx is
+  written, else 0.5 B/elt at most) and per-channel and per-(sample, group) float64 sums; no
+  activation-sized temporary.
 - bfloat16/float16: runs eager's ``F.group_norm``, so saves exactly what eager saves: x (2 B/elt)
   + mean and rstd (2 * 2 B per sample and group). Rebuilding xhat from a half-precision output
   broke the error rule for dgamma (NOTE [RMSNorm and GroupNorm in half precision] in
@@ -51,20 +53,30 @@ error is lower in every channel (2.1-2.9e-6 against 2.7-3.2e-6; eager's: 5.4-5.9
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from slimgrad import _dtensor
-from slimgrad._autograd import refuse_jit, transforms_active
-from slimgrad._library import custom_op
+from slimgrad import _dtensor, ownership
+from slimgrad._autograd import (
+    direct_apply,
+    first_order,
+    refuse_jit,
+    transforms_active,
+    unwrap_if_dead,
+)
+from slimgrad._library import custom_op, straight
+from slimgrad._math import steps
+from slimgrad._math.steps import epoch
 from slimgrad._math.tables import dynamic_size
+from slimgrad.kernels import _backend
 from slimgrad.ops.layer_norm import (
+    _ANCHOR_APPLY,
     CHUNK_ELEMS,
     HALF_DTYPES,
     _acc_dtype,
     _rowdot,
-    affine_norm_function,
     attach_anchor,
     autocast_inputs,
     fake_norm_grads,
@@ -223,6 +235,12 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     # xhat and g and copied dy and y to float64 for up to a sixteenth of the batch (at least
     # CHUNK_ELEMS values): Conv1x1 -> GroupNorm(1, 16) on (4, 16, 7, 7) peaked at 77,319 B
     # against eager's 37,800 (now 27,166; before a 1x1 conv: 77,319 -> 38,759, eager 51,304).
+    # Where dx cannot take dy's buffer and nothing else keeps y (a residual add after the norm),
+    # the backward holds y, dy and dx where eager holds x, dy and dx: it may allocate nothing but
+    # dx, dgamma and dbeta. The C kernel (float32 CPU, ``_bwd_cpu``) does that: its sums live in
+    # registers (each group's row sums computed twice: once for dgamma and dbeta per channel, once
+    # for dx), and _GroupNormFn does not materialize gradients for mean and rstd. This PyTorch
+    # path (CUDA, float64, no C compiler) still holds its sums on top in that case.
     f64 = torch.float64
     n, c = y.shape[0], y.shape[1]
     hw = math.prod(y.shape[2:])
@@ -285,6 +303,87 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     return dx, dw, db
 
 
+def _c_signatures(C):
+    p, i64, i = C.c_void_p, C.c_int64, C.c_int
+    return {"bwd": ("group_norm_bwd_f32", [p] * 11 + [i64] * 5 + [i], None)}
+
+
+def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out=None):
+    # The compiled kernel (kernels/cpu/group_norm.c): the float64 row sums of NOTE [GroupNorm
+    # dgamma in float64] in registers, dgamma and dbeta per channel, then per (sample, group) the
+    # same sums again and dx from the coefficients of NOTE [GroupNorm's backward within eager's
+    # bytes]: no buffer besides dx, dgamma and dbeta (the PyTorch path's float64 copies of dy and y
+    # and its per-row sums are not needed). Contiguous float32 on CPU; else the PyTorch path.
+    lib = _backend.use_cpu(y, "group_norm")
+    f32 = torch.float32
+    if (
+        lib is None
+        or dy.dtype != f32
+        or (weight is not None and weight.dtype != f32)
+        or (bias is not None and bias.dtype != f32)
+        or mean.dtype != f32
+        or rstd.dtype != f32
+        or not y.is_contiguous()
+        or not mean.is_contiguous()
+        or not rstd.is_contiguous()
+        or (idx.shape[0] and (xside.dtype != f32 or not xside.is_contiguous()))
+        or (out is not None and out is not dy and not out.is_contiguous())
+    ):
+        return _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out)
+    if not dy.is_contiguous():  # any layout may come in (channels_last, expanded)
+        dy = dy.contiguous()
+    n, c = y.shape[0], y.shape[1]
+    hw = y.numel() // (n * c) if n * c else 0
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    need_db = bias is not None and output_mask[2]
+    # hold every buffer in a variable until the call returns (NOTE [CPU C kernels])
+    dx = (out if out is not None else torch.empty_like(y)) if need_dx else None
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(bias) if need_db else None
+    if n * c and hw:
+        w = None if weight is None else weight.detach().contiguous()
+        b = None if bias is None else bias.detach().contiguous()
+        try:  # bound once per library (kernels/_cpu.functions), then an attribute
+            fns = lib._slimgrad_fns
+        except AttributeError:
+            from slimgrad.kernels._cpu import functions
+
+            fns = functions(lib, _c_signatures)
+        k = idx.shape[0]
+        ix = idx if idx.is_contiguous() else idx.contiguous()
+        fns["bwd"](
+            dy.data_ptr(),
+            y.data_ptr(),
+            mean.data_ptr(),
+            rstd.data_ptr(),
+            None if w is None else w.data_ptr(),
+            None if b is None else b.data_ptr(),
+            xside.data_ptr() if k else None,
+            ix.data_ptr() if k else None,
+            None if dx is None else dx.data_ptr(),
+            None if dw is None else dw.data_ptr(),
+            None if db is None else db.data_ptr(),
+            n,
+            c,
+            hw,
+            num_groups,
+            k,
+            torch.get_num_threads(),
+        )
+    elif n * c == 0:  # no values: zero gradients for the parameters
+        for t in (dw, db):
+            if t is not None:
+                t.zero_()
+    return dx, dw, db
+
+
+def _bwd(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out=None):
+    # NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py: the C kernel for CPU tensors
+    if y.device.type == "cpu":
+        return _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out)
+    return _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out)
+
+
 @custom_op("group_norm_fwd", mutates_args=())
 def _group_norm_fwd(
     x: torch.Tensor,
@@ -324,7 +423,7 @@ def _group_norm_bwd(
     num_groups: int,
     output_mask: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dw, db = _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask)
+    dx, dw, db = _bwd(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask)
     return grads_or_empty(y, dx, dw, db)
 
 
@@ -353,14 +452,68 @@ def _eager(x, num_groups, weight, bias, eps):
     return F.group_norm(x, num_groups, weight, bias, eps)
 
 
-_GroupNormFn = affine_norm_function(
-    "_GroupNormFn",
-    "group_norm",
-    _group_norm_fwd,
-    _group_norm_bwd,
-    _bwd_torch,
-    double=norm_double("ops.group_norm", _eager, _rebuild_input),
-)
+_DOUBLE = norm_double("ops.group_norm", _eager, _rebuild_input)
+_TORCH = object()  # _GroupNormFn's ``direct`` for the straight path (PyTorch forward, cached idx)
+
+
+def _double(ctx, dy, *rest):
+    if dy is None:  # grads are not materialized (_GroupNormFn.forward)
+        return None, None, None, None, None, None
+    return _DOUBLE(ctx, dy, *rest)
+
+
+class _GroupNormFn(torch.autograd.Function):
+    # An output-keeping norm's Function (ops/layer_norm.py, affine_norm_function) with GroupNorm's
+    # straight forward (direct=_TORCH: eager, plain tensors, NOTE [One gate per call] in
+    # slimgrad/_library.py) and without materialized gradients: autograd would hand backward a
+    # zero tensor for each of mean and rstd (8 B per (sample, group)), the only bytes above
+    # eager's in a step whose incoming gradient is shared (NOTE [GroupNorm's backward within
+    # eager's bytes]).
+    @staticmethod
+    def forward(ctx, x, arg, weight, bias, eps, direct=False):
+        ctx.set_materialize_grads(False)
+        ctx.arg, ctx.eps = arg, eps
+        if direct is _TORCH:
+            y, mean, rstd, idx, xside = _fwd_straight(x, arg, weight, bias, eps)
+        else:
+            fwd = _group_norm_fwd.impl if direct else _group_norm_fwd
+            y, mean, rstd, idx, xside = fwd(x, arg, weight, bias, eps)
+        ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
+        ctx.mark_non_differentiable(mean, rstd, idx, xside)
+        return y, mean, rstd, idx, xside
+
+    @staticmethod
+    @first_order("ops.group_norm", double=_double)
+    def backward(ctx, dy, *_):
+        if dy is None:
+            return None, None, None, None, None, None
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = [need[0], need[2], need[3]]
+        if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
+            mask[0]
+            and buf is not None
+            and buf.shape == y.shape
+            and buf.dtype == y.dtype
+            and buf.is_contiguous()
+        ):
+            dx, dw, db = _bwd(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf)
+        elif straight():  # the custom op's implementation past the gate (NOTE [One gate per call])
+            dx, dw, db = _bwd(dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask)
+        else:
+            dx, dw, db = _group_norm_bwd(dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask)
+        return (
+            dx if mask[0] else None,
+            None,
+            dw if weight is not None and mask[1] else None,
+            db if bias is not None and mask[2] else None,
+            None,
+            None,
+        )
+
+
+_GN_APPLY = direct_apply(_GroupNormFn)
 
 
 def group_norm(
@@ -396,6 +549,19 @@ def group_norm(
     Example:
         >>> y = group_norm(torch.randn(2, 6, 5, requires_grad=True), 3)
     """
+    if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
+        type(input) in _PLAIN
+        and type(weight) in _PLAIN_OR_NONE
+        and type(bias) in _PLAIN_OR_NONE
+        and not input.is_meta
+        and not _any_autocast()
+        and straight()
+        and input.is_contiguous()
+    ):
+        key = (input.shape, num_groups, input.dtype)
+        lean = _LEAN[key] if key in _LEAN else _lean(key)
+        if lean:
+            return _group_norm_straight(input, num_groups, weight, bias, eps)
     _dtensor.refuse("slimgrad.ops.group_norm", input=input, weight=weight, bias=bias)
     if input.dim() < 2 or num_groups <= 0 or input.shape[1] % num_groups:
         raise RuntimeError(
@@ -430,6 +596,101 @@ def group_norm(
         with torch.autocast(dev, enabled=False):
             return _group_norm(input, int(num_groups), weight, bias, float(eps))
     return _group_norm(input, int(num_groups), weight, bias, float(eps))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+_any_autocast = torch._C._is_any_autocast_enabled
+_grad_on = torch._C.is_grad_enabled
+# {(shape, num_groups, dtype): whether a contiguous input of that shape takes the output-keeping
+# path}: integer facts of the shape, decided once per shape (CONTRIBUTING.md, "Decide once")
+_LEAN: dict[tuple, bool] = {}
+
+
+def _lean(key) -> bool:
+    # the general path's conditions for a contiguous input outside autocast: no error to raise,
+    # groups of at least MIN_GROUP_NUMEL, not half precision, _backward_fits
+    shape, g, dtype = key
+    ok = (
+        type(g) is int
+        and len(shape) >= 2
+        and g > 0
+        and shape[1] % g == 0
+        and math.prod(shape[1:]) // g >= MIN_GROUP_NUMEL
+        and dtype not in HALF_DTYPES
+        and dtype.is_floating_point
+        and _backward_fits(shape, g, dtype.itemsize)
+    )
+    if len(_LEAN) >= 4096:  # shapes that keep changing: forget, decide again
+        _LEAN.clear()
+    _LEAN[key] = ok
+    return ok
+
+
+def _group_norm_straight(input, num_groups: int, weight, bias, eps) -> torch.Tensor:
+    # _group_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors, a
+    # contiguous input of a shape _lean accepted
+    x = unwrap_if_dead(input)
+    anchor = None
+    if input.requires_grad and _grad_on():  # make_anchor's eager case
+        box: list = []
+        anchor = _ANCHOR_APPLY(x, box), box
+    if type(weight) is not torch.nn.Parameter and weight is not None:
+        weight = unwrap_if_dead(weight)
+    if type(bias) is not torch.nn.Parameter and bias is not None:
+        bias = unwrap_if_dead(bias)
+    y = _GN_APPLY(x, num_groups, weight, bias, float(eps), _TORCH)[0]
+    if anchor is not None and y.grad_fn is not None:  # attach_anchor
+        y.grad_fn._slimgrad_anchor = anchor
+    return y
+
+
+def _fwd_straight(x, num_groups, weight, bias, eps):
+    # _fwd_torch with the fallback channels found once per parameter version
+    n, c = x.shape[0], x.shape[1]
+    hw = x.numel() // (n * c) if n * c else math.prod(x.shape[2:])
+    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
+    idx = _fallback_cached(weight, bias, y.dtype)
+    if idx.device != x.device:
+        idx = idx.to(x.device)
+    if idx.shape[0]:
+        xside = x.view(n, c, hw).index_select(1, idx)
+    else:
+        xside = x.new_empty((n, 0, hw))
+    return y, mean, rstd, idx, xside
+
+
+_FB: dict[int, tuple] = {}
+
+
+def _fallback_cached(weight, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    # _fallback_channels once per version of weight and bias, keyed as NOTE [Fallback channels,
+    # once per weight version] (slimgrad/_math/norms.py) keys LayerNorm's; a tensor of the
+    # caller's own on each call
+    ref = weight if weight is not None else bias
+    if ref is None:
+        return torch.empty(0, dtype=torch.int64)
+    try:  # an inference tensor has no version counter: reading _version raises
+        w_key = b_key = None
+        if weight is not None:
+            w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
+            w_key += (weight.stride(), weight.device)
+        if bias is not None:
+            b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
+            b_key += (bias.device,)
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return _fallback_channels(weight, bias, out_dtype)
+    key = (w_key, b_key, out_dtype, steps._count[0] if steps._hooked[0] else epoch())
+    slot = id(ref)
+    hit = _FB[slot] if slot in _FB else None
+    if hit is None or hit[0]() is not ref or hit[1] != key:
+        idx = _fallback_channels(weight, bias, out_dtype)
+        wref = weakref.ref(ref, lambda _, slot=slot: _FB.pop(slot, None))
+        hit = _FB[slot] = (wref, key, idx)
+    idx = hit[2]
+    if idx.shape[0]:
+        return idx.clone()
+    return torch.empty(0, dtype=torch.int64, device=idx.device)
 
 
 def _chunk(numel: int) -> int:
