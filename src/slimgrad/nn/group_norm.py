@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as _module
 
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
@@ -25,9 +26,14 @@ class GroupNorm(NoScript, torch.nn.GroupNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+        # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
+        if (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self):
             return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
-        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        p = self._parameters  # the Parameters without Module.__getattr__ (a parametrized weight
+        # is a property of the parametrized class, not in _parameters: read as an attribute)
+        w = p["weight"] if "weight" in p else self.weight
+        b = p["bias"] if "bias" in p else self.bias
+        return group_norm(input, self.num_groups, w, b, self.eps)
 
     @classmethod
     def from_torch(cls, module: torch.nn.GroupNorm) -> GroupNorm:

@@ -305,15 +305,19 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
 
 def _c_signatures(C):
     p, i64, i = C.c_void_p, C.c_int64, C.c_int
-    return {"bwd": ("group_norm_bwd_f32", [p] * 11 + [i64] * 5 + [i], None)}
+    return {"bwd": ("group_norm_bwd_f32", [p] * 12 + [i64] * 5 + [i, i], None)}
 
 
 def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask, out=None):
     # The compiled kernel (kernels/cpu/group_norm.c): the float64 row sums of NOTE [GroupNorm
-    # dgamma in float64] in registers, dgamma and dbeta per channel, then per (sample, group) the
-    # same sums again and dx from the coefficients of NOTE [GroupNorm's backward within eager's
-    # bytes]: no buffer besides dx, dgamma and dbeta (the PyTorch path's float64 copies of dy and y
-    # and its per-row sums are not needed). Contiguous float32 on CPU; else the PyTorch path.
+    # dgamma in float64] in registers (no float64 copies of dy and y), dgamma and dbeta per
+    # channel and dx per (sample, group) from the coefficients of NOTE [GroupNorm's backward
+    # within eager's bytes]. The row sums (16 B per row) are kept between the two where that
+    # costs no bytes above eager's: in a buffer of their own when dx takes dy's buffer (eager
+    # allocates dx there; mode 1: one read of dy and y) or in dx's own rows before dx is written
+    # (mode 2: two reads); else computed twice (mode 0: three reads, nothing but dx, dgamma and
+    # dbeta, for a shared dy with rows of fewer than 4 values). Contiguous float32 on CPU; else
+    # the PyTorch path.
     lib = _backend.use_cpu(y, "group_norm")
     f32 = torch.float32
     if (
@@ -341,8 +345,8 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mas
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty_like(bias) if need_db else None
     if n * c and hw:
-        w = None if weight is None else weight.detach().contiguous()
-        b = None if bias is None else bias.detach().contiguous()
+        w = None if weight is None else weight.contiguous()  # (c,): itself, as a rule
+        b = None if bias is None else bias.contiguous()
         try:  # bound once per library (kernels/_cpu.functions), then an attribute
             fns = lib._slimgrad_fns
         except AttributeError:
@@ -351,6 +355,12 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mas
             fns = functions(lib, _c_signatures)
         k = idx.shape[0]
         ix = idx if idx.is_contiguous() else idx.contiguous()
+        st, mode = None, 0
+        if need_dx and (need_dw or need_db):
+            if out is not None and hw >= 4:
+                st, mode = torch.empty(2 * n * c, dtype=torch.float64), 1
+            elif out is None and hw >= 4:
+                mode = 2
         fns["bwd"](
             dy.data_ptr(),
             y.data_ptr(),
@@ -363,13 +373,16 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mas
             None if dx is None else dx.data_ptr(),
             None if dw is None else dw.data_ptr(),
             None if db is None else db.data_ptr(),
+            None if st is None else st.data_ptr(),
             n,
             c,
             hw,
             num_groups,
             k,
+            mode,
             torch.get_num_threads(),
         )
+        del st
     elif n * c == 0:  # no values: zero gradients for the parameters
         for t in (dw, db):
             if t is not None:
@@ -491,6 +504,8 @@ class _GroupNormFn(torch.autograd.Function):
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
+        # _bwd(y), inline: the C kernel for CPU tensors (NOTE [Kernel backend choice])
+        impl = _bwd_cpu if y.is_cpu else _bwd_torch
         if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
             mask[0]
             and buf is not None
@@ -498,9 +513,9 @@ class _GroupNormFn(torch.autograd.Function):
             and buf.dtype == y.dtype
             and buf.is_contiguous()
         ):
-            dx, dw, db = _bwd(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf)
+            dx, dw, db = impl(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf)
         elif straight():  # the custom op's implementation past the gate (NOTE [One gate per call])
-            dx, dw, db = _bwd(dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask)
+            dx, dw, db = impl(dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask)
         else:
             dx, dw, db = _group_norm_bwd(dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask)
         return (

@@ -7,17 +7,16 @@
  * float64]), in 8 lanes (element j in lane j % 8) added in lane order: p0 = sum(dy), p1 = sum(dy *
  * y) (fallback rows: dy * x), and the row's sum(dy * xhat): q = (p1 - p0 * beta) / gamma (fallback:
  * (p1 - p0 * mu) * rstd), the PyTorch path's formulas.
- * Pass 1 (channels in parallel): dbeta = sum_n p0, dgamma = sum_n q, in sample order.
- * Pass 2 ((sample, group) pairs in parallel): the group's row sums again (the same function, the
- * same values), c1 = sum(p0 * gamma) / m, c2 = sum(q * gamma) / m, the PyTorch path's per-channel
- * coefficients in double rounded once to float, and dx = (fma(bb, y, a * dy) + cc) (+ x * bx on
- * fallback channels), each step rounded as the PyTorch path's ops round (its addcmul_ is fused on
- * x86 CPUs: fmaf; no other contraction).
- * Every unit writes only its own outputs: the bits do not depend on the thread count. Pass 1 runs
- * first and a group's dy is read before its dx is written, so dx may alias dy. The kernel needs no
- * buffer besides its outputs. */
+ * dgamma and dbeta: per channel, sum_n p0 and sum_n q in sample order; dx: per (sample, group),
+ * c1 = sum(p0 * gamma) / m, c2 = sum(q * gamma) / m, the PyTorch path's per-channel coefficients
+ * in double rounded once to float, and dx = (fma(bb, y, a * dy) + cc) (+ x * bx on fallback
+ * channels), each step rounded as the PyTorch path's ops round (its addcmul_ is fused on x86
+ * CPUs: fmaf; no other contraction). Where the row sums are kept between the two (the modes of
+ * group_norm_bwd_f32) changes how often dy and y are read, not the sums or their order: the same
+ * bits in every mode and for any thread count (every unit writes only its own outputs). */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -80,12 +79,76 @@ static void row_q(const float *dy, const float *y, const float *mean, const floa
     *q = s1;
 }
 
+/* the (sample, group) pair u's dx from its c1 * rstd and c2 * rstd */
+static void group_dx(const float *dy, const float *y, const float *mean, const float *rstd,
+                     const float *w, const float *b, const float *xs, const int64_t *idx, float *dx,
+                     int64_t c, int64_t hw, int64_t g, int64_t k, int64_t u, double c1r,
+                     double rc2) {
+    int64_t cg = c / g, i = u / g, c0 = (u % g) * cg;
+    double rr = (double)rstd[u];
+    for (int64_t ch = c0; ch < c0 + cg; ch++) {
+        int64_t kk = k ? fb_col(idx, k, ch) : -1;
+        double uu = kk >= 0 ? 0.0 : (w ? rc2 / (double)w[ch] : rc2);
+        float a = (float)(w ? rr * (double)w[ch] : rr);
+        float bb = (float)(-uu);
+        double cd = b ? uu * (double)b[ch] : 0.0;
+        if (kk >= 0) cd = (rc2 * (double)mean[u]) * rr;
+        float cc = (float)(cd - c1r);
+        const float *dyr = dy + (i * c + ch) * hw, *yr = y + (i * c + ch) * hw;
+        float *dxr = dx + (i * c + ch) * hw;
+        if (kk >= 0) {
+            const float *xr = xs + (i * k + kk) * hw;
+            float bx = (float)(-(rc2 * rr));
+            for (int64_t j = 0; j < hw; j++) {
+                float t = a * dyr[j];
+                t = fmaf(bb, yr[j], t);
+                t = t + cc;
+                dxr[j] = t + xr[j] * bx;
+            }
+        } else {
+            for (int64_t j = 0; j < hw; j++) {
+                float t = a * dyr[j];
+                t = fmaf(bb, yr[j], t);
+                dxr[j] = t + cc;
+            }
+        }
+    }
+}
+
+/* row r's (p0, q), kept in a double pair: st (the stash) or the first 16 bytes of dx's row r */
+static void put(double *st, float *dx, int64_t hw, int64_t r, double p0, double q) {
+    double v[2] = {p0, q};
+    if (st)
+        memcpy(st + 2 * r, v, sizeof v);
+    else
+        memcpy(dx + r * hw, v, sizeof v);
+}
+static void get(const double *st, const float *dx, int64_t hw, int64_t r, double *p0, double *q) {
+    double v[2];
+    if (st)
+        memcpy(v, st + 2 * r, sizeof v);
+    else
+        memcpy(v, dx + r * hw, sizeof v);
+    *p0 = v[0];
+    *q = v[1];
+}
+
+/* mode 0: dgamma/dbeta per channel from the row sums, then per group the row sums again and dx
+ * (three reads of dy and y; dx may alias dy; no buffer).
+ * mode 1: per group the row sums, kept in st (2 doubles per row, the caller's buffer), and dx
+ * right after (the group's dy and y still in cache); then dgamma/dbeta per channel from st (one
+ * read; dx may alias dy).
+ * mode 2: per group the row sums, kept in the first 16 bytes of each row of dx (hw >= 4; dx must
+ * not alias dy); dgamma/dbeta per channel from there; then per group its sums from there and dx
+ * (two reads; no buffer). All modes: the same sums in the same order, the same bits. */
 void group_norm_bwd_f32(const float *dy, const float *y, const float *mean, const float *rstd,
                         const float *w, const float *b, const float *xs, const int64_t *idx,
-                        float *dx, float *dw, float *db, int64_t n, int64_t c, int64_t hw,
-                        int64_t g, int64_t k, int nt) {
+                        float *dx, float *dw, float *db, double *st, int64_t n, int64_t c,
+                        int64_t hw, int64_t g, int64_t k, int mode, int nt) {
     int64_t cg = c / g;
-    if (dw || db) {
+    double m = (double)(cg * hw);
+    int par = !(dw || db) || !dx; /* one of the two passes only: no sums kept */
+    if (!dx || (mode == 0 && (dw || db))) {
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t ch = 0; ch < c; ch++) {
             int64_t kk = k ? fb_col(idx, k, ch) : -1;
@@ -101,7 +164,29 @@ void group_norm_bwd_f32(const float *dy, const float *y, const float *mean, cons
         }
     }
     if (!dx) return;
-    double m = (double)(cg * hw);
+    if (mode == 0 || par) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t u = 0; u < n * g; u++) {
+            int64_t i = u / g, c0 = (u % g) * cg;
+            double g1 = 0.0, g2 = 0.0;
+            for (int64_t ch = c0; ch < c0 + cg; ch++) {
+                int64_t kk = k ? fb_col(idx, k, ch) : -1;
+                double p0, q;
+                row_q(dy, y, mean, rstd, w, b, xs, c, hw, cg, g, k, i, ch, kk, &p0, &q);
+                if (w) {
+                    p0 = p0 * (double)w[ch];
+                    q = q * (double)w[ch];
+                }
+                g1 += p0;
+                g2 += q;
+            }
+            double rr = (double)rstd[u];
+            group_dx(dy, y, mean, rstd, w, b, xs, idx, dx, c, hw, g, k, u, (g1 / m) * rr,
+                     (g2 / m) * rr);
+        }
+        return;
+    }
+    double *sp = mode == 1 ? st : 0;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t u = 0; u < n * g; u++) {
         int64_t i = u / g, c0 = (u % g) * cg;
@@ -110,6 +195,7 @@ void group_norm_bwd_f32(const float *dy, const float *y, const float *mean, cons
             int64_t kk = k ? fb_col(idx, k, ch) : -1;
             double p0, q;
             row_q(dy, y, mean, rstd, w, b, xs, c, hw, cg, g, k, i, ch, kk, &p0, &q);
+            put(sp, dx, hw, i * c + ch, p0, q);
             if (w) {
                 p0 = p0 * (double)w[ch];
                 q = q * (double)w[ch];
@@ -117,33 +203,41 @@ void group_norm_bwd_f32(const float *dy, const float *y, const float *mean, cons
             g1 += p0;
             g2 += q;
         }
-        double rr = (double)rstd[u], c1r = (g1 / m) * rr, rc2 = (g2 / m) * rr;
-        for (int64_t ch = c0; ch < c0 + cg; ch++) {
-            int64_t kk = k ? fb_col(idx, k, ch) : -1;
-            double uu = kk >= 0 ? 0.0 : (w ? rc2 / (double)w[ch] : rc2);
-            float a = (float)(w ? rr * (double)w[ch] : rr);
-            float bb = (float)(-uu);
-            double cd = b ? uu * (double)b[ch] : 0.0;
-            if (kk >= 0) cd = (rc2 * (double)mean[u]) * rr;
-            float cc = (float)(cd - c1r);
-            const float *dyr = dy + (i * c + ch) * hw, *yr = y + (i * c + ch) * hw;
-            float *dxr = dx + (i * c + ch) * hw;
-            if (kk >= 0) {
-                const float *xr = xs + (i * k + kk) * hw;
-                float bx = (float)(-(rc2 * rr));
-                for (int64_t j = 0; j < hw; j++) {
-                    float t = a * dyr[j];
-                    t = fmaf(bb, yr[j], t);
-                    t = t + cc;
-                    dxr[j] = t + xr[j] * bx;
-                }
-            } else {
-                for (int64_t j = 0; j < hw; j++) {
-                    float t = a * dyr[j];
-                    t = fmaf(bb, yr[j], t);
-                    dxr[j] = t + cc;
-                }
-            }
+        if (mode == 1) {
+            double rr = (double)rstd[u];
+            group_dx(dy, y, mean, rstd, w, b, xs, idx, dx, c, hw, g, k, u, (g1 / m) * rr,
+                     (g2 / m) * rr);
         }
+    }
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t ch = 0; ch < c; ch++) {
+        double s0 = 0.0, t = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            double p0, q;
+            get(sp, dx, hw, i * c + ch, &p0, &q);
+            s0 += p0;
+            t += q;
+        }
+        if (db) db[ch] = (float)s0;
+        if (dw) dw[ch] = (float)t;
+    }
+    if (mode == 1) return;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t u = 0; u < n * g; u++) {
+        int64_t i = u / g, c0 = (u % g) * cg;
+        double g1 = 0.0, g2 = 0.0;
+        for (int64_t ch = c0; ch < c0 + cg; ch++) {
+            double p0, q;
+            get(0, dx, hw, i * c + ch, &p0, &q);
+            if (w) {
+                p0 = p0 * (double)w[ch];
+                q = q * (double)w[ch];
+            }
+            g1 += p0;
+            g2 += q;
+        }
+        double rr = (double)rstd[u];
+        group_dx(dy, y, mean, rstd, w, b, xs, idx, dx, c, hw, g, k, u, (g1 / m) * rr,
+                 (g2 / m) * rr);
     }
 }
