@@ -94,10 +94,6 @@ KNOWN: dict[str, str] = {
     "peak 168 (152)",
     "RMSNorm-kept": "ops/rms_norm.py: peak above eager at few rows: (2, 3, 1, 1) saved 48 (96), "
     "peak 184 (176)",
-    "Linear-alone": "a channels_last 4-D input to a converted Linear: (1, 4, 2, 3) cl saved 192 "
-    "(192), peak 536 (440)",
-    "Linear-kept": "a channels_last 4-D input to a converted Linear: (1, 4, 2, 3) cl saved 288 "
-    "(288), peak 632 (536)",
 }
 
 
