@@ -25,6 +25,18 @@ class TestElu(OutputActTests):
     ]
     COMPILE_CASES = [CASES[0], CASES[2]]
 
+    @pytest.mark.parametrize("inplace", [False, True])
+    def test_memory_contract(self, case, inplace):
+        if not inplace or case.bits:
+            super().test_memory_contract(case, inplace)
+            return
+        # NOTE [ELU in place]: alpha > 0 in place keeps y alone, as eager's elu_
+        x0 = (torch.randn(23, 41, dtype=torch.float64) * case.scale).float()
+        assert int((x0 < TAIL).sum()) > 0  # the out-of-place op would keep a tail table here
+        case.slim(x0.clone().requires_grad_() * 1, True).sum().backward()
+        m = measure(lambda: case.slim(x0.clone().requires_grad_() * 1, True).sum())
+        assert m.saved_bytes == x0.numel() * 4
+
 
 # NOTE [ELU's tail]: the gradient over the whole input range, every dtype, against float64
 _U = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float64: 2**-53}
@@ -50,7 +62,7 @@ def _grad(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", list(_U))
-@pytest.mark.parametrize("alpha,inplace", [(0.8, False), (-0.7, False), (2.5, True)])
+@pytest.mark.parametrize("alpha,inplace", [(0.8, False), (-0.7, False), (-2.5, True)])
 def test_gradient_over_the_whole_range(dtype, alpha, inplace):
     x = _every_value(dtype)
     assert not dense_tail(TestElu.CASES[0], x)
@@ -68,6 +80,40 @@ def test_gradient_over_the_whole_range(dtype, alpha, inplace):
     mo = torch.zeros(401, dtype=torch.float64).scatter_reduce(0, w, e_ours, "amax")
     me = torch.zeros(401, dtype=torch.float64).scatter_reduce(0, w, e_eager, "amax")
     assert bool((mo <= 2 * me + DEFAULT_ATOL[dtype]).all())
+
+
+@pytest.mark.parametrize("dtype", list(_U))
+@pytest.mark.parametrize("alpha", [0.8, 1.0, 2.5])
+def test_inplace_is_eagers_inplace_over_the_whole_range(dtype, alpha):
+    # NOTE [ELU in place]: eager's elu_ gradient (from y) bit for bit, its tail included
+    x = _every_value(dtype)
+    ours = _grad(lambda t: elu(t, alpha, True), x)
+    eager = _grad(lambda t: F.elu(t, alpha, inplace=True), x)
+    torch.testing.assert_close(ours, eager, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 1, 1), (1, 1, 1, 1), (3, 8, 5, 7), (23, 41)])
+@pytest.mark.parametrize("alpha", [0.3, 1.0])
+def test_inplace_keeps_and_peaks_as_eagers_inplace(shape, alpha):
+    # issue 30, class 7: in place, a few elements kept a copy of x (2x3x1x1: saved 48 B against
+    # eager's 24 B) and more kept the tail table (3x8x5x7: peak 8 B above eager's)
+    x0 = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 3
+    x0.view(-1)[0] = -3.0  # one element in NOTE [ELU's tail]
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+
+    def step(fn):
+        return lambda: (fn(x0.clone().requires_grad_() * 1) * w).sum()
+
+    ours, eager = (lambda t: elu(t, alpha, True)), (lambda t: F.elu(t, alpha, inplace=True))
+    step(ours)().backward()
+    ms, me = measure(step(ours), timeline=False), measure(step(eager), timeline=False)
+    assert ms.saved_bytes == me.saved_bytes == x0.numel() * 4  # y alone
+    assert ms.peak_bytes <= me.peak_bytes
+    grads = []
+    for fn in (ours, eager):
+        x = x0.clone().requires_grad_()
+        grads.append(torch.autograd.grad(fn(x * 1), x, w)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
 
 def test_tail_examples_of_the_issue():

@@ -40,6 +40,8 @@ def test_node_saved_bytes_and_grads(stem, args, eager, node, per_elt, inplace):
     assert type(y.grad_fn).__name__ == node
     m = measure(lambda: fn(x0 * 1, *args, inplace=inplace).sum())
     per_elt = per_elt(x0) if callable(per_elt) else per_elt
+    if stem == "elu" and inplace and args[0] > 0:
+        per_elt = 4  # y alone, as eager's elu_ (NOTE [ELU in place] in ops/elu.py)
     assert m.saved_bytes == round(per_elt * x0.numel())
     (got,) = torch.autograd.grad(fn(x0 * 1, *args, inplace=inplace).square().sum(), x0)
     (want,) = torch.autograd.grad(eager(x0 * 1, *args).square().sum(), x0)

@@ -22,9 +22,19 @@ the table comes from ``slimgrad::select_table`` with a symbolic length, or 0 wit
 tests/ops/test_elu.py checks every float16/bfloat16 value and a float32 sweep of the whole range
 against float64.
 
+# NOTE [ELU in place]
+Eager's in-place ``elu_`` (alpha > 0) keeps its output alone and differentiates it as
+``g (y + alpha)``: the tail's loss above is eager's own there. ``inplace=True`` with alpha > 0 does
+the same (y, no tail table, no copy of x at few elements): eager's bytes and eager's in-place
+gradient bit for bit, so it never keeps more than the module it replaces (the table or the copy of
+x would: issue 30, ``tests/conformance/test_never_more_than_eager_sweep.py``); backward still
+writes dx into a dead incoming gradient (below). The out-of-place op keeps the table. alpha < 0 in
+place keeps what the out-of-place op keeps (eager's ``elu_`` refuses it in backward).
+
 Memory: alpha > 0: saves y (the output, shared with the next layer) + (4 + elt) B per element with
 x < -2; alpha < 0: the same + 1 bit/elt. Eager saves x (4 B/elt float32). Dense case: x, as eager;
 so is a tensor of at most ``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``).
+In place with alpha > 0: y alone, as eager's ``elu_`` (NOTE [ELU in place]).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
@@ -166,11 +176,17 @@ class _EluFn(torch.autograd.Function):
         ctx.alpha, ctx.inplace = alpha, inplace
         record_layout(ctx, x)
         ctx.bits = alpha < 0
+        # in place with alpha > 0: eager's elu_ keeps y alone (NOTE [ELU in place]): so does this
+        as_eager_ = inplace and alpha > 0
         # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): the
         # bits, the tail table and their temporaries cost more than x there (1 element, alpha < 0:
         # peak 33 B, 34,829 B on the first call (the unpacking table), against eager's 12-20 B)
-        ctx.dense = alpha != 0 and (torch.compiler.is_compiling() or x.numel() <= DENSE_MAX)
-        if alpha == 0:
+        ctx.dense = (
+            alpha != 0
+            and not as_eager_
+            and (torch.compiler.is_compiling() or x.numel() <= DENSE_MAX)
+        )
+        if alpha == 0 or as_eager_:
             idx, xs = x.new_empty(0, dtype=torch.int32), x.new_empty(0)
         elif not ctx.dense:
             idx, xs, ctx.dense = _tail_table(x)
@@ -265,7 +281,7 @@ def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
 
     Memory: saves y (shared with the next layer) + (4 + elt) B per element with x < -2
     (``alpha < 0``: + 1 bit/elt); as many bytes as x at most: then x, as eager. Eager saves x
-    (4 B/elt float32).
+    (4 B/elt float32). ``inplace`` with alpha > 0: y alone, as eager's ``elu_`` (its gradient).
 
     Args:
         input: any floating tensor.
