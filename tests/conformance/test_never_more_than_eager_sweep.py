@@ -85,15 +85,6 @@ MODULES = {
 # fix shows up as an unexpected pass. Key: "name-context" (context: alone or kept); bytes are
 # saved / peak, converted (eager), at the first shape that broke.
 KNOWN: dict[str, str] = {
-    "LayerNorm-alone": "ops/layer_norm.py: peak above eager at few rows and channels_last: "
-    "(2, 3) peak 208 (120); (1, 4, 2, 3) cl saved 256 (256) peak 908 (480); (3, 8, 5, 7) cl "
-    "peak 26,492 (14,464)",
-    "LayerNorm-kept": "ops/layer_norm.py: peak above eager at few rows: (2, 3) saved 40 (64), "
-    "peak 208 (168); (1, 5) peak 264 (216)",
-    "RMSNorm-alone": "ops/rms_norm.py: peak above eager at few rows: (2, 3) saved 32 (56), "
-    "peak 168 (152)",
-    "RMSNorm-kept": "ops/rms_norm.py: peak above eager at few rows: (2, 3, 1, 1) saved 48 (96), "
-    "peak 184 (176)",
 }
 
 

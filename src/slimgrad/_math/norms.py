@@ -250,7 +250,7 @@ def layer_norm_bwd_torch(
         db = dy2.sum(0, dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
     if need_dx:
         dx = out.view(n, d) if out is not None else y.new_empty((n, d))
-    dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
+    dw = None  # the first chunk's float64 sum, then the others added (0 + s is s, bit for bit)
     step = max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1))
     for i in range(0, n, step):
         sl = slice(i, i + step)
@@ -259,7 +259,9 @@ def layer_norm_bwd_torch(
             xh.index_copy_(1, idx, (xside[sl].to(acc) - mu[sl]) * r[sl])
         dyc = dy2[sl].to(acc)
         if need_dw:
-            dw += (dyc * xh).sum(0, dtype=torch.float64)
+            s = (dyc * xh).sum(0, dtype=torch.float64)
+            dw = s if dw is None else dw.add_(s)
+            del s
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
             c1 = g.mean(1, keepdim=True)
@@ -272,6 +274,8 @@ def layer_norm_bwd_torch(
     else:
         dx = None
     if need_dw:
+        if dw is None:  # no rows
+            dw = torch.zeros(d, dtype=torch.float64, device=y.device)
         dw = dw.to(weight.dtype).reshape(weight.shape)
     return dx, dw, db
 
@@ -309,7 +313,8 @@ def rms_norm_bwd_torch(
             dx = dy2
         else:
             dx = out.view(n, d) if out is not None else y.new_empty((n, d))
-    dw = torch.zeros(d, dtype=torch.float64, device=y.device) if need_dw else None
+    # the first chunk's float64 sum, then the others added (0 + s is s, bit for bit)
+    dw, cast = None, False
     # max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1)), without max()'s calls
     step = (n * d) // 16
     if step < CHUNK_ELEMS:
@@ -330,7 +335,14 @@ def rms_norm_bwd_torch(
         if dyc.dtype != acc:
             dyc = dyc.to(acc)
         if need_dw:
-            dw += (dyc * xh).sum(0, dtype=torch.float64)
+            s = (dyc * xh).sum(0, dtype=torch.float64)
+            if dw is not None:
+                dw.add_(s)
+            elif i + step >= n:  # the only chunk: in the weight's dtype now, before g is made
+                dw, cast = s.to(weight.dtype), True
+            else:
+                dw = s
+            del s
         if need_dx:
             g = dyc * w if w is not None else dyc.clone()
             # rowdot(g, xh), inline: no chunk-sized temporary
@@ -341,7 +353,10 @@ def rms_norm_bwd_torch(
     if need_dx and y.ndim != 2:
         dx = dx.reshape(y.shape)
     if need_dw:
-        dw = dw.to(weight.dtype)
+        if dw is None:  # no rows
+            dw = torch.zeros(d, dtype=torch.float64, device=y.device)
+        if not cast:
+            dw = dw.to(weight.dtype)
         if weight.ndim != 1:
             dw = dw.reshape(weight.shape)
     return dx, dw

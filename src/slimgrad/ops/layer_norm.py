@@ -87,6 +87,21 @@ C_MIN_BLOCK_ROWS = 32
 C_MAX_BLOCKS = 16
 
 
+# NOTE [The LayerNorm C backward's buffers]
+# Eager's backward allocates dx, dgamma and dbeta (its kernel's own scratch, 2 * threads * d floats,
+# is freed inside the kernel). The C kernel's row blocks (rows_per_block) each sum dgamma and
+# dbeta into a float64 slice of a parts buffer, with float32 scratch rows per thread: (k * nblk +
+# threads) * d * 8 bytes for k of dgamma, dbeta. Those are paid for only where dx is written over
+# a granted dy (the n * d * 4 bytes of dx that eager allocates and this backward does not) and
+# there are several blocks (n > C_MIN_BLOCK_ROWS rows; at most one thread per block, so the
+# buffers stay below dx's bytes). Everywhere else -- a fresh dx, a single block, no dx -- the
+# kernel takes no buffer beyond its outputs: the same sums in another loop order (column tiles,
+# then rows; kernels/cpu/layer_norm.c), the same bits, one more read of dy and y. A dy that is not
+# contiguous (e.g. the gradient of a channels_last product) is copied into dx's buffer, as eager's
+# kernel copies it, and dx is written over the copy: no PyTorch path with its row-sized
+# temporaries.
+
+
 def _c_signatures(C):
     p, i64, i = C.c_void_p, C.c_int64, C.c_int
     return {"bwd": ("layer_norm_bwd_f32", [p] * 11 + [i64, i64, i64, i, i, i, i], None)}
@@ -112,8 +127,22 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     # sums and dbeta blocks, double dgamma) is what the seed sweeps allowed: 40 seeds x 9 shapes x 5
     # weight kinds (4,320 gradients) against float64 stayed within the error rule, worst dx 0.33,
     # dgamma 0.76, dbeta 0.49 of the bound (float dgamma reached 0.97: kept in double).
+    # NOTE [The LayerNorm C backward's buffers]
     lib = _backend.use_cpu(y, "layer_norm")
     f32 = torch.float32
+    granted = out is dy  # dx written over a granted dy: the buffers are paid for
+    if (
+        lib is not None
+        and out is None
+        and output_mask[0]
+        and not dy.is_contiguous()
+        and dy.dtype == y.dtype
+        and dy.shape == y.shape
+        and y.is_contiguous()
+    ):  # dy copied into dx's buffer (eager's kernel copies it too), then dx written over it
+        out = torch.empty_like(y)
+        out.copy_(dy)
+        dy = out
     if (
         lib is None
         or (idx is not None and idx.shape[0])
@@ -137,6 +166,12 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     if rpb < C_MIN_BLOCK_ROWS:
         rpb = C_MIN_BLOCK_ROWS
     nblk = -(-n // rpb)
+    dx = (out if out is not None else torch.empty_like(y)) if need_dx else None
+    # the row-block buffers only where dx is written over dy and there are several blocks (NOTE
+    # [The LayerNorm C backward's buffers]); one thread per block at most
+    parts = granted and nblk > 1
+    if parts and nt > nblk:
+        nt = nblk
     # hold every buffer in a variable until the call returns (NOTE [CPU C kernels]); rstd has one
     # element per row; a 1-D weight/bias is its own (d,) view
     r = rstd if rstd.is_contiguous() else rstd.contiguous()
@@ -145,15 +180,16 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
         w = (weight if weight.ndim == 1 else weight.reshape(d)).contiguous()
     if bias is not None:
         b = (bias if bias.ndim == 1 else bias.reshape(d)).contiguous()
-    dx = (out if out is not None else torch.empty_like(y)) if need_dx else None
     dw = torch.empty(d, dtype=f32) if need_dw else None
     db = torch.empty(d, dtype=f32) if need_db else None
-    # one buffer for the float64 row-block parts of dgamma and dbeta (nblk * d each), then the
-    # threads' float32 scratch rows (nt * 2 * d floats: nt * d doubles): the bytes of two buffers
     k = int(need_dw) + int(need_db)
-    tmp = torch.empty((k * nblk + nt) * d, dtype=torch.float64)
-    base = tmp.data_ptr()
-    part = nblk * d * 8  # bytes of one parts buffer
+    tmp = None
+    if parts:
+        # one buffer for the float64 row-block parts of dgamma and dbeta (nblk * d each), then the
+        # threads' float32 scratch rows (nt * 2 * d floats: nt * d doubles)
+        tmp = torch.empty((k * nblk + nt) * d, dtype=torch.float64)
+        base = tmp.data_ptr()
+        part = nblk * d * 8  # bytes of one parts buffer
 
     try:  # bound once per library (kernels/_cpu.functions), then an attribute
         fns = lib._slimgrad_fns
@@ -169,9 +205,9 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
         None if dx is None else (dy_ptr if dx is dy else dx.data_ptr()),
         None if dw is None else dw.data_ptr(),
         None if db is None else db.data_ptr(),
-        base + k * part,  # scratch
-        base if need_dw else None,
-        base + int(need_dw) * part if need_db else None,
+        base + k * part if parts else None,  # scratch
+        base if parts and need_dw else None,
+        base + int(need_dw) * part if parts and need_db else None,
         n,
         d,
         rpb,
@@ -358,6 +394,8 @@ def norm_double(api: str, eager_fn, rebuild_input):
     ``eager_fn(x, arg, weight, bias, eps)`` eager's forward."""
 
     def double(ctx, dy, *_):
+        if dy is None:  # NOTE [Norm backward without materialized gradients]
+            return None, None, None, None, None, None
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad
         with torch.no_grad():
@@ -444,6 +482,17 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
     )
 
 
+# NOTE [Norm backward without materialized gradients]
+# LayerNorm's and RMSNorm's Functions return side outputs that carry no gradient (mean, rstd, the
+# fallback tables: marked non-differentiable). By default autograd hands a backward a zero tensor
+# for every output that received no gradient: two ``aten.zeros`` of a row statistic's size per
+# LayerNorm per step (50 per GPT-2 step), which the backward never reads. The Functions set
+# ``ctx.materialize_grads = False`` (``set_materialize_grads(False)`` without its Python frame):
+# the side outputs' gradients arrive as None and are ignored. y's own gradient can be None too (a
+# loss that does not depend on y, gradcheck's undefined-gradient check): then no input gets a
+# gradient, and backward and its ``double`` return None for every input before anything else
+# (``ownership.take`` included). The gradients that exist, and their bits, are unchanged.
+
 # NOTE [An empty side table is saved as None]
 # Without fallback channels (the common case) LayerNorm's and RMSNorm's Functions save None for the
 # index table and the input columns, and return neither: the straight path (NOTE [One gate per
@@ -464,6 +513,8 @@ class _LayerNormFn(torch.autograd.Function):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
         # _TORCH: and the PyTorch forward is the kernel choice (not CUDA, no Triton backend)
         ctx.arg, ctx.eps = arg, eps
+        # NOTE [Norm backward without materialized gradients]
+        ctx.materialize_grads = False
         if direct is _TORCH:
             y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
             idx = fallback_or_none(weight, bias, y.dtype)
@@ -490,6 +541,8 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     @first_order("ops.layer_norm", double=_LN_DOUBLE)
     def backward(ctx, dy, *_):
+        if dy is None:  # NOTE [Norm backward without materialized gradients]
+            return None, None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad

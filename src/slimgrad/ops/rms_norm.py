@@ -145,7 +145,15 @@ def _rms_norm_bwd(
     output_mask: Sequence[bool],
     x_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _bwd_impl(y)(dy, y, rstd, idx, xside, weight, list(normalized_shape), output_mask)
+    impl, ns = _bwd_impl(y), list(normalized_shape)
+    if output_mask[0] and dy.dtype == y.dtype and dy.shape == y.shape and not dy.is_contiguous():
+        # copied into dx's buffer (the row view of dy would copy it anyway) and dx written over
+        # the copy, chunk by chunk: one buffer of dy's size, not two
+        out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+        out.copy_(dy)
+        dx, dw = impl(out, y, rstd, idx, xside, weight, ns, output_mask, out=out)
+    else:
+        dx, dw = impl(dy, y, rstd, idx, xside, weight, ns, output_mask)
     return grads_or_empty(y, dx.to(x_dtype) if dx is not None else None, dw)
 
 
@@ -162,6 +170,8 @@ class _RMSNormFn(torch.autograd.Function):
         # direct=_TORCH: the straight path (NOTE [One gate per call] in slimgrad/_library.py) on
         # the PyTorch forward; NOTE [An empty side table is saved as None] in ops/layer_norm.py
         ctx.normalized_shape, ctx.x_dtype = normalized_shape, x.dtype
+        # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+        ctx.materialize_grads = False
         if direct is _TORCH:
             y, rstd = _fused_rms_norm(x, normalized_shape, weight, eps)
             idx = fallback_or_none(weight, None, y.dtype) if weight is not None else None
@@ -187,6 +197,8 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     @first_order("ops.rms_norm")  # keeps y, not x: second derivatives raise a clear error
     def backward(ctx, dy, *_):
+        if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+            return None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -278,6 +290,7 @@ class _RMSNormFromInputFn(torch.autograd.Function):
     def forward(ctx, x, normalized_shape, weight, eps):
         y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
         ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        ctx.materialize_grads = False  # NOTE [Norm backward without materialized gradients]
         ctx.save_for_backward(x, rstd, weight)
         ctx.mark_non_differentiable(rstd)
         return y, rstd
@@ -285,6 +298,8 @@ class _RMSNormFromInputFn(torch.autograd.Function):
     @staticmethod
     @first_order("ops.rms_norm", double=lambda ctx, dy, *_: _from_input_double(ctx, dy))
     def backward(ctx, dy, *_):
+        if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+            return None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         x, rstd, weight = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2]]
@@ -297,6 +312,8 @@ class _RMSNormFromInputFn(torch.autograd.Function):
 
 def _from_input_double(ctx, dy):
     # x is kept: differentiate eager's F.rms_norm from it (eager's second derivatives)
+    if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+        return None, None, None, None
     x, _, weight = ctx.saved_tensors
     need = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2]]
     with torch.enable_grad():
@@ -538,6 +555,8 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         fwd, gamma_of = HF_VARIANTS[variant]
         y, rstd = fwd(x, weight, eps)
         ctx.variant = variant
+        # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+        ctx.materialize_grads = False
         if direct and weight is not None:
             # the fallback channels once per weight version (None: there is none)
             idx = fallback_or_none(weight, None, y.dtype, _SCALE_CHANNELS[variant])
@@ -564,6 +583,8 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
     @staticmethod
     @first_order("ops.rms_norm")
     def backward(ctx, dy, *_):
+        if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+            return None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need_w = weight is not None and ctx.needs_input_grad[1]

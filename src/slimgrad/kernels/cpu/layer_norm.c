@@ -14,7 +14,13 @@
  * in block order, so dw and db have the same bits for any thread count (dx is per row anyway).
  * One sweep per row builds xh into the thread's scratch row (d floats, cache resident) and reads
  * dy for the row sums, dw and db; a second writes dx. Every read of a row of dy comes before its dx
- * is written, so dx may alias dy. No fallback channel (ops/layer_norm.py runs its PyTorch path when
+ * is written, so dx may alias dy.
+ * Without scratch (scratch NULL: no buffer beyond the outputs, where the buffers above would cost
+ * more than eager's backward allocates, ops/layer_norm.py _bwd_cpu) the same sums come in another
+ * loop order: dw and db by tiles of TJ columns, each tile's block sums and their total in local
+ * arrays (the same additions in the same order: the same bits), before any dx is written; then
+ * the row sums and dx per row, with xh kept in dx's own row (dx not dy) or rebuilt again from y
+ * (dx aliases dy; the same float operations: the same bits). No fallback channel (ops/layer_norm.py runs its PyTorch path when
  * there is one). w or b may be NULL. The GNU C vector type (gcc >= 9, clang) makes the lanes
  * explicit: element-wise float/double arithmetic, the same bits on every instruction set. */
 #include <stdint.h>
@@ -55,8 +61,10 @@ static void row_pass(const float *dyr, const float *yr, const float *w, const fl
             x0 = x0 / ld(w + j);
             x1 = x1 / ld(w + j + 8);
         }
-        st(xs + j, x0);
-        st(xs + j + 8, x1);
+        if (xs) {
+            st(xs + j, x0);
+            st(xs + j + 8, x1);
+        }
         if (fb) {
             st(fb + j, ld(fb + j) + d0);
             st(fb + j + 8, ld(fb + j + 8) + d1);
@@ -82,7 +90,7 @@ static void row_pass(const float *dyr, const float *yr, const float *w, const fl
         float x = yr[j];
         if (b) x = x - b[j];
         if (w) x = x / w[j];
-        xs[j] = x;
+        if (xs) xs[j] = x;
         if (fb) fb[j] += dyr[j];
         if (pw) pw[j] += (double)(dyr[j] * x);
         float g = w ? dyr[j] * w[j] : dyr[j];
@@ -98,13 +106,92 @@ static void row_pass(const float *dyr, const float *yr, const float *w, const fl
     *s2 = t2;
 }
 
-/* scratch: nt * 2 * d floats; dw_parts, db_parts: ceil(n / rows_per_block) * d doubles each
+/* dx for one row from its sums c1, c2: xh read from xs, or rebuilt from y where xs is NULL. */
+static void row_dx(const float *dyr, const float *yr, const float *w, const float *b,
+                   const float *xs, float *dxr, int64_t d, float c1, float c2, float r) {
+    if (xs) {
+        if (w) {
+            for (int64_t j = 0; j < d; j++) dxr[j] = ((dyr[j] * w[j] - c1) - xs[j] * c2) * r;
+        } else {
+            for (int64_t j = 0; j < d; j++) dxr[j] = ((dyr[j] - c1) - xs[j] * c2) * r;
+        }
+        return;
+    }
+    for (int64_t j = 0; j < d; j++) {
+        float x = yr[j];
+        if (b) x = x - b[j];
+        if (w) x = x / w[j];
+        float g = w ? dyr[j] * w[j] : dyr[j];
+        dxr[j] = ((g - c1) - x * c2) * r;
+    }
+}
+
+#define TJ 64
+
+/* dw, db without parts buffers: per tile of TJ columns, each row block's sums (pw in double, fb
+ * in float, as the row passes keep them) and the blocks' total in block order, in local arrays. */
+static void col_sums(const float *dy, const float *y, const float *w, const float *b, float *dw,
+                     float *db, int64_t n, int64_t d, int64_t rows_per_block, int need_dw,
+                     int need_db, int nt) {
+    int64_t nblk = rows_per_block > 0 ? (n + rows_per_block - 1) / rows_per_block : 0;
+    int64_t ntile = (d + TJ - 1) / TJ;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < ntile; t++) {
+        int64_t j0 = t * TJ, m = d - j0 < TJ ? d - j0 : TJ;
+        double sw[TJ], sb[TJ], pw[TJ];
+        float fb[TJ];
+        for (int64_t k = 0; k < m; k++) sw[k] = sb[k] = 0.0;
+        for (int64_t kb = 0; kb < nblk; kb++) {
+            for (int64_t k = 0; k < m; k++) {
+                pw[k] = 0.0;
+                fb[k] = 0.0f;
+            }
+            int64_t i1 = (kb + 1) * rows_per_block < n ? (kb + 1) * rows_per_block : n;
+            for (int64_t i = kb * rows_per_block; i < i1; i++) {
+                const float *dyr = dy + i * d + j0, *yr = y + i * d + j0;
+                for (int64_t k = 0; k < m; k++) {
+                    float x = yr[k];
+                    if (b) x = x - b[j0 + k];
+                    if (w) x = x / w[j0 + k];
+                    pw[k] += (double)(dyr[k] * x);
+                    fb[k] += dyr[k];
+                }
+            }
+            for (int64_t k = 0; k < m; k++) {
+                sw[k] += pw[k];
+                sb[k] += (double)fb[k];
+            }
+        }
+        for (int64_t k = 0; k < m; k++) {
+            if (need_dw) dw[j0 + k] = (float)sw[k];
+            if (need_db) db[j0 + k] = (float)sb[k];
+        }
+    }
+}
+
+/* scratch: nt * 2 * d floats, or NULL (no scratch, no parts: the column order above); dw_parts, db_parts: ceil(n / rows_per_block) * d doubles each
  * (NULL when not needed); dw, db: d floats. */
 void layer_norm_bwd_f32(const float *dy, const float *y, const float *rstd, const float *w,
                         const float *b, float *dx, float *dw, float *db, float *scratch,
                         double *dw_parts, double *db_parts, int64_t n, int64_t d,
                         int64_t rows_per_block, int need_dx, int need_dw, int need_db, int nt) {
     int64_t nblk = rows_per_block > 0 ? (n + rows_per_block - 1) / rows_per_block : 0;
+    if (!scratch) {
+        if (need_dw || need_db)
+            col_sums(dy, y, w, b, dw, db, n, d, rows_per_block, need_dw, need_db, nt);
+        if (!need_dx) return;
+        int own = dx != dy; /* xh kept in dx's own row, else rebuilt */
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            const float *dyr = dy + i * d, *yr = y + i * d;
+            float *dxr = dx + i * d;
+            double s1 = 0.0, s2 = 0.0;
+            row_pass(dyr, yr, w, b, own ? dxr : 0, 0, 0, d, 1, &s1, &s2);
+            float c1 = (float)(s1 / (double)d), c2 = (float)(s2 / (double)d);
+            row_dx(dyr, yr, w, b, own ? dxr : 0, dxr, d, c1, c2, rstd[i]);
+        }
+        return;
+    }
 #pragma omp parallel num_threads(nt)
     {
         int tid = 0;
@@ -125,13 +212,7 @@ void layer_norm_bwd_f32(const float *dy, const float *y, const float *rstd, cons
                 if (!need_dx) continue;
                 /* after every read of the row of dy: dx may alias it */
                 float c1 = (float)(s1 / (double)d), c2 = (float)(s2 / (double)d), r = rstd[i];
-                float *dxr = dx + i * d;
-                if (w) {
-                    for (int64_t j = 0; j < d; j++)
-                        dxr[j] = ((dyr[j] * w[j] - c1) - xs[j] * c2) * r;
-                } else {
-                    for (int64_t j = 0; j < d; j++) dxr[j] = ((dyr[j] - c1) - xs[j] * c2) * r;
-                }
+                row_dx(dyr, 0, w, 0, xs, dx + i * d, d, c1, c2, r);
             }
             if (fb)
                 for (int64_t j = 0; j < d; j++) db_parts[kb * d + j] = (double)fb[j];
