@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from slimgrad import _ext
 from slimgrad._library import SlimOp, custom_op, python_impl
 
 _RUNS: list[str] = []
@@ -164,12 +165,20 @@ def test_straight_is_one_call_and_a_dynamo_constant():
     # NOTE [One-call gate]: straight reads the compile flag in place (no compiling() frame) and
     # Dynamo evaluates it once at trace time (no guard on the flag: a guard would fail at run
     # time, where the flag is False, and recompile per call)
+    from slimgrad import _library
     from slimgrad._library import straight
     from tests._host_calls import slimgrad_calls
 
     assert straight() is True
-    # the gate's frame and torch's five C checks, nothing of slimgrad's own beside
-    assert slimgrad_calls(straight) == 6
+    # without slimgrad's C++ extension: the gate's frame and torch's five C checks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_library, "_watchers", None)
+        assert straight() is True
+        assert slimgrad_calls(straight) == 6
+    # with it (loaded on the first ownership question): the gate's frame and one C call
+    if _ext.load() is not None:
+        assert _library._watchers is not None
+        assert slimgrad_calls(straight) == 2
     with torch.profiler.profile():
         assert straight() is False
     frames = []
@@ -187,3 +196,63 @@ def test_straight_is_one_call_and_a_dynamo_constant():
         torch.testing.assert_close(g(x), -torch.ones(3))
     assert len(frames) == 1
     torch.testing.assert_close(f(x), torch.ones(3))
+
+
+def _torch_watchers() -> int:
+    c = torch._C
+    return (
+        (1 if c._len_torch_dispatch_stack() else 0)
+        | (2 if c._is_torch_function_mode_enabled() else 0)
+        | (4 if c._are_functorch_transforms_active() else 0)
+        | (8 if c._is_tracing() else 0)
+        | (16 if c._autograd._profiler_enabled() else 0)
+    )
+
+
+def test_extension_watchers_are_torchs_own_checks():
+    # NOTE [One-call gate]: the extension's watchers() reads the five C++ facts torch's Python
+    # bindings return; each watcher on its own sets its bit, and straight() says the same with
+    # and without the extension
+    from torch.overrides import TorchFunctionMode
+
+    from slimgrad import _library
+
+    mod = _ext.load()
+    if mod is None:
+        pytest.skip(f"no C++ extension here: {_ext.error()}")
+    seen = {}
+
+    def check(name):
+        got, want = mod.watchers(), _torch_watchers()
+        fallback = _library._watchers
+        _library._watchers = None
+        try:
+            python_answer = _library.straight()
+        finally:
+            _library._watchers = fallback
+        assert got == want, name
+        assert _library.straight() is python_answer is (got == 0), name
+        seen[name] = seen.get(name, 0) | got  # jit.trace also runs the function untraced
+
+    check("none")
+    with _Seen():
+        check("dispatch mode")
+    with TorchFunctionMode():
+        check("function mode")
+    torch.func.vmap(lambda t: check("vmap") or t)(torch.ones(2, 3))
+
+    def traced(t):
+        check("jit trace")
+        return t * 2
+
+    torch.jit.trace(traced, torch.ones(2))
+    with torch.profiler.profile():
+        check("profiler")
+    assert seen == {
+        "none": 0,
+        "dispatch mode": 1,
+        "function mode": 2,
+        "vmap": 4,
+        "jit trace": 8,
+        "profiler": 16,
+    }

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from slimgrad import _ext
 from slimgrad._autograd import compiling
 
 NAMESPACE = "slimgrad"
@@ -73,8 +74,8 @@ def straight() -> bool:
     """Whether nothing but eager PyTorch is watching: not compiling (read first: Dynamo folds it
     and traces nothing else here), no ``TorchDispatchMode`` (FakeTensorMode and the memory
     tracker included) or ``TorchFunctionMode``, no ``torch.func`` transform, no TorchScript
-    trace, no profiler (NOTE [One gate per call]). One call: nothing but torch's own C checks
-    (NOTE [One-call gate]).
+    trace, no profiler (NOTE [One gate per call]). Two calls once slimgrad's C++ extension is
+    loaded, six without it (NOTE [One-call gate]).
 
     # NOTE [One gate per call]
     An op's public function that passes this gate, on arguments it has checked are plain
@@ -89,9 +90,13 @@ def straight() -> bool:
     backward alone). An op under the profiler takes its general path, so profiles still name
     each custom op.
     """
+    if _compiler._is_compiling_flag:  # compiling() read in place (NOTE [One-call gate])
+        return False
+    w = _watchers
+    if w is not None:
+        return not w()
     return not (
-        _compiler._is_compiling_flag  # compiling() read in place (NOTE [One-call gate])
-        or _dispatch_stack_len()
+        _dispatch_stack_len()
         or _function_mode_on()
         or _functorch_on()
         or _is_tracing()
@@ -106,7 +111,22 @@ def straight() -> bool:
 # as ``compiling`` is (NOTE [One-frame compile check] in slimgrad/_autograd.py): Dynamo calls it
 # once at trace time, where torch.compile and torch.export hold the flag True, and uses the answer
 # (False) as a constant, exactly what tracing ``not (compiling() or ...)`` gave.
+# The five watchers are torch's own C checks; once slimgrad's C++ extension is loaded (built on
+# the first ownership question, never at import: NOTE [Storage facts from the C++ API] in
+# slimgrad/_ext) one call of its ``watchers`` reads the same five C++ facts that those Python
+# bindings return (a bit mask, 0 for nobody), and ``straight`` is two calls instead of six;
+# without the extension it asks torch's five bindings. tests/test_library.py checks that both
+# give the same answer under each watcher.
 straight._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_watchers = None  # the extension's watchers(), once it is loaded
+
+
+def _use_extension(mod) -> None:
+    global _watchers
+    _watchers = getattr(mod, "watchers", None)
+
+
+_ext.when_loaded(_use_extension)
 
 
 def direct_call_ok(args: tuple, kwargs: dict) -> bool:

@@ -390,13 +390,14 @@ _PROBE_KEPT = torch.empty(1)
 _PROBE_KEPT.untyped_storage()  # dropped: PyTorch keeps the object alive with the storage
 _FACTS = None  # the extension's facts function, once loaded
 _PLAIN_FACTS = None  # and its plain_facts
+_BACKWARD_FACTS = None  # and its backward_facts, where the probes' counts were read (_STORAGE_SIG)
 
 
 def _load_facts() -> bool:
     # Load the extension (building it on first use) and read the probes' counts. Once per process;
     # process-wide (the refcount of a kept-alive storage object is read with C calls only, which
     # the call mode of NOTE [Calibration per call mode] does not change).
-    global _FACTS, _PLAIN_FACTS, _STORAGE_SIG
+    global _FACTS, _PLAIN_FACTS, _BACKWARD_FACTS, _STORAGE_SIG
     if _FACTS is not None:
         return _STORAGE_SIG is not None
     mod = _ext.load()  # its own lock; after a failure, returns None at once
@@ -426,6 +427,7 @@ def _load_facts() -> bool:
             except Exception:  # any surprise: never reuse
                 _STORAGE_SIG = None
             _PLAIN_FACTS = mod.plain_facts
+            _BACKWARD_FACTS = getattr(mod, "backward_facts", None) if _STORAGE_SIG else None
             _FACTS = mod.facts
     return _STORAGE_SIG is not None
 
@@ -671,27 +673,65 @@ def _fake_plain_facts(t, kind: int):
     return (f[0], f[1], f[2], f[3], f[5], f[6], int(view))
 
 
-def _grad_ok(t: torch.Tensor, refcount: int) -> bool:
-    # terms 1-7 for an incoming gradient; the cheap Python facts first, then one extension call
+# NOTE [One call per backward question]
+# take/take_saved are asked once per backward of every converted op, so the questions are ordered
+# by cost, each refusing as early as it can, and the answers are the ones the terms of NOTE
+# [Gradient-buffer ownership] give in any order (each term only refuses):
+# - take reads the refcount (term 3) and calls _grad_ok/_saved_ok with the call-mode probe as an
+#   argument: the probe's refcount there is what _call_mode() measures (one plain Python call
+#   deep, from a frame that holds nothing else: NOTE [Calibration per call mode]), so one
+#   getrefcount reads the mode, and only a changed mode calls _ensure_calibrated, with that count
+#   (asked there, _call_mode() would also see the reference _grad_ok's own argument holds);
+# - a refcount that is no chain's baseline refuses before the running node is read (_GRAD_RCS:
+#   the calibrated refcounts of the current mode; a gradient a residual add hands to two
+#   consumers shows one reference more);
+# - one call of the extension's backward_facts reads grad mode, the graph task, functorch, the
+#   Python weak references of a gradient and the graph's keep flag of a saved tensor, then the
+#   plain facts (terms 4, 5, 6 and the tensor parts of 1, 2 and 7), where six calls asked them.
+#   Where it refuses a tensor that is not exactly ``torch.Tensor`` (a FakeTensor under the
+#   estimate: NOTE [Ownership under fake tensors]), the terms are asked one by one as before.
+_GRAD_RCS: frozenset = frozenset()  # the refcounts of _RCS_OF (NOTE [One call per ...])
+_RCS_OF: dict | None = None  # the _GRAD_REFCOUNT whose refcounts _GRAD_RCS holds
+
+
+def _refresh_rcs(grads: dict | None) -> None:
+    global _GRAD_RCS, _RCS_OF
+    _GRAD_RCS = frozenset(b[0] for b in (grads or {}).values())
+    _RCS_OF = grads
+
+
+def _grad_ok(t: torch.Tensor, refcount: int, probe: object) -> bool:
+    # terms 1-7 for an incoming gradient; the cheap facts first, then one extension call
+    # (NOTE [One call per backward question]); ``probe``: _MODE_PROBE passed by take/reusable
+    mode = _getrefcount(probe)  # _call_mode()'s count (NOTE [Calibration per call mode])
+    if mode != _MODE and not _ensure_calibrated(mode):
+        return False
     grads = _GRAD_REFCOUNT
+    if grads is not _RCS_OF:  # the baselines changed (a new call mode): their refcounts
+        _refresh_rcs(grads)
+    if refcount not in _GRAD_RCS:
+        return False
     node = _current_node()
     if grads is None or node is None:
         return False
     cls = type(node)
     kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
-    base = grads.get(kind)
+    base = grads[kind] if kind in grads else None
     if (
         base is None
         or refcount != base[0]
-        or _grad_on()
         or _disabled_depth
         or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled())
-        or _graph_task_id() == -1
-        or _functorch_on()
-        or _weakcount(t)
     ):
         return False
-    f = _plain_facts(t, 0)
+    fast = _BACKWARD_FACTS if _STORAGE_SIG is not None else None
+    f = None if fast is None else fast(t, 0)
+    if f is None:
+        if fast is not None and type(t) is torch.Tensor:
+            return False  # a per-call term or a plain fact refused
+        if _grad_on() or _graph_task_id() == -1 or _functorch_on() or _weakcount(t):
+            return False
+        f = _plain_facts(t, 0)
     if f is None or f[0] != base[1] or f[4] != 1:  # terms 4-5; 1; 7
         return False
     if f[6]:  # 2b: a view
@@ -702,23 +742,26 @@ def _grad_ok(t: torch.Tensor, refcount: int) -> bool:
     return _storage_free(t, 0, f)
 
 
-def _saved_ok(t: torch.Tensor, refcount: int) -> bool:
+def _saved_ok(t: torch.Tensor, refcount: int, probe: object) -> bool:
+    mode = _getrefcount(probe)  # _call_mode()'s count (NOTE [Calibration per call mode])
+    if mode != _MODE and not _ensure_calibrated(mode):
+        return False
     sigs = _SAVED_SIGS
     node = _current_node()
     if sigs is None or node is None:
         return False
     cls = type(node)
     kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
-    if (
-        _grad_on()
-        or _disabled_depth
-        or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled())
-        or _graph_task_id() == -1
-        or _functorch_on()
-        or _keep_graph()
-    ):
+    if _disabled_depth or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled()):
         return False
-    f = _plain_facts(t, 1)
+    fast = _BACKWARD_FACTS if _STORAGE_SIG is not None else None
+    f = None if fast is None else fast(t, 1)
+    if f is None:
+        if fast is not None and type(t) is torch.Tensor:
+            return False  # a per-call term or a plain fact refused
+        if _grad_on() or _graph_task_id() == -1 or _functorch_on() or _keep_graph():
+            return False
+        f = _plain_facts(t, 1)
     return (
         f is not None
         and (refcount, f[0]) in sigs.get(kind, ())
@@ -740,10 +783,10 @@ def reusable(grad: torch.Tensor | None) -> bool:
         True if no other reader of ``grad``'s memory exists; False otherwise (and always under
         :func:`reuse_disabled`, outside backward, with grad mode on, or if calibration failed).
     """
-    if _compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
+    if _compiling() or grad is None:
         return False
     refcount = _getrefcount(grad)
-    return grad is not None and _grad_ok(grad, refcount)
+    return _grad_ok(grad, refcount, _MODE_PROBE)
 
 
 def take(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -758,12 +801,12 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
         ...     buf = ownership.take(grad_out)
         ...     return grad_out.mul_(2) if buf is not None else grad_out * 2
     """
-    # a traced backward: no refcounts, no unannounced mutation; then the call mode's baselines
-    # (NOTE [Calibration per call mode]): one nested call, the rest only when the mode changed
-    if _compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
+    # a traced backward: no refcounts, no unannounced mutation; the call mode's baselines (NOTE
+    # [Calibration per call mode]) are checked in _grad_ok (NOTE [One call per backward question])
+    if _compiling() or grad is None:
         return None
     refcount = _getrefcount(grad)
-    if grad is None or not _grad_ok(grad, refcount):
+    if not _grad_ok(grad, refcount, _MODE_PROBE):
         return None
     with _counter_lock:
         _counter["grad"] += 1
@@ -779,10 +822,10 @@ def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
     ``a, b = ctx.saved_tensors`` then ``buf = ownership.take_saved(ctx, a)`` directly in
     ``backward`` (NOTE [Gradient-buffer ownership]).
     """
-    if _compiling() or (_nested(_MODE_PROBE) != _MODE and not _ensure_calibrated()):
+    if _compiling() or saved is None:
         return None
     refcount = _getrefcount(saved)
-    if saved is None or not _saved_ok(saved, refcount):
+    if not _saved_ok(saved, refcount, _MODE_PROBE):
         return None
     mark_consumed(ctx)
     with _counter_lock:
@@ -1063,13 +1106,14 @@ def _fake_input_ok(x) -> bool:
 
 def _enter(module, args) -> None:
     if not _compiling():
-        _running.stack.append(module)
+        stack = _running.stack
+        stack += (module,)  # append without a method call: these hooks run on every parent call
 
 
 def _leave(module, args, output) -> None:
     stack = _running.stack
     if stack and stack[-1] is module:
-        stack.pop()
+        del stack[-1]
 
 
 _enter._slimgrad_keeps_no_tensor = True  # type: ignore[attr-defined]
@@ -1735,11 +1779,14 @@ def _calibration_undisturbed() -> bool:
     )
 
 
-def _ensure_calibrated() -> bool:
+def _ensure_calibrated(mode: int | None = None) -> bool:
     """Whether the globals hold the baselines of the current call mode (NOTE [Calibration per
-    call mode]); switches to them, calibrating a new mode once, where that is safe."""
+    call mode]); switches to them, calibrating a new mode once, where that is safe. ``mode``:
+    the mode the caller measured as :func:`_call_mode` does (the probe's count one plain Python
+    call deep, where nothing else holds it); None: measured here."""
     global _MODE, _recalibrating
-    mode = _call_mode()
+    if mode is None:
+        mode = _call_mode()
     if mode == _MODE or _recalibrating:  # during a calibration its own probes run
         return True
     with _calib_lock:

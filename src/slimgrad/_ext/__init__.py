@@ -50,7 +50,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "build_seconds", "cache_dir", "error", "facts", "load", "loaded", "probe"]
+__all__ = [
+    "available",
+    "build_seconds",
+    "cache_dir",
+    "error",
+    "facts",
+    "load",
+    "loaded",
+    "probe",
+    "when_loaded",
+]
 
 ENV_VAR = "SLIMGRAD_NO_EXT"
 NAME = "slimgrad_storage_facts"
@@ -60,6 +70,7 @@ SOURCE = Path(__file__).with_name("storage_facts.cpp")
 
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None, "tried": False, "seconds": None}
+_callbacks: list = []  # when_loaded's, run once the module is loaded
 
 
 def cache_dir() -> Path:
@@ -146,7 +157,21 @@ def load():
                 _state["seconds"] = time.perf_counter() - t0
                 _record(_state["error"])
             _state["tried"] = True
+            if _state["module"] is not None:
+                for fn in _callbacks:
+                    fn(_state["module"])
     return _state["module"]
+
+
+def when_loaded(fn) -> None:
+    """Call ``fn(module)`` once the extension is loaded in this process (at once if it is
+    already): for a caller that uses it where it is available and its own Python where not,
+    without building it early. Never called if the extension cannot load."""
+    with _lock:
+        if _state["module"] is not None:
+            fn(_state["module"])
+        else:
+            _callbacks.append(fn)
 
 
 def _record(err: str | None) -> None:

@@ -3,11 +3,18 @@
 // return a tuple of ints about the tensor and its storage; they create no storage object and no
 // tensor, and take no reference that would show in the counts they read (the tensor argument is
 // borrowed). ``call_origin`` serves slimgrad.memory's tracker (below).
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/Storage.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <cstdint>
 
@@ -76,12 +83,7 @@ PyObject* facts(PyObject* /*self*/, PyObject* arg) {
 // has elements, and covers its whole storage densely from offset 0 (``is_non_overlapping_and_dense``
 // with ``numel * itemsize == storage nbytes``). Returns (tensor use count, storage use count,
 // storage weak count, has storage object, torch-owned, StorageImpl address, is a view).
-PyObject* plain_facts(PyObject* /*self*/, PyObject* args) {
-  PyObject* arg = nullptr;
-  int kind = 0;
-  if (!PyArg_ParseTuple(args, "Oi", &arg, &kind)) {
-    return nullptr;
-  }
+PyObject* plain_facts_of(PyObject* arg, int kind) {
   if (!THPVariable_CheckExact(arg)) {  // None, a subclass (Parameter, FakeTensor, DTensor, ...)
     Py_RETURN_NONE;
   }
@@ -125,6 +127,105 @@ PyObject* plain_facts(PyObject* /*self*/, PyObject* args) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
+}
+
+PyObject* plain_facts(PyObject* /*self*/, PyObject* args) {
+  PyObject* arg = nullptr;
+  int kind = 0;
+  if (!PyArg_ParseTuple(args, "Oi", &arg, &kind)) {
+    return nullptr;
+  }
+  return plain_facts_of(arg, kind);
+}
+
+// torch._C._are_functorch_transforms_active(): a functorch transform's layer keys are in the
+// thread's included dispatch keys.
+bool functorch_active() {
+  const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+  return included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+      included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
+}
+
+// Who watches eager PyTorch right now, as a bit mask (0: nobody), each bit the C++ fact that
+// torch's own Python binding returns (NOTE [One-call gate] in slimgrad/_library.py):
+// 1 torch._C._len_torch_dispatch_stack() > 0, 2 torch._C._is_torch_function_mode_enabled(),
+// 4 torch._C._are_functorch_transforms_active(), 8 torch._C._is_tracing(),
+// 16 torch._C._autograd._profiler_enabled().
+PyObject* watchers(PyObject* /*self*/, PyObject* /*unused*/) {
+  long mask = 0;
+  try {
+    if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+      mask |= 1;
+    }
+    if (at::impl::torch_function_mode_enabled()) {
+      mask |= 2;
+    }
+    if (functorch_active()) {
+      mask |= 4;
+    }
+    if (torch::jit::tracer::isTracing()) {
+      mask |= 8;
+    }
+    if (torch::profiler::impl::profilerEnabled()) {
+      mask |= 16;
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  return PyLong_FromLong(mask);
+}
+
+// ``plain_facts(t, kind)`` for a backward's question (kind 0: an incoming gradient, 1: a saved
+// tensor), or None where a per-call term of NOTE [Gradient-buffer ownership] refuses first:
+// grad mode on (torch.is_grad_enabled()), not inside the autograd engine
+// (torch._C._current_graph_task_id() == -1), a functorch transform active, for kind 0 a Python
+// weak reference to ``t`` (weakref.getweakrefcount), for kind 1 the graph kept
+// (torch._C._autograd._get_current_graph_task_keep_graph()). One call for what
+// slimgrad.ownership asked in six.
+PyObject* backward_facts(PyObject* /*self*/, PyObject* args) {
+  PyObject* arg = nullptr;
+  int kind = 0;
+  if (!PyArg_ParseTuple(args, "Oi", &arg, &kind)) {
+    return nullptr;
+  }
+  try {
+    if (c10::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() == -1 ||
+        functorch_active() ||
+        (kind != 0 && torch::autograd::get_current_graph_task_keep_graph())) {
+      Py_RETURN_NONE;
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  if (kind == 0) {
+    static PyObject* weakcount = nullptr;  // _weakref.getweakrefcount, what weakref's is
+    if (weakcount == nullptr) {
+      PyObject* mod = PyImport_ImportModule("_weakref");
+      if (mod == nullptr) {
+        return nullptr;
+      }
+      weakcount = PyObject_GetAttrString(mod, "getweakrefcount");
+      Py_DECREF(mod);
+      if (weakcount == nullptr) {
+        return nullptr;
+      }
+    }
+    PyObject* n = PyObject_CallOneArg(weakcount, arg);
+    if (n == nullptr) {
+      return nullptr;
+    }
+    const int truth = PyObject_IsTrue(n);
+    Py_DECREF(n);
+    if (truth != 0) {
+      if (truth < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  return plain_facts_of(arg, kind);
 }
 
 // Who called the op slimgrad.memory's tracker is counting (NOTE [How live bytes are counted] in
@@ -188,6 +289,10 @@ PyMethodDef methods[] = {
     {"facts", facts, METH_O, "Storage facts of a tensor (slimgrad.ownership)."},
     {"plain_facts", plain_facts, METH_VARARGS,
      "Storage facts of a plain dense tensor, else None (slimgrad.ownership)."},
+    {"watchers", watchers, METH_NOARGS,
+     "Who watches eager PyTorch: a bit mask, 0 for nobody (slimgrad._library.straight)."},
+    {"backward_facts", backward_facts, METH_VARARGS,
+     "plain_facts behind a backward's per-call terms, else None (slimgrad.ownership)."},
     {"call_origin", call_origin, METH_VARARGS,
      "Who called the op being counted: 0 Python, 1 the engine, 2 a Function's backward "
      "(slimgrad.memory)."},
