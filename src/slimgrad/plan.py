@@ -32,8 +32,12 @@ the same choice without recompute (dropout masks included).
    once per choice. Hooks that keep no tensor mark on the tracker's timeline where each real
    block's forward starts and ends and its backward starts (its output's gradient is ready) and
    ends (its input's is). From them, per kind and choice: ``r`` = bytes a block keeps from
-   forward to backward (half the live bytes its pair added from its first block's forward start
-   to the next block's), ``left`` = bytes a block leaves live once its backward ran (its
+   forward to backward (the live bytes its pair's second block added from its forward start to
+   the next block's: that block's input is the output of a block in its own choice, as in a
+   uniform run; the step's first block can differ, e.g. HF Llama's forward holds the first
+   block's input, ``inputs_embeds``, until it returns, so a block that does not keep its input
+   adds one hidden state more there, which halved over the pair over-counted every such block
+   by half a hidden state), ``left`` = bytes a block leaves live once its backward ran (its
    parameters' gradients and what else outlives it, e.g. a checkpoint's leftovers: the live bytes
    when the pair's first block's backward starts less those when the second's does, plus ``r``),
    and the peak of each segment of the timeline (before the blocks, their forwards, the head from
@@ -749,10 +753,9 @@ def _estimate_pairs(
     for j in range(g):
         a, b = 2 * j, 2 * j + 1
         nxt = f"{b + 1}fwd_start" if j < g - 1 else "closefwd_start"
-        two_r = live(nxt) - live(f"{a}fwd_start")
-        if two_r % 2:
-            return None
-        r = two_r // 2
+        # the second block's: its input is the output of a block in its own choice, as in the
+        # steady state (NOTE [How plan chooses], 1: the step's first block can differ)
+        r = live(nxt) - live(f"{b}fwd_start")
         rs.append(r)
         lefts.append(live(f"{a}bwd_start") - live(f"{b}bwd_start") + r)
     pre = pre_peak
