@@ -3,12 +3,15 @@
 NOTE [Attention probabilities recomputed in backward] in ``slimgrad/ops/softmax_dropout.py``.
 """
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from slimgrad.memory import measure
 from slimgrad.ops.softmax_dropout import scores_softmax_dropout_matmul
+from slimgrad.testing import OpObserver
 
 
 def _eager(q, kt, v, p, causal=False, mask=None, matmul_dtype=None):
@@ -153,3 +156,42 @@ def test_errors():
         scores_softmax_dropout_matmul(q, kt, v, 0.1, mask=torch.ones(1, 1, 3, 4, dtype=torch.bool))
     with pytest.raises(ValueError):
         scores_softmax_dropout_matmul(q, kt, v, 1.5)
+
+
+# NOTE [Attention matmuls as bmm]: the op's products reshape to bmm without torch.matmul's expands.
+
+
+class _OpNames(OpObserver):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def see(self, func, args, kwargs) -> None:
+        self.counts[str(func)] += 1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ops_per_call_hf_layout(causal):
+    # HF's layout: q, k and v are (B, T, H, d) views transposed to (B, H, T, d), so q and the
+    # incoming gradient do not fold into (B·H, T, d) (a copy each), k_t does. Forward 12 (+3 for
+    # the causal mask), backward 36 (+3): S again, dV, dD, dS, dq, dk. Before: 16 and 46 (two
+    # expands per torch.matmul, two casts to the dtype the tensors already had).
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(shape):
+        x = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=gen)
+        return x.transpose(1, 2).detach().requires_grad_()
+
+    q, k, v = leaf((2, 3, 8, 4)), leaf((2, 3, 8, 4)), leaf((2, 3, 8, 5))
+    kt = k.mT
+    g = torch.randn(2, 8, 3, 5, generator=gen).transpose(1, 2)
+    scores_softmax_dropout_matmul(q, kt, v, 0.1, causal=causal).backward(g)  # one-time set-up
+    with _OpNames() as fwd:
+        y = scores_softmax_dropout_matmul(q, kt, v, 0.1, causal=causal)
+    with _OpNames() as bwd:
+        y.backward(g)
+    extra = 3 if causal else 0
+    assert "aten.expand.default" not in fwd.counts | bwd.counts
+    assert fwd.counts["aten.bmm.default"] + fwd.counts["aten.matmul.default"] == 2
+    assert bwd.counts["aten.bmm.default"] == 5
+    assert (fwd.counts.total(), bwd.counts.total()) == (12 + extra, 36 + extra)

@@ -62,6 +62,27 @@ _Tensor = torch.Tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
 
+# NOTE [Attention matmuls as bmm]
+# torch.matmul(a, b) on operands with the same batch dims (>= 3 dims each) expands both to the
+# common batch shape (a view op each, no-ops here), reshapes them to (batch, m, n) (a view, or a
+# contiguous copy where the batch dims do not fold) and runs one bmm. _matmul runs the same
+# reshapes and the same bmm, without the two expands: the same operands with the same strides
+# for the same kernel, so the same bits; two dispatcher calls fewer per product (six products per
+# attention layer and step). Other shapes (broadcast batch dims, fewer dims) go to torch.matmul.
+
+
+def _matmul(a, b):
+    nd = a.dim()
+    if nd != b.dim() or nd < 3 or a.shape[:-2] != b.shape[:-2]:
+        return torch.matmul(a, b)
+    if nd == 3:  # torch.matmul's own 3-d case
+        return torch.bmm(a, b)
+    out = torch.bmm(
+        a.reshape(-1, a.shape[-2], a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1])
+    )
+    return out.view(a.shape[:-2] + out.shape[1:])
+
+
 def _softmax_fwd(s, dim, causal, mask=None):
     if not causal and mask is None:
         return torch.softmax(s, dim)
@@ -103,7 +124,11 @@ def _fwd_torch(s, v, p, dim, mm_dtype, causal=False, mask=None):
         dropped, bits = _dropout._fwd_torch(probs, p)
     else:
         dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
-    out = torch.matmul(dropped.to(mm_dtype), v.to(mm_dtype))
+    # .to() to a tensor's own dtype is the tensor itself, but one op more under a dispatch mode
+    out = torch.matmul(
+        dropped if dropped.dtype == mm_dtype else dropped.to(mm_dtype),
+        v if v.dtype == mm_dtype else v.to(mm_dtype),
+    )
     return out, probs, bits
 
 
@@ -140,13 +165,13 @@ def _bwd_torch(
             dropped = probs
         if dropped.dtype != mm_dtype:
             dropped = dropped.to(mm_dtype)
-        dv = torch.matmul(dropped.mT, d_out)
+        dv = _matmul(dropped.mT, d_out)  # NOTE [Attention matmuls as bmm]
         return dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
 
     if output_mask[1] and not own_probs:
         dv = grad_v(False)
     if output_mask[0]:
-        d_dropped = torch.matmul(d_out, (v if v.dtype == mm_dtype else v.to(mm_dtype)).mT)
+        d_dropped = _matmul(d_out, (v if v.dtype == mm_dtype else v.to(mm_dtype)).mT)
         if d_dropped.dtype != probs.dtype:
             d_dropped = d_dropped.to(probs.dtype)
         if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
@@ -410,7 +435,7 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py):
         # _sdm_fwd's implementation runs here, its dropout on the C kernels when they take P
         # (NOTE [Dropout's straight path] in ops/dropout.py), kept in ctx.lib for backward
-        s = torch.matmul(q, k_t)
+        s = _matmul(q, k_t)  # NOTE [Attention matmuls as bmm]
         ctx.lib = None
         if direct:
             probs = _softmax_fwd(s, -1, causal, mask)
@@ -423,7 +448,7 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             else:
                 dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
             # _fwd_torch's product; .to() to a tensor's own dtype is the tensor itself
-            out = torch.matmul(
+            out = _matmul(
                 dropped if dropped.dtype == mm_dtype else dropped.to(mm_dtype),
                 v if v.dtype == mm_dtype else v.to(mm_dtype),
             )
@@ -445,7 +470,7 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             return None, None, None, None, None, None, None, None
         q, k_t, v, bits, mask = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        probs = _softmax_fwd(torch.matmul(q, k_t), -1, ctx.causal, mask)  # the forward's P
+        probs = _softmax_fwd(_matmul(q, k_t), -1, ctx.causal, mask)  # the forward's P
         lib = ctx.lib  # the forward's C kernels, outside compile and dispatch modes
         if lib is not None and (type(d_out) is not _Tensor or compiling() or _dispatch_stack_len()):
             lib = None
@@ -466,8 +491,8 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             n=ctx.n if lib is not None else 0,
         )
         del probs
-        dq = torch.matmul(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
-        dk = torch.matmul(q.mT, ds) if need_k else None
+        dq = _matmul(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
+        dk = _matmul(q.mT, ds) if need_k else None
         if dv is not None and dv.dtype != ctx.v_dtype:
             dv = dv.to(ctx.v_dtype)
         return dq, dk, dv, None, None, None, None, None
@@ -854,7 +879,7 @@ def _scores_sdm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # _ScoresSoftmaxDropoutMatmulFn.backward's math: the same ops on the same tensors
     need_q, need_k, need_v = needs
-    probs = _softmax_fwd(torch.matmul(q, k_t), -1, causal, mask)
+    probs = _softmax_fwd(_matmul(q, k_t), -1, causal, mask)
     ds, dv = _bwd_torch(
         d_out,
         probs,
@@ -870,8 +895,8 @@ def _scores_sdm_bwd(
     )
     del probs
     empty = q.new_empty(0)
-    dq = torch.matmul(ds, k_t.mT) if need_q else empty
-    dk = torch.matmul(q.mT, ds) if need_k else empty.clone()
+    dq = _matmul(ds, k_t.mT) if need_q else empty
+    dk = _matmul(q.mT, ds) if need_k else empty.clone()
     return dq, dk, dv.to(v.dtype) if dv is not None else v.new_empty(0)
 
 
