@@ -340,9 +340,7 @@ def test_every_budget_of_a_sweep_is_planned_as_measured_or_refused_rightly():
     # planned = measured: the applied model's estimate is within the budget and is the plan's
     # peak. Below the composed curve's lowest peak the budget is refused only after the
     # whole-model check (NOTE [How plan chooses], 4): a refusal names a measured peak, and the
-    # most recomputed plan is above it. (The composition over-counted the lowest plan here, so
-    # 1 B below it was planned, while each recomputed layer appended its keys to HF's cache a
-    # second time: NOTE [A recomputed block does not write the KV cache]; now it is exact.)
+    # most recomputed plan is above it.
     from slimgrad.plan import _estimate_with
 
     make = _small_llama_bf16()
@@ -364,8 +362,11 @@ def test_every_budget_of_a_sweep_is_planned_as_measured_or_refused_rightly():
             planned[budget] = p
             assert p.verified and p.peak_bytes <= budget
             assert _applied_peak(make, p) == p.peak_bytes
-    assert sorted(planned) == sorted(budgets[:3])
-    assert planned[lo].peak_bytes == lo and planned[lo].recompute_flops > 0
+    # the curve's ends are planned; below its lowest point the whole-model check may still find
+    # a plan: that point mixes choices (0.811 x forward recomputed here, every layer
+    # lean+recompute is 0.973), and where neighbours differ the composition over-counts
+    assert set(budgets[:3]) <= set(planned) and budgets[-1] not in planned
+    assert planned[lo].peak_bytes <= lo and planned[lo].recompute_flops > 0
 
 
 def test_checkpoint_alls_peak_is_planned_with_little_recompute():
