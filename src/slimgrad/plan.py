@@ -88,8 +88,9 @@ the same choice without recompute (dropout masks included).
    the most recomputed plan (every block at its hull's last point) are estimated whole; the first
    that fits is returned, else the error names the lowest peak those full estimates measured and
    its recompute. (The composition can over-count: on a 4-layer Llama, 64 wide, 4 x 256 tokens
-   under bf16 autocast, uniform plans compose up to 4.7% above their full estimates; its lowest
-   point, every layer lean+recompute, composes to its full estimate exactly.)
+   under bf16 autocast, every layer lean, lean+recompute or lean+recompute:self_attn composes to
+   its full estimate within 28 B, every layer eager+recompute 3.0% above it; the curve's lowest
+   point mixes choices, and a budget 1 B below its composed peak is planned by this check.)
 """
 
 from __future__ import annotations
