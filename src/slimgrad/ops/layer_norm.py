@@ -15,7 +15,9 @@ dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out
 On float32 CPU tensors without fallback channels the backward runs the compiled
 ``kernels/cpu/layer_norm.c`` (one sweep per row for xhat, the row sums, dgamma and dbeta, one
 for dx; NOTE [CPU C kernels] in ``kernels/_cpu.py``), the same bits for any thread count, about
-eager's native kernel's time and a fifth of the PyTorch path's (``docs/measurements.md``).
+eager's native kernel's time and a fifth of the PyTorch path's (``docs/measurements.md``); it
+allocates nothing beyond dx, dgamma and dbeta except over a granted dy with several row blocks
+(NOTE [The LayerNorm C backward's buffers]).
 
 # NOTE [Normalization from its output: the fallback channels]
 Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about
