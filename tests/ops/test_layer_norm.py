@@ -372,16 +372,22 @@ def _cpu_kernel_case(n, d, affine, seed=5):
     y, mean, rstd, idx, xside = mod._fwd_torch(x, [d], w, b, 1e-5)
     dy = torch.randn(n, d, generator=gen)
 
-    def run(mask):
-        return mod._bwd_cpu(dy, y, mean, rstd, idx, xside, w, b, [d], mask)
+    def run(mask, granted=False):
+        # granted: dx written over (a copy of) dy, the row-block buffers' loop order (NOTE [The
+        # LayerNorm C backward's buffers]); else a fresh dx, the column order
+        g = dy.clone() if granted and mask[0] else dy
+        out = g if granted and mask[0] else None
+        return mod._bwd_cpu(g, y, mean, rstd, idx, xside, w, b, [d], mask, out=out)
 
     return mod, run
 
 
+@pytest.mark.parametrize("granted", [False, True])
 @pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
-def test_cpu_kernel_same_bits_for_any_thread_count(affine):
+def test_cpu_kernel_same_bits_for_any_thread_count(affine, granted):
     # dgamma/dbeta are summed per row block (the blocks a function of n alone), then the blocks in
-    # order: the thread count changes no bit, for every subset of the gradients
+    # order, in either loop order: the thread count changes no bit, for every subset of the
+    # gradients, and both loop orders give the same bits
     from slimgrad.kernels import _backend
 
     if _backend.use_cpu(torch.empty(1), "layer_norm") is None:
@@ -394,9 +400,11 @@ def test_cpu_kernel_same_bits_for_any_thread_count(affine):
         res = []
         for nt in (1, 2, 3):
             torch.set_num_threads(nt)
-            res.append([run(list(m)) for m in masks])
+            res.append([run(list(m), granted) for m in masks])
+        other_order = [run(list(m), not granted) for m in masks]
     finally:
         torch.set_num_threads(old)
+    res.append(other_order)
     for other in res[1:]:
         for got, ref in zip(other, res[0], strict=True):
             for a, c in zip(got, ref, strict=True):
