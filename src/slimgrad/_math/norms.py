@@ -307,12 +307,9 @@ def rms_norm_bwd_torch(
         if w.dtype != acc:
             w = w.to(acc)
     need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
-    dx = None
-    if need_dx:
-        if out is dy:  # dy2 is that view already
-            dx = dy2
-        else:
-            dx = out.view(n, d) if out is not None else y.new_empty((n, d))
+    dx = None  # a fresh dx is made at its first write (one chunk: the chunk's result itself)
+    if need_dx and out is not None:
+        dx = dy2 if out is dy else out.view(n, d)  # out is dy: dy2 is that view already
     # the first chunk's float64 sum, then the others added (0 + s is s, bit for bit)
     dw, cast = None, False
     # max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1)), without max()'s calls
@@ -322,16 +319,22 @@ def rms_norm_bwd_torch(
     step //= d if d > 1 else 1
     if step < 1:
         step = 1
+    single = step >= n  # one chunk: the whole tensors, no slices
     for i in range(0, n, step):
-        sl = slice(i, i + step)
-        xh = y2[sl].to(acc, copy=True)
+        if single:
+            sl, ych, dyc, rch = slice(None), y2, dy2, r
+        else:
+            sl = slice(i, i + step)
+            ych, dyc, rch = y2[sl], dy2[sl], r[sl]
+        xh = ych.to(acc, copy=True)
         if from_input:
-            xh.mul_(r[sl])
+            xh.mul_(rch)
         elif w is not None:  # rebuild_xhat(y2[sl], w, None, acc), inline
             xh.div_(w)
         if idx is not None and idx.numel():
-            xh.index_copy_(1, idx, xside[sl].to(acc) * r[sl])
-        dyc = dy2[sl]
+            xh.index_copy_(1, idx, (xside if single else xside[sl]).to(acc) * rch)
+        # dy's own rows when out is dy (no cast): dx is written there, g made in place
+        own = out is dy and dyc.dtype == acc
         if dyc.dtype != acc:
             dyc = dyc.to(acc)
         if need_dw:
@@ -344,12 +347,24 @@ def rms_norm_bwd_torch(
                 dw = s
             del s
         if need_dx:
-            g = dyc * w if w is not None else dyc.clone()
+            if own:  # every read of this chunk of dy is done: g in place, dx's own rows
+                g = dyc.mul_(w) if w is not None else dyc
+            else:
+                g = dyc * w if w is not None else dyc.clone()
             # rowdot(g, xh), inline: no chunk-sized temporary
             c2 = torch.bmm(g.unsqueeze(1), xh.unsqueeze(2)).view(-1, 1).div_(d)
-            dx[sl] = g.sub_(xh.mul_(c2)).mul_(r[sl])
+            g.sub_(xh.mul_(c2)).mul_(rch)
+            if not own:
+                if dx is None and single and g.dtype == y.dtype and g.is_contiguous():
+                    dx = g  # the result is dx: no copy
+                else:
+                    if dx is None:
+                        dx = y.new_empty((n, d))
+                    dx[sl] = g
             del g
         del xh, dyc  # free this chunk's temporaries before the next one
+    if need_dx and dx is None:  # no rows
+        dx = y.new_empty((n, d))
     if need_dx and y.ndim != 2:
         dx = dx.reshape(y.shape)
     if need_dw:

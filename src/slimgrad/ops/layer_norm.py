@@ -15,7 +15,9 @@ dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out
 On float32 CPU tensors without fallback channels the backward runs the compiled
 ``kernels/cpu/layer_norm.c`` (one sweep per row for xhat, the row sums, dgamma and dbeta, one
 for dx; NOTE [CPU C kernels] in ``kernels/_cpu.py``), the same bits for any thread count, about
-eager's native kernel's time and a fifth of the PyTorch path's (``docs/measurements.md``).
+eager's native kernel's time and a fifth of the PyTorch path's (``docs/measurements.md``); it
+allocates nothing beyond dx, dgamma and dbeta except over a granted dy with several row blocks
+(NOTE [The LayerNorm C backward's buffers]).
 
 # NOTE [Normalization from its output: the fallback channels]
 Rebuilding ``xhat = (y - beta) / gamma`` from the rounded output has absolute error about
@@ -132,18 +134,6 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
     f32 = torch.float32
     granted = out is dy  # dx written over a granted dy: the buffers are paid for
     if (
-        lib is not None
-        and out is None
-        and output_mask[0]
-        and not dy.is_contiguous()
-        and dy.dtype == y.dtype
-        and dy.shape == y.shape
-        and y.is_contiguous()
-    ):  # dy copied into dx's buffer (eager's kernel copies it too), then dx written over it
-        out = torch.empty_like(y)
-        out.copy_(dy)
-        dy = out
-    if (
         lib is None
         or (idx is not None and idx.shape[0])
         or dy.dtype != f32
@@ -151,12 +141,21 @@ def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, outp
         or (bias is not None and bias.dtype != f32)
         or not y.is_contiguous()
         # out is dy: the caller checked its layout (owns_layout)
-        or (out is not dy and not dy.is_contiguous())
+        or (
+            out is not dy
+            and not dy.is_contiguous()
+            and (out is not None or not output_mask[0] or dy.shape != y.shape)
+        )
         or (out is not None and out is not dy and not out.is_contiguous())
     ):
         return _bwd_torch(
             dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out
         )
+    if out is not dy and not dy.is_contiguous():
+        # copied into dx's buffer (eager's kernel copies it too), then dx written over the copy
+        out = torch.empty_like(y)
+        out.copy_(dy)
+        dy = out
     d = math.prod(normalized_shape)
     n = y.numel() // (d if d > 1 else 1)
     need_dx, need_dw = bool(output_mask[0]), weight is not None and bool(output_mask[1])
