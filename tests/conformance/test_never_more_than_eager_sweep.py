@@ -5,9 +5,10 @@ Each module type in convert_'s table that is a torch.nn class (activations, inpl
 BatchNorm1d/2d/3d, GroupNorm, LayerNorm, RMSNorm, Dropout, Linear, Conv1d/2d/3d and
 ConvTranspose1d/2d/3d) runs after a layer that makes its input (a 1x1 conv, or a Linear on the
 last dim), alone ("alone": nothing after it keeps its output) and followed by a layer that keeps
-its input ("kept": a 1x1 conv or a Linear), over shapes of 1-8 per dim in float32, contiguous and
-channels_last (4-D), in train and in eval where the module's forward depends on the mode. One
-warm-up step first (lazily built tables do not count), then ``slimgrad.memory.measure`` of a step
+its input ("kept": a 1x1 conv or a Linear), over shapes of 1-8 per dim in float32, bfloat16 and
+float16 (the whole model in that dtype), contiguous and channels_last (4-D), in train and in eval
+where the module's forward depends on the mode. One warm-up step of the converted model first
+(lazily built tables do not count), then ``slimgrad.memory.measure`` of a step
 ``(model(x) * w).sum()`` of the converted and the eager model: the converted one's saved and peak
 bytes are at most eager's. Known findings are strict xfails with their numbers.
 """
@@ -127,6 +128,65 @@ def _params():
 
 @pytest.mark.parametrize(("name", "context"), list(_params()))
 def test_saved_and_peak_never_above_eager(name, context):
+    _sweep(name, context, torch.float32)
+
+
+# bfloat16 and float16 (every module type here runs both on CPU in eager): the same sweep. Measured
+# above eager's in both dtypes (issue 30, class 7): strict xfails, keyed and written as KNOWN
+# (the bfloat16 numbers; "alike": float16's differ by a few bytes).
+KNOWN_LOW: dict[str, str] = {
+    "Hardtanh-alone": "ops/hardtanh.py bfloat16: (2, 3, 1, 1) saved 1 (12), peak 48 (40); (3, 8, "
+    "5, 7) saved 105 (1,680), peak 7,554 (5,044); float16 the same",
+    "Hardtanh-kept": "ops/hardtanh.py bfloat16: (3, 8, 5, 7) saved 1,785 (3,360), peak 7,554 "
+    "(6,868); (3, 8, 5, 7) cl saved 1,785 (3,360), peak 7,554 (6,868); float16 the same",
+    "GELU-kept": "ops/gelu.py bfloat16: (3, 8, 5, 7) saved 3,360 (3,360), peak 9,450 (6,868); (3, "
+    "8, 5, 7) cl saved 3,360 (3,360), peak 9,450 (6,868); float16 the same",
+    "GELU_tanh-kept": "ops/gelu.py bfloat16: (3, 8, 5, 7) saved 3,360 (3,360), peak 9,450 (6,868); "
+    "(3, 8, 5, 7) cl saved 3,360 (3,360), peak 9,450 (6,868); float16 the same",
+    "SiLU-kept": "ops/silu.py bfloat16: (3, 8, 5, 7) saved 1,875 (3,360), peak 20,509 (6,868); (3, "
+    "8, 5, 7) cl saved 1,875 (3,360), peak 20,509 (6,868); float16 the same",
+    "Mish-kept": "ops/mish.py bfloat16: (3, 8, 5, 7) saved 1,911 (3,360), peak 20,605 (6,868); (3, "
+    "8, 5, 7) cl saved 1,911 (3,360), peak 20,605 (6,868); float16 the same",
+    "Hardswish-kept": "ops/hardswish.py bfloat16: (3, 8, 5, 7) saved 1,821 (3,360), peak 9,393 "
+    "(6,868); (3, 8, 5, 7) cl saved 1,821 (3,360), peak 9,393 (6,868); float16 alike",
+    "Hardswish/inplace-kept": "ops/hardswish.py bfloat16: (3, 8, 5, 7) saved 1,815 (3,360), peak "
+    "9,385 (6,868); (3, 8, 5, 7) cl saved 1,815 (3,360), peak 9,385 (6,868); float16 the same",
+    "Hardtanh/inplace-alone": "ops/hardtanh.py bfloat16: (2, 3, 1, 1) saved 1 (12), peak 48 (40); "
+    "(3, 8, 5, 7) saved 105 (1,680), peak 7,554 (5,044); float16 the same",
+    "Hardtanh/inplace-kept": "ops/hardtanh.py bfloat16: (3, 8, 5, 7) saved 1,785 (3,360), peak "
+    "7,554 (6,868); (3, 8, 5, 7) cl saved 1,785 (3,360), peak 7,554 (6,868); float16 the same",
+    "Mish/inplace-kept": "ops/mish.py bfloat16: (3, 8, 5, 7) saved 2,061 (3,360), peak 21,005 "
+    "(6,868); (3, 8, 5, 7) cl saved 2,061 (3,360), peak 21,005 (6,868); float16 the same",
+    "SiLU/inplace-kept": "ops/silu.py bfloat16: (3, 8, 5, 7) saved 1,977 (3,360), peak 20,781 "
+    "(6,868); (3, 8, 5, 7) cl saved 1,977 (3,360), peak 20,781 (6,868); float16 alike",
+    "RMSNorm-alone": "ops/rms_norm.py bfloat16: (2, 3) saved 20 (56), peak 176 (148); (2, 3, 1, 1) "
+    "saved 36 (72), peak 184 (172); float16 the same",
+    "RMSNorm-kept": "ops/rms_norm.py bfloat16: (2, 3) saved 32 (68), peak 176 (148); (2, 3, 1, 1) "
+    "saved 48 (84), peak 184 (172); float16 the same",
+    "Dropout-alone": "ops/dropout.py bfloat16: (2, 3) saved 1 (12), peak 54 (40); (8, 8) saved 8 "
+    "(128), peak 392 (388); float16 the same",
+}
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def _low_params():
+    for dtype in LOW:
+        for name in MODULES:
+            for context in ("alone", "kept"):
+                why = KNOWN_LOW.get(f"{name}-{context}")
+                marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+                yield pytest.param(
+                    name, context, dtype, id=f"{name}-{context}-{str(dtype)[6:]}", marks=marks
+                )
+
+
+@pytest.mark.parametrize(("name", "context", "dtype"), list(_low_params()))
+def test_saved_and_peak_never_above_eager_low_precision(name, context, dtype):
+    _sweep(name, context, dtype)
+
+
+def _sweep(name, context, dtype):
     make, ranks, where, moded = MODULES[name]
     failures = []
     for rank in ranks:
@@ -135,13 +195,13 @@ def test_saved_and_peak_never_above_eager(name, context):
                 for train in (True, False) if moded else (True,):
                     if _skip(name, shape, train):
                         continue
-                    got = _measure(name, make, where, shape, cl, train, context == "kept")
+                    got = _measure(name, make, where, shape, cl, train, context == "kept", dtype)
                     if got:
                         failures.append(got)
     assert not failures, "\n".join(failures)
 
 
-def _measure(name, make, where, shape, cl, train, kept) -> str | None:
+def _measure(name, make, where, shape, cl, train, kept, dtype=torch.float32) -> str | None:
     gen = torch.Generator().manual_seed(sum(shape) * 7 + len(shape))
     torch.manual_seed(len(name) + sum(shape))
     mods = [_pre(shape, where), make(shape)]
@@ -149,25 +209,23 @@ def _measure(name, make, where, shape, cl, train, kept) -> str | None:
         mods.append(_pre(shape, where))
     eager = nn.Sequential(*mods)
     _randomize(eager, gen)
-    eager.train(train)
+    eager.to(dtype).train(train)
     slim = copy.deepcopy(eager)
     slimgrad.convert_(slim)
     fmt = torch.channels_last if cl else torch.contiguous_format
-    x = torch.randn(shape, generator=gen).contiguous(memory_format=fmt)
-    with torch.no_grad():
-        out = eager(x)
-    w = torch.randn(out.shape, generator=gen).contiguous(memory_format=fmt)
+    x = torch.randn(shape, generator=gen).to(dtype).contiguous(memory_format=fmt)
+    w = torch.randn(shape, generator=gen).to(dtype).contiguous(memory_format=fmt)  # out: x's shape
 
     def step(m):
         return lambda: (m(x) * w).sum()
 
-    for m in (eager, slim):  # warm-up
-        step(m)().backward()
+    step(slim)().backward()  # warm-up (eager builds nothing lazily)
     me = measure(step(eager), timeline=False)
     ms = measure(step(slim), timeline=False)
     if ms.saved_bytes > me.saved_bytes or ms.peak_bytes > me.peak_bytes:
+        dt = "" if dtype == torch.float32 else f" {str(dtype)[6:]}"
         return (
-            f"{name} {'train' if train else 'eval'} {shape}{' cl' if cl else ''}: saved "
+            f"{name}{dt} {'train' if train else 'eval'} {shape}{' cl' if cl else ''}: saved "
             f"{ms.saved_bytes} ({me.saved_bytes}), peak {ms.peak_bytes} ({me.peak_bytes})"
         )
     return None
