@@ -159,10 +159,6 @@ KNOWN_LOW: dict[str, str] = {
     "(6,868); (3, 8, 5, 7) cl saved 2,061 (3,360), peak 21,005 (6,868); float16 the same",
     "SiLU/inplace-kept": "ops/silu.py bfloat16: (3, 8, 5, 7) saved 1,977 (3,360), peak 20,781 "
     "(6,868); (3, 8, 5, 7) cl saved 1,977 (3,360), peak 20,781 (6,868); float16 alike",
-    "RMSNorm-alone": "ops/rms_norm.py bfloat16: (2, 3) saved 20 (56), peak 176 (148); (2, 3, 1, 1) "
-    "saved 36 (72), peak 184 (172); float16 the same",
-    "RMSNorm-kept": "ops/rms_norm.py bfloat16: (2, 3) saved 32 (68), peak 176 (148); (2, 3, 1, 1) "
-    "saved 48 (84), peak 184 (172); float16 the same",
     "Dropout-alone": "ops/dropout.py bfloat16: (2, 3) saved 1 (12), peak 54 (40); (8, 8) saved 8 "
     "(128), peak 392 (388); float16 the same",
 }
