@@ -21,6 +21,13 @@ headers, and :func:`facts` returns them as a tuple of ints:
    deleters, and another owner can read them.
 6. the StorageImpl's address, as an identity (two tensors share memory iff they share it).
 
+``backward_facts(t, kind)`` asks, in the same call as those facts, the per-call terms a backward's
+question needs first (grad mode, the graph task, functorch, a gradient's Python weak references, a
+saved tensor's kept graph: NOTE [One call per backward question] in ownership.py), and
+``watchers()`` reads the five C++ facts behind ``slimgrad._library.straight`` (dispatch and
+function modes, functorch, TorchScript tracing, the profiler: NOTE [One-call gate] there), each
+what torch's own Python binding returns.
+
 The same module has ``call_origin``, for slimgrad.memory's tracker only (never on a converted
 step's path): whether the op being counted was called by C++ code the autograd engine runs, by a
 custom Function's Python backward or by other Python code, read from the Python frames below
