@@ -5,7 +5,9 @@ two settings compiled with the same backend: ``eager`` (the model as built) and 
 (``slimgrad.convert_`` of a copy). ``--backend`` defaults to inductor.
 
 - time: after 3 warm-up steps (compilation), ``--steps`` steps of each setting interleaved (A, B,
-  A, B, ...); the median step in ms and the median of the per-pair ratios (spread: min-max).
+  A, B, ...); the median step in ms and the median of the per-pair ratios (spread: min-max),
+  in wall time and in this process's CPU time (``cpu_ms_median``, ``cpu_ratio_median``: less
+  sensitive to other processes on a shared machine).
 - memory: slimgrad's exact tracker does not see inside inductor's generated code, so bytes come
   from torch's own CPU allocator counters: ``torch.profiler`` with ``profile_memory=True`` records
   every CPU allocation and free; the peak is the largest running sum over one step above what was
@@ -129,12 +131,15 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
         kept[name] = (kept_bytes(m, fwd, batch), kept_bytes(m, m, batch))
         made[name] = (step, losses, warm_s)
     ms = {n: [] for n in settings}
+    cpu = {n: [] for n in settings}
     for _ in range(steps):
         for n in settings:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             made[n][0]()
             ms[n].append((time.perf_counter() - t0) * 1e3)
+            cpu[n].append((time.process_time() - c0) * 1e3)
     ratios = [s / e for s, e in zip(ms["slimgrad"], ms["eager"], strict=True)]
+    cpu_ratios = [s / e for s, e in zip(cpu["slimgrad"], cpu["eager"], strict=True)]
     recs = []
     for n in settings:
         step, losses, warm_s = made[n]
@@ -156,6 +161,8 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
                 "warmup_s": round(warm_s, 2),
                 "ratio_median": statistics.median(ratios) if n == "slimgrad" else 1.0,
                 "ratio_spread": [min(ratios), max(ratios)] if n == "slimgrad" else None,
+                "cpu_ms_median": statistics.median(cpu[n]),
+                "cpu_ratio_median": statistics.median(cpu_ratios) if n == "slimgrad" else 1.0,
                 "first_loss": losses[0],
                 "device": "cpu",
                 "threads": torch.get_num_threads(),
@@ -197,7 +204,8 @@ def main() -> None:
                     f"peak {r['peak_bytes'] / MiB:8.2f} MiB  kept {r['kept_bytes']} B "
                     f"(uncompiled {r['kept_bytes_uncompiled']} B)  "
                     f"step {r['step_ms_median']:8.2f} ms  "
-                    f"ratio {r['ratio_median']:.2f}  warmup {r['warmup_s']} s  "
+                    f"ratio {r['ratio_median']:.2f} (cpu {r['cpu_ratio_median']:.2f})  "
+                    f"warmup {r['warmup_s']} s  "
                     f"loss0 {r['first_loss']:.6f}",
                     flush=True,
                 )

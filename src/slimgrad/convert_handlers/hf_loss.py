@@ -717,7 +717,7 @@ def _why_not_now(model, spec, a, dec):
         if ori if ori is not None else model.config.output_router_logits:
             return "router aux loss on"
     if spec.causal:
-        if model.loss_function is not _for_causal_lm_loss():
+        if _loss_function(model) is not _for_causal_lm_loss():
             return "custom loss_function"
         if dec.weight.dtype == torch.float64:
             return "float64 head"  # HF's loss takes logits.float(): a float32 loss
@@ -743,6 +743,44 @@ def _for_causal_lm_loss():
     return _HF_CAUSAL_LOSS[0]
 
 
+_UNSET = object()
+
+
+def _loss_function(model):
+    # ``model.loss_function``. While Dynamo traces, HF's own property (PreTrainedModel's, the one
+    # most classes inherit; transformers 5.23-5.24) is read as its body reads it, without its
+    # ``logger.warning_once`` for an unset ``loss_type`` (GPT-2's default): Dynamo cannot trace a
+    # logger call, and the property read there is a graph break of every compiled step
+    # (tests/test_compile_graph_breaks.py). Other classes' properties, and the uncompiled call,
+    # read ``model.loss_function`` itself.
+    if compiling():
+        mu = _hf_loss_property(type(model))
+        if mu is not None:
+            fn = getattr(model, "_loss_function", _UNSET)  # the property's hasattr
+            if fn is not _UNSET:
+                return fn
+            loss_type = getattr(model, "loss_type", None)
+            if loss_type is None or loss_type not in mu.LOSS_MAPPING:
+                loss_type = "ForCausalLM"
+            return mu.LOSS_MAPPING[loss_type]
+    return model.loss_function
+
+
+_LOSS_PROPERTY: dict = {}  # class -> transformers.modeling_utils when its loss_function is HF's
+
+
+def _hf_loss_property(cls):
+    # decided once per class, outside any trace: at convert_ (_FusedLMForward.__init__)
+    if cls not in _LOSS_PROPERTY:
+        import transformers.modeling_utils as mu
+
+        own = inspect.getattr_static(cls, "loss_function", None)
+        _LOSS_PROPERTY[cls] = (
+            mu if own is mu.PreTrainedModel.__dict__.get("loss_function") else None
+        )
+    return _LOSS_PROPERTY[cls]
+
+
 def _after_renames(self, *args, **kwargs):
     # the fused call behind HF's own @deprecate_kwarg decorators (NOTE [Decorators that do not
     # change the computation]); named ``forward`` with a ``self`` so that HF's messages name
@@ -763,6 +801,7 @@ class _FusedLMForward:
 
     def __init__(self, model: nn.Module, fast: bool, keep_logits: bool) -> None:
         self.model, self.fast, self.keep_logits = model, fast, keep_logits
+        _hf_loss_property(type(model))  # decided here, never while Dynamo traces
 
     @property
     def __signature__(self):
