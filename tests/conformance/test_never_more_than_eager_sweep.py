@@ -85,8 +85,7 @@ MODULES = {
 # Measured above eager's (issue 30, class 7): strict xfails, so a
 # fix shows up as an unexpected pass. Key: "name-context" (context: alone or kept); bytes are
 # saved / peak, converted (eager), at the first shape that broke.
-KNOWN: dict[str, str] = {
-}
+KNOWN: dict[str, str] = {}
 
 
 def _pre(shape, where: str) -> nn.Module:
