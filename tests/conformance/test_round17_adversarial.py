@@ -731,3 +731,27 @@ def test_scores_sdm_4d_bits_as_eager():
         res.append([out.detach()] + [t.grad for t in ins])
     for u, w in zip(*res):
         assert torch.equal(u, w)
+
+
+@pytest.mark.parametrize("post", ["relu_", "mul_"])
+@pytest.mark.parametrize("shape", [(4, 10, 64), (2, 3, 5, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_nd_inplace_after_bytes_as_eager(bias, shape, post):
+    # the N-D output is a view of the 2-D product (eager's is an _unsafe_view without bias): an
+    # in-place write on it costs eager's bytes
+    torch.manual_seed(0)
+    eager = nn.Linear(64, 48, bias=bias)
+    ours = copy.deepcopy(eager)
+    slimgrad.convert_(ours)
+    out = []
+    for mod in (eager, ours):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(12)).requires_grad_()
+
+        def step(mod=mod, x=x):
+            y = mod(x * 1)
+            return (y.relu_() if post == "relu_" else y.mul_(2.0)).pow(2).sum()
+
+        step().backward()
+        out.append(measure(step, timeline=False))
+    me, mo = out
+    assert (mo.saved_bytes, mo.peak_bytes) == (me.saved_bytes, me.peak_bytes)
