@@ -53,15 +53,15 @@ def _logits_t(hc, weight, bcol, acc, hct=None):
 
 def _transform_(zt, scale, cap, keep_tanh=False):
     # y = cap·tanh(scale·z / cap) in place (NOTE [Logit transforms]); with keep_tanh, also the tanh
-    # (then y is a new chunk buffer)
+    # (then the tanh is a new chunk buffer and y stays in zt's)
     if scale != 1.0:
         zt.mul_(scale)
     if cap is None:
         return zt, None
-    th = zt.div_(cap).tanh_()
     if keep_tanh:
-        return th * cap, th
-    return th.mul_(cap), None
+        th = torch.tanh(zt.div_(cap))
+        return torch.mul(th, cap, out=zt), th
+    return zt.div_(cap).tanh_().mul_(cap), None
 
 
 def _transform_grad_(dy, th, scale):
@@ -102,9 +102,12 @@ def _split(t, size, dim=0):
 # dW / db rows, weight blocks) come from one ``split`` per tensor before the loop (none when one
 # chunk covers the tensor); the smoothed one-hot's values (eps - 1 at each token's target) are one
 # (1, N) tensor. _bwd_rows_torch keeps each token's block (t // rows) and its row inside the block
-# (t mod rows, the same index for every block): block k's values are (block == k) · (eps - 1), two
-# ops into one (1, N) buffer, the bytes the one-hot always took. A token outside the block adds ±0
-# at its row (clamped into a shorter last block), which leaves that softmax entry (non-negative,
+# (t mod rows, the same for every block): block k's 0/1 indicator (block == k) is one op into one
+# (N,) buffer, and index_add_ adds it times alpha = eps - 1 at each token's flat position
+# (row · width + column) in the block's logits, one buffer for all blocks (NOTE [One logits buffer
+# for the vocabulary blocks]); with take_rows, each block's own logits and a scatter of the values
+# (block == k) · (eps - 1), with the rows clamped into a shorter last block. A token outside the
+# block adds ±0 at its position, which leaves that softmax entry (non-negative,
 # never -0.0) as it was. Results go straight into their rows of the output (``out=``) where a copy
 # used to follow; dh's GEMM takes the transposed operands (dhᵀ += W_vᵀ dz_v for dh += dz_vᵀ W_v: the
 # same BLAS call, so the same bits) so that W_vᵀ is a view made once. Same arithmetic on the same
@@ -267,12 +270,12 @@ def _bwd_rows_torch(
     tokens = max(1, min(n, max(chunk, chunk * v // rows)))
     blocks = -(-v // rows)
     # the targets' smoothed one-hot by blocks (NOTE [Whole-chunk ops]): token i adds eps - 1 in
-    # block t_i // rows, at row t_i mod rows; other blocks add 0 at that row (clamped into the
-    # last block). safe_t is this function's own: it becomes that row in place.
-    blk = torch.div(safe_t, rows, rounding_mode="floor")[None]
-    index = safe_t.remainder_(rows)[None]
-    add = torch.empty((1, n), dtype=acc, device=h.device)  # block k's one-hot values
-    idx, adds = _split(index, tokens, 1), _split(add, tokens, 1)
+    # block t_i // rows, at row t_i mod rows; other blocks add ±0 there. safe_t is this function's
+    # own: it becomes that row in place.
+    blk = torch.div(safe_t, rows, rounding_mode="floor")
+    index = safe_t.remainder_(rows)
+    add = torch.empty(n, dtype=acc, device=h.device)  # block k's indicator (or one-hot values)
+    adds = _split(add, tokens)
     hcs = _split(h, tokens)
     hts = [hc.t() for hc in hcs]
     lses = _split(lse[None], tokens, 1)
@@ -285,21 +288,74 @@ def _bwd_rows_torch(
     bvs = _split(bias[:, None], rows) if bias is not None else (None,) * blocks
     dbs = _split(db, rows) if need_db else None
     dws = _split(dw, rows) if dw is not None else None
+    # NOTE [One logits buffer for the vocabulary blocks]: without take_rows nothing runs between two
+    # blocks, so every block's logits go into one buffer of the first block's size (r0 x c0,
+    # allocated where the first block's own would be, freed after the last: the same bytes at every
+    # moment), viewed (r, c) for each block and chunk shape (the last block and chunk may be
+    # shorter). Token i's one-hot entry is at flat position (t_i mod rows) · c + its column in the
+    # chunk's first r0 x c elements: inside the block's (r, c) view where t_i is in the block;
+    # where it is not, a position that gets ±0 (or one past a short last block's view, unread).
+    # One index_add_ with alpha = eps - 1 adds the block's 0/1 indicator there: the values
+    # (block == k) · (eps - 1) the scatter added, one op fewer per block. The flat positions are
+    # written into index in place, before the buffer is allocated (each chunk's arange is no
+    # larger than the buffer, r0 >= 2). With take_rows, the sink runs between blocks and may
+    # allocate: each block's logits are freed before it, as before, and the one-hot is scattered
+    # (rows clamped into a shorter last block); so it is with one row per block (r0 = 1).
+    r0, c0 = wvs[0].shape[0], hcs[0].shape[0]
+    buffered = take_rows is None and r0 > 1
+    if buffered:
+        fidx = _split(index, tokens)
+        for hc, ic in zip(hcs, fidx, strict=True):
+            torch.add(torch.arange(hc.shape[0], device=h.device), ic, alpha=hc.shape[0], out=ic)
+        zbuf = torch.empty(r0 * c0, dtype=acc, device=h.device)
+        flats = {c0: zbuf}  # chunk width -> its r0 x c elements, flat
+        for hc in hcs[1:]:
+            flats[hc.shape[0]] = zbuf[: r0 * hc.shape[0]]
+        views = {}  # (r, c) -> a block's logits
+        alpha = eps - 1.0
+    else:
+        idx = _split(index[None], tokens, 1)
+        adds2 = _split(add[None], tokens, 1)
+    transform = lscale != 1.0 or cap is not None  # NOTE [Logit transforms]
     for k, (wv, bv) in enumerate(zip(wvs, bvs, strict=True)):
-        v0, v1 = k * rows, k * rows + wv.shape[0]
-        torch.eq(blk, k, out=add).mul_(eps - 1.0)  # eps - 1 in the block, else (-)0
-        if k == blocks - 1 and k and v1 - v0 < rows:
-            index.clamp_max_(v1 - v0 - 1)
+        r = wv.shape[0]
+        v0, v1 = k * rows, k * rows + r
+        torch.eq(blk, k, out=add)  # 1 in the block, else 0
+        if not buffered:
+            add.mul_(eps - 1.0)  # eps - 1 in the block, else (-)0
+            if k == blocks - 1 and k and r < rows:
+                index.clamp_max_(r - 1)
         if dws is not None:
             gw = dws[k]
         elif need_dw:  # its own buffer, handed to take_rows
-            gw = torch.empty((v1 - v0, h.shape[1]), dtype=acc, device=h.device)
+            gw = torch.empty((r, h.shape[1]), dtype=acc, device=h.device)
         else:
             gw = None
         for j, hc in enumerate(hcs):
-            zt, th = _transform_(_logits_t(hc, wv, bv, acc, hts[j]), lscale, cap, True)
-            zt = _dlogits_(zt, th, lses[j], idx[j], adds[j], eps, v, lscale)
-            del th
+            if buffered:
+                c = hc.shape[0]
+                try:
+                    zv = views[r, c]
+                except KeyError:
+                    zv = views[r, c] = (zbuf if r == r0 and c == c0 else zbuf[: r * c]).view(r, c)
+                zt = torch.mm(wv, hts[j], out=zv)
+            else:
+                zt = torch.mm(wv, hts[j])
+            if bv is not None:
+                zt += bv
+            if transform:
+                zt, th = _transform_(zt, lscale, cap, True)  # zT stays in its buffer
+            # zT becomes dzT in place: softmax, minus the smoothed one-hot (_dlogits_), times s_i
+            zt.sub_(lses[j]).exp_()
+            if eps:
+                zt.sub_(eps / v)
+            if buffered:
+                flats[c].index_add_(0, fidx[j], adds[j], alpha=alpha)
+            else:
+                zt.scatter_add_(0, idx[j], adds2[j])
+            if transform:
+                zt = _transform_grad_(zt, th, lscale)
+                del th
             zt.mul_(scales[j])
             if need_db:
                 dbs[k].add_(zt.sum(1))
