@@ -687,16 +687,10 @@ def test_scores_sdm_3d_output_takes_inplace_write():
         assert torch.equal(u, w)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="finding (ops/softmax_dropout.py, NOTE [Attention matmuls as bmm], 7d13e41): for 4-D "
-    "operands _ScoresSoftmaxDropoutMatmulFn.forward returns _matmul's bmm(...).view(...), a view "
-    "made inside the Function (torch.matmul returned an _unsafe_view, not a view), so an "
-    "in-place write on the attention output raises 'Output 0 of _ScoresSoftmaxDropoutMatmulFn "
-    "is a view and is being modified inplace' where eager and e5381ed train (NOTE [Function "
-    "outputs are not views] in ops/linear.py)",
-)
+# was a finding (ops/softmax_dropout.py, NOTE [Attention matmuls as bmm], 7d13e41): the 4-D
+# product returned as a view of bmm's result made inside the Function, so an in-place write on the
+# attention output raised "Output 0 of _ScoresSoftmaxDropoutMatmulFn is a view and is being
+# modified inplace" where eager trains (NOTE [Function outputs are not views] in ops/linear.py)
 def test_scores_sdm_4d_output_takes_inplace_write():
     gen = torch.Generator().manual_seed(10)
     q = torch.randn(2, 3, 5, 4, generator=gen, requires_grad=True)

@@ -69,11 +69,14 @@ _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 # reshapes and the same bmm, without the two expands: the same operands with the same strides
 # for the same kernel, so the same bits; two dispatcher calls fewer per product (six products per
 # attention layer and step). Other shapes (broadcast batch dims, fewer dims) go to torch.matmul.
+# For 4-D operands the product is a view of bmm's 3-D result, where torch.matmul returns an
+# _unsafe_view (not a view): a Function that returns it detaches it first (NOTE [Function outputs
+# are not views] in ops/linear.py), or an in-place write on the attention output would raise.
 
 
 def _matmul(a, b):
-    nd = a.dim()
-    if nd != b.dim() or nd < 3 or a.shape[:-2] != b.shape[:-2]:
+    nd = a.ndim
+    if nd != b.ndim or nd < 3 or a.shape[:-2] != b.shape[:-2]:
         return torch.matmul(a, b)
     if nd == 3:  # torch.matmul's own 3-d case
         return torch.bmm(a, b)
@@ -453,6 +456,8 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
                 v if v.dtype == mm_dtype else v.to(mm_dtype),
             )
             del dropped
+            if out._base is not None:  # 4-D: NOTE [Function outputs are not views] in ops/linear.py
+                out = out.detach()
         else:
             out, probs, bits = _sdm_fwd(s, v, p, -1, mm_dtype, causal, mask)
         del s, probs
