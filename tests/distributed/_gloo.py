@@ -38,18 +38,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The modules a rank needs, imported once by the fork server (see run_on_two_ranks).
+_PRELOAD = ["torch", "torch.distributed", "transformers", "slimgrad", "tests.distributed._gloo"]
+
+
 def run_on_two_ranks(train: Callable[[int], dict], out_dir) -> tuple[dict, dict]:
     """``train(rank)`` on each of 2 gloo ranks; returns the two ranks' results.
 
-    torch.multiprocessing's spawn API with the fork start method: the children skip re-importing
-    torch and the test modules (3x faster on a loaded 2-core box; nothing CUDA is initialised).
+    ``train`` must be picklable (a module-level function or a ``functools.partial`` of one).
+    torch.multiprocessing's spawn API with the forkserver start method: the ranks fork from a
+    clean server process that imported torch, transformers and slimgrad once (per test process),
+    not from the test process itself. A plain fork copied whatever state earlier tests left in
+    the test process (threads, compiled-code caches) and a rank could crash on it (a SIGSEGV in
+    CI, not reproducible alone); spawn would re-import torch for every rank.
     """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     mp.start_processes(
         _worker,
         args=(_free_port(), str(out_dir), train),
         nprocs=WORLD,
         join=True,
-        start_method="fork",
+        start_method="forkserver",
     )
     return tuple(torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD))
 

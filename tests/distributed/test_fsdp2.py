@@ -16,6 +16,8 @@ bit-identical losses and full gradients, and reuse was granted on every rank.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -100,23 +102,21 @@ def _peak(family: str, variant: str, rank: int, sharded: bool) -> int:
     return memory.measure(lambda: model(input_ids=ids, labels=ids).loss).peak_bytes
 
 
-def _train(family: str):
-    def train(rank: int) -> dict:
-        res = {v: _run(family, v, rank) for v in VARIANTS}
-        res["peak"] = {
-            (v, sharded): _peak(family, v, rank, sharded)
-            for v in ("eager", "slimgrad")
-            for sharded in (True, False)
-        }
-        return res
-
-    return train
+def _train(family: str, rank: int) -> dict:
+    res = {v: _run(family, v, rank) for v in VARIANTS}
+    res["peak"] = {
+        (v, sharded): _peak(family, v, rank, sharded)
+        for v in ("eager", "slimgrad")
+        for sharded in (True, False)
+    }
+    return res
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def ranks(request, tmp_path_factory):
     """Every variant trained on both ranks (one pair of processes per family)."""
-    return run_on_two_ranks(_train(request.param), tmp_path_factory.mktemp(request.param))
+    train = functools.partial(_train, request.param)
+    return run_on_two_ranks(train, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16_params"])

@@ -81,7 +81,7 @@ def _check_ddp(rank, world):
 
 
 def _worker(rank, world, init_file):
-    torch.set_num_threads(1)  # first: a forked child must not use the parent's OpenMP pool
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         _check_layer(rank, None)  # default group, looked up at call time
@@ -93,10 +93,12 @@ def _worker(rank, world, init_file):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_sync_two_gloo_processes(tmp_path):
-    # fork: the workers inherit the imported modules (spawn re-imports torch: ~10 s more). A
+    # forkserver: the workers fork from a clean server that imported torch once, not from this
+    # test process and whatever state earlier tests left in it (tests/distributed/_gloo.py). A
     # deadline turns a hung collective into a failure instead of a stuck suite.
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "slimgrad"])
     ctx = mp.start_processes(
-        _worker, args=(2, str(tmp_path / "init")), nprocs=2, join=False, start_method="fork"
+        _worker, args=(2, str(tmp_path / "init")), nprocs=2, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=1):
