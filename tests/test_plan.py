@@ -416,3 +416,35 @@ def test_checkpoint_alls_peak_is_planned_with_little_recompute():
     assert p.verified and est == p.peak_bytes <= budget
     ckpt_flops = top.baselines["checkpoint-all"].recompute_flops
     assert 0 < p.recompute_flops <= 0.1 * ckpt_flops, (p.recompute_flops, ckpt_flops)
+
+
+def test_a_real_hf_llama_step_measures_what_the_plan_says():
+    # HF's mask builder skips the 4-D causal mask when position_ids (an arange) hold one sequence
+    # per row, unless they are FakeTensors (NOTE [Index tensors keep their values under fake
+    # tensors] in slimgrad/memory.py); with use_cache=False (what training with checkpointing
+    # passes) every estimate took the masked branch: the mask saved by SDPA and, with grouped-
+    # query attention, repeat_kv's copies of k and v instead of enable_gqa
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=64,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(cfg).train(), torch.randint(0, 512, (2, 64))
+
+    def make():
+        m, ids = build()
+        return (lambda: m(input_ids=ids, labels=ids, use_cache=False).loss), m
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = slimgrad.plan(make, "1TiB")
+        real, ids = build()
+        slimgrad.convert_(real, plan=p)
+        got = sm.measure(lambda: real(input_ids=ids, labels=ids, use_cache=False).loss)
+    assert p.verified
+    assert abs(got.peak_bytes - p.peak_bytes) <= 0.01 * p.peak_bytes, (got.peak_bytes, p.peak_bytes)
+    assert got.peak_bytes == p.peak_bytes

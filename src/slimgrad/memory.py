@@ -1040,6 +1040,61 @@ def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None)
     return torch.empty_strided(shape, stride, dtype=a.dtype)
 
 
+# NOTE [Index tensors keep their values under fake tensors]
+# A model's code branches on the values of index tensors it makes itself: HF's mask builder
+# (transformers.masking_utils.find_packed_sequence_indices) asks whether ``position_ids``, an
+# ``arange``, holds one sequence per row, and skips the 4-D causal mask when it does, but only
+# when the tensor is not a FakeTensor (HF's ``is_tracing``). Under fake tensors every such step
+# took the masked branch the real step does not take: a (B, 1, T, T) mask saved by SDPA and, with
+# grouped-query attention, ``repeat_kv``'s copies of k and v instead of ``enable_gqa`` (a 4-layer
+# HF Llama, 128 wide, 2 x 128 tokens, use_cache=False: estimated 9,243,148 B against the real
+# step's 8,194,572). So under :func:`fake_tensors` an op whose tensor arguments are all real CPU
+# integer or bool tensors of at most ``_VALUE_NUMEL`` elements, or an integer ``arange``, runs on
+# real tensors when its results are such tensors too: their values are known without the data
+# (positions, offsets, lengths), and code that branches on them takes the real step's branch.
+# Random ops, ``torch.tensor`` literals (kept fake, with their ``constant``) and anything with a
+# fake, floating or larger argument or result run on fake tensors as before; those hold no bytes
+# worth modelling differently, and the tracker counts a real result's storage as a fake one's.
+_VALUE_NUMEL = 1 << 16
+_INDEX_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_ARANGE = (
+    torch.ops.aten.arange.default,
+    torch.ops.aten.arange.start,
+    torch.ops.aten.arange.start_step,
+)
+_LIFT = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def _index_values(ts: list) -> bool:
+    return all(
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.dtype in _INDEX_DTYPES
+        and t.numel() <= _VALUE_NUMEL
+        for t in ts
+    )
+
+
+def _known_values(func, args, kwargs):
+    # NOTE [Index tensors keep their values under fake tensors]: the real result, or None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._pytree import tree_flatten
+
+    if func in _LIFT or torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    flat = tree_flatten((args, kwargs))[0]
+    ts = [a for a in flat if isinstance(a, torch.Tensor)]
+    if ts:
+        if not _index_values(ts):
+            return None
+    elif func not in _ARANGE or torch.device(kwargs.get("device") or "cpu").type != "cpu":
+        return None
+    with unset_fake_temporarily():
+        out = func(*args, **kwargs)
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    return out if _index_values(outs) else None
+
+
 class _KernelDispatch(TorchDispatchMode):
     # aten-level differences between fake kernels and the modelled device's kernels:
     # - ``_grouped_mm``'s meta kernel checks CUDA's bf16-only rule, which CPU's kernel (and CUDA's
@@ -1054,6 +1109,8 @@ class _KernelDispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if (known := _known_values(func, args, kwargs)) is not None:
+            return known
         if func is torch.ops.aten._grouped_mm.default and kwargs.get("out_dtype") is None:
             a, b = args[0], args[1]
             offs = args[2] if len(args) > 2 else kwargs.get("offs")
