@@ -48,6 +48,22 @@ in 0 of 1,000 cotangents (worst err/bound 0.95), against 4 of 1,000 (worst 1.22)
 remaining ~0.2% at |beta/gamma| <= 1 is the rule's statistics, not bias: at beta = 0 the float32
 code broke it in 0 and the float64 one in 2 of 1,000, though the float64 one's per-channel rms
 error is lower in every channel (2.1-2.9e-6 against 2.7-3.2e-6; eager's: 5.4-5.9e-6).
+
+# NOTE [GroupNorm with a non-finite gamma]
+Eager's CPU backward (aten's group_norm_kernel.cpp) sums per (sample, channel) ds = sum(dy * x)
+and db = sum(dy), per (sample, group) DS = sum_c gamma_c * ds_c and DB = sum_c gamma_c * db_c,
+then ``dx = rstd * gamma * dy + c2 * x + c3`` with ``c2 = (DB * mu - DS) * rstd^3 / m`` and ``c3 =
+-c2 * mu - DB * rstd / m``. With every value finite ours is the same math in another order; with
+an infinite gamma the order decides which values are NaN and which inf: DS and DB are inf (or NaN
+where a sum is 0), c2 is inf or NaN by whether gamma * ds and gamma * db * mu cancel, and each
+dx is NaN or inf by the sign of its own x. So a group with a non-finite gamma keeps the input of
+all its channels (``_fallback_channels``; the model is broken then, and eager keeps every x),
+its G2 is ``sum_c gamma_c * sum(dy * x)``, and ``c2 = (G2 / m - c1 * mu) * rstd``: eager's
+formulas up to finite factors, so every dx is finite, NaN or inf (of each sign) where eager's
+is. Fallback channels take no ``b * y`` term at all (b is 0 there, and their y is inf where gamma
+or beta is: 0 * inf would be NaN), so an inf or NaN beta leaves dx finite, as in eager, whose
+backward never reads beta. Before: (3, 6, 10) groups 2, w[0] = inf gave 65 NaN/25 inf against
+eager's 59/31, and b[1] = inf gave 30 NaN where eager's dx is finite.
 """
 
 from __future__ import annotations
@@ -98,18 +114,27 @@ BETA_OVER_GAMMA_MAX = 1.0
 MIN_GROUP_NUMEL = 16
 
 
-def _fallback_channels(weight, bias, out_dtype: torch.dtype) -> torch.Tensor:
+def _fallback_channels(weight, bias, out_dtype: torch.dtype, num_groups: int) -> torch.Tensor:
     # NOTE [GroupNorm's fallback channels]: layer_norm's fallback channels (gamma ~ 0, non-finite,
-    # |beta| > 2 |gamma|) plus every channel with |beta| > BETA_OVER_GAMMA_MAX * |gamma|.
+    # |beta| > 2 |gamma|) plus every channel with |beta| > BETA_OVER_GAMMA_MAX * |gamma|, plus
+    # every channel of a group with a non-finite gamma (NOTE [GroupNorm with a non-finite gamma]).
     idx = fallback_channels(weight, bias, out_dtype)
-    if bias is None or (
-        type(bias) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(bias)
-    ):
-        return idx  # no beta: nothing to add; fake weights: no values, no fallback assumed
-    b = bias.detach().reshape(-1).to(torch.float64).abs()
-    aw = weight.detach().reshape(-1).to(torch.float64).abs() if weight is not None else 1.0
-    wide = b > BETA_OVER_GAMMA_MAX * aw
+    fake = torch._subclasses.fake_tensor.is_fake
+    if any(t is not None and type(t) is not torch.Tensor and fake(t) for t in (weight, bias)):
+        return idx  # fake weights: no values, no fallback assumed
+    if bias is None and weight is None:
+        return idx
+    f64 = torch.float64
+    ref = weight if weight is not None else bias
+    wide = torch.zeros(ref.numel(), dtype=torch.bool, device=ref.device)
     wide[idx.to(wide.device)] = True
+    if bias is not None:
+        b = bias.detach().reshape(-1).to(f64).abs()
+        aw = weight.detach().reshape(-1).to(f64).abs() if weight is not None else 1.0
+        wide |= b > BETA_OVER_GAMMA_MAX * aw
+    if weight is not None:
+        bad = ~torch.isfinite(weight.detach().reshape(num_groups, -1)).all(1, keepdim=True)
+        wide.view(num_groups, -1).logical_or_(bad)
     return torch.nonzero(wide).reshape(-1)
 
 
@@ -117,7 +142,7 @@ def _fwd_torch(x, num_groups, weight, bias, eps):
     n, c = x.shape[0], x.shape[1]
     hw = math.prod(x.shape[2:])
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
-    idx = _fallback_channels(weight, bias, y.dtype).to(x.device)
+    idx = _fallback_channels(weight, bias, y.dtype, num_groups).to(x.device)
     xside = x.reshape(n, c, hw).index_select(1, idx)
     return y, mean, rstd, idx, xside
 
@@ -190,9 +215,17 @@ def _sums(dy, y, xside, mean, rstd, weight, bias, idx, num_groups, chunk, scratc
                 gam = w[ch]
                 p0.mul_(gam)
                 p1.mul_(gam)
+                if k:  # 0 again on fallback rows where gamma is inf (0 * inf is NaN)
+                    p1.masked_fill_(fb[ch], 0.0)
             g1.index_add_(0, ng, p0)
             g2.index_add_(0, ng, p1)
     if prods and k:
+        # groups with a non-finite gamma: G2 = sum_c gamma_c * sum_hw(dy * x), the mean and rstd
+        # applied after (NOTE [GroupNorm with a non-finite gamma])
+        bad = None
+        if g2 is not None and w is not None:
+            bad = ~torch.isfinite(w.view(grp, cg)).all(1, keepdim=True).expand(grp, cg)
+            bad = bad.reshape(c)[idx].repeat(n)
         xr = xside.reshape(n * k, hw)
         ar = torch.arange(n, device=dev).unsqueeze(1)
         krows = (ar * c + idx).reshape(-1)
@@ -202,9 +235,12 @@ def _sums(dy, y, xside, mean, rstd, weight, bias, idx, num_groups, chunk, scratc
             r = min(r_step, n * k - j)
             p0, p1 = row_sums(j, r, xr, pick=krows[j : j + r])
             ng, ch = kng[j : j + r], kch[j : j + r]
+            raw = p1.clone() if bad is not None else None
             p1.sub_(p0.mul_(mean.reshape(-1)[ng])).mul_(rstd.reshape(-1)[ng])
             if t is not None:
                 t.index_add_(0, ch, p1)
+            if raw is not None:
+                p1 = torch.where(bad[j : j + r], raw, p1)
             if g2 is not None:
                 g2.index_add_(0, ng, p1.mul_(w[ch]) if w is not None else p1)
     return g1, g2, s0, t
@@ -276,11 +312,20 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     dy4, y4, dx4 = dy.view(n, grp, cg, hw), y.view(n, grp, cg, hw), dx.view(n, grp, cg, hw)
     dt = dy.dtype
     step = max(1, 16 * chunk // (24 * c + 4 * k * hw + 1))
+    # groups with a non-finite gamma (all their channels fall back): NOTE [GroupNorm with a
+    # non-finite gamma]
+    bad = ~torch.isfinite(w).all(-1, keepdim=True) if k and w is not None else None
     for i in range(0, n, step):
         sl = slice(i, i + step)
         rr = rstd[sl].view(-1, grp, 1).to(f64)
+        if bad is not None:  # there c2 = (mean(g * x) - c1 * mu) * rstd
+            fix = c2[sl].sub(c1[sl] * mean[sl].view(-1, grp, 1).to(f64)).mul_(rr)
+            c2[sl].copy_(torch.where(bad, fix, c2[sl]))
+            del fix
         rc2 = c2[sl].mul_(rr)  # rstd * c2 (c2 is not needed past this chunk)
-        q = (rr * w if w is not None else rr.expand(-1, grp, cg)).to(dt)
+        a = q = (rr * w if w is not None else rr.expand(-1, grp, cg)).to(dt)
+        # fallback channels take a * dy alone (below): their dy, before dx may overwrite it
+        dyk = dy.view(n, c, hw)[sl].index_select(1, idx) if k else None
         torch.mul(dy4[sl], q.unsqueeze(-1), out=dx4[sl])  # a * dy
         # rstd * c2 / gamma on rebuilt channels, 0 on fallback ones
         u = rc2 / w if w is not None else rc2.expand(-1, grp, cg).clone()
@@ -289,6 +334,10 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
         q = u.neg().to(dt)
         dx4[sl].addcmul_(y4[sl], q.unsqueeze(-1))  # + b * y
         del q
+        if k:  # a * dy again on fallback channels: no y term (y may be inf there; 0 * inf is NaN)
+            ak = a.reshape(-1, c).index_select(1, idx).unsqueeze(-1)
+            dx.view(n, c, hw)[sl].index_copy_(1, idx, dyk.mul_(ak))
+            del dyk, ak
         cc = u.mul_(beta) if beta is not None else u.zero_()  # rstd * c2 * beta / gamma
         if k:  # fallback channels: rstd^2 * c2 * mu
             cf = (rc2 * mean[sl].view(-1, grp, 1).to(f64)).mul_(rr)
@@ -665,7 +714,7 @@ def _fwd_straight(x, num_groups, weight, bias, eps):
     n, c = x.shape[0], x.shape[1]
     hw = x.numel() // (n * c) if n * c else math.prod(x.shape[2:])
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
-    idx = _fallback_cached(weight, bias, y.dtype)
+    idx = _fallback_cached(weight, bias, y.dtype, num_groups)
     if idx.device != x.device:
         idx = idx.to(x.device)
     if idx.shape[0]:
@@ -678,7 +727,7 @@ def _fwd_straight(x, num_groups, weight, bias, eps):
 _FB: dict[int, tuple] = {}
 
 
-def _fallback_cached(weight, bias, out_dtype: torch.dtype) -> torch.Tensor:
+def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> torch.Tensor:
     # _fallback_channels once per version of weight and bias, keyed as NOTE [Fallback channels,
     # once per weight version] (slimgrad/_math/norms.py) keys LayerNorm's; a tensor of the
     # caller's own on each call
@@ -694,12 +743,12 @@ def _fallback_cached(weight, bias, out_dtype: torch.dtype) -> torch.Tensor:
             b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
             b_key += (bias.device,)
     except RuntimeError:  # "Inference tensors do not track version counter"
-        return _fallback_channels(weight, bias, out_dtype)
-    key = (w_key, b_key, out_dtype, steps._count[0] if steps._hooked[0] else epoch())
+        return _fallback_channels(weight, bias, out_dtype, num_groups)
+    key = (w_key, b_key, out_dtype, num_groups, steps._count[0] if steps._hooked[0] else epoch())
     slot = id(ref)
     hit = _FB[slot] if slot in _FB else None
     if hit is None or hit[0]() is not ref or hit[1] != key:
-        idx = _fallback_channels(weight, bias, out_dtype)
+        idx = _fallback_channels(weight, bias, out_dtype, num_groups)
         wref = weakref.ref(ref, lambda _, slot=slot: _FB.pop(slot, None))
         hit = _FB[slot] = (wref, key, idx)
     idx = hit[2]
