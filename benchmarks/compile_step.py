@@ -193,8 +193,11 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    if args.threads is not None:  # 1: no thread pool spinning against a loaded machine
+        torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):
         for fam in args.families.split(","):
             recs = run(fam, size, args.backend, args.steps)

@@ -34,6 +34,7 @@ is wrapped in ``record_function("slimgrad::<name>")``, so profiles still name th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -228,9 +229,70 @@ def custom_op(
             qualname, mutates_args=mutates_args, device_types=device_types, schema=schema
         )(fn)
         _PYTHON_IMPLS[qualname] = fn
+        if device_types is None:
+            _lean_kernels(op, fn)
         return SlimOp(op, fn)
 
     return deco
+
+
+# NOTE [Lean dispatcher kernels]
+# Compiled, every slimgrad custom op is called through the dispatcher (inductor's generated code
+# calls ``torch.ops.slimgrad.<name>.default``), as it is under FakeTensorMode and the memory
+# tracker. ``torch.library.custom_op`` registers two Python kernels per op: an Autograd kernel
+# that, with grad off or no argument requiring grad, builds a metadata dataclass, asks whether the
+# op is an out= op and redispatches below autograd; and a CompositeExplicitAutograd kernel that
+# looks the implementation up per device, runs it under ``torch._dynamo.disable`` and checks that
+# no output aliases an input. For an op that mutates nothing and names no device type,
+# :func:`_lean_kernels` registers over both, once, at definition: an Autograd kernel that
+# redispatches below autograd itself when grad is off or nothing requires grad, and otherwise
+# calls torch's own kernel (built by the same private function from the same ``CustomOpDef``, so a
+# later ``register_autograd`` and the "no autograd formula" error behave as before); and a
+# backend kernel that runs the implementation through :func:`slimgrad._compile.eager_only`
+# (``torch.compiler.disable`` once Dynamo is loaded) and makes torch's aliasing check. The same
+# results, checks and errors, fewer Python frames per call (``tests/test_compile_dispatch.py``).
+# A mutating op keeps torch's kernels (its version-counter bumps live there); a torch without
+# the private function keeps torch's kernels as well.
+def _lean_kernels(op_def, fn: Callable) -> None:
+    try:  # private: torch's Autograd kernel for a custom op, and its aliasing check
+        from torch._library.autograd import make_autograd_impl
+        from torch._library.utils import _c_check_aliasing_constraint
+
+        aliased = _C._any_output_is_alias_to_input_or_output
+        redispatch = op_def._opoverload._handle.redispatch_boxed  # OpOverload.redispatch's body
+    except (ImportError, AttributeError):  # keep torch's own kernels
+        return
+    opov = op_def._opoverload
+    sch = opov._schema
+    if sch.is_mutable or sch._is_view_op() or torch.Tag.out in opov.tags:
+        return
+    from slimgrad._compile import eager_only
+
+    name = op_def._name
+    full = make_autograd_impl(opov, op_def)  # reads op_def's register_autograd at call time
+    after_autograd = _C._after_autograd_keyset
+    below_autograd = _C._AutoDispatchBelowAutograd
+    any_requires_grad = _C._any_requires_grad
+    run = eager_only(fn)
+    module = getattr(fn, "__module__", "???")
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if _grad_on() and any_requires_grad(*args):
+            return full(keyset, *args, **kwargs)
+        with below_autograd():
+            return redispatch(keyset & after_autograd, *args, **kwargs)
+
+    def backend_kernel(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if aliased(args, kwargs, out if type(out) is tuple else (out,)):  # torch's error
+            _c_check_aliasing_constraint(name, args, kwargs, out, lambda: module)
+        return out
+
+    lib = op_def._lib
+    with warnings.catch_warnings():  # the dispatcher's note on overriding, as torch filters it
+        warnings.filterwarnings("ignore", message="Warning only once for all operators")
+        lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+        lib.impl(name, backend_kernel, "CompositeExplicitAutograd")
 
 
 def python_impl(qualname: str) -> Callable | None:

@@ -1,0 +1,94 @@
+"""slimgrad custom ops called through the dispatcher, as a compiled graph calls them (NOTE [Lean
+dispatcher kernels] in ``slimgrad/_library.py``): few Python frames per call, and the same
+results, checks and errors as ``torch.library.custom_op``'s own kernels."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import slimgrad  # noqa: F401  (registers the ops)
+from slimgrad._library import custom_op, python_impl
+
+
+@custom_op("_test_dispatch_alias", mutates_args=())
+def _alias(x: torch.Tensor) -> torch.Tensor:
+    return x.view(x.shape)  # an alias: custom ops must not return one
+
+
+@_alias.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@custom_op("_test_dispatch_twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_twice.register_autograd(lambda ctx, g: g * 2)
+
+
+def _python_calls(fn) -> int:
+    n = [0]
+
+    def count(frame, event, arg):
+        if event == "call":
+            n[0] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+def test_dispatcher_call_adds_few_python_frames():
+    # torch.library.custom_op's kernels added 14 Python frames to the implementation's own (its
+    # Autograd kernel: a metadata dataclass, is_out, forward_no_grad, redispatch; its backend
+    # kernel: the per-device lookup, the aliasing check's wrapper); the lean kernels add 7, 3 of
+    # them torch.compiler.disable's
+    import torch._dynamo  # noqa: F401  (loaded, as when a compiled graph runs)
+
+    x = torch.randn(5, 7)
+    _, bits = torch.ops.slimgrad.dropout_fwd.default(x, 0.25)
+    op = torch.ops.slimgrad.dropout_apply_mask.default
+    impl = python_impl("slimgrad::dropout_apply_mask")
+    with torch.no_grad():
+        for _ in range(2):  # the second count: nothing left to set up
+            direct = _python_calls(lambda: impl(x, bits, 0.25, False))
+            through = _python_calls(lambda: op(x, bits, 0.25, False))
+        torch.testing.assert_close(op(x, bits, 0.25, False), impl(x, bits, 0.25, False))
+    assert through - direct <= 7, (through, direct)
+
+
+def test_output_aliasing_an_input_still_raises():
+    x = torch.randn(3)
+    with pytest.raises(RuntimeError, match="may not alias any inputs"):
+        torch.ops.slimgrad._test_dispatch_alias.default(x)
+
+
+def test_backward_without_formula_still_raises():
+    x = torch.randn(5, 7, requires_grad=True)
+    _, bits = torch.ops.slimgrad.dropout_fwd.default(x.detach(), 0.25)
+    out = torch.ops.slimgrad.dropout_apply_mask.default(x, bits, 0.25, False)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        out.sum().backward()
+
+
+def test_registered_autograd_still_runs():
+    x = torch.randn(4, requires_grad=True)
+    y = torch.ops.slimgrad._test_dispatch_twice.default(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
+    with torch.no_grad():
+        assert not torch.ops.slimgrad._test_dispatch_twice.default(x).requires_grad
