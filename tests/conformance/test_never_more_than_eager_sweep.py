@@ -85,12 +85,7 @@ MODULES = {
 # Measured above eager's (issue 30, class 7): strict xfails, so a
 # fix shows up as an unexpected pass. Key: "name-context" (context: alone or kept); bytes are
 # saved / peak, converted (eager), at the first shape that broke.
-KNOWN: dict[str, str] = {
-    "Linear-alone": "a channels_last 4-D input to a converted Linear: (1, 4, 2, 3) cl saved 192 "
-    "(192), peak 536 (440)",
-    "Linear-kept": "a channels_last 4-D input to a converted Linear: (1, 4, 2, 3) cl saved 288 "
-    "(288), peak 632 (536)",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _pre(shape, where: str) -> nn.Module:
@@ -139,13 +134,6 @@ def test_saved_and_peak_never_above_eager(name, context):
 # above eager's in both dtypes (issue 30, class 7): strict xfails, keyed and written as KNOWN
 # (the bfloat16 numbers; "alike": float16's differ by a few bytes).
 KNOWN_LOW: dict[str, str] = {
-    "LayerNorm-kept": "the converted Linear after it (a channels_last 4-D input, as Linear-kept), "
-    "bfloat16: (1, 4, 2, 3) cl saved 176 (176), peak 348 (300); (3, 8, 5, 7) cl peak 10,676 "
-    "(8,996): one gradient's bytes; float16 the same",
-    "Linear-alone": "a channels_last 4-D input to a converted Linear, bfloat16: (1, 4, 2, 3) cl "
-    "saved 96 (96), peak 268 (220); (3, 8, 5, 7) cl peak 8,516 (6,836); float16 the same",
-    "Linear-kept": "a channels_last 4-D input to a converted Linear, bfloat16: (1, 4, 2, 3) cl "
-    "saved 144 (144), peak 316 (268); (3, 8, 5, 7) cl peak 10,196 (8,516); float16 the same",
     "Hardtanh-alone": "ops/hardtanh.py bfloat16: (2, 3, 1, 1) saved 1 (12), peak 48 (40); (3, 8, "
     "5, 7) saved 105 (1,680), peak 7,554 (5,044); float16 the same",
     "Hardtanh-kept": "ops/hardtanh.py bfloat16: (3, 8, 5, 7) saved 1,785 (3,360), peak 7,554 "

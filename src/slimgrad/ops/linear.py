@@ -64,8 +64,10 @@ output so that any in-place write on it (``ReLU(inplace=True)``, ``h += x``, ``r
 :func:`fresh` returns such a view as ``view.detach()``: the same storage, strides and version
 counter (no copy; a later in-place write still bumps what the op saved, so autograd raises its
 usual version error), but a base of its own, whose writes autograd records on the Function's node.
-Every op's forward returns its outputs through it where they may be views (linear, conv1d_addmm,
-linear_scale, linear_cross_entropy ``reduction='none'``, the smooth activations' flat product).
+Every op's forward returns its outputs through it where they may be views (linear and
+conv1d_addmm on inputs of at most 2 dims, linear_scale, linear_cross_entropy ``reduction='none'``,
+the smooth activations' flat product); linear of a larger input returns its 2-D product, viewed by
+its caller outside the Function (NOTE [Linear's 2-D product]).
 """
 
 from __future__ import annotations
@@ -135,7 +137,27 @@ def _linear_double(ctx, dy):
     x, weight = ctx.saved_tensors
     mask = ctx.needs_input_grad
     dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, True)
+    if dx is not None and ctx.lead is not None:  # dy is the 2-D product's (NOTE [Linear's 2-D
+        dx = dx.view(*ctx.lead, dx.shape[-1])  # product])
     return dx, dw, db, None
+
+
+# NOTE [Linear's 2-D product]
+# For an input of 3 or more dims, _LinearFn returns the 2-D product (rows x out) and its caller
+# views it in the input's leading shape, outside the Function, as eager's linear does (a view of
+# addmm's or mm's 2-D result). So the gradient reaches the Function through a view node, which
+# reshapes it to 2-D (a copy where it is not viewable, e.g. channels_last) and drops it, as eager's
+# view node does; a Function that took the N-D gradient and reshaped it itself held both until it
+# returned (a 4-D channels_last gradient at a converted Linear: one gradient's bytes above eager's
+# peak, issue 30). The product is F.linear of the input viewed as 2-D: the addmm (bias) or mm (no
+# bias) eager's linear runs on a contiguous input of any rank. Backward writes dx in the input's
+# shape (a base, not a view: the next backward may reuse its buffer), into a tensor it allocates
+# (new_empty, then mm with out=): under slimgrad.memory.estimate a fake tensor made by an op that
+# misses FakeTensorMode's dispatch cache (torch.matmul's _unsafe_view of the 2-D product) is also
+# held by the fake converter's memo, a weak reference ownership counts as a holder, so the next
+# backward's take refused there where the real step grants (tiny GPT-2 estimated 1.8% above its
+# real step); an allocation is never memoized. Callers view the output with
+# ``y.view(x.shape[:-1] + y.shape[-1:])`` where ``x.ndim > 2``.
 
 
 class _LinearFn(torch.autograd.Function):
@@ -147,6 +169,13 @@ class _LinearFn(torch.autograd.Function):
         ctx.save_for_backward(
             x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None
         )
+        if x.ndim > 2:  # NOTE [Linear's 2-D product]
+            ctx.lead = x.shape[:-1]
+            x2 = x.reshape(-1, x.shape[-1])
+            if w_in_out:
+                return torch.addmm(bias, x2, weight) if bias is not None else x2 @ weight
+            return torch.nn.functional.linear(x2, weight, bias)
+        ctx.lead = None
         # fresh() without its checks: detaching a product that is not a view is harmless (an
         # alias of it, as fresh() returns while compiling); _fwd_torch inline
         if w_in_out:
@@ -164,6 +193,22 @@ class _LinearFn(torch.autograd.Function):
         # first derivatives: _bwd_torch's math, inline for a contiguous gradient
         x, weight = ctx.saved_tensors
         mask = ctx.needs_input_grad  # (x, weight, bias, w_in_out): the first three are read
+        lead = ctx.lead
+        if lead is not None:  # dy: the 2-D product's gradient (NOTE [Linear's 2-D product])
+            dx = dw = db = None
+            if mask[0]:
+                # eager's mm, written into dx allocated in x's shape: a base, not a view, and
+                # made by an allocation, so also under fake tensors nothing else holds it (NOTE
+                # [Linear's 2-D product]); .mT: t() without a call
+                w = weight.mT if ctx.w_in_out else weight
+                dx = dy.new_empty(lead + w.shape[1:])
+                torch.mm(dy, w, out=dx.view(dy.shape[0], w.shape[1]))
+            if mask[1]:
+                x2 = x.reshape(-1, x.shape[-1])
+                dw = x2.mT @ dy if ctx.w_in_out else dy.mT @ x2
+            if mask[2] and ctx.has_bias:
+                db = dy.sum(0)
+            return dx, dw, db, None
         if not dy.is_contiguous():
             dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, False)
             return dx, dw, db, None
@@ -391,8 +436,11 @@ def _apply(x, weight, bias, w_in_out):
                 return _AutocastLinearFn.apply(x, token, weight, bias, dt, w_in_out)
         weight = _autocast_cast(weight, dev, dt)
         with torch.autocast(dev, enabled=False):
-            return _LinearFn.apply(x, weight, bias, w_in_out)
-    return _LinearFn.apply(x, weight, bias, w_in_out)
+            y = _LinearFn.apply(x, weight, bias, w_in_out)
+    else:
+        y = _LinearFn.apply(x, weight, bias, w_in_out)
+    # NOTE [Linear's 2-D product]
+    return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
 
 
 def _plain_layout(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -449,7 +497,9 @@ def _straight(x, weight, bias, w_in_out: bool) -> torch.Tensor:
         weight = unwrap_if_dead(weight)
     if bias is not None and type(bias) is not _Parameter:
         bias = unwrap_if_dead(bias)
-    return _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, w_in_out)
+    y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, w_in_out)
+    # NOTE [Linear's 2-D product]
+    return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
 
 
 def linear(
