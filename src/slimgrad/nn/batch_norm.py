@@ -182,12 +182,19 @@ class ReLUAfterNorm(NoScript, nn.ReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # first use of input: NOTE [Gradient-buffer ownership]
+        k = id(input)
         if self.inplace:
-            # _is_source's first test inline: most inputs are no source
-            if id(input) in _SOURCES_D and _is_source(input) and _owned(input, self):
-                return _derived.activation(input, "relu", True, owned=True)
+            # _is_source(input) and _owned(input, self), inline: most inputs are no source
+            if k in _SOURCES_D:
+                e = _SOURCES_D[k]
+                if (
+                    e[0]() is input
+                    and input._version == e[1][1]
+                    and ownership.owns_input(input, self, writes=False)
+                ):
+                    return _derived.activation(input, "relu", True, owned=True)
             return torch.relu_(input)  # what activation() runs in place without ownership
-        if id(input) not in _SOURCES_D:  # no source: activation() would run eager's op
+        if k not in _SOURCES_D:  # no source: activation() would run eager's op
             return torch.relu(input)
         return _derived.activation(input, "relu", False)
 

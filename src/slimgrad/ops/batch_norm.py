@@ -649,16 +649,19 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     # the kernel reads a channel's dy before it writes that channel's dx). lib: the backend's
     # library where the caller asked already (backward).
     b, invstd, w = ctx.b, ctx.save_invstd, ctx.weight_v
+    shape = b.shape
     if (
         ctx.bad is not None
-        or b.ndim < 2
+        or len(shape) < 2
         or b.dtype != torch.float32
         or invstd.dtype != torch.float32
         or grad.dtype != torch.float32
         or (w is not None and w.dtype != torch.float32)
         or (ctx.bias_v is not None and ctx.bias_v.dtype != torch.float32)
-        or not (b.is_contiguous() and grad.is_contiguous() and invstd.is_contiguous())
-        or not b.numel()
+        # b's own contiguity: backward tested it where it handed lib over
+        or not ((lib is not None or b.is_contiguous()) and grad.is_contiguous())
+        or not invstd.is_contiguous()
+        or 0 in shape  # no values (a tuple test: no call)
     ):
         return None
     if lib is None:
@@ -672,7 +675,6 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
 
         fns = _C_FNS[lib] = functions(lib, _c_signatures)
     fn = fns["bwd"]
-    shape = b.shape
     n, c = shape[0], shape[1]
     s = 1
     for d in shape[2:]:  # math.prod(shape[2:])
@@ -698,7 +700,7 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
         torch.get_num_threads() or 1,  # kernels/_cpu.threads()
     )
     if gx is not None and gx is buf:  # a raw write over the incoming gradient: visible to autograd
-        torch.autograd.graph.increment_version(gx)
+        _bump((gx,))  # torch.autograd.graph.increment_version(gx), without its frame
     return gx, gw, gb
 
 
@@ -1092,4 +1094,5 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _grad_on = torch._C.is_grad_enabled
+_bump = torch._C._increment_version
 _RECIPES_D, _SOURCES_D, _CLOCK = _derived._RECIPES_D, _derived._SOURCES_D, _derived._CLOCK
