@@ -93,13 +93,39 @@ def _matmul(a, b):
     return out.view(a.shape[:-2] + out.shape[1:])
 
 
-def _softmax_fwd(s, dim, causal, mask=None):
+# NOTE [Causal masks built once]
+# The causal mask ``ones(T_q, T_k, bool).triu_(1)`` depends only on the two lengths and the device.
+# Where the scores op runs straight on plain tensors (its gate passed: no dispatch mode, not
+# compiling; backward asks the same of its incoming gradient), it is built once per (T_q, T_k,
+# device) and kept: the same bool tensor, read only by ``masked_fill``, so the same bits, two ops
+# and two Python calls fewer per use (forward and the backward's recompute). Only small masks are
+# kept (at most 2**20 elements, 8 of them): a bigger one costs little next to its T_q x T_k
+# products. Every other path (fake tensors, modes, torch.compile) builds the mask as before.
+_CAUSAL: dict[tuple, torch.Tensor] = {}
+_CAUSAL_MAX = 1 << 20
+
+
+def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu_(1)
+    if q_len * kv_len <= _CAUSAL_MAX:
+        if len(_CAUSAL) >= 8:
+            _CAUSAL.clear()
+        _CAUSAL[(q_len, kv_len, device)] = drop
+    return drop
+
+
+def _softmax_fwd(s, dim, causal, mask=None, plain=False):
+    # plain: the caller's straight path (NOTE [Causal masks built once])
     if not causal and mask is None:
         return torch.softmax(s, dim)
     t = s
     if causal:
         q_len, kv_len = s.shape[-2], s.shape[-1]
-        drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
+        if plain:
+            key = (q_len, kv_len, s.device)
+            drop = _CAUSAL[key] if key in _CAUSAL else _causal_mask(q_len, kv_len, s.device)
+        else:
+            drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
         t = t.masked_fill(drop, float("-inf"))  # our own copy: softmax may overwrite it
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -452,9 +478,9 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         # product here and in backward is one torch.bmm call.
         mm = torch.bmm if bmm else _matmul
         s = mm(q, k_t)  # NOTE [Attention matmuls as bmm]
-        ctx.lib, ctx.bmm = None, bmm
+        ctx.lib, ctx.bmm, ctx.direct = None, bmm, direct
         if direct:
-            probs = _softmax_fwd(s, -1, causal, mask)
+            probs = _softmax_fwd(s, -1, causal, mask, True)
             lib = _dropout._direct_c(probs) if p > 0 else None
             if lib is not None:
                 dropped, bits, ctx.n = _dropout._c_dropout(lib, probs, p)
@@ -489,10 +515,13 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         q, k_t, v, bits, mask = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         mm = torch.bmm if ctx.bmm else _matmul
-        probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask)  # the forward's P
-        lib = ctx.lib  # the forward's C kernels, outside compile and dispatch modes
-        if lib is not None and (type(d_out) is not _Tensor or compiling() or _dispatch_stack_len()):
-            lib = None
+        # the forward ran straight, and so does this backward: plain tensors, outside compile
+        # and dispatch modes
+        plain = (
+            ctx.direct and type(d_out) is _Tensor and not compiling() and not _dispatch_stack_len()
+        )
+        probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask, plain)  # the forward's P
+        lib = ctx.lib if plain else None  # the forward's C kernels
         # P is this backward's own temporary: D for dV is rebuilt in its buffer after dS
         ds, dv = _bwd_torch(
             d_out,
