@@ -474,13 +474,21 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py):
         # _sdm_fwd's implementation runs here, its dropout on the C kernels when they take P
         # (NOTE [Dropout's straight path] in ops/dropout.py), kept in ctx.lib for backward.
-        # bmm: q, k_t and v are 3-D with one batch size (NOTE [Attention matmuls as bmm]): every
-        # product here and in backward is one torch.bmm call.
+        # bmm: q, k_t and v are 3-D CPU tensors with one batch size and no mask (HF's straight
+        # path, NOTE [Attention matmuls as bmm]): every product here and in backward is one
+        # torch.bmm call, whose result is contiguous.
         mm = torch.bmm if bmm else _matmul
         s = mm(q, k_t)  # NOTE [Attention matmuls as bmm]
         ctx.lib, ctx.bmm, ctx.direct = None, bmm, direct
-        if direct:
+        if direct and bmm:  # _softmax_fwd's steps for a contiguous CPU S without a mask tensor
+            if causal:
+                key = (s.shape[1], s.shape[2], s.device)
+                drop = _CAUSAL[key] if key in _CAUSAL else _causal_mask(*key)
+                s = s.masked_fill(drop, float("-inf"))
+            probs = torch._softmax(s, -1, False, out=s)
+        elif direct:
             probs = _softmax_fwd(s, -1, causal, mask, True)
+        if direct:
             lib = _dropout._direct_c(probs) if p > 0 else None
             if lib is not None:
                 dropped, bits, ctx.n = _dropout._c_dropout(lib, probs, p)
@@ -520,8 +528,10 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         plain = (
             ctx.direct and type(d_out) is _Tensor and not compiling() and not _dispatch_stack_len()
         )
-        probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask, plain)  # the forward's P
         lib = ctx.lib if plain else None  # the forward's C kernels
+        if ctx.bmm and lib is not None:
+            return _straight_bwd(ctx, d_out, q, k_t, v, bits, lib, need_q, need_k, need_v)
+        probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask, plain)  # the forward's P
         # P is this backward's own temporary: D for dV is rebuilt in its buffer after dS
         ds, dv = _bwd_torch(
             d_out,
@@ -545,6 +555,32 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         if dv is not None and dv.dtype != ctx.v_dtype:
             dv = dv.to(ctx.v_dtype)
         return dq, dk, dv, None, None, None, None, None, None
+
+
+def _straight_bwd(ctx, d_out, q, k_t, v, bits, lib, need_q, need_k, need_v):
+    # The scores op's backward where forward and backward ran straight on HF's folded CPU
+    # operands with the dropout C kernels (ctx.bmm, ctx.lib): _softmax_fwd's and _bwd_torch's
+    # steps for that case (p > 0, one dtype, contiguous bmm results, P owned: dS first, then D
+    # rebuilt in P's buffer for dV), the same ops on the same tensors in one frame.
+    s = torch.bmm(q, k_t)
+    if ctx.causal:
+        key = (s.shape[1], s.shape[2], s.device)
+        s = s.masked_fill(_CAUSAL[key] if key in _CAUSAL else _causal_mask(*key), float("-inf"))
+    probs = torch._softmax(s, -1, False, out=s)  # the forward's P
+    del s
+    p, n = ctx.p, ctx.n
+    ds = dv = None
+    if need_q or need_k:
+        dp = torch.bmm(d_out, v.mT)
+        _dropout._c_bwd(lib, dp, bits, p, n, dp)
+        ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype, grad_input=dp)
+        del dp
+    if need_v:
+        dv = torch.bmm(_dropout._c_bwd(lib, probs, bits, p, n, probs).mT, d_out)
+    del probs
+    dq = torch.bmm(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
+    dk = torch.bmm(q.mT, ds) if need_k else None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _SSDM_APPLY = direct_apply(_ScoresSoftmaxDropoutMatmulFn)
