@@ -381,7 +381,13 @@ def _straight_attention(module, query, key, value, dropout, scaling, is_causal, 
         return None
     else:
         groups = getattr(type(module), "num_key_value_groups", 1)
-    if groups != 1 or type(groups) is not int or query.shape[1] != key.shape[1]:
+    b, h, q_len, head = query.shape
+    if (
+        groups != 1
+        or type(groups) is not int
+        or key.shape[:2] != (b, h)
+        or value.shape[:2] != (b, h)
+    ):
         return None
     if kwargs:
         if "position_bias" in kwargs and kwargs["position_bias"] is not None:
@@ -393,26 +399,29 @@ def _straight_attention(module, query, key, value, dropout, scaling, is_causal, 
                 v = kwargs[name]
                 if v is not None and v is not False:  # _is_set
                     return None
-    q_len = query.shape[2]
     if is_causal is None:
         is_causal = d["is_causal"] if "is_causal" in d else getattr(module, "is_causal", True)
     is_causal = bool(q_len > 1 and is_causal)
     if is_causal and key.shape[2] > q_len:  # as sdpa_attention_forward: upper-left causal
         key, value = key[:, :, :q_len, :], value[:, :, :q_len, :]
-    rk = (scaling, query.shape[-1])
-    _, root = _ROOTS[rk] if rk in _ROOTS else _roots(scaling, query.shape[-1])
-    # q * root and k^T * root are fresh products (a dead functorch wrapper's product is plain)
+    rk = (scaling, head)
+    _, root = _ROOTS[rk] if rk in _ROOTS else _roots(scaling, head)
+    # q * root and k^T * root are fresh products (a dead functorch wrapper's product is plain),
+    # folded to (B·H, T, d) as torch.matmul folds them: the same operands for the op's bmm calls
+    # (NOTE [Attention matmuls as bmm] in ops/softmax_dropout.py)
+    bh, kv_len = b * h, key.shape[2]
     out = _sdm._SSDM_APPLY(
-        query * root,
-        key.transpose(-2, -1) * root,
-        unwrap_if_dead(value.contiguous()),
+        (query * root).reshape(bh, q_len, head),
+        (key.transpose(-2, -1) * root).reshape(bh, head, kv_len),
+        unwrap_if_dead(value.contiguous()).view(bh, kv_len, value.shape[3]),
         dropout,
         query.dtype,
         is_causal,
         None,
         True,
+        True,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out.view(b, h, q_len, out.shape[2]).transpose(1, 2).contiguous(), None
 
 
 def _attention(

@@ -72,6 +72,13 @@ _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 # For 4-D operands the product is a view of bmm's 3-D result, where torch.matmul returns an
 # _unsafe_view (not a view): a Function that returns it detaches it first (NOTE [Function outputs
 # are not views] in ops/linear.py), or an in-place write on the attention output would raise.
+# HF's straight path (NOTE [HF attention's straight path] in convert_handlers/hf_attention.py)
+# folds its fresh q * root and k^T * root and its contiguous v to (B·H, T, d) before the scores
+# op, with the same reshapes (autograd records them), and passes ``bmm=True``: the op saves the
+# folded operands (a copy where q or k^T does not fold, as torch.matmul's bmm saves it; the
+# 4-D product it was folded from is freed, so the same bytes) and each of its seven products is
+# one torch.bmm call, with no reshape of q and k^T again in backward. Backward's dq and dk take
+# k^T and q transposed, as eager's bmm backward does.
 
 
 def _matmul(a, b):
@@ -86,13 +93,39 @@ def _matmul(a, b):
     return out.view(a.shape[:-2] + out.shape[1:])
 
 
-def _softmax_fwd(s, dim, causal, mask=None):
+# NOTE [Causal masks built once]
+# The causal mask ``ones(T_q, T_k, bool).triu_(1)`` depends only on the two lengths and the device.
+# Where the scores op runs straight on plain tensors (its gate passed: no dispatch mode, not
+# compiling; backward asks the same of its incoming gradient), it is built once per (T_q, T_k,
+# device) and kept: the same bool tensor, read only by ``masked_fill``, so the same bits, two ops
+# and two Python calls fewer per use (forward and the backward's recompute). Only small masks are
+# kept (at most 2**20 elements, 8 of them): a bigger one costs little next to its T_q x T_k
+# products. Every other path (fake tensors, modes, torch.compile) builds the mask as before.
+_CAUSAL: dict[tuple, torch.Tensor] = {}
+_CAUSAL_MAX = 1 << 20
+
+
+def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu_(1)
+    if q_len * kv_len <= _CAUSAL_MAX:
+        if len(_CAUSAL) >= 8:
+            _CAUSAL.clear()
+        _CAUSAL[(q_len, kv_len, device)] = drop
+    return drop
+
+
+def _softmax_fwd(s, dim, causal, mask=None, plain=False):
+    # plain: the caller's straight path (NOTE [Causal masks built once])
     if not causal and mask is None:
         return torch.softmax(s, dim)
     t = s
     if causal:
         q_len, kv_len = s.shape[-2], s.shape[-1]
-        drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
+        if plain:
+            key = (q_len, kv_len, s.device)
+            drop = _CAUSAL[key] if key in _CAUSAL else _causal_mask(q_len, kv_len, s.device)
+        else:
+            drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
         t = t.masked_fill(drop, float("-inf"))  # our own copy: softmax may overwrite it
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -149,6 +182,7 @@ def _bwd_torch(
     own_probs=False,
     lib=None,
     n=0,
+    mm=None,
 ):
     # One S-sized temporary at a time besides P. own_probs: P is dead after this backward
     # (ownership.take_saved granted it): dS first, then D rebuilt in P's buffer for dV.
@@ -156,7 +190,9 @@ def _bwd_torch(
     # lib: the forward's C kernels for the float32 CPU P of n elements (NOTE [Dropout's straight
     # path] in ops/dropout.py), run without the kernel choice; None: _apply_mask_torch decides.
     # A .to() to the dtype a tensor has returns the tensor itself: such casts are skipped.
+    # mm: torch.bmm where the caller's operands are 3-D with one batch size, else _matmul.
     ds = dv = None
+    mm = mm or _matmul
 
     def grad_v(own):
         if p > 0 and lib is not None and probs.is_contiguous():
@@ -168,13 +204,13 @@ def _bwd_torch(
             dropped = probs
         if dropped.dtype != mm_dtype:
             dropped = dropped.to(mm_dtype)
-        dv = _matmul(dropped.mT, d_out)  # NOTE [Attention matmuls as bmm]
+        dv = mm(dropped.mT, d_out)  # NOTE [Attention matmuls as bmm]
         return dv if dv.shape == v_shape else dv.sum_to_size(v_shape)
 
     if output_mask[1] and not own_probs:
         dv = grad_v(False)
     if output_mask[0]:
-        d_dropped = _matmul(d_out, (v if v.dtype == mm_dtype else v.to(mm_dtype)).mT)
+        d_dropped = mm(d_out, (v if v.dtype == mm_dtype else v.to(mm_dtype)).mT)
         if d_dropped.dtype != probs.dtype:
             d_dropped = d_dropped.to(probs.dtype)
         if d_dropped.shape != probs.shape:  # scores broadcast against value's batch dims
@@ -434,14 +470,25 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, q, k_t, v, p, mm_dtype, causal, mask, direct=False):
+    def forward(ctx, q, k_t, v, p, mm_dtype, causal, mask, direct=False, bmm=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py):
         # _sdm_fwd's implementation runs here, its dropout on the C kernels when they take P
-        # (NOTE [Dropout's straight path] in ops/dropout.py), kept in ctx.lib for backward
-        s = _matmul(q, k_t)  # NOTE [Attention matmuls as bmm]
-        ctx.lib = None
+        # (NOTE [Dropout's straight path] in ops/dropout.py), kept in ctx.lib for backward.
+        # bmm: q, k_t and v are 3-D CPU tensors with one batch size and no mask (HF's straight
+        # path, NOTE [Attention matmuls as bmm]): every product here and in backward is one
+        # torch.bmm call, whose result is contiguous.
+        mm = torch.bmm if bmm else _matmul
+        s = mm(q, k_t)  # NOTE [Attention matmuls as bmm]
+        ctx.lib, ctx.bmm, ctx.direct = None, bmm, direct
+        if direct and bmm:  # _softmax_fwd's steps for a contiguous CPU S without a mask tensor
+            if causal:
+                key = (s.shape[1], s.shape[2], s.device)
+                drop = _CAUSAL[key] if key in _CAUSAL else _causal_mask(*key)
+                s = s.masked_fill(drop, float("-inf"))
+            probs = torch._softmax(s, -1, False, out=s)
+        elif direct:
+            probs = _softmax_fwd(s, -1, causal, mask, True)
         if direct:
-            probs = _softmax_fwd(s, -1, causal, mask)
             lib = _dropout._direct_c(probs) if p > 0 else None
             if lib is not None:
                 dropped, bits, ctx.n = _dropout._c_dropout(lib, probs, p)
@@ -451,7 +498,7 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             else:
                 dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
             # _fwd_torch's product; .to() to a tensor's own dtype is the tensor itself
-            out = _matmul(
+            out = mm(
                 dropped if dropped.dtype == mm_dtype else dropped.to(mm_dtype),
                 v if v.dtype == mm_dtype else v.to(mm_dtype),
             )
@@ -472,13 +519,19 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
     @first_order("ops.scores_softmax_dropout_matmul")
     def backward(ctx, d_out):
         if d_out is None:
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         q, k_t, v, bits, mask = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        probs = _softmax_fwd(_matmul(q, k_t), -1, ctx.causal, mask)  # the forward's P
-        lib = ctx.lib  # the forward's C kernels, outside compile and dispatch modes
-        if lib is not None and (type(d_out) is not _Tensor or compiling() or _dispatch_stack_len()):
-            lib = None
+        mm = torch.bmm if ctx.bmm else _matmul
+        # the forward ran straight, and so does this backward: plain tensors, outside compile
+        # and dispatch modes
+        plain = (
+            ctx.direct and type(d_out) is _Tensor and not compiling() and not _dispatch_stack_len()
+        )
+        lib = ctx.lib if plain else None  # the forward's C kernels
+        if ctx.bmm and lib is not None:
+            return _straight_bwd(ctx, d_out, q, k_t, v, bits, lib, need_q, need_k, need_v)
+        probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask, plain)  # the forward's P
         # P is this backward's own temporary: D for dV is rebuilt in its buffer after dS
         ds, dv = _bwd_torch(
             d_out,
@@ -494,13 +547,40 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             own_probs=ctx.p > 0 and probs.dtype == ctx.mm_dtype,
             lib=lib,
             n=ctx.n if lib is not None else 0,
+            mm=mm,
         )
         del probs
-        dq = _matmul(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
-        dk = _matmul(q.mT, ds) if need_k else None
+        dq = mm(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
+        dk = mm(q.mT, ds) if need_k else None
         if dv is not None and dv.dtype != ctx.v_dtype:
             dv = dv.to(ctx.v_dtype)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _straight_bwd(ctx, d_out, q, k_t, v, bits, lib, need_q, need_k, need_v):
+    # The scores op's backward where forward and backward ran straight on HF's folded CPU
+    # operands with the dropout C kernels (ctx.bmm, ctx.lib): _softmax_fwd's and _bwd_torch's
+    # steps for that case (p > 0, one dtype, contiguous bmm results, P owned: dS first, then D
+    # rebuilt in P's buffer for dV), the same ops on the same tensors in one frame.
+    s = torch.bmm(q, k_t)
+    if ctx.causal:
+        key = (s.shape[1], s.shape[2], s.device)
+        s = s.masked_fill(_CAUSAL[key] if key in _CAUSAL else _causal_mask(*key), float("-inf"))
+    probs = torch._softmax(s, -1, False, out=s)  # the forward's P
+    del s
+    p, n = ctx.p, ctx.n
+    ds = dv = None
+    if need_q or need_k:
+        dp = torch.bmm(d_out, v.mT)
+        _dropout._c_bwd(lib, dp, bits, p, n, dp)
+        ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype, grad_input=dp)
+        del dp
+    if need_v:
+        dv = torch.bmm(_dropout._c_bwd(lib, probs, bits, p, n, probs).mT, d_out)
+    del probs
+    dq = torch.bmm(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
+    dk = torch.bmm(q.mT, ds) if need_k else None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _SSDM_APPLY = direct_apply(_ScoresSoftmaxDropoutMatmulFn)
