@@ -134,10 +134,6 @@ def test_saved_and_peak_never_above_eager(name, context):
 # above eager's in both dtypes (issue 30, class 7): strict xfails, keyed and written as KNOWN
 # (the bfloat16 numbers; "alike": float16's differ by a few bytes).
 KNOWN_LOW: dict[str, str] = {
-    "Hardtanh-alone": "ops/hardtanh.py bfloat16: (2, 3, 1, 1) saved 1 (12), peak 48 (40); (3, 8, "
-    "5, 7) saved 105 (1,680), peak 7,554 (5,044); float16 the same",
-    "Hardtanh-kept": "ops/hardtanh.py bfloat16: (3, 8, 5, 7) saved 1,785 (3,360), peak 7,554 "
-    "(6,868); (3, 8, 5, 7) cl saved 1,785 (3,360), peak 7,554 (6,868); float16 the same",
     "GELU-kept": "ops/gelu.py bfloat16: (3, 8, 5, 7) saved 3,360 (3,360), peak 9,450 (6,868); (3, "
     "8, 5, 7) cl saved 3,360 (3,360), peak 9,450 (6,868); float16 the same",
     "GELU_tanh-kept": "ops/gelu.py bfloat16: (3, 8, 5, 7) saved 3,360 (3,360), peak 9,450 (6,868); "
@@ -150,10 +146,6 @@ KNOWN_LOW: dict[str, str] = {
     "(6,868); (3, 8, 5, 7) cl saved 1,821 (3,360), peak 9,393 (6,868); float16 alike",
     "Hardswish/inplace-kept": "ops/hardswish.py bfloat16: (3, 8, 5, 7) saved 1,815 (3,360), peak "
     "9,385 (6,868); (3, 8, 5, 7) cl saved 1,815 (3,360), peak 9,385 (6,868); float16 the same",
-    "Hardtanh/inplace-alone": "ops/hardtanh.py bfloat16: (2, 3, 1, 1) saved 1 (12), peak 48 (40); "
-    "(3, 8, 5, 7) saved 105 (1,680), peak 7,554 (5,044); float16 the same",
-    "Hardtanh/inplace-kept": "ops/hardtanh.py bfloat16: (3, 8, 5, 7) saved 1,785 (3,360), peak "
-    "7,554 (6,868); (3, 8, 5, 7) cl saved 1,785 (3,360), peak 7,554 (6,868); float16 the same",
     "Mish/inplace-kept": "ops/mish.py bfloat16: (3, 8, 5, 7) saved 2,061 (3,360), peak 21,005 "
     "(6,868); (3, 8, 5, 7) cl saved 2,061 (3,360), peak 21,005 (6,868); float16 the same",
     "SiLU/inplace-kept": "ops/silu.py bfloat16: (3, 8, 5, 7) saved 1,977 (3,360), peak 20,781 "
