@@ -86,14 +86,18 @@ def _side_info(x: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         return pack_bits(c >= -1.5), idx, flat.index_select(0, idx)
     bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     hard = []
-    for a in range(0, n, CHUNK):
-        c = flat[a : a + CHUNK].float()
+    # pieces as _bwd_torch's (at most CHUNK and ~1/4 of the tensor, a multiple of 8): the float32
+    # temporaries (4 B per element of a piece, 2x a half-type x) stay below x's own size
+    step = min(CHUNK, max(8, -(-n // 32) * 8))
+    for a in range(0, n, step):
+        c = flat[a : a + step].float()
         bits[a // 8 : (a + c.numel() + 7) // 8] = pack_bits(c >= -1.5)
         # |x + 3/2| < w, or x non-finite (|x + 3/2| NaN or inf, set to 0 first): one float
-        # temporary and one bool (isfinite's decomposition would add three more)
-        d = (c + 1.5).abs_().nan_to_num_(0.0, 0.0, 0.0)
+        # temporary (c's buffer where c is a copy, not x itself) and one bool (isfinite's
+        # decomposition would add three more)
+        d = (c + 1.5 if c.dtype == x.dtype else c.add_(1.5)).abs_().nan_to_num_(0.0, 0.0, 0.0)
         hard.append(torch.lt(d, w).nonzero().view(-1).add_(a))
-        del d
+        del c, d
     idx = torch.cat(hard) if hard else torch.empty(0, dtype=torch.int64, device=x.device)
     if idx.numel() * FALLBACK_DIV > n:
         return None
