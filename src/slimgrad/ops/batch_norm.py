@@ -961,7 +961,8 @@ def _batch_norm(
     ) and torch.is_grad_enabled()
     numel = input.numel() if needs_graph else 0
     plain = numel == 0 or _compiling() or _transforms_active()  # NOTE [torch.func transforms]
-    # x's recipe (NOTE [Recomputable inputs]), looked up once: the forward keeps it if it keeps x
+    # x's recipe (NOTE [Recomputable inputs]; its cost: NOTE [What a replayed input costs]),
+    # looked up once: the forward keeps it if it keeps x
     recipe = None
     if not plain and (training or (weight is not None and weight.requires_grad)):
         # _derived.recipe_of(input, recompute_input), inline (not compiling: plain)
@@ -1067,6 +1068,22 @@ def _batch_norm(
         else:
             _SOURCES_D[k] = (weakref.ref(out, _partial(_SOURCES_D.pop, k)), src)
     return out
+
+
+# NOTE [What a replayed input costs]
+# Keeping x's recipe instead of x (NOTE [Recomputable inputs] in ops/_derived.py) re-runs x's conv
+# in this op's backward: one more forward of that conv per step. In ResNet-50 the convs replayed by
+# default (each bottleneck's 1x1 conv3 and the 1x1 downsample convs) hold 28.9% of the forward's
+# conv multiply-adds at 224x224, about 9.6% of a forward + backward step's (backward about twice
+# forward). At the host-overhead proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs
+# run on 1 to 4 pixels per sample, bound by reading their weights, and conv1 is replayed too where
+# its BatchNorm sees few values per channel (NOTE [Few values per channel]): 32 replays per step.
+# Measured there (one thread, thread CPU time, median of interleaved eager / default / "never"
+# triples, on 2 shared cores): converted / eager 1.135 with the default policy and 1.003 with
+# recompute_input="never" on every BatchNorm (40 triples, load 9); 1.233 and 1.095 (60, load 16).
+# So that proxy's step-time gap is this replay, not host overhead; the replay is what keeps the
+# step's saved bytes at 2,154,068 (with "never": 3,448,404; eager 3,710,548). The default stays
+# "pointwise"; recompute_input="never" trades those bytes for eager's compute.
 
 
 # NOTE [Arguments known to be plain]
