@@ -683,10 +683,11 @@ def test_eager_probe_refuses_a_different_eager_function():
 def test_host_calls_per_call():
     # issue 32: GPT-2's training call (dropout, no mask tensor, no num_key_value_groups attribute)
     # takes NOTE [HF attention's straight path] and the scores op's backward reuses the forward's
-    # dropout kernels: 63 calls of and from slimgrad's code per fwd + bwd, counted, not timed
+    # dropout kernels: 62 calls of and from slimgrad's code per fwd + bwd, counted, not timed
     # (NOTE [Attention matmuls as bmm]: q, k^T and v folded to 3-D once before the op, whose
     # seven products are then one bmm call each, and the op's backward in one frame; 101 when
-    # each product reshaped its operands; NOTE [Causal masks built once]: 4 calls fewer)
+    # each product reshaped its operands; NOTE [Causal masks built once]: 4 calls fewer; the
+    # second-derivative check inline in the backward, no first_order frame: 1 fewer)
     from slimgrad.convert_handlers.hf_attention import _attention
     from tests._host_calls import slimgrad_calls
 
@@ -703,4 +704,16 @@ def test_host_calls_per_call():
         (out * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 63
+    assert slimgrad_calls(step) <= 62
+
+
+def test_straight_path_second_derivative_raises_clear_error():
+    # the scores op's backward checks create_graph itself (no first_order frame): a second
+    # derivative through HF's straight path is the clear slimgrad error, never a silent None
+    from slimgrad.convert_handlers.hf_attention import _attention
+
+    q, k, v = (t.requires_grad_() for t in _qkv(b=1, h=2, q=4, k=4, d=4))
+    out, _ = _attention(_Attn(1, True), q * 1, k * 1, v * 1, None, dropout=0.2, scaling=0.5)
+    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="slimgrad.ops.scores_softmax_dropout_matmul"):
+        gq.sum().backward()

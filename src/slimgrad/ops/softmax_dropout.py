@@ -43,6 +43,7 @@ from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
+    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
@@ -58,6 +59,7 @@ _API = "slimgrad.ops.softmax_dropout_matmul"
 _grad_on = torch._C.is_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _API_QK = "slimgrad.ops.scores_softmax_dropout_matmul"
+_QK_OP = "ops.scores_softmax_dropout_matmul"
 _Tensor = torch.Tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 
@@ -516,8 +518,14 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @first_order("ops.scores_softmax_dropout_matmul")
     def backward(ctx, d_out):
+        # first_order's check inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py): under create_graph=True this backward runs again without grad
+        # and its results are tied to the refusal
+        if _grad_on():
+            return refuse_second_order(
+                _QK_OP, _ScoresSoftmaxDropoutMatmulFn.backward, ctx, (d_out,)
+            )
         if d_out is None:
             return None, None, None, None, None, None, None, None, None
         q, k_t, v, bits, mask = ctx.saved_tensors
