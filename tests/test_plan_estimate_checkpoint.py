@@ -80,7 +80,9 @@ def test_cuda_estimate_of_hf_gradient_checkpointing():
             num_hidden_layers=2,
             hidden_size=64,
             num_attention_heads=4,
-            num_key_value_heads=2,
+            # one kv head per query head: HF calls SDPA without a mask and without enable_gqa,
+            # which fp32 CUDA runs as the efficient kernel (grouped-query fp32 runs the math one)
+            num_key_value_heads=4,
             intermediate_size=128,
             vocab_size=512,
             attention_dropout=0.1,

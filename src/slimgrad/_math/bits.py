@@ -45,7 +45,9 @@ def _spread(device: torch.device, like: torch.Tensor) -> torch.Tensor:
         v = torch.arange(256, dtype=torch.int64, device=device)
         bits = (v.unsqueeze(1) >> torch.arange(8, device=device)) & 1  # bit i of v in byte i
         t = bits.to(torch.uint8).view(torch.int64).reshape(256)
-        if _cacheable(t):
+        # made for a fake ``like``, it is real too (NOTE [Index tensors keep their values under
+        # fake tensors] in slimgrad/memory.py) but not cached: the estimate's step made it
+        if _cacheable(like) and _cacheable(t):
             _SPREAD[device] = t
     return t
 
