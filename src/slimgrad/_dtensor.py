@@ -79,7 +79,10 @@ def any_dtensor(*tensors: object) -> bool:
         cls = _dtensor_class()
         if cls is None:
             return False
-        _CLS.append(cls)
+        # kept by an eager call only: a trace that kept it would guard on the list being empty,
+        # and the compiled model's second call would trace and compile again
+        if not torch.compiler.is_compiling():
+            _CLS.append(cls)
     for t in tensors:
         if isinstance(t, cls):
             return True
