@@ -246,7 +246,10 @@ def _bad_channels(w, bias, lim):
 
 
 def _release(ctx) -> None:
+    # the batch statistics too: the node outlives this backward until the whole graph is freed,
+    # and eager's node frees them when its backward returns
     ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
+    ctx.save_mean = ctx.save_invstd = None
     ctx.weight_src = ctx.bias_src = None
     ctx.released = True
 
@@ -490,6 +493,7 @@ class _BatchNormFn(torch.autograd.Function):
         if _keep_graph is not None and not _keep_graph():
             # _release(ctx), inline
             ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
+            ctx.save_mean = ctx.save_invstd = None
             ctx.weight_src = ctx.bias_src = None
             ctx.released = True
         gx, gw, gb = out
