@@ -224,9 +224,10 @@ def _fallback_mask(weight, bias, out_dtype):
 # a captured step (CUDA graphs) cannot have any. So the answers are renewed in the optimizer step
 # itself: a global optimizer step post-hook (``register_optimizer_step_post_hook``, public API,
 # registered once after the epoch counter's, so it runs after that count moved) recomputes, for
-# every cache entry whose tensors are alive, the fallback mask on the device, concatenates the
-# masks of each device and finds them all with one ``nonzero``: one host read per device per
-# optimizer step, not one per norm in the forward. Each entry is stored under the key the next
+# every cache entry whose weight or bias that optimizer holds, the fallback mask on the device,
+# concatenates the masks of each device and finds them all with one ``nonzero``: one host read per
+# device per optimizer step, not one per norm in the forward (an entry of another optimizer's
+# parameters is left to its next forward, as before). Each entry is stored under the key the next
 # forward computes (the parameters' versions and the step count after the step), so that forward
 # hits the cache and reads no device value; when it does not hit (another write after the step,
 # a new dtype), it finds its channels itself as before. Under torch.compile the hook does nothing
@@ -260,6 +261,12 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
     # NOTE [Fallback channels renewed at the optimizer step]
     if compiling() or not _FB_CACHE:
         return
+    stepped = None  # the ids of the parameters this optimizer holds (None: renew every entry)
+    if optimizer is not None:
+        stepped = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                stepped.add(id(p))
     groups: dict = {}
     count = steps._count[0]
     for slot, entry in list(_FB_CACHE.items()):
@@ -269,6 +276,8 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         bias = bw() if bw is not None else None
         if ref is None or (ww is not None and weight is None) or (bw is not None and bias is None):
             continue
+        if stepped is not None and id(weight) not in stepped and id(bias) not in stepped:
+            continue  # not this optimizer's: its next forward renews it itself if it changed
         try:
             w_key = None if weight is None else _param_key(weight)
             if bias is not None:
