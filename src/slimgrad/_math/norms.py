@@ -16,6 +16,7 @@ import math
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from slimgrad._autograd import compiling
 from slimgrad._math import steps
@@ -146,8 +147,7 @@ def fallback_channels(
             return torch.empty(0, dtype=torch.int64, device=idx.device)
         return idx.clone()
     idx = _find_fallback_channels(weight, bias, out_dtype)
-    wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
-    _FB_CACHE[slot] = (wref, key, idx)
+    _store(slot, ref, key, idx, weight, bias, out_dtype, None)
     return _fresh(idx)
 
 
@@ -187,8 +187,7 @@ def fallback_or_none(
     hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
     if hit is None or hit[0]() is not ref or hit[1] != key:
         idx = _find_scaled(weight, bias, out_dtype, gamma_of)
-        wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
-        hit = _FB_CACHE[slot] = (wref, key, idx)
+        hit = _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of)
     idx = hit[2]
     return idx.clone() if idx.shape[0] else None  # a tensor of the caller's own
 
@@ -201,6 +200,11 @@ def _find_scaled(weight, bias, out_dtype, gamma_of):
 
 
 def _find_fallback_channels(weight, bias, out_dtype):
+    return torch.nonzero(_fallback_mask(weight, bias, out_dtype)).reshape(-1)
+
+
+def _fallback_mask(weight, bias, out_dtype):
+    # True at the fallback channels (flat): computed on the parameters' device, no host read
     ref = weight if weight is not None else bias
     acc = acc_dtype(ref.dtype)
     w = weight.detach().reshape(-1).to(acc) if weight is not None else None
@@ -210,7 +214,103 @@ def _find_fallback_channels(weight, bias, out_dtype):
     if b is not None:
         ok &= b.abs() <= BETA_OVER_GAMMA_MAX * aw
     ok &= torch.isfinite(aw)
-    return torch.nonzero(~ok).reshape(-1)
+    return ~ok
+
+
+# NOTE [Fallback channels renewed at the optimizer step]
+# A training loop's optimizer step writes every norm's weight, so the next forward of each norm
+# found its key stale and ran a ``nonzero`` (NOTE [Fallback channels, once per weight version]):
+# on CUDA one host sync per norm per step inside the forward, where the GPU queue is deepest and
+# a captured step (CUDA graphs) cannot have any. So the answers are renewed in the optimizer step
+# itself: a global optimizer step post-hook (``register_optimizer_step_post_hook``, public API,
+# registered once after the epoch counter's, so it runs after that count moved) recomputes, for
+# every cache entry whose weight or bias that optimizer holds, the fallback mask on the device,
+# concatenates the masks of each device and finds them all with one ``nonzero``: one host read per
+# device per optimizer step, not one per norm in the forward (an entry of another optimizer's
+# parameters is left to its next forward, as before). Each entry is stored under the key the next
+# forward computes (the parameters' versions and the step count after the step), so that forward
+# hits the cache and reads no device value; when it does not hit (another write after the step,
+# a new dtype), it finds its channels itself as before. Under torch.compile the hook does nothing
+# (the forward then finds them itself).
+_RENEW_HOOKED = [False]
+
+
+def _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of):
+    # a cache entry: (weakref to ref, key, idx, how to renew it at an optimizer step)
+    wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
+    how = (
+        None if weight is None else weakref.ref(weight),
+        None if bias is None else weakref.ref(bias),
+        out_dtype,
+        gamma_of,
+    )
+    entry = _FB_CACHE[slot] = (wref, key, idx, how)
+    if not _RENEW_HOOKED[0]:
+        epoch()  # the counter's hook first: the renewal reads the count after the step
+        register_optimizer_step_post_hook(_renew)
+        _RENEW_HOOKED[0] = True
+    return entry
+
+
+def _param_key(t):
+    # (weight or bias) key of fallback_channels / fallback_or_none
+    return (t._version, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+
+
+def _renew(optimizer=None, args=None, kwargs=None) -> None:
+    # NOTE [Fallback channels renewed at the optimizer step]
+    if compiling() or not _FB_CACHE:
+        return
+    stepped = None  # the ids of the parameters this optimizer holds (None: renew every entry)
+    if optimizer is not None:
+        stepped = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                stepped.add(id(p))
+    groups: dict = {}
+    count = steps._count[0]
+    for slot, entry in list(_FB_CACHE.items()):
+        wref, _, _, (ww, bw, out_dtype, gamma_of) = entry
+        ref = wref()
+        weight = ww() if ww is not None else None
+        bias = bw() if bw is not None else None
+        if ref is None or (ww is not None and weight is None) or (bw is not None and bias is None):
+            continue
+        if stepped is not None and id(weight) not in stepped and id(bias) not in stepped:
+            continue  # not this optimizer's: its next forward renews it itself if it changed
+        try:
+            w_key = None if weight is None else _param_key(weight)
+            if bias is not None:
+                b_key = bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride()
+                b_key += (bias.device,)
+            else:
+                b_key = None
+        except RuntimeError:  # an inference tensor (not cached in the first place)
+            continue
+        key = (w_key, b_key, out_dtype, count)
+        if gamma_of is not None:
+            key += (gamma_of,)
+        with torch.no_grad():
+            w = gamma_of(weight.detach()) if gamma_of is not None else weight
+            mask = _fallback_mask(w, bias, out_dtype)
+        groups.setdefault(mask.device, []).append((slot, entry, key, mask))
+    for dev, items in groups.items():
+        masks = [m for *_, m in items]
+        hits = torch.nonzero(torch.cat(masks) if len(masks) > 1 else masks[0]).reshape(-1)
+        pos = hits.tolist() if hits.shape[0] else []  # the one host read (small)
+        start, j = 0, 0
+        for slot, entry, key, mask in items:
+            end = start + mask.shape[0]
+            a = j
+            while j < len(pos) and pos[j] < end:
+                j += 1
+            if a == j:
+                idx = torch.empty(0, dtype=torch.int64, device=dev)
+            else:
+                idx = hits[a:j] - start
+            if _FB_CACHE.get(slot) is entry:
+                _FB_CACHE[slot] = (entry[0], key, idx, entry[3])
+            start = end
 
 
 def layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps):
@@ -297,6 +397,48 @@ def rms_norm_bwd_torch(
     d = math.prod(normalized_shape)
     # the rows: y.numel() // d, or the leading dims' product when d == 0
     n = y.numel() // d if d else math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
+    # max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1)), without max()'s calls
+    step = (n * d) // 16
+    if step < CHUNK_ELEMS:
+        step = CHUNK_ELEMS
+    step //= d if d > 1 else 1
+    if step < 1:
+        step = 1
+    single = step >= n  # one chunk: the whole tensors, no slices
+    if (
+        single
+        and need_dx
+        and weight is not None
+        and not from_input
+        and (idx is None or idx.shape[0] == 0)
+        and y.dtype == acc
+        and dy.dtype == acc
+        and rstd.dtype == acc
+        and rstd.ndim == y.ndim
+        and (out is dy or (out is None and dy.is_contiguous()))
+    ):
+        # NOTE [RMSNorm's one-chunk backward in the tensors' own shapes]
+        # The loop below for its usual case (one chunk, a weight, no fallback channel, no casts),
+        # on y, dy, rstd and the weight in their own shapes, which broadcast as the (rows, D)
+        # views do: the same elementwise ops on the same operands, so the same bits, without the
+        # row views, the cast copy and the final reshape. The two reductions see what they saw:
+        # dw's float64 row sum over the (rows, D) product, the row dots as a bmm of (rows, 1, D)
+        # by (rows, D, 1) contiguous operands (a reshape of a tensor that is not contiguous
+        # copies it, as the row views did).
+        wt = weight  # the weight's own shape broadcasts against y's trailing dims
+        if wt.dtype != acc:
+            wt = wt.to(acc)
+        xh = torch.div(y, wt)  # rebuild_xhat: (y - 0) / w, one rounding
+        dw = None
+        if need_dw:
+            dw = (dy * xh).reshape(n, d).sum(0, dtype=torch.float64).to(weight.dtype)
+            if weight.ndim != 1:
+                dw = dw.reshape(weight.shape)
+        g = dy.mul_(wt) if out is dy else dy * wt
+        c2 = torch.bmm(g.reshape(n, 1, d), xh.reshape(n, d, 1)).view(rstd.shape).div_(d)
+        g.sub_(xh.mul_(c2)).mul_(rstd)
+        return g, dw
     # no-op calls skipped (a view or cast to the tensor's own shape or dtype): the same bits
     dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1)
     if r.dtype != acc:
@@ -306,20 +448,11 @@ def rms_norm_bwd_torch(
         w = weight if weight.ndim == 1 else weight.reshape(d)
         if w.dtype != acc:
             w = w.to(acc)
-    need_dx, need_dw = output_mask[0], weight is not None and output_mask[1]
     dx = None  # a fresh dx is made at its first write (one chunk: the chunk's result itself)
     if need_dx and out is not None:
         dx = dy2 if out is dy else out.view(n, d)  # out is dy: dy2 is that view already
     # the first chunk's float64 sum, then the others added (0 + s is s, bit for bit)
     dw, cast = None, False
-    # max(1, max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1)), without max()'s calls
-    step = (n * d) // 16
-    if step < CHUNK_ELEMS:
-        step = CHUNK_ELEMS
-    step //= d if d > 1 else 1
-    if step < 1:
-        step = 1
-    single = step >= n  # one chunk: the whole tensors, no slices
     for i in range(0, n, step):
         if single:
             sl, ych, dyc, rch = slice(None), y2, dy2, r
