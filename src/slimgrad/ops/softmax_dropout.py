@@ -577,14 +577,26 @@ def _straight_bwd(ctx, d_out, q, k_t, v, bits, lib, need_q, need_k, need_v):
     probs = torch._softmax(s, -1, False, out=s)  # the forward's P
     del s
     p, n = ctx.p, ctx.n
+    # _dropout._c_bwd's C pass (g * m) * s into g, inline: its scale, bound function, bits pointer
+    # and thread count read once for both uses (the same for both: one device, dtype and thread)
+    key = (p, _dropout._F32, probs.device)  # the C kernels' dtype
+    scale = _dropout._SCALES[key] if key in _dropout._SCALES else _dropout._scale(p, probs)
+    try:  # the bound C functions, an attribute once bound (_dropout._c_fns)
+        c_bwd = lib._slimgrad_fns["bwd"]
+    except AttributeError:
+        c_bwd = _dropout._c_fns(lib)["bwd"]
+    bits_ptr, nthreads = bits.data_ptr(), _dropout._nthreads()
     ds = dv = None
     if need_q or need_k:
         dp = torch.bmm(d_out, v.mT)
-        _dropout._c_bwd(lib, dp, bits, p, n, dp)
+        ptr = dp.data_ptr()
+        c_bwd(ptr, bits_ptr, ptr, n, scale, nthreads)
         ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype, grad_input=dp)
         del dp
     if need_v:
-        dv = torch.bmm(_dropout._c_bwd(lib, probs, bits, p, n, probs).mT, d_out)
+        ptr = probs.data_ptr()
+        c_bwd(ptr, bits_ptr, ptr, n, scale, nthreads)
+        dv = torch.bmm(probs.mT, d_out)
     del probs
     dq = torch.bmm(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
     dk = torch.bmm(q.mT, ds) if need_k else None
