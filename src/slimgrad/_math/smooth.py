@@ -32,12 +32,13 @@ CHUNK = 1 << 16
 BIG = 1 << 22
 CPU_SPAN = CHUNK
 # half types on CPU (the C kernels take float32 only, so these run here): the passes compute in
-# float32, up to ~20 B of temporaries per element of a span in smooth_grad and ~7 B in smooth_fwd
+# float32, up to 16 B of temporaries per element of a span in smooth_grad and ~7 B in smooth_fwd
 # against the tensor's own 2 B, which one span of CPU_SPAN keeps above eager's peak (bfloat16
 # SiLU between two 1x1 convs, 840 to 165,376 elements). There a call runs at most HALF_SPANS
 # spans of a power of two elements (8 at least, CPU_SPAN at most; below a CHUNK they divide it):
-# temporaries of ~20/HALF_SPANS B per element of the tensor, and a bounded number of ops per call
-# up to HALF_SPANS * CPU_SPAN elements. 16: the peak stays below eager's at those sizes, 8 does not
+# temporaries of ~16/HALF_SPANS B per element of the tensor, and a bounded number of ops per call
+# up to HALF_SPANS * CPU_SPAN elements. At 165,376 elements the peak is 78% of eager's with 16,
+# 95% with 8 (tests/ops/test_silu.py)
 HALF_SPANS = 16
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 # tensors of at most DENSE_MAX elements keep x densely (NOTE [Few elements] in ops._output_act)
@@ -137,8 +138,9 @@ class _Inverse:
             self._dev[(device, dtype)] = t
         return t
 
-    def df(self, y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*)."""
+    def df(self, y: torch.Tensor, bits: torch.Tensor, own: bool = False) -> torch.Tensor:
+        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*); ``own``: y
+        is a temporary of the caller's, written over (the same arithmetic, one buffer less)."""
         tab, byte_scale, byte_offset = self.tables_on(y.device, y.dtype)
         m = y.numel()
         b = bits.to(torch.int32)
@@ -147,7 +149,8 @@ class _Inverse:
         del b  # each temporary is dropped as soon as it is dead: 16 B/elt at most (float32)
         # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 past)
         y_hi = self.y_min if y.dtype == torch.float64 else round_f32(self.y_min)
-        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
+        s = (y.sub_(y_hi) if own else y - y_hi).sub_(self.y_min - y_hi)
+        s = s.clamp_(0.0, self.s_r**2).sqrt_()
         # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
         pos.addcmul_(s, scale)
         del scale
@@ -396,18 +399,21 @@ def smooth_grad(
         0, n, span
     ):  # on a GPU: one span for n <= BIG (NOTE [The PyTorch path on a GPU])
         b = min(a + span, n)
-        _grad_span(inv, gf[a:b], yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8], res[a:b])
+        _grad_span(inv, gf[a:b], yf[a:b], cdt, bits[a // 8 : (b + 7) // 8], res[a:b])
     if i is not None:
         res[i] = bwd_exact(gh, xs)
     return res.view(g.shape) if out is None else out
 
 
-def _grad_span(inv: _Inverse, g: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, out) -> None:
-    df = inv.df(y, bits)  # y in the compute dtype (float32 or float64)
-    if g.dtype == y.dtype:
-        torch.mul(g, df, out=out)
-    else:
-        out.copy_((g.to(y.dtype) * df).to(g.dtype))
+def _grad_span(inv: _Inverse, g: torch.Tensor, y: torch.Tensor, cdt, bits, out) -> None:
+    if y.dtype == cdt:
+        torch.mul(g, inv.df(y, bits), out=out)
+        return
+    # half types: y's float32 copy is this span's own (df writes over it), and the product goes
+    # into df's buffer: 16 B of float32 temporaries per element at most (the same bits)
+    df = inv.df(y.to(cdt), bits, own=True)
+    del y
+    out.copy_(torch.mul(g.to(cdt), df, out=df))
 
 
 # -------------------------------------------------------------------------------------------------
