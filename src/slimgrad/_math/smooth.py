@@ -35,11 +35,18 @@ CPU_SPAN = CHUNK
 # float32, up to 16 B of temporaries per element of a span in smooth_grad and ~7 B in smooth_fwd
 # against the tensor's own 2 B, which one span of CPU_SPAN keeps above eager's peak (bfloat16
 # SiLU between two 1x1 convs, 840 to 165,376 elements). There a call runs at most HALF_SPANS
-# spans of a power of two elements (8 at least, CPU_SPAN at most; below a CHUNK they divide it):
+# spans of a power of two elements (HALF_MIN_SPAN at least, CPU_SPAN at most; they divide a CHUNK):
 # temporaries of ~16/HALF_SPANS B per element of the tensor, and a bounded number of ops per call
 # up to HALF_SPANS * CPU_SPAN elements. At 165,376 elements the peak is 78% of eager's with 16,
 # 95% with 8 (tests/ops/test_silu.py)
 HALF_SPANS = 16
+# ... but a span costs ~20 ops (~0.2 ms fwd + bwd, 1 thread) whatever its size: spans of 64 made a
+# 1,000-element bfloat16 SiLU step 4.9x slower. So spans hold HALF_MIN_SPAN elements at least, and
+# a half-type CPU tensor of at most HALF_DENSE_MAX elements (too small for HALF_SPANS of them)
+# keeps x densely instead, as eager: eager's bytes, bits and time (NOTE [Few elements] in
+# ops._output_act; decided from the shape alone)
+HALF_MIN_SPAN = 1 << 13
+HALF_DENSE_MAX = HALF_SPANS * HALF_MIN_SPAN
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 # tensors of at most DENSE_MAX elements keep x densely (NOTE [Few elements] in ops._output_act)
 DENSE_MAX = 512
@@ -295,8 +302,8 @@ def _span(t: torch.Tensor) -> int:
         return BIG
     if t.element_size() >= 4:
         return CPU_SPAN
-    # a power of two (a multiple of 8 that divides CHUNK when below it)
-    return min(CPU_SPAN, max(8, 1 << (-(-t.numel() // HALF_SPANS) - 1).bit_length()))
+    # a power of two (HALF_MIN_SPAN at least: a multiple of 8 that divides CHUNK when below it)
+    return min(CPU_SPAN, max(HALF_MIN_SPAN, 1 << (-(-t.numel() // HALF_SPANS) - 1).bit_length()))
 
 
 def _span_flags(c, a: int, bits, flags, sums, x_star: float, w: float, tail, sums64=None):
