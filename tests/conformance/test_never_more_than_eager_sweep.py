@@ -134,36 +134,6 @@ def test_saved_and_peak_never_above_eager(name, context):
 # above eager's in both dtypes (issue 30, class 7): strict xfails, keyed and written as KNOWN
 # (the bfloat16 numbers; "alike": float16's differ by a few bytes).
 KNOWN_LOW: dict[str, str] = {
-    "GELU-kept": "_math/smooth.py PyTorch path (CPU C kernel: float32 only): smooth_fwd's "
-    "float32 span temporaries (about 7 B per element of a 65,536-element span against x's "
-    "2 B), and these inputs fall back to keeping x (over 1/16 hard): no saved bytes cover "
-    "them; bfloat16: (3, 8, 5, 7) saved 3,360 (3,360), peak 9,450 (6,868); (3, 8, 5, 7) "
-    "cl saved 3,360 (3,360), peak 9,450 (6,868); float16 the same",
-    "GELU_tanh-kept": "_math/smooth.py PyTorch path (CPU C kernel: float32 only): smooth_fwd's "
-    "float32 span temporaries (about 7 B per element of a 65,536-element span against x's "
-    "2 B), and these inputs fall back to keeping x (over 1/16 hard): no saved bytes cover "
-    "them; bfloat16: (3, 8, 5, 7) saved 3,360 (3,360), peak 9,450 (6,868); (3, 8, 5, 7) "
-    "cl saved 3,360 (3,360), peak 9,450 (6,868); float16 the same",
-    "SiLU-kept": "_math/smooth.py PyTorch path (CPU C kernel: float32 only): smooth_grad's "
-    "float32 temporaries in _Inverse.df (up to 16 B per element of a 65,536-element span "
-    "against the gradient's 2 B); "
-    "bfloat16: (3, 8, 5, 7) saved 1,875 (3,360), peak 20,509 (6,868); "
-    "(3, 8, 5, 7) cl saved 1,875 (3,360), peak 20,509 (6,868); float16 the same",
-    "Mish-kept": "_math/smooth.py PyTorch path (CPU C kernel: float32 only): smooth_grad's "
-    "float32 temporaries in _Inverse.df (up to 16 B per element of a 65,536-element span "
-    "against the gradient's 2 B); "
-    "bfloat16: (3, 8, 5, 7) saved 1,911 (3,360), peak 20,605 (6,868); "
-    "(3, 8, 5, 7) cl saved 1,911 (3,360), peak 20,605 (6,868); float16 the same",
-    "Mish/inplace-kept": "_math/smooth.py PyTorch path (CPU C kernel: float32 only): smooth_grad's "
-    "float32 temporaries in _Inverse.df (up to 16 B per element of a 65,536-element span "
-    "against the gradient's 2 B); "
-    "bfloat16: (3, 8, 5, 7) saved 2,061 (3,360), peak 21,005 (6,868); "
-    "(3, 8, 5, 7) cl saved 2,061 (3,360), peak 21,005 (6,868); float16 the same",
-    "SiLU/inplace-kept": "_math/smooth.py PyTorch path (CPU C kernel: float32 only): smooth_grad's "
-    "float32 temporaries in _Inverse.df (up to 16 B per element of a 65,536-element span "
-    "against the gradient's 2 B); "
-    "bfloat16: (3, 8, 5, 7) saved 1,977 (3,360), peak 20,781 (6,868); "
-    "(3, 8, 5, 7) cl saved 1,977 (3,360), peak 20,781 (6,868); float16 alike",
     "Dropout-alone": "ops/dropout.py bfloat16: (2, 3) saved 1 (12), peak 54 (40); (8, 8) saved 8 "
     "(128), peak 392 (388); float16 the same",
 }

@@ -90,8 +90,9 @@ def _cost(call):
 
 @pytest.fixture(autouse=True)
 def gpu_spans(monkeypatch):
-    """The spans a CUDA tensor gets (BIG elements), on these CPU tensors."""
+    """The spans a CUDA tensor gets (BIG elements, whatever the dtype), on these CPU tensors."""
     monkeypatch.setattr(smooth, "CPU_SPAN", smooth.BIG)
+    monkeypatch.setattr(smooth, "HALF_SPANS", 1)
 
 
 def _x(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -174,6 +175,78 @@ def test_spans_do_not_change_results(case, monkeypatch):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+def _half_cpu(monkeypatch):
+    monkeypatch.setattr(smooth, "CPU_SPAN", smooth.CHUNK)
+    monkeypatch.setattr(smooth, "HALF_SPANS", 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_half_spans_on_cpu_do_not_change_results(case, dtype, monkeypatch):
+    """Half types on CPU run spans below a CHUNK (HALF_SPANS, NOTE [Sums below a CHUNK]): the
+    same y, bits, side table (its order too) and gradient as spans of one CHUNK, with NaN/inf,
+    tail hits and, in bfloat16, two CHUNKs whose float32 sum of t is unsure (one finite, one
+    not)."""
+    _, spec, fwd, bwd, _ = case
+    _half_cpu(monkeypatch)
+    chunk = smooth.CHUNK
+    n = 4 * chunk + 77
+    x = (_x(n, torch.float32) * 3).to(dtype)
+    g = _x(n, dtype).flip(0)
+    x[3], x[chunk + 5], x[chunk + 6] = math.nan, math.inf, -math.inf
+    x[41] = x[chunk + 9] = x[2 * chunk + 11] = x[3 * chunk + 11] = -11.0  # tail hits
+    if dtype == torch.bfloat16:  # float16's sums cannot overflow: only non-finite ones are inf
+        x[2 * chunk : 2 * chunk + 2] = 1.69e38  # a float32 sum of t just below 3.4e38
+        x[3 * chunk : 3 * chunk + 2] = 1.71e38  # just above
+    resummed = []
+    exact = smooth._exact_sums
+    monkeypatch.setattr(smooth, "_exact_sums", lambda *a: resummed.append(1) or exact(*a))
+    for m in (840, n):
+        got = []
+        for chunk_wide in (True, False):
+            with monkeypatch.context() as mp:
+                if chunk_wide:
+                    mp.setattr(smooth, "_span", lambda t: chunk)
+                side = smooth.smooth_fwd(spec, x[:m], fwd, fallback=False)
+                got.append((*side, smooth.smooth_grad(spec, g[:m], *side, bwd)))
+        for a, b in zip(*got, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    tail = spec.tail.get(dtype) is not None
+    assert resummed == ([1] if tail and dtype == torch.bfloat16 else []), resummed
+
+
+# half types on CPU: the ops one bfloat16 call dispatches (forward, backward), measured (torch
+# 2.13) at 10^3, 10^5 and 10^6 elements (1, 13 and 16 spans of 8,192, 8,192 and 65,536 elements:
+# HALF_MIN_SPAN at least; spans of one CHUNK: 1, 2 and 16), with a tail (SiLU, Mish: float64 sums
+# below a CHUNK) and without (GELU: no tail in bfloat16)
+HALF_OPS = {
+    True: {1000: (57, 36), 100_000: (394, 372), 1_000_000: (482, 456)},
+    False: {1000: (31, 36), 100_000: (296, 372), 1_000_000: (362, 456)},
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_half_spans_on_cpu_a_bounded_number_of_ops(case, monkeypatch):
+    """Half types on CPU: at most HALF_SPANS spans per call up to HALF_SPANS * CHUNK elements,
+    whatever the size (no op per 8 elements); one host read."""
+    _, spec, fwd, bwd, _ = case
+    _half_cpu(monkeypatch)
+    got = {}
+    pins = HALF_OPS[spec.tail.get(torch.bfloat16) is not None]
+    for size in pins:
+        x, g = _x(size, torch.bfloat16), _x(size, torch.bfloat16).flip(0)
+        smooth.smooth_fwd(spec, x, fwd)
+        side, f_ops, f_syncs, f_reads = _cost(
+            lambda x=x: smooth.smooth_fwd(spec, x, fwd, fallback=False)
+        )
+        _, b_ops, b_syncs, b_reads = _cost(
+            lambda g=g, side=side: smooth.smooth_grad(spec, g, *side, bwd)
+        )
+        assert (f_syncs, b_syncs, f_reads, b_reads) == (0, 0, {"tolist": 1}, {})
+        got[size] = (f_ops, b_ops)
+    assert got == pins, got
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_cuda_bit_identical_and_one_sync(case):
@@ -217,3 +290,34 @@ def test_cuda_bit_identical_and_one_sync(case):
     syncs = [w for w in fw if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert not [w for w in bw if "synchroniz" in str(w.message)]
+
+
+# half types on CPU, at most HALF_DENSE_MAX elements: the ops one call of the activation
+# dispatches (forward, backward), measured (torch 2.13); spans of 64 elements (16 per call)
+# dispatched 700 to 900 and made a 1,000-element bfloat16 SiLU step 4.9x slower
+HALF_DENSE_OPS = (5, 2)  # all four
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_half_cpu_small_tensors_keep_x(case, dtype):
+    """A half-type CPU tensor too small for HALF_SPANS spans of HALF_MIN_SPAN elements keeps x,
+    as eager (keeps_x in ops._output_act): eager's y and gradient bit for bit, a handful of ops;
+    one element more takes the spans."""
+    _, _, fwd, _, op = case
+    op(_x(1000, dtype).requires_grad_()).backward(_x(1000, dtype))  # one-time work
+    got = {}
+    for n in (1000, smooth.HALF_DENSE_MAX, smooth.HALF_DENSE_MAX + 1):
+        x = _x(n, dtype).requires_grad_()
+        g = _x(n, dtype).flip(0)
+        y, f_ops, _, _ = _cost(lambda x=x: op(x))
+        _, b_ops, _, _ = _cost(lambda y=y, g=g: y.backward(g))
+        xe = x.detach().requires_grad_()
+        ye = fwd(xe)
+        ye.backward(g)
+        if n <= smooth.HALF_DENSE_MAX:
+            assert torch.equal(y, ye) and torch.equal(x.grad, xe.grad)
+            got[n] = (f_ops, b_ops)
+        else:
+            assert f_ops > 2 * got[n - 1][0]
+    assert set(got.values()) == {HALF_DENSE_OPS}, got

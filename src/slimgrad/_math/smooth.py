@@ -25,12 +25,28 @@ from slimgrad._math.bits import pack_bits, packed_numel
 # the side table lists its hard elements CHUNK by CHUNK (a multiple of 8; the C kernels' blocks):
 # NOTE [The PyTorch path on a GPU] at smooth_fwd
 CHUNK = 1 << 16
-# the PyTorch path's passes run over spans (multiples of CHUNK; NOTE [The PyTorch path on a GPU]):
+# the PyTorch path's passes run over spans (NOTE [The PyTorch path on a GPU]), multiples of CHUNK:
 # BIG elements on a GPU (a bounded number of whole-tensor ops per call, temporaries of at most
 # ~16 B x BIG: 64 MiB in float32); CPU_SPAN on CPU, where an op costs no launch and temporaries
 # that stay in cache matter more (1M-element float32, 1 thread: backward 1.7x slower with BIG)
 BIG = 1 << 22
 CPU_SPAN = CHUNK
+# half types on CPU (the C kernels take float32 only, so these run here): the passes compute in
+# float32, up to 16 B of temporaries per element of a span in smooth_grad and ~7 B in smooth_fwd
+# against the tensor's own 2 B, which one span of CPU_SPAN keeps above eager's peak (bfloat16
+# SiLU between two 1x1 convs, 840 to 165,376 elements). There a call runs at most HALF_SPANS
+# spans of a power of two elements (HALF_MIN_SPAN at least, CPU_SPAN at most; they divide a CHUNK):
+# temporaries of ~16/HALF_SPANS B per element of the tensor, and a bounded number of ops per call
+# up to HALF_SPANS * CPU_SPAN elements. At 165,376 elements the peak is 78% of eager's with 16,
+# 95% with 8 (tests/ops/test_silu.py)
+HALF_SPANS = 16
+# ... but a span costs ~20 ops (~0.2 ms fwd + bwd, 1 thread) whatever its size: spans of 64 made a
+# 1,000-element bfloat16 SiLU step 4.9x slower. So spans hold HALF_MIN_SPAN elements at least, and
+# a half-type CPU tensor of at most HALF_DENSE_MAX elements (too small for HALF_SPANS of them)
+# keeps x densely instead, as eager: eager's bytes, bits and time (NOTE [Few elements] in
+# ops._output_act; decided from the shape alone)
+HALF_MIN_SPAN = 1 << 13
+HALF_DENSE_MAX = HALF_SPANS * HALF_MIN_SPAN
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV
 # tensors of at most DENSE_MAX elements keep x densely (NOTE [Few elements] in ops._output_act)
 DENSE_MAX = 512
@@ -129,8 +145,9 @@ class _Inverse:
             self._dev[(device, dtype)] = t
         return t
 
-    def df(self, y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*)."""
+    def df(self, y: torch.Tensor, bits: torch.Tensor, own: bool = False) -> torch.Tensor:
+        """f'(x) from y (float32 or float64) and its packed branch bits (x >= x*); ``own``: y
+        is a temporary of the caller's, written over (the same arithmetic, one buffer less)."""
         tab, byte_scale, byte_offset = self.tables_on(y.device, y.dtype)
         m = y.numel()
         b = bits.to(torch.int32)
@@ -139,7 +156,8 @@ class _Inverse:
         del b  # each temporary is dropped as soon as it is dead: 16 B/elt at most (float32)
         # s = sqrt(y - y_min), y_min split in two so that y - y_hi is exact; s <= s_r (f' = 1 past)
         y_hi = self.y_min if y.dtype == torch.float64 else round_f32(self.y_min)
-        s = (y - y_hi).sub_(self.y_min - y_hi).clamp_(0.0, self.s_r**2).sqrt_()
+        s = (y.sub_(y_hi) if own else y - y_hi).sub_(self.y_min - y_hi)
+        s = s.clamp_(0.0, self.s_r**2).sqrt_()
         # right: pos = s * sc_r in [0, n-1]; left: n + 1 + s * sc_l in [n+1, 2n]
         pos.addcmul_(s, scale)
         del scale
@@ -205,8 +223,9 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     that + the few hard elements.
 
     # NOTE [The PyTorch path on a GPU]
-    Every pass is a whole-tensor aten op (over spans of BIG elements on a GPU, CPU_SPAN on CPU, so
-    that the temporaries stay bounded: about 10 B/elt of a span here, 16 B/elt in
+    Every pass is a whole-tensor aten op (over spans of BIG elements on a GPU, CPU_SPAN on CPU;
+    half types on CPU: HALF_SPANS spans per call, NOTE [Sums below a CHUNK]; so that the
+    temporaries stay bounded: about 10 B/elt of a span here, 16 B/elt in
     :func:`smooth_grad`; plus the 1-byte hard flags of the whole tensor here), never a Python loop
     over 2^16-element chunks, and the only value the host reads is the hard count (one element,
     ``tolist``: one device-to-host copy) after the last pass; the backward reads none. A call
@@ -249,12 +268,22 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     nc = (n + CHUNK - 1) // CHUNK
     sums = torch.empty(nc, dtype=torch.float32, device=x.device) if tail is not None else None
     counts = None
-    span = _span(x)
+    span = _span(flat)
+    # spans below a CHUNK (half types on CPU): float64 sums per CHUNK (NOTE [Sums below a CHUNK])
+    sums64 = None
+    if sums is not None and span < CHUNK:
+        sums64, sums = torch.zeros(nc, dtype=torch.float64, device=x.device), None
     for a in range(0, n, span):  # on a GPU: one span for n <= BIG
-        k = _span_flags(flat[a : a + span], a, bits, flags, sums, inv.x_star, w, tail)
+        c = flat[a : a + span]
+        k = _span_flags(c, a, bits, flags, sums, inv.x_star, w, tail, sums64)
         counts = k if counts is None else counts.add_(k)
+    if sums64 is not None:
+        sums, unsure = _sums_from_f64(sums64)
+        counts = torch.cat([counts, unsure.sum(0, keepdim=True)])
     # the one host read (NOTE [The PyTorch path on a GPU])
-    (kh,) = counts.tolist()
+    kh, *n_unsure = counts.tolist()
+    if n_unsure and n_unsure[0]:
+        _exact_sums(flat, sums, unsure, inv.x_star)
     hard = torch.nonzero_static(flags, size=kh).view(-1)  # increasing
     if fallback and kh * FALLBACK_DIV > n:
         return y, empty_bits, empty_idx, flat.clone()
@@ -268,18 +297,27 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
 
 
 def _span(t: torch.Tensor) -> int:
-    return CPU_SPAN if t.device.type == "cpu" else BIG
+    """The span of the passes over ``t`` (NOTE [The PyTorch path on a GPU], HALF_SPANS)."""
+    if t.device.type != "cpu":
+        return BIG
+    if t.element_size() >= 4:
+        return CPU_SPAN
+    # a power of two (HALF_MIN_SPAN at least: a multiple of 8 that divides CHUNK when below it)
+    return min(CPU_SPAN, max(HALF_MIN_SPAN, 1 << (-(-t.numel() // HALF_SPANS) - 1).bit_length()))
 
 
-def _span_flags(c, a: int, bits, flags, sums, x_star: float, w: float, tail):
+def _span_flags(c, a: int, bits, flags, sums, x_star: float, w: float, tail, sums64=None):
     """One span ``c`` at offset ``a`` of :func:`smooth_fwd`: writes its packed bits, its hard
-    flags and, with a tail, its per-CHUNK sums of |x - x*|; returns its hard count on the device
+    flags and, with a tail, its per-CHUNK sums of |x - x*| (``sums64``: the span lies in one
+    CHUNK; its float64 sum is added to that CHUNK's); returns its hard count on the device
     (one element)."""
     m = c.numel()
     t = c - x_star if c.dtype == torch.float32 else c.float().sub_(x_star)
     bits[a // 8 : a // 8 + packed_numel(m)] = pack_bits(t >= 0)
     t.abs_()
-    if tail is not None:
+    if sums64 is not None:
+        sums64[a // CHUNK :][:1].add_(t.sum(0, keepdim=True, dtype=torch.float64))
+    elif tail is not None:
         full = m // CHUNK
         if full:
             torch.sum(t[: full * CHUNK].view(full, CHUNK), 1, out=sums[a // CHUNK :][:full])
@@ -290,6 +328,38 @@ def _span_flags(c, a: int, bits, flags, sums, x_star: float, w: float, tail):
     if tail is not None:
         h.logical_or_(c < tail)
     return h.sum(0, keepdim=True)
+
+
+# NOTE [Sums below a CHUNK]
+# smooth_fwd's side table orders a CHUNK's tail hits by whether its float32 sum of t = |x - x*|
+# (torch.sum over the CHUNK, as one span of CHUNK elements computes it) is finite. Spans below a
+# CHUNK (half types on CPU, HALF_SPANS) never hold a CHUNK's t: each adds its t's float64 sum
+# (within 2^-40 of the exact sum, relatively) to its CHUNK's. The float32 sum of at most 2^16
+# non-negative terms, in any order, lies within a factor (1 + 2^-24)^(2^16) < 1.004 of the exact
+# sum, so it is finite where the float64 sum is below float32's largest value / 1.01, and not
+# where it is above that times 1.01 (or NaN, or inf). A CHUNK between the two (a sum within 1% of
+# 3.4e38) is unsure: its t is built again, one CHUNK at a time, and summed exactly as a CHUNK span
+# sums it (_exact_sums), so the side table is the one CHUNK-wide spans give, order included.
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _sums_from_f64(sums64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 sums with the float32 sums' finiteness: 0 or inf; unsure CHUNKs, bool)."""
+    finite = sums64 < _F32_MAX / 1.01
+    unsure = (sums64 <= _F32_MAX * 1.01).logical_and_(finite.logical_not())
+    sums = torch.zeros(sums64.shape, dtype=torch.float32, device=sums64.device)
+    return sums.masked_fill_(finite.logical_not_(), math.inf), unsure
+
+
+def _exact_sums(flat: torch.Tensor, sums: torch.Tensor, unsure: torch.Tensor, x_star: float):
+    """The unsure CHUNKs' float32 sums of t, as a span of CHUNK elements computes them."""
+    for j in unsure.nonzero().view(-1).tolist():
+        t = flat[j * CHUNK : (j + 1) * CHUNK].float().sub_(x_star).abs_()
+        if t.numel() == CHUNK:
+            torch.sum(t.view(1, CHUNK), 1, out=sums[j : j + 1])
+        else:  # the tensor's last, partial CHUNK
+            torch.sum(t, 0, keepdim=True, out=sums[j : j + 1])
+        del t
 
 
 def is_dense_fallback(n: int, bits, idx, xs) -> bool:
@@ -336,18 +406,21 @@ def smooth_grad(
         0, n, span
     ):  # on a GPU: one span for n <= BIG (NOTE [The PyTorch path on a GPU])
         b = min(a + span, n)
-        _grad_span(inv, gf[a:b], yf[a:b].to(cdt), bits[a // 8 : (b + 7) // 8], res[a:b])
+        _grad_span(inv, gf[a:b], yf[a:b], cdt, bits[a // 8 : (b + 7) // 8], res[a:b])
     if i is not None:
         res[i] = bwd_exact(gh, xs)
     return res.view(g.shape) if out is None else out
 
 
-def _grad_span(inv: _Inverse, g: torch.Tensor, y: torch.Tensor, bits: torch.Tensor, out) -> None:
-    df = inv.df(y, bits)  # y in the compute dtype (float32 or float64)
-    if g.dtype == y.dtype:
-        torch.mul(g, df, out=out)
-    else:
-        out.copy_((g.to(y.dtype) * df).to(g.dtype))
+def _grad_span(inv: _Inverse, g: torch.Tensor, y: torch.Tensor, cdt, bits, out) -> None:
+    if y.dtype == cdt:
+        torch.mul(g, inv.df(y, bits), out=out)
+        return
+    # half types: y's float32 copy is this span's own (df writes over it), and the product goes
+    # into df's buffer: 16 B of float32 temporaries per element at most (the same bits)
+    df = inv.df(y.to(cdt), bits, own=True)
+    del y
+    out.copy_(torch.mul(g.to(cdt), df, out=df))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -80,6 +80,11 @@ bound without atol (2.9x eager's error). So a tensor of at most ``DENSE_MAX`` (5
 x densely (eager's bytes, at most 2 KiB in float32; no y, bits or table) and gets eager's gradient
 bit for bit: the decision depends on the shape only, so tracers see it too. Larger tensors keep
 the table path (its rule check in tests/test_small_shapes.py sweeps batch and spatial sizes).
+Half types on CPU keep x the same way up to ``HALF_DENSE_MAX`` (131,072) elements (:func:`keeps_x`):
+their table path runs in Python over spans (HALF_SPANS in ``slimgrad._math.smooth``), ~20 ops per
+span whatever its size, and a tensor too small for spans of ``HALF_MIN_SPAN`` (8,192) to stay
+under eager's peak pays that overhead for no win (bfloat16 SiLU, 1 thread, fwd + bwd: 4.7 ms
+against eager's 0.1 ms at 1,000 elements in 16 spans of 64; keeping x: 0.11 ms).
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ from torch._subclasses.fake_tensor import is_fake
 from slimgrad import _autograd, ownership
 from slimgrad._errors import internal_error
 from slimgrad._library import straight
+from slimgrad._math import smooth as smooth_math
 from slimgrad._math.bits import packed_numel
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
     _TABLE_N,
@@ -208,7 +214,7 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing (unbacked
     # sizes) except for the few-element rule (NOTE [Few elements]), so kept then
     compiling = _autograd.compiling()  # NOTE [One-frame compile check]
-    dense = few_elements(x) or (
+    dense = keeps_x(x) or (
         not compiling and not _unbacked(xs) and is_dense_fallback(x.numel(), bits, idx, xs)
     )
     # xs replaced by x itself (NOTE above); not while compiling, where in place runs as this
@@ -325,6 +331,21 @@ def few_elements(x: torch.Tensor) -> bool:
     return isinstance(n, int) and 0 < n <= DENSE_MAX and x.dtype != torch.float64
 
 
+def keeps_x(x: torch.Tensor) -> bool:
+    """:func:`few_elements`, or a half-type CPU tensor of at most ``HALF_DENSE_MAX`` elements
+    (too small for the PyTorch path's spans to pay: ``HALF_MIN_SPAN`` in slimgrad._math.smooth):
+    the smooth activation keeps x densely, as eager; decided from the shape alone."""
+    if few_elements(x):
+        return True
+    n = x.numel()
+    return (
+        isinstance(n, int)
+        and 0 < n <= smooth_math.HALF_DENSE_MAX
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.device.type == "cpu"
+    )
+
+
 def dense_side_info(x: torch.Tensor, fwd: Callable):
     """(y, bits, idx, xs) of the dense path: eager's y and x flattened (NOTE [Few elements])."""
     flat = x.reshape(-1)
@@ -344,7 +365,7 @@ def smooth_fake_side_info(x: torch.Tensor):
     elements (NOTE [Few elements]) or float64: x kept densely, static sizes."""
     n = x.numel()
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
-    if few_elements(x) or x.dtype == torch.float64:
+    if keeps_x(x) or x.dtype == torch.float64:
         return (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=idx_dtype), x.new_empty(n))
     nbytes = packed_numel(n)
     cap = n if isinstance(n, int) else None  # a symbolic numel (dynamic shapes): no static bound
@@ -387,7 +408,7 @@ def smooth_unary_op(
     from slimgrad.ops._library import custom_op
 
     def _fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if few_elements(x):  # NOTE [Few elements]
+        if keeps_x(x):  # NOTE [Few elements]
             return dense_side_info(x, fwd_torch)
         if _backend.use_triton(x):
             return _backend.kernels(stem)._fwd_triton(x)
@@ -601,7 +622,7 @@ def smooth_grad_c(
 def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
     """:func:`smooth_fwd` on the C kernels when ``_backend.use_cpu`` picks them, else PyTorch;
     x itself for a few elements (NOTE [Few elements])."""
-    if few_elements(x):  # NOTE [Few elements]
+    if keeps_x(x):  # NOTE [Few elements]
         return dense_side_info(x, fwd)
     lib = _backend.use_cpu(x, C_STEM)
     if lib is not None:

@@ -43,7 +43,7 @@ from slimgrad.ops._output_act import (
     c_backward,
     c_forward,
     dense_side_info,
-    few_elements,
+    keeps_x,
     needs_graph,
     reuse_ok,
     smooth_apply,
@@ -95,7 +95,7 @@ def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
 
 @custom_op("gelu_fwd", mutates_args=())
 def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if few_elements(x):  # NOTE [Few elements] in slimgrad.ops._output_act
+    if keeps_x(x):  # NOTE [Few elements] in slimgrad.ops._output_act
         return dense_side_info(x, lambda t: _fwd_torch(t, approximate))
     if _backend.use_triton(x):
         return _backend.kernels("gelu")._fwd_triton(x, approximate)
