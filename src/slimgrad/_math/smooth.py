@@ -40,11 +40,11 @@ CPU_SPAN = CHUNK
 # up to HALF_SPANS * CPU_SPAN elements. At 165,376 elements the peak is 78% of eager's with 16,
 # 95% with 8 (tests/ops/test_silu.py)
 HALF_SPANS = 16
-# ... but a span costs ~20 ops (~0.2 ms fwd + bwd, 1 thread) whatever its size: spans of 64 made a
-# 1,000-element bfloat16 SiLU step 4.9x slower. So spans hold HALF_MIN_SPAN elements at least, and
-# a half-type CPU tensor of at most HALF_DENSE_MAX elements (too small for HALF_SPANS of them)
-# keeps x densely instead, as eager: eager's bytes, bits and time (NOTE [Few elements] in
-# ops._output_act; decided from the shape alone)
+# ... but a span costs ~20 ops whatever its size, so many small spans cost a small tensor several
+# times eager's time (measured: docs/measurements.md). So spans hold HALF_MIN_SPAN elements at
+# least, and a half-type CPU tensor of at most HALF_DENSE_MAX elements (too small for HALF_SPANS
+# of them) keeps x densely instead, as eager: eager's bytes, bits and time (NOTE [Few elements]
+# in ops._output_act; decided from the shape alone)
 HALF_MIN_SPAN = 1 << 13
 HALF_DENSE_MAX = HALF_SPANS * HALF_MIN_SPAN
 FALLBACK_DIV = 16  # fallback to dense x when hard elements > numel / FALLBACK_DIV

@@ -83,8 +83,8 @@ the table path (its rule check in tests/test_small_shapes.py sweeps batch and sp
 Half types on CPU keep x the same way up to ``HALF_DENSE_MAX`` (131,072) elements (:func:`keeps_x`):
 their table path runs in Python over spans (HALF_SPANS in ``slimgrad._math.smooth``), ~20 ops per
 span whatever its size, and a tensor too small for spans of ``HALF_MIN_SPAN`` (8,192) to stay
-under eager's peak pays that overhead for no win (bfloat16 SiLU, 1 thread, fwd + bwd: 4.7 ms
-against eager's 0.1 ms at 1,000 elements in 16 spans of 64; keeping x: 0.11 ms).
+under eager's peak pays that overhead for no win (several times eager's time; measured in
+docs/measurements.md).
 """
 
 from __future__ import annotations
