@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slimgrad
+from slimgrad._math.smooth import HALF_DENSE_MAX
 from slimgrad.memory import measure
 from slimgrad.ops._output_act import DENSE_MAX
 from slimgrad.testing import assert_within_rule
@@ -116,15 +117,17 @@ def test_few_elements_give_eager_gradient_at_any_scale(name):
 @pytest.mark.parametrize("name", SMOOTH)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_memory_few_elements_and_above(name, dtype):
-    """At most DENSE_MAX elements: x itself, eager's bytes. Above: y + packed bits + the table."""
+    """At most DENSE_MAX elements (HALF_DENSE_MAX for a half type on CPU): x itself, eager's
+    bytes. Above: y + packed bits + the table."""
     slim, eager = OPS[name]
     esz = torch.tensor([], dtype=dtype).element_size()
-    for n in (7, DENSE_MAX):
+    dense_max = DENSE_MAX if dtype == torch.float32 else HALF_DENSE_MAX
+    for n in (7, dense_max):
         x0 = torch.randn(n, dtype=dtype)
         ms = measure(lambda x0=x0: slim(x0.clone().requires_grad_() * 1).sum(), timeline=False)
         me = measure(lambda x0=x0: eager(x0.clone().requires_grad_() * 1).sum(), timeline=False)
         assert ms.saved_bytes == me.saved_bytes == n * esz
-    n = DENSE_MAX + 1
+    n = dense_max + 1
     x0 = torch.linspace(1.0, 3.0, n, dtype=dtype)  # no hard element
     ms = measure(lambda: slim(x0.clone().requires_grad_() * 1).sum(), timeline=False)
     assert ms.saved_bytes == n * esz + (n + 7) // 8
