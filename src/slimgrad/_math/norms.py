@@ -280,11 +280,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             continue  # not this optimizer's: its next forward renews it itself if it changed
         try:
             w_key = None if weight is None else _param_key(weight)
-            if bias is not None:
-                b_key = bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride()
-                b_key += (bias.device,)
-            else:
-                b_key = None
+            b_key = None if bias is None else _param_key(bias)
         except RuntimeError:  # an inference tensor (not cached in the first place)
             continue
         key = (w_key, b_key, out_dtype, count)
