@@ -1190,3 +1190,58 @@ def test_take_asks_in_few_calls_and_never_recalibrates(monkeypatch):
     # extension's facts and the counter's lock when granted)
     assert refused_calls <= 5
     assert granted_calls <= 8
+
+
+class _GrantOnly(torch.autograd.Function):
+    """y = 2x whose backward asks ``grant`` (with the probe ``_GrantOnly.probe``) and records."""
+
+    granted: list = []
+    probe: object = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ok = ownership.grant(grad_out, _GrantOnly.probe)
+        _GrantOnly.granted.append(ok)
+        return grad_out * 2
+
+
+def test_grant_answers_as_take_in_fewer_calls_and_only_with_the_probe(monkeypatch):
+    # NOTE [One call per backward question]: grant, asked directly from a backward that has
+    # checked compiling() itself, gives take's answers (granted alone, refused beside a second
+    # consumer, refused with reuse disabled) and counts its grants; another object than
+    # ownership.PROBE never grants (its refcount is no call mode)
+    from tests._host_calls import slimgrad_calls
+
+    assert ownership.calibrated()
+    if not ownership.storage_facts_available():
+        pytest.skip(f"no C++ extension here: {_ext.error()}")
+    x = torch.randn(6, requires_grad=True)
+
+    def granted():
+        (_GrantOnly.apply(x * 1) * 3).sum().backward()
+
+    def refused():  # the add hands one gradient to both its inputs: one reference more
+        h = x * 1
+        (_GrantOnly.apply(h) + h).sum().backward()
+
+    monkeypatch.setattr(_GrantOnly, "probe", ownership.PROBE)
+    granted()  # the chain is decided on the first question (once per class)
+    _GrantOnly.granted.clear()
+    before = ownership.reuse_count("grad")
+    granted_calls = slimgrad_calls(granted)
+    refused_calls = slimgrad_calls(refused)
+    assert _GrantOnly.granted == [True, False]
+    assert ownership.reuse_count("grad") == before + 1
+    # grant, getrefcount twice (+ the node, the extension's facts and the counter's lock when
+    # granted): take's question without take's frame and its compile check
+    assert refused_calls <= 3
+    assert granted_calls <= 6
+    with ownership.reuse_disabled():
+        granted()
+    monkeypatch.setattr(_GrantOnly, "probe", object())
+    granted()
+    assert _GrantOnly.granted[2:] == [False, False]

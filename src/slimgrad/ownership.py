@@ -199,6 +199,7 @@ from slimgrad._autograd import first_order
 __all__ = [
     "calibrated",
     "check_not_consumed",
+    "grant",
     "keeps_no_tensor",
     "mark_consumed",
     "owns_input",
@@ -677,11 +678,11 @@ def _fake_plain_facts(t, kind: int):
 # take/take_saved are asked once per backward of every converted op, so the questions are ordered
 # by cost, each refusing as early as it can, and the answers are the ones the terms of NOTE
 # [Gradient-buffer ownership] give in any order (each term only refuses):
-# - take reads the refcount (term 3) and calls _grad_ok/_saved_ok with the call-mode probe as an
+# - take reads the refcount (term 3) and calls grant/_saved_ok with the call-mode probe as an
 #   argument: the probe's refcount there is what _call_mode() measures (one plain Python call
 #   deep, from a frame that holds nothing else: NOTE [Calibration per call mode]), so one
 #   getrefcount reads the mode, and only a changed mode calls _ensure_calibrated, with that count
-#   (asked there, _call_mode() would also see the reference _grad_ok's own argument holds);
+#   (asked there, _call_mode() would also see the reference grant's own argument holds);
 # - a refcount that is no chain's baseline refuses before the running node is read (_GRAD_RCS:
 #   the calibrated refcounts of the current mode; a gradient a residual add hands to two
 #   consumers shows one reference more);
@@ -689,7 +690,12 @@ def _fake_plain_facts(t, kind: int):
 #   Python weak references of a gradient and the graph's keep flag of a saved tensor, then the
 #   plain facts (terms 4, 5, 6 and the tensor parts of 1, 2 and 7), where six calls asked them.
 #   Where it refuses a tensor that is not exactly ``torch.Tensor`` (a FakeTensor under the
-#   estimate: NOTE [Ownership under fake tensors]), the terms are asked one by one as before.
+#   estimate: NOTE [Ownership under fake tensors]), the terms are asked one by one as before;
+# - grant is take's question in one frame, for a hot backward that asks compiling() itself (it
+#   needs the answer anyway): called directly from the backward with ``PROBE``, it reads the
+#   gradient's count and the probe's in its own frame, one plain call deep from the backward as
+#   take reads them (the same counts, the same baselines), without take's frame and its compile
+#   check. take and reusable call it with the count they read.
 _GRAD_RCS: frozenset = frozenset()  # the refcounts of _RCS_OF (NOTE [One call per ...])
 _RCS_OF: dict | None = None  # the _GRAD_REFCOUNT whose refcounts _GRAD_RCS holds
 
@@ -700,9 +706,23 @@ def _refresh_rcs(grads: dict | None) -> None:
     _RCS_OF = grads
 
 
-def _grad_ok(t: torch.Tensor, refcount: int, probe: object) -> bool:
+def grant(t: torch.Tensor, probe: object, refcount: int | None = None, count: bool = True) -> bool:
+    """Whether a backward may overwrite its incoming gradient ``t`` (counted in
+    :func:`reuse_count` when granted): :func:`take`'s question in one frame, for a backward
+    that has asked :func:`slimgrad._autograd.compiling` itself (it must be False: reference
+    counts mean nothing while Dynamo traces) and holds a tensor, not None.
+
+    Call it as ``ownership.grant(grad, ownership.PROBE)`` directly from the Function's
+    ``backward``, on the bare parameter, as its first use (NOTE [Gradient-buffer ownership]):
+    ``PROBE`` is how the call mode is read (NOTE [One call per backward question]); any other
+    object refuses. ``refcount`` and ``count`` are for :func:`take` and :func:`reusable`, which
+    read ``t``'s count one frame above this one."""
     # terms 1-7 for an incoming gradient; the cheap facts first, then one extension call
-    # (NOTE [One call per backward question]); ``probe``: _MODE_PROBE passed by take/reusable
+    # (NOTE [One call per backward question])
+    if refcount is None:  # asked from a backward: t's count here is the one take reads
+        refcount = _getrefcount(t)
+    if probe is not _MODE_PROBE:  # another object's count is no call mode
+        return False
     mode = _getrefcount(probe)  # _call_mode()'s count (NOTE [Calibration per call mode])
     if mode != _MODE and not _ensure_calibrated(mode):
         return False
@@ -735,11 +755,21 @@ def _grad_ok(t: torch.Tensor, refcount: int, probe: object) -> bool:
     if f is None or f[0] != base[1] or f[4] != 1:  # terms 4-5; 1; 7
         return False
     if f[6]:  # 2b: a view
-        return _VIEW_SIG is not None and _view_sig(t, f) == _VIEW_SIG and _storage_free(t, 1, f)
-    use, _, weak = _STORAGE_SIG
-    if f[1] == use and f[2] == weak:  # 2a: nothing else holds the storage (the common case)
-        return True
-    return _storage_free(t, 0, f)
+        if not (_VIEW_SIG is not None and _view_sig(t, f) == _VIEW_SIG and _storage_free(t, 1, f)):
+            return False
+    else:
+        use, _, weak = _STORAGE_SIG
+        # 2a: nothing else holds the storage (the common case first)
+        if not ((f[1] == use and f[2] == weak) or _storage_free(t, 0, f)):
+            return False
+    if count:
+        with _counter_lock:
+            _counter["grad"] += 1
+    return True
+
+
+#: The call-mode probe a backward passes to :func:`grant` (NOTE [Calibration per call mode]).
+PROBE = _MODE_PROBE = object()  # passed to _nested and grant: held by this module and the call
 
 
 def _saved_ok(t: torch.Tensor, refcount: int, probe: object) -> bool:
@@ -786,7 +816,7 @@ def reusable(grad: torch.Tensor | None) -> bool:
     if _compiling() or grad is None:
         return False
     refcount = _getrefcount(grad)
-    return _grad_ok(grad, refcount, _MODE_PROBE)
+    return grant(grad, _MODE_PROBE, refcount, False)
 
 
 def take(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -802,15 +832,11 @@ def take(grad: torch.Tensor | None) -> torch.Tensor | None:
         ...     return grad_out.mul_(2) if buf is not None else grad_out * 2
     """
     # a traced backward: no refcounts, no unannounced mutation; the call mode's baselines (NOTE
-    # [Calibration per call mode]) are checked in _grad_ok (NOTE [One call per backward question])
+    # [Calibration per call mode]) are checked in grant (NOTE [One call per backward question])
     if _compiling() or grad is None:
         return None
     refcount = _getrefcount(grad)
-    if not _grad_ok(grad, refcount, _MODE_PROBE):
-        return None
-    with _counter_lock:
-        _counter["grad"] += 1
-    return grad
+    return grad if grant(grad, _MODE_PROBE, refcount) else None
 
 
 def take_saved(ctx, saved: torch.Tensor | None) -> torch.Tensor | None:
@@ -1745,9 +1771,6 @@ def _calibrate() -> None:
 
 def _nested(o: object) -> int:
     return sys.getrefcount(o)
-
-
-_MODE_PROBE = object()  # passed to _nested: held by this module and the call only
 
 
 def _call_mode() -> int:

@@ -293,13 +293,16 @@ _Tensor = torch.Tensor
 _F32 = torch.float32
 _U8 = torch.uint8
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_grad_on = torch._C.is_grad_enabled
 
 
-def _direct_c(x: torch.Tensor):
-    # NOTE [Dropout's straight path]: the C kernels for x on a gated path, read from the tables
-    # use_cpu fills (None: not chosen, or not built yet: the general path then builds them)
+def _straight_c(x: torch.Tensor, p: float):
+    # NOTE [Dropout's straight path]: on a gated path, the C kernels for x read from the tables
+    # use_cpu fills (not chosen, or not built yet: None, and the general path then builds them);
+    # where they take x, eager's draw, then pack + x * noise in one C pass into the noise:
+    # (out, bits, numel, the library)
     b, cpu = _backend._resolved[0], _backend._cpu_module[0]
-    if (
+    if not (
         (b == "auto" or b == "cpu")
         and x.is_cpu
         and x.dtype is _F32
@@ -307,12 +310,10 @@ def _direct_c(x: torch.Tensor):
         and C_STEM in cpu._libs
         and x.is_contiguous()
     ):
-        return cpu._libs[C_STEM]
-    return None
-
-
-def _c_dropout(lib, x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    # eager's draw, then pack + x * noise in one C pass into the noise: (out, bits, numel)
+        return None
+    lib = cpu._libs[C_STEM]
+    if lib is None:
+        return None
     out = torch.empty_like(x).bernoulli_(1 - p)
     n = x.numel()
     bits = torch.empty((n + 7) // 8, dtype=_U8)  # packed_numel(n)
@@ -324,7 +325,7 @@ def _c_dropout(lib, x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tens
         fns = _c_fns(lib)
     ptr = out.data_ptr()
     fns["fwd"](ptr, x.data_ptr(), ptr, bits.data_ptr(), n, scale, _nthreads())
-    return out, bits, n
+    return out, bits, n, lib
 
 
 def _c_bwd(lib, g: torch.Tensor, bits: torch.Tensor, p: float, n: int, out: torch.Tensor):
@@ -348,10 +349,10 @@ class _DropoutFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, p: float, direct: bool = False):
         ctx.p, ctx.lib = p, None
         if direct:
-            lib = _direct_c(x)  # NOTE [Dropout's straight path]
-            if lib is not None:
-                out, bits, ctx.n = _c_dropout(lib, x, p)
-                ctx.k, ctx.fused, ctx.lib = None, False, lib
+            r = _straight_c(x, p)  # NOTE [Dropout's straight path]
+            if r is not None:
+                out, bits, ctx.n, ctx.lib = r
+                ctx.k, ctx.fused = None, False
                 ctx.save_for_backward(bits)
                 return out
             # _kernels(x): only a forced 'triton' picks the kernels (auto=False)
@@ -366,23 +367,37 @@ class _DropoutFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @first_order("ops.dropout", double=_double3)
     def backward(ctx, grad):
-        owned = ownership.take(grad) is not None  # first use: NOTE [Gradient-buffer ownership]
+        # first_order's check inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py): under create_graph=True the differentiable backward runs
+        if _grad_on():
+            return _double3(ctx, grad)
+        traced = compiling()  # asked once: take's question, then the straight path's
+        # first use of grad: NOTE [Gradient-buffer ownership] (ownership.take in one frame)
+        owned = not traced and ownership.grant(grad, ownership.PROBE)
         (bits,) = ctx.saved_tensors
         lib = ctx.lib
         if (  # NOTE [Dropout's straight path]: the forward's C kernels
-            lib is not None
-            and type(grad) is _Tensor
-            and not compiling()
-            and not _dispatch_stack_len()
+            lib is not None and type(grad) is _Tensor and not traced and not _dispatch_stack_len()
         ):
-            if grad.is_contiguous():
-                out = grad if owned else torch.empty_like(grad)
-                return _c_bwd(lib, grad, bits, ctx.p, ctx.n, out), None, None
-            if not owned:  # as the custom op _dropout_apply_mask: on a contiguous copy
-                g = grad.contiguous()
-                return _c_bwd(lib, g, bits, ctx.p, ctx.n, torch.empty_like(g)), None, None
+            g = grad
+            if g.is_contiguous():
+                out = g if owned else torch.empty_like(g)
+            elif not owned:  # as the custom op _dropout_apply_mask: on a contiguous copy
+                g = g.contiguous()
+                out = torch.empty_like(g)
+            else:
+                g = None
+            if g is not None:  # _c_bwd's C pass (g * m) * s into out, inline
+                p = ctx.p
+                key = (p, _F32, g.device)
+                scale = _SCALES[key] if key in _SCALES else _scale(p, g)
+                try:  # the bound C functions (_c_fns), an attribute once bound
+                    fns = lib._slimgrad_fns
+                except AttributeError:
+                    fns = _c_fns(lib)
+                fns["bwd"](g.data_ptr(), bits.data_ptr(), out.data_ptr(), ctx.n, scale, _nthreads())
+                return out, None, None
         k = ctx.k
         if k is not _UNDECIDED and not owned and straight():  # the forward's choice (ctx.k)
             g = grad.contiguous()  # what the custom op _dropout_apply_mask runs on

@@ -116,6 +116,21 @@ C_MAX_BLOCKS = 16
 # now 7,368 B (tests/test_estimate_small_models.py).
 
 
+# NOTE [The LayerNorm C backward, chosen in forward]
+# A forward on the straight path (NOTE [One gate per call] in slimgrad/_library.py) with the
+# PyTorch forward (_TORCH) on a float32 CPU input keeps in ``ctx.lib`` the C kernels that
+# kernels/_backend.use_cpu would give its backward: read from the tables use_cpu fills (backend
+# "auto" or "cpu", kernels/cpu/layer_norm.c built once: NOTE [Kernel backend choice]), with no
+# call; not built yet: None, and the backward asks use_cpu, which builds them. A backward that
+# was granted dy (so nothing is compiling) runs them without asking use_cpu again, where y is a
+# plain tensor (not fake: use_cpu's own test) and the backend is still "auto" or "cpu"; every
+# other backward decides as before. _bwd_cpu keeps all its other tests (dtypes, layouts,
+# fallback channels), so the same kernel runs on the same tensors: the same bits.
+C_STEM = "layer_norm"
+_F32 = torch.float32
+_Tensor = torch.Tensor
+
+
 def _c_signatures(C):
     p, i64, i = C.c_void_p, C.c_int64, C.c_int
     return {"bwd": ("layer_norm_bwd_f32", [p] * 11 + [i64, i64, i64, i, i, i, i], None)}
@@ -134,15 +149,19 @@ def rows_per_block(n: int) -> int:
     return max(C_MIN_BLOCK_ROWS, -(-n // C_MAX_BLOCKS))
 
 
-def _bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None):
+def _bwd_cpu(
+    dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None, lib=None
+):
     # The compiled kernel (kernels/cpu/layer_norm.c: xhat built once per row into a cache-resident
     # scratch row, dx, dgamma and dbeta in one sweep over the rows) for contiguous float32 without
     # fallback channels; else the PyTorch path. Same formulas; the precision of each sum (float row
     # sums and dbeta blocks, double dgamma) is what the seed sweeps allowed: 40 seeds x 9 shapes x 5
     # weight kinds (4,320 gradients) against float64 stayed within the error rule, worst dx 0.33,
     # dgamma 0.76, dbeta 0.49 of the bound (float dgamma reached 0.97: kept in double).
-    # NOTE [The LayerNorm C backward's buffers]
-    lib = _backend.use_cpu(y, "layer_norm")
+    # NOTE [The LayerNorm C backward's buffers]; lib: the forward's choice (NOTE [The LayerNorm C
+    # backward, chosen in forward]), else asked here
+    if lib is None:
+        lib = _backend.use_cpu(y, C_STEM)
     f32 = torch.float32
     granted = out is dy  # dx written over a granted dy: the buffers are paid for
     # NOTE [Fake tensors model the LayerNorm C backward]
@@ -538,11 +557,21 @@ class _LayerNormFn(torch.autograd.Function):
     def forward(ctx, x, arg, weight, bias, eps, direct=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
         # _TORCH: and the PyTorch forward is the kernel choice (not CUDA, no Triton backend)
-        ctx.arg, ctx.eps = arg, eps
+        ctx.arg, ctx.eps, ctx.lib = arg, eps, None
         # NOTE [Norm backward without materialized gradients]
         ctx.materialize_grads = False
         if direct is _TORCH:
             y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
+            # NOTE [The LayerNorm C backward, chosen in forward]
+            b, cpu = _backend._resolved[0], _backend._cpu_module[0]
+            if (
+                (b == "auto" or b == "cpu")
+                and x.dtype is _F32
+                and x.is_cpu
+                and cpu is not None
+                and C_STEM in cpu._libs
+            ):
+                ctx.lib = cpu._libs[C_STEM]
             idx = fallback_or_none(weight, bias, y.dtype)
             if idx is not None:
                 if idx.device != x.device:
@@ -565,11 +594,16 @@ class _LayerNormFn(torch.autograd.Function):
         return y, mean, rstd, idx, xside
 
     @staticmethod
-    @first_order("ops.layer_norm", double=_LN_DOUBLE)
     def backward(ctx, dy, *_):
+        # first_order's check inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py): under create_graph=True the differentiable backward runs
+        if _grad_on():
+            return _LN_DOUBLE(ctx, dy, *_)
         if dy is None:  # NOTE [Norm backward without materialized gradients]
             return None, None, None, None, None, None
-        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        # first use of dy: NOTE [Gradient-buffer ownership] (ownership.take in one frame, after
+        # take's compile check)
+        buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
@@ -580,14 +614,25 @@ class _LayerNormFn(torch.autograd.Function):
             and buf.dtype == y.dtype
             and buf.is_contiguous()
         ):
-            # _bwd_impl(y), inline where it cannot pick Triton
-            if not y.is_cuda and _backend._resolved[0] in _NO_TRITON:
-                impl = _bwd_cpu if y.is_cpu else _bwd_torch
+            lib = ctx.lib  # NOTE [The LayerNorm C backward, chosen in forward]
+            b = _backend._resolved[0]
+            if lib is None or type(y) is not _Tensor or (b != "auto" and b != "cpu"):
+                lib = None
+                # _bwd_impl(y), inline where it cannot pick Triton
+                if not y.is_cuda and b in _NO_TRITON:
+                    impl = _bwd_cpu if y.is_cpu else _bwd_torch
+                else:
+                    impl = _bwd_impl(y)
+                    if idx is None:
+                        idx, xside = _no_side(y, arg=ctx.arg)
+            if lib is not None:
+                dx, dw, db = _bwd_cpu(
+                    buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, buf, lib
+                )
             else:
-                impl = _bwd_impl(y)
-                if idx is None:
-                    idx, xside = _no_side(y, arg=ctx.arg)
-            dx, dw, db = impl(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf)
+                dx, dw, db = impl(
+                    buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf
+                )
         else:  # the custom op, or its implementation past the gate (NOTE [One gate per call])
             if idx is None:  # the op's schema takes tensors
                 idx, xside = _no_side(y, arg=ctx.arg)

@@ -491,10 +491,9 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         elif direct:
             probs = _softmax_fwd(s, -1, causal, mask, True)
         if direct:
-            lib = _dropout._direct_c(probs) if p > 0 else None
-            if lib is not None:
-                dropped, bits, ctx.n = _dropout._c_dropout(lib, probs, p)
-                ctx.lib = lib
+            r = _dropout._straight_c(probs, p) if p > 0 else None
+            if r is not None:
+                dropped, bits, ctx.n, ctx.lib = r
             elif p > 0:
                 dropped, bits = _dropout._fwd_torch(probs, p)
             else:
