@@ -90,6 +90,7 @@ from slimgrad._dtensor import any_dtensor
 __all__ = ["conv1d_addmm", "linear"]
 
 _grad_on = torch._C.is_grad_enabled
+_Tensor = torch.Tensor
 
 
 def fresh(y: torch.Tensor) -> torch.Tensor:
@@ -151,13 +152,16 @@ def _linear_double(ctx, dy):
 # returned (a 4-D channels_last gradient at a converted Linear: one gradient's bytes above eager's
 # peak, issue 30). The product is F.linear of the input viewed as 2-D: the addmm (bias) or mm (no
 # bias) eager's linear runs on a contiguous input of any rank. Backward writes dx in the input's
-# shape (a base, not a view: the next backward may reuse its buffer), into a tensor it allocates
-# (new_empty, then mm with out=): under slimgrad.memory.estimate a fake tensor made by an op that
-# misses FakeTensorMode's dispatch cache (torch.matmul's _unsafe_view of the 2-D product) is also
-# held by the fake converter's memo, a weak reference ownership counts as a holder, so the next
-# backward's take refused there where the real step grants (tiny GPT-2 estimated 1.8% above its
-# real step); an allocation is never memoized. Callers view the output with
-# ``y.view(x.shape[:-1] + y.shape[-1:])`` where ``x.ndim > 2``.
+# shape (a base, not a view: the next backward may reuse its buffer). On a real tensor that is
+# torch.matmul of dy viewed in x's leading shape: a view that splits a 2-D tensor's rows always
+# folds, so matmul runs mm on dy itself and returns the product through _unsafe_view, a base
+# (the same bits as mm; two calls). On a fake tensor (slimgrad.memory.estimate) dx is allocated
+# (new_empty) and written by mm with out=: a fake tensor made by an op that misses FakeTensorMode's
+# dispatch cache (that _unsafe_view) is also held by the fake converter's memo, a weak reference
+# ownership counts as a holder, so the next backward's take refused there where the real step
+# grants (tiny GPT-2 estimated 1.8% above its real step); an allocation is never memoized. The
+# same bytes either way. Callers view the output with ``y.view(x.shape[:-1] + y.shape[-1:])``
+# where ``x.ndim > 2``.
 
 
 class _LinearFn(torch.autograd.Function):
@@ -197,12 +201,15 @@ class _LinearFn(torch.autograd.Function):
         if lead is not None:  # dy: the 2-D product's gradient (NOTE [Linear's 2-D product])
             dx = dw = db = None
             if mask[0]:
-                # eager's mm, written into dx allocated in x's shape: a base, not a view, and
-                # made by an allocation, so also under fake tensors nothing else holds it (NOTE
-                # [Linear's 2-D product]); .mT: t() without a call
+                # eager's mm on dy, its product in x's shape and a base, not a view (NOTE
+                # [Linear's 2-D product]); .mT: t() without a call; dy.__class__: an attribute
+                # read, not a call
                 w = weight.mT if ctx.w_in_out else weight
-                dx = dy.new_empty(lead + w.shape[1:])
-                torch.mm(dy, w, out=dx.view(dy.shape[0], w.shape[1]))
+                if dy.__class__ is _Tensor:
+                    dx = torch.matmul(dy.view(lead + dy.shape[1:]), w)
+                else:  # a fake (or other subclass) tensor: allocated, then written by mm
+                    dx = dy.new_empty(lead + w.shape[1:])
+                    torch.mm(dy, w, out=dx.view(dy.shape[0], w.shape[1]))
             if mask[1]:
                 x2 = x.reshape(-1, x.shape[-1])
                 dw = x2.mT @ dy if ctx.w_in_out else dy.mT @ x2
