@@ -214,9 +214,8 @@ def test_compiled_train_steps_match_eager_compiled(name):
 
 def test_compiled_op_second_call_does_not_recompile(monkeypatch):
     # a trace kept the DTensor class in slimgrad._dtensor's list and guarded on the list being
-    # empty: the second call traced and compiled again (every converted model, once); the
-    # converted tiny Llama and GPT-2 still recompile once on other lazily filled tables
-    # (nn/gated_mlp.py _KNOWN, kernels/_backend._resolved read by the fused loss)
+    # empty: the second call traced and compiled again (every converted model, once); a whole
+    # converted model: test_compiled_converted_llama_second_call_does_not_recompile
     import torch.distributed.tensor  # noqa: F401  (loaded, as Dynamo and inductor load it)
 
     from slimgrad import _dtensor
@@ -232,3 +231,44 @@ def test_compiled_op_second_call_does_not_recompile(monkeypatch):
             f(x).sum().backward()
     finally:
         torch._dynamo.reset()
+
+
+_FRESH_PROCESS = """
+import sys
+
+import torch
+
+sys.path.insert(0, {conformance!r})
+import _hf_families as H
+
+import slimgrad
+
+fam = H.FAMILIES["llama"]
+model = H.build(fam)
+batch = H.inputs(fam, model, labels=True)
+slimgrad.convert_(model)
+assert any(type(m).__name__ == "GatedMLP" for m in model.modules())
+assert type(model.__dict__.get("forward")).__name__ == "_FusedLMForward"  # the fused loss
+f = torch.compile(model, backend="eager")
+f(**batch).loss.backward()
+with torch._dynamo.config.patch(error_on_recompile=True):
+    f(**batch).loss.backward()
+print(torch._dynamo.utils.counters["frames"]["total"])
+"""
+
+
+def test_compiled_converted_llama_second_call_does_not_recompile():
+    # in a fresh process (tables a first call fills are empty there): a converted Llama (gated
+    # MLP, fused loss) traced with the gated MLP's activation and Linear classes read from a
+    # table its first call filled, and the fused loss reading the kernel backend's name before
+    # the first call resolved it; each guard failed at the second call, which compiled again
+    import subprocess
+
+    src = os.path.dirname(os.path.dirname(slimgrad.__file__))
+    env = dict(os.environ, PYTHONPATH=src)
+    code = _FRESH_PROCESS.format(conformance=os.path.join(os.path.dirname(__file__), "conformance"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "1"  # one frame compiled, over both calls

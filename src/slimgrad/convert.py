@@ -52,6 +52,7 @@ from slimgrad.convert_handlers import linear as _linear
 from slimgrad.convert_handlers import parametrized as _parametrized
 from slimgrad.convert_handlers import timm as _timm
 from slimgrad.convert_handlers import timm_blocks as _timm_blocks
+from slimgrad.kernels import _backend
 from slimgrad.nn import _output_act as _nn_output_act
 from slimgrad.nn.hardsigmoid import Hardsigmoid as _Hardsigmoid
 from slimgrad.nn.hardswish import Hardswish as _Hardswish
@@ -478,6 +479,7 @@ def convert_(
     _REPORTS[model] = rep
     if rep.refused_known:
         _warn_refused_known(rep.refused_known)
+    _backend.resolve_now()  # traced code reads the name set (NOTE [Kernel backend choice])
     return model
 
 

@@ -666,7 +666,9 @@ def _binding(spec, nargs, names):
     # or None when bind refuses the call. Binding depends on the call's shape only, never on
     # its values, so it is bound once per shape (with stand-ins) and kept on the spec.
     key = (nargs, names)
-    plan = spec.binds.get(key, _UNBOUND)
+    # traced, the table is not read: a shape the first call added would fail a guard on its
+    # contents at the second call, which compiled again; the trace binds (once per compile)
+    plan = _UNBOUND if compiling() else spec.binds.get(key, _UNBOUND)
     if plan is _UNBOUND:
         try:
             ba = spec.signature.bind(*map(_Arg, range(nargs)), **{k: _Arg(k) for k in names})
@@ -682,7 +684,8 @@ def _binding(spec, nargs, names):
                 else (p, None, v)
                 for p, v in ba.arguments.items()
             )
-        spec.binds[key] = plan
+        if not compiling():
+            spec.binds[key] = plan
     return plan
 
 
@@ -732,7 +735,7 @@ def _why_not_now(model, spec, a, dec):
     return ""
 
 
-_HF_CAUSAL_LOSS: list = []  # transformers' ForCausalLMLoss, imported at the first fused call
+_HF_CAUSAL_LOSS: list = []  # transformers' ForCausalLMLoss, imported at convert_
 
 
 def _for_causal_lm_loss():
@@ -802,6 +805,7 @@ class _FusedLMForward:
     def __init__(self, model: nn.Module, fast: bool, keep_logits: bool) -> None:
         self.model, self.fast, self.keep_logits = model, fast, keep_logits
         _hf_loss_property(type(model))  # decided here, never while Dynamo traces
+        _for_causal_lm_loss()  # imported here: a table the traced call filled failed its guard
 
     @property
     def __signature__(self):

@@ -9,9 +9,10 @@ returns the loaded library or None (then the PyTorch path). The choice, first ma
 
 1. ``backend=`` passed to :func:`use_triton` / :func:`use_cpu` (an op's own argument, if any);
 2. :func:`set_backend` (process-wide; also usable as a context manager);
-3. the environment variable ``SLIMGRAD_BACKEND``, read once: at the first call that needs it, and
-   again only after :func:`set_backend` (any argument, ``None`` included, and when its context
-   manager restores) or :func:`refresh`; a change to the variable in between is not seen;
+3. the environment variable ``SLIMGRAD_BACKEND``, read once: at ``convert_`` or the first call that
+   needs it, whichever comes first, and again only after :func:`set_backend` (any argument,
+   ``None`` included, and when its context manager restores) or :func:`refresh`; a change to the
+   variable in between is not seen;
 4. ``"auto"``.
 
 Decided once: the process-wide name (2-4) is resolved once and kept until :func:`set_backend` or
@@ -142,6 +143,18 @@ def _resolve() -> str:
         b = _check(env, f"${ENV_VAR}") if env else "auto"
     _resolved[0] = b
     return b
+
+
+def resolve_now() -> None:
+    """Resolve the process-wide name now unless it is resolved (``convert_`` calls it, so code
+    that torch.compile traces reads a name, not None: a name first resolved by the compiled call
+    made the second call recompile). A bad ``$SLIMGRAD_BACKEND`` is left for the first op call to
+    report, as without it."""
+    if _resolved[0] is None:
+        try:
+            _resolve()
+        except (TypeError, ValueError):
+            pass
 
 
 def get_backend() -> str:

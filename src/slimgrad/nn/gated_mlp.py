@@ -29,6 +29,9 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
 from slimgrad._autograd import compiling, unwrap_if_dead
+from slimgrad.nn import gelu as _sng
+from slimgrad.nn import linear as _snl
+from slimgrad.nn import silu as _sns
 from slimgrad.nn._hooks import foreign
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.gated_mlp import _GATED_MLP_APPLY, gated_mlp, gated_mlp_fused, glu, glu_linear
@@ -86,18 +89,11 @@ def _global_hooks() -> bool:
     return foreign(f) or foreign(fp) or foreign(b) or foreign(bp)
 
 
-_LINEARS: list[tuple[type, ...]] = []  # (nn.Linear, slimgrad.nn.Linear), imported at first use
-#: (the SiLU classes, the GELU classes, the Linear classes) whose instances the forward checks
-#: inline, imported at first use
-_KNOWN: list[tuple[type, ...]] = []
-
-
-def _known() -> None:
-    import slimgrad.nn.gelu as sng
-    import slimgrad.nn.linear as snl
-    import slimgrad.nn.silu as sns
-
-    _KNOWN[:] = [(nn.SiLU, sns.SiLU), (nn.GELU, sng.GELU), (nn.Linear, snl.Linear)]
+# the classes whose instances the forward checks inline, fixed at import: torch.compile reads
+# them as constants (a table filled at the first call made the second call's trace recompile)
+_SILUS = (nn.SiLU, _sns.SiLU)
+_GELUS = (nn.GELU, _sng.GELU)
+_LINEARS = (nn.Linear, _snl.Linear)
 
 
 _grad_on = torch._C.is_grad_enabled
@@ -110,11 +106,7 @@ _Parameter = nn.Parameter
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    if not _LINEARS:
-        import slimgrad.nn.linear as snl
-
-        _LINEARS.append((nn.Linear, snl.Linear))
-    if type(m) not in _LINEARS[0] or "forward" in m.__dict__:
+    if type(m) not in _LINEARS or "forward" in m.__dict__:
         return False
     p = m._parameters  # m.weight without Module.__getattr__ (a Linear's weight is a Parameter)
     w = p["weight"] if "weight" in p else m.weight
@@ -236,12 +228,10 @@ class GatedMLP(NoScript, nn.Module):
             gate, down, act = getattr(self, g_name), getattr(self, d_name), getattr(self, a_name)
             up = getattr(self, u_name) if u_name is not None else None
         a = self.activation
-        if not _KNOWN:
-            _known()
         t = type(act)
-        if t in _KNOWN[0]:  # activation_of(act) == a for torch's and slimgrad's SiLU, inline
+        if t in _SILUS:  # activation_of(act) == a for torch's and slimgrad's SiLU, inline
             act_ok = a == "silu" and "forward" not in act.__dict__
-        elif t in _KNOWN[1]:  # and GELU
+        elif t in _GELUS:  # and GELU
             ap = act.approximate
             act_ok = (
                 a == ("gelu" if ap == "none" else "gelu_tanh" if ap == "tanh" else None)
@@ -266,7 +256,7 @@ class GatedMLP(NoScript, nn.Module):
             and _global_hooks()
         ):
             return self._eager(x, gate, up, down, act)
-        lin = _KNOWN[2]
+        lin = _LINEARS
         if (  # gated_mlp's straight path for plain Linears without biases, its frames inline
             # (_plain_linear and _params of each projection; NOTE [Linear's straight path])
             up is not None
