@@ -320,6 +320,7 @@ class _GatedMLPFn(torch.autograd.Function):
             torch.mm(dg, wg, out=dx2)
             x2 = x.reshape(-1, xd)
             dwg = dg.t() @ x2
+            del dg, da, dh  # one buffer: freed before du's matmuls, as the general path's del dg
             dx2.add_(du @ wu)
             dwu = du.t() @ x2
             return dx, dwg, None, dwu, None, dwd, None, None, None, None, None, None, None
