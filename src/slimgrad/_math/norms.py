@@ -30,6 +30,7 @@ __all__ = [
     "fallback_or_none",
     "layer_norm_bwd_torch",
     "layer_norm_fwd_torch",
+    "layer_norm_gamma",
     "rebuild_xhat",
     "rms_norm_bwd_torch",
     "rms_norm_fwd_torch",
@@ -105,11 +106,14 @@ def _fresh(idx: torch.Tensor) -> torch.Tensor:
 
 
 def fallback_channels(
-    weight: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    gamma_of=None,
 ) -> torch.Tensor:
     """Indices (int64, flat over the normalized dims) of channels that keep their input column,
     found once per version of ``weight`` and ``bias`` (NOTE [Fallback channels, once per weight
-    version])."""
+    version]); ``gamma_of`` as in :func:`fallback_or_none`."""
     if weight is None and bias is None:
         dev = torch.device("cpu")
         return torch.empty(0, dtype=torch.int64, device=dev)
@@ -124,21 +128,23 @@ def fallback_channels(
     try:
         if weight is not None:
             if type(weight) not in _PLAIN:
-                return _find_fallback_channels(weight, bias, out_dtype)
+                return _find_scaled(weight, bias, out_dtype, gamma_of)
             w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
             w_key += (weight.stride(), weight.device)
         if bias is not None:
             if type(bias) not in _PLAIN:
-                return _find_fallback_channels(weight, bias, out_dtype)
+                return _find_scaled(weight, bias, out_dtype, gamma_of)
             b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
             b_key += (bias.device,)
     except RuntimeError:  # "Inference tensors do not track version counter"
-        return _find_fallback_channels(weight, bias, out_dtype)
+        return _find_scaled(weight, bias, out_dtype, gamma_of)
     if compiling():  # NOTE [One-frame compile check] in slimgrad/_autograd.py
-        return _find_fallback_channels(weight, bias, out_dtype)
+        return _find_scaled(weight, bias, out_dtype, gamma_of)
     # + optimizer steps (NOTE [Steps that skip the version counter] in _math/steps.py); epoch()
     # without its frame once its hook is in place
     key = (w_key, b_key, out_dtype, steps._count[0] if steps._hooked[0] else epoch())
+    if gamma_of is not None:
+        key += (gamma_of,)
     slot = id(ref)
     hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
     if hit is not None and hit[0]() is ref and hit[1] == key:
@@ -146,8 +152,8 @@ def fallback_channels(
         if idx.shape[0] == 0:
             return torch.empty(0, dtype=torch.int64, device=idx.device)
         return idx.clone()
-    idx = _find_fallback_channels(weight, bias, out_dtype)
-    _store(slot, ref, key, idx, weight, bias, out_dtype, None)
+    idx = _find_scaled(weight, bias, out_dtype, gamma_of)
+    _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of)
     return _fresh(idx)
 
 
@@ -193,7 +199,7 @@ def fallback_or_none(
 
 
 def _find_scaled(weight, bias, out_dtype, gamma_of):
-    if gamma_of is not None:
+    if gamma_of is not None and weight is not None:
         with torch.no_grad():
             weight = gamma_of(weight.detach())
     return _find_fallback_channels(weight, bias, out_dtype)
@@ -287,7 +293,9 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         if gamma_of is not None:
             key += (gamma_of,)
         with torch.no_grad():
-            w = gamma_of(weight.detach()) if gamma_of is not None else weight
+            w = weight
+            if gamma_of is not None and weight is not None:
+                w = gamma_of(weight.detach())
             mask = _fallback_mask(w, bias, out_dtype)
         groups.setdefault(mask.device, []).append((slot, entry, key, mask))
     for dev, items in groups.items():
@@ -309,9 +317,35 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             start = end
 
 
+# NOTE [LayerNorm with a non-finite gamma]
+# Eager's CPU backward (aten's layer_norm_kernel.cpp) sums per row ``ds = sum(dy * gamma * x)``
+# and ``db = sum(dy * gamma)``, then ``dx = rstd * dy * gamma + b * x + c`` with ``b = (db * mu -
+# ds) * rstd^3 / D`` and ``c = -b * mu - db * rstd / D``. With every value finite the output-
+# keeping backward is the same math in another order; with an infinite gamma the order decides
+# which values are NaN and which inf: ds and db are inf (NaN where dy is 0), b is inf or NaN by
+# whether db * mu and ds cancel, and each dx is NaN or inf by the sign of its own raw x (against
+# mu's), which a rebuilt xhat does not carry exactly. So in a LayerNorm whose weight has a
+# non-finite entry every channel is a fallback channel (``layer_norm_gamma``, the fallback
+# rule's scale: NaN everywhere then; found once per weight version like every fallback set).
+# Where every channel falls back (that, or every gamma ~ 0) the Function saves x itself, what
+# eager saves, instead of y and a gathered copy of x (``_keep_x`` in ops/layer_norm.py), and the
+# backward is eager's own ``aten.native_layer_norm_backward`` on it: eager's bits, NaN/inf
+# pattern and bytes (the traced path keeps its tables and runs the same backward here). Before:
+# (3, 5, 16) with w[1] = inf gave 141 NaN/99 inf in dx against eager's 222 NaN/18 inf; (29, 97)
+# with every channel a fallback channel (gamma 1e-3, beta 5) saved 23,512 B and peaked at 68,916
+# B under the tracker, against eager's 11,484 and 23,520 (now equal). A NaN
+# gamma already matched (every dx of a row NaN either way), as does RMSNorm (no mean term: its
+# dx is NaN or inf by the sign of xhat, which the rebuild keeps), and an inf or NaN beta leaves dx
+# finite in both (a fallback channel, whose xhat comes from x).
+def layer_norm_gamma(w: torch.Tensor) -> torch.Tensor:
+    """LayerNorm's scale for the fallback rule: ``w``, or NaN in every channel where an entry of
+    ``w`` is not finite (NOTE [LayerNorm with a non-finite gamma])."""
+    return w.where(torch.isfinite(w).all(), float("nan"))
+
+
 def layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps):
     y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-    idx = fallback_channels(weight, bias, y.dtype)
+    idx = fallback_channels(weight, bias, y.dtype, layer_norm_gamma)
     if idx.device != x.device:
         idx = idx.to(x.device)
     return y, mean, rstd, idx, side_columns(x, math.prod(normalized_shape), idx)
@@ -336,6 +370,16 @@ def layer_norm_bwd_torch(
     acc = acc_dtype(y.dtype)
     d = math.prod(normalized_shape)
     n = math.prod(y.shape[: y.dim() - len(normalized_shape)])
+    if d and idx is not None and idx.shape[0] == d:
+        # every channel kept its input (idx is then 0..D-1 in order): eager's own backward on it
+        # (NOTE [LayerNorm with a non-finite gamma])
+        mask = [bool(output_mask[0]), weight is not None and bool(output_mask[1])]
+        mask.append(bias is not None and bool(output_mask[2]))
+        x = xside.reshape(y.shape)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy, x, normalized_shape, mean, rstd, weight, bias, mask
+        )
+        return dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None
     dy2, y2 = dy.reshape(n, d), y.reshape(n, d)
     mu, r = mean.reshape(n, 1), rstd.reshape(n, 1).to(acc)
     w = weight.reshape(d).to(acc) if weight is not None else None

@@ -260,14 +260,14 @@ def _fwd_triton(x, normalized_shape, weight, bias, eps):
     if out is None:
         return _ref.layer_norm_fwd_torch(x, normalized_shape, weight, bias, eps)
     y, mean, rstd = out
-    idx, xside = side_columns(x, normalized_shape, weight, bias, y.dtype)
+    idx, xside = side_columns(x, normalized_shape, weight, bias, y.dtype, _ref.layer_norm_gamma)
     return y, mean, rstd, idx, xside
 
 
-def side_columns(x, normalized_shape, weight, bias, out_dtype):
-    """(idx, xside): the fallback channels and x's columns of them, (rows, k); no gather when
-    there are none (the usual case)."""
-    idx = _ref.fallback_channels(weight, bias, out_dtype)
+def side_columns(x, normalized_shape, weight, bias, out_dtype, gamma_of=None):
+    """(idx, xside): the fallback channels (of the scale ``gamma_of(weight)`` where given) and x's
+    columns of them, (rows, k); no gather when there are none (the usual case)."""
+    idx = _ref.fallback_channels(weight, bias, out_dtype, gamma_of)
     if idx.device != x.device:
         idx = idx.to(x.device)
     return idx, _ref.side_columns(x, math.prod(normalized_shape), idx)
@@ -279,6 +279,9 @@ def _bwd_triton(
     """``_math.norms.layer_norm_bwd_torch`` in one pass over y and dy (``out``: dx's buffer, e.g.
     dy's own when ``slimgrad.ownership`` grants it)."""
     args = (dy, y, mean, rstd, idx, xside, weight, bias, list(normalized_shape), output_mask)
+    if idx.shape[0] and idx.shape[0] == math.prod(normalized_shape):
+        # every channel kept its input: eager's backward (NOTE [LayerNorm with a non-finite gamma])
+        return _ref.layer_norm_bwd_torch(*args, out=out)
     res = norm_bwd(*args, False, out=out)
     if res is None:
         return _ref.layer_norm_bwd_torch(*args, out=out)

@@ -29,8 +29,9 @@ eager keeps all of x) and the backward rebuilds its ``xhat = (x - mu) * rstd`` e
 does. The fallback follows the current weights (found once per version of weight and bias, no
 host sync per forward: NOTE [Fallback channels, once per weight version] in
 ``slimgrad/_math/norms.py``), costs nothing when there is none, and in the worst case (all
-channels) keeps what eager keeps, x, plus the output that the next layer keeps anyway: never
-inf/NaN. RMSNorm and GroupNorm use the same rule (RMSNorm: beta = 0).
+channels, as with any non-finite gamma) saves x itself and runs eager's backward (NOTE
+[LayerNorm with a non-finite gamma] in ``slimgrad/_math/norms.py``): never inf/NaN. RMSNorm and
+GroupNorm use the same rule (RMSNorm: beta = 0).
 
 Limits, measured (seed sweeps against float64 with the tests' shapes and weights, 25-40 seeds): in
 fp32 every gradient of LayerNorm, RMSNorm and GroupNorm stayed within the rule. A bf16/fp16 output
@@ -74,6 +75,7 @@ from slimgrad._math.norms import (  # noqa: F401
 from slimgrad._math.norms import acc_dtype as _acc_dtype
 from slimgrad._math.norms import layer_norm_bwd_torch as _bwd_torch
 from slimgrad._math.norms import layer_norm_fwd_torch as _fwd_torch
+from slimgrad._math.norms import layer_norm_gamma as _LN_GAMMA
 from slimgrad._math.norms import rowdot as _rowdot  # noqa: F401
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
@@ -444,7 +446,8 @@ def norm_double(api: str, eager_fn, rebuild_input):
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         need = ctx.needs_input_grad
         with torch.no_grad():
-            x = rebuild_input(y.detach(), mean, rstd, idx, xside, weight, bias, ctx.arg)
+            y = y.detach() if y is not None else None  # None: LayerNorm kept x (_keep_x)
+            x = rebuild_input(y, mean, rstd, idx, xside, weight, bias, ctx.arg)
         if need[0]:
             x = bridged(ctx, api, x)
         pairs = [(x, need[0]), (weight, need[2]), (bias, need[3])]
@@ -459,6 +462,8 @@ def norm_double(api: str, eager_fn, rebuild_input):
 
 
 def _rebuild_ln_input(y, mean, rstd, idx, xside, weight, bias, normalized_shape):
+    if y is None:  # x itself was kept (_keep_x)
+        return xside.detach()
     acc = _acc_dtype(y.dtype)
     d = math.prod(normalized_shape)
     n = y.numel() // max(d, 1)
@@ -572,12 +577,24 @@ class _LayerNormFn(torch.autograd.Function):
                 and C_STEM in cpu._libs
             ):
                 ctx.lib = cpu._libs[C_STEM]
-            idx = fallback_or_none(weight, bias, y.dtype)
+            idx = fallback_or_none(weight, bias, y.dtype, _LN_GAMMA)
             if idx is not None:
+                if idx.shape[0] == math.prod(arg):  # NOTE [LayerNorm with a non-finite gamma]
+                    return _keep_x(ctx, x, y, mean, rstd, weight, bias)
                 if idx.device != x.device:
                     idx = idx.to(x.device)
                 xside = side_columns(x, math.prod(arg), idx)
         else:
+            # every channel keeps x: eager's forward (_keep_x), no gather; plain weights only
+            # (never fake), no allocation where there is no fallback channel
+            if (
+                not compiling()
+                and type(weight) in _PLAIN_OR_NONE
+                and type(bias) in _PLAIN_OR_NONE
+                and _all_fallback(fallback_or_none(weight, bias, x.dtype, _LN_GAMMA), arg)
+            ):
+                y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
+                return _keep_x(ctx, x, y, mean, rstd, weight, bias)
             fwd = _layer_norm_fwd.impl if direct else _layer_norm_fwd
             y, mean, rstd, idx, xside = fwd(x, arg, weight, bias, eps)
             k = idx.shape[0]
@@ -605,6 +622,8 @@ class _LayerNormFn(torch.autograd.Function):
         # take's compile check)
         buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        if y is None:  # x kept (_keep_x): eager's backward
+            return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
         if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
@@ -647,6 +666,29 @@ class _LayerNormFn(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _all_fallback(idx, arg) -> bool:
+    return idx is not None and idx.shape[0] == math.prod(arg)
+
+
+def _keep_x(ctx, x, y, mean, rstd, weight, bias):
+    # Every channel is a fallback channel (a non-finite gamma anywhere, or every gamma ~ 0): what
+    # eager saves, x itself, instead of y and a copy of x; the backward is eager's (NOTE [LayerNorm
+    # with a non-finite gamma] in slimgrad/_math/norms.py). y's slot holds None: the mark.
+    ctx.save_for_backward(None, mean, rstd, None, x, weight, bias)
+    ctx.mark_non_differentiable(mean, rstd)
+    return y, mean, rstd
+
+
+def _eager_bwd(ctx, dy, x, mean, rstd, weight, bias):
+    need = ctx.needs_input_grad
+    mask = [need[0], weight is not None and need[2], bias is not None and need[3]]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy, x, ctx.arg, mean, rstd, weight, bias, mask
+    )
+    dw, db = dw if mask[1] else None, db if mask[2] else None
+    return dx if mask[0] else None, None, dw, db, None, None
 
 
 def _no_side(y: torch.Tensor, arg) -> tuple[torch.Tensor, torch.Tensor]:
