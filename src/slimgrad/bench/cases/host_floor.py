@@ -19,6 +19,10 @@ one set of weights:
   attention with dropout, ``_log_softmax`` + ``nll_loss_forward``), saves what eager saves, and
   backward calls the matching ATen backward ops; no other logic. A container slimgrad replaces
   whole (Llama's MLP) keeps eager's forward, with its converted children at the floor;
+- ``floor_direct``: ``floor`` with each Function applied through the C ``_FunctionBase.apply``
+  instead of the Python classmethod ``Function.apply`` around it (what slimgrad's ops do in
+  eager, NOTE [Applying a Function without its Python wrapper]): the lowest a Python Function
+  per op goes;
 - ``floor_ckpt``: ``floor`` plus non-reentrant ``torch.utils.checkpoint`` on every transformer
   block (HF's ``activation_checkpointing_enable()``) or ResNet bottleneck;
 - ``eager_ckpt``: eager with the same checkpointing: the peer a user takes instead of slimgrad;
@@ -34,9 +38,10 @@ every variant once, in a seeded shuffled order, each step timed by ``time.thread
 ``python_calls`` (cProfile, deterministic); ``aten_ops``. ``load`` holds ``os.getloadavg()``
 before and after the timing.
 
-Memory (``memory``): ``peak_bytes``, ``saved_bytes``, ``retained_bytes`` (live bytes at the end
-of forward: what checkpointing keeps, its block inputs included, shows here, not in
-``saved_bytes``) of eager, slimgrad, floor, floor_ckpt and eager_ckpt from ``slimgrad.memory``:
+Memory (``memory_tiny``, ``memory_at_scale``): ``peak_bytes``, ``saved_bytes``,
+``retained_bytes`` (live bytes at the end of forward: what checkpointing keeps, its block inputs
+included, shows here, not in ``saved_bytes``) of each of ``MAIN_VARIANTS`` from
+``slimgrad.memory``:
 ``measure`` at the tiny sizes (after one step), ``estimate`` (fake tensors, the same figures
 without computing) at a realistic size: HF GPT-2 small at 4x256 tokens, HF Llama 4 layers x 256
 wide at 4x128, ResNet-50 at 8x3x224x224. ``floor_grad_err``: the largest
@@ -68,7 +73,7 @@ from slimgrad.bench.cases import host_overhead as _ho
 
 MODELS = _ho.MODELS
 FLOOR_ATTENTION = "slimgrad_host_floor"
-MAIN_VARIANTS = ("eager", "slimgrad", "floor", "floor_ckpt", "eager_ckpt")
+MAIN_VARIANTS = ("eager", "slimgrad", "floor", "floor_direct", "floor_ckpt", "eager_ckpt")
 _aten = torch.ops.aten  # backward ops: their ``.default`` overloads (not in ``torch.``)
 
 
@@ -310,39 +315,51 @@ class _CrossEntropy(torch.autograd.Function):  # F.cross_entropy's two ATen ops,
 
 
 # ------------------------------------------------------------------ installing the floor on a model
-def _floor_forward(m: torch.nn.Module) -> Callable:
+_FUNCTIONS = (
+    _Linear, _Conv1D, _LayerNorm, _RMSNorm, _GELUTanh, _SiLU, _Dropout, _Conv2d, _BatchNorm, _ReLU,
+    _FlashAttention, _MathAttention, _CrossEntropy,
+)  # fmt: skip
+#: each Function's ``apply``: the Python classmethod ``torch.autograd.Function.apply``
+_APPLY = {f: f.apply for f in _FUNCTIONS}
+#: the C ``_FunctionBase.apply`` bound to each Function, without that Python wrapper (what
+#: ``slimgrad._autograd.direct_apply`` gives slimgrad's ops in eager)
+_DIRECT = {f: torch._C._FunctionBase.__dict__["apply"].__get__(None, f) for f in _FUNCTIONS}
+
+
+def _floor_forward(m: torch.nn.Module, direct: bool = False) -> Callable:
+    A = _DIRECT if direct else _APPLY
     kind = type(m).__name__
     if kind == "Linear":
-        return lambda x: _Linear.apply(x, m.weight, m.bias)
+        return lambda x: A[_Linear](x, m.weight, m.bias)
     if kind == "Conv1D":
-        return lambda x: _Conv1D.apply(x, m.weight, m.bias)
+        return lambda x: A[_Conv1D](x, m.weight, m.bias)
     if kind == "LayerNorm":
         shape, eps = list(m.normalized_shape), m.eps
-        return lambda x: _LayerNorm.apply(x, m.weight, m.bias, shape, eps)
+        return lambda x: A[_LayerNorm](x, m.weight, m.bias, shape, eps)
     if kind == "LlamaRMSNorm":
         eps = m.variance_epsilon
-        return lambda x: _RMSNorm.apply(x, m.weight, eps)
+        return lambda x: A[_RMSNorm](x, m.weight, eps)
     if kind == "NewGELUActivation":
-        return _GELUTanh.apply
+        return A[_GELUTanh]
     if kind == "SiLUActivation":
-        return _SiLU.apply
+        return A[_SiLU]
     if kind == "ReLU":
         inplace = m.inplace
-        return lambda x: _ReLU.apply(x, inplace)
+        return lambda x: A[_ReLU](x, inplace)
     if kind == "Dropout":
         orig = m.forward
 
         def dropout(x):
             if not m.training or m.p == 0:
                 return orig(x)
-            return _Dropout.apply(x, m.p)
+            return A[_Dropout](x, m.p)
 
         return dropout
     if kind == "Conv2d":
         if m.padding_mode != "zeros" or isinstance(m.padding, str):
             raise NotImplementedError(f"host_floor: no floor for {m}")
         args = (list(m.stride), list(m.padding), list(m.dilation), m.groups)
-        return lambda x: _Conv2d.apply(x, m.weight, m.bias, *args)
+        return lambda x: A[_Conv2d](x, m.weight, m.bias, *args)
     if kind == "BatchNorm2d":
         orig = m.forward
 
@@ -351,7 +368,7 @@ def _floor_forward(m: torch.nn.Module) -> Callable:
                 return orig(x)
             m.num_batches_tracked.add_(1)
             mom = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
-            return _BatchNorm.apply(x, m.weight, m.bias, m.running_mean, m.running_var, mom, m.eps)
+            return A[_BatchNorm](x, m.weight, m.bias, m.running_mean, m.running_var, mom, m.eps)
 
         return batch_norm
     raise NotImplementedError(
@@ -361,8 +378,10 @@ def _floor_forward(m: torch.nn.Module) -> Callable:
 
 
 def _floor_attention(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw
-):
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, A=None,
+    **kw,
+):  # fmt: skip
+    A = A or _APPLY
     # transformers' sdpa_attention_forward without its branches for caches, NPUs and tracing
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -370,20 +389,21 @@ def _floor_attention(
         is_causal = getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     if attention_mask is None and dropout == 0.0:
-        out = _FlashAttention.apply(query, key, value, is_causal, scaling)
+        out = A[_FlashAttention](query, key, value, is_causal, scaling)
     else:
         groups = getattr(module, "num_key_value_groups", 1)
         if groups > 1:
             key = key.repeat_interleave(groups, 1)
             value = value.repeat_interleave(groups, 1)
-        out = _MathAttention.apply(query, key, value, attention_mask, dropout, is_causal, scaling)
+        out = A[_MathAttention](query, key, value, attention_mask, dropout, is_causal, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _floor_loss(
     logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-    **kw,
+    A=None, **kw,
 ):  # fmt: skip
+    A = A or _APPLY
     # transformers' ForCausalLMLoss with the cross-entropy as one Function
     logits = logits.float()
     if shift_labels is None:
@@ -392,14 +412,23 @@ def _floor_loss(
     logits = logits.view(-1, vocab_size)
     shift_labels = shift_labels.view(-1).to(logits.device)
     reduction = 1 if num_items_in_batch is None else 2
-    loss = _CrossEntropy.apply(logits, shift_labels, ignore_index, reduction)
+    loss = A[_CrossEntropy](logits, shift_labels, ignore_index, reduction)
     return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def _floor_attention_direct(*args, **kwargs):
+    return _floor_attention(*args, A=_DIRECT, **kwargs)
+
+
+def _floor_loss_direct(*args, **kwargs):
+    return _floor_loss(*args, A=_DIRECT, **kwargs)
 
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(FLOOR_ATTENTION, _floor_attention)
+    AttentionInterface.register(FLOOR_ATTENTION + "_direct", _floor_attention_direct)
 
 
 def _lm_head_name(model: torch.nn.Module) -> str | None:
@@ -428,7 +457,10 @@ def converted(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def floor_(model: torch.nn.Module, plan: dict[str, Any], names=None, attention=None, loss=None):
+def floor_(
+    model: torch.nn.Module, plan: dict[str, Any], names=None, attention=None, loss=None,
+    direct: bool = False,
+):  # fmt: skip
     """Put the modules of ``plan["modules"]`` (or those of ``names``) of ``model`` at the floor, and
     its attention and loss when asked (by default: when ``plan`` says slimgrad converts them);
     modules that are slimgrad's already and containers are left as they are."""
@@ -440,12 +472,12 @@ def floor_(model: torch.nn.Module, plan: dict[str, Any], names=None, attention=N
             and type(m).__name__ in leaves
             and not type(m).__module__.startswith("slimgrad.")
         ):
-            m.forward = _floor_forward(m)
+            m.forward = _floor_forward(m, direct)
     if plan["attention"] if attention is None else attention:
         _register_attention()
-        model.config._attn_implementation = FLOOR_ATTENTION
+        model.config._attn_implementation = FLOOR_ATTENTION + ("_direct" if direct else "")
     if plan["loss"] if loss is None else loss:
-        model.loss_function = _floor_loss
+        model.loss_function = _floor_loss_direct if direct else _floor_loss
     return model
 
 
@@ -492,7 +524,7 @@ def main_variant(eager: torch.nn.Module, v: str, plan: dict[str, Any]) -> torch.
     if v == "slimgrad":
         return slimgrad.convert_(m)
     if v.startswith("floor"):
-        floor_(m, plan)
+        floor_(m, plan, direct=v == "floor_direct")
     return checkpoint_blocks_(m) if v.endswith("_ckpt") else m
 
 
