@@ -2,11 +2,11 @@
 next to slimgrad's and to per-block activation checkpointing, on the host-overhead proxy's models.
 
 # NOTE [Host floor]
-NOTE [Host overhead proxy] (``cases/host_overhead.py``) measures converted / eager step time on tiny
-models, where a step's time is the host's Python and dispatch. This case asks how low that ratio
-can go for a design that puts a Python ``torch.autograd.Function`` per op (slimgrad, Liger, Apex's
-Python-level ops). Each model (the proxy's ``build_model``, same sizes) runs as these variants of
-one set of weights:
+How low the host-overhead proxy's converted / eager step time (NOTE [Host overhead proxy] in
+``cases/host_overhead.py``: tiny models, where a step's time is the host's Python and dispatch) can
+go for any design that puts a Python ``torch.autograd.Function`` per op (slimgrad, Liger, Apex's
+Python-level ops), next to what per-block checkpointing costs and keeps. Each model (the proxy's
+``build_model``, same sizes) runs as these variants of one set of weights:
 
 - ``eager``: the model as built;
 - ``slimgrad``: ``slimgrad.convert_`` of a copy (today's conversion);
