@@ -406,8 +406,10 @@ def host_floor_section() -> list[str]:
         f"{rec['models'][0]['rounds']} interleaved rounds, median ratio to eager with the middle "
         f"half; load average {min(loads):.1f}..{max(loads):.1f}), Python calls per step, and the "
         f"exact peak and retained bytes at a realistic size ({sizes}). `floor`: one minimal "
-        "autograd Function per op slimgrad converts; `*_ckpt`: per-block checkpointing; "
-        f"`slimgrad, K at floor`: kind K at the floor, the rest converted. Latest record "
+        "autograd Function per op slimgrad converts (`floor_direct`: applied without "
+        "`Function.apply`'s Python wrapper, as slimgrad's ops are); `*_ckpt`: per-block "
+        "checkpointing; `slimgrad, K at floor*`: kind K at that floor, the rest converted. "
+        "Latest record "
         f"{_commit(rec)} {_date(rec)}; the time ratio of each of the {len(recs)} full records, "
         "oldest first.",
         "",

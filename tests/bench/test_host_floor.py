@@ -29,9 +29,9 @@ def test_small_run_record_and_fields(tmp_path):
         assert v["eager"]["time_ratio"] == 1.0
         # one attribution variant per converted kind, and the differences are slimgrad's minus it
         kinds = r["above_floor"]["by_kind"]
-        assert kinds and all(f"slimgrad, {k} at floor" in v for k in kinds)
+        assert kinds and all(f"slimgrad, {k} at floor_direct" in v for k in kinds)
         for k, d in kinds.items():
-            other = v[f"slimgrad, {k} at floor"]["python_calls"]
+            other = v[f"slimgrad, {k} at floor_direct"]["python_calls"]
             assert d["python_calls"] == v["slimgrad"]["python_calls"] - other
         assert r["floor_grad_err"] < 1e-4  # the pass-through Functions compute eager's gradients
         for side in host_floor.MAIN_VARIANTS:
