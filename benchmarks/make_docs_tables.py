@@ -365,6 +365,70 @@ def checkpointing_section() -> list[str]:
     ]
 
 
+def host_floor_section() -> list[str]:
+    recs = [r for r in _records("host_floor") if not r.get("small")]
+    if not recs:
+        return []
+    rec = recs[-1]
+    rows = []
+    for m in rec["models"]:
+        scale = m.get("memory_at_scale") or {}
+        e_calls = m["variants"]["eager"]["python_calls"]
+        for v, x in m["variants"].items():
+            mem = scale.get(v) or {}
+            each = [
+                f"{o['variants'][v]['time_ratio']:.3f}"
+                for r in recs
+                for o in r["models"]
+                if o["model"] == m["model"] and v in o["variants"]
+            ]
+            rows.append(
+                [
+                    f"`{m['model']}`",
+                    v,
+                    " / ".join(each),
+                    f"{x['time_ratio_q1']:.3f}..{x['time_ratio_q3']:.3f}",
+                    f"{x['python_calls']:,} ({x['python_calls'] / e_calls:.2f}x)",
+                    _mib(mem.get("peak_bytes")),
+                    _mib(mem.get("retained_bytes")),
+                ]
+            )
+    sizes = "; ".join(
+        f"{m['model']}: {m['memory_at_scale']['size']}"
+        for m in rec["models"]
+        if m.get("memory_at_scale")
+    )
+    loads = [x for r in recs for m in r["models"] for x in m["load"]]
+    return [
+        "### Host floor (`slimgrad bench host_floor`)",
+        "",
+        "NOTE [Host floor]: the host-overhead proxy's tiny models (1 thread, CPU time, "
+        f"{rec['models'][0]['rounds']} interleaved rounds, median ratio to eager with the middle "
+        f"half; load average {min(loads):.1f}..{max(loads):.1f}), Python calls per step, and the "
+        f"exact peak and retained bytes at a realistic size ({sizes}). `floor`: one minimal "
+        "autograd Function per op slimgrad converts (`floor_direct`: applied without "
+        "`Function.apply`'s Python wrapper, as slimgrad's ops are); `*_ckpt`: per-block "
+        "checkpointing; `slimgrad, K at floor*`: kind K at that floor, the rest converted. "
+        "Latest record "
+        f"{_commit(rec)} {_date(rec)}; the time ratio of each of the {len(recs)} full records, "
+        "oldest first.",
+        "",
+        *_table(
+            [
+                "model",
+                "variant",
+                "time ratio (each record)",
+                "middle half (latest)",
+                "Python calls",
+                "peak MiB",
+                "retained MiB",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
 def compile_section() -> list[str]:
     latest: dict[tuple, dict] = {}
     for rec in _records("compile_step"):
@@ -559,6 +623,7 @@ def benchmarks_page() -> str:
         *harness_section(harness_recs),
         *gpu_check_section(),
         *checkpointing_section(),
+        *host_floor_section(),
         *compile_section(),
         *step_in_backward_section(),
         *kernels_section(),

@@ -48,7 +48,7 @@ VALUE_DEPENDENT_BUILD = {"timm_convnext_tiny", "timm_regnety_016", "timm_vit_sma
 UPPER_BOUND = {"hf_bert"}
 
 #: cases made of time and op counts only, with no eager/slimgrad pair to estimate
-NO_PAIR = {"host_overhead"}
+NO_PAIR = {"host_overhead", "host_floor"}
 CASES = [c for c in list_cases() if not c.missing() and c.name not in NO_PAIR]
 
 
