@@ -108,3 +108,49 @@ def test_compiling_is_one_frame_and_a_dynamo_constant():
         torch.testing.assert_close(g(x), torch.ones(3))
     assert len(frames) == 1
     torch.testing.assert_close(f(x), -torch.ones(3))
+
+
+def test_ctx_fields_save_and_mark_as_the_methods():
+    # NOTE [Saving through ctx's fields]: assigning to_save, non_differentiable and
+    # materialize_grads does what save_for_backward, mark_non_differentiable and
+    # set_materialize_grads do: the same saved tensors through saved-tensor hooks, the same
+    # non-differentiable output, None for a gradient that was not materialized
+    from slimgrad._autograd import CTX_FIELDS
+
+    assert CTX_FIELDS  # torch 2.13 has the three fields
+
+    class _Two(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fields):
+            y, m = x * 2, x.detach() + 1
+            if fields:
+                ctx.to_save, ctx.non_differentiable, ctx.materialize_grads = (x,), (m,), False
+            else:
+                ctx.save_for_backward(x)
+                ctx.mark_non_differentiable(m)
+                ctx.set_materialize_grads(False)
+            return y, m
+
+        @staticmethod
+        def backward(ctx, gy, gm):
+            _Two.unmaterialized.append(gm is None)
+            (x,) = ctx.saved_tensors
+            return gy * x, None
+
+    _Two.unmaterialized = []
+    results = []
+    for fields in (False, True):
+        packed = []
+        x = torch.randn(4, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, packed=packed: (packed.append(t), t)[1], lambda t: t
+        ):
+            y, m = _Two.apply(x, fields)
+        assert not m.requires_grad
+        y.sum().backward()
+        results.append((len(packed), packed[0] is x, x.grad.clone(), x.detach().clone()))
+    (n0, same0, g0, x0), (n1, same1, g1, x1) = results
+    assert (n0, same0) == (n1, same1) == (1, True)
+    assert _Two.unmaterialized == [True, True]
+    torch.testing.assert_close(g0, x0)
+    torch.testing.assert_close(g1, x1)

@@ -49,6 +49,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "CTX_FIELDS",
     "compiling",
     "direct_apply",
     "eager_op",
@@ -183,6 +184,21 @@ def compiling() -> bool:
 
 compiling._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
+
+# NOTE [Saving through ctx's fields]
+# ``ctx.save_for_backward(*t)``, ``ctx.mark_non_differentiable(*t)`` and
+# ``ctx.set_materialize_grads(v)`` are Python methods whose whole work is one assignment to a field
+# of torch's C ``_FunctionBase`` (``to_save``, ``non_differentiable``, ``materialize_grads``), which
+# the C ``apply`` reads when the forward returns: saved-tensor hooks, version checks and output
+# wrapping happen there, not in the methods. A forward on an op's straight path (NOTE [One gate
+# per call] in slimgrad/_library.py: eager, not traced) assigns the fields itself, one Python call
+# fewer each. While Dynamo traces a forward it intercepts the method calls (not the fields), so
+# every other path keeps calling them. :data:`CTX_FIELDS` is whether this torch has the three
+# fields (read once at import); without them the straight paths call the methods too.
+CTX_FIELDS = all(
+    type(torch._C._FunctionBase.__dict__.get(name)).__name__ == "getset_descriptor"
+    for name in ("to_save", "non_differentiable", "materialize_grads")
+)
 
 #: ``torch._C._functorch.unwrap_if_dead``: what ``Function.apply`` does to each tensor argument.
 unwrap_if_dead = torch._C._functorch.unwrap_if_dead

@@ -368,62 +368,6 @@ def _roots(scaling, head: int) -> tuple[float, float]:
     return r
 
 
-def _straight_attention(module, query, key, value, dropout, scaling, is_causal, kwargs):
-    # NOTE [HF attention's straight path]: the output, or None for the general path
-    d = module.__dict__
-    if "num_key_value_groups" in d:
-        groups = d["num_key_value_groups"]
-    elif (
-        "num_key_value_groups" in d["_parameters"]
-        or "num_key_value_groups" in d["_buffers"]
-        or "num_key_value_groups" in d["_modules"]
-    ):
-        return None
-    else:
-        groups = getattr(type(module), "num_key_value_groups", 1)
-    b, h, q_len, head = query.shape
-    if (
-        groups != 1
-        or type(groups) is not int
-        or key.shape[:2] != (b, h)
-        or value.shape[:2] != (b, h)
-    ):
-        return None
-    if kwargs:
-        if "position_bias" in kwargs and kwargs["position_bias"] is not None:
-            return None
-        fn = _HF_SDPA[0].sdpa_attention_forward
-        unimplemented = _UNIMPLEMENTED[1] if _UNIMPLEMENTED[0] is fn else _sdpa_unimplemented()
-        for name in unimplemented:
-            if name in kwargs:
-                v = kwargs[name]
-                if v is not None and v is not False:  # _is_set
-                    return None
-    if is_causal is None:
-        is_causal = d["is_causal"] if "is_causal" in d else getattr(module, "is_causal", True)
-    is_causal = bool(q_len > 1 and is_causal)
-    if is_causal and key.shape[2] > q_len:  # as sdpa_attention_forward: upper-left causal
-        key, value = key[:, :, :q_len, :], value[:, :, :q_len, :]
-    rk = (scaling, head)
-    _, root = _ROOTS[rk] if rk in _ROOTS else _roots(scaling, head)
-    # q * root and k^T * root are fresh products (a dead functorch wrapper's product is plain),
-    # folded to (B·H, T, d) as torch.matmul folds them: the same operands for the op's bmm calls
-    # (NOTE [Attention matmuls as bmm] in ops/softmax_dropout.py)
-    bh, kv_len = b * h, key.shape[2]
-    out = _sdm._SSDM_APPLY(
-        (query * root).reshape(bh, q_len, head),
-        (key.transpose(-2, -1) * root).reshape(bh, head, kv_len),
-        unwrap_if_dead(value.contiguous()).view(bh, kv_len, value.shape[3]),
-        dropout,
-        query.dtype,
-        is_causal,
-        None,
-        True,
-        True,
-    )
-    return out.view(b, h, q_len, out.shape[2]).transpose(1, 2).contiguous(), None
-
-
 def _attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -459,9 +403,68 @@ def _attention(
         and straight()
         and device_rule._STANDS_FOR.get() is None
     ):
-        out = _straight_attention(module, query, key, value, dropout, scaling, is_causal, kwargs)
-        if out is not None:
-            return out
+        # the straight path's steps in this frame: the output, or on to the general path
+        d = module.__dict__
+        if "num_key_value_groups" in d:
+            groups = d["num_key_value_groups"]
+        elif (
+            "num_key_value_groups" in d["_parameters"]
+            or "num_key_value_groups" in d["_buffers"]
+            or "num_key_value_groups" in d["_modules"]
+        ):
+            groups = None
+        else:
+            groups = getattr(type(module), "num_key_value_groups", 1)
+        b, h, q_len, head = query.shape
+        ok = (
+            groups == 1
+            and type(groups) is int
+            and key.shape[:2] == (b, h)
+            and value.shape[:2] == (b, h)
+        )
+        if ok and kwargs:  # a keyword the straight path does not implement refuses it
+            if "position_bias" in kwargs and kwargs["position_bias"] is not None:
+                ok = False
+            else:
+                fn = _HF_SDPA[0].sdpa_attention_forward
+                unimplemented = (
+                    _UNIMPLEMENTED[1] if _UNIMPLEMENTED[0] is fn else _sdpa_unimplemented()
+                )
+                for name in unimplemented:
+                    if name in kwargs:
+                        v = kwargs[name]
+                        if v is not None and v is not False:  # _is_set
+                            ok = False
+                            break
+        if ok:
+            if is_causal is None:
+                is_causal = (
+                    d["is_causal"] if "is_causal" in d else getattr(module, "is_causal", True)
+                )
+            is_causal = bool(q_len > 1 and is_causal)
+            if is_causal and key.shape[2] > q_len:  # as sdpa_attention_forward: upper-left causal
+                key, value = key[:, :, :q_len, :], value[:, :, :q_len, :]
+            rk = (scaling, head)
+            _, root = _ROOTS[rk] if rk in _ROOTS else _roots(scaling, head)
+            # q * root and k^T * root are fresh products (a dead functorch wrapper's product is
+            # plain), folded to (B·H, T, d) as torch.matmul folds them: the same operands for the
+            # op's bmm calls (NOTE [Attention matmuls as bmm] in ops/softmax_dropout.py)
+            bh, kv_len = b * h, key.shape[2]
+            vc = value.contiguous()  # a copy is plain too; value itself may be a dead wrapper
+            if vc is value:
+                vc = unwrap_if_dead(vc)
+            out = _sdm._SSDM_APPLY(
+                (query * root).reshape(bh, q_len, head),
+                (key.mT * root).reshape(bh, head, kv_len),  # mT: transpose(-2, -1), no call
+                vc.view(bh, kv_len, value.shape[3]),
+                dropout,
+                query.dtype,
+                is_causal,
+                None,
+                True,
+                True,
+            )
+            return out.view(b, h, q_len, out.shape[2]).transpose(1, 2).contiguous(), None
     hf_sdpa = _HF_SDPA[0] if _HF_SDPA else _hf_sdpa()
     if not _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs):
         return hf_sdpa.sdpa_attention_forward(

@@ -6,16 +6,27 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from slimgrad._autograd import unwrap_if_dead
 from slimgrad._library import straight
+from slimgrad.kernels import _backend
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.layer_norm import HALF_DTYPES, _layer_norm_straight, layer_norm
+from slimgrad.ops.layer_norm import (
+    _ANCHOR_APPLY,
+    _LN_APPLY,
+    _NO_TRITON,
+    _TORCH,
+    HALF_DTYPES,
+    layer_norm,
+)
 
 __all__ = ["LayerNorm"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _any_autocast = torch._C._is_any_autocast_enabled
+_grad_on = torch._C.is_grad_enabled
+_Parameter = torch.nn.Parameter
 
 
 class LayerNorm(NoScript, torch.nn.LayerNorm):
@@ -53,7 +64,24 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
             c = d["_slimgrad_ns"] if "_slimgrad_ns" in d else None
             if c is None or c[0] is not ns:
                 c = d["_slimgrad_ns"] = (ns, [int(s) for s in ns])
-            return _layer_norm_straight(input, c[1], w, b, self.eps)
+            # ops.layer_norm's _layer_norm_straight, without its frame
+            x = unwrap_if_dead(input)
+            anchor = None
+            if input.requires_grad and _grad_on():  # make_anchor's eager case
+                box: list = []
+                anchor = _ANCHOR_APPLY(x, box), box
+            if type(w) is not _Parameter and w is not None:
+                w = unwrap_if_dead(w)
+            if type(b) is not _Parameter and b is not None:
+                b = unwrap_if_dead(b)
+            # the PyTorch forward where use_triton cannot answer True (NOTE [Kernel backend
+            # choice])
+            backend = _backend._resolved[0] or _backend.get_backend()
+            direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else True
+            y = _LN_APPLY(x, c[1], w, b, float(self.eps), direct)[0]
+            if anchor is not None and y.grad_fn is not None:  # attach_anchor
+                y.grad_fn._slimgrad_anchor = anchor
+            return y
         return layer_norm(input, ns, w, b, self.eps)
 
     @classmethod

@@ -35,6 +35,7 @@ import torch
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    CTX_FIELDS,
     compiling,
     direct_apply,
     first_order,
@@ -297,7 +298,8 @@ _grad_on = torch._C.is_grad_enabled
 
 
 def _straight_c(x: torch.Tensor, p: float):
-    # NOTE [Dropout's straight path]: on a gated path, the C kernels for x read from the tables
+    # NOTE [Dropout's straight path] (_DropoutFn.forward has these steps inline; the scores op
+    # calls this): on a gated path, the C kernels for x read from the tables
     # use_cpu fills (not chosen, or not built yet: None, and the general path then builds them);
     # where they take x, eager's draw, then pack + x * noise in one C pass into the noise:
     # (out, bits, numel, the library)
@@ -315,7 +317,9 @@ def _straight_c(x: torch.Tensor, p: float):
     if lib is None:
         return None
     out = torch.empty_like(x).bernoulli_(1 - p)
-    n = x.numel()
+    n = 1
+    for s in x.shape:  # x.numel(), a few ints multiplied without a call
+        n *= s
     bits = torch.empty((n + 7) // 8, dtype=_U8)  # packed_numel(n)
     key = (p, _F32, x.device)
     scale = _SCALES[key] if key in _SCALES else _scale(p, x)
@@ -349,11 +353,37 @@ class _DropoutFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, p: float, direct: bool = False):
         ctx.p, ctx.lib = p, None
         if direct:
-            r = _straight_c(x, p)  # NOTE [Dropout's straight path]
-            if r is not None:
-                out, bits, ctx.n, ctx.lib = r
-                ctx.k, ctx.fused = None, False
-                ctx.save_for_backward(bits)
+            # NOTE [Dropout's straight path]: _straight_c, inline (one frame fewer)
+            b, cpu = _backend._resolved[0], _backend._cpu_module[0]
+            lib = (
+                cpu._libs[C_STEM]
+                if (b == "auto" or b == "cpu")
+                and x.is_cpu
+                and x.dtype is _F32
+                and cpu is not None
+                and C_STEM in cpu._libs
+                and x.is_contiguous()
+                else None
+            )
+            if lib is not None:
+                out = torch.empty_like(x).bernoulli_(1 - p)
+                n = 1
+                for s in x.shape:  # x.numel(), a few ints multiplied without a call
+                    n *= s
+                bits = torch.empty((n + 7) // 8, dtype=_U8)  # packed_numel(n)
+                key = (p, _F32, x.device)
+                scale = _SCALES[key] if key in _SCALES else _scale(p, x)
+                try:  # the bound C functions (_c_fns), an attribute once bound
+                    fns = lib._slimgrad_fns
+                except AttributeError:
+                    fns = _c_fns(lib)
+                ptr = out.data_ptr()
+                fns["fwd"](ptr, x.data_ptr(), ptr, bits.data_ptr(), n, scale, _nthreads())
+                ctx.n, ctx.lib, ctx.k, ctx.fused = n, lib, None, False
+                if CTX_FIELDS:  # NOTE [Saving through ctx's fields] in slimgrad/_autograd.py
+                    ctx.to_save = (bits,)
+                else:
+                    ctx.save_for_backward(bits)
                 return out
             # _kernels(x): only a forced 'triton' picks the kernels (auto=False)
             k = None if _backend._resolved[0] == "auto" else _kernels(x)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    CTX_FIELDS,
     compiling,
     direct_apply,
     first_order,
@@ -197,8 +198,14 @@ def _bwd_cpu(
         out = torch.empty_like(y)
         out.copy_(dy)
         dy = out
-    d = math.prod(normalized_shape)
-    n = y.numel() // (d if d > 1 else 1)
+    # d = math.prod(normalized_shape), n = y.numel() // d: a few ints, multiplied without a call
+    d = 1
+    for s in normalized_shape:
+        d *= s
+    n = 1
+    for s in y.shape:
+        n *= s
+    n //= d if d > 1 else 1
     need_dx, need_dw = bool(output_mask[0]), weight is not None and bool(output_mask[1])
     need_db = bias is not None and bool(output_mask[2])
     nt = torch.get_num_threads()  # kernels/_cpu.threads(): torch's count, never below 1
@@ -603,6 +610,10 @@ class _LayerNormFn(torch.autograd.Function):
             if not compiling() and type(k) is int and k == 0:
                 idx = None
         if idx is None:
+            if direct is _TORCH and CTX_FIELDS:  # NOTE [Saving through ctx's fields]
+                ctx.to_save = (y, mean, rstd, None, None, weight, bias)
+                ctx.non_differentiable = (mean, rstd)
+                return y, mean, rstd
             ctx.save_for_backward(y, mean, rstd, None, None, weight, bias)
             ctx.mark_non_differentiable(mean, rstd)
             return y, mean, rstd

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    CTX_FIELDS,
     compiling,
     direct_apply,
     first_order,
@@ -512,6 +513,10 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         ctx.p, ctx.mm_dtype, ctx.causal = p, mm_dtype, causal
         ctx.fused = q.device.type != "cpu"  # _dropout._fused(q)
         ctx.v_dtype, ctx.v_shape = v.dtype, v.shape
+        if direct and CTX_FIELDS:  # NOTE [Saving through ctx's fields] in slimgrad/_autograd.py
+            ctx.to_save = (q, k_t, v, bits, mask)
+            ctx.materialize_grads = False
+            return out
         ctx.save_for_backward(q, k_t, v, bits, mask)
         ctx.set_materialize_grads(False)
         return out
@@ -537,7 +542,43 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         )
         lib = ctx.lib if plain else None  # the forward's C kernels
         if ctx.bmm and lib is not None:
-            return _straight_bwd(ctx, d_out, q, k_t, v, bits, lib, need_q, need_k, need_v)
+            # where forward and backward ran straight on HF's folded CPU operands with the dropout
+            # C kernels (ctx.bmm, ctx.lib): _softmax_fwd's and _bwd_torch's steps for that case
+            # (p > 0, one dtype, contiguous bmm results, P owned: dS first, then D rebuilt in P's
+            # buffer for dV), the same ops on the same tensors, in this frame
+            s = torch.bmm(q, k_t)
+            if ctx.causal:
+                key = (s.shape[1], s.shape[2], s.device)
+                s = s.masked_fill(
+                    _CAUSAL[key] if key in _CAUSAL else _causal_mask(*key), float("-inf")
+                )
+            probs = torch._softmax(s, -1, False, out=s)  # the forward's P
+            del s
+            p, n = ctx.p, ctx.n
+            # _dropout._c_bwd's C pass (g * m) * s into g, inline: its scale, bound function, bits
+            # pointer and thread count read once for both uses (one device, dtype and thread)
+            key = (p, _dropout._F32, probs.device)  # the C kernels' dtype
+            scale = _dropout._SCALES[key] if key in _dropout._SCALES else _dropout._scale(p, probs)
+            try:  # the bound C functions, an attribute once bound (_dropout._c_fns)
+                c_bwd = lib._slimgrad_fns["bwd"]
+            except AttributeError:
+                c_bwd = _dropout._c_fns(lib)["bwd"]
+            bits_ptr, nthreads = bits.data_ptr(), _dropout._nthreads()
+            ds = dv = None
+            if need_q or need_k:
+                dp = torch.bmm(d_out, v.mT)
+                ptr = dp.data_ptr()
+                c_bwd(ptr, bits_ptr, ptr, n, scale, nthreads)
+                ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype, grad_input=dp)
+                del dp
+            if need_v:
+                ptr = probs.data_ptr()
+                c_bwd(ptr, bits_ptr, ptr, n, scale, nthreads)
+                dv = torch.bmm(probs.mT, d_out)
+            del probs
+            dq = torch.bmm(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
+            dk = torch.bmm(q.mT, ds) if need_k else None
+            return dq, dk, dv, None, None, None, None, None, None
         probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask, plain)  # the forward's P
         # P is this backward's own temporary: D for dV is rebuilt in its buffer after dS
         ds, dv = _bwd_torch(
@@ -562,44 +603,6 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
         if dv is not None and dv.dtype != ctx.v_dtype:
             dv = dv.to(ctx.v_dtype)
         return dq, dk, dv, None, None, None, None, None, None
-
-
-def _straight_bwd(ctx, d_out, q, k_t, v, bits, lib, need_q, need_k, need_v):
-    # The scores op's backward where forward and backward ran straight on HF's folded CPU
-    # operands with the dropout C kernels (ctx.bmm, ctx.lib): _softmax_fwd's and _bwd_torch's
-    # steps for that case (p > 0, one dtype, contiguous bmm results, P owned: dS first, then D
-    # rebuilt in P's buffer for dV), the same ops on the same tensors in one frame.
-    s = torch.bmm(q, k_t)
-    if ctx.causal:
-        key = (s.shape[1], s.shape[2], s.device)
-        s = s.masked_fill(_CAUSAL[key] if key in _CAUSAL else _causal_mask(*key), float("-inf"))
-    probs = torch._softmax(s, -1, False, out=s)  # the forward's P
-    del s
-    p, n = ctx.p, ctx.n
-    # _dropout._c_bwd's C pass (g * m) * s into g, inline: its scale, bound function, bits pointer
-    # and thread count read once for both uses (the same for both: one device, dtype and thread)
-    key = (p, _dropout._F32, probs.device)  # the C kernels' dtype
-    scale = _dropout._SCALES[key] if key in _dropout._SCALES else _dropout._scale(p, probs)
-    try:  # the bound C functions, an attribute once bound (_dropout._c_fns)
-        c_bwd = lib._slimgrad_fns["bwd"]
-    except AttributeError:
-        c_bwd = _dropout._c_fns(lib)["bwd"]
-    bits_ptr, nthreads = bits.data_ptr(), _dropout._nthreads()
-    ds = dv = None
-    if need_q or need_k:
-        dp = torch.bmm(d_out, v.mT)
-        ptr = dp.data_ptr()
-        c_bwd(ptr, bits_ptr, ptr, n, scale, nthreads)
-        ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype, grad_input=dp)
-        del dp
-    if need_v:
-        ptr = probs.data_ptr()
-        c_bwd(ptr, bits_ptr, ptr, n, scale, nthreads)
-        dv = torch.bmm(probs.mT, d_out)
-    del probs
-    dq = torch.bmm(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
-    dk = torch.bmm(q.mT, ds) if need_k else None
-    return dq, dk, dv, None, None, None, None, None, None
 
 
 _SSDM_APPLY = direct_apply(_ScoresSoftmaxDropoutMatmulFn)
