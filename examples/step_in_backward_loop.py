@@ -4,8 +4,9 @@ Trains a converted tiny HF GPT-2 for a few steps twice from the same weights and
 loop (``loss.backward(); opt.step(); opt.zero_grad()``) and the same loop with the handle that
 ``step_in_backward`` returns in place of the optimizer. Asserts the parameters are bit for bit the
 same after every step, and that a steady step's peak (``slimgrad.memory.measure`` over the whole
-step: forward, backward and the optimizer's step; the optimizer state already made) is below the
-plain loop's: no step holds every gradient at once.
+step: forward, backward and the optimizer's step; the optimizer state already made; the same
+dropout masks, loss and parameters after it on both sides) is below the plain loop's: no step
+holds every gradient at once.
 
 Run: ``python examples/step_in_backward_loop.py [--steps 3]`` (seconds on CPU; needs the ``[hf]``
 extra).
@@ -67,16 +68,23 @@ def main() -> None:
     ids = batches[steps]
 
     def measured(model, opt):
+        losses = []
+
         def whole_step():  # forward, backward and the optimizer's step, all under the tracker
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
-            return loss.detach()
+            losses.append(loss.detach())
+            return losses[-1]
 
-        return memory.measure(whole_step, backward=False, timeline=False).peak_bytes
+        torch.manual_seed(100 + steps)  # the same dropout masks on both sides here too
+        return memory.measure(whole_step, backward=False, timeline=False).peak_bytes, losses[0]
 
-    peak_plain, peak_sib = measured(plain, popt), measured(sib, sopt)
+    (peak_plain, a), (peak_sib, b) = measured(plain, popt), measured(sib, sopt)
+    assert torch.equal(a, b), (a.item(), b.item())  # the same step on both sides
+    for (name, x), y in zip(plain.named_parameters(), sib.parameters(), strict=True):
+        assert torch.equal(x, y), f"measured step: {name} differs"
     assert peak_sib < peak_plain, (peak_sib, peak_plain)
     print(f"step_in_backward: {steps} steps bit-identical to the plain loop; step peak "
           f"{peak_sib / 2**20:.2f} MiB vs {peak_plain / 2**20:.2f} MiB")  # fmt: skip

@@ -22,10 +22,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_bits", "packed_numel", "unpack_bits", "unpack_bits_as"]
+__all__ = [
+    "pack_bits",
+    "pack_nonzero",
+    "packed_numel",
+    "unpack_bits",
+    "unpack_bits_as",
+    "unpack_mask",
+]
 
 PACK_MUL = 0x0102040810204080
 _SPREAD: dict[torch.device, torch.Tensor] = {}
+_SHIFTS: dict[torch.device, torch.Tensor] = {}  # unpack_mask's 0..7 (uint8), per device
 
 
 def packed_numel(numel: int) -> int:
@@ -83,11 +91,49 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def pack_nonzero(t: torch.Tensor) -> torch.Tensor:
+    """``pack_bits(t != 0)`` with one temporary: the bool mask, ``t.numel()`` rounded up to 8
+    bytes, packed in place (NOTE [Bit packing with one multiply]) and then read out as the
+    ``ceil(numel / 8)`` packed bytes. ``pack_bits(t != 0)`` holds the bool mask and an int64 per
+    8 elements (2 B per element, as many as eager's float16 dropout output) and a few padded
+    copies for a tail of fewer than 8 elements.
+
+    Args:
+        t: a tensor of any shape, strides and dtype; its elements are taken in logical (row-major)
+            order.
+
+    Returns:
+        1-D uint8 tensor of ``ceil(t.numel() / 8)`` bytes, the layout of :func:`pack_bits`.
+    """
+    n = t.numel()
+    m = torch.empty(-(-n // 8) * 8, dtype=torch.bool, device=t.device)
+    if m.shape[0] > n:
+        m[n:].zero_()  # padding bits are 0
+    torch.ne(t, 0, out=m[:n].view(t.shape))
+    q = m.view(torch.uint8).view(torch.int64)
+    q.mul_(PACK_MUL).bitwise_right_shift_(56).bitwise_and_(0xFF)
+    return q.to(torch.uint8)
+
+
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: a 1-D bool tensor of ``numel`` elements (one temporary byte
     per element)."""
     spread = _spread(packed.device, packed).index_select(0, packed.to(torch.int32))
     return spread.view(torch.uint8)[:numel].view(torch.bool)
+
+
+def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """:func:`unpack_bits` with one temporary, the mask itself (``numel`` rounded up to 8 bytes):
+    each packed byte shifted right by 0..7 into its 8 mask bytes, then ``& 1`` in place, where
+    :func:`unpack_bits` also holds an int32 copy of the packed bytes (4 B per 8 elements) and
+    selects 8-byte table rows (the mask's bytes as int64)."""
+    sh = _SHIFTS.get(packed.device) if _cacheable(packed) else None
+    if sh is None:
+        sh = torch.arange(8, dtype=torch.uint8, device=packed.device)
+        if _cacheable(packed) and _cacheable(sh):
+            _SHIFTS[packed.device] = sh
+    m = torch.bitwise_right_shift(packed.unsqueeze(1), sh).bitwise_and_(1)
+    return m.view(-1)[:numel].view(torch.bool)
 
 
 def unpack_bits_as(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

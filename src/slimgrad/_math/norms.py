@@ -399,7 +399,7 @@ def layer_norm_bwd_torch(
             xh.index_copy_(1, idx, (xside[sl].to(acc) - mu[sl]) * r[sl])
         dyc = dy2[sl].to(acc)
         if need_dw:
-            s = (dyc * xh).sum(0, dtype=torch.float64)
+            s = xh.to(torch.float64, copy=True).mul_(dyc).sum(0)  # exact float32 products
             dw = s if dw is None else dw.add_(s)
             del s
         if need_dx:

@@ -5,7 +5,9 @@ drawn per element; ``dx = dy * m / (1 - p)``. ``p == 0`` or ``training=False`` r
 ``p == 1`` returns ``x * 0`` (NaN where x is inf/NaN, as eager).
 
 Memory: saves the mask bit-packed, 1/8 B/elt (uint8, ``ceil(n / 8)`` bytes); eager saves a float
-mask of the input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUDA.
+mask of the input's dtype on CPU (4 B/elt fp32) and a bool mask (1 B/elt) on CUDA. A CPU tensor
+too small for the packed mask to save bytes (at most 4 half-precision elements outside the C
+kernel: NOTE [Dropout's mask temporaries]) keeps eager's float mask.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 While Dynamo traces, ``inplace=True`` runs the in-place Function on a copy and writes the result
@@ -47,7 +49,7 @@ from slimgrad._library import custom_op, straight
 from slimgrad._math.dropout import _SCALES, noise_scale, noise_scale_value
 from slimgrad.kernels import _backend
 from slimgrad.ops import _bits
-from slimgrad.ops._bits import pack_bits, packed_numel
+from slimgrad.ops._bits import pack_bits, pack_nonzero, packed_numel
 
 __all__ = ["dropout", "dropout_", "pack_bits", "unpack_bits"]
 
@@ -139,6 +141,23 @@ def _fused(x: torch.Tensor) -> bool:
     return x.device.type != "cpu"
 
 
+# NOTE [Dropout's mask temporaries]
+# Outside the C kernel (every dtype but contiguous float32 on CPU, or no compiler) the mask is
+# packed from eager's noise with one temporary, the mask bytes packed in place (_bits.pack_nonzero,
+# ceil(n / 8) * 8 B), and unpacked in backward into one (_bits.unpack_mask, the same size): at most
+# 9 B per 8 elements beside the tensors eager holds too, against eager's noise (the output's
+# bytes in forward, the saved noise in backward). Where those 9 * ceil(n / 8) B exceed the
+# noise's n * itemsize B (at most 4 half-precision elements, 2 float32, 1 float64) the packed
+# mask cannot save anything: there the op keeps eager's noise itself (``_keeps_noise``, from
+# numel, dtype and device) and its backward is eager's ``dy * noise``. Before, packing held the
+# bool mask and an int64 per 8 elements (2 B/elt) plus padded copies of the tail, unpacking an
+# int32 copy and 8-byte table rows: a bfloat16 Linear -> Dropout step peaked at 54 B against
+# eager's 40 at (2, 3) and at 392 against 388 at (8, 8) (now 40 and 328).
+def _keeps_noise(x: torch.Tensor) -> bool:
+    n = x.numel()
+    return x.device.type == "cpu" and 9 * ((n + 7) // 8) > n * x.element_size()
+
+
 def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     if x.device.type != "cpu":  # _fused(x): eager's CUDA path
         out, mask = torch.native_dropout(x, p, True)
@@ -152,7 +171,9 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
         return noise, _c_fwd(lib, noise, x, noise, p)
     if _fake_c(x):  # NOTE [Fake tensors model the C kernel]
         return noise, x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8)
-    bits = pack_bits(noise != 0)
+    if _keeps_noise(x):  # NOTE [Dropout's mask temporaries]: eager's op, its noise kept
+        return x * noise.div_(1 - p), noise
+    bits = pack_nonzero(noise)  # NOTE [Dropout's mask temporaries]
     # noise * x == x * noise bit for bit; writing it into noise spares eager's extra buffer
     return noise.div_(1 - p).mul_(x), bits
 
@@ -164,7 +185,10 @@ def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
         return _c_fwd(lib, noise, x, x, p)
     if _fake_c(x):  # NOTE [Fake tensors model the C kernel]
         return x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8)
-    bits = pack_bits(noise != 0)
+    if _keeps_noise(x):  # NOTE [Dropout's mask temporaries]: eager's op, its noise kept
+        x.mul_(noise.div_(1 - p))
+        return noise
+    bits = pack_nonzero(noise)  # NOTE [Dropout's mask temporaries]
     noise.div_(1 - p)
     x.mul_(noise)
     return bits
@@ -191,7 +215,9 @@ def _apply_mask_torch(
         return out
     if not fused and _fake_c(g):  # NOTE [Fake tensors model the C kernel]
         return g if inplace else torch.empty_like(g)
-    mask = unpack_bits(bits, g.shape)
+    if bits.dtype is not _U8:  # eager's noise (NOTE [Dropout's mask temporaries]): dy * noise
+        return g.mul_(bits) if inplace else g * bits
+    mask = _bits.unpack_mask(bits, g.numel()).view(g.shape)  # NOTE [Dropout's mask temporaries]
     if fused:
         if inplace:  # the same kernel, its result written into g
             return torch.ops.aten.native_dropout_backward.out(g, mask, 1.0 / (1 - p), out=g)
@@ -226,6 +252,8 @@ def _dropout_fwd(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]
 
 @_dropout_fwd.register_fake
 def _(x, p):
+    if _kernels(x) is None and not _fake_c(x) and _keeps_noise(x):  # _fwd_torch's choice
+        return torch.empty_like(x), torch.empty_like(x)
     return torch.empty_like(x), x.new_empty((_packed_numel(x.numel()),), dtype=torch.uint8)
 
 
@@ -237,6 +265,8 @@ def _dropout_fwd_(x: torch.Tensor, p: float) -> torch.Tensor:
 
 @_dropout_fwd_.register_fake
 def _(x, p):
+    if _kernels(x) is None and not _fake_c(x) and _keeps_noise(x):  # _fwd_inplace_torch's
+        return torch.empty_like(x)
     return x.new_empty((_packed_numel(x.numel()),), dtype=torch.uint8)
 
 
