@@ -18,7 +18,10 @@ two settings compiled with the same backend: ``eager`` (the model as built) and 
   parameters excluded, for the compiled model (``kept_bytes``) and the same model uncompiled
   (``kept_bytes_uncompiled``): exact, independent of the allocator (NOTE [slimgrad ops under
   torch.compile] in ``slimgrad/_compile.py``).
-- graph breaks: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compilation.
+- graph breaks: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compilation;
+  ``frames_compiled``: frames Dynamo compiled over the warm-up steps (a recompile adds one);
+  ``guards``: leaf guards of every compiled frame's cache entries (``guard_count``: torch's private
+  guard tree API; None where it is missing). Every compiled call checks its frame's guards.
 
 Models (random init, float32): HF GPT-2 and Llama, "tiny" (2 layers, width 64, vocab 512, 2 x 64
 tokens) and "small" (4 layers, width 128, vocab 2048, 4 x 128 tokens), as
@@ -97,6 +100,30 @@ def make_step(model, batch, backend):
     return step, losses, fwd
 
 
+def guard_count() -> int | None:
+    """Leaf guards over the cache entries of every frame Dynamo compiled (torch-private API)."""
+    try:
+        from torch._C._dynamo.guards import DictGuardManager
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return None
+
+    def leaves(mgr) -> int:
+        kids = list(mgr.get_child_managers())
+        if isinstance(mgr, DictGuardManager):
+            kids += [m for kv in mgr.get_key_value_managers().values() for m in kv if m]
+        return len(mgr.get_leaf_guards()) + sum(leaves(k) for k in kids)
+
+    n = 0
+    for ref in input_codes.seen:
+        code = ref()
+        for entry in _debug_get_cache_entry_list(code) if code is not None else ():
+            root = entry.guard_manager.root
+            n += leaves(root) + len(root.get_epilogue_lambda_guards())
+    return n
+
+
 def kept_bytes(model, fwd, batch) -> int:
     from slimgrad.memory import _storage, _walk_savers
 
@@ -116,7 +143,7 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
     conv = copy.deepcopy(model)
     slimgrad.convert_(conv)
     settings = {"eager": model, "slimgrad": conv}
-    made, breaks, kept = {}, {}, {}
+    made, breaks, kept, frames, guards = {}, {}, {}, {}, {}
     for name, m in settings.items():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -127,6 +154,8 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
             step()
         warm_s = time.perf_counter() - t0
         breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        frames[name] = torch._dynamo.utils.counters["frames"]["total"]
+        guards[name] = guard_count()
         torch.manual_seed(0)
         kept[name] = (kept_bytes(m, fwd, batch), kept_bytes(m, m, batch))
         made[name] = (step, losses, warm_s)
@@ -154,6 +183,8 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
                 ),
                 "dtype": "float32",
                 "graph_breaks": breaks[n],
+                "frames_compiled": frames[n],
+                "guards": guards[n],
                 "peak_bytes": peak_bytes(step),
                 "kept_bytes": k,
                 "kept_bytes_uncompiled": k_eager,
@@ -204,6 +235,7 @@ def main() -> None:
             for r in recs:
                 print(
                     f"{r['case']:28s} {r['provider']:9s} breaks {r['graph_breaks']:2d} "
+                    f"frames {r['frames_compiled']} guards {r['guards']} "
                     f"peak {r['peak_bytes'] / MiB:8.2f} MiB  kept {r['kept_bytes']} B "
                     f"(uncompiled {r['kept_bytes_uncompiled']} B)  "
                     f"step {r['step_ms_median']:8.2f} ms  "
