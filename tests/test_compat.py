@@ -114,6 +114,21 @@ def test_features_are_named_with_reasons():
         assert isinstance(f.on, bool) and f.detail
 
 
+def test_ctx_fields_feature_states_the_straight_paths_choice(monkeypatch):
+    # NOTE [Saving through ctx's fields]: whether the straight paths assign ctx's fields is a
+    # private-API choice, so `slimgrad env` and `report` name it with its reason
+    from slimgrad import _autograd
+
+    def feat():
+        return {f.name: f for f in _compat.features()}["direct ctx fields (straight paths)"]
+
+    assert feat().on is _autograd.CTX_FIELDS
+    monkeypatch.setattr(_autograd, "CTX_FIELDS", False)
+    off = feat()
+    assert not off.on and "save_for_backward" in off.detail
+    assert "direct ctx fields (straight paths)" in [f.name for f in _compat.features_off()]
+
+
 def test_env_lists_features_and_ranges():
     r = subprocess.run(
         [sys.executable, "-m", "slimgrad", "env", "--json"], capture_output=True, text=True

@@ -209,6 +209,20 @@ def _keep_graph() -> Feature:
     )
 
 
+def _ctx_fields() -> Feature:
+    from slimgrad import _autograd
+
+    on = _autograd.CTX_FIELDS  # NOTE [Saving through ctx's fields] in slimgrad/_autograd.py
+    return Feature(
+        "direct ctx fields (straight paths)",
+        on,
+        "torch._C._FunctionBase has to_save, non_differentiable, materialize_grads"
+        if on
+        else "torch._C._FunctionBase lacks to_save/non_differentiable/materialize_grads: the "
+        "straight paths call save_for_backward and its siblings (one Python call more each)",
+    )
+
+
 def _dense_check() -> Feature:
     ok = _prims_dense is not None
     return Feature(
@@ -226,6 +240,7 @@ _FEATURES: tuple[Callable[[], Feature], ...] = (
     _numpy,
     _transformers,
     _keep_graph,
+    _ctx_fields,
     _dense_check,
 )
 
