@@ -31,10 +31,10 @@ Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad ac
 the output, in which case it keeps the output b instead; b is also what the activation and the next
 slimgrad conv keep (NOTE [Derived saved inputs] in ``ops/_derived.py``), so a BN → ReLU → Conv block
 keeps one full-size tensor (eager: two, x and relu(b)), plus O(C) statistics. When x is the output
-of a slimgrad 1x1 conv that keeps its own input (and is not a channel-reducing projection of a
-squeeze-excite output), the BatchNorm keeps a recipe instead of x (0 bytes;
-the conv is re-run in backward: NOTE [Recomputable inputs]; any conv with
-``recompute_input="always"``). Eval: nothing full-size when γ and β need
+of a slimgrad 1x1 conv that keeps its own input, does not reduce the channels (C_in <= C_out:
+NOTE [Which convs the default replays]) and does not read a squeeze-excite output, the BatchNorm
+keeps a recipe instead of x (0 bytes; the conv is re-run in backward: NOTE [Recomputable
+inputs]; any conv with ``recompute_input="always"``). Eval: nothing full-size when γ and β need
 no gradient (eager keeps x), else x (or its recipe). Under autocast (a bf16/fp16 output b with fp32
 γ, β or statistics) the BatchNorm keeps x (or its recipe), never b: x rebuilt as (b - β)/γ from the
 rounded b put dγ and the input conv's dbias past the error rule (up to 1.7x its bound), where eager
@@ -903,9 +903,9 @@ def batch_norm(
         eps: added to the variance.
         recompute_input: where x is the output of a slimgrad conv that keeps its own input, keep
             how to recompute x instead of x and re-run that conv in backward (NOTE [Recomputable
-            inputs]): ``"pointwise"`` (default) when that conv is 1x1 and not a channel-reducing
-            projection of a squeeze-excite output, ``"always"``, or ``"never"`` (keep x; no
-            extra compute).
+            inputs]): ``"pointwise"`` (default) when that conv is 1x1, does not reduce the
+            channels (C_in <= C_out: NOTE [Which convs the default replays]) and does not read a
+            squeeze-excite output, ``"always"``, or ``"never"`` (keep x; no extra compute).
 
     Returns:
         The normalised tensor, same shape, dtype and memory format as ``input``.
