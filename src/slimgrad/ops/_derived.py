@@ -98,8 +98,8 @@ keeps the old default's bytes and replays there; at 32 it drops the 12 conv1 rep
 per step): 0.62x of the replayed FLOPs for 7% more saved bytes (147,456) and the same peak. A
 bound on C_in (a FLOPs budget, taking the best bytes per FLOP first) would also drop layer4's
 conv3 and the deep downsample convs at 224, where they free the fewest bytes: up to +19 MB
-saved and +6 MB peak (C_in <= 256) for 2.5 fewer points of the step's FLOPs. The step times of
-these rules are in ``docs/measurements.md``.
+saved and +6 MB peak (C_in <= 256) for 2.5 fewer points of the step's FLOPs. What the replays
+cost in step time: NOTE [What a replayed input costs] in ``ops/batch_norm.py``.
 
 # NOTE [Rebuilt once per backward]
 Several nodes may rebuild the same tensor from one kept base b in one backward: in an

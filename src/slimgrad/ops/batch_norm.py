@@ -1077,17 +1077,19 @@ def _batch_norm(
 # NOTE [What a replayed input costs]
 # Keeping x's recipe instead of x (NOTE [Recomputable inputs] in ops/_derived.py) re-runs x's conv
 # in this op's backward: one more forward of that conv per step. In ResNet-50 the convs replayed by
-# default (each bottleneck's 1x1 conv3 and the 1x1 downsample convs) hold 28.9% of the forward's
-# conv multiply-adds at 224x224, about 9.6% of a forward + backward step's (backward about twice
-# forward). At the host-overhead proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs
-# run on 1 to 4 pixels per sample, bound by reading their weights, and conv1 is replayed too where
-# its BatchNorm sees few values per channel (NOTE [Few values per channel]): 32 replays per step.
-# Measured there (one thread, thread CPU time, median of interleaved eager / default / "never"
-# triples, on 2 shared cores): converted / eager 1.135 with the default policy and 1.003 with
-# recompute_input="never" on every BatchNorm (40 triples, load 9); 1.233 and 1.095 (60, load 16).
-# So that proxy's step-time gap is this replay, not host overhead; the replay is what keeps the
-# step's saved bytes at 2,154,068 (with "never": 3,448,404; eager 3,710,548). The default stays
-# "pointwise"; recompute_input="never" trades those bytes for eager's compute.
+# default (each bottleneck's 1x1 conv3 and the 1x1 downsample convs: those with C_in <= C_out,
+# NOTE [Which convs the default replays] in ops/_derived.py) hold 28.9% of the forward's conv
+# multiply-adds at 224x224, 8.86% of a forward + backward step's FLOPs. At the host-overhead
+# proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs run on 1 to 4 pixels per
+# sample, bound by reading their weights. When every 1x1 conv was replayed, conv1 was replayed too
+# where its BatchNorm sees few values per channel (NOTE [Few values per channel]): 32 replays per
+# step, 13.53% of its FLOPs; converted / eager step time (one thread, thread CPU time, median of
+# interleaved eager / default / "never" triples, on 2 shared cores) 1.135 with that default and
+# 1.003 with recompute_input="never" on every BatchNorm (40 triples, load 9); 1.233 and 1.095 (60,
+# load 16). So that proxy's step-time gap is this replay, not host overhead. The default now
+# replays 20 convs there (8.87% of the step's FLOPs), saved bytes 2,301,524 (all 1x1 convs:
+# 2,154,068; "never": 3,448,404; eager 3,710,548); recompute_input="never" trades those bytes
+# for eager's compute, "always" replays every conv that has a recipe.
 
 
 # NOTE [Arguments known to be plain]
