@@ -215,14 +215,30 @@ def test_low_precision_model_within_rule(dtype):
     assert_within_rule(res["ours"], res["ref"], res["eager"])
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_recompute_input_policy(k):
-    # conv -> BN -> (+1): the BN input is kept unless the policy allows re-running the conv.
+@pytest.mark.parametrize(
+    "k, c_in, c_out, groups, transposed",
+    [
+        (1, 3, 4, 1, False),
+        (3, 3, 4, 1, False),
+        (1, 4, 4, 1, False),  # keeps the width: replayed
+        (1, 8, 4, 1, False),  # reduces the channels: its BatchNorm keeps x
+        (1, 8, 4, 4, False),  # grouped, reducing (C_in / groups = 2 <= C_out, C_in > C_out)
+        (1, 4, 8, 2, False),  # grouped, expanding
+        (1, 8, 4, 1, True),
+        (1, 4, 8, 2, True),
+    ],
+)
+def test_recompute_input_policy(k, c_in, c_out, groups, transposed):
+    # conv -> BN -> (+1): the BN input is kept unless the policy allows re-running the conv; the
+    # default ("pointwise") replays a 1x1 conv that does not reduce the channels (NOTE [Which
+    # convs the default replays] in slimgrad/ops/_derived.py)
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Conv2d(3, 4, k, bias=False), nn.BatchNorm2d(4))
+    cls = nn.ConvTranspose2d if transposed else nn.Conv2d
+    ref = nn.Sequential(cls(c_in, c_out, k, groups=groups, bias=False), nn.BatchNorm2d(c_out))
     m = convert_cnn_(copy.deepcopy(ref))
-    x0 = torch.randn(2, 3, 9, 8)
-    full = 2 * 4 * (10 - k) * (9 - k) * 4
+    x0 = torch.randn(2, c_in, 9, 8)
+    h, w = (9 + k - 1, 8 + k - 1) if transposed else (10 - k, 9 - k)
+    full = 2 * c_out * h * w * 4
 
     def saved(policy):
         m[1].recompute_input = policy
@@ -230,7 +246,7 @@ def test_recompute_input_policy(k):
 
     always, never, pointwise = saved("always"), saved("never"), saved("pointwise")
     assert never - always == full
-    assert pointwise == (always if k == 1 else never)
+    assert pointwise == (always if k == 1 and c_in <= c_out else never)
     assert sbn.BatchNorm2d.recompute_input == "pointwise"  # the class default is unchanged
     m[1].recompute_input = "sometimes"
     with pytest.raises(ValueError, match="slimgrad.ops.batch_norm: recompute_input must be"):

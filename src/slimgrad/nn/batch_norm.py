@@ -15,11 +15,11 @@ activation applies the activation), so slicing a ``Sequential``, hooks and repla
 behave as in eager.
 
 Memory: BN → ReLU → Conv keeps the BN output only (4 B/elt fp32); eager keeps the BN input and the
-ReLU output (8 B/elt). A BN whose input comes from a slimgrad 1x1 conv and whose output is not
-followed by an activation (ResNet's bn3 and downsample BN) keeps no input: it re-runs the conv in
-backward (``recompute_input``: "pointwise" by default, "always", "never"; NOTE [Recomputable
-inputs]). Eval with frozen γ, β keeps nothing full-size
-(eager: the input).
+ReLU output (8 B/elt). A BN whose input comes from a slimgrad 1x1 conv that does not reduce the
+channels and whose output is not followed by an activation (ResNet's bn3 and downsample BN) keeps
+no input: it re-runs the conv in backward (``recompute_input``: "pointwise" by default, "always",
+"never"; NOTE [Recomputable inputs]). Eval with frozen γ, β keeps nothing full-size (eager: the
+input).
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ _SOURCES_D = _derived._SOURCES_D
 
 class _BatchNormMixin:
     #: Keep how to recompute the input (re-running the slimgrad conv that produced it) instead of
-    #: the input itself: "pointwise" (1x1 convs, not a channel-reducing projection of a
-    #: squeeze-excite output), "always" or "never"; set per instance.
+    #: the input itself: "pointwise" (1x1 convs with C_in <= C_out, not reading a squeeze-excite
+    #: output), "always" or "never"; set per instance.
     recompute_input: str = "pointwise"
 
     _ndims: tuple = ()  # the input ranks _check_input_dim accepts (it runs for any other)

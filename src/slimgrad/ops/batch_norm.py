@@ -31,10 +31,10 @@ Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad ac
 the output, in which case it keeps the output b instead; b is also what the activation and the next
 slimgrad conv keep (NOTE [Derived saved inputs] in ``ops/_derived.py``), so a BN → ReLU → Conv block
 keeps one full-size tensor (eager: two, x and relu(b)), plus O(C) statistics. When x is the output
-of a slimgrad 1x1 conv that keeps its own input (and is not a channel-reducing projection of a
-squeeze-excite output), the BatchNorm keeps a recipe instead of x (0 bytes;
-the conv is re-run in backward: NOTE [Recomputable inputs]; any conv with
-``recompute_input="always"``). Eval: nothing full-size when γ and β need
+of a slimgrad 1x1 conv that keeps its own input, does not reduce the channels (C_in <= C_out:
+NOTE [Which convs the default replays]) and does not read a squeeze-excite output, the BatchNorm
+keeps a recipe instead of x (0 bytes; the conv is re-run in backward: NOTE [Recomputable
+inputs]; any conv with ``recompute_input="always"``). Eval: nothing full-size when γ and β need
 no gradient (eager keeps x), else x (or its recipe). Under autocast (a bf16/fp16 output b with fp32
 γ, β or statistics) the BatchNorm keeps x (or its recipe), never b: x rebuilt as (b - β)/γ from the
 rounded b put dγ and the input conv's dbias past the error rule (up to 1.7x its bound), where eager
@@ -903,9 +903,9 @@ def batch_norm(
         eps: added to the variance.
         recompute_input: where x is the output of a slimgrad conv that keeps its own input, keep
             how to recompute x instead of x and re-run that conv in backward (NOTE [Recomputable
-            inputs]): ``"pointwise"`` (default) when that conv is 1x1 and not a channel-reducing
-            projection of a squeeze-excite output, ``"always"``, or ``"never"`` (keep x; no
-            extra compute).
+            inputs]): ``"pointwise"`` (default) when that conv is 1x1, does not reduce the
+            channels (C_in <= C_out: NOTE [Which convs the default replays]) and does not read a
+            squeeze-excite output, ``"always"``, or ``"never"`` (keep x; no extra compute).
 
     Returns:
         The normalised tensor, same shape, dtype and memory format as ``input``.
@@ -1077,17 +1077,22 @@ def _batch_norm(
 # NOTE [What a replayed input costs]
 # Keeping x's recipe instead of x (NOTE [Recomputable inputs] in ops/_derived.py) re-runs x's conv
 # in this op's backward: one more forward of that conv per step. In ResNet-50 the convs replayed by
-# default (each bottleneck's 1x1 conv3 and the 1x1 downsample convs) hold 28.9% of the forward's
-# conv multiply-adds at 224x224, about 9.6% of a forward + backward step's (backward about twice
-# forward). At the host-overhead proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs
-# run on 1 to 4 pixels per sample, bound by reading their weights, and conv1 is replayed too where
-# its BatchNorm sees few values per channel (NOTE [Few values per channel]): 32 replays per step.
-# Measured there (one thread, thread CPU time, median of interleaved eager / default / "never"
-# triples, on 2 shared cores): converted / eager 1.135 with the default policy and 1.003 with
-# recompute_input="never" on every BatchNorm (40 triples, load 9); 1.233 and 1.095 (60, load 16).
-# So that proxy's step-time gap is this replay, not host overhead; the replay is what keeps the
-# step's saved bytes at 2,154,068 (with "never": 3,448,404; eager 3,710,548). The default stays
-# "pointwise"; recompute_input="never" trades those bytes for eager's compute.
+# default (each bottleneck's 1x1 conv3 and the 1x1 downsample convs: those with C_in <= C_out,
+# NOTE [Which convs the default replays] in ops/_derived.py) hold 28.9% of the forward's conv
+# multiply-adds at 224x224, 8.86% of a forward + backward step's FLOPs. At the host-overhead
+# proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs run on 1 to 4 pixels per
+# sample, bound by reading their weights. When every 1x1 conv was replayed, conv1 was replayed too
+# where its BatchNorm sees few values per channel (NOTE [Few values per channel]): 32 replays per
+# step, 13.53% of its FLOPs; converted / eager step time (one thread, thread CPU time, median of
+# interleaved eager / default / "never" triples, on 2 shared cores) 1.135 with that default and
+# 1.003 with recompute_input="never" on every BatchNorm (40 triples, load 9); 1.233 and 1.095 (60,
+# load 16). So that proxy's step-time gap is this replay, not host overhead. The default now
+# replays 20 convs there (8.87% of the step's FLOPs), saved bytes 2,301,524 (all 1x1 convs:
+# 2,154,068; "never": 3,448,404; eager 3,710,548). Converted / eager there, the same triples
+# with each rule's step interleaved (60 rounds, load 15): all 1x1 convs 1.210 (quartiles 1.042 ..
+# 1.535), C_in <= C_out 1.184 (0.963 .. 1.460), C_in <= 256 1.169, "never" 1.024: the order of
+# their replay FLOPs, at that load within each other's spread. recompute_input="never" trades
+# those bytes for eager's compute, "always" replays every conv that has a recipe.
 
 
 # NOTE [Arguments known to be plain]

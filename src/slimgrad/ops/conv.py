@@ -488,10 +488,15 @@ def _conv(
                     w, b = _autocast_cast(w, dt), _autocast_cast(b, dt)
                 return torch.convolution(inp, w, b, *conf)  # _fwd_torch, without its frame
 
-        # "cheap" (the norm's default policy replays it): a 1x1 conv, except one whose input is a
-        # squeeze-excite output (EfficientNet-B0's and MobileNetV3's projections, RegNetY's
-        # width-keeping conv3): those norms keep their input (NOTE [Recomputable inputs]).
-        pointwise = w0.shape[2:] == (1,) * n  # every kernel dim 1
+        # "cheap" (the norm's default policy replays it): a 1x1 conv that does not reduce the
+        # channels, except one whose input is a squeeze-excite output (RegNetY's width-keeping
+        # conv3): those norms keep their input (NOTE [Which convs the default replays] in
+        # _derived). Read from the weight's shape and groups alone: (C_out, C_in / groups, 1...),
+        # a transposed one's (C_in, C_out / groups, 1...).
+        ws = w0.shape
+        pointwise = ws[2:] == (1,) * n and (
+            ws[0] <= ws[1] * groups if transposed else ws[1] * groups <= ws[0]
+        )
         gated = type(act) is tuple and act[0] == "gate"
         # register_recipe(y, recompute, (kept, w0, b0), ...): a detached alias of the kept input;
         # the weight and bias themselves (Parameters, as eager's conv node keeps them: read under
