@@ -77,29 +77,12 @@ the reducing conv1 (4 width -> width) is replayed only where its norm keeps its 
 that norm sees few values per channel (NOTE [Few values per channel] in ops/batch_norm.py), and
 there its replay costs 4x the multiply-adds per freed byte of conv3's. So ``"pointwise"`` replays
 a 1x1 conv only where C_in <= C_out (``ops/conv.py`` reads it from the weight's shape and
-``groups``): a fact of the model's structure, the same on every call. The figures: the
-torchvision-faithful ResNet-50 (float32, CPU; bytes from the exact tracker; FLOPs of one
-forward + backward counted with ``torch.utils.flop_counter``'s formulas in a dispatch mode that
-installs no module hooks; replays as a share of the step's FLOPs), at 8x3x224x224 and at the
-host-overhead proxy's 2x3x32x32 (bench case host_overhead, 10 classes):
-
-    replayed 1x1 convs        saved (224)   peak (224)   replays   saved (32)   replays (32)
-    eager                     682,703,620   730,811,816  -         3,710,548    -
-    none ("never")            577,534,724   631,754,152  0         3,448,404    0
-    all (the old default)     352,746,244   419,810,728  8.86%     2,154,068    13.53%
-    C_in <= C_out (default)   352,746,244   419,810,728  8.86%     2,301,524    8.87%
-    C_in <= 512               355,957,508   419,810,728  8.16%     2,235,988    9.91%
-    C_in <= 256               372,013,828   426,233,256  6.34%     2,399,828    6.34%
-    C_in <= 128               423,394,052   477,613,480  3.27%     2,661,972    3.27%
-    C_in <= 64                474,774,276   528,993,704  1.66%     2,924,116    1.66%
-
-At 224 no conv1 is replayed (every norm has more than 32 values per channel), so the default
-keeps the old default's bytes and replays there; at 32 it drops the 12 conv1 replays (32 -> 20
-per step): 0.62x of the replayed FLOPs for 7% more saved bytes (147,456) and the same peak. A
-bound on C_in (a FLOPs budget, taking the best bytes per FLOP first) would also drop layer4's
-conv3 and the deep downsample convs at 224, where they free the fewest bytes: up to +19 MB
-saved and +6 MB peak (C_in <= 256) for 2.5 fewer points of the step's FLOPs. What the replays
-cost in step time: NOTE [What a replayed input costs] in ``ops/batch_norm.py``.
+``groups``): a fact of the model's structure, the same on every call. In a torchvision ResNet-50
+at 224x224 every norm sees more than 32 values per channel, so no conv1 is replayed and the
+rule keeps the bytes and replays of replaying every 1x1 conv; at few values per channel (the
+host-overhead proxy) it drops the conv1 replays. Per-rule bytes, FLOPs and step times are in
+``docs/measurements.md`` (Replayed 1x1 convs); what the replays cost: NOTE [What a replayed
+input costs] in ``ops/batch_norm.py``.
 
 # NOTE [Rebuilt once per backward]
 Several nodes may rebuild the same tensor from one kept base b in one backward: in an

@@ -1081,18 +1081,10 @@ def _batch_norm(
 # NOTE [Which convs the default replays] in ops/_derived.py) hold 28.9% of the forward's conv
 # multiply-adds at 224x224, 8.86% of a forward + backward step's FLOPs. At the host-overhead
 # proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs run on 1 to 4 pixels per
-# sample, bound by reading their weights. When every 1x1 conv was replayed, conv1 was replayed too
-# where its BatchNorm sees few values per channel (NOTE [Few values per channel]): 32 replays per
-# step, 13.53% of its FLOPs; converted / eager step time (one thread, thread CPU time, median of
-# interleaved eager / default / "never" triples, on 2 shared cores) 1.135 with that default and
-# 1.003 with recompute_input="never" on every BatchNorm (40 triples, load 9); 1.233 and 1.095 (60,
-# load 16). So that proxy's step-time gap is this replay, not host overhead. The default now
-# replays 20 convs there (8.87% of the step's FLOPs), saved bytes 2,301,524 (all 1x1 convs:
-# 2,154,068; "never": 3,448,404; eager 3,710,548). Converted / eager there, the same triples
-# with each rule's step interleaved (60 rounds, load 15): all 1x1 convs 1.210 (quartiles 1.042 ..
-# 1.535), C_in <= C_out 1.184 (0.963 .. 1.460), C_in <= 256 1.169, "never" 1.024: the order of
-# their replay FLOPs, at that load within each other's spread. recompute_input="never" trades
-# those bytes for eager's compute, "always" replays every conv that has a recipe.
+# sample, bound by reading their weights, so there the replay, not host overhead, is most of the
+# converted step's extra time (figures: ``docs/measurements.md``, Replayed 1x1 convs).
+# recompute_input="never" trades those bytes for eager's compute, "always" replays every conv that
+# has a recipe.
 
 
 # NOTE [Arguments known to be plain]
