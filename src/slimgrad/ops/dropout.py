@@ -158,7 +158,11 @@ def _keeps_noise(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and 9 * ((n + 7) // 8) > n * x.element_size()
 
 
-def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_torch(
+    x: torch.Tensor, p: float, keep_noise: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # keep_noise=False: always packed bits, never eager's noise (softmax-dropout's ops declare
+    # uint8[ceil(n / 8)] for their bits; NOTE [Dropout's mask temporaries])
     if x.device.type != "cpu":  # _fused(x): eager's CUDA path
         out, mask = torch.native_dropout(x, p, True)
         return out, pack_bits(mask)
@@ -171,7 +175,7 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
         return noise, _c_fwd(lib, noise, x, noise, p)
     if _fake_c(x):  # NOTE [Fake tensors model the C kernel]
         return noise, x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8)
-    if _keeps_noise(x):  # NOTE [Dropout's mask temporaries]: eager's op, its noise kept
+    if keep_noise and _keeps_noise(x):  # NOTE [Dropout's mask temporaries]: eager's op
         return x * noise.div_(1 - p), noise
     bits = pack_nonzero(noise)  # NOTE [Dropout's mask temporaries]
     # noise * x == x * noise bit for bit; writing it into noise spares eager's extra buffer
