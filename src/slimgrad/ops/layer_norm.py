@@ -828,7 +828,9 @@ _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 
 
 def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Tensor:
-    # _layer_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors
+    # _layer_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors.
+    # TWIN: slimgrad/nn/layer_norm.py's LayerNorm.forward has these steps inline (one frame
+    # fewer, for LayerNorm's call budget of 43); change both (tests/nn/test_layer_norm.py)
     x = unwrap_if_dead(input)
     anchor = None
     if input.requires_grad and _grad_on():  # make_anchor's eager case
