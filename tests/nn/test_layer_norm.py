@@ -72,3 +72,24 @@ def test_fallback_channels_follow_the_weights_between_calls():
         ours.weight.data[3] = 1e-3  # no version bump; then a step renews the decision
         torch.optim.Adam([ours.weight], lr=1e-3, fused=True).step()
     check()
+
+
+def test_forward_and_its_inline_copy_of_the_straight_path_agree():
+    # LayerNorm.forward repeats ops.layer_norm's _layer_norm_straight inline: the same output,
+    # the same saved tensors and the same anchor at every input kind it branches on
+    from slimgrad.ops.layer_norm import layer_norm
+
+    for dtype, inf in ((torch.float32, False), (torch.float32, True), (torch.float64, False)):
+        ln = LayerNorm(16, dtype=dtype)
+        with torch.no_grad():
+            ln.weight.uniform_(0.5, 1.5)
+            if inf:
+                ln.weight[3] = float("inf")
+        x = torch.randn(4, 16, dtype=dtype, requires_grad=True)
+        ys = [ln(x), layer_norm(x, (16,), ln.weight, ln.bias, ln.eps)]
+        assert torch.equal(ys[0], ys[1])
+        assert type(ys[0].grad_fn) is type(ys[1].grad_fn)
+        saved = [[s for s in y.grad_fn.saved_tensors if s is not None] for y in ys]
+        assert len(saved[0]) == len(saved[1])
+        assert all(torch.equal(a, b) for a, b in zip(*saved))
+        assert [hasattr(y.grad_fn, "_slimgrad_anchor") for y in ys] == [True, True]

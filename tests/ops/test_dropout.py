@@ -367,13 +367,10 @@ def test_host_calls_per_call():
 
 
 def _sizes():
-    # 1..100k elements: every size to 70 (each tail length and the first few bytes), then about
-    # 12% apart (odd and prime counts among them)
-    out, n = list(range(1, 71)), 70
-    while n < 100_000:
-        n = n * 9 // 8 + 1
-        out.append(min(n, 100_000))
-    return out
+    # 1..100k elements: every size to 70 (each tail length and the first few bytes, where the old
+    # packing peaked above eager, e.g. 6 = (2, 3)), then 8 spread to 100k (odd, prime and
+    # multiple-of-6 counts among them)
+    return [*range(1, 71), 96, 211, 509, 1031, 4098, 12_289, 40_961, 100_000]
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -385,8 +382,8 @@ def test_low_precision_peak_never_above_eager_over_sizes(dtype, inplace):
     # bytes, and a padded copy of the tail: (2, 3) bf16 after a Linear peaked at 54 B against
     # eager's 40, (8, 8) at 392 against 388 (tests/conformance/test_never_more_than_eager_sweep).
     # A step (x0 * 1 -> dropout -> * w -> sum) at 1..100k elements: the same output and gradient
-    # bits as eager's F.dropout at the same seed, saved and peak bytes at most eager's. Before: 90
-    # of these 132 sizes peaked above eager (100,000 bf16: 612,500 B against 600,004; now 512,500).
+    # bits as eager's F.dropout at the same seed, saved and peak bytes at most eager's. Before,
+    # most of these sizes peaked above eager (100,000 bf16 among them).
     torch.manual_seed(0)
     dropout(torch.ones(9, dtype=dtype, requires_grad=True) * 1, 0.5).sum().backward()  # tables
     failures = []
@@ -416,3 +413,27 @@ def test_low_precision_peak_never_above_eager_over_sizes(dtype, inplace):
                 f"({me.peak_bytes})"
             )
     assert not failures, failures
+
+
+def test_straight_c_and_its_inline_copy_agree():
+    # _DropoutFn.forward (direct) repeats _straight_c inline (NOTE [Dropout's straight path]): the
+    # same choice of the C kernels, the same output and the same saved bits at the same seed
+    import importlib
+
+    D = importlib.import_module("slimgrad.ops.dropout")
+    dropout(torch.randn(5, 37, requires_grad=True), 0.3).sum().backward()  # C kernels built
+    for t in (
+        torch.randn(5, 37),
+        torch.randn(1, 2),
+        torch.randn(5, 37, dtype=torch.float64),
+        torch.randn(37, 5).t(),
+    ):
+        t.requires_grad_()
+        torch.manual_seed(3)
+        r = D._straight_c(t.detach(), 0.3)
+        torch.manual_seed(3)
+        y = D._DropoutFn.apply(t, 0.3, True)
+        assert (r is None) == (y.grad_fn.lib is None)
+        if r is not None:
+            (bits,) = y.grad_fn.saved_tensors
+            assert torch.equal(r[0], y) and torch.equal(r[1], bits) and r[2] == y.grad_fn.n

@@ -726,3 +726,28 @@ def test_backward_takes_the_forwards_c_kernels_only_while_the_backend_does():
         assert ownership.reuse_count("grad") == 1  # dy granted: the path that reads ctx.lib
     for got, want in zip(grads("torch", "auto"), c_path):
         assert torch.equal(got, want)
+
+
+def test_non_finite_gamma_counts_no_grad_reuse():
+    # x kept for a non-finite gamma (NOTE [LayerNorm with a non-finite gamma]): eager's backward,
+    # which never reuses dy, so no reuse is counted for it
+    from slimgrad.nn import LayerNorm
+
+    if not (ownership.reuse_enabled() and ownership.storage_facts_available()):
+        pytest.skip("no gradient-buffer reuse here")
+    ln = LayerNorm(16)
+    with torch.no_grad():
+        ln.weight[3] = float("inf")
+    x = torch.randn(4, 16, requires_grad=True)
+    for fn in (ln, lambda t: layer_norm(t, (16,), ln.weight, ln.bias)):
+        y = fn(x * 1)
+        ownership.reset_reuse_count()
+        (y * 2).sum().backward()
+        assert ownership.reuse_count("grad") == 0
+    # a finite gamma reuses dy (the counter counts here)
+    with torch.no_grad():
+        ln.weight[3] = 1.0
+    y = ln(x * 1)
+    ownership.reset_reuse_count()
+    (y * 2).sum().backward()
+    assert ownership.reuse_count("grad") == 1

@@ -442,3 +442,27 @@ def test_torch_func_transforms_and_jit_trace():
     torch.testing.assert_close(res[0], res[1])
     with pytest.raises(RuntimeError, match="slimgrad.ops.softmax_dropout_matmul: torch.jit"):
         torch.jit.trace(lambda t: softmax_dropout_matmul(t, v, 0.2), s.requires_grad_())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tiny_half_precision_bits_are_packed_as_the_fakes_declare(dtype):
+    # A (1, 2, 2) half-precision dropout keeps eager's noise in ops/dropout.py (_keeps_noise);
+    # the softmax-dropout ops always pack: their fakes declare uint8[ceil(n / 8)] bits.
+    from slimgrad.ops import softmax_dropout as sd
+
+    s, v = torch.randn(1, 2, 2, dtype=dtype), torch.randn(1, 2, 2, dtype=dtype)
+    torch.library.opcheck(sd._sdm_fwd._def._opoverload, (s, v, 0.5, -1, dtype, False, None))
+    q, k_t = torch.randn(1, 2, 2, dtype=dtype), torch.randn(1, 2, 2, dtype=dtype)
+    torch.library.opcheck(sd._scores_sdm._def._opoverload, (q, k_t, v, 0.5, dtype, False, None))
+    # the straight path (no custom op) saves the same packed bits
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    s.requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = softmax_dropout_matmul(s, v, 0.5)
+    assert [t.shape for t in saved if t.dtype == torch.uint8] == [torch.Size([1])]
+    out.sum().backward()

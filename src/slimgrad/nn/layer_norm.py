@@ -33,8 +33,10 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` (same args, defaults, parameters, state_dict keys) saving y + 8 B/row.
 
     Memory: saves the output (shared with the next layer), mean and rstd, and the input columns of
-    fallback channels (weight ~ 0); eager saves the input too. bfloat16/float16 inputs run eager's
-    ``F.layer_norm`` (keeping the input, as eager): see ``slimgrad.ops.layer_norm``.
+    fallback channels (weight ~ 0); eager saves the input too. A non-finite weight entry (inf or
+    NaN) makes it save the input instead of the output (eager's bytes), and bfloat16/float16
+    inputs run eager's ``F.layer_norm`` (keeping the input, as eager): see
+    ``slimgrad.ops.layer_norm``.
 
     Example:
         >>> ln = LayerNorm(8)
@@ -64,7 +66,9 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
             c = d["_slimgrad_ns"] if "_slimgrad_ns" in d else None
             if c is None or c[0] is not ns:
                 c = d["_slimgrad_ns"] = (ns, [int(s) for s in ns])
-            # ops.layer_norm's _layer_norm_straight, without its frame
+            # TWIN: ops/layer_norm.py's _layer_norm_straight, copied here without its frame to
+            # keep LayerNorm's call budget (43 calls per fwd + bwd, tests/ops/test_layer_norm.py);
+            # change both (tests/nn/test_layer_norm.py checks that they agree)
             x = unwrap_if_dead(input)
             anchor = None
             if input.requires_grad and _grad_on():  # make_anchor's eager case

@@ -11,5 +11,12 @@ from slimgrad._math.bits import (
     unpack_mask,
 )
 
-__all__ = ["PACK_MUL", "pack_bits", "pack_nonzero", "packed_numel", "unpack_bits", "unpack_bits_as"]
-__all__ += ["unpack_mask"]
+__all__ = [
+    "PACK_MUL",
+    "pack_bits",
+    "pack_nonzero",
+    "packed_numel",
+    "unpack_bits",
+    "unpack_bits_as",
+    "unpack_mask",
+]

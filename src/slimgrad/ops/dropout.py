@@ -101,12 +101,12 @@ def _c_lib(t: torch.Tensor):
 
 # NOTE [Fake tensors model the C kernel]
 # use_cpu never picks the C kernels for a fake tensor (there is no memory to run them on), so under
-# slimgrad.memory.estimate this op would run its PyTorch path, whose mask temporaries (a bool
-# mask, an int32 copy of the packed bits and an index_select in unpack_bits: 1 to 9 B per element)
-# the real CPU step never allocates: Linear-Dropout-Linear at 8x64x16 (128 hidden) estimated a
-# peak of 663,552 B where the real step peaks at 573,512 (now both). A fake tensor the real C kernel
-# would take (kernels/_backend.cpu_kernel_would_run) allocates the kernel's outputs only, the
-# same tensors with the same shapes; values are never read under fake tensors.
+# slimgrad.memory.estimate this op would run its PyTorch path, whose mask temporaries (the mask
+# bytes pack_nonzero packs in place and the mask unpack_mask rebuilds in backward, ceil(n / 8) * 8
+# B each: NOTE [Dropout's mask temporaries]) the real CPU step never allocates, and would estimate
+# a peak above the real one. A fake tensor the real C kernel would take
+# (kernels/_backend.cpu_kernel_would_run) allocates the kernel's outputs only, the same tensors
+# with the same shapes; values are never read under fake tensors.
 def _fake_c(t: torch.Tensor) -> bool:
     return (
         t.is_contiguous()
@@ -149,16 +149,18 @@ def _fused(x: torch.Tensor) -> bool:
 # bytes in forward, the saved noise in backward). Where those 9 * ceil(n / 8) B exceed the
 # noise's n * itemsize B (at most 4 half-precision elements, 2 float32, 1 float64) the packed
 # mask cannot save anything: there the op keeps eager's noise itself (``_keeps_noise``, from
-# numel, dtype and device) and its backward is eager's ``dy * noise``. Before, packing held the
-# bool mask and an int64 per 8 elements (2 B/elt) plus padded copies of the tail, unpacking an
-# int32 copy and 8-byte table rows: a bfloat16 Linear -> Dropout step peaked at 54 B against
-# eager's 40 at (2, 3) and at 392 against 388 at (8, 8) (now 40 and 328).
+# numel, dtype and device) and its backward is eager's ``dy * noise`` (softmax-dropout's ops,
+# whose bits are not eager's saved noise, always pack: ``_fwd_torch(..., keep_noise=False)``).
 def _keeps_noise(x: torch.Tensor) -> bool:
     n = x.numel()
     return x.device.type == "cpu" and 9 * ((n + 7) // 8) > n * x.element_size()
 
 
-def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_torch(
+    x: torch.Tensor, p: float, keep_noise: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # keep_noise=False: always packed bits, never eager's noise (softmax-dropout's ops declare
+    # uint8[ceil(n / 8)] for their bits; NOTE [Dropout's mask temporaries])
     if x.device.type != "cpu":  # _fused(x): eager's CUDA path
         out, mask = torch.native_dropout(x, p, True)
         return out, pack_bits(mask)
@@ -171,7 +173,7 @@ def _fwd_torch(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
         return noise, _c_fwd(lib, noise, x, noise, p)
     if _fake_c(x):  # NOTE [Fake tensors model the C kernel]
         return noise, x.new_empty((packed_numel(x.numel()),), dtype=torch.uint8)
-    if _keeps_noise(x):  # NOTE [Dropout's mask temporaries]: eager's op, its noise kept
+    if keep_noise and _keeps_noise(x):  # NOTE [Dropout's mask temporaries]: eager's op
         return x * noise.div_(1 - p), noise
     bits = pack_nonzero(noise)  # NOTE [Dropout's mask temporaries]
     # noise * x == x * noise bit for bit; writing it into noise spares eager's extra buffer
@@ -328,11 +330,12 @@ _grad_on = torch._C.is_grad_enabled
 
 
 def _straight_c(x: torch.Tensor, p: float):
-    # NOTE [Dropout's straight path] (_DropoutFn.forward has these steps inline; the scores op
-    # calls this): on a gated path, the C kernels for x read from the tables
-    # use_cpu fills (not chosen, or not built yet: None, and the general path then builds them);
-    # where they take x, eager's draw, then pack + x * noise in one C pass into the noise:
-    # (out, bits, numel, the library)
+    # NOTE [Dropout's straight path] (TWIN: _DropoutFn.forward has these steps inline, one frame
+    # fewer for dropout's call budget, 29/28 calls; change both: tests/ops/test_dropout.py
+    # checks that they agree; the scores op calls this): on a gated path, the C kernels for x
+    # read from the tables use_cpu fills (not chosen, or not built yet: None, and the general
+    # path then builds them); where they take x, eager's draw, then pack + x * noise in one C
+    # pass into the noise: (out, bits, numel, the library)
     b, cpu = _backend._resolved[0], _backend._cpu_module[0]
     if not (
         (b == "auto" or b == "cpu")
@@ -383,7 +386,8 @@ class _DropoutFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, p: float, direct: bool = False):
         ctx.p, ctx.lib = p, None
         if direct:
-            # NOTE [Dropout's straight path]: _straight_c, inline (one frame fewer)
+            # NOTE [Dropout's straight path]: TWIN of _straight_c, inline (one frame fewer, for
+            # dropout's call budget of 29/28 calls); change both (tests/ops/test_dropout.py)
             b, cpu = _backend._resolved[0], _backend._cpu_module[0]
             lib = (
                 cpu._libs[C_STEM]

@@ -629,12 +629,13 @@ class _LayerNormFn(torch.autograd.Function):
             return _LN_DOUBLE(ctx, dy, *_)
         if dy is None:  # NOTE [Norm backward without materialized gradients]
             return None, None, None, None, None, None
-        # first use of dy: NOTE [Gradient-buffer ownership] (ownership.take in one frame, after
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        if y is None:  # x kept (_keep_x): eager's backward, which never reuses dy
+            return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
+        # first use of dy (after the y is None branch, so that no reuse is counted that never
+        # happens): NOTE [Gradient-buffer ownership] (ownership.take in one frame, after
         # take's compile check)
         buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
-        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
-        if y is None:  # x kept (_keep_x): eager's backward
-            return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
         if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
@@ -827,7 +828,9 @@ _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 
 
 def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Tensor:
-    # _layer_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors
+    # _layer_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors.
+    # TWIN: slimgrad/nn/layer_norm.py's LayerNorm.forward has these steps inline (one frame
+    # fewer, for LayerNorm's call budget of 43); change both (tests/nn/test_layer_norm.py)
     x = unwrap_if_dead(input)
     anchor = None
     if input.requires_grad and _grad_on():  # make_anchor's eager case

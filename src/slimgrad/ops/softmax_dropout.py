@@ -160,7 +160,7 @@ def _softmax_bwd(dp, probs, dim):
 def _fwd_torch(s, v, p, dim, mm_dtype, causal=False, mask=None):
     probs = _softmax_fwd(s, dim, causal, mask)
     if p > 0:
-        dropped, bits = _dropout._fwd_torch(probs, p)
+        dropped, bits = _dropout._fwd_torch(probs, p, False)  # always packed
     else:
         dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
     # .to() to a tensor's own dtype is the tensor itself, but one op more under a dispatch mode
@@ -496,7 +496,7 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             if r is not None:
                 dropped, bits, ctx.n, ctx.lib = r
             elif p > 0:
-                dropped, bits = _dropout._fwd_torch(probs, p)
+                dropped, bits = _dropout._fwd_torch(probs, p, False)  # always packed
             else:
                 dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
             # _fwd_torch's product; .to() to a tensor's own dtype is the tensor itself
