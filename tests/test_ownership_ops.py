@@ -409,7 +409,6 @@ def test_linear3d_view_reuse_lowers_peak(op, backend, monkeypatch):
     w1 = torch.randn(32, 8, generator=gen).requires_grad_()
     w2 = torch.randn(8, 32, generator=gen).requires_grad_()
     f = {"layer_norm": lambda t: layer_norm(t, (32,)), "relu": relu}[op]
-    hidden = 4 * 64 * 32 * 4
     monkeypatch.setattr(norms_mod, "CHUNK_ELEMS", LN_CHUNK_DEFAULT)  # one chunk: dx is one buffer
 
     def fwd():
@@ -427,8 +426,12 @@ def test_linear3d_view_reuse_lowers_peak(op, backend, monkeypatch):
     (off, end_off, n_off), (on, end_on, n_on) = res["off"], res["on"]
     assert (n_off, n_on) == (0, 1)
     assert end_on == end_off  # reading g._base leaves nothing behind
-    if backend == "torch":  # the peak sits in LN's backward: dx in dy's buffer, one buffer fewer
-        assert off - on >= hidden, (off, on)
+    if backend == "torch":
+        # the peak sits in LN's PyTorch backward without reuse (dx a buffer of its own) and drops
+        # with dx in dy's buffer; since that backward runs in chunks of an eighth of the rows
+        # (NOTE [LayerNorm fallback backward peak] in slimgrad/_math/norms.py) both peaks are lower
+        # and the granted one no longer sits a whole hidden below (177,160 / 144,392 before)
+        assert (off, on) == (114_056, 85_000), (off, on)
     else:  # (the C LayerNorm backward has no temporaries) the peak moves elsewhere; it still drops
         assert on < off, (off, on)
 
