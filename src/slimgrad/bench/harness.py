@@ -289,6 +289,16 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def append_record(out_dir: str | os.PathLike, name: str, rec: dict[str, Any]) -> str:
+    """Append ``rec`` as one JSON line to ``<out_dir>/<name>.jsonl`` (made if missing); returns
+    the file's path."""
+    path = Path(out_dir) / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return str(path)
+
+
 def git_commit() -> str | None:
     """HEAD of the git checkout slimgrad is imported from, with ``+dirty`` for tracked changes;
     where there is no checkout (a copied tree), ``$SLIMGRAD_COMMIT`` if set."""
@@ -781,9 +791,5 @@ def run_case(
         "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if out_dir is not None:
-        path = Path(out_dir) / f"{case.name}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(rec, sort_keys=False) + "\n")
-        rec["record_path"] = str(path)
+        rec["record_path"] = append_record(out_dir, case.name, rec)
     return rec

@@ -57,14 +57,12 @@ Run it with ``slimgrad bench host_floor`` (records: ``benchmarks/results/host_fl
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 import statistics
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -766,11 +764,8 @@ def run(
         "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if out_dir is not None:
-        path = Path(out_dir) / "host_floor.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps({k: v for k, v in rec.items() if k != "table"}) + "\n")
-        rec["record_path"] = str(path)
+        kept = {k: v for k, v in rec.items() if k != "table"}
+        rec["record_path"] = harness.append_record(out_dir, "host_floor", kept)
     return rec
 
 

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import nn
 
-from slimgrad.bench import models
+from slimgrad.bench import harness, models
 from slimgrad.bench.harness import register_case
 
 
@@ -613,9 +613,7 @@ def estimate_case(
     Raises:
         ValueError: ``name`` is not a case this function can estimate.
     """
-    import json
     from datetime import datetime, timezone
-    from pathlib import Path
 
     import slimgrad
     from slimgrad import memory
@@ -672,10 +670,7 @@ def estimate_case(
         "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if out_dir is not None:
-        path = Path(out_dir) / f"{name}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        harness.append_record(out_dir, name, rec)
     return rec
 
 

@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -252,11 +250,7 @@ def run_sweep(
                 rec["stream_bytes_per_elt"] = rec["slimgrad"]["saved_bytes"] / numel
             _verdict(rec)
             if out_dir is not None:
-                path = Path(out_dir) / "reversible.jsonl"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with path.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                rec["record_path"] = str(path)
+                rec["record_path"] = harness.append_record(out_dir, "reversible", rec)
             g = rec.get("grad")
             say(
                 f"{name}: peak {rec['eager']['peak_bytes'] / 2**20:.1f} -> "
