@@ -1,8 +1,10 @@
+import importlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from slimgrad.memory import measure
 from slimgrad.ops.group_norm import _fallback_channels, _GroupNormFn, group_norm
@@ -528,3 +530,66 @@ def test_host_calls_per_call():
         step()
     assert type(gn(x).grad_fn).__name__ == "_GroupNormFnBackward"
     assert slimgrad_calls(step) <= 77
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["straight", "autocast", "dispatch_mode"])
+def test_fallback_channels_found_once_per_weight_version(monkeypatch, path):
+    # CONTRIBUTING.md, "Decide once": the fallback channels (a nonzero: a host sync on CUDA) are
+    # found once per version of weight and bias on every path that takes plain parameters (the
+    # general path under autocast or a dispatch mode found them on every call before), and a
+    # change is seen: an in-place edit, an optimizer step, a new non-finite entry. Counted calls.
+    gn_mod = importlib.import_module("slimgrad.ops.group_norm")
+    found = []
+    real = gn_mod._fallback_channels
+
+    def counting(*a):
+        found.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(gn_mod, "_fallback_channels", counting)
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 5, 7, requires_grad=True)
+    w = torch.nn.Parameter(1 + 0.1 * torch.randn(6))
+    b = torch.nn.Parameter(0.1 * torch.randn(6))
+    opt = torch.optim.SGD([w, b], lr=0.1)
+
+    def idx_of_step():
+        if path == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = group_norm(x, 3, w, b)
+        elif path == "dispatch_mode":
+            with _PassThrough():
+                y = group_norm(x, 3, w, b)
+        else:
+            y = group_norm(x, 3, w, b)
+        assert type(y.grad_fn).__name__ == "_GroupNormFnBackward"
+        idx = y.grad_fn.saved_tensors[3]
+        assert idx.tolist() == real(w, b, torch.float32, 3).tolist()
+        y.square().sum().backward()
+        return idx.tolist()
+
+    assert idx_of_step() == []
+    n = len(found)
+    for _ in range(3):  # unchanged weights: nothing found again
+        assert idx_of_step() == []
+    assert len(found) == n
+    with torch.no_grad():  # an in-place edit: channel 1 falls back (|beta| > |gamma|)
+        b[1] = 5.0
+    assert idx_of_step() == [1]
+    assert idx_of_step() == [1] and len(found) == n + 1
+    with torch.no_grad():  # a new non-finite gamma: every channel of its group
+        w[4] = float("inf")
+    assert idx_of_step() == [1, 4, 5]
+    with torch.no_grad():
+        w[4] = 1.0
+        b[1] = 0.0
+        w.grad = torch.zeros_like(w)
+        b.grad = torch.full_like(b, 50.0)  # the step moves |beta| past |gamma| on every channel
+    opt.step()
+    assert idx_of_step() == [0, 1, 2, 3, 4, 5]
+    assert len(found) == n + 3

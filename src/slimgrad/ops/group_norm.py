@@ -76,6 +76,7 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     first_order,
     refuse_jit,
@@ -142,7 +143,7 @@ def _fwd_torch(x, num_groups, weight, bias, eps):
     n, c = x.shape[0], x.shape[1]
     hw = math.prod(x.shape[2:])
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
-    idx = _fallback_channels(weight, bias, y.dtype, num_groups).to(x.device)
+    idx = _fallback_once(weight, bias, y.dtype, num_groups).to(x.device)
     xside = x.reshape(n, c, hw).index_select(1, idx)
     return y, mean, rstd, idx, xside
 
@@ -725,6 +726,20 @@ def _fwd_straight(x, num_groups, weight, bias, eps):
 
 
 _FB: dict[int, tuple] = {}
+
+
+def _fallback_once(weight, bias, out_dtype: torch.dtype, num_groups: int) -> torch.Tensor:
+    # the general path's fallback channels: once per parameter version (_fallback_cached) for
+    # plain tensors outside compilation, as the straight path; fake, subclass and traced weights
+    # find them each call (_fallback_channels: fake weights assume none, as layer_norm's)
+    if (
+        type(weight) in _PLAIN_OR_NONE
+        and type(bias) in _PLAIN_OR_NONE
+        and (weight is not None or bias is not None)
+        and not compiling()
+    ):
+        return _fallback_cached(weight, bias, out_dtype, num_groups)
+    return _fallback_channels(weight, bias, out_dtype, num_groups)
 
 
 def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> torch.Tensor:
