@@ -9,7 +9,11 @@ from slimgrad.ops.layer_norm import layer_norm
 
 # (n, d): (saved, peak) under the tracker for LN(w[1] = 1e-9) -> Linear -> sum; before: int19's
 # float64 dgamma block peaked at 95,796 / 598,696 / 2,228 (main: 84,776 / 533,672 / 2,060)
-SLIM = {(29, 97): (11980, 67504), (64, 256): (71328, 428776), (3, 16): (236, 1980)}
+# (3, 16) keeps x and runs eager's backward (NOTE [LayerNorm fallback backward peak]; before:
+# (236, 1980)): eager's bytes, here 1,760 against 1,632 because this measurement creates lin.grad
+# (1,024 B) where eager's accumulates into it (tests/ops/test_layer_norm_tiny_shapes.py measures
+# both alike)
+SLIM = {(29, 97): (11980, 67504), (64, 256): (71328, 428776), (3, 16): (408, 1760)}
 EAGER = {(29, 97): (22736, 71632), (64, 256): (131584, 459272), (3, 16): (408, 1632)}
 MAIN_PEAK = {(29, 97): 84776, (64, 256): 533672, (3, 16): 2060}
 
@@ -40,7 +44,7 @@ def test_fallback_backward_peak_exact_and_at_most_main():
     for shape, want in SLIM.items():
         assert got["eager", shape] == EAGER[shape]
         assert got["slim", shape] == want
-        assert want[0] < EAGER[shape][0]  # saved bytes did not grow
+        assert want[0] <= EAGER[shape][0]  # saved bytes did not grow
         assert want[1] <= MAIN_PEAK[shape]
 
 

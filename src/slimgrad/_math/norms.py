@@ -368,6 +368,14 @@ def side_columns(x: torch.Tensor, d: int, idx: torch.Tensor) -> torch.Tensor:
 # alone; dgamma sums exact float64 products in float64 before its one rounding to the weight's
 # dtype, which the grouping does not reach at the error rule's scale (the conformance tests pin
 # the bits). The peaks, exact under the tracker: tests/ops/test_layer_norm_fallback_peak.py.
+# Against eager's backward (dx, dgamma, dbeta) it holds the fallback columns and indices it saved,
+# float64 dgamma and its chunk sum (16 B per channel), and a chunk's xhat and its float64 copy,
+# and writes dx into a granted dy (eager allocates dx): on few rows these outweigh dx's bytes
+# (LN(w[1] = 1e-9) -> Linear on (3, 16): 2,000 B against eager's 1,760; 95 of 165 shapes of N
+# 1-33 x D 2-97 peaked above eager's). So where they would (``layer_norm_bwd_torch_fits``, from
+# the shape alone), the forward keeps x instead and the backward is eager's, with eager's bits
+# and bytes (``_keeps_x`` in ops/layer_norm.py; on the PyTorch and C paths, not Triton's): every
+# shape of that sweep then at most eager's (tests/ops/test_layer_norm_tiny_shapes.py).
 def layer_norm_bwd_torch(
     dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None
 ):
@@ -402,9 +410,7 @@ def layer_norm_bwd_torch(
     if need_dx:
         dx = out.view(n, d) if out is not None else y.new_empty((n, d))
     dw = None  # the first chunk's float64 sum, then the others added (0 + s is s, bit for bit)
-    # an eighth of the rows, at most an eighth of the shared chunk (NOTE [LayerNorm fallback
-    # backward peak])
-    step = max(1, min(max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1) // 8, -(-n // 8)))
+    step = _bwd_rows(n, d)
     for i in range(0, n, step):
         sl = slice(i, i + step)
         xh = rebuild_xhat(y2[sl], w, b, acc)
@@ -440,6 +446,23 @@ def layer_norm_bwd_torch(
             dw = torch.zeros(d, dtype=torch.float64, device=y.device)
         dw = dw.to(weight.dtype).reshape(weight.shape)
     return dx, dw, db
+
+
+def _bwd_rows(n: int, d: int) -> int:
+    # layer_norm_bwd_torch's rows per chunk: an eighth of the rows, at most an eighth of the
+    # shared chunk (NOTE [LayerNorm fallback backward peak])
+    return max(1, min(max(CHUNK_ELEMS, (n * d) // 16) // max(d, 1) // 8, -(-n // 8)))
+
+
+def layer_norm_bwd_torch_fits(n: int, d: int, k: int, itemsize: int) -> bool:
+    """Whether :func:`layer_norm_bwd_torch` on ``n`` rows of ``d`` with ``k`` fallback channels
+    holds at most what eager's backward holds (NOTE [LayerNorm fallback backward peak]): integer
+    arithmetic on the shape, no tensor touched."""
+    step = _bwd_rows(n, d)
+    acc = 8 if itemsize == 8 else 4  # acc_dtype's itemsize
+    extra = k * (n * itemsize + 8) + (16 - itemsize) * d + step * d * (acc + 8)
+    extra += 4 * step * acc + 64
+    return extra <= n * d * itemsize
 
 
 def rms_norm_fwd_torch(x, normalized_shape, weight, eps):

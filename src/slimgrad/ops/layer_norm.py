@@ -75,6 +75,7 @@ from slimgrad._math.norms import (  # noqa: F401
 )
 from slimgrad._math.norms import acc_dtype as _acc_dtype
 from slimgrad._math.norms import layer_norm_bwd_torch as _bwd_torch
+from slimgrad._math.norms import layer_norm_bwd_torch_fits as bwd_torch_fits
 from slimgrad._math.norms import layer_norm_fwd_torch as _fwd_torch
 from slimgrad._math.norms import layer_norm_gamma as _LN_GAMMA
 from slimgrad._math.norms import rowdot as _rowdot  # noqa: F401
@@ -586,7 +587,7 @@ class _LayerNormFn(torch.autograd.Function):
                 ctx.lib = cpu._libs[C_STEM]
             idx = fallback_or_none(weight, bias, y.dtype, _LN_GAMMA)
             if idx is not None:
-                if idx.shape[0] == math.prod(arg):  # NOTE [LayerNorm with a non-finite gamma]
+                if _keeps_x(idx, arg, x, False):  # all fallback, or a shape eager's fits better
                     return _keep_x(ctx, x, y, mean, rstd, weight, bias)
                 if idx.device != x.device:
                     idx = idx.to(x.device)
@@ -598,7 +599,7 @@ class _LayerNormFn(torch.autograd.Function):
                 not compiling()
                 and type(weight) in _PLAIN_OR_NONE
                 and type(bias) in _PLAIN_OR_NONE
-                and _all_fallback(fallback_or_none(weight, bias, x.dtype, _LN_GAMMA), arg)
+                and _keeps_x(fallback_or_none(weight, bias, x.dtype, _LN_GAMMA), arg, x, True)
             ):
                 y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
                 return _keep_x(ctx, x, y, mean, rstd, weight, bias)
@@ -680,8 +681,25 @@ class _LayerNormFn(torch.autograd.Function):
         )
 
 
-def _all_fallback(idx, arg) -> bool:
-    return idx is not None and idx.shape[0] == math.prod(arg)
+def _keeps_x(idx, arg, x, triton_possible: bool) -> bool:
+    # x kept and eager's backward run (_keep_x): where every channel is a fallback channel (NOTE
+    # [LayerNorm with a non-finite gamma]), and where the PyTorch backward's fallback path would
+    # hold more than eager's backward on this shape (NOTE [LayerNorm fallback backward peak]).
+    # Asked only where a fallback channel exists (idx not None); integers of the shape after that.
+    if idx is None:
+        return False
+    d = math.prod(arg)
+    k = idx.shape[0]
+    if k == d:
+        return True
+    if (  # the Triton backward (kernels/layer_norm.py) takes the fallback channels itself
+        triton_possible
+        and (x.is_cuda or _backend._resolved[0] not in _NO_TRITON)
+        and _backend.use_triton(x)
+    ):
+        return False
+    size = x.element_size()  # float32/float64: half precision runs eager's op before this
+    return size >= 4 and not bwd_torch_fits(x.numel() // d, d, k, size)
 
 
 def _keep_x(ctx, x, y, mean, rstd, weight, bias):
