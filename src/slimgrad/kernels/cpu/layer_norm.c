@@ -7,8 +7,11 @@
  * Precision, chosen by seed sweeps against float64 (ops/layer_norm.py, _bwd_cpu): the row sums
  * mean(g), mean(g * xh) in float, 16 lanes (element j in lane j % 16; eager's own kernel sums rows
  * in float lanes too), the lanes added in double; dw in double (float sums failed the error rule
- * by too thin a margin: 0.97 of the bound); db in float within a row block (eager sums all rows in
- * float), the blocks in double.
+ * by too thin a margin: 0.97 of the bound) over the exact double products dy * xh (the float
+ * products' rounding put the round-17 zero-weight case's dgamma outside the rule: 2.066e-06
+ * against 1.952e-06 at 2 threads, now 1.589e-06 as the PyTorch path's, whose products are
+ * float64 too: tests/ops/test_layer_norm_c_dgamma.py); db in float within a row block (eager
+ * sums all rows in float), the blocks in double.
  * Rows are cut into blocks of rows_per_block rows, a number the caller derives from n alone: each
  * block sums its rows into its own slice of the parts buffers, and the blocks' sums are then added
  * in block order, so dw and db have the same bits for any thread count (dx is per row anyway).
@@ -38,14 +41,14 @@ static inline vf8 ld(const float *p) {
     return v;
 }
 static inline void st(float *p, vf8 v) { memcpy(p, &v, sizeof v); }
-static inline void acc_d(double *p, vf8 v) { /* p[0..8) += (double)v */
+static inline void acc_d(double *p, vf8 u, vf8 v) { /* p[0..8) += (double)u * (double)v */
     vd8 a;
     memcpy(&a, p, sizeof a);
-    a += __builtin_convertvector(v, vd8);
+    a += __builtin_convertvector(u, vd8) * __builtin_convertvector(v, vd8); /* exact product */
     memcpy(p, &a, sizeof a);
 }
 
-/* One row: xs = xh; fb += dy (fb may be NULL); pw += (double)(dy * xh) (pw may be NULL); with
+/* One row: xs = xh; fb += dy (fb may be NULL); pw += (double)dy * (double)xh (pw may be NULL); with
  * sums: *s1 = sum(g), *s2 = sum(g * xh). */
 static void row_pass(const float *dyr, const float *yr, const float *w, const float *b, float *xs,
                      float *fb, double *pw, int64_t d, int sums, double *s1, double *s2) {
@@ -70,8 +73,8 @@ static void row_pass(const float *dyr, const float *yr, const float *w, const fl
             st(fb + j + 8, ld(fb + j + 8) + d1);
         }
         if (pw) {
-            acc_d(pw + j, d0 * x0);
-            acc_d(pw + j + 8, d1 * x1);
+            acc_d(pw + j, d0, x0);
+            acc_d(pw + j + 8, d1, x1);
         }
         if (sums) {
             vf8 g0 = w ? d0 * ld(w + j) : d0, g1 = w ? d1 * ld(w + j + 8) : d1;
@@ -92,7 +95,7 @@ static void row_pass(const float *dyr, const float *yr, const float *w, const fl
         if (w) x = x / w[j];
         if (xs) xs[j] = x;
         if (fb) fb[j] += dyr[j];
-        if (pw) pw[j] += (double)(dyr[j] * x);
+        if (pw) pw[j] += (double)dyr[j] * (double)x;
         float g = w ? dyr[j] * w[j] : dyr[j];
         l1[k] += g;
         l2[k] += g * x;
@@ -153,7 +156,7 @@ static void col_sums(const float *dy, const float *y, const float *w, const floa
                     float x = yr[k];
                     if (b) x = x - b[j0 + k];
                     if (w) x = x / w[j0 + k];
-                    pw[k] += (double)(dyr[k] * x);
+                    pw[k] += (double)dyr[k] * (double)x;
                     fb[k] += dyr[k];
                 }
             }
