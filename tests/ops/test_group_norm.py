@@ -593,3 +593,29 @@ def test_fallback_channels_found_once_per_weight_version(monkeypatch, path):
     opt.step()
     assert idx_of_step() == [0, 1, 2, 3, 4, 5]
     assert len(found) == n + 3
+
+
+def test_estimate_equals_the_measured_step_when_channels_are_found_in_it():
+    # memory.estimate (fake tensors) against the real step under the tracker, where the forward
+    # finds its fallback channels inside the measured step (a new weight version). Before: the
+    # real step's peak was 1 B below the estimate (``wide[idx] = True`` in _fallback_channels
+    # made a 1-byte tensor outside the tracker, which saw it freed)
+    from slimgrad.memory import estimate
+    from slimgrad.nn import GroupNorm
+
+    def make():
+        torch.manual_seed(0)
+        conv, gn = torch.nn.Conv2d(3, 16, 3, padding=1), GroupNorm(4, 16)
+        conv2 = torch.nn.Conv2d(16, 8, 3, padding=1)
+        model = torch.nn.Sequential(conv, gn, conv2)
+        x = torch.randn(2, 3, 8, 8)
+        return (lambda: model(x).square().sum()), model
+
+    forward, model = make()
+    forward().backward()  # one-time tables out of the measured step
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model[1].weight.mul_(1.0)  # a new version: the next forward finds its channels again
+    real = measure(forward, module=model)
+    est = estimate(make)
+    assert (est.peak_bytes, est.saved_bytes) == (real.peak_bytes, real.saved_bytes)
