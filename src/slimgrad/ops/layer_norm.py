@@ -681,6 +681,35 @@ class _LayerNormFn(torch.autograd.Function):
         )
 
 
+# NOTE [All-fallback LayerNorm under torch.compile]
+# Where every channel is a fallback channel eager saves x and the uncompiled op does too
+# (``_keep_x``). Traced, the forward's fallback table has a symbolic length (NOTE [Side tables
+# under FakeTensorMode and torch.compile] in slimgrad/_math/tables.py), so the compiled graph kept
+# y and a gathered copy of every column of x: LayerNorm(16) with every gamma 1e-9 on (13, 16), its
+# output times 2, kept 1,896 B beside its inputs against eager's 104. So while compiling, the
+# weights are asked once at trace time, with real values: Dynamo evaluates a function marked as
+# having a constant result (as torch.compiler.assume_constant_result does, the mark of
+# ``compiling`` in slimgrad/_autograd.py) on the real parameters and installs no guard on its
+# answer. All fallback: the graph traces ``F.layer_norm`` (eager's op, its saved tensors and
+# bits). The answer holds for that graph: weights that change later keep the traced choice, which
+# is exact either way (eager's op, or the output-keeping op with its fallback table); only the
+# bytes differ. Fake, functional or subclass weights (export, an estimate) carry no values: the
+# output-keeping op, as before.
+def _all_fallback_when_traced(weight, bias, dtype, normalized_shape) -> bool:
+    if weight is None and bias is None:
+        return False
+    if type(weight) not in _PLAIN_OR_NONE or type(bias) not in _PLAIN_OR_NONE:
+        return False
+    try:
+        idx = fallback_or_none(weight, bias, dtype, _LN_GAMMA)
+    except RuntimeError:  # values not readable here (a fake or meta tensor behind a plain type)
+        return False
+    return idx is not None and idx.shape[0] == math.prod(normalized_shape)
+
+
+_all_fallback_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _keeps_x(idx, arg, x, triton_possible: bool) -> bool:
     # x kept and eager's backward run (_keep_x): where every channel is a fallback channel (NOTE
     # [LayerNorm with a non-finite gamma]), and where the PyTorch backward's fallback path would
@@ -818,6 +847,8 @@ def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tens
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     if torch.compiler.is_compiling():  # Dynamo traces Function.apply; no anchor (make_anchor)
         refuse_jit("ops.layer_norm")
+        if _all_fallback_when_traced(weight, bias, input.dtype, normalized_shape):
+            return F.layer_norm(input, normalized_shape, weight, bias, eps)
         return _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
     if _is_tracing():  # torch.jit.is_tracing() in eager Python (Dynamo cannot trace this one)
         refuse_jit("ops.layer_norm")
