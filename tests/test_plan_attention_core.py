@@ -138,3 +138,26 @@ def test_a_class_that_reads_its_implementation_is_refused():
     with pytest.raises(NotImplementedError, match=r"^slimgrad\.convert_: the attention core"):
         apply_choices(m, {"transformer.h.0": CORE}, convert=lambda m, **k: m)
     assert m.transformer.h[0].attn.config._attn_implementation == "eager"
+
+
+def test_gpt2s_core_is_recomputed_with_the_lean_models_bits():
+    # GPT2Attention compares its implementation with "eager": the SDPA model's ("slimgrad" once
+    # converted) gives the same answer under the new name, so it wraps
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, attn_pdrop=0.1
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base, ids = transformers.GPT2LMHeadModel(cfg).train(), torch.randint(0, 256, (2, 64))
+    blocks = ("transformer.h.0", "transformer.h.1")
+    out = []
+    for choice in (CORE, "lean"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = apply_choices(copy.deepcopy(base), dict.fromkeys(blocks, choice))
+        out.append((m.transformer.h[0].attn.config._attn_implementation, *_step(m, ids, False)))
+    (name, la, ga), (_, lb, gb) = out
+    assert name == "slimgrad_core"
+    assert torch.equal(la, lb)
+    for n, g in ga.items():
+        assert torch.equal(g, gb[n]), n
