@@ -25,7 +25,12 @@ from datetime import datetime, timezone
 
 import torch
 
+from slimgrad.bench.harness import git_commit
+
 GiB = 2**30
+# the code this run imported (HEAD and a dirty flag), read now: a commit made while the run goes
+# must not label it
+COMMIT = git_commit()
 
 
 def _llama(layers, hidden, inter, batch, seq, amp, **extra):
@@ -95,7 +100,6 @@ def _full(make, device, choices, convert: bool, dtype):
 
 def run(name: str, device: str, say) -> dict:
     import slimgrad
-    from slimgrad.bench.harness import environment, git_commit
 
     label, build = TARGETS[name]
     target, batch, amp, _ = build()
@@ -156,8 +160,17 @@ def run(name: str, device: str, say) -> dict:
         "measure_seconds": measure_s,
         "measure_cpu_seconds": measure_cpu,
         "per_kind": top.blocks,
+        **_stamp(),
+    }
+
+
+def _stamp() -> dict:
+    # what labels a record: the versions, the commit read at import (COMMIT) and the time
+    from slimgrad.bench.harness import environment
+
+    return {
         "versions": environment(),
-        "commit": git_commit(),
+        "commit": COMMIT,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -40,3 +40,21 @@ def test_plan_budget_too_low_and_bad_budget(capsys):
     assert main([*_TINY, "--budget", "lots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("slimgrad plan: budget must be a size")
+
+
+def test_plan_targets_labels_a_record_with_the_commit_it_imported(monkeypatch):
+    # benchmarks/plan_targets.py ran 5-10 minutes and read HEAD at the end: a commit made
+    # meanwhile labelled a record of code it did not run
+    import importlib.util
+    from pathlib import Path
+
+    import slimgrad.bench.harness as harness
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_targets.py"
+    monkeypatch.setattr(harness, "git_commit", lambda: "at-import")
+    spec = importlib.util.spec_from_file_location("_plan_targets", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(harness, "git_commit", lambda: "later")
+    assert mod.COMMIT == "at-import"
+    assert mod._stamp()["commit"] == "at-import"

@@ -8,6 +8,9 @@ stage's shape-preserving blocks), one of these choices:
 - ``lean+recompute``: lean ops, and the whole block recomputed in backward
   (``torch.utils.checkpoint``, non-reentrant, RNG state restored);
 - ``lean+recompute:<child>``: lean ops, and only that child (e.g. ``mlp``) recomputed;
+- ``lean+recompute:attention-core``: lean ops, and only the attention core of the block's HF
+  attention modules (``QK^T``, softmax, dropout, ``PV``; not the projections) recomputed,
+  Megatron-style (NOTE [The attention core, recomputed] in ``attention_core.py``);
 - ``eager+recompute``: the block as it is, recomputed (plain activation checkpointing);
 - ``eager+sac``: the block as it is under torch's selective checkpointing that saves every
   matmul/attention output and recomputes the rest (no matmul FLOPs recomputed, every elementwise
@@ -22,7 +25,9 @@ the same choice without recompute (dropout masks included).
 # NOTE [How plan chooses]
 1. Measure. One forward under fake tensors finds the blocks (children of a ModuleList or
    Sequential with at least two children of one class, whose output has its input's shape; the
-   outermost such) and the matmul FLOPs of every module (``FlopCounterMode``). Blocks of the same
+   outermost such) and the matmul FLOPs of every module (``FlopCounterMode``, with CPU's fused
+   SDPA counted as its formula counts CUDA's: QK^T and PV; the attention core's are its module's
+   less its children's). Blocks of the same
    class and parameter shapes are one *kind*, measured once whatever its number of blocks. Each
    choice runs as two adjacent real blocks in that choice; one
    :func:`slimgrad.memory.estimate` holds as many such pairs as the kind's blocks allow (a kind of
@@ -47,10 +52,16 @@ the same choice without recompute (dropout masks included).
    ``r`` plus theirs. Two real blocks per choice, not one: a block's backward transient depends
    on whether the gradient it receives comes from another block or from the head (ownership may
    write over one and not the other), and the leftovers of blocks already done only show with a
-   block after them. Estimates: per kind, ``ceil(choices / ((n - 1) // 2))``; one for a 32-block
-   model's 7 choices. A kind of two blocks (or a step whose marks cannot be read) is measured one
-   choice per estimate against one more with every block passed through (``r`` = half the
-   retained bytes above it), a kind of one block on one real block and the step's peak only.
+   block after them. The choices that recompute are measured in other steps than those that do
+   not (``eager``, ``lean``): a recomputed block keeps what it was called with until its
+   backward, and some of that every block shares (HF Llama's position ids); measured after a
+   recomputed pair, a lean pair's head and backward segments carried those bytes, and every layer
+   lean composed 1,024 B above its full estimate on a 5-layer Llama (64 wide, 1 x 128 tokens).
+   Estimates: per kind, ``ceil(recomputing choices / ((n - 1) // 2))`` plus as many for the
+   others; two for a 32-block model's 8 choices. A kind of two blocks (or a step whose marks
+   cannot be read) is measured one choice per estimate against one more with every block passed
+   through (``r`` = half the retained bytes above it), a kind of one block on one real block and
+   the step's peak only.
 2. Compose. Blocks run forward in order and backward in reverse; while block ``i`` runs its
    forward or backward, the blocks before it keep their ``r`` and (backward) the blocks after it
    have left their ``left``. The composed peak of a choice vector ``x`` is the largest of: before
@@ -112,6 +123,8 @@ _REPAIRS = 4  # full estimates the greedy repair spends before the whole-model c
 
 #: block choices; ``lean+recompute:<child>`` names one child (see the module docstring)
 CHOICES = ("eager", "lean", "eager+sac", "lean+recompute", "eager+recompute")
+#: ``lean+recompute:attention-core``: the attention core of the block's HF attention modules
+CORE = "attention-core"
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -423,6 +436,11 @@ def apply_choices(
     for n, (_, what, sac) in parsed.items():
         if what is None:
             continue
+        if what == CORE:  # NOTE [The attention core, recomputed]
+            from slimgrad.attention_core import wrap
+
+            wrap(mods[n], api)
+            continue
         target = mods.get(n if what == "" else f"{n}.{what}")
         if target is None:
             raise ValueError(
@@ -447,6 +465,24 @@ def _made(api: str, made: Any) -> tuple[Callable, nn.Module]:
             f"nn.Module, got {type(made).__name__}. Return (forward, model) from make_forward."
         )
     return made
+
+
+def _sdpa_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    # FlopCounterMode's count for SDPA's fused kernels (QK^T and PV: 2 FLOPs per multiply-add),
+    # key and value heads broadcast to the query's (grouped-query attention)
+    b, h, s_q, d_q = query
+    s_k, d_v = key[-2], value[-1]
+    return 2 * b * h * s_q * s_k * d_q + 2 * b * h * s_q * s_k * d_v
+
+
+# CPU's fused SDPA kernel has no formula in FlopCounterMode (its CUDA kernels have one): without
+# it an SDPA model's attention core counted 0 matmul FLOPs on CPU and under fake tensors, and an
+# eager-attention model's (two bmm) did not
+_SDPA_FLOPS = {
+    getattr(torch.ops.aten, n): _sdpa_flops
+    for n in ("_scaled_dot_product_flash_attention_for_cpu",)
+    if hasattr(torch.ops.aten, n)
+}
 
 
 def _find_blocks(model: nn.Module, forward: Callable) -> tuple[list[str], dict[str, int], int]:
@@ -480,7 +516,10 @@ def _find_blocks(model: nn.Module, forward: Callable) -> tuple[list[str], dict[s
 
         hooks.append(c.register_forward_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad(), FlopCounterMode(display=False, depth=None) as fc:
+        with (
+            torch.no_grad(),
+            FlopCounterMode(display=False, depth=None, custom_mapping=_SDPA_FLOPS) as fc,
+        ):
             forward()
     finally:
         for h in hooks:
@@ -506,12 +545,27 @@ def _kind_key(m: nn.Module) -> tuple:
 
 
 def _child_choices(block: nn.Module, flops: dict[str, int], name: str) -> list[str]:
-    # children worth recomputing alone: those with parameters and matmul FLOPs
+    # children worth recomputing alone: those with parameters and matmul FLOPs; and the
+    # attention core where it has matmul FLOPs of its own
     out = []
     for k, c in block.named_children():
         if any(True for _ in c.parameters()) and flops.get(f"{name}.{k}", 0) > 0:
             out.append(f"lean+recompute:{k}")
+    if _core_flops(block, flops, name) > 0:
+        out.append(f"lean+recompute:{CORE}")
     return out
+
+
+def _core_flops(block: nn.Module, flops: dict[str, int], name: str) -> int:
+    # the attention core's matmul FLOPs as FlopCounterMode counts them: each HF attention
+    # module's less its children's (NOTE [The attention core, recomputed])
+    from slimgrad.attention_core import attention_modules
+
+    total = 0
+    for a, m in attention_modules(block):
+        q = f"{name}.{a}" if a else name
+        total += flops.get(q, 0) - sum(flops.get(f"{q}.{k}", 0) for k, _ in m.named_children())
+    return total
 
 
 def _grad_bytes(m: nn.Module) -> int:
@@ -940,8 +994,9 @@ def plan(
             per measurement.
         budget: the step's peak as ``estimate`` counts it, in bytes or a string (``"6GiB"``).
         device: whose kernels to model (``"cpu"`` or ``"cuda"``), as ``estimate``.
-        choices: the block choices to consider (default: all of :data:`CHOICES` and
-            ``lean+recompute:<child>`` for each child with parameters and matmul FLOPs).
+        choices: the block choices to consider (default: all of :data:`CHOICES`,
+            ``lean+recompute:<child>`` for each child with parameters and matmul FLOPs, and
+            ``lean+recompute:attention-core`` for a block with HF attention modules).
         verify: estimate the chosen plan whole and report that peak, moving on along the
             curve while it is above the budget (a full estimate each). Without it a budget
             below every composed peak is still checked whole before it is refused.
@@ -1010,6 +1065,8 @@ def plan(
                     lean, what, sac = _parse_choice(api, first, c)
                     if what is None or sac:
                         k.flops[c] = 0
+                    elif what == CORE:
+                        k.flops[c] = _core_flops(mods[first], flops, first)
                     else:
                         k.flops[c] = flops.get(first if what == "" else f"{first}.{what}", 0)
             del model, forward, mods
@@ -1028,11 +1085,19 @@ def plan(
             first, rest = k.names[0], tuple(b for b in blocks if b != k.names[0])
             pair = tuple(k.names[:2])
             two = tuple(b for b in blocks if b not in pair)
-            # "lean" last: the pair next to the head is measured with what late blocks mostly are;
-            # "eager+sac" just before it: where it fails, it fails early in the backward
+            # the choices that recompute and those that do not in separate steps (a recomputed
+            # block keeps tensors every block shares, e.g. position ids, until its backward:
+            # NOTE [How plan chooses], 1); "lean" last: the pair next to the head is measured
+            # with what late blocks mostly are; "eager+sac" last of its step: where it fails, it
+            # fails early in the backward
             todo = sorted(wanted[id(k)], key=lambda c: (c == "lean", c == "eager+sac"))
             per = (len(k.names) - 1) // 2  # pairs one estimate holds: 2 per pair, 1 to close
-            groups = [todo[at : at + per] for at in range(0, len(todo), per)] if per else []
+            groups = []
+            for part in (
+                [c for c in todo if _parse_choice(api, first, c)[1] is not None],
+                [c for c in todo if _parse_choice(api, first, c)[1] is None],
+            ):
+                groups += [part[at : at + per] for at in range(0, len(part), per)] if per else []
             while groups:
                 group = groups.pop(0)
                 say(f"measuring {len(group)} choice(s) of {first} in one step: {', '.join(group)}")
