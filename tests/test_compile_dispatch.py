@@ -92,3 +92,56 @@ def test_registered_autograd_still_runs():
     torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
     with torch.no_grad():
         assert not torch.ops.slimgrad._test_dispatch_twice.default(x).requires_grad
+
+
+_BELOW: list[bool] = []
+
+
+@custom_op("_test_dispatch_probe", mutates_args=())
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    # whether the implementation runs below autograd (the redispatch) or was called directly
+    _BELOW.append(
+        torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradOther)
+    )
+    return x * 2
+
+
+@_probe.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_grad_off_plain_call_skips_the_redispatch():
+    # grad off, plain CPU tensors, no mode: the Autograd kernel calls the backend kernel itself
+    # (NOTE [Lean dispatcher kernels]): the same result, one argument boxing round fewer
+    x = torch.randn(3)
+    _BELOW.clear()
+    with torch.no_grad():
+        y = torch.ops.slimgrad._test_dispatch_probe.default(x)
+    torch.testing.assert_close(y, x * 2)
+    assert _BELOW == [False]
+
+
+def test_grad_off_call_under_a_mode_still_reaches_the_mode():
+    # a dispatch mode's Python key (or a subclass's, negative, conjugate or sparse keys) takes the
+    # redispatch: the mode sees the op (its own call of the op then runs plainly); a negative
+    # view is resolved before the implementation sees it
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3)
+    _BELOW.clear()
+    with torch.no_grad(), Seen() as mode:
+        torch.ops.slimgrad._test_dispatch_probe.default(x)
+    assert mode.ops[0] == "slimgrad._test_dispatch_probe.default"
+    with torch.no_grad():
+        y = torch.ops.slimgrad._test_dispatch_probe.default(torch._neg_view(x))
+    torch.testing.assert_close(y, x * -2)

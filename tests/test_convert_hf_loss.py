@@ -529,7 +529,7 @@ def test_call_shapes_bind_once_as_signature_bind_binds(monkeypatch):
             assert plan is None
             continue
         ba.apply_defaults()
-        got = hf_loss._bound(plan, (conv, *args), kw)
+        got = hf_loss._bound(plan, (conv, *args), kw, spec)
         assert list(got) == list(ba.arguments)
         for k, v in got.items():
             want = ba.arguments[k]

@@ -253,6 +253,19 @@ def custom_op(
 # results, checks and errors, fewer Python frames per call (``tests/test_compile_dispatch.py``).
 # A mutating op keeps torch's kernels (its version-counter bumps live there); a torch without
 # the private function keeps torch's kernels as well.
+# With grad mode off (a compiled graph's forward and backward, a backward's own calls), the
+# Autograd kernel calls the backend kernel itself when the keys left below autograd are only the
+# dense CPU / CUDA / Meta backends, BackendSelect and ADInplaceOrView (fallthroughs for an op that
+# mutates nothing and returns no view): the redispatch would reach that same kernel, through one
+# more round of argument boxing. Any other key (a dispatch mode's or a subclass's Python key,
+# functionalization, functorch, conjugate/negative bits, sparse) takes the redispatch.
+_PLAIN_BELOW_AUTOGRAD = 0
+for _k in ("CPU", "CUDA", "Meta", "BackendSelect", "ADInplaceOrView"):
+    _PLAIN_BELOW_AUTOGRAD |= _C.DispatchKeySet(getattr(_C.DispatchKey, _k)).raw_repr()
+_NOT_PLAIN_BELOW_AUTOGRAD = ~_PLAIN_BELOW_AUTOGRAD & (2**64 - 1)
+del _k
+
+
 def _lean_kernels(op_def, fn: Callable) -> None:
     try:  # private: torch's Autograd kernel for a custom op, and its aliasing check
         from torch._library.autograd import make_autograd_impl
@@ -277,8 +290,12 @@ def _lean_kernels(op_def, fn: Callable) -> None:
     module = getattr(fn, "__module__", "???")
 
     def autograd_kernel(keyset, *args, **kwargs):
-        if _grad_on() and any_requires_grad(*args):
-            return full(keyset, *args, **kwargs)
+        if _grad_on():
+            if any_requires_grad(*args):
+                return full(keyset, *args, **kwargs)
+        elif not (keyset & after_autograd).raw_repr() & _NOT_PLAIN_BELOW_AUTOGRAD:
+            # nothing between here and the backend kernel (NOTE [Lean dispatcher kernels])
+            return backend_kernel(*args, **kwargs)
         with below_autograd():
             return redispatch(keyset & after_autograd, *args, **kwargs)
 

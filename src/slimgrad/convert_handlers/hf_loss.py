@@ -524,6 +524,59 @@ def _cached(fn, how):
     return _CACHE[key]
 
 
+# NOTE [The spec is a constant under torch.compile]
+# A spec depends only on the forward function it was read from (``_CACHE``'s key) and, once made,
+# never changes. Traced, every spec field the call reads was guarded element by element (the
+# base call's keyword table, the output fields, the binding plan: 91 of the tiny HF Llama's 920
+# guards, checked on every compiled call). So the call reads those fields from ``_layout(fn)``
+# and its binding from ``_plan(fn, ...)``, two functions marked as having a constant result, as
+# ``slimgrad._library.straight`` is: Dynamo calls them at trace time, outside the trace, and
+# guards on their code and on the code of the forward ``fn`` (the class's ``forward``: a new
+# function after a class is patched), not on what they return. What they return is plain data
+# only (str, int, float, bool, None and tuples of them): Dynamo cannot wrap a class or a function
+# from a constant's result (the output class is read from ``spec.globals``, traced and guarded).
+# A layout or a default with anything else falls back to the traced read of the spec. The module
+# facts a call depends on (its head, hooks, config, ``loss_function``) are read in the trace and
+# guarded as before.
+_LAYOUT_FIELDS = (
+    "causal", "router", "base", "hidden", "head", "transform", "loss", "vocab_from", "out", "varkw",
+)  # fmt: skip
+_LAYOUTS: dict = {}
+
+
+def _literal(v) -> bool:
+    if v is None or type(v) in (str, int, float, bool):
+        return True
+    return type(v) is tuple and all(_literal(e) for e in v)
+
+
+class _Layout:
+    # a spec's plain-data fields (NOTE [The spec is a constant under torch.compile])
+    def __init__(self, spec) -> None:
+        for f in _LAYOUT_FIELDS:
+            setattr(self, f, getattr(spec, f))
+
+
+def _layout(fn):
+    # the plain-data fields of the forward ``fn``'s spec (a _Layout), or None
+    if fn not in _LAYOUTS:
+        spec = _cached(fn, "forward")[0]
+        ok = spec is not None and all(_literal(getattr(spec, f)) for f in _LAYOUT_FIELDS)
+        _LAYOUTS[fn] = _Layout(spec) if ok else None
+    return _LAYOUTS[fn]
+
+
+_layout._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _plan(fn, nargs, names):
+    # _binding for the forward ``fn``'s spec (NOTE [The spec is a constant under torch.compile])
+    return _binding(_cached(fn, "forward")[0], nargs, names)
+
+
+_plan._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 _ROWWISE_TORCH = (nn.Linear, nn.LayerNorm, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Identity)
 _ROWWISE_SLIMGRAD = {"Linear", "LayerNorm", "GELU", "ReLU", "SiLU", "Tanh", "Sigmoid", "Mish"}
 
@@ -661,14 +714,16 @@ class _Arg:
 def _binding(spec, nargs, names):
     # How the forward's parameters take a call with ``nargs`` positional arguments (self
     # included) and keywords ``names`` (in call order): ((parameter, how, what), ...) as
-    # Signature.bind + apply_defaults would bind them (``how``: _Arg, from the call at position
-    # or keyword ``what``; dict, the **kwargs of keywords ``what``; None, the default ``what``),
-    # or None when bind refuses the call. Binding depends on the call's shape only, never on
-    # its values, so it is bound once per shape (with stand-ins) and kept on the spec.
+    # Signature.bind + apply_defaults would bind them (``how``: _FROM_ARG / _FROM_KW, from the
+    # call at position / keyword ``what``; _VARKW, the **kwargs of keywords ``what``; _DEFAULT, the
+    # default ``what``; _DEFAULT_OF, the signature's default of parameter ``what``, one that is
+    # not plain data), or None when bind refuses the call. Binding depends on the call's shape
+    # only, never on its values, so it is bound once per shape (with stand-ins) and kept on the
+    # spec.
+    # Traced, this runs outside the trace through _plan (NOTE [The spec is a constant under
+    # torch.compile]): the table's contents are never guarded.
     key = (nargs, names)
-    # traced, the table is not read: a shape the first call added would fail a guard on its
-    # contents at the second call, which compiled again; the trace binds (once per compile)
-    plan = _UNBOUND if compiling() else spec.binds.get(key, _UNBOUND)
+    plan = spec.binds.get(key, _UNBOUND)
     if plan is _UNBOUND:
         try:
             ba = spec.signature.bind(*map(_Arg, range(nargs)), **{k: _Arg(k) for k in names})
@@ -677,32 +732,38 @@ def _binding(spec, nargs, names):
         else:
             ba.apply_defaults()
             plan = tuple(
-                (p, dict, tuple(v))
+                (p, _VARKW, tuple(v))
                 if p == spec.varkw
-                else (p, _Arg, v.key)
+                else (p, _FROM_ARG if type(v.key) is int else _FROM_KW, v.key)
                 if isinstance(v, _Arg)
-                else (p, None, v)
+                else (p, _DEFAULT, v)
+                if _literal(v)
+                else (p, _DEFAULT_OF, p)  # read from the signature in _bound
                 for p, v in ba.arguments.items()
             )
-        if not compiling():
-            spec.binds[key] = plan
+        spec.binds[key] = plan
     return plan
 
 
 _UNBOUND = object()
+_FROM_ARG, _FROM_KW, _VARKW, _DEFAULT, _DEFAULT_OF = 0, 1, 2, 3, 4  # a plan is plain data
 
 
-def _bound(plan, args, kw):
+def _bound(plan, args, kw, spec):
     # the call's arguments by parameter name, as ``Signature.bind(...).arguments`` after
     # apply_defaults (``args`` with self first)
     out = {}
     for p, how, what in plan:
-        if how is _Arg:
-            out[p] = args[what] if type(what) is int else kw[what]
-        elif how is dict:
+        if how == _FROM_KW:
+            out[p] = kw[what]
+        elif how == _FROM_ARG:
+            out[p] = args[what]
+        elif how == _VARKW:
             out[p] = {k: kw[k] for k in what}
-        else:
+        elif how == _DEFAULT:
             out[p] = what
+        else:
+            out[p] = spec.signature.parameters[what].default
     return out
 
 
@@ -836,19 +897,21 @@ class _FusedLMForward:
             # a tuple drops None fields: without logits every later field would move one slot
             # left (``loss, logits = out[:2]`` would read the next field), so HF's forward runs
             return cls_forward(model, *args, **kwargs)
-        plan = _binding(spec, len(args) + 1, tuple(kw))
+        plan = _plan(cls_forward, len(args) + 1, tuple(kw))  # _binding, a constant traced
         if plan is None:
             return cls_forward(model, *args, **kwargs)  # HF raises its own error
-        a = _bound(plan, (model, *args), kw)
-        head, _ = _head(model, spec)
-        if head is None or _why_not_now(model, spec, a, head[1]):
+        a = _bound(plan, (model, *args), kw, spec)
+        lay = _layout(cls_forward) or spec  # a constant traced (NOTE [The spec is a constant...])
+        head, _ = _head(model, lay)
+        if head is None or _why_not_now(model, lay, a, head[1]):
             return cls_forward(model, *args, **kwargs)
-        out = self._fused(model, spec, a, head)
+        out = self._fused(model, lay, a, head, spec.globals[lay.out[0]])
         if not return_dict and not isinstance(out, tuple):
             out = out.to_tuple()
         return out
 
-    def _fused(self, model, spec, a, head):
+    def _fused(self, model, spec, a, head, out_cls):
+        # spec: the spec or its _Layout; out_cls: the output class it names
         from slimgrad.ops.linear_cross_entropy import causal_lm_loss, linear_cross_entropy
 
         extra = dict(a.pop(spec.varkw, {}))
@@ -915,11 +978,10 @@ class _FusedLMForward:
                 reduction=reduction,
             )
         vals = {"loss": loss, "logits": logits, "aux": None}
-        cls_name, fields = spec.out
         fields_kw = {
-            k: (vals[v] if isinstance(v, str) else getattr(outputs, v[1])) for k, v in fields
+            k: (vals[v] if isinstance(v, str) else getattr(outputs, v[1])) for k, v in spec.out[1]
         }
-        return spec.globals[cls_name](**fields_kw)
+        return out_cls(**fields_kw)
 
 
 def fuse_lm_loss(

@@ -117,8 +117,22 @@ def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return drop
 
 
-def _softmax_fwd(s, dim, causal, mask=None, plain=False):
-    # plain: the caller's straight path (NOTE [Causal masks built once])
+# NOTE [Causal fill by where]
+# Where S is the op's own product (q @ k_t: a fresh contiguous matmul result) and no dispatch mode
+# watches, the causal fill is ``torch.where(drop, -inf, S)``: element for element what
+# ``S.masked_fill(drop, -inf)`` gives (the same selection, NaN and inf included), a new tensor of
+# S's shape, dtype and (contiguous) layout as masked_fill's copy, so the same softmax input and
+# bits; on CPU its kernel is cheaper than masked_fill's with the broadcast (T_q, T_k) mask, on
+# CUDA it is one kernel where masked_fill is a copy and a fill. It costs one more dispatcher call
+# (the -inf becomes a 0-dim tensor first) and 4 transient bytes, so under a dispatch mode (the
+# memory tracker, fake tensors, op counters) the op keeps masked_fill: the same op counts and
+# bytes as before. A caller's S (softmax_dropout_matmul) keeps masked_fill, whose copy keeps S's
+# own strides. Compiled, the custom ops' implementations run with no mode: they take where.
+
+
+def _softmax_fwd(s, dim, causal, mask=None, plain=False, own=False):
+    # plain: the caller's straight path (NOTE [Causal masks built once]); own: s is the op's own
+    # contiguous product (NOTE [Causal fill by where])
     if not causal and mask is None:
         return torch.softmax(s, dim)
     t = s
@@ -129,7 +143,11 @@ def _softmax_fwd(s, dim, causal, mask=None, plain=False):
             drop = _CAUSAL[key] if key in _CAUSAL else _causal_mask(q_len, kv_len, s.device)
         else:
             drop = torch.ones(q_len, kv_len, dtype=torch.bool, device=s.device).triu_(1)
-        t = t.masked_fill(drop, float("-inf"))  # our own copy: softmax may overwrite it
+        # our own copy either way: softmax may overwrite it
+        if own and not _dispatch_stack_len() and s.is_contiguous():
+            t = torch.where(drop, float("-inf"), t)
+        else:
+            t = t.masked_fill(drop, float("-inf"))
     if mask is not None:
         if mask.dtype == torch.bool:
             t = torch.where(mask, t, float("-inf"))
@@ -157,8 +175,8 @@ def _softmax_bwd(dp, probs, dim):
     return torch._softmax_backward_data(dp, probs, dim, probs.dtype)
 
 
-def _fwd_torch(s, v, p, dim, mm_dtype, causal=False, mask=None):
-    probs = _softmax_fwd(s, dim, causal, mask)
+def _fwd_torch(s, v, p, dim, mm_dtype, causal=False, mask=None, own=False):
+    probs = _softmax_fwd(s, dim, causal, mask, own=own)
     if p > 0:
         dropped, bits = _dropout._fwd_torch(probs, p, False)  # always packed
     else:
@@ -487,10 +505,10 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             if causal:
                 key = (s.shape[1], s.shape[2], s.device)
                 drop = _CAUSAL[key] if key in _CAUSAL else _causal_mask(*key)
-                s = s.masked_fill(drop, float("-inf"))
+                s = torch.where(drop, float("-inf"), s)  # NOTE [Causal fill by where]
             probs = torch._softmax(s, -1, False, out=s)
         elif direct:
-            probs = _softmax_fwd(s, -1, causal, mask, True)
+            probs = _softmax_fwd(s, -1, causal, mask, True, own=True)
         if direct:
             r = _dropout._straight_c(probs, p) if p > 0 else None
             if r is not None:
@@ -549,8 +567,8 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             s = torch.bmm(q, k_t)
             if ctx.causal:
                 key = (s.shape[1], s.shape[2], s.device)
-                s = s.masked_fill(
-                    _CAUSAL[key] if key in _CAUSAL else _causal_mask(*key), float("-inf")
+                s = torch.where(  # NOTE [Causal fill by where]
+                    _CAUSAL[key] if key in _CAUSAL else _causal_mask(*key), float("-inf"), s
                 )
             probs = torch._softmax(s, -1, False, out=s)  # the forward's P
             del s
@@ -579,7 +597,7 @@ class _ScoresSoftmaxDropoutMatmulFn(torch.autograd.Function):
             dq = torch.bmm(ds, k_t.mT) if need_q else None  # eager's bmm backward, operand order
             dk = torch.bmm(q.mT, ds) if need_k else None
             return dq, dk, dv, None, None, None, None, None, None
-        probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask, plain)  # the forward's P
+        probs = _softmax_fwd(mm(q, k_t), -1, ctx.causal, mask, plain, own=True)  # forward's P
         # P is this backward's own temporary: D for dV is rebuilt in its buffer after dS
         ds, dv = _bwd_torch(
             d_out,
@@ -958,7 +976,7 @@ def _scores_sdm(
     causal: bool,
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, _, bits = _fwd_torch(torch.matmul(q, k_t), v, p, -1, mm_dtype, causal, mask)
+    out, _, bits = _fwd_torch(torch.matmul(q, k_t), v, p, -1, mm_dtype, causal, mask, own=True)
     return out, bits
 
 
@@ -986,7 +1004,7 @@ def _scores_sdm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # _ScoresSoftmaxDropoutMatmulFn.backward's math: the same ops on the same tensors
     need_q, need_k, need_v = needs
-    probs = _softmax_fwd(_matmul(q, k_t), -1, causal, mask)
+    probs = _softmax_fwd(_matmul(q, k_t), -1, causal, mask, own=True)
     ds, dv = _bwd_torch(
         d_out,
         probs,
