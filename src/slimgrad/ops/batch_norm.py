@@ -964,7 +964,8 @@ def _batch_norm(
         or (bias is not None and bias.requires_grad)
     ) and torch.is_grad_enabled()
     numel = input.numel() if needs_graph else 0
-    plain = numel == 0 or _compiling() or _transforms_active()  # NOTE [torch.func transforms]
+    compiled = numel != 0 and _compiling()
+    plain = numel == 0 or compiled or _transforms_active()  # NOTE [torch.func transforms]
     # x's recipe (NOTE [Recomputable inputs]; its cost: NOTE [What a replayed input costs]),
     # looked up once: the forward keeps it if it keeps x
     recipe = None
@@ -1007,8 +1008,13 @@ def _batch_norm(
         )
     ):
         # Plain path: nothing is kept beyond what eager keeps (empty inputs: aten's own rules).
-        return torch.nn.functional.batch_norm(
-            input, running_mean, running_var, weight, bias, training, momentum, eps
+        if numel == 0 or compiled or _has_tf(input, running_mean, running_var, weight, bias):
+            return torch.nn.functional.batch_norm(
+                input, running_mean, running_var, weight, bias, training, momentum, eps
+            )
+        # NOTE [Eager's batch_norm without its wrapper]
+        return torch.batch_norm(
+            input, weight, bias, running_mean, running_var, training, momentum, eps, _cudnn_on()
         )
     c = shape[1] if ndim > 1 else 1
     for t in (running_mean, running_var, weight, bias):  # eager's checks F does
@@ -1098,6 +1104,18 @@ def _batch_norm(
 _PLAIN_KEY = "_slimgrad_bn_plain"
 
 
+# NOTE [Eager's batch_norm without its wrapper]
+# ``torch.nn.functional.batch_norm`` is, for arguments without ``__torch_function__`` (no tensor
+# subclass, no torch function mode: ``_has_torch_function_variadic``, one C call), its batch-size
+# and eps checks and then ``torch.batch_norm(..., torch.backends.cudnn.enabled)``. Both checks ran
+# above, with eager's messages, before any path; so a plain-path call that needs a graph and is
+# not traced by Dynamo calls ``torch.batch_norm`` itself with the flag read from
+# ``torch._C._get_cudnn_enabled`` (what the ``cudnn.enabled`` property returns): the same aten op
+# with the same arguments, five Python calls fewer per call (most BatchNorms of a small-image
+# step take this path: NOTE [Few values per channel]). Dynamo traces, anything with a
+# ``__torch_function__`` and a call without a graph keep the functional itself.
+
+
 # NOTE [A source only where it can be claimed]
 # _Source.keep_output refuses, from the output's shape and dtypes alone, a training call with few
 # values per channel (NOTE [Few values per channel]), a 16-bit output and an output less precise
@@ -1111,6 +1129,8 @@ _PLAIN_KEY = "_slimgrad_bn_plain"
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_has_tf = torch._C._has_torch_function_variadic
+_cudnn_on = torch._C._get_cudnn_enabled
 _grad_on = torch._C.is_grad_enabled
 _bump = torch._C._increment_version
 _RECIPES_D, _SOURCES_D, _CLOCK = _derived._RECIPES_D, _derived._SOURCES_D, _derived._CLOCK
