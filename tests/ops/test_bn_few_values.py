@@ -131,3 +131,50 @@ def test_timm_models_at_batch_2_verify(name, size):
         model, slim, torch.randn(2, 3, size, size), modes=("train",), inference=False
     )
     assert res.ok, str(res)
+
+
+def test_few_values_call_is_eager_s_op_without_its_wrapper():
+    # NOTE [Eager's batch_norm without its wrapper]: a converted BatchNorm whose training call keeps
+    # x (8 values per channel) calls torch.batch_norm itself: eager's bits (output, running
+    # statistics, gradients) in 16 Python calls per module call, counted by cProfile as the
+    # host-overhead bench counts them (20 through torch.nn.functional.batch_norm); a torch
+    # function mode still sees the functional
+    import cProfile
+    import pstats
+
+    from torch.overrides import TorchFunctionMode
+
+    base = torch.nn.BatchNorm2d(8)
+    with torch.no_grad():
+        base.weight.uniform_(0.5, 1.5)
+        base.bias.uniform_(-0.2, 0.2)
+    eager = copy.deepcopy(base)
+    slim = slimgrad.convert_(torch.nn.Sequential(copy.deepcopy(base)))[0]
+    x = torch.randn(2, 8, 2, 2)
+    dy = torch.randn(2, 8, 2, 2)
+    outs = []
+    for m in (eager, slim):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        gx, gw, gb = torch.autograd.grad(y, [xi, m.weight, m.bias], dy)
+        outs.append((y, gx, gw, gb, m.running_mean, m.running_var, m.num_batches_tracked))
+    for a, e in zip(*outs):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+    xg = x.clone().requires_grad_()
+    prof = cProfile.Profile()
+    prof.enable()
+    slim(xg)
+    prof.disable()
+    assert pstats.Stats(prof).total_calls <= 16
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        slim(xg)
+    assert F.batch_norm in seen
