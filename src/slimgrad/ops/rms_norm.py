@@ -66,7 +66,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from slimgrad import _dtensor, ownership
+from slimgrad import _dtensor, _ext, ownership
 from slimgrad._autograd import (
     compiling,
     direct_apply,
@@ -76,6 +76,7 @@ from slimgrad._autograd import (
     unwrap_if_dead,
 )
 from slimgrad._library import straight
+from slimgrad._math import norms as _norms
 from slimgrad._math.norms import (  # noqa: F401 (CHUNK_ELEMS: tests)
     CHUNK_ELEMS,
     fallback_channels,
@@ -105,6 +106,16 @@ _NO_TRITON = _backend.NO_TRITON_OFF_CUDA
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _any_autocast = torch._C._is_any_autocast_enabled
+# the C++ extension's rms_norm_bwd, once it is loaded (NOTE [Backward bodies from C++])
+_EXT_BWD = None
+
+
+def _use_extension(mod) -> None:
+    global _EXT_BWD
+    _EXT_BWD = getattr(mod, "rms_norm_bwd", None)
+
+
+_ext.when_loaded(_use_extension)
 
 
 @custom_op("rms_norm_fwd", mutates_args=())
@@ -203,6 +214,34 @@ class _RMSNormFn(torch.autograd.Function):
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[2]]
+        if (
+            _EXT_BWD is not None
+            and mask[0]
+            and idx is None
+            and weight is not None
+            and y.dtype == ctx.x_dtype
+            and (
+                (not y.is_cuda and _backend._resolved[0] in _NO_TRITON)
+                or _bwd_impl(y) is _bwd_torch
+            )
+        ):
+            # NOTE [Backward bodies from C++] in slimgrad/_ext: rms_norm_bwd_torch's one-chunk
+            # body, on dy's own buffer when it is dead (else the op's implementation, past the
+            # gate); None where that body does not apply
+            own = buf is not None
+            r = _EXT_BWD(
+                buf if own else dy,
+                y,
+                rstd,
+                weight,
+                ctx.normalized_shape,
+                mask[1],
+                own,
+                _norms.CHUNK_ELEMS,
+                not own,
+            )
+            if r is not None:
+                return r[0], None, r[1], None, None
         # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too
         if (  # owns_layout(buf, y), inline
             mask[0]
@@ -597,6 +636,36 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
                 gamma = weight
             else:
                 gamma = gamma_of(weight.detach())
+        if (
+            _EXT_BWD is not None
+            and mask[0]
+            and idx is None
+            and gamma is not None
+            and (
+                (not y.is_cuda and _backend._resolved[0] in _NO_TRITON)
+                or _bwd_impl(y) is _bwd_torch
+            )
+        ):
+            # NOTE [Backward bodies from C++] in slimgrad/_ext: rms_norm_bwd_torch's one-chunk
+            # body, on dy's own buffer when it is dead (else _rms_norm_bwd's implementation, past
+            # the gate); None where that body does not apply
+            own = buf is not None
+            r = _EXT_BWD(
+                buf if own else dy,
+                y,
+                rstd,
+                gamma,
+                y.shape[-1],
+                need_w,
+                own,
+                _norms.CHUNK_ELEMS,
+                not own,
+            )
+            if r is not None:
+                dg = r[1]
+                if need_w and dg.dtype != weight.dtype:
+                    dg = dg.to(weight.dtype)
+                return r[0], dg, None, None, None
         ns = [y.shape[-1]]
         if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
             mask[0]
