@@ -52,6 +52,7 @@ from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
+    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
@@ -303,8 +304,11 @@ class _GatedMLPFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order("ops.gated_mlp")
     def backward(ctx, dy):
+        # first_order("ops.gated_mlp") inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py)
+        if _grad_on():
+            return refuse_second_order("ops.gated_mlp", _GatedMLPFn.backward, ctx, (dy,))
         x, g, u, h, wg, wu, wd = ctx.saved_tensors
         if ctx.straight and not (_any_autocast() or compiling()):
             if _EXT_BWD is None and not _ext._state["tried"]:

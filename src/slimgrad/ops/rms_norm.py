@@ -68,10 +68,12 @@ import torch.nn.functional as F
 
 from slimgrad import _dtensor, _ext, ownership
 from slimgrad._autograd import (
+    CTX_FIELDS,
     compiling,
     direct_apply,
     first_order,
     refuse_jit,
+    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
@@ -106,6 +108,7 @@ _NO_TRITON = _backend.NO_TRITON_OFF_CUDA
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _any_autocast = torch._C._is_any_autocast_enabled
+_grad_on = torch._C.is_grad_enabled
 # the C++ extension's rms_norm_bwd, once it is loaded (NOTE [Backward bodies from C++])
 _EXT_BWD = None
 
@@ -198,6 +201,10 @@ class _RMSNormFn(torch.autograd.Function):
             if not compiling() and type(k) is int and k == 0:
                 idx = None
         if idx is None:
+            if direct is _TORCH and CTX_FIELDS:  # NOTE [Saving through ctx's fields]
+                ctx.to_save = (y, rstd, None, None, weight)
+                ctx.non_differentiable = (rstd,)
+                return y, rstd
             ctx.save_for_backward(y, rstd, None, None, weight)
             ctx.mark_non_differentiable(rstd)
             return y, rstd
@@ -206,8 +213,11 @@ class _RMSNormFn(torch.autograd.Function):
         return y, rstd, idx, xside
 
     @staticmethod
-    @first_order("ops.rms_norm")  # keeps y, not x: second derivatives raise a clear error
     def backward(ctx, dy, *_):
+        # first_order("ops.rms_norm") inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py): keeps y, not x, so second derivatives raise a clear error
+        if _grad_on():
+            return refuse_second_order("ops.rms_norm", _RMSNormFn.backward, ctx, (dy, *_))
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
@@ -544,9 +554,6 @@ def _float(w):
     return w.float()
 
 
-_grad_on = torch._C.is_grad_enabled
-
-
 # {variant: (forward(x, weight, eps) -> (y, rstd), gamma(weight) -> the float32 scale y = xhat *
 # gamma of a float32 input, or None: no weight)}
 HF_VARIANTS = {
@@ -592,7 +599,12 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps, variant, direct=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
         fwd, gamma_of = HF_VARIANTS[variant]
-        y, rstd = fwd(x, weight, eps)
+        if direct and fwd is _hf_llama and weight is not None:
+            # _hf_llama inline for the gate's float32 input (its casts are x itself): its ops
+            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            y = weight * (x * rstd)
+        else:
+            y, rstd = fwd(x, weight, eps)
         ctx.variant = variant
         # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
         ctx.materialize_grads = False
@@ -611,6 +623,9 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
             if not compiling() and type(k) is int and k == 0:
                 idx = None
         if idx is None:  # NOTE [An empty side table is saved as None] in ops/layer_norm.py
+            if direct and CTX_FIELDS:  # NOTE [Saving through ctx's fields]
+                ctx.to_save = (y, rstd, None, None, weight)
+                return (y,)
             ctx.save_for_backward(y, rstd, None, None, weight)
             return (y,)
         ctx.save_for_backward(y, rstd, idx, xside, weight)
@@ -620,8 +635,13 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         return y, idx, xside
 
     @staticmethod
-    @first_order("ops.rms_norm")
     def backward(ctx, dy, *_):
+        # first_order("ops.rms_norm") inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py)
+        if _grad_on():
+            return refuse_second_order(
+                "ops.rms_norm", _HFRMSNormFromOutputFn.backward, ctx, (dy, *_)
+            )
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
