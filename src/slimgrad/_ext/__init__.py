@@ -1,4 +1,5 @@
-"""Optional C++ extension: storage facts that PyTorch states through its public C++ API.
+"""Optional C++ extension: storage facts that PyTorch states through its public C++ API, and a few
+backward bodies issued from C++.
 
 # NOTE [Storage facts from the C++ API]
 :mod:`slimgrad.ownership` needs to know who can reach a tensor's memory without making the
@@ -34,7 +35,25 @@ custom Function's Python backward or by other Python code, read from the Python 
 ``__torch_dispatch__`` with CPython's public frame API (PyEval_GetFrame, PyFrame_GetBack,
 PyFrame_GetCode), so slimgrad's Python code reads no frame (NOTE [How live bytes are counted]).
 
-The source is compiled with ``torch.utils.cpp_extension.load`` against the headers of the torch
+# NOTE [Backward bodies from C++]
+``backward.cpp`` (built into the same module) issues a few backward bodies' ATen ops from C++, so
+a step does not pay Python's per-op binding for each: ``rms_norm_bwd``, the one-chunk backward of
+``slimgrad._math.norms.rms_norm_bwd_torch`` (NOTE [RMSNorm's one-chunk backward in the tensors'
+own shapes] there; ``ops/rms_norm.py``'s two Functions), and ``gated_mlp_bwd``, the gated MLP's
+straight backward (NOTE [The gated MLP's straight backward] in ``ops/gated_mlp.py``, whose
+``aten.silu_backward.grad_input`` went through the generic Python op binding). Each runs the same
+ATen ops on the same operands in the same order as the Python body, through the C++ function each
+Python binding calls (a Python int divisor as the wrapped-number tensor Python's argument parser
+makes), and drops each temporary after its last use as Python does (one statement per call where a
+C++ temporary would outlive it): the same bits, the same buffers and peak, the same ops for a
+dispatch mode (slimgrad.memory's tracker, the fake-tensor estimate), the profiler and autograd.
+It returns None, and the caller runs its Python body, for a tensor subclass (FakeTensor, DTensor),
+a functorch or functional wrapper, under a torch function mode (it would see Python's calls), and
+where the body's own case does not hold; where the Python body ran past the gate (NOTE [One-call
+gate] in slimgrad/_library.py), ``rms_norm_bwd`` asks the gate's five watchers itself. Without the
+extension the Python bodies run (the same bits); ``tests/test_ext_backward.py`` compares the two.
+
+The sources are compiled with ``torch.utils.cpp_extension.load`` against the headers of the torch
 that runs, on first use (never at ``import slimgrad``), and cached in ``$SLIMGRAD_CACHE/ext`` (else
 ``~/.cache/slimgrad/ext``), one directory per torch version, Python version and source hash
 (torch's file lock there serialises concurrent builds, e.g. pytest-xdist workers). Without a C++
@@ -74,6 +93,8 @@ NAME = "slimgrad_storage_facts"
 _FAILED = "build-failed.txt"
 _STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old belongs to no one
 SOURCE = Path(__file__).with_name("storage_facts.cpp")
+#: every source the module is built from (NOTE [Backward bodies from C++]: backward.cpp)
+SOURCES = (SOURCE, Path(__file__).with_name("backward.cpp"))
 
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None, "tried": False, "seconds": None}
@@ -89,7 +110,10 @@ def cache_dir() -> Path:
 
 
 def _build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    digest = h.hexdigest()[:16]
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
     return cache_dir() / f"{NAME}-torch{torch.__version__}-{py}-{digest}"
 
@@ -126,7 +150,7 @@ def _build():
             warnings.simplefilter("ignore")
             return cpp_extension.load(
                 NAME,
-                [str(SOURCE)],
+                [str(src) for src in SOURCES],
                 extra_cflags=["-O2"],
                 build_directory=str(path),
                 verbose=False,

@@ -18,6 +18,9 @@
 
 #include <cstdint>
 
+long slimgrad_watcher_mask();
+extern PyMethodDef slimgrad_backward_methods[];  // backward.cpp
+
 namespace {
 
 // Whether torch's allocator for this device type made the memory: its DataPtr is freed by that
@@ -146,29 +149,40 @@ bool functorch_active() {
       included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
 }
 
+}  // namespace
+
 // Who watches eager PyTorch right now, as a bit mask (0: nobody), each bit the C++ fact that
 // torch's own Python binding returns (NOTE [One-call gate] in slimgrad/_library.py):
 // 1 torch._C._len_torch_dispatch_stack() > 0, 2 torch._C._is_torch_function_mode_enabled(),
 // 4 torch._C._are_functorch_transforms_active(), 8 torch._C._is_tracing(),
-// 16 torch._C._autograd._profiler_enabled().
+// 16 torch._C._autograd._profiler_enabled(). Also read by backward.cpp.
+long slimgrad_watcher_mask() {
+  long mask = 0;
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    mask |= 1;
+  }
+  if (at::impl::torch_function_mode_enabled()) {
+    mask |= 2;
+  }
+  if (functorch_active()) {
+    mask |= 4;
+  }
+  if (torch::jit::tracer::isTracing()) {
+    mask |= 8;
+  }
+  if (torch::profiler::impl::profilerEnabled()) {
+    mask |= 16;
+  }
+  return mask;
+}
+
+namespace {
+
+// ``watchers()``: slimgrad_watcher_mask() for slimgrad._library.straight.
 PyObject* watchers(PyObject* /*self*/, PyObject* /*unused*/) {
   long mask = 0;
   try {
-    if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-      mask |= 1;
-    }
-    if (at::impl::torch_function_mode_enabled()) {
-      mask |= 2;
-    }
-    if (functorch_active()) {
-      mask |= 4;
-    }
-    if (torch::jit::tracer::isTracing()) {
-      mask |= 8;
-    }
-    if (torch::profiler::impl::profilerEnabled()) {
-      mask |= 16;
-    }
+    mask = slimgrad_watcher_mask();
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -307,5 +321,10 @@ PyModuleDef module_def = {
 #define SLIMGRAD_CONCAT(a, b) SLIMGRAD_CONCAT_(a, b)
 
 PyMODINIT_FUNC SLIMGRAD_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
-  return PyModule_Create(&module_def);
+  PyObject* mod = PyModule_Create(&module_def);
+  if (mod != nullptr && PyModule_AddFunctions(mod, slimgrad_backward_methods) < 0) {
+    Py_DECREF(mod);
+    return nullptr;
+  }
+  return mod;
 }

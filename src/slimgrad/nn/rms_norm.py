@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from slimgrad._autograd import unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.rms_norm import (
+    _HF_RMS_APPLY,
     HALF_DTYPES,
     HF_VARIANTS,
     _rms_norm_straight,
@@ -22,6 +24,9 @@ __all__ = ["HFRMSNorm", "RMSNorm"]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _any_autocast = torch._C._is_any_autocast_enabled
+_grad_on = torch._C.is_grad_enabled
+_Parameter = torch.nn.Parameter
+_f32, _f64 = torch.float32, torch.float64
 
 
 class RMSNorm(NoScript, torch.nn.RMSNorm):
@@ -129,7 +134,31 @@ class HFRMSNorm(NoScript, torch.nn.Module):
         # hook exists
         if (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self):
             return HF_VARIANTS[self.variant][0](hidden_states, w, eps)[0]
-        return hf_rms_norm(hidden_states, w, eps, self.variant)
+        x, v = hidden_states, self.variant
+        if (  # hf_rms_norm's straight path, its gate inline: NOTE [One gate per call]
+            type(x) in _PLAIN
+            and type(w) in _PLAIN_OR_NONE
+            and x.dtype == _f32
+            and x.shape
+            and 0 not in x.shape
+            and v in HF_VARIANTS
+            and (
+                w is None
+                or (
+                    w.shape == x.shape[-1:]
+                    and w.dtype != _f64
+                    and not (v == "t5" and w.dtype in HALF_DTYPES)
+                )
+            )
+            and (x.requires_grad or (w is not None and w.requires_grad))
+            and not x.is_meta
+            and _grad_on()
+            and straight()
+        ):
+            if type(w) is not _Parameter and w is not None:
+                w = unwrap_if_dead(w)
+            return _HF_RMS_APPLY(unwrap_if_dead(x), w, float(eps), v, True)[0]
+        return hf_rms_norm(hidden_states, w, eps, v)
 
     def extra_repr(self) -> str:
         w = getattr(self, "weight", None)

@@ -46,11 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from slimgrad import _ext
 from slimgrad._autograd import (
     compiling,
     direct_apply,
     first_order,
     refuse_jit,
+    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
@@ -83,6 +85,16 @@ _grad_on = _C.is_grad_enabled
 _PLAIN = (Tensor, torch.nn.Parameter)
 _Parameter = torch.nn.Parameter
 _NO_CONTEXT = contextlib.nullcontext()
+_EXT_BWD = None  # the C++ extension's gated_mlp_bwd, once it is loaded
+_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # its activation argument
+
+
+def _use_extension(mod) -> None:
+    global _EXT_BWD
+    _EXT_BWD = getattr(mod, "gated_mlp_bwd", None)
+
+
+_ext.when_loaded(_use_extension)
 
 
 def _act_bwd(da: Tensor, g: Tensor, activation: str, out: Tensor) -> Tensor:
@@ -292,10 +304,22 @@ class _GatedMLPFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order("ops.gated_mlp")
     def backward(ctx, dy):
+        # first_order("ops.gated_mlp") inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py)
+        if _grad_on():
+            return refuse_second_order("ops.gated_mlp", _GatedMLPFn.backward, ctx, (dy,))
         x, g, u, h, wg, wu, wd = ctx.saved_tensors
         if ctx.straight and not (_any_autocast() or compiling()):
+            if _EXT_BWD is None and not _ext._state["tried"]:
+                _ext.load()  # built on first use (as ownership's first question builds it)
+            if _EXT_BWD is not None:
+                # NOTE [Backward bodies from C++] in slimgrad/_ext: the body below in C++ (None for
+                # a tensor subclass or under a torch function mode)
+                r = _EXT_BWD(dy, x, g, u, wg, wu, wd, _ACT_CODE[ctx.activation])
+                if r is not None:
+                    dx, dwg, dwu, dwd = r
+                    return dx, dwg, None, dwu, None, dwd, None, None, None, None, None, None, None
             # NOTE [The gated MLP's straight backward]
             # The general path below for this one case, its helpers' frames inline: the same
             # ops on the same operands in the same order (g, u and dh as 2-D (tokens, I) views:

@@ -66,16 +66,19 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from slimgrad import _dtensor, ownership
+from slimgrad import _dtensor, _ext, ownership
 from slimgrad._autograd import (
+    CTX_FIELDS,
     compiling,
     direct_apply,
     first_order,
     refuse_jit,
+    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
 from slimgrad._library import straight
+from slimgrad._math import norms as _norms
 from slimgrad._math.norms import (  # noqa: F401 (CHUNK_ELEMS: tests)
     CHUNK_ELEMS,
     fallback_channels,
@@ -105,6 +108,17 @@ _NO_TRITON = _backend.NO_TRITON_OFF_CUDA
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _any_autocast = torch._C._is_any_autocast_enabled
+_grad_on = torch._C.is_grad_enabled
+# the C++ extension's rms_norm_bwd, once it is loaded (NOTE [Backward bodies from C++])
+_EXT_BWD = None
+
+
+def _use_extension(mod) -> None:
+    global _EXT_BWD
+    _EXT_BWD = getattr(mod, "rms_norm_bwd", None)
+
+
+_ext.when_loaded(_use_extension)
 
 
 @custom_op("rms_norm_fwd", mutates_args=())
@@ -187,6 +201,10 @@ class _RMSNormFn(torch.autograd.Function):
             if not compiling() and type(k) is int and k == 0:
                 idx = None
         if idx is None:
+            if direct is _TORCH and CTX_FIELDS:  # NOTE [Saving through ctx's fields]
+                ctx.to_save = (y, rstd, None, None, weight)
+                ctx.non_differentiable = (rstd,)
+                return y, rstd
             ctx.save_for_backward(y, rstd, None, None, weight)
             ctx.mark_non_differentiable(rstd)
             return y, rstd
@@ -195,14 +213,45 @@ class _RMSNormFn(torch.autograd.Function):
         return y, rstd, idx, xside
 
     @staticmethod
-    @first_order("ops.rms_norm")  # keeps y, not x: second derivatives raise a clear error
     def backward(ctx, dy, *_):
+        # first_order("ops.rms_norm") inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py): keeps y, not x, so second derivatives raise a clear error
+        if _grad_on():
+            return refuse_second_order("ops.rms_norm", _RMSNormFn.backward, ctx, (dy, *_))
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[2]]
+        if (
+            _EXT_BWD is not None
+            and mask[0]
+            and idx is None
+            and weight is not None
+            and y.dtype == ctx.x_dtype
+            and (
+                (not y.is_cuda and _backend._resolved[0] in _NO_TRITON)
+                or _bwd_impl(y) is _bwd_torch
+            )
+        ):
+            # NOTE [Backward bodies from C++] in slimgrad/_ext: rms_norm_bwd_torch's one-chunk
+            # body, on dy's own buffer when it is dead (else the op's implementation, past the
+            # gate); None where that body does not apply
+            own = buf is not None
+            r = _EXT_BWD(
+                buf if own else dy,
+                y,
+                rstd,
+                weight,
+                ctx.normalized_shape,
+                mask[1],
+                own,
+                _norms.CHUNK_ELEMS,
+                not own,
+            )
+            if r is not None:
+                return r[0], None, r[1], None, None
         # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too
         if (  # owns_layout(buf, y), inline
             mask[0]
@@ -505,9 +554,6 @@ def _float(w):
     return w.float()
 
 
-_grad_on = torch._C.is_grad_enabled
-
-
 # {variant: (forward(x, weight, eps) -> (y, rstd), gamma(weight) -> the float32 scale y = xhat *
 # gamma of a float32 input, or None: no weight)}
 HF_VARIANTS = {
@@ -553,7 +599,12 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps, variant, direct=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
         fwd, gamma_of = HF_VARIANTS[variant]
-        y, rstd = fwd(x, weight, eps)
+        if direct and fwd is _hf_llama and weight is not None:
+            # _hf_llama inline for the gate's float32 input (its casts are x itself): its ops
+            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            y = weight * (x * rstd)
+        else:
+            y, rstd = fwd(x, weight, eps)
         ctx.variant = variant
         # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
         ctx.materialize_grads = False
@@ -572,6 +623,9 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
             if not compiling() and type(k) is int and k == 0:
                 idx = None
         if idx is None:  # NOTE [An empty side table is saved as None] in ops/layer_norm.py
+            if direct and CTX_FIELDS:  # NOTE [Saving through ctx's fields]
+                ctx.to_save = (y, rstd, None, None, weight)
+                return (y,)
             ctx.save_for_backward(y, rstd, None, None, weight)
             return (y,)
         ctx.save_for_backward(y, rstd, idx, xside, weight)
@@ -581,8 +635,13 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         return y, idx, xside
 
     @staticmethod
-    @first_order("ops.rms_norm")
     def backward(ctx, dy, *_):
+        # first_order("ops.rms_norm") inline, one frame fewer (NOTE [Second derivatives] in
+        # slimgrad/_autograd.py)
+        if _grad_on():
+            return refuse_second_order(
+                "ops.rms_norm", _HFRMSNormFromOutputFn.backward, ctx, (dy, *_)
+            )
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
@@ -597,6 +656,36 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
                 gamma = weight
             else:
                 gamma = gamma_of(weight.detach())
+        if (
+            _EXT_BWD is not None
+            and mask[0]
+            and idx is None
+            and gamma is not None
+            and (
+                (not y.is_cuda and _backend._resolved[0] in _NO_TRITON)
+                or _bwd_impl(y) is _bwd_torch
+            )
+        ):
+            # NOTE [Backward bodies from C++] in slimgrad/_ext: rms_norm_bwd_torch's one-chunk
+            # body, on dy's own buffer when it is dead (else _rms_norm_bwd's implementation, past
+            # the gate); None where that body does not apply
+            own = buf is not None
+            r = _EXT_BWD(
+                buf if own else dy,
+                y,
+                rstd,
+                gamma,
+                y.shape[-1],
+                need_w,
+                own,
+                _norms.CHUNK_ELEMS,
+                not own,
+            )
+            if r is not None:
+                dg = r[1]
+                if need_w and dg.dtype != weight.dtype:
+                    dg = dg.to(weight.dtype)
+                return r[0], dg, None, None, None
         ns = [y.shape[-1]]
         if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
             mask[0]
