@@ -46,6 +46,7 @@ no values: no fallback is assumed."""
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -134,9 +135,22 @@ _F32 = torch.float32
 _Tensor = torch.Tensor
 
 
+# NOTE [One argument per C call]
+# ctypes converts every argument of a call by its declared type, about a quarter of a microsecond
+# each: the C backward's 18 arguments were most of its call's host cost at small sizes (tiny
+# GPT-2: 16 rows of 64). The kernel file also exports ``layer_norm_bwd_f32_packed``, which takes
+# the same 18 values as one array of int64 (pointers as addresses, 0 for NULL): Python packs them
+# with ``struct`` into a bytes object (passed as ``c_char_p``: a pointer to its buffer, no copy)
+# and makes a one-argument call. The same kernel on the same pointers: the same bits.
+_PACK18 = struct.Struct("=18q").pack
+
+
 def _c_signatures(C):
     p, i64, i = C.c_void_p, C.c_int64, C.c_int
-    return {"bwd": ("layer_norm_bwd_f32", [p] * 11 + [i64, i64, i64, i, i, i, i], None)}
+    return {
+        "bwd": ("layer_norm_bwd_f32", [p] * 11 + [i64, i64, i64, i, i, i, i], None),
+        "bwd_packed": ("layer_norm_bwd_f32_packed", [C.c_char_p], None),
+    }
 
 
 def _c_fns(lib):
@@ -250,25 +264,28 @@ def _bwd_cpu(
     except AttributeError:
         fns = _c_fns(lib)
     dy_ptr = dy.data_ptr()
-    fns["bwd"](
-        dy_ptr,
-        y.data_ptr(),
-        r.data_ptr(),
-        None if w is None else w.data_ptr(),
-        None if b is None else b.data_ptr(),
-        None if dx is None else (dy_ptr if dx is dy else dx.data_ptr()),
-        None if dw is None else dw.data_ptr(),
-        None if db is None else db.data_ptr(),
-        base + k * part if parts else None,  # scratch
-        base if parts and need_dw else None,
-        base + int(need_dw) * part if parts and need_db else None,
-        n,
-        d,
-        rpb,
-        int(need_dx),
-        int(need_dw),
-        int(need_db),
-        nt,
+    # layer_norm_bwd_f32's arguments in one array (NOTE [One argument per C call]; 0: NULL)
+    fns["bwd_packed"](
+        _PACK18(
+            dy_ptr,
+            y.data_ptr(),
+            r.data_ptr(),
+            0 if w is None else w.data_ptr(),
+            0 if b is None else b.data_ptr(),
+            0 if dx is None else (dy_ptr if dx is dy else dx.data_ptr()),
+            0 if dw is None else dw.data_ptr(),
+            0 if db is None else db.data_ptr(),
+            base + k * part if parts else 0,  # scratch
+            base if parts and need_dw else 0,
+            base + int(need_dw) * part if parts and need_db else 0,
+            n,
+            d,
+            rpb,
+            int(need_dx),
+            int(need_dw),
+            int(need_db),
+            nt,
+        )
     )
     del tmp
     return (
