@@ -12,7 +12,6 @@ from slimgrad.kernels import _backend
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.layer_norm import (
-    _ANCHOR_APPLY,
     _LN_APPLY,
     _NO_TRITON,
     _TORCH,
@@ -25,7 +24,6 @@ __all__ = ["LayerNorm"]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _any_autocast = torch._C._is_any_autocast_enabled
-_grad_on = torch._C.is_grad_enabled
 _Parameter = torch.nn.Parameter
 
 
@@ -69,11 +67,8 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
             # TWIN: ops/layer_norm.py's _layer_norm_straight, copied here without its frame to
             # keep LayerNorm's call budget (43 calls per fwd + bwd, tests/ops/test_layer_norm.py);
             # change both (tests/nn/test_layer_norm.py checks that they agree)
+            # no anchor: NOTE [LayerNorm's second derivatives through its own node]
             x = unwrap_if_dead(input)
-            anchor = None
-            if input.requires_grad and _grad_on():  # make_anchor's eager case
-                box: list = []
-                anchor = _ANCHOR_APPLY(x, box), box
             if type(w) is not _Parameter and w is not None:
                 w = unwrap_if_dead(w)
             if type(b) is not _Parameter and b is not None:
@@ -82,10 +77,7 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
             # choice])
             backend = _backend._resolved[0] or _backend.get_backend()
             direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else True
-            y = _LN_APPLY(x, c[1], w, b, float(self.eps), direct)[0]
-            if anchor is not None and y.grad_fn is not None:  # attach_anchor
-                y.grad_fn._slimgrad_anchor = anchor
-            return y
+            return _LN_APPLY(x, c[1], w, b, float(self.eps), direct)[0]
         return layer_norm(input, ns, w, b, self.eps)
 
     @classmethod

@@ -48,6 +48,7 @@ no values: no fallback is assumed."""
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -137,9 +138,22 @@ _F32 = torch.float32
 _Tensor = torch.Tensor
 
 
+# NOTE [One argument per C call]
+# ctypes converts every argument of a call by its declared type, about a quarter of a microsecond
+# each: the C backward's 18 arguments were most of its call's host cost at small sizes (tiny
+# GPT-2: 16 rows of 64). The kernel file also exports ``layer_norm_bwd_f32_packed``, which takes
+# the same 18 values as one array of int64 (pointers as addresses, 0 for NULL): Python packs them
+# with ``struct`` into a bytes object (passed as ``c_char_p``: a pointer to its buffer, no copy)
+# and makes a one-argument call. The same kernel on the same pointers: the same bits.
+_PACK18 = struct.Struct("=18q").pack
+
+
 def _c_signatures(C):
     p, i64, i = C.c_void_p, C.c_int64, C.c_int
-    return {"bwd": ("layer_norm_bwd_f32", [p] * 11 + [i64, i64, i64, i, i, i, i], None)}
+    return {
+        "bwd": ("layer_norm_bwd_f32", [p] * 11 + [i64, i64, i64, i, i, i, i], None),
+        "bwd_packed": ("layer_norm_bwd_f32_packed", [C.c_char_p], None),
+    }
 
 
 def _c_fns(lib):
@@ -253,25 +267,28 @@ def _bwd_cpu(
     except AttributeError:
         fns = _c_fns(lib)
     dy_ptr = dy.data_ptr()
-    fns["bwd"](
-        dy_ptr,
-        y.data_ptr(),
-        r.data_ptr(),
-        None if w is None else w.data_ptr(),
-        None if b is None else b.data_ptr(),
-        None if dx is None else (dy_ptr if dx is dy else dx.data_ptr()),
-        None if dw is None else dw.data_ptr(),
-        None if db is None else db.data_ptr(),
-        base + k * part if parts else None,  # scratch
-        base if parts and need_dw else None,
-        base + int(need_dw) * part if parts and need_db else None,
-        n,
-        d,
-        rpb,
-        int(need_dx),
-        int(need_dw),
-        int(need_db),
-        nt,
+    # layer_norm_bwd_f32's arguments in one array (NOTE [One argument per C call]; 0: NULL)
+    fns["bwd_packed"](
+        _PACK18(
+            dy_ptr,
+            y.data_ptr(),
+            r.data_ptr(),
+            0 if w is None else w.data_ptr(),
+            0 if b is None else b.data_ptr(),
+            0 if dx is None else (dy_ptr if dx is dy else dx.data_ptr()),
+            0 if dw is None else dw.data_ptr(),
+            0 if db is None else db.data_ptr(),
+            base + k * part if parts else 0,  # scratch
+            base if parts and need_dw else 0,
+            base + int(need_dw) * part if parts and need_db else 0,
+            n,
+            d,
+            rpb,
+            int(need_dx),
+            int(need_dw),
+            int(need_db),
+            nt,
+        )
     )
     del tmp
     return (
@@ -378,6 +395,7 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask
 # anchor's backward returns it to x: the rebuilt values then act as x itself for every later
 # differentiation. Costs: one small node per forward call whose input requires grad; none in first-
 # order backward (the anchor is not on the loss's graph, so autograd never runs it).
+# LayerNorm needs no anchor: NOTE [LayerNorm's second derivatives through its own node].
 
 
 class _InputAnchor(torch.autograd.Function):
@@ -553,6 +571,7 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
 # gradient, and backward and its ``double`` return None for every input before anything else
 # (``ownership.take`` included). The gradients that exist, and their bits, are unchanged.
 
+
 # NOTE [An empty side table is saved as None]
 # Without fallback channels (the common case) LayerNorm's and RMSNorm's Functions save None for the
 # index table and the input columns, and return neither: the straight path (NOTE [One gate per
@@ -561,7 +580,73 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
 # reentrant checkpointing counts and compares the tensors a recomputation saves with the
 # forward's, and the recomputation may run under a mode (a profiler, a tracker) that the forward
 # did not see. A traced forward, whose table length is a symbolic size, saves the tables.
-_LN_DOUBLE = norm_double("ops.layer_norm", F.layer_norm, _rebuild_ln_input)
+# NOTE [LayerNorm's second derivatives through its own node]
+# LayerNorm's double (NOTE [Second derivatives of an op that keeps its output]) leaves no anchor on
+# x in forward (the anchor, an extra autograd Function per call, was a third of LayerNorm's host
+# time above the pass-through floor on tiny GPT-2). Its own node already has the edge to x: the
+# double bridges the rebuilt values to y as the node saved it (a saved output unpacks with this
+# node as its grad_fn) through :class:`_OutputBridge`, whose backward appends the gradient of the
+# rebuilt values to ``ctx.box`` (with the graph task's id) and returns none for y. The engine runs
+# the bridge's node before this node (its edge leads here), then this node's backward, with y's
+# gradient None unless y has other consumers in that graph: it takes the box's gradients of the
+# same graph task and adds them to dx (``_bridged``: dy None gives dx = that sum and nothing
+# else), exactly what the anchor's node returned to x. A forward whose y is None (``_keep_x``: x
+# itself saved) differentiates the saved x, which carries its own graph: no bridge. Where a
+# second-order pass asks for y's own gradient (the engine then stops at y) the box keeps what it
+# got; the graph-task id keeps a later pass from adding it.
+class _OutputBridge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, y: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.box.append((_graph_task_id(), g))
+        return None, None, None
+
+
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _bridged(ctx, dy):
+    # NOTE [LayerNorm's second derivatives through its own node]: the gradients the bridges of
+    # this graph task left for x, added to dx (the box emptied first: backward then runs as usual)
+    task = _graph_task_id()
+    extra = None
+    for t, g in ctx.box:
+        if t == task:
+            extra = g if extra is None else extra + g
+    ctx.box.clear()
+    out = list(_LayerNormFn.backward(ctx, dy))
+    if extra is not None and ctx.needs_input_grad[0]:
+        out[0] = extra if out[0] is None else out[0] + extra
+    return tuple(out)
+
+
+def _ln_double(ctx, dy):
+    # norm_double's steps for LayerNorm, bridged through this node (NOTE [LayerNorm's second
+    # derivatives through its own node]) instead of an anchor
+    if dy is None:  # NOTE [Norm backward without materialized gradients]
+        return None, None, None, None, None, None
+    y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if y is None:  # x itself was kept (_keep_x): it carries its graph
+        x = xside
+    else:
+        with torch.no_grad():
+            x = _rebuild_ln_input(y.detach(), mean, rstd, idx, xside, weight, bias, ctx.arg)
+        if need[0]:
+            if ctx.box is None:
+                ctx.box = []
+            x = _OutputBridge.apply(x, y, ctx.box)
+    pairs = [(x, need[0]), (weight, need[2]), (bias, need[3])]
+    inputs = [t for t, n in pairs if n and t is not None]
+    with torch.enable_grad():
+        y2 = F.layer_norm(x, ctx.arg, weight, bias, ctx.eps)
+        grads = list(torch.autograd.grad(y2, inputs, dy, create_graph=True, allow_unused=True))
+    out = [grads.pop(0) if n and t is not None else None for t, n in pairs]
+    return out[0], None, out[1], out[2], None, None  # the last: forward's ``direct``
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -572,7 +657,8 @@ class _LayerNormFn(torch.autograd.Function):
     def forward(ctx, x, arg, weight, bias, eps, direct=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
         # _TORCH: and the PyTorch forward is the kernel choice (not CUDA, no Triton backend)
-        ctx.arg, ctx.eps, ctx.lib = arg, eps, None
+        # box: NOTE [LayerNorm's second derivatives through its own node]
+        ctx.arg, ctx.eps, ctx.lib, ctx.box = arg, eps, None, None
         # NOTE [Norm backward without materialized gradients]
         ctx.materialize_grads = False
         if direct is _TORCH:
@@ -628,8 +714,10 @@ class _LayerNormFn(torch.autograd.Function):
     def backward(ctx, dy, *_):
         # first_order's check inline, one frame fewer (NOTE [Second derivatives] in
         # slimgrad/_autograd.py): under create_graph=True the differentiable backward runs
+        if ctx.box:  # NOTE [LayerNorm's second derivatives through its own node]
+            return _bridged(ctx, dy)
         if _grad_on():
-            return _LN_DOUBLE(ctx, dy, *_)
+            return _ln_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients]
             return None, None, None, None, None, None
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
@@ -854,22 +942,15 @@ def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tens
         return _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
     if _is_tracing():  # torch.jit.is_tracing() in eager Python (Dynamo cannot trace this one)
         refuse_jit("ops.layer_norm")
-    # make_anchor's eager case, inline (no transform, not compiling): one per recorded forward
-    anchor = None
-    if input.requires_grad and torch.is_grad_enabled():
-        box: list = []
-        anchor = _ANCHOR_APPLY(unwrap_if_dead(input), box), box
-    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
-    y = _LN_APPLY(
+    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py; no anchor
+    # (NOTE [LayerNorm's second derivatives through its own node])
+    return _LN_APPLY(
         unwrap_if_dead(input),
         normalized_shape,
         None if weight is None else unwrap_if_dead(weight),
         None if bias is None else unwrap_if_dead(bias),
         eps,
     )[0]
-    if anchor is not None and y.grad_fn is not None:  # attach_anchor
-        y.grad_fn._slimgrad_anchor = anchor
-    return y
 
 
 _is_tracing = torch._C._is_tracing
@@ -882,11 +963,8 @@ def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Te
     # _layer_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors.
     # TWIN: slimgrad/nn/layer_norm.py's LayerNorm.forward has these steps inline (one frame
     # fewer, for LayerNorm's call budget of 43); change both (tests/nn/test_layer_norm.py)
+    # no anchor: NOTE [LayerNorm's second derivatives through its own node]
     x = unwrap_if_dead(input)
-    anchor = None
-    if input.requires_grad and _grad_on():  # make_anchor's eager case
-        box: list = []
-        anchor = _ANCHOR_APPLY(x, box), box
     if type(weight) is not torch.nn.Parameter and weight is not None:
         weight = unwrap_if_dead(weight)
     if type(bias) is not torch.nn.Parameter and bias is not None:
@@ -894,10 +972,7 @@ def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Te
     # the PyTorch forward where use_triton cannot answer True (NOTE [Kernel backend choice])
     backend = _backend._resolved[0] or _backend.get_backend()
     direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else True
-    y = _LN_APPLY(x, normalized_shape, weight, bias, float(eps), direct)[0]
-    if anchor is not None and y.grad_fn is not None:  # attach_anchor
-        y.grad_fn._slimgrad_anchor = anchor
-    return y
+    return _LN_APPLY(x, normalized_shape, weight, bias, float(eps), direct)[0]
 
 
 _grad_on = torch._C.is_grad_enabled

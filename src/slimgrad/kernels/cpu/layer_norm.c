@@ -235,3 +235,16 @@ void layer_norm_bwd_f32(const float *dy, const float *y, const float *rstd, cons
         }
     }
 }
+
+/* layer_norm_bwd_f32 with its 18 arguments packed as int64 (pointers as addresses, 0 for NULL) in
+ * one array: a ctypes call converts each argument it is given, so one pointer instead of 18 is
+ * most of the call's host cost at small sizes (NOTE [One argument per C call] in
+ * ops/layer_norm.py). The same kernel, the same bits. */
+void layer_norm_bwd_f32_packed(const int64_t *a) {
+    layer_norm_bwd_f32((const float *)(intptr_t)a[0], (const float *)(intptr_t)a[1],
+                       (const float *)(intptr_t)a[2], (const float *)(intptr_t)a[3],
+                       (const float *)(intptr_t)a[4], (float *)(intptr_t)a[5],
+                       (float *)(intptr_t)a[6], (float *)(intptr_t)a[7], (float *)(intptr_t)a[8],
+                       (double *)(intptr_t)a[9], (double *)(intptr_t)a[10], a[11], a[12], a[13],
+                       (int)a[14], (int)a[15], (int)a[16], (int)a[17]);
+}
