@@ -242,6 +242,12 @@ _PATTERNS: list[tuple[str | None, Pattern]] = [
 ]
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
+_REPORT_ATTR = "_slimgrad_report"
+
+
+def _report_of(model: nn.Module) -> ConvertReport | None:
+    rep = _REPORTS.get(model)
+    return rep if rep is not None else model.__dict__.get(_REPORT_ATTR)
 
 
 def _is_slimgrad(module: nn.Module) -> bool:
@@ -477,6 +483,8 @@ def convert_(
     _nn_output_act.state_consumers_(model)  # NOTE [Keep y only where its consumer keeps it]
     rep.left_alone = _left_alone(model, rep)
     _REPORTS[model] = rep
+    # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along
+    model.__dict__[_REPORT_ATTR] = rep
     if rep.refused_known:
         _warn_refused_known(rep.refused_known)
     _backend.resolve_now()  # traced code reads the name set (NOTE [Kernel backend choice])
@@ -718,18 +726,19 @@ def report(model: nn.Module) -> ConvertReport:
     and every module with parameters (or state_dict float buffers) left alone, each with a reason;
     ``print`` it for one line per type and reason.
 
-    Wrappers made after ``convert_`` are followed to the converted model inside: ``torch.compile``'s
-    ``OptimizedModule``, ``DistributedDataParallel``/``DataParallel`` and PEFT's ``PeftModel``
-    (FSDP2's ``fully_shard`` keeps the module itself).
+    A copy of a converted model (``copy.deepcopy``, pickle, ``torch.save``/``torch.load``) has
+    the original's report. Wrappers made after ``convert_`` are followed to the converted model
+    inside: ``torch.compile``'s ``OptimizedModule``, ``DistributedDataParallel``/``DataParallel``
+    and PEFT's ``PeftModel`` (FSDP2's ``fully_shard`` keeps the module itself).
 
     Raises:
         RuntimeError: ``model`` was never converted.
     """
-    rep = _REPORTS.get(model)
+    rep = _report_of(model)
     seen = {id(model)}
     while rep is None and (inner := _wrapped(model)) is not None and id(inner) not in seen:
         seen.add(id(inner))
-        model, rep = inner, _REPORTS.get(inner)
+        model, rep = inner, _report_of(inner)
     if rep is None:
         raise RuntimeError(
             "slimgrad.report: this model was not converted; expected a model passed to "
