@@ -465,8 +465,11 @@ def smooth_unary_op(
         # forward's choice: NOTE [The straight C path of the smooth activations]
         if ctx.cpath is not None:
             # first use of g: NOTE [Gradient-buffer ownership]
-            buf = ownership.take(g) if g.is_contiguous() else None
-            if buf is not None or straight():
+            # c_backward reads g flat: a transposed g (the caller permuted y) takes the
+            # general path below
+            flat = g.is_contiguous()
+            buf = ownership.take(g) if flat else None
+            if buf is not None or (flat and straight()):
                 dx = c_backward(ctx, g, buf, bwd_exact)
                 if dx is not None:
                     return dx, None
