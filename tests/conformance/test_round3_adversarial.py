@@ -609,14 +609,6 @@ class _ActThenTranspose(nn.Module):
         return self.fc(self.act(self.conv(x)).transpose(1, 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="issue 30 class 1 (crash where eager runs): the smooth activations' C backward "
-    "(ops/_output_act.py c_backward: g.view(-1)) raises 'view size is not compatible' on a "
-    "non-contiguous incoming gradient (the output transposed before the next op: HF Wav2Vec2's "
-    "feature extractor)",
-)
 @pytest.mark.parametrize(
     "act",
     [nn.GELU, lambda: nn.GELU(approximate="tanh"), nn.SiLU, nn.Mish],
