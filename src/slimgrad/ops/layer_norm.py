@@ -10,8 +10,8 @@ layer keeps it) + mean and rstd (8 B/row, fp32) + the input's columns of fallbac
 itemsize B/row, k = 0 for usual weights); eager saves x, mean, rstd (x: 4 B/elt fp32 extra).
 With a fallback channel, on shapes (few rows) where the PyTorch backward would hold more than
 eager's, and where every channel falls back, it saves x, mean and rstd and runs eager's backward
-(NOTE [LayerNorm fallback backward peak] in ``slimgrad/_math/norms.py``). bfloat16/float16 runs eager's ``F.layer_norm`` (x + mean, rstd per row: what eager keeps; see
-Limits below).
+(NOTE [LayerNorm fallback backward peak] in ``slimgrad/_math/norms.py``). bfloat16/float16
+runs eager's ``F.layer_norm`` (x + mean, rstd per row: what eager keeps; see Limits below).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 On float32 CPU tensors without fallback channels the backward runs the compiled
