@@ -50,9 +50,6 @@ def _applied(base, choice):
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "autocast"])
 def test_the_recomputed_core_gives_the_lean_models_bits(impl, amp):
-    # eager under autocast: slimgrad's eager attention probes a new combination of dtypes at its
-    # first call; inside the checkpoint that probe's saved tensors made the first forward save
-    # more than the recompute (CheckpointError: 11 saved vs 6)
     base, ids = _llama(impl)
     a, b = _applied(base, CORE), _applied(base, "lean")
     attn = a.model.layers[0].self_attn
@@ -158,6 +155,30 @@ def test_gpt2s_core_is_recomputed_with_the_lean_models_bits():
         out.append((m.transformer.h[0].attn.config._attn_implementation, *_step(m, ids, False)))
     (name, la, ga), (_, lb, gb) = out
     assert name == "slimgrad_core"
+    assert torch.equal(la, lb)
+    for n, g in ga.items():
+        assert torch.equal(g, gb[n]), n
+
+
+@pytest.mark.parametrize("how", ["lean+recompute", "hf", CORE])
+def test_checkpointed_eager_attention_runs_its_first_autocast_call(how, monkeypatch):
+    # slimgrad's eager attention probes a new combination of dtypes at its first call (here:
+    # float32 q, k and bfloat16 v under CPU autocast); inside a checkpointed region the probe's
+    # saved tensors reached the checkpoint's hooks, which found fewer in the recompute
+    # (CheckpointError: 35 saved vs 30), with HF's own gradient checkpointing too
+    from slimgrad.convert_handlers import hf_attention
+
+    monkeypatch.setattr(hf_attention, "_PROBES", {})
+    base, ids = _llama("eager")
+    if how == "hf":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a = slimgrad.convert_(copy.deepcopy(base))
+        a.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        a = _applied(base, how)
+    la, ga = _step(a, ids, True)
+    lb, gb = _step(_applied(base, "lean"), ids, True)
     assert torch.equal(la, lb)
     for n, g in ga.items():
         assert torch.equal(g, gb[n]), n

@@ -45,9 +45,6 @@ def _core(module, query, key, value, attention_mask, *args, **kwargs):
         return inner(module, query, key, value, attention_mask, *args, **kwargs)
     from torch.utils.checkpoint import checkpoint
 
-    warm = module.__dict__.get("_slimgrad_core_warm")
-    if warm is not None:
-        warm(module, query, key, value, attention_mask, args, kwargs)
     if module.__dict__.get("_slimgrad_core_sdpa") and kwargs.get("position_bias") is None:
         # NOTE [SDPA's autocast casts, before the checkpoint]
         device = query.device.type
@@ -93,36 +90,6 @@ def _autocast_cast(t, device: str, low: torch.dtype):
     ):
         return t.to(low)
     return t
-
-
-def _warm_eager(module, query, key, value, mask, args, kwargs) -> None:
-    # slimgrad's eager attention probes a combination of dtypes the first time it meets it (a
-    # small computation with tensors of its own saved for backward): that runs here, outside the
-    # checkpoint, so that the first forward and the recompute save the same tensors. Once per
-    # combination and module.
-    key_ = (
-        query.dtype,
-        key.dtype,
-        value.dtype,
-        getattr(mask, "dtype", None),
-        torch.is_autocast_enabled("cpu"),
-        torch.get_autocast_dtype("cpu"),
-    )
-    seen = module.__dict__.setdefault("_slimgrad_core_probed", set())
-    if key_ in seen:
-        return
-    import inspect
-
-    from slimgrad.convert_handlers import hf_attention as hfa
-
-    original = hfa._eager_default(type(module))
-    try:
-        bound = inspect.signature(original).bind(module, query, key, value, mask, *args, **kwargs)
-        bound.apply_defaults()
-    except TypeError:
-        return  # the original raises its own error, in the checkpoint
-    hfa._eager_fast_path_ok(module, original, query, key, value, mask, bound.arguments)
-    seen.add(key_)
 
 
 def register() -> None:
@@ -244,7 +211,5 @@ def wrap(block: nn.Module, api: str = "slimgrad.convert_") -> list[str]:
             if v is cfg:
                 setattr(m, k, own)
         m._slimgrad_core_inner = inner
-        if getattr(inner, "__name__", "") == "_attention_eager":
-            m._slimgrad_core_warm = _warm_eager
         m._slimgrad_core_sdpa = _is_sdpa(inner)
     return [n for n, _ in found]

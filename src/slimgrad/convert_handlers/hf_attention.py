@@ -636,13 +636,20 @@ def _eager_compute(module, query, key, value, mask, dropout, scaling, softcap, v
 _PROBES: dict[tuple, bool] = {}
 
 
+def _same_t(t):
+    return t
+
+
 def _probe(
     original, module, dtype, softcap: bool, *, k_dtype=None, v_dtype=None, mask_dtype=None
 ) -> bool:
     # Does _eager_compute give the family's eager function's outputs and gradients bit for bit
     # (same seed: same dropout mask) on a small padded GQA/softcap case, in these dtypes and the
     # current autocast state, with dropout and without? Once per setting. Runs outside any
-    # dispatch mode (slimgrad.memory's tracker, fake tensors): real tensors, not counted.
+    # dispatch mode (slimgrad.memory's tracker, fake tensors): real tensors, not counted; and
+    # under saved-tensor hooks of its own: inside a checkpointed region (its first forward calls
+    # this, its recompute finds the setting cached) the probe's saved tensors reached the
+    # checkpoint's hooks, which then found fewer in the recompute (CheckpointError)
     from torch.utils._python_dispatch import _disable_current_modes
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -657,7 +664,7 @@ def _probe(
         return False
     was = module.training
     try:
-        with _disable_current_modes():
+        with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same_t, _same_t):
             dtypes = (dtype, k_dtype, v_dtype, mask_dtype)
             ok = _probe_run(original, module, variant, dtypes, softcap)
     except Exception:  # noqa: BLE001 - any failure: the original keeps running
