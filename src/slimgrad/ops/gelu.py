@@ -29,6 +29,7 @@ from torch import Tensor
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     refuse_jit,
     transforms_active,
@@ -181,8 +182,13 @@ class _GeluFn(torch.autograd.Function):
             return None, None, None
         # forward's choice: NOTE [The straight C path of the smooth activations]
         if ctx.cpath is not None:
-            # first use of g: NOTE [Gradient-buffer ownership]
-            buf = ownership.take(g) if g.is_contiguous() else None
+            # first use of g: NOTE [Gradient-buffer ownership] (ownership.take in one frame, after
+            # take's compile check, as LayerNorm's and dropout's backward)
+            buf = (
+                g
+                if g.is_contiguous() and not compiling() and ownership.grant(g, ownership.PROBE)
+                else None
+            )
             if buf is not None or straight():
                 dx = c_backward(ctx, g, buf, _C_BWD[ctx.approximate])
                 if dx is not None:
