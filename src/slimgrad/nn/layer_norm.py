@@ -77,7 +77,9 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
             # choice])
             backend = _backend._resolved[0] or _backend.get_backend()
             direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else True
-            return _LN_APPLY(x, c[1], w, b, float(self.eps), direct)[0]
+            y = _LN_APPLY(x, c[1], w, b, float(self.eps), direct)
+            # NOTE [LayerNorm's straight forward returns y alone] in slimgrad/ops/layer_norm.py
+            return y if direct is _TORCH else y[0]
         return layer_norm(input, ns, w, b, self.eps)
 
     @classmethod

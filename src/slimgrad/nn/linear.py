@@ -52,7 +52,7 @@ class Linear(NoScript, torch.nn.Linear):
             and weight.is_contiguous()  # _plain_layout
             and input.is_contiguous()
         ):
-            y = _LINEAR_APPLY(unwrap_if_dead(input), weight, bias, False)
+            y = _LINEAR_APPLY(unwrap_if_dead(input), weight, bias, False, True)
             # NOTE [Linear's 2-D product] in slimgrad/ops/linear.py
             return y if input.ndim < 3 else y.view(input.shape[:-1] + y.shape[-1:])
         return linear(input, weight, bias)
@@ -108,7 +108,7 @@ class Conv1D(NoScript, torch.nn.Module):
             and not _is_tracing()
             and not _any_autocast()
         ):
-            y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, True)
+            y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, True, True)
             # NOTE [Linear's 2-D product] in slimgrad/ops/linear.py
             return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
         return conv1d_addmm(x, weight, bias)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
+    compiling,
     direct_apply,
     refuse_jit,
     transforms_active,
@@ -181,11 +182,11 @@ class _GeluFn(torch.autograd.Function):
             return None, None, None
         # forward's choice: NOTE [The straight C path of the smooth activations]
         if ctx.cpath is not None:
-            # first use of g: NOTE [Gradient-buffer ownership]
-            # c_backward reads g flat: a transposed g (the caller permuted y) takes the
-            # general path below
+            # first use of g: NOTE [Gradient-buffer ownership] (ownership.take in one frame, after
+            # take's compile check, as LayerNorm's and dropout's backward); c_backward reads g
+            # flat: a transposed g (the caller permuted y) takes the general path below
             flat = g.is_contiguous()
-            buf = ownership.take(g) if flat else None
+            buf = g if flat and not compiling() and ownership.grant(g, ownership.PROBE) else None
             if buf is not None or (flat and straight()):
                 dx = c_backward(ctx, g, buf, _C_BWD[ctx.approximate])
                 if dx is not None:

@@ -649,6 +649,14 @@ def _ln_double(ctx, dy):
     return out[0], None, out[1], out[2], None, None  # the last: forward's ``direct``
 
 
+# NOTE [LayerNorm's straight forward returns y alone]
+# On the straight path's PyTorch forward (direct=_TORCH) the Function returns y only: mean, rstd
+# (and the fallback tables) are saved as the forward's own intermediates, not returned as outputs
+# marked non-differentiable, which cost the C apply a wrapping and a flag per extra output on
+# every call. The same tensors are saved in the same slots (non-reentrant checkpointing compares
+# them with a recomputation's, which may take another path: NOTE [An empty side table is saved
+# as None]); the other paths return the custom op's outputs as before. Callers of the _TORCH path
+# take the tensor, the others index [0].
 class _LayerNormFn(torch.autograd.Function):
     # affine_norm_function's Function for LayerNorm, with the straight path's PyTorch forward
     # (direct=_TORCH) and NOTE [An empty side table is saved as None]; backward reads the kernel
@@ -676,7 +684,7 @@ class _LayerNormFn(torch.autograd.Function):
             idx = fallback_or_none(weight, bias, y.dtype, _LN_GAMMA)
             if idx is not None:
                 if _keeps_x(idx, arg, x, False):  # all fallback, or a shape eager's fits better
-                    return _keep_x(ctx, x, y, mean, rstd, weight, bias)
+                    return _keep_x(ctx, x, y, mean, rstd, weight, bias, True)
                 if idx.device != x.device:
                     idx = idx.to(x.device)
                 xside = side_columns(x, math.prod(arg), idx)
@@ -699,14 +707,18 @@ class _LayerNormFn(torch.autograd.Function):
             if not compiling() and type(k) is int and k == 0:
                 idx = None
         if idx is None:
-            if direct is _TORCH and CTX_FIELDS:  # NOTE [Saving through ctx's fields]
-                ctx.to_save = (y, mean, rstd, None, None, weight, bias)
-                ctx.non_differentiable = (mean, rstd)
-                return y, mean, rstd
+            if direct is _TORCH:  # NOTE [LayerNorm's straight forward returns y alone]
+                if CTX_FIELDS:  # NOTE [Saving through ctx's fields]
+                    ctx.to_save = (y, mean, rstd, None, None, weight, bias)
+                else:
+                    ctx.save_for_backward(y, mean, rstd, None, None, weight, bias)
+                return y
             ctx.save_for_backward(y, mean, rstd, None, None, weight, bias)
             ctx.mark_non_differentiable(mean, rstd)
             return y, mean, rstd
         ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
+        if direct is _TORCH:  # NOTE [LayerNorm's straight forward returns y alone]
+            return y
         ctx.mark_non_differentiable(mean, rstd, idx, xside)
         return y, mean, rstd, idx, xside
 
@@ -821,11 +833,14 @@ def _keeps_x(idx, arg, x, triton_possible: bool) -> bool:
     return size >= 4 and not bwd_torch_fits(x.numel() // d, d, k, size)
 
 
-def _keep_x(ctx, x, y, mean, rstd, weight, bias):
+def _keep_x(ctx, x, y, mean, rstd, weight, bias, alone=False):
     # Every channel is a fallback channel (a non-finite gamma anywhere, or every gamma ~ 0): what
     # eager saves, x itself, instead of y and a copy of x; the backward is eager's (NOTE [LayerNorm
     # with a non-finite gamma] in slimgrad/_math/norms.py). y's slot holds None: the mark.
+    # alone: y is the only output (NOTE [LayerNorm's straight forward returns y alone])
     ctx.save_for_backward(None, mean, rstd, None, x, weight, bias)
+    if alone:
+        return y
     ctx.mark_non_differentiable(mean, rstd)
     return y, mean, rstd
 
@@ -972,7 +987,9 @@ def _layer_norm_straight(input, normalized_shape, weight, bias, eps) -> torch.Te
     # the PyTorch forward where use_triton cannot answer True (NOTE [Kernel backend choice])
     backend = _backend._resolved[0] or _backend.get_backend()
     direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else True
-    return _LN_APPLY(x, normalized_shape, weight, bias, float(eps), direct)[0]
+    y = _LN_APPLY(x, normalized_shape, weight, bias, float(eps), direct)
+    # NOTE [LayerNorm's straight forward returns y alone]
+    return y if direct is _TORCH else y[0]
 
 
 _grad_on = torch._C.is_grad_enabled

@@ -78,6 +78,7 @@ import weakref
 import torch
 
 from slimgrad._autograd import (
+    CTX_FIELDS,
     compiling,
     direct_apply,
     first_order,
@@ -168,11 +169,15 @@ class _LinearFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_in_out):
+    def forward(ctx, x, weight, bias, w_in_out, direct=False):
+        # direct: a straight path's call (NOTE [Linear's straight path]: eager, not traced), which
+        # saves through ctx's field (NOTE [Saving through ctx's fields] in slimgrad/_autograd.py)
         ctx.w_in_out, ctx.has_bias = w_in_out, bias is not None
-        ctx.save_for_backward(
-            x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None
-        )
+        need = ctx.needs_input_grad
+        if direct and CTX_FIELDS:
+            ctx.to_save = (x if need[1] else None, weight if need[0] else None)
+        else:
+            ctx.save_for_backward(x if need[1] else None, weight if need[0] else None)
         if x.ndim > 2:  # NOTE [Linear's 2-D product]
             ctx.lead = x.shape[:-1]
             x2 = x.reshape(-1, x.shape[-1])
@@ -193,7 +198,7 @@ class _LinearFn(torch.autograd.Function):
         # first_order("ops.linear", _linear_double) inline (NOTE [Second derivatives]): autograd
         # turns grad mode on only for create_graph=True, then eager's 2nd derivatives
         if _grad_on():
-            return _linear_double(ctx, dy)
+            return (*_linear_double(ctx, dy), None)
         # first derivatives: _bwd_torch's math, inline for a contiguous gradient
         x, weight = ctx.saved_tensors
         mask = ctx.needs_input_grad  # (x, weight, bias, w_in_out): the first three are read
@@ -215,10 +220,10 @@ class _LinearFn(torch.autograd.Function):
                 dw = x2.mT @ dy if ctx.w_in_out else dy.mT @ x2
             if mask[2] and ctx.has_bias:
                 db = dy.sum(0)
-            return dx, dw, db, None
+            return dx, dw, db, None, None
         if not dy.is_contiguous():
             dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, False)
-            return dx, dw, db, None
+            return dx, dw, db, None, None
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if mask[0]:
@@ -231,7 +236,7 @@ class _LinearFn(torch.autograd.Function):
             dw = x2.t() @ dy2 if ctx.w_in_out else dy2.t() @ x2
         if mask[2] and ctx.has_bias:
             db = dy2.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 _LINEAR_APPLY = direct_apply(_LinearFn)
@@ -504,7 +509,7 @@ def _straight(x, weight, bias, w_in_out: bool) -> torch.Tensor:
         weight = unwrap_if_dead(weight)
     if bias is not None and type(bias) is not _Parameter:
         bias = unwrap_if_dead(bias)
-    y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, w_in_out)
+    y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, w_in_out, True)
     # NOTE [Linear's 2-D product]
     return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
 
