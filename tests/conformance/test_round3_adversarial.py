@@ -543,6 +543,27 @@ def test_verify_sparse_and_complex_gradients(build, inp):
     copy.deepcopy(m)
 
 
+@pytest.mark.parametrize(
+    "build,inp",
+    [
+        (_mlp, lambda: _vec()),
+        (lambda: nn.Sequential(nn.Embedding(5, 6), nn.LayerNorm(6), nn.Linear(6, 3)), None),
+    ],
+    ids=["float_input", "integer_input"],
+)
+def test_verify_a_frozen_model(build, inp):
+    # every parameter frozen (a feature extractor): the first run (the inputs as given) has
+    # nothing to differentiate; verify compares the outputs and the loss (it raised autograd's
+    # "`inputs` argument to `grad()` cannot be empty")
+    torch.manual_seed(0)
+    m = build().requires_grad_(False)
+    s = slimgrad.convert_(copy.deepcopy(m))
+    x = inp() if inp is not None else torch.arange(6).remainder(5).view(2, 3)
+    res = slimgrad.verify(m, s, x)
+    assert res.ok, str(res)
+    assert res.runs[0].outputs and not res.runs[0].grads
+
+
 # -- copies of a converted model ------------------------------------------------------------------
 
 COPIES = {
