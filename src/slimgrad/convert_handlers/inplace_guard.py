@@ -36,7 +36,8 @@ __all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason"]
 # an in-place write after them fails in eager as well). Its output reaches an in-place writer when,
 # following the tensor from the module's output through ops that may return it or a view of it
 # (views, slices, transposes, reshape, contiguous, Flatten/Identity, dropout, which returns its
-# input in eval), we meet an op that writes its first argument in place. Where the tensor flows is
+# input in eval, and ``.data``, whose writes autograd does not even see), we meet an op that
+# writes its first argument in place. Where the tensor flows is
 # found from nn.Sequential order (nested Sequentials in line) and, for other plain-torch modules,
 # from a torch.fx trace in which every child module is a leaf; a child's own summary (which
 # output-saving modules can reach its output, whether it writes its input) comes from the same
@@ -93,7 +94,7 @@ _VIEW_NAMES = frozenset(
         "type_as", "float", "double", "half", "bfloat16", "type", "real", "imag", "view_as_real",
         "view_as_complex", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
         "dropout2d", "dropout3d", "requires_grad_", "__getitem__", "getitem", "identity",
-        "align_as", "rename", "refine_names", "mT", "T", "H", "mH",
+        "align_as", "rename", "refine_names", "mT", "T", "H", "mH", "data",
     }
 )  # fmt: skip
 _INPLACE_OPERATORS = frozenset(
