@@ -425,6 +425,42 @@ def test_training_step_patterns(name):
     _assert_rule(build, step or (lambda m, dt: _grads(m, _loss(m(_img(dt))))), converted=None)
 
 
+def _norm_mlp():
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.RMSNorm(8), nn.SiLU(),
+        nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+LATE_HOOKS = {
+    "forward_writes_output": lambda c: c.register_forward_hook(lambda m, i, o: o.mul_(1.5)),
+    "forward_edits_output_data": lambda c: c.register_forward_hook(
+        lambda m, i, o: o.data.mul_(1.5)
+    ),
+    "forward_pre_new_input": lambda c: c.register_forward_pre_hook(lambda m, i: (i[0] * 1.1,)),
+    "backward_pre_scales": lambda c: c.register_full_backward_pre_hook(
+        lambda m, go: tuple(g * 2 if g is not None else None for g in go)
+    ),
+    "backward_scales_grad_input": lambda c: c.register_full_backward_hook(
+        lambda m, gi, go: tuple(g * 3 if g is not None else None for g in gi)
+    ),
+}
+
+
+@pytest.mark.parametrize("hook", list(LATE_HOOKS))
+def test_hooks_registered_after_convert_on_norms_and_activations(hook):
+    def step(m, dt):
+        handles = [LATE_HOOKS[hook](m[i]) for i in (1, 2, 4, 5)]
+        try:
+            x = _vec(dt, rg=True)
+            return _grads(m, _loss(m(x)), [x])
+        finally:
+            for h in handles:
+                h.remove()
+
+    _assert_rule(_norm_mlp, step, converted=_any_converted)
+
+
 def test_empty_batch():
     def step(m, dt):
         y = m(_r(0, 6, dt=dt))
