@@ -208,6 +208,46 @@ def test_data_edit_inside_the_model_keeps_the_norm_eager():
     _assert_rule(_DataEdit, lambda m, dt: _grads(m, _loss(m(_vec(dt)))))
 
 
+def _hf_base(name):
+    import transformers as T
+
+    kw = dict(num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=99)
+    if name == "BertModel":
+        return T.BertModel(T.BertConfig(hidden_size=32, **kw))
+    return T.LlamaModel(T.LlamaConfig(hidden_size=32, num_key_value_heads=4, **kw))
+
+
+HF_EDITS = {
+    # mean pooling that zeroes the padding in place: a common sentence-embedding pattern
+    "mask_padding_in_place": lambda h, mask: (h.__setitem__(mask == 0, 0.0), h)[1],
+    "clamp_through_data": lambda h, mask: (h.data.clamp_(-0.1, 0.1), h)[1],
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=(RuntimeError, AssertionError),
+    reason="issue 30 class 1 and silent changes: an HF base model's last_hidden_state is its "
+    "final norm's output; the converted norm keeps it for backward, so the caller's in-place "
+    "masking raises 'modified by an inplace operation' and an edit through .data gives wrong "
+    "gradients silently (LlamaModel 30.4, BertModel 4.8, GPT2Model 8.0 max grad diff)",
+)
+@pytest.mark.parametrize("edit", list(HF_EDITS))
+@pytest.mark.parametrize("name", ["BertModel", "LlamaModel"])
+def test_caller_edits_an_hf_last_hidden_state(name, edit):
+    ids = torch.arange(3, 21).view(2, 9)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+
+    def step(m, dt):
+        h = m(input_ids=ids, attention_mask=mask).last_hidden_state
+        h = HF_EDITS[edit](h, mask)
+        pooled = h.sum(1) / mask.sum(1, keepdim=True).to(h.dtype)
+        return _grads(m, _loss(pooled))
+
+    _assert_rule(lambda: _hf_base(name), step, converted=_any_converted)
+
+
 # Activations at the model's output keep x there (NOTE [Keep y only where its consumer keeps
 # it]): the caller's writes work; BatchNorm keeps its input once its output is edited.
 ACT_AT_OUTPUT = {
