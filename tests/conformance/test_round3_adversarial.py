@@ -202,6 +202,31 @@ class _DataEdit(nn.Module):
         return self.fc2(self.act(h))
 
 
+class _AtenEdit(nn.Module):
+    # a forward that calls ATen ops directly (torch.ops.aten.*: OpOverload targets in the fx trace)
+    def __init__(self, view):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, 3)
+        self.view = view
+
+    def forward(self, x):
+        h = self.norm(self.fc(x))
+        if self.view:
+            torch.ops.aten.mul_.Scalar(torch.ops.aten.view.default(h, [-1]), 2.0)
+        else:
+            torch.ops.aten.add_.Tensor(h, torch.ones(()))
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["add_", "view_then_mul_"])
+def test_aten_overload_write_inside_the_model_keeps_the_norm_eager(view):
+    # the in-place guard reads an OpOverload's schema (a write to its first argument; a view):
+    # before, the LayerNorm was converted and backward raised "modified by an inplace operation"
+    _assert_rule(lambda: _AtenEdit(view), lambda m, dt: _grads(m, _loss(m(_vec(dt)))))
+
+
 def test_data_edit_inside_the_model_keeps_the_norm_eager():
     # the in-place guard follows .data as an alias: the LayerNorm stays eager (before: converted,
     # every gradient wrong by up to 15.2, silently)

@@ -258,6 +258,8 @@ class _Guard:
                     state[node] = _Info(ends=list(ci.ends))
             elif node.op in ("call_method", "call_function"):
                 name = node.target if isinstance(node.target, str) else node.target.__name__
+                if (schema := getattr(node.target, "_schema", None)) is not None:
+                    name = schema.name.split("::")[-1]  # aten.view.default -> view
                 if node.target is getattr and len(node.args) > 1:
                     name = str(node.args[1])  # h.T, h.mT, ...
                 if _writes_first_arg(node, name):
@@ -632,6 +634,10 @@ def _hook_writes(m: nn.Module) -> str | None:
 def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
+    schema = getattr(node.target, "_schema", None)  # torch.ops.aten.add_.Tensor(h, ...)
+    if node.op == "call_function" and schema is not None:
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        return first is not None and first.is_write
     if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
         return True  # Tensor.relu_(), torch.relu_, F.relu_, x.add_(...)
     if node.op == "call_function" and node.target in _INPLACE_ARG_POS:
