@@ -505,7 +505,11 @@ def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True) -> _Side:
     loss = loss_fn(out)
     wrt = [p for _, p in params] + list(x_leaves.values())
     reentrant, leaves = _reentrant_regions(loss)
-    if reentrant:  # NOTE [Gradients under reentrant checkpointing]
+    if not wrt or not loss.requires_grad:
+        # nothing to differentiate (every parameter frozen, the inputs as given): outputs and
+        # loss are still compared
+        grads = [None] * len(wrt)
+    elif reentrant:  # NOTE [Gradients under reentrant checkpointing]
         grads = _grads_by_backward(loss, wrt, leaves)
     else:
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)

@@ -36,7 +36,8 @@ __all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason"]
 # an in-place write after them fails in eager as well). Its output reaches an in-place writer when,
 # following the tensor from the module's output through ops that may return it or a view of it
 # (views, slices, transposes, reshape, contiguous, Flatten/Identity, dropout, which returns its
-# input in eval), we meet an op that writes its first argument in place. Where the tensor flows is
+# input in eval, and ``.data``, whose writes autograd does not even see), we meet an op that
+# writes its first argument in place. Where the tensor flows is
 # found from nn.Sequential order (nested Sequentials in line) and, for other plain-torch modules,
 # from a torch.fx trace in which every child module is a leaf; a child's own summary (which
 # output-saving modules can reach its output, whether it writes its input) comes from the same
@@ -93,7 +94,7 @@ _VIEW_NAMES = frozenset(
         "type_as", "float", "double", "half", "bfloat16", "type", "real", "imag", "view_as_real",
         "view_as_complex", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
         "dropout2d", "dropout3d", "requires_grad_", "__getitem__", "getitem", "identity",
-        "align_as", "rename", "refine_names", "mT", "T", "H", "mH",
+        "align_as", "rename", "refine_names", "mT", "T", "H", "mH", "data",
     }
 )  # fmt: skip
 _INPLACE_OPERATORS = frozenset(
@@ -257,6 +258,8 @@ class _Guard:
                     state[node] = _Info(ends=list(ci.ends))
             elif node.op in ("call_method", "call_function"):
                 name = node.target if isinstance(node.target, str) else node.target.__name__
+                if (schema := getattr(node.target, "_schema", None)) is not None:
+                    name = schema.name.split("::")[-1]  # aten.view.default -> view
                 if node.target is getattr and len(node.args) > 1:
                     name = str(node.args[1])  # h.T, h.mT, ...
                 if _writes_first_arg(node, name):
@@ -631,6 +634,10 @@ def _hook_writes(m: nn.Module) -> str | None:
 def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
+    schema = getattr(node.target, "_schema", None)  # torch.ops.aten.add_.Tensor(h, ...)
+    if node.op == "call_function" and schema is not None:
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        return first is not None and first.is_write
     if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
         return True  # Tensor.relu_(), torch.relu_, F.relu_, x.add_(...)
     if node.op == "call_function" and node.target in _INPLACE_ARG_POS:
