@@ -287,3 +287,19 @@ def test_fake_tensor_estimate_stays_exact(counted):
     assert rms.ran and mlp.ran
     est = estimate(make, device="cpu", timeline=False)
     assert (est.peak_bytes, est.saved_bytes) == (real.peak_bytes, real.saved_bytes)
+
+
+def test_env_names_the_feature_and_why_it_is_off(monkeypatch):
+    # `slimgrad env` and `report` state whether the C++ bodies run, and why not
+    from slimgrad import _compat
+
+    name = "C++ backward bodies (RMSNorm, gated MLP)"
+
+    def feat():
+        return {f.name: f for f in _compat.features()}[name]
+
+    assert feat().on is _ext.probe()[0]
+    monkeypatch.setenv(_ext.ENV_VAR, "1")
+    off = feat()
+    assert not off.on and _ext.ENV_VAR in off.detail and "Python bodies" in off.detail
+    assert name in [f.name for f in _compat.features_off()]

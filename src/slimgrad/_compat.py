@@ -163,6 +163,16 @@ def _forward_writes() -> Feature:
     )
 
 
+def _backward_bodies() -> Feature:
+    from slimgrad import _ext
+
+    name = "C++ backward bodies (RMSNorm, gated MLP)"
+    ok, why = _ext.probe()  # builds nothing
+    if not ok:  # NOTE [Backward bodies from C++] in slimgrad/_ext
+        return Feature(name, False, f"{why}: their Python bodies run (the same results)")
+    return Feature(name, True, f"from {why}")
+
+
 def _triton() -> Feature:
     if importlib.util.find_spec("triton") is None:
         return Feature("Triton kernels", False, "triton is not installed (pip install triton)")
@@ -235,6 +245,7 @@ def _dense_check() -> Feature:
 _FEATURES: tuple[Callable[[], Feature], ...] = (
     _ownership,
     _forward_writes,
+    _backward_bodies,
     _triton,
     _c_kernels,
     _numpy,
