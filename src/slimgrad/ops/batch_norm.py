@@ -67,7 +67,7 @@ from types import SimpleNamespace
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from slimgrad import ownership
+from slimgrad import _library, ownership
 from slimgrad._autograd import (
     compiling as _compiling,
 )
@@ -1005,7 +1005,11 @@ def _batch_norm(
     ) and torch.is_grad_enabled()
     numel = input.numel() if needs_graph else 0
     compiled = numel != 0 and _compiling()
-    plain = numel == 0 or compiled or _transforms_active()  # NOTE [torch.func transforms]
+    # NOTE [Two watchers in one call] in ops/conv.py: transforms (bit 4) and TorchScript tracing (8)
+    w = _library._watchers if numel != 0 and not compiled else None
+    mask = w() if w is not None else None
+    # NOTE [torch.func transforms]
+    plain = numel == 0 or compiled or (_transforms_active() if mask is None else mask & 4 != 0)
     # x's recipe (NOTE [Recomputable inputs]; its cost: NOTE [What a replayed input costs]),
     # looked up once: the forward keeps it if it keeps x
     recipe = None
@@ -1061,7 +1065,7 @@ def _batch_norm(
         if t is not None and t.shape != (c,):  # (C,): no call; anything else is checked
             _check_channels(input, running_mean, running_var, weight, bias)
             break
-    if _jit_tracing():
+    if _jit_tracing() if mask is None else mask & 8:
         refuse_jit("ops.batch_norm")
     # NOTE [Under saved-tensor hooks]: inside a hooks region, decided at forward and saved through
     # save_for_backward

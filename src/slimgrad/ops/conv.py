@@ -18,7 +18,7 @@ from weakref import ref as _weakref
 
 import torch
 
-from slimgrad import _dtensor
+from slimgrad import _dtensor, _library
 from slimgrad._autograd import (
     compiling as _compiling,
 )
@@ -302,6 +302,16 @@ _CLOCK = _derived._CLOCK
 _Recipe = _derived.Recipe
 
 
+# NOTE [Two watchers in one call]
+# A call that needs a graph asks whether a torch.func transform is active
+# (``torch._C._are_functorch_transforms_active``) and whether TorchScript traces
+# (``torch._C._is_tracing``). Once slimgrad's C++ extension is loaded, its ``watchers()`` (NOTE
+# [One-call gate] in slimgrad/_library.py) returns both facts, bits 4 and 8 of one mask, from the
+# same C++ calls those bindings make: one call instead of two. Asked only where nothing compiles
+# (a module's call with its argument slot; a BatchNorm call after its compile test): Dynamo would
+# not fold the extension's function. Without the extension the two bindings are asked.
+
+
 def _apply_fn(compiling: bool, args: tuple, holder: list, x=None) -> torch.Tensor:
     # x: args[0] passed through unwrap_if_dead already (the caller's anchor), or None
     if compiling:  # Dynamo traces Function.apply
@@ -409,7 +419,11 @@ def _conv(
         # path alike.
         dt = torch.get_autocast_dtype(dev)
         x, weight, bias = (_autocast_cast(t, dt) for t in (x, weight, bias))
-    if not needs_graph or _transforms_active():  # NOTE [torch.func transforms] in _autograd.py
+    # NOTE [Two watchers in one call]: a module's call (its slot: not compiling) with a graph
+    w = _library._watchers if slot is not None and needs_graph else None
+    mask = w() if w is not None else None
+    # NOTE [torch.func transforms] in _autograd.py
+    if not needs_graph or (_transforms_active() if mask is None else mask & 4):
         if not autocast:
             return _fwd_torch(
                 x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
@@ -420,7 +434,7 @@ def _conv(
             )
     # a module's argument slot is None while Dynamo traces (nn/conv.py's _slot): no second test
     compiling = False if slot is not None else _compiling()
-    if not compiling and _jit_tracing():
+    if not compiling and (_jit_tracing() if mask is None else mask & 8):
         refuse_jit(jit_name)
     # a derived input is kept as its norm's output: anchor x for a second derivative
     d = None
