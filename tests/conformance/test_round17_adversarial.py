@@ -30,13 +30,16 @@ from transformers.pytorch_utils import Conv1D as HFConv1D
 
 import slimgrad
 import slimgrad.ops as sops
+from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.memory import measure
 from slimgrad.testing import rule_ok
 
 GN = importlib.import_module("slimgrad.ops.group_norm")
 
-# {name: (module builder, input shape, exact)}: exact compares gradients bit for bit; the
-# LayerNorm C backward is within the error rule, not bitwise (its own row-block sums)
+# {name: (module builder, input shape, exact)}: exact compares gradients bit for bit; the norms'
+# backwards are within the error rule, not bitwise (their own reduction orders): dx, dgamma, dbeta
+# at 0.23-0.26 of the bound for LayerNorm, 0.28-0.38 RMSNorm, 0.07-0.19 GroupNorm (float32, these
+# shapes, against float64)
 MODULES = {
     "Linear-3d": (lambda: nn.Linear(6, 5), (3, 4, 6), True),
     "Linear-4d-nobias": (lambda: nn.Linear(6, 5, bias=False), (2, 3, 4, 6), True),
@@ -48,18 +51,41 @@ MODULES = {
         True,
     ),
     "LayerNorm": (lambda: nn.LayerNorm(6), (3, 4, 6), False),
-    "RMSNorm": (lambda: nn.RMSNorm(6), (3, 4, 6), True),
-    "GroupNorm": (lambda: nn.GroupNorm(2, 6), (3, 6, 10), True),
-    "GroupNorm-16": (lambda: nn.GroupNorm(4, 16), (2, 16, 9), True),
+    "RMSNorm": (lambda: nn.RMSNorm(6), (3, 4, 6), False),
+    "GroupNorm": (lambda: nn.GroupNorm(2, 6), (3, 6, 10), False),
+    "GroupNorm-16": (lambda: nn.GroupNorm(4, 16), (2, 16, 9), False),
 }
 
 
-def _pair(name):
+class Scale(nn.Module):
+    # a consumer after the module under test, inside the model: convert_ leaves a module that
+    # keeps its output unconverted at the root model's output end (the caller may write there)
+    def forward(self, y):
+        return y * 1.5
+
+
+def _is_slimgrad(m):
+    return type(m).__module__.startswith("slimgrad.")
+
+
+def _converted_leaves(mod):
+    return [m for m in mod.modules() if not list(m.children())]
+
+
+def _pair(name, post=None):
+    # convert_ never replaces the model it is given: the module under test sits inside one, with
+    # the same wrapper on the eager side; a post runs inside the model, after the module
     torch.manual_seed(0)
-    eager = MODULES[name][0]()
+    inner = MODULES[name][0]()
+    eager = nn.Sequential(inner, Scale()) if post is None else nn.Sequential(inner, Post(post))
     ours = copy.deepcopy(eager)
     slimgrad.convert_(ours)
     return eager, ours
+
+
+def _assert_converted(ours):
+    leaves = _converted_leaves(ours[0])
+    assert leaves and all(_is_slimgrad(m) for m in leaves), [type(m) for m in leaves]
 
 
 def _same(a, b, exact, what):
@@ -95,11 +121,22 @@ POSTS = {
 }
 
 
-def _post_run(mod, x, post):
+class Post(nn.Module):
+    # the write on the module's output, inside the model: convert_'s in-place guard sees it
+    # (NOTE [In-place writers after output-saving modules]) and a consumer follows it
+    def __init__(self, post):
+        super().__init__()
+        self.post = post
+
+    def forward(self, y):
+        return POSTS[self.post](y) * 1.5
+
+
+def _post_run(mod, x):
     for p in mod.parameters():
         p.grad = None
     x = x.clone().requires_grad_()
-    y = POSTS[post](mod(x * 1.5))
+    y = mod(x * 1.5)
     (y * _weight(y.shape)).sum().backward()
     return [y.detach(), x.grad] + [p.grad for p in mod.parameters()]
 
@@ -107,10 +144,17 @@ def _post_run(mod, x, post):
 @pytest.mark.parametrize("post", list(POSTS))
 @pytest.mark.parametrize("name", list(MODULES))
 def test_inplace_writes_on_output_match_eager(name, post):
-    eager, ours = _pair(name)
+    eager, ours = _pair(name, post)
+    # an output-saving module (SAVES_OUTPUT) with a write after it stays eager's, with a reason;
+    # every other module under test is slimgrad's
+    for m in _converted_leaves(ours[0]):
+        if post != "plain" and _inplace_guard.kept_reason(m) is not None:
+            assert _inplace_guard._saves_output(m) and not _is_slimgrad(m), type(m)
+        else:
+            assert _is_slimgrad(m), (type(m), _inplace_guard.kept_reason(m))
     x = torch.randn(MODULES[name][1], generator=torch.Generator().manual_seed(1))
-    a = _outcome(lambda: _post_run(eager, x, post))
-    b = _outcome(lambda: _post_run(ours, x, post))
+    a = _outcome(lambda: _post_run(eager, x))
+    b = _outcome(lambda: _post_run(ours, x))
     if isinstance(a, type) or isinstance(b, type):
         assert a == b, (a, b)  # the same error kind, or both train
         return
@@ -154,11 +198,33 @@ def _ctx_run(mod, x, ctx, layout, x_req, p_req):
             p.requires_grad_(True)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("ctx", list(CONTEXTS))
-@pytest.mark.parametrize("name", [n for n in MODULES if n not in ("ELU-inplace-a2.5", "GroupNorm")])
+# a finding (issue 30, a converted module's outcome differs from eager's): eager's HF Conv1D
+# views a non-contiguous 3-D input (x.view(-1, nx)) and raises; the converted Conv1D computes
+_CONV1D_VIEW = pytest.mark.xfail(
+    strict=True,
+    reason="issue 30: eager's HF Conv1D raises on x.view of a transposed or expanded (3, 4, 6) "
+    "input in every context; the converted Conv1D returns a result",
+)
+CTX_CASES = [
+    pytest.param(
+        name,
+        ctx,
+        layout,
+        marks=[_CONV1D_VIEW]
+        if (name, layout) in {("Conv1D-3d", "transposed"), ("Conv1D-3d", "expanded")}
+        else [],
+    )
+    for name in MODULES
+    if name not in ("ELU-inplace-a2.5", "GroupNorm")
+    for ctx in CONTEXTS
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("name,ctx,layout", CTX_CASES)
 def test_contexts_layouts_and_requires_grad_subsets(name, ctx, layout):
     eager, ours = _pair(name)
+    _assert_converted(ours)
     x = torch.randn(MODULES[name][1], generator=torch.Generator().manual_seed(2))
     for x_req, p_req in ((True, True), (True, False), (False, True), (False, False)):
         a = _outcome(lambda x_req=x_req, p_req=p_req: _ctx_run(eager, x, ctx, layout, x_req, p_req))
@@ -200,6 +266,7 @@ def _alias_run(mod, shape, case):
 @pytest.mark.parametrize("name", list(MODULES))
 def test_aliasing_incoming_gradients(name, case):
     eager, ours = _pair(name)
+    _assert_converted(ours)
     shape = MODULES[name][1]
     intact_e, ge = _alias_run(eager, shape, case)
     intact_o, go = _alias_run(ours, shape, case)
@@ -240,11 +307,12 @@ def _hook_run(mod, shape, case):
 def test_hooks_that_keep_gradients(name, case):
     # a gradient a hook keeps is never the buffer a later backward writes dx into
     eager, ours = _pair(name)
+    _assert_converted(ours)
     shape = MODULES[name][1]
     ke, ge = _hook_run(eager, shape, case)
     ko, go = _hook_run(ours, shape, case)
     assert len(ke) == len(ko) == 1
-    assert torch.equal(ke[0], ko[0])
+    _same(ke[0], ko[0], MODULES[name][2], (case, "kept"))
     for i, (u, v) in enumerate(zip(ge, go)):
         _same(u, v, MODULES[name][2], (case, i))
 
@@ -252,12 +320,15 @@ def test_hooks_that_keep_gradients(name, case):
 @pytest.mark.parametrize("name", list(MODULES))
 def test_full_backward_hook_on_module(name):
     eager, ours = _pair(name)
+    _assert_converted(ours)
     x = torch.randn(MODULES[name][1], generator=torch.Generator().manual_seed(3))
     seen = []
     for mod in (eager, ours):
         kept = []
-        handle = mod.register_full_backward_hook(lambda m, gi, go, k=kept: k.append((go[0], gi[0])))
-        seen.append((_outcome(lambda mod=mod: _post_run(mod, x, "plain")), kept))
+        handle = mod[0].register_full_backward_hook(
+            lambda m, gi, go, k=kept: k.append((go[0], gi[0]))
+        )
+        seen.append((_outcome(lambda mod=mod: _post_run(mod, x)), kept))
         handle.remove()
     (a, ka), (b, kb) = seen
     if isinstance(a, type) or isinstance(b, type):  # eager's elu_ after its hook: view error
@@ -273,6 +344,7 @@ def test_full_backward_hook_on_module(name):
 @pytest.mark.parametrize("name", list(MODULES))
 def test_torch_func_transforms(name):
     eager, ours = _pair(name)
+    _assert_converted(ours)
     x = torch.randn(MODULES[name][1], generator=torch.Generator().manual_seed(4))
     results = []
     for mod in (eager, ours):
@@ -368,9 +440,10 @@ PEAK_CASES = {
 def test_saved_and_peak_never_above_eager(name, grad):
     mk, shape = PEAK_CASES[name]
     torch.manual_seed(0)
-    eager = mk()
+    eager = nn.Sequential(mk(), Scale())
     ours = copy.deepcopy(eager)
     slimgrad.convert_(ours)
+    _assert_converted(ours)
     if grad == "chlast" and len(shape) != 4:
         pytest.skip("channels_last needs 4 dims")
     out = []
@@ -738,16 +811,38 @@ def test_scores_sdm_4d_bits_as_eager():
         assert torch.equal(u, w)
 
 
-@pytest.mark.parametrize("post", ["relu_", "mul_"])
-@pytest.mark.parametrize("shape", [(4, 10, 64), (2, 3, 5, 64)])
-@pytest.mark.parametrize("bias", [False, True])
+# a finding (issue 30, never more than eager): without bias, relu_ on the converted Linear's N-D
+# output peaks above eager's: (4, 10, 64) 48,648 B against 40,968, (2, 3, 5, 64) 36,488 against
+# 33,416 (saved bytes equal: 17,920 and 13,440)
+_LINEAR_RELU_PEAK = pytest.mark.xfail(
+    strict=True,
+    reason="issue 30: relu_ after a converted bias-free Linear on 3-D/4-D input peaks 1.19x / "
+    "1.09x eager's bytes",
+)
+
+
+@pytest.mark.parametrize(
+    "bias,shape,post",
+    [
+        pytest.param(
+            bias,
+            shape,
+            post,
+            marks=[_LINEAR_RELU_PEAK] if (not bias and post == "relu_") else [],
+        )
+        for bias in (False, True)
+        for shape in [(4, 10, 64), (2, 3, 5, 64)]
+        for post in ("relu_", "mul_")
+    ],
+)
 def test_linear_nd_inplace_after_bytes_as_eager(bias, shape, post):
     # the N-D output is a view of the 2-D product (eager's is an _unsafe_view without bias): an
     # in-place write on it costs eager's bytes
     torch.manual_seed(0)
-    eager = nn.Linear(64, 48, bias=bias)
+    eager = nn.Sequential(nn.Linear(64, 48, bias=bias))  # convert_ converts children only
     ours = copy.deepcopy(eager)
     slimgrad.convert_(ours)
+    _assert_converted(ours)
     out = []
     for mod in (eager, ours):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(12)).requires_grad_()
