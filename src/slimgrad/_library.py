@@ -255,12 +255,14 @@ def custom_op(
 # the private function keeps torch's kernels as well.
 # With grad mode off (a compiled graph's forward and backward, a backward's own calls), the
 # Autograd kernel calls the backend kernel itself when the keys left below autograd are only the
-# dense CPU / CUDA / Meta backends, BackendSelect and ADInplaceOrView (fallthroughs for an op that
+# dense CPU / CUDA backends, BackendSelect and ADInplaceOrView (fallthroughs for an op that
 # mutates nothing and returns no view): the redispatch would reach that same kernel, through one
 # more round of argument boxing. Any other key (a dispatch mode's or a subclass's Python key,
-# functionalization, functorch, conjugate/negative bits, sparse) takes the redispatch.
+# functionalization, functorch, conjugate/negative bits, sparse) takes the redispatch, and so does
+# Meta: there the redispatch reaches the Meta kernel ``register_fake`` installs (the fake
+# implementation), not the Python implementation, which needs values.
 _PLAIN_BELOW_AUTOGRAD = 0
-for _k in ("CPU", "CUDA", "Meta", "BackendSelect", "ADInplaceOrView"):
+for _k in ("CPU", "CUDA", "BackendSelect", "ADInplaceOrView"):
     _PLAIN_BELOW_AUTOGRAD |= _C.DispatchKeySet(getattr(_C.DispatchKey, _k)).raw_repr()
 _NOT_PLAIN_BELOW_AUTOGRAD = ~_PLAIN_BELOW_AUTOGRAD & (2**64 - 1)
 del _k
