@@ -455,3 +455,19 @@ def test_t5_autocast_attention_function_matches_sdpa_and_keeps_less():
     s, qkv = b * h * t * t, b * h * t * d
     assert saved[H._attention] == 2 * qkv * 4 + s * 4 + s // 8
     assert saved[sdpa_attention_forward] == 3 * qkv * 4 + 3 * s * 4
+
+
+def test_probe_under_disabled_saved_tensor_hooks_still_answers(monkeypatch):
+    # the probe runs under saved-tensor hooks of its own (a checkpointed region must not see its
+    # saved tensors); where hooks are disabled (vmap, aot_autograd use
+    # torch.autograd.graph.disable_saved_tensors_hooks) pushing them raises: the probe then runs
+    # without them instead of answering False, which was cached for the process and turned
+    # slimgrad's eager attention off for every later call
+    _, cfg = _family("llama")
+    torch.manual_seed(0)
+    m = slimgrad.convert_(transformers.LlamaForCausalLM(cfg).train())
+    monkeypatch.setattr(H, "_PROBES", {})  # convert_ may have probed already
+    ids = torch.randint(0, V, (2, 9))
+    with torch.autograd.graph.disable_saved_tensors_hooks("probe test"):
+        m(input_ids=ids, labels=ids).loss.backward()
+    assert H._PROBES and all(H._PROBES.values()), H._PROBES

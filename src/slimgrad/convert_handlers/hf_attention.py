@@ -106,6 +106,7 @@ the dropped P and a float32 v; slimgrad keeps the same q and k, v in its own dty
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import importlib
 import inspect
@@ -664,7 +665,14 @@ def _probe(
         return False
     was = module.training
     try:
-        with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same_t, _same_t):
+        with _disable_current_modes(), contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same_t, _same_t))
+            except RuntimeError:
+                # saved-tensor hooks are disabled here (torch.autograd.graph.
+                # disable_saved_tensors_hooks: vmap, aot_autograd): no checkpoint's hooks can see
+                # the probe either
+                pass
             dtypes = (dtype, k_dtype, v_dtype, mask_dtype)
             ok = _probe_run(original, module, variant, dtypes, softcap)
     except Exception:  # noqa: BLE001 - any failure: the original keeps running
