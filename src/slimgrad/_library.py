@@ -261,11 +261,14 @@ def custom_op(
 # functionalization, functorch, conjugate/negative bits, sparse) takes the redispatch, and so does
 # Meta: there the redispatch reaches the Meta kernel ``register_fake`` installs (the fake
 # implementation), not the Python implementation, which needs values.
-_PLAIN_BELOW_AUTOGRAD = 0
-for _k in ("CPU", "CUDA", "BackendSelect", "ADInplaceOrView"):
-    _PLAIN_BELOW_AUTOGRAD |= _C.DispatchKeySet(getattr(_C.DispatchKey, _k)).raw_repr()
-_NOT_PLAIN_BELOW_AUTOGRAD = ~_PLAIN_BELOW_AUTOGRAD & (2**64 - 1)
-del _k
+# A torch without DispatchKeySet's raw bits (private) keeps torch's kernels.
+try:
+    _PLAIN_BELOW_AUTOGRAD = 0
+    for _k in ("CPU", "CUDA", "BackendSelect", "ADInplaceOrView"):
+        _PLAIN_BELOW_AUTOGRAD |= _C.DispatchKeySet(getattr(_C.DispatchKey, _k)).raw_repr()
+    _NOT_PLAIN_BELOW_AUTOGRAD: int | None = ~_PLAIN_BELOW_AUTOGRAD & (2**64 - 1)
+except AttributeError:
+    _NOT_PLAIN_BELOW_AUTOGRAD = None
 
 
 def _lean_kernels(op_def, fn: Callable) -> None:
@@ -276,6 +279,8 @@ def _lean_kernels(op_def, fn: Callable) -> None:
         aliased = _C._any_output_is_alias_to_input_or_output
         redispatch = op_def._opoverload._handle.redispatch_boxed  # OpOverload.redispatch's body
     except (ImportError, AttributeError):  # keep torch's own kernels
+        return
+    if _NOT_PLAIN_BELOW_AUTOGRAD is None:
         return
     opov = op_def._opoverload
     sch = opov._schema
