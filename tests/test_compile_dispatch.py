@@ -95,6 +95,7 @@ def test_registered_autograd_still_runs():
 
 
 _BELOW: list[bool] = []
+_NEG: list[bool] = []  # whether the implementation was handed a tensor with the negative bit
 
 
 @custom_op("_test_dispatch_probe", mutates_args=())
@@ -103,6 +104,7 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     _BELOW.append(
         torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradOther)
     )
+    _NEG.append(x.is_neg())
     return x * 2
 
 
@@ -142,6 +144,9 @@ def test_grad_off_call_under_a_mode_still_reaches_the_mode():
     with torch.no_grad(), Seen() as mode:
         torch.ops.slimgrad._test_dispatch_probe.default(x)
     assert mode.ops[0] == "slimgrad._test_dispatch_probe.default"
+    _NEG.clear()
     with torch.no_grad():
         y = torch.ops.slimgrad._test_dispatch_probe.default(torch._neg_view(x))
     torch.testing.assert_close(y, x * -2)
+    # the value alone cannot tell (ATen resolves the bit itself); C kernels read raw memory
+    assert _NEG == [False]
