@@ -70,6 +70,7 @@ def test_converted_inplace_relu_after_graph_break():
     torch.manual_seed(0)
     eager = Net()
     conv = slimgrad.convert_(Net())
+    assert slimgrad.report(conv).converted, slimgrad.report(conv)  # not eager vs eager
     conv.load_state_dict(eager.state_dict())
     x = torch.randn(5, 8, dtype=torch.float64)
     w = torch.randn(5, 8, dtype=torch.float64)

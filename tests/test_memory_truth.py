@@ -240,6 +240,7 @@ def test_tied_gpt2(convert, autocast, monkeypatch):
         model = transformers.GPT2LMHeadModel(cfg)
         if convert:
             slimgrad.convert_(model)
+            assert slimgrad.report(model).converted, slimgrad.report(model)  # not eager vs eager
         return model, torch.randint(0, V, (2, 8))
 
     def forward(s):

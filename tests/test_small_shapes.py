@@ -181,6 +181,9 @@ def test_norm_then_activation_small_batches(act):
             nn.init.uniform_(m.weight, 0.5, 1.5)
             nn.init.uniform_(m.bias, -0.2, 0.2)
     slim = slimgrad.convert_(copy.deepcopy(model))
+    # the norms and activations under test are slimgrad's (verify of eager against eager passes)
+    for i in (1, 2, 4, 5):
+        assert type(slim[i]).__module__.startswith("slimgrad."), (i, slimgrad.report(slim))
     for b, s in ((2, 2), (2, 3), (1, 4), (3, 5)):
         x = torch.randn(b, 3, s, s)
         res = slimgrad.verify(model, slim, x, modes=("train",))

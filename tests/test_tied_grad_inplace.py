@@ -48,6 +48,7 @@ def test_tied_embedding_gradients_are_summed_in_place(autocast):
         eos_token_id=0,
     )
     model = slimgrad.convert_(transformers.GPT2LMHeadModel(cfg))
+    assert slimgrad.report(model).converted, slimgrad.report(model)  # not eager vs eager
     wte = model.transformer.wte.weight
     assert wte is model.lm_head.weight
     ids = torch.randint(0, 1000, (2, 32))

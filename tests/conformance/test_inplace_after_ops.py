@@ -27,6 +27,7 @@ from transformers.pytorch_utils import Conv1D as HFConv1D
 
 import slimgrad
 import slimgrad.ops as sops
+from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from tests._threads import one_thread
 
 
@@ -160,8 +161,11 @@ def _compare(name: str, dim: int, how: str, train: bool, no_grad: bool = False):
     torch.manual_seed(0)
     eager = Probe(make(), how).train(train)
     conv = slimgrad.convert_(copy.deepcopy(eager))
+    ours = type(conv.op).__module__.startswith("slimgrad.")
     if converts:
-        assert type(conv.op).__module__.startswith("slimgrad."), slimgrad.report(conv)
+        assert ours, slimgrad.report(conv)
+    else:  # slimgrad's, or kept eager by the in-place guard with its reason (never silently)
+        assert ours or _inplace_guard.kept_reason(conv.op), slimgrad.report(conv)
     x = torch.randn(*shapes[dim])
     got, want = _outcome(conv, x, no_grad), _outcome(eager, x, no_grad)
     assert got[0] == want[0], (name, dim, how, got, want)

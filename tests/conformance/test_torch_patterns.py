@@ -321,6 +321,8 @@ def _step(model, x0, train, mode):
 
 def _check_report(eager, converted):
     rep = slimgrad.report(converted)
+    # something converted: a row where nothing is would compare eager with eager
+    assert rep.converted, f"nothing converted:\n{rep}"
     named = {n for n, _, _ in rep.converted} | {n for n, _, _ in rep.skipped}
     for name, m in eager.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -472,6 +474,7 @@ def test_low_precision_within_rule(row, dtype, config):
     torch.manual_seed(0)
     eager = _randomize(build(_lrelu())).to(dtype)
     converted = slimgrad.convert_(copy.deepcopy(eager), config)
+    _check_report(eager, converted)
     ref64 = copy.deepcopy(eager).double()
     x0 = make_x()
     res = []
@@ -607,6 +610,7 @@ def test_every_slot_keeps_its_function(act, use, train):
     torch.manual_seed(0)
     eager = _slots(_SLOT_ACTS[act])
     converted = slimgrad.convert_(copy.deepcopy(eager))
+    _check_report(eager, converted)
     assert not any(isinstance(m, InPlaceABN) for m in converted.modules())
     assert all(isinstance(c, type(e)) for c, e in zip(converted, eager))  # same slots, subclasses
     x0 = torch.randn(2, 3, 5, 6, dtype=torch.float64)

@@ -788,6 +788,7 @@ def test_module_parameters_replaced_after_a_call_are_used():
     base = _conv_bn_relu_block(convert=False)
     x = torch.randn(2, 4, 8, 8)
     m = slimgrad.convert_(copy.deepcopy(base))
+    assert slimgrad.report(m).converted, slimgrad.report(m)  # not eager vs eager
     m(x).sum().backward()  # the first call stores the objects
     fresh = copy.deepcopy(base)
     for net in (m, fresh):

@@ -44,7 +44,9 @@ def _model(seed: int = 0) -> nn.Module:
 
 def _pair(seed: int = 0):
     m = _model(seed)
-    return m, slimgrad.convert_(copy.deepcopy(m))
+    slim = slimgrad.convert_(copy.deepcopy(m))
+    assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
+    return m, slim
 
 
 def _x(seed: int = 1) -> torch.Tensor:

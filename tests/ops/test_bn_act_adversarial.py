@@ -53,6 +53,12 @@ ACTS = {
 }
 
 
+def _assert_converted(model):
+    # a converted model that holds no slimgrad module would compare eager with eager
+    rep = slimgrad.report(model)
+    assert rep.converted, f"nothing converted:\n{rep}"
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     with one_thread():  # tiny shapes: OpenMP start-up and spin-waits would dominate
@@ -856,6 +862,7 @@ def test_converted_model_backward_same_bits_without_reuse_within_rule(kind, opts
         eager = _bad_channels(eager)
     x = _model_input(kind, opts.get("batch", 3))
     slim = slimgrad.convert_(copy.deepcopy(eager))
+    _assert_converted(slim)
     ref = copy.deepcopy(eager).double()
     if opts.get("channels_last"):
         eager, slim, ref = (m.to(memory_format=torch.channels_last) for m in (eager, slim, ref))
@@ -879,6 +886,7 @@ def test_converted_model_reentrant_checkpoint_within_rule():
     eager = _model("resnet_basic")
     x = _model_input("resnet_basic")
     slim = slimgrad.convert_(copy.deepcopy(eager))
+    _assert_converted(slim)
     grads = partial(_model_grads, ckpt="reentrant")
     _assert_rule(grads(slim, x), grads(copy.deepcopy(eager).double(), x.double()), grads(eager, x))
 
@@ -887,6 +895,7 @@ def test_converted_model_autocast_bf16_same_bits_without_reuse_within_rule():
     eager = _model("resnet_basic")
     x = _model_input("resnet_basic")
     slim = slimgrad.convert_(copy.deepcopy(eager))
+    _assert_converted(slim)
 
     def grads(m, reuse=True):
         m.zero_grad(set_to_none=True)
@@ -928,6 +937,7 @@ def test_converted_model_several_forwards_one_backward(kind):
     torch.manual_seed(0)
     eager = _SharedBN() if kind == "shared_bn" else _model(kind)
     slim = slimgrad.convert_(copy.deepcopy(eager))
+    _assert_converted(slim)
     x1, x2 = torch.randn(2, 3, 8, 7), torch.randn(3, 3, 8, 7)
 
     def grads(m, dt=torch.float32, reuse=True):
@@ -951,6 +961,7 @@ def test_converted_model_several_forwards_one_backward(kind):
 def test_reuse_disabled_same_bits_in_place_act_after_bn():
     torch.manual_seed(0)
     model = slimgrad.convert_(nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(True)))
+    _assert_converted(model)
     x = torch.randn(2, 2, 6, 6)
 
     def grads():
@@ -1082,6 +1093,7 @@ def test_fused_optimizer_step_that_zeroes_gamma_keeps_gradients_finite():
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
     slim = slimgrad.convert_(copy.deepcopy(eager))
+    _assert_converted(slim)
     x = torch.randn(2, 3, 6, 6)
     slim(x).sum().backward()  # decides the bad channels (none) for these parameter versions
     for p in slim.parameters():

@@ -127,6 +127,7 @@ def test_timm_models_at_batch_2_verify(name, size):
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10)
     slim = slimgrad.convert_(copy.deepcopy(model))
+    assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
     res = slimgrad.verify(
         model, slim, torch.randn(2, 3, size, size), modes=("train",), inference=False
     )

@@ -86,6 +86,7 @@ def _conv_bn_act(act: str, seed: int):
         eager[1].bias.copy_(torch.randn(c, generator=gen) * 0.3)
     ref = copy.deepcopy(eager).double()
     slim = slimgrad.convert_(copy.deepcopy(eager))
+    assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
     x = torch.randn(4, c, 7, 7, generator=gen)
     w = torch.randn(4, c, 7, 7, generator=gen)
 
@@ -124,6 +125,7 @@ def test_conv_bias_after_batch_norm_is_a_float64_sum():
         base[1].bias[3] = 4.0 * base[1].weight[3]  # |β| > |γ|/2: channel 3 is kept from x
     for shape, keeps_b in (((4, c, 7, 7), True), ((2, c, 2, 2), False)):
         slim = slimgrad.convert_(copy.deepcopy(base))
+        assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
         x = torch.randn(*shape)
         y = slim[0](x)
         y.retain_grad()

@@ -47,6 +47,7 @@ def test_peak_not_above_eager_at_the_input_conv_backward(which, shape, c):
     torch.manual_seed(0)
     eager = dict(_blocks(shape[1], c))[which].train()
     conv = slimgrad.convert_(copy.deepcopy(eager))
+    assert slimgrad.report(conv).converted, slimgrad.report(conv)  # not eager vs eager
     x = torch.randn(shape, requires_grad=True)
     res = {}
     for name, m in (("eager", eager), ("slim", conv)):

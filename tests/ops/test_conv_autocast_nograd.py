@@ -50,6 +50,7 @@ def test_converted_stack_no_grad(mode):
     torch.manual_seed(0)
     m = _stack()
     s = slimgrad.convert_(copy.deepcopy(m))
+    assert slimgrad.report(s).converted, slimgrad.report(s)  # not eager vs eager
     x = torch.randn(2, 3, 9, 11)
     with torch.autocast("cpu", dtype=torch.bfloat16), mode():
         ref, out = m(x), s(x)
@@ -61,6 +62,7 @@ def test_converted_stack_reentrant_checkpoint():
     torch.manual_seed(0)
     m = _stack()
     s = slimgrad.convert_(copy.deepcopy(m))
+    assert slimgrad.report(s).converted, slimgrad.report(s)  # not eager vs eager
     x = torch.randn(2, 3, 9, 11, requires_grad=True)
     outs, grads = [], []
     for mod in (m, s):

@@ -259,6 +259,7 @@ def test_channels_last_unet_block_after_convert_matches_eager():
     ).to(memory_format=torch.channels_last)
     ours = __import__("copy").deepcopy(block)
     slimgrad.convert_(ours)
+    assert slimgrad.report(ours).converted, slimgrad.report(ours)  # not eager vs eager
     x = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
     grads = []
     for m in (block, ours):
@@ -378,6 +379,7 @@ def test_step_peak_and_saved_never_above_eager(shape, groups, after):
         eager[1].bias.copy_((torch.rand(c, generator=gen) - 0.5) * 0.8)
     slim = copy.deepcopy(eager)
     slimgrad.convert_(slim)
+    assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
     x, w = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
     grads = []
     for m in (copy.deepcopy(eager).double(), eager, slim):
@@ -452,6 +454,7 @@ def test_residual_step_peak_never_above_eager():
         eager = Res(shape[1], g)
         slim = copy.deepcopy(eager)
         slimgrad.convert_(slim)
+        assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
         x, w = torch.randn(shape), torch.randn(shape)
         for m in (eager, slim):
             (m(x) * w).sum().backward()

@@ -144,6 +144,7 @@ def test_non_contiguous_layouts_peak_below_eager_same_bits(layout):
     eager = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 1), torch.nn.Hardsigmoid())
     slim = copy.deepcopy(eager)
     slimgrad.convert_(slim)
+    assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
     x0 = torch.randn(4, 16, 7, 7, generator=gen)
     w = torch.randn(4, 16, 7, 7, generator=gen)
     if layout == "channels_last":

@@ -20,6 +20,7 @@ def peak_between_convs(act: torch.nn.Module, shape, dtype):
     eager = torch.nn.Sequential(torch.nn.Conv2d(c, c, 1), act, torch.nn.Conv2d(c, c, 1)).to(dtype)
     slim = copy.deepcopy(eager)
     slimgrad.convert_(slim)
+    assert slimgrad.report(slim).converted, slimgrad.report(slim)  # not eager vs eager
     x, w = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
     slim(x).sum().backward()  # the f' tables are built once per process
     return tuple(
