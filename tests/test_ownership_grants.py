@@ -85,8 +85,11 @@ def _saved_last_use(gen):
 
 
 CASES = {"gpt2_mlp": _gpt2_mlp, "resnet_basic": _resnet_basic, "saved_last_use": _saved_last_use}
-# grants per case (reuse_count("grad"), reuse_count("saved")): the same on torch 2.11, 2.13, 2.15
-EXPECTED = {"gpt2_mlp": (2, 0), "resnet_basic": (2, 0), "saved_last_use": (0, 2)}
+# grants per case (reuse_count("grad"), reuse_count("saved")): the same on torch 2.11, 2.13, 2.15.
+# gpt2_mlp's LayerNorm has two fallback channels on 10 rows, a shape where its PyTorch fallback
+# backward would hold more than eager's: it keeps x and runs eager's backward, which grants
+# nothing (NOTE [LayerNorm fallback backward peak]; 2 grants before that rule)
+EXPECTED = {"gpt2_mlp": (1, 0), "resnet_basic": (2, 0), "saved_last_use": (0, 2)}
 
 
 def _grads(case, disabled):
