@@ -142,9 +142,10 @@ def test_activation_hook_and_global_hooks_run_eager():
     finally:
         g.remove()
     assert nn.Linear in seen and nn.GELU in seen
-    # slimgrad.memory's attribution hooks change no value: the op path still runs
-    n = 2 * 7
-    x = x0.clone().requires_grad_()
+    # slimgrad.memory's attribution hooks change no value: the op path still runs (at 32 tokens,
+    # where its backward peaks below eager's: NOTE [The gated MLP's peak against eager's])
+    n = 2 * 16
+    x = torch.randn(2, 16, D, requires_grad=True)
     m = measure(lambda: ours(x * 1).sum(), module=ours)
     assert m.saved_bytes == 4 * (n * D + 2 * n * I)
 

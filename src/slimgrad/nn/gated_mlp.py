@@ -34,7 +34,14 @@ from slimgrad.nn import linear as _snl
 from slimgrad.nn import silu as _sns
 from slimgrad.nn._hooks import foreign
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.gated_mlp import _GATED_MLP_APPLY, gated_mlp, gated_mlp_fused, glu, glu_linear
+from slimgrad.ops.gated_mlp import (
+    _GATED_MLP_APPLY,
+    gated_mlp,
+    gated_mlp_fused,
+    glu,
+    glu_linear,
+    lean_wins,
+)
 
 __all__ = ["GatedMLP", "activation_of"]
 
@@ -302,6 +309,9 @@ class GatedMLP(NoScript, nn.Module):
             and (x.requires_grad or gw.requires_grad or uw.requires_grad or dw.requires_grad)
             and not (_compiling() or _is_tracing() or _any_autocast())
         ):
+            d = xs[-1]  # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
+            if d and not lean_wins(x.numel() // d, d, gw.shape[0], dw.shape[0]):
+                return self._eager(x, gate, up, down, act)
             return _GATED_MLP_APPLY(
                 unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False
             )
@@ -311,6 +321,9 @@ class GatedMLP(NoScript, nn.Module):
             if self.fused:
                 return gated_mlp_fused(x, gw, dw, gb, db, a)
             uw, ub = _params(up)
+            d = x.shape[-1] if x.ndim else 0  # NOTE [The gated MLP's peak against eager's]
+            if d and gw.ndim == 2 and not lean_wins(x.numel() // d, d, gw.shape[0], dw.shape[0]):
+                return self._eager(x, gate, up, down, act)
             return gated_mlp(x, gw, uw, dw, gb, ub, db, a)
         if self.fused:  # the projections that are not plain Linears are called
             g, u = gate(x).chunk(2, dim=-1)
