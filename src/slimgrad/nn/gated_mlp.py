@@ -219,6 +219,12 @@ class GatedMLP(NoScript, nn.Module):
         new.train(module.training)
         return new
 
+    # the shapes (x, gate weight, down weight) of the last straight call and whether the lean
+    # backward wins there (NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py):
+    # decided once per shape, read as one tuple compare
+    _lean_key = None
+    _lean = True
+
     def _eager(self, x, gate, up, down, act):
         if self.fused:
             g, u = gate(x).chunk(2, dim=-1)
@@ -309,8 +315,12 @@ class GatedMLP(NoScript, nn.Module):
             and (x.requires_grad or gw.requires_grad or uw.requires_grad or dw.requires_grad)
             and not (_compiling() or _is_tracing() or _any_autocast())
         ):
-            d = xs[-1]  # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
-            if d and not lean_wins(x.numel() // d, d, gw.shape[0], dw.shape[0]):
+            if (key := (xs, gw.shape, dw.shape)) != self._lean_key:  # a new shape: decide it
+                d = xs[-1]
+                n = x.numel() // d if d else 0
+                self.__dict__["_lean_key"] = key  # plain attributes, no Module.__setattr__
+                self.__dict__["_lean"] = lean_wins(n, d, gw.shape[0], dw.shape[0])
+            if not self._lean:  # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
                 return self._eager(x, gate, up, down, act)
             return _GATED_MLP_APPLY(
                 unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False
