@@ -36,6 +36,7 @@ from slimgrad.nn._hooks import foreign
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.gated_mlp import (
     _GATED_MLP_APPLY,
+    _act,
     gated_mlp,
     gated_mlp_fused,
     glu,
@@ -328,12 +329,29 @@ class GatedMLP(NoScript, nn.Module):
         plain_down = _plain_linear(down)
         if plain_down and _plain_linear(gate) and (up is None or _plain_linear(up)):
             (gw, gb), (dw, db) = _params(gate), _params(down)
+            d = x.shape[-1] if x.ndim else 0  # NOTE [The gated MLP's peak against eager's]
+            if d and gw.ndim == 2 and dw.ndim == 2:
+                i = gw.shape[0] // 2 if self.fused else gw.shape[0]
+                # the op's backward runs straight without biases in one dtype (a FakeTensor too)
+                path = (
+                    "fused"
+                    if self.fused
+                    else "general"
+                    if gb is not None
+                    or db is not None
+                    or _params(up)[1] is not None
+                    or _any_autocast()
+                    or not x.dtype == gw.dtype == dw.dtype == _params(up)[0].dtype
+                    else "straight"
+                )
+                if not lean_wins(x.numel() // d, d, i, dw.shape[0], path):
+                    if self.fused:  # eager's ops (act computes ``a``: checked above)
+                        g, u = gate(x).chunk(2, dim=-1)
+                        return down(u * _act(g, a))
+                    return self._eager(x, gate, up, down, act)
             if self.fused:
                 return gated_mlp_fused(x, gw, dw, gb, db, a)
             uw, ub = _params(up)
-            d = x.shape[-1] if x.ndim else 0  # NOTE [The gated MLP's peak against eager's]
-            if d and gw.ndim == 2 and not lean_wins(x.numel() // d, d, gw.shape[0], dw.shape[0]):
-                return self._eager(x, gate, up, down, act)
             return gated_mlp(x, gw, uw, dw, gb, ub, db, a)
         if self.fused:  # the projections that are not plain Linears are called
             g, u = gate(x).chunk(2, dim=-1)
