@@ -60,7 +60,7 @@ from slimgrad._library import custom_op
 from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
 
-__all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_fused", "glu", "glu_linear"]
+__all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_fused", "glu", "glu_linear", "lean_wins"]
 
 #: The activations this op computes bit for bit: SiLU, erf GELU, tanh GELU (``F.gelu``'s).
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -103,6 +103,44 @@ def _act_bwd(da: Tensor, g: Tensor, activation: str, out: Tensor) -> Tensor:
         return torch.ops.aten.silu_backward.grad_input(da, g, grad_input=out)
     approx = "tanh" if activation == "gelu_tanh" else "none"
     return torch.ops.aten.gelu_backward.grad_input(da, g, approximate=approx, grad_input=out)
+
+
+def lean_wins(n: int, d: int, i: int, do: int, path: str = "straight") -> bool:
+    """Whether the block's backward peaks at most at eager's for ``n`` tokens of ``d`` features,
+    intermediate size ``i`` and ``do`` outputs, on ``path`` ``'straight'`` (no biases),
+    ``'general'`` or ``'fused'`` (NOTE [The gated MLP's peak against eager's])."""
+    t, w, o, od = n * i, d * i, n * d, n * do
+    if path == "fused":
+        return max(5 * t + od, 4 * t + 2 * w + o + od) <= max(5 * t + od, 6 * t, 2 * t + 2 * w + o)
+    two = o if path == "general" else 0  # dx and dx_u live during dWu's matmul
+    s3 = 3 * t + w + o + od
+    return max(s3 + t, s3 + w + two, s3 + o) <= max(
+        5 * t + od, 6 * t, 3 * t + w + o, t + 2 * w + 2 * o
+    )
+
+
+# NOTE [The gated MLP's peak against eager's]
+# Eager frees each node's saved tensors as its node finishes: after down's backward h and dy,
+# after the product's a and u, after the activation's g. This op is one node: it holds g, u and
+# dy until its last matmul, when the three weight gradients (each d i or do i elements) are live.
+# In elements, with t = n i, w = d i, o = n d, od = n do and down's weight gradient (common to
+# both) left out, the op's backward peaks at
+#     slimgrad: max(4t + w + o + od, 3t + 2w + o + od, 3t + w + 2o + od)
+#               (dWg's matmul; dWu's; the product du Wu before its sum into dx)
+#     eager:    max(5t + od, 6t, 3t + w + o, t + 2w + 2o)
+#               (dh with h, g, a, u, dy; the product's du and da; up's backward; gate's)
+# over what else is live then, the same for both (the rest of the step saves the same tensors).
+# The general path (biases, autocast, mixed dtypes) allocates x's two gradients apart: + o in
+# dWu's term. Fused (Phi-3: one (n, 2i) projection gu kept; eager keeps gu, a and h and frees gu
+# after the activation's node): slimgrad max(5t + od, 4t + 2w + o + od) (h beside the gradient
+# dgu; dWgu's matmul), eager max(5t + od, 6t, 2t + 2w + o), w = d i.
+# These are the tracker's counts (Linear -> LlamaMLP -> Linear, fp32: exact at (32, 64, 18),
+# where slimgrad's is 7,168 B above eager's, and at (256, 688, 512), where it is 1,064,960 B
+# below). When the weight gradients dominate (few tokens), holding g and u costs 2t over eager;
+# with many tokens eager's 6t dominates and this op saves 2t or more. ``lean_wins`` compares the
+# two from the shapes' integers; where slimgrad's is higher, gated_mlp and GatedMLP run eager's
+# modules (the same bits, eager's bytes, or fewer with converted submodules); the functions here
+# are the lean op as asked for.
 
 
 def _fwd_torch(x, wg, bg, wu, bu, wd, bd, activation: str, fused: bool) -> Tensor:
