@@ -43,6 +43,7 @@ from slimgrad.ops.gated_mlp import (
     glu_linear,
     lean_wins,
 )
+from slimgrad.ops.gated_mlp import _fwd_torch as _eager_ops
 
 __all__ = ["GatedMLP", "activation_of"]
 
@@ -322,7 +323,9 @@ class GatedMLP(NoScript, nn.Module):
                 self.__dict__["_lean_key"] = key  # plain attributes, no Module.__setattr__
                 self.__dict__["_lean"] = lean_wins(n, d, gw.shape[0], dw.shape[0])
             if not self._lean:  # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
-                return self._eager(x, gate, up, down, act)
+                # plain bias-free Linears without hooks: eager's ops on their weights, directly
+                # (eager's bits and bytes, without the converted submodules' per-call cost)
+                return _eager_ops(x, gw, None, uw, None, dw, None, a, False)
             return _GATED_MLP_APPLY(
                 unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False
             )
