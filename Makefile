@@ -26,8 +26,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
 
+# --dist worksteal: each worker starts on one contiguous half of the suite (xdist's default "load"
+# hands out the first quarter one test at a time, alternately), so a file's module-level model
+# caches and module-scoped fixtures are built in one worker, not both
 test: lint
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 --dist worksteal -q
 
 # The HF suites again under the newest declared transformers (pure Python: installed beside the
 # pinned one in $(VENV)/hf-newest and put first on the path)
@@ -39,7 +42,7 @@ $(VENV)/hf-newest/.stamp-$(HF_NEWEST): $(STAMP)
 	touch $@
 
 test-hf-newest: $(VENV)/hf-newest/.stamp-$(HF_NEWEST)
-	PYTHONPATH=$(VENV)/hf-newest $(PY) -m pytest -n 2 -q $(HF_TESTS)
+	PYTHONPATH=$(VENV)/hf-newest $(PY) -m pytest -n 2 --dist worksteal -q $(HF_TESTS)
 
 # Lowest, pinned and newest declared torch/transformers in their own venvs (multi-GB downloads);
 # writes benchmarks/results/version_matrix.jsonl and docs/compatibility.md
@@ -49,7 +52,7 @@ test-matrix: $(STAMP)
 # The suite as an installation without the ownership extension (no compiler) runs it: tests that
 # assert a grant skip (tests/_needs_reuse.py), everything else must pass
 test-no-reuse: $(STAMP)
-	SLIMGRAD_NO_EXT=1 $(PY) -m pytest -n 2 -q
+	SLIMGRAD_NO_EXT=1 $(PY) -m pytest -n 2 --dist worksteal -q
 
 # The documentation site (docs/, mkdocs.yml) into build/site, warnings as errors. Installs the
 # [docs] extra's packages into $(VENV) here, not in env: CI's test set-up stays as fast as it was.
