@@ -68,7 +68,8 @@ docs: $(DOCS_STAMP)
 
 # slimgrad.integrations' Lightning callback needs Lightning, which the default set-up does not
 # install: three pure-Python wheels beside the venv's site-packages (their other dependencies come
-# with torch and transformers), then the integration tests with nothing skipped
+# with torch and transformers), then the integration tests that need it or that check what an
+# import loads with it installed (`make test` already ran the others, skipping the Lightning ones)
 INTEGRATIONS_SITE := $(VENV)/integrations-site
 $(INTEGRATIONS_SITE)/.stamp: $(STAMP) constraints.txt
 	$(PY) -m pip install -q --no-deps --upgrade --target $(INTEGRATIONS_SITE) -c constraints.txt \
@@ -76,4 +77,5 @@ $(INTEGRATIONS_SITE)/.stamp: $(STAMP) constraints.txt
 	touch $@
 
 test-integrations: $(INTEGRATIONS_SITE)/.stamp
-	PYTHONPATH=$(INTEGRATIONS_SITE) $(PY) -m pytest -p no:xdist -q -rs tests/integrations
+	PYTHONPATH=$(INTEGRATIONS_SITE) $(PY) -m pytest -p no:xdist -q -rs tests/integrations \
+		-k "lightning or import_loads_no_framework"
