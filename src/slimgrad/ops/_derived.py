@@ -90,16 +90,17 @@ input's shape, integer arithmetic it does anyway). Those P values per channel ar
 positions (N x H x W), and a replay reads the conv's whole weight (C_out x C_in / groups values) to
 rebuild P x C_out values: 2P / itemsize FLOPs per weight byte, and P x groups / C_in bytes freed per
 weight byte read. At P <= 32 (at most 16 FLOPs per float32 weight byte) the replay is bound by that
-read and its launch, not by its FLOPs (1x1 ResNet convs on the project's CPU, one thread: 9-23
-GFLOP/s at P = 2 and 8, 22-42 at P = 64 to 392), and frees at most 32 x groups / C_in of the bytes
-it reads (at the proxy 16 to 64 kB per layer, for 0.25 to 4 MB of weight read). There the norm runs
+read and its launch, not by its FLOPs, and frees at most 32 x groups / C_in of the bytes it reads
+(at the host-overhead proxy 16 to 64 kB per layer, for 0.25 to 4 MB of weight). There the norm runs
 aten's backward from x whether it keeps x or x's recipe, so keeping x changes no bit (and the call
-takes eager's own op, fewer host calls). Measured on a torchvision ResNet-50 (float32, exact bytes):
-at the host-overhead proxy's 2x3x32x32 the 16 replays of layers 2-4 (P = 32, 8 and 2) go, 20 -> 4
-per step: saved 2,301,524 -> 2,924,116 B (eager 3,710,548), peak unchanged at 94,701,104 (eager
-95,223,344). At 224x224 the smallest P is 49 even at batch 1 (layer4's 7x7), so every replay stays:
-at 8x3x224x224 saved 352,746,244 and peak 419,810,728 B as before (eager 682,703,620 and
-730,811,816). ``"always"`` still replays every conv that has a recipe.
+takes eager's own op, fewer host calls). In a torchvision ResNet-50 (float32, exact bytes) at the
+proxy's 2x3x32x32 the 16 replays of layers 2-4 (P = 32, 8 and 2) go, 20 -> 4 per step: saved
+2,301,524 -> 2,924,116 B (eager 3,710,548), peak unchanged at 94,701,104 (eager 95,223,344). At
+224x224 the smallest P is 49 even at batch 1 (layer4's 7x7), and every norm of the timm bench models
+at 8x3x224x224 sees at least 392 values per channel, so there every replay stays: ResNet-50 at
+8x3x224x224 saves 352,746,244 B and peaks at 419,810,728 B, as before (eager 682,703,620 and
+730,811,816). Per-shape GFLOP/s and step times: ``docs/measurements.md`` (Replayed 1x1 convs).
+``"always"`` still replays every conv that has a recipe.
 
 # NOTE [Rebuilt once per backward]
 Several nodes may rebuild the same tensor from one kept base b in one backward: in an
