@@ -23,6 +23,7 @@ from slimgrad.nn.inplace_abn import (
     MaxPool2dRecompute,
     RecomputeABN,
 )
+from slimgrad.ops.batch_norm import _MAX_FEW
 from slimgrad.testing import assert_within_rule
 from tests.models._resnet_helpers import randomize_bn_, small_resnet
 
@@ -118,16 +119,19 @@ def test_saved_bytes_formula_and_peak():
     # stem's bn1, whose max-pool keeps a recipe too, and each block's bn1) keeps a recipe + 2
     # floats per channel (NOTE [Recomputed stem]); bn3 / downsample BNs keep a recipe + 2 floats
     # per channel (mean, invstd, as eager; γ and β kept as themselves, not copies: NOTE [BatchNorm
-    # keeps its parameters, not copies] in ops/batch_norm.py).
+    # keeps its parameters, not copies] in ops/batch_norm.py), or, with at most 32 values per
+    # channel (layer3 and layer4 here), their input, as eager: the default replays no conv there
+    # (NOTE [Which convs the default replays] in ops/_derived.py).
     _, eager, ours = _pair(layers=(2, 1, 1, 1), width=8)
     assert type(ours.bn1) is RecomputeABN and type(ours.maxpool) is MaxPool2dRecompute
     x0 = torch.randn(2, 3, 48, 40)
-    bn_in, hooks = {}, []
+    bn_in, few, hooks = {}, {}, []
     for name, mod in eager.named_modules():
         if isinstance(mod, nn.BatchNorm2d):
 
             def rec(m, inp, out, name=name):
                 bn_in[name] = inp[0].numel() * inp[0].element_size()
+                few[name] = inp[0].numel() <= _MAX_FEW * inp[0].shape[1]
 
             hooks.append(mod.register_forward_hook(rec))
     pool = {}
@@ -141,17 +145,20 @@ def test_saved_bytes_formula_and_peak():
     c_bn = sum(m.num_features for m in ours.modules() if isinstance(m, BatchNorm2d))
     n_bn = sum(1 for m in eager.modules() if isinstance(m, nn.BatchNorm2d))
     assert c_abn > 0 and c_bn > 0 and len(bn_in) == n_bn
+    mods = dict(ours.named_modules())
+    kept_x = sum(v for k, v in bn_in.items() if few[k] and isinstance(mods[k], BatchNorm2d))
+    assert 0 < kept_x and any(not few[k] and isinstance(mods[k], BatchNorm2d) for k in bn_in)
     pool_bytes = pool["i"].numel() * 4 + pool["o"].numel() * 8
     per_channel = 4 * c_abn + 8 * c_stem + 8 * c_bn
     eager_per_channel = 2 * 4 * (c_abn + c_stem + c_bn)
     assert ms.saved_bytes == (
-        me.saved_bytes - sum(bn_in.values()) - pool_bytes - eager_per_channel + per_channel
+        me.saved_bytes - sum(bn_in.values()) - pool_bytes - eager_per_channel + per_channel + kept_x
     )
     # Against the matmul-input floor: beyond it only the last block's output (the average pool's
-    # input), the loss input and per-channel floats.
+    # input), the loss input, per-channel floats and the few-valued BN inputs.
     last = 2 * ours.fc.in_features * 2 * 2 * 4  # layer4 output: (2, C, 2, 2) float32
     assert ms.floor_bytes == me.floor_bytes
-    assert ms.saved_bytes == me.floor_bytes + last + 2 * 10 * 4 + per_channel
+    assert ms.saved_bytes == me.floor_bytes + last + 2 * 10 * 4 + per_channel + kept_x
     assert ms.peak_bytes < me.peak_bytes
 
 

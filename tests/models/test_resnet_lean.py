@@ -11,9 +11,8 @@ feeds a max-pool; per channel each BN keeps save_mean and save_invstd, as eager,
 themselves, not copies, per NOTE [BatchNorm keeps its parameters, not copies] in
 ``ops/batch_norm.py``. A training BN with at most ``_MAX_FEW`` values per channel keeps x, as
 eager (NOTE [Few values per channel] in ``ops/batch_norm.py``): its ReLU and the next conv then
-keep the ReLU output, as eager, so nothing is dropped, unless x is the output of a 1x1 conv that
-does not reduce the channels (bn3, downsample, a bn1 whose conv1 keeps the width), which a recipe
-recomputes: NOTE [Which convs the default replays] in ``ops/_derived.py``.)
+keep the ReLU output, as eager, so nothing is dropped; the default policy replays no conv for such
+a norm (NOTE [Which convs the default replays] in ``ops/_derived.py``).)
 """
 
 import copy
@@ -94,10 +93,11 @@ def test_saved_bytes_formula_and_peak():
     def replayed(c: nn.Conv2d) -> bool:  # NOTE [Which convs the default replays] in ops/_derived
         return c.kernel_size == (1, 1) and c.in_channels <= c.out_channels
 
-    # few-valued BNs whose x no recipe recomputes (its conv is not 1x1, or reduces the channels:
-    # conv1) keep x: nothing dropped
-    keeps_x = [k for k in bn_in if k != "bn1" and few[k] and not replayed(conv_of(k))]
+    # few-valued BNs keep x, whatever their conv (the default replays none there): nothing dropped
+    keeps_x = [k for k in bn_in if k != "bn1" and few[k]]
     assert any(conv_of(k).kernel_size == (1, 1) for k in keeps_x), "a few-valued bn1 after conv1"
+    assert any(replayed(conv_of(k)) for k in keeps_x), "a few-valued bn3 after a pointwise conv"
+    assert any(replayed(conv_of(k)) for k in bn_in if k != "bn1" and not few[k]), "one stays"
     assert keeps_x, "the shape must reach NOTE [Few values per channel]"
     dropped = sum(v for k, v in bn_in.items() if k != "bn1" and k not in keeps_x)
     # nothing per channel beyond eager: every BN keeps eager's save_mean and save_invstd and γ, β

@@ -85,7 +85,8 @@ _SOURCES_D = _derived._SOURCES_D
 class _BatchNormMixin:
     #: Keep how to recompute the input (re-running the slimgrad conv that produced it) instead of
     #: the input itself: "pointwise" (1x1 convs with C_in <= C_out, not reading a squeeze-excite
-    #: output), "always" or "never"; set per instance.
+    #: output, where a training call sees more than 32 values per channel), "always" or "never";
+    #: set per instance.
     recompute_input: str = "pointwise"
 
     _ndims: tuple = ()  # the input ranks _check_input_dim accepts (it runs for any other)

@@ -84,6 +84,24 @@ host-overhead proxy) it drops the conv1 replays. Per-rule bytes, FLOPs and step 
 ``docs/measurements.md`` (Replayed 1x1 convs); what the replays cost: NOTE [What a replayed
 input costs] in ``ops/batch_norm.py``.
 
+Nor does ``"pointwise"`` replay a conv whose norm, in training, sees at most 32 values per channel
+(``_MAX_FEW``: NOTE [Few values per channel] in ``ops/batch_norm.py``; the norm tests it from its
+input's shape, integer arithmetic it does anyway). Those P values per channel are the conv's output
+positions (N x H x W), and a replay reads the conv's whole weight (C_out x C_in / groups values) to
+rebuild P x C_out values: 2P / itemsize FLOPs per weight byte, and P x groups / C_in bytes freed per
+weight byte read. At P <= 32 (at most 16 FLOPs per float32 weight byte) the replay is bound by that
+read and its launch, not by its FLOPs, and frees at most 32 x groups / C_in of the bytes it reads
+(at the host-overhead proxy 16 to 64 kB per layer, for 0.25 to 4 MB of weight). There the norm runs
+aten's backward from x whether it keeps x or x's recipe, so keeping x changes no bit (and the call
+takes eager's own op, fewer host calls). In a torchvision ResNet-50 (float32, exact bytes) at the
+proxy's 2x3x32x32 the 16 replays of layers 2-4 (P = 32, 8 and 2) go, 20 -> 4 per step: saved
+2,301,524 -> 2,924,116 B (eager 3,710,548), peak unchanged at 94,701,104 (eager 95,223,344). At
+224x224 the smallest P is 49 even at batch 1 (layer4's 7x7), and every norm of the timm bench models
+at 8x3x224x224 sees at least 392 values per channel, so there every replay stays: ResNet-50 at
+8x3x224x224 saves 352,746,244 B and peaks at 419,810,728 B, as before (eager 682,703,620 and
+730,811,816). Per-shape GFLOP/s and step times: ``docs/measurements.md`` (Replayed 1x1 convs).
+``"always"`` still replays every conv that has a recipe.
+
 # NOTE [Rebuilt once per backward]
 Several nodes may rebuild the same tensor from one kept base b in one backward: in an
 EfficientNet/RegNet block ``r = act(b)`` is the squeeze-excite input and ``y = r * g`` the

@@ -31,11 +31,12 @@ Memory: training keeps the input x (4 B/elt fp32, as eager) unless a slimgrad ac
 the output, in which case it keeps the output b instead; b is also what the activation and the next
 slimgrad conv keep (NOTE [Derived saved inputs] in ``ops/_derived.py``), so a BN → ReLU → Conv block
 keeps one full-size tensor (eager: two, x and relu(b)), plus O(C) statistics. When x is the output
-of a slimgrad 1x1 conv that keeps its own input, does not reduce the channels (C_in <= C_out:
-NOTE [Which convs the default replays]) and does not read a squeeze-excite output, the BatchNorm
-keeps a recipe instead of x (0 bytes; the conv is re-run in backward: NOTE [Recomputable
-inputs]; any conv with ``recompute_input="always"``). Eval: nothing full-size when γ and β need
-no gradient (eager keeps x), else x (or its recipe). Under autocast (a bf16/fp16 output b with fp32
+of a slimgrad 1x1 conv that keeps its own input, does not reduce the channels (C_in <= C_out) and
+does not read a squeeze-excite output, and a training call sees more than 32 values per channel
+(NOTE [Which convs the default replays]), the BatchNorm keeps a recipe instead of x (0 bytes; the
+conv is re-run in backward: NOTE [Recomputable inputs]; any conv with
+``recompute_input="always"``). Eval: nothing full-size when γ and β need no gradient (eager keeps
+x), else x (or its recipe). Under autocast (a bf16/fp16 output b with fp32
 γ, β or statistics) the BatchNorm keeps x (or its recipe), never b: x rebuilt as (b - β)/γ from the
 rounded b put dγ and the input conv's dbias past the error rule (up to 1.7x its bound), where eager
 uses x; the activation then keeps its own tensor (a timm EfficientNet-B0 step at 4x3x64x64 saves
@@ -944,8 +945,9 @@ def batch_norm(
         recompute_input: where x is the output of a slimgrad conv that keeps its own input, keep
             how to recompute x instead of x and re-run that conv in backward (NOTE [Recomputable
             inputs]): ``"pointwise"`` (default) when that conv is 1x1, does not reduce the
-            channels (C_in <= C_out: NOTE [Which convs the default replays]) and does not read a
-            squeeze-excite output, ``"always"``, or ``"never"`` (keep x; no extra compute).
+            channels (C_in <= C_out) and does not read a squeeze-excite output, and a training
+            call sees more than 32 values per channel (NOTE [Which convs the default replays]),
+            ``"always"``, or ``"never"`` (keep x; no extra compute).
 
     Returns:
         The normalised tensor, same shape, dtype and memory format as ``input``.
@@ -1010,10 +1012,17 @@ def _batch_norm(
     mask = w() if w is not None else None
     # NOTE [torch.func transforms]
     plain = numel == 0 or compiled or (_transforms_active() if mask is None else mask & 4 != 0)
+    # NOTE [Few values per channel]: decided from the shape alone
+    few = training and numel <= _MAX_FEW * (shape[1] if ndim > 1 else 1)
     # x's recipe (NOTE [Recomputable inputs]; its cost: NOTE [What a replayed input costs]),
-    # looked up once: the forward keeps it if it keeps x
+    # looked up once: the forward keeps it if it keeps x. The default policy replays no conv for
+    # a norm with few values per channel (NOTE [Which convs the default replays])
     recipe = None
-    if not plain and (training or (weight is not None and weight.requires_grad)):
+    if (
+        not plain
+        and (training or (weight is not None and weight.requires_grad))
+        and not (few and recompute_input == "pointwise")
+    ):
         # _derived.recipe_of(input, recompute_input), inline (not compiling: plain)
         k = id(input)
         if k in _RECIPES_D and recompute_input != "never":
@@ -1035,8 +1044,7 @@ def _batch_norm(
         # aten's backward whatever follows; where x has no recipe and x or γ needs a gradient
         # (so x is kept) that is eager's own node, decided from the shape before any Function
         or (
-            training
-            and numel <= _MAX_FEW * (shape[1] if ndim > 1 else 1)
+            few
             and (input.requires_grad or (weight is not None and weight.requires_grad))
             and recipe is None
         )
@@ -1107,7 +1115,7 @@ def _batch_norm(
         training
         and ctx is not None
         # NOTE [A source only where it can be claimed]
-        and numel > _MAX_FEW * (shape[1] if ndim > 1 else 1)
+        and not few
         and input.dtype.itemsize >= 4
         and (out.dtype == ctx.param_dtype or not _less_precise(out.dtype, ctx.param_dtype))
     ):
@@ -1130,9 +1138,10 @@ def _batch_norm(
 # default (each bottleneck's 1x1 conv3 and the 1x1 downsample convs: those with C_in <= C_out,
 # NOTE [Which convs the default replays] in ops/_derived.py) hold 28.9% of the forward's conv
 # multiply-adds at 224x224, 8.86% of a forward + backward step's FLOPs. At the host-overhead
-# proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs run on 1 to 4 pixels per
-# sample, bound by reading their weights, so there the replay, not host overhead, is most of the
-# converted step's extra time (figures: ``docs/measurements.md``, Replayed 1x1 convs).
+# proxy's 2x3x32x32 (bench case host_overhead) the deep 1x1 convs run on 1 to 16 pixels per
+# sample, bound by reading their weights; their norms see at most 32 values per channel, so the
+# default no longer replays them (that NOTE; figures: ``docs/measurements.md``, Replayed 1x1
+# convs).
 # recompute_input="never" trades those bytes for eager's compute, "always" replays every conv that
 # has a recipe.
 
