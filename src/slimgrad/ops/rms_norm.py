@@ -725,6 +725,61 @@ _SCALE_CHANNELS = {v: (None if g is _float else g) for v, (_, g) in HF_VARIANTS.
 _HF_RMS_APPLY = direct_apply(_HFRMSNormFromOutputFn)
 
 
+class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
+    # NOTE [RMSNorm's backward traced under torch.compile]
+    # _HFRMSNormFromOutputFn while compiling: the same forward (its general branch: the traced
+    # HF ops, the side table from the hf_rms_norm_side custom op) and so the same saved set (y,
+    # rstd, the fallback channels' indices and input columns, the weight), with its backward
+    # written as plain torch ops instead of the opaque rms_norm_bwd custom op, so inductor fuses
+    # it (compiled eager's RMSNorm backward is fused too). Nothing is recomputed from the
+    # forward's inputs: backward rebuilds xhat = y / gamma from the saved output and patches the
+    # fallback columns from the saved side table, so the joint graph has no forward op for CSE
+    # to merge with and the partitioner keeps what the custom op kept
+    # (tests/test_compile_saved.py). The math is rms_norm_bwd_torch's (dw's row sum in float64,
+    # the row dot / D, then (g - xhat * c) * rstd); inductor's fused order rounds differently,
+    # within the error rule (tests/test_compile_rms_norm.py).
+    @staticmethod
+    def backward(ctx, dy, *_):
+        if _grad_on():
+            return refuse_second_order("ops.rms_norm", _HFRMSNormCompiledFn.backward, ctx, (dy, *_))
+        if dy is None:
+            return None, None, None, None, None
+        y, rstd, idx, xside, weight = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0]
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        d = y.shape[-1]
+        y2, dy2, r = y.reshape(-1, d), dy.reshape(-1, d), rstd.reshape(-1, 1)
+        gamma = None
+        if weight is not None:
+            gamma_of = HF_VARIANTS[ctx.variant][1]
+            gamma = weight if gamma_of is _float and weight.dtype == y.dtype else gamma_of(weight)
+        xh = y2 if gamma is None else y2 / gamma
+        # the fallback columns' xhat; each patch below goes into a product with dy, so that no
+        # tensor made from the side table alone is of fixed size (the partitioner would keep such
+        # a tensor, N x D, instead of the table whose length it does not know)
+        xf = xside * r if idx is not None else None  # traced: always a table (symbolic length)
+        dw = None
+        if need_w:
+            a = dy2 * xh
+            if xf is not None:
+                a = a.index_copy(1, idx, dy2.index_select(1, idx) * xf)
+            # rms_norm_bwd's casts: to gamma's dtype, then (gamma's backward) to the weight's
+            dw = a.sum(0, dtype=torch.float64).to(gamma.dtype).to(weight.dtype)
+        dx = None
+        if need_x:
+            g = dy2 if gamma is None else dy2 * gamma
+            gx = g * xh
+            if xf is not None:
+                gf = g.index_select(1, idx)
+                gx = gx.index_copy(1, idx, gf * xf)
+            c = gx.sum(-1, keepdim=True) / d
+            t = g - xh * c
+            if xf is not None:
+                t = t.index_copy(1, idx, gf - xf * c)
+            dx = (t * r).view(y.shape)
+        return dx, dw, None, None, None
+
+
 def _hf_recompute(ctx, dy, create_graph):
     x, weight = ctx.saved_tensors
     need = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
@@ -842,5 +897,7 @@ def hf_rms_norm(
         return HF_VARIANTS[variant][0](input, weight, eps)[0]
     refuse_jit("ops.rms_norm.hf_rms_norm")
     if lean:
-        return _HFRMSNormFromOutputFn.apply(input, weight, float(eps), variant)[0]
+        # compiled: NOTE [RMSNorm's backward traced under torch.compile]
+        fn = _HFRMSNormCompiledFn if torch.compiler.is_compiling() else _HFRMSNormFromOutputFn
+        return fn.apply(input, weight, float(eps), variant)[0]
     return _HFRMSNormRecomputeFn.apply(input, weight, float(eps), variant)
