@@ -2,10 +2,13 @@
 
 For each target: the full-estimate peaks of eager, per-block checkpointing ("ckpt": every block
 recomputed, nothing converted), torch's selective checkpointing saving matmul/attention outputs
-("sac"), slimgrad (convert_) and slimgrad + checkpointing; then plans at two budgets: the lower
-of ckpt's and slimgrad's peaks ("low") and their midpoint ("mid"), each with its full-estimate
-peak and recomputed matmul FLOPs as a fraction of the forward's, against ckpt's, and the time
-(wall and this process's CPU seconds: the box may be shared) of measuring and of each plan.
+("sac"), slimgrad (convert_) and slimgrad + checkpointing, and of eager, ckpt and sac with the
+rest of the model (embeddings, head, loss) converted, as the planner composes its baselines
+("rest_converted_peaks_bytes" next to "composed_peaks_bytes"); then plans at three budgets: the
+lower of ckpt's and slimgrad's peaks ("low"), their midpoint ("mid") and SAC's peak ("sac"), each
+with its full-estimate peak and recomputed matmul FLOPs as a fraction of the forward's, against
+ckpt's and against plain checkpointing of the fewest blocks that fit, and the time (wall and
+this process's CPU seconds: the box may be shared) of measuring and of each plan.
 
 Targets: HF Llama ~1B (16 x 2048, intermediate 5504, vocab 32000, default config otherwise),
 4 x 2048 tokens, fp32 weights under autocast bf16; GPT-2 medium, 8 x 1024, fp32; a
@@ -98,6 +101,24 @@ def _full(make, device, choices, convert: bool, dtype):
     return estimate(made, device=device, timeline=False).peak_bytes
 
 
+def _ckpt_needed(make, device, blocks, budget, amp, full_ckpt):
+    # the fewest blocks plain per-block checkpointing (nothing converted, the first k blocks
+    # recomputed: an early block's backward runs last) needs to fit ``budget``: a bisection over
+    # k of full estimates (the peak falls as k grows); (k, its peak) or None where even every
+    # block is above the budget
+    if full_ckpt > budget:
+        return None
+    lo, hi, peak = 0, len(blocks), full_ckpt  # hi fits
+    while lo < hi:
+        k = (lo + hi) // 2
+        got = _full(make, device, {b: "eager+recompute" for b in blocks[:k]}, False, amp)
+        if got <= budget:
+            hi, peak = k, got
+        else:
+            lo = k + 1
+    return hi, peak
+
+
 def run(name: str, device: str, say) -> dict:
     import slimgrad
 
@@ -121,28 +142,47 @@ def run(name: str, device: str, say) -> dict:
         "slimgrad": _full(make, device, every("lean"), True, amp),
         "slimgrad+ckpt": _full(make, device, every("lean+recompute"), True, amp),
     }
-    # the same baselines as the planner composes them from its per-kind measurements
+    # the same baselines as the planner composes them from its per-kind measurements: every
+    # block in one choice and the rest of the model converted, as in every plan (NOTE [How plan
+    # chooses], 2); their full estimates, to compare like with like
     composed = {k: v.peak_bytes for k, v in top.baselines.items()}
+    say("full estimates of the baselines with the rest converted (as composed)")
+    rest_converted = {
+        "eager": _full(make, device, every("eager"), True, amp),
+        "checkpoint-all": _full(make, device, every("eager+recompute"), True, amp),
+        "sac": _full(make, device, every("eager+sac"), True, amp),
+    }
     ckpt_frac = top.baselines["checkpoint-all"].recompute_fraction
     low = min(peaks["ckpt"], peaks["slimgrad"])
     mid = (peaks["ckpt"] + peaks["slimgrad"]) // 2
     plans = {}
-    for tag, budget in (("low", low), ("mid", mid)):
+    # "sac": SAC's own peak (it recomputes no matmul, every elementwise op)
+    for tag, budget in (("low", low), ("mid", mid), ("sac", peaks["sac"])):
         t1, c1 = time.perf_counter(), time.process_time()
         try:
             p = slimgrad.plan(make, budget, device=device, reuse=top, progress=say, **kw)
+            wall, cpu = time.perf_counter() - t1, time.process_time() - c1  # the plan's alone
+            say(f"checkpointing of the blocks needed to fit the {tag} budget")
+            need = _ckpt_needed(make, device, blocks, budget, amp, peaks["ckpt"])
+            per_block = top.baselines["checkpoint-all"].recompute_flops / len(blocks)
             plans[tag] = {
                 "budget_bytes": budget,
                 "peak_bytes": p.peak_bytes,
+                # plain checkpointing of the first k blocks, nothing converted: the fewest that fit
+                "ckpt_blocks_needed": None if need is None else need[0],
+                "ckpt_needed_peak_bytes": None if need is None else need[1],
+                "ckpt_needed_recompute_fraction": None
+                if need is None
+                else need[0] * per_block / p.forward_flops,
                 "recompute_fraction": p.recompute_fraction,
                 "vs_ckpt_recompute": p.recompute_fraction / ckpt_frac if ckpt_frac else None,
                 "choices": sorted(
                     {c: list(p.choices.values()).count(c) for c in p.choices.values()}.items()
                 ),
-                "seconds": time.perf_counter() - t1,
-                "cpu_seconds": time.process_time() - c1,
+                "seconds": wall,
+                "cpu_seconds": cpu,
                 # the default path (slimgrad.plan(make, budget) from scratch): measuring + this
-                "default_path_cpu_seconds": measure_cpu + time.process_time() - c1,
+                "default_path_cpu_seconds": measure_cpu + cpu,
                 "full_estimates": p.full_estimates,
             }
         except ValueError as e:
@@ -154,6 +194,7 @@ def run(name: str, device: str, say) -> dict:
         "estimated": True,
         "peaks_bytes": peaks,
         "composed_peaks_bytes": composed,
+        "rest_converted_peaks_bytes": rest_converted,
         "ckpt_recompute_fraction": ckpt_frac,
         "slimgrad_ckpt_recompute_fraction": top.baselines["slimgrad+checkpoint"].recompute_fraction,
         "plans": plans,
@@ -204,7 +245,8 @@ def main(argv=None) -> list[dict]:
             print(
                 f"  {tag} budget {p['budget_bytes'] / GiB:.2f} GiB: plan peak "
                 f"{p['peak_bytes'] / GiB:.2f}, recompute {p['recompute_fraction']:.3f} "
-                f"({p['vs_ckpt_recompute']:.2f}x ckpt's), {p['choices']}",
+                f"({p['vs_ckpt_recompute']:.2f}x ckpt's), {p['choices']}; checkpointing needs "
+                f"{p['ckpt_blocks_needed']} blocks ({p['ckpt_needed_recompute_fraction']})",
                 flush=True,
             )
         rows.append(rec)

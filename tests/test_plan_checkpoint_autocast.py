@@ -139,3 +139,26 @@ def test_hf_gradient_checkpointing_keeps_no_more_than_checkpointing_alone(amp):
     step(lean)().backward()
     for (n, p), q in zip(both.named_parameters(), lean.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hf_gradient_checkpointing_in_low_precision_weights(dtype):
+    # "in every dtype": the model itself in bf16 / fp16 (no autocast)
+    base = _llama().to(dtype)
+    ids = torch.randint(0, 512, (2, 64))
+    eager, both = copy.deepcopy(base), copy.deepcopy(base)
+    slimgrad.convert_(both)
+    _enable(eager)
+    _enable(both)
+
+    def step(m):
+        return lambda: m(input_ids=ids, labels=ids).loss
+
+    for m in (eager, both):
+        m.train()
+        step(m)().backward()
+        m.zero_grad(set_to_none=True)
+    ck = measure(step(eager))
+    sg = measure(step(both))
+    assert sg.retained_bytes <= ck.retained_bytes, (sg.retained_bytes, ck.retained_bytes)
+    assert sg.peak_bytes <= ck.peak_bytes, (sg.peak_bytes, ck.peak_bytes)

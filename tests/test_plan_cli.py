@@ -58,3 +58,13 @@ def test_plan_targets_labels_a_record_with_the_commit_it_imported(monkeypatch):
     monkeypatch.setattr(harness, "git_commit", lambda: "later")
     assert mod.COMMIT == "at-import"
     assert mod._stamp()["commit"] == "at-import"
+
+
+def test_plan_plot_and_cuda_kernels(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curve.png"
+    assert main([*_TINY, "--budget", "6GiB", "--device", "cuda", "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    assert "(cuda)" in out and f"curve: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "slimgrad plan: planning" in err and "(cuda kernels)" in err

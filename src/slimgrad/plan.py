@@ -80,6 +80,16 @@ the same choice without recompute (dropout masks included).
    composed peak is lower by at least the measured excess (at most four moves). Once one fits, the
    plan the measured slack allows is tried once (one more full estimate) and kept if it fits.
    ``Plan.peak_bytes`` is the full estimate of the returned plan: planned = estimated, exactly.
+   The baselines a plan reports (``Plan.baselines``: every block ``eager``, ``lean``,
+   ``eager+recompute``, ``lean+recompute``, ``eager+sac``) are composed the same way, so the rest
+   of the model (embeddings, final norm, head, loss) is converted in all of them, as in every
+   plan: they compare the blocks' choices, not slimgrad against the user's unconverted model.
+   On HF Llama ~1B under bf16 autocast (4 x 2048 tokens, vocab 32000, device cuda) the composed
+   eager, checkpoint-all and SAC baselines equal the full estimates of those models with the rest
+   converted (19,309,543,692 / 4,736,753,688 / 9,684,644,088 vs 9,684,644,096 B) and sit 12.7%,
+   16.6% and 21.5% under the unconverted models' full estimates: the two differ only in the
+   modules outside the blocks (converted or not), so that gap is theirs, not the composition's.
+   ``benchmarks/plan_targets.py`` records both.
 3. Choose. Per kind, the choices' points (recompute FLOPs, kept bytes ``r``) are reduced to
    their lower convex hull: walking it, each step frees the most bytes per recomputed FLOP.
    Greedy: start with every block at the hull's first point (the least kept bytes among the
@@ -186,6 +196,8 @@ class Plan:
     choices: dict[str, str]
     device: str
     curve: list[CurvePoint] = field(default_factory=list)
+    # composed, every block in one choice and the rest converted as in the plan (NOTE [How plan
+    # chooses], 2): the unconverted model's own peaks are its full estimates
     baselines: dict[str, CurvePoint] = field(default_factory=dict)
     blocks: dict[str, dict] = field(default_factory=dict)  # per kind: what was measured
     seconds: float = 0.0
@@ -211,7 +223,7 @@ class Plan:
         for name, c in self.choices.items():
             lines.append(f"  {name:40s} {c}")
         if self.baselines:
-            lines.append("baselines (composed):")
+            lines.append("baselines (composed; every block in that choice, the rest converted):")
             for label, p in self.baselines.items():
                 lines.append(
                     f"  {label:20s} peak {_fmt(p.peak_bytes):>12s}  recompute "
