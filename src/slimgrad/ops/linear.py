@@ -102,8 +102,8 @@ def fresh(y: torch.Tensor) -> torch.Tensor:
 
 
 def _fwd_torch(x, weight, bias, w_in_out: bool):
-    if w_in_out:
-        y2 = x.reshape(-1, x.shape[-1])
+    if w_in_out:  # view, as HF's Conv1D: raises where it raises (NOTE [Conv1D views its input])
+        y2 = x.view(-1, x.shape[-1])
         y2 = torch.addmm(bias, y2, weight) if bias is not None else y2 @ weight
         return y2.view(*x.shape[:-1], weight.shape[-1])
     return torch.nn.functional.linear(x, weight, bias)
@@ -144,6 +144,15 @@ def _linear_double(ctx, dy):
     return dx, dw, db, None
 
 
+# NOTE [Conv1D views its input]
+# HF's Conv1D runs ``addmm(bias, x.view(-1, x.size(-1)), weight)``: an input whose leading dims do
+# not fold into rows without a copy (a transposed, permuted, expanded or channels_last input of 3+
+# dims) raises view's RuntimeError there. A converted Conv1D accepts exactly what the original
+# accepts, so conv1d_addmm takes the same view where HF takes it (its forward, every path) and
+# raises the same error with the same message; every input the view takes gives the same rows as
+# the reshape it replaces (no copy either way), so the result keeps its bits. F.linear reshapes
+# any input, and linear keeps the reshape. A 0-dim input raises HF's IndexError (x.size(-1)).
+
 # NOTE [Linear's 2-D product]
 # For an input of 3 or more dims, _LinearFn returns the 2-D product (rows x out) and its caller
 # views it in the input's leading shape, outside the Function, as eager's linear does (a view of
@@ -180,15 +189,15 @@ class _LinearFn(torch.autograd.Function):
             ctx.save_for_backward(x if need[1] else None, weight if need[0] else None)
         if x.ndim > 2:  # NOTE [Linear's 2-D product]
             ctx.lead = x.shape[:-1]
-            x2 = x.reshape(-1, x.shape[-1])
-            if w_in_out:
+            if w_in_out:  # NOTE [Conv1D views its input]
+                x2 = x.view(-1, x.shape[-1])
                 return torch.addmm(bias, x2, weight) if bias is not None else x2 @ weight
-            return torch.nn.functional.linear(x2, weight, bias)
+            return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         ctx.lead = None
         # fresh() without its checks: detaching a product that is not a view is harmless (an
         # alias of it, as fresh() returns while compiling); _fwd_torch inline
-        if w_in_out:
-            y2 = x.reshape(-1, x.shape[-1])
+        if w_in_out:  # NOTE [Conv1D views its input]
+            y2 = x.view(-1, x.shape[-1])
             y2 = torch.addmm(bias, y2, weight) if bias is not None else y2 @ weight
             return y2.view(*x.shape[:-1], weight.shape[-1]).detach()
         return torch.nn.functional.linear(x, weight, bias).detach()
@@ -578,16 +587,23 @@ def conv1d_addmm(
         ``(*, out_features)``.
 
     Raises:
-        RuntimeError: ``input.shape[-1] != in_features`` (eager raises RuntimeError too).
+        RuntimeError: ``input.shape[-1] != in_features`` (eager raises RuntimeError too), or
+            ``input.view(-1, in_features)`` fails (as HF's ``Conv1D``: NOTE [Conv1D views its
+            input]).
+        IndexError: a 0-dim input (as HF's ``Conv1D``).
     """
+    if not input.shape:  # HF's x.size(-1): IndexError (NOTE [Conv1D views its input])
+        input.size(-1)
     if _is_compiling() or _functorch_on() or _is_tracing() or _any_autocast():
         return _conv1d_general(input, weight, bias)  # NOTE [Linear's straight path]
-    if not input.shape or input.shape[-1] != weight.shape[0]:
+    if input.shape[-1] != weight.shape[0]:
         _check("conv1d_addmm", input, weight, 0)
     return _straight(input, weight, bias, True)
 
 
 def _conv1d_general(input, weight, bias):
+    if not input.is_contiguous():  # raises where HF's view raises, before autocast's cast (a
+        input.view(-1, input.shape[-1])  # copy) (NOTE [Conv1D views its input])
     if transforms_active():  # NOTE [torch.func transforms]
         return _fwd_torch(input, weight, bias, True)
     _check("conv1d_addmm", input, weight, 0)
