@@ -171,7 +171,24 @@ def _linear_double(ctx, dy):
 # ownership counts as a holder, so the next backward's take refused there where the real step
 # grants (tiny GPT-2 estimated 1.8% above its real step); an allocation is never memoized. The
 # same bytes either way. Callers view the output with ``y.view(x.shape[:-1] + y.shape[-1:])``
-# where ``x.ndim > 2``.
+# where ``x.ndim > 2``, through ``_unview`` without a bias (NOTE [Linear's N-D output without
+# bias]).
+
+# NOTE [Linear's N-D output without bias]
+# Eager's linear of an input of 3+ dims without a bias runs matmul: mm on the 2-D view, then
+# _unsafe_view to the N-D shape, a tensor that is not a view (UnsafeViewBackward reshapes the
+# gradient, as view's node does). With a bias it runs addmm and returns a view. An in-place write on
+# a view (``relu_``, ``mul_``) makes autograd rebase the view's history onto its base (CopySlices:
+# in backward a zeros buffer of the base's size, a copy of the gradient into it and a clone of the
+# slice, live together), so viewing the bias-free 2-D product cost an in-place consumer up to two
+# gradients' bytes above eager's peak ((4, 10, 64) -> 48, relu_: 48,648 B against 40,968, issue
+# 30). So callers give the bias-free product eager's _unsafe_view (``_unview``: aten's op, resolved
+# once here; where a release lacks it, Tensor.view: the same bits, eager's bytes with a bias), and
+# keep the view where eager views (a bias, HF's Conv1D). The same storage and bits either way.
+try:
+    _unview = torch.ops.aten._unsafe_view.default
+except (AttributeError, RuntimeError):  # a torch without the op: a view (the same bits)
+    _unview = torch.Tensor.view
 
 
 class _LinearFn(torch.autograd.Function):
@@ -460,8 +477,11 @@ def _apply(x, weight, bias, w_in_out):
             y = _LinearFn.apply(x, weight, bias, w_in_out)
     else:
         y = _LinearFn.apply(x, weight, bias, w_in_out)
-    # NOTE [Linear's 2-D product]
-    return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
+    if x.ndim < 3:  # NOTE [Linear's 2-D product]
+        return y
+    if bias is None and not w_in_out:  # NOTE [Linear's N-D output without bias]
+        return _unview(y, x.shape[:-1] + y.shape[-1:])
+    return y.view(x.shape[:-1] + y.shape[-1:])
 
 
 def _plain_layout(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -519,8 +539,11 @@ def _straight(x, weight, bias, w_in_out: bool) -> torch.Tensor:
     if bias is not None and type(bias) is not _Parameter:
         bias = unwrap_if_dead(bias)
     y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, w_in_out, True)
-    # NOTE [Linear's 2-D product]
-    return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
+    if x.ndim < 3:  # NOTE [Linear's 2-D product]
+        return y
+    if bias is None and not w_in_out:  # NOTE [Linear's N-D output without bias]
+        return _unview(y, x.shape[:-1] + y.shape[-1:])
+    return y.view(x.shape[:-1] + y.shape[-1:])
 
 
 def linear(
