@@ -9,7 +9,7 @@ import torch
 
 from slimgrad._autograd import compiling, unwrap_if_dead
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.linear import _LINEAR_APPLY, conv1d_addmm, linear
+from slimgrad.ops.linear import _LINEAR_APPLY, _unview, conv1d_addmm, linear
 
 _C = torch._C
 _functorch_on = _C._are_functorch_transforms_active
@@ -54,7 +54,11 @@ class Linear(NoScript, torch.nn.Linear):
         ):
             y = _LINEAR_APPLY(unwrap_if_dead(input), weight, bias, False, True)
             # NOTE [Linear's 2-D product] in slimgrad/ops/linear.py
-            return y if input.ndim < 3 else y.view(input.shape[:-1] + y.shape[-1:])
+            if input.ndim < 3:
+                return y
+            if bias is None:  # NOTE [Linear's N-D output without bias] in slimgrad/ops/linear.py
+                return _unview(y, input.shape[:-1] + y.shape[-1:])
+            return y.view(input.shape[:-1] + y.shape[-1:])
         return linear(input, weight, bias)
 
     @classmethod

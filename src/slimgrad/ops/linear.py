@@ -102,8 +102,8 @@ def fresh(y: torch.Tensor) -> torch.Tensor:
 
 
 def _fwd_torch(x, weight, bias, w_in_out: bool):
-    if w_in_out:
-        y2 = x.reshape(-1, x.shape[-1])
+    if w_in_out:  # view, as HF's Conv1D: raises where it raises (NOTE [Conv1D views its input])
+        y2 = x.view(-1, x.shape[-1])
         y2 = torch.addmm(bias, y2, weight) if bias is not None else y2 @ weight
         return y2.view(*x.shape[:-1], weight.shape[-1])
     return torch.nn.functional.linear(x, weight, bias)
@@ -144,6 +144,15 @@ def _linear_double(ctx, dy):
     return dx, dw, db, None
 
 
+# NOTE [Conv1D views its input]
+# HF's Conv1D runs ``addmm(bias, x.view(-1, x.size(-1)), weight)``: an input whose leading dims do
+# not fold into rows without a copy (a transposed, permuted, expanded or channels_last input of 3+
+# dims) raises view's RuntimeError there. A converted Conv1D accepts exactly what the original
+# accepts, so conv1d_addmm takes the same view where HF takes it (its forward, every path) and
+# raises the same error with the same message; every input the view takes gives the same rows as
+# the reshape it replaces (no copy either way), so the result keeps its bits. F.linear reshapes
+# any input, and linear keeps the reshape. A 0-dim input raises HF's IndexError (x.size(-1)).
+
 # NOTE [Linear's 2-D product]
 # For an input of 3 or more dims, _LinearFn returns the 2-D product (rows x out) and its caller
 # views it in the input's leading shape, outside the Function, as eager's linear does (a view of
@@ -162,7 +171,24 @@ def _linear_double(ctx, dy):
 # ownership counts as a holder, so the next backward's take refused there where the real step
 # grants (tiny GPT-2 estimated 1.8% above its real step); an allocation is never memoized. The
 # same bytes either way. Callers view the output with ``y.view(x.shape[:-1] + y.shape[-1:])``
-# where ``x.ndim > 2``.
+# where ``x.ndim > 2``, through ``_unview`` without a bias (NOTE [Linear's N-D output without
+# bias]).
+
+# NOTE [Linear's N-D output without bias]
+# Eager's linear of an input of 3+ dims without a bias runs matmul: mm on the 2-D view, then
+# _unsafe_view to the N-D shape, a tensor that is not a view (UnsafeViewBackward reshapes the
+# gradient, as view's node does). With a bias it runs addmm and returns a view. An in-place write on
+# a view (``relu_``, ``mul_``) makes autograd rebase the view's history onto its base (CopySlices:
+# in backward a zeros buffer of the base's size, a copy of the gradient into it and a clone of the
+# slice, live together), so viewing the bias-free 2-D product cost an in-place consumer up to two
+# gradients' bytes above eager's peak ((4, 10, 64) -> 48, relu_: 48,648 B against 40,968, issue
+# 30). So callers give the bias-free product eager's _unsafe_view (``_unview``: aten's op, resolved
+# once here; where a release lacks it, Tensor.view: the same bits, eager's bytes with a bias), and
+# keep the view where eager views (a bias, HF's Conv1D). The same storage and bits either way.
+try:
+    _unview = torch.ops.aten._unsafe_view.default
+except (AttributeError, RuntimeError):  # a torch without the op: a view (the same bits)
+    _unview = torch.Tensor.view
 
 
 class _LinearFn(torch.autograd.Function):
@@ -180,15 +206,15 @@ class _LinearFn(torch.autograd.Function):
             ctx.save_for_backward(x if need[1] else None, weight if need[0] else None)
         if x.ndim > 2:  # NOTE [Linear's 2-D product]
             ctx.lead = x.shape[:-1]
-            x2 = x.reshape(-1, x.shape[-1])
-            if w_in_out:
+            if w_in_out:  # NOTE [Conv1D views its input]
+                x2 = x.view(-1, x.shape[-1])
                 return torch.addmm(bias, x2, weight) if bias is not None else x2 @ weight
-            return torch.nn.functional.linear(x2, weight, bias)
+            return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         ctx.lead = None
         # fresh() without its checks: detaching a product that is not a view is harmless (an
         # alias of it, as fresh() returns while compiling); _fwd_torch inline
-        if w_in_out:
-            y2 = x.reshape(-1, x.shape[-1])
+        if w_in_out:  # NOTE [Conv1D views its input]
+            y2 = x.view(-1, x.shape[-1])
             y2 = torch.addmm(bias, y2, weight) if bias is not None else y2 @ weight
             return y2.view(*x.shape[:-1], weight.shape[-1]).detach()
         return torch.nn.functional.linear(x, weight, bias).detach()
@@ -451,8 +477,11 @@ def _apply(x, weight, bias, w_in_out):
             y = _LinearFn.apply(x, weight, bias, w_in_out)
     else:
         y = _LinearFn.apply(x, weight, bias, w_in_out)
-    # NOTE [Linear's 2-D product]
-    return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
+    if x.ndim < 3:  # NOTE [Linear's 2-D product]
+        return y
+    if bias is None and not w_in_out:  # NOTE [Linear's N-D output without bias]
+        return _unview(y, x.shape[:-1] + y.shape[-1:])
+    return y.view(x.shape[:-1] + y.shape[-1:])
 
 
 def _plain_layout(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -510,8 +539,11 @@ def _straight(x, weight, bias, w_in_out: bool) -> torch.Tensor:
     if bias is not None and type(bias) is not _Parameter:
         bias = unwrap_if_dead(bias)
     y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, w_in_out, True)
-    # NOTE [Linear's 2-D product]
-    return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
+    if x.ndim < 3:  # NOTE [Linear's 2-D product]
+        return y
+    if bias is None and not w_in_out:  # NOTE [Linear's N-D output without bias]
+        return _unview(y, x.shape[:-1] + y.shape[-1:])
+    return y.view(x.shape[:-1] + y.shape[-1:])
 
 
 def linear(
@@ -578,16 +610,23 @@ def conv1d_addmm(
         ``(*, out_features)``.
 
     Raises:
-        RuntimeError: ``input.shape[-1] != in_features`` (eager raises RuntimeError too).
+        RuntimeError: ``input.shape[-1] != in_features`` (eager raises RuntimeError too), or
+            ``input.view(-1, in_features)`` fails (as HF's ``Conv1D``: NOTE [Conv1D views its
+            input]).
+        IndexError: a 0-dim input (as HF's ``Conv1D``).
     """
+    if not input.shape:  # HF's x.size(-1): IndexError (NOTE [Conv1D views its input])
+        input.size(-1)
     if _is_compiling() or _functorch_on() or _is_tracing() or _any_autocast():
         return _conv1d_general(input, weight, bias)  # NOTE [Linear's straight path]
-    if not input.shape or input.shape[-1] != weight.shape[0]:
+    if input.shape[-1] != weight.shape[0]:
         _check("conv1d_addmm", input, weight, 0)
     return _straight(input, weight, bias, True)
 
 
 def _conv1d_general(input, weight, bias):
+    if not input.is_contiguous():  # raises where HF's view raises, before autocast's cast (a
+        input.view(-1, input.shape[-1])  # copy) (NOTE [Conv1D views its input])
     if transforms_active():  # NOTE [torch.func transforms]
         return _fwd_torch(input, weight, bias, True)
     _check("conv1d_addmm", input, weight, 0)
