@@ -480,7 +480,7 @@ def convert_(
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
     ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
-    _nn_output_act.state_consumers_(model)  # NOTE [Keep y only where its consumer keeps it]
+    _nn_output_act.state_consumers_(model, rep)  # NOTE [Keep y only where its consumer keeps it]
     rep.left_alone = _left_alone(model, rep)
     _REPORTS[model] = rep
     # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along
