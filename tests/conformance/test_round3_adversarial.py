@@ -389,6 +389,27 @@ def test_caller_edits_the_output_of_a_y_keeping_module(kind, site, edit):
     _assert_rule(build, step, converted=converted)
 
 
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_caller_edits_a_timm_layer_norm_2d_output(edit):
+    # timm's LayerNorm2d as slimgrad converts it (a slimgrad.nn.LayerNorm subclass) at the output;
+    # the eager side runs eager's op too (keep_y False): the rows compare it with the float64 copy
+    from slimgrad.convert_handlers.timm import LayerNorm2d
+
+    def build():
+        eager = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8))
+        eager[1].keep_y = False
+        return eager
+
+    def step(m, dt):
+        x = _r(2, 3, 5, 4, dt=dt, rg=True)
+        y = EDITS[edit](m(x * 1.5))
+        return [y.detach()] + _grads(m, _loss(y), [x])
+
+    lone = slimgrad.convert_(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2d(8)))
+    assert lone[1].keep_y is False  # convert_ decided it (the class default is True)
+    _assert_rule(build, step, converted=lambda m: type(m[0]).__module__.startswith("slimgrad."))
+
+
 @pytest.mark.parametrize("kind", list(KEEPS_Y_KINDS))
 def test_a_consumer_after_the_module_keeps_the_lean_path(kind):
     # not the model's output: a Linear with grad keeps y anyway, so the module keeps y (lean)

@@ -230,7 +230,8 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
     else:
         out = {id(m) for m in output_modules(model, kinds)}
     for m in model.modules():
-        if type(m) in kinds:
+        # subclasses too (timm's LayerNorm2d, LayerNormAct, GroupNormAct run the parent's forward)
+        if isinstance(m, kinds):
             keep = id(m) not in out and (
                 type(m) not in smooth or _kept_after(m, sites) is not False
             )
