@@ -426,7 +426,7 @@ def test_at_the_output_its_bytes_are_eager_s(kind):
     eager = nn.Sequential(nn.Linear(6, 8), KEEPS_Y_KINDS[kind]())
     ours = slimgrad.convert_(copy.deepcopy(eager))
     assert ours[1].keep_y is False
-    assert "its output is the model's output" in str(slimgrad.report(ours))
+    assert "its output may be the model's output" in str(slimgrad.report(ours))
     x = _r(5, 6, rg=True)
     me = measure(lambda: _loss(eager(x)), timeline=False)
     ms = measure(lambda: _loss(ours(x)), timeline=False)

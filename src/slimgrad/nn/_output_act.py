@@ -194,8 +194,11 @@ def _output_kinds() -> tuple:
     )  # fmt: skip
 
 
-#: what ``report`` adds to a converted module that runs eager's op at the model's output
-AT_OUTPUT = " (eager's op: its output is the model's output, which the caller may write)"
+#: the reason ``report`` gives for a converted module that runs eager's op at the model's output
+AT_OUTPUT = (
+    "runs eager's op (keeps its input, as eager): its output may be the model's output, which "
+    "the caller may write in place or through .data"
+)
 
 
 def state_consumers_(model: torch.nn.Module, rep=None) -> int:
@@ -208,8 +211,8 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
 
     Args:
         model: the converted model (in place).
-        rep: ``convert_``'s report: the modules at the output get ``AT_OUTPUT`` added to their
-            converted entry.
+        rep: ``convert_``'s report: the modules at the output are listed in its ``eager_op``
+            with ``AT_OUTPUT``.
 
     Returns:
         The number of modules that keep y.
@@ -239,11 +242,10 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
             if not keep:
                 m.keep_y = False
             n += keep
-    if rep is not None and out:
-        names = {id(m): name for name, m in model.named_modules()}
-        at = {names[i] for i in out if i in names}
-        rep.converted[:] = [
-            (f, a, b + AT_OUTPUT if f in at and not b.endswith(AT_OUTPUT) else b)
-            for f, a, b in rep.converted
+    if rep is not None:
+        rep.eager_op[:] = [
+            (name or "<root>", type(m).__name__, AT_OUTPUT)
+            for name, m in model.named_modules()
+            if id(m) in out
         ]
     return n
