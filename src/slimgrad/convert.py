@@ -134,6 +134,10 @@ class ConvertReport:
     # (feature, why): capabilities this installation lacks (slimgrad._compat.features_off), e.g.
     # buffer reuse without a compiler for the ownership extension; ``slimgrad env`` lists all
     features_off: list[tuple[str, str]] = field(default_factory=list)
+    # (name, type, reason): converted modules that run eager's op because their output may be the
+    # model's output (NOTE [Modules whose output is the model's output] in
+    # convert_handlers/inplace_guard.py)
+    eager_op: list[tuple[str, str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         where = ", ".join(
@@ -144,6 +148,7 @@ class ConvertReport:
             f"(decided for {where})"
         ]
         lines += [f"  + {a}{names} -> {b}" for (a, b), names in _grouped(self.converted)]
+        lines += [f"  ~ {t}{names}: {r}" for (t, r), names in _grouped(self.eager_op)]
         # a skipped module with parameters is told once, under "left alone"
         left = set(self.left_alone)
         rest = [s for s in self.skipped if s not in left]
@@ -480,7 +485,7 @@ def convert_(
             pattern(model, config, allowed, rep)
     _convert_children(model, "", config, allowed, rep, {})
     ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
-    _nn_output_act.state_consumers_(model)  # NOTE [Keep y only where its consumer keeps it]
+    _nn_output_act.state_consumers_(model, rep)  # NOTE [Keep y only where its consumer keeps it]
     rep.left_alone = _left_alone(model, rep)
     _REPORTS[model] = rep
     # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along

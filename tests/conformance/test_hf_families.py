@@ -205,17 +205,34 @@ def _names(model):
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
+# A row outside the rule, documented with its measured factor (CONTRIBUTING.md, the error rule).
+_OUTSIDE = {
+    ("clip", "train", "left", False): pytest.mark.xfail(
+        strict=True,
+        raises=AssertionError,
+        reason="the gradient of text layer 0's k_proj.bias is 0 in exact arithmetic (softmax is "
+        "shift-invariant; |ref64| 7e-15), so the rule compares rounding noise with eager's noise: "
+        "3.29e-6 against a bound of 2.23e-6 (eager 6.1e-7; 1.48x) since the text model's "
+        "final_layer_norm runs eager's op (its output is returned in text_model_output: NOTE "
+        "[Modules whose output is the model's output]); with slimgrad's LayerNorm 1.33e-6. "
+        "Layer 1's (eager 1.6e-6) is within the rule either way",
+    ),
+}
+
+
 def _rows():
     for name, fam in H.FAMILIES.items():
         for mode in ("train", "eval"):
             for pad in ("unpadded", "left", "right") if fam.text else ("unpadded",):
                 for labels in (True, False):
+                    mark = _OUTSIDE.get((name, mode, pad, labels))
                     yield pytest.param(
                         name,
                         mode,
                         pad,
                         labels,
                         id=f"{name}-{mode}-{pad}-{'labels' if labels else 'nolabels'}",
+                        marks=[mark] if mark is not None else [],
                     )
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from slimgrad.convert_handlers import hf as _hf
 
-__all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason"]
+__all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason", "output_modules"]
 
 # NOTE [In-place writers after output-saving modules]
 # A module is "output-saving" when its slimgrad replacement keeps its output for backward but
@@ -181,9 +181,13 @@ class _LeafTracer(torch.fx.Tracer):
 
 
 class _Guard:
-    def __init__(self) -> None:
+    def __init__(self, outputs: tuple[type, ...] | None = None) -> None:
         self.memo: dict[int, _Info] = {}
         self.keep: dict[nn.Module, str] = {}
+        # NOTE [Modules whose output is the model's output]: the kinds asked about, or None (the
+        # in-place guard's own run, unchanged)
+        self.outputs = outputs
+        self.methods: dict[tuple[int, object], set] = {}
 
     def flag(self, ends: list[nn.Module], writer: str) -> None:
         for m in ends:
@@ -198,6 +202,8 @@ class _Guard:
 
     def _analyse(self, m: nn.Module) -> _Info:
         inplace = getattr(m, "inplace", False) is True
+        if self.outputs is not None and isinstance(m, self.outputs):
+            return _Info(ends=[m], writes=inplace)
         if _saves_output(m):
             return _Info(ends=[m], writes=inplace)
         if isinstance(m, _PASS_MODULES):
@@ -210,8 +216,8 @@ class _Guard:
             return _source_info(self, m, inplace)
         if not m._modules and type(m).__module__.startswith("torch."):
             return _Info(writes=inplace)  # a torch leaf: its 'inplace' says whether it writes
-        if type(m).__module__.startswith("slimgrad."):
-            return _Info()
+        if type(m).__module__.startswith("slimgrad.") and (self.outputs is None or not m._modules):
+            return _Info()  # (a slimgrad module with children is read as any other module)
         return self._traced(m)
 
     def _sequential(self, seq: nn.Sequential) -> _Info:
@@ -458,6 +464,15 @@ class _Flow:
                 env = _union(self.block(s.body, dict(env)), self.block(s.orelse, dict(env)))
             else:
                 env = self.block(s.body if known else s.orelse, env)
+        elif isinstance(s, ast.For) and (each := self.each(s)) is not None:
+            # NOTE [Modules whose output is the model's output]: a loop over a module container
+            self.expr(s.iter, env)
+            self.assign(s.target, {each}, env)
+            once = self.block(s.body, dict(env))
+            twice = self.block(s.body, _union(env, once))
+            # ``last``: every pass runs the whole body, so what it assigns replaces what was there
+            env = twice if each.last else _union(_union(env, once), twice)
+            env = self.block(s.orelse, env)
         elif isinstance(s, (ast.For, ast.While)):
             if isinstance(s, ast.For):
                 self.assign(s.target, self.expr(s.iter, env), env)
@@ -485,6 +500,57 @@ class _Flow:
                     self.expr(node, env)
         return env
 
+    def each(self, s: ast.For) -> _Each | None:
+        # ``for m in self.layers`` / ``enumerate(self.layers)`` / ``self.layers[a:b]`` over a
+        # ModuleList or Sequential child, asked only for the outputs question (None otherwise)
+        if self.guard is None or self.guard.outputs is None or self.module is None:
+            return None
+        it, whole = s.iter, True
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate":
+            it = it.args[0] if len(it.args) == 1 and not it.keywords else None
+        if isinstance(it, ast.Subscript):
+            it, whole = it.value, False
+        if not (
+            isinstance(it, ast.Attribute)
+            and isinstance(it.value, ast.Name)
+            and it.value.id == "self"
+            and isinstance(self.module._modules.get(it.attr), (nn.ModuleList, nn.Sequential))
+        ):
+            return None
+        kids = [c for c in self.module._modules[it.attr]._modules.values() if c is not None]
+        # the last child's output is what the loop leaves when every pass runs the whole body:
+        # the container iterated whole, no break/continue/return, no compound statement in it
+        last = (
+            whole
+            and bool(kids)
+            and all(isinstance(b, (ast.Assign, ast.AnnAssign, ast.Expr)) for b in s.body)
+            and not any(
+                isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom))
+                for b in s.body
+                for n in ast.walk(b)
+            )
+        )
+        return _Each(tuple(kids), last)
+
+    def method_ends(self, name: str, held: set) -> set:
+        # what ``self.<name>(...)`` (a method, not a child) may return, its arguments holding
+        # ``held`` (outputs question only)
+        if self.guard is None or self.guard.outputs is None or self.module is None:
+            return set()
+        fn = getattr(type(self.module), name, None)
+        key = (id(self.module), fn)
+        if key in self.guard.methods:
+            return self.guard.methods[key]
+        self.guard.methods[key] = set()  # recursion: nothing more
+        fdef = _forward_ast(fn) if callable(fn) else None
+        if fdef is None:
+            return set()
+        names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs]
+        flow = _Flow(self.guard, self.module)
+        flow.block(fdef.body, {a: set(held) for a in names[1:]})
+        self.guard.methods[key] = flow.ret
+        return flow.ret
+
     def assign(self, target, held: set, env: dict) -> None:
         if isinstance(target, ast.Name):
             env[target.id] = set(held)
@@ -510,6 +576,9 @@ class _Flow:
             return self.call(e, env)
         if isinstance(e, ast.Attribute):
             base = self.expr(e.value, env)
+            if self.guard is not None and self.guard.outputs is not None:
+                if e.attr in _EXTRA_FIELDS:  # NOTE [Modules whose output is the model's output]
+                    return set()
             return set() if e.attr in _NOT_VALUES else base  # h.T, out.last_hidden_state
         if isinstance(e, ast.Subscript):
             self.expr(e.slice, env)
@@ -559,7 +628,9 @@ class _Flow:
                         *(a for k, a in kws.items() if k in written),
                     )
                 self.flag(hit, f"self.{f.attr}(...), which writes its argument in place")
-            return every  # a helper may return (a view of) what it was given
+            # a helper may return (a view of) what it was given, and, asked about outputs, what
+            # its own source returns
+            return every | self.method_ends(f.attr, every)
         if isinstance(f, ast.Attribute) and _namespace(f.value):  # torch.fn(h), F.fn(h)
             if _inplace_name(f.attr) or inplace_kw:
                 self.flag(first, f"{f.attr} in its HF forward")
@@ -577,9 +648,52 @@ class _Flow:
             if _inplace_name(f.id) or inplace_kw:
                 self.flag(first, f"{f.id} in its HF forward")
                 return first
+            if self.guard is not None and self.guard.outputs is not None:
+                # asked about outputs: a layer held in a name returns its ends; an unknown
+                # function given a method of the module applies it (apply_chunking_to_forward(
+                # self.chunk, ...)): what that method returns; else (a ModelOutput) its arguments
+                methods = [
+                    a.attr
+                    for a in [*e.args, *(k.value for k in e.keywords)]
+                    if isinstance(a, ast.Attribute)
+                    and isinstance(a.value, ast.Name)
+                    and a.value.id == "self"
+                    and a.attr not in self.module._modules
+                    and callable(getattr(type(self.module), a.attr, None))
+                ]
+                each = [x for x in env.get(f.id, ()) if isinstance(x, _Each)]
+                got = set().union(*(self.method_ends(a, every) for a in methods))
+                if not methods and not each:
+                    got |= every
+                for x in each:
+                    for c in x.kids[-1:] if x.last else x.kids:
+                        ci = self.guard.info(c)
+                        if ci.writes:
+                            self.flag(every, f"{f.id}: {type(c).__name__}, which writes its input")
+                        got |= set(ci.ends) | (every if ci.passes else set())
+                return got
             return first if f.id in _VIEW_NAMES else set()
         self.expr(f, env)
         return set()
+
+
+@dataclass(frozen=True, eq=False)
+class _Each:
+    # a name bound by a loop over a module container (NOTE [Modules whose output is the model's
+    # output]); ``last``: the loop leaves the last child's output
+    kids: tuple
+    last: bool
+
+
+# ModelOutput fields a call returns only when asked per call (output_hidden_states=True, ...):
+# not followed by the outputs question (NOTE [Modules whose output is the model's output])
+_EXTRA_FIELDS = frozenset(
+    {
+        "hidden_states", "attentions", "cross_attentions", "past_key_values",
+        "encoder_hidden_states", "encoder_attentions", "decoder_hidden_states",
+        "decoder_attentions", "router_logits", "all_hidden_states",
+    }
+)  # fmt: skip
 
 
 def _inplace_name(name: str) -> bool:
@@ -596,6 +710,9 @@ def _union(a: dict, b: dict) -> dict:
 
 def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     fdef = _forward_ast(getattr(type(m), "forward", None))
+    if fdef is None and guard.outputs is not None:  # unknown: any child's output may be returned
+        ends = [e for c in m.children() for e in guard.info(c).ends]
+        return _Info(ends=ends, writes=inplace, passes=True)
     if fdef is None:  # where tensors flow is unknown (NOTE [In-place writes in HF forwards])
         if any(getattr(d, "inplace", False) is True for d in m.modules()):
             for child in m.children():
@@ -675,3 +792,41 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
             guard.flag([m], why)
     for m, reason in guard.keep.items():
         _KEPT[m] = reason
+
+
+# NOTE [Modules whose output is the model's output]
+# A converted module that keeps its output for backward where eager keeps its input (the norms,
+# LeakyReLU/Hardtanh/ReLU6, the smooth activations) is wrong where that output is what the model
+# returns: the caller may write it in place (``out += r``, ``out[mask == 0] = 0``: autograd's error
+# where eager trains) or through ``.data`` (wrong gradients, silently). Which modules' outputs may
+# be the model's output is read once at ``convert_`` time, with the same reading of the model's
+# structure the in-place guard uses (nn.Sequential order, torch.fx traces of plain-torch forwards,
+# the source of HF forwards and of untraceable ones: the ``ends`` of the root), widened for this
+# question: a loop over a ModuleList/Sequential (``for layer in self.layers: h = layer(h)``) ends
+# with its last child's output where every pass runs the whole body (any child's otherwise); a
+# function slimgrad does not know (a ModelOutput, ``apply_chunking_to_forward(self.chunk, ...)``)
+# may return its arguments and what a method of the module handed to it returns; ``self.m(...)``
+# may return what method m's source returns; a forward whose source cannot be read may return any
+# child's output. Not followed: the ModelOutput fields a call fills only when asked per call
+# (``output_hidden_states=True``, ``output_attentions=True``: ``_EXTRA_FIELDS``), which a converted
+# model returns as it did; a module held at several places counts once, where it is read.
+# ``slimgrad.nn._output_act.state_consumers_`` turns such modules to eager's op (``keep_y``).
+
+
+def output_modules(model: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]:
+    """The modules of ``kinds`` in ``model`` whose output may be what ``model`` returns (NOTE
+    [Modules whose output is the model's output]).
+
+    Args:
+        model: the (converted) model.
+        kinds: the module classes asked about.
+
+    Returns:
+        Those modules, each once.
+    """
+    guard = _Guard(outputs=kinds)
+    seen: dict[int, nn.Module] = {}
+    for m in guard.info(model).ends:
+        if isinstance(m, kinds):
+            seen.setdefault(id(m), m)
+    return list(seen.values())

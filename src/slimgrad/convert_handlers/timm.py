@@ -72,7 +72,9 @@ class LayerNorm2d(LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = input.permute(0, 2, 3, 1)
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: eager's op
+        # NOTE [Forward hooks on an output-saving module]: eager's op; so at the model's output
+        # (``keep_y``: NOTE [Modules whose output is the model's output] in inplace_guard.py)
+        if not self.keep_y or forward_hooked(self):
             x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         else:
             x = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

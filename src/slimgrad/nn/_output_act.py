@@ -40,14 +40,16 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
 #     output) and BertOutput (its input -> dense).
-# Only "not kept" turns ``keep_y`` off: the module then runs eager's op and keeps what eager keeps
+# "Not kept" turns ``keep_y`` off: the module then runs eager's op and keeps what eager keeps
 # (x; in place, eager's copy of x: y + the side information would be above it too). "Unknown"
 # keeps y: most models' MLPs (CLIP, ViT, T5, GPT-NeoX, OPT, ...) hand the activation's output to a
 # Linear in a forward no table can list, and there keeping y saves x's bytes, where a wrong guess
 # the other way costs only the side information (+0.003 to +0.27 B per element). A module built
 # directly, not by ``convert_``, keeps y (the class's ``keep_y``). Run :func:`state_consumers_`
 # again after changing the model's structure; weights frozen after ``convert_`` leave ``keep_y``
-# as it was.
+# as it was. Separately, a module whose output may be the model's output runs eager's op whatever
+# its consumer (the caller may write it: NOTE [Modules whose output is the model's output] in
+# slimgrad/convert_handlers/inplace_guard.py); so do the norms and LeakyReLU/Hardtanh/ReLU6 there.
 
 _OUT = "<output>"  # the child's output is the parent's output
 
@@ -180,18 +182,43 @@ def _kept_after(child, sites: dict, depth: int = 0) -> bool | None:
     return None
 
 
-def state_consumers_(model: torch.nn.Module) -> int:
-    """Set ``keep_y`` on every converted SiLU, GELU, Mish, ELU and Hardswish module of ``model``:
-    False where its output is known not to be kept by its consumer (NOTE [Keep y only where its
-    consumer keeps it]). ``convert_`` runs it.
+def _output_kinds() -> tuple:
+    import slimgrad.nn as snn
+
+    # converted modules that keep y where eager keeps x (the smooth activations also keep side
+    # information, NOTE above); slimgrad's BatchNorm keeps x unless an activation follows it, and
+    # ReLU/Sigmoid/Tanh keep y as eager does
+    return (
+        snn.LayerNorm, snn.RMSNorm, snn.HFRMSNorm, snn.GroupNorm,
+        snn.LeakyReLU, snn.Hardtanh, snn.ReLU6,
+    )  # fmt: skip
+
+
+#: the reason ``report`` gives for a converted module that runs eager's op at the model's output
+AT_OUTPUT = (
+    "runs eager's op (keeps its input, as eager): its output may be the model's output, which "
+    "the caller may write in place or through .data"
+)
+
+
+def state_consumers_(model: torch.nn.Module, rep=None) -> int:
+    """Set ``keep_y`` on the converted modules of ``model`` that keep their output where eager
+    keeps the input: False on a SiLU, GELU, Mish, ELU or Hardswish whose output is known not to be
+    kept by its consumer (NOTE [Keep y only where its consumer keeps it]), and on any of those, a
+    LayerNorm, RMSNorm, HF RMSNorm, GroupNorm, LeakyReLU, Hardtanh or ReLU6 whose output may be
+    the model's output (NOTE [Modules whose output is the model's output] in
+    ``slimgrad/convert_handlers/inplace_guard.py``): those run eager's op. ``convert_`` runs it.
 
     Args:
         model: the converted model (in place).
+        rep: ``convert_``'s report: the modules at the output are listed in its ``eager_op``
+            with ``AT_OUTPUT``.
 
     Returns:
         The number of modules that keep y.
     """
     import slimgrad.nn as snn
+    from slimgrad.convert_handlers.inplace_guard import output_modules
 
     sites: dict[int, list] = {}
     for parent in model.modules():
@@ -199,12 +226,26 @@ def state_consumers_(model: torch.nn.Module) -> int:
             if c is not None:
                 sites.setdefault(id(c), []).append((parent, name))
     n = 0
-    kinds = (snn.SiLU, snn.GELU, snn.Mish, snn.ELU, snn.Hardswish)
+    smooth = (snn.SiLU, snn.GELU, snn.Mish, snn.ELU, snn.Hardswish)
+    kinds = smooth + _output_kinds()
+    if isinstance(model, kinds):
+        out = {id(model)}
+    else:
+        out = {id(m) for m in output_modules(model, kinds)}
     for m in model.modules():
-        if type(m) in kinds:
-            keep = _kept_after(m, sites) is not False
+        # subclasses too (timm's LayerNorm2d, LayerNormAct, GroupNormAct run the parent's forward)
+        if isinstance(m, kinds):
+            keep = id(m) not in out and (
+                type(m) not in smooth or _kept_after(m, sites) is not False
+            )
             m.__dict__.pop("keep_y", None)
             if not keep:
                 m.keep_y = False
             n += keep
+    if rep is not None:
+        rep.eager_op[:] = [
+            (name or "<root>", type(m).__name__, AT_OUTPUT)
+            for name, m in model.named_modules()
+            if id(m) in out
+        ]
     return n

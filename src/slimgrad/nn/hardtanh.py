@@ -28,8 +28,15 @@ def _copy_settings(cls, module):
 class Hardtanh(NoScript, torch.nn.Hardtanh):
     """Drop-in ``torch.nn.Hardtanh`` (a subclass) using :func:`slimgrad.ops.hardtanh.hardtanh`."""
 
+    #: False where the output may be the model's output: eager's op (it keeps the input) runs
+    #: instead (NOTE [Modules whose output is the model's output] in
+    #: slimgrad/convert_handlers/inplace_guard.py; set by ``convert_``)
+    keep_y = True
+
     def forward(self, input: Tensor) -> Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+        if not self.keep_y or forward_hooked(
+            self
+        ):  # NOTE [Forward hooks on an output-saving module]
             return F.hardtanh(input, self.min_val, self.max_val, self.inplace)
         return hardtanh(input, self.min_val, self.max_val, self.inplace)
 
@@ -48,8 +55,15 @@ class ReLU6(NoScript, torch.nn.ReLU6):
     """Drop-in ``torch.nn.ReLU6`` (a subclass) using :func:`slimgrad.ops.hardtanh.hardtanh` (0,
     6)."""
 
+    #: False where the output may be the model's output: eager's op (it keeps the input) runs
+    #: instead (NOTE [Modules whose output is the model's output] in
+    #: slimgrad/convert_handlers/inplace_guard.py; set by ``convert_``)
+    keep_y = True
+
     def forward(self, input: Tensor) -> Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+        if not self.keep_y or forward_hooked(
+            self
+        ):  # NOTE [Forward hooks on an output-saving module]
             return F.hardtanh(input, 0.0, 6.0, self.inplace)
         return hardtanh(input, 0.0, 6.0, self.inplace)
 

@@ -41,9 +41,16 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
         >>> y = ln(torch.randn(4, 8, requires_grad=True))
     """
 
+    #: False where the output may be the model's output: eager's op (it keeps the input) runs
+    #: instead (NOTE [Modules whose output is the model's output] in
+    #: slimgrad/convert_handlers/inplace_guard.py; set by ``convert_``)
+    keep_y = True
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
-        if (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self):
+        if not self.keep_y or (
+            (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self)
+        ):
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         p = self._parameters  # the Parameters without Module.__getattr__ (a parametrized weight
         # is a property of the parametrized class, not in _parameters: read as an attribute)

@@ -22,8 +22,15 @@ class LeakyReLU(NoScript, torch.nn.LeakyReLU):
     """Drop-in ``torch.nn.LeakyReLU`` (a subclass) using
     :func:`slimgrad.ops.leaky_relu.leaky_relu`."""
 
+    #: False where the output may be the model's output: eager's op (it keeps the input) runs
+    #: instead (NOTE [Modules whose output is the model's output] in
+    #: slimgrad/convert_handlers/inplace_guard.py; set by ``convert_``)
+    keep_y = True
+
     def forward(self, input: Tensor) -> Tensor:
-        if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
+        if not self.keep_y or forward_hooked(
+            self
+        ):  # NOTE [Forward hooks on an output-saving module]
             return F.leaky_relu(input, self.negative_slope, self.inplace)
         return leaky_relu(input, self.negative_slope, self.inplace)
 

@@ -40,9 +40,16 @@ class RMSNorm(NoScript, torch.nn.RMSNorm):
         >>> y = RMSNorm(8)(torch.randn(4, 8, requires_grad=True))
     """
 
+    #: False where the output may be the model's output: eager's op (it keeps the input) runs
+    #: instead (NOTE [Modules whose output is the model's output] in
+    #: slimgrad/convert_handlers/inplace_guard.py; set by ``convert_``)
+    keep_y = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
-        if (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self):
+        if not self.keep_y or (
+            (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self)
+        ):
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         p = self._parameters  # without Module.__getattr__ (a parametrized weight is a property)
         w = p["weight"] if "weight" in p else self.weight
@@ -99,6 +106,11 @@ class HFRMSNorm(NoScript, torch.nn.Module):
         >>> y = HFRMSNorm(8)(torch.randn(4, 8, requires_grad=True))
     """
 
+    #: False where the output may be the model's output: HF's ops (eager's: they keep the input)
+    #: run instead (NOTE [Modules whose output is the model's output] in
+    #: slimgrad/convert_handlers/inplace_guard.py; set by ``convert_``)
+    keep_y = True
+
     def __init__(
         self,
         hidden_size: int,
@@ -132,7 +144,9 @@ class HFRMSNorm(NoScript, torch.nn.Module):
         eps = d[ea] if ea in d else getattr(self, ea)
         # NOTE [Forward hooks on an output-saving module]: HF's ops; forward_hooked only when a
         # hook exists
-        if (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self):
+        if not self.keep_y or (
+            (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self)
+        ):
             return HF_VARIANTS[self.variant][0](hidden_states, w, eps)[0]
         x, v = hidden_states, self.variant
         if (  # hf_rms_norm's straight path, its gate inline: NOTE [One gate per call]
