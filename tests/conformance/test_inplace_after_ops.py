@@ -242,7 +242,8 @@ FUNCTIONALS = {
     "conv1d_addmm": (
         _last,
         lambda x: sops.conv1d_addmm(x, WT, B5),
-        lambda x: (x.reshape(-1, 8) @ WT + B5).reshape(*x.shape[:-1], 5),
+        # HF Conv1D's own formula (addmm: the bias is added inside the product, not after it)
+        lambda x: torch.addmm(B5, x.reshape(-1, 8), WT).reshape(*x.shape[:-1], 5),
         False,
     ),
     "linear_scale": (
