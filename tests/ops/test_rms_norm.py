@@ -518,3 +518,74 @@ def test_no_host_sync_in_the_step_after_an_optimizer_step():
             fresh = norms._find_fallback_channels(w, b, torch.float32)
             assert entry[1][0][0] == w._version
             assert torch.equal(entry[2], fresh)
+
+
+def test_optimizer_step_renews_every_kind_of_norm_to_what_it_finds_afresh():
+    # issue 32, NOTE [One mask per kind of norm] in _math/norms.py: the step renews the cached
+    # fallback channels of norms of several kinds (LayerNorm with its non-elementwise scale,
+    # weight-only RMSNorms of two output dtypes, an HF Gemma scale 1 + w, a bias-only entry), one
+    # mask per kind, to exactly what each finds afresh
+    from slimgrad._math import norms
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(16)) for _ in range(8)]
+    bias = [torch.nn.Parameter(torch.randn(16)) for _ in range(2)]
+    marks = [(0, 3, 0.0), (1, 5, float("inf")), (2, 0, 1e-40), (4, 15, -1.0), (6, 7, float("nan"))]
+    with torch.no_grad():
+        for i, j, v in marks:  # zero, inf, subnormal in float32, gemma's 1 + w = 0, NaN
+            ps[i][j] = v
+        bias[0][2] = 1e4  # |beta| > 2 |gamma|
+    # (weight, bias, out_dtype, gamma_of)
+    entries = [(ps[i], None, torch.float32, None) for i in range(4)]
+    entries += [(ps[4], None, torch.float32, lambda w: 1.0 + w.float())]
+    entries += [(ps[5], None, torch.float16, None), (ps[6], None, torch.float16, None)]
+    entries += [(ps[7], bias[0], torch.float32, norms.layer_norm_gamma)]
+    entries += [(None, bias[1], torch.float32, None)]
+    for w, b, dt, g in entries:
+        norms.fallback_channels(w, b, dt, g)
+    opt = torch.optim.SGD([*ps, *bias], lr=0.5)
+    for p in (*ps, *bias):
+        p.grad = torch.randn(16)
+        for i, j, _ in marks:
+            if p is ps[i]:
+                p.grad[j] = 0.0  # the marked channels stay what they are
+    opt.step()
+    found = 0
+    for w, b, dt, g in entries:
+        ref = w if w is not None else b
+        entry = norms._FB_CACHE[id(ref)]
+        assert entry[1][3] == norms.steps._count[0]  # renewed under the next forward's key
+        fresh = norms._find_scaled(w, b, dt, g)
+        assert torch.equal(entry[2], fresh), (entry[2], fresh)
+        assert torch.equal(norms.fallback_channels(w, b, dt, g), fresh)
+        found += fresh.numel()
+    assert found >= len(marks) + 1
+
+
+def test_optimizer_step_renews_norms_of_one_kind_in_as_many_ops_for_2_as_for_20():
+    # issue 32, NOTE [One mask per kind of norm] in _math/norms.py: the ATen ops of the renewal do
+    # not grow with the number of norms of one kind (tiny HF Llama's 25 RMSNorms: one mask); before,
+    # each norm cost its own mask (~8 ops more per norm)
+    from slimgrad._math import norms
+    from slimgrad.testing import OpObserver
+
+    class Count(OpObserver):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def see(self, func, args, kwargs):
+            self.n += 1
+
+    def renewal_ops(k):
+        ps = [torch.nn.Parameter(torch.randn(16)) for _ in range(k)]
+        for p in ps:
+            norms.fallback_channels(p, None, torch.float32)
+        with Count() as c:
+            norms._renew(torch.optim.SGD(ps, lr=0.1))
+        for p in ps:
+            assert norms._FB_CACHE[id(p)][1][0][0] == p._version
+        return c.n
+
+    torch.manual_seed(0)
+    assert renewal_ops(20) == renewal_ops(2)

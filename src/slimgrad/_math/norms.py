@@ -264,7 +264,8 @@ def _param_key(t):
 
 
 def _renew(optimizer=None, args=None, kwargs=None) -> None:
-    # NOTE [Fallback channels renewed at the optimizer step]
+    # NOTE [Fallback channels renewed at the optimizer step]; the masks of entries alike found by
+    # one _fallback_mask over their concatenated parameters (NOTE [One mask per kind of norm])
     if compiling() or not _FB_CACHE:
         return
     stepped = None  # the ids of the parameters this optimizer holds (None: renew every entry)
@@ -273,7 +274,9 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 stepped.add(id(p))
-    groups: dict = {}
+    # {(device, scale dtype, bias dtype, out_dtype, slot or None): ([(slot, entry, key, n)],
+    # [scales], [biases])}
+    kinds: dict = {}
     count = steps._count[0]
     for slot, entry in list(_FB_CACHE.items()):
         wref, _, _, (ww, bw, out_dtype, gamma_of) = entry
@@ -292,29 +295,71 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         key = (w_key, b_key, out_dtype, count)
         if gamma_of is not None:
             key += (gamma_of,)
-        with torch.no_grad():
-            w = weight
-            if gamma_of is not None and weight is not None:
-                w = gamma_of(weight.detach())
-            mask = _fallback_mask(w, bias, out_dtype)
-        groups.setdefault(mask.device, []).append((slot, entry, key, mask))
-    for dev, items in groups.items():
-        masks = [m for *_, m in items]
+        # read under no_grad below (cat, the mask): no detach needed, no graph recorded
+        w, b = weight, bias
+        if gamma_of is not None and w is not None:
+            with torch.no_grad():
+                w = gamma_of(w.detach())
+        n = w.numel() if w is not None else b.numel()
+        alone = None
+        if w is not None and b is not None and b.numel() != n:
+            # weight and bias of different lengths (broadcast): a kind of its own, its mask as long
+            # as the broadcast
+            alone, n = slot, max(n, b.numel())
+        kind = (
+            (w if w is not None else b).device,
+            None if w is None else w.dtype,
+            None if b is None else b.dtype,
+            out_dtype,
+            alone,
+        )
+        items, ws, bs = kinds[kind] if kind in kinds else kinds.setdefault(kind, ([], [], []))
+        items.append((slot, entry, key, n))
+        if w is not None:
+            ws.append(w if w.dim() == 1 else w.reshape(-1))
+        if b is not None:
+            bs.append(b if b.dim() == 1 else b.reshape(-1))
+    groups: dict = {}
+    with torch.no_grad():
+        for (dev, _, _, out_dtype, _), (items, ws, bs) in kinds.items():
+            w = (torch.cat(ws) if len(ws) > 1 else ws[0]) if ws else None
+            b = (torch.cat(bs) if len(bs) > 1 else bs[0]) if bs else None
+            mask = _fallback_mask(w, b, out_dtype)
+            group = groups[dev] if dev in groups else groups.setdefault(dev, ([], []))
+            group[0].extend(items)
+            group[1].append(mask)
+    for dev, (items, masks) in groups.items():
         hits = torch.nonzero(torch.cat(masks) if len(masks) > 1 else masks[0]).reshape(-1)
         pos = hits.tolist() if hits.shape[0] else []  # the one host read (small)
         start, j = 0, 0
-        for slot, entry, key, mask in items:
-            end = start + mask.shape[0]
+        empty = None  # one 0-element table for the device (never handed out: callers copy)
+        for slot, entry, key, n in items:
+            end = start + n
             a = j
             while j < len(pos) and pos[j] < end:
                 j += 1
             if a == j:
-                idx = torch.empty(0, dtype=torch.int64, device=dev)
+                if empty is None:
+                    empty = torch.empty(0, dtype=torch.int64, device=dev)
+                idx = empty
             else:
                 idx = hits[a:j] - start
             if _FB_CACHE.get(slot) is entry:
                 _FB_CACHE[slot] = (entry[0], key, idx, entry[3])
             start = end
+
+
+# NOTE [One mask per kind of norm]
+# An optimizer step renews every cached norm's fallback channels (NOTE [Fallback channels renewed
+# at the optimizer step]). ``_fallback_mask`` is elementwise in (scale, bias) given the output
+# dtype and the scale's dtype (its accumulation dtype), so the entries that share a device, the
+# dtypes of their scale (``gamma_of(weight)``, or the weight) and bias, and the output dtype are
+# renewed by one mask over their concatenated parameters: entry by entry the same booleans as one
+# mask each, in a fixed number of ops per kind instead of per norm (on a GPU each is a launch).
+# Tiny HF Llama (12 layers x 64 wide, 25 RMSNorms), AdamW's step: 1,390 ATen ops before, 1,126
+# now (eager's step: 1,112). A scale whose ``gamma_of`` is not elementwise (LayerNorm's
+# ``layer_norm_gamma``) is computed per entry first, as before; an entry whose bias and weight
+# differ in length is a kind of its own.
 
 
 # NOTE [LayerNorm with a non-finite gamma]

@@ -467,7 +467,11 @@ def _attention(
             )
             return out.view(b, h, q_len, out.shape[2]).transpose(1, 2).contiguous(), None
     hf_sdpa = _HF_SDPA[0] if _HF_SDPA else _hf_sdpa()
-    if not _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    # _fast_path_ok's first test inline: without dropout (Llama's default, every eval call) HF's
+    # function computes it, without a frame to say so
+    if (
+        not ((type(dropout) is float or isinstance(dropout, float | int)) and dropout > 0.0)
+    ) or not _fast_path_ok(module, query, key, value, attention_mask, dropout, scaling, kwargs):
         return hf_sdpa.sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
