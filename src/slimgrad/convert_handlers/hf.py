@@ -651,3 +651,53 @@ RMS_NORM_CLASSES = (
 
 # {qualified class name: (ConvertConfig field, handler)}; merged into slimgrad.convert._TABLE.
 TABLE = {name: ("norms", rms_norm_from_hf) for name in RMS_NORM_CLASSES}
+
+
+# NOTE [GPT-2's MLP as one node]
+# HF ``GPT2MLP`` converts to :class:`slimgrad.nn.gpt2_mlp.GPT2MLP` (one autograd node: NOTE [One
+# node for GPT-2's MLP] in ``slimgrad/ops/gpt2_mlp.py``) when the instance's forward is HF's own
+# ``GPT2MLP.forward`` (the function object of the transformers installed: a subclass that keeps
+# it converts, one that overrides it or an instance with a patched forward does not), its
+# ``c_fc``, ``c_proj``, ``act`` and ``dropout`` are submodules, ``c_fc``/``c_proj`` are
+# transformers ``Conv1D`` and ``act`` is a GELU slimgrad converts (``nn.GELU``, HF's GELU
+# activations). The children are then converted as usual; each call decides again whether the
+# one-node path applies (NOTE [GPT-2 MLP: which path] in ``slimgrad/nn/gpt2_mlp.py``).
+def gpt2_mlp_from_hf(module: nn.Module) -> nn.Module:
+    """An HF ``GPT2MLP`` -> :class:`slimgrad.nn.gpt2_mlp.GPT2MLP` sharing its submodules (NOTE
+    [GPT-2's MLP as one node]).
+
+    Raises:
+        NotImplementedError: the forward is not HF's, a child is missing or of another kind; the
+            message says which.
+    """
+    from slimgrad.nn.gelu import _HF as _HF_GELUS
+    from slimgrad.nn.gpt2_mlp import GPT2MLP
+
+    hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
+    stock = getattr(getattr(hf, "GPT2MLP", None), "forward", None)
+    if "forward" in module.__dict__:
+        raise NotImplementedError("the instance has a patched forward")
+    if stock is None or type(module).forward is not stock:
+        raise NotImplementedError(
+            f"{type(module).__qualname__}.forward is not transformers' GPT2MLP.forward"
+        )
+    mods = module._modules
+    for name in ("c_fc", "c_proj", "act", "dropout"):
+        if not isinstance(mods.get(name), nn.Module):
+            raise NotImplementedError(f"self.{name} is not a submodule")
+    for name in ("c_fc", "c_proj"):
+        if type(mods[name]).__name__ != "Conv1D" or "forward" in mods[name].__dict__:
+            raise NotImplementedError(f"self.{name} is not a transformers Conv1D")
+    act = mods["act"]
+    if not (isinstance(act, nn.GELU) or type(act).__name__ in _HF_GELUS) or (
+        "forward" in act.__dict__
+    ):
+        raise NotImplementedError(
+            f"activation {type(act).__name__} is not a GELU slimgrad converts"
+        )
+    if not isinstance(mods["dropout"], nn.Dropout):
+        raise NotImplementedError("self.dropout is not an nn.Dropout")
+    return GPT2MLP.from_hf(module)
+
+
+TABLE["transformers.models.gpt2.modeling_gpt2.GPT2MLP"] = ("activations", gpt2_mlp_from_hf)

@@ -1,0 +1,185 @@
+"""``slimgrad.nn.GPT2MLP``: HF GPT-2's MLP (``dropout(c_proj(act(c_fc(x))))``) as one autograd node.
+
+The module holds HF's own ``c_fc``, ``act``, ``c_proj`` and ``dropout`` under their names (so
+``state_dict`` keys and values are unchanged and code that reaches ``mlp.c_fc`` still finds it);
+``convert_`` converts those children as usual. Each call decides from what they are *now*
+(NOTE [GPT-2 MLP: which path]).
+
+# NOTE [GPT-2 MLP: which path]
+:func:`slimgrad.ops.gpt2_mlp` (one node, NOTE [One node for GPT-2's MLP]) runs when every child
+is the slimgrad module ``convert_`` made of it (``Conv1D``, ``GELU`` keeping y, ``Dropout`` not in
+place, p < 1) with no patched forward and no hook of its own (slimgrad's measuring hooks do not
+count, NOTE [Forward hooks on an output-saving module] in ``nn/_hooks.py``), no global module hook,
+plain Parameters, and :func:`slimgrad.ops.gpt2_mlp.block_ok` holds for the call (eager, grad
+mode, float32, more than 512 elements of h). Anything else calls the children one by one, HF's
+forward op for op: exactly the per-op converted model (under ``torch.compile``, autocast,
+``no_grad``, a LoRA-wrapped or frozen-by-convert_ projection, a hooked child).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as _module
+
+from slimgrad._autograd import unwrap_if_dead
+from slimgrad._library import straight
+from slimgrad.nn import dropout as _snd
+from slimgrad.nn import gelu as _sng
+from slimgrad.nn import linear as _snl
+from slimgrad.nn._hooks import foreign
+from slimgrad.nn._output_act import _DECLARED
+from slimgrad.nn._script import NoScript
+from slimgrad.ops.gpt2_mlp import _GPT2_MLP_APPLY, block_ok
+
+__all__ = ["GPT2MLP"]
+
+_Parameter = torch.nn.Parameter
+_BIAS = (torch.nn.Parameter, type(None))
+_APPROX = ("none", "tanh")
+
+
+_CONV1D_FORWARD = _snl.Conv1D.forward
+
+
+def _hooked(m) -> bool:
+    # a patched forward, a backward hook, or a forward hook that is not slimgrad's own
+    return (
+        "forward" in m.__dict__
+        or bool(m._backward_hooks or m._backward_pre_hooks)
+        or foreign(m._forward_hooks)
+        or foreign(m._forward_pre_hooks)
+    )
+
+
+def _global_hooks() -> bool:
+    return (
+        bool(_module._global_backward_hooks or _module._global_backward_pre_hooks)
+        or foreign(_module._global_forward_hooks)
+        or foreign(_module._global_forward_pre_hooks)
+    )
+
+
+class GPT2MLP(NoScript, nn.Module):
+    """HF ``GPT2MLP`` (``c_fc`` -> ``act`` -> ``c_proj`` -> ``dropout``) run as one autograd node
+    where its children are slimgrad's (NOTE [GPT-2 MLP: which path]).
+
+    Memory: what the converted children keep, byte for byte (x, GELU's output + 1/8 B/elt and its
+    sparse table, the dropout mask as 1/8 B/elt); see :mod:`slimgrad.ops.gpt2_mlp`.
+
+    Args:
+        intermediate_size: the hidden width (``c_fc``'s outputs).
+        hidden_size: the model width.
+        approximate: the GELU's form, ``'none'`` or ``'tanh'`` (HF ``gelu_new``).
+        p: the dropout probability.
+
+    Example:
+        >>> mlp = GPT2MLP(32, 8)
+        >>> y = mlp(torch.randn(2, 100, 8))
+    """
+
+    # convert_ converts the children it holds (Conv1D, GELU, Dropout) in the same pass
+    CONVERT_CHILDREN = True
+
+    def __init__(
+        self, intermediate_size: int, hidden_size: int, approximate: str = "tanh", p: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.c_fc = _snl.Conv1D(intermediate_size, hidden_size)
+        self.c_proj = _snl.Conv1D(hidden_size, intermediate_size)
+        self.act = _sng.GELU(approximate)
+        self.dropout = _snd.Dropout(p)
+
+    @classmethod
+    def from_hf(cls, module: nn.Module) -> GPT2MLP:
+        """A GPT2MLP holding ``module``'s own submodules, parameters and buffers (no copy, the
+        same ``state_dict``), its plain attributes and training mode."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for k, v in vars(module).items():
+            if not k.startswith("_") and k != "training":
+                setattr(new, k, v)
+        for k, p in module._parameters.items():
+            new.register_parameter(k, p)
+        for k, b in module._buffers.items():
+            new.register_buffer(k, b, persistent=k not in module._non_persistent_buffers_set)
+        for k, m in module._modules.items():
+            new.add_module(k, m)
+        new.train(module.training)
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mods = self._modules
+        c_fc, act, c_proj, drop = mods["c_fc"], mods["act"], mods["c_proj"], mods["dropout"]
+        if (
+            type(act) is _sng.GELU
+            and act.keep_y
+            and not act.inplace
+            and act.approximate in _APPROX
+            and type(drop) is _snd.Dropout
+            and not drop.inplace
+            and type(drop.p) is float
+            and (drop.p < 1.0 or not drop.training)
+            # slimgrad's Conv1D (or its transformers-compatible subclass): its forward
+            and type(c_fc).forward is _CONV1D_FORWARD
+            and type(c_proj).forward is _CONV1D_FORWARD
+            and "weight" in (fp := c_fc._parameters)
+            and "weight" in (pp := c_proj._parameters)
+            and type(fp["weight"]) is _Parameter
+            and type(pp["weight"]) is _Parameter
+            and type(fp.get("bias")) in _BIAS
+            and type(pp.get("bias")) in _BIAS
+            and block_ok(hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias"))
+            # _hooked(child) and _global_hooks() only when some hook dict is not empty
+            and not (
+                (
+                    "forward" in c_fc.__dict__
+                    or c_fc._forward_hooks
+                    or c_fc._forward_pre_hooks
+                    or c_fc._backward_hooks
+                    or c_fc._backward_pre_hooks
+                    or act._forward_hooks
+                    or act._forward_pre_hooks
+                    or act._backward_hooks
+                    or act._backward_pre_hooks
+                    or c_proj._forward_hooks
+                    or c_proj._forward_pre_hooks
+                    or c_proj._backward_hooks
+                    or c_proj._backward_pre_hooks
+                    or drop._forward_hooks
+                    or drop._forward_pre_hooks
+                    or drop._backward_hooks
+                    or drop._backward_pre_hooks
+                    or "forward" in act.__dict__
+                    or "forward" in c_proj.__dict__
+                    or "forward" in drop.__dict__
+                )
+                and (_hooked(c_fc) or _hooked(act) or _hooked(c_proj) or _hooked(drop))
+            )
+            and not (
+                (
+                    _module._global_forward_hooks
+                    or _module._global_forward_pre_hooks
+                    or _module._global_backward_hooks
+                    or _module._global_backward_pre_hooks
+                )
+                and _global_hooks()
+            )
+        ):
+            p = drop.p if drop.training and drop.p > 0.0 else None
+            return _GPT2_MLP_APPLY(  # ops.gpt2_mlp.apply, inline
+                unwrap_if_dead(hidden_states),
+                fp["weight"],
+                fp.get("bias"),
+                pp["weight"],
+                pp.get("bias"),
+                act.approximate,
+                p,
+                straight(),
+            )
+        return drop(c_proj(act(c_fc(hidden_states))))
+
+
+# NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py: this forward hands act's
+# output to c_proj, as HF's GPT2MLP.forward does
+_DECLARED[(f"{__name__}.GPT2MLP", "forward")] = {"act": ("c_proj",)}

@@ -1,0 +1,318 @@
+"""HF GPT-2's MLP as one autograd node: ``dropout(c_proj(gelu(c_fc(x))))``.
+
+Math: ``h = x W_fc + b_fc`` (HF ``Conv1D``, W ``(in, out)``), ``y = gelu(h)`` (erf or tanh form),
+``z = y W_proj + b_proj``, ``out = dropout(z, p)`` (training; otherwise ``out = z``). Backward:
+each step's backward in reverse order, the very functions the per-op Functions run.
+
+Memory: saves x (if W_fc needs grad), y (if W_proj needs grad or anything before it does), y's
+branch bits (1/8 B/elt of h) + the GELU's sparse exact table, and the dropout mask as bits (1/8
+B/elt of out): the per-op converted path's tensors, byte for byte (eager: x, h, y and a float mask:
+4 B/elt each in float32). All of it goes through ``save_for_backward``.
+
+# NOTE [One node for GPT-2's MLP]
+A converted GPT-2 block ran one autograd Function per op of its MLP (Conv1D, GELU, Conv1D,
+Dropout): four Python forwards, four Python backwards, three gradient hand-overs through the
+engine. :class:`_GPT2MLPFn` runs the same four steps in one Function. Its forward calls each op's
+own Function ``forward`` on a :class:`_Step` (a stand-in for ``ctx`` that records what the step
+saves and the attributes it sets) in the order eager runs them, so the outputs, the saved tensors
+and the dropout mask (the same draw from the same generator, after the same ops) are the per-op
+path's; the node then saves every step's tensors with one ``save_for_backward`` (saved-tensor
+hooks, checkpointing and offloading see each of them, as before). Backward hands each step its
+share of the saved tensors and runs that op's backward math in reverse order: dropout, c_proj,
+GELU, c_fc: the same functions on the same tensors, so every gradient is the per-op path's bit for
+bit. Ownership: the block's incoming gradient is taken (``ownership.grant``) as the per-op
+Dropout's backward takes it; the gradients between the steps are made inside the node and seen by
+nobody else, so the GELU writes its dx into c_proj's dx without asking (the per-op path asked
+``ownership`` for the same buffer; in place and out of place give the same bits). What the node
+holds longer than the per-op path: the per-op GELU node released y and its bits when its backward
+returned; the block node holds them until c_fc's backward has run (y is also what c_proj keeps,
+so up to GELU's backward nothing changes). Where c_fc's backward is the step's peak, the peak is
+up to y's bytes above the per-op path's (2-layer GPT-2, 32 wide, 2x24 tokens: +9,344 B, still
+0.37x eager's); at the host-overhead model (12 x 64, 1x16 tokens) and at GPT-2 small 4x256 the
+step's peak is elsewhere (the embedding's backward) and the saved, forward-peak and peak bytes
+are the per-op path's exactly (``tests/ops/test_gpt2_mlp.py``). Keeping c_fc a node of its own
+would end that, but then h, the node's input, stays alive through c_proj's and dropout's forward
+(+3,192 B at the first shape): the per-op path frees it after the GELU.
+
+Second derivatives: first derivatives only (``create_graph=True`` gives them, differentiating
+them raises a ``slimgrad.ops.gpt2_mlp`` error). The per-op path's float32 GELU refuses them too
+except where it falls back to keeping x (at most 512 elements, or more than 1/16 of them in the
+hard windows); :mod:`slimgrad.nn.gpt2_mlp` runs the node only for float32 tensors of more than
+512 elements of h, so the data-dependent fallback is the one case where a double backward that
+worked per op now raises.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import slimgrad.ops.dropout  # noqa: F401 - the modules, not the functions ops/__init__ exports
+import slimgrad.ops.gelu  # noqa: F401
+from slimgrad import ownership
+from slimgrad._autograd import compiling, direct_apply, refuse_second_order
+from slimgrad._library import straight
+from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
+from slimgrad.ops.linear import _LinearFn, fresh
+
+__all__ = ["gpt2_mlp"]
+
+_dr = sys.modules["slimgrad.ops.dropout"]
+_ge = sys.modules["slimgrad.ops.gelu"]
+_grad_on = torch._C.is_grad_enabled
+_Tensor = torch.Tensor
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+
+
+class _Step:
+    # a ctx stand-in for one op's Function forward/backward inside the block: what the op saves
+    # (``to_save``) and the attributes it sets (``needs_input_grad`` set by the block); filled
+    # ``saved_tensors`` in backward. No __init__: made by the type's C call alone.
+    to_save = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.to_save = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass  # the block node's own setting applies
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass  # the side outputs stay inside the node
+
+
+def _dropout_backward(st: _Step, grad: torch.Tensor, owned: bool) -> torch.Tensor:
+    # _DropoutFn.backward's first-order body with ``owned`` decided by the block's backward
+    (bits,) = st.saved_tensors
+    lib = st.lib
+    if lib is not None and type(grad) is _Tensor and not _dispatch_stack_len():
+        g = grad
+        if g.is_contiguous():
+            out = g if owned else torch.empty_like(g)
+        elif not owned:
+            g = g.contiguous()
+            out = torch.empty_like(g)
+        else:
+            g = None
+        if g is not None:
+            return _dr._c_bwd(lib, g, bits, st.p, st.n, out)
+    k = st.k
+    if k is not _dr._UNDECIDED and not owned and straight():
+        g = grad.contiguous()
+        if k is not None and k.supports(g):
+            return k._bwd_triton(g, bits, st.p, st.fused)
+        return _dr._apply_mask_torch(g, bits, st.p, st.fused)
+    return _dr._backward(grad, bits, st.p, st.fused, owned)
+
+
+def _gelu_backward(st: _Step, g: torch.Tensor) -> torch.Tensor:
+    # _GeluFn.backward's first-order body; g is c_proj's dx, made in this node: its buffer is free
+    if st.cpath is not None and g.is_contiguous():
+        dx = c_backward(st, g, g, _ge._C_BWD[st.approximate])
+        if dx is not None:
+            return dx
+    buf = g if reuse_ok(g, st.perm) else None
+    bwd = _ge._gelu_bwd.impl if buf is None and straight() else _ge._gelu_bwd
+    return smooth_backward(st, g, buf, bwd, _ge._bwd_any, _ge._bwd_exact, st.approximate)
+
+
+def _backward(ctx, dy, owned: bool = False):
+    fc, act, proj, drop = ctx.steps
+    saved = ctx.saved_tensors
+    i = 0
+    for st in ctx.steps:
+        if st is not None:
+            st.saved_tensors = saved[i : i + st.n_saved]
+            i += st.n_saved
+    del saved
+    n = ctx.needs_input_grad
+    g = _dropout_backward(drop, dy, owned) if drop is not None else dy
+    del dy
+    # c_proj's gradient arrives as its 2-D product's (NOTE [Linear's 2-D product] in ops/linear.py)
+    g2 = g.reshape(-1, g.shape[-1]) if proj.lead is not None else g
+    del g
+    dh, dw_proj, db_proj = _LinearFn.backward(proj, g2)[:3]
+    del g2
+    dw_fc = db_fc = dx = None
+    if dh is not None:
+        if act is not None:
+            dh = _gelu_backward(act, dh)
+        dh2 = dh.reshape(-1, dh.shape[-1]) if fc.lead is not None else dh
+        del dh
+        dx, dw_fc, db_fc = _LinearFn.backward(fc, dh2)[:3]
+    for st in ctx.steps:
+        if st is not None:
+            st.saved_tensors = ()
+    return (
+        dx if n[0] else None,
+        dw_fc,
+        db_fc,
+        dw_proj,
+        db_proj,
+        None,
+        None,
+        None,
+    )
+
+
+class _GPT2MLPFn(torch.autograd.Function):
+    # NOTE [One node for GPT-2's MLP]; x and y are matmul inputs (NOTE [The matmul-input floor]
+    # in memory.py: the node's bits count there too, 1/8 B/elt)
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct=False):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
+        n = ctx.needs_input_grad
+        need_h = n[0] or n[1] or n[2]
+        fc = _Step()
+        fc.needs_input_grad = (n[0], n[1], n[2], False, False)
+        h = _LinearFn.forward(fc, x, w_fc, b_fc, True, direct)
+        if fc.lead is not None:
+            h = h.view(fc.lead + h.shape[-1:])
+        if need_h:
+            act = _Step()
+            y = _ge._GeluFn.forward(act, h, approximate, direct)
+            if not direct:
+                y = y[0]
+            act.approximate = approximate
+        else:
+            act = None
+            y = _ge._fwd_torch(h, approximate)
+        del h
+        proj = _Step()
+        proj.needs_input_grad = (need_h, n[3], n[4], False, False)
+        z = _LinearFn.forward(proj, y, w_proj, b_proj, True, direct)
+        if proj.lead is not None:
+            z = z.view(proj.lead + z.shape[-1:])
+        del y
+        drop = None
+        if p is not None:
+            drop = _Step()
+            z = _dr._DropoutFn.forward(drop, z, p, direct)
+        steps = (fc, act, proj, drop)
+        to_save = []
+        for st in steps:
+            if st is not None:
+                st.n_saved = len(st.to_save)
+                to_save.extend(st.to_save)
+                st.to_save = ()
+        ctx.steps = steps
+        ctx.save_for_backward(*to_save)
+        return fresh(z)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
+            return refuse_second_order("ops.gpt2_mlp", _backward, ctx, (dy,))
+        # first use of dy: NOTE [Gradient-buffer ownership], as the per-op Dropout's backward
+        owned = (
+            ctx.steps[3] is not None and not compiling() and ownership.grant(dy, ownership.PROBE)
+        )
+        return _backward(ctx, dy, owned)
+
+
+_GPT2_MLP_APPLY = direct_apply(_GPT2MLPFn)
+
+
+def gpt2_mlp(
+    input: torch.Tensor,
+    c_fc_weight: torch.Tensor,
+    c_fc_bias: torch.Tensor | None,
+    c_proj_weight: torch.Tensor,
+    c_proj_bias: torch.Tensor | None,
+    approximate: str = "tanh",
+    p: float = 0.0,
+    training: bool = True,
+) -> torch.Tensor:
+    """HF GPT-2's MLP, ``dropout(gelu(input @ W_fc + b_fc) @ W_proj + b_proj, p, training)``,
+    as one autograd node (NOTE [One node for GPT-2's MLP]).
+
+    Memory: saves input (if ``c_fc_weight`` needs grad), gelu's output + 1/8 B/elt of bits + the
+    GELU's sparse table, and the dropout mask as 1/8 B/elt: what the per-op ops keep, together.
+
+    Args:
+        input: ``(*, in)`` float32.
+        c_fc_weight: ``(in, hidden)``; c_fc_bias: ``(hidden,)`` or None.
+        c_proj_weight: ``(hidden, out)``; c_proj_bias: ``(out,)`` or None.
+        approximate: the GELU's form, ``'none'`` (erf) or ``'tanh'`` (HF ``gelu_new``).
+        p: dropout probability. training: dropout on (as ``F.dropout``'s ``training``).
+
+    Returns:
+        ``(*, out)``: the per-op composition's values, bit for bit.
+
+    Raises:
+        ValueError: unknown ``approximate`` or ``p`` outside [0, 1].
+
+    Example:
+        >>> w1, w2 = torch.randn(8, 32, requires_grad=True), torch.randn(32, 8)
+        >>> y = gpt2_mlp(torch.randn(2, 600, 8), w1, None, w2, None, "tanh", 0.1)
+    """
+    _ge._check_approximate(approximate)
+    _dr._check_p("ops.gpt2_mlp", p)
+    drop = p if training and 0.0 < p < 1.0 else None
+    if block_ok(input, c_fc_weight, c_fc_bias, c_proj_weight, c_proj_bias) and (
+        training is False or p < 1.0
+    ):
+        return apply(input, c_fc_weight, c_fc_bias, c_proj_weight, c_proj_bias, approximate, drop)
+    from slimgrad.ops.dropout import dropout
+    from slimgrad.ops.gelu import gelu
+    from slimgrad.ops.linear import conv1d_addmm
+
+    h = gelu(conv1d_addmm(input, c_fc_weight, c_fc_bias), approximate)
+    return dropout(conv1d_addmm(h, c_proj_weight, c_proj_bias), p, training)
+
+
+_Parameter = torch.nn.Parameter
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+_F32 = torch.float32
+_C = torch._C
+_functorch_on = _C._are_functorch_transforms_active
+_is_tracing = _C._is_tracing
+_any_autocast = _C._is_any_autocast_enabled
+
+
+def block_ok(x, w_fc, b_fc, w_proj, b_proj) -> bool:
+    """Whether the one-node path applies: eager (not compiling, no ``torch.func`` transform,
+    TorchScript trace or autocast), grad mode on with something that needs a gradient, plain
+    float32 tensors of matching shapes, and more than 512 elements of h (NOTE [One node for
+    GPT-2's MLP]: the second-derivative rule)."""
+    if (
+        compiling()
+        or _functorch_on()
+        or _is_tracing()
+        or _any_autocast()
+        or not _grad_on()
+        or type(x) not in _PLAIN
+        or type(w_fc) not in _PLAIN
+        or type(w_proj) not in _PLAIN
+        or type(b_fc) not in _PLAIN_OR_NONE
+        or type(b_proj) not in _PLAIN_OR_NONE
+    ):
+        return False
+    if not (
+        x.requires_grad
+        or w_fc.requires_grad
+        or w_proj.requires_grad
+        or (b_fc is not None and b_fc.requires_grad)
+        or (b_proj is not None and b_proj.requires_grad)
+    ):
+        return False
+    if x.is_meta or x.ndim == 0 or w_fc.ndim != 2 or w_proj.ndim != 2:
+        return False
+    if x.shape[-1] != w_fc.shape[0] or w_fc.shape[1] != w_proj.shape[0] or 0 in x.shape:
+        return False
+    if not (x.dtype is _F32 and w_fc.dtype is _F32 and w_proj.dtype is _F32):
+        return False
+    rows = x.numel() // x.shape[-1]
+    return rows * w_fc.shape[1] > DENSE_MAX
+
+
+def apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None) -> torch.Tensor:
+    """The node on arguments :func:`block_ok` accepted; ``p`` None: no dropout."""
+    from slimgrad._autograd import unwrap_if_dead
+
+    return _GPT2_MLP_APPLY(
+        unwrap_if_dead(x), w_fc, b_fc, w_proj, b_proj, approximate, p, straight()
+    )

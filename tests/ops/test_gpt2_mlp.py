@@ -1,0 +1,246 @@
+"""HF GPT-2's MLP as one autograd node (ops/gpt2_mlp.py, nn/gpt2_mlp.py; NOTE [One node for
+GPT-2's MLP]): the per-op converted path's loss, gradients and bytes, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import slimgrad
+import slimgrad.nn.gpt2_mlp as ngm
+from slimgrad import memory
+from slimgrad.ops.gpt2_mlp import block_ok, gpt2_mlp
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(act="gelu_new", layers=2, pdrop=0.1, width=32):
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=4, vocab_size=97, n_positions=64,
+        activation_function=act, resid_pdrop=pdrop, attn_pdrop=pdrop, embd_pdrop=pdrop,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture
+def count(monkeypatch):
+    # how many calls took the one-node path
+    n = [0]
+    node = ngm._GPT2_MLP_APPLY
+
+    def counting(*a):
+        n[0] += 1
+        return node(*a)
+
+    monkeypatch.setattr(ngm, "_GPT2_MLP_APPLY", counting)
+    return n
+
+
+def _step(model, ids, per_op=False, monkeypatch=None):
+    if per_op:
+        monkeypatch.setattr(ngm, "block_ok", lambda *a: False)
+    torch.manual_seed(5)  # the dropout masks
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("act", ["gelu_new", "gelu"])
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("frozen", [None, "c_fc", "c_proj_bias", "wte"])
+def test_bits_as_per_op(act, train, frozen, count, monkeypatch):
+    model = _model(act)
+    model.train(train)
+    if frozen == "wte":  # the MLP's input needs grad through the blocks still
+        model.transformer.wte.weight.requires_grad_(False)
+    elif frozen is not None:
+        for blk in model.transformer.h:
+            p = blk.mlp.c_fc.weight if frozen == "c_fc" else blk.mlp.c_proj.bias
+            p.requires_grad_(False)
+    conv = copy.deepcopy(model)
+    slimgrad.convert_(conv)
+    assert type(conv.transformer.h[0].mlp) is ngm.GPT2MLP
+    ids = torch.randint(0, 97, (2, 24))
+    loss, grads = _step(conv, ids)
+    assert count[0] == 2  # both blocks ran the node
+    loss_p, grads_p = _step(conv, ids, per_op=True, monkeypatch=monkeypatch)
+    assert torch.equal(loss, loss_p)
+    assert grads.keys() == grads_p.keys()
+    for k in grads:
+        assert torch.equal(grads[k], grads_p[k]), k
+    if not train:  # without dropout: eager's loss within the rule, the same state_dict
+        torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss)
+    assert conv.state_dict().keys() == model.state_dict().keys()
+
+
+def _args(rows=40, d=12, hidden=48, grads=(True, True, True, True, True)):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, rows, d, generator=g)
+    w1 = torch.randn(d, hidden, generator=g) / d**0.5
+    b1 = torch.randn(hidden, generator=g)
+    w2 = torch.randn(hidden, d, generator=g) / hidden**0.5
+    b2 = torch.randn(d, generator=g)
+    return [t.requires_grad_(r) for t, r in zip((x, w1, b1, w2, b2), grads, strict=True)]
+
+
+def _per_op(x, w1, b1, w2, b2, approximate, p, training):
+    from slimgrad.ops.dropout import dropout
+    from slimgrad.ops.gelu import gelu
+    from slimgrad.ops.linear import conv1d_addmm
+
+    h = gelu(conv1d_addmm(x, w1, b1), approximate)
+    return dropout(conv1d_addmm(h, w2, b2), p, training)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("subset", [None, "x", "weights"])
+def test_functional_bits_and_subsets(approximate, p, subset):
+    args = _args()
+    dy = torch.randn(2, 40, 12, generator=torch.Generator().manual_seed(9))
+    outs = []
+    for fn in (gpt2_mlp, _per_op):
+        torch.manual_seed(1)
+        y = fn(*args, approximate, p, True)
+        inputs = {None: args, "x": args[:1], "weights": [args[1], args[3]]}[subset]
+        outs.append((y.detach(), torch.autograd.grad(y, inputs, dy)))
+    (y, g), (y_p, g_p) = outs
+    assert torch.equal(y, y_p)
+    for a, b in zip(g, g_p, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("width, tokens", [(32, 24), (64, 16)])
+def test_memory_as_per_op_and_below_eager(width, tokens, monkeypatch):
+    # NOTE [One node for GPT-2's MLP]: the same saved bytes; the peak at most y's bytes (4 B x
+    # tokens x 4 width) above the per-op path's, where c_fc's backward is the step's peak (2x24
+    # tokens at width 32: +9,344 B); equal where it is not (the host-overhead model's shape)
+    model = _model(layers=2) if width == 32 else _model(layers=2, width=width)
+    conv = copy.deepcopy(model)
+    slimgrad.convert_(conv)
+    ids = torch.randint(0, 97, (2 if width == 32 else 1, tokens))
+
+    def meas(m):
+        torch.manual_seed(5)
+        r = memory.measure(lambda: m(input_ids=ids, labels=ids).loss)
+        for p in m.parameters():
+            p.grad = None
+        return r
+
+    meas(conv)  # first-use caches
+    block = meas(conv)
+    monkeypatch.setattr(ngm, "block_ok", lambda *a: False)
+    per_op, eager = meas(conv), meas(model)
+    assert block.saved_bytes == per_op.saved_bytes < eager.saved_bytes
+    y_bytes = 4 * ids.numel() * 4 * width
+    assert per_op.peak_bytes <= block.peak_bytes <= per_op.peak_bytes + y_bytes
+    if width == 64:
+        assert block.peak_bytes == per_op.peak_bytes
+    assert block.peak_bytes < eager.peak_bytes
+
+
+def test_per_op_path_where_the_node_does_not_apply(count):
+    conv = _model(layers=1)
+    slimgrad.convert_(conv)
+    mlp = conv.transformer.h[0].mlp
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    mlp(x)
+    assert count[0] == 1
+    with torch.no_grad():
+        mlp(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mlp(x)
+    mlp(x.detach())  # nothing needs a gradient: no node... unless the weights do
+    w = [t.double() for t in (mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias)]
+    assert not block_ok(x.double(), *w)  # float64: the per-op ops (eager's 2nd derivatives)
+    h = mlp.act.register_forward_hook(lambda m, i, o: None)
+    mlp(x)
+    h.remove()
+    assert count[0] == 2  # only the call on x.detach() (the weights need grads) ran the node
+    mlp.act.keep_y = False  # as convert_ decides for a frozen c_proj: eager's GELU, per op
+    mlp(x)
+    assert count[0] == 2
+
+
+def test_frozen_c_proj_keeps_eager_gelu():
+    # NOTE [Keep y only where its consumer keeps it]: the node's module is a declared call site
+    model = _model(layers=1)
+    model.transformer.h[0].mlp.c_proj.weight.requires_grad_(False)
+    slimgrad.convert_(model)
+    mlp = model.transformer.h[0].mlp
+    assert type(mlp) is ngm.GPT2MLP and mlp.act.keep_y is False
+
+
+def test_handler_refuses_other_forwards():
+    from slimgrad.convert_handlers.hf import gpt2_mlp_from_hf
+
+    model = _model(layers=1)
+    mlp = model.transformer.h[0].mlp
+
+    class Mine(type(mlp)):
+        def forward(self, x):
+            return self.c_proj(self.act(self.c_fc(x)))
+
+    other = copy.deepcopy(mlp)
+    other.__class__ = Mine
+    with pytest.raises(NotImplementedError, match="not transformers' GPT2MLP.forward"):
+        gpt2_mlp_from_hf(other)
+    patched = copy.deepcopy(mlp)
+    patched.forward = lambda x: x
+    with pytest.raises(NotImplementedError, match="patched forward"):
+        gpt2_mlp_from_hf(patched)
+    relu = copy.deepcopy(mlp)
+    relu.act = torch.nn.ReLU()
+    with pytest.raises(NotImplementedError, match="not a GELU"):
+        gpt2_mlp_from_hf(relu)
+
+
+def test_double_backward_refused():
+    args = _args()
+    y = gpt2_mlp(*args, "tanh", 0.1, True)
+    (gx,) = torch.autograd.grad(y.square().sum(), args[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="slimgrad.ops.gpt2_mlp"):
+        gx.sum().backward()
+
+
+def test_checkpoint_and_saved_tensor_hooks(count):
+    conv = _model(layers=1)
+    slimgrad.convert_(conv)
+    mlp = conv.transformer.h[0].mlp
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    dy = torch.randn(2, 24, 32)
+    torch.manual_seed(2)
+    ref = torch.autograd.grad(mlp(x), [x, *mlp.parameters()], dy)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    torch.manual_seed(2)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = mlp(x)
+    assert packed  # what the node keeps goes through save_for_backward
+    got = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
+    torch.manual_seed(2)
+    y = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False)
+    ck = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
+    assert count[0] == 4  # the checkpoint's recompute too
+    for a, b, c in zip(ref, got, ck, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_verify_passes():
+    model = _model(layers=1)
+    conv = copy.deepcopy(model)
+    slimgrad.convert_(conv)
+    ids = torch.randint(0, 97, (2, 24))
+    rep = slimgrad.verify(model, conv, {"input_ids": ids, "labels": ids})
+    assert rep.ok, rep
