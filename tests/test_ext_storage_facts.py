@@ -195,3 +195,18 @@ def test_no_ext_env_var_skips_the_build(monkeypatch):
     assert _ext.load() is None
     assert _ext.error() == f"turned off by {_ext.ENV_VAR}=1"
     assert _ext.probe() == (False, f"turned off by {_ext.ENV_VAR}=1")
+
+
+def test_the_build_names_its_own_copies_of_the_sources(facts):
+    # NOTE [The extension builds from copies in its own folder]: build.ninja names the copies in
+    # the content-addressed folder, never this checkout's files, so another checkout with the same
+    # sources finds nothing to rebuild; loading again does not rewrite the copies
+    path = _ext._build_dir()
+    ninja = (path / "build.ninja").read_text()
+    for src in _ext.SOURCES:
+        assert str(path / src.name) in ninja, ninja
+        assert str(src) not in ninja, ninja
+        assert (path / src.name).read_bytes() == src.read_bytes()
+    stamps = [(path / s.name).stat().st_mtime_ns for s in _ext.SOURCES]
+    _ext._sources_in(path)
+    assert [(path / s.name).stat().st_mtime_ns for s in _ext.SOURCES] == stamps

@@ -130,6 +130,34 @@ def _missing_tool() -> str | None:
     return None
 
 
+# NOTE [The extension builds from copies in its own folder]
+# The build folder is named by the sources' bytes (:func:`_build_dir`), but torch's build.ninja in
+# it names each source by its absolute path. Two checkouts or environments with the same sources
+# (two worktrees, a CI clone beside a developer's) shared the folder and, each time the other had
+# loaded last, rewrote build.ninja with their own paths: ninja then rebuilt the extension (~80 s
+# on a 2-core box) while every other process waited on torch's lock. The sources are copied into
+# the folder once (a copy is written only when missing or different, atomically, so a later load
+# sees an unchanged file and ninja finds nothing to do) and built from there: every loader names
+# the same paths.
+
+
+def _sources_in(path: Path) -> list[str]:
+    out = []
+    for src in SOURCES:
+        data = src.read_bytes()
+        dst = path / src.name
+        try:
+            same = dst.read_bytes() == data
+        except OSError:
+            same = False
+        if not same:
+            tmp = path / f".{src.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+        out.append(str(dst))
+    return out
+
+
 def _build():
     # torch logs notes about CUDA_HOME and the compiler's ABI: not ours to report
     log = logging.getLogger("torch.utils.cpp_extension")
@@ -146,11 +174,12 @@ def _build():
                 lock.unlink(missing_ok=True)
         except OSError:
             pass
+        sources = _sources_in(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return cpp_extension.load(
                 NAME,
-                [str(src) for src in SOURCES],
+                sources,
                 extra_cflags=["-O2"],
                 build_directory=str(path),
                 verbose=False,
