@@ -179,3 +179,57 @@ def test_few_values_call_is_eager_s_op_without_its_wrapper():
     with Record():
         slim(xg)
     assert F.batch_norm in seen
+
+
+def _few_values_bn():
+    # a converted BatchNorm2d training on 8 values per channel: the plain path (NOTE [Few values
+    # per channel])
+    import slimgrad
+    from slimgrad import _ext
+
+    if _ext.load() is None:  # the watchers mask comes from slimgrad's C++ extension
+        pytest.skip(f"slimgrad's C++ extension is unavailable: {_ext.probe()[1]}")
+    torch.manual_seed(0)
+    bn = slimgrad.convert_(torch.nn.Sequential(torch.nn.BatchNorm2d(8)))[0]
+    assert type(bn).__module__ == "slimgrad.nn.batch_norm"
+    return bn, torch.randn(2, 8, 2, 2, requires_grad=True) * 1
+
+
+def test_host_call_budget_plain_path_bn():
+    # NOTE [No torch function without a mode or a subclass]: the plain path of a module call on
+    # plain tensors asks no _has_torch_function_variadic (10 calls before)
+    from tests._host_calls import slimgrad_calls
+
+    bn, x = _few_values_bn()
+    bn(x)
+    assert slimgrad_calls(lambda: bn(x)) <= 9
+
+
+def test_plain_path_seen_by_torch_function_mode_and_subclass():
+    # NOTE [No torch function without a mode or a subclass]: a mode, or an argument whose type
+    # has its own __torch_function__, still sees eager's functional on the plain path
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    bn, x = _few_values_bn()
+    ref = F.batch_norm(x, torch.zeros(8), torch.ones(8), bn.weight, bn.bias, True, 0.1, bn.eps)
+    with Mode():
+        y = bn(x)
+    assert "batch_norm" in [getattr(f, "__name__", "") for f in seen]
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    seen.clear()
+    y = bn(x.detach().as_subclass(Sub).requires_grad_())
+    assert "batch_norm" in [getattr(f, "__name__", "") for f in seen]
+    torch.testing.assert_close(y.as_subclass(torch.Tensor), ref, rtol=0, atol=0)

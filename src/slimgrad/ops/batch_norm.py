@@ -1060,7 +1060,23 @@ def _batch_norm(
         )
     ):
         # Plain path: nothing is kept beyond what eager keeps (empty inputs: aten's own rules).
-        if numel == 0 or compiled or _has_tf(input, running_mean, running_var, weight, bias):
+        if (
+            numel == 0
+            or compiled
+            or (
+                # NOTE [No torch function without a mode or a subclass]
+                not (
+                    mask is not None
+                    and not mask & 2
+                    and type(input) in _PLAIN
+                    and (weight is None or type(weight) in _PLAIN)
+                    and (bias is None or type(bias) in _PLAIN)
+                    and (running_mean is None or type(running_mean) in _PLAIN)
+                    and (running_var is None or type(running_var) in _PLAIN)
+                )
+                and _has_tf(input, running_mean, running_var, weight, bias)
+            )
+        ):
             return torch.nn.functional.batch_norm(
                 input, running_mean, running_var, weight, bias, training, momentum, eps
             )
@@ -1169,6 +1185,16 @@ _PLAIN_KEY = "_slimgrad_bn_plain"
 # ``__torch_function__`` and a call without a graph keep the functional itself.
 
 
+# NOTE [No torch function without a mode or a subclass]
+# ``torch._C._has_torch_function_variadic`` is True only where a torch function mode is enabled or
+# an argument's type overrides ``__torch_function__`` (``torch.Tensor`` does not, and
+# ``nn.Parameter``'s is the disabled one, which the check skips). Where this call's watchers mask
+# (NOTE [Two watchers in one call] in ops/conv.py) says no mode is enabled (bit 2, the fact
+# ``torch._C._is_torch_function_mode_enabled`` returns) and every tensor argument's type is
+# exactly Tensor or Parameter (read by type: no call), the answer is False without the call;
+# anything else (no mask, a mode, a subclass) asks it.
+
+
 # NOTE [A source only where it can be claimed]
 # _Source.keep_output refuses, from the output's shape and dtypes alone, a training call with few
 # values per channel (NOTE [Few values per channel]), a 16-bit output and an output less precise
@@ -1183,6 +1209,8 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _has_tf = torch._C._has_torch_function_variadic
+# Types whose instances have no __torch_function__ of their own: checked without a call
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _cudnn_on = torch._C._get_cudnn_enabled
 _grad_on = torch._C.is_grad_enabled
 _bump = torch._C._increment_version
