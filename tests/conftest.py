@@ -1,25 +1,8 @@
 import gc
 import os
-from pathlib import Path
 
 import pytest
 import torch
-
-# NOTE [One build cache per checkout in the tests]
-# slimgrad._ext compiles with torch's cpp_extension.load into $SLIMGRAD_CACHE/ext (default
-# ~/.cache/slimgrad/ext), one directory per torch, Python and source hash, with the sources'
-# absolute paths in its build.ninja. Two checkouts of the same sources (worktrees, a CI clone
-# beside a developer's tree) share that directory but not those paths: each load rewrites
-# build.ninja, ninja rebuilds (~40 CPU s, minutes of wall on a loaded box) and every process that
-# loads the extension meanwhile waits on torch's file lock. Measured on the shared 2-core box
-# (7 worktrees): 29 rebuilds in 70 min, and subprocess tests (an example script, a Triton
-# interpreter run, gloo ranks) spending 60-100 s of their wall in that wait. The suite therefore
-# builds into this checkout's own cache unless $SLIMGRAD_CACHE is set; subprocesses and xdist
-# workers inherit it.
-if not os.environ.get("SLIMGRAD_CACHE"):
-    os.environ["SLIMGRAD_CACHE"] = str(
-        Path(__file__).resolve().parents[1] / ".pytest_cache" / "slimgrad"
-    )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
