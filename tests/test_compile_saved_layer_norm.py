@@ -54,5 +54,7 @@ def test_layer_norm_with_one_fallback_channel_keeps_its_output_under_compile():
     b[:] = 0.1
     w[3] = 1e-9  # one fallback channel: y, mean, rstd, its column of x and the table
     out, grads, kept, kept_inputs = _both(lambda x, w, b: layer_norm(x, (D,), w, b) * 2, (x, w, b))
-    # x is not kept (only w and b among the inputs), nor a copy of all of it
-    assert kept_inputs == 2 * 4 * D and 4 * N * D < kept < 2 * 4 * N * D
+    # x is not kept (at most w and b among the inputs; the traced backward's partitioner may fold
+    # b into what it keeps of y: NOTE [LayerNorm's backward traced under torch.compile]), nor a
+    # copy of all of it
+    assert kept_inputs <= 2 * 4 * D and 4 * N * D < kept < 2 * 4 * N * D

@@ -61,6 +61,7 @@ from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
+    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
@@ -783,6 +784,65 @@ class _LayerNormFn(torch.autograd.Function):
         )
 
 
+class _LayerNormCompiledFn(_LayerNormFn):
+    # NOTE [LayerNorm's backward traced under torch.compile]
+    # _LayerNormFn while compiling: the same forward (the layer_norm_fwd custom op; under
+    # compile it always saves y, mean, rstd, the fallback table and input columns, the weight and
+    # bias) and so the same saved set, with its backward written as plain torch ops instead of
+    # the opaque layer_norm_bwd custom op, so inductor fuses it (compiled eager's LayerNorm
+    # backward is fused too). Nothing is recomputed from the forward's inputs: xhat = (y - beta) /
+    # gamma is rebuilt from the saved output and the fallback columns from the saved side table,
+    # each patch inside a product with dy (as NOTE [RMSNorm's backward traced under
+    # torch.compile] in ops/rms_norm.py: a tensor made from saved tensors alone and of fixed size
+    # would be kept by the partitioner, N x D, instead of the table). The math is
+    # layer_norm_bwd_torch's (dgamma and dbeta summed over rows in float64; dx = rstd * (g -
+    # mean(g) - xhat * mean(g * xhat)), g = dy * gamma); inductor's fused order rounds
+    # differently, within the error rule (tests/test_compile_layer_norm.py).
+    @staticmethod
+    def backward(ctx, dy, *_):
+        if _grad_on():
+            return refuse_second_order("ops.layer_norm", _LayerNormCompiledFn.backward, ctx, (dy,))
+        if dy is None:  # NOTE [Norm backward without materialized gradients]
+            return None, None, None, None, None, None
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        if y is None:  # x kept (_keep_x; not taken while compiling): eager's backward
+            return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
+        need = ctx.needs_input_grad
+        need_dx = need[0]
+        need_dw = weight is not None and need[2]
+        need_db = bias is not None and need[3]
+        d = math.prod(ctx.arg)
+        y2, dy2 = y.reshape(-1, d), dy.reshape(-1, d)
+        mu, r = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+        w = None if weight is None else weight.reshape(d)
+        xh = y2 if bias is None else y2 - bias.reshape(d)
+        if w is not None:
+            xh = xh / w
+        # the fallback columns' xhat, as eager builds it (traced: always a table, symbolic length)
+        xf = (xside - mu) * r if idx is not None else None
+        dw = db = dx = None
+        if need_db:
+            db = dy2.sum(0, dtype=torch.float64).to(bias.dtype).reshape(bias.shape)
+        if need_dw:
+            a = dy2 * xh
+            if xf is not None:
+                a = a.index_copy(1, idx, dy2.index_select(1, idx) * xf)
+            dw = a.sum(0, dtype=torch.float64).to(weight.dtype).reshape(weight.shape)
+        if need_dx:
+            g = dy2 if w is None else dy2 * w
+            gx = g * xh
+            if xf is not None:
+                gf = g.index_select(1, idx)
+                gx = gx.index_copy(1, idx, gf * xf)
+            c1 = g.sum(-1, keepdim=True) / d
+            c2 = gx.sum(-1, keepdim=True) / d
+            t = g - c1 - xh * c2
+            if xf is not None:
+                t = t.index_copy(1, idx, gf - c1 - xf * c2)
+            dx = (t * r).view(y.shape)
+        return dx, None, dw, db, None, None
+
+
 # NOTE [All-fallback LayerNorm under torch.compile]
 # Where every channel is a fallback channel eager saves x and the uncompiled op does too
 # (``_keep_x``). Traced, the forward's fallback table has a symbolic length (NOTE [Side tables
@@ -954,7 +1014,8 @@ def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tens
         refuse_jit("ops.layer_norm")
         if _all_fallback_when_traced(weight, bias, input.dtype, normalized_shape):
             return F.layer_norm(input, normalized_shape, weight, bias, eps)
-        return _LayerNormFn.apply(input, normalized_shape, weight, bias, eps)[0]
+        # NOTE [LayerNorm's backward traced under torch.compile]
+        return _LayerNormCompiledFn.apply(input, normalized_shape, weight, bias, eps)[0]
     if _is_tracing():  # torch.jit.is_tracing() in eager Python (Dynamo cannot trace this one)
         refuse_jit("ops.layer_norm")
     # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py; no anchor
