@@ -73,7 +73,8 @@ class _ConvFn(torch.autograd.Function):
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
-        ctx.x_meta = (x.shape, x.dtype, x.device, x.stride())
+        # x's strides only where no x is kept (NOTE [A stand-in for x])
+        ctx.x_meta = (x.shape, x.dtype, x.device, None if need_w else x.stride())
         ctx.w_meta = (weight.shape, weight.dtype)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.act = ctx.rebuild = None
