@@ -140,6 +140,30 @@ def test_channels_last_and_noncontiguous():
                 torch.testing.assert_close(u, v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 2), (3, 8, 5, 7), (2, 16, 1, 64)])
+def test_frozen_weight_dx_in_eager_layout(shape, dtype):
+    # NOTE [A stand-in for x]: a frozen stride-1 conv with as many output as input channels hands
+    # back dx in eager's layout (channels_last here), with eager's bits; before, the expanded
+    # stand-in gave a contiguous dx and the next op's backward copied it (peak above eager's)
+    c = shape[1]
+    x = torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(c, c, 1, 1).to(dtype)
+    g = torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last)
+    outs = []
+    for fn in (conv2d, F.conv2d):
+        a = x.clone().requires_grad_()
+        (dx,) = torch.autograd.grad(fn(a, w), a, g)
+        outs.append(dx)
+    assert outs[0].stride() == outs[1].stride()
+    assert torch.equal(outs[0], outs[1])
+    a = x.clone().requires_grad_()
+    eager = measure(lambda: (F.conv2d(a, w) * g).sum(), timeline=False)
+    ours = measure(lambda: (conv2d(a, w) * g).sum(), timeline=False)
+    assert ours.peak_bytes <= eager.peak_bytes
+    assert ours.saved_bytes <= eager.saved_bytes
+
+
 def test_unbatched_and_errors():
     x = torch.randn(3, 8, 8, requires_grad=True)
     w = torch.randn(4, 3, 3, 3, requires_grad=True)

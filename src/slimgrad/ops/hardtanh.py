@@ -30,7 +30,7 @@ from slimgrad.ops._monotone import (
     unpack_side,
     zero_tie,
 )
-from slimgrad.ops._output_act import as_layout, eager_layout, needs_graph, record_layout
+from slimgrad.ops._output_act import eager_layout, needs_graph, record_layout
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "relu6_"]
 
@@ -83,10 +83,17 @@ class _HardtanhBitsFn(torch.autograd.Function):
                 ctx, g, lambda gm, xm: torch.ops.aten.hardtanh_backward(gm, xm, lo, hi)
             )
         )
-        keep = unpack_side(ctx, bits, g).to(g.dtype)
+        # The bool mask multiplies directly (g * True, g * False: the bits of g * 1, g * 0), and
+        # dx is written in eager's layout at once: no mask in g's dtype and no layout copy, which
+        # held g, the mask, g * mask and its copy together (channels_last g from a frozen 1x1
+        # conv, bfloat16 (3, 8, 5, 7): peak 6,811 B against eager's 6,724; now 5,902).
+        keep = unpack_side(ctx, bits, g)
         if buf is not None and layout in (None, buf.stride()):  # g * 1, g * 0: exact, in place
             return buf.mul_(keep), None, None, None
-        return as_layout(g * keep, layout), None, None, None
+        if layout is None or layout == g.stride():
+            return g * keep, None, None, None
+        out = torch.empty_strided(g.shape, layout, dtype=g.dtype, device=g.device)
+        return torch.mul(g, keep, out=out), None, None, None
 
 
 def _inside(xo: Tensor, min_val: float, max_val: float) -> Tensor:
