@@ -376,9 +376,11 @@ def _set_forward(module: nn.Module, fn) -> None:
 # lean block, no matmul recomputed: on that toy 393,216 B a block, as ``eager+sac``, against
 # ``lean``'s 610,304 and ``eager``'s 921,600. So it is a default choice and ``eager+sac`` (the SAC
 # baseline) is not: at equal matmul FLOPs (none) it keeps no more. Where torch's selective
-# checkpointing cannot replay the block (HF GPT-2: "aten.slice.Tensor encountered during
-# backward but not found in storage", for ``eager+sac`` as for ``lean+sac``) its measurement
-# fails and it is not offered (``Plan.blocks[...]["refused"]`` names why).
+# checkpointing cannot replay the block (a 3-layer HF GPT-2 called with its cache on, the
+# config's default: "aten.slice.Tensor encountered during backward but not found in storage",
+# for ``eager+sac`` as for ``lean+sac``, in the estimate as in the real step; with
+# ``use_cache=False`` both run) its measurement fails and it is not offered
+# (``Plan.blocks[...]["refused"]`` names why).
 _SAVE_OPS: tuple = ()
 
 
