@@ -12,9 +12,13 @@ stage's shape-preserving blocks), one of these choices:
   attention modules (``QK^T``, softmax, dropout, ``PV``; not the projections) recomputed,
   Megatron-style (NOTE [The attention core, recomputed] in ``attention_core.py``);
 - ``eager+recompute``: the block as it is, recomputed (plain activation checkpointing);
-- ``eager+sac``: the block as it is under torch's selective checkpointing that saves every
-  matmul/attention output and recomputes the rest (no matmul FLOPs recomputed, every elementwise
-  op recomputed): measured as the SAC baseline, chosen only when ``choices`` names it.
+- ``lean+sac``: lean ops under torch's selective checkpointing that saves every matmul/attention
+  output and recomputes the rest (no matmul FLOPs recomputed; the elementwise ops between the
+  matmuls are): what SAC drops from what the lean ops keep (NOTE [Lean ops under selective
+  checkpointing]);
+- ``eager+sac``: the block as it is under that selective checkpointing: measured as the SAC
+  baseline, chosen only when ``choices`` names it (``lean+sac`` keeps no more and gives the lean
+  model's bits).
 
 The rest of the model (embeddings, head, loss) is converted as ``convert_`` converts it. A plan
 names blocks by their qualified module names, so it applies to any model built from the same
@@ -132,7 +136,7 @@ __all__ = ["CHOICES", "Plan", "parse_bytes", "plan"]
 _REPAIRS = 4  # full estimates the greedy repair spends before the whole-model check
 
 #: block choices; ``lean+recompute:<child>`` names one child (see the module docstring)
-CHOICES = ("eager", "lean", "eager+sac", "lean+recompute", "eager+recompute")
+CHOICES = ("eager", "lean", "lean+sac", "eager+sac", "lean+recompute", "eager+recompute")
 #: ``lean+recompute:attention-core``: the attention core of the block's HF attention modules
 CORE = "attention-core"
 
@@ -360,6 +364,23 @@ def _set_forward(module: nn.Module, fn) -> None:
     module.forward = fn.__get__(module)
 
 
+# NOTE [Lean ops under selective checkpointing]
+# ``lean+sac`` runs a block's lean ops under torch's selective checkpointing (non-reentrant, RNG
+# state restored) with the policy of ``eager+sac``: every matmul/attention output is saved, every
+# other op recomputed. The lean ops are autograd Functions whose forwards run aten ops; the
+# checkpoint replays the block's forward in backward, the saved matmul outputs come from SAC's
+# storage and the rest is recomputed with the same ops on the same inputs, so the gradients are
+# the lean block's bits: the loss and every gradient torch.equal to ``lean`` on the toy MLP of
+# tests/test_plan.py (dropout 0.2) and on a 3-layer Llama (sdpa and eager attention, fp32 and bf16
+# autocast, attention dropout 0.1; tests/test_plan_budgets.py). It keeps what SAC keeps of the
+# lean block, no matmul recomputed: on that toy 393,216 B a block, as ``eager+sac``, against
+# ``lean``'s 610,304 and ``eager``'s 921,600. So it is a default choice and ``eager+sac`` (the SAC
+# baseline) is not: at equal matmul FLOPs (none) it keeps no more. Where torch's selective
+# checkpointing cannot replay the block (a 3-layer HF GPT-2 called with its cache on, the
+# config's default: "aten.slice.Tensor encountered during backward but not found in storage",
+# for ``eager+sac`` as for ``lean+sac``, in the estimate as in the real step; with
+# ``use_cache=False`` both run) its measurement fails and it is not offered
+# (``Plan.blocks[...]["refused"]`` names why).
 _SAVE_OPS: tuple = ()
 
 
@@ -403,6 +424,8 @@ def _parse_choice(api: str, name: str, choice: str) -> tuple[bool, str | None, s
         return True, "", None
     if choice == "eager+sac":
         return False, "", "sac"
+    if choice == "lean+sac":
+        return True, "", "sac"
     if choice.startswith("lean+recompute:") and choice.split(":", 1)[1]:
         return True, choice.split(":", 1)[1], None
     raise ValueError(
@@ -599,9 +622,12 @@ class _Kind:
 
 def _hull(kind: _Kind, allowed: list[str]) -> list[str]:
     # the lower convex hull of (flops, r) from the least-flops point with the least r on; a
-    # choice another beats or ties in flops, r and one-block peak is left out
+    # choice another beats or ties in flops, r and one-block peak is left out. A choice that
+    # recomputes anything ("+" in its name) counts above one that recomputes nothing at equal
+    # flops: lean+sac recomputes no matmul but never starts the hull (at a budget everything
+    # fits, nothing is recomputed); from lean it is the first step, at no matmul FLOPs
     def key(c):
-        return (kind.flops[c], kind.r[c], kind.p1[c])
+        return (kind.flops[c], "+" in c, kind.r[c], kind.p1[c])
 
     pts = [
         c
@@ -1067,8 +1093,9 @@ def plan(
                 options = list(CHOICES) + _child_choices(mods[first], flops, first)
                 if choices is not None:
                     options = [c for c in options if c in choices or c.split(":")[0] in choices]
-                # SAC is measured as a baseline; it recomputes every non-matmul op, so it is only
-                # chosen when asked for by name
+                # eager+sac is measured as a baseline and chosen only when asked for by name:
+                # lean+sac recomputes no more and keeps no more (NOTE [Lean ops under selective
+                # checkpointing])
                 chosen_from[id(k)] = [c for c in options if c != "eager+sac" or choices is not None]
                 if "eager+sac" not in options:
                     options.append("eager+sac")
@@ -1100,9 +1127,9 @@ def plan(
             # the choices that recompute and those that do not in separate steps (a recomputed
             # block keeps tensors every block shares, e.g. position ids, until its backward:
             # NOTE [How plan chooses], 1); "lean" last: the pair next to the head is measured
-            # with what late blocks mostly are; "eager+sac" last of its step: where it fails, it
-            # fails early in the backward
-            todo = sorted(wanted[id(k)], key=lambda c: (c == "lean", c == "eager+sac"))
+            # with what late blocks mostly are; the SAC choices last of their step: where they
+            # fail, they fail early in the backward
+            todo = sorted(wanted[id(k)], key=lambda c: (c == "lean", c.endswith("+sac")))
             per = (len(k.names) - 1) // 2  # pairs one estimate holds: 2 per pair, 1 to close
             groups = []
             for part in (
@@ -1120,10 +1147,12 @@ def plan(
                     if len(group) == 1:
                         k.errors[group[0]] = f"{type(e).__name__}: {e}"
                         k.flops.pop(group[0], None)
-                    elif "eager+sac" in group:
+                    elif any(c.endswith("+sac") for c in group):
                         # torch's selective checkpointing is the choice that fails on some
                         # models (a recomputed op not found in its storage): the rest without it
-                        groups[:0] = [[c for c in group if c != "eager+sac"], ["eager+sac"]]
+                        sac = [c for c in group if c.endswith("+sac")]
+                        rest = [c for c in group if c not in sac]
+                        groups[:0] = ([rest] if rest else []) + [[c] for c in sac]
                     continue  # any other: one by one below, with the reason
                 if segs is None:
                     continue
