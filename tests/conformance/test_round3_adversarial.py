@@ -277,6 +277,31 @@ def test_hf_base_model_runs_eager_norm_at_its_output_only(name):
     assert off == [_final_norm(m)], [type(x).__name__ for x in off]
 
 
+def _albert():
+    import transformers as T
+
+    kw = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=99)
+    return T.AlbertModel(T.AlbertConfig(hidden_size=16, embedding_size=8, **kw))
+
+
+def test_albert_s_shared_layer_norm_at_its_output_runs_eager_s_op():
+    # ALBERT calls its shared layer as ``self.albert_layer_groups[group_idx](...)``: a call of a
+    # ModuleList's item may return any item's output. Before, that norm kept y: a caller's .data
+    # edit of last_hidden_state changed the gradients (1.44 max abs difference in float64)
+    m = slimgrad.convert_(_albert())
+    off = [n for n, x in m.named_modules() if getattr(x, "keep_y", True) is False]
+    assert off == ["encoder.albert_layer_groups.0.albert_layers.0.full_layer_layer_norm"], off
+    ids = torch.randint(0, 99, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def step(m, dt):
+        h = m(input_ids=ids).last_hidden_state
+        loss = _loss(h)
+        h.data.clamp_(-0.2, 0.2)
+        return _grads(m, loss)
+
+    _assert_rule(_albert, step, converted=_any_converted)
+
+
 def _lm(name):
     import transformers as T
 
@@ -365,6 +390,90 @@ EDITS = {
     "setitem": lambda y: (y.__setitem__((0,), 0.0), y)[1],
     "data_clamp_": lambda y: (y.data.clamp_(-0.2, 0.2), y)[1],
 }
+
+
+class _NormBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(x + self.fc(x))
+
+
+class _Collects(nn.Module):
+    # returns every layer's output, gathered in a loop (a post-LN encoder's hidden states); the
+    # ``if`` makes torch.fx fail, so the forward's source is read
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_NormBlock() for _ in range(3)])
+
+    def forward(self, x, double=False):
+        if double:
+            x = x * 2.0
+        hs = ()
+        for layer in self.layers:
+            x = layer(x)
+            hs = hs + (x,)
+        return hs
+
+
+class _Appends(_Collects):
+    def forward(self, x, double=False):
+        if double:
+            x = x * 2.0
+        hs = []
+        for layer in self.layers:
+            x = layer(x)
+            hs.append(x)
+        return hs
+
+
+class _AugCollects(_Collects):
+    def forward(self, x, double=False):
+        if double:
+            x = x * 2.0
+        hs = ()
+        for layer in self.layers:
+            x = layer(x)
+            hs += (x,)
+        return hs
+
+
+@pytest.mark.parametrize("cls", [_Collects, _Appends, _AugCollects])
+def test_every_layer_output_gathered_in_a_loop_runs_eager_s_norm(cls):
+    # each layer's norm output is in what the model returns, not only the last layer's: all run
+    # eager's op, so a caller's .data edit of an early hidden state leaves the gradients eager's
+    # (the loop's "last child only" reading left layers 0 and 1 keeping y: wrong gradients)
+    m = cls()
+    slimgrad.convert_(m)
+    assert [x.norm.keep_y for x in m.layers] == [False] * 3, slimgrad.report(m)
+
+    def step(m, dt):
+        x = _r(4, 8, dt=dt, rg=True)
+        hs = m(x * 1.5)
+        loss = sum(_loss(h) for h in hs)
+        hs[0].data.clamp_(-0.2, 0.2)
+        return _grads(m, loss, [x])
+
+    _assert_rule(cls, step, converted=_any_converted)
+
+
+class _LastOnly(_Collects):
+    def forward(self, x, double=False):
+        if double:
+            x = x * 2.0
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_loop_s_last_layer_alone_runs_eager_s_norm():
+    # the loop leaves only the last layer's output: the other layers keep y (lean)
+    m = _LastOnly()
+    slimgrad.convert_(m)
+    assert [x.norm.keep_y for x in m.layers] == [True, True, False], slimgrad.report(m)
 
 
 @pytest.mark.parametrize("edit", list(EDITS))

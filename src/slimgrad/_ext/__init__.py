@@ -134,8 +134,8 @@ def _missing_tool() -> str | None:
 # The build folder is named by the sources' bytes (:func:`_build_dir`), but torch's build.ninja in
 # it names each source by its absolute path. Two checkouts or environments with the same sources
 # (two worktrees, a CI clone beside a developer's) shared the folder and, each time the other had
-# loaded last, rewrote build.ninja with their own paths: ninja then rebuilt the extension (~80 s
-# on a 2-core box) while every other process waited on torch's lock. The sources are copied into
+# loaded last, rewrote build.ninja with their own paths: ninja then rebuilt the extension (a full
+# compile) while every other process waited on torch's lock. The sources are copied into
 # the folder once (a copy is written only when missing or different, atomically, so a later load
 # sees an unchanged file and ninja finds nothing to do) and built from there: every loader names
 # the same paths.

@@ -449,11 +449,23 @@ class _Flow:
             for t in s.targets if isinstance(s, ast.Assign) else [s.target]:
                 self.assign(t, held, env)
         elif isinstance(s, ast.AugAssign):
-            self.expr(s.value, env)
+            held = self.expr(s.value, env)
             if not isinstance(s.value, (ast.Tuple, ast.List)):  # x += (h,) extends a tuple
                 self.flag(self.expr(s.target, env), f"{_op_name(s.op)}= in its HF forward")
+            elif self._outputs() and isinstance(s.target, ast.Name):  # it now holds h too
+                env[s.target.id] = env.get(s.target.id, set()) | held
         elif isinstance(s, ast.Expr):
             self.expr(s.value, env)
+            v = s.value
+            if (
+                self._outputs()
+                and isinstance(v, ast.Call)
+                and isinstance(v.func, ast.Attribute)
+                and isinstance(v.func.value, ast.Name)
+                and v.func.attr in ("append", "extend", "insert")
+            ):  # hs.append(h): hs now holds h too (outputs question)
+                name = v.func.value.id
+                env[name] = env.get(name, set()).union(*(self.expr(a, env) for a in v.args))
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.ret |= self.expr(s.value, env)
@@ -500,6 +512,9 @@ class _Flow:
                     self.expr(node, env)
         return env
 
+    def _outputs(self) -> bool:
+        return self.guard is not None and self.guard.outputs is not None
+
     def each(self, s: ast.For) -> _Each | None:
         # ``for m in self.layers`` / ``enumerate(self.layers)`` / ``self.layers[a:b]`` over a
         # ModuleList or Sequential child, asked only for the outputs question (None otherwise)
@@ -519,16 +534,20 @@ class _Flow:
             return None
         kids = [c for c in self.module._modules[it.attr]._modules.values() if c is not None]
         # the last child's output is what the loop leaves when every pass runs the whole body:
-        # the container iterated whole, no break/continue/return, no compound statement in it
+        # the container iterated whole, no break/continue/return, no compound statement in it,
+        # the last child not one that may return its input, and no name carrying an earlier
+        # pass's value into this pass's (``hs = hs + (h,)``, ``hs.append(h)``: every child's)
         last = (
             whole
             and bool(kids)
-            and all(isinstance(b, (ast.Assign, ast.AnnAssign, ast.Expr)) for b in s.body)
+            and all(isinstance(b, (ast.Assign, ast.AnnAssign)) for b in s.body)
             and not any(
                 isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom))
                 for b in s.body
                 for n in ast.walk(b)
             )
+            and not self.guard.info(kids[-1]).passes
+            and not _carries(s)
         )
         return _Each(tuple(kids), last)
 
@@ -594,6 +613,13 @@ class _Flow:
             return set().union(*(self.expr(x, env) for x in e.values))
         if isinstance(e, ast.Dict):
             return set().union(*(self.expr(x, env) for x in [*e.keys, *e.values]))
+        if (
+            self._outputs()
+            and isinstance(e, ast.BinOp)
+            and isinstance(e.op, ast.Add)
+            and isinstance(e.right, (ast.Tuple, ast.List))
+        ):  # hs + (h,) joins sequences (outputs question)
+            return self.expr(e.left, env) | self.expr(e.right, env)
         for node in ast.iter_child_nodes(e):  # a new value; only nested writes matter
             if isinstance(node, ast.expr):
                 self.expr(node, env)
@@ -673,8 +699,52 @@ class _Flow:
                         got |= set(ci.ends) | (every if ci.passes else set())
                 return got
             return first if f.id in _VIEW_NAMES else set()
+        if (
+            self._outputs()
+            and isinstance(f, ast.Subscript)
+            and isinstance(f.value, ast.Attribute)
+            and isinstance(f.value.value, ast.Name)
+            and f.value.value.id == "self"
+            and isinstance(self.module._modules.get(f.value.attr), (nn.ModuleList, nn.ModuleDict))
+        ):  # self.layers[i](h): any child's output (outputs question)
+            self.expr(f.slice, env)
+            got = set()
+            for c in self.module._modules[f.value.attr]._modules.values():
+                if c is not None:
+                    ci = self.guard.info(c)
+                    got |= set(ci.ends) | (every if ci.passes else set())
+            return got
         self.expr(f, env)
         return set()
+
+
+def _carries(s: ast.For) -> bool:
+    # a statement of the loop's body reads a name the body assigns before this pass assigned it
+    # (outside the arguments of a call of the loop's own variable, which reach the result only
+    # through a child that returns its input: not the last child, see ``each``)
+    each = {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)}
+    assigned = {
+        n.id
+        for b in s.body
+        for t in (b.targets if isinstance(b, ast.Assign) else [b.target])
+        for n in ast.walk(t)
+        if isinstance(n, ast.Name)
+    }
+
+    def reads(e) -> set:
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in each:
+            return set()
+        if isinstance(e, ast.Name):
+            return {e.id}
+        return set().union(*(reads(c) for c in ast.iter_child_nodes(e)))
+
+    fresh: set = set()
+    for b in s.body:
+        if b.value is not None and (reads(b.value) & assigned) - fresh:
+            return True
+        for t in b.targets if isinstance(b, ast.Assign) else [b.target]:
+            fresh |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -803,13 +873,16 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 # structure the in-place guard uses (nn.Sequential order, torch.fx traces of plain-torch forwards,
 # the source of HF forwards and of untraceable ones: the ``ends`` of the root), widened for this
 # question: a loop over a ModuleList/Sequential (``for layer in self.layers: h = layer(h)``) ends
-# with its last child's output where every pass runs the whole body (any child's otherwise); a
-# function slimgrad does not know (a ModelOutput, ``apply_chunking_to_forward(self.chunk, ...)``)
-# may return its arguments and what a method of the module handed to it returns; ``self.m(...)``
-# may return what method m's source returns; a forward whose source cannot be read may return any
-# child's output. Not followed: the ModelOutput fields a call fills only when asked per call
-# (``output_hidden_states=True``, ``output_attentions=True``: ``_EXTRA_FIELDS``), which a converted
-# model returns as it did; a module held at several places counts once, where it is read.
+# with its last child's output where every pass runs the whole body and no name carries an earlier
+# pass's value into the next (any child's otherwise: ``hs = hs + (h,)`` gathers every layer's);
+# ``self.layers[i](h)`` may return any child's output; ``hs + (h,)``, ``hs += (h,)`` and
+# ``hs.append(h)`` make ``hs`` hold what ``h`` holds; a function slimgrad does not know (a
+# ModelOutput, ``apply_chunking_to_forward(self.chunk, ...)``) may return its arguments and what a
+# method of the module handed to it returns; ``self.m(...)`` may return what method m's source
+# returns; a forward whose source cannot be read may return any child's output. Not followed: the
+# ModelOutput fields a call fills only when asked per call (``output_hidden_states=True``,
+# ``output_attentions=True``: ``_EXTRA_FIELDS``), which a converted model returns as it did; a
+# module held at several places counts once, where it is read.
 # ``slimgrad.nn._output_act.state_consumers_`` turns such modules to eager's op (``keep_y``).
 
 
