@@ -34,6 +34,8 @@ from slimgrad.ops.gpt2_mlp import _GPT2_MLP_APPLY, block_ok
 
 __all__ = ["GPT2MLP"]
 
+_Parameter = torch.nn.Parameter
+_BIAS = (torch.nn.Parameter, type(None))
 _APPROX = ("none", "tanh")
 
 
@@ -123,9 +125,11 @@ class GPT2MLP(NoScript, nn.Module):
             and type(c_proj).forward is _CONV1D_FORWARD
             and "weight" in (fp := c_fc._parameters)
             and "weight" in (pp := c_proj._parameters)
-            and block_ok(  # the tensors' types too (plain, or the estimate's fake tensors)
-                hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias")
-            )
+            and type(fp["weight"]) is _Parameter
+            and type(pp["weight"]) is _Parameter
+            and type(fp.get("bias")) in _BIAS
+            and type(pp.get("bias")) in _BIAS
+            and block_ok(hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias"))
             # _hooked(child) and _global_hooks() only when some hook dict is not empty
             and not (
                 (

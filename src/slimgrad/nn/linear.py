@@ -3,8 +3,8 @@
 See ``slimgrad/ops/linear.py``: the input is kept only if the weight needs a gradient.
 
 # NOTE [Converted Linear outside autocast]
-Outside autocast (and outside torch.compile, torch.func and TorchScript tracing), with an input
-whose last dimension fits, a converted ``Linear`` calls eager's
+Outside autocast (and outside torch.compile, torch.func and TorchScript tracing), with Parameters
+and a plain input whose last dimension fits, a converted ``Linear`` calls eager's
 ``F.linear(input, weight, bias)`` and a converted ``Conv1D`` HF's own
 ``addmm(bias, x.view(-1, nx), weight).view(..., nf)``: eager's ops, no slimgrad Function. There
 slimgrad's ``_LinearFn`` (``slimgrad/ops/linear.py``) bought nothing: it computed eager's output
@@ -19,11 +19,9 @@ product, the Function a tensor of its own, so an in-place consumer (``mul_`` the
 saved one output more than eager, and on a column-major 2-D input (``x.t()``) its dx was one ulp
 from eager's (eager's addmm backward switches layout). Now the bits, saved and peak bytes are
 eager's (tests/nn/test_linear_eager_path.py). Under autocast the Function stays: it keeps the
-fp32 weight instead of its cast (NOTE [Autocast weight casts]). Tensor subclasses (DTensor, a
-parametrized weight, the fake tensors of ``slimgrad.memory.estimate``) take eager's op too: it is
-what the original module runs on them, and the estimate then sees the real step's saved tensors.
-A mismatched shape (whose error is slimgrad's) and a Conv1D without bias take
-``ops.linear``/``ops.conv1d_addmm`` as before.
+fp32 weight instead of its cast (NOTE [Autocast weight casts]). Everything else (a tensor
+subclass, a mismatched shape, whose error is slimgrad's, a non-Parameter weight, a Conv1D without
+bias) takes ``ops.linear``/``ops.conv1d_addmm`` as before.
 """
 
 from __future__ import annotations
@@ -38,6 +36,8 @@ _C = torch._C
 _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _any_autocast = _C._is_any_autocast_enabled
+_INPUT = (torch.Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
 _F_linear = torch.nn.functional.linear
 _addmm = torch.addmm
 
@@ -62,7 +62,10 @@ class Linear(NoScript, torch.nn.Linear):
         weight = p["weight"] if "weight" in p else self.weight
         bias = p["bias"] if "bias" in p else self.bias
         if (  # eager's F.linear (NOTE [Converted Linear outside autocast])
-            input.ndim > 0
+            type(weight) is _Parameter
+            and (bias is None or type(bias) is _Parameter)
+            and type(input) in _INPUT
+            and input.ndim > 0
             and input.shape[-1] == weight.shape[1]
             and not compiling()
             and not _functorch_on()
@@ -116,7 +119,9 @@ class Conv1D(NoScript, torch.nn.Module):
         weight = p["weight"] if "weight" in p else self.weight
         bias = p["bias"] if "bias" in p else self.bias
         if (  # HF's own addmm (NOTE [Converted Linear outside autocast])
-            bias is not None
+            type(weight) is _Parameter
+            and type(bias) is _Parameter
+            and type(x) in _INPUT
             and x.ndim > 0
             and x.shape[-1] == weight.shape[0]
             and not compiling()

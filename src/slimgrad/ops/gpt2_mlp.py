@@ -264,12 +264,8 @@ def gpt2_mlp(
 
 
 _Parameter = torch.nn.Parameter
-try:  # slimgrad.memory.estimate's tensors take the node as real ones do (the same saved set)
-    from torch._subclasses.fake_tensor import FakeTensor as _Fake
-except ImportError:  # pragma: no cover - a torch without it: the estimate takes the per-op path
-    _Fake = torch.Tensor
-_PLAIN = (torch.Tensor, torch.nn.Parameter, _Fake)
-_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, _Fake, type(None))
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
 _F32 = torch.float32
 _C = torch._C
 _functorch_on = _C._are_functorch_transforms_active
