@@ -464,7 +464,7 @@ def floor_(
     """Put the modules of ``plan["modules"]`` (or those of ``names``) of ``model`` at the floor, and
     its attention and loss when asked (by default: when ``plan`` says slimgrad converts them);
     modules that are slimgrad's already and containers are left as they are."""
-    leaves = {k for k in plan["modules"].values() if k not in ("LlamaMLP",)}
+    leaves = {k for k in plan["modules"].values() if k not in ("LlamaMLP", "GPT2MLP")}
     names = plan["modules"] if names is None else names
     for name, m in model.named_modules():
         if (
