@@ -599,12 +599,14 @@ def _linear_cross_entropy(
     n, v = t.numel(), weight.shape[0]
     if (
         not comp
-        and _backend._resolved[0] not in _backend.NO_TRITON_OFF_CUDA
+        and (_backend._resolved[0] or _backend.get_backend()) not in _backend.NO_TRITON_OFF_CUDA
         and t.device.type == "cpu"
     ):
         # the Triton kernels may run off CUDA (TRITON_INTERPRET) and do not bound-check: the
         # labels are checked up front there (NOTE [Label range without a host sync])
-        _check_labels(t, ignore_index, v)
+        bad = _bad_labels(t, ignore_index, v)
+        if bad is not None:
+            raise bad
     if chunk_size is not None:
         chunk = chunk_size
     elif comp:
@@ -662,10 +664,11 @@ def _linear_cross_entropy(
                 loss = _LCE_APPLY(*tensors, *args)
         else:
             loss = _LCE_APPLY(*tensors, *args)
-    except RuntimeError:
+    except RuntimeError as e:
         # NOTE [Label range without a host sync]: a CPU gather refused a label; name it
-        if t.device.type == "cpu":
-            _check_labels(t, ignore_index, v)
+        bad = _bad_labels(t, ignore_index, v) if t.device.type == "cpu" else None
+        if bad is not None:
+            raise bad from e
         raise
     node = loss.grad_fn
     if node is not None:
@@ -691,16 +694,18 @@ def _linear_cross_entropy(
 # and on fake tensors there is nothing to check (no values).
 
 
-def _check_labels(t, ignore_index, v):
+def _bad_labels(t, ignore_index, v):
+    # the ValueError naming the first label outside [0, v) that is not ignore_index, or None
     if not t.numel() or _fake(t):
-        return
+        return None
     bad = (t != ignore_index) & ((t < 0) | (t >= v))
-    if bool(bad.any()):
-        raise ValueError(
-            f"{_API}: target out of range; expected class indices in [0, {v}) or "
-            f"ignore_index={ignore_index}, got {int(t[bad][0])}. Check the labels and the "
-            "vocabulary size."
-        )
+    if not bool(bad.any()):
+        return None
+    return ValueError(
+        f"{_API}: target out of range; expected class indices in [0, {v}) or "
+        f"ignore_index={ignore_index}, got {int(t[bad][0])}. Check the labels and the "
+        "vocabulary size."
+    )
 
 
 _LCE_APPLY = direct_apply(_LinearCrossEntropyFn)
