@@ -394,8 +394,8 @@ def _bwd_rows_torch(
 # (tests/ops/test_linear_cross_entropy_blocks.py compares them). The one-hot is one scatter of
 # the scalar eps - 1 at each token's target row of its own column (each column gets one add, so
 # no two adds meet): x + (eps - 1), as the indicator times alpha = eps - 1 added there. The
-# caller passes safe_t (ignored tokens at class 0), which it has from its own mask. _fwd_torch's
-# one chunk likewise takes its views without the four splits and the zip.
+# caller passes safe_t (ignored tokens at class 0), which it has from its own mask. The one chunk
+# of _fwd_torch and _fwd_grad_torch likewise takes its views without the splits and the zip.
 
 
 def _bwd_one_torch(
@@ -477,16 +477,20 @@ def _fwd_grad_torch(
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
     bcol = bias[:, None] if bias is not None else None
     add = torch.full((1, n), eps - 1.0, dtype=acc, device=h.device)  # the smoothed one-hot
-    for hc, tc, row, col, lc, ac, dc in zip(
-        _split(h, chunk),
-        _split(safe_t[None], chunk, 1),
-        _split(scale[None], chunk, 1),  # s_i per column of zT
-        _split(scale[:, None], chunk),  # s_i per row of hc / dh
-        _split(loss[None], chunk, 1),
-        _split(add, chunk, 1),
-        _split(dh, chunk) if need_dh else _nones(n, chunk),
-        strict=True,
-    ):
+    if n <= chunk:  # one chunk: the views without the splits (NOTE [One block, one chunk])
+        parts = ((h, safe_t[None], scale[None], scale[:, None], loss[None], add, dh),)
+    else:
+        parts = zip(
+            _split(h, chunk),
+            _split(safe_t[None], chunk, 1),
+            _split(scale[None], chunk, 1),  # s_i per column of zT
+            _split(scale[:, None], chunk),  # s_i per row of hc / dh
+            _split(loss[None], chunk, 1),
+            _split(add, chunk, 1),
+            _split(dh, chunk) if need_dh else _nones(n, chunk),
+            strict=True,
+        )
+    for hc, tc, row, col, lc, ac, dc in parts:
         zt, th = _transform_(_logits_t(hc, weight, bcol, acc), lscale, cap, True)
         lse = torch.logsumexp(zt, dim=0, keepdim=True)
         li = lse - (1.0 - eps) * zt.gather(0, tc)
