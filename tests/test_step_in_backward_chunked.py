@@ -392,10 +392,14 @@ def test_row_path_in_full_precision_rows_offered_only_for_an_untied_head(monkeyp
     and of step_in_backward are the same code's); it offers the rows to the handle only for a
     weight that gets no other gradient below it (not a tied embedding)."""
     calls = []
-    real = lce_ops._bwd_rows_torch
-    monkeypatch.setattr(
-        lce_ops, "_bwd_rows_torch", lambda *a, **k: (calls.append(k["take_rows"]), real(*a, **k))[1]
-    )
+    # the row path's two forms: by blocks, or one block of one chunk (NOTE [One block, one chunk])
+    for name in ("_bwd_rows_torch", "_bwd_one_torch"):
+        real = getattr(lce_ops, name)
+        monkeypatch.setattr(
+            lce_ops,
+            name,
+            lambda *a, real=real, **k: (calls.append(k["take_rows"]), real(*a, **k))[1],
+        )
     x, t = _tokens(0)
     for tied in (False, True):
         m = _LM(tied=tied)

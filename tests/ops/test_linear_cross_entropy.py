@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from slimgrad import ownership
+from slimgrad.kernels import _backend
 from slimgrad.memory import measure
 from slimgrad.ops.linear_cross_entropy import (
     causal_lm_loss,
@@ -15,7 +16,7 @@ from slimgrad.ops.linear_cross_entropy import (
 from slimgrad.ops.linear_cross_entropy import (
     linear_cross_entropy as _lce,
 )
-from slimgrad.testing import assert_within_rule
+from slimgrad.testing import OpObserver, assert_within_rule
 
 
 def linear_cross_entropy(*args, precompute_grads=True, **kwargs):
@@ -756,3 +757,103 @@ def test_host_calls_per_call():
     box[0].backward()
     assert slimgrad_calls(forward) <= 61
     assert slimgrad_calls(box[0].backward) <= 70
+
+
+# NOTE [Label range without a host sync]: the labels are checked where the chunks read them
+
+
+class _OpNames(OpObserver):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def see(self, func, args, kwargs) -> None:
+        self.names.append(str(func))
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_labels_are_not_read_back_to_the_host(precompute, reduction):
+    # a step asks nothing of the labels' values on the host (on CUDA: no sync); before, every
+    # call ran any() and read it back (aten._local_scalar_dense)
+    hid, w, b, t = _data(n=64)
+    h = hid.clone().requires_grad_()
+    kw = dict(reduction=reduction, precompute_grads=precompute, chunk_size=16)
+    _lce(h, w, t, **kw).sum().backward()  # one-time set-up
+    with _OpNames() as ops:
+        _lce(h, w, t, **kw).sum().backward()
+    assert "aten._local_scalar_dense.default" not in ops.names
+    assert "aten.any.default" not in ops.names
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("bad", [V, V + 5, -1, -7])
+def test_label_out_of_range_is_slimgrads_error(precompute, chunk, bad):
+    # above V or negative (and not ignore_index), in the first chunk or a later one: slimgrad's
+    # ValueError naming the label (eager on CPU: "Target ... is out of bounds")
+    hid, w, b, t = _data()
+    for pos in (0, t.numel() - 1):
+        t2 = t.clone()
+        t2[pos] = bad
+        with pytest.raises(ValueError, match=f"target out of range.*got {bad}\\.") as err:
+            _lce(hid.requires_grad_(), w, t2, b, chunk_size=chunk, precompute_grads=precompute)
+        if _backend.get_backend() in _backend.NO_TRITON_OFF_CUDA:
+            # named after the chunk's gather refused it, not by a check up front
+            assert isinstance(err.value.__cause__, RuntimeError)
+        with pytest.raises(IndexError):  # eager refuses it too
+            F.cross_entropy(F.linear(hid, w, b), t2)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, -1, 0, 5])
+def test_ignore_index_anywhere_is_no_error(ignore_index):
+    # ignore_index is no label: negative, or a class of its own, it counts nothing and raises
+    # nothing; the other labels still must be in range
+    hid, w, b, t = _data()
+    t2 = t.clone()
+    t2[::3] = ignore_index
+    t2[t2 == -100] = 2
+    got = _lce(hid, w, t2, b, ignore_index=ignore_index, chunk_size=4)
+    want = F.cross_entropy(F.linear(hid, w, b), t2, ignore_index=ignore_index)
+    torch.testing.assert_close(got, want)
+    t2[1] = -100 if ignore_index != -100 else -3  # now an out-of-range label
+    with pytest.raises(ValueError, match="target out of range"):
+        _lce(hid, w, t2, b, ignore_index=ignore_index)
+
+
+def test_causal_lm_loss_label_out_of_range():
+    hid, w, b, t = _data(lead=(2, 7))
+    t[1, 3] = V
+    with pytest.raises(ValueError, match=f"target out of range.*got {V}\\."):
+        causal_lm_loss(hid, w, t)
+
+
+# NOTE [Anchors only where backward reads no input]
+
+
+@pytest.mark.parametrize(
+    "how", ["plain", "view_of_base", "view_of_leaf", "precompute", "none", "bias"]
+)
+def test_double_backward_refused_for_each_input(how):
+    # differentiating a first derivative with respect to hidden, weight (and bias) raises
+    # slimgrad's error whichever tensor the op saved (hidden itself, its base, no input at all)
+    hid, w, b, t = _data(n=16)
+    base = hid.clone().requires_grad_()
+    if how == "view_of_base":
+        h = base.view(4, 4, H)  # saved as its base: an anchor on h
+        t = t.view(4, 4)
+    elif how == "view_of_leaf":
+        h = hid.clone().view(4, 4, H).requires_grad_()  # a leaf view of a base without grad
+        t = t.view(4, 4)
+    else:
+        h = base
+    wr = w.clone().requires_grad_()
+    br = b.clone().requires_grad_() if how == "bias" else None
+    kw = dict(precompute_grads=how == "precompute", reduction="none" if how == "none" else "mean")
+    loss = _lce(h, wr, t, br, **kw).sum()
+    inputs = (h, wr) if br is None else (h, wr, br)
+    grads = torch.autograd.grad(loss, inputs, create_graph=True)
+    for g in grads:
+        for x in inputs:
+            with pytest.raises(RuntimeError, match="slimgrad.ops.linear_cross_entropy: a second"):
+                torch.autograd.grad(g.square().sum(), x, retain_graph=True, allow_unused=True)

@@ -225,3 +225,58 @@ def test_whole_chunk_row_backward_has_the_slice_by_slice_bits(dtype, bias, eps, 
         assert [x[:2] for x in taken["new"]] == [x[:2] for x in taken["ref"]]
         for x, y in zip(taken["new"], taken["ref"], strict=True):
             assert _bitwise(x[2], y[2])
+
+
+# NOTE [One block, one chunk]: the single block written straight has the bits of the general loop
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("eps, tf", [(0.0, (1.0, None)), (0.1, (0.5, 3.0)), (0.3, (1.0, 2.0))])
+@pytest.mark.parametrize("sink", [False, True])
+def test_one_block_one_chunk_has_the_row_backward_bits(dtype, bias, eps, tf, sink):
+    g = torch.Generator().manual_seed(7)
+    n, hs, v = 37, 8, 97
+    h = torch.randn(n, hs, generator=g, dtype=torch.float64).to(dtype) * 2
+    w = torch.randn(v, hs, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(v, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    t[1], t[2] = v - 1, 0
+    lse = _math._fwd_torch(h, w, b, t, -100, eps, n, *tf)[1]
+    scale = torch.rand(n, generator=g, dtype=torch.float64).to(dtype).masked_fill_(t == -100, 0)
+    scale[3] = -scale[3]  # a negative weight: signed zeros where it meets a zero
+    safe = torch.where(t != -100, t, 0)
+    for need in [(True, True, bias), (True, False, False), (False, True, bias)]:
+        taken = {"new": [], "ref": []}
+        for rows in (v, 4 * v):
+            got = _math._bwd_one_torch(
+                h, w, b, safe, lse, scale, eps, need, None, *tf,
+                take_rows=_taker(taken["new"]) if sink else None,
+            )  # fmt: skip
+            want = _math._bwd_rows_torch(
+                h, w, b, t, lse, scale, -100, eps, n, rows, need, None, *tf,
+                take_rows=_taker(taken["ref"]) if sink else None,
+            )  # fmt: skip
+            for x, y in zip(got, want, strict=True):
+                assert _bitwise(x, y)
+        assert [x[:2] for x in taken["new"]] == [x[:2] for x in taken["ref"]]
+        for x, y in zip(taken["new"], taken["ref"], strict=True):
+            assert _bitwise(x[2], y[2])
+
+
+def test_one_block_one_chunk_dh_may_overwrite_hidden():
+    # dh_out aliasing h (the saved hidden the op's backward may be granted): h is read by both
+    # matmuls before dh's rows are written
+    g = torch.Generator().manual_seed(3)
+    n, hs, v = 16, 8, 50
+    h = torch.randn(n, hs, generator=g)
+    w = torch.randn(v, hs, generator=g)
+    t = torch.randint(0, v, (n,), generator=g)
+    lse = _math._fwd_torch(h, w, None, t, -100, 0.0, n)[1]
+    scale = torch.full((n,), 1.0 / n)
+    want = _math._bwd_one_torch(h, w, None, t, lse, scale, 0.0, (True, True, False))
+    alias = h.clone()
+    got = _math._bwd_one_torch(alias, w, None, t, lse, scale, 0.0, (True, True, False), alias)
+    assert got[0] is alias
+    assert _bitwise(got[0], want[0]) and _bitwise(got[1], want[1])

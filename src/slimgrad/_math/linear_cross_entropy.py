@@ -11,6 +11,7 @@ import torch
 
 __all__ = [
     "_acc_dtype",
+    "_bwd_one_torch",
     "_bwd_rows_torch",
     "_bwd_torch",
     "_fwd_grad_torch",
@@ -128,14 +129,21 @@ def _fwd_torch(h, weight, bias, target, ignore_index, eps, chunk, scale=1.0, cap
     lse = torch.empty(n, dtype=acc, device=h.device)
     bcol = bias[:, None] if bias is not None else None
     # every per-token value as a (1, chunk) row of zT's columns: no squeeze per chunk
-    for hc, tc, loss_c, lse_c in zip(
-        _split(h, chunk),
-        _split(safe_t[None], chunk, 1),
-        _split(loss[None], chunk, 1),
-        _split(lse[None], chunk, 1),
-        strict=True,
-    ):
-        zt, _ = _transform_(_logits_t(hc, weight, bcol, acc), scale, cap)
+    if n <= chunk:  # one chunk: the views without the splits (NOTE [One block, one chunk])
+        parts = ((h, safe_t[None], loss[None], lse[None]),)
+    else:
+        parts = zip(
+            _split(h, chunk),
+            _split(safe_t[None], chunk, 1),
+            _split(loss[None], chunk, 1),
+            _split(lse[None], chunk, 1),
+            strict=True,
+        )
+    transform = scale != 1.0 or cap is not None
+    for hc, tc, loss_c, lse_c in parts:
+        zt = _logits_t(hc, weight, bcol, acc)
+        if transform:
+            zt, _ = _transform_(zt, scale, cap)
         li = zt.gather(0, tc)
         if eps:
             li.mul_(-(1.0 - eps)).sub_(zt.sum(0, keepdim=True), alpha=eps / v)
@@ -376,6 +384,59 @@ def _bwd_rows_torch(
     return dh, dw, db
 
 
+# NOTE [One block, one chunk]
+# At small shapes (tiny models, short sequences: V <= ``rows`` and N <= ``chunk``) the backward by
+# vocabulary blocks is one block of one chunk, and its set-up (each token's block and row, the
+# flat one-hot positions, a shared logits buffer, a dozen splits) costs more host time and ops
+# than the block itself. _bwd_one_torch is that single block written straight: the same ops on
+# the same values in the same order as _bwd_rows_torch's one iteration (logits, bias, transform,
+# softmax, -eps/V, the one-hot, the transform's gradient, s_i, db, dW, then dh), so the same bits
+# (tests/ops/test_linear_cross_entropy_blocks.py compares them). The one-hot is one scatter of
+# the scalar eps - 1 at each token's target row of its own column (each column gets one add, so
+# no two adds meet): x + (eps - 1), as the indicator times alpha = eps - 1 added there. The
+# caller passes safe_t (ignored tokens at class 0), which it has from its own mask. The one chunk
+# of _fwd_torch and _fwd_grad_torch likewise takes its views without the splits and the zip.
+
+
+def _bwd_one_torch(
+    h, weight, bias, safe_t, lse, scale, eps, need, dh_out=None, lscale=1.0, cap=None,
+    take_rows=None,
+):  # fmt: skip
+    """:func:`_bwd_rows_torch` when one block holds the vocabulary and one chunk the tokens
+    (NOTE [One block, one chunk]): (dh, dW, db), dW None when ``take_rows`` took it."""
+    v = weight.shape[0]
+    need_dh, need_dw, need_db = need
+    zt = torch.mm(weight, h.t())
+    if bias is not None:
+        zt += bias[:, None]
+    transform = lscale != 1.0 or cap is not None  # NOTE [Logit transforms]
+    if transform:
+        zt, th = _transform_(zt, lscale, cap, True)
+    zt.sub_(lse[None]).exp_()
+    if eps:
+        zt.sub_(eps / v)
+    zt.scatter_(0, safe_t[None], eps - 1.0, reduce="add")
+    if transform:
+        zt = _transform_grad_(zt, th, lscale)
+        del th
+    zt.mul_(scale[None])
+    db = None
+    if need_db:
+        db = torch.zeros(v, dtype=zt.dtype, device=h.device)
+        db.add_(zt.sum(1))
+    dw = torch.mm(zt, h) if need_dw else None
+    dh = None
+    if need_dh:
+        # dhᵀ = Wᵀ dz, the GEMM _bwd_rows_torch runs; after dW, which reads h (dh may alias it)
+        dh = dh_out if dh_out is not None else torch.empty_like(h)
+        torch.mm(weight.t(), zt, out=dh.t())
+    del zt
+    if dw is not None and take_rows is not None:
+        take_rows(0, v, dw)
+        dw = None
+    return dh, dw, db
+
+
 def _fwd_grad_torch(
     h,
     weight,
@@ -416,16 +477,20 @@ def _fwd_grad_torch(
     db = torch.zeros(v, dtype=acc, device=h.device) if need_db else None
     bcol = bias[:, None] if bias is not None else None
     add = torch.full((1, n), eps - 1.0, dtype=acc, device=h.device)  # the smoothed one-hot
-    for hc, tc, row, col, lc, ac, dc in zip(
-        _split(h, chunk),
-        _split(safe_t[None], chunk, 1),
-        _split(scale[None], chunk, 1),  # s_i per column of zT
-        _split(scale[:, None], chunk),  # s_i per row of hc / dh
-        _split(loss[None], chunk, 1),
-        _split(add, chunk, 1),
-        _split(dh, chunk) if need_dh else _nones(n, chunk),
-        strict=True,
-    ):
+    if n <= chunk:  # one chunk: the views without the splits (NOTE [One block, one chunk])
+        parts = ((h, safe_t[None], scale[None], scale[:, None], loss[None], add, dh),)
+    else:
+        parts = zip(
+            _split(h, chunk),
+            _split(safe_t[None], chunk, 1),
+            _split(scale[None], chunk, 1),  # s_i per column of zT
+            _split(scale[:, None], chunk),  # s_i per row of hc / dh
+            _split(loss[None], chunk, 1),
+            _split(add, chunk, 1),
+            _split(dh, chunk) if need_dh else _nones(n, chunk),
+            strict=True,
+        )
+    for hc, tc, row, col, lc, ac, dc in parts:
         zt, th = _transform_(_logits_t(hc, weight, bcol, acc), lscale, cap, True)
         lse = torch.logsumexp(zt, dim=0, keepdim=True)
         li = lse - (1.0 - eps) * zt.gather(0, tc)

@@ -65,6 +65,7 @@ from slimgrad._errors import internal_error
 from slimgrad._library import custom_op
 from slimgrad._math.linear_cross_entropy import (
     _acc_dtype,
+    _bwd_one_torch,
     _bwd_rows_torch,
     _bwd_torch,
     _fwd_grad_torch,
@@ -210,6 +211,7 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
                 )
                 del flat
             del w, b, h
+            ctx.tie_hidden = False
             out = loss.sum() / count if reduction == "mean" else loss.sum()
             ctx.save_for_backward(dh, dw, db)
             return _cast(out, odt)
@@ -225,8 +227,21 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             out = _cast(loss.sum(), odt)
         else:
             out = _cast(loss.sum() / (t != ignore_index).sum(), odt)
-        ctx.save_for_backward(_to_save(hidden, h), weight, bias, target, lse)
+        keep = _to_save(hidden, h)
+        ctx.tie_hidden = keep is hidden  # NOTE [Anchors only where backward reads no input]
+        ctx.save_for_backward(keep, weight, bias, target, lse)
         return out
+
+    # NOTE [Anchors only where backward reads no input]
+    # A refused second derivative must stay tied to the inputs (NOTE [Second derivatives] in
+    # _autograd.py): differentiating a first derivative with respect to hidden or weight raises
+    # slimgrad's error, never a silent None. The precompute path's backward reads only gradients
+    # made in forward, so its forward leaves an anchor on each input (make_anchor's node, a few
+    # Python calls and an empty tensor each). The recompute path saves weight and bias as given
+    # and hidden as given unless _to_save keeps its base (a whole view's) or an autocast copy:
+    # _double ties to those saved inputs directly, and an anchor is made only for a hidden that
+    # was not saved as itself (``ctx.tie_hidden`` False; a tie to its base would not reach
+    # hidden's own node). A plain step (hidden saved as is, no autocast) makes no anchor.
 
     @staticmethod
     def _double(ctx, grad_out):
@@ -236,6 +251,10 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
         with torch.no_grad():
             out = _LinearCrossEntropyFn._first(ctx, grad_out)
         deps = list(getattr(ctx, "_slimgrad_deps", []))
+        if not ctx.pre:  # the inputs it saved as given (NOTE [Anchors only where ...])
+            hidden, weight, bias = ctx.saved_tensors[:3]
+            keep = (hidden if ctx.tie_hidden else None, weight, bias)
+            deps += [x for x in keep if x is not None and x.requires_grad]
         if grad_out.requires_grad:
             deps.append(grad_out)
         if not deps:
@@ -288,7 +307,8 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             if need[2]:
                 gb = (db * grad_out.to(db.dtype)).to(ctx.bdt)
             return gh, gw, gb, None, None, None, None, None, None, None, None, None
-        gbuf = ownership.take(grad_out)
+        # the per-token gradient ('none') may be overwritten; a scalar's is not worth asking for
+        gbuf = ownership.take(grad_out) if ctx.cfg[2] == "none" else None
         hidden, weight, bias, target, lse = ctx.saved_tensors
         ignore_index, eps, reduction, chunk, cdt, hdt, hshape = ctx.cfg
         need = tuple(ctx.needs_input_grad[:3])
@@ -354,22 +374,28 @@ class _LinearCrossEntropyFn(torch.autograd.Function):
             ):
                 # a leaf weight that gets no other gradient below this op (an untied head)
                 take_rows = sink(weight, ctx.next_functions[1][0])
-            dh, dw, db = _bwd_rows_torch(
-                h,
-                w,
-                b,
-                t,
-                lse,
-                scale,
-                ignore_index,
-                eps,
-                chunk,
-                rows,
-                need,
-                dh_flat,
-                *ctx.tf,
-                take_rows=take_rows,
-            )
+            if rows >= weight.shape[0] and h.shape[0] <= chunk:  # NOTE [One block, one chunk]
+                safe_t = torch.where(valid, t, 0)
+                dh, dw, db = _bwd_one_torch(
+                    h, w, b, safe_t, lse, scale, eps, need, dh_flat, *ctx.tf, take_rows=take_rows
+                )
+            else:
+                dh, dw, db = _bwd_rows_torch(
+                    h,
+                    w,
+                    b,
+                    t,
+                    lse,
+                    scale,
+                    ignore_index,
+                    eps,
+                    chunk,
+                    rows,
+                    need,
+                    dh_flat,
+                    *ctx.tf,
+                    take_rows=take_rows,
+                )
             del take_rows, sink
         elif triton:
             bwd = _backend.kernels("linear_cross_entropy")._bwd_triton
@@ -571,14 +597,16 @@ def _linear_cross_entropy(
         return _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf)
     comp = compiling()  # NOTE [One-frame compile check] in slimgrad/_autograd.py
     n, v = t.numel(), weight.shape[0]
-    if not comp and t.device.type == "cpu" and n and not _fake(t):
-        bad = (t != ignore_index) & ((t < 0) | (t >= v))
-        if bool(bad.any()):
-            raise ValueError(
-                f"{_API}: target out of range; expected class indices in [0, {v}) or "
-                f"ignore_index={ignore_index}, got {int(t[bad][0])}. Check the labels and the "
-                "vocabulary size."
-            )
+    if (
+        not comp
+        and (_backend._resolved[0] or _backend.get_backend()) not in _backend.NO_TRITON_OFF_CUDA
+        and t.device.type == "cpu"
+    ):
+        # the Triton kernels may run off CUDA (TRITON_INTERPRET) and do not bound-check: the
+        # labels are checked up front there (NOTE [Label range without a host sync])
+        bad = _bad_labels(t, ignore_index, v)
+        if bad is not None:
+            raise bad
     if chunk_size is not None:
         chunk = chunk_size
     elif comp:
@@ -614,8 +642,11 @@ def _linear_cross_entropy(
     # the inputs' anchors (make_anchor's, grad mode on and nothing compiling or transforming): a
     # refused second derivative stays tied to them even where backward reads only gradients
     # computed in forward (NOTE [Second derivatives] in _autograd.py)
+    # NOTE [Anchors only where backward reads no input]: the recompute path saves weight and
+    # (usually) hidden themselves, and _double ties to those; an anchor is made only for what it
+    # does not save as given (below, after the apply)
     anchors = None
-    if grad and (hidden.requires_grad or weight.requires_grad):
+    if (need is not None or autocast) and grad and (hidden.requires_grad or weight.requires_grad):
         anchors = [
             _ANCHOR_APPLY(unwrap_if_dead(x), []) for x in (hidden, weight) if x.requires_grad
         ]
@@ -627,14 +658,54 @@ def _linear_cross_entropy(
         None if bias is None else unwrap_if_dead(bias),
         unwrap_if_dead(t),
     )
-    if autocast:
-        with torch.autocast(dev, enabled=False):
+    try:
+        if autocast:
+            with torch.autocast(dev, enabled=False):
+                loss = _LCE_APPLY(*tensors, *args)
+        else:
             loss = _LCE_APPLY(*tensors, *args)
-    else:
-        loss = _LCE_APPLY(*tensors, *args)
-    if anchors and loss.grad_fn is not None:
-        loss.grad_fn._slimgrad_deps = anchors
+    except RuntimeError as e:
+        # NOTE [Label range without a host sync]: a CPU gather refused a label; name it
+        bad = _bad_labels(t, ignore_index, v) if t.device.type == "cpu" else None
+        if bad is not None:
+            raise bad from e
+        raise
+    node = loss.grad_fn
+    if node is not None:
+        if anchors is None and hidden.requires_grad and not node.tie_hidden:
+            # the saved hidden is its base or a copy: an anchor on hidden itself
+            anchors = [_ANCHOR_APPLY(unwrap_if_dead(hidden), [])]
+        if anchors:
+            node._slimgrad_deps = anchors
     return loss
+
+
+# NOTE [Label range without a host sync]
+# Eager's cross_entropy checks the labels where it reads them: on CPU nll_loss raises "Target 7
+# is out of bounds", on CUDA a device-side assert fires, and nothing waits for the device. The
+# fused loss reads them the same way: each chunk's forward gathers z[t_i] with the labels as
+# indices (ignored tokens mapped to class 0), and torch's CPU gather raises on an index outside
+# [0, V), a CUDA gather asserts on the device. So the step asks nothing of the labels up front
+# (the old check, ``bool(bad.any())``, was a host sync and 7 ops per call): when the apply raises
+# a RuntimeError on CPU, the labels are checked then, and an out-of-range one becomes slimgrad's
+# ValueError naming it (any other error is re-raised as it was). The Triton kernels do not bound-
+# check their loads: off CUDA (TRITON_INTERPRET, tests) the labels are checked before the apply,
+# as before; on CUDA they are the kernels' to check (eager's device assert). Under torch.compile
+# and on fake tensors there is nothing to check (no values).
+
+
+def _bad_labels(t, ignore_index, v):
+    # the ValueError naming the first label outside [0, v) that is not ignore_index, or None
+    if not t.numel() or _fake(t):
+        return None
+    bad = (t != ignore_index) & ((t < 0) | (t >= v))
+    if not bool(bad.any()):
+        return None
+    return ValueError(
+        f"{_API}: target out of range; expected class indices in [0, {v}) or "
+        f"ignore_index={ignore_index}, got {int(t[bad][0])}. Check the labels and the "
+        "vocabulary size."
+    )
 
 
 _LCE_APPLY = direct_apply(_LinearCrossEntropyFn)

@@ -220,7 +220,9 @@ class _RMSNormFn(torch.autograd.Function):
             return refuse_second_order("ops.rms_norm", _RMSNormFn.backward, ctx, (dy, *_))
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
-        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        # take(dy) in this frame, one call fewer (layer_norm's form): the first use of dy, NOTE
+        # [Gradient-buffer ownership]; grant asks that the backward itself asked compiling()
+        buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[2]]
@@ -644,7 +646,9 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
             )
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
-        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+        # take(dy) in this frame, one call fewer (layer_norm's form): the first use of dy, NOTE
+        # [Gradient-buffer ownership]; grant asks that the backward itself asked compiling()
+        buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
         y, rstd, idx, xside, weight = ctx.saved_tensors
         need_w = weight is not None and ctx.needs_input_grad[1]
         mask = [ctx.needs_input_grad[0], need_w]
