@@ -7,19 +7,21 @@ Outside autocast (and outside torch.compile, torch.func and TorchScript tracing)
 and a plain input whose last dimension fits, a converted ``Linear`` calls eager's
 ``F.linear(input, weight, bias)`` and a converted ``Conv1D`` HF's own
 ``addmm(bias, x.view(-1, nx), weight).view(..., nf)``: eager's ops, no slimgrad Function. There
-slimgrad's ``_LinearFn`` (``slimgrad/ops/linear.py``) bought nothing, measured (session 21): it
-computes eager's output and gradients bit for bit and keeps what eager's ``linear``/``addmm``
-keep (x only if W needs a gradient, nothing of a frozen W's input; eager's ``AddmmBackward``/
-``MmBackward`` count in the tracker's floor as its node did); its dx is a fresh tensor where
-eager's is a whole-storage view of a fresh base, which NOTE [Gradient-buffer ownership] term 2b
-grants alike, so the neighbours' grants are unchanged (tests/test_ownership_grants.py); the
-bias-free N-D output is eager's ``_unsafe_view`` either way (NOTE [Linear's N-D output without
-bias]); no ``_derived`` registry or ownership rule reads a Linear's node. What it cost was its
-Python frames (forward and backward, ~4 calls per use). Same bits, same saved and peak bytes
-(tests/nn/test_linear_eager_path.py). Under autocast the Function stays: it keeps the fp32 weight
-instead of its cast (NOTE [Autocast weight casts]). Everything else (a tensor subclass, a
-mismatched shape, whose error is slimgrad's, a non-Parameter weight) takes
-``ops.linear``/``ops.conv1d_addmm`` as before.
+slimgrad's ``_LinearFn`` (``slimgrad/ops/linear.py``) bought nothing: it computed eager's output
+and gradients and kept what eager's ``linear``/``addmm`` keep (x only if W needs a gradient;
+eager's ``AddmmBackward``/``MmBackward`` count in the tracker's floor as its node did); its dx
+was a fresh tensor where eager's is a whole-storage view of a fresh base, which NOTE
+[Gradient-buffer ownership] term 2b grants alike, so the neighbours' grants are the same
+(tests/test_ownership_grants.py); no ``_derived`` registry or ownership rule reads a Linear's
+node. It cost its Python frames in forward and backward (tests/nn/test_linear.py counts them),
+and where it differed from eager it was worse: on a 2-D input HF's Conv1D returns a view of its
+product, the Function a tensor of its own, so an in-place consumer (``mul_`` then ``relu_``)
+saved one output more than eager, and on a column-major 2-D input (``x.t()``) its dx was one ulp
+from eager's (eager's addmm backward switches layout). Now the bits, saved and peak bytes are
+eager's (tests/nn/test_linear_eager_path.py). Under autocast the Function stays: it keeps the
+fp32 weight instead of its cast (NOTE [Autocast weight casts]). Everything else (a tensor
+subclass, a mismatched shape, whose error is slimgrad's, a non-Parameter weight, a Conv1D without
+bias) takes ``ops.linear``/``ops.conv1d_addmm`` as before.
 """
 
 from __future__ import annotations
