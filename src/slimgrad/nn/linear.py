@@ -30,14 +30,16 @@ import torch
 
 from slimgrad._autograd import compiling
 from slimgrad.nn._script import NoScript
+from slimgrad.ops.linear import _FakeTensor as _Fake
 from slimgrad.ops.linear import conv1d_addmm, linear
 
 _C = torch._C
 _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _any_autocast = _C._is_any_autocast_enabled
-_INPUT = (torch.Tensor, torch.nn.Parameter)
-_Parameter = torch.nn.Parameter
+_INPUT = (torch.Tensor, torch.nn.Parameter, _Fake)
+_WEIGHT = (torch.nn.Parameter, _Fake)  # a fake Parameter is a FakeTensor marked _is_param
+_BIAS = (torch.nn.Parameter, _Fake, type(None))
 _F_linear = torch.nn.functional.linear
 _addmm = torch.addmm
 
@@ -62,8 +64,8 @@ class Linear(NoScript, torch.nn.Linear):
         weight = p["weight"] if "weight" in p else self.weight
         bias = p["bias"] if "bias" in p else self.bias
         if (  # eager's F.linear (NOTE [Converted Linear outside autocast])
-            type(weight) is _Parameter
-            and (bias is None or type(bias) is _Parameter)
+            type(weight) in _WEIGHT
+            and type(bias) in _BIAS
             and type(input) in _INPUT
             and input.ndim > 0
             and input.shape[-1] == weight.shape[1]
@@ -119,8 +121,8 @@ class Conv1D(NoScript, torch.nn.Module):
         weight = p["weight"] if "weight" in p else self.weight
         bias = p["bias"] if "bias" in p else self.bias
         if (  # HF's own addmm (NOTE [Converted Linear outside autocast])
-            type(weight) is _Parameter
-            and type(bias) is _Parameter
+            type(weight) in _WEIGHT
+            and type(bias) in _WEIGHT
             and type(x) in _INPUT
             and x.ndim > 0
             and x.shape[-1] == weight.shape[0]
