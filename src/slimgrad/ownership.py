@@ -659,6 +659,20 @@ def _plain_facts(t, kind: int):
 # stand for CUDA ones (``estimate(device="cuda")``): there the ops' call-time choices (the smooth
 # activations' Triton kernels write no incoming gradient) are not the CPU ones the fake step makes,
 # so no reuse is modelled, as before (an estimate above the step, never below it).
+#
+# Two holds the fake machinery adds are not counted, since the real step has neither and nothing
+# real can be read through them:
+# - the fake mode's converter memo (``tensor_memo``, a WeakValueDictionary) keeps a weak
+#   reference to each fake output its dispatch computed, but not to one its dispatch cache
+#   replayed: so the first estimate in a process (cache misses) refused gradients that later
+#   estimates (cache hits) granted (a small ResNet's first estimate granted 3 of 4 where the
+#   second granted 4). :func:`_fake_weakcount` leaves out exactly the memo's KeyedRef to ``t``;
+# - a fake view holds its base twice where a real view holds it once (measured once outside the
+#   running modes by :func:`_fake_view_uses`, one view and two, which must add one and two such
+#   uses; anything else refuses fake views): term 2b reads the base's use count less that.
+# So eager's 3-D ``F.linear`` dx (a whole-storage view of a fresh base: term 2b) is granted in the
+# estimate where the real step grants it (tests/test_estimate_views.py); before, the estimate
+# of a converted Linear running eager's op found 0 of the real step's grants.
 def _fake_weakcount(t) -> int:
     # weak references to a FakeTensor but the one its fake mode's converter memo keeps
     n = _weakcount(t)
@@ -1856,8 +1870,16 @@ def _calibration_undisturbed() -> bool:
     )
 
 
+# NOTE [Calibration outside dispatch modes]
+# The first question of a process calibrates, and it may be asked inside slimgrad.memory.estimate
+# (FakeTensorMode) or measure (the tracker). Run there, the probes were fake tensors: the fake
+# machinery's holds (NOTE [Ownership under fake tensors]) gave a view signature of a use more, or
+# none, so the mode's baselines refused every view gradient for the rest of the process,
+# including the real steps after the estimate (a Linear->GELU->Linear->LayerNorm->Linear on
+# 2x8x32 with eager's 3-D F.linear: 0 grants where 2). The probes run with the dispatch modes set
+# aside: the baselines are those of real tensors whatever the first caller, and the tracker does
+# not count the probes' tensors as part of the measured step.
 def _modes_aside():
-    # NOTE [Calibration outside dispatch modes]
     try:
         from torch.utils._python_dispatch import _disable_current_modes
     except ImportError:  # pragma: no cover - a torch without it: calibrate as the call finds it

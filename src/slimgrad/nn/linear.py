@@ -19,7 +19,12 @@ product, the Function a tensor of its own, so an in-place consumer (``mul_`` the
 saved one output more than eager, and on a column-major 2-D input (``x.t()``) its dx was one ulp
 from eager's (eager's addmm backward switches layout). Now the bits, saved and peak bytes are
 eager's (tests/nn/test_linear_eager_path.py). Under autocast the Function stays: it keeps the
-fp32 weight instead of its cast (NOTE [Autocast weight casts]). Everything else (a tensor
+fp32 weight instead of its cast (NOTE [Autocast weight casts]). The fake tensors of
+``slimgrad.memory.estimate`` (a fake Parameter is a FakeTensor) take eager's op as real ones do,
+and so does GPT-2's MLP node (``ops/gpt2_mlp.py``), or the estimate would keep the Function's
+saved tensors where the real step keeps eager's (a planned step measured 65,408 B above its
+plan); the ownership grants on eager's dx views hold under fake tensors as for real ones (NOTE
+[Ownership under fake tensors] in slimgrad/ownership.py). Everything else (another tensor
 subclass, a mismatched shape, whose error is slimgrad's, a non-Parameter weight, a Conv1D without
 bias) takes ``ops.linear``/``ops.conv1d_addmm`` as before.
 """
