@@ -70,16 +70,6 @@ def _outcome(mod, x, ctx, x_req):
         return (type(e), str(e))
 
 
-# Open (issue 30, the same result): HF Conv1D on a column-major 2-D input (x.t()) gives dx one
-# ulp away from eager's (9.3e-10 at float32, (4, 6) -> 5): eager's addmm backward computes dx in
-# the transposed layout for a column-major mat1 (mm_mat1_backward); the converted Conv1D's straight
-# path does not read the input's layout (a per-call check). Within the error rule, not bitwise.
-_CONV1D_T2D = pytest.mark.xfail(
-    strict=True,
-    reason="issue 30: converted Conv1D on x.t() (2-D column-major): dx 1 ulp from eager's",
-)
-
-
 def _cases():
     for name in MODULES:
         for ctx in CONTEXTS:
@@ -87,9 +77,6 @@ def _cases():
                 if ctx.startswith("autocast") and dtype != torch.float32:
                     continue  # autocast casts float32 inputs
                 for layouts in ("t2d", "rest"):
-                    marks = []
-                    if (name, ctx, dtype, layouts) == ("Conv1D", "grad", torch.float32, "t2d"):
-                        marks = [_CONV1D_T2D]
                     yield pytest.param(
                         name,
                         ctx,
@@ -98,7 +85,6 @@ def _cases():
                         if layouts == "t2d"
                         else [k for k in LAYOUTS if k != "transposed-2d"],
                         id=f"{name}-{ctx}-{str(dtype)[6:]}-{layouts}",
-                        marks=marks,
                     )
 
 

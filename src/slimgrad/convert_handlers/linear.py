@@ -5,10 +5,11 @@
 
 # NOTE [Which Linears convert]
 ``nn.Linear`` becomes :class:`slimgrad.nn.Linear` (the same Parameters, hooks carried over by
-convert_): outside autocast it computes eager's output and gradients bit for bit and keeps what
-eager's ``linear`` keeps (inputs in layouts whose backward eager computes otherwise run eager's
-``F.linear``: ``slimgrad.ops.linear._plain_layout``); under autocast it keeps the fp32 weight
-instead of its cast (NOTE [Autocast weight casts] in ``slimgrad/ops/linear.py``). Subclasses
+convert_): outside autocast it runs eager's ``F.linear`` itself, since slimgrad's Function there
+computed eager's bits and kept eager's bytes for a few Python frames more per call (NOTE
+[Converted Linear outside autocast] in ``slimgrad/nn/linear.py``); under autocast it keeps the
+fp32 weight instead of its cast (NOTE [Autocast weight casts] in ``slimgrad/ops/linear.py``), the
+saving that makes converting it worthwhile. Subclasses
 follow NOTE [Subclasses convert by what they compute] in ``convert.py`` (a subclass with its own
 forward, e.g. PEFT's LoRA ``Linear``, stays; its ``base_layer``, a plain Linear that LoRA calls
 as a module, converts). Left as they are:

@@ -31,11 +31,13 @@ from slimgrad.nn._hooks import foreign
 from slimgrad.nn._output_act import _DECLARED
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.gpt2_mlp import _GPT2_MLP_APPLY, block_ok
+from slimgrad.ops.linear import _FakeTensor
 
 __all__ = ["GPT2MLP"]
 
-_Parameter = torch.nn.Parameter
-_BIAS = (torch.nn.Parameter, type(None))
+# a fake Parameter (slimgrad.memory.estimate) is a FakeTensor: it takes the node as a real one
+_WEIGHT = (torch.nn.Parameter, _FakeTensor)
+_BIAS = (torch.nn.Parameter, _FakeTensor, type(None))
 _APPROX = ("none", "tanh")
 
 
@@ -125,8 +127,8 @@ class GPT2MLP(NoScript, nn.Module):
             and type(c_proj).forward is _CONV1D_FORWARD
             and "weight" in (fp := c_fc._parameters)
             and "weight" in (pp := c_proj._parameters)
-            and type(fp["weight"]) is _Parameter
-            and type(pp["weight"]) is _Parameter
+            and type(fp["weight"]) in _WEIGHT
+            and type(pp["weight"]) in _WEIGHT
             and type(fp.get("bias")) in _BIAS
             and type(pp.get("bias")) in _BIAS
             and block_ok(hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias"))

@@ -1,22 +1,52 @@
 """``slimgrad.nn.Linear`` and ``Conv1D`` (HF GPT-2's ``x @ W + b``) with selective saving.
 
 See ``slimgrad/ops/linear.py``: the input is kept only if the weight needs a gradient.
+
+# NOTE [Converted Linear outside autocast]
+Outside autocast (and outside torch.compile, torch.func and TorchScript tracing), with Parameters
+and a plain input whose last dimension fits, a converted ``Linear`` calls eager's
+``F.linear(input, weight, bias)`` and a converted ``Conv1D`` HF's own
+``addmm(bias, x.view(-1, nx), weight).view(..., nf)``: eager's ops, no slimgrad Function. There
+slimgrad's ``_LinearFn`` (``slimgrad/ops/linear.py``) bought nothing: it computed eager's output
+and gradients and kept what eager's ``linear``/``addmm`` keep (x only if W needs a gradient;
+eager's ``AddmmBackward``/``MmBackward`` count in the tracker's floor as its node did); its dx
+was a fresh tensor where eager's is a whole-storage view of a fresh base, which NOTE
+[Gradient-buffer ownership] term 2b grants alike, so the neighbours' grants are the same
+(tests/test_ownership_grants.py); no ``_derived`` registry or ownership rule reads a Linear's
+node. It cost its Python frames in forward and backward (tests/nn/test_linear.py counts them),
+and where it differed from eager it was worse: on a 2-D input HF's Conv1D returns a view of its
+product, the Function a tensor of its own, so an in-place consumer (``mul_`` then ``relu_``)
+saved one output more than eager, and on a column-major 2-D input (``x.t()``) its dx was one ulp
+from eager's (eager's addmm backward switches layout). Now the bits, saved and peak bytes are
+eager's (tests/nn/test_linear_eager_path.py). Under autocast the Function stays: it keeps the
+fp32 weight instead of its cast (NOTE [Autocast weight casts]). The fake tensors of
+``slimgrad.memory.estimate`` (a fake Parameter is a FakeTensor) take eager's op as real ones do,
+and so does GPT-2's MLP node (``ops/gpt2_mlp.py``), or the estimate would keep the Function's
+saved tensors where the real step keeps eager's (a planned step measured 65,408 B above its
+plan); the ownership grants on eager's dx views hold under fake tensors as for real ones (NOTE
+[Ownership under fake tensors] in slimgrad/ownership.py). Everything else (another tensor
+subclass, a mismatched shape, whose error is slimgrad's, a non-Parameter weight, a Conv1D without
+bias) takes ``ops.linear``/``ops.conv1d_addmm`` as before.
 """
 
 from __future__ import annotations
 
 import torch
 
-from slimgrad._autograd import compiling, unwrap_if_dead
+from slimgrad._autograd import compiling
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.linear import _LINEAR_APPLY, _unview, conv1d_addmm, linear
+from slimgrad.ops.linear import _FakeTensor as _Fake
+from slimgrad.ops.linear import conv1d_addmm, linear
 
 _C = torch._C
 _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _any_autocast = _C._is_any_autocast_enabled
-_INPUT = (torch.Tensor, torch.nn.Parameter)
-_Parameter = torch.nn.Parameter
+_INPUT = (torch.Tensor, torch.nn.Parameter, _Fake)
+_WEIGHT = (torch.nn.Parameter, _Fake)  # a fake Parameter is a FakeTensor marked _is_param
+_BIAS = (torch.nn.Parameter, _Fake, type(None))
+_F_linear = torch.nn.functional.linear
+_addmm = torch.addmm
 
 __all__ = ["Conv1D", "Linear"]
 
@@ -25,8 +55,9 @@ class Linear(NoScript, torch.nn.Linear):
     """``torch.nn.Linear`` (same args, parameters, state_dict keys) keeping only what grads need.
 
     Memory: saves the input only if the weight needs grad (frozen weight: nothing of the input),
-    as eager's ``linear``; under ``torch.autocast`` the weight is kept as itself and cast per use,
-    not as a cast kept for backward (NOTE [Autocast weight casts] in ``slimgrad/ops/linear.py``).
+    as eager's ``linear``, by running eager's ``F.linear`` (NOTE [Converted Linear outside
+    autocast]); under ``torch.autocast`` the weight is kept as itself and cast per use, not as a
+    cast kept for backward (NOTE [Autocast weight casts] in ``slimgrad/ops/linear.py``).
     ``convert_`` converts plain ``nn.Linear`` to this (NOTE [Which Linears convert]).
 
     Example:
@@ -37,28 +68,18 @@ class Linear(NoScript, torch.nn.Linear):
         p = self._parameters  # _params(self), inline
         weight = p["weight"] if "weight" in p else self.weight
         bias = p["bias"] if "bias" in p else self.bias
-        if (  # ops.linear's straight path without its frames (NOTE [Linear's straight path])
-            type(weight) is _Parameter
-            and (bias is None or type(bias) is _Parameter)
+        if (  # eager's F.linear (NOTE [Converted Linear outside autocast])
+            type(weight) in _WEIGHT
+            and type(bias) in _BIAS
             and type(input) in _INPUT
             and input.ndim > 0
-            and weight.ndim == 2
-            and input.shape[-1] > 1
             and input.shape[-1] == weight.shape[1]
             and not compiling()
             and not _functorch_on()
             and not _is_tracing()
             and not _any_autocast()
-            and weight.is_contiguous()  # _plain_layout
-            and input.is_contiguous()
         ):
-            y = _LINEAR_APPLY(unwrap_if_dead(input), weight, bias, False, True)
-            # NOTE [Linear's 2-D product] in slimgrad/ops/linear.py
-            if input.ndim < 3:
-                return y
-            if bias is None:  # NOTE [Linear's N-D output without bias] in slimgrad/ops/linear.py
-                return _unview(y, input.shape[:-1] + y.shape[-1:])
-            return y.view(input.shape[:-1] + y.shape[-1:])
+            return _F_linear(input, weight, bias)
         return linear(input, weight, bias)
 
     @classmethod
@@ -83,7 +104,9 @@ class Conv1D(NoScript, torch.nn.Module):
     also an instance of ``transformers.pytorch_utils.Conv1D``, so code that dispatches on that
     class (PEFT's LoRA: ``isinstance(layer, Conv1D)``, ``fan_in_fan_out``) treats it as HF's.
 
-    Memory: saves the input only if the weight needs grad (as eager's addmm).
+    Memory: saves the input only if the weight needs grad: outside autocast it runs HF's own
+    ``addmm`` (NOTE [Converted Linear outside autocast]); under autocast it keeps the fp32 weight
+    instead of its cast (NOTE [Autocast weight casts] in ``slimgrad/ops/linear.py``).
 
     Example:
         >>> y = Conv1D(3, 8)(torch.randn(4, 8))
@@ -102,19 +125,18 @@ class Conv1D(NoScript, torch.nn.Module):
         p = self._parameters
         weight = p["weight"] if "weight" in p else self.weight
         bias = p["bias"] if "bias" in p else self.bias
-        if (  # ops.conv1d_addmm's straight path without its frames (NOTE [Linear's straight path])
-            type(weight) is _Parameter
-            and (bias is None or type(bias) is _Parameter)
+        if (  # HF's own addmm (NOTE [Converted Linear outside autocast])
+            type(weight) in _WEIGHT
+            and type(bias) in _WEIGHT
+            and type(x) in _INPUT
             and x.ndim > 0
             and x.shape[-1] == weight.shape[0]
             and not compiling()
             and not _functorch_on()
             and not _is_tracing()
             and not _any_autocast()
-        ):
-            y = _LINEAR_APPLY(unwrap_if_dead(x), weight, bias, True, True)
-            # NOTE [Linear's 2-D product] in slimgrad/ops/linear.py
-            return y if x.ndim < 3 else y.view(x.shape[:-1] + y.shape[-1:])
+        ):  # HF's Conv1D.forward, verbatim in its ops
+            return _addmm(bias, x.view(-1, x.shape[-1]), weight).view(x.shape[:-1] + (self.nf,))
         return conv1d_addmm(x, weight, bias)
 
     def extra_repr(self) -> str:

@@ -54,7 +54,7 @@ from slimgrad import ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order
 from slimgrad._library import straight
 from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
-from slimgrad.ops.linear import _LinearFn, fresh
+from slimgrad.ops.linear import _FakeTensor, _LinearFn, fresh
 
 __all__ = ["gpt2_mlp"]
 
@@ -264,8 +264,10 @@ def gpt2_mlp(
 
 
 _Parameter = torch.nn.Parameter
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, type(None))
+# slimgrad.memory.estimate's fake tensors take the node as real ones do: the same saved tensors
+# (NOTE [Converted Linear outside autocast] in slimgrad/nn/linear.py)
+_PLAIN = (torch.Tensor, torch.nn.Parameter, _FakeTensor)
+_PLAIN_OR_NONE = (torch.Tensor, torch.nn.Parameter, _FakeTensor, type(None))
 _F32 = torch.float32
 _C = torch._C
 _functorch_on = _C._are_functorch_transforms_active

@@ -92,6 +92,10 @@ __all__ = ["conv1d_addmm", "linear"]
 
 _grad_on = torch._C.is_grad_enabled
 _Tensor = torch.Tensor
+try:  # the estimate's tensors (NOTE [Converted Linear outside autocast] in nn/linear.py)
+    from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+except ImportError:  # pragma: no cover - a torch without it: a type the callers' tuples hold anyway
+    _FakeTensor = torch.nn.Parameter
 
 
 def fresh(y: torch.Tensor) -> torch.Tensor:
