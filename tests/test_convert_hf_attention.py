@@ -293,6 +293,12 @@ class _Counter:
         names = ("softmax_dropout_matmul", "scores_softmax_dropout_matmul", "eager_attention")
         for name in (*names, "_SSDM_APPLY"):
             monkeypatch.setattr(sdm, name, self._counting(getattr(sdm, name)))
+        import slimgrad.ops.gpt2_attention as oga
+
+        # GPT-2's attention output node runs the scores op inside (NOTE [One node for GPT-2's
+        # attention output])
+        real = oga._GPT2_ATTENTION_APPLY
+        monkeypatch.setattr(oga, "_GPT2_ATTENTION_APPLY", self._counting(real))
 
     def _counting(self, real):
         def counting(*args, **kwargs):

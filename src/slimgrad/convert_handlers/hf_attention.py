@@ -117,6 +117,7 @@ from functools import cache
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as _module
 
 from slimgrad._autograd import unwrap_if_dead
 from slimgrad._library import straight
@@ -1199,6 +1200,186 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
             rep.converted.append(
                 (name, f"{kind} attention ({origin})", f"slimgrad attention: {what}")
             )
+            for sub in gpt2_attention_forwards_(m):  # NOTE [GPT-2's attention output as one node]
+                full = f"{name}.{sub}" if name and sub else name or sub
+                rep.converted.append(
+                    (full, "GPT2Attention.forward", "scores op + c_proj + resid_dropout: one node")
+                )
         else:
             rep.skipped.append((name, f"{kind} attention", what))
             note_refusal(rep, m, technique, what)
+
+
+# NOTE [GPT-2's attention output as one node]
+# Where ``convert_`` gave an HF model the slimgrad attention for ``"sdpa"`` (:func:`
+# attention_pattern`), each HF ``GPT2Attention`` self-attention whose forward is transformers'
+# own (no subclass override, no patched forward) gets a :class:`GPT2AttentionForward` as its
+# instance ``forward`` (the instance stays HF's class: ``isinstance``, HF's output capture and
+# weight init, ``state_dict`` and hooks are unchanged). Each call runs HF's forward op for op,
+# except the call HF's straight path takes (NOTE [HF attention's straight path]: training with
+# both dropouts in (0, 1), no mask tensor, no cross-attention, no earlier keys in the cache (HF
+# passes an empty DynamicCache in training: updated as HF updates it), the config still naming
+# the slimgrad attention, float32 CPU, grad on, no autocast, the gate): there ``c_attn``, the
+# head split and the cache update run as HF runs them, then
+# :func:`slimgrad.ops.gpt2_attention.apply` runs the scores op, the head merge, ``c_proj`` and
+# ``resid_dropout`` as one autograd node (NOTE [One node for
+# GPT-2's attention output] in ``slimgrad/ops/gpt2_attention.py``): the per-op path's values,
+# gradients and masks bit for bit. It takes the node only where ``c_proj`` and ``resid_dropout``
+# are the modules ``convert_`` made (slimgrad's ``Conv1D`` forward, slimgrad's ``Dropout``, not
+# in place) with no hook or patched forward of their own and no global module hook; ``c_attn``
+# runs as a module call (its hooks fire). Anything else runs HF's forward.
+_GPT2_NAMED = frozenset(
+    {
+        "past_key_values",
+        "attention_mask",
+        "encoder_hidden_states",
+        "encoder_attention_mask",
+        "output_attentions",
+    }
+)
+
+
+class GPT2AttentionForward:
+    """The ``forward`` ``convert_`` puts on an HF ``GPT2Attention`` instance (NOTE [GPT-2's
+    attention output as one node]); kept on the instance as a plain picklable object."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __call__(self, *args, **kwargs):
+        snd, mlp, ga = _GPT2_DEPS if _GPT2_DEPS else _gpt2_deps()
+        m = self.module
+        d = m.__dict__
+        mods = d["_modules"]
+        c_attn, c_proj, drop = mods.get("c_attn"), mods.get("c_proj"), mods.get("resid_dropout")
+        attn_drop = mods.get("attn_dropout")
+        hidden = args[0] if len(args) == 1 else kwargs.get("hidden_states")
+        if not (
+            (len(args) == 1 or (not args and "hidden_states" in kwargs))
+            and d["training"]
+            and type(hidden) in _PLAIN
+            and hidden.is_cpu
+            and hidden.dtype is torch.float32
+            and hidden.ndim == 3
+            and kwargs.get("attention_mask") is None
+            and kwargs.get("encoder_hidden_states") is None
+            and not d.get("is_cross_attention", True)
+            and d.get("is_causal") is True
+            and isinstance(attn_drop, nn.Dropout)
+            and type(attn_drop.p) is float
+            and 0.0 < attn_drop.p < 1.0
+            and type(drop) is snd.Dropout
+            and not drop.inplace
+            and drop.training
+            and type(drop.p) is float
+            and 0.0 < drop.p < 1.0
+            and c_attn is not None
+            and type(c_proj).forward is mlp._CONV1D_FORWARD
+            and "weight" in (pp := c_proj._parameters)
+            and type(pp["weight"]) is nn.Parameter
+            and type(pp.get("bias")) is nn.Parameter
+            # mlp._hooked(child) and mlp._global_hooks() only when some hook dict is not empty
+            and not (
+                (
+                    c_proj._forward_hooks
+                    or c_proj._forward_pre_hooks
+                    or c_proj._backward_hooks
+                    or c_proj._backward_pre_hooks
+                    or drop._forward_hooks
+                    or drop._forward_pre_hooks
+                    or drop._backward_hooks
+                    or drop._backward_pre_hooks
+                    or "forward" in c_proj.__dict__
+                    or "forward" in drop.__dict__
+                )
+                and (mlp._hooked(c_proj) or mlp._hooked(drop))
+            )
+            and not (
+                (
+                    _module._global_forward_hooks
+                    or _module._global_forward_pre_hooks
+                    or _module._global_backward_hooks
+                    or _module._global_backward_pre_hooks
+                )
+                and mlp._global_hooks()
+            )
+            and device_rule.RULES["attention"] is _SDPA_RULE
+            and device_rule._STANDS_FOR.get() is None
+            and _grad_on()
+            and not _any_autocast()
+            and straight()
+            and getattr(d.get("config"), "_attn_implementation", None) == ATTN_NAME
+        ):
+            return type(m).forward(m, *args, **kwargs)
+        if kwargs:  # HF passes all but its named ones to the attention function: its keyword rule
+            fn = _HF_SDPA[0].sdpa_attention_forward if _HF_SDPA else None
+            unimplemented = _UNIMPLEMENTED[1] if _UNIMPLEMENTED[0] is fn else _sdpa_unimplemented()
+            for name in ("position_bias", *unimplemented):
+                if name in kwargs and name not in _GPT2_NAMED:
+                    v = kwargs[name]
+                    if v is not None and v is not False:  # _is_set
+                        return type(m).forward(m, *args, **kwargs)
+        # HF's forward for a self-attention, step for step up to the attention
+        query, key, value = c_attn(hidden).split(d["split_size"], dim=2)
+        shape_kv = (*key.shape[:-1], -1, d["head_dim"])
+        key = key.view(shape_kv).transpose(1, 2)
+        value = value.view(shape_kv).transpose(1, 2)
+        shape_q = (*query.shape[:-1], -1, d["head_dim"])
+        query = query.view(shape_q).transpose(1, 2)
+        cache = kwargs.get("past_key_values")
+        if cache is not None:  # HF's update of the self-attention cache (training: an empty one)
+            if isinstance(cache, sys.modules[type(m).__module__].EncoderDecoderCache):
+                cache = cache.self_attention_cache
+            key, value = cache.update(key, value, d["layer_idx"])
+        scaling = d["scaling"]
+        w, b = pp["weight"], pp["bias"]
+        if (scaling is None or (type(scaling) is float and scaling >= 0)) and ga.block_ok(
+            query, key, value, w, b, attn_drop.p, drop.p
+        ):
+            rk = (scaling, query.shape[-1])
+            _, root = _ROOTS[rk] if rk in _ROOTS else _roots(scaling, query.shape[-1])
+            return ga.apply(query, key, value, w, b, root, attn_drop.p, drop.p), None
+        # the rest of HF's forward (the attention function its config names: _attention)
+        rest = {k: v for k, v in kwargs.items() if k not in _GPT2_NAMED and k != "hidden_states"}
+        out, weights = _attention(
+            m, query, key, value, None, dropout=attn_drop.p, scaling=scaling, **rest
+        )
+        out = out.reshape(*out.shape[:-2], -1).contiguous()
+        return drop(c_proj(out)), weights
+
+
+_GPT2_DEPS: list = []  # (slimgrad.nn.dropout, slimgrad.nn.gpt2_mlp, slimgrad.ops.gpt2_attention)
+
+
+def _gpt2_deps():
+    # imported at the first call (slimgrad.nn imports convert_handlers), then read from the list
+    from slimgrad.nn import dropout, gpt2_mlp
+    from slimgrad.ops import gpt2_attention
+
+    _GPT2_DEPS[:] = [dropout, gpt2_mlp, gpt2_attention]
+    return _GPT2_DEPS
+
+
+def gpt2_attention_forwards_(model: nn.Module) -> list[str]:
+    """Put :class:`GPT2AttentionForward` on ``model``'s HF GPT-2 self-attentions (NOTE [GPT-2's
+    attention output as one node]); returns their names."""
+    hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
+    stock = getattr(getattr(hf, "GPT2Attention", None), "forward", None)
+    if stock is None:
+        return []
+    names = []
+    for name, m in model.named_modules():
+        if (
+            isinstance(m, hf.GPT2Attention)
+            and type(m).forward is stock
+            and "forward" not in m.__dict__
+            and m.__dict__.get("is_cross_attention") is False
+            and getattr(m.__dict__.get("config"), "_attn_implementation", None) == ATTN_NAME
+        ):
+            m.forward = GPT2AttentionForward(m)
+            names.append(name)
+    return names

@@ -1,0 +1,259 @@
+"""HF GPT-2's attention after the head split as one autograd node: the scores op, the head merge,
+``c_proj`` and the residual dropout, ``dropout(merge(attend(q, k, v)) W_proj + b_proj)``.
+
+Math: ``O = dropout_a(softmax(causal(q' k'^T))) V`` on the folded ``(B·H, T, d)`` operands
+``q' = q sqrt(s)``, ``k'^T = k^T sqrt(s)`` (SDPA's math path, :func:`scores_softmax_dropout_matmul
+<slimgrad.ops.softmax_dropout.scores_softmax_dropout_matmul>`), ``A = merge(O)`` (``(B, T, H·d)``,
+HF's ``transpose(1, 2)`` then ``reshape``), ``Z = A W_proj + b_proj`` (HF ``Conv1D``, W ``(in,
+out)``), ``out = dropout_r(Z)``. Backward: each step's backward in reverse order, the very functions
+the per-op Functions run.
+
+Memory: saves q', k'^T, V and the attention's dropout bits (1/8 B/elt of the scores; what the
+scores op keeps), A (if W_proj needs grad; what ``c_proj`` keeps) and the residual dropout's bits
+(1/8 B/elt of out): the per-op converted path's tensors, byte for byte (eager: q', k'^T, P, the
+float noise and the dropped P, V, A and a float residual mask). All of it goes through
+``save_for_backward``.
+
+# NOTE [One node for GPT-2's attention output]
+A converted GPT-2 attention ran the scores op's Function, four autograd view nodes for the head
+merge (view, transpose, the contiguous copy, HF's reshape), ``c_proj``'s node and the residual
+Dropout's Function: three Python forwards and backwards and five gradient hand-overs through the
+engine per layer. :class:`_GPT2AttentionFn` runs the same steps in one Function, as NOTE [One node
+for GPT-2's MLP] in ``ops/gpt2_mlp.py`` does for the MLP: each op's own Function ``forward`` on a
+``_Step`` (a ``ctx`` stand-in), in the order the per-op path runs them, so the outputs, the saved
+tensors and both dropout masks (the same draws from the same generator, after the same ops: the
+attention's noise inside the scores op, then ``c_proj``'s addmm, then the residual noise) are the
+per-op path's; one ``save_for_backward`` keeps every step's tensors (saved-tensor hooks and
+checkpointing see each). Backward runs the residual dropout's, ``c_proj``'s and the scores op's
+backward in reverse order on the same tensors; the gradient between ``c_proj`` and the scores op
+takes the per-op path's layout (``view`` as ``(B, T, H, d)``, ``transpose(1, 2)``, ``reshape`` to
+``(B·H, T, d)``: the copy the view node's backward made), so each product runs on operands of the
+same strides and every gradient is the per-op path's bit for bit. Ownership: the block's
+incoming gradient is taken (``ownership.grant``) as the per-op Dropout's backward takes it; the
+gradients inside are the node's own.
+
+What the node holds longer than the per-op path: ``c_proj``'s node released A when its backward
+returned; the node holds A until the scores op's backward has run (B·T·H·d elements, the size of
+the attention output). Where the scores op's backward is the step's peak, the peak is up to A's
+bytes above the per-op path's (measured in ``tests/ops/test_gpt2_attention.py``).
+
+Second derivatives: first derivatives only; ``create_graph=True`` gives them, differentiating them
+raises a ``slimgrad.ops.gpt2_attention`` error, as the per-op scores op does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+
+from slimgrad import ownership
+from slimgrad._autograd import compiling, direct_apply, refuse_second_order, unwrap_if_dead
+from slimgrad._library import straight
+from slimgrad.ops.gpt2_mlp import _dropout_backward, _Step
+from slimgrad.ops.linear import _LinearFn, fresh
+
+__all__ = ["gpt2_attention"]
+
+_dr = importlib.import_module("slimgrad.ops.dropout")
+_sdm = importlib.import_module("slimgrad.ops.softmax_dropout")
+_ScoresFn = _sdm._ScoresSoftmaxDropoutMatmulFn
+_grad_on = torch._C.is_grad_enabled
+_API = "slimgrad.ops.gpt2_attention"
+
+
+def _backward(ctx, dy, owned: bool = False):
+    core, proj, drop = ctx.steps
+    saved = ctx.saved_tensors
+    i = 0
+    for st in ctx.steps:
+        st.saved_tensors = saved[i : i + st.n_saved]
+        i += st.n_saved
+    del saved
+    g = _dropout_backward(drop, dy, owned)
+    del dy
+    # c_proj's gradient arrives as its 2-D product's (NOTE [Linear's 2-D product] in ops/linear.py)
+    g2 = g.reshape(-1, g.shape[-1]) if proj.lead is not None else g
+    del g
+    da, dw, db = _LinearFn.backward(proj, g2)[:3]
+    del g2
+    dq = dk = dv = None
+    if da is not None:
+        b, h, t, d = ctx.heads
+        # the head merge's backward, as its view nodes ran it: (B, T, H, d) -> (B, H, T, d) ->
+        # (B·H, T, d), a contiguous copy (ViewBackward's reshape of a transposed gradient)
+        d_out = da.view(b, t, h, d).transpose(1, 2).reshape(b * h, t, d)
+        del da
+        dq, dk, dv = _ScoresFn.backward(core, d_out)[:3]
+        del d_out
+    for st in ctx.steps:
+        st.saved_tensors = ()
+    return dq, dk, dv, dw, db, None, None, None, None
+
+
+class _GPT2AttentionFn(torch.autograd.Function):
+    # NOTE [One node for GPT-2's attention output]
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(ctx, q, k_t, v, w, b, p_attn, causal, p_resid, heads):
+        # q, k_t, v: the folded, scaled operands of HF's straight path (NOTE [HF attention's
+        # straight path] in convert_handlers/hf_attention.py); heads: (B, H, T, d)
+        n = ctx.needs_input_grad
+        core = _Step()
+        core.needs_input_grad = (n[0], n[1], n[2], False, False, False, False, False, False)
+        out = _ScoresFn.forward(core, q, k_t, v, p_attn, q.dtype, causal, None, True, True)
+        bb, h, t, d = heads
+        # _attention's return, then HF's reshape(..., -1).contiguous() (a view of the copy)
+        a = out.view(bb, h, t, d).transpose(1, 2).contiguous().reshape(bb, t, h * d)
+        del out
+        proj = _Step()
+        proj.needs_input_grad = (n[0] or n[1] or n[2], n[3], n[4], False, False)
+        z = _LinearFn.forward(proj, a, w, b, True, True)
+        if proj.lead is not None:
+            z = z.view(proj.lead + z.shape[-1:])
+        del a
+        drop = _Step()
+        z = _dr._DropoutFn.forward(drop, z, p_resid, True)
+        steps = (core, proj, drop)
+        to_save = []
+        for st in steps:
+            st.n_saved = len(st.to_save)
+            to_save.extend(st.to_save)
+            st.to_save = ()
+        ctx.steps, ctx.heads = steps, heads
+        ctx.save_for_backward(*to_save)
+        return fresh(z)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
+            return refuse_second_order("ops.gpt2_attention", _backward, ctx, (dy,))
+        # first use of dy: NOTE [Gradient-buffer ownership], as the per-op Dropout's backward
+        owned = not compiling() and ownership.grant(dy, ownership.PROBE)
+        return _backward(ctx, dy, owned)
+
+
+_GPT2_ATTENTION_APPLY = direct_apply(_GPT2AttentionFn)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_F32 = torch.float32
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def block_ok(q, k, v, w, b, p_attn, p_resid) -> bool:
+    """Whether the one-node path applies to heads ``q``, ``k``, ``v`` (``(B, H, T, d)``): eager
+    (the gate of NOTE [One gate per call] in ``slimgrad/_library.py``), grad mode on without
+    autocast, plain float32 CPU tensors of one shape without zero sizes, both dropout
+    probabilities in (0, 1), and a 2-D ``c_proj`` weight ``(H·d, out)`` with a bias."""
+    return (
+        type(p_attn) is float
+        and 0.0 < p_attn < 1.0
+        and type(p_resid) is float
+        and 0.0 < p_resid < 1.0
+        and type(q) in _PLAIN
+        and type(k) in _PLAIN
+        and type(v) in _PLAIN
+        and type(w) in _PLAIN
+        and type(b) in _PLAIN
+        and q.ndim == 4
+        and q.shape == k.shape
+        and q.shape == v.shape
+        and 0 not in q.shape
+        and q.is_cpu
+        and q.dtype is _F32
+        and k.dtype is _F32
+        and v.dtype is _F32
+        and w.dtype is _F32
+        and b.dtype is _F32
+        and w.ndim == 2
+        and w.shape[0] == q.shape[1] * q.shape[3]
+        and b.shape == w.shape[1:]
+        and _grad_on()
+        and not _any_autocast()
+        and straight()
+    )
+
+
+def apply(q, k, v, w, b, root: float, p_attn: float, p_resid: float) -> torch.Tensor:
+    """The node on heads :func:`block_ok` accepted: HF's straight-path operands (NOTE [HF
+    attention's straight path]), then :class:`_GPT2AttentionFn`."""
+    bb, h, t, d = q.shape
+    bh = bb * h
+    vc = v.contiguous()  # a copy is plain too; v itself may be a dead wrapper
+    if vc is v:
+        vc = unwrap_if_dead(vc)
+    return _GPT2_ATTENTION_APPLY(
+        (q * root).reshape(bh, t, d),
+        (k.mT * root).reshape(bh, d, t),  # mT: transpose(-2, -1)
+        vc.view(bh, t, d),
+        w,
+        b,
+        p_attn,
+        t > 1,
+        p_resid,
+        (bb, h, t, d),
+    )
+
+
+def gpt2_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    c_proj_weight: torch.Tensor,
+    c_proj_bias: torch.Tensor,
+    scaling: float | None = None,
+    attn_p: float = 0.1,
+    resid_p: float = 0.1,
+    training: bool = True,
+) -> torch.Tensor:
+    """HF GPT-2's causal self-attention after the head split: ``dropout(merge(attend(query, key,
+    value)) @ c_proj_weight + c_proj_bias, resid_p)``, one autograd node where it applies (NOTE
+    [One node for GPT-2's attention output]).
+
+    ``attend`` is SDPA's math path with dropout ``attn_p`` (causal where ``T > 1``), as HF's
+    ``sdpa_attention_forward`` computes it on CPU; ``merge`` is HF's ``transpose(1, 2)`` and
+    ``reshape`` to ``(B, T, H·d)``. Values and gradients equal the per-op path (the scores op,
+    ``Conv1D``, ``Dropout``) bit for bit, the same dropout masks at the same RNG state.
+
+    Memory: saves the scaled q and k^T, value, the attention's dropout bits (1/8 B/elt of the
+    scores), the merged attention output (``c_proj``'s input) and the residual dropout bits (1/8
+    B/elt of the output): what the per-op ops keep, together.
+
+    Args:
+        query, key, value: ``(B, H, T, d)``.
+        c_proj_weight: ``(H·d, out)`` (HF ``Conv1D`` layout); c_proj_bias: ``(out,)``.
+        scaling: the softmax scale; None: ``1 / sqrt(d)``.
+        attn_p: the attention dropout probability. resid_p: the residual dropout probability.
+        training: dropout on (as ``F.dropout``'s ``training``).
+
+    Returns:
+        ``(B, T, out)``.
+
+    Raises:
+        ValueError: a probability outside [0, 1] or a negative ``scaling``.
+
+    Example:
+        >>> q, k, v = (torch.randn(2, 4, 7, 8, requires_grad=True) for _ in range(3))
+        >>> y = gpt2_attention(q, k, v, torch.randn(32, 32), torch.zeros(32))
+    """
+    _dr._check_p("ops.gpt2_attention", attn_p)
+    _dr._check_p("ops.gpt2_attention", resid_p)
+    if scaling is not None and not scaling >= 0:
+        raise ValueError(
+            f"{_API}: scaling must be >= 0; expected a non-negative float or None, got "
+            f"{scaling!r}. Pass None for 1/sqrt(head size)."
+        )
+    # as HF's straight path (_roots in convert_handlers/hf_attention.py): math.sqrt, not ** 0.5
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    root = math.sqrt(scale)
+    p_a, p_r = float(attn_p) if training else 0.0, float(resid_p) if training else 0.0
+    if block_ok(query, key, value, c_proj_weight, c_proj_bias, p_a, p_r):
+        return apply(query, key, value, c_proj_weight, c_proj_bias, root, p_a, p_r)
+    from slimgrad.ops.dropout import dropout
+    from slimgrad.ops.linear import conv1d_addmm
+
+    b, h, t, d = query.shape
+    out = _sdm.scores_softmax_dropout_matmul(query * root, key.mT * root, value, p_a, causal=t > 1)
+    a = out.transpose(1, 2).contiguous().reshape(b, t, h * d)
+    return dropout(conv1d_addmm(a, c_proj_weight, c_proj_bias), p_r, training)

@@ -1,0 +1,288 @@
+"""HF GPT-2's attention output as one autograd node (ops/gpt2_attention.py; the forward in
+convert_handlers/hf_attention.py; NOTEs [One node for GPT-2's attention output], [GPT-2's attention
+output as one node]): the per-op converted path's loss, gradients and bytes, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import slimgrad
+import slimgrad.ops.gpt2_attention as oga
+from slimgrad import memory
+from slimgrad.convert_handlers.hf_attention import GPT2AttentionForward
+from slimgrad.ops.gpt2_attention import gpt2_attention
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(layers=2, pdrop=0.1, width=32, **kw):
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=4, vocab_size=97, n_positions=64,
+        resid_pdrop=pdrop, attn_pdrop=pdrop, embd_pdrop=pdrop, bos_token_id=0, eos_token_id=0,
+        **kw,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture
+def count(monkeypatch):
+    # how many calls took the one-node path
+    n = [0]
+    node = oga._GPT2_ATTENTION_APPLY
+
+    def counting(*a):
+        n[0] += 1
+        return node(*a)
+
+    monkeypatch.setattr(oga, "_GPT2_ATTENTION_APPLY", counting)
+    return n
+
+
+def _hf_forward(model):
+    # the per-op converted path: HF's own forward on every attention
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), GPT2AttentionForward):
+            del m.__dict__["forward"]
+
+
+def _step(model, ids, **kw):
+    torch.manual_seed(5)  # the dropout masks
+    loss = model(input_ids=ids, labels=ids, **kw).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+def _same(a, b):
+    (loss, grads), (loss_p, grads_p) = a, b
+    assert torch.equal(loss, loss_p)
+    assert grads.keys() == grads_p.keys()
+    for k in grads:
+        assert torch.equal(grads[k], grads_p[k]), k
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("frozen", [None, "c_attn", "c_proj", "c_proj_bias", "wte"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_bits_as_per_op(train, frozen, use_cache, count):
+    model = _model()
+    model.train(train)
+    if frozen == "wte":
+        model.transformer.wte.weight.requires_grad_(False)
+    elif frozen is not None:
+        for blk in model.transformer.h:
+            p = {
+                "c_attn": blk.attn.c_attn.weight,
+                "c_proj": blk.attn.c_proj.weight,
+                "c_proj_bias": blk.attn.c_proj.bias,
+            }[frozen]
+            p.requires_grad_(False)
+    conv = slimgrad.convert_(copy.deepcopy(model))
+    attn = conv.transformer.h[0].attn
+    assert type(attn) is type(model.transformer.h[0].attn)  # HF's class, its own instance forward
+    assert isinstance(attn.__dict__["forward"], GPT2AttentionForward)
+    ids = torch.randint(0, 97, (2, 24))
+    got = _step(conv, ids, use_cache=use_cache)
+    assert count[0] == (2 if train else 0)  # both blocks ran the node in training
+    per_op = copy.deepcopy(conv)
+    _hf_forward(per_op)
+    _same(got, _step(per_op, ids, use_cache=use_cache))
+    assert conv.state_dict().keys() == model.state_dict().keys()
+
+
+def test_tail_path_and_masks_as_per_op(count, monkeypatch):
+    # a padded batch (HF builds a mask tensor) runs HF's forward; block_ok refused: the rest of
+    # HF's forward after the split (the attention function, c_proj, resid_dropout)
+    conv = slimgrad.convert_(_model())
+    per_op = copy.deepcopy(conv)
+    _hf_forward(per_op)
+    ids = torch.randint(0, 97, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, :5] = 0
+    _same(_step(conv, ids, attention_mask=mask), _step(per_op, ids, attention_mask=mask))
+    assert count[0] == 0
+    monkeypatch.setattr(oga, "block_ok", lambda *a: False)
+    _same(_step(conv, ids), _step(per_op, ids))
+    assert count[0] == 0
+
+
+def _args(seed=0, b=2, h=4, t=13, d=8):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, t, d, generator=g, requires_grad=True) for _ in range(3))
+    w = torch.randn(h * d, 24, generator=g, requires_grad=True)
+    bias = torch.randn(24, generator=g, requires_grad=True)
+    return [q, k, v, w, bias]
+
+
+@pytest.mark.parametrize("subset", [None, "qkv", "weights", "k"])
+@pytest.mark.parametrize("t", [1, 13])
+def test_functional_bits_and_subsets(subset, t, monkeypatch):
+    args = _args(t=t)
+    dy = torch.randn(2, t, 24, generator=torch.Generator().manual_seed(9))
+    outs = []
+    for node in (True, False):
+        if not node:
+            monkeypatch.setattr(oga, "block_ok", lambda *a: False)
+        torch.manual_seed(1)
+        y = gpt2_attention(*args, scaling=0.3, attn_p=0.2, resid_p=0.3)
+        inputs = {None: args, "qkv": args[:3], "weights": args[3:], "k": args[1:2]}[subset]
+        outs.append((y.detach(), torch.autograd.grad(y, inputs, dy)))
+    (y, g), (y_p, g_p) = outs
+    assert torch.equal(y, y_p)
+    for a, b in zip(g, g_p, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_functional_eval_and_errors():
+    args = _args()
+    y = gpt2_attention(*args, training=False)
+    torch.testing.assert_close(
+        y,
+        torch.nn.functional.scaled_dot_product_attention(*args[:3], is_causal=True)
+        .transpose(1, 2)
+        .reshape(2, 13, 32)
+        @ args[3]
+        + args[4],
+    )
+    with pytest.raises(ValueError, match="slimgrad.ops.gpt2_attention"):
+        gpt2_attention(*args, attn_p=1.5)
+    with pytest.raises(ValueError, match="scaling must be >= 0"):
+        gpt2_attention(*args, scaling=-1.0)
+
+
+@pytest.mark.parametrize("width, tokens", [(32, 24), (64, 16)])
+def test_memory_as_per_op_and_below_eager(width, tokens):
+    # NOTE [One node for GPT-2's attention output]: the same saved bytes; the peak at most A's
+    # bytes (4 B x tokens x width) above the per-op path's
+    model = _model(width=width)
+    conv = slimgrad.convert_(copy.deepcopy(model))
+    per_op = copy.deepcopy(conv)
+    _hf_forward(per_op)
+    ids = torch.randint(0, 97, (2, tokens))
+
+    def meas(m):
+        torch.manual_seed(5)
+        r = memory.measure(lambda: m(input_ids=ids, labels=ids).loss)
+        for p in m.parameters():
+            p.grad = None
+        return r
+
+    meas(conv)  # first-use caches
+    meas(per_op)
+    node, ref, eager = meas(conv), meas(per_op), meas(model)
+    assert node.saved_bytes == ref.saved_bytes < eager.saved_bytes
+    a_bytes = 4 * ids.numel() * width
+    assert ref.peak_bytes <= node.peak_bytes <= ref.peak_bytes + a_bytes
+    assert node.peak_bytes < eager.peak_bytes
+
+
+def test_hf_forward_where_the_node_does_not_apply(count):
+    conv = slimgrad.convert_(_model(layers=1))
+    attn = conv.transformer.h[0].attn
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    attn(x)
+    assert count[0] == 1
+    with torch.no_grad():
+        attn(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attn(x)
+    attn(x.detach())  # nothing before needs a gradient, the weights do: the node again
+    assert count[0] == 2
+    for child in ("c_proj", "resid_dropout"):
+        h = getattr(attn, child).register_forward_hook(lambda m, i, o: None)
+        attn(x)
+        h.remove()
+    h = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    attn(x)
+    h.remove()
+    assert count[0] == 2
+    attn.resid_dropout.p = 0.0  # the per-op Dropout with p = 0 (HF's forward)
+    attn(x)
+    attn.resid_dropout.p = 0.1
+    attn.eval()
+    attn(x)
+    attn.train()
+    conv.config._attn_implementation = "sdpa"  # HF's attention again: HF's forward
+    attn(x)
+    assert count[0] == 2
+
+
+def test_not_put_where_the_forward_is_not_hfs():
+    model = _model(layers=2)
+    blk0, blk1 = model.transformer.h
+    blk0.attn.forward = lambda *a, **k: (a[0], None)  # a patched forward stays the user's
+
+    class Mine(type(blk1.attn)):
+        def forward(self, hidden_states, **kwargs):
+            return super().forward(hidden_states, **kwargs)
+
+    blk1.attn.__class__ = Mine
+    slimgrad.convert_(model)
+    assert not isinstance(blk0.attn.__dict__["forward"], GPT2AttentionForward)
+    assert "forward" not in blk1.attn.__dict__
+    assert not any(r[1] == "GPT2Attention.forward" for r in slimgrad.report(model).converted)
+
+
+def test_report_and_copies(count):
+    conv = slimgrad.convert_(_model())
+    rows = [r for r in slimgrad.report(conv).converted if r[1] == "GPT2Attention.forward"]
+    assert [r[0] for r in rows] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    ids = torch.randint(0, 97, (2, 24))
+    ref = _step(conv, ids)
+    buf = io.BytesIO()
+    torch.save(conv, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(conv), torch.load(buf, weights_only=False)):
+        fwd = other.transformer.h[0].attn.__dict__["forward"]
+        assert fwd.module is other.transformer.h[0].attn  # its own module, not the original's
+        _same(ref, _step(other, ids))
+    assert count[0] == 6
+
+
+def test_double_backward_refused():
+    args = _args()
+    y = gpt2_attention(*args)
+    (gq,) = torch.autograd.grad(y.square().sum(), args[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="slimgrad.ops.gpt2_attention"):
+        gq.sum().backward()
+
+
+def test_checkpoint_and_saved_tensor_hooks(count):
+    conv = slimgrad.convert_(_model(layers=1))
+    attn = conv.transformer.h[0].attn
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    dy = torch.randn(2, 24, 32)
+    torch.manual_seed(2)
+    ref = torch.autograd.grad(attn(x)[0], [x, *attn.parameters()], dy)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    torch.manual_seed(2)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = attn(x)[0]
+    assert packed  # what the node keeps goes through save_for_backward
+    got = torch.autograd.grad(y, [x, *attn.parameters()], dy)
+    torch.manual_seed(2)
+    y = torch.utils.checkpoint.checkpoint(lambda t: attn(t)[0], x, use_reentrant=False)
+    ck = torch.autograd.grad(y, [x, *attn.parameters()], dy)
+    assert count[0] == 4  # the checkpoint's recompute too
+    for a, b, c in zip(ref, got, ck, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_verify_passes():
+    model = _model(layers=1)
+    conv = slimgrad.convert_(copy.deepcopy(model))
+    ids = torch.randint(0, 97, (2, 24))
+    rep = slimgrad.verify(model, conv, {"input_ids": ids, "labels": ids})
+    assert rep.ok, rep
