@@ -296,7 +296,11 @@ class _Guard:
 # of its input. A branch whose condition reads only number/None settings of the module (``if
 # self.config.clip_qkv is not None``; ``self.training and self.jitter_noise > 0`` with no jitter) is
 # followed only where those settings lead, as they are at convert time (changing such a setting
-# after convert_ is not covered; the mode and bool switches are never taken as known). A helper
+# after convert_ is not covered; the mode and bool switches are never taken as known); so is one
+# on a child's presence (``self.conv is not None``) or on a local name last assigned a literal
+# (``to_drop = False``; ``_Const``: a name given any other value, or ``+=``, is no longer known;
+# where two paths join with different literals, neither). ``continue``/``break`` carry what names
+# hold there to the loop's next pass and its exit. A helper
 # method's writes hit only the arguments it writes. The forward's returned names give its ends, as
 # for traced modules. The same reading serves every module torch.fx cannot trace. A forward whose
 # source cannot be read, or that does not parse as one function, keeps its output-saving children
@@ -923,14 +927,25 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 # be the model's output is read once at ``convert_`` time, with the same reading of the model's
 # structure the in-place guard uses (nn.Sequential order, torch.fx traces of plain-torch forwards,
 # the source of HF forwards and of untraceable ones: the ``ends`` of the root), widened for this
-# question: a loop over a ModuleList/Sequential (``for layer in self.layers: h = layer(h)``) ends
-# with its last child's output where every pass runs the whole body and no name carries an earlier
-# pass's value into the next (any child's otherwise: ``hs = hs + (h,)`` gathers every layer's);
-# ``self.layers[i](h)`` may return any child's output; ``hs + (h,)``, ``hs += (h,)`` and
+# question: a loop over a ModuleList/Sequential (``for layer in self.layers: h = layer(h)``, also
+# ``enumerate(...)`` and ``self.layers[:n]`` with number bounds) is read one pass per child, in
+# order, the loop's name holding that child alone (up to ``_UNROLL`` children; beyond, or over a
+# slice with other bounds, any child in any pass): so ``h`` leaves the loop holding the last
+# child's output, ``hs = hs + (h,)`` every child's, and a pass a branch may skip (LayerDrop's
+# ``continue``, ``if not to_drop: h = layer(h)``) leaves what the previous pass left (the loop's
+# input, if every pass may skip). ``continue`` and ``break`` join what the names hold there at the
+# loop's head and exit (in every loop). A branch whose test reads only number/None settings of the
+# module, a child's presence (``self.final_layer_norm is not None``: swapping a child for None is a
+# change of structure, run ``convert_`` again) or a local name assigned a literal (``to_drop =
+# False``) is followed where it leads at ``convert_`` time: BART's and OPT's LayerDrop, off by
+# default, costs nothing; set ``layerdrop > 0`` before ``convert_`` and every layer's norm runs
+# eager's op. ``self.layers[i](h)`` may return any child's output; ``hs + (h,)``, ``hs += (h,)`` and
 # ``hs.append(h)`` make ``hs`` hold what ``h`` holds; a function slimgrad does not know (a
 # ModelOutput, ``apply_chunking_to_forward(self.chunk, ...)``) may return its arguments and what a
 # method of the module handed to it returns; ``self.m(...)`` may return what method m's source
-# returns; a forward whose source cannot be read may return any child's output. Not followed: the
+# returns (its arguments, for a property or stored callable); a forward or method whose source
+# cannot be read as one function (a lambda) may return any descendant's output. The module is the
+# forward's first parameter, whatever its name (``def forward(mod, x)``). Not followed: the
 # ModelOutput fields a call fills only when asked per call (``output_hidden_states=True``,
 # ``output_attentions=True``: ``_EXTRA_FIELDS``), which a converted model returns as it did; a
 # module held at several places counts once, where it is read.
