@@ -482,3 +482,20 @@ def test_inplace_abn_at_the_output_never_keeps_more_than_eager():
     me = measure(lambda: _loss(eager(x * 1.5)), timeline=False)
     ms = measure(lambda: _loss(ours(x * 1.5)), timeline=False)
     assert ms.saved_bytes <= me.saved_bytes and ms.peak_bytes <= me.peak_bytes, (me, ms)
+
+
+class _ParamFlag(_Stack):
+    # ``skip`` is a parameter (unknown) that a branch may set to a literal: still unknown after
+    def forward(self, x, skip=False):
+        x = _untraceable(x)
+        for layer in self.layers:
+            if bool(x.sum() > 1e9):
+                skip = True
+            if not skip:
+                x = layer(x)
+        return x
+
+
+def test_a_parameter_set_to_a_literal_on_one_path_stays_unknown():
+    m = slimgrad.convert_(_ParamFlag())
+    assert _off(m) == ALL, slimgrad.report(m)

@@ -823,7 +823,16 @@ def _no_consts(held) -> set:
 
 
 def _union(a: dict, b: dict) -> dict:
-    return {k: set(a.get(k, ())) | set(b.get(k, ())) for k in a.keys() | b.keys()}
+    # a name holds a literal after the join only where both sides hold that same literal (a side
+    # that never assigned it, e.g. a parameter, may hold anything)
+    out = {}
+    for k in a.keys() | b.keys():
+        x, y = a.get(k), b.get(k)
+        if x is None or y is None or x - _no_consts(x) != y - _no_consts(y):
+            out[k] = _no_consts((x or set()) | (y or set()))
+        else:
+            out[k] = set(x) | set(y)
+    return out
 
 
 def _any_end(guard: _Guard, m: nn.Module) -> list:
