@@ -296,12 +296,17 @@ class _Guard:
 # of its input. A branch whose condition reads only number/None settings of the module (``if
 # self.config.clip_qkv is not None``; ``self.training and self.jitter_noise > 0`` with no jitter) is
 # followed only where those settings lead, as they are at convert time (changing such a setting
-# after convert_ is not covered; the mode and bool switches are never taken as known). A helper
+# after convert_ is not covered; the mode and bool switches are never taken as known); so is one
+# on a child's presence (``self.conv is not None``) or on a local name last assigned a literal
+# (``to_drop = False``; ``_Const``: a name given any other value, or ``+=``, is no longer known;
+# where two paths join with different literals, neither). ``continue``/``break`` carry what names
+# hold there to the loop's next pass and its exit. A helper
 # method's writes hit only the arguments it writes. The forward's returned names give its ends, as
 # for traced modules. The same reading serves every module torch.fx cannot trace. A forward whose
 # source cannot be read, or that does not parse as one function, keeps its output-saving children
 # unconverted when it or a descendant has ``inplace=True``.
 _IN = "<input>"  # the forward's first parameter, among the aliases a name may hold
+_ARG = "<argument>"  # any argument of a helper method (what its call passes in)
 _NOT_VALUES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "size"})
 _HF_AST: dict = {}
 
@@ -364,44 +369,64 @@ def _lambdas(fn) -> list:
 _MISSING = object()
 
 
-def _static(test, module: nn.Module | None):
+def _static(test, module: nn.Module | None, me: str = "self", env: dict | None = None):
     # True/False when ``test`` reads only number/None attributes of the module (``self.config.
     # clip_qkv is not None``, ``self.training and self.jitter_noise > 0``), else None
     if module is None:
         return None
     if isinstance(test, ast.BoolOp):
-        vals = [_static(v, module) for v in test.values]
+        vals = [_static(v, module, me, env) for v in test.values]
         if isinstance(test.op, ast.And):
             return False if False in vals else (True if all(v is True for v in vals) else None)
         return True if True in vals else (False if all(v is False for v in vals) else None)
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        v = _static(test.operand, module)
+        v = _static(test.operand, module, me, env)
         return None if v is None else not v
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
-        a, b = _value(test.left, module), _value(test.comparators[0], module)
+        op = test.ops[0]
+        held = isinstance(op, (ast.Is, ast.IsNot))  # ``self.conv is not None``: a child's presence
+        a = _value(test.left, module, me, held, env)
+        b = _value(test.comparators[0], module, me, held, env)
         if a is _MISSING or b is _MISSING:
             return None
-        op = test.ops[0]
-        if isinstance(op, (ast.Is, ast.IsNot)):
-            return (a is b) == isinstance(op, ast.Is)
+        if held:  # (two children: the same one or not, unknown here)
+            return None if a is b is _CHILD else (a is b) == isinstance(op, ast.Is)
         fns = {ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Lt: operator.lt,
                ast.LtE: operator.le, ast.Eq: operator.eq, ast.NotEq: operator.ne}  # fmt: skip
         try:
             return bool(fns[type(op)](a, b)) if type(op) in fns else None
         except TypeError:
             return None
-    v = _value(test, module)
+    v = _value(test, module, me, env=env)
     return None if v is _MISSING else bool(v)
 
 
-def _value(e, module: nn.Module):
+_CHILD = object()  # stands for a child module in ``is`` / ``is not`` tests
+
+
+@dataclass(frozen=True)
+class _Const:
+    # a local name assigned a literal number, bool or None (``to_drop = False``), read by a
+    # branch's test; (type, value): True and 1 differ
+    kind: type
+    value: object
+
+
+def _value(e, module: nn.Module, me: str = "self", child: bool = False, env: dict | None = None):
     if isinstance(e, ast.Constant) and (e.value is None or isinstance(e.value, (int, float))):
         return e.value
+    if isinstance(e, ast.Name) and env is not None and e.id != me:  # to_drop = False; ...
+        held = env.get(e.id, ())
+        one = next(iter(held)) if len(held) == 1 else None
+        return one.value if isinstance(one, _Const) else _MISSING
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):  # self.layers[:-1]
+        v = _value(e.operand, module, me, env=env)
+        return v if v is _MISSING or v is None else -v
     path = []
     while isinstance(e, ast.Attribute):
         path.append(e.attr)
         e = e.value
-    if not (isinstance(e, ast.Name) and e.id == "self" and path) or path[-1] == "training":
+    if not (isinstance(e, ast.Name) and e.id == me and path) or path[-1] == "training":
         return _MISSING  # the mode changes after conversion
     v = module
     for a in reversed(path):
@@ -411,6 +436,8 @@ def _value(e, module: nn.Module):
             return _MISSING
         if v is _MISSING:
             return _MISSING
+    if child and isinstance(v, nn.Module):  # a child (swapping it for None after convert_
+        return _CHILD  # changes the model's structure: run convert_ again)
     # numbers and None only: a bool is a switch users flip after conversion
     # (``gradient_checkpointing``, ``config.output_attentions``)
     return v if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) else _MISSING
@@ -428,10 +455,13 @@ def _namespace(e) -> bool:
 
 class _Flow:
     # NOTE [In-place writes in HF forwards]: an abstract run of one forward over alias sets
-    def __init__(self, guard: _Guard | None, module: nn.Module | None) -> None:
+    def __init__(self, guard: _Guard | None, module: nn.Module | None, me: str = "self") -> None:
         self.guard, self.module = guard, module
+        self.me = me  # the name the forward gives its module (its first parameter)
         self.ret: set = set()
         self.written: set = set()
+        # per enclosing loop: the envs at its ``continue`` and ``break`` statements
+        self.loops: list[tuple[list, list]] = []
 
     def flag(self, held: set, why: str) -> None:
         self.written |= held
@@ -446,10 +476,17 @@ class _Flow:
     def stmt(self, s, env: dict) -> dict:
         if isinstance(s, (ast.Assign, ast.AnnAssign)):
             held = self.expr(s.value, env) if s.value is not None else set()
+            v = s.value
+            if isinstance(v, ast.Constant) and (
+                v.value is None or isinstance(v.value, (int, float))
+            ):
+                held = {_Const(type(v.value), v.value)}  # a literal a later test may read
             for t in s.targets if isinstance(s, ast.Assign) else [s.target]:
                 self.assign(t, held, env)
         elif isinstance(s, ast.AugAssign):
             held = self.expr(s.value, env)
+            if isinstance(s.target, ast.Name):  # i += 1: no longer the literal it was
+                env[s.target.id] = _no_consts(env.get(s.target.id, ()))
             if not isinstance(s.value, (ast.Tuple, ast.List)):  # x += (h,) extends a tuple
                 self.flag(self.expr(s.target, env), f"{_op_name(s.op)}= in its HF forward")
             elif self._outputs() and isinstance(s.target, ast.Name):  # it now holds h too
@@ -471,31 +508,49 @@ class _Flow:
                 self.ret |= self.expr(s.value, env)
         elif isinstance(s, ast.If):
             self.expr(s.test, env)
-            known = _static(s.test, self.module)  # a branch the module's settings never take
+            # a branch the module's settings (or a local literal) never take
+            known = _static(s.test, self.module, self.me, env)
             if known is None:
                 env = _union(self.block(s.body, dict(env)), self.block(s.orelse, dict(env)))
             else:
                 env = self.block(s.body if known else s.orelse, env)
-        elif isinstance(s, ast.For) and (each := self.each(s)) is not None:
-            # NOTE [Modules whose output is the model's output]: a loop over a module container
+        elif isinstance(s, ast.For) and (loop := self.each(s)) is not None:
+            # NOTE [Modules whose output is the model's output]: a loop over a module container,
+            # read one pass per child, in order, where the children it visits are known
+            kids, unrolled = loop
             self.expr(s.iter, env)
-            self.assign(s.target, {each}, env)
-            once = self.block(s.body, dict(env))
-            twice = self.block(s.body, _union(env, once))
-            # ``last``: every pass runs the whole body, so what it assigns replaces what was there
-            env = twice if each.last else _union(_union(env, once), twice)
+            breaks: list = []
+            if unrolled:
+                for kid in kids:
+                    self.assign(s.target, {_Each((kid,))}, env)
+                    env = self.loop_pass(s.body, env, breaks)
+            else:  # any child in any pass: two passes, as for any loop
+                self.assign(s.target, {_Each(kids)}, env)
+                for _ in range(2):
+                    env = _union(env, self.loop_pass(s.body, dict(env), breaks))
             env = self.block(s.orelse, env)
+            for b in breaks:
+                env = _union(env, b)
         elif isinstance(s, (ast.For, ast.While)):
             if isinstance(s, ast.For):
                 self.assign(s.target, self.expr(s.iter, env), env)
             else:
                 self.expr(s.test, env)
+            breaks = []
             for _ in range(2):  # two passes: what one iteration leaves reaches the next
-                env = _union(env, self.block(s.body, dict(env)))
+                env = _union(env, self.loop_pass(s.body, dict(env), breaks))
             env = _union(env, self.block(s.orelse, dict(env)))
+            for b in breaks:
+                env = _union(env, b)
+        elif isinstance(s, (ast.Continue, ast.Break)) and self.loops:
+            # where it jumps, the names hold what they hold here (the statements after it in its
+            # block are still read: more than is run, never less)
+            self.loops[-1][isinstance(s, ast.Break)].append(dict(env))
         elif isinstance(s, ast.With):
             for item in s.items:
-                self.expr(item.context_expr, env)
+                held = self.expr(item.context_expr, env)
+                if item.optional_vars is not None:
+                    self.assign(item.optional_vars, held, env)
             env = self.block(s.body, env)
         elif isinstance(s, ast.Try):
             env = self.block(s.body, env)
@@ -512,44 +567,48 @@ class _Flow:
                     self.expr(node, env)
         return env
 
+    def loop_pass(self, body, env: dict, breaks: list) -> dict:
+        # one pass of a loop's body: what it leaves at its end and at each ``continue``
+        self.loops.append(([], breaks))
+        env = self.block(body, env)
+        for c in self.loops.pop()[0]:
+            env = _union(env, c)
+        return env
+
     def _outputs(self) -> bool:
         return self.guard is not None and self.guard.outputs is not None
 
-    def each(self, s: ast.For) -> _Each | None:
+    def each(self, s: ast.For) -> tuple[tuple, bool] | None:
         # ``for m in self.layers`` / ``enumerate(self.layers)`` / ``self.layers[a:b]`` over a
-        # ModuleList or Sequential child, asked only for the outputs question (None otherwise)
+        # ModuleList or Sequential child, asked only for the outputs question (None otherwise):
+        # its children, and whether the ones it visits, in order, are known (an index of the
+        # slice not a number setting of the module: any child in any pass)
         if self.guard is None or self.guard.outputs is None or self.module is None:
             return None
-        it, whole = s.iter, True
+        it, part = s.iter, slice(None)
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate":
             it = it.args[0] if len(it.args) == 1 and not it.keywords else None
         if isinstance(it, ast.Subscript):
-            it, whole = it.value, False
+            ends = it.slice
+            it, part = it.value, None
+            if isinstance(ends, ast.Slice):
+                bounds = [
+                    None if x is None else _value(x, self.module, self.me)
+                    for x in (ends.lower, ends.upper, ends.step)
+                ]
+                if all(b is None or isinstance(b, int) for b in bounds) and bounds[2] != 0:
+                    part = slice(*bounds)
         if not (
             isinstance(it, ast.Attribute)
             and isinstance(it.value, ast.Name)
-            and it.value.id == "self"
+            and it.value.id == self.me
             and isinstance(self.module._modules.get(it.attr), (nn.ModuleList, nn.Sequential))
         ):
             return None
-        kids = [c for c in self.module._modules[it.attr]._modules.values() if c is not None]
-        # the last child's output is what the loop leaves when every pass runs the whole body:
-        # the container iterated whole, no break/continue/return, no compound statement in it,
-        # the last child not one that may return its input, and no name carrying an earlier
-        # pass's value into this pass's (``hs = hs + (h,)``, ``hs.append(h)``: every child's)
-        last = (
-            whole
-            and bool(kids)
-            and all(isinstance(b, (ast.Assign, ast.AnnAssign)) for b in s.body)
-            and not any(
-                isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.YieldFrom))
-                for b in s.body
-                for n in ast.walk(b)
-            )
-            and not self.guard.info(kids[-1]).passes
-            and not _carries(s)
-        )
-        return _Each(tuple(kids), last)
+        kids = tuple(c for c in self.module._modules[it.attr]._modules.values() if c is not None)
+        if part is None or len(kids) > _UNROLL:
+            return kids, False
+        return kids[part], True
 
     def method_ends(self, name: str, held: set) -> set:
         # what ``self.<name>(...)`` (a method, not a child) may return, its arguments holding
@@ -558,17 +617,23 @@ class _Flow:
             return set()
         fn = getattr(type(self.module), name, None)
         key = (id(self.module), fn)
-        if key in self.guard.methods:
-            return self.guard.methods[key]
-        self.guard.methods[key] = set()  # recursion: nothing more
-        fdef = _forward_ast(fn) if callable(fn) else None
-        if fdef is None:
-            return set()
-        names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs]
-        flow = _Flow(self.guard, self.module)
-        flow.block(fdef.body, {a: set(held) for a in names[1:]})
-        self.guard.methods[key] = flow.ret
-        return flow.ret
+        if key not in self.guard.methods:
+            self.guard.methods[key] = {_ARG}  # recursion: its arguments
+            fdef = _forward_ast(fn) if callable(fn) else None
+            if not (callable(fn) and inspect.isfunction(inspect.unwrap(fn))):
+                got = {_ARG}  # a property (HF's loss_function), a stored callable: its arguments
+            elif fdef is None or not fdef.args.posonlyargs + fdef.args.args:
+                # its source unknown, or no name for the module in it: any child's output
+                got = {_ARG, *_any_end(self.guard, self.module)}
+            else:
+                args = fdef.args
+                names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                flow = _Flow(self.guard, self.module, names[0])
+                flow.block(fdef.body, {a: {_ARG} for a in names[1:]})
+                got = flow.ret
+            self.guard.methods[key] = got
+        got = self.guard.methods[key]
+        return (got - {_ARG}) | (held if _ARG in got else set())
 
     def assign(self, target, held: set, env: dict) -> None:
         if isinstance(target, ast.Name):
@@ -583,6 +648,11 @@ class _Flow:
             self.expr(target.value, env)
 
     def expr(self, e, env: dict) -> set:
+        # a name's literal (_Const) is what that name holds; no other expression's value is one
+        held = self._expr(e, env)
+        return held if isinstance(e, ast.Name) else _no_consts(held)
+
+    def _expr(self, e, env: dict) -> set:
         if e is None:
             return set()
         if isinstance(e, ast.Name):
@@ -635,7 +705,7 @@ class _Flow:
             for k in e.keywords
         )
         f = e.func
-        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == self.me:
             child = self.module._modules.get(f.attr) if self.module is not None else None
             if isinstance(child, nn.Module):
                 ci = self.guard.info(child)
@@ -683,7 +753,7 @@ class _Flow:
                     for a in [*e.args, *(k.value for k in e.keywords)]
                     if isinstance(a, ast.Attribute)
                     and isinstance(a.value, ast.Name)
-                    and a.value.id == "self"
+                    and a.value.id == self.me
                     and a.attr not in self.module._modules
                     and callable(getattr(type(self.module), a.attr, None))
                 ]
@@ -692,7 +762,7 @@ class _Flow:
                 if not methods and not each:
                     got |= every
                 for x in each:
-                    for c in x.kids[-1:] if x.last else x.kids:
+                    for c in x.kids:
                         ci = self.guard.info(c)
                         if ci.writes:
                             self.flag(every, f"{f.id}: {type(c).__name__}, which writes its input")
@@ -704,7 +774,7 @@ class _Flow:
             and isinstance(f, ast.Subscript)
             and isinstance(f.value, ast.Attribute)
             and isinstance(f.value.value, ast.Name)
-            and f.value.value.id == "self"
+            and f.value.value.id == self.me
             and isinstance(self.module._modules.get(f.value.attr), (nn.ModuleList, nn.ModuleDict))
         ):  # self.layers[i](h): any child's output (outputs question)
             self.expr(f.slice, env)
@@ -718,41 +788,15 @@ class _Flow:
         return set()
 
 
-def _carries(s: ast.For) -> bool:
-    # a statement of the loop's body reads a name the body assigns before this pass assigned it
-    # (outside the arguments of a call of the loop's own variable, which reach the result only
-    # through a child that returns its input: not the last child, see ``each``)
-    each = {n.id for n in ast.walk(s.target) if isinstance(n, ast.Name)}
-    assigned = {
-        n.id
-        for b in s.body
-        for t in (b.targets if isinstance(b, ast.Assign) else [b.target])
-        for n in ast.walk(t)
-        if isinstance(n, ast.Name)
-    }
-
-    def reads(e) -> set:
-        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id in each:
-            return set()
-        if isinstance(e, ast.Name):
-            return {e.id}
-        return set().union(*(reads(c) for c in ast.iter_child_nodes(e)))
-
-    fresh: set = set()
-    for b in s.body:
-        if b.value is not None and (reads(b.value) & assigned) - fresh:
-            return True
-        for t in b.targets if isinstance(b, ast.Assign) else [b.target]:
-            fresh |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
-    return False
-
-
 @dataclass(frozen=True, eq=False)
 class _Each:
     # a name bound by a loop over a module container (NOTE [Modules whose output is the model's
-    # output]); ``last``: the loop leaves the last child's output
+    # output]): the children it may hold in this pass
     kids: tuple
-    last: bool
+
+
+# the most children a loop over a container is read pass by pass for (beyond: any child per pass)
+_UNROLL = 256
 
 
 # ModelOutput fields a call returns only when asked per call (output_hidden_states=True, ...):
@@ -774,14 +818,34 @@ def _op_name(op) -> str:
     return {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}.get(type(op), "op")
 
 
+def _no_consts(held) -> set:
+    return {x for x in held if not isinstance(x, _Const)}
+
+
 def _union(a: dict, b: dict) -> dict:
-    return {k: set(a.get(k, ())) | set(b.get(k, ())) for k in a.keys() | b.keys()}
+    # a name holds a literal after the join only where both sides hold that same literal (a side
+    # that never assigned it, e.g. a parameter, may hold anything)
+    out = {}
+    for k in a.keys() | b.keys():
+        x, y = a.get(k), b.get(k)
+        if x is None or y is None or x - _no_consts(x) != y - _no_consts(y):
+            out[k] = _no_consts((x or set()) | (y or set()))
+        else:
+            out[k] = set(x) | set(y)
+    return out
+
+
+def _any_end(guard: _Guard, m: nn.Module) -> list:
+    # what any module below ``m`` may return (through ModuleLists and ModuleDicts too)
+    return [e for d in m.modules() if d is not m for e in guard.info(d).ends]
 
 
 def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     fdef = _forward_ast(getattr(type(m), "forward", None))
+    if fdef is not None and not fdef.args.posonlyargs + fdef.args.args:
+        fdef = None  # forward(*args): no name for the module to follow
     if fdef is None and guard.outputs is not None:  # unknown: any child's output may be returned
-        ends = [e for c in m.children() for e in guard.info(c).ends]
+        ends = _any_end(guard, m)
         return _Info(ends=ends, writes=inplace, passes=True)
     if fdef is None:  # where tensors flow is unknown (NOTE [In-place writes in HF forwards])
         if any(getattr(d, "inplace", False) is True for d in m.modules()):
@@ -792,9 +856,9 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
                     "forward source cannot be read, and it holds a module with inplace=True",
                 )
         return _Info(writes=inplace)
-    params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:]
+    me, *params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args]
     env = {params[0]: {_IN}} if params else {}
-    flow = _Flow(guard, m)
+    flow = _Flow(guard, m, me)  # the module's own name in its forward: ``self`` or any other
     flow.block(fdef.body, env)
     ends = [x for x in flow.ret if isinstance(x, nn.Module)]
     return _Info(ends=ends, writes=inplace or _IN in flow.written, passes=_IN in flow.ret)
@@ -872,14 +936,25 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 # be the model's output is read once at ``convert_`` time, with the same reading of the model's
 # structure the in-place guard uses (nn.Sequential order, torch.fx traces of plain-torch forwards,
 # the source of HF forwards and of untraceable ones: the ``ends`` of the root), widened for this
-# question: a loop over a ModuleList/Sequential (``for layer in self.layers: h = layer(h)``) ends
-# with its last child's output where every pass runs the whole body and no name carries an earlier
-# pass's value into the next (any child's otherwise: ``hs = hs + (h,)`` gathers every layer's);
-# ``self.layers[i](h)`` may return any child's output; ``hs + (h,)``, ``hs += (h,)`` and
+# question: a loop over a ModuleList/Sequential (``for layer in self.layers: h = layer(h)``, also
+# ``enumerate(...)`` and ``self.layers[:n]`` with number bounds) is read one pass per child, in
+# order, the loop's name holding that child alone (up to ``_UNROLL`` children; beyond, or over a
+# slice with other bounds, any child in any pass): so ``h`` leaves the loop holding the last
+# child's output, ``hs = hs + (h,)`` every child's, and a pass a branch may skip (LayerDrop's
+# ``continue``, ``if not to_drop: h = layer(h)``) leaves what the previous pass left (the loop's
+# input, if every pass may skip). ``continue`` and ``break`` join what the names hold there at the
+# loop's head and exit (in every loop). A branch whose test reads only number/None settings of the
+# module, a child's presence (``self.final_layer_norm is not None``: swapping a child for None is a
+# change of structure, run ``convert_`` again) or a local name assigned a literal (``to_drop =
+# False``) is followed where it leads at ``convert_`` time: BART's and OPT's LayerDrop, off by
+# default, costs nothing; set ``layerdrop > 0`` before ``convert_`` and every layer's norm runs
+# eager's op. ``self.layers[i](h)`` may return any child's output; ``hs + (h,)``, ``hs += (h,)`` and
 # ``hs.append(h)`` make ``hs`` hold what ``h`` holds; a function slimgrad does not know (a
 # ModelOutput, ``apply_chunking_to_forward(self.chunk, ...)``) may return its arguments and what a
 # method of the module handed to it returns; ``self.m(...)`` may return what method m's source
-# returns; a forward whose source cannot be read may return any child's output. Not followed: the
+# returns (its arguments, for a property or stored callable); a forward or method whose source
+# cannot be read as one function (a lambda) may return any descendant's output. The module is the
+# forward's first parameter, whatever its name (``def forward(mod, x)``). Not followed: the
 # ModelOutput fields a call fills only when asked per call (``output_hidden_states=True``,
 # ``output_attentions=True``: ``_EXTRA_FIELDS``), which a converted model returns as it did; a
 # module held at several places counts once, where it is read.

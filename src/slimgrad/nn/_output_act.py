@@ -194,11 +194,37 @@ def _output_kinds() -> tuple:
     )  # fmt: skip
 
 
+# NOTE [A kept output at the model's output]
+# InPlaceABN (and InPlaceABNSync) keeps its output z for backward where eager's BatchNorm +
+# activation keeps x and z, and ReversibleSequential (float mode) keeps its output to rebuild every
+# block's input. Where that output may be the model's output, the caller may write it in place
+# (autograd's "modified by an inplace operation" where eager trains) or through ``.data`` (wrong
+# gradients, silently). Neither has an eager op to fall back on that keeps its savings, so there
+# the module returns a copy of what it keeps (``at_output``, set by :func:`state_consumers_` from
+# the same reading as the norms'): the kept tensor is never handed out, the gradients are the
+# module's own bit for bit, and the cost is one output-sized tensor while the caller holds the
+# copy (eager's BatchNorm + activation keeps two). Exact-mode ReversibleSequential keeps its own
+# integer stream and hands out only its image: nothing to copy. RecomputeABN keeps no full-size
+# tensor (it rebuilds z from the conv's input), so it is left as it is.
+
 #: the reason ``report`` gives for a converted module that runs eager's op at the model's output
 AT_OUTPUT = (
     "runs eager's op (keeps its input, as eager): its output may be the model's output, which "
     "the caller may write in place or through .data"
 )
+#: ... and for a module that returns a copy of its kept output there
+COPY_AT_OUTPUT = (
+    "returns a copy of its output (one more output-sized tensor): its output may be the model's "
+    "output, which the caller may write in place or through .data, and it keeps that output for "
+    "backward"
+)
+
+
+def _copy_kinds() -> tuple:
+    import slimgrad.nn as snn
+
+    # NOTE [A kept output at the model's output]
+    return (snn.InPlaceABN, snn.ReversibleSequential)
 
 
 def state_consumers_(model: torch.nn.Module, rep=None) -> int:
@@ -225,13 +251,16 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
         for name, c in parent._modules.items():
             if c is not None:
                 sites.setdefault(id(c), []).append((parent, name))
+    from slimgrad.nn.inplace_abn import RecomputeABN
+
     n = 0
     smooth = (snn.SiLU, snn.GELU, snn.Mish, snn.ELU, snn.Hardswish)
     kinds = smooth + _output_kinds()
-    if isinstance(model, kinds):
+    copies = _copy_kinds()
+    if isinstance(model, kinds + copies):
         out = {id(model)}
     else:
-        out = {id(m) for m in output_modules(model, kinds)}
+        out = {id(m) for m in output_modules(model, kinds + copies)}
     for m in model.modules():
         # subclasses too (timm's LayerNorm2d, LayerNormAct, GroupNormAct run the parent's forward)
         if isinstance(m, kinds):
@@ -242,10 +271,17 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
             if not keep:
                 m.keep_y = False
             n += keep
+        elif isinstance(m, copies):
+            m.__dict__.pop("at_output", None)
+            exact = isinstance(m, snn.ReversibleSequential) and m.exact  # keeps its own stream
+            if id(m) in out and not isinstance(m, RecomputeABN) and not exact:
+                m.at_output = True
     if rep is not None:
         rep.eager_op[:] = [
-            (name or "<root>", type(m).__name__, AT_OUTPUT)
+            (name or "<root>", type(m).__name__, COPY_AT_OUTPUT if m.at_output else AT_OUTPUT)
+            if isinstance(m, copies)
+            else (name or "<root>", type(m).__name__, AT_OUTPUT)
             for name, m in model.named_modules()
-            if id(m) in out
+            if id(m) in out and (not isinstance(m, copies) or m.at_output)
         ]
     return n

@@ -161,6 +161,10 @@ class InPlaceABN(NoScript, nn.Module):
     # ownership from stated structure])
     _slimgrad_owns_input = True
     _slimgrad_fresh_output = True
+    #: True where the output may be the model's output: the module returns a copy of what it
+    #: keeps for backward (NOTE [A kept output at the model's output] in
+    #: slimgrad/nn/_output_act.py; set by ``convert_``)
+    at_output = False
 
     def __init__(
         self,
@@ -302,10 +306,12 @@ class InPlaceABN(NoScript, nn.Module):
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
         act = self.activation if activation is None else activation
-        return inplace_abn(
+        z = inplace_abn(
             x if owned else x.clone(), rm, rv, self.weight, self.bias, bn_training, factor,
             self.eps, act, self.activation_param if act != "identity" else 0.0,
         )  # fmt: skip
+        # NOTE [A kept output at the model's output] in slimgrad/nn/_output_act.py
+        return z.clone() if self.at_output and z.requires_grad else z
 
     def _forward_paired(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
         # NOTE [ABN-activation pairs]; eager only (forward traces the pair differently)
@@ -381,14 +387,17 @@ class InPlaceABNSync(InPlaceABN):
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
         if bn_training and self.training:
-            return inplace_abn_sync(
+            z = inplace_abn_sync(
                 x, rm, rv, self.weight, self.bias, True, factor, self.eps, self.activation,
                 self.activation_param, process_group=self.process_group,
             )  # fmt: skip
-        return inplace_abn(
-            x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, self.activation,
-            self.activation_param,
-        )  # fmt: skip
+        else:
+            z = inplace_abn(
+                x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps,
+                self.activation, self.activation_param,
+            )  # fmt: skip
+        # NOTE [A kept output at the model's output] in slimgrad/nn/_output_act.py
+        return z.clone() if self.at_output and z.requires_grad else z
 
 
 # NOTE [Recomputed stem]

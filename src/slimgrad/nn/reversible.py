@@ -368,9 +368,18 @@ class ReversibleSequential(NoScript, nn.Module):
     def __getitem__(self, idx: int) -> nn.Module:
         return list(self._modules.values())[idx]
 
+    #: True where the output may be the model's output: float mode returns a copy of the output
+    #: it keeps for backward (NOTE [A kept output at the model's output] in
+    #: slimgrad/nn/_output_act.py; set by ``convert_``). Exact mode keeps its own stream.
+    at_output = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if any(isinstance(b, _Coupling) for b in self):
             _check_input("ReversibleSequential", x, self.split_dim)
+        y = self._chain(x)
+        return y.clone() if self.at_output and not self.exact and y.requires_grad else y
+
+    def _chain(self, x: torch.Tensor) -> torch.Tensor:
         return _ops.reversible_sequential(
             x,
             list(self),
