@@ -127,17 +127,16 @@ a fact it can see: at its first backward, the garbage collector lists every live
 ``torch.amp.GradScaler`` and its subclasses (one walk over the tracked objects, once per
 handle); any enabled one refuses that backward at its first hook (public API only: ``is_enabled()``,
 not ``_scale``). Conservative: an enabled scaler kept for another model refuses too (the message
-says so; ``GradScaler(enabled=False)`` passes and is the plain loop). A scaler made after that
-first backward is seen at the next backward's first hook, before its first update: every
-instance of a Python class holds a reference to its class, so each backward compares the
-reference counts of ``GradScaler`` and its subclasses (``sys.getrefcount``, a few microseconds)
-with those of the last scan and scans again where one changed (a new scaler, a new subclass, or
-any other new reference to the class: a scan that finds no enabled scaler then records the new
-counts). Before, such a scaler was seen only by ``scaler.step(handle)``, after that backward had
-updated the parameters with scaled gradients. Left: a reference to a scaler class dropped and an
-enabled scaler made between two backwards leave the count as it was (e.g. ``del`` of a disabled
-scaler, then ``GradScaler()``): that scaler is then seen at ``scaler.step(handle)``, late, as
-before.
+says so; ``GradScaler(enabled=False)`` passes and is the plain loop). A scaler made after that first
+backward is seen at the next backward's first hook, before its first update: every instance of a
+Python class holds a reference to its class, so each backward compares the reference counts of
+``GradScaler`` and its subclasses (``sys.getrefcount``, no heap walk) with those of the last scan
+and scans again where one changed (a new scaler, a new subclass, or any other new reference to the
+class: a scan that finds no enabled scaler then records the new counts). Before, such a scaler was
+seen only by ``scaler.step(handle)``, after that backward had updated the parameters with scaled
+gradients. Left: a reference to a scaler class dropped and an enabled scaler made between two
+backwards leave the count as it was (e.g. ``del`` of a disabled scaler, then ``GradScaler()``): that
+scaler is then seen at ``scaler.step(handle)``, late, as before.
 
 # NOTE [Every refusal changes nothing]
 A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
