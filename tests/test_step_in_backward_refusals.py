@@ -119,20 +119,44 @@ def test_a_disabled_grad_scaler_is_the_plain_loop():
     _same(ref, m)
 
 
-def test_grad_scaler_made_after_the_first_backward_is_refused_at_step():
-    """The scan for scalers runs once, at the handle's first backward: a scaler made later is
-    seen at ``scaler.step(handle)`` (that backward's updates already happened; stated in the
-    docstring). The refusal leaves the handle as it was (no grad_scale/found_inf left on it)."""
+def test_grad_scaler_made_after_the_first_backward_is_refused_before_any_change():
+    """The scan for scalers runs at the handle's first backward and again wherever a scaler
+    class's reference count changed (NOTE [GradScaler]): a scaler made later refuses the next
+    backward at its first hook, before any update (before: seen only at ``scaler.step(handle)``,
+    after that backward's updates). ``scaler.step(handle)`` still refuses and leaves the handle as
+    it was (no grad_scale/found_inf left on it)."""
     m = _net()
     handle = step_in_backward(m, torch.optim.SGD, lr=0.1)
     _steps(m, handle, 0, 1)
     scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(_loss(m, 1)).backward()
     before = _snap(m, handle)
+    with pytest.raises(NotImplementedError, match=r"a live enabled torch\.amp\.GradScaler"):
+        scaler.scale(_loss(m, 1)).backward()
+    _untouched(before, m, handle)
     with pytest.raises(NotImplementedError, match=r"GradScaler cannot drive step_in_backward"):
         scaler.step(handle)
     _untouched(before, m, handle)
     assert "grad_scale" not in handle.__dict__ and "found_inf" not in handle.__dict__
+
+
+def test_the_scaler_scan_runs_again_only_when_a_scaler_class_changes(monkeypatch):
+    # NOTE [GradScaler]: the heap walk runs at the first backward, then only where the scaler
+    # classes' reference counts moved
+    import importlib
+
+    sib = importlib.import_module("slimgrad.step_in_backward")  # the package exports a function
+
+    calls = []
+    real = sib._live_grad_scalers
+    monkeypatch.setattr(sib, "_live_grad_scalers", lambda: calls.append(1) or real())
+    m = _net()
+    handle = step_in_backward(m, torch.optim.SGD, lr=0.1)
+    _steps(m, handle, 0, 3)
+    assert len(calls) == 1
+    off = torch.amp.GradScaler("cpu", enabled=False)  # a new instance: scanned again, passes
+    _steps(m, handle, 3, 5)
+    assert len(calls) == 2
+    del off
     handle.step()  # a plain step() works again
 
 

@@ -127,9 +127,16 @@ a fact it can see: at its first backward, the garbage collector lists every live
 ``torch.amp.GradScaler`` and its subclasses (one walk over the tracked objects, once per
 handle); any enabled one refuses that backward at its first hook (public API only: ``is_enabled()``,
 not ``_scale``). Conservative: an enabled scaler kept for another model refuses too (the message
-says so; ``GradScaler(enabled=False)`` passes and is the plain loop). A scaler made after the
-handle's first backward is seen only by ``scaler.step(handle)``, which raises after that backward
-updated the parameters with scaled gradients: the one case that refuses late.
+says so; ``GradScaler(enabled=False)`` passes and is the plain loop). A scaler made after that first
+backward is seen at the next backward's first hook, before its first update: every instance of a
+Python class holds a reference to its class, so each backward compares the reference counts of
+``GradScaler`` and its subclasses (``sys.getrefcount``, no heap walk) with those of the last scan
+and scans again where one changed (a new scaler, a new subclass, or any other new reference to the
+class: a scan that finds no enabled scaler then records the new counts). Before, such a scaler was
+seen only by ``scaler.step(handle)``, after that backward had updated the parameters with scaled
+gradients. Left: a reference to a scaler class dropped and an enabled scaler made between two
+backwards leave the count as it was (e.g. ``del`` of a disabled scaler, then ``GradScaler()``): that
+scaler is then seen at ``scaler.step(handle)``, late, as before.
 
 # NOTE [Every refusal changes nothing]
 A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
@@ -153,13 +160,15 @@ calls ``step()``/``zero_grad()`` learns at its first call that earlier backwards
 use of the fused loss's head weight beside the loss arrives after its rows were updated (NOTE
 [Chunked updates]); a reentrant checkpoint backward inside an ``accumulate=N`` backward is seen when
 it starts, after the gradients (and, in the last micro-batch, the updates) of the parameters above
-it; a GradScaler made after the first backward (NOTE [GradScaler]).
+it; a GradScaler made after the first backward while another reference to a scaler class was
+dropped (the count unchanged: NOTE [GradScaler]).
 """
 
 from __future__ import annotations
 
 import gc
 import inspect
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -275,19 +284,34 @@ def _keeps_graph() -> bool:
     return bool(query()) if query is not None else False
 
 
-def _live_grad_scalers() -> list:
-    # NOTE [GradScaler]: every live enabled torch.amp.GradScaler (subclasses included). An instance
-    # of a Python class references its class for the garbage collector, so gc.get_referrers of the
-    # classes finds every instance (one walk over the tracked objects, paid once per handle; its
-    # cost: docs/measurements.md)
+def _scaler_classes() -> list:
     classes, todo = [], [torch.amp.GradScaler]
     while todo:
         c = todo.pop()
         classes.append(c)
         todo.extend(c.__subclasses__())
+    return classes
+
+
+def _scalers_key() -> tuple:
+    # NOTE [GradScaler]: every instance of a Python class holds a reference to its class, so a
+    # scaler made (or dropped) since the last scan changes its class's reference count: the
+    # classes' ids (an id holds no reference: a key holding the classes would change their counts)
+    # and their counts, compared at each backward's first hook (no heap walk)
+    return tuple((id(c), _getrefcount(c)) for c in _scaler_classes())
+
+
+_getrefcount = sys.getrefcount
+
+
+def _live_grad_scalers() -> list:
+    # NOTE [GradScaler]: every live enabled torch.amp.GradScaler (subclasses included). An instance
+    # of a Python class references its class for the garbage collector, so gc.get_referrers of the
+    # classes finds every instance (one walk over the tracked objects, paid once per handle; its
+    # cost: docs/measurements.md)
     return [
         o
-        for o in gc.get_referrers(*classes)
+        for o in gc.get_referrers(*_scaler_classes())
         if isinstance(o, torch.amp.GradScaler) and o.is_enabled()
     ]
 
@@ -346,7 +370,8 @@ class StepInBackward(torch.optim.Optimizer):
         # accumulate=N: tensor hooks that run the backward's refusals before AccumulateGrad adds
         # to a gradient of an earlier micro-batch (NOTE [Every refusal changes nothing])
         self._pre_hooks: dict[torch.Tensor, Any] = {}
-        self._scalers_checked = False  # NOTE [GradScaler]: the scan runs at the first backward
+        # NOTE [GradScaler]: the scaler classes' reference counts at the last scan (None: none yet)
+        self._scalers_key: tuple | None = None
         self._frozen: list[torch.Tensor] = []
         self._group_index: dict[torch.Tensor, int] = {}
         self._removed = False
@@ -571,8 +596,9 @@ class StepInBackward(torch.optim.Optimizer):
                 "Backward the summed loss once without retain_graph (or use a plain optimizer "
                 "for double backward)",
             )
-        if not self._scalers_checked:
-            # NOTE [GradScaler]
+        key = _scalers_key()
+        if key != self._scalers_key:
+            # NOTE [GradScaler]: the first backward, or a scaler class's references changed
             scalers = _live_grad_scalers()
             if scalers:
                 raise _err(
@@ -586,7 +612,7 @@ class StepInBackward(torch.optim.Optimizer):
                     "Use bf16/fp32 without loss scaling (GradScaler(enabled=False)), or a plain "
                     "optimizer with GradScaler",
                 )
-            self._scalers_checked = True
+            self._scalers_key = key
         self._task = task
         self._micro += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

@@ -164,6 +164,80 @@ def test_frozen_weight_dx_in_eager_layout(shape, dtype):
     assert ours.saved_bytes <= eager.saved_bytes
 
 
+_CL = torch.channels_last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("cin,cout,groups", [(4, 8, 1), (8, 4, 1), (8, 8, 2), (8, 8, 8)])
+def test_frozen_weight_dx_in_eager_layout_when_the_conv_changes_shape(
+    cin, cout, groups, stride, k, layout, dtype
+):
+    # NOTE [A stand-in for x]: where the incoming gradient cannot stand in for x (other channels
+    # or size), an empty buffer with x's strides does: dx in eager's layout with eager's bits.
+    # Before: a channels_last x got a contiguous dx (24 of the 32 channels_last cases), and a 3x3
+    # stride-1 conv that changes channels gave other bits in float32
+    fmt = _CL if layout == "channels_last" else torch.contiguous_format
+    g = torch.Generator().manual_seed(cin * 100 + cout * 10 + groups + k)
+    x = torch.randn(2, cin, 5, 7, generator=g).to(dtype).contiguous(memory_format=fmt)
+    w = torch.randn(cout, cin // groups, k, k, generator=g).to(dtype)
+
+    def dx_of(fn):
+        a = x.clone().requires_grad_()
+        y = fn(a, w, None, stride, k // 2, 1, groups)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        (dx,) = torch.autograd.grad(y, a, dy.contiguous(memory_format=fmt))
+        return dx
+
+    ours, eager = dx_of(conv2d), dx_of(F.conv2d)
+    assert ours.stride() == eager.stride()
+    assert torch.equal(ours, eager)
+
+    def step(fn):
+        a = x.clone().requires_grad_()
+        return lambda: torch.tanh(fn(a * 1, w, None, stride, k // 2, 1, groups)).sum()
+
+    e, o = measure(step(F.conv2d), timeline=False), measure(step(conv2d), timeline=False)
+    assert o.saved_bytes < e.saved_bytes
+    assert o.peak_bytes <= e.peak_bytes
+
+
+@pytest.mark.parametrize("fmt", [torch.channels_last_3d, torch.contiguous_format])
+def test_frozen_conv3d_and_transposed_dx_in_eager_layout(fmt):
+    x = torch.randn(2, 4, 3, 5, 4).contiguous(memory_format=fmt)
+    w3 = torch.randn(6, 4, 3, 3, 3)
+    wt = torch.randn(4, 6, 2, 2, 2)
+    for fn, ref, w, kw in (
+        (conv3d, F.conv3d, w3, {"stride": 2, "padding": 1}),
+        (conv_transpose3d, F.conv_transpose3d, wt, {"stride": 2}),
+    ):
+        outs = []
+        for f in (fn, ref):
+            a = x.clone().requires_grad_()
+            y = f(a, w, **kw)
+            (dx,) = torch.autograd.grad(y, a, torch.ones_like(y))
+            outs.append(dx)
+        assert outs[0].stride() == outs[1].stride(), fn.__name__
+        assert torch.equal(outs[0], outs[1]), fn.__name__
+
+
+def test_frozen_weight_sliced_x_dx_as_eager():
+    # a non-dense x (a slice of a channels_last tensor): a dense buffer in the format eager's
+    # backend copies x into (channels_last here), so eager's bits; before, the expanded stand-in
+    # made the backend run its contiguous algorithm (other bits)
+    base = torch.randn(2, 8, 5, 9).contiguous(memory_format=_CL)
+    w = torch.randn(6, 4, 3, 3)
+    outs = []
+    for f in (conv2d, F.conv2d):
+        a = base.clone().requires_grad_()
+        y = f(a[:, 2:6, :, 1:8], w, padding=1)
+        (dx,) = torch.autograd.grad(y, a, torch.ones_like(y))
+        outs.append(dx)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_unbatched_and_errors():
     x = torch.randn(3, 8, 8, requires_grad=True)
     w = torch.randn(4, 3, 3, 3, requires_grad=True)

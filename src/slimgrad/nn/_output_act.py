@@ -271,6 +271,12 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
             if not keep:
                 m.keep_y = False
             n += keep
+            if isinstance(m, snn.LayerNorm):
+                # NOTE [LayerNorm's fallback columns only where y is kept after it] in
+                # slimgrad/ops/layer_norm.py
+                m.__dict__.pop("y_kept_after", None)
+                if keep and _kept_after(m, sites) is True:
+                    m.y_kept_after = True
         elif isinstance(m, copies):
             m.__dict__.pop("at_output", None)
             exact = isinstance(m, snn.ReversibleSequential) and m.exact  # keeps its own stream

@@ -16,7 +16,7 @@ from slimgrad.ops.layer_norm import (
     _NO_TRITON,
     _TORCH,
     HALF_DTYPES,
-    layer_norm,
+    layer_norm_gated,
 )
 
 __all__ = ["LayerNorm"]
@@ -31,7 +31,9 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` (same args, defaults, parameters, state_dict keys) saving y + 8 B/row.
 
     Memory: saves the output (shared with the next layer), mean and rstd, and the input columns of
-    fallback channels (weight ~ 0); eager saves the input too. A non-finite weight entry (inf or
+    fallback channels (weight ~ 0) where ``convert_`` found a consumer that keeps the output
+    (``y_kept_after``; elsewhere a fallback channel makes it save the input, as eager); eager
+    saves the input too. A non-finite weight entry (inf or
     NaN) makes it save the input instead of the output (eager's bytes), and bfloat16/float16
     inputs run eager's ``F.layer_norm`` (keeping the input, as eager): see
     ``slimgrad.ops.layer_norm``.
@@ -45,6 +47,11 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
     #: instead (NOTE [Modules whose output is the model's output] in
     #: slimgrad/convert_handlers/inplace_guard.py; set by ``convert_``)
     keep_y = True
+    #: True where ``convert_`` found that the module's output goes to a layer that keeps it (a
+    #: Linear or convolution whose weight requires grad): only there does a fallback channel keep
+    #: y and the channel's input columns; elsewhere x, as eager (NOTE [LayerNorm's fallback
+    #: columns only where y is kept after it] in slimgrad/ops/layer_norm.py)
+    y_kept_after = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
@@ -84,10 +91,10 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
             # choice])
             backend = _backend._resolved[0] or _backend.get_backend()
             direct = _TORCH if not x.is_cuda and backend in _NO_TRITON else True
-            y = _LN_APPLY(x, c[1], w, b, float(self.eps), direct)
+            y = _LN_APPLY(x, c[1], w, b, float(self.eps), direct, self.y_kept_after)
             # NOTE [LayerNorm's straight forward returns y alone] in slimgrad/ops/layer_norm.py
             return y if direct is _TORCH else y[0]
-        return layer_norm(input, ns, w, b, self.eps)
+        return layer_norm_gated(input, ns, w, b, self.eps, self.y_kept_after)
 
     @classmethod
     def from_torch(cls, module: torch.nn.LayerNorm) -> LayerNorm:

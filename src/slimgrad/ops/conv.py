@@ -149,6 +149,10 @@ class _ConvFn(torch.autograd.Function):
                 x = kept_x
             elif grad.shape == shape and grad.dtype == dtype and grad.stride() == xstride:
                 x = grad  # NOTE [A stand-in for x]: x's own layout, so dx gets eager's
+            elif need_x:  # NOTE [A stand-in for x]: an empty buffer in x's layout, never read
+                x = torch.empty_strided(
+                    shape, _dense_strides(shape, xstride), dtype=dtype, device=device
+                )
             else:
                 x = _shape_only(grad, shape, dtype, device)
             gx, gw, gb = _bwd_torch(
@@ -181,7 +185,31 @@ class _ConvFn(torch.autograd.Function):
 # contiguous format where eager's dx of a channels_last x is channels_last, and the next op's
 # backward copied it into x's layout (GroupNorm(1, 4) before a frozen 1x1 conv, channels_last
 # (1, 4, 2, 2): peak 304 B against eager's 272). The values are never read, so dx has the same
-# bits either way.
+# bits either way. Where neither can stand in (the conv changes channels or size) and dx is
+# wanted, an empty buffer with x's strides does (``torch.empty_strided``, where those strides are
+# dense): the backend copies nothing and picks eager's memory format, so dx comes back in eager's
+# layout with eager's bits. Before, a channels_last x got a contiguous dx, and a 3x3 conv from 4
+# to 8 channels on (2, 4, 5, 7) channels_last float32 gave other bits than eager's (the backend's
+# contiguous algorithm). The buffer costs x's bytes during that call, which the expanded stand-in
+# cost too, as a copy inside convolution_backward that the tracker does not see: the profiler's
+# allocations in that call, 3x3 conv 8 -> 16 channels on (4, 8, 32, 32) channels_last, were
+# 393,216 B of copies (stand-in and grad) and are now 4,608 B (the weight in channels_last) + the
+# 131,072 B buffer; on a contiguous x the 131,072 B copy became the 131,072 B buffer. A non-dense
+# x (a slice) gets a dense buffer in the memory format eager's backend copies x into
+# (``_dense_strides``).
+
+
+def _dense_strides(shape, stride):
+    # x's strides where they are those of a non-overlapping, dense tensor (contiguous,
+    # channels_last, any order of dims: a buffer of them holds numel elements); else the dense
+    # strides of the memory format PyTorch suggests for x (empty_like's preserve rule, asked of a
+    # meta tensor: no bytes), the format convolution_backward would copy x into
+    expected = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1):
+        if st != expected:
+            return torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride()
+        expected *= sz
+    return stride
 
 
 def _stands_in(b: torch.Tensor, x: torch.Tensor) -> bool:

@@ -9,8 +9,10 @@ Memory: float32/float64 saves y (the output, shared with the next layer: 0 extra
 layer keeps it) + mean and rstd (8 B/row, fp32) + the input's columns of fallback channels (k *
 itemsize B/row, k = 0 for usual weights); eager saves x, mean, rstd (x: 4 B/elt fp32 extra).
 With a fallback channel, on shapes (few rows) where the PyTorch backward would hold more than
-eager's, and where every channel falls back, it saves x, mean and rstd and runs eager's backward
-(NOTE [LayerNorm fallback backward peak] in ``slimgrad/_math/norms.py``). bfloat16/float16
+eager's, where every channel falls back, and (``slimgrad.nn.LayerNorm``) where y's consumer is not
+known to keep y, it saves x, mean and rstd and runs eager's backward (NOTE [LayerNorm fallback
+backward peak] in ``slimgrad/_math/norms.py``; NOTE [LayerNorm's fallback columns only where y is
+kept after it]). bfloat16/float16
 runs eager's ``F.layer_norm`` (x + mean, rstd per row: what eager keeps; see Limits below).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
@@ -629,7 +631,7 @@ def _ln_double(ctx, dy):
     # norm_double's steps for LayerNorm, bridged through this node (NOTE [LayerNorm's second
     # derivatives through its own node]) instead of an anchor
     if dy is None:  # NOTE [Norm backward without materialized gradients]
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
     need = ctx.needs_input_grad
     if y is None:  # x itself was kept (_keep_x): it carries its graph
@@ -647,7 +649,7 @@ def _ln_double(ctx, dy):
         y2 = F.layer_norm(x, ctx.arg, weight, bias, ctx.eps)
         grads = list(torch.autograd.grad(y2, inputs, dy, create_graph=True, allow_unused=True))
     out = [grads.pop(0) if n and t is not None else None for t, n in pairs]
-    return out[0], None, out[1], out[2], None, None  # the last: forward's ``direct``
+    return out[0], None, out[1], out[2], None, None, None  # forward's ``direct``, y_kept_after
 
 
 # NOTE [LayerNorm's straight forward returns y alone]
@@ -663,9 +665,10 @@ class _LayerNormFn(torch.autograd.Function):
     # (direct=_TORCH) and NOTE [An empty side table is saved as None]; backward reads the kernel
     # choice from attributes (NOTE [Kernel backend choice] in slimgrad/kernels/_backend.py)
     @staticmethod
-    def forward(ctx, x, arg, weight, bias, eps, direct=False):
+    def forward(ctx, x, arg, weight, bias, eps, direct=False, y_kept_after=True):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
         # _TORCH: and the PyTorch forward is the kernel choice (not CUDA, no Triton backend)
+        # y_kept_after: NOTE [LayerNorm's fallback columns only where y is kept after it]
         # box: NOTE [LayerNorm's second derivatives through its own node]
         ctx.arg, ctx.eps, ctx.lib, ctx.box = arg, eps, None, None
         # NOTE [Norm backward without materialized gradients]
@@ -684,7 +687,8 @@ class _LayerNormFn(torch.autograd.Function):
                 ctx.lib = cpu._libs[C_STEM]
             idx = fallback_or_none(weight, bias, y.dtype, _LN_GAMMA)
             if idx is not None:
-                if _keeps_x(idx, arg, x, False):  # all fallback, or a shape eager's fits better
+                # all fallback, y not kept after, or a shape where eager's backward fits better
+                if not y_kept_after or _keeps_x(idx, arg, x, False):
                     return _keep_x(ctx, x, y, mean, rstd, weight, bias, True)
                 if idx.device != x.device:
                     idx = idx.to(x.device)
@@ -696,7 +700,9 @@ class _LayerNormFn(torch.autograd.Function):
                 not compiling()
                 and type(weight) in _PLAIN_OR_NONE
                 and type(bias) in _PLAIN_OR_NONE
-                and _keeps_x(fallback_or_none(weight, bias, x.dtype, _LN_GAMMA), arg, x, True)
+                and _keeps_x(
+                    fallback_or_none(weight, bias, x.dtype, _LN_GAMMA), arg, x, True, y_kept_after
+                )
             ):
                 y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
                 return _keep_x(ctx, x, y, mean, rstd, weight, bias)
@@ -732,7 +738,7 @@ class _LayerNormFn(torch.autograd.Function):
         if _grad_on():
             return _ln_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients]
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         if y is None:  # x kept (_keep_x): eager's backward, which never reuses dy
             return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
@@ -781,6 +787,7 @@ class _LayerNormFn(torch.autograd.Function):
             db if bias is not None and mask[2] else None,
             None,
             None,
+            None,
         )
 
 
@@ -803,7 +810,7 @@ class _LayerNormCompiledFn(_LayerNormFn):
         if _grad_on():
             return refuse_second_order("ops.layer_norm", _LayerNormCompiledFn.backward, ctx, (dy,))
         if dy is None:  # NOTE [Norm backward without materialized gradients]
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         if y is None:  # x kept (_keep_x; not taken while compiling): eager's backward
             return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
@@ -840,7 +847,7 @@ class _LayerNormCompiledFn(_LayerNormFn):
             if xf is not None:
                 t = t.index_copy(1, idx, gf - c1 - xf * c2)
             dx = (t * r).view(y.shape)
-        return dx, None, dw, db, None, None
+        return dx, None, dw, db, None, None, None
 
 
 # NOTE [All-fallback LayerNorm under torch.compile]
@@ -872,13 +879,50 @@ def _all_fallback_when_traced(weight, bias, dtype, normalized_shape) -> bool:
 _all_fallback_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _keeps_x(idx, arg, x, triton_possible: bool) -> bool:
+def _any_fallback_when_traced(weight, bias, dtype) -> bool:
+    # a fallback channel at trace time, asked as _all_fallback_when_traced asks (NOTE [LayerNorm's
+    # fallback columns only where y is kept after it])
+    if weight is None and bias is None:
+        return False
+    if type(weight) not in _PLAIN_OR_NONE or type(bias) not in _PLAIN_OR_NONE:
+        return False
+    try:
+        return fallback_or_none(weight, bias, dtype, _LN_GAMMA) is not None
+    except RuntimeError:  # values not readable here (a fake or meta tensor behind a plain type)
+        return False
+
+
+_any_fallback_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+# NOTE [LayerNorm's fallback columns only where y is kept after it]
+# With a fallback channel the output-keeping forward saves y, mean, rstd, the channels' input
+# columns and their index table, where eager saves x, mean and rstd. That wins only where y's
+# consumer keeps y itself (a Linear or convolution saving its input for its weight's gradient: y
+# is then kept once, for both, and the columns cost k/D of x). Where nothing keeps y (a residual
+# add, a Tanh or Sigmoid keeping its own output, a Dropout, the loss) the columns and the table
+# are above eager's: LN(16) with one fallback channel -> Tanh on 64 rows saved 13,064 B against
+# eager's 12,800 and peaked 17,168 against 17,032. Which holds is a fact of the model's
+# structure, read at ``convert_`` time (``_kept_after`` in slimgrad/nn/_output_act.py, NOTE [Keep
+# y only where its consumer keeps it]) and stored as ``slimgrad.nn.LayerNorm.y_kept_after``:
+# True only where y goes to such a layer; a module built directly, an unknown consumer and a
+# "not kept" all keep x where a fallback channel exists (eager's forward, saved set, backward and
+# bits: ``_keep_x``). Without a fallback channel nothing changes (y, mean, rstd: eager's bytes
+# where y is not kept, fewer where it is). The functional ``layer_norm`` takes its y as kept (its
+# documented contract: y shared with the next layer). Under torch.compile the choice is made at
+# trace time on the real weights (``_any_fallback_when_traced``, as NOTE [All-fallback LayerNorm
+# under torch.compile]).
+def _keeps_x(idx, arg, x, triton_possible: bool, y_kept_after: bool = True) -> bool:
     # x kept and eager's backward run (_keep_x): where every channel is a fallback channel (NOTE
-    # [LayerNorm with a non-finite gamma]), and where the PyTorch backward's fallback path would
-    # hold more than eager's backward on this shape (NOTE [LayerNorm fallback backward peak]).
-    # Asked only where a fallback channel exists (idx not None); integers of the shape after that.
+    # [LayerNorm with a non-finite gamma]), where y's consumer is not known to keep y (NOTE
+    # [LayerNorm's fallback columns only where y is kept after it]), and where the PyTorch
+    # backward's fallback path would hold more than eager's backward on this shape (NOTE
+    # [LayerNorm fallback backward peak]). Asked only where a fallback channel exists (idx not
+    # None); integers of the shape after that.
     if idx is None:
         return False
+    if not y_kept_after:
+        return True
     d = math.prod(arg)
     k = idx.shape[0]
     if k == d:
@@ -912,7 +956,7 @@ def _eager_bwd(ctx, dy, x, mean, rstd, weight, bias):
         dy, x, ctx.arg, mean, rstd, weight, bias, mask
     )
     dw, db = dw if mask[1] else None, db if mask[2] else None
-    return dx if mask[0] else None, None, dw, db, None, None
+    return dx if mask[0] else None, None, dw, db, None, None, None
 
 
 def _no_side(y: torch.Tensor, arg) -> tuple[torch.Tensor, torch.Tensor]:
@@ -982,16 +1026,26 @@ def layer_norm(
         and straight()
     ):
         return _layer_norm_straight(input, [int(s) for s in normalized_shape], weight, bias, eps)
+    return layer_norm_gated(input, normalized_shape, weight, bias, eps)
+
+
+def layer_norm_gated(
+    input, normalized_shape, weight, bias, eps, y_kept_after: bool = True
+) -> torch.Tensor:
+    # layer_norm past its straight gate (DTensor, transforms, autocast, subclasses, meta, half
+    # precision, compile); y_kept_after: NOTE [LayerNorm's fallback columns only where y is kept
+    # after it] (slimgrad.nn.LayerNorm passes its own; the functional's y is taken as kept)
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input, weight, bias):
         return _dtensor.rowwise(
             "slimgrad.ops.layer_norm",
-            layer_norm,
+            layer_norm_gated,
             input,
             {"weight": weight, "bias": bias},
             len(normalized_shape),
             normalized_shape=normalized_shape,
             eps=eps,
+            y_kept_after=y_kept_after,
         )
     normalized_shape = [int(s) for s in normalized_shape]
     if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
@@ -1002,17 +1056,19 @@ def layer_norm(
         if probe.dtype != input.dtype:
             input, weight, bias = autocast_inputs(probe.dtype, input, weight, bias)
         with torch.autocast(dev, enabled=False):
-            return _layer_norm(input, normalized_shape, weight, bias, float(eps))
-    return _layer_norm(input, normalized_shape, weight, bias, float(eps))
+            return _layer_norm(input, normalized_shape, weight, bias, float(eps), y_kept_after)
+    return _layer_norm(input, normalized_shape, weight, bias, float(eps), y_kept_after)
 
 
-def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tensor:
+def _layer_norm(input, normalized_shape, weight, bias, eps: float, y_kept_after=True):
     # the caller has taken eager's op under torch.func transforms (transforms_active())
     if input.dtype in HALF_DTYPES:  # eager's: exact dgamma needs x (module docstring, Limits)
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     if torch.compiler.is_compiling():  # Dynamo traces Function.apply; no anchor (make_anchor)
         refuse_jit("ops.layer_norm")
-        if _all_fallback_when_traced(weight, bias, input.dtype, normalized_shape):
+        if _all_fallback_when_traced(weight, bias, input.dtype, normalized_shape) or (
+            not y_kept_after and _any_fallback_when_traced(weight, bias, input.dtype)
+        ):
             return F.layer_norm(input, normalized_shape, weight, bias, eps)
         # NOTE [LayerNorm's backward traced under torch.compile]
         return _LayerNormCompiledFn.apply(input, normalized_shape, weight, bias, eps)[0]
@@ -1026,6 +1082,8 @@ def _layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tens
         None if weight is None else unwrap_if_dead(weight),
         None if bias is None else unwrap_if_dead(bias),
         eps,
+        False,
+        y_kept_after,
     )[0]
 
 
