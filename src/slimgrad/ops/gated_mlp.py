@@ -414,7 +414,7 @@ class _GatedMLPFn(torch.autograd.Function):
                 # eager: x's gradients from both projections, each cast back (a leaf's cast
                 # cached by autocast: summed before), summed by autograd
                 both = ctx.x_cast_cached and udt == gdt
-                if not both and not one:
+                if not both and not one and ctx.fused:
                     dx = _to(dx, xdt)
                 if not ctx.fused:
                     xu = xg if udt == gdt else _cast(x, udt)
@@ -425,8 +425,13 @@ class _GatedMLPFn(torch.autograd.Function):
                     del du, xu, wuc
                     if not one:
                         dwu, dbu = _to(dwu, wudt), _to(dbu, budt)
-                    if m[0]:
-                        dx = dx.add_(dxu if both or one else _to(dxu, xdt))
+                    if m[0]:  # NOTE [x's gradient under autocast]
+                        if both or one:
+                            dx = dx.add_(dxu)
+                        else:
+                            dx = _to(dx, xdt)
+                            exact = xdt in (torch.float32, torch.float64)
+                            dx = dx.add_(dxu if exact else _to(dxu, xdt))
                         del dxu
                 if not one:
                     dx = _to(dx, xdt)
