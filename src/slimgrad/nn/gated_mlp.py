@@ -44,6 +44,7 @@ from slimgrad.ops.gated_mlp import (
     lean_wins,
 )
 from slimgrad.ops.gated_mlp import _fwd_torch as _eager_ops
+from slimgrad.ops.linear import keeps_master
 
 __all__ = ["GatedMLP", "activation_of"]
 
@@ -124,6 +125,26 @@ def _plain_linear(m: nn.Module) -> bool:
     # _hooked(m) only when some hook dict is not empty
     hooks = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
     return not (hooks and _hooked(m))
+
+
+def _autocast_sizes(x: torch.Tensor, gate, up, down) -> tuple | None:
+    # (x's, autocast's and the weights' bytes per element) where the op's backward under autocast
+    # is the one NOTE [The gated MLP's peak under autocast] in ops/gated_mlp.py counts in bytes:
+    # plain bias-free Linears whose leaf weights (one dtype, all needing a gradient) the op
+    # casts itself, x a non-leaf of more bytes per element than autocast's dtype; else None
+    dev = x.device.type
+    if x.grad_fn is None or not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    ws = []
+    for m in (gate, up, down):
+        w, b = _params(m)
+        if b is not None or not (w.requires_grad and keeps_master(w, dt)):
+            return None
+        ws.append(w)
+    if not (ws[0].dtype == ws[1].dtype == ws[2].dtype and x.element_size() > dt.itemsize):
+        return None
+    return (x.element_size(), dt.itemsize, ws[0].element_size())
 
 
 def _params(m: nn.Module) -> tuple:
@@ -347,7 +368,10 @@ class GatedMLP(NoScript, nn.Module):
                     or not x.dtype == gw.dtype == dw.dtype == _params(up)[0].dtype
                     else "straight"
                 )
-                if not lean_wins(x.numel() // d, d, i, dw.shape[0], path):
+                sizes = _autocast_sizes(x, gate, up, down) if path == "general" else None
+                if sizes is not None:  # NOTE [The gated MLP's peak under autocast]
+                    path = "autocast"
+                if not lean_wins(x.numel() // d, d, i, dw.shape[0], path, sizes):
                     if self.fused:  # eager's ops (act computes ``a``: checked above)
                         g, u = gate(x).chunk(2, dim=-1)
                         return down(u * _act(g, a))
