@@ -242,6 +242,12 @@ class GatedMLP(NoScript, nn.Module):
         new.train(module.training)
         return new
 
+    #: True: the lean op (``act(g) * u`` recomputed in backward from the kept g and u) wherever
+    #: it can run, also where its backward peaks above eager's (the peak rule's eager ops keep
+    #: act(g) and the product): ``slimgrad.plan``'s ``lean+recompute:mlp-activation`` sets it
+    #: (NOTE [The MLP's activation, recomputed] in slimgrad/plan.py)
+    recompute_activation = False
+
     # the shapes (x, gate weight, down weight) of the last straight call and whether the lean
     # backward wins there (NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py):
     # decided once per shape, read as one tuple compare
@@ -343,7 +349,8 @@ class GatedMLP(NoScript, nn.Module):
                 n = x.numel() // d if d else 0
                 self.__dict__["_lean_key"] = key  # plain attributes, no Module.__setattr__
                 self.__dict__["_lean"] = lean_wins(n, d, gw.shape[0], dw.shape[0])
-            if not self._lean:  # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
+            # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
+            if not self._lean and not self.recompute_activation:
                 # plain bias-free Linears without hooks: eager's ops on their weights, directly
                 # (eager's bits and bytes, without the converted submodules' per-call cost)
                 return _eager_ops(x, gw, None, uw, None, dw, None, a, False)
@@ -371,7 +378,9 @@ class GatedMLP(NoScript, nn.Module):
                 sizes = _autocast_sizes(x, gate, up, down) if path == "general" else None
                 if sizes is not None:  # NOTE [The gated MLP's peak under autocast]
                     path = "autocast"
-                if not lean_wins(x.numel() // d, d, i, dw.shape[0], path, sizes):
+                if not self.recompute_activation and not lean_wins(
+                    x.numel() // d, d, i, dw.shape[0], path, sizes
+                ):
                     if self.fused:  # eager's ops (act computes ``a``: checked above)
                         g, u = gate(x).chunk(2, dim=-1)
                         return down(u * _act(g, a))
