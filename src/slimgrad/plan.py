@@ -1137,6 +1137,17 @@ def plan(
             f"{api}: device must be one of {list(DEVICES)}; expected a modelled device, got "
             f"{device!r}. Pass device='cuda' or device='cpu'."
         )
+    if choices is not None:
+        bad = [
+            c
+            for c in choices
+            if c not in CHOICES and not (c.startswith("lean+recompute:") and c.split(":", 1)[1])
+        ]
+        if bad:
+            raise ValueError(
+                f"{api}: unknown choices; expected names from {list(CHOICE_HELP)}, got {bad}. "
+                "Name choices as `slimgrad plan --help` lists them."
+            )
     say = progress or (lambda s: None)
     measured = getattr(reuse, "_measured", None) if reuse is not None else None
     if measured is not None and reuse.device == device:
