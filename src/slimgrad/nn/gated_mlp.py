@@ -7,7 +7,10 @@ it. Each call decides from what the modules are *now* (NOTE [Gated MLP: which pa
 # NOTE [Gated MLP: which path]
 - every projection a plain ``nn.Linear`` (or ``slimgrad.nn.Linear``) without hooks or a patched
   forward: :func:`slimgrad.ops.gated_mlp.gated_mlp` (or ``gated_mlp_fused``), which keeps x, g
-  and u;
+  and u; where the op's backward alone would peak above eager's (NOTE [The gated MLP's peak
+  against eager's], and in bytes under autocast NOTE [The gated MLP's peak under autocast], both
+  in ``slimgrad/ops/gated_mlp.py``) eager's ops, unless ``recompute_activation`` is set
+  (``slimgrad.plan``'s ``lean+recompute:mlp-activation``);
 - a projection that is anything else (a PEFT LoRA layer, a quantized linear, a hooked Linear) is
   called as a module, so it computes, keeps and hooks exactly as in eager; what is left
   (``act(g) * u`` and a plain down projection) is :func:`~slimgrad.ops.gated_mlp.glu_linear`,
