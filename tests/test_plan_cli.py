@@ -68,3 +68,23 @@ def test_plan_plot_and_cuda_kernels(capsys, tmp_path):
     assert "(cuda)" in out and f"curve: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "slimgrad plan: planning" in err and "(cuda kernels)" in err
+
+
+def test_plan_help_lists_the_choices_and_choices_narrows_the_plan(capsys):
+    from slimgrad.plan import CHOICE_HELP
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    for c in CHOICE_HELP:
+        assert f"  {c} " in out, c
+    assert "lean+recompute:mlp-activation" in out and "--choices" in out
+    only = "lean,lean+recompute:mlp-activation"
+    assert main([*_TINY, "--budget", "1GiB", "--json", "--choices", only]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    kept = rec["blocks"]["model.layers.0"]["kept_bytes"]
+    assert set(kept) == {"lean", "lean+recompute:mlp-activation", "eager+sac"}  # + the baseline
+    assert set(rec["choices"].values()) <= set(only.split(","))
+    assert main([*_TINY, "--budget", "1GiB", "--choices", "lean,nonsense"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("slimgrad plan: unknown choices") and "'nonsense'" in err

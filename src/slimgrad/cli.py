@@ -917,15 +917,32 @@ def _fit_work(args: argparse.Namespace, sub: str, target, config, convert: bool)
 
 
 # ------------------------------------------------------------------------------------------ plan
+def _plan_choices_help() -> str:
+    import textwrap
+
+    from slimgrad.plan import CHOICE_HELP
+
+    width = max(map(len, CHOICE_HELP))
+    pad = " " * (width + 4)
+    return "\n".join(
+        textwrap.fill(h, 96, initial_indent=f"  {c:<{width}}  ", subsequent_indent=pad)
+        for c, h in CHOICE_HELP.items()
+    )
+
+
 _PLAN_DESCRIPTION = f"""\
 Fit one training step into a memory budget with the least recompute (slimgrad.plan): per
 repeated block (decoder layers, GPT-2 blocks, ResNet blocks) eager, lean (slimgrad's ops), or
-recomputed in backward (the whole block, or one child such as the MLP), chosen by bytes freed per
-recomputed matmul FLOP against the step's peak, estimated under fake tensors (no compute, no
-memory; --device cuda models CUDA's kernels without a GPU). Prints the plan, the budget ->
-recompute curve next to eager, slimgrad, checkpoint-all and SAC, and progress on stderr. The
-budget is the step's peak above what is resident (weights, inputs), as `slimgrad estimate`
-reports it. Apply the plan in Python with slimgrad.convert_(model, plan=slimgrad.plan(...)).
+recomputed in backward (the whole block, one child such as the MLP, the attention core, the
+gated MLP's activation), chosen by bytes freed per recomputed matmul FLOP against the step's
+peak, estimated under fake tensors (no compute, no memory; --device cuda models CUDA's kernels
+without a GPU). Prints the plan, the budget -> recompute curve next to eager, slimgrad,
+checkpoint-all and SAC, and progress on stderr. The budget is the step's peak above what is
+resident (weights, inputs), as `slimgrad estimate` reports it. Apply the plan in Python with
+slimgrad.convert_(model, plan=slimgrad.plan(...)).
+
+The choices per block (each offered where it applies; --choices names some):
+{_plan_choices_help()}
 
 {_HF_HELP}
 
@@ -955,6 +972,13 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the chosen plan's full estimate (a budget below the composed curve is "
         "still checked whole)",
+    )
+    p.add_argument(
+        "--choices",
+        default=None,
+        metavar="C1,C2",
+        help="consider only these choices (comma-separated, as listed above; "
+        "'lean+recompute' also takes its ':<child>' forms); default: all",
     )
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -1000,6 +1024,8 @@ def _plan_work(args: argparse.Namespace, target, budget: int) -> int:
     say = _progress("plan")
     say(f"planning {target.name}, batch {batch}, within {args.budget} ({args.device} kernels)")
     kwargs = {"dtype": amp} if amp is not None else {}
+    if args.choices:
+        kwargs["choices"] = tuple(c.strip() for c in args.choices.split(",") if c.strip())
     try:
         p = slimgrad.plan(
             make, budget, device=args.device, verify=not args.no_verify, progress=say, **kwargs

@@ -11,6 +11,10 @@ stage's shape-preserving blocks), one of these choices:
 - ``lean+recompute:attention-core``: lean ops, and only the attention core of the block's HF
   attention modules (``QK^T``, softmax, dropout, ``PV``; not the projections) recomputed,
   Megatron-style (NOTE [The attention core, recomputed] in ``attention_core.py``);
+- ``lean+recompute:mlp-activation``: lean ops, and the activation of the block's gated MLPs
+  (``act(g) * u``) always recomputed from the kept pre-activations, also where the lean op's
+  backward peaks above eager's and ``lean`` runs eager's ops there (NOTE [The MLP's activation,
+  recomputed]); no matmul recomputed;
 - ``eager+recompute``: the block as it is, recomputed (plain activation checkpointing);
 - ``lean+sac``: lean ops under torch's selective checkpointing that saves every matmul/attention
   output and recomputes the rest (no matmul FLOPs recomputed; the elementwise ops between the
@@ -131,7 +135,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["CHOICES", "Plan", "parse_bytes", "plan"]
+__all__ = ["CHOICES", "CHOICE_HELP", "Plan", "parse_bytes", "plan"]
 
 _REPAIRS = 4  # full estimates the greedy repair spends before the whole-model check
 
@@ -139,6 +143,25 @@ _REPAIRS = 4  # full estimates the greedy repair spends before the whole-model c
 CHOICES = ("eager", "lean", "lean+sac", "eager+sac", "lean+recompute", "eager+recompute")
 #: ``lean+recompute:attention-core``: the attention core of the block's HF attention modules
 CORE = "attention-core"
+#: ``lean+recompute:mlp-activation``: the activation of the block's gated MLPs
+ACT = "mlp-activation"
+
+#: what each choice runs and recomputes, one line each (``slimgrad plan --help`` lists them)
+CHOICE_HELP = {
+    "eager": "the block as it is; nothing recomputed",
+    "lean": "slimgrad's lean ops (what convert_ does); no matmul recomputed",
+    "lean+sac": "lean ops under selective checkpointing saving every matmul/attention output; "
+    "the elementwise ops between them recomputed",
+    f"lean+recompute:{ACT}": "lean ops; the gated MLP's act(g) * u always recomputed from g and "
+    "u (also where lean runs eager's ops); no matmul recomputed",
+    f"lean+recompute:{CORE}": "lean ops; the attention core (QK^T, softmax, dropout, PV) "
+    "recomputed, Megatron-style",
+    "lean+recompute:<child>": "lean ops; that child (e.g. mlp, self_attn) recomputed",
+    "lean+recompute": "lean ops; the whole block recomputed",
+    "eager+recompute": "plain activation checkpointing of the block",
+    "eager+sac": "selective checkpointing of the unconverted block (the SAC baseline; only when "
+    "named)",
+}
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -364,6 +387,41 @@ def _set_forward(module: nn.Module, fn) -> None:
     module.forward = fn.__get__(module)
 
 
+# NOTE [The MLP's activation, recomputed]
+# Megatron's selective recompute of the MLP's activation keeps the first projection's output and
+# recomputes the activation (and, gated, its product with up) in backward, before the second
+# projection's backward. slimgrad's gated MLP op does exactly that (it keeps x, g and u and
+# recomputes act(g) * u, the same bits: NOTE in ops/gated_mlp.py), but ``lean`` runs eager's ops
+# (keeping act(g) and the product as well) where the op's backward peaks above eager's
+# (NOTE [The gated MLP's peak against eager's]): a rule for one block alone. In a step the kept
+# bytes of every block add up while one block's backward transient does not, so this choice sets
+# ``GatedMLP.recompute_activation`` on the block's converted gated MLPs: the op wherever it can
+# run (same bits as lean's op path; nothing else in the block changes), and the planner weighs
+# the kept bytes it frees against the transient it adds on the step's timeline, as for every
+# choice. It recomputes no matmul (0 FLOPs: like ``lean+sac``, a step from ``lean`` at no matmul
+# cost, taken when it keeps fewer bytes); where ``lean`` already runs the op it is ``lean``
+# (equal bytes: the hull drops it). It is offered for a block holding a gated MLP that convert_
+# converts (an HF template MLP, or a GatedMLP); applied to a block without one after conversion
+# it raises, and its measurement is refused with that reason. GPT-2's MLP (one node, ops/
+# gpt2_mlp.py) keeps the GELU's input and rebuilds its output in backward in float32 already;
+# it has no such switch, so the choice is not offered there.
+
+
+def _gated_mlps(block: nn.Module) -> list:
+    from slimgrad.nn.gated_mlp import GatedMLP
+
+    return [m for m in block.modules() if isinstance(m, GatedMLP)]
+
+
+def _has_gated_mlp(block: nn.Module) -> bool:
+    # before conversion: a module convert_'s HF gated-MLP handler takes (its forward the template)
+    from slimgrad.convert_handlers.hf_mlp import _match
+
+    return bool(_gated_mlps(block)) or any(
+        "forward" not in m.__dict__ and _match(type(m).forward) is not None for m in block.modules()
+    )
+
+
 # NOTE [Lean ops under selective checkpointing]
 # ``lean+sac`` runs a block's lean ops under torch's selective checkpointing (non-reentrant, RNG
 # state restored) with the policy of ``eager+sac``: every matmul/attention output is saved, every
@@ -475,6 +533,18 @@ def apply_choices(
             from slimgrad.attention_core import wrap
 
             wrap(mods[n], api)
+            continue
+        if what == ACT:  # NOTE [The MLP's activation, recomputed]
+            mlps = _gated_mlps(mods[n])
+            if not mlps:
+                raise ValueError(
+                    f"{api}: block {n!r} has no gated MLP slimgrad converted; expected a "
+                    f"slimgrad.nn.GatedMLP in a block planned {choices[n]!r}, got none. Plan "
+                    "this model with slimgrad.plan, or convert the block's MLP (config "
+                    "activations=True)."
+                )
+            for m in mlps:
+                m.recompute_activation = True
             continue
         target = mods.get(n if what == "" else f"{n}.{what}")
         if target is None:
@@ -588,6 +658,8 @@ def _child_choices(block: nn.Module, flops: dict[str, int], name: str) -> list[s
             out.append(f"lean+recompute:{k}")
     if _core_flops(block, flops, name) > 0:
         out.append(f"lean+recompute:{CORE}")
+    if _has_gated_mlp(block):
+        out.append(f"lean+recompute:{ACT}")
     return out
 
 
@@ -1065,6 +1137,17 @@ def plan(
             f"{api}: device must be one of {list(DEVICES)}; expected a modelled device, got "
             f"{device!r}. Pass device='cuda' or device='cpu'."
         )
+    if choices is not None:
+        bad = [
+            c
+            for c in choices
+            if c not in CHOICES and not (c.startswith("lean+recompute:") and c.split(":", 1)[1])
+        ]
+        if bad:
+            raise ValueError(
+                f"{api}: unknown choices; expected names from {list(CHOICE_HELP)}, got {bad}. "
+                "Name choices as `slimgrad plan --help` lists them."
+            )
     say = progress or (lambda s: None)
     measured = getattr(reuse, "_measured", None) if reuse is not None else None
     if measured is not None and reuse.device == device:
@@ -1102,7 +1185,7 @@ def plan(
                 wanted[id(k)] = options
                 for c in options:
                     lean, what, sac = _parse_choice(api, first, c)
-                    if what is None or sac:
+                    if what is None or sac or what == ACT:
                         k.flops[c] = 0
                     elif what == CORE:
                         k.flops[c] = _core_flops(mods[first], flops, first)
@@ -1133,8 +1216,8 @@ def plan(
             per = (len(k.names) - 1) // 2  # pairs one estimate holds: 2 per pair, 1 to close
             groups = []
             for part in (
-                [c for c in todo if _parse_choice(api, first, c)[1] is not None],
-                [c for c in todo if _parse_choice(api, first, c)[1] is None],
+                [c for c in todo if _parse_choice(api, first, c)[1] not in (None, ACT)],
+                [c for c in todo if _parse_choice(api, first, c)[1] in (None, ACT)],
             ):
                 groups += [part[at : at + per] for at in range(0, len(part), per)] if per else []
             while groups:

@@ -7,7 +7,10 @@ it. Each call decides from what the modules are *now* (NOTE [Gated MLP: which pa
 # NOTE [Gated MLP: which path]
 - every projection a plain ``nn.Linear`` (or ``slimgrad.nn.Linear``) without hooks or a patched
   forward: :func:`slimgrad.ops.gated_mlp.gated_mlp` (or ``gated_mlp_fused``), which keeps x, g
-  and u;
+  and u; where the op's backward alone would peak above eager's (NOTE [The gated MLP's peak
+  against eager's], and in bytes under autocast NOTE [The gated MLP's peak under autocast], both
+  in ``slimgrad/ops/gated_mlp.py``) eager's ops, unless ``recompute_activation`` is set
+  (``slimgrad.plan``'s ``lean+recompute:mlp-activation``);
 - a projection that is anything else (a PEFT LoRA layer, a quantized linear, a hooked Linear) is
   called as a module, so it computes, keeps and hooks exactly as in eager; what is left
   (``act(g) * u`` and a plain down projection) is :func:`~slimgrad.ops.gated_mlp.glu_linear`,
@@ -44,6 +47,7 @@ from slimgrad.ops.gated_mlp import (
     lean_wins,
 )
 from slimgrad.ops.gated_mlp import _fwd_torch as _eager_ops
+from slimgrad.ops.linear import keeps_master
 
 __all__ = ["GatedMLP", "activation_of"]
 
@@ -124,6 +128,26 @@ def _plain_linear(m: nn.Module) -> bool:
     # _hooked(m) only when some hook dict is not empty
     hooks = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
     return not (hooks and _hooked(m))
+
+
+def _autocast_sizes(x: torch.Tensor, gate, up, down) -> tuple | None:
+    # (x's, autocast's and the weights' bytes per element) where the op's backward under autocast
+    # is the one NOTE [The gated MLP's peak under autocast] in ops/gated_mlp.py counts in bytes:
+    # plain bias-free Linears whose leaf weights (one dtype, all needing a gradient) the op
+    # casts itself, x a non-leaf of more bytes per element than autocast's dtype; else None
+    dev = x.device.type
+    if x.grad_fn is None or not torch.is_autocast_enabled(dev):
+        return None
+    dt = torch.get_autocast_dtype(dev)
+    ws = []
+    for m in (gate, up, down):
+        w, b = _params(m)
+        if b is not None or not (w.requires_grad and keeps_master(w, dt)):
+            return None
+        ws.append(w)
+    if not (ws[0].dtype == ws[1].dtype == ws[2].dtype and x.element_size() > dt.itemsize):
+        return None
+    return (x.element_size(), dt.itemsize, ws[0].element_size())
 
 
 def _params(m: nn.Module) -> tuple:
@@ -220,6 +244,12 @@ class GatedMLP(NoScript, nn.Module):
         new.activation, new.fused = activation, roles[1] is None
         new.train(module.training)
         return new
+
+    #: True: the lean op (``act(g) * u`` recomputed in backward from the kept g and u) wherever
+    #: it can run, also where its backward peaks above eager's (the peak rule's eager ops keep
+    #: act(g) and the product): ``slimgrad.plan``'s ``lean+recompute:mlp-activation`` sets it
+    #: (NOTE [The MLP's activation, recomputed] in slimgrad/plan.py)
+    recompute_activation = False
 
     # the shapes (x, gate weight, down weight) of the last straight call and whether the lean
     # backward wins there (NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py):
@@ -322,7 +352,8 @@ class GatedMLP(NoScript, nn.Module):
                 n = x.numel() // d if d else 0
                 self.__dict__["_lean_key"] = key  # plain attributes, no Module.__setattr__
                 self.__dict__["_lean"] = lean_wins(n, d, gw.shape[0], dw.shape[0])
-            if not self._lean:  # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
+            # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
+            if not self._lean and not self.recompute_activation:
                 # plain bias-free Linears without hooks: eager's ops on their weights, directly
                 # (eager's bits and bytes, without the converted submodules' per-call cost)
                 return _eager_ops(x, gw, None, uw, None, dw, None, a, False)
@@ -347,7 +378,12 @@ class GatedMLP(NoScript, nn.Module):
                     or not x.dtype == gw.dtype == dw.dtype == _params(up)[0].dtype
                     else "straight"
                 )
-                if not lean_wins(x.numel() // d, d, i, dw.shape[0], path):
+                sizes = _autocast_sizes(x, gate, up, down) if path == "general" else None
+                if sizes is not None:  # NOTE [The gated MLP's peak under autocast]
+                    path = "autocast"
+                if not self.recompute_activation and not lean_wins(
+                    x.numel() // d, d, i, dw.shape[0], path, sizes
+                ):
                     if self.fused:  # eager's ops (act computes ``a``: checked above)
                         g, u = gate(x).chunk(2, dim=-1)
                         return down(u * _act(g, a))
