@@ -609,13 +609,13 @@ class ModuleFacts:
 
 
 def _module_facts(m: nn.Module) -> ModuleFacts:
-    entry = _lookup(m)[0] is not None
     technique, handler = table_handler(m)
-    reason = handler if technique is None else None
-    handler = handler if technique is not None else None
-    parametrized = _parametrized.parametrized_reason(m) if (technique or reason) else None
-    kept = _inplace_guard.kept_reason(m) if technique is not None else None
-    return ModuleFacts(entry, technique, handler, reason, parametrized, kept)
+    if technique is None:  # ``handler`` is the reason its entry does not apply, or None
+        entry = handler is not None
+        why = _parametrized.parametrized_reason(m) if entry else None
+        return ModuleFacts(entry, None, None, handler, why, None)
+    why = _parametrized.parametrized_reason(m)
+    return ModuleFacts(True, technique, handler, None, why, _inplace_guard.kept_reason(m))
 
 
 @dataclass(eq=False)
@@ -640,9 +640,16 @@ class ModelFacts:
         """Read the model as the table pass will see it: the in-place guard's reading of its
         structure, then each module's facts (once per module, wherever it is held)."""
         _inplace_guard.inplace_guard_pattern(self.model, None, None, None)
-        self._modules.clear()
-        for m in self.model.modules():
-            self._modules[id(m)] = (m, _module_facts(m))
+        found = self._modules
+        found.clear()
+        stack = [self.model]
+        while stack:  # each module once (a plain walk: modules()' generators cost more calls)
+            m = stack.pop()
+            if id(m) not in found:
+                found[id(m)] = (m, _module_facts(m))
+                for c in m._modules.values():
+                    if c is not None:
+                        stack.append(c)
 
     def of(self, m: nn.Module) -> ModuleFacts:
         """The facts of ``m``: read by ``read_modules``, or now (a module a replacement holds
