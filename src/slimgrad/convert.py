@@ -24,6 +24,29 @@ than eager, per device and dtype]): a replacement is chosen only on the devices 
 it keeps no more than eager's kernel keeps there (HF SDPA attention stays SDPA on CUDA, where
 eager's fused kernels keep O(T) per row). ``convert_(model, device="cuda")`` decides for a model
 that will be moved to CUDA later; by default it decides for the devices of the model's tensors.
+
+Stages (``convert_`` runs them in this order; each fact is computed once, where named):
+
+1. ``analyse`` -> ``ModelFacts``: the device rule's targets, whether the model is an HF one (and
+   the transformers version check), the features this installation lacks.
+2. The neighbour passes (``_PATTERNS``), each deciding and swapping in one pass, since each
+   reads the structure its technique needs: BatchNorm's neighbours (``cnn``, ``abn``), HF
+   attention's config and forward templates (``hf_attention``), the LM head and loss template
+   (``hf_loss``), MoE and timm blocks.
+3. ``ModelFacts.read_modules``: the in-place guard's reading of the structure (which modules an
+   in-place write follows), then per module its table entry, the subclass rule's reason, a
+   parametrized weight and the guard's reason (``ModuleFacts``).
+4. ``decide`` -> ``Decision``s: per place that holds a module, its replacement (the handler
+   builds it, sharing state, changing nothing) or why it stays, from the facts, the config,
+   ``filter_fn`` and the device rule. ``plan=`` enters here as a filter: its eager blocks are
+   skipped like ``filter_fn``'s, and ``slimgrad.plan.apply_choices`` then wraps the recomputed
+   blocks' forwards.
+5. ``apply`` swaps the replacements in (they take over the hooks); ``record`` writes the
+   report's rows from the decisions.
+6. What needs the converted structure: ownership's statements of fresh inputs
+   (``ownership.state_inputs_``), which outputs are kept or are the model's output
+   (``nn._output_act.state_consumers_``, a second reading by the in-place guard's code), then
+   the modules left alone (``_left_alone``, from the report's rows and the module facts).
 """
 
 from __future__ import annotations
@@ -243,8 +266,9 @@ _PATTERNS: list[tuple[str | None, Pattern]] = [
     ("fused_loss", _hf_loss.lm_loss_pattern),  # HF LM head + loss: chunked, no logits kept
     *_hf_moe.PATTERNS,
     *_timm_blocks.PATTERNS,
-    (None, _inplace_guard.inplace_guard_pattern),  # always: saver -> in-place write stays eager
 ]
+# (the in-place guard is a reading of the model, not a technique: ``ModelFacts.read_modules`` runs
+# it after these passes, NOTE [In-place writers after output-saving modules])
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
 _REPORT_ATTR = "_slimgrad_report"
@@ -473,20 +497,21 @@ def convert_(
     if plan is not None:
         return _apply_plan(model, plan, config, filter_fn, device, dtype)
     allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
-    if _is_hf_model(model):
-        _compat.check_transformers()  # once per process, outside the tested range only
-    rep = ConvertReport(targets=where)
-    rep.features_off = [(f.name, f.detail) for f in _compat.features_off()]
+    facts = analyse(model, where)
+    rep = ConvertReport(targets=facts.targets, features_off=list(facts.features_off))
     for technique, pattern in _PATTERNS:
         if technique is None or getattr(config, technique):
             if technique is not None and (why := _device_rule.refuse(technique, where)):
                 rep.skipped.append(("", f"{technique} pass", why))
                 continue
             pattern(model, config, allowed, rep)
-    _convert_children(model, "", config, allowed, rep, {})
+    facts.read_modules()  # after the patterns' swaps: the modules the table pass will see
+    decisions = decide(model, config, allowed, facts)
+    apply(decisions)
+    record(decisions, rep)
     ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
     _nn_output_act.state_consumers_(model, rep)  # NOTE [Keep y only where its consumer keeps it]
-    rep.left_alone = _left_alone(model, rep)
+    rep.left_alone = _left_alone(model, rep, facts)
     _REPORTS[model] = rep
     # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along
     model.__dict__[_REPORT_ATTR] = rep
@@ -556,64 +581,204 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
     new._is_full_backward_hook = old._is_full_backward_hook
 
 
-def _convert_children(
-    parent: nn.Module,
-    prefix: str,
-    config: ConvertConfig,
-    allowed: Callable,
-    rep: ConvertReport,
-    done: dict[int, tuple[nn.Module, nn.Module]],
-) -> None:
-    # ``done``: {id(original): (original, replacement or original)}; it keeps the originals alive,
-    # so ids stay unique. A module held by several parents (or twice by one) is decided once and
-    # stays one module everywhere.
-    for name, child in list(parent._modules.items()):  # named_children() skips repeats
-        if child is None:
+# --- analyse -> decide -> apply -> record (the module docstring's "Stages") -------------------
+
+
+@dataclass(eq=False)
+class ModuleFacts:
+    """What the table pass needs to know about one module, read once from the module alone.
+
+    Attributes:
+        entry: a table class is among its classes (its own or a base).
+        technique: the ``ConvertConfig`` field of the entry that converts it, or None.
+        handler: that entry's handler (for a subclass, one that checks the replacement's state).
+        reason: why its entry does not apply to it (a patched forward, a subclass that may compute
+            otherwise; NOTE [Subclasses convert by what they compute]), or None.
+        parametrized: why it stays eager because a weight is computed (NOTE [Parametrized
+            weights stay eager]); read only for modules with an entry.
+        kept: why the in-place guard keeps it (NOTE [In-place writers after output-saving
+            modules]); read only for modules with a technique.
+    """
+
+    entry: bool
+    technique: str | None
+    handler: Handler | None
+    reason: str | None
+    parametrized: str | None
+    kept: str | None
+
+
+def _module_facts(m: nn.Module) -> ModuleFacts:
+    technique, handler = table_handler(m)
+    if technique is None:  # ``handler`` is the reason its entry does not apply, or None
+        entry = handler is not None
+        why = _parametrized.parametrized_reason(m) if entry else None
+        return ModuleFacts(entry, None, None, handler, why, None)
+    why = _parametrized.parametrized_reason(m)
+    return ModuleFacts(True, technique, handler, None, why, _inplace_guard.kept_reason(m))
+
+
+@dataclass(eq=False)
+class ModelFacts:
+    """What ``convert_`` reads about a model, each fact computed once (``analyse``).
+
+    Attributes:
+        model: the model.
+        targets: the (device type, dtype or None) pairs the device rule decides for.
+        hf: the model holds an HF ``PreTrainedModel``.
+        features_off: (feature, why) for capabilities this installation lacks.
+    """
+
+    model: nn.Module
+    targets: tuple[tuple[str, object], ...]
+    hf: bool
+    features_off: tuple[tuple[str, str], ...]
+    # {id(module): (module, facts)}: holding the module keeps its id unique for the call
+    _modules: dict[int, tuple[nn.Module, ModuleFacts]] = field(default_factory=dict, repr=False)
+
+    def read_modules(self) -> None:
+        """Read the model as the table pass will see it: the in-place guard's reading of its
+        structure, then each module's facts (once per module, wherever it is held)."""
+        _inplace_guard.inplace_guard_pattern(self.model, None, None, None)
+        found = self._modules
+        found.clear()
+        stack = [self.model]
+        while stack:  # each module once (a plain walk: modules()' generators cost more calls)
+            m = stack.pop()
+            if id(m) not in found:
+                found[id(m)] = (m, _module_facts(m))
+                for c in m._modules.values():
+                    if c is not None:
+                        stack.append(c)
+
+    def of(self, m: nn.Module) -> ModuleFacts:
+        """The facts of ``m``: read by ``read_modules``, or now (a module a replacement holds
+        that the model did not, e.g. under ``CONVERT_CHILDREN``) and kept."""
+        got = self._modules.get(id(m))
+        if got is None or got[0] is not m:
+            got = self._modules[id(m)] = (m, _module_facts(m))
+        return got[1]
+
+
+def analyse(model: nn.Module, targets: tuple[tuple[str, object], ...]) -> ModelFacts:
+    """The model-wide facts ``convert_`` decides from (``ModelFacts``); ``read_modules`` adds the
+    per-module ones once the neighbour passes have run."""
+    hf = _is_hf_model(model)
+    if hf:
+        _compat.check_transformers()  # once per process, outside the tested range only
+    off = tuple((f.name, f.detail) for f in _compat.features_off())
+    return ModelFacts(model, targets, hf, off)
+
+
+@dataclass(eq=False)
+class Decision:
+    """What the table pass decided for one place that holds a module: ``parent.<attr>``.
+
+    ``new`` is the replacement (the module is converted), else ``reason`` says why it stays.
+    ``repeat``: another place holding a module decided earlier; it takes the same replacement
+    and adds no report row.
+    """
+
+    name: str
+    parent: nn.Module
+    attr: str
+    module: nn.Module
+    new: nn.Module | None = None
+    reason: str | None = None
+    repeat: bool = False
+
+
+def _decide_one(
+    m: nn.Module, name: str, f: ModuleFacts, config: ConvertConfig, allowed: Callable, targets
+) -> tuple[nn.Module | None, str | None, bool]:
+    # (replacement or None, reason or None, visit its children); the checks in the order whose
+    # first failure the report names
+    if f.technique is None and f.reason is None:
+        return None, None, True  # no table class among its bases: a container, visited
+    if f.parametrized is not None:
+        return None, f.parametrized, False  # NOTE [Parametrized weights stay eager]
+    if f.technique is None:  # a table subclass that may compute otherwise: its children may not
+        return None, f.reason, True
+    if f.kept is not None:
+        return None, f.kept, False
+    if not getattr(config, f.technique):
+        return None, f"ConvertConfig.{f.technique} is False", False
+    if not allowed(m, name):
+        return None, "filter_fn returned False", False
+    if (why := _device_rule.refuse(f.technique, targets)) is not None:
+        return None, why, False
+    try:
+        return f.handler(m), None, False
+    except NotImplementedError as e:
+        return None, str(e), True
+
+
+def decide(
+    model: nn.Module, config: ConvertConfig, allowed: Callable, facts: ModelFacts
+) -> list[Decision]:
+    """Decide, for each place that holds a module, its replacement or why it stays, in the
+    order of ``model``'s module tree; no module of ``model`` is swapped (``apply`` swaps).
+
+    A handler builds the replacement (sharing the original's Parameters, buffers and children)
+    without changing the original. A module held at several places is decided once and gets one
+    replacement everywhere. The children of a module that stays are decided too; those of a
+    replacement only where it asks (``CONVERT_CHILDREN``, e.g. timm's norm + act).
+    """
+    out: list[Decision] = []
+    # {id(original): (original, replacement or original)}; it keeps the originals alive
+    done: dict[int, tuple[nn.Module, nn.Module]] = {}
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for attr, child in list(parent._modules.items()):  # named_children() skips repeats
+            if child is None:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if id(child) in done:
+                if (new := done[id(child)][1]) is not child:
+                    out.append(Decision(name, parent, attr, child, new=new, repeat=True))
+                continue
+            done[id(child)] = (child, child)
+            if _is_slimgrad(child):
+                visit(child, name)
+                continue
+            new, reason, children = _decide_one(
+                child, name, facts.of(child), config, allowed, facts.targets
+            )
+            if new is not None:
+                done[id(child)] = (child, new)
+                out.append(Decision(name, parent, attr, child, new=new))
+                if getattr(new, "CONVERT_CHILDREN", False):
+                    visit(new, name)
+                continue
+            if reason is not None:
+                out.append(Decision(name, parent, attr, child, reason=reason))
+            if children:
+                visit(child, name)
+
+    visit(model, "")
+    return out
+
+
+def apply(decisions: list[Decision]) -> None:
+    """Swap each decided replacement into its place; it takes over the original's hooks."""
+    for d in decisions:
+        if d.new is None:
             continue
-        fqn = f"{prefix}.{name}" if prefix else name
-        if id(child) in done:
-            if done[id(child)][1] is not child:
-                setattr(parent, name, done[id(child)][1])
+        if not d.repeat and d.new is not d.module:
+            _carry_hooks(d.module, d.new)
+        setattr(d.parent, d.attr, d.new)
+
+
+def record(decisions: list[Decision], rep: ConvertReport) -> None:
+    """The report's rows for the decisions: one per module, converted or skipped with why."""
+    for d in decisions:
+        if d.repeat:
             continue
-        done[id(child)] = (child, child)
-        if _is_slimgrad(child):
-            _convert_children(child, fqn, config, allowed, rep, done)
-            continue
-        technique, handler = table_handler(child)
-        kind = type(child).__name__
-        if (technique or handler) and (why := _parametrized.parametrized_reason(child)):
-            rep.skipped.append((fqn, kind, why))  # NOTE [Parametrized weights stay eager]
-            continue
-        if technique is None:
-            if handler is not None:  # a reason: a table subclass that may compute otherwise
-                rep.skipped.append((fqn, kind, handler))
-            _convert_children(child, fqn, config, allowed, rep, done)
-            continue
-        if (kept := _inplace_guard.kept_reason(child)) is not None:
-            rep.skipped.append((fqn, kind, kept))
-            continue
-        if not getattr(config, technique):
-            rep.skipped.append((fqn, kind, f"ConvertConfig.{technique} is False"))
-            continue
-        if not allowed(child, fqn):
-            rep.skipped.append((fqn, kind, "filter_fn returned False"))
-            continue
-        if (why := _device_rule.refuse(technique, rep.targets)) is not None:
-            rep.skipped.append((fqn, kind, why))
-            continue
-        try:
-            new = handler(child)
-        except NotImplementedError as e:
-            rep.skipped.append((fqn, kind, str(e)))
-            _convert_children(child, fqn, config, allowed, rep, done)
-            continue
-        if new is not child:
-            _carry_hooks(child, new)
-        done[id(child)] = (child, new)
-        setattr(parent, name, new)
-        rep.converted.append((fqn, kind, type(new).__name__))
-        if getattr(new, "CONVERT_CHILDREN", False):  # e.g. timm's norm + act: its drop and act
-            _convert_children(new, fqn, config, allowed, rep, done)
+        kind = type(d.module).__name__
+        if d.new is not None:
+            rep.converted.append((d.name, kind, type(d.new).__name__))
+        else:
+            rep.skipped.append((d.name, kind, d.reason))
 
 
 # NOTE [Coverage in the report]
@@ -662,9 +827,10 @@ def _holds_state(m: nn.Module) -> bool:
     )
 
 
-def _no_entry_reason(m: nn.Module, is_root: bool, inside: tuple[str, str] | None) -> str:
-    entry, _, _ = _lookup(m)
-    if entry is not None:
+def _no_entry_reason(
+    m: nn.Module, entry: bool, is_root: bool, inside: tuple[str, str] | None
+) -> str:
+    if entry:
         if is_root:
             return (
                 "the model itself: convert_ replaces submodules in place, not the module it is "
@@ -675,12 +841,14 @@ def _no_entry_reason(m: nn.Module, is_root: bool, inside: tuple[str, str] | None
     for klass in type(m).__mro__:
         if (why := _NO_HANDLER.get(_qualname(klass))) is not None:
             return why
-    if entry is not None:  # not expected: every table module convert_ reaches is reported
+    if entry:  # not expected: every table module convert_ reaches is reported
         return f"a handler for {_qualname(type(m))} exists, but convert_ did not apply it here"
     return f"no handler for {_qualname(type(m))}"
 
 
-def _left_alone(model: nn.Module, rep: ConvertReport) -> list[tuple[str, str, str]]:
+def _left_alone(
+    model: nn.Module, rep: ConvertReport, facts: ModelFacts
+) -> list[tuple[str, str, str]]:
     # NOTE [Coverage in the report]; the walk and names are named_modules()' (each module once)
     why: dict[tuple[str, str], str] = {}
     for n, kind, r in rep.skipped:
@@ -706,7 +874,9 @@ def _left_alone(model: nn.Module, rep: ConvertReport) -> list[tuple[str, str, st
             if own is not None:
                 inside = (name, own)
             if name not in converted and _holds_state(m):
-                out.append((name, kind, own or _no_entry_reason(m, m is model, inside)))
+                out.append(
+                    (name, kind, own or _no_entry_reason(m, facts.of(m).entry, m is model, inside))
+                )
         kids = [(f"{name}.{k}" if name else k, c) for k, c in m._modules.items() if c is not None]
         stack.extend((n, c, inside) for n, c in reversed(kids))
     return out

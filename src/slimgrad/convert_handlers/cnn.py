@@ -170,7 +170,6 @@ def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
                     if c2 is child:
                         setattr(p2, n2, new)
             rep.converted.append((fqn, type(child).__name__, type(new).__name__))
-    ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
 
 
 def convert_cnn_(model: nn.Module) -> nn.Module:

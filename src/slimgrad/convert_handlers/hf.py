@@ -12,6 +12,7 @@ import importlib
 import inspect
 import sys
 import textwrap
+import weakref
 
 import torch.nn as nn
 
@@ -406,11 +407,23 @@ def _plain_dump(src: str) -> str:
     return ast.dump(tree.body[0])
 
 
+# {function: its plain dump or None}: a class's code is read once, at its first instance (a 16-layer
+# Llama has 33 RMSNorms of one class); a new function (a patched forward) is a new key
+_DUMPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _source_dump(fn) -> str | None:
+    if fn in _DUMPS:
+        return _DUMPS[fn]
     try:
-        return _plain_dump(inspect.getsource(inspect.unwrap(fn)))
+        dump = _plain_dump(inspect.getsource(inspect.unwrap(fn)))
     except (OSError, TypeError, SyntaxError, IndexError):
-        return None
+        dump = None
+    try:
+        _DUMPS[fn] = dump
+    except TypeError:  # None, or an object without weak references: read again next time
+        pass
+    return dump
 
 
 _TEMPLATE_DUMPS = [
