@@ -498,25 +498,26 @@ class _DropoutInplaceFn(torch.autograd.Function):
 
 
 # NOTE [Dropout traced under torch.compile]
-# While Dynamo traces a CPU dropout, it is :class:`_DropoutTracedFn`: eager's CPU draw
-# (``empty_like(x).bernoulli_(1 - p)``), eager's product and the bit packing written as torch
-# ops, which AOTAutograd and inductor see through. Compiled, the two custom ops (draw + C pack,
-# C unpack) and the host work around them cost more than the fused kernels: one dropout's
-# forward + backward at 2x64x64, compiled with inductor, one thread, thread CPU time: 352-379 us
-# with the custom ops, 275-288 us traced (compiled eager's F.dropout: 343-374 us). What backward
-# reads is what the custom ops' backward read: the packed mask, ceil(n / 8) bytes (eager's noise
-# for a tensor too small to pack: NOTE [Dropout's mask temporaries]). The partitioner cannot
-# recompute the mask (a random op is never recomputed) and the packed bytes are the smallest
-# forward value backward's unpacking reads, so that is what it keeps (``kept_bytes`` of
-# benchmarks/compile_step.py, tests/test_compile_saved.py). Masks: inductor runs ``bernoulli_``
-# on CPU as eager's op (torch 2.13 does not decompose it there), and aot_eager runs it as is: the
-# mask eager draws at the same RNG state, as the custom op drew it (tests/ops/test_dropout.py).
-# Values: ``x * (noise / (1 - p))`` and ``where(m, dy * s, dy * 0)`` are eager's forward and
-# backward bit for bit (``s`` the noise's value, rounded as eager rounds it). The packing is eight
-# shifted columns or-ed together (a uint8 multiply-sum, as ``pack_bits`` traces, compiled to a
-# scalar reduction that cost ~7x eager's whole dropout). CUDA keeps the custom ops under compile:
-# there inductor would draw a traced ``native_dropout`` or ``bernoulli_`` with its own RNG, and
-# the compiled masks would no longer be the uncompiled ones.
+# While Dynamo traces a CPU dropout, it is :class:`_DropoutTracedFn`: eager's CPU draw in a custom
+# op of x (``slimgrad::dropout_noise``: ``empty_like(x).bernoulli_(1 - p)``), then eager's product
+# and the bit packing written as torch ops, which AOTAutograd and inductor see through, and a
+# backward of torch ops only. Compiled, the former two custom ops (draw + C pack, C unpack) and the
+# host work around them cost more than the fused kernels: one dropout's forward + backward at
+# 2x64x64, compiled with inductor, one thread, thread CPU time: 352-379 us with the custom ops,
+# 275-288 us traced with the draw traced too (compiled eager's F.dropout: 343-374 us). The draw
+# stays an op of x because a traced ``empty_like(x).bernoulli_`` depends on no value: inductor
+# ran all of GPT-2's dropout draws first, before the attention's, so the masks were no longer the
+# ones the uncompiled model draws at the same seed (first loss 6.259768 against 6.258730). As an
+# op of x it runs where x is ready, as the former custom op did. What backward reads is what the
+# custom ops' backward read: the packed mask, ceil(n / 8) bytes (eager's noise for a tensor too
+# small to pack: NOTE [Dropout's mask temporaries]); the partitioner never recomputes a custom
+# op's output and the packed bytes are the smallest forward value backward's unpacking reads, so
+# that is what it keeps (``kept_bytes`` of benchmarks/compile_step.py,
+# tests/test_compile_saved.py). Values: ``x * (noise / (1 - p))`` and ``where(m, dy * s, dy *
+# 0)`` are eager's forward and backward bit for bit (``s`` the noise's value, rounded as eager
+# rounds it). The packing is eight shifted columns or-ed together (a uint8 multiply-sum, as
+# ``pack_bits`` traces, compiled to a scalar reduction that cost ~7x eager's whole dropout). CUDA
+# keeps the custom ops under compile (its draw is ``native_dropout``'s, with its own mask).
 def _pack_traced(keep: torch.Tensor) -> torch.Tensor:
     # pack_bits's layout (bit i % 8 of byte i // 8, padding 0), as eight shifted columns or-ed
     # together: one vectorized pass in inductor (NOTE [Dropout traced under torch.compile])
@@ -540,12 +541,23 @@ def _unpack_traced(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return m.reshape(-1)[:n].view(shape) != 0
 
 
+@custom_op("dropout_noise", mutates_args=())
+def _dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
+    # eager's CPU draw, as an op of x: NOTE [Dropout traced under torch.compile]
+    return torch.empty_like(x).bernoulli_(1 - p)
+
+
+@_dropout_noise.register_fake
+def _(x, p):
+    return torch.empty_like(x)
+
+
 class _DropoutTracedFn(torch.autograd.Function):
     # only while Dynamo traces a CPU dropout (NOTE [Dropout traced under torch.compile])
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float):
         # eager's CPU ops (_fwd_torch): the draw, then x * noise
-        noise = torch.empty_like(x).bernoulli_(1 - p)
+        noise = _dropout_noise(x, p)
         ctx.p, ctx.packed = p, not _keeps_noise(x)
         if not ctx.packed:  # NOTE [Dropout's mask temporaries]: eager's noise kept
             noise = noise.div(1 - p)
