@@ -501,23 +501,21 @@ class _DropoutInplaceFn(torch.autograd.Function):
 # While Dynamo traces a CPU dropout, it is :class:`_DropoutTracedFn`: eager's CPU draw in a custom
 # op of x (``slimgrad::dropout_noise``: ``empty_like(x).bernoulli_(1 - p)``), then eager's product
 # and the bit packing written as torch ops, which AOTAutograd and inductor see through, and a
-# backward of torch ops only. Compiled, the former two custom ops (draw + C pack, C unpack) and the
-# host work around them cost more than the fused kernels: one dropout's forward + backward at
-# 2x64x64, compiled with inductor, one thread, thread CPU time: 352-379 us with the custom ops,
-# 275-288 us traced with the draw traced too (compiled eager's F.dropout: 343-374 us). The draw
-# stays an op of x because a traced ``empty_like(x).bernoulli_`` depends on no value: inductor
-# ran all of GPT-2's dropout draws first, before the attention's, so the masks were no longer the
-# ones the uncompiled model draws at the same seed (first loss 6.259768 against 6.258730). As an
-# op of x it runs where x is ready, as the former custom op did. What backward reads is what the
-# custom ops' backward read: the packed mask, ceil(n / 8) bytes (eager's noise for a tensor too
-# small to pack: NOTE [Dropout's mask temporaries]); the partitioner never recomputes a custom
-# op's output and the packed bytes are the smallest forward value backward's unpacking reads, so
-# that is what it keeps (``kept_bytes`` of benchmarks/compile_step.py,
-# tests/test_compile_saved.py). Values: ``x * (noise / (1 - p))`` and ``where(m, dy * s, dy *
-# 0)`` are eager's forward and backward bit for bit (``s`` the noise's value, rounded as eager
-# rounds it). The packing is eight shifted columns or-ed together (a uint8 multiply-sum, as
-# ``pack_bits`` traces, compiled to a scalar reduction that cost ~7x eager's whole dropout). CUDA
-# keeps the custom ops under compile (its draw is ``native_dropout``'s, with its own mask).
+# backward of torch ops only: the unpacking and the product fuse into one inductor kernel, the
+# packing into the forward's, with fewer Python calls and no opaque kernel for inductor to work
+# around. The draw stays an op of x because a traced ``empty_like(x).bernoulli_`` depends on no
+# value: inductor ran all of GPT-2's dropout draws first, before the attention's, so the masks were
+# no longer the ones the uncompiled model draws at the same seed (first loss 6.259768 against
+# 6.258730). As an op of x it runs where x is ready, as the former custom op did. What backward
+# reads is what the custom ops' backward read: the packed mask, ceil(n / 8) bytes (eager's noise for
+# a tensor too small to pack: NOTE [Dropout's mask temporaries]); the partitioner never recomputes a
+# custom op's output and the packed bytes are the smallest forward value backward's unpacking reads,
+# so that is what it keeps (``kept_bytes`` of benchmarks/compile_step.py,
+# tests/test_compile_saved.py). Values: ``x * (noise / (1 - p))`` and ``where(m, dy * s, dy * 0)``
+# are eager's forward and backward bit for bit (``s`` the noise's value, rounded as eager rounds
+# it). The packing is eight shifted columns or-ed together (a uint8 multiply-sum, as ``pack_bits``
+# traces, compiled to a scalar reduction that cost ~7x eager's whole dropout). CUDA keeps the custom
+# ops under compile (its draw is ``native_dropout``'s, with its own mask).
 def _pack_traced(keep: torch.Tensor) -> torch.Tensor:
     # pack_bits's layout (bit i % 8 of byte i // 8, padding 0), as eight shifted columns or-ed
     # together: one vectorized pass in inductor (NOTE [Dropout traced under torch.compile])
