@@ -196,3 +196,47 @@ def test_implementation_never_runs_under_a_dynamo_callback():
         finally:
             torch._dynamo.reset()
     assert len(_SEEN) == 2 and all(cb is None for cb in _SEEN), _SEEN
+
+
+def test_dynamo_never_compiles_the_lean_kernels():
+    # NOTE [Kernels Dynamo never compiles] in slimgrad/_compile.py: an op called eagerly under an
+    # active Dynamo callback (here from a skipped function inside a compiled one) used to have
+    # its kernels' frames compiled by Dynamo, graph-breaking at get_eval_frame_callback and
+    # torch's aliasing check (6 frames more, and a warning per builtin)
+    import types
+
+    import torch._dynamo
+    from torch._dynamo.decorators import skip
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from slimgrad import _library
+
+    kernels = [
+        c
+        for c in _library._lean_kernels.__code__.co_consts
+        if isinstance(c, types.CodeType) and c.co_name in ("autograd_kernel", "backend_kernel")
+    ]
+    assert len(kernels) == 2
+    op = torch.ops.slimgrad._test_dispatch_callback.default
+
+    def inner(x):
+        return op(x)
+
+    skip(inner)
+
+    @torch.compile(backend="eager")
+    def outer(x):
+        return inner(x) * 2
+
+    x = torch.randn(3)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(outer(x), (x + 1) * 2)
+            breaks = list(torch._dynamo.utils.counters["graph_break"])
+            compiled = [c.co_name for c in kernels if _debug_get_cache_entry_list(c)]
+    finally:
+        torch._dynamo.reset()
+    assert not compiled, compiled
+    assert not [b for b in breaks if "get_eval_frame_callback" in b or "_any_output_is" in b]

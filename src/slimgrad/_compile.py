@@ -63,6 +63,36 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
+# NOTE [Kernels Dynamo never compiles]
+# A Python kernel slimgrad registers with the dispatcher (NOTE [Lean dispatcher kernels] in
+# slimgrad/_library.py) runs wherever its op runs eagerly. Where that happens while a Dynamo frame
+# callback is active (a function Dynamo skips or a graph break's eager call, inside a compiled
+# one), Dynamo took the kernel's frame as a new frame to compile: it traced it up to the C calls it
+# cannot trace (``get_eval_frame_callback``, torch's aliasing check), graph-broke there, warned
+# ("Dynamo does not know how to trace the builtin ...") and compiled the pieces and their resume
+# functions: 6 frames for one op call (tests/test_compile_dispatch.py). :func:`never_compiled`
+# marks a function's code as Dynamo's ``skip`` does (the frame runs as Python; frames it calls
+# are still Dynamo's), with torch's C setter, so nothing imports ``torch._dynamo``; a torch
+# without the setter keeps the old behaviour.
+try:  # private: the C setter behind torch._dynamo.decorators.skip
+    from torch._C._dynamo.eval_frame import (
+        _FrameAction,
+        _FrameExecStrategy,
+        set_code_exec_strategy,
+    )
+
+    _SKIP = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)
+except (ImportError, AttributeError):
+    _SKIP = None
+
+
+def never_compiled(fn: F) -> F:
+    """Dynamo never compiles ``fn``'s own frames (NOTE [Kernels Dynamo never compiles])."""
+    if _SKIP is not None:
+        set_code_exec_strategy(fn.__code__, _SKIP)
+    return fn
+
+
 # (fn, its slot, its wrapper) for every wrapper made before Dynamo was loaded
 _LAZY: list[tuple[Callable, list, Callable]] = []
 

@@ -299,7 +299,7 @@ def _lean_kernels(op_def, fn: Callable) -> None:
     sch = opov._schema
     if sch.is_mutable or sch._is_view_op() or torch.Tag.out in opov.tags:
         return
-    from slimgrad._compile import eager_only
+    from slimgrad._compile import eager_only, never_compiled
 
     name = op_def._name
     full = make_autograd_impl(opov, op_def)  # reads op_def's register_autograd at call time
@@ -333,6 +333,8 @@ def _lean_kernels(op_def, fn: Callable) -> None:
             _c_check_aliasing_constraint(name, args, kwargs, out, lambda: module)
         return out
 
+    never_compiled(autograd_kernel)  # NOTE [Kernels Dynamo never compiles] in slimgrad/_compile.py
+    never_compiled(backend_kernel)
     lib = op_def._lib
     with warnings.catch_warnings():  # the dispatcher's note on overriding, as torch filters it
         warnings.filterwarnings("ignore", message="Warning only once for all operators")

@@ -10,10 +10,12 @@ too small for the packed mask to save bytes (at most 4 half-precision elements o
 kernel: NOTE [Dropout's mask temporaries]) keeps eager's float mask.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
-While Dynamo traces, ``inplace=True`` runs the in-place Function on a copy and writes the result
-back with ``copy_`` (the same mask and gradients; the copy is the compiler's memory): traced as
-is, torch 2.13+ dropped its backward on a graph input and torch 2.11 when the caller keeps using
-the written tensor instead of the returned one (NOTE [In-place Functions under torch.compile]).
+While Dynamo traces, a CPU dropout is plain torch ops that inductor fuses, with the same mask and
+the same packed bits kept (NOTE [Dropout traced under torch.compile]); elsewhere the custom ops.
+``inplace=True`` then computes out of place and writes the result back with ``copy_`` (the same
+mask and gradients; the copy is the compiler's memory): the in-place Function traced as is,
+torch 2.13+ dropped its backward on a graph input and torch 2.11 when the caller keeps using the
+written tensor instead of the returned one (NOTE [In-place Functions under torch.compile]).
 
 # NOTE [Dropout masks: drawn like eager, kept as bits]
 The mask is drawn exactly as eager PyTorch draws it, from the global generator of the input's
@@ -22,14 +24,15 @@ state: on CUDA out-of-place, the forward calls ``torch.native_dropout`` (what ``
 there); on CPU, and in-place everywhere, it runs eager's own ``noise = empty_like(x).bernoulli_(1 -
 p).div_(1 - p); x * noise``. The mask is then packed into bits and the backward unpacks those bits,
 so the backward mask is the forward mask by construction (no RNG replay, which is what broke
-memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.compile (the RNG draw
-happens inside an opaque custom op), and successive calls draw independent masks because the
-generator advances. The backward multiplies as eager's backward does (CPU and in-place: ``dy *
-noise`` with ``noise = m / (1 - p)`` rounded to the dtype; CUDA out-of-place:
-``native_dropout_backward``), so gradients match eager bit for bit. On contiguous float32 CPU
-tensors the packing and both multiplies run as one C pass each (``kernels/cpu/dropout.c``, NOTE
-[CPU C kernels]): ``m ? x * s : x * 0`` is exactly eager's ``x * noise``, and no bool or unpacked
-mask is materialized; the draw itself stays eager's ``bernoulli_``."""
+memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.compile (the draw
+is eager's op there too: NOTE [Dropout traced under torch.compile]), and successive calls draw
+independent masks because the generator advances. The backward multiplies as eager's backward
+does (CPU and in-place: ``dy * noise`` with ``noise = m / (1 - p)`` rounded to the dtype; CUDA
+out-of-place: ``native_dropout_backward``), so gradients match eager bit for bit. On contiguous
+float32 CPU tensors the packing and both multiplies run as one C pass each
+(``kernels/cpu/dropout.c``, NOTE [CPU C kernels]): ``m ? x * s : x * 0`` is exactly eager's
+``x * noise``, and no bool or unpacked mask is materialized; the draw itself stays eager's
+``bernoulli_``."""
 
 from __future__ import annotations
 
@@ -494,6 +497,83 @@ class _DropoutInplaceFn(torch.autograd.Function):
         return _backward(grad, bits, ctx.p, False, owned), None
 
 
+# NOTE [Dropout traced under torch.compile]
+# While Dynamo traces a CPU dropout, it is :class:`_DropoutTracedFn`: eager's CPU draw in a custom
+# op of x (``slimgrad::dropout_noise``: ``empty_like(x).bernoulli_(1 - p)``), then eager's product
+# and the bit packing written as torch ops, which AOTAutograd and inductor see through, and a
+# backward of torch ops only: the unpacking and the product fuse into one inductor kernel, the
+# packing into the forward's, with fewer Python calls and no opaque kernel for inductor to work
+# around. The draw stays an op of x because a traced ``empty_like(x).bernoulli_`` depends on no
+# value: inductor ran all of GPT-2's dropout draws first, before the attention's, so the masks were
+# no longer the ones the uncompiled model draws at the same seed (first loss 6.259768 against
+# 6.258730). As an op of x it runs where x is ready, as the former custom op did. What backward
+# reads is what the custom ops' backward read: the packed mask, ceil(n / 8) bytes (eager's noise for
+# a tensor too small to pack: NOTE [Dropout's mask temporaries]); the partitioner never recomputes a
+# custom op's output and the packed bytes are the smallest forward value backward's unpacking reads,
+# so that is what it keeps (``kept_bytes`` of benchmarks/compile_step.py,
+# tests/test_compile_saved.py). Values: ``x * (noise / (1 - p))`` and ``where(m, dy * s, dy * 0)``
+# are eager's forward and backward bit for bit (``s`` the noise's value, rounded as eager rounds
+# it). The packing is eight shifted columns or-ed together (a uint8 multiply-sum, as ``pack_bits``
+# traces, compiled to a scalar reduction that cost ~7x eager's whole dropout). CUDA keeps the custom
+# ops under compile (its draw is ``native_dropout``'s, with its own mask).
+def _pack_traced(keep: torch.Tensor) -> torch.Tensor:
+    # pack_bits's layout (bit i % 8 of byte i // 8, padding 0), as eight shifted columns or-ed
+    # together: one vectorized pass in inductor (NOTE [Dropout traced under torch.compile])
+    flat = keep.reshape(-1).to(_U8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    cols = flat.view(-1, 8)
+    out = cols[:, 0]
+    for i in range(1, 8):
+        out = out | (cols[:, i] << i)
+    return out
+
+
+def _unpack_traced(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    sh = torch.arange(8, dtype=_U8, device=bits.device)
+    m = torch.bitwise_right_shift(bits.unsqueeze(1), sh).bitwise_and(1)
+    return m.reshape(-1)[:n].view(shape) != 0
+
+
+@custom_op("dropout_noise", mutates_args=())
+def _dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
+    # eager's CPU draw, as an op of x: NOTE [Dropout traced under torch.compile]
+    return torch.empty_like(x).bernoulli_(1 - p)
+
+
+@_dropout_noise.register_fake
+def _(x, p):
+    return torch.empty_like(x)
+
+
+class _DropoutTracedFn(torch.autograd.Function):
+    # only while Dynamo traces a CPU dropout (NOTE [Dropout traced under torch.compile])
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float):
+        # eager's CPU ops (_fwd_torch): the draw, then x * noise
+        noise = _dropout_noise(x, p)
+        ctx.p, ctx.packed = p, not _keeps_noise(x)
+        if not ctx.packed:  # NOTE [Dropout's mask temporaries]: eager's noise kept
+            noise = noise.div(1 - p)
+            ctx.save_for_backward(noise)
+            return x * noise
+        ctx.save_for_backward(_pack_traced(noise != 0))
+        return x * noise.div(1 - p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        if not ctx.packed:
+            return grad * saved, None
+        keep = _unpack_traced(saved, grad.shape)
+        s = noise_scale(ctx.p, grad.dtype, grad.device)  # noise's kept value, rounded as eager
+        return torch.where(keep, grad * s, grad * 0), None
+
+
 def _check_p(api: str, p: float) -> None:
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(
@@ -511,14 +591,17 @@ def _dropout_train(input: torch.Tensor, p: float, inplace: bool = False) -> torc
     # Training-mode dropout for 0 < p < 1 on a non-empty tensor.
     if torch.is_grad_enabled() and input.requires_grad:
         refuse_jit("ops.dropout")
-    if inplace:
-        if torch.compiler.is_compiling():
-            # NOTE [In-place Functions under torch.compile] in slimgrad/_autograd.py: the
-            # in-place Function on a copy (eager's in-place draw), written back with copy_
+    if compiling():
+        if input.device.type == "cpu":  # NOTE [Dropout traced under torch.compile]
+            out = _DropoutTracedFn.apply(input, float(p))
+            # NOTE [In-place Functions under torch.compile] in slimgrad/_autograd.py: in place,
+            # the out-of-place result written back with copy_ (eager's in-place draw is the same)
+            return input.copy_(out) if inplace else out
+        if inplace:  # the in-place Function on a copy, written back with copy_ (same NOTE)
             return input.copy_(_DropoutInplaceFn.apply(input.clone(), float(p)))
+        return _DropoutFn.apply(input, float(p))  # Dynamo traces Function.apply
+    if inplace:
         return _DropoutInplaceFn.apply(input, float(p))
-    if torch.compiler.is_compiling():  # Dynamo traces Function.apply
-        return _DropoutFn.apply(input, float(p))
     # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py (the caller,
     # dropout(), has already taken eager's op under torch.func transforms)
     return _DROPOUT_APPLY(unwrap_if_dead(input), float(p))
