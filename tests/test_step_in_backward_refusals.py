@@ -139,6 +139,27 @@ def test_grad_scaler_made_after_the_first_backward_is_refused_before_any_change(
     assert "grad_scale" not in handle.__dict__ and "found_inf" not in handle.__dict__
 
 
+@pytest.mark.parametrize("first_enabled", [False, True])
+def test_a_rebound_grad_scaler_is_refused_before_any_change(first_enabled):
+    """``scaler = GradScaler()`` over a scaler the last scan saw leaves the class's reference count
+    as it was (one instance made, one freed): the freed one's weak reference makes the next backward
+    scan again (NOTE [GradScaler]); before, the next backward updated the parameters with scaled
+    gradients and only ``scaler.step`` refused."""
+    m = _net()
+    handle = step_in_backward(m, torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=first_enabled)
+    if first_enabled:
+        with pytest.raises(NotImplementedError, match=r"a live enabled torch\.amp\.GradScaler"):
+            _loss(m, 0).backward()
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+    _steps(m, handle, 0, 1)
+    scaler = torch.amp.GradScaler("cpu")
+    before = _snap(m, handle)
+    with pytest.raises(NotImplementedError, match=r"a live enabled torch\.amp\.GradScaler"):
+        scaler.scale(_loss(m, 1)).backward()
+    _untouched(before, m, handle)
+
+
 def test_the_scaler_scan_runs_again_only_when_a_scaler_class_changes(monkeypatch):
     # NOTE [GradScaler]: the heap walk runs at the first backward, then only where the scaler
     # classes' reference counts moved

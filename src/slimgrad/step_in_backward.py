@@ -134,9 +134,12 @@ Python class holds a reference to its class, so each backward compares the refer
 and scans again where one changed (a new scaler, a new subclass, or any other new reference to the
 class: a scan that finds no enabled scaler then records the new counts). Before, such a scaler was
 seen only by ``scaler.step(handle)``, after that backward had updated the parameters with scaled
-gradients. Left: a reference to a scaler class dropped and an enabled scaler made between two
-backwards leave the count as it was (e.g. ``del`` of a disabled scaler, then ``GradScaler()``): that
-scaler is then seen at ``scaler.step(handle)``, late, as before.
+gradients. A scaler the last scan saw (enabled or not) is held by a weak reference whose callback
+makes the next backward scan again: a scaler rebound (``scaler = GradScaler()`` over a disabled one:
+the new instance's reference and the old one's release leave the count as it was) is refused too.
+Left: a reference to a scaler class held by something other than a scaler (``cls =
+torch.amp.GradScaler``) dropped while an enabled scaler is made between two backwards leaves the
+count as it was: that scaler is then seen at ``scaler.step(handle)``, late, as before.
 
 # NOTE [Every refusal changes nothing]
 A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
@@ -305,15 +308,23 @@ _getrefcount = sys.getrefcount
 
 
 def _live_grad_scalers() -> list:
-    # NOTE [GradScaler]: every live enabled torch.amp.GradScaler (subclasses included). An instance
-    # of a Python class references its class for the garbage collector, so gc.get_referrers of the
-    # classes finds every instance (one walk over the tracked objects, paid once per handle; its
+    # NOTE [GradScaler]: every live torch.amp.GradScaler (subclasses included), enabled or not. An
+    # instance of a Python class references its class for the garbage collector, so
+    # gc.get_referrers of the classes finds every instance (one walk over the tracked objects, paid
+    # once per handle and again only where a scaler class's count moved or a seen scaler died; its
     # cost: docs/measurements.md)
-    return [
-        o
-        for o in gc.get_referrers(*_scaler_classes())
-        if isinstance(o, torch.amp.GradScaler) and o.is_enabled()
-    ]
+    return [o for o in gc.get_referrers(*_scaler_classes()) if isinstance(o, torch.amp.GradScaler)]
+
+
+def _forget_key(handle_ref: weakref.ref) -> Any:
+    # NOTE [GradScaler]: a scaler seen by the last scan died: the next backward scans again (a
+    # scaler rebound, ``s = GradScaler()`` over a disabled one, leaves the class's count as it was)
+    def dead(_: weakref.ref) -> None:
+        handle = handle_ref()
+        if handle is not None:
+            handle._scalers_key = None
+
+    return dead
 
 
 def _needs_closure(optimizer_class: type) -> bool:
@@ -372,6 +383,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._pre_hooks: dict[torch.Tensor, Any] = {}
         # NOTE [GradScaler]: the scaler classes' reference counts at the last scan (None: none yet)
         self._scalers_key: tuple | None = None
+        self._seen_scalers: list[weakref.ref] = []  # NOTE [GradScaler]
         self._frozen: list[torch.Tensor] = []
         self._group_index: dict[torch.Tensor, int] = {}
         self._removed = False
@@ -599,7 +611,8 @@ class StepInBackward(torch.optim.Optimizer):
         key = _scalers_key()
         if key != self._scalers_key:
             # NOTE [GradScaler]: the first backward, or a scaler class's references changed
-            scalers = _live_grad_scalers()
+            seen = _live_grad_scalers()
+            scalers = [o for o in seen if o.is_enabled()]
             if scalers:
                 raise _err(
                     NotImplementedError,
@@ -612,6 +625,8 @@ class StepInBackward(torch.optim.Optimizer):
                     "Use bf16/fp32 without loss scaling (GradScaler(enabled=False)), or a plain "
                     "optimizer with GradScaler",
                 )
+            dead = _forget_key(weakref.ref(self))
+            self._seen_scalers = [weakref.ref(o, dead) for o in seen]
             self._scalers_key = key
         self._task = task
         self._micro += 1
