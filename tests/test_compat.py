@@ -129,6 +129,20 @@ def test_ctx_fields_feature_states_the_straight_paths_choice(monkeypatch):
     assert "direct ctx fields (straight paths)" in [f.name for f in _compat.features_off()]
 
 
+def test_calibration_outside_modes_is_a_named_feature(monkeypatch):
+    # NOTE [Calibration outside dispatch modes] in slimgrad/ownership.py: the private import it
+    # needs is guarded; without it `slimgrad env` and `report` say what is lost
+    import sys
+
+    name = "ownership calibration outside dispatch modes"
+    assert {f.name: f for f in _compat.features()}[name].on
+    fake = type(sys)("torch.utils._python_dispatch")  # a module without _disable_current_modes
+    monkeypatch.setitem(sys.modules, "torch.utils._python_dispatch", fake)
+    off = {f.name: f for f in _compat.features()}[name]
+    assert not off.on and "missing" in off.detail and "memory.estimate" in off.detail
+    assert name in [f.name for f in _compat.features_off()]
+
+
 def test_env_lists_features_and_ranges():
     r = subprocess.run(
         [sys.executable, "-m", "slimgrad", "env", "--json"], capture_output=True, text=True

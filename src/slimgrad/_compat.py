@@ -100,8 +100,9 @@ def check_torch() -> None:
 _hf_checked = False
 
 
-def check_transformers() -> None:
-    """Warn once per process when the installed transformers is outside the tested range."""
+def check_transformers(stacklevel: int = 3) -> None:
+    """Warn once per process when the installed transformers is outside the tested range;
+    ``stacklevel`` as :func:`warnings.warn`'s, counted from this function's caller's caller."""
     global _hf_checked
     if _hf_checked:
         return
@@ -113,7 +114,7 @@ def check_transformers() -> None:
     except Exception:  # not installed or no metadata: nothing to say
         return
     if msg is not None:
-        warnings.warn(msg, UserWarning, stacklevel=3)
+        warnings.warn(msg, UserWarning, stacklevel=stacklevel)
 
 
 # --------------------------------------------------------------------------------- features
@@ -233,6 +234,27 @@ def _ctx_fields() -> Feature:
     )
 
 
+def _modes_aside() -> Feature:
+    try:  # NOTE [Calibration outside dispatch modes] in slimgrad/ownership.py
+        from torch.utils._python_dispatch import _disable_current_modes  # noqa: F401
+    except ImportError:
+        ok = False
+    else:
+        ok = True
+    return Feature(
+        "ownership calibration outside dispatch modes",
+        ok,
+        "torch.utils._python_dispatch._disable_current_modes"
+        + (
+            " present"
+            if ok
+            else " missing: the ownership baselines are measured under whatever mode the first "
+            "call runs in (a memory.estimate run first can leave later real steps without "
+            "view-gradient reuses)"
+        ),
+    )
+
+
 def _dense_check() -> Feature:
     ok = _prims_dense is not None
     return Feature(
@@ -252,6 +274,7 @@ _FEATURES: tuple[Callable[[], Feature], ...] = (
     _transformers,
     _keep_graph,
     _ctx_fields,
+    _modes_aside,
     _dense_check,
 )
 

@@ -665,7 +665,8 @@ def analyse(model: nn.Module, targets: tuple[tuple[str, object], ...]) -> ModelF
     per-module ones once the neighbour passes have run."""
     hf = _is_hf_model(model)
     if hf:
-        _compat.check_transformers()  # once per process, outside the tested range only
+        # once per process, outside the tested range only; the warning points at convert_'s caller
+        _compat.check_transformers(stacklevel=4)
     off = tuple((f.name, f.detail) for f in _compat.features_off())
     return ModelFacts(model, targets, hf, off)
 
