@@ -244,3 +244,59 @@ def test_verify_passes():
     ids = torch.randint(0, 97, (2, 24))
     rep = slimgrad.verify(model, conv, {"input_ids": ids, "labels": ids})
     assert rep.ok, rep
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_keep_set(dtype, count):
+    # NOTE [GPT-2's MLP under autocast]: the node is not taken; per op, c_fc keeps x's cast, the
+    # GELU keeps h densely (a half-type CPU tensor of at most HALF_DENSE_MAX elements), c_proj
+    # keeps y, dropout 1 bit/elt: 74,240 B per layer at 2x32 tokens, 64 wide (fp32 node: 68,096)
+    model = _model(layers=3, width=64)
+    conv = copy.deepcopy(model)
+    slimgrad.convert_(conv)
+    ids = torch.randint(0, 97, (2, 32))
+
+    def meas(m):
+        def fwd():
+            with torch.autocast("cpu", dtype=dtype):
+                return m(input_ids=ids, labels=ids).loss
+
+        torch.manual_seed(5)
+        r = memory.measure(fwd, module=m)
+        for p in m.parameters():
+            p.grad = None
+        return r
+
+    meas(conv)  # first-use caches
+    ours, eager = meas(conv), meas(model)
+    assert count[0] == 0
+    n, d, i = ids.numel(), 64, 256
+    for layer in range(3):
+        kept = {k: v for k, v in ours.by_module.items() if f"h.{layer}.mlp" in k}
+        assert kept == {
+            f"transformer.h.{layer}.mlp.c_fc": 2 * n * d,
+            f"transformer.h.{layer}.mlp.act": 2 * n * i,
+            f"transformer.h.{layer}.mlp.c_proj": 2 * n * i,
+            f"transformer.h.{layer}.mlp.dropout": n * d // 8,
+        }
+    assert ours.peak_bytes < eager.peak_bytes
+    assert ours.saved_bytes < eager.saved_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("std", [0.577, 1.0])
+def test_half_gelu_keeps_x_at_gpt2_like_inputs(dtype, std):
+    # NOTE [GPT-2's MLP under autocast]: past HALF_DENSE_MAX the half-type table path runs, but
+    # about 9% of N(0, std) elements lie within the 16-bit window (0.15) of x*, more than the 1/16
+    # of the dense fallback: x is kept densely (2 B/elt), no y, bits or table
+    from slimgrad.ops.gelu import gelu
+
+    n = 2 * 131072
+    h = (torch.randn(n, generator=torch.Generator().manual_seed(0)) * std).to(dtype)
+    h.requires_grad_()
+    r = memory.measure(lambda: gelu(h * 1, "tanh").float().sum())
+    kept = sorted(s.nbytes for s in r.saved if s.nbytes)
+    assert kept[-1] == 2 * n  # x (the product h * 1), densely
+    assert sum(kept[:-1]) < 64  # the scalar's bytes, no y, bits or table
+    hard = ((h.detach().float() + 0.75246).abs() < 0.15).float().mean().item()
+    assert 1 / 16 < hard < 0.1

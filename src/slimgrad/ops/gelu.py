@@ -13,7 +13,9 @@ non-finite): 0.319 B/elt (erf) and 0.423 B/elt (tanh) besides y at N(0, 1) input
 B/elt at N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst case (more than
 1/16 of the elements hard), float64, and tensors of at most 512 elements (NOTE [Few elements] in
 ``slimgrad.ops._output_act``): keeps x densely, as eager does, and neither y, bits nor table.
-float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt.
+float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt. About
+9% of N(0, s) inputs (s from 0.577 to 1) lie in that window, more than 1/16: such inputs keep x
+densely, as eager, at every size (NOTE [GPT-2's MLP under autocast] in ops/gpt2_mlp.py).
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C

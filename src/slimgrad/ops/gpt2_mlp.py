@@ -34,6 +34,32 @@ are the per-op path's exactly (``tests/ops/test_gpt2_mlp.py``). Keeping c_fc a n
 would end that, but then h, the node's input, stays alive through c_proj's and dropout's forward
 (+3,192 B at the first shape): the per-op path frees it after the GELU.
 
+# NOTE [GPT-2's MLP under autocast]
+Under autocast the node is not taken (:func:`block_ok`); the converted children run one by one.
+What they keep (tracker, per tensor; 3 layers, 64 wide, intermediate 256, 2x32 tokens, fp32
+weights under CPU bf16 or fp16 autocast; ``tests/ops/test_gpt2_mlp.py``): c_fc x's cast (2 B/elt
+of x, 8,192 B), the GELU h densely (2 B/elt of h, 32,768 B), c_proj y (2 B/elt of h, 32,768 B),
+dropout's bits (512 B): 74,240 B a layer, against the fp32 node's y (4 B/elt of h, 65,536 B) +
+y's bits (2,048 B) + dropout's bits = 68,096 B (x's fp32 copy is its producer's, counted there)
+and eager's 245,760 B under the same autocast. The GELU keeps h rather than y + bits because of
+its half-type rules (NOTE [Few elements] in ops/_output_act.py): on CPU a half-type tensor of at
+most ``HALF_DENSE_MAX`` (131,072) elements keeps x densely (a time rule), and past it about 9% of
+N(0, s) pre-activations (s from 0.577, GPT-2's init, to 1) lie within the 16-bit window (0.15) of
+x*, more than the 1/16 of the dense fallback: h is kept densely at every size at such inputs.
+Keeping less with the same bits is not possible without recomputing: the GELU's gradient is
+eager's formula on h (exact), and c_proj's weight gradient needs y; y and h carry the same
+information only through y = gelu(h), so the exact ways down are (a) a node under autocast that
+keeps h and recomputes y for c_proj's backward (-2 B/elt of h, one GELU forward per backward) or
+(b) y + bits + table in 16 bits, which changes the GELU's gradient bits (within the error rule)
+and needs the fallback's 1/16 raised for half types (break-even: (2 - 1/8) / 6 = 31% hard), or
+(c) an exact lookup inverse: a table over the 65,536 16-bit values maps (y, bit) to x, forward
+checks it per element and puts the misses (x exactly) in the sparse table, backward runs eager's
+formula on the rebuilt h (the same bits); but about 22% of N(0, s) bf16/fp16 inputs share their
+(y, bit) with another x (measured over 2^20 samples, both forms), so it keeps 1/8 + 6 x 0.22 =
+1.45 B/elt of h against h's 2 (-0.55 B/elt) for a forward gather, compare and compaction. None
+is done; the step's peak stays below eager's (773,640 B against 1,639,320 B for the 3-layer model
+under bf16 autocast).
+
 Second derivatives: first derivatives only (``create_graph=True`` gives them, differentiating
 them raises a ``slimgrad.ops.gpt2_mlp`` error). The per-op path's float32 GELU refuses them too
 except where it falls back to keeping x (at most 512 elements, or more than 1/16 of them in the
