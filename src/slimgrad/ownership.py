@@ -531,9 +531,10 @@ def _view_sig(t: torch.Tensor, f):
     # their base's storage). Reads ``t._base`` (which may create the base's Python object;
     # PyTorch preserves it with the base, no reference is added).
     base = t._base
-    fake = type(base) is not torch.Tensor  # a FakeTensor: f from _fake_plain_facts
+    fake = type(base) is not torch.Tensor  # then only a FakeTensor: f from _fake_plain_facts
     if (
         type(base) is not type(t)  # torch.Tensor (NOTE [Ownership under fake tensors])
+        or (fake and not _is_fake(base))  # no other subclass gets the fake hold's discount
         or base._is_view()
         or base.requires_grad
         or base.grad is not None
@@ -716,6 +717,14 @@ def _fake_view_uses() -> int | None:
             extra = None
         _FAKE_VIEW_USES.append(extra)
     return _FAKE_VIEW_USES[0]
+
+
+def _is_fake(t) -> bool:
+    try:  # private; without it no tensor is taken for a FakeTensor (their views are refused)
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return False
+    return isinstance(t, FakeTensor)
 
 
 def _fake_plain_facts(t, kind: int):
