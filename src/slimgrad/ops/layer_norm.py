@@ -151,6 +151,9 @@ _Tensor = torch.Tensor
 _PACK18 = struct.Struct("=18q").pack
 
 
+_empty_like = torch.empty_like
+
+
 def _c_signatures(C):
     p, i64, i = C.c_void_p, C.c_int64, C.c_int
     return {
@@ -247,8 +250,11 @@ def _bwd_cpu(
         w = (weight if weight.ndim == 1 else weight.reshape(d)).contiguous()
     if bias is not None:
         b = (bias if bias.ndim == 1 else bias.reshape(d)).contiguous()
-    dw = torch.empty(d, dtype=f32) if need_dw else None
-    db = torch.empty(d, dtype=f32) if need_db else None
+    # dgamma, dbeta: empty_like of the contiguous float32 (d,) w and b (checked above), the same
+    # shape, dtype, device and bytes as torch.empty(d, dtype=float32), with one positional
+    # argument for Python's argument parser instead of a size and a keyword (a cheaper call)
+    dw = _empty_like(w) if need_dw else None
+    db = _empty_like(b) if need_db else None
     k = int(need_dw) + int(need_db)
     tmp = None
     if parts:
