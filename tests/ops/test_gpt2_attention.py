@@ -335,3 +335,23 @@ def test_not_under_compile_functorch_or_a_trace(count):
     assert count[0] == 0
     gpt2_attention(*args)
     assert count[0] == 1
+
+
+def test_recomputed_block_with_the_cache_takes_the_node_again(count):
+    # NOTE [GPT-2's attention after a second cache update]: GPT2Model passes the cache to the
+    # block positionally, the recompute appends its keys a second time; before: the node in
+    # forward, the per-op path in the recompute, torch's CheckpointError (metadata differ)
+    import warnings
+
+    from slimgrad.plan import apply_choices
+
+    model = _model(layers=1)
+    lean = slimgrad.convert_(copy.deepcopy(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_choices(model, {"transformer.h.0": "lean+recompute"}, passed=(), api="test")
+    ids = torch.randint(0, 97, (2, 24))
+    got = _step(model, ids)
+    assert count[0] == 2  # forward and recompute
+    _same(_step(lean, ids), got)
+    assert count[0] == 3

@@ -1231,6 +1231,18 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
 # are the modules ``convert_`` made (slimgrad's ``Conv1D`` forward, slimgrad's ``Dropout``, not
 # in place) with no hook or patched forward of their own and no global module hook; ``c_attn``
 # runs as a module call (its hooks fire). Anything else runs HF's forward.
+#
+# NOTE [GPT-2's attention after a second cache update]
+# A GPT-2 block recomputed in backward (``slimgrad.plan``'s ``lean+recompute``, plain
+# ``torch.utils.checkpoint``) gets its cache positionally (GPT2Model passes ``past_key_values`` as
+# the block's second argument, which NOTE [A recomputed block does not write the KV cache] in
+# slimgrad/plan.py cannot drop), so the recompute appends its keys a second time and reads 2T of
+# them. The per-op path crops them to the first T (upper-left causal, as HF's
+# ``sdpa_attention_forward`` and :func:`_attention`): the forward's keys, bit for bit. Without the
+# same crop here the node ran in forward and the per-op path in the recompute, whose saved tensors
+# had other shapes: a real step raised torch's CheckpointError (the node's (B·H, T, d) operands
+# saved, (B, H, T, d) recomputed), and once the estimate took the node it raised there too
+# (tests/test_plan.py). Cropped, the recompute takes the node again, with the forward's values.
 _GPT2_NAMED = frozenset(
     {
         "past_key_values",
@@ -1340,6 +1352,10 @@ class GPT2AttentionForward:
             if isinstance(cache, sys.modules[type(m).__module__].EncoderDecoderCache):
                 cache = cache.self_attention_cache
             key, value = cache.update(key, value, d["layer_idx"])
+        q_len = query.shape[2]
+        if q_len > 1 and key.shape[2] > q_len:  # as _attention: upper-left causal on a crop
+            # NOTE [GPT-2's attention after a second cache update]
+            key, value = key[:, :, :q_len, :], value[:, :, :q_len, :]
         scaling = d["scaling"]
         w, b = pp["weight"], pp["bias"]
         if (scaling is None or (type(scaling) is float and scaling >= 0)) and ga.block_ok(
