@@ -4,11 +4,13 @@ output as one node]): the per-op converted path's loss, gradients and bytes, bit
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import slimgrad
 import slimgrad.ops.gpt2_attention as oga
@@ -286,3 +288,70 @@ def test_verify_passes():
     ids = torch.randint(0, 97, (2, 24))
     rep = slimgrad.verify(model, conv, {"input_ids": ids, "labels": ids})
     assert rep.ok, rep
+
+
+class _Watching(torch.utils._python_dispatch.TorchDispatchMode):
+    # a dispatch mode that only watches (as the memory tracker does): straight() is False under it
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_a_dispatch_mode_the_node_runs_its_general_steps_with_the_same_bits(count):
+    # NOTE [GPT-2's attention node under dispatch modes]: the memory tracker and the estimate's
+    # fake mode run the node as the unwatched step does (before: HF's per-op forward there)
+    conv = slimgrad.convert_(_model())
+    ids = torch.randint(0, 97, (2, 24))
+    straight_step = _step(conv, ids)
+    assert count[0] == 2
+    with _Watching():
+        watched = _step(conv, ids)
+    assert count[0] == 4
+    _same(straight_step, watched)
+    per_op = copy.deepcopy(conv)
+    _hf_forward(per_op)
+    with _Watching():
+        _same(watched, _step(per_op, ids))
+    args = _args()
+    dy = torch.randn(2, 13, 24, generator=torch.Generator().manual_seed(9))
+    outs = []
+    for mode in (None, _Watching()):
+        torch.manual_seed(1)
+        with mode or contextlib.nullcontext():
+            y = gpt2_attention(*args, attn_p=0.2, resid_p=0.3)
+            outs.append((y.detach(), torch.autograd.grad(y, args, dy)))
+    assert count[0] == 6
+    (y, g), (y_w, g_w) = outs
+    assert torch.equal(y, y_w)
+    for a, b in zip(g, g_w, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_not_under_compile_functorch_or_a_trace(count):
+    args = _args()
+    torch.func.vjp(lambda q: gpt2_attention(q, *args[1:]), args[0])
+    # a TorchScript trace: the per-op path, whose scores op refuses it
+    with pytest.raises(RuntimeError, match="torch.jit.trace cannot record"):
+        torch.jit.trace(lambda *a: gpt2_attention(*a), tuple(args), check_trace=False)
+    assert count[0] == 0
+    gpt2_attention(*args)
+    assert count[0] == 1
+
+
+def test_recomputed_block_with_the_cache_takes_the_node_again(count):
+    # NOTE [GPT-2's attention after a second cache update]: GPT2Model passes the cache to the
+    # block positionally, the recompute appends its keys a second time; before: the node in
+    # forward, the per-op path in the recompute, torch's CheckpointError (metadata differ)
+    import warnings
+
+    from slimgrad.plan import apply_choices
+
+    model = _model(layers=1)
+    lean = slimgrad.convert_(copy.deepcopy(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_choices(model, {"transformer.h.0": "lean+recompute"}, passed=(), api="test")
+    ids = torch.randint(0, 97, (2, 24))
+    got = _step(model, ids)
+    assert count[0] == 2  # forward and recompute
+    _same(_step(lean, ids), got)
+    assert count[0] == 3

@@ -119,7 +119,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module
 
-from slimgrad._autograd import unwrap_if_dead
+from slimgrad._autograd import compiling, unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
 from slimgrad.convert_handlers.hf import CodeReason, hf_models, note_refusal
@@ -1216,11 +1216,14 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
 # own (no subclass override, no patched forward) gets a :class:`GPT2AttentionForward` as its
 # instance ``forward`` (the instance stays HF's class: ``isinstance``, HF's output capture and
 # weight init, ``state_dict`` and hooks are unchanged). Each call runs HF's forward op for op,
-# except the call HF's straight path takes (NOTE [HF attention's straight path]: training with
+# except the common training call (the case of NOTE [HF attention's straight path]: training with
 # both dropouts in (0, 1), no mask tensor, no cross-attention, no earlier keys in the cache (HF
 # passes an empty DynamicCache in training: updated as HF updates it), the config still naming
-# the slimgrad attention, float32 CPU, grad on, no autocast, the gate): there ``c_attn``, the
-# head split and the cache update run as HF runs them, then
+# the slimgrad attention, float32 CPU not standing for another device, grad on, no autocast;
+# eager: not compiling, no ``torch.func`` transform or trace, while a dispatch mode such as the
+# memory tracker or the estimate's fake tensors does not refuse it, NOTE [GPT-2's attention node
+# under dispatch modes] in ``slimgrad/ops/gpt2_attention.py``): there ``c_attn``, the head split
+# and the cache update run as HF runs them, then
 # :func:`slimgrad.ops.gpt2_attention.apply` runs the scores op, the head merge, ``c_proj`` and
 # ``resid_dropout`` as one autograd node (NOTE [One node for
 # GPT-2's attention output] in ``slimgrad/ops/gpt2_attention.py``): the per-op path's values,
@@ -1228,6 +1231,18 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
 # are the modules ``convert_`` made (slimgrad's ``Conv1D`` forward, slimgrad's ``Dropout``, not
 # in place) with no hook or patched forward of their own and no global module hook; ``c_attn``
 # runs as a module call (its hooks fire). Anything else runs HF's forward.
+#
+# NOTE [GPT-2's attention after a second cache update]
+# A GPT-2 block recomputed in backward (``slimgrad.plan``'s ``lean+recompute``, plain
+# ``torch.utils.checkpoint``) gets its cache positionally (GPT2Model passes ``past_key_values`` as
+# the block's second argument, which NOTE [A recomputed block does not write the KV cache] in
+# slimgrad/plan.py cannot drop), so the recompute appends its keys a second time and reads 2T of
+# them. The per-op path crops them to the first T (upper-left causal, as HF's
+# ``sdpa_attention_forward`` and :func:`_attention`): the forward's keys, bit for bit. Without the
+# same crop here the node ran in forward and the per-op path in the recompute, whose saved tensors
+# had other shapes: a real step raised torch's CheckpointError (the node's (B·H, T, d) operands
+# saved, (B, H, T, d) recomputed), and once the estimate took the node it raised there too
+# (tests/test_plan.py). Cropped, the recompute takes the node again, with the forward's values.
 _GPT2_NAMED = frozenset(
     {
         "past_key_values",
@@ -1259,9 +1274,10 @@ class GPT2AttentionForward:
         attn_drop = mods.get("attn_dropout")
         hidden = args[0] if len(args) == 1 else kwargs.get("hidden_states")
         if not (
-            (len(args) == 1 or (not args and "hidden_states" in kwargs))
+            not compiling()  # first: Dynamo folds it (HF's forward, traced as before)
+            and (len(args) == 1 or (not args and "hidden_states" in kwargs))
             and d["training"]
-            and type(hidden) in _PLAIN
+            and type(hidden) in ga._PLAIN  # the estimate's fakes too (NOTE in ops/gpt2_attention)
             and hidden.is_cpu
             and hidden.dtype is torch.float32
             and hidden.ndim == 3
@@ -1280,8 +1296,8 @@ class GPT2AttentionForward:
             and c_attn is not None
             and type(c_proj).forward is mlp._CONV1D_FORWARD
             and "weight" in (pp := c_proj._parameters)
-            and type(pp["weight"]) is nn.Parameter
-            and type(pp.get("bias")) is nn.Parameter
+            and type(pp["weight"]) in ga._WEIGHT
+            and type(pp.get("bias")) in ga._WEIGHT
             # mlp._hooked(child) and mlp._global_hooks() only when some hook dict is not empty
             and not (
                 (
@@ -1311,7 +1327,8 @@ class GPT2AttentionForward:
             and device_rule._STANDS_FOR.get() is None
             and _grad_on()
             and not _any_autocast()
-            and straight()
+            and not ga._functorch_on()
+            and not ga._is_tracing()
             and getattr(d.get("config"), "_attn_implementation", None) == ATTN_NAME
         ):
             return type(m).forward(m, *args, **kwargs)
@@ -1335,6 +1352,10 @@ class GPT2AttentionForward:
             if isinstance(cache, sys.modules[type(m).__module__].EncoderDecoderCache):
                 cache = cache.self_attention_cache
             key, value = cache.update(key, value, d["layer_idx"])
+        q_len = query.shape[2]
+        if q_len > 1 and key.shape[2] > q_len:  # as _attention: upper-left causal on a crop
+            # NOTE [GPT-2's attention after a second cache update]
+            key, value = key[:, :, :q_len, :], value[:, :, :q_len, :]
         scaling = d["scaling"]
         w, b = pp["weight"], pp["bias"]
         if (scaling is None or (type(scaling) is float and scaling >= 0)) and ga.block_ok(

@@ -37,6 +37,24 @@ returned; the node holds A until the scores op's backward has run (B·T·H·d el
 the attention output). Where the scores op's backward is the step's peak, the peak is up to A's
 bytes above the per-op path's (measured in ``tests/ops/test_gpt2_attention.py``).
 
+# NOTE [GPT-2's attention node under dispatch modes]
+The node is taken wherever the per-op path would run eagerly: dispatch modes included (the memory
+tracker of ``slimgrad.memory.measure``, ``slimgrad.memory.estimate``'s ``FakeTensorMode``, a
+profiler), as GPT-2's MLP node is (``ops/gpt2_mlp.py``). At first it asked the gate (NOTE [One
+gate per call] in ``slimgrad/_library.py``), so every measured and every estimated step ran HF's
+per-op forward while the unwatched step ran the node: the same saved bytes, but a peak up to A's
+bytes apart (the functional at (2, 4, 13, 8): 31,857 B measured and planned, 33,209 B for the
+node; ``tests/test_estimate_gpt2_attention.py``). The gate now only tells the node how to run its
+steps (``direct``): passed, each step takes its straight path (the C dropout kernels, ``ctx``
+fields); not passed, each takes its general path (the custom ops, ``save_for_backward``), the
+very paths the per-op Functions take under a mode, with the same bits. The estimate's tensors are
+``FakeTensor``s (a fake Parameter too): they pass the type checks as plain tensors do. Refused as
+before: compiling, a ``torch.func`` transform, a TorchScript trace (the per-op path's rules
+there), and the device rule: the node is CPU only, so a CUDA step runs the per-op path, and so
+does an estimate with ``device="cuda"``, whose CPU fakes stand for CUDA tensors
+(``device_rule.stands_for``). What the tracker cannot see is the straight steps' own allocations
+(any watcher turns them off); they make the same tensors as the general steps.
+
 Second derivatives: first derivatives only; ``create_graph=True`` gives them, differentiating them
 raises a ``slimgrad.ops.gpt2_attention`` error, as the per-op scores op does.
 """
@@ -51,8 +69,9 @@ import torch
 from slimgrad import ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order, unwrap_if_dead
 from slimgrad._library import straight
+from slimgrad.convert_handlers import device_rule
 from slimgrad.ops.gpt2_mlp import _dropout_backward, _Step
-from slimgrad.ops.linear import _LinearFn, fresh
+from slimgrad.ops.linear import _FakeTensor, _LinearFn, fresh
 
 __all__ = ["gpt2_attention"]
 
@@ -89,7 +108,7 @@ def _backward(ctx, dy, owned: bool = False):
         del d_out
     for st in ctx.steps:
         st.saved_tensors = ()
-    return dq, dk, dv, dw, db, None, None, None, None
+    return dq, dk, dv, dw, db, None, None, None, None, None
 
 
 class _GPT2AttentionFn(torch.autograd.Function):
@@ -97,25 +116,27 @@ class _GPT2AttentionFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, q, k_t, v, w, b, p_attn, causal, p_resid, heads):
+    def forward(ctx, q, k_t, v, w, b, p_attn, causal, p_resid, heads, direct):
         # q, k_t, v: the folded, scaled operands of HF's straight path (NOTE [HF attention's
-        # straight path] in convert_handlers/hf_attention.py); heads: (B, H, T, d)
+        # straight path] in convert_handlers/hf_attention.py); heads: (B, H, T, d); direct: the
+        # caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py), else each
+        # step runs its general path (NOTE [GPT-2's attention node under dispatch modes])
         n = ctx.needs_input_grad
         core = _Step()
         core.needs_input_grad = (n[0], n[1], n[2], False, False, False, False, False, False)
-        out = _ScoresFn.forward(core, q, k_t, v, p_attn, q.dtype, causal, None, True, True)
+        out = _ScoresFn.forward(core, q, k_t, v, p_attn, q.dtype, causal, None, direct, True)
         bb, h, t, d = heads
         # _attention's return, then HF's reshape(..., -1).contiguous() (a view of the copy)
         a = out.view(bb, h, t, d).transpose(1, 2).contiguous().reshape(bb, t, h * d)
         del out
         proj = _Step()
         proj.needs_input_grad = (n[0] or n[1] or n[2], n[3], n[4], False, False)
-        z = _LinearFn.forward(proj, a, w, b, True, True)
+        z = _LinearFn.forward(proj, a, w, b, True, direct)
         if proj.lead is not None:
             z = z.view(proj.lead + z.shape[-1:])
         del a
         drop = _Step()
-        z = _dr._DropoutFn.forward(drop, z, p_resid, True)
+        z = _dr._DropoutFn.forward(drop, z, p_resid, direct)
         steps = (core, proj, drop)
         to_save = []
         for st in steps:
@@ -136,18 +157,27 @@ class _GPT2AttentionFn(torch.autograd.Function):
 
 
 _GPT2_ATTENTION_APPLY = direct_apply(_GPT2AttentionFn)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# the estimate's fake tensors (a fake Parameter is a FakeTensor) take the node as real ones do
+# (NOTE [GPT-2's attention node under dispatch modes])
+_PLAIN = (torch.Tensor, torch.nn.Parameter, _FakeTensor)
+_WEIGHT = (torch.nn.Parameter, _FakeTensor)
 _F32 = torch.float32
-_any_autocast = torch._C._is_any_autocast_enabled
+_C = torch._C
+_any_autocast = _C._is_any_autocast_enabled
+_functorch_on = _C._are_functorch_transforms_active
+_is_tracing = _C._is_tracing
 
 
 def block_ok(q, k, v, w, b, p_attn, p_resid) -> bool:
     """Whether the one-node path applies to heads ``q``, ``k``, ``v`` (``(B, H, T, d)``): eager
-    (the gate of NOTE [One gate per call] in ``slimgrad/_library.py``), grad mode on without
-    autocast, plain float32 CPU tensors of one shape without zero sizes, both dropout
-    probabilities in (0, 1), and a 2-D ``c_proj`` weight ``(H·d, out)`` with a bias."""
+    (not compiling, no ``torch.func`` transform or TorchScript trace; dispatch modes such as the
+    memory tracker and ``slimgrad.memory.estimate``'s fake tensors take it too), grad mode on
+    without autocast, float32 CPU tensors (plain or the estimate's fake ones, not standing for
+    another device) of one shape without zero sizes, both dropout probabilities in (0, 1), and a
+    2-D ``c_proj`` weight ``(H·d, out)`` with a bias."""
     return (
-        type(p_attn) is float
+        not compiling()  # first: Dynamo folds it and traces nothing after it here
+        and type(p_attn) is float
         and 0.0 < p_attn < 1.0
         and type(p_resid) is float
         and 0.0 < p_resid < 1.0
@@ -169,9 +199,11 @@ def block_ok(q, k, v, w, b, p_attn, p_resid) -> bool:
         and w.ndim == 2
         and w.shape[0] == q.shape[1] * q.shape[3]
         and b.shape == w.shape[1:]
+        and device_rule._STANDS_FOR.get() is None  # the device rule: CPU only
         and _grad_on()
         and not _any_autocast()
-        and straight()
+        and not _functorch_on()
+        and not _is_tracing()
     )
 
 
@@ -193,6 +225,7 @@ def apply(q, k, v, w, b, root: float, p_attn: float, p_resid: float) -> torch.Te
         t > 1,
         p_resid,
         (bb, h, t, d),
+        straight(),
     )
 
 
