@@ -355,3 +355,21 @@ def test_recomputed_block_with_the_cache_takes_the_node_again(count):
     assert count[0] == 2  # forward and recompute
     _same(_step(lean, ids), got)
     assert count[0] == 3
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_an_is_causal_keyword_runs_hfs_forward_with_its_values(is_causal, count):
+    # HF passes an ``is_causal`` keyword on to the attention function, which honours it; the node
+    # is causal exactly where T > 1: an explicit keyword runs HF's forward (the per-op path)
+    conv = slimgrad.convert_(_model(layers=1))
+    conv.train()
+    attn = conv.transformer.h[0].attn
+    per = copy.deepcopy(attn)
+    _hf_forward(per)
+    x = torch.randn(2, 7, 32)
+    torch.manual_seed(5)
+    a = attn(x, is_causal=is_causal)[0]
+    torch.manual_seed(5)
+    b = per(x, is_causal=is_causal)[0]
+    assert torch.equal(a, b)
+    assert count[0] == 0

@@ -1333,6 +1333,8 @@ class GPT2AttentionForward:
         ):
             return type(m).forward(m, *args, **kwargs)
         if kwargs:  # HF passes all but its named ones to the attention function: its keyword rule
+            if kwargs.get("is_causal") is not None:  # the node is causal exactly where T > 1
+                return type(m).forward(m, *args, **kwargs)
             fn = _HF_SDPA[0].sdpa_attention_forward if _HF_SDPA else None
             unimplemented = _UNIMPLEMENTED[1] if _UNIMPLEMENTED[0] is fn else _sdpa_unimplemented()
             for name in ("position_bias", *unimplemented):
