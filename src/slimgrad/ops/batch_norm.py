@@ -768,8 +768,8 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     gw = torch.empty(c, dtype=torch.float32) if need_w else None
     gb = torch.empty(c, dtype=torch.float32) if need_b else None
     w = w.contiguous() if w is not None else None
-    if fn is not None:  # None: a fake tensor, the kernel's outputs only (NOTE [Fake tensors
-        # model BatchNorm's C kernel])
+    # fn None: a fake tensor; its outputs only (NOTE [Fake tensors model BatchNorm's C kernel])
+    if fn is not None:
         fn(
             b.data_ptr(),
             grad.data_ptr(),
