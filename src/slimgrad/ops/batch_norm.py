@@ -493,6 +493,13 @@ class _BatchNormFn(torch.autograd.Function):
             and b.is_contiguous()
         ):
             lib = _backend.use_cpu(b, C_STEM)
+            if (
+                lib is None
+                and type(b) is not torch.Tensor  # a plain tensor is never fake (no call)
+                and _backend._is_fake(b)
+                and _backend.cpu_kernel_would_run(b, C_STEM)
+            ):
+                lib = _FAKE_C  # NOTE [Fake tensors model BatchNorm's C kernel]
         buf = ownership.take(grad) if lib is not None else None
         if ctx.released:
             _check_not_released(ctx)
@@ -657,6 +664,31 @@ def _channel_dot(dy: torch.Tensor, b: torch.Tensor, m: torch.Tensor) -> torch.Te
 C_STEM = "batch_norm"  # kernels/cpu/batch_norm.c: the backward's per-channel sums in one pass
 
 
+# NOTE [Fake tensors model BatchNorm's C kernel]
+# use_cpu never picks the C kernel for a fake tensor (no memory to run it on), so under
+# slimgrad.memory.estimate a float32 CPU backward ran the PyTorch path of _bwd_from_output: dx in
+# a fresh buffer, never over the incoming gradient, so the estimate asked ownership.take nothing
+# (ResNet-50 small, bench case resnet50: 4 grants estimated where the real step grants 8), and
+# with a kernel's sums declined its temporaries differ too. A fake tensor the real C kernel
+# would take (kernels/_backend.cpu_kernel_would_run: the process-wide backend, dtype, device, the
+# C file built) takes the C path's decisions: backward asks ownership.take as the real step does
+# (``_FAKE_C`` stands for the library), and _bwd_from_output_c / _channel_sums_c allocate the
+# kernel's outputs only, the same tensors with the same shapes (dx over the granted gradient as
+# in the real call, its version bumped the same way); values are never read under fake tensors
+# (as NOTE [Fake tensors model the C kernel] in ops/dropout.py). A fake b assumes no channel
+# kept from x (_Keep.keep_output), so the real step's bad channels, which decline the C path, are
+# the estimate's only difference here.
+_FAKE_C = object()
+
+
+def _fake_c(t: torch.Tensor) -> bool:
+    return (
+        type(t) is not torch.Tensor
+        and _backend._is_fake(t)
+        and _backend.cpu_kernel_would_run(t, C_STEM)
+    )
+
+
 def _channel_sums_c(dy: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     # (3, C) float64: Σ b, Σ dy, Σ dy·b per channel (kernels/cpu/batch_norm.c), or None where the
     # C kernel does not apply (NOTE [Kernel backend choice]): the caller takes the PyTorch path
@@ -664,6 +696,8 @@ def _channel_sums_c(dy: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
         return None
     lib = _backend.use_cpu(b, C_STEM)
     if lib is None:
+        if _fake_c(b):  # NOTE [Fake tensors model BatchNorm's C kernel]
+            return torch.empty(3, b.shape[1], dtype=torch.float64)
         return None
     from slimgrad.kernels._cpu import functions, threads
 
@@ -712,14 +746,17 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     if lib is None:
         lib = _backend.use_cpu(b, C_STEM)
         if lib is None:
-            return None
-    if lib in _C_FNS:
-        fns = _C_FNS[lib]
+            if not _fake_c(b):
+                return None
+            lib = _FAKE_C  # NOTE [Fake tensors model BatchNorm's C kernel]
+    if lib is _FAKE_C:
+        fn = None
+    elif lib in _C_FNS:
+        fn = _C_FNS[lib]["bwd"]
     else:
         from slimgrad.kernels._cpu import functions
 
-        fns = _C_FNS[lib] = functions(lib, _c_signatures)
-    fn = fns["bwd"]
+        fn = (_C_FNS.setdefault(lib, functions(lib, _c_signatures)))["bwd"]
     n, c = shape[0], shape[1]
     s = 1
     for d in shape[2:]:  # math.prod(shape[2:])
@@ -731,19 +768,21 @@ def _bwd_from_output_c(ctx, grad, need_x, need_w, need_b, buf=None, lib=None):
     gw = torch.empty(c, dtype=torch.float32) if need_w else None
     gb = torch.empty(c, dtype=torch.float32) if need_b else None
     w = w.contiguous() if w is not None else None
-    fn(
-        b.data_ptr(),
-        grad.data_ptr(),
-        n,
-        c,
-        s,
-        None if w is None else w.data_ptr(),
-        invstd.data_ptr(),
-        None if gx is None else gx.data_ptr(),
-        None if gw is None else gw.data_ptr(),
-        None if gb is None else gb.data_ptr(),
-        torch.get_num_threads() or 1,  # kernels/_cpu.threads()
-    )
+    # fn None: a fake tensor; its outputs only (NOTE [Fake tensors model BatchNorm's C kernel])
+    if fn is not None:
+        fn(
+            b.data_ptr(),
+            grad.data_ptr(),
+            n,
+            c,
+            s,
+            None if w is None else w.data_ptr(),
+            invstd.data_ptr(),
+            None if gx is None else gx.data_ptr(),
+            None if gw is None else gw.data_ptr(),
+            None if gb is None else gb.data_ptr(),
+            torch.get_num_threads() or 1,  # kernels/_cpu.threads()
+        )
     if gx is not None and gx is buf:  # a raw write over the incoming gradient: visible to autograd
         _bump((gx,))  # torch.autograd.graph.increment_version(gx), without its frame
     return gx, gw, gb
