@@ -223,13 +223,16 @@ def _rng_states(m: nn.Module) -> list[tuple[Callable, object]]:
 def _same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
+    if isinstance(a, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if type(a).__module__ == "numpy":  # NumPy's state holds an array
+    try:
+        return bool(a == b)
+    except ValueError:  # NumPy's state holds an array: ``==`` is elementwise
+        if isinstance(a, tuple):
+            return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
         return bool((a == b).all())
-    return a == b
 
 
 def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
