@@ -13,6 +13,8 @@ the returned tensor, whose gradients must stay eager's (the error rule against a
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
@@ -499,3 +501,99 @@ class _ParamFlag(_Stack):
 def test_a_parameter_set_to_a_literal_on_one_path_stays_unknown():
     m = slimgrad.convert_(_ParamFlag())
     assert _off(m) == ALL, slimgrad.report(m)
+
+
+# -- traceable forwards whose trace depends on the call: random draws and the mode -------------
+# torch.fx runs forward once; a branch on a Python value (``self.training``, ``random.random()``,
+# ``torch.rand([]).item()``) is fixed at trace time, so the trace may name the wrong last layer.
+
+
+class _PyDrop(_Stack):
+    # a plain-torch LayerDrop that torch.fx traces: Python's random module
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and random.random() < self.drop:
+                continue
+            x = layer(x)
+        return x
+
+
+class _ItemDrop(_Stack):
+    # the draw is torch's, read back as a number
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]).item() < self.drop:
+                continue
+            x = layer(x)
+        return x
+
+
+class _OwnRng(_Stack):
+    # a generator the module holds
+    def __init__(self, drop):
+        super().__init__(drop)
+        self.rng = random.Random(0)
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.rng.random() < self.drop:
+                continue
+            x = layer(x)
+        return x
+
+
+class _RandomLayer(_Stack):
+    # no branch at all: a random index
+    def forward(self, x):
+        return self.layers[random.randrange(len(self.layers))](x)
+
+
+class _EvalExit(_Stack):
+    # the mode alone decides the last layer: layers.1 in eval, layers.2 in train
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if not self.training and i == 1:
+                break
+        return x
+
+
+CALL_CASES = {
+    "python_random": lambda: _PyDrop(drop=0.5),
+    "torch_rand_item": lambda: _ItemDrop(drop=0.5),
+    "own_generator": lambda: _OwnRng(drop=0.5),
+    "random_index": lambda: _RandomLayer(),
+    "mode_dependent_exit": lambda: _EvalExit(),
+}
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("case", list(CALL_CASES))
+def test_a_trace_that_depends_on_the_call_is_not_trusted(case, seed, train):
+    # whatever fell at convert_ time (the seed, the mode), every layer whose output some call
+    # returns runs eager's op (the forward's source read: every branch followed)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    m = CALL_CASES[case]().train(train)
+    m = slimgrad.convert_(m)
+    assert set(_off(m)) >= {"layers.1.norm", "layers.2.norm"}, slimgrad.report(m)
+    assert m.training is train
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("case", list(CALL_CASES))
+def test_caller_edits_the_output_of_a_layer_the_trace_did_not_return(case, seed):
+    def step(m, dt):
+        m.train()
+        random.seed(100 + seed)  # the same draws on each side
+        x = _r(4, 8, dt=dt, rg=True)
+        loss = torch.zeros((), dtype=dt)
+        for _ in range(3):
+            y = m(x * 1.5)
+            loss = loss + _loss(y)
+            y.data.clamp_(-0.2, 0.2)
+        return _grads(m, loss, [x])
+
+    random.seed(seed)  # what the trace at convert_ time draws
+    _assert_rule(CALL_CASES[case], step)

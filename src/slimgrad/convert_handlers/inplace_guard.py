@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 import inspect
 import operator
+import random
+import sys
 import textwrap
 import warnings
 import weakref
@@ -180,6 +182,88 @@ class _LeafTracer(torch.fx.Tracer):
         return _InplaceProxy(node, self)
 
 
+def _trace(m: nn.Module) -> tuple[torch.fx.Graph, bool]:
+    # the graph, and whether the forward drew from a random number generator (the generators'
+    # states are restored: the trace leaves the caller's random streams as they were)
+    rngs = _rng_states(m)
+    try:
+        with warnings.catch_warnings():  # the trace calls forward on Proxies (torch
+            warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
+            graph = _LeafTracer(m).trace(m)
+        return graph, not _same([st for _, st in rngs], [st for _, st in _rng_states(m)])
+    finally:
+        for restore, st in rngs:
+            restore(st)
+
+
+def _rng_states(m: nn.Module) -> list[tuple[Callable, object]]:
+    # every random number generator a forward may draw from in Python at trace time, as
+    # (restore, state): Python's, torch's (CPU, and CUDA's once initialised), NumPy's global one,
+    # and the generators the module tree holds as attributes
+    found: list[tuple[Callable, object]] = [
+        (random.setstate, random.getstate()),
+        (torch.random.set_rng_state, torch.random.get_rng_state()),
+    ]
+    if torch.cuda.is_initialized():
+        found.append((torch.cuda.set_rng_state_all, torch.cuda.get_rng_state_all()))
+    if (np := sys.modules.get("numpy")) is not None:
+        found.append((np.random.set_state, np.random.get_state()))
+    for d in m.modules():
+        for v in vars(d).values():
+            if isinstance(v, random.Random):
+                found.append((v.setstate, v.getstate()))
+            elif isinstance(v, torch.Generator):
+                found.append((v.set_state, v.get_state()))
+            elif np is not None and isinstance(v, np.random.Generator):
+                bits = v.bit_generator
+                found.append((lambda st, bits=bits: setattr(bits, "state", st), bits.state))
+    return found
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except ValueError:  # NumPy's state holds an array: ``==`` is elementwise
+        if isinstance(a, tuple):
+            return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return bool((a == b).all())
+
+
+def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
+    # NOTE [Modules whose output is the model's output]: a torch.fx trace runs forward once, so a
+    # branch on a value that is not a Proxy is taken as it fell at trace time. Settings of the
+    # module stay as they are (change one: run convert_ again), but the mode changes after
+    # convert_ and a random draw changes every call (a plain-torch LayerDrop: ``if self.training
+    # and random.random() < p: continue``; ``self.layers[random.randrange(n)]``). The trace is
+    # used only when it is the same in train and in eval mode and drew from no generator;
+    # otherwise (raised here) the forward's source is read, as an untraceable forward's is, which
+    # follows every branch. The modes and the generators' states are restored after the traces.
+    modes = {d: d.training for d in m.modules()}
+    try:
+        for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
+            d.training = True
+        graph, drew = _trace(m)
+        for d in modes:
+            d.training = False
+        other, drew_eval = _trace(m)
+    finally:
+        for d, mode in modes.items():
+            d.training = mode
+    if drew or drew_eval or str(graph) != str(other):
+        raise _TraceDependsOnCall
+    return graph
+
+
+class _TraceDependsOnCall(Exception):
+    pass
+
+
 class _Guard:
     def __init__(self, outputs: tuple[type, ...] | None = None) -> None:
         self.memo: dict[int, _Info] = {}
@@ -236,9 +320,7 @@ class _Guard:
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
-            with warnings.catch_warnings():  # the trace calls forward on Proxies (torch
-                warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
-                graph = _LeafTracer(m).trace(m)
+            graph = _trace(m)[0] if self.outputs is None else _trace_every_call(m)
         except Exception:
             # Untraceable forward (data-dependent control flow, ...): its source is read as an HF
             # forward's is (NOTE [In-place writes in HF forwards]), so ``h += r`` in its own code
