@@ -156,6 +156,28 @@ class _Lambda(_Stack):
         return h
 
 
+def _check(layer):
+    if getattr(layer, "broken", False):
+        raise RuntimeError("skip this layer")
+
+
+class _TrySkip(_Stack):
+    # a flag reset inside ``try``: the handler may start before the reset, so after the ``try``
+    # the flag may be True (the layer skipped) and any layer's output may be returned
+    def forward(self, x):
+        x = _untraceable(x)
+        for layer in self.layers:
+            skip = True
+            try:
+                _check(layer)
+                skip = False
+            except RuntimeError:
+                pass
+            if not skip:
+                x = layer(x)
+        return x
+
+
 LAST = ["layers.2.norm"]
 ALL = ["layers.0.norm", "layers.1.norm", "layers.2.norm"]
 CASES = {
@@ -172,6 +194,7 @@ CASES = {
     "skipped": (lambda: _Skipped(), ALL),
     "first_parameter_not_self": (lambda: _NotSelf(), LAST),
     "lambda_helper": (lambda: _Lambda(), ALL),
+    "try_skipped": (lambda: _TrySkip(), ALL),
 }
 
 

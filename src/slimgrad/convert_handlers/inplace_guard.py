@@ -635,9 +635,15 @@ class _Flow:
                     self.assign(item.optional_vars, held, env)
             env = self.block(s.body, env)
         elif isinstance(s, ast.Try):
-            env = self.block(s.body, env)
+            # a handler may start after any statement of the body: it starts from the join of
+            # the env before the body and after each of its statements (a name the body sets to a
+            # literal and resets later is not known in the handler)
+            entry = dict(env)
+            for st in s.body:
+                env = self.stmt(st, dict(env))
+                entry = _union(entry, env)
             for h in s.handlers:
-                env = _union(env, self.block(h.body, dict(env)))
+                env = _union(env, self.block(h.body, dict(entry)))
             env = self.block(s.finalbody, self.block(s.orelse, env))
         elif isinstance(s, ast.Delete):
             for t in s.targets:
