@@ -196,7 +196,13 @@ def test_converted_on_cpu_keeps_sdpa_on_cuda_at_call_time():
         return (lambda: model(input_ids=ids, labels=ids).loss), model
 
     nodes = {d: set(estimate(make, device=d).by_node) for d in ("cpu", "cuda")}
-    ours = {"_SoftmaxDropoutMatmulFnBackward", "_ScoresSoftmaxDropoutMatmulFnBackward"}
+    # GPT-2's attention output as one node on CPU (NOTE [GPT-2's attention node under dispatch
+    # modes]): the estimate takes it where the real step does
+    ours = {
+        "_SoftmaxDropoutMatmulFnBackward",
+        "_ScoresSoftmaxDropoutMatmulFnBackward",
+        "_GPT2AttentionFnBackward",
+    }
     assert ours & nodes["cpu"]
     assert not ours & nodes["cuda"]
     assert "ScaledDotProductEfficientAttentionBackward0" in nodes["cuda"]
