@@ -70,7 +70,13 @@ from slimgrad import ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order, unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
-from slimgrad.ops.gpt2_mlp import _dropout_backward, _Step
+from slimgrad.ops.gpt2_mlp import (
+    _dropout_backward,
+    _hand_out_saved,
+    _release_saved,
+    _save_steps,
+    _Step,
+)
 from slimgrad.ops.linear import _FakeTensor, _LinearFn, fresh
 
 __all__ = ["gpt2_attention"]
@@ -84,12 +90,7 @@ _API = "slimgrad.ops.gpt2_attention"
 
 def _backward(ctx, dy, owned: bool = False):
     core, proj, drop = ctx.steps
-    saved = ctx.saved_tensors
-    i = 0
-    for st in ctx.steps:
-        st.saved_tensors = saved[i : i + st.n_saved]
-        i += st.n_saved
-    del saved
+    _hand_out_saved(ctx)
     g = _dropout_backward(drop, dy, owned)
     del dy
     # c_proj's gradient arrives as its 2-D product's (NOTE [Linear's 2-D product] in ops/linear.py)
@@ -106,8 +107,7 @@ def _backward(ctx, dy, owned: bool = False):
         del da
         dq, dk, dv = _ScoresFn.backward(core, d_out)[:3]
         del d_out
-    for st in ctx.steps:
-        st.saved_tensors = ()
+    _release_saved(ctx.steps)
     return dq, dk, dv, dw, db, None, None, None, None, None
 
 
@@ -137,14 +137,8 @@ class _GPT2AttentionFn(torch.autograd.Function):
         del a
         drop = _Step()
         z = _dr._DropoutFn.forward(drop, z, p_resid, direct)
-        steps = (core, proj, drop)
-        to_save = []
-        for st in steps:
-            st.n_saved = len(st.to_save)
-            to_save.extend(st.to_save)
-            st.to_save = ()
-        ctx.steps, ctx.heads = steps, heads
-        ctx.save_for_backward(*to_save)
+        ctx.heads = heads
+        _save_steps(ctx, (core, proj, drop))
         return fresh(z)
 
     @staticmethod

@@ -107,6 +107,35 @@ class _Step:
         pass  # the side outputs stay inside the node
 
 
+def _save_steps(ctx, steps: tuple) -> None:
+    # one save_for_backward of every step's tensors, in step order (None: a step not run); each
+    # step remembers how many are its own
+    to_save = []
+    for st in steps:
+        if st is not None:
+            st.n_saved = len(st.to_save)
+            to_save.extend(st.to_save)
+            st.to_save = ()
+    ctx.steps = steps
+    ctx.save_for_backward(*to_save)
+
+
+def _hand_out_saved(ctx) -> None:
+    # backward: each step's ``saved_tensors`` is its run of the node's saved tensors
+    saved = ctx.saved_tensors
+    i = 0
+    for st in ctx.steps:
+        if st is not None:
+            st.saved_tensors = saved[i : i + st.n_saved]
+            i += st.n_saved
+
+
+def _release_saved(steps: tuple) -> None:
+    for st in steps:
+        if st is not None:
+            st.saved_tensors = ()
+
+
 def _dropout_backward(st: _Step, grad: torch.Tensor, owned: bool) -> torch.Tensor:
     # _DropoutFn.backward's first-order body with ``owned`` decided by the block's backward
     (bits,) = st.saved_tensors
@@ -144,13 +173,7 @@ def _gelu_backward(st: _Step, g: torch.Tensor) -> torch.Tensor:
 
 def _backward(ctx, dy, owned: bool = False):
     fc, act, proj, drop = ctx.steps
-    saved = ctx.saved_tensors
-    i = 0
-    for st in ctx.steps:
-        if st is not None:
-            st.saved_tensors = saved[i : i + st.n_saved]
-            i += st.n_saved
-    del saved
+    _hand_out_saved(ctx)
     n = ctx.needs_input_grad
     g = _dropout_backward(drop, dy, owned) if drop is not None else dy
     del dy
@@ -166,9 +189,7 @@ def _backward(ctx, dy, owned: bool = False):
         dh2 = dh.reshape(-1, dh.shape[-1]) if fc.lead is not None else dh
         del dh
         dx, dw_fc, db_fc = _LinearFn.backward(fc, dh2)[:3]
-    for st in ctx.steps:
-        if st is not None:
-            st.saved_tensors = ()
+    _release_saved(ctx.steps)
     return (
         dx if n[0] else None,
         dw_fc,
@@ -216,15 +237,7 @@ class _GPT2MLPFn(torch.autograd.Function):
         if p is not None:
             drop = _Step()
             z = _dr._DropoutFn.forward(drop, z, p, direct)
-        steps = (fc, act, proj, drop)
-        to_save = []
-        for st in steps:
-            if st is not None:
-                st.n_saved = len(st.to_save)
-                to_save.extend(st.to_save)
-                st.to_save = ()
-        ctx.steps = steps
-        ctx.save_for_backward(*to_save)
+        _save_steps(ctx, (fc, act, proj, drop))
         return fresh(z)
 
     @staticmethod
