@@ -16,6 +16,7 @@ import slimgrad.ops.gpt2_attention as oga
 from slimgrad import ownership
 from slimgrad.memory import estimate, measure
 from slimgrad.ops.gpt2_attention import gpt2_attention
+from tests._counting import count_calls
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,15 +24,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture
 def count(monkeypatch):
     # how many calls took the one-node path
-    n = [0]
-    node = oga._GPT2_ATTENTION_APPLY
-
-    def counting(*a):
-        n[0] += 1
-        return node(*a)
-
-    monkeypatch.setattr(oga, "_GPT2_ATTENTION_APPLY", counting)
-    return n
+    return count_calls(monkeypatch, oga, "_GPT2_ATTENTION_APPLY")
 
 
 def _make_hf(layers=2, width=32, tokens=24):

@@ -17,6 +17,7 @@ import slimgrad.ops.gpt2_attention as oga
 from slimgrad import memory
 from slimgrad.convert_handlers.hf_attention import GPT2AttentionForward
 from slimgrad.ops.gpt2_attention import gpt2_attention
+from tests._counting import count_calls
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,15 +35,7 @@ def _model(layers=2, pdrop=0.1, width=32, **kw):
 @pytest.fixture
 def count(monkeypatch):
     # how many calls took the one-node path
-    n = [0]
-    node = oga._GPT2_ATTENTION_APPLY
-
-    def counting(*a):
-        n[0] += 1
-        return node(*a)
-
-    monkeypatch.setattr(oga, "_GPT2_ATTENTION_APPLY", counting)
-    return n
+    return count_calls(monkeypatch, oga, "_GPT2_ATTENTION_APPLY")
 
 
 def _hf_forward(model):

@@ -12,6 +12,7 @@ import slimgrad
 import slimgrad.nn.gpt2_mlp as ngm
 from slimgrad import memory
 from slimgrad.ops.gpt2_mlp import block_ok, gpt2_mlp
+from tests._counting import count_calls
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,15 +30,7 @@ def _model(act="gelu_new", layers=2, pdrop=0.1, width=32):
 @pytest.fixture
 def count(monkeypatch):
     # how many calls took the one-node path
-    n = [0]
-    node = ngm._GPT2_MLP_APPLY
-
-    def counting(*a):
-        n[0] += 1
-        return node(*a)
-
-    monkeypatch.setattr(ngm, "_GPT2_MLP_APPLY", counting)
-    return n
+    return count_calls(monkeypatch, ngm, "_GPT2_MLP_APPLY")
 
 
 def _step(model, ids, per_op=False, monkeypatch=None):
