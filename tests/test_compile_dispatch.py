@@ -168,11 +168,9 @@ def _(x):
 _SEEN: list = []
 
 
-def test_implementation_never_runs_under_a_dynamo_callback():
-    # the implementation runs itself only where no Dynamo callback is active; called eagerly
-    # while one is (a function Dynamo skips, inside a compiled one), it runs through
-    # torch.compiler.disable, so Dynamo never compiles its frames
-    import torch._dynamo
+def _op_in_a_skipped_function_inside_a_compiled_one():
+    # the test op called eagerly under an active Dynamo callback: from a function Dynamo skips,
+    # inside a compiled one; returns (op, compiled outer)
     from torch._dynamo.decorators import skip
 
     op = torch.ops.slimgrad._test_dispatch_callback.default
@@ -185,6 +183,17 @@ def test_implementation_never_runs_under_a_dynamo_callback():
     @torch.compile(backend="eager")
     def outer(x):
         return inner(x) * 2
+
+    return op, outer
+
+
+def test_implementation_never_runs_under_a_dynamo_callback():
+    # the implementation runs itself only where no Dynamo callback is active; called eagerly
+    # while one is (a function Dynamo skips, inside a compiled one), it runs through
+    # torch.compiler.disable, so Dynamo never compiles its frames
+    import torch._dynamo
+
+    op, outer = _op_in_a_skipped_function_inside_a_compiled_one()
 
     x = torch.randn(3)
     _SEEN.clear()
@@ -206,7 +215,6 @@ def test_dynamo_never_compiles_the_lean_kernels():
     import types
 
     import torch._dynamo
-    from torch._dynamo.decorators import skip
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from slimgrad import _library
@@ -217,16 +225,7 @@ def test_dynamo_never_compiles_the_lean_kernels():
         if isinstance(c, types.CodeType) and c.co_name in ("autograd_kernel", "backend_kernel")
     ]
     assert len(kernels) == 2
-    op = torch.ops.slimgrad._test_dispatch_callback.default
-
-    def inner(x):
-        return op(x)
-
-    skip(inner)
-
-    @torch.compile(backend="eager")
-    def outer(x):
-        return inner(x) * 2
+    op, outer = _op_in_a_skipped_function_inside_a_compiled_one()
 
     x = torch.randn(3)
     torch._dynamo.reset()
