@@ -88,3 +88,4 @@ def test_plan_help_lists_the_choices_and_choices_narrows_the_plan(capsys):
     assert main([*_TINY, "--budget", "1GiB", "--choices", "lean,nonsense"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("slimgrad plan: unknown choices") and "'nonsense'" in err
+    assert "<child>" not in err  # a placeholder is not a name to pass

@@ -124,6 +124,7 @@ the same choice without recompute (dropout masks included).
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import time
@@ -349,18 +350,50 @@ def _inner_forward(module: nn.Module):
 # (transformers' GradientCheckpointingLayer: ``use_cache=False``, ``past_key_values=None``,
 # ``layer_past=None`` unless the layer sets ``_can_checkpoint_with_cache``). The loss and the
 # gradients are those without recompute when the cache starts empty (a training step); the
-# returned cache lacks the recomputed blocks' keys, as under HF's checkpointing.
+# returned cache lacks the recomputed blocks' keys, as under HF's checkpointing. HF GPT-2's model
+# passes the cache by position (``block(hidden_states, past_key_values, ...)``), so the positions
+# of these parameters in the block's forward are read from its signature, once per function.
 _CACHE_KWARGS = ("past_key_values", "layer_past")
+_CACHE_POSITIONS: dict = {}  # forward function -> positions in *args of use_cache and the caches
 
 
-def _without_cache(module: nn.Module, kwargs: dict) -> dict:
+def _cache_positions(fn) -> tuple[int | None, tuple[int, ...]]:
+    key = getattr(fn, "__func__", fn)
+    got = _CACHE_POSITIONS.get(key)
+    if got is None:
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # no signature: only keywords are known
+            params = []
+        pos = {
+            p.name: i
+            for i, p in enumerate(params)
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        }
+        got = (pos.get("use_cache"), tuple(pos[k] for k in _CACHE_KWARGS if k in pos))
+        _CACHE_POSITIONS[key] = got
+    return got
+
+
+def _without_cache(module: nn.Module, fn, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if kwargs.get("use_cache"):
         kwargs = {**kwargs, "use_cache": False}
-    if not getattr(module, "_can_checkpoint_with_cache", False):
+    keep = getattr(module, "_can_checkpoint_with_cache", False)
+    if not keep:
         for k in _CACHE_KWARGS:
             if kwargs.get(k) is not None:
                 kwargs = {**kwargs, k: None}
-    return kwargs
+    if len(args) > 1:
+        use, caches = _cache_positions(fn)
+        drop = () if keep else tuple(i for i in caches if i < len(args) and args[i] is not None)
+        if drop or (use is not None and use < len(args) and args[use]):
+            args = list(args)
+            for i in drop:
+                args[i] = None
+            if use is not None and use < len(args) and args[use]:
+                args[use] = False
+            args = tuple(args)
+    return args, kwargs
 
 
 def _recompute_forward(self, *args, **kwargs):
@@ -369,8 +402,8 @@ def _recompute_forward(self, *args, **kwargs):
     fn = _inner_forward(self)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    if kwargs:  # NOTE [A recomputed block does not write the KV cache]
-        kwargs = _without_cache(self, kwargs)
+    if kwargs or len(args) > 1:  # NOTE [A recomputed block does not write the KV cache]
+        args, kwargs = _without_cache(self, fn, args, kwargs)
     ctx = self.__dict__.get("_slimgrad_plan_context")
     extra = {"context_fn": ctx} if ctx is not None else {}
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
@@ -488,7 +521,8 @@ def _parse_choice(api: str, name: str, choice: str) -> tuple[bool, str | None, s
         return True, choice.split(":", 1)[1], None
     raise ValueError(
         f"{api}: block {name!r} has an unknown choice; expected one of {list(CHOICES)} or "
-        f"'lean+recompute:<child>', got {choice!r}. Use a plan made by slimgrad.plan."
+        f"'lean+recompute:' followed by a child's name, got {choice!r}. Use a plan made by "
+        "slimgrad.plan."
     )
 
 
@@ -1145,8 +1179,9 @@ def plan(
         ]
         if bad:
             raise ValueError(
-                f"{api}: unknown choices; expected names from {list(CHOICE_HELP)}, got {bad}. "
-                "Name choices as `slimgrad plan --help` lists them."
+                f"{api}: unknown choices; expected names from {list(CHOICES)}, "
+                f"'lean+recompute:{CORE}', 'lean+recompute:{ACT}' or 'lean+recompute:' followed "
+                f"by a child's name, got {bad}. Name choices as `slimgrad plan --help` lists them."
             )
     say = progress or (lambda s: None)
     measured = getattr(reuse, "_measured", None) if reuse is not None else None
