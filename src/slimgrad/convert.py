@@ -13,8 +13,9 @@ Two tables drive it:
   report). Keys are class names so that HF and timm classes need no import of their library. A
   module whose class is not a key but subclasses one converts only when it computes what that
   class computes (NOTE [Subclasses convert by what they compute]).
-- ``_PATTERNS``: passes that need neighbours (BatchNorm followed by an activation; an LM head
-  followed by the loss). They run first, on the whole model.
+- ``_PATTERNS``: patterns that need neighbours (BatchNorm followed by an activation; an LM head
+  followed by the loss). They decide first, on the whole model; nothing is swapped until
+  every decision is made.
 
 ``ConvertConfig`` selects techniques by name: exact ones are on by default; ones that change the
 model's function (e.g. BatchNorm + ReLU -> InPlaceABN with leaky_relu) only when asked.
@@ -28,21 +29,26 @@ that will be moved to CUDA later; by default it decides for the devices of the m
 Stages (``convert_`` runs them in this order; each fact is computed once, where named):
 
 1. ``analyse`` -> ``ModelFacts``: the device rule's targets, whether the model is an HF one (and
-   the transformers version check), the features this installation lacks.
-2. The neighbour passes (``_PATTERNS``), each deciding and swapping in one pass, since each
-   reads the structure its technique needs: BatchNorm's neighbours (``cnn``, ``abn``), HF
-   attention's config and forward templates (``hf_attention``), the LM head and loss template
-   (``hf_loss``), MoE and timm blocks.
-3. ``ModelFacts.read_modules``: the in-place guard's reading of the structure (which modules an
+   the transformers version check), the features this installation lacks. (The opt-in
+   Sequential BN + act fusion, ``ConvertConfig.inplace_abn``, swaps as it decides and runs here,
+   before the model is read: ``slimgrad/nn/inplace_abn.py``.)
+2. ``ModelFacts.read_modules``: the in-place guard's reading of the structure (which modules an
    in-place write follows), then per module its table entry, the subclass rule's reason, a
-   parametrized weight and the guard's reason (``ModuleFacts``).
+   parametrized weight and the guard's reason (``ModuleFacts``). It reads the model before
+   anything is swapped: what the guard sees is the model the user wrote.
+3. ``decide_patterns`` -> ``Decision``s (``convert_handlers/decision.py``): the neighbour
+   patterns (``_PATTERNS``): BatchNorm's neighbours (``abn``, ``cnn``), HF attention's config and
+   forward templates (``hf_attention``, analysed once per model), the LM head and loss template
+   (``hf_loss``). Each reads the structure once (``Structure``: names, places) and sees what the
+   earlier ones decided (``Structure.claimed``); a replacement is built now, a change where a
+   module stands (an HF model's configs and forward) is a ``patch``.
 4. ``decide`` -> ``Decision``s: per place that holds a module, its replacement (the handler
    builds it, sharing state, changing nothing) or why it stays, from the facts, the config,
-   ``filter_fn`` and the device rule. ``plan=`` enters here as a filter: its eager blocks are
-   skipped like ``filter_fn``'s, and ``slimgrad.plan.apply_choices`` then wraps the recomputed
-   blocks' forwards.
-5. ``apply`` swaps the replacements in (they take over the hooks); ``record`` writes the
-   report's rows from the decisions.
+   ``filter_fn`` and the device rule; a module a pattern claimed takes that replacement at every
+   place. ``plan=`` enters here as a filter: its eager blocks are skipped like ``filter_fn``'s,
+   and ``slimgrad.plan.apply_choices`` then wraps the recomputed blocks' forwards.
+5. ``apply`` swaps the replacements in (the table's take over the hooks), then runs the patches;
+   ``record`` writes the report's rows from the decisions, the patterns' first.
 6. What needs the converted structure: ownership's statements of fresh inputs
    (``ownership.state_inputs_``), which outputs are kept or are the model's output
    (``nn._output_act.state_consumers_``, a second reading by the in-place guard's code), then
@@ -75,6 +81,7 @@ from slimgrad.convert_handlers import linear as _linear
 from slimgrad.convert_handlers import parametrized as _parametrized
 from slimgrad.convert_handlers import timm as _timm
 from slimgrad.convert_handlers import timm_blocks as _timm_blocks
+from slimgrad.convert_handlers.decision import Decision, Structure
 from slimgrad.kernels import _backend
 from slimgrad.nn import _output_act as _nn_output_act
 from slimgrad.nn.hardsigmoid import Hardsigmoid as _Hardsigmoid
@@ -207,7 +214,9 @@ def _grouped(rows: list[tuple[str, str, str]]) -> list[tuple[tuple[str, str], st
 
 
 Handler = Callable[[nn.Module], nn.Module]
-Pattern = Callable[[nn.Module, ConvertConfig, Callable, ConvertReport], None]
+# a neighbour pattern: (model, config, filter_fn, the structure as the earlier patterns leave it)
+# -> its decisions; it changes nothing (``apply`` does)
+Pattern = Callable[[nn.Module, ConvertConfig, Callable, Structure], list[Decision]]
 
 
 def _qualname(cls: type) -> str:
@@ -257,9 +266,9 @@ _TABLE: dict[str, tuple[str, Handler]] = {
     # plain nn.Linear (``convert_handlers.linear``)
     **_linear.TABLE,
 }
-# Passes over the whole model for patterns that need neighbours, in order; each reports what it did.
+# Patterns that need neighbours, in order: each decides from the model's structure as the earlier
+# ones leave it (``Structure.claimed``); ``apply`` then makes every change.
 _PATTERNS: list[tuple[str | None, Pattern]] = [
-    ("inplace_abn", convert_sequential_bn_act_),  # Sequential BN + act slots fused: InPlaceABN
     ("inplace_abn", _cnn.inplace_abn_pattern),  # BN -> ReLU anywhere (fx): InPlaceABN(leaky_relu)
     ("batch_norm", _cnn.bn_act_pattern),  # BN next to ReLU/GELU/SiLU: keep the BN output only
     ("dropout", _hf_attention.attention_pattern),  # HF attention: keeps P + bits
@@ -267,8 +276,11 @@ _PATTERNS: list[tuple[str | None, Pattern]] = [
     *_hf_moe.PATTERNS,
     *_timm_blocks.PATTERNS,
 ]
+# Opt-in (``inplace_abn``): Sequential BN + act slots fused into InPlaceABN + Identity. It swaps as
+# it decides (``slimgrad/nn/inplace_abn.py``), so it runs before the model is read.
+_SWAPPING_PASSES: list[tuple[str, Callable]] = [("inplace_abn", convert_sequential_bn_act_)]
 # (the in-place guard is a reading of the model, not a technique: ``ModelFacts.read_modules`` runs
-# it after these passes, NOTE [In-place writers after output-saving modules])
+# it before the patterns decide, NOTE [In-place writers after output-saving modules])
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, ConvertReport] = weakref.WeakKeyDictionary()
 _REPORT_ATTR = "_slimgrad_report"
@@ -499,14 +511,15 @@ def convert_(
     allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
     facts = analyse(model, where)
     rep = ConvertReport(targets=facts.targets, features_off=list(facts.features_off))
-    for technique, pattern in _PATTERNS:
-        if technique is None or getattr(config, technique):
-            if technique is not None and (why := _device_rule.refuse(technique, where)):
+    for technique, swapping in _SWAPPING_PASSES:
+        if getattr(config, technique):
+            if (why := _device_rule.refuse(technique, where)) is not None:
                 rep.skipped.append(("", f"{technique} pass", why))
-                continue
-            pattern(model, config, allowed, rep)
-    facts.read_modules()  # after the patterns' swaps: the modules the table pass will see
-    decisions = decide(model, config, allowed, facts)
+            else:
+                swapping(model, config, allowed, rep)
+    facts.read_modules()  # the structure every decision reads, before anything is swapped
+    decisions = decide_patterns(model, config, allowed, facts)
+    decisions += decide(model, config, allowed, facts)
     apply(decisions)
     record(decisions, rep)
     ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
@@ -633,12 +646,18 @@ class ModelFacts:
     targets: tuple[tuple[str, object], ...]
     hf: bool
     features_off: tuple[tuple[str, str], ...]
+    # the neighbour patterns' reading of the tree; ``claimed`` holds what they decided
+    structure: Structure = field(init=False, repr=False)
     # {id(module): (module, facts)}: holding the module keeps its id unique for the call
     _modules: dict[int, tuple[nn.Module, ModuleFacts]] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        self.structure = Structure(self.model, self.targets)
+
     def read_modules(self) -> None:
-        """Read the model as the table pass will see it: the in-place guard's reading of its
-        structure, then each module's facts (once per module, wherever it is held)."""
+        """Read the model as the patterns and the table pass decide from it, before anything is
+        swapped: the in-place guard's reading of its structure, then each module's facts (once
+        per module, wherever it is held)."""
         _inplace_guard.inplace_guard_pattern(self.model, None, None, None)
         found = self._modules
         found.clear()
@@ -662,7 +681,7 @@ class ModelFacts:
 
 def analyse(model: nn.Module, targets: tuple[tuple[str, object], ...]) -> ModelFacts:
     """The model-wide facts ``convert_`` decides from (``ModelFacts``); ``read_modules`` adds the
-    per-module ones once the neighbour passes have run."""
+    in-place guard's reading and the per-module ones."""
     hf = _is_hf_model(model)
     if hf:
         # once per process, outside the tested range only; the warning points at convert_'s caller
@@ -671,22 +690,21 @@ def analyse(model: nn.Module, targets: tuple[tuple[str, object], ...]) -> ModelF
     return ModelFacts(model, targets, hf, off)
 
 
-@dataclass(eq=False)
-class Decision:
-    """What the table pass decided for one place that holds a module: ``parent.<attr>``.
-
-    ``new`` is the replacement (the module is converted), else ``reason`` says why it stays.
-    ``repeat``: another place holding a module decided earlier; it takes the same replacement
-    and adds no report row.
-    """
-
-    name: str
-    parent: nn.Module
-    attr: str
-    module: nn.Module
-    new: nn.Module | None = None
-    reason: str | None = None
-    repeat: bool = False
+def decide_patterns(
+    model: nn.Module, config: ConvertConfig, allowed: Callable, facts: ModelFacts
+) -> list[Decision]:
+    """The neighbour patterns' decisions (``_PATTERNS``, in order, each seeing what the earlier
+    ones claimed in ``facts.structure``); a technique the config turns off is not asked, one the
+    device rule refuses is one skipped row. Nothing is changed."""
+    out: list[Decision] = []
+    for technique, pattern in _PATTERNS:
+        if technique is not None and not getattr(config, technique):
+            continue
+        if technique is not None and (why := _device_rule.refuse(technique, facts.targets)):
+            out.append(Decision("", None, None, model, reason=why, kind=f"{technique} pass"))
+            continue
+        out += pattern(model, config, allowed, facts.structure)
+    return out
 
 
 def _decide_one(
@@ -723,17 +741,24 @@ def decide(
     A handler builds the replacement (sharing the original's Parameters, buffers and children)
     without changing the original. A module held at several places is decided once and gets one
     replacement everywhere. The children of a module that stays are decided too; those of a
-    replacement only where it asks (``CONVERT_CHILDREN``, e.g. timm's norm + act).
+    replacement only where it asks (``CONVERT_CHILDREN``, e.g. timm's norm + act). A module a
+    neighbour pattern replaced (``facts.structure.claimed``) takes that replacement at each place
+    met here too, a replacement's own copy of its children included.
     """
     out: list[Decision] = []
     # {id(original): (original, replacement or original)}; it keeps the originals alive
     done: dict[int, tuple[nn.Module, nn.Module]] = {}
+    claimed = facts.structure.claimed
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for attr, child in list(parent._modules.items()):  # named_children() skips repeats
             if child is None:
                 continue
             name = f"{prefix}.{attr}" if prefix else attr
+            if id(child) in claimed:  # the pattern's decision has the report row
+                new = claimed[id(child)]
+                out.append(Decision(name, parent, attr, child, new=new, repeat=True))
+                continue
             if id(child) in done:
                 if (new := done[id(child)][1]) is not child:
                     out.append(Decision(name, parent, attr, child, new=new, repeat=True))
@@ -750,6 +775,11 @@ def decide(
                 out.append(Decision(name, parent, attr, child, new=new))
                 if getattr(new, "CONVERT_CHILDREN", False):
                     visit(new, name)
+                elif claimed and new._modules is not child._modules:
+                    for a, c in new._modules.items():  # its own copy of a claimed child's place
+                        if c is not None and id(c) in claimed:
+                            n = f"{name}.{a}"
+                            out.append(Decision(n, new, a, c, new=claimed[id(c)], repeat=True))
                 continue
             if reason is not None:
                 out.append(Decision(name, parent, attr, child, reason=reason))
@@ -761,25 +791,35 @@ def decide(
 
 
 def apply(decisions: list[Decision]) -> None:
-    """Swap each decided replacement into its place; it takes over the original's hooks."""
+    """Swap each decided replacement into its place (a table replacement takes over the
+    original's hooks), then make the changes decided where a module stands (``patch``: an HF
+    model's configs and forward), which read the swapped model."""
     for d in decisions:
-        if d.new is None:
+        if d.new is None or d.parent is None:
             continue
-        if not d.repeat and d.new is not d.module:
+        if d.carry_hooks and not d.repeat and d.new is not d.module:
             _carry_hooks(d.module, d.new)
         setattr(d.parent, d.attr, d.new)
+    for d in decisions:
+        if d.patch is not None:
+            d.added = d.patch()
 
 
 def record(decisions: list[Decision], rep: ConvertReport) -> None:
-    """The report's rows for the decisions: one per module, converted or skipped with why."""
+    """The report's rows for the decisions: one per module, converted or skipped with why, in
+    the order decided (the patterns' first), and the refusals ``convert_`` warns about."""
     for d in decisions:
         if d.repeat:
             continue
-        kind = type(d.module).__name__
-        if d.new is not None:
-            rep.converted.append((d.name, kind, type(d.new).__name__))
-        else:
+        kind = d.kind if d.kind is not None else type(d.module).__name__
+        if d.new is not None or d.patch is not None:
+            to = d.to if d.to is not None else type(d.new).__name__
+            rep.converted.append((d.name, kind, to))
+            rep.converted += d.added
+        elif d.reason is not None:
             rep.skipped.append((d.name, kind, d.reason))
+        if d.refusal is not None:
+            _hf.note_refusal(rep, d.module, *d.refusal)
 
 
 # NOTE [Coverage in the report]

@@ -129,11 +129,16 @@ def test_converted_block_keeps_one_tensor_per_bn_act():
 
 
 def test_pattern_and_table_for_convert():
-    class Rep:
-        converted, skipped = [], []
+    from slimgrad import ConvertReport
+    from slimgrad import convert as cv
+    from slimgrad.convert_handlers.decision import Structure
 
     model = nn.Sequential(_block(), nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
-    bn_act_pattern(model, None, lambda m, n: n != "0.5", Rep)
+    decisions = bn_act_pattern(model, None, lambda m, n: n != "0.5", Structure(model))
+    assert type(model[0][2]) is nn.ReLU  # decided, not yet swapped
+    Rep = ConvertReport()
+    cv.apply(decisions)
+    cv.record(decisions, Rep)
     assert isinstance(model[0][2], sbn.ReLUAfterNorm)
     assert type(model[0][5]) is nn.SiLU  # filtered out
     assert type(model[1][1]) is nn.ReLU  # no BatchNorm beside it

@@ -43,6 +43,7 @@ from torch import nn
 if TYPE_CHECKING:
     import torch.fx
 
+from slimgrad.convert_handlers.decision import Decision, Structure
 from slimgrad.nn.inplace_abn import (
     InPlaceABN,
     LeakyReLUAfterABN,
@@ -50,7 +51,6 @@ from slimgrad.nn.inplace_abn import (
     RecomputeABN,
     global_hooks,
     has_hooks,
-    occurrences,
     share_hooks,
 )
 
@@ -112,23 +112,34 @@ def _why_not(parent: nn.Module, node: torch.fx.Node) -> tuple[str | None, nn.Mod
     return None, (relu, None)
 
 
-def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
-    """Turn BatchNorm{1,2,3}d -> ReLU pairs into InPlaceABN(leaky_relu) + LeakyReLUAfterABN.
+def inplace_abn_pattern(model: nn.Module, config, allowed, found: Structure) -> list[Decision]:
+    """Decide BatchNorm{1,2,3}d -> ReLU pairs as InPlaceABN(leaky_relu) + LeakyReLUAfterABN.
 
     Args:
-        model: the model (changed in place).
+        model: the model (read, not changed: ``convert_`` applies the decisions).
         config: a ``slimgrad.ConvertConfig`` (reads ``leaky_relu_slope``).
         allowed: ``allowed(module, qualified_name) -> bool`` (``convert_``'s filter_fn).
-        rep: the ``ConvertReport`` to append to.
+        found: the model's structure as the earlier patterns leave it.
+
+    Returns:
+        The decisions: each replacement (built now, sharing the original's state and hooks) at
+        every place that holds the original, or why a BatchNorm or parent stays.
     """
+    out: list[Decision] = []
     slope = float(config.leaky_relu_slope)
-    names = {id(m): n for n, m in model.named_modules()}
-    occ = occurrences(model)
+    names = found.names()
+    occ = found.places()
     # id(bn) -> [(parent name, parent, [call nodes])] over every traced parent that holds it
-    found: dict[int, list] = {}
+    places: dict[int, list] = {}
     untraced: set[int] = set()
-    for pname, parent in list(model.named_modules()):
-        kids = dict(parent.named_children())
+    for parent in found.modules():
+        pname = names[id(parent)]
+        kids: dict[str, nn.Module] = {}  # named_children()'s: a module held twice, once
+        seen: set[int] = set()
+        for n, c in parent._modules.items():
+            if c is not None and id(c) not in seen:
+                seen.add(id(c))
+                kids[n] = found.now(c)
         if not any(type(c) in _BN_TYPES for c in kids.values()):
             continue
         if not any(type(m) is nn.ReLU for m in parent.modules()):
@@ -137,10 +148,10 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
         try:
             graph = _trace(parent)
         except Exception as e:  # fx raises many types on untraceable Python
-            rep.skipped.append(
-                (pname, type(parent).__name__, f"inplace_abn: forward not traceable by torch.fx "
-                 f"({type(e).__name__}); its BatchNorms take the exact path")
-            )  # fmt: skip
+            out.append(Decision(pname, None, None, parent, reason=(
+                f"inplace_abn: forward not traceable by torch.fx ({type(e).__name__}); its "
+                "BatchNorms take the exact path"
+            )))  # fmt: skip
             untraced.update(id(c) for c in kids.values() if type(c) in _BN_TYPES)
             continue
         sites: dict[str, list[torch.fx.Node]] = {}
@@ -149,51 +160,45 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, rep) -> None:
                 sites.setdefault(node.target, []).append(node)
         for bn_name, bn in kids.items():
             if type(bn) in _BN_TYPES:
-                found.setdefault(id(bn), []).append((bn, parent, sites.get(bn_name, [])))
+                places.setdefault(id(bn), []).append((bn, parent, sites.get(bn_name, [])))
     new_relu: dict[int, LeakyReLUAfterABN] = {}
-    swaps: dict[int, nn.Module] = {}
-    for key, places in found.items():
-        bn = places[0][0]
+    for key, where in places.items():
+        bn = where[0][0]
         fqn = names.get(key, "?")
-        checks = [_why_not(p, n) for _, p, nodes in places for n in nodes]
+        checks = [_why_not(p, n) for _, p, nodes in where for n in nodes]
         reasons = {r for r, _ in checks if r is not None}
         if not checks or _NOT_A_PAIR in reasons:
             continue  # e.g. bn3 (``out += identity`` follows): not a BN -> ReLU pair
         relus = {id(m[0]): m[0] for _, m in checks if m is not None}
         if not reasons and len(relus) != 1:
             reasons.add("it is followed by different ReLU modules")
-        if key in untraced or len(places) != len(occ.get(key, [])):
+        if key in untraced or len(where) != len(occ.get(key, [])):
             reasons.add("a parent that holds it was not traced")
-        elif any(not nodes for _, _, nodes in places):
+        elif any(not nodes for _, _, nodes in where):
             reasons.add("a parent that holds it does not call it")
         if not reasons and global_hooks():
             reasons.add("global module hooks are registered (they would see act(BN(x)))")
         if reasons:
             why = "inplace_abn: " + "; ".join(sorted(reasons))
-            rep.skipped.append((fqn, type(bn).__name__, why))
+            out.append(Decision(fqn, None, None, bn, reason=why))
             continue
         (relu,) = relus.values()
-        pools = {_pool_after(p, next(iter(n.users))) for _, p, nodes in places for n in nodes}
+        pools = {_pool_after(p, next(iter(n.users))) for _, p, nodes in where for n in nodes}
         pool = pools.pop() if len(pools) == 1 else None
         pointwise = all(m[1] == "pointwise" for _, m in checks)
         relu_fqn = names.get(id(relu), "?")
         if not (allowed(bn, fqn) and allowed(relu, relu_fqn)):
-            rep.skipped.append((fqn, type(bn).__name__, "filter_fn returned False"))
+            out.append(Decision(fqn, None, None, bn, reason="filter_fn returned False"))
             continue
         if id(relu) not in new_relu:
             new_relu[id(relu)] = LeakyReLUAfterABN.from_torch(relu, slope)
-            swaps[id(relu)] = new_relu[id(relu)]
-            rep.converted.append((relu_fqn, "ReLU", "LeakyReLUAfterABN"))
+            out += found.swap(relu_fqn, relu, new_relu[id(relu)], kind="ReLU")
         cls = RecomputeABN if pool is not None or pointwise else InPlaceABN
         abn = cls.from_torch(bn, activation="leaky_relu", activation_param=slope)
-        swaps[key] = new_relu[id(relu)].pair(abn)
-        rep.converted.append((fqn, f"{type(bn).__name__}+ReLU", cls.__name__))
-        if type(pool) is nn.MaxPool2d and id(pool) not in swaps:
-            swaps[id(pool)] = MaxPool2dRecompute.from_torch(pool)
-            share_hooks(pool, swaps[id(pool)])  # a handle taken before convert_ still removes it
-            rep.converted.append((names.get(id(pool), "?"), "MaxPool2d", "MaxPool2dRecompute"))
-    # every parent holding a swapped instance (shared ReLUs, shared BNs) gets the same new module
-    for parent in list(model.modules()):
-        for n, c in list(parent._modules.items()):
-            if c is not None and id(c) in swaps:
-                parent._modules[n] = swaps[id(c)]
+        paired = new_relu[id(relu)].pair(abn)
+        out += found.swap(fqn, bn, paired, kind=f"{type(bn).__name__}+ReLU", to=cls.__name__)
+        if type(pool) is nn.MaxPool2d and id(pool) not in found.claimed:
+            mp = MaxPool2dRecompute.from_torch(pool)
+            share_hooks(pool, mp)  # a handle taken before convert_ still removes it
+            out += found.swap(names.get(id(pool), "?"), pool, mp, kind="MaxPool2d")
+    return out

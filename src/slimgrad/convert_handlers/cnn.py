@@ -14,6 +14,7 @@ from torch import nn
 
 from slimgrad import ownership
 from slimgrad.convert_handlers.abn import inplace_abn_pattern
+from slimgrad.convert_handlers.decision import Decision, Structure
 from slimgrad.convert_handlers.timm import LayerNorm2d as _LayerNorm2d
 from slimgrad.nn import batch_norm as _bn
 from slimgrad.nn import conv as _conv
@@ -137,7 +138,7 @@ TABLE["torchvision.ops.misc.FrozenBatchNorm2d"] = ("batch_norm", frozen_batch_no
 TABLE["timm.layers.norm_act.FrozenBatchNormAct2d"] = ("batch_norm", frozen_batch_norm)
 
 
-def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
+def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[Decision]:
     """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU/LeakyReLU/ELU/Hardswish
     modules that share a parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's
     ResNet blocks, which call ``self.bn1`` then ``self.relu``) for the ``*AfterNorm`` modules. They
@@ -145,31 +146,35 @@ def bn_act_pattern(model: nn.Module, config, allowed, rep) -> None:
     [Derived saved inputs]). timm's ``BatchNormAct2d`` is a BatchNorm whose own ``act`` child
     follows it (``convert_handlers.timm``): that child is swapped too. Every module keeps its own
     function (slices, hooks, surgery as eager).
-    An instance shared by several call sites (torchvision's one ``relu`` per block) is swapped once.
+    An instance shared by several call sites (torchvision's one ``relu`` per block) is one
+    replacement at all of them.
+
+    Returns the decisions (``convert_`` applies them): each replacement, built now with the
+    original's hooks, or the filter's refusal. ``found`` is the structure as the earlier patterns
+    leave it (a BatchNorm an InPlaceABN pass claimed is no BatchNorm here).
     """
-    names = {id(m): n for n, m in model.named_modules()}
-    for parent in list(model.modules()):
-        kids = list(parent.named_children())
+    out: list[Decision] = []
+    names = found.names()
+    for parent in found.modules():
+        kids = list(parent._modules.items())
         if f"{type(parent).__module__}.{type(parent).__qualname__}" == _TIMM_BN_ACT:
             kids = [(n, c) for n, c in kids if n == "act"]  # BN itself, then drop, then act
-        elif not any(isinstance(c, _BN_TYPES) for _, c in kids):
+        elif not any(isinstance(found.now(c), _BN_TYPES) for _, c in kids if c is not None):
             continue
         for name, child in kids:
+            if child is None or id(child) in found.claimed:
+                continue  # decided by an earlier pattern, or here at another place
             h = _ACT_AFTER_NORM.get(type(child))
             if h is None:
                 continue
             fqn = names.get(id(child), name)
-            if not allowed(child, fqn):
-                rep.skipped.append((fqn, type(child).__name__, "filter_fn returned False"))
+            if not allowed(child, fqn):  # the table pass tells it too, as for any module
+                out.append(Decision(fqn, parent, name, child, reason="filter_fn returned False"))
                 continue
             new = h(child)
             share_hooks(child, new)  # a handle taken before convert_ still removes its hook
-            # every parent that holds this instance gets the same new module
-            for p2 in model.modules():
-                for n2, c2 in list(p2.named_children()):
-                    if c2 is child:
-                        setattr(p2, n2, new)
-            rep.converted.append((fqn, type(child).__name__, type(new).__name__))
+            out += found.swap(fqn, child, new)
+    return out
 
 
 def convert_cnn_(model: nn.Module) -> nn.Module:

@@ -122,7 +122,8 @@ from torch.nn.modules import module as _module
 from slimgrad._autograd import compiling, unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
-from slimgrad.convert_handlers.hf import CodeReason, hf_models, note_refusal
+from slimgrad.convert_handlers.decision import Decision
+from slimgrad.convert_handlers.hf import CodeReason, hf_models
 
 ATTN_NAME = "slimgrad"  # reproduces "sdpa"
 EAGER_NAME = "slimgrad_eager"  # reproduces "eager" (the family's eager_attention_forward)
@@ -1152,6 +1153,20 @@ def _own_configs(model: nn.Module) -> list:
     return copies
 
 
+def _use_now(model: nn.Module) -> None:
+    # the change the analysis found exact: the model's own configs name the slimgrad attention
+    register_attention()
+    for cfg in _own_configs(model):
+        # the dict form sets this config only; each sub-config is in the list itself
+        cfg._attn_implementation = {"": _NAMES[cfg._attn_implementation]}
+
+
+def _no_config(model: nn.Module) -> str | None:
+    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        return "no HF config with an attention implementation"
+    return None
+
+
 def use_slimgrad_attention(model: nn.Module) -> tuple[bool, str]:
     """Give ``model`` its own configs using the slimgrad attention, when that is exact.
 
@@ -1159,27 +1174,40 @@ def use_slimgrad_attention(model: nn.Module) -> tuple[bool, str]:
         ``(True, what converted)`` or ``(False, the reason the model keeps its attention)``.
         See NOTE [HF attention: exact or untouched].
     """
-    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
-        return False, "no HF config with an attention implementation"
+    if (why := _no_config(model)) is not None:
+        return False, why
     routed, reason = _analyse(model)
     if reason is not None or not routed:
         return False, reason or CodeReason("no attention module")
-    register_attention()
-    for cfg in _own_configs(model):
-        # the dict form sets this config only; each sub-config is in the list itself
-        cfg._attn_implementation = {"": _NAMES[cfg._attn_implementation]}
+    _use_now(model)
     return True, ", ".join(routed)
 
 
-def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
-    """``convert_`` pattern (technique ``dropout``): HF models use the slimgrad attention."""
+def _gpt2_rows(m: nn.Module, name: str) -> list[tuple[str, str, str]]:
+    # the slimgrad attention in place, then GPT-2's one-node forwards; their report rows
+    _use_now(m)
+    rows = []
+    for sub in gpt2_attention_forwards_(m):  # NOTE [GPT-2's attention output as one node]
+        full = f"{name}.{sub}" if name and sub else name or sub
+        rows.append((full, "GPT2Attention.forward", "scores op + c_proj + resid_dropout: one node"))
+    return rows
+
+
+def attention_pattern(model: nn.Module, config, allowed, found) -> list[Decision]:
+    """``convert_`` pattern (technique ``dropout``): HF models use the slimgrad attention.
+
+    Returns the decisions, one per outermost HF model: a ``patch`` that gives it its own configs
+    naming the slimgrad attention (and GPT-2's one-node forwards) where the analysis, run once per
+    model, finds that exact; else why not. ``found.targets`` are the device rule's.
+    """
+    out: list[Decision] = []
     for name, m in hf_models(model):
         kind = type(m).__name__
         impls = {getattr(c, "_attn_implementation", None) for c in _configs_in(m)}
         if impls and impls <= set(_NAMES.values()):
             continue  # converted before
         if not allowed(m, name):
-            rep.skipped.append((name, kind, "filter_fn returned False"))
+            out.append(Decision(name, None, None, m, reason="filter_fn returned False"))
             continue
         routed, reason = _analyse(m)
         origin = next(iter(impls), None)
@@ -1188,26 +1216,26 @@ def attention_pattern(model: nn.Module, config, allowed, rep) -> None:
             # no attention at all (e.g. HF ResNet); in a family known to dispatch, a release that
             # stopped dispatching through the AttentionInterface
             why = CodeReason("no module dispatches through HF's AttentionInterface")
-            note_refusal(rep, m, technique, why)
+            out.append(Decision(name, None, None, m, refusal=(technique, why)))
             continue
-        family = "attention_eager" if origin == "eager" else "attention"
-        why = device_rule.refuse(family, getattr(rep, "targets", (("cpu", None),)))
+        why = device_rule.refuse(technique, found.targets)
         if why is not None:
-            rep.skipped.append((name, f"{kind} attention ({origin})", why))
+            kind = f"{kind} attention ({origin})"
+            out.append(Decision(name, None, None, m, kind=kind, reason=why))
             continue
-        ok, what = use_slimgrad_attention(m)
-        if ok:
-            rep.converted.append(
-                (name, f"{kind} attention ({origin})", f"slimgrad attention: {what}")
-            )
-            for sub in gpt2_attention_forwards_(m):  # NOTE [GPT-2's attention output as one node]
-                full = f"{name}.{sub}" if name and sub else name or sub
-                rep.converted.append(
-                    (full, "GPT2Attention.forward", "scores op + c_proj + resid_dropout: one node")
-                )
+        reason = _no_config(m) or reason
+        if reason is None:
+            out.append(Decision(
+                name, None, None, m, kind=f"{kind} attention ({origin})",
+                to=f"slimgrad attention: {', '.join(routed)}",
+                patch=lambda m=m, name=name: _gpt2_rows(m, name),
+            ))  # fmt: skip
         else:
-            rep.skipped.append((name, f"{kind} attention", what))
-            note_refusal(rep, m, technique, what)
+            out.append(Decision(
+                name, None, None, m, kind=f"{kind} attention", reason=reason,
+                refusal=(technique, reason),
+            ))  # fmt: skip
+    return out
 
 
 # NOTE [GPT-2's attention output as one node]

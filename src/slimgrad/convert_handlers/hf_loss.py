@@ -59,7 +59,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules import module as _torch_module
 
 from slimgrad._autograd import compiling
-from slimgrad.convert_handlers.hf import CodeReason, forward_decorators, hf_models, note_refusal
+from slimgrad.convert_handlers.decision import Decision
+from slimgrad.convert_handlers.hf import CodeReason, forward_decorators, hf_models
 from slimgrad.nn._hooks import foreign  # hooks other than slimgrad.memory's observers
 
 __all__ = ["fuse_lm_loss", "lm_loss_pattern"]
@@ -984,23 +985,8 @@ class _FusedLMForward:
         return out_cls(**fields_kw)
 
 
-def fuse_lm_loss(
-    model: nn.Module, fast: bool = False, keep_logits: bool = False
-) -> tuple[bool, str | None]:
-    """Put the fused-loss forward on an HF LM instance where it is exact (NOTE [Fused LM loss by
-    template]).
-
-    Args:
-        model: an HF ``PreTrainedModel`` instance.
-        fast: precompute the head's gradients in forward (``ConvertConfig.fast_loss``).
-        keep_logits: a training forward with labels also returns the (detached) logits
-            (``ConvertConfig.keep_logits``).
-
-    Returns:
-        ``(True, what was done)``; ``(False, why not)`` for an LM whose forward or head is not
-        one the fused loss implements exactly; ``(False, None)`` for a model that is no LM or is
-        already converted.
-    """
+def _fused_loss_reason(model: nn.Module, keep_logits: bool) -> tuple[bool, str | None]:
+    # fuse_lm_loss's decision, changing nothing: (True, what it does) / (False, why not or None)
     if isinstance(model.__dict__.get("forward"), _FusedLMForward):
         return False, None  # already converted
     get_out = getattr(model, "get_output_embeddings", None)
@@ -1023,8 +1009,6 @@ def fuse_lm_loss(
     head, why = _head(model, spec)
     if head is None:
         return False, type(why)(f"{why}; HF's forward kept")  # a CodeReason stays one
-    model._slimgrad_fast_loss = fast
-    model.forward = _FusedLMForward(model, fast, keep_logits)
     extra = {
         None: "",
         "div_config_logits_scaling": " and logits / config.logits_scaling",
@@ -1041,14 +1025,56 @@ def fuse_lm_loss(
     return True, what
 
 
-def lm_loss_pattern(model: nn.Module, config, allowed, rep) -> None:
-    """``convert_`` pattern (technique ``fused_loss``): fused LM-head losses where exact."""
+def _fuse_now(model: nn.Module, fast: bool, keep_logits: bool) -> list:
+    model._slimgrad_fast_loss = fast
+    model.forward = _FusedLMForward(model, fast, keep_logits)
+    return []
+
+
+def fuse_lm_loss(
+    model: nn.Module, fast: bool = False, keep_logits: bool = False
+) -> tuple[bool, str | None]:
+    """Put the fused-loss forward on an HF LM instance where it is exact (NOTE [Fused LM loss by
+    template]).
+
+    Args:
+        model: an HF ``PreTrainedModel`` instance.
+        fast: precompute the head's gradients in forward (``ConvertConfig.fast_loss``).
+        keep_logits: a training forward with labels also returns the (detached) logits
+            (``ConvertConfig.keep_logits``).
+
+    Returns:
+        ``(True, what was done)``; ``(False, why not)`` for an LM whose forward or head is not
+        one the fused loss implements exactly; ``(False, None)`` for a model that is no LM or is
+        already converted.
+    """
+    ok, what = _fused_loss_reason(model, keep_logits)
+    if ok:
+        _fuse_now(model, fast, keep_logits)
+    return ok, what
+
+
+def lm_loss_pattern(model: nn.Module, config, allowed, found) -> list[Decision]:
+    """``convert_`` pattern (technique ``fused_loss``): fused LM-head losses where exact.
+
+    Returns the decisions, one per outermost HF LM: a ``patch`` that puts the fused-loss forward
+    on the instance, or why its forward stays HF's.
+    """
+    out: list[Decision] = []
+    fast, keep = config.fast_loss, config.keep_logits
     for name, m in hf_models(model):
         if not allowed(m, name):
             continue
-        done, what = fuse_lm_loss(m, fast=config.fast_loss, keep_logits=config.keep_logits)
-        if done:
-            rep.converted.append((name, f"{type(m).__name__}.forward", what))
+        ok, what = _fused_loss_reason(m, keep)
+        kind = f"{type(m).__name__}.forward"
+        if ok:
+            out.append(Decision(
+                name, None, None, m, kind=kind, to=what,
+                patch=lambda m=m: _fuse_now(m, fast, keep),
+            ))  # fmt: skip
         elif what is not None:
-            rep.skipped.append((name, f"{type(m).__name__}.forward", f"fused loss: {what}"))
-            note_refusal(rep, m, "fused_loss", what)
+            out.append(Decision(
+                name, None, None, m, kind=kind, reason=f"fused loss: {what}",
+                refusal=("fused_loss", what),
+            ))  # fmt: skip
+    return out
