@@ -764,10 +764,30 @@ def _view_run(name, fn_cls=Double, disabled=False):
     return out, ownership.reuse_count("grad")
 
 
+@pytest.fixture(params=["ext", "python"])
+def view_path(request, monkeypatch):
+    # NOTE [View gradients asked in C++]: term 2b asked by the extension's view_base (counted, so
+    # a case that never reaches it cannot pass for it), or by _view_sig in Python
+    assert ownership.calibrated() and ownership._VIEW_SIG_EXT is not None
+    calls = []
+    if request.param == "python":
+        monkeypatch.setattr(ownership, "_VIEW_SIG_EXT", None)
+    else:
+        real = ownership._VIEW_BASE
+        monkeypatch.setattr(ownership, "_VIEW_BASE", lambda t: calls.append(1) or real(t))
+    monkeypatch.setattr(
+        ownership, "_view_sig", lambda t, f, real=ownership._view_sig: calls.append(0) or real(t, f)
+    )
+    return request.param, calls
+
+
 @pytest.mark.parametrize("name", list(VIEW_GRANTED) + VIEW_REFUSED_UNSAFE + VIEW_REFUSED_SAFE)
-def test_view_gradient_case_bitwise(name):
+def test_view_gradient_case_bitwise(name, view_path):
     ref, n_off = _view_run(name, disabled=True)
+    path, calls = view_path
     got, n_on = _view_run(name)
+    if name in VIEW_GRANTED or calls:  # every view question went the way the fixture chose
+        assert set(calls) == {1 if path == "ext" else 0}, calls
     assert n_off == 0
     _assert_bitwise(got, ref)
     if name in VIEW_GRANTED:
@@ -818,7 +838,7 @@ def test_failed_view_calibration_refuses_views_only(monkeypatch):
 
 
 def test_view_calibration_failure_refuses_views_only(monkeypatch):
-    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_VIEW_SIG"):
+    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_VIEW_SIG", "_VIEW_SIG_EXT"):
         monkeypatch.setattr(ownership, name, getattr(ownership, name))  # restored afterwards
     monkeypatch.setattr(ownership, "_view_sig", lambda t, f: None)  # the view probe fails
     ownership._calibrate()
