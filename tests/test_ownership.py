@@ -768,10 +768,10 @@ def _view_run(name, fn_cls=Double, disabled=False):
 def view_path(request, monkeypatch):
     # NOTE [View gradients asked in C++]: term 2b asked by the extension's view_base (counted, so
     # a case that never reaches it cannot pass for it), or by _view_sig in Python
-    assert ownership.calibrated() and ownership._VIEW_SIG_EXT is not None
+    assert ownership.storage_facts_available() and ownership._view_base_sig() is not None
     calls = []
     if request.param == "python":
-        monkeypatch.setattr(ownership, "_VIEW_SIG_EXT", None)
+        monkeypatch.setattr(ownership, "_VIEW_EXT", [None])
     else:
         real = ownership._VIEW_BASE
         monkeypatch.setattr(ownership, "_VIEW_BASE", lambda t: calls.append(1) or real(t))
@@ -838,7 +838,7 @@ def test_failed_view_calibration_refuses_views_only(monkeypatch):
 
 
 def test_view_calibration_failure_refuses_views_only(monkeypatch):
-    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_VIEW_SIG", "_VIEW_SIG_EXT"):
+    for name in ("_GRAD_REFCOUNT", "_SAVED_SIGS", "_STORAGE_SIG", "_VIEW_SIG"):
         monkeypatch.setattr(ownership, name, getattr(ownership, name))  # restored afterwards
     monkeypatch.setattr(ownership, "_view_sig", lambda t, f: None)  # the view probe fails
     ownership._calibrate()

@@ -242,9 +242,9 @@ _STORAGE_SIG: tuple[int, int | None, int] | None = None
 # else holds: (base refcount, base use count) as _view_sig sees them. Its storage has one use more
 # than a fresh one (the base's TensorImpl): _storage_free(g, 1).
 _VIEW_SIG: tuple[int, int] | None = None
-# The same pair as the extension's view_base reads it (NOTE [View gradients asked in C++]);
-# None: the extension is not loaded, or its calibration failed (then _view_sig asks in Python).
-_VIEW_SIG_EXT: tuple[int, int] | None = None
+# The same pair as the extension's view_base reads it, process-wide, once measured (NOTE [View
+# gradients asked in C++]): [pair], or [None] where its calibration failed (then _view_sig asks).
+_VIEW_EXT: list = []
 
 
 # NOTE [Reference counts and the interpreter]
@@ -570,29 +570,47 @@ def _view_sig(t: torch.Tensor, f):
 
 # NOTE [View gradients asked in C++]
 # Term 2b's questions about a view gradient's base (_view_sig: ``t._base``, then about ten
-# attributes of it, each a Python call) cost 11-13 us per view gradient, and HF GPT-2's LayerNorm
-# backward meets one each call (its consumer reshapes a 2-D gradient). The extension's
-# ``view_base`` asks the same questions in one call (each through the C++ accessor the Python
-# attribute calls; the base's Python object made first, as ``t._base`` makes it) and returns the
-# base's (refcount, use count) as it reads them: its refcount counts its own one reference where
-# _view_sig's counts its local and getrefcount's argument, so the pair it must match is calibrated
-# with the same probes as _VIEW_SIG (a plain base, and one a hook keeps, which must show exactly
-# one more), in the same calibration, after them (_calibrate loads the extension first; a failure
-# of its probes leaves _VIEW_SIG_EXT None and the view questions to _view_sig). grant asks
-# view_base only for a gradient the extension's backward_facts answered (exactly
-# ``torch.Tensor``) and only where _VIEW_SIG is calibrated too; a FakeTensor under the estimate
-# (NOTE [Ownership under fake tensors]) and a process without the extension ask _view_sig. Both
-# give the same answers on every view case of tests/test_ownership.py and
-# tests/test_estimate_views.py (each run both ways).
+# attributes of it, each a Python call) were most of what :func:`grant` cost on a view gradient,
+# and HF GPT-2's LayerNorm backward meets one each call (its consumer reshapes a 2-D gradient).
+# The extension's ``view_base`` asks the same questions in one call (each through the C++
+# accessor the Python attribute calls; the base's Python object made first, as ``t._base`` makes
+# it) and returns the base's (refcount, use count) as it reads them: its refcount counts its own
+# one reference where _view_sig's counts its local and getrefcount's argument, so the pair it
+# must match is measured with _VIEW_SIG's two view probes (a plain base, and one a hook keeps,
+# which must show exactly one more), in each chain, once per process (:func:`_view_base_sig`, at
+# the first view question that gets this far: no Python frame holds the base, so the pair does
+# not depend on the call mode of NOTE [Calibration per call mode]; where the calibration would
+# be disturbed, that question asks _view_sig and the next one measures). grant asks view_base
+# only for a gradient the extension's backward_facts answered (exactly ``torch.Tensor``) and only
+# where _VIEW_SIG is calibrated too; a FakeTensor under the estimate (NOTE [Ownership under fake
+# tensors]), a failed measurement and a process without the extension ask _view_sig. Both give
+# the same answers on every view case of tests/test_ownership.py (run both ways).
 def _view_probe(t):
-    # the view signature the calibration records: _view_sig's, or view_base's while it
-    # calibrates _VIEW_SIG_EXT
+    # the view signature the calibration records: _view_sig's, or view_base's while
+    # _view_base_sig measures
     if _CALIB_EXT[0]:
         return _VIEW_BASE(t)
     return _view_sig(t, None)
 
 
 _CALIB_EXT = [False]
+
+
+def _view_base_sig() -> tuple[int, int] | None:
+    # view_base's pair, measured on the first call that can (NOTE [View gradients asked in C++])
+    if _VIEW_EXT:
+        return _VIEW_EXT[0]
+    if _VIEW_BASE is None or not _calibration_undisturbed():
+        return None  # this question goes to _view_sig
+    with _calib_lock:
+        if not _VIEW_EXT:
+            try:
+                with torch.enable_grad(), _modes_aside():
+                    sig = _calibrate_view_base(torch.arange(1.0, 6.0, requires_grad=True))
+            except Exception:  # any surprise: the view questions stay in Python
+                sig = None
+            _VIEW_EXT.append(sig)
+    return _VIEW_EXT[0]
 
 
 def _dense_whole(t: torch.Tensor, f=None) -> bool:
@@ -866,8 +884,9 @@ def grant(t: torch.Tensor, probe: object, refcount: int | None = None, count: bo
     if f[6]:  # 2b: a view (NOTE [View gradients asked in C++])
         if _VIEW_SIG is None:
             return False
-        if exact and _VIEW_SIG_EXT is not None:
-            if _VIEW_BASE(t) != _VIEW_SIG_EXT:
+        sig = (_VIEW_EXT[0] if _VIEW_EXT else _view_base_sig()) if exact else None
+        if sig is not None:
+            if _VIEW_BASE(t) != sig:
                 return False
         elif _view_sig(t, f) != _VIEW_SIG:
             return False
@@ -1783,11 +1802,10 @@ def _calib_fns(seen: list):
 
 
 def _calibrate() -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _VIEW_SIG_EXT
-    _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = _VIEW_SIG_EXT = None  # until proven
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG
+    _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = None  # until proven
     if refcount_problem() is not None:  # NOTE [Reference counts and the interpreter]
         return
-    _load_facts()  # view_base's pair is calibrated here too (NOTE [View gradients asked in C++])
     try:
         x = torch.arange(1.0, 6.0, requires_grad=True)  # not randn: no global RNG draw
         grad_base: dict = {}
@@ -1867,19 +1885,16 @@ def _calibrate() -> None:
         # failure here refuses views only
         if ok and view_ok and len(view_sigs) == 1:
             _VIEW_SIG = view_sigs.pop()
-            _VIEW_SIG_EXT = _calibrate_view_base(x)
         if ok:
             _GRAD_REFCOUNT, _SAVED_SIGS = grad_base, saved_sigs
     except Exception:  # any surprise: never reuse
-        _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = _VIEW_SIG_EXT = None
+        _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = None
 
 
 def _calibrate_view_base(x) -> tuple[int, int] | None:
     # view_base's pair (NOTE [View gradients asked in C++]): term 2b's two view probes of
     # _calibrate, asked through view_base, in each chain; one pair for all, and the hook's
     # reference to the base must show exactly once. None: the view questions stay in Python.
-    if _VIEW_BASE is None:
-        return None
     sigs = set()
     _CALIB_EXT[0] = True
     try:
@@ -1931,12 +1946,12 @@ _recalibrating = False
 
 
 def _state() -> tuple:
-    return _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _VIEW_SIG_EXT
+    return _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG
 
 
 def _set_state(state: tuple) -> None:
-    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _VIEW_SIG_EXT
-    _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG, _VIEW_SIG_EXT = state
+    global _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG
+    _GRAD_REFCOUNT, _SAVED_SIGS, _VIEW_SIG = state
 
 
 def _calibration_undisturbed() -> bool:
