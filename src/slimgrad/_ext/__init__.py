@@ -27,7 +27,10 @@ question needs first (grad mode, the graph task, functorch, a gradient's Python 
 saved tensor's kept graph: NOTE [One call per backward question] in ownership.py), and
 ``watchers()`` reads the five C++ facts behind ``slimgrad._library.straight`` (dispatch and
 function modes, functorch, TorchScript tracing, the profiler: NOTE [One-call gate] there), each
-what torch's own Python binding returns.
+what torch's own Python binding returns. ``view_base(t)`` asks term 2b's questions about a view
+gradient's base in one call (NOTE [View gradients asked in C++] in ownership.py), and
+``norm_key(weight, bias)`` reads the facts the fallback channels are cached by (NOTE [Fallback
+channels, once per weight version] in slimgrad/_math/norms.py).
 
 The same module has ``call_origin``, for slimgrad.memory's tracker only (never on a converted
 step's path): whether the op being counted was called by C++ code the autograd engine runs, by a
