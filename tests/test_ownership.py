@@ -831,6 +831,23 @@ def test_view_gradient_is_really_a_view_and_is_overwritten():
     assert info["dx"] == info["dy"]
 
 
+def test_view_base_pair_measured_at_the_first_view_question_that_can(monkeypatch):
+    # NOTE [View gradients asked in C++]: a first view question where a calibration would be
+    # disturbed asks _view_sig (the same grants) and measures nothing; the next one measures
+    assert ownership.storage_facts_available()
+    monkeypatch.setattr(ownership, "_VIEW_EXT", [])
+    with monkeypatch.context() as m:
+        m.setattr(ownership, "_calibration_undisturbed", lambda: False)
+        assert _view_run("linear3d")[1] == VIEW_GRANTED["linear3d"]
+        assert ownership._VIEW_EXT == []
+    asked = []
+    real = ownership._VIEW_BASE
+    monkeypatch.setattr(ownership, "_VIEW_BASE", lambda t: asked.append(1) or real(t))
+    assert _view_run("linear3d")[1] == VIEW_GRANTED["linear3d"]
+    assert ownership._VIEW_EXT and ownership._VIEW_EXT[0] is not None
+    assert len(asked) > 1  # the measurement's probes, then the question
+
+
 def test_failed_view_calibration_refuses_views_only(monkeypatch):
     monkeypatch.setattr(ownership, "_VIEW_SIG", None)
     assert _view_run("linear3d")[1] == 0
