@@ -597,7 +597,7 @@ _CALIB_EXT = [False]
 
 
 def _view_base_sig() -> tuple[int, int] | None:
-    # view_base's pair, measured on the first call that can (NOTE [View gradients asked in C++])
+    # view_base's pair, taken at the first call that can (NOTE [View gradients asked in C++])
     if _VIEW_EXT:
         return _VIEW_EXT[0]
     if _VIEW_BASE is None or not _calibration_undisturbed():

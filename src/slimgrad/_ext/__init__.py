@@ -96,7 +96,7 @@ __all__ = [
 ENV_VAR = "SLIMGRAD_NO_EXT"
 NAME = "slimgrad_storage_facts"
 _FAILED = "build-failed.txt"
-_STALE_LOCK_S = 600  # without flock: a lock this old is stale (builds here: 95-130 s, loaded)
+_STALE_LOCK_S = 600  # without flock: a lock this old is stale (several times a full build)
 _GUARD = "slimgrad-build.flock"  # NOTE [A build lock nobody holds]
 SOURCE = Path(__file__).with_name("storage_facts.cpp")
 #: every source the module is built from (NOTE [Backward bodies from C++]: backward.cpp)
@@ -169,7 +169,7 @@ def _sources_in(path: Path) -> list[str]:
 # ``lock``, created exclusively by the builder and deleted when it is done, while every other
 # process polls for it to go away, with no timeout. A build killed mid-way (a CI clone stopped, a
 # worker OOM-killed) never deletes it, and every later process waited forever using no CPU
-# (7 minutes lost in session 22 before a person removed it). A lock's age does not tell a dead
+# until a person removed it. A lock's age does not tell a dead
 # builder from a slow one, and a pid does not name a process across containers sharing the cache.
 # So every slimgrad load takes an exclusive ``flock`` on ``slimgrad-build.flock`` in the same folder
 # for the whole of torch's load (:func:`_build_lock`), and only then lets torch take its baton:
@@ -179,8 +179,8 @@ def _sources_in(path: Path) -> list[str]:
 # loader of these sources takes the flock first): it is removed, with a warning naming it. A
 # loader waits for a live builder as before (on the flock, woken when it ends). Where ``flock``
 # is unavailable (no ``fcntl``: Windows; a file system that refuses it), a lock older than
-# ``_STALE_LOCK_S`` (600 s; a full build took 95-130 s on a 2-core box at load ~10) is taken for
-# stale, checked before torch waits: a younger one is waited on as torch does.
+# ``_STALE_LOCK_S`` (several times a full build) is taken for stale, checked before torch
+# waits: a younger one is waited on as torch does.
 
 
 @contextlib.contextmanager

@@ -92,8 +92,6 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # Both keys are equal exactly when those facts are, so the same calls hit and miss; entries stored
 # under the Python form before the extension loaded miss once and are found again (the same
 # channels). An entry also keeps whether it has any channel, so a hit makes no ``idx.shape``.
-# ``fallback_or_none`` on a LayerNorm(64)'s weight and bias, thread CPU per call (median of 21
-# loops, three alternating runs, load ~14): 1.59-1.64 us before this key, 0.59-0.61 us now.
 _FB_CACHE: dict[int, tuple] = {}
 
 
