@@ -12,6 +12,9 @@ grant (counted with ``ownership.reuse_count``), so the whole rule runs each time
 - ``forward_bottleneck``: the same in a parent with 8 children whose forward fx traced (the
   structure check of NOTE [Forward ownership from stated structure] compares every child);
 - ``backward_grad``: ``take`` on an incoming gradient (NOTE [Gradient-buffer ownership]);
+- ``backward_view_grad``: the same on a gradient that is a whole-storage view of a fresh base
+  (term 2b: a consumer that reshapes its gradient, as HF GPT-2's LayerNorm backward meets; NOTE
+  [View gradients asked in C++]);
 - ``backward_saved``: ``take_saved`` on a saved tensor (the counted mark only: ``take_saved``
   marks ctx consumed, which a loop repeats).
 
@@ -140,7 +143,7 @@ class _Saved(torch.autograd.Function):
         return grad_out * 2
 
 
-def _backward_kind(fn, counter: str) -> tuple[list, int]:
+def _backward_kind(fn, counter: str, view: bool = False) -> tuple[list, int]:
     ratios, granted = [], 0
     for i in range(PAIRS):
         order = ("A", "B") if i % 2 == 0 else ("B", "A")
@@ -151,7 +154,11 @@ def _backward_kind(fn, counter: str) -> tuple[list, int]:
             fn.ns.clear()
             x = torch.randn(64, requires_grad=True)
             ownership.reset_reuse_count()
-            (fn.apply(x * 1.5) * 3).sum().backward()
+            y = fn.apply(x * 1.5)
+            if view:  # its gradient arrives as ViewBackward0's reshape of mul's
+                y = y.view(8, 8)
+            (y * 3).sum().backward()
+            del y
             t[arm] = fn.ns[0]
             if arm == "A":
                 granted = ownership.reuse_count(counter)
@@ -167,6 +174,7 @@ def measure() -> list[dict]:
     neck = _Bottleneck(4)
     kinds["forward_bottleneck"] = lambda: _forward_kind(neck, neck.relu, torch.randn(2, 4, 5, 5))
     kinds["backward_grad"] = lambda: _backward_kind(_Grad, "grad")
+    kinds["backward_view_grad"] = lambda: _backward_kind(_Grad, "grad", view=True)
     kinds["backward_saved"] = lambda: _backward_kind(_Saved, "saved")
     env = environment()
     commit = git_commit()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -171,20 +172,111 @@ def test_ownership_decisions_cost_microseconds(facts):
     assert ownership.storage_facts_available()
 
 
-def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path, monkeypatch):
-    # torch's FileBaton waits forever on a lock a killed build left behind
+def _fake_load(monkeypatch, seen, lock):
+    # torch's load as far as its baton goes: what it finds in the folder when it starts
     from torch.utils import cpp_extension
 
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: seen.append(lock.exists()))
+
+
+def test_a_lock_its_builder_left_is_removed_however_young(tmp_path, monkeypatch):
+    # NOTE [A build lock nobody holds]: torch's FileBaton waits forever on a lock a killed build
+    # left behind; before, one younger than _STALE_LOCK_S was waited on (forever)
     monkeypatch.setenv("SLIMGRAD_CACHE", str(tmp_path))
     seen = []
-    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: seen.append(lock.exists()))
     lock = _ext._build_dir() / "lock"
+    _fake_load(monkeypatch, seen, lock)
+    lock.parent.mkdir(parents=True)
+    lock.touch()  # a builder killed a moment ago
+    with pytest.warns(RuntimeWarning, match="removed the stale build lock .*lock; expected"):
+        _ext._build()
+    assert seen == [False] and not lock.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _ext._build()  # nothing left behind: no warning
+    assert seen == [False, False]
+
+
+def test_a_live_builder_is_waited_for_and_its_lock_removed_once_it_is_killed(tmp_path, monkeypatch):
+    # another process holds the build (slimgrad's flock, then torch's baton) and is killed
+    # mid-build: this process waits while it lives, then goes on without its lock
+    import signal
+    import threading
+
+    monkeypatch.setenv("SLIMGRAD_CACHE", str(tmp_path))
+    path = _ext._build_dir()
+    path.mkdir(parents=True)
+    lock = path / "lock"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import sys, time
+                from pathlib import Path
+                from slimgrad import _ext
+                path = Path(sys.argv[1])
+                with _ext._build_lock(path):
+                    (path / "lock").touch()  # torch's baton, taken and never released
+                    print("building", flush=True)
+                    time.sleep(600)
+                """
+            ),
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    try:
+        assert child.stdout.readline().strip() == "building"
+        seen = []
+        _fake_load(monkeypatch, seen, lock)
+        done = threading.Event()
+        caught = []
+
+        def load():
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                _ext._build()
+            caught.extend(w)
+            done.set()
+
+        th = threading.Thread(target=load, daemon=True)
+        th.start()
+        assert not done.wait(1.0), "went on while the builder lives"
+        assert lock.exists() and seen == []
+        child.send_signal(signal.SIGKILL)  # killed mid-build: its flock goes, its lock stays
+        assert done.wait(60), "still waiting after the builder was killed"
+        assert seen == [False] and not lock.exists()
+        assert [str(w.message).split(";")[0] for w in caught] == [
+            f"slimgrad._ext: removed the stale build lock {lock}"
+        ]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_without_flock_only_an_old_lock_is_stale(tmp_path, monkeypatch):
+    # where flock is unavailable (Windows, a file system that refuses it): the lock's age decides
+    import fcntl
+
+    def refused(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    monkeypatch.setenv("SLIMGRAD_CACHE", str(tmp_path))
+    seen = []
+    lock = _ext._build_dir() / "lock"
+    _fake_load(monkeypatch, seen, lock)
     lock.parent.mkdir(parents=True)
     lock.touch()
-    _ext._build()  # a fresh lock: another process is building; kept
+    _ext._build()  # young: maybe a live builder; left for torch to wait on
     old = lock.stat().st_mtime - _ext._STALE_LOCK_S - 5
     os.utime(lock, (old, old))
-    _ext._build()
+    with pytest.warns(RuntimeWarning, match="removed the stale build lock"):
+        _ext._build()
     assert seen == [True, False]
 
 

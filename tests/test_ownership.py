@@ -764,10 +764,30 @@ def _view_run(name, fn_cls=Double, disabled=False):
     return out, ownership.reuse_count("grad")
 
 
+@pytest.fixture(params=["ext", "python"])
+def view_path(request, monkeypatch):
+    # NOTE [View gradients asked in C++]: term 2b asked by the extension's view_base (counted, so
+    # a case that never reaches it cannot pass for it), or by _view_sig in Python
+    assert ownership.storage_facts_available() and ownership._view_base_sig() is not None
+    calls = []
+    if request.param == "python":
+        monkeypatch.setattr(ownership, "_VIEW_EXT", [None])
+    else:
+        real = ownership._VIEW_BASE
+        monkeypatch.setattr(ownership, "_VIEW_BASE", lambda t: calls.append(1) or real(t))
+    monkeypatch.setattr(
+        ownership, "_view_sig", lambda t, f, real=ownership._view_sig: calls.append(0) or real(t, f)
+    )
+    return request.param, calls
+
+
 @pytest.mark.parametrize("name", list(VIEW_GRANTED) + VIEW_REFUSED_UNSAFE + VIEW_REFUSED_SAFE)
-def test_view_gradient_case_bitwise(name):
+def test_view_gradient_case_bitwise(name, view_path):
     ref, n_off = _view_run(name, disabled=True)
+    path, calls = view_path
     got, n_on = _view_run(name)
+    if name in VIEW_GRANTED or calls:  # every view question went the way the fixture chose
+        assert set(calls) == {1 if path == "ext" else 0}, calls
     assert n_off == 0
     _assert_bitwise(got, ref)
     if name in VIEW_GRANTED:
@@ -809,6 +829,23 @@ def test_view_gradient_is_really_a_view_and_is_overwritten():
     lin2(y).sum().backward()
     assert info["view"] and ownership.reuse_count("grad") == 1
     assert info["dx"] == info["dy"]
+
+
+def test_view_base_pair_measured_at_the_first_view_question_that_can(monkeypatch):
+    # NOTE [View gradients asked in C++]: a first view question where a calibration would be
+    # disturbed asks _view_sig (the same grants) and measures nothing; the next one measures
+    assert ownership.storage_facts_available()
+    monkeypatch.setattr(ownership, "_VIEW_EXT", [])
+    with monkeypatch.context() as m:
+        m.setattr(ownership, "_calibration_undisturbed", lambda: False)
+        assert _view_run("linear3d")[1] == VIEW_GRANTED["linear3d"]
+        assert ownership._VIEW_EXT == []
+    asked = []
+    real = ownership._VIEW_BASE
+    monkeypatch.setattr(ownership, "_VIEW_BASE", lambda t: asked.append(1) or real(t))
+    assert _view_run("linear3d")[1] == VIEW_GRANTED["linear3d"]
+    assert ownership._VIEW_EXT and ownership._VIEW_EXT[0] is not None
+    assert len(asked) > 1  # the measurement's probes, then the question
 
 
 def test_failed_view_calibration_refuses_views_only(monkeypatch):

@@ -242,6 +242,9 @@ _STORAGE_SIG: tuple[int, int | None, int] | None = None
 # else holds: (base refcount, base use count) as _view_sig sees them. Its storage has one use more
 # than a fresh one (the base's TensorImpl): _storage_free(g, 1).
 _VIEW_SIG: tuple[int, int] | None = None
+# The same pair as the extension's view_base reads it, process-wide, once measured (NOTE [View
+# gradients asked in C++]): [pair], or [None] where its calibration failed (then _view_sig asks).
+_VIEW_EXT: list = []
 
 
 # NOTE [Reference counts and the interpreter]
@@ -392,13 +395,14 @@ _PROBE_KEPT.untyped_storage()  # dropped: PyTorch keeps the object alive with th
 _FACTS = None  # the extension's facts function, once loaded
 _PLAIN_FACTS = None  # and its plain_facts
 _BACKWARD_FACTS = None  # and its backward_facts, where the probes' counts were read (_STORAGE_SIG)
+_VIEW_BASE = None  # and its view_base, likewise (NOTE [View gradients asked in C++])
 
 
 def _load_facts() -> bool:
     # Load the extension (building it on first use) and read the probes' counts. Once per process;
     # process-wide (the refcount of a kept-alive storage object is read with C calls only, which
     # the call mode of NOTE [Calibration per call mode] does not change).
-    global _FACTS, _PLAIN_FACTS, _BACKWARD_FACTS, _STORAGE_SIG
+    global _FACTS, _PLAIN_FACTS, _BACKWARD_FACTS, _STORAGE_SIG, _VIEW_BASE
     if _FACTS is not None:
         return _STORAGE_SIG is not None
     mod = _ext.load()  # its own lock; after a failure, returns None at once
@@ -429,6 +433,7 @@ def _load_facts() -> bool:
                 _STORAGE_SIG = None
             _PLAIN_FACTS = mod.plain_facts
             _BACKWARD_FACTS = getattr(mod, "backward_facts", None) if _STORAGE_SIG else None
+            _VIEW_BASE = getattr(mod, "view_base", None) if _STORAGE_SIG else None
             _FACTS = mod.facts
     return _STORAGE_SIG is not None
 
@@ -561,6 +566,51 @@ def _view_sig(t: torch.Tensor, f):
     sig = (sys.getrefcount(base), use)
     del base
     return sig
+
+
+# NOTE [View gradients asked in C++]
+# Term 2b's questions about a view gradient's base (_view_sig: ``t._base``, then about ten
+# attributes of it, each a Python call) were most of what :func:`grant` cost on a view gradient,
+# and HF GPT-2's LayerNorm backward meets one each call (its consumer reshapes a 2-D gradient).
+# The extension's ``view_base`` asks the same questions in one call (each through the C++
+# accessor the Python attribute calls; the base's Python object made first, as ``t._base`` makes
+# it) and returns the base's (refcount, use count) as it reads them: its refcount counts its own
+# one reference where _view_sig's counts its local and getrefcount's argument, so the pair it
+# must match is measured with _VIEW_SIG's two view probes (a plain base, and one a hook keeps,
+# which must show exactly one more), in each chain, once per process (:func:`_view_base_sig`, at
+# the first view question that gets this far: no Python frame holds the base, so the pair does
+# not depend on the call mode of NOTE [Calibration per call mode]; where the calibration would
+# be disturbed, that question asks _view_sig and the next one measures). grant asks view_base
+# only for a gradient the extension's backward_facts answered (exactly ``torch.Tensor``) and only
+# where _VIEW_SIG is calibrated too; a FakeTensor under the estimate (NOTE [Ownership under fake
+# tensors]), a failed measurement and a process without the extension ask _view_sig. Both give
+# the same answers on every view case of tests/test_ownership.py (run both ways).
+def _view_probe(t):
+    # the view signature the calibration records: _view_sig's, or view_base's while
+    # _view_base_sig measures
+    if _CALIB_EXT[0]:
+        return _VIEW_BASE(t)
+    return _view_sig(t, None)
+
+
+_CALIB_EXT = [False]
+
+
+def _view_base_sig() -> tuple[int, int] | None:
+    # view_base's pair, taken at the first call that can (NOTE [View gradients asked in C++])
+    if _VIEW_EXT:
+        return _VIEW_EXT[0]
+    if _VIEW_BASE is None or not _calibration_undisturbed():
+        return None  # this question goes to _view_sig
+    with _calib_lock:
+        if not _VIEW_EXT:
+            try:
+                with torch.enable_grad(), _modes_aside():
+                    sig = _calibrate_view_base(torch.arange(1.0, 6.0, requires_grad=True))
+            except Exception:  # any surprise: the view questions stay in Python
+                sig = None
+            _VIEW_EXT.append(sig)
+    return _VIEW_EXT[0]
 
 
 def _dense_whole(t: torch.Tensor, f=None) -> bool:
@@ -820,6 +870,7 @@ def grant(t: torch.Tensor, probe: object, refcount: int | None = None, count: bo
         return False
     fast = _BACKWARD_FACTS if _STORAGE_SIG is not None else None
     f = None if fast is None else fast(t, 0)
+    exact = f is not None  # backward_facts answered: t is exactly torch.Tensor
     if f is None:
         if fast is not None and type(t) is torch.Tensor:
             return False  # a per-call term or a plain fact refused
@@ -830,8 +881,18 @@ def grant(t: torch.Tensor, probe: object, refcount: int | None = None, count: bo
         f = _plain_facts(t, 0)
     if f is None or f[0] != base[1] or f[4] != 1:  # terms 4-5; 1; 7
         return False
-    if f[6]:  # 2b: a view
-        if not (_VIEW_SIG is not None and _view_sig(t, f) == _VIEW_SIG and _storage_free(t, 1, f)):
+    if f[6]:  # 2b: a view (NOTE [View gradients asked in C++])
+        if _VIEW_SIG is None:
+            return False
+        sig = (_VIEW_EXT[0] if _VIEW_EXT else _view_base_sig()) if exact else None
+        if sig is not None:
+            if _VIEW_BASE(t) != sig:
+                return False
+        elif _view_sig(t, f) != _VIEW_SIG:
+            return False
+        use, _, weak = _STORAGE_SIG
+        # the base's TensorImpl is the one more use (the common case first: _storage_free's own)
+        if not ((f[1] == use + 1 and f[2] == weak) or _storage_free(t, 1, f)):
             return False
     else:
         use, _, weak = _STORAGE_SIG
@@ -1685,7 +1746,7 @@ def _calib_fns(seen: list):
             seen.append(("grad", _probe(grad_out)))
             seen.append(("stack", (grad_out, _probe(grad_out))[1][0]))  # grad_out on the stack
             if grad_out._is_view():
-                seen.append(("view", _view_sig(grad_out, None)))
+                seen.append(("view", _view_probe(grad_out)))
             return grad_out * 2
 
     class GradOnce(Grad):
@@ -1695,7 +1756,7 @@ def _calib_fns(seen: list):
             seen.append(("grad", _probe(grad_out)))
             seen.append(("stack", (grad_out, _probe(grad_out))[1][0]))  # grad_out on the stack
             if grad_out._is_view():
-                seen.append(("view", _view_sig(grad_out, None)))
+                seen.append(("view", _view_probe(grad_out)))
             return grad_out * 2
 
     class Saved(torch.autograd.Function):
@@ -1726,7 +1787,7 @@ def _calib_fns(seen: list):
             seen.append(("grad", _probe(grad_out)))
             seen.append(("stack", (grad_out, _probe(grad_out))[1][0]))  # grad_out on the stack
             if grad_out._is_view():
-                seen.append(("view", _view_sig(grad_out, None)))
+                seen.append(("view", _view_probe(grad_out)))
             return grad_out * 2
 
     class SavedFirst(Saved):
@@ -1828,6 +1889,30 @@ def _calibrate() -> None:
             _GRAD_REFCOUNT, _SAVED_SIGS = grad_base, saved_sigs
     except Exception:  # any surprise: never reuse
         _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = None
+
+
+def _calibrate_view_base(x) -> tuple[int, int] | None:
+    # view_base's pair (NOTE [View gradients asked in C++]): term 2b's two view probes of
+    # _calibrate, asked through view_base, in each chain; one pair for all, and the hook's
+    # reference to the base must show exactly once. None: the view questions stay in Python.
+    sigs = set()
+    _CALIB_EXT[0] = True
+    try:
+        for grad_fn in _calib_fns(seen := [])[0]:
+            seen.clear()
+            kept = []
+            (grad_fn.apply(x).view(1, 5) * 3).sum().backward()
+            v = grad_fn.apply(x).view(1, 5)
+            v.register_hook(lambda g, kept=kept: kept.append(g))
+            (v * 3).sum().backward()
+            del v
+            vs = [p for k, p in seen if k == "view"]
+            if len(vs) != 2 or vs[0] is None or vs[1] is None or vs[1][0] != vs[0][0] + 1:
+                return None
+            sigs.add(vs[0])
+    finally:
+        _CALIB_EXT[0] = False
+    return sigs.pop() if len(sigs) == 1 else None
 
 
 # NOTE [Calibration per call mode]

@@ -27,7 +27,10 @@ question needs first (grad mode, the graph task, functorch, a gradient's Python 
 saved tensor's kept graph: NOTE [One call per backward question] in ownership.py), and
 ``watchers()`` reads the five C++ facts behind ``slimgrad._library.straight`` (dispatch and
 function modes, functorch, TorchScript tracing, the profiler: NOTE [One-call gate] there), each
-what torch's own Python binding returns.
+what torch's own Python binding returns. ``view_base(t)`` asks term 2b's questions about a view
+gradient's base in one call (NOTE [View gradients asked in C++] in ownership.py), and
+``norm_key(weight, bias)`` reads the facts the fallback channels are cached by (NOTE [Fallback
+channels, once per weight version] in slimgrad/_math/norms.py).
 
 The same module has ``call_origin``, for slimgrad.memory's tracker only (never on a converted
 step's path): whether the op being counted was called by C++ code the autograd engine runs, by a
@@ -56,7 +59,8 @@ extension the Python bodies run (the same bits); ``tests/test_ext_backward.py`` 
 The sources are compiled with ``torch.utils.cpp_extension.load`` against the headers of the torch
 that runs, on first use (never at ``import slimgrad``), and cached in ``$SLIMGRAD_CACHE/ext`` (else
 ``~/.cache/slimgrad/ext``), one directory per torch version, Python version and source hash
-(torch's file lock there serialises concurrent builds, e.g. pytest-xdist workers). Without a C++
+(torch's file lock there serialises concurrent builds, e.g. pytest-xdist workers; NOTE [A build
+lock nobody holds] for the one a killed build leaves behind). Without a C++
 compiler, or if the build or the import fails, :func:`load` returns None and :func:`error` says
 why; ownership then grants no reuse (the out-of-place path: same results, a few more transient
 bytes) and ``slimgrad env`` shows the reason. ``SLIMGRAD_NO_EXT=1`` skips the build.
@@ -64,6 +68,7 @@ bytes) and ``slimgrad env`` shows the reason. ``SLIMGRAD_NO_EXT=1`` skips the bu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -91,7 +96,8 @@ __all__ = [
 ENV_VAR = "SLIMGRAD_NO_EXT"
 NAME = "slimgrad_storage_facts"
 _FAILED = "build-failed.txt"
-_STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old belongs to no one
+_STALE_LOCK_S = 600  # without flock: a lock this old is stale (several times a full build)
+_GUARD = "slimgrad-build.flock"  # NOTE [A build lock nobody holds]
 SOURCE = Path(__file__).with_name("storage_facts.cpp")
 #: every source the module is built from (NOTE [Backward bodies from C++]: backward.cpp)
 SOURCES = (SOURCE, Path(__file__).with_name("backward.cpp"))
@@ -158,6 +164,62 @@ def _sources_in(path: Path) -> list[str]:
     return out
 
 
+# NOTE [A build lock nobody holds]
+# torch's ``cpp_extension.load`` serialises builds in one folder with a FileBaton: the file
+# ``lock``, created exclusively by the builder and deleted when it is done, while every other
+# process polls for it to go away, with no timeout. A build killed mid-way (a CI clone stopped, a
+# worker OOM-killed) never deletes it, and every later process waited forever using no CPU
+# until a person removed it. A lock's age does not tell a dead
+# builder from a slow one, and a pid does not name a process across containers sharing the cache.
+# So every slimgrad load takes an exclusive ``flock`` on ``slimgrad-build.flock`` in the same folder
+# for the whole of torch's load (:func:`_build_lock`), and only then lets torch take its baton:
+# the kernel releases a flock when its process ends, however it ends. A process that gets the
+# flock is then the only slimgrad loader of that folder, so a ``lock`` it finds was left by a
+# builder that ended without releasing it (the folder is named by the sources' bytes, and every
+# loader of these sources takes the flock first): it is removed, with a warning naming it. A
+# loader waits for a live builder as before (on the flock, woken when it ends). Where ``flock``
+# is unavailable (no ``fcntl``: Windows; a file system that refuses it), a lock older than
+# ``_STALE_LOCK_S`` (several times a full build) is taken for stale, checked before torch
+# waits: a younger one is waited on as torch does.
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    lock = path / "lock"
+    fd = None
+    try:
+        import fcntl
+
+        fd = os.open(path / _GUARD, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process loads or builds here
+    except (ImportError, OSError):
+        if fd is not None:
+            os.close(fd)
+            fd = None
+    try:
+        if fd is not None:
+            stale = lock.exists()
+        else:
+            try:
+                stale = time.time() - lock.stat().st_mtime > _STALE_LOCK_S
+            except OSError:
+                stale = False
+        if stale:
+            lock.unlink(missing_ok=True)
+            warnings.warn(
+                f"slimgrad._ext: removed the stale build lock {lock}; expected no lock while no "
+                "process builds the C++ extension, got one left by a build that ended without "
+                "releasing it (a killed process). Nothing to do: the build goes on; if it "
+                "recurs, look for processes killed while building.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+
 def _build():
     # torch logs notes about CUDA_HOME and the compiler's ABI: not ours to report
     log = logging.getLogger("torch.utils.cpp_extension")
@@ -168,22 +230,17 @@ def _build():
 
         path = _build_dir()
         path.mkdir(parents=True, exist_ok=True)
-        lock = path / "lock"  # torch's FileBaton: left behind by a killed build, it blocks forever
-        try:
-            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-                lock.unlink(missing_ok=True)
-        except OSError:
-            pass
-        sources = _sources_in(path)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return cpp_extension.load(
-                NAME,
-                sources,
-                extra_cflags=["-O2"],
-                build_directory=str(path),
-                verbose=False,
-            )
+        with _build_lock(path):  # NOTE [A build lock nobody holds]
+            sources = _sources_in(path)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cpp_extension.load(
+                    NAME,
+                    sources,
+                    extra_cflags=["-O2"],
+                    build_directory=str(path),
+                    verbose=False,
+                )
     finally:
         log.setLevel(level)
 

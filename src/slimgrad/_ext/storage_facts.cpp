@@ -17,6 +17,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <cstdint>
+#include <vector>
 
 long slimgrad_watcher_mask();
 extern PyMethodDef slimgrad_backward_methods[];  // backward.cpp
@@ -190,6 +191,30 @@ PyObject* watchers(PyObject* /*self*/, PyObject* /*unused*/) {
   return PyLong_FromLong(mask);
 }
 
+// Whether ``obj`` has a Python weak reference (``_weakref.getweakrefcount(obj) != 0``, what
+// weakref's is): 1 yes, 0 no, -1 with a Python error set.
+int has_weakrefs(PyObject* obj) {
+  static PyObject* weakcount = nullptr;  // _weakref.getweakrefcount
+  if (weakcount == nullptr) {
+    PyObject* mod = PyImport_ImportModule("_weakref");
+    if (mod == nullptr) {
+      return -1;
+    }
+    weakcount = PyObject_GetAttrString(mod, "getweakrefcount");
+    Py_DECREF(mod);
+    if (weakcount == nullptr) {
+      return -1;
+    }
+  }
+  PyObject* n = PyObject_CallOneArg(weakcount, obj);
+  if (n == nullptr) {
+    return -1;
+  }
+  const int truth = PyObject_IsTrue(n);
+  Py_DECREF(n);
+  return truth;
+}
+
 // ``plain_facts(t, kind)`` for a backward's question (kind 0: an incoming gradient, 1: a saved
 // tensor), or None where a per-call term of NOTE [Gradient-buffer ownership] refuses first:
 // grad mode on (torch.is_grad_enabled()), not inside the autograd engine
@@ -214,32 +239,151 @@ PyObject* backward_facts(PyObject* /*self*/, PyObject* args) {
     return nullptr;
   }
   if (kind == 0) {
-    static PyObject* weakcount = nullptr;  // _weakref.getweakrefcount, what weakref's is
-    if (weakcount == nullptr) {
-      PyObject* mod = PyImport_ImportModule("_weakref");
-      if (mod == nullptr) {
-        return nullptr;
-      }
-      weakcount = PyObject_GetAttrString(mod, "getweakrefcount");
-      Py_DECREF(mod);
-      if (weakcount == nullptr) {
-        return nullptr;
-      }
-    }
-    PyObject* n = PyObject_CallOneArg(weakcount, arg);
-    if (n == nullptr) {
-      return nullptr;
-    }
-    const int truth = PyObject_IsTrue(n);
-    Py_DECREF(n);
-    if (truth != 0) {
-      if (truth < 0) {
+    const int weak = has_weakrefs(arg);
+    if (weak != 0) {
+      if (weak < 0) {
         return nullptr;
       }
       Py_RETURN_NONE;
     }
   }
   return plain_facts_of(arg, kind);
+}
+
+// ``view_base(t)``: for a gradient ``t`` that is a view (backward_facts' last fact), the
+// (refcount, use count) of its base that slimgrad.ownership compares with the calibrated pair
+// (term 2b of NOTE [Gradient-buffer ownership]), or None where the base is not a plain strided
+// ``torch.Tensor`` without autograd state sharing ``t``'s StorageImpl: the questions
+// ``ownership._view_sig`` asks in Python, in one call. As there, the base's Python object is made
+// first (what ``t._base`` does: THPVariable_Wrap; PyTorch keeps it with the base, it holds no
+// use of it), then: exactly ``torch.Tensor``; not a view; not ``requires_grad``, no ``.grad``,
+// no ``grad_fn``; strided, not nested, on ``t``'s device; no Python weak reference; not a
+// functorch wrapper (``torch._C._functorch.is_functorch_wrapped_tensor``: a grad wrapper or a
+// batched tensor); has storage, the same StorageImpl as ``t``. The refcount is the base object's
+// while this call holds the one reference it took (ownership calibrates it with this function).
+PyObject* view_base(PyObject* /*self*/, PyObject* arg) {
+  if (!THPVariable_CheckExact(arg)) {
+    Py_RETURN_NONE;
+  }
+  PyObject* obj = nullptr;
+  try {
+    const at::Tensor& t = THPVariable_Unpack(arg);
+    if (!t.defined() || !t.is_view()) {
+      Py_RETURN_NONE;
+    }
+    const at::TensorBase& base = t._base();
+    obj = THPVariable_Wrap(base);  // new reference
+    if (obj == nullptr) {
+      return nullptr;
+    }
+    bool ok = THPVariable_CheckExact(obj) && !base.is_view() && !base.requires_grad() &&
+        !base.unsafeGetTensorImpl()->grad().defined() && base.grad_fn() == nullptr &&
+        base.layout() == c10::kStrided && !base.is_nested() && base.device() == t.device();
+    if (ok) {
+      const int weak = has_weakrefs(obj);
+      if (weak < 0) {
+        Py_DECREF(obj);
+        return nullptr;
+      }
+      ok = weak == 0;
+    }
+    if (ok) {
+      const c10::DispatchKeySet ks = base.key_set();
+      ok = !ks.has(c10::DispatchKey::FuncTorchGradWrapper) &&
+          !ks.has(c10::DispatchKey::FuncTorchBatched) && base.has_storage() &&
+          t.has_storage() &&
+          base.storage().unsafeGetStorageImpl() == t.storage().unsafeGetStorageImpl() &&
+          base.storage().unsafeGetStorageImpl() != nullptr;
+    }
+    if (!ok) {
+      Py_DECREF(obj);
+      Py_RETURN_NONE;
+    }
+    PyObject* out = Py_BuildValue(
+        "(nK)", Py_REFCNT(obj), static_cast<unsigned long long>(base.use_count()));
+    Py_DECREF(obj);
+    return out;
+  } catch (const std::exception& e) {
+    Py_XDECREF(obj);
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// One parameter's part of ``norm_key`` (a new reference, nullptr with a Python error set): None,
+// or a tuple of its version, data pointer, dtype, device type and index, dimension count, sizes and
+// strides.
+PyObject* param_key(PyObject* arg) {
+  if (arg == Py_None) {
+    Py_RETURN_NONE;
+  }
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  std::vector<long long> v;
+  v.reserve(6 + 2 * static_cast<size_t>(t.dim()));
+  v.push_back(static_cast<long long>(t._version()));  // raises for an inference tensor
+  v.push_back(static_cast<long long>(reinterpret_cast<intptr_t>(t.const_data_ptr())));
+  v.push_back(static_cast<long long>(t.scalar_type()));
+  v.push_back(static_cast<long long>(t.device().type()));
+  v.push_back(static_cast<long long>(t.device().index()));
+  v.push_back(static_cast<long long>(t.dim()));
+  for (const auto s : t.sizes()) {
+    v.push_back(static_cast<long long>(s));
+  }
+  for (const auto s : t.strides()) {
+    v.push_back(static_cast<long long>(s));
+  }
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(v.size()));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < v.size(); ++i) {
+    PyObject* n = PyLong_FromLongLong(v[i]);
+    if (n == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), n);  // steals n
+  }
+  return out;
+}
+
+// ``norm_key(weight, bias)``: what slimgrad._math.norms keys its fallback channels by (NOTE
+// [Fallback channels, once per weight version] there), in one call: ``(weight part, bias part)``,
+// each None (for None) or a tuple of the tensor's ``_version``, ``data_ptr()``, dtype, device,
+// dimension count, ``shape`` and ``stride()`` as ints, so two keys are equal iff every one of those
+// facts is (the first int is the version, as in the Python key). A RuntimeError where torch's own
+// accessor raises (an inference tensor's ``_version``), as in Python.
+PyObject* norm_key(PyObject* /*self*/, PyObject* args) {
+  PyObject* w = nullptr;
+  PyObject* b = nullptr;
+  if (!PyArg_ParseTuple(args, "OO", &w, &b)) {
+    return nullptr;
+  }
+  if ((w != Py_None && !THPVariable_Check(w)) || (b != Py_None && !THPVariable_Check(b))) {
+    PyErr_SetString(PyExc_TypeError, "slimgrad._ext.storage_facts.norm_key: expected Tensors");
+    return nullptr;
+  }
+  PyObject* wk = nullptr;
+  PyObject* bk = nullptr;
+  try {
+    wk = param_key(w);
+    if (wk == nullptr) {
+      return nullptr;
+    }
+    bk = param_key(b);
+    if (bk == nullptr) {
+      Py_DECREF(wk);
+      return nullptr;
+    }
+  } catch (const std::exception& e) {
+    Py_XDECREF(wk);
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  PyObject* out = PyTuple_Pack(2, wk, bk);
+  Py_DECREF(wk);
+  Py_DECREF(bk);
+  return out;
 }
 
 // Who called the op slimgrad.memory's tracker is counting (NOTE [How live bytes are counted] in
@@ -307,6 +451,10 @@ PyMethodDef methods[] = {
      "Who watches eager PyTorch: a bit mask, 0 for nobody (slimgrad._library.straight)."},
     {"backward_facts", backward_facts, METH_VARARGS,
      "plain_facts behind a backward's per-call terms, else None (slimgrad.ownership)."},
+    {"view_base", view_base, METH_O,
+     "(refcount, use count) of a view gradient's plain base, else None (slimgrad.ownership)."},
+    {"norm_key", norm_key, METH_VARARGS,
+     "The fallback channels' key of a norm's weight and bias (slimgrad._math.norms)."},
     {"call_origin", call_origin, METH_VARARGS,
      "Who called the op being counted: 0 Python, 1 the engine, 2 a Function's backward "
      "(slimgrad.memory)."},

@@ -18,6 +18,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from slimgrad import _ext
 from slimgrad._autograd import compiling
 from slimgrad._math import steps
 from slimgrad._math.steps import epoch
@@ -82,7 +83,41 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # channels are fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as
 # autograd's own in-place checks would need too. Inference-mode, fake and subclass tensors, and
 # code being compiled, take no cache.
+#
+# The key's parameter facts are read by :func:`_norm_key`: in Python, six attribute reads per
+# tensor; once slimgrad's C++ extension is loaded (``_ext.when_loaded``: never built for this),
+# by its ``norm_key`` in one call, the same facts as ints (version, data pointer, dtype, device,
+# dims, sizes, strides). The data pointer, shape, strides and dtype stay in the key because
+# ``p.data = ...`` (``Module.to``, a user's swap) changes them and leaves ``_version`` as it was.
+# Both keys are equal exactly when those facts are, so the same calls hit and miss; entries stored
+# under the Python form before the extension loaded miss once and are found again (the same
+# channels). An entry also keeps whether it has any channel, so a hit makes no ``idx.shape``.
 _FB_CACHE: dict[int, tuple] = {}
+
+
+def _py_norm_key(weight, bias):
+    # (weight part, bias part): None, or (version, data_ptr, dtype, shape, stride, device)
+    w_key = b_key = None
+    if weight is not None:
+        w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
+        w_key += (weight.stride(), weight.device)
+    if bias is not None:
+        b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
+        b_key += (bias.device,)
+    return w_key, b_key
+
+
+_norm_key = _py_norm_key  # the extension's norm_key once it is loaded (_use_ext_key)
+
+
+def _use_ext_key(mod) -> None:
+    global _norm_key
+    fn = getattr(mod, "norm_key", None)
+    if fn is not None:
+        _norm_key = fn
+
+
+_ext.when_loaded(_use_ext_key)
 
 
 def _key(t: torch.Tensor | None):
@@ -122,20 +157,14 @@ def fallback_channels(
     if type(ref) not in _PLAIN and torch._subclasses.fake_tensor.is_fake(ref):
         # Fake weights have no values (slimgrad.memory.estimate): assume no fallback channel.
         return torch.empty(0, dtype=torch.int64, device=ref.device)
-    # _cacheable and _key for both, inline (every norm call comes here); an inference tensor has
-    # no version counter: reading _version raises for it (no is_inference() call per norm)
-    w_key = b_key = None
+    # _cacheable and the key for both; an inference tensor has no version counter: reading
+    # _version raises for it (no is_inference() call per norm)
+    if (weight is not None and type(weight) not in _PLAIN) or (
+        bias is not None and type(bias) not in _PLAIN
+    ):
+        return _find_scaled(weight, bias, out_dtype, gamma_of)
     try:
-        if weight is not None:
-            if type(weight) not in _PLAIN:
-                return _find_scaled(weight, bias, out_dtype, gamma_of)
-            w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
-            w_key += (weight.stride(), weight.device)
-        if bias is not None:
-            if type(bias) not in _PLAIN:
-                return _find_scaled(weight, bias, out_dtype, gamma_of)
-            b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
-            b_key += (bias.device,)
+        w_key, b_key = _norm_key(weight, bias)
     except RuntimeError:  # "Inference tensors do not track version counter"
         return _find_scaled(weight, bias, out_dtype, gamma_of)
     if compiling():  # NOTE [One-frame compile check] in slimgrad/_autograd.py
@@ -167,20 +196,14 @@ def fallback_or_none(
     plain tensors: no compile or fake check), or None where there is no fallback channel (the
     common case: nothing to allocate or save). ``gamma_of``: the channels are those of the scale
     ``gamma_of(weight)`` (an HF RMSNorm's ``1 + w``, ...), cached per version of ``weight``."""
+    if weight is not None:
+        ref = weight
+    elif bias is not None:
+        ref = bias
+    else:
+        return None
     try:  # an inference tensor has no version counter: reading _version raises
-        if weight is not None:
-            w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
-            w_key += (weight.stride(), weight.device)
-            ref = weight
-        else:
-            w_key = None
-            if bias is None:
-                return None
-            ref = bias
-        b_key = None
-        if bias is not None:
-            b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
-            b_key += (bias.device,)
+        w_key, b_key = _norm_key(weight, bias)
     except RuntimeError:  # "Inference tensors do not track version counter"
         idx = _find_scaled(weight, bias, out_dtype, gamma_of)
         return idx if idx.shape[0] else None
@@ -194,8 +217,7 @@ def fallback_or_none(
     if hit is None or hit[0]() is not ref or hit[1] != key:
         idx = _find_scaled(weight, bias, out_dtype, gamma_of)
         hit = _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of)
-    idx = hit[2]
-    return idx.clone() if idx.shape[0] else None  # a tensor of the caller's own
+    return hit[2].clone() if hit[4] else None  # a tensor of the caller's own
 
 
 def _find_scaled(weight, bias, out_dtype, gamma_of):
@@ -242,7 +264,8 @@ _RENEW_HOOKED = [False]
 
 
 def _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of):
-    # a cache entry: (weakref to ref, key, idx, how to renew it at an optimizer step)
+    # a cache entry: (weakref to ref, key, idx, how to renew it at an optimizer step, whether idx
+    # has any channel: read per call without making idx's shape)
     wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
     how = (
         None if weight is None else weakref.ref(weight),
@@ -250,17 +273,12 @@ def _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of):
         out_dtype,
         gamma_of,
     )
-    entry = _FB_CACHE[slot] = (wref, key, idx, how)
+    entry = _FB_CACHE[slot] = (wref, key, idx, how, idx.shape[0] > 0)
     if not _RENEW_HOOKED[0]:
         epoch()  # the counter's hook first: the renewal reads the count after the step
         register_optimizer_step_post_hook(_renew)
         _RENEW_HOOKED[0] = True
     return entry
-
-
-def _param_key(t):
-    # (weight or bias) key of fallback_channels / fallback_or_none
-    return (t._version, t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
 def _renew(optimizer=None, args=None, kwargs=None) -> None:
@@ -279,7 +297,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
     kinds: dict = {}
     count = steps._count[0]
     for slot, entry in list(_FB_CACHE.items()):
-        wref, _, _, (ww, bw, out_dtype, gamma_of) = entry
+        wref, _, _, (ww, bw, out_dtype, gamma_of), _ = entry
         ref = wref()
         weight = ww() if ww is not None else None
         bias = bw() if bw is not None else None
@@ -288,8 +306,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         if stepped is not None and id(weight) not in stepped and id(bias) not in stepped:
             continue  # not this optimizer's: its next forward renews it itself if it changed
         try:
-            w_key = None if weight is None else _param_key(weight)
-            b_key = None if bias is None else _param_key(bias)
+            w_key, b_key = _norm_key(weight, bias)
         except RuntimeError:  # an inference tensor (not cached in the first place)
             continue
         key = (w_key, b_key, out_dtype, count)
@@ -345,7 +362,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             else:
                 idx = hits[a:j] - start
             if _FB_CACHE.get(slot) is entry:
-                _FB_CACHE[slot] = (entry[0], key, idx, entry[3])
+                _FB_CACHE[slot] = (entry[0], key, idx, entry[3], a != j)
             start = end
 
 
