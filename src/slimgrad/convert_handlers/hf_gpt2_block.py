@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _module
 
 from slimgrad._autograd import compiling
+from slimgrad.nn._hooks import foreign
 
 __all__ = ["GPT2BlockForward", "gpt2_block_forwards_"]
 
@@ -41,6 +42,21 @@ _ARGS = (
     "encoder_attention_mask",
     "use_cache",
 )
+
+
+def _watched(m) -> bool:
+    # a backward hook, or a forward hook that is not slimgrad's own
+    return bool(m._backward_hooks or m._backward_pre_hooks) or foreign(
+        m._forward_hooks
+    ) or foreign(m._forward_pre_hooks)
+
+
+def _global_watched() -> bool:
+    return (
+        bool(_module._global_backward_hooks or _module._global_backward_pre_hooks)
+        or foreign(_module._global_forward_hooks)
+        or foreign(_module._global_forward_pre_hooks)
+    )
 
 
 class GPT2BlockForward:
@@ -74,32 +90,40 @@ class GPT2BlockForward:
             and attn._compiled_call_impl is None
             and ln_2._compiled_call_impl is None
             and mlp._compiled_call_impl is None
+            and "forward" not in ln_1.__dict__
+            and "forward" not in ln_2.__dict__
+            and "forward" not in mlp.__dict__
+            # a hook of their own or a global module hook (slimgrad's observers, such as
+            # slimgrad.memory's, do not count: NOTE [Forward hooks on an output-saving module])
             and not (
-                _module._global_forward_hooks
-                or _module._global_forward_pre_hooks
-                or _module._global_backward_hooks
-                or _module._global_backward_pre_hooks
+                (
+                    ln_1._forward_hooks
+                    or ln_1._forward_pre_hooks
+                    or ln_1._backward_hooks
+                    or ln_1._backward_pre_hooks
+                    or attn._forward_hooks
+                    or attn._forward_pre_hooks
+                    or attn._backward_hooks
+                    or attn._backward_pre_hooks
+                    or ln_2._forward_hooks
+                    or ln_2._forward_pre_hooks
+                    or ln_2._backward_hooks
+                    or ln_2._backward_pre_hooks
+                    or mlp._forward_hooks
+                    or mlp._forward_pre_hooks
+                    or mlp._backward_hooks
+                    or mlp._backward_pre_hooks
+                )
+                and (_watched(ln_1) or _watched(attn) or _watched(ln_2) or _watched(mlp))
             )
             and not (
-                ln_1._forward_hooks
-                or ln_1._forward_pre_hooks
-                or ln_1._backward_hooks
-                or ln_1._backward_pre_hooks
-                or attn._forward_hooks
-                or attn._forward_pre_hooks
-                or attn._backward_hooks
-                or attn._backward_pre_hooks
-                or ln_2._forward_hooks
-                or ln_2._forward_pre_hooks
-                or ln_2._backward_hooks
-                or ln_2._backward_pre_hooks
-                or mlp._forward_hooks
-                or mlp._forward_pre_hooks
-                or mlp._backward_hooks
-                or mlp._backward_pre_hooks
-                or "forward" in ln_1.__dict__
-                or "forward" in ln_2.__dict__
-                or "forward" in mlp.__dict__
+                (
+                    _module._global_forward_hooks
+                    or _module._global_forward_pre_hooks
+                    or _module._global_backward_hooks
+                    or _module._global_backward_pre_hooks
+                )
+                and _global_watched()
             )
         ):
             return type(m).forward(m, *args, **kwargs)
@@ -132,13 +156,16 @@ class GPT2BlockForward:
             lw, lb, w, b = lp.get("weight"), lp.get("bias"), cp.get("weight"), cp.get("bias")
             if (
                 type(c_attn).forward is conv1d_forward
+                and "forward" not in c_attn.__dict__
+                and c_attn._compiled_call_impl is None
                 and not (
-                    c_attn._forward_hooks
-                    or c_attn._forward_pre_hooks
-                    or c_attn._backward_hooks
-                    or c_attn._backward_pre_hooks
-                    or "forward" in c_attn.__dict__
-                    or c_attn._compiled_call_impl is not None
+                    (
+                        c_attn._forward_hooks
+                        or c_attn._forward_pre_hooks
+                        or c_attn._backward_hooks
+                        or c_attn._backward_pre_hooks
+                    )
+                    and _watched(c_attn)
                 )
                 and ga.ln_conv1d_ok(hidden_states, w, b)
                 and mo.ln_ok(hidden_states, lw, lb)
