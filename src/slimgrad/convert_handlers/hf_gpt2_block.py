@@ -170,11 +170,14 @@ class GPT2BlockForward:
                 and ga.ln_conv1d_ok(hidden_states, w, b)
                 and mo.ln_ok(hidden_states, lw, lb)
             ):
+                # c_attn's output is not named here: HF's forward drops it after the head split
                 eps, kept = float(ln_1.eps), ln_1.y_kept_after
-                qkv = ga.ln_conv1d(hidden_states, lw, lb, norm_shape(ln_1), eps, kept, w, b)
+                attn_output = af.after_c_attn(
+                    ga.ln_conv1d(hidden_states, lw, lb, norm_shape(ln_1), eps, kept, w, b),
+                    attn_kwargs,
+                )[0]
             else:
-                qkv = c_attn(ln_1(hidden_states))
-            attn_output = af.after_c_attn(qkv, attn_kwargs)[0]
+                attn_output = af.after_c_attn(c_attn(ln_1(hidden_states)), attn_kwargs)[0]
         else:
             attn_output, _ = attn(ln_1(hidden_states), **attn_kwargs)
         # residual connection
