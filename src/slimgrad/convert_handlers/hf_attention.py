@@ -1266,11 +1266,15 @@ class GPT2AttentionForward:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args, **kwargs):
+        m = self.module
+        # compiling() before anything else: Dynamo folds it and traces HF's forward alone, with
+        # no guard on what the checks below would read
+        if compiling():
+            return type(m).forward(m, *args, **kwargs)
         hidden = args[0] if len(args) == 1 else kwargs.get("hidden_states")
         if not self.straight(args, kwargs, hidden):
-            m = self.module
             return type(m).forward(m, *args, **kwargs)
-        return self.after_c_attn(self.module._modules["c_attn"](hidden), kwargs)
+        return self.after_c_attn(m._modules["c_attn"](hidden), kwargs)
 
     def straight(self, args, kwargs, hidden) -> bool:
         """Whether this call of the attention (``hidden`` its hidden states) runs the straight
