@@ -15,7 +15,9 @@ Each call runs HF's block forward step for step (residual adds in HF's order), e
 - ``ln_2`` and the MLP run as one node (``slimgrad.nn.GPT2MLP.forward_after_norm``) where the
   MLP's node applies and ``ln_2`` is slimgrad's, unhooked.
 
-Each node runs the per-op path's steps (NOTE [A LayerNorm folded into its consumer's node] in
+HF's gradient checkpointing (``gradient_checkpointing_enable``: transformers wraps the class's
+``forward``, which checkpoints the block) runs HF's forward while training, so the block is
+checkpointed as before. Each node runs the per-op path's steps (NOTE [A LayerNorm folded into its consumer's node] in
 ``slimgrad/ops/gpt2_mlp.py``): the same values, gradients, saved tensors and dropout masks. Any
 other call (cross-attention inputs, hooks on the attention, the MLP or a LayerNorm, a global
 module hook, compiling, extra positional arguments) runs HF's forward, module by module.
@@ -83,6 +85,9 @@ class GPT2BlockForward:
         )
         if not (
             1 <= len(args) <= 6
+            # HF's gradient checkpointing wraps the class's forward (transformers'
+            # GradientCheckpointingLayer): that forward checkpoints the per-op block
+            and not (m.training and getattr(m, "gradient_checkpointing", False))
             and type(ln_1) is LayerNorm
             and type(ln_2) is LayerNorm
             and type(mlp) is GPT2MLP
