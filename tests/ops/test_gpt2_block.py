@@ -17,7 +17,7 @@ from slimgrad import ownership
 from slimgrad.memory import estimate, measure
 
 transformers = pytest.importorskip("transformers")
-hb = pytest.importorskip("slimgrad.convert_handlers.hf_gpt2_block")
+import slimgrad.convert_handlers.hf_gpt2_block as hb  # noqa: E402
 
 
 def _model(layers=2, width=32, **cfg):

@@ -15,12 +15,15 @@ Each call runs HF's block forward step for step (residual adds in HF's order), e
 - ``ln_2`` and the MLP run as one node (``slimgrad.nn.GPT2MLP.forward_after_norm``) where the
   MLP's node applies and ``ln_2`` is slimgrad's, unhooked.
 
-HF's gradient checkpointing (``gradient_checkpointing_enable``: transformers wraps the class's
-``forward``, which checkpoints the block) runs HF's forward while training, so the block is
-checkpointed as before. Each node runs the per-op path's steps (NOTE [A LayerNorm folded into its consumer's node] in
+Each node runs the per-op path's steps (NOTE [A LayerNorm folded into its consumer's node] in
 ``slimgrad/ops/gpt2_mlp.py``): the same values, gradients, saved tensors and dropout masks. Any
-other call (cross-attention inputs, hooks on the attention, the MLP or a LayerNorm, a global
-module hook, compiling, extra positional arguments) runs HF's forward, module by module.
+other call (cross-attention inputs, hooks on the attention, the MLP or a LayerNorm that are not
+slimgrad's observers, a global module hook, compiling, extra positional arguments) runs HF's
+forward, module by module; so does a training call with HF's gradient checkpointing on
+(``gradient_checkpointing_enable``: transformers wraps the class's ``forward``, which checkpoints
+the block), so the block is checkpointed as before. The checks that read only the block's
+structure are the module's own children and hook dicts, read per call (a child replaced or hooked
+after ``convert_`` is seen at its next call).
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ _ARGS = (
 
 def _watched(m) -> bool:
     # a backward hook, or a forward hook that is not slimgrad's own
-    return bool(m._backward_hooks or m._backward_pre_hooks) or foreign(
-        m._forward_hooks
-    ) or foreign(m._forward_pre_hooks)
+    return (
+        bool(m._backward_hooks or m._backward_pre_hooks)
+        or foreign(m._forward_hooks)
+        or foreign(m._forward_pre_hooks)
+    )
 
 
 def _global_watched() -> bool:
@@ -79,7 +84,8 @@ class GPT2BlockForward:
         if compiling():
             return type(m).forward(m, *args, **kwargs)
         mods = m._modules
-        ln_1, attn, ln_2, mlp = mods.get("ln_1"), mods.get("attn"), mods.get("ln_2"), mods.get("mlp")
+        ln_1, attn = mods.get("ln_1"), mods.get("attn")
+        ln_2, mlp = mods.get("ln_2"), mods.get("mlp")
         LayerNorm, GPT2MLP, AttnForward, conv1d_forward, ga, mo, norm_shape = (
             _DEPS if _DEPS else _deps()
         )

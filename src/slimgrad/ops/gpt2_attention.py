@@ -55,6 +55,10 @@ does an estimate with ``device="cuda"``, whose CPU fakes stand for CUDA tensors
 (``device_rule.stands_for``). What the tracker cannot see is the straight steps' own allocations
 (any watcher turns them off); they make the same tensors as the general steps.
 
+GPT-2's ``ln_1`` and ``c_attn`` before the head split run as one node too
+(``_GPT2LNConv1DFn``: NOTE [A LayerNorm folded into its consumer's node] in ``ops/gpt2_mlp.py``):
+it saves what the per-op LayerNorm and ``c_attn`` keep (y, mean, rstd; y is ``c_attn``'s input).
+
 Second derivatives: first derivatives only; ``create_graph=True`` gives them, differentiating them
 raises a ``slimgrad.ops.gpt2_attention`` error, as the per-op scores op does.
 """

@@ -60,6 +60,29 @@ formula on the rebuilt h (the same bits); but about 22% of N(0, s) bf16/fp16 inp
 is done; the step's peak stays below eager's (773,640 B against 1,639,320 B for the 3-layer model
 under bf16 autocast).
 
+# NOTE [A LayerNorm folded into its consumer's node]
+A converted LayerNorm is a Python autograd Function of its own: on the tiny GPT-2 of the
+host-overhead bench about 68 us per call over eager's, ~32 us of it the floor of any Python
+Function, ~11-13 us ``ownership.grant`` on its incoming gradient (a view there), for 24 calls a
+step. GPT-2's two LayerNorms per block each feed one consumer that has a node of its own, so each
+runs as the first step of that node: ``ln_2`` in :class:`_GPT2LNMLPFn` (then the MLP's steps) and
+``ln_1`` in ``slimgrad.ops.gpt2_attention._GPT2LNConv1DFn`` (then ``c_attn``, HF's addmm on the
+2-D view); which calls take them is NOTE [GPT-2's block with its LayerNorms folded] in
+``slimgrad/convert_handlers/hf_gpt2_block.py``. The LayerNorm's step is ``_LayerNormFn.forward``
+on a :class:`_Step`, on the path ``slimgrad.nn.LayerNorm``'s forward takes for the same call (the
+straight path's PyTorch forward and its C backward chosen in forward, or under a dispatch mode the
+custom op), with the module's ``y_kept_after``: the same y, mean, rstd, fallback columns (or x
+where the module keeps x) and bits. Backward runs the consumer's step, then
+:func:`layer_norm_backward`, ``_LayerNormFn.backward``'s first-order body with the incoming
+gradient granted: it is the consumer's dx, made inside the node, which nobody else holds (the
+per-op LayerNorm asked ``ownership`` for the same buffer and was granted it; in place and out of
+place give the same bits). What the node keeps is the per-op path's set (y, which the consumer
+keeps too, + mean and rstd: 8 B/row); where the LayerNorm's backward runs the node still holds
+the consumer's other saved tensors (the MLP's GELU and dropout bits) until it returns, where the
+per-op path had released them: at the bench's shapes the step's peak is elsewhere and saved, peak
+and forward-peak bytes are the per-op path's (``tests/ops/test_gpt2_block.py``). One Python node
+and one ownership question fewer per LayerNorm.
+
 Second derivatives: first derivatives only (``create_graph=True`` gives them, differentiating
 them raises a ``slimgrad.ops.gpt2_mlp`` error). The per-op path's float32 GELU refuses them too
 except where it falls back to keeping x (at most 512 elements, or more than 1/16 of them in the
@@ -180,7 +203,9 @@ def layer_norm_forward(n, x, arg, weight, bias, eps: float, y_kept_after: bool, 
     # forward takes for the same call; n: needs_input_grad of (x, weight, bias)
     ln = _Step()
     ln.needs_input_grad = (n[0], False, n[1], n[2], False, False, False)
-    if direct:  # the straight path's forward choice (nn/layer_norm.py, NOTE [Kernel backend choice])
+    if (
+        direct
+    ):  # the straight path's forward choice (nn/layer_norm.py, NOTE [Kernel backend choice])
         backend = _backend._resolved[0] or _backend.get_backend()
         d = _ln._TORCH if not x.is_cuda and backend in _ln._NO_TRITON else True
     else:
@@ -213,7 +238,9 @@ def layer_norm_backward(st: _Step, dy: torch.Tensor) -> tuple:
                 if idx is None:
                     idx, xside = _ln._no_side(y, arg=arg)
         if lib is not None:
-            dx, dw, db = _ln._bwd_cpu(dy, y, mean, rstd, idx, xside, weight, bias, arg, mask, dy, lib)
+            dx, dw, db = _ln._bwd_cpu(
+                dy, y, mean, rstd, idx, xside, weight, bias, arg, mask, dy, lib
+            )
         else:
             dx, dw, db = impl(dy, y, mean, rstd, idx, xside, weight, bias, arg, mask, out=dy)
     else:
@@ -305,7 +332,9 @@ class _GPT2MLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
-        steps, z = _mlp_forward(ctx.needs_input_grad, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct)
+        steps, z = _mlp_forward(
+            ctx.needs_input_grad, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct
+        )
         _save_steps(ctx, steps)
         return fresh(z)
 
