@@ -97,6 +97,7 @@ class GPT2BlockForward:
             and type(ln_1) is LayerNorm
             and type(ln_2) is LayerNorm
             and type(mlp) is GPT2MLP
+            and attn is not None
             and type(attn.__dict__.get("forward")) is AttnForward
             and ln_1.keep_y
             and ln_2.keep_y
