@@ -80,6 +80,22 @@ def test_convert_puts_the_block_forward():
         assert type(blk.__dict__.get("forward")) is hb.GPT2BlockForward
 
 
+def test_another_hf_block_forward_keeps_hfs(monkeypatch):
+    # a release whose GPT2Block.forward computes something else (here: the residual add's
+    # operands swapped) keeps HF's forward; the attention's forward is still put
+    changed = hb._TEMPLATE.replace("attn_output + residual", "residual + attn_output")
+    assert changed != hb._TEMPLATE
+    monkeypatch.setattr(hb, "_TEMPLATE", changed)
+    hb._same_computation.cache_clear()
+    try:
+        model = _model()
+    finally:
+        hb._same_computation.cache_clear()
+    for blk in model.transformer.h:
+        assert "forward" not in blk.__dict__
+        assert "forward" in blk.attn.__dict__
+
+
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("frozen", [None, "ln_1", "ln_2", "c_attn", "c_fc", "wte", "all_ln"])
 def test_bits_as_per_op(train, frozen, folded):

@@ -28,8 +28,11 @@ after ``convert_`` is seen at its next call).
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
+import textwrap
+from functools import cache
 
 import torch.nn as nn
 from torch.nn.modules import module as _module
@@ -227,6 +230,77 @@ def _deps():
     return _DEPS
 
 
+# HF's GPT2Block.forward (transformers 5.23), the computation GPT2BlockForward runs: a release
+# whose forward differs beyond annotations, docstrings and comments keeps HF's forward
+_TEMPLATE = """
+def forward(
+    self,
+    hidden_states,
+    past_key_values=None,
+    attention_mask=None,
+    encoder_hidden_states=None,
+    encoder_attention_mask=None,
+    use_cache=False,
+    **kwargs,
+):
+    residual = hidden_states
+    hidden_states = self.ln_1(hidden_states)
+    attn_output, _ = self.attn(
+        hidden_states,
+        past_key_values=past_key_values,
+        attention_mask=attention_mask,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    hidden_states = attn_output + residual
+    if encoder_hidden_states is not None:
+        if not hasattr(self, "crossattention"):
+            raise ValueError(
+                f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
+                "cross-attention layers by setting `config.add_cross_attention=True`"
+            )
+        residual = hidden_states
+        hidden_states = self.ln_cross_attn(hidden_states)
+        cross_attn_output, _ = self.crossattention(
+            hidden_states,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+        )
+        hidden_states = residual + cross_attn_output
+    residual = hidden_states
+    hidden_states = self.ln_2(hidden_states)
+    feed_forward_hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + feed_forward_hidden_states
+    return hidden_states
+"""
+
+
+def _canon(src: str) -> str | None:
+    # the function's parameters and body, annotations and docstring dropped
+    fdef = ast.parse(textwrap.dedent(src)).body[0]
+    if not isinstance(fdef, ast.FunctionDef) or fdef.decorator_list:
+        return None
+    a = fdef.args
+    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    body = fdef.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(a) + "".join(ast.dump(st) for st in body)
+
+
+@cache
+def _same_computation(fn) -> bool:
+    # fn: the function under transformers' checkpointing wrapper (functools.wraps' __wrapped__)
+    try:
+        return _canon(inspect.getsource(inspect.unwrap(fn))) == _canon(_TEMPLATE)
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+
+
 def gpt2_block_forwards_(model: nn.Module) -> list[str]:
     """Put :class:`GPT2BlockForward` on ``model``'s HF ``GPT2Block``s whose attention has a
     ``GPT2AttentionForward`` (NOTE [GPT-2's block with its LayerNorms folded]); returns their
@@ -235,7 +309,7 @@ def gpt2_block_forwards_(model: nn.Module) -> list[str]:
 
     hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
     stock = getattr(getattr(hf, "GPT2Block", None), "forward", None)
-    if stock is None:
+    if stock is None or not _same_computation(stock):
         return []
     names = []
     for name, m in model.named_modules():
