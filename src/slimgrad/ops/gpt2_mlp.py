@@ -61,10 +61,10 @@ is done; the step's peak stays below eager's (773,640 B against 1,639,320 B for 
 under bf16 autocast).
 
 # NOTE [A LayerNorm folded into its consumer's node]
-A converted LayerNorm is a Python autograd Function of its own: on the tiny GPT-2 of the
-host-overhead bench about 68 us per call over eager's, ~32 us of it the floor of any Python
-Function, ~11-13 us ``ownership.grant`` on its incoming gradient (a view there), for 24 calls a
-step. GPT-2's two LayerNorms per block each feed one consumer that has a node of its own, so each
+A converted LayerNorm is a Python autograd Function of its own: most of its host cost over
+eager's is the floor of any Python Function and ``ownership.grant`` on its incoming gradient (a
+view there), twice per GPT-2 block (issue 32's measurements). GPT-2's two LayerNorms per
+block each feed one consumer that has a node of its own, so each
 runs as the first step of that node: ``ln_2`` in :class:`_GPT2LNMLPFn` (then the MLP's steps) and
 ``ln_1`` in ``slimgrad.ops.gpt2_attention._GPT2LNConv1DFn`` (then ``c_attn``, HF's addmm on the
 2-D view); which calls take them is NOTE [GPT-2's block with its LayerNorms folded] in
