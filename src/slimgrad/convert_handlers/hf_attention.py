@@ -1294,13 +1294,26 @@ class GPT2AttentionForward:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args, **kwargs):
+        m = self.module
+        # compiling() before anything else: Dynamo folds it and traces HF's forward alone, with
+        # no guard on what the checks below would read
+        if compiling():
+            return type(m).forward(m, *args, **kwargs)
+        hidden = args[0] if len(args) == 1 else kwargs.get("hidden_states")
+        if not self.straight(args, kwargs, hidden):
+            return type(m).forward(m, *args, **kwargs)
+        return self.after_c_attn(m._modules["c_attn"](hidden), kwargs)
+
+    def straight(self, args, kwargs, hidden) -> bool:
+        """Whether this call of the attention (``hidden`` its hidden states) runs the straight
+        path of NOTE [GPT-2's attention output as one node] (``c_attn``, then
+        :meth:`after_c_attn`); else HF's forward."""
         snd, mlp, ga = _GPT2_DEPS if _GPT2_DEPS else _gpt2_deps()
         m = self.module
         d = m.__dict__
         mods = d["_modules"]
         c_attn, c_proj, drop = mods.get("c_attn"), mods.get("c_proj"), mods.get("resid_dropout")
         attn_drop = mods.get("attn_dropout")
-        hidden = args[0] if len(args) == 1 else kwargs.get("hidden_states")
         if not (
             not compiling()  # first: Dynamo folds it (HF's forward, traced as before)
             and (len(args) == 1 or (not args and "hidden_states" in kwargs))
@@ -1359,19 +1372,29 @@ class GPT2AttentionForward:
             and not ga._is_tracing()
             and getattr(d.get("config"), "_attn_implementation", None) == ATTN_NAME
         ):
-            return type(m).forward(m, *args, **kwargs)
+            return False
         if kwargs:  # HF passes all but its named ones to the attention function: its keyword rule
             if kwargs.get("is_causal") is not None:  # the node is causal exactly where T > 1
-                return type(m).forward(m, *args, **kwargs)
+                return False
             fn = _HF_SDPA[0].sdpa_attention_forward if _HF_SDPA else None
             unimplemented = _UNIMPLEMENTED[1] if _UNIMPLEMENTED[0] is fn else _sdpa_unimplemented()
             for name in ("position_bias", *unimplemented):
                 if name in kwargs and name not in _GPT2_NAMED:
                     v = kwargs[name]
                     if v is not None and v is not False:  # _is_set
-                        return type(m).forward(m, *args, **kwargs)
+                        return False
+        return True
+
+    def after_c_attn(self, qkv, kwargs):
+        """HF's forward from ``c_attn``'s output ``qkv`` on, for a call :meth:`straight` took."""
+        snd, mlp, ga = _GPT2_DEPS
+        m = self.module
+        d = m.__dict__
+        mods = d["_modules"]
+        c_proj, drop, attn_drop = mods["c_proj"], mods["resid_dropout"], mods["attn_dropout"]
+        pp = c_proj._parameters
         # HF's forward for a self-attention, step for step up to the attention
-        query, key, value = c_attn(hidden).split(d["split_size"], dim=2)
+        query, key, value = qkv.split(d["split_size"], dim=2)
         shape_kv = (*key.shape[:-1], -1, d["head_dim"])
         key = key.view(shape_kv).transpose(1, 2)
         value = value.view(shape_kv).transpose(1, 2)
@@ -1433,4 +1456,8 @@ def gpt2_attention_forwards_(model: nn.Module) -> list[str]:
         ):
             m.forward = GPT2AttentionForward(m)
             names.append(name)
+    if names:  # NOTE [GPT-2's block with its LayerNorms folded]
+        from slimgrad.convert_handlers.hf_gpt2_block import gpt2_block_forwards_
+
+        gpt2_block_forwards_(model)
     return names

@@ -30,7 +30,7 @@ from slimgrad.nn import linear as _snl
 from slimgrad.nn._hooks import foreign
 from slimgrad.nn._output_act import _DECLARED
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.gpt2_mlp import _GPT2_MLP_APPLY, block_ok
+from slimgrad.ops.gpt2_mlp import _GPT2_LN_MLP_APPLY, _GPT2_MLP_APPLY, block_ok, ln_ok
 from slimgrad.ops.linear import _FakeTensor
 
 __all__ = ["GPT2MLP"]
@@ -110,7 +110,9 @@ class GPT2MLP(NoScript, nn.Module):
         new.train(module.training)
         return new
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _node_parts(self):
+        # (c_fc's, c_proj's Parameters, act, dropout) where the children are the ones the node
+        # runs (NOTE [GPT-2 MLP: which path]); None: call them one by one
         mods = self._modules
         c_fc, act, c_proj, drop = mods["c_fc"], mods["act"], mods["c_proj"], mods["dropout"]
         if (
@@ -131,7 +133,6 @@ class GPT2MLP(NoScript, nn.Module):
             and type(pp["weight"]) in _WEIGHT
             and type(fp.get("bias")) in _BIAS
             and type(pp.get("bias")) in _BIAS
-            and block_ok(hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias"))
             # _hooked(child) and _global_hooks() only when some hook dict is not empty
             and not (
                 (
@@ -168,18 +169,70 @@ class GPT2MLP(NoScript, nn.Module):
                 and _global_hooks()
             )
         ):
-            p = drop.p if drop.training and drop.p > 0.0 else None
-            return _GPT2_MLP_APPLY(  # ops.gpt2_mlp.apply, inline
-                unwrap_if_dead(hidden_states),
-                fp["weight"],
-                fp.get("bias"),
-                pp["weight"],
-                pp.get("bias"),
-                act.approximate,
-                p,
-                straight(),
-            )
-        return drop(c_proj(act(c_fc(hidden_states))))
+            return fp, pp, act, drop
+        return None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        parts = self._node_parts()
+        if parts is not None:
+            fp, pp, act, drop = parts
+            if block_ok(hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias")):
+                p = drop.p if drop.training and drop.p > 0.0 else None
+                return _GPT2_MLP_APPLY(  # ops.gpt2_mlp.apply, inline
+                    unwrap_if_dead(hidden_states),
+                    fp["weight"],
+                    fp.get("bias"),
+                    pp["weight"],
+                    pp.get("bias"),
+                    act.approximate,
+                    p,
+                    straight(),
+                )
+        mods = self._modules
+        return mods["dropout"](mods["c_proj"](mods["act"](mods["c_fc"](hidden_states))))
+
+    def forward_after_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(norm(x))`` as one node with the LayerNorm folded in (NOTE [A LayerNorm folded
+        into its consumer's node] in ``slimgrad/ops/gpt2_mlp.py``), or None where that node does
+        not apply (the caller then calls ``norm`` and ``self`` as modules). ``norm`` is a
+        ``slimgrad.nn.LayerNorm`` over the last dim that its caller found without hooks."""
+        parts = self._node_parts()
+        if parts is None:
+            return None
+        fp, pp, act, drop = parts
+        np_ = norm._parameters
+        lw, lb = np_.get("weight"), np_.get("bias")
+        if not (
+            ln_ok(x, lw, lb)
+            and block_ok(x, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias"))
+        ):
+            return None
+        p = drop.p if drop.training and drop.p > 0.0 else None
+        return _GPT2_LN_MLP_APPLY(
+            unwrap_if_dead(x),
+            lw,
+            lb,
+            norm_shape(norm),
+            float(norm.eps),
+            norm.y_kept_after,
+            fp["weight"],
+            fp.get("bias"),
+            pp["weight"],
+            pp.get("bias"),
+            act.approximate,
+            p,
+            straight(),
+        )
+
+
+def norm_shape(norm: nn.Module) -> list[int]:
+    # normalized_shape as a list of ints, once per tuple (slimgrad.nn.LayerNorm's own cache)
+    d = norm.__dict__
+    ns = norm.normalized_shape
+    c = d["_slimgrad_ns"] if "_slimgrad_ns" in d else None
+    if c is None or c[0] is not ns:
+        c = d["_slimgrad_ns"] = (ns, [int(s) for s in ns])
+    return c[1]
 
 
 # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py: this forward hands act's

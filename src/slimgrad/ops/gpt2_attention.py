@@ -55,6 +55,10 @@ does an estimate with ``device="cuda"``, whose CPU fakes stand for CUDA tensors
 (``device_rule.stands_for``). What the tracker cannot see is the straight steps' own allocations
 (any watcher turns them off); they make the same tensors as the general steps.
 
+GPT-2's ``ln_1`` and ``c_attn`` before the head split run as one node too
+(``_GPT2LNConv1DFn``: NOTE [A LayerNorm folded into its consumer's node] in ``ops/gpt2_mlp.py``):
+it saves what the per-op LayerNorm and ``c_attn`` keep (y, mean, rstd; y is ``c_attn``'s input).
+
 Second derivatives: first derivatives only; ``create_graph=True`` gives them, differentiating them
 raises a ``slimgrad.ops.gpt2_attention`` error, as the per-op scores op does.
 """
@@ -76,6 +80,8 @@ from slimgrad.ops.gpt2_mlp import (
     _release_saved,
     _save_steps,
     _Step,
+    layer_norm_backward,
+    layer_norm_forward,
 )
 from slimgrad.ops.linear import _FakeTensor, _LinearFn, fresh
 
@@ -151,6 +157,50 @@ class _GPT2AttentionFn(torch.autograd.Function):
 
 
 _GPT2_ATTENTION_APPLY = direct_apply(_GPT2AttentionFn)
+
+
+def _ln_conv1d_backward(ctx, dy):
+    ln, lin = ctx.steps
+    _hand_out_saved(ctx)
+    # c_attn's gradient arrives as its 2-D product's (NOTE [Linear's 2-D product] in ops/linear.py)
+    g2 = dy.reshape(-1, dy.shape[-1]) if lin.lead is not None else dy
+    del dy
+    dy_ln, dw, db = _LinearFn.backward(lin, g2)[:3]
+    del g2
+    dx = dlw = dlb = None
+    if dy_ln is not None:
+        dx, dlw, dlb = layer_norm_backward(ln, dy_ln)
+        del dy_ln
+    _release_saved(ctx.steps)
+    return dx, dlw, dlb, None, None, None, dw, db, None
+
+
+class _GPT2LNConv1DFn(torch.autograd.Function):
+    # NOTE [A LayerNorm folded into its consumer's node] in ops/gpt2_mlp.py: GPT-2's ln_1, then
+    # c_attn (HF Conv1D: addmm on the 2-D view), as the per-op path runs them
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, arg, eps, y_kept_after, w, b, direct):
+        n = ctx.needs_input_grad
+        ln, y = layer_norm_forward(n, x, arg, ln_w, ln_b, eps, y_kept_after, direct)
+        lin = _Step()
+        lin.needs_input_grad = (n[0] or n[1] or n[2], n[6], n[7], False, False)
+        z = _LinearFn.forward(lin, y, w, b, True, direct)
+        if lin.lead is not None:
+            z = z.view(lin.lead + z.shape[-1:])
+        del y
+        _save_steps(ctx, (ln, lin))
+        return fresh(z)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
+            return refuse_second_order("ops.gpt2_attention", _ln_conv1d_backward, ctx, (dy,))
+        return _ln_conv1d_backward(ctx, dy)
+
+
+_GPT2_LN_CONV1D_APPLY = direct_apply(_GPT2LNConv1DFn)
 # the estimate's fake tensors (a fake Parameter is a FakeTensor) take the node as real ones do
 # (NOTE [GPT-2's attention node under dispatch modes])
 _PLAIN = (torch.Tensor, torch.nn.Parameter, _FakeTensor)
@@ -284,3 +334,33 @@ def gpt2_attention(
     out = _sdm.scores_softmax_dropout_matmul(query * root, key.mT * root, value, p_a, causal=t > 1)
     a = out.transpose(1, 2).contiguous().reshape(b, t, h * d)
     return dropout(conv1d_addmm(a, c_proj_weight, c_proj_bias), p_r, training)
+
+
+def ln_conv1d_ok(x, w, b) -> bool:
+    """Whether ``c_attn`` (weight ``w`` ``(C, 3C)``, bias ``b``) on a LayerNorm's output of ``x``
+    runs in :class:`_GPT2LNConv1DFn`: the LayerNorm's own checks (``ops.gpt2_mlp.ln_ok``) are
+    the caller's; here float32 CPU ``x`` of 3 dims (plain or the estimate's fakes), not standing
+    for another device, and a float32 2-D weight with a bias; eager and grad mode on, as
+    :func:`block_ok`, which the attention after it passed."""
+    return (
+        type(x) in _PLAIN
+        and type(w) in _WEIGHT
+        and type(b) in _WEIGHT
+        and x.ndim == 3
+        and x.dtype is _F32
+        and x.is_cpu
+        and 0 not in x.shape
+        and w.dtype is _F32
+        and b.dtype is _F32
+        and w.ndim == 2
+        and w.shape[0] == x.shape[-1]
+        and b.shape == w.shape[1:]
+    )
+
+
+def ln_conv1d(x, ln_w, ln_b, arg, eps: float, y_kept_after: bool, w, b) -> torch.Tensor:
+    """``c_attn(ln_1(x))`` as one node (:class:`_GPT2LNConv1DFn`), on arguments
+    :func:`ln_conv1d_ok` and ``ops.gpt2_mlp.ln_ok`` accepted."""
+    return _GPT2_LN_CONV1D_APPLY(
+        unwrap_if_dead(x), ln_w, ln_b, arg, eps, y_kept_after, w, b, straight()
+    )

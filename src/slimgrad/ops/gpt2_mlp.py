@@ -60,6 +60,29 @@ formula on the rebuilt h (the same bits); but about 22% of N(0, s) bf16/fp16 inp
 is done; the step's peak stays below eager's (773,640 B against 1,639,320 B for the 3-layer model
 under bf16 autocast).
 
+# NOTE [A LayerNorm folded into its consumer's node]
+A converted LayerNorm is a Python autograd Function of its own: most of its host cost over
+eager's is the floor of any Python Function and ``ownership.grant`` on its incoming gradient (a
+view there), twice per GPT-2 block (issue 32's measurements). GPT-2's two LayerNorms per
+block each feed one consumer that has a node of its own, so each
+runs as the first step of that node: ``ln_2`` in :class:`_GPT2LNMLPFn` (then the MLP's steps) and
+``ln_1`` in ``slimgrad.ops.gpt2_attention._GPT2LNConv1DFn`` (then ``c_attn``, HF's addmm on the
+2-D view); which calls take them is NOTE [GPT-2's block with its LayerNorms folded] in
+``slimgrad/convert_handlers/hf_gpt2_block.py``. The LayerNorm's step is ``_LayerNormFn.forward``
+on a :class:`_Step`, on the path ``slimgrad.nn.LayerNorm``'s forward takes for the same call (the
+straight path's PyTorch forward and its C backward chosen in forward, or under a dispatch mode the
+custom op), with the module's ``y_kept_after``: the same y, mean, rstd, fallback columns (or x
+where the module keeps x) and bits. Backward runs the consumer's step, then
+:func:`layer_norm_backward`, ``_LayerNormFn.backward``'s first-order body with the incoming
+gradient granted: it is the consumer's dx, made inside the node, which nobody else holds (the
+per-op LayerNorm asked ``ownership`` for the same buffer and was granted it; in place and out of
+place give the same bits). What the node keeps is the per-op path's set (y, which the consumer
+keeps too, + mean and rstd: 8 B/row); where the LayerNorm's backward runs the node still holds
+the consumer's other saved tensors (the MLP's GELU and dropout bits) until it returns, where the
+per-op path had released them: at the bench's shapes the step's peak is elsewhere and saved, peak
+and forward-peak bytes are the per-op path's (``tests/ops/test_gpt2_block.py``). One Python node
+and one ownership question fewer per LayerNorm.
+
 Second derivatives: first derivatives only (``create_graph=True`` gives them, differentiating
 them raises a ``slimgrad.ops.gpt2_mlp`` error). The per-op path's float32 GELU refuses them too
 except where it falls back to keeping x (at most 512 elements, or more than 1/16 of them in the
@@ -76,9 +99,11 @@ import torch
 
 import slimgrad.ops.dropout  # noqa: F401 - the modules, not the functions ops/__init__ exports
 import slimgrad.ops.gelu  # noqa: F401
+import slimgrad.ops.layer_norm  # noqa: F401
 from slimgrad import ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order
 from slimgrad._library import straight
+from slimgrad.kernels import _backend
 from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
 from slimgrad.ops.linear import _FakeTensor, _LinearFn, fresh
 
@@ -86,6 +111,7 @@ __all__ = ["gpt2_mlp"]
 
 _dr = sys.modules["slimgrad.ops.dropout"]
 _ge = sys.modules["slimgrad.ops.gelu"]
+_ln = sys.modules["slimgrad.ops.layer_norm"]
 _grad_on = torch._C.is_grad_enabled
 _Tensor = torch.Tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
@@ -171,10 +197,68 @@ def _gelu_backward(st: _Step, g: torch.Tensor) -> torch.Tensor:
     return smooth_backward(st, g, buf, bwd, _ge._bwd_any, _ge._bwd_exact, st.approximate)
 
 
-def _backward(ctx, dy, owned: bool = False):
-    fc, act, proj, drop = ctx.steps
-    _hand_out_saved(ctx)
-    n = ctx.needs_input_grad
+def layer_norm_forward(n, x, arg, weight, bias, eps: float, y_kept_after: bool, direct):
+    # the converted LayerNorm's step in a block node (NOTE [A LayerNorm folded into its
+    # consumer's node]): _LayerNormFn's forward on a _Step, on the path slimgrad.nn.LayerNorm's
+    # forward takes for the same call; n: needs_input_grad of (x, weight, bias)
+    ln = _Step()
+    ln.needs_input_grad = (n[0], False, n[1], n[2], False, False, False)
+    if (
+        direct
+    ):  # the straight path's forward choice (nn/layer_norm.py, NOTE [Kernel backend choice])
+        backend = _backend._resolved[0] or _backend.get_backend()
+        d = _ln._TORCH if not x.is_cuda and backend in _ln._NO_TRITON else True
+    else:
+        d = False
+    y = _ln._LayerNormFn.forward(ln, x, arg, weight, bias, eps, d, y_kept_after)
+    # NOTE [LayerNorm's straight forward returns y alone] in ops/layer_norm.py
+    return ln, (y if d is _ln._TORCH else y[0])
+
+
+def layer_norm_backward(st: _Step, dy: torch.Tensor) -> tuple:
+    # TWIN: _LayerNormFn.backward's first-order body (ops/layer_norm.py) with dy granted: dy is
+    # the consumer's dx, made inside the block node, so nobody else holds it (NOTE [A LayerNorm
+    # folded into its consumer's node]); returns (dx, dweight, dbias)
+    y, mean, rstd, idx, xside, weight, bias = st.saved_tensors
+    if y is None:  # x kept (_keep_x): eager's backward, which never reuses dy
+        r = _ln._eager_bwd(st, dy, xside, mean, rstd, weight, bias)
+        return r[0], r[2], r[3]
+    need = st.needs_input_grad
+    mask = [need[0], need[2], need[3]]
+    arg = st.arg
+    if mask[0] and _ln.owns_layout(dy, y):
+        lib = st.lib  # NOTE [The LayerNorm C backward, chosen in forward]
+        b = _backend._resolved[0]
+        if lib is None or type(y) is not _Tensor or (b != "auto" and b != "cpu"):
+            lib = None
+            if not y.is_cuda and b in _ln._NO_TRITON:
+                impl = _ln._bwd_cpu if y.is_cpu else _ln._bwd_torch
+            else:
+                impl = _ln._bwd_impl(y)
+                if idx is None:
+                    idx, xside = _ln._no_side(y, arg=arg)
+        if lib is not None:
+            dx, dw, db = _ln._bwd_cpu(
+                dy, y, mean, rstd, idx, xside, weight, bias, arg, mask, dy, lib
+            )
+        else:
+            dx, dw, db = impl(dy, y, mean, rstd, idx, xside, weight, bias, arg, mask, out=dy)
+    else:
+        if idx is None:  # the op's schema takes tensors
+            idx, xside = _ln._no_side(y, arg=arg)
+        bwd = _ln._layer_norm_bwd.impl if straight() else _ln._layer_norm_bwd
+        dx, dw, db = bwd(dy, y, mean, rstd, idx, xside, weight, bias, arg, mask)
+    return (
+        dx if mask[0] else None,
+        dw if weight is not None and mask[1] else None,
+        db if bias is not None and mask[2] else None,
+    )
+
+
+def _mlp_backward(steps, dy, owned: bool):
+    # the MLP's steps' backward in reverse order (dropout, c_proj, GELU, c_fc): (dx, dw_fc, db_fc,
+    # dw_proj, db_proj); dx is c_fc's, made here (a buffer nobody else holds)
+    fc, act, proj, drop = steps
     g = _dropout_backward(drop, dy, owned) if drop is not None else dy
     del dy
     # c_proj's gradient arrives as its 2-D product's (NOTE [Linear's 2-D product] in ops/linear.py)
@@ -189,9 +273,16 @@ def _backward(ctx, dy, owned: bool = False):
         dh2 = dh.reshape(-1, dh.shape[-1]) if fc.lead is not None else dh
         del dh
         dx, dw_fc, db_fc = _LinearFn.backward(fc, dh2)[:3]
+    return dx, dw_fc, db_fc, dw_proj, db_proj
+
+
+def _backward(ctx, dy, owned: bool = False):
+    _hand_out_saved(ctx)
+    dx, dw_fc, db_fc, dw_proj, db_proj = _mlp_backward(ctx.steps, dy, owned)
+    del dy
     _release_saved(ctx.steps)
     return (
-        dx if n[0] else None,
+        dx if ctx.needs_input_grad[0] else None,
         dw_fc,
         db_fc,
         dw_proj,
@@ -202,6 +293,37 @@ def _backward(ctx, dy, owned: bool = False):
     )
 
 
+def _mlp_forward(n, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct):
+    # the MLP's steps in eager's order; n: needs_input_grad of (x, w_fc, b_fc, w_proj, b_proj)
+    need_h = n[0] or n[1] or n[2]
+    fc = _Step()
+    fc.needs_input_grad = (n[0], n[1], n[2], False, False)
+    h = _LinearFn.forward(fc, x, w_fc, b_fc, True, direct)
+    if fc.lead is not None:
+        h = h.view(fc.lead + h.shape[-1:])
+    if need_h:
+        act = _Step()
+        y = _ge._GeluFn.forward(act, h, approximate, direct)
+        if not direct:
+            y = y[0]
+        act.approximate = approximate
+    else:
+        act = None
+        y = _ge._fwd_torch(h, approximate)
+    del h
+    proj = _Step()
+    proj.needs_input_grad = (need_h, n[3], n[4], False, False)
+    z = _LinearFn.forward(proj, y, w_proj, b_proj, True, direct)
+    if proj.lead is not None:
+        z = z.view(proj.lead + z.shape[-1:])
+    del y
+    drop = None
+    if p is not None:
+        drop = _Step()
+        z = _dr._DropoutFn.forward(drop, z, p, direct)
+    return (fc, act, proj, drop), z
+
+
 class _GPT2MLPFn(torch.autograd.Function):
     # NOTE [One node for GPT-2's MLP]; x and y are matmul inputs (NOTE [The matmul-input floor]
     # in memory.py: the node's bits count there too, 1/8 B/elt)
@@ -210,34 +332,10 @@ class _GPT2MLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct=False):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
-        n = ctx.needs_input_grad
-        need_h = n[0] or n[1] or n[2]
-        fc = _Step()
-        fc.needs_input_grad = (n[0], n[1], n[2], False, False)
-        h = _LinearFn.forward(fc, x, w_fc, b_fc, True, direct)
-        if fc.lead is not None:
-            h = h.view(fc.lead + h.shape[-1:])
-        if need_h:
-            act = _Step()
-            y = _ge._GeluFn.forward(act, h, approximate, direct)
-            if not direct:
-                y = y[0]
-            act.approximate = approximate
-        else:
-            act = None
-            y = _ge._fwd_torch(h, approximate)
-        del h
-        proj = _Step()
-        proj.needs_input_grad = (need_h, n[3], n[4], False, False)
-        z = _LinearFn.forward(proj, y, w_proj, b_proj, True, direct)
-        if proj.lead is not None:
-            z = z.view(proj.lead + z.shape[-1:])
-        del y
-        drop = None
-        if p is not None:
-            drop = _Step()
-            z = _dr._DropoutFn.forward(drop, z, p, direct)
-        _save_steps(ctx, (fc, act, proj, drop))
+        steps, z = _mlp_forward(
+            ctx.needs_input_grad, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct
+        )
+        _save_steps(ctx, steps)
         return fresh(z)
 
     @staticmethod
@@ -252,6 +350,53 @@ class _GPT2MLPFn(torch.autograd.Function):
 
 
 _GPT2_MLP_APPLY = direct_apply(_GPT2MLPFn)
+
+
+def _ln_mlp_backward(ctx, dy, owned: bool = False):
+    ln, fc, act, proj, drop = ctx.steps
+    _hand_out_saved(ctx)
+    dy_ln, dw_fc, db_fc, dw_proj, db_proj = _mlp_backward((fc, act, proj, drop), dy, owned)
+    del dy
+    dx = dw = db = None
+    if dy_ln is not None:
+        dx, dw, db = layer_norm_backward(ln, dy_ln)
+        del dy_ln
+    _release_saved(ctx.steps)
+    return (dx, dw, db, None, None, None, dw_fc, db_fc, dw_proj, db_proj, None, None, None)
+
+
+class _GPT2LNMLPFn(torch.autograd.Function):
+    # NOTE [A LayerNorm folded into its consumer's node]: GPT-2's ln_2, then NOTE [One node for
+    # GPT-2's MLP]
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(
+        ctx, x, ln_w, ln_b, arg, eps, y_kept_after, w_fc, b_fc, w_proj, b_proj, approximate, p,
+        direct,
+    ):  # fmt: skip
+        n = ctx.needs_input_grad
+        ln, y = layer_norm_forward(n, x, arg, ln_w, ln_b, eps, y_kept_after, direct)
+        need_y = n[0] or n[1] or n[2]
+        steps, z = _mlp_forward(
+            (need_y, n[6], n[7], n[8], n[9]), y, w_fc, b_fc, w_proj, b_proj, approximate, p, direct
+        )
+        del y
+        _save_steps(ctx, (ln, *steps))
+        return fresh(z)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
+            return refuse_second_order("ops.gpt2_mlp", _ln_mlp_backward, ctx, (dy,))
+        # first use of dy: NOTE [Gradient-buffer ownership], as the per-op Dropout's backward
+        owned = (
+            ctx.steps[4] is not None and not compiling() and ownership.grant(dy, ownership.PROBE)
+        )
+        return _ln_mlp_backward(ctx, dy, owned)
+
+
+_GPT2_LN_MLP_APPLY = direct_apply(_GPT2LNMLPFn)
 
 
 def gpt2_mlp(
@@ -356,4 +501,21 @@ def apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None) -> t
 
     return _GPT2_MLP_APPLY(
         unwrap_if_dead(x), w_fc, b_fc, w_proj, b_proj, approximate, p, straight()
+    )
+
+
+def ln_ok(x, weight, bias) -> bool:
+    """Whether a LayerNorm over ``x``'s last dim with ``weight`` and ``bias`` folds into the block
+    node after it (NOTE [A LayerNorm folded into its consumer's node]): float32 ``(C,)`` weight
+    and bias (plain, or the estimate's fakes) and something before the node needing a gradient;
+    the consumer's own gate checks ``x``."""
+    return (
+        type(weight) in _PLAIN
+        and type(bias) in _PLAIN
+        and weight.dtype is _F32
+        and bias.dtype is _F32
+        and weight.ndim == 1
+        and bias.shape == weight.shape
+        and x.shape[-1:] == weight.shape
+        and (x.requires_grad or weight.requires_grad or bias.requires_grad)
     )

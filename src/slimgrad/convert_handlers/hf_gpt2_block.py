@@ -1,0 +1,327 @@
+"""HF GPT-2 blocks whose LayerNorms fold into the nodes after them (issue 32: host overhead).
+
+# NOTE [GPT-2's block with its LayerNorms folded]
+Where ``convert_`` gave a GPT-2 attention its :class:`~slimgrad.convert_handlers.hf_attention.
+GPT2AttentionForward` (NOTE [GPT-2's attention output as one node]), the ``GPT2Block`` holding it
+(HF's own forward, no patched forward, no cross-attention) gets a :class:`GPT2BlockForward` as
+its instance ``forward`` (the instance stays HF's class; its own hooks fire around it as before).
+Each call runs HF's block forward step for step (residual adds in HF's order), except that
+
+- ``ln_1`` and ``c_attn`` run as one node (``slimgrad.ops.gpt2_attention.ln_conv1d``) where the
+  attention takes its straight path (``GPT2AttentionForward.straight``) and ``ln_1`` and
+  ``c_attn`` are the modules ``convert_`` made (slimgrad's ``LayerNorm`` keeping its output, a
+  ``Conv1D`` with slimgrad's forward) with no hook or patched forward; the attention then runs
+  from ``c_attn``'s output (``GPT2AttentionForward.after_c_attn``);
+- ``ln_2`` and the MLP run as one node (``slimgrad.nn.GPT2MLP.forward_after_norm``) where the
+  MLP's node applies and ``ln_2`` is slimgrad's, unhooked.
+
+Each node runs the per-op path's steps (NOTE [A LayerNorm folded into its consumer's node] in
+``slimgrad/ops/gpt2_mlp.py``): the same values, gradients, saved tensors and dropout masks. Any
+other call (cross-attention inputs, hooks on the attention, the MLP or a LayerNorm that are not
+slimgrad's observers, a global module hook, compiling, extra positional arguments) runs HF's
+forward, module by module; so does a training call with HF's gradient checkpointing on
+(``gradient_checkpointing_enable``: transformers wraps the class's ``forward``, which checkpoints
+the block), so the block is checkpointed as before. The checks that read only the block's
+structure are the module's own children and hook dicts, read per call (a child replaced or hooked
+after ``convert_`` is seen at its next call).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+from functools import cache
+
+import torch.nn as nn
+from torch.nn.modules import module as _module
+
+from slimgrad._autograd import compiling
+from slimgrad.nn._hooks import foreign
+
+__all__ = ["GPT2BlockForward", "gpt2_block_forwards_"]
+
+_ARGS = (
+    "hidden_states",
+    "past_key_values",
+    "attention_mask",
+    "encoder_hidden_states",
+    "encoder_attention_mask",
+    "use_cache",
+)
+
+
+def _watched(m) -> bool:
+    # a backward hook, or a forward hook that is not slimgrad's own
+    return (
+        bool(m._backward_hooks or m._backward_pre_hooks)
+        or foreign(m._forward_hooks)
+        or foreign(m._forward_pre_hooks)
+    )
+
+
+def _global_watched() -> bool:
+    return (
+        bool(_module._global_backward_hooks or _module._global_backward_pre_hooks)
+        or foreign(_module._global_forward_hooks)
+        or foreign(_module._global_forward_pre_hooks)
+    )
+
+
+class GPT2BlockForward:
+    """The ``forward`` ``convert_`` puts on an HF ``GPT2Block`` instance (NOTE [GPT-2's block
+    with its LayerNorms folded]); kept on the instance as a plain picklable object."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __call__(self, *args, **kwargs):
+        m = self.module
+        # compiling() before anything else: Dynamo folds it and traces HF's forward alone, with
+        # no guard on what the checks below would read
+        if compiling():
+            return type(m).forward(m, *args, **kwargs)
+        mods = m._modules
+        ln_1, attn = mods.get("ln_1"), mods.get("attn")
+        ln_2, mlp = mods.get("ln_2"), mods.get("mlp")
+        LayerNorm, GPT2MLP, AttnForward, conv1d_forward, ga, mo, norm_shape = (
+            _DEPS if _DEPS else _deps()
+        )
+        if not (
+            1 <= len(args) <= 6
+            # HF's gradient checkpointing wraps the class's forward (transformers'
+            # GradientCheckpointingLayer): that forward checkpoints the per-op block
+            and not (m.training and getattr(m, "gradient_checkpointing", False))
+            and type(ln_1) is LayerNorm
+            and type(ln_2) is LayerNorm
+            and type(mlp) is GPT2MLP
+            and attn is not None
+            and type(attn.__dict__.get("forward")) is AttnForward
+            and ln_1.keep_y
+            and ln_2.keep_y
+            and ln_1._compiled_call_impl is None  # Module.compile(): its own call
+            and attn._compiled_call_impl is None
+            and ln_2._compiled_call_impl is None
+            and mlp._compiled_call_impl is None
+            and "forward" not in ln_1.__dict__
+            and "forward" not in ln_2.__dict__
+            and "forward" not in mlp.__dict__
+            # a hook of their own or a global module hook (slimgrad's observers, such as
+            # slimgrad.memory's, do not count: NOTE [Forward hooks on an output-saving module])
+            and not (
+                (
+                    ln_1._forward_hooks
+                    or ln_1._forward_pre_hooks
+                    or ln_1._backward_hooks
+                    or ln_1._backward_pre_hooks
+                    or attn._forward_hooks
+                    or attn._forward_pre_hooks
+                    or attn._backward_hooks
+                    or attn._backward_pre_hooks
+                    or ln_2._forward_hooks
+                    or ln_2._forward_pre_hooks
+                    or ln_2._backward_hooks
+                    or ln_2._backward_pre_hooks
+                    or mlp._forward_hooks
+                    or mlp._forward_pre_hooks
+                    or mlp._backward_hooks
+                    or mlp._backward_pre_hooks
+                )
+                and (_watched(ln_1) or _watched(attn) or _watched(ln_2) or _watched(mlp))
+            )
+            and not (
+                (
+                    _module._global_forward_hooks
+                    or _module._global_forward_pre_hooks
+                    or _module._global_backward_hooks
+                    or _module._global_backward_pre_hooks
+                )
+                and _global_watched()
+            )
+        ):
+            return type(m).forward(m, *args, **kwargs)
+        # HF's signature: (hidden_states, past_key_values=None, attention_mask=None,
+        # encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs)
+        named = dict(zip(_ARGS, args, strict=False))
+        rest = kwargs
+        if kwargs:
+            rest = dict(kwargs)
+            for k in _ARGS:
+                if k in rest:
+                    if k in named:  # given twice: HF's forward raises its TypeError
+                        return type(m).forward(m, *args, **kwargs)
+                    named[k] = rest.pop(k)
+        if named.get("encoder_hidden_states") is not None:  # cross-attention: HF's forward
+            return type(m).forward(m, *args, **kwargs)
+        hidden_states = named["hidden_states"]
+        # HF's call of the attention: encoder_attention_mask is the cross-attention's only
+        attn_kwargs = {
+            "past_key_values": named.get("past_key_values"),
+            "attention_mask": named.get("attention_mask"),
+            "use_cache": named.get("use_cache", False),
+            **rest,
+        }
+        residual = hidden_states
+        af = attn.__dict__["forward"]
+        if af.straight((hidden_states,), attn_kwargs, hidden_states):
+            c_attn = attn._modules["c_attn"]
+            lp, cp = ln_1._parameters, c_attn._parameters
+            lw, lb, w, b = lp.get("weight"), lp.get("bias"), cp.get("weight"), cp.get("bias")
+            if (
+                type(c_attn).forward is conv1d_forward
+                and "forward" not in c_attn.__dict__
+                and c_attn._compiled_call_impl is None
+                and not (
+                    (
+                        c_attn._forward_hooks
+                        or c_attn._forward_pre_hooks
+                        or c_attn._backward_hooks
+                        or c_attn._backward_pre_hooks
+                    )
+                    and _watched(c_attn)
+                )
+                and ga.ln_conv1d_ok(hidden_states, w, b)
+                and mo.ln_ok(hidden_states, lw, lb)
+            ):
+                # c_attn's output is not named here: HF's forward drops it after the head split
+                eps, kept = float(ln_1.eps), ln_1.y_kept_after
+                attn_output = af.after_c_attn(
+                    ga.ln_conv1d(hidden_states, lw, lb, norm_shape(ln_1), eps, kept, w, b),
+                    attn_kwargs,
+                )[0]
+            else:
+                attn_output = af.after_c_attn(c_attn(ln_1(hidden_states)), attn_kwargs)[0]
+        else:
+            attn_output, _ = attn(ln_1(hidden_states), **attn_kwargs)
+        # residual connection
+        hidden_states = attn_output + residual
+        residual = hidden_states
+        ff = mlp.forward_after_norm(ln_2, hidden_states)
+        if ff is None:
+            ff = mlp(ln_2(hidden_states))
+        # residual connection
+        return residual + ff
+
+
+_DEPS: list = []
+
+
+def _deps():
+    # imported at the first call (slimgrad.nn imports convert_handlers), then read from the list
+    from slimgrad.convert_handlers.hf_attention import GPT2AttentionForward
+    from slimgrad.nn import gpt2_mlp, layer_norm, linear
+    from slimgrad.ops import gpt2_attention
+    from slimgrad.ops import gpt2_mlp as gpt2_mlp_ops
+
+    _DEPS[:] = [
+        layer_norm.LayerNorm,
+        gpt2_mlp.GPT2MLP,
+        GPT2AttentionForward,
+        linear.Conv1D.forward,
+        gpt2_attention,
+        gpt2_mlp_ops,
+        gpt2_mlp.norm_shape,
+    ]
+    return _DEPS
+
+
+# HF's GPT2Block.forward (transformers 5.23), the computation GPT2BlockForward runs: a release
+# whose forward differs beyond annotations, docstrings and comments keeps HF's forward
+_TEMPLATE = """
+def forward(
+    self,
+    hidden_states,
+    past_key_values=None,
+    attention_mask=None,
+    encoder_hidden_states=None,
+    encoder_attention_mask=None,
+    use_cache=False,
+    **kwargs,
+):
+    residual = hidden_states
+    hidden_states = self.ln_1(hidden_states)
+    attn_output, _ = self.attn(
+        hidden_states,
+        past_key_values=past_key_values,
+        attention_mask=attention_mask,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    hidden_states = attn_output + residual
+    if encoder_hidden_states is not None:
+        if not hasattr(self, "crossattention"):
+            raise ValueError(
+                f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
+                "cross-attention layers by setting `config.add_cross_attention=True`"
+            )
+        residual = hidden_states
+        hidden_states = self.ln_cross_attn(hidden_states)
+        cross_attn_output, _ = self.crossattention(
+            hidden_states,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+        )
+        hidden_states = residual + cross_attn_output
+    residual = hidden_states
+    hidden_states = self.ln_2(hidden_states)
+    feed_forward_hidden_states = self.mlp(hidden_states)
+    hidden_states = residual + feed_forward_hidden_states
+    return hidden_states
+"""
+
+
+def _canon(src: str) -> str | None:
+    # the function's parameters and body, annotations and docstring dropped
+    fdef = ast.parse(textwrap.dedent(src)).body[0]
+    if not isinstance(fdef, ast.FunctionDef) or fdef.decorator_list:
+        return None
+    a = fdef.args
+    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+        if arg is not None:
+            arg.annotation = None
+    body = fdef.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(a) + "".join(ast.dump(st) for st in body)
+
+
+@cache
+def _same_computation(fn) -> bool:
+    # fn: the function under transformers' checkpointing wrapper (functools.wraps' __wrapped__)
+    try:
+        return _canon(inspect.getsource(inspect.unwrap(fn))) == _canon(_TEMPLATE)
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+
+
+def gpt2_block_forwards_(model: nn.Module) -> list[str]:
+    """Put :class:`GPT2BlockForward` on ``model``'s HF ``GPT2Block``s whose attention has a
+    ``GPT2AttentionForward`` (NOTE [GPT-2's block with its LayerNorms folded]); returns their
+    names."""
+    from slimgrad.convert_handlers.hf_attention import GPT2AttentionForward
+
+    hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
+    stock = getattr(getattr(hf, "GPT2Block", None), "forward", None)
+    if stock is None or not _same_computation(stock):
+        return []
+    names = []
+    for name, m in model.named_modules():
+        attn = getattr(m, "_modules", {}).get("attn")
+        if (
+            isinstance(m, hf.GPT2Block)
+            and type(m).forward is stock
+            and "forward" not in m.__dict__
+            and "crossattention" not in m._modules
+            and attn is not None
+            and type(attn.__dict__.get("forward")) is GPT2AttentionForward
+        ):
+            m.forward = GPT2BlockForward(m)
+            names.append(name)
+    return names

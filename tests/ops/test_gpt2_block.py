@@ -1,0 +1,281 @@
+"""GPT-2's block with its LayerNorms folded into the nodes after them (NOTE [GPT-2's block with its
+LayerNorms folded] in slimgrad/convert_handlers/hf_gpt2_block.py; NOTE [A LayerNorm folded into
+its consumer's node] in slimgrad/ops/gpt2_mlp.py): ln_1 + c_attn and ln_2 + the MLP run as one
+autograd node each, with the per-op converted model's loss, gradients, saved and peak bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import slimgrad
+import slimgrad.nn.gpt2_mlp as ngm
+import slimgrad.ops.gpt2_attention as oga
+from slimgrad import ownership
+from slimgrad.memory import estimate, measure
+
+transformers = pytest.importorskip("transformers")
+import slimgrad.convert_handlers.hf_gpt2_block as hb  # noqa: E402
+
+
+def _model(layers=2, width=32, **cfg):
+    c = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=4, vocab_size=97, n_positions=64,
+        bos_token_id=0, eos_token_id=0, **cfg,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return slimgrad.convert_(transformers.GPT2LMHeadModel(c))
+
+
+def _per_op(model):
+    # today's converted model: the blocks run HF's forward (per-op LayerNorms)
+    m = copy.deepcopy(model)
+    for blk in m.transformer.h:
+        blk.__dict__.pop("forward", None)
+    return m
+
+
+@pytest.fixture
+def folded(monkeypatch):
+    # calls of the two folded nodes: [ln_1 + c_attn, ln_2 + MLP]
+    n = [0, 0]
+    real_a, real_m = oga._GPT2_LN_CONV1D_APPLY, ngm._GPT2_LN_MLP_APPLY
+
+    def a(*args):
+        n[0] += 1
+        return real_a(*args)
+
+    def m(*args):
+        n[1] += 1
+        return real_m(*args)
+
+    monkeypatch.setattr(oga, "_GPT2_LN_CONV1D_APPLY", a)
+    monkeypatch.setattr(ngm, "_GPT2_LN_MLP_APPLY", m)
+    return n
+
+
+def _step(model, ids, mask=None):
+    torch.manual_seed(5)  # the dropout masks
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+def _assert_same(a, b):
+    (la, ga), (lb, gb) = a, b
+    assert torch.equal(la, lb)
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        assert torch.equal(ga[k], gb[k]), k
+
+
+def test_convert_puts_the_block_forward():
+    model = _model()
+    for blk in model.transformer.h:
+        assert type(blk.__dict__.get("forward")) is hb.GPT2BlockForward
+
+
+def test_another_hf_block_forward_keeps_hfs(monkeypatch):
+    # a release whose GPT2Block.forward computes something else (here: the residual add's
+    # operands swapped) keeps HF's forward; the attention's forward is still put
+    changed = hb._TEMPLATE.replace("attn_output + residual", "residual + attn_output")
+    assert changed != hb._TEMPLATE
+    monkeypatch.setattr(hb, "_TEMPLATE", changed)
+    hb._same_computation.cache_clear()
+    try:
+        model = _model()
+    finally:
+        hb._same_computation.cache_clear()
+    for blk in model.transformer.h:
+        assert "forward" not in blk.__dict__
+        assert "forward" in blk.attn.__dict__
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("frozen", [None, "ln_1", "ln_2", "c_attn", "c_fc", "wte", "all_ln"])
+def test_bits_as_per_op(train, frozen, folded):
+    model = _model().train(train)
+    if frozen == "wte":
+        model.transformer.wte.weight.requires_grad_(False)
+        model.transformer.wpe.weight.requires_grad_(False)
+    elif frozen is not None:
+        for blk in model.transformer.h:
+            if frozen == "all_ln":
+                ps = [*blk.ln_1.parameters(), *blk.ln_2.parameters()]
+            elif frozen == "c_attn":
+                ps = blk.attn.c_attn.parameters()
+            elif frozen == "c_fc":
+                ps = blk.mlp.c_fc.parameters()
+            else:
+                ps = getattr(blk, frozen).parameters()
+            for p in ps:
+                p.requires_grad_(False)
+    ids = torch.randint(0, 97, (2, 24))
+    ref = _step(_per_op(model), ids)
+    assert folded == [0, 0]
+    _assert_same(_step(model, ids), ref)
+    # train: both folds in each block; eval: the attention runs HF's forward (no dropout), the
+    # MLP's fold still applies
+    assert folded == ([2, 2] if train else [0, 2])
+
+
+def test_padding_mask_runs_the_attention_per_op_and_folds_the_mlp(folded):
+    model = _model().train()
+    ids = torch.randint(0, 97, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 17:] = 0
+    ref = _step(_per_op(model), ids, mask)
+    _assert_same(_step(model, ids, mask), ref)
+    assert folded == [0, 2]
+
+
+def test_fallback_channel_keeps_the_per_op_bytes_and_bits(folded):
+    # a gamma of 0: a fallback channel (ops/layer_norm.py), y not known kept after (x kept)
+    model = _model().train()
+    with torch.no_grad():
+        for blk in model.transformer.h:
+            blk.ln_1.weight[3] = 0.0
+            blk.ln_2.weight[5] = 0.0
+    ids = torch.randint(0, 97, (2, 24))
+    per_op = _per_op(model)
+    _assert_same(_step(model, ids), _step(per_op, ids))
+    assert folded == [2, 2]
+    a = measure(lambda: _loss(model, ids), module=model, timeline=False)
+    b = measure(lambda: _loss(per_op, ids), module=per_op, timeline=False)
+    assert (a.saved_bytes, a.peak_bytes) == (b.saved_bytes, b.peak_bytes)
+
+
+def _loss(model, ids):
+    torch.manual_seed(5)
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("where", ["ln_1", "ln_2", "attn", "mlp", "c_attn"])
+def test_a_hooked_child_runs_it_as_a_module(where, folded):
+    model = _model().train()
+    seen = []
+    for blk in model.transformer.h:
+        mod = blk.attn.c_attn if where == "c_attn" else getattr(blk, where)
+        mod.register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    ids = torch.randint(0, 97, (2, 24))
+    ref = _step(_per_op(model), ids)
+    n_ref = len(seen)
+    _assert_same(_step(model, ids), ref)
+    assert len(seen) == 2 * n_ref == 4  # the hook fired in both models, once per block
+    # a hooked LayerNorm, attention or MLP: HF's block forward; a hooked c_attn: only ln_1's fold
+    # is off
+    assert folded == {"c_attn": [0, 2]}.get(where, [0, 0])
+
+
+def test_hf_gradient_checkpointing_still_checkpoints(folded):
+    # transformers wraps GPT2Block's class forward to checkpoint it: the block forward steps
+    # aside while it is on (before: the folds ran unchecked, keeping every block's tensors)
+    model = _model().train()
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids = torch.randint(0, 97, (2, 24))
+    per_op = _per_op(model)
+    _assert_same(_step(model, ids), _step(per_op, ids))
+    assert folded == [0, 0]
+    a = measure(lambda: _loss(model, ids), module=model, timeline=False)
+    b = measure(lambda: _loss(per_op, ids), module=per_op, timeline=False)
+    assert (a.saved_bytes, a.peak_bytes) == (b.saved_bytes, b.peak_bytes)
+
+
+def test_plan_recompute_takes_the_folds(folded):
+    # a block recomputed by torch.utils.checkpoint around the block's call (slimgrad.plan's
+    # lean+recompute does the same): the recompute takes the same nodes
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model().train()
+    per_op = _per_op(model)
+    for m in (model, per_op):
+        for blk in m.transformer.h:
+            call = blk.forward
+
+            def fwd(*a, _call=call, **k):
+                return checkpoint(_call, *a, use_reentrant=False, **k)
+
+            blk.forward = fwd
+    ids = torch.randint(0, 97, (2, 24))
+    ref = _step(per_op, ids)
+    assert folded == [0, 0]
+    _assert_same(_step(model, ids), ref)
+    assert folded == [4, 4]  # forward and recompute
+
+
+def test_not_while_compiling(folded, monkeypatch):
+    # compiling() is the first check (Dynamo folds it): HF's forward, the per-op path
+    import slimgrad.convert_handlers.hf_attention as hfa
+
+    model = _model().train()
+    ids = torch.randint(0, 97, (2, 24))
+    ref = _step(_per_op(model), ids)
+    monkeypatch.setattr(hb, "compiling", lambda: True)
+    monkeypatch.setattr(hfa, "compiling", lambda: True)
+    _assert_same(_step(model, ids), ref)
+    assert folded == [0, 0]
+
+
+def _python_nodes(loss) -> int:
+    # the autograd graph's nodes made by Python Functions (each a Python backward call)
+    seen, todo, n = set(), [loss.grad_fn], 0
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        n += type(f).__name__.endswith("Backward") and hasattr(f, "saved_tensors")
+        todo.extend(g for g, _ in f.next_functions)
+    return n
+
+
+def test_three_python_nodes_per_block_where_there_were_four():
+    model = _model(layers=3).train()
+    ids = torch.randint(0, 97, (2, 24))
+    n_fold = _python_nodes(_loss(model, ids))
+    n_per_op = _python_nodes(_loss(_per_op(model), ids))
+    # per block: ln_1, attention, ln_2, MLP -> ln_1 + c_attn, attention, ln_2 + MLP
+    assert n_per_op - n_fold == 3
+
+
+def _make(layers, width, tokens, batch, fold):
+    def make():
+        model = _model(layers, width).train()
+        if not fold:
+            model = _per_op(model)
+        ids = torch.randint(0, 97, (batch, tokens))
+        return (lambda: _loss(model, ids)), model
+
+    return make
+
+
+@pytest.mark.parametrize("shape", [(2, 32, 24, 2), (12, 64, 16, 1)])
+def test_bytes_as_per_op_and_the_estimate_is_the_step(shape, folded):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    out = {}
+    for fold in (False, True):
+        make = _make(*shape, fold)
+        forward, model = make()
+        forward().backward()  # warm-up: one-time tables stay out of the measured step
+        for p in model.parameters():
+            p.grad = None
+        ownership.reset_reuse_count()
+        real = measure(forward, module=model, timeline=False)
+        granted = ownership.reuse_count()
+        FakeTensorMode.cache_clear()
+        ownership.reset_reuse_count()
+        est = estimate(make, timeline=False)
+        assert ownership.reuse_count() == granted
+        assert (est.peak_bytes, est.saved_bytes) == (real.peak_bytes, real.saved_bytes)
+        out[fold] = real
+    assert folded == [3 * shape[0]] * 2  # warm-up, measured step and estimate took the folds
+    a, b = out[True], out[False]
+    assert a.saved_bytes == b.saved_bytes
+    assert a.peak_bytes <= b.peak_bytes
+    assert a.forward_peak_bytes <= b.forward_peak_bytes
