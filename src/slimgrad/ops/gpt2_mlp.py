@@ -216,38 +216,14 @@ def layer_norm_forward(n, x, arg, weight, bias, eps: float, y_kept_after: bool, 
 
 
 def layer_norm_backward(st: _Step, dy: torch.Tensor) -> tuple:
-    # TWIN: _LayerNormFn.backward's first-order body (ops/layer_norm.py) with dy granted: dy is
-    # the consumer's dx, made inside the block node, so nobody else holds it (NOTE [A LayerNorm
-    # folded into its consumer's node]); returns (dx, dweight, dbias)
+    # _LayerNormFn.backward's first-order body (ops/layer_norm.py first_order_bwd) with dy
+    # granted: dy is the consumer's dx, made inside the block node, so nobody else holds it
+    # (NOTE [A LayerNorm folded into its consumer's node]); returns (dx, dweight, dbias)
     y, mean, rstd, idx, xside, weight, bias = st.saved_tensors
     if y is None:  # x kept (_keep_x): eager's backward, which never reuses dy
         r = _ln._eager_bwd(st, dy, xside, mean, rstd, weight, bias)
         return r[0], r[2], r[3]
-    need = st.needs_input_grad
-    mask = [need[0], need[2], need[3]]
-    arg = st.arg
-    if mask[0] and _ln.owns_layout(dy, y):
-        lib = st.lib  # NOTE [The LayerNorm C backward, chosen in forward]
-        b = _backend._resolved[0]
-        if lib is None or type(y) is not _Tensor or (b != "auto" and b != "cpu"):
-            lib = None
-            if not y.is_cuda and b in _ln._NO_TRITON:
-                impl = _ln._bwd_cpu if y.is_cpu else _ln._bwd_torch
-            else:
-                impl = _ln._bwd_impl(y)
-                if idx is None:
-                    idx, xside = _ln._no_side(y, arg=arg)
-        if lib is not None:
-            dx, dw, db = _ln._bwd_cpu(
-                dy, y, mean, rstd, idx, xside, weight, bias, arg, mask, dy, lib
-            )
-        else:
-            dx, dw, db = impl(dy, y, mean, rstd, idx, xside, weight, bias, arg, mask, out=dy)
-    else:
-        if idx is None:  # the op's schema takes tensors
-            idx, xside = _ln._no_side(y, arg=arg)
-        bwd = _ln._layer_norm_bwd.impl if straight() else _ln._layer_norm_bwd
-        dx, dw, db = bwd(dy, y, mean, rstd, idx, xside, weight, bias, arg, mask)
+    dx, dw, db, mask = _ln.first_order_bwd(st, dy, dy, y, mean, rstd, idx, xside, weight, bias)
     return (
         dx if mask[0] else None,
         dw if weight is not None and mask[1] else None,

@@ -752,40 +752,7 @@ class _LayerNormFn(torch.autograd.Function):
         # happens): NOTE [Gradient-buffer ownership] (ownership.take in one frame, after
         # take's compile check)
         buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
-        need = ctx.needs_input_grad
-        mask = [need[0], need[2], need[3]]
-        if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
-            mask[0]
-            and buf is not None
-            and buf.shape == y.shape
-            and buf.dtype == y.dtype
-            and buf.is_contiguous()
-        ):
-            lib = ctx.lib  # NOTE [The LayerNorm C backward, chosen in forward]
-            b = _backend._resolved[0]
-            if lib is None or type(y) is not _Tensor or (b != "auto" and b != "cpu"):
-                lib = None
-                # _bwd_impl(y), inline where it cannot pick Triton
-                if not y.is_cuda and b in _NO_TRITON:
-                    impl = _bwd_cpu if y.is_cpu else _bwd_torch
-                else:
-                    impl = _bwd_impl(y)
-                    if idx is None:
-                        idx, xside = _no_side(y, arg=ctx.arg)
-            if lib is not None:
-                dx, dw, db = _bwd_cpu(
-                    buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, buf, lib
-                )
-            else:
-                dx, dw, db = impl(
-                    buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf
-                )
-        else:  # the custom op, or its implementation past the gate (NOTE [One gate per call])
-            if idx is None:  # the op's schema takes tensors
-                idx, xside = _no_side(y, arg=ctx.arg)
-            dx, dw, db = (_layer_norm_bwd.impl if straight() else _layer_norm_bwd)(
-                dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask
-            )
+        dx, dw, db, mask = first_order_bwd(ctx, dy, buf, y, mean, rstd, idx, xside, weight, bias)
         return (
             dx if mask[0] else None,
             None,
@@ -795,6 +762,45 @@ class _LayerNormFn(torch.autograd.Function):
             None,
             None,
         )
+
+
+def first_order_bwd(ctx, dy, buf, y, mean, rstd, idx, xside, weight, bias) -> tuple:
+    """_LayerNormFn's first-order backward from y, shared with the GPT-2 MLP node's folded
+    LayerNorm (ops/gpt2_mlp.py): ``buf`` is dy where it was granted (dx may be written into it),
+    else None; returns (dx, dweight, dbias, mask)."""
+    need = ctx.needs_input_grad
+    mask = [need[0], need[2], need[3]]
+    if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
+        mask[0]
+        and buf is not None
+        and buf.shape == y.shape
+        and buf.dtype == y.dtype
+        and buf.is_contiguous()
+    ):
+        lib = ctx.lib  # NOTE [The LayerNorm C backward, chosen in forward]
+        b = _backend._resolved[0]
+        if lib is None or type(y) is not _Tensor or (b != "auto" and b != "cpu"):
+            lib = None
+            # _bwd_impl(y), inline where it cannot pick Triton
+            if not y.is_cuda and b in _NO_TRITON:
+                impl = _bwd_cpu if y.is_cpu else _bwd_torch
+            else:
+                impl = _bwd_impl(y)
+                if idx is None:
+                    idx, xside = _no_side(y, arg=ctx.arg)
+        if lib is not None:
+            dx, dw, db = _bwd_cpu(
+                buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, buf, lib
+            )
+        else:
+            dx, dw, db = impl(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf)
+    else:  # the custom op, or its implementation past the gate (NOTE [One gate per call])
+        if idx is None:  # the op's schema takes tensors
+            idx, xside = _no_side(y, arg=ctx.arg)
+        dx, dw, db = (_layer_norm_bwd.impl if straight() else _layer_norm_bwd)(
+            dy, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask
+        )
+    return dx, dw, db, mask
 
 
 class _LayerNormCompiledFn(_LayerNormFn):
