@@ -1095,6 +1095,86 @@ def _known_values(func, args, kwargs):
     return out if _index_values(outs) else None
 
 
+# NOTE [Fake tensors model the CPU conv backward's outputs]
+# aten's ``convolution_backward`` (ATen/native/Convolution.cpp) picks a backend with
+# ``select_conv_backend`` and returns what that backend returns. oneDNN's (``Mkldnn`` and
+# ``MkldnnTranspose``: ``mkldnn_convolution_backward`` and its transposed twin in
+# ATen/native/mkldnn/Conv.cpp) computes the weight and bias gradients in one primitive
+# (``convolution_backward_weights``), so whenever the bias gradient is asked (``output_mask[2]``)
+# it returns a weight gradient too, asked for or not, and convolution_backward hands it on. The
+# caller drops it (eager's ConvolutionBackward0 under a frozen weight; the dx-only call of
+# ops/conv.py's derived-input path), but it is an output: the tracker counts a weight-sized tensor
+# for that op, and where the op sets the peak the real step's peak was above the estimate by the
+# weight's bytes, since the fake (meta) kernel returns only what the mask asks (Conv-BN-ReLU x3,
+# 3x3 convs of 8 channels at 2x3x9x7, converted: 12,616 B real, 10,312 B estimated). The other CPU
+# backends (Slow2d/3d, SlowDilated2d/3d, SlowTranspose2d/3d, NNPACK, Empty) return what the mask
+# asks. So under fake tensors on CPU a convolution_backward that asks the bias gradient and not the
+# weight's asks both where the real call takes oneDNN, and the caller drops the weight gradient as
+# the real one does. The backend is torch's own choice: ``torch._C._select_conv_backend``, the
+# selector convolution_backward calls, given the same input, weight, parameters and bias sizes, so
+# it reads what the kernel reads (dtype, sizes, layout, groups, stride, dilation, transposed,
+# whether oneDNN is built and enabled in ``torch.backends.mkldnn``, the thread count of its 1x1
+# rule: estimate with the thread count the real step will have). The binding derives
+# ``need_backward`` from grad mode, which only admits XNNPACK and Winograd, inference-only
+# backends chosen after oneDNN. ``MkldnnTranspose`` has no Python name (torch/csrc/Module.cpp binds
+# the others of ConvUtils.h's ``ConvBackend``): it is the value after ``Mkldnn``, taken only while
+# ``MkldnnEmpty`` is the one after it. Without the selector (a private binding) or with another
+# enum layout, the estimate keeps the meta kernel's outputs (a peak up to one weight below the real
+# step's where such a call sets it), and ``slimgrad env`` names the feature off.
+# CUDA (``estimate(device="cuda")``): cuDNN and the 2-d depthwise kernel are handed a two-entry
+# mask and the bias gradient is ``grad_output.sum`` (Convolution.cpp), so they return what the mask
+# asks, as the meta kernel does, and nothing is added; the 3-d depthwise and slow CUDA kernels are
+# taken to do the same (not checked on a device). Not modelled on either device, and not seen by
+# the tracker on either side: what a backend allocates and frees inside the call (x and the
+# gradient made contiguous in its memory format, oneDNN's reorders, the slow backends' per-group
+# slices, cuDNN's workspace: NOTE [Intra-op workspace]).
+_CONV_BWD = torch.ops.aten.convolution_backward.default
+_CONV_BWD_ARGS = tuple(a.name for a in _CONV_BWD._schema.arguments)
+
+
+def _onednn_backends() -> frozenset[int] | None:
+    select = getattr(torch._C, "_select_conv_backend", None)
+    kinds = getattr(torch._C, "_ConvBackend", None)
+    members = getattr(kinds, "__members__", {})
+    if select is None or "Mkldnn" not in members or "MkldnnEmpty" not in members:
+        return None
+    mkldnn, empty = int(members["Mkldnn"]), int(members["MkldnnEmpty"])
+    if empty != mkldnn + 2 or any(int(v) == mkldnn + 1 for v in members.values()):
+        return None
+    return frozenset((mkldnn, mkldnn + 1))  # Mkldnn, MkldnnTranspose
+
+
+_ONEDNN_BACKENDS = _onednn_backends()
+
+
+def _conv_bwd_args(args: tuple, kwargs: dict) -> dict:
+    bound = dict(zip(_CONV_BWD_ARGS, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _onednn_backward(bound: dict) -> bool:
+    # NOTE [Fake tensors model the CPU conv backward's outputs]: whether the real call takes oneDNN
+    if _ONEDNN_BACKENDS is None:
+        return False
+    try:
+        backend = torch._C._select_conv_backend(
+            bound["input"],
+            bound["weight"],
+            None,
+            bound["stride"],
+            bound["padding"],
+            bound["dilation"],
+            bound["transposed"],
+            bound["output_padding"],
+            bound["groups"],
+            bound["bias_sizes"],
+        )
+    except (RuntimeError, TypeError):  # the op itself reports what is wrong with its arguments
+        return False
+    return int(backend) in _ONEDNN_BACKENDS
+
+
 class _KernelDispatch(TorchDispatchMode):
     # aten-level differences between fake kernels and the modelled device's kernels:
     # - ``_grouped_mm``'s meta kernel checks CUDA's bf16-only rule, which CPU's kernel (and CUDA's
@@ -1102,7 +1182,9 @@ class _KernelDispatch(TorchDispatchMode):
     #   dtype, its rows padded to 16 bytes (CPU's kernel pads them too: a 6 x 5 float32 output
     #   has strides (8, 1); the meta pads only in a CUDA build);
     # - CUDA's layer norm keeps float32 statistics for half inputs (NOTE [Estimating what CUDA
-    #   kernels keep]).
+    #   kernels keep]);
+    # - CPU's oneDNN convolution backward returns a weight gradient with every bias gradient
+    #   (NOTE [Fake tensors model the CPU conv backward's outputs]).
     def __init__(self, cuda: bool) -> None:
         super().__init__()
         self.cuda = cuda
@@ -1116,6 +1198,13 @@ class _KernelDispatch(TorchDispatchMode):
             offs = args[2] if len(args) > 2 else kwargs.get("offs")
             if a.dtype == b.dtype and a.dtype in _GROUPED_MM_DTYPES:
                 return _grouped_mm_out(a, b, offs)
+        if func is _CONV_BWD and not self.cuda:
+            # NOTE [Fake tensors model the CPU conv backward's outputs]
+            bound = _conv_bwd_args(args, kwargs)
+            mask = bound["output_mask"]
+            if mask[2] and not mask[1] and _onednn_backward(bound):
+                bound["output_mask"] = [mask[0], True, True]
+                return func(*(bound[name] for name in _CONV_BWD_ARGS))
         out = func(*args, **kwargs)
         if self.cuda and func is torch.ops.aten.native_layer_norm.default:
             y, mean, rstd = out
