@@ -67,16 +67,22 @@ PyTorch makes from Python numbers inside an op call (8 bytes each; autograd keep
 At the end of forward the autograd graph is walked from the output. Each node's saved tensors
 (``_raw_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions) and a custom Function's
 tensor attributes (``ctx.foo = t``: side buffers) name the node that keeps each storage; a storage
-kept by several nodes counts once. No ``saved_tensors_hooks`` are installed: they would change what
-is measured (a hook's unpacked tensor is a second reference, so an op that reuses a dead saved
-buffer, see NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``, could no longer prove it
-dead), and they do not nest with the hooks of the code being measured. Saved tensors packed by
-someone else's hooks (e.g. ``torch.utils.checkpoint``) are not unpacked by the walk, since
+kept by several nodes counts once. A ``CopySlices`` node (an in-place op on a view of a tensor that
+requires grad: ``x[:, 1:3].mul_(y)``, ``x[i] = v``) keeps the in-place op's own node
+(``CopySlices::fn``: MulBackward0, IndexPutBackward0, ...) and with it that node's saved tensors,
+but PyTorch binds no accessor for it, so the walk asks slimgrad's C++ extension for it
+(``copy_slices_fn``, NOTE [Storage facts from the C++ API]) and walks it as a node of the graph, its
+tensors attributed to the module of the CopySlices node; without the extension they are not counted
+(``saved_bytes`` below eager's keeping by them). No ``saved_tensors_hooks`` are installed: they
+would change what is measured (a hook's unpacked tensor is a second reference, so an op that reuses
+a dead saved buffer, see NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``, could no
+longer prove it dead), and they do not nest with the hooks of the code being measured. Saved tensors
+packed by someone else's hooks (e.g. ``torch.utils.checkpoint``) are not unpacked by the walk, since
 unpacking would recompute them; the tensors their packed objects hold (e.g. ``save_on_cpu``'s
 copies) count, what a hook keeps elsewhere (checkpoint's inputs, in its closure) shows only in
-``retained_bytes``. Module attribution: each
-module's forward post-hook claims the graph nodes created since its inputs (inner modules first),
-keyed by the nodes' sequence numbers; a storage belongs to the module of its earliest saver.
+``retained_bytes``. Module attribution: each module's forward post-hook claims the graph nodes
+created since its inputs (inner modules first), keyed by the nodes' sequence numbers; a storage
+belongs to the module of its earliest saver.
 
 # NOTE [The matmul-input floor]
 ``floor_bytes`` counts the storages created in the step and kept by at least one node of a
@@ -549,6 +555,8 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
     seen: set[int] = set()
     stack = list(roots)
     order: list[Any] = []
+    wrapped = _copy_slices_reader()  # NOTE [How saved bytes are counted]: CopySlices' own node
+    claim: dict[int, int] = {}  # id of a node a CopySlices wraps -> the CopySlices' sequence number
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -557,8 +565,13 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
         order.append(node)
         for nxt, _ in getattr(node, "next_functions", ()):
             stack.append(nxt)
+        if wrapped is not None and type(node).__name__ == "CopySlices":
+            inner = wrapped(node)
+            if inner is not None:
+                claim[id(inner)] = _seq(node)
+                stack.append(inner)
     for node in order:
-        saver = _Saver(type(node).__name__, _is_floor_node(node), _seq(node))
+        saver = _Saver(type(node).__name__, _is_floor_node(node), claim.get(id(node), _seq(node)))
         for t in _node_tensors(node):
             st = _storage(t)
             if st is None:
@@ -567,6 +580,12 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
             if all(sv.seq != saver.seq or sv.name != saver.name for sv in entry[1]):
                 entry[1].append(saver)
     return found
+
+
+def _copy_slices_reader() -> Callable[[Any], Any] | None:
+    from slimgrad import _ext
+
+    return getattr(_ext.load(), "copy_slices_fn", None)
 
 
 def _seq(node: Any) -> int:
