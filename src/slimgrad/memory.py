@@ -1374,7 +1374,10 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
     Args:
         make_forward: zero-argument callable, run under fake tensors, that builds the model and
             inputs (on CPU) and returns the ``forward`` callable for :func:`measure`, or a
-            ``(forward, module)`` pair.
+            ``(forward, module)`` pair. A model whose constructor reads tensor values (timm's
+            RegNet, ConvNeXt, ViT) is built before, on real tensors, and returned as ``module``:
+            its parameters' ``.grad`` are put back after the step (NOTE [A model built outside
+            the estimate]).
         device: whose kernels to model, one of :data:`DEVICES`. ``"cuda"``: the CPU tensors stand
             for CUDA tensors and the ops whose CUDA kernels keep something else run as those
             kernels would (fused SDPA, fused dropout, float32 layer-norm statistics; NOTE
@@ -1389,7 +1392,8 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
     Raises:
         ValueError: ``device`` is not one of :data:`DEVICES`.
         NotImplementedError: an output's size depends on tensor values (``nonzero``, boolean
-            indexing, ``.item()``), e.g. MoE routing: no exact estimate exists.
+            indexing, ``.item()``), e.g. MoE routing: no exact estimate exists; or
+            ``make_forward``'s build reads tensor values (build the model outside it).
     """
     from slimgrad.convert_handlers.device_rule import stands_for
 
@@ -1401,14 +1405,82 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
         )
     cuda = kind == "cuda"
     with contextlib.ExitStack() as stack:
-        stack.enter_context(fake_tensors(kind))
+        mode = stack.enter_context(fake_tensors(kind))
         if cuda:
             stack.enter_context(stands_for("cuda"))
             stack.enter_context(_CudaFunctions())
-        made = make_forward()
+        made = _build(make_forward)
         if isinstance(made, tuple):
             forward, module = made
             kwargs.setdefault("module", module)
         else:
             forward = made
-        return measure(forward, **kwargs)
+        # NOTE [A model built outside the estimate]: a real model's tensors stand in as fakes
+        module = kwargs.get("module")
+        swapped = [] if module is None else _fake_in_place(module, mode)
+        try:
+            return measure(forward, **kwargs)
+        finally:
+            for slots, name, t in swapped:
+                slots[name] = t
+
+
+def _fake_in_place(module: torch.nn.Module, mode: Any) -> list:
+    # NOTE [A model built outside the estimate]: each real parameter and buffer of ``module``'s
+    # tree, in its module's slot, replaced by a fake one (one per tensor: tied ones stay tied);
+    # returns (slots, name, real tensor) to put back
+    from torch._subclasses.fake_tensor import is_fake
+
+    fakes: dict[int, torch.Tensor] = {}
+    swapped = []
+    for sub in module.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for name, t in list(slots.items()):
+                if t is None or is_fake(t):
+                    continue
+                fake = fakes.get(id(t))
+                if fake is None:
+                    fake = mode.from_tensor(t, static_shapes=True)
+                    if isinstance(t, torch.nn.Parameter):
+                        fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+                    fakes[id(t)] = fake
+                swapped.append((slots, name, t))
+                slots[name] = fake
+    return swapped
+
+
+# NOTE [A model built outside the estimate]
+# Some constructors read tensor values while they build: timm's RegNet sizes its stages from
+# ``torch.unique`` of float widths and ``.item()``, ConvNeXt and ViT take drop-path rates from
+# ``torch.linspace(...).tolist()``. Fake tensors have no values, so such a build cannot run inside
+# ``make_forward``; the error says so (not the step's value-dependent sizes) and names the way
+# out: build the model before ``estimate``, on real tensors, and have ``make_forward`` make the
+# inputs and return ``(forward, model)``. For the step each real parameter and buffer in the
+# model's module slots is replaced by a fake one of the estimate's mode (one per tensor, so tied
+# weights stay tied; a Parameter stays a Parameter), and put back afterwards: the step is the one
+# a model built under fake tensors runs, and the real model keeps its values, buffers and
+# ``.grad``. Run on the real tensors instead, the step mixed them with fake ones: each use of a
+# real parameter made a fake copy with a storage of its own, so a view of a weight (the head's
+# ``weight.t()`` that addmm keeps, 1,472,000 B in regnety_002) counted as step bytes instead of a
+# parameter's, ``num_batches_tracked`` (a small integer tensor keeps its values: NOTE [Index
+# tensors keep their values under fake tensors]) was incremented for real, and the parameters were
+# left with fake gradients. A tensor held elsewhere than a module slot is not replaced. The figures
+# are the real step's (timm regnety_002 at 2x3x32x32, the bench case's small regnety_016, eager and
+# converted: estimate = measure).
+def _build(make_forward: Callable[[], Any]) -> Any:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    try:
+        return make_forward()
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise NotImplementedError(
+            "slimgrad.memory.estimate: make_forward reads tensor values while it builds, which "
+            f"fake tensors do not have; expected a build whose sizes need no values, got {e} "
+            "(e.g. timm RegNet's torch.unique of its widths, drop-path rates from "
+            "torch.linspace(...).tolist()). Build the model before estimate, on real tensors, "
+            "and return (forward, model) from make_forward (NOTE [A model built outside the "
+            "estimate])."
+        ) from e
