@@ -1395,6 +1395,8 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
             indexing, ``.item()``), e.g. MoE routing: no exact estimate exists; or
             ``make_forward``'s build reads tensor values (build the model outside it).
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from slimgrad.convert_handlers.device_rule import stands_for
 
     kind = device.type if isinstance(device, torch.device) else device
@@ -1417,26 +1419,36 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
             forward = made
         # NOTE [A model built outside the estimate]: a real model's tensors stand in as fakes
         module = kwargs.get("module")
-        swapped = [] if module is None else _fake_in_place(module, mode)
+        swapped, kept = ([], []) if module is None else _fake_in_place(module, mode)
         try:
             return measure(forward, **kwargs)
         finally:
             for slots, name, t in swapped:
                 slots[name] = t
+            with unset_fake_temporarily(), torch.no_grad():
+                for b, v in kept:
+                    if not torch.equal(b, v):
+                        b.copy_(v)
 
 
-def _fake_in_place(module: torch.nn.Module, mode: Any) -> list:
-    # NOTE [A model built outside the estimate]: each real parameter and buffer of ``module``'s
-    # tree, in its module's slot, replaced by a fake one (one per tensor: tied ones stay tied);
-    # returns (slots, name, real tensor) to put back
-    from torch._subclasses.fake_tensor import is_fake
+def _fake_in_place(module: torch.nn.Module, mode: Any) -> tuple[list, list]:
+    # NOTE [A model built outside the estimate]: each real parameter and floating buffer of
+    # ``module``'s tree, in its module's slot, replaced by a fake one (one per tensor: tied ones
+    # stay tied); returns (slots, name, real tensor) to put back, and (buffer, copy) of the real
+    # buffers that stay (index tensors) to write back
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
     fakes: dict[int, torch.Tensor] = {}
-    swapped = []
+    swapped, kept = [], []
     for sub in module.modules():
         for slots in (sub._parameters, sub._buffers):
             for name, t in list(slots.items()):
-                if t is None or is_fake(t):
+                if t is None or is_fake(t) or id(t) in fakes and fakes[id(t)] is t:
+                    continue
+                if slots is sub._buffers and not (t.is_floating_point() or t.is_complex()):
+                    with unset_fake_temporarily():
+                        kept.append((t, t.clone()))
+                    fakes[id(t)] = t
                     continue
                 fake = fakes.get(id(t))
                 if fake is None:
@@ -1446,27 +1458,30 @@ def _fake_in_place(module: torch.nn.Module, mode: Any) -> list:
                     fakes[id(t)] = fake
                 swapped.append((slots, name, t))
                 slots[name] = fake
-    return swapped
+    return swapped, kept
 
 
 # NOTE [A model built outside the estimate]
 # Some constructors read tensor values while they build: timm's RegNet sizes its stages from
 # ``torch.unique`` of float widths and ``.item()``, ConvNeXt and ViT take drop-path rates from
 # ``torch.linspace(...).tolist()``. Fake tensors have no values, so such a build cannot run inside
-# ``make_forward``; the error says so (not the step's value-dependent sizes) and names the way
-# out: build the model before ``estimate``, on real tensors, and have ``make_forward`` make the
-# inputs and return ``(forward, model)``. For the step each real parameter and buffer in the
+# ``make_forward``; the error says so (not the step's value-dependent sizes) and names the way out:
+# build the model before ``estimate``, on real tensors, and have ``make_forward`` make the inputs
+# and return ``(forward, model)``. For the step each real parameter and floating buffer in the
 # model's module slots is replaced by a fake one of the estimate's mode (one per tensor, so tied
-# weights stay tied; a Parameter stays a Parameter), and put back afterwards: the step is the one
-# a model built under fake tensors runs, and the real model keeps its values, buffers and
-# ``.grad``. Run on the real tensors instead, the step mixed them with fake ones: each use of a
-# real parameter made a fake copy with a storage of its own, so a view of a weight (the head's
-# ``weight.t()`` that addmm keeps, 1,472,000 B in regnety_002) counted as step bytes instead of a
-# parameter's, ``num_batches_tracked`` (a small integer tensor keeps its values: NOTE [Index
-# tensors keep their values under fake tensors]) was incremented for real, and the parameters were
-# left with fake gradients. A tensor held elsewhere than a module slot is not replaced. The figures
-# are the real step's (timm regnety_002 at 2x3x32x32, the bench case's small regnety_016, eager and
-# converted: estimate = measure).
+# weights stay tied; a Parameter stays a Parameter), and put back afterwards: the step is the one a
+# model built under fake tensors runs, and the real model keeps its values and ``.grad``. Integer
+# and bool buffers stay real, as they are in a model built under fake tensors (HF's
+# ``position_ids``, an ``arange``: NOTE [Index tensors keep their values under fake tensors]), and
+# are copied first and written back where the step changed them (``num_batches_tracked``). Run on
+# the real tensors instead, the step mixed them with fake ones: each use of a real parameter made a
+# fake copy with a storage of its own, so a view of a weight (the head's ``weight.t()`` that addmm
+# keeps, 1,472,000 B in regnety_002) counted as step bytes instead of a parameter's,
+# ``num_batches_tracked`` (a small integer tensor keeps its values: NOTE [Index tensors keep their
+# values under fake tensors]) was incremented for real, and the parameters were left with fake
+# gradients. A tensor held elsewhere than a module slot is not replaced. The figures are the real
+# step's (timm regnety_002 at 2x3x32x32, the bench case's small regnety_016, eager and converted:
+# estimate = measure).
 def _build(make_forward: Callable[[], Any]) -> Any:
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
