@@ -264,6 +264,21 @@ def _dense_check() -> Feature:
     )
 
 
+def _conv_backend() -> Feature:
+    from slimgrad import memory  # NOTE [Fake tensors model the CPU conv backward's outputs]
+
+    ok = memory._ONEDNN_BACKENDS is not None
+    return Feature(
+        "estimate of oneDNN conv backward outputs",
+        ok,
+        "torch._C._select_conv_backend present"
+        if ok
+        else "torch._C._select_conv_backend or its backend enum differs: memory.estimate's peak "
+        "can be one conv weight below the real CPU step's where a frozen-weight conv with a bias "
+        "sets it",
+    )
+
+
 _FEATURES: tuple[Callable[[], Feature], ...] = (
     _ownership,
     _forward_writes,
@@ -276,6 +291,7 @@ _FEATURES: tuple[Callable[[], Feature], ...] = (
     _ctx_fields,
     _modes_aside,
     _dense_check,
+    _conv_backend,
 )
 
 

@@ -67,16 +67,22 @@ PyTorch makes from Python numbers inside an op call (8 bytes each; autograd keep
 At the end of forward the autograd graph is walked from the output. Each node's saved tensors
 (``_raw_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions) and a custom Function's
 tensor attributes (``ctx.foo = t``: side buffers) name the node that keeps each storage; a storage
-kept by several nodes counts once. No ``saved_tensors_hooks`` are installed: they would change what
-is measured (a hook's unpacked tensor is a second reference, so an op that reuses a dead saved
-buffer, see NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``, could no longer prove it
-dead), and they do not nest with the hooks of the code being measured. Saved tensors packed by
-someone else's hooks (e.g. ``torch.utils.checkpoint``) are not unpacked by the walk, since
+kept by several nodes counts once. A ``CopySlices`` node (an in-place op on a view of a tensor that
+requires grad: ``x[:, 1:3].mul_(y)``, ``x[i] = v``) keeps the in-place op's own node
+(``CopySlices::fn``: MulBackward0, IndexPutBackward0, ...) and with it that node's saved tensors,
+but PyTorch binds no accessor for it, so the walk asks slimgrad's C++ extension for it
+(``copy_slices_fn``, NOTE [Storage facts from the C++ API]) and walks it as a node of the graph, its
+tensors attributed to the module of the CopySlices node; without the extension they are not counted
+(``saved_bytes`` below eager's keeping by them). No ``saved_tensors_hooks`` are installed: they
+would change what is measured (a hook's unpacked tensor is a second reference, so an op that reuses
+a dead saved buffer, see NOTE [Gradient-buffer ownership] in ``slimgrad/ownership.py``, could no
+longer prove it dead), and they do not nest with the hooks of the code being measured. Saved tensors
+packed by someone else's hooks (e.g. ``torch.utils.checkpoint``) are not unpacked by the walk, since
 unpacking would recompute them; the tensors their packed objects hold (e.g. ``save_on_cpu``'s
 copies) count, what a hook keeps elsewhere (checkpoint's inputs, in its closure) shows only in
-``retained_bytes``. Module attribution: each
-module's forward post-hook claims the graph nodes created since its inputs (inner modules first),
-keyed by the nodes' sequence numbers; a storage belongs to the module of its earliest saver.
+``retained_bytes``. Module attribution: each module's forward post-hook claims the graph nodes
+created since its inputs (inner modules first), keyed by the nodes' sequence numbers; a storage
+belongs to the module of its earliest saver.
 
 # NOTE [The matmul-input floor]
 ``floor_bytes`` counts the storages created in the step and kept by at least one node of a
@@ -549,6 +555,8 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
     seen: set[int] = set()
     stack = list(roots)
     order: list[Any] = []
+    wrapped = _copy_slices_reader()  # NOTE [How saved bytes are counted]: CopySlices' own node
+    claim: dict[int, int] = {}  # id of a node a CopySlices wraps -> the CopySlices' sequence number
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -557,8 +565,13 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
         order.append(node)
         for nxt, _ in getattr(node, "next_functions", ()):
             stack.append(nxt)
+        if wrapped is not None and type(node).__name__ == "CopySlices":
+            inner = wrapped(node)
+            if inner is not None:
+                claim[id(inner)] = _seq(node)
+                stack.append(inner)
     for node in order:
-        saver = _Saver(type(node).__name__, _is_floor_node(node), _seq(node))
+        saver = _Saver(type(node).__name__, _is_floor_node(node), claim.get(id(node), _seq(node)))
         for t in _node_tensors(node):
             st = _storage(t)
             if st is None:
@@ -567,6 +580,12 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
             if all(sv.seq != saver.seq or sv.name != saver.name for sv in entry[1]):
                 entry[1].append(saver)
     return found
+
+
+def _copy_slices_reader() -> Callable[[Any], Any] | None:
+    from slimgrad import _ext
+
+    return getattr(_ext.load(), "copy_slices_fn", None)
 
 
 def _seq(node: Any) -> int:
@@ -1095,6 +1114,86 @@ def _known_values(func, args, kwargs):
     return out if _index_values(outs) else None
 
 
+# NOTE [Fake tensors model the CPU conv backward's outputs]
+# aten's ``convolution_backward`` (ATen/native/Convolution.cpp) picks a backend with
+# ``select_conv_backend`` and returns what that backend returns. oneDNN's (``Mkldnn`` and
+# ``MkldnnTranspose``: ``mkldnn_convolution_backward`` and its transposed twin in
+# ATen/native/mkldnn/Conv.cpp) computes the weight and bias gradients in one primitive
+# (``convolution_backward_weights``), so whenever the bias gradient is asked (``output_mask[2]``)
+# it returns a weight gradient too, asked for or not, and convolution_backward hands it on. The
+# caller drops it (eager's ConvolutionBackward0 under a frozen weight; the dx-only call of
+# ops/conv.py's derived-input path), but it is an output: the tracker counts a weight-sized tensor
+# for that op, and where the op sets the peak the real step's peak was above the estimate by the
+# weight's bytes, since the fake (meta) kernel returns only what the mask asks (Conv-BN-ReLU x3,
+# 3x3 convs of 8 channels at 2x3x9x7, converted: 12,616 B real, 10,312 B estimated). The other CPU
+# backends (Slow2d/3d, SlowDilated2d/3d, SlowTranspose2d/3d, NNPACK, Empty) return what the mask
+# asks. So under fake tensors on CPU a convolution_backward that asks the bias gradient and not the
+# weight's asks both where the real call takes oneDNN, and the caller drops the weight gradient as
+# the real one does. The backend is torch's own choice: ``torch._C._select_conv_backend``, the
+# selector convolution_backward calls, given the same input, weight, parameters and bias sizes, so
+# it reads what the kernel reads (dtype, sizes, layout, groups, stride, dilation, transposed,
+# whether oneDNN is built and enabled in ``torch.backends.mkldnn``, the thread count of its 1x1
+# rule: estimate with the thread count the real step will have). The binding derives
+# ``need_backward`` from grad mode, which only admits XNNPACK and Winograd, inference-only
+# backends chosen after oneDNN. ``MkldnnTranspose`` has no Python name (torch/csrc/Module.cpp binds
+# the others of ConvUtils.h's ``ConvBackend``): it is the value after ``Mkldnn``, taken only while
+# ``MkldnnEmpty`` is the one after it. Without the selector (a private binding) or with another
+# enum layout, the estimate keeps the meta kernel's outputs (a peak up to one weight below the real
+# step's where such a call sets it), and ``slimgrad env`` names the feature off.
+# CUDA (``estimate(device="cuda")``): cuDNN and the 2-d depthwise kernel are handed a two-entry
+# mask and the bias gradient is ``grad_output.sum`` (Convolution.cpp), so they return what the mask
+# asks, as the meta kernel does, and nothing is added; the 3-d depthwise and slow CUDA kernels are
+# taken to do the same (not checked on a device). Not modelled on either device, and not seen by
+# the tracker on either side: what a backend allocates and frees inside the call (x and the
+# gradient made contiguous in its memory format, oneDNN's reorders, the slow backends' per-group
+# slices, cuDNN's workspace: NOTE [Intra-op workspace]).
+_CONV_BWD = torch.ops.aten.convolution_backward.default
+_CONV_BWD_ARGS = tuple(a.name for a in _CONV_BWD._schema.arguments)
+
+
+def _onednn_backends() -> frozenset[int] | None:
+    select = getattr(torch._C, "_select_conv_backend", None)
+    kinds = getattr(torch._C, "_ConvBackend", None)
+    members = getattr(kinds, "__members__", {})
+    if select is None or "Mkldnn" not in members or "MkldnnEmpty" not in members:
+        return None
+    mkldnn, empty = int(members["Mkldnn"]), int(members["MkldnnEmpty"])
+    if empty != mkldnn + 2 or any(int(v) == mkldnn + 1 for v in members.values()):
+        return None
+    return frozenset((mkldnn, mkldnn + 1))  # Mkldnn, MkldnnTranspose
+
+
+_ONEDNN_BACKENDS = _onednn_backends()
+
+
+def _conv_bwd_args(args: tuple, kwargs: dict) -> dict:
+    bound = dict(zip(_CONV_BWD_ARGS, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _onednn_backward(bound: dict) -> bool:
+    # NOTE [Fake tensors model the CPU conv backward's outputs]: whether the real call takes oneDNN
+    if _ONEDNN_BACKENDS is None:
+        return False
+    try:
+        backend = torch._C._select_conv_backend(
+            bound["input"],
+            bound["weight"],
+            None,
+            bound["stride"],
+            bound["padding"],
+            bound["dilation"],
+            bound["transposed"],
+            bound["output_padding"],
+            bound["groups"],
+            bound["bias_sizes"],
+        )
+    except (RuntimeError, TypeError):  # the op itself reports what is wrong with its arguments
+        return False
+    return int(backend) in _ONEDNN_BACKENDS
+
+
 class _KernelDispatch(TorchDispatchMode):
     # aten-level differences between fake kernels and the modelled device's kernels:
     # - ``_grouped_mm``'s meta kernel checks CUDA's bf16-only rule, which CPU's kernel (and CUDA's
@@ -1102,7 +1201,9 @@ class _KernelDispatch(TorchDispatchMode):
     #   dtype, its rows padded to 16 bytes (CPU's kernel pads them too: a 6 x 5 float32 output
     #   has strides (8, 1); the meta pads only in a CUDA build);
     # - CUDA's layer norm keeps float32 statistics for half inputs (NOTE [Estimating what CUDA
-    #   kernels keep]).
+    #   kernels keep]);
+    # - CPU's oneDNN convolution backward returns a weight gradient with every bias gradient
+    #   (NOTE [Fake tensors model the CPU conv backward's outputs]).
     def __init__(self, cuda: bool) -> None:
         super().__init__()
         self.cuda = cuda
@@ -1116,6 +1217,13 @@ class _KernelDispatch(TorchDispatchMode):
             offs = args[2] if len(args) > 2 else kwargs.get("offs")
             if a.dtype == b.dtype and a.dtype in _GROUPED_MM_DTYPES:
                 return _grouped_mm_out(a, b, offs)
+        if func is _CONV_BWD and not self.cuda:
+            # NOTE [Fake tensors model the CPU conv backward's outputs]
+            bound = _conv_bwd_args(args, kwargs)
+            mask = bound["output_mask"]
+            if mask[2] and not mask[1] and _onednn_backward(bound):
+                bound["output_mask"] = [mask[0], True, True]
+                return func(*(bound[name] for name in _CONV_BWD_ARGS))
         out = func(*args, **kwargs)
         if self.cuda and func is torch.ops.aten.native_layer_norm.default:
             y, mean, rstd = out
@@ -1266,7 +1374,10 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
     Args:
         make_forward: zero-argument callable, run under fake tensors, that builds the model and
             inputs (on CPU) and returns the ``forward`` callable for :func:`measure`, or a
-            ``(forward, module)`` pair.
+            ``(forward, module)`` pair. A model whose constructor reads tensor values (timm's
+            RegNet, ConvNeXt, ViT) is built before, on real tensors, and returned as ``module``:
+            its parameters' ``.grad`` are put back after the step (NOTE [A model built outside
+            the estimate]).
         device: whose kernels to model, one of :data:`DEVICES`. ``"cuda"``: the CPU tensors stand
             for CUDA tensors and the ops whose CUDA kernels keep something else run as those
             kernels would (fused SDPA, fused dropout, float32 layer-norm statistics; NOTE
@@ -1281,8 +1392,11 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
     Raises:
         ValueError: ``device`` is not one of :data:`DEVICES`.
         NotImplementedError: an output's size depends on tensor values (``nonzero``, boolean
-            indexing, ``.item()``), e.g. MoE routing: no exact estimate exists.
+            indexing, ``.item()``), e.g. MoE routing: no exact estimate exists; or
+            ``make_forward``'s build reads tensor values (build the model outside it).
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from slimgrad.convert_handlers.device_rule import stands_for
 
     kind = device.type if isinstance(device, torch.device) else device
@@ -1293,14 +1407,95 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
         )
     cuda = kind == "cuda"
     with contextlib.ExitStack() as stack:
-        stack.enter_context(fake_tensors(kind))
+        mode = stack.enter_context(fake_tensors(kind))
         if cuda:
             stack.enter_context(stands_for("cuda"))
             stack.enter_context(_CudaFunctions())
-        made = make_forward()
+        made = _build(make_forward)
         if isinstance(made, tuple):
             forward, module = made
             kwargs.setdefault("module", module)
         else:
             forward = made
-        return measure(forward, **kwargs)
+        # NOTE [A model built outside the estimate]: a real model's tensors stand in as fakes
+        module = kwargs.get("module")
+        swapped, kept = ([], []) if module is None else _fake_in_place(module, mode)
+        try:
+            return measure(forward, **kwargs)
+        finally:
+            for slots, name, t in swapped:
+                slots[name] = t
+            with unset_fake_temporarily(), torch.no_grad():
+                for b, v in kept:
+                    if not torch.equal(b, v):
+                        b.copy_(v)
+
+
+def _fake_in_place(module: torch.nn.Module, mode: Any) -> tuple[list, list]:
+    # NOTE [A model built outside the estimate]: each real parameter and floating buffer of
+    # ``module``'s tree, in its module's slot, replaced by a fake one (one per tensor: tied ones
+    # stay tied); returns (slots, name, real tensor) to put back, and (buffer, copy) of the real
+    # buffers that stay (index tensors) to write back
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    fakes: dict[int, torch.Tensor] = {}
+    swapped, kept = [], []
+    for sub in module.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for name, t in list(slots.items()):
+                if t is None or is_fake(t) or id(t) in fakes and fakes[id(t)] is t:
+                    continue
+                if slots is sub._buffers and not (t.is_floating_point() or t.is_complex()):
+                    with unset_fake_temporarily():
+                        kept.append((t, t.clone()))
+                    fakes[id(t)] = t
+                    continue
+                fake = fakes.get(id(t))
+                if fake is None:
+                    fake = mode.from_tensor(t, static_shapes=True)
+                    if isinstance(t, torch.nn.Parameter):
+                        fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+                    fakes[id(t)] = fake
+                swapped.append((slots, name, t))
+                slots[name] = fake
+    return swapped, kept
+
+
+# NOTE [A model built outside the estimate]
+# Some constructors read tensor values while they build: timm's RegNet sizes its stages from
+# ``torch.unique`` of float widths and ``.item()``, ConvNeXt and ViT take drop-path rates from
+# ``torch.linspace(...).tolist()``. Fake tensors have no values, so such a build cannot run inside
+# ``make_forward``; the error says so (not the step's value-dependent sizes) and names the way out:
+# build the model before ``estimate``, on real tensors, and have ``make_forward`` make the inputs
+# and return ``(forward, model)``. For the step each real parameter and floating buffer in the
+# model's module slots is replaced by a fake one of the estimate's mode (one per tensor, so tied
+# weights stay tied; a Parameter stays a Parameter), and put back afterwards: the step is the one a
+# model built under fake tensors runs, and the real model keeps its values and ``.grad``. Integer
+# and bool buffers stay real, as they are in a model built under fake tensors (HF's
+# ``position_ids``, an ``arange``: NOTE [Index tensors keep their values under fake tensors]), and
+# are copied first and written back where the step changed them (``num_batches_tracked``). Run on
+# the real tensors instead, the step mixed them with fake ones: each use of a real parameter made a
+# fake copy with a storage of its own, so a view of a weight (the head's ``weight.t()`` that addmm
+# keeps, 1,472,000 B in regnety_002) counted as step bytes instead of a parameter's,
+# ``num_batches_tracked`` (a small integer tensor keeps its values: NOTE [Index tensors keep their
+# values under fake tensors]) was incremented for real, and the parameters were left with fake
+# gradients. A tensor held elsewhere than a module slot is not replaced. The figures are the real
+# step's (timm regnety_002 at 2x3x32x32, the bench case's small regnety_016, eager and converted:
+# estimate = measure).
+def _build(make_forward: Callable[[], Any]) -> Any:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    try:
+        return make_forward()
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise NotImplementedError(
+            "slimgrad.memory.estimate: make_forward reads tensor values while it builds, which "
+            f"fake tensors do not have; expected a build whose sizes need no values, got {e} "
+            "(e.g. timm RegNet's torch.unique of its widths, drop-path rates from "
+            "torch.linspace(...).tolist()). Build the model before estimate, on real tensors, "
+            "and return (forward, model) from make_forward (NOTE [A model built outside the "
+            "estimate])."
+        ) from e

@@ -36,7 +36,9 @@ The same module has ``call_origin``, for slimgrad.memory's tracker only (never o
 step's path): whether the op being counted was called by C++ code the autograd engine runs, by a
 custom Function's Python backward or by other Python code, read from the Python frames below
 ``__torch_dispatch__`` with CPython's public frame API (PyEval_GetFrame, PyFrame_GetBack,
-PyFrame_GetCode), so slimgrad's Python code reads no frame (NOTE [How live bytes are counted]).
+PyFrame_GetCode), so slimgrad's Python code reads no frame (NOTE [How live bytes are counted]),
+and ``copy_slices_fn``, the node a ``CopySlices`` node wraps (``CopySlices::fn``, which torch
+binds no accessor for), for the tracker's graph walk (NOTE [How saved bytes are counted]).
 
 # NOTE [Backward bodies from C++]
 ``backward.cpp`` (built into the same module) issues a few backward bodies' ATen ops from C++, so

@@ -3,7 +3,9 @@
 // return a tuple of ints about the tensor and its storage; they create no storage object and no
 // tensor, and take no reference that would show in the counts they read (the tensor argument is
 // borrowed). ``call_origin`` serves slimgrad.memory's tracker (below).
+#include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
@@ -443,6 +445,27 @@ PyObject* call_origin(PyObject* /*self*/, PyObject* args) {
   return PyLong_FromLong(origin);
 }
 
+// The node a CopySlices node wraps (NOTE [How saved bytes are counted] in slimgrad/memory.py): the
+// in-place op's own node (``CopySlices::fn``, torch/csrc/autograd/functions/tensor.h), whose saved
+// tensors autograd keeps and for which torch binds no accessor; None for any other object. Only the
+// tracker's graph walk calls it.
+PyObject* copy_slices_fn(PyObject* /*self*/, PyObject* arg) {
+  if (!torch::autograd::THPCppFunction_Check(arg)) {
+    Py_RETURN_NONE;
+  }
+  try {
+    auto* cpp = reinterpret_cast<torch::autograd::THPCppFunction*>(arg);
+    auto* slices = dynamic_cast<torch::autograd::CopySlices*>(cpp->cdata.get());
+    if (slices == nullptr || !slices->fn) {
+      Py_RETURN_NONE;
+    }
+    return torch::autograd::functionToPyObject(slices->fn);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 PyMethodDef methods[] = {
     {"facts", facts, METH_O, "Storage facts of a tensor (slimgrad.ownership)."},
     {"plain_facts", plain_facts, METH_VARARGS,
@@ -458,6 +481,8 @@ PyMethodDef methods[] = {
     {"call_origin", call_origin, METH_VARARGS,
      "Who called the op being counted: 0 Python, 1 the engine, 2 a Function's backward "
      "(slimgrad.memory)."},
+    {"copy_slices_fn", copy_slices_fn, METH_O,
+     "The node a CopySlices node wraps, else None (slimgrad.memory)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {

@@ -41,23 +41,54 @@ def packed_numel(numel: int) -> int:
     return (numel + 7) // 8
 
 
-def _cacheable(t: torch.Tensor) -> bool:
-    # never cache (nor reuse a cached table for) fake tensors: slimgrad.memory.estimate runs the
-    # ops under FakeTensorMode
-    return type(t) is torch.Tensor
+# NOTE [Bit tables outside every step]
+# The unpacking tables (``unpack_bits``'s 256 int64 rows, ``unpack_mask``'s eight shifts) depend
+# only on the device: they are built once per device and cached, with the dispatch modes set
+# aside (as slimgrad/_math/smooth.py builds its tables), so they are process constants, never part
+# of a step that ``slimgrad.memory.measure`` or ``estimate`` counts. Built inside the step instead,
+# a real first step counted the 2,048 B table as made and kept (by the cache) while the estimate,
+# whose fake tensors never used the cache, made it and freed it after one use: timm
+# mobilenetv3_large_100's small bench model (first step of a process) estimated 2,048 B below the
+# real step's peak. Fake tensors of a mode that takes real inputs (``memory.estimate``'s) read the
+# same cached real tables, on CPU (the device every estimate runs on). Other fake tensors, and
+# torch.compile's tracing, build a table for the call as before; without the private
+# ``_disable_current_modes`` real tensors cache a table made in whichever step first needs it.
+try:
+    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
+except ImportError:  # pragma: no cover - depends on the torch release
+    _modes_aside = None
 
 
-def _spread(device: torch.device, like: torch.Tensor) -> torch.Tensor:
-    t = _SPREAD.get(device) if _cacheable(like) else None
+def _table(cache: dict, like: torch.Tensor, build) -> torch.Tensor:
+    # NOTE [Bit tables outside every step]: ``build(device)`` once per device, outside the modes
+    device = like.device
+    if type(like) is not torch.Tensor and not (
+        _modes_aside is not None
+        and device.type == "cpu"
+        and getattr(getattr(like, "fake_mode", None), "allow_non_fake_inputs", False)
+    ):
+        return build(device)  # another fake tensor: no real table in its ops
+    t = cache.get(device)
     if t is None:
-        v = torch.arange(256, dtype=torch.int64, device=device)
-        bits = (v.unsqueeze(1) >> torch.arange(8, device=device)) & 1  # bit i of v in byte i
-        t = bits.to(torch.uint8).view(torch.int64).reshape(256)
-        # made for a fake ``like``, it is real too (NOTE [Index tensors keep their values under
-        # fake tensors] in slimgrad/memory.py) but not cached: the estimate's step made it
-        if _cacheable(like) and _cacheable(t):
-            _SPREAD[device] = t
+        if _modes_aside is None or torch.compiler.is_compiling():
+            t = build(device)
+            if type(like) is torch.Tensor and type(t) is torch.Tensor:
+                cache[device] = t
+            return t
+        with _modes_aside():
+            t = build(device)
+        cache[device] = t
     return t
+
+
+def _build_spread(device: torch.device) -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.int64, device=device)
+    bits = (v.unsqueeze(1) >> torch.arange(8, device=device)) & 1  # bit i of v in byte i
+    return bits.to(torch.uint8).view(torch.int64).reshape(256)
+
+
+def _build_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -118,7 +149,7 @@ def pack_nonzero(t: torch.Tensor) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: a 1-D bool tensor of ``numel`` elements (one temporary byte
     per element)."""
-    spread = _spread(packed.device, packed).index_select(0, packed.to(torch.int32))
+    spread = _table(_SPREAD, packed, _build_spread).index_select(0, packed.to(torch.int32))
     return spread.view(torch.uint8)[:numel].view(torch.bool)
 
 
@@ -127,11 +158,7 @@ def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
     each packed byte shifted right by 0..7 into its 8 mask bytes, then ``& 1`` in place, where
     :func:`unpack_bits` also holds an int32 copy of the packed bytes (4 B per 8 elements) and
     selects 8-byte table rows (the mask's bytes as int64)."""
-    sh = _SHIFTS.get(packed.device) if _cacheable(packed) else None
-    if sh is None:
-        sh = torch.arange(8, dtype=torch.uint8, device=packed.device)
-        if _cacheable(packed) and _cacheable(sh):
-            _SHIFTS[packed.device] = sh
+    sh = _table(_SHIFTS, packed, _build_shifts)
     m = torch.bitwise_right_shift(packed.unsqueeze(1), sh).bitwise_and_(1)
     return m.view(-1)[:numel].view(torch.bool)
 

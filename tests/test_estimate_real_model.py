@@ -1,0 +1,83 @@
+"""``slimgrad.memory.estimate`` of a model whose constructor reads tensor values (NOTE [A model
+built outside the estimate] in slimgrad/memory.py): timm's RegNet cannot be built under fake
+tensors (``torch.unique`` of its widths); the error says so and names the way out, and a model built
+before the estimate on real tensors gives the real step's figures and keeps its parameters'
+gradients and buffers as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimgrad.bench.cases.models import slim_copy
+from slimgrad.bench.cases.timm import eager_timm
+from slimgrad.memory import estimate, measure
+from tests.conformance._timm_shim import timm  # noqa: F401  (the shim the bench builders need)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _regnet(side):
+    # the bench case timm_regnety_016's small model (regnety_002 at 2x3x32x32) and its loss
+    torch.manual_seed(0)
+    eager, make_inputs = eager_timm("regnety_016", "cpu", torch.float32, small=True)
+    return (slim_copy(eager) if side == "slimgrad" else eager), make_inputs
+
+
+def test_a_build_that_reads_values_gets_an_error_naming_the_way_out():
+    def make():
+        model, make_inputs = _regnet("eager")
+        x, y = make_inputs()
+        return (lambda: model(x, y)), model
+
+    with pytest.raises(NotImplementedError) as err:
+        estimate(make, timeline=False)
+    msg = str(err.value)
+    assert msg.startswith("slimgrad.memory.estimate: make_forward reads tensor values while it ")
+    assert "_unique2" in msg and "Build the model before estimate, on real tensors" in msg
+
+
+@pytest.mark.parametrize("side", ["eager", "slimgrad"])
+def test_a_model_built_outside_gives_the_real_step(side):
+    model, make_inputs = _regnet(side)
+    grads = {n: None for n, _ in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+
+    def make():
+        torch.manual_seed(1)
+        x, y = make_inputs()
+        return (lambda: model(x, y)), model
+
+    est = estimate(make, timeline=False)
+    assert {n: p.grad for n, p in model.named_parameters()} == grads
+    for n, b in model.named_buffers():
+        assert type(b) is torch.Tensor and torch.equal(b, buffers[n]), n
+    forward, module = make()
+    real = measure(forward, module=module, timeline=False)
+    assert (est.peak_bytes, est.saved_bytes, est.saved_param_bytes) == (
+        real.peak_bytes,
+        real.saved_bytes,
+        real.saved_param_bytes,
+    )
+
+
+def test_the_real_gradients_stay_as_they_were():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    lin(torch.randn(2, 4)).sum().backward()
+    lin.weight.grad = None  # a gradient to make, and one to add to
+    bias_grad = lin.bias.grad.clone()
+
+    def make():
+        x = torch.randn(5, 4)
+        return (lambda: lin(x).square().sum()), lin
+
+    estimate(make, timeline=False)
+    assert lin.weight.grad is None
+    assert type(lin.bias.grad) is torch.Tensor and torch.equal(lin.bias.grad, bias_grad)
