@@ -500,8 +500,9 @@ class _DropoutInplaceFn(torch.autograd.Function):
 
 # NOTE [Dropout traced under torch.compile]
 # While Dynamo traces a CPU dropout, it is :class:`_DropoutTracedFn`: compiled eager's own ops,
-# which AOTAutograd and inductor see through: the draw and product of ``aten.native_dropout``'s
-# decomposition (``keep = rand_like(x) > p``, ``keep * x * (1 / (1 - p))``; in place, what Dynamo
+# which AOTAutograd and inductor see through: ``aten.native_dropout`` (inductor decomposes it to
+# ``keep = rand_like(x) > p``, ``keep * x * (1 / (1 - p))``; a backend without decompositions runs
+# eager's, whose mask is the uncompiled one, as compiled eager's then is; in place, what Dynamo
 # traces for ``F.dropout(inplace=True)``: ``empty_like(x).bernoulli_(1 - p).div(1 - p)`` times x),
 # the bit packing, and a backward of torch ops only (native_dropout_backward's
 # ``dy * (keep * (1 / (1 - p)))``, in place ``dy * (keep / (1 - p))``, on the unpacked bits).
@@ -549,14 +550,14 @@ class _DropoutTracedFn(torch.autograd.Function):
     # only while Dynamo traces a CPU dropout (NOTE [Dropout traced under torch.compile])
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, inplace: bool):
-        # compiled eager's ops for F.dropout: aten.native_dropout's decomposition out of place,
-        # eager's bernoulli_ on a new tensor in place (what Dynamo traces for inplace=True)
+        # compiled eager's ops for F.dropout: aten.native_dropout out of place, eager's
+        # bernoulli_ on a new tensor in place (what Dynamo traces for inplace=True)
         if inplace:
             noise = torch.empty_like(x).bernoulli_(1 - p).div(1 - p)
             keep, out = noise != 0, x * noise
-        else:
-            keep = torch.rand_like(x) > p
-            noise, out = None, keep * x * float(1.0 / (1.0 - p))
+        else:  # inductor decomposes it to rand_like(x) > p, keep * x * (1 / (1 - p))
+            out, keep = torch.native_dropout(x, p, True)
+            noise = None
         ctx.p, ctx.inplace, ctx.packed = p, inplace, not _keeps_noise(x)
         if not ctx.packed:  # NOTE [Dropout's mask temporaries]: the noise kept
             ctx.save_for_backward(noise if inplace else keep.type_as(x) * float(1.0 / (1.0 - p)))

@@ -738,7 +738,8 @@ def scores_softmax_dropout_matmul(
                 # NOTE [The attention's dropout draw under torch.compile]
                 shape = torch.broadcast_shapes(query.shape[:-2], key_t.shape[:-2])
                 shape = (*shape, query.shape[-2], key_t.shape[-1])
-                keep = torch.rand(shape, dtype=query.dtype, device=query.device) > p_eff
+                ones = torch.ones(shape, dtype=query.dtype, device=query.device)
+                keep = torch.native_dropout(ones, p_eff, True)[1]  # rand > p under inductor
                 bits = _dropout._pack_traced(keep)
                 return _scores_sdm_bits(query, key_t, value, bits, p_eff, mm_dtype, causal, mask)
             return _scores_sdm(query, key_t, value, p_eff, mm_dtype, causal, mask)[0]
