@@ -21,11 +21,16 @@ two settings compiled with the same backend: ``eager`` (the model as built) and 
 - graph breaks: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compilation;
   ``frames_compiled``: frames Dynamo compiled over the warm-up steps (a recompile adds one);
   ``guards``: leaf guards of every compiled frame's cache entries (``guard_count``: torch's private
-  guard tree API; None where it is missing). Every compiled call checks its frame's guards.
+  guard tree API; None where it is missing), summed over the entries; ``guards_per_entry`` lists
+  them per cache entry (two entries for one frame: a recompile, whose stale entry Dynamo keeps; a
+  call checks the most recently used entry first). Every compiled call checks its frame's guards.
 
 Models (random init, float32): HF GPT-2 and Llama, "tiny" (2 layers, width 64, vocab 512, 2 x 64
 tokens) and "small" (4 layers, width 128, vocab 2048, 4 x 128 tokens), as
-``benchmarks/checkpointing.py``.
+``benchmarks/checkpointing.py``. Each family at its own default dropout (GUIDE: headline numbers at
+the family's default configuration): GPT-2's 0.1 (embedding, attention, residual), Llama's
+``attention_dropout`` 0.0; ``--llama-attention-dropout 0.1`` gives the records before this option
+(recorded as ``attention_dropout``).
 
 Usage (from the repository root):
     PYTHONPATH=src .venv/bin/python benchmarks/compile_step.py \
@@ -49,7 +54,9 @@ KEYS = ("layers", "width", "vocab", "B", "T")
 SIZES = {"tiny": (2, 64, 512, 2, 64), "small": (4, 128, 2048, 4, 128)}  # layers, width, vocab, B, T
 
 
-def build(family: str, size: str) -> tuple[torch.nn.Module, dict]:
+def build(
+    family: str, size: str, llama_attention_dropout: float = 0.0
+) -> tuple[torch.nn.Module, dict]:
     import transformers
 
     layers, width, vocab, b, t = SIZES[size]
@@ -64,7 +71,7 @@ def build(family: str, size: str) -> tuple[torch.nn.Module, dict]:
         cfg = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=t, attention_dropout=0.1,
+            max_position_embeddings=t, attention_dropout=llama_attention_dropout,
         )  # fmt: skip
         model = transformers.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
@@ -102,6 +109,12 @@ def make_step(model, batch, backend):
 
 def guard_count() -> int | None:
     """Leaf guards over the cache entries of every frame Dynamo compiled (torch-private API)."""
+    per = guards_per_entry()
+    return None if per is None else sum(per)
+
+
+def guards_per_entry() -> list[int] | None:
+    """Leaf guards of each cache entry of every frame Dynamo compiled (torch-private API)."""
     try:
         from torch._C._dynamo.guards import DictGuardManager
         from torch._dynamo.convert_frame import input_codes
@@ -115,13 +128,13 @@ def guard_count() -> int | None:
             kids += [m for kv in mgr.get_key_value_managers().values() for m in kv if m]
         return len(mgr.get_leaf_guards()) + sum(leaves(k) for k in kids)
 
-    n = 0
+    n = []
     try:
         for ref in input_codes.seen:
             code = ref()
             for entry in _debug_get_cache_entry_list(code) if code is not None else ():
                 root = entry.guard_manager.root
-                n += leaves(root) + len(root.get_epilogue_lambda_guards())
+                n.append(leaves(root) + len(root.get_epilogue_lambda_guards()))
     except AttributeError:  # a torch whose guard managers name these methods otherwise
         return None
     return n
@@ -139,10 +152,12 @@ def kept_bytes(model, fwd, batch) -> int:
     return kept
 
 
-def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
+def run(
+    family: str, size: str, backend: str, steps: int, llama_attention_dropout: float = 0.0
+) -> list[dict]:
     import slimgrad
 
-    model, batch = build(family, size)
+    model, batch = build(family, size, llama_attention_dropout)
     conv = copy.deepcopy(model)
     slimgrad.convert_(conv)
     settings = {"eager": model, "slimgrad": conv}
@@ -158,7 +173,7 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
         warm_s = time.perf_counter() - t0
         breaks[name] = sum(torch._dynamo.utils.counters["graph_break"].values())
         frames[name] = torch._dynamo.utils.counters["frames"]["total"]
-        guards[name] = guard_count()
+        guards[name] = guards_per_entry()
         torch.manual_seed(0)
         kept[name] = (kept_bytes(m, fwd, batch), kept_bytes(m, m, batch))
         made[name] = (step, losses, warm_s)
@@ -187,7 +202,11 @@ def run(family: str, size: str, backend: str, steps: int) -> list[dict]:
                 "dtype": "float32",
                 "graph_breaks": breaks[n],
                 "frames_compiled": frames[n],
-                "guards": guards[n],
+                "guards": None if guards[n] is None else sum(guards[n]),
+                "guards_per_entry": guards[n],
+                "attention_dropout": model.config.attention_dropout
+                if family == "llama"
+                else model.config.attn_pdrop,
                 "peak_bytes": peak_bytes(step),
                 "kept_bytes": k,
                 "kept_bytes_uncompiled": k_eager,
@@ -226,6 +245,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="tiny,small")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--llama-attention-dropout",
+        type=float,
+        default=0.0,
+        help="Llama's attention_dropout (default 0.0: the family's default)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
@@ -234,11 +259,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):
         for fam in args.families.split(","):
-            recs = run(fam, size, args.backend, args.steps)
+            recs = run(fam, size, args.backend, args.steps, args.llama_attention_dropout)
             for r in recs:
                 print(
                     f"{r['case']:28s} {r['provider']:9s} breaks {r['graph_breaks']:2d} "
-                    f"frames {r['frames_compiled']} guards {r['guards']} "
+                    f"frames {r['frames_compiled']} guards {r['guards']} {r['guards_per_entry']} "
                     f"peak {r['peak_bytes'] / MiB:8.2f} MiB  kept {r['kept_bytes']} B "
                     f"(uncompiled {r['kept_bytes_uncompiled']} B)  "
                     f"step {r['step_ms_median']:8.2f} ms  "
