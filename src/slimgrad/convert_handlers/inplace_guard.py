@@ -320,7 +320,7 @@ class _Guard:
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
-            graph = _trace(m)[0] if self.outputs is None else _trace_every_call(m)
+            graph = _trace_every_call(m)
         except Exception:
             # Untraceable forward (data-dependent control flow, ...): its source is read as an HF
             # forward's is (NOTE [In-place writes in HF forwards]), so ``h += r`` in its own code
@@ -668,10 +668,11 @@ class _Flow:
 
     def each(self, s: ast.For) -> tuple[tuple, bool] | None:
         # ``for m in self.layers`` / ``enumerate(self.layers)`` / ``self.layers[a:b]`` over a
-        # ModuleList or Sequential child, asked only for the outputs question (None otherwise):
-        # its children, and whether the ones it visits, in order, are known (an index of the
-        # slice not a number setting of the module: any child in any pass)
-        if self.guard is None or self.guard.outputs is None or self.module is None:
+        # ModuleList or Sequential child (None for any other loop): its children, and whether the
+        # ones it visits, in order, are known (an index of the slice not a number setting of the
+        # module: any child in any pass). Both questions: the guard's (a child that writes its
+        # input flags what it is given) and the outputs one
+        if self.guard is None or self.module is None:
             return None
         it, part = s.iter, slice(None)
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate":
@@ -832,20 +833,23 @@ class _Flow:
             if _inplace_name(f.id) or inplace_kw:
                 self.flag(first, f"{f.id} in its HF forward")
                 return first
-            if self.guard is not None and self.guard.outputs is not None:
-                # asked about outputs: a layer held in a name returns its ends; an unknown
-                # function given a method of the module applies it (apply_chunking_to_forward(
-                # self.chunk, ...)): what that method returns; else (a ModelOutput) its arguments
+            each = [x for x in env.get(f.id, ()) if isinstance(x, _Each)]
+            if self._outputs() or each:
+                # a layer held in a name (a loop over a container) returns its ends, and flags
+                # what it is given when it writes its input (both questions); asked about
+                # outputs, an unknown function given a method of the module applies it
+                # (apply_chunking_to_forward(self.chunk, ...)): what that method returns; else
+                # (a ModelOutput) its arguments
                 methods = [
                     a.attr
                     for a in [*e.args, *(k.value for k in e.keywords)]
-                    if isinstance(a, ast.Attribute)
+                    if self._outputs()
+                    and isinstance(a, ast.Attribute)
                     and isinstance(a.value, ast.Name)
                     and a.value.id == self.me
                     and a.attr not in self.module._modules
                     and callable(getattr(type(self.module), a.attr, None))
                 ]
-                each = [x for x in env.get(f.id, ()) if isinstance(x, _Each)]
                 got = set().union(*(self.method_ends(a, every) for a in methods))
                 if not methods and not each:
                     got |= every
@@ -858,18 +862,24 @@ class _Flow:
                 return got
             return first if f.id in _VIEW_NAMES else set()
         if (
-            self._outputs()
+            self.guard is not None
+            and self.module is not None
             and isinstance(f, ast.Subscript)
             and isinstance(f.value, ast.Attribute)
             and isinstance(f.value.value, ast.Name)
             and f.value.value.id == self.me
             and isinstance(self.module._modules.get(f.value.attr), (nn.ModuleList, nn.ModuleDict))
-        ):  # self.layers[i](h): any child's output (outputs question)
+        ):  # self.layers[i](h): any child's output; any child that writes flags what it is given
             self.expr(f.slice, env)
             got = set()
             for c in self.module._modules[f.value.attr]._modules.values():
                 if c is not None:
                     ci = self.guard.info(c)
+                    if ci.writes:
+                        self.flag(
+                            every,
+                            f"{f.value.attr}[...]: {type(c).__name__}, which writes its input",
+                        )
                     got |= set(ci.ends) | (every if ci.passes else set())
             return got
         self.expr(f, env)
@@ -1049,13 +1059,18 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 # ``slimgrad.nn._output_act.state_consumers_`` turns such modules to eager's op (``keep_y``).
 
 
-def output_modules(model: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]:
+def output_modules(
+    model: nn.Module, kinds: tuple[type, ...], owners: dict[int, list] | None = None
+) -> list[nn.Module]:
     """The modules of ``kinds`` in ``model`` whose output may be what ``model`` returns (NOTE
     [Modules whose output is the model's output]).
 
     Args:
         model: the (converted) model.
         kinds: the module classes asked about.
+        owners: if given, filled with ``{id(m): [modules below the root whose output may be m's
+            output]}`` for every other module of ``kinds`` (NOTE [Hidden states handed out per
+            call] in slimgrad/nn/_output_act.py), from the same reading.
 
     Returns:
         Those modules, each once.
@@ -1065,4 +1080,26 @@ def output_modules(model: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]
     for m in guard.info(model).ends:
         if isinstance(m, kinds):
             seen.setdefault(id(m), m)
+    if owners is not None:
+        parents: dict[int, list] = {}
+        for p in model.modules():
+            for c in p._modules.values():
+                if c is not None:
+                    parents.setdefault(id(c), []).append(p)
+        for m in model.modules():
+            if not isinstance(m, kinds) or id(m) in seen:
+                continue
+            # up from m while its output may be the ancestor's (an ancestor's ends come from its
+            # children's: one whose ends lack m has no ancestor above it that holds m)
+            found, todo, done = [], list(parents.get(id(m), ())), set()
+            while todo:
+                a = todo.pop()
+                if a is model or id(a) in done:
+                    continue
+                done.add(id(a))
+                if any(e is m for e in guard.info(a).ends):
+                    found.append(a)
+                    todo.extend(parents.get(id(a), ()))
+            if found:
+                owners[id(m)] = found
     return list(seen.values())
