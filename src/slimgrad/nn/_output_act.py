@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 
@@ -251,7 +253,12 @@ def _find_collector() -> None:
     except ImportError:
         output_capturing = None
     c = getattr(output_capturing, "_active_collector", None)
-    _COLLECTOR.append(c if callable(getattr(c, "get", None)) else None)
+    # its ContextVar and the flag of its global (under torch.compile) read as its own get() does,
+    # without that method's frame
+    known = isinstance(getattr(c, "context_var", None), contextvars.ContextVar) and isinstance(
+        getattr(c, "compiling", None), bool
+    )
+    _COLLECTOR.append(c if known else None)
 
 
 def requested() -> bool:
@@ -260,7 +267,7 @@ def requested() -> bool:
     c = _COLLECTOR[0] if _COLLECTOR else None
     if c is None:
         return bool(_COLLECTOR)  # converted an HF model, transformers has no collector: unknown
-    return bool(c.get())
+    return bool(c.global_var if c.compiling else c.context_var.get())
 
 
 def _copy_kinds() -> tuple:
