@@ -740,3 +740,114 @@ def test_caller_edits_the_output_of_a_layer_the_trace_did_not_return(case, seed)
 
     random.seed(seed)  # what the trace at convert_ time draws
     _assert_rule(CALL_CASES[case], step)
+
+
+# -- items of a returned tuple literal ----------------------------------------------------------
+
+
+class _Pair(nn.Module):
+    # returns a tuple literal: each item holds what its expression holds
+    def __init__(self, swap=False, star=False):
+        super().__init__()
+        self.a, self.b = nn.LayerNorm(8), nn.LayerNorm(8)
+        self.swap, self.star = int(swap), int(star)  # number settings: read at convert_ time
+
+    def forward(self, x):
+        x = _untraceable(x)
+        a = self.a(x)
+        b = self.b(x * 2.0)
+        if self.star > 0:
+            return (*[a, b],)  # not a literal of known items: either item may hold either
+        if bool(x.sum() > 1e9):
+            return (a, b)
+        if self.swap > 0:
+            return (b, a)
+        return (a, b)
+
+
+class _TakesFirst(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.pair = _Pair(**kw)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = _untraceable(x)
+        first, second = self.pair(x)
+        return self.fc(second) + 1.0, first
+
+
+PAIR_CASES = {
+    # name: (build, the norms that run eager's op)
+    "first_item": (lambda: _TakesFirst(), ["pair.a"]),
+    "swapped_on_one_path": (lambda: _TakesFirst(swap=True), ["pair.a", "pair.b"]),
+    "starred": (lambda: _TakesFirst(star=True), ["pair.a", "pair.b"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PAIR_CASES))
+def test_tuple_items_are_told_apart(case):
+    build, off = PAIR_CASES[case]
+    m = slimgrad.convert_(build())
+    assert _off(m) == off, slimgrad.report(m)
+
+
+@pytest.mark.parametrize("case", list(PAIR_CASES))
+def test_caller_edits_every_returned_item_through_data(case):
+    build, _ = PAIR_CASES[case]
+
+    def step(m, dt):
+        x = _r(4, 8, dt=dt, rg=True)
+        outs = m(x * 1.5)
+        loss = sum(_loss(o) for o in outs)
+        for o in outs:
+            o.data.clamp_(-0.2, 0.2)
+        return _grads(m, loss, [x])
+
+    _assert_rule(build, step)
+
+
+def test_a_hook_on_the_child_keeps_every_item():
+    # a forward hook may return other items: either item may hold either
+    m = _TakesFirst()
+    m.pair.register_forward_hook(lambda mod, args, out: (out[1], out[0]))
+    m = slimgrad.convert_(m)
+    assert _off(m) == ["pair.a", "pair.b"], slimgrad.report(m)
+
+
+def _deberta():
+    import transformers as T
+
+    cfg = T.DebertaV2Config(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        vocab_size=99,
+    )  # fmt: skip
+    return T.DebertaV2Model(cfg)
+
+
+def test_deberta_v2_attention_norms_keep_their_saving():
+    # DebertaV2Model returns encoder_outputs[1][-1] and, per call, every hidden state
+    # (return_dict=False: encoder_outputs[1:]): the embedding norm and each layer's output norm
+    # run eager's op; each attention's output norm, item 0 of a (output, attention) tuple the
+    # layer unpacks, is returned by no call
+    m = slimgrad.convert_(_deberta())
+    assert sorted(_off(m)) == [
+        "embeddings.LayerNorm", "encoder.layer.0.output.LayerNorm",
+        "encoder.layer.1.output.LayerNorm",
+    ], slimgrad.report(m)  # fmt: skip
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_deberta_v2_caller_edits_every_hidden_state(return_dict):
+    ids = torch.arange(3, 21).view(2, 9)
+
+    def step(m, dt):
+        m.train()
+        out = m(input_ids=ids, output_hidden_states=True, return_dict=return_dict)
+        hs = out.hidden_states if return_dict else out[1]
+        loss = _loss(hs[-1])
+        for h in hs:
+            h.data.clamp_(-0.2, 0.2)
+        return _grads(m, loss)
+
+    _assert_rule(_deberta, step)

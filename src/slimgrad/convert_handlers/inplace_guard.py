@@ -43,7 +43,10 @@ __all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason", "output_modul
 # found from nn.Sequential order (nested Sequentials in line) and, for other plain-torch modules,
 # from a torch.fx trace in which every child module is a leaf; a child's own summary (which
 # output-saving modules can reach its output, whether it writes its input) comes from the same
-# analysis, recursively. HF transformers modules are not traced (torch.fx fails on most of them):
+# analysis, recursively; a trace counts only where it is the same with ``training`` flipped and
+# drew no random number (a write in a branch on the mode or on a draw: ``_trace_every_call``), else
+# the source is read, every branch followed, and a loop over a ModuleList one pass per child. HF
+# transformers modules are not traced (torch.fx fails on most of them):
 # their forward's source is read instead (NOTE [In-place writes in HF forwards]), and so is the
 # source of any other module torch.fx cannot trace; a module whose forward can neither be traced
 # nor read keeps its output-saving children unconverted when any of its descendants has
@@ -133,6 +136,10 @@ class _Info:
     ends: list[nn.Module] = field(default_factory=list)  # savers whose output may be our output
     writes: bool = False  # writes its (first) input, or a view of it, in place
     passes: bool = False  # its output may be its input or a view of it
+    # where every return of a read forward is a tuple literal of one length: per item, what it
+    # may hold (modules, and _IN for the input), else None (NOTE [Modules whose output is the
+    # model's output]: tuple items); ``ends``/``passes`` stay the union over the items
+    items: tuple[frozenset, ...] | None = None
 
 
 def _qualname(cls: type) -> str:
@@ -542,6 +549,8 @@ class _Flow:
         self.me = me  # the name the forward gives its module (its first parameter)
         self.ret: set = set()
         self.written: set = set()
+        # per return statement: its tuple literal's items' holdings, or None (not such a tuple)
+        self.ret_items: list[tuple[frozenset, ...] | None] = []
         # per enclosing loop: the envs at its ``continue`` and ``break`` statements
         self.loops: list[tuple[list, list]] = []
 
@@ -564,6 +573,10 @@ class _Flow:
             ):
                 held = {_Const(type(v.value), v.value)}  # a literal a later test may read
             for t in s.targets if isinstance(s, ast.Assign) else [s.target]:
+                if (items := self.unpacked(t, v, env)) is not None:
+                    for name, got in zip(t.elts, items, strict=True):
+                        env[name.id] = set(got)
+                    continue
                 self.assign(t, held, env)
         elif isinstance(s, ast.AugAssign):
             held = self.expr(s.value, env)
@@ -588,6 +601,11 @@ class _Flow:
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.ret |= self.expr(s.value, env)
+            v = s.value
+            if isinstance(v, ast.Tuple) and not any(isinstance(x, ast.Starred) for x in v.elts):
+                self.ret_items.append(tuple(frozenset(self.expr(x, env)) for x in v.elts))
+            else:
+                self.ret_items.append(None)
         elif isinstance(s, ast.If):
             self.expr(s.test, env)
             # a branch the module's settings (or a local literal) never take
@@ -654,6 +672,35 @@ class _Flow:
                 if isinstance(node, ast.expr):
                     self.expr(node, env)
         return env
+
+    def unpacked(self, target, value, env: dict) -> list[set] | None:
+        # ``a, b = self.child(...)`` where every return of the child's forward is a tuple literal
+        # of that length: each name holds its item (the child's input standing for what the call
+        # is given); anything else (a starred name, another length, a traced child): None
+        if not (
+            isinstance(target, (ast.Tuple, ast.List))
+            and all(isinstance(t, ast.Name) for t in target.elts)
+            and isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Attribute)
+            and isinstance(value.func.value, ast.Name)
+            and value.func.value.id == self.me
+            and self.guard is not None
+            and self.module is not None
+        ):
+            return None
+        child = self.module._modules.get(value.func.attr)
+        if not isinstance(child, nn.Module) or (
+            "forward" in child.__dict__ or child._forward_hooks or child._forward_pre_hooks
+        ):  # (a hook or an instance's own forward may return other items)
+            return None
+        items = self.guard.info(child).items
+        if items is None or len(items) != len(target.elts):
+            return None
+        every = set().union(
+            *(self.expr(a, env) for a in value.args),
+            *(self.expr(k.value, env) for k in value.keywords),
+        )
+        return [(set(i) - {_IN}) | (every if _IN in i else set()) for i in items]
 
     def loop_pass(self, body, env: dict, breaks: list) -> dict:
         # one pass of a loop's body: what it leaves at its end and at each ``continue``
@@ -959,7 +1006,16 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     flow = _Flow(guard, m, me)  # the module's own name in its forward: ``self`` or any other
     flow.block(fdef.body, env)
     ends = [x for x in flow.ret if isinstance(x, nn.Module)]
-    return _Info(ends=ends, writes=inplace or _IN in flow.written, passes=_IN in flow.ret)
+    items = None
+    rets = flow.ret_items
+    if rets and all(r is not None and len(r) == len(rets[0]) for r in rets):
+        items = tuple(
+            frozenset(x for r in rets for x in r[i] if isinstance(x, nn.Module) or x == _IN)
+            for i in range(len(rets[0]))
+        )
+    return _Info(
+        ends=ends, writes=inplace or _IN in flow.written, passes=_IN in flow.ret, items=items
+    )
 
 
 def _hook_writes(m: nn.Module) -> str | None:
@@ -1051,11 +1107,18 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 # ModelOutput, ``apply_chunking_to_forward(self.chunk, ...)``) may return its arguments and what a
 # method of the module handed to it returns; ``self.m(...)`` may return what method m's source
 # returns (its arguments, for a property or stored callable); a forward or method whose source
-# cannot be read as one function (a lambda) may return any descendant's output. The module is the
+# cannot be read as one function (a lambda) may return any descendant's output. Tuple items: where
+# every return of a read forward is a tuple literal of one length (DeBERTa-v2's ``return
+# (attention_output, att_matrix)``), what each item holds is kept too (``_Info.items``), and ``a, b
+# = self.child(...)`` gives each name its item; anything else (a starred item, another length, a
+# return that is not a literal, a traced child, a child with forward hooks or its own instance
+# forward) gives every name every item. The module is the
 # forward's first parameter, whatever its name (``def forward(mod, x)``). Not followed: the
 # ModelOutput fields a call fills only when asked per call (``output_hidden_states=True``,
-# ``output_attentions=True``: ``_EXTRA_FIELDS``), which a converted model returns as it did; a
-# module held at several places counts once, where it is read.
+# ``output_attentions=True``: ``_EXTRA_FIELDS``), which transformers collects with hooks and a
+# per-call request (NOTE [Hidden states handed out per call] in slimgrad/nn/_output_act.py: the
+# norms those can hand out decide per call); a module held at several places counts once, where it
+# is read.
 # ``slimgrad.nn._output_act.state_consumers_`` turns such modules to eager's op (``keep_y``).
 
 
