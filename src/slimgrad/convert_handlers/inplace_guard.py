@@ -16,6 +16,7 @@ import ast
 import inspect
 import operator
 import random
+import re
 import sys
 import textwrap
 import warnings
@@ -262,9 +263,14 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
     finally:
         for d, mode in modes.items():
             d.training = mode
-    if drew or drew_eval or str(graph) != str(other):
+    if drew or drew_eval or _text(graph) != _text(other):
         raise _TraceDependsOnCall
     return graph
+
+
+def _text(graph: torch.fx.Graph) -> str:
+    # each trace names the tensor constants it stores on the root afresh (_tensor_constant0, 1..)
+    return re.sub(r"_tensor_constant\d+", "_tensor_constant", str(graph))
 
 
 class _TraceDependsOnCall(Exception):
