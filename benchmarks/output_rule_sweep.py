@@ -7,7 +7,9 @@ configs, train mode, batch 2) it converts a copy of the eager model and prints t
 output may be the model's output (``keep_y`` False: NOTE [Modules whose output is the model's
 output] in slimgrad/convert_handlers/inplace_guard.py), the exact saved and peak bytes of one
 step (the loss a fixed weighting of every returned hidden state) for eager and slimgrad (after one
-warm-up step), and the largest gradient difference from eager. Prints only; no records.
+warm-up step), and the largest gradient difference from eager. ``--hidden-states`` makes each call
+ask for the hidden states (``output_hidden_states=True``: NOTE [Hidden states handed out per call]
+in slimgrad/nn/_output_act.py). Prints only; no records.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("families", nargs="*", default=FAMILIES)
     ap.add_argument("--seq", type=int, default=9)
+    ap.add_argument("--hidden-states", action="store_true", help="calls ask for hidden states")
     args = ap.parse_args()
+    extra = {"output_hidden_states": True} if args.hidden_states else {}
     torch.set_num_threads(1)
     for name in args.families:
         eager = build(name, args.seq)
@@ -114,7 +118,7 @@ def main() -> None:
             m.train()
 
             def step(m=m, name=name):
-                return loss(returned(name, m(**inputs(name, args.seq))))
+                return loss(returned(name, m(**inputs(name, args.seq), **extra)))
 
             step().backward()  # warm-up: caches count in the step that makes them
             m.zero_grad()

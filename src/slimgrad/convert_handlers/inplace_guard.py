@@ -16,6 +16,7 @@ import ast
 import inspect
 import operator
 import random
+import re
 import sys
 import textwrap
 import warnings
@@ -43,7 +44,10 @@ __all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason", "output_modul
 # found from nn.Sequential order (nested Sequentials in line) and, for other plain-torch modules,
 # from a torch.fx trace in which every child module is a leaf; a child's own summary (which
 # output-saving modules can reach its output, whether it writes its input) comes from the same
-# analysis, recursively. HF transformers modules are not traced (torch.fx fails on most of them):
+# analysis, recursively; a trace counts only where it is the same with ``training`` flipped and
+# drew no random number (a write in a branch on the mode or on a draw: ``_trace_every_call``), else
+# the source is read, every branch followed, and a loop over a ModuleList one pass per child. HF
+# transformers modules are not traced (torch.fx fails on most of them):
 # their forward's source is read instead (NOTE [In-place writes in HF forwards]), and so is the
 # source of any other module torch.fx cannot trace; a module whose forward can neither be traced
 # nor read keeps its output-saving children unconverted when any of its descendants has
@@ -133,6 +137,10 @@ class _Info:
     ends: list[nn.Module] = field(default_factory=list)  # savers whose output may be our output
     writes: bool = False  # writes its (first) input, or a view of it, in place
     passes: bool = False  # its output may be its input or a view of it
+    # where every return of a read forward is a tuple literal of one length: per item, what it
+    # may hold (modules, and _IN for the input), else None (NOTE [Modules whose output is the
+    # model's output]: tuple items); ``ends``/``passes`` stay the union over the items
+    items: tuple[frozenset, ...] | None = None
 
 
 def _qualname(cls: type) -> str:
@@ -255,9 +263,14 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
     finally:
         for d, mode in modes.items():
             d.training = mode
-    if drew or drew_eval or str(graph) != str(other):
+    if drew or drew_eval or _text(graph) != _text(other):
         raise _TraceDependsOnCall
     return graph
+
+
+def _text(graph: torch.fx.Graph) -> str:
+    # each trace names the tensor constants it stores on the root afresh (_tensor_constant0, 1..)
+    return re.sub(r"_tensor_constant\d+", "_tensor_constant", str(graph))
 
 
 class _TraceDependsOnCall(Exception):
@@ -320,7 +333,7 @@ class _Guard:
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
-            graph = _trace(m)[0] if self.outputs is None else _trace_every_call(m)
+            graph = _trace_every_call(m)
         except Exception:
             # Untraceable forward (data-dependent control flow, ...): its source is read as an HF
             # forward's is (NOTE [In-place writes in HF forwards]), so ``h += r`` in its own code
@@ -542,6 +555,8 @@ class _Flow:
         self.me = me  # the name the forward gives its module (its first parameter)
         self.ret: set = set()
         self.written: set = set()
+        # per return statement: its tuple literal's items' holdings, or None (not such a tuple)
+        self.ret_items: list[tuple[frozenset, ...] | None] = []
         # per enclosing loop: the envs at its ``continue`` and ``break`` statements
         self.loops: list[tuple[list, list]] = []
 
@@ -564,6 +579,10 @@ class _Flow:
             ):
                 held = {_Const(type(v.value), v.value)}  # a literal a later test may read
             for t in s.targets if isinstance(s, ast.Assign) else [s.target]:
+                if (items := self.unpacked(t, v, env)) is not None:
+                    for name, got in zip(t.elts, items, strict=True):
+                        env[name.id] = set(got)
+                    continue
                 self.assign(t, held, env)
         elif isinstance(s, ast.AugAssign):
             held = self.expr(s.value, env)
@@ -588,6 +607,11 @@ class _Flow:
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.ret |= self.expr(s.value, env)
+            v = s.value
+            if isinstance(v, ast.Tuple) and not any(isinstance(x, ast.Starred) for x in v.elts):
+                self.ret_items.append(tuple(frozenset(self.expr(x, env)) for x in v.elts))
+            else:
+                self.ret_items.append(None)
         elif isinstance(s, ast.If):
             self.expr(s.test, env)
             # a branch the module's settings (or a local literal) never take
@@ -655,6 +679,35 @@ class _Flow:
                     self.expr(node, env)
         return env
 
+    def unpacked(self, target, value, env: dict) -> list[set] | None:
+        # ``a, b = self.child(...)`` where every return of the child's forward is a tuple literal
+        # of that length: each name holds its item (the child's input standing for what the call
+        # is given); anything else (a starred name, another length, a traced child): None
+        if not (
+            isinstance(target, (ast.Tuple, ast.List))
+            and all(isinstance(t, ast.Name) for t in target.elts)
+            and isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Attribute)
+            and isinstance(value.func.value, ast.Name)
+            and value.func.value.id == self.me
+            and self.guard is not None
+            and self.module is not None
+        ):
+            return None
+        child = self.module._modules.get(value.func.attr)
+        if not isinstance(child, nn.Module) or (
+            "forward" in child.__dict__ or child._forward_hooks or child._forward_pre_hooks
+        ):  # (a hook or an instance's own forward may return other items)
+            return None
+        items = self.guard.info(child).items
+        if items is None or len(items) != len(target.elts):
+            return None
+        every = set().union(
+            *(self.expr(a, env) for a in value.args),
+            *(self.expr(k.value, env) for k in value.keywords),
+        )
+        return [(set(i) - {_IN}) | (every if _IN in i else set()) for i in items]
+
     def loop_pass(self, body, env: dict, breaks: list) -> dict:
         # one pass of a loop's body: what it leaves at its end and at each ``continue``
         self.loops.append(([], breaks))
@@ -668,10 +721,11 @@ class _Flow:
 
     def each(self, s: ast.For) -> tuple[tuple, bool] | None:
         # ``for m in self.layers`` / ``enumerate(self.layers)`` / ``self.layers[a:b]`` over a
-        # ModuleList or Sequential child, asked only for the outputs question (None otherwise):
-        # its children, and whether the ones it visits, in order, are known (an index of the
-        # slice not a number setting of the module: any child in any pass)
-        if self.guard is None or self.guard.outputs is None or self.module is None:
+        # ModuleList or Sequential child (None for any other loop): its children, and whether the
+        # ones it visits, in order, are known (an index of the slice not a number setting of the
+        # module: any child in any pass). Both questions: the guard's (a child that writes its
+        # input flags what it is given) and the outputs one
+        if self.guard is None or self.module is None:
             return None
         it, part = s.iter, slice(None)
         if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate":
@@ -832,20 +886,23 @@ class _Flow:
             if _inplace_name(f.id) or inplace_kw:
                 self.flag(first, f"{f.id} in its HF forward")
                 return first
-            if self.guard is not None and self.guard.outputs is not None:
-                # asked about outputs: a layer held in a name returns its ends; an unknown
-                # function given a method of the module applies it (apply_chunking_to_forward(
-                # self.chunk, ...)): what that method returns; else (a ModelOutput) its arguments
+            each = [x for x in env.get(f.id, ()) if isinstance(x, _Each)]
+            if self._outputs() or each:
+                # a layer held in a name (a loop over a container) returns its ends, and flags
+                # what it is given when it writes its input (both questions); asked about
+                # outputs, an unknown function given a method of the module applies it
+                # (apply_chunking_to_forward(self.chunk, ...)): what that method returns; else
+                # (a ModelOutput) its arguments
                 methods = [
                     a.attr
                     for a in [*e.args, *(k.value for k in e.keywords)]
-                    if isinstance(a, ast.Attribute)
+                    if self._outputs()
+                    and isinstance(a, ast.Attribute)
                     and isinstance(a.value, ast.Name)
                     and a.value.id == self.me
                     and a.attr not in self.module._modules
                     and callable(getattr(type(self.module), a.attr, None))
                 ]
-                each = [x for x in env.get(f.id, ()) if isinstance(x, _Each)]
                 got = set().union(*(self.method_ends(a, every) for a in methods))
                 if not methods and not each:
                     got |= every
@@ -858,18 +915,24 @@ class _Flow:
                 return got
             return first if f.id in _VIEW_NAMES else set()
         if (
-            self._outputs()
+            self.guard is not None
+            and self.module is not None
             and isinstance(f, ast.Subscript)
             and isinstance(f.value, ast.Attribute)
             and isinstance(f.value.value, ast.Name)
             and f.value.value.id == self.me
             and isinstance(self.module._modules.get(f.value.attr), (nn.ModuleList, nn.ModuleDict))
-        ):  # self.layers[i](h): any child's output (outputs question)
+        ):  # self.layers[i](h): any child's output; any child that writes flags what it is given
             self.expr(f.slice, env)
             got = set()
             for c in self.module._modules[f.value.attr]._modules.values():
                 if c is not None:
                     ci = self.guard.info(c)
+                    if ci.writes:
+                        self.flag(
+                            every,
+                            f"{f.value.attr}[...]: {type(c).__name__}, which writes its input",
+                        )
                     got |= set(ci.ends) | (every if ci.passes else set())
             return got
         self.expr(f, env)
@@ -949,7 +1012,16 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     flow = _Flow(guard, m, me)  # the module's own name in its forward: ``self`` or any other
     flow.block(fdef.body, env)
     ends = [x for x in flow.ret if isinstance(x, nn.Module)]
-    return _Info(ends=ends, writes=inplace or _IN in flow.written, passes=_IN in flow.ret)
+    items = None
+    rets = flow.ret_items
+    if rets and all(r is not None and len(r) == len(rets[0]) for r in rets):
+        items = tuple(
+            frozenset(x for r in rets for x in r[i] if isinstance(x, nn.Module) or x == _IN)
+            for i in range(len(rets[0]))
+        )
+    return _Info(
+        ends=ends, writes=inplace or _IN in flow.written, passes=_IN in flow.ret, items=items
+    )
 
 
 def _hook_writes(m: nn.Module) -> str | None:
@@ -1041,21 +1113,33 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 # ModelOutput, ``apply_chunking_to_forward(self.chunk, ...)``) may return its arguments and what a
 # method of the module handed to it returns; ``self.m(...)`` may return what method m's source
 # returns (its arguments, for a property or stored callable); a forward or method whose source
-# cannot be read as one function (a lambda) may return any descendant's output. The module is the
+# cannot be read as one function (a lambda) may return any descendant's output. Tuple items: where
+# every return of a read forward is a tuple literal of one length (DeBERTa-v2's ``return
+# (attention_output, att_matrix)``), what each item holds is kept too (``_Info.items``), and ``a, b
+# = self.child(...)`` gives each name its item; anything else (a starred item, another length, a
+# return that is not a literal, a traced child, a child with forward hooks or its own instance
+# forward) gives every name every item. The module is the
 # forward's first parameter, whatever its name (``def forward(mod, x)``). Not followed: the
 # ModelOutput fields a call fills only when asked per call (``output_hidden_states=True``,
-# ``output_attentions=True``: ``_EXTRA_FIELDS``), which a converted model returns as it did; a
-# module held at several places counts once, where it is read.
+# ``output_attentions=True``: ``_EXTRA_FIELDS``), which transformers collects with hooks and a
+# per-call request (NOTE [Hidden states handed out per call] in slimgrad/nn/_output_act.py: the
+# norms those can hand out decide per call); a module held at several places counts once, where it
+# is read.
 # ``slimgrad.nn._output_act.state_consumers_`` turns such modules to eager's op (``keep_y``).
 
 
-def output_modules(model: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]:
+def output_modules(
+    model: nn.Module, kinds: tuple[type, ...], owners: dict[int, list] | None = None
+) -> list[nn.Module]:
     """The modules of ``kinds`` in ``model`` whose output may be what ``model`` returns (NOTE
     [Modules whose output is the model's output]).
 
     Args:
         model: the (converted) model.
         kinds: the module classes asked about.
+        owners: if given, filled with ``{id(m): [modules below the root whose output may be m's
+            output]}`` for every other module of ``kinds`` (NOTE [Hidden states handed out per
+            call] in slimgrad/nn/_output_act.py), from the same reading.
 
     Returns:
         Those modules, each once.
@@ -1065,4 +1149,26 @@ def output_modules(model: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]
     for m in guard.info(model).ends:
         if isinstance(m, kinds):
             seen.setdefault(id(m), m)
+    if owners is not None:
+        parents: dict[int, list] = {}
+        for p in model.modules():
+            for c in p._modules.values():
+                if c is not None:
+                    parents.setdefault(id(c), []).append(p)
+        for m in model.modules():
+            if not isinstance(m, kinds) or id(m) in seen:
+                continue
+            # up from m while its output may be the ancestor's (an ancestor's ends come from its
+            # children's: one whose ends lack m has no ancestor above it that holds m)
+            found, todo, done = [], list(parents.get(id(m), ())), set()
+            while todo:
+                a = todo.pop()
+                if a is model or id(a) in done:
+                    continue
+                done.add(id(a))
+                if any(e is m for e in guard.info(a).ends):
+                    found.append(a)
+                    todo.extend(parents.get(id(a), ()))
+            if found:
+                owners[id(m)] = found
     return list(seen.values())

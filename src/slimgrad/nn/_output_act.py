@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 
@@ -220,6 +222,54 @@ COPY_AT_OUTPUT = (
 )
 
 
+# NOTE [Hidden states handed out per call]
+# transformers hands a layer's output to the caller when a call asks for it
+# (``output_hidden_states=True``: forward hooks on the layers, installed at the first such call,
+# collect what each layer returns and its first input, while a context variable of
+# ``transformers/utils/output_capturing.py`` holds that call's request). A post-norm layer's output
+# is its last norm's y (BERT, RoBERTa, post-norm BART/OPT), which the converted norm keeps for
+# backward where eager keeps x: the caller's in-place write raised autograd's error, or through
+# ``.data`` changed the gradients silently, where eager (whose consumer may keep nothing of y: a
+# frozen next layer) trains. The request is per call, so the decision is too, from two facts:
+# ``convert_`` marks each norm whose output may be the output of a module below the root (the
+# reading of NOTE [Modules whose output is the model's output], asked per module: ``handed_out``;
+# HF models only); at call time such a norm runs eager's op (keeps x, as eager) while that context
+# variable holds a request (any output: attentions too, conservatively). Without a request the
+# variable is None or empty: one attribute read per marked norm call, nothing per unmarked one.
+# A transformers without that variable (outside the declared range) counts as always requesting
+# (eager's op, exact). Hidden states a forward collects in its own source (DeBERTa-v2's encoder)
+# are read there: every item of the tuple may be returned.
+
+#: transformers' per-call output request (``output_capturing._active_collector``), once found;
+#: [] before the first HF model is converted, [None] where transformers has none
+_COLLECTOR: list = []
+
+
+def _find_collector() -> None:
+    if _COLLECTOR:
+        return
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        output_capturing = None
+    c = getattr(output_capturing, "_active_collector", None)
+    # its ContextVar and the flag of its global (under torch.compile) read as its own get() does,
+    # without that method's frame
+    known = isinstance(getattr(c, "context_var", None), contextvars.ContextVar) and isinstance(
+        getattr(c, "compiling", None), bool
+    )
+    _COLLECTOR.append(c if known else None)
+
+
+def requested() -> bool:
+    """Whether the running transformers call asks for outputs beyond its own (NOTE [Hidden states
+    handed out per call])."""
+    c = _COLLECTOR[0] if _COLLECTOR else None
+    if c is None:
+        return bool(_COLLECTOR)  # converted an HF model, transformers has no collector: unknown
+    return bool(c.global_var if c.compiling else c.context_var.get())
+
+
 def _copy_kinds() -> tuple:
     import slimgrad.nn as snn
 
@@ -257,10 +307,14 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
     smooth = (snn.SiLU, snn.GELU, snn.Mish, snn.ELU, snn.Hardswish)
     kinds = smooth + _output_kinds()
     copies = _copy_kinds()
+    owners: dict[int, list] = {}
     if isinstance(model, kinds + copies):
         out = {id(model)}
     else:
-        out = {id(m) for m in output_modules(model, kinds + copies)}
+        out = {id(m) for m in output_modules(model, kinds + copies, owners)}
+    hf = any(type(m).__module__.startswith("transformers.") for m in model.modules())
+    if hf:
+        _find_collector()
     for m in model.modules():
         # subclasses too (timm's LayerNorm2d, LayerNormAct, GroupNormAct run the parent's forward)
         if isinstance(m, kinds):
@@ -272,6 +326,10 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
                 m.keep_y = False
             n += keep
             if isinstance(m, snn.LayerNorm):
+                # NOTE [Hidden states handed out per call]
+                m.__dict__.pop("handed_out", None)
+                if keep and hf and id(m) in owners:
+                    m.handed_out = True
                 # NOTE [LayerNorm's fallback columns only where y is kept after it] in
                 # slimgrad/ops/layer_norm.py
                 m.__dict__.pop("y_kept_after", None)

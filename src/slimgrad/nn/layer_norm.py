@@ -10,6 +10,7 @@ from slimgrad._autograd import unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.kernels import _backend
 from slimgrad.nn._hooks import forward_hooked
+from slimgrad.nn._output_act import requested
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.layer_norm import (
     _LN_APPLY,
@@ -52,11 +53,17 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
     #: y and the channel's input columns; elsewhere x, as eager (NOTE [LayerNorm's fallback
     #: columns only where y is kept after it] in slimgrad/ops/layer_norm.py)
     y_kept_after = False
+    #: True where ``convert_`` found that the output may be a layer's output below the root of an
+    #: HF model, which transformers hands to the caller when a call asks for hidden states: such a
+    #: call runs eager's op (NOTE [Hidden states handed out per call] in slimgrad/nn/_output_act.py)
+    handed_out = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
-        if not self.keep_y or (
-            (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self)
+        if (
+            not self.keep_y
+            or ((self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self))
+            or (self.handed_out and requested())
         ):
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         p = self._parameters  # the Parameters without Module.__getattr__ (a parametrized weight
