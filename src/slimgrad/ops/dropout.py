@@ -513,7 +513,7 @@ class _DropoutInplaceFn(torch.autograd.Function):
 # model's: inductor's random numbers are not ``bernoulli_``'s), and the dropped values are its bits;
 # a converted HF GPT-2 whose attention draws the same way (NOTE [The attention's dropout draw under
 # torch.compile] in ops/softmax_dropout.py) gives compiled eager's losses bit for bit
-# (``benchmarks/compile_masks_experiment.py`` measured it before this was built: 3 seeds, tiny
+# (``benchmarks/compile_masks.py`` measured it before this was built: 3 seeds, tiny
 # GPT-2; ``tests/test_compile_dropout.py``). Before, the draw was eager's ``bernoulli_`` in a
 # custom op (the uncompiled model's masks): ~60% of the attention op's forward, and other bits.
 # What backward reads is the packed mask, ceil(n / 8) bytes (eager's noise for a tensor too small to

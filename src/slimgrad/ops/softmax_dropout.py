@@ -1076,7 +1076,7 @@ _scores_sdm.register_autograd(_scores_sdm_backward, setup_context=_scores_sdm_se
 # ``float(1 / (1 - p))``; the backward rebuilds the dropped P with eager's noise value (``1 / (1 -
 # p)`` rounded by a division), which is that scale for p = 0.1 and 1 ulp of it for some other p:
 # within the error rule. Converted HF GPT-2 (tiny, dropout 0.1) then gives compiled eager's losses
-# bit for bit (``benchmarks/compile_masks_experiment.py`` measured the same construction).
+# bit for bit (``benchmarks/compile_masks.py`` measured the same construction).
 
 
 @custom_op("scores_softmax_bits_matmul", mutates_args=())

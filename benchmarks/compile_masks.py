@@ -10,7 +10,7 @@ torch.compile] in ``ops/softmax_dropout.py``). Prints the first three losses (se
 both, their differences, and the worst relative gradient difference of step 0 (other ops round
 differently: gradients agree to float32 rounding, not bit for bit).
 
-Usage: PYTHONPATH=src .venv/bin/python benchmarks/compile_masks_experiment.py
+Usage: PYTHONPATH=src .venv/bin/python benchmarks/compile_masks.py
 """
 
 import copy
