@@ -118,8 +118,14 @@ class _Source(SimpleNamespace):
 
     def keep_output(self, b: torch.Tensor) -> bool:
         ctx = self.ctx
-        if ctx.b is not None:
+        if ctx.b is not None or ctx.b_saved:
             return True
+        rec = ctx.claims
+        if rec is not None:
+            # NOTE [Under saved-tensor hooks]: a claim asked of a call inside a hooks region
+            # counts once per call (the decision for the next parameter version reads it)
+            ctx.claims = None
+            rec[3] += 1
         if (ctx.x is None and ctx.recipe is None) or not ctx.training:
             return False
         # the shape and dtype tests below read attributes (b's dtype, ndim, shape) and b.numel()
@@ -177,7 +183,11 @@ class _Source(SimpleNamespace):
                 edge = node.next_functions[2:3]  # the bias's (eager's node has none without bias)
                 if edge and edge[0][0] is not None:  # the conv's bias needs a gradient
                     node.register_hook(_partial(_bias_grad_f64, ctx.bad))
-        ctx.b, ctx.b_version = b.detach(), b._version
+        if ctx.pre:
+            # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward
+            ctx.b_saved = True
+        else:
+            ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
         return True
 
@@ -320,11 +330,7 @@ def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
     if recipe is not None:
         _derived.adopt_recipe(recipe)
         k = recipe.tensors[0]
-        if (
-            recipe.rebuild is None
-            and k is not None
-            and k.numel() * k.element_size() < x.numel() * x.element_size()
-        ):
+        if k is not None and k.numel() * k.element_size() < x.numel() * x.element_size():
             # the closure holds no tensor; its parameters are held here, not the Recipe (whose
             # aliases would keep k on the device beside its packed copy)
             ctx.recipe_fn = recipe.fn
@@ -335,6 +341,15 @@ def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
             recipe.drop()
     ctx.saved_x = True
     ctx.save_for_backward(kept)
+
+
+def _load_saved_b(ctx) -> None:
+    # NOTE [Under saved-tensor hooks]: b as save_for_backward kept it (unpacked by the hooks;
+    # autograd's own version check)
+    if ctx.released:
+        _check_not_released(ctx)
+    (b,) = ctx.saved_tensors
+    ctx.b, ctx.b_version = b, b._version
 
 
 def _saved_input(ctx) -> torch.Tensor:
@@ -384,11 +399,13 @@ class _BatchNormFn(torch.autograd.Function):
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
         ctx.training, ctx.eps, ctx.released = training, eps, False
-        ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = None
+        ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = ctx.claims = None
         ctx.x_version = ctx.b_version = 0
         # NOTE [Under saved-tensor hooks]: what this call keeps full-size went through
-        # save_for_backward (x, or its recipe's input), rebuilt by ctx.recipe_fn if set
+        # save_for_backward (x, or its recipe's input, rebuilt by ctx.recipe_fn if set; or, where
+        # pre, b, read back where a claim came: b_saved)
         ctx.saved_x, ctx.recipe_fn = False, None
+        ctx.pre = ctx.b_saved = False
         # NOTE [BatchNorm keeps its parameters, not copies]: the tensors themselves, read in a
         # first-order backward (grad mode off: no graph); _double detaches them first
         ctx.weight_v, ctx.bias_v = weight, bias
@@ -424,9 +441,16 @@ class _BatchNormFn(torch.autograd.Function):
         else:
             recipe = _derived.usable_recipe(x, recompute) if keep_x else None
             holder.append(None)
-        if keep_x and hooked:
+        if keep_x and hooked and hooked != _PRE:
             _save_under_hooks(ctx, x, recipe)
+            holder[0] = ctx  # a source that counts the claims asked of it, and refuses them
         elif keep_x:
+            if hooked:
+                # NOTE [Under saved-tensor hooks]: b through save_for_backward now; x (or its
+                # recipe) held below only until the claim that this module's calls met at the
+                # last parameter version
+                ctx.save_for_backward(out)
+                ctx.pre = True
             if recipe is not None:
                 if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
                     recipe.rebuild.add_user(1)
@@ -446,6 +470,8 @@ class _BatchNormFn(torch.autograd.Function):
         if ctx.bias_v is not None:
             ctx.bias_v = ctx.bias_v.detach()
         _check_not_released(ctx)
+        if ctx.b_saved:
+            _load_saved_b(ctx)
         _check_params(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if _kept_nothing(ctx):
@@ -470,6 +496,8 @@ class _BatchNormFn(torch.autograd.Function):
                     torch.autograd.grad(y2, inputs, grad, create_graph=True, allow_unused=True)
                 )
             out = tuple(grads.pop(0) if n else None for _, n in pairs)
+        if ctx.b_saved:
+            ctx.b = None
         if _keep_graph is not None and not _keep_graph():
             _release(ctx)
         return out + (None,) * 8
@@ -482,6 +510,8 @@ class _BatchNormFn(torch.autograd.Function):
         # may write dx over it
         # (the C library _bwd_from_output_c runs where what it checks of ctx alone holds; handed
         # on to it: one backend choice per backward)
+        if ctx.b_saved:
+            _load_saved_b(ctx)
         b = ctx.b
         lib = None
         if (
@@ -538,6 +568,8 @@ class _BatchNormFn(torch.autograd.Function):
             )
         else:
             out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf, lib)
+        if ctx.b_saved:
+            ctx.b = None  # the unpacked b: read again from the hooks by another backward
         if _keep_graph is not None and not _keep_graph():
             # _release(ctx), inline
             ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
@@ -1133,6 +1165,27 @@ def _batch_norm(
     # NOTE [Under saved-tensor hooks]: inside a hooks region, decided at forward and saved through
     # save_for_backward
     hooked = _top_hooks(False) is not None
+    rec = None
+    if (
+        hooked
+        and training
+        and state is not None
+        and weight is not None
+        and not few
+        and input.dtype == weight.dtype
+        and input.dtype.itemsize >= 4
+    ):
+        # NOTE [Under saved-tensor hooks]: the claims asked of this module's calls in a hooks
+        # region, [weight version, pre, calls, claims asked]; the decision is made at the first
+        # call of each new weight version from the last version's calls
+        rec = state[_CLAIMS_KEY] if _CLAIMS_KEY in state else None
+        v = weight._version
+        if rec is None:
+            rec = state[_CLAIMS_KEY] = [v, False, 0, 0]
+        elif rec[0] != v:
+            rec[:] = [v, 0 < rec[2] <= rec[3], 0, 0]
+        if rec[1]:
+            hooked = _PRE
     # the forward takes x's recipe from holder[0] and puts there its ctx where it keeps x or its
     # recipe (what a _Source asks), else None
     holder: list = [recipe]
@@ -1176,6 +1229,9 @@ def _batch_norm(
     ):
         # _derived.put_source(out, _Source(ctx=ctx)), inline (not compiling: plain path above;
         # NOTE [A registry entry dropped in C]); out is this call's fresh output
+        if rec is not None:
+            ctx.claims = rec
+            rec[2] += 1
         _CLOCK[0] += 1  # _derived._tick()
         k = id(out)
         src = (_Source(ctx=ctx), out._version)
@@ -1247,6 +1303,8 @@ _PLAIN_KEY = "_slimgrad_bn_plain"
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_PRE = 2  # the forward's ``hooked``: inside a hooks region, b saved at forward (pre)
+_CLAIMS_KEY = "_slimgrad_bn_claims"  # NOTE [Under saved-tensor hooks]: in the module's __dict__
 _has_tf = torch._C._has_torch_function_variadic
 # Types whose instances have no __torch_function__ of their own: checked without a call
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
