@@ -53,9 +53,10 @@ and Σ dy (b - mean(b)) is summed in float64 and divided once, so per channel
 |dγ - dγ64| <= (the rule's bound) + u Σ_i |dy_i| |b_i| / |γ|, found at most 0.51 of that last
 term (tests/ops/test_bn_act_adversarial.py, test_dgamma_bound_for_gradient_along_output_rounding).
 Inside a saved_tensors_hooks region (save_on_cpu, offloading, non-reentrant checkpointing) what
-is kept full-size goes through save_for_backward, decided at forward: x, or the input of x's 1x1
-conv where that is smaller (re-run in backward), never b (NOTE [Under saved-tensor hooks]); eval
-with frozen γ, β keeps nothing full-size there too.
+is kept full-size goes through save_for_backward, decided at forward: b where this module's
+output was claimed by an activation at the last weight version (then the same bytes and bits as
+without hooks), else x, or the input of x's 1x1 conv where that is smaller (re-run in backward)
+(NOTE [Under saved-tensor hooks]); eval with frozen γ, β keeps nothing full-size there too.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class _Source(SimpleNamespace):
                     node.register_hook(_partial(_bias_grad_f64, ctx.bad))
         if ctx.pre:
             # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward
-            ctx.b_saved = True
+            ctx.b_saved, ctx.b_version = True, b._version
         else:
             ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
@@ -314,16 +315,32 @@ def _kept_nothing(ctx) -> bool:
 # saved_tensors_hooks (save_on_cpu, torchtune-style offloading, non-reentrant checkpointing and its
 # recompute) see only what goes through save_for_backward, and see it when forward returns; the
 # switchable slot (_Source.keep_output swaps x for b after forward) cannot be packed then. So
-# inside such a region a call decides at forward, once, and saves through save_for_backward: the
-# input x (as eager), or, where x has a recipe (NOTE [Recomputable inputs] in ops/_derived.py)
-# whose full-size ingredient is smaller than x (ResNet's bn3 after its 1x1 conv3: a quarter of
-# x), that ingredient, and re-runs the conv on it in backward (bit for bit, as the recipe does;
-# the conv's weight and bias are Parameters, kept as attributes and version-checked, not packed,
-# as eager's BatchNorm does not pack them). A recipe that rebuilds a derived input (a
-# Rebuild handle) is not used here: x is saved. Nothing is registered for a following
-# activation to claim (its claim would swap the slot after forward). Eval with γ, β frozen saves
-# nothing full-size, as outside hooks. The number of saved tensors depends only on the call's
-# arguments and the model's structure, so a checkpoint's recompute saves as many as its forward.
+# inside such a region a call decides at forward, once, what it saves through save_for_backward:
+#   - b, its output, where every call of this module at the weight's last version (before the
+#     current one) had its output claimed by a slimgrad activation (what outside hooks makes it
+#     keep b). x, or its recipe, is held as outside hooks only until that claim, which drops it
+#     (the next op, in a BN -> act -> conv block; the claim then keeps nothing more: backward
+#     reads b back through the hooks, with autograd's version check). A call whose claim does
+#     not come keeps x or its recipe as outside hooks and never reads b: its bits are those of
+#     the unhooked model, and b's pack was wasted (that module's next weight version decides
+#     again, and saves x). The same bits as without hooks in both cases.
+#   - else x (as eager), or, where x has a recipe (NOTE [Recomputable inputs] in ops/_derived.py)
+#     whose full-size ingredient is smaller than x (ResNet's bn3 after its 1x1 conv3: a quarter of
+#     x), that ingredient, and re-runs the conv on it in backward (bit for bit, as the recipe
+#     does; the conv's weight and bias are Parameters, kept as attributes and version-checked, not
+#     packed, as eager's BatchNorm does not pack them; a derived ingredient is rebuilt from the
+#     store, NOTE [Rebuilt once per backward]). A stride-2 1x1 conv's input is larger than x: x is
+#     saved there (one more x-sized tensor retained under identity hooks than outside them, one
+#     fewer k-sized copy offloaded). Such a call registers a source that counts the claims asked
+#     of it and refuses them (the activation runs eager's op).
+# Why the weight's version: it changes at each optimizer step and never between a checkpoint's
+# forward and its recompute (a write to γ there fails the backward anyway), so the recompute
+# decides as its forward did and saves as many tensors, of the same kinds, in the same order (a
+# decision read from the current step's claims would let a recompute save b where its forward
+# saved x, which the checkpoint's metadata check cannot tell apart). So the first step in a hooks
+# region (and every step with a frozen γ, or no γ) saves x; from the next weight version on, a
+# claimed module saves b. Channels kept from x (_bad_channels, few where any) stay an attribute
+# the hooks do not see. Eval with γ, β frozen saves nothing full-size, as outside hooks.
 def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
     # recipe: x's (batch_norm looked it up), or None
     kept = x
@@ -349,7 +366,9 @@ def _load_saved_b(ctx) -> None:
     if ctx.released:
         _check_not_released(ctx)
     (b,) = ctx.saved_tensors
-    ctx.b, ctx.b_version = b, b._version
+    if b._version != ctx.b_version:  # identity hooks hand b itself back, unchecked by autograd
+        _derived.check_version(b, ctx.b_version, "batch_norm output")
+    ctx.b = b
 
 
 def _saved_input(ctx) -> torch.Tensor:
@@ -449,7 +468,10 @@ class _BatchNormFn(torch.autograd.Function):
                 # NOTE [Under saved-tensor hooks]: b through save_for_backward now; x (or its
                 # recipe) held below only until the claim that this module's calls met at the
                 # last parameter version
-                ctx.save_for_backward(out)
+                # a recompute inside a backward (a checkpoint's) saves a copy: its own activation
+                # may write over b there where the forward's claim did not (a claim in place
+                # needs ownership, which the checkpoint's hold on b refuses)
+                ctx.save_for_backward(out if _task_id() == -1 else out.clone())
                 ctx.pre = True
             if recipe is not None:
                 if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
@@ -1229,7 +1251,9 @@ def _batch_norm(
     ):
         # _derived.put_source(out, _Source(ctx=ctx)), inline (not compiling: plain path above;
         # NOTE [A registry entry dropped in C]); out is this call's fresh output
-        if rec is not None:
+        if rec is not None and _task_id() == -1:
+            # counted outside a backward only: a checkpoint's recompute there may stop before the
+            # activation that claims
             ctx.claims = rec
             rec[2] += 1
         _CLOCK[0] += 1  # _derived._tick()
@@ -1303,6 +1327,7 @@ _PLAIN_KEY = "_slimgrad_bn_plain"
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_task_id = torch._C._current_graph_task_id
 _PRE = 2  # the forward's ``hooked``: inside a hooks region, b saved at forward (pre)
 _CLAIMS_KEY = "_slimgrad_bn_claims"  # NOTE [Under saved-tensor hooks]: in the module's __dict__
 _has_tf = torch._C._has_torch_function_variadic
