@@ -250,3 +250,32 @@ def test_a_call_whose_claim_does_not_come_keeps_its_input():
     for _ in range(2):  # the wasted pack, then the next version's x
         _, grads = _hooked_step(lean, x, _identity_hooks)
         _assert_same(grads, plain)
+
+
+class _WritesAfterClaim(nn.Module):
+    # the BN output is claimed by the ReLU, then written over: without hooks the lean model's
+    # BatchNorm (which keeps b) raises autograd's in-place error (NOTE [Derived saved inputs])
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.relu, self.conv2 = nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        b = self.bn(self.conv1(x))
+        y = self.conv2(self.relu(b))
+        b.mul_(2)
+        return y + b.sum()
+
+
+def test_a_write_over_a_kept_output_raises_under_identity_hooks_as_without():
+    # identity hooks hand the saved b itself back, and autograd checks no version under hooks:
+    # the BatchNorm checks it, so the write is refused as without hooks, not read as b
+    torch.manual_seed(0)
+    lean = slimgrad.convert_(_WritesAfterClaim().train())
+    x = _x()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _hooked_step(lean, x, None)
+    lean.zero_grad(set_to_none=True)
+    _hooked_step(lean, x, _identity_hooks)  # the first version: x kept, eager's op
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _hooked_step(lean, x, _identity_hooks)
