@@ -186,7 +186,7 @@ class _Source(SimpleNamespace):
                     node.register_hook(_partial(_bias_grad_f64, ctx.bad))
         if ctx.pre:
             # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward
-            ctx.b_saved, ctx.b_version = True, b._version
+            ctx.b_saved, ctx.b_version, ctx.b_ref = True, b._version, weakref.ref(b)
         else:
             ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
@@ -364,9 +364,14 @@ def _load_saved_b(ctx) -> None:
     # NOTE [Under saved-tensor hooks]: b as save_for_backward kept it (unpacked by the hooks)
     if ctx.released:
         _check_not_released(ctx)
-    # identity hooks hand b itself back, which autograd does not version-check under hooks:
-    # ctx.b_version (b's at the claim) is checked where b is read, as outside hooks
-    (ctx.b,) = ctx.saved_tensors
+    (b,) = ctx.saved_tensors
+    # identity hooks hand b itself back, which autograd does not version-check under hooks: a
+    # write over b since the claim raises as outside hooks. A hook's copy (save_on_cpu: its
+    # version is the copy's own) holds b's values at forward, whatever was written over b since.
+    orig = ctx.b_ref()
+    if orig is not None and orig._version != ctx.b_version and orig.data_ptr() == b.data_ptr():
+        _derived.check_version(orig, ctx.b_version, "batch_norm output")
+    ctx.b, ctx.b_version = b, b._version
 
 
 def _saved_input(ctx) -> torch.Tensor:
