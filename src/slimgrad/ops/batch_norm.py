@@ -127,6 +127,10 @@ class _Source(SimpleNamespace):
             # counts once per call (the decision for the next parameter version reads it)
             ctx.claims = None
             rec[3] += 1
+        if ctx.saved_x:
+            # NOTE [Under saved-tensor hooks]: x or its ingredient went through the hooks; where
+            # pre, the activation and the next conv keep b (the claim), this call what it saved
+            return ctx.pre
         if (ctx.x is None and ctx.recipe is None) or not ctx.training:
             return False
         # the shape and dtype tests below read attributes (b's dtype, ndim, shape) and b.numel()
@@ -318,7 +322,10 @@ def _kept_nothing(ctx) -> bool:
 # inside such a region a call decides at forward, once, what it saves through save_for_backward:
 #   - b, its output, where every call of this module at the weight's last version (before the
 #     current one) had its output claimed by a slimgrad activation (what outside hooks makes it
-#     keep b). x, or its recipe, is held as outside hooks only until that claim, which drops it
+#     keep b), unless x's recipe has an ingredient smaller than x (below: that ingredient is
+#     saved, the claim accepted, so the activation and the next conv keep b and this call
+#     replays the conv: each hook copy is then the smaller one, and its bits are eager's, aten's
+#     backward on the exact x). x, or its recipe, is held as outside hooks only until the claim
 #     (the next op, in a BN -> act -> conv block; the claim then keeps nothing more: backward
 #     reads b back through the hooks, with autograd's version check). A call whose claim does
 #     not come keeps x or its recipe as outside hooks and never reads b: its bits are those of
@@ -341,13 +348,18 @@ def _kept_nothing(ctx) -> bool:
 # region (and every step with a frozen γ, or no γ) saves x; from the next weight version on, a
 # claimed module saves b. Channels kept from x (_bad_channels, few where any) stay an attribute
 # the hooks do not see. Eval with γ, β frozen saves nothing full-size, as outside hooks.
+def _smaller_ingredient(recipe, x: torch.Tensor) -> bool:
+    k = recipe.tensors[0] if recipe is not None else None
+    return k is not None and k.numel() * k.element_size() < x.numel() * x.element_size()
+
+
 def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
     # recipe: x's (batch_norm looked it up), or None
     kept = x
     if recipe is not None:
         _derived.adopt_recipe(recipe)
         k = recipe.tensors[0]
-        if k is not None and k.numel() * k.element_size() < x.numel() * x.element_size():
+        if _smaller_ingredient(recipe, x):
             # the closure holds no tensor; its parameters are held here, not the Recipe (whose
             # aliases would keep k on the device beside its packed copy)
             ctx.recipe_fn = recipe.fn
@@ -463,9 +475,12 @@ class _BatchNormFn(torch.autograd.Function):
         else:
             recipe = _derived.usable_recipe(x, recompute) if keep_x else None
             holder.append(None)
-        if keep_x and hooked and hooked != _PRE:
+        if keep_x and hooked and (hooked != _PRE or _smaller_ingredient(recipe, x)):
             _save_under_hooks(ctx, x, recipe)
-            holder[0] = ctx  # a source that counts the claims asked of it, and refuses them
+            # a source that counts the claims asked of it and, where pre (an ingredient smaller
+            # than b kept), accepts them and keeps what it saved
+            ctx.pre = hooked == _PRE
+            holder[0] = ctx
         elif keep_x:
             if hooked:
                 # NOTE [Under saved-tensor hooks]: b through save_for_backward now; x (or its
