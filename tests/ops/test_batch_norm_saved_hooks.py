@@ -279,3 +279,32 @@ def test_a_write_over_a_kept_output_raises_under_identity_hooks_as_without():
     _hooked_step(lean, x, _identity_hooks)  # the first version: x kept, eager's op
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _hooked_step(lean, x, _identity_hooks)
+
+
+def test_a_claimed_norm_after_an_expanding_1x1_conv_saves_the_conv_input():
+    # conv (1x1, 4 -> 16: a recipe whose ingredient is a quarter of x) -> BN -> SiLU -> conv: from
+    # the next version the BN saves the ingredient and accepts the claim, so the SiLU and the conv
+    # keep b (eager's SiLU keeps b and the conv SiLU(b)): the hooks retain what the model keeps
+    # without them, each copy a hook makes of the BN's is a quarter of b's, and every node gives
+    # eager's bits (the BN replays its conv)
+    torch.manual_seed(0)
+    eager = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.Conv2d(4, 16, 1),
+        nn.BatchNorm2d(16),
+        nn.SiLU(),
+        nn.Conv2d(16, 4, 3, padding=1),
+    ).train()
+    lean = slimgrad.convert_(copy.deepcopy(eager))
+    x = _x()
+    plain_saved, _ = _hooked_step(lean, x, None)
+    _, ref = _hooked_step(eager, x, None)
+    _hooked_step(lean, x, _identity_hooks)
+    saved, grads = _hooked_step(lean, x, _identity_hooks)
+    assert saved == plain_saved
+    _assert_same(grads, ref)
+    packed, _ = _step_packing(lean, x)
+    packed_eager, _ = _step_packing(eager, x)
+    # eager hands the hooks x (BN), b (SiLU) and SiLU(b) (conv); the lean model the ingredient,
+    # b and b
+    assert packed_eager - packed == (16 - 4) * 4 * 12 * 12 * 4
