@@ -327,7 +327,8 @@ def _kept_nothing(ctx) -> bool:
 #     replays the conv: each hook copy is then the smaller one, and its bits are eager's, aten's
 #     backward on the exact x). x, or its recipe, is held as outside hooks only until the claim
 #     (the next op, in a BN -> act -> conv block; the claim then keeps nothing more: backward
-#     reads b back through the hooks, with autograd's version check). A call whose claim does
+#     reads b back through the hooks; autograd checks no version under hooks, so b's version at
+#     the claim is checked there where the hooks hand b's memory back). A call whose claim does
 #     not come keeps x or its recipe as outside hooks and never reads b: its bits are those of
 #     the unhooked model, and b's pack was wasted (that module's next weight version decides
 #     again, and saves x). The same bits as without hooks in both cases.
