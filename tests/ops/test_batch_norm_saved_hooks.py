@@ -154,3 +154,157 @@ def test_non_reentrant_checkpoint_matches_eager(bottleneck_only):
         x.grad = None
         model.zero_grad(set_to_none=True)
     _assert_same(*grads)
+
+
+# NOTE [Under saved-tensor hooks]: from the second weight version on, a BatchNorm whose output an
+# activation claimed saves that output through save_for_backward: what the hooks retain is what
+# the model keeps without them, with its bits.
+
+
+def _hooked_step(model: nn.Module, x: torch.Tensor, hooks):
+    # one training step inside ``hooks()`` (None: no hooks): (saved bytes, gradients); then an
+    # optimizer step that changes no value but moves every parameter's version on
+    def fwd():
+        if hooks is None:
+            return model(x).square().sum()
+        with hooks():
+            return model(x).square().sum()
+
+    saved = measure(fwd, module=model).saved_bytes
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1)
+    return saved, grads
+
+
+def _identity_hooks():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+@pytest.mark.parametrize("hooks", [_identity_hooks, torch.autograd.graph.save_on_cpu])
+def test_a_claimed_norm_keeps_its_output_under_hooks_from_the_next_version(hooks):
+    _, lean = _pair()
+    x = _x()
+    plain_saved, plain = _hooked_step(lean, x, None)
+    _hooked_step(lean, x, hooks)  # the first version in the region: x, the claims counted
+    for _ in range(2):
+        saved, grads = _hooked_step(lean, x, hooks)
+        _assert_same(grads, plain)
+        if hooks is _identity_hooks:  # save_on_cpu's copies are other storages
+            assert saved == plain_saved
+    lean.zero_grad(set_to_none=True)
+
+
+def test_a_claimed_norm_under_non_reentrant_checkpoint_gives_the_lean_bits():
+    # the recompute decides as its forward did (the same weight version): the same tensors are
+    # saved, and the gradients are the lean model's without checkpointing
+    _, lean = _pair()
+    x = _x()
+    _, plain = _hooked_step(lean, x, None)
+
+    class _Ckpt(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return checkpoint(self.m, x, use_reentrant=False)
+
+    wrapped = _Ckpt(lean)
+    for _ in range(3):
+        _, grads = _hooked_step(wrapped, x, None)
+    _assert_same(grads, plain)
+
+
+class _Switch(nn.Module):
+    # conv -> BN -> ReLU -> conv, or (claim=False) the BN output written over in place and no
+    # activation: a call whose claim does not come after calls that were all claimed
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.relu, self.conv2 = nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1)
+        self.claim = True
+
+    def forward(self, x):
+        b = self.bn(self.conv1(x))
+        if self.claim:
+            return self.conv2(self.relu(b))
+        return self.conv2(b.mul_(0.5))
+
+
+def test_a_call_whose_claim_does_not_come_keeps_its_input():
+    # it saved b at forward and b is then written over: b is never read back (no autograd error),
+    # the gradients are those without hooks (x kept), and the next version saves x again
+    torch.manual_seed(0)
+    eager = _Switch().train()
+    lean = slimgrad.convert_(copy.deepcopy(eager))
+    x = _x()
+    for _ in range(2):
+        _hooked_step(lean, x, _identity_hooks)
+    lean.claim = eager.claim = False
+    _, plain = _hooked_step(lean, x, None)
+    _, ref = _hooked_step(eager, x, None)
+    _assert_same(plain, ref)  # x kept, aten's backward: eager's bits
+    for _ in range(2):  # the wasted pack, then the next version's x
+        _, grads = _hooked_step(lean, x, _identity_hooks)
+        _assert_same(grads, plain)
+
+
+class _WritesAfterClaim(nn.Module):
+    # the BN output is claimed by the ReLU, then written over: without hooks the lean model's
+    # BatchNorm (which keeps b) raises autograd's in-place error (NOTE [Derived saved inputs])
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.relu, self.conv2 = nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        b = self.bn(self.conv1(x))
+        y = self.conv2(self.relu(b))
+        b.mul_(2)
+        return y + b.sum()
+
+
+def test_a_write_over_a_kept_output_raises_under_identity_hooks_as_without():
+    # identity hooks hand the saved b itself back, and autograd checks no version under hooks:
+    # the BatchNorm checks it, so the write is refused as without hooks, not read as b
+    torch.manual_seed(0)
+    lean = slimgrad.convert_(_WritesAfterClaim().train())
+    x = _x()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _hooked_step(lean, x, None)
+    lean.zero_grad(set_to_none=True)
+    _hooked_step(lean, x, _identity_hooks)  # the first version: x kept, eager's op
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _hooked_step(lean, x, _identity_hooks)
+
+
+def test_a_claimed_norm_after_an_expanding_1x1_conv_saves_the_conv_input():
+    # conv (1x1, 4 -> 16: a recipe whose ingredient is a quarter of x) -> BN -> SiLU -> conv: from
+    # the next version the BN saves the ingredient and accepts the claim, so the SiLU and the conv
+    # keep b (eager's SiLU keeps b and the conv SiLU(b)): the hooks retain what the model keeps
+    # without them, each copy a hook makes of the BN's is a quarter of b's, and every node gives
+    # eager's bits (the BN replays its conv)
+    torch.manual_seed(0)
+    eager = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.Conv2d(4, 16, 1),
+        nn.BatchNorm2d(16),
+        nn.SiLU(),
+        nn.Conv2d(16, 4, 3, padding=1),
+    ).train()
+    lean = slimgrad.convert_(copy.deepcopy(eager))
+    x = _x()
+    plain_saved, _ = _hooked_step(lean, x, None)
+    _, ref = _hooked_step(eager, x, None)
+    _hooked_step(lean, x, _identity_hooks)
+    saved, grads = _hooked_step(lean, x, _identity_hooks)
+    assert saved == plain_saved
+    _assert_same(grads, ref)
+    packed, _ = _step_packing(lean, x)
+    packed_eager, _ = _step_packing(eager, x)
+    # eager hands the hooks x (BN), b (SiLU) and SiLU(b) (conv); the lean model the ingredient,
+    # b and b
+    assert packed_eager - packed == (16 - 4) * 4 * 12 * 12 * 4

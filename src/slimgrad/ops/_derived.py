@@ -64,9 +64,9 @@ a sixth more step time on CPU (NOTE [A stand-in for x] in ops/conv.py; ``docs/me
 Under saved-tensor hooks: the BatchNorm keeps its switchable slot as ctx attributes
 (``save_for_backward`` cannot be changed after forward), which saved-tensor hooks do not see. So
 inside a ``torch.utils.checkpoint`` (non-reentrant), ``save_on_cpu`` or other hooks region it
-decides at forward and saves through ``save_for_backward``: x, or a recipe's input where that is
-smaller than x, and it registers nothing to claim (NOTE [Under saved-tensor hooks] in
-``ops/batch_norm.py``).
+decides at forward and saves through ``save_for_backward``: b where the module's output was
+claimed at the last weight version, else x, or a recipe's input where that is smaller than x
+(NOTE [Under saved-tensor hooks] in ``ops/batch_norm.py``).
 
 # NOTE [Which convs the default replays]
 A replay of a 1x1 conv frees its output y (C_out values per pixel) for C_in / groups multiply-adds

@@ -53,9 +53,10 @@ and Σ dy (b - mean(b)) is summed in float64 and divided once, so per channel
 |dγ - dγ64| <= (the rule's bound) + u Σ_i |dy_i| |b_i| / |γ|, found at most 0.51 of that last
 term (tests/ops/test_bn_act_adversarial.py, test_dgamma_bound_for_gradient_along_output_rounding).
 Inside a saved_tensors_hooks region (save_on_cpu, offloading, non-reentrant checkpointing) what
-is kept full-size goes through save_for_backward, decided at forward: x, or the input of x's 1x1
-conv where that is smaller (re-run in backward), never b (NOTE [Under saved-tensor hooks]); eval
-with frozen γ, β keeps nothing full-size there too.
+is kept full-size goes through save_for_backward, decided at forward: b where this module's
+output was claimed by an activation at the last weight version (then the same bytes and bits as
+without hooks), else x, or the input of x's 1x1 conv where that is smaller (re-run in backward)
+(NOTE [Under saved-tensor hooks]); eval with frozen γ, β keeps nothing full-size there too.
 """
 
 from __future__ import annotations
@@ -118,8 +119,18 @@ class _Source(SimpleNamespace):
 
     def keep_output(self, b: torch.Tensor) -> bool:
         ctx = self.ctx
-        if ctx.b is not None:
+        if ctx.b is not None or ctx.b_saved:
             return True
+        rec = ctx.claims
+        if rec is not None:
+            # NOTE [Under saved-tensor hooks]: a claim asked of a call inside a hooks region
+            # counts once per call (the decision for the next parameter version reads it)
+            ctx.claims = None
+            rec[3] += 1
+        if ctx.saved_x:
+            # NOTE [Under saved-tensor hooks]: x or its ingredient went through the hooks; where
+            # pre, the activation and the next conv keep b (the claim), this call what it saved
+            return ctx.pre
         if (ctx.x is None and ctx.recipe is None) or not ctx.training:
             return False
         # the shape and dtype tests below read attributes (b's dtype, ndim, shape) and b.numel()
@@ -177,7 +188,11 @@ class _Source(SimpleNamespace):
                 edge = node.next_functions[2:3]  # the bias's (eager's node has none without bias)
                 if edge and edge[0][0] is not None:  # the conv's bias needs a gradient
                     node.register_hook(_partial(_bias_grad_f64, ctx.bad))
-        ctx.b, ctx.b_version = b.detach(), b._version
+        if ctx.pre:
+            # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward
+            ctx.b_saved, ctx.b_version, ctx.b_ref = True, b._version, weakref.ref(b)
+        else:
+            ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
         return True
 
@@ -304,27 +319,48 @@ def _kept_nothing(ctx) -> bool:
 # saved_tensors_hooks (save_on_cpu, torchtune-style offloading, non-reentrant checkpointing and its
 # recompute) see only what goes through save_for_backward, and see it when forward returns; the
 # switchable slot (_Source.keep_output swaps x for b after forward) cannot be packed then. So
-# inside such a region a call decides at forward, once, and saves through save_for_backward: the
-# input x (as eager), or, where x has a recipe (NOTE [Recomputable inputs] in ops/_derived.py)
-# whose full-size ingredient is smaller than x (ResNet's bn3 after its 1x1 conv3: a quarter of
-# x), that ingredient, and re-runs the conv on it in backward (bit for bit, as the recipe does;
-# the conv's weight and bias are Parameters, kept as attributes and version-checked, not packed,
-# as eager's BatchNorm does not pack them). A recipe that rebuilds a derived input (a
-# Rebuild handle) is not used here: x is saved. Nothing is registered for a following
-# activation to claim (its claim would swap the slot after forward). Eval with γ, β frozen saves
-# nothing full-size, as outside hooks. The number of saved tensors depends only on the call's
-# arguments and the model's structure, so a checkpoint's recompute saves as many as its forward.
+# inside such a region a call decides at forward, once, what it saves through save_for_backward:
+#   - b, its output, where every call of this module at the weight's last version (before the
+#     current one) had its output claimed by a slimgrad activation (what outside hooks makes it
+#     keep b), unless x's recipe has an ingredient smaller than x (below: that ingredient is
+#     saved, the claim accepted, so the activation and the next conv keep b and this call
+#     replays the conv: each hook copy is then the smaller one, and its bits are eager's, aten's
+#     backward on the exact x). x, or its recipe, is held as outside hooks only until the claim
+#     (the next op, in a BN -> act -> conv block; the claim then keeps nothing more: backward
+#     reads b back through the hooks; autograd checks no version under hooks, so b's version at
+#     the claim is checked there where the hooks hand b's memory back). A call whose claim does
+#     not come keeps x or its recipe as outside hooks and never reads b: its bits are those of
+#     the unhooked model, and b's pack was wasted (that module's next weight version decides
+#     again, and saves x). The same bits as without hooks in both cases.
+#   - else x (as eager), or, where x has a recipe (NOTE [Recomputable inputs] in ops/_derived.py)
+#     whose full-size ingredient is smaller than x (ResNet's bn3 after its 1x1 conv3: a quarter of
+#     x), that ingredient, and re-runs the conv on it in backward (bit for bit, as the recipe
+#     does; the conv's weight and bias are Parameters, kept as attributes and version-checked, not
+#     packed, as eager's BatchNorm does not pack them; a derived ingredient is rebuilt from the
+#     store, NOTE [Rebuilt once per backward]). A stride-2 1x1 conv's input is larger than x: x is
+#     saved there (one more x-sized tensor retained under identity hooks than outside them, one
+#     fewer k-sized copy offloaded). Such a call registers a source that counts the claims asked
+#     of it and refuses them (the activation runs eager's op).
+# Why the weight's version: it changes at each optimizer step and never between a checkpoint's
+# forward and its recompute (a write to γ there fails the backward anyway), so the recompute
+# decides as its forward did and saves as many tensors, of the same kinds, in the same order (a
+# decision read from the current step's claims would let a recompute save b where its forward
+# saved x, which the checkpoint's metadata check cannot tell apart). So the first step in a hooks
+# region (and every step with a frozen γ, or no γ) saves x; from the next weight version on, a
+# claimed module saves b. Channels kept from x (_bad_channels, few where any) stay an attribute
+# the hooks do not see. Eval with γ, β frozen saves nothing full-size, as outside hooks.
+def _smaller_ingredient(recipe, x: torch.Tensor) -> bool:
+    k = recipe.tensors[0] if recipe is not None else None
+    return k is not None and k.numel() * k.element_size() < x.numel() * x.element_size()
+
+
 def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
     # recipe: x's (batch_norm looked it up), or None
     kept = x
     if recipe is not None:
         _derived.adopt_recipe(recipe)
         k = recipe.tensors[0]
-        if (
-            recipe.rebuild is None
-            and k is not None
-            and k.numel() * k.element_size() < x.numel() * x.element_size()
-        ):
+        if _smaller_ingredient(recipe, x):
             # the closure holds no tensor; its parameters are held here, not the Recipe (whose
             # aliases would keep k on the device beside its packed copy)
             ctx.recipe_fn = recipe.fn
@@ -335,6 +371,20 @@ def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
             recipe.drop()
     ctx.saved_x = True
     ctx.save_for_backward(kept)
+
+
+def _load_saved_b(ctx) -> None:
+    # NOTE [Under saved-tensor hooks]: b as save_for_backward kept it (unpacked by the hooks)
+    if ctx.released:
+        _check_not_released(ctx)
+    (b,) = ctx.saved_tensors
+    # identity hooks hand b itself back, which autograd does not version-check under hooks: a
+    # write over b since the claim raises as outside hooks. A hook's copy (save_on_cpu: its
+    # version is the copy's own) holds b's values at forward, whatever was written over b since.
+    orig = ctx.b_ref()
+    if orig is not None and orig._version != ctx.b_version and orig.data_ptr() == b.data_ptr():
+        _derived.check_version(orig, ctx.b_version, "batch_norm output")
+    ctx.b, ctx.b_version = b, b._version
 
 
 def _saved_input(ctx) -> torch.Tensor:
@@ -384,11 +434,13 @@ class _BatchNormFn(torch.autograd.Function):
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
         ctx.training, ctx.eps, ctx.released = training, eps, False
-        ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = None
+        ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = ctx.claims = None
         ctx.x_version = ctx.b_version = 0
         # NOTE [Under saved-tensor hooks]: what this call keeps full-size went through
-        # save_for_backward (x, or its recipe's input), rebuilt by ctx.recipe_fn if set
+        # save_for_backward (x, or its recipe's input, rebuilt by ctx.recipe_fn if set; or, where
+        # pre, b, read back where a claim came: b_saved)
         ctx.saved_x, ctx.recipe_fn = False, None
+        ctx.pre = ctx.b_saved = False
         # NOTE [BatchNorm keeps its parameters, not copies]: the tensors themselves, read in a
         # first-order backward (grad mode off: no graph); _double detaches them first
         ctx.weight_v, ctx.bias_v = weight, bias
@@ -424,9 +476,22 @@ class _BatchNormFn(torch.autograd.Function):
         else:
             recipe = _derived.usable_recipe(x, recompute) if keep_x else None
             holder.append(None)
-        if keep_x and hooked:
+        if keep_x and hooked and (hooked != _PRE or _smaller_ingredient(recipe, x)):
             _save_under_hooks(ctx, x, recipe)
+            # a source that counts the claims asked of it and, where pre (an ingredient smaller
+            # than b kept), accepts them and keeps what it saved
+            ctx.pre = hooked == _PRE
+            holder[0] = ctx
         elif keep_x:
+            if hooked:
+                # NOTE [Under saved-tensor hooks]: b through save_for_backward now; x (or its
+                # recipe) held below only until the claim that this module's calls met at the
+                # last parameter version
+                # a recompute inside a backward (a checkpoint's) saves a copy: its own activation
+                # may write over b there where the forward's claim did not (a claim in place
+                # needs ownership, which the checkpoint's hold on b refuses)
+                ctx.save_for_backward(out if _task_id() == -1 else out.clone())
+                ctx.pre = True
             if recipe is not None:
                 if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
                     recipe.rebuild.add_user(1)
@@ -446,6 +511,8 @@ class _BatchNormFn(torch.autograd.Function):
         if ctx.bias_v is not None:
             ctx.bias_v = ctx.bias_v.detach()
         _check_not_released(ctx)
+        if ctx.b_saved:
+            _load_saved_b(ctx)
         _check_params(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if _kept_nothing(ctx):
@@ -470,6 +537,8 @@ class _BatchNormFn(torch.autograd.Function):
                     torch.autograd.grad(y2, inputs, grad, create_graph=True, allow_unused=True)
                 )
             out = tuple(grads.pop(0) if n else None for _, n in pairs)
+        if ctx.b_saved:
+            ctx.b = None
         if _keep_graph is not None and not _keep_graph():
             _release(ctx)
         return out + (None,) * 8
@@ -482,6 +551,8 @@ class _BatchNormFn(torch.autograd.Function):
         # may write dx over it
         # (the C library _bwd_from_output_c runs where what it checks of ctx alone holds; handed
         # on to it: one backend choice per backward)
+        if ctx.b_saved:
+            _load_saved_b(ctx)
         b = ctx.b
         lib = None
         if (
@@ -538,6 +609,8 @@ class _BatchNormFn(torch.autograd.Function):
             )
         else:
             out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf, lib)
+        if ctx.b_saved:
+            ctx.b = None  # the unpacked b: read again from the hooks by another backward
         if _keep_graph is not None and not _keep_graph():
             # _release(ctx), inline
             ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
@@ -1133,6 +1206,27 @@ def _batch_norm(
     # NOTE [Under saved-tensor hooks]: inside a hooks region, decided at forward and saved through
     # save_for_backward
     hooked = _top_hooks(False) is not None
+    rec = None
+    if (
+        hooked
+        and training
+        and state is not None
+        and weight is not None
+        and not few
+        and input.dtype == weight.dtype
+        and input.dtype.itemsize >= 4
+    ):
+        # NOTE [Under saved-tensor hooks]: the claims asked of this module's calls in a hooks
+        # region, [weight version, pre, calls, claims asked]; the decision is made at the first
+        # call of each new weight version from the last version's calls
+        rec = state[_CLAIMS_KEY] if _CLAIMS_KEY in state else None
+        v = weight._version
+        if rec is None:
+            rec = state[_CLAIMS_KEY] = [v, False, 0, 0]
+        elif rec[0] != v:
+            rec[:] = [v, 0 < rec[2] <= rec[3], 0, 0]
+        if rec[1]:
+            hooked = _PRE
     # the forward takes x's recipe from holder[0] and puts there its ctx where it keeps x or its
     # recipe (what a _Source asks), else None
     holder: list = [recipe]
@@ -1176,6 +1270,11 @@ def _batch_norm(
     ):
         # _derived.put_source(out, _Source(ctx=ctx)), inline (not compiling: plain path above;
         # NOTE [A registry entry dropped in C]); out is this call's fresh output
+        if rec is not None and _task_id() == -1:
+            # counted outside a backward only: a checkpoint's recompute there may stop before the
+            # activation that claims
+            ctx.claims = rec
+            rec[2] += 1
         _CLOCK[0] += 1  # _derived._tick()
         k = id(out)
         src = (_Source(ctx=ctx), out._version)
@@ -1247,6 +1346,9 @@ _PLAIN_KEY = "_slimgrad_bn_plain"
 _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_task_id = torch._C._current_graph_task_id
+_PRE = 2  # the forward's ``hooked``: inside a hooks region, b saved at forward (pre)
+_CLAIMS_KEY = "_slimgrad_bn_claims"  # NOTE [Under saved-tensor hooks]: in the module's __dict__
 _has_tf = torch._C._has_torch_function_variadic
 # Types whose instances have no __torch_function__ of their own: checked without a call
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
