@@ -1014,7 +1014,15 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     ends = [x for x in flow.ret if isinstance(x, nn.Module)]
     items = None
     rets = flow.ret_items
-    if rets and all(r is not None and len(r) == len(rets[0]) for r in rets):
+    fn = getattr(type(m), "forward", None)
+    # the tuple's items only where the read source is what runs: a decorator (the source read is
+    # the unwrapped function's) may return other items or reorder them
+    if (
+        rets
+        and not fdef.decorator_list
+        and inspect.unwrap(fn) is fn
+        and all(r is not None and len(r) == len(rets[0]) for r in rets)
+    ):
         items = tuple(
             frozenset(x for r in rets for x in r[i] if isinstance(x, nn.Module) or x == _IN)
             for i in range(len(rets[0]))
