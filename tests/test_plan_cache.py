@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+import slimgrad
 import slimgrad.memory as sm
 from slimgrad.plan import apply_choices
 
@@ -119,3 +120,22 @@ def test_a_cache_passed_positionally_is_not_written_by_a_recomputed_block(choice
         assert torch.equal(g, gb[n]), n
     # as under HF's gradient checkpointing: a recomputed block leaves the cache alone
     assert cached == [0, 0] and plain_cached == [ids.shape[1]] * 2, (cached, plain_cached)
+
+
+def test_the_cache_positions_read_keep_no_block_alive():
+    # the positions are kept per forward; a converted GPT-2 block's forward object holds its
+    # block, so a strong key kept every recomputed model alive (review: the block and its
+    # weights survived `del model`)
+    import gc
+    import weakref
+
+    base, ids = _gpt2()
+    m = slimgrad.convert_(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_choices(m, {"transformer.h.0": "lean+recompute"})
+        _gpt2_grads(m, ids)
+    block = weakref.ref(m.transformer.h[0])
+    del m, base
+    gc.collect()
+    assert block() is None

@@ -129,6 +129,7 @@ import math
 import re
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -349,17 +350,23 @@ def _inner_forward(module: nn.Module):
 # in forward and in recompute, exactly as HF's own ``gradient_checkpointing_enable`` calls a layer
 # (transformers' GradientCheckpointingLayer: ``use_cache=False``, ``past_key_values=None``,
 # ``layer_past=None`` unless the layer sets ``_can_checkpoint_with_cache``). The loss and the
-# gradients are those without recompute when the cache starts empty (a training step); the
-# returned cache lacks the recomputed blocks' keys, as under HF's checkpointing. HF GPT-2's model
+# gradients are those of a call without the cache (``use_cache=False``; eager's differ from a call
+# with one by rounding) when the cache starts empty (a training step); the returned cache lacks
+# the recomputed blocks' keys, as under HF's checkpointing. HF GPT-2's model
 # passes the cache by position (``block(hidden_states, past_key_values, ...)``), so the positions
 # of these parameters in the block's forward are read from its signature, once per function.
 _CACHE_KWARGS = ("past_key_values", "layer_past")
-_CACHE_POSITIONS: dict = {}  # forward function -> positions in *args of use_cache and the caches
+# forward function (or callable object) -> positions in *args of use_cache and the caches; weak
+# keys: a converted block's forward object holds its block
+_CACHE_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cache_positions(fn) -> tuple[int | None, tuple[int, ...]]:
     key = getattr(fn, "__func__", fn)
-    got = _CACHE_POSITIONS.get(key)
+    try:
+        got = _CACHE_POSITIONS.get(key)
+    except TypeError:  # not weakly referenceable: read each call
+        key, got = None, None
     if got is None:
         try:
             params = list(inspect.signature(fn).parameters.values())
@@ -371,7 +378,8 @@ def _cache_positions(fn) -> tuple[int | None, tuple[int, ...]]:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         }
         got = (pos.get("use_cache"), tuple(pos[k] for k in _CACHE_KWARGS if k in pos))
-        _CACHE_POSITIONS[key] = got
+        if key is not None:
+            _CACHE_POSITIONS[key] = got
     return got
 
 

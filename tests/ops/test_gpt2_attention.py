@@ -346,7 +346,9 @@ def test_recomputed_block_with_the_cache_takes_the_node_again(count):
     ids = torch.randint(0, 97, (2, 24))
     got = _step(model, ids)
     assert count[0] == 2  # forward and recompute
-    _same(_step(lean, ids), got)
+    # the recomputed block runs without the cache (NOTE [A recomputed block does not write the KV
+    # cache]), so its bits are a call's without one (eager's with and without differ by rounding)
+    _same(_step(lean, ids, use_cache=False), got)
     assert count[0] == 3
 
 
