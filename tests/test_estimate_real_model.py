@@ -81,3 +81,34 @@ def test_the_real_gradients_stay_as_they_were():
     estimate(make, timeline=False)
     assert lin.weight.grad is None
     assert type(lin.bias.grad) is torch.Tensor and torch.equal(lin.bias.grad, bias_grad)
+
+
+def test_gradients_accumulated_into_are_modelled():
+    # a parameter that holds a .grad is added to in place by the real step; before, its fake
+    # stand-in had none, so the estimate made new gradients (end 132,352 B where the step ends 0)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+    m(x).sum().backward()
+    m(x).sum().backward()  # warm: the step measured below is a steady one
+
+    def make():
+        return (lambda: m(x).sum()), m
+
+    est = estimate(make, timeline=False)
+    real = measure(lambda: m(x).sum(), module=m, timeline=False)
+    assert est.end_bytes == real.end_bytes == 0
+    assert est.peak_bytes == real.peak_bytes
+
+
+def test_parameters_with_hooks_are_refused_before_any_change():
+    lin = torch.nn.Linear(4, 3)
+    lin.weight.register_post_accumulate_grad_hook(lambda p: None)
+
+    def make():
+        return (lambda: lin(torch.randn(2, 4)).sum()), lin
+
+    w = lin.weight
+    with pytest.raises(ValueError, match="without tensor hooks, got 'weight' with hooks"):
+        estimate(make, timeline=False)
+    assert lin.weight is w and lin.weight.grad is None

@@ -1438,6 +1438,19 @@ def _fake_in_place(module: torch.nn.Module, mode: Any) -> tuple[list, list]:
     # buffers that stay (index tensors) to write back
     from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
+    for pname, p in module.named_parameters(remove_duplicate=True):
+        if is_fake(p):
+            continue
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            # a stand-in without them runs another step than the real one
+            raise ValueError(
+                "slimgrad.memory.estimate: a model built before estimate steps on fake stand-ins "
+                "of its parameters; expected parameters without tensor hooks, got "
+                f"{pname!r} with hooks (e.g. step_in_backward's or "
+                "register_post_accumulate_grad_hook). Estimate before registering them, or build "
+                "the model (and its hooks) inside make_forward (NOTE [A model built outside the "
+                "estimate])."
+            )
     fakes: dict[int, torch.Tensor] = {}
     swapped, kept = [], []
     for sub in module.modules():
@@ -1455,6 +1468,8 @@ def _fake_in_place(module: torch.nn.Module, mode: Any) -> tuple[list, list]:
                     fake = mode.from_tensor(t, static_shapes=True)
                     if isinstance(t, torch.nn.Parameter):
                         fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+                        if t.grad is not None:  # accumulated into, as the real step does
+                            fake.grad = mode.from_tensor(t.grad, static_shapes=True)
                     fakes[id(t)] = fake
                 swapped.append((slots, name, t))
                 slots[name] = fake
@@ -1470,7 +1485,9 @@ def _fake_in_place(module: torch.nn.Module, mode: Any) -> tuple[list, list]:
 # and return ``(forward, model)``. For the step each real parameter and floating buffer in the
 # model's module slots is replaced by a fake one of the estimate's mode (one per tensor, so tied
 # weights stay tied; a Parameter stays a Parameter), and put back afterwards: the step is the one a
-# model built under fake tensors runs, and the real model keeps its values and ``.grad``. Integer
+# model built under fake tensors runs (a parameter's ``.grad`` has a fake stand-in too, added to as
+# the real one is; parameters with tensor hooks are refused: their stand-ins would have none), and
+# the real model keeps its values and ``.grad``. Integer
 # and bool buffers stay real, as they are in a model built under fake tensors (HF's
 # ``position_ids``, an ``arange``: NOTE [Index tensors keep their values under fake tensors]), and
 # are copied first and written back where the step changed them (``num_batches_tracked``). Run on
