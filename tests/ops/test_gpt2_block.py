@@ -279,3 +279,25 @@ def test_bytes_as_per_op_and_the_estimate_is_the_step(shape, folded):
     assert a.saved_bytes == b.saved_bytes
     assert a.peak_bytes <= b.peak_bytes
     assert a.forward_peak_bytes <= b.forward_peak_bytes
+
+
+@pytest.mark.parametrize("request_kw", ["output_hidden_states", "output_attentions"])
+def test_a_call_asking_for_outputs_does_not_turn_the_fold_off_for_later_calls(folded, request_kw):
+    # transformers leaves its output-capturing hooks on the layers after the first call that asks
+    # for outputs; they act only in such a call (NOTE [Forward hooks on an output-saving module]).
+    # Before: every later plain call ran HF's forward ([0, 0] nodes)
+    model = _model()
+    model.train()
+    per_op = _per_op(model)
+    ids = torch.randint(0, 97, (2, 24))
+    torch.manual_seed(5)
+    out = model(input_ids=ids, labels=ids, **{request_kw: True})
+    torch.manual_seed(5)
+    want = per_op(input_ids=ids, labels=ids, **{request_kw: True})
+    assert folded == [0, 0]  # the asking call runs HF's forward: the hooks collect
+    assert torch.equal(out.loss, want.loss)
+    key = "hidden_states" if request_kw == "output_hidden_states" else "attentions"
+    assert all(torch.equal(a, b) for a, b in zip(out[key], want[key], strict=True))
+    got = _step(model, ids)
+    assert folded == [2, 2]
+    _assert_same(got, _step(per_op, ids))

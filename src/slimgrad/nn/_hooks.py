@@ -44,12 +44,34 @@ from torch.nn.modules import module as _module
 # raises autograd's version error there (never a wrong gradient). Checking the modules on the call
 # stack would catch it, but would also count the read-only output-capturing hooks transformers
 # puts on its layers (``transformers/utils/output_capturing.py``) and drop the savings.
+# Those hooks stay on the layers after the first call that asks for hidden states or attentions,
+# and act only in a call that asks for outputs (they return at once otherwise): outside such a call
+# (NOTE [Hidden states handed out per call]) they count as absent, so one such call does not turn
+# the savings off for every later call.
 
 
 def foreign(hooks: dict) -> bool:
     if not hooks:  # the common case: no hook at all, answered without a generator
         return False
-    return any(not getattr(f, "__module__", "").startswith("slimgrad.") for f in hooks.values())
+    return any(_acts(f) for f in hooks.values())
+
+
+_HF_CAPTURE = "transformers.utils.output_capturing"
+
+
+def _acts(f) -> bool:
+    # a hook that may act on this call: not slimgrad's own, and not transformers' output-capturing
+    # hook outside a call that asks for outputs (it returns at once there)
+    mod = getattr(f, "__module__", None) or ""
+    if mod.startswith("slimgrad."):
+        return False
+    if mod == _HF_CAPTURE and getattr(f, "__name__", None) == "output_capturing_hook":
+        from slimgrad.nn import _output_act as oa
+
+        if not oa._COLLECTOR:
+            oa._find_collector()
+        return oa.requested()
+    return True
 
 
 def forward_hooked(m: torch.nn.Module) -> bool:
