@@ -255,8 +255,10 @@ def _find_collector() -> None:
     c = getattr(output_capturing, "_active_collector", None)
     # its ContextVar and the flag of its global (under torch.compile) read as its own get() does,
     # without that method's frame
-    known = isinstance(getattr(c, "context_var", None), contextvars.ContextVar) and isinstance(
-        getattr(c, "compiling", None), bool
+    known = (
+        isinstance(getattr(c, "context_var", None), contextvars.ContextVar)
+        and isinstance(getattr(c, "compiling", None), bool)
+        and hasattr(c, "global_var")
     )
     _COLLECTOR.append(c if known else None)
 
