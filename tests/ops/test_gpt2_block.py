@@ -301,3 +301,24 @@ def test_a_call_asking_for_outputs_does_not_turn_the_fold_off_for_later_calls(fo
     got = _step(model, ids)
     assert folded == [2, 2]
     _assert_same(got, _step(per_op, ids))
+
+
+def test_a_block_the_filter_leaves_alone_gets_no_instance_forwards():
+    # filter_fn (and a plan's eager blocks, which enter as a filter) leave a block as it is: before,
+    # its attention and the block still got the one-node forwards and the report listed them
+    c = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(c)
+
+    def keep(m, name):
+        return not (name == "transformer.h.0" or name.startswith("transformer.h.0."))
+
+    slimgrad.convert_(model, filter_fn=keep)
+    h0, h1 = model.transformer.h
+    assert "forward" not in h0.__dict__ and "forward" not in h0.attn.__dict__
+    assert type(h1.__dict__.get("forward")) is hb.GPT2BlockForward
+    rows = [r for r in str(slimgrad.report(model)).splitlines() if "GPT2Attention.forward" in r]
+    assert len(rows) == 1 and "transformer.h.1.attn" in rows[0] and "h.0" not in rows[0], rows

@@ -1183,11 +1183,12 @@ def use_slimgrad_attention(model: nn.Module) -> tuple[bool, str]:
     return True, ", ".join(routed)
 
 
-def _gpt2_rows(m: nn.Module, name: str) -> list[tuple[str, str, str]]:
+def _gpt2_rows(m: nn.Module, name: str, allowed=None) -> list[tuple[str, str, str]]:
     # the slimgrad attention in place, then GPT-2's one-node forwards; their report rows
     _use_now(m)
     rows = []
-    for sub in gpt2_attention_forwards_(m):  # NOTE [GPT-2's attention output as one node]
+    # NOTE [GPT-2's attention output as one node]
+    for sub in gpt2_attention_forwards_(m, allowed=allowed, prefix=name):
         full = f"{name}.{sub}" if name and sub else name or sub
         rows.append((full, "GPT2Attention.forward", "scores op + c_proj + resid_dropout: one node"))
     return rows
@@ -1228,7 +1229,7 @@ def attention_pattern(model: nn.Module, config, allowed, found) -> list[Decision
             out.append(Decision(
                 name, None, None, m, kind=f"{kind} attention ({origin})",
                 to=f"slimgrad attention: {', '.join(routed)}",
-                patch=lambda m=m, name=name: _gpt2_rows(m, name),
+                patch=lambda m=m, name=name: _gpt2_rows(m, name, allowed),
             ))  # fmt: skip
         else:
             out.append(Decision(
@@ -1438,17 +1439,35 @@ def _gpt2_deps():
     return _GPT2_DEPS
 
 
-def gpt2_attention_forwards_(model: nn.Module) -> list[str]:
+def left_alone(model: nn.Module, allowed=None, prefix: str = "") -> set[str]:
+    """The names (in ``model``) of the modules ``convert_``'s filter leaves alone, with everything
+    inside them: ``allowed(module, qualified name)`` is False there or above (``filter_fn``, a
+    plan's eager blocks)."""
+    if allowed is None:
+        return set()
+    out: set[str] = set()
+    for name, m in model.named_modules():
+        parent = name.rpartition(".")[0]
+        full = f"{prefix}.{name}" if prefix and name else prefix or name
+        if (name and parent in out) or not allowed(m, full):
+            out.add(name)
+    return out
+
+
+def gpt2_attention_forwards_(model: nn.Module, allowed=None, prefix: str = "") -> list[str]:
     """Put :class:`GPT2AttentionForward` on ``model``'s HF GPT-2 self-attentions (NOTE [GPT-2's
-    attention output as one node]); returns their names."""
+    attention output as one node]) that ``allowed`` (``convert_``'s filter; ``prefix``: the
+    model's name) does not leave alone; returns their names."""
     hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
     stock = getattr(getattr(hf, "GPT2Attention", None), "forward", None)
     if stock is None:
         return []
+    skip = left_alone(model, allowed, prefix)
     names = []
     for name, m in model.named_modules():
         if (
-            isinstance(m, hf.GPT2Attention)
+            name not in skip
+            and isinstance(m, hf.GPT2Attention)
             and type(m).forward is stock
             and "forward" not in m.__dict__
             and m.__dict__.get("is_cross_attention") is False
@@ -1459,5 +1478,5 @@ def gpt2_attention_forwards_(model: nn.Module) -> list[str]:
     if names:  # NOTE [GPT-2's block with its LayerNorms folded]
         from slimgrad.convert_handlers.hf_gpt2_block import gpt2_block_forwards_
 
-        gpt2_block_forwards_(model)
+        gpt2_block_forwards_(model, skip)
     return names

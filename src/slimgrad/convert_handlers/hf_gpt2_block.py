@@ -301,10 +301,10 @@ def _same_computation(fn) -> bool:
         return False
 
 
-def gpt2_block_forwards_(model: nn.Module) -> list[str]:
+def gpt2_block_forwards_(model: nn.Module, skip: frozenset | set = frozenset()) -> list[str]:
     """Put :class:`GPT2BlockForward` on ``model``'s HF ``GPT2Block``s whose attention has a
-    ``GPT2AttentionForward`` (NOTE [GPT-2's block with its LayerNorms folded]); returns their
-    names."""
+    ``GPT2AttentionForward`` (NOTE [GPT-2's block with its LayerNorms folded]), except those named
+    in ``skip`` (left alone by ``convert_``'s filter); returns their names."""
     from slimgrad.convert_handlers.hf_attention import GPT2AttentionForward
 
     hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
@@ -315,7 +315,8 @@ def gpt2_block_forwards_(model: nn.Module) -> list[str]:
     for name, m in model.named_modules():
         attn = getattr(m, "_modules", {}).get("attn")
         if (
-            isinstance(m, hf.GPT2Block)
+            name not in skip
+            and isinstance(m, hf.GPT2Block)
             and type(m).forward is stock
             and "forward" not in m.__dict__
             and "crossattention" not in m._modules
