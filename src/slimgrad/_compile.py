@@ -42,13 +42,11 @@ the custom op's inputs that came from forward. An op whose Function cannot be tr
 (eager-only decisions, ``autograd.grad`` on recomputes) runs, while compiling, as one custom op
 with ``register_autograd`` whose ``setup_context`` saves the contract and whose backward is one
 more custom op (``ops/softmax_dropout.py``: ``scores_softmax_dropout_matmul``); the eager path
-keeps its Function and its bits. On CPU a dropout draw is traced as compiled eager's (NOTE
-[Dropout traced under torch.compile] in ``ops/dropout.py``; the attention's: NOTE [The attention's
-dropout draw under torch.compile] in ``ops/softmax_dropout.py``): inductor's RNG, the masks
-``torch.compile`` of the unconverted model draws at the same seed, not the uncompiled model's.
-A backward that recomputes nothing from the forward's inputs, only rebuilds values from what the
-op saved, may stay traced torch ops, which inductor fuses: the HF RMSNorm's (NOTE [RMSNorm's
-backward traced under torch.compile] in ``ops/rms_norm.py``).
+keeps its Function and its bits. Dropout inside such an op draws from the global generator at
+run time, as the uncompiled op does: the same masks for the same seed (compiled eager draws with
+inductor's RNG instead). A backward that recomputes nothing from the forward's inputs, only
+rebuilds values from what the op saved, may stay traced torch ops, which inductor fuses: the HF
+RMSNorm's (NOTE [RMSNorm's backward traced under torch.compile] in ``ops/rms_norm.py``).
 ``tests/test_compile_saved.py`` holds compiled converted HF GPT-2 and
 Llama to the uncompiled converted models' saved bytes (x 1.05) and each op above to its Memory
 line.

@@ -10,9 +10,8 @@ too small for the packed mask to save bytes (at most 4 half-precision elements o
 kernel: NOTE [Dropout's mask temporaries]) keeps eager's float mask.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
-While Dynamo traces, a CPU dropout is plain torch ops that inductor fuses, the packed bits kept,
-with the masks compiled eager draws (NOTE [Dropout traced under torch.compile]); elsewhere the
-custom ops.
+While Dynamo traces, a CPU dropout is plain torch ops that inductor fuses, with the same mask and
+the same packed bits kept (NOTE [Dropout traced under torch.compile]); elsewhere the custom ops.
 ``inplace=True`` then computes out of place and writes the result back with ``copy_`` (the same
 mask and gradients; the copy is the compiler's memory): the in-place Function traced as is,
 torch 2.13+ dropped its backward on a graph input and torch 2.11 when the caller keeps using the
@@ -25,9 +24,9 @@ state: on CUDA out-of-place, the forward calls ``torch.native_dropout`` (what ``
 there); on CPU, and in-place everywhere, it runs eager's own ``noise = empty_like(x).bernoulli_(1 -
 p).div_(1 - p); x * noise``. The mask is then packed into bits and the backward unpacks those bits,
 so the backward mask is the forward mask by construction (no RNG replay, which is what broke
-memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.compile (where on
-CPU the draw is compiled eager's: NOTE [Dropout traced under torch.compile]), and successive calls
-draw independent masks because the generator advances. The backward multiplies as eager's backward
+memsave_torch's dropout for p != 0.5), on any device, under autocast and torch.compile (the draw
+is eager's op there too: NOTE [Dropout traced under torch.compile]), and successive calls draw
+independent masks because the generator advances. The backward multiplies as eager's backward
 does (CPU and in-place: ``dy * noise`` with ``noise = m / (1 - p)`` rounded to the dtype; CUDA
 out-of-place: ``native_dropout_backward``), so gradients match eager bit for bit. On contiguous
 float32 CPU tensors the packing and both multiplies run as one C pass each
@@ -499,30 +498,24 @@ class _DropoutInplaceFn(torch.autograd.Function):
 
 
 # NOTE [Dropout traced under torch.compile]
-# While Dynamo traces a CPU dropout, it is :class:`_DropoutTracedFn`: compiled eager's own ops,
-# which AOTAutograd and inductor see through: ``aten.native_dropout`` (inductor decomposes it to
-# ``keep = rand_like(x) > p``, ``keep * x * (1 / (1 - p))``; a backend without decompositions runs
-# eager's, whose mask is the uncompiled one, as compiled eager's then is; in place, what Dynamo
-# traces for ``F.dropout(inplace=True)``: ``empty_like(x).bernoulli_(1 - p).div(1 - p)`` times x),
-# the bit packing, and a backward of torch ops only (native_dropout_backward's
-# ``dy * (keep * (1 / (1 - p)))``, in place ``dy * (keep / (1 - p))``, on the unpacked bits).
-# Inductor lowers every ``aten.rand`` of a graph to its own RNG: one
-# ``inductor_seeds(n)`` per call, drawn from the global generator, and the i-th draw of the graph
-# takes the i-th seed. Drawn as compiled eager draws, in the place compiled eager draws it, the mask
-# is the one ``torch.compile`` of the unconverted model draws at the same seed (not the uncompiled
-# model's: inductor's random numbers are not ``bernoulli_``'s), and the dropped values are its bits;
-# a converted HF GPT-2 whose attention draws the same way (NOTE [The attention's dropout draw under
-# torch.compile] in ops/softmax_dropout.py) gives compiled eager's losses bit for bit
-# (``benchmarks/compile_masks.py`` measured it before this was built: 3 seeds, tiny
-# GPT-2; ``tests/test_compile_dropout.py``). Before, the draw was eager's ``bernoulli_`` in a
-# custom op (the uncompiled model's masks): ~60% of the attention op's forward, and other bits.
-# What backward reads is the packed mask, ceil(n / 8) bytes (eager's noise for a tensor too small to
-# pack: NOTE [Dropout's mask temporaries]): random ops are never recomputed by the partitioner, and
-# the packed bytes are the smallest forward value backward's unpacking reads, so that is what it
-# keeps (``kept_bytes`` of benchmarks/compile_step.py, tests/test_compile_saved.py). The packing is
-# eight shifted columns or-ed together (a uint8 multiply-sum, as ``pack_bits`` traces, compiled to
-# a scalar reduction that cost ~7x eager's whole dropout). CUDA keeps the custom ops under compile
-# (its draw is ``native_dropout``'s, with its own mask).
+# While Dynamo traces a CPU dropout, it is :class:`_DropoutTracedFn`: eager's CPU draw in a custom
+# op of x (``slimgrad::dropout_noise``: ``empty_like(x).bernoulli_(1 - p)``), then eager's product
+# and the bit packing written as torch ops, which AOTAutograd and inductor see through, and a
+# backward of torch ops only: the unpacking and the product fuse into one inductor kernel, the
+# packing into the forward's, with fewer Python calls and no opaque kernel for inductor to work
+# around. The draw stays an op of x because a traced ``empty_like(x).bernoulli_`` depends on no
+# value: inductor ran all of GPT-2's dropout draws first, before the attention's, so the masks were
+# no longer the ones the uncompiled model draws at the same seed (first loss 6.259768 against
+# 6.258730). As an op of x it runs where x is ready, as the former custom op did. What backward
+# reads is what the custom ops' backward read: the packed mask, ceil(n / 8) bytes (eager's noise for
+# a tensor too small to pack: NOTE [Dropout's mask temporaries]); the partitioner never recomputes a
+# custom op's output and the packed bytes are the smallest forward value backward's unpacking reads,
+# so that is what it keeps (``kept_bytes`` of benchmarks/compile_step.py,
+# tests/test_compile_saved.py). Values: ``x * (noise / (1 - p))`` and ``where(m, dy * s, dy * 0)``
+# are eager's forward and backward bit for bit (``s`` the noise's value, rounded as eager rounds
+# it). The packing is eight shifted columns or-ed together (a uint8 multiply-sum, as ``pack_bits``
+# traces, compiled to a scalar reduction that cost ~7x eager's whole dropout). CUDA keeps the custom
+# ops under compile (its draw is ``native_dropout``'s, with its own mask).
 def _pack_traced(keep: torch.Tensor) -> torch.Tensor:
     # pack_bits's layout (bit i % 8 of byte i // 8, padding 0), as eight shifted columns or-ed
     # together: one vectorized pass in inductor (NOTE [Dropout traced under torch.compile])
@@ -546,35 +539,39 @@ def _unpack_traced(bits: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return m.reshape(-1)[:n].view(shape) != 0
 
 
+@custom_op("dropout_noise", mutates_args=())
+def _dropout_noise(x: torch.Tensor, p: float) -> torch.Tensor:
+    # eager's CPU draw, as an op of x: NOTE [Dropout traced under torch.compile]
+    return torch.empty_like(x).bernoulli_(1 - p)
+
+
+@_dropout_noise.register_fake
+def _(x, p):
+    return torch.empty_like(x)
+
+
 class _DropoutTracedFn(torch.autograd.Function):
     # only while Dynamo traces a CPU dropout (NOTE [Dropout traced under torch.compile])
     @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float, inplace: bool):
-        # compiled eager's ops for F.dropout: aten.native_dropout out of place, eager's
-        # bernoulli_ on a new tensor in place (what Dynamo traces for inplace=True)
-        if inplace:
-            noise = torch.empty_like(x).bernoulli_(1 - p).div(1 - p)
-            keep, out = noise != 0, x * noise
-        else:  # inductor decomposes it to rand_like(x) > p, keep * x * (1 / (1 - p))
-            out, keep = torch.native_dropout(x, p, True)
-            noise = None
-        ctx.p, ctx.inplace, ctx.packed = p, inplace, not _keeps_noise(x)
-        if not ctx.packed:  # NOTE [Dropout's mask temporaries]: the noise kept
-            ctx.save_for_backward(noise if inplace else keep.type_as(x) * float(1.0 / (1.0 - p)))
-        else:
-            ctx.save_for_backward(_pack_traced(keep))
-        return out
+    def forward(ctx, x: torch.Tensor, p: float):
+        # eager's CPU ops (_fwd_torch): the draw, then x * noise
+        noise = _dropout_noise(x, p)
+        ctx.p, ctx.packed = p, not _keeps_noise(x)
+        if not ctx.packed:  # NOTE [Dropout's mask temporaries]: eager's noise kept
+            noise = noise.div(1 - p)
+            ctx.save_for_backward(noise)
+            return x * noise
+        ctx.save_for_backward(_pack_traced(noise != 0))
+        return x * noise.div(1 - p)
 
     @staticmethod
     def backward(ctx, grad):
         (saved,) = ctx.saved_tensors
         if not ctx.packed:
-            return grad * saved, None, None
-        keep = _unpack_traced(saved, grad.shape).type_as(grad)
-        if ctx.inplace:  # compiled eager's dy * (noise / (1 - p))
-            return grad * keep.div(1 - ctx.p), None, None
-        # native_dropout_backward's decomposition
-        return grad * (keep * float(1.0 / (1.0 - ctx.p))), None, None
+            return grad * saved, None
+        keep = _unpack_traced(saved, grad.shape)
+        s = noise_scale(ctx.p, grad.dtype, grad.device)  # noise's kept value, rounded as eager
+        return torch.where(keep, grad * s, grad * 0), None
 
 
 def _check_p(api: str, p: float) -> None:
@@ -596,7 +593,7 @@ def _dropout_train(input: torch.Tensor, p: float, inplace: bool = False) -> torc
         refuse_jit("ops.dropout")
     if compiling():
         if input.device.type == "cpu":  # NOTE [Dropout traced under torch.compile]
-            out = _DropoutTracedFn.apply(input, float(p), inplace)
+            out = _DropoutTracedFn.apply(input, float(p))
             # NOTE [In-place Functions under torch.compile] in slimgrad/_autograd.py: in place,
             # the out-of-place result written back with copy_ (eager's in-place draw is the same)
             return input.copy_(out) if inplace else out

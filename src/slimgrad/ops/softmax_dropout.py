@@ -734,14 +734,6 @@ def scores_softmax_dropout_matmul(
     value = value.contiguous()  # a strided view would keep its whole base alive
     with torch.autocast(query.device.type, enabled=False):
         if torch.compiler.is_compiling():  # NOTE [slimgrad ops under torch.compile]
-            if p_eff > 0 and query.device.type == "cpu":
-                # NOTE [The attention's dropout draw under torch.compile]
-                shape = torch.broadcast_shapes(query.shape[:-2], key_t.shape[:-2])
-                shape = (*shape, query.shape[-2], key_t.shape[-1])
-                ones = torch.ones(shape, dtype=query.dtype, device=query.device)
-                keep = torch.native_dropout(ones, p_eff, True)[1]  # rand > p under inductor
-                bits = _dropout._pack_traced(keep)
-                return _scores_sdm_bits(query, key_t, value, bits, p_eff, mm_dtype, causal, mask)
             return _scores_sdm(query, key_t, value, p_eff, mm_dtype, causal, mask)[0]
         return _ScoresSoftmaxDropoutMatmulFn.apply(
             query, key_t, value, p_eff, mm_dtype, causal, mask
@@ -1062,59 +1054,3 @@ def _scores_sdm_backward(ctx, d_out, _d_bits):
 
 
 _scores_sdm.register_autograd(_scores_sdm_backward, setup_context=_scores_sdm_setup)
-
-
-# NOTE [The attention's dropout draw under torch.compile]
-# Compiled on CPU with dropout, the scores op draws its mask in the traced graph, as compiled eager
-# draws the attention's (SDPA's math decomposition: ``rand(P.shape) > p``, then ``keep * P * (1 /
-# (1 - p))``), at the same place among the model's draws, so inductor gives it the same seed (NOTE
-# [Dropout traced under torch.compile] in ops/dropout.py): the draw and its packing are traced, the
-# rest is one custom op that applies the given bits (S, mask and softmax in it as in
-# ``scores_softmax_dropout_matmul``'s, so the recompute in backward cannot be merged with them),
-# and backward is ``scores_softmax_dropout_matmul_bwd`` on the same bits. Kept: q, k_t, v, the bits,
-# the mask, as before. The forward applies the mask with compiled eager's scale
-# ``float(1 / (1 - p))``; the backward rebuilds the dropped P with eager's noise value (``1 / (1 -
-# p)`` rounded by a division), which is that scale for p = 0.1 and 1 ulp of it for some other p:
-# within the error rule. Converted HF GPT-2 (tiny, dropout 0.1) then gives compiled eager's losses
-# bit for bit (``benchmarks/compile_masks.py`` measured the same construction).
-
-
-@custom_op("scores_softmax_bits_matmul", mutates_args=())
-def _scores_sdm_bits(
-    q: torch.Tensor,
-    k_t: torch.Tensor,
-    v: torch.Tensor,
-    bits: torch.Tensor,
-    p: float,
-    mm_dtype: torch.dtype,
-    causal: bool,
-    mask: torch.Tensor | None,
-) -> torch.Tensor:
-    probs = _softmax_fwd(torch.matmul(q, k_t), -1, causal, mask, own=True)
-    keep = _dropout._unpack_traced(bits, probs.shape)
-    dropped = keep * probs * float(1.0 / (1.0 - p))  # compiled eager's product
-    del probs, keep
-    return torch.matmul(
-        dropped if dropped.dtype == mm_dtype else dropped.to(mm_dtype),
-        v if v.dtype == mm_dtype else v.to(mm_dtype),
-    )
-
-
-@_scores_sdm_bits.register_fake
-def _(q, k_t, v, bits, p, mm_dtype, causal, mask):
-    s = torch.matmul(q, k_t)
-    return torch.matmul(s.to(mm_dtype), v.to(mm_dtype))
-
-
-def _scores_sdm_bits_setup(ctx, inputs, output):
-    q, k_t, v, bits, p, mm_dtype, causal, mask = inputs
-    ctx.save_for_backward(q, k_t, v, bits, mask)
-    ctx.p, ctx.mm_dtype, ctx.causal, ctx.fused = p, mm_dtype, causal, _dropout._fused(q)
-
-
-def _scores_sdm_bits_backward(ctx, d_out):
-    grads = _scores_sdm_backward(ctx, d_out, None)[:3]
-    return (*grads, None, None, None, None, None)
-
-
-_scores_sdm_bits.register_autograd(_scores_sdm_bits_backward, setup_context=_scores_sdm_bits_setup)
