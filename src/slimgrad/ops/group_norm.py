@@ -84,7 +84,7 @@ from slimgrad._autograd import (
     unwrap_if_dead,
 )
 from slimgrad._library import custom_op, straight
-from slimgrad._math import steps
+from slimgrad._math import norms, steps
 from slimgrad._math.steps import epoch
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
@@ -753,13 +753,7 @@ def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> t
     if ref is None:
         return torch.empty(0, dtype=torch.int64)
     try:  # an inference tensor has no version counter: reading _version raises
-        w_key = b_key = None
-        if weight is not None:
-            w_key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape)
-            w_key += (weight.stride(), weight.device)
-        if bias is not None:
-            b_key = (bias._version, bias.data_ptr(), bias.dtype, bias.shape, bias.stride())
-            b_key += (bias.device,)
+        w_key, b_key = norms._norm_key(weight, bias)  # the extension's once it is loaded
     except RuntimeError:  # "Inference tensors do not track version counter"
         return _fallback_channels(weight, bias, out_dtype, num_groups)
     key = (w_key, b_key, out_dtype, num_groups, steps._count[0] if steps._hooked[0] else epoch())
