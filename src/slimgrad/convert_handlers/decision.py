@@ -8,6 +8,7 @@ writes the report's rows (the stages in ``slimgrad/convert.py``'s docstring).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -116,3 +117,16 @@ class Structure:
             if i == 0:
                 out[0].kind, out[0].to = row.get("kind"), row.get("to")
         return out
+
+
+class InstanceForward:
+    """Base of the ``forward`` objects a patch puts on one module instance (GPT-2's attention and
+    block forwards): kept on the instance as a plain picklable object holding the module, with the
+    signature of the class's own ``forward``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.module).forward.__get__(self.module))

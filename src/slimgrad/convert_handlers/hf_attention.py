@@ -122,7 +122,7 @@ from torch.nn.modules import module as _module
 from slimgrad._autograd import compiling, unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
-from slimgrad.convert_handlers.decision import Decision
+from slimgrad.convert_handlers.decision import Decision, InstanceForward
 from slimgrad.convert_handlers.hf import CodeReason, hf_models
 
 ATTN_NAME = "slimgrad"  # reproduces "sdpa"
@@ -1283,16 +1283,9 @@ _GPT2_NAMED = frozenset(
 )
 
 
-class GPT2AttentionForward:
+class GPT2AttentionForward(InstanceForward):
     """The ``forward`` ``convert_`` puts on an HF ``GPT2Attention`` instance (NOTE [GPT-2's
-    attention output as one node]); kept on the instance as a plain picklable object."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    @property
-    def __signature__(self):
-        return inspect.signature(type(self.module).forward.__get__(self.module))
+    attention output as one node])."""
 
     def __call__(self, *args, **kwargs):
         m = self.module

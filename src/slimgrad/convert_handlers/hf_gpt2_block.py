@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _module
 
 from slimgrad._autograd import compiling
+from slimgrad.convert_handlers.decision import InstanceForward
 from slimgrad.nn._hooks import foreign
 
 __all__ = ["GPT2BlockForward", "gpt2_block_forwards_"]
@@ -69,16 +70,9 @@ def _global_watched() -> bool:
     )
 
 
-class GPT2BlockForward:
+class GPT2BlockForward(InstanceForward):
     """The ``forward`` ``convert_`` puts on an HF ``GPT2Block`` instance (NOTE [GPT-2's block
-    with its LayerNorms folded]); kept on the instance as a plain picklable object."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    @property
-    def __signature__(self):
-        return inspect.signature(type(self.module).forward.__get__(self.module))
+    with its LayerNorms folded])."""
 
     def __call__(self, *args, **kwargs):
         m = self.module
