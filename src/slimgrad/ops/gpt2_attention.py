@@ -65,12 +65,13 @@ raises a ``slimgrad.ops.gpt2_attention`` error, as the per-op scores op does.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 
 import torch
 
-from slimgrad import ownership
+from slimgrad import _ext, ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order, unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
@@ -91,10 +92,109 @@ _dr = importlib.import_module("slimgrad.ops.dropout")
 _sdm = importlib.import_module("slimgrad.ops.softmax_dropout")
 _ScoresFn = _sdm._ScoresSoftmaxDropoutMatmulFn
 _grad_on = torch._C.is_grad_enabled
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_Tensor = torch.Tensor
 _API = "slimgrad.ops.gpt2_attention"
+_EXT_BWD = None  # the C++ extension's gpt2_attention_bwd, once it is loaded
+
+
+def _use_extension(mod) -> None:
+    global _EXT_BWD
+    _EXT_BWD = getattr(mod, "gpt2_attention_bwd", None)
+
+
+_ext.when_loaded(_use_extension)
+
+
+# NOTE [GPT-2's attention backward from C++]
+# Where forward took every step's straight path on the dropout C kernels (the scores op's bmm
+# case with ``lib``, the residual dropout's ``lib``: NOTE [Dropout's straight path] in
+# ops/dropout.py) and backward runs on a plain gradient outside compile and dispatch modes (the
+# conditions under which the Python body below takes those same straight paths), the extension's
+# ``gpt2_attention_bwd`` (``_ext/backward.cpp``, NOTE [Backward bodies from C++]) issues the
+# body's ATen ops from C++: the residual dropout's C pass (into dy where ``ownership.grant``
+# granted it, as ``_dropout_backward``), ``c_proj``'s ``_LinearFn.backward`` for a 3-D input,
+# the head merge's backward and the scores op's straight backward, the same ops on the same
+# operands in the same order, each temporary dropped where Python drops it; the dropout passes
+# call the same C function the Python body calls through ctypes (its address read once from
+# that ctypes function). The same bits, buffers and peak; a dispatch mode (the tracker, the
+# estimate's fake tensors) never gets here and runs the Python body as before. It returns None
+# (the Python body then runs) for a tensor subclass, a torch function mode, a gradient that is
+# not contiguous, or operands of other shapes. tests/ops/test_gpt2_attention_ext.py compares the
+# two bodies bit for bit.
+
+
+def _dropout_bwd_addr(lib) -> int:
+    # the address of the ctypes function the Python body calls for the C pass (dropout.c's
+    # dropout_bwd_f32), kept on the library object as its bound functions are
+    try:
+        return lib._slimgrad_bwd_addr
+    except AttributeError:
+        addr = ctypes.cast(_dr._c_fns(lib)["bwd"], ctypes.c_void_p).value or 0
+        lib._slimgrad_bwd_addr = addr
+        return addr
+
+
+def _ext_backward(ctx, dy, owned: bool):
+    # NOTE [GPT-2's attention backward from C++]; None where it does not apply
+    core, proj, drop = ctx.steps
+    lib = drop.lib
+    if not (
+        lib is not None
+        and core.lib is lib
+        and core.bmm
+        and core.direct
+        and proj.lead is not None
+        and type(dy) is _Tensor
+        and not _dispatch_stack_len()
+    ):
+        return None
+    q, k_t, v, bits_a, _, a, w, bits_r = ctx.saved_tensors
+    b, h, t, d = ctx.heads
+    dev = q.device
+    scales = _dr._SCALES
+    key_r, key_a = (drop.p, _dr._F32, dev), (core.p, _dr._F32, dev)
+    causal = None
+    if core.causal:
+        ck = (t, t, dev)
+        causal = _sdm._CAUSAL[ck] if ck in _sdm._CAUSAL else _sdm._causal_mask(*ck)
+    nq, nk, nv = core.needs_input_grad[:3]
+    na, nw, nb = proj.needs_input_grad[:3]
+    return _EXT_BWD(
+        dy,
+        owned,
+        bits_r,
+        drop.n,
+        scales[key_r] if key_r in scales else _dr._scale(drop.p, dy),
+        a,
+        w,
+        na,
+        nw,
+        nb and proj.has_bias,
+        q,
+        k_t,
+        v,
+        bits_a,
+        core.n,
+        scales[key_a] if key_a in scales else _dr._scale(core.p, q),
+        causal,
+        nq,
+        nk,
+        nv,
+        b,
+        h,
+        t,
+        d,
+        _dropout_bwd_addr(lib),
+    )
 
 
 def _backward(ctx, dy, owned: bool = False):
+    if _EXT_BWD is not None:
+        r = _ext_backward(ctx, dy, owned)
+        if r is not None:
+            dq, dk, dv, dw, db = r
+            return dq, dk, dv, dw, db, None, None, None, None, None
     core, proj, drop = ctx.steps
     _hand_out_saved(ctx)
     g = _dropout_backward(drop, dy, owned)
