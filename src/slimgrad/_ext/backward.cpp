@@ -456,10 +456,207 @@ PyObject* gpt2_attention_bwd(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// conv1d_bwd(dy, x, w, need_x, need_w, need_b): slimgrad.ops.linear._LinearFn's first-order
+// backward for an HF Conv1D (weight (in, out)) on an input of 3 or more dims (NOTE [Linear's 2-D
+// product] there), as GPT-2's ln_1 + c_attn node runs it (NOTE [GPT-2's attention backward from
+// C++] in ops/gpt2_attention.py):
+//     g2 = dy.reshape(-1, dy.shape[-1])
+//     dx = torch.matmul(g2.view(dy.shape[:-1] + g2.shape[1:]), w.mT)
+//     dw = x.reshape(-1, x.shape[-1]).mT @ g2; db = g2.sum(0)
+// (each where needed). Returns (dx, dw, db) with None where not computed, or None (the caller runs
+// its Python body) for a tensor subclass, a torch function mode or operands of other ranks.
+PyObject* conv1d_bwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *pdy = nullptr, *px = nullptr, *pw = nullptr;
+  int need_x = 0, need_w = 0, need_b = 0;
+  if (!PyArg_ParseTuple(args, "OOOppp", &pdy, &px, &pw, &need_x, &need_w, &need_b)) {
+    return nullptr;
+  }
+  if (at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  const bool may_skip[3] = {false, !need_w, !need_x};
+  PyObject* const objs[3] = {pdy, px, pw};
+  for (int i = 0; i < 3; ++i) {
+    PyObject* o = objs[i];
+    if (o == Py_None && may_skip[i]) {
+      continue;
+    }
+    const int ok = plain(o, i == 2);
+    if (ok <= 0) {
+      if (ok < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  const at::Tensor& dy = THPVariable_Unpack(pdy);
+  at::Tensor x, w;
+  if (px != Py_None) {
+    x = THPVariable_Unpack(px);
+  }
+  if (pw != Py_None) {
+    w = THPVariable_Unpack(pw);
+  }
+  if (dy.dim() < 3 || (need_x && w.dim() != 2) || (need_w && x.dim() != dy.dim())) {
+    Py_RETURN_NONE;
+  }
+  at::Tensor dx, dw, db;
+  {
+    NoGil nogil;
+    at::Tensor g2 = dy.reshape({-1, dy.size(-1)});
+    if (need_x) {
+      std::vector<int64_t> shape(dy.sizes().begin(), dy.sizes().end() - 1);
+      shape.push_back(g2.size(1));
+      dx = at::matmul(g2.view(shape), w.mT());
+    }
+    if (need_w) {
+      at::Tensor x2 = x.reshape({-1, x.size(-1)});
+      dw = at::matmul(x2.mT(), g2);
+    }
+    if (need_b) {
+      db = g2.sum({0}, false, c10::nullopt);
+    }
+  }
+  PyObject* out = PyTuple_New(3);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  at::Tensor* res[3] = {&dx, &dw, &db};
+  for (int i = 0; i < 3; ++i) {
+    PyObject* o = Py_None;
+    if (res[i]->defined()) {
+      o = THPVariable_Wrap(std::move(*res[i]));
+      if (o == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+    } else {
+      Py_INCREF(o);
+    }
+    PyTuple_SET_ITEM(out, i, o);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+// kernels/cpu/dropout.c's dropout_fwd_f32 (noise, x, out, bits, n, scale, threads), as above
+using DropoutFwdF32 = void (*)(float*, const float*, float*, uint8_t*, int64_t, float, int);
+
+// eager's draw, then the C pass (pack + x * noise into the noise): slimgrad.ops.dropout's
+// _straight_c on a contiguous float32 CPU x
+at::Tensor dropout_c_fwd(
+    DropoutFwdF32 fn, const at::Tensor& x, double p, double scale, int nthreads,
+    at::Tensor& bits) {
+  at::Tensor out = at::empty_like(x).bernoulli_(1 - p);
+  const int64_t n = x.numel();
+  bits = at::empty({(n + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+  float* ptr = out.data_ptr<float>();
+  fn(ptr, x.data_ptr<float>(), ptr, bits.data_ptr<uint8_t>(), n, static_cast<float>(scale),
+     nthreads);
+  return out;
+}
+
+// gpt2_attention_fwd(q, k_t, v, w, b, p_attn, scale_a, causal_drop, p_resid, scale_r, bb, h, t, d,
+// dropout_fwd): _GPT2AttentionFn's forward where every step takes its straight path on the dropout
+// C kernels (NOTE [GPT-2's attention node's forward from C++] in ops/gpt2_attention.py):
+//     s = torch.bmm(q, k_t); s = torch.where(causal_drop, -inf, s)   # where causal
+//     probs = torch._softmax(s, -1, False, out=s)
+//     dropped, bits_a = _straight_c(probs, p_attn); out = torch.bmm(dropped, v)
+//     a = out.view(bb, h, t, d).transpose(1, 2).contiguous().reshape(bb, t, h * d)
+//     z = torch.addmm(b, a.view(-1, h * d), w).view(bb, t, -1)
+//     y, bits_r = _straight_c(z, p_resid)
+// Returns (y, bits_a, a, bits_r), or None (the caller runs its Python steps) for a tensor
+// subclass, a torch function mode, or operands of other dtypes, shapes or layouts.
+PyObject* gpt2_attention_fwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *pq = nullptr, *pk = nullptr, *pv = nullptr, *pw = nullptr, *pb = nullptr;
+  PyObject *pdrop = nullptr, *pfn = nullptr;
+  double p_attn = 0.0, scale_a = 0.0, p_resid = 0.0, scale_r = 0.0;
+  long long bb = 0, h = 0, t = 0, d = 0;
+  if (!PyArg_ParseTuple(
+          args, "OOOOOddOddLLLLO", &pq, &pk, &pv, &pw, &pb, &p_attn, &scale_a, &pdrop, &p_resid,
+          &scale_r, &bb, &h, &t, &d, &pfn)) {
+    return nullptr;
+  }
+  auto fn = reinterpret_cast<DropoutFwdF32>(PyLong_AsVoidPtr(pfn));
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (fn == nullptr || at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  const bool causal = pdrop != Py_None;
+  PyObject* const objs[6] = {pq, pk, pv, pw, pb, pdrop};
+  for (int i = 0; i < 6; ++i) {
+    if (i == 5 && !causal) {
+      continue;
+    }
+    const int ok = plain(objs[i], i == 3 || i == 4);
+    if (ok <= 0) {
+      if (ok < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  const at::Tensor& q = THPVariable_Unpack(pq);
+  const at::Tensor& k_t = THPVariable_Unpack(pk);
+  const at::Tensor& v = THPVariable_Unpack(pv);
+  const at::Tensor& w = THPVariable_Unpack(pw);
+  const at::Tensor& b = THPVariable_Unpack(pb);
+  at::Tensor drop;
+  if (causal) {
+    drop = THPVariable_Unpack(pdrop);
+  }
+  const int64_t bh = bb * h;
+  for (const at::Tensor* x : {&q, &k_t, &v, &w, &b}) {
+    if (x->scalar_type() != at::kFloat || !x->is_cpu()) {
+      Py_RETURN_NONE;
+    }
+  }
+  if (!q.sizes().equals({bh, t, d}) || !k_t.sizes().equals({bh, d, t}) ||
+      !v.sizes().equals({bh, t, d}) || w.dim() != 2 || w.size(0) != h * d || b.dim() != 1 ||
+      b.size(0) != w.size(1)) {
+    Py_RETURN_NONE;
+  }
+  const int nthreads = at::get_num_threads();
+  at::Tensor y, bits_a, a, bits_r;
+  {
+    NoGil nogil;
+    at::Tensor s = at::bmm(q, k_t);
+    if (causal) {
+      s = at::where(drop, at::Scalar(-std::numeric_limits<double>::infinity()), s);
+    }
+    at::Tensor probs = at::_softmax_out(s, s, -1, false);
+    s.reset();
+    at::Tensor dropped = dropout_c_fwd(fn, probs, p_attn, scale_a, nthreads, bits_a);
+    probs.reset();
+    at::Tensor out = at::bmm(dropped, v);
+    dropped.reset();
+    a = out.view({bb, h, t, d}).transpose(1, 2).contiguous().reshape({bb, t, h * d});
+    out.reset();
+    at::Tensor z = at::addmm(b, a.view({-1, a.size(-1)}), w);
+    z = z.view({bb, t, z.size(-1)});
+    y = dropout_c_fwd(fn, z, p_resid, scale_r, nthreads, bits_r);
+  }
+  return Py_BuildValue(
+      "(NNNN)",
+      THPVariable_Wrap(std::move(y)),
+      THPVariable_Wrap(std::move(bits_a)),
+      THPVariable_Wrap(std::move(a)),
+      THPVariable_Wrap(std::move(bits_r)));
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 // Added to the extension's module by storage_facts.cpp's init, after slimgrad_backward_methods.
 PyMethodDef slimgrad_gpt2_backward_methods[] = {
     {"gpt2_attention_bwd", gpt2_attention_bwd, METH_VARARGS,
      "GPT-2's attention node's straight backward (slimgrad.ops.gpt2_attention), else None."},
+    {"gpt2_attention_fwd", gpt2_attention_fwd, METH_VARARGS,
+     "GPT-2's attention node's straight forward (slimgrad.ops.gpt2_attention), else None."},
+    {"conv1d_bwd", conv1d_bwd, METH_VARARGS,
+     "An HF Conv1D's backward on a 3+-D input (slimgrad.ops.gpt2_attention), else None."},
     {nullptr, nullptr, 0, nullptr}};
