@@ -46,7 +46,14 @@ def counted(ext, monkeypatch):
     monkeypatch.setattr(oga, "_EXT_BWD", c)
     c.conv1d = _Counted(ext.conv1d_bwd)
     monkeypatch.setattr(oga, "_EXT_CONV1D", c.conv1d)
+    c.fwd = _Counted(ext.gpt2_attention_fwd)
+    monkeypatch.setattr(oga, "_EXT_FWD", c.fwd)
     return c
+
+
+def _python_bodies(monkeypatch):
+    for name in ("_EXT_BWD", "_EXT_CONV1D", "_EXT_FWD"):
+        monkeypatch.setattr(oga, name, None)
 
 
 def _model(layers=2, width=32, pdrop=0.1):
@@ -101,11 +108,12 @@ def test_model_bits_as_the_python_body(frozen, padded, counted, monkeypatch):
         kw["attention_mask"] = mask
     ours = [_step(model, ids, **kw) for _ in range(2)]
     assert counted.ran == nodes[0] == (0 if padded else 4)  # 2 layers x 2 steps
-    assert counted.conv1d.ran == (0 if padded else 4)
-    monkeypatch.setattr(oga, "_EXT_BWD", None)
-    monkeypatch.setattr(oga, "_EXT_CONV1D", None)
+    assert counted.conv1d.ran == counted.fwd.ran == (0 if padded else 4)
+    after = torch.rand(3)  # the generator's state after the two steps: the same draws
+    _python_bodies(monkeypatch)
     for r in ours:
         _same(r, _step(model, ids, **kw))
+    assert torch.equal(after, torch.rand(3))
 
 
 def _args(seed=0, b=2, h=4, t=13, d=8):
@@ -116,8 +124,9 @@ def _args(seed=0, b=2, h=4, t=13, d=8):
     return [q, k, v, w, bias]
 
 
-def _grads(args, subset, dy, ext_fn, monkeypatch):
+def _grads(args, subset, dy, ext_fn, monkeypatch, fwd=None):
     monkeypatch.setattr(oga, "_EXT_BWD", ext_fn)
+    monkeypatch.setattr(oga, "_EXT_FWD", fwd)
     torch.manual_seed(1)
     y = gpt2_attention(*args, scaling=0.3, attn_p=0.2, resid_p=0.3)
     inputs = {None: args, "qkv": args[:3], "weights": args[3:], "k": args[1:2], "v": args[2:3]}
@@ -132,8 +141,8 @@ def test_functional_bits_and_subsets(subset, t, counted, monkeypatch):
     args = _args(t=t)
     dy = torch.randn(2, t, 24, generator=torch.Generator().manual_seed(9))
     dy0 = dy.clone()
-    y, g = _grads(args, subset, dy, counted, monkeypatch)
-    assert counted.ran == 1
+    y, g = _grads(args, subset, dy, counted, monkeypatch, counted.fwd)
+    assert counted.ran == counted.fwd.ran == 1
     assert torch.equal(dy, dy0)  # the caller's gradient is never written over
     y_p, g_p = _grads(args, subset, dy, None, monkeypatch)
     assert torch.equal(y, y_p)
@@ -183,15 +192,15 @@ def test_memory_and_retain_graph_as_the_python_body(counted, monkeypatch):
     model = slimgrad.convert_(_model().train())
     ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(3))
     rep = slimgrad.memory.measure(lambda: model(input_ids=ids, labels=ids).loss)
-    assert counted.ran == counted.conv1d.ran == 0
-    monkeypatch.setattr(oga, "_EXT_BWD", None)
-    monkeypatch.setattr(oga, "_EXT_CONV1D", None)
+    assert counted.ran == counted.conv1d.ran == counted.fwd.ran == 0
+    _python_bodies(monkeypatch)
     for p in model.parameters():
         p.grad = None
     rep_p = slimgrad.memory.measure(lambda: model(input_ids=ids, labels=ids).loss)
     assert (rep.peak_bytes, rep.saved_bytes) == (rep_p.peak_bytes, rep_p.saved_bytes)
     monkeypatch.setattr(oga, "_EXT_BWD", counted)
     monkeypatch.setattr(oga, "_EXT_CONV1D", counted.conv1d)
+    monkeypatch.setattr(oga, "_EXT_FWD", counted.fwd)
     m2 = copy.deepcopy(model)
     torch.manual_seed(5)
     loss = m2(input_ids=ids, labels=ids).loss
@@ -199,5 +208,27 @@ def test_memory_and_retain_graph_as_the_python_body(counted, monkeypatch):
     first = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     second = torch.autograd.grad(loss, params, allow_unused=True)
     assert counted.ran == counted.conv1d.ran == 4  # 2 layers x 2 backwards
+    assert counted.fwd.ran == 2
     for a, b in zip(first, second, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t", [1, 2, 13])
+def test_forward_saves_what_the_python_steps_save(t, counted, monkeypatch):
+    # the node's saved tensors (the scores op's q, k^T, v and bits, c_proj's input, the residual
+    # dropout's bits), its output and the generator's state after it: equal either way
+    args = _args(t=t)
+    outs = []
+    for fwd in (counted.fwd, None):
+        monkeypatch.setattr(oga, "_EXT_FWD", fwd)
+        torch.manual_seed(1)
+        y = gpt2_attention(*args, scaling=0.3, attn_p=0.2, resid_p=0.3)
+        saved = [x for x in y.grad_fn.saved_tensors if x is not None]
+        outs.append((y.detach(), saved, torch.rand(2)))
+    assert counted.fwd.ran == 1
+    (y, saved, after), (y_p, saved_p, after_p) = outs
+    assert torch.equal(y, y_p) and torch.equal(after, after_p)
+    assert len(saved) == len(saved_p) == 7
+    for a, b in zip(saved, saved_p, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a, b)

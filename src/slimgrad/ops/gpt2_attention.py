@@ -75,6 +75,7 @@ from slimgrad import _ext, ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order, unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
+from slimgrad.kernels import _backend
 from slimgrad.ops.gpt2_mlp import (
     _dropout_backward,
     _hand_out_saved,
@@ -97,12 +98,14 @@ _Tensor = torch.Tensor
 _API = "slimgrad.ops.gpt2_attention"
 _EXT_BWD = None  # the C++ extension's gpt2_attention_bwd, once it is loaded
 _EXT_CONV1D = None  # and its conv1d_bwd
+_EXT_FWD = None  # and its gpt2_attention_fwd
 
 
 def _use_extension(mod) -> None:
-    global _EXT_BWD, _EXT_CONV1D
+    global _EXT_BWD, _EXT_CONV1D, _EXT_FWD
     _EXT_BWD = getattr(mod, "gpt2_attention_bwd", None)
     _EXT_CONV1D = getattr(mod, "conv1d_bwd", None)
+    _EXT_FWD = getattr(mod, "gpt2_attention_fwd", None)
 
 
 _ext.when_loaded(_use_extension)
@@ -138,6 +141,87 @@ def _dropout_bwd_addr(lib) -> int:
         addr = ctypes.cast(_dr._c_fns(lib)["bwd"], ctypes.c_void_p).value or 0
         lib._slimgrad_bwd_addr = addr
         return addr
+
+
+def _dropout_fwd_addr(lib) -> int:
+    # dropout.c's dropout_fwd_f32, as _dropout_bwd_addr
+    try:
+        return lib._slimgrad_fwd_addr
+    except AttributeError:
+        addr = ctypes.cast(_dr._c_fns(lib)["fwd"], ctypes.c_void_p).value or 0
+        lib._slimgrad_fwd_addr = addr
+        return addr
+
+
+# NOTE [GPT-2's attention node's forward from C++]
+# A forward past the gate (``direct``) whose dropout C kernels are built and chosen (the tables
+# _straight_c reads: NOTE [Dropout's straight path] in ops/dropout.py) runs the steps'
+# straight paths in the extension's ``gpt2_attention_fwd`` (``_ext/backward.cpp``): the scores
+# op's bmm case with its C dropout, the head merge, ``c_proj``'s addmm and the residual dropout's
+# C pass, the same ops on the same operands in the same order (eager's two draws from the
+# default generator where the Python steps draw them), each temporary dropped where Python drops
+# it. ``_ext_forward`` then fills each step's ``_Step`` with the fields and saved tensors the
+# Python steps' forwards set on that path (TWIN of _ScoresSoftmaxDropoutMatmulFn.forward's bmm +
+# C-kernel case, _LinearFn.forward's 3-D Conv1D case and _DropoutFn.forward's C case: change them
+# together; tests/ops/test_gpt2_attention_ext.py runs both bodies and compares outputs, masks,
+# gradients and bytes). None (a tensor subclass, a torch function mode, no C kernels): the
+# Python steps run.
+
+
+def _ext_forward(ctx, n, q, k_t, v, w, b, p_attn, causal, p_resid, heads):
+    bk, cpu = _backend._resolved[0], _backend._cpu_module[0]
+    if not ((bk == "auto" or bk == "cpu") and cpu is not None and _dr.C_STEM in cpu._libs):
+        return None
+    lib = cpu._libs[_dr.C_STEM]
+    if lib is None:
+        return None
+    bb, h, t, d = heads
+    dev = q.device
+    drop_mask = None
+    if causal:
+        ck = (t, t, dev)
+        drop_mask = _sdm._CAUSAL[ck] if ck in _sdm._CAUSAL else _sdm._causal_mask(*ck)
+    scales = _dr._SCALES
+    key_a, key_r = (p_attn, _dr._F32, dev), (p_resid, _dr._F32, dev)
+    r = _EXT_FWD(
+        q,
+        k_t,
+        v,
+        w,
+        b,
+        p_attn,
+        scales[key_a] if key_a in scales else _dr._scale(p_attn, q),
+        drop_mask,
+        p_resid,
+        scales[key_r] if key_r in scales else _dr._scale(p_resid, q),
+        bb,
+        h,
+        t,
+        d,
+        _dropout_fwd_addr(lib),
+    )
+    if r is None:
+        return None
+    y, bits_a, a, bits_r = r
+    # the scores op's fields on its bmm + C-kernel path
+    core = _Step()
+    core.needs_input_grad = (n[0], n[1], n[2], False, False, False, False, False, False)
+    core.lib, core.bmm, core.direct, core.n = lib, True, True, bb * h * t * t
+    core.p, core.mm_dtype, core.causal, core.fused = p_attn, q.dtype, causal, False
+    core.v_dtype, core.v_shape = v.dtype, v.shape
+    core.to_save = (q, k_t, v, bits_a, None)
+    # c_proj's (_LinearFn, a Conv1D on a 3-D input)
+    proj = _Step()
+    need = proj.needs_input_grad = (n[0] or n[1] or n[2], n[3], n[4], False, False)
+    proj.w_in_out, proj.has_bias, proj.lead = True, True, a.shape[:-1]
+    proj.to_save = (a if need[1] else None, w if need[0] else None)
+    # the residual dropout's (_DropoutFn, its C case)
+    drop = _Step()
+    drop.p, drop.lib, drop.n, drop.k, drop.fused = p_resid, lib, y.numel(), None, False
+    drop.to_save = (bits_r,)
+    ctx.heads = heads
+    _save_steps(ctx, (core, proj, drop))
+    return y
 
 
 def _ext_backward(ctx, dy, owned: bool):
@@ -233,6 +317,11 @@ class _GPT2AttentionFn(torch.autograd.Function):
         # caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py), else each
         # step runs its general path (NOTE [GPT-2's attention node under dispatch modes])
         n = ctx.needs_input_grad
+        if direct and _EXT_FWD is not None:
+            # NOTE [GPT-2's attention node's forward from C++]
+            y = _ext_forward(ctx, n, q, k_t, v, w, b, p_attn, causal, p_resid, heads)
+            if y is not None:
+                return y
         core = _Step()
         core.needs_input_grad = (n[0], n[1], n[2], False, False, False, False, False, False)
         out = _ScoresFn.forward(core, q, k_t, v, p_attn, q.dtype, causal, None, direct, True)
