@@ -165,7 +165,9 @@ def _dropout_fwd_addr(lib) -> int:
 # C-kernel case, _LinearFn.forward's 3-D Conv1D case and _DropoutFn.forward's C case: change them
 # together; tests/ops/test_gpt2_attention_ext.py runs both bodies and compares outputs, masks,
 # gradients and bytes). None (a tensor subclass, a torch function mode, no C kernels): the
-# Python steps run.
+# Python steps run. Measured with benchmarks/gpt2_attention_ext_ab.py (tiny GPT-2, 1 thread,
+# interleaved in one process): forward alone on / off 0.968; with both backward bodies,
+# converted / eager 1.066 on against 1.174 off (load 9.6).
 
 
 def _ext_forward(ctx, n, q, k_t, v, w, b, p_attn, causal, p_resid, heads):
