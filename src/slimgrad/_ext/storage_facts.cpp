@@ -23,6 +23,7 @@
 
 long slimgrad_watcher_mask();
 extern PyMethodDef slimgrad_backward_methods[];  // backward.cpp
+extern PyMethodDef slimgrad_gpt2_backward_methods[];  // backward.cpp, GPT-2's attention
 
 namespace {
 
@@ -495,7 +496,8 @@ PyModuleDef module_def = {
 
 PyMODINIT_FUNC SLIMGRAD_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   PyObject* mod = PyModule_Create(&module_def);
-  if (mod != nullptr && PyModule_AddFunctions(mod, slimgrad_backward_methods) < 0) {
+  if (mod != nullptr && (PyModule_AddFunctions(mod, slimgrad_backward_methods) < 0 ||
+                         PyModule_AddFunctions(mod, slimgrad_gpt2_backward_methods) < 0)) {
     Py_DECREF(mod);
     return nullptr;
   }
