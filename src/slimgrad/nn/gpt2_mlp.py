@@ -30,7 +30,14 @@ from slimgrad.nn import linear as _snl
 from slimgrad.nn._hooks import foreign
 from slimgrad.nn._output_act import _DECLARED
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.gpt2_mlp import _GPT2_LN_MLP_APPLY, _GPT2_MLP_APPLY, block_ok, ln_ok
+from slimgrad.ops.gpt2_mlp import (
+    _GPT2_LN_MLP_APPLY,
+    _GPT2_MLP_APPLY,
+    autocast_apply,
+    autocast_ok,
+    block_ok,
+    ln_ok,
+)
 from slimgrad.ops.linear import _FakeTensor
 
 __all__ = ["GPT2MLP"]
@@ -187,6 +194,19 @@ class GPT2MLP(NoScript, nn.Module):
                     act.approximate,
                     p,
                     straight(),
+                )
+            if autocast_ok(
+                hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias")
+            ):
+                p = drop.p if drop.training and drop.p > 0.0 else None
+                return autocast_apply(
+                    hidden_states,
+                    fp["weight"],
+                    fp.get("bias"),
+                    pp["weight"],
+                    pp.get("bias"),
+                    act.approximate,
+                    p,
                 )
         mods = self._modules
         return mods["dropout"](mods["c_proj"](mods["act"](mods["c_fc"](hidden_states))))

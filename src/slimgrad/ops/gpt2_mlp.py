@@ -105,7 +105,18 @@ from slimgrad._autograd import compiling, direct_apply, refuse_second_order
 from slimgrad._library import straight
 from slimgrad.kernels import _backend
 from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
-from slimgrad.ops.linear import _FakeTensor, _LinearFn, fresh
+from slimgrad.ops.linear import (
+    _autocast_cast,
+    _AutocastLinearFn,
+    _FakeTensor,
+    _LinearFn,
+    autocast_weight,
+    fresh,
+    keeps_master,
+)
+from slimgrad.ops.linear import (
+    _bwd_torch as _linear_bwd,
+)
 
 __all__ = ["gpt2_mlp"]
 
@@ -115,6 +126,8 @@ _ln = sys.modules["slimgrad.ops.layer_norm"]
 _grad_on = torch._C.is_grad_enabled
 _Tensor = torch.Tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_gelu_bwd_into = torch.ops.aten.gelu_backward.grad_input
+_gelu_bwd = torch.ops.aten.gelu_backward.default
 
 
 class _Step:
@@ -375,6 +388,145 @@ class _GPT2LNMLPFn(torch.autograd.Function):
 _GPT2_LN_MLP_APPLY = direct_apply(_GPT2LNMLPFn)
 
 
+def _ac_backward(ctx, dy, owned: bool = False):
+    # NOTE [GPT-2's MLP under autocast]: dropout's, c_proj's, GELU's (eager's gelu_backward on h)
+    # and c_fc's backward, each on the per-op path's operands; c_proj's weight gradient first, on
+    # y = gelu(h) recomputed and dropped before c_proj's dx is made
+    fc, act, proj, drop = ctx.steps
+    _hand_out_saved(ctx)
+    g = _dropout_backward(drop, dy, owned) if drop is not None else dy
+    del dy
+    h = act.saved_tensors[0] if act is not None else None
+    y, master = proj.saved_tensors
+    proj.saved_tensors = ()
+    m = proj.needs_input_grad
+    if ctx.recompute_y:
+        y = _ge._fwd_torch(h, act.approximate)  # forward's y: the same kernel on the same h
+    _, dt_proj, db_proj = _linear_bwd(g, y, None, proj.has_bias, True, (False, m[1], m[3]))
+    del y
+    dh = None
+    if m[0]:  # eager's cast of the weight, the same bits (NOTE [Autocast weight casts])
+        dh = _linear_bwd(g, None, master.to(proj.cast_dtype), False, True, (True, False, False))[0]
+    # g's buffer is this node's (dropout's output, or dy granted) and dead from here: c_fc's dx,
+    # of x's shape and dtype, is written into it (the engine holds dy until the node returns)
+    buf = g if (owned or drop is not None) and g.is_contiguous() else None
+    del g, master
+    dx = dt_fc = db_fc = None
+    if dh is not None:
+        # eager's GeluBackward on h, into dh (made here, seen by nobody else): the same bits
+        dh = _gelu_bwd_into(dh, h, approximate=act.approximate, grad_input=dh)
+        del h
+        x, master = fc.saved_tensors
+        fc.saved_tensors = ()
+        m = fc.needs_input_grad
+        dh2 = dh.view(-1, dh.shape[-1])
+        if m[0]:  # _bwd_torch's mm (out=), into buf where it fits
+            w = master.to(fc.cast_dtype).t()  # eager's cast, the same bits
+            if (
+                buf is None
+                or buf.shape[:-1] != dh.shape[:-1]
+                or buf.dtype != dh.dtype
+                or buf.shape[-1] != w.shape[1]
+            ):
+                buf = dh.new_empty((*dh.shape[:-1], w.shape[1]))
+            torch.mm(dh2, w, out=buf.view(-1, w.shape[1]))
+            dx = buf
+            del w
+        del buf, master
+        _, dt_fc, db_fc = _linear_bwd(dh2, x, None, fc.has_bias, True, (False, m[1], m[3]))
+    _release_saved(ctx.steps)
+    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None
+
+
+def _ac_double(ctx, dy):
+    # create_graph=True: the backward with differentiable ops, h recomputed from x's cast, c_fc's
+    # weight and bias (forward's bits) so that its gradients carry h's history: eager's second
+    # derivatives, the first-order backward's values. Without x's cast kept (c_fc's weight
+    # frozen) h has no history here: first derivatives only.
+    fc, act, proj, drop = ctx.steps
+    if act is not None and not fc.needs_input_grad[1]:
+        return refuse_second_order("ops.gpt2_mlp", _ac_backward, ctx, (dy,))
+    _hand_out_saved(ctx)
+    x, w_fc = fc.saved_tensors
+    y, w_proj = proj.saved_tensors
+    dt = fc.cast_dtype
+    g = _dr._double(drop, dy)[0] if drop is not None else dy
+    g2 = g.reshape(-1, g.shape[-1])
+    mp = proj.needs_input_grad
+    if act is not None:
+        b = act.saved_tensors[1]
+        x2, w16 = x.view(-1, x.shape[-1]), w_fc.to(dt)
+        h = torch.addmm(b.to(dt), x2, w16) if b is not None else x2 @ w16
+        y2 = _ge._fwd_torch(h, act.approximate)
+    else:
+        y2 = y.reshape(-1, y.shape[-1]) if mp[1] else None
+    dt_proj = y2.t() @ g2 if mp[1] else None
+    db_proj = g2.sum(0) if mp[3] and proj.has_bias else None
+    dx = dt_fc = db_fc = None
+    if act is not None:
+        dh = _gelu_bwd(g2 @ w_proj.to(dt).t(), h, approximate=act.approximate)
+        m = fc.needs_input_grad
+        if m[0]:
+            dx = (dh @ w16.t()).view(x.shape)
+        dt_fc = x2.t() @ dh
+        if m[3] and fc.has_bias:
+            db_fc = dh.sum(0)
+    _release_saved(ctx.steps)
+    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None
+
+
+class _GPT2MLPAutocastFn(torch.autograd.Function):
+    # NOTE [GPT-2's MLP under autocast]: x is c_fc's input as autocast casts it, t_* the weights'
+    # cast tokens and w_* the fp32 leaf weights (NOTE [Autocast weight casts] in ops/linear.py),
+    # b_* the biases as autocast hands them over; dt: autocast's dtype
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(
+        ctx, x, t_fc, w_fc, b_fc, bm_fc, t_proj, w_proj, b_proj, dt, approximate, p, direct
+    ):  # fmt: skip
+        n = ctx.needs_input_grad
+        need_h = n[0] or n[1] or n[3]  # anything before the GELU
+        fc = _Step()
+        fc.needs_input_grad = (n[0], n[1], False, n[3], False, False)
+        h = _AutocastLinearFn.forward(fc, x, t_fc, w_fc, b_fc, dt, True)
+        y = _ge._fwd_torch(h, approximate)  # eager's GELU on h: its bits
+        proj = _Step()
+        proj.needs_input_grad = (need_h, n[5], False, n[7], False, False)
+        z = _AutocastLinearFn.forward(proj, y, t_proj, w_proj, b_proj, dt, True)
+        del y
+        act = None
+        ctx.recompute_y = need_h and n[5]
+        if need_h:  # h for the GELU's backward; y (c_proj's x) recomputed from it
+            act = _Step()
+            # + c_fc's fp32 bias: a Parameter (no bytes), for the double backward's h
+            act.to_save, act.approximate = (h, bm_fc), approximate
+            if ctx.recompute_y:
+                proj.to_save = (None, proj.to_save[1])
+        # the weights (resident Parameters, no bytes) for the double backward
+        fc.to_save = (fc.to_save[0], w_fc)
+        proj.to_save = (proj.to_save[0], w_proj)
+        del h
+        drop = None
+        if p is not None:
+            drop = _Step()
+            z = _dr._DropoutFn.forward(drop, z, p, direct)
+        _save_steps(ctx, (fc, act, proj, drop))
+        return z
+
+    @staticmethod
+    def backward(ctx, dy):
+        if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
+            return _ac_double(ctx, dy)
+        # first use of dy: NOTE [Gradient-buffer ownership]; a dead dy takes dropout's dx, or
+        # without dropout c_fc's
+        owned = not compiling() and ownership.grant(dy, ownership.PROBE)
+        return _ac_backward(ctx, dy, owned)
+
+
+_GPT2_MLP_AC_APPLY = direct_apply(_GPT2MLPAutocastFn)
+
+
 def gpt2_mlp(
     input: torch.Tensor,
     c_fc_weight: torch.Tensor,
@@ -478,6 +630,81 @@ def apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None) -> t
     return _GPT2_MLP_APPLY(
         unwrap_if_dead(x), w_fc, b_fc, w_proj, b_proj, approximate, p, straight()
     )
+
+
+_HALF = (torch.bfloat16, torch.float16)
+_autocast_on = torch.is_autocast_enabled
+_autocast_dtype = torch.get_autocast_dtype
+
+
+def autocast_ok(x, w_fc, b_fc, w_proj, b_proj) -> bool:
+    """Whether the autocast node applies (NOTE [GPT-2's MLP under autocast]): eager (not
+    compiling, no ``torch.func`` transform or TorchScript trace), autocast to bfloat16 or float16
+    on ``x``'s device, grad mode on with something that needs a gradient, a contiguous float32
+    (or autocast's dtype) ``x``, float32 leaf weights slimgrad casts itself (NOTE [Autocast
+    weight casts]) and float32 biases (or None), of matching shapes."""
+    if (
+        compiling()
+        or _functorch_on()
+        or _is_tracing()
+        or not _any_autocast()
+        or not _grad_on()
+        or type(x) not in _PLAIN
+        or type(w_fc) not in _PLAIN
+        or type(w_proj) not in _PLAIN
+        or type(b_fc) not in _PLAIN_OR_NONE
+        or type(b_proj) not in _PLAIN_OR_NONE
+    ):
+        return False
+    dev = x.device.type
+    if not _autocast_on(dev):
+        return False
+    dt = _autocast_dtype(dev)
+    if dt not in _HALF or x.dtype not in (_F32, dt):
+        return False
+    if not (
+        x.requires_grad
+        or w_fc.requires_grad
+        or w_proj.requires_grad
+        or (b_fc is not None and b_fc.requires_grad)
+        or (b_proj is not None and b_proj.requires_grad)
+    ):
+        return False
+    if x.is_meta or x.ndim == 0 or w_fc.ndim != 2 or w_proj.ndim != 2 or not x.is_contiguous():
+        return False
+    if x.shape[-1] != w_fc.shape[0] or w_fc.shape[1] != w_proj.shape[0] or 0 in x.shape:
+        return False
+    if (b_fc is not None and b_fc.dtype is not _F32) or (
+        b_proj is not None and b_proj.dtype is not _F32
+    ):
+        return False
+    return (
+        w_fc.dtype is _F32
+        and w_proj.dtype is _F32
+        and keeps_master(w_fc, dt)
+        and keeps_master(w_proj, dt)
+    )
+
+
+def autocast_apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None):
+    """The autocast node on arguments :func:`autocast_ok` accepted; ``p`` None: no dropout. The
+    casts are the per-op path's: x's ``.to`` (HF's Conv1D casts its 2-D view), each bias as
+    autocast's cache hands it over, each weight's cast token (NOTE [Autocast weight casts])."""
+    from slimgrad._autograd import unwrap_if_dead
+
+    dev = x.device.type
+    dt = _autocast_dtype(dev)
+    # in the per-op path's order (each bias's cast before its weight's token): backward then
+    # casts each weight's gradient to fp32 before its bias's, as per op
+    x16 = unwrap_if_dead(x).to(dt)
+    b_fc16 = _autocast_cast(b_fc, dev, dt)
+    t_fc = autocast_weight(w_fc, dt)
+    b_proj16 = _autocast_cast(b_proj, dev, dt)
+    t_proj = autocast_weight(w_proj, dt)
+    with torch.autocast(dev, enabled=False):
+        return _GPT2_MLP_AC_APPLY(
+            x16, t_fc, w_fc, b_fc16, b_fc, t_proj, w_proj, b_proj16, dt, approximate, p, straight()
+        )
 
 
 def ln_ok(x, weight, bias) -> bool:
