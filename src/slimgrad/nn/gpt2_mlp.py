@@ -11,9 +11,11 @@ is the slimgrad module ``convert_`` made of it (``Conv1D``, ``GELU`` keeping y, 
 place, p < 1) with no patched forward and no hook of its own (slimgrad's measuring hooks do not
 count, NOTE [Forward hooks on an output-saving module] in ``nn/_hooks.py``), no global module hook,
 plain Parameters, and :func:`slimgrad.ops.gpt2_mlp.block_ok` holds for the call (eager, grad
-mode, float32, more than 512 elements of h). Anything else calls the children one by one, HF's
-forward op for op: exactly the per-op converted model (under ``torch.compile``, autocast,
-``no_grad``, a LoRA-wrapped or frozen-by-convert_ projection, a hooked child).
+mode, float32, more than 512 elements of h); under bf16/fp16 autocast the autocast node where
+:func:`slimgrad.ops.gpt2_mlp.autocast_ok` holds (NOTE [GPT-2's MLP under autocast]). Anything
+else calls the children one by one, HF's forward op for op: exactly the per-op converted model
+(under ``torch.compile``, ``no_grad``, a LoRA-wrapped or frozen-by-convert_ projection, a hooked
+child).
 """
 
 from __future__ import annotations

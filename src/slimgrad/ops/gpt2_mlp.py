@@ -7,7 +7,10 @@ each step's backward in reverse order, the very functions the per-op Functions r
 Memory: saves x (if W_fc needs grad), y (if W_proj needs grad or anything before it does), y's
 branch bits (1/8 B/elt of h) + the GELU's sparse exact table, and the dropout mask as bits (1/8
 B/elt of out): the per-op converted path's tensors, byte for byte (eager: x, h, y and a float mask:
-4 B/elt each in float32). All of it goes through ``save_for_backward``.
+4 B/elt each in float32). All of it goes through ``save_for_backward``. Under bf16/fp16
+autocast: x's cast (2 B/elt of x), h (2 B/elt of h) and the mask's bits; y is recomputed in
+backward (NOTE [GPT-2's MLP under autocast]); eager keeps x's cast, h, y, the weights' casts and a
+byte mask.
 
 # NOTE [One node for GPT-2's MLP]
 A converted GPT-2 block ran one autograd Function per op of its MLP (Conv1D, GELU, Conv1D,
@@ -35,30 +38,43 @@ would end that, but then h, the node's input, stays alive through c_proj's and d
 (+3,192 B at the first shape): the per-op path frees it after the GELU.
 
 # NOTE [GPT-2's MLP under autocast]
-Under autocast the node is not taken (:func:`block_ok`); the converted children run one by one.
-What they keep (tracker, per tensor; 3 layers, 64 wide, intermediate 256, 2x32 tokens, fp32
-weights under CPU bf16 or fp16 autocast; ``tests/ops/test_gpt2_mlp.py``): c_fc x's cast (2 B/elt
-of x, 8,192 B), the GELU h densely (2 B/elt of h, 32,768 B), c_proj y (2 B/elt of h, 32,768 B),
-dropout's bits (512 B): 74,240 B a layer, against the fp32 node's y (4 B/elt of h, 65,536 B) +
-y's bits (2,048 B) + dropout's bits = 68,096 B (x's fp32 copy is its producer's, counted there)
-and eager's 245,760 B under the same autocast. The GELU keeps h rather than y + bits because of
-its half-type rules (NOTE [Few elements] in ops/_output_act.py): on CPU a half-type tensor of at
-most ``HALF_DENSE_MAX`` (131,072) elements keeps x densely (a time rule), and past it about 9% of
-N(0, s) pre-activations (s from 0.577, GPT-2's init, to 1) lie within the 16-bit window (0.15) of
-x*, more than the 1/16 of the dense fallback: h is kept densely at every size at such inputs.
-Keeping less with the same bits is not possible without recomputing: the GELU's gradient is
-eager's formula on h (exact), and c_proj's weight gradient needs y; y and h carry the same
-information only through y = gelu(h), so the exact ways down are (a) a node under autocast that
-keeps h and recomputes y for c_proj's backward (-2 B/elt of h, one GELU forward per backward) or
-(b) y + bits + table in 16 bits, which changes the GELU's gradient bits (within the error rule)
-and needs the fallback's 1/16 raised for half types (break-even: (2 - 1/8) / 6 = 31% hard), or
-(c) an exact lookup inverse: a table over the 65,536 16-bit values maps (y, bit) to x, forward
-checks it per element and puts the misses (x exactly) in the sparse table, backward runs eager's
-formula on the rebuilt h (the same bits); but about 22% of N(0, s) bf16/fp16 inputs share their
-(y, bit) with another x (measured over 2^20 samples, both forms), so it keeps 1/8 + 6 x 0.22 =
-1.45 B/elt of h against h's 2 (-0.55 B/elt) for a forward gather, compare and compaction. None
-is done; the step's peak stays below eager's (773,640 B against 1,639,320 B for the 3-layer model
-under bf16 autocast).
+Under bfloat16/float16 autocast (float32 leaf weights, :func:`autocast_ok`) the MLP runs as
+:class:`_GPT2MLPAutocastFn`, one node that keeps x's cast (c_fc's input, 2 B/elt of x), h (c_fc's
+output, 2 B/elt of h) and dropout's bits (1/8 B/elt of out), and recomputes y = gelu(h) in
+backward for c_proj's weight gradient: one GELU forward per backward, the same kernel on the same
+h, so y has forward's bits. Its steps are the per-op path's: x's ``.to`` and each bias as
+autocast's cache hands it over (made in the per-op path's order, so backward casts each weight's
+gradient to float32 before its bias's, as per op), c_fc and c_proj as ``_AutocastLinearFn``'s
+forward on a :class:`_Step` (each weight cast from its master, used and dropped; its gradient
+through the cast token: NOTE [Autocast weight casts] in ``ops/linear.py``), eager's GELU kernel
+on h, the per-op Dropout's forward. Backward: dropout's, then c_proj's weight and bias gradients
+on the recomputed y (dropped before c_proj's dx is made), c_proj's dx, eager's ``gelu_backward``
+on h (written into that dx, made here), c_fc's: eager autocast's operands and ops, so the loss
+and every gradient are eager autocast's bits where eager runs ``F.gelu`` (HF ``gelu``, erf), and
+the per-op converted path's where HF's ``gelu_new`` runs its own tanh formula (the converted GELU
+runs ``F.gelu``'s tanh form there; within the error rule of eager's). c_fc's dx is written into the
+incoming gradient's buffer where it is the node's (dropout's output, or dy granted by
+``ownership``; the engine holds dy until the node returns).
+What it keeps (tracker; 3 layers, 64 wide, intermediate 256, 2x32 tokens under CPU bf16 or fp16
+autocast; ``tests/ops/test_gpt2_mlp.py``): 41,472 B a layer (x's cast 8,192, h 32,768, bits 512),
+where the per-op path kept 74,240 (y too: 2 B/elt of h more) and eager 245,760. The per-op
+GELU kept h densely on CPU up to ``HALF_DENSE_MAX`` (131,072 elements, NOTE [Few elements] in
+ops/_output_act.py) and at GPT-2-like inputs at every size (about 9% of N(0, s) elements lie in
+the 16-bit window around x*, more than the fallback's 1/16); past it, on inputs with fewer hard
+elements, it kept y + bits + table instead of h, whose gradient was not eager's bits: the node
+keeps h at every size and gives eager's bits there too. Standalone MLP, 263 tokens, 64 wide,
+intermediate 256, bf16, p = 0.1: saved 237,752 B (per-op 372,408, eager 469,504), peak 439,744
+(574,400 and 671,496); the 3-layer model's step: saved 429,056 B (per-op 527,360, eager
+1,532,548), peak 773,640 (its peak is elsewhere; per-op the same, eager 1,639,320). Saved and
+peak bytes are below eager's and the peak at most the per-op path's over a tiny-to-small sweep
+(``tests/ops/test_gpt2_mlp_autocast.py``). Second derivatives (``create_graph=True``): the
+backward with differentiable ops, h recomputed from x's cast, c_fc's weight and fp32 bias (both
+saved, Parameters: no bytes) so its gradients carry h's history; first derivatives are eager's
+bits, second derivatives eager's formulas (autograd sums the paths through h in another order
+where dy depends on the output: within 2 ulp of the largest element). With c_fc's weight frozen
+x's cast is not kept: first derivatives only there (the second raise). Not taken (the children
+run one by one, as before): a non-leaf or non-float32 weight, a non-contiguous x, torch.compile,
+``torch.func``, TorchScript tracing, a hooked child (NOTE [GPT-2 MLP: which path]).
 
 # NOTE [A LayerNorm folded into its consumer's node]
 A converted LayerNorm is a Python autograd Function of its own: most of its host cost over
