@@ -269,12 +269,10 @@ class GatedMLP(NoScript, nn.Module):
     # NOTE [The gated MLP's general-path decision, once per facts]
     # Off the straight path (autocast, biases, mixed dtypes, fused) the lean-or-eager decision
     # (NOTE [The gated MLP's peak against eager's], in bytes under autocast) reads shapes,
-    # dtypes, x's leafness, autocast's state and each weight's gradient flags: 9 us of Python
-    # per call under bf16 autocast (LlamaMLP 64 wide, intermediate 128, 16 tokens, one thread;
-    # the module's forward 600-690 us at load 9-10, where forcing the decision per call made
-    # it 7-13% slower, median of 40 interleaved pairs: noisy). It is decided once per tuple of
-    # those facts and read back as one tuple compare, as the straight path's ``_lean_key``;
-    # under torch.compile it is decided in the trace and nothing is stored
+    # dtypes, x's leafness, autocast's state and each weight's gradient flags, through several
+    # Python calls (the byte comparison under autocast among them) on every call. It is decided
+    # once per tuple of those facts and read back as one tuple compare, as the straight path's
+    # ``_lean_key``; under torch.compile it is decided in the trace and nothing is stored
     # (tests/nn/test_gated_mlp_decide_once.py).
     _general_key = None
     _general_lean = True
