@@ -262,3 +262,20 @@ def test_not_taken_where_per_op_applies(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         conv(x.double())
     assert n[0] == 1
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_weights_used_twice_in_one_region(cache):
+    # NOTE [Autocast weight casts]: one cast token per weight per region (autocast's cache), or
+    # one per use without the cache: each weight's two gradients summed as eager sums them
+    eager, conv = _pair()
+    x = _x(24, 32, 2)
+
+    def run(m):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            y = m(m(x).float())
+        return torch.autograd.grad(y.float().square().sum(), [x, *m.parameters()])
+
+    for a, e in zip(run(conv), run(eager), strict=True):
+        assert torch.equal(a, e)
