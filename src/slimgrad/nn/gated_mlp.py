@@ -159,6 +159,15 @@ def _params(m: nn.Module) -> tuple:
     )
 
 
+def _autocast_key(x: torch.Tensor):
+    # autocast's part of the decision's facts: off (None), on for another device only (False),
+    # or its dtype on x's device
+    if not _any_autocast():
+        return None
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else False
+
+
 class GatedMLP(NoScript, nn.Module):
     """``down(act(gate(x)) * up(x))`` (``fused``: ``gate, up = gate_up(x).chunk(2, -1)``;
     ``down(up * act(gate))``, HF Phi-3), keeping x, gate(x) and up(x) for backward.
@@ -256,6 +265,36 @@ class GatedMLP(NoScript, nn.Module):
     # decided once per shape, read as one tuple compare
     _lean_key = None
     _lean = True
+
+    # NOTE [The gated MLP's general-path decision, once per facts]
+    # Off the straight path (autocast, biases, mixed dtypes, fused) the lean-or-eager decision
+    # (NOTE [The gated MLP's peak against eager's], in bytes under autocast) reads shapes,
+    # dtypes, x's leafness, autocast's state and each weight's gradient flags, through several
+    # Python calls (the byte comparison under autocast among them) on every call. It is decided
+    # once per tuple of those facts and read back as one tuple compare, as the straight path's
+    # ``_lean_key``; under torch.compile it is decided in the trace and nothing is stored
+    # (tests/nn/test_gated_mlp_decide_once.py).
+    _general_key = None
+    _general_lean = True
+
+    def _general_lean_of(self, x, gate, up, down, gw, gb, dw, db, d) -> bool:
+        i = gw.shape[0] // 2 if self.fused else gw.shape[0]
+        # the op's backward runs straight without biases in one dtype (a FakeTensor too)
+        path = (
+            "fused"
+            if self.fused
+            else "general"
+            if gb is not None
+            or db is not None
+            or _params(up)[1] is not None
+            or _any_autocast()
+            or not x.dtype == gw.dtype == dw.dtype == _params(up)[0].dtype
+            else "straight"
+        )
+        sizes = _autocast_sizes(x, gate, up, down) if path == "general" else None
+        if sizes is not None:  # NOTE [The gated MLP's peak under autocast]
+            path = "autocast"
+        return lean_wins(x.numel() // d, d, i, dw.shape[0], path, sizes)
 
     def _eager(self, x, gate, up, down, act):
         if self.fused:
@@ -365,25 +404,24 @@ class GatedMLP(NoScript, nn.Module):
             (gw, gb), (dw, db) = _params(gate), _params(down)
             d = x.shape[-1] if x.ndim else 0  # NOTE [The gated MLP's peak against eager's]
             if d and gw.ndim == 2 and dw.ndim == 2:
-                i = gw.shape[0] // 2 if self.fused else gw.shape[0]
-                # the op's backward runs straight without biases in one dtype (a FakeTensor too)
-                path = (
-                    "fused"
-                    if self.fused
-                    else "general"
-                    if gb is not None
-                    or db is not None
-                    or _params(up)[1] is not None
-                    or _any_autocast()
-                    or not x.dtype == gw.dtype == dw.dtype == _params(up)[0].dtype
-                    else "straight"
-                )
-                sizes = _autocast_sizes(x, gate, up, down) if path == "general" else None
-                if sizes is not None:  # NOTE [The gated MLP's peak under autocast]
-                    path = "autocast"
-                if not self.recompute_activation and not lean_wins(
-                    x.numel() // d, d, i, dw.shape[0], path, sizes
-                ):
+                if _compiling():  # traced: decided in the trace, nothing stored
+                    lean = self._general_lean_of(x, gate, up, down, gw, gb, dw, db, d)
+                else:  # NOTE [The gated MLP's general-path decision, once per facts]
+                    uw, ub = _params(up) if up is not None else (None, None)
+                    key = (
+                        x.shape, x.dtype, x.grad_fn is None, _autocast_key(x),
+                        gw.shape, gw.dtype, gw.requires_grad, gw.grad_fn is None, gb is None,
+                        dw.shape, dw.dtype, dw.requires_grad, dw.grad_fn is None, db is None,
+                        None if uw is None else (uw.dtype, uw.requires_grad, uw.grad_fn is None),
+                        ub is None,
+                    )  # fmt: skip
+                    if key != self._general_key:
+                        self.__dict__["_general_key"] = key  # no Module.__setattr__
+                        self.__dict__["_general_lean"] = self._general_lean_of(
+                            x, gate, up, down, gw, gb, dw, db, d
+                        )
+                    lean = self.__dict__["_general_lean"]
+                if not self.recompute_activation and not lean:
                     if self.fused:  # eager's ops (act computes ``a``: checked above)
                         g, u = gate(x).chunk(2, dim=-1)
                         return down(u * _act(g, a))

@@ -11,9 +11,11 @@ is the slimgrad module ``convert_`` made of it (``Conv1D``, ``GELU`` keeping y, 
 place, p < 1) with no patched forward and no hook of its own (slimgrad's measuring hooks do not
 count, NOTE [Forward hooks on an output-saving module] in ``nn/_hooks.py``), no global module hook,
 plain Parameters, and :func:`slimgrad.ops.gpt2_mlp.block_ok` holds for the call (eager, grad
-mode, float32, more than 512 elements of h). Anything else calls the children one by one, HF's
-forward op for op: exactly the per-op converted model (under ``torch.compile``, autocast,
-``no_grad``, a LoRA-wrapped or frozen-by-convert_ projection, a hooked child).
+mode, float32, more than 512 elements of h); under bf16/fp16 autocast the autocast node where
+:func:`slimgrad.ops.gpt2_mlp.autocast_ok` holds (NOTE [GPT-2's MLP under autocast]). Anything
+else calls the children one by one, HF's forward op for op: exactly the per-op converted model
+(under ``torch.compile``, ``no_grad``, a LoRA-wrapped or frozen-by-convert_ projection, a hooked
+child).
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from slimgrad.nn import linear as _snl
 from slimgrad.nn._hooks import foreign
 from slimgrad.nn._output_act import _DECLARED
 from slimgrad.nn._script import NoScript
-from slimgrad.ops.gpt2_mlp import _GPT2_LN_MLP_APPLY, _GPT2_MLP_APPLY, block_ok, ln_ok
+from slimgrad.ops.gpt2_mlp import (
+    _GPT2_LN_MLP_APPLY,
+    _GPT2_MLP_APPLY,
+    autocast_apply,
+    autocast_ok,
+    block_ok,
+    ln_ok,
+)
 from slimgrad.ops.linear import _FakeTensor
 
 __all__ = ["GPT2MLP"]
@@ -187,6 +196,19 @@ class GPT2MLP(NoScript, nn.Module):
                     act.approximate,
                     p,
                     straight(),
+                )
+            if autocast_ok(
+                hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias")
+            ):
+                p = drop.p if drop.training and drop.p > 0.0 else None
+                return autocast_apply(
+                    hidden_states,
+                    fp["weight"],
+                    fp.get("bias"),
+                    pp["weight"],
+                    pp.get("bias"),
+                    act.approximate,
+                    p,
                 )
         mods = self._modules
         return mods["dropout"](mods["c_proj"](mods["act"](mods["c_fc"](hidden_states))))

@@ -7,7 +7,10 @@ each step's backward in reverse order, the very functions the per-op Functions r
 Memory: saves x (if W_fc needs grad), y (if W_proj needs grad or anything before it does), y's
 branch bits (1/8 B/elt of h) + the GELU's sparse exact table, and the dropout mask as bits (1/8
 B/elt of out): the per-op converted path's tensors, byte for byte (eager: x, h, y and a float mask:
-4 B/elt each in float32). All of it goes through ``save_for_backward``.
+4 B/elt each in float32). All of it goes through ``save_for_backward``. Under bf16/fp16
+autocast: x's cast (2 B/elt of x), h (2 B/elt of h) and the mask's bits; y is recomputed in
+backward (NOTE [GPT-2's MLP under autocast]); eager keeps x's cast, h, y, the weights' casts and a
+byte mask.
 
 # NOTE [One node for GPT-2's MLP]
 A converted GPT-2 block ran one autograd Function per op of its MLP (Conv1D, GELU, Conv1D,
@@ -35,30 +38,43 @@ would end that, but then h, the node's input, stays alive through c_proj's and d
 (+3,192 B at the first shape): the per-op path frees it after the GELU.
 
 # NOTE [GPT-2's MLP under autocast]
-Under autocast the node is not taken (:func:`block_ok`); the converted children run one by one.
-What they keep (tracker, per tensor; 3 layers, 64 wide, intermediate 256, 2x32 tokens, fp32
-weights under CPU bf16 or fp16 autocast; ``tests/ops/test_gpt2_mlp.py``): c_fc x's cast (2 B/elt
-of x, 8,192 B), the GELU h densely (2 B/elt of h, 32,768 B), c_proj y (2 B/elt of h, 32,768 B),
-dropout's bits (512 B): 74,240 B a layer, against the fp32 node's y (4 B/elt of h, 65,536 B) +
-y's bits (2,048 B) + dropout's bits = 68,096 B (x's fp32 copy is its producer's, counted there)
-and eager's 245,760 B under the same autocast. The GELU keeps h rather than y + bits because of
-its half-type rules (NOTE [Few elements] in ops/_output_act.py): on CPU a half-type tensor of at
-most ``HALF_DENSE_MAX`` (131,072) elements keeps x densely (a time rule), and past it about 9% of
-N(0, s) pre-activations (s from 0.577, GPT-2's init, to 1) lie within the 16-bit window (0.15) of
-x*, more than the 1/16 of the dense fallback: h is kept densely at every size at such inputs.
-Keeping less with the same bits is not possible without recomputing: the GELU's gradient is
-eager's formula on h (exact), and c_proj's weight gradient needs y; y and h carry the same
-information only through y = gelu(h), so the exact ways down are (a) a node under autocast that
-keeps h and recomputes y for c_proj's backward (-2 B/elt of h, one GELU forward per backward) or
-(b) y + bits + table in 16 bits, which changes the GELU's gradient bits (within the error rule)
-and needs the fallback's 1/16 raised for half types (break-even: (2 - 1/8) / 6 = 31% hard), or
-(c) an exact lookup inverse: a table over the 65,536 16-bit values maps (y, bit) to x, forward
-checks it per element and puts the misses (x exactly) in the sparse table, backward runs eager's
-formula on the rebuilt h (the same bits); but about 22% of N(0, s) bf16/fp16 inputs share their
-(y, bit) with another x (measured over 2^20 samples, both forms), so it keeps 1/8 + 6 x 0.22 =
-1.45 B/elt of h against h's 2 (-0.55 B/elt) for a forward gather, compare and compaction. None
-is done; the step's peak stays below eager's (773,640 B against 1,639,320 B for the 3-layer model
-under bf16 autocast).
+Under bfloat16/float16 autocast (float32 leaf weights, :func:`autocast_ok`) the MLP runs as
+:class:`_GPT2MLPAutocastFn`, one node that keeps x's cast (c_fc's input, 2 B/elt of x), h (c_fc's
+output, 2 B/elt of h) and dropout's bits (1/8 B/elt of out), and recomputes y = gelu(h) in
+backward for c_proj's weight gradient: one GELU forward per backward, the same kernel on the same
+h, so y has forward's bits. Its steps are the per-op path's: x's ``.to`` and each bias as
+autocast's cache hands it over (made in the per-op path's order, so backward casts each weight's
+gradient to float32 before its bias's, as per op), c_fc and c_proj as ``_AutocastLinearFn``'s
+forward on a :class:`_Step` (each weight cast from its master, used and dropped; its gradient
+through the cast token: NOTE [Autocast weight casts] in ``ops/linear.py``), eager's GELU kernel
+on h, the per-op Dropout's forward. Backward: dropout's, then c_proj's weight and bias gradients
+on the recomputed y (dropped before c_proj's dx is made), c_proj's dx, eager's ``gelu_backward``
+on h (written into that dx, made here), c_fc's: eager autocast's operands and ops, so the loss
+and every gradient are eager autocast's bits where eager runs ``F.gelu`` (HF ``gelu``, erf), and
+the per-op converted path's where HF's ``gelu_new`` runs its own tanh formula (the converted GELU
+runs ``F.gelu``'s tanh form there; within the error rule of eager's). c_fc's dx is written into the
+incoming gradient's buffer where it is the node's (dropout's output, or dy granted by
+``ownership``; the engine holds dy until the node returns).
+What it keeps (tracker; 3 layers, 64 wide, intermediate 256, 2x32 tokens under CPU bf16 or fp16
+autocast; ``tests/ops/test_gpt2_mlp.py``): 41,472 B a layer (x's cast 8,192, h 32,768, bits 512),
+where the per-op path kept 74,240 (y too: 2 B/elt of h more) and eager 245,760. The per-op
+GELU kept h densely on CPU up to ``HALF_DENSE_MAX`` (131,072 elements, NOTE [Few elements] in
+ops/_output_act.py) and at GPT-2-like inputs at every size (about 9% of N(0, s) elements lie in
+the 16-bit window around x*, more than the fallback's 1/16); past it, on inputs with fewer hard
+elements, it kept y + bits + table instead of h, whose gradient was not eager's bits: the node
+keeps h at every size and gives eager's bits there too. Standalone MLP, 263 tokens, 64 wide,
+intermediate 256, bf16, p = 0.1: saved 237,752 B (per-op 372,408, eager 469,504), peak 439,744
+(574,400 and 671,496); the 3-layer model's step: saved 429,056 B (per-op 527,360, eager
+1,532,548), peak 773,640 (its peak is elsewhere; per-op the same, eager 1,639,320). Saved and
+peak bytes are below eager's and the peak at most the per-op path's over a tiny-to-small sweep
+(``tests/ops/test_gpt2_mlp_autocast.py``). Second derivatives (``create_graph=True``): the
+backward with differentiable ops, h recomputed from x's cast, c_fc's weight and fp32 bias (both
+saved, Parameters: no bytes) so its gradients carry h's history; first derivatives are eager's
+bits, second derivatives eager's formulas (autograd sums the paths through h in another order
+where dy depends on the output: within 2 ulp of the largest element). With c_fc's weight frozen
+x's cast is not kept: first derivatives only there (the second raise). Not taken (the children
+run one by one, as before): a non-leaf or non-float32 weight, a non-contiguous x, torch.compile,
+``torch.func``, TorchScript tracing, a hooked child (NOTE [GPT-2 MLP: which path]).
 
 # NOTE [A LayerNorm folded into its consumer's node]
 A converted LayerNorm is a Python autograd Function of its own: most of its host cost over
@@ -105,7 +121,18 @@ from slimgrad._autograd import compiling, direct_apply, refuse_second_order
 from slimgrad._library import straight
 from slimgrad.kernels import _backend
 from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
-from slimgrad.ops.linear import _FakeTensor, _LinearFn, fresh
+from slimgrad.ops.linear import (
+    _autocast_cast,
+    _AutocastLinearFn,
+    _FakeTensor,
+    _LinearFn,
+    autocast_weight,
+    fresh,
+    keeps_master,
+)
+from slimgrad.ops.linear import (
+    _bwd_torch as _linear_bwd,
+)
 
 __all__ = ["gpt2_mlp"]
 
@@ -115,6 +142,8 @@ _ln = sys.modules["slimgrad.ops.layer_norm"]
 _grad_on = torch._C.is_grad_enabled
 _Tensor = torch.Tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_gelu_bwd_into = torch.ops.aten.gelu_backward.grad_input
+_gelu_bwd = torch.ops.aten.gelu_backward.default
 
 
 class _Step:
@@ -375,6 +404,145 @@ class _GPT2LNMLPFn(torch.autograd.Function):
 _GPT2_LN_MLP_APPLY = direct_apply(_GPT2LNMLPFn)
 
 
+def _ac_backward(ctx, dy, owned: bool = False):
+    # NOTE [GPT-2's MLP under autocast]: dropout's, c_proj's, GELU's (eager's gelu_backward on h)
+    # and c_fc's backward, each on the per-op path's operands; c_proj's weight gradient first, on
+    # y = gelu(h) recomputed and dropped before c_proj's dx is made
+    fc, act, proj, drop = ctx.steps
+    _hand_out_saved(ctx)
+    g = _dropout_backward(drop, dy, owned) if drop is not None else dy
+    del dy
+    h = act.saved_tensors[0] if act is not None else None
+    y, master = proj.saved_tensors
+    proj.saved_tensors = ()
+    m = proj.needs_input_grad
+    if ctx.recompute_y:
+        y = _ge._fwd_torch(h, act.approximate)  # forward's y: the same kernel on the same h
+    _, dt_proj, db_proj = _linear_bwd(g, y, None, proj.has_bias, True, (False, m[1], m[3]))
+    del y
+    dh = None
+    if m[0]:  # eager's cast of the weight, the same bits (NOTE [Autocast weight casts])
+        dh = _linear_bwd(g, None, master.to(proj.cast_dtype), False, True, (True, False, False))[0]
+    # g's buffer is this node's (dropout's output, or dy granted) and dead from here: c_fc's dx,
+    # of x's shape and dtype, is written into it (the engine holds dy until the node returns)
+    buf = g if (owned or drop is not None) and g.is_contiguous() else None
+    del g, master
+    dx = dt_fc = db_fc = None
+    if dh is not None:
+        # eager's GeluBackward on h, into dh (made here, seen by nobody else): the same bits
+        dh = _gelu_bwd_into(dh, h, approximate=act.approximate, grad_input=dh)
+        del h
+        x, master = fc.saved_tensors
+        fc.saved_tensors = ()
+        m = fc.needs_input_grad
+        dh2 = dh.view(-1, dh.shape[-1])
+        if m[0]:  # _bwd_torch's mm (out=), into buf where it fits
+            w = master.to(fc.cast_dtype).t()  # eager's cast, the same bits
+            if (
+                buf is None
+                or buf.shape[:-1] != dh.shape[:-1]
+                or buf.dtype != dh.dtype
+                or buf.shape[-1] != w.shape[1]
+            ):
+                buf = dh.new_empty((*dh.shape[:-1], w.shape[1]))
+            torch.mm(dh2, w, out=buf.view(-1, w.shape[1]))
+            dx = buf
+            del w
+        del buf, master
+        _, dt_fc, db_fc = _linear_bwd(dh2, x, None, fc.has_bias, True, (False, m[1], m[3]))
+    _release_saved(ctx.steps)
+    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None
+
+
+def _ac_double(ctx, dy):
+    # create_graph=True: the backward with differentiable ops, h recomputed from x's cast, c_fc's
+    # weight and bias (forward's bits) so that its gradients carry h's history: eager's second
+    # derivatives, the first-order backward's values. Without x's cast kept (c_fc's weight
+    # frozen) h has no history here: first derivatives only.
+    fc, act, proj, drop = ctx.steps
+    if act is not None and not fc.needs_input_grad[1]:
+        return refuse_second_order("ops.gpt2_mlp", _ac_backward, ctx, (dy,))
+    _hand_out_saved(ctx)
+    x, w_fc = fc.saved_tensors
+    y, w_proj = proj.saved_tensors
+    dt = fc.cast_dtype
+    g = _dr._double(drop, dy)[0] if drop is not None else dy
+    g2 = g.reshape(-1, g.shape[-1])
+    mp = proj.needs_input_grad
+    if act is not None:
+        b = act.saved_tensors[1]
+        x2, w16 = x.view(-1, x.shape[-1]), w_fc.to(dt)
+        h = torch.addmm(b.to(dt), x2, w16) if b is not None else x2 @ w16
+        y2 = _ge._fwd_torch(h, act.approximate)
+    else:
+        y2 = y.reshape(-1, y.shape[-1]) if mp[1] else None
+    dt_proj = y2.t() @ g2 if mp[1] else None
+    db_proj = g2.sum(0) if mp[3] and proj.has_bias else None
+    dx = dt_fc = db_fc = None
+    if act is not None:
+        dh = _gelu_bwd(g2 @ w_proj.to(dt).t(), h, approximate=act.approximate)
+        m = fc.needs_input_grad
+        if m[0]:
+            dx = (dh @ w16.t()).view(x.shape)
+        dt_fc = x2.t() @ dh
+        if m[3] and fc.has_bias:
+            db_fc = dh.sum(0)
+    _release_saved(ctx.steps)
+    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None
+
+
+class _GPT2MLPAutocastFn(torch.autograd.Function):
+    # NOTE [GPT-2's MLP under autocast]: x is c_fc's input as autocast casts it, t_* the weights'
+    # cast tokens and w_* the fp32 leaf weights (NOTE [Autocast weight casts] in ops/linear.py),
+    # b_* the biases as autocast hands them over; dt: autocast's dtype
+    _slimgrad_floor = True
+
+    @staticmethod
+    def forward(
+        ctx, x, t_fc, w_fc, b_fc, bm_fc, t_proj, w_proj, b_proj, dt, approximate, p, direct
+    ):  # fmt: skip
+        n = ctx.needs_input_grad
+        need_h = n[0] or n[1] or n[3]  # anything before the GELU
+        fc = _Step()
+        fc.needs_input_grad = (n[0], n[1], False, n[3], False, False)
+        h = _AutocastLinearFn.forward(fc, x, t_fc, w_fc, b_fc, dt, True)
+        y = _ge._fwd_torch(h, approximate)  # eager's GELU on h: its bits
+        proj = _Step()
+        proj.needs_input_grad = (need_h, n[5], False, n[7], False, False)
+        z = _AutocastLinearFn.forward(proj, y, t_proj, w_proj, b_proj, dt, True)
+        del y
+        act = None
+        ctx.recompute_y = need_h and n[5]
+        if need_h:  # h for the GELU's backward; y (c_proj's x) recomputed from it
+            act = _Step()
+            # + c_fc's fp32 bias: a Parameter (no bytes), for the double backward's h
+            act.to_save, act.approximate = (h, bm_fc), approximate
+            if ctx.recompute_y:
+                proj.to_save = (None, proj.to_save[1])
+        # the weights (resident Parameters, no bytes) for the double backward
+        fc.to_save = (fc.to_save[0], w_fc)
+        proj.to_save = (proj.to_save[0], w_proj)
+        del h
+        drop = None
+        if p is not None:
+            drop = _Step()
+            z = _dr._DropoutFn.forward(drop, z, p, direct)
+        _save_steps(ctx, (fc, act, proj, drop))
+        return z
+
+    @staticmethod
+    def backward(ctx, dy):
+        if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
+            return _ac_double(ctx, dy)
+        # first use of dy: NOTE [Gradient-buffer ownership]; a dead dy takes dropout's dx, or
+        # without dropout c_fc's
+        owned = not compiling() and ownership.grant(dy, ownership.PROBE)
+        return _ac_backward(ctx, dy, owned)
+
+
+_GPT2_MLP_AC_APPLY = direct_apply(_GPT2MLPAutocastFn)
+
+
 def gpt2_mlp(
     input: torch.Tensor,
     c_fc_weight: torch.Tensor,
@@ -478,6 +646,81 @@ def apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None) -> t
     return _GPT2_MLP_APPLY(
         unwrap_if_dead(x), w_fc, b_fc, w_proj, b_proj, approximate, p, straight()
     )
+
+
+_HALF = (torch.bfloat16, torch.float16)
+_autocast_on = torch.is_autocast_enabled
+_autocast_dtype = torch.get_autocast_dtype
+
+
+def autocast_ok(x, w_fc, b_fc, w_proj, b_proj) -> bool:
+    """Whether the autocast node applies (NOTE [GPT-2's MLP under autocast]): eager (not
+    compiling, no ``torch.func`` transform or TorchScript trace), autocast to bfloat16 or float16
+    on ``x``'s device, grad mode on with something that needs a gradient, a contiguous float32
+    (or autocast's dtype) ``x``, float32 leaf weights slimgrad casts itself (NOTE [Autocast
+    weight casts]) and float32 biases (or None), of matching shapes."""
+    if (
+        compiling()
+        or _functorch_on()
+        or _is_tracing()
+        or not _any_autocast()
+        or not _grad_on()
+        or type(x) not in _PLAIN
+        or type(w_fc) not in _PLAIN
+        or type(w_proj) not in _PLAIN
+        or type(b_fc) not in _PLAIN_OR_NONE
+        or type(b_proj) not in _PLAIN_OR_NONE
+    ):
+        return False
+    dev = x.device.type
+    if not _autocast_on(dev):
+        return False
+    dt = _autocast_dtype(dev)
+    if dt not in _HALF or x.dtype not in (_F32, dt):
+        return False
+    if not (
+        x.requires_grad
+        or w_fc.requires_grad
+        or w_proj.requires_grad
+        or (b_fc is not None and b_fc.requires_grad)
+        or (b_proj is not None and b_proj.requires_grad)
+    ):
+        return False
+    if x.is_meta or x.ndim == 0 or w_fc.ndim != 2 or w_proj.ndim != 2 or not x.is_contiguous():
+        return False
+    if x.shape[-1] != w_fc.shape[0] or w_fc.shape[1] != w_proj.shape[0] or 0 in x.shape:
+        return False
+    if (b_fc is not None and b_fc.dtype is not _F32) or (
+        b_proj is not None and b_proj.dtype is not _F32
+    ):
+        return False
+    return (
+        w_fc.dtype is _F32
+        and w_proj.dtype is _F32
+        and keeps_master(w_fc, dt)
+        and keeps_master(w_proj, dt)
+    )
+
+
+def autocast_apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None):
+    """The autocast node on arguments :func:`autocast_ok` accepted; ``p`` None: no dropout. The
+    casts are the per-op path's: x's ``.to`` (HF's Conv1D casts its 2-D view), each bias as
+    autocast's cache hands it over, each weight's cast token (NOTE [Autocast weight casts])."""
+    from slimgrad._autograd import unwrap_if_dead
+
+    dev = x.device.type
+    dt = _autocast_dtype(dev)
+    # in the per-op path's order (each bias's cast before its weight's token): backward then
+    # casts each weight's gradient to fp32 before its bias's, as per op
+    x16 = unwrap_if_dead(x).to(dt)
+    b_fc16 = _autocast_cast(b_fc, dev, dt)
+    t_fc = autocast_weight(w_fc, dt)
+    b_proj16 = _autocast_cast(b_proj, dev, dt)
+    t_proj = autocast_weight(w_proj, dt)
+    with torch.autocast(dev, enabled=False):
+        return _GPT2_MLP_AC_APPLY(
+            x16, t_fc, w_fc, b_fc16, b_fc, t_proj, w_proj, b_proj16, dt, approximate, p, straight()
+        )
 
 
 def ln_ok(x, weight, bias) -> bool:
