@@ -523,7 +523,8 @@ def convert_(
     apply(decisions)
     record(decisions, rep)
     ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
-    _nn_output_act.state_consumers_(model, rep)  # NOTE [Keep y only where its consumer keeps it]
+    # NOTE [Keep y only where its consumer keeps it]; the traces read before the swaps
+    _nn_output_act.state_consumers_(model, rep, traces=facts.structure.traces)
     rep.left_alone = _left_alone(model, rep, facts)
     _REPORTS[model] = rep
     # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along
@@ -658,7 +659,7 @@ class ModelFacts:
         """Read the model as the patterns and the table pass decide from it, before anything is
         swapped: the in-place guard's reading of its structure, then each module's facts (once
         per module, wherever it is held)."""
-        _inplace_guard.inplace_guard_pattern(self.model, None, None, None)
+        _inplace_guard.inplace_guard_pattern(self.model, None, None, None, self.structure.traces)
         found = self._modules
         found.clear()
         stack = [self.model]

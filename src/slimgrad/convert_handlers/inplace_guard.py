@@ -31,7 +31,7 @@ from torch import nn
 
 from slimgrad.convert_handlers import hf as _hf
 
-__all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason", "output_modules"]
+__all__ = ["SAVES_OUTPUT", "Traces", "inplace_guard_pattern", "kept_reason", "output_modules"]
 
 # NOTE [In-place writers after output-saving modules]
 # A module is "output-saving" when its slimgrad replacement keeps its output for backward but
@@ -252,20 +252,83 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
     # used only when it is the same in train and in eval mode and drew from no generator;
     # otherwise (raised here) the forward's source is read, as an untraceable forward's is, which
     # follows every branch. The modes and the generators' states are restored after the traces.
-    modes = {d: d.training for d in m.modules()}
-    try:
-        for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
-            d.training = True
-        graph, drew = _trace(m)
-        for d in modes:
-            d.training = False
-        other, drew_eval = _trace(m)
-    finally:
-        for d, mode in modes.items():
-            d.training = mode
-    if drew or drew_eval or _text(graph) != _text(other):
-        raise _TraceDependsOnCall
-    return graph
+    return _Read.of(m).every_call()
+
+
+@dataclass(eq=False)
+class _Read:
+    # one module's fx traces (NOTE [One reading of the structure per convert_]): every child a
+    # leaf, all flags ``training`` set to True, then to False; None where that trace raised
+    module: nn.Module
+    forward: object  # the instance's own forward at the reading, or None
+    train: torch.fx.Graph | None
+    eval: torch.fx.Graph | None
+    drew: bool  # a trace drew from a random number generator
+    same: bool  # both traced, and to the same graph
+
+    @classmethod
+    def of(cls, m: nn.Module) -> _Read:
+        modes = {d: d.training for d in m.modules()}
+        graphs: list = [None, None]
+        drew = False
+        try:
+            for i, mode in enumerate((True, False)):
+                for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
+                    d.training = mode
+                try:
+                    graphs[i], d_i = _trace(m)
+                except Exception:  # fx raises many types on Python it cannot trace
+                    break
+                drew = drew or d_i
+        finally:
+            for d, mode in modes.items():
+                d.training = mode
+        train, ev = graphs
+        same = train is not None and ev is not None and _text(train) == _text(ev)
+        return cls(m, m.__dict__.get("forward"), train, ev, drew, same)
+
+    def every_call(self) -> torch.fx.Graph:
+        if self.drew or not self.same:
+            raise _TraceDependsOnCall
+        return self.train
+
+
+class Traces:
+    """The fx traces of a model's module forwards, each module traced once (NOTE [One reading of
+    the structure per convert_]): the in-place guard's reading fills it before anything is
+    swapped; the patterns and the reading of the converted model read it."""
+
+    def __init__(self) -> None:
+        # {id(module): its reading}; the reading holds the module, so ids stay unique
+        self._got: dict[int, _Read] = {}
+
+    def every_call(self, m: nn.Module) -> torch.fx.Graph:
+        """``m``'s trace where it is the same in train and eval mode and drew nothing (read now
+        if ``m`` was not read, or its instance ``forward`` changed since), else raises."""
+        got = self._got.get(id(m))
+        if got is None or got.module is not m or got.forward is not m.__dict__.get("forward"):
+            got = self._got[id(m)] = _Read.of(m)
+        return got.every_call()
+
+    def as_called(self, m: nn.Module) -> torch.fx.Graph | None:
+        """The trace a plain ``torch.fx.Tracer`` (every child a leaf) would make of ``m`` now,
+        where the reading has it: the modules below ``m`` all in the mode of a trace that
+        succeeded, no draw from a generator (a trace of its own would advance that generator),
+        no item assignment (a plain Proxy raises there), the same instance ``forward``; else
+        None. ``h += r`` is an ``operator.iadd`` node where a plain tracer records ``add``: the
+        same nodes and users."""
+        got = self._got.get(id(m))
+        if got is None or got.module is not m or got.drew:
+            return None
+        if got.forward is not m.__dict__.get("forward"):
+            return None
+        modes = {d.training for d in m.modules()}
+        graph = (got.train if modes == {True} else got.eval if modes == {False} else None)
+        if graph is None or any(
+            n.op == "call_function" and n.target is operator.setitem for n in graph.nodes
+        ):
+            return None
+        return graph
 
 
 def _text(graph: torch.fx.Graph) -> str:
@@ -278,8 +341,11 @@ class _TraceDependsOnCall(Exception):
 
 
 class _Guard:
-    def __init__(self, outputs: tuple[type, ...] | None = None) -> None:
+    def __init__(
+        self, outputs: tuple[type, ...] | None = None, traces: Traces | None = None
+    ) -> None:
         self.memo: dict[int, _Info] = {}
+        self.traces = traces if traces is not None else Traces()
         self.keep: dict[nn.Module, str] = {}
         # NOTE [Modules whose output is the model's output]: the kinds asked about, or None (the
         # in-place guard's own run, unchanged)
@@ -333,7 +399,7 @@ class _Guard:
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
-            graph = _trace_every_call(m)
+            graph = self.traces.every_call(m)
         except Exception:
             # Untraceable forward (data-dependent control flow, ...): its source is read as an HF
             # forward's is (NOTE [In-place writes in HF forwards]), so ``h += r`` in its own code
@@ -1077,17 +1143,25 @@ def _nodes_in(args) -> list[torch.fx.Node]:
     return found
 
 
-def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, rep: object) -> None:
+def inplace_guard_pattern(
+    model: nn.Module,
+    config: object,
+    allowed: Callable,
+    rep: object,
+    traces: Traces | None = None,
+) -> None:
     """Mark output-saving modules followed by an in-place write; ``convert_`` leaves them as is.
 
     Args:
         model: the model ``convert_`` is converting.
         config, allowed, rep: as for every ``convert_`` pattern pass (unused: the table pass
             reports the kept modules, with the reason from :func:`kept_reason`).
+        traces: where the fx traces it makes are kept for the later readings (NOTE [One reading
+            of the structure per convert_]); None: its own.
     """
     for m in model.modules():
         _KEPT.pop(m, None)
-    guard = _Guard()
+    guard = _Guard(traces=traces)
     for m in model.modules():
         guard.info(m)
         if _saves_output(m) and (why := _hook_writes(m)) is not None:
@@ -1137,7 +1211,10 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 
 
 def output_modules(
-    model: nn.Module, kinds: tuple[type, ...], owners: dict[int, list] | None = None
+    model: nn.Module,
+    kinds: tuple[type, ...],
+    owners: dict[int, list] | None = None,
+    traces: Traces | None = None,
 ) -> list[nn.Module]:
     """The modules of ``kinds`` in ``model`` whose output may be what ``model`` returns (NOTE
     [Modules whose output is the model's output]).
@@ -1148,11 +1225,13 @@ def output_modules(
         owners: if given, filled with ``{id(m): [modules below the root whose output may be m's
             output]}`` for every other module of ``kinds`` (NOTE [Hidden states handed out per
             call] in slimgrad/nn/_output_act.py), from the same reading.
+        traces: the fx traces read before the swaps (NOTE [One reading of the structure per
+            convert_]): a module read then is not traced again; None: every module traced now.
 
     Returns:
         Those modules, each once.
     """
-    guard = _Guard(outputs=kinds)
+    guard = _Guard(outputs=kinds, traces=traces)
     seen: dict[int, nn.Module] = {}
     for m in guard.info(model).ends:
         if isinstance(m, kinds):
