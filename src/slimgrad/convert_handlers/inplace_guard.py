@@ -13,12 +13,14 @@ they are and names the reason in its report (NOTE [In-place writers after output
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import operator
 import random
 import re
 import sys
 import textwrap
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -323,7 +325,7 @@ class Traces:
         if got.forward is not m.__dict__.get("forward"):
             return None
         modes = {d.training for d in m.modules()}
-        graph = (got.train if modes == {True} else got.eval if modes == {False} else None)
+        graph = got.train if modes == {True} else got.eval if modes == {False} else None
         if graph is None or any(
             n.op == "call_function" and n.target is operator.setitem for n in graph.nodes
         ):
@@ -351,6 +353,8 @@ class _Guard:
         # in-place guard's own run, unchanged)
         self.outputs = outputs
         self.methods: dict[tuple[int, object], set] = {}
+        # {(id(module), method): what its source writes and returns} (``_Flow.helper``)
+        self.helpers: dict[tuple[int, object], tuple] = {}
 
     def flag(self, ends: list[nn.Module], writer: str) -> None:
         for m in ends:
@@ -495,7 +499,7 @@ def _written_params(fn) -> set[str] | None:
             return None
     out: set[str] = set()
     for args, body in bodies:
-        flow = _Flow(None, None)
+        flow = _Flow(None, None, fn=fn)
         params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
         flow.block(body, {a: {a} for a in params})
         out |= {a for a in params[1:] if a in flow.written}
@@ -616,9 +620,14 @@ def _namespace(e) -> bool:
 
 class _Flow:
     # NOTE [In-place writes in HF forwards]: an abstract run of one forward over alias sets
-    def __init__(self, guard: _Guard | None, module: nn.Module | None, me: str = "self") -> None:
+    def __init__(
+        self, guard: _Guard | None, module: nn.Module | None, me: str = "self", fn=None
+    ) -> None:
         self.guard, self.module = guard, module
         self.me = me  # the name the forward gives its module (its first parameter)
+        # the global names of the function read (NOTE [In-place writes in HF forwards]: what a
+        # call such as ``aten.mul_.Tensor(h)`` calls); {} when unknown
+        self.globals = getattr(inspect.unwrap(fn), "__globals__", {}) if fn is not None else {}
         self.ret: set = set()
         self.written: set = set()
         # per return statement: its tuple literal's items' holdings, or None (not such a tuple)
@@ -836,12 +845,73 @@ class _Flow:
             else:
                 args = fdef.args
                 names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
-                flow = _Flow(self.guard, self.module, names[0])
+                flow = _Flow(self.guard, self.module, names[0], fn)
                 flow.block(fdef.body, {a: {_ARG} for a in names[1:]})
                 got = flow.ret
             self.guard.methods[key] = got
         got = self.guard.methods[key]
         return (got - {_ARG}) | (held if _ARG in got else set())
+
+    def helper(self, fn) -> tuple[set[str] | None, set | None]:
+        # a method of the module called from its forward: (the parameters it writes in place,
+        # None: any; what it returns, ``_Param`` standing for an argument, None: its arguments),
+        # read with the module, so its own calls of children and their outputs are followed (a
+        # write there flags the child), whatever it names the module
+        if self.guard is None or self.module is None:
+            return _written_params(fn), None
+        key = (id(self.module), fn)
+        got = self.guard.helpers.get(key)
+        if got is None:
+            self.guard.helpers[key] = (set(), None)  # recursion: as read so far
+            fdef = _forward_ast(fn) if inspect.isfunction(inspect.unwrap(fn)) else None
+            if fdef is None or not fdef.args.posonlyargs + fdef.args.args:
+                got = (_written_params(fn), None)  # a lambda, a property: as before
+            else:
+                a = fdef.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                rest = [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+                flow = _Flow(self.guard, self.module, names[0], fn)
+                flow.block(fdef.body, {n: {_Param(n)} for n in names[1:] + rest})
+                written = {x.name for x in flow.written if isinstance(x, _Param)}
+                got = (None if written & set(rest) else written, flow.ret)
+            self.guard.helpers[key] = got
+        return got
+
+    def callee(self, f, env: dict):
+        # the object a dotted global name calls (``torch.ops.aten.mul_.Tensor``, ``aten.relu_``
+        # with ``aten = torch.ops.aten`` at module level, ``torch.Tensor.mul_``), found through
+        # modules, classes and torch.ops namespaces only; _MISSING for anything else (a local
+        # name, an attribute of a value)
+        path = []
+        while isinstance(f, ast.Attribute):
+            path.append(f.attr)
+            f = f.value
+        if not isinstance(f, ast.Name) or f.id in env or f.id == self.me:
+            return _MISSING
+        obj = self.globals.get(f.id, _MISSING)
+        if obj is _MISSING:
+            obj = getattr(builtins, f.id, _MISSING)
+        for name in reversed(path):
+            if not isinstance(obj, (types.ModuleType, type, *_OP_HOLDERS)):
+                return _MISSING
+            try:
+                obj = getattr(obj, name)
+            except Exception:  # noqa: BLE001 - an op that does not exist, a lazy import
+                return _MISSING
+        return obj
+
+    def getattr_call(self, f, env: dict) -> tuple[set, str | None] | None:
+        # ``getattr(h, "name")(...)`` spells ``h.name(...)``: (what h holds, the name or None
+        # where it is computed); None for any other call
+        if not (
+            isinstance(f, ast.Call)
+            and len(f.args) >= 2
+            and self.callee(f.func, env) is builtins.getattr
+        ):
+            return None
+        base = self.expr(f.args[0], env)
+        n = f.args[1]
+        return base, n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None
 
     def assign(self, target, held: set, env: dict) -> None:
         if isinstance(target, ast.Name):
@@ -921,20 +991,37 @@ class _Flow:
                     self.flag(every, f"{f.attr}: {type(child).__name__}, which writes its input")
                 return set(ci.ends) | (every if ci.passes else set())
             method = getattr(type(self.module), f.attr, None) if self.module is not None else None
+            got: set = set()
             if callable(method):
-                written = _written_params(method)
+                written, ret = self.helper(method)
                 fdef = _forward_ast(method)
                 names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:] if fdef else []
-                hit = every
-                if written is not None:
-                    hit = set().union(
-                        *(a for n, a in zip(names, args, strict=False) if n in written),
-                        *(a for k, a in kws.items() if k in written),
-                    )
-                self.flag(hit, f"self.{f.attr}(...), which writes its argument in place")
+                bound = {n: a for n, a in zip(names, args, strict=False)} | kws
+
+                def of(params):
+                    if params is None or len(args) > len(names):  # (*args: any argument)
+                        return every
+                    return set().union(*(a for n, a in bound.items() if n in params))
+
+                self.flag(of(written), f"self.{f.attr}(...), which writes its argument in place")
+                if ret is not None and not self._outputs():  # what its own source returns
+                    got = {x for x in ret if not isinstance(x, _Param)}
+                    got |= of({x.name for x in ret if isinstance(x, _Param)})
             # a helper may return (a view of) what it was given, and, asked about outputs, what
             # its own source returns
-            return every | self.method_ends(f.attr, every)
+            return every | got | self.method_ends(f.attr, every)
+        if (spelled := self.getattr_call(f, env)) is not None:  # getattr(h, "mul_")(...)
+            base, name = spelled
+            if name is None or _writes_name(name) or inplace_kw:
+                what = "getattr(..., <a computed name>)" if name is None else name
+                self.flag(base, f"{what} in its HF forward")
+                return base
+            return base if name in _VIEW_NAMES else set()
+        if (callee := self.callee(f, env)) is not _MISSING and _writes_first(callee, e):
+            # what the name calls writes its first argument: torch.ops.aten.mul_.Tensor(h),
+            # aten.relu_(h) (an alias), torch.Tensor.mul_(h), F.leaky_relu(h, 0.1, True)
+            self.flag(first, f"{_dotted(f)} in its HF forward")
+            return first
         if isinstance(f, ast.Attribute) and _namespace(f.value):  # torch.fn(h), F.fn(h)
             if _inplace_name(f.attr) or inplace_kw:
                 self.flag(first, f"{f.attr} in its HF forward")
@@ -942,7 +1029,7 @@ class _Flow:
             return first if f.attr in _VIEW_NAMES else set()
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
-            if _inplace_name(f.attr):
+            if _writes_name(f.attr):
                 self.flag(base, f"{f.attr} in its HF forward")
                 return base
             if inplace_kw:
@@ -1031,6 +1118,66 @@ def _inplace_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
 
 
+# in-place operator methods: ``h.__iadd__(r)`` writes h
+_INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
+
+
+def _writes_name(name: str) -> bool:
+    return _inplace_name(name) or name in _INPLACE_DUNDERS
+
+
+# what holds torch.ops' operators: ``torch.ops``, ``torch.ops.aten``, ``torch.ops.aten.mul_``
+_OP_HOLDERS = tuple(
+    c
+    for c in (
+        getattr(torch._ops, "_Ops", None),
+        getattr(torch._ops, "_OpNamespace", None),
+        getattr(torch._ops, "OpOverloadPacket", None),
+    )
+    if isinstance(c, type)
+)
+
+
+def _schema_writes_first(schema) -> bool:
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return first is not None and first.is_write
+
+
+def _writes_first(fn, call: ast.Call) -> bool:
+    # whether calling ``fn`` (a resolved callee) writes its first argument in place: an aten
+    # operator whose schema says so (any overload of a packet), an in-place operator, a function
+    # or method named as an in-place verb, an F function given inplace=True positionally
+    if isinstance(fn, torch._ops.OpOverload):
+        return _schema_writes_first(fn._schema)
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return any(_schema_writes_first(getattr(fn, o)._schema) for o in fn.overloads())
+    try:
+        if fn in _INPLACE_OPERATORS:
+            return True
+        pos = _INPLACE_ARG_POS.get(fn)
+    except TypeError:  # unhashable
+        return False
+    if pos is not None:
+        arg = call.args[pos] if len(call.args) > pos else None
+        if isinstance(arg, ast.Constant) and arg.value is True:
+            return True
+    name = getattr(fn, "__name__", None)
+    return isinstance(name, str) and _writes_name(name) and callable(fn)
+
+
+def _dotted(f) -> str:
+    try:
+        return ast.unparse(f)
+    except Exception:  # noqa: BLE001
+        return "a call"
+
+
+@dataclass(frozen=True)
+class _Param:
+    # a helper method's parameter, among what a name may hold while its source is read
+    name: str
+
+
 def _op_name(op) -> str:
     return {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}.get(type(op), "op")
 
@@ -1075,7 +1222,8 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
         return _Info(writes=inplace)
     me, *params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args]
     env = {params[0]: {_IN}} if params else {}
-    flow = _Flow(guard, m, me)  # the module's own name in its forward: ``self`` or any other
+    # the module's own name in its forward: ``self`` or any other
+    flow = _Flow(guard, m, me, getattr(type(m), "forward", None))
     flow.block(fdef.body, env)
     ends = [x for x in flow.ret if isinstance(x, nn.Module)]
     items = None
