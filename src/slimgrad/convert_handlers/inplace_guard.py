@@ -257,6 +257,31 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
     return _Read.of(m).every_call()
 
 
+# NOTE [One reading of the structure per convert_]
+# ``convert_`` reads a model's structure where several passes need it: the in-place guard (which
+# outputs an in-place write follows), the BatchNorm + ReLU pattern (``abn.py``: which BN feeds
+# which ReLU) and, after the swaps, the reading of the converted model (``state_consumers_``:
+# which outputs may be the model's, NOTE [Modules whose output is the model's output]). Reading a
+# plain-torch forward means tracing it with torch.fx, every child a leaf, which is most of what
+# ``convert_`` costs on a CNN or a ViT. Each forward is traced once per call, before anything is
+# swapped (``_Read``: train mode and eval mode, the generators' states restored), and kept in
+# ``Traces`` (``Structure.traces``); the later readings take it from there:
+#   - the converted model: a module the swaps left where it was (a parent whose children were
+#     replaced, a module kept eager) has the trace it had: the trace names a leaf child by its
+#     attribute, and a swap puts the replacement at that same attribute, keeping the child's
+#     torch class as a base and its settings (a forward that branches on a child's exact type, not
+#     ``isinstance``, would be read as it was before the swap). A module the swaps made (a timm
+#     block's replacement), or whose instance ``forward`` changed since, is read then;
+#   - the BatchNorm + ReLU pattern: the trace in the mode the modules are in, where it is the one a
+#     plain ``torch.fx.Tracer`` would make (``Traces.as_called``): no draw from a generator (its own
+#     trace would advance it), no ``h[...] = v`` (a plain Proxy raises there); else its own trace.
+# The forward sources (``_forward_ast``) are parsed once per function for the process. A call of
+# ``state_consumers_`` after changing the model reads it afresh (no traces given). ownership's
+# ``_trace_stand_in`` keeps its own trace: it asks another question, after the swaps (which
+# children's inputs are fresh, from the replacements' own statements), of a stand-in (so the
+# trace cannot change the model), and it needs what a fx graph does not hold: the attribute names
+# the forward reads and the Proxies it keeps alive (S2, S3 of NOTE [Forward ownership from stated
+# structure] in slimgrad/ownership.py).
 @dataclass(eq=False)
 class _Read:
     # one module's fx traces (NOTE [One reading of the structure per convert_]): every child a
@@ -465,9 +490,18 @@ class _Guard:
 # on a child's presence (``self.conv is not None``) or on a local name last assigned a literal
 # (``to_drop = False``; ``_Const``: a name given any other value, or ``+=``, is no longer known;
 # where two paths join with different literals, neither). ``continue``/``break`` carry what names
-# hold there to the loop's next pass and its exit. A helper
-# method's writes hit only the arguments it writes. The forward's returned names give its ends, as
-# for traced modules. The same reading serves every module torch.fx cannot trace. A forward whose
+# hold there to the loop's next pass and its exit. A write is found by what the call calls,
+# however it is spelled: a method named as an in-place verb (``h.mul_``, ``h.__iadd__``, also
+# ``getattr(h, "mul_")(...)``; a computed name counts as a write), and a dotted global name
+# resolved through the function's globals, modules, classes and torch.ops namespaces only
+# (``torch.ops.aten.mul_.Tensor(h)``, ``aten.relu_(h)`` with ``aten = torch.ops.aten``,
+# ``torch.Tensor.__iadd__(h, r)``, ``F.leaky_relu(h, 0.1, True)``): an aten operator whose schema
+# writes its first argument (any overload of a packet), an in-place operator, an F function given
+# ``inplace=True`` positionally. A helper method of the module (``self.helper(h)``, whatever the
+# forward names the module) is read with the module, once: its writes hit the arguments it writes
+# and the children's outputs it writes, and what it returns (a child's output) is followed. The
+# forward's returned names give its ends, as for traced modules. The same reading serves every
+# module torch.fx cannot trace. A forward whose
 # source cannot be read, or that does not parse as one function, keeps its output-saving children
 # unconverted when it or a descendant has ``inplace=True``.
 _IN = "<input>"  # the forward's first parameter, among the aliases a name may hold
@@ -1271,8 +1305,8 @@ def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
     if node.op == "call_function" and schema is not None:
         first = schema.arguments[0].alias_info if schema.arguments else None
         return first is not None and first.is_write
-    if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
-        return True  # Tensor.relu_(), torch.relu_, F.relu_, x.add_(...)
+    if _writes_name(name):
+        return True  # Tensor.relu_(), torch.relu_, F.relu_, x.add_(...), Tensor.__iadd__(x, r)
     if node.op == "call_function" and node.target in _INPLACE_ARG_POS:
         pos = _INPLACE_ARG_POS[node.target]
         if node.kwargs.get("inplace") is True:
