@@ -661,7 +661,11 @@ class _Flow:
         self.me = me  # the name the forward gives its module (its first parameter)
         # the global names of the function read (NOTE [In-place writes in HF forwards]: what a
         # call such as ``aten.mul_.Tensor(h)`` calls); {} when unknown
-        self.globals = getattr(inspect.unwrap(fn), "__globals__", {}) if fn is not None else {}
+        fn = inspect.unwrap(fn) if fn is not None else None
+        self.globals = getattr(fn, "__globals__", {})
+        code = getattr(fn, "__code__", None)  # its local and closure names are not globals
+        names = code.co_varnames + code.co_cellvars + code.co_freevars if code else ()
+        self.local_names = frozenset(names)
         self.ret: set = set()
         self.written: set = set()
         # per return statement: its tuple literal's items' holdings, or None (not such a tuple)
@@ -920,7 +924,7 @@ class _Flow:
         while isinstance(f, ast.Attribute):
             path.append(f.attr)
             f = f.value
-        if not isinstance(f, ast.Name) or f.id in env or f.id == self.me:
+        if not isinstance(f, ast.Name) or f.id in env or f.id in self.local_names:
             return _MISSING
         obj = self.globals.get(f.id, _MISSING)
         if obj is _MISSING:
