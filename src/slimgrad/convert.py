@@ -35,7 +35,9 @@ Stages (``convert_`` runs them in this order; each fact is computed once, where 
 2. ``ModelFacts.read_modules``: the in-place guard's reading of the structure (which modules an
    in-place write follows), then per module its table entry, the subclass rule's reason, a
    parametrized weight and the guard's reason (``ModuleFacts``). It reads the model before
-   anything is swapped: what the guard sees is the model the user wrote.
+   anything is swapped: what the guard sees is the model the user wrote. Its torch.fx traces,
+   one per forward and mode, are kept (``Structure.traces``) for the later readings (NOTE [One
+   reading of the structure per convert_] in ``convert_handlers/inplace_guard.py``).
 3. ``decide_patterns`` -> ``Decision``s (``convert_handlers/decision.py``): the neighbour
    patterns (``_PATTERNS``): BatchNorm's neighbours (``abn``, ``cnn``), HF attention's config and
    forward templates (``hf_attention``, analysed once per model), the LM head and loss template
@@ -51,8 +53,10 @@ Stages (``convert_`` runs them in this order; each fact is computed once, where 
    ``record`` writes the report's rows from the decisions, the patterns' first.
 6. What needs the converted structure: ownership's statements of fresh inputs
    (``ownership.state_inputs_``), which outputs are kept or are the model's output
-   (``nn._output_act.state_consumers_``, a second reading by the in-place guard's code), then
-   the modules left alone (``_left_alone``, from the report's rows and the module facts).
+   (``nn._output_act.state_consumers_``: the in-place guard's code asked about the converted
+   model, from stage 2's traces mapped through the swaps; only the modules the swaps made are
+   traced), then the modules left alone (``_left_alone``, from the report's rows and the module
+   facts).
 """
 
 from __future__ import annotations
@@ -523,7 +527,8 @@ def convert_(
     apply(decisions)
     record(decisions, rep)
     ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
-    _nn_output_act.state_consumers_(model, rep)  # NOTE [Keep y only where its consumer keeps it]
+    # NOTE [Keep y only where its consumer keeps it]; the traces read before the swaps
+    _nn_output_act.state_consumers_(model, rep, traces=facts.structure.traces)
     rep.left_alone = _left_alone(model, rep, facts)
     _REPORTS[model] = rep
     # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along
@@ -658,7 +663,7 @@ class ModelFacts:
         """Read the model as the patterns and the table pass decide from it, before anything is
         swapped: the in-place guard's reading of its structure, then each module's facts (once
         per module, wherever it is held)."""
-        _inplace_guard.inplace_guard_pattern(self.model, None, None, None)
+        _inplace_guard.inplace_guard_pattern(self.model, None, None, None, self.structure.traces)
         found = self._modules
         found.clear()
         stack = [self.model]

@@ -145,8 +145,8 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, found: Structure) -> 
         if not any(type(m) is nn.ReLU for m in parent.modules()):
             untraced.update(id(c) for c in kids.values() if type(c) in _BN_TYPES)
             continue
-        try:
-            graph = _trace(parent)
+        try:  # the in-place guard's trace where it has the one this would make
+            graph = found.traces.as_called(parent) or _trace(parent)
         except Exception as e:  # fx raises many types on untraceable Python
             out.append(Decision(pname, None, None, parent, reason=(
                 f"inplace_abn: forward not traceable by torch.fx ({type(e).__name__}); its "

@@ -73,6 +73,7 @@ class Structure:
         self.model = model
         self.targets = targets
         self.claimed: dict[int, nn.Module] = {}
+        self._traces = None
         self._names: dict[int, str] | None = None
         self._places: dict[int, list[tuple[nn.Module, str]]] | None = None
         self._modules: list[nn.Module] | None = None
@@ -99,6 +100,17 @@ class Structure:
                         places.setdefault(id(child), []).append((parent, attr))
             self._places = places
         return self._places
+
+    @property
+    def traces(self):
+        """The fx traces of the model's forwards, each module traced once for the whole
+        ``convert_`` call (``slimgrad.convert_handlers.inplace_guard.Traces``; NOTE [One reading
+        of the structure per convert_])."""
+        if self._traces is None:
+            from slimgrad.convert_handlers.inplace_guard import Traces  # (it imports the HF table)
+
+            self._traces = Traces()
+        return self._traces
 
     def now(self, m: nn.Module) -> nn.Module:
         """``m`` as the patterns decided so far leave it (its replacement, or itself)."""

@@ -13,12 +13,14 @@ they are and names the reason in its report (NOTE [In-place writers after output
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import operator
 import random
 import re
 import sys
 import textwrap
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -31,7 +33,7 @@ from torch import nn
 
 from slimgrad.convert_handlers import hf as _hf
 
-__all__ = ["SAVES_OUTPUT", "inplace_guard_pattern", "kept_reason", "output_modules"]
+__all__ = ["SAVES_OUTPUT", "Traces", "inplace_guard_pattern", "kept_reason", "output_modules"]
 
 # NOTE [In-place writers after output-saving modules]
 # A module is "output-saving" when its slimgrad replacement keeps its output for backward but
@@ -252,20 +254,108 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
     # used only when it is the same in train and in eval mode and drew from no generator;
     # otherwise (raised here) the forward's source is read, as an untraceable forward's is, which
     # follows every branch. The modes and the generators' states are restored after the traces.
-    modes = {d: d.training for d in m.modules()}
-    try:
-        for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
-            d.training = True
-        graph, drew = _trace(m)
-        for d in modes:
-            d.training = False
-        other, drew_eval = _trace(m)
-    finally:
-        for d, mode in modes.items():
-            d.training = mode
-    if drew or drew_eval or _text(graph) != _text(other):
-        raise _TraceDependsOnCall
-    return graph
+    return _Read.of(m).every_call()
+
+
+# NOTE [One reading of the structure per convert_]
+# ``convert_`` reads a model's structure where several passes need it: the in-place guard (which
+# outputs an in-place write follows), the BatchNorm + ReLU pattern (``abn.py``: which BN feeds
+# which ReLU) and, after the swaps, the reading of the converted model (``state_consumers_``:
+# which outputs may be the model's, NOTE [Modules whose output is the model's output]). Reading a
+# plain-torch forward means tracing it with torch.fx, every child a leaf, which is most of what
+# ``convert_`` costs on a CNN or a ViT. Each forward is traced once per call, before anything is
+# swapped (``_Read``: train mode and eval mode, the generators' states restored), and kept in
+# ``Traces`` (``Structure.traces``); the later readings take it from there:
+#   - the converted model: a module the swaps left where it was (a parent whose children were
+#     replaced, a module kept eager) has the trace it had: the trace names a leaf child by its
+#     attribute, and a swap puts the replacement at that same attribute, keeping the child's
+#     torch class as a base and its settings (a forward that branches on a child's exact type, not
+#     ``isinstance``, would be read as it was before the swap). A module the swaps made (a timm
+#     block's replacement), or whose instance ``forward`` changed since, is read then;
+#   - the BatchNorm + ReLU pattern: the trace in the mode the modules are in, where it is the one a
+#     plain ``torch.fx.Tracer`` would make (``Traces.as_called``): no draw from a generator (its own
+#     trace would advance it), no ``h[...] = v`` (a plain Proxy raises there); else its own trace.
+# The forward sources (``_forward_ast``) are parsed once per function for the process. A call of
+# ``state_consumers_`` after changing the model reads it afresh (no traces given). ownership's
+# ``_trace_stand_in`` keeps its own trace: it asks another question, after the swaps (which
+# children's inputs are fresh, from the replacements' own statements), of a stand-in (so the
+# trace cannot change the model), and it needs what a fx graph does not hold: the attribute names
+# the forward reads and the Proxies it keeps alive (S2, S3 of NOTE [Forward ownership from stated
+# structure] in slimgrad/ownership.py).
+@dataclass(eq=False)
+class _Read:
+    # one module's fx traces (NOTE [One reading of the structure per convert_]): every child a
+    # leaf, all flags ``training`` set to True, then to False; None where that trace raised
+    module: nn.Module
+    forward: object  # the instance's own forward at the reading, or None
+    train: torch.fx.Graph | None
+    eval: torch.fx.Graph | None
+    drew: bool  # a trace drew from a random number generator
+    same: bool  # both traced, and to the same graph
+
+    @classmethod
+    def of(cls, m: nn.Module) -> _Read:
+        modes = {d: d.training for d in m.modules()}
+        graphs: list = [None, None]
+        drew = False
+        try:
+            for i, mode in enumerate((True, False)):
+                for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
+                    d.training = mode
+                try:
+                    graphs[i], d_i = _trace(m)
+                except Exception:  # fx raises many types on Python it cannot trace
+                    break
+                drew = drew or d_i
+        finally:
+            for d, mode in modes.items():
+                d.training = mode
+        train, ev = graphs
+        same = train is not None and ev is not None and _text(train) == _text(ev)
+        return cls(m, m.__dict__.get("forward"), train, ev, drew, same)
+
+    def every_call(self) -> torch.fx.Graph:
+        if self.drew or not self.same:
+            raise _TraceDependsOnCall
+        return self.train
+
+
+class Traces:
+    """The fx traces of a model's module forwards, each module traced once (NOTE [One reading of
+    the structure per convert_]): the in-place guard's reading fills it before anything is
+    swapped; the patterns and the reading of the converted model read it."""
+
+    def __init__(self) -> None:
+        # {id(module): its reading}; the reading holds the module, so ids stay unique
+        self._got: dict[int, _Read] = {}
+
+    def every_call(self, m: nn.Module) -> torch.fx.Graph:
+        """``m``'s trace where it is the same in train and eval mode and drew nothing (read now
+        if ``m`` was not read, or its instance ``forward`` changed since), else raises."""
+        got = self._got.get(id(m))
+        if got is None or got.module is not m or got.forward is not m.__dict__.get("forward"):
+            got = self._got[id(m)] = _Read.of(m)
+        return got.every_call()
+
+    def as_called(self, m: nn.Module) -> torch.fx.Graph | None:
+        """The trace a plain ``torch.fx.Tracer`` (every child a leaf) would make of ``m`` now,
+        where the reading has it: the modules below ``m`` all in the mode of a trace that
+        succeeded, no draw from a generator (a trace of its own would advance that generator),
+        no item assignment (a plain Proxy raises there), the same instance ``forward``; else
+        None. ``h += r`` is an ``operator.iadd`` node where a plain tracer records ``add``: the
+        same nodes and users."""
+        got = self._got.get(id(m))
+        if got is None or got.module is not m or got.drew:
+            return None
+        if got.forward is not m.__dict__.get("forward"):
+            return None
+        modes = {d.training for d in m.modules()}
+        graph = got.train if modes == {True} else got.eval if modes == {False} else None
+        if graph is None or any(
+            n.op == "call_function" and n.target is operator.setitem for n in graph.nodes
+        ):
+            return None
+        return graph
 
 
 def _text(graph: torch.fx.Graph) -> str:
@@ -278,13 +368,18 @@ class _TraceDependsOnCall(Exception):
 
 
 class _Guard:
-    def __init__(self, outputs: tuple[type, ...] | None = None) -> None:
+    def __init__(
+        self, outputs: tuple[type, ...] | None = None, traces: Traces | None = None
+    ) -> None:
         self.memo: dict[int, _Info] = {}
+        self.traces = traces if traces is not None else Traces()
         self.keep: dict[nn.Module, str] = {}
         # NOTE [Modules whose output is the model's output]: the kinds asked about, or None (the
         # in-place guard's own run, unchanged)
         self.outputs = outputs
         self.methods: dict[tuple[int, object], set] = {}
+        # {(id(module), method): what its source writes and returns} (``_Flow.helper``)
+        self.helpers: dict[tuple[int, object], tuple] = {}
 
     def flag(self, ends: list[nn.Module], writer: str) -> None:
         for m in ends:
@@ -333,7 +428,7 @@ class _Guard:
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
-            graph = _trace_every_call(m)
+            graph = self.traces.every_call(m)
         except Exception:
             # Untraceable forward (data-dependent control flow, ...): its source is read as an HF
             # forward's is (NOTE [In-place writes in HF forwards]), so ``h += r`` in its own code
@@ -395,9 +490,18 @@ class _Guard:
 # on a child's presence (``self.conv is not None``) or on a local name last assigned a literal
 # (``to_drop = False``; ``_Const``: a name given any other value, or ``+=``, is no longer known;
 # where two paths join with different literals, neither). ``continue``/``break`` carry what names
-# hold there to the loop's next pass and its exit. A helper
-# method's writes hit only the arguments it writes. The forward's returned names give its ends, as
-# for traced modules. The same reading serves every module torch.fx cannot trace. A forward whose
+# hold there to the loop's next pass and its exit. A write is found by what the call calls,
+# however it is spelled: a method named as an in-place verb (``h.mul_``, ``h.__iadd__``, also
+# ``getattr(h, "mul_")(...)``; a computed name counts as a write), and a dotted global name
+# resolved through the function's globals, modules, classes and torch.ops namespaces only
+# (``torch.ops.aten.mul_.Tensor(h)``, ``aten.relu_(h)`` with ``aten = torch.ops.aten``,
+# ``torch.Tensor.__iadd__(h, r)``, ``F.leaky_relu(h, 0.1, True)``): an aten operator whose schema
+# writes its first argument (any overload of a packet), an in-place operator, an F function given
+# ``inplace=True`` positionally. A helper method of the module (``self.helper(h)``, whatever the
+# forward names the module) is read with the module, once: its writes hit the arguments it writes
+# and the children's outputs it writes, and what it returns (a child's output) is followed. The
+# forward's returned names give its ends, as for traced modules. The same reading serves every
+# module torch.fx cannot trace. A forward whose
 # source cannot be read, or that does not parse as one function, keeps its output-saving children
 # unconverted when it or a descendant has ``inplace=True``.
 _IN = "<input>"  # the forward's first parameter, among the aliases a name may hold
@@ -429,7 +533,7 @@ def _written_params(fn) -> set[str] | None:
             return None
     out: set[str] = set()
     for args, body in bodies:
-        flow = _Flow(None, None)
+        flow = _Flow(None, None, fn=fn)
         params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
         flow.block(body, {a: {a} for a in params})
         out |= {a for a in params[1:] if a in flow.written}
@@ -550,9 +654,18 @@ def _namespace(e) -> bool:
 
 class _Flow:
     # NOTE [In-place writes in HF forwards]: an abstract run of one forward over alias sets
-    def __init__(self, guard: _Guard | None, module: nn.Module | None, me: str = "self") -> None:
+    def __init__(
+        self, guard: _Guard | None, module: nn.Module | None, me: str = "self", fn=None
+    ) -> None:
         self.guard, self.module = guard, module
         self.me = me  # the name the forward gives its module (its first parameter)
+        # the global names of the function read (NOTE [In-place writes in HF forwards]: what a
+        # call such as ``aten.mul_.Tensor(h)`` calls); {} when unknown
+        fn = inspect.unwrap(fn) if fn is not None else None
+        self.globals = getattr(fn, "__globals__", {})
+        code = getattr(fn, "__code__", None)  # its local and closure names are not globals
+        names = code.co_varnames + code.co_cellvars + code.co_freevars if code else ()
+        self.local_names = frozenset(names)
         self.ret: set = set()
         self.written: set = set()
         # per return statement: its tuple literal's items' holdings, or None (not such a tuple)
@@ -770,12 +883,73 @@ class _Flow:
             else:
                 args = fdef.args
                 names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
-                flow = _Flow(self.guard, self.module, names[0])
+                flow = _Flow(self.guard, self.module, names[0], fn)
                 flow.block(fdef.body, {a: {_ARG} for a in names[1:]})
                 got = flow.ret
             self.guard.methods[key] = got
         got = self.guard.methods[key]
         return (got - {_ARG}) | (held if _ARG in got else set())
+
+    def helper(self, fn) -> tuple[set[str] | None, set | None]:
+        # a method of the module called from its forward: (the parameters it writes in place,
+        # None: any; what it returns, ``_Param`` standing for an argument, None: its arguments),
+        # read with the module, so its own calls of children and their outputs are followed (a
+        # write there flags the child), whatever it names the module
+        if self.guard is None or self.module is None:
+            return _written_params(fn), None
+        key = (id(self.module), fn)
+        got = self.guard.helpers.get(key)
+        if got is None:
+            self.guard.helpers[key] = (set(), None)  # recursion: as read so far
+            fdef = _forward_ast(fn) if inspect.isfunction(inspect.unwrap(fn)) else None
+            if fdef is None or not fdef.args.posonlyargs + fdef.args.args:
+                got = (_written_params(fn), None)  # a lambda, a property: as before
+            else:
+                a = fdef.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                rest = [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+                flow = _Flow(self.guard, self.module, names[0], fn)
+                flow.block(fdef.body, {n: {_Param(n)} for n in names[1:] + rest})
+                written = {x.name for x in flow.written if isinstance(x, _Param)}
+                got = (None if written & set(rest) else written, flow.ret)
+            self.guard.helpers[key] = got
+        return got
+
+    def callee(self, f, env: dict):
+        # the object a dotted global name calls (``torch.ops.aten.mul_.Tensor``, ``aten.relu_``
+        # with ``aten = torch.ops.aten`` at module level, ``torch.Tensor.mul_``), found through
+        # modules, classes and torch.ops namespaces only; _MISSING for anything else (a local
+        # name, an attribute of a value)
+        path = []
+        while isinstance(f, ast.Attribute):
+            path.append(f.attr)
+            f = f.value
+        if not isinstance(f, ast.Name) or f.id in env or f.id in self.local_names:
+            return _MISSING
+        obj = self.globals.get(f.id, _MISSING)
+        if obj is _MISSING:
+            obj = getattr(builtins, f.id, _MISSING)
+        for name in reversed(path):
+            if not isinstance(obj, (types.ModuleType, type, *_OP_HOLDERS)):
+                return _MISSING
+            try:
+                obj = getattr(obj, name)
+            except Exception:  # noqa: BLE001 - an op that does not exist, a lazy import
+                return _MISSING
+        return obj
+
+    def getattr_call(self, f, env: dict) -> tuple[set, str | None] | None:
+        # ``getattr(h, "name")(...)`` spells ``h.name(...)``: (what h holds, the name or None
+        # where it is computed); None for any other call
+        if not (
+            isinstance(f, ast.Call)
+            and len(f.args) >= 2
+            and self.callee(f.func, env) is builtins.getattr
+        ):
+            return None
+        base = self.expr(f.args[0], env)
+        n = f.args[1]
+        return base, n.value if isinstance(n, ast.Constant) and isinstance(n.value, str) else None
 
     def assign(self, target, held: set, env: dict) -> None:
         if isinstance(target, ast.Name):
@@ -855,20 +1029,37 @@ class _Flow:
                     self.flag(every, f"{f.attr}: {type(child).__name__}, which writes its input")
                 return set(ci.ends) | (every if ci.passes else set())
             method = getattr(type(self.module), f.attr, None) if self.module is not None else None
+            got: set = set()
             if callable(method):
-                written = _written_params(method)
+                written, ret = self.helper(method)
                 fdef = _forward_ast(method)
                 names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:] if fdef else []
-                hit = every
-                if written is not None:
-                    hit = set().union(
-                        *(a for n, a in zip(names, args, strict=False) if n in written),
-                        *(a for k, a in kws.items() if k in written),
-                    )
-                self.flag(hit, f"self.{f.attr}(...), which writes its argument in place")
+                bound = {n: a for n, a in zip(names, args, strict=False)} | kws
+
+                def of(params):
+                    if params is None or len(args) > len(names):  # (*args: any argument)
+                        return every
+                    return set().union(*(a for n, a in bound.items() if n in params))
+
+                self.flag(of(written), f"self.{f.attr}(...), which writes its argument in place")
+                if ret is not None and not self._outputs():  # what its own source returns
+                    got = {x for x in ret if not isinstance(x, _Param)}
+                    got |= of({x.name for x in ret if isinstance(x, _Param)})
             # a helper may return (a view of) what it was given, and, asked about outputs, what
             # its own source returns
-            return every | self.method_ends(f.attr, every)
+            return every | got | self.method_ends(f.attr, every)
+        if (spelled := self.getattr_call(f, env)) is not None:  # getattr(h, "mul_")(...)
+            base, name = spelled
+            if name is None or _writes_name(name) or inplace_kw:
+                what = "getattr(..., <a computed name>)" if name is None else name
+                self.flag(base, f"{what} in its HF forward")
+                return base
+            return base if name in _VIEW_NAMES else set()
+        if (callee := self.callee(f, env)) is not _MISSING and _writes_first(callee, e):
+            # what the name calls writes its first argument: torch.ops.aten.mul_.Tensor(h),
+            # aten.relu_(h) (an alias), torch.Tensor.mul_(h), F.leaky_relu(h, 0.1, True)
+            self.flag(first, f"{_dotted(f)} in its HF forward")
+            return first
         if isinstance(f, ast.Attribute) and _namespace(f.value):  # torch.fn(h), F.fn(h)
             if _inplace_name(f.attr) or inplace_kw:
                 self.flag(first, f"{f.attr} in its HF forward")
@@ -876,7 +1067,7 @@ class _Flow:
             return first if f.attr in _VIEW_NAMES else set()
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
-            if _inplace_name(f.attr):
+            if _writes_name(f.attr):
                 self.flag(base, f"{f.attr} in its HF forward")
                 return base
             if inplace_kw:
@@ -965,6 +1156,66 @@ def _inplace_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__") and name != "requires_grad_"
 
 
+# in-place operator methods: ``h.__iadd__(r)`` writes h
+_INPLACE_DUNDERS = frozenset(f"__{op.__name__}__" for op in _INPLACE_OPERATORS)
+
+
+def _writes_name(name: str) -> bool:
+    return _inplace_name(name) or name in _INPLACE_DUNDERS
+
+
+# what holds torch.ops' operators: ``torch.ops``, ``torch.ops.aten``, ``torch.ops.aten.mul_``
+_OP_HOLDERS = tuple(
+    c
+    for c in (
+        getattr(torch._ops, "_Ops", None),
+        getattr(torch._ops, "_OpNamespace", None),
+        getattr(torch._ops, "OpOverloadPacket", None),
+    )
+    if isinstance(c, type)
+)
+
+
+def _schema_writes_first(schema) -> bool:
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return first is not None and first.is_write
+
+
+def _writes_first(fn, call: ast.Call) -> bool:
+    # whether calling ``fn`` (a resolved callee) writes its first argument in place: an aten
+    # operator whose schema says so (any overload of a packet), an in-place operator, a function
+    # or method named as an in-place verb, an F function given inplace=True positionally
+    if isinstance(fn, torch._ops.OpOverload):
+        return _schema_writes_first(fn._schema)
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return any(_schema_writes_first(getattr(fn, o)._schema) for o in fn.overloads())
+    try:
+        if fn in _INPLACE_OPERATORS:
+            return True
+        pos = _INPLACE_ARG_POS.get(fn)
+    except TypeError:  # unhashable
+        return False
+    if pos is not None:
+        arg = call.args[pos] if len(call.args) > pos else None
+        if isinstance(arg, ast.Constant) and arg.value is True:
+            return True
+    name = getattr(fn, "__name__", None)
+    return isinstance(name, str) and _writes_name(name) and callable(fn)
+
+
+def _dotted(f) -> str:
+    try:
+        return ast.unparse(f)
+    except Exception:  # noqa: BLE001
+        return "a call"
+
+
+@dataclass(frozen=True)
+class _Param:
+    # a helper method's parameter, among what a name may hold while its source is read
+    name: str
+
+
 def _op_name(op) -> str:
     return {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}.get(type(op), "op")
 
@@ -1009,7 +1260,8 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
         return _Info(writes=inplace)
     me, *params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args]
     env = {params[0]: {_IN}} if params else {}
-    flow = _Flow(guard, m, me)  # the module's own name in its forward: ``self`` or any other
+    # the module's own name in its forward: ``self`` or any other
+    flow = _Flow(guard, m, me, getattr(type(m), "forward", None))
     flow.block(fdef.body, env)
     ends = [x for x in flow.ret if isinstance(x, nn.Module)]
     items = None
@@ -1057,8 +1309,8 @@ def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
     if node.op == "call_function" and schema is not None:
         first = schema.arguments[0].alias_info if schema.arguments else None
         return first is not None and first.is_write
-    if name.endswith("_") and not name.endswith("__") and name != "requires_grad_":
-        return True  # Tensor.relu_(), torch.relu_, F.relu_, x.add_(...)
+    if _writes_name(name):
+        return True  # Tensor.relu_(), torch.relu_, F.relu_, x.add_(...), Tensor.__iadd__(x, r)
     if node.op == "call_function" and node.target in _INPLACE_ARG_POS:
         pos = _INPLACE_ARG_POS[node.target]
         if node.kwargs.get("inplace") is True:
@@ -1077,17 +1329,25 @@ def _nodes_in(args) -> list[torch.fx.Node]:
     return found
 
 
-def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, rep: object) -> None:
+def inplace_guard_pattern(
+    model: nn.Module,
+    config: object,
+    allowed: Callable,
+    rep: object,
+    traces: Traces | None = None,
+) -> None:
     """Mark output-saving modules followed by an in-place write; ``convert_`` leaves them as is.
 
     Args:
         model: the model ``convert_`` is converting.
         config, allowed, rep: as for every ``convert_`` pattern pass (unused: the table pass
             reports the kept modules, with the reason from :func:`kept_reason`).
+        traces: where the fx traces it makes are kept for the later readings (NOTE [One reading
+            of the structure per convert_]); None: its own.
     """
     for m in model.modules():
         _KEPT.pop(m, None)
-    guard = _Guard()
+    guard = _Guard(traces=traces)
     for m in model.modules():
         guard.info(m)
         if _saves_output(m) and (why := _hook_writes(m)) is not None:
@@ -1137,7 +1397,10 @@ def inplace_guard_pattern(model: nn.Module, config: object, allowed: Callable, r
 
 
 def output_modules(
-    model: nn.Module, kinds: tuple[type, ...], owners: dict[int, list] | None = None
+    model: nn.Module,
+    kinds: tuple[type, ...],
+    owners: dict[int, list] | None = None,
+    traces: Traces | None = None,
 ) -> list[nn.Module]:
     """The modules of ``kinds`` in ``model`` whose output may be what ``model`` returns (NOTE
     [Modules whose output is the model's output]).
@@ -1148,11 +1411,13 @@ def output_modules(
         owners: if given, filled with ``{id(m): [modules below the root whose output may be m's
             output]}`` for every other module of ``kinds`` (NOTE [Hidden states handed out per
             call] in slimgrad/nn/_output_act.py), from the same reading.
+        traces: the fx traces read before the swaps (NOTE [One reading of the structure per
+            convert_]): a module read then is not traced again; None: every module traced now.
 
     Returns:
         Those modules, each once.
     """
-    guard = _Guard(outputs=kinds)
+    guard = _Guard(outputs=kinds, traces=traces)
     seen: dict[int, nn.Module] = {}
     for m in guard.info(model).ends:
         if isinstance(m, kinds):

@@ -279,7 +279,7 @@ def _copy_kinds() -> tuple:
     return (snn.InPlaceABN, snn.ReversibleSequential)
 
 
-def state_consumers_(model: torch.nn.Module, rep=None) -> int:
+def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     """Set ``keep_y`` on the converted modules of ``model`` that keep their output where eager
     keeps the input: False on a SiLU, GELU, Mish, ELU or Hardswish whose output is known not to be
     kept by its consumer (NOTE [Keep y only where its consumer keeps it]), and on any of those, a
@@ -291,6 +291,9 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
         model: the converted model (in place).
         rep: ``convert_``'s report: the modules at the output are listed in its ``eager_op``
             with ``AT_OUTPUT``.
+        traces: ``convert_``'s reading of the model before its swaps
+            (``slimgrad.convert_handlers.inplace_guard.Traces``, NOTE [One reading of the structure
+            per convert_]); None (a call after changing the model): every forward is read now.
 
     Returns:
         The number of modules that keep y.
@@ -313,7 +316,7 @@ def state_consumers_(model: torch.nn.Module, rep=None) -> int:
     if isinstance(model, kinds + copies):
         out = {id(model)}
     else:
-        out = {id(m) for m in output_modules(model, kinds + copies, owners)}
+        out = {id(m) for m in output_modules(model, kinds + copies, owners, traces)}
     hf = any(type(m).__module__.startswith("transformers.") for m in model.modules())
     if hf:
         _find_collector()

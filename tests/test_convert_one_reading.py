@@ -1,0 +1,167 @@
+"""convert_ reads each module's structure once (NOTE [One reading of the structure per convert_]
+in slimgrad/convert_handlers/inplace_guard.py).
+
+The in-place guard traces every forward it reads with torch.fx before anything is swapped (once
+in train mode, once in eval); the BatchNorm + ReLU pattern and the reading of the converted model
+(``state_consumers_``: which outputs are the model's output, which consumers keep y) read those
+traces, mapped through the swaps, instead of tracing again. The flags that reading sets must be
+the ones a fresh reading of the converted model sets (``state_consumers_`` called without the
+traces, as before), on HF, timm, torchvision and plain-torch models.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+import slimgrad
+from slimgrad.convert_handlers import abn as _abn
+from slimgrad.convert_handlers import inplace_guard as _guard
+from slimgrad.nn import _output_act
+from tests._threads import one_thread
+from tests.conformance import _hf_families as H
+from tests.conformance._timm_shim import timm
+
+FLAGS = ("keep_y", "at_output", "handed_out", "y_kept_after")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def _flags(model):
+    return [
+        (n, {k: m.__dict__[k] for k in FLAGS if k in m.__dict__})
+        for n, m in model.named_modules(remove_duplicate=False)
+    ]
+
+
+class _Residual(nn.Module):
+    # a norm whose output is written in place, one that is the model's output, a GELU kept after
+    def __init__(self):
+        super().__init__()
+        self.a, self.n1, self.act, self.fc = (
+            nn.Linear(8, 8),
+            nn.LayerNorm(8),
+            nn.GELU(),
+            nn.Linear(8, 8),
+        )
+        self.n2, self.drop = nn.LayerNorm(8), nn.Dropout(0.2)
+
+    def forward(self, x):
+        h = self.n1(self.a(x))
+        h += x
+        y = self.fc(self.act(h))
+        return self.n2(self.drop(self.act(y)))
+
+
+def _plain():
+    return nn.Sequential(_Residual(), nn.Sequential(nn.Linear(8, 8), nn.SiLU()), _Residual())
+
+
+def _hf(name):
+    return lambda: H.build(H.FAMILIES[name])
+
+
+def _timm(name):
+    def build():
+        if timm is None:
+            pytest.skip("timm is not installed")
+        return timm.create_model(name, pretrained=False)
+
+    return build
+
+
+def _torchvision():
+    if timm is None:
+        pytest.skip("torchvision is not installed")
+    import torchvision
+
+    return torchvision.models.resnet18()
+
+
+MODELS = {
+    "gpt2": _hf("gpt2"),
+    "llama": _hf("llama"),
+    "bert": _hf("bert"),
+    "t5": _hf("t5"),
+    "deberta_v2": _hf("deberta_v2"),
+    "mixtral": _hf("mixtral"),
+    "timm_resnet18": _timm("resnet18"),
+    "vit_tiny": _timm("vit_tiny_patch16_224"),
+    "efficientnet_b0": _timm("efficientnet_b0"),
+    "convnext_atto": _timm("convnext_atto"),
+    "torchvision_resnet18": _torchvision,
+    "plain": _plain,
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_flags_are_a_fresh_readings(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    slimgrad.convert_(model)
+    rep = slimgrad.report(model)
+    mapped, eager_op = _flags(model), list(rep.eager_op)
+    _output_act.state_consumers_(model, rep)  # the converted model read afresh (no traces)
+    assert _flags(model) == mapped
+    assert rep.eager_op == eager_op
+
+
+def _count_traces(monkeypatch):
+    seen = collections.Counter()
+    trace = _guard._trace
+
+    def counting(m):
+        seen[id(m)] += 1
+        return trace(m)
+
+    monkeypatch.setattr(_guard, "_trace", counting)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["timm_resnet18", "convnext_atto", "plain"])
+def test_each_forward_is_traced_once_per_mode(name, monkeypatch):
+    model = MODELS[name]()
+    seen = _count_traces(monkeypatch)
+    slimgrad.convert_(model)
+    assert seen and max(seen.values()) <= 2, max(seen.values())
+
+
+def test_inplace_abn_reads_the_guards_traces(monkeypatch):
+    # torchvision's ResNet: every parent of a BatchNorm is a plain-torch module the guard traced
+    model = _torchvision()
+    calls = []
+    trace = _abn._trace
+    monkeypatch.setattr(_abn, "_trace", lambda p: calls.append(p) or trace(p))
+    slimgrad.convert_(model, slimgrad.ConvertConfig(inplace_abn=True))
+    assert calls == []
+    kinds = collections.Counter(t for _, _, t in slimgrad.report(model).converted)
+    assert kinds["InPlaceABN"] + kinds["RecomputeABN"] == 9  # each block's bn1, the stem's bn1
+
+
+def test_item_assignment_leaves_inplace_abn_its_own_trace(monkeypatch):
+    # a plain tracer cannot trace ``h[...] = v`` (the guard's can): the pattern traces for itself
+    # and reports what it reported before
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.relu = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU()
+
+        def forward(self, x):
+            h = self.relu(self.bn(self.conv(x)))
+            h[:, 0] = 0.0
+            return h
+
+    model = nn.Sequential(Block())
+    calls = []
+    trace = _abn._trace
+    monkeypatch.setattr(_abn, "_trace", lambda p: calls.append(p) or trace(p))
+    slimgrad.convert_(model, slimgrad.ConvertConfig(inplace_abn=True))
+    assert calls == [model[0]]
+    assert any("not traceable" in r for _, _, r in slimgrad.report(model).skipped)
