@@ -79,9 +79,10 @@ ACTIVATIONS = ("identity", "leaky_relu", "elu")
 # dx rebuilt from the output sums to rounding noise. tests/ops/test_abn_few_values.py sweeps 2 to 8
 # values per channel (identity, leaky_relu 0.01 and 0.1, elu; float32 and bfloat16; gamma 1e-3 to
 # 10; |beta| up to 3 |gamma|): the rebuilt gradients broke the error rule for every activation and
-# dtype. Such a layer holds n x C values, small next to the layers whose saving matters; eager
-# keeps x and the output there as well. The count is a shape fact, read per call. The sync
-# variant's count is over every rank: not covered here.
+# dtype. Such a layer holds n x C values, small next to the layers whose saving matters; it keeps
+# what eager's BatchNorm + in-place activation keeps (x, mean and invstd, the output the next layer
+# keeps too: tests/models/test_resnet_abn.py counts it). The count is a shape fact, read per call.
+# The sync variant's count is over every rank: not covered here.
 _MAX_FEW = 32
 
 # the op's plain-PyTorch forward and backward (the layout), shared with the Triton kernels'
@@ -451,8 +452,8 @@ def inplace_abn(
             and not (x.is_leaf and x.requires_grad)  # the in-place path refuses it
         ):
             # NOTE [Few values per channel in InPlaceABN]
-            return _eager_abn(x, running_mean, running_var, weight, bias, training, momentum,
-                              eps, activation, activation_param)  # fmt: skip
+            return _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps,
+                                   activation, activation_param)  # fmt: skip
     out = _InPlaceABNFn.apply(
         x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
         activation, float(activation_param),
@@ -541,6 +542,20 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
             db.to(bias.dtype) if ctx.needs_input_grad[2] else None,
             *([None] * 7),
         )
+
+
+def _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps, act, param):
+    # NOTE [Few values per channel in InPlaceABN]: eager's BatchNorm (it keeps x), then the
+    # activation in place over its fresh output (it keeps that output, which the next layer keeps
+    # too), as eager's BatchNorm + LeakyReLU(inplace=True) keeps them
+    y = torch.nn.functional.batch_norm(
+        x, running_mean, running_var, weight, bias, True, momentum, eps
+    )
+    if act == "leaky_relu":
+        return torch.nn.functional.leaky_relu_(y, param)
+    if act == "elu":
+        return torch.nn.functional.elu_(y, param)
+    return y
 
 
 def _eager_abn(x, running_mean, running_var, weight, bias, training, momentum, eps, act, param):
