@@ -8,6 +8,7 @@ InPlaceABN's output reaching a traced ReLU goes through the registry (one graph 
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -17,6 +18,14 @@ import slimgrad
 from slimgrad._compat import parse_version
 from slimgrad.nn.inplace_abn import InPlaceABN, LeakyReLUAfterABN
 from slimgrad.ops.inplace_abn import inplace_abn
+
+
+@pytest.fixture(autouse=True)
+def _in_place_at_any_count(monkeypatch):
+    # these tests use small shapes for the op's own path: let it run at any count per channel
+    # (NOTE [Few values per channel in InPlaceABN]; tests/ops/test_abn_few_values.py covers that)
+    monkeypatch.setattr(importlib.import_module("slimgrad.ops.inplace_abn"), "_MAX_FEW", 0)
+
 
 ABN = slimgrad.ConvertConfig(inplace_abn=True)
 

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 from slimgrad import ownership
 from slimgrad.nn.inplace_abn import InPlaceABN, InPlaceABNSync
+
+
+@pytest.fixture(autouse=True)
+def _in_place_at_any_count(monkeypatch):
+    # these tests use small shapes for the op's own path: let it run at any count per channel
+    # (NOTE [Few values per channel in InPlaceABN]; tests/ops/test_abn_few_values.py covers that)
+    monkeypatch.setattr(importlib.import_module("slimgrad.ops.inplace_abn"), "_MAX_FEW", 0)
+
 
 BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 SHAPES = {2: (6, 5), 3: (4, 5, 7), 4: (3, 5, 4, 3), 5: (2, 5, 3, 2, 3)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 
 import pytest
 import torch
@@ -13,6 +14,14 @@ from slimgrad.memory import measure
 from slimgrad.ops.inplace_abn import inplace_abn
 from slimgrad.testing import assert_within_rule, gradcheck_inplace
 from tests.ops._inplace_abn_helpers import check_backends
+
+
+@pytest.fixture(autouse=True)
+def _in_place_at_any_count(monkeypatch):
+    # these tests use small shapes for the op's own path: let it run at any count per channel
+    # (NOTE [Few values per channel in InPlaceABN]; tests/ops/test_abn_few_values.py covers that)
+    monkeypatch.setattr(importlib.import_module("slimgrad.ops.inplace_abn"), "_MAX_FEW", 0)
+
 
 ACTS = [("identity", 0.0), ("leaky_relu", 0.01), ("leaky_relu", 3.0), ("elu", 1.0), ("elu", 0.3)]
 SHAPES = [(5, 3), (3, 5, 7), (3, 5, 4, 3), (2, 3, 3, 2, 5)]

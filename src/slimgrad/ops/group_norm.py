@@ -63,7 +63,11 @@ formulas up to finite factors, so every dx is finite, NaN or inf (of each sign) 
 is. Fallback channels take no ``b * y`` term at all (b is 0 there, and their y is inf where gamma
 or beta is: 0 * inf would be NaN), so an inf or NaN beta leaves dx finite, as in eager, whose
 backward never reads beta. Before: (3, 6, 10) groups 2, w[0] = inf gave 65 NaN/25 inf against
-eager's 59/31, and b[1] = inf gave 30 NaN where eager's dx is finite.
+eager's 59/31, and b[1] = inf gave 30 NaN where eager's dx is finite. Which groups have a
+non-finite gamma is decided once per weight version (``_bad_groups``, the key of NOTE [Fallback
+channels, once per weight version] in slimgrad/_math/norms.py), as the fallback channels are: a
+backward with fallback channels and every gamma finite (the usual case: ``|beta| > |gamma|``)
+reads no isfinite and takes no ``torch.where``.
 """
 
 from __future__ import annotations
@@ -228,8 +232,9 @@ def _sums(dy, y, xside, mean, rstd, weight, bias, idx, num_groups, chunk, scratc
         # applied after (NOTE [GroupNorm with a non-finite gamma])
         bad = None
         if g2 is not None and w is not None:
-            bad = ~torch.isfinite(w.view(grp, cg)).all(1, keepdim=True).expand(grp, cg)
-            bad = bad.reshape(c)[idx].repeat(n)
+            bad = _bad_groups(weight, grp)
+        if bad is not None:
+            bad = bad.view(grp, 1).expand(grp, cg).reshape(c)[idx].repeat(n)
         xr = xside.reshape(n * k, hw)
         ar = torch.arange(n, device=dev).unsqueeze(1)
         krows = (ar * c + idx).reshape(-1)
@@ -318,7 +323,9 @@ def _bwd_torch(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_m
     step = max(1, 16 * chunk // (24 * c + 4 * k * hw + 1))
     # groups with a non-finite gamma (all their channels fall back): NOTE [GroupNorm with a
     # non-finite gamma]
-    bad = ~torch.isfinite(w).all(-1, keepdim=True) if k and w is not None else None
+    bad = _bad_groups(weight, grp) if k and w is not None else None
+    if bad is not None:
+        bad = bad.view(1, grp, 1)
     for i in range(0, n, step):
         sl = slice(i, i + step)
         rr = rstd[sl].view(-1, grp, 1).to(f64)
@@ -767,6 +774,31 @@ def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> t
     if idx.shape[0]:
         return idx.clone()
     return torch.empty(0, dtype=torch.int64, device=idx.device)
+
+
+_BAD: dict[int, tuple] = {}
+
+
+def _bad_groups(weight, num_groups: int) -> torch.Tensor | None:
+    # NOTE [GroupNorm with a non-finite gamma]: the groups with a non-finite gamma, a (groups,)
+    # bool tensor, or None where none is (the caller's torch.where would change nothing). Once
+    # per weight version for a plain tensor outside compilation (the fallback channels' key);
+    # fake, subclass, inference and traced weights: a mask each call (no host read of its values)
+    if type(weight) in _PLAIN_OR_NONE and not compiling():
+        try:
+            w_key, _ = norms._norm_key(weight, None)  # the extension's once it is loaded
+        except RuntimeError:  # an inference tensor has no version counter
+            w_key = None
+        if w_key is not None:
+            key = (w_key, num_groups, steps._count[0] if steps._hooked[0] else epoch())
+            slot = id(weight)
+            hit = _BAD[slot] if slot in _BAD else None
+            if hit is None or hit[0]() is not weight or hit[1] != key:
+                bad = ~torch.isfinite(weight.detach().reshape(num_groups, -1)).all(1)
+                wref = weakref.ref(weight, lambda _, slot=slot: _BAD.pop(slot, None))
+                hit = _BAD[slot] = (wref, key, bad if bool(bad.any()) else None)
+            return hit[2]
+    return ~torch.isfinite(weight.detach().reshape(num_groups, -1)).all(1)
 
 
 def _chunk(numel: int) -> int:

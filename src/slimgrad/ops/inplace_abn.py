@@ -71,6 +71,20 @@ __all__ = ["ACTIVATIONS", "inplace_abn", "inplace_abn_sync", "check_activation"]
 
 ACTIVATIONS = ("identity", "leaky_relu", "elu")
 
+# NOTE [Few values per channel in InPlaceABN]
+# A training call with at most _MAX_FEW values per channel that needs gradients is eager's
+# BatchNorm and activation, out of place: x is left as it is and a new tensor is returned. The
+# reason is BatchNorm's (NOTE [Few values per channel] in ops/batch_norm.py): at 2 values per
+# channel eager's dx sums to exactly 0 over the channel (a preceding conv's bias gradient), while
+# dx rebuilt from the output sums to rounding noise. tests/ops/test_abn_few_values.py sweeps 2 to 8
+# values per channel (identity, leaky_relu 0.01 and 0.1, elu; float32 and bfloat16; gamma 1e-3 to
+# 10; |beta| up to 3 |gamma|): the rebuilt gradients broke the error rule for every activation and
+# dtype. Such a layer holds n x C values, small next to the layers whose saving matters; it keeps
+# what eager's BatchNorm + in-place activation keeps (x, mean and invstd, the output the next layer
+# keeps too: tests/models/test_resnet_abn.py counts it). The count is a shape fact, read per call.
+# The sync variant's count is over every rank: not covered here.
+_MAX_FEW = 32
+
 # the op's plain-PyTorch forward and backward (the layout), shared with the Triton kernels'
 # fallbacks from below both (NOTE [Kernels are leaves] in slimgrad._math)
 _fwd_torch = _abn.fwd_torch
@@ -400,7 +414,9 @@ def inplace_abn(
         activation_param: leaky_relu slope (> 0) or elu alpha (> 0).
 
     Returns:
-        ``x``, now holding the output.
+        ``x``, now holding the output; a new tensor (``x`` left as it is) for a training call
+        with at most 32 values per channel that needs gradients (NOTE [Few values per channel in
+        InPlaceABN]).
 
     Raises:
         ValueError: non-invertible activation, bad shapes, or one value per channel in training.
@@ -430,6 +446,14 @@ def inplace_abn(
         t is not None and t.requires_grad for t in (x, weight, bias)
     ):
         refuse_jit("ops.inplace_abn")
+        if (
+            training
+            and x.numel() // max(x.shape[1], 1) <= _MAX_FEW
+            and not (x.is_leaf and x.requires_grad)  # the in-place path refuses it
+        ):
+            # NOTE [Few values per channel in InPlaceABN]
+            return _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps,
+                                   activation, activation_param)  # fmt: skip
     out = _InPlaceABNFn.apply(
         x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
         activation, float(activation_param),
@@ -518,6 +542,20 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
             db.to(bias.dtype) if ctx.needs_input_grad[2] else None,
             *([None] * 7),
         )
+
+
+def _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps, act, param):
+    # NOTE [Few values per channel in InPlaceABN]: eager's BatchNorm (it keeps x), then the
+    # activation in place over its fresh output (it keeps that output, which the next layer keeps
+    # too), as eager's BatchNorm + LeakyReLU(inplace=True) keeps them
+    y = torch.nn.functional.batch_norm(
+        x, running_mean, running_var, weight, bias, True, momentum, eps
+    )
+    if act == "leaky_relu":
+        return torch.nn.functional.leaky_relu_(y, param)
+    if act == "elu":
+        return torch.nn.functional.elu_(y, param)
+    return y
 
 
 def _eager_abn(x, running_mean, running_var, weight, bias, training, momentum, eps, act, param):
