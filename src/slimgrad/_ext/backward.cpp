@@ -631,9 +631,9 @@ PyObject* gpt2_attention_fwd(PyObject* /*self*/, PyObject* args) {
     at::Tensor probs = at::_softmax_out(s, s, -1, false);
     s.reset();
     at::Tensor dropped = dropout_c_fwd(fn, probs, p_attn, scale_a, nthreads, bits_a);
-    probs.reset();
     at::Tensor out = at::bmm(dropped, v);
     dropped.reset();
+    probs.reset();  // after the product, as the Python body's ``del s, probs``: the same peak
     a = out.view({bb, h, t, d}).transpose(1, 2).contiguous().reshape({bb, t, h * d});
     out.reset();
     at::Tensor z = at::addmm(b, a.view({-1, a.size(-1)}), w);
