@@ -101,8 +101,13 @@ _FAILED = "build-failed.txt"
 _STALE_LOCK_S = 600  # without flock: a lock this old is stale (several times a full build)
 _GUARD = "slimgrad-build.flock"  # NOTE [A build lock nobody holds]
 SOURCE = Path(__file__).with_name("storage_facts.cpp")
-#: every source the module is built from (NOTE [Backward bodies from C++]: backward.cpp)
-SOURCES = (SOURCE, Path(__file__).with_name("backward.cpp"))
+#: every source the module is built from (NOTE [Backward bodies from C++]: backward.cpp; NOTE
+#: [The RMSNorm node in C++] in slimgrad/ops/rms_norm.py: norm_node.cpp)
+SOURCES = (
+    SOURCE,
+    Path(__file__).with_name("backward.cpp"),
+    Path(__file__).with_name("norm_node.cpp"),  # NOTE [The RMSNorm node in C++]
+)
 
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None, "tried": False, "seconds": None}
