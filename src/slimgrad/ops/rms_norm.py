@@ -747,25 +747,25 @@ _HF_RMS_APPLY = direct_apply(_HFRMSNormFromOutputFn)
 
 
 # NOTE [The RMSNorm node in C++]
-# A Python autograd Function costs ~30-45 us a call inside a model (cold instruction caches along
-# torch's Python-Function path; issue 32), whatever its body. The Llama RMSNorm's from-output path,
-# the common case of a converted Llama-family model on CPU, is therefore a C++ autograd node
-# (``slimgrad/_ext/norm_node.cpp``, ``torch::autograd::Function``): its forward issues
-# _HFRMSNormFromOutputFn's straight Llama ops (pow, mean, add, rsqrt, mul, mul) and saves what
-# that Function saves (y, rstd, the weight: the same SavedVariables, so saved-tensor hooks and
-# checkpointing see the same tensors), and its backward issues rms_norm_bwd_torch's one-chunk body
-# (NOTE [Backward bodies from C++] in slimgrad/_ext), writing dx over dy where the node proves dy
-# dead from its TensorImpl's and storage's counts (NOTE [dy's ownership asked by the C++ node]
-# there; each grant counts in ``ownership.reuse_count("grad")``): the same bits and buffers.
-# ``_hf_node`` takes it on hf_rms_norm's straight path (nothing watching, no compile) for the
-# "llama" variant with a float32 weight without fallback channels, the PyTorch backward
-# (no Triton) and a one-chunk backward; the node's entry refuses a Parameter or forward-mode
-# input. Everything else applies the Python Function. In backward, where the C++ body does not
-# run (a watcher entered since forward, a body whose case fails, no dx needed) the node calls
-# ``_node_fallback``: _HFRMSNormFromOutputFn's backward past the ownership question, with the
-# node's answer; under create_graph, ``_node_double``: that Function's refusal of second order.
-# The memory tracker and the fake-tensor estimate run under a dispatch mode, so they see the
-# Python Function, whose saved set is the node's.
+# A Python autograd Function's call costs host time inside a model whatever its body (cold
+# instruction caches along torch's Python-Function path; issue 32). The Llama RMSNorm's
+# from-output path, the common case of a converted Llama-family model on CPU, is therefore a C++
+# autograd node (``slimgrad/_ext/norm_node.cpp``, a ``torch::autograd::Function``): its forward
+# issues _HFRMSNormFromOutputFn's straight Llama ops (pow, mean, add, rsqrt, mul, mul) and saves
+# what that Function saves (y, rstd, the weight: the same SavedVariables, so saved-tensor hooks
+# and checkpointing see the same tensors), and its backward issues rms_norm_bwd_torch's one-chunk
+# body (NOTE [Backward bodies from C++] in slimgrad/_ext), writing dx over dy where the node
+# proves dy dead from its TensorImpl's and storage's counts (NOTE [dy's ownership asked by the
+# C++ node] there; each grant counts in ``ownership.reuse_count("grad")``): the same bits and
+# buffers. ``_hf_node`` takes it on hf_rms_norm's straight path (nothing watching, no compile)
+# for the "llama" variant with a float32 weight without fallback channels and the PyTorch
+# backward (no Triton); the node's entry also asks for plain tensors (Tensor or Parameter), no
+# forward-mode tangent and a one-chunk backward. Everything else applies the Python Function. In
+# backward, where the C++ body does not run (a watcher entered since forward, a body whose case
+# fails, no dx needed) the node calls ``_node_fallback``: _HFRMSNormFromOutputFn's backward past
+# the ownership question, with the node's answer; under create_graph, ``_node_double``: that
+# Function's refusal of second order. The memory tracker and the fake-tensor estimate run under a
+# dispatch mode, so they see the Python Function, whose saved set is the node's.
 
 
 def _hf_node(x, weight, eps):
