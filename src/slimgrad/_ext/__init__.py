@@ -57,6 +57,8 @@ a functorch or functional wrapper, under a torch function mode (it would see Pyt
 where the body's own case does not hold; where the Python body ran past the gate (NOTE [One-call
 gate] in slimgrad/_library.py), ``rms_norm_bwd`` asks the gate's five watchers itself. Without the
 extension the Python bodies run (the same bits); ``tests/test_ext_backward.py`` compares the two.
+``norm_node.cpp`` runs the same RMSNorm body as a C++ autograd node's backward (NOTE [The RMSNorm
+node in C++] in slimgrad/ops/rms_norm.py; ``tests/ops/test_rms_norm_node.py``).
 
 The sources are compiled with ``torch.utils.cpp_extension.load`` against the headers of the torch
 that runs, on first use (never at ``import slimgrad``), and cached in ``$SLIMGRAD_CACHE/ext`` (else
