@@ -314,6 +314,24 @@ def test_noncontiguous_gradient_takes_the_python_tail(node_on):
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
 
 
+@pytest.mark.parametrize("wrt", ["x", "w", "both"])
+def test_gradient_subsets_bitwise(node_on, wrt):
+    # autograd.grad of a subset: the node computes what the Python Function computes (its
+    # needs_input_grad is requires_grad at forward, not the subset asked)
+    x0, w0 = torch.randn(6, 16), torch.randn(16)
+    out = {}
+    for use in (True, False):
+        x = x0.clone().requires_grad_()
+        w = torch.nn.Parameter(w0.clone())
+        with _path(use):
+            y = hf_rms_norm(x * 1, w, 1e-6)
+        assert (NODE in y.grad_fn.name()) == use
+        inputs = {"x": [x], "w": [w], "both": [x, w]}[wrt]
+        out[use] = torch.autograd.grad((y * y.detach().flip(0)).sum(), inputs)
+    for a, b in zip(out[True], out[False], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_large_input_takes_the_python_function(node_on):
     # more rows than one chunk of rms_norm_bwd_torch: the chunked Python body
     x = torch.randn(R._norms.CHUNK_ELEMS // 16 + 64, 16, requires_grad=True)

@@ -265,6 +265,10 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({y, rstd, weight});
     ctx->saved_data["chunk"] = chunk;
+    // ctx.needs_input_grad as the Python Function has it: requires_grad at forward (the
+    // engine's per-task needs would skip dw under ``inputs=``/``autograd.grad``: other ops)
+    ctx->saved_data["need_x"] = x.requires_grad();
+    ctx->saved_data["need_w"] = weight.requires_grad();
     return y;
   }
 
@@ -275,8 +279,8 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
     if (!dy.defined()) {  // NOTE [Norm backward without materialized gradients]
       return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
-    const bool need_x = ctx->needs_input_grad(0);
-    const bool need_w = ctx->needs_input_grad(1);
+    const bool need_x = ctx->saved_data["need_x"].toBool();
+    const bool need_w = ctx->saved_data["need_w"].toBool();
     at::Tensor dx, dw;
     if (c10::GradMode::is_enabled()) {  // create_graph: the Python refusal of second order
       variable_list saved = ctx->get_saved_variables();
