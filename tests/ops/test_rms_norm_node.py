@@ -369,3 +369,41 @@ def test_memory_tracker_numbers_unchanged(node_on):
             p.grad = None
         got[use] = (r.saved_bytes, r.peak_bytes)
     assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["dropped", "kept"])
+def test_storage_object_of_dy_same_answer(node_on, keep):
+    # a hook asks for dy's storage object: dropped, PyTorch alone keeps it (granted, as
+    # ownership.py's _storage_free); kept by the hook, refused
+    def run():
+        ownership.reset_reuse_count()
+        kept = []
+        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        _Norm.names.append(hf_rms_norm(x, w, 1e-6).grad_fn.name())
+        y = hf_rms_norm(x * 1.5, w, 1e-6)
+        _Norm.names.append(y.grad_fn.name())
+        y.register_hook(lambda g: kept.append(g.untyped_storage()) if keep else None)
+        y.register_hook(lambda g: g.untyped_storage().nbytes() and None)
+        (y * 3).sum().backward()
+        return {"x.grad": x.grad, "w.grad": w.grad}, ownership.reuse_count("grad")
+
+    a, b = _both(run)
+    _same(a, b)
+    assert a[0][1] == (0 if keep else 1)
+
+
+def test_output_modified_in_place_raises_on_both_paths(node_on):
+    msgs = []
+    for use in (True, False):
+        x = torch.randn(4, 16, requires_grad=True)
+        w = torch.nn.Parameter(torch.randn(16))
+        with _path(use):
+            y = hf_rms_norm(x * 1, w, 1e-6)
+        assert (NODE in y.grad_fn.name()) == use
+        y2 = y * 1
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (y2 * y2).sum().backward()
+        msgs.append(True)
+    assert msgs == [True, True]

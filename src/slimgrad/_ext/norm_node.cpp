@@ -55,9 +55,10 @@ using torch::autograd::variable_list;
 // the same gradient, a captured gradient, a user ``gradient=``, a SavedVariable of an upstream node
 // each add one). Python weak references (term 2's last part) are read from an existing Python
 // object under the GIL (no object is made). Terms 2a/2b compare the storage's use and weak counts
-// with a fresh tensor's, read once from a probe as ownership.py does; a storage with a Python
-// object is refused here (ownership.py grants it when only PyTorch keeps that object: a few more
-// bytes, the same bits). Terms 4-7 as ownership.py. The switches ownership.py reads per question
+// with a fresh tensor's, read once from a probe as ownership.py does; a storage object passes
+// where only PyTorch keeps it (refused where it has any weak reference: ownership.py also lets
+// slimgrad.memory's finalizers pass, which a backward measured alone may add; a few more bytes
+// there, the same bits). Terms 4-7 as ownership.py. The switches ownership.py reads per question
 // are kept in sync: ``reuse_disabled`` through ``set_reuse_off`` (process-wide, as the depth
 // there), ``SLIMGRAD_NO_REUSE`` read as it does (getenv; os.environ writes through putenv), and
 // grants only where ownership.py's own facts loaded (``set_norm_grants``); each grant counts in
@@ -128,14 +129,37 @@ bool plain_keys(const at::TensorBase& t) {
            ks.has(c10::DispatchKey::Functionalize) || ks.has(c10::DispatchKey::Python));
 }
 
-bool storage_counts(const c10::Storage& s, int64_t extra) {
+// Terms 2a/2b's storage: no holder but dy and ``extra`` known TensorImpls (a view's base), no C++
+// weak reference; one use more only where it is the storage object PyTorch keeps alive with the
+// storage once one was made, and nobody holds it or a weak reference to it (ownership.py's
+// _storage_free; the object's count read here holds no reference of ours, so only the one the
+// storage's other use keeps shows, NOTE [PyObject preservation for Tensor and Storages]). 1 yes,
+// 0 no, -1 a Python error (set).
+int storage_counts(const c10::Storage& s, int64_t extra) {
   c10::StorageImpl* impl = s.unsafeGetStorageImpl();
-  if (impl == nullptr || impl->pyobj_slot()->load_pyobj() != nullptr) {
-    return false;
+  if (impl == nullptr) {
+    return 0;
   }
   const int64_t weak = static_cast<int64_t>(s.getWeakStorageImpl().weak_use_count()) - 1;
-  return static_cast<int64_t>(s.use_count()) == g_fresh_storage_use + extra &&
-      weak == g_fresh_storage_weak;
+  if (weak != g_fresh_storage_weak) {
+    return 0;
+  }
+  const int64_t use = static_cast<int64_t>(s.use_count());
+  PyObject* obj = impl->pyobj_slot()->load_pyobj();
+  if (obj == nullptr) {
+    return use == g_fresh_storage_use + extra ? 1 : 0;
+  }
+  if (use != g_fresh_storage_use + extra + 1) {
+    return 0;
+  }
+  PyGILState_STATE st = PyGILState_Ensure();
+  int ok = Py_REFCNT(obj) == 1 ? 1 : 0;
+  if (ok) {
+    const int w = slimgrad_has_weakrefs(obj);
+    ok = w < 0 ? -1 : (w == 0 ? 1 : 0);
+  }
+  PyGILState_Release(st);
+  return ok;
 }
 
 // Whether the node may write over dy (held by the caller's one local): NOTE [dy's ownership
@@ -198,7 +222,11 @@ bool grant_dy(const at::Tensor& dy) {
       return false;
     }
   }
-  if (!storage_counts(s, view ? 1 : 0)) {  // terms 2a/2b
+  const int free = storage_counts(s, view ? 1 : 0);  // terms 2a/2b
+  if (free != 1) {
+    if (free < 0) {
+      raise_python();
+    }
     return false;
   }
   if (env_off()) {
