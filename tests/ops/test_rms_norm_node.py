@@ -65,14 +65,15 @@ class _Norm:
         return y
 
 
-def _both(run, *args):
+def _both(run, *args, node=True):
+    # node=False: a case where the node is never made (saved-tensor hooks: checkpoint)
     out = {}
     for use in (True, False):
         _Norm.weights, _Norm.names = [], []
         with _path(use):
             res = run(*args)
         names = set(_Norm.names)
-        assert names and all((NODE in n) == use for n in names), names
+        assert names and all((NODE in n) == (use and node) for n in names), names
         wg = [w.grad for w in _Norm.weights]
         out[use] = (res, wg)
     return out[True], out[False]
@@ -111,7 +112,7 @@ def test_ownership_case_same_answer_and_bits(name, node_on):
     list(own_cases.VIEW_GRANTED) + own_cases.VIEW_REFUSED_UNSAFE + own_cases.VIEW_REFUSED_SAFE,
 )
 def test_view_case_same_answer_and_bits(name, node_on):
-    a, b = _both(own_cases._view_run, name, _Norm)
+    a, b = _both(own_cases._view_run, name, _Norm, node=name != "checkpoint")
     _same(a, b)
 
 
@@ -231,7 +232,7 @@ def test_profiler_takes_the_python_function(node_on):
         _compare_llama(expect_node=False)
 
 
-def test_saved_tensors_hooks_see_the_same_tensors(node_on):
+def test_saved_tensors_hooks_take_the_python_function(node_on):
     x0 = torch.randn(3, 5, 16)
     w0 = torch.randn(16)
     packed = {}
@@ -246,7 +247,9 @@ def test_saved_tensors_hooks_see_the_same_tensors(node_on):
         w = torch.nn.Parameter(w0.clone())
         with _path(use), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = hf_rms_norm(x, w, 1e-6)
-        assert (NODE in y.grad_fn.name()) == use
+        # under saved-tensor hooks the node is not made: the Python Function (its packed tensors
+        # are what slimgrad.memory's walk reads)
+        assert y.grad_fn.name() == PY
         y.sum().backward()
         packed[use] = (seen, x.grad, w.grad)
     assert packed[True][0] == packed[False][0] == [((3, 5, 16), torch.float32, 240 * 4),
@@ -407,3 +410,23 @@ def test_output_modified_in_place_raises_on_both_paths(node_on):
             (y2 * y2).sum().backward()
         msgs.append(True)
     assert msgs == [True, True]
+
+
+def test_graph_walk_sees_the_nodes_saved_tensors(node_on):
+    # slimgrad.memory's graph walk (NOTE [How saved bytes are counted]) outside any mode: the
+    # node's saved tensors are the Function's (y, rstd, the weight), freed after backward
+    from slimgrad.memory import _storage, _walk_savers
+
+    x0, w0 = torch.randn(3, 7, 17), torch.randn(17)
+    kept = {}
+    for use in (True, False):
+        x = x0.clone().requires_grad_()
+        w = torch.nn.Parameter(w0.clone())
+        with _path(use):
+            y = hf_rms_norm(x, w, 1e-6)
+        assert (NODE in y.grad_fn.name()) == use
+        found = _walk_savers([y.grad_fn])
+        kept[use] = sorted(_storage(t).nbytes() for t, _ in found.values())
+        y.sum().backward()
+        assert _walk_savers([y.grad_fn]) == {}
+    assert kept[True] == kept[False] == [17 * 4, 21 * 4, 21 * 17 * 4]

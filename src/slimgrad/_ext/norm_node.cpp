@@ -10,10 +10,12 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/ScalarOps.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
@@ -391,8 +393,9 @@ struct NoGil {
 // module facts: the "llama" variant, a float32 weight without fallback channels, the PyTorch
 // backward. Here: x and the weight exactly torch.Tensor or torch.nn.Parameter (THPVariable_
 // CheckExact: no subclass), float32, the weight of shape (D,) on x's device, no functorch or
-// functional wrapper, no forward-mode tangent, and a one-chunk backward (rms_norm_bwd_torch's rows
-// per chunk cover every row).
+// functional wrapper, no forward-mode tangent, no saved-tensor hooks (checkpointing, offloading:
+// the Python Function, whose packed tensors slimgrad.memory's walk reads), and a one-chunk
+// backward (rms_norm_bwd_torch's rows per chunk cover every row).
 PyObject* hf_rms_norm_node(PyObject* /*self*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *px = nullptr, *pw = nullptr;
@@ -410,7 +413,8 @@ PyObject* hf_rms_norm_node(PyObject* /*self*/, PyObject* args) {
       w.scalar_type() != at::kFloat || x.dim() < 1 || w.dim() != 1 ||
       w.size(0) != x.size(-1) || x.device() != w.device() || x.layout() != c10::kStrided ||
       w.layout() != c10::kStrided || !plain_keys(x) || !plain_keys(w) ||
-      x._fw_grad(0).defined() || w._fw_grad(0).defined()) {
+      x._fw_grad(0).defined() || w._fw_grad(0).defined() ||
+      !at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) {
     Py_RETURN_NONE;
   }
   const int64_t numel = x.numel();
@@ -481,6 +485,41 @@ PyObject* set_reuse_off(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// node_saved(node): the node's saved tensors (y, rstd, weight) for slimgrad.memory's graph walk
+// (NOTE [How saved bytes are counted]), () once freed, None for any other node. The node is never
+// made under saved-tensor hooks, so nothing is unpacked through a hook.
+PyObject* node_saved(PyObject* /*self*/, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  if (!torch::autograd::THPCppFunction_Check(arg)) {
+    Py_RETURN_NONE;
+  }
+  auto* cpp = reinterpret_cast<torch::autograd::THPCppFunction*>(arg);
+  auto* node = dynamic_cast<torch::autograd::CppNode<HFRMSNormNode>*>(cpp->cdata.get());
+  if (node == nullptr) {
+    Py_RETURN_NONE;
+  }
+  variable_list saved;
+  try {
+    saved = node->ctx_.get_saved_variables();
+  } catch (const c10::Error&) {  // freed by a backward
+    return PyTuple_New(0);
+  }
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(saved.size()));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < saved.size(); ++i) {
+    PyObject* t = THPVariable_Wrap(saved[i]);
+    if (t == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(i), t);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
 // node_grants(reset=False): the node's grants since the last reset.
 PyObject* node_grants(PyObject* /*self*/, PyObject* args) {
   int reset = 0;
@@ -502,4 +541,5 @@ PyMethodDef slimgrad_norm_node_methods[] = {
     {"set_norm_grants", set_norm_grants, METH_O, "Whether the node may grant dy's buffer."},
     {"set_reuse_off", set_reuse_off, METH_O, "ownership.reuse_disabled's depth."},
     {"node_grants", node_grants, METH_VARARGS, "The node's grants (reset=True: and reset)."},
+    {"node_saved", node_saved, METH_O, "The node's saved tensors (slimgrad.memory's walk)."},
     {nullptr, nullptr, 0, nullptr}};
