@@ -314,3 +314,377 @@ PyMethodDef slimgrad_backward_methods[] = {
     {"gated_mlp_bwd", gated_mlp_bwd, METH_VARARGS,
      "The gated MLP's straight backward (slimgrad.ops.gated_mlp), else None."},
     {nullptr, nullptr, 0, nullptr}};
+
+// ---- GPT-2's attention node's backward (slimgrad.ops.gpt2_attention) ----
+
+#include <ATen/Parallel.h>
+
+#include <limits>
+
+namespace {
+
+// kernels/cpu/dropout.c's dropout_bwd_f32, its address read once from the ctypes function that
+// slimgrad.ops.dropout binds (the same C function the Python body calls through ctypes)
+using DropoutBwdF32 = void (*)(const float*, const uint8_t*, float*, int64_t, float, int);
+
+// gpt2_attention_bwd(dy, owned, bits_r, n_r, scale_r, a, w, need_a, need_w, need_b, q, k_t, v,
+// bits_a, n_a, scale_a, causal_drop, need_q, need_k, need_v, b, h, t, d, dropout_bwd): the straight
+// backward of slimgrad.ops.gpt2_attention._GPT2AttentionFn (NOTE [GPT-2's attention backward from
+// C++] there), the Python body's ops in its order:
+//     g = dy if owned else torch.empty_like(dy); C(dy, bits_r, g, n_r, scale_r)   # residual dropout
+//     g2 = g.reshape(-1, g.shape[-1])                      # c_proj: HF Conv1D, weight (in, out)
+//     da = torch.matmul(g2.view(b, t, out), w.mT); dw = a.reshape(-1, in).mT @ g2; db = g2.sum(0)
+//     d_out = da.view(b, t, h, d).transpose(1, 2).reshape(b * h, t, d); del da
+//     s = torch.bmm(q, k_t); s = torch.where(causal_drop, -inf, s)   # where causal
+//     probs = torch._softmax(s, -1, False, out=s)
+//     dp = torch.bmm(d_out, v.mT); C(dp, bits_a, dp, n_a, scale_a)
+//     ds = torch._softmax_backward_data(dp, probs, -1, float32, grad_input=dp)
+//     C(probs, bits_a, probs, n_a, scale_a); dv = torch.bmm(probs.mT, d_out); del probs
+//     dq = torch.bmm(ds, k_t.mT); dk = torch.bmm(q.mT, ds)
+// (each step only where its gradient is needed, as the Python body). Returns (dq, dk, dv, dw, db)
+// with None where not computed, or None (the caller runs its Python body) for a tensor subclass, a
+// torch function mode, a dy that is not a contiguous float32 tensor or operands of other shapes.
+PyObject* gpt2_attention_bwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *pdy = nullptr, *pbits_r = nullptr, *pa = nullptr, *pw = nullptr, *pq = nullptr;
+  PyObject *pk = nullptr, *pv = nullptr, *pbits_a = nullptr, *pdrop = nullptr, *pfn = nullptr;
+  int owned = 0, need_a = 0, need_w = 0, need_b = 0, need_q = 0, need_k = 0, need_v = 0;
+  long long n_r = 0, n_a = 0, b = 0, h = 0, t = 0, d = 0;
+  double scale_r = 0.0, scale_a = 0.0;
+  if (!PyArg_ParseTuple(
+          args, "OpOLdOOpppOOOOLdOpppLLLLO", &pdy, &owned, &pbits_r, &n_r, &scale_r, &pa, &pw,
+          &need_a, &need_w, &need_b, &pq, &pk, &pv, &pbits_a, &n_a, &scale_a, &pdrop, &need_q,
+          &need_k, &need_v, &b, &h, &t, &d, &pfn)) {
+    return nullptr;
+  }
+  auto fn = reinterpret_cast<DropoutBwdF32>(PyLong_AsVoidPtr(pfn));
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (fn == nullptr || at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  const bool causal = pdrop != Py_None;
+  // a, w and causal_drop may be None: a where dw is not needed, w where da is not, causal_drop
+  // without the causal fill
+  const bool may_skip[9] = {false, false, !need_w, !need_a, false, false, false, false, true};
+  PyObject* const objs[9] = {pdy, pbits_r, pa, pw, pq, pk, pv, pbits_a, pdrop};
+  for (int i = 0; i < 9; ++i) {
+    PyObject* o = objs[i];
+    if (o == Py_None && may_skip[i]) {
+      continue;
+    }
+    const int ok = plain(o, i == 3);
+    if (ok <= 0) {
+      if (ok < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  const at::Tensor& dy = THPVariable_Unpack(pdy);
+  const at::Tensor& bits_r = THPVariable_Unpack(pbits_r);
+  const at::Tensor& q = THPVariable_Unpack(pq);
+  const at::Tensor& k_t = THPVariable_Unpack(pk);
+  const at::Tensor& v = THPVariable_Unpack(pv);
+  const at::Tensor& bits_a = THPVariable_Unpack(pbits_a);
+  at::Tensor a, w, drop;
+  if (pa != Py_None) {
+    a = THPVariable_Unpack(pa);
+  }
+  if (pw != Py_None) {
+    w = THPVariable_Unpack(pw);
+  }
+  if (causal) {
+    drop = THPVariable_Unpack(pdrop);
+  }
+  const int64_t bh = b * h;
+  if (dy.scalar_type() != at::kFloat || !dy.is_contiguous() || dy.dim() != 3 ||
+      dy.size(0) != b || dy.size(1) != t || dy.numel() != n_r ||
+      bits_r.scalar_type() != at::kByte || bits_a.scalar_type() != at::kByte ||
+      (need_a && (w.dim() != 2 || w.size(1) != dy.size(2) || w.size(0) != h * d)) ||
+      (need_w && (a.dim() != 3 || a.size(0) != b || a.size(1) != t)) ||
+      !q.sizes().equals({bh, t, d}) || !k_t.sizes().equals({bh, d, t}) ||
+      !v.sizes().equals({bh, t, d}) || n_a != bh * t * t) {
+    Py_RETURN_NONE;
+  }
+  const int nthreads = at::get_num_threads();
+  at::Tensor dq, dk, dv, dw, db;
+  {
+    NoGil nogil;
+    // the residual dropout's C pass, into dy where the caller owns it
+    at::Tensor g = owned ? dy : at::empty_like(dy);
+    fn(dy.data_ptr<float>(), bits_r.data_ptr<uint8_t>(), g.data_ptr<float>(), n_r,
+       static_cast<float>(scale_r), nthreads);
+    at::Tensor g2 = g.reshape({-1, g.size(-1)});
+    g.reset();
+    at::Tensor da;
+    if (need_a) {
+      da = at::matmul(g2.view({b, t, g2.size(1)}), w.mT());
+    }
+    if (need_w) {
+      at::Tensor a2 = a.reshape({-1, a.size(-1)});
+      dw = at::matmul(a2.mT(), g2);
+    }
+    if (need_b) {
+      db = g2.sum({0}, false, c10::nullopt);
+    }
+    g2.reset();
+    if (need_a) {
+      at::Tensor d_out = da.view({b, t, h, d}).transpose(1, 2).reshape({bh, t, d});
+      da.reset();
+      at::Tensor s = at::bmm(q, k_t);
+      if (causal) {
+        s = at::where(drop, at::Scalar(-std::numeric_limits<double>::infinity()), s);
+      }
+      at::Tensor probs = at::_softmax_out(s, s, -1, false);
+      s.reset();
+      const float sa = static_cast<float>(scale_a);
+      const uint8_t* bits = bits_a.data_ptr<uint8_t>();
+      at::Tensor ds;
+      if (need_q || need_k) {
+        at::Tensor dp = at::bmm(d_out, v.mT());
+        float* ptr = dp.data_ptr<float>();
+        fn(ptr, bits, ptr, n_a, sa, nthreads);
+        ds = at::_softmax_backward_data_out(dp, dp, probs, -1, probs.scalar_type());
+      }
+      if (need_v) {
+        float* ptr = probs.data_ptr<float>();
+        fn(ptr, bits, ptr, n_a, sa, nthreads);
+        dv = at::bmm(probs.mT(), d_out);
+      }
+      probs.reset();
+      if (need_q) {
+        dq = at::bmm(ds, k_t.mT());
+      }
+      if (need_k) {
+        dk = at::bmm(q.mT(), ds);
+      }
+    }
+  }
+  PyObject* out = PyTuple_New(5);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  at::Tensor* res[5] = {&dq, &dk, &dv, &dw, &db};
+  for (int i = 0; i < 5; ++i) {
+    PyObject* o = Py_None;
+    if (res[i]->defined()) {
+      o = THPVariable_Wrap(std::move(*res[i]));
+      if (o == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+    } else {
+      Py_INCREF(o);
+    }
+    PyTuple_SET_ITEM(out, i, o);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+// conv1d_bwd(dy, x, w, need_x, need_w, need_b): slimgrad.ops.linear._LinearFn's first-order
+// backward for an HF Conv1D (weight (in, out)) on an input of 3 or more dims (NOTE [Linear's 2-D
+// product] there), as GPT-2's ln_1 + c_attn node runs it (NOTE [GPT-2's attention backward from
+// C++] in ops/gpt2_attention.py):
+//     g2 = dy.reshape(-1, dy.shape[-1])
+//     dx = torch.matmul(g2.view(dy.shape[:-1] + g2.shape[1:]), w.mT)
+//     dw = x.reshape(-1, x.shape[-1]).mT @ g2; db = g2.sum(0)
+// (each where needed). Returns (dx, dw, db) with None where not computed, or None (the caller runs
+// its Python body) for a tensor subclass, a torch function mode or operands of other ranks.
+PyObject* conv1d_bwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *pdy = nullptr, *px = nullptr, *pw = nullptr;
+  int need_x = 0, need_w = 0, need_b = 0;
+  if (!PyArg_ParseTuple(args, "OOOppp", &pdy, &px, &pw, &need_x, &need_w, &need_b)) {
+    return nullptr;
+  }
+  if (at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  const bool may_skip[3] = {false, !need_w, !need_x};
+  PyObject* const objs[3] = {pdy, px, pw};
+  for (int i = 0; i < 3; ++i) {
+    PyObject* o = objs[i];
+    if (o == Py_None && may_skip[i]) {
+      continue;
+    }
+    const int ok = plain(o, i == 2);
+    if (ok <= 0) {
+      if (ok < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  const at::Tensor& dy = THPVariable_Unpack(pdy);
+  at::Tensor x, w;
+  if (px != Py_None) {
+    x = THPVariable_Unpack(px);
+  }
+  if (pw != Py_None) {
+    w = THPVariable_Unpack(pw);
+  }
+  if (dy.dim() < 3 || (need_x && w.dim() != 2) || (need_w && x.dim() != dy.dim())) {
+    Py_RETURN_NONE;
+  }
+  at::Tensor dx, dw, db;
+  {
+    NoGil nogil;
+    at::Tensor g2 = dy.reshape({-1, dy.size(-1)});
+    if (need_x) {
+      std::vector<int64_t> shape(dy.sizes().begin(), dy.sizes().end() - 1);
+      shape.push_back(g2.size(1));
+      dx = at::matmul(g2.view(shape), w.mT());
+    }
+    if (need_w) {
+      at::Tensor x2 = x.reshape({-1, x.size(-1)});
+      dw = at::matmul(x2.mT(), g2);
+    }
+    if (need_b) {
+      db = g2.sum({0}, false, c10::nullopt);
+    }
+  }
+  PyObject* out = PyTuple_New(3);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  at::Tensor* res[3] = {&dx, &dw, &db};
+  for (int i = 0; i < 3; ++i) {
+    PyObject* o = Py_None;
+    if (res[i]->defined()) {
+      o = THPVariable_Wrap(std::move(*res[i]));
+      if (o == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+    } else {
+      Py_INCREF(o);
+    }
+    PyTuple_SET_ITEM(out, i, o);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+// kernels/cpu/dropout.c's dropout_fwd_f32 (noise, x, out, bits, n, scale, threads), as above
+using DropoutFwdF32 = void (*)(float*, const float*, float*, uint8_t*, int64_t, float, int);
+
+// eager's draw, then the C pass (pack + x * noise into the noise): slimgrad.ops.dropout's
+// _straight_c on a contiguous float32 CPU x
+at::Tensor dropout_c_fwd(
+    DropoutFwdF32 fn, const at::Tensor& x, double p, double scale, int nthreads,
+    at::Tensor& bits) {
+  at::Tensor out = at::empty_like(x).bernoulli_(1 - p);
+  const int64_t n = x.numel();
+  bits = at::empty({(n + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+  float* ptr = out.data_ptr<float>();
+  fn(ptr, x.data_ptr<float>(), ptr, bits.data_ptr<uint8_t>(), n, static_cast<float>(scale),
+     nthreads);
+  return out;
+}
+
+// gpt2_attention_fwd(q, k_t, v, w, b, p_attn, scale_a, causal_drop, p_resid, scale_r, bb, h, t, d,
+// dropout_fwd): _GPT2AttentionFn's forward where every step takes its straight path on the dropout
+// C kernels (NOTE [GPT-2's attention node's forward from C++] in ops/gpt2_attention.py):
+//     s = torch.bmm(q, k_t); s = torch.where(causal_drop, -inf, s)   # where causal
+//     probs = torch._softmax(s, -1, False, out=s)
+//     dropped, bits_a = _straight_c(probs, p_attn); out = torch.bmm(dropped, v)
+//     a = out.view(bb, h, t, d).transpose(1, 2).contiguous().reshape(bb, t, h * d)
+//     z = torch.addmm(b, a.view(-1, h * d), w).view(bb, t, -1)
+//     y, bits_r = _straight_c(z, p_resid)
+// Returns (y, bits_a, a, bits_r), or None (the caller runs its Python steps) for a tensor
+// subclass, a torch function mode, or operands of other dtypes, shapes or layouts.
+PyObject* gpt2_attention_fwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *pq = nullptr, *pk = nullptr, *pv = nullptr, *pw = nullptr, *pb = nullptr;
+  PyObject *pdrop = nullptr, *pfn = nullptr;
+  double p_attn = 0.0, scale_a = 0.0, p_resid = 0.0, scale_r = 0.0;
+  long long bb = 0, h = 0, t = 0, d = 0;
+  if (!PyArg_ParseTuple(
+          args, "OOOOOddOddLLLLO", &pq, &pk, &pv, &pw, &pb, &p_attn, &scale_a, &pdrop, &p_resid,
+          &scale_r, &bb, &h, &t, &d, &pfn)) {
+    return nullptr;
+  }
+  auto fn = reinterpret_cast<DropoutFwdF32>(PyLong_AsVoidPtr(pfn));
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (fn == nullptr || at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  const bool causal = pdrop != Py_None;
+  PyObject* const objs[6] = {pq, pk, pv, pw, pb, pdrop};
+  for (int i = 0; i < 6; ++i) {
+    if (i == 5 && !causal) {
+      continue;
+    }
+    const int ok = plain(objs[i], i == 3 || i == 4);
+    if (ok <= 0) {
+      if (ok < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  const at::Tensor& q = THPVariable_Unpack(pq);
+  const at::Tensor& k_t = THPVariable_Unpack(pk);
+  const at::Tensor& v = THPVariable_Unpack(pv);
+  const at::Tensor& w = THPVariable_Unpack(pw);
+  const at::Tensor& b = THPVariable_Unpack(pb);
+  at::Tensor drop;
+  if (causal) {
+    drop = THPVariable_Unpack(pdrop);
+  }
+  const int64_t bh = bb * h;
+  for (const at::Tensor* x : {&q, &k_t, &v, &w, &b}) {
+    if (x->scalar_type() != at::kFloat || !x->is_cpu()) {
+      Py_RETURN_NONE;
+    }
+  }
+  if (!q.sizes().equals({bh, t, d}) || !k_t.sizes().equals({bh, d, t}) ||
+      !v.sizes().equals({bh, t, d}) || w.dim() != 2 || w.size(0) != h * d || b.dim() != 1 ||
+      b.size(0) != w.size(1)) {
+    Py_RETURN_NONE;
+  }
+  const int nthreads = at::get_num_threads();
+  at::Tensor y, bits_a, a, bits_r;
+  {
+    NoGil nogil;
+    at::Tensor s = at::bmm(q, k_t);
+    if (causal) {
+      s = at::where(drop, at::Scalar(-std::numeric_limits<double>::infinity()), s);
+    }
+    at::Tensor probs = at::_softmax_out(s, s, -1, false);
+    s.reset();
+    at::Tensor dropped = dropout_c_fwd(fn, probs, p_attn, scale_a, nthreads, bits_a);
+    probs.reset();
+    at::Tensor out = at::bmm(dropped, v);
+    dropped.reset();
+    a = out.view({bb, h, t, d}).transpose(1, 2).contiguous().reshape({bb, t, h * d});
+    out.reset();
+    at::Tensor z = at::addmm(b, a.view({-1, a.size(-1)}), w);
+    z = z.view({bb, t, z.size(-1)});
+    y = dropout_c_fwd(fn, z, p_resid, scale_r, nthreads, bits_r);
+  }
+  return Py_BuildValue(
+      "(NNNN)",
+      THPVariable_Wrap(std::move(y)),
+      THPVariable_Wrap(std::move(bits_a)),
+      THPVariable_Wrap(std::move(a)),
+      THPVariable_Wrap(std::move(bits_r)));
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace
+
+// Added to the extension's module by storage_facts.cpp's init, after slimgrad_backward_methods.
+PyMethodDef slimgrad_gpt2_backward_methods[] = {
+    {"gpt2_attention_bwd", gpt2_attention_bwd, METH_VARARGS,
+     "GPT-2's attention node's straight backward (slimgrad.ops.gpt2_attention), else None."},
+    {"gpt2_attention_fwd", gpt2_attention_fwd, METH_VARARGS,
+     "GPT-2's attention node's straight forward (slimgrad.ops.gpt2_attention), else None."},
+    {"conv1d_bwd", conv1d_bwd, METH_VARARGS,
+     "An HF Conv1D's backward on a 3+-D input (slimgrad.ops.gpt2_attention), else None."},
+    {nullptr, nullptr, 0, nullptr}};

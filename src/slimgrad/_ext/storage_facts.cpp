@@ -22,8 +22,9 @@
 #include <vector>
 
 long slimgrad_watcher_mask();
-extern PyMethodDef slimgrad_backward_methods[];   // backward.cpp
-extern PyMethodDef slimgrad_norm_node_methods[];  // norm_node.cpp
+extern PyMethodDef slimgrad_backward_methods[];       // backward.cpp
+extern PyMethodDef slimgrad_gpt2_backward_methods[];  // backward.cpp, GPT-2's attention
+extern PyMethodDef slimgrad_norm_node_methods[];      // norm_node.cpp
 
 namespace {
 
@@ -508,6 +509,7 @@ int slimgrad_has_weakrefs(PyObject* obj) {
 PyMODINIT_FUNC SLIMGRAD_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   PyObject* mod = PyModule_Create(&module_def);
   if (mod != nullptr && (PyModule_AddFunctions(mod, slimgrad_backward_methods) < 0 ||
+                         PyModule_AddFunctions(mod, slimgrad_gpt2_backward_methods) < 0 ||
                          PyModule_AddFunctions(mod, slimgrad_norm_node_methods) < 0)) {
     Py_DECREF(mod);
     return nullptr;

@@ -65,15 +65,17 @@ raises a ``slimgrad.ops.gpt2_attention`` error, as the per-op scores op does.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 
 import torch
 
-from slimgrad import ownership
+from slimgrad import _ext, ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order, unwrap_if_dead
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
+from slimgrad.kernels import _backend
 from slimgrad.ops.gpt2_mlp import (
     _dropout_backward,
     _hand_out_saved,
@@ -91,10 +93,199 @@ _dr = importlib.import_module("slimgrad.ops.dropout")
 _sdm = importlib.import_module("slimgrad.ops.softmax_dropout")
 _ScoresFn = _sdm._ScoresSoftmaxDropoutMatmulFn
 _grad_on = torch._C.is_grad_enabled
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
+_Tensor = torch.Tensor
 _API = "slimgrad.ops.gpt2_attention"
+_EXT_BWD = None  # the C++ extension's gpt2_attention_bwd, once it is loaded
+_EXT_CONV1D = None  # and its conv1d_bwd
+_EXT_FWD = None  # and its gpt2_attention_fwd
+
+
+def _use_extension(mod) -> None:
+    global _EXT_BWD, _EXT_CONV1D, _EXT_FWD
+    _EXT_BWD = getattr(mod, "gpt2_attention_bwd", None)
+    _EXT_CONV1D = getattr(mod, "conv1d_bwd", None)
+    _EXT_FWD = getattr(mod, "gpt2_attention_fwd", None)
+
+
+_ext.when_loaded(_use_extension)
+
+
+# NOTE [GPT-2's attention backward from C++]
+# Where forward took every step's straight path on the dropout C kernels (the scores op's bmm
+# case with ``lib``, the residual dropout's ``lib``: NOTE [Dropout's straight path] in
+# ops/dropout.py) and backward runs on a plain gradient outside compile and dispatch modes (the
+# conditions under which the Python body below takes those same straight paths), the extension's
+# ``gpt2_attention_bwd`` (``_ext/backward.cpp``, NOTE [Backward bodies from C++]) issues the
+# body's ATen ops from C++: the residual dropout's C pass (into dy where ``ownership.grant``
+# granted it, as ``_dropout_backward``), ``c_proj``'s ``_LinearFn.backward`` for a 3-D input,
+# the head merge's backward and the scores op's straight backward, the same ops on the same
+# operands in the same order, each temporary dropped where Python drops it; the dropout passes
+# call the same C function the Python body calls through ctypes (its address read once from
+# that ctypes function). The same bits, buffers and peak; a dispatch mode (the tracker, the
+# estimate's fake tensors) never gets here and runs the Python body as before. It returns None
+# (the Python body then runs) for a tensor subclass, a torch function mode, a gradient that is
+# not contiguous, or operands of other shapes. The ln_1 + c_attn node's c_attn step likewise
+# (``conv1d_bwd``: ``_LinearFn.backward``'s ops for a Conv1D on a 3-D input, outside dispatch
+# modes); its LayerNorm's backward stays in Python. Measured (tiny GPT-2, 12 x 64, 1 x 16 tokens,
+# 1 thread, interleaved in one process): converted / eager step 1.148 -> 1.115 (load 11).
+# tests/ops/test_gpt2_attention_ext.py compares the bodies bit for bit.
+
+
+def _dropout_bwd_addr(lib) -> int:
+    # the address of the ctypes function the Python body calls for the C pass (dropout.c's
+    # dropout_bwd_f32), kept on the library object as its bound functions are
+    try:
+        return lib._slimgrad_bwd_addr
+    except AttributeError:
+        addr = ctypes.cast(_dr._c_fns(lib)["bwd"], ctypes.c_void_p).value or 0
+        lib._slimgrad_bwd_addr = addr
+        return addr
+
+
+def _dropout_fwd_addr(lib) -> int:
+    # dropout.c's dropout_fwd_f32, as _dropout_bwd_addr
+    try:
+        return lib._slimgrad_fwd_addr
+    except AttributeError:
+        addr = ctypes.cast(_dr._c_fns(lib)["fwd"], ctypes.c_void_p).value or 0
+        lib._slimgrad_fwd_addr = addr
+        return addr
+
+
+# NOTE [GPT-2's attention node's forward from C++]
+# A forward past the gate (``direct``) whose dropout C kernels are built and chosen (the tables
+# _straight_c reads: NOTE [Dropout's straight path] in ops/dropout.py) runs the steps'
+# straight paths in the extension's ``gpt2_attention_fwd`` (``_ext/backward.cpp``): the scores
+# op's bmm case with its C dropout, the head merge, ``c_proj``'s addmm and the residual dropout's
+# C pass, the same ops on the same operands in the same order (eager's two draws from the
+# default generator where the Python steps draw them), each temporary dropped where Python drops
+# it. ``_ext_forward`` then fills each step's ``_Step`` with the fields and saved tensors the
+# Python steps' forwards set on that path (TWIN of _ScoresSoftmaxDropoutMatmulFn.forward's bmm +
+# C-kernel case, _LinearFn.forward's 3-D Conv1D case and _DropoutFn.forward's C case: change them
+# together; tests/ops/test_gpt2_attention_ext.py runs both bodies and compares outputs, masks,
+# gradients and bytes). None (a tensor subclass, a torch function mode, no C kernels): the
+# Python steps run. Measured with benchmarks/gpt2_attention_ext_ab.py (tiny GPT-2, 1 thread,
+# interleaved in one process): forward alone on / off 0.968; with both backward bodies,
+# converted / eager 1.066 on against 1.174 off (load 9.6).
+
+
+def _ext_forward(ctx, n, q, k_t, v, w, b, p_attn, causal, p_resid, heads):
+    bk, cpu = _backend._resolved[0], _backend._cpu_module[0]
+    if not ((bk == "auto" or bk == "cpu") and cpu is not None and _dr.C_STEM in cpu._libs):
+        return None
+    lib = cpu._libs[_dr.C_STEM]
+    if lib is None:
+        return None
+    bb, h, t, d = heads
+    dev = q.device
+    drop_mask = None
+    if causal:
+        ck = (t, t, dev)
+        drop_mask = _sdm._CAUSAL[ck] if ck in _sdm._CAUSAL else _sdm._causal_mask(*ck)
+    scales = _dr._SCALES
+    key_a, key_r = (p_attn, _dr._F32, dev), (p_resid, _dr._F32, dev)
+    r = _EXT_FWD(
+        q,
+        k_t,
+        v,
+        w,
+        b,
+        p_attn,
+        scales[key_a] if key_a in scales else _dr._scale(p_attn, q),
+        drop_mask,
+        p_resid,
+        scales[key_r] if key_r in scales else _dr._scale(p_resid, q),
+        bb,
+        h,
+        t,
+        d,
+        _dropout_fwd_addr(lib),
+    )
+    if r is None:
+        return None
+    y, bits_a, a, bits_r = r
+    # the scores op's fields on its bmm + C-kernel path
+    core = _Step()
+    core.needs_input_grad = (n[0], n[1], n[2], False, False, False, False, False, False)
+    core.lib, core.bmm, core.direct, core.n = lib, True, True, bb * h * t * t
+    core.p, core.mm_dtype, core.causal, core.fused = p_attn, q.dtype, causal, False
+    core.v_dtype, core.v_shape = v.dtype, v.shape
+    core.to_save = (q, k_t, v, bits_a, None)
+    # c_proj's (_LinearFn, a Conv1D on a 3-D input)
+    proj = _Step()
+    need = proj.needs_input_grad = (n[0] or n[1] or n[2], n[3], n[4], False, False)
+    proj.w_in_out, proj.has_bias, proj.lead = True, True, a.shape[:-1]
+    proj.to_save = (a if need[1] else None, w if need[0] else None)
+    # the residual dropout's (_DropoutFn, its C case)
+    drop = _Step()
+    drop.p, drop.lib, drop.n, drop.k, drop.fused = p_resid, lib, y.numel(), None, False
+    drop.to_save = (bits_r,)
+    ctx.heads = heads
+    _save_steps(ctx, (core, proj, drop))
+    return y
+
+
+def _ext_backward(ctx, dy, owned: bool):
+    # NOTE [GPT-2's attention backward from C++]; None where it does not apply
+    core, proj, drop = ctx.steps
+    lib = drop.lib
+    if not (
+        lib is not None
+        and core.lib is lib
+        and core.bmm
+        and core.direct
+        and proj.lead is not None
+        and type(dy) is _Tensor
+        and not _dispatch_stack_len()
+    ):
+        return None
+    q, k_t, v, bits_a, _, a, w, bits_r = ctx.saved_tensors
+    b, h, t, d = ctx.heads
+    dev = q.device
+    scales = _dr._SCALES
+    key_r, key_a = (drop.p, _dr._F32, dev), (core.p, _dr._F32, dev)
+    causal = None
+    if core.causal:
+        ck = (t, t, dev)
+        causal = _sdm._CAUSAL[ck] if ck in _sdm._CAUSAL else _sdm._causal_mask(*ck)
+    nq, nk, nv = core.needs_input_grad[:3]
+    na, nw, nb = proj.needs_input_grad[:3]
+    return _EXT_BWD(
+        dy,
+        owned,
+        bits_r,
+        drop.n,
+        scales[key_r] if key_r in scales else _dr._scale(drop.p, dy),
+        a,
+        w,
+        na,
+        nw,
+        nb and proj.has_bias,
+        q,
+        k_t,
+        v,
+        bits_a,
+        core.n,
+        scales[key_a] if key_a in scales else _dr._scale(core.p, q),
+        causal,
+        nq,
+        nk,
+        nv,
+        b,
+        h,
+        t,
+        d,
+        _dropout_bwd_addr(lib),
+    )
 
 
 def _backward(ctx, dy, owned: bool = False):
+    if _EXT_BWD is not None:
+        r = _ext_backward(ctx, dy, owned)
+        if r is not None:
+            dq, dk, dv, dw, db = r
+            return dq, dk, dv, dw, db, None, None, None, None, None
     core, proj, drop = ctx.steps
     _hand_out_saved(ctx)
     g = _dropout_backward(drop, dy, owned)
@@ -128,6 +319,11 @@ class _GPT2AttentionFn(torch.autograd.Function):
         # caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py), else each
         # step runs its general path (NOTE [GPT-2's attention node under dispatch modes])
         n = ctx.needs_input_grad
+        if direct and _EXT_FWD is not None:
+            # NOTE [GPT-2's attention node's forward from C++]
+            y = _ext_forward(ctx, n, q, k_t, v, w, b, p_attn, causal, p_resid, heads)
+            if y is not None:
+                return y
         core = _Step()
         core.needs_input_grad = (n[0], n[1], n[2], False, False, False, False, False, False)
         out = _ScoresFn.forward(core, q, k_t, v, p_attn, q.dtype, causal, None, direct, True)
@@ -162,11 +358,27 @@ _GPT2_ATTENTION_APPLY = direct_apply(_GPT2AttentionFn)
 def _ln_conv1d_backward(ctx, dy):
     ln, lin = ctx.steps
     _hand_out_saved(ctx)
-    # c_attn's gradient arrives as its 2-D product's (NOTE [Linear's 2-D product] in ops/linear.py)
-    g2 = dy.reshape(-1, dy.shape[-1]) if lin.lead is not None else dy
-    del dy
-    dy_ln, dw, db = _LinearFn.backward(lin, g2)[:3]
-    del g2
+    r = None
+    if (
+        _EXT_CONV1D is not None
+        and lin.lead is not None
+        and type(dy) is _Tensor
+        and not _dispatch_stack_len()
+    ):
+        # c_attn's backward from C++ (NOTE [GPT-2's attention backward from C++]): None hands back
+        x, w = lin.saved_tensors
+        n = lin.needs_input_grad
+        r = _EXT_CONV1D(dy, x, w, n[0], n[1], n[2] and lin.has_bias)
+        del x, w  # as the Python body holds them: only in lin.saved_tensors
+    if r is not None:
+        dy_ln, dw, db = r
+    else:
+        # c_attn's gradient arrives as its 2-D product's (NOTE [Linear's 2-D product] in
+        # ops/linear.py)
+        g2 = dy.reshape(-1, dy.shape[-1]) if lin.lead is not None else dy
+        dy_ln, dw, db = _LinearFn.backward(lin, g2)[:3]
+        del g2
+    del dy, r
     dx = dlw = dlb = None
     if dy_ln is not None:
         dx, dlw, dlb = layer_norm_backward(ln, dy_ln)
