@@ -49,13 +49,15 @@ using torch::autograd::variable_list;
 // NOTE [dy's ownership asked by the C++ node]
 // The node asks NOTE [Gradient-buffer ownership]'s terms about its incoming gradient dy without a
 // Python frame, so term 3 (the Python reference count against the calling chain's baseline) has no
-// frame to read; its job, catching Python holders of the same object, is done by term 1 here: a
-// Python object that anybody holds owns a handle of its TensorImpl (THPVariable's ``cdata``), so a
-// hook or a list keeping dy shows as one more use; a Python object nobody holds is kept by the
-// TensorImpl and holds no use. The node moves dy out of the engine's argument list, so a dy nobody
-// else holds has use count 1 (the engine keeps no handle while the node runs; a sibling pending on
-// the same gradient, a captured gradient, a user ``gradient=``, a SavedVariable of an upstream node
-// each add one). Python weak references (term 2's last part) are read from an existing Python
+// frame to read; its job, catching Python holders of the same object, is done from the object
+// itself. On torch 2.13 a tensor's Python object, once made, holds one use of its TensorImpl, and
+// while any C++ handle is alive the TensorImpl keeps one reference to the object (NOTE [PyObject
+// preservation for Tensor and Storages] in c10's intrusive_ptr.h): so the object's reference count
+// is 1 unless Python holds it (a hook or a list keeping dy), read under the GIL where an object
+// exists. The node moves dy out of the engine's argument list, so a dy nobody else holds has use
+// count 1, plus 1 where it has a Python object (term 1; a sibling pending on the same gradient, a
+// captured gradient, a user ``gradient=``, a SavedVariable of an upstream node each add one).
+// Python weak references (term 2's last part) are read from an existing Python
 // object under the GIL (no object is made). Terms 2a/2b compare the storage's use and weak counts
 // with a fresh tensor's, read once from a probe as ownership.py does; a storage object passes
 // where only PyTorch keeps it (refused where it has any weak reference: ownership.py also lets
