@@ -570,9 +570,11 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
             if inner is not None:
                 claim[id(inner)] = _seq(node)
                 stack.append(inner)
+    cpp_saved = getattr(_ext_module(), "node_saved", None)  # slimgrad's C++ RMSNorm node
     for node in order:
         saver = _Saver(type(node).__name__, _is_floor_node(node), claim.get(id(node), _seq(node)))
-        for t in _node_tensors(node):
+        kept = cpp_saved(node) if cpp_saved is not None else None
+        for t in _node_tensors(node) if kept is None else kept:
             st = _storage(t)
             if st is None:
                 continue
@@ -583,9 +585,13 @@ def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
 
 
 def _copy_slices_reader() -> Callable[[Any], Any] | None:
+    return getattr(_ext_module(), "copy_slices_fn", None)
+
+
+def _ext_module():
     from slimgrad import _ext
 
-    return getattr(_ext.load(), "copy_slices_fn", None)
+    return _ext.load()
 
 
 def _seq(node: Any) -> int:

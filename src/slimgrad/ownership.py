@@ -326,11 +326,15 @@ def reuse_disabled() -> Iterator[None]:
     global _disabled_depth
     with _counter_lock:
         _disabled_depth += 1
+        for m in _NODE:
+            m.set_reuse_off(_disabled_depth)
     try:
         yield
     finally:
         with _counter_lock:
             _disabled_depth -= 1
+            for m in _NODE:
+                m.set_reuse_off(_disabled_depth)
 
 
 def reuse_enabled() -> bool:
@@ -343,7 +347,9 @@ def reuse_count(kind: str | None = None) -> int:
     both of those backward kinds, or "forward" for :func:`owns_input` grants). Per process: under
     DDP/FSDP each rank counts its own."""
     if kind is None:
-        return _counter["grad"] + _counter["saved"]
+        return _counter["grad"] + _node_grants() + _counter["saved"]
+    if kind == "grad":
+        return _counter["grad"] + _node_grants()
     if kind not in _counter:
         raise ValueError(
             "slimgrad.ownership.reuse_count: unknown kind; expected 'grad', 'saved', 'forward' or "
@@ -357,6 +363,27 @@ def reset_reuse_count() -> None:
     with _counter_lock:
         for k in _counter:
             _counter[k] = 0
+        for m in _NODE:
+            m.node_grants(True)
+
+
+# The C++ RMSNorm node's ownership answers (NOTE [dy's ownership asked by the C++ node] in
+# slimgrad/_ext/norm_node.cpp): its grants count in reuse_count("grad"), reuse_disabled's depth
+# reaches it. [the extension module] once loaded.
+_NODE: list = []
+
+
+def _node_grants() -> int:
+    return _NODE[0].node_grants() if _NODE else 0
+
+
+def _use_node(mod) -> None:
+    if hasattr(mod, "node_grants"):
+        mod.set_reuse_off(_disabled_depth)
+        _NODE.append(mod)
+
+
+_ext.when_loaded(_use_node)
 
 
 def calibrated() -> bool:

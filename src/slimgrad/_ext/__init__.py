@@ -57,6 +57,8 @@ a functorch or functional wrapper, under a torch function mode (it would see Pyt
 where the body's own case does not hold; where the Python body ran past the gate (NOTE [One-call
 gate] in slimgrad/_library.py), ``rms_norm_bwd`` asks the gate's five watchers itself. Without the
 extension the Python bodies run (the same bits); ``tests/test_ext_backward.py`` compares the two.
+``norm_node.cpp`` runs the same RMSNorm body as a C++ autograd node's backward (NOTE [The RMSNorm
+node in C++] in slimgrad/ops/rms_norm.py; ``tests/ops/test_rms_norm_node.py``).
 
 The sources are compiled with ``torch.utils.cpp_extension.load`` against the headers of the torch
 that runs, on first use (never at ``import slimgrad``), and cached in ``$SLIMGRAD_CACHE/ext`` (else
@@ -101,8 +103,13 @@ _FAILED = "build-failed.txt"
 _STALE_LOCK_S = 600  # without flock: a lock this old is stale (several times a full build)
 _GUARD = "slimgrad-build.flock"  # NOTE [A build lock nobody holds]
 SOURCE = Path(__file__).with_name("storage_facts.cpp")
-#: every source the module is built from (NOTE [Backward bodies from C++]: backward.cpp)
-SOURCES = (SOURCE, Path(__file__).with_name("backward.cpp"))
+#: every source the module is built from (NOTE [Backward bodies from C++]: backward.cpp; NOTE
+#: [The RMSNorm node in C++] in slimgrad/ops/rms_norm.py: norm_node.cpp)
+SOURCES = (
+    SOURCE,
+    Path(__file__).with_name("backward.cpp"),
+    Path(__file__).with_name("norm_node.cpp"),  # NOTE [The RMSNorm node in C++]
+)
 
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None, "tried": False, "seconds": None}

@@ -78,6 +78,72 @@ at::Tensor wrapped(int64_t v) {
   return s;
 }
 
+}  // namespace
+
+// rms_norm_bwd's case checks and body on tensors, for rms_norm_bwd below and the C++ RMSNorm
+// node (norm_node.cpp): false, and nothing run, where the case does not hold. Runs without the
+// GIL (the caller released it, or holds none: an autograd node).
+bool slimgrad_rms_norm_bwd_core(
+    const at::Tensor& dy,
+    const at::Tensor& y,
+    const at::Tensor& rstd,
+    const at::Tensor& weight,
+    int64_t d,
+    bool need_dw,
+    bool inplace,
+    int64_t chunk,
+    at::Tensor& g,
+    at::Tensor& dw) {
+  const at::ScalarType acc = y.scalar_type();
+  if ((acc != at::kFloat && acc != at::kDouble) || dy.scalar_type() != acc ||
+      rstd.scalar_type() != acc || rstd.dim() != y.dim() || !dy.sizes().equals(y.sizes()) ||
+      !dy.is_contiguous() || d <= 0) {
+    return false;
+  }
+  const int64_t numel = y.numel();
+  if (numel == 0 || numel % d != 0) {
+    return false;
+  }
+  const int64_t n = numel / d;
+  int64_t step = numel / 16;  // rms_norm_bwd_torch's row step
+  if (step < chunk) {
+    step = chunk;
+  }
+  step /= d > 1 ? d : 1;
+  if (step < 1) {
+    step = 1;
+  }
+  if (step < n) {
+    return false;
+  }
+  {
+    at::Tensor wt = weight;
+    if (wt.scalar_type() != acc) {
+      wt = wt.to(acc);
+    }
+    at::Tensor xh = at::div(y, wt);
+    if (need_dw) {
+      // one statement per call, each temporary dropped after its last use as Python drops it
+      // (a C++ temporary would live to the end of its full expression: a higher peak)
+      at::Tensor t = at::mul(dy, xh).reshape({n, d});
+      at::Tensor s = t.sum({0}, false, at::kDouble);
+      t.reset();
+      dw = s.to(weight.scalar_type());
+      s.reset();
+      if (weight.dim() != 1) {
+        dw = dw.reshape(weight.sizes());
+      }
+    }
+    g = inplace ? dy.mul_(wt) : at::mul(dy, wt);
+    at::Tensor c2 =
+        at::bmm(g.reshape({n, 1, d}), xh.reshape({n, d, 1})).view(rstd.sizes()).div_(wrapped(d));
+    g.sub_(xh.mul_(c2)).mul_(rstd);
+  }
+  return true;
+}
+
+namespace {
+
 // rms_norm_bwd(dy, y, rstd, weight, d, need_dw, inplace, chunk_elems, gate) (d: the row length, or
 // the normalized shape as a list or tuple of ints): the one-chunk
 // backward of slimgrad._math.norms.rms_norm_bwd_torch (NOTE [RMSNorm's one-chunk backward in the
@@ -131,56 +197,18 @@ PyObject* rms_norm_bwd(PyObject* /*self*/, PyObject* args) {
       Py_RETURN_NONE;
     }
   }
-  at::Tensor dy = THPVariable_Unpack(pdy);
+  const at::Tensor& dy = THPVariable_Unpack(pdy);
   const at::Tensor& y = THPVariable_Unpack(py);
   const at::Tensor& rstd = THPVariable_Unpack(prstd);
   const at::Tensor& weight = THPVariable_Unpack(pw);
-  const at::ScalarType acc = y.scalar_type();
-  if ((acc != at::kFloat && acc != at::kDouble) || dy.scalar_type() != acc ||
-      rstd.scalar_type() != acc || rstd.dim() != y.dim() || !dy.sizes().equals(y.sizes()) ||
-      !dy.is_contiguous() || d <= 0) {
-    Py_RETURN_NONE;
-  }
-  const int64_t numel = y.numel();
-  if (numel == 0 || numel % d != 0) {
-    Py_RETURN_NONE;
-  }
-  const int64_t n = numel / d;
-  int64_t step = numel / 16;  // rms_norm_bwd_torch's row step
-  if (step < chunk) {
-    step = chunk;
-  }
-  step /= d > 1 ? d : 1;
-  if (step < 1) {
-    step = 1;
-  }
-  if (step < n) {
-    Py_RETURN_NONE;
-  }
   at::Tensor g, dw;
+  bool ran = false;
   {
     NoGil nogil;
-    at::Tensor wt = weight;
-    if (wt.scalar_type() != acc) {
-      wt = wt.to(acc);
-    }
-    at::Tensor xh = at::div(y, wt);
-    if (need_dw) {
-      // one statement per call, each temporary dropped after its last use as Python drops it
-      // (a C++ temporary would live to the end of its full expression: a higher peak)
-      at::Tensor t = at::mul(dy, xh).reshape({n, d});
-      at::Tensor s = t.sum({0}, false, at::kDouble);
-      t.reset();
-      dw = s.to(weight.scalar_type());
-      s.reset();
-      if (weight.dim() != 1) {
-        dw = dw.reshape(weight.sizes());
-      }
-    }
-    g = inplace ? dy.mul_(wt) : at::mul(dy, wt);
-    at::Tensor c2 =
-        at::bmm(g.reshape({n, 1, d}), xh.reshape({n, d, 1})).view(rstd.sizes()).div_(wrapped(d));
-    g.sub_(xh.mul_(c2)).mul_(rstd);
+    ran = slimgrad_rms_norm_bwd_core(dy, y, rstd, weight, d, need_dw, inplace, chunk, g, dw);
+  }
+  if (!ran) {
+    Py_RETURN_NONE;
   }
   PyObject* out_g = THPVariable_Wrap(std::move(g));
   if (out_g == nullptr) {

@@ -22,8 +22,9 @@
 #include <vector>
 
 long slimgrad_watcher_mask();
-extern PyMethodDef slimgrad_backward_methods[];  // backward.cpp
+extern PyMethodDef slimgrad_backward_methods[];       // backward.cpp
 extern PyMethodDef slimgrad_gpt2_backward_methods[];  // backward.cpp, GPT-2's attention
+extern PyMethodDef slimgrad_norm_node_methods[];      // norm_node.cpp
 
 namespace {
 
@@ -491,13 +492,25 @@ PyModuleDef module_def = {
 
 }  // namespace
 
+// For norm_node.cpp (NOTE [dy's ownership asked by the C++ node]): term 7 and the weak-reference
+// question, as this file asks them.
+int slimgrad_torch_owned(const c10::Storage& s) {
+  return torch_owned(s);
+}
+
+int slimgrad_has_weakrefs(PyObject* obj) {
+  return has_weakrefs(obj);
+}
+
+
 #define SLIMGRAD_CONCAT_(a, b) a##b
 #define SLIMGRAD_CONCAT(a, b) SLIMGRAD_CONCAT_(a, b)
 
 PyMODINIT_FUNC SLIMGRAD_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   PyObject* mod = PyModule_Create(&module_def);
   if (mod != nullptr && (PyModule_AddFunctions(mod, slimgrad_backward_methods) < 0 ||
-                         PyModule_AddFunctions(mod, slimgrad_gpt2_backward_methods) < 0)) {
+                         PyModule_AddFunctions(mod, slimgrad_gpt2_backward_methods) < 0 ||
+                         PyModule_AddFunctions(mod, slimgrad_norm_node_methods) < 0)) {
     Py_DECREF(mod);
     return nullptr;
   }

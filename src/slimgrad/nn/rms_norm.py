@@ -14,6 +14,7 @@ from slimgrad.ops.rms_norm import (
     _HF_RMS_APPLY,
     HALF_DTYPES,
     HF_VARIANTS,
+    _hf_node,
     _rms_norm_straight,
     hf_rms_norm,
     rms_norm,
@@ -171,7 +172,12 @@ class HFRMSNorm(NoScript, torch.nn.Module):
         ):
             if type(w) is not _Parameter and w is not None:
                 w = unwrap_if_dead(w)
-            return _HF_RMS_APPLY(unwrap_if_dead(x), w, float(eps), v, True)[0]
+            x = unwrap_if_dead(x)
+            if v == "llama":  # NOTE [The RMSNorm node in C++] in slimgrad/ops/rms_norm.py
+                y = _hf_node(x, w, float(eps))
+                if y is not None:
+                    return y
+            return _HF_RMS_APPLY(x, w, float(eps), v, True)[0]
         return hf_rms_norm(hidden_states, w, eps, v)
 
     def extra_repr(self) -> str:

@@ -111,11 +111,21 @@ _any_autocast = torch._C._is_any_autocast_enabled
 _grad_on = torch._C.is_grad_enabled
 # the C++ extension's rms_norm_bwd, once it is loaded (NOTE [Backward bodies from C++])
 _EXT_BWD = None
+# and its RMSNorm node (NOTE [The RMSNorm node in C++])
+_EXT_NODE = None
 
 
 def _use_extension(mod) -> None:
-    global _EXT_BWD
+    global _EXT_BWD, _EXT_NODE
     _EXT_BWD = getattr(mod, "rms_norm_bwd", None)
+    if hasattr(mod, "hf_rms_norm_node"):
+        mod.set_norm_fallbacks(_node_fallback, _node_double)
+        # the node grants dy's buffer only where ownership.py's own facts hold (NOTE [dy's
+        # ownership asked by the C++ node] in slimgrad/_ext/norm_node.cpp)
+        mod.set_norm_grants(
+            ownership.storage_facts_available() and ownership.refcount_problem() is None
+        )
+        _EXT_NODE = mod.hf_rms_norm_node
 
 
 _ext.when_loaded(_use_extension)
@@ -650,75 +660,82 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         # [Gradient-buffer ownership]; grant asks that the backward itself asked compiling()
         buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
         y, rstd, idx, xside, weight = ctx.saved_tensors
-        need_w = weight is not None and ctx.needs_input_grad[1]
-        mask = [ctx.needs_input_grad[0], need_w]
-        gamma = None
-        if weight is not None:
-            gamma_of = HF_VARIANTS[ctx.variant][1]
-            # a float32 weight's w.float() is w itself (no grad mode in backward)
-            if gamma_of is _float and weight.dtype == torch.float32:
-                gamma = weight
-            else:
-                gamma = gamma_of(weight.detach())
-        if (
-            _EXT_BWD is not None
-            and mask[0]
-            and idx is None
-            and gamma is not None
-            and (
-                (not y.is_cuda and _backend._resolved[0] in _NO_TRITON)
-                or _bwd_impl(y) is _bwd_torch
-            )
-        ):
-            # NOTE [Backward bodies from C++] in slimgrad/_ext: rms_norm_bwd_torch's one-chunk
-            # body, on dy's own buffer when it is dead (else _rms_norm_bwd's implementation, past
-            # the gate); None where that body does not apply
-            own = buf is not None
-            r = _EXT_BWD(
-                buf if own else dy,
-                y,
-                rstd,
-                gamma,
-                y.shape[-1],
-                need_w,
-                own,
-                _norms.CHUNK_ELEMS,
-                not own,
-            )
-            if r is not None:
-                dg = r[1]
-                if need_w and dg.dtype != weight.dtype:
-                    dg = dg.to(weight.dtype)
-                return r[0], dg, None, None, None
-        ns = [y.shape[-1]]
-        if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
-            mask[0]
-            and buf is not None
-            and buf.shape == y.shape
-            and buf.dtype == y.dtype
-            and buf.is_contiguous()
-        ):
-            # _bwd_impl(y), inline where it cannot pick Triton
-            if not y.is_cuda and _backend._resolved[0] in _NO_TRITON:
-                impl = _bwd_torch
-            else:
-                impl = _bwd_impl(y)
-                if idx is None:
-                    idx, xside = _no_side(y)
-            dx, dg = impl(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
-        else:  # the custom op (its table has a data-dependent length under tracers), or its
-            # implementation past the gate (NOTE [One gate per call] in slimgrad/_library.py)
-            if idx is None:  # the op's schema takes tensors
+        need = ctx.needs_input_grad
+        dx, dw = _from_output_bwd(
+            dy, buf, y, rstd, idx, xside, weight, ctx.variant, need[0], need[1]
+        )
+        return dx, dw, None, None, None
+
+
+def _from_output_bwd(dy, buf, y, rstd, idx, xside, weight, variant, need_x, need_w):
+    # _HFRMSNormFromOutputFn's backward past the ownership question (buf: dy, granted, or None),
+    # and the C++ node's Python tail (NOTE [The RMSNorm node in C++]): (dx or None, dw or None)
+    need_w = weight is not None and need_w
+    mask = [need_x, need_w]
+    gamma = None
+    if weight is not None:
+        gamma_of = HF_VARIANTS[variant][1]
+        # a float32 weight's w.float() is w itself (no grad mode in backward)
+        if gamma_of is _float and weight.dtype == torch.float32:
+            gamma = weight
+        else:
+            gamma = gamma_of(weight.detach())
+    if (
+        _EXT_BWD is not None
+        and mask[0]
+        and idx is None
+        and gamma is not None
+        and ((not y.is_cuda and _backend._resolved[0] in _NO_TRITON) or _bwd_impl(y) is _bwd_torch)
+    ):
+        # NOTE [Backward bodies from C++] in slimgrad/_ext: rms_norm_bwd_torch's one-chunk
+        # body, on dy's own buffer when it is dead (else _rms_norm_bwd's implementation, past
+        # the gate); None where that body does not apply
+        own = buf is not None
+        r = _EXT_BWD(
+            buf if own else dy,
+            y,
+            rstd,
+            gamma,
+            y.shape[-1],
+            need_w,
+            own,
+            _norms.CHUNK_ELEMS,
+            not own,
+        )
+        if r is not None:
+            dg = r[1]
+            if need_w and dg.dtype != weight.dtype:
+                dg = dg.to(weight.dtype)
+            return r[0], dg
+    ns = [y.shape[-1]]
+    if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
+        mask[0]
+        and buf is not None
+        and buf.shape == y.shape
+        and buf.dtype == y.dtype
+        and buf.is_contiguous()
+    ):
+        # _bwd_impl(y), inline where it cannot pick Triton
+        if not y.is_cuda and _backend._resolved[0] in _NO_TRITON:
+            impl = _bwd_torch
+        else:
+            impl = _bwd_impl(y)
+            if idx is None:
                 idx, xside = _no_side(y)
-            dx, dg = (_rms_norm_bwd.impl if straight() else _rms_norm_bwd)(
-                dy, y, rstd, idx, xside, gamma, ns, mask, y.dtype
-            )
-        # through gamma(weight) (HF_VARIANTS: w.float(), 1.0 + w.float() or (1 + w).float()):
-        # autograd's backward of each is the cast of dg to the weight's dtype, exactly
-        dw = None
-        if need_w:
-            dw = dg if dg.dtype == weight.dtype else dg.to(weight.dtype)
-        return (dx if mask[0] else None), dw, None, None, None
+        dx, dg = impl(buf, y, rstd, idx, xside, gamma, ns, mask, out=buf)
+    else:  # the custom op (its table has a data-dependent length under tracers), or its
+        # implementation past the gate (NOTE [One gate per call] in slimgrad/_library.py)
+        if idx is None:  # the op's schema takes tensors
+            idx, xside = _no_side(y)
+        dx, dg = (_rms_norm_bwd.impl if straight() else _rms_norm_bwd)(
+            dy, y, rstd, idx, xside, gamma, ns, mask, y.dtype
+        )
+    # through gamma(weight) (HF_VARIANTS: w.float(), 1.0 + w.float() or (1 + w).float()):
+    # autograd's backward of each is the cast of dg to the weight's dtype, exactly
+    dw = None
+    if need_w:
+        dw = dg if dg.dtype == weight.dtype else dg.to(weight.dtype)
+    return (dx if mask[0] else None), dw
 
 
 #: {variant: what fallback_or_none takes as gamma_of}: None where gamma(w) = w.float() has w's
@@ -727,6 +744,72 @@ _SCALE_CHANNELS = {v: (None if g is _float else g) for v, (_, g) in HF_VARIANTS.
 
 
 _HF_RMS_APPLY = direct_apply(_HFRMSNormFromOutputFn)
+
+
+# NOTE [The RMSNorm node in C++]
+# A Python autograd Function's call costs host time inside a model whatever its body (cold
+# instruction caches along torch's Python-Function path; issue 32). The Llama RMSNorm's
+# from-output path, the common case of a converted Llama-family model on CPU, is therefore a C++
+# autograd node (``slimgrad/_ext/norm_node.cpp``, a ``torch::autograd::Function``): its forward
+# issues _HFRMSNormFromOutputFn's straight Llama ops (pow, mean, add, rsqrt, mul, mul) and saves
+# what that Function saves (y, rstd, the weight: the same SavedVariables, so saved-tensor hooks
+# and checkpointing see the same tensors), and its backward issues rms_norm_bwd_torch's one-chunk
+# body (NOTE [Backward bodies from C++] in slimgrad/_ext), writing dx over dy where the node
+# proves dy dead from its TensorImpl's and storage's counts (NOTE [dy's ownership asked by the
+# C++ node] there; each grant counts in ``ownership.reuse_count("grad")``): the same bits and
+# buffers. ``_hf_node`` takes it on hf_rms_norm's straight path (nothing watching, no compile)
+# for the "llama" variant with a float32 weight without fallback channels and the PyTorch
+# backward (no Triton); the node's entry also asks for plain tensors (Tensor or Parameter), no
+# forward-mode tangent and a one-chunk backward. Everything else applies the Python Function. In
+# backward, where the C++ body does not run (a watcher entered since forward, a body whose case
+# fails, no dx needed) the node calls ``_node_fallback``: _HFRMSNormFromOutputFn's backward past
+# the ownership question, with the node's answer; under create_graph, ``_node_double``: that
+# Function's refusal of second order. The memory tracker and the fake-tensor estimate run under a
+# dispatch mode, so they see the Python Function, whose saved set is the node's.
+
+
+def _hf_node(x, weight, eps):
+    # y through the C++ node, or None (NOTE [The RMSNorm node in C++]); x and weight past
+    # hf_rms_norm's straight gate, unwrapped
+    node = _EXT_NODE
+    if (
+        node is None
+        or weight is None
+        or weight.dtype != torch.float32
+        or x.is_cuda
+        or (_backend._resolved[0] or _backend.get_backend()) not in _NO_TRITON
+        or fallback_or_none(weight, None, torch.float32) is not None
+    ):
+        return None
+    return node(x, weight, eps, _norms.CHUNK_ELEMS)
+
+
+class _NodeCtx:
+    # what refuse_second_order and _HFRMSNormFromOutputFn.backward read of a ctx
+    __slots__ = ("needs_input_grad", "saved_tensors", "variant")
+
+    def __init__(self, y, rstd, weight, need_x, need_w):
+        self.saved_tensors = (y, rstd, None, None, weight)
+        self.needs_input_grad = (need_x, need_w, False, False, False)
+        self.variant = "llama"
+
+
+def _node_fallback(dy, y, rstd, weight, own, need_x, need_w):
+    # the node's backward in Python (NOTE [The RMSNorm node in C++]); own: the node's grant
+    return _from_output_bwd(
+        dy, dy if own else None, y, rstd, None, None, weight, "llama", need_x, need_w
+    )
+
+
+def _node_double(dy, y, rstd, weight, need_x, need_w):
+    # create_graph through the node: _HFRMSNormFromOutputFn's refusal of second order
+    out = refuse_second_order(
+        "ops.rms_norm",
+        _HFRMSNormFromOutputFn.backward,
+        _NodeCtx(y, rstd, weight, need_x, need_w),
+        (dy,),
+    )
+    return out[0], out[1]
 
 
 class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
@@ -866,7 +949,12 @@ def hf_rms_norm(
     ):
         if type(weight) is not torch.nn.Parameter and weight is not None:
             weight = unwrap_if_dead(weight)
-        return _HF_RMS_APPLY(unwrap_if_dead(input), weight, float(eps), variant, True)[0]
+        x = unwrap_if_dead(input)
+        if variant == "llama":  # NOTE [The RMSNorm node in C++]
+            y = _hf_node(x, weight, float(eps))
+            if y is not None:
+                return y
+        return _HF_RMS_APPLY(x, weight, float(eps), variant, True)[0]
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input, weight):
         return _dtensor.rowwise(
