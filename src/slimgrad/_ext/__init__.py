@@ -57,6 +57,12 @@ a functorch or functional wrapper, under a torch function mode (it would see Pyt
 where the body's own case does not hold; where the Python body ran past the gate (NOTE [One-call
 gate] in slimgrad/_library.py), ``rms_norm_bwd`` asks the gate's five watchers itself. Without the
 extension the Python bodies run (the same bits); ``tests/test_ext_backward.py`` compares the two.
+GPT-2's attention node has three more (NOTEs [GPT-2's attention backward from C++] and [GPT-2's
+attention node's forward from C++] in ``slimgrad/ops/gpt2_attention.py``): ``gpt2_attention_bwd``
+(the node's straight backward), ``conv1d_bwd`` (c_attn's backward inside the ln_1 + c_attn node)
+and ``gpt2_attention_fwd`` (the node's straight forward, the one forward body here: each temporary
+freed where the Python body frees it, so the same allocation order and peak);
+``tests/ops/test_gpt2_attention_ext.py`` compares them with the Python bodies.
 ``norm_node.cpp`` runs the same RMSNorm body as a C++ autograd node's backward (NOTE [The RMSNorm
 node in C++] in slimgrad/ops/rms_norm.py; ``tests/ops/test_rms_norm_node.py``).
 
