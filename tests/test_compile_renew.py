@@ -121,3 +121,48 @@ def test_stepped_parameters_follow_a_new_group():
     entry = norms._FB_CACHE[id(b)]
     assert entry[1][0][0] == b._version  # renewed under b's current version
     assert torch.equal(entry[2], torch.tensor([2]))
+
+
+def _grads(ps):
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+
+
+def test_another_optimizers_step_keeps_the_entries_current():
+    # NOTE [Another optimizer's step]: the norms' optimizer steps, then another one (a second
+    # model in the process, compile_step's eager baseline): the norms' next lookups hit the cache;
+    # before, each missed and ran a nonzero
+    ws = _llama_norms(3)
+    other = torch.nn.Parameter(torch.randn(5))
+    opt_a = torch.optim.SGD(ws, lr=0.1)
+    opt_b = torch.optim.SGD([other], lr=0.1)
+    for w in ws:
+        assert norms.fallback_or_none(w, None, torch.float32) is None
+    _grads([*ws, other])
+    for _ in range(2):
+        opt_a.step()
+        opt_b.step()
+    with _Ops() as ops:
+        for w in ws:
+            assert norms.fallback_or_none(w, None, torch.float32) is None
+    assert "aten.nonzero" not in ops.count, dict(ops.count)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_that_makes_a_fallback_channel_is_seen_after_another_step(fused):
+    # the norms' optimizer (fused: no version bump) zeroes a channel, then another optimizer
+    # steps: the entry was renewed by its own optimizer's step, not carried over stale
+    w = torch.nn.Parameter(torch.full((7,), 0.5))
+    other = torch.nn.Parameter(torch.randn(5))
+    opt_a = torch.optim.SGD([w], lr=0.5, fused=fused)
+    opt_b = torch.optim.SGD([other], lr=0.1)
+    assert norms.fallback_or_none(w, None, torch.float32) is None
+    w.grad = torch.zeros(7)
+    w.grad[2] = 1.0  # 0.5 - 0.5 * 1.0 = 0 exactly
+    other.grad = torch.zeros(5)
+    opt_a.step()
+    opt_b.step()
+    assert w[2].item() == 0.0
+    got = norms.fallback_or_none(w, None, torch.float32)
+    assert got is not None and torch.equal(got, torch.tensor([2]))
+    assert torch.equal(got, norms._find_fallback_channels(w, None, torch.float32))
