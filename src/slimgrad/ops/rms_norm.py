@@ -852,16 +852,16 @@ class _HFRMSNormRecomputeFn(torch.autograd.Function):
 
 # NOTE [What a compiled HF RMSNorm reads]
 # Dynamo guards every global, module attribute and function code object that the code it traces
-# reads, and every compiled call checks all of them: host time per call that grows with their
-# number (after a training step the guard tree's objects are out of cache). So while Dynamo
-# traces, ``hf_rms_norm`` first asks :func:`_hf_rms_norm_compiling` whether its lean case holds, on facts the trace sees as
-# constants (the tensors' types, dtypes, shapes and requires_grad, which the tensors' own guards
-# already hold, the variant, grad mode, torch.func transforms), and applies
+# reads, and every compiled call checks all of them: host time per call that grows with their number
+# (after a training step the guard tree's objects are out of cache). So while Dynamo traces,
+# ``hf_rms_norm`` first asks :func:`_hf_rms_norm_compiling` whether its lean case holds, on facts
+# the trace sees as constants (the tensors' types, dtypes, shapes and requires_grad, which the
+# tensors' own guards already hold, the variant, grad mode, torch.func transforms), and applies
 # ``_HFRMSNormCompiledFn`` at once; its forward calls the side op's OpOverload. Everything else
-# (DTensor, other dtypes, no grad) takes the general path below, as before. The same graph, ops
-# and saved tensors; what the trace no longer reads: the straight path's gate, ``_dtensor``'s
-# registry, ``refuse_jit`` (no TorchScript trace runs inside a Dynamo trace), and the side op's
-# wrapper objects (``tests/test_compile_rms_norm_guards.py``).
+# (DTensor, other dtypes, no grad) takes the general path below, as before. The same graph, ops and
+# saved tensors; what the trace no longer reads: the straight path's gate, ``_dtensor``'s registry,
+# ``refuse_jit`` (no TorchScript trace runs inside a Dynamo trace), and the side op's wrapper
+# objects (``tests/test_compile_rms_norm_guards.py``).
 
 
 def _hf_rms_norm_compiling(input, weight, eps, variant):
