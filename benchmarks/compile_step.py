@@ -18,6 +18,9 @@ two settings compiled with the same backend: ``eager`` (the model as built) and 
   parameters excluded, for the compiled model (``kept_bytes``) and the same model uncompiled
   (``kept_bytes_uncompiled``): exact, independent of the allocator (NOTE [slimgrad ops under
   torch.compile] in ``slimgrad/_compile.py``).
+- per step (``per_step``, from the profiled step): slimgrad custom-op calls, ``aten::nonzero``
+  calls, scalar reads to the host (``aten::_local_scalar_dense``) and ATen ops in all: counts that
+  do not depend on the machine's load, unlike the times.
 - graph breaks: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compilation;
   ``frames_compiled``: frames Dynamo compiled over the warm-up steps (a recompile adds one);
   ``guards``: leaf guards of every compiled frame's cache entries (``guard_count``: torch's private
@@ -80,16 +83,31 @@ def build(
 
 
 def peak_bytes(step) -> int:
+    return peak_and_counts(step)[0]
+
+
+def peak_and_counts(step) -> tuple[int, dict]:
+    """The step's peak bytes, and what it calls that is countable whatever the load: slimgrad
+    custom-op calls, ``aten::nonzero`` and scalar reads to the host (``_local_scalar_dense``:
+    ``item``, ``bool`` of a tensor), and ATen ops in all (torch.profiler's CPU events)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    all_events = list(prof.profiler.kineto_results.events())
+    events = [e for e in all_events if e.name() == "[memory]"]
     live = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         live += e.nbytes()
         peak = max(peak, live)
-    return peak
+    names = [e.name() for e in all_events]
+    counts = {
+        "custom_ops": sum(n.startswith("slimgrad::") for n in names),
+        "nonzero": names.count("aten::nonzero"),
+        "scalar_reads": names.count("aten::_local_scalar_dense"),
+        "aten_ops": sum(n.startswith("aten::") for n in names),
+    }
+    return peak, counts
 
 
 def make_step(model, batch, backend):
@@ -188,6 +206,7 @@ def run(
     ratios = [s / e for s, e in zip(ms["slimgrad"], ms["eager"], strict=True)]
     cpu_ratios = [s / e for s, e in zip(cpu["slimgrad"], cpu["eager"], strict=True)]
     recs = []
+    peaks = {n: peak_and_counts(made[n][0]) for n in settings}
     for n in settings:
         step, losses, warm_s = made[n]
         k, k_eager = kept[n]
@@ -207,7 +226,8 @@ def run(
                 "attention_dropout": model.config.attention_dropout
                 if family == "llama"
                 else model.config.attn_pdrop,
-                "peak_bytes": peak_bytes(step),
+                "peak_bytes": peaks[n][0],
+                "per_step": peaks[n][1],
                 "kept_bytes": k,
                 "kept_bytes_uncompiled": k_eager,
                 "step_ms_median": statistics.median(ms[n]),
@@ -264,6 +284,7 @@ def main() -> None:
                 print(
                     f"{r['case']:28s} {r['provider']:9s} breaks {r['graph_breaks']:2d} "
                     f"frames {r['frames_compiled']} guards {r['guards']} {r['guards_per_entry']} "
+                    f"per step {r['per_step']} "
                     f"peak {r['peak_bytes'] / MiB:8.2f} MiB  kept {r['kept_bytes']} B "
                     f"(uncompiled {r['kept_bytes_uncompiled']} B)  "
                     f"step {r['step_ms_median']:8.2f} ms  "

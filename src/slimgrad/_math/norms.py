@@ -241,7 +241,9 @@ def _fallback_mask(weight, bias, out_dtype):
     ok = aw >= torch.finfo(out_dtype).tiny
     if b is not None:
         ok &= b.abs() <= BETA_OVER_GAMMA_MAX * aw
-    ok &= torch.isfinite(aw)
+    # isfinite(aw), for aw = |w| >= 0 or NaN: aw <= the largest finite value (False for inf and
+    # NaN), the same booleans in one op where isfinite's composite makes four
+    ok &= aw <= torch.finfo(acc).max
     return ~ok
 
 
@@ -253,13 +255,31 @@ def _fallback_mask(weight, bias, out_dtype):
 # itself: a global optimizer step post-hook (``register_optimizer_step_post_hook``, public API,
 # registered once after the epoch counter's, so it runs after that count moved) recomputes, for
 # every cache entry whose weight or bias that optimizer holds, the fallback mask on the device,
-# concatenates the masks of each device and finds them all with one ``nonzero``: one host read per
-# device per optimizer step, not one per norm in the forward (an entry of another optimizer's
-# parameters is left to its next forward, as before). Each entry is stored under the key the next
-# forward computes (the parameters' versions and the step count after the step), so that forward
-# hits the cache and reads no device value; when it does not hit (another write after the step,
-# a new dtype), it finds its channels itself as before. Under torch.compile the hook does nothing
-# (the forward then finds them itself).
+# concatenates the masks of each device and reads once whether any channel falls back (``any``):
+# one host read per device per optimizer step, not one per norm in the forward (an entry of
+# another optimizer's parameters is left to its next forward, as before). Only a device where
+# some channel falls back runs one ``nonzero`` over the masks and reads the positions (a second
+# read); the common answer, none, costs no ``nonzero`` and no index list (tiny HF Llama, 5 norms,
+# SGD: 11 ATen ops per renewal, 14 before, ``tests/test_compile_renew.py``; the mask's
+# ``isfinite`` is one compare against the largest finite value, the same booleans). Each entry is
+# stored under the key the next forward computes (the parameters' versions and the step count after
+# the step), so that forward hits the cache and reads no device value; when it does not hit
+# (another write after the step, a new dtype), it finds its channels itself as before. An
+# optimizer step being compiled renews nothing (the forward then finds them itself); a compiled
+# model's eager optimizer step renews as above, and its RMSNorm side op (``hf_rms_norm_side``)
+# reads the renewed entries at run time.
+#
+# NOTE [Another optimizer's step]
+# The key counts every optimizer step in the process (NOTE [Steps that skip the version counter]
+# in _math/steps.py), so with two optimizers (two models trained in one process, or one model's
+# parameters split between two optimizers) each step made the entries of the other's parameters
+# stale, and their next forwards missed the cache and ran a ``nonzero`` each (the compile_step
+# benchmark, which steps compiled eager and the converted model alternately in one process: 5
+# per converted tiny Llama step). A step writes only the parameters its optimizer holds, so at
+# a step the renewal moves every other entry that was current before the step (its count one
+# less) to the new count, keeping its versions: a visible write since then still misses on
+# them, and an entry already stale stays stale. What the set of held parameters misses is
+# renewed by no one, so it is made from the optimizer's groups at every step.
 _RENEW_HOOKED = [False]
 
 
@@ -304,7 +324,12 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         if ref is None or (ww is not None and weight is None) or (bw is not None and bias is None):
             continue
         if stepped is not None and id(weight) not in stepped and id(bias) not in stepped:
-            continue  # not this optimizer's: its next forward renews it itself if it changed
+            # not this optimizer's: its step wrote neither parameter, so an entry current before
+            # the step is current after it, under the new count (NOTE [Another optimizer's step])
+            k = entry[1]
+            if k[3] == count - 1:
+                _FB_CACHE[slot] = (wref, k[:3] + (count,) + k[4:], entry[2], entry[3], entry[4])
+            continue
         try:
             w_key, b_key = _norm_key(weight, bias)
         except RuntimeError:  # an inference tensor (not cached in the first place)
@@ -346,8 +371,14 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             group[0].extend(items)
             group[1].append(mask)
     for dev, (items, masks) in groups.items():
-        hits = torch.nonzero(torch.cat(masks) if len(masks) > 1 else masks[0]).reshape(-1)
-        pos = hits.tolist() if hits.shape[0] else []  # the one host read (small)
+        mask = torch.cat(masks) if len(masks) > 1 else masks[0]
+        # the one host read: whether any channel falls back (the common answer: none, and then
+        # no nonzero), else where (NOTE [Fallback channels renewed at the optimizer step])
+        if mask.any():
+            hits = torch.nonzero(mask).reshape(-1)
+            pos = hits.tolist()
+        else:
+            hits, pos = None, []
         start, j = 0, 0
         empty = None  # one 0-element table for the device (never handed out: callers copy)
         for slot, entry, key, n in items:

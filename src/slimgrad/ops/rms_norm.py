@@ -592,10 +592,22 @@ def _hf_side(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # the fallback channels of y = xhat * gamma and x's columns there (a custom op: tracers see a
     # table of data-dependent length, NOTE [Side tables under FakeTensorMode and torch.compile])
-    idx = fallback_channels(gamma, None, out_dtype)
+    d = x.shape[-1]
+    if type(gamma) in _PLAIN and type(x) in _PLAIN:
+        # real plain tensors (the op's implementation never sees a fake one): the cache's lean
+        # lookup, None where no channel falls back (NOTE [Fallback channels, once per weight
+        # version]): then no gather, the empty table made directly (the same values)
+        idx = fallback_or_none(gamma, None, out_dtype)
+        if idx is None:
+            return (
+                torch.empty(0, dtype=torch.int64, device=x.device),
+                x.new_empty((x.numel() // d if d else 0, 0)),
+            )
+    else:
+        idx = fallback_channels(gamma, None, out_dtype)
     if idx.device != x.device:
         idx = idx.to(x.device)
-    return idx, x.reshape(-1, x.shape[-1]).index_select(1, idx)
+    return idx, x.reshape(-1, d).index_select(1, idx)
 
 
 @_hf_side.register_fake
@@ -603,6 +615,11 @@ def _(x, gamma, out_dtype):
     d = x.shape[-1]
     k = dynamic_size(max=d)
     return x.new_empty((k,), dtype=torch.int64), x.new_empty((x.numel() // max(d, 1), k))
+
+
+# the op itself for the compiled forward: one global for Dynamo to guard, where calling the
+# SlimOp wrapper made it guard the wrapper, its CustomOpDef and their __call__ code (7)
+_HF_SIDE_OP = _hf_side._opoverload
 
 
 class _HFRMSNormFromOutputFn(torch.autograd.Function):
@@ -826,6 +843,22 @@ class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
     # the row dot / D, then (g - xhat * c) * rstd); inductor's fused order rounds differently,
     # within the error rule (tests/test_compile_rms_norm.py).
     @staticmethod
+    def forward(ctx, x, weight, eps, variant):
+        # _HFRMSNormFromOutputFn's general forward as Dynamo traces it (the side table always a
+        # tensor: its length is symbolic), calling the side op's OpOverload itself (NOTE [What a
+        # compiled HF RMSNorm reads])
+        fwd, gamma_of = HF_VARIANTS[variant]
+        y, rstd = fwd(x, weight, eps)
+        ctx.variant = variant
+        ctx.materialize_grads = False
+        idx, xside = _HF_SIDE_OP(x, gamma_of(weight) if weight is not None else None, y.dtype)
+        ctx.save_for_backward(y, rstd, idx, xside, weight)
+        # the table is returned too: a traced forward must return every tensor of data-dependent
+        # size it creates (torch.compile's unbacked sizes)
+        ctx.mark_non_differentiable(idx, xside)
+        return y, idx, xside
+
+    @staticmethod
     def backward(ctx, dy, *_):
         if _grad_on():
             return refuse_second_order("ops.rms_norm", _HFRMSNormCompiledFn.backward, ctx, (dy, *_))
@@ -900,6 +933,45 @@ class _HFRMSNormRecomputeFn(torch.autograd.Function):
         return _hf_recompute(ctx, dy, False)
 
 
+# NOTE [What a compiled HF RMSNorm reads]
+# Dynamo guards every global, module attribute and function code object that the code it traces
+# reads, and every compiled call checks all of them: host time per call that grows with their number
+# (after a training step the guard tree's objects are out of cache). So while Dynamo traces,
+# ``hf_rms_norm`` first asks :func:`_hf_rms_norm_compiling` whether its lean case holds, on facts
+# the trace sees as constants (the tensors' types, dtypes, shapes and requires_grad, which the
+# tensors' own guards already hold, the variant, grad mode, torch.func transforms), and applies
+# ``_HFRMSNormCompiledFn`` at once; its forward calls the side op's OpOverload. Everything else
+# (DTensor, other dtypes, no grad) takes the general path below, as before. The same graph, ops and
+# saved tensors; what the trace no longer reads: the straight path's gate, ``_dtensor``'s registry,
+# ``refuse_jit`` (no TorchScript trace runs inside a Dynamo trace), and the side op's wrapper
+# objects (``tests/test_compile_rms_norm_guards.py``).
+
+
+def _hf_rms_norm_compiling(input, weight, eps, variant):
+    # hf_rms_norm's lean case while Dynamo traces (NOTE [What a compiled HF RMSNorm reads]), or
+    # None: the general path decides
+    if (
+        type(input) in _PLAIN
+        and type(weight) in _PLAIN_OR_NONE
+        and input.dtype == torch.float32
+        and input.numel() > 0
+        and variant in HF_VARIANTS
+        and (
+            weight is None
+            or (
+                weight.shape == input.shape[-1:]
+                and weight.dtype != torch.float64
+                and not (variant == "t5" and weight.dtype in HALF_DTYPES)
+            )
+        )
+        and (input.requires_grad or (weight is not None and weight.requires_grad))
+        and _grad_on()
+        and not transforms_active()
+    ):
+        return _HFRMSNormCompiledFn.apply(input, weight, float(eps), variant)[0]
+    return None
+
+
 def hf_rms_norm(
     input: torch.Tensor, weight: torch.Tensor | None, eps: float, variant: str = "llama"
 ) -> torch.Tensor:
@@ -927,6 +999,10 @@ def hf_rms_norm(
     Example:
         >>> y = hf_rms_norm(torch.randn(4, 8, requires_grad=True), torch.ones(8), 1e-6)
     """
+    if compiling():  # a constant to Dynamo (NOTE [What a compiled HF RMSNorm reads])
+        y = _hf_rms_norm_compiling(input, weight, eps, variant)
+        if y is not None:
+            return y
     if (  # the straight path of the lean case below: NOTE [One gate per call]
         type(input) in _PLAIN
         and type(weight) in _PLAIN_OR_NONE

@@ -1,0 +1,168 @@
+"""The fallback channels renewed at an optimizer step (NOTE [Fallback channels renewed at the
+optimizer step] in ``slimgrad/_math/norms.py``): what a training step pays for them, compiled or
+not (under torch.compile the side op reads the renewed entries at run time), and that the cheaper
+renewal finds what a fresh search finds."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from slimgrad._math import norms
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _old_mask(weight, bias, out_dtype):
+    # the rule as written before (isfinite): the reference the cheaper mask must equal
+    acc = norms.acc_dtype((weight if weight is not None else bias).dtype)
+    w = weight.detach().reshape(-1).to(acc) if weight is not None else None
+    b = bias.detach().reshape(-1).to(acc) if bias is not None else None
+    aw = w.abs() if w is not None else torch.ones_like(b)
+    ok = aw >= torch.finfo(out_dtype).tiny
+    if b is not None:
+        ok &= b.abs() <= norms.BETA_OVER_GAMMA_MAX * aw
+    ok &= torch.isfinite(aw)
+    return ~ok
+
+
+_SPECIAL = [0.0, -0.0, 1.0, -2.5, 1e-40, -1e-40, 1e-30, math.inf, -math.inf, math.nan]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_mask_is_the_isfinite_rule(dtype, out_dtype, with_bias):
+    vals = _SPECIAL + [torch.finfo(dtype).max, -torch.finfo(dtype).max, torch.finfo(dtype).tiny]
+    w = torch.tensor([a for a in vals for _ in vals], dtype=torch.float64).to(dtype)
+    b = torch.tensor([c for _ in vals for c in vals], dtype=torch.float64).to(dtype)
+    b = b if with_bias else None
+    assert torch.equal(norms._fallback_mask(w, b, out_dtype), _old_mask(w, b, out_dtype))
+
+
+def _llama_norms(n=5, d=17):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(d, generator=g)) for _ in range(n)]
+
+
+def test_renewal_without_fallback_channels_runs_no_nonzero():
+    # five RMSNorm weights of one optimizer, none with a fallback channel: the renewal reads
+    # whether any falls back (one `any`) and runs no nonzero; before: nonzero and the composite
+    # isfinite (14 ATen ops, 11 now)
+    ws = _llama_norms()
+    opt = torch.optim.SGD(ws, lr=0.1)
+    for w in ws:
+        assert norms.fallback_or_none(w, None, torch.float32) is None
+    norms._renew(opt)
+    with _Ops() as ops:
+        norms._renew(opt)
+    assert "aten.nonzero" not in ops.count, dict(ops.count)
+    assert "aten.isfinite" not in ops.count and "aten.ne" not in ops.count, dict(ops.count)
+    assert ops.count["aten.any"] == 1
+    assert sum(ops.count.values()) <= 11, dict(ops.count)
+    for w in ws:  # renewed: the next forward's key hits, and finds no channel
+        assert norms._FB_CACHE[id(w)][1][0][0] == w._version
+        assert norms.fallback_or_none(w, None, torch.float32) is None
+
+
+@pytest.mark.parametrize("bad", [0.0, 1e-42, math.inf, -math.inf, math.nan])
+def test_renewal_finds_what_a_fresh_search_finds(bad):
+    ws = _llama_norms()
+    gamma = torch.randn(17, generator=torch.Generator().manual_seed(3))
+    lw = torch.nn.Parameter(gamma.clone())
+    lb = torch.nn.Parameter(torch.randn(17, generator=torch.Generator().manual_seed(4)))
+    opt = torch.optim.SGD([*ws, lw, lb], lr=0.1)
+    for w in ws:
+        norms.fallback_or_none(w, None, torch.float32)
+    norms.fallback_or_none(lw, lb, torch.float32, norms.layer_norm_gamma)
+    with torch.no_grad():  # visible writes (version counters move), as an optimizer step's
+        ws[1][3] = bad
+        ws[4][0] = bad
+        ws[4][16] = bad
+        lw[5] = bad
+    norms._renew(opt)
+    for w in ws:
+        entry = norms._FB_CACHE[id(w)]
+        fresh = norms._find_fallback_channels(w, None, torch.float32)
+        assert torch.equal(entry[2], fresh) and entry[4] == (fresh.shape[0] > 0)
+        got = norms.fallback_or_none(w, None, torch.float32)  # a hit: the renewed entry
+        assert (got is None) == (fresh.shape[0] == 0)
+        assert got is None or torch.equal(got, fresh)
+    entry = norms._FB_CACHE[id(lw)]
+    fresh = norms._find_scaled(lw, lb, torch.float32, norms.layer_norm_gamma)
+    assert torch.equal(entry[2], fresh)
+    assert ws[1][3] != ws[1][3] or ws[1][3].abs() < 1e-30 or ws[1][3].isinf()
+    assert torch.equal(norms._FB_CACHE[id(ws[1])][2], torch.tensor([3]))
+
+
+def test_stepped_parameters_follow_a_new_group():
+    # the ids of an optimizer's parameters are kept between steps; a group added later is seen
+    a, b = _llama_norms(2)
+    opt = torch.optim.SGD([a], lr=0.1)
+    norms.fallback_or_none(a, None, torch.float32)
+    norms.fallback_or_none(b, None, torch.float32)
+    norms._renew(opt)
+    opt.add_param_group({"params": [b]})
+    with torch.no_grad():
+        b[2] = 0.0
+    norms._renew(opt)
+    entry = norms._FB_CACHE[id(b)]
+    assert entry[1][0][0] == b._version  # renewed under b's current version
+    assert torch.equal(entry[2], torch.tensor([2]))
+
+
+def _grads(ps):
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+
+
+def test_another_optimizers_step_keeps_the_entries_current():
+    # NOTE [Another optimizer's step]: the norms' optimizer steps, then another one (a second
+    # model in the process, compile_step's eager baseline): the norms' next lookups hit the cache;
+    # before, each missed and ran a nonzero
+    ws = _llama_norms(3)
+    other = torch.nn.Parameter(torch.randn(5))
+    opt_a = torch.optim.SGD(ws, lr=0.1)
+    opt_b = torch.optim.SGD([other], lr=0.1)
+    for w in ws:
+        assert norms.fallback_or_none(w, None, torch.float32) is None
+    _grads([*ws, other])
+    for _ in range(2):
+        opt_a.step()
+        opt_b.step()
+    with _Ops() as ops:
+        for w in ws:
+            assert norms.fallback_or_none(w, None, torch.float32) is None
+    assert "aten.nonzero" not in ops.count, dict(ops.count)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_that_makes_a_fallback_channel_is_seen_after_another_step(fused):
+    # the norms' optimizer (fused: no version bump) zeroes a channel, then another optimizer
+    # steps: the entry was renewed by its own optimizer's step, not carried over stale
+    w = torch.nn.Parameter(torch.full((7,), 0.5))
+    other = torch.nn.Parameter(torch.randn(5))
+    opt_a = torch.optim.SGD([w], lr=0.5, fused=fused)
+    opt_b = torch.optim.SGD([other], lr=0.1)
+    assert norms.fallback_or_none(w, None, torch.float32) is None
+    w.grad = torch.zeros(7)
+    w.grad[2] = 1.0  # 0.5 - 0.5 * 1.0 = 0 exactly
+    other.grad = torch.zeros(5)
+    opt_a.step()
+    opt_b.step()
+    assert w[2].item() == 0.0
+    got = norms.fallback_or_none(w, None, torch.float32)
+    assert got is not None and torch.equal(got, torch.tensor([2]))
+    assert torch.equal(got, norms._find_fallback_channels(w, None, torch.float32))
