@@ -38,6 +38,11 @@ default) and selective policies run under ``autograd.grad``; a graph with a reen
 its gradients with ``loss.backward()`` instead, every ``.grad`` put back afterwards (NOTE
 [Gradients under reentrant checkpointing]; the run's report notes it).
 
+A model whose float64 copy cannot run a step (HF XGLM writes ``finfo(float64).min`` into a
+float32 mask; a module that checks its dtype) fails that run with a ``slimgrad.verify`` message
+naming the original error: verify cannot judge it there (NOTE [A float64 reference that cannot
+run]).
+
 Known limit: HF's eager attention (Bloom, Gemma2, any model loaded with
 ``attn_implementation="eager"``) takes its softmax in float32, so in the float64 copy a fully
 masked row of a padded batch is NaN. ``verify`` then reports the non-finite reference (it cannot
@@ -967,8 +972,36 @@ def _restore(saved: list) -> None:
                 buffers[n].copy_(v)
 
 
+# NOTE [A float64 reference that cannot run]
+# The rule needs a float64 run of the original. Some models cannot make one: HF XGLM fills a
+# float32 mask with ``torch.finfo(float64).min`` (torch.full raises "value cannot be converted to
+# type float without overflow"), a module may check its dtype, refuse float64 in ``_apply`` or in
+# a custom backward. Their error, raised from inside verify, read as a bug of the model or of
+# slimgrad. verify says what happened instead: a copy that cannot be made in float64 raises a
+# slimgrad RuntimeError; a step the copy cannot run fails that run (as a non-finite reference
+# does: verify cannot vouch for it) with the original error named, never a pass.
+
+
+def _reference_failed(what: str, err: Exception) -> str:
+    return (
+        f"slimgrad.verify: the float64 reference {what}; expected a float64 copy of "
+        f"the original model to run the step (the error rule's reference), got "
+        f"{type(err).__name__}: {err}. verify cannot judge this model there: make the code that "
+        "fails run in float64 (e.g. a constant such as torch.finfo(torch.float64).min written "
+        "into a float32 tensor), or compare the converted model with the original directly "
+        "(slimgrad.testing.assert_within_rule against a reference you can run)."
+    )
+
+
 def _reference(model: nn.Module) -> nn.Module:
     ref = _copy_of(model)
+    try:
+        return _widened(ref)
+    except Exception as err:  # NOTE [A float64 reference that cannot run]
+        raise RuntimeError(_reference_failed("cannot be made", err)) from err
+
+
+def _widened(ref: nn.Module) -> nn.Module:
     # Module._apply sets a sparse CSR/CSC/BSR/BSC Parameter's .data to the float64 tensor, which
     # changes its dtype but not its values' (torch 2.13): sparse Parameters are replaced here, one
     # new Parameter per old one (tied ones stay tied)
@@ -1022,7 +1055,13 @@ def _run(
                 "every input the original accepts."
             ],
         )  # fmt: skip
-    r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64, input_grads=dx)
+    try:
+        r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64, input_grads=dx)
+    except Exception as err:  # NOTE [A float64 reference that cannot run]
+        return VerifyRun(
+            name, float(e.loss), float(c.loss), float("nan"), False,
+            failures=[_reference_failed(f"cannot run the {name} batch", err)],
+        )  # fmt: skip
 
     def atol_of(t):
         if atol is not None:
@@ -1157,7 +1196,9 @@ def verify(
     Raises:
         ValueError: the two models' trainable parameter names differ.
         RuntimeError: the original cannot be deep-copied (e.g. it holds a cache with autograd
-            history: the message names the attribute).
+            history: the message names the attribute), or its copy cannot be made float64 (a
+            step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
+            that cannot run]).
         TypeError: no loss can be made from the output and no ``loss_fn`` was given.
 
     Example:

@@ -184,12 +184,16 @@ def test_smooth_dense_fallback_like_torch(K):
 
 def test_smooth_noncontiguous_and_empty(K):
     spec, ref, fwd, bwd, _ = _smooth(K, "silu", None)
-    x = torch.randn(9, 31).t()
-    y, bits, idx, xs = fwd(x)
-    ry, rbits, ridx, rxs = ref_act.smooth_fwd(spec, x, ref._fwd_torch)
-    assert torch.equal(bits, rbits)
-    _same_side_table(idx, xs, ridx, rxs)
-    assert y.shape == ry.shape
+    # side information in x's memory order, y in empty_like(x)'s layout (NOTE [Eager's output on
+    # a strided input] in slimgrad/_math/layout.py), as the ops' PyTorch path
+    for x in (torch.randn(9, 31).t(), torch.randn(9, 62)[:, ::2]):
+        y, bits, idx, xs = fwd(x)
+        ry, rbits, ridx, rxs = ref_act.in_memory_order(
+            x, ref._fwd_torch, lambda xm, f: ref_act.smooth_fwd(spec, xm, f)
+        )
+        assert torch.equal(bits, rbits)
+        _same_side_table(idx, xs, ridx, rxs)
+        assert y.shape == ry.shape and y.stride() == ry.stride() == torch.empty_like(x).stride()
     e = torch.empty(0, 4)
     assert fwd(e)[0].shape == e.shape
 

@@ -12,6 +12,8 @@ of their side information) lives here, below both:
   ``smooth_grad``;
 - :mod:`slimgrad._math.abn`: In-Place ABN's plain-PyTorch statistics, side channels, forward and
   chunked backward;
+- :mod:`slimgrad._math.layout`: an elementwise op's memory order, and eager's output on a strided
+  input (the smooth activations' ops and Triton kernels);
 - :mod:`slimgrad._math.linear_cross_entropy`: the fused LM loss's chunk loops (PyTorch path);
 - :mod:`slimgrad._math.norms`: LayerNorm's and RMSNorm's fallback channels, xhat rebuilt from the
   output, forwards and chunked backwards (PyTorch path);

@@ -32,6 +32,7 @@ import triton.language as tl
 from slimgrad._errors import internal_error
 from slimgrad._math import smooth as _ref
 from slimgrad._math.bits import packed_numel
+from slimgrad._math.layout import in_memory_order, memory_order
 from slimgrad.kernels._common import BLOCK, add, cast_out, expm1, grid1, pack_tile, tanh, unpack
 
 # ---------------------------------------------------------------------------------------------
@@ -251,21 +252,30 @@ _SMOOTH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True):
     """``_math.smooth.smooth_fwd`` with Triton kernels: (y, bits, idx, xs). y, bits and the
-    fallback rule as the PyTorch path; idx / xs hold the same elements, in ascending order."""
+    fallback rule as the PyTorch path; idx / xs hold the same elements, in ascending order.
+    x in any layout: y in ``torch.empty_like(x)``'s, the side information in x's memory order
+    (NOTE [Eager's output on a strided input] in slimgrad/_math/layout.py)."""
     if x.dtype not in _SMOOTH_DTYPES or x.numel() == 0 or x.dim() == 0:
-        return _ref.smooth_fwd(spec, x, fwd_torch, fallback)
+        return in_memory_order(x, fwd_torch, lambda xm, f: _ref.smooth_fwd(spec, xm, f, fallback))
     inv = _ref.inverse(spec)
     w, tail = _ref._window(spec, x.dtype)
-    xc = x.contiguous()
+    p = memory_order(x)
+    # y written through its memory-order view (contiguous), read from x's (a copy if it has gaps)
+    y = (
+        torch.empty_like(x)
+        if p is not None
+        else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    )
+    xc = x.contiguous() if p is None else x.permute(p)
+    yk = y if p is None else y.permute(p)
     n = xc.numel()
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     grid = grid1(n)
     cnt = torch.empty(grid[0], dtype=torch.int32, device=x.device)
     tail_v = float(tail) if tail is not None else 0.0
     _smooth_fwd_kernel[grid](
-        xc, y, bits, cnt, n, inv.x_star, float(w), tail_v,
+        xc, yk, bits, cnt, n, inv.x_star, float(w), tail_v,
         ACT=act, TAIL=tail is not None, BLOCK=BLOCK,
     )  # fmt: skip
     flat = xc.view(-1)

@@ -99,6 +99,8 @@ from slimgrad._errors import internal_error
 from slimgrad._library import straight
 from slimgrad._math import smooth as smooth_math
 from slimgrad._math.bits import packed_numel
+from slimgrad._math.layout import eager_output, in_memory_order, memory_order
+from slimgrad._math.layout import inverse_perm as _inverse_perm
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
     _TABLE_N,
     CHUNK,
@@ -131,27 +133,6 @@ def forward_output_only(ctx, x: torch.Tensor, inplace: bool, fwd: Callable, fwd_
         y = fwd(x)
     ctx.save_for_backward(y)
     return y
-
-
-def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation ``p`` with ``out.permute(p)`` contiguous for eager's output layout ``out`` of
-    an elementwise op on ``x`` (``torch.empty_like``: x's strides when x is dense, else its
-    dimension order); None for the identity (NOTE [Layout of the smooth activations])."""
-    if x.is_contiguous() or x.dim() < 2:
-        return None
-    like = torch.empty_like(x, device="meta")
-    st = like.stride()
-    p = tuple(sorted(range(x.dim()), key=lambda d: (-st[d], d)))
-    if p == tuple(range(x.dim())) or not like.permute(p).is_contiguous():
-        return None
-    return p
-
-
-def _inverse_perm(p: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(p)
-    for i, d in enumerate(p):
-        inv[d] = i
-    return tuple(inv)
 
 
 def record_layout(ctx, x: torch.Tensor) -> None:
@@ -192,10 +173,12 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
     # NOTE [Layout of the smooth activations]
     Eager's elementwise ops keep the input's layout (channels_last, transposed) and their backward
     follows the incoming gradient's (or, if that is not dense, the input's). The side information
-    (bits, hard indices) is in memory order: the op runs on ``x.permute(p)``, contiguous for a
-    dense x (:func:`memory_order`), and returns y permuted back (a ``detach``-ed alias, not a view,
-    so that in-place writes to it are allowed); backward reads g in the same order and returns dx
-    in g's layout (a copy only when g is dense with another layout than y).
+    (bits, hard indices) is in memory order: the op gets x in its own layout, computes y by eager's
+    call on it (eager's bits: NOTE [Eager's output on a strided input] in slimgrad/_math/layout.py)
+    and its side information on ``x.permute(p)``, contiguous for a dense x (:func:`memory_order`);
+    backward reads y through ``y.permute(p)`` (a ``detach``-ed alias, not a view of the output:
+    no reference cycle), g in the same order, and returns dx in g's layout (a copy only when g is
+    dense with another layout than y).
 
     The dense fallback (NOTE [Gradient from the output]) keeps x itself, as eager (``xs`` is
     dropped), so its backward is eager's formula on x and a double backward gets eager's second
@@ -205,12 +188,13 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
     ctx.perm = perm
     ctx.cpath = None  # NOTE [The straight C path of the smooth activations]
     record_layout(ctx, x)
-    xp = x if perm is None else x.permute(perm)
-    y, bits, idx, xs = fwd_op(xp, *args)
-    if perm is None:  # fwd_op may return its flat product viewed in x's shape
-        y = out = fresh(y)  # NOTE [Function outputs are not views] in ops/linear.py
-    else:
-        out = y.permute(_inverse_perm(perm)).detach()
+    # x in its own layout: y is eager's call on it, in eager's layout, the side information in
+    # x's memory order (NOTE [Eager's output on a strided input] in slimgrad/_math/layout.py)
+    y, bits, idx, xs = fwd_op(x, *args)
+    # fwd_op may return its flat product viewed in x's shape
+    y = out = fresh(y)  # NOTE [Function outputs are not views] in ops/linear.py
+    if perm is not None:  # backward reads y in memory order: an alias (not a view: no cycle)
+        y = out.permute(perm).detach()
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing (unbacked
     # sizes) except for the few-element rule (NOTE [Few elements]), so kept then
     compiling = _autograd.compiling()  # NOTE [One-frame compile check]
@@ -347,11 +331,14 @@ def keeps_x(x: torch.Tensor) -> bool:
 
 
 def dense_side_info(x: torch.Tensor, fwd: Callable):
-    """(y, bits, idx, xs) of the dense path: eager's y and x flattened (NOTE [Few elements])."""
-    flat = x.reshape(-1)
+    """(y, bits, idx, xs) of the dense path: eager's y (on x's layout: NOTE [Eager's output on a
+    strided input] in slimgrad/_math/layout.py) and x flattened in memory order (NOTE [Few
+    elements])."""
+    p = memory_order(x)
+    flat = (x if p is None else x.permute(p)).reshape(-1)
     idx_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
     return (
-        fwd(x),
+        eager_output(x, fwd),
         torch.empty(0, dtype=torch.uint8, device=x.device),
         torch.empty(0, dtype=idx_dtype, device=x.device),
         flat.clone(),
@@ -627,6 +614,12 @@ def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
     x itself for a few elements (NOTE [Few elements])."""
     if keeps_x(x):  # NOTE [Few elements]
         return dense_side_info(x, fwd)
+    # y by eager's call on x's own layout, the rest on its memory order: NOTE [Eager's output on
+    # a strided input] in slimgrad/_math/layout.py
+    return in_memory_order(x, fwd, lambda xm, f: _smooth_fwd_on(spec, xm, f))
+
+
+def _smooth_fwd_on(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
     lib = _backend.use_cpu(x, C_STEM)
     if lib is not None:
         return smooth_fwd_c(lib, spec, x, fwd)
