@@ -161,3 +161,32 @@ def test_hf_xglm():
     assert not rep.ok
     for run in rep.runs:
         assert any(f.startswith(_MSG) and "overflow" in f for f in run.failures), run.failures
+
+
+class _SetsRequiresGradOnAView(nn.Module):
+    # as HF Wav2Vec2's feature encoder: requires_grad set on a view of the input in training
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = x[:, None]
+        if self.training:
+            h.requires_grad = True
+        return self.lin(h).sum()
+
+
+def test_inputs_the_original_will_not_take_as_leaves():
+    torch.manual_seed(0)
+    model = _SetsRequiresGradOnAView()
+    slim = slimgrad.convert_(copy.deepcopy(model))
+    x = torch.randn(2, 4)
+    before = copy.deepcopy(model.state_dict())
+    rep = slimgrad.verify(model, slim, x, modes=("train",), loss_fn=lambda out: out)
+    assert rep.ok, str(rep)
+    (run,) = rep.runs
+    assert not run.input_grads
+    assert any("input gradients not compared" in n for n in run.notes), run.notes
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the original as it was
+    assert all(p.grad is None for p in model.parameters())
