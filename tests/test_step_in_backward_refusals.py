@@ -191,21 +191,19 @@ def test_a_second_backward_in_one_step_is_refused_before_any_change():
     with pytest.raises(
         RuntimeError,
         match=r"^slimgrad\.step_in_backward: a second backward in one step .*; expected one "
-        r"backward between two step\(\) calls, got a second backward after 4 ",
+        r"backward between two step\(\)/zero_grad\(\) calls, got a second backward after 4 ",
     ):
         _loss(m, 2).backward()
     _untouched(before, m, handle)
     # two losses over disjoint parameters are refused as well (their sum, backward'ed once, is
     # the supported form): the first parameter reached is the second layer's
     handle.step()
-    handle.zero_grad()
     m[2](torch.randn(2, 7)).sum().backward()
     before = _snap(m, handle)
     with pytest.raises(RuntimeError, match=r"a second backward in one step"):
         m[0](_x(3)).sum().backward()
     _untouched(before, m, handle)
     handle.step()
-    handle.zero_grad()
     _steps(m, handle, 4, 1)
 
 
@@ -285,7 +283,6 @@ def test_several_processes_are_refused_before_any_change(monkeypatch, accumulate
     monkeypatch.undo()
     _loss(m, 1).backward()  # the cycle goes on
     handle.step()
-    handle.zero_grad()
     assert all(p.grad is None for p in m.parameters())
 
 

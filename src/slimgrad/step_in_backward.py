@@ -28,10 +28,8 @@ post-accumulate hook fires once per backward per leaf, after that: a parameter u
 embeddings) is updated once, from the summed gradient, as in the plain loop. Frozen parameters get
 no hook; a parameter that gets no gradient in a backward sees no hook call, so it is left alone as
 ``opt.step()`` leaves a parameter whose ``.grad`` is None (the plain loop with the default
-``zero_grad(set_to_none=True)``). A loop that zeroes gradients in place keeps a zero tensor there,
-and its ``step()`` applies weight decay and momentum to a parameter that got no gradient: the
-handle does the same at the end of that backward (NOTE [The gradients the plain loop still
-holds]).
+``zero_grad(set_to_none=True)``; a loop that zeroes gradients in place instead would also apply
+weight decay and momentum to parameters that got no gradient).
 
 The update writes the parameter in place while backward goes on. Every node that computes a
 gradient for ``p`` has run by then; a node that keeps ``p`` without computing its gradient (a
@@ -83,22 +81,15 @@ arrives after the rows were updated, and the handle raises.
 In the plain loop a step is everything between two ``opt.step()`` calls. Here the update happens in
 backward, so the handle needs to know when a step ends:
 
-- ``handle.step()`` updates nothing (the update already happened) and marks the end of a step;
-  the loop calls it after each backward that updates, as the plain loop calls ``opt.step()``. A
-  second backward with no ``step()`` since the one that updated is refused at its first hook,
-  before any change: two losses backward'ed separately (even over disjoint parameters: backward
-  their sum once), micro-batch gradient accumulation with ``step()`` every N backward calls, a
-  loop without ``step()``. The plain loop would sum those gradients and step once (or never);
-  here each backward would step. ``accumulate=N`` is the exact mode for accumulation. The first
-  backward of such a loop has updated already: nothing before it can tell.
-- The gradients: the plain loop's ``.grad`` holds them from backward until the loop zeroes them
-  (``opt.zero_grad()``, ``model.zero_grad()``, ``p.grad = None``); a loop that never zeroes adds
-  each step's gradients to the last ones. ``step()`` leaves a marker in each ``.grad`` the plain
-  loop would hold, and the next backward reads what the loop did with it before any change
-  (NOTE [The gradients the plain loop still holds]): set to None or zeroed is followed exactly;
-  left alone (or scaled, ``p.grad.mul_(0.9)``) is refused, since that gradient was freed.
-- ``zero_grad()`` after a backward that updated, before ``step()``: the plain loop would discard
-  those gradients; here they were applied in backward. Refused, late (the update happened).
+- ``handle.step()`` and ``handle.zero_grad()`` are no-ops on the parameters (the update already
+  happened; there is no gradient to zero). They mark the end of a step. Once the loop calls either,
+  a second backward before the next call is refused at its first hook, before any change: two
+  losses backward'ed separately (even over disjoint parameters: backward their sum once), or
+  micro-batch gradient accumulation with ``step()`` every N backward calls. The plain loop would sum
+  those gradients and step once; here each backward would step. ``accumulate=N`` is the exact mode
+  for accumulation.
+- A loop that never calls ``step()``/``zero_grad()`` makes every backward a step, and those
+  mistakes cannot be seen. The first ``step()``/``zero_grad()`` call checks what happened before it.
 - ``backward(retain_graph=True)`` (and ``create_graph=True``, which keeps the graph too) in a
   backward that updates (every backward with ``accumulate=1``, the last of a cycle otherwise) is
   refused at its first hook: the update writes the parameters in place, so a second backward over
@@ -123,34 +114,6 @@ backward, so the handle needs to know when a step ends:
   while a process group of more than one process is initialised.
 - Optimizers whose ``step`` needs a closure (LBFGS) re-evaluate the loss: refused.
 - ``torch.amp.GradScaler``: refused (NOTE [GradScaler]).
-
-# NOTE [The gradients the plain loop still holds]
-Between ``step()`` and the loop's zeroing, the plain loop's ``.grad`` holds the step's gradients;
-here they were freed in backward. Whether the loop zeroes them, and how, decides the next step:
-set to None (``opt.zero_grad()``, ``model.zero_grad()``, HF Trainer's loop, ``p.grad = None``),
-the next gradient is fresh; zeroed in place (``set_to_none=False``), the next gradient is ``0 +
-g`` and a parameter that gets none is updated with a zero gradient (momentum, weight decay, Adam's
-moments and step); left alone, the next gradient is added to the last one. The handle cannot see
-``model.zero_grad()`` or ``p.grad = None`` (torch calls nothing it could hook), so it leaves
-something in ``.grad`` those calls change: ``step()`` puts in every ``.grad`` the plain loop would
-hold (the parameters updated in the step, and those holding a zero tensor) a marker, a sparse COO
-tensor of the parameter's shape storing one zero (every marker of a dtype and device shares that
-value and its index column: no gradient's bytes; made once per parameter and reused). Read as a
-gradient it is zero, as the plain loop's zeroed gradient; torch's ``zero_()`` on it leaves nothing
-stored. The first hook of the next backward that accumulates (a tensor hook, before the first
-``AccumulateGrad`` of the handle's parameters; ``torch.autograd.grad`` leaves ``.grad`` alone and
-is not a step) reads each marker: gone (None, or a tensor the loop put there, which AccumulateGrad
-adds to as in the plain loop) or zeroed (nothing stored, or the handle's own
-``zero_grad(set_to_none=False)``) is followed: zeroed parameters get ``.grad`` None back (the new
-gradient is stolen, no copy), are remembered, and their gradient in this step gets ``+ 0.0``
-(``0 + g`` differs from ``g`` only at -0.0, which becomes +0.0; ``g + 0.0`` is the same per
-element); those that get none are updated with ``zeros_like`` at the end of the backward, as
-``step()`` does. A marker still storing its zero on a parameter updated in the step (left alone,
-or written: ``mul_``) refuses the backward before any change: the plain gradient it stands for was
-freed. ``step()`` again without a backward applies what ``.grad`` holds again, as the plain loop's
-does (zero gradients; a left-alone gradient is refused). ``remove()`` takes the markers out.
-Cost on the host: a tensor hook call per parameter per backward and a grad assignment per
-parameter per ``step()``.
 
 # NOTE [GradScaler]
 Exact support is impossible: the scaler skips the whole step when any gradient holds an inf or a
@@ -186,17 +149,17 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   held-gradient check and the ownership check of every group run before the first hook is attached.
   ``add_param_group``: checked before the group is added.
 - In backward, at the handle's first hook of that backward, before any update: a second backward
-  in one step (no ``step()`` since the last update), gradients of the last step not zeroed,
-  ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter now requiring
-  grad, several processes. The hook is a tensor hook of each parameter: it runs before that
-  parameter's ``AccumulateGrad`` writes ``.grad`` (the row path of the fused loss runs the same
-  checks before its first block).
+  in one step, ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter
+  now requiring grad, several processes. The hook runs after ``AccumulateGrad`` wrote that one
+  parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's is,
+  between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
+  same checks before the gradient is added to the earlier micro-batches'.
 - ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
   handle are removed), a call inside backward, an unfinished accumulation cycle, a removed handle;
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
-Refusals that come after a change they cannot undo, stated where they happen: ``zero_grad()``
-between a backward that updated and ``step()`` (the plain loop would discard what was applied); a
+Refusals that come after a change they cannot undo, stated where they happen: a loop that never
+calls ``step()``/``zero_grad()`` learns at its first call that earlier backwards stepped twice; a
 use of the fused loss's head weight beside the loss arrives after its rows were updated (NOTE
 [Chunked updates]); a reentrant checkpoint backward inside an ``accumulate=N`` backward is seen when
 it starts, after the gradients (and, in the last micro-batch, the updates) of the parameters above
@@ -235,24 +198,16 @@ CHUNK_ELEMS = 1 << 20
 
 
 class _PreHook:
-    # a tensor hook of a parameter: runs the backward's refusals, and reads what the loop did to
-    # the gradients the plain loop would still hold (NOTE [The gradients the plain loop still
-    # holds]), before its AccumulateGrad writes .grad; weak, as _RowSink
-    __slots__ = ("param", "ref")
+    # a tensor hook of a parameter (accumulate=N): runs the backward's refusals before its
+    # gradient is added to the one of an earlier micro-batch; weak, as _RowSink
+    __slots__ = ("ref",)
 
-    def __init__(self, handle: StepInBackward, p: torch.Tensor) -> None:
+    def __init__(self, handle: StepInBackward) -> None:
         self.ref = weakref.ref(handle)
-        self.param = weakref.ref(p)
 
     def __call__(self, grad: torch.Tensor) -> None:
         handle = self.ref()
-        if handle is None or handle._removed:
-            return
-        if torch._C._current_graph_task_id() == handle._task:
-            return  # this backward already started (the common case: one id read per parameter)
-        p = self.param()
-        # torch.autograd.grad (or backward(inputs=...) without p) leaves .grad alone: not a step
-        if p is not None and _accumulates(torch.autograd.graph.get_gradient_edge(p).node):
+        if handle is not None and not handle._removed:
             handle._guarded(handle._start_backward)
 
 
@@ -372,11 +327,6 @@ def _forget_key(handle_ref: weakref.ref) -> Any:
     return dead
 
 
-def _markable(p: torch.Tensor) -> bool:
-    # NOTE [The gradients the plain loop still holds]: a marker stores one element at index 0
-    return p.numel() > 0 and p.dim() <= 64
-
-
 def _needs_closure(optimizer_class: type) -> bool:
     try:
         sig = inspect.signature(optimizer_class.step)
@@ -392,9 +342,8 @@ class StepInBackward(torch.optim.Optimizer):
     It is a ``torch.optim.Optimizer`` where users touch one: ``param_groups``, ``state``,
     ``defaults``, ``state_dict()``/``load_state_dict()`` (the plain optimizer's format, exchangeable
     with it), ``add_param_group()``, and LR schedulers, which change the ``lr`` the next backward
-    uses. ``step()`` and ``zero_grad()`` do nothing to the parameters that got a gradient: they
-    mark the end of a step and what the plain loop's ``.grad`` holds (NOTE [What a step is, and
-    what is refused]). ``optimizer`` is the plain optimizer that holds
+    uses. ``step()`` and ``zero_grad()`` do nothing to the parameters and mark the end of a step
+    (NOTE [What a step is, and what is refused]). ``optimizer`` is the plain optimizer that holds
     the state; ``remove()`` detaches the hooks, after which ``optimizer`` can go on as a plain one.
     The hooks keep the handle alive: dropping the last reference does not detach them.
     Optimizer step hooks, global ones included (``register_optimizer_step_pre_hook``), see one
@@ -442,16 +391,9 @@ class StepInBackward(torch.optim.Optimizer):
         # NOTE [What a step is, and what is refused]: per-parameter hook calls since the last
         # boundary (step()/zero_grad(), or the end of a backward before the loop first calls
         # either), and since the last step()/zero_grad() call or creation
-        self._fired: dict[torch.Tensor, int] = {}  # hook calls since the last step()
-        # NOTE [The gradients the plain loop still holds]: a backward updated since the last
-        # step(); the markers step() put in .grad (parameter -> marker, its version, whether the
-        # plain loop's gradient there is nonzero); parameters whose plain gradient is a zero
-        # tensor (zero_grad(set_to_none=False)) and that got none yet in this step
-        self._updated = False
-        self._marks: dict[torch.Tensor, tuple[torch.Tensor, int | None, bool]] = {}
-        self._zero: set[torch.Tensor] = set()
-        self._marker_parts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._markers: dict[torch.Tensor, torch.Tensor] = {}
+        self._explicit = False
+        self._fired: dict[torch.Tensor, int] = {}
+        self._fired_since_call: dict[torch.Tensor, int] = {}
         self._task: int | None = None  # graph task of the backward in progress
         self._micro = 0  # backward calls in the current accumulation cycle
         groups = self.optimizer.param_groups
@@ -515,52 +457,26 @@ class StepInBackward(torch.optim.Optimizer):
         self._attach(params, len(self.optimizer.param_groups) - 1)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        """No-op on the parameters: their gradients were freed in backward. Zeroes what
-        ``.grad`` holds as the plain optimizer does (NOTE [The gradients the plain loop still
-        holds]).
+        """No-op on the parameters: their gradients were freed in backward. Marks the end of a
+        step (NOTE [What a step is, and what is refused]).
 
         Raises:
-            RuntimeError: a backward updated since the last ``step()`` (the plain loop would
-                discard those gradients), or an accumulation cycle is unfinished.
+            RuntimeError: a parameter was updated more than once since the last
+                ``step()``/``zero_grad()``, or an accumulation cycle is unfinished.
         """
         self._check_live("zero_grad")
         self._boundary("zero_grad()")
-        # NOTE [The gradients the plain loop still holds]: the markers step() put in .grad become
-        # None, or stand for a zero tensor from now on (left as they are: reused at the next
-        # step()); any other gradient is zeroed as the plain optimizer's zero_grad does
-        marks = self._marks
-        for p in self._hooks:
-            g = p.grad
-            if g is None:
-                continue
-            mark = marks.get(p)
-            if mark is not None and g is mark[0]:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    marks[p] = (g, g._version, False)
-            elif set_to_none:
-                p.grad = None
-            else:
-                if g.grad_fn is not None:
-                    g.detach_()
-                else:
-                    g.requires_grad_(False)
-                g.zero_()
-        if set_to_none:
-            marks.clear()
 
     def step(self, closure: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
-        """No-op on the parameters that got a gradient: each was updated in backward. Marks the
-        end of a step and leaves a marker in each ``.grad`` the plain loop would hold until it is
-        zeroed (NOTE [The gradients the plain loop still holds]); returns None.
+        """No-op on the parameters: each was updated in backward. Marks the end of a step (NOTE
+        [What a step is, and what is refused]); returns None.
 
         Raises:
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
                 was).
-            RuntimeError: a second ``step()`` without a backward while ``.grad`` still holds the
-                last step's gradients (freed here), or an accumulation cycle is unfinished.
+            RuntimeError: a parameter was updated more than once since the last
+                ``step()``/``zero_grad()``, or an accumulation cycle is unfinished.
         """
         self._check_live("step")
         if closure is not None:
@@ -586,13 +502,6 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use bf16/fp32 without loss scaling, or a plain optimizer with GradScaler",
             )
         self._boundary("step()")
-        if self._updated:
-            self._mark()
-        elif self._marks:
-            # step() again without a backward: the plain loop applies what .grad holds again
-            self._settle(again=True)
-            self._update_late()
-            self._mark()
 
     def register_step_pre_hook(self, hook):  # type: ignore[override]
         raise _err(
@@ -611,7 +520,6 @@ class StepInBackward(torch.optim.Optimizer):
         for h in (*self._hooks.values(), *self._pre_hooks.values()):
             h.remove()
         self._pre_hooks.clear()
-        self._unmark()
         for p in self._hooks:
             for attr in (_OWNER, ROW_SINK):
                 if getattr(p, attr, None) is not None:
@@ -625,7 +533,8 @@ class StepInBackward(torch.optim.Optimizer):
             self._group_index[p] = index
             if p.requires_grad:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
-                self._pre_hooks[p] = p.register_hook(_PreHook(self, p))
+                if self._accumulate > 1:
+                    self._pre_hooks[p] = p.register_hook(_PreHook(self))
                 setattr(p, _OWNER, weakref.ref(self))
                 setattr(p, ROW_SINK, _RowSink(self))
             else:
@@ -677,21 +586,15 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use a plain optimizer with DDP/FSDP",
             )
         updates = self._accumulate == 1 or self._micro + 1 == self._accumulate
-        if self._updated and self._micro % self._accumulate == 0:
-            # NOTE [What a step is, and what is refused]
+        if self._accumulate == 1 and self._explicit and self._fired:
             raise _err(
                 RuntimeError,
-                "a second backward in one step (no step() since the backward that updated the "
-                "parameters: two losses backward'ed one by one, micro-batch accumulation, or a "
-                "loop without step()); the plain loop would sum the gradients and step once (or "
-                "never), here each backward would step",
-                "one backward between two step() calls"
-                if self._accumulate == 1
-                else f"step() after every {self._accumulate} backward calls",
+                "a second backward in one step (two losses backward'ed one by one, or "
+                "micro-batch accumulation); the plain loop would sum the gradients and step "
+                "once, here each backward would step",
+                "one backward between two step()/zero_grad() calls",
                 f"a second backward after {len(self._fired)} parameters were updated",
-                "Call opt.step() (and zero the gradients: opt.zero_grad() or model.zero_grad()) "
-                "after each backward as the plain loop does; backward the summed loss once, or "
-                "use accumulate=N for micro-batches",
+                "Backward the summed loss once, or use accumulate=N for micro-batches",
             )
         if updates and _keeps_graph():
             raise _err(
@@ -725,10 +628,6 @@ class StepInBackward(torch.optim.Optimizer):
             dead = _forget_key(weakref.ref(self))
             self._seen_scalers = [weakref.ref(o, dead) for o in seen]
             self._scalers_key = key
-        if self._marks:
-            self._settle()
-        if updates:
-            self._updated = True
         self._task = task
         self._micro += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -741,10 +640,17 @@ class StepInBackward(torch.optim.Optimizer):
             if self._micro == self._accumulate:
                 # parameters that got a gradient earlier in the cycle but none in its last
                 # backward: the plain loop updates them at step()
-                self._update_late()
+                late = [
+                    p
+                    for group in self.optimizer.param_groups
+                    for p in group["params"]
+                    if p.grad is not None and p in self._hooks
+                ]
+                if late:
+                    self._update(late)
                 self._micro = 0
-        else:
-            self._update_late()
+        elif not self._explicit:
+            self._fired.clear()
             self._micro = 0
 
     def _guarded(self, fn, *args) -> Any:
@@ -765,34 +671,6 @@ class StepInBackward(torch.optim.Optimizer):
                 p.grad = None
             raise
 
-    def _update_late(self) -> None:
-        # the end of a backward that updates: the plain loop's step() also updates every
-        # parameter whose .grad is not None but that got no gradient in this backward (one set
-        # by the loop, one of an earlier micro-batch) and, after zero_grad(set_to_none=False),
-        # those holding a zero tensor (NOTE [The gradients the plain loop still holds])
-        late = [
-            p
-            for group in self.optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None and p in self._hooks
-        ]
-        for p in late:
-            self._fired.setdefault(p, 1)  # the plain loop's .grad holds it after step()
-        for p in self._zero:
-            p.grad = torch.zeros_like(p)
-            late.append(p)
-        if late:
-            self._update(late)
-
-    def _plain_zero(self, p: torch.Tensor, grad: torch.Tensor | None) -> None:
-        # NOTE [The gradients the plain loop still holds]: the plain loop adds this gradient to
-        # a zero tensor (AccumulateGrad's +=): 0 + g is g except for -0.0, which becomes +0.0;
-        # g + 0.0 is the same per element
-        if p in self._zero:
-            self._zero.discard(p)
-            if grad is not None:
-                grad.add_(0.0)
-
     def _step_one(self, p: torch.Tensor) -> None:
         self._start_backward()
         if p in self._rows_taken:
@@ -808,7 +686,6 @@ class StepInBackward(torch.optim.Optimizer):
                 "Add that term inside the model's graph below the loss, or use a plain optimizer",
             )
         self._count(p)
-        self._plain_zero(p, p.grad)
         if self._accumulate == 1 or self._micro == self._accumulate:
             nbytes = p.numel() * p.element_size()
             if nbytes >= self._bucket_bytes:
@@ -833,6 +710,7 @@ class StepInBackward(torch.optim.Optimizer):
                 "Backward the summed loss once, or use accumulate=N for micro-batches",
             )
         self._fired[p] = n
+        self._fired_since_call[p] = self._fired_since_call.get(p, 0) + 1
 
     # --- chunked updates (NOTE [Chunked updates]) --------------------------------------------
     def _chunkable(self, p: torch.Tensor) -> bool:
@@ -922,13 +800,9 @@ class StepInBackward(torch.optim.Optimizer):
         self._guarded(self._start_backward)
         self._guarded(self._count, p)
         self._rows_taken.add(p)
-        zero = p in self._zero
-        self._zero.discard(p)
         width, total = p.shape[1], p.shape[0]
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
-            if zero:
-                g.add_(0.0)  # NOTE [The gradients the plain loop still holds]
             if self._clip_value is not None:
                 g.clamp_(min=-self._clip_value, max=self._clip_value)
             self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
@@ -1032,108 +906,24 @@ class StepInBackward(torch.optim.Optimizer):
                     f"Call {call} after every {self._accumulate} backward calls (or pass the "
                     "accumulate= your loop uses)",
                 )
-        if call == "zero_grad()" and self._updated:
-            # NOTE [What a step is, and what is refused]: late, the update happened in backward
-            raise _err(
-                RuntimeError,
-                "zero_grad() after a backward that updated the parameters, with no step() "
-                "between; the plain loop would discard those gradients, here they were applied "
-                "in backward",
-                "step() before zero_grad()",
-                "zero_grad() first",
-                "Call opt.step() after each backward and before zero_grad(), as the plain loop "
-                "does",
-            )
-
-    # --- the gradients the plain loop still holds -----------------------------------------
-    def _make_marker(self, p: torch.Tensor) -> torch.Tensor:
-        # NOTE [The gradients the plain loop still holds]: a sparse tensor of p's shape with one
-        # stored zero; every marker of a dtype and device shares its indices and value
-        key = (p.device, p.dtype)
-        parts = self._marker_parts.get(key)
-        if parts is None:
-            parts = (
-                torch.zeros((64, 1), dtype=torch.long, device=p.device),
-                torch.zeros(1, dtype=p.dtype, device=p.device),
-            )
-            self._marker_parts[key] = parts
-        return torch.sparse_coo_tensor(
-            parts[0][: p.dim()],
-            parts[1],
-            p.shape,
-            is_coalesced=True,
-            check_invariants=False,
-        )
-
-    def _mark(self) -> None:
-        # step(): the plain loop holds a gradient for every parameter updated in this step (and
-        # a zero tensor for those zeroed in place and not updated); mark them where .grad is None
-        # A marker is made once per parameter and reused while it stores its
-        # zero; the grad setter checks its shape, dtype and device (p.data = ... may change them)
-        markers, marks = self._markers, self._marks
-        for p, had in (*((p, True) for p in self._fired), *((p, False) for p in self._zero)):
-            if p.grad is not None:
-                continue
-            m = markers.get(p)
-            try:
-                if m is None or m._nnz() != 1:
-                    raise RuntimeError
-                p.grad = m
-            except RuntimeError:
-                if not (p.layout == torch.strided and _markable(p)):
-                    continue
-                m = markers[p] = self._make_marker(p)
-                p.grad = m
-            # the version tells a zero tensor left alone from one written to; a gradient
-            # (had) is refused unless zeroed (nothing stored), whatever its version
-            marks[p] = (m, None if had else m._version, had)
-        self._fired.clear()
-        self._zero.clear()
-        self._updated = False
-
-    def _settle(self, again: bool = False) -> None:
-        # the first hook of a backward (before any AccumulateGrad of the handle's parameters) or
-        # step() without a backward: what the loop did to the marked gradients since step()
-        late, zero = [], []
-        for p, (m, version, had) in self._marks.items():
-            if p.grad is not m:
-                continue  # set to None (zero_grad), or a tensor the loop put there: as plain
-            if m._nnz() == 0:
-                zero.append(p)  # zero_() (zero_grad(set_to_none=False))
-            elif had or m._version != version:
-                # a gradient left alone, or written otherwise (mul_): the plain one is unknown
-                late.append(p)
-            else:
-                zero.append(p)  # a zero tensor left alone
-        if late:
-            self._marker_parts.clear()  # a write may have changed the shared stored value
-            self._markers.clear()
-            raise _err(
-                RuntimeError,
-                "the gradients of the last step were not zeroed (no zero_grad() since step()); "
-                + (
-                    "the plain loop's second step() would apply them again"
-                    if again
-                    else "the plain loop would add this backward's gradients to them"
+        else:
+            twice = [p for p, n in self._fired_since_call.items() if n > 1]
+            if twice:
+                self._fired_since_call.clear()
+                self._fired.clear()
+                self._explicit = True
+                raise _err(
+                    RuntimeError,
+                    "parameters were updated by several backward calls since the last "
+                    "step()/zero_grad() (each backward steps; the plain loop would sum the "
+                    "gradients and step once)",
+                    "one backward per step",
+                    f"{len(twice)} parameters updated more than once",
+                    "Use accumulate=N for micro-batches, or backward the summed loss once",
                 )
-                + ", and they were freed in backward",
-                "opt.zero_grad() or model.zero_grad() (set_to_none True or False) between "
-                "step() and the next backward",
-                f"{len(late)} parameters still holding the last step's gradient",
-                "Zero the gradients after each step as the plain loop does, or use "
-                "accumulate=N for gradient accumulation",
-            )
-        for p in zero:
-            p.grad = None
-        self._marks.clear()
-        self._zero = set(zero)
-
-    def _unmark(self) -> None:
-        for p, (m, _, _) in self._marks.items():
-            if p.grad is m:
-                p.grad = None
-        self._marks.clear()
-        self._zero.clear()
+        self._explicit = True
+        self._fired.clear()
+        self._fired_since_call.clear()
 
 
 def _check_free(params: list) -> None:
@@ -1178,13 +968,11 @@ def step_in_backward(
     ``loss.backward(); opt.step(); opt.zero_grad()`` with ``opt = optimizer_class(params,
     **optimizer_kwargs)``, for any ``torch.optim`` optimizer that takes no closure; tied weights
     update once, from the summed gradient; frozen parameters and parameters without a gradient in
-    a step are left alone (NOTE [Why the update is exact]). Keep the plain loop's ``opt.step()``
-    and its zeroing (``opt.zero_grad()`` or ``model.zero_grad()``, either ``set_to_none``): the
-    handle follows them exactly and refuses, before any change, a backward the plain loop would
-    compute differently: no ``step()`` since the last update, or gradients never zeroed (NOTE
-    [What a step is, and what is refused], NOTE [The gradients the plain loop still holds]).
-    Every refusal comes before anything changes (parameters, optimizer state, ``.grad``,
-    schedulers; NOTE [Every refusal changes nothing] lists the few late ones).
+    a step are left alone (NOTE [Why the update is exact]). Keep (or drop) ``opt.step()`` and
+    ``opt.zero_grad()`` in the loop: both are no-ops on the parameters that mark the end of a step,
+    and with them the handle refuses a second backward in one step (NOTE [What a step is, and what
+    is refused]). Every refusal comes before anything changes (parameters, optimizer state,
+    ``.grad``, schedulers; NOTE [Every refusal changes nothing] lists the few late ones).
 
     Not supported, refused before the first update: ``torch.amp.GradScaler`` (a skipped step
     needs every gradient checked before the first update; an enabled scaler alive at the handle's
@@ -1229,8 +1017,7 @@ def step_in_backward(
             backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
             processes.
         RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
-            later backward: a second backward in one step (no step() since the last update),
-            gradients of the last step never zeroed, a frozen parameter unfrozen.
+            later backward: a second backward in one step, a frozen parameter unfrozen.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
