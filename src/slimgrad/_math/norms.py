@@ -261,25 +261,14 @@ def _fallback_mask(weight, bias, out_dtype):
 # some channel falls back runs one ``nonzero`` over the masks and reads the positions (a second
 # read); the common answer, none, costs no ``nonzero`` and no index list (tiny HF Llama, 5 norms,
 # SGD: 11 ATen ops per renewal, 14 before, ``tests/test_compile_renew.py``; the mask's
-# ``isfinite`` is one compare against the largest finite value, the same booleans). Each entry is
-# stored under the key the next forward computes (the parameters' versions and the step count after
+# ``isfinite`` is one compare against the largest finite value, the same booleans). The ids of an
+# optimizer's parameters are kept between its steps (``_stepped_ids``). Each entry is stored
+# under the key the next forward computes (the parameters' versions and the step count after
 # the step), so that forward hits the cache and reads no device value; when it does not hit
 # (another write after the step, a new dtype), it finds its channels itself as before. An
 # optimizer step being compiled renews nothing (the forward then finds them itself); a compiled
 # model's eager optimizer step renews as above, and its RMSNorm side op (``hf_rms_norm_side``)
 # reads the renewed entries at run time.
-#
-# NOTE [Another optimizer's step]
-# The key counts every optimizer step in the process (NOTE [Steps that skip the version counter]
-# in _math/steps.py), so with two optimizers (two models trained in one process, or one model's
-# parameters split between two optimizers) each step made the entries of the other's parameters
-# stale, and their next forwards missed the cache and ran a ``nonzero`` each (the compile_step
-# benchmark, which steps compiled eager and the converted model alternately in one process: 5
-# per converted tiny Llama step). A step writes only the parameters its optimizer holds, so at
-# a step the renewal moves every other entry that was current before the step (its count one
-# less) to the new count, keeping its versions: a visible write since then still misses on
-# them, and an entry already stale stays stale. What the set of held parameters misses is
-# renewed by no one, so it is made from the optimizer's groups at every step.
 _RENEW_HOOKED = [False]
 
 
@@ -301,6 +290,28 @@ def _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of):
     return entry
 
 
+# {optimizer: (its groups' parameter lists as (id, length), the ids of their parameters)}: the
+# set is made again only when a group or a group's length changed. A set that missed an in-place
+# swap of one parameter for another (same list, same length) only renews an entry this optimizer
+# no longer steps, or leaves one to its next forward: what each entry holds is found from its
+# parameters' current values and versions either way.
+_STEPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _stepped_ids(optimizer) -> set:
+    groups = optimizer.param_groups
+    sig = tuple([(id(g["params"]), len(g["params"])) for g in groups])
+    hit = _STEPPED.get(optimizer)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    ids = {id(p) for g in groups for p in g["params"]}
+    try:
+        _STEPPED[optimizer] = (sig, ids)
+    except TypeError:  # an optimizer that cannot be weakly referenced: no memo
+        pass
+    return ids
+
+
 def _renew(optimizer=None, args=None, kwargs=None) -> None:
     # NOTE [Fallback channels renewed at the optimizer step]; the masks of entries alike found by
     # one _fallback_mask over their concatenated parameters (NOTE [One mask per kind of norm])
@@ -308,10 +319,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         return
     stepped = None  # the ids of the parameters this optimizer holds (None: renew every entry)
     if optimizer is not None:
-        stepped = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                stepped.add(id(p))
+        stepped = _stepped_ids(optimizer)
     # {(device, scale dtype, bias dtype, out_dtype, slot or None): ([(slot, entry, key, n)],
     # [scales], [biases])}
     kinds: dict = {}
@@ -324,12 +332,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         if ref is None or (ww is not None and weight is None) or (bw is not None and bias is None):
             continue
         if stepped is not None and id(weight) not in stepped and id(bias) not in stepped:
-            # not this optimizer's: its step wrote neither parameter, so an entry current before
-            # the step is current after it, under the new count (NOTE [Another optimizer's step])
-            k = entry[1]
-            if k[3] == count - 1:
-                _FB_CACHE[slot] = (wref, k[:3] + (count,) + k[4:], entry[2], entry[3], entry[4])
-            continue
+            continue  # not this optimizer's: its next forward renews it itself if it changed
         try:
             w_key, b_key = _norm_key(weight, bias)
         except RuntimeError:  # an inference tensor (not cached in the first place)
