@@ -121,3 +121,42 @@ def test_stepped_parameters_follow_a_new_group():
     entry = norms._FB_CACHE[id(b)]
     assert entry[1][0][0] == b._version  # renewed under b's current version
     assert torch.equal(entry[2], torch.tensor([2]))
+
+
+def _norm_grads(w):
+    from slimgrad.ops.rms_norm import hf_rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, w.shape[0], requires_grad=True)
+    y = hf_rms_norm(x, w, 1e-6)
+    w.grad = None
+    (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    return x.grad, w.grad
+
+
+def test_a_weight_sharing_storage_with_what_an_optimizer_steps_is_renewed():
+    # review24c: an optimizer over a flat buffer the norm's weight aliases through .data writes
+    # the weight without moving its version; the fallback-channel entry must not be carried to the
+    # new step count as if that optimizer had not touched it (NaN gradients from a stale "no
+    # fallback channel" answer, where the weight is now zero); with the extension's key, as a
+    # converted model runs
+    from slimgrad import _ext
+
+    _ext.load()
+    d = 8
+    flat = torch.nn.Parameter(torch.ones(2 * d))
+    w = torch.nn.Parameter(torch.empty(0))
+    w.data = flat.data[:d]
+    opt = torch.optim.SGD([flat], lr=1.0)
+    _norm_grads(w)
+    flat.grad = torch.cat([torch.ones(d), torch.zeros(d)])
+    opt.step()
+    assert w._version == 0 and bool((w == 0).all())
+    dx, dw = _norm_grads(w)
+    assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+    wr = torch.nn.Parameter(w.detach().clone())
+    torch.manual_seed(0)
+    x = torch.randn(3, d, requires_grad=True)
+    y = wr * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    assert torch.equal(dx, x.grad)
