@@ -286,7 +286,8 @@ def _trace(m: nn.Module) -> tuple[torch.fx.Graph, bool]:
 # (the model changed and could not be put back: convert_ names it rather than go on). Not
 # covered: state outside the module tree's attributes (a module-level cache, a class attribute,
 # an ``lru_cache``, an object's own ``__dict__`` that is not a module's).
-_SNAP_CONTAINERS = (dict, list, set)
+_SNAP_CONTAINERS = (dict, list, set, tuple)  # walked (tuples: their items only)
+_SNAP_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
 
 class _State:
@@ -324,14 +325,15 @@ class _State:
         else:  # a tuple: its items only
             items = [(None, v) for v in c]
         for k, v in items:
-            if isinstance(v, torch.Tensor):
-                if id(v) in self.owned or isinstance(v, nn.Parameter):
-                    self.versions[id(v)] = (v, v._version)
-                elif k is not None and type(v) is torch.Tensor:
+            t = type(v)
+            if t in _SNAP_ATOMS:
+                continue
+            if issubclass(t, torch.Tensor):
+                if t is torch.Tensor and k is not None and id(v) not in self.owned:
                     self.swapped.append((c, k, v))
-                else:  # a tensor in a tuple (or a subclass): compared as parameters are
+                else:  # a parameter, a buffer, a tensor in a tuple, a subclass: compared
                     self.versions[id(v)] = (v, v._version)
-            elif isinstance(v, (*_SNAP_CONTAINERS, tuple)) and not isinstance(v, nn.Module):
+            elif issubclass(t, _SNAP_CONTAINERS):
                 self._walk(v, seen)
 
     def swap_in_copies(self) -> None:
