@@ -1455,8 +1455,11 @@ def _fx_statement(parent: torch.nn.Module, kids: dict, training: bool, reads: se
             proxies.append(weakref.ref(p))
             return p
 
-    try:
-        with warnings.catch_warnings():
+    from slimgrad.convert_handlers.inplace_guard import untouched
+
+    try:  # the stand-in shares parent's containers and children: NOTE [A trace leaves the
+        # model as it was] (convert_handlers/inplace_guard.py)
+        with untouched(parent), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             graph = _Tracer().trace(stand_in)
     except Exception:  # fx raises many types on Python it cannot trace

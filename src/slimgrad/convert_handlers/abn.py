@@ -73,8 +73,11 @@ def _trace(parent: nn.Module) -> torch.fx.Graph:
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
             return True
 
-    with warnings.catch_warnings():  # the trace calls forward on Proxies (torch warns, e.g.
-        warnings.simplefilter("ignore")  # reentrant checkpoint: "None of the inputs have ...")
+    from slimgrad.convert_handlers.inplace_guard import untouched
+
+    # NOTE [A trace leaves the model as it was] (inplace_guard.py)
+    with untouched(parent), warnings.catch_warnings():  # the trace calls forward on Proxies
+        warnings.simplefilter("ignore")  # (torch warns, e.g. reentrant checkpoint)
         return _LeafTracer().trace(parent)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import inspect
 import operator
 import random
@@ -105,6 +106,66 @@ _VIEW_NAMES = frozenset(
         "align_as", "rename", "refine_names", "mT", "T", "H", "mH", "data",
     }
 )  # fmt: skip
+# NOTE [Which calls may return their input: read from the op's schema]
+# Between an output-saving module and an in-place write, the guard follows the tensor through
+# every call that may return it or a view of it. ``_VIEW_NAMES`` holds what no ATen schema states
+# (Python-level spellings: ``.data``, ``h[i]``, ``.float()``, dropout in eval returning its input,
+# ``requires_grad_``); every other name is decided by ``_may_alias`` from facts: the name (a
+# Tensor method, a torch function, a Python attribute read through ``getattr`` node, an
+# ``operator`` function) resolves to an ATen operator packet (``torch.ops.aten.<name>``; the
+# attributes ``.T``/``.H`` and the ``operator`` functions whose ATen name differs through
+# ``_ATEN_NAME``); it may alias when one of its overloads' schema gives a return an alias
+# annotation (``Tensor(a)``: views, ``hsplit``, ``ravel``, ``broadcast_to``, ``adjoint``,
+# ``mT``, ``real``, ``contiguous``, ``to``), or has a CompositeImplicitAutograd kernel (its
+# schema states nothing: ``atleast_2d`` and ``type_as`` return their input as it is); a name
+# that resolves to no ATen operator (a user function, a builtin) may alias. Only an op with a
+# kernel of its own and no alias annotation (``add``, ``gelu``, ``cat``, ``mul``) returns a
+# fresh tensor, as ATen requires of such kernels.
+_ATEN_NAME = {
+    "T": "numpy_T", "H": "matrix_H", "truediv": "div", "floordiv": "floor_divide",
+    "mod": "remainder", "and_": "bitwise_and", "or_": "bitwise_or", "xor": "bitwise_xor",
+    "invert": "bitwise_not", "inv": "bitwise_not", "lshift": "bitwise_left_shift",
+    "rshift": "bitwise_right_shift", "pos": "positive", "lt": "lt", "le": "le", "eq": "eq",
+    "ne": "ne", "ge": "ge", "gt": "gt",
+}  # fmt: skip
+_ALIAS_MEMO: dict[str, bool] = {}
+
+
+def _may_alias(name: str) -> bool:
+    """Whether a call named ``name`` may return its first argument or a view of it (NOTE [Which
+    calls may return their input: read from the op's schema])."""
+    if name in _VIEW_NAMES:
+        return True
+    got = _ALIAS_MEMO.get(name)
+    if got is None:
+        got = _ALIAS_MEMO[name] = _schema_may_alias(_ATEN_NAME.get(name, name))
+    return got
+
+
+def _schema_may_alias(name: str) -> bool:
+    if not name.isidentifier():
+        return True
+    try:
+        packet = getattr(torch.ops.aten, name)
+        overloads = [getattr(packet, o) for o in packet.overloads()]
+    except (AttributeError, RuntimeError):  # no such ATen operator: not known to be fresh
+        return True
+    if not overloads:
+        return True
+    for op in overloads:
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns):
+            return True
+        try:
+            composite = op.has_kernel_for_dispatch_key(
+                torch._C.DispatchKey.CompositeImplicitAutograd
+            )
+        except RuntimeError:  # a TorchScript builtin overload (``add.t``: lists): no kernels
+            continue
+        if composite:
+            return True
+    return False
+
+
 _INPLACE_OPERATORS = frozenset(
     {
         operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -194,16 +255,140 @@ class _LeafTracer(torch.fx.Tracer):
 
 def _trace(m: nn.Module) -> tuple[torch.fx.Graph, bool]:
     # the graph, and whether the forward drew from a random number generator (the generators'
-    # states are restored: the trace leaves the caller's random streams as they were)
-    rngs = _rng_states(m)
-    try:
+    # states, and every module's state, are restored: NOTE [A trace leaves the model as it was])
+    with untouched(m) as state:
         with warnings.catch_warnings():  # the trace calls forward on Proxies (torch
             warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
             graph = _LeafTracer(m).trace(m)
-        return graph, not _same([st for _, st in rngs], [st for _, st in _rng_states(m)])
-    finally:
-        for restore, st in rngs:
+        return graph, state.drew()
+
+
+# NOTE [A trace leaves the model as it was]
+# A torch.fx trace runs the module's forward as Python, on Proxies, against the real module: what
+# that Python does to objects fx does not record lands in the user's model at convert_ time. A
+# cache filled in eval (timm levit/efficientvit/efficientformer/tiny_vit's
+# ``attention_bias_cache``, ``self._cache[k] = ...``) would hold a Proxy (the converted forward
+# then returns it; ``torch.save(model)`` fails), ``self.steps += 1`` on a buffer would rebind the
+# buffer to a Proxy (state_dict, torch.save and load_state_dict fail), ``self.calls += 1`` and
+# ``self.seen.append(...)`` would count the traces. Every fx trace ``convert_`` runs on the
+# user's modules (the in-place guard's, shared by the later readings; abn's own; ownership's
+# stand-in's) runs inside ``untouched(root)``: before it, every module below ``root`` (``root``
+# included) has its attribute dict copied, and so has every dict, list and set reachable from
+# those attributes through dicts, lists, sets and tuples (``_parameters``, ``_buffers``,
+# ``_modules`` and the hook dicts among them); a plain tensor reachable that way (not a Parameter,
+# not a buffer) is replaced by a copy for the trace, as ``ownership._trace_stand_in`` does, so a
+# real in-place write of the forward (``self.t += 1``: fx runs it, there is no Proxy in it) lands
+# on the copy. After the trace, whatever happened, each of those dicts, lists and sets gets its
+# own items back, in place (the same objects, the same identities: a reference the user holds
+# stays valid), and so do the random number generators (``_rng_states``). Parameters and buffers
+# are read through fx as graph nodes (``proxy_buffer_attributes``), so a write to one is recorded,
+# not run; their version counters are compared all the same, and a trace that bumped one raises
+# (the model changed and could not be put back: convert_ names it rather than go on). Not
+# covered: state outside the module tree's attributes (a module-level cache, a class attribute,
+# an ``lru_cache``, an object's own ``__dict__`` that is not a module's).
+_SNAP_CONTAINERS = (dict, list, set, tuple)  # walked (tuples: their items only)
+_SNAP_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
+
+
+class _State:
+    # the attribute dicts of ``root``'s modules, the containers reachable from them, and the
+    # random number generators, copied before a trace (NOTE [A trace leaves the model as it was])
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.rngs = _rng_states(root)
+        self.saved: list[tuple[object, object]] = []  # (container, its items before the trace)
+        self.versions: dict[int, tuple[torch.Tensor, int]] = {}  # parameters and buffers
+        self.swapped: list[tuple[object, object, torch.Tensor]] = []  # (container, key, original)
+        seen: set[int] = set()
+        mods = list(root.modules())
+        owned = set()
+        for d in mods:
+            owned.update(id(t) for t in d._parameters.values() if t is not None)
+            owned.update(id(t) for t in d._buffers.values() if t is not None)
+        self.owned = owned
+        for d in mods:
+            self._walk(d.__dict__, seen)
+
+    def _walk(self, c: object, seen: set[int]) -> None:
+        if id(c) in seen:
+            return
+        seen.add(id(c))
+        if isinstance(c, dict):
+            self.saved.append((c, dict(c)))
+            items = list(c.items())
+        elif isinstance(c, list):
+            self.saved.append((c, list(c)))
+            items = list(enumerate(c))
+        elif isinstance(c, set):
+            self.saved.append((c, set(c)))
+            return
+        else:  # a tuple: its items only
+            items = [(None, v) for v in c]
+        for k, v in items:
+            t = type(v)
+            if t in _SNAP_ATOMS:
+                continue
+            if issubclass(t, torch.Tensor):
+                if t is torch.Tensor and k is not None and id(v) not in self.owned:
+                    self.swapped.append((c, k, v))
+                else:  # a parameter, a buffer, a tensor in a tuple, a subclass: compared
+                    self.versions[id(v)] = (v, v._version)
+            elif issubclass(t, _SNAP_CONTAINERS):
+                self._walk(v, seen)
+
+    def swap_in_copies(self) -> None:
+        for c, k, t in self.swapped:
+            c[k] = t.detach().clone().requires_grad_(t.requires_grad) if t.is_leaf else t.clone()
+
+    def restore(self) -> None:
+        # (no comparison first: an item the trace left may be a Proxy, whose ``==`` records)
+        for c, items in self.saved:
+            if isinstance(c, dict):
+                c.clear()
+                c.update(items)
+            elif isinstance(c, list):
+                c[:] = items
+            else:
+                c.clear()
+                c.update(items)
+        for restore, st in self.rngs:
             restore(st)
+
+    def drew(self) -> bool:
+        # whether the trace drew from a random number generator (read before ``restore``)
+        return not _same([st for _, st in self.rngs], [st for _, st in _rng_states(self.root)])
+
+    def bumped(self) -> list[torch.Tensor]:
+        return [t for t, v in self.versions.values() if t._version != v]
+
+
+class untouched:  # noqa: N801 (a context manager read as a phrase: ``with untouched(m)``)
+    """Run a torch.fx trace of ``root``'s forward (or any Python that runs it on Proxies) and
+    leave every module below ``root``, and the random number generators, as they were
+    (NOTE [A trace leaves the model as it was]). Yields the saved state (``drew()``: whether the
+    Python drew a random number)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+
+    def __enter__(self) -> _State:
+        self.state = _State(self.root)
+        self.state.swap_in_copies()
+        return self.state
+
+    def __exit__(self, *exc) -> None:
+        self.state.restore()
+        bumped = self.state.bumped()
+        if bumped and exc[0] is None:
+            raise RuntimeError(
+                f"slimgrad.convert_: reading {type(self.root).__name__}'s forward with torch.fx "
+                f"wrote {len(bumped)} of its parameters or buffers in place (a write fx ran "
+                "instead of recording it); expected a forward whose writes to parameters and "
+                "buffers go through the module's attributes (fx records those), and the values "
+                "could not be put back. Fix: write them as self.<name> in forward (not through "
+                "a list or dict that holds them), and load the model's weights again "
+                "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
+            )
 
 
 def _rng_states(m: nn.Module) -> list[tuple[Callable, object]]:
@@ -389,7 +574,15 @@ class _Guard:
         key = id(m)
         if key not in self.memo:
             self.memo[key] = _Info()  # placeholder; the module tree has no cycles
-            self.memo[key] = self._analyse(m)
+            info = self._analyse(m)
+            if self.outputs is None and (m._forward_hooks or m._forward_pre_hooks):
+                # NOTE [Hooks on the modules around an output-saving one]
+                if (why := _hook_writes(m)) is not None:
+                    self.flag(info.ends, why)
+                    info.writes = info.writes or info.passes
+                if _pre_hook_writes(m):
+                    info.writes = True
+            self.memo[key] = info
         return self.memo[key]
 
     def _analyse(self, m: nn.Module) -> _Info:
@@ -462,7 +655,7 @@ class _Guard:
                     self.flag(a0.ends, _describe(node, name))
                     out.writes = out.writes or a0.passes
                     state[node] = a0
-                elif name in _VIEW_NAMES:
+                elif _may_alias(name):
                     state[node] = a0
             elif node.op == "output":
                 for n in _nodes_in(node.args):
@@ -515,7 +708,9 @@ def _forward_ast(fn) -> ast.FunctionDef | None:
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
             fdef = tree.body[0]
-            _HF_AST[fn] = fdef if isinstance(fdef, ast.FunctionDef) else None
+            # a lambda's source is its line: a ``def`` there is another function's
+            lam = getattr(inspect.unwrap(fn), "__name__", None) == "<lambda>"
+            _HF_AST[fn] = fdef if isinstance(fdef, ast.FunctionDef) and not lam else None
         except (OSError, TypeError, SyntaxError, IndexError):
             _HF_AST[fn] = None
     return _HF_AST[fn]
@@ -1030,6 +1225,11 @@ class _Flow:
                 return set(ci.ends) | (every if ci.passes else set())
             method = getattr(type(self.module), f.attr, None) if self.module is not None else None
             got: set = set()
+            held = vars(self.module).get(f.attr, _MISSING) if self.module is not None else _MISSING
+            if held is not _MISSING and callable(held):  # a callable stored on the module
+                if self._stored_writes([held], e):
+                    self.flag(every, f"self.{f.attr}(...), a stored callable that may write")
+                return every
             if callable(method):
                 written, ret = self.helper(method)
                 fdef = _forward_ast(method)
@@ -1054,7 +1254,7 @@ class _Flow:
                 what = "getattr(..., <a computed name>)" if name is None else name
                 self.flag(base, f"{what} in its HF forward")
                 return base
-            return base if name in _VIEW_NAMES else set()
+            return base if _may_alias(name) else set()
         if (callee := self.callee(f, env)) is not _MISSING and _writes_first(callee, e):
             # what the name calls writes its first argument: torch.ops.aten.mul_.Tensor(h),
             # aten.relu_(h) (an alias), torch.Tensor.mul_(h), F.leaky_relu(h, 0.1, True)
@@ -1064,7 +1264,7 @@ class _Flow:
             if _inplace_name(f.attr) or inplace_kw:
                 self.flag(first, f"{f.attr} in its HF forward")
                 return first
-            return first if f.attr in _VIEW_NAMES else set()
+            return first if _may_alias(f.attr) else set()
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
             if _writes_name(f.attr):
@@ -1072,7 +1272,7 @@ class _Flow:
                 return base
             if inplace_kw:
                 self.flag(base, f"{f.attr}(..., inplace=True) in its HF forward")
-            return base if f.attr in _VIEW_NAMES or inplace_kw else set()
+            return base if _may_alias(f.attr) or inplace_kw else set()
         if isinstance(f, ast.Name):
             if _inplace_name(f.id) or inplace_kw:
                 self.flag(first, f"{f.id} in its HF forward")
@@ -1104,7 +1304,7 @@ class _Flow:
                             self.flag(every, f"{f.id}: {type(c).__name__}, which writes its input")
                         got |= set(ci.ends) | (every if ci.passes else set())
                 return got
-            return first if f.id in _VIEW_NAMES else set()
+            return first if _may_alias(f.id) else set()
         if (
             self.guard is not None
             and self.module is not None
@@ -1126,8 +1326,107 @@ class _Flow:
                         )
                     got |= set(ci.ends) | (every if ci.passes else set())
             return got
+        if isinstance(f, ast.Subscript):  # BODIES[k](h), self.acts[k](h): a stored callable
+            self.expr(f.slice, env)
+            held = self.stored(f.value, env)
+            if held is None or self._stored_writes(held, e):
+                self.flag(every, f"{_dotted(f)}(...), a stored callable that may write")
+            return every
         self.expr(f, env)
         return set()
+
+    def stored(self, v, env: dict) -> list | None:
+        # the callables a container named ``self.<attr>`` or a global name holds, or None
+        if isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == self.me:
+            obj = vars(self.module).get(v.attr, _MISSING) if self.module is not None else _MISSING
+        elif isinstance(v, ast.Name) and v.id not in env and v.id != self.me:
+            obj = self.globals.get(v.id, _MISSING)
+        else:
+            return None
+        if isinstance(obj, dict):
+            return list(obj.values())
+        if isinstance(obj, (list, tuple)):
+            return list(obj)
+        return None
+
+    def _stored_writes(self, fns: list, call: ast.Call) -> bool:
+        # NOTE [Callables stored on the module]: whether any of ``fns`` may write its first
+        # argument, or any argument, in place
+        for fn in fns:
+            if isinstance(fn, nn.Module):
+                if self.guard is None or self.guard.info(fn).writes:
+                    return True
+            elif _callable_may_write(fn, call):
+                return True
+        return False
+
+
+# NOTE [Callables stored on the module]
+# A forward may call what it holds in an attribute or a container rather than a child module
+# (``self.act_fn = functools.partial(F.relu, inplace=True)``, ``self.fn = lambda h: h.clamp_()``,
+# a global dict of functions ``BODIES[self.how](h)``). The source reader reads the object the
+# module (or the forward's globals) holds at convert time and counts the call as a write to its
+# arguments unless it can tell it is not: a module that does not write its input (its own
+# reading), a ``functools.partial`` of a known function with no ``inplace=True`` (by keyword, or
+# at the function's position for it) and a name that is not an in-place verb, a known function
+# (a torch function, an ATen operator, a builtin) that does not write (``_writes_first``). A lambda,
+# a Python function, a callable object, or a container the reader cannot resolve (a local dict, a
+# value computed at run time) may write. Changing the stored callable after convert_ is not
+# covered (as for the settings the reader takes as known).
+def _known_function(fn) -> bool:
+    if isinstance(
+        fn,
+        (
+            types.BuiltinFunctionType,
+            types.BuiltinMethodType,
+            types.MethodDescriptorType,
+            types.WrapperDescriptorType,
+            *_OP_HOLDERS,
+        ),
+    ):
+        return True
+    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    mod = getattr(fn, "__module__", None) or ""
+    return isinstance(fn, types.FunctionType) and (mod == "torch" or mod.startswith("torch."))
+
+
+def _callable_may_write(fn, call: ast.Call, given: int = 0) -> bool:
+    # ``given``: positional arguments a partial supplies before the call's own
+    if isinstance(fn, functools.partial):
+        if fn.keywords.get("inplace") is True:
+            return True
+        try:
+            pos = _INPLACE_ARG_POS.get(fn.func)
+        except TypeError:  # unhashable
+            pos = None
+        if pos is not None and given + len(fn.args) > pos:
+            if (fn.args[pos - given] if pos >= given else None) is True:
+                return True
+        return _callable_may_write(fn.func, call, given + len(fn.args))
+    if not _known_function(fn):
+        return True
+    if given:  # the call's own arguments sit after the partial's
+        name = getattr(fn, "__name__", None)
+        try:
+            pos = _INPLACE_ARG_POS.get(fn)
+        except TypeError:
+            pos = None
+        if pos is not None and pos >= given:
+            arg = call.args[pos - given] if len(call.args) > pos - given else None
+            if isinstance(arg, ast.Constant) and arg.value is True:
+                return True
+        if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return _writes_first(fn, ast.Call(func=call.func, args=[], keywords=[]))
+        return isinstance(name, str) and _writes_name(name) or _inplace_kw(call)
+    return _writes_first(fn, call) or _inplace_kw(call)
+
+
+def _inplace_kw(call: ast.Call) -> bool:
+    return any(
+        k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True
+        for k in call.keywords
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -1300,6 +1599,27 @@ def _hook_writes(m: nn.Module) -> str | None:
         if any(a.args and a.args[-1].arg in written for a in arglists):
             return f"a forward hook ({hook.__name__}) that writes the output in place"
     return None
+
+
+# NOTE [Hooks on the modules around an output-saving one]
+# A hook on another module may write an output-saving module's output: a forward hook on a
+# parent whose output may be that output (``ends``), a forward pre-hook on the module its output
+# goes to (which then writes its input). Which modules those are is the structure the guard reads
+# anyway, so a hook registered before ``convert_`` is read with its module, once: a forward hook
+# whose source writes its output (or cannot be read) flags the module's ``ends``, as one on the
+# output-saving module itself does (``_hook_writes``); a forward pre-hook whose source writes any
+# argument (or cannot be read) makes its module a writer of its input, which flags whatever feeds
+# it where its parent's forward is read. Not covered: such hooks registered after ``convert_``
+# (on a neighbour: the converted backward raises autograd's version error, never a wrong
+# gradient), and global hooks (``register_module_forward_hook``).
+def _pre_hook_writes(m: nn.Module) -> bool:
+    for hook in m._forward_pre_hooks.values():
+        if getattr(hook, "__module__", "").startswith("slimgrad."):
+            continue
+        written = _written_params(hook)
+        if written is None or written:
+            return True
+    return False
 
 
 def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
