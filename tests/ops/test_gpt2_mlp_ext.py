@@ -257,3 +257,44 @@ def test_memory_and_retain_graph_as_the_python_body(counted, monkeypatch):
     assert counted.ran == 4  # 2 layers x 2 backwards
     for a, b in zip(first, second, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _allocations(fn) -> list[int]:
+    # the CPU allocator's allocations and frees (bytes, + and -) in the order they happened while
+    # fn ran, as the profiler records them (outside any dispatch mode: the C++ body runs)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is None:
+        pytest.skip("this torch's profiler does not expose its memory events")
+    ev = [e for e in results.events() if e.name() == "[memory]"]
+    return [e.nbytes() for e in sorted(ev, key=lambda e: e.start_ns())]
+
+
+def test_allocations_in_the_python_body_order(counted, monkeypatch):
+    # the same allocations and frees in the same order (so the same peak) as the Python body:
+    # the node with dropout and the GELU's hard elements, dy the caller's (not granted), then dy
+    # granted; forward outside the profiler (under it, slimgrad's gate takes the general paths)
+    args = _args()
+    dy = torch.randn(2, 13, 16, generator=torch.Generator().manual_seed(9))
+    traces = []
+    for fn in (counted, None):
+        monkeypatch.setattr(ogm, "_EXT_MLP", fn)
+        torch.manual_seed(1)
+        y = gpt2_mlp(*args, "none", 0.3)
+        traces.append(_allocations(lambda y=y: torch.autograd.grad(y, args, dy)))
+    assert counted.ran == 1 and counted.hard[0] > 0
+    assert traces[0] == traces[1] and len(traces[0]) > 10
+    # dy granted (made by the multiplication's backward: nobody else holds it): the dropout's
+    # pass and the rest as the Python body, into dy
+    traces = []
+    for fn in (counted, None):
+        monkeypatch.setattr(ogm, "_EXT_MLP", fn)
+        torch.manual_seed(1)
+        y = gpt2_mlp(*args, "none", 0.3)
+        loss = (y * dy).sum()
+        traces.append(_allocations(lambda loss=loss: torch.autograd.grad(loss, args)))
+    assert counted.ran == 2
+    assert traces[0] == traces[1] and len(traces[0]) > 10
