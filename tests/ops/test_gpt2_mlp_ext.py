@@ -298,3 +298,23 @@ def test_allocations_in_the_python_body_order(counted, monkeypatch):
         traces.append(_allocations(lambda loss=loss: torch.autograd.grad(loss, args)))
     assert counted.ran == 2
     assert traces[0] == traces[1] and len(traces[0]) > 10
+
+
+def test_create_graph_first_derivatives_as_the_python_body(counted, monkeypatch):
+    # create_graph=True: the node's first-order body runs under no_grad (refuse_second_order),
+    # the C++ one too, with dy not granted: the Python body's first derivatives, and
+    # differentiating them raises either way
+    args = _args()
+    dy = torch.randn(2, 13, 16, generator=torch.Generator().manual_seed(9))
+    res = []
+    for fn in (counted, None):
+        monkeypatch.setattr(ogm, "_EXT_MLP", fn)
+        torch.manual_seed(1)
+        y = gpt2_mlp(*args, "tanh", 0.3)
+        g = torch.autograd.grad(y, args, dy, create_graph=True)
+        with pytest.raises(RuntimeError, match="ops.gpt2_mlp"):
+            torch.autograd.grad(g[0].sum(), args[0])
+        res.append([t.detach() for t in g])
+    assert counted.ran == 1
+    for a, b in zip(*res, strict=True):
+        assert torch.equal(a, b)
