@@ -679,6 +679,10 @@ PyObject* gpt2_attention_fwd(PyObject* /*self*/, PyObject* args) {
 
 }  // namespace
 
+namespace {
+PyObject* gpt2_mlp_bwd(PyObject* self, PyObject* args);  // defined at the end of this file
+}  // namespace
+
 // Added to the extension's module by storage_facts.cpp's init, after slimgrad_backward_methods.
 PyMethodDef slimgrad_gpt2_backward_methods[] = {
     {"gpt2_attention_bwd", gpt2_attention_bwd, METH_VARARGS,
@@ -687,4 +691,219 @@ PyMethodDef slimgrad_gpt2_backward_methods[] = {
      "GPT-2's attention node's straight forward (slimgrad.ops.gpt2_attention), else None."},
     {"conv1d_bwd", conv1d_bwd, METH_VARARGS,
      "An HF Conv1D's backward on a 3+-D input (slimgrad.ops.gpt2_attention), else None."},
+    {"gpt2_mlp_bwd", gpt2_mlp_bwd, METH_VARARGS,
+     "GPT-2's MLP node's straight backward (slimgrad.ops.gpt2_mlp), else None."},
     {nullptr, nullptr, 0, nullptr}};
+
+// ---- GPT-2's MLP node's backward (slimgrad.ops.gpt2_mlp) ----
+
+namespace {
+
+// output_act.c's smooth_bwd_f32, its address read once from the ctypes function the GELU's C path
+// (slimgrad.ops._output_act.CPath) calls
+using SmoothBwdF32 = void (*)(const float*, const float*, const uint8_t*, const float*, float*,
+                              int64_t, int64_t, float, float, float, float, float, int);
+
+// gpt2_mlp_bwd(dy, owned, bits_r, n_r, scale_r, dropout_bwd, y, w_proj, need_h, need_wp, need_bp,
+// act_y, act_bits, idx, xs, act_n, smooth_bwd, tab, tn, y_hi, y_lo, s2max, sc_r, sc_l,
+// approximate, x, w_fc, need_x, need_wf, need_bf): the MLP steps' straight float32 CPU backward
+// of slimgrad.ops.gpt2_mlp._mlp_backward (NOTE [GPT-2's MLP backward from C++] there), the Python
+// body's ops in its order:
+//     g = dy if owned else torch.empty_like(dy); C(dy, bits_r, g, n_r, scale_r)  # dropout, if any
+//     g2 = g.reshape(-1, D); del g                   # c_proj: HF Conv1D, weight (in, out)
+//     dh = torch.matmul(g2.view(lead + (D,)), w_proj.mT); dwp = y.reshape(-1, H).mT @ g2
+//     dbp = g2.sum(0); del g2
+//     gf = dh.view(-1); gh = gf.index_select(0, idx)      # the GELU's C path into dh, k hard
+//     S(gf, act_y, act_bits, tab, gf, act_n, ...)         # elements (k = 0: neither op)
+//     gf.index_put_((idx,), torch.ops.aten.gelu_backward(gh, xs, approximate=approximate))
+//     dh2 = dh.reshape(-1, H)                               # c_fc
+//     dx = torch.matmul(dh2.view(lead + (H,)), w_fc.mT); dwf = x.reshape(-1, C).mT @ dh2
+//     dbf = dh2.sum(0)
+// (each step only where its gradient is needed, as the Python body; dropout_bwd 0: no dropout).
+// Returns (dx, dwf, dbf, dwp, dbp) with None where not computed, or None (the caller runs its
+// Python body) for a tensor subclass, a torch function mode, a dy that is not a contiguous
+// float32 CPU tensor, or saved tensors of other dtypes, shapes or layouts (checked before any op
+// runs: nothing is written where None comes back).
+PyObject* gpt2_mlp_bwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *pdy = nullptr, *pbits_r = nullptr, *pdfn = nullptr, *pyp = nullptr, *pwp = nullptr;
+  PyObject *pay = nullptr, *pabits = nullptr, *pidx = nullptr, *pxs = nullptr, *pgfn = nullptr;
+  PyObject *ptab = nullptr, *px = nullptr, *pwf = nullptr;
+  int owned = 0, need_h = 0, need_wp = 0, need_bp = 0, need_x = 0, need_wf = 0, need_bf = 0;
+  long long n_r = 0, act_n = 0, tn = 0;
+  double scale_r = 0.0, y_hi = 0.0, y_lo = 0.0, s2max = 0.0, sc_r = 0.0, sc_l = 0.0;
+  const char* approx = nullptr;
+  if (!PyArg_ParseTuple(
+          args, "OpOLdOOOpppOOOOLOOLdddddsOOppp", &pdy, &owned, &pbits_r, &n_r, &scale_r, &pdfn,
+          &pyp, &pwp, &need_h, &need_wp, &need_bp, &pay, &pabits, &pidx, &pxs, &act_n, &pgfn,
+          &ptab, &tn, &y_hi, &y_lo, &s2max, &sc_r, &sc_l, &approx, &px, &pwf, &need_x, &need_wf,
+          &need_bf)) {
+    return nullptr;
+  }
+  auto dfn = reinterpret_cast<DropoutBwdF32>(PyLong_AsVoidPtr(pdfn));
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  SmoothBwdF32 gfn = nullptr;
+  const float* tab = nullptr;
+  if (need_h) {
+    gfn = reinterpret_cast<SmoothBwdF32>(PyLong_AsVoidPtr(pgfn));
+    tab = static_cast<const float*>(PyLong_AsVoidPtr(ptab));
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
+    if (gfn == nullptr || tab == nullptr) {
+      Py_RETURN_NONE;
+    }
+  }
+  const std::string approximate(approx);
+  if (at::impl::torch_function_mode_enabled() ||
+      (approximate != "none" && approximate != "tanh")) {
+    Py_RETURN_NONE;
+  }
+  const bool drop = dfn != nullptr;
+  // operands that may be None: bits_r without dropout, y where dwp is not needed, w_proj and the
+  // GELU's and c_fc's tensors where dh is not, x where dwf is not, w_fc where dx is not
+  const bool may_skip[10] = {false,   !drop,   !need_wp, !need_h,           !need_h,
+                             !need_h, !need_h, !need_h, !need_h || !need_wf, !need_h || !need_x};
+  PyObject* const objs[10] = {pdy, pbits_r, pyp, pwp, pay, pabits, pidx, pxs, px, pwf};
+  at::Tensor t[10];
+  for (int i = 0; i < 10; ++i) {
+    PyObject* o = objs[i];
+    if (o == Py_None && may_skip[i]) {
+      continue;
+    }
+    const int ok = plain(o, i == 3 || i == 9);
+    if (ok <= 0) {
+      if (ok < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+    t[i] = THPVariable_Unpack(o);
+  }
+  const at::Tensor& dy = t[0];
+  const at::Tensor &bits_r = t[1], &y = t[2], &w_proj = t[3], &act_y = t[4], &act_bits = t[5];
+  const at::Tensor &idx = t[6], &xs = t[7], &x = t[8], &w_fc = t[9];
+  if (dy.scalar_type() != at::kFloat || !dy.is_cpu() || !dy.is_contiguous() || dy.dim() < 3) {
+    Py_RETURN_NONE;
+  }
+  if (drop && (bits_r.scalar_type() != at::kByte || dy.numel() != n_r)) {
+    Py_RETURN_NONE;
+  }
+  const int64_t dd = dy.size(-1);
+  std::vector<int64_t> lead(dy.sizes().begin(), dy.sizes().end() - 1);
+  int64_t hd = -1;  // h's width
+  if (need_h) {
+    hd = w_proj.size(0);
+    std::vector<int64_t> hshape = lead;
+    hshape.push_back(hd);
+    // c_backward's checks (slimgrad.ops._output_act), before anything runs
+    if (w_proj.dim() != 2 || w_proj.size(1) != dd || act_y.scalar_type() != at::kFloat ||
+        !act_y.is_cpu() || !act_y.sizes().equals(hshape) || !act_y.is_contiguous() ||
+        !act_bits.is_contiguous() || idx.dim() != 1 || xs.dim() != 1 ||
+        xs.size(0) != idx.size(0) || act_n != act_y.numel()) {
+      Py_RETURN_NONE;
+    }
+    if (need_x && (w_fc.dim() != 2 || w_fc.size(1) != hd)) {
+      Py_RETURN_NONE;
+    }
+    if (need_wf && x.dim() != dy.dim()) {
+      Py_RETURN_NONE;
+    }
+  }
+  if (need_wp && y.dim() != dy.dim()) {
+    Py_RETURN_NONE;
+  }
+  const int nthreads = at::get_num_threads();
+  at::Tensor dx, dwf, dbf, dwp, dbp;
+  {
+    NoGil nogil;
+    at::Tensor g = dy;
+    if (drop) {  // the residual dropout's C pass, into dy where the caller owns it
+      if (!owned) {
+        g = at::empty_like(dy);
+      }
+      dfn(dy.data_ptr<float>(), bits_r.data_ptr<uint8_t>(), g.data_ptr<float>(), n_r,
+          static_cast<float>(scale_r), nthreads);
+    }
+    at::Tensor g2 = g.reshape({-1, dd});
+    g.reset();
+    at::Tensor dh;
+    if (need_h) {
+      std::vector<int64_t> shape = lead;
+      shape.push_back(dd);
+      dh = at::matmul(g2.view(shape), w_proj.mT());
+    }
+    if (need_wp) {
+      at::Tensor y2 = y.reshape({-1, y.size(-1)});
+      dwp = at::matmul(y2.mT(), g2);
+    }
+    if (need_bp) {
+      dbp = g2.sum({0}, false, c10::nullopt);
+    }
+    g2.reset();
+    if (need_h) {
+      TORCH_CHECK(
+          dh.is_contiguous(),
+          "slimgrad.ops.gpt2_mlp: c_proj's dx is not contiguous; this is a slimgrad bug; please "
+          "report it");
+      // the GELU's C path (c_backward), into dh: made here, nobody else holds it
+      at::Tensor gf = dh.view({-1});
+      const int64_t k = idx.size(0);
+      at::Tensor gh;
+      if (k) {  // the hard elements' g, read before gf is written
+        gh = gf.index_select(0, idx);
+      }
+      float* gp = gf.data_ptr<float>();
+      gfn(gp, act_y.data_ptr<float>(), act_bits.data_ptr<uint8_t>(), tab, gp, act_n, tn,
+          static_cast<float>(y_hi), static_cast<float>(y_lo), static_cast<float>(s2max),
+          static_cast<float>(sc_r), static_cast<float>(sc_l), nthreads);
+      if (k) {
+        at::Tensor ex = at::gelu_backward(gh, xs, approximate);
+        c10::List<std::optional<at::Tensor>> ind;
+        ind.push_back(idx);
+        gf.index_put_(ind, ex);
+        ex.reset();  // the temporary first, then gh (c_backward's local, at its return)
+        gh.reset();
+      }
+      gf.reset();
+      at::Tensor dh2 = dh.reshape({-1, hd});
+      dh.reset();
+      if (need_x) {
+        std::vector<int64_t> shape = lead;
+        shape.push_back(hd);
+        dx = at::matmul(dh2.view(shape), w_fc.mT());
+      }
+      if (need_wf) {
+        at::Tensor x2 = x.reshape({-1, x.size(-1)});
+        dwf = at::matmul(x2.mT(), dh2);
+      }
+      if (need_bf) {
+        dbf = dh2.sum({0}, false, c10::nullopt);
+      }
+    }
+  }
+  PyObject* out = PyTuple_New(5);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  at::Tensor* res[5] = {&dx, &dwf, &dbf, &dwp, &dbp};
+  for (int i = 0; i < 5; ++i) {
+    PyObject* o = Py_None;
+    if (res[i]->defined()) {
+      o = THPVariable_Wrap(std::move(*res[i]));
+      if (o == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+    } else {
+      Py_INCREF(o);
+    }
+    PyTuple_SET_ITEM(out, i, o);
+  }
+  return out;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace

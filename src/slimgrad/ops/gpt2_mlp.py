@@ -109,6 +109,7 @@ worked per op now raises.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import torch
@@ -116,7 +117,7 @@ import torch
 import slimgrad.ops.dropout  # noqa: F401 - the modules, not the functions ops/__init__ exports
 import slimgrad.ops.gelu  # noqa: F401
 import slimgrad.ops.layer_norm  # noqa: F401
-from slimgrad import ownership
+from slimgrad import _ext, ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order
 from slimgrad._library import straight
 from slimgrad.kernels import _backend
@@ -260,9 +261,100 @@ def layer_norm_backward(st: _Step, dy: torch.Tensor) -> tuple:
     )
 
 
+_EXT_MLP = None  # the C++ extension's gpt2_mlp_bwd, once it is loaded
+
+
+def _use_extension(mod) -> None:
+    global _EXT_MLP
+    _EXT_MLP = getattr(mod, "gpt2_mlp_bwd", None)
+
+
+_ext.when_loaded(_use_extension)
+_GELU_BWD_ADDR: dict = {}  # CPath -> the address of its bound smooth_bwd_f32
+
+
+# NOTE [GPT-2's MLP backward from C++]
+# Where the MLP's steps ran straight (c_proj and c_fc HF Conv1Ds on a 3-D input, the GELU on its C
+# path: NOTE [The straight C path of the smooth activations] in ops/_output_act.py, the residual
+# dropout, if any, on its C kernel: NOTE [Dropout's straight path] in ops/dropout.py) and backward
+# runs on a plain gradient outside dispatch modes (the conditions under which the Python body
+# below takes those same paths), the extension's ``gpt2_mlp_bwd`` (``_ext/backward.cpp``, NOTE
+# [Backward bodies from C++]) issues :func:`_mlp_backward`'s ATen ops from C++: the dropout's C
+# pass (into dy where ``ownership.grant`` granted it, as :func:`_dropout_backward`),
+# ``_LinearFn.backward``'s 3-D Conv1D case for c_proj, :func:`_output_act.c_backward` into c_proj's
+# dx (the hard elements' ``index_select``, the C pass, ``aten.gelu_backward`` and ``index_put_``),
+# then c_fc's: the same ops on the same operands in the same order, each temporary dropped where
+# Python drops it; the two C passes call the same C functions the Python body calls through ctypes
+# (their addresses read once from those ctypes functions). The same bits, buffers and peak; a
+# dispatch mode (the tracker, the estimate's fake tensors) never gets here and runs the Python
+# body. Every case check runs before the first op, so None (a tensor subclass, a torch function
+# mode, a gradient that is not a contiguous float32 CPU tensor, saved tensors of other layouts)
+# hands back with nothing written and the Python body runs. A folded LayerNorm's backward (NOTE
+# [A LayerNorm folded into its consumer's node]) stays in Python. tests/ops/test_gpt2_mlp_ext.py
+# compares the bodies bit for bit and byte for byte.
+
+
+def _dropout_bwd_addr(lib) -> int:
+    # dropout.c's dropout_bwd_f32 as the ctypes function the Python body calls binds it, kept on
+    # the library object (as slimgrad.ops.gpt2_attention keeps it: the same attribute and value)
+    try:
+        return lib._slimgrad_bwd_addr
+    except AttributeError:
+        addr = ctypes.cast(_dr._c_fns(lib)["bwd"], ctypes.c_void_p).value or 0
+        lib._slimgrad_bwd_addr = addr
+        return addr
+
+
+def _ext_mlp_backward(steps, dy, owned: bool):
+    # NOTE [GPT-2's MLP backward from C++]; None where it does not apply
+    fc, act, proj, drop = steps
+    if not (
+        proj.lead is not None
+        and fc.lead is not None
+        and type(dy) is _Tensor
+        and not _dispatch_stack_len()
+    ):
+        return None
+    if drop is not None:
+        lib = drop.lib
+        if lib is None:
+            return None
+        key = (drop.p, _dr._F32, dy.device)
+        scale = _dr._SCALES[key] if key in _dr._SCALES else _dr._scale(drop.p, dy)
+        bits_r, n_r, daddr = drop.saved_tensors[0], drop.n, _dropout_bwd_addr(lib)
+    else:
+        bits_r, n_r, scale, daddr = None, 0, 0.0, 0
+    y, w_proj = proj.saved_tensors
+    mp, mf = proj.needs_input_grad, fc.needs_input_grad
+    if mp[0]:
+        cp = act.cpath
+        if cp is None:
+            return None
+        ay, abits, idx, xs = act.saved_tensors
+        gaddr = _GELU_BWD_ADDR.get(cp)
+        if gaddr is None:
+            gaddr = _GELU_BWD_ADDR[cp] = ctypes.cast(cp.bwd, ctypes.c_void_p).value or 0
+        x, w_fc = fc.saved_tensors
+        tn, y_hi, y_lo, s2, sc_r, sc_l = cp.bwd_args
+        return _EXT_MLP(
+            dy, owned, bits_r, n_r, scale, daddr, y, w_proj, True, mp[1], mp[2] and proj.has_bias,
+            ay, abits, idx, xs, act.n, gaddr, cp.tab, tn, y_hi, y_lo, s2, sc_r, sc_l,
+            act.approximate, x, w_fc, mf[0], mf[1], mf[2] and fc.has_bias,
+        )  # fmt: skip
+    return _EXT_MLP(
+        dy, owned, bits_r, n_r, scale, daddr, y, w_proj, False, mp[1], mp[2] and proj.has_bias,
+        None, None, None, None, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, "none", None, None, False,
+        False, False,
+    )  # fmt: skip
+
+
 def _mlp_backward(steps, dy, owned: bool):
     # the MLP's steps' backward in reverse order (dropout, c_proj, GELU, c_fc): (dx, dw_fc, db_fc,
     # dw_proj, db_proj); dx is c_fc's, made here (a buffer nobody else holds)
+    if _EXT_MLP is not None:
+        r = _ext_mlp_backward(steps, dy, owned)
+        if r is not None:
+            return r
     fc, act, proj, drop = steps
     g = _dropout_backward(drop, dy, owned) if drop is not None else dy
     del dy
