@@ -91,6 +91,21 @@ def _c_fns(lib):
     return fns
 
 
+def c_addr(lib, which: str) -> int:
+    """The address of dropout.c's ``which`` function (``"fwd"``: dropout_fwd_f32, ``"bwd"``:
+    dropout_bwd_f32) as the ctypes function the Python bodies call binds it, for the C++ bodies
+    that call the same function (NOTE [Backward bodies from C++] in slimgrad/_ext); kept on the
+    library object as its bound functions are."""
+    attr = f"_slimgrad_{which}_addr"
+    addr = getattr(lib, attr, None)
+    if addr is None:
+        import ctypes
+
+        addr = ctypes.cast(_c_fns(lib)[which], ctypes.c_void_p).value or 0
+        setattr(lib, attr, addr)
+    return addr
+
+
 # kernels/_cpu.threads() without its frame: torch's thread count (never below 1)
 _nthreads = torch.get_num_threads
 

@@ -65,7 +65,6 @@ raises a ``slimgrad.ops.gpt2_attention`` error, as the per-op scores op does.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import math
 
@@ -132,27 +131,6 @@ _ext.when_loaded(_use_extension)
 # tests/ops/test_gpt2_attention_ext.py compares the bodies bit for bit.
 
 
-def _dropout_bwd_addr(lib) -> int:
-    # the address of the ctypes function the Python body calls for the C pass (dropout.c's
-    # dropout_bwd_f32), kept on the library object as its bound functions are
-    try:
-        return lib._slimgrad_bwd_addr
-    except AttributeError:
-        addr = ctypes.cast(_dr._c_fns(lib)["bwd"], ctypes.c_void_p).value or 0
-        lib._slimgrad_bwd_addr = addr
-        return addr
-
-
-def _dropout_fwd_addr(lib) -> int:
-    # dropout.c's dropout_fwd_f32, as _dropout_bwd_addr
-    try:
-        return lib._slimgrad_fwd_addr
-    except AttributeError:
-        addr = ctypes.cast(_dr._c_fns(lib)["fwd"], ctypes.c_void_p).value or 0
-        lib._slimgrad_fwd_addr = addr
-        return addr
-
-
 # NOTE [GPT-2's attention node's forward from C++]
 # A forward past the gate (``direct``) whose dropout C kernels are built and chosen (the tables
 # _straight_c reads: NOTE [Dropout's straight path] in ops/dropout.py) runs the steps'
@@ -200,7 +178,7 @@ def _ext_forward(ctx, n, q, k_t, v, w, b, p_attn, causal, p_resid, heads):
         h,
         t,
         d,
-        _dropout_fwd_addr(lib),
+        _dr.c_addr(lib, "fwd"),
     )
     if r is None:
         return None
@@ -276,7 +254,7 @@ def _ext_backward(ctx, dy, owned: bool):
         h,
         t,
         d,
-        _dropout_bwd_addr(lib),
+        _dr.c_addr(lib, "bwd"),
     )
 
 

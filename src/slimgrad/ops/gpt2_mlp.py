@@ -294,17 +294,6 @@ _GELU_BWD_ADDR: dict = {}  # CPath -> the address of its bound smooth_bwd_f32
 # compares the bodies bit for bit and byte for byte.
 
 
-def _dropout_bwd_addr(lib) -> int:
-    # dropout.c's dropout_bwd_f32 as the ctypes function the Python body calls binds it, kept on
-    # the library object (as slimgrad.ops.gpt2_attention keeps it: the same attribute and value)
-    try:
-        return lib._slimgrad_bwd_addr
-    except AttributeError:
-        addr = ctypes.cast(_dr._c_fns(lib)["bwd"], ctypes.c_void_p).value or 0
-        lib._slimgrad_bwd_addr = addr
-        return addr
-
-
 def _ext_mlp_backward(steps, dy, owned: bool):
     # NOTE [GPT-2's MLP backward from C++]; None where it does not apply
     fc, act, proj, drop = steps
@@ -321,7 +310,7 @@ def _ext_mlp_backward(steps, dy, owned: bool):
             return None
         key = (drop.p, _dr._F32, dy.device)
         scale = _dr._SCALES[key] if key in _dr._SCALES else _dr._scale(drop.p, dy)
-        bits_r, n_r, daddr = drop.saved_tensors[0], drop.n, _dropout_bwd_addr(lib)
+        bits_r, n_r, daddr = drop.saved_tensors[0], drop.n, _dr.c_addr(lib, "bwd")
     else:
         bits_r, n_r, scale, daddr = None, 0, 0.0, 0
     y, w_proj = proj.saved_tensors
