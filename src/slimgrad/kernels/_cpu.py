@@ -113,6 +113,13 @@ def functions(lib: ctypes.CDLL, signatures) -> dict:
     return fns
 
 
+def address(fn) -> int:
+    """The address of a C function bound by :func:`functions` (0 if none), for slimgrad's C++
+    bodies that call the same kernel the Python body calls (NOTE [Backward bodies from C++] in
+    slimgrad/_ext)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
 def _version(cc: str) -> str:
     key = ("version", cc)
     v = _probe.get(key)

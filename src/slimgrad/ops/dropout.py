@@ -99,9 +99,9 @@ def c_addr(lib, which: str) -> int:
     attr = f"_slimgrad_{which}_addr"
     addr = getattr(lib, attr, None)
     if addr is None:
-        import ctypes
+        from slimgrad.kernels._cpu import address
 
-        addr = ctypes.cast(_c_fns(lib)[which], ctypes.c_void_p).value or 0
+        addr = address(_c_fns(lib)[which])
         setattr(lib, attr, addr)
     return addr
 

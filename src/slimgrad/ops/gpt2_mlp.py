@@ -109,7 +109,6 @@ worked per op now raises.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 
 import torch
@@ -120,7 +119,7 @@ import slimgrad.ops.layer_norm  # noqa: F401
 from slimgrad import _ext, ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_second_order
 from slimgrad._library import straight
-from slimgrad.kernels import _backend
+from slimgrad.kernels import _backend, _cpu
 from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
 from slimgrad.ops.linear import (
     _autocast_cast,
@@ -322,7 +321,7 @@ def _ext_mlp_backward(steps, dy, owned: bool):
         ay, abits, idx, xs = act.saved_tensors
         gaddr = _GELU_BWD_ADDR.get(cp)
         if gaddr is None:
-            gaddr = _GELU_BWD_ADDR[cp] = ctypes.cast(cp.bwd, ctypes.c_void_p).value or 0
+            gaddr = _GELU_BWD_ADDR[cp] = _cpu.address(cp.bwd)
         x, w_fc = fc.saved_tensors
         tn, y_hi, y_lo, s2, sc_r, sc_l = cp.bwd_args
         return _EXT_MLP(
