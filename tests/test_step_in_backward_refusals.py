@@ -432,3 +432,33 @@ def test_param_groups_given_as_generators_keep_their_parameters():
     _steps(ref, opt, 0, 2)
     _steps(m, handle, 0, 2)
     _same(ref, m)
+
+
+def test_a_model_with_a_handle_attached_saves_and_loads(tmp_path):
+    # NOTE [A handle's marks pickle as none]: torch.save(model) raised "cannot pickle
+    # 'weakref.ReferenceType'" while a handle was attached (its marks on the parameters)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    opt = slimgrad.step_in_backward(model, torch.optim.SGD, lr=0.1)
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    for a, b in zip(model.parameters(), loaded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    copied = copy.deepcopy(model)
+    # the loaded and copied models are updated by no handle: plain steps on them
+    for m in (loaded, copied):
+        plain = torch.optim.SGD(m.parameters(), lr=0.1)
+        before = [p.detach().clone() for p in m.parameters()]
+        m(x).sum().backward()
+        assert all(p.grad is not None for p in m.parameters())
+        plain.step()
+        assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True))
+    # the handle still updates its own model
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -211,13 +211,40 @@ class _PreHook:
             handle._guarded(handle._start_backward)
 
 
+def _no_handle() -> None:
+    return None
+
+
+# NOTE [A handle's marks pickle as none]
+# A handle marks each parameter it updates with two attributes (``_OWNER``, the op's ``ROW_SINK``),
+# each holding a weak reference to it. ``torch.save(model)`` and ``pickle`` carry a Parameter's
+# ``__dict__``, and a ``weakref.ref`` cannot be pickled, so saving a model with a handle attached
+# failed ("cannot pickle 'weakref.ReferenceType'"). Both marks pickle (and deep-copy) as marks
+# naming no handle: a loaded or copied parameter is updated by no handle, which is what it was
+# already (only the handle's own parameters count, ``_owner`` and ``_RowSink.__call__``).
+class _HandleRef:
+    __slots__ = ("ref",)
+
+    def __init__(self, handle: StepInBackward | None = None) -> None:
+        self.ref = weakref.ref(handle) if handle is not None else _no_handle
+
+    def __call__(self) -> StepInBackward | None:
+        return self.ref()
+
+    def __reduce__(self):
+        return (type(self), ())
+
+
 class _RowSink:
     # the op's ROW_SINK attribute: a weak reference to the handle (a deep copy of the parameter
     # copies the attribute, and only the handle's own parameter counts)
     __slots__ = ("ref",)
 
-    def __init__(self, handle: StepInBackward) -> None:
-        self.ref = weakref.ref(handle)
+    def __init__(self, handle: StepInBackward | None = None) -> None:
+        self.ref = weakref.ref(handle) if handle is not None else _no_handle
+
+    def __reduce__(self):  # NOTE [A handle's marks pickle as none]
+        return (_RowSink, ())
 
     def __call__(self, weight: torch.Tensor, node: Any):
         handle = self.ref()
@@ -535,7 +562,7 @@ class StepInBackward(torch.optim.Optimizer):
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
                 if self._accumulate > 1:
                     self._pre_hooks[p] = p.register_hook(_PreHook(self))
-                setattr(p, _OWNER, weakref.ref(self))
+                setattr(p, _OWNER, _HandleRef(self))  # NOTE [A handle's marks pickle as none]
                 setattr(p, ROW_SINK, _RowSink(self))
             else:
                 self._frozen.append(p)
