@@ -13,6 +13,7 @@
 #include <ATen/ScalarOps.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 long slimgrad_watcher_mask();  // storage_facts.cpp: NOTE [One-call gate]'s five watchers
@@ -76,6 +77,30 @@ at::Tensor wrapped(int64_t v) {
   at::Tensor s = at::scalar_to_tensor(at::Scalar(v));
   s.unsafeGetTensorImpl()->set_wrapped_number(true);
   return s;
+}
+
+// A Python tuple of the tensors (None for an undefined one), each moved out: the gradients a
+// backward body returns. nullptr with a Python error set if wrapping fails.
+PyObject* tensors_or_none(std::initializer_list<at::Tensor*> res) {
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(res.size()));
+  if (out == nullptr) {
+    return nullptr;
+  }
+  Py_ssize_t i = 0;
+  for (at::Tensor* t : res) {
+    PyObject* o = Py_None;
+    if (t->defined()) {
+      o = THPVariable_Wrap(std::move(*t));
+      if (o == nullptr) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+    } else {
+      Py_INCREF(o);
+    }
+    PyTuple_SET_ITEM(out, i++, o);
+  }
+  return out;
 }
 
 }  // namespace
@@ -462,25 +487,7 @@ PyObject* gpt2_attention_bwd(PyObject* /*self*/, PyObject* args) {
       }
     }
   }
-  PyObject* out = PyTuple_New(5);
-  if (out == nullptr) {
-    return nullptr;
-  }
-  at::Tensor* res[5] = {&dq, &dk, &dv, &dw, &db};
-  for (int i = 0; i < 5; ++i) {
-    PyObject* o = Py_None;
-    if (res[i]->defined()) {
-      o = THPVariable_Wrap(std::move(*res[i]));
-      if (o == nullptr) {
-        Py_DECREF(out);
-        return nullptr;
-      }
-    } else {
-      Py_INCREF(o);
-    }
-    PyTuple_SET_ITEM(out, i, o);
-  }
-  return out;
+  return tensors_or_none({&dq, &dk, &dv, &dw, &db});
   END_HANDLE_TH_ERRORS
 }
 
@@ -546,25 +553,7 @@ PyObject* conv1d_bwd(PyObject* /*self*/, PyObject* args) {
       db = g2.sum({0}, false, c10::nullopt);
     }
   }
-  PyObject* out = PyTuple_New(3);
-  if (out == nullptr) {
-    return nullptr;
-  }
-  at::Tensor* res[3] = {&dx, &dw, &db};
-  for (int i = 0; i < 3; ++i) {
-    PyObject* o = Py_None;
-    if (res[i]->defined()) {
-      o = THPVariable_Wrap(std::move(*res[i]));
-      if (o == nullptr) {
-        Py_DECREF(out);
-        return nullptr;
-      }
-    } else {
-      Py_INCREF(o);
-    }
-    PyTuple_SET_ITEM(out, i, o);
-  }
-  return out;
+  return tensors_or_none({&dx, &dw, &db});
   END_HANDLE_TH_ERRORS
 }
 
@@ -884,25 +873,7 @@ PyObject* gpt2_mlp_bwd(PyObject* /*self*/, PyObject* args) {
       }
     }
   }
-  PyObject* out = PyTuple_New(5);
-  if (out == nullptr) {
-    return nullptr;
-  }
-  at::Tensor* res[5] = {&dx, &dwf, &dbf, &dwp, &dbp};
-  for (int i = 0; i < 5; ++i) {
-    PyObject* o = Py_None;
-    if (res[i]->defined()) {
-      o = THPVariable_Wrap(std::move(*res[i]));
-      if (o == nullptr) {
-        Py_DECREF(out);
-        return nullptr;
-      }
-    } else {
-      Py_INCREF(o);
-    }
-    PyTuple_SET_ITEM(out, i, o);
-  }
-  return out;
+  return tensors_or_none({&dx, &dwf, &dbf, &dwp, &dbp});
   END_HANDLE_TH_ERRORS
 }
 
