@@ -100,29 +100,39 @@ _OPTS = {
 
 
 # --- the loop shapes the handle follows: where the gradients are zeroed, and by whom ----------
-def _zero_end_opt(m, opt, i):
+def _zero_end_opt(m, opt, i, set_to_none=True):
     m(_batch(i), use=i % 2 == 0).backward()
     opt.step()
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=set_to_none)
 
 
-def _zero_start_opt(m, opt, i):
-    opt.zero_grad()
+def _zero_start_opt(m, opt, i, set_to_none=True):
+    opt.zero_grad(set_to_none=set_to_none)
     m(_batch(i), use=i % 2 == 0).backward()
     opt.step()
 
 
-def _zero_model_end(m, opt, i):
+def _zero_model_end(m, opt, i, set_to_none=True):
     # HF Trainer's loop: optimizer.step(), lr_scheduler.step(), model.zero_grad()
     m(_batch(i), use=i % 2 == 0).backward()
     opt.step()
-    m.zero_grad()
+    m.zero_grad(set_to_none=set_to_none)
 
 
-def _zero_model_start(m, opt, i):
-    m.zero_grad()
+def _zero_model_start(m, opt, i, set_to_none=True):
+    m.zero_grad(set_to_none=set_to_none)
     m(_batch(i), use=i % 2 == 0).backward()
     opt.step()
+
+
+def _in_place(loop):
+    # zero_grad(set_to_none=False): .grad keeps a zero tensor, the plain step() updates a
+    # parameter that got no gradient (``sometimes`` on odd steps: momentum, weight decay, Adam's
+    # moments), and its next gradient is 0 + g (NOTE [Gradients zeroed in place])
+    def run(m, opt, i):
+        loop(m, opt, i, set_to_none=False)
+
+    return run
 
 
 def _zero_both(m, opt, i):
@@ -161,6 +171,10 @@ _LOOPS = {
     "model.zero_grad-start": _zero_model_start,
     "opt-and-model": _zero_both,
     "wrapped-optimizer": _wrapped,
+    "opt.zero_grad-end-in-place": _in_place(_zero_end_opt),
+    "opt.zero_grad-start-in-place": _in_place(_zero_start_opt),
+    "model.zero_grad-end-in-place": _in_place(_zero_model_end),
+    "model.zero_grad-start-in-place": _in_place(_zero_model_start),
 }
 
 
@@ -438,3 +452,99 @@ def test_a_watched_model_saves_loads_and_copies():
         m.zero_grad()  # the class's zero_grad, bound to the copy
         assert all(p.grad is None for p in m.parameters())
         step_in_backward(m, torch.optim.SGD, lr=0.1)
+
+
+# --- zero_grad(set_to_none=False) (NOTE [Gradients zeroed in place]) --------------------------
+def test_in_place_zeroing_keeps_the_plain_sign_of_zero():
+    """After zero_grad(set_to_none=False) the plain gradient is 0 + g: a -0.0 in g becomes +0.0,
+    and SGD's p - lr * g keeps a -0.0 parameter element -0.0 only then (-0.0 - lr * -0.0 is
+    +0.0). The first step's gradient is +0.0 there (p stays -0.0), the next ones' -0.0."""
+    for zero in ("opt", "model"):
+        ps = []
+        for use_handle in (False, True):
+            lin = nn.Module()
+            lin.weight = nn.Parameter(torch.tensor([-0.0, 1.0, -0.0]))
+            if use_handle:
+                o = step_in_backward(lin, torch.optim.SGD, lr=0.5)
+            else:
+                o = torch.optim.SGD(lin.parameters(), lr=0.5)
+            x = torch.tensor([0.0, 1.0, 0.0])
+            for i in range(3):
+                y = lin.weight * (x if i == 0 else -x)  # elementwise: g is x's sign of zero
+                y.sum().backward()
+                o.step()
+                (o if zero == "opt" else lin).zero_grad(set_to_none=False)
+            ps.append(lin.weight.detach().clone())
+        assert torch.equal(torch.signbit(ps[1]), torch.signbit(ps[0])), (zero, ps)
+        assert_close(ps[1], ps[0], rtol=0, atol=0)
+
+
+def test_steps_with_nothing_new_after_in_place_zeroing_are_the_plain_loop():
+    """The plain step() after zero_grad(set_to_none=False) and no backward applies the zero
+    gradients (momentum, weight decay); after set_to_none=True it changes nothing."""
+    cls, kw = torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    for set_to_none in (False, True):
+        a, b = _net(), _net()
+        opt = cls(a.parameters(), **kw)
+        handle = step_in_backward(b, cls, **kw)
+        for m, o in ((a, opt), (b, handle)):
+            for i in range(2):
+                _zero_end_opt(m, o, i, set_to_none=set_to_none)
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
+            o.step()
+            _zero_start_opt(m, o, 2, set_to_none=set_to_none)
+        _same(a, b, opt, handle)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_sparse_embedding_in_an_in_place_zeroing_loop(momentum):
+    # the plain loop keeps an empty sparse gradient; a dense parameter next to it a zero tensor
+    def make():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"emb": nn.Embedding(V, H, sparse=True), "lin": nn.Linear(H, 1)})
+
+    def loss(m, i):
+        return m["lin"](m["emb"](_batch(i))).square().mean()
+
+    a, b = make(), make()
+    opt = torch.optim.SGD(a.parameters(), lr=0.1, momentum=momentum)
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1, momentum=momentum)
+    for i in range(4):
+        for m, o in ((a, opt), (b, handle)):
+            if i == 2:
+                o.step()  # a step with nothing new: the zero (and empty sparse) gradients
+            loss(m, i).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+        _same(a, b, opt, handle)
+
+
+def test_accumulate_n_with_in_place_zeroing_is_the_plain_loop():
+    cls, kw = torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)
+    a, b = _net(), _net()
+    opt = cls(a.parameters(), **kw)
+    handle = step_in_backward(b, cls, accumulate=2, **kw)
+    for step in range(4):
+        for m, o in ((a, opt), (b, handle)):
+            for k in range(2):
+                (m(_batch(2 * step + k), use=step % 2 == 0) / 2).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+        _same(a, b, opt, handle)
+
+
+def test_a_module_without_every_handle_parameter_does_not_count_as_zeroing():
+    # a group added beside the model: model.zero_grad() leaves its gradient to the plain loop
+    b = _net()
+    extra = nn.Parameter(torch.ones(3))
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1)
+    handle.add_param_group({"params": [extra]})
+    (b(_batch(0)) + extra.sum()).backward()
+    handle.step()
+    b.zero_grad()
+    before = _snap(b, handle)
+    with pytest.raises(RuntimeError, match=r"not zeroed"):
+        (b(_batch(1)) + extra.sum()).backward()
+    _unchanged(before, b, handle)
+    handle.zero_grad()

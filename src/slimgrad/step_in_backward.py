@@ -28,8 +28,8 @@ post-accumulate hook fires once per backward per leaf, after that: a parameter u
 embeddings) is updated once, from the summed gradient, as in the plain loop. Frozen parameters get
 no hook; a parameter that gets no gradient in a backward sees no hook call, so it is left alone as
 ``opt.step()`` leaves a parameter whose ``.grad`` is None (the plain loop with the default
-``zero_grad(set_to_none=True)``; a loop that zeroes gradients in place instead would also apply
-weight decay and momentum to parameters that got no gradient).
+``zero_grad(set_to_none=True)``; a loop that zeroes gradients in place is followed too: NOTE
+[Gradients zeroed in place]).
 
 The update writes the parameter in place while backward goes on. Every node that computes a
 gradient for ``p`` has run by then; a node that keeps ``p`` without computing its gradient (a
@@ -152,6 +152,27 @@ is the explicit answer for such a loop, and for a loop without ``step()`` calls:
 and nothing is checked (such a loop that does not zero, or accumulates, differs silently: the
 option says the loop does neither).
 
+# NOTE [Gradients zeroed in place]
+``zero_grad(set_to_none=False)`` (the handle's or the watched module's) leaves, in the plain loop,
+a zero tensor in every ``.grad`` that held a gradient: a strided one is zeros, a sparse COO one
+(``Embedding(sparse=True)``) has no entries. Two things follow, both done by the handle from what
+it saw (the parameters that got a gradient since the last zeroing, and that gradient's layout),
+without ever leaving a tensor in ``.grad`` between backwards:
+
+- the next gradient is ``zero + g``, computed by AccumulateGrad: for strided ``g`` its ``-0.0``
+  become ``+0.0`` (SGD then keeps a ``-0.0`` parameter ``-0.0``); the handle, whose ``.grad`` was
+  None, applies ``g.add_(0.0)`` (IEEE addition commutes: the same bits) before the update, or
+  AccumulateGrad's own sum where the layouts differ (dense ``+=`` sparse; sparse ``+`` dense;
+  sparse ``+=`` sparse on an empty coalesced tensor, as sparse ``zero_()`` leaves); for a head
+  updated by row blocks, each block gets ``+ 0.0``;
+- ``step()`` updates every parameter whose ``.grad`` is such a zero and got nothing since
+  (momentum, weight decay, Adam's moments and step count move): the handle runs that update at
+  ``step()`` with the same zero gradient (made for the call and freed), and in a ``step()`` with
+  no backward since, for all of them. A zeroing with ``set_to_none=True`` ends it.
+
+Only zeroing the handle sees counts; with ``check_loop=False`` nothing is followed (every backward
+is the ``set_to_none=True`` loop's step).
+
 # NOTE [A reentrant backward is not a second backward]
 A reentrant checkpoint (``use_reentrant=True``) runs a nested backward inside the enclosing one;
 when the handle's first hook of a step runs inside it, that backward's end callback fires when
@@ -271,6 +292,17 @@ _UPDATED = 1  # a backward updated the parameters; the plain loop holds its grad
 _STEPPED = 2  # then step(): the plain loop still holds them until zero_grad()
 
 
+def _zero_like(p: torch.Tensor, sparse_dim: int | None) -> torch.Tensor:
+    # NOTE [Gradients zeroed in place]: the .grad the plain loop's zero_grad(set_to_none=False)
+    # leaves: zeros (strided), or a sparse COO tensor with no entries
+    if sparse_dim is None:
+        return torch.zeros_like(p)
+    idx = torch.empty((sparse_dim, 0), dtype=torch.long, device=p.device)
+    val = torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype, device=p.device)
+    # (coalesced, as sparse zero_() leaves it)
+    return torch.sparse_coo_tensor(idx, val, p.shape, is_coalesced=True, check_invariants=True)
+
+
 def _plain_zero_grad(zero_grad: Any) -> Any:
     return zero_grad
 
@@ -292,8 +324,16 @@ class _ZeroGradWatch:
         handle = self.ref()
         if handle is not None and not handle._removed:
             handle._boundary("zero_grad()")
-            handle._zeroed("model.zero_grad()")
+            if not handle._outside_module:
+                # (a module that does not hold every handle parameter zeroes only some: not
+                # followed, the next backward is refused as without zero_grad())
+                handle._zeroed("model.zero_grad()", set_to_none)
         return self.inner(set_to_none)
+
+    def count_outside(self, handle: StepInBackward) -> None:
+        module = self.module()
+        held = {id(p) for p in module.parameters()} if module is not None else set()
+        handle._outside_module = sum(id(p) not in held for p in handle._group_index)
 
     def detach(self) -> None:
         module = self.module()
@@ -521,12 +561,19 @@ class StepInBackward(torch.optim.Optimizer):
         self._check_loop = check_loop
         self._loop = _CLEAN
         self._watch: _ZeroGradWatch | None = None
+        # NOTE [Gradients zeroed in place]: the parameters whose .grad the plain loop keeps as a
+        # zero tensor (zero_grad(set_to_none=False)), and those that got a gradient since the
+        # last zero_grad(); each maps to the sparse_dim of that gradient (None: strided)
+        self._held_zero: dict[torch.Tensor, int | None] = {}
+        self._since_zero: dict[torch.Tensor, int | None] = {}
+        self._outside_module = 0  # handle parameters the watched module does not hold
         groups = self.optimizer.param_groups
         _check_free([p for g in groups for p in g["params"]])  # before any hook is attached
         for i, group in enumerate(groups):
             self._attach(group["params"], i)
         if check_loop and module is not None:
             self._watch = _ZeroGradWatch(self, module)
+            self._watch.count_outside(self)
 
     # --- what users touch ------------------------------------------------------------------
     @property
@@ -582,6 +629,8 @@ class StepInBackward(torch.optim.Optimizer):
         _check_free(params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._attach(params, len(self.optimizer.param_groups) - 1)
+        if self._watch is not None:
+            self._watch.count_outside(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """No-op on the parameters: their gradients were freed in backward. The next backward
@@ -595,7 +644,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._check_live("zero_grad")
         self._boundary("zero_grad()")
         if self._check_loop:
-            self._zeroed("zero_grad()")
+            self._zeroed("zero_grad()", set_to_none)
 
     def step(self, closure: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
         """No-op on the parameters: each was updated in backward. Marks the end of a step (NOTE
@@ -886,6 +935,36 @@ class StepInBackward(torch.optim.Optimizer):
                 "Backward the summed loss once, or use accumulate=N for micro-batches",
             )
         self._fired[p] = n
+        if self._check_loop:
+            self._add_to_held(p)
+
+    def _add_to_held(self, p: torch.Tensor) -> None:
+        # NOTE [Gradients zeroed in place]: AccumulateGrad wrote this backward's gradient into a
+        # .grad that was None; where the plain loop holds a zero tensor, make it what its
+        # AccumulateGrad makes (zero + g; g's -0.0 become +0.0), and record the layout
+        g = p.grad
+        sd = g.sparse_dim() if g is not None and g.layout == torch.sparse_coo else None
+        first = p not in self._since_zero
+        if not first:
+            if sd is None:
+                self._since_zero[p] = None  # dense + sparse is dense
+            return
+        if p in self._held_zero:
+            zd = self._held_zero[p]
+            if g is not None:
+                if zd is None and sd is None:
+                    g.add_(0.0)  # 0 + g, bit for bit (IEEE addition commutes)
+                elif zd is None:
+                    p.grad = torch.zeros_like(p).add_(g)  # dense += sparse
+                elif sd is not None:
+                    z = _zero_like(p, zd)
+                    z += g
+                    p.grad = z
+                else:
+                    p.grad = g + _zero_like(p, zd)  # a sparse .grad plus a dense gradient
+            if zd is None:
+                sd = None
+        self._since_zero[p] = sd
 
     # --- chunked updates (NOTE [Chunked updates]) --------------------------------------------
     def _chunkable(self, p: torch.Tensor) -> bool:
@@ -973,11 +1052,15 @@ class StepInBackward(torch.optim.Optimizer):
         ):
             return None
         self._guarded(self._start_backward)
+        # NOTE [Gradients zeroed in place]: each block is what the plain loop adds to its zero
+        plus_zero = p not in self._since_zero and self._held_zero.get(p, 0) is None
         self._guarded(self._count, p)
         self._rows_taken.add(p)
         width, total = p.shape[1], p.shape[0]
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
+            if plus_zero:
+                g.add_(0.0)
             if self._clip_value is not None:
                 g.clamp_(min=-self._clip_value, max=self._clip_value)
             self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
@@ -1084,9 +1167,7 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _stepped(self) -> None:
         # NOTE [What the loop did since the last update]: step() after the checks of _boundary
-        if self._loop == _UPDATED:
-            self._loop = _STEPPED
-        elif self._loop == _STEPPED:
+        if self._loop == _STEPPED:
             raise _err(
                 RuntimeError,
                 "a second step() with no backward and no zero_grad() since the last one; the "
@@ -1096,10 +1177,28 @@ class StepInBackward(torch.optim.Optimizer):
                 "a second step()",
                 "Call step() once per backward and zero_grad() after it",
             )
+        # NOTE [Gradients zeroed in place]: the plain step() updates every parameter whose .grad
+        # is a zero tensor and got nothing since (momentum, weight decay, Adam's moments)
+        idle = [p for p in self._held_zero if p not in self._since_zero and p in self._hooks]
+        if idle:
+            for p in idle:
+                p.grad = _zero_like(p, self._held_zero[p])
+            try:
+                self._update(idle)
+            finally:
+                for p in idle:
+                    p.grad = None
+        if self._loop == _UPDATED:
+            self._loop = _STEPPED
 
-    def _zeroed(self, call: str) -> None:
+    def _zeroed(self, call: str, set_to_none: bool) -> None:
         # NOTE [What the loop did since the last update]: zero_grad() (the handle's or the
         # module's) after the checks of _boundary
+        if set_to_none:
+            self._held_zero.clear()
+        else:  # NOTE [Gradients zeroed in place]: what had a gradient keeps a zero one
+            self._held_zero.update(self._since_zero)
+        self._since_zero.clear()
         if self._loop == _UPDATED:
             self._loop = _CLEAN
             raise _err(
