@@ -548,3 +548,12 @@ def test_a_module_without_every_handle_parameter_does_not_count_as_zeroing():
         (b(_batch(1)) + extra.sum()).backward()
     _unchanged(before, b, handle)
     handle.zero_grad()
+
+
+def test_check_loop_must_be_a_bool():
+    b = _net()
+    with pytest.raises(TypeError, match=r"^slimgrad\.step_in_backward: check_loop must be a "):
+        step_in_backward(b, torch.optim.SGD, lr=0.1, check_loop="False")
+    assert "zero_grad" not in b.__dict__
+    assert not any(hasattr(p, "_slimgrad_step_in_backward") for p in b.parameters())
+    step_in_backward(b, torch.optim.SGD, lr=0.1)  # nothing was attached

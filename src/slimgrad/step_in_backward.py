@@ -1306,7 +1306,8 @@ def step_in_backward(
         ``load_state_dict`` work on it). ``handle.remove()`` detaches the hooks.
 
     Raises:
-        TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate``.
+        TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate`` or
+            ``check_loop``.
         ValueError: ``accumulate`` < 1; a negative clip.
         NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
@@ -1370,6 +1371,14 @@ def step_in_backward(
             "an int >= 0 (0: every parameter updates alone)",
             repr(bucket_bytes),
             "Pass e.g. bucket_bytes=1 << 20",
+        )
+    if not isinstance(check_loop, bool):
+        raise _err(
+            TypeError,
+            "check_loop must be a bool",
+            "True (follow step()/zero_grad()) or False (every backward is a whole step)",
+            repr(check_loop),
+            "Pass check_loop=True or check_loop=False",
         )
     if accumulate < 1:
         raise _err(
@@ -1454,6 +1463,6 @@ def step_in_backward(
         clip_grad_norm_per_param=clip_grad_norm_per_param,
         clip_grad_value=clip_grad_value,
         bucket_bytes=bucket_bytes,
-        check_loop=bool(check_loop),
+        check_loop=check_loop,
         module=model_or_params if isinstance(model_or_params, torch.nn.Module) else None,
     )
