@@ -142,10 +142,12 @@ def test_bucket_sizes_do_not_change_the_bits(bucket_bytes):
     _same(a, b)
 
 
-def test_loop_without_step_calls_is_the_same():
+def test_loop_without_step_calls_is_the_same_with_check_loop_off():
+    # NOTE [What the loop did since the last update]: check_loop=False declares every backward
+    # a whole step (the default refuses the second backward: tests/test_step_in_backward_loops.py)
     a, b = _net(), _net()
     opt = torch.optim.AdamW(a.parameters(), lr=1e-2)
-    step_in_backward(b, torch.optim.AdamW, lr=1e-2)
+    step_in_backward(b, torch.optim.AdamW, lr=1e-2, check_loop=False)
     _plain(a, opt)
     for i in range(5):
         b(_batch(i), use=i % 2 == 0).backward()
@@ -294,9 +296,10 @@ def test_clip_grad_value_is_the_global_clip():
         torch.nn.utils.clip_grad_value_(a.parameters(), 0.01)
         opt.step()
         opt.zero_grad()
-    _plain(b, handle, steps=0)
     for i in range(5):
         b(_batch(i)).backward()
+        handle.step()
+        handle.zero_grad()
     _same(a, b)
 
 
@@ -313,6 +316,7 @@ def test_clip_grad_norm_per_param():
         opt.zero_grad()
         b(_batch(i)).backward()
         handle.step()
+        handle.zero_grad()
     _same(a, b)
 
 
@@ -349,13 +353,17 @@ def test_accumulation_without_accumulate_is_refused_before_the_second_update():
         assert q.grad is None
 
 
-def test_two_backwards_before_the_first_step_call_raise_at_step():
+def test_two_backwards_before_the_first_step_call_are_refused_at_the_second():
+    # before: refused only at step(), after the second backward had updated every parameter
     m = _net()
-    handle = step_in_backward(m, torch.optim.SGD, lr=0.1)
+    step_in_backward(m, torch.optim.SGD, lr=0.1)
     m(_batch(0)).backward()
-    m(_batch(1)).backward()
-    with pytest.raises(RuntimeError, match=r"updated by several backward calls"):
-        handle.step()
+    before = [p.clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match=r"a second backward in one step: no step\(\) since"):
+        m(_batch(1)).backward()
+    for p, q in zip(before, m.parameters(), strict=True):
+        assert_close(q, p, rtol=0, atol=0)
+        assert q.grad is None
 
 
 # ------------------------------------------------------------------------------- refusals
@@ -453,13 +461,17 @@ def test_memory_one_gradient_alive_at_a_time():
     the end. The plain loop holds every gradient at its end."""
     x = torch.randn(2, 64)
     sib = _stack(bias=False)
-    step_in_backward(sib, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_bytes=0)
+    h = step_in_backward(sib, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_bytes=0)
     sib(x).sum().backward()  # warm-up: momentum buffers exist (state counts on neither side)
+    h.step()
+    h.zero_grad()
     got = memory.measure(lambda: sib(x).sum(), module=sib)
     # the default: parameters under bucket_bytes wait, up to bucket_bytes of them
     bucketed = _stack(bias=False)
-    step_in_backward(bucketed, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_bytes=40_000)
+    hb = step_in_backward(bucketed, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_bytes=40_000)
     bucketed(x).sum().backward()
+    hb.step()
+    hb.zero_grad()
     got_bucketed = memory.measure(lambda: bucketed(x).sum(), module=bucketed)
 
     plain = _stack(bias=False)

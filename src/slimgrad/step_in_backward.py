@@ -28,8 +28,8 @@ post-accumulate hook fires once per backward per leaf, after that: a parameter u
 embeddings) is updated once, from the summed gradient, as in the plain loop. Frozen parameters get
 no hook; a parameter that gets no gradient in a backward sees no hook call, so it is left alone as
 ``opt.step()`` leaves a parameter whose ``.grad`` is None (the plain loop with the default
-``zero_grad(set_to_none=True)``; a loop that zeroes gradients in place instead would also apply
-weight decay and momentum to parameters that got no gradient).
+``zero_grad(set_to_none=True)``; a loop that zeroes gradients in place is followed too: NOTE
+[Gradients zeroed in place]).
 
 The update writes the parameter in place while backward goes on. Every node that computes a
 gradient for ``p`` has run by then; a node that keeps ``p`` without computing its gradient (a
@@ -82,14 +82,14 @@ In the plain loop a step is everything between two ``opt.step()`` calls. Here th
 backward, so the handle needs to know when a step ends:
 
 - ``handle.step()`` and ``handle.zero_grad()`` are no-ops on the parameters (the update already
-  happened; there is no gradient to zero). They mark the end of a step. Once the loop calls either,
-  a second backward before the next call is refused at its first hook, before any change: two
-  losses backward'ed separately (even over disjoint parameters: backward their sum once), or
-  micro-batch gradient accumulation with ``step()`` every N backward calls. The plain loop would sum
-  those gradients and step once; here each backward would step. ``accumulate=N`` is the exact mode
-  for accumulation.
-- A loop that never calls ``step()``/``zero_grad()`` makes every backward a step, and those
-  mistakes cannot be seen. The first ``step()``/``zero_grad()`` call checks what happened before it.
+  happened; there is no gradient to zero). The handle follows them, and the module's
+  ``zero_grad()``, to know what the plain loop's ``.grad`` would hold (NOTE [What the loop did
+  since the last update]): a second backward with no ``step()`` since the last (two losses
+  backward'ed separately, even over disjoint parameters: backward their sum once; micro-batch
+  accumulation without ``accumulate=N``; a loop without ``step()``) and a backward after
+  ``step()`` with no ``zero_grad()`` (the plain loop sums the steps' gradients) are refused at
+  that backward's first hook, before any change. ``accumulate=N`` is the exact mode for
+  accumulation; ``check_loop=False`` declares every backward a whole step.
 - ``backward(retain_graph=True)`` (and ``create_graph=True``, which keeps the graph too) in a
   backward that updates (every backward with ``accumulate=1``, the last of a cycle otherwise) is
   refused at its first hook: the update writes the parameters in place, so a second backward over
@@ -114,6 +114,73 @@ backward, so the handle needs to know when a step ends:
   while a process group of more than one process is initialised.
 - Optimizers whose ``step`` needs a closure (LBFGS) re-evaluate the loss: refused.
 - ``torch.amp.GradScaler``: refused (NOTE [GradScaler]).
+
+# NOTE [What the loop did since the last update]
+The plain loop updates at ``opt.step()`` from what ``.grad`` holds: the sum of every backward
+since the last ``zero_grad()``. The handle updates in each backward from that backward's gradient
+alone, so the two agree only when every step is one backward between a zeroing and a
+``step()``. The handle cannot read ``.grad`` for this (it is None between backwards, and must stay
+what user code sees in the plain loop or None: a marker tensor left there broke ``p.grad.view``,
+``clip_grad_norm_``, ``.numpy()`` and sparse embeddings), so it follows the calls it can see:
+
+- its own ``step()`` and ``zero_grad()`` (wrappers such as accelerate's and Lightning's optimizers
+  forward to them);
+- ``zero_grad()`` of the module given to ``step_in_backward`` (HF Trainer zeroes with
+  ``model.zero_grad()``): an instance attribute on that one module (not a patch of the class)
+  that tells the handle, then runs the ``zero_grad`` the module had; one Python call per
+  ``model.zero_grad()``; ``remove()`` takes it off (an instance-level ``zero_grad`` the module had
+  is put back); ``torch.save``/``copy.deepcopy`` of the module give the copy the class's
+  ``zero_grad`` bound to it, watching nothing (NOTE [A handle's marks pickle as none]).
+
+From these, three states: nothing held (zeroed since the last update, or never updated), updated
+(a backward updated; the plain loop holds its gradients, not yet stepped), stepped (``step()``
+came; the plain loop still holds them). Each backward that starts a step (every backward; with
+``accumulate=N`` the first of a cycle) checks at its first hook, before any change: after
+"updated" it is a second backward in one step (the plain loop sums and steps once); after
+"stepped" the gradients were not zeroed (the plain loop adds this backward's to the last step's).
+``step()`` after "stepped" is refused too (the plain loop applies the same gradients again; they
+were freed). ``zero_grad()`` after "updated" (between backward and ``step()``: the plain loop
+discards the gradients and its ``step()`` does nothing) is refused after the fact: the update
+already happened in backward. A ``step()`` with nothing held changes nothing, in both loops.
+
+What cannot be told apart: once ``.grad`` is None, a loop that zeroes with ``p.grad = None``, with
+a submodule's or another optimizer's ``zero_grad()``, or with the model's ``zero_grad()`` when the
+handle was given a parameter list, changes nothing the handle can observe, exactly as a loop that
+never zeroes. Both are refused (the message names ``handle.zero_grad()``); ``check_loop=False``
+is the explicit answer for such a loop, and for a loop without ``step()`` calls: every backward
+(every ``accumulate`` backward calls) is then one whole step, ``zero_grad(); backward(); step()``,
+and nothing is checked (such a loop that does not zero, or accumulates, differs silently: the
+option says the loop does neither).
+
+# NOTE [Gradients zeroed in place]
+``zero_grad(set_to_none=False)`` (the handle's or the watched module's) leaves, in the plain loop,
+a zero tensor in every ``.grad`` that held a gradient: a strided one is zeros, a sparse COO one
+(``Embedding(sparse=True)``) has no entries. Two things follow, both done by the handle from what
+it saw (the parameters that got a gradient since the last zeroing, and that gradient's layout),
+without ever leaving a tensor in ``.grad`` between backwards:
+
+- the next gradient is ``zero + g``, computed by AccumulateGrad: for strided ``g`` its ``-0.0``
+  become ``+0.0`` (SGD then keeps a ``-0.0`` parameter ``-0.0``); the handle, whose ``.grad`` was
+  None, applies ``g.add_(0.0)`` (IEEE addition commutes: the same bits) before the update, or
+  AccumulateGrad's own sum where the layouts differ (dense ``+=`` sparse; sparse ``+`` dense;
+  sparse ``+=`` sparse on an empty coalesced tensor, as sparse ``zero_()`` leaves); for a head
+  updated by row blocks, each block gets ``+ 0.0``;
+- ``step()`` updates every parameter whose ``.grad`` is such a zero and got nothing since
+  (momentum, weight decay, Adam's moments and step count move): the handle runs that update at
+  ``step()`` with the same zero gradient (made for the call and freed), and in a ``step()`` with
+  no backward since, for all of them. A zeroing with ``set_to_none=True`` ends it.
+
+Only zeroing the handle sees counts; with ``check_loop=False`` nothing is followed (every backward
+is the ``set_to_none=True`` loop's step).
+
+# NOTE [A reentrant backward is not a second backward]
+A reentrant checkpoint (``use_reentrant=True``) runs a nested backward inside the enclosing one;
+when the handle's first hook of a step runs inside it, that backward's end callback fires when
+the nested one ends, and the enclosing backward's next hook looks like a new backward (it was
+refused as a second backward in one step, after the checkpointed layers had updated). Graph
+tasks are numbered in creation order (an atomic counter in the engine), so a task numbered below
+the last one the handle started in can only be one that encloses it: the same step goes on (a
+parameter reached in both is refused at its second gradient, as in any one backward).
 
 # NOTE [GradScaler]
 Exact support is impossible: the scaler skips the whole step when any gradient holds an inf or a
@@ -154,17 +221,21 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's is,
   between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
   same checks before the gradient is added to the earlier micro-batches'.
+- In backward, at the same first hook: a second backward with no ``step()`` since the last, and a
+  backward after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last
+  update]); with ``accumulate=N`` both at the first micro-batch of a cycle.
 - ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
-  handle are removed), a call inside backward, an unfinished accumulation cycle, a removed handle;
+  handle are removed), a call inside backward, an unfinished accumulation cycle, a removed handle,
+  a second ``step()`` with no backward and no ``zero_grad()`` between;
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
-Refusals that come after a change they cannot undo, stated where they happen: a loop that never
-calls ``step()``/``zero_grad()`` learns at its first call that earlier backwards stepped twice; a
-use of the fused loss's head weight beside the loss arrives after its rows were updated (NOTE
-[Chunked updates]); a reentrant checkpoint backward inside an ``accumulate=N`` backward is seen when
-it starts, after the gradients (and, in the last micro-batch, the updates) of the parameters above
-it; a GradScaler made after the first backward while another reference to a scaler class was
-dropped (the count unchanged: NOTE [GradScaler]).
+Refusals that come after a change they cannot undo, stated where they happen: ``zero_grad()``
+between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since
+the last update]); a use of the fused loss's head weight beside the loss arrives after its rows
+were updated (NOTE [Chunked updates]); a reentrant checkpoint backward inside an
+``accumulate=N`` backward is seen when it starts, after the gradients (and, in the last
+micro-batch, the updates) of the parameters above it; a GradScaler made after the first backward
+while another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]).
 """
 
 from __future__ import annotations
@@ -213,6 +284,70 @@ class _PreHook:
 
 def _no_handle() -> None:
     return None
+
+
+# NOTE [What the loop did since the last update]: the handle's view of the plain loop's gradients
+_CLEAN = 0  # none held: zeroed (or never made) since the last update
+_UPDATED = 1  # a backward updated the parameters; the plain loop holds its gradients, unstepped
+_STEPPED = 2  # then step(): the plain loop still holds them until zero_grad()
+
+
+def _zero_like(p: torch.Tensor, sparse_dim: int | None) -> torch.Tensor:
+    # NOTE [Gradients zeroed in place]: the .grad the plain loop's zero_grad(set_to_none=False)
+    # leaves: zeros (strided), or a sparse COO tensor with no entries
+    if sparse_dim is None:
+        return torch.zeros_like(p)
+    idx = torch.empty((sparse_dim, 0), dtype=torch.long, device=p.device)
+    val = torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype, device=p.device)
+    # (coalesced, as sparse zero_() leaves it)
+    return torch.sparse_coo_tensor(idx, val, p.shape, is_coalesced=True, check_invariants=True)
+
+
+def _plain_zero_grad(zero_grad: Any) -> Any:
+    return zero_grad
+
+
+class _ZeroGradWatch:
+    # NOTE [What the loop did since the last update]: ``module.zero_grad``, set on the module
+    # given to step_in_backward (its instance, not its class): tells the handle, then runs the
+    # zero_grad the module had. remove() takes it off again.
+    __slots__ = ("ref", "module", "inner", "had")
+
+    def __init__(self, handle: StepInBackward, module: torch.nn.Module) -> None:
+        self.ref = weakref.ref(handle)
+        self.module = weakref.ref(module)
+        self.had = "zero_grad" in module.__dict__  # another instance-level zero_grad, kept
+        self.inner = module.zero_grad
+        module.__dict__["zero_grad"] = self
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        handle = self.ref()
+        if handle is not None and not handle._removed:
+            handle._boundary("zero_grad()")
+            if not handle._outside_module:
+                # (a module that does not hold every handle parameter zeroes only some: not
+                # followed, the next backward is refused as without zero_grad())
+                handle._zeroed("model.zero_grad()", set_to_none)
+        return self.inner(set_to_none)
+
+    def count_outside(self, handle: StepInBackward) -> None:
+        module = self.module()
+        held = {id(p) for p in module.parameters()} if module is not None else set()
+        handle._outside_module = sum(id(p) not in held for p in handle._group_index)
+
+    def detach(self) -> None:
+        module = self.module()
+        if module is not None and module.__dict__.get("zero_grad") is self:
+            if self.had:
+                module.__dict__["zero_grad"] = self.inner
+            else:
+                del module.__dict__["zero_grad"]
+        self.ref = _no_handle  # a copy wrapped over this one (left in place) passes through
+
+    def __reduce__(self):
+        # NOTE [A handle's marks pickle as none]: a saved or copied module gets the zero_grad
+        # it had (a bound method of the class's, as an instance attribute), watching nothing
+        return (_plain_zero_grad, (self.inner,))
 
 
 # NOTE [A handle's marks pickle as none]
@@ -387,6 +522,8 @@ class StepInBackward(torch.optim.Optimizer):
         clip_grad_norm_per_param: float | None = None,
         clip_grad_value: float | None = None,
         bucket_bytes: int = 1 << 20,
+        check_loop: bool = True,
+        module: torch.nn.Module | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: param_groups/state/defaults are the plain optimizer's
         # (properties below), so that schedulers and load_state_dict act on the one copy.
@@ -415,18 +552,28 @@ class StepInBackward(torch.optim.Optimizer):
         self._group_index: dict[torch.Tensor, int] = {}
         self._removed = False
         self._rows_taken: set[torch.Tensor] = set()  # updated by rows in this backward
-        # NOTE [What a step is, and what is refused]: per-parameter hook calls since the last
-        # boundary (step()/zero_grad(), or the end of a backward before the loop first calls
-        # either), and since the last step()/zero_grad() call or creation
-        self._explicit = False
+        # per-parameter hook calls in this step's backward (a second one is refused)
         self._fired: dict[torch.Tensor, int] = {}
-        self._fired_since_call: dict[torch.Tensor, int] = {}
         self._task: int | None = None  # graph task of the backward in progress
+        self._last_task = -1  # NOTE [A reentrant backward is not a second backward]
         self._micro = 0  # backward calls in the current accumulation cycle
+        # NOTE [What the loop did since the last update]
+        self._check_loop = check_loop
+        self._loop = _CLEAN
+        self._watch: _ZeroGradWatch | None = None
+        # NOTE [Gradients zeroed in place]: the parameters whose .grad the plain loop keeps as a
+        # zero tensor (zero_grad(set_to_none=False)), and those that got a gradient since the
+        # last zero_grad(); each maps to the sparse_dim of that gradient (None: strided)
+        self._held_zero: dict[torch.Tensor, int | None] = {}
+        self._since_zero: dict[torch.Tensor, int | None] = {}
+        self._outside_module = 0  # handle parameters the watched module does not hold
         groups = self.optimizer.param_groups
         _check_free([p for g in groups for p in g["params"]])  # before any hook is attached
         for i, group in enumerate(groups):
             self._attach(group["params"], i)
+        if check_loop and module is not None:
+            self._watch = _ZeroGradWatch(self, module)
+            self._watch.count_outside(self)
 
     # --- what users touch ------------------------------------------------------------------
     @property
@@ -482,28 +629,34 @@ class StepInBackward(torch.optim.Optimizer):
         _check_free(params)
         self.optimizer.add_param_group({**param_group, "params": params})
         self._attach(params, len(self.optimizer.param_groups) - 1)
+        if self._watch is not None:
+            self._watch.count_outside(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        """No-op on the parameters: their gradients were freed in backward. Marks the end of a
-        step (NOTE [What a step is, and what is refused]).
+        """No-op on the parameters: their gradients were freed in backward. The next backward
+        starts a new step (NOTE [What the loop did since the last update]).
 
         Raises:
-            RuntimeError: a parameter was updated more than once since the last
-                ``step()``/``zero_grad()``, or an accumulation cycle is unfinished.
+            RuntimeError: an accumulation cycle is unfinished; a backward updated the parameters
+                and no ``step()`` came since (the plain loop would discard those gradients; they
+                were applied in backward).
         """
         self._check_live("zero_grad")
         self._boundary("zero_grad()")
+        if self._check_loop:
+            self._zeroed("zero_grad()", set_to_none)
 
     def step(self, closure: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
         """No-op on the parameters: each was updated in backward. Marks the end of a step (NOTE
-        [What a step is, and what is refused]); returns None.
+        [What the loop did since the last update]); returns None.
 
         Raises:
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
                 was).
-            RuntimeError: a parameter was updated more than once since the last
-                ``step()``/``zero_grad()``, or an accumulation cycle is unfinished.
+            RuntimeError: an accumulation cycle is unfinished, or a second ``step()`` with no
+                backward and no ``zero_grad()`` since the last (the plain loop would apply the
+                same gradients again).
         """
         self._check_live("step")
         if closure is not None:
@@ -529,6 +682,8 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use bf16/fp32 without loss scaling, or a plain optimizer with GradScaler",
             )
         self._boundary("step()")
+        if self._check_loop:
+            self._stepped()
 
     def register_step_pre_hook(self, hook):  # type: ignore[override]
         raise _err(
@@ -552,6 +707,9 @@ class StepInBackward(torch.optim.Optimizer):
                 if getattr(p, attr, None) is not None:
                     delattr(p, attr)
         self._hooks.clear()
+        if self._watch is not None:
+            self._watch.detach()
+            self._watch = None
         self._removed = True
 
     # --- the hooks -------------------------------------------------------------------------
@@ -593,6 +751,21 @@ class StepInBackward(torch.optim.Optimizer):
                     "Pass use_reentrant=False to checkpoint",
                 )
             return
+        if task < self._last_task:
+            # NOTE [A reentrant backward is not a second backward]: an enclosing backward goes
+            # on after a reentrant one inside it (which ran the handle's first hook) ended
+            if self._accumulate > 1:
+                raise _err(
+                    NotImplementedError,
+                    "a reentrant backward (torch.utils.checkpoint with use_reentrant=True) inside "
+                    "an accumulate=N backward; the micro-batch count would be wrong",
+                    "use_reentrant=False",
+                    "a nested backward",
+                    "Pass use_reentrant=False to checkpoint",
+                )
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            return
         for p in self._frozen:
             if p.requires_grad:
                 raise _err(
@@ -613,16 +786,8 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use a plain optimizer with DDP/FSDP",
             )
         updates = self._accumulate == 1 or self._micro + 1 == self._accumulate
-        if self._accumulate == 1 and self._explicit and self._fired:
-            raise _err(
-                RuntimeError,
-                "a second backward in one step (two losses backward'ed one by one, or "
-                "micro-batch accumulation); the plain loop would sum the gradients and step "
-                "once, here each backward would step",
-                "one backward between two step()/zero_grad() calls",
-                f"a second backward after {len(self._fired)} parameters were updated",
-                "Backward the summed loss once, or use accumulate=N for micro-batches",
-            )
+        if self._check_loop and self._micro == 0:
+            self._check_loop_state()
         if updates and _keeps_graph():
             raise _err(
                 NotImplementedError,
@@ -656,10 +821,46 @@ class StepInBackward(torch.optim.Optimizer):
             self._seen_scalers = [weakref.ref(o, dead) for o in seen]
             self._scalers_key = key
         self._task = task
-        self._micro += 1
+        self._last_task = task
+        self._fired.clear()
+        if self._accumulate > 1:
+            self._micro += 1
+        if updates and self._check_loop:
+            self._loop = _UPDATED
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _check_loop_state(self) -> None:
+        # NOTE [What the loop did since the last update]: at the first hook of a backward that
+        # starts a step (every one; with accumulate=N the first of a cycle), before any change
+        if self._loop == _UPDATED:
+            raise _err(
+                RuntimeError,
+                "a second backward in one step: no step() since the last backward, which "
+                "updated the parameters (two losses backward'ed one by one, micro-batch "
+                "accumulation, or a loop without step()); the plain loop would sum the gradients "
+                "and step once, here each backward would step",
+                "step() and zero_grad() between two backward calls",
+                f"a second backward after {len(self._fired)} parameters were updated",
+                "Backward the summed loss once, use accumulate=N for micro-batches, or call "
+                "handle.step() and handle.zero_grad() after each backward (a loop whose every "
+                "backward is a whole step on purpose: pass check_loop=False)",
+            )
+        if self._loop == _STEPPED:
+            raise _err(
+                RuntimeError,
+                "the gradients of the last step were not zeroed: no zero_grad() since step(); "
+                "the plain loop would add this backward's gradients to the last step's and step "
+                "with their sum, here each backward applies its own",
+                "handle.zero_grad(), or zero_grad() of the module given to step_in_backward, "
+                "between step() and the next backward",
+                "a backward after step() with no zero_grad() seen",
+                "Call handle.zero_grad() after step() (a loop that zeroes in a way the handle "
+                "cannot see, e.g. p.grad = None: call it too, or pass check_loop=False)",
+            )
+
     def _end_backward(self) -> None:
+        if self._task is None:
+            return  # a refusal in this backward ended it already
         self._task = None
         self._rows_taken.clear()
         self._flush()
@@ -676,9 +877,6 @@ class StepInBackward(torch.optim.Optimizer):
                 if late:
                     self._update(late)
                 self._micro = 0
-        elif not self._explicit:
-            self._fired.clear()
-            self._micro = 0
 
     def _guarded(self, fn, *args) -> Any:
         try:
@@ -737,7 +935,36 @@ class StepInBackward(torch.optim.Optimizer):
                 "Backward the summed loss once, or use accumulate=N for micro-batches",
             )
         self._fired[p] = n
-        self._fired_since_call[p] = self._fired_since_call.get(p, 0) + 1
+        if self._check_loop:
+            self._add_to_held(p)
+
+    def _add_to_held(self, p: torch.Tensor) -> None:
+        # NOTE [Gradients zeroed in place]: AccumulateGrad wrote this backward's gradient into a
+        # .grad that was None; where the plain loop holds a zero tensor, make it what its
+        # AccumulateGrad makes (zero + g; g's -0.0 become +0.0), and record the layout
+        g = p.grad
+        sd = g.sparse_dim() if g is not None and g.layout == torch.sparse_coo else None
+        first = p not in self._since_zero
+        if not first:
+            if sd is None:
+                self._since_zero[p] = None  # dense + sparse is dense
+            return
+        if p in self._held_zero:
+            zd = self._held_zero[p]
+            if g is not None:
+                if zd is None and sd is None:
+                    g.add_(0.0)  # 0 + g, bit for bit (IEEE addition commutes)
+                elif zd is None:
+                    p.grad = torch.zeros_like(p).add_(g)  # dense += sparse
+                elif sd is not None:
+                    z = _zero_like(p, zd)
+                    z += g
+                    p.grad = z
+                else:
+                    p.grad = g + _zero_like(p, zd)  # a sparse .grad plus a dense gradient
+            if zd is None:
+                sd = None
+        self._since_zero[p] = sd
 
     # --- chunked updates (NOTE [Chunked updates]) --------------------------------------------
     def _chunkable(self, p: torch.Tensor) -> bool:
@@ -825,11 +1052,15 @@ class StepInBackward(torch.optim.Optimizer):
         ):
             return None
         self._guarded(self._start_backward)
+        # NOTE [Gradients zeroed in place]: each block is what the plain loop adds to its zero
+        plus_zero = p not in self._since_zero and self._held_zero.get(p, 0) is None
         self._guarded(self._count, p)
         self._rows_taken.add(p)
         width, total = p.shape[1], p.shape[0]
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
+            if plus_zero:
+                g.add_(0.0)
             if self._clip_value is not None:
                 g.clamp_(min=-self._clip_value, max=self._clip_value)
             self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
@@ -933,24 +1164,53 @@ class StepInBackward(torch.optim.Optimizer):
                     f"Call {call} after every {self._accumulate} backward calls (or pass the "
                     "accumulate= your loop uses)",
                 )
-        else:
-            twice = [p for p, n in self._fired_since_call.items() if n > 1]
-            if twice:
-                self._fired_since_call.clear()
-                self._fired.clear()
-                self._explicit = True
-                raise _err(
-                    RuntimeError,
-                    "parameters were updated by several backward calls since the last "
-                    "step()/zero_grad() (each backward steps; the plain loop would sum the "
-                    "gradients and step once)",
-                    "one backward per step",
-                    f"{len(twice)} parameters updated more than once",
-                    "Use accumulate=N for micro-batches, or backward the summed loss once",
-                )
-        self._explicit = True
-        self._fired.clear()
-        self._fired_since_call.clear()
+
+    def _stepped(self) -> None:
+        # NOTE [What the loop did since the last update]: step() after the checks of _boundary
+        if self._loop == _STEPPED:
+            raise _err(
+                RuntimeError,
+                "a second step() with no backward and no zero_grad() since the last one; the "
+                "plain loop would apply the same gradients again, and they were freed in "
+                "backward",
+                "one step() per backward, then zero_grad()",
+                "a second step()",
+                "Call step() once per backward and zero_grad() after it",
+            )
+        # NOTE [Gradients zeroed in place]: the plain step() updates every parameter whose .grad
+        # is a zero tensor and got nothing since (momentum, weight decay, Adam's moments)
+        idle = [p for p in self._held_zero if p not in self._since_zero and p in self._hooks]
+        if idle:
+            for p in idle:
+                p.grad = _zero_like(p, self._held_zero[p])
+            try:
+                self._update(idle)
+            finally:
+                for p in idle:
+                    p.grad = None
+        if self._loop == _UPDATED:
+            self._loop = _STEPPED
+
+    def _zeroed(self, call: str, set_to_none: bool) -> None:
+        # NOTE [What the loop did since the last update]: zero_grad() (the handle's or the
+        # module's) after the checks of _boundary
+        if set_to_none:
+            self._held_zero.clear()
+        else:  # NOTE [Gradients zeroed in place]: what had a gradient keeps a zero one
+            self._held_zero.update(self._since_zero)
+        self._since_zero.clear()
+        if self._loop == _UPDATED:
+            self._loop = _CLEAN
+            raise _err(
+                RuntimeError,
+                f"{call} after a backward that updated the parameters and before step(); the "
+                "plain loop would discard these gradients and its step() would change nothing, "
+                "here they were applied in backward (this refusal comes after that change)",
+                "zero_grad() before backward or after step()",
+                f"{call} between backward and step()",
+                "Call step() before zero_grad()",
+            )
+        self._loop = _CLEAN
 
 
 def _check_free(params: list) -> None:
@@ -987,6 +1247,7 @@ def step_in_backward(
     clip_grad_norm_per_param: float | None = None,
     clip_grad_value: float | None = None,
     bucket_bytes: int = 1 << 20,
+    check_loop: bool = True,
     **optimizer_kwargs: Any,
 ) -> StepInBackward:
     """Run the optimizer's update of each parameter inside backward, then free its gradient.
@@ -995,11 +1256,14 @@ def step_in_backward(
     ``loss.backward(); opt.step(); opt.zero_grad()`` with ``opt = optimizer_class(params,
     **optimizer_kwargs)``, for any ``torch.optim`` optimizer that takes no closure; tied weights
     update once, from the summed gradient; frozen parameters and parameters without a gradient in
-    a step are left alone (NOTE [Why the update is exact]). Keep (or drop) ``opt.step()`` and
-    ``opt.zero_grad()`` in the loop: both are no-ops on the parameters that mark the end of a step,
-    and with them the handle refuses a second backward in one step (NOTE [What a step is, and what
-    is refused]). Every refusal comes before anything changes (parameters, optimizer state,
-    ``.grad``, schedulers; NOTE [Every refusal changes nothing] lists the few late ones).
+    a step are left alone (NOTE [Why the update is exact]). Keep ``opt.step()`` and
+    ``opt.zero_grad()`` (or ``model.zero_grad()`` on the module given here) in the loop: both are
+    no-ops on the parameters that the handle follows, and it refuses, before any change, a
+    backward the plain loop would treat otherwise: a second one with no ``step()`` since the last,
+    one after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last update];
+    ``check_loop=False`` for a loop whose every backward is a whole step). Every refusal comes
+    before anything changes (parameters, optimizer state, ``.grad``, schedulers; NOTE [Every
+    refusal changes nothing] lists the few late ones).
 
     Not supported, refused before the first update: ``torch.amp.GradScaler`` (a skipped step
     needs every gradient checked before the first update; an enabled scaler alive at the handle's
@@ -1030,6 +1294,11 @@ def step_in_backward(
         bucket_bytes: parameters smaller than this wait, up to this many gradient bytes
             together, and update in one optimizer call (NOTE [Small parameters update
             together]); 0: every parameter updates alone, as soon as its gradient is complete.
+        check_loop: follow ``step()``/``zero_grad()`` (the handle's, and the given module's
+            ``zero_grad()``) and refuse a backward the plain loop would treat otherwise (default).
+            False: every backward (every ``accumulate`` backward calls) is one whole step,
+            ``zero_grad(); backward(); step()``, unchecked: for a loop that zeroes where the
+            handle cannot see it (``p.grad = None``) or calls no ``step()``.
         **optimizer_kwargs: the optimizer's keyword arguments (``lr=``, ``weight_decay=``, ...).
 
     Returns:
@@ -1037,14 +1306,16 @@ def step_in_backward(
         ``load_state_dict`` work on it). ``handle.remove()`` detaches the hooks.
 
     Raises:
-        TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate``.
+        TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate`` or
+            ``check_loop``.
         ValueError: ``accumulate`` < 1; a negative clip.
         NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
             backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
             processes.
         RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
-            later backward: a second backward in one step, a frozen parameter unfrozen.
+            later backward: a second backward with no ``step()`` since the last, a backward after
+            ``step()`` with no ``zero_grad()``, a frozen parameter unfrozen.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -1100,6 +1371,14 @@ def step_in_backward(
             "an int >= 0 (0: every parameter updates alone)",
             repr(bucket_bytes),
             "Pass e.g. bucket_bytes=1 << 20",
+        )
+    if not isinstance(check_loop, bool):
+        raise _err(
+            TypeError,
+            "check_loop must be a bool",
+            "True (follow step()/zero_grad()) or False (every backward is a whole step)",
+            repr(check_loop),
+            "Pass check_loop=True or check_loop=False",
         )
     if accumulate < 1:
         raise _err(
@@ -1184,4 +1463,6 @@ def step_in_backward(
         clip_grad_norm_per_param=clip_grad_norm_per_param,
         clip_grad_value=clip_grad_value,
         bucket_bytes=bucket_bytes,
+        check_loop=check_loop,
+        module=model_or_params if isinstance(model_or_params, torch.nn.Module) else None,
     )
