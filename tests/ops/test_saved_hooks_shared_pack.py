@@ -3,6 +3,8 @@ squeeze-excite gate and the next conv goes through the hooks once (NOTE [One pac
 tensor] in ops/_derived.py): an offloading hook copies it once, as many bytes as the model keeps
 without hooks, with the gradients of the model without hooks, bit for bit."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -260,3 +262,34 @@ def test_a_squeeze_excite_block_shares_the_norm_output():
     assert len(big) == len({p for p, _ in big}) == 3
     assert sum(n for _, n in big) == (3 + 8 + 4) * PLANE
     _assert_same(grads, plain)
+
+
+class _EditsActivation(nn.Module):
+    # conv -> BN -> SiLU, the SiLU's output r written over in place before the next conv: that
+    # conv keeps the edited r itself (r is no longer the pristine SiLU(b): NOTE [Derived saved
+    # inputs]), while the BN and the SiLU still share b's one pack
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn, self.act = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU()
+        self.c2 = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        r = self.act(self.bn(self.c1(x)))
+        r.mul_(2)
+        return self.c2(r)
+
+
+def test_an_activation_output_edited_in_place_is_kept_by_the_conv_itself():
+    torch.manual_seed(0)
+    eager = _EditsActivation().train()
+    lean = slimgrad.convert_(copy.deepcopy(eager))
+    x = _x()
+    _, plain = _step(lean, x)
+    packs, hooks = _counting(lean, True)
+    _step(lean, x, hooks)
+    packs.clear()
+    _, grads = _step(lean, x, hooks)
+    # x, b (once: BN and SiLU), the edited r (the conv) and the output (the loss's square)
+    assert len(packs) == len({p for p, _ in packs}) == 4
+    assert sum(n for _, n in packs) == (3 + 8 + 8 + 4) * PLANE
+    _assert_same(grads, plain)  # the unhooked converted model's bits (its rule: test_conv.py)
