@@ -466,12 +466,10 @@ class Recipe(_Record):
 # it. Not under torch.utils.checkpoint's own hooks (its pack holds no tensor, so sharing moves no
 # byte there; its unpack may run once per saved tensor per backward and its recompute must pack
 # as many tensors as the forward did, which the per-node packs already do: NOTE [Under
-# saved-tensor hooks] in ops/batch_norm.py), nor inside a backward. Measured (CPU, one thread,
-# 4x3x112x112 float32, torchvision models, a copying hook: bytes handed to the hooks, parameters
-# aside): ResNet-50 112.7 MB before, 77.3 MB now (eager 132.4; the rest over the 48.2 MB of
-# distinct storages is eager's own double keeping, a block output kept by its ReLU and the next
-# conv), EfficientNet-B0 79.2 -> 33.5 MB (eager 91.3), MobileNetV3-Large 47.9 -> 23.5 MB (eager
-# 55.0); under identity hooks the peaks are unchanged.
+# saved-tensor hooks] in ops/batch_norm.py), nor inside a backward. What an offload still copies
+# twice is eager's own double keeping (a ResNet block output kept by its ReLU and the next conv)
+# and a norm's ingredient kept by eager's conv node (NOTE [A conv that keeps what eager keeps] in
+# ops/conv.py), which packs it through autograd.
 class _PackState:
     __slots__ = ("left", "ref", "task", "unpack", "users", "value", "version")
 
