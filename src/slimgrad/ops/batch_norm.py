@@ -350,8 +350,9 @@ def _kept_nothing(ctx) -> bool:
 #     hooks b is packed at the claim, once for this call, the activation and the next conv
 #     (NOTE [One pack per shared tensor] in ops/_derived.py). A call whose claim does
 #     not come keeps x or its recipe as outside hooks and never reads b: its bits are those of
-#     the unhooked model, and b's pack was wasted (that module's next weight version decides
-#     again, and saves x). The same bits as without hooks in both cases.
+#     the unhooked model, and under checkpoint's hooks b's pack was wasted (elsewhere b is
+#     packed at the claim only; that module's next weight version decides again, and saves x).
+#     The same bits as without hooks in both cases.
 #   - else x (as eager), or, where x has a recipe (NOTE [Recomputable inputs] in ops/_derived.py)
 #     whose full-size ingredient is smaller than x (ResNet's bn3 after its 1x1 conv3: a quarter of
 #     x), that ingredient, and re-runs the conv on it in backward (bit for bit, as the recipe
@@ -527,9 +528,9 @@ class _BatchNormFn(torch.autograd.Function):
             holder[0] = ctx
         elif keep_x:
             if hooked:
-                # NOTE [Under saved-tensor hooks]: b through save_for_backward now; x (or its
-                # recipe) held below only until the claim that this module's calls met at the
-                # last parameter version
+                # NOTE [Under saved-tensor hooks]: b through the hooks (now, or at the claim);
+                # x (or its recipe) held below only until the claim that this module's calls
+                # met at the last parameter version
                 # one pack of b that the activation and the next conv share, made with these
                 # hooks at the claim (NOTE [One pack per shared tensor] in ops/_derived.py),
                 # where the hooks are not checkpoint's; else save_for_backward. A recompute
