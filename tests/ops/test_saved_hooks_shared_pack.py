@@ -293,3 +293,32 @@ def test_an_activation_output_edited_in_place_is_kept_by_the_conv_itself():
     assert len(packs) == len({p for p, _ in packs}) == 4
     assert sum(n for _, n in packs) == (3 + 8 + 8 + 4) * PLANE
     _assert_same(grads, plain)  # the unhooked converted model's bits (its rule: test_conv.py)
+
+
+class _TwoActs(nn.Module):
+    # one BN output claimed by two activations, each feeding its own conv: five nodes keep b
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.relu, self.silu = nn.ReLU(), nn.SiLU()
+        self.c2, self.c3 = nn.Conv2d(8, 4, 3, padding=1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        b = self.bn(self.c1(x))
+        return self.c2(self.relu(b)) + self.c3(self.silu(b))
+
+
+@pytest.mark.parametrize("copy_", [False, True], ids=["identity", "offload"])
+def test_two_activations_on_one_output_share_its_pack(copy_):
+    torch.manual_seed(0)
+    lean = slimgrad.convert_(_TwoActs().train())
+    x = _x()
+    _, plain = _step(lean, x)
+    packs, hooks = _counting(lean, copy_)
+    _step(lean, x, hooks)
+    packs.clear()
+    _, grads = _step(lean, x, hooks)
+    # x, b once (the BN, both activations, both convs; before: five times) and the output
+    assert len(packs) == len({p for p, _ in packs}) == 3
+    assert sum(n for _, n in packs) == (3 + 8 + 4) * PLANE
+    _assert_same(grads, plain)
