@@ -66,7 +66,8 @@ Under saved-tensor hooks: the BatchNorm keeps its switchable slot as ctx attribu
 inside a ``torch.utils.checkpoint`` (non-reentrant), ``save_on_cpu`` or other hooks region it
 decides at forward and saves through ``save_for_backward``: b where the module's output was
 claimed at the last weight version, else x, or a recipe's input where that is smaller than x
-(NOTE [Under saved-tensor hooks] in ``ops/batch_norm.py``).
+(NOTE [Under saved-tensor hooks] in ``ops/batch_norm.py``); b goes through the hooks once for the
+norm, the activation, a gate and the next conv (NOTE [One pack per shared tensor]).
 
 # NOTE [Which convs the default replays]
 A replay of a 1x1 conv frees its output y (C_out values per pixel) for C_in / groups multiply-adds
@@ -394,9 +395,11 @@ class Derived(_Record):
 
     base: detached alias of b (shares b's version counter); act: an activation spec (a str or a
     tuple, see ACTIVATIONS); version: the derived tensor's version when it was registered; store:
-    NOTE [Rebuilt once per backward], shared by b's derived tensors."""
+    NOTE [Rebuilt once per backward], shared by b's derived tensors; pack: b's one pack under
+    saved-tensor hooks (NOTE [One pack per shared tensor]), or None."""
 
     store: _Store | None = None
+    pack: list | None = None
 
     def consumer(self) -> Rebuild:
         """A handle for one node that will rebuild this tensor in backward (counted as a user)."""
@@ -415,10 +418,12 @@ class Recipe(_Record):
     re-running it costs little next to the rest of the network.
     ``rebuild``: the handle fn rebuilds its derived input with (NOTE [Rebuilt once per
     backward]); each adopter (lookup_recipe) counts as one user of it until it drops the recipe
-    (drop())."""
+    (drop()). ``pack``: the first tensor's one pack under saved-tensor hooks (NOTE [One pack per
+    shared tensor]), or None."""
 
     cheap: bool = False
     rebuild: Rebuild | None = None
+    pack: list | None = None
 
     def drop(self) -> None:
         """An adopter no longer keeps this recipe (its backward will not call it)."""
@@ -433,6 +438,120 @@ class Recipe(_Record):
             with torch.no_grad():
                 return self.fn(*self.tensors)
         return self.fn(*self.tensors)  # a backward runs without grad mode: as under no_grad
+
+
+# NOTE [One pack per shared tensor]
+# Without hooks a BN -> act -> conv block keeps one tensor, b (the norm's output), for three nodes:
+# the norm (x̂ from b), the activation (act'(b)) and the next conv (dW from act(b)); a squeeze-excite
+# gate and a norm that replays its input conv (NOTE [Recomputable inputs]) may read it too. Under
+# ``saved_tensors_hooks`` each of those nodes packed its own b through save_for_backward: identity
+# hooks kept one storage, but an offloading hook copies each pack (``save_on_cpu`` moved b three
+# or four times). So b goes through the hooks once, in a *pack*: the plain list ``[packed,
+# state]`` made by :func:`pack_once`, which calls the innermost hooks' pack hook on a detached
+# alias of b (as autograd's save_for_backward does: under no_grad, and a pack hook that writes
+# over its input is refused as autograd refuses it). The pack rides on the records
+# (``Derived.pack``, ``Recipe.pack``, the norm's source), and each node that would have saved b
+# keeps the list as a ctx attribute instead (a user, counted at forward: ``state.users``), so the
+# tracker and a later hook see its packed object, and calls :func:`read_pack` in backward: the
+# first reader of a backward (graph task) runs the unpack hook once and holds the value for the
+# others of that backward (the last reader, or the task's end, lets it go: a hook that frees its
+# copy at unpack, as torchtune's offloading does, is unpacked once per backward, as autograd
+# does). Where the unpack hands back b's own memory (identity hooks), a write over b since forward
+# raises autograd's in-place error (autograd checks no version under hooks). Each user drops the
+# list after its backward unless the graph is retained (:func:`release_pack`), so the packed
+# object goes with the last user; a second backward then raises as eager's. A norm takes the hooks
+# active at its forward and packs b with them when an activation's claim comes (after the
+# activation asked for ownership of b: a pack made at forward, a second holder of b's storage,
+# made every in-place activation refuse), and nowhere else: an unhooked step makes no call for
+# it. Not under torch.utils.checkpoint's own hooks (its pack holds no tensor, so sharing moves no
+# byte there; its unpack may run once per saved tensor per backward and its recompute must pack
+# as many tensors as the forward did, which the per-node packs already do: NOTE [Under
+# saved-tensor hooks] in ops/batch_norm.py), nor inside a backward. What an offload still copies
+# twice is eager's own double keeping (a ResNet block output kept by its ReLU and the next conv)
+# and a norm's ingredient kept by eager's conv node (NOTE [A conv that keeps what eager keeps] in
+# ops/conv.py), which packs it through autograd.
+class _PackState:
+    __slots__ = ("left", "ref", "task", "unpack", "users", "value", "version")
+
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_task_id = torch._C._current_graph_task_id
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_CHECKPOINT = "torch.utils.checkpoint"  # the module of checkpoint's own hook functions
+#: a user's pack after its backward freed the graph (NOTE [One pack per shared tensor])
+RELEASED: list = []
+
+
+def pack_hooks() -> tuple | None:
+    """The innermost saved-tensor hooks ``(pack, unpack)`` that :func:`pack_once` packs with, or
+    None where none are active, they are torch.utils.checkpoint's, or a backward runs (NOTE [One
+    pack per shared tensor])."""
+    hooks = _top_hooks(False)
+    if hooks is None or _task_id() != -1 or getattr(hooks[0], "__module__", None) == _CHECKPOINT:
+        return None
+    return hooks
+
+
+def pack_once(t: torch.Tensor, hooks: tuple) -> list:
+    """``t`` through ``hooks`` (from :func:`pack_hooks`), once, for every node that keeps it (NOTE
+    [One pack per shared tensor]): ``[packed, state]`` with no user yet."""
+    pack, unpack = hooks
+    d = t.detach()
+    version = t._version
+    with torch.no_grad():
+        packed = pack(d)
+    if t._version != version:
+        raise RuntimeError(
+            "slimgrad.ops: a saved tensor pack hook modified its input in place; expected the "
+            f"tensor at version {version}, got version {t._version}. Have the pack hook copy "
+            "instead of writing over its input (autograd refuses the same)."
+        )
+    st = _PackState()
+    # a weak reference to the alias packed (it shares t's version counter): alive where the hooks
+    # keep it (identity hooks), so a write over t since can be refused at unpack
+    st.unpack, st.ref, st.version = unpack, weakref.ref(d), version
+    st.users, st.task, st.value, st.left = 0, None, None, 0
+    return [packed, st]
+
+
+def read_pack(p: list, what: str) -> torch.Tensor:
+    """The tensor of pack ``p`` in this backward (NOTE [One pack per shared tensor]): unpacked
+    once per graph task, the value held for that task's other users."""
+    if p is RELEASED:
+        raise RuntimeError(
+            "Trying to backward through the graph a second time (or directly access saved "
+            "tensors after they have already been freed). Specify retain_graph=True if you "
+            "need to backward through the graph a second time."
+        )
+    st = p[1]
+    task = _task_id()
+    if st.value is not None and st.task == task:
+        v = st.value
+        st.left -= 1
+        if st.left <= 0:
+            st.value = None
+        return v
+    v = st.unpack(p[0])
+    orig = st.ref()
+    if orig is not None and orig._version != st.version and orig.data_ptr() == v.data_ptr():
+        check_version(orig, st.version, what)
+    if task != -1 and st.users > 1:
+        st.task, st.value, st.left = task, v, st.users - 1
+
+        def drop(st=st, task=task) -> None:  # the task's end: let go of what is left
+            if st.task == task:
+                st.value = None
+
+        torch.autograd.Variable._execution_engine.queue_callback(drop)
+    return v
+
+
+def release_pack(p: list | None) -> list | None:
+    """What a user keeps of pack ``p`` after its backward: :data:`RELEASED` where the graph is
+    freed, else ``p``."""
+    if p is None or p is RELEASED or _keep_graph is None or _keep_graph():
+        return p
+    return RELEASED
 
 
 def register_recipe(
@@ -526,17 +645,23 @@ def register_gated(
     g: torch.Tensor,
     gate_first: bool,
     store: _Store | None = None,
+    pack: list | None = None,
 ) -> None:
     """Register ``y == apply_act(inner, base) * g`` (NOTE [Gated derived tensors]); ``base`` is kept
     by the caller's node; ``store``: that of the derived input ``apply_act(inner, base)`` (its
     handle's), so rebuilding y also serves that input's consumers (NOTE [Rebuilt once per
-    backward])."""
+    backward]); ``pack``: base's one pack (NOTE [One pack per shared tensor]), or None."""
     if _tracing():
         return
     gd = g.detach()
     spec = ("gate", inner, gd, gd._version, bool(gate_first))
     d = Derived(
-        base=base.detach(), base_version=base._version, act=spec, version=y._version, store=store
+        base=base.detach(),
+        base_version=base._version,
+        act=spec,
+        version=y._version,
+        store=store,
+        pack=pack,
     )
     _put(_DERIVED_D, y, d)
 
@@ -700,7 +825,17 @@ def _bad_act(act) -> ValueError:
 def _act_double(ctx, grad: torch.Tensor) -> torch.Tensor:
     # create_graph=True: b is kept (with its graph), so eager's activation is recomputed from it and
     # differentiated with create_graph: eager's second derivatives (NOTE [Second derivatives])
-    (b,) = ctx.saved_tensors
+    if ctx.pack is not None:
+        # b's values from its pack (NOTE [One pack per shared tensor]), bridged to the anchor the
+        # forward left on b: they differentiate as b itself
+        from slimgrad.ops.layer_norm import bridged
+
+        with torch.no_grad():
+            v = read_pack(ctx.pack, "batch_norm output")
+        b = bridged(ctx, "ops.activation", v)
+        ctx.pack = release_pack(ctx.pack)
+    else:
+        (b,) = ctx.saved_tensors
     with torch.enable_grad():
         (db,) = torch.autograd.grad(apply_act(ctx.act, b), b, grad, create_graph=True)
     return db
@@ -708,25 +843,46 @@ def _act_double(ctx, grad: torch.Tensor) -> torch.Tensor:
 
 class _DerivedActFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, b: torch.Tensor, act):
+    def forward(ctx, b: torch.Tensor, act, pack):
         r = apply_act(act, b)
         ctx.act = act
-        ctx.save_for_backward(b)
+        ctx.pack = pack
+        if pack is None:
+            ctx.save_for_backward(b)
+        else:  # NOTE [One pack per shared tensor]: b's one pack, read in backward
+            pack[1].users += 1
         return r
 
     @staticmethod
     def backward(ctx, grad):
         # first_order's test, inline (NOTE [First order, tested inline])
         if torch.is_grad_enabled():
-            return _act_double(ctx, grad), None
+            return _act_double(ctx, grad), None, None
         buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
-        (b,) = ctx.saved_tensors
+        if ctx.pack is None:
+            (b,) = ctx.saved_tensors
+        else:
+            b = read_pack(ctx.pack, "batch_norm output")
+            ctx.pack = release_pack(ctx.pack)
         if buf is not None and (buf.stride() != b.stride() or buf.dtype != b.dtype):
             buf = None  # a fresh result takes the layout eager's kernel picks
-        return _act_backward(ctx.act, grad, b, buf), None
+        return _act_backward(ctx.act, grad, b, buf), None, None
 
 
 _ACT_APPLY = direct_apply(_DerivedActFn)
+
+
+def _packed_act(x: torch.Tensor, spec, pack: list) -> torch.Tensor:
+    # the activation keeping x's pack (NOTE [One pack per shared tensor]), with an anchor on x for
+    # a second derivative (_act_double: the pack's values carry no graph)
+    from slimgrad.ops.layer_norm import _ANCHOR_APPLY
+
+    xu = unwrap_if_dead(x)
+    box: list = []
+    anchor = (_ANCHOR_APPLY(xu, box), box)
+    r = _ACT_APPLY(xu, spec, pack)
+    r.grad_fn._slimgrad_anchor = anchor
+    return r
 
 
 # NOTE [First order, tested inline]
@@ -788,11 +944,18 @@ def activation(
     ):
         if _jit_tracing():
             refuse_jit("ops.activation")
+        # NOTE [One pack per shared tensor]: the source's pack of x under saved-tensor hooks
+        pack = _SOURCES_D[k][1][0].pack
         # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py):
         # not compiling and no transform active, checked above
-        r = _ACT_APPLY(unwrap_if_dead(x), spec)
+        if pack is None:
+            r = _ACT_APPLY(unwrap_if_dead(x), spec, None)
+        else:
+            r = _packed_act(x, spec, pack)
         _CLOCK[0] += 1  # _tick()
-        d = Derived(base=x.detach(), base_version=x._version, act=spec, version=r._version)
+        d = Derived(
+            base=x.detach(), base_version=x._version, act=spec, version=r._version, pack=pack
+        )
         # _put(_DERIVED_D, r, d), inline (NOTE [A registry entry dropped in C]): r is this
         # call's fresh output
         k = id(r)

@@ -56,7 +56,9 @@ Inside a saved_tensors_hooks region (save_on_cpu, offloading, non-reentrant chec
 is kept full-size goes through save_for_backward, decided at forward: b where this module's
 output was claimed by an activation at the last weight version (then the same bytes and bits as
 without hooks), else x, or the input of x's 1x1 conv where that is smaller (re-run in backward)
-(NOTE [Under saved-tensor hooks]); eval with frozen γ, β keeps nothing full-size there too.
+(NOTE [Under saved-tensor hooks]); eval with frozen γ, β keeps nothing full-size there too. There
+b goes through the hooks once, for this op, the activation, a squeeze-excite gate and the next conv
+together (NOTE [One pack per shared tensor] in ``ops/_derived.py``): an offload copies it once.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class _Source(SimpleNamespace):
     __eq__ = object.__eq__
     __ne__ = object.__ne__
     __hash__ = object.__hash__
+    # NOTE [One pack per shared tensor] in ops/_derived.py: the output's one pack under
+    # saved-tensor hooks, set where keep_output accepts a claim with one
+    pack: list | None = None
 
     def keep_output(self, b: torch.Tensor) -> bool:
         ctx = self.ctx
@@ -129,7 +134,13 @@ class _Source(SimpleNamespace):
             rec[3] += 1
         if ctx.saved_x:
             # NOTE [Under saved-tensor hooks]: x or its ingredient went through the hooks; where
-            # pre, the activation and the next conv keep b (the claim), this call what it saved
+            # pre, the activation and the next conv keep b (the claim), this call what it saved:
+            # b packed once for them (NOTE [One pack per shared tensor] in ops/_derived.py)
+            if ctx.pre and ctx.b_hooks is not None:
+                # held by the source and the nodes that keep b, not by this call (which never
+                # reads b): b goes with the last of them in backward
+                self.pack = _derived.pack_once(b, ctx.b_hooks)
+                ctx.b_hooks = None
             return ctx.pre
         if (ctx.x is None and ctx.recipe is None) or not ctx.training:
             return False
@@ -189,8 +200,14 @@ class _Source(SimpleNamespace):
                 if edge and edge[0][0] is not None:  # the conv's bias needs a gradient
                     node.register_hook(_partial(_bias_grad_f64, ctx.bad))
         if ctx.pre:
-            # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward
+            # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward, or
+            # into a pack the activation and the next conv share (NOTE [One pack per shared
+            # tensor] in ops/_derived.py)
             ctx.b_saved, ctx.b_version, ctx.b_ref = True, b._version, weakref.ref(b)
+            if ctx.b_hooks is not None:
+                p = ctx.b_pack = self.pack = _derived.pack_once(b, ctx.b_hooks)
+                ctx.b_hooks = None
+                p[1].users += 1
         else:
             ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
@@ -307,6 +324,7 @@ def _release(ctx) -> None:
     ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
     ctx.save_mean = ctx.save_invstd = None
     ctx.weight_src = ctx.bias_src = None
+    ctx.b_pack = ctx.k_pack = ctx.b_hooks = None
     ctx.released = True
 
 
@@ -328,10 +346,13 @@ def _kept_nothing(ctx) -> bool:
 #     backward on the exact x). x, or its recipe, is held as outside hooks only until the claim
 #     (the next op, in a BN -> act -> conv block; the claim then keeps nothing more: backward
 #     reads b back through the hooks; autograd checks no version under hooks, so b's version at
-#     the claim is checked there where the hooks hand b's memory back). A call whose claim does
+#     the claim is checked there where the hooks hand b's memory back). Outside checkpoint's
+#     hooks b is packed at the claim, once for this call, the activation and the next conv
+#     (NOTE [One pack per shared tensor] in ops/_derived.py). A call whose claim does
 #     not come keeps x or its recipe as outside hooks and never reads b: its bits are those of
-#     the unhooked model, and b's pack was wasted (that module's next weight version decides
-#     again, and saves x). The same bits as without hooks in both cases.
+#     the unhooked model, and under checkpoint's hooks b's pack was wasted (elsewhere b is
+#     packed at the claim only; that module's next weight version decides again, and saves x).
+#     The same bits as without hooks in both cases.
 #   - else x (as eager), or, where x has a recipe (NOTE [Recomputable inputs] in ops/_derived.py)
 #     whose full-size ingredient is smaller than x (ResNet's bn3 after its 1x1 conv3: a quarter of
 #     x), that ingredient, and re-runs the conv on it in backward (bit for bit, as the recipe
@@ -367,16 +388,28 @@ def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
             ctx.recipe_params = recipe.tensors[1:]
             ctx.recipe_versions = recipe.versions[1:]
             kept = k
+            p = recipe.pack
+            if p is not None:
+                # k's one pack, kept by the conv (NOTE [One pack per shared tensor])
+                p[1].users += 1
+                ctx.k_pack = p
+                kept = None
         else:
             recipe.drop()
     ctx.saved_x = True
-    ctx.save_for_backward(kept)
+    if kept is not None:
+        ctx.save_for_backward(kept)
 
 
 def _load_saved_b(ctx) -> None:
-    # NOTE [Under saved-tensor hooks]: b as save_for_backward kept it (unpacked by the hooks)
+    # NOTE [Under saved-tensor hooks]: b as save_for_backward kept it (unpacked by the hooks), or
+    # from its pack (NOTE [One pack per shared tensor] in ops/_derived.py: version checked there)
     if ctx.released:
         _check_not_released(ctx)
+    if ctx.b_pack is not None:
+        b = _derived.read_pack(ctx.b_pack, "batch_norm output")
+        ctx.b, ctx.b_version = b, b._version
+        return
     (b,) = ctx.saved_tensors
     # identity hooks hand b itself back, which autograd does not version-check under hooks: a
     # write over b since the claim raises as outside hooks. A hook's copy (save_on_cpu: its
@@ -388,8 +421,14 @@ def _load_saved_b(ctx) -> None:
 
 
 def _saved_input(ctx) -> torch.Tensor:
-    # NOTE [Under saved-tensor hooks]: x from what save_for_backward kept (unpacked by the hooks)
-    (k,) = ctx.saved_tensors
+    # NOTE [Under saved-tensor hooks]: x from what save_for_backward kept (unpacked by the hooks),
+    # or from its conv's pack (NOTE [One pack per shared tensor] in ops/_derived.py)
+    if ctx.k_pack is not None:
+        if ctx.released:
+            _check_not_released(ctx)
+        k = _derived.read_pack(ctx.k_pack, "tensor kept to recompute a normalisation input")
+    else:
+        (k,) = ctx.saved_tensors
     if ctx.recipe_fn is None:
         return k
     for t, v in zip(ctx.recipe_params, ctx.recipe_versions):
@@ -441,6 +480,9 @@ class _BatchNormFn(torch.autograd.Function):
         # pre, b, read back where a claim came: b_saved)
         ctx.saved_x, ctx.recipe_fn = False, None
         ctx.pre = ctx.b_saved = False
+        # NOTE [One pack per shared tensor] in ops/_derived.py: b's pack, the ingredient's, and
+        # the hooks b is packed with at the claim (where pre)
+        ctx.b_pack = ctx.k_pack = ctx.b_hooks = None
         # NOTE [BatchNorm keeps its parameters, not copies]: the tensors themselves, read in a
         # first-order backward (grad mode off: no graph); _double detaches them first
         ctx.weight_v, ctx.bias_v = weight, bias
@@ -481,16 +523,23 @@ class _BatchNormFn(torch.autograd.Function):
             # a source that counts the claims asked of it and, where pre (an ingredient smaller
             # than b kept), accepts them and keeps what it saved
             ctx.pre = hooked == _PRE
+            if ctx.pre:  # b packed once at the claim, for the activation and the next conv
+                ctx.b_hooks = _derived.pack_hooks()
             holder[0] = ctx
         elif keep_x:
             if hooked:
-                # NOTE [Under saved-tensor hooks]: b through save_for_backward now; x (or its
-                # recipe) held below only until the claim that this module's calls met at the
-                # last parameter version
-                # a recompute inside a backward (a checkpoint's) saves a copy: its own activation
-                # may write over b there where the forward's claim did not (a claim in place
-                # needs ownership, which the checkpoint's hold on b refuses)
-                ctx.save_for_backward(out if _task_id() == -1 else out.clone())
+                # NOTE [Under saved-tensor hooks]: b through the hooks (now, or at the claim);
+                # x (or its recipe) held below only until the claim that this module's calls
+                # met at the last parameter version
+                # one pack of b that the activation and the next conv share, made with these
+                # hooks at the claim (NOTE [One pack per shared tensor] in ops/_derived.py),
+                # where the hooks are not checkpoint's; else save_for_backward. A recompute
+                # inside a backward (a checkpoint's) saves a copy: its own activation may write
+                # over b there where the forward's claim did not (a claim in place needs
+                # ownership, which the checkpoint's hold on b refuses)
+                ctx.b_hooks = _derived.pack_hooks()
+                if ctx.b_hooks is None:
+                    ctx.save_for_backward(out if _task_id() == -1 else out.clone())
                 ctx.pre = True
             if recipe is not None:
                 if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
@@ -616,6 +665,7 @@ class _BatchNormFn(torch.autograd.Function):
             ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None
             ctx.save_mean = ctx.save_invstd = None
             ctx.weight_src = ctx.bias_src = None
+            ctx.b_pack = ctx.k_pack = ctx.b_hooks = None
             ctx.released = True
         gx, gw, gb = out
         # one gradient per forward argument (x, weight, bias; 8 non-differentiable ones)

@@ -77,7 +77,7 @@ class _ConvFn(torch.autograd.Function):
         ctx.x_meta = (x.shape, x.dtype, x.device, None if need_w else x.stride())
         ctx.w_meta = (weight.shape, weight.dtype)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
-        ctx.act = ctx.rebuild = None
+        ctx.act = ctx.rebuild = ctx.pack = None
         ctx.base_stands_in = False
         kept_x = None
         if need_w:
@@ -86,11 +86,18 @@ class _ConvFn(torch.autograd.Function):
                 ctx.act, kept_x = d.act, d.base
                 ctx.rebuild = d.consumer()  # NOTE [Rebuilt once per backward]
                 ctx.base_stands_in = _stands_in(kept_x, x)  # NOTE [A stand-in for x]
+                # b's one pack under saved-tensor hooks, read in backward (NOTE [One pack per
+                # shared tensor] in ops/_derived.py)
+                ctx.pack = d.pack
             else:
                 kept_x = x
-        ctx.save_for_backward(kept_x, weight if need_x else None)
+        if ctx.pack is None:
+            ctx.save_for_backward(kept_x, weight if need_x else None)
+        else:
+            ctx.pack[1].users += 1
+            ctx.save_for_backward(None, weight if need_x else None)
         # holder[0] becomes what this call keeps (the caller registers y's recipe from it), or None
-        holder[0] = None if kept_x is None else (kept_x, ctx.act, ctx.rebuild)
+        holder[0] = None if kept_x is None else (kept_x, ctx.act, ctx.rebuild, ctx.pack)
         return y
 
     @staticmethod
@@ -101,6 +108,9 @@ class _ConvFn(torch.autograd.Function):
         # its output] in ops/layer_norm.py), so second derivatives are eager's.
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         kept_x, weight = ctx.saved_tensors
+        if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
+            kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
+            ctx.pack = _derived.release_pack(ctx.pack)
         shape, dtype, device, _ = ctx.x_meta
         x = torch.empty((), dtype=dtype, device=device).expand(shape)
         if weight is None:
@@ -126,6 +136,9 @@ class _ConvFn(torch.autograd.Function):
             return _ConvFn._double(ctx, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         kept_x, weight = ctx.saved_tensors
+        if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
+            kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
+            ctx.pack = _derived.release_pack(ctx.pack)
         shape, dtype, device, xstride = ctx.x_meta
         # Only the shape of x is read when dW is not requested, and only W's shape when dx is not:
         # stand-ins that allocate nothing (a 0-d view of grad, expanded) where the dtype allows.
@@ -496,7 +509,7 @@ def _conv(
         y = torch.convolution(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
         )
-        holder: list = [(x, None, None)]
+        holder: list = [(x, None, None, None)]
     else:
         if d is not None and x.requires_grad:
             # make_anchor(x): grad mode is on, nothing compiles (d) or transforms (checked above)
@@ -514,7 +527,7 @@ def _conv(
         y.grad_fn._slimgrad_anchor = anchor
     if holder[0] is not None and not compiling:
         # y can be recomputed from what this conv keeps (NOTE [Recomputable inputs] in _derived).
-        kept, act, handle = holder[0]
+        kept, act, handle, pack = holder[0]
         conf = (stride, padding, dilation, transposed, output_padding, groups)
         # the recipe's own handle on the rebuilt input, counted when a norm adopts the recipe
         rebuild = _derived.Rebuild(act, handle.store, user=False) if handle is not None else None
@@ -563,6 +576,7 @@ def _conv(
             version=y._version,
             cheap=pointwise and not gated,
             rebuild=rebuild,
+            pack=pack,
         )
         # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C]); y is
         # this call's fresh output, so an entry at its id is a live y's only if y were registered

@@ -81,7 +81,7 @@ class _SqueezeExciteFn(torch.autograd.Function):
     def forward(ctx, x: Tensor, g: Tensor, gate_first: bool, holder: list) -> Tensor:
         y = _fwd_torch(x, g, gate_first)
         need_x, need_g = ctx.needs_input_grad[:2]
-        ctx.act = ctx.rebuild = None
+        ctx.act = ctx.rebuild = ctx.pack = None
         ctx.g_shape = tuple(g.shape)
         kept = None
         if need_g:
@@ -89,11 +89,17 @@ class _SqueezeExciteFn(torch.autograd.Function):
             if d is not None:
                 ctx.act, kept = d.act, d.base
                 ctx.rebuild = d.consumer()  # NOTE [Rebuilt once per backward]
+                # b's one pack under saved-tensor hooks (NOTE [One pack per shared tensor])
+                ctx.pack = d.pack
             else:
                 kept = x
-        ctx.save_for_backward(kept, g if need_x else None)
+        if ctx.pack is None:
+            ctx.save_for_backward(kept, g if need_x else None)
+        else:
+            ctx.pack[1].users += 1
+            ctx.save_for_backward(None, g if need_x else None)
         if kept is not None:
-            holder.append((kept, ctx.act, ctx.rebuild))
+            holder.append((kept, ctx.act, ctx.rebuild, ctx.pack))
         return y
 
     @staticmethod
@@ -101,6 +107,9 @@ class _SqueezeExciteFn(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
         kept, g = ctx.saved_tensors
+        if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
+            kept = _derived.read_pack(ctx.pack, "batch_norm output")
+            ctx.pack = _derived.release_pack(ctx.pack)
         need_x, need_g = ctx.needs_input_grad[:2]
         dg = dx = None
         if need_g:
@@ -163,7 +172,7 @@ def squeeze_excite(input: Tensor, gate: Tensor, gate_first: bool = False) -> Ten
     holder: list = []
     y = _SqueezeExciteFn.apply(input, gate, gate_first, holder)
     if holder:
-        kept, act, handle = holder[0]
+        kept, act, handle, pack = holder[0]
         store = handle.store if handle is not None else None
-        _derived.register_gated(y, kept, act, gate, gate_first, store)
+        _derived.register_gated(y, kept, act, gate, gate_first, store, pack)
     return y
