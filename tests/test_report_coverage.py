@@ -339,3 +339,47 @@ def test_hf_convnextv2_reports_grn_and_its_layer_norm():
     assert "a subclass converts only when its forward is" in lines["ConvNextV2LayerNorm"]
     x = torch.randn(1, 3, 32, 32)
     torch.testing.assert_close(model.eval()(x).logits, ref.eval()(x).logits)
+
+
+def _clip_like(name: str):
+    transformers = pytest.importorskip("transformers")
+    text = dict(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    cfg_cls, model_cls = {
+        "clip": (transformers.CLIPConfig, transformers.CLIPModel),
+        "siglip": (transformers.SiglipConfig, transformers.SiglipModel),
+    }[name]
+    return model_cls(cfg_cls(text_config=text, vision_config=vision))
+
+
+@pytest.mark.parametrize(
+    "name,own", [("clip", "logit_scale"), ("siglip", "logit_scale, logit_bias")]
+)
+def test_a_root_whose_attention_a_pattern_changed_names_its_own_parameters(name, own):
+    # the HF attention pattern's row names the root ("CLIPModel attention (sdpa)"): it changes the
+    # attention function the forward calls, not how the root's own logit_scale is used
+    torch.manual_seed(0)
+    model = slimgrad.convert_(_clip_like(name))
+    kind = type(model).__name__
+    assert any(
+        n == "" and k.startswith(f"{kind} attention")
+        for n, k, _ in slimgrad.report(model).converted
+    )
+    lines = _assert_covered(model)
+    assert kind in lines, str(slimgrad.report(model))
+    assert f"its own parameters/buffers ({own})" in lines[kind]
+    assert [n for n, k, _ in slimgrad.report(model).left_alone if k == kind] == [""]

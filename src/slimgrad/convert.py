@@ -836,7 +836,9 @@ def record(decisions: list[Decision], rep: ConvertReport) -> None:
 # else "no handler for <class>". A converted module covers its subtree (its forward computes with
 # those children's weights), except one that has convert_ convert its children
 # (``CONVERT_CHILDREN``): those run as modules and are accounted for one by one. A module converted
-# where it stands (a pattern that swaps its forward, e.g. the fused loss) is not listed.
+# where it stands (a pattern that swaps its forward, e.g. the fused loss) is not listed; one whose
+# attention function a pattern changed (a row "<Class> attention (...)") still runs its own forward,
+# so its own parameters are listed (CLIPModel's logit_scale, SigLIP's logit_bias).
 _NO_HANDLER: dict[str, str] = {
     # looked up along the MRO: a subclass carries its base's reason
     "torch.nn.modules.batchnorm.SyncBatchNorm": (
@@ -892,6 +894,15 @@ def _no_entry_reason(
     return f"no handler for {_qualname(type(m))}"
 
 
+def _own_state_reason(m: nn.Module, row: str) -> str:
+    own = [k for k, p in m._parameters.items() if p is not None]
+    own += [k for k, b in m._buffers.items() if b is not None and b.is_floating_point()]
+    return (
+        f"its own parameters/buffers ({', '.join(own)}) are used by its own forward, which runs "
+        f"as before: convert_ changed only what it calls ({row}, converted)"
+    )
+
+
 def _left_alone(
     model: nn.Module, rep: ConvertReport, facts: ModelFacts
 ) -> list[tuple[str, str, str]]:
@@ -902,7 +913,10 @@ def _left_alone(
         for sep in (" ", "."):  # a pattern's row: "<Class> attention (sdpa)", "<Class>.forward"
             if sep in kind:
                 why.setdefault((n, kind.split(sep, 1)[0]), r)
-    converted = {n for n, _, _ in rep.converted}
+    # a row "<Class> attention (...)" changes a function the module's forward calls, not how its
+    # own parameters are used (CLIPModel's logit_scale): such a module is not covered by it
+    converted = {n for n, k, _ in rep.converted if " " not in k}
+    patterned = {n: k for n, k, _ in rep.converted if " " in k}
     out: list[tuple[str, str, str]] = []
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module, tuple[str, str] | None]] = [("", model, None)]
@@ -920,6 +934,8 @@ def _left_alone(
             if own is not None:
                 inside = (name, own)
             if name not in converted and _holds_state(m):
+                if own is None and name in patterned:
+                    own = _own_state_reason(m, patterned[name])
                 out.append(
                     (name, kind, own or _no_entry_reason(m, facts.of(m).entry, m is model, inside))
                 )
