@@ -276,7 +276,7 @@ def _fallback_mask(weight, bias, out_dtype):
 # and discriminator, one model's parameters split between two optimizers) each step made the
 # entries of the other's parameters stale, and their next forwards missed the cache and ran a
 # ``nonzero`` each (the compile_step benchmark steps compiled eager and the converted model
-# alternately in one process: 5 per converted tiny-Llama step, +0.3 ms of a 4.5 ms step). A step
+# alternately in one process: 5 per converted tiny-Llama step). A step
 # writes only the memory of the parameters its optimizer holds, so the renewal moves every entry it
 # does not renew that was current before the step (its count one less) to the new count, keeping
 # its versions, unless its weight or bias shares a storage with a parameter this optimizer holds
