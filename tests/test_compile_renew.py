@@ -160,3 +160,57 @@ def test_a_weight_sharing_storage_with_what_an_optimizer_steps_is_renewed():
     y = wr * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
     assert torch.equal(dx, x.grad)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_another_optimizers_step_keeps_the_entries_current(fused):
+    # NOTE [Another optimizer's step]: two optimizers stepped alternately (compile_step's compiled
+    # eager and converted models, a GAN's two halves): the step of one leaves the other's entries
+    # current, so their next forwards hit the cache (no ATen op at all: before, each missed and
+    # ran the mask and a nonzero); what they answer is what a fresh search finds, fallback
+    # channels included
+    mine, other = _llama_norms(3), _llama_norms(2)
+    with torch.no_grad():
+        mine[1][4] = 0.0
+    kw = {"fused": True} if fused else {}
+    opt_mine = torch.optim.SGD(mine, lr=0.1, **kw)
+    opt_other = torch.optim.SGD(other, lr=0.1, **kw)
+    for p in (*mine, *other):
+        p.grad = torch.zeros_like(p)
+    for w in (*mine, *other):
+        norms.fallback_or_none(w, None, torch.float32)
+    for _ in range(2):
+        opt_mine.step()
+        for w in mine:  # renewed by its own optimizer's step
+            norms.fallback_or_none(w, None, torch.float32)
+        opt_other.step()
+        with _Ops() as ops:
+            got = [norms.fallback_or_none(w, None, torch.float32) for w in mine]
+        assert ops.count == {"aten.clone": 1}, dict(ops.count)  # mine[1]'s table, copied
+        for w, g in zip(mine, got, strict=True):
+            fresh = norms._find_fallback_channels(w, None, torch.float32)
+            assert (g is None) == (fresh.shape[0] == 0) and (g is None or torch.equal(g, fresh))
+
+
+def test_another_optimizer_over_a_shared_storage_leaves_the_entry_stale():
+    # NOTE [Another optimizer's step]: an entry whose weight shares its storage with a parameter
+    # the stepping optimizer holds (written without moving the weight's version) is not carried:
+    # its next forward finds the zeroed channels afresh
+    d = 8
+    flat = torch.nn.Parameter(torch.ones(2 * d))
+    w = torch.nn.Parameter(torch.empty(0))
+    w.data = flat.data[:d]
+    mine = torch.nn.Parameter(torch.ones(d))
+    opt_mine = torch.optim.SGD([mine, w], lr=1.0)
+    opt_flat = torch.optim.SGD([flat], lr=1.0)
+    for p in (mine, w):
+        p.grad = torch.zeros_like(p)
+    assert norms.fallback_or_none(w, None, torch.float32) is None
+    opt_mine.step()
+    assert norms.fallback_or_none(w, None, torch.float32) is None
+    flat.grad = torch.cat([torch.ones(d), torch.zeros(d)])
+    version = w._version
+    opt_flat.step()
+    assert w._version == version and bool((w == 0).all())  # written, its version unmoved
+    got = norms.fallback_or_none(w, None, torch.float32)
+    assert got is not None and torch.equal(got, torch.arange(d))

@@ -269,6 +269,22 @@ def _fallback_mask(weight, bias, out_dtype):
 # optimizer step being compiled renews nothing (the forward then finds them itself); a compiled
 # model's eager optimizer step renews as above, and its RMSNorm side op (``hf_rms_norm_side``)
 # reads the renewed entries at run time.
+#
+# NOTE [Another optimizer's step]
+# The key counts every optimizer step in the process (NOTE [Steps that skip the version counter]
+# in _math/steps.py), so with two optimizers (two models trained in one process, a GAN's generator
+# and discriminator, one model's parameters split between two optimizers) each step made the
+# entries of the other's parameters stale, and their next forwards missed the cache and ran a
+# ``nonzero`` each (the compile_step benchmark steps compiled eager and the converted model
+# alternately in one process: 5 per converted tiny-Llama step). A step
+# writes only the memory of the parameters its optimizer holds, so the renewal moves every entry it
+# does not renew that was current before the step (its count one less) to the new count, keeping
+# its versions, unless its weight or bias shares a storage with a parameter this optimizer holds
+# (``w.data = flat.data[:d]``: a step on ``flat`` writes ``w`` without moving ``w``'s version;
+# review24c, where the first form of this carried such an entry over). The storages are read
+# from the optimizer's groups at that step (no memo that could miss a swapped parameter), and only
+# when some entry is not this optimizer's: one optimizer over the whole model pays nothing. A
+# visible write since the step still misses; an entry already stale stays stale.
 _RENEW_HOOKED = [False]
 
 
@@ -312,12 +328,23 @@ def _stepped_ids(optimizer) -> set:
     return ids
 
 
+def _stepped_storages(optimizer) -> set:
+    # the data pointers of the storages of every parameter the optimizer holds, made at this step
+    # (no memo: a parameter swapped into a group, or ``p.data = ...``, is seen)
+    return {p.untyped_storage().data_ptr() for g in optimizer.param_groups for p in g["params"]}
+
+
+def _untouched(t, written) -> bool:
+    return t is None or t.untyped_storage().data_ptr() not in written
+
+
 def _renew(optimizer=None, args=None, kwargs=None) -> None:
     # NOTE [Fallback channels renewed at the optimizer step]; the masks of entries alike found by
     # one _fallback_mask over their concatenated parameters (NOTE [One mask per kind of norm])
     if compiling() or not _FB_CACHE:
         return
     stepped = None  # the ids of the parameters this optimizer holds (None: renew every entry)
+    written = None  # the storages it writes, made at the first entry it does not hold
     if optimizer is not None:
         stepped = _stepped_ids(optimizer)
     # {(device, scale dtype, bias dtype, out_dtype, slot or None): ([(slot, entry, key, n)],
@@ -332,7 +359,15 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
         if ref is None or (ww is not None and weight is None) or (bw is not None and bias is None):
             continue
         if stepped is not None and id(weight) not in stepped and id(bias) not in stepped:
-            continue  # not this optimizer's: its next forward renews it itself if it changed
+            # not this optimizer's: an entry current before the step whose parameters share no
+            # storage with what it steps stays current (NOTE [Another optimizer's step])
+            k = entry[1]
+            if k[3] == count - 1:
+                if written is None:
+                    written = _stepped_storages(optimizer)
+                if _untouched(weight, written) and _untouched(bias, written):
+                    _FB_CACHE[slot] = (wref, k[:3] + (count,) + k[4:], entry[2], entry[3], entry[4])
+            continue
         try:
             w_key, b_key = _norm_key(weight, bias)
         except RuntimeError:  # an inference tensor (not cached in the first place)
