@@ -16,6 +16,7 @@ import ast
 import builtins
 import functools
 import inspect
+import linecache
 import operator
 import random
 import re
@@ -1706,6 +1707,29 @@ class _HookFlow(_Flow):
 
 
 _HOOK_MEMO: dict = {}
+_FILE_AST: dict[str, ast.Module | None] = {}
+
+
+def _file_lambdas(fn) -> list:
+    # a lambda whose lines do not parse alone (one inside a dict literal over several lines): every
+    # lambda of its file that starts on its line with its arity (all assumed to run)
+    code = getattr(fn, "__code__", None)
+    if code is None or getattr(fn, "__name__", "") != "<lambda>":
+        return []
+    path = code.co_filename
+    if path not in _FILE_AST:
+        try:
+            _FILE_AST[path] = ast.parse("".join(linecache.getlines(path)) or "None")
+        except (SyntaxError, ValueError):
+            _FILE_AST[path] = None
+    tree = _FILE_AST[path]
+    return [
+        (node.args, [ast.Return(node.body)])
+        for node in (ast.walk(tree) if tree is not None else ())
+        if isinstance(node, ast.Lambda)
+        and node.lineno == code.co_firstlineno
+        and len(node.args.posonlyargs + node.args.args) == code.co_argcount
+    ]
 
 
 def hook_may_write(hook) -> bool:
@@ -1733,7 +1757,7 @@ def _hook_source_writes(hook) -> bool:
     if fdef is not None:
         bodies = [(fdef.args, fdef.body)]
     else:
-        bodies = _lambdas(hook)
+        bodies = _lambdas(hook) or _file_lambdas(hook)
         if not bodies:
             return True
     for args, body in bodies:
