@@ -1649,9 +1649,13 @@ def _hook_writes(m: nn.Module) -> str | None:
 # whose source writes its output (or cannot be read) flags the module's ``ends``, as one on the
 # output-saving module itself does (``_hook_writes``); a forward pre-hook whose source writes any
 # argument (or cannot be read) makes its module a writer of its input, which flags whatever feeds
-# it where its parent's forward is read. Not covered: such hooks registered after ``convert_``
-# (on a neighbour: the converted backward raises autograd's version error, never a wrong
-# gradient), and global hooks (``register_module_forward_hook``).
+# it where its parent's forward is read. Such hooks registered after ``convert_``, and global
+# forward pre-hooks, are checked per call from the same structure (``output_modules``' ``near``:
+# the parents' forward hook dicts, and the forward pre-hook and forward hook dicts of the modules
+# its output is given to, ``_Info.takes`` following what a module hands its input to; read by
+# ``hook_may_write``, stricter than the reading here: NOTE [Hooks registered after convert_ on the
+# modules around] in slimgrad/nn/_hooks.py). Not followed there: a module a helper method of the
+# parent (not its forward) hands the output to.
 def _pre_hook_writes(m: nn.Module) -> bool:
     for hook in m._forward_pre_hooks.values():
         if getattr(hook, "__module__", "").startswith("slimgrad."):

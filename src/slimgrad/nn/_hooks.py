@@ -39,15 +39,13 @@ from torch.nn.modules import module as _module
 # of act(b) only while act(b) is at the version it had at forward (NOTE [Derived saved inputs] in
 # ``slimgrad/ops/_derived.py``), so an in-place edit makes that conv keep the edited tensor itself
 # and the gradient stays exact (tested).
-# Not seen: a hook on an ancestor whose output is this module's output (a post-norm block such as
-# BERT's layer, whose output is its last LayerNorm's) that edits it in place; the converted backward
-# raises autograd's version error there (never a wrong gradient). Checking the modules on the call
-# stack would catch it, but would also count the read-only output-capturing hooks transformers
-# puts on its layers (``transformers/utils/output_capturing.py``) and drop the savings.
-# Those hooks stay on the layers after the first call that asks for hidden states or attentions,
-# and act only in a call that asks for outputs (they return at once otherwise): outside such a call
-# (NOTE [Hidden states handed out per call]) they count as absent, so one such call does not turn
-# the savings off for every later call.
+# Transformers' output-capturing hooks (``transformers/utils/output_capturing.py``) stay on the
+# layers after the first call that asks for hidden states or attentions, and act only in a call
+# that asks for outputs (they return at once otherwise): outside such a call (NOTE [Hidden states
+# handed out per call]) they count as absent, so one such call does not turn the savings off for
+# every later call. Hooks on the modules around this one (a parent whose output is this module's,
+# a module its output is given to) and global forward pre-hooks: NOTE [Hooks registered after
+# convert_ on the modules around] below.
 
 
 def foreign(hooks: dict) -> bool:
