@@ -74,11 +74,15 @@ def _acts(f) -> bool:
 
 def forward_hooked(m: torch.nn.Module) -> bool:
     own, glob = m._forward_hooks, _module._global_forward_hooks
+    try:  # (``NoScript``'s defaults: every slimgrad module has them)
+        near, free = m.near_hooks, m.near_free
+    except AttributeError:  # a module of another library: no hooks around it are watched
+        near = free = ()
     # checked on every call: hooks come and go after convert_ (``near_hooks``: NOTE [Hooks
     # registered after convert_ on the modules around])
-    if not own and not glob and m.near_hooks == m.near_free:
+    if not own and not glob and near == free:
         return False
-    return foreign(own) or foreign(glob) or near_writes(m)
+    return foreign(own) or foreign(glob) or (near != free and near_writes(m))
 
 
 # NOTE [Hooks registered after convert_ on the modules around]
