@@ -144,6 +144,10 @@ NEAR_HOOKS, NEAR_FREE = _near(), _Seen(({},))
 def watch_(m: torch.nn.Module, dicts) -> None:
     """Store on ``m`` the hook dicts of the modules around it that may write its output (NOTE
     [Hooks registered after convert_ on the modules around]); ``convert_`` calls it."""
+    if not dicts:  # the class's defaults (nothing on the instance: nothing more for Dynamo to
+        m.__dict__.pop("near_hooks", None)  # guard on in a compiled model)
+        m.__dict__.pop("near_free", None)
+        return
     m.__dict__["near_hooks"] = _near(tuple(dicts))
     m.__dict__["near_free"] = _Seen({} for _ in range(len(dicts) + 1))
     near_writes(m)  # those already there: read now, not at the first call
