@@ -73,7 +73,10 @@ def test_compiled_hf_rms_norm_reads_only_its_lean_case():
     # wrapper objects are no longer read (before: 154 guards here, 127 now; eager: 56)
     for name in ("straight", "_dtensor", "refuse_jit", "_hf_side", "direct_call_ok"):
         assert not [s for s in ops if name in s], [s for s in ops if name in s]
-    assert sum(n for _, n in guards) <= 127
+    # 145 since the neighbour-hook check (NOTE [Hooks registered after convert_ on the modules
+    # around] in nn/_hooks.py): 18 more, per norm that its instance holds no near_hooks/near_free
+    # (2 each), once the class defaults and the polyfills of Dynamo's tuple/dict comparison
+    assert sum(n for _, n in guards) <= 145
 
 
 def test_compiled_hf_rms_norm_still_takes_the_general_path_when_not_lean():

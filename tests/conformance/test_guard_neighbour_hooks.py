@@ -6,7 +6,8 @@ Before, only hooks on the output-saving module itself were read: a parent's forw
 its output (which is the norm's) or the next module's forward pre-hook writing its input left the
 norm/activation converted, and the converted backward raised autograd's in-place error where eager
 trains. Each row checks the module is kept and the gradients equal eager's; a hook that only reads
-keeps it converted. (The same hooks registered after convert_ are not covered: see the NOTE.)
+keeps it converted. (The same hooks registered after convert_: tests/conformance/
+test_hooks_after_convert.py.)
 """
 
 from __future__ import annotations

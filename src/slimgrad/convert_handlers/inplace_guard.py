@@ -16,6 +16,7 @@ import ast
 import builtins
 import functools
 import inspect
+import linecache
 import operator
 import random
 import re
@@ -204,6 +205,9 @@ class _Info:
     # may hold (modules, and _IN for the input), else None (NOTE [Modules whose output is the
     # model's output]: tuple items); ``ends``/``passes`` stay the union over the items
     items: tuple[frozenset, ...] | None = None
+    # the children its input (or a view of it) may be given to (NOTE [Hooks on the modules around
+    # an output-saving one]: their hooks may write it)
+    takes: list[nn.Module] = field(default_factory=list)
 
 
 def _qualname(cls: type) -> str:
@@ -565,6 +569,15 @@ class _Guard:
         self.methods: dict[tuple[int, object], set] = {}
         # {(id(module), method): what its source writes and returns} (``_Flow.helper``)
         self.helpers: dict[tuple[int, object], tuple] = {}
+        # {id(module): the modules its output may be given to} (NOTE [Hooks on the modules around
+        # an output-saving one])
+        self.fed: dict[int, list[nn.Module]] = {}
+
+    def feeds(self, child: nn.Module, held) -> None:
+        # ``child`` is called with what ``held`` holds: the modules there feed it
+        for e in held:
+            if isinstance(e, nn.Module):
+                self.fed.setdefault(id(e), []).append(child)
 
     def flag(self, ends: list[nn.Module], writer: str) -> None:
         for m in ends:
@@ -608,8 +621,12 @@ class _Guard:
     def _sequential(self, seq: nn.Sequential) -> _Info:
         ends: list[nn.Module] = []
         passes, writes = True, False
+        takes: list[nn.Module] = []
         for child in seq:
             ci = self.info(child)
+            self.feeds(child, ends)
+            if passes:
+                takes.append(child)
             if ci.writes:
                 self.flag(ends, f"{type(child).__name__}(inplace=True)")
                 writes = writes or passes
@@ -617,7 +634,7 @@ class _Guard:
                 ends = ends + ci.ends
             else:
                 ends, passes = list(ci.ends), False
-        return _Info(ends=ends, writes=writes, passes=passes)
+        return _Info(ends=ends, writes=writes, passes=passes, takes=takes)
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
@@ -637,6 +654,11 @@ class _Guard:
                 state[node] = _Info(passes=True)
             elif node.op == "call_module":
                 ci = self.info(m.get_submodule(node.target))
+                for n in _nodes_in((node.args, node.kwargs)):  # every argument (hooks: NOTE
+                    if n in state:  # [Hooks on the modules around an output-saving one])
+                        self.feeds(m.get_submodule(node.target), state[n].ends)
+                        if state[n].passes:
+                            out.takes.append(m.get_submodule(node.target))
                 if ci.writes:
                     sub = type(m.get_submodule(node.target)).__name__
                     self.flag(a0.ends, f"{node.target}: {sub}, which writes its input in place")
@@ -867,6 +889,14 @@ class _Flow:
         self.ret_items: list[tuple[frozenset, ...] | None] = []
         # per enclosing loop: the envs at its ``continue`` and ``break`` statements
         self.loops: list[tuple[list, list]] = []
+        self.takes: list[nn.Module] = []  # the children given the forward's input (``_Info``)
+
+    def feeds(self, child: nn.Module, every: set) -> None:
+        # NOTE [Hooks on the modules around an output-saving one]: ``child`` is given ``every``
+        if self.guard is not None:
+            self.guard.feeds(child, every)
+        if _IN in every:
+            self.takes.append(child)
 
     def flag(self, held: set, why: str) -> None:
         self.written |= held
@@ -1220,6 +1250,7 @@ class _Flow:
             child = self.module._modules.get(f.attr) if self.module is not None else None
             if isinstance(child, nn.Module):
                 ci = self.guard.info(child)
+                self.feeds(child, every)
                 if ci.writes:
                     self.flag(every, f"{f.attr}: {type(child).__name__}, which writes its input")
                 return set(ci.ends) | (every if ci.passes else set())
@@ -1300,6 +1331,7 @@ class _Flow:
                 for x in each:
                     for c in x.kids:
                         ci = self.guard.info(c)
+                        self.feeds(c, every)
                         if ci.writes:
                             self.flag(every, f"{f.id}: {type(c).__name__}, which writes its input")
                         got |= set(ci.ends) | (every if ci.passes else set())
@@ -1319,6 +1351,7 @@ class _Flow:
             for c in self.module._modules[f.value.attr]._modules.values():
                 if c is not None:
                     ci = self.guard.info(c)
+                    self.feeds(c, every)
                     if ci.writes:
                         self.flag(
                             every,
@@ -1331,6 +1364,9 @@ class _Flow:
             held = self.stored(f.value, env)
             if held is None or self._stored_writes(held, e):
                 self.flag(every, f"{_dotted(f)}(...), a stored callable that may write")
+            for fn in held or ():
+                if isinstance(fn, nn.Module):
+                    self.feeds(fn, every)
             return every
         self.expr(f, env)
         return set()
@@ -1579,7 +1615,11 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
             for i in range(len(rets[0]))
         )
     return _Info(
-        ends=ends, writes=inplace or _IN in flow.written, passes=_IN in flow.ret, items=items
+        ends=ends,
+        writes=inplace or _IN in flow.written,
+        passes=_IN in flow.ret,
+        items=items,
+        takes=flow.takes,
     )
 
 
@@ -1609,15 +1649,132 @@ def _hook_writes(m: nn.Module) -> str | None:
 # whose source writes its output (or cannot be read) flags the module's ``ends``, as one on the
 # output-saving module itself does (``_hook_writes``); a forward pre-hook whose source writes any
 # argument (or cannot be read) makes its module a writer of its input, which flags whatever feeds
-# it where its parent's forward is read. Not covered: such hooks registered after ``convert_``
-# (on a neighbour: the converted backward raises autograd's version error, never a wrong
-# gradient), and global hooks (``register_module_forward_hook``).
+# it where its parent's forward is read. Such hooks registered after ``convert_``, and global
+# forward pre-hooks, are checked per call from the same structure (``output_modules``' ``near``:
+# the parents' forward hook dicts, and the forward pre-hook and forward hook dicts of the modules
+# its output is given to, ``_Info.takes`` following what a module hands its input to; read by
+# ``hook_may_write``, stricter than the reading here: NOTE [Hooks registered after convert_ on the
+# modules around] in slimgrad/nn/_hooks.py). Not followed there: a module a helper method of the
+# parent (not its forward) hands the output to.
 def _pre_hook_writes(m: nn.Module) -> bool:
     for hook in m._forward_pre_hooks.values():
         if getattr(hook, "__module__", "").startswith("slimgrad."):
             continue
         written = _written_params(hook)
         if written is None or written:
+            return True
+    return False
+
+
+# the methods of a container that take a value without writing it (``seen.append(out)``)
+_KEEPING = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "appendleft"})
+
+
+class _HookFlow(_Flow):
+    # a hook's source read for NOTE [Hooks on the modules around an output-saving one]: besides
+    # the writes ``_Flow`` sees, a value the hook was given that reaches a callable slimgrad does
+    # not know (a function of the user's, a closure, a method of another object) or an attribute
+    # assignment (``out.data = ...``) counts as written
+    def __init__(self, hook, tensors: frozenset[str]) -> None:
+        super().__init__(None, None, fn=hook)
+        self.tensors = tensors  # the names of what it is given (not the module, not ``self``)
+
+    def call(self, e: ast.Call, env: dict) -> set:
+        got = super().call(e, env)
+        given = {
+            x
+            for a in [*e.args, *(k.value for k in e.keywords)]
+            for x in self.expr(a, env)
+            if x in self.tensors
+        }
+        if not given:
+            return got
+        f = e.func
+        if isinstance(f, ast.Attribute) and self.expr(f.value, env) & self.tensors:
+            return got  # a method of a value it was given (a tensor's): by its name (``_Flow``)
+        callee = self.callee(f, env)
+        known = callee is not _MISSING and (
+            _known_function(callee)
+            or (isinstance(callee, type) and callee.__module__ == "builtins")
+        )
+        if known and callee not in (setattr, delattr) and not _inplace_kw(e):
+            return got
+        if isinstance(f, ast.Attribute) and callee is _MISSING and f.attr in _KEEPING:
+            return got
+        self.flag(given, f"{_dotted(f)}(...), which slimgrad cannot read")
+        return got
+
+    def assign(self, target, held: set, env: dict) -> None:
+        if isinstance(target, ast.Attribute):
+            self.flag(self.expr(target.value, env), "an attribute assignment")
+        super().assign(target, held, env)
+
+
+_HOOK_MEMO: dict = {}
+_FILE_AST: dict[str, ast.Module | None] = {}
+
+
+def _file_lambdas(fn) -> list:
+    # a lambda whose lines do not parse alone (one inside a dict literal over several lines): every
+    # lambda of its file that starts on its line with its arity (all assumed to run)
+    code = getattr(fn, "__code__", None)
+    if code is None or getattr(fn, "__name__", "") != "<lambda>":
+        return []
+    path = code.co_filename
+    if path not in _FILE_AST:
+        try:
+            _FILE_AST[path] = ast.parse("".join(linecache.getlines(path)) or "None")
+        except (SyntaxError, ValueError):
+            _FILE_AST[path] = None
+    tree = _FILE_AST[path]
+    return [
+        (node.args, [ast.Return(node.body)])
+        for node in (ast.walk(tree) if tree is not None else ())
+        if isinstance(node, ast.Lambda)
+        and node.lineno == code.co_firstlineno
+        and len(node.args.posonlyargs + node.args.args) == code.co_argcount
+    ]
+
+
+def hook_may_write(hook) -> bool:
+    """Whether a forward hook or forward pre-hook may write a tensor it is given in place (NOTE
+    [Hooks on the modules around an output-saving one]): its source read once per function (an
+    unreadable one may); slimgrad's own observers and transformers' output-capturing hook do not.
+    """
+    mod = getattr(hook, "__module__", None) or ""
+    if mod.startswith("slimgrad.") or (
+        mod == "transformers.utils.output_capturing"
+        and getattr(hook, "__name__", None) == "output_capturing_hook"
+    ):
+        return False
+    key = getattr(hook, "__code__", None)
+    if key is None:  # a partial, a callable object: its source is not read
+        return True
+    got = _HOOK_MEMO.get(key)
+    if got is None:
+        got = _HOOK_MEMO[key] = _hook_source_writes(hook)
+    return got
+
+
+def _hook_source_writes(hook) -> bool:
+    fdef = _forward_ast(hook)
+    if fdef is not None:
+        bodies = [(fdef.args, fdef.body)]
+    else:
+        bodies = _lambdas(hook) or _file_lambdas(hook)
+        if not bodies:
+            return True
+    for args, body in bodies:
+        params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+        rest = [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+        if inspect.ismethod(hook) and params:  # (its object is none of what it is given)
+            params = params[1:]
+        # (module, args[, kwargs][, output]); ``*a`` and ``**kw`` may hold any of them
+        tensors = frozenset(params[1:] + rest)
+        params += rest
+        flow = _HookFlow(hook, tensors)
+        flow.block(body, {a: {a} for a in params})
+        if flow.written & tensors:
             return True
     return False
 
@@ -1721,6 +1878,7 @@ def output_modules(
     kinds: tuple[type, ...],
     owners: dict[int, list] | None = None,
     traces: Traces | None = None,
+    near: dict[int, list] | None = None,
 ) -> list[nn.Module]:
     """The modules of ``kinds`` in ``model`` whose output may be what ``model`` returns (NOTE
     [Modules whose output is the model's output]).
@@ -1733,6 +1891,9 @@ def output_modules(
             call] in slimgrad/nn/_output_act.py), from the same reading.
         traces: the fx traces read before the swaps (NOTE [One reading of the structure per
             convert_]): a module read then is not traced again; None: every module traced now.
+        near: if given, filled with ``{id(m): [hook dicts]}`` for every module of ``kinds``: the
+            hook dicts of the modules around it that may write its output (NOTE [Hooks on the
+            modules around an output-saving one]), from the same reading.
 
     Returns:
         Those modules, each once.
@@ -1764,4 +1925,35 @@ def output_modules(
                     todo.extend(parents.get(id(a), ()))
             if found:
                 owners[id(m)] = found
+    if near is not None:
+        near.update(_neighbour_dicts(guard, model, kinds))
     return list(seen.values())
+
+
+def _neighbour_dicts(guard: _Guard, model: nn.Module, kinds: tuple[type, ...]) -> dict[int, list]:
+    # NOTE [Hooks on the modules around an output-saving one]: per module of ``kinds``, the
+    # forward hooks of the modules whose output may be its output, and the forward pre-hooks and
+    # forward hooks of the modules its output may be given to (and of their children given it)
+    up: dict[int, list[nn.Module]] = {}
+    for a in model.modules():
+        info = guard.memo.get(id(a))
+        for e in info.ends if info is not None else ():
+            if e is not a:
+                up.setdefault(id(e), []).append(a)
+    out: dict[int, list] = {}
+    for m in model.modules():
+        if not isinstance(m, kinds):
+            continue
+        dicts = {id(a._forward_hooks): a._forward_hooks for a in up.get(id(m), ())}
+        todo, done = list(guard.fed.get(id(m), ())), set()
+        while todo:
+            c = todo.pop()
+            if id(c) in done:
+                continue
+            done.add(id(c))
+            dicts.update({id(d): d for d in (c._forward_pre_hooks, c._forward_hooks)})
+            info = guard.memo.get(id(c))
+            todo.extend(info.takes if info is not None else ())
+        if dicts:
+            out[id(m)] = list(dicts.values())
+    return out

@@ -39,15 +39,13 @@ from torch.nn.modules import module as _module
 # of act(b) only while act(b) is at the version it had at forward (NOTE [Derived saved inputs] in
 # ``slimgrad/ops/_derived.py``), so an in-place edit makes that conv keep the edited tensor itself
 # and the gradient stays exact (tested).
-# Not seen: a hook on an ancestor whose output is this module's output (a post-norm block such as
-# BERT's layer, whose output is its last LayerNorm's) that edits it in place; the converted backward
-# raises autograd's version error there (never a wrong gradient). Checking the modules on the call
-# stack would catch it, but would also count the read-only output-capturing hooks transformers
-# puts on its layers (``transformers/utils/output_capturing.py``) and drop the savings.
-# Those hooks stay on the layers after the first call that asks for hidden states or attentions,
-# and act only in a call that asks for outputs (they return at once otherwise): outside such a call
-# (NOTE [Hidden states handed out per call]) they count as absent, so one such call does not turn
-# the savings off for every later call.
+# Transformers' output-capturing hooks (``transformers/utils/output_capturing.py``) stay on the
+# layers after the first call that asks for hidden states or attentions, and act only in a call
+# that asks for outputs (they return at once otherwise): outside such a call (NOTE [Hidden states
+# handed out per call]) they count as absent, so one such call does not turn the savings off for
+# every later call. Hooks on the modules around this one (a parent whose output is this module's,
+# a module its output is given to) and global forward pre-hooks: NOTE [Hooks registered after
+# convert_ on the modules around] below.
 
 
 def foreign(hooks: dict) -> bool:
@@ -76,6 +74,94 @@ def _acts(f) -> bool:
 
 def forward_hooked(m: torch.nn.Module) -> bool:
     own, glob = m._forward_hooks, _module._global_forward_hooks
-    if not own and not glob:  # checked on every call: hooks come and go after convert_
+    try:  # (``NoScript``'s defaults: every slimgrad module has them)
+        near, free = m.near_hooks, m.near_free
+    except AttributeError:  # a module of another library: no hooks around it are watched
+        near = free = ()
+    # checked on every call: hooks come and go after convert_ (``near_hooks``: NOTE [Hooks
+    # registered after convert_ on the modules around])
+    if not own and not glob and near == free:
         return False
-    return foreign(own) or foreign(glob)
+    return foreign(own) or foreign(glob) or (near != free and near_writes(m))
+
+
+# NOTE [Hooks registered after convert_ on the modules around]
+# A hook on another module may write an output-saving module's output too (NOTE [Hooks on the
+# modules around an output-saving one] in convert_handlers/inplace_guard.py, which reads those
+# registered before convert_): a forward hook on a parent whose output may be this module's (BERT's
+# post-norm layer, whose output is its last LayerNorm's; a Sequential ending in a GELU), a forward
+# pre-hook or forward hook on a module its output is given to (the next Linear, the next layer and
+# its children given that input), and a global forward pre-hook (``register_module_forward_pre_
+# hook``: it runs on every module, the consumers included). Which dicts hold those hooks is a fact
+# of the structure, read once at ``convert_`` (``state_consumers_``, from the reading of the
+# converted model) and stored on the module: ``near_hooks``, a tuple of the dicts themselves
+# (torch adds to and removes from them in place; the global one first, for every module), and
+# ``near_free``, their contents as last found harmless. The check per call is part of the
+# expression that checks the module's own hooks: ``near_hooks != near_free``, a comparison of two
+# tuples of dicts in C (no Python call; equal, the common case, when no hook came or went since).
+# When they differ, :func:`near_writes` reads each hook there (once per function,
+# ``inplace_guard.hook_may_write``: its source, every write it makes to what it is given, a value
+# it is given passed to a callable slimgrad cannot read, an attribute assigned on it; an
+# unreadable hook may write; slimgrad's observers and transformers' output-capturing hook do not):
+# if one may write, the module runs eager's op for that call and keeps what eager keeps (exact:
+# eager's values, gradients and memory), and checks again at the next call; if none may, their
+# contents become ``near_free`` and the module keeps its savings at no further cost. So a hook that
+# only reads (a feature collector, a profiler's pre-hook) costs the savings nothing, and one that
+# returns a new tensor instead of editing (``return out * 2``) neither: the module's own output,
+# the one it keeps, is left as it was. ``near_free`` holds the hook functions it compared; it
+# pickles and deep-copies as empty dicts (the copy reads its hooks again at its first call), and
+# the dicts in ``near_hooks`` are the copied modules' own (one ``deepcopy`` or pickle of the
+# model; the global dict is the process's). Not covered: a hook added by writing into a module's
+# hook dict by hand after replacing that dict (``m._forward_hooks = OrderedDict(...)``), a module
+# whose structure changed after ``convert_`` (run it again), and a tensor a read-only hook stores
+# and the caller writes in place later (as any output handed out: NOTE [Modules whose output is
+# the model's output]).
+class _Seen(tuple):
+    # ``near_free``: pickles and deep-copies as that many empty dicts
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_Seen, (tuple({} for _ in self),))
+
+
+class _Near(tuple):
+    # ``near_hooks``: the global pre-hook dict first, then the neighbours' dicts; a copy keeps the
+    # process's global dict (and the copied neighbours' dicts)
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_near, (tuple(self[1:]),))
+
+
+def _near(dicts: tuple = ()) -> _Near:
+    return _Near((_module._global_forward_pre_hooks, *dicts))
+
+
+#: the defaults of every module (``NoScript``): the global pre-hooks alone
+NEAR_HOOKS, NEAR_FREE = _near(), _Seen(({},))
+
+
+def watch_(m: torch.nn.Module, dicts) -> None:
+    """Store on ``m`` the hook dicts of the modules around it that may write its output (NOTE
+    [Hooks registered after convert_ on the modules around]); ``convert_`` calls it."""
+    if not dicts:  # the class's defaults (nothing on the instance: nothing more for Dynamo to
+        m.__dict__.pop("near_hooks", None)  # guard on in a compiled model)
+        m.__dict__.pop("near_free", None)
+        return
+    m.__dict__["near_hooks"] = _near(tuple(dicts))
+    m.__dict__["near_free"] = _Seen({} for _ in range(len(dicts) + 1))
+    near_writes(m)  # those already there: read now, not at the first call
+
+
+def near_writes(m: torch.nn.Module) -> bool:
+    """Whether a hook around ``m`` may write its output now (NOTE [Hooks registered after
+    convert_ on the modules around])."""
+    near = m.near_hooks
+    if near == m.near_free:
+        return False
+    from slimgrad.convert_handlers.inplace_guard import hook_may_write
+
+    if any(hook_may_write(f) for d in near for f in d.values()):
+        return True
+    m.__dict__["near_free"] = _Seen(dict(d) for d in near)
+    return False

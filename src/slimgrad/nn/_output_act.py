@@ -300,6 +300,7 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     """
     import slimgrad.nn as snn
     from slimgrad.convert_handlers.inplace_guard import output_modules
+    from slimgrad.nn._hooks import watch_
 
     sites: dict[int, list] = {}
     for parent in model.modules():
@@ -313,10 +314,11 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     kinds = smooth + _output_kinds()
     copies = _copy_kinds()
     owners: dict[int, list] = {}
+    near: dict[int, list] = {}  # NOTE [Hooks registered after convert_ on the modules around]
     if isinstance(model, kinds + copies):
         out = {id(model)}
     else:
-        out = {id(m) for m in output_modules(model, kinds + copies, owners, traces)}
+        out = {id(m) for m in output_modules(model, kinds + copies, owners, traces, near)}
     hf = any(type(m).__module__.startswith("transformers.") for m in model.modules())
     if hf:
         _find_collector()
@@ -329,6 +331,7 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
             m.__dict__.pop("keep_y", None)
             if not keep:
                 m.keep_y = False
+            watch_(m, near.get(id(m), ()) if keep else ())
             n += keep
             if isinstance(m, snn.LayerNorm):
                 # NOTE [Hidden states handed out per call]

@@ -10,6 +10,8 @@ the reason and the fix. ``torch.jit.trace`` is refused at op entry instead (``re
 
 from __future__ import annotations
 
+from slimgrad.nn._hooks import NEAR_FREE, NEAR_HOOKS
+
 __all__ = ["NoScript"]
 
 
@@ -17,6 +19,9 @@ class NoScript:
     """Mixin for every ``slimgrad.nn`` module: ``torch.jit.script`` raises a clear error."""
 
     __slots__ = ()
+    # no hooks around it but the global pre-hooks (NOTE [Hooks registered after convert_ on the
+    # modules around] in nn/_hooks.py; ``convert_`` sets them per module)
+    near_hooks, near_free = NEAR_HOOKS, NEAR_FREE
 
     def __prepare_scriptable__(self):
         name = type(self).__name__

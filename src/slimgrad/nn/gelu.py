@@ -50,7 +50,11 @@ class GELU(NoScript, torch.nn.GELU):
         self.inplace = inplace
 
     def forward(self, input: Tensor) -> Tensor:
-        hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
+        hooks = (
+            self._forward_hooks
+            or _module._global_forward_hooks
+            or self.near_hooks != self.near_free
+        )  # forward_hooked if any
         if hooks and forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
             if self.inplace:  # eager's in-place GELU (it keeps a copy of the input)
                 return torch.ops.aten.gelu_(input, approximate=self.approximate)

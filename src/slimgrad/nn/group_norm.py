@@ -33,7 +33,12 @@ class GroupNorm(NoScript, torch.nn.GroupNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
         if not self.keep_y or (
-            (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self)
+            (
+                self._forward_hooks
+                or _module._global_forward_hooks
+                or self.near_hooks != self.near_free
+            )
+            and forward_hooked(self)
         ):
             return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
         p = self._parameters  # the Parameters without Module.__getattr__ (a parametrized weight

@@ -62,7 +62,14 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
         # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
         if (
             not self.keep_y
-            or ((self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self))
+            or (
+                (
+                    self._forward_hooks
+                    or _module._global_forward_hooks
+                    or self.near_hooks != self.near_free
+                )
+                and forward_hooked(self)
+            )
             or (self.handed_out and requested())
         ):
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)

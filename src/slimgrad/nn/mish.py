@@ -28,7 +28,11 @@ class Mish(NoScript, torch.nn.Mish):
     keep_y = True
 
     def forward(self, input: Tensor) -> Tensor:
-        hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
+        hooks = (
+            self._forward_hooks
+            or _module._global_forward_hooks
+            or self.near_hooks != self.near_free
+        )  # forward_hooked if any
         if hooks and forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
             return F.mish(input, self.inplace)
         # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py

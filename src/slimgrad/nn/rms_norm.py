@@ -49,7 +49,12 @@ class RMSNorm(NoScript, torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE [Forward hooks on an output-saving module]; forward_hooked only when a hook exists
         if not self.keep_y or (
-            (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self)
+            (
+                self._forward_hooks
+                or _module._global_forward_hooks
+                or self.near_hooks != self.near_free
+            )
+            and forward_hooked(self)
         ):
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         p = self._parameters  # without Module.__getattr__ (a parametrized weight is a property)
@@ -146,7 +151,12 @@ class HFRMSNorm(NoScript, torch.nn.Module):
         # NOTE [Forward hooks on an output-saving module]: HF's ops; forward_hooked only when a
         # hook exists
         if not self.keep_y or (
-            (self._forward_hooks or _module._global_forward_hooks) and forward_hooked(self)
+            (
+                self._forward_hooks
+                or _module._global_forward_hooks
+                or self.near_hooks != self.near_free
+            )
+            and forward_hooked(self)
         ):
             return HF_VARIANTS[self.variant][0](hidden_states, w, eps)[0]
         x, v = hidden_states, self.variant

@@ -27,7 +27,11 @@ class SiLU(NoScript, torch.nn.SiLU):
     keep_y = True
 
     def forward(self, input: Tensor) -> Tensor:
-        hooks = self._forward_hooks or _module._global_forward_hooks  # forward_hooked if any
+        hooks = (
+            self._forward_hooks
+            or _module._global_forward_hooks
+            or self.near_hooks != self.near_free
+        )  # forward_hooked if any
         # NOTE [Forward hooks on an output-saving module]: eager's op
         if hooks and forward_hooked(self):
             return torch.nn.functional.silu(input, self.inplace)
