@@ -11,6 +11,8 @@ caller's in-place write on the output trains as in eager.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -151,6 +153,27 @@ class _Loop(nn.Module):
         return h
 
 
+def _checks_act(fn):
+    # the read is in the decorator, not in the source of the forward it wraps
+    @functools.wraps(fn)
+    def forward(self, x):
+        if type(self.act) is not nn.GELU:
+            return self.norm(x)
+        return fn(self, x)
+
+    return forward
+
+
+class _Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.act, self.fc = nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8)
+
+    @_checks_act
+    def forward(self, x):
+        return self.fc(self.act(self.norm(x)))
+
+
 def _flags(model):
     return [
         (n, {k: m.__dict__[k] for k in FLAGS if k in m.__dict__})
@@ -162,6 +185,7 @@ MODELS = {
     **SPELLINGS,
     "inline": _Inline,
     "loop_items": _Loop,
+    "decorated": _Decorated,
 }
 
 

@@ -659,10 +659,11 @@ class Traces:
 # of a child container, or a loop over a container whose items are only called; a branch whose
 # test reads number, None and bool settings of the module (``if self.grad_checkpointing``) is
 # followed only where those settings lead now, as the trace followed them (the mode is not
-# known: both traces ran). A source it cannot read counts as a read. After the swaps
-# (``Traces.every_call(..., after_swaps=True)``), a module with such a forward below which a
-# module was swapped (``Traces.changed_below``, against the children ``note_tree`` kept before
-# them) is traced again, once; every other kept module keeps its trace. Not followed: a child
+# known: both traces ran). A source it cannot read, or a decorated function (the decorator's code
+# runs too), counts as a read. After the swaps (``Traces.every_call(..., after_swaps=True)``), a
+# module with such a forward below which a module was swapped (``Traces.changed_below``, against
+# the children ``note_tree`` kept before them) is traced again, once; every other kept module
+# keeps its trace. Not followed: a child
 # reached through state outside the module tree (a global, a closure, a callable stored on the
 # module that holds a child).
 def _reads_children(m: nn.Module) -> bool:
@@ -679,7 +680,9 @@ class _ChildReads:
         if fn in self.done:
             return False
         self.done.add(fn)
-        fdef = _forward_ast(fn) if fn is not None else None
+        if fn is None or inspect.unwrap(fn) is not fn:  # a decorator's code runs too
+            return True
+        fdef = _forward_ast(fn)
         params = fdef.args.posonlyargs + fdef.args.args if fdef is not None else []
         if not params:
             return True
