@@ -315,7 +315,10 @@ class _State:
         # the walk below, which reads every module attribute anyway
         self.rng_io: list[tuple[Callable, Callable]] = _global_rngs()
         self.cuda, self.numpy = torch.cuda.is_initialized(), "numpy" in sys.modules
-        self.saved: list[tuple[object, object]] = []  # (container, its items before the trace)
+        # (container, its items before the trace): dicts and sets (put back by clear + update),
+        # lists (by a slice assignment)
+        self.saved: list[tuple[object, object]] = []
+        self.saved_lists: list[tuple[list, list]] = []
         self.versions: dict[int, tuple[torch.Tensor, int]] = {}  # parameters and buffers
         self.swapped: list[tuple[object, object, torch.Tensor]] = []  # (container, key, original)
         self.copies_in = False  # the copies of ``swapped`` are in (until ``restore``)
@@ -339,7 +342,7 @@ class _State:
             self.saved.append((c, dict(c)))
             items = list(c.items())
         elif isinstance(c, list):
-            self.saved.append((c, list(c)))
+            self.saved_lists.append((c, list(c)))
             items = list(enumerate(c))
         elif isinstance(c, set):
             self.saved.append((c, set(c)))
@@ -368,14 +371,10 @@ class _State:
     def restore(self) -> None:
         # (no comparison first: an item the trace left may be a Proxy, whose ``==`` records)
         for c, items in self.saved:
-            if isinstance(c, dict):
-                c.clear()
-                c.update(items)
-            elif isinstance(c, list):
-                c[:] = items
-            else:
-                c.clear()
-                c.update(items)
+            c.clear()
+            c.update(items)
+        for c, items in self.saved_lists:
+            c[:] = items
         for restore, st in self.rngs:
             restore(st)
         self.copies_in = False
