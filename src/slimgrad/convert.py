@@ -54,9 +54,10 @@ Stages (``convert_`` runs them in this order; each fact is computed once, where 
 6. What needs the converted structure: ownership's statements of fresh inputs
    (``ownership.state_inputs_``), which outputs are kept or are the model's output
    (``nn._output_act.state_consumers_``: the in-place guard's code asked about the converted
-   model, from stage 2's traces mapped through the swaps; only the modules the swaps made are
-   traced), then the modules left alone (``_left_alone``, from the report's rows and the module
-   facts).
+   model, from stage 2's traces mapped through the swaps; a module the swaps made is read from
+   the structure its class states, and a kept one is traced again only where its forward reads
+   a child other than by calling it and a module below it was swapped), then the modules left
+   alone (``_left_alone``, from the report's rows and the module facts).
 """
 
 from __future__ import annotations

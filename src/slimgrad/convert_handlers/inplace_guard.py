@@ -257,14 +257,28 @@ class _LeafTracer(torch.fx.Tracer):
         return _InplaceProxy(node, self)
 
 
-def _trace(m: nn.Module) -> tuple[torch.fx.Graph, bool]:
+def _trace(m: nn.Module, state: _State | None = None) -> tuple[torch.fx.Graph, bool]:
     # the graph, and whether the forward drew from a random number generator (the generators'
-    # states, and every module's state, are restored: NOTE [A trace leaves the model as it was])
-    with untouched(m) as state:
-        with warnings.catch_warnings():  # the trace calls forward on Proxies (torch
-            warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
-            graph = _LeafTracer(m).trace(m)
-        return graph, state.drew()
+    # states, and every module's state, are restored: NOTE [A trace leaves the model as it was]);
+    # ``state``: a snapshot of ``m`` taken by the caller's ``untouched(m)`` for several traces
+    if state is None:
+        with untouched(m) as state:
+            return _fx(m), state.drew()
+    if not state.copies_in:
+        state.swap_in_copies()
+    try:
+        graph = _fx(m)
+        drew = state.drew()
+    finally:
+        state.restore()
+    state.check()
+    return graph, drew
+
+
+def _fx(m: nn.Module) -> torch.fx.Graph:
+    with warnings.catch_warnings():  # the trace calls forward on Proxies (torch
+        warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
+        return _LeafTracer(m).trace(m)
 
 
 # NOTE [A trace leaves the model as it was]
@@ -276,7 +290,8 @@ def _trace(m: nn.Module) -> tuple[torch.fx.Graph, bool]:
 # buffer to a Proxy (state_dict, torch.save and load_state_dict fail), ``self.calls += 1`` and
 # ``self.seen.append(...)`` would count the traces. Every fx trace ``convert_`` runs on the
 # user's modules (the in-place guard's, shared by the later readings; abn's own; ownership's
-# stand-in's) runs inside ``untouched(root)``: before it, every module below ``root`` (``root``
+# stand-in's) runs inside ``untouched(root)`` (the guard's two traces of a module, train and eval,
+# share one snapshot, put back after each): before it, every module below ``root`` (``root``
 # included) has its attribute dict copied, and so has every dict, list and set reachable from
 # those attributes through dicts, lists, sets and tuples (``_parameters``, ``_buffers``,
 # ``_modules`` and the hook dicts among them); a plain tensor reachable that way (not a Parameter,
@@ -284,12 +299,13 @@ def _trace(m: nn.Module) -> tuple[torch.fx.Graph, bool]:
 # real in-place write of the forward (``self.t += 1``: fx runs it, there is no Proxy in it) lands
 # on the copy. After the trace, whatever happened, each of those dicts, lists and sets gets its
 # own items back, in place (the same objects, the same identities: a reference the user holds
-# stays valid), and so do the random number generators (``_rng_states``). Parameters and buffers
-# are read through fx as graph nodes (``proxy_buffer_attributes``), so a write to one is recorded,
-# not run; their version counters are compared all the same, and a trace that bumped one raises
-# (the model changed and could not be put back: convert_ names it rather than go on). Not
-# covered: state outside the module tree's attributes (a module-level cache, a class attribute,
-# an ``lru_cache``, an object's own ``__dict__`` that is not a module's).
+# stays valid), and so do the random number generators (``_rng_states``: the module tree's are
+# found in that same walk). Parameters and buffers are read through fx as graph nodes
+# (``proxy_buffer_attributes``), so a write to one is recorded, not run; their version counters
+# are compared all the same, and a trace that bumped one raises (the model changed and could not
+# be put back: convert_ names it rather than go on). Not covered: state outside the module tree's
+# attributes (a module-level cache, a class attribute, an ``lru_cache``, an object's own
+# ``__dict__`` that is not a module's).
 _SNAP_CONTAINERS = (dict, list, set, tuple)  # walked (tuples: their items only)
 _SNAP_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
@@ -299,10 +315,17 @@ class _State:
     # random number generators, copied before a trace (NOTE [A trace leaves the model as it was])
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self.rngs = _rng_states(root)
-        self.saved: list[tuple[object, object]] = []  # (container, its items before the trace)
+        # (restore, read) of every generator (``_rng_states``); the module tree's are found by
+        # the walk below, which reads every module attribute anyway
+        self.rng_io: list[tuple[Callable, Callable]] = _global_rngs()
+        self.cuda, self.numpy = torch.cuda.is_initialized(), "numpy" in sys.modules
+        # (container, its items before the trace): dicts and sets (put back by clear + update),
+        # lists (by a slice assignment)
+        self.saved: list[tuple[object, object]] = []
+        self.saved_lists: list[tuple[list, list]] = []
         self.versions: dict[int, tuple[torch.Tensor, int]] = {}  # parameters and buffers
         self.swapped: list[tuple[object, object, torch.Tensor]] = []  # (container, key, original)
+        self.copies_in = False  # the copies of ``swapped`` are in (until ``restore``)
         seen: set[int] = set()
         mods = list(root.modules())
         owned = set()
@@ -311,9 +334,11 @@ class _State:
             owned.update(id(t) for t in d._buffers.values() if t is not None)
         self.owned = owned
         for d in mods:
-            self._walk(d.__dict__, seen)
+            self._walk(d.__dict__, seen, self.rng_io)
+        self.rngs = [(restore, read()) for restore, read in self.rng_io]
 
-    def _walk(self, c: object, seen: set[int]) -> None:
+    def _walk(self, c: object, seen: set[int], gens: list | None = None) -> None:
+        # ``gens``: where a module's attribute dict (``c``) adds the generators it holds
         if id(c) in seen:
             return
         seen.add(id(c))
@@ -321,7 +346,7 @@ class _State:
             self.saved.append((c, dict(c)))
             items = list(c.items())
         elif isinstance(c, list):
-            self.saved.append((c, list(c)))
+            self.saved_lists.append((c, list(c)))
             items = list(enumerate(c))
         elif isinstance(c, set):
             self.saved.append((c, set(c)))
@@ -339,31 +364,48 @@ class _State:
                     self.versions[id(v)] = (v, v._version)
             elif issubclass(t, _SNAP_CONTAINERS):
                 self._walk(v, seen)
+            elif gens is not None and (io := _generator(v)) is not None:
+                gens.append(io)
 
     def swap_in_copies(self) -> None:
         for c, k, t in self.swapped:
             c[k] = t.detach().clone().requires_grad_(t.requires_grad) if t.is_leaf else t.clone()
+        self.copies_in = True
 
     def restore(self) -> None:
         # (no comparison first: an item the trace left may be a Proxy, whose ``==`` records)
         for c, items in self.saved:
-            if isinstance(c, dict):
-                c.clear()
-                c.update(items)
-            elif isinstance(c, list):
-                c[:] = items
-            else:
-                c.clear()
-                c.update(items)
+            c.clear()
+            c.update(items)
+        for c, items in self.saved_lists:
+            c[:] = items
         for restore, st in self.rngs:
             restore(st)
+        self.copies_in = False
 
     def drew(self) -> bool:
-        # whether the trace drew from a random number generator (read before ``restore``)
-        return not _same([st for _, st in self.rngs], [st for _, st in _rng_states(self.root)])
+        # whether the trace drew from a random number generator (read before ``restore``); one
+        # that CUDA or NumPy brought up during the trace counts as a draw
+        if (torch.cuda.is_initialized(), "numpy" in sys.modules) != (self.cuda, self.numpy):
+            return True
+        return not _same([st for _, st in self.rngs], [read() for _, read in self.rng_io])
 
     def bumped(self) -> list[torch.Tensor]:
         return [t for t, v in self.versions.values() if t._version != v]
+
+    def check(self) -> None:
+        # raises where a trace bumped a parameter's or buffer's version (after ``restore``)
+        bumped = self.bumped()
+        if bumped:
+            raise RuntimeError(
+                f"slimgrad.convert_: reading {type(self.root).__name__}'s forward with torch.fx "
+                f"wrote {len(bumped)} of its parameters or buffers in place (a write fx ran "
+                "instead of recording it); expected a forward whose writes to parameters and "
+                "buffers go through the module's attributes (fx records those), and the values "
+                "could not be put back. Fix: write them as self.<name> in forward (not through "
+                "a list or dict that holds them), and load the model's weights again "
+                "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
+            )
 
 
 class untouched:  # noqa: N801 (a context manager read as a phrase: ``with untouched(m)``)
@@ -382,41 +424,36 @@ class untouched:  # noqa: N801 (a context manager read as a phrase: ``with untou
 
     def __exit__(self, *exc) -> None:
         self.state.restore()
-        bumped = self.state.bumped()
-        if bumped and exc[0] is None:
-            raise RuntimeError(
-                f"slimgrad.convert_: reading {type(self.root).__name__}'s forward with torch.fx "
-                f"wrote {len(bumped)} of its parameters or buffers in place (a write fx ran "
-                "instead of recording it); expected a forward whose writes to parameters and "
-                "buffers go through the module's attributes (fx records those), and the values "
-                "could not be put back. Fix: write them as self.<name> in forward (not through "
-                "a list or dict that holds them), and load the model's weights again "
-                "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
-            )
+        if exc[0] is None:
+            self.state.check()
 
 
-def _rng_states(m: nn.Module) -> list[tuple[Callable, object]]:
-    # every random number generator a forward may draw from in Python at trace time, as
-    # (restore, state): Python's, torch's (CPU, and CUDA's once initialised), NumPy's global one,
-    # and the generators the module tree holds as attributes
-    found: list[tuple[Callable, object]] = [
-        (random.setstate, random.getstate()),
-        (torch.random.set_rng_state, torch.random.get_rng_state()),
+# ``_rng_states``: every random number generator a forward may draw from in Python at trace
+# time, as (restore, read its state): Python's, torch's (CPU, and CUDA's once initialised),
+# NumPy's global one (``_global_rngs``), and the generators the module tree holds as attributes
+# (``_generator``, for each attribute value ``_State``'s walk meets)
+def _global_rngs() -> list[tuple[Callable, Callable]]:
+    found: list[tuple[Callable, Callable]] = [
+        (random.setstate, random.getstate),
+        (torch.random.set_rng_state, torch.random.get_rng_state),
     ]
     if torch.cuda.is_initialized():
-        found.append((torch.cuda.set_rng_state_all, torch.cuda.get_rng_state_all()))
+        found.append((torch.cuda.set_rng_state_all, torch.cuda.get_rng_state_all))
     if (np := sys.modules.get("numpy")) is not None:
-        found.append((np.random.set_state, np.random.get_state()))
-    for d in m.modules():
-        for v in vars(d).values():
-            if isinstance(v, random.Random):
-                found.append((v.setstate, v.getstate()))
-            elif isinstance(v, torch.Generator):
-                found.append((v.set_state, v.get_state()))
-            elif np is not None and isinstance(v, np.random.Generator):
-                bits = v.bit_generator
-                found.append((lambda st, bits=bits: setattr(bits, "state", st), bits.state))
+        found.append((np.random.set_state, np.random.get_state))
     return found
+
+
+def _generator(v: object) -> tuple[Callable, Callable] | None:
+    if isinstance(v, random.Random):
+        return v.setstate, v.getstate
+    if isinstance(v, torch.Generator):
+        return v.set_state, v.get_state
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(v, np.random.Generator):
+        bits = v.bit_generator
+        return (lambda st, bits=bits: setattr(bits, "state", st)), (lambda bits=bits: bits.state)
+    return None
 
 
 def _same(a: object, b: object) -> bool:
@@ -457,10 +494,13 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
 # ``Traces`` (``Structure.traces``); the later readings take it from there:
 #   - the converted model: a module the swaps left where it was (a parent whose children were
 #     replaced, a module kept eager) has the trace it had: the trace names a leaf child by its
-#     attribute, and a swap puts the replacement at that same attribute, keeping the child's
-#     torch class as a base and its settings (a forward that branches on a child's exact type, not
-#     ``isinstance``, would be read as it was before the swap). A module the swaps made (a timm
-#     block's replacement), or whose instance ``forward`` changed since, is read then;
+#     attribute, and a swap puts the replacement at that same attribute. Where the forward may
+#     read a child other than by calling it (its type, an attribute, a helper handed it) and a
+#     module below it was swapped, it is traced again (NOTE [A forward that reads its
+#     children]). A module the swaps made is read from the structure its class states (NOTE [A
+#     replacement states its structure]); one that states none is traced then. The reading
+#     follows the class's forward (fx traces ``type(m).forward``; the source read is the
+#     class's), so an instance ``forward`` changed since the reading changes nothing read;
 #   - the BatchNorm + ReLU pattern: the trace in the mode the modules are in, where it is the one a
 #     plain ``torch.fx.Tracer`` would make (``Traces.as_called``): no draw from a generator (its own
 #     trace would advance it), no ``h[...] = v`` (a plain Proxy raises there); else its own trace.
@@ -487,16 +527,18 @@ class _Read:
         modes = {d: d.training for d in m.modules()}
         graphs: list = [None, None]
         drew = False
+        state = _State(m)  # one snapshot for both traces; each puts it back and checks it
         try:
             for i, mode in enumerate((True, False)):
                 for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
                     d.training = mode
                 try:
-                    graphs[i], d_i = _trace(m)
+                    graphs[i], d_i = _trace(m, state)
                 except Exception:  # fx raises many types on Python it cannot trace
                     break
                 drew = drew or d_i
         finally:
+            state.restore()
             for d, mode in modes.items():
                 d.training = mode
         train, ev = graphs
@@ -517,14 +559,52 @@ class Traces:
     def __init__(self) -> None:
         # {id(module): its reading}; the reading holds the module, so ids stay unique
         self._got: dict[int, _Read] = {}
+        # {id(module): (module, its children)} as the first reading found them (``note_tree``)
+        self._tree: dict[int, tuple[nn.Module, tuple]] = {}
+        # {id(module): whether a module below it is not the one the first reading found}
+        self._changed: dict[int, bool] = {}
+        self._read_after: set[int] = set()  # modules read again after the swaps
 
-    def every_call(self, m: nn.Module) -> torch.fx.Graph:
+    def note_tree(self, model: nn.Module) -> None:
+        """Keep each module's children as they are now (the first reading's model), so a later
+        reading knows what the swaps changed below a module."""
+        tree = self._tree
+        for m in model.modules():
+            tree[id(m)] = (m, tuple(m._modules.values()))
+        self._changed.clear()
+
+    def every_call(self, m: nn.Module, after_swaps: bool = False) -> torch.fx.Graph:
         """``m``'s trace where it is the same in train and eval mode and drew nothing (read now
-        if ``m`` was not read, or its instance ``forward`` changed since), else raises."""
+        if ``m`` was not read; ``after_swaps``: also where the swaps changed a module below ``m``
+        and its forward may read a child other than by calling it), else raises."""
         got = self._got.get(id(m))
-        if got is None or got.module is not m or got.forward is not m.__dict__.get("forward"):
+        if got is None or got.module is not m:
+            got = self._got[id(m)] = _Read.of(m)
+        elif (
+            after_swaps
+            and id(m) not in self._read_after
+            and self.changed_below(m)
+            and _reads_children(m)
+        ):  # NOTE [A forward that reads its children]
+            self._read_after.add(id(m))
             got = self._got[id(m)] = _Read.of(m)
         return got.every_call()
+
+    def changed_below(self, m: nn.Module) -> bool:
+        """Whether a module below ``m`` is not the one ``note_tree`` found there (a module it
+        did not see counts as changed)."""
+        got = self._changed.get(id(m))
+        if got is None:
+            snap = self._tree.get(id(m))
+            kids = tuple(m._modules.values())
+            if snap is None or snap[0] is not m or len(kids) != len(snap[1]):
+                got = True
+            else:
+                got = any(a is not b for a, b in zip(kids, snap[1], strict=True)) or any(
+                    self.changed_below(c) for c in kids if c is not None
+                )
+            self._changed[id(m)] = got
+        return got
 
     def as_called(self, m: nn.Module) -> torch.fx.Graph | None:
         """The trace a plain ``torch.fx.Tracer`` (every child a leaf) would make of ``m`` now,
@@ -545,6 +625,159 @@ class Traces:
         ):
             return None
         return graph
+
+
+# NOTE [A replacement states its structure]
+# A module the swaps made has no reading from before them, and tracing it then would read again
+# what its original's reading already knew (24 of 100 traces of a timm ViT-Tiny's convert_). Its
+# class states, for the question the reading of the converted model asks (which modules' outputs
+# may be its output), how its output is made: ``_slimgrad_output_statement = (forward, chain)``,
+# ``chain`` a tuple (or a function of the instance returning one) of child names through which the
+# forward's output passes, in order, as through an nn.Sequential's children, starting from the
+# forward's first argument, ``None`` standing for a value the forward makes afresh (an op that
+# allocates its result: ``qkv_attention``, ``squeeze_excite``, ``a + b``). So timm's Attention
+# states ``(None, "norm", "proj", "proj_drop")``, GPT-2's MLP ``("c_fc", "act", "c_proj",
+# "dropout")``, timm's norm + act blocks ``("drop", "act")`` (the norm read as the guard reads
+# ``F.batch_norm``, which ATen does not state to be fresh: as if it returned its input). It covers
+# every path of the forward, its fast path and the original's forward it falls back to (the same
+# children in the same order, or a fresh value where the fast path computes a child's work
+# itself), and it holds while ``type(m).forward`` is the stated function and every named child is
+# there (else the module is traced). Each chain is checked against the guard's reading of the
+# original module it replaces (tests/test_convert_stated_structure.py): it names at least the
+# modules that reading finds, and passes the input on where that reading does, so the converted
+# model is read as conservatively as the model was; a fresh reading of the converted model
+# (``state_consumers_`` without traces) takes the same statements.
+
+
+# NOTE [A forward that reads its children]
+# A kept module's trace from before the swaps is the trace of the converted module only where its
+# forward's Python ran the same way: a forward that looks at a child other than by calling it
+# (``type(self.act) is nn.GELU``, ``isinstance``, ``self.act.__class__``, an attribute of it, the
+# child handed to a function or kept in a name, ``self.children()``, ``getattr(self, ...)``,
+# ``super()``) may take another path once that child is slimgrad's. ``_reads_children`` reads the
+# class's forward source (parsed once per function), following the methods of the module it calls
+# (properties included), and answers True unless every use of the module's name in it is an
+# attribute that is not a child (a parameter, buffer or setting), a child called
+# (``self.fc(x)``, ``self.layers[i](x)``), a child's presence (``self.norm is None``), the length
+# of a child container, or a loop over a container whose items are only called; a branch whose
+# test reads number, None and bool settings of the module (``if self.grad_checkpointing``) is
+# followed only where those settings lead now, as the trace followed them (the mode is not
+# known: both traces ran). A source it cannot read, or a decorated function (the decorator's code
+# runs too), counts as a read. After the swaps (``Traces.every_call(..., after_swaps=True)``), a
+# module with such a forward below which a module was swapped (``Traces.changed_below``, against
+# the children ``note_tree`` kept before them) is traced again, once; every other kept module
+# keeps its trace. Not followed: a child
+# reached through state outside the module tree (a global, a closure, a callable stored on the
+# module that holds a child).
+def _reads_children(m: nn.Module) -> bool:
+    return _ChildReads(m).function(getattr(type(m), "forward", None))
+
+
+class _ChildReads:
+    # NOTE [A forward that reads its children]
+    def __init__(self, m: nn.Module) -> None:
+        self.m, self.cls, self.kids = m, type(m), m._modules
+        self.done: set = set()
+
+    def function(self, fn) -> bool:
+        if fn in self.done:
+            return False
+        self.done.add(fn)
+        if fn is None or inspect.unwrap(fn) is not fn:  # a decorator's code runs too
+            return True
+        fdef = _forward_ast(fn)
+        params = fdef.args.posonlyargs + fdef.args.args if fdef is not None else []
+        if not params:
+            return True
+        me = params[0].arg
+        return any(self.node(st, fdef, me, frozenset()) for st in fdef.body)
+
+    def kid(self, e, me: str) -> bool:
+        return (
+            isinstance(e, ast.Attribute)
+            and isinstance(e.value, ast.Name)
+            and e.value.id == me
+            and e.attr in self.kids
+        )
+
+    def loop_names(self, s: ast.For, me: str) -> frozenset | None:
+        # ``for v in self.<kids>`` / ``enumerate(self.<kids>)`` / ``self.<kids>[a:b]``: v
+        it, target = s.iter, s.target
+        if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate":
+            if len(it.args) != 1 or it.keywords or not isinstance(target, ast.Tuple):
+                return None
+            it, target = it.args[0], target.elts[-1] if len(target.elts) == 2 else None
+        if isinstance(it, ast.Subscript) and isinstance(it.slice, ast.Slice):
+            it = it.value
+        if self.kid(it, me) and isinstance(target, ast.Name):
+            return frozenset({target.id})
+        return None
+
+    def node(self, n, parent, me: str, loops: frozenset) -> bool:
+        if isinstance(n, ast.If):
+            if self.node(n.test, n, me, loops):
+                return True
+            known = _static(n.test, self.m, me, switches=True)
+            bodies = (n.body, n.orelse) if known is None else ((n.body if known else n.orelse),)
+            return any(self.node(st, n, me, loops) for body in bodies for st in body)
+        if isinstance(n, ast.For) and (names := self.loop_names(n, me)) is not None:
+            bounds = [s for s in ast.walk(n.iter) if isinstance(s, ast.Slice)]
+            if any(self.node(b, None, me, loops) for b in bounds):
+                return True
+            return any(self.node(st, n, me, loops | names) for st in n.body + n.orelse)
+        if isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Name) and f.id == "super":
+                return True
+            if isinstance(f, ast.Subscript) and self.kid(f.value, me):  # self.layers[i](x)
+                rest = [f.slice, *n.args, *n.keywords]
+                return any(self.node(c, n, me, loops) for c in rest)
+            if (
+                isinstance(f, ast.Name)
+                and f.id == "len"
+                and len(n.args) == 1
+                and self.kid(n.args[0], me)
+            ):  # a swap keeps a container's length
+                return False
+        if isinstance(n, ast.Name):
+            if n.id == me:  # the module itself handed to other code
+                return not isinstance(parent, ast.Attribute)
+            if n.id in loops:  # an item of a child container: called, or read
+                return not (isinstance(parent, ast.Call) and parent.func is n)
+            return False
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == me:
+            return self.attribute(n, parent)
+        return any(self.node(c, n, me, loops) for c in ast.iter_child_nodes(n))
+
+    def attribute(self, n: ast.Attribute, parent) -> bool:
+        a = n.attr
+        called = isinstance(parent, ast.Call) and parent.func is n
+        if a in self.kids:
+            if called:
+                return False
+            if (
+                isinstance(parent, ast.Compare)
+                and len(parent.ops) == 1
+                and isinstance(parent.ops[0], (ast.Is, ast.IsNot))
+                and any(isinstance(c, ast.Constant) and c.value is None for c in parent.comparators)
+            ):  # a child's presence: a swap puts a module where a module was
+                return False
+            return True
+        if a in ("_modules", "__dict__", "__class__"):
+            return True
+        try:
+            found = inspect.getattr_static(self.cls, a)
+        except AttributeError:  # an instance attribute: a parameter, buffer or setting
+            return False
+        if isinstance(found, property):
+            return self.function(found.fget)
+        if isinstance(found, (staticmethod, classmethod)):
+            return False  # it reaches the module only through the arguments read at the call
+        if inspect.isfunction(found):
+            if getattr(nn.Module, a, None) is found or not called:
+                return True  # children(), modules(), ...; a bound method handed on
+            return self.function(found)
+        return hasattr(type(found), "__get__")  # a descriptor runs code; a class value does not
 
 
 def _text(graph: torch.fx.Graph) -> str:
@@ -614,9 +847,37 @@ class _Guard:
             return _source_info(self, m, inplace)
         if not m._modules and type(m).__module__.startswith("torch."):
             return _Info(writes=inplace)  # a torch leaf: its 'inplace' says whether it writes
-        if type(m).__module__.startswith("slimgrad.") and (self.outputs is None or not m._modules):
-            return _Info()  # (a slimgrad module with children is read as any other module)
+        if type(m).__module__.startswith("slimgrad."):
+            if self.outputs is None or not m._modules:
+                return _Info()  # (a slimgrad module with children is read as any other module)
+            if (stated := self._stated(m)) is not None:
+                return stated
         return self._traced(m)
+
+    def _stated(self, m: nn.Module) -> _Info | None:
+        # NOTE [A replacement states its structure]: its output from the children it names, in
+        # order, as an nn.Sequential's (None: a value its forward makes afresh); None where the
+        # class states nothing for this forward
+        stated = getattr(type(m), "_slimgrad_output_statement", None)
+        if stated is None or getattr(type(m), "forward", None) is not stated[0]:
+            return None
+        chain = stated[1](m) if callable(stated[1]) else stated[1]
+        ends: list[nn.Module] = []
+        passes, writes = True, False
+        for name in chain:
+            if name is None:
+                ends, passes = [], False
+                continue
+            child = m._modules.get(name)
+            if child is None:  # not the structure stated: read it
+                return None
+            ci = self.info(child)
+            writes = writes or (ci.writes and passes)
+            if ci.passes:
+                ends = ends + ci.ends
+            else:
+                ends, passes = list(ci.ends), False
+        return _Info(ends=ends, writes=writes, passes=passes)
 
     def _sequential(self, seq: nn.Sequential) -> _Info:
         ends: list[nn.Module] = []
@@ -638,7 +899,7 @@ class _Guard:
 
     def _traced(self, m: nn.Module) -> _Info:
         try:
-            graph = self.traces.every_call(m)
+            graph = self.traces.every_call(m, after_swaps=self.outputs is not None)
         except Exception:
             # Untraceable forward (data-dependent control flow, ...): its source is read as an HF
             # forward's is (NOTE [In-place writes in HF forwards]), so ``h += r`` in its own code
@@ -785,24 +1046,27 @@ def _lambdas(fn) -> list:
 _MISSING = object()
 
 
-def _static(test, module: nn.Module | None, me: str = "self", env: dict | None = None):
+def _static(
+    test, module: nn.Module | None, me: str = "self", env: dict | None = None, switches=False
+):
     # True/False when ``test`` reads only number/None attributes of the module (``self.config.
-    # clip_qkv is not None``, ``self.training and self.jitter_noise > 0``), else None
+    # clip_qkv is not None``, ``self.training and self.jitter_noise > 0``), else None;
+    # ``switches``: bool settings too, as they are now (NOTE [A forward that reads its children])
     if module is None:
         return None
     if isinstance(test, ast.BoolOp):
-        vals = [_static(v, module, me, env) for v in test.values]
+        vals = [_static(v, module, me, env, switches) for v in test.values]
         if isinstance(test.op, ast.And):
             return False if False in vals else (True if all(v is True for v in vals) else None)
         return True if True in vals else (False if all(v is False for v in vals) else None)
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        v = _static(test.operand, module, me, env)
+        v = _static(test.operand, module, me, env, switches)
         return None if v is None else not v
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         op = test.ops[0]
         held = isinstance(op, (ast.Is, ast.IsNot))  # ``self.conv is not None``: a child's presence
-        a = _value(test.left, module, me, held, env)
-        b = _value(test.comparators[0], module, me, held, env)
+        a = _value(test.left, module, me, held, env, switches)
+        b = _value(test.comparators[0], module, me, held, env, switches)
         if a is _MISSING or b is _MISSING:
             return None
         if held:  # (two children: the same one or not, unknown here)
@@ -813,7 +1077,7 @@ def _static(test, module: nn.Module | None, me: str = "self", env: dict | None =
             return bool(fns[type(op)](a, b)) if type(op) in fns else None
         except TypeError:
             return None
-    v = _value(test, module, me, env=env)
+    v = _value(test, module, me, env=env, switches=switches)
     return None if v is _MISSING else bool(v)
 
 
@@ -828,7 +1092,14 @@ class _Const:
     value: object
 
 
-def _value(e, module: nn.Module, me: str = "self", child: bool = False, env: dict | None = None):
+def _value(
+    e,
+    module: nn.Module,
+    me: str = "self",
+    child: bool = False,
+    env: dict | None = None,
+    switches: bool = False,
+):
     if isinstance(e, ast.Constant) and (e.value is None or isinstance(e.value, (int, float))):
         return e.value
     if isinstance(e, ast.Name) and env is not None and e.id != me:  # to_drop = False; ...
@@ -855,8 +1126,10 @@ def _value(e, module: nn.Module, me: str = "self", child: bool = False, env: dic
     if child and isinstance(v, nn.Module):  # a child (swapping it for None after convert_
         return _CHILD  # changes the model's structure: run convert_ again)
     # numbers and None only: a bool is a switch users flip after conversion
-    # (``gradient_checkpointing``, ``config.output_attentions``)
-    return v if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) else _MISSING
+    # (``gradient_checkpointing``, ``config.output_attentions``), unless asked how it is now
+    if v is None or (isinstance(v, (int, float)) and (switches or not isinstance(v, bool))):
+        return v
+    return _MISSING
 
 
 _NAMESPACES = frozenset({"torch", "F", "nn", "functional"})
@@ -1824,6 +2097,8 @@ def inplace_guard_pattern(
     """
     for m in model.modules():
         _KEPT.pop(m, None)
+    if traces is not None:
+        traces.note_tree(model)
     guard = _Guard(traces=traces)
     for m in model.modules():
         guard.info(m)

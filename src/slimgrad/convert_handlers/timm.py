@@ -96,6 +96,11 @@ class _NormAct:
         x = self.act(x)
         return x
 
+    # the norm's output through drop and act, the norm taken as the guard reads timm's
+    # ``F.batch_norm`` (which may return its input: ATen's schema does not say it is fresh)
+    # (NOTE [A replacement states its structure] in convert_handlers/inplace_guard.py)
+    _slimgrad_output_statement = (forward, ("drop", "act"))
+
 
 class BatchNormAct2d(_NormAct, BatchNorm2d):
     """timm's ``BatchNormAct2d``: :class:`slimgrad.nn.BatchNorm2d`, then ``drop`` and ``act``.

@@ -154,6 +154,10 @@ class ConvNeXtBlock(NoScript, nn.Module):
     def _timm_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._timm_fn(self, x)  # timm's own ConvNeXtBlock.forward (the handler's check)
 
+    # its output is ``drop_path(...) + shortcut(...)``, a fresh sum on both paths (NOTE [A
+    # replacement states its structure] in convert_handlers/inplace_guard.py)
+    _slimgrad_output_statement = (forward, (None,))
+
 
 def convnext_block_from_timm(module: nn.Module) -> nn.Module:
     """timm ``ConvNeXtBlock`` -> :class:`ConvNeXtBlock` (shared state), when it has a layer scale
@@ -223,6 +227,11 @@ class Attention(NoScript, nn.Module):
         x = self.proj(x)
         x = self.proj_drop(x)
         return x
+
+    # SDPA's output (fresh) through norm, proj, proj_drop on both paths (timm's: ``x * gate``
+    # after the norm is fresh too) (NOTE [A replacement states its structure] in
+    # convert_handlers/inplace_guard.py)
+    _slimgrad_output_statement = (forward, (None, "norm", "proj", "proj_drop"))
 
 
 def attention_from_timm(module: nn.Module) -> nn.Module:

@@ -438,5 +438,9 @@ class GatedMLP(NoScript, nn.Module):
             return glu_linear(g, u, down.weight, down.bias, a)
         return down(glu(g, u, a))
 
+    # a fresh product through the down projection, on every path (NOTE [A replacement states
+    # its structure] in slimgrad/convert_handlers/inplace_guard.py)
+    _slimgrad_output_statement = (forward, lambda m: (None, m._roles[2]))
+
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, fused={self.fused}"

@@ -213,6 +213,10 @@ class GPT2MLP(NoScript, nn.Module):
         mods = self._modules
         return mods["dropout"](mods["c_proj"](mods["act"](mods["c_fc"](hidden_states))))
 
+    # the children in this order, or the node's fresh result (NOTE [A replacement states its
+    # structure] in slimgrad/convert_handlers/inplace_guard.py)
+    _slimgrad_output_statement = (forward, ("c_fc", "act", "c_proj", "dropout"))
+
     def forward_after_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``self(norm(x))`` as one node with the LayerNorm folded in (NOTE [A LayerNorm folded
         into its consumer's node] in ``slimgrad/ops/gpt2_mlp.py``), or None where that node does

@@ -74,6 +74,8 @@ class SEModule(_FromTorch, NoScript, nn.Module):
         x_se = self.fc2(x_se)
         return squeeze_excite(x, self.gate(x_se))
 
+    _slimgrad_output_statement = (forward, (None,))  # squeeze_excite's fresh result
+
 
 class SqueezeExciteBlock(_FromTorch, NoScript, nn.Module):
     """timm's EfficientNet/MobileNet ``SqueezeExcite`` (``timm.models._efficientnet_blocks``):
@@ -88,6 +90,8 @@ class SqueezeExciteBlock(_FromTorch, NoScript, nn.Module):
         x_se = self.conv_expand(x_se)
         return squeeze_excite(x, self.gate(x_se))
 
+    _slimgrad_output_statement = (forward, (None,))  # squeeze_excite's fresh result
+
 
 class EffectiveSEModule(_FromTorch, NoScript, nn.Module):
     """timm's ``EffectiveSEModule``: ``x * gate(fc(mean(x)))``, optionally with max pooling."""
@@ -100,6 +104,8 @@ class EffectiveSEModule(_FromTorch, NoScript, nn.Module):
             x_se = 0.5 * x_se + 0.5 * x.amax((2, 3), keepdim=True)
         x_se = self.fc(x_se)
         return squeeze_excite(x, self.gate(x_se))
+
+    _slimgrad_output_statement = (forward, (None,))  # squeeze_excite's fresh result
 
 
 class SqueezeExcitation(_FromTorch, NoScript, nn.Module):
@@ -119,3 +125,5 @@ class SqueezeExcitation(_FromTorch, NoScript, nn.Module):
     def forward(self, input: Tensor) -> Tensor:
         scale = self._scale(input)
         return squeeze_excite(input, scale, gate_first=True)
+
+    _slimgrad_output_statement = (forward, (None,))  # squeeze_excite's fresh result
