@@ -272,6 +272,7 @@ from __future__ import annotations
 import gc
 import inspect
 import sys
+import types
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -399,8 +400,14 @@ class _ZeroGradWatch:
         self.ref = _no_handle  # a copy wrapped over this one (left in place) passes through
 
     def __reduce__(self):
-        # (not reached through the module: its __getstate__ leaves the watch out)
-        return (_plain_zero_grad, (self.inner,))
+        # not reached through the module's __getstate__ (it leaves the watch out); a module class
+        # that copies its __dict__ itself (fx.GraphModule) gets the zero_grad the module had,
+        # the class's bound to the copy (a reference cycle in that copy only)
+        inner = self.inner
+        if inner is None:
+            module = self.module()
+            inner = None if module is None else types.MethodType(type(module).zero_grad, module)
+        return (_plain_zero_grad, (inner,))
 
 
 # NOTE [A watched module's copies carry no watch]
