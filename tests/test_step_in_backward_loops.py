@@ -12,7 +12,10 @@ once) is refused at the first hook of the backward that would differ, before it 
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import pickle
+import weakref
 
 import pytest
 import torch
@@ -557,3 +560,258 @@ def test_check_loop_must_be_a_bool():
     assert "zero_grad" not in b.__dict__
     assert not any(hasattr(p, "_slimgrad_step_in_backward") for p in b.parameters())
     step_in_backward(b, torch.optim.SGD, lr=0.1)  # nothing was attached
+
+
+# --- module=: the model whose zero_grad() counts for a handle built from groups (review25a 1) ---
+def _decay_groups(m: nn.Module) -> list:
+    # HF Trainer's usual groups: weight decay on matrices, none on biases, norms and scalars
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    rest = [p for p in m.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("opt_name", list(_OPTS))
+def test_groups_with_module_follow_a_trainer_loop_bit_for_bit(opt_name, set_to_none):
+    """HF Trainer builds the optimizer from weight-decay groups and zeroes with
+    model.zero_grad(): module=model makes that zeroing count (without it the second step was
+    refused as a loop that never zeroes)."""
+    cls, kw = _OPTS[opt_name]
+    kw = {k: v for k, v in kw.items() if k != "weight_decay"}
+    a, b = _net(), _net()
+    opt = cls(_decay_groups(a), **kw)
+    handle = step_in_backward(_decay_groups(b), cls, module=b, **kw)
+    assert isinstance(b.__dict__["zero_grad"], type(b.zero_grad))  # watched
+    for m, o in ((a, opt), (b, handle)):
+        sched = torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+        m.zero_grad(set_to_none=set_to_none)
+        for i in range(5):
+            m(_batch(i), use=i % 2 == 0).backward()
+            o.step()
+            sched.step()
+            m.zero_grad(set_to_none=set_to_none)
+    _same(a, b, opt, handle)
+    handle.remove()
+    assert "zero_grad" not in b.__dict__ and "__getstate__" not in b.__dict__
+
+
+def test_groups_without_module_name_module_first_in_the_refusal():
+    b = _net()
+    handle = step_in_backward(_decay_groups(b), torch.optim.AdamW, lr=1e-2)
+    b(_batch(0)).backward()
+    handle.step()
+    b.zero_grad()  # not seen: the handle was given no module
+    before = _snap(b, handle)
+    with pytest.raises(
+        RuntimeError,
+        match=r"not zeroed.*\. The handle was built from parameters, so it sees no "
+        r"model\.zero_grad\(\): pass module=model to step_in_backward .*check_loop=False\)\.$",
+    ):
+        b(_batch(1)).backward()
+    _unchanged(before, b, handle)
+
+
+@pytest.mark.parametrize(
+    "given, module, err, match",
+    [
+        ("groups", "list", TypeError, r"module must be a torch\.nn\.Module"),
+        ("groups", "other", ValueError, r"module= must hold every parameter .*got 6 of 6 "),
+        ("groups", "child", ValueError, r"module= must hold every parameter .*got 4 of 6 "),
+        ("model", "other", ValueError, r"module= names another module"),
+    ],
+)
+def test_module_is_checked_before_anything_is_attached(given, module, err, match):
+    b, other = _net(), _net()
+    mod = {"list": [b], "other": other, "child": b.l1}[module]
+    first = _decay_groups(b) if given == "groups" else b
+    with pytest.raises(err, match=r"^slimgrad\.step_in_backward: " + match):
+        step_in_backward(first, torch.optim.SGD, lr=0.1, module=mod)
+    for m in (b, other, b.l1):
+        assert "zero_grad" not in m.__dict__ and "__getstate__" not in m.__dict__
+    assert not any(hasattr(p, "_slimgrad_step_in_backward") for p in b.parameters())
+    step_in_backward(b, torch.optim.SGD, lr=0.1)  # nothing was attached
+
+
+def test_two_handles_on_one_model_both_with_module_follow_model_zero_grad():
+    # a split optimizer (matrices / the rest), each handle watching the same model
+    a, b = _net(), _net()
+    ga, gb = _decay_groups(a), _decay_groups(b)
+    oa = [torch.optim.SGD([ga[0]], lr=0.1, momentum=0.9), torch.optim.AdamW([ga[1]], lr=1e-2)]
+    ob = [
+        step_in_backward([gb[0]], torch.optim.SGD, lr=0.1, momentum=0.9, module=b),
+        step_in_backward([gb[1]], torch.optim.AdamW, lr=1e-2, module=b),
+    ]
+    for m, os_ in ((a, oa), (b, ob)):
+        for i in range(4):
+            m(_batch(i), use=i % 2 == 0).backward()
+            for o in os_:
+                o.step()
+            m.zero_grad()
+    for o, h in zip(oa, ob):
+        _same(a, b, o, h)
+    ob[0].remove()  # the other watch stays and still counts
+    b(_batch(4)).backward()
+    ob[1].step()
+    b.zero_grad()
+    ob[1].remove()
+    assert "zero_grad" not in b.__dict__ and "__getstate__" not in b.__dict__
+
+
+# --- a backward that raises in its middle (fairseq's OOM skip; review25a 2) ---------------------
+class _Boom(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.armed:
+            _Boom.armed = False
+            raise RuntimeError("simulated OOM in backward")
+        return g
+
+
+class _BoomNet(nn.Module):
+    # the error comes between the head (gradients done) and l1 (none yet)
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(_Boom.apply(torch.tanh(self.l1(x)))).square().sum()
+
+
+def _x(i: int) -> torch.Tensor:
+    return torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+
+
+@pytest.mark.parametrize(
+    "recover", ["zero_grad", "zero_grad-in-place", "model.zero_grad", "step-then-zero_grad"]
+)
+def test_a_backward_that_raised_before_any_update_recovers_as_the_plain_loop(recover):
+    """Bucketed small parameters wait for the end of backward: a backward that raises in its
+    middle updated nothing. The plain loop holds the head's gradients; zero_grad() drops them
+    (the handle drops the waiting ones), step() applies them (the handle updates them then).
+    It was refused at zero_grad() as a backward that had updated."""
+    a, b = _BoomNet(), _BoomNet()
+    kw = dict(lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(a.parameters(), **kw)
+    handle = step_in_backward(b, torch.optim.SGD, **kw)
+    for m, o in ((a, opt), (b, handle)):
+        for i in range(4):
+            _Boom.armed = i == 1
+            try:
+                m(_x(i)).backward()
+            except RuntimeError as e:
+                assert "simulated" in str(e)
+                if recover == "step-then-zero_grad":
+                    o.step()
+                    o.zero_grad()
+                elif recover == "model.zero_grad":
+                    m.zero_grad()
+                else:
+                    o.zero_grad(set_to_none=recover == "zero_grad")
+                continue
+            o.step()
+            o.zero_grad()
+    _same(a, b, opt, handle)
+
+
+def test_a_backward_that_raised_after_an_update_is_refused_at_zero_grad():
+    # bucket_bytes=0: the head updated before the error; the plain loop's zero_grad() discards
+    # what the handle already applied (the late refusal NOTE [Every refusal changes nothing] lists)
+    b = _BoomNet()
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1, bucket_bytes=0)
+    _Boom.armed = True
+    with pytest.raises(RuntimeError, match="simulated"):
+        b(_x(0)).backward()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) after a backward that updated"):
+        handle.zero_grad()
+    b(_x(1)).backward()  # the loop goes on
+    handle.step()
+    handle.zero_grad()
+
+
+# --- two handles on one model: a refusal of one after the other updated (review25a 3) --------
+def test_a_second_handles_refusal_comes_after_the_first_handle_updated():
+    """Documented late refusal (NOTE [Every refusal changes nothing]): each handle checks at its
+    own first hook; the head's handle (hooks first) updates before the other refuses. The first
+    handle is then "updated": its zero_grad() raises once, after which the loop goes on."""
+    m = _BoomNet()
+    head = step_in_backward(list(m.head.parameters()), torch.optim.SGD, lr=0.1, bucket_bytes=0)
+    low = step_in_backward(list(m.l1.parameters()), torch.optim.SGD, lr=0.1)
+    m(_x(0)).backward()
+    for h in (head, low):
+        h.step()
+    head.zero_grad()  # low.zero_grad() forgotten
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match=r"not zeroed"):
+        m(_x(1)).backward()
+    changed = [not torch.equal(p, q) for p, q in zip(before, m.parameters(), strict=True)]
+    assert changed == [False, False, True, True]  # l1 untouched, the head updated
+    assert all(p.grad is None for p in m.parameters())
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) after a backward that updated"):
+        head.zero_grad()
+    head.step()  # (nothing held: a no-op)
+    head.zero_grad()
+    low.zero_grad()
+    m(_x(2)).backward()
+    for h in (head, low):
+        h.step()
+        h.zero_grad()
+
+
+# --- copies of a watched model carry no watch (review25a 4) ----------------------------------
+def _pickled(m):
+    return pickle.loads(pickle.dumps(m))
+
+
+def _saved(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle", "torch.save"])
+def test_copies_of_a_watched_model_carry_no_watch_and_free_by_refcount(how):
+    make = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": _pickled, "torch.save": _saved}
+    b = _net()
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1)
+    c = make[how](b)
+    assert "zero_grad" not in c.__dict__ and "__getstate__" not in c.__dict__
+    assert "zero_grad" in b.__dict__  # the original is still watched
+    h2 = None
+    if how != "copy":  # (a shallow copy shares the parameters: held by the handle)
+        h2 = step_in_backward(c, torch.optim.SGD, lr=0.1)
+        h2.remove()
+        assert "zero_grad" not in c.__dict__ and "__getstate__" not in c.__dict__
+    c.zero_grad()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        r = weakref.ref(c)
+        del c, h2
+        assert r() is None  # no reference cycle through the copy's __dict__
+    finally:
+        if enabled:
+            gc.enable()
+    b(_batch(0)).backward()
+    handle.step()
+    b.zero_grad()  # still seen
+    b(_batch(1)).backward()
+
+
+def test_a_copy_keeps_an_instance_zero_grad_the_model_had_before_the_watch():
+    b = _net()
+    calls = []
+    b.zero_grad = lambda set_to_none=True: calls.append(set_to_none)
+    step_in_backward(b, torch.optim.SGD, lr=0.1)
+    c = copy.deepcopy(b)
+    assert "__getstate__" not in c.__dict__
+    c.zero_grad(set_to_none=False)
+    assert calls == [False]  # (a deep copy of the lambda: the same closure cell)

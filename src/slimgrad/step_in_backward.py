@@ -125,32 +125,55 @@ what user code sees in the plain loop or None: a marker tensor left there broke 
 
 - its own ``step()`` and ``zero_grad()`` (wrappers such as accelerate's and Lightning's optimizers
   forward to them);
-- ``zero_grad()`` of the module given to ``step_in_backward`` (HF Trainer zeroes with
-  ``model.zero_grad()``): an instance attribute on that one module (not a patch of the class)
-  that tells the handle, then runs the ``zero_grad`` the module had; one Python call per
-  ``model.zero_grad()``; ``remove()`` takes it off (an instance-level ``zero_grad`` the module had
-  is put back); ``torch.save``/``copy.deepcopy`` of the module give the copy the class's
-  ``zero_grad`` bound to it, watching nothing (NOTE [A handle's marks pickle as none]).
+- ``zero_grad()`` of the module given to ``step_in_backward``, or named by ``module=`` when the
+  handle is built from parameters or param groups (HF Trainer builds weight-decay groups and
+  zeroes with ``model.zero_grad()``: ``step_in_backward(groups, AdamW, module=model)``; the
+  module must hold every handle parameter): an instance attribute on that one module (not a
+  patch of the class) that tells the handle, then runs the ``zero_grad`` the module had; one
+  Python call per ``model.zero_grad()``; ``remove()`` takes it off (an instance-level
+  ``zero_grad`` the module had is put back); ``torch.save``/``pickle``/``copy.deepcopy`` of the
+  module give a copy without it (NOTE [A watched module's copies carry no watch]).
 
-From these, three states: nothing held (zeroed since the last update, or never updated), updated
-(a backward updated; the plain loop holds its gradients, not yet stepped), stepped (``step()``
-came; the plain loop still holds them). Each backward that starts a step (every backward; with
-``accumulate=N`` the first of a cycle) checks at its first hook, before any change: after
-"updated" it is a second backward in one step (the plain loop sums and steps once); after
-"stepped" the gradients were not zeroed (the plain loop adds this backward's to the last step's).
-``step()`` after "stepped" is refused too (the plain loop applies the same gradients again; they
-were freed). ``zero_grad()`` after "updated" (between backward and ``step()``: the plain loop
-discards the gradients and its ``step()`` does nothing) is refused after the fact: the update
+From these, three states: nothing held (zeroed since the last update, or never updated), updated (an
+update ran in a backward; the plain loop holds its gradients, not yet stepped: NOTE [A backward that
+raised]), stepped (``step()`` came; the plain loop still holds them). Each backward that starts a
+step (every backward; with ``accumulate=N`` the first of a cycle) checks at its first hook, before
+any change: after "updated" it is a second backward in one step (the plain loop sums and steps
+once); after "stepped" the gradients were not zeroed (the plain loop adds this backward's to the
+last step's). ``step()`` after "stepped" is refused too (the plain loop applies the same gradients
+again; they were freed). ``zero_grad()`` after "updated" (between backward and ``step()``: the plain
+loop discards the gradients and its ``step()`` does nothing) is refused after the fact: the update
 already happened in backward. A ``step()`` with nothing held changes nothing, in both loops.
 
-What cannot be told apart: once ``.grad`` is None, a loop that zeroes with ``p.grad = None``, with
-a submodule's or another optimizer's ``zero_grad()``, or with the model's ``zero_grad()`` when the
-handle was given a parameter list, changes nothing the handle can observe, exactly as a loop that
-never zeroes. Both are refused (the message names ``handle.zero_grad()``); ``check_loop=False``
-is the explicit answer for such a loop, and for a loop without ``step()`` calls: every backward
-(every ``accumulate`` backward calls) is then one whole step, ``zero_grad(); backward(); step()``,
-and nothing is checked (such a loop that does not zero, or accumulates, differs silently: the
-option says the loop does neither).
+What cannot be told apart: once ``.grad`` is None, a loop that zeroes with ``p.grad = None``, with a
+submodule's or another optimizer's ``zero_grad()``, or with the model's ``zero_grad()`` when the
+handle was given a parameter list without ``module=``, changes nothing the handle can observe,
+exactly as a loop that never zeroes. Both are refused (the message names ``handle.zero_grad()``, and
+first ``module=model`` for a handle built from parameters); ``check_loop=False`` is the explicit
+answer for such a loop, and for a loop without ``step()`` calls: every backward (every
+``accumulate`` backward calls) is then one whole step, ``zero_grad(); backward(); step()``, and
+nothing is checked (such a loop that does not zero, or accumulates, differs silently: the option
+says the loop does neither).
+
+# NOTE [A backward that raised]
+A backward can raise in its middle (an out-of-memory in one node; fairseq then calls
+``zero_grad()`` and moves to the next batch). The plain loop then holds the gradients of the
+parameters whose ``AccumulateGrad`` ran and nothing else. The handle updated those its hooks
+updated (a parameter of at least ``bucket_bytes``, each as its hook ran) and holds the others in
+the waiting bucket with their ``.grad`` (NOTE [Small parameters update together]); no end
+callback runs. So "updated" is set by an update that ran, not by a backward's first hook:
+
+- nothing updated (every gradient waiting): ``zero_grad()`` (the handle's or the watched
+  module's) drops the waiting gradients, as the plain one drops them (``set_to_none=False``:
+  they become the zero tensors the plain loop keeps, NOTE [Gradients zeroed in place]);
+  ``step()`` updates them, as the plain ``step()`` applies what ``.grad`` holds. Both loops then
+  agree bit for bit.
+- something updated: ``step()`` updates the waiting ones and is the plain loop's; ``zero_grad()``
+  is refused after the fact (the plain loop discards gradients the handle already applied), as
+  between any backward and ``step()``.
+
+With ``accumulate=N`` the cycle count is left at the raised backward and ``step()``/
+``zero_grad()`` are refused as in an unfinished cycle.
 
 # NOTE [Gradients zeroed in place]
 ``zero_grad(set_to_none=False)`` (the handle's or the watched module's) leaves, in the plain loop,
@@ -235,7 +258,13 @@ the last update]); a use of the fused loss's head weight beside the loss arrives
 were updated (NOTE [Chunked updates]); a reentrant checkpoint backward inside an
 ``accumulate=N`` backward is seen when it starts, after the gradients (and, in the last
 micro-batch, the updates) of the parameters above it; a GradScaler made after the first backward
-while another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]).
+while another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]);
+two handles on one model (split optimizers): each checks at its own first hook, so when one
+refuses (its loop was not zeroed) the other may already have updated its parameters in that
+backward (a hook of each handle's parameters runs in graph order; no handle knows at its first
+hook which others this backward reaches). That other handle is then "updated": its next
+``zero_grad()`` raises once (after the fact, as above) and the loop goes on; its ``step()``
+first avoids that. Give both handles the same zeroing (``module=model`` on each).
 """
 
 from __future__ import annotations
@@ -243,6 +272,7 @@ from __future__ import annotations
 import gc
 import inspect
 import sys
+import types
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -307,18 +337,30 @@ def _plain_zero_grad(zero_grad: Any) -> Any:
     return zero_grad
 
 
+def _not_watched(value: Any) -> Any:
+    # the instance-level zero_grad / __getstate__ a module had under the watches on it (None: none)
+    while isinstance(value, (_ZeroGradWatch, _StateWithoutWatch)):
+        value = value.inner
+    return value
+
+
 class _ZeroGradWatch:
     # NOTE [What the loop did since the last update]: ``module.zero_grad``, set on the module
     # given to step_in_backward (its instance, not its class): tells the handle, then runs the
-    # zero_grad the module had. remove() takes it off again.
-    __slots__ = ("ref", "module", "inner", "had")
+    # zero_grad the module had. remove() takes it off again. It holds the module weakly (no
+    # reference cycle through the module's __dict__) and leaves copies of the module unwatched
+    # (NOTE [A watched module's copies carry no watch]).
+    __slots__ = ("ref", "module", "inner")
 
     def __init__(self, handle: StepInBackward, module: torch.nn.Module) -> None:
         self.ref = weakref.ref(handle)
         self.module = weakref.ref(module)
-        self.had = "zero_grad" in module.__dict__  # another instance-level zero_grad, kept
-        self.inner = module.zero_grad
-        module.__dict__["zero_grad"] = self
+        d = module.__dict__
+        # another instance-level zero_grad, kept (None: the class's runs)
+        self.inner = d.get("zero_grad")
+        d["zero_grad"] = self
+        if not isinstance(d.get("__getstate__"), _StateWithoutWatch):  # one for every watch
+            d["__getstate__"] = _StateWithoutWatch(module)
 
     def __call__(self, set_to_none: bool = True) -> None:
         handle = self.ref()
@@ -328,7 +370,10 @@ class _ZeroGradWatch:
                 # (a module that does not hold every handle parameter zeroes only some: not
                 # followed, the next backward is refused as without zero_grad())
                 handle._zeroed("model.zero_grad()", set_to_none)
-        return self.inner(set_to_none)
+        if self.inner is not None:
+            return self.inner(set_to_none)
+        module = self.module()
+        return None if module is None else type(module).zero_grad(module, set_to_none)
 
     def count_outside(self, handle: StepInBackward) -> None:
         module = self.module()
@@ -338,16 +383,65 @@ class _ZeroGradWatch:
     def detach(self) -> None:
         module = self.module()
         if module is not None and module.__dict__.get("zero_grad") is self:
-            if self.had:
-                module.__dict__["zero_grad"] = self.inner
+            d = module.__dict__
+            inner = self.inner
+            while isinstance(inner, _ZeroGradWatch) and inner.ref is _no_handle:
+                inner = inner.inner  # watches of removed handles under this one go too
+            if inner is not None:
+                d["zero_grad"] = inner
             else:
-                del module.__dict__["zero_grad"]
+                del d["zero_grad"]
+            getstate = d.get("__getstate__")
+            if not isinstance(inner, _ZeroGradWatch) and isinstance(getstate, _StateWithoutWatch):
+                if getstate.inner is not None:
+                    d["__getstate__"] = getstate.inner
+                else:
+                    del d["__getstate__"]
         self.ref = _no_handle  # a copy wrapped over this one (left in place) passes through
 
     def __reduce__(self):
-        # NOTE [A handle's marks pickle as none]: a saved or copied module gets the zero_grad
-        # it had (a bound method of the class's, as an instance attribute), watching nothing
-        return (_plain_zero_grad, (self.inner,))
+        # not reached through the module's __getstate__ (it leaves the watch out); a module class
+        # that copies its __dict__ itself (fx.GraphModule) gets the zero_grad the module had,
+        # the class's bound to the copy (a reference cycle in that copy only)
+        inner = self.inner
+        if inner is None:
+            module = self.module()
+            inner = None if module is None else types.MethodType(type(module).zero_grad, module)
+        return (_plain_zero_grad, (inner,))
+
+
+# NOTE [A watched module's copies carry no watch]
+# The watch is an instance attribute, so ``copy.deepcopy``, ``pickle`` and ``torch.save`` of the
+# module would carry it into the copy's ``__dict__``; made from the watch's reduction, the copy's
+# ``zero_grad`` was a method bound to the copy, held in the copy's own ``__dict__``: a reference
+# cycle (the copy freed only by the garbage collector), and a handle made on the copy and
+# removed left it there. The module's state is what ``__getstate__`` returns (copy and pickle
+# both ask the instance), so the watch sets one more instance attribute, ``__getstate__``: the
+# module's state without the watch (the ``zero_grad`` the module had under it, if any) and
+# without itself. A copy has the module's class's ``zero_grad`` and no instance attribute, as a
+# copy of an unwatched module; freed by reference counting. ``remove()`` takes both off.
+class _StateWithoutWatch:
+    __slots__ = ("module", "inner")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = weakref.ref(module)
+        self.inner = module.__dict__.get("__getstate__")  # an earlier instance-level one
+
+    def __call__(self) -> dict[str, Any]:
+        module = self.module()
+        inner = _not_watched(self.inner)
+        state = dict(inner() if inner is not None else type(module).__getstate__(module))
+        for key in ("zero_grad", "__getstate__"):
+            if key in state:
+                value = _not_watched(state[key])
+                if value is None:
+                    del state[key]
+                else:
+                    state[key] = value
+        return state
+
+    def __reduce__(self):
+        return (_no_handle, ())
 
 
 # NOTE [A handle's marks pickle as none]
@@ -681,7 +775,7 @@ class StepInBackward(torch.optim.Optimizer):
                 "a GradScaler step",
                 "Use bf16/fp32 without loss scaling, or a plain optimizer with GradScaler",
             )
-        self._boundary("step()")
+        self._boundary("step()", flush=True)
         if self._check_loop:
             self._stepped()
 
@@ -825,8 +919,6 @@ class StepInBackward(torch.optim.Optimizer):
         self._fired.clear()
         if self._accumulate > 1:
             self._micro += 1
-        if updates and self._check_loop:
-            self._loop = _UPDATED
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _check_loop_state(self) -> None:
@@ -854,9 +946,23 @@ class StepInBackward(torch.optim.Optimizer):
                 "handle.zero_grad(), or zero_grad() of the module given to step_in_backward, "
                 "between step() and the next backward",
                 "a backward after step() with no zero_grad() seen",
-                "Call handle.zero_grad() after step() (a loop that zeroes in a way the handle "
-                "cannot see, e.g. p.grad = None: call it too, or pass check_loop=False)",
+                self._not_zeroed_fix(),
             )
+
+    def _not_zeroed_fix(self) -> str:
+        if self._watch is None and self._check_loop:
+            # a handle built from parameters or groups sees no module's zero_grad()
+            return (
+                "The handle was built from parameters, so it sees no model.zero_grad(): pass "
+                "module=model to step_in_backward (the module whose zero_grad() the loop calls, "
+                "as HF Trainer does), or call handle.zero_grad() after step() (a loop that "
+                "zeroes in a way the handle cannot see, e.g. p.grad = None: call it too, or pass "
+                "check_loop=False)"
+            )
+        return (
+            "Call handle.zero_grad() after step() (a loop that zeroes in a way the handle "
+            "cannot see, e.g. p.grad = None: call it too, or pass check_loop=False)"
+        )
 
     def _end_backward(self) -> None:
         if self._task is None:
@@ -1059,6 +1165,8 @@ class StepInBackward(torch.optim.Optimizer):
         width, total = p.shape[1], p.shape[0]
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
+            if self._check_loop:
+                self._loop = _UPDATED
             if plus_zero:
                 g.add_(0.0)
             if self._clip_value is not None:
@@ -1084,6 +1192,10 @@ class StepInBackward(torch.optim.Optimizer):
         self._pending, self._pending_bytes = [], 0
 
     def _update(self, params: list[torch.Tensor]) -> None:
+        if self._check_loop:
+            # NOTE [What the loop did since the last update]: "updated" once an update ran (a
+            # backward that raised before its bucket flushed updated nothing)
+            self._loop = _UPDATED
         if self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value)
         if self._clip_norm is not None:
@@ -1142,7 +1254,7 @@ class StepInBackward(torch.optim.Optimizer):
         else:
             raw(opt)
 
-    def _boundary(self, call: str) -> None:
+    def _boundary(self, call: str, flush: bool = False) -> None:
         if torch._C._current_graph_task_id() != -1:
             raise _err(
                 RuntimeError,
@@ -1153,6 +1265,9 @@ class StepInBackward(torch.optim.Optimizer):
             )
         self._task = None  # outside backward: a backward that raised left no callback to run
         self._rows_taken.clear()
+        if flush and self._micro == 0:
+            # NOTE [A backward that raised]: the plain step() applies the gradients it left
+            self._flush()
         self._drop_pending()
         if self._accumulate > 1:
             if self._micro != 0:
@@ -1181,11 +1296,13 @@ class StepInBackward(torch.optim.Optimizer):
         # is a zero tensor and got nothing since (momentum, weight decay, Adam's moments)
         idle = [p for p in self._held_zero if p not in self._since_zero and p in self._hooks]
         if idle:
+            loop = self._loop
             for p in idle:
                 p.grad = _zero_like(p, self._held_zero[p])
             try:
                 self._update(idle)
             finally:
+                self._loop = loop
                 for p in idle:
                     p.grad = None
         if self._loop == _UPDATED:
@@ -1248,6 +1365,7 @@ def step_in_backward(
     clip_grad_value: float | None = None,
     bucket_bytes: int = 1 << 20,
     check_loop: bool = True,
+    module: torch.nn.Module | None = None,
     **optimizer_kwargs: Any,
 ) -> StepInBackward:
     """Run the optimizer's update of each parameter inside backward, then free its gradient.
@@ -1299,6 +1417,11 @@ def step_in_backward(
             False: every backward (every ``accumulate`` backward calls) is one whole step,
             ``zero_grad(); backward(); step()``, unchecked: for a loop that zeroes where the
             handle cannot see it (``p.grad = None``) or calls no ``step()``.
+        module: for a handle built from parameters or param groups: the module whose
+            ``zero_grad()`` the loop calls (HF Trainer's ``model.zero_grad()``); it must hold
+            every parameter given. Its ``zero_grad()`` then counts as ``handle.zero_grad()``
+            (without it such a loop is refused as one that never zeroes). A module handle watches
+            its own module.
         **optimizer_kwargs: the optimizer's keyword arguments (``lr=``, ``weight_decay=``, ...).
 
     Returns:
@@ -1306,9 +1429,10 @@ def step_in_backward(
         ``load_state_dict`` work on it). ``handle.remove()`` detaches the hooks.
 
     Raises:
-        TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate`` or
-            ``check_loop``.
-        ValueError: ``accumulate`` < 1; a negative clip.
+        TypeError: ``optimizer_class`` is not an Optimizer class; a bad ``accumulate``,
+            ``check_loop`` or ``module``.
+        ValueError: ``accumulate`` < 1; a negative clip; ``module=`` that does not hold every
+            parameter, or beside another module.
         NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
             backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
@@ -1379,6 +1503,22 @@ def step_in_backward(
             "True (follow step()/zero_grad()) or False (every backward is a whole step)",
             repr(check_loop),
             "Pass check_loop=True or check_loop=False",
+        )
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise _err(
+            TypeError,
+            "module must be a torch.nn.Module",
+            "the model whose zero_grad() the loop calls, or None",
+            type(module).__name__,
+            "Pass module=model",
+        )
+    if isinstance(model_or_params, torch.nn.Module) and module not in (None, model_or_params):
+        raise _err(
+            ValueError,
+            "module= names another module than the one the handle is built from",
+            "module= only with parameters or param groups (a module handle watches itself)",
+            f"a {type(module).__name__} beside a {type(model_or_params).__name__}",
+            "Drop module=, or build the handle from that module's parameters",
         )
     if accumulate < 1:
         raise _err(
@@ -1455,6 +1595,22 @@ def step_in_backward(
             f"world size {_world_size()}",
             "Use a plain optimizer with DDP/FSDP",
         )
+    if isinstance(model_or_params, torch.nn.Module):
+        module = model_or_params
+    elif module is not None:
+        # the module whose zero_grad() the loop calls, for a handle built from parameters or
+        # groups (NOTE [What the loop did since the last update]); it must hold them all
+        held = {id(q) for q in module.parameters()}
+        outside = [p for p in flat if isinstance(p, torch.Tensor) and id(p) not in held]
+        if outside:
+            raise _err(
+                ValueError,
+                "module= must hold every parameter given to the handle (its zero_grad() zeroes "
+                "them all)",
+                "the model the parameters or groups come from",
+                f"{len(outside)} of {len(flat)} parameters outside it",
+                "Pass module=model, the module whose zero_grad() the loop calls",
+            )
     return StepInBackward(
         params,
         optimizer_class,
@@ -1464,5 +1620,5 @@ def step_in_backward(
         clip_grad_value=clip_grad_value,
         bucket_bytes=bucket_bytes,
         check_loop=check_loop,
-        module=model_or_params if isinstance(model_or_params, torch.nn.Module) else None,
+        module=module,
     )
