@@ -214,3 +214,40 @@ def test_another_optimizer_over_a_shared_storage_leaves_the_entry_stale():
     assert w._version == version and bool((w == 0).all())  # written, its version unmoved
     got = norms.fallback_or_none(w, None, torch.float32)
     assert got is not None and torch.equal(got, torch.arange(d))
+
+
+def _w_in_second_half(flat: torch.nn.Parameter, d: int, how: str) -> torch.nn.Parameter:
+    # w's memory is flat's second half through another storage object (its own start address)
+    if how == "dlpack":
+        return torch.nn.Parameter(torch.from_dlpack(flat.detach()[d:]))
+    if how == "untyped_storage":
+        s = flat.untyped_storage()[d * 4 : 2 * d * 4]
+        return torch.nn.Parameter(torch.empty(0).set_(s, 0, (d,), (1,)))
+    w = torch.nn.Parameter(torch.empty(0))
+    w.data = flat.data[d:]  # one storage object, offset d
+    return w
+
+
+@pytest.mark.parametrize("how", ["dlpack", "untyped_storage", "view"])
+def test_another_optimizer_over_shared_memory_at_an_offset_leaves_the_entry_stale(how):
+    # NOTE [Another optimizer's step]: memory shared through a second storage object starts at
+    # another address; the renewal compares memory ranges, so the entry is not carried (review25c:
+    # comparing start addresses carried it and the next backward gave NaN gradients)
+    d = 8
+    flat = torch.nn.Parameter(torch.ones(2 * d))
+    w = _w_in_second_half(flat, d, how)
+    assert w.data_ptr() == flat.data_ptr() + d * 4
+    mine = torch.nn.Parameter(torch.ones(d))
+    opt_mine = torch.optim.SGD([mine, w], lr=1.0)
+    opt_flat = torch.optim.SGD([flat], lr=1.0)
+    for p in (mine, w):
+        p.grad = torch.zeros_like(p)
+    assert norms.fallback_or_none(w, None, torch.float32) is None
+    opt_mine.step()
+    assert norms.fallback_or_none(w, None, torch.float32) is None
+    flat.grad = torch.cat([torch.zeros(d), torch.ones(d)])
+    version = w._version
+    opt_flat.step()
+    assert w._version == version and bool((w == 0).all())  # written, its version unmoved
+    got = norms.fallback_or_none(w, None, torch.float32)
+    assert got is not None and torch.equal(got, torch.arange(d))

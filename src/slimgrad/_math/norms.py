@@ -12,6 +12,7 @@ the same helpers. NOTE [Kernels are leaves] in ``slimgrad._math``.
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 
@@ -279,9 +280,15 @@ def _fallback_mask(weight, bias, out_dtype):
 # alternately in one process: 5 per converted tiny-Llama step). A step
 # writes only the memory of the parameters its optimizer holds, so the renewal moves every entry it
 # does not renew that was current before the step (its count one less) to the new count, keeping
-# its versions, unless its weight or bias shares a storage with a parameter this optimizer holds
-# (``w.data = flat.data[:d]``: a step on ``flat`` writes ``w`` without moving ``w``'s version;
-# review24c, where the first form of this carried such an entry over). The storages are read
+# its versions, unless its weight's or bias's storage shares memory with the storage of a parameter
+# this optimizer holds (``w.data = flat.data[:d]``: a step on ``flat`` writes ``w`` without moving
+# ``w``'s version; review24c, where the first form of this carried such an entry over). Memory
+# ranges are compared, not storage objects or start addresses: ``torch.from_dlpack`` of a slice,
+# an ``UntypedStorage`` slice or two numpy views share memory through two storages with two
+# starts (review25c). Not seen: one file mapped twice (two addresses, one memory). A write that
+# skips the version counter (``p.data.zero_()``) must call ``increment_version`` (NOTE [Steps that
+# skip the version counter]); before this carry, any optimizer's step also repaired such a write,
+# now only a step of the optimizer holding that weight does. The storages are read
 # from the optimizer's groups at that step (no memo that could miss a swapped parameter), and only
 # when some entry is not this optimizer's: one optimizer over the whole model pays nothing. A
 # visible write since the step still misses; an entry already stale stays stale.
@@ -328,14 +335,41 @@ def _stepped_ids(optimizer) -> set:
     return ids
 
 
-def _stepped_storages(optimizer) -> set:
-    # the data pointers of the storages of every parameter the optimizer holds, made at this step
-    # (no memo: a parameter swapped into a group, or ``p.data = ...``, is seen)
-    return {p.untyped_storage().data_ptr() for g in optimizer.param_groups for p in g["params"]}
+def _stepped_storages(optimizer) -> tuple[list, list]:
+    # the memory ranges [start, end) of the storages of every parameter the optimizer holds, made
+    # at this step (no memo: a parameter swapped into a group, or ``p.data = ...``, is seen),
+    # merged and sorted: (starts, ends)
+    stores = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            st = p.untyped_storage()
+            stores[id(st)] = st
+    spans = sorted((st.data_ptr(), st.data_ptr() + st.nbytes()) for st in stores.values())
+    starts: list = []
+    ends: list = []
+    for a, b in spans:
+        if starts and a < ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    return starts, ends
 
 
 def _untouched(t, written) -> bool:
-    return t is None or t.untyped_storage().data_ptr() not in written
+    # whether ``t``'s storage shares no byte with a written range: memory shared through two
+    # storage objects (``torch.from_dlpack`` of a slice, an ``UntypedStorage`` slice, two numpy
+    # views) has two start addresses, so ranges are compared, not starts (review25c)
+    if t is None:
+        return True
+    s = t.untyped_storage()
+    a = s.data_ptr()
+    b = a + max(s.nbytes(), 1)
+    starts, ends = written
+    i = bisect.bisect_right(starts, a) - 1  # the last range starting at or before a
+    if i >= 0 and ends[i] > a:
+        return False
+    return not (i + 1 < len(starts) and starts[i + 1] < b)
 
 
 def _renew(optimizer=None, args=None, kwargs=None) -> None:
