@@ -31,7 +31,8 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
 
 The original model is never run: its side steps a deep copy of it, so verify leaves it exactly as
 it was (parameters, ``.grad``, buffers, modes, attributes and caches); the converted model's modes,
-buffers and attributes are put back afterwards (NOTE [verify leaves the models as it found them]).
+buffers, attributes and the hooks its first forward registers are put back afterwards (NOTE
+[verify leaves the models as it found them]).
 
 Activation checkpointing works on every side: ``torch.utils.checkpoint`` non-reentrant (HF's
 default) and selective policies run under ``autograd.grad``; a graph with a reentrant region takes
@@ -877,13 +878,25 @@ _CONVERTED_MODULES = ("slimgrad.nn.", "slimgrad.convert_handlers.", "slimgrad.op
 # its dtype, next to the float64 one. The converted model is the one under test, so verify runs
 # it itself and then puts back what a step can change on it: every module's mode, its buffers
 # (objects and values), the attributes its modules gained or rebound and the entries of their dict
-# attributes (the form such caches take). Parameters are never written and ``.grad`` is restored
-# (NOTE [Gradients under reentrant checkpointing]). An original that already holds such a
-# non-leaf cache cannot be copied: verify says where it is and how to clear it.
+# attributes (the form such caches take), and the entries of nn.Module's own containers: hooks
+# (forward, pre, backward, state-dict ones), parameters, submodules and non-persistent buffer
+# names. All of them, or what a first forward did is half undone: HF installs its
+# output-capturing forward hooks on the first forward and marks the model with
+# ``_output_capturing_hooks_installed``; verify deleted the mark and kept the hooks, so the next
+# forward installed them twice (Segformer then crashed, DPT's depth moved by ~1%, adv25 F1).
+# Restoring, not keeping, is the choice: the converted model leaves verify as the caller handed
+# it, and its next forward does what its first would have. Parameter values are never written
+# and ``.grad`` is restored (NOTE [Gradients under reentrant checkpointing]). An original that
+# already holds such a non-leaf cache cannot be copied: verify says where it is and how to clear it.
 
 # nn.Module's own bookkeeping (parameters, buffers, submodules, hooks, training): never an
 # attribute verify puts back by itself
 _MODULE_STATE = frozenset(vars(nn.Module()))
+# ...of which the containers a forward can add entries to (hooks, parameters, submodules, the names
+# of non-persistent buffers); ``_buffers`` is restored with its values
+_MODULE_CONTAINERS = tuple(
+    k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)) and k != "_buffers"
+)
 
 
 def _non_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
@@ -951,12 +964,16 @@ def _snapshot(net: nn.Module) -> list:
         dicts = {k: dict(v) for k, v in attrs.items() if type(v) is dict}
         buffers = dict(m._buffers)
         values = {n: b.detach().clone() for n, b in buffers.items() if b is not None}
-        saved.append((m, m.training, attrs, dicts, buffers, values))
+        # the hooks, parameters, submodules and non-persistent buffer names a first forward can
+        # register (HF's output-capturing hooks, a lazily registered buffer): their entries
+        own = {k: copy.copy(vars(m)[k]) for k in _MODULE_CONTAINERS if k in vars(m)}
+        own["_is_full_backward_hook"] = vars(m).get("_is_full_backward_hook")
+        saved.append((m, m.training, attrs, dicts, buffers, values, own))
     return saved
 
 
 def _restore(saved: list) -> None:
-    for m, training, attrs, dicts, buffers, values in saved:
+    for m, training, attrs, dicts, buffers, values, own in saved:
         m.training = training
         now = vars(m)
         for k in [k for k in now if k not in _MODULE_STATE and k not in attrs]:
@@ -965,6 +982,12 @@ def _restore(saved: list) -> None:
         for k, entries in dicts.items():
             attrs[k].clear()
             attrs[k].update(entries)
+        for k, entries in own.items():
+            if k not in _MODULE_CONTAINERS:
+                now[k] = entries
+            elif k in now:  # in place: a hook's RemovableHandle holds a reference to its dict
+                now[k].clear()
+                now[k].update(entries)
         m._buffers.clear()
         m._buffers.update(buffers)
         with torch.no_grad():
@@ -1204,8 +1227,10 @@ def verify(
             dtype and one in float64).
         converted: the converted model (e.g. ``slimgrad.convert_(copy.deepcopy(model))``); its
             parameter names must match ``model``'s. It is stepped itself; its modes, buffers,
-            ``.grad`` and the attributes its modules gain or rebind during the steps (eval
-            caches) are put back afterwards.
+            ``.grad``, the attributes its modules gain or rebind during the steps (eval caches)
+            and the hooks, parameters, submodules and buffers they register (HF's lazily
+            installed output-capturing hooks) are put back afterwards: its next forward is the
+            one it would have run without verify.
         inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
         loss_fn: maps the model's output to a scalar loss; default: ``out.loss`` (HF), a scalar
             output, or the mean square of a tensor output.
