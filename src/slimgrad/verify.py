@@ -17,6 +17,10 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
 - unpadded batches only: for text models (dict inputs with 2-D ``input_ids``) the step also runs on
   a left-padded and a right-padded copy of the batch (``attention_mask`` 0, pad ids and label -100
   on the padded positions) unless ``padded=False``;
+- a reference that is another function: uninitialized lazy modules are refused (NOTE [Lazy
+  modules and a float64 reference]) and random numbers drawn in the forward (``randn_like``,
+  ``rand``, ``normal_``, ``bernoulli``) are drawn in the float64 copy as in the original's dtype
+  and widened, the same numbers eager draws (NOTE [The same random numbers in float64]);
 - an "original" that is itself converted (slimgrad modules, a bound slimgrad forward, a config set
   to the slimgrad attention, e.g. through a config object shared with a converted model);
 - one mode only: every batch runs in train mode and in eval mode (``modes=``), whatever mode the
@@ -53,6 +57,7 @@ families by comparing with eager directly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
@@ -63,6 +68,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import CheckpointFunction
 
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
@@ -498,7 +504,93 @@ def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tens
 # floating input; a verify with a single run takes them there.
 
 
-def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True) -> _Side:
+# NOTE [The same random numbers in float64]
+# From one seed, torch's CPU and CUDA samplers draw other numbers in float64 than in float32
+# (``torch.randn`` with 16 or more elements, ``rand``, ``normal_``, ``uniform_``, ``bernoulli``
+# with a tensor of probabilities, ...; dropout's masks happen to agree). A model that draws noise
+# in its forward (a VAE's ``mu + randn_like(mu) * std``, noise injection) then met another sample
+# in the float64 reference, whose bound was wide enough to pass a wrong conversion (adv25 F2b: a
+# LayerNorm weight x1.02 passed). The reference step runs under ``_SameDraws``, a
+# TorchFunctionMode that draws every such sample in the original's dtype (the numbers, and the
+# RNG consumption, eager's forward has) and widens it to float64; what the forward does with the
+# sample stays float64. ``torch.normal`` with tensor mean/std draws its standard normal that way
+# and scales it in float64, as ATen does (``normal_(0, 1)``, then ``* std + mean``).
+
+_T = torch.Tensor
+_FACTORIES = frozenset({torch.rand, torch.randn})
+_LIKE = frozenset({torch.rand_like, torch.randn_like})
+_IN_PLACE = frozenset(
+    {
+        _T.normal_,
+        _T.uniform_,
+        _T.bernoulli_,
+        _T.exponential_,
+        _T.log_normal_,
+        _T.cauchy_,
+        _T.geometric_,
+    }
+)
+_ON_VALUES = frozenset({torch.bernoulli, _T.bernoulli})
+
+
+class _SameDraws(torch.overrides.TorchFunctionMode):
+    def __init__(self, narrow: torch.dtype):
+        super().__init__()
+        self.narrow = narrow
+
+    def _n(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            return t.detach().to(self.narrow)
+        return t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        wide = torch.float64
+        if func in _FACTORIES and kwargs.get("dtype") == wide and "out" not in kwargs:
+            rg = kwargs.pop("requires_grad", False)
+            kwargs["dtype"] = self.narrow
+            return func(*args, **kwargs).to(wide).requires_grad_(rg)
+        if func in _LIKE and args and (kwargs.get("dtype") or args[0].dtype) == wide:
+            rg = kwargs.pop("requires_grad", False)
+            kwargs["dtype"] = self.narrow
+            return func(args[0], *args[1:], **kwargs).to(wide).requires_grad_(rg)
+        if func in _IN_PLACE and args and args[0].dtype == wide:
+            tmp = torch.empty_like(args[0], dtype=self.narrow)
+            func(tmp, *[self._n(a) for a in args[1:]], **kwargs)
+            return args[0].copy_(tmp)
+        if func in _ON_VALUES and args and args[0].dtype == wide and "out" not in kwargs:
+            return func(self._n(args[0]), *args[1:], **kwargs).to(wide)
+        if func is torch.normal and "out" not in kwargs:
+            return self._normal(args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+    def _normal(self, args, kwargs):
+        call = dict(zip(("mean", "std"), args))
+        call.update(kwargs)
+        mean, std = call.get("mean", 0.0), call.get("std", 1.0)
+        tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
+        if not tensors or all(t.dtype != torch.float64 for t in tensors):
+            return torch.normal(*args, **kwargs)
+        shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+        gen = call.get("generator")
+        z = torch.empty(shape, dtype=self.narrow, device=tensors[0].device)
+        if isinstance(std, torch.Tensor):  # ATen: normal_(0, 1), then * std + mean
+            z = z.normal_(0.0, 1.0, generator=gen).to(torch.float64) * std
+        else:  # ATen: normal_(0, std), then + mean
+            z = z.normal_(0.0, std, generator=gen).to(torch.float64)
+        return z + mean
+
+
+def _draw_dtype(model: nn.Module) -> torch.dtype:
+    # the dtype the original draws its random numbers in: its parameters' (most of them)
+    counts: dict[torch.dtype, int] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.get_default_dtype()
+
+
+def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True, draws=None) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mine = _copy(inputs)
     x_leaves: dict[str, torch.Tensor] = {}
@@ -507,18 +599,21 @@ def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True) -> _Side:
     # require grad
     run_on = _leaf_inputs(run_on, x_leaves, every=input_grads)
     torch.manual_seed(seed)
-    out = _call(model, run_on)
-    loss = loss_fn(out)
-    wrt = [p for _, p in params] + list(x_leaves.values())
-    reentrant, leaves = _reentrant_regions(loss)
-    if not wrt or not loss.requires_grad:
-        # nothing to differentiate (every parameter frozen, the inputs as given): outputs and
-        # loss are still compared
-        grads = [None] * len(wrt)
-    elif reentrant:  # NOTE [Gradients under reentrant checkpointing]
-        grads = _grads_by_backward(loss, wrt, leaves)
-    else:
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    # NOTE [The same random numbers in float64]
+    same = _SameDraws(draws) if draws not in (None, torch.float64) else contextlib.nullcontext()
+    with same:
+        out = _call(model, run_on)
+        loss = loss_fn(out)
+        wrt = [p for _, p in params] + list(x_leaves.values())
+        reentrant, leaves = _reentrant_regions(loss)
+        if not wrt or not loss.requires_grad:
+            # nothing to differentiate (every parameter frozen, the inputs as given): outputs and
+            # loss are still compared
+            grads = [None] * len(wrt)
+        elif reentrant:  # NOTE [Gradients under reentrant checkpointing]
+            grads = _grads_by_backward(loss, wrt, leaves)
+        else:
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
     return _Side(
         loss.detach(),
@@ -1054,6 +1149,20 @@ def _widened(ref: nn.Module) -> nn.Module:
     return ref
 
 
+# NOTE [Lazy modules and a float64 reference]
+# An uninitialized lazy module (nn.LazyLinear, LazyConv*, LazyBatchNorm*) draws its parameters on
+# its first forward, and a float64 copy draws other numbers than a float32 model from the same
+# seed: the reference is then another function and its bound is wide enough to pass a wrong
+# conversion (adv25 F2a: a LayerNorm weight x1.3 passed). verify runs neither model to initialise
+# it (the original is never run), so it refuses such a model, naming the tensors and the fix: one
+# forward of the original before converting a copy of it.
+
+
+def _lazy_tensors(net: nn.Module) -> list[str]:
+    found = [n for n, p in net.named_parameters(remove_duplicate=False) if is_lazy(p)]
+    return found + [n for n, b in net.named_buffers(remove_duplicate=False) if is_lazy(b)]
+
+
 def _converted_parts(model: nn.Module) -> str | None:
     # the "original" must not itself run slimgrad code: then both sides would agree on anything
     for name, m in model.named_modules():
@@ -1106,7 +1215,7 @@ def _run(
             ],
         )  # fmt: skip
     try:
-        r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64, input_grads=dx)
+        r = _step(ref, inputs, loss_fn, seed, torch.float64, dx, _draw_dtype(model))
     except Exception as err:  # NOTE [A float64 reference that cannot run]
         return VerifyRun(
             name, float(e.loss), float(c.loss), float("nan"), False,
@@ -1248,7 +1357,8 @@ def verify(
         when every run passes. ``str(report)`` lists the failures and the checks that ran.
 
     Raises:
-        ValueError: the two models' trainable parameter names differ.
+        ValueError: the two models' trainable parameter names differ, or a model has
+            uninitialized lazy parameters (NOTE [Lazy modules and a float64 reference]).
         RuntimeError: the original cannot be deep-copied (e.g. it holds a cache with autograd
             history: the message names the attribute), or its copy cannot be made float64 (a
             step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
@@ -1270,6 +1380,17 @@ def verify(
             f"{next((a, b) for a, b in zip(names_a + [None], names_b + [None]) if a != b)}). "
             "Convert a copy of the same model."
         )
+    for which, net in (("model", model), ("converted", converted)):
+        lazy = _lazy_tensors(net)
+        if lazy:  # NOTE [Lazy modules and a float64 reference]
+            raise ValueError(
+                f"slimgrad.verify: {which} has uninitialized lazy parameters or buffers "
+                f"({', '.join(lazy[:4])}{', ...' if len(lazy) > 4 else ''}); expected "
+                "materialised ones (each side would initialise them on its first forward, the "
+                "float64 copy from other random numbers, so the reference would be another "
+                "function and a wrong conversion could pass). Run one forward of the original "
+                "first (model(inputs)), then convert a copy of it and verify."
+            )
     modes = tuple(modes)
     if not modes or any(m not in ("train", "eval") for m in modes):
         raise ValueError(
