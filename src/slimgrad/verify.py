@@ -61,6 +61,7 @@ import contextlib
 import copy
 import inspect
 import itertools
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -923,17 +924,23 @@ def _padding_plan(model: nn.Module, inputs: Any) -> tuple[list[int] | None, str]
         return None, "not run (input_ids has fewer than 2 positions)"
     if not _accepts(model, "attention_mask"):
         return None, "not run (the model's forward takes no attention_mask)"
-    # row 0 unpadded (when there are others), the others padded by up to half the length
-    if rows == 1:
-        counts = [max(1, length // 4)]
-    else:
-        counts = [0] + [
-            min(length - 1, max(1, (length // 2) * i // (rows - 1))) for i in range(1, rows)
-        ]
-    return counts, f"left and right, {counts} pad positions per row"
+    # row 0 as given, the others padded by up to half the length; a batch of one row gets a
+    # second one, a copy of row 0 (padding row 0 itself could mask its only label: a NaN loss)
+    counts = [0] + [
+        min(length - 1, max(1, (length // 2) * i // max(1, rows - 1)))
+        for i in range(1, max(rows, 2))
+    ]
+    more = " (a second row, a copy of row 0, added to pad)" if rows == 1 else ""
+    return counts, f"left and right, {counts} pad positions per row{more}"
 
 
 def _padded(inputs: Mapping, model: nn.Module, counts: list[int], side: str) -> dict:
+    if len(counts) > inputs["input_ids"].shape[0]:  # one row: row 0 and a copy of it to pad
+        inputs = {
+            k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 1
+            else v
+            for k, v in inputs.items()
+        }  # fmt: skip
     out = dict(inputs)
     ids = inputs["input_ids"].clone()
     length = ids.shape[1]
@@ -1326,9 +1333,10 @@ def verify(
     shape included, with the step's float64 ones by the same rule. For text models (a dict with
     2-D ``input_ids``) the step also runs on a left-padded and a right-padded copy of the batch:
     row 0 as given, the other rows with up to half their positions set to the pad id with
-    ``attention_mask`` 0 (and label -100 where ``labels`` has ``input_ids``' shape). A padded
-    batch the original cannot run is left out (the report says why); one that only the converted
-    model cannot run fails.
+    ``attention_mask`` 0 (and label -100 where ``labels`` has ``input_ids``' shape); a batch of
+    one row gets a second, a copy of row 0 (every input tensor with a leading 1 doubled), to pad.
+    A padded batch the original cannot run, or whose loss is not finite in the original, is left
+    out (the report says why); one that only the converted model cannot run fails.
 
     Args:
         model: the original model, never run and left unchanged: its side steps a deep copy of
@@ -1422,13 +1430,20 @@ def verify(
                 # NOTE [Which runs take input gradients]: the first of several runs as given
                 dx = planned == 1 or bool(runs) or k > 0 or mode != modes[0]
                 try:
-                    runs.append(_run(*args, dx=dx))
+                    run = _run(*args, dx=dx)
                 except Exception as err:
                     if k == 0:  # the inputs as given: the caller's error
                         raise
                     # the original cannot run this padded batch: nothing to compare
                     pad_what += f"; {label} not run (the original raised {type(err).__name__}: "
                     pad_what += f"{err})"
+                    continue
+                if k > 0 and not math.isfinite(run.loss_eager):
+                    # eager's own loss is NaN/inf on the padded batch (every label masked):
+                    # nothing to judge there, as for a padded batch the original cannot run
+                    pad_what += f"; {label} left out (the original's loss is {run.loss_eager})"
+                    continue
+                runs.append(run)
     finally:
         _restore(saved)
         rng.__exit__(None, None, None)
