@@ -515,7 +515,10 @@ def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tens
 # TorchFunctionMode that draws every such sample in the original's dtype (the numbers, and the
 # RNG consumption, eager's forward has) and widens it to float64; what the forward does with the
 # sample stays float64. ``torch.normal`` with tensor mean/std draws its standard normal that way
-# and scales it in float64, as ATen does (``normal_(0, 1)``, then ``* std + mean``).
+# and scales it in float64, as ATen does (``normal_(0, 1)``, then ``* std + mean``). The mode is
+# thread-local: a draw in a backward that runs on autograd's CUDA device thread (a checkpointed
+# region's recompute on a GPU) is not seen; torch's checkpoint restores the RNG state there, but
+# such a draw is then float64's own.
 
 _T = torch.Tensor
 _FACTORIES = frozenset({torch.rand, torch.randn})
