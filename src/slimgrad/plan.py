@@ -1116,6 +1116,79 @@ def _marked_estimate(
     return m, marks
 
 
+# NOTE [Real tensors captured by make_forward]
+# ``make_forward`` builds the model and its inputs under fake tensors. Inputs made before (a real
+# ``ids`` the forward closes over or reads as a global) still run: fake tensors take real ones as
+# inputs. But their values are real, and a converted step can branch on them where the
+# unconverted one does not (HF's MLM loss head, converted, indexes ``flat[labels != -100]``: a
+# value-dependent size), so every choice failed and plan said "This is a slimgrad bug" with an
+# inner MoE message (adv25 F4). When no choice can be measured, plan runs the unconverted step
+# once more under ``_Outside``, which notes every tensor the step's torch calls receive that is
+# real, not made by make_forward or the forward (their results are recorded) and not held by the
+# model (parameters, buffers, tensor attributes of a model built outside: NOTE [A model built
+# outside the estimate]); the first one found is the user's contract breach, named in the error.
+# Only on that failure path: a measured plan never pays for it.
+
+
+def _tensors_in(obj: Any, depth: int = 0) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 2:
+        return []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_in(o, depth + 1)]
+    return []
+
+
+class _Outside(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: set[int] = set()
+        self.own: set[int] = set()
+        self.found: str | None = None
+        self.keep: list = []  # what ``made`` names stays alive (ids are not reused)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        kwargs = kwargs or {}
+        if self.found is None and self.own:
+            for t in _tensors_in(list(args) + list(kwargs.values())):
+                if (
+                    not isinstance(t, FakeTensor)
+                    and id(t) not in self.made
+                    and id(t) not in self.own
+                    and t.numel() > 1
+                ):
+                    name = getattr(func, "__name__", str(func))
+                    self.found = f"shape {tuple(t.shape)}, {t.dtype}, first used by {name}"
+        out = func(*args, **kwargs)
+        for t in _tensors_in(out):
+            self.made.add(id(t))
+            self.keep.append(t)
+        return out
+
+
+def _outside_tensor(make_forward, api, device) -> str | None:
+    # NOTE [Real tensors captured by make_forward]: the first real tensor from outside, or None
+    from slimgrad.memory import fake_tensors
+
+    seen = _Outside()
+    try:
+        with fake_tensors(device), seen:
+            forward, model = _made(api, make_forward())
+            seen.own = {id(t) for t in [*model.parameters(), *model.buffers()]}
+            seen.own |= {
+                id(t) for m in model.modules() for v in vars(m).values() for t in _tensors_in(v)
+            }
+            forward()
+    except Exception:  # noqa: BLE001 - a diagnosis only: the caller raises its own error
+        pass
+    return seen.found
+
+
 def _estimate_with(
     make_forward, api, device, choices, passed, convert_kwargs, watch: tuple[str, ...] = ()
 ) -> Any:
@@ -1162,8 +1235,10 @@ def plan(
 
     Raises:
         TypeError: ``make_forward`` does not return ``(forward, model)``.
-        ValueError: a bad budget, no repeated blocks, or a budget below the lowest peak the
-            whole-model check measured (the message names that peak and its recompute).
+        ValueError: a bad budget, no repeated blocks, a budget below the lowest peak the
+            whole-model check measured (the message names that peak and its recompute), or no
+            choice could be measured because the step uses a real tensor made outside
+            ``make_forward`` (NOTE [Real tensors captured by make_forward]).
 
     Example:
         >>> p = slimgrad.plan(make_forward, "6GiB")  # doctest: +SKIP
@@ -1317,6 +1392,19 @@ def plan(
                 if c not in k.r:
                     k.flops.pop(c)
         if any(not k.r for k in kinds.values()):
+            errors = [k.errors for k in kinds.values() if not k.r][:1]
+            first = next(iter(errors[0].values()), "") if errors else ""
+            outside = _outside_tensor(make_forward, api, device)
+            if outside is not None:  # NOTE [Real tensors captured by make_forward]
+                raise ValueError(
+                    f"{api}: the step uses a real tensor made outside make_forward ({outside}); "
+                    "expected every input built inside make_forward, under the fake tensors the "
+                    "estimate runs (a real tensor's values send the converted step down other "
+                    f"paths; no choice could be measured, e.g. {first[:300]}). Build the inputs "
+                    "inside "
+                    "make_forward (e.g. ids = torch.randint(...) there) and return "
+                    "(forward, model)."
+                )
             raise RuntimeError(
                 f"{api}: no choice could be measured for a block; expected at least 'eager', got "
                 f"errors {[k.errors for k in kinds.values() if not k.r][:1]}. This is a slimgrad "

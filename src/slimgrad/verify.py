@@ -17,6 +17,10 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
 - unpadded batches only: for text models (dict inputs with 2-D ``input_ids``) the step also runs on
   a left-padded and a right-padded copy of the batch (``attention_mask`` 0, pad ids and label -100
   on the padded positions) unless ``padded=False``;
+- a reference that is another function: uninitialized lazy modules are refused (NOTE [Lazy
+  modules and a float64 reference]) and random numbers drawn in the forward (``randn_like``,
+  ``rand``, ``normal_``, ``bernoulli``) are drawn in the float64 copy as in the original's dtype
+  and widened, the same numbers eager draws (NOTE [The same random numbers in float64]);
 - an "original" that is itself converted (slimgrad modules, a bound slimgrad forward, a config set
   to the slimgrad attention, e.g. through a config object shared with a converted model);
 - one mode only: every batch runs in train mode and in eval mode (``modes=``), whatever mode the
@@ -31,7 +35,8 @@ as eager PyTorch is at that dtype (times two), never further. ``verify`` cannot 
 
 The original model is never run: its side steps a deep copy of it, so verify leaves it exactly as
 it was (parameters, ``.grad``, buffers, modes, attributes and caches); the converted model's modes,
-buffers and attributes are put back afterwards (NOTE [verify leaves the models as it found them]).
+buffers, attributes and the hooks its first forward registers are put back afterwards (NOTE
+[verify leaves the models as it found them]).
 
 Activation checkpointing works on every side: ``torch.utils.checkpoint`` non-reentrant (HF's
 default) and selective policies run under ``autograd.grad``; a graph with a reentrant region takes
@@ -52,9 +57,11 @@ families by comparing with eager directly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import itertools
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +69,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import CheckpointFunction
 
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
@@ -497,7 +505,96 @@ def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tens
 # floating input; a verify with a single run takes them there.
 
 
-def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True) -> _Side:
+# NOTE [The same random numbers in float64]
+# From one seed, torch's CPU and CUDA samplers draw other numbers in float64 than in float32
+# (``torch.randn`` with 16 or more elements, ``rand``, ``normal_``, ``uniform_``, ``bernoulli``
+# with a tensor of probabilities, ...; dropout's masks happen to agree). A model that draws noise
+# in its forward (a VAE's ``mu + randn_like(mu) * std``, noise injection) then met another sample
+# in the float64 reference, whose bound was wide enough to pass a wrong conversion (adv25 F2b: a
+# LayerNorm weight x1.02 passed). The reference step runs under ``_SameDraws``, a
+# TorchFunctionMode that draws every such sample in the original's dtype (the numbers, and the
+# RNG consumption, eager's forward has) and widens it to float64; what the forward does with the
+# sample stays float64. ``torch.normal`` with tensor mean/std draws its standard normal that way
+# and scales it in float64, as ATen does (``normal_(0, 1)``, then ``* std + mean``). The mode is
+# thread-local: a draw in a backward that runs on autograd's CUDA device thread (a checkpointed
+# region's recompute on a GPU) is not seen; torch's checkpoint restores the RNG state there, but
+# such a draw is then float64's own.
+
+_T = torch.Tensor
+_FACTORIES = frozenset({torch.rand, torch.randn})
+_LIKE = frozenset({torch.rand_like, torch.randn_like})
+_IN_PLACE = frozenset(
+    {
+        _T.normal_,
+        _T.uniform_,
+        _T.bernoulli_,
+        _T.exponential_,
+        _T.log_normal_,
+        _T.cauchy_,
+        _T.geometric_,
+    }
+)
+_ON_VALUES = frozenset({torch.bernoulli, _T.bernoulli})
+
+
+class _SameDraws(torch.overrides.TorchFunctionMode):
+    def __init__(self, narrow: torch.dtype):
+        super().__init__()
+        self.narrow = narrow
+
+    def _n(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            return t.detach().to(self.narrow)
+        return t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        wide = torch.float64
+        if func in _FACTORIES and kwargs.get("dtype") == wide and "out" not in kwargs:
+            rg = kwargs.pop("requires_grad", False)
+            kwargs["dtype"] = self.narrow
+            return func(*args, **kwargs).to(wide).requires_grad_(rg)
+        if func in _LIKE and args and (kwargs.get("dtype") or args[0].dtype) == wide:
+            rg = kwargs.pop("requires_grad", False)
+            kwargs["dtype"] = self.narrow
+            return func(args[0], *args[1:], **kwargs).to(wide).requires_grad_(rg)
+        if func in _IN_PLACE and args and args[0].dtype == wide:
+            tmp = torch.empty_like(args[0], dtype=self.narrow)
+            func(tmp, *[self._n(a) for a in args[1:]], **kwargs)
+            return args[0].copy_(tmp)
+        if func in _ON_VALUES and args and args[0].dtype == wide and "out" not in kwargs:
+            return func(self._n(args[0]), *args[1:], **kwargs).to(wide)
+        if func is torch.normal and "out" not in kwargs:
+            return self._normal(args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+    def _normal(self, args, kwargs):
+        call = dict(zip(("mean", "std"), args))
+        call.update(kwargs)
+        mean, std = call.get("mean", 0.0), call.get("std", 1.0)
+        tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
+        if not tensors or all(t.dtype != torch.float64 for t in tensors):
+            return torch.normal(*args, **kwargs)
+        shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+        gen = call.get("generator")
+        z = torch.empty(shape, dtype=self.narrow, device=tensors[0].device)
+        if isinstance(std, torch.Tensor):  # ATen: normal_(0, 1), then * std + mean
+            z = z.normal_(0.0, 1.0, generator=gen).to(torch.float64) * std
+        else:  # ATen: normal_(0, std), then + mean
+            z = z.normal_(0.0, std, generator=gen).to(torch.float64)
+        return z + mean
+
+
+def _draw_dtype(model: nn.Module) -> torch.dtype:
+    # the dtype the original draws its random numbers in: its parameters' (most of them)
+    counts: dict[torch.dtype, int] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.__getitem__) if counts else torch.get_default_dtype()
+
+
+def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True, draws=None) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mine = _copy(inputs)
     x_leaves: dict[str, torch.Tensor] = {}
@@ -506,18 +603,21 @@ def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True) -> _Side:
     # require grad
     run_on = _leaf_inputs(run_on, x_leaves, every=input_grads)
     torch.manual_seed(seed)
-    out = _call(model, run_on)
-    loss = loss_fn(out)
-    wrt = [p for _, p in params] + list(x_leaves.values())
-    reentrant, leaves = _reentrant_regions(loss)
-    if not wrt or not loss.requires_grad:
-        # nothing to differentiate (every parameter frozen, the inputs as given): outputs and
-        # loss are still compared
-        grads = [None] * len(wrt)
-    elif reentrant:  # NOTE [Gradients under reentrant checkpointing]
-        grads = _grads_by_backward(loss, wrt, leaves)
-    else:
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    # NOTE [The same random numbers in float64]
+    same = _SameDraws(draws) if draws not in (None, torch.float64) else contextlib.nullcontext()
+    with same:
+        out = _call(model, run_on)
+        loss = loss_fn(out)
+        wrt = [p for _, p in params] + list(x_leaves.values())
+        reentrant, leaves = _reentrant_regions(loss)
+        if not wrt or not loss.requires_grad:
+            # nothing to differentiate (every parameter frozen, the inputs as given): outputs and
+            # loss are still compared
+            grads = [None] * len(wrt)
+        elif reentrant:  # NOTE [Gradients under reentrant checkpointing]
+            grads = _grads_by_backward(loss, wrt, leaves)
+        else:
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
     return _Side(
         loss.detach(),
@@ -827,17 +927,23 @@ def _padding_plan(model: nn.Module, inputs: Any) -> tuple[list[int] | None, str]
         return None, "not run (input_ids has fewer than 2 positions)"
     if not _accepts(model, "attention_mask"):
         return None, "not run (the model's forward takes no attention_mask)"
-    # row 0 unpadded (when there are others), the others padded by up to half the length
-    if rows == 1:
-        counts = [max(1, length // 4)]
-    else:
-        counts = [0] + [
-            min(length - 1, max(1, (length // 2) * i // (rows - 1))) for i in range(1, rows)
-        ]
-    return counts, f"left and right, {counts} pad positions per row"
+    # row 0 as given, the others padded by up to half the length; a batch of one row gets a
+    # second one, a copy of row 0 (padding row 0 itself could mask its only label: a NaN loss)
+    counts = [0] + [
+        min(length - 1, max(1, (length // 2) * i // max(1, rows - 1)))
+        for i in range(1, max(rows, 2))
+    ]
+    more = " (a second row, a copy of row 0, added to pad)" if rows == 1 else ""
+    return counts, f"left and right, {counts} pad positions per row{more}"
 
 
 def _padded(inputs: Mapping, model: nn.Module, counts: list[int], side: str) -> dict:
+    if len(counts) > inputs["input_ids"].shape[0]:  # one row: row 0 and a copy of it to pad
+        inputs = {
+            k: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == 1
+            else v
+            for k, v in inputs.items()
+        }  # fmt: skip
     out = dict(inputs)
     ids = inputs["input_ids"].clone()
     length = ids.shape[1]
@@ -877,13 +983,25 @@ _CONVERTED_MODULES = ("slimgrad.nn.", "slimgrad.convert_handlers.", "slimgrad.op
 # its dtype, next to the float64 one. The converted model is the one under test, so verify runs
 # it itself and then puts back what a step can change on it: every module's mode, its buffers
 # (objects and values), the attributes its modules gained or rebound and the entries of their dict
-# attributes (the form such caches take). Parameters are never written and ``.grad`` is restored
-# (NOTE [Gradients under reentrant checkpointing]). An original that already holds such a
-# non-leaf cache cannot be copied: verify says where it is and how to clear it.
+# attributes (the form such caches take), and the entries of nn.Module's own containers: hooks
+# (forward, pre, backward, state-dict ones), parameters, submodules and non-persistent buffer
+# names. All of them, or what a first forward did is half undone: HF installs its
+# output-capturing forward hooks on the first forward and marks the model with
+# ``_output_capturing_hooks_installed``; verify deleted the mark and kept the hooks, so the next
+# forward installed them twice (Segformer then crashed, DPT's depth moved by ~1%, adv25 F1).
+# Restoring, not keeping, is the choice: the converted model leaves verify as the caller handed
+# it, and its next forward does what its first would have. Parameter values are never written
+# and ``.grad`` is restored (NOTE [Gradients under reentrant checkpointing]). An original that
+# already holds such a non-leaf cache cannot be copied: verify says where it is and how to clear it.
 
 # nn.Module's own bookkeeping (parameters, buffers, submodules, hooks, training): never an
 # attribute verify puts back by itself
 _MODULE_STATE = frozenset(vars(nn.Module()))
+# ...of which the containers a forward can add entries to (hooks, parameters, submodules, the names
+# of non-persistent buffers); ``_buffers`` is restored with its values
+_MODULE_CONTAINERS = tuple(
+    k for k, v in vars(nn.Module()).items() if isinstance(v, (dict, set)) and k != "_buffers"
+)
 
 
 def _non_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
@@ -951,12 +1069,16 @@ def _snapshot(net: nn.Module) -> list:
         dicts = {k: dict(v) for k, v in attrs.items() if type(v) is dict}
         buffers = dict(m._buffers)
         values = {n: b.detach().clone() for n, b in buffers.items() if b is not None}
-        saved.append((m, m.training, attrs, dicts, buffers, values))
+        # the hooks, parameters, submodules and non-persistent buffer names a first forward can
+        # register (HF's output-capturing hooks, a lazily registered buffer): their entries
+        own = {k: copy.copy(vars(m)[k]) for k in _MODULE_CONTAINERS if k in vars(m)}
+        own["_is_full_backward_hook"] = vars(m).get("_is_full_backward_hook")
+        saved.append((m, m.training, attrs, dicts, buffers, values, own))
     return saved
 
 
 def _restore(saved: list) -> None:
-    for m, training, attrs, dicts, buffers, values in saved:
+    for m, training, attrs, dicts, buffers, values, own in saved:
         m.training = training
         now = vars(m)
         for k in [k for k in now if k not in _MODULE_STATE and k not in attrs]:
@@ -965,6 +1087,12 @@ def _restore(saved: list) -> None:
         for k, entries in dicts.items():
             attrs[k].clear()
             attrs[k].update(entries)
+        for k, entries in own.items():
+            if k not in _MODULE_CONTAINERS:
+                now[k] = entries
+            elif k in now:  # in place: a hook's RemovableHandle holds a reference to its dict
+                now[k].clear()
+                now[k].update(entries)
         m._buffers.clear()
         m._buffers.update(buffers)
         with torch.no_grad():
@@ -1031,6 +1159,20 @@ def _widened(ref: nn.Module) -> nn.Module:
     return ref
 
 
+# NOTE [Lazy modules and a float64 reference]
+# An uninitialized lazy module (nn.LazyLinear, LazyConv*, LazyBatchNorm*) draws its parameters on
+# its first forward, and a float64 copy draws other numbers than a float32 model from the same
+# seed: the reference is then another function and its bound is wide enough to pass a wrong
+# conversion (adv25 F2a: a LayerNorm weight x1.3 passed). verify runs neither model to initialise
+# it (the original is never run), so it refuses such a model, naming the tensors and the fix: one
+# forward of the original before converting a copy of it.
+
+
+def _lazy_tensors(net: nn.Module) -> list[str]:
+    found = [n for n, p in net.named_parameters(remove_duplicate=False) if is_lazy(p)]
+    return found + [n for n, b in net.named_buffers(remove_duplicate=False) if is_lazy(b)]
+
+
 def _converted_parts(model: nn.Module) -> str | None:
     # the "original" must not itself run slimgrad code: then both sides would agree on anything
     for name, m in model.named_modules():
@@ -1083,7 +1225,7 @@ def _run(
             ],
         )  # fmt: skip
     try:
-        r = _step(ref, inputs, loss_fn, seed, dtype=torch.float64, input_grads=dx)
+        r = _step(ref, inputs, loss_fn, seed, torch.float64, dx, _draw_dtype(model))
     except Exception as err:  # NOTE [A float64 reference that cannot run]
         return VerifyRun(
             name, float(e.loss), float(c.loss), float("nan"), False,
@@ -1194,9 +1336,10 @@ def verify(
     shape included, with the step's float64 ones by the same rule. For text models (a dict with
     2-D ``input_ids``) the step also runs on a left-padded and a right-padded copy of the batch:
     row 0 as given, the other rows with up to half their positions set to the pad id with
-    ``attention_mask`` 0 (and label -100 where ``labels`` has ``input_ids``' shape). A padded
-    batch the original cannot run is left out (the report says why); one that only the converted
-    model cannot run fails.
+    ``attention_mask`` 0 (and label -100 where ``labels`` has ``input_ids``' shape); a batch of
+    one row gets a second, a copy of row 0 (every input tensor with a leading 1 doubled), to pad.
+    A padded batch the original cannot run, or whose loss is not finite in the original, is left
+    out (the report says why); one that only the converted model cannot run fails.
 
     Args:
         model: the original model, never run and left unchanged: its side steps a deep copy of
@@ -1204,8 +1347,10 @@ def verify(
             dtype and one in float64).
         converted: the converted model (e.g. ``slimgrad.convert_(copy.deepcopy(model))``); its
             parameter names must match ``model``'s. It is stepped itself; its modes, buffers,
-            ``.grad`` and the attributes its modules gain or rebind during the steps (eval
-            caches) are put back afterwards.
+            ``.grad``, the attributes its modules gain or rebind during the steps (eval caches)
+            and the hooks, parameters, submodules and buffers they register (HF's lazily
+            installed output-capturing hooks) are put back afterwards: its next forward is the
+            one it would have run without verify.
         inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
         loss_fn: maps the model's output to a scalar loss; default: ``out.loss`` (HF), a scalar
             output, or the mean square of a tensor output.
@@ -1223,7 +1368,8 @@ def verify(
         when every run passes. ``str(report)`` lists the failures and the checks that ran.
 
     Raises:
-        ValueError: the two models' trainable parameter names differ.
+        ValueError: the two models' trainable parameter names differ, or a model has
+            uninitialized lazy parameters (NOTE [Lazy modules and a float64 reference]).
         RuntimeError: the original cannot be deep-copied (e.g. it holds a cache with autograd
             history: the message names the attribute), or its copy cannot be made float64 (a
             step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
@@ -1245,6 +1391,17 @@ def verify(
             f"{next((a, b) for a, b in zip(names_a + [None], names_b + [None]) if a != b)}). "
             "Convert a copy of the same model."
         )
+    for which, net in (("model", model), ("converted", converted)):
+        lazy = _lazy_tensors(net)
+        if lazy:  # NOTE [Lazy modules and a float64 reference]
+            raise ValueError(
+                f"slimgrad.verify: {which} has uninitialized lazy parameters or buffers "
+                f"({', '.join(lazy[:4])}{', ...' if len(lazy) > 4 else ''}); expected "
+                "materialised ones (each side would initialise them on its first forward, the "
+                "float64 copy from other random numbers, so the reference would be another "
+                "function and a wrong conversion could pass). Run one forward of the original "
+                "first (model(inputs)), then convert a copy of it and verify."
+            )
     modes = tuple(modes)
     if not modes or any(m not in ("train", "eval") for m in modes):
         raise ValueError(
@@ -1276,13 +1433,20 @@ def verify(
                 # NOTE [Which runs take input gradients]: the first of several runs as given
                 dx = planned == 1 or bool(runs) or k > 0 or mode != modes[0]
                 try:
-                    runs.append(_run(*args, dx=dx))
+                    run = _run(*args, dx=dx)
                 except Exception as err:
                     if k == 0:  # the inputs as given: the caller's error
                         raise
                     # the original cannot run this padded batch: nothing to compare
                     pad_what += f"; {label} not run (the original raised {type(err).__name__}: "
                     pad_what += f"{err})"
+                    continue
+                if k > 0 and not math.isfinite(run.loss_eager):
+                    # eager's own loss is NaN/inf on the padded batch (every label masked):
+                    # nothing to judge there, as for a padded batch the original cannot run
+                    pad_what += f"; {label} left out (the original's loss is {run.loss_eager})"
+                    continue
+                runs.append(run)
     finally:
         _restore(saved)
         rng.__exit__(None, None, None)
