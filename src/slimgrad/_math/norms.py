@@ -335,16 +335,21 @@ def _stepped_ids(optimizer) -> set:
     return ids
 
 
-def _stepped_storages(optimizer) -> tuple[list, list]:
+def _stepped_storages(optimizer) -> tuple[list, list] | None:
     # the memory ranges [start, end) of the storages of every parameter the optimizer holds, made
     # at this step (no memo: a parameter swapped into a group, or ``p.data = ...``, is seen),
-    # merged and sorted: (starts, ends)
-    stores = {}
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            st = p.untyped_storage()
-            stores[id(st)] = st
-    spans = sorted((st.data_ptr(), st.data_ptr() + st.nbytes()) for st in stores.values())
+    # merged and sorted: (starts, ends); None where some parameter's memory cannot be read (a
+    # DTensor under FSDP2, a tensor subclass without storage): then nothing is carried
+    spans = []
+    try:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                st = p.untyped_storage()
+                a = st.data_ptr()
+                spans.append((a, a + st.nbytes()))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    spans.sort()
     starts: list = []
     ends: list = []
     for a, b in spans:
@@ -362,8 +367,13 @@ def _untouched(t, written) -> bool:
     # views) has two start addresses, so ranges are compared, not starts (review25c)
     if t is None:
         return True
-    s = t.untyped_storage()
-    a = s.data_ptr()
+    if written is None:
+        return False
+    try:
+        s = t.untyped_storage()
+        a = s.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
     b = a + max(s.nbytes(), 1)
     starts, ends = written
     i = bisect.bisect_right(starts, a) - 1  # the last range starting at or before a
@@ -378,7 +388,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
     if compiling() or not _FB_CACHE:
         return
     stepped = None  # the ids of the parameters this optimizer holds (None: renew every entry)
-    written = None  # the storages it writes, made at the first entry it does not hold
+    written = ()  # the storages it writes, made at the first entry it does not hold (() not yet)
     if optimizer is not None:
         stepped = _stepped_ids(optimizer)
     # {(device, scale dtype, bias dtype, out_dtype, slot or None, rows): ([(slot, entry, key,
@@ -399,7 +409,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             # storage with what it steps stays current (NOTE [Another optimizer's step])
             k = entry[1]
             if k[3] == count - 1:
-                if written is None:
+                if written == ():
                     written = _stepped_storages(optimizer)
                 if _untouched(weight, written) and _untouched(bias, written):
                     _FB_CACHE[slot] = (wref, k[:3] + (count,) + k[4:], entry[2], entry[3], entry[4])
