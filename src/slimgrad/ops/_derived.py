@@ -969,7 +969,9 @@ def activation(
         if _jit_tracing():
             refuse_jit("ops.activation")
         # NOTE [One pack per shared tensor]: the source's pack of x under saved-tensor hooks
-        pack = shared(_SOURCES_D[k][1][0].pack)
+        pack = _SOURCES_D[k][1][0].pack
+        if pack is not None:  # shared only under the very hooks it was packed with
+            pack = shared(pack)
         # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py):
         # not compiling and no transform active, checked above
         if pack is None:

@@ -402,7 +402,7 @@ def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
             ctx.recipe_params = recipe.tensors[1:]
             ctx.recipe_versions = recipe.versions[1:]
             kept = k
-            p = _derived.shared(recipe.pack)
+            p = None if recipe.pack is None else _derived.shared(recipe.pack)
             if p is not None:
                 # k's one pack, kept by the conv (NOTE [One pack per shared tensor])
                 p[1].users += 1
