@@ -459,19 +459,29 @@ class Recipe(_Record):
 # does). Where the unpack hands back b's own memory (identity hooks), a write over b since forward
 # raises autograd's in-place error (autograd checks no version under hooks). Each user drops the
 # list after its backward unless the graph is retained (:func:`release_pack`), so the packed
-# object goes with the last user; a second backward then raises as eager's. A norm takes the hooks
-# active at its forward and packs b with them when an activation's claim comes (after the
-# activation asked for ownership of b: a pack made at forward, a second holder of b's storage,
-# made every in-place activation refuse), and nowhere else: an unhooked step makes no call for
-# it. Not under torch.utils.checkpoint's own hooks (its pack holds no tensor, so sharing moves no
-# byte there; its unpack may run once per saved tensor per backward and its recompute must pack
-# as many tensors as the forward did, which the per-node packs already do: NOTE [Under
-# saved-tensor hooks] in ops/batch_norm.py), nor inside a backward. What an offload still copies
+# object goes with the last user; a second backward then raises as eager's. A norm under hooks
+# packs b when an activation's claim comes (after the activation asked for ownership of b: a pack
+# made at forward, a second holder of b's storage, made every in-place activation refuse), with
+# the hooks active at the claim, the activation's own, and nowhere else: an unhooked step makes
+# no call for it. Where no hooks are active at the claim (a region around the norm alone), the
+# norm keeps b as without hooks: the activation keeps b itself there, as eager's does. Each
+# consumer (the activation, a gate, the next conv, a norm replaying that conv) shares the pack
+# only where the hooks active at its own forward are the very pair the pack was made with
+# (:func:`shared`): else it saves through save_for_backward under its own hooks, as eager's
+# node, so a region around part of a block, nested regions and a checkpoint boundary inside a
+# block hand each hook what eager's nodes hand it. A hook that recomputes (a checkpoint built on
+# saved_tensors_hooks, index-matched as torch's) sees the same packs in the same order in its
+# recompute as in its forward: the claim that packs comes inside its region in both or in
+# neither, and a recompute inside a backward takes this same path. Not under
+# torch.utils.checkpoint's own hooks (its pack holds no tensor, so sharing moves no byte there;
+# its unpack may run once per saved tensor per backward: NOTE [Under saved-tensor hooks] in
+# ops/batch_norm.py); a claim under them keeps b as without hooks (the checkpoint holds its
+# input b itself). What an offload still copies
 # twice is eager's own double keeping (a ResNet block output kept by its ReLU and the next conv)
 # and a norm's ingredient kept by eager's conv node (NOTE [A conv that keeps what eager keeps] in
 # ops/conv.py), which packs it through autograd.
 class _PackState:
-    __slots__ = ("left", "ref", "task", "unpack", "users", "value", "version")
+    __slots__ = ("left", "pack", "ref", "task", "unpack", "users", "value", "version")
 
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -484,12 +494,26 @@ RELEASED: list = []
 
 def pack_hooks() -> tuple | None:
     """The innermost saved-tensor hooks ``(pack, unpack)`` that :func:`pack_once` packs with, or
-    None where none are active, they are torch.utils.checkpoint's, or a backward runs (NOTE [One
-    pack per shared tensor])."""
+    None where none are active or they are torch.utils.checkpoint's (NOTE [One pack per shared
+    tensor]); a recompute inside a backward gets its hooks as its forward did."""
     hooks = _top_hooks(False)
-    if hooks is None or _task_id() != -1 or getattr(hooks[0], "__module__", None) == _CHECKPOINT:
+    if hooks is None or getattr(hooks[0], "__module__", None) == _CHECKPOINT:
         return None
     return hooks
+
+
+def shared(p: list | None) -> list | None:
+    """Pack ``p`` where the saved-tensor hooks active now are the very hooks it was packed with
+    (the same pack and unpack objects: what autograd would pack this node's tensor with), else
+    None: the node then saves through ``save_for_backward`` under its own hooks, as eager's does
+    (NOTE [One pack per shared tensor])."""
+    if p is None or p is RELEASED:
+        return None
+    hooks = _top_hooks(False)
+    st = p[1]
+    if hooks is None or hooks[0] is not st.pack or hooks[1] is not st.unpack:
+        return None
+    return p
 
 
 def pack_once(t: torch.Tensor, hooks: tuple) -> list:
@@ -509,7 +533,7 @@ def pack_once(t: torch.Tensor, hooks: tuple) -> list:
     st = _PackState()
     # a weak reference to the alias packed (it shares t's version counter): alive where the hooks
     # keep it (identity hooks), so a write over t since can be refused at unpack
-    st.unpack, st.ref, st.version = unpack, weakref.ref(d), version
+    st.pack, st.unpack, st.ref, st.version = pack, unpack, weakref.ref(d), version
     st.users, st.task, st.value, st.left = 0, None, None, 0
     return [packed, st]
 
@@ -946,6 +970,8 @@ def activation(
             refuse_jit("ops.activation")
         # NOTE [One pack per shared tensor]: the source's pack of x under saved-tensor hooks
         pack = _SOURCES_D[k][1][0].pack
+        if pack is not None:  # shared only under the very hooks it was packed with
+            pack = shared(pack)
         # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py):
         # not compiling and no transform active, checked above
         if pack is None:

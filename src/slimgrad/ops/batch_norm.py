@@ -138,9 +138,13 @@ class _Source(SimpleNamespace):
             # b packed once for them (NOTE [One pack per shared tensor] in ops/_derived.py)
             if ctx.pre and ctx.b_hooks is not None:
                 # held by the source and the nodes that keep b, not by this call (which never
-                # reads b): b goes with the last of them in backward
-                self.pack = _derived.pack_once(b, ctx.b_hooks)
+                # reads b): b goes with the last of them in backward. Packed with the hooks
+                # active at the claim (the activation's own), where there are any but
+                # checkpoint's (NOTE [One pack per shared tensor])
                 ctx.b_hooks = None
+                hooks = _derived.pack_hooks()
+                if hooks is not None:
+                    self.pack = _derived.pack_once(b, hooks)
             return ctx.pre
         if (ctx.x is None and ctx.recipe is None) or not ctx.training:
             return False
@@ -205,9 +209,17 @@ class _Source(SimpleNamespace):
             # tensor] in ops/_derived.py)
             ctx.b_saved, ctx.b_version, ctx.b_ref = True, b._version, weakref.ref(b)
             if ctx.b_hooks is not None:
-                p = ctx.b_pack = self.pack = _derived.pack_once(b, ctx.b_hooks)
+                # packed with the hooks active at the claim (the activation's own), or, where
+                # there are none or they are checkpoint's, kept as without hooks: the activation
+                # (or the checkpoint) keeps b itself there (NOTE [One pack per shared tensor])
                 ctx.b_hooks = None
-                p[1].users += 1
+                hooks = _derived.pack_hooks()
+                if hooks is None:
+                    ctx.b_saved, ctx.b_ref = False, None
+                    ctx.b = b.detach()
+                else:
+                    p = ctx.b_pack = self.pack = _derived.pack_once(b, hooks)
+                    p[1].users += 1
         else:
             ctx.b, ctx.b_version = b.detach(), b._version
         ctx.x = None
@@ -347,8 +359,10 @@ def _kept_nothing(ctx) -> bool:
 #     (the next op, in a BN -> act -> conv block; the claim then keeps nothing more: backward
 #     reads b back through the hooks; autograd checks no version under hooks, so b's version at
 #     the claim is checked there where the hooks hand b's memory back). Outside checkpoint's
-#     hooks b is packed at the claim, once for this call, the activation and the next conv
-#     (NOTE [One pack per shared tensor] in ops/_derived.py). A call whose claim does
+#     hooks b is packed at the claim with the hooks active there, once for this call, the
+#     activation and the next conv where their hooks are those, or kept as without hooks where
+#     none (or checkpoint's) are active at the claim (NOTE [One pack per shared tensor] in
+#     ops/_derived.py). A call whose claim does
 #     not come keeps x or its recipe as outside hooks and never reads b: its bits are those of
 #     the unhooked model, and under checkpoint's hooks b's pack was wasted (elsewhere b is
 #     packed at the claim only; that module's next weight version decides again, and saves x).
@@ -388,7 +402,7 @@ def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
             ctx.recipe_params = recipe.tensors[1:]
             ctx.recipe_versions = recipe.versions[1:]
             kept = k
-            p = recipe.pack
+            p = None if recipe.pack is None else _derived.shared(recipe.pack)
             if p is not None:
                 # k's one pack, kept by the conv (NOTE [One pack per shared tensor])
                 p[1].users += 1

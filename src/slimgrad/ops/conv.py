@@ -88,7 +88,7 @@ class _ConvFn(torch.autograd.Function):
                 ctx.base_stands_in = _stands_in(kept_x, x)  # NOTE [A stand-in for x]
                 # b's one pack under saved-tensor hooks, read in backward (NOTE [One pack per
                 # shared tensor] in ops/_derived.py)
-                ctx.pack = d.pack
+                ctx.pack = None if d.pack is None else _derived.shared(d.pack)
             else:
                 kept_x = x
         if ctx.pack is None:

@@ -90,7 +90,7 @@ class _SqueezeExciteFn(torch.autograd.Function):
                 ctx.act, kept = d.act, d.base
                 ctx.rebuild = d.consumer()  # NOTE [Rebuilt once per backward]
                 # b's one pack under saved-tensor hooks (NOTE [One pack per shared tensor])
-                ctx.pack = d.pack
+                ctx.pack = None if d.pack is None else _derived.shared(d.pack)
             else:
                 kept = x
         if ctx.pack is None:
