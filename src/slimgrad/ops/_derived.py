@@ -502,6 +502,22 @@ def pack_hooks() -> tuple | None:
     return hooks
 
 
+# NOTE [A claim under checkpoint's hooks]
+# A BatchNorm call that ran under a user's saved-tensor hooks and decided from its last weight
+# version's calls to keep b for its activation (``pre``, b packed at the claim) is not claimed by an
+# activation that runs under torch.utils.checkpoint's hooks (a non-reentrant checkpoint of the
+# activation and the next conv, the BatchNorm outside it): the forward's claim and the recompute
+# inside backward (which makes none) saved different tensors with equal shapes, and checkpoint
+# handed the conv the wrong one: c2.weight's gradient off by 16.6 with SiLU, 7.7 GELU, 20.9
+# Hardswish from the second step on (review25b's t11; the test in
+# tests/ops/test_saved_hooks_shared_pack_regions.py). Refused there, the BatchNorm keeps x as an
+# unclaimed call does, and the activation and the conv save what they save without a claim, at
+# forward and in the recompute alike.
+def under_checkpoint() -> bool:
+    hooks = _top_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == _CHECKPOINT
+
+
 def shared(p: list | None) -> list | None:
     """Pack ``p`` where the saved-tensor hooks active now are the very hooks it was packed with
     (the same pack and unpack objects: what autograd would pack this node's tensor with), else

@@ -124,6 +124,9 @@ class _Source(SimpleNamespace):
 
     def keep_output(self, b: torch.Tensor) -> bool:
         ctx = self.ctx
+        if ctx.fwd_hooks is not None and ctx.b is None and not ctx.b_saved:
+            if _derived.under_checkpoint():  # NOTE [A claim under checkpoint's hooks]
+                return False
         if ctx.b is not None or ctx.b_saved:
             return True
         rec = ctx.claims
@@ -496,7 +499,7 @@ class _BatchNormFn(torch.autograd.Function):
         ctx.pre = ctx.b_saved = False
         # NOTE [One pack per shared tensor] in ops/_derived.py: b's pack, the ingredient's, and
         # the hooks b is packed with at the claim (where pre)
-        ctx.b_pack = ctx.k_pack = ctx.b_hooks = None
+        ctx.b_pack = ctx.k_pack = ctx.b_hooks = ctx.fwd_hooks = None
         # NOTE [BatchNorm keeps its parameters, not copies]: the tensors themselves, read in a
         # first-order backward (grad mode off: no graph); _double detaches them first
         ctx.weight_v, ctx.bias_v = weight, bias
@@ -554,6 +557,8 @@ class _BatchNormFn(torch.autograd.Function):
                 ctx.b_hooks = _derived.pack_hooks()
                 if ctx.b_hooks is None:
                     ctx.save_for_backward(out if _task_id() == -1 else out.clone())
+                else:  # NOTE [A claim under checkpoint's hooks] in ops/_derived.py
+                    ctx.fwd_hooks = ctx.b_hooks
                 ctx.pre = True
             if recipe is not None:
                 if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
