@@ -75,6 +75,8 @@ def test_derived_activation_double_backward_is_eagers(act):
     derived = importlib.import_module("slimgrad.ops._derived")
 
     class _Source:
+        pack = None  # a source's one pack under saved-tensor hooks (none here: no hooks)
+
         def keep_output(self, b):
             return True
 
