@@ -192,51 +192,31 @@ def test_another_optimizers_step_keeps_the_entries_current(fused):
             assert (g is None) == (fresh.shape[0] == 0) and (g is None or torch.equal(g, fresh))
 
 
-def test_another_optimizer_over_a_shared_storage_leaves_the_entry_stale():
-    # NOTE [Another optimizer's step]: an entry whose weight shares its storage with a parameter
-    # the stepping optimizer holds (written without moving the weight's version) is not carried:
-    # its next forward finds the zeroed channels afresh
-    d = 8
-    flat = torch.nn.Parameter(torch.ones(2 * d))
-    w = torch.nn.Parameter(torch.empty(0))
-    w.data = flat.data[:d]
-    mine = torch.nn.Parameter(torch.ones(d))
-    opt_mine = torch.optim.SGD([mine, w], lr=1.0)
-    opt_flat = torch.optim.SGD([flat], lr=1.0)
-    for p in (mine, w):
-        p.grad = torch.zeros_like(p)
-    assert norms.fallback_or_none(w, None, torch.float32) is None
-    opt_mine.step()
-    assert norms.fallback_or_none(w, None, torch.float32) is None
-    flat.grad = torch.cat([torch.ones(d), torch.zeros(d)])
-    version = w._version
-    opt_flat.step()
-    assert w._version == version and bool((w == 0).all())  # written, its version unmoved
-    got = norms.fallback_or_none(w, None, torch.float32)
-    assert got is not None and torch.equal(got, torch.arange(d))
-
-
-def _w_in_second_half(flat: torch.nn.Parameter, d: int, how: str) -> torch.nn.Parameter:
-    # w's memory is flat's second half through another storage object (its own start address)
+def _w_sharing(flat: torch.nn.Parameter, d: int, how: str) -> tuple[torch.nn.Parameter, int]:
+    # (w, the element of flat where w's memory starts): w is one half of flat's memory, through
+    # flat's own storage object ("view_first", "view") or another one with its own start address
     if how == "dlpack":
-        return torch.nn.Parameter(torch.from_dlpack(flat.detach()[d:]))
+        return torch.nn.Parameter(torch.from_dlpack(flat.detach()[d:])), d
     if how == "untyped_storage":
         s = flat.untyped_storage()[d * 4 : 2 * d * 4]
-        return torch.nn.Parameter(torch.empty(0).set_(s, 0, (d,), (1,)))
+        return torch.nn.Parameter(torch.empty(0).set_(s, 0, (d,), (1,))), d
+    start = 0 if how == "view_first" else d
     w = torch.nn.Parameter(torch.empty(0))
-    w.data = flat.data[d:]  # one storage object, offset d
-    return w
+    w.data = flat.data[start : start + d]  # one storage object
+    return w, start
 
 
-@pytest.mark.parametrize("how", ["dlpack", "untyped_storage", "view"])
-def test_another_optimizer_over_shared_memory_at_an_offset_leaves_the_entry_stale(how):
-    # NOTE [Another optimizer's step]: memory shared through a second storage object starts at
-    # another address; the renewal compares memory ranges, so the entry is not carried (review25c:
-    # comparing start addresses carried it and the next backward gave NaN gradients)
+@pytest.mark.parametrize("how", ["view_first", "view", "dlpack", "untyped_storage"])
+def test_another_optimizer_over_shared_memory_leaves_the_entry_stale(how):
+    # NOTE [Another optimizer's step]: an entry whose weight shares memory with a parameter the
+    # stepping optimizer holds (written without moving the weight's version) is not carried: its
+    # next forward finds the zeroed channels afresh. Memory shared through a second storage object
+    # starts at another address; the renewal compares memory ranges (review25c: comparing start
+    # addresses carried it and the next backward gave NaN gradients)
     d = 8
     flat = torch.nn.Parameter(torch.ones(2 * d))
-    w = _w_in_second_half(flat, d, how)
-    assert w.data_ptr() == flat.data_ptr() + d * 4
+    w, start = _w_sharing(flat, d, how)
+    assert w.data_ptr() == flat.data_ptr() + start * 4
     mine = torch.nn.Parameter(torch.ones(d))
     opt_mine = torch.optim.SGD([mine, w], lr=1.0)
     opt_flat = torch.optim.SGD([flat], lr=1.0)
@@ -245,7 +225,8 @@ def test_another_optimizer_over_shared_memory_at_an_offset_leaves_the_entry_stal
     assert norms.fallback_or_none(w, None, torch.float32) is None
     opt_mine.step()
     assert norms.fallback_or_none(w, None, torch.float32) is None
-    flat.grad = torch.cat([torch.zeros(d), torch.ones(d)])
+    flat.grad = torch.zeros(2 * d)
+    flat.grad[start : start + d] = 1
     version = w._version
     opt_flat.step()
     assert w._version == version and bool((w == 0).all())  # written, its version unmoved
