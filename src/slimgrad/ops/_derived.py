@@ -497,9 +497,12 @@ def pack_hooks() -> tuple | None:
     None where none are active or they are torch.utils.checkpoint's (NOTE [One pack per shared
     tensor]); a recompute inside a backward gets its hooks as its forward did."""
     hooks = _top_hooks(False)
-    if hooks is None or getattr(hooks[0], "__module__", None) == _CHECKPOINT:
-        return None
-    return hooks
+    return None if hooks is None or _checkpoints(hooks) else hooks
+
+
+def _checkpoints(hooks: tuple) -> bool:
+    # whether saved-tensor hooks ``(pack, unpack)`` are torch.utils.checkpoint's own
+    return getattr(hooks[0], "__module__", None) == _CHECKPOINT
 
 
 # NOTE [A claim under checkpoint's hooks]
@@ -515,7 +518,7 @@ def pack_hooks() -> tuple | None:
 # forward and in the recompute alike.
 def under_checkpoint() -> bool:
     hooks = _top_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__module__", None) == _CHECKPOINT
+    return hooks is not None and _checkpoints(hooks)
 
 
 def shared(p: list | None) -> list | None:
