@@ -103,7 +103,9 @@ def _matmul(a, b):
 # device) and kept: the same bool tensor, read only by ``masked_fill``, so the same bits, two ops
 # and two Python calls fewer per use (forward and the backward's recompute). Only small masks are
 # kept (at most 2**20 elements, 8 of them): a bigger one costs little next to its T_q x T_k
-# products. Every other path (fake tensors, modes, torch.compile) builds the mask as before.
+# products. The compiled custom ops' folded implementations (real tensors, no dispatch mode: NOTE
+# [The compiled attention's products folded]) read the same cache; every other path (fake
+# tensors, modes) builds the mask as before.
 _CAUSAL: dict[tuple, torch.Tensor] = {}
 _CAUSAL_MAX = 1 << 20
 
@@ -976,6 +978,14 @@ def _scores_sdm(
     causal: bool,
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if mask is None and _folds(q, k_t, v, mm_dtype) and not _dispatch_stack_len():
+        # NOTE [The compiled attention's products folded]
+        probs = _softmax_fwd(_matmul(q, k_t), -1, causal, None, plain=True, own=True)
+        if p > 0:
+            dropped, bits = _dropout._fwd_torch(probs, p, False)  # always packed
+        else:
+            dropped, bits = probs, probs.new_empty(0, dtype=torch.uint8)
+        return _matmul(dropped, v), bits
     out, _, bits = _fwd_torch(torch.matmul(q, k_t), v, p, -1, mm_dtype, causal, mask, own=True)
     return out, bits
 
@@ -1004,6 +1014,14 @@ def _scores_sdm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # _ScoresSoftmaxDropoutMatmulFn.backward's math: the same ops on the same tensors
     need_q, need_k, need_v = needs
+    if (
+        mask is None
+        and _folds(q, k_t, v, mm_dtype)
+        and d_out.shape == q.shape[:-1] + v.shape[-1:]
+        and d_out.dtype == mm_dtype
+        and not _dispatch_stack_len()
+    ):
+        return _scores_sdm_bwd_folded(d_out, q, k_t, v, bits, p, causal, fused, needs)
     probs = _softmax_fwd(_matmul(q, k_t), -1, causal, mask, own=True)
     ds, dv = _bwd_torch(
         d_out,
@@ -1023,6 +1041,64 @@ def _scores_sdm_bwd(
     dq = _matmul(ds, k_t.mT) if need_q else empty
     dk = _matmul(q.mT, ds) if need_k else empty.clone()
     return dq, dk, dv.to(v.dtype) if dv is not None else v.new_empty(0)
+
+
+# NOTE [The compiled attention's products folded]
+# Compiled, the scores op runs as its two custom ops (above) on HF's 4-D operands: q and k^T as
+# views of the qkv projection (their batch dims do not fold), v contiguous. Where q, k^T and v
+# have one batch shape of at least 3 dims and one dtype, which is the matmuls' dtype, there is no
+# mask and no dispatch mode watches, the implementations take the steps the general ones take on
+# the same tensors with fewer host calls: every product is _matmul's (NOTE [Attention matmuls as
+# bmm]: torch.matmul's reshapes and bmm, so the same operands with the same strides and the same
+# bits), the causal mask is the one kept per (T_q, T_k, device) (NOTE [Causal masks built once]:
+# the same bool tensor's values), and backward folds dO to (batch, T_q, d_v) once where
+# torch.matmul made the same contiguous copy for each of its two products with it (dP = dO V^T,
+# dV = D^T dO), then runs _bwd_torch's steps on the folded 3-D tensors with bmm (the same
+# operands, strides and kernels as the 4-D products). dq and dk take _matmul's operands
+# (k^T.mT and q.mT reshaped as torch.matmul reshapes them). Outputs, bits and gradients are the
+# general path's bit for bit (``tests/test_compile_gpt2_attention.py``): 108 ATen ops per layer
+# and step where the general implementations took 138 (GPT-2's bench shapes, causal, p = 0.1).
+def _folds(q, k_t, v, mm_dtype) -> bool:
+    nd = q.ndim
+    return (
+        nd >= 3
+        and k_t.ndim == nd
+        and v.ndim == nd
+        and q.shape[:-2] == k_t.shape[:-2] == v.shape[:-2]
+        and q.dtype == k_t.dtype == v.dtype == mm_dtype
+    )
+
+
+def _fold(t):
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _scores_sdm_bwd_folded(d_out, q, k_t, v, bits, p, causal, fused, needs):
+    # NOTE [The compiled attention's products folded]; mm_dtype is q's, k_t's, v's and d_out's
+    need_q, need_k, need_v = needs
+    empty = q.new_empty(0)
+    probs = _softmax_fwd(_matmul(q, k_t), -1, causal, None, plain=True, own=True)
+    probs = _fold(probs)  # a view: _matmul's 3-D product
+    v3 = _fold(v)
+    ds, dv = _bwd_torch(
+        _fold(d_out),  # the contiguous copy torch.matmul made per product
+        probs,
+        bits,
+        v3,
+        p,
+        -1,
+        fused,
+        v.dtype,
+        v3.shape,
+        [need_q or need_k, need_v],
+        own_probs=p > 0,
+        mm=torch.bmm,
+    )
+    del probs
+    batch = q.shape[:-2]
+    dq = torch.bmm(ds, _fold(k_t.mT)).view(q.shape) if need_q else empty
+    dk = torch.bmm(_fold(q.mT), ds).view(k_t.shape) if need_k else empty.clone()
+    return dq, dk, dv.view(batch + dv.shape[1:]) if dv is not None else v.new_empty(0)
 
 
 @_scores_sdm_bwd.register_fake
