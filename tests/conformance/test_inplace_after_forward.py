@@ -125,6 +125,19 @@ def test_bn_output_written_after_other_claimants_raises_as_eager(act):
             _step(m, x)
 
 
+def test_bn_output_written_after_hardsigmoid_gives_the_unwritten_gradient():
+    # eager's Hardsigmoid keeps b and raises; slimgrad's keeps its own mask (not b), so the
+    # step runs and its gradients are those of the graph without the write (which does not
+    # reach the loss): mathematically right
+    x = torch.randn(4, 8, 6, 6)
+    eager, conv, _ = _pair(lambda: BNAct(nn.Hardsigmoid(), WRITES["add_"]))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _step(eager, x)
+    torch.manual_seed(0)
+    unwritten = BNAct(nn.Hardsigmoid(), lambda t: None)
+    torch.testing.assert_close(_step(conv, x), _step(unwritten, x))
+
+
 class ResidualBlock(nn.Module):
     # a write before the ReLU (ResNet's ``out += identity``): b is not pristine, nothing is
     # claimed, and the ReLU keeps converting
@@ -280,14 +293,22 @@ def _fp32(fn):
     return wrapper
 
 
-@pytest.mark.parametrize("style", ["bound", "method"])
+def _hook_forward(module, *args, **kwargs):
+    # accelerate's add_hook_to_module: new_forward(module, ...) calling module._old_forward
+    return module._old_forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("style", ["bound", "method", "accelerate_hook"])
 def test_root_wrapper_keeps_the_conversion_and_is_exact(style):
     def build():
         m = Net()
         if style == "bound":  # model.forward = wrapper(model.forward)
             m.forward = _fp32(m.forward)
-        else:  # model.forward = MethodType(wrapper(model.forward.__func__), model)
+        elif style == "method":  # MethodType(wrapper(model.forward.__func__), model)
             m.forward = types.MethodType(_fp32(type(m).forward), m)
+        else:
+            m._old_forward = old = m.forward
+            m.forward = functools.update_wrapper(functools.partial(_hook_forward, m), old)
         return m
 
     conv = _check_exact(build, (2, 3, 6, 6))

@@ -238,6 +238,9 @@ def _is_source(m: nn.Module) -> bool:
 #     BatchNorm is below it too (NOTE [A write after a BatchNorm output was claimed]), with the
 #     reason in the report. A leaf module with an instance forward is left alone by the table
 #     pass (``convert.py``'s subclass rule).
+# The forwards ``convert_`` itself sets (HF attention's, the fused loss's: functions and callables
+# of ``slimgrad.``) are read as the class's, as before: they run it, or what the module's
+# replacement states.
 def _is_class_forward(fn, m: nn.Module) -> bool:
     cls_fwd = getattr(type(m), "forward", None)
     if isinstance(fn, types.MethodType):
@@ -249,6 +252,8 @@ def _is_class_forward(fn, m: nn.Module) -> bool:
 
 def _instance_kind(fn, m: nn.Module) -> str:
     # "class", "wrapper" or "unknown" (NOTE [A forward set on the instance])
+    if _slimgrad_patch(fn):
+        return "class"
     cls_fwd = getattr(type(m), "forward", None)
     seen: set[int] = set()
     wrapped = False
@@ -256,15 +261,25 @@ def _instance_kind(fn, m: nn.Module) -> str:
         seen.add(id(fn))
         if fn is cls_fwd or _is_class_forward(fn, m):
             return "wrapper" if wrapped else "class"
-        if isinstance(fn, types.MethodType):
+        inner = getattr(fn, "__wrapped__", None)  # what functools.wraps/update_wrapper state
+        if inner is not None:
+            fn, wrapped = inner, True
+        elif isinstance(fn, types.MethodType):
             fn = fn.__func__ if fn.__self__ is m else None
         elif isinstance(fn, functools.partial):
             ok = len(fn.args) <= 1 and all(a is m for a in fn.args) and not fn.keywords
             fn = fn.func if ok else None
         else:
-            fn = getattr(fn, "__wrapped__", None)
-            wrapped = True
+            fn = None
     return "unknown"
+
+
+def _slimgrad_patch(fn) -> bool:
+    # a forward convert_ itself set (HF attention, the fused loss): it runs the module's class
+    # forward, or what the replacement states (NOTE [A replacement states its structure])
+    inner = getattr(fn, "__func__", fn)
+    mod = getattr(inner, "__module__", None) or type(inner).__module__
+    return isinstance(mod, str) and mod.startswith("slimgrad.")
 
 
 def _fn_name(fn) -> str:
