@@ -343,3 +343,30 @@ def test_leaf_instance_forward_is_left_alone():
     conv = _check_exact(build, (4, 8, 6, 6))
     assert type(conv[1]) is nn.BatchNorm2d
     assert "its forward is replaced on the instance" in _report(conv)
+
+
+def test_inplace_abn_fusion_leaves_a_sequential_with_an_instance_forward():
+    # ConvertConfig(inplace_abn=True) fuses BN + LeakyReLU in an nn.Sequential into one module,
+    # which moves the children after it: a forward set on the instance that indexes them ran the
+    # wrong child (outputs off by ~1.5)
+    def build():
+        m = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.LeakyReLU(0.1), nn.Conv2d(8, 8, 1)
+        )
+
+        def fwd(self, x):
+            b = self[1](self[0](x))
+            return self[3](self[2](b) + b)
+
+        m.forward = types.MethodType(fwd, m)
+        return m
+
+    ms = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        ms.append(build())
+    eager, conv, ref = ms[0], ms[1], ms[2].double()
+    slimgrad.convert_(conv, slimgrad.ConvertConfig(inplace_abn=True))
+    assert type(conv[2]) is not nn.Identity
+    x = torch.randn(2, 8, 5, 5)
+    assert_within_rule(_step(conv, x), _step(ref, x.double()), _step(eager, x))

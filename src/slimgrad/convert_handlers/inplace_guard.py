@@ -1050,7 +1050,9 @@ class _Guard:
             if passes:
                 takes.append(child)
             if ci.writes:
-                self.flag(ends, f"{type(child).__name__}(inplace=True)", child)
+                own = "forward" in child.__dict__  # NOTE [A forward set on the instance]
+                what = " with a forward set on the instance" if own else "(inplace=True)"
+                self.flag(ends, f"{type(child).__name__}{what}", child)
                 writes = writes or passes
             if ci.passes:
                 ends = ends + ci.ends
