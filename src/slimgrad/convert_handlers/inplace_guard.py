@@ -8,6 +8,9 @@ trains but the converted backward raises autograd's "modified by an inplace oper
 
 This pass finds such modules before the table pass and marks them, so ``convert_`` leaves them as
 they are and names the reason in its report (NOTE [In-place writers after output-saving modules]).
+It also keeps torch's ReLU where a BatchNorm output it reads is written after it (NOTE [A write
+after a BatchNorm output was claimed]), and reads a module by the forward it runs, one set on the
+instance included (NOTE [A forward set on the instance]).
 """
 
 from __future__ import annotations

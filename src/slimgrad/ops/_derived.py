@@ -34,9 +34,13 @@ only ever drops tensors that are provably re-derivable.
 Safety. Registries are weak and keyed by tensor identity
 (:class:`torch.utils.weak.WeakIdKeyDictionary`): a view or a copy of ``r`` is not tagged and takes
 the eager path. Every tensor kept in place of another is a ``detach()`` alias, which shares the
-version counter, so an in-place write to ``b`` after it was kept raises autograd's "modified by an
-inplace operation" error at backward (through ``save_for_backward``, or :func:`check_version` for
-the source's switchable slot). A write to ``r`` after the conv ran does not matter: the conv
+version counter, so an in-place write to ``b`` after it was kept raises at backward: slimgrad's
+"modified by an inplace operation" error naming the fix (through ``save_for_backward``, re-raised
+by :func:`raise_written`, or :func:`check_version` for the source's switchable slot: NOTE [A kept
+tensor written after forward]). Where eager trains through such a write (a ReLU, which keeps its
+own output, after the BatchNorm) and the model's forward shows it, ``convert_`` keeps that ReLU
+torch's (NOTE [A write after a BatchNorm output was claimed] in convert_handlers/inplace_guard.py).
+A write to ``r`` after the conv ran does not matter: the conv
 recomputes ``r`` as it was. Nothing is registered under no_grad / inference_mode (no Function runs)
 or while torch.compile traces (the ops take their plain path there).
 
@@ -169,6 +173,7 @@ __all__ = [
     "activation",
     "apply_act",
     "check_version",
+    "raise_written",
     "lookup",
     "lookup_recipe",
     "register_gated",
