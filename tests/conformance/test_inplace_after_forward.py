@@ -370,3 +370,38 @@ def test_inplace_abn_fusion_leaves_a_sequential_with_an_instance_forward():
     assert type(conv[2]) is not nn.Identity
     x = torch.randn(2, 8, 5, 5)
     assert_within_rule(_step(conv, x), _step(ref, x.double()), _step(eager, x))
+
+
+OUTPUT_KEEPERS = {
+    "LeakyReLU": (lambda: nn.LeakyReLU(0.1), "leaky_relu"),
+    "ReLU6": (nn.ReLU6, "hardtanh"),
+    "Hardtanh": (nn.Hardtanh, "hardtanh"),
+}
+
+
+@pytest.mark.parametrize("act", list(OUTPUT_KEEPERS))
+def test_unseen_write_over_a_kept_output_raises_slimgrad_error(act):
+    # user code calls the converted activation and writes its output; the consumer (a multiply
+    # by a constant) keeps nothing, so eager (which keeps the activation's input) trains.
+    # NOTE [An output written after forward] in ops/_output_act.py
+    make, stem = OUTPUT_KEEPERS[act]
+
+    def build():  # (the last Linear: in the structure the activation's output is not the
+        # model's, which would make it run eager's op; the user code below skips it)
+        return nn.Sequential(nn.Linear(6, 6), make(), nn.Linear(6, 6))
+
+    def fwd(m, x):
+        h = m[1](m[0](x))
+        y = h * 2.0
+        h.add_(1.0)
+        return y
+
+    x = torch.randn(4, 5, 6)
+    eager, conv, ref = _pair(build)
+    ge = _step(eager, x, fwd)
+    with pytest.raises(RuntimeError, match=rf"slimgrad\.ops\.{stem}: .*modified by an inplace"):
+        _step(conv, x, fwd)
+    torch.manual_seed(0)
+    fixed = build()
+    slimgrad.convert_(fixed, slimgrad.ConvertConfig(activations=False))
+    assert_within_rule(_step(fixed, x, fwd), _step(ref, x.double(), fwd), ge)
