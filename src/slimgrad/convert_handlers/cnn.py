@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from slimgrad import ownership
+from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.convert_handlers.abn import inplace_abn_pattern
 from slimgrad.convert_handlers.decision import Decision, Structure
 from slimgrad.convert_handlers.timm import LayerNorm2d as _LayerNorm2d
@@ -170,6 +171,10 @@ def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[
             fqn = names.get(id(child), name)
             if not allowed(child, fqn):  # the table pass tells it too, as for any module
                 out.append(Decision(fqn, parent, name, child, reason="filter_fn returned False"))
+                continue
+            if _inplace_guard.kept_reason(child) is not None:
+                # NOTE [A write after a BatchNorm output was claimed] in inplace_guard.py: torch's
+                # ReLU stays (the table pass reports why)
                 continue
             new = h(child)
             share_hooks(child, new)  # a handle taken before convert_ still removes its hook

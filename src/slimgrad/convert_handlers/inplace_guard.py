@@ -8,12 +8,16 @@ trains but the converted backward raises autograd's "modified by an inplace oper
 
 This pass finds such modules before the table pass and marks them, so ``convert_`` leaves them as
 they are and names the reason in its report (NOTE [In-place writers after output-saving modules]).
+It also keeps torch's ReLU where a BatchNorm output it reads is written after it (NOTE [A write
+after a BatchNorm output was claimed]), and reads a module by the forward it runs, one set on the
+instance included (NOTE [A forward set on the instance]).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import functools
 import inspect
 import linecache
@@ -189,6 +193,101 @@ _REASON = (
     "write would overwrite; eager keeps its input (NOTE [In-place writers after output-saving "
     "modules] in convert_handlers/inplace_guard.py)"
 )
+
+
+# NOTE [A write after a BatchNorm output was claimed]
+# slimgrad's BatchNorm keeps its output b instead of its input x when a slimgrad activation
+# claims b (NOTE [Derived saved inputs] in ops/_derived.py); the activation and the next conv
+# then keep b too. The claim is made only on a pristine b (its version unchanged since the norm
+# made it), so a write before it (ResNet's ``out += identity``) costs nothing; a write after it
+# (``y = self.relu(b); b.add_(1)``) bumps b's version and the backward raises autograd's "modified
+# by an inplace operation". For every claimant but ReLU eager raises there too: it keeps b, the
+# activation's input. Eager's ReLU keeps its own output, and the BatchNorm its input, so eager
+# trains: there the ReLU stays torch's (no claim is made: the BatchNorm keeps x, or its recipe,
+# and the ReLU its output, as eager). The guard reads it from the structure it reads anyway: in
+# its own run a BatchNorm is an end like an output-saving module, and a write that reaches its
+# output keeps the ReLUs that b was handed to before that write (directly, or as the input of a
+# module that hands its input on: ``_Info.takes``), the writing module itself excepted (an
+# in-place ReLU over b is ``ownership``'s question: NOTE [Derived saved inputs]). A write the
+# structure does not show (user code after the model returns b, a hook registered after
+# ``convert_``) is caught by the version counters at backward, with slimgrad's error
+# (``ops._derived.check_version``) naming the fix.
+_REASON_CLAIM = (
+    "an in-place write follows the {1} output it reads ({0}): slimgrad's ReLU after a BatchNorm "
+    "lets the BatchNorm keep that output for backward instead of its input, and that write would "
+    "overwrite it; eager's ReLU keeps its own output (NOTE [A write after a BatchNorm output was "
+    "claimed] in convert_handlers/inplace_guard.py)"
+)
+
+
+def _is_source(m: nn.Module) -> bool:
+    # a BatchNorm convert_ makes slimgrad's, whose output a following activation may claim
+    return type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+# NOTE [A forward set on the instance]
+# ``m.forward = ...`` on an instance (``types.MethodType(f, m)``, ``functools.partial``, a plain
+# function, accelerate's ``convert_outputs_to_fp32(model.forward)``) is what ``m(x)`` runs;
+# torch.fx and the source reading read ``type(m).forward``. So the guard reads a module whose
+# instance forward is set by what that forward is:
+#   - the class's forward itself, bound to the module (``MethodType(type(m).forward, m)``,
+#     ``partial(type(m).forward, m)``, ``getattr`` of the bound method): as the class's;
+#   - a wrapper of it (``functools.wraps``/``update_wrapper`` state it: ``__wrapped__`` leads to
+#     the class's forward, through bound methods and partials that bind only the module): the
+#     class's forward as read, plus a wrapper that may write the module's input and output in
+#     place (its code is not read), so its ends are kept and it counts as a writer of its input;
+#   - anything else: unknown; it may call any child in any order, skip one and write any
+#     tensor: every output-saving module below it is kept, and every ReLU below it where a
+#     BatchNorm is below it too (NOTE [A write after a BatchNorm output was claimed]), with the
+#     reason in the report. A leaf module with an instance forward is left alone by the table
+#     pass (``convert.py``'s subclass rule).
+# The forwards ``convert_`` itself sets (HF attention's, the fused loss's: functions and callables
+# of ``slimgrad.``) are read as the class's, as before: they run it, or what the module's
+# replacement states.
+def _is_class_forward(fn, m: nn.Module) -> bool:
+    cls_fwd = getattr(type(m), "forward", None)
+    if isinstance(fn, types.MethodType):
+        return fn.__self__ is m and fn.__func__ is cls_fwd
+    if isinstance(fn, functools.partial):
+        return fn.func is cls_fwd and len(fn.args) == 1 and fn.args[0] is m and not fn.keywords
+    return False
+
+
+def _instance_kind(fn, m: nn.Module) -> str:
+    # "class", "wrapper" or "unknown" (NOTE [A forward set on the instance])
+    if _slimgrad_patch(fn):
+        return "class"
+    cls_fwd = getattr(type(m), "forward", None)
+    seen: set[int] = set()
+    wrapped = False
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if fn is cls_fwd or _is_class_forward(fn, m):
+            return "wrapper" if wrapped else "class"
+        inner = getattr(fn, "__wrapped__", None)  # what functools.wraps/update_wrapper state
+        if inner is not None:
+            fn, wrapped = inner, True
+        elif isinstance(fn, types.MethodType):
+            fn = fn.__func__ if fn.__self__ is m else None
+        elif isinstance(fn, functools.partial):
+            ok = len(fn.args) <= 1 and all(a is m for a in fn.args) and not fn.keywords
+            fn = fn.func if ok else None
+        else:
+            fn = None
+    return "unknown"
+
+
+def _slimgrad_patch(fn) -> bool:
+    # a forward convert_ itself set (HF attention, the fused loss): it runs the module's class
+    # forward, or what the replacement states (NOTE [A replacement states its structure])
+    inner = getattr(fn, "__func__", fn)
+    mod = getattr(inner, "__module__", None) or type(inner).__module__
+    return isinstance(mod, str) and mod.startswith("slimgrad.")
+
+
+def _fn_name(fn) -> str:
+    inner = getattr(fn, "func", None) or getattr(fn, "__func__", None) or fn
+    return getattr(inner, "__qualname__", None) or type(inner).__name__
 
 
 def kept_reason(module: nn.Module) -> str | None:
@@ -812,9 +911,29 @@ class _Guard:
             if isinstance(e, nn.Module):
                 self.fed.setdefault(id(e), []).append(child)
 
-    def flag(self, ends: list[nn.Module], writer: str) -> None:
+    def flag(self, ends: list[nn.Module], writer: str, by: nn.Module | None = None) -> None:
+        # ``by``: the child that writes (its own in-place op is not a write after it)
         for m in ends:
+            if _is_source(m):  # NOTE [A write after a BatchNorm output was claimed]
+                for c in self.claimants(m, by):
+                    self.keep.setdefault(c, _REASON_CLAIM.format(writer, type(m).__name__))
+                continue
             self.keep.setdefault(m, _REASON.format(writer, type(m).__name__))
+
+    def claimants(self, bn: nn.Module, by: nn.Module | None) -> list[nn.Module]:
+        # the ReLUs the BatchNorm's output was given to so far (directly, or as the input of a
+        # module that hands its input to one: ``_Info.takes``), the writer itself excepted
+        out, todo, done = [], list(self.fed.get(id(bn), ())), set()
+        while todo:
+            c = todo.pop()
+            if c is by or id(c) in done:
+                continue
+            done.add(id(c))
+            if isinstance(c, nn.ReLU):
+                out.append(c)
+            info = self.memo.get(id(c))
+            todo.extend(info.takes if info is not None else ())
+        return out
 
     def info(self, m: nn.Module) -> _Info:
         key = id(m)
@@ -833,13 +952,18 @@ class _Guard:
 
     def _analyse(self, m: nn.Module) -> _Info:
         inplace = getattr(m, "inplace", False) is True
+        own = m.__dict__.get("forward")
+        if own is not None and (kind := _instance_kind(own, m)) != "class":
+            return self._instance(m, own, kind)  # NOTE [A forward set on the instance]
         if self.outputs is not None and isinstance(m, self.outputs):
             return _Info(ends=[m], writes=inplace)
         if _saves_output(m):
             return _Info(ends=[m], writes=inplace)
+        if self.outputs is None and _is_source(m):
+            return _Info(ends=[m])  # NOTE [A write after a BatchNorm output was claimed]
         if isinstance(m, _PASS_MODULES):
             return _Info(writes=inplace, passes=True)
-        if isinstance(m, nn.Sequential):
+        if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:
             return self._sequential(m)
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             return _Info(writes=inplace)
@@ -852,6 +976,46 @@ class _Guard:
                 return _Info()  # (a slimgrad module with children is read as any other module)
             if (stated := self._stated(m)) is not None:
                 return stated
+        return self._traced(m)
+
+    def _instance(self, m: nn.Module, own, kind: str) -> _Info:
+        # NOTE [A forward set on the instance]
+        if kind == "wrapper":
+            inner = self._class_info(m)
+            writer = f"maybe: the forward set on its parent {type(m).__name__}'s instance wraps it"
+            self.flag(inner.ends, writer)
+            return dataclasses.replace(inner, writes=True, passes=True)
+        below = [d for d in m.modules() if d is not m]
+        ends = [
+            d
+            for d in below
+            if _saves_output(d) or (self.outputs is not None and isinstance(d, self.outputs))
+        ]
+        if self.outputs is None:
+            writer = (
+                f"maybe: its parent {type(m).__name__} runs a forward set on the instance "
+                f"({_fn_name(own)}), which slimgrad cannot read"
+            )
+            self.flag(ends, writer)
+            relus = [d for d in below if isinstance(d, nn.ReLU)]
+            if any(_is_source(d) for d in below):
+                for c in relus:
+                    self.keep.setdefault(c, _REASON_CLAIM.format(writer, "BatchNorm"))
+        return _Info(ends=ends, writes=True, passes=True, takes=below)
+
+    def _class_info(self, m: nn.Module) -> _Info:
+        # what the class's own forward does (as _analyse reads a module without an instance one)
+        inplace = getattr(m, "inplace", False) is True
+        if _saves_output(m) or (self.outputs is not None and isinstance(m, self.outputs)):
+            return _Info(ends=[m], writes=inplace)
+        if self.outputs is None and _is_source(m):
+            return _Info(ends=[m])
+        if isinstance(m, _PASS_MODULES):
+            return _Info(writes=inplace, passes=True)
+        if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:
+            return self._sequential(m)
+        if not m._modules:
+            return _Info(writes=inplace)
         return self._traced(m)
 
     def _stated(self, m: nn.Module) -> _Info | None:
@@ -889,7 +1053,9 @@ class _Guard:
             if passes:
                 takes.append(child)
             if ci.writes:
-                self.flag(ends, f"{type(child).__name__}(inplace=True)")
+                own = "forward" in child.__dict__  # NOTE [A forward set on the instance]
+                what = " with a forward set on the instance" if own else "(inplace=True)"
+                self.flag(ends, f"{type(child).__name__}{what}", child)
                 writes = writes or passes
             if ci.passes:
                 ends = ends + ci.ends
@@ -922,7 +1088,11 @@ class _Guard:
                             out.takes.append(m.get_submodule(node.target))
                 if ci.writes:
                     sub = type(m.get_submodule(node.target)).__name__
-                    self.flag(a0.ends, f"{node.target}: {sub}, which writes its input in place")
+                    self.flag(
+                        a0.ends,
+                        f"{node.target}: {sub}, which writes its input in place",
+                        m.get_submodule(node.target),
+                    )
                     out.writes = out.writes or a0.passes
                 if ci.passes:
                     state[node] = _Info(ends=a0.ends + ci.ends, passes=a0.passes)

@@ -746,7 +746,13 @@ def occurrences(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 
 def _plain_sequential(m: nn.Module) -> bool:
-    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+    # a forward set on the instance (NOTE [A forward set on the instance] in
+    # convert_handlers/inplace_guard.py) may index the children: fusing two of them moves the rest
+    return (
+        isinstance(m, nn.Sequential)
+        and type(m).forward is nn.Sequential.forward
+        and "forward" not in m.__dict__
+    )
 
 
 _HOOKED = "it or the activation after it has hooks (they would see act(BN(x)) as the BN output)"

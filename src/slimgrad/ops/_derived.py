@@ -34,9 +34,13 @@ only ever drops tensors that are provably re-derivable.
 Safety. Registries are weak and keyed by tensor identity
 (:class:`torch.utils.weak.WeakIdKeyDictionary`): a view or a copy of ``r`` is not tagged and takes
 the eager path. Every tensor kept in place of another is a ``detach()`` alias, which shares the
-version counter, so an in-place write to ``b`` after it was kept raises autograd's "modified by an
-inplace operation" error at backward (through ``save_for_backward``, or :func:`check_version` for
-the source's switchable slot). A write to ``r`` after the conv ran does not matter: the conv
+version counter, so an in-place write to ``b`` after it was kept raises at backward: slimgrad's
+"modified by an inplace operation" error naming the fix (through ``save_for_backward``, re-raised
+by :func:`raise_written`, or :func:`check_version` for the source's switchable slot: NOTE [A kept
+tensor written after forward]). Where eager trains through such a write (a ReLU, which keeps its
+own output, after the BatchNorm) and the model's forward shows it, ``convert_`` keeps that ReLU
+torch's (NOTE [A write after a BatchNorm output was claimed] in convert_handlers/inplace_guard.py).
+A write to ``r`` after the conv ran does not matter: the conv
 recomputes ``r`` as it was. Nothing is registered under no_grad / inference_mode (no Function runs)
 or while torch.compile traces (the ops take their plain path there).
 
@@ -169,6 +173,7 @@ __all__ = [
     "activation",
     "apply_act",
     "check_version",
+    "raise_written",
     "lookup",
     "lookup_recipe",
     "register_gated",
@@ -771,11 +776,59 @@ def _lookup(x: torch.Tensor) -> Derived | None:
 def check_version(t: torch.Tensor, version: int, what: str) -> None:
     if t._version != version:
         raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{what}, {tuple(t.shape)}] is at version {t._version}; expected version "
-            f"{version} instead. Hint: slimgrad keeps this tensor for backward in place of the one "
-            "eager PyTorch would keep; do not modify it in place before backward."
+            f"slimgrad.{_api_of(what)}: one of the variables needed for gradient computation has "
+            f"been modified by an inplace operation: [{what}, {tuple(t.shape)}] is at version "
+            f"{t._version}; expected version {version} instead. slimgrad keeps this tensor for "
+            "backward in place of the one eager PyTorch keeps (NOTE [Derived saved inputs] in "
+            f"slimgrad/ops/_derived.py). {_fix_of(what)}"
         )
+
+
+# NOTE [A kept tensor written after forward]
+# What slimgrad keeps in place of what eager keeps (a BatchNorm output b, kept once for the norm,
+# its activation, a squeeze-excite gate and the next conv: NOTE [Derived saved inputs]) is
+# version-checked at backward, as autograd checks what eager keeps. A write over it after forward
+# that the structure did not show (user code writing a tensor the model handed out, a hook
+# registered after ``convert_``; the in-place guard keeps the modules a written-over output
+# reaches in the model's own forwards: NOTE [A write after a BatchNorm output was claimed] in
+# convert_handlers/inplace_guard.py) cannot be undone at backward: the values x̂ and act'(b)
+# came from are gone. So backward raises, naming the tensor and the fixes: autograd's error from
+# ``ctx.saved_tensors`` is re-raised as slimgrad's (``raise_written``; the same first sentence,
+# so code that matches autograd's message still matches), and ``check_version`` raises slimgrad's
+# for the slots kept outside ``save_for_backward``.
+_WRITTEN = "modified by an inplace operation"
+
+
+def _api_of(what: str) -> str:
+    if what.startswith("batch_norm"):
+        return "ops.batch_norm"
+    if what.startswith("squeeze-excite"):
+        return "ops.squeeze_excite"
+    return "ops"
+
+
+def _fix_of(what: str) -> str:
+    fix = "Do not modify it in place before backward: write into a clone (``t = t.clone()`` first)"
+    if "output" in what:
+        fix += ", or convert with ConvertConfig(batch_norm=False), which keeps what eager keeps"
+    return fix + "."
+
+
+def raise_written(e: RuntimeError, api: str) -> None:
+    """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of a
+    node that keeps a BatchNorm output in place of what eager keeps (NOTE [A kept tensor written
+    after forward]); return for any other error (the caller re-raises it). Called inline from an
+    ``except`` clause: nothing is added where nothing raises."""
+    msg = str(e)
+    if _WRITTEN not in msg:
+        return
+    first = msg.split(" Hint:")[0]
+    raise RuntimeError(
+        f"slimgrad.{api}: {first} It keeps the output of a slimgrad BatchNorm for backward in "
+        "place of what eager keeps (NOTE [Derived saved inputs] in slimgrad/ops/_derived.py); "
+        "expected that output unchanged from forward to backward, got a write over it. "
+        f"{_fix_of('batch_norm output')}"
+    ) from e
 
 
 def apply_act(act, b: torch.Tensor) -> torch.Tensor:
@@ -878,7 +931,11 @@ def _act_double(ctx, grad: torch.Tensor) -> torch.Tensor:
         b = bridged(ctx, "ops.activation", v)
         ctx.pack = release_pack(ctx.pack)
     else:
-        (b,) = ctx.saved_tensors
+        try:
+            (b,) = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A kept tensor written after forward]
+            raise_written(e, "ops.activation")
+            raise
     with torch.enable_grad():
         (db,) = torch.autograd.grad(apply_act(ctx.act, b), b, grad, create_graph=True)
     return db
@@ -903,7 +960,11 @@ class _DerivedActFn(torch.autograd.Function):
             return _act_double(ctx, grad), None, None
         buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
         if ctx.pack is None:
-            (b,) = ctx.saved_tensors
+            try:
+                (b,) = ctx.saved_tensors
+            except RuntimeError as e:  # NOTE [A kept tensor written after forward]
+                raise_written(e, "ops.activation")
+                raise
         else:
             b = read_pack(ctx.pack, "batch_norm output")
             ctx.pack = release_pack(ctx.pack)

@@ -19,7 +19,7 @@ from slimgrad import ownership
 from slimgrad._autograd import first_order
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
-from slimgrad.ops._output_act import forward_output_only, memory_order
+from slimgrad.ops._output_act import forward_output_only, memory_order, raise_output_written
 
 __all__ = [
     "apply_with_anchor",
@@ -87,7 +87,11 @@ def output_only_function(
     @first_order(f"ops.{stem}", double=double)
     def backward(ctx, g):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
-        (y,) = ctx.saved_tensors
+        try:
+            (y,) = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [An output written after forward] in ops/_output_act.py
+            raise_output_written(e, f"ops.{stem}")
+            raise
         params, nones = ctx.params, (None,) * (len(ctx.params) + 1)
         own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
         if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g

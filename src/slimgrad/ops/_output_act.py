@@ -222,11 +222,43 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
     return out, bits, idx, xs
 
 
+# NOTE [An output written after forward]
+# An op that keeps its output y where eager keeps its input x trains, as eager, through any write
+# the model's own forward makes over y: ``convert_`` leaves it unconverted there (NOTE [In-place
+# writers after output-saving modules] in convert_handlers/inplace_guard.py), or has it run
+# eager's op where y may be the model's output (``keep_y``). A write it cannot see (user code
+# calling the module directly and writing its output, a hook added after ``convert_``) bumps y's
+# version, and y's old values are gone at backward: autograd's "modified by an inplace operation"
+# from ``ctx.saved_tensors`` is re-raised as slimgrad's, naming the op and the fixes (as NOTE [A
+# kept tensor written after forward] in ops/_derived.py does for a BatchNorm output).
+_WRITTEN = "modified by an inplace operation"
+
+
+def raise_output_written(e: RuntimeError, api: str) -> None:
+    """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of an
+    op that keeps its output (NOTE [An output written after forward]); return for any other
+    error (the caller re-raises it)."""
+    msg = str(e)
+    if _WRITTEN not in msg:
+        return
+    first = msg.split(" Hint:")[0]
+    raise RuntimeError(
+        f"slimgrad.{api}: {first} It keeps its output for backward where eager keeps its input; "
+        "expected what it keeps unchanged from forward to backward, got a write over it. Write "
+        "into a clone (``y = y.clone()`` first), or leave the module unconverted (convert_'s "
+        "filter_fn, or ConvertConfig(activations=False) / ConvertConfig(norms=False))."
+    ) from e
+
+
 def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact: Callable, *args):
     """dx of a smooth activation's Function (after ``buf = ownership.take(g)`` in its backward:
     g's buffer when it is dead and in y's memory order, else None); NOTE [Layout of the smooth
     activations]."""
-    y, bits, idx, xs = ctx.saved_tensors
+    try:
+        y, bits, idx, xs = ctx.saved_tensors
+    except RuntimeError as e:  # NOTE [An output written after forward]
+        raise_output_written(e, "ops." + type(ctx).__name__.removesuffix("Backward"))
+        raise
     if ctx.y_is_x and ctx.perm is not None and y is not None:
         y = y.permute(ctx.perm)  # in place: y is x, in x's layout; the side info in memory order
     if ctx.dense_x:  # xs is x itself: eager's formula, eager's layout
@@ -797,7 +829,11 @@ def c_backward(ctx, g: torch.Tensor, buf, exact: Callable, *args) -> torch.Tenso
     """dx of a Function whose forward ran :func:`c_forward` (``ctx.cpath``), for a contiguous g;
     into ``buf`` (g itself, granted by ``ownership.take``) if given. None (nothing done) when the
     saved tensors come back other than saved (a saved-tensor hook's layout, dtype or device)."""
-    y, bits, idx, xs = ctx.saved_tensors
+    try:
+        y, bits, idx, xs = ctx.saved_tensors
+    except RuntimeError as e:  # NOTE [An output written after forward]
+        raise_output_written(e, "ops." + type(ctx).__name__.removesuffix("Backward"))
+        raise
     if not (
         y.dtype is _F32
         and y.is_cpu

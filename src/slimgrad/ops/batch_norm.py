@@ -427,7 +427,11 @@ def _load_saved_b(ctx) -> None:
         b = _derived.read_pack(ctx.b_pack, "batch_norm output")
         ctx.b, ctx.b_version = b, b._version
         return
-    (b,) = ctx.saved_tensors
+    try:
+        (b,) = ctx.saved_tensors
+    except RuntimeError as e:  # NOTE [A kept tensor written after forward] in ops/_derived.py
+        _derived.raise_written(e, "ops.batch_norm")
+        raise
     # identity hooks hand b itself back, which autograd does not version-check under hooks: a
     # write over b since the claim raises as outside hooks. A hook's copy (save_on_cpu: its
     # version is the copy's own) holds b's values at forward, whatever was written over b since.

@@ -107,7 +107,12 @@ class _ConvFn(torch.autograd.Function):
         # is recomputed and bridged to x's anchor (NOTE [Second derivatives of an op that keeps
         # its output] in ops/layer_norm.py), so second derivatives are eager's.
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        kept_x, weight = ctx.saved_tensors
+        try:
+            kept_x, weight = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A kept tensor written after forward] in ops/_derived.py
+            if ctx.act is not None:
+                _derived.raise_written(e, "ops.conv")
+            raise
         if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
             kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)
@@ -135,7 +140,12 @@ class _ConvFn(torch.autograd.Function):
         if torch.is_grad_enabled():
             return _ConvFn._double(ctx, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        kept_x, weight = ctx.saved_tensors
+        try:
+            kept_x, weight = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A kept tensor written after forward] in ops/_derived.py
+            if ctx.act is not None:
+                _derived.raise_written(e, "ops.conv")
+            raise
         if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
             kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)

@@ -106,7 +106,12 @@ class _SqueezeExciteFn(torch.autograd.Function):
     @first_order("ops.squeeze_excite")
     def backward(ctx, grad: Tensor):
         buf = ownership.take(grad)  # first use of grad: NOTE [Gradient-buffer ownership]
-        kept, g = ctx.saved_tensors
+        try:
+            kept, g = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A kept tensor written after forward] in ops/_derived.py
+            if ctx.act is not None:
+                _derived.raise_written(e, "ops.squeeze_excite")
+            raise
         if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
             kept = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)
