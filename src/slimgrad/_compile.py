@@ -16,8 +16,20 @@ compiled model hit the limit (torch 2.13; ``tests/test_compile_eager_only.py``).
 is loaded, every wrapper is disabled and marked skipped together (``torch._dynamo``'s ``skip``:
 Dynamo neither inlines ``call`` nor compiles its frames; the disabled ``fn`` runs eagerly): at
 decoration when Dynamo is already loaded, else at the first call after it is, outside any trace
-(``_disable_lazy``). That first call's frame is compiled once; afterwards a call costs its caller
-one graph break, as a ``torch.compiler.disable`` function does.
+(``_disable_lazy``). Afterwards a call costs its caller one graph break, as a
+``torch.compiler.disable`` function does.
+
+``call``'s code is also marked skipped when ``eager_only`` runs, with the C setter
+:func:`never_compiled` uses (no ``torch._dynamo`` import), so no frame of it is ever compiled, the
+lazy first call's included. That first frame used to be compiled once (an entry and two resume
+frames), and it left a state a later reset undid: ``torch._dynamo.reset()``
+(``torch.compiler.reset()``) clears Dynamo's per-code state, the skip mark with it, of every code
+Dynamo has been handed a frame of, and a code marked skipped before its first frame never is one.
+Unmarked after a reset, every wrapper call was compiled again: 6 entries on ``call`` per compile
+of 12 wrapped functions, 19 frames for 13. A process that imported slimgrad before
+``torch._dynamo`` met it (slimgrad's own wrappers were lazy; ``tests/test_compile_eager_only.py``
+after ``tests/test_compile_dispatch.py`` in one pytest process); one that loaded Dynamo first had
+the mark from slimgrad's import, before any compile.
 
 # NOTE [slimgrad ops under torch.compile]
 Compiled, a slimgrad op keeps its contract only where every value its backward recomputes is
@@ -123,6 +135,9 @@ def eager_only(fn: F) -> F:
             torch.compiler.disable(_disable_lazy)()
         return disabled[0](*args, **kwargs)
 
+    # never compiled from the start, the lazy first call included (NOTE [Eager-only code under
+    # torch.compile], last paragraph)
+    never_compiled(call)
     if "torch._dynamo" in sys.modules:
         _disable(fn, disabled, call)
     else:
