@@ -849,7 +849,7 @@ class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
     # with index_copy (dy * xhat, g * xhat, and g - xhat * c): three full copies and three
     # kernels that broke the fusion of the row sums. Now the table gives a D-sized mask (one
     # index_fill), every N x D term is the from-output formula with the mask's columns set to 0
-    # by a ``where`` (fused with its producer and its sum; a where, not xhat * 0: gamma = inf
+    # by a ``masked_fill`` (fused with its producer and its sum; not xhat * 0: gamma = inf
     # makes g infinite there), the table's columns are computed apart (N x k) and added to the
     # row sums, and only dx and dgamma get their k columns put in place (one N x D index_copy).
     # The same products as before; the row sum c adds the k columns after the others.
@@ -888,10 +888,11 @@ class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
         # the fallback columns (NOTE [RMSNorm's fallback columns in the traced backward]): their
         # xhat from the table; everywhere else from the output
         xf = xside * r  # traced: always a table (symbolic length)
-        fb = torch.zeros(d, dtype=torch.bool, device=y.device).index_fill(0, idx, True)
+        # (tensor methods only: each torch.<name> read while tracing is one more guard per call)
+        fb = y2.new_zeros(d).index_fill(0, idx, 1.0) != 0
         dw = None
         if need_w:
-            dwm = torch.where(fb, 0.0, dy2 * xh).sum(0, dtype=torch.float64)
+            dwm = (dy2 * xh).masked_fill(fb, 0.0).sum(0, dtype=torch.float64)
             dwf = (dy2.index_select(1, idx) * xf).sum(0, dtype=torch.float64)
             # rms_norm_bwd's casts: to gamma's dtype, then (gamma's backward) to the weight's
             dw = dwm.index_copy(0, idx, dwf).to(gamma.dtype).to(weight.dtype)
@@ -899,9 +900,9 @@ class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
         if need_x:
             g = dy2 if gamma is None else dy2 * gamma
             gf = g.index_select(1, idx)
-            c = torch.where(fb, 0.0, g * xh).sum(-1, keepdim=True)
+            c = (g * xh).masked_fill(fb, 0.0).sum(-1, keepdim=True)
             c = (c + (gf * xf).sum(-1, keepdim=True)) / d
-            dxm = torch.where(fb, 0.0, (g - xh * c) * r)
+            dxm = ((g - xh * c) * r).masked_fill(fb, 0.0)
             dx = dxm.index_copy(1, idx, (gf - xf * c) * r).view(y.shape)
         return dx, dw, None, None, None
 
