@@ -842,6 +842,17 @@ class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
     # (tests/test_compile_saved.py). The math is rms_norm_bwd_torch's (dw's row sum in float64,
     # the row dot / D, then (g - xhat * c) * rstd); inductor's fused order rounds differently,
     # within the error rule (tests/test_compile_rms_norm.py).
+    #
+    # NOTE [RMSNorm's fallback columns in the traced backward]
+    # The fallback channels' table has a data-dependent length k (usually 0), so what inductor
+    # makes of an op on it is a separate kernel. The backward used to patch three N x D tensors
+    # with index_copy (dy * xhat, g * xhat, and g - xhat * c): three full copies and three
+    # kernels that broke the fusion of the row sums. Now the table gives a D-sized mask (one
+    # index_fill), every N x D term is the from-output formula with the mask's columns set to 0
+    # by a ``masked_fill`` (fused with its producer and its sum; not xhat * 0: gamma = inf
+    # makes g infinite there), the table's columns are computed apart (N x k) and added to the
+    # row sums, and only dx and dgamma get their k columns put in place (one N x D index_copy).
+    # The same products as before; the row sum c adds the k columns after the others.
     @staticmethod
     def forward(ctx, x, weight, eps, variant):
         # _HFRMSNormFromOutputFn's general forward as Dynamo traces it (the side table always a
@@ -874,29 +885,25 @@ class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
             gamma_of = HF_VARIANTS[ctx.variant][1]
             gamma = weight if gamma_of is _float and weight.dtype == y.dtype else gamma_of(weight)
         xh = y2 if gamma is None else y2 / gamma
-        # the fallback columns' xhat; each patch below goes into a product with dy, so that no
-        # tensor made from the side table alone is of fixed size (the partitioner would keep such
-        # a tensor, N x D, instead of the table whose length it does not know)
-        xf = xside * r if idx is not None else None  # traced: always a table (symbolic length)
+        # the fallback columns (NOTE [RMSNorm's fallback columns in the traced backward]): their
+        # xhat from the table; everywhere else from the output
+        xf = xside * r  # traced: always a table (symbolic length)
+        # (tensor methods only: each torch.<name> read while tracing is one more guard per call)
+        fb = y2.new_zeros(d).index_fill(0, idx, 1.0) != 0
         dw = None
         if need_w:
-            a = dy2 * xh
-            if xf is not None:
-                a = a.index_copy(1, idx, dy2.index_select(1, idx) * xf)
+            dwm = (dy2 * xh).masked_fill(fb, 0.0).sum(0, dtype=torch.float64)
+            dwf = (dy2.index_select(1, idx) * xf).sum(0, dtype=torch.float64)
             # rms_norm_bwd's casts: to gamma's dtype, then (gamma's backward) to the weight's
-            dw = a.sum(0, dtype=torch.float64).to(gamma.dtype).to(weight.dtype)
+            dw = dwm.index_copy(0, idx, dwf).to(gamma.dtype).to(weight.dtype)
         dx = None
         if need_x:
             g = dy2 if gamma is None else dy2 * gamma
-            gx = g * xh
-            if xf is not None:
-                gf = g.index_select(1, idx)
-                gx = gx.index_copy(1, idx, gf * xf)
-            c = gx.sum(-1, keepdim=True) / d
-            t = g - xh * c
-            if xf is not None:
-                t = t.index_copy(1, idx, gf - xf * c)
-            dx = (t * r).view(y.shape)
+            gf = g.index_select(1, idx)
+            c = (g * xh).masked_fill(fb, 0.0).sum(-1, keepdim=True)
+            c = (c + (gf * xf).sum(-1, keepdim=True)) / d
+            dxm = ((g - xh * c) * r).masked_fill(fb, 0.0)
+            dx = dxm.index_copy(1, idx, (gf - xf * c) * r).view(y.shape)
         return dx, dw, None, None, None
 
 
