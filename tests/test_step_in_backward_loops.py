@@ -815,3 +815,82 @@ def test_a_copy_keeps_an_instance_zero_grad_the_model_had_before_the_watch():
     assert "__getstate__" not in c.__dict__
     c.zero_grad(set_to_none=False)
     assert calls == [False]  # (a deep copy of the lambda: the same closure cell)
+
+
+# --- a cycle cut short: accelerate's end of the dataloader (issue 30, mlp26) ------------------
+def _epochs(m, o, n_batches: int, accumulate: int, epochs: int = 2) -> None:
+    # accelerate's accumulate() loop, reduced: the loss divided by N, step() and zero_grad() at
+    # every N-th batch and at the last batch of the epoch (its count restarts there)
+    for e in range(epochs):
+        k = 0
+        for i in range(n_batches):
+            (m(_batch(10 * e + i), use=i % 2 == 0) / accumulate).backward()
+            k += 1
+            if k == accumulate or i == n_batches - 1:
+                o.step()
+                o.zero_grad()
+                k = 0
+
+
+@pytest.mark.parametrize("opt_name", list(_OPTS))
+@pytest.mark.parametrize("accumulate, n_batches", [(2, 5), (3, 7), (3, 8), (2, 1)])
+def test_a_step_that_ends_a_cycle_early_is_the_plain_step(opt_name, accumulate, n_batches):
+    # NOTE [A step that ends a cycle early]: was refused ("in the middle of an accumulation
+    # cycle") where the plain loop steps on the partial sum
+    cls, kw = _OPTS[opt_name]
+    a, b = _net(), _net()
+    opt = cls(a.parameters(), **kw)
+    handle = step_in_backward(b, cls, accumulate=accumulate, **kw)
+    _epochs(a, opt, n_batches, accumulate)
+    _epochs(b, handle, n_batches, accumulate)
+    _same(a, b, opt, handle)
+    assert all(p.grad is None for p in b.parameters())
+
+
+def test_a_step_after_a_raised_last_backward_of_a_cycle_is_refused_before_any_change():
+    # the cycle's last backward may have updated some parameters before it raised: refused
+    b = _BoomNet()
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1, accumulate=2, bucket_bytes=0)
+    b(_x(0)).backward()
+    _Boom.armed = True
+    with pytest.raises(RuntimeError, match="simulated"):
+        b(_x(1)).backward()
+    before = _snap(b, handle)
+    with pytest.raises(RuntimeError, match=r"step\(\) in the middle of an accumulation cycle"):
+        handle.step()
+    _unchanged(before, b, handle)
+
+
+@pytest.mark.parametrize("n_batches", [5, 4])
+def test_accelerate_gradient_accumulation_with_an_odd_epoch(n_batches):
+    """accelerate's own loop (Accelerator(gradient_accumulation_steps=2), accumulate(), its
+    backward's loss scaling, its prepared optimizer and dataloader): bit for bit the plain one."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    def run(use_handle: bool) -> tuple:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        m = _net()
+        kw = dict(lr=1e-2, weight_decay=0.1)
+        if use_handle:
+            opt = step_in_backward(m, torch.optim.AdamW, accumulate=2, **kw)
+        else:
+            opt = torch.optim.AdamW(m.parameters(), **kw)
+        data = [_batch(i) for i in range(n_batches)]
+        dl = torch.utils.data.DataLoader(data, batch_size=None)
+        acc = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+        m, popt, dl = acc.prepare(m, opt, dl)
+        for _ in range(2):
+            for i, x in enumerate(dl):
+                with acc.accumulate(m):
+                    acc.backward(m(x, use=i % 2 == 0))
+                    popt.step()
+                    popt.zero_grad()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        return m, opt
+
+    (a, opt), (b, handle) = run(False), run(True)
+    _same(a, b, opt, handle)
+    assert all(p.grad is None for p in b.parameters())

@@ -302,13 +302,14 @@ def test_step_inside_backward_is_refused_before_any_change():
 
 
 # ------------------------------------------------------------------------------- at step()
-def test_step_in_the_middle_of_an_accumulation_cycle_changes_nothing():
+def test_zero_grad_in_the_middle_of_an_accumulation_cycle_changes_nothing():
+    # (a step() there is the plain step(): NOTE [A step that ends a cycle early])
     m = _net()
     handle = step_in_backward(m, torch.optim.SGD, lr=0.1, accumulate=2)
     _loss(m, 0).backward()
     before = _snap(m, handle)
-    with pytest.raises(RuntimeError, match=r"in the middle of an accumulation cycle"):
-        handle.step()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) in the middle of an accumulation"):
+        handle.zero_grad()
     _untouched(before, m, handle)
 
 

@@ -155,6 +155,19 @@ answer for such a loop, and for a loop without ``step()`` calls: every backward 
 nothing is checked (such a loop that does not zero, or accumulates, differs silently: the option
 says the loop does neither).
 
+# NOTE [A step that ends a cycle early]
+With ``accumulate=N`` the update runs in the N-th backward of a cycle. A ``step()`` after fewer
+(accelerate's ``accumulate()`` syncs and steps at the end of the dataloader, so an epoch of an odd
+number of batches at N = 2 ends with a cycle of one) is the plain loop's ``step()`` on what
+``.grad`` holds: the sum of the cycle's backwards so far, which the handle holds in ``.grad`` as
+the plain loop does until the cycle's last backward. So ``step()`` updates every handle parameter
+whose ``.grad`` is not None, as the end of a whole cycle updates those that got no gradient in its
+last backward, and the next backward starts a new cycle (accelerate resets its count there too).
+The update is the same per-parameter call of the optimizer as in backward: the plain loop's bits.
+Not after a cycle's last backward that raised (the count is then N: that backward may have
+updated some parameters and left others waiting, NOTE [A backward that raised]), and not
+``zero_grad()`` in the middle of a cycle: both still refused, before any change.
+
 # NOTE [A backward that raised]
 A backward can raise in its middle (an out-of-memory in one node; fairseq then calls
 ``zero_grad()`` and moves to the next batch). The plain loop then holds the gradients of the
@@ -172,8 +185,10 @@ callback runs. So "updated" is set by an update that ran, not by a backward's fi
   is refused after the fact (the plain loop discards gradients the handle already applied), as
   between any backward and ``step()``.
 
-With ``accumulate=N`` the cycle count is left at the raised backward and ``step()``/
-``zero_grad()`` are refused as in an unfinished cycle.
+With ``accumulate=N`` the cycle count is left at the raised backward: ``zero_grad()`` is refused
+as in an unfinished cycle, and so is ``step()`` where the raised backward was the cycle's last
+(before it, ``step()`` applies what ``.grad`` holds, as the plain one: NOTE [A step that ends a
+cycle early]).
 
 # NOTE [Gradients zeroed in place]
 ``zero_grad(set_to_none=False)`` (the handle's or the watched module's) leaves, in the plain loop,
@@ -248,7 +263,8 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   backward after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last
   update]); with ``accumulate=N`` both at the first micro-batch of a cycle.
 - ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
-  handle are removed), a call inside backward, an unfinished accumulation cycle, a removed handle,
+  handle are removed), a call inside backward, ``zero_grad()`` in an unfinished accumulation
+  cycle (``step()`` there: NOTE [A step that ends a cycle early]), a removed handle,
   a second ``step()`` with no backward and no ``zero_grad()`` between;
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
@@ -748,7 +764,9 @@ class StepInBackward(torch.optim.Optimizer):
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
                 was).
-            RuntimeError: an accumulation cycle is unfinished, or a second ``step()`` with no
+            RuntimeError: a cycle's last backward raised (``accumulate=N``; before it, a
+                ``step()`` updates from what ``.grad`` holds, as the plain one: NOTE [A step that
+                ends a cycle early]), or a second ``step()`` with no
                 backward and no ``zero_grad()`` since the last (the plain loop would apply the
                 same gradients again).
         """
@@ -1270,6 +1288,17 @@ class StepInBackward(torch.optim.Optimizer):
             self._flush()
         self._drop_pending()
         if self._accumulate > 1:
+            if 0 < self._micro < self._accumulate and call == "step()":
+                # NOTE [A step that ends a cycle early]: the plain step() applies what .grad holds
+                self._micro = 0
+                held = [
+                    p
+                    for group in self.optimizer.param_groups
+                    for p in group["params"]
+                    if p.grad is not None and p in self._hooks
+                ]
+                if held:
+                    self._update(held)
             if self._micro != 0:
                 raise _err(
                     RuntimeError,
@@ -1403,7 +1432,8 @@ def step_in_backward(
         accumulate: backward calls per step (micro-batch gradient accumulation): gradients
             accumulate as in the plain loop and each parameter updates in the last one; parameters
             that got a gradient only in earlier micro-batches update at the end of the last
-            backward.
+            backward; a ``step()`` after fewer backward calls (the end of an epoch) updates from
+            what they accumulated, as the plain ``step()``.
         clip_grad_norm_per_param: clip each gradient by its own norm before the update (the plain
             loop's ``for p in params: clip_grad_norm_([p], c)``); global-norm clipping is
             impossible here.
