@@ -106,6 +106,7 @@ from slimgrad.ops.layer_norm import (
     make_anchor,
     norm_double,
     rebuild_xhat,
+    y_written,
 )
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "MIN_GROUP_NUMEL", "group_norm"]
@@ -561,7 +562,11 @@ class _GroupNormFn(torch.autograd.Function):
         if dy is None:
             return None, None, None, None, None, None
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
-        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        try:
+            y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, "ops.group_norm")
+            raise
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
         # _bwd(y), inline: the C kernel for CPU tensors (NOTE [Kernel backend choice])

@@ -87,6 +87,7 @@ from slimgrad._math.norms import layer_norm_gamma as _LN_GAMMA
 from slimgrad._math.norms import rowdot as _rowdot  # noqa: F401
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
+from slimgrad.ops._output_act import raise_output_written
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
 
@@ -472,6 +473,26 @@ def bridged(ctx, api: str, values: torch.Tensor) -> torch.Tensor:
     return _Bridge.apply(values, *anchor)
 
 
+# NOTE [A norm's output written after forward]
+# LayerNorm, RMSNorm and GroupNorm keep their output y for backward where eager keeps the input
+# x. A write over y that the model's own forward shows is handled by convert_ (the in-place guard
+# keeps such a norm eager; a norm whose y is the model's output runs eager's op, ``keep_y``). A
+# write the structure cannot show (user code calling the module and writing ``y.add_(1)``, a hook
+# added after convert_) leaves backward without the values x-hat came from, so nothing exact is
+# left to compute: autograd's error from ``ctx.saved_tensors`` is re-raised as slimgrad's, naming
+# the op and the fixes (the activations' helper, NOTE [An output written after forward] in
+# ops/_output_act.py; its first sentence is autograd's). Only where autograd names this node's
+# own output 0, which is y: a write over what eager keeps too (x where a norm kept it, the
+# weight, the bias) raises in eager as well and keeps autograd's error. The check runs in the
+# ``except`` clause only: nothing is added where nothing raises.
+def y_written(e: RuntimeError, ctx, api: str) -> None:
+    """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of
+    a norm node when the tensor written is the node's output y (NOTE [A norm's output written
+    after forward]); return otherwise (the caller re-raises ``e``)."""
+    if f"output 0 of {type(ctx).__name__.removesuffix('Backward')}," in str(e):
+        raise_output_written(e, api)
+
+
 def norm_double(api: str, eager_fn, rebuild_input):
     """The ``double`` of an output-keeping norm (NOTE [Second derivatives of an op that keeps its
     output]): ``rebuild_input(y, mean, rstd, idx, xside, weight, bias, arg) -> x`` values;
@@ -480,7 +501,11 @@ def norm_double(api: str, eager_fn, rebuild_input):
     def double(ctx, dy, *_):
         if dy is None:  # NOTE [Norm backward without materialized gradients]
             return None, None, None, None, None, None
-        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        try:
+            y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, api)
+            raise
         need = ctx.needs_input_grad
         with torch.no_grad():
             y = y.detach() if y is not None else None  # None: LayerNorm kept x (_keep_x)
@@ -535,7 +560,11 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
 
     def backward(ctx, dy, *_):
         buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
-        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        try:
+            y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, api)
+            raise
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
         if (  # owns_layout(buf, y), inline; eager only (take refuses under torch.compile)
@@ -638,7 +667,11 @@ def _ln_double(ctx, dy):
     # derivatives through its own node]) instead of an anchor
     if dy is None:  # NOTE [Norm backward without materialized gradients]
         return None, None, None, None, None, None, None
-    y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+    try:
+        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+    except RuntimeError as e:  # NOTE [A norm's output written after forward]
+        y_written(e, ctx, "ops.layer_norm")
+        raise
     need = ctx.needs_input_grad
     if y is None:  # x itself was kept (_keep_x): it carries its graph
         x = xside
@@ -745,7 +778,11 @@ class _LayerNormFn(torch.autograd.Function):
             return _ln_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients]
             return None, None, None, None, None, None, None
-        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        try:
+            y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, "ops.layer_norm")
+            raise
         if y is None:  # x kept (_keep_x): eager's backward, which never reuses dy
             return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
         # first use of dy (after the y is None branch, so that no reuse is counted that never
@@ -823,7 +860,11 @@ class _LayerNormCompiledFn(_LayerNormFn):
             return refuse_second_order("ops.layer_norm", _LayerNormCompiledFn.backward, ctx, (dy,))
         if dy is None:  # NOTE [Norm backward without materialized gradients]
             return None, None, None, None, None, None, None
-        y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        try:
+            y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, "ops.layer_norm")
+            raise
         if y is None:  # x kept (_keep_x; not taken while compiling): eager's backward
             return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
         need = ctx.needs_input_grad

@@ -91,7 +91,13 @@ from slimgrad._math.norms import rms_norm_fwd_torch as _fwd_torch
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
-from slimgrad.ops.layer_norm import HALF_DTYPES, autocast_inputs, grads_or_empty, owns_layout
+from slimgrad.ops.layer_norm import (
+    HALF_DTYPES,
+    autocast_inputs,
+    grads_or_empty,
+    owns_layout,
+    y_written,
+)
 
 __all__ = ["HALF_DTYPES", "rms_norm"]
 
@@ -233,7 +239,11 @@ class _RMSNormFn(torch.autograd.Function):
         # take(dy) in this frame, one call fewer (layer_norm's form): the first use of dy, NOTE
         # [Gradient-buffer ownership]; grant asks that the backward itself asked compiling()
         buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
-        y, rstd, idx, xside, weight = ctx.saved_tensors
+        try:
+            y, rstd, idx, xside, weight = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, "ops.rms_norm")
+            raise
         need = ctx.needs_input_grad
         mask = [need[0], need[2]]
         if (
@@ -676,7 +686,11 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         # take(dy) in this frame, one call fewer (layer_norm's form): the first use of dy, NOTE
         # [Gradient-buffer ownership]; grant asks that the backward itself asked compiling()
         buf = dy if not compiling() and ownership.grant(dy, ownership.PROBE) else None
-        y, rstd, idx, xside, weight = ctx.saved_tensors
+        try:
+            y, rstd, idx, xside, weight = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, "ops.rms_norm")
+            raise
         need = ctx.needs_input_grad
         dx, dw = _from_output_bwd(
             dy, buf, y, rstd, idx, xside, weight, ctx.variant, need[0], need[1]
@@ -875,7 +889,11 @@ class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
             return refuse_second_order("ops.rms_norm", _HFRMSNormCompiledFn.backward, ctx, (dy, *_))
         if dy is None:
             return None, None, None, None, None
-        y, rstd, idx, xside, weight = ctx.saved_tensors
+        try:
+            y, rstd, idx, xside, weight = ctx.saved_tensors
+        except RuntimeError as e:  # NOTE [A norm's output written after forward]
+            y_written(e, ctx, "ops.rms_norm")
+            raise
         need_x = ctx.needs_input_grad[0]
         need_w = weight is not None and ctx.needs_input_grad[1]
         d = y.shape[-1]
