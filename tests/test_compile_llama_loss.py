@@ -104,3 +104,43 @@ def test_chunked_keeps_the_opaque_backward():
     (l32, g32), (l64, g64) = _reference(h, w, b, t, "mean", 0.0)
     assert_within_rule(loss, l64, l32, names=["loss"])
     assert_within_rule(grads, g64, g32, names=["dh", "dW", "db"])
+
+
+def test_bf16_upcast_loss_stays_float32_and_meets_the_rule():
+    # causal_lm_loss upcasts (HF's logits.float()): compiled, the loss is float32 as uncompiled
+    # and as HF's, bf16 hidden and weight, no autocast (review26c: the traced one-chunk path
+    # computed it in bf16, 784.0 against 782.27)
+    from slimgrad.ops.linear_cross_entropy import causal_lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    n0, n1, h_, v = 2, 9, 16, 37
+    h0 = torch.randn(n0, n1, h_, generator=g) * 3
+    w0 = torch.randn(v, h_, generator=g) / h_**0.5 * 3
+    lab = torch.randint(0, v, (n0, n1), generator=g)
+
+    def hf(h, w):
+        z = F.linear(h, w).float()
+        sl = F.pad(lab, (0, 1), value=-100)[..., 1:]
+        return F.cross_entropy(z.reshape(-1, v), sl.reshape(-1), ignore_index=-100, reduction="sum")
+
+    def run(fn, dt):
+        h, w = (x.to(dt).requires_grad_() for x in (h0, w0))
+        loss = fn(h, w)
+        loss.backward()
+        return loss.detach(), [h.grad, w.grad]
+
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(
+            lambda h, w: causal_lm_loss(h, w, lab, num_items_in_batch=1),
+            backend=BACKEND,
+            fullgraph=True,
+        )
+        loss, grads = run(f, torch.bfloat16)
+    finally:
+        torch._dynamo.reset()
+    assert loss.dtype == torch.float32
+    l16, g16 = run(hf, torch.bfloat16)
+    l64, g64 = run(hf, torch.float64)
+    assert_within_rule(loss, l64, l16, names=["loss"])
+    assert_within_rule(grads, g64, g16, names=["dh", "dW"])
