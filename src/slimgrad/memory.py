@@ -1127,8 +1127,9 @@ def _known_values(func, args, kwargs):
 # ATen/native/mkldnn/Conv.cpp) computes the weight and bias gradients in one primitive
 # (``convolution_backward_weights``), so whenever the bias gradient is asked (``output_mask[2]``)
 # it returns a weight gradient too, asked for or not, and convolution_backward hands it on. The
-# caller drops it (eager's ConvolutionBackward0 under a frozen weight; the dx-only call of
-# ops/conv.py's derived-input path), but it is an output: the tracker counts a weight-sized tensor
+# caller drops it (eager's ConvolutionBackward0 under a frozen weight; before NOTE [The bias
+# gradient with dW] in ops/conv.py, the dx call of its derived-input path, which now asks dx
+# alone), but it is an output: the tracker counts a weight-sized tensor
 # for that op, and where the op sets the peak the real step's peak was above the estimate by the
 # weight's bytes, since the fake (meta) kernel returns only what the mask asks (Conv-BN-ReLU x3,
 # 3x3 convs of 8 channels at 2x3x9x7, converted: 12,616 B real, 10,312 B estimated). The other CPU
