@@ -63,13 +63,11 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 # peak (1.020x eager's on a tiny config, 1.030x at hidden 128 / 64 tokens). So a LayerNorm whose
 # output is known not to be kept (the "not kept" answer above, or a forward declared with
 # ``_NOBODY``) runs eager's op: eager's bytes and bits, never more. "Unknown" still keeps y (most
-# norms hand y to a Linear in a forward no table lists). The cost, measured on the same tiny
-# Persimmon: where the value slice is copied before the attention keeps it (a KV cache's cat, the
-# eager attention's reshape) the q and k views keep the whole fused output (3 x hidden) where the
-# two y's were 2 x hidden: saved 58,944 -> 63,040 B with a cache (eager 79,556), still below
-# eager's; without a cache it won 67,136 -> 58,944 B (eager 75,460) and the peak went from equal
-# to eager's to 0.96x. RMSNorm and GroupNorm are left as they were: HF's eager RMSNorm keeps more
-# than x, so eager's op is not the floor there.
+# norms hand y to a Linear in a forward no table lists). The trade: where the value slice is
+# copied before the attention keeps it (a KV cache's cat, the eager attention's reshape), the q
+# and k views keep the whole fused output (3 x hidden) where the two y's were 2 x hidden; that is
+# still eager's own cost, never above it. RMSNorm and GroupNorm are left as they were: HF's eager
+# RMSNorm keeps more than x, so eager's op is not the floor there.
 
 _OUT = "<output>"  # the child's output is the parent's output
 _NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it (no child takes it)
