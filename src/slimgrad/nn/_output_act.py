@@ -53,7 +53,24 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 # its consumer (the caller may write it: NOTE [Modules whose output is the model's output] in
 # slimgrad/convert_handlers/inplace_guard.py); so do the norms and LeakyReLU/Hardtanh/ReLU6 there.
 
+# NOTE [A LayerNorm whose output nobody keeps runs eager's op]
+# slimgrad's LayerNorm keeps y where eager keeps x (plus mean and rstd on both sides). Where y's
+# consumer keeps y (a Linear) that saves x's bytes; where nothing keeps y it saves nothing at best,
+# and costs y's bytes above eager's where x's storage is kept anyway by another op: HF Persimmon's
+# q/k norms take views of the fused qkv output, whose value slice the attention keeps, and hand y
+# to the rotary embedding and a cat, which keep none of it. With gradient checkpointing the last
+# layer's recomputation then held one batch x seq x hidden tensor more than eager's at the step's
+# peak (1.020x eager's on a tiny config, 1.030x at hidden 128 / 64 tokens). So a LayerNorm whose
+# output is known not to be kept (the "not kept" answer above, or a forward declared with
+# ``_NOBODY``) runs eager's op: eager's bytes and bits, never more. "Unknown" still keeps y (most
+# norms hand y to a Linear in a forward no table lists). The trade: where the value slice is
+# copied before the attention keeps it (a KV cache's cat, the eager attention's reshape), the q
+# and k views keep the whole fused output (3 x hidden) where the two y's were 2 x hidden; that is
+# still eager's own cost, never above it. RMSNorm and GroupNorm are left as they were: HF's eager
+# RMSNorm keeps more than x, so eager's op is not the floor there.
+
 _OUT = "<output>"  # the child's output is the parent's output
+_NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it (no child takes it)
 
 #: {(class, method) the call is written in: {child: children y passes through, consumer last; or
 #: _OUT}}
@@ -65,6 +82,13 @@ _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
     },
     ("transformers.models.bert.modeling_bert.BertLayer", "feed_forward_chunk"): {
         "intermediate": ("output",)
+    },
+    # NOTE [A LayerNorm whose output nobody keeps runs eager's op]: the q/k norms' outputs go to
+    # the partial rotary embedding (products with cos/sin, which are computed under no_grad) and
+    # to torch.cat: nothing keeps them
+    ("transformers.models.persimmon.modeling_persimmon.PersimmonAttention", "forward"): {
+        "q_layernorm": _NOBODY,
+        "k_layernorm": _NOBODY,
     },
 }
 #: {class: the child its forward hands its (first) input to first}
@@ -176,6 +200,8 @@ def _kept_after(child, sites: dict, depth: int = 0) -> bool | None:
             spec = rule[name]
             if spec == _OUT:
                 return _kept_after(parent, sites, depth + 1)
+            if spec == _NOBODY:
+                return False
             for t in spec:  # the first child that does not pass y on is its consumer
                 c = parent._modules.get(t)
                 if not _passes(c):
@@ -325,8 +351,11 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     for m in model.modules():
         # subclasses too (timm's LayerNorm2d, LayerNormAct, GroupNormAct run the parent's forward)
         if isinstance(m, kinds):
+            # a LayerNorm too where nothing keeps y: NOTE [A LayerNorm whose output nobody keeps
+            # runs eager's op]
             keep = id(m) not in out and (
-                type(m) not in smooth or _kept_after(m, sites) is not False
+                (type(m) not in smooth and not isinstance(m, snn.LayerNorm))
+                or _kept_after(m, sites) is not False
             )
             m.__dict__.pop("keep_y", None)
             if not keep:
