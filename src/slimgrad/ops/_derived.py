@@ -401,10 +401,14 @@ class Derived(_Record):
     base: detached alias of b (shares b's version counter); act: an activation spec (a str or a
     tuple, see ACTIVATIONS); version: the derived tensor's version when it was registered; store:
     NOTE [Rebuilt once per backward], shared by b's derived tensors; pack: b's one pack under
-    saved-tensor hooks (NOTE [One pack per shared tensor]), or None."""
+    saved-tensor hooks (NOTE [One pack per shared tensor]), or None; region: NOTE [A lookup across
+    a checkpoint boundary]."""
 
     store: _Store | None = None
     pack: list | None = None
+    # NOTE [A lookup across a checkpoint boundary]: checkpoint's pack hook active where this was
+    # registered, or None outside any checkpoint
+    region: object | None = None
 
     def consumer(self) -> Rebuild:
         """A handle for one node that will rebuild this tensor in backward (counted as a user)."""
@@ -524,6 +528,38 @@ def _checkpoints(hooks: tuple) -> bool:
 def under_checkpoint() -> bool:
     hooks = _top_hooks(False)
     return hooks is not None and _checkpoints(hooks)
+
+
+# NOTE [A lookup across a checkpoint boundary]
+# A non-reentrant torch.utils.checkpoint runs its function twice, at forward and again inside
+# backward, and hands the backward's nodes what the recompute saved, matched by index: so every op
+# inside must save the same tensors in the same order both times. An op inside that looks up a
+# registry by identity (a conv or a gate asking whether its input is a derived tensor act(b):
+# NOTE [Derived saved inputs]) sees, for a tensor made before the checkpoint, at forward the
+# registered tensor itself, but in the recompute what checkpoint hands back for its input, which
+# under a user's saved-tensor hooks is what their unpack returns: another tensor, not registered.
+# So the conv kept b at forward and x = act(b) in the recompute (equal shapes), and its backward
+# rebuilt act(x): c2.weight's gradient off by 4.57 (SiLU, save_on_cpu; GELU and Hardswish alike,
+# identity and copying hooks too) from the second step on, when the norm under hooks first keeps b
+# for its activation. So a derived record carries its region, checkpoint's pack hook active where
+# it was registered (None outside every checkpoint), and an op under checkpoint's hooks uses it
+# only where that is its own region: a record made inside the region (at forward, and made again
+# in the recompute under the recompute's hooks) is used both times; one made outside is used in
+# neither, and the op keeps x itself, as eager's node does (the checkpoint holds x anyway: no byte
+# is added). Outside every checkpoint nothing changes. NOTE [A claim under checkpoint's hooks] is
+# the other split (the norm outside, the activation inside).
+def region() -> object | None:
+    """Checkpoint's pack hook where torch.utils.checkpoint's hooks are the innermost active ones,
+    else None (NOTE [A lookup across a checkpoint boundary])."""
+    h = _top_hooks(False)
+    return None if h is None or not _checkpoints(h) else h[0]
+
+
+def in_region(d: Derived) -> bool:
+    """Whether an op running now may use derived record ``d`` (NOTE [A lookup across a
+    checkpoint boundary]): not under checkpoint's hooks, or under those of ``d``'s own region."""
+    h = _top_hooks(False)
+    return h is None or h[0] is d.region or not _checkpoints(h)
 
 
 def shared(p: list | None) -> list | None:
@@ -710,6 +746,7 @@ def register_gated(
         version=y._version,
         store=store,
         pack=pack,
+        region=region(),
     )
     _put(_DERIVED_D, y, d)
 
@@ -769,6 +806,8 @@ def _lookup(x: torch.Tensor) -> Derived | None:
     if x._version != d.version or d.base._version != d.base_version:
         return None
     if type(d.act) is tuple and d.act[0] == "gate" and d.act[2]._version != d.act[3]:
+        return None
+    if not in_region(d):  # NOTE [A lookup across a checkpoint boundary]
         return None
     return d
 
@@ -1059,8 +1098,14 @@ def activation(
         else:
             r = _packed_act(x, spec, pack)
         _CLOCK[0] += 1  # _tick()
+        h = _top_hooks(False)  # region(), inline (NOTE [A lookup across a checkpoint boundary])
         d = Derived(
-            base=x.detach(), base_version=x._version, act=spec, version=r._version, pack=pack
+            base=x.detach(),
+            base_version=x._version,
+            act=spec,
+            version=r._version,
+            pack=pack,
+            region=None if h is None or getattr(h[0], "__module__", None) != _CHECKPOINT else h[0],
         )
         # _put(_DERIVED_D, r, d), inline (NOTE [A registry entry dropped in C]): r is this
         # call's fresh output

@@ -560,7 +560,9 @@ class _BatchNormFn(torch.autograd.Function):
                 # ownership, which the checkpoint's hold on b refuses)
                 ctx.b_hooks = _derived.pack_hooks()
                 if ctx.b_hooks is None:
-                    ctx.save_for_backward(out if _task_id() == -1 else out.clone())
+                    # NOTE [The same ops under selective checkpointing]
+                    copy = _task_id() != -1 or (_dispatch_depth() and _derived.under_checkpoint())
+                    ctx.save_for_backward(out.clone() if copy else out)
                 else:  # NOTE [A claim under checkpoint's hooks] in ops/_derived.py
                     ctx.fwd_hooks = ctx.b_hooks
                 ctx.pre = True
@@ -1420,6 +1422,23 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _task_id = torch._C._current_graph_task_id
+# the depth of the Python dispatch mode stack (torch's selective checkpointing runs under one);
+# private: 0 where this torch lacks it
+_dispatch_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+# NOTE [The same ops under selective checkpointing]
+# torch's selective activation checkpointing (checkpoint(..., context_fn=partial(
+# create_selective_checkpoint_contexts, policy))) records every aten op of the forward under a
+# dispatch mode and, in the recompute inside backward, hands each op its stored entry by name and
+# call count: an op the recompute calls more often than the forward did raises "... encountered
+# during backward but not found in storage". A norm claimed under checkpoint's hooks saves its
+# output at forward and a copy of it in the recompute (NOTE [Under saved-tensor hooks] above:
+# the recompute's own activation may write over it): from the second step on, when the decision
+# read from the last weight version keeps b, the recompute's extra aten.clone raised (Conv ->
+# BatchNorm -> SiLU or Hardswish under any policy; eager ran). Under a dispatch mode inside a
+# checkpoint the forward copies too, so both runs issue the same ops; the forward's copy is let
+# go at once (checkpoint's pack holds no tensor), a transient of b's bytes there and only there.
 _PRE = 2  # the forward's ``hooked``: inside a hooks region, b saved at forward (pre)
 _CLAIMS_KEY = "_slimgrad_bn_claims"  # NOTE [Under saved-tensor hooks]: in the module's __dict__
 _has_tf = torch._C._has_torch_function_variadic

@@ -529,6 +529,12 @@ def _conv(
                 and x._version == d.version
                 and d.base._version == d.base_version
                 and (type(act) is not tuple or act[0] != "gate" or act[2]._version == act[3])
+                # _derived.in_region(d), inline: NOTE [A lookup across a checkpoint boundary]
+                and (
+                    (h := _derived._top_hooks(False)) is None
+                    or h[0] is d.region
+                    or not _derived._checkpoints(h)
+                )
             ):
                 d = None
     anchor = xu = None
