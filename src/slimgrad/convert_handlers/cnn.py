@@ -172,9 +172,11 @@ def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[
             if not allowed(child, fqn):  # the table pass tells it too, as for any module
                 out.append(Decision(fqn, parent, name, child, reason="filter_fn returned False"))
                 continue
-            if _inplace_guard.kept_reason(child) is not None:
+            if isinstance(child, nn.ReLU) and _inplace_guard.kept_reason(child) is not None:
                 # NOTE [A write after a BatchNorm output was claimed] in inplace_guard.py: torch's
-                # ReLU stays (the table pass reports why)
+                # ReLU stays (the table pass reports why). Another activation the guard keeps for
+                # a write over its own output still converts here: its after-norm form keeps b,
+                # not its output, so that write reads nothing it kept
                 continue
             new = h(child)
             share_hooks(child, new)  # a handle taken before convert_ still removes its hook
