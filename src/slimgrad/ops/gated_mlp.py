@@ -82,6 +82,18 @@ _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _any_autocast = _C._is_any_autocast_enabled
 _grad_on = _C.is_grad_enabled
+
+# NOTE [The lean MLP ops refuse second derivatives]
+# The gated MLP op and GPT-2's MLP node keep what first derivatives need and no more: a frozen
+# projection's input, a cast of x nobody's gradient reads. A double backward would need them on
+# every first-order call (+18-37% saved bytes for attention-only LoRA), so differentiating their
+# first derivatives raises this error instead; the fix names the switch that really leaves the
+# MLPs to torch (their handlers sit under ConvertConfig's ``activations`` field).
+_DOUBLE_FIX = (
+    "the lean MLP op does not support second derivatives; convert with "
+    "ConvertConfig(activations=False) (MLPs and activations stay torch's), or leave this MLP "
+    "unconverted with convert_(model, filter_fn=...)"
+)
 _PLAIN = (Tensor, torch.nn.Parameter)
 _Parameter = torch.nn.Parameter
 _NO_CONTEXT = contextlib.nullcontext()
@@ -424,7 +436,9 @@ class _GatedMLPFn(torch.autograd.Function):
         # first_order("ops.gated_mlp") inline, one frame fewer (NOTE [Second derivatives] in
         # slimgrad/_autograd.py)
         if _grad_on():
-            return refuse_second_order("ops.gated_mlp", _GatedMLPFn.backward, ctx, (dy,))
+            return refuse_second_order(
+                "ops.gated_mlp", _GatedMLPFn.backward, ctx, (dy,), _DOUBLE_FIX
+            )
         x, g, u, h, wg, wu, wd = ctx.saved_tensors
         if ctx.straight and not (_any_autocast() or compiling()):
             if _EXT_BWD is None and not _ext._state["tried"]:

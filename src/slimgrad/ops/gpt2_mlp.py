@@ -140,6 +140,12 @@ _dr = sys.modules["slimgrad.ops.dropout"]
 _ge = sys.modules["slimgrad.ops.gelu"]
 _ln = sys.modules["slimgrad.ops.layer_norm"]
 _grad_on = torch._C.is_grad_enabled
+# NOTE [The lean MLP ops refuse second derivatives] in slimgrad/ops/gated_mlp.py
+_DOUBLE_FIX = (
+    "the lean MLP op does not support second derivatives; convert with "
+    "ConvertConfig(activations=False) (MLPs and activations stay torch's), or leave this MLP "
+    "unconverted with convert_(model, filter_fn=...)"
+)
 _Tensor = torch.Tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 _gelu_bwd_into = torch.ops.aten.gelu_backward.grad_input
@@ -426,7 +432,7 @@ class _GPT2MLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
-            return refuse_second_order("ops.gpt2_mlp", _backward, ctx, (dy,))
+            return refuse_second_order("ops.gpt2_mlp", _backward, ctx, (dy,), _DOUBLE_FIX)
         # first use of dy: NOTE [Gradient-buffer ownership], as the per-op Dropout's backward
         owned = (
             ctx.steps[3] is not None and not compiling() and ownership.grant(dy, ownership.PROBE)
@@ -473,7 +479,7 @@ class _GPT2LNMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
-            return refuse_second_order("ops.gpt2_mlp", _ln_mlp_backward, ctx, (dy,))
+            return refuse_second_order("ops.gpt2_mlp", _ln_mlp_backward, ctx, (dy,), _DOUBLE_FIX)
         # first use of dy: NOTE [Gradient-buffer ownership], as the per-op Dropout's backward
         owned = (
             ctx.steps[4] is not None and not compiling() and ownership.grant(dy, ownership.PROBE)
@@ -541,7 +547,7 @@ def _ac_double(ctx, dy):
     # frozen) h has no history here: first derivatives only.
     fc, act, proj, drop = ctx.steps
     if act is not None and not fc.needs_input_grad[1]:
-        return refuse_second_order("ops.gpt2_mlp", _ac_backward, ctx, (dy,))
+        return refuse_second_order("ops.gpt2_mlp", _ac_backward, ctx, (dy,), _DOUBLE_FIX)
     _hand_out_saved(ctx)
     x, w_fc = fc.saved_tensors
     y, w_proj = proj.saved_tensors
