@@ -66,18 +66,22 @@ class _SecondOrderRefused(torch.autograd.Function):
     """Identity on a first derivative; differentiating it raises (NOTE [Second derivatives])."""
 
     @staticmethod
-    def forward(ctx, op: str, grad: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, op: str, fix: str | None, grad: torch.Tensor, *deps: torch.Tensor):
         ctx.op = op
+        ctx.fix = fix
         return grad.view_as(grad)
 
     @staticmethod
     def backward(ctx, *args):
+        fix = ctx.fix or (
+            "leave this module unconverted (convert_(model, filter_fn=...)) or call the torch op "
+            "for double backward"
+        )
         raise RuntimeError(
             f"slimgrad.{ctx.op}: a second derivative through this op was requested "
             "(backward with create_graph=True, then differentiated again); expected first "
             "derivatives only, got a double backward. slimgrad keeps only what first derivatives "
-            "need: leave this module unconverted (convert_(model, filter_fn=...)) or call the "
-            "torch op for double backward."
+            f"need: {fix}."
         )
 
 
@@ -89,18 +93,23 @@ def _deps(ctx, grads: tuple) -> list[torch.Tensor]:
     return [t for t in (*saved, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def tie_refusal(op: str, grad: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+def tie_refusal(
+    op: str, grad: torch.Tensor, *deps: torch.Tensor, fix: str | None = None
+) -> torch.Tensor:
     """``grad`` itself (as a view) whose derivative with respect to ``deps`` raises the
     ``slimgrad.<op>`` second-derivative error (NOTE [Second derivatives]). For a backward that
-    ties its results by hand, e.g. to anchors of its inputs when nothing it saved has history."""
-    return _SecondOrderRefused.apply(op, grad, *deps)
+    ties its results by hand, e.g. to anchors of its inputs when nothing it saved has history.
+    ``fix``: the error's how-to-fix sentence where the generic one (leave the module
+    unconverted) is not the best advice."""
+    return _SecondOrderRefused.apply(op, fix, grad, *deps)
 
 
-def refuse_second_order(op: str, backward: Callable, ctx, grads: tuple):
+def refuse_second_order(op: str, backward: Callable, ctx, grads: tuple, fix: str | None = None):
     """Run ``backward(ctx, *grads)`` without grad and tie each floating result to everything it
     read that has history (saved tensors, ``grads``) through :func:`tie_refusal`: the first
     derivatives are right, differentiating them raises. For a ``double=`` that only sometimes
-    has eager's second derivatives (NOTE [Second derivatives])."""
+    has eager's second derivatives (NOTE [Second derivatives]). ``fix``: as for
+    :func:`tie_refusal`."""
     # grad mode is on here (create_graph): ownership.take refuses, so nothing is overwritten, and
     # this extra call would hold one more reference anyway.
     deps = _deps(ctx, grads)
@@ -111,7 +120,9 @@ def refuse_second_order(op: str, backward: Callable, ctx, grads: tuple):
     single = not isinstance(out, tuple)
     outs = (out,) if single else out
     tied = tuple(
-        tie_refusal(op, o, *deps) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+        tie_refusal(op, o, *deps, fix=fix)
+        if isinstance(o, torch.Tensor) and o.is_floating_point()
+        else o
         for o in outs
     )
     return tied[0] if single else tied

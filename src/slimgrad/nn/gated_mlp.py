@@ -32,9 +32,13 @@ the step's peak (few tokens: a frozen ``down_proj``, 1-3 tokens, a non-leaf x, b
 peak was 2 B per element of x above eager's (16 B at 1 token of 8 features, 96 B at 3 tokens of
 16). The module makes the gate's, up's and down's tokens (cached per autocast region, so the
 children's own calls find them) before calling the children: x's casts come after every token, as
-in eager, and backward casts x's gradients first (the same bits: independent casts). Measured
-(tracker) at 1-64 tokens, 4-128 wide, leaf and non-leaf x, each projection frozen or not: never
-above eager's peak (tests/conformance/test_never_more_than_eager_mlp.py).
+in eager, and backward casts x's gradients first (the same bits: independent casts). Biases
+that require grad get their (cached) casts made there too, each before its weight's token, as
+eager's ``F.linear`` makes them: with the weights' tokens alone the children cast the biases
+after x, their float32 casts ran before x's in backward and ``mlp_bias=True`` rows peaked 16-192 B
+above eager's (review26b). Measured (tracker) at 1-64 tokens, 4-128 wide, leaf, non-leaf and
+no-grad x, each projection frozen or not, with and without biases: never above eager's peak where
+main was not (tests/conformance/test_never_more_than_eager_mlp.py).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from slimgrad.ops.gated_mlp import (
     lean_wins,
 )
 from slimgrad.ops.gated_mlp import _fwd_torch as _eager_ops
-from slimgrad.ops.linear import autocast_weight, keeps_master
+from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
 
 __all__ = ["GatedMLP", "activation_of"]
 
@@ -165,15 +169,21 @@ def _autocast_sizes(x: torch.Tensor, gate, up, down) -> tuple | None:
     return (x.element_size(), dt.itemsize, ws[0].element_size())
 
 
-def _tokens_first(x: torch.Tensor, gw, up, dw) -> None:
-    # NOTE [The gated MLP's children under autocast]: each leaf weight's cast token made before
-    # the children cast x, so that backward casts x's gradients back (and sums them) before the
-    # weights' gradients, in eager's order
+def _tokens_first(x: torch.Tensor, gw, gb, up, dw, db) -> None:
+    # NOTE [The gated MLP's children under autocast]: each projection's bias cast, then its
+    # weight's cast token, made before the children cast x (eager's F.linear: bias, weight,
+    # x), so that backward casts x's gradients back (and sums them) before the weights' and
+    # biases' gradients, in eager's order
     dev = x.device.type
     if not torch.is_autocast_enabled(dev):
         return
     dt = torch.get_autocast_dtype(dev)
-    for w in (gw, None if up is None else _params(up)[0], dw):
+    ub = None
+    if up is not None:
+        uw, ub = _params(up)
+    for w, b in ((gw, gb), (None if up is None else uw, ub), (dw, db)):
+        if b is not None and b.requires_grad:  # cached per region: the child's call finds it
+            _autocast_cast(b, dev, dt)
         if w is not None and keeps_master(w, dt):
             autocast_weight(w, dt)
 
@@ -451,7 +461,7 @@ class GatedMLP(NoScript, nn.Module):
                     lean = self.__dict__["_general_lean"]
                 if not self.recompute_activation and not lean:
                     if _any_autocast():
-                        _tokens_first(x, gw, up, dw)
+                        _tokens_first(x, gw, gb, up, dw, db)
                     if self.fused:  # eager's ops (act computes ``a``: checked above)
                         g, u = gate(x).chunk(2, dim=-1)
                         return down(u * _act(g, a))

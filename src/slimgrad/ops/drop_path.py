@@ -41,6 +41,14 @@ def _rebuild(bits: Tensor, shape, dtype, keep_prob: float, scale: bool) -> Tenso
     return m
 
 
+def _bwd(ctx, grad: Tensor):
+    # grad * m: torch ops, linear in grad, so under create_graph=True (first_order's double) the
+    # result carries grad's history and eager's second derivatives follow exactly
+    (bits,) = ctx.saved_tensors
+    m = _rebuild(bits, *ctx.meta)
+    return grad * m, None, None, None, None  # eager: mul_tensor_backward(grad, m)
+
+
 class _DropPathFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, m: Tensor, bits: Tensor, keep_prob: float, scale: bool) -> Tensor:
@@ -48,12 +56,7 @@ class _DropPathFn(torch.autograd.Function):
         ctx.save_for_backward(bits)
         return x * m
 
-    @staticmethod
-    @first_order("ops.drop_path")
-    def backward(ctx, grad: Tensor):
-        (bits,) = ctx.saved_tensors
-        m = _rebuild(bits, *ctx.meta)
-        return grad * m, None, None, None, None  # eager: mul_tensor_backward(grad, m)
+    backward = staticmethod(first_order("ops.drop_path", double=_bwd)(_bwd))
 
 
 def drop_path(

@@ -215,14 +215,25 @@ def _fwd_inplace_torch(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _apply_mask_torch(
-    g: torch.Tensor, bits: torch.Tensor, p: float, fused: bool, inplace: bool = False
+    g: torch.Tensor,
+    bits: torch.Tensor,
+    p: float,
+    fused: bool,
+    inplace: bool = False,
+    graph: bool = False,
 ) -> torch.Tensor:
     # dy * m / (1 - p), rounded exactly as eager's backward; also rebuilds the forward output from
     # its input. CPU and in-place: (g * m) * s equals eager's g * noise bit for bit (noise = m * s
     # in dtype; g * 1 = g exactly, g * 0 = +-0 or NaN as in eager); the mask is the only
-    # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary).
+    # temporary (1 B/elt). inplace=True overwrites g (a caller-owned temporary). graph=True
+    # (create_graph): torch ops only, so the result carries g's history (NOTE [Dropout's double
+    # backward]).
     # _c_lib(g), inline
-    lib = None if fused or 0 in g.shape or not g.is_contiguous() else _backend.use_cpu(g, C_STEM)
+    lib = (
+        None
+        if graph or fused or 0 in g.shape or not g.is_contiguous()
+        else _backend.use_cpu(g, C_STEM)
+    )
     if lib is not None:  # (g * m) * s == m ? g * s : g * 0, the same rounding, one pass
         out = g if inplace else torch.empty_like(g)
         key = (p, g.dtype, g.device)
@@ -233,7 +244,7 @@ def _apply_mask_torch(
             fns = _c_fns(lib)
         fns["bwd"](g.data_ptr(), bits.data_ptr(), out.data_ptr(), g.numel(), scale, _nthreads())
         return out
-    if not fused and _fake_c(g):  # NOTE [Fake tensors model the C kernel]
+    if not (graph or fused) and _fake_c(g):  # NOTE [Fake tensors model the C kernel]
         return g if inplace else torch.empty_like(g)
     if bits.dtype is not _U8:  # eager's noise (NOTE [Dropout's mask temporaries]): dy * noise
         return g.mul_(bits) if inplace else g * bits
@@ -315,11 +326,18 @@ def _backward(grad, bits, p, fused, owned):
     return _dropout_apply_mask(grad, bits, p, fused)
 
 
+# NOTE [Dropout's double backward]
+# Under create_graph=True dx = dy * m / (1 - p) must carry dy's history: it is linear in dy, so
+# its derivative is the same product and eager's second derivatives follow exactly. The C pass
+# (and its fake-tensor stand-in) write through data pointers, which autograd cannot see: a
+# converted Dropout gave a first derivative with no history and second derivatives along it
+# were silently zero (review26b item 6). graph=True takes the torch ops instead: the same
+# values (g * m) * s, bit for bit.
 def _double(ctx, grad, *_):
     # create_graph=True: dx = dy * m / (1 - p) with differentiable torch ops (linear in dy, no x:
     # eager's second derivatives); no buffer reuse.
     (bits,) = ctx.saved_tensors
-    return _apply_mask_torch(grad, bits, ctx.p, ctx.fused), None
+    return _apply_mask_torch(grad, bits, ctx.p, ctx.fused, graph=True), None
 
 
 def _double3(ctx, grad, *_):

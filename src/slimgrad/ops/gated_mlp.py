@@ -25,9 +25,8 @@ gradients reach the weights through slimgrad's cast nodes, one per weight per re
 autocast's cache, so a weight used twice in one region sums in the autocast dtype as in eager
 (NOTE [Autocast weight casts] in ``ops/linear.py``). A weight that is not a leaf keeps eager's
 behaviour (autocast's cast, kept).
-Selective saving: x, g and u are kept only if anything before ``h`` (x, Wg, bg, Wu, bu) needs a
-gradient (x for Wg's and Wu's gradients, and for second derivatives: NOTE [The gated MLP's second
-derivatives]); if only Wd needs a gradient, h alone (I s) is kept (eager: the
+Selective saving: x is kept only if Wg or Wu needs a gradient; g and u only if anything before
+``h`` (x, Wg, bg, Wu, bu) does; if only Wd needs a gradient, h alone (I s) is kept (eager: the
 same); weights are referenced only where the gradient of their input is needed. The tracker
 counts all it keeps in the matmul-input floor (``_slimgrad_floor``): x, and g and u standing in
 for h, down's input (h is a function of g and u, and no single tensor of I elements gives eager's
@@ -53,6 +52,7 @@ from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
+    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
@@ -82,6 +82,18 @@ _functorch_on = _C._are_functorch_transforms_active
 _is_tracing = _C._is_tracing
 _any_autocast = _C._is_any_autocast_enabled
 _grad_on = _C.is_grad_enabled
+
+# NOTE [The lean MLP ops refuse second derivatives]
+# The gated MLP op and GPT-2's MLP node keep what first derivatives need and no more: a frozen
+# projection's input, a cast of x nobody's gradient reads. A double backward would need them on
+# every first-order call (+18-37% saved bytes for attention-only LoRA), so differentiating their
+# first derivatives raises this error instead; the fix names the switch that really leaves the
+# MLPs to torch (their handlers sit under ConvertConfig's ``activations`` field).
+_DOUBLE_FIX = (
+    "the lean MLP op does not support second derivatives; convert with "
+    "ConvertConfig(activations=False) (MLPs and activations stay torch's), or leave this MLP "
+    "unconverted with convert_(model, filter_fn=...)"
+)
 _PLAIN = (Tensor, torch.nn.Parameter)
 _Parameter = torch.nn.Parameter
 _NO_CONTEXT = contextlib.nullcontext()
@@ -408,20 +420,14 @@ class _GatedMLPFn(torch.autograd.Function):
             and bu is None
             and bd is None
         )
-        # x, every weight and bias wherever anything before h needs a gradient: NOTE [The gated
-        # MLP's second derivatives]
-        ctx.dt = dt
         ctx.save_for_backward(
-            x if need_gu else None,
+            x if (nwg or nwu) else None,
             gu if need_gu else None,
             u if need_gu and not fused else None,
             h if nwd and not need_gu else None,
-            (wg if mg is None else mg) if need_gu else None,
-            (wu if mu is None else mu) if need_gu and not fused else None,
+            (wg if mg is None else mg) if nx else None,
+            (wu if mu is None else mu) if nx and not fused else None,
             (wd if md is None else md) if need_gu else None,
-            bg if need_gu else None,
-            bu if need_gu else None,
-            bd if need_gu else None,
         )
         return y
 
@@ -429,9 +435,11 @@ class _GatedMLPFn(torch.autograd.Function):
     def backward(ctx, dy):
         # first_order("ops.gated_mlp") inline, one frame fewer (NOTE [Second derivatives] in
         # slimgrad/_autograd.py)
-        if _grad_on():  # create_graph=True: NOTE [The gated MLP's second derivatives]
-            return _gated_double(ctx, dy)
-        x, g, u, h, wg, wu, wd = ctx.saved_tensors[:7]
+        if _grad_on():
+            return refuse_second_order(
+                "ops.gated_mlp", _GatedMLPFn.backward, ctx, (dy,), _DOUBLE_FIX
+            )
+        x, g, u, h, wg, wu, wd = ctx.saved_tensors
         if ctx.straight and not (_any_autocast() or compiling()):
             if _EXT_BWD is None and not _ext._state["tried"]:
                 _ext.load()  # built on first use (as ownership's first question builds it)
@@ -488,10 +496,9 @@ class _GatedMLPFn(torch.autograd.Function):
                 dwd, dbd = _to(dwd, wddt), _to(dbd, bddt)
             del g, u, h
             if need_gu:  # each gradient cast back as soon as it is made, its buffers dropped
-                # x is kept for the double backward too: cast only where a weight reads it
-                xg = None if not (m[1] or m[3]) else x if one else _cast(x, gdt)
+                xg = x if one else _cast(x, gdt)
                 # fused: dg is the (*, 2 I) gradient of the gate_up projection
-                wgc = None if not m[0] else wg if one else _cast(wg, gdt)
+                wgc = wg if one else _cast(wg, gdt)
                 dx, dwg, dbg = _linear_bwd(dg, xg, wgc, has_bg, False, m[0:3])
                 del dg, wgc
                 if not one:
@@ -502,10 +509,10 @@ class _GatedMLPFn(torch.autograd.Function):
                 if not both and not one and ctx.fused:
                     dx = _to(dx, xdt)
                 if not ctx.fused:
-                    xu = xg if udt == gdt or not m[3] else _cast(x, udt)
+                    xu = xg if udt == gdt else _cast(x, udt)
                     del xg
                     mu = (m[0], m[3], m[4])
-                    wuc = None if not m[0] else wu if one else _cast(wu, udt)
+                    wuc = wu if one else _cast(wu, udt)
                     dxu, dwu, dbu = _linear_bwd(du, xu, wuc, has_bu, False, mu)
                     del du, xu, wuc
                     if not one:
@@ -521,55 +528,6 @@ class _GatedMLPFn(torch.autograd.Function):
                 if not one:
                     dx = _to(dx, xdt)
         return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None, None
-
-
-# NOTE [The gated MLP's second derivatives]
-# Under ``create_graph=True`` (gradient penalties, Hessian-vector products,
-# ``torch.autograd.functional``) the backward recomputes the forward from what it kept (x, the
-# weights, the biases: the op's inputs, with their history) with eager's own ops in forward's
-# order and autocast state (each master weight cast to autocast's dtype as forward cast it, the
-# gradient of that cast going to the weight's cast token), and returns autograd's gradients of it
-# with ``create_graph``: eager's formulas on eager's operands, so autograd can differentiate them
-# again (this raised a ``slimgrad.ops.gated_mlp`` error where eager runs). x is kept wherever
-# anything before h needs a gradient, the gate and up weights frozen too (where the first-order
-# backward does not read it: D s_x bytes per token more there, which the peak formulas counted
-# already), and so are every weight and bias (the op's inputs: Parameters, no bytes, or under
-# autocast a weight's master and a bias's cached cast, which the node then keeps past the region:
-# 2 B/elt of each bias; the first-order backward casts a weight only where it reads it). Where only
-# the down projection needs a gradient its gradients are linear in the kept h: computed with
-# differentiable ops from it, nothing more kept.
-def _gated_double(ctx, dy):
-    x, _, _, h, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
-    n = ctx.needs_input_grad[:7]
-    if x is None:  # only the down projection needs a gradient: y = h Wd^T + bd, linear in h
-        with torch.autocast(dy.device.type, enabled=False) if _any_autocast() else _NO_CONTEXT:
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            dwd = dy2.t() @ h.reshape(-1, h.shape[-1]) if n[5] else None
-            dbd = dy2.sum(0) if n[6] and bd is not None else None
-        dwd, dbd = _to(dwd, ctx.in_dtypes[5]), _to(dbd, ctx.in_dtypes[6])
-        return None, None, None, None, None, dwd, dbd, None, None, None, None, None, None
-    dt, fused = ctx.dt, ctx.fused
-    ws = [wg, wu, wd]
-    leaves = []
-    with torch.enable_grad():
-        if dt is not None:  # each master cast as forward cast it; its gradient to the token
-            ws = [None if w is None else w.to(dt) if w.dtype != dt else w for w in ws]
-            ctx_ac = torch.autocast(x.device.type, dtype=dt)
-        else:
-            ctx_ac = _NO_CONTEXT
-        with ctx_ac:
-            y = _fwd_torch(x, ws[0], bg, ws[1], bu, ws[2], bd, ctx.activation, fused)
-        want = (x, ws[0], bg, ws[1], bu, ws[2], bd)
-        for i, t in enumerate(want):
-            if n[i] and t is not None:
-                leaves.append(i)
-        grads = torch.autograd.grad(
-            y, [want[i] for i in leaves], dy, create_graph=True, allow_unused=True
-        )
-    out = [None] * 7
-    for i, gr in zip(leaves, grads, strict=True):
-        out[i] = gr
-    return (*out, None, None, None, None, None, None)
 
 
 _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
@@ -641,8 +599,8 @@ def gated_mlp(
     eager's in every dtype and under autocast; gradients eager's formulas on the same operands.
 
     Memory: saves x + g + u (D s_x + 2 I s bytes per token), recomputing ``act(g) * u`` in
-    backward; eager saves x + g + act(g) + u + h (D s_x + 4 I s). Selective: x, g and u only if
-    x, Wg, bg, Wu or bu needs grad, h alone if only Wd does.
+    backward; eager saves x + g + act(g) + u + h (D s_x + 4 I s). Selective: x only if Wg or Wu
+    needs grad, g and u only if x, Wg, bg, Wu or bu does, h alone if only Wd does.
 
     Args:
         input: ``(*, D)``.
@@ -656,7 +614,7 @@ def gated_mlp(
 
     Raises:
         ValueError: unknown activation or mismatched shapes.
-        RuntimeError: torch.jit.trace.
+        RuntimeError: double backward (``create_graph=True``) through this op; torch.jit.trace.
 
     Example:
         >>> y = gated_mlp(x, wg, wu, wd, activation="silu")  # doctest: +SKIP
@@ -729,7 +687,7 @@ def gated_mlp_fused(
 
     Raises:
         ValueError: unknown activation, mismatched shapes or an odd ``gate_up_weight.shape[0]``.
-        RuntimeError: torch.jit.trace.
+        RuntimeError: double backward through this op; torch.jit.trace.
     """
     _check_activation("gated_mlp_fused", activation)
     _check_in("gated_mlp_fused", "input", input, gate_up_weight)

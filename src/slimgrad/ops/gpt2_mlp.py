@@ -8,8 +8,7 @@ Memory: saves x (if W_fc needs grad), y (if W_proj needs grad or anything before
 branch bits (1/8 B/elt of h) + the GELU's sparse exact table, and the dropout mask as bits (1/8
 B/elt of out): the per-op converted path's tensors, byte for byte (eager: x, h, y and a float mask:
 4 B/elt each in float32). All of it goes through ``save_for_backward``. Under bf16/fp16
-autocast: x's cast (2 B/elt of x; if anything before the GELU needs grad), h (2 B/elt of h) and
-the mask's bits; y is recomputed in
+autocast: x's cast (2 B/elt of x), h (2 B/elt of h) and the mask's bits; y is recomputed in
 backward (NOTE [GPT-2's MLP under autocast]); eager keeps x's cast, h, y, the weights' casts and a
 byte mask.
 
@@ -72,12 +71,8 @@ peak bytes are below eager's and the peak at most the per-op path's over a tiny-
 backward with differentiable ops, h recomputed from x's cast, c_fc's weight and fp32 bias (both
 saved, Parameters: no bytes) so its gradients carry h's history; first derivatives are eager's
 bits, second derivatives eager's formulas (autograd sums the paths through h in another order
-where dy depends on the output: within 2 ulp of the largest element). x's cast is kept wherever
-anything before the GELU needs a gradient, c_fc's weight frozen too (where the first-order
-backward does not read it): without it h had no history in the node and differentiating the
-first derivatives raised where eager runs (issue 30; 2 B/elt of x, 1,536 B of the 7,776 kept at
-24 tokens, 32 wide, intermediate 128, still below eager's, which keeps h, y and the weights'
-casts; ``tests/ops/test_gpt2_mlp_autocast.py``). Not taken (the children
+where dy depends on the output: within 2 ulp of the largest element). With c_fc's weight frozen
+x's cast is not kept: first derivatives only there (the second raise). Not taken (the children
 run one by one, as before): a non-leaf or non-float32 weight, a non-contiguous x, torch.compile,
 ``torch.func``, TorchScript tracing, a hooked child (NOTE [GPT-2 MLP: which path]).
 
@@ -145,6 +140,12 @@ _dr = sys.modules["slimgrad.ops.dropout"]
 _ge = sys.modules["slimgrad.ops.gelu"]
 _ln = sys.modules["slimgrad.ops.layer_norm"]
 _grad_on = torch._C.is_grad_enabled
+# NOTE [The lean MLP ops refuse second derivatives] in slimgrad/ops/gated_mlp.py
+_DOUBLE_FIX = (
+    "the lean MLP op does not support second derivatives; convert with "
+    "ConvertConfig(activations=False) (MLPs and activations stay torch's), or leave this MLP "
+    "unconverted with convert_(model, filter_fn=...)"
+)
 _Tensor = torch.Tensor
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack
 _gelu_bwd_into = torch.ops.aten.gelu_backward.grad_input
@@ -431,7 +432,7 @@ class _GPT2MLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
-            return refuse_second_order("ops.gpt2_mlp", _backward, ctx, (dy,))
+            return refuse_second_order("ops.gpt2_mlp", _backward, ctx, (dy,), _DOUBLE_FIX)
         # first use of dy: NOTE [Gradient-buffer ownership], as the per-op Dropout's backward
         owned = (
             ctx.steps[3] is not None and not compiling() and ownership.grant(dy, ownership.PROBE)
@@ -478,7 +479,7 @@ class _GPT2LNMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if _grad_on():  # create_graph=True (NOTE [Second derivatives] in slimgrad/_autograd.py)
-            return refuse_second_order("ops.gpt2_mlp", _ln_mlp_backward, ctx, (dy,))
+            return refuse_second_order("ops.gpt2_mlp", _ln_mlp_backward, ctx, (dy,), _DOUBLE_FIX)
         # first use of dy: NOTE [Gradient-buffer ownership], as the per-op Dropout's backward
         owned = (
             ctx.steps[4] is not None and not compiling() and ownership.grant(dy, ownership.PROBE)
@@ -542,8 +543,11 @@ def _ac_backward(ctx, dy, owned: bool = False):
 def _ac_double(ctx, dy):
     # create_graph=True: the backward with differentiable ops, h recomputed from x's cast, c_fc's
     # weight and bias (forward's bits) so that its gradients carry h's history: eager's second
-    # derivatives, the first-order backward's values (x's cast is kept wherever h is)
+    # derivatives, the first-order backward's values. Without x's cast kept (c_fc's weight
+    # frozen) h has no history here: first derivatives only.
     fc, act, proj, drop = ctx.steps
+    if act is not None and not fc.needs_input_grad[1]:
+        return refuse_second_order("ops.gpt2_mlp", _ac_backward, ctx, (dy,), _DOUBLE_FIX)
     _hand_out_saved(ctx)
     x, w_fc = fc.saved_tensors
     y, w_proj = proj.saved_tensors
@@ -566,8 +570,7 @@ def _ac_double(ctx, dy):
         m = fc.needs_input_grad
         if m[0]:
             dx = (dh @ w16.t()).view(x.shape)
-        if m[1]:
-            dt_fc = x2.t() @ dh
+        dt_fc = x2.t() @ dh
         if m[3] and fc.has_bias:
             db_fc = dh.sum(0)
     _release_saved(ctx.steps)
@@ -602,10 +605,8 @@ class _GPT2MLPAutocastFn(torch.autograd.Function):
             act.to_save, act.approximate = (h, bm_fc), approximate
             if ctx.recompute_y:
                 proj.to_save = (None, proj.to_save[1])
-        # the weights (resident Parameters, no bytes) for the double backward; x's cast wherever
-        # anything before the GELU needs a gradient, c_fc's weight frozen too (NOTE [GPT-2's MLP
-        # under autocast]: h's history for second derivatives)
-        fc.to_save = (x if need_h else fc.to_save[0], w_fc)
+        # the weights (resident Parameters, no bytes) for the double backward
+        fc.to_save = (fc.to_save[0], w_fc)
         proj.to_save = (proj.to_save[0], w_proj)
         del h
         drop = None
