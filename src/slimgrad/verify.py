@@ -521,8 +521,8 @@ def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tens
 # such a draw is then float64's own.
 
 _T = torch.Tensor
-_FACTORIES = frozenset({torch.rand, torch.randn})
-_LIKE = frozenset({torch.rand_like, torch.randn_like})
+_FACTORIES = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm})
+_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
 _IN_PLACE = frozenset(
     {
         _T.normal_,
@@ -532,9 +532,16 @@ _IN_PLACE = frozenset(
         _T.log_normal_,
         _T.cauchy_,
         _T.geometric_,
+        _T.random_,
     }
 )
 _ON_VALUES = frozenset({torch.bernoulli, _T.bernoulli})
+# NOTE [Random draws into out=]: every sampler that takes ``out=`` (``torch.randn(shape,
+# out=buf)`` into a float64 buffer in the reference drew float64's numbers: adv26 F6, a LayerNorm
+# weight x1.05 passed). Such a call draws exactly as the same call without ``out`` (a factory
+# with ``dtype``/``device`` from ``out``: ATen resizes ``out`` and fills it the way it fills a new
+# tensor), so it is drawn that way, under the rules above, and copied into ``out``.
+_WITH_OUT = _FACTORIES | frozenset({torch.normal, torch.bernoulli, torch.multinomial})
 
 
 class _SameDraws(torch.overrides.TorchFunctionMode):
@@ -550,7 +557,20 @@ class _SameDraws(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         wide = torch.float64
-        if func in _FACTORIES and kwargs.get("dtype") == wide and "out" not in kwargs:
+        out = kwargs.get("out")
+        if func in _WITH_OUT and isinstance(out, torch.Tensor):
+            # NOTE [Random draws into out=]
+            del kwargs["out"]
+            given = (*args[:2], kwargs.get("mean"), kwargs.get("std"))
+            floats = func is torch.normal and not any(isinstance(a, torch.Tensor) for a in given)
+            if func in _FACTORIES or floats:  # a factory: ATen's out= takes its dtype and device
+                kwargs.setdefault("dtype", out.dtype)
+                kwargs.setdefault("device", out.device)
+            drawn = self.__torch_function__(func, types, args, kwargs)
+            with torch.no_grad():
+                out.resize_(drawn.shape).copy_(drawn)
+            return out
+        if func in _FACTORIES and kwargs.get("dtype") == wide:
             rg = kwargs.pop("requires_grad", False)
             kwargs["dtype"] = self.narrow
             return func(*args, **kwargs).to(wide).requires_grad_(rg)
@@ -562,17 +582,22 @@ class _SameDraws(torch.overrides.TorchFunctionMode):
             tmp = torch.empty_like(args[0], dtype=self.narrow)
             func(tmp, *[self._n(a) for a in args[1:]], **kwargs)
             return args[0].copy_(tmp)
-        if func in _ON_VALUES and args and args[0].dtype == wide and "out" not in kwargs:
+        if func in _ON_VALUES and args and args[0].dtype == wide:
             return func(self._n(args[0]), *args[1:], **kwargs).to(wide)
-        if func is torch.normal and "out" not in kwargs:
+        if func is torch.normal:
             return self._normal(args, kwargs)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
     def _normal(self, args, kwargs):
         call = dict(zip(("mean", "std"), args))
         call.update(kwargs)
         mean, std = call.get("mean", 0.0), call.get("std", 1.0)
         tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
+        if not tensors and kwargs.get("dtype") == torch.float64:
+            # float mean and std: drawn like a factory (ATen: ``empty(size).normal_(mean, std)``)
+            rg = kwargs.pop("requires_grad", False)
+            kwargs["dtype"] = self.narrow
+            return torch.normal(*args, **kwargs).to(torch.float64).requires_grad_(rg)
         if not tensors or all(t.dtype != torch.float64 for t in tensors):
             return torch.normal(*args, **kwargs)
         shape = torch.broadcast_shapes(*[t.shape for t in tensors])
