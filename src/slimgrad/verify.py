@@ -1157,6 +1157,31 @@ def _reference_failed(what: str, err: Exception) -> str:
     )
 
 
+# NOTE [A mode the original cannot run]
+# Every batch runs in each of ``modes``. Some originals step the inputs in one mode and not in
+# the other: HF Qwen3Next and RecurrentGemma with gradient checkpointing run a training step in
+# train mode (checkpointing turns the cache off there), but in eval mode ``use_cache`` defaults to
+# True and their forward raises transformers' "`get_seq_length` can only be called on Attention
+# layers" (an unconverted copy raises the same: adv26 F7). That error, raised from inside verify,
+# read as a failure of verify or of the conversion. Where the original ran the inputs as given in
+# an earlier mode and raises on them in a later one, verify raises its own RuntimeError naming the
+# model, the mode, the original error and the ways out (leave that mode out of ``modes``, or make
+# the original run there); nothing is judged in that mode, so no report that could read as a pass
+# comes back. Where the first mode already fails, it is the caller's error, raised as before.
+
+
+def _mode_failed(model: nn.Module, mode: str, ran: str, err: Exception) -> str:
+    other = "train" if mode == "eval" else "eval"
+    return (
+        f"slimgrad.verify: the original model ({type(model).__name__}) cannot run a step on the "
+        f"inputs as given in {mode} mode; expected it to step them in every mode of ``modes`` as "
+        f"it did in the run {ran!r}, got {type(err).__name__}: {err}. verify cannot judge the "
+        f"converted model in {mode} mode: pass modes=({other!r},) to verify the mode the original "
+        f"runs, or make the original run in {mode} mode (HF models whose cache fails in a step: "
+        "add use_cache=False to the inputs)."
+    )
+
+
 def _reference(model: nn.Module) -> nn.Module:
     ref = _copy_of(model)
     try:
@@ -1398,7 +1423,8 @@ def verify(
         RuntimeError: the original cannot be deep-copied (e.g. it holds a cache with autograd
             history: the message names the attribute), or its copy cannot be made float64 (a
             step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
-            that cannot run]).
+            that cannot run]), or it steps the inputs in one of ``modes`` and raises in a later
+            one (NOTE [A mode the original cannot run]).
         TypeError: no loss can be made from the output and no ``loss_fn`` was given.
 
     Example:
@@ -1460,8 +1486,10 @@ def verify(
                 try:
                     run = _run(*args, dx=dx)
                 except Exception as err:
-                    if k == 0:  # the inputs as given: the caller's error
+                    if k == 0 and not runs:  # the inputs as given: the caller's error
                         raise
+                    if k == 0:  # NOTE [A mode the original cannot run]
+                        raise RuntimeError(_mode_failed(model, mode, runs[0].name, err)) from err
                     # the original cannot run this padded batch: nothing to compare
                     pad_what += f"; {label} not run (the original raised {type(err).__name__}: "
                     pad_what += f"{err})"
