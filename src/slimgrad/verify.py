@@ -1175,10 +1175,10 @@ def _mode_failed(model: nn.Module, mode: str, ran: str, err: Exception) -> str:
     return (
         f"slimgrad.verify: the original model ({type(model).__name__}) cannot run a step on the "
         f"inputs as given in {mode} mode; expected it to step them in every mode of ``modes`` as "
-        f"it did in the run {ran!r}, got {type(err).__name__}: {err}. verify cannot judge the "
-        f"converted model in {mode} mode: pass modes=({other!r},) to verify the mode the original "
-        f"runs, or make the original run in {mode} mode (HF models whose cache fails in a step: "
-        "add use_cache=False to the inputs)."
+        f"it did in the run {ran!r}, got {type(err).__name__}: {str(err).rstrip('.')}. verify "
+        f"cannot judge the converted model in {mode} mode: pass modes=({other!r},) to verify "
+        f"the mode the original runs, or make the original run in {mode} mode (HF models whose "
+        "cache fails in a step: add use_cache=False to the inputs)."
     )
 
 
