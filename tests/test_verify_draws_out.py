@@ -43,6 +43,8 @@ def _draw(kind: str, h: torch.Tensor) -> torch.Tensor:
         buf = buf.random_(0, 2**40) / 2**40
     elif kind == "randint_like":
         buf = torch.randint_like(h, 0, 2**30) / 2**30
+    elif kind == "init_normal_":
+        buf = nn.init.normal_(buf)
     elif kind == "randint_dtype":
         buf = torch.randint(0, 2**30, h.shape, dtype=h.dtype) / 2**30
     else:
@@ -62,6 +64,7 @@ _KINDS = [
     "random_range",
     "randint_like",
     "randint_dtype",
+    "init_normal_",
 ]
 
 
@@ -136,6 +139,12 @@ def _calls():
     yield "random_", lambda dt: torch.empty(_S, dtype=dt).random_()
     yield "random_range", lambda dt: torch.empty(_S, dtype=dt).random_(0, 2**40)
     yield "random_to", lambda dt: torch.empty(_S, dtype=dt).random_(5)
+    init = nn.init
+    yield "init.normal_", lambda dt: init.normal_(torch.empty(_S, dtype=dt), 0.5, 2.0)
+    yield "init.uniform_", lambda dt: init.uniform_(torch.empty(_S, dtype=dt))
+    yield "init.trunc_normal_", lambda dt: init.trunc_normal_(torch.empty(_S, dtype=dt))
+    yield "init.kaiming_uniform_", lambda dt: init.kaiming_uniform_(torch.empty(_S, dtype=dt))
+    yield "init.xavier_normal_", lambda dt: init.xavier_normal_(torch.empty(_S, dtype=dt))
 
 
 @pytest.mark.filterwarnings("ignore:.*out of bounds")

@@ -544,6 +544,10 @@ _ON_VALUES = frozenset({torch.bernoulli, _T.bernoulli})
 _WITH_OUT = _FACTORIES | frozenset({torch.normal, torch.bernoulli, torch.multinomial})
 
 
+def _is64(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float64
+
+
 class _SameDraws(torch.overrides.TorchFunctionMode):
     def __init__(self, narrow: torch.dtype):
         super().__init__()
@@ -582,6 +586,19 @@ class _SameDraws(torch.overrides.TorchFunctionMode):
             tmp = torch.empty_like(args[0], dtype=self.narrow)
             func(tmp, *[self._n(a) for a in args[1:]], **kwargs)
             return args[0].copy_(tmp)
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            # nn.init's fillers (normal_, uniform_, trunc_normal_, kaiming_*, ...) dispatch here
+            # as one call (the tensor as ``tensor=``): the in-place draws inside them run without
+            # the mode, so the filler runs on a narrow tensor, copied back widened
+            t = kwargs.get("tensor", args[0] if args else None)
+            if _is64(t):
+                tmp = torch.empty_like(t, dtype=self.narrow)
+                if "tensor" in kwargs:
+                    func(*args, **{**kwargs, "tensor": tmp})
+                else:
+                    func(tmp, *args[1:], **kwargs)
+                with torch.no_grad():
+                    return t.copy_(tmp)
         if func in _ON_VALUES and args and args[0].dtype == wide:
             return func(self._n(args[0]), *args[1:], **kwargs).to(wide)
         if func is torch.normal:
