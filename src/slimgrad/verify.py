@@ -521,8 +521,8 @@ def _grads_by_backward(loss, params: list[torch.Tensor], leaves: list[torch.Tens
 # such a draw is then float64's own.
 
 _T = torch.Tensor
-_FACTORIES = frozenset({torch.rand, torch.randn})
-_LIKE = frozenset({torch.rand_like, torch.randn_like})
+_FACTORIES = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm})
+_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like})
 _IN_PLACE = frozenset(
     {
         _T.normal_,
@@ -532,9 +532,20 @@ _IN_PLACE = frozenset(
         _T.log_normal_,
         _T.cauchy_,
         _T.geometric_,
+        _T.random_,
     }
 )
 _ON_VALUES = frozenset({torch.bernoulli, _T.bernoulli})
+# NOTE [Random draws into out=]: every sampler that takes ``out=`` (``torch.randn(shape,
+# out=buf)`` into a float64 buffer in the reference drew float64's numbers: adv26 F6, a LayerNorm
+# weight x1.05 passed). Such a call draws exactly as the same call without ``out`` (a factory
+# with ``dtype``/``device`` from ``out``: ATen resizes ``out`` and fills it the way it fills a new
+# tensor), so it is drawn that way, under the rules above, and copied into ``out``.
+_WITH_OUT = _FACTORIES | frozenset({torch.normal, torch.bernoulli, torch.multinomial})
+
+
+def _is64(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float64
 
 
 class _SameDraws(torch.overrides.TorchFunctionMode):
@@ -550,7 +561,20 @@ class _SameDraws(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         wide = torch.float64
-        if func in _FACTORIES and kwargs.get("dtype") == wide and "out" not in kwargs:
+        out = kwargs.get("out")
+        if func in _WITH_OUT and isinstance(out, torch.Tensor):
+            # NOTE [Random draws into out=]
+            del kwargs["out"]
+            given = (*args[:2], kwargs.get("mean"), kwargs.get("std"))
+            floats = func is torch.normal and not any(isinstance(a, torch.Tensor) for a in given)
+            if func in _FACTORIES or floats:  # a factory: ATen's out= takes its dtype and device
+                kwargs.setdefault("dtype", out.dtype)
+                kwargs.setdefault("device", out.device)
+            drawn = self.__torch_function__(func, types, args, kwargs)
+            with torch.no_grad():
+                out.resize_(drawn.shape).copy_(drawn)
+            return out
+        if func in _FACTORIES and kwargs.get("dtype") == wide:
             rg = kwargs.pop("requires_grad", False)
             kwargs["dtype"] = self.narrow
             return func(*args, **kwargs).to(wide).requires_grad_(rg)
@@ -562,17 +586,35 @@ class _SameDraws(torch.overrides.TorchFunctionMode):
             tmp = torch.empty_like(args[0], dtype=self.narrow)
             func(tmp, *[self._n(a) for a in args[1:]], **kwargs)
             return args[0].copy_(tmp)
-        if func in _ON_VALUES and args and args[0].dtype == wide and "out" not in kwargs:
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            # nn.init's fillers (normal_, uniform_, trunc_normal_, kaiming_*, ...) dispatch here
+            # as one call (the tensor as ``tensor=``): the in-place draws inside them run without
+            # the mode, so the filler runs on a narrow tensor, copied back widened
+            t = kwargs.get("tensor", args[0] if args else None)
+            if _is64(t):
+                tmp = torch.empty_like(t, dtype=self.narrow)
+                if "tensor" in kwargs:
+                    func(*args, **{**kwargs, "tensor": tmp})
+                else:
+                    func(tmp, *args[1:], **kwargs)
+                with torch.no_grad():
+                    return t.copy_(tmp)
+        if func in _ON_VALUES and args and args[0].dtype == wide:
             return func(self._n(args[0]), *args[1:], **kwargs).to(wide)
-        if func is torch.normal and "out" not in kwargs:
+        if func is torch.normal:
             return self._normal(args, kwargs)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
     def _normal(self, args, kwargs):
         call = dict(zip(("mean", "std"), args))
         call.update(kwargs)
         mean, std = call.get("mean", 0.0), call.get("std", 1.0)
         tensors = [t for t in (mean, std) if isinstance(t, torch.Tensor)]
+        if not tensors and kwargs.get("dtype") == torch.float64:
+            # float mean and std: drawn like a factory (ATen: ``empty(size).normal_(mean, std)``)
+            rg = kwargs.pop("requires_grad", False)
+            kwargs["dtype"] = self.narrow
+            return torch.normal(*args, **kwargs).to(torch.float64).requires_grad_(rg)
         if not tensors or all(t.dtype != torch.float64 for t in tensors):
             return torch.normal(*args, **kwargs)
         shape = torch.broadcast_shapes(*[t.shape for t in tensors])
@@ -1132,6 +1174,31 @@ def _reference_failed(what: str, err: Exception) -> str:
     )
 
 
+# NOTE [A mode the original cannot run]
+# Every batch runs in each of ``modes``. Some originals step the inputs in one mode and not in
+# the other: HF Qwen3Next and RecurrentGemma with gradient checkpointing run a training step in
+# train mode (checkpointing turns the cache off there), but in eval mode ``use_cache`` defaults to
+# True and their forward raises transformers' "`get_seq_length` can only be called on Attention
+# layers" (an unconverted copy raises the same: adv26 F7). That error, raised from inside verify,
+# read as a failure of verify or of the conversion. Where the original ran the inputs as given in
+# an earlier mode and raises on them in a later one, verify raises its own RuntimeError naming the
+# model, the mode, the original error and the ways out (leave that mode out of ``modes``, or make
+# the original run there); nothing is judged in that mode, so no report that could read as a pass
+# comes back. Where the first mode already fails, it is the caller's error, raised as before.
+
+
+def _mode_failed(model: nn.Module, mode: str, ran: str, err: Exception) -> str:
+    other = "train" if mode == "eval" else "eval"
+    return (
+        f"slimgrad.verify: the original model ({type(model).__name__}) cannot run a step on the "
+        f"inputs as given in {mode} mode; expected it to step them in every mode of ``modes`` as "
+        f"it did in the run {ran!r}, got {type(err).__name__}: {str(err).rstrip('.')}. verify "
+        f"cannot judge the converted model in {mode} mode: pass modes=({other!r},) to verify "
+        f"the mode the original runs, or make the original run in {mode} mode (HF models whose "
+        "cache fails in a step: add use_cache=False to the inputs)."
+    )
+
+
 def _reference(model: nn.Module) -> nn.Module:
     ref = _copy_of(model)
     try:
@@ -1373,7 +1440,8 @@ def verify(
         RuntimeError: the original cannot be deep-copied (e.g. it holds a cache with autograd
             history: the message names the attribute), or its copy cannot be made float64 (a
             step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
-            that cannot run]).
+            that cannot run]), or it steps the inputs in one of ``modes`` and raises in a later
+            one (NOTE [A mode the original cannot run]).
         TypeError: no loss can be made from the output and no ``loss_fn`` was given.
 
     Example:
@@ -1435,8 +1503,10 @@ def verify(
                 try:
                     run = _run(*args, dx=dx)
                 except Exception as err:
-                    if k == 0:  # the inputs as given: the caller's error
+                    if k == 0 and not runs:  # the inputs as given: the caller's error
                         raise
+                    if k == 0:  # NOTE [A mode the original cannot run]
+                        raise RuntimeError(_mode_failed(model, mode, runs[0].name, err)) from err
                     # the original cannot run this padded batch: nothing to compare
                     pad_what += f"; {label} not run (the original raised {type(err).__name__}: "
                     pad_what += f"{err})"
