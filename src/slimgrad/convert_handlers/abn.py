@@ -81,6 +81,14 @@ def _trace(parent: nn.Module) -> torch.fx.Graph:
         return _LeafTracer().trace(parent)
 
 
+def _runs_class_forward(parent: nn.Module) -> bool:
+    # parent(x) runs type(parent).forward (NOTE [A forward set on the instance], inplace_guard.py)
+    from slimgrad.convert_handlers.inplace_guard import _instance_kind
+
+    own = parent.__dict__.get("forward")
+    return own is None or _instance_kind(own, parent) == "class"
+
+
 def _module_of(parent: nn.Module, node: torch.fx.Node) -> nn.Module | None:
     if node.op != "call_module":
         return None
@@ -110,6 +118,9 @@ def _why_not(parent: nn.Module, node: torch.fx.Node) -> tuple[str | None, nn.Mod
         return "its input is not a conv/linear output used only by it", None
     if has_hooks(parent.get_submodule(node.target)) or has_hooks(relu):
         return "it or the ReLU after it has hooks (they would see act(BN(x)) as BN's output)", None
+    if "forward" in parent.get_submodule(node.target).__dict__ or "forward" in relu.__dict__:
+        # NOTE [Instance forward on a fused leaf] (nn/inplace_abn.py)
+        return "it or the ReLU after it has a forward set on the instance", None
     if isinstance(producer, nn.modules.conv._ConvNd) and all(k == 1 for k in producer.kernel_size):
         return None, (relu, "pointwise")
     return None, (relu, None)
@@ -148,8 +159,19 @@ def inplace_abn_pattern(model: nn.Module, config, allowed, found: Structure) -> 
         if not any(type(m) is nn.ReLU for m in parent.modules()):
             untraced.update(id(c) for c in kids.values() if type(c) in _BN_TYPES)
             continue
-        try:  # the in-place guard's trace where it has the one this would make
-            graph = found.traces.as_called(parent) or _trace(parent)
+        graph = found.traces.as_called(parent)  # the guard's trace where it has the one as called
+        if graph is None and not _runs_class_forward(parent):
+            # NOTE [A traced parent runs its class forward]: torch.fx traces type(parent).forward;
+            # a forward set on the instance (that may read the BN output twice: off by 2.23
+            # before) is what parent(x) runs, so without the guard's trace of it, no pairing
+            out.append(Decision(pname, None, None, parent, reason=(
+                "inplace_abn: its forward is set on the instance and was not read as called; "
+                "its BatchNorms take the exact path"
+            )))  # fmt: skip
+            untraced.update(id(c) for c in kids.values() if type(c) in _BN_TYPES)
+            continue
+        try:
+            graph = graph or _trace(parent)
         except Exception as e:  # fx raises many types on untraceable Python
             out.append(Decision(pname, None, None, parent, reason=(
                 f"inplace_abn: forward not traceable by torch.fx ({type(e).__name__}); its "

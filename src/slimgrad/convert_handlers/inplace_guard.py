@@ -220,9 +220,15 @@ _REASON_CLAIM = (
 )
 
 
+_Lazy = nn.modules.lazy.LazyModuleMixin
+
+
 def _is_source(m: nn.Module) -> bool:
     # a BatchNorm convert_ makes slimgrad's, whose output a following activation may claim
-    return type(m) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    # NOTE [A source by capability]: any BatchNorm whose forward is _BatchNorm's (subclasses
+    # without their own forward are converted too), not only the three exact classes
+    bn = nn.modules.batchnorm._BatchNorm
+    return isinstance(m, bn) and type(m).forward is bn.forward and not isinstance(m, _Lazy)
 
 
 # NOTE [A forward set on the instance]

@@ -756,6 +756,9 @@ def _plain_sequential(m: nn.Module) -> bool:
 
 
 _HOOKED = "it or the activation after it has hooks (they would see act(BN(x)) as the BN output)"
+_INSTANCE = (
+    "it or the activation after it has a forward set on the instance (the fusion would drop it)"
+)
 _GLOBAL = "global module hooks are registered (they would see act(BN(x)) as the BN output)"
 
 
@@ -828,6 +831,13 @@ def convert_sequential_bn_act_(model: nn.Module, config, allowed, rep) -> None:
             reason = _HOOKED
         if reason is None and global_hooks():
             reason = _GLOBAL
+        own = ["forward" in m.__dict__ for m in [bn] + [a for _, _, a in sites]]
+        if reason is None and any(own):
+            # NOTE [Instance forward on a fused leaf]: the fusion replaces both modules by an
+            # InPlaceABN + Identity computed from the class's function; a forward set on either
+            # instance (lambda, MethodType, partial, wrapper) is code the fusion cannot carry over,
+            # so the pair stays eager (outputs were off by 2.14 / 1.38 before this check)
+            reason = _INSTANCE
         if not allowed(bn, fqn):
             continue  # the table pass reports it
         if reason is not None:

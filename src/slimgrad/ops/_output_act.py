@@ -234,7 +234,16 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
 _WRITTEN = "modified by an inplace operation"
 
 
-def raise_output_written(e: RuntimeError, api: str) -> None:
+def _public_api(ctx) -> str:
+    # "ops.gelu" from the node class ``_GeluFnBackward`` / ``_GeluInplaceFnBackward`` (the
+    # classes are named ``_{stem.capitalize()}Fn``): the op's public name, not the private class
+    n = type(ctx).__name__.removesuffix("Backward").removeprefix("_").removesuffix("Fn")
+    return "ops." + n.removesuffix("Inplace").lower()
+
+
+def raise_output_written(
+    e: RuntimeError, api: str, fix: str = "ConvertConfig(activations=False)"
+) -> None:
     """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of an
     op that keeps its output (NOTE [An output written after forward]); return for any other
     error (the caller re-raises it)."""
@@ -246,7 +255,7 @@ def raise_output_written(e: RuntimeError, api: str) -> None:
         f"slimgrad.{api}: {first} It keeps its output for backward where eager keeps its input; "
         "expected what it keeps unchanged from forward to backward, got a write over it. Write "
         "into a clone (``y = y.clone()`` first), or leave the module unconverted (convert_'s "
-        "filter_fn, or ConvertConfig(activations=False) / ConvertConfig(norms=False))."
+        f"filter_fn, or {fix})."
     ) from e
 
 
@@ -257,7 +266,7 @@ def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact:
     try:
         y, bits, idx, xs = ctx.saved_tensors
     except RuntimeError as e:  # NOTE [An output written after forward]
-        raise_output_written(e, "ops." + type(ctx).__name__.removesuffix("Backward"))
+        raise_output_written(e, _public_api(ctx))
         raise
     if ctx.y_is_x and ctx.perm is not None and y is not None:
         y = y.permute(ctx.perm)  # in place: y is x, in x's layout; the side info in memory order
@@ -832,7 +841,7 @@ def c_backward(ctx, g: torch.Tensor, buf, exact: Callable, *args) -> torch.Tenso
     try:
         y, bits, idx, xs = ctx.saved_tensors
     except RuntimeError as e:  # NOTE [An output written after forward]
-        raise_output_written(e, "ops." + type(ctx).__name__.removesuffix("Backward"))
+        raise_output_written(e, _public_api(ctx))
         raise
     if not (
         y.dtype is _F32

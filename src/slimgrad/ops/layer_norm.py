@@ -490,7 +490,7 @@ def y_written(e: RuntimeError, ctx, api: str) -> None:
     a norm node when the tensor written is the node's output y (NOTE [A norm's output written
     after forward]); return otherwise (the caller re-raises ``e``)."""
     if f"output 0 of {type(ctx).__name__.removesuffix('Backward')}," in str(e):
-        raise_output_written(e, api)
+        raise_output_written(e, api, fix="ConvertConfig(norms=False)")
 
 
 def norm_double(api: str, eager_fn, rebuild_input):
