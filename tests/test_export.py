@@ -83,8 +83,11 @@ def test_export_inplace_abn(training):
 
 def test_export_converted_model():
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.GELU(approximate="tanh"),
-                      nn.Linear(16, 3))  # fmt: skip
+    # LayerNorm -> Linear: the Linear keeps the norm's output, so slimgrad's LayerNorm runs (one
+    # whose output nobody keeps runs eager's op: NOTE [A LayerNorm whose output nobody keeps runs
+    # eager's op])
+    m = nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 16),
+                      nn.GELU(approximate="tanh"), nn.Linear(16, 3))  # fmt: skip
     x = torch.randn(5, 12)
     ref = m(x)
     slimgrad.convert_(m)

@@ -50,8 +50,15 @@ def _clean(monkeypatch):
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
+    # the LayerNorm's output is kept by the next Linear: a LayerNorm whose output nobody keeps
+    # runs eager's op (NOTE [A LayerNorm whose output nobody keeps runs eager's op])
     m = nn.Sequential(
-        nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 4)
+        nn.Linear(8, 16),
+        nn.LayerNorm(16),
+        nn.Linear(16, 16),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(16, 4),
     )
     return slimgrad.convert_(m)
 
