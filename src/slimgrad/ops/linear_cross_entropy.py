@@ -636,7 +636,7 @@ def _linear_cross_entropy(
     if comp:  # Dynamo traces Function.apply (NOTE [slimgrad ops under torch.compile])
         if tracked:
             refuse_jit("ops.linear_cross_entropy")
-            if need is None and n <= chunk and not autocast and cdt == odt:
+            if need is None and n <= chunk and not autocast:
                 # NOTE [The fused loss traced under torch.compile]
                 return _checkpoint(
                     _eager_loss,
@@ -698,9 +698,8 @@ def _linear_cross_entropy(
 # Compiled, the recompute path's backward is an opaque custom op (``linear_cross_entropy_bwd``:
 # NOTE [slimgrad ops under torch.compile] in slimgrad/_compile.py), which runs _bwd_torch's dozen
 # eager ops and its Python on every step, none fused. Where one chunk holds every token (n <=
-# chunk: what the chunk loop bounds is then the one N x V logits buffer anyway), no autocast, the
-# loss in the compute dtype (not an upcast bf16/fp16 loss, which HF computes from float32 logits:
-# that keeps the custom op) and the recompute path, the loss is instead eager's own ``cross_entropy(linear(h, W, b))``
+# chunk: what the chunk loop bounds is then the one N x V logits buffer anyway), no autocast and
+# the recompute path, the loss is instead eager's own ``cross_entropy(linear(h, W, b))``
 # (_eager_loss: the same function, the logit transform included) inside
 # ``torch.utils.checkpoint`` (non-reentrant): under compile every op of a checkpointed region is
 # tagged for recompute, so the min-cut partitioner saves only the region's inputs (hidden, the
