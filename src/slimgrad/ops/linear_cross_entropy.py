@@ -636,20 +636,6 @@ def _linear_cross_entropy(
     if comp:  # Dynamo traces Function.apply (NOTE [slimgrad ops under torch.compile])
         if tracked:
             refuse_jit("ops.linear_cross_entropy")
-            if need is None and n <= chunk and not autocast:
-                # NOTE [The fused loss traced under torch.compile]
-                return _checkpoint(
-                    _eager_loss,
-                    hidden,
-                    weight,
-                    bias,
-                    t,
-                    int(ignore_index),
-                    float(label_smoothing),
-                    reduction,
-                    tf,
-                    use_reentrant=False,
-                )
         return _LinearCrossEntropyFn.apply(hidden, weight, bias, t, *args)
     if tracked and _jit_tracing():
         refuse_jit("ops.linear_cross_entropy")
@@ -694,22 +680,6 @@ def _linear_cross_entropy(
     return loss
 
 
-# NOTE [The fused loss traced under torch.compile]
-# Compiled, the recompute path's backward is an opaque custom op (``linear_cross_entropy_bwd``:
-# NOTE [slimgrad ops under torch.compile] in slimgrad/_compile.py), which runs _bwd_torch's dozen
-# eager ops and its Python on every step, none fused. Where one chunk holds every token (n <=
-# chunk: what the chunk loop bounds is then the one N x V logits buffer anyway), no autocast and
-# the recompute path, the loss is instead eager's own ``cross_entropy(linear(h, W, b))``
-# (_eager_loss: the same function, the logit transform included) inside
-# ``torch.utils.checkpoint`` (non-reentrant): under compile every op of a checkpointed region is
-# tagged for recompute, so the min-cut partitioner saves only the region's inputs (hidden, the
-# targets; the weight is a parameter) and backward recomputes the logits and the softmax in
-# inductor's fused kernels, as the custom op recomputed them, with eager's gradient formulas
-# (within the error rule). Nothing N x V is kept: the same bytes as the uncompiled op less lse
-# (tests/test_compile_llama_loss.py). Chunked shapes (n > chunk) keep the custom op: one
-# traced region would hold all N x V logits at once.
-
-
 # NOTE [Label range without a host sync]
 # Eager's cross_entropy checks the labels where it reads them: on CPU nll_loss raises "Target 7
 # is out of bounds", on CUDA a device-side assert fires, and nothing waits for the device. The
@@ -739,7 +709,6 @@ def _bad_labels(t, ignore_index, v):
 
 
 _LCE_APPLY = direct_apply(_LinearCrossEntropyFn)
-_checkpoint = torch.utils.checkpoint.checkpoint
 _functorch_on = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _is_functional = torch._is_functional_tensor
