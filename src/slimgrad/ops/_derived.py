@@ -164,6 +164,7 @@ from slimgrad._autograd import (
     refuse_jit,
     unwrap_if_dead,
 )
+from slimgrad._errors import raise_if_written
 
 __all__ = [
     "ACTIVATIONS",
@@ -835,7 +836,6 @@ def check_version(t: torch.Tensor, version: int, what: str) -> None:
 # ``ctx.saved_tensors`` is re-raised as slimgrad's (``raise_written``; the same first sentence,
 # so code that matches autograd's message still matches), and ``check_version`` raises slimgrad's
 # for the slots kept outside ``save_for_backward``.
-_WRITTEN = "modified by an inplace operation"
 
 
 def _api_of(what: str) -> str:
@@ -858,16 +858,13 @@ def raise_written(e: RuntimeError, api: str) -> None:
     node that keeps a BatchNorm output in place of what eager keeps (NOTE [A kept tensor written
     after forward]); return for any other error (the caller re-raises it). Called inline from an
     ``except`` clause: nothing is added where nothing raises."""
-    msg = str(e)
-    if _WRITTEN not in msg:
-        return
-    first = msg.split(" Hint:")[0]
-    raise RuntimeError(
-        f"slimgrad.{api}: {first} It keeps the output of a slimgrad BatchNorm for backward in "
-        "place of what eager keeps (NOTE [Derived saved inputs] in slimgrad/ops/_derived.py); "
-        "expected that output unchanged from forward to backward, got a write over it. "
-        f"{_fix_of('batch_norm output')}"
-    ) from e
+    raise_if_written(
+        e,
+        api,
+        "It keeps the output of a slimgrad BatchNorm for backward in place of what eager keeps "
+        "(NOTE [Derived saved inputs] in slimgrad/ops/_derived.py); expected that output "
+        f"unchanged from forward to backward, got a write over it. {_fix_of('batch_norm output')}",
+    )
 
 
 def apply_act(act, b: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import _autograd, ownership
-from slimgrad._errors import internal_error
+from slimgrad._errors import internal_error, raise_if_written
 from slimgrad._library import straight
 from slimgrad._math import smooth as smooth_math
 from slimgrad._math.bits import packed_numel
@@ -231,7 +231,6 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
 # version, and y's old values are gone at backward: autograd's "modified by an inplace operation"
 # from ``ctx.saved_tensors`` is re-raised as slimgrad's, naming the op and the fixes (as NOTE [A
 # kept tensor written after forward] in ops/_derived.py does for a BatchNorm output).
-_WRITTEN = "modified by an inplace operation"
 
 
 def _public_api(ctx) -> str:
@@ -247,16 +246,14 @@ def raise_output_written(
     """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of an
     op that keeps its output (NOTE [An output written after forward]); return for any other
     error (the caller re-raises it)."""
-    msg = str(e)
-    if _WRITTEN not in msg:
-        return
-    first = msg.split(" Hint:")[0]
-    raise RuntimeError(
-        f"slimgrad.{api}: {first} It keeps its output for backward where eager keeps its input; "
-        "expected what it keeps unchanged from forward to backward, got a write over it. Write "
-        "into a clone (``y = y.clone()`` first), or leave the module unconverted (convert_'s "
-        f"filter_fn, or {fix})."
-    ) from e
+    raise_if_written(
+        e,
+        api,
+        "It keeps its output for backward where eager keeps its input; expected what it keeps "
+        "unchanged from forward to backward, got a write over it. Write into a clone "
+        "(``y = y.clone()`` first), or leave the module unconverted (convert_'s filter_fn, or "
+        f"{fix}).",
+    )
 
 
 def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact: Callable, *args):
