@@ -854,27 +854,13 @@ class StepInBackward(torch.optim.Optimizer):
         if self._task is not None:
             # a nested (reentrant) backward inside the one in progress: the same step
             if self._accumulate > 1:
-                raise _err(
-                    NotImplementedError,
-                    "a reentrant backward (torch.utils.checkpoint with use_reentrant=True) inside "
-                    "an accumulate=N backward; the micro-batch count would be wrong",
-                    "use_reentrant=False",
-                    "a nested backward",
-                    "Pass use_reentrant=False to checkpoint",
-                )
+                raise _reentrant_in_accumulation()
             return
         if task < self._last_task:
             # NOTE [A reentrant backward is not a second backward]: an enclosing backward goes
             # on after a reentrant one inside it (which ran the handle's first hook) ended
             if self._accumulate > 1:
-                raise _err(
-                    NotImplementedError,
-                    "a reentrant backward (torch.utils.checkpoint with use_reentrant=True) inside "
-                    "an accumulate=N backward; the micro-batch count would be wrong",
-                    "use_reentrant=False",
-                    "a nested backward",
-                    "Pass use_reentrant=False to checkpoint",
-                )
+                raise _reentrant_in_accumulation()
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             return
@@ -1651,4 +1637,17 @@ def step_in_backward(
         bucket_bytes=bucket_bytes,
         check_loop=check_loop,
         module=module,
+    )
+
+
+def _reentrant_in_accumulation() -> NotImplementedError:
+    # the refusal _start_backward raises for a reentrant backward in an accumulate=N cycle, met
+    # either inside the outer backward's first hook or when the outer one goes on after it
+    return _err(
+        NotImplementedError,
+        "a reentrant backward (torch.utils.checkpoint with use_reentrant=True) inside "
+        "an accumulate=N backward; the micro-batch count would be wrong",
+        "use_reentrant=False",
+        "a nested backward",
+        "Pass use_reentrant=False to checkpoint",
     )
