@@ -51,3 +51,28 @@ def assert_same_step(a, b):
     assert grads.keys() == grads_p.keys()
     for k in grads:
         assert torch.equal(grads[k], grads_p[k]), k
+
+
+def assert_equal_each(got, expected):
+    """Two sequences of tensors (a node's gradients): equal one by one, bit for bit."""
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def under_a_function_mode(ext_fn):
+    """``ext_fn`` called with a torch function mode on (autograd's engine runs backward with the
+    caller's modes off, so the mode is entered around the extension's call itself): the wrapper,
+    and the list of what each call handed back."""
+    results = []
+
+    def under_mode(*a):
+        with _PassThrough():
+            results.append(ext_fn(*a))
+        return results[-1]
+
+    return under_mode, results

@@ -13,7 +13,14 @@ import slimgrad
 import slimgrad.ops.gpt2_attention as oga
 from slimgrad.ops.gpt2_attention import gpt2_attention
 from tests._counting import count_calls
-from tests.ops._gpt2_helpers import assert_same_step, ext_or_skip, gpt2_model, gpt2_step
+from tests.ops._gpt2_helpers import (
+    assert_equal_each,
+    assert_same_step,
+    ext_or_skip,
+    gpt2_model,
+    gpt2_step,
+    under_a_function_mode,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,8 +124,7 @@ def test_functional_bits_and_subsets(subset, t, counted, monkeypatch):
     assert torch.equal(dy, dy0)  # the caller's gradient is never written over
     y_p, g_p = _grads(args, subset, dy, None, monkeypatch)
     assert torch.equal(y, y_p)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_a_non_contiguous_gradient_runs_the_python_body(counted, monkeypatch):
@@ -127,33 +133,21 @@ def test_a_non_contiguous_gradient_runs_the_python_body(counted, monkeypatch):
     y, g = _grads(args, None, dy, counted, monkeypatch)
     assert (counted.calls, counted.ran) == (1, 0)  # handed back: the Python body ran
     y_p, g_p = _grads(args, None, dy, None, monkeypatch)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_under_a_torch_function_mode_the_python_body_runs(ext, monkeypatch):
     # the C++ body hands back None while a torch function mode is on (the mode would see the
     # Python body's calls); autograd's engine runs backward with the caller's modes off, so the
     # mode is entered around the extension's call itself
-    class Mode(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    results = []
-
-    def under_mode(*a):
-        with Mode():
-            results.append(ext.gpt2_attention_bwd(*a))
-        return results[-1]
-
+    under_mode, results = under_a_function_mode(ext.gpt2_attention_bwd)
     gpt2_attention(*_args(), attn_p=0.2, resid_p=0.3).sum().backward()  # the C kernels built
     args = _args()
     dy = torch.randn(2, 13, 24, generator=torch.Generator().manual_seed(9))
     y, g = _grads(args, None, dy, under_mode, monkeypatch)
     assert results == [None]
     y_p, g_p = _grads(args, None, dy, ext.gpt2_attention_bwd, monkeypatch)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_memory_and_retain_graph_as_the_python_body(counted, monkeypatch):

@@ -13,7 +13,14 @@ import slimgrad
 import slimgrad.nn.gpt2_mlp as ngm
 import slimgrad.ops.gpt2_mlp as ogm
 from slimgrad.ops.gpt2_mlp import gpt2_mlp
-from tests.ops._gpt2_helpers import assert_same_step, ext_or_skip, gpt2_model, gpt2_step
+from tests.ops._gpt2_helpers import (
+    assert_equal_each,
+    assert_same_step,
+    ext_or_skip,
+    gpt2_model,
+    gpt2_step,
+    under_a_function_mode,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,8 +163,7 @@ def test_functional_bits_and_subsets(subset, approximate, p, counted, monkeypatc
     assert torch.equal(dy, dy0)
     y_p, g_p = _grads(args, subset, dy, None, monkeypatch, approximate, p)
     assert torch.equal(y, y_p)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_without_biases(counted, monkeypatch):
@@ -166,8 +172,7 @@ def test_without_biases(counted, monkeypatch):
     y, g = _grads(args, None, dy, counted, monkeypatch)
     y_p, g_p = _grads(args, None, dy, None, monkeypatch)
     assert counted.ran == 1
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_a_non_contiguous_gradient_runs_the_python_body(counted, monkeypatch):
@@ -176,33 +181,21 @@ def test_a_non_contiguous_gradient_runs_the_python_body(counted, monkeypatch):
     y, g = _grads(args, None, dy, counted, monkeypatch)
     assert (counted.calls, counted.ran) == (1, 0)  # handed back: the Python body ran
     y_p, g_p = _grads(args, None, dy, None, monkeypatch)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_under_a_torch_function_mode_the_python_body_runs(ext, monkeypatch):
     # the C++ body hands back None while a torch function mode is on (the mode would see the
     # Python body's calls); autograd's engine runs backward with the caller's modes off, so the
     # mode is entered around the extension's call itself
-    class Mode(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    results = []
-
-    def under_mode(*a):
-        with Mode():
-            results.append(ext.gpt2_mlp_bwd(*a))
-        return results[-1]
-
+    under_mode, results = under_a_function_mode(ext.gpt2_mlp_bwd)
     _warm()
     args = _args()
     dy = torch.randn(2, 13, 16, generator=torch.Generator().manual_seed(9))
     y, g = _grads(args, None, dy, under_mode, monkeypatch)
     assert results == [None]
     y_p, g_p = _grads(args, None, dy, ext.gpt2_mlp_bwd, monkeypatch)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_memory_and_retain_graph_as_the_python_body(counted, monkeypatch):
