@@ -76,3 +76,15 @@ def under_a_function_mode(ext_fn):
         return results[-1]
 
     return under_mode, results
+
+
+def measure_step(model, ids):
+    """``slimgrad.memory.measure`` of one language-model step on ``ids`` (the dropout masks from
+    seed 5); the gradients are taken off the model."""
+    from slimgrad import memory
+
+    torch.manual_seed(5)
+    r = memory.measure(lambda: model(input_ids=ids, labels=ids).loss)
+    for p in model.parameters():
+        p.grad = None
+    return r

@@ -14,11 +14,10 @@ import torch.utils._python_dispatch
 
 import slimgrad
 import slimgrad.ops.gpt2_attention as oga
-from slimgrad import memory
 from slimgrad.convert_handlers.hf_attention import GPT2AttentionForward
 from slimgrad.ops.gpt2_attention import gpt2_attention
 from tests._counting import count_calls
-from tests.ops._gpt2_helpers import assert_same_step, gpt2_model, gpt2_step
+from tests.ops._gpt2_helpers import assert_same_step, gpt2_model, gpt2_step, measure_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,16 +136,9 @@ def test_memory_as_per_op_and_below_eager(width, tokens):
     _hf_forward(per_op)
     ids = torch.randint(0, 97, (2, tokens))
 
-    def meas(m):
-        torch.manual_seed(5)
-        r = memory.measure(lambda: m(input_ids=ids, labels=ids).loss)
-        for p in m.parameters():
-            p.grad = None
-        return r
-
-    meas(conv)  # first-use caches
-    meas(per_op)
-    node, ref, eager = meas(conv), meas(per_op), meas(model)
+    measure_step(conv, ids)  # first-use caches
+    measure_step(per_op, ids)
+    node, ref, eager = measure_step(conv, ids), measure_step(per_op, ids), measure_step(model, ids)
     assert node.saved_bytes == ref.saved_bytes < eager.saved_bytes
     a_bytes = 4 * ids.numel() * width
     assert ref.peak_bytes <= node.peak_bytes <= ref.peak_bytes + a_bytes
