@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 
@@ -17,3 +18,10 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_each_test():
+    """One intra-op thread for every test of a module that imports this fixture."""
+    with one_thread():
+        yield

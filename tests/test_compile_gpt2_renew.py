@@ -5,24 +5,13 @@ the same channels a fresh search finds."""
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from slimgrad._math import norms
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+from tests._counting import OpCounts
 
 
 def _gpt2_norms(n, d=64, dtype=torch.float32, seed=0):
@@ -53,7 +42,7 @@ def test_layer_norm_renewal_is_a_fixed_number_of_ops(n):
     for w, b in ps:
         assert norms.fallback_or_none(w, b, torch.float32, norms.layer_norm_gamma) is None
     norms._renew(opt)
-    with _Ops() as ops:
+    with OpCounts() as ops:
         norms._renew(opt)
     assert "aten.nonzero" not in ops.count, dict(ops.count)
     assert ops.count["aten.any"] == 1

@@ -16,38 +16,12 @@ import pytest
 import torch
 
 import slimgrad
+from tests._dynamo_guards import guards
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "conformance"))
 import _hf_families as H  # noqa: E402
 
 pytest.importorskip("transformers")
-
-
-def _guarded_sources() -> list[str]:
-    # the source of every guard manager holding a leaf guard, over every compiled frame's cache
-    # entries (torch-private API; skipped where it is missing)
-    try:
-        from torch._C._dynamo.guards import DictGuardManager
-        from torch._dynamo.convert_frame import input_codes
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        pytest.skip("this torch has no cache-entry debug API")
-    out: list[str] = []
-
-    def walk(mgr):
-        if mgr.get_leaf_guards():
-            out.append(mgr.get_source())
-        kids = list(mgr.get_child_managers())
-        if isinstance(mgr, DictGuardManager):
-            kids += [m for kv in mgr.get_key_value_managers().values() for m in kv if m]
-        for k in kids:
-            walk(k)
-
-    for ref in input_codes.seen:
-        code = ref()
-        for entry in _debug_get_cache_entry_list(code) if code is not None else ():
-            walk(entry.guard_manager.root)
-    return out
 
 
 _SPEC_FIELDS = re.compile(
@@ -67,7 +41,7 @@ def test_compiled_fused_loss_does_not_guard_on_its_spec(name):
     try:
         f = torch.compile(model, backend="eager")
         f(**batch).loss.backward()
-        sources = _guarded_sources()
+        sources = [s for s, _ in guards()]
     finally:
         torch._dynamo.reset()
     assert sources  # the walk sees the compiled frame's guards

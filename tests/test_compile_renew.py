@@ -5,24 +5,13 @@ renewal finds what a fresh search finds."""
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from slimgrad._math import norms
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+from tests._counting import OpCounts
 
 
 def _old_mask(weight, bias, out_dtype):
@@ -66,7 +55,7 @@ def test_renewal_without_fallback_channels_runs_no_nonzero():
     for w in ws:
         assert norms.fallback_or_none(w, None, torch.float32) is None
     norms._renew(opt)
-    with _Ops() as ops:
+    with OpCounts() as ops:
         norms._renew(opt)
     assert "aten.nonzero" not in ops.count, dict(ops.count)
     assert "aten.isfinite" not in ops.count and "aten.ne" not in ops.count, dict(ops.count)
@@ -184,7 +173,7 @@ def test_another_optimizers_step_keeps_the_entries_current(fused):
         for w in mine:  # renewed by its own optimizer's step
             norms.fallback_or_none(w, None, torch.float32)
         opt_other.step()
-        with _Ops() as ops:
+        with OpCounts() as ops:
             got = [norms.fallback_or_none(w, None, torch.float32) for w in mine]
         assert ops.count == {"aten.clone": 1}, dict(ops.count)  # mine[1]'s table, copied
         for w, g in zip(mine, got, strict=True):

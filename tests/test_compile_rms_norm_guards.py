@@ -8,35 +8,10 @@ import pytest
 import torch
 
 import slimgrad
+from tests._dynamo_guards import guards
 
 pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
-
-
-def _guards() -> list[tuple[str, int]]:
-    # (source, leaf guards) over every compiled frame's cache entries (torch-private API)
-    try:
-        from torch._C._dynamo.guards import DictGuardManager
-        from torch._dynamo.convert_frame import input_codes
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        pytest.skip("this torch has no cache-entry debug API")
-    out: list[tuple[str, int]] = []
-
-    def walk(mgr):
-        if mgr.get_leaf_guards():
-            out.append((mgr.get_source(), len(mgr.get_leaf_guards())))
-        kids = list(mgr.get_child_managers())
-        if isinstance(mgr, DictGuardManager):
-            kids += [m for kv in mgr.get_key_value_managers().values() for m in kv if m]
-        for k in kids:
-            walk(k)
-
-    for ref in input_codes.seen:
-        code = ref()
-        for entry in _debug_get_cache_entry_list(code) if code is not None else ():
-            walk(entry.guard_manager.root)
-    return out
 
 
 class _Norms(torch.nn.Module):
@@ -56,7 +31,7 @@ def _compiled_guards(model, x):
         f = torch.compile(model, backend="eager")
         f(x).backward()
         f(x).backward()
-        return _guards()
+        return guards()
     finally:
         torch._dynamo.reset()
 

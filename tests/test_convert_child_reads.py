@@ -18,17 +18,8 @@ import torch
 from torch import nn
 
 import slimgrad
-from slimgrad.convert_handlers import inplace_guard as _guard
-from slimgrad.nn import _output_act
-from tests._threads import one_thread
-
-FLAGS = ("keep_y", "at_output", "handed_out", "y_kept_after")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+from tests._readings import convert_and_read_afresh, count_traces
+from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
 
 
 def _torch_gelu(m):
@@ -174,13 +165,6 @@ class _Decorated(nn.Module):
         return self.fc(self.act(self.norm(x)))
 
 
-def _flags(model):
-    return [
-        (n, {k: m.__dict__[k] for k in FLAGS if k in m.__dict__})
-        for n, m in model.named_modules(remove_duplicate=False)
-    ]
-
-
 MODELS = {
     **SPELLINGS,
     "inline": _Inline,
@@ -193,13 +177,8 @@ MODELS = {
 def test_a_forward_reading_its_children_is_read_after_the_swaps(name):
     torch.manual_seed(0)
     model = MODELS[name]()
-    slimgrad.convert_(model)
+    convert_and_read_afresh(model)
     assert type(model.norm) is slimgrad.nn.LayerNorm
-    rep = slimgrad.report(model)
-    mapped, eager_op = _flags(model), list(rep.eager_op)
-    _output_act.state_consumers_(model, rep)  # the converted model read afresh (no traces)
-    assert _flags(model) == mapped
-    assert rep.eager_op == eager_op
     assert model.norm.keep_y is False  # its output is the model's output now
     # and the caller's in-place write trains, as in eager
     x = torch.randn(3, 8, requires_grad=True)
@@ -227,8 +206,6 @@ class _Plain(nn.Module):
 
 def test_a_forward_that_only_calls_its_children_is_read_once(monkeypatch):
     model = _Plain()
-    seen = []
-    trace = _guard._trace
-    monkeypatch.setattr(_guard, "_trace", lambda m, *st: seen.append(m) or trace(m, *st))
+    seen = count_traces(monkeypatch)
     slimgrad.convert_(model)
-    assert seen == [model, model]  # train and eval mode, before the swaps
+    assert seen == {id(model): 2}  # train and eval mode, before the swaps

@@ -19,26 +19,10 @@ from torch import nn
 
 import slimgrad
 from slimgrad.convert_handlers import abn as _abn
-from slimgrad.convert_handlers import inplace_guard as _guard
-from slimgrad.nn import _output_act
-from tests._threads import one_thread
+from tests._readings import convert_and_read_afresh, count_traces
+from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
 from tests.conformance import _hf_families as H
 from tests.conformance._timm_shim import timm
-
-FLAGS = ("keep_y", "at_output", "handed_out", "y_kept_after")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-def _flags(model):
-    return [
-        (n, {k: m.__dict__[k] for k in FLAGS if k in m.__dict__})
-        for n, m in model.named_modules(remove_duplicate=False)
-    ]
 
 
 class _Residual(nn.Module):
@@ -104,31 +88,13 @@ MODELS = {
 @pytest.mark.parametrize("name", list(MODELS))
 def test_flags_are_a_fresh_readings(name):
     torch.manual_seed(0)
-    model = MODELS[name]()
-    slimgrad.convert_(model)
-    rep = slimgrad.report(model)
-    mapped, eager_op = _flags(model), list(rep.eager_op)
-    _output_act.state_consumers_(model, rep)  # the converted model read afresh (no traces)
-    assert _flags(model) == mapped
-    assert rep.eager_op == eager_op
-
-
-def _count_traces(monkeypatch):
-    seen = collections.Counter()
-    trace = _guard._trace
-
-    def counting(m, *state):
-        seen[id(m)] += 1
-        return trace(m, *state)
-
-    monkeypatch.setattr(_guard, "_trace", counting)
-    return seen
+    convert_and_read_afresh(MODELS[name]())
 
 
 @pytest.mark.parametrize("name", ["timm_resnet18", "convnext_atto", "plain"])
 def test_each_forward_is_traced_once_per_mode(name, monkeypatch):
     model = MODELS[name]()
-    seen = _count_traces(monkeypatch)
+    seen = count_traces(monkeypatch)
     slimgrad.convert_(model)
     assert seen and max(seen.values()) <= 2, max(seen.values())
 
@@ -178,7 +144,7 @@ def test_no_module_the_swaps_made_is_traced(name, monkeypatch):
     model = build()
     before = {id(m) for m in model.modules()}
     _keep = list(model.modules())  # the originals stay alive: their ids stay unique
-    seen = _count_traces(monkeypatch)
+    seen = count_traces(monkeypatch)
     slimgrad.convert_(model)
     made = {id(m) for m in model.modules()} - before
     assert made, "the row converts no module with children"

@@ -21,6 +21,7 @@ from torch.testing import assert_close
 import slimgrad
 from slimgrad import memory
 from slimgrad.step_in_backward import StepInBackward
+from tests._bitwise import assert_same_parameters, assert_same_state
 
 step_in_backward = slimgrad.step_in_backward
 _mod = sys.modules["slimgrad.step_in_backward"]
@@ -64,11 +65,6 @@ def _plain(model, opt, steps=5, start=0, sched=None):
             sched.step()
 
 
-def _same(a: nn.Module, b: nn.Module) -> None:
-    for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        assert_close(q, p, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
-
-
 _OPTIMIZERS = [
     (torch.optim.SGD, dict(lr=0.1)),
     (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
@@ -98,24 +94,17 @@ def test_bit_identical_to_the_plain_loop(cls, kw):
     handle = step_in_backward(b, cls, **kw)
     _plain(a, opt)
     _plain(b, handle)
-    _same(a, b)
+    assert_same_parameters(a, b)
     assert all(p.grad is None for p in b.parameters())
     # frozen and never-used parameters: untouched, no state
-    _same(_net().frozen, b.frozen)
-    _same(_net().unused, b.unused)
+    assert_same_parameters(_net().frozen, b.frozen)
+    assert_same_parameters(_net().unused, b.unused)
     # (state for them only where the plain optimizer makes it too: Adagrad's __init__)
     assert not (b.sometimes.weight == _net().sometimes.weight).all()  # it did update
     # the plain optimizer's state, in its format, bit for bit
     sa, sb = opt.state_dict(), handle.state_dict()
     assert sa["param_groups"] == sb["param_groups"]
-    assert sa["state"].keys() == sb["state"].keys()
-    for k in sa["state"]:
-        assert sa["state"][k].keys() == sb["state"][k].keys()
-        for name, v in sa["state"][k].items():
-            if isinstance(v, torch.Tensor):
-                assert_close(sb["state"][k][name], v, rtol=0, atol=0)
-            else:
-                assert sb["state"][k][name] == v
+    assert_same_state(sa["state"], sb["state"])
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 200, 1 << 30])
@@ -139,7 +128,7 @@ def test_bucket_sizes_do_not_change_the_bits(bucket_bytes):
     )
     _plain(a, opt)
     _plain(b, handle)
-    _same(a, b)
+    assert_same_parameters(a, b)
 
 
 def test_loop_without_step_calls_is_the_same_with_check_loop_off():
@@ -151,7 +140,7 @@ def test_loop_without_step_calls_is_the_same_with_check_loop_off():
     _plain(a, opt)
     for i in range(5):
         b(_batch(i), use=i % 2 == 0).backward()
-    _same(a, b)
+    assert_same_parameters(a, b)
 
 
 def test_tied_weight_updates_once_after_its_last_accumulation():
@@ -164,7 +153,7 @@ def test_tied_weight_updates_once_after_its_last_accumulation():
     _plain(a, opt, steps=3)
     _plain(b, handle, steps=3)
     assert seen == [None, None, None]  # one accumulation per backward, updated and freed
-    _same(a, b)
+    assert_same_parameters(a, b)
 
 
 def test_param_groups_and_plain_param_list():
@@ -179,14 +168,14 @@ def test_param_groups_and_plain_param_list():
     handle = step_in_backward(groups(b), torch.optim.AdamW, lr=1e-2)
     _plain(a, opt)
     _plain(b, handle)
-    _same(a, b)
+    assert_same_parameters(a, b)
     assert [g["lr"] for g in handle.param_groups] == [0.05, 1e-2]
     # an iterable of parameters (a generator)
     opt_c = step_in_backward((p for p in c.parameters()), torch.optim.AdamW, lr=1e-2)
     a = _net()
     _plain(a, torch.optim.AdamW(a.parameters(), lr=1e-2))
     _plain(c, opt_c)
-    _same(a, c)
+    assert_same_parameters(a, c)
 
 
 def test_add_param_group():
@@ -200,7 +189,7 @@ def test_add_param_group():
     handle.add_param_group({"params": list(b.sometimes.parameters()), "lr": 0.3})
     _plain(a, opt)
     _plain(b, handle)
-    _same(a, b)
+    assert_same_parameters(a, b)
 
 
 @pytest.mark.parametrize("kind", ["step", "onecycle", "plateau"])
@@ -227,7 +216,7 @@ def test_schedulers_drive_the_lr_used_in_backward(kind):
                 o.step()
                 o.zero_grad()
                 s.step(1.0) if kind == "plateau" else s.step()
-    _same(a, b)
+    assert_same_parameters(a, b)
     assert handle.param_groups[0]["lr"] == opt.param_groups[0]["lr"] != 1e-2
     assert sb.state_dict() == sa.state_dict()
 
@@ -251,7 +240,7 @@ def test_state_dict_round_trip_with_a_plain_optimizer(direction):
     sd = copy.deepcopy(first.state_dict())
     second.load_state_dict(sd)
     _plain(m, second, steps=3, start=3)
-    _same(ref, m)
+    assert_same_parameters(ref, m)
 
 
 def test_remove_detaches_and_the_plain_optimizer_goes_on():
@@ -268,7 +257,7 @@ def test_remove_detaches_and_the_plain_optimizer_goes_on():
     _plain(a, opt, steps=1, start=2)
     _plain(b, handle.optimizer, steps=2, start=3)
     _plain(a, opt, steps=2, start=3)
-    _same(a, b)
+    assert_same_parameters(a, b)
     with pytest.raises(RuntimeError, match=r"slimgrad.step_in_backward: step\(\) on a removed"):
         handle.step()
     step_in_backward(b, torch.optim.SGD, lr=0.1)  # the parameters are free again
@@ -300,7 +289,7 @@ def test_clip_grad_value_is_the_global_clip():
         b(_batch(i)).backward()
         handle.step()
         handle.zero_grad()
-    _same(a, b)
+    assert_same_parameters(a, b)
 
 
 def test_clip_grad_norm_per_param():
@@ -317,7 +306,7 @@ def test_clip_grad_norm_per_param():
         b(_batch(i)).backward()
         handle.step()
         handle.zero_grad()
-    _same(a, b)
+    assert_same_parameters(a, b)
 
 
 # ------------------------------------------------------------------------------- accumulation
@@ -333,7 +322,7 @@ def test_accumulate_mode_is_the_plain_accumulation_loop():
             if i % 3 == 2:
                 o.step()
                 o.zero_grad()
-    _same(a, b)
+    assert_same_parameters(a, b)
     assert all(p.grad is None for p in b.parameters())
     # a step() after one backward of a cycle (an epoch's end): the plain step() on what .grad
     # holds (NOTE [A step that ends a cycle early])
@@ -341,7 +330,7 @@ def test_accumulate_mode_is_the_plain_accumulation_loop():
         (m(_batch(9), use=True) / 3).backward()
         o.step()
         o.zero_grad()
-    _same(a, b)
+    assert_same_parameters(a, b)
     assert all(p.grad is None for p in b.parameters())
 
 
@@ -519,7 +508,7 @@ def test_converted_hf_model_bit_identical_to_its_plain_loop(family):
             m(**batch).loss.backward()
             o.step()
             o.zero_grad()
-    _same(a, b)
+    assert_same_parameters(a, b)
     assert not torch.equal(b.lm_head.weight, base.lm_head.weight)
 
 
@@ -560,7 +549,7 @@ def test_whole_step_peak_not_above_the_plain_loop_with_the_same_dropout_masks():
             else:
                 run = memory.measure(lambda m=model, o=opt, b=ids: step(m, o, b), backward=False)
                 peaks.append(run.peak_bytes)
-    _same(plain, sib)
+    assert_same_parameters(plain, sib)
     assert peaks[1] <= peaks[0], peaks
 
 

@@ -24,6 +24,7 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
 import slimgrad
+from tests._bitwise import assert_same_parameters, assert_same_state
 
 step_in_backward = slimgrad.step_in_backward
 V, H = 11, 6
@@ -54,18 +55,9 @@ def _batch(i: int) -> torch.Tensor:
 
 
 def _same(a: nn.Module, b: nn.Module, oa=None, ob=None) -> None:
-    for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        assert_close(q, p, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    assert_same_parameters(a, b)
     if oa is not None:
-        sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert sa[k].keys() == sb[k].keys()
-            for name, v in sa[k].items():
-                if torch.is_tensor(v):
-                    assert_close(sb[k][name], v, rtol=0, atol=0)
-                else:
-                    assert sb[k][name] == v
+        assert_same_state(oa.state_dict()["state"], ob.state_dict()["state"])
 
 
 def _snap(m: nn.Module, opt) -> tuple:
@@ -86,13 +78,7 @@ def _unchanged(before: tuple, m: nn.Module, opt) -> None:
             assert_close(q.grad, g, rtol=0, atol=0)
     now = opt.state_dict()
     assert now["param_groups"] == state["param_groups"]
-    assert now["state"].keys() == state["state"].keys()
-    for k in state["state"]:
-        for name, v in state["state"][k].items():
-            if torch.is_tensor(v):
-                assert_close(now["state"][k][name], v, rtol=0, atol=0)
-            else:
-                assert now["state"][k][name] == v
+    assert_same_state(state["state"], now["state"])
 
 
 _OPTS = {

@@ -13,17 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slimgrad
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
+from tests._verify_helpers import scale_grad
 
 
 class _Bag(nn.Module):
@@ -74,7 +64,7 @@ class _WrongRow(torch.autograd.Function):
 
 class _ScaledEmbedding(nn.Embedding):
     def forward(self, ids):
-        return F.embedding(ids, _ScaleGrad.apply(self.weight, 1.001), sparse=True)
+        return F.embedding(ids, scale_grad(self.weight, 1.001), sparse=True)
 
 
 class _WrongRowEmbedding(nn.Embedding):
@@ -123,7 +113,7 @@ class _SpMM(nn.Module):
         self.grad_scale = grad_scale
 
     def forward(self, x):
-        w = self.w if self.grad_scale == 1.0 else _ScaleGrad.apply(self.w, self.grad_scale)
+        w = self.w if self.grad_scale == 1.0 else scale_grad(self.w, self.grad_scale)
         return self.lin(torch.sparse.mm(w, x))
 
 
@@ -252,7 +242,7 @@ def test_err_is_the_modulus_and_sparse_tensors_compare_as_dense():
 def test_a_non_finite_sparse_gradient_fails():
     class NanEmbedding(nn.Embedding):
         def forward(self, ids):
-            return F.embedding(ids, _ScaleGrad.apply(self.weight, float("nan")), sparse=True)
+            return F.embedding(ids, scale_grad(self.weight, float("nan")), sparse=True)
 
     torch.manual_seed(0)
     m = _Bag()

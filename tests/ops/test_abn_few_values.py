@@ -18,13 +18,9 @@ import torch.nn.functional as F
 from slimgrad.ops.inplace_abn import inplace_abn
 from slimgrad.testing import assert_within_rule
 from tests._threads import one_thread
+from tests.ops._few_values_helpers import EPS, GAMMAS, SEEDS, SHAPES, few_values_case
 
-EPS = 1e-5
 ACTS = [("identity", 0.0), ("leaky_relu", 0.01), ("leaky_relu", 0.1), ("elu", 1.0)]
-# (N, C) and (N, C, H, W) inputs with 2 to 8 values per channel
-SHAPES = [(2, 5), (3, 5), (4, 5), (8, 5), (1, 5, 1, 2), (2, 5, 1, 1), (1, 5, 2, 2), (2, 5, 2, 2)]
-GAMMAS = [1e-3, 0.1, 1.0, 10.0]
-SEEDS = range(4)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,28 +39,16 @@ def _eager_act(h, name, param):
 
 def _run(shape, gamma, seed, act, dtype, slim, ref_dtype=None):
     # loss = Σ r * act(BN(s z + t)); returns the gradients of z, γ, β, s, t and the output
-    g = torch.Generator().manual_seed(seed)
-    c = shape[1]
-    z0 = torch.randn(shape, generator=g, dtype=torch.float64)
-    r0 = torch.randn(shape, generator=g, dtype=torch.float64)
-    sign = torch.where(torch.rand(c, generator=g) < 0.3, -1.0, 1.0).double()
-    w0 = gamma * (torch.rand(c, generator=g, dtype=torch.float64) + 0.5) * sign
-    # |β| up to |γ| / 2 and, on two channels, up to 3 |γ| (past the rebuild limit of 4: side x̂)
-    ratio = torch.tensor([0.0, 0.25, 0.5, 1.5, 3.0], dtype=torch.float64)[:c]
-    b0 = w0.abs() * ratio * (torch.rand(c, generator=g, dtype=torch.float64) * 2 - 1)
-    s0 = torch.rand(c, generator=g, dtype=torch.float64) * 2 + 1e-3
-    t0 = torch.randn(c, generator=g, dtype=torch.float64)
     dt = ref_dtype or dtype
-    z, w, b, s, t = (v.to(dt).clone().requires_grad_() for v in (z0, w0, b0, s0, t0))
-    sh = [1, -1] + [1] * (len(shape) - 2)
-    x = z * s.view(sh) + t.view(sh)
+    (z, w, b, s, t), x, r = few_values_case(shape, gamma, seed, dt)
+    c = shape[1]
     rm, rv = torch.zeros(c, dtype=dt), torch.ones(c, dtype=dt)
     name, param = act
     if slim:
         y = inplace_abn(x, rm, rv, w, b, True, 0.1, EPS, name, param)
     else:
         y = _eager_act(F.batch_norm(x, rm, rv, w, b, True, 0.1, EPS), name, param)
-    (y * r0.to(dt)).sum().backward()
+    (y * r).sum().backward()
     return [z.grad, w.grad, b.grad, s.grad, t.grad], y.detach(), (rm, rv)
 
 

@@ -25,10 +25,10 @@ from slimgrad.ops.batch_norm import batch_norm
 from slimgrad.testing import assert_within_rule
 from tests._threads import one_thread
 from tests.conformance._timm_shim import timm
+from tests.ops._few_values_helpers import EPS, GAMMAS, SEEDS, SHAPES, few_values_case
 
 bn_module = importlib.import_module("slimgrad.ops.batch_norm")  # the module, not the function
 
-EPS = 1e-5
 # (act, param) as _derived.activation takes them: the activations convert_ fuses after a BatchNorm
 ACTS = [
     ("relu", 0.0),
@@ -38,10 +38,6 @@ ACTS = [
     ("leaky_relu", 0.1),
     ("elu", 1.0),
 ]
-# BatchNorm1d (N, C) and BatchNorm2d (N, C, H, W) inputs with 2 to 8 values per channel
-SHAPES = [(2, 5), (3, 5), (4, 5), (8, 5), (1, 5, 1, 2), (2, 5, 1, 1), (1, 5, 2, 2), (2, 5, 2, 2)]
-GAMMAS = [1e-3, 0.1, 1.0, 10.0]
-SEEDS = range(4)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -52,28 +48,15 @@ def _one_thread():
 
 def _run(shape, gamma, seed, act, dtype, slim, ref_dtype=None):
     # loss = Σ r * act(BN(s z + t)); returns the gradients of z, γ, β, s, t
-    g = torch.Generator().manual_seed(seed)
-    c = shape[1]
-    z0 = torch.randn(shape, generator=g, dtype=torch.float64)
-    r0 = torch.randn(shape, generator=g, dtype=torch.float64)
-    sign = torch.where(torch.rand(c, generator=g) < 0.3, -1.0, 1.0).double()
-    w0 = gamma * (torch.rand(c, generator=g, dtype=torch.float64) + 0.5) * sign
-    # |β| up to |γ| / 2 (the per-channel test's limit) and, on two channels, up to 3 |γ|
-    ratio = torch.tensor([0.0, 0.25, 0.5, 1.5, 3.0], dtype=torch.float64)[:c]
-    b0 = w0.abs() * ratio * (torch.rand(c, generator=g, dtype=torch.float64) * 2 - 1)
-    s0 = torch.rand(c, generator=g, dtype=torch.float64) * 2 + 1e-3
-    t0 = torch.randn(c, generator=g, dtype=torch.float64)
     dt = ref_dtype or dtype
-    z, w, b, s, t = (v.to(dt).clone().requires_grad_() for v in (z0, w0, b0, s0, t0))
-    sh = [1, -1] + [1] * (len(shape) - 2)
-    x = z * s.view(sh) + t.view(sh)
+    (z, w, b, s, t), x, r = few_values_case(shape, gamma, seed, dt)
     h = (batch_norm if slim else F.batch_norm)(x, None, None, w, b, True, 0.1, EPS)
     name, param = act
     if slim:
         y = _derived.activation(h, name, param=param)
     else:
         y = _derived.apply_act((name, param, False) if name in ("leaky_relu", "elu") else name, h)
-    (y * r0.to(dt)).sum().backward()
+    (y * r).sum().backward()
     return [z.grad, w.grad, b.grad, s.grad, t.grad], y
 
 

@@ -14,22 +14,12 @@ import torch.utils._python_dispatch
 
 import slimgrad
 import slimgrad.ops.gpt2_attention as oga
-from slimgrad import memory
 from slimgrad.convert_handlers.hf_attention import GPT2AttentionForward
 from slimgrad.ops.gpt2_attention import gpt2_attention
 from tests._counting import count_calls
+from tests.ops._gpt2_helpers import assert_same_step, gpt2_model, gpt2_step, measure_step
 
 transformers = pytest.importorskip("transformers")
-
-
-def _model(layers=2, pdrop=0.1, width=32, **kw):
-    cfg = transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=4, vocab_size=97, n_positions=64,
-        resid_pdrop=pdrop, attn_pdrop=pdrop, embd_pdrop=pdrop, bos_token_id=0, eos_token_id=0,
-        **kw,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 @pytest.fixture
@@ -45,29 +35,11 @@ def _hf_forward(model):
             del m.__dict__["forward"]
 
 
-def _step(model, ids, **kw):
-    torch.manual_seed(5)  # the dropout masks
-    loss = model(input_ids=ids, labels=ids, **kw).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    for p in model.parameters():
-        p.grad = None
-    return loss.detach(), grads
-
-
-def _same(a, b):
-    (loss, grads), (loss_p, grads_p) = a, b
-    assert torch.equal(loss, loss_p)
-    assert grads.keys() == grads_p.keys()
-    for k in grads:
-        assert torch.equal(grads[k], grads_p[k]), k
-
-
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("frozen", [None, "c_attn", "c_proj", "c_proj_bias", "wte"])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_bits_as_per_op(train, frozen, use_cache, count):
-    model = _model()
+    model = gpt2_model()
     model.train(train)
     if frozen == "wte":
         model.transformer.wte.weight.requires_grad_(False)
@@ -84,27 +56,29 @@ def test_bits_as_per_op(train, frozen, use_cache, count):
     assert type(attn) is type(model.transformer.h[0].attn)  # HF's class, its own instance forward
     assert isinstance(attn.__dict__["forward"], GPT2AttentionForward)
     ids = torch.randint(0, 97, (2, 24))
-    got = _step(conv, ids, use_cache=use_cache)
+    got = gpt2_step(conv, ids, use_cache=use_cache)
     assert count[0] == (2 if train else 0)  # both blocks ran the node in training
     per_op = copy.deepcopy(conv)
     _hf_forward(per_op)
-    _same(got, _step(per_op, ids, use_cache=use_cache))
+    assert_same_step(got, gpt2_step(per_op, ids, use_cache=use_cache))
     assert conv.state_dict().keys() == model.state_dict().keys()
 
 
 def test_tail_path_and_masks_as_per_op(count, monkeypatch):
     # a padded batch (HF builds a mask tensor) runs HF's forward; block_ok refused: the rest of
     # HF's forward after the split (the attention function, c_proj, resid_dropout)
-    conv = slimgrad.convert_(_model())
+    conv = slimgrad.convert_(gpt2_model())
     per_op = copy.deepcopy(conv)
     _hf_forward(per_op)
     ids = torch.randint(0, 97, (2, 24))
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[0, :5] = 0
-    _same(_step(conv, ids, attention_mask=mask), _step(per_op, ids, attention_mask=mask))
+    assert_same_step(
+        gpt2_step(conv, ids, attention_mask=mask), gpt2_step(per_op, ids, attention_mask=mask)
+    )
     assert count[0] == 0
     monkeypatch.setattr(oga, "block_ok", lambda *a: False)
-    _same(_step(conv, ids), _step(per_op, ids))
+    assert_same_step(gpt2_step(conv, ids), gpt2_step(per_op, ids))
     assert count[0] == 0
 
 
@@ -156,22 +130,15 @@ def test_functional_eval_and_errors():
 def test_memory_as_per_op_and_below_eager(width, tokens):
     # NOTE [One node for GPT-2's attention output]: the same saved bytes; the peak at most A's
     # bytes (4 B x tokens x width) above the per-op path's
-    model = _model(width=width)
+    model = gpt2_model(width=width)
     conv = slimgrad.convert_(copy.deepcopy(model))
     per_op = copy.deepcopy(conv)
     _hf_forward(per_op)
     ids = torch.randint(0, 97, (2, tokens))
 
-    def meas(m):
-        torch.manual_seed(5)
-        r = memory.measure(lambda: m(input_ids=ids, labels=ids).loss)
-        for p in m.parameters():
-            p.grad = None
-        return r
-
-    meas(conv)  # first-use caches
-    meas(per_op)
-    node, ref, eager = meas(conv), meas(per_op), meas(model)
+    measure_step(conv, ids)  # first-use caches
+    measure_step(per_op, ids)
+    node, ref, eager = measure_step(conv, ids), measure_step(per_op, ids), measure_step(model, ids)
     assert node.saved_bytes == ref.saved_bytes < eager.saved_bytes
     a_bytes = 4 * ids.numel() * width
     assert ref.peak_bytes <= node.peak_bytes <= ref.peak_bytes + a_bytes
@@ -179,7 +146,7 @@ def test_memory_as_per_op_and_below_eager(width, tokens):
 
 
 def test_hf_forward_where_the_node_does_not_apply(count):
-    conv = slimgrad.convert_(_model(layers=1))
+    conv = slimgrad.convert_(gpt2_model(layers=1))
     attn = conv.transformer.h[0].attn
     x = torch.randn(2, 24, 32, requires_grad=True)
     attn(x)
@@ -210,7 +177,7 @@ def test_hf_forward_where_the_node_does_not_apply(count):
 
 
 def test_not_put_where_the_forward_is_not_hfs():
-    model = _model(layers=2)
+    model = gpt2_model(layers=2)
     blk0, blk1 = model.transformer.h
     blk0.attn.forward = lambda *a, **k: (a[0], None)  # a patched forward stays the user's
 
@@ -226,18 +193,18 @@ def test_not_put_where_the_forward_is_not_hfs():
 
 
 def test_report_and_copies(count):
-    conv = slimgrad.convert_(_model())
+    conv = slimgrad.convert_(gpt2_model())
     rows = [r for r in slimgrad.report(conv).converted if r[1] == "GPT2Attention.forward"]
     assert [r[0] for r in rows] == ["transformer.h.0.attn", "transformer.h.1.attn"]
     ids = torch.randint(0, 97, (2, 24))
-    ref = _step(conv, ids)
+    ref = gpt2_step(conv, ids)
     buf = io.BytesIO()
     torch.save(conv, buf)
     buf.seek(0)
     for other in (copy.deepcopy(conv), torch.load(buf, weights_only=False)):
         fwd = other.transformer.h[0].attn.__dict__["forward"]
         assert fwd.module is other.transformer.h[0].attn  # its own module, not the original's
-        _same(ref, _step(other, ids))
+        assert_same_step(ref, gpt2_step(other, ids))
     assert count[0] == 6
 
 
@@ -250,7 +217,7 @@ def test_double_backward_refused():
 
 
 def test_checkpoint_and_saved_tensor_hooks(count):
-    conv = slimgrad.convert_(_model(layers=1))
+    conv = slimgrad.convert_(gpt2_model(layers=1))
     attn = conv.transformer.h[0].attn
     x = torch.randn(2, 24, 32, requires_grad=True)
     dy = torch.randn(2, 24, 32)
@@ -276,7 +243,7 @@ def test_checkpoint_and_saved_tensor_hooks(count):
 
 
 def test_verify_passes():
-    model = _model(layers=1)
+    model = gpt2_model(layers=1)
     conv = slimgrad.convert_(copy.deepcopy(model))
     ids = torch.randint(0, 97, (2, 24))
     rep = slimgrad.verify(model, conv, {"input_ids": ids, "labels": ids})
@@ -292,18 +259,18 @@ class _Watching(torch.utils._python_dispatch.TorchDispatchMode):
 def test_under_a_dispatch_mode_the_node_runs_its_general_steps_with_the_same_bits(count):
     # NOTE [GPT-2's attention node under dispatch modes]: the memory tracker and the estimate's
     # fake mode run the node as the unwatched step does (before: HF's per-op forward there)
-    conv = slimgrad.convert_(_model())
+    conv = slimgrad.convert_(gpt2_model())
     ids = torch.randint(0, 97, (2, 24))
-    straight_step = _step(conv, ids)
+    straight_step = gpt2_step(conv, ids)
     assert count[0] == 2
     with _Watching():
-        watched = _step(conv, ids)
+        watched = gpt2_step(conv, ids)
     assert count[0] == 4
-    _same(straight_step, watched)
+    assert_same_step(straight_step, watched)
     per_op = copy.deepcopy(conv)
     _hf_forward(per_op)
     with _Watching():
-        _same(watched, _step(per_op, ids))
+        assert_same_step(watched, gpt2_step(per_op, ids))
     args = _args()
     dy = torch.randn(2, 13, 24, generator=torch.Generator().manual_seed(9))
     outs = []
@@ -338,17 +305,17 @@ def test_recomputed_block_with_the_cache_takes_the_node_again(count):
 
     from slimgrad.plan import apply_choices
 
-    model = _model(layers=1)
+    model = gpt2_model(layers=1)
     lean = slimgrad.convert_(copy.deepcopy(model))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_choices(model, {"transformer.h.0": "lean+recompute"}, passed=(), api="test")
     ids = torch.randint(0, 97, (2, 24))
-    got = _step(model, ids)
+    got = gpt2_step(model, ids)
     assert count[0] == 2  # forward and recompute
     # the recomputed block runs without the cache (NOTE [A recomputed block does not write the KV
     # cache]), so its bits are a call's without one (eager's with and without differ by rounding)
-    _same(_step(lean, ids, use_cache=False), got)
+    assert_same_step(gpt2_step(lean, ids, use_cache=False), got)
     assert count[0] == 3
 
 
@@ -356,7 +323,7 @@ def test_recomputed_block_with_the_cache_takes_the_node_again(count):
 def test_an_is_causal_keyword_runs_hfs_forward_with_its_values(is_causal, count):
     # HF passes an ``is_causal`` keyword on to the attention function, which honours it; the node
     # is causal exactly where T > 1: an explicit keyword runs HF's forward (the per-op path)
-    conv = slimgrad.convert_(_model(layers=1))
+    conv = slimgrad.convert_(gpt2_model(layers=1))
     conv.train()
     attn = conv.transformer.h[0].attn
     per = copy.deepcopy(attn)

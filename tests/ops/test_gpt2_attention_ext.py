@@ -11,18 +11,23 @@ import torch
 
 import slimgrad
 import slimgrad.ops.gpt2_attention as oga
-from slimgrad import _ext
 from slimgrad.ops.gpt2_attention import gpt2_attention
 from tests._counting import count_calls
+from tests.ops._gpt2_helpers import (
+    assert_equal_each,
+    assert_same_step,
+    ext_or_skip,
+    gpt2_model,
+    gpt2_step,
+    under_a_function_mode,
+)
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture
 def ext():
-    if _ext.load() is None:
-        pytest.skip(f"the C++ extension is not here ({_ext.error()}): the Python body runs")
-    return _ext.load()
+    return ext_or_skip()
 
 
 class _Counted:
@@ -56,33 +61,6 @@ def _python_bodies(monkeypatch):
         monkeypatch.setattr(oga, name, None)
 
 
-def _model(layers=2, width=32, pdrop=0.1):
-    cfg = transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=4, vocab_size=97, n_positions=64,
-        resid_pdrop=pdrop, attn_pdrop=pdrop, embd_pdrop=pdrop, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def _step(model, ids, **kw):
-    torch.manual_seed(5)  # the dropout masks
-    loss = model(input_ids=ids, labels=ids, **kw).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    for p in model.parameters():
-        p.grad = None
-    return loss.detach(), grads
-
-
-def _same(a, b):
-    (loss, grads), (loss_p, grads_p) = a, b
-    assert torch.equal(loss, loss_p)
-    assert grads.keys() == grads_p.keys()
-    for k in grads:
-        assert torch.equal(grads[k], grads_p[k]), k
-
-
 @pytest.mark.parametrize("frozen", [None, "c_attn", "c_attn_bias", "c_proj", "c_proj_bias", "ln_1"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_model_bits_as_the_python_body(frozen, padded, counted, monkeypatch):
@@ -91,7 +69,7 @@ def test_model_bits_as_the_python_body(frozen, padded, counted, monkeypatch):
     # Python bodies', frozen weights included; a padded batch takes HF's per-op attention (its
     # mask) and per-op ln_1 and c_attn, unchanged
     nodes = count_calls(monkeypatch, oga, "_GPT2_ATTENTION_APPLY")
-    model = slimgrad.convert_(_model().train())
+    model = slimgrad.convert_(gpt2_model().train())
     if frozen is not None:
         for blk in model.transformer.h:
             if frozen == "ln_1":
@@ -106,13 +84,13 @@ def test_model_bits_as_the_python_body(frozen, padded, counted, monkeypatch):
         mask = torch.ones(2, 13, dtype=torch.long)
         mask[1, :4] = 0
         kw["attention_mask"] = mask
-    ours = [_step(model, ids, **kw) for _ in range(2)]
+    ours = [gpt2_step(model, ids, **kw) for _ in range(2)]
     assert counted.ran == nodes[0] == (0 if padded else 4)  # 2 layers x 2 steps
     assert counted.conv1d.ran == counted.fwd.ran == (0 if padded else 4)
     after = torch.rand(3)  # the generator's state after the two steps: the same draws
     _python_bodies(monkeypatch)
     for r in ours:
-        _same(r, _step(model, ids, **kw))
+        assert_same_step(r, gpt2_step(model, ids, **kw))
     assert torch.equal(after, torch.rand(3))
 
 
@@ -146,8 +124,7 @@ def test_functional_bits_and_subsets(subset, t, counted, monkeypatch):
     assert torch.equal(dy, dy0)  # the caller's gradient is never written over
     y_p, g_p = _grads(args, subset, dy, None, monkeypatch)
     assert torch.equal(y, y_p)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_a_non_contiguous_gradient_runs_the_python_body(counted, monkeypatch):
@@ -156,40 +133,28 @@ def test_a_non_contiguous_gradient_runs_the_python_body(counted, monkeypatch):
     y, g = _grads(args, None, dy, counted, monkeypatch)
     assert (counted.calls, counted.ran) == (1, 0)  # handed back: the Python body ran
     y_p, g_p = _grads(args, None, dy, None, monkeypatch)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_under_a_torch_function_mode_the_python_body_runs(ext, monkeypatch):
     # the C++ body hands back None while a torch function mode is on (the mode would see the
     # Python body's calls); autograd's engine runs backward with the caller's modes off, so the
     # mode is entered around the extension's call itself
-    class Mode(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    results = []
-
-    def under_mode(*a):
-        with Mode():
-            results.append(ext.gpt2_attention_bwd(*a))
-        return results[-1]
-
+    under_mode, results = under_a_function_mode(ext.gpt2_attention_bwd)
     gpt2_attention(*_args(), attn_p=0.2, resid_p=0.3).sum().backward()  # the C kernels built
     args = _args()
     dy = torch.randn(2, 13, 24, generator=torch.Generator().manual_seed(9))
     y, g = _grads(args, None, dy, under_mode, monkeypatch)
     assert results == [None]
     y_p, g_p = _grads(args, None, dy, ext.gpt2_attention_bwd, monkeypatch)
-    for a, b in zip(g, g_p, strict=True):
-        assert torch.equal(a, b)
+    assert_equal_each(g, g_p)
 
 
 def test_memory_and_retain_graph_as_the_python_body(counted, monkeypatch):
     # the tracker's measured step runs under a dispatch mode: the Python body (never the C++
     # one), so its bytes are the Python body's; a retained graph's second backward (dy not
     # granted) gives the first one's gradients
-    model = slimgrad.convert_(_model().train())
+    model = slimgrad.convert_(gpt2_model().train())
     ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(3))
     rep = slimgrad.memory.measure(lambda: model(input_ids=ids, labels=ids).loss)
     assert counted.ran == counted.conv1d.ran == counted.fwd.ran == 0

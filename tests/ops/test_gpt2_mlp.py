@@ -13,18 +13,13 @@ import slimgrad.nn.gpt2_mlp as ngm
 from slimgrad import memory
 from slimgrad.ops.gpt2_mlp import block_ok, gpt2_mlp
 from tests._counting import count_calls
+from tests.ops._gpt2_helpers import assert_same_step, gpt2_model, gpt2_step, measure_step
 
 transformers = pytest.importorskip("transformers")
 
 
 def _model(act="gelu_new", layers=2, pdrop=0.1, width=32):
-    cfg = transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=4, vocab_size=97, n_positions=64,
-        activation_function=act, resid_pdrop=pdrop, attn_pdrop=pdrop, embd_pdrop=pdrop,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
+    return gpt2_model(layers, pdrop, width, activation_function=act)
 
 
 @pytest.fixture
@@ -43,18 +38,6 @@ def count(monkeypatch):
     return n
 
 
-def _step(model, ids, per_op=False, monkeypatch=None):
-    if per_op:
-        monkeypatch.setattr(ngm, "block_ok", lambda *a: False)
-    torch.manual_seed(5)  # the dropout masks
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    for p in model.parameters():
-        p.grad = None
-    return loss.detach(), grads
-
-
 @pytest.mark.parametrize("act", ["gelu_new", "gelu"])
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("frozen", [None, "c_fc", "c_proj_bias", "wte"])
@@ -71,13 +54,10 @@ def test_bits_as_per_op(act, train, frozen, count, monkeypatch):
     slimgrad.convert_(conv)
     assert type(conv.transformer.h[0].mlp) is ngm.GPT2MLP
     ids = torch.randint(0, 97, (2, 24))
-    loss, grads = _step(conv, ids)
+    loss, grads = gpt2_step(conv, ids)
     assert count[0] == 2  # both blocks ran the node
-    loss_p, grads_p = _step(conv, ids, per_op=True, monkeypatch=monkeypatch)
-    assert torch.equal(loss, loss_p)
-    assert grads.keys() == grads_p.keys()
-    for k in grads:
-        assert torch.equal(grads[k], grads_p[k]), k
+    monkeypatch.setattr(ngm, "block_ok", lambda *a: False)  # the per-op path
+    assert_same_step((loss, grads), gpt2_step(conv, ids))
     if not train:  # without dropout: eager's loss within the rule, the same state_dict
         torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss)
     assert conv.state_dict().keys() == model.state_dict().keys()
@@ -130,17 +110,10 @@ def test_memory_as_per_op_and_below_eager(width, tokens, monkeypatch):
     slimgrad.convert_(conv)
     ids = torch.randint(0, 97, (2 if width == 32 else 1, tokens))
 
-    def meas(m):
-        torch.manual_seed(5)
-        r = memory.measure(lambda: m(input_ids=ids, labels=ids).loss)
-        for p in m.parameters():
-            p.grad = None
-        return r
-
-    meas(conv)  # first-use caches
-    block = meas(conv)
+    measure_step(conv, ids)  # first-use caches
+    block = measure_step(conv, ids)
     monkeypatch.setattr(ngm, "block_ok", lambda *a: False)
-    per_op, eager = meas(conv), meas(model)
+    per_op, eager = measure_step(conv, ids), measure_step(model, ids)
     assert block.saved_bytes == per_op.saved_bytes < eager.saved_bytes
     y_bytes = 4 * ids.numel() * 4 * width
     assert per_op.peak_bytes <= block.peak_bytes <= per_op.peak_bytes + y_bytes
