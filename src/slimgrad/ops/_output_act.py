@@ -235,7 +235,9 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
 # calling the module directly and writing its output, a hook added after ``convert_``) bumps y's
 # version, and y's old values are gone at backward: autograd's "modified by an inplace operation"
 # from ``ctx.saved_tensors`` is re-raised as slimgrad's, naming the op and the fixes (as NOTE [A
-# kept tensor written after forward] in ops/_derived.py does for a BatchNorm output).
+# kept tensor written after forward] in ops/_derived.py does for a BatchNorm output). Inside a
+# saved-tensor-hooks region autograd checks nothing: NOTE [A kept output written under
+# saved-tensor hooks] in slimgrad/_errors.py gives the same error there.
 
 
 def _public_api(ctx) -> str:

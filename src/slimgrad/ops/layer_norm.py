@@ -485,7 +485,9 @@ def bridged(ctx, api: str, values: torch.Tensor) -> torch.Tensor:
 # ops/_output_act.py; its first sentence is autograd's). Only where autograd names this node's
 # own output 0, which is y: a write over what eager keeps too (x where a norm kept it, the
 # weight, the bias) raises in eager as well and keeps autograd's error. The check runs in the
-# ``except`` clause only: nothing is added where nothing raises.
+# ``except`` clause only: nothing is added where nothing raises. Inside a saved-tensor-hooks region
+# autograd does not check: NOTE [A kept output written under saved-tensor hooks] in
+# slimgrad/_errors.py (one hooks question per forward, a comparison in backward).
 def y_written(e: RuntimeError, ctx, api: str) -> None:
     """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of
     a norm node when the tensor written is the node's output y (NOTE [A norm's output written
@@ -510,8 +512,9 @@ def norm_double(api: str, eager_fn, rebuild_input):
         except RuntimeError as e:  # NOTE [A norm's output written after forward]
             y_written(e, ctx, api)
             raise
-        if y is not None and getattr(ctx, "y_seen", None) is not None:  # NOTE [A kept output
-            check_output_seen(ctx, y, api, _NORM_FIX)  # written under saved-tensor hooks]
+        # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py
+        if y is not None and getattr(ctx, "y_seen", None) is not None:
+            check_output_seen(ctx, y, api, _NORM_FIX)
         need = ctx.needs_input_grad
         with torch.no_grad():
             y = y.detach() if y is not None else None  # None: LayerNorm kept x (_keep_x)
@@ -678,8 +681,9 @@ def _ln_double(ctx, dy):
     except RuntimeError as e:  # NOTE [A norm's output written after forward]
         y_written(e, ctx, "ops.layer_norm")
         raise
-    if y is not None and ctx.y_seen is not None:  # NOTE [A kept output written under saved-
-        check_output_seen(ctx, y, "ops.layer_norm", _NORM_FIX)  # tensor hooks]
+    # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py
+    if y is not None and ctx.y_seen is not None:
+        check_output_seen(ctx, y, "ops.layer_norm", _NORM_FIX)
     need = ctx.needs_input_grad
     if y is None:  # x itself was kept (_keep_x): it carries its graph
         x = xside
