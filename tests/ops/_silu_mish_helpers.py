@@ -90,7 +90,9 @@ class SmoothUnaryTests(OutputActTests):
     def test_host_calls_per_call(self):
         # issue 32: the module's gate inline, the C path's constants decided once per activation,
         # backward reading forward's choice: 46 calls of and from slimgrad's code per fwd + bwd of
-        # a float32 CPU SiLU or Mish module (SiLU 165, Mish 166 before), counted, not timed
+        # a float32 CPU SiLU or Mish module (SiLU 165, Mish 166 before), counted, not timed; 47
+        # with the forward's one question whether saved-tensor hooks are active (NOTE [A kept
+        # output written under saved-tensor hooks] in slimgrad/_errors.py; issue 30)
         import slimgrad.nn
         from tests._host_calls import slimgrad_calls
 
@@ -102,4 +104,4 @@ class SmoothUnaryTests(OutputActTests):
             (mod(x * 1) * 1).sum().backward()
 
         step()
-        assert slimgrad_calls(step) <= 46
+        assert slimgrad_calls(step) <= 47

@@ -177,7 +177,10 @@ def test_host_calls_per_call():
     # issue 32: the module's gate inline, the C path's constants decided once per activation,
     # backward reading forward's choice: 44 calls of and from slimgrad's code per fwd + bwd of a
     # float32 CPU GELU (153 before; 43 with first_order inline in backward; 42 with ownership's
-    # grant asked in backward's frame), counted, not timed
+    # grant asked in backward's frame), counted, not timed; 43 with the forward's one question
+    # whether saved-tensor hooks are active (NOTE [A kept output written under saved-tensor hooks]
+    # in slimgrad/_errors.py: a written output handed back by a hook raises instead of giving a
+    # wrong gradient; issue 30)
     from slimgrad.nn import GELU
     from tests._host_calls import slimgrad_calls
 
@@ -189,4 +192,4 @@ def test_host_calls_per_call():
         (m(x * 1) * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 42
+    assert slimgrad_calls(step) <= 43

@@ -75,6 +75,7 @@ int64_t g_fresh_storage_weak = -1;
 
 PyObject* g_fallback = nullptr;  // _node_fallback(dy, y, rstd, w, own, need_x, need_w)
 PyObject* g_double = nullptr;    // _node_double(dy, y, rstd, w, need_x, need_w)
+PyObject* g_written = nullptr;   // _node_written(message): raises slimgrad's error, or returns
 
 bool env_off() {
   const char* v = std::getenv("SLIMGRAD_NO_REUSE");
@@ -275,6 +276,31 @@ void call_python(PyObject* fn, PyObject* args, at::Tensor& dx, at::Tensor& dw) {
   Py_DECREF(r);
 }
 
+// The node's saved tensors; autograd's error for a saved tensor written after forward goes to the
+// Python ``_node_written`` first, which raises slimgrad's error where the tensor is the node's
+// output y (NOTE [A norm's output written after forward] in slimgrad/ops/layer_norm.py, as the
+// Python Function's backward does); any other error (a written weight) stays autograd's.
+variable_list saved_or_raise(AutogradContext* ctx) {
+  try {
+    return ctx->get_saved_variables();
+  } catch (const c10::Error& e) {
+    if (g_written == nullptr) {
+      throw;
+    }
+    PyGILState_STATE st = PyGILState_Ensure();
+    PyObject* r = PyObject_CallFunction(g_written, "s", e.what_without_backtrace());
+    if (r == nullptr) {
+      python_error err;
+      err.persist();
+      PyGILState_Release(st);
+      throw std::move(err);
+    }
+    Py_DECREF(r);
+    PyGILState_Release(st);
+    throw;
+  }
+}
+
 struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
   // _HFRMSNormFromOutputFn.forward's straight Llama branch:
   //     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps); y = weight * (x * rstd)
@@ -315,7 +341,7 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
     const bool need_w = ctx->saved_data["need_w"].toBool();
     at::Tensor dx, dw;
     if (c10::GradMode::is_enabled()) {  // create_graph: the Python refusal of second order
-      variable_list saved = ctx->get_saved_variables();
+      variable_list saved = saved_or_raise(ctx);
       PyGILState_STATE st = PyGILState_Ensure();
       try {
         call_python(
@@ -338,7 +364,7 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
       return {dx, dw, at::Tensor(), at::Tensor()};
     }
     const bool own = grant_dy(dy);
-    variable_list saved = ctx->get_saved_variables();
+    variable_list saved = saved_or_raise(ctx);
     const at::Tensor& y = saved[0];
     if (need_x && slimgrad_watcher_mask() == 0 && !at::impl::torch_function_mode_enabled()) {
       at::Tensor g;
@@ -445,16 +471,18 @@ PyObject* hf_rms_norm_node(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// set_norm_fallbacks(fallback, double): the Python tails, once at load.
+// set_norm_fallbacks(fallback, double[, written]): the Python tails, once at load.
 PyObject* set_norm_fallbacks(PyObject* /*self*/, PyObject* args) {
-  PyObject *f = nullptr, *d = nullptr;
-  if (!PyArg_ParseTuple(args, "OO", &f, &d)) {
+  PyObject *f = nullptr, *d = nullptr, *w = nullptr;
+  if (!PyArg_ParseTuple(args, "OO|O", &f, &d, &w)) {
     return nullptr;
   }
   Py_INCREF(f);
   Py_INCREF(d);
+  Py_XINCREF(w);
   Py_XSETREF(g_fallback, f);
   Py_XSETREF(g_double, d);
+  Py_XSETREF(g_written, w);
   Py_RETURN_NONE;
 }
 

@@ -16,10 +16,16 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
-from slimgrad._autograd import first_order
+from slimgrad._autograd import compiling, first_order
+from slimgrad._errors import hooks_top, seen
 from slimgrad.kernels import _backend
 from slimgrad.ops._bits import pack_bits, unpack_bits
-from slimgrad.ops._output_act import forward_output_only, memory_order, raise_output_written
+from slimgrad.ops._output_act import (
+    check_output_seen,
+    forward_output_only,
+    memory_order,
+    raise_output_written,
+)
 
 __all__ = [
     "apply_with_anchor",
@@ -30,6 +36,10 @@ __all__ = [
     "unpack_side",
     "zero_tie",
 ]
+
+
+# the output-only activations whose eager op keeps x (out of place)
+_EAGER_KEEPS_X = frozenset({"leaky_relu", "hardtanh", "elu"})
 
 
 def output_only_function(
@@ -62,26 +72,40 @@ def output_only_function(
     def bwd_torch(g: Tensor, y: Tensor, *params) -> Tensor:
         return bwd_op(*bwd_args(g, y, *params))
 
+    # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py: only where
+    # eager keeps x; eager's relu, sigmoid, tanh and every in-place call keep y as this op does
+    # (under identity hooks eager reads a written y too: the same gradient, no check)
+    check = stem in _EAGER_KEEPS_X
+
     def forward(ctx, x: Tensor, *args):
         *params, inplace = args
         ctx.params = params
         if _backend.use_triton(x):
             k = _backend.kernels(stem)
-            return forward_output_only(
+            y = forward_output_only(
                 ctx,
                 x,
                 inplace,
                 lambda t: k._fwd_triton(t, *params),
                 lambda t: k._fwd_triton_(t, *params),
             )
-        return forward_output_only(
-            ctx, x, inplace, lambda t: fwd(t, *params), lambda t: fwd_(t, *params)
+        else:
+            y = forward_output_only(
+                ctx, x, inplace, lambda t: fwd(t, *params), lambda t: fwd_(t, *params)
+            )
+        ctx.y_seen = (
+            seen(y)
+            if check and not inplace and not compiling() and hooks_top(False) is not None
+            else None
         )
+        return y
 
     def double(ctx, g):
         # create_graph=True: eager's formula from y with differentiable ops; autograd continues
         # through y's node (NOTE [Second derivatives] in slimgrad._autograd): eager's result
         (y,) = ctx.saved_tensors
+        if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+            check_output_seen(ctx, y, f"ops.{stem}")
         return bwd_torch(g, y, *ctx.params), *((None,) * (len(ctx.params) + 1))
 
     @first_order(f"ops.{stem}", double=double)
@@ -92,6 +116,8 @@ def output_only_function(
         except RuntimeError as e:  # NOTE [An output written after forward] in ops/_output_act.py
             raise_output_written(e, f"ops.{stem}")
             raise
+        if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+            check_output_seen(ctx, y, f"ops.{stem}")
         params, nones = ctx.params, (None,) * (len(ctx.params) + 1)
         own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype
         if _backend.use_triton(y):  # NOTE [Kernel backend choice]; owned: dx into g

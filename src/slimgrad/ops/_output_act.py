@@ -95,7 +95,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import _autograd, ownership
-from slimgrad._errors import internal_error, raise_if_written
+from slimgrad._errors import check_seen, hooks_top, internal_error, raise_if_written, seen
 from slimgrad._library import straight
 from slimgrad._math import smooth as smooth_math
 from slimgrad._math.bits import packed_numel
@@ -205,12 +205,17 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
     # out-of-place Function + copy_ into x (smooth_apply): the copy xs is kept then
     ctx.dense_x = dense and not inplace and not compiling
     ctx.y_is_x = inplace
+    # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py: y (or x
+    # holding it) recorded under hooks, eager only (``compiling`` read above)
+    hooked = not dense and not compiling and hooks_top(False) is not None
     if inplace:  # x holds y now: kept instead of y (no second copy); read as x.permute(perm)
         x.copy_(out)
         ctx.mark_dirty(x)
         ctx.save_for_backward(None if dense else x, bits, idx, xs)
+        ctx.y_seen = seen(x, dirty=True) if hooked else None
         return x
     ctx.save_for_backward(None if dense else y, bits, idx, x if ctx.dense_x else xs)
+    ctx.y_seen = seen(y) if hooked else None
     # no zero gradients for them in backward (it never reads them): on the dense fallback xs is all
     # of x, so autograd would allocate a gradient-sized zeros tensor
     ctx.set_materialize_grads(False)
@@ -230,7 +235,9 @@ def smooth_forward(ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args,
 # calling the module directly and writing its output, a hook added after ``convert_``) bumps y's
 # version, and y's old values are gone at backward: autograd's "modified by an inplace operation"
 # from ``ctx.saved_tensors`` is re-raised as slimgrad's, naming the op and the fixes (as NOTE [A
-# kept tensor written after forward] in ops/_derived.py does for a BatchNorm output).
+# kept tensor written after forward] in ops/_derived.py does for a BatchNorm output). Inside a
+# saved-tensor-hooks region autograd checks nothing: NOTE [A kept output written under
+# saved-tensor hooks] in slimgrad/_errors.py gives the same error there.
 
 
 def _public_api(ctx) -> str:
@@ -246,14 +253,25 @@ def raise_output_written(
     """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of an
     op that keeps its output (NOTE [An output written after forward]); return for any other
     error (the caller re-raises it)."""
-    raise_if_written(
-        e,
-        api,
+    raise_if_written(e, api, _written_why(fix))
+
+
+def _written_why(fix: str) -> str:
+    return (
         "It keeps its output for backward where eager keeps its input; expected what it keeps "
         "unchanged from forward to backward, got a write over it. Write into a clone "
         "(``y = y.clone()`` first), or leave the module unconverted (convert_'s filter_fn, or "
-        f"{fix}).",
+        f"{fix})."
     )
+
+
+def check_output_seen(
+    ctx, y: torch.Tensor | None, api: str, fix: str = "ConvertConfig(activations=False)"
+) -> None:
+    """After ``ctx.saved_tensors`` gave y back: raise slimgrad's error where the forward recorded
+    y under saved-tensor hooks (``ctx.y_seen``) and a hook handed back y written since (NOTE [A
+    kept output written under saved-tensor hooks] in slimgrad/_errors.py)."""
+    check_seen(ctx.y_seen, y, api, _written_why(fix))
 
 
 def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact: Callable, *args):
@@ -265,6 +283,8 @@ def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact:
     except RuntimeError as e:  # NOTE [An output written after forward]
         raise_output_written(e, _public_api(ctx))
         raise
+    if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+        check_output_seen(ctx, y, _public_api(ctx))
     if ctx.y_is_x and ctx.perm is not None and y is not None:
         y = y.permute(ctx.perm)  # in place: y is x, in x's layout; the side info in memory order
     if ctx.dense_x:  # xs is x itself: eager's formula, eager's layout
@@ -813,7 +833,7 @@ def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | 
     ctx.set_materialize_grads(False)
     big = n >= 2**31
     if k * FALLBACK_DIV > n:  # dense fallback: x itself, as eager (NOTE [Gradient from the output])
-        ctx.dense_x, ctx.cpath = True, None
+        ctx.dense_x, ctx.cpath, ctx.y_seen = True, None, None
         ctx.save_for_backward(
             None, torch.empty(0, dtype=_U8), torch.empty(0, dtype=_I64 if big else _I32), x
         )
@@ -828,6 +848,8 @@ def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | 
     ctx.dense_x = False
     ctx.cpath, ctx.n = cp, n
     ctx.save_for_backward(y, bits, idx, xs)
+    # NOTE [A kept output written under saved-tensor hooks]; past the gate: not compiling
+    ctx.y_seen = None if hooks_top(False) is None else seen(y)
     return y
 
 
@@ -840,6 +862,8 @@ def c_backward(ctx, g: torch.Tensor, buf, exact: Callable, *args) -> torch.Tenso
     except RuntimeError as e:  # NOTE [An output written after forward]
         raise_output_written(e, _public_api(ctx))
         raise
+    if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+        check_output_seen(ctx, y, _public_api(ctx))
     if not (
         y.dtype is _F32
         and y.is_cpu

@@ -157,6 +157,7 @@ class _Step:
     # (``to_save``) and the attributes it sets (``needs_input_grad`` set by the block); filled
     # ``saved_tensors`` in backward. No __init__: made by the type's C call alone.
     to_save = ()
+    y_seen = None  # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py
 
     def save_for_backward(self, *tensors) -> None:
         self.to_save = tensors

@@ -87,11 +87,13 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
+from slimgrad._errors import hooks_top, seen
 from slimgrad._library import custom_op, straight
 from slimgrad._math import norms, steps
 from slimgrad._math.steps import epoch
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
+from slimgrad.ops._output_act import check_output_seen
 from slimgrad.ops.layer_norm import (
     _ANCHOR_APPLY,
     CHUNK_ELEMS,
@@ -552,6 +554,11 @@ class _GroupNormFn(torch.autograd.Function):
         else:
             fwd = _group_norm_fwd.impl if direct else _group_norm_fwd
             y, mean, rstd, idx, xside = fwd(x, arg, weight, bias, eps)
+        # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py; eager only
+        # (``direct``: past the gate)
+        ctx.y_seen = (
+            seen(y) if (direct or not compiling()) and hooks_top(False) is not None else None
+        )
         ctx.save_for_backward(y, mean, rstd, idx, xside, weight, bias)
         ctx.mark_non_differentiable(mean, rstd, idx, xside)
         return y, mean, rstd, idx, xside
@@ -567,6 +574,8 @@ class _GroupNormFn(torch.autograd.Function):
         except RuntimeError as e:  # NOTE [A norm's output written after forward]
             y_written(e, ctx, "ops.group_norm")
             raise
+        if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+            check_output_seen(ctx, y, "ops.group_norm", "ConvertConfig(norms=False)")
         need = ctx.needs_input_grad
         mask = [need[0], need[2], need[3]]
         # _bwd(y), inline: the C kernel for CPU tensors (NOTE [Kernel backend choice])

@@ -67,6 +67,7 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
+from slimgrad._errors import hooks_top, seen
 from slimgrad._library import custom_op, straight
 
 # The plain-PyTorch math lives below ops and kernels (NOTE [Kernels are leaves] in slimgrad._math);
@@ -87,7 +88,7 @@ from slimgrad._math.norms import layer_norm_gamma as _LN_GAMMA
 from slimgrad._math.norms import rowdot as _rowdot  # noqa: F401
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
-from slimgrad.ops._output_act import raise_output_written
+from slimgrad.ops._output_act import check_output_seen, raise_output_written
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
 
@@ -484,13 +485,18 @@ def bridged(ctx, api: str, values: torch.Tensor) -> torch.Tensor:
 # ops/_output_act.py; its first sentence is autograd's). Only where autograd names this node's
 # own output 0, which is y: a write over what eager keeps too (x where a norm kept it, the
 # weight, the bias) raises in eager as well and keeps autograd's error. The check runs in the
-# ``except`` clause only: nothing is added where nothing raises.
+# ``except`` clause only: nothing is added where nothing raises. Inside a saved-tensor-hooks region
+# autograd does not check: NOTE [A kept output written under saved-tensor hooks] in
+# slimgrad/_errors.py (one hooks question per forward, a comparison in backward).
 def y_written(e: RuntimeError, ctx, api: str) -> None:
     """Raise slimgrad's error for autograd's in-place error ``e`` from ``ctx.saved_tensors`` of
     a norm node when the tensor written is the node's output y (NOTE [A norm's output written
     after forward]); return otherwise (the caller re-raises ``e``)."""
     if f"output 0 of {type(ctx).__name__.removesuffix('Backward')}," in str(e):
-        raise_output_written(e, api, fix="ConvertConfig(norms=False)")
+        raise_output_written(e, api, fix=_NORM_FIX)
+
+
+_NORM_FIX = "ConvertConfig(norms=False)"
 
 
 def norm_double(api: str, eager_fn, rebuild_input):
@@ -506,6 +512,9 @@ def norm_double(api: str, eager_fn, rebuild_input):
         except RuntimeError as e:  # NOTE [A norm's output written after forward]
             y_written(e, ctx, api)
             raise
+        # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py
+        if y is not None and getattr(ctx, "y_seen", None) is not None:
+            check_output_seen(ctx, y, api, _NORM_FIX)
         need = ctx.needs_input_grad
         with torch.no_grad():
             y = y.detach() if y is not None else None  # None: LayerNorm kept x (_keep_x)
@@ -672,6 +681,9 @@ def _ln_double(ctx, dy):
     except RuntimeError as e:  # NOTE [A norm's output written after forward]
         y_written(e, ctx, "ops.layer_norm")
         raise
+    # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py
+    if y is not None and ctx.y_seen is not None:
+        check_output_seen(ctx, y, "ops.layer_norm", _NORM_FIX)
     need = ctx.needs_input_grad
     if y is None:  # x itself was kept (_keep_x): it carries its graph
         x = xside
@@ -709,10 +721,12 @@ class _LayerNormFn(torch.autograd.Function):
         # _TORCH: and the PyTorch forward is the kernel choice (not CUDA, no Triton backend)
         # y_kept_after: NOTE [LayerNorm's fallback columns only where y is kept after it]
         # box: NOTE [LayerNorm's second derivatives through its own node]
-        ctx.arg, ctx.eps, ctx.lib, ctx.box = arg, eps, None, None
+        # y_seen: NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py
+        ctx.arg, ctx.eps, ctx.lib, ctx.box, ctx.y_seen = arg, eps, None, None, None
         # NOTE [Norm backward without materialized gradients]
         ctx.materialize_grads = False
         if direct is _TORCH:
+            comp = False  # past the gate
             y, mean, rstd = _native_layer_norm(x, arg, weight, bias, eps)
             # NOTE [The LayerNorm C backward, chosen in forward]
             b, cpu = _backend._resolved[0], _backend._cpu_module[0]
@@ -735,8 +749,9 @@ class _LayerNormFn(torch.autograd.Function):
         else:
             # every channel keeps x: eager's forward (_keep_x), no gather; plain weights only
             # (never fake), no allocation where there is no fallback channel
+            comp = compiling()
             if (
-                not compiling()
+                not comp
                 and type(weight) in _PLAIN_OR_NONE
                 and type(bias) in _PLAIN_OR_NONE
                 and _keeps_x(
@@ -750,8 +765,11 @@ class _LayerNormFn(torch.autograd.Function):
             k = idx.shape[0]
             # NOTE [An empty side table is saved as None]; eager only (a traced table has a
             # symbolic length)
-            if not compiling() and type(k) is int and k == 0:
+            if not comp and type(k) is int and k == 0:
                 idx = None
+        # NOTE [A kept output written under saved-tensor hooks] (eager only)
+        if not comp and hooks_top(False) is not None:
+            ctx.y_seen = seen(y)
         if idx is None:
             if direct is _TORCH:  # NOTE [LayerNorm's straight forward returns y alone]
                 if CTX_FIELDS:  # NOTE [Saving through ctx's fields]
@@ -785,6 +803,8 @@ class _LayerNormFn(torch.autograd.Function):
             raise
         if y is None:  # x kept (_keep_x): eager's backward, which never reuses dy
             return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
+        if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+            check_output_seen(ctx, y, "ops.layer_norm", _NORM_FIX)
         # first use of dy (after the y is None branch, so that no reuse is counted that never
         # happens): NOTE [Gradient-buffer ownership] (ownership.take in one frame, after
         # take's compile check)

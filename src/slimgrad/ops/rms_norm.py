@@ -77,6 +77,7 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
+from slimgrad._errors import hooks_top, seen
 from slimgrad._library import straight
 from slimgrad._math import norms as _norms
 from slimgrad._math.norms import (  # noqa: F401 (CHUNK_ELEMS: tests)
@@ -91,6 +92,7 @@ from slimgrad._math.norms import rms_norm_fwd_torch as _fwd_torch
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
+from slimgrad.ops._output_act import check_output_seen, raise_output_written
 from slimgrad.ops.layer_norm import (
     HALF_DTYPES,
     autocast_inputs,
@@ -125,7 +127,7 @@ def _use_extension(mod) -> None:
     global _EXT_BWD, _EXT_NODE
     _EXT_BWD = getattr(mod, "rms_norm_bwd", None)
     if hasattr(mod, "hf_rms_norm_node"):
-        mod.set_norm_fallbacks(_node_fallback, _node_double)
+        mod.set_norm_fallbacks(_node_fallback, _node_double, _node_written)
         # the node grants dy's buffer only where ownership.py's own facts hold (NOTE [dy's
         # ownership asked by the C++ node] in slimgrad/_ext/norm_node.cpp)
         mod.set_norm_grants(
@@ -203,6 +205,7 @@ class _RMSNormFn(torch.autograd.Function):
         # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
         ctx.materialize_grads = False
         if direct is _TORCH:
+            comp = False  # past the gate
             y, rstd = _fused_rms_norm(x, normalized_shape, weight, eps)
             idx = fallback_or_none(weight, None, y.dtype) if weight is not None else None
             if idx is not None:
@@ -214,8 +217,11 @@ class _RMSNormFn(torch.autograd.Function):
             k = idx.shape[0]
             # NOTE [An empty side table is saved as None]; eager only (a traced table has a
             # symbolic length)
-            if not compiling() and type(k) is int and k == 0:
+            comp = compiling()
+            if not comp and type(k) is int and k == 0:
                 idx = None
+        # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py (eager)
+        ctx.y_seen = seen(y) if not comp and hooks_top(False) is not None else None
         if idx is None:
             if direct is _TORCH and CTX_FIELDS:  # NOTE [Saving through ctx's fields]
                 ctx.to_save = (y, rstd, None, None, weight)
@@ -244,6 +250,8 @@ class _RMSNormFn(torch.autograd.Function):
         except RuntimeError as e:  # NOTE [A norm's output written after forward]
             y_written(e, ctx, "ops.rms_norm")
             raise
+        if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+            check_output_seen(ctx, y, "ops.rms_norm", "ConvertConfig(norms=False)")
         need = ctx.needs_input_grad
         mask = [need[0], need[2]]
         if (
@@ -644,6 +652,11 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
             y = weight * (x * rstd)
         else:
             y, rstd = fwd(x, weight, eps)
+        # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py (eager;
+        # ``direct``: past the gate)
+        ctx.y_seen = (
+            seen(y) if (direct or not compiling()) and hooks_top(False) is not None else None
+        )
         ctx.variant = variant
         # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
         ctx.materialize_grads = False
@@ -691,6 +704,8 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         except RuntimeError as e:  # NOTE [A norm's output written after forward]
             y_written(e, ctx, "ops.rms_norm")
             raise
+        if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+            check_output_seen(ctx, y, "ops.rms_norm", "ConvertConfig(norms=False)")
         need = ctx.needs_input_grad
         dx, dw = _from_output_bwd(
             dy, buf, y, rstd, idx, xside, weight, ctx.variant, need[0], need[1]
@@ -817,9 +832,10 @@ def _hf_node(x, weight, eps):
 
 class _NodeCtx:
     # what refuse_second_order and _HFRMSNormFromOutputFn.backward read of a ctx
-    __slots__ = ("needs_input_grad", "saved_tensors", "variant")
+    __slots__ = ("needs_input_grad", "saved_tensors", "variant", "y_seen")
 
     def __init__(self, y, rstd, weight, need_x, need_w):
+        self.y_seen = None  # the node is never made under saved-tensor hooks
         self.saved_tensors = (y, rstd, None, None, weight)
         self.needs_input_grad = (need_x, need_w, False, False, False)
         self.variant = "llama"
@@ -830,6 +846,16 @@ def _node_fallback(dy, y, rstd, weight, own, need_x, need_w):
     return _from_output_bwd(
         dy, dy if own else None, y, rstd, None, None, weight, "llama", need_x, need_w
     )
+
+
+def _node_written(message: str) -> None:
+    # autograd's error from the node's saved tensors (NOTE [A norm's output written after
+    # forward] in ops/layer_norm.py): slimgrad's where the node's output y was written; else
+    # returns and the node re-raises autograd's
+    if "output 0 of torch::autograd::CppNode<" in message and "HFRMSNormNode>," in message:
+        raise_output_written(
+            RuntimeError(message), "ops.rms_norm", fix="ConvertConfig(norms=False)"
+        )
 
 
 def _node_double(dy, y, rstd, weight, need_x, need_w):
