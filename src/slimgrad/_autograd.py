@@ -49,7 +49,9 @@ op (NOTE [torch.func transforms]); forward-mode AD with dual tensors
 (``torch.autograd.forward_ad``) reaches the Functions themselves. :func:`refuse_forward_ad` gives
 every slimgrad Function defined so far (walked once through ``type.__subclasses__`` from
 ``torch.autograd.Function``, skipping any that defines its own ``jvp``) a ``jvp`` that raises the
-``slimgrad.<op>`` error with the ``ConvertConfig`` switch that leaves the op to torch. Only
+``slimgrad.<op>`` error with the ``ConvertConfig`` switch that leaves the op to torch (while
+torch.compile traces, the attribute reads as torch's default ``jvp``: Dynamo refuses to trace a
+Function with a custom one, so a plain override broke every compiled graph at every op). Only
 forward AD calls ``jvp``: nothing runs on the normal path. ``slimgrad/__init__.py`` calls it after
 its imports, and each module that defines Functions but is imported later (only when converting
 some models) calls it at its end; it is idempotent. The refusal is raised while forward AD
@@ -291,6 +293,21 @@ def _refuse_jvp(cls: type, ctx, *tangents):
     raise NotImplementedError(_forward_ad_message(cls))
 
 
+class _JvpRefusal:
+    # a Function's ``jvp`` (NOTE [Forward-mode AD is refused]): the refusal, except while torch
+    # compiles, when it is torch's own ``Function.jvp``. Dynamo will not trace a Function whose
+    # ``jvp`` is not ``torch.autograd.Function.jvp`` ("Unsupported custom jvp": a graph break on
+    # every slimgrad op); it reads the attribute while it compiles, with torch.compiler's
+    # compiling flag held (the flag ``compiling`` reads), so it sees torch's default
+    def __get__(self, obj, owner):
+        if _compiler._is_compiling_flag:
+            return torch.autograd.Function.jvp
+        return functools.partial(_refuse_jvp, owner)
+
+
+_JVP_REFUSAL = _JvpRefusal()
+
+
 def refuse_forward_ad() -> None:
     """Give every slimgrad autograd Function defined so far without a ``jvp`` of its own one that
     raises the ``slimgrad.<op>`` forward-mode AD error (NOTE [Forward-mode AD is refused]).
@@ -300,4 +317,4 @@ def refuse_forward_ad() -> None:
         c = stack.pop()
         stack.extend(c.__subclasses__())
         if c.__module__.startswith("slimgrad.") and "jvp" not in c.__dict__:
-            c.jvp = staticmethod(functools.partial(_refuse_jvp, c))
+            c.jvp = _JVP_REFUSAL
