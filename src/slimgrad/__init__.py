@@ -21,11 +21,13 @@ from slimgrad import _compat
 
 _compat.check_torch()  # one clear message for an unsupported torch, before any private import
 
-from slimgrad import memory  # noqa: E402
+from slimgrad import _autograd, memory  # noqa: E402
 from slimgrad.convert import ConvertConfig, ConvertReport, convert_, report  # noqa: E402
 from slimgrad.plan import Plan, plan  # noqa: E402
 from slimgrad.step_in_backward import step_in_backward  # noqa: E402
 from slimgrad.verify import VerifyReport, verify  # noqa: E402
+
+_autograd.refuse_forward_ad()  # NOTE [Forward-mode AD is refused] in slimgrad/_autograd.py
 
 __version__ = "0.1.0"
 

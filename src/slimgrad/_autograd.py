@@ -39,6 +39,23 @@ region (after a graph break, or a compiled submodule's input) gave wrong gradien
 error (aot_eager and inductor; eager Dynamo is right). While Dynamo traces, those ops therefore
 call torch's own in-place op (:func:`eager_op`); memory under torch.compile is the compiler's
 anyway. tests/test_compile_inplace.py checks every in-place op on a graph input against eager.
+
+# NOTE [Forward-mode AD is refused]
+A slimgrad Function's backward works from what it kept, and it has no forward-mode rule (``jvp``):
+torch's default for an autograd Function without one raises its generic "You must implement the
+jvp function for custom autograd.Function to use it with forward mode AD", which names neither
+the op nor a fix. Under ``torch.func.jvp`` (and the other transforms) the ops already run eager's
+op (NOTE [torch.func transforms]); forward-mode AD with dual tensors
+(``torch.autograd.forward_ad``) reaches the Functions themselves. :func:`refuse_forward_ad` gives
+every slimgrad Function defined so far (walked once through ``type.__subclasses__`` from
+``torch.autograd.Function``, skipping any that defines its own ``jvp``) a ``jvp`` that raises the
+``slimgrad.<op>`` error with the ``ConvertConfig`` switch that leaves the op to torch (while
+torch.compile traces, the attribute reads as torch's default ``jvp``: Dynamo refuses to trace a
+Function with a custom one, so a plain override broke every compiled graph at every op). Only
+forward AD calls ``jvp``: nothing runs on the normal path. ``slimgrad/__init__.py`` calls it after
+its imports, and each module that defines Functions but is imported later (only when converting
+some models) calls it at its end; it is idempotent. The refusal is raised while forward AD
+handles the op's output, after its forward ran: nothing was written but the output.
 """
 
 from __future__ import annotations
@@ -54,6 +71,7 @@ __all__ = [
     "direct_apply",
     "eager_op",
     "first_order",
+    "refuse_forward_ad",
     "refuse_jit",
     "refuse_second_order",
     "tie_refusal",
@@ -237,3 +255,66 @@ def refuse_jit(api: str) -> None:
             "expected an eager, torch.compile or torch.export run, got a TorchScript trace. "
             "Trace the unconverted model, or use torch.compile / torch.export on the converted one."
         )
+
+
+# the ConvertConfig field whose False leaves an op's modules to torch, by the op module's stem
+# (NOTE [Forward-mode AD is refused]); ops not listed get the filter_fn fix alone
+_TECHNIQUE = {
+    **dict.fromkeys(
+        ("elu", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "mish", "relu",
+         "sigmoid", "silu", "tanh", "gated_mlp", "gpt2_mlp", "_output_act", "_monotone"),
+        "activations",
+    ),
+    **dict.fromkeys(("layer_norm", "rms_norm", "group_norm"), "norms"),
+    **dict.fromkeys(("dropout", "drop_path", "softmax_dropout"), "dropout"),
+    **dict.fromkeys(("conv", "linear", "matmul", "linear_scale"), "selective_saving"),
+    **dict.fromkeys(("batch_norm", "inplace_abn", "_derived"), "batch_norm"),
+    "linear_cross_entropy": "fused_loss",
+    "hf_loss": "fused_loss",
+}  # fmt: skip
+
+
+def _forward_ad_message(cls: type) -> str:
+    api = getattr(cls, "_slimgrad_api", None)
+    if api is None:  # slimgrad.ops.gelu -> ops.gelu
+        api = cls.__module__.removeprefix("slimgrad.")
+    field = _TECHNIQUE.get(cls.__module__.rpartition(".")[2])
+    switch = f"convert with ConvertConfig({field}=False), or " if field else ""
+    return (
+        f"slimgrad.{api}: forward-mode AD (torch.autograd.forward_ad dual tensors, jvp) is not "
+        "supported by the lean op, which keeps only what reverse-mode gradients need; expected "
+        "backward() or torch.autograd.grad, got a tangent on an input of its autograd Function "
+        f"{cls.__name__}. For forward-mode AD {switch}leave this module unconverted with "
+        "convert_(model, filter_fn=...)."
+    )
+
+
+def _refuse_jvp(cls: type, ctx, *tangents):
+    raise NotImplementedError(_forward_ad_message(cls))
+
+
+class _JvpRefusal:
+    # a Function's ``jvp`` (NOTE [Forward-mode AD is refused]): the refusal, except while torch
+    # compiles, when it is torch's own ``Function.jvp``. Dynamo will not trace a Function whose
+    # ``jvp`` is not ``torch.autograd.Function.jvp`` ("Unsupported custom jvp": a graph break on
+    # every slimgrad op); it reads the attribute while it compiles, with torch.compiler's
+    # compiling flag held (the flag ``compiling`` reads), so it sees torch's default
+    def __get__(self, obj, owner):
+        if _compiler._is_compiling_flag:
+            return torch.autograd.Function.jvp
+        return functools.partial(_refuse_jvp, owner)
+
+
+_JVP_REFUSAL = _JvpRefusal()
+
+
+def refuse_forward_ad() -> None:
+    """Give every slimgrad autograd Function defined so far without a ``jvp`` of its own one that
+    raises the ``slimgrad.<op>`` forward-mode AD error (NOTE [Forward-mode AD is refused]).
+    Idempotent; costs nothing on calls that do not use forward-mode AD."""
+    stack = [torch.autograd.Function]
+    while stack:
+        c = stack.pop()
+        stack.extend(c.__subclasses__())
+        if c.__module__.startswith("slimgrad.") and "jvp" not in c.__dict__:
+            c.jvp = _JVP_REFUSAL

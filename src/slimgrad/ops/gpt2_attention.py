@@ -71,7 +71,13 @@ import math
 import torch
 
 from slimgrad import _ext, ownership
-from slimgrad._autograd import compiling, direct_apply, refuse_second_order, unwrap_if_dead
+from slimgrad._autograd import (
+    compiling,
+    direct_apply,
+    refuse_forward_ad,
+    refuse_second_order,
+    unwrap_if_dead,
+)
 from slimgrad._library import straight
 from slimgrad.convert_handlers import device_rule
 from slimgrad.kernels import _backend
@@ -554,3 +560,7 @@ def ln_conv1d(x, ln_w, ln_b, arg, eps: float, y_kept_after: bool, w, b) -> torch
     return _GPT2_LN_CONV1D_APPLY(
         unwrap_if_dead(x), ln_w, ln_b, arg, eps, y_kept_after, w, b, straight()
     )
+
+
+# this module is imported after slimgrad's own import (NOTE [Forward-mode AD is refused])
+refuse_forward_ad()

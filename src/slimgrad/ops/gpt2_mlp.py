@@ -117,7 +117,7 @@ import slimgrad.ops.dropout  # noqa: F401 - the modules, not the functions ops/_
 import slimgrad.ops.gelu  # noqa: F401
 import slimgrad.ops.layer_norm  # noqa: F401
 from slimgrad import _ext, ownership
-from slimgrad._autograd import compiling, direct_apply, refuse_second_order
+from slimgrad._autograd import compiling, direct_apply, refuse_forward_ad, refuse_second_order
 from slimgrad._library import straight
 from slimgrad.kernels import _backend, _cpu
 from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
@@ -825,3 +825,7 @@ def ln_ok(x, weight, bias) -> bool:
         and x.shape[-1:] == weight.shape
         and (x.requires_grad or weight.requires_grad or bias.requires_grad)
     )
+
+
+# this module is imported after slimgrad's own import (NOTE [Forward-mode AD is refused])
+refuse_forward_ad()
