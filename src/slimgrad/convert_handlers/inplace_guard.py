@@ -1155,9 +1155,9 @@ class _Guard:
     # traced forward, every node whose tensor may be the argument's or a view of it (``root``:
     # the nodes made from one tensor by calls that may return their input, before the call too);
     # in a read source, the name or ``self.<attr>`` passed and every name holding what that one
-    # holds. A write through any of them then keeps the module torch's, as a write through ``h``
-    # does. Not followed: an alias kept in a container, or made by a helper the source reading
-    # does not follow.
+    # holds (``_Made``: the result of a child's call is known by its call). A write through any
+    # of them then keeps the module torch's, as a write through ``h`` does. Not followed: an
+    # alias kept in a container, or one made by a helper the source reading does not follow.
     def _traced(self, m: nn.Module) -> _Info:
         try:
             graph = self.traces.every_call(m, after_swaps=self.outputs is not None)
@@ -1186,9 +1186,10 @@ class _Guard:
                             out.takes.append(m.get_submodule(node.target))
                 if ci.writes:
                     sub = type(m.get_submodule(node.target)).__name__
+                    how = "has a forward hook that may write" if ci.after else "writes"
                     self.flag(
                         a0.ends,
-                        f"{node.target}: {sub}, which writes its input in place",
+                        f"{node.target}: {sub}, which {how} its input in place",
                         None if ci.after else m.get_submodule(node.target),
                     )
                     out.writes = out.writes or a0.passes
@@ -1854,9 +1855,12 @@ class _Flow:
                 ci = self.guard.info(child)
                 self.feeds(child, every)
                 if ci.writes:
-                    self.flag(every, f"{f.attr}: {type(child).__name__}, which writes its input")
+                    how = "has a forward hook that may write" if ci.after else "writes"
+                    self.flag(every, f"{f.attr}: {type(child).__name__}, which {how} its input")
                     self.rebind(e, env, child, ci)
-                return set(ci.ends) | (every if ci.passes else set())
+                # (_Made: which names hold this call's tensor, NOTE [An in-place module's input
+                # is its output])
+                return set(ci.ends) | (every if ci.passes else set()) | {_Made(id(e))}
             method = getattr(type(self.module), f.attr, None) if self.module is not None else None
             got: set = set()
             held = vars(self.module).get(f.attr, _MISSING) if self.module is not None else _MISSING
@@ -2146,6 +2150,13 @@ def _dotted(f) -> str:
         return ast.unparse(f)
     except Exception:  # noqa: BLE001
         return "a call"
+
+
+@dataclass(frozen=True)
+class _Made:
+    # the tensor a call of a child made (its ast node's id), among what a name may hold: names that
+    # hold it may be one tensor (NOTE [An in-place module's input is its output])
+    call: int
 
 
 @dataclass(frozen=True)
