@@ -264,6 +264,29 @@ def test_a_hook_that_only_reads_costs_nothing():
         assert type(m.prod).__module__.startswith("slimgrad."), prod
 
 
+class _Collector:
+    # timm's FeatureHooks, reduced: ``partial(self._collect, name)`` keeps each output in a dict
+    def __init__(self):
+        self.out = {}
+
+    def _collect(self, name, *args):
+        x = args[-1]
+        if isinstance(x, tuple):
+            x = x[0]
+        self.out[name] = x
+
+
+def test_a_partial_of_a_method_that_only_keeps_is_read_as_non_writing():
+    col = _Collector()
+    m = Net(nn.BatchNorm2d(4), True)
+    m.pool.register_forward_hook(functools.partial(col._collect, "pool"))
+    m.relu.register_forward_pre_hook(functools.partial(col._collect, "relu"))
+    slimgrad.convert_(m)
+    assert type(m.relu) is not nn.ReLU  # the ReLU still claims the BatchNorm output
+    m(torch.randn(2, 4, 5, 5)).sum().backward()
+    assert set(col.out) == {"pool", "relu"}
+
+
 # --- 2. a write through the input name of an in-place activation ----------------------------
 
 INPLACE_ACTS = {
@@ -384,6 +407,24 @@ class Kept(nn.Module):
             self.feats.append(b)
             self.feats[-1][:, :2].add_(1.0)
         return y
+
+
+class KeptOnly(Kept):
+    # keeps tensors in a dict on the module twice over, writing none of them
+    def forward(self, x):
+        b = self.prod(self.pre(x))
+        y = self.post(self.relu(b))
+        if float(b.detach().sum()) > 1e30:
+            y = y * 1.0
+        self.cache["b"] = b
+        self.cache["y"] = y
+        return y
+
+
+def test_tensors_kept_on_the_module_and_not_written_cost_nothing():
+    m = KeptOnly(nn.BatchNorm2d(4), 0)
+    slimgrad.convert_(m)
+    assert type(m.relu) is not nn.ReLU  # the ReLU still claims the BatchNorm output
 
 
 KEPT_PRODUCERS = {

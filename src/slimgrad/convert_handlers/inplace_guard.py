@@ -1469,11 +1469,13 @@ class _Flow:
     # A forward the source reading reads (one torch.fx cannot trace) may keep a tensor on the
     # module and write it later in the same forward (``self.saved = b; ...; self.saved.add_(1)``;
     # ``self.cache[k] = b``; ``self.feats.append(b)``). The attribute path (``self.saved``) is a
-    # name like any local: it holds what was assigned to it (an item assignment or a keeping
-    # method adds to it), and a read of it gives that, so the write flags what it holds. A traced
-    # forward needs nothing: torch.fx records the attribute as the Proxy it was given. Not
-    # followed: a tensor kept in one call and written in a later one before it is reassigned, one
-    # kept by a helper method, or through ``setattr``/``__dict__``.
+    # name like any local: it holds what was assigned to it, and what an item assignment or a
+    # keeping method put in it (``self.cache[]``: an item assignment writes the attribute's own
+    # tensor, not the values of the container it may be); a read of it gives both, so a write
+    # through it flags what it holds. A traced forward needs nothing: torch.fx records the
+    # attribute as the Proxy it was given. Not followed: a tensor kept in one call and written in
+    # a later one before it is reassigned, one kept by a helper method, or through
+    # ``setattr``/``__dict__``.
     def key(self, e) -> str | None:
         # the env key of a local name or of an attribute path of the module (``self.saved``)
         if isinstance(e, ast.Name):
@@ -1538,7 +1540,7 @@ class _Flow:
                 and "." in key
             ):  # self.feats.append(h): NOTE [A tensor kept on the module]
                 got = [self.expr(a, env) for a in [*v.args, *(k.value for k in v.keywords)]]
-                env[key] = _no_consts(env.get(key, set()).union(*got))
+                env[key + "[]"] = _no_consts(env.get(key + "[]", set()).union(*got))
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.ret |= self.expr(s.value, env)
@@ -1781,9 +1783,13 @@ class _Flow:
                 self.assign(t.value if isinstance(t, ast.Starred) else t, held, env)
         elif isinstance(target, ast.Subscript):
             self.expr(target.slice, env)
-            self.flag(self.expr(target.value, env), "an item assignment in its HF forward")
+            base = self.expr(target.value, env)
             if (key := self.key(target.value)) is not None and "." in key:
-                env[key] = env.get(key, set()) | _no_consts(held)  # self.cache[k] = h
+                # self.cache[k] = h: the container now holds h (an item assignment writes the
+                # attribute's own tensor, not what its container holds)
+                base = (base - env.get(key + "[]", set())) | env.get(key, set())
+                env[key + "[]"] = env.get(key + "[]", set()) | _no_consts(held)
+            self.flag(base, "an item assignment in its HF forward")
         elif isinstance(target, ast.Attribute):
             self.expr(target.value, env)
             if (key := self.key(target)) is not None:  # NOTE [A tensor kept on the module]
@@ -1807,8 +1813,8 @@ class _Flow:
             return self.call(e, env)
         if isinstance(e, ast.Attribute):
             base = self.expr(e.value, env)
-            if (key := self.key(e)) is not None and key in env:  # NOTE [A tensor kept on the
-                base = base | env[key]  # module]
+            if (key := self.key(e)) is not None:  # NOTE [A tensor kept on the module]
+                base = base | env.get(key, set()) | env.get(key + "[]", set())
             if self.guard is not None and self.guard.outputs is not None:
                 if e.attr in _EXTRA_FIELDS:  # NOTE [Modules whose output is the model's output]
                     return set()
@@ -2244,8 +2250,10 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
 # ``torch.nn.modules.module``) run on every module, before its own. Each hook is read once per
 # function (``hook_roles``: its source, as ``_HookFlow`` reads it: an in-place write through any
 # name it binds to what it is given, the value handed to a callable slimgrad cannot read, an
-# attribute assigned on it), giving the positions it may write; a hook with no readable source (a
-# partial, a callable object, ``*args`` that is written) may write every one. slimgrad's own
+# attribute assigned on it), giving the positions it may write (a ``functools.partial`` without
+# keywords: its function's, shifted by the arguments it binds: timm's FeatureHooks); a hook with
+# no readable source (a callable object, a partial with keywords, ``*args`` that is written) may
+# write every one. slimgrad's own
 # observers and transformers' output-capturing hook write nothing. What it may write decides:
 #   - the output (a forward hook): the module's ``ends`` are flagged, as a write after them;
 #   - what the module is given, before it runs (a pre-hook): the module is a writer of its input,
@@ -2405,8 +2413,14 @@ def hook_roles(hook) -> frozenset[int] | None:
         and getattr(hook, "__name__", None) == "output_capturing_hook"
     ):
         return frozenset()
+    if isinstance(hook, functools.partial):  # (timm's FeatureHooks: a partial of a method)
+        if hook.keywords:
+            return None
+        inner = hook_roles(hook.func)
+        n = len(hook.args)
+        return None if inner is None else frozenset(i - n for i in inner if i >= n)
     code = getattr(hook, "__code__", None)
-    if code is None:  # a partial, a callable object: its source is not read
+    if code is None:  # a callable object: its source is not read
         return None
     key = (code, inspect.ismethod(hook))
     if key not in _HOOK_MEMO:
