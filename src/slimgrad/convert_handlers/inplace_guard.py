@@ -1213,8 +1213,9 @@ class _Guard:
                     name = schema.name.split("::")[-1]  # aten.view.default -> view
                 if node.target is getattr and len(node.args) > 1:
                     name = str(node.args[1])  # h.T, h.mT, ...
-                if _writes_first_arg(node, name) or _may_alias(name):
-                    if _writes_first_arg(node, name):
+                writes = _writes_first_arg(node, name)
+                if writes or _may_alias(name):
+                    if writes:
                         self.flag(a0.ends, _describe(node, name))
                         out.writes = out.writes or a0.passes
                     state[node] = a0
@@ -2253,8 +2254,8 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
 # attribute assigned on it), giving the positions it may write (a ``functools.partial`` without
 # keywords: its function's, shifted by the arguments it binds: timm's FeatureHooks); a hook with
 # no readable source (a callable object, a partial with keywords, ``*args`` that is written) may
-# write every one. slimgrad's own
-# observers and transformers' output-capturing hook write nothing. What it may write decides:
+# write every one. slimgrad's own observers and transformers' output-capturing hook write
+# nothing. What it may write decides:
 #   - the output (a forward hook): the module's ``ends`` are flagged, as a write after them;
 #   - what the module is given, before it runs (a pre-hook): the module is a writer of its input,
 #     which flags whatever produced it (the module itself reads the written value);
@@ -2295,7 +2296,7 @@ def _forward_hooks(m: nn.Module) -> list[tuple[Callable, bool]]:
     glob = getattr(_torch_module, "_global_forward_hooks", {})
     glob_kw = getattr(_torch_module, "_global_forward_hooks_with_kwargs", {})
     return [(h, k in glob_kw) for k, h in glob.items()] + [
-        (h, k in m._forward_hooks_with_kwargs) for k, h in m._forward_hooks.items()
+        (h, k in getattr(m, "_forward_hooks_with_kwargs", {})) for k, h in m._forward_hooks.items()
     ]
 
 
