@@ -36,6 +36,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from slimgrad.convert_handlers import hf as _hf
 
@@ -263,6 +264,8 @@ def _instance_kind(fn, m: nn.Module) -> str:
     # "class", "wrapper" or "unknown" (NOTE [A forward set on the instance])
     if _slimgrad_patch(fn):
         return "class"
+    if _accelerate_passes(fn, m):  # NOTE [accelerate's hook wrapper]
+        fn = m.__dict__.get("_old_forward")
     cls_fwd = getattr(type(m), "forward", None)
     seen: set[int] = set()
     wrapped = False
@@ -281,6 +284,59 @@ def _instance_kind(fn, m: nn.Module) -> str:
         else:
             fn = None
     return "unknown"
+
+
+# NOTE [accelerate's hook wrapper]
+# accelerate's ``add_hook_to_module(m, hook)`` (``cpu_offload``, ``dispatch_model``,
+# ``attach_align_device_hook``) sets ``m.forward`` to ``partial(new_forward, m)``, wrapped over the
+# forward it replaces (``m._old_forward``), and ``m._hf_hook = hook``; ``new_forward`` runs
+# ``hook.pre_forward(m, *args, **kwargs)``, then ``m._old_forward`` on what that returns (under
+# ``no_grad`` where the hook asks), then ``hook.post_forward(m, output)``. Read as any wrapper, it
+# may write what the module is given and what it returns, and a hook on every module with
+# parameters (``cpu_offload`` style) kept GPT-2's GELUs eager (saved 122,500 -> 252,548 B). What
+# it runs is stated by facts of the instance: the wrapper is accelerate's ``new_forward`` bound to
+# the module alone, and the hook's class. ``ModelHook.pre_forward``/``post_forward`` return their
+# arguments; ``AlignDevicesHook``'s move tensors with ``send_to_device`` (``.to``: a new tensor or
+# the same one, never a write of the caller's tensor) and load or unload the module's own weights;
+# a ``SequentialHook`` runs its hooks' in turn. Where the hook is one of those classes (or a
+# subclass that overrides neither method) over such hooks, the module is read as the forward it
+# wraps (``m._old_forward``: the class's, or what that one is, as for any instance forward). Any
+# other hook class, or a subclass with its own ``pre_forward``/``post_forward``, is a wrapper that
+# may write, as before. The hook is read at ``convert_``; replacing it after is not covered (as
+# any forward set on the instance after ``convert_``).
+def _accelerate_passes(fn, m: nn.Module) -> bool:
+    hooks = sys.modules.get("accelerate.hooks")
+    if hooks is None or not isinstance(fn, functools.partial):
+        return False
+    inner = fn.func
+    if (
+        getattr(inner, "__module__", None) != "accelerate.hooks"
+        or getattr(inner, "__qualname__", None) != "add_hook_to_module.<locals>.new_forward"
+        or fn.args != (m,)
+        or fn.keywords
+        or "_old_forward" not in m.__dict__
+    ):
+        return False
+    return _accelerate_hook_passes(m.__dict__.get("_hf_hook"), hooks)
+
+
+def _accelerate_hook_passes(hook, hooks: types.ModuleType) -> bool:
+    base = getattr(hooks, "ModelHook", None)
+    align = getattr(hooks, "AlignDevicesHook", None)
+    seq = getattr(hooks, "SequentialHook", None)
+    if base is None or not isinstance(hook, base):
+        return False
+    known = {c for c in (base, align) if isinstance(c, type)}
+    cls = type(hook)
+    if seq is not None and isinstance(hook, seq):
+        own = (cls.pre_forward, cls.post_forward) == (seq.pre_forward, seq.post_forward)
+        subs = getattr(hook, "hooks", None)
+        return (
+            own and isinstance(subs, tuple) and all(_accelerate_hook_passes(h, hooks) for h in subs)
+        )
+    return any(
+        cls.pre_forward is k.pre_forward and cls.post_forward is k.post_forward for k in known
+    )
 
 
 def _slimgrad_patch(fn) -> bool:
@@ -313,6 +369,18 @@ class _Info:
     # the children its input (or a view of it) may be given to (NOTE [Hooks on the modules around
     # an output-saving one]: their hooks may write it)
     takes: list[nn.Module] = field(default_factory=list)
+    # its input may be written after its forward ran (a forward hook: NOTE [What a hook registered
+    # before convert_ may write]), so the module itself has read it before that write
+    after: bool = False
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(
+        m._forward_hooks
+        or m._forward_pre_hooks
+        or getattr(_torch_module, "_global_forward_hooks", None)
+        or getattr(_torch_module, "_global_forward_pre_hooks", None)
+    )
 
 
 def _qualname(cls: type) -> str:
@@ -946,13 +1014,15 @@ class _Guard:
         if key not in self.memo:
             self.memo[key] = _Info()  # placeholder; the module tree has no cycles
             info = self._analyse(m)
-            if self.outputs is None and (m._forward_hooks or m._forward_pre_hooks):
-                # NOTE [Hooks on the modules around an output-saving one]
+            if self.outputs is None and _hooked(m):
+                # NOTE [What a hook registered before convert_ may write]
                 if (why := _hook_writes(m)) is not None:
                     self.flag(info.ends, why)
                     info.writes = info.writes or info.passes
                 if _pre_hook_writes(m):
                     info.writes = True
+                if _hook_writes_input(m):
+                    info.writes = info.after = True
             self.memo[key] = info
         return self.memo[key]
 
@@ -1060,8 +1130,14 @@ class _Guard:
                 takes.append(child)
             if ci.writes:
                 own = "forward" in child.__dict__  # NOTE [A forward set on the instance]
-                what = " with a forward set on the instance" if own else "(inplace=True)"
-                self.flag(ends, f"{type(child).__name__}{what}", child)
+                what = (
+                    " with a forward hook that may write its input"
+                    if ci.after
+                    else " with a forward set on the instance"
+                    if own
+                    else "(inplace=True)"
+                )
+                self.flag(ends, f"{type(child).__name__}{what}", None if ci.after else child)
                 writes = writes or passes
             if ci.passes:
                 ends = ends + ci.ends
@@ -1069,6 +1145,19 @@ class _Guard:
                 ends, passes = list(ci.ends), False
         return _Info(ends=ends, writes=writes, passes=passes, takes=takes)
 
+    # NOTE [An in-place module's input is its output]
+    # An in-place module (``ReLU6(inplace=True)``, ``Hardtanh``, ``LeakyReLU``, ``ELU``,
+    # ``SiLU``, ``Mish``, ``Hardswish``, ``Hardsigmoid``, ``Dropout``, timm's activations with
+    # ``inplace=True``) returns the tensor it was given: after ``h = self.act(t)``, ``t`` and
+    # ``h`` are one tensor, so a write through ``t`` (or a view of it, taken before or after)
+    # writes the module's output. Where the module keeps its output for backward (its ``ends``
+    # hold itself), the reading gives that output to every name of the tensor it was given: in a
+    # traced forward, every node whose tensor may be the argument's or a view of it (``root``:
+    # the nodes made from one tensor by calls that may return their input, before the call too);
+    # in a read source, the name or ``self.<attr>`` passed and every name holding what that one
+    # holds (``_Made``: the result of a child's call is known by its call). A write through any
+    # of them then keeps the module torch's, as a write through ``h`` does. Not followed: an
+    # alias kept in a container, or one made by a helper the source reading does not follow.
     def _traced(self, m: nn.Module) -> _Info:
         try:
             graph = self.traces.every_call(m, after_swaps=self.outputs is not None)
@@ -1079,6 +1168,9 @@ class _Guard:
             # output-saving children when anything below has inplace=True.
             return _source_info(self, m, getattr(m, "inplace", False) is True)
         state: dict[torch.fx.Node, _Info] = {}
+        # NOTE [An in-place module's input is its output]: {node: the node whose tensor it may
+        # be, or a view of}
+        root: dict[torch.fx.Node, torch.fx.Node] = {}
         out = _Info()
         for node in graph.nodes:
             first = node.args[0] if node.args else None
@@ -1094,28 +1186,41 @@ class _Guard:
                             out.takes.append(m.get_submodule(node.target))
                 if ci.writes:
                     sub = type(m.get_submodule(node.target)).__name__
+                    how = "has a forward hook that may write" if ci.after else "writes"
                     self.flag(
                         a0.ends,
-                        f"{node.target}: {sub}, which writes its input in place",
-                        m.get_submodule(node.target),
+                        f"{node.target}: {sub}, which {how} its input in place",
+                        None if ci.after else m.get_submodule(node.target),
                     )
                     out.writes = out.writes or a0.passes
                 if ci.passes:
                     state[node] = _Info(ends=a0.ends + ci.ends, passes=a0.passes)
+                    if isinstance(first, torch.fx.Node):
+                        root[node] = root.get(first, first)
                 else:
                     state[node] = _Info(ends=list(ci.ends))
+                child = m.get_submodule(node.target)
+                if ci.writes and child in ci.ends and isinstance(first, torch.fx.Node):
+                    # NOTE [An in-place module's input is its output]
+                    r = root.get(first, first)
+                    for n in [first, *(n for n in root if root[n] is r)]:
+                        if n in state:
+                            s_n = state[n]
+                            state[n] = dataclasses.replace(s_n, ends=s_n.ends + list(ci.ends))
             elif node.op in ("call_method", "call_function"):
                 name = node.target if isinstance(node.target, str) else node.target.__name__
                 if (schema := getattr(node.target, "_schema", None)) is not None:
                     name = schema.name.split("::")[-1]  # aten.view.default -> view
                 if node.target is getattr and len(node.args) > 1:
                     name = str(node.args[1])  # h.T, h.mT, ...
-                if _writes_first_arg(node, name):
-                    self.flag(a0.ends, _describe(node, name))
-                    out.writes = out.writes or a0.passes
+                writes = _writes_first_arg(node, name)
+                if writes or _may_alias(name):
+                    if writes:
+                        self.flag(a0.ends, _describe(node, name))
+                        out.writes = out.writes or a0.passes
                     state[node] = a0
-                elif _may_alias(name):
-                    state[node] = a0
+                    if isinstance(first, torch.fx.Node):
+                        root[node] = root.get(first, first)
             elif node.op == "output":
                 for n in _nodes_in(node.args):
                     s = state.get(n, _Info())
@@ -1347,6 +1452,43 @@ class _Flow:
         if _IN in every:
             self.takes.append(child)
 
+    def rebind(self, call: ast.Call, env: dict, child: nn.Module, ci: _Info) -> None:
+        # NOTE [An in-place module's input is its output]: the name (or ``self.<attr>``) given to
+        # an in-place module holds its output afterwards, as does every name holding the same
+        # tensor's aliases (a name holding what the given one holds, where that is not nothing)
+        if child not in ci.ends or not call.args:
+            return
+        key = self.key(call.args[0])
+        if key is None:
+            return
+        given = {x for x in env.get(key, ()) if not isinstance(x, _Const)}
+        for k, held in list(env.items()):
+            if k == key or (given and given <= held):
+                env[k] = set(held) | set(ci.ends)
+
+    # NOTE [A tensor kept on the module]
+    # A forward the source reading reads (one torch.fx cannot trace) may keep a tensor on the
+    # module and write it later in the same forward (``self.saved = b; ...; self.saved.add_(1)``;
+    # ``self.cache[k] = b``; ``self.feats.append(b)``). The attribute path (``self.saved``) is a
+    # name like any local: it holds what was assigned to it, and what an item assignment or a
+    # keeping method put in it (``self.cache[]``: an item assignment writes the attribute's own
+    # tensor, not the values of the container it may be); a read of it gives both, so a write
+    # through it flags what it holds. A traced forward needs nothing: torch.fx records the
+    # attribute as the Proxy it was given. Not followed: a tensor kept in one call and written in
+    # a later one before it is reassigned, one kept by a helper method, or through
+    # ``setattr``/``__dict__``.
+    def key(self, e) -> str | None:
+        # the env key of a local name or of an attribute path of the module (``self.saved``)
+        if isinstance(e, ast.Name):
+            return e.id if e.id != self.me else None
+        path = []
+        while isinstance(e, ast.Attribute):
+            path.append(e.attr)
+            e = e.value
+        if path and isinstance(e, ast.Name) and e.id == self.me:
+            return ".".join([self.me, *reversed(path)])
+        return None
+
     def flag(self, held: set, why: str) -> None:
         self.written |= held
         if self.guard is not None:
@@ -1391,6 +1533,15 @@ class _Flow:
             ):  # hs.append(h): hs now holds h too (outputs question)
                 name = v.func.value.id
                 env[name] = env.get(name, set()).union(*(self.expr(a, env) for a in v.args))
+            if (
+                isinstance(v, ast.Call)
+                and isinstance(v.func, ast.Attribute)
+                and v.func.attr in _KEEPING
+                and (key := self.key(v.func.value)) is not None
+                and "." in key
+            ):  # self.feats.append(h): NOTE [A tensor kept on the module]
+                got = [self.expr(a, env) for a in [*v.args, *(k.value for k in v.keywords)]]
+                env[key + "[]"] = _no_consts(env.get(key + "[]", set()).union(*got))
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.ret |= self.expr(s.value, env)
@@ -1633,9 +1784,17 @@ class _Flow:
                 self.assign(t.value if isinstance(t, ast.Starred) else t, held, env)
         elif isinstance(target, ast.Subscript):
             self.expr(target.slice, env)
-            self.flag(self.expr(target.value, env), "an item assignment in its HF forward")
+            base = self.expr(target.value, env)
+            if (key := self.key(target.value)) is not None and "." in key:
+                # self.cache[k] = h: the container now holds h (an item assignment writes the
+                # attribute's own tensor, not what its container holds)
+                base = (base - env.get(key + "[]", set())) | env.get(key, set())
+                env[key + "[]"] = env.get(key + "[]", set()) | _no_consts(held)
+            self.flag(base, "an item assignment in its HF forward")
         elif isinstance(target, ast.Attribute):
             self.expr(target.value, env)
+            if (key := self.key(target)) is not None:  # NOTE [A tensor kept on the module]
+                env[key] = _no_consts(held)
 
     def expr(self, e, env: dict) -> set:
         # a name's literal (_Const) is what that name holds; no other expression's value is one
@@ -1655,6 +1814,8 @@ class _Flow:
             return self.call(e, env)
         if isinstance(e, ast.Attribute):
             base = self.expr(e.value, env)
+            if (key := self.key(e)) is not None:  # NOTE [A tensor kept on the module]
+                base = base | env.get(key, set()) | env.get(key + "[]", set())
             if self.guard is not None and self.guard.outputs is not None:
                 if e.attr in _EXTRA_FIELDS:  # NOTE [Modules whose output is the model's output]
                     return set()
@@ -1701,8 +1862,12 @@ class _Flow:
                 ci = self.guard.info(child)
                 self.feeds(child, every)
                 if ci.writes:
-                    self.flag(every, f"{f.attr}: {type(child).__name__}, which writes its input")
-                return set(ci.ends) | (every if ci.passes else set())
+                    how = "has a forward hook that may write" if ci.after else "writes"
+                    self.flag(every, f"{f.attr}: {type(child).__name__}, which {how} its input")
+                    self.rebind(e, env, child, ci)
+                # (_Made: which names hold this call's tensor, NOTE [An in-place module's input
+                # is its output])
+                return set(ci.ends) | (every if ci.passes else set()) | {_Made(id(e))}
             method = getattr(type(self.module), f.attr, None) if self.module is not None else None
             got: set = set()
             held = vars(self.module).get(f.attr, _MISSING) if self.module is not None else _MISSING
@@ -1995,6 +2160,13 @@ def _dotted(f) -> str:
 
 
 @dataclass(frozen=True)
+class _Made:
+    # the tensor a call of a child made (its ast node's id), among what a name may hold: names that
+    # hold it may be one tensor (NOTE [An in-place module's input is its output])
+    call: int
+
+
+@dataclass(frozen=True)
 class _Param:
     # a helper method's parameter, among what a name may hold while its source is read
     name: str
@@ -2072,22 +2244,60 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     )
 
 
+# NOTE [What a hook registered before convert_ may write]
+# A forward hook receives ``(module, args[, kwargs], output)`` and a forward pre-hook ``(module,
+# args[, kwargs])`` (``with_kwargs=True``: the module's ``_forward_hooks_with_kwargs``); the global
+# ones (``register_module_forward_hook``/``_pre_hook``, torch's ``_global_forward_*`` dicts of
+# ``torch.nn.modules.module``) run on every module, before its own. Each hook is read once per
+# function (``hook_roles``: its source, as ``_HookFlow`` reads it: an in-place write through any
+# name it binds to what it is given, the value handed to a callable slimgrad cannot read, an
+# attribute assigned on it), giving the positions it may write (a ``functools.partial`` without
+# keywords: its function's, shifted by the arguments it binds: timm's FeatureHooks); a hook with
+# no readable source (a callable object, a partial with keywords, ``*args`` that is written) may
+# write every one. slimgrad's own observers and transformers' output-capturing hook write
+# nothing. What it may write decides:
+#   - the output (a forward hook): the module's ``ends`` are flagged, as a write after them;
+#   - what the module is given, before it runs (a pre-hook): the module is a writer of its input,
+#     which flags whatever produced it (the module itself reads the written value);
+#   - what the module was given, after it ran (a forward hook writing ``args``/``kwargs``;
+#     ``always_call`` changes nothing here): the module is a writer of its input *after* reading
+#     it (``_Info.after``), so the producer's ends are flagged with the module itself among the
+#     readers: a ReLU that claimed a BatchNorm output and whose own forward hook writes that
+#     output stays torch's (NOTE [A write after a BatchNorm output was claimed]).
+# Hooks registered after ``convert_`` are checked per call (NOTE [Forward hooks on an
+# output-saving module], NOTE [Hooks registered after convert_ on the modules around] in
+# slimgrad/nn/_hooks.py), or caught at backward by the version counters with slimgrad's error
+# (NOTE [A kept tensor written after forward] in ops/_derived.py).
 def _hook_writes(m: nn.Module) -> str | None:
-    # a forward hook on ``m`` that may write its output in place (source read as in NOTE [In-place
-    # writes in HF forwards]; unreadable source: assumed to), or None. slimgrad's own observers
-    # (slimgrad.memory) write nothing. Hooks added after convert_: NOTE [Forward hooks on an
-    # output-saving module] in slimgrad/nn/_hooks.py.
-    for hook in m._forward_hooks.values():
-        if getattr(hook, "__module__", "").startswith("slimgrad."):
-            continue
-        written = _written_params(hook)
-        if written is None:
+    # a forward hook on ``m`` (or a global one) that may write its output in place (NOTE [What a
+    # hook registered before convert_ may write]), or None. Hooks added after convert_: NOTE
+    # [Forward hooks on an output-saving module] in slimgrad/nn/_hooks.py.
+    for hook, kw in _forward_hooks(m):
+        roles = hook_roles(hook)
+        if roles is None:
             return "maybe: a forward hook whose source cannot be read (it may edit the output)"
-        fdef = _forward_ast(hook)
-        arglists = [fdef.args] if fdef is not None else [a for a, _ in _lambdas(hook)]
-        if any(a.args and a.args[-1].arg in written for a in arglists):
-            return f"a forward hook ({hook.__name__}) that writes the output in place"
+        if (3 if kw else 2) in roles:
+            return f"a forward hook ({_fn_name(hook)}) that writes the output in place"
     return None
+
+
+def _hook_writes_input(m: nn.Module) -> bool:
+    # a forward hook on ``m`` (or a global one) that may write what ``m`` was given, after ``m``'s
+    # forward ran (NOTE [What a hook registered before convert_ may write])
+    for hook, kw in _forward_hooks(m):
+        roles = hook_roles(hook)
+        if roles is None or roles & ({1, 2} if kw else {1}):
+            return True
+    return False
+
+
+def _forward_hooks(m: nn.Module) -> list[tuple[Callable, bool]]:
+    # (hook, with_kwargs) for the forward hooks ``m(...)`` runs: the global ones, then its own
+    glob = getattr(_torch_module, "_global_forward_hooks", {})
+    glob_kw = getattr(_torch_module, "_global_forward_hooks_with_kwargs", {})
+    return [(h, k in glob_kw) for k, h in glob.items()] + [
+        (h, k in getattr(m, "_forward_hooks_with_kwargs", {})) for k, h in m._forward_hooks.items()
+    ]
 
 
 # NOTE [Hooks on the modules around an output-saving one]
@@ -2106,11 +2316,11 @@ def _hook_writes(m: nn.Module) -> str | None:
 # modules around] in slimgrad/nn/_hooks.py). Not followed there: a module a helper method of the
 # parent (not its forward) hands the output to.
 def _pre_hook_writes(m: nn.Module) -> bool:
-    for hook in m._forward_pre_hooks.values():
-        if getattr(hook, "__module__", "").startswith("slimgrad."):
-            continue
-        written = _written_params(hook)
-        if written is None or written:
+    # a forward pre-hook on ``m`` (or a global one) that may write what ``m`` is given
+    glob = getattr(_torch_module, "_global_forward_pre_hooks", {})
+    for hook in (*glob.values(), *m._forward_pre_hooks.values()):
+        roles = hook_roles(hook)
+        if roles is None or roles:
             return True
     return False
 
@@ -2187,32 +2397,47 @@ def _file_lambdas(fn) -> list:
 
 def hook_may_write(hook) -> bool:
     """Whether a forward hook or forward pre-hook may write a tensor it is given in place (NOTE
-    [Hooks on the modules around an output-saving one]): its source read once per function (an
+    [What a hook registered before convert_ may write]): its source read once per function (an
     unreadable one may); slimgrad's own observers and transformers' output-capturing hook do not.
     """
+    roles = hook_roles(hook)
+    return roles is None or bool(roles)
+
+
+def hook_roles(hook) -> frozenset[int] | None:
+    """The positions of the arguments a forward hook or forward pre-hook may write in place (1: the
+    args tuple; 2: the kwargs dict or the output; 3: the output after kwargs), None for any (NOTE
+    [What a hook registered before convert_ may write])."""
     mod = getattr(hook, "__module__", None) or ""
     if mod.startswith("slimgrad.") or (
         mod == "transformers.utils.output_capturing"
         and getattr(hook, "__name__", None) == "output_capturing_hook"
     ):
-        return False
-    key = getattr(hook, "__code__", None)
-    if key is None:  # a partial, a callable object: its source is not read
-        return True
-    got = _HOOK_MEMO.get(key)
-    if got is None:
-        got = _HOOK_MEMO[key] = _hook_source_writes(hook)
-    return got
+        return frozenset()
+    if isinstance(hook, functools.partial):  # (timm's FeatureHooks: a partial of a method)
+        if hook.keywords:
+            return None
+        inner = hook_roles(hook.func)
+        n = len(hook.args)
+        return None if inner is None else frozenset(i - n for i in inner if i >= n)
+    code = getattr(hook, "__code__", None)
+    if code is None:  # a callable object: its source is not read
+        return None
+    key = (code, inspect.ismethod(hook))
+    if key not in _HOOK_MEMO:
+        _HOOK_MEMO[key] = _hook_source_roles(hook)
+    return _HOOK_MEMO[key]
 
 
-def _hook_source_writes(hook) -> bool:
+def _hook_source_roles(hook) -> frozenset[int] | None:
     fdef = _forward_ast(hook)
     if fdef is not None:
         bodies = [(fdef.args, fdef.body)]
     else:
         bodies = _lambdas(hook) or _file_lambdas(hook)
         if not bodies:
-            return True
+            return None
+    out: set[int] = set()
     for args, body in bodies:
         params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
         rest = [a.arg for a in (args.vararg, args.kwarg) if a is not None]
@@ -2220,12 +2445,13 @@ def _hook_source_writes(hook) -> bool:
             params = params[1:]
         # (module, args[, kwargs][, output]); ``*a`` and ``**kw`` may hold any of them
         tensors = frozenset(params[1:] + rest)
-        params += rest
         flow = _HookFlow(hook, tensors)
-        flow.block(body, {a: {a} for a in params})
-        if flow.written & tensors:
-            return True
-    return False
+        flow.block(body, {a: {a} for a in params + rest})
+        written = flow.written & tensors
+        if written & set(rest):
+            return None
+        out |= {i for i, a in enumerate(params) if a in written}
+    return frozenset(out)
 
 
 def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:

@@ -19,8 +19,9 @@ from torch.nn.modules import module as _module
 # own, the module runs eager's op and keeps what eager keeps (exact: eager's values, gradients
 # and memory). Observers of slimgrad's own (``slimgrad.memory``'s attribution hooks, defined in
 # ``slimgrad.*`` modules) change no value and do not count, so measuring a converted model still
-# shows its savings. A hook registered before ``convert_`` that writes the output makes convert_
-# leave the module as is (NOTE [In-place writers after output-saving modules]); this rule covers
+# shows its savings. A hook registered before ``convert_`` that may write the output, or what a
+# module was given, makes convert_ leave the modules it reaches as they are (NOTE [What a hook
+# registered before convert_ may write] in convert_handlers/inplace_guard.py); this rule covers
 # hooks registered after it.
 #
 # Which modules check (:func:`forward_hooked`, per class, whatever the instance's settings):
