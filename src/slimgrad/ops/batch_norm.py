@@ -168,9 +168,13 @@ class _Source(SimpleNamespace):
             # uses x itself; keep x, as eager.
             return False
         affine = ctx.weight_v is not None or ctx.bias_v is not None
-        # a fake b (an estimate: assume no bad channels) is a subclass, tested without is_fake's
-        # unwrapping for a plain tensor (a functorch or functional wrapper never reaches here)
-        if affine and (type(b) is torch.Tensor or not is_fake(b)):
+        # a fake b (an estimate) is a subclass, tested without is_fake's unwrapping for a plain
+        # tensor (a functorch or functional wrapper never reaches here): its γ, β are read from
+        # the real parameters they stand for, else no bad channel is assumed (NOTE [Real values
+        # behind the stand-ins] in slimgrad/memory.py)
+        fake = affine and type(b) is not torch.Tensor and is_fake(b)
+        real = _real_affine(ctx.weight_src, ctx.bias_src) if fake else None
+        if affine and (not fake or real is not None):
             w, bb = ctx.weight_src, ctx.bias_src
             if (w is not None and w._version != ctx.weight_version) or (
                 bb is not None and bb._version != ctx.bias_version
@@ -184,7 +188,11 @@ class _Source(SimpleNamespace):
             lim = torch.finfo(dt).max / (math.sqrt(n // C if b.ndim > 1 else n) + 1.0)
             # γ, β as in forward (their versions); NOTE [Decided once per parameter version] in
             # slimgrad/_math/abn.py: no host sync while they do not change
-            bad, idx = _bad_channels(w, bb, lim)
+            if real is None:
+                bad, idx = _bad_channels(w, bb, lim)
+            else:
+                with _unset_fake():
+                    bad, idx = _bad_channels(*real, lim)
             if bad and len(bad) > _MAX_BAD_FRACTION * C:
                 return False
             if bad:
@@ -331,6 +339,24 @@ def _bad_channels(w, bias, lim):
     ref = weakref.ref(key, _partial(_BAD_LAST.pop, k))  # NOTE [A registry entry dropped in C]
     _BAD_LAST[k] = (ref, weakref.ref(bias) if bias is not None else None, st, out)
     return out
+
+
+def _real_affine(w, bias) -> tuple | None:
+    # (γ, β) the fake stand-ins w, bias of an estimate stand for, or None where one of them has no
+    # real Parameter behind it (NOTE [Real values behind the stand-ins] in slimgrad/memory.py)
+    from slimgrad.memory import real_of
+
+    rw = None if w is None else real_of(w)
+    rb = None if bias is None else real_of(bias)
+    if (w is not None and rw is None) or (bias is not None and rb is None):
+        return None
+    return rw, rb
+
+
+def _unset_fake():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 def _release(ctx) -> None:
@@ -823,9 +849,11 @@ C_STEM = "batch_norm"  # kernels/cpu/batch_norm.c: the backward's per-channel su
 # (``_FAKE_C`` stands for the library), and _bwd_from_output_c / _channel_sums_c allocate the
 # kernel's outputs only, the same tensors with the same shapes (dx over the granted gradient as
 # in the real call, its version bumped the same way); values are never read under fake tensors
-# (as NOTE [Fake tensors model the C kernel] in ops/dropout.py). A fake b assumes no channel
-# kept from x (_Keep.keep_output), so the real step's bad channels, which decline the C path, are
-# the estimate's only difference here.
+# (as NOTE [Fake tensors model the C kernel] in ops/dropout.py). A fake b takes its channels kept
+# from x from the real γ, β its stand-ins stand for (a model built before the estimate: NOTE [Real
+# values behind the stand-ins] in slimgrad/memory.py), so those decline the C path there as in the
+# real step; where no real values are behind them (a model built under fake tensors) it assumes no
+# such channel, the estimate's only difference here.
 _FAKE_C = object()
 
 
