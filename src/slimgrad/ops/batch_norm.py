@@ -328,7 +328,12 @@ def _bad_channels(w, bias, lim):
             and (bias is None or (bias._version, bias.data_ptr(), bias.dtype, bias.device) == st[3])
         ):
             return e[3]
-    out = _BAD.lookup(w, bias, lim)  # epoch() is asked there: the step hook is registered
+    # epoch() is asked there: the step hook is registered. NOTE [A channel search no mode sees]
+    if _modes_aside is None:
+        out = _BAD.lookup(w, bias, lim)
+    else:
+        with _modes_aside():
+            out = _BAD.lookup(w, bias, lim)
     st = (
         lim,
         _steps._count[0],
@@ -339,6 +344,27 @@ def _bad_channels(w, bias, lim):
     ref = weakref.ref(key, _partial(_BAD_LAST.pop, k))  # NOTE [A registry entry dropped in C]
     _BAD_LAST[k] = (ref, weakref.ref(bias) if bias is not None else None, st, out)
     return out
+
+
+# NOTE [A channel search no mode sees]
+# Which channels are kept from x is searched at the first call of a parameter version (abs,
+# comparisons, a read to the host: NOTE [Decided once per parameter version] in _math/abn.py);
+# later calls of that version, and a checkpoint's recompute inside backward, take the cached
+# answer and issue none of those ops. torch's selective checkpointing records every aten op of its
+# forward under a dispatch mode and, in the recompute, hands each op the output stored for the
+# same op by call count: the search's abs(γ), stored at forward, was handed to the first abs the
+# recompute called (a layer scale's |s| after the block: the gradients off by 72 from the second
+# step on, silently; a full-size mul/abs/lt there raised CheckpointError: different metadata). The
+# search is a cache of the parameters, part of no step, so it runs with the dispatch modes set
+# aside (as the bit tables: NOTE [Bit tables outside every step] in _math/bits.py): the forward
+# and its recompute issue the same ops whether the search ran or not, and no tracker counts it
+# (the real step's and the estimate's, which reads the real γ, β: NOTE [Real values behind the
+# stand-ins] in slimgrad/memory.py). Without the private ``_disable_current_modes`` the search
+# runs under the modes as before.
+try:
+    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
+except ImportError:  # pragma: no cover - depends on the torch release
+    _modes_aside = None
 
 
 def _real_affine(w, bias) -> tuple | None:
