@@ -133,3 +133,30 @@ def test_the_search_issues_no_op_a_dispatch_mode_sees():
             seen.append(mode.ops)
             y.sum().backward()
     assert seen[0] == seen[1] == seen[2] == seen[3]
+
+
+@pytest.mark.parametrize("bad", [(), (1,)], ids=["none", "one"])
+def test_inplace_abn_side_channels_under_selective_checkpointing(bad):
+    # In-Place ABN searches its side channels per parameter version through the same cache
+    # (NOTE [A channel search no mode sees]); before, its abs(γ) reached the layer scale's abs in
+    # the recompute: gradients off by 62 from the first step
+    torch.manual_seed(0)
+    eager = _Net("save_abs", "layer_scale", bad).train()
+    eager.blk[2] = nn.LeakyReLU(0.01)
+    ref = copy.deepcopy(eager).double()
+    lean = slimgrad.convert_(copy.deepcopy(eager), slimgrad.ConvertConfig(inplace_abn=True))
+    assert any(new == "InPlaceABN" for _, _, new in slimgrad.report(lean).converted)
+    x = torch.randn(2, 8, 6, 6)
+    w = torch.randn(2, 8, 6, 6)
+    for step in range(3):
+        grads = []
+        for m, dt in ((lean, torch.float32), (eager, torch.float32), (ref, torch.float64)):
+            m.zero_grad(set_to_none=True)
+            (m(x.to(dt)) * w.to(dt)).sum().backward()
+            grads.append([p.grad for p in m.parameters()])
+        names = [f"step {step} {n}" for n, _ in lean.named_parameters()]
+        assert_within_rule(grads[0], grads[2], grads[1], names=names)
+        for m in (lean, eager, ref):
+            with torch.no_grad():
+                for i, p in enumerate(m.parameters()):
+                    p.mul_(1.0 + 0.01 * (i + 1))

@@ -328,12 +328,9 @@ def _bad_channels(w, bias, lim):
             and (bias is None or (bias._version, bias.data_ptr(), bias.dtype, bias.device) == st[3])
         ):
             return e[3]
-    # epoch() is asked there: the step hook is registered. NOTE [A channel search no mode sees]
-    if _modes_aside is None:
-        out = _BAD.lookup(w, bias, lim)
-    else:
-        with _modes_aside():
-            out = _BAD.lookup(w, bias, lim)
+    # epoch() is asked there: the step hook is registered; it searches with the dispatch modes
+    # set aside (NOTE [A channel search no mode sees])
+    out = _BAD.lookup(w, bias, lim)
     st = (
         lim,
         _steps._count[0],
@@ -356,15 +353,13 @@ def _bad_channels(w, bias, lim):
 # recompute called (a layer scale's |s| after the block: the gradients off by 72 from the second
 # step on, silently; a full-size mul/abs/lt there raised CheckpointError: different metadata). The
 # search is a cache of the parameters, part of no step, so it runs with the dispatch modes set
-# aside (as the bit tables: NOTE [Bit tables outside every step] in _math/bits.py): the forward
-# and its recompute issue the same ops whether the search ran or not, and no tracker counts it
-# (the real step's and the estimate's, which reads the real γ, β: NOTE [Real values behind the
-# stand-ins] in slimgrad/memory.py). Without the private ``_disable_current_modes`` the search
-# runs under the modes as before.
-try:
-    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
-except ImportError:  # pragma: no cover - depends on the torch release
-    _modes_aside = None
+# aside (ParamChannels.lookup in _math/abn.py; as the bit tables: NOTE [Bit tables outside every
+# step] in _math/bits.py): the forward and its recompute issue the same ops whether the search
+# ran or not, and no tracker counts it (the real step's and the estimate's, which reads the real
+# γ, β: NOTE [Real values behind the stand-ins] in slimgrad/memory.py). In-Place ABN's side
+# channels (NOTE [Invertibility]) are searched there too: Conv -> InPlaceABN(leaky_relu) -> Conv
+# then a layer scale, under a policy saving abs, had gradients off by 62 from the first step.
+# Without the private ``_disable_current_modes`` the search runs under the modes as before.
 
 
 def _real_affine(w, bias) -> tuple | None:
