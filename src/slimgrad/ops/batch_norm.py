@@ -390,6 +390,26 @@ def _release(ctx) -> None:
     ctx.released = True
 
 
+# NOTE [BatchNorm's output gradient that never came]
+# A double backward (R1 penalty: ``create_graph=True``, then the penalty's backward) can reach
+# this node with no gradient for its output: the next Conv's ``ConvolutionBackwardBackward0``
+# links to its input but gives it an undefined gradient (the input gradient of a convolution does
+# not depend on its input). Eager's node then returns undefined gradients, so β's ``.grad``
+# stays None (the penalty does not depend on β); autograd's default for a custom Function is a
+# zero tensor instead, and this backward turned it into dβ = 0, dγ = 0: an optimizer with weight
+# decay then moved β where eager's skips it. The forward sets ``ctx.materialize_grads = False``
+# (the field ``set_materialize_grads`` writes, without its frame), and a None gradient returns
+# None for every input, releasing what a first-order backward would have released.
+def _no_output_grad(ctx) -> tuple:
+    if _keep_graph is not None and not _keep_graph():
+        r = ctx.recipe
+        if r is not None and r.rebuild is not None:
+            # r.drop(): no backward will call it now (NOTE [Rebuilt once per backward])
+            r.rebuild.add_user(-1)
+        _release(ctx)
+    return (None,) * 11
+
+
 def _kept_nothing(ctx) -> bool:
     # nothing full-size kept: eval with a frozen affine, or training where only β needs a gradient
     return ctx.x is None and ctx.recipe is None and ctx.b is None and not ctx.saved_x
@@ -540,6 +560,7 @@ class _BatchNormFn(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
+        ctx.materialize_grads = False  # NOTE [BatchNorm's output gradient that never came]
         ctx.training, ctx.eps, ctx.released = training, eps, False
         ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = ctx.claims = None
         ctx.x_version = ctx.b_version = 0
@@ -666,6 +687,8 @@ class _BatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:  # NOTE [BatchNorm's output gradient that never came]
+            return _no_output_grad(ctx)
         if _grad_on():  # first_order's test, inline (NOTE [First order, tested inline])
             return _BatchNormFn._double(ctx, grad)
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
