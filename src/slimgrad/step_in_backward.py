@@ -313,6 +313,9 @@ _OWNER = "_slimgrad_step_in_backward"
 _CHUNKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 CHUNK_ELEMS = 1 << 20
 
+# NOTE [A reentrant backward is not a second backward]: whether torch answers which node runs now
+_HAS_NODE_QUERY = hasattr(torch._C, "_current_autograd_node")
+
 
 class _PreHook:
     # a tensor hook of a parameter (accumulate=N): runs the backward's refusals before its
@@ -559,6 +562,14 @@ def _keeps_graph() -> bool:
     return bool(query()) if query is not None else False
 
 
+def _enclosing_node() -> Any:
+    # NOTE [A reentrant backward is not a second backward]: the autograd node whose backward runs
+    # the backward that is ending (None at the top level). A private torch query: without it a
+    # reentrant backward in an accumulate=N cycle is refused as before
+    query = getattr(torch._C, "_current_autograd_node", None)
+    return query() if query is not None else None
+
+
 def _scaler_classes() -> list:
     classes, todo = [], [torch.amp.GradScaler]
     while todo:
@@ -666,6 +677,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._fired: dict[torch.Tensor, int] = {}
         self._task: int | None = None  # graph task of the backward in progress
         self._last_task = -1  # NOTE [A reentrant backward is not a second backward]
+        self._resume: Any = None  # the enclosing node's hook that resumes the step (same NOTE)
         self._micro = 0  # backward calls in the current accumulation cycle
         # NOTE [What the loop did since the last update]
         self._check_loop = check_loop
@@ -852,8 +864,9 @@ class StepInBackward(torch.optim.Optimizer):
         if task == self._task:
             return
         if self._task is not None:
-            # a nested (reentrant) backward inside the one in progress: the same step
-            if self._accumulate > 1:
+            # a nested (reentrant) backward inside the one in progress: the same step (NOTE [A
+            # reentrant backward is not a second backward])
+            if self._accumulate > 1 and not _HAS_NODE_QUERY:
                 raise _reentrant_in_accumulation()
             return
         if task < self._last_task:
@@ -971,6 +984,14 @@ class StepInBackward(torch.optim.Optimizer):
     def _end_backward(self) -> None:
         if self._task is None:
             return  # a refusal in this backward ended it already
+        node = _enclosing_node()
+        if node is not None:
+            # NOTE [A reentrant backward is not a second backward]: a nested backward ends
+            # inside a node of the enclosing one; the step goes on there (its gradients so far
+            # are complete: the waiting ones update now)
+            self._flush()
+            self._resume_on(node)
+            return
         self._task = None
         self._rows_taken.clear()
         self._flush()
@@ -987,6 +1008,21 @@ class StepInBackward(torch.optim.Optimizer):
                 if late:
                     self._update(late)
                 self._micro = 0
+
+    def _resume_on(self, node: Any) -> None:
+        # NOTE [A reentrant backward is not a second backward]: once ``node`` returns, the
+        # enclosing backward is the step's backward: its end callback ends the step
+        def resume(grad_inputs: Any, grad_outputs: Any) -> None:
+            if removable is None or self._resume is not removable:
+                return  # a later backward over a retained graph, or a step ended since
+            self._resume = None
+            removable.remove()
+            self._task = torch._C._current_graph_task_id()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        removable = None
+        removable = node.register_hook(resume)
+        self._resume = removable
 
     def _guarded(self, fn, *args) -> Any:
         try:
@@ -1034,7 +1070,9 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _count(self, p: torch.Tensor) -> None:
         n = self._fired.get(p, 0) + 1
-        if self._accumulate == 1 and n > 1:
+        # with accumulate=N a second gradient in one backward (a reentrant one reaching it
+        # twice) is summed in .grad, except in the backward that updates
+        if n > 1 and (self._accumulate == 1 or self._micro == self._accumulate):
             raise _err(
                 RuntimeError,
                 "a parameter got a second gradient in one step (a second backward over a retained "
@@ -1268,6 +1306,9 @@ class StepInBackward(torch.optim.Optimizer):
                 f"Call {call} after loss.backward()",
             )
         self._task = None  # outside backward: a backward that raised left no callback to run
+        if self._resume is not None:  # an enclosing backward that raised before resuming
+            self._resume.remove()
+            self._resume = None
         self._rows_taken.clear()
         if flush and self._micro == 0:
             # NOTE [A backward that raised]: the plain step() applies the gradients it left
