@@ -214,11 +214,31 @@ is the ``set_to_none=True`` loop's step).
 # NOTE [A reentrant backward is not a second backward]
 A reentrant checkpoint (``use_reentrant=True``) runs a nested backward inside the enclosing one;
 when the handle's first hook of a step runs inside it, that backward's end callback fires when
-the nested one ends, and the enclosing backward's next hook looks like a new backward (it was
-refused as a second backward in one step, after the checkpointed layers had updated). Graph
-tasks are numbered in creation order (an atomic counter in the engine), so a task numbered below
-the last one the handle started in can only be one that encloses it: the same step goes on (a
-parameter reached in both is refused at its second gradient, as in any one backward).
+the nested one ends, and the enclosing backward goes on after it (from the checkpoint node's own
+backward). A step is the enclosing backward, however many nested ones run in it and whichever of
+them reaches the handle's parameters first:
+
+- the handle's first hook runs in the enclosing backward: a nested one starting later is the
+  same step (its hooks see ``_task`` set and queue no end callback);
+- the first hook runs in a nested backward (the checkpointed layers last in the model, or every
+  layer checkpointed): that backward's end callback fires when the nested one ends, still inside
+  the enclosing backward's node. torch answers which node runs now
+  (``torch._C._current_autograd_node``, private, guarded): None at the top level. A nested end
+  updates the waiting bucket (those gradients are complete), keeps the step open and registers a
+  post-hook on that node; when the node returns, the hook makes the enclosing backward the step's
+  (its graph task, its end callback), so the cycle count, the updates of parameters that got no
+  gradient in a cycle's last backward and the end of the step wait for the real end. Adjacent
+  segments, segments inside segments and an enclosing backward that reaches no handle parameter
+  after the nested one are then one step; an enclosing backward that raises before its node
+  returns leaves the hook behind, removed at the next ``step()``/``zero_grad()``.
+- a parameter reached in two of them (used inside and outside a checkpointed segment) gets two
+  gradients in one step: summed in ``.grad`` in a micro-batch of ``accumulate=N`` that does not
+  update, refused at the second where the backward updates (its first was applied by then).
+
+Graph tasks are numbered in creation order (an atomic counter in the engine), so a task numbered
+below the last one the handle started in can only be one that encloses it: without the node
+query that is how an enclosing backward going on is recognised (the same step with
+``accumulate=1``; refused with ``accumulate=N``, after the nested backward's updates, as before).
 
 # NOTE [GradScaler]
 Exact support is impossible: the scaler skips the whole step when any gradient holds an inf or a
@@ -271,9 +291,9 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
 Refusals that come after a change they cannot undo, stated where they happen: ``zero_grad()``
 between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since
 the last update]); a use of the fused loss's head weight beside the loss arrives after its rows
-were updated (NOTE [Chunked updates]); a reentrant checkpoint backward inside an
-``accumulate=N`` backward is seen when it starts, after the gradients (and, in the last
-micro-batch, the updates) of the parameters above it; a GradScaler made after the first backward
+were updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant
+checkpoint in a backward that updates (NOTE [A reentrant backward is not a second backward]);
+a GradScaler made after the first backward
 while another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]);
 two handles on one model (split optimizers): each checks at its own first hook, so when one
 refuses (its loop was not zeroed) the other may already have updated its parameters in that
