@@ -156,3 +156,21 @@ def test_without_the_node_query_a_nested_backward_in_accumulation_is_refused(mon
     with pytest.raises(NotImplementedError, match=r"use_reentrant=False"):
         _PLACEMENTS["first"](m, _batch(0)).square().mean().backward()
     del handle
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_retain_graph_seen_only_after_a_nested_backward_is_refused(accumulate):
+    """``retain_graph=True`` on a backward whose first handle hook runs in a reentrant
+    checkpoint's nested backward (which keeps no graph of its own): the enclosing backward's
+    ``retain_graph`` is seen when the step resumes there, after the nested backward's updates,
+    and refused in the slimgrad form (loud, not a second step over the kept graph)."""
+    m = _model()
+    handle = slimgrad.step_in_backward(
+        m, torch.optim.SGD, lr=0.1, accumulate=accumulate, check_loop=False
+    )
+    for k in range(accumulate - 1):
+        _PLACEMENTS["last"](m, _batch(k)).square().mean().backward()
+    loss = _PLACEMENTS["last"](m, _batch(9)).square().mean()
+    with pytest.raises(NotImplementedError, match=r"^slimgrad\.step_in_backward: backward\(retain"):
+        loss.backward(retain_graph=True)
+    del handle

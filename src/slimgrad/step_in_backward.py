@@ -292,8 +292,9 @@ Refusals that come after a change they cannot undo, stated where they happen: ``
 between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since
 the last update]); a use of the fused loss's head weight beside the loss arrives after its rows
 were updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant
-checkpoint in a backward that updates (NOTE [A reentrant backward is not a second backward]);
-a GradScaler made after the first backward
+checkpoint in a backward that updates, and ``retain_graph=True`` on a backward whose first
+handle hook ran in such a checkpoint's nested backward (seen when the step resumes in the
+enclosing one: NOTE [A reentrant backward is not a second backward]); a GradScaler made after the first backward
 while another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]);
 two handles on one model (split optimizers): each checks at its own first hook, so when one
 refuses (its loop was not zeroed) the other may already have updated its parameters in that
@@ -920,17 +921,7 @@ class StepInBackward(torch.optim.Optimizer):
         if self._check_loop and self._micro == 0:
             self._check_loop_state()
         if updates and _keeps_graph():
-            raise _err(
-                NotImplementedError,
-                "backward(retain_graph=True) (or create_graph=True) in a backward that updates "
-                "the parameters; the update writes them in place, so a second backward over the "
-                "kept graph would read updated parameters (autograd's version check) or step "
-                "twice",
-                "retain_graph=False",
-                "retain_graph=True",
-                "Backward the summed loss once without retain_graph (or use a plain optimizer "
-                "for double backward)",
-            )
+            raise _retain_graph_refusal()
         key = _scalers_key()
         if key != self._scalers_key:
             # NOTE [GradScaler]: the first backward, or a scaler class's references changed
@@ -1038,6 +1029,12 @@ class StepInBackward(torch.optim.Optimizer):
             self._resume = None
             removable.remove()
             self._task = torch._C._current_graph_task_id()
+            if (self._accumulate == 1 or self._micro == self._accumulate) and _keeps_graph():
+                # the enclosing backward keeps its graph: seen only now, after the nested
+                # backward's updates (NOTE [Every refusal changes nothing]); loud, not a silent
+                # second step over the kept graph
+                self._task = None
+                raise _retain_graph_refusal()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
         removable = None
@@ -1711,4 +1708,18 @@ def _reentrant_in_accumulation() -> NotImplementedError:
         "use_reentrant=False",
         "a nested backward",
         "Pass use_reentrant=False to checkpoint",
+    )
+
+
+def _retain_graph_refusal() -> NotImplementedError:
+    return _err(
+        NotImplementedError,
+        "backward(retain_graph=True) (or create_graph=True) in a backward that updates "
+        "the parameters; the update writes them in place, so a second backward over the "
+        "kept graph would read updated parameters (autograd's version check) or step "
+        "twice",
+        "retain_graph=False",
+        "retain_graph=True",
+        "Backward the summed loss once without retain_graph (or use a plain optimizer "
+        "for double backward)",
     )
