@@ -289,19 +289,19 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
 Refusals that come after a change they cannot undo, stated where they happen: ``zero_grad()``
-between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since
-the last update]); a use of the fused loss's head weight beside the loss arrives after its rows
-were updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant
-checkpoint in a backward that updates, and ``retain_graph=True`` on a backward whose first
-handle hook ran in such a checkpoint's nested backward (seen when the step resumes in the
-enclosing one: NOTE [A reentrant backward is not a second backward]); a GradScaler made after the first backward
-while another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]);
-two handles on one model (split optimizers): each checks at its own first hook, so when one
-refuses (its loop was not zeroed) the other may already have updated its parameters in that
-backward (a hook of each handle's parameters runs in graph order; no handle knows at its first
-hook which others this backward reaches). That other handle is then "updated": its next
-``zero_grad()`` raises once (after the fact, as above) and the loop goes on; its ``step()``
-first avoids that. Give both handles the same zeroing (``module=model`` on each).
+between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since the
+last update]); a use of the fused loss's head weight beside the loss arrives after its rows were
+updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant checkpoint
+in a backward that updates, and ``retain_graph=True`` on a backward whose first handle hook ran in
+such a checkpoint's nested backward (seen when the step resumes in the enclosing one: NOTE [A
+reentrant backward is not a second backward]); a GradScaler made after the first backward while
+another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]); two
+handles on one model (split optimizers): each checks at its own first hook, so when one refuses (its
+loop was not zeroed) the other may already have updated its parameters in that backward (a hook of
+each handle's parameters runs in graph order; no handle knows at its first hook which others this
+backward reaches). That other handle is then "updated": its next ``zero_grad()`` raises once (after
+the fact, as above) and the loop goes on; its ``step()`` first avoids that. Give both handles the
+same zeroing (``module=model`` on each).
 """
 
 from __future__ import annotations
