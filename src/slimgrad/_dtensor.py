@@ -42,12 +42,34 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["any_dtensor", "is_dtensor", "pointwise", "refuse", "rowwise"]
+__all__ = ["any_dtensor", "fully_sharded", "is_dtensor", "pointwise", "refuse", "rowwise"]
 
 _FIX_LOCAL = (
     "Keep this op's input local (use_local_output=True on the parallel style before it, or "
     "x.to_local()), or leave the module unconverted (convert_(model, filter_fn=...))"
 )
+
+
+def fully_sharded(model: torch.nn.Module) -> str | None:
+    """The qualified name of the first module of ``model`` that FSDP2's ``fully_shard`` already
+    wrapped (``""`` for ``model`` itself), or None; imports nothing (NOTE [Convert before
+    fully_shard])."""
+    # NOTE [Convert before fully_shard]
+    # fully_shard keeps, per parameter, the module that owns it and the name it has there, and
+    # sets the all-gathered parameter on that module before each forward (the sharded DTensor
+    # after). A module convert_ swaps in afterwards shares the Parameter objects but is not that
+    # module: it keeps the sharded DTensors, and its first forward failed inside torch ("addmm got
+    # mixed torch.Tensor and DTensor"). Re-pointing FSDP's records would take its private state,
+    # so convert_ refuses a model holding an FSDPModule (public ``torch.distributed.fsdp``; none
+    # can exist before that module is imported, so nothing is imported here).
+    mod = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(mod, "FSDPModule", None) if mod is not None else None
+    if not isinstance(cls, type):
+        return None
+    for name, m in model.named_modules():
+        if isinstance(m, cls):
+            return name
+    return None
 
 
 def is_dtensor(t: object) -> bool:

@@ -74,6 +74,7 @@ import torch.nn as nn
 
 import slimgrad.nn as snn
 from slimgrad import _compat, ownership
+from slimgrad._dtensor import fully_sharded
 from slimgrad.convert_handlers import cnn as _cnn
 from slimgrad.convert_handlers import device_rule as _device_rule
 from slimgrad.convert_handlers import hf as _hf
@@ -480,6 +481,8 @@ def convert_(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``config`` is not a ``ConvertConfig``.
+        RuntimeError: FSDP2's ``fully_shard`` was applied to ``model`` or a module in it already
+            (convert first, then shard: NOTE [Convert before fully_shard] in slimgrad/_dtensor.py).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -503,6 +506,13 @@ def convert_(
         raise TypeError(
             "slimgrad.convert_: dtype must be a floating torch.dtype; expected e.g. "
             f"torch.bfloat16, got {dtype!r}. Pass dtype=torch.float32 or leave it out."
+        )
+    if (sharded := fully_sharded(model)) is not None:  # NOTE [Convert before fully_shard]
+        what = f"module {sharded!r}" if sharded else "the model itself"
+        raise RuntimeError(
+            "slimgrad.convert_: the model is already sharded by FSDP2's fully_shard "
+            f"({what}); expected a model before fully_shard, got one after. Call "
+            "slimgrad.convert_(model) first, then fully_shard its blocks and the root."
         )
     try:
         where = _device_rule.targets(model, device, dtype)

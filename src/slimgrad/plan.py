@@ -1454,11 +1454,14 @@ def plan(
     def refuse() -> ValueError:
         # the lowest peak a full estimate measured (NOTE [How plan chooses], 4)
         i = min(real, key=lambda j: (real[j], curve[j].recompute_flops))
+        need, got = _fmt(real[i]), _fmt(budget_bytes)
+        if need == got:  # a budget just below the peak: the rounded sizes read alike
+            need, got = f"{need} ({real[i]:,} B)", f"{got} ({budget_bytes:,} B)"
         return ValueError(
             f"{api}: the budget is below the lowest peak this model can reach; expected a budget "
-            f"of at least {_fmt(real[i])} (the applied plan's full estimate; recompute "
+            f"of at least {need} (the applied plan's full estimate; recompute "
             f"{curve[i].recompute_fraction:.3f} x the forward's matmul FLOPs), got "
-            f"{_fmt(budget_bytes)}. Raise the budget or shrink the batch."
+            f"{got}. Raise the budget or shrink the batch."
         )
 
     last = len(path) - 1

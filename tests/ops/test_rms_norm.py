@@ -511,10 +511,20 @@ def test_no_host_sync_in_the_step_after_an_optimizer_step():
     assert [type(n).__name__ for n in norms_] == ["LayerNorm", "RMSNorm", "HFRMSNorm"]
     opt = torch.optim.SGD(slim.parameters(), lr=0.1)
     x = torch.randn(4, 16)
+    # the searches (one nonzero each) run with the dispatch modes set aside, unseen by the sync
+    # counter (NOTE [A search the modes never see] in _math/norms.py): count them too
+    searches = []
+    find = norms._find_scaled
     for i in range(3):
-        with count_host_syncs() as syncs:
-            slim(x * 1).square().sum().backward()
-        assert dict(syncs) == ({} if i else {"aten.nonzero.default": 3})
+        norms._find_scaled = lambda *a: searches.append(1) or find(*a)
+        try:
+            with count_host_syncs() as syncs:
+                slim(x * 1).square().sum().backward()
+        finally:
+            norms._find_scaled = find
+        assert dict(syncs) == {}
+        assert len(searches) == (0 if i else 3)
+        searches.clear()
         opt.step()
         opt.zero_grad()
         for n in norms_:  # the renewed table is the one found afresh

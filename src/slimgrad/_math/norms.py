@@ -24,6 +24,11 @@ from slimgrad._autograd import compiling
 from slimgrad._math import steps
 from slimgrad._math.steps import epoch
 
+try:  # NOTE [A search the modes never see] below
+    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
+except ImportError:  # pragma: no cover - depends on the torch release
+    _modes_aside = None
+
 __all__ = [
     "BETA_OVER_GAMMA_MAX",
     "CHUNK_ELEMS",
@@ -38,6 +43,7 @@ __all__ = [
     "rms_norm_fwd_torch",
     "rowdot",
     "side_columns",
+    "unseen",
 ]
 
 #: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``: the
@@ -94,6 +100,22 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # under the Python form before the extension loaded miss once and are found again (the same
 # channels). An entry also keeps whether it has any channel, so a hit makes no ``idx.shape``.
 _FB_CACHE: dict[int, tuple] = {}
+
+
+# NOTE [A search the modes never see]
+# The per-version searches of the norms (the fallback channels here; GroupNorm's channels and
+# non-finite groups in ops/group_norm.py) are caches of the parameters and run with the dispatch
+# modes set aside, for the reason NOTE [A channel search no mode sees] in ops/batch_norm.py gives
+# for BatchNorm's. Measured here: selective checkpointing around LayerNorm -> Linear raised
+# CheckpointError (different metadata) or "Autograd not support dtype: Long" from every step's
+# first forward, the search's abs/nonzero having gone into SAC's cache in the forward and not in the
+# recompute (a cache hit there). ``unseen(fn, *args)`` is that call; the callers use it for cached
+# searches only (an uncached one runs in the forward and its recompute alike).
+def unseen(fn, *args):
+    if _modes_aside is None:
+        return fn(*args)
+    with _modes_aside():
+        return fn(*args)
 
 
 def _py_norm_key(weight, bias):
@@ -182,7 +204,8 @@ def fallback_channels(
         if idx.shape[0] == 0:
             return torch.empty(0, dtype=torch.int64, device=idx.device)
         return idx.clone()
-    idx = _find_scaled(weight, bias, out_dtype, gamma_of)
+    # NOTE [A search the modes never see]
+    idx = unseen(_find_scaled, weight, bias, out_dtype, gamma_of)
     _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of)
     return _fresh(idx)
 
@@ -216,7 +239,8 @@ def fallback_or_none(
     slot = id(ref)
     hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
     if hit is None or hit[0]() is not ref or hit[1] != key:
-        idx = _find_scaled(weight, bias, out_dtype, gamma_of)
+        # NOTE [A search the modes never see]
+        idx = unseen(_find_scaled, weight, bias, out_dtype, gamma_of)
         hit = _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of)
     return hit[2].clone() if hit[4] else None  # a tensor of the caller's own
 

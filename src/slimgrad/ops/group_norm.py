@@ -781,7 +781,8 @@ def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> t
     slot = id(ref)
     hit = _FB[slot] if slot in _FB else None
     if hit is None or hit[0]() is not ref or hit[1] != key:
-        idx = _fallback_channels(weight, bias, out_dtype, num_groups)
+        # NOTE [A search the modes never see] in slimgrad/_math/norms.py
+        idx = norms.unseen(_fallback_channels, weight, bias, out_dtype, num_groups)
         wref = weakref.ref(ref, lambda _, slot=slot: _FB.pop(slot, None))
         hit = _FB[slot] = (wref, key, idx)
     idx = hit[2]
@@ -808,11 +809,17 @@ def _bad_groups(weight, num_groups: int) -> torch.Tensor | None:
             slot = id(weight)
             hit = _BAD[slot] if slot in _BAD else None
             if hit is None or hit[0]() is not weight or hit[1] != key:
-                bad = ~torch.isfinite(weight.detach().reshape(num_groups, -1)).all(1)
+                # NOTE [A search the modes never see] in slimgrad/_math/norms.py
+                bad = norms.unseen(_bad_search, weight, num_groups)
                 wref = weakref.ref(weight, lambda _, slot=slot: _BAD.pop(slot, None))
-                hit = _BAD[slot] = (wref, key, bad if bool(bad.any()) else None)
+                hit = _BAD[slot] = (wref, key, bad)
             return hit[2]
     return ~torch.isfinite(weight.detach().reshape(num_groups, -1)).all(1)
+
+
+def _bad_search(weight, num_groups: int) -> torch.Tensor | None:
+    bad = ~torch.isfinite(weight.detach().reshape(num_groups, -1)).all(1)
+    return bad if bool(bad.any()) else None
 
 
 def _chunk(numel: int) -> int:

@@ -96,6 +96,10 @@ try:  # the estimate's tensors (NOTE [Converted Linear outside autocast] in nn/l
     from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 except ImportError:  # pragma: no cover - a torch without it: a type the callers' tuples hold anyway
     _FakeTensor = torch.nn.Parameter
+try:  # NOTE [The region probe no mode sees]
+    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
+except ImportError:  # pragma: no cover - depends on the torch release
+    _modes_aside = None
 
 
 def fresh(y: torch.Tensor) -> torch.Tensor:
@@ -331,9 +335,11 @@ def _region_tokens(w: torch.Tensor, dt: torch.dtype) -> dict | None:
     entry = table.get(dev)
     if entry is not None:  # dropped by the callback when the region's cache was cleared
         return entry[1]
-    sentinel = torch.zeros((0, 1), device=w.device, requires_grad=True)
-    with torch.enable_grad():
-        cast = _probe(sentinel, dt)
+    if _modes_aside is None:
+        sentinel, cast = _region_probe(w.device, dt)
+    else:  # NOTE [The region probe no mode sees]
+        with _modes_aside():
+            sentinel, cast = _region_probe(w.device, dt)
     if cast is None or cast.grad_fn is None:  # autocast did not cache it: behave as cache off
         return None
     tokens: dict = {}
@@ -345,6 +351,23 @@ def _region_tokens(w: torch.Tensor, dt: torch.dtype) -> dict | None:
 
     table[dev] = (weakref.ref(cast, region_exit), tokens, sentinel)
     return tokens
+
+
+# NOTE [The region probe no mode sees]
+# The first converted Linear of an outermost autocast region makes a 0-element sentinel and probes
+# its cast (NOTE [Autocast weight casts]); later ones read the table. That is a reading of
+# autocast's cache state, part of no step and 0 bytes, so it runs with the dispatch modes set
+# aside (as the norms' per-version searches: NOTE [A search the modes never see] in
+# slimgrad/_math/norms.py). Seen by the modes, it broke selective checkpointing: a block
+# checkpointed after a converted Linear of the same region found the table in its forward but
+# issued the sentinel's zeros in its recompute (a new region at backward time), and SAC, which
+# matches every op of the recompute to the forward's, raised "aten.zeros.default encountered
+# during backward but not found in storage". Without ``_disable_current_modes`` it runs under the
+# modes as before.
+def _region_probe(device: torch.device, dt: torch.dtype):
+    sentinel = torch.zeros((0, 1), device=device, requires_grad=True)
+    with torch.enable_grad():
+        return sentinel, _probe(sentinel, dt)
 
 
 def _cast_token(w: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
