@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
+import slimgrad
 from slimgrad.bench import gpu_check as G
 from slimgrad.bench.harness import list_cases
 from slimgrad.memory import estimate, fake_tensors, measure
@@ -163,3 +164,52 @@ def test_grouped_mm_in_float32_is_estimated_as_the_cpu_kernel_runs_it():
         for device in ("cpu", "cuda"):
             est = estimate(lambda n=n: make(n), device=device, backward=backward)
             assert (est.saved_bytes, est.peak_bytes) == (real.saved_bytes, real.peak_bytes)
+
+
+# ------------------------------------------- BatchNorm channels kept from x, decided from values
+def _conv_bn_relu_32(bad: tuple[int, ...], convert: bool):
+    # a 32-channel Conv -> BN -> ReLU -> Conv net with biases, built before the estimate (its
+    # parameters are real: NOTE [Real values behind the stand-ins] in slimgrad/memory.py); the
+    # channels in ``bad`` cannot rebuild x̂ from the output (|β| > |γ|/2, and a tiny γ)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 8, 3, padding=1),
+    )
+    with torch.no_grad():
+        m[1].weight.uniform_(0.5, 1.5)
+        m[1].bias.uniform_(-0.2, 0.2)
+        for i, c in enumerate(bad):
+            if i % 2:
+                m[1].weight[c] = 1e-30
+            else:
+                m[1].bias[c] = 2.0
+    if convert:
+        m = slimgrad.convert_(m)
+    x = torch.randn(4, 3, 8, 8)
+    return lambda: ((lambda: m(x).square().sum()), m)
+
+
+@pytest.mark.parametrize("order", ["estimate_first", "real_first"])
+@pytest.mark.parametrize("bad", [(), (0,), (3, 17), (5, 9, 30)], ids=str)
+@pytest.mark.parametrize("convert", [False, True], ids=["eager", "slimgrad"])
+def test_channels_kept_from_x_are_estimated_from_the_real_parameters(convert, bad, order):
+    # the real step keeps a copy of each such channel of x (4x8x8 float32: 1,024 B each); the
+    # estimate assumed none (1,024 B short with one) before it read the real γ, β
+    make = _conv_bn_relu_32(bad, convert)
+    runs = {}
+    for side in ("estimate", "real") if order == "estimate_first" else ("real", "estimate"):
+        if side == "estimate":
+            runs[side] = estimate(make, timeline=False)
+        else:
+            forward, module = make()
+            runs[side] = measure(forward, module=module, timeline=False)
+            module.zero_grad(set_to_none=True)  # both sides step from no .grad
+    est, real = runs["estimate"], runs["real"]
+    assert Counter(map(_key, est.saved)) == Counter(map(_key, real.saved))
+    assert (est.saved_bytes, est.peak_bytes) == (real.saved_bytes, real.peak_bytes)
+    if convert:
+        copies = [s for s in real.saved if s.shape == (4, len(bad), 8, 8) and s.kind == "step"]
+        assert len(copies) == (1 if bad else 0)

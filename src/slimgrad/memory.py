@@ -1431,6 +1431,7 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
             return measure(forward, **kwargs)
         finally:
             for slots, name, t in swapped:
+                _REAL_OF.pop(id(slots[name]), None)
                 slots[name] = t
             with unset_fake_temporarily(), torch.no_grad():
                 for b, v in kept:
@@ -1477,10 +1478,32 @@ def _fake_in_place(module: torch.nn.Module, mode: Any) -> tuple[list, list]:
                         fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
                         if t.grad is not None:  # accumulated into, as the real step does
                             fake.grad = mode.from_tensor(t.grad, static_shapes=True)
+                        # NOTE [Real values behind the stand-ins]
+                        _REAL_OF[id(fake)] = (fake, t)
                     fakes[id(t)] = fake
                 swapped.append((slots, name, t))
                 slots[name] = fake
     return swapped, kept
+
+
+# NOTE [Real values behind the stand-ins]
+# A step may pick what it keeps from its parameters' values: a slimgrad BatchNorm keeps a copy of
+# the input channels whose γ, β cannot rebuild x̂ from its output (ops/batch_norm.py's bad
+# channels), which fake tensors cannot tell. Estimated as "no such channel", a 32-channel
+# Conv -> BatchNorm -> ReLU model built before the estimate, with one channel's |β| above |γ|/2,
+# kept 1,024 B less than its real step (that channel's x at 4x8x8 float32). For a model built
+# outside the estimate the real parameters are there: each Parameter's stand-in maps to it
+# (``real_of``) for the step, and the BatchNorm decides from the real γ, β as the real step does
+# (the same cached decision, NOTE [Decided once per parameter version] in _math/abn.py). A model
+# built inside ``make_forward`` has fake parameters only: there no such channel is assumed.
+_REAL_OF: dict[int, tuple] = {}  # id(a Parameter's fake stand-in) -> (stand-in, real Parameter)
+
+
+def real_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The real Parameter that fake ``t`` stands in for during :func:`estimate` of a model built
+    before it, or None (NOTE [Real values behind the stand-ins])."""
+    e = _REAL_OF.get(id(t))
+    return e[1] if e is not None and e[0] is t else None
 
 
 # NOTE [A model built outside the estimate]

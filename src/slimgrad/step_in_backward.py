@@ -214,11 +214,31 @@ is the ``set_to_none=True`` loop's step).
 # NOTE [A reentrant backward is not a second backward]
 A reentrant checkpoint (``use_reentrant=True``) runs a nested backward inside the enclosing one;
 when the handle's first hook of a step runs inside it, that backward's end callback fires when
-the nested one ends, and the enclosing backward's next hook looks like a new backward (it was
-refused as a second backward in one step, after the checkpointed layers had updated). Graph
-tasks are numbered in creation order (an atomic counter in the engine), so a task numbered below
-the last one the handle started in can only be one that encloses it: the same step goes on (a
-parameter reached in both is refused at its second gradient, as in any one backward).
+the nested one ends, and the enclosing backward goes on after it (from the checkpoint node's own
+backward). A step is the enclosing backward, however many nested ones run in it and whichever of
+them reaches the handle's parameters first:
+
+- the handle's first hook runs in the enclosing backward: a nested one starting later is the
+  same step (its hooks see ``_task`` set and queue no end callback);
+- the first hook runs in a nested backward (the checkpointed layers last in the model, or every
+  layer checkpointed): that backward's end callback fires when the nested one ends, still inside
+  the enclosing backward's node. torch answers which node runs now
+  (``torch._C._current_autograd_node``, private, guarded): None at the top level. A nested end
+  updates the waiting bucket (those gradients are complete), keeps the step open and registers a
+  post-hook on that node; when the node returns, the hook makes the enclosing backward the step's
+  (its graph task, its end callback), so the cycle count, the updates of parameters that got no
+  gradient in a cycle's last backward and the end of the step wait for the real end. Adjacent
+  segments, segments inside segments and an enclosing backward that reaches no handle parameter
+  after the nested one are then one step; an enclosing backward that raises before its node
+  returns leaves the hook behind, removed at the next ``step()``/``zero_grad()``.
+- a parameter reached in two of them (used inside and outside a checkpointed segment) gets two
+  gradients in one step: summed in ``.grad`` in a micro-batch of ``accumulate=N`` that does not
+  update, refused at the second where the backward updates (its first was applied by then).
+
+Graph tasks are numbered in creation order (an atomic counter in the engine), so a task numbered
+below the last one the handle started in can only be one that encloses it: without the node
+query that is how an enclosing backward going on is recognised (the same step with
+``accumulate=1``; refused with ``accumulate=N``, after the nested backward's updates, as before).
 
 # NOTE [GradScaler]
 Exact support is impossible: the scaler skips the whole step when any gradient holds an inf or a
@@ -269,18 +289,19 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
 Refusals that come after a change they cannot undo, stated where they happen: ``zero_grad()``
-between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since
-the last update]); a use of the fused loss's head weight beside the loss arrives after its rows
-were updated (NOTE [Chunked updates]); a reentrant checkpoint backward inside an
-``accumulate=N`` backward is seen when it starts, after the gradients (and, in the last
-micro-batch, the updates) of the parameters above it; a GradScaler made after the first backward
-while another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]);
-two handles on one model (split optimizers): each checks at its own first hook, so when one
-refuses (its loop was not zeroed) the other may already have updated its parameters in that
-backward (a hook of each handle's parameters runs in graph order; no handle knows at its first
-hook which others this backward reaches). That other handle is then "updated": its next
-``zero_grad()`` raises once (after the fact, as above) and the loop goes on; its ``step()``
-first avoids that. Give both handles the same zeroing (``module=model`` on each).
+between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since the
+last update]); a use of the fused loss's head weight beside the loss arrives after its rows were
+updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant checkpoint
+in a backward that updates, and ``retain_graph=True`` on a backward whose first handle hook ran in
+such a checkpoint's nested backward (seen when the step resumes in the enclosing one: NOTE [A
+reentrant backward is not a second backward]); a GradScaler made after the first backward while
+another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]); two
+handles on one model (split optimizers): each checks at its own first hook, so when one refuses (its
+loop was not zeroed) the other may already have updated its parameters in that backward (a hook of
+each handle's parameters runs in graph order; no handle knows at its first hook which others this
+backward reaches). That other handle is then "updated": its next ``zero_grad()`` raises once (after
+the fact, as above) and the loop goes on; its ``step()`` first avoids that. Give both handles the
+same zeroing (``module=model`` on each).
 """
 
 from __future__ import annotations
@@ -312,6 +333,9 @@ _OWNER = "_slimgrad_step_in_backward"
 # the whole tensor; elements per piece of a large parameter's update
 _CHUNKED_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 CHUNK_ELEMS = 1 << 20
+
+# NOTE [A reentrant backward is not a second backward]: whether torch answers which node runs now
+_HAS_NODE_QUERY = hasattr(torch._C, "_current_autograd_node")
 
 
 class _PreHook:
@@ -559,6 +583,14 @@ def _keeps_graph() -> bool:
     return bool(query()) if query is not None else False
 
 
+def _enclosing_node() -> Any:
+    # NOTE [A reentrant backward is not a second backward]: the autograd node whose backward runs
+    # the backward that is ending (None at the top level). A private torch query: without it a
+    # reentrant backward in an accumulate=N cycle is refused as before
+    query = getattr(torch._C, "_current_autograd_node", None)
+    return query() if query is not None else None
+
+
 def _scaler_classes() -> list:
     classes, todo = [], [torch.amp.GradScaler]
     while todo:
@@ -666,6 +698,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._fired: dict[torch.Tensor, int] = {}
         self._task: int | None = None  # graph task of the backward in progress
         self._last_task = -1  # NOTE [A reentrant backward is not a second backward]
+        self._resume: Any = None  # the enclosing node's hook that resumes the step (same NOTE)
         self._micro = 0  # backward calls in the current accumulation cycle
         # NOTE [What the loop did since the last update]
         self._check_loop = check_loop
@@ -852,8 +885,9 @@ class StepInBackward(torch.optim.Optimizer):
         if task == self._task:
             return
         if self._task is not None:
-            # a nested (reentrant) backward inside the one in progress: the same step
-            if self._accumulate > 1:
+            # a nested (reentrant) backward inside the one in progress: the same step (NOTE [A
+            # reentrant backward is not a second backward])
+            if self._accumulate > 1 and not _HAS_NODE_QUERY:
                 raise _reentrant_in_accumulation()
             return
         if task < self._last_task:
@@ -887,17 +921,7 @@ class StepInBackward(torch.optim.Optimizer):
         if self._check_loop and self._micro == 0:
             self._check_loop_state()
         if updates and _keeps_graph():
-            raise _err(
-                NotImplementedError,
-                "backward(retain_graph=True) (or create_graph=True) in a backward that updates "
-                "the parameters; the update writes them in place, so a second backward over the "
-                "kept graph would read updated parameters (autograd's version check) or step "
-                "twice",
-                "retain_graph=False",
-                "retain_graph=True",
-                "Backward the summed loss once without retain_graph (or use a plain optimizer "
-                "for double backward)",
-            )
+            raise _retain_graph_refusal()
         key = _scalers_key()
         if key != self._scalers_key:
             # NOTE [GradScaler]: the first backward, or a scaler class's references changed
@@ -971,6 +995,14 @@ class StepInBackward(torch.optim.Optimizer):
     def _end_backward(self) -> None:
         if self._task is None:
             return  # a refusal in this backward ended it already
+        node = _enclosing_node()
+        if node is not None:
+            # NOTE [A reentrant backward is not a second backward]: a nested backward ends
+            # inside a node of the enclosing one; the step goes on there (its gradients so far
+            # are complete: the waiting ones update now)
+            self._flush()
+            self._resume_on(node)
+            return
         self._task = None
         self._rows_taken.clear()
         self._flush()
@@ -987,6 +1019,27 @@ class StepInBackward(torch.optim.Optimizer):
                 if late:
                     self._update(late)
                 self._micro = 0
+
+    def _resume_on(self, node: Any) -> None:
+        # NOTE [A reentrant backward is not a second backward]: once ``node`` returns, the
+        # enclosing backward is the step's backward: its end callback ends the step
+        def resume(grad_inputs: Any, grad_outputs: Any) -> None:
+            if removable is None or self._resume is not removable:
+                return  # a later backward over a retained graph, or a step ended since
+            self._resume = None
+            removable.remove()
+            self._task = torch._C._current_graph_task_id()
+            if (self._accumulate == 1 or self._micro == self._accumulate) and _keeps_graph():
+                # the enclosing backward keeps its graph: seen only now, after the nested
+                # backward's updates (NOTE [Every refusal changes nothing]); loud, not a silent
+                # second step over the kept graph
+                self._task = None
+                raise _retain_graph_refusal()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        removable = None
+        removable = node.register_hook(resume)
+        self._resume = removable
 
     def _guarded(self, fn, *args) -> Any:
         try:
@@ -1034,7 +1087,9 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _count(self, p: torch.Tensor) -> None:
         n = self._fired.get(p, 0) + 1
-        if self._accumulate == 1 and n > 1:
+        # with accumulate=N a second gradient in one backward (a reentrant one reaching it
+        # twice) is summed in .grad, except in the backward that updates
+        if n > 1 and (self._accumulate == 1 or self._micro == self._accumulate):
             raise _err(
                 RuntimeError,
                 "a parameter got a second gradient in one step (a second backward over a retained "
@@ -1268,6 +1323,9 @@ class StepInBackward(torch.optim.Optimizer):
                 f"Call {call} after loss.backward()",
             )
         self._task = None  # outside backward: a backward that raised left no callback to run
+        if self._resume is not None:  # an enclosing backward that raised before resuming
+            self._resume.remove()
+            self._resume = None
         self._rows_taken.clear()
         if flush and self._micro == 0:
             # NOTE [A backward that raised]: the plain step() applies the gradients it left
@@ -1650,4 +1708,18 @@ def _reentrant_in_accumulation() -> NotImplementedError:
         "use_reentrant=False",
         "a nested backward",
         "Pass use_reentrant=False to checkpoint",
+    )
+
+
+def _retain_graph_refusal() -> NotImplementedError:
+    return _err(
+        NotImplementedError,
+        "backward(retain_graph=True) (or create_graph=True) in a backward that updates "
+        "the parameters; the update writes them in place, so a second backward over the "
+        "kept graph would read updated parameters (autograd's version check) or step "
+        "twice",
+        "retain_graph=False",
+        "retain_graph=True",
+        "Backward the summed loss once without retain_graph (or use a plain optimizer "
+        "for double backward)",
     )

@@ -147,8 +147,14 @@ def test_second_derivative_raises_and_transforms_and_jit():
     x = torch.randn(5, requires_grad=True)
     w = torch.randn(5, requires_grad=True)  # the incoming gradient depends on w
     (g,) = torch.autograd.grad((hardswish(x * 2) * w).sum(), x, create_graph=True)
+    (ge,) = torch.autograd.grad((F.hardswish(x * 2) * w).sum(), x, create_graph=True)
+    # eager's second derivatives (x kept at this size; tests/ops/test_double_backward_size.py)
+    torch.testing.assert_close(torch.autograd.grad(g.sum(), w), torch.autograd.grad(ge.sum(), w))
+    x3 = torch.randn(40, 40, requires_grad=True)  # y kept: a third derivative is refused
+    (g1,) = torch.autograd.grad(hardswish(x3 * 2).pow(2).sum(), x3, create_graph=True)
+    (g2,) = torch.autograd.grad(g1.pow(2).sum(), x3, create_graph=True)
     with pytest.raises(RuntimeError, match=r"slimgrad.ops.hardswish: a second derivative"):
-        torch.autograd.grad(g.sum(), w)
+        torch.autograd.grad(g2.sum(), x3)
     f = torch.func.grad(lambda t: hardswish(t).sum())
     torch.testing.assert_close(f(x.detach()), torch.func.grad(lambda t: F.hardswish(t).sum())(x))
     with pytest.raises(RuntimeError, match=r"slimgrad.ops.hardswish: torch.jit.trace"):

@@ -22,6 +22,11 @@ from slimgrad._errors import internal_error
 from slimgrad._math.steps import epoch
 from slimgrad._math.tables import unsized
 
+try:  # NOTE [A channel search no mode sees] in ops/batch_norm.py
+    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
+except ImportError:  # pragma: no cover - depends on the torch release
+    _modes_aside = None
+
 __all__ = [
     "ELU_MIN_PREACT",
     "REBUILD_MAX_BIAS_RATIO",
@@ -205,7 +210,11 @@ class ParamChannels:
             if (entry[1]() if entry[1] is not None else None) is bias:
                 return entry[2], entry[3]
         self.entries[key] = (None, weakref.ref(bias) if bias is not None else None, None, None)
-        self._decide(key, weight, bias, extra)
+        if _modes_aside is None:
+            self._decide(key, weight, bias, extra)
+        else:  # NOTE [A channel search no mode sees] in ops/batch_norm.py
+            with _modes_aside():
+                self._decide(key, weight, bias, extra)
         entry = self.entries[key]
         return entry[2], entry[3]
 

@@ -39,8 +39,9 @@ float64 inputs keep x densely (as eager): the tables are float32-grade (~1e-8).
 
 Layout: outputs and gradients have eager's strides (NOTE [Layout of the smooth activations] at
 :func:`smooth_forward`). Second derivatives (``create_graph=True``): eager's where x is kept
-(float64, the dense fallback), otherwise a ``slimgrad.ops.<op>`` error when the gradient is
-differentiated (:func:`smooth_double`); torch.func transforms run eager's op.
+(float64, the dense fallback), otherwise through the kept output (NOTE [Second derivatives through
+the kept output]; a non-contiguous or float16 input with y kept, and third derivatives, raise a
+``slimgrad.ops.<op>`` error: :func:`smooth_double`); torch.func transforms run eager's op.
 
 Implementations (NOTE [Kernel backend choice] in ``slimgrad.kernels._backend``): the PyTorch path
 (``smooth_fwd`` / ``smooth_grad``, whole-tensor passes per span: NOTE [The PyTorch path on a
@@ -99,6 +100,7 @@ from slimgrad._errors import check_seen, hooks_top, internal_error, raise_if_wri
 from slimgrad._library import straight
 from slimgrad._math import smooth as smooth_math
 from slimgrad._math.bits import packed_numel
+from slimgrad._math.bits import unpack_bits as _unpack_bits
 from slimgrad._math.layout import eager_output, in_memory_order, memory_order
 from slimgrad._math.layout import inverse_perm as _inverse_perm
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
@@ -305,12 +307,19 @@ def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact:
     return as_layout(dx.permute(_inverse_perm(perm)), layout)
 
 
-def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) -> Callable:
+def smooth_double(
+    op: str,
+    exact: Callable,
+    extra: Callable = lambda ctx: (),
+    spec: Callable[..., SmoothSpec] | None = None,
+) -> Callable:
     """The ``double=`` of a smooth activation's backward (NOTE [Second derivatives] in
     ``slimgrad._autograd``): on the dense fallback, which keeps x itself, eager's formula
-    ``exact(g, x, *extra(ctx))`` with differentiable ops; otherwise (y, bits and a table do not
-    give f''), the first derivatives tied to nodes that raise a ``slimgrad.<op>`` error when
-    differentiated."""
+    ``exact(g, x, *extra(ctx))`` with differentiable ops; otherwise eager's second derivatives
+    through the kept output (NOTE [Second derivatives through the kept output]) with f'' of
+    ``spec(ctx)`` at x rebuilt from (y, bits, table); where that cannot hold (y kept without
+    history, float16), the first derivatives tied to nodes that raise a ``slimgrad.<op>`` error
+    when differentiated."""
 
     def double(ctx, g, *side):
         args = extra(ctx)
@@ -320,9 +329,119 @@ def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) ->
             x = ctx.saved_tensors[3]
             dx = exact(g, x, *args)
             return (dx, *(None for _ in args)) if args else dx
-        return _autograd.refuse_second_order(op, ctx._forward_cls.backward, ctx, (g, *side))
+        backward = ctx._forward_cls.backward
+        if spec is not None:
+            y, bits, idx, xs = ctx.saved_tensors
+            if through_output_ok(ctx, y):
+                sp = spec(ctx)
+                return second_through_output(
+                    op, ctx, backward, (g, *side), y, lambda: _smooth_f2(sp, y, bits, idx, xs)
+                )
+        return _autograd.refuse_second_order(op, backward, ctx, (g, *side))
 
     return double
+
+
+# NOTE [Second derivatives through the kept output]
+# An activation that keeps y (+ bits + a sparse table) instead of x has no x to differentiate
+# again under ``create_graph=True``. It needs none: the saved y comes back from
+# ``ctx.saved_tensors`` with this node as its grad_fn (a saved *output*, as eager's tanh and
+# sigmoid backward use theirs), and this node's first-order backward maps a gradient h of y to
+# h f'(x), f' being exactly the multiplier the first-order backward applies (``fp``, read by
+# calling that backward once with a gradient of ones). So the double path returns dx = g f'(x)
+# through :class:`_SecondThroughOutput`, whose backward gives g's gradient gg fp and y's
+# gg g f''(x) / fp: autograd then multiplies the latter by fp in this node's backward, which
+# yields eager's gg g f''(x) (``(a / b) b`` is within ~2 ulp of a for any finite nonzero b, so
+# the hard elements near x*, where f' is small, are as exact as the rest). f''(x) is eager's
+# formula (float64, autograd of the spec's f') at x rebuilt from y and its branch bit by
+# float64 bisection, the side table's exact x where kept; the rebuild errs by about dy / f'(x)
+# (outside the hard window f' is bounded away from 0), well inside the error rule for f''.
+# Costs: nothing on first-order calls (nothing more is kept; y is kept anyway); the double path
+# runs two first-order backwards and a bisection. A third derivative raises slimgrad's error.
+# Limits, which keep the refusal: y kept without history (an input not in the standard memory
+# order, whose y is kept as a detached permuted alias) and float16 (gg g f'' / fp overflows
+# float16 where f' is below ~1e-3). Elements with |f'| <= 1e-19 get no second-order term
+# through y: deep in a tail f'' is as small; at the one float nearest x* (f' rounded to 0) it is
+# not, and there the second derivative misses g gg f''(x*) (x exactly on that float).
+_TINY_FP = 1e-19
+
+
+def through_output_ok(ctx, y) -> bool:
+    """True when the double path may go through the kept output y (NOTE [Second derivatives
+    through the kept output])."""
+    return (
+        y is not None
+        and ctx.perm is None
+        and y.grad_fn is not None
+        and y.dtype in (torch.float32, torch.bfloat16, torch.float64)
+    )
+
+
+class _SecondThroughOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, g, y, dx, fp, f2):
+        ctx.op = op
+        ctx.save_for_backward(g, fp, f2)
+        return dx
+
+    @staticmethod
+    def backward(ctx, gg):
+        if torch.is_grad_enabled():  # a third derivative: refused (NOTE [Second derivatives])
+            return _autograd.refuse_second_order(ctx.op, _second_bwd, ctx, (gg,))
+        return _second_bwd(ctx, gg)
+
+
+def _second_bwd(ctx, gg):
+    g, fp, f2 = ctx.saved_tensors
+    need_g, need_y = ctx.needs_input_grad[1:3]
+    dg = gg * fp if need_g else None
+    dy = None
+    if need_y:
+        ok = fp.abs() > _TINY_FP
+        den = torch.where(ok, fp, torch.ones_like(fp)).double()
+        q = gg.double() * g.double() * f2.double() / den
+        dy = torch.where(ok, q, torch.zeros_like(q)).to(fp.dtype)
+    return None, dg, dy, None, None, None
+
+
+def second_through_output(op: str, ctx, backward: Callable, grads: tuple, y, f2: Callable):
+    """The double path of an activation that keeps y (NOTE [Second derivatives through the kept
+    output]): ``backward(ctx, *grads)``'s first derivatives, differentiable in the incoming
+    gradient and, through y, in x; ``f2()``: f''(x) per element of y (y's shape or flat)."""
+    g = grads[0]
+    with torch.no_grad():
+        out = backward(ctx, *grads)
+        one = backward(ctx, torch.ones_like(g), *grads[1:])
+        f2v = f2()
+    single = not isinstance(out, tuple)
+    dx = out if single else out[0]
+    fp = one if single else one[0]
+    dx2 = _SecondThroughOutput.apply(op, g, y, dx, fp, f2v.reshape(g.shape))
+    return dx2 if single else (dx2, *out[1:])
+
+
+def _smooth_f2(spec: SmoothSpec, y, bits, idx, xs) -> torch.Tensor:
+    # f''(x) at x rebuilt from (y, branch bit) by float64 bisection on the branch, the side
+    # table's exact x where kept (NOTE [Second derivatives through the kept output])
+    n = y.numel()
+    yd = y.detach().reshape(-1).double()
+    right = _unpack_bits(bits, n)
+    xstar = inverse(spec).x_star
+    lo = torch.where(right, torch.full_like(yd, xstar), torch.full_like(yd, -60.0))
+    hi = torch.where(right, yd.abs().nan_to_num(0.0, 0.0, 0.0) + spec.x_right + 1.0, xstar)
+    for _ in range(64):
+        mid = 0.5 * (lo + hi)
+        fm = spec.f(mid)
+        up = torch.where(right, fm < yd, fm > yd)
+        lo = torch.where(up, mid, lo)
+        hi = torch.where(up, hi, mid)
+    x = 0.5 * (lo + hi)
+    if idx.numel():
+        x[idx.long()] = xs.double()
+    with torch.enable_grad():
+        xv = x.requires_grad_(True)
+        (f2,) = torch.autograd.grad(spec.df(xv).sum(), xv)
+    return f2.to(y.dtype)
 
 
 def eager_double(fwd: Callable) -> Callable:
@@ -497,7 +616,7 @@ def smooth_unary_op(
             return smooth_forward(ctx, x, fwd_op.impl, False, single=True)
         return smooth_forward(ctx, x, fwd_op, False)
 
-    second = smooth_double(f"ops.{stem}", eager_double(fwd_torch))
+    second = smooth_double(f"ops.{stem}", eager_double(fwd_torch), spec=lambda ctx: spec)
 
     def double(ctx, g, *side):  # backward's (dx, None): the second for ``direct``
         out = second(ctx, g, *side)

@@ -168,9 +168,13 @@ class _Source(SimpleNamespace):
             # uses x itself; keep x, as eager.
             return False
         affine = ctx.weight_v is not None or ctx.bias_v is not None
-        # a fake b (an estimate: assume no bad channels) is a subclass, tested without is_fake's
-        # unwrapping for a plain tensor (a functorch or functional wrapper never reaches here)
-        if affine and (type(b) is torch.Tensor or not is_fake(b)):
+        # a fake b (an estimate) is a subclass, tested without is_fake's unwrapping for a plain
+        # tensor (a functorch or functional wrapper never reaches here): its γ, β are read from
+        # the real parameters they stand for, else no bad channel is assumed (NOTE [Real values
+        # behind the stand-ins] in slimgrad/memory.py)
+        fake = affine and type(b) is not torch.Tensor and is_fake(b)
+        real = _real_affine(ctx.weight_src, ctx.bias_src) if fake else None
+        if affine and (not fake or real is not None):
             w, bb = ctx.weight_src, ctx.bias_src
             if (w is not None and w._version != ctx.weight_version) or (
                 bb is not None and bb._version != ctx.bias_version
@@ -184,7 +188,11 @@ class _Source(SimpleNamespace):
             lim = torch.finfo(dt).max / (math.sqrt(n // C if b.ndim > 1 else n) + 1.0)
             # γ, β as in forward (their versions); NOTE [Decided once per parameter version] in
             # slimgrad/_math/abn.py: no host sync while they do not change
-            bad, idx = _bad_channels(w, bb, lim)
+            if real is None:
+                bad, idx = _bad_channels(w, bb, lim)
+            else:
+                with _unset_fake():
+                    bad, idx = _bad_channels(*real, lim)
             if bad and len(bad) > _MAX_BAD_FRACTION * C:
                 return False
             if bad:
@@ -320,7 +328,9 @@ def _bad_channels(w, bias, lim):
             and (bias is None or (bias._version, bias.data_ptr(), bias.dtype, bias.device) == st[3])
         ):
             return e[3]
-    out = _BAD.lookup(w, bias, lim)  # epoch() is asked there: the step hook is registered
+    # epoch() is asked there: the step hook is registered; it searches with the dispatch modes
+    # set aside (NOTE [A channel search no mode sees])
+    out = _BAD.lookup(w, bias, lim)
     st = (
         lim,
         _steps._count[0],
@@ -333,6 +343,43 @@ def _bad_channels(w, bias, lim):
     return out
 
 
+# NOTE [A channel search no mode sees]
+# Which channels are kept from x is searched at the first call of a parameter version (abs,
+# comparisons, a read to the host: NOTE [Decided once per parameter version] in _math/abn.py);
+# later calls of that version, and a checkpoint's recompute inside backward, take the cached
+# answer and issue none of those ops. torch's selective checkpointing records every aten op of its
+# forward under a dispatch mode and, in the recompute, hands each op the output stored for the
+# same op by call count: the search's abs(γ), stored at forward, was handed to the first abs the
+# recompute called (a layer scale's |s| after the block: the gradients off by 72 from the second
+# step on, silently; a full-size mul/abs/lt there raised CheckpointError: different metadata). The
+# search is a cache of the parameters, part of no step, so it runs with the dispatch modes set
+# aside (ParamChannels.lookup in _math/abn.py; as the bit tables: NOTE [Bit tables outside every
+# step] in _math/bits.py): the forward and its recompute issue the same ops whether the search
+# ran or not, and no tracker counts it (the real step's and the estimate's, which reads the real
+# γ, β: NOTE [Real values behind the stand-ins] in slimgrad/memory.py). In-Place ABN's side
+# channels (NOTE [Invertibility]) are searched there too: Conv -> InPlaceABN(leaky_relu) -> Conv
+# then a layer scale, under a policy saving abs, had gradients off by 62 from the first step.
+# Without the private ``_disable_current_modes`` the search runs under the modes as before.
+
+
+def _real_affine(w, bias) -> tuple | None:
+    # (γ, β) the fake stand-ins w, bias of an estimate stand for, or None where one of them has no
+    # real Parameter behind it (NOTE [Real values behind the stand-ins] in slimgrad/memory.py)
+    from slimgrad.memory import real_of
+
+    rw = None if w is None else real_of(w)
+    rb = None if bias is None else real_of(bias)
+    if (w is not None and rw is None) or (bias is not None and rb is None):
+        return None
+    return rw, rb
+
+
+def _unset_fake():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def _release(ctx) -> None:
     # the batch statistics too: the node outlives this backward until the whole graph is freed,
     # and eager's node frees them when its backward returns
@@ -341,6 +388,26 @@ def _release(ctx) -> None:
     ctx.weight_src = ctx.bias_src = None
     ctx.b_pack = ctx.k_pack = ctx.b_hooks = None
     ctx.released = True
+
+
+# NOTE [BatchNorm's output gradient that never came]
+# A double backward (R1 penalty: ``create_graph=True``, then the penalty's backward) can reach
+# this node with no gradient for its output: the next Conv's ``ConvolutionBackwardBackward0``
+# links to its input but gives it an undefined gradient (the input gradient of a convolution does
+# not depend on its input). Eager's node then returns undefined gradients, so β's ``.grad``
+# stays None (the penalty does not depend on β); autograd's default for a custom Function is a
+# zero tensor instead, and this backward turned it into dβ = 0, dγ = 0: an optimizer with weight
+# decay then moved β where eager's skips it. The forward sets ``ctx.materialize_grads = False``
+# (the field ``set_materialize_grads`` writes, without its frame), and a None gradient returns
+# None for every input, releasing what a first-order backward would have released.
+def _no_output_grad(ctx) -> tuple:
+    if _keep_graph is not None and not _keep_graph():
+        r = ctx.recipe
+        if r is not None and r.rebuild is not None:
+            # r.drop(): no backward will call it now (NOTE [Rebuilt once per backward])
+            r.rebuild.add_user(-1)
+        _release(ctx)
+    return (None,) * 11
 
 
 def _kept_nothing(ctx) -> bool:
@@ -493,6 +560,7 @@ class _BatchNormFn(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
+        ctx.materialize_grads = False  # NOTE [BatchNorm's output gradient that never came]
         ctx.training, ctx.eps, ctx.released = training, eps, False
         ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = ctx.claims = None
         ctx.x_version = ctx.b_version = 0
@@ -619,6 +687,8 @@ class _BatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:  # NOTE [BatchNorm's output gradient that never came]
+            return _no_output_grad(ctx)
         if _grad_on():  # first_order's test, inline (NOTE [First order, tested inline])
             return _BatchNormFn._double(ctx, grad)
         # first use of grad (NOTE [Gradient-buffer ownership]), asked only where the C kernel
@@ -823,9 +893,11 @@ C_STEM = "batch_norm"  # kernels/cpu/batch_norm.c: the backward's per-channel su
 # (``_FAKE_C`` stands for the library), and _bwd_from_output_c / _channel_sums_c allocate the
 # kernel's outputs only, the same tensors with the same shapes (dx over the granted gradient as
 # in the real call, its version bumped the same way); values are never read under fake tensors
-# (as NOTE [Fake tensors model the C kernel] in ops/dropout.py). A fake b assumes no channel
-# kept from x (_Keep.keep_output), so the real step's bad channels, which decline the C path, are
-# the estimate's only difference here.
+# (as NOTE [Fake tensors model the C kernel] in ops/dropout.py). A fake b takes its channels kept
+# from x from the real γ, β its stand-ins stand for (a model built before the estimate: NOTE [Real
+# values behind the stand-ins] in slimgrad/memory.py), so those decline the C path there as in the
+# real step; where no real values are behind them (a model built under fake tensors) it assumes no
+# such channel, the estimate's only difference here.
 _FAKE_C = object()
 
 

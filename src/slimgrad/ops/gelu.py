@@ -142,7 +142,10 @@ def _bwd_exact_differentiable(g: Tensor, x: Tensor, approximate: str) -> Tensor:
 
 
 _SMOOTH_DOUBLE = smooth_double(
-    "ops.gelu", _bwd_exact_differentiable, lambda ctx: (ctx.approximate,)
+    "ops.gelu",
+    _bwd_exact_differentiable,
+    lambda ctx: (ctx.approximate,),
+    spec=lambda ctx: SPECS[ctx.approximate],
 )
 
 
@@ -236,8 +239,9 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
     Raises:
         ValueError: unknown ``approximate``.
         RuntimeError: when its gradient (``create_graph=True``) is differentiated again while
-            the op kept y, bits and a table (float32/16: f'' is not there); float64 and the
-            dense fallback keep x and give eager's second derivatives.
+            the op kept y, bits and a table of a non-contiguous or float16 input, or a third
+            derivative is asked; otherwise second derivatives are eager's (x kept, or through
+            the kept output: NOTE [Second derivatives through the kept output]).
 
     Example:
         >>> y = gelu(torch.randn(4, 8, requires_grad=True), approximate="tanh")

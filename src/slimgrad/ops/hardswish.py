@@ -21,8 +21,10 @@ float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B
 ``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``), keeps x densely, as
 eager does (no y, bits or table). Backward writes dx into the incoming gradient's buffer when
 ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]). Second derivatives
-raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is
-eager's op.
+are eager's: from x where kept, else through the kept output (NOTE [Second derivatives through
+the kept output] in ``slimgrad.ops._output_act``; a non-contiguous or float16 input with y kept
+raises, NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this
+is eager's op.
 """
 
 from __future__ import annotations
@@ -33,11 +35,18 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import eager_op, first_order, refuse_jit
+from slimgrad._autograd import eager_op, first_order, refuse_jit, refuse_second_order
 from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
 from slimgrad.ops._monotone import hooks_active
-from slimgrad.ops._output_act import DENSE_MAX, _inverse_perm, memory_order, needs_graph
+from slimgrad.ops._output_act import (
+    DENSE_MAX,
+    _inverse_perm,
+    memory_order,
+    needs_graph,
+    second_through_output,
+    through_output_ok,
+)
 
 __all__ = ["hardswish", "hardswish_"]
 
@@ -166,7 +175,7 @@ class _HardswishFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order("ops.hardswish")
+    @first_order("ops.hardswish", double=lambda ctx, g: _double(ctx, g))
     def backward(ctx, g: Tensor):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         try:
@@ -191,6 +200,35 @@ class _HardswishFn(torch.autograd.Function):
         return (dx if p is None else dx.permute(_inverse_perm(p))), None
 
 
+def _f2(y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor) -> Tensor:
+    # eager's f'' (hardswish_backward's derivative): 1/3 on -3 < x < 3, else 0, decided from
+    # (y, b) as _slope_into decides the pieces, from x itself for the side table
+    n = y.numel()
+    yf = y.detach().reshape(-1)
+    b = unpack_bits(bits, n)
+    inner = (yf < 3.0).logical_and_((yf == 0.0).logical_and_(b.logical_not()).logical_not_())
+    if idx.numel():
+        xf = xs.to(torch.float64)
+        inner[idx.long()] = (xf > -3.0).logical_and_(xf < 3.0)
+    return inner.to(y.dtype).div_(3.0)
+
+
+def _double(ctx, g: Tensor):
+    # create_graph=True: eager's formula on x where x is kept; through the kept output y
+    # otherwise (NOTE [Second derivatives through the kept output] in ops/_output_act.py)
+    if g is None:
+        return None, None
+    saved = ctx.saved_tensors
+    if ctx.dense:
+        return torch.ops.aten.hardswish_backward(g, saved[0]), None
+    backward = _HardswishFn.backward
+    if through_output_ok(ctx, saved[0]):
+        return second_through_output(
+            "ops.hardswish", ctx, backward, (g,), saved[0], lambda: _f2(*saved)
+        )
+    return refuse_second_order("ops.hardswish", backward, ctx, (g,))
+
+
 def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
     """Hardswish ``y = x relu6(x + 3) / 6`` that keeps y + 1 bit/elt (+ a sparse exact table).
 
@@ -209,8 +247,9 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
         The activation, ``input`` itself when ``inplace``.
 
     Raises:
-        RuntimeError: double backward (``create_graph=True``, differentiated again) through this
-            op, or a ``torch.jit.trace`` of it.
+        RuntimeError: double backward (``create_graph=True``, differentiated again) through
+            this op where it kept y of a non-contiguous or float16 input, a third derivative,
+            or a ``torch.jit.trace`` of it.
 
     Example:
         >>> y = hardswish(torch.randn(4, 8, requires_grad=True))

@@ -80,8 +80,9 @@ def silu(input: Tensor, inplace: bool = False) -> Tensor:
 
     Raises:
         RuntimeError: when its gradient (``create_graph=True``) is differentiated again while
-            the op kept y, bits and a table (float32/16: f'' is not there); float64 and the
-            dense fallback keep x and give eager's second derivatives.
+            the op kept y, bits and a table of a non-contiguous or float16 input, or a third
+            derivative is asked; otherwise second derivatives are eager's (x kept, or through
+            the kept output: NOTE [Second derivatives through the kept output]).
 
     Example:
         >>> y = silu(torch.randn(4, 8, requires_grad=True))
