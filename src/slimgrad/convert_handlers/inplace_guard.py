@@ -372,6 +372,9 @@ class _Info:
     # its input may be written after its forward ran (a forward hook: NOTE [What a hook registered
     # before convert_ may write]), so the module itself has read it before that write
     after: bool = False
+    # its input (or a view of it) may be kept on a module past its forward (NOTE [An output kept
+    # on the module escapes])
+    keeps_input: bool = False
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -430,22 +433,47 @@ class _LeafTracer(torch.fx.Tracer):
         return _InplaceProxy(node, self)
 
 
-def _trace(m: nn.Module, state: _State | None = None) -> tuple[torch.fx.Graph, bool]:
-    # the graph, and whether the forward drew from a random number generator (the generators'
-    # states, and every module's state, are restored: NOTE [A trace leaves the model as it was]);
-    # ``state``: a snapshot of ``m`` taken by the caller's ``untouched(m)`` for several traces
+def _trace(
+    m: nn.Module, state: _State | None = None
+) -> tuple[torch.fx.Graph, bool, frozenset[str]]:
+    # the graph, whether the forward drew from a random number generator (the generators'
+    # states, and every module's state, are restored: NOTE [A trace leaves the model as it was]),
+    # and the names of the nodes whose Proxies the forward left on a module (NOTE [An output kept
+    # on the module escapes]); ``state``: a snapshot of ``m`` taken by the caller's
+    # ``untouched(m)`` for several traces
     if state is None:
         with untouched(m) as state:
-            return _fx(m), state.drew()
+            return _fx(m), state.drew(), _kept_on_modules(m)
     if not state.copies_in:
         state.swap_in_copies()
     try:
         graph = _fx(m)
         drew = state.drew()
+        kept = _kept_on_modules(m)
     finally:
         state.restore()
     state.check()
-    return graph, drew
+    return graph, drew, kept
+
+
+def _kept_on_modules(root: nn.Module) -> frozenset[str]:
+    # NOTE [An output kept on the module escapes]: the nodes of the Proxies a trace left in the
+    # attribute dicts of ``root``'s modules, or in the dicts, lists, sets and tuples reachable
+    # from them (read before the trace's changes are put back)
+    found: set[str] = set()
+    seen: set[int] = set()
+    todo: list = [d.__dict__ for d in root.modules()]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        for v in c.values() if isinstance(c, dict) else c:
+            if isinstance(v, torch.fx.Proxy):
+                found.add(v.node.name)
+            elif type(v) in (dict, list, set, tuple):
+                todo.append(v)
+    return frozenset(found)
 
 
 def _fx(m: nn.Module) -> torch.fx.Graph:
@@ -694,29 +722,34 @@ class _Read:
     eval: torch.fx.Graph | None
     drew: bool  # a trace drew from a random number generator
     same: bool  # both traced, and to the same graph
+    # the names of the nodes whose tensors either trace left on a module (NOTE [An output kept on
+    # the module escapes]); the graphs are the same where they are read, and so are the names
+    kept: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, m: nn.Module) -> _Read:
         modes = {d: d.training for d in m.modules()}
         graphs: list = [None, None]
         drew = False
+        kept: frozenset[str] = frozenset()
         state = _State(m)  # one snapshot for both traces; each puts it back and checks it
         try:
             for i, mode in enumerate((True, False)):
                 for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
                     d.training = mode
                 try:
-                    graphs[i], d_i = _trace(m, state)
+                    graphs[i], d_i, k_i = _trace(m, state)
                 except Exception:  # fx raises many types on Python it cannot trace
                     break
                 drew = drew or d_i
+                kept = kept | k_i
         finally:
             state.restore()
             for d, mode in modes.items():
                 d.training = mode
         train, ev = graphs
         same = train is not None and ev is not None and _text(train) == _text(ev)
-        return cls(m, m.__dict__.get("forward"), train, ev, drew, same)
+        return cls(m, m.__dict__.get("forward"), train, ev, drew, same, kept)
 
     def every_call(self) -> torch.fx.Graph:
         if self.drew or not self.same:
@@ -762,6 +795,12 @@ class Traces:
             self._read_after.add(id(m))
             got = self._got[id(m)] = _Read.of(m)
         return got.every_call()
+
+    def kept(self, m: nn.Module) -> frozenset[str]:
+        """The names of the nodes of ``m``'s trace whose tensors its forward left on a module
+        (NOTE [An output kept on the module escapes]); read after :meth:`every_call`."""
+        got = self._got.get(id(m))
+        return got.kept if got is not None and got.module is m else frozenset()
 
     def changed_below(self, m: nn.Module) -> bool:
         """Whether a module below ``m`` is not the one ``note_tree`` found there (a module it
@@ -978,6 +1017,14 @@ class _Guard:
         # {id(module): the modules its output may be given to} (NOTE [Hooks on the modules around
         # an output-saving one])
         self.fed: dict[int, list[nn.Module]] = {}
+        # the modules whose output may be kept on a module past its forward (NOTE [An output
+        # kept on the module escapes])
+        self.escaped: dict[int, nn.Module] = {}
+
+    def escape(self, held) -> None:
+        for e in held:
+            if isinstance(e, nn.Module):
+                self.escaped.setdefault(id(e), e)
 
     def feeds(self, child: nn.Module, held) -> None:
         # ``child`` is called with what ``held`` holds: the modules there feed it
@@ -1123,11 +1170,15 @@ class _Guard:
         ends: list[nn.Module] = []
         passes, writes = True, False
         takes: list[nn.Module] = []
+        keeps_input = False
         for child in seq:
             ci = self.info(child)
             self.feeds(child, ends)
             if passes:
                 takes.append(child)
+            if ci.keeps_input:  # NOTE [An output kept on the module escapes]
+                self.escape(ends)
+                keeps_input = keeps_input or passes
             if ci.writes:
                 own = "forward" in child.__dict__  # NOTE [A forward set on the instance]
                 what = (
@@ -1143,7 +1194,7 @@ class _Guard:
                 ends = ends + ci.ends
             else:
                 ends, passes = list(ci.ends), False
-        return _Info(ends=ends, writes=writes, passes=passes, takes=takes)
+        return _Info(ends=ends, writes=writes, passes=passes, takes=takes, keeps_input=keeps_input)
 
     # NOTE [An in-place module's input is its output]
     # An in-place module (``ReLU6(inplace=True)``, ``Hardtanh``, ``LeakyReLU``, ``ELU``,
@@ -1184,6 +1235,9 @@ class _Guard:
                         self.feeds(m.get_submodule(node.target), state[n].ends)
                         if state[n].passes:
                             out.takes.append(m.get_submodule(node.target))
+                        if ci.keeps_input:  # NOTE [An output kept on the module escapes]
+                            self.escape(state[n].ends)
+                            out.keeps_input = out.keeps_input or state[n].passes
                 if ci.writes:
                     sub = type(m.get_submodule(node.target)).__name__
                     how = "has a forward hook that may write" if ci.after else "writes"
@@ -1226,6 +1280,11 @@ class _Guard:
                     s = state.get(n, _Info())
                     out.ends = out.ends + s.ends
                     out.passes = out.passes or s.passes
+        kept = self.traces.kept(m)  # NOTE [An output kept on the module escapes]
+        for node in graph.nodes if kept else ():
+            if node.name in kept and node in state:
+                self.escape(state[node].ends)
+                out.keeps_input = out.keeps_input or state[node].passes
         return out
 
 
@@ -1444,6 +1503,13 @@ class _Flow:
         # per enclosing loop: the envs at its ``continue`` and ``break`` statements
         self.loops: list[tuple[list, list]] = []
         self.takes: list[nn.Module] = []  # the children given the forward's input (``_Info``)
+        self.keeps_input = False  # NOTE [An output kept on the module escapes]
+
+    def escape(self, held: set) -> None:
+        # NOTE [An output kept on the module escapes]: ``held`` is kept on a module
+        if self.guard is not None:
+            self.guard.escape(held)
+        self.keeps_input = self.keeps_input or _IN in held
 
     def feeds(self, child: nn.Module, every: set) -> None:
         # NOTE [Hooks on the modules around an output-saving one]: ``child`` is given ``every``
@@ -1474,9 +1540,10 @@ class _Flow:
     # keeping method put in it (``self.cache[]``: an item assignment writes the attribute's own
     # tensor, not the values of the container it may be); a read of it gives both, so a write
     # through it flags what it holds. A traced forward needs nothing: torch.fx records the
-    # attribute as the Proxy it was given. Not followed: a tensor kept in one call and written in
-    # a later one before it is reassigned, one kept by a helper method, or through
-    # ``setattr``/``__dict__``.
+    # attribute as the Proxy it was given. Not followed here: a tensor kept in one call and
+    # written in a later one before it is reassigned, one kept by a helper method, or through
+    # ``setattr``/``__dict__`` (a write after forward: NOTE [An output kept on the module
+    # escapes]).
     def key(self, e) -> str | None:
         # the env key of a local name or of an attribute path of the module (``self.saved``)
         if isinstance(e, ast.Name):
@@ -1542,6 +1609,7 @@ class _Flow:
             ):  # self.feats.append(h): NOTE [A tensor kept on the module]
                 got = [self.expr(a, env) for a in [*v.args, *(k.value for k in v.keywords)]]
                 env[key + "[]"] = _no_consts(env.get(key + "[]", set()).union(*got))
+                self.escape(set().union(*got))
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.ret |= self.expr(s.value, env)
@@ -1790,11 +1858,13 @@ class _Flow:
                 # attribute's own tensor, not what its container holds)
                 base = (base - env.get(key + "[]", set())) | env.get(key, set())
                 env[key + "[]"] = env.get(key + "[]", set()) | _no_consts(held)
+                self.escape(held)
             self.flag(base, "an item assignment in its HF forward")
         elif isinstance(target, ast.Attribute):
             self.expr(target.value, env)
             if (key := self.key(target)) is not None:  # NOTE [A tensor kept on the module]
                 env[key] = _no_consts(held)
+                self.escape(held)
 
     def expr(self, e, env: dict) -> set:
         # a name's literal (_Const) is what that name holds; no other expression's value is one
@@ -1861,6 +1931,8 @@ class _Flow:
             if isinstance(child, nn.Module):
                 ci = self.guard.info(child)
                 self.feeds(child, every)
+                if ci.keeps_input:  # NOTE [An output kept on the module escapes]
+                    self.escape(every)
                 if ci.writes:
                     how = "has a forward hook that may write" if ci.after else "writes"
                     self.flag(every, f"{f.attr}: {type(child).__name__}, which {how} its input")
@@ -1900,6 +1972,14 @@ class _Flow:
                 self.flag(base, f"{what} in its HF forward")
                 return base
             return base if _may_alias(name) else set()
+        if (
+            isinstance(f, ast.Name)
+            and f.id == "setattr"
+            and len(e.args) == 3
+            and self.callee(f, env) is builtins.setattr
+        ):  # setattr(self, "last", h): NOTE [An output kept on the module escapes]
+            self.escape(args[2])
+            return set()
         if (callee := self.callee(f, env)) is not _MISSING and _writes_first(callee, e):
             # what the name calls writes its first argument: torch.ops.aten.mul_.Tensor(h),
             # aten.relu_(h) (an alias), torch.Tensor.mul_(h), F.leaky_relu(h, 0.1, True)
@@ -2241,6 +2321,7 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
         passes=_IN in flow.ret,
         items=items,
         takes=flow.takes,
+        keeps_input=flow.keeps_input,
     )
 
 
@@ -2550,12 +2631,35 @@ def inplace_guard_pattern(
 # ``slimgrad.nn._output_act.state_consumers_`` turns such modules to eager's op (``keep_y``).
 
 
+# NOTE [An output kept on the module escapes]
+# A forward may keep a tensor on a module past its call (``self.last = h`` for probing,
+# ``self.feats.append(h)``, ``self.cache[k] = h``, ``setattr(self, "last", h)``, also on a child:
+# ``self.child.last = h``) while only a residual add reads it. That tensor leaves the model as a
+# returned one does: the user may write it after forward, through ``.data`` (no version bump: a
+# converted op that keeps its output computes wrong gradients, silently) or under ``no_grad``
+# (autograd's error, where eager, which keeps the op's input, trains). So a kept value counts as
+# the model's output for NOTE [Modules whose output is the model's output]: every output-saving
+# module whose output it may hold runs eager's op (or, InPlaceABN/ReversibleSequential, returns a
+# copy), and the report says why (``KEPT_ON_MODULE``). Found in the same reading, from the
+# structure at ``convert_`` time: in a traced forward, the Proxies the trace left in the
+# attribute dicts of the module and its descendants (and in the dicts, lists, sets and tuples
+# reachable from them), read before the trace is undone (NOTE [A trace leaves the model as it
+# was]), name the nodes kept (``_kept_on_modules``; train and eval traces both); in a read
+# source, an assignment to ``self.<path>`` or an item of it, a keeping method of it (``_KEEPING``)
+# and ``setattr(self, ...)`` keep what they are given. A forward that keeps its input (or a view
+# of it) makes its callers' reading keep what they give it (``_Info.keeps_input``), so a child
+# storing what its parent hands it counts as well. Every module is read for this (not only those
+# the root's forward reaches). Not followed: a tensor kept inside another object (a dataclass on
+# the module), in a global or class attribute, or by a helper method the forward calls.
+
+
 def output_modules(
     model: nn.Module,
     kinds: tuple[type, ...],
     owners: dict[int, list] | None = None,
     traces: Traces | None = None,
     near: dict[int, list] | None = None,
+    kept: set[int] | None = None,
 ) -> list[nn.Module]:
     """The modules of ``kinds`` in ``model`` whose output may be what ``model`` returns (NOTE
     [Modules whose output is the model's output]).
@@ -2571,6 +2675,9 @@ def output_modules(
         near: if given, filled with ``{id(m): [hook dicts]}`` for every module of ``kinds``: the
             hook dicts of the modules around it that may write its output (NOTE [Hooks on the
             modules around an output-saving one]), from the same reading.
+        kept: if given, filled with the ids of the returned modules whose output may be kept on
+            a module past its forward and is not otherwise the model's output (NOTE [An output
+            kept on the module escapes]).
 
     Returns:
         Those modules, each once.
@@ -2580,6 +2687,13 @@ def output_modules(
     for m in guard.info(model).ends:
         if isinstance(m, kinds):
             seen.setdefault(id(m), m)
+    for m in model.modules():  # NOTE [An output kept on the module escapes]
+        guard.info(m)
+    for m in guard.escaped.values():
+        if isinstance(m, kinds) and id(m) not in seen:
+            seen[id(m)] = m
+            if kept is not None:
+                kept.add(id(m))
     if owners is not None:
         parents: dict[int, list] = {}
         for p in model.modules():

@@ -246,6 +246,18 @@ COPY_AT_OUTPUT = (
     "output, which the caller may write in place or through .data, and it keeps that output for "
     "backward"
 )
+#: ... and where the output is not the model's but may be kept on a module past its forward
+#: (NOTE [An output kept on the module escapes] in slimgrad/convert_handlers/inplace_guard.py)
+KEPT_ON_MODULE = (
+    "runs eager's op (keeps its input, as eager): its output may be kept on a module past its "
+    "forward (self.<name> = ..., a list or dict there), where the user may write it in place or "
+    "through .data"
+)
+COPY_KEPT_ON_MODULE = (
+    "returns a copy of its output (one more output-sized tensor): its output may be kept on a "
+    "module past its forward, where the user may write it in place or through .data, and it "
+    "keeps that output for backward"
+)
 
 
 # NOTE [Hidden states handed out per call]
@@ -341,10 +353,12 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     copies = _copy_kinds()
     owners: dict[int, list] = {}
     near: dict[int, list] = {}  # NOTE [Hooks registered after convert_ on the modules around]
+    kept: set[int] = set()  # NOTE [An output kept on the module escapes] in inplace_guard.py
     if isinstance(model, kinds + copies):
         out = {id(model)}
     else:
-        out = {id(m) for m in output_modules(model, kinds + copies, owners, traces, near)}
+        found = output_modules(model, kinds + copies, owners, traces, near, kept)
+        out = {id(m) for m in found}
     hf = any(type(m).__module__.startswith("transformers.") for m in model.modules())
     if hf:
         _find_collector()
@@ -378,10 +392,14 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
             if id(m) in out and not isinstance(m, RecomputeABN) and not exact:
                 m.at_output = True
     if rep is not None:
+        reasons = {
+            False: (AT_OUTPUT, COPY_AT_OUTPUT),
+            True: (KEPT_ON_MODULE, COPY_KEPT_ON_MODULE),
+        }
         rep.eager_op[:] = [
-            (name or "<root>", type(m).__name__, COPY_AT_OUTPUT if m.at_output else AT_OUTPUT)
+            (name or "<root>", type(m).__name__, reasons[id(m) in kept][m.at_output])
             if isinstance(m, copies)
-            else (name or "<root>", type(m).__name__, AT_OUTPUT)
+            else (name or "<root>", type(m).__name__, reasons[id(m) in kept][0])
             for name, m in model.named_modules()
             if id(m) in out and (not isinstance(m, copies) or m.at_output)
         ]

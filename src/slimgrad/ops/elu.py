@@ -58,6 +58,7 @@ from slimgrad.ops._output_act import (
     eager_layout,
     memory_order,
     needs_graph,
+    raise_output_written,
     record_layout,
 )
 
@@ -234,10 +235,16 @@ class _EluFn(torch.autograd.Function):
         layout = eager_layout(ctx, g, torch.ops.aten.silu_backward)
         if buf is not None and layout not in (None, buf.stride()):
             buf = None
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:  # y written: NOTE [An output written after forward]
+            if not (ctx.inplace and alpha > 0):  # (eager's elu_ keeps y too: eager's own error)
+                raise_output_written(e, "ops.elu")
+            raise
         if ctx.bits:
-            y, bits, idx, xs = ctx.saved_tensors
+            y, bits, idx, xs = saved
         else:
-            (y, idx, xs), bits = ctx.saved_tensors, None
+            (y, idx, xs), bits = saved, None
         pos = _positions(idx, y.shape) if is_fake(idx) or idx.numel() else None
         gh = g[pos] if pos is not None else None  # read before g's buffer may be written
         own = buf is not None and buf.shape == y.shape and buf.dtype == y.dtype

@@ -169,7 +169,14 @@ class _HardswishFn(torch.autograd.Function):
     @first_order("ops.hardswish")
     def backward(ctx, g: Tensor):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
-        saved = ctx.saved_tensors
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:  # y written: NOTE [An output written after forward]
+            if not ctx.dense:  # (x kept, as eager: eager's own error)
+                from slimgrad.ops._output_act import raise_output_written  # (only when raising)
+
+                raise_output_written(e, "ops.hardswish")
+            raise
         if ctx.dense:  # eager's own kernel on x
             return torch.ops.aten.hardswish_backward(g, saved[0]), None
         p = ctx.perm
