@@ -1,5 +1,7 @@
 """Property test: random chains of this area's ops give eager's values and every gradient."""
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,8 @@ def test_derived_activation_double_backward_is_eagers(act):
 
     class _Source:
         pack = None  # a source's one pack under saved-tensor hooks (none here: no hooks)
+        # the call's ctx: derived records are chained on it (NOTE [Dropped at b's backward])
+        ctx = types.SimpleNamespace(derived=None)
 
         def keep_output(self, b):
             return True

@@ -489,8 +489,8 @@ class Recipe(_Record):
 # input b itself). What an offload still copies
 # twice is eager's own double keeping (a ResNet block output kept by its ReLU and the next conv)
 # and a norm's ingredient kept by eager's conv node (NOTE [A conv that keeps what eager keeps] in
-# ops/conv.py), which packs it through autograd. Measured on a torchvision ResNet-50 at 4x3x112x112
-# (identity hooks counting per storage, the step after a weight version in the region): 78 packs,
+# ops/conv.py), which packs it through autograd. A torchvision ResNet-50 at 4x3x112x112 (identity
+# hooks counting per storage, the step after a weight version in the region) hands over 78 packs,
 # 77,307,520 B (58 storages, 48,160,384 B) against eager's 371 packs, 132,397,696 B (319
 # storages, 87,542,400 B). Of the 29,147,136 B handed over more than once, 27,541,504 B are block
 # outputs, handed over by eager's ops as often (in-place ReLU, next conv1, downsample conv), and
@@ -821,6 +821,30 @@ def _lookup(x: torch.Tensor) -> Derived | None:
     return d
 
 
+# NOTE [Dropped at b's backward]
+# A derived record (r = act(b), NOTE [Derived saved inputs]) holds b, a detached alias, for as long
+# as r lives, so that a conv reading r in forward keeps b instead. Where r outlives b's own use (r
+# is held through backward: a reentrant checkpoint's recompute keeps the region's outputs until
+# the region's backward returns; a caller keeping a block's output), the record kept b alive past
+# the BatchNorm's backward, where eager frees it: Conv-BN-ReLU blocks under reentrant checkpoint
+# peaked in the conv's backward one activation above (4x32x16x16: 954,376 B vs eager's 918,024;
+# 2x8x6x6 1.134x). A record is read only by forward lookups, and a forward that still reads r
+# after b's node has run its backward and freed what it kept is no longer building that graph:
+# so the BatchNorm's backward, where it lets go of what it kept (no retain_graph), drops the
+# records made from its output (their keys and weak references chained on its ctx at
+# registration; an entry is deleted only where it is still that reference's, i.e. r's own). A
+# later lookup of r misses, and its consumer keeps r itself, as eager's does. 4x32x16x16 under
+# reentrant checkpoint: 954,376 -> 823,304 B (eager 918,024).
+def drop_derived(chain: tuple) -> None:
+    """Delete the derived-registry entries chained on a BatchNorm ctx (NOTE [Dropped at b's
+    backward])."""
+    while chain is not None:
+        k, ref, chain = chain
+        e = _DERIVED_D.get(k)
+        if e is not None and e[0] is ref:
+            del _DERIVED_D[k]
+
+
 def check_version(t: torch.Tensor, version: int, what: str) -> None:
     if t._version != version:
         raise RuntimeError(
@@ -1096,6 +1120,8 @@ def activation(
         pack = _SOURCES_D[k][1][0].pack
         if pack is not None:  # shared only under the very hooks it was packed with
             pack = shared(pack)
+        # the BatchNorm call's ctx (NOTE [Dropped at b's backward])
+        src_ctx = _SOURCES_D[k][1][0].ctx
         # the C apply (NOTE [Applying a Function without its Python wrapper] in _autograd.py):
         # not compiling and no transform active, checked above
         if pack is None:
@@ -1120,6 +1146,8 @@ def activation(
             _DERIVED_D[k] = (e[0], d)
         else:
             _DERIVED_D[k] = (weakref.ref(r, _partial(_DERIVED_D.pop, k)), d)
+        # NOTE [Dropped at b's backward]: the entry's key and weak reference, chained on b's call
+        src_ctx.derived = (k, _DERIVED_D[k][0], src_ctx.derived)
         return r
     if act == "leaky_relu":
         return F.leaky_relu(x, param, inplace)

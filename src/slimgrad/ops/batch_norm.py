@@ -388,6 +388,9 @@ def _release(ctx) -> None:
     ctx.weight_src = ctx.bias_src = None
     ctx.b_pack = ctx.k_pack = ctx.b_hooks = None
     ctx.released = True
+    if ctx.derived is not None:  # NOTE [Dropped at b's backward] in ops/_derived.py
+        _derived.drop_derived(ctx.derived)
+        ctx.derived = None
 
 
 # NOTE [BatchNorm's output gradient that never came]
@@ -563,6 +566,7 @@ class _BatchNormFn(torch.autograd.Function):
         ctx.materialize_grads = False  # NOTE [BatchNorm's output gradient that never came]
         ctx.training, ctx.eps, ctx.released = training, eps, False
         ctx.x = ctx.b = ctx.x_bad = ctx.bad = ctx.recipe = ctx.recipe_tensors = ctx.claims = None
+        ctx.derived = None  # NOTE [Dropped at b's backward] in ops/_derived.py
         ctx.x_version = ctx.b_version = 0
         # NOTE [Under saved-tensor hooks]: what this call keeps full-size went through
         # save_for_backward (x, or its recipe's input, rebuilt by ctx.recipe_fn if set; or, where
@@ -762,6 +766,14 @@ class _BatchNormFn(torch.autograd.Function):
             ctx.weight_src = ctx.bias_src = None
             ctx.b_pack = ctx.k_pack = ctx.b_hooks = None
             ctx.released = True
+            chain = ctx.derived
+            if chain is not None:  # NOTE [Dropped at b's backward] in ops/_derived.py
+                # _derived.drop_derived(chain), inline (no call)
+                ctx.derived = None
+                while chain is not None:
+                    k, ref, chain = chain
+                    if k in _DERIVED_D and _DERIVED_D[k][0] is ref:
+                        del _DERIVED_D[k]
         gx, gw, gb = out
         # one gradient per forward argument (x, weight, bias; 8 non-differentiable ones)
         return (gx, gw if need_w else None, gb if need_b else None) + (None,) * 8
@@ -1520,3 +1532,4 @@ _cudnn_on = torch._C._get_cudnn_enabled
 _grad_on = torch._C.is_grad_enabled
 _bump = torch._C._increment_version
 _RECIPES_D, _SOURCES_D, _CLOCK = _derived._RECIPES_D, _derived._SOURCES_D, _derived._CLOCK
+_DERIVED_D = _derived._DERIVED_D

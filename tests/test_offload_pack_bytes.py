@@ -1,0 +1,69 @@
+"""Issue 33: the bytes a converted model hands to saved-tensor hooks, counted per pack (as
+``torch.autograd.graph.save_on_cpu`` copies them: every pack, no de-duplication by storage), are
+at most eager's, on the blocks where that holds today. tests/test_plan_compose.py counts distinct
+storages; this counts each pack's bytes.
+
+Not here (measured above eager, per pack, 2 blocks each): GroupNorm + SiLU at 4x32x16x16
+1,038,656 B against eager's 1,021,312 and LayerNorm + Linear + GELU + Linear at 2x128x256
+10,634,568 against 10,493,952. The activation keeps its output y (shared with the next layer's
+kept input) and the side information that inverts it, where eager keeps its input x: under hooks
+that pack every tensor, y is packed twice, so x's pack is traded for the side information.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import slimgrad
+
+C, S, N, D = 32, 16, 4, 256
+
+
+def _block(kind: str) -> nn.Module:
+    if kind == "bn_relu":
+        return nn.Sequential(
+            nn.Conv2d(C, C, 3, padding=1, bias=False), nn.BatchNorm2d(C), nn.ReLU(inplace=True)
+        )
+    if kind == "bn_silu":
+        return nn.Sequential(
+            nn.Conv2d(C, C, 3, padding=1, bias=False), nn.BatchNorm2d(C), nn.SiLU()
+        )
+    if kind == "rms_silu":
+        return nn.Sequential(nn.RMSNorm(D), nn.Linear(D, 4 * D), nn.SiLU(), nn.Linear(4 * D, D))
+    return nn.Sequential(
+        nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * D, D)
+    )
+
+
+def _packed_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    for _ in range(2):  # the second step is the steady state
+        total[0] = 0
+        torch.manual_seed(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(x).square().mean()
+        loss.backward()
+    return total[0]
+
+
+@pytest.mark.parametrize("kind", ["bn_relu", "bn_silu", "rms_silu", "ln_drop"])
+def test_bytes_packed_under_hooks_are_at_most_eagers(kind):
+    conv = kind.startswith("bn")
+    torch.manual_seed(0)
+    first = nn.Conv2d(3, C, 1) if conv else nn.Linear(D, D)
+    last = nn.Conv2d(C, 4, 1) if conv else nn.Linear(D, D)
+    eager = nn.Sequential(first, _block(kind), _block(kind), last)
+    slim = copy.deepcopy(eager)
+    slimgrad.convert_(slim)
+    x = torch.randn(N, 3, S, S) if conv else torch.randn(2, 128, D)
+    e, s = _packed_bytes(eager, x), _packed_bytes(slim, x)
+    assert s <= e, (kind, s, e)
