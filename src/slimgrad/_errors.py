@@ -38,8 +38,7 @@ def raise_if_written(e: RuntimeError, api: str, why: str) -> None:
 # whose pack is ``tensor.cpu()``, y itself) then gives backward the written values, and the
 # gradient rebuilt from them is wrong where eager, keeping x, is right. So a forward that keeps y
 # asks, once, whether hooks are active (``hooks_top(False)``, one C call; never while compiling:
-# torch.compile's own saved outputs are beyond a forward's reach, and compiled eager reads a
-# written output under identity hooks as well) and only then records a weak reference to y and
+# the traced forward cannot ask, see below) and only then records a weak reference to y and
 # its version (:func:`seen`); unhooked forwards record None (an attribute store). Backward
 # compares (:func:`check_seen`): y still alive, its version moved, and the unpacked tensor y
 # itself or sharing its storage is the write autograd would have caught: slimgrad's error. When
@@ -60,9 +59,13 @@ def raise_if_written(e: RuntimeError, api: str, why: str) -> None:
 # Ops whose eager op keeps y as well (relu, sigmoid, tanh, in-place leaky_relu/hardtanh) record
 # nothing: eager reads the written y through such hooks too, and their gradient is eager's, bit
 # for bit. Under torch.compile the traced forward cannot ask (the hooks apply where the compiled
-# Function saves at run time), and compiled eager itself reads the written output: with identity
-# hooks and a write after forward, compiled eager's gradient moved by 23.4 (LeakyReLU), 21.1
-# (LayerNorm), 18.5 (GELU) from the unwritten one on a 32x64 Linear-op-Linear (issue 30's probe).
+# Function saves at run time), and it need not: measured, with identity hooks and a write of
+# the op's output h after forward, the compiled gradients (x and every parameter) of
+# Linear-op-(h * c) are the unwritten ones (aot_eager), for compiled eager and compiled
+# slimgrad alike (LeakyReLU, LayerNorm, GELU; review27a's probe; LeakyReLU pinned by
+# tests/conformance/test_output_written_hooks_dropped.py). What moves when a Linear follows the
+# op is that Linear's weight gradient: it keeps the written h as its input, in compiled and
+# uncompiled eager alike (eager's own behaviour, not the op's).
 try:  # a weak reference to a storage: it tells y's storage from a later one at its address
     from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 except ImportError:  # a torch without it: only a live y is compared
