@@ -103,3 +103,24 @@ def test_unrepresentable_bound_low_precision_peak(dtype):
     ours, eager = peaks
     assert ours.saved_bytes < eager.saved_bytes
     assert ours.peak_bytes <= eager.peak_bytes, (ours.peak_bytes, eager.peak_bytes)
+
+
+def test_host_calls_per_call():
+    # calls of and from slimgrad's code per fwd + bwd of a float32 CPU Hardtanh module (1x16x256),
+    # counted, not timed: 51, of which 2 are the out-of-place forward's question whether
+    # saved-tensor hooks are active (``compiling()`` first, then the hooks query: Dynamo cannot
+    # trace the builtin, so the order stays; NOTE [A kept output written under saved-tensor
+    # hooks] in slimgrad/_errors.py: a written output handed back by a hook raises instead of
+    # giving a wrong gradient); 49 without that question
+    from slimgrad.nn import Hardtanh
+    from tests._host_calls import slimgrad_calls
+
+    torch.manual_seed(0)
+    m = Hardtanh()
+    x = torch.randn(1, 16, 256, requires_grad=True)
+
+    def step():
+        (m(x * 1) * 1).sum().backward()
+
+    step()
+    assert slimgrad_calls(step) <= 51

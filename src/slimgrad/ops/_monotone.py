@@ -38,8 +38,10 @@ __all__ = [
 ]
 
 
-# the output-only activations whose eager op keeps x (out of place)
-_EAGER_KEEPS_X = frozenset({"leaky_relu", "hardtanh", "elu"})
+# the output_only_function activations whose eager op keeps x (out of place); ELU has its own
+# Function (ops/elu.py), not this factory's, and runs eager's op (keeping x) under saved-tensor
+# hooks (NOTE [Output and side information under saved-tensor hooks] below)
+_EAGER_KEEPS_X = frozenset({"leaky_relu", "hardtanh"})
 
 
 def output_only_function(

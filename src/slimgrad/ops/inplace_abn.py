@@ -61,7 +61,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import first_order, refuse_jit, transforms_active
-from slimgrad._errors import internal_error
+from slimgrad._errors import check_seen, hooks_top, internal_error, raise_if_written, seen
 from slimgrad._library import custom_op, python_impl
 from slimgrad._math import abn as _abn
 from slimgrad._math.tables import dynamic_size
@@ -288,6 +288,35 @@ def _eager_bn(x, weight, bias, running_mean, running_var, training, momentum, ep
     return y, mean.to(acc), invstd.to(acc)
 
 
+# NOTE [InPlaceABN's output written after forward]
+# InPlaceABN keeps its output z (written over x) and rebuilds BatchNorm's input from it; eager
+# BatchNorm + activation keeps x and is right whatever the caller does to z afterwards. A write
+# over z after forward (``z.add_(1)``) therefore gives a wrong gradient unless it is caught:
+# without hooks autograd's saved-variable version check raises, turned here into slimgrad's error
+# (the API, what it keeps, the fixes); under saved-tensor hooks autograd checks nothing and a hook
+# handing z back (identity hooks, ``save_on_cpu`` on CPU) fed the written z to backward (off by
+# 40.1 from eager BN + leaky_relu on a (4, 8, 6, 6) input): the forward records z as NOTE [A kept
+# output written under saved-tensor hooks] in slimgrad/_errors.py describes (eager only; one
+# hooks question per forward) and backward raises the same error. A hook copying at pack is right.
+_Z_WHY = (
+    "It keeps its output for backward (BatchNorm's input is rebuilt from it) where eager "
+    "BatchNorm + activation keeps its input; expected the output unchanged from forward to "
+    "backward, got a write over it. Write into a clone (``z = z.clone()`` first), or use "
+    "torch.nn.BatchNorm2d followed by the activation."
+)
+
+
+def _saved(ctx, api: str) -> tuple:
+    try:
+        saved = ctx.saved_tensors
+    except RuntimeError as e:  # NOTE [InPlaceABN's output written after forward]
+        raise_if_written(e, api, _Z_WHY)
+        raise
+    if ctx.z_seen is not None:
+        check_seen(ctx.z_seen, saved[0], api, _Z_WHY)
+    return saved
+
+
 class _InPlaceABNFn(torch.autograd.Function):
     # Under torch.compile the side tensors are returned too (and dropped by the caller), so that
     # dynamo finds the data-dependent channel count k among the outputs. Eagerly the Function
@@ -318,6 +347,9 @@ class _InPlaceABNFn(torch.autograd.Function):
         ctx.mark_dirty(x)
         if torch.compiler.is_compiling():
             ctx.mark_non_differentiable(side_idx, side_xhat)
+            ctx.z_seen = None
+        else:  # NOTE [InPlaceABN's output written after forward]
+            ctx.z_seen = seen(x, dirty=True) if hooks_top(False) is not None else None
         ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
         ctx.cfg = (training, eps, act, param)
         if torch.compiler.is_compiling():
@@ -328,7 +360,7 @@ class _InPlaceABNFn(torch.autograd.Function):
     @first_order("ops.inplace_abn")
     def backward(ctx, dz, _didx=None, _dside=None):
         owned = ownership.take(dz) is not None  # first use of dz: NOTE [Gradient-buffer ownership]
-        z, weight, bias, invstd, side_idx, side_xhat = ctx.saved_tensors
+        z, weight, bias, invstd, side_idx, side_xhat = _saved(ctx, "ops.inplace_abn")
         training, eps, act, param = ctx.cfg
         need_dx = ctx.needs_input_grad[0]
         need_dparams = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
@@ -523,6 +555,7 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
             merge=_make_merge(group),
         )  # fmt: skip
         ctx.mark_dirty(x)
+        ctx.z_seen = seen(x, dirty=True) if hooks_top(False) is not None else None
         ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
         ctx.cfg = (eps, act, param, group, count)
         return x
@@ -530,7 +563,7 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
     @staticmethod
     @first_order("ops.inplace_abn_sync")
     def backward(ctx, dz):
-        z, weight, bias, invstd, side_idx, side_xhat = ctx.saved_tensors
+        z, weight, bias, invstd, side_idx, side_xhat = _saved(ctx, "ops.inplace_abn_sync")
         eps, act, param, group, count = ctx.cfg
         dx, dw, db = _impl(z)[1](
             z, dz, weight, bias, invstd, side_idx, side_xhat, z.numel() // z.shape[1], True, eps,
