@@ -8,7 +8,9 @@ updated parameters (mlp30's report: the first Linear moved in all 20 elements). 
 backward that ends inside a node of the enclosing one hands the step to the enclosing backward
 (NOTE [A reentrant backward is not a second backward] in ``slimgrad/step_in_backward.py``): no
 refusal, the plain loop's parameters, optimizer state and ``.grad`` in every placement of the
-checkpointed segments, first and updating micro-batches, accumulate 1/2/3, SGD and AdamW.
+checkpointed segments, first and updating micro-batches, accumulate 1/2/3, SGD and AdamW. A
+parameter reached both inside and outside a segment is refused with ``accumulate=N`` (NOTE [A
+parameter in and around a reentrant checkpoint]), changing nothing.
 """
 
 from __future__ import annotations
