@@ -8,7 +8,9 @@ updated parameters (mlp30's report: the first Linear moved in all 20 elements). 
 backward that ends inside a node of the enclosing one hands the step to the enclosing backward
 (NOTE [A reentrant backward is not a second backward] in ``slimgrad/step_in_backward.py``): no
 refusal, the plain loop's parameters, optimizer state and ``.grad`` in every placement of the
-checkpointed segments, first and updating micro-batches, accumulate 1/2/3, SGD and AdamW.
+checkpointed segments, first and updating micro-batches, accumulate 1/2/3, SGD and AdamW. A
+parameter reached both inside and outside a segment is refused with ``accumulate=N`` (NOTE [A
+parameter in and around a reentrant checkpoint]), changing nothing.
 """
 
 from __future__ import annotations
@@ -122,27 +124,57 @@ def test_a_step_that_ends_inside_a_nested_backward_then_a_new_step():
     assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
 
 
-def test_a_parameter_reached_inside_and_outside_the_checkpoint_is_summed_then_refused():
+_REENTRANT = (
+    r"^slimgrad\.step_in_backward: a reentrant backward \(torch\.utils\.checkpoint with "
+    r"use_reentrant=True\) inside an accumulate=N backward; .* Pass use_reentrant=False to "
+    r"checkpoint\.$"
+)
+
+
+@pytest.mark.parametrize("then", ["zero_grad", "step"])
+def test_a_parameter_reached_inside_and_outside_the_checkpoint_is_refused_unchanged(then):
     """A weight used inside the checkpointed segment and again outside it gets two gradients in
-    one backward: summed in ``.grad`` in a micro-batch that does not update (the plain loop's
-    sum), refused in the slimgrad form in the one that updates (its first gradient is applied by
-    then: one of the refusals after a change that NOTE [Every refusal changes nothing] names)."""
+    one backward (NOTE [A parameter in and around a reentrant checkpoint]): refused at the first
+    micro-batch where it is seen, before the second gradient is added, with the use_reentrant
+    message; ``.grad``, parameters and AdamW state as before it, and the cycle count too: the
+    handle's step()/zero_grad() and the next cycle are the plain loop's, bit for bit."""
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     ref = copy.deepcopy(lin)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
 
-    def loss(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def shared(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return mod(_ck(lambda h: torch.tanh(mod(h)), x)).square().mean()
 
-    handle = slimgrad.step_in_backward(lin, torch.optim.SGD, lr=0.1, accumulate=2)
-    loss(ref, _batch(0)).backward()
-    loss(lin, _batch(0)).backward()
-    for p, q in zip(ref.parameters(), lin.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
-    second = r"^slimgrad\.step_in_backward: a parameter got a second gradient in one step"
-    with pytest.raises(RuntimeError, match=second):
-        loss(lin, _batch(1)).backward()
-    del handle
+    def plain(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mod(torch.tanh(mod(x))).square().mean()
+
+    handle = slimgrad.step_in_backward(lin, torch.optim.AdamW, lr=1e-2, accumulate=2)
+    for k in range(2):  # one whole cycle first: AdamW's state exists
+        plain(ref, _batch(k)).backward()
+        plain(lin, _batch(k)).backward()
+    opt.step()
+    handle.step()
+    opt.zero_grad()
+    handle.zero_grad()
+    params = [p.detach().clone() for p in lin.parameters()]
+    state = copy.deepcopy(handle.state_dict()["state"])
+    with pytest.raises(NotImplementedError, match=_REENTRANT):
+        shared(lin, _batch(5)).backward()
+    assert [p.grad for p in lin.parameters()] == [None, None]
+    for p, q in zip(params, lin.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+    assert_same_state(state, handle.state_dict()["state"])
+    # the plain loop after its own failed backward: .grad None here too, step() applies nothing
+    getattr(handle, then)()
+    getattr(opt, then)()
+    for k in range(2, 4):
+        plain(ref, _batch(k)).backward()
+        plain(lin, _batch(k)).backward()
+    opt.step()
+    handle.step()
+    assert_same_parameters(ref, lin)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
 
 
 def test_without_the_node_query_a_nested_backward_in_accumulation_is_refused(monkeypatch):

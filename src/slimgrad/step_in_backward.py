@@ -232,8 +232,20 @@ them reaches the handle's parameters first:
   after the nested one are then one step; an enclosing backward that raises before its node
   returns leaves the hook behind, removed at the next ``step()``/``zero_grad()``.
 - a parameter reached in two of them (used inside and outside a checkpointed segment) gets two
-  gradients in one step: summed in ``.grad`` in a micro-batch of ``accumulate=N`` that does not
-  update, refused at the second where the backward updates (its first was applied by then).
+  gradients in one backward: with ``accumulate=1`` refused at the second as any second gradient;
+  with ``accumulate=N`` NOTE [A parameter in and around a reentrant checkpoint].
+
+# NOTE [A parameter in and around a reentrant checkpoint]
+With ``accumulate=N`` a parameter's second gradient in one backward can only come from a nested
+reentrant backward and its enclosing one (a later backward is the next micro-batch). The tensor
+pre-hook sees it before ``AccumulateGrad`` adds it and refuses with the use_reentrant message, at
+the first micro-batch where it happens. In a micro-batch that does not update nothing was
+applied, so the refusal undoes what the backward did: the cycle count is as before it, and a
+``.grad`` that was None when the backward first reached its parameter is None again (the
+first micro-batch after ``zero_grad()``: everything as before). A ``.grad`` that held earlier
+micro-batches keeps this backward's partial sum, as the plain loop's after a failed backward
+(``step()`` applies it, ``zero_grad()`` is refused mid-cycle). Where it is first seen in the
+updating micro-batch, parameters reached before it may be updated: a refusal after the fact.
 
 Graph tasks are numbered in creation order (an atomic counter in the engine), so a task numbered
 below the last one the handle started in can only be one that encloses it: without the node
@@ -292,7 +304,8 @@ Refusals that come after a change they cannot undo, stated where they happen: ``
 between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since the
 last update]); a use of the fused loss's head weight beside the loss arrives after its rows were
 updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant checkpoint
-in a backward that updates, and ``retain_graph=True`` on a backward whose first handle hook ran in
+first in a backward that updates (NOTE [A parameter in and around a reentrant checkpoint]), and
+``retain_graph=True`` on a backward whose first handle hook ran in
 such a checkpoint's nested backward (seen when the step resumes in the enclosing one: NOTE [A
 reentrant backward is not a second backward]); a GradScaler made after the first backward while
 another reference to a scaler class was dropped (the count unchanged: NOTE [GradScaler]); two
@@ -341,15 +354,16 @@ _HAS_NODE_QUERY = hasattr(torch._C, "_current_autograd_node")
 class _PreHook:
     # a tensor hook of a parameter (accumulate=N): runs the backward's refusals before its
     # gradient is added to the one of an earlier micro-batch; weak, as _RowSink
-    __slots__ = ("ref",)
+    __slots__ = ("ref", "param")
 
-    def __init__(self, handle: StepInBackward) -> None:
+    def __init__(self, handle: StepInBackward, param: torch.Tensor) -> None:
         self.ref = weakref.ref(handle)
+        self.param = weakref.ref(param)
 
     def __call__(self, grad: torch.Tensor) -> None:
-        handle = self.ref()
-        if handle is not None and not handle._removed:
-            handle._guarded(handle._start_backward)
+        handle, p = self.ref(), self.param()
+        if handle is not None and p is not None and not handle._removed:
+            handle._guarded(handle._before_gradient, p)
 
 
 def _no_handle() -> None:
@@ -699,6 +713,9 @@ class StepInBackward(torch.optim.Optimizer):
         self._task: int | None = None  # graph task of the backward in progress
         self._last_task = -1  # NOTE [A reentrant backward is not a second backward]
         self._resume: Any = None  # the enclosing node's hook that resumes the step (same NOTE)
+        # NOTE [A parameter in and around a reentrant checkpoint]: per parameter reached in the
+        # backward in progress (accumulate=N): .grad None before it, its _since_zero entry
+        self._grad_was: dict[torch.Tensor, tuple] = {}
         self._micro = 0  # backward calls in the current accumulation cycle
         # NOTE [What the loop did since the last update]
         self._check_loop = check_loop
@@ -864,7 +881,7 @@ class StepInBackward(torch.optim.Optimizer):
             if p.requires_grad:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
                 if self._accumulate > 1:
-                    self._pre_hooks[p] = p.register_hook(_PreHook(self))
+                    self._pre_hooks[p] = p.register_hook(_PreHook(self, p))
                 setattr(p, _OWNER, _HandleRef(self))  # NOTE [A handle's marks pickle as none]
                 setattr(p, ROW_SINK, _RowSink(self))
             else:
@@ -945,6 +962,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._task = task
         self._last_task = task
         self._fired.clear()
+        self._grad_was.clear()
         if self._accumulate > 1:
             self._micro += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -1041,6 +1059,31 @@ class StepInBackward(torch.optim.Optimizer):
         removable = node.register_hook(resume)
         self._resume = removable
 
+    def _before_gradient(self, p: torch.Tensor) -> None:
+        # accumulate=N: before AccumulateGrad adds p's gradient
+        self._start_backward()
+        if p not in self._fired:
+            if p not in self._grad_was:
+                sz = self._since_zero
+                self._grad_was[p] = (p.grad is None, p in sz, sz.get(p))
+            return
+        # NOTE [A parameter in and around a reentrant checkpoint]: its second gradient in one
+        # backward, refused before it is added
+        if self._micro < self._accumulate:
+            # nothing updated in this backward: undo what it did to the cycle
+            self._micro -= 1
+            for q in self._fired:
+                was_none, in_sz, sd = self._grad_was[q]
+                if was_none:
+                    q.grad = None
+                if in_sz:
+                    self._since_zero[q] = sd
+                else:
+                    self._since_zero.pop(q, None)
+            self._fired.clear()
+            self._grad_was.clear()
+        raise _reentrant_in_accumulation()
+
     def _guarded(self, fn, *args) -> Any:
         try:
             return fn(*args)
@@ -1087,9 +1130,9 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _count(self, p: torch.Tensor) -> None:
         n = self._fired.get(p, 0) + 1
-        # with accumulate=N a second gradient in one backward (a reentrant one reaching it
-        # twice) is summed in .grad, except in the backward that updates
-        if n > 1 and (self._accumulate == 1 or self._micro == self._accumulate):
+        # with accumulate=N the pre-hook refused a second one (NOTE [A parameter in and around a
+        # reentrant checkpoint])
+        if self._accumulate == 1 and n > 1:
             raise _err(
                 RuntimeError,
                 "a parameter got a second gradient in one step (a second backward over a retained "
