@@ -21,32 +21,24 @@ it. Each call decides from what the modules are *now* (NOTE [Gated MLP: which pa
 Hooks registered by ``slimgrad.memory`` to attribute bytes to modules change no value and do not
 count as hooks.
 
-# NOTE [The gated MLP wins only where g and u both need gradients]
-Eager's product ``act(g) * u`` saves act(g) only where u needs a gradient and u only where g
-does; the activation saves g only where g needs one. So eager keeps g, act(g) and u when both
-pre-activations need gradients (x does, or each projection's weight or bias does), and at most
-two of them otherwise (g and u, or act(g) alone). The lean op keeps g and u whenever either needs
-a gradient: it saves less than eager only in the first case; in the others (x without a gradient
-and a frozen gate or up projection, or only ``down_proj`` trainable) it keeps as much and its
-backward recomputes act(g), the product and a gradient nobody asked for, so it peaked above
-eager's (at 64 tokens, 64 wide, intermediate 128, fp32: +16 KiB to +32 KiB, one copy of x or
-of g). There eager's ops run (requires_grad flags: attribute reads, in the per-facts key off the
-straight path; tests/conformance/test_never_more_than_eager_mlp_nograd.py).
-
-# NOTE [The gated MLP's eager ops are eager's bytes]
-Where the lean op loses (its peak, or NOTE [The gated MLP wins only where g and u both need
-gradients]) and the projections are plain Linears, the module runs eager's own ops on their
-parameters (``F.linear``, the activation, the product: HF's forward, op for op), not its converted
-children. Those children keep and cast differently from eager (a converted Linear makes its
-weight's autocast cast token after x's cast, a converted SiLU keeps its output): each is no
-more than eager on its own, but in this order they peaked above eager's where the MLP's backward
-is the step's peak: under bf16 autocast with a frozen ``down_proj`` at 1-3 tokens 2 B per
-element of x, with ``mlp_bias=True`` 16-192 B (review26b, mended then by making the cast tokens
-in eager's order), and with biases, x without a gradient and a frozen ``up_proj`` (fp32) 168 B
-saved and peak above eager's at 64 tokens of 8 features, intermediate 16 (tracker; the lean op
-there peaked 576 B above). Eager's ops are eager's bytes and
-bits in every one of these cases (tests/conformance/test_never_more_than_eager_mlp.py and
-test_never_more_than_eager_mlp_nograd.py).
+# NOTE [The gated MLP's children under autocast]
+Where the op loses and the children run one by one under autocast, eager's ``F.linear`` makes
+each weight's (and bias's) cast before x's (autograd sequence numbers: bias, weight, x), so in
+backward x's cast node, created later, runs first: x's gradient from the projection is cast back
+and summed with the other projection's before the weight's gradient is cast to float32. A
+converted Linear casts x first and makes its weight's cast token after, so its token ran first and
+x's 16-bit gradient stayed alive through the weight gradient's float32 cast: where that cast is
+the step's peak (few tokens: a frozen ``down_proj``, 1-3 tokens, a non-leaf x, bf16 autocast) the
+peak was 2 B per element of x above eager's (16 B at 1 token of 8 features, 96 B at 3 tokens of
+16). The module makes the gate's, up's and down's tokens (cached per autocast region, so the
+children's own calls find them) before calling the children: x's casts come after every token, as
+in eager, and backward casts x's gradients first (the same bits: independent casts). Biases
+that require grad get their (cached) casts made there too, each before its weight's token, as
+eager's ``F.linear`` makes them: with the weights' tokens alone the children cast the biases
+after x, their float32 casts ran before x's in backward and ``mlp_bias=True`` rows peaked 16-192 B
+above eager's (review26b). Measured (tracker) at 1-64 tokens, 4-128 wide, leaf, non-leaf and
+no-grad x, each projection frozen or not, with and without biases: never above eager's peak where
+main was not (tests/conformance/test_never_more_than_eager_mlp.py).
 """
 
 from __future__ import annotations
@@ -66,6 +58,7 @@ from slimgrad.nn._hooks import foreign
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.gated_mlp import (
     _GATED_MLP_APPLY,
+    _act,
     gated_mlp,
     gated_mlp_fused,
     glu,
@@ -73,7 +66,7 @@ from slimgrad.ops.gated_mlp import (
     lean_wins,
 )
 from slimgrad.ops.gated_mlp import _fwd_torch as _eager_ops
-from slimgrad.ops.linear import keeps_master
+from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
 
 __all__ = ["GatedMLP", "activation_of"]
 
@@ -174,6 +167,25 @@ def _autocast_sizes(x: torch.Tensor, gate, up, down) -> tuple | None:
     if not (ws[0].dtype == ws[1].dtype == ws[2].dtype and x.element_size() > dt.itemsize):
         return None
     return (x.element_size(), dt.itemsize, ws[0].element_size())
+
+
+def _tokens_first(x: torch.Tensor, gw, gb, up, dw, db) -> None:
+    # NOTE [The gated MLP's children under autocast]: each projection's bias cast, then its
+    # weight's cast token, made before the children cast x (eager's F.linear: bias, weight,
+    # x), so that backward casts x's gradients back (and sums them) before the weights' and
+    # biases' gradients, in eager's order
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return
+    dt = torch.get_autocast_dtype(dev)
+    ub = None
+    if up is not None:
+        uw, ub = _params(up)
+    for w, b in ((gw, gb), (None if up is None else uw, ub), (dw, db)):
+        if b is not None and b.requires_grad:  # cached per region: the child's call finds it
+            _autocast_cast(b, dev, dt)
+        if w is not None and keeps_master(w, dt):
+            autocast_weight(w, dt)
 
 
 def _params(m: nn.Module) -> tuple:
@@ -304,14 +316,6 @@ class GatedMLP(NoScript, nn.Module):
     _general_lean = True
 
     def _general_lean_of(self, x, gate, up, down, gw, gb, dw, db, d) -> bool:
-        # NOTE [The gated MLP wins only where g and u both need gradients] (fused: one projection)
-        uw, ub = (gw, gb) if self.fused else _params(up)
-        if not (
-            x.requires_grad
-            or (gw.requires_grad or gb is not None and gb.requires_grad)
-            and (uw.requires_grad or ub is not None and ub.requires_grad)
-        ):
-            return False
         i = gw.shape[0] // 2 if self.fused else gw.shape[0]
         # the op's backward runs straight without biases in one dtype (a FakeTensor too)
         path = (
@@ -425,11 +429,8 @@ class GatedMLP(NoScript, nn.Module):
                 n = x.numel() // d if d else 0
                 self.__dict__["_lean_key"] = key  # plain attributes, no Module.__setattr__
                 self.__dict__["_lean"] = lean_wins(n, d, gw.shape[0], dw.shape[0])
-            # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py; NOTE [The gated
-            # MLP wins only where g and u both need gradients] (three attribute reads)
-            if (
-                not self._lean or not (x.requires_grad or gw.requires_grad and uw.requires_grad)
-            ) and not self.recompute_activation:
+            # NOTE [The gated MLP's peak against eager's] in ops/gated_mlp.py
+            if not self._lean and not self.recompute_activation:
                 # plain bias-free Linears without hooks: eager's ops on their weights, directly
                 # (eager's bits and bytes, without the converted submodules' per-call cost)
                 return _eager_ops(x, gw, None, uw, None, dw, None, a, False)
@@ -446,12 +447,11 @@ class GatedMLP(NoScript, nn.Module):
                 else:  # NOTE [The gated MLP's general-path decision, once per facts]
                     uw, ub = _params(up) if up is not None else (None, None)
                     key = (
-                        x.shape, x.dtype, x.grad_fn is None, x.requires_grad, _autocast_key(x),
-                        gw.shape, gw.dtype, gw.requires_grad, gw.grad_fn is None,
-                        None if gb is None else gb.requires_grad,
+                        x.shape, x.dtype, x.grad_fn is None, _autocast_key(x),
+                        gw.shape, gw.dtype, gw.requires_grad, gw.grad_fn is None, gb is None,
                         dw.shape, dw.dtype, dw.requires_grad, dw.grad_fn is None, db is None,
                         None if uw is None else (uw.dtype, uw.requires_grad, uw.grad_fn is None),
-                        None if ub is None else ub.requires_grad,
+                        ub is None,
                     )  # fmt: skip
                     if key != self._general_key:
                         self.__dict__["_general_key"] = key  # no Module.__setattr__
@@ -460,9 +460,12 @@ class GatedMLP(NoScript, nn.Module):
                         )
                     lean = self.__dict__["_general_lean"]
                 if not self.recompute_activation and not lean:
-                    # NOTE [The gated MLP's eager ops are eager's bytes]
-                    uw, ub = _params(up) if up is not None else (None, None)
-                    return _eager_ops(x, gw, gb, uw, ub, dw, db, a, self.fused)
+                    if _any_autocast():
+                        _tokens_first(x, gw, gb, up, dw, db)
+                    if self.fused:  # eager's ops (act computes ``a``: checked above)
+                        g, u = gate(x).chunk(2, dim=-1)
+                        return down(u * _act(g, a))
+                    return self._eager(x, gate, up, down, act)
             if self.fused:
                 return gated_mlp_fused(x, gw, dw, gb, db, a)
             uw, ub = _params(up)
