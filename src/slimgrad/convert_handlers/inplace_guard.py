@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import dataclasses
 import functools
 import inspect
@@ -456,10 +457,34 @@ def _trace(
     return graph, drew, kept
 
 
+# a tensor's metadata read through a Proxy (``h.shape``, ``h.size(0)``, ``h.shape[-1]``,
+# ``h.dtype``): kept on a module, it holds no tensor (NOTE [An output kept on the module escapes])
+_META_ATTRS = frozenset(
+    {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse", "is_meta", "names"}
+)
+_META_METHODS = frozenset(
+    {"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "is_contiguous",
+     "get_device", "storage_offset", "is_floating_point", "is_complex"}
+)  # fmt: skip
+# objects whose attributes are not walked for kept Proxies
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.Tensor)
+
+
+def _metadata_node(node) -> bool:
+    while node.op == "call_function" and node.target is operator.getitem:
+        node = node.args[0]
+        if not isinstance(node, torch.fx.Node):
+            return False
+    if node.op == "call_function" and node.target is builtins.getattr:
+        return len(node.args) > 1 and node.args[1] in _META_ATTRS
+    return node.op == "call_method" and node.target in _META_METHODS
+
+
 def _kept_on_modules(root: nn.Module) -> frozenset[str]:
     # NOTE [An output kept on the module escapes]: the nodes of the Proxies a trace left in the
-    # attribute dicts of ``root``'s modules, or in the dicts, lists, sets and tuples reachable
-    # from them (read before the trace's changes are put back)
+    # attribute dicts of ``root``'s modules, or in the containers (dicts, lists, sets, tuples,
+    # deques and their subclasses) and objects' attribute dicts reachable from them (read before
+    # the trace's changes are put back); a Proxy of a tensor's metadata holds no tensor
     found: set[str] = set()
     seen: set[int] = set()
     todo: list = [d.__dict__ for d in root.modules()]
@@ -468,10 +493,19 @@ def _kept_on_modules(root: nn.Module) -> frozenset[str]:
         if id(c) in seen:
             continue
         seen.add(id(c))
-        for v in c.values() if isinstance(c, dict) else c:
+        if isinstance(c, dict):
+            items = dict.values(c)
+        elif isinstance(c, (list, tuple, set, frozenset, collections.deque)):
+            items = c
+        else:  # an object's own attributes (a SimpleNamespace, a dataclass, a plain object)
+            items = vars(c).values()
+        for v in items:
             if isinstance(v, torch.fx.Proxy):
-                found.add(v.node.name)
-            elif type(v) in (dict, list, set, tuple):
+                if not _metadata_node(v.node):
+                    found.add(v.node.name)
+            elif isinstance(v, (dict, list, tuple, set, frozenset, collections.deque)):
+                todo.append(v)
+            elif hasattr(v, "__dict__") and not isinstance(v, _NOT_WALKED):
                 todo.append(v)
     return frozenset(found)
 
@@ -2640,17 +2674,20 @@ def inplace_guard_pattern(
 # (autograd's error, where eager, which keeps the op's input, trains). So a kept value counts as
 # the model's output for NOTE [Modules whose output is the model's output]: every output-saving
 # module whose output it may hold runs eager's op (or, InPlaceABN/ReversibleSequential, returns a
-# copy), and the report says why (``KEPT_ON_MODULE``). Found in the same reading, from the
-# structure at ``convert_`` time: in a traced forward, the Proxies the trace left in the
-# attribute dicts of the module and its descendants (and in the dicts, lists, sets and tuples
-# reachable from them), read before the trace is undone (NOTE [A trace leaves the model as it
-# was]), name the nodes kept (``_kept_on_modules``; train and eval traces both); in a read
-# source, an assignment to ``self.<path>`` or an item of it, a keeping method of it (``_KEEPING``)
-# and ``setattr(self, ...)`` keep what they are given. A forward that keeps its input (or a view
-# of it) makes its callers' reading keep what they give it (``_Info.keeps_input``), so a child
-# storing what its parent hands it counts as well. Every module is read for this (not only those
-# the root's forward reaches). Not followed: a tensor kept inside another object (a dataclass on
-# the module), in a global or class attribute, or by a helper method the forward calls.
+# copy), and the report says why (``KEPT_ON_MODULE``). Found in the same reading, from the structure
+# at ``convert_`` time: in a traced forward, the Proxies the trace left in the attribute dicts of
+# the module and its descendants (and in the containers, subclasses included, and objects reachable
+# from them: an OrderedDict, a deque, a SimpleNamespace, a plain object), read before the trace is
+# undone (NOTE [A trace leaves the model as it was]), name the nodes kept (``_kept_on_modules``;
+# train and eval traces both); a Proxy of a tensor's metadata (``h.shape``, ``h.size(0)``,
+# ``h.dtype``, ``h.numel()``) holds no tensor and is no escape; in a read source, an assignment to
+# ``self.<path>`` or an item of it, a keeping method of it (``_KEEPING``) and ``setattr(self, ...)``
+# keep what they are given. A forward that keeps its input (or a view of it) makes its callers'
+# reading keep what they give it (``_Info.keeps_input``), so a child storing what its parent hands
+# it counts as well. Every module is read for this (not only those the root's forward reaches). Not
+# followed: in a read source, a tensor kept inside another object; in either reading, in a global or
+# class attribute, or by a helper method the forward calls
+# (tests/conformance/test_output_kept_on_module_more.py: containers and metadata).
 
 
 def output_modules(
