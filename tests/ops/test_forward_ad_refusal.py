@@ -33,7 +33,13 @@ def _functions() -> list[type]:
     while stack:
         c = stack.pop()
         stack.extend(c.__subclasses__())
-        if c.__module__.startswith("slimgrad.") and not c.__module__.startswith("slimgrad.bench"):
+        # Functions made inside a function at run time (ownership's calibration probes, applied
+        # to its own tensors only) come after slimgrad's walk: not the ops a user's tensors meet
+        if (
+            c.__module__.startswith("slimgrad.")
+            and not c.__module__.startswith("slimgrad.bench")
+            and "<locals>" not in c.__qualname__
+        ):
             out.append(c)
     return out
 
