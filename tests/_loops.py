@@ -46,3 +46,13 @@ def assert_steps_within_rule(
             with torch.no_grad():
                 for i, p in enumerate(m.parameters()):
                     p.add_(0.05 * (i + 1))
+
+
+def save_ops(*ops) -> Callable:
+    """A selective-checkpoint policy that saves the outputs of ``ops`` and recomputes the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy

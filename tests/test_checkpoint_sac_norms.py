@@ -20,15 +20,9 @@ from torch.utils.checkpoint import (
 
 import slimgrad
 from slimgrad.testing import assert_within_rule
+from tests._loops import save_ops as _save
 
 _A = torch.ops.aten
-
-
-def _save(*ops):
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
 
 
 def _save_all(ctx, op, *args, **kwargs):
