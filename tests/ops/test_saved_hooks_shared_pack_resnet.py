@@ -17,32 +17,16 @@ import torch
 from torch import nn
 
 import slimgrad
+from slimgrad.bench.models import Bottleneck
 
 
-class _Bottleneck(nn.Module):
-    def __init__(self, cin: int, width: int, stride: int) -> None:
-        super().__init__()
-        cout = 4 * width
-        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
+def _Bottleneck(cin: int, width: int, stride: int) -> nn.Module:
+    # torchvision's bottleneck (slimgrad.bench.models), with its downsample where shapes change
+    cout = 4 * width
+    down = None
+    if stride != 1 or cin != cout:
+        down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+    return Bottleneck(cin, width, stride, down)
 
 
 class _Net(nn.Module):
