@@ -19,13 +19,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad._errors import internal_error
+from slimgrad._math.norms import unseen
 from slimgrad._math.steps import epoch
 from slimgrad._math.tables import unsized
-
-try:  # NOTE [A channel search no mode sees] in ops/batch_norm.py
-    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
-except ImportError:  # pragma: no cover - depends on the torch release
-    _modes_aside = None
 
 __all__ = [
     "ELU_MIN_PREACT",
@@ -210,11 +206,8 @@ class ParamChannels:
             if (entry[1]() if entry[1] is not None else None) is bias:
                 return entry[2], entry[3]
         self.entries[key] = (None, weakref.ref(bias) if bias is not None else None, None, None)
-        if _modes_aside is None:
-            self._decide(key, weight, bias, extra)
-        else:  # NOTE [A channel search no mode sees] in ops/batch_norm.py
-            with _modes_aside():
-                self._decide(key, weight, bias, extra)
+        # NOTE [A channel search no mode sees] in ops/batch_norm.py
+        unseen(self._decide, key, weight, bias, extra)
         entry = self.entries[key]
         return entry[2], entry[3]
 

@@ -87,6 +87,7 @@ from slimgrad._autograd import (
     unwrap_if_dead,
 )
 from slimgrad._dtensor import any_dtensor
+from slimgrad._math.norms import unseen
 
 __all__ = ["conv1d_addmm", "linear"]
 
@@ -96,10 +97,6 @@ try:  # the estimate's tensors (NOTE [Converted Linear outside autocast] in nn/l
     from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 except ImportError:  # pragma: no cover - a torch without it: a type the callers' tuples hold anyway
     _FakeTensor = torch.nn.Parameter
-try:  # NOTE [The region probe no mode sees]
-    from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
-except ImportError:  # pragma: no cover - depends on the torch release
-    _modes_aside = None
 
 
 def fresh(y: torch.Tensor) -> torch.Tensor:
@@ -335,11 +332,7 @@ def _region_tokens(w: torch.Tensor, dt: torch.dtype) -> dict | None:
     entry = table.get(dev)
     if entry is not None:  # dropped by the callback when the region's cache was cleared
         return entry[1]
-    if _modes_aside is None:
-        sentinel, cast = _region_probe(w.device, dt)
-    else:  # NOTE [The region probe no mode sees]
-        with _modes_aside():
-            sentinel, cast = _region_probe(w.device, dt)
+    sentinel, cast = unseen(_region_probe, w.device, dt)  # NOTE [The region probe no mode sees]
     if cast is None or cast.grad_fn is None:  # autocast did not cache it: behave as cache off
         return None
     tokens: dict = {}
