@@ -19,6 +19,9 @@ from slimgrad import _compat
 from slimgrad import memory as M
 from slimgrad.memory import estimate, measure
 
+# the backend choice reads the thread count (oneDNN's 1x1 rule): both sides run with one
+from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
+
 needs_selector = pytest.mark.skipif(
     M._ONEDNN_BACKENDS is None,
     reason="torch._C._select_conv_backend (private) is missing or its enum differs here",
@@ -28,15 +31,6 @@ _CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 _BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 _SPATIAL = {1: (11,), 2: (9, 7), 3: (5, 4, 3)}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the backend choice reads the thread count (oneDNN's 1x1 rule): both sides run with one
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _maker(n, *, batch, transposed, groups, stride, dilation, bias, frozen, cl, convert, dtype):

@@ -12,15 +12,8 @@ import torch
 from slimgrad.bench.cases.models import slim_copy
 from slimgrad.bench.cases.timm import eager_timm
 from slimgrad.memory import estimate, measure
+from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
 from tests.conformance._timm_shim import timm  # noqa: F401  (the shim the bench builders need)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _regnet(side):

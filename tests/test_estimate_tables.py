@@ -14,14 +14,7 @@ import slimgrad
 from slimgrad import ownership
 from slimgrad._math import bits as _bits
 from slimgrad.memory import estimate, measure
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
 
 
 def _cold():
