@@ -370,10 +370,54 @@ def _no_handle() -> None:
     return None
 
 
+class _EndOfBackward:
+    # NOTE [A backward that raised]: queued with the engine's queue_callback; the engine runs it
+    # when the backward ends and frees it with the graph task, run or not (a backward that raised
+    # runs no end callback): freed unrun, it tells the handle while the error propagates
+    __slots__ = ("ref", "token", "ran")
+
+    def __init__(self, handle: StepInBackward, token: int) -> None:
+        self.ref = weakref.ref(handle)
+        self.token = token
+        self.ran = False
+
+    def __call__(self) -> None:
+        self.ran = True
+        handle = self.ref()
+        if handle is not None:
+            handle._end_backward()
+
+    def __del__(self) -> None:
+        if not self.ran:
+            handle = self.ref()
+            if handle is not None and handle._end_token == self.token:
+                handle._backward_raised()
+
+
+class _HeldGuard:
+    # NOTE [A backward that raised]: with accumulate=1, a tensor hook on each parameter whose
+    # .grad a raised backward left: the next backward's checks run before AccumulateGrad adds to
+    # it (the post-accumulate hook comes after); removed at the next step start, step() or
+    # zero_grad()
+    __slots__ = ("ref",)
+
+    def __init__(self, handle: StepInBackward) -> None:
+        self.ref = weakref.ref(handle)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        handle = self.ref()
+        if handle is not None and not handle._removed:
+            handle._guarded(handle._start_backward)
+
+
 # NOTE [What the loop did since the last update]: the handle's view of the plain loop's gradients
 _CLEAN = 0  # none held: zeroed (or never made) since the last update
 _UPDATED = 1  # a backward updated the parameters; the plain loop holds its gradients, unstepped
 _STEPPED = 2  # then step(): the plain loop still holds them until zero_grad()
+
+# NOTE [A backward that raised]: what the last backward left when it raised
+_RAISED_HELD = 1  # gradients in .grad (the plain loop's), no update ran in it
+_RAISED_UPDATED = 2  # an update ran in it before the error
 
 
 def _zero_like(p: torch.Tensor, sparse_dim: int | None) -> torch.Tensor:
@@ -717,6 +761,18 @@ class StepInBackward(torch.optim.Optimizer):
         # backward in progress (accumulate=N): .grad None before it, its _since_zero entry
         self._grad_was: dict[torch.Tensor, tuple] = {}
         self._micro = 0  # backward calls in the current accumulation cycle
+        # NOTE [A backward that raised]: the end callback queued last (a freed one of an older
+        # token is not this step's), whether this step's backward counted a micro-batch and ran
+        # an update, and what a raised one left: _RAISED_HELD/_RAISED_UPDATED, the parameters
+        # whose .grad it left, their guards (accumulate=1), and those still to update at the end
+        # of the backward that goes on from them (accumulate=1)
+        self._end_token = 0
+        self._counted = False
+        self._updated_now = False
+        self._raised = 0
+        self._held: list[torch.Tensor] = []
+        self._held_hooks: list[Any] = []
+        self._late: list[torch.Tensor] = []
         # NOTE [What the loop did since the last update]
         self._check_loop = check_loop
         self._loop = _CLEAN
@@ -897,24 +953,32 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use handle.optimizer, the plain optimizer with the same state",
             )
 
-    def _start_backward(self) -> None:
+    def _queue_end(self) -> None:
+        # NOTE [A backward that raised]: the end callback of the backward running now
+        self._end_token += 1
+        end = _EndOfBackward(self, self._end_token)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _start_backward(self) -> int:
         task = torch._C._current_graph_task_id()
         if task == self._task:
-            return
+            return task
         if self._task is not None:
             # a nested (reentrant) backward inside the one in progress: the same step (NOTE [A
             # reentrant backward is not a second backward])
             if self._accumulate > 1 and not _HAS_NODE_QUERY:
+                self._undo_micro()
                 raise _reentrant_in_accumulation()
-            return
+            return task
         if task < self._last_task:
             # NOTE [A reentrant backward is not a second backward]: an enclosing backward goes
             # on after a reentrant one inside it (which ran the handle's first hook) ended
             if self._accumulate > 1:
+                self._undo_micro()
                 raise _reentrant_in_accumulation()
             self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            return
+            self._queue_end()
+            return task
         for p in self._frozen:
             if p.requires_grad:
                 raise _err(
@@ -959,17 +1023,35 @@ class StepInBackward(torch.optim.Optimizer):
             dead = _forget_key(weakref.ref(self))
             self._seen_scalers = [weakref.ref(o, dead) for o in seen]
             self._scalers_key = key
+        if self._raised:
+            self._go_on_from_raised()
         self._task = task
         self._last_task = task
         self._fired.clear()
         self._grad_was.clear()
-        if self._accumulate > 1:
+        self._updated_now = False
+        self._counted = self._accumulate > 1
+        if self._counted:
             self._micro += 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._queue_end()
+        return task
 
     def _check_loop_state(self) -> None:
         # NOTE [What the loop did since the last update]: at the first hook of a backward that
         # starts a step (every one; with accumulate=N the first of a cycle), before any change
+        if self._raised == _RAISED_UPDATED and self._loop == _UPDATED:
+            raise _err(
+                RuntimeError,
+                "a backward after one that raised once it had updated some parameters; the "
+                "plain loop would add this backward's gradients to the ones the raised backward "
+                "left, here part of those were already applied",
+                "step() (applies what the raised backward left, as the plain step()) or "
+                "zero_grad() before the next backward",
+                f"a backward after a raised one with {len(self._held)} gradients left",
+                "Call handle.step() and handle.zero_grad() in the except clause (or "
+                "handle.zero_grad() to drop the batch: refused once, after the fact, since some "
+                "parameters were updated)",
+            )
         if self._loop == _UPDATED:
             raise _err(
                 RuntimeError,
@@ -1024,6 +1106,13 @@ class StepInBackward(torch.optim.Optimizer):
         self._task = None
         self._rows_taken.clear()
         self._flush()
+        if self._late:
+            # NOTE [A backward that raised]: gradients a raised backward left that this one did
+            # not reach (accumulate=1): the plain step() applies them with this backward's
+            late = [p for p in self._late if p.grad is not None]
+            self._late = []
+            if late:
+                self._update(late)
         if self._accumulate > 1:
             if self._micro == self._accumulate:
                 # parameters that got a gradient earlier in the cycle but none in its last
@@ -1037,6 +1126,58 @@ class StepInBackward(torch.optim.Optimizer):
                 if late:
                     self._update(late)
                 self._micro = 0
+
+    def _backward_raised(self) -> None:
+        # NOTE [A backward that raised]: the engine freed this step's end callback without
+        # running it, while the error leaves backward
+        if self._removed:
+            return
+        self._task = None
+        self._rows_taken.clear()
+        if self._resume is not None:
+            self._resume.remove()
+            self._resume = None
+        updated = self._updated_now
+        if self._counted:
+            # an update ends the cycle (step() applies what is left); otherwise the raised
+            # backward does not count
+            self._micro = 0 if updated else self._micro - 1
+        self._counted = False
+        self._pending, self._pending_bytes = [], 0  # their .grad stays: the plain loop's
+        self._late = []
+        self._held = [p for p in self._hooks if p.grad is not None]
+        self._raised = _RAISED_UPDATED if updated else _RAISED_HELD if self._held else 0
+        self._unguard()
+        if self._raised and self._accumulate == 1:
+            self._held_hooks = [p.register_hook(_HeldGuard(self)) for p in self._held]
+
+    def _unguard(self) -> None:
+        for h in self._held_hooks:
+            h.remove()
+        self._held_hooks = []
+
+    def _go_on_from_raised(self) -> None:
+        # NOTE [A backward that raised]: the first backward after a raised one passed the
+        # checks: check_loop=False starts each step from no gradient; otherwise the held
+        # gradients go on accumulating as in the plain loop (nothing was updated)
+        held, self._held, self._raised = self._held, [], 0
+        self._unguard()
+        if not self._check_loop and (self._accumulate == 1 or self._micro == 0):
+            for p in held:
+                p.grad = None
+        elif self._accumulate == 1:
+            self._late = held
+
+    def _drop_held(self, apply: bool) -> None:
+        # NOTE [A backward that raised]: step() (apply) or zero_grad() after a raised backward
+        held, self._held, self._raised = self._held, [], 0
+        self._unguard()
+        self._micro = 0
+        held = [p for p in held if p.grad is not None]
+        if apply and held:
+            self._update(held)
+        for p in held:
+            p.grad = None
 
     def _resume_on(self, node: Any) -> None:
         # NOTE [A reentrant backward is not a second backward]: once ``node`` returns, the
@@ -1053,7 +1194,7 @@ class StepInBackward(torch.optim.Optimizer):
                 # second step over the kept graph
                 self._task = None
                 raise _retain_graph_refusal()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._queue_end()
 
         removable = None
         removable = node.register_hook(resume)
@@ -1069,28 +1210,46 @@ class StepInBackward(torch.optim.Optimizer):
             return
         # NOTE [A parameter in and around a reentrant checkpoint]: its second gradient in one
         # backward, refused before it is added
-        if self._micro < self._accumulate:
-            # nothing updated in this backward: undo what it did to the cycle
-            self._micro -= 1
-            for q in self._fired:
-                was_none, in_sz, sd = self._grad_was[q]
-                if was_none:
-                    q.grad = None
-                if in_sz:
-                    self._since_zero[q] = sd
-                else:
-                    self._since_zero.pop(q, None)
-            self._fired.clear()
-            self._grad_was.clear()
+        self._undo_micro()
         raise _reentrant_in_accumulation()
+
+    def _undo_micro(self) -> None:
+        # NOTE [A parameter in and around a reentrant checkpoint]: a refusal in a micro-batch that
+        # updates nothing (not the cycle's last) undoes what this backward did to the cycle
+        if not (self._counted and 0 < self._micro < self._accumulate):
+            return
+        self._micro -= 1
+        self._counted = False
+        for q in self._fired:
+            was_none, in_sz, sd = self._grad_was[q]
+            if was_none:
+                q.grad = None
+            if in_sz:
+                self._since_zero[q] = sd
+            else:
+                self._since_zero.pop(q, None)
+        self._fired.clear()
+        self._grad_was.clear()
 
     def _guarded(self, fn, *args) -> Any:
         try:
             return fn(*args)
         except BaseException:
-            self._task = None  # the engine runs no end-of-backward callback after an error
-            self._drop_pending()
+            if self._accumulate == 1 and self._task is not None and not self._updated_now:
+                self._refused_before_update()
             raise
+
+    def _refused_before_update(self) -> None:
+        # NOTE [Every refusal changes nothing]: accumulate=1, a refusal in a backward that updated
+        # nothing yet: each gradient it made was None before it (a parameter's .grad is None
+        # between backwards), so it goes, with the record of it; a gradient a raised backward
+        # left (NOTE [A backward that raised]) was added to in place and stays, as that one's
+        late = set(self._late)
+        for p in self._fired:
+            if p not in late:
+                p.grad = None
+                self._since_zero.pop(p, None)
+        self._pending, self._pending_bytes = [], 0
 
     def _hook(self, p: torch.Tensor) -> None:
         try:
@@ -1103,7 +1262,7 @@ class StepInBackward(torch.optim.Optimizer):
             raise
 
     def _step_one(self, p: torch.Tensor) -> None:
-        self._start_backward()
+        task = self._start_backward()
         if p in self._rows_taken:
             if p.grad is None:
                 return  # the fused loss returned no gradient for it: its rows are updated
@@ -1116,7 +1275,7 @@ class StepInBackward(torch.optim.Optimizer):
                 f"a second gradient for a {tuple(p.shape)} weight",
                 "Add that term inside the model's graph below the loss, or use a plain optimizer",
             )
-        self._count(p)
+        self._count(p, task)
         if self._accumulate == 1 or self._micro == self._accumulate:
             nbytes = p.numel() * p.element_size()
             if nbytes >= self._bucket_bytes:
@@ -1128,23 +1287,46 @@ class StepInBackward(torch.optim.Optimizer):
             if self._pending_bytes >= self._bucket_bytes:
                 self._flush()
 
-    def _count(self, p: torch.Tensor) -> None:
-        n = self._fired.get(p, 0) + 1
+    def _count(self, p: torch.Tensor, task: int) -> None:
+        first = self._fired.get(p)
         # with accumulate=N the pre-hook refused a second one (NOTE [A parameter in and around a
         # reentrant checkpoint])
-        if self._accumulate == 1 and n > 1:
-            raise _err(
-                RuntimeError,
-                "a parameter got a second gradient in one step (a second backward over a retained "
-                "graph, two losses backward'ed one by one, or micro-batch accumulation); the plain "
-                "loop would sum them and step once",
-                "one backward between two step()/zero_grad() calls",
-                f"a second gradient for a {tuple(p.shape)} parameter",
-                "Backward the summed loss once, or use accumulate=N for micro-batches",
+        if self._accumulate == 1 and first is not None:
+            if first != task:
+                raise self._in_and_around(p)
+            # (a second backward is a new graph task: refused at its first hook, or a new step;
+            # in one graph task a leaf's AccumulateGrad runs once)
+            raise RuntimeError(
+                f"{_API}: parameter {self._name(p)} got two gradients in one graph task; this is "
+                "a slimgrad bug; please report it"
             )
-        self._fired[p] = n
+        self._fired[p] = task
         if self._check_loop:
             self._add_to_held(p)
+
+    def _in_and_around(self, p: torch.Tensor) -> Exception:
+        # NOTE [A parameter in and around a reentrant checkpoint], accumulate=1: the two
+        # gradients came in two graph tasks of one step, a nested backward and its enclosing one
+        return _err(
+            NotImplementedError,
+            f"parameter {self._name(p)} gets a gradient both inside a reentrant checkpoint "
+            "(torch.utils.checkpoint(..., use_reentrant=True): its backward is a nested backward) "
+            "and outside it; each gradient arrives complete for its own backward and would be "
+            "applied on its own, where the plain loop sums them and steps once (parameters "
+            "reached before this one in this backward may be updated already)",
+            "every use of a parameter on one side of the checkpoint, or use_reentrant=False",
+            f"{self._name(p)} used in and around the checkpointed function",
+            "Pass use_reentrant=False to checkpoint (the non-reentrant checkpoint runs one "
+            "backward), or keep the parameter's uses on one side of it",
+        )
+
+    def _name(self, p: torch.Tensor) -> str:
+        module = self._watch.module() if self._watch is not None else None
+        if module is not None:
+            for name, q in module.named_parameters(remove_duplicate=False):
+                if q is p:
+                    return f"'{name}' {tuple(p.shape)}"
+        return f"of shape {tuple(p.shape)}"
 
     def _add_to_held(self, p: torch.Tensor) -> None:
         # NOTE [Gradients zeroed in place]: AccumulateGrad wrote this backward's gradient into a
@@ -1259,14 +1441,15 @@ class StepInBackward(torch.optim.Optimizer):
             or not self._chunkable(p)
         ):
             return None
-        self._guarded(self._start_backward)
+        task = self._guarded(self._start_backward)
         # NOTE [Gradients zeroed in place]: each block is what the plain loop adds to its zero
         plus_zero = p not in self._since_zero and self._held_zero.get(p, 0) is None
-        self._guarded(self._count, p)
+        self._guarded(self._count, p, task)
         self._rows_taken.add(p)
         width, total = p.shape[1], p.shape[0]
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
+            self._updated_now = True
             if self._check_loop:
                 self._loop = _UPDATED
             if plus_zero:
@@ -1294,6 +1477,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._pending, self._pending_bytes = [], 0
 
     def _update(self, params: list[torch.Tensor]) -> None:
+        self._updated_now = True
         if self._check_loop:
             # NOTE [What the loop did since the last update]: "updated" once an update ran (a
             # backward that raised before its bucket flushed updated nothing)
@@ -1370,9 +1554,12 @@ class StepInBackward(torch.optim.Optimizer):
             self._resume.remove()
             self._resume = None
         self._rows_taken.clear()
-        if flush and self._micro == 0:
-            # NOTE [A backward that raised]: the plain step() applies the gradients it left
-            self._flush()
+        if self._raised:
+            # NOTE [A backward that raised]: the plain step() applies the gradients it left, the
+            # plain zero_grad() drops them (mid-cycle too); either ends the cycle
+            self._drop_held(apply=flush)
+        elif flush and self._micro == 0:
+            self._flush()  # (an end callback that never ran: NOTE [A backward that raised])
         self._drop_pending()
         if self._accumulate > 1:
             if 0 < self._micro < self._accumulate and call == "step()":
