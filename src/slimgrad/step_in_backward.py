@@ -164,31 +164,50 @@ the plain loop does until the cycle's last backward. So ``step()`` updates every
 whose ``.grad`` is not None, as the end of a whole cycle updates those that got no gradient in its
 last backward, and the next backward starts a new cycle (accelerate resets its count there too).
 The update is the same per-parameter call of the optimizer as in backward: the plain loop's bits.
-Not after a cycle's last backward that raised (the count is then N: that backward may have
-updated some parameters and left others waiting, NOTE [A backward that raised]), and not
-``zero_grad()`` in the middle of a cycle: both still refused, before any change.
+``zero_grad()`` in the middle of a cycle stays refused, before any change, except after a backward
+that raised (NOTE [A backward that raised]).
 
 # NOTE [A backward that raised]
 A backward can raise in its middle (an out-of-memory in one node; fairseq then calls
-``zero_grad()`` and moves to the next batch). The plain loop then holds the gradients of the
-parameters whose ``AccumulateGrad`` ran and nothing else. The handle updated those its hooks
-updated (a parameter of at least ``bucket_bytes``, each as its hook ran) and holds the others in
-the waiting bucket with their ``.grad`` (NOTE [Small parameters update together]); no end
-callback runs. So "updated" is set by an update that ran, not by a backward's first hook:
+``zero_grad()`` and moves to the next batch). The plain loop then holds, in ``.grad``, the
+gradients of the parameters whose ``AccumulateGrad`` ran (added to the earlier micro-batches'),
+the earlier micro-batches' sums for the others, and has changed nothing else. The handle has
+updated the parameters its hooks updated (only in a backward that updates: a parameter of at
+least ``bucket_bytes``, each as its hook ran), and the others hold what the plain loop's hold:
+the waiting bucket's with this backward's gradient (NOTE [Small parameters update together]),
+the rest with the earlier micro-batches'. Undoing an update is not exact (nor cheap: a copy of
+each parameter and its state), so the handle takes the plain loop's state from there on.
 
-- nothing updated (every gradient waiting): ``zero_grad()`` (the handle's or the watched
-  module's) drops the waiting gradients, as the plain one drops them (``set_to_none=False``:
-  they become the zero tensors the plain loop keeps, NOTE [Gradients zeroed in place]);
-  ``step()`` updates them, as the plain ``step()`` applies what ``.grad`` holds. Both loops then
-  agree bit for bit.
-- something updated: ``step()`` updates the waiting ones and is the plain loop's; ``zero_grad()``
-  is refused after the fact (the plain loop discards gradients the handle already applied), as
-  between any backward and ``step()``.
+It learns of the error at once: the end callback it queues with the engine at a step's first hook
+(``_EndOfBackward``) is freed with the graph task, run or not, and one freed unrun (``__del__``,
+while the error leaves ``backward()``) means that backward raised; no callback of the engine's
+runs on an error, and waiting for the next call would take the next backward for a nested one.
+It then ends the step's backward, forgets the waiting bucket (those gradients stay in ``.grad``),
+and records what is held: the raised backward does not count as a micro-batch unless an update ran
+in it (then its cycle is over). From there, as the plain loop:
 
-With ``accumulate=N`` the cycle count is left at the raised backward: ``zero_grad()`` is refused
-as in an unfinished cycle, and so is ``step()`` where the raised backward was the cycle's last
-(before it, ``step()`` applies what ``.grad`` holds, as the plain one: NOTE [A step that ends a
-cycle early]).
+- ``step()``: updates every handle parameter whose ``.grad`` is not None, as the plain ``step()``
+  applies what ``.grad`` holds, at any micro-batch position; the cycle ends.
+- ``zero_grad()`` (the handle's or the watched module's): drops what ``.grad`` holds, as the plain
+  one (``set_to_none=False``: the zero tensors it keeps, NOTE [Gradients zeroed in place]), in
+  the middle of a cycle too; the cycle ends. Where an update ran in the raised backward it is
+  refused after the fact, once (the plain loop discards gradients the handle applied), as between
+  any backward and ``step()``: everything is dropped all the same and the loop goes on.
+- another backward with neither: the plain loop adds to what ``.grad`` holds. Where no update ran
+  the handle does the same (the held gradients accumulate; those this backward does not reach
+  update at its end, with ``accumulate=1`` too, or at the cycle's end). Where one ran it is
+  refused, before any change: with ``accumulate=N`` the tensor pre-hooks refuse before
+  ``AccumulateGrad`` adds; with ``accumulate=1`` a tensor hook is put on each held parameter for
+  that (``_HeldGuard``; removed at the next ``step()``/``zero_grad()`` or the backward that goes
+  on), the others' ``.grad`` being None.
+- ``check_loop=False`` (every step ``zero_grad(); backward x N; step()``): the next backward that
+  starts a step (every one with ``accumulate=1``, a cycle's first) drops what the raised one left
+  before adding to it; within a cycle the held gradients go on accumulating.
+
+A refusal of the handle's own, raised from its hook in a backward that has updated nothing yet,
+is not such an error: it changes nothing (NOTE [Every refusal changes nothing]). Left: a reentrant
+checkpoint's node that raises after its nested backward ended and before it returns (a user's
+post-hook on that node) is seen only at the next ``step()``/``zero_grad()``.
 
 # NOTE [Gradients zeroed in place]
 ``zero_grad(set_to_none=False)`` (the handle's or the watched module's) leaves, in the plain loop,
@@ -224,7 +243,9 @@ them reaches the handle's parameters first:
   layer checkpointed): that backward's end callback fires when the nested one ends, still inside
   the enclosing backward's node. torch answers which node runs now
   (``torch._C._current_autograd_node``, private, guarded): None at the top level. A nested end
-  updates the waiting bucket (those gradients are complete), keeps the step open and registers a
+  leaves the waiting bucket waiting (a parameter the enclosing backward reaches again gets a
+  second gradient: refused before its update, NOTE [A parameter in and around a reentrant
+  checkpoint]; the bucket's bound holds either way), keeps the step open and registers a
   post-hook on that node; when the node returns, the hook makes the enclosing backward the step's
   (its graph task, its end callback), so the cycle count, the updates of parameters that got no
   gradient in a cycle's last backward and the end of the step wait for the real end. Adjacent
@@ -232,8 +253,7 @@ them reaches the handle's parameters first:
   after the nested one are then one step; an enclosing backward that raises before its node
   returns leaves the hook behind, removed at the next ``step()``/``zero_grad()``.
 - a parameter reached in two of them (used inside and outside a checkpointed segment) gets two
-  gradients in one backward: with ``accumulate=1`` refused at the second as any second gradient;
-  with ``accumulate=N`` NOTE [A parameter in and around a reentrant checkpoint].
+  gradients in one backward: refused, NOTE [A parameter in and around a reentrant checkpoint].
 
 # NOTE [A parameter in and around a reentrant checkpoint]
 With ``accumulate=N`` a parameter's second gradient in one backward can only come from a nested
@@ -244,8 +264,20 @@ applied, so the refusal undoes what the backward did: the cycle count is as befo
 ``.grad`` that was None when the backward first reached its parameter is None again (the
 first micro-batch after ``zero_grad()``: everything as before). A ``.grad`` that held earlier
 micro-batches keeps this backward's partial sum, as the plain loop's after a failed backward
-(``step()`` applies it, ``zero_grad()`` is refused mid-cycle). Where it is first seen in the
-updating micro-batch, parameters reached before it may be updated: a refusal after the fact.
+(``step()`` applies it, ``zero_grad()`` drops it: NOTE [A backward that raised]). Where it is first
+seen in the updating micro-batch, parameters reached before it may be updated: a refusal after the
+fact.
+
+With ``accumulate=1`` each gradient is complete for its own graph task and the post-accumulate
+hook of the first may already have updated the parameter; each hook records the graph task of the
+gradient it saw (the one ``_start_backward`` read anyway), so a second one from another task of the
+same step is this case: a GUIDE-form error naming the parameter (its name in the watched module)
+and the reentrant checkpoint, before any change where this backward has updated nothing yet (the
+waiting bucket: small models; its gradients go again), after the fact otherwise. Exact support
+would hold back the update of every parameter a nested backward reaches until the step ends, and
+the outside use may come first (its gradient complete in the enclosing task, then the nested one
+adds): nothing at the first gradient says a second comes. ``use_reentrant=False`` runs one
+backward, so the parameter gets one summed gradient: exact, at no cost here, and the error says so.
 
 Graph tasks are numbered in creation order (an atomic counter in the engine), so a task numbered
 below the last one the handle started in can only be one that encloses it: without the node
@@ -280,7 +312,10 @@ count as it was: that scaler is then seen at ``scaler.step(handle)``, late, as b
 
 # NOTE [Every refusal changes nothing]
 A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
-as they were (tests/test_step_in_backward_refusals.py compares them bit for bit):
+as they were, and the handle's own records (tests/test_step_in_backward_refusal_table.py has a row
+per refusal: it compares them bit for bit, makes the call twice, then checks that the loop goes on
+as the plain loop that never made it; a sweep over the module's raise sites finds a row, or a
+named test among the late ones below, for each):
 
 - ``step_in_backward()``: every argument check, the DDP/FSDP/DTensor/process-group checks, the
   held-gradient check and the ownership check of every group run before the first hook is attached.
@@ -293,7 +328,16 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   same checks before the gradient is added to the earlier micro-batches'.
 - In backward, at the same first hook: a second backward with no ``step()`` since the last, and a
   backward after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last
-  update]); with ``accumulate=N`` both at the first micro-batch of a cycle.
+  update]); with ``accumulate=N`` both at the first micro-batch of a cycle. A backward after one
+  that raised once it had updated (NOTE [A backward that raised]: a tensor hook on each gradient
+  that one left refuses before it is added to).
+- In backward, later, in a backward that has updated nothing yet: a parameter reached inside and
+  outside a reentrant checkpoint. With ``accumulate=1`` every gradient this backward made is
+  dropped again with its records (each ``.grad`` was None before it); with ``accumulate=N``, in a
+  micro-batch that does not update, the cycle count and every ``.grad`` that was None are as
+  before (a ``.grad`` holding earlier micro-batches keeps this backward's part, added in place:
+  the plain loop's after a failed backward, NOTE [A parameter in and around a reentrant
+  checkpoint]); the same for a nested backward refused without torch's node query.
 - ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
   handle are removed), a call inside backward, ``zero_grad()`` in an unfinished accumulation
   cycle (``step()`` there: NOTE [A step that ends a cycle early]), a removed handle,
@@ -304,7 +348,7 @@ Refusals that come after a change they cannot undo, stated where they happen: ``
 between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since the
 last update]); a use of the fused loss's head weight beside the loss arrives after its rows were
 updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant checkpoint
-first in a backward that updates (NOTE [A parameter in and around a reentrant checkpoint]), and
+after an update in that backward (NOTE [A parameter in and around a reentrant checkpoint]), and
 ``retain_graph=True`` on a backward whose first handle hook ran in
 such a checkpoint's nested backward (seen when the step resumes in the enclosing one: NOTE [A
 reentrant backward is not a second backward]); a GradScaler made after the first backward while
@@ -853,9 +897,10 @@ class StepInBackward(torch.optim.Optimizer):
         starts a new step (NOTE [What the loop did since the last update]).
 
         Raises:
-            RuntimeError: an accumulation cycle is unfinished; a backward updated the parameters
-                and no ``step()`` came since (the plain loop would discard those gradients; they
-                were applied in backward).
+            RuntimeError: an accumulation cycle is unfinished (not after a backward that raised:
+                NOTE [A backward that raised]); a backward updated the parameters and no
+                ``step()`` came since (the plain loop would discard those gradients; they were
+                applied in backward).
         """
         self._check_live("zero_grad")
         self._boundary("zero_grad()")
@@ -870,11 +915,11 @@ class StepInBackward(torch.optim.Optimizer):
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
                 was).
-            RuntimeError: a cycle's last backward raised (``accumulate=N``; before it, a
-                ``step()`` updates from what ``.grad`` holds, as the plain one: NOTE [A step that
-                ends a cycle early]), or a second ``step()`` with no
-                backward and no ``zero_grad()`` since the last (the plain loop would apply the
-                same gradients again).
+            RuntimeError: a second ``step()`` with no backward and no ``zero_grad()`` since the
+                last (the plain loop would apply the same gradients again). After fewer than
+                ``accumulate`` backward calls, or a backward that raised, ``step()`` updates from
+                what ``.grad`` holds, as the plain one (NOTE [A step that ends a cycle early],
+                NOTE [A backward that raised]).
         """
         self._check_live("step")
         if closure is not None:
@@ -1048,9 +1093,7 @@ class StepInBackward(torch.optim.Optimizer):
                 "step() (applies what the raised backward left, as the plain step()) or "
                 "zero_grad() before the next backward",
                 f"a backward after a raised one with {len(self._held)} gradients left",
-                "Call handle.step() and handle.zero_grad() in the except clause (or "
-                "handle.zero_grad() to drop the batch: refused once, after the fact, since some "
-                "parameters were updated)",
+                "Call handle.step() (then zero_grad()) after the error, before the next backward",
             )
         if self._loop == _UPDATED:
             raise _err(
@@ -1098,9 +1141,8 @@ class StepInBackward(torch.optim.Optimizer):
         node = _enclosing_node()
         if node is not None:
             # NOTE [A reentrant backward is not a second backward]: a nested backward ends
-            # inside a node of the enclosing one; the step goes on there (its gradients so far
-            # are complete: the waiting ones update now)
-            self._flush()
+            # inside a node of the enclosing one; the step goes on there (the waiting bucket
+            # waits: the enclosing backward may reach one of its parameters again)
             self._resume_on(node)
             return
         self._task = None
@@ -1740,10 +1782,12 @@ def step_in_backward(
         NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
             backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
-            processes.
+            processes, a parameter used inside and outside a reentrant checkpoint.
         RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
             later backward: a second backward with no ``step()`` since the last, a backward after
-            ``step()`` with no ``zero_grad()``, a frozen parameter unfrozen.
+            ``step()`` with no ``zero_grad()``, a frozen parameter unfrozen, a backward after
+            one that raised once it had updated (call ``step()`` first: NOTE [A backward that
+            raised]).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
