@@ -374,3 +374,19 @@ def test_check_loop_off_starts_the_step_after_a_raised_backward_from_no_gradient
     assert_same_parameters(a, b)
     assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
     assert all(p.grad is None for p in b.parameters())
+
+
+def test_remove_after_a_raised_backward_leaves_no_hook():
+    """The tensor hooks put on the held gradients (accumulate=1) go with ``remove()``; the plain
+    optimizer then steps on what the raised backward left, as the plain loop's step()."""
+    a, opt, b, handle = _pair(False, bucket_bytes=_HEAD_ALONE)
+    _raise_in_the_updating_micro_batch(a, 1)
+    _raise_in_the_updating_micro_batch(b, 1)
+    assert b.head.bias._backward_hooks  # the guard on the held bias
+    handle.remove()
+    assert not any(p._backward_hooks for p in b.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in b.parameters())
+    opt.step()
+    handle.optimizer.step()
+    assert_same_parameters(a, b)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])

@@ -965,6 +965,7 @@ class StepInBackward(torch.optim.Optimizer):
         for h in (*self._hooks.values(), *self._pre_hooks.values()):
             h.remove()
         self._pre_hooks.clear()
+        self._unguard()  # NOTE [A backward that raised]
         for p in self._hooks:
             for attr in (_OWNER, ROW_SINK):
                 if getattr(p, attr, None) is not None:
