@@ -312,10 +312,7 @@ count as it was: that scaler is then seen at ``scaler.step(handle)``, late, as b
 
 # NOTE [Every refusal changes nothing]
 A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
-as they were, and the handle's own records (tests/test_step_in_backward_refusal_table.py has a row
-per refusal: it compares them bit for bit, makes the call twice, then checks that the loop goes on
-as the plain loop that never made it; a sweep over the module's raise sites finds a row, or a
-named test among the late ones below, for each):
+as they were (tests/test_step_in_backward_refusals.py compares them bit for bit):
 
 - ``step_in_backward()``: every argument check, the DDP/FSDP/DTensor/process-group checks, the
   held-gradient check and the ownership check of every group run before the first hook is attached.
@@ -343,6 +340,11 @@ named test among the late ones below, for each):
   cycle (``step()`` there: NOTE [A step that ends a cycle early]), a removed handle,
   a second ``step()`` with no backward and no ``zero_grad()`` between;
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
+
+The handle's own records are left as they were too. tests/test_step_in_backward_refusal_table.py
+has a row per refusal: it compares all of these bit for bit, makes the call twice, then checks
+that the loop goes on as the plain loop that never made it; a sweep over the module's raise sites
+finds a row, or a named test among the late ones below, for each.
 
 Refusals that come after a change they cannot undo, stated where they happen: ``zero_grad()``
 between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since the
