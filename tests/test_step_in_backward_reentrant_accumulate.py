@@ -206,3 +206,89 @@ def test_retain_graph_seen_only_after_a_nested_backward_is_refused(accumulate):
     with pytest.raises(NotImplementedError, match=r"^slimgrad\.step_in_backward: backward\(retain"):
         loss.backward(retain_graph=True)
     del handle
+
+
+# --- accumulate=1: a parameter in and around a reentrant checkpoint (sib28) -------------------
+def _in_around(mod: nn.Module, x: torch.Tensor, where: str, reentrant: bool = True):
+    ck = lambda f, h: checkpoint(f, h, use_reentrant=reentrant)  # noqa: E731
+    if where == "outside_reached_first":  # the outside use after the segment: its gradient first
+        return mod(ck(lambda h: torch.tanh(mod(h)), x)).square().mean()
+    return ck(lambda h: torch.tanh(mod(h)), mod(x)).square().mean()  # the nested one first
+
+
+_IN_AROUND_ONE = (
+    r"^slimgrad\.step_in_backward: parameter '(weight|bias)' \((4, 4|4,)\) gets a gradient both "
+    r"inside a reentrant checkpoint \(torch\.utils\.checkpoint\(\.\.\., use_reentrant=True\): .*; "
+    r"expected every use of a parameter on one side of the checkpoint, or use_reentrant=False, "
+    r"got '(weight|bias)' .* used in and around the checkpointed function\. Pass "
+    r"use_reentrant=False to checkpoint"
+)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("where", ["outside_reached_first", "inside_reached_first"])
+def test_accumulate_one_in_and_around_a_checkpoint_is_refused_by_name_unchanged(where):
+    """accumulate=1: the two gradients come in two graph tasks of one step. It was the generic
+    'second gradient' advice; now a GUIDE-form error naming the parameter and the reentrant
+    checkpoint, and where nothing was updated yet (the waiting bucket) nothing changed: then the
+    advised ``use_reentrant=False`` is the plain loop bit for bit (NOTE [A parameter in and around
+    a reentrant checkpoint])."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    ref = copy.deepcopy(lin)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    handle = slimgrad.step_in_backward(lin, torch.optim.AdamW, lr=1e-2)
+    for a, o in ((ref, opt), (lin, handle)):  # one step first: AdamW's state exists
+        _in_around(a, _batch(0), where, reentrant=False).backward()
+        o.step()
+        o.zero_grad()
+    params = [p.detach().clone() for p in lin.parameters()]
+    state = copy.deepcopy(handle.state_dict())
+    for _ in range(2):
+        with pytest.raises(NotImplementedError, match=_IN_AROUND_ONE):
+            _in_around(lin, _batch(1), where).backward()
+        assert [p.grad for p in lin.parameters()] == [None, None]
+        for p, q in zip(params, lin.parameters(), strict=True):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+        assert_same_state(state["state"], handle.state_dict()["state"])
+        assert handle._since_zero == {} and handle._raised == 0
+    for k in range(1, 4):
+        for a, o in ((ref, opt), (lin, handle)):
+            _in_around(a, _batch(k), where, reentrant=False).backward()
+            o.step()
+            o.zero_grad()
+    assert_same_parameters(ref, lin)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("where", ["outside_reached_first", "inside_reached_first"])
+def test_accumulate_one_in_and_around_after_an_update_is_refused_and_recovers(where):
+    """bucket_bytes=0: the weight (or the other parameter) updated at its first gradient, before
+    the second came: the same error, after the fact (NOTE [Every refusal changes nothing]'s
+    list); the backward is then one that raised (NOTE [A backward that raised]): step() applies
+    what it left, and the loop goes on as a plain optimizer from the handle's state."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    handle = slimgrad.step_in_backward(lin, torch.optim.AdamW, lr=1e-2, bucket_bytes=0)
+    x = _batch(1)
+    if where == "inside_reached_first":
+        # (an input without grad: the outside use then keeps no weight for its input's gradient,
+        # which would meet autograd's version check after the update in the nested backward,
+        # before the second gradient: NOTE [Why the update is exact])
+        x = x.detach()
+    with pytest.raises(NotImplementedError, match=_IN_AROUND_ONE):
+        _in_around(lin, x, where).backward()
+    handle.step()
+    handle.zero_grad()
+    assert all(p.grad is None for p in lin.parameters())
+    ref = copy.deepcopy(lin)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt.load_state_dict(copy.deepcopy(handle.state_dict()))
+    for k in range(2, 5):
+        for a, o in ((ref, opt), (lin, handle)):
+            _in_around(a, _batch(k), where, reentrant=False).backward()
+            o.step()
+            o.zero_grad()
+    assert_same_parameters(ref, lin)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])

@@ -164,31 +164,50 @@ the plain loop does until the cycle's last backward. So ``step()`` updates every
 whose ``.grad`` is not None, as the end of a whole cycle updates those that got no gradient in its
 last backward, and the next backward starts a new cycle (accelerate resets its count there too).
 The update is the same per-parameter call of the optimizer as in backward: the plain loop's bits.
-Not after a cycle's last backward that raised (the count is then N: that backward may have
-updated some parameters and left others waiting, NOTE [A backward that raised]), and not
-``zero_grad()`` in the middle of a cycle: both still refused, before any change.
+``zero_grad()`` in the middle of a cycle stays refused, before any change, except after a backward
+that raised (NOTE [A backward that raised]).
 
 # NOTE [A backward that raised]
 A backward can raise in its middle (an out-of-memory in one node; fairseq then calls
-``zero_grad()`` and moves to the next batch). The plain loop then holds the gradients of the
-parameters whose ``AccumulateGrad`` ran and nothing else. The handle updated those its hooks
-updated (a parameter of at least ``bucket_bytes``, each as its hook ran) and holds the others in
-the waiting bucket with their ``.grad`` (NOTE [Small parameters update together]); no end
-callback runs. So "updated" is set by an update that ran, not by a backward's first hook:
+``zero_grad()`` and moves to the next batch). The plain loop then holds, in ``.grad``, the
+gradients of the parameters whose ``AccumulateGrad`` ran (added to the earlier micro-batches'),
+the earlier micro-batches' sums for the others, and has changed nothing else. The handle has
+updated the parameters its hooks updated (only in a backward that updates: a parameter of at
+least ``bucket_bytes``, each as its hook ran), and the others hold what the plain loop's hold:
+the waiting bucket's with this backward's gradient (NOTE [Small parameters update together]),
+the rest with the earlier micro-batches'. Undoing an update is not exact (nor cheap: a copy of
+each parameter and its state), so the handle takes the plain loop's state from there on.
 
-- nothing updated (every gradient waiting): ``zero_grad()`` (the handle's or the watched
-  module's) drops the waiting gradients, as the plain one drops them (``set_to_none=False``:
-  they become the zero tensors the plain loop keeps, NOTE [Gradients zeroed in place]);
-  ``step()`` updates them, as the plain ``step()`` applies what ``.grad`` holds. Both loops then
-  agree bit for bit.
-- something updated: ``step()`` updates the waiting ones and is the plain loop's; ``zero_grad()``
-  is refused after the fact (the plain loop discards gradients the handle already applied), as
-  between any backward and ``step()``.
+It learns of the error at once: the end callback it queues with the engine at a step's first hook
+(``_EndOfBackward``) is freed with the graph task, run or not, and one freed unrun (``__del__``,
+while the error leaves ``backward()``) means that backward raised; no callback of the engine's
+runs on an error, and waiting for the next call would take the next backward for a nested one.
+It then ends the step's backward, forgets the waiting bucket (those gradients stay in ``.grad``),
+and records what is held: the raised backward does not count as a micro-batch unless an update ran
+in it (then its cycle is over). From there, as the plain loop:
 
-With ``accumulate=N`` the cycle count is left at the raised backward: ``zero_grad()`` is refused
-as in an unfinished cycle, and so is ``step()`` where the raised backward was the cycle's last
-(before it, ``step()`` applies what ``.grad`` holds, as the plain one: NOTE [A step that ends a
-cycle early]).
+- ``step()``: updates every handle parameter whose ``.grad`` is not None, as the plain ``step()``
+  applies what ``.grad`` holds, at any micro-batch position; the cycle ends.
+- ``zero_grad()`` (the handle's or the watched module's): drops what ``.grad`` holds, as the plain
+  one (``set_to_none=False``: the zero tensors it keeps, NOTE [Gradients zeroed in place]), in
+  the middle of a cycle too; the cycle ends. Where an update ran in the raised backward it is
+  refused after the fact, once (the plain loop discards gradients the handle applied), as between
+  any backward and ``step()``: everything is dropped all the same and the loop goes on.
+- another backward with neither: the plain loop adds to what ``.grad`` holds. Where no update ran
+  the handle does the same (the held gradients accumulate; those this backward does not reach
+  update at its end, with ``accumulate=1`` too, or at the cycle's end). Where one ran it is
+  refused, before any change: with ``accumulate=N`` the tensor pre-hooks refuse before
+  ``AccumulateGrad`` adds; with ``accumulate=1`` a tensor hook is put on each held parameter for
+  that (``_HeldGuard``; removed at the next ``step()``/``zero_grad()`` or the backward that goes
+  on), the others' ``.grad`` being None.
+- ``check_loop=False`` (every step ``zero_grad(); backward x N; step()``): the next backward that
+  starts a step (every one with ``accumulate=1``, a cycle's first) drops what the raised one left
+  before adding to it; within a cycle the held gradients go on accumulating.
+
+A refusal of the handle's own, raised from its hook in a backward that has updated nothing yet,
+is not such an error: it changes nothing (NOTE [Every refusal changes nothing]). Left: a reentrant
+checkpoint's node that raises after its nested backward ended and before it returns (a user's
+post-hook on that node) is seen only at the next ``step()``/``zero_grad()``.
 
 # NOTE [Gradients zeroed in place]
 ``zero_grad(set_to_none=False)`` (the handle's or the watched module's) leaves, in the plain loop,
@@ -224,7 +243,9 @@ them reaches the handle's parameters first:
   layer checkpointed): that backward's end callback fires when the nested one ends, still inside
   the enclosing backward's node. torch answers which node runs now
   (``torch._C._current_autograd_node``, private, guarded): None at the top level. A nested end
-  updates the waiting bucket (those gradients are complete), keeps the step open and registers a
+  leaves the waiting bucket waiting (a parameter the enclosing backward reaches again gets a
+  second gradient: refused before its update, NOTE [A parameter in and around a reentrant
+  checkpoint]; the bucket's bound holds either way), keeps the step open and registers a
   post-hook on that node; when the node returns, the hook makes the enclosing backward the step's
   (its graph task, its end callback), so the cycle count, the updates of parameters that got no
   gradient in a cycle's last backward and the end of the step wait for the real end. Adjacent
@@ -232,8 +253,7 @@ them reaches the handle's parameters first:
   after the nested one are then one step; an enclosing backward that raises before its node
   returns leaves the hook behind, removed at the next ``step()``/``zero_grad()``.
 - a parameter reached in two of them (used inside and outside a checkpointed segment) gets two
-  gradients in one backward: with ``accumulate=1`` refused at the second as any second gradient;
-  with ``accumulate=N`` NOTE [A parameter in and around a reentrant checkpoint].
+  gradients in one backward: refused, NOTE [A parameter in and around a reentrant checkpoint].
 
 # NOTE [A parameter in and around a reentrant checkpoint]
 With ``accumulate=N`` a parameter's second gradient in one backward can only come from a nested
@@ -244,8 +264,20 @@ applied, so the refusal undoes what the backward did: the cycle count is as befo
 ``.grad`` that was None when the backward first reached its parameter is None again (the
 first micro-batch after ``zero_grad()``: everything as before). A ``.grad`` that held earlier
 micro-batches keeps this backward's partial sum, as the plain loop's after a failed backward
-(``step()`` applies it, ``zero_grad()`` is refused mid-cycle). Where it is first seen in the
-updating micro-batch, parameters reached before it may be updated: a refusal after the fact.
+(``step()`` applies it, ``zero_grad()`` drops it: NOTE [A backward that raised]). Where it is first
+seen in the updating micro-batch, parameters reached before it may be updated: a refusal after the
+fact.
+
+With ``accumulate=1`` each gradient is complete for its own graph task and the post-accumulate
+hook of the first may already have updated the parameter; each hook records the graph task of the
+gradient it saw (the one ``_start_backward`` read anyway), so a second one from another task of the
+same step is this case: a GUIDE-form error naming the parameter (its name in the watched module)
+and the reentrant checkpoint, before any change where this backward has updated nothing yet (the
+waiting bucket: small models; its gradients go again), after the fact otherwise. Exact support
+would hold back the update of every parameter a nested backward reaches until the step ends, and
+the outside use may come first (its gradient complete in the enclosing task, then the nested one
+adds): nothing at the first gradient says a second comes. ``use_reentrant=False`` runs one
+backward, so the parameter gets one summed gradient: exact, at no cost here, and the error says so.
 
 Graph tasks are numbered in creation order (an atomic counter in the engine), so a task numbered
 below the last one the handle started in can only be one that encloses it: without the node
@@ -293,18 +325,32 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   same checks before the gradient is added to the earlier micro-batches'.
 - In backward, at the same first hook: a second backward with no ``step()`` since the last, and a
   backward after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last
-  update]); with ``accumulate=N`` both at the first micro-batch of a cycle.
+  update]); with ``accumulate=N`` both at the first micro-batch of a cycle. A backward after one
+  that raised once it had updated (NOTE [A backward that raised]: a tensor hook on each gradient
+  that one left refuses before it is added to).
+- In backward, later, in a backward that has updated nothing yet: a parameter reached inside and
+  outside a reentrant checkpoint. With ``accumulate=1`` every gradient this backward made is
+  dropped again with its records (each ``.grad`` was None before it); with ``accumulate=N``, in a
+  micro-batch that does not update, the cycle count and every ``.grad`` that was None are as
+  before (a ``.grad`` holding earlier micro-batches keeps this backward's part, added in place:
+  the plain loop's after a failed backward, NOTE [A parameter in and around a reentrant
+  checkpoint]); the same for a nested backward refused without torch's node query.
 - ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
   handle are removed), a call inside backward, ``zero_grad()`` in an unfinished accumulation
   cycle (``step()`` there: NOTE [A step that ends a cycle early]), a removed handle,
   a second ``step()`` with no backward and no ``zero_grad()`` between;
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
+The handle's own records are left as they were too. tests/test_step_in_backward_refusal_table.py
+has a row per refusal: it compares all of these bit for bit, makes the call twice, then checks
+that the loop goes on as the plain loop that never made it; a sweep over the module's raise sites
+finds a row, or a named test among the late ones below, for each.
+
 Refusals that come after a change they cannot undo, stated where they happen: ``zero_grad()``
 between a backward and ``step()`` (the backward already updated; NOTE [What the loop did since the
 last update]); a use of the fused loss's head weight beside the loss arrives after its rows were
 updated (NOTE [Chunked updates]); a parameter reached both inside and outside a reentrant checkpoint
-first in a backward that updates (NOTE [A parameter in and around a reentrant checkpoint]), and
+after an update in that backward (NOTE [A parameter in and around a reentrant checkpoint]), and
 ``retain_graph=True`` on a backward whose first handle hook ran in
 such a checkpoint's nested backward (seen when the step resumes in the enclosing one: NOTE [A
 reentrant backward is not a second backward]); a GradScaler made after the first backward while
@@ -370,10 +416,54 @@ def _no_handle() -> None:
     return None
 
 
+class _EndOfBackward:
+    # NOTE [A backward that raised]: queued with the engine's queue_callback; the engine runs it
+    # when the backward ends and frees it with the graph task, run or not (a backward that raised
+    # runs no end callback): freed unrun, it tells the handle while the error propagates
+    __slots__ = ("ref", "token", "ran")
+
+    def __init__(self, handle: StepInBackward, token: int) -> None:
+        self.ref = weakref.ref(handle)
+        self.token = token
+        self.ran = False
+
+    def __call__(self) -> None:
+        self.ran = True
+        handle = self.ref()
+        if handle is not None:
+            handle._end_backward()
+
+    def __del__(self) -> None:
+        if not self.ran:
+            handle = self.ref()
+            if handle is not None and handle._end_token == self.token:
+                handle._backward_raised()
+
+
+class _HeldGuard:
+    # NOTE [A backward that raised]: with accumulate=1, a tensor hook on each parameter whose
+    # .grad a raised backward left: the next backward's checks run before AccumulateGrad adds to
+    # it (the post-accumulate hook comes after); removed at the next step start, step() or
+    # zero_grad()
+    __slots__ = ("ref",)
+
+    def __init__(self, handle: StepInBackward) -> None:
+        self.ref = weakref.ref(handle)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        handle = self.ref()
+        if handle is not None and not handle._removed:
+            handle._guarded(handle._start_backward)
+
+
 # NOTE [What the loop did since the last update]: the handle's view of the plain loop's gradients
 _CLEAN = 0  # none held: zeroed (or never made) since the last update
 _UPDATED = 1  # a backward updated the parameters; the plain loop holds its gradients, unstepped
 _STEPPED = 2  # then step(): the plain loop still holds them until zero_grad()
+
+# NOTE [A backward that raised]: what the last backward left when it raised
+_RAISED_HELD = 1  # gradients in .grad (the plain loop's), no update ran in it
+_RAISED_UPDATED = 2  # an update ran in it before the error
 
 
 def _zero_like(p: torch.Tensor, sparse_dim: int | None) -> torch.Tensor:
@@ -717,6 +807,18 @@ class StepInBackward(torch.optim.Optimizer):
         # backward in progress (accumulate=N): .grad None before it, its _since_zero entry
         self._grad_was: dict[torch.Tensor, tuple] = {}
         self._micro = 0  # backward calls in the current accumulation cycle
+        # NOTE [A backward that raised]: the end callback queued last (a freed one of an older
+        # token is not this step's), whether this step's backward counted a micro-batch and ran
+        # an update, and what a raised one left: _RAISED_HELD/_RAISED_UPDATED, the parameters
+        # whose .grad it left, their guards (accumulate=1), and those still to update at the end
+        # of the backward that goes on from them (accumulate=1)
+        self._end_token = 0
+        self._counted = False
+        self._updated_now = False
+        self._raised = 0
+        self._held: list[torch.Tensor] = []
+        self._held_hooks: list[Any] = []
+        self._late: list[torch.Tensor] = []
         # NOTE [What the loop did since the last update]
         self._check_loop = check_loop
         self._loop = _CLEAN
@@ -797,9 +899,10 @@ class StepInBackward(torch.optim.Optimizer):
         starts a new step (NOTE [What the loop did since the last update]).
 
         Raises:
-            RuntimeError: an accumulation cycle is unfinished; a backward updated the parameters
-                and no ``step()`` came since (the plain loop would discard those gradients; they
-                were applied in backward).
+            RuntimeError: an accumulation cycle is unfinished (not after a backward that raised:
+                NOTE [A backward that raised]); a backward updated the parameters and no
+                ``step()`` came since (the plain loop would discard those gradients; they were
+                applied in backward).
         """
         self._check_live("zero_grad")
         self._boundary("zero_grad()")
@@ -814,11 +917,11 @@ class StepInBackward(torch.optim.Optimizer):
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
                 was).
-            RuntimeError: a cycle's last backward raised (``accumulate=N``; before it, a
-                ``step()`` updates from what ``.grad`` holds, as the plain one: NOTE [A step that
-                ends a cycle early]), or a second ``step()`` with no
-                backward and no ``zero_grad()`` since the last (the plain loop would apply the
-                same gradients again).
+            RuntimeError: a second ``step()`` with no backward and no ``zero_grad()`` since the
+                last (the plain loop would apply the same gradients again). After fewer than
+                ``accumulate`` backward calls, or a backward that raised, ``step()`` updates from
+                what ``.grad`` holds, as the plain one (NOTE [A step that ends a cycle early],
+                NOTE [A backward that raised]).
         """
         self._check_live("step")
         if closure is not None:
@@ -864,6 +967,7 @@ class StepInBackward(torch.optim.Optimizer):
         for h in (*self._hooks.values(), *self._pre_hooks.values()):
             h.remove()
         self._pre_hooks.clear()
+        self._unguard()  # NOTE [A backward that raised]
         for p in self._hooks:
             for attr in (_OWNER, ROW_SINK):
                 if getattr(p, attr, None) is not None:
@@ -897,24 +1001,32 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use handle.optimizer, the plain optimizer with the same state",
             )
 
-    def _start_backward(self) -> None:
+    def _queue_end(self) -> None:
+        # NOTE [A backward that raised]: the end callback of the backward running now
+        self._end_token += 1
+        end = _EndOfBackward(self, self._end_token)
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def _start_backward(self) -> int:
         task = torch._C._current_graph_task_id()
         if task == self._task:
-            return
+            return task
         if self._task is not None:
             # a nested (reentrant) backward inside the one in progress: the same step (NOTE [A
             # reentrant backward is not a second backward])
             if self._accumulate > 1 and not _HAS_NODE_QUERY:
+                self._undo_micro()
                 raise _reentrant_in_accumulation()
-            return
+            return task
         if task < self._last_task:
             # NOTE [A reentrant backward is not a second backward]: an enclosing backward goes
             # on after a reentrant one inside it (which ran the handle's first hook) ended
             if self._accumulate > 1:
+                self._undo_micro()
                 raise _reentrant_in_accumulation()
             self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            return
+            self._queue_end()
+            return task
         for p in self._frozen:
             if p.requires_grad:
                 raise _err(
@@ -959,17 +1071,33 @@ class StepInBackward(torch.optim.Optimizer):
             dead = _forget_key(weakref.ref(self))
             self._seen_scalers = [weakref.ref(o, dead) for o in seen]
             self._scalers_key = key
+        if self._raised:
+            self._go_on_from_raised()
         self._task = task
         self._last_task = task
         self._fired.clear()
         self._grad_was.clear()
-        if self._accumulate > 1:
+        self._updated_now = False
+        self._counted = self._accumulate > 1
+        if self._counted:
             self._micro += 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._queue_end()
+        return task
 
     def _check_loop_state(self) -> None:
         # NOTE [What the loop did since the last update]: at the first hook of a backward that
         # starts a step (every one; with accumulate=N the first of a cycle), before any change
+        if self._raised == _RAISED_UPDATED and self._loop == _UPDATED:
+            raise _err(
+                RuntimeError,
+                "a backward after one that raised once it had updated some parameters; the "
+                "plain loop would add this backward's gradients to the ones the raised backward "
+                "left, here part of those were already applied",
+                "step() (applies what the raised backward left, as the plain step()) or "
+                "zero_grad() before the next backward",
+                f"a backward after a raised one with {len(self._held)} gradients left",
+                "Call handle.step() (then zero_grad()) after the error, before the next backward",
+            )
         if self._loop == _UPDATED:
             raise _err(
                 RuntimeError,
@@ -1016,14 +1144,20 @@ class StepInBackward(torch.optim.Optimizer):
         node = _enclosing_node()
         if node is not None:
             # NOTE [A reentrant backward is not a second backward]: a nested backward ends
-            # inside a node of the enclosing one; the step goes on there (its gradients so far
-            # are complete: the waiting ones update now)
-            self._flush()
+            # inside a node of the enclosing one; the step goes on there (the waiting bucket
+            # waits: the enclosing backward may reach one of its parameters again)
             self._resume_on(node)
             return
         self._task = None
         self._rows_taken.clear()
         self._flush()
+        if self._late:
+            # NOTE [A backward that raised]: gradients a raised backward left that this one did
+            # not reach (accumulate=1): the plain step() applies them with this backward's
+            late = [p for p in self._late if p.grad is not None]
+            self._late = []
+            if late:
+                self._update(late)
         if self._accumulate > 1:
             if self._micro == self._accumulate:
                 # parameters that got a gradient earlier in the cycle but none in its last
@@ -1037,6 +1171,58 @@ class StepInBackward(torch.optim.Optimizer):
                 if late:
                     self._update(late)
                 self._micro = 0
+
+    def _backward_raised(self) -> None:
+        # NOTE [A backward that raised]: the engine freed this step's end callback without
+        # running it, while the error leaves backward
+        if self._removed:
+            return
+        self._task = None
+        self._rows_taken.clear()
+        if self._resume is not None:
+            self._resume.remove()
+            self._resume = None
+        updated = self._updated_now
+        if self._counted:
+            # an update ends the cycle (step() applies what is left); otherwise the raised
+            # backward does not count
+            self._micro = 0 if updated else self._micro - 1
+        self._counted = False
+        self._pending, self._pending_bytes = [], 0  # their .grad stays: the plain loop's
+        self._late = []
+        self._held = [p for p in self._hooks if p.grad is not None]
+        self._raised = _RAISED_UPDATED if updated else _RAISED_HELD if self._held else 0
+        self._unguard()
+        if self._raised and self._accumulate == 1:
+            self._held_hooks = [p.register_hook(_HeldGuard(self)) for p in self._held]
+
+    def _unguard(self) -> None:
+        for h in self._held_hooks:
+            h.remove()
+        self._held_hooks = []
+
+    def _go_on_from_raised(self) -> None:
+        # NOTE [A backward that raised]: the first backward after a raised one passed the
+        # checks: check_loop=False starts each step from no gradient; otherwise the held
+        # gradients go on accumulating as in the plain loop (nothing was updated)
+        held, self._held, self._raised = self._held, [], 0
+        self._unguard()
+        if not self._check_loop and (self._accumulate == 1 or self._micro == 0):
+            for p in held:
+                p.grad = None
+        elif self._accumulate == 1:
+            self._late = held
+
+    def _drop_held(self, apply: bool) -> None:
+        # NOTE [A backward that raised]: step() (apply) or zero_grad() after a raised backward
+        held, self._held, self._raised = self._held, [], 0
+        self._unguard()
+        self._micro = 0
+        held = [p for p in held if p.grad is not None]
+        if apply and held:
+            self._update(held)
+        for p in held:
+            p.grad = None
 
     def _resume_on(self, node: Any) -> None:
         # NOTE [A reentrant backward is not a second backward]: once ``node`` returns, the
@@ -1053,7 +1239,7 @@ class StepInBackward(torch.optim.Optimizer):
                 # second step over the kept graph
                 self._task = None
                 raise _retain_graph_refusal()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._queue_end()
 
         removable = None
         removable = node.register_hook(resume)
@@ -1069,28 +1255,46 @@ class StepInBackward(torch.optim.Optimizer):
             return
         # NOTE [A parameter in and around a reentrant checkpoint]: its second gradient in one
         # backward, refused before it is added
-        if self._micro < self._accumulate:
-            # nothing updated in this backward: undo what it did to the cycle
-            self._micro -= 1
-            for q in self._fired:
-                was_none, in_sz, sd = self._grad_was[q]
-                if was_none:
-                    q.grad = None
-                if in_sz:
-                    self._since_zero[q] = sd
-                else:
-                    self._since_zero.pop(q, None)
-            self._fired.clear()
-            self._grad_was.clear()
+        self._undo_micro()
         raise _reentrant_in_accumulation()
+
+    def _undo_micro(self) -> None:
+        # NOTE [A parameter in and around a reentrant checkpoint]: a refusal in a micro-batch that
+        # updates nothing (not the cycle's last) undoes what this backward did to the cycle
+        if not (self._counted and 0 < self._micro < self._accumulate):
+            return
+        self._micro -= 1
+        self._counted = False
+        for q in self._fired:
+            was_none, in_sz, sd = self._grad_was[q]
+            if was_none:
+                q.grad = None
+            if in_sz:
+                self._since_zero[q] = sd
+            else:
+                self._since_zero.pop(q, None)
+        self._fired.clear()
+        self._grad_was.clear()
 
     def _guarded(self, fn, *args) -> Any:
         try:
             return fn(*args)
         except BaseException:
-            self._task = None  # the engine runs no end-of-backward callback after an error
-            self._drop_pending()
+            if self._accumulate == 1 and self._task is not None and not self._updated_now:
+                self._refused_before_update()
             raise
+
+    def _refused_before_update(self) -> None:
+        # NOTE [Every refusal changes nothing]: accumulate=1, a refusal in a backward that updated
+        # nothing yet: each gradient it made was None before it (a parameter's .grad is None
+        # between backwards), so it goes, with the record of it; a gradient a raised backward
+        # left (NOTE [A backward that raised]) was added to in place and stays, as that one's
+        late = set(self._late)
+        for p in self._fired:
+            if p not in late:
+                p.grad = None
+                self._since_zero.pop(p, None)
+        self._pending, self._pending_bytes = [], 0
 
     def _hook(self, p: torch.Tensor) -> None:
         try:
@@ -1103,7 +1307,7 @@ class StepInBackward(torch.optim.Optimizer):
             raise
 
     def _step_one(self, p: torch.Tensor) -> None:
-        self._start_backward()
+        task = self._start_backward()
         if p in self._rows_taken:
             if p.grad is None:
                 return  # the fused loss returned no gradient for it: its rows are updated
@@ -1116,7 +1320,7 @@ class StepInBackward(torch.optim.Optimizer):
                 f"a second gradient for a {tuple(p.shape)} weight",
                 "Add that term inside the model's graph below the loss, or use a plain optimizer",
             )
-        self._count(p)
+        self._count(p, task)
         if self._accumulate == 1 or self._micro == self._accumulate:
             nbytes = p.numel() * p.element_size()
             if nbytes >= self._bucket_bytes:
@@ -1128,23 +1332,46 @@ class StepInBackward(torch.optim.Optimizer):
             if self._pending_bytes >= self._bucket_bytes:
                 self._flush()
 
-    def _count(self, p: torch.Tensor) -> None:
-        n = self._fired.get(p, 0) + 1
+    def _count(self, p: torch.Tensor, task: int) -> None:
+        first = self._fired.get(p)
         # with accumulate=N the pre-hook refused a second one (NOTE [A parameter in and around a
         # reentrant checkpoint])
-        if self._accumulate == 1 and n > 1:
-            raise _err(
-                RuntimeError,
-                "a parameter got a second gradient in one step (a second backward over a retained "
-                "graph, two losses backward'ed one by one, or micro-batch accumulation); the plain "
-                "loop would sum them and step once",
-                "one backward between two step()/zero_grad() calls",
-                f"a second gradient for a {tuple(p.shape)} parameter",
-                "Backward the summed loss once, or use accumulate=N for micro-batches",
+        if self._accumulate == 1 and first is not None:
+            if first != task:
+                raise self._in_and_around(p)
+            # (a second backward is a new graph task: refused at its first hook, or a new step;
+            # in one graph task a leaf's AccumulateGrad runs once)
+            raise RuntimeError(
+                f"{_API}: parameter {self._name(p)} got two gradients in one graph task; this is "
+                "a slimgrad bug; please report it"
             )
-        self._fired[p] = n
+        self._fired[p] = task
         if self._check_loop:
             self._add_to_held(p)
+
+    def _in_and_around(self, p: torch.Tensor) -> Exception:
+        # NOTE [A parameter in and around a reentrant checkpoint], accumulate=1: the two
+        # gradients came in two graph tasks of one step, a nested backward and its enclosing one
+        return _err(
+            NotImplementedError,
+            f"parameter {self._name(p)} gets a gradient both inside a reentrant checkpoint "
+            "(torch.utils.checkpoint(..., use_reentrant=True): its backward is a nested backward) "
+            "and outside it; each gradient arrives complete for its own backward and would be "
+            "applied on its own, where the plain loop sums them and steps once (parameters "
+            "reached before this one in this backward may be updated already)",
+            "every use of a parameter on one side of the checkpoint, or use_reentrant=False",
+            f"{self._name(p)} used in and around the checkpointed function",
+            "Pass use_reentrant=False to checkpoint (the non-reentrant checkpoint runs one "
+            "backward), or keep the parameter's uses on one side of it",
+        )
+
+    def _name(self, p: torch.Tensor) -> str:
+        module = self._watch.module() if self._watch is not None else None
+        if module is not None:
+            for name, q in module.named_parameters(remove_duplicate=False):
+                if q is p:
+                    return f"'{name}' {tuple(p.shape)}"
+        return f"of shape {tuple(p.shape)}"
 
     def _add_to_held(self, p: torch.Tensor) -> None:
         # NOTE [Gradients zeroed in place]: AccumulateGrad wrote this backward's gradient into a
@@ -1259,14 +1486,15 @@ class StepInBackward(torch.optim.Optimizer):
             or not self._chunkable(p)
         ):
             return None
-        self._guarded(self._start_backward)
+        task = self._guarded(self._start_backward)
         # NOTE [Gradients zeroed in place]: each block is what the plain loop adds to its zero
         plus_zero = p not in self._since_zero and self._held_zero.get(p, 0) is None
-        self._guarded(self._count, p)
+        self._guarded(self._count, p, task)
         self._rows_taken.add(p)
         width, total = p.shape[1], p.shape[0]
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
+            self._updated_now = True
             if self._check_loop:
                 self._loop = _UPDATED
             if plus_zero:
@@ -1294,6 +1522,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._pending, self._pending_bytes = [], 0
 
     def _update(self, params: list[torch.Tensor]) -> None:
+        self._updated_now = True
         if self._check_loop:
             # NOTE [What the loop did since the last update]: "updated" once an update ran (a
             # backward that raised before its bucket flushed updated nothing)
@@ -1370,9 +1599,12 @@ class StepInBackward(torch.optim.Optimizer):
             self._resume.remove()
             self._resume = None
         self._rows_taken.clear()
-        if flush and self._micro == 0:
-            # NOTE [A backward that raised]: the plain step() applies the gradients it left
-            self._flush()
+        if self._raised:
+            # NOTE [A backward that raised]: the plain step() applies the gradients it left, the
+            # plain zero_grad() drops them (mid-cycle too); either ends the cycle
+            self._drop_held(apply=flush)
+        elif flush and self._micro == 0:
+            self._flush()  # (an end callback that never ran: NOTE [A backward that raised])
         self._drop_pending()
         if self._accumulate > 1:
             if 0 < self._micro < self._accumulate and call == "step()":
@@ -1553,10 +1785,12 @@ def step_in_backward(
         NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
             backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
-            processes.
+            processes, a parameter used inside and outside a reentrant checkpoint.
         RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
             later backward: a second backward with no ``step()`` since the last, a backward after
-            ``step()`` with no ``zero_grad()``, a frozen parameter unfrozen.
+            ``step()`` with no ``zero_grad()``, a frozen parameter unfrozen, a backward after
+            one that raised once it had updated (call ``step()`` first: NOTE [A backward that
+            raised]).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
