@@ -1531,6 +1531,10 @@ _NOT_VALUES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "require
 _HF_AST: dict = {}
 
 
+# the methods of a held container that return one of its items (``self.cache.get(k)``): held too
+_HELD_ITEM = frozenset({"get", "setdefault", "pop", "popitem", "popleft", "__getitem__"})
+
+
 def _shared_value(obj) -> bool:
     # a value that may keep what it is given: not an atom, a tensor, a module, code or a class
     return obj is not _MISSING and not (
@@ -2131,7 +2135,16 @@ class _Flow:
             self.assign(e.target, held, env)
             return held
         if isinstance(e, ast.Call):
-            return self.call(e, env)
+            got = self.call(e, env)
+            f = e.func
+            if _SHARED in got and not (
+                isinstance(f, ast.Attribute)
+                and f.attr in _HELD_ITEM
+                or isinstance(f, ast.Name)
+                and f.id == "type"
+            ):  # a call's result is not a held value (NOTE [An output kept on the module escapes])
+                got = got - {_SHARED}
+            return got
         if isinstance(e, ast.Attribute):
             base = self.expr(e.value, env)
             if (key := self.key(e)) is not None:  # NOTE [A tensor kept on the module]
@@ -2971,8 +2984,10 @@ def inplace_guard_pattern(
 #     attribute of a module or class reached from a global; ``type(self)``; ``self.__class__``;
 #     a local name assigned one), an attribute or item assignment on it and any call of one of its
 #     methods (``self.box.put(h)``, ``CACHE.append(h)``, ``b = self.box; b.items.append(h)``,
-#     ``type(self).last = h``), and a helper method of the module for the arguments its own
-#     source keeps (``_Flow.helper``; one whose source cannot be read keeps all of them).
+#     ``type(self).last = h``; what such a call returns is not held, but for a container's
+#     accessors, ``_HELD_ITEM``: ``self.cache.get(k).append(h)``), and a helper method of the
+#     module for the arguments its own source keeps (``_Flow.helper``; one whose source cannot be
+#     read keeps all of them).
 # A Proxy of a tensor's metadata (``h.shape``, ``h.size(0)``, ``h.dtype``, ``h.numel()``) holds no
 # tensor and is no escape, nor is a number read from a tensor (NOTE [A number read from a tensor
 # holds no tensor]). A forward that keeps its input (or a view of it) makes its callers' reading
