@@ -299,7 +299,16 @@ def _instance_kind(fn, m: nn.Module) -> str:
 # the module alone, and the hook's class. ``ModelHook.pre_forward``/``post_forward`` return their
 # arguments; ``AlignDevicesHook``'s move tensors with ``send_to_device`` (``.to``: a new tensor or
 # the same one, never a write of the caller's tensor) and load or unload the module's own weights;
-# a ``SequentialHook`` runs its hooks' in turn. Where the hook is one of those classes (or a
+# ``CpuOffload``'s (``cpu_offload_with_hook``) moves the module to its execution device
+# (``module.to``: parameters and buffers rebound or given new data, never a write of an
+# activation), sends the arguments there (``send_to_device``) and returns the output as it is,
+# after offloading the model of ``prev_module_hook`` when that is a ``UserCpuOffloadHook`` (its
+# ``offload`` runs its hook's ``init_hook``: read as known only where that hook is a
+# ``CpuOffload`` whose ``init_hook`` is the class's, ``.to("cpu")``; ``_offloads_only``);
+# ``LayerwiseCastingHook``'s (``attach_layerwise_casting_hooks``) cast the module's own weights
+# to the compute dtype before the forward and back to the storage dtype after it (``module.to``)
+# and return the arguments and the output as they are; a ``SequentialHook`` runs its hooks' in
+# turn. Where the hook is one of those classes (or a
 # subclass that overrides neither method) over such hooks, the module is read as the forward it
 # wraps (``m._old_forward``: the class's, or what that one is, as for any instance forward). Any
 # other hook class, or a subclass with its own ``pre_forward``/``post_forward``, is a wrapper that
@@ -323,11 +332,9 @@ def _accelerate_passes(fn, m: nn.Module) -> bool:
 
 def _accelerate_hook_passes(hook, hooks: types.ModuleType) -> bool:
     base = getattr(hooks, "ModelHook", None)
-    align = getattr(hooks, "AlignDevicesHook", None)
     seq = getattr(hooks, "SequentialHook", None)
     if base is None or not isinstance(hook, base):
         return False
-    known = {c for c in (base, align) if isinstance(c, type)}
     cls = type(hook)
     if seq is not None and isinstance(hook, seq):
         own = (cls.pre_forward, cls.post_forward) == (seq.pre_forward, seq.post_forward)
@@ -335,8 +342,37 @@ def _accelerate_hook_passes(hook, hooks: types.ModuleType) -> bool:
         return (
             own and isinstance(subs, tuple) and all(_accelerate_hook_passes(h, hooks) for h in subs)
         )
-    return any(
-        cls.pre_forward is k.pre_forward and cls.post_forward is k.post_forward for k in known
+    for name in ("ModelHook", "AlignDevicesHook", "CpuOffload", "LayerwiseCastingHook"):
+        k = getattr(hooks, name, None)
+        if (
+            isinstance(k, type)
+            and isinstance(hook, k)
+            and cls.pre_forward is k.pre_forward
+            and cls.post_forward is k.post_forward
+        ):
+            return name != "CpuOffload" or _offloads_only(hook, hooks)
+    return False
+
+
+def _offloads_only(hook, hooks: types.ModuleType) -> bool:
+    # NOTE [accelerate's hook wrapper]: a CpuOffload's ``pre_forward`` first calls
+    # ``prev_module_hook.offload()``, which runs that hook's ``init_hook`` on its model: known
+    # where there is none, or it is ``cpu_offload_with_hook``'s (a UserCpuOffloadHook over a
+    # CpuOffload, whose ``init_hook`` moves the model to the CPU)
+    prev = getattr(hook, "prev_module_hook", None)
+    user = getattr(hooks, "UserCpuOffloadHook", None)
+    if prev is None:
+        return True
+    if not isinstance(user, type):
+        return False
+    if not isinstance(prev, user):  # (not called: ``pre_forward`` offloads a UserCpuOffloadHook)
+        return True
+    inner, off = getattr(prev, "hook", None), getattr(hooks, "CpuOffload", None)
+    return (
+        type(prev).offload is user.offload
+        and isinstance(off, type)
+        and isinstance(inner, off)
+        and type(inner).init_hook is off.init_hook
     )
 
 
@@ -426,12 +462,16 @@ class _LeafTracer(torch.fx.Tracer):
     def __init__(self, root: nn.Module):
         super().__init__()
         self._root = root
+        self.made: list[weakref.ref] = []  # every Proxy made (NOTE [An output kept on the module
+        # escapes]: one still alive after the trace is kept somewhere)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return m is not self._root
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
-        return _InplaceProxy(node, self)
+        p = _InplaceProxy(node, self)
+        self.made.append(weakref.ref(p))
+        return p
 
 
 def _trace(
@@ -439,22 +479,34 @@ def _trace(
 ) -> tuple[torch.fx.Graph, bool, frozenset[str]]:
     # the graph, whether the forward drew from a random number generator (the generators'
     # states, and every module's state, are restored: NOTE [A trace leaves the model as it was]),
-    # and the names of the nodes whose Proxies the forward left on a module (NOTE [An output kept
-    # on the module escapes]); ``state``: a snapshot of ``m`` taken by the caller's
-    # ``untouched(m)`` for several traces
+    # and the names of the nodes whose Proxies the forward kept past the trace (NOTE [An output
+    # kept on the module escapes]): on a module (read before the state is put back) or anywhere
+    # else (a global, a class attribute: the Proxies still alive once it is put back);
+    # ``state``: a snapshot of ``m`` taken by the caller's ``untouched(m)`` for several traces
     if state is None:
         with untouched(m) as state:
-            return _fx(m), state.drew(), _kept_on_modules(m)
+            graph, made = _fx(m)
+            drew, kept = state.drew(), _kept_on_modules(m)
+        return graph, drew, kept | _still_alive(made)
     if not state.copies_in:
         state.swap_in_copies()
+    made: list = []
     try:
-        graph = _fx(m)
+        graph, made = _fx(m)
         drew = state.drew()
         kept = _kept_on_modules(m)
     finally:
         state.restore()
     state.check()
-    return graph, drew, kept
+    return graph, drew, kept | _still_alive(made)
+
+
+def _still_alive(made: list) -> frozenset[str]:
+    # NOTE [An output kept on the module escapes]: the Proxies of a trace someone still holds once
+    # the module tree is put back (``made``: weak references to every Proxy the trace made)
+    return frozenset(
+        p.node.name for r in made if (p := r()) is not None and not _metadata_node(p.node)
+    )
 
 
 # a tensor's metadata read through a Proxy (``h.shape``, ``h.size(0)``, ``h.shape[-1]``,
@@ -510,10 +562,12 @@ def _kept_on_modules(root: nn.Module) -> frozenset[str]:
     return frozenset(found)
 
 
-def _fx(m: nn.Module) -> torch.fx.Graph:
+def _fx(m: nn.Module) -> tuple[torch.fx.Graph, list]:
+    # the graph, and weak references to the Proxies the trace made
+    tracer = _LeafTracer(m)
     with warnings.catch_warnings():  # the trace calls forward on Proxies (torch
         warnings.simplefilter("ignore")  # warns, e.g. under reentrant checkpoint)
-        return _LeafTracer(m).trace(m)
+        return tracer.trace(m), tracer.made
 
 
 # NOTE [A trace leaves the model as it was]
@@ -527,37 +581,127 @@ def _fx(m: nn.Module) -> torch.fx.Graph:
 # user's modules (the in-place guard's, shared by the later readings; abn's own; ownership's
 # stand-in's) runs inside ``untouched(root)`` (the guard's two traces of a module, train and eval,
 # share one snapshot, put back after each): before it, every module below ``root`` (``root``
-# included) has its attribute dict copied, and so has every dict, list and set reachable from
-# those attributes through dicts, lists, sets and tuples (``_parameters``, ``_buffers``,
-# ``_modules`` and the hook dicts among them); a plain tensor reachable that way (not a Parameter,
-# not a buffer) is replaced by a copy for the trace, as ``ownership._trace_stand_in`` does, so a
-# real in-place write of the forward (``self.t += 1``: fx runs it, there is no Proxy in it) lands
-# on the copy. After the trace, whatever happened, each of those dicts, lists and sets gets its
-# own items back, in place (the same objects, the same identities: a reference the user holds
-# stays valid), and so do the random number generators (``_rng_states``: the module tree's are
-# found in that same walk). Parameters and buffers are read through fx as graph nodes
-# (``proxy_buffer_attributes``), so a write to one is recorded, not run; their version counters
-# are compared all the same, and a trace that bumped one raises (the model changed and could not
-# be put back: convert_ names it rather than go on). Not covered: state outside the module tree's
-# attributes (a module-level cache, a class attribute, an ``lru_cache``, an object's own
-# ``__dict__`` that is not a module's).
-_SNAP_CONTAINERS = (dict, list, set, tuple)  # walked (tuples: their items only)
+# included) has its attribute dict copied, and so has every container reachable from those
+# attributes: dicts, lists, sets and deques, their subclasses (OrderedDict, defaultdict, Counter,
+# a user's) included, reached through containers, tuples and objects (``_parameters``,
+# ``_buffers``, ``_modules`` and the hook dicts among them), and the attribute dict of every
+# object reached that way (a SimpleNamespace, a dataclass, a plain object, a user's container
+# subclass, a module outside ``root``). A plain tensor in a module's attributes or a container
+# reached from them (not a Parameter, not a buffer) is replaced by a copy for the trace, as
+# ``ownership._trace_stand_in`` does, so a real in-place write of the forward (``self.t += 1``:
+# fx runs it, there is no Proxy in it) lands on the copy; one reached through an object is
+# compared instead, as a parameter is (an object may hold many: accelerate's hooks hold the
+# offloaded weights). After the trace, whatever happened, each of those containers gets its own
+# items back, in place (the same objects, the same identities: a reference the user holds stays
+# valid), read and put back with its base class's methods (``_snapshot``, ``_put_back``: a
+# subclass's ``__setitem__`` or ``append`` does not run, an OrderedDict keeps its order, a deque
+# its ``maxlen``), and so do the random number generators (``_rng_states``: those held by the
+# module tree are found in that same walk). Parameters and buffers are read through fx as graph
+# nodes (``proxy_buffer_attributes``), so a write to one is recorded, not run; their version
+# counters are compared all the same, and a trace that bumped one raises (the model changed and
+# could not be put back: convert_ names it rather than go on). Not covered: state outside what
+# the module tree's attributes reach (a module-level cache, a class attribute, an
+# ``lru_cache``), an object's ``__slots__``, a mutable container of another kind (an
+# ``array.array``, a ``bytearray``). A Proxy left there is still seen as kept (NOTE [An output
+# kept on the module escapes]).
+_SNAP_CONTAINERS = (dict, list, set, tuple, collections.deque)  # walked (tuples: items only)
 _SNAP_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
+# objects whose attribute dict is not walked: code, classes, modules, tensors (NOTE [A trace
+# leaves the model as it was]: an object's own attributes)
+_SNAP_NOT_OBJECTS = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    torch.Tensor,
+    torch.fx.Proxy,
+)
+
+
+# how a container's items are read and put back (``_snapshot``, ``_put_back``): by its base
+# class's own methods, so a subclass's ``__iter__``, ``items`` or ``__setitem__`` is not run
+_DICT, _ODICT, _LIST, _SET, _DEQUE = range(5)
+
+
+_STDLIB = frozenset({"builtins", "collections"})
+
+
+def _kind(c: object) -> int:
+    if isinstance(c, collections.OrderedDict):
+        return _ODICT
+    if isinstance(c, dict):
+        return _DICT
+    if isinstance(c, list):
+        return _LIST
+    return _SET if isinstance(c, set) else _DEQUE
+
+
+def _snapshot(c: object, kind: int) -> object:
+    if kind == _DICT:
+        return dict.copy(c)
+    if kind == _LIST:
+        return list.copy(c)
+    if kind == _ODICT:
+        return list(collections.OrderedDict.items(c))  # (its order, not the dict's)
+    if kind == _SET:
+        return set.copy(c)
+    return list(collections.deque.__iter__(c))
+
+
+def _put_back(c: object, kind: int, items) -> None:
+    if kind == _DICT:
+        dict.clear(c)
+        dict.update(c, items)
+    elif kind == _LIST:
+        list.__setitem__(c, slice(None), items)
+    elif kind == _ODICT:
+        collections.OrderedDict.clear(c)
+        for k, v in items:
+            collections.OrderedDict.__setitem__(c, k, v)
+    elif kind == _SET:
+        set.clear(c)
+        set.update(c, items)
+    else:  # a deque (its ``maxlen`` is the object's own: unchanged)
+        collections.deque.clear(c)
+        collections.deque.extend(c, items)
+
+
+def _set_item(c: object, k: object, v: object) -> None:
+    # an item of a dict or a list set as its base class sets it
+    if isinstance(c, collections.OrderedDict):
+        collections.OrderedDict.__setitem__(c, k, v)
+    elif isinstance(c, dict):
+        dict.__setitem__(c, k, v)
+    else:
+        list.__setitem__(c, k, v)
+
+
+def _object_dict(v: object) -> dict | None:
+    # an object's own attribute dict, where it is one (not code, a class, a module, a tensor)
+    if isinstance(v, _SNAP_NOT_OBJECTS):
+        return None
+    try:
+        d = object.__getattribute__(v, "__dict__")
+    except (AttributeError, TypeError):  # __slots__, a C type
+        return None
+    return d if type(d) is dict else None
 
 
 class _State:
-    # the attribute dicts of ``root``'s modules, the containers reachable from them, and the
-    # random number generators, copied before a trace (NOTE [A trace leaves the model as it was])
+    # the attribute dicts of ``root``'s modules, the containers and objects reachable from them,
+    # and the random number generators, copied before a trace (NOTE [A trace leaves the model as
+    # it was])
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         # (restore, read) of every generator (``_rng_states``); the module tree's are found by
         # the walk below, which reads every module attribute anyway
         self.rng_io: list[tuple[Callable, Callable]] = _global_rngs()
         self.cuda, self.numpy = torch.cuda.is_initialized(), "numpy" in sys.modules
-        # (container, its items before the trace): dicts and sets (put back by clear + update),
-        # lists (by a slice assignment)
+        # (container, its ``_kind``, its items before the trace, as ``_snapshot`` reads them):
+        # dicts (an object's attribute dict among them), lists, sets, deques; put back by
+        # ``_put_back``
         self.saved: list[tuple[object, object]] = []
-        self.saved_lists: list[tuple[list, list]] = []
         self.versions: dict[int, tuple[torch.Tensor, int]] = {}  # parameters and buffers
         self.swapped: list[tuple[object, object, torch.Tensor]] = []  # (container, key, original)
         self.copies_in = False  # the copies of ``swapped`` are in (until ``restore``)
@@ -568,52 +712,70 @@ class _State:
             owned.update(id(t) for t in d._parameters.values() if t is not None)
             owned.update(id(t) for t in d._buffers.values() if t is not None)
         self.owned = owned
+        seen.update(id(d) for d in mods)  # (each is walked here, not as an object)
         for d in mods:
-            self._walk(d.__dict__, seen, self.rng_io)
+            self._walk(d.__dict__, seen, False)
         self.rngs = [(restore, read()) for restore, read in self.rng_io]
 
-    def _walk(self, c: object, seen: set[int], gens: list | None = None) -> None:
-        # ``gens``: where a module's attribute dict (``c``) adds the generators it holds
+    def _walk(self, c: object, seen: set[int], held: bool) -> None:
+        # ``held``: ``c`` is reached through an object's attributes (a tensor there is compared,
+        # not copied: such an object may hold many, accelerate's offloaded weights among them)
         if id(c) in seen:
             return
         seen.add(id(c))
-        if isinstance(c, dict):
-            self.saved.append((c, dict(c)))
-            items = list(c.items())
-        elif isinstance(c, list):
-            self.saved_lists.append((c, list(c)))
-            items = list(enumerate(c))
-        elif isinstance(c, set):
-            self.saved.append((c, set(c)))
-            return
-        else:  # a tuple: its items only
+        if isinstance(c, tuple):
             items = [(None, v) for v in c]
+        else:
+            kind = _DICT if type(c) is dict else _kind(c)
+            snap = dict.copy(c) if kind == _DICT else _snapshot(c, kind)
+            self.saved.append((c, kind, snap))
+            if kind == _DICT:
+                items = snap.items()
+            elif kind == _LIST:
+                items = enumerate(snap)
+            elif kind == _ODICT:
+                items = snap
+            else:  # a set, a deque: their items are not replaced one by one
+                items = [(None, v) for v in snap]
+            if type(c).__module__ not in _STDLIB and (d := _object_dict(c)) is not None:
+                self._walk(d, seen, True)  # a user's container subclass: its own attributes
         for k, v in items:
             t = type(v)
             if t in _SNAP_ATOMS:
                 continue
             if issubclass(t, torch.Tensor):
-                if t is torch.Tensor and k is not None and id(v) not in self.owned:
+                if t is torch.Tensor and k is not None and not held and id(v) not in self.owned:
                     self.swapped.append((c, k, v))
-                else:  # a parameter, a buffer, a tensor in a tuple, a subclass: compared
+                else:  # a parameter, a buffer, a tensor in a tuple or an object, a subclass
                     self.versions[id(v)] = (v, v._version)
             elif issubclass(t, _SNAP_CONTAINERS):
-                self._walk(v, seen)
-            elif gens is not None and (io := _generator(v)) is not None:
-                gens.append(io)
+                self._walk(v, seen, held)
+            elif id(v) in seen:
+                continue
+            else:
+                seen.add(id(v))
+                if (io := _generator(v)) is not None:
+                    self.rng_io.append(io)
+                if (d := _object_dict(v)) is not None:
+                    # an object's own attributes (a SimpleNamespace, a dataclass, a plain object,
+                    # a module outside ``root``): its attribute dict is put back as a dict is
+                    self._walk(d, seen, True)
 
     def swap_in_copies(self) -> None:
         for c, k, t in self.swapped:
-            c[k] = t.detach().clone().requires_grad_(t.requires_grad) if t.is_leaf else t.clone()
+            copy = t.detach().clone().requires_grad_(t.requires_grad) if t.is_leaf else t.clone()
+            _set_item(c, k, copy)
         self.copies_in = True
 
     def restore(self) -> None:
         # (no comparison first: an item the trace left may be a Proxy, whose ``==`` records)
-        for c, items in self.saved:
-            c.clear()
-            c.update(items)
-        for c, items in self.saved_lists:
-            c[:] = items
+        clear, update = dict.clear, dict.update
+        for c, kind, items in self.saved:
+            if kind == _DICT:  # (``_put_back`` in line for the common kind)
+                clear(c)
+                update(c, items)
+            else:
+                _put_back(c, kind, items)
         for restore, st in self.rngs:
             restore(st)
         self.copies_in = False
@@ -1302,6 +1464,12 @@ class _Guard:
                 if node.target is getattr and len(node.args) > 1:
                     name = str(node.args[1])  # h.T, h.mT, ...
                 writes = _writes_first_arg(node, name)
+                if (
+                    node.op == "call_method"
+                    and name in _SCALAR_METHODS
+                    and _tensor_node(first, m, self.outputs)
+                ):
+                    continue  # NOTE [A number read from a tensor holds no tensor]
                 if writes or _may_alias(name):
                     if writes:
                         self.flag(a0.ends, _describe(node, name))
@@ -1355,9 +1523,27 @@ class _Guard:
 # source cannot be read, or that does not parse as one function, keeps its output-saving children
 # unconverted when it or a descendant has ``inplace=True``.
 _IN = "<input>"  # the forward's first parameter, among the aliases a name may hold
+# a value the module or a global holds (a container, an object): what is stored in it, or handed
+# to one of its methods, may be kept past the forward (NOTE [An output kept on the module escapes])
+_SHARED = "<held by the module or a global>"
 _ARG = "<argument>"  # any argument of a helper method (what its call passes in)
 _NOT_VALUES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "size"})
 _HF_AST: dict = {}
+
+
+# the methods of a held container that return one of its items (``self.cache.get(k)``): held too
+_HELD_ITEM = frozenset({"get", "setdefault", "pop", "popitem", "popleft", "__getitem__"})
+
+
+def _shared_value(obj) -> bool:
+    # a value that may keep what it is given: not an atom, a tensor, a module, code or a class
+    return obj is not _MISSING and not (
+        type(obj) in _SNAP_ATOMS
+        or isinstance(obj, (torch.Tensor, nn.Module, property, *_SNAP_NOT_OBJECTS))
+        or callable(obj)
+        and not isinstance(obj, _SNAP_CONTAINERS)
+        and _object_dict(obj) is None
+    )
 
 
 def _forward_ast(fn) -> ast.FunctionDef | None:
@@ -1538,12 +1724,35 @@ class _Flow:
         self.loops: list[tuple[list, list]] = []
         self.takes: list[nn.Module] = []  # the children given the forward's input (``_Info``)
         self.keeps_input = False  # NOTE [An output kept on the module escapes]
+        self.kept: set = set()  # all it kept (a helper's: which of its parameters)
 
     def escape(self, held: set) -> None:
         # NOTE [An output kept on the module escapes]: ``held`` is kept on a module
         if self.guard is not None:
             self.guard.escape(held)
         self.keeps_input = self.keeps_input or _IN in held
+        self.kept |= held
+
+    def shared(self, e, env: dict) -> bool:
+        # NOTE [An output kept on the module escapes]: ``e`` (an attribute of the module that is
+        # not a child, a global name, an attribute of a module or class reached from a global,
+        # ``type(self)``, ``self.__class__``) is a value the module or a global holds
+        if isinstance(e, ast.Name):
+            if e.id in env or e.id == self.me or e.id in self.local_names:
+                return False
+            return _shared_value(self.globals.get(e.id, _MISSING))
+        if not isinstance(e, ast.Attribute):
+            return False
+        if isinstance(e.value, ast.Name) and e.value.id == self.me:
+            if e.attr in ("__class__", "__dict__"):
+                return True
+            if self.module is None or e.attr in self.module._modules:
+                return False
+            try:
+                return _shared_value(inspect.getattr_static(self.module, e.attr))
+            except AttributeError:
+                return False
+        return _shared_value(self.callee(e, env))
 
     def feeds(self, child: nn.Module, every: set) -> None:
         # NOTE [Hooks on the modules around an output-saving one]: ``child`` is given ``every``
@@ -1817,20 +2026,21 @@ class _Flow:
         got = self.guard.methods[key]
         return (got - {_ARG}) | (held if _ARG in got else set())
 
-    def helper(self, fn) -> tuple[set[str] | None, set | None]:
+    def helper(self, fn) -> tuple[set[str] | None, set | None, set[str] | None]:
         # a method of the module called from its forward: (the parameters it writes in place,
-        # None: any; what it returns, ``_Param`` standing for an argument, None: its arguments),
-        # read with the module, so its own calls of children and their outputs are followed (a
-        # write there flags the child), whatever it names the module
+        # None: any; what it returns, ``_Param`` standing for an argument, None: its arguments;
+        # the parameters it keeps past the call, None: any: NOTE [An output kept on the module
+        # escapes]), read with the module, so its own calls of children and their outputs are
+        # followed (a write there flags the child), whatever it names the module
         if self.guard is None or self.module is None:
-            return _written_params(fn), None
+            return _written_params(fn), None, None
         key = (id(self.module), fn)
         got = self.guard.helpers.get(key)
         if got is None:
-            self.guard.helpers[key] = (set(), None)  # recursion: as read so far
+            self.guard.helpers[key] = (set(), None, set())  # recursion: as read so far
             fdef = _forward_ast(fn) if inspect.isfunction(inspect.unwrap(fn)) else None
             if fdef is None or not fdef.args.posonlyargs + fdef.args.args:
-                got = (_written_params(fn), None)  # a lambda, a property: as before
+                got = (_written_params(fn), None, None)  # a lambda, a property: as before
             else:
                 a = fdef.args
                 names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
@@ -1838,7 +2048,12 @@ class _Flow:
                 flow = _Flow(self.guard, self.module, names[0], fn)
                 flow.block(fdef.body, {n: {_Param(n)} for n in names[1:] + rest})
                 written = {x.name for x in flow.written if isinstance(x, _Param)}
-                got = (None if written & set(rest) else written, flow.ret)
+                kept = {x.name for x in flow.kept if isinstance(x, _Param)}
+                got = (
+                    None if written & set(rest) else written,
+                    flow.ret,
+                    None if kept & set(rest) else kept,
+                )
             self.guard.helpers[key] = got
         return got
 
@@ -1893,12 +2108,16 @@ class _Flow:
                 base = (base - env.get(key + "[]", set())) | env.get(key, set())
                 env[key + "[]"] = env.get(key + "[]", set()) | _no_consts(held)
                 self.escape(held)
+            elif _SHARED in base:  # CACHE[k] = h, self.box.items[0] = h: NOTE [An output kept
+                self.escape(held)  # on the module escapes]
             self.flag(base, "an item assignment in its HF forward")
         elif isinstance(target, ast.Attribute):
-            self.expr(target.value, env)
+            base = self.expr(target.value, env)
             if (key := self.key(target)) is not None:  # NOTE [A tensor kept on the module]
                 env[key] = _no_consts(held)
                 self.escape(held)
+            elif _SHARED in base:  # type(self).last = h, box.h = h: NOTE [An output kept on
+                self.escape(held)  # the module escapes]
 
     def expr(self, e, env: dict) -> set:
         # a name's literal (_Const) is what that name holds; no other expression's value is one
@@ -1909,13 +2128,23 @@ class _Flow:
         if e is None:
             return set()
         if isinstance(e, ast.Name):
-            return set(env.get(e.id, ()))
+            got = set(env.get(e.id, ()))
+            return got | {_SHARED} if self.shared(e, env) else got
         if isinstance(e, ast.NamedExpr):
             held = self.expr(e.value, env)
             self.assign(e.target, held, env)
             return held
         if isinstance(e, ast.Call):
-            return self.call(e, env)
+            got = self.call(e, env)
+            f = e.func
+            if _SHARED in got and not (
+                isinstance(f, ast.Attribute)
+                and f.attr in _HELD_ITEM
+                or isinstance(f, ast.Name)
+                and f.id == "type"
+            ):  # a call's result is not a held value (NOTE [An output kept on the module escapes])
+                got = got - {_SHARED}
+            return got
         if isinstance(e, ast.Attribute):
             base = self.expr(e.value, env)
             if (key := self.key(e)) is not None:  # NOTE [A tensor kept on the module]
@@ -1923,7 +2152,11 @@ class _Flow:
             if self.guard is not None and self.guard.outputs is not None:
                 if e.attr in _EXTRA_FIELDS:  # NOTE [Modules whose output is the model's output]
                     return set()
-            return set() if e.attr in _NOT_VALUES else base  # h.T, out.last_hidden_state
+            if e.attr in _NOT_VALUES:
+                return set()
+            # h.T, out.last_hidden_state; self.box, CACHES.last: NOTE [An output kept on the
+            # module escapes]
+            return base | {_SHARED} if self.shared(e, env) else base
         if isinstance(e, ast.Subscript):
             self.expr(e.slice, env)
             return self.expr(e.value, env)
@@ -1982,7 +2215,7 @@ class _Flow:
                     self.flag(every, f"self.{f.attr}(...), a stored callable that may write")
                 return every
             if callable(method):
-                written, ret = self.helper(method)
+                written, ret, kept = self.helper(method)
                 fdef = _forward_ast(method)
                 names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:] if fdef else []
                 bound = {n: a for n, a in zip(names, args, strict=False)} | kws
@@ -1993,6 +2226,7 @@ class _Flow:
                     return set().union(*(a for n, a in bound.items() if n in params))
 
                 self.flag(of(written), f"self.{f.attr}(...), which writes its argument in place")
+                self.escape(of(kept))  # NOTE [An output kept on the module escapes]
                 if ret is not None and not self._outputs():  # what its own source returns
                     got = {x for x in ret if not isinstance(x, _Param)}
                     got |= of({x.name for x in ret if isinstance(x, _Param)})
@@ -2026,12 +2260,24 @@ class _Flow:
             return first if _may_alias(f.attr) else set()
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
+            if _SHARED in base:  # self.box.put(h), CACHE.append(h): NOTE [An output kept on the
+                self.escape(every)  # module escapes]
             if _writes_name(f.attr):
                 self.flag(base, f"{f.attr} in its HF forward")
                 return base
             if inplace_kw:
                 self.flag(base, f"{f.attr}(..., inplace=True) in its HF forward")
             return base if _may_alias(f.attr) or inplace_kw else set()
+        if (
+            isinstance(f, ast.Name)
+            and len(e.args) == 1
+            and isinstance(e.args[0], ast.Name)
+            and e.args[0].id == self.me
+            and self.callee(f, env) is type
+        ):  # type(self): the class, whose attributes outlive the call
+            return {_SHARED}
+        if isinstance(f, ast.Name) and self.callee(f, env) in _SCALAR_BUILTINS:
+            return set()  # NOTE [A number read from a tensor holds no tensor]
         if isinstance(f, ast.Name):
             if _inplace_name(f.id) or inplace_kw:
                 self.flag(first, f"{f.id} in its HF forward")
@@ -2569,6 +2815,53 @@ def _hook_source_roles(hook) -> frozenset[int] | None:
     return frozenset(out)
 
 
+# NOTE [A number read from a tensor holds no tensor]
+# ``self.stats.append(float(h.max()))``, ``h[0, 0].item()``, ``h.tolist()`` keep Python numbers,
+# not ``h``: no write through them reaches ``h``, so they are no escape (NOTE [An output kept on
+# the module escapes]) and no alias of ``h``. It is a fact only where what is read is a tensor,
+# so the guard takes it from what it knows: ``float``, ``int``, ``bool`` and ``complex`` (the
+# builtins, whatever they are given: each returns its own type) in a read source; in a traced
+# forward, ``.item()`` and ``.tolist()`` of a value the trace shows is a tensor (``_tensor_node``:
+# the output of an output-saving module or a BatchNorm whose forward is its class's, without
+# forward hooks, or an ATen operator or an index applied to such a value). ``.item()`` of any
+# other value (a name in a read source, a child's output of unknown type) may be a user's method
+# that returns what it holds, and stays an alias.
+_SCALAR_METHODS = frozenset({"item", "tolist"})
+_SCALAR_BUILTINS = (float, int, bool, complex)
+
+
+def _tensor_node(node, m: nn.Module, outputs: tuple | None, depth: int = 0) -> bool:
+    # NOTE [A number read from a tensor holds no tensor]: whether ``node``'s value is a tensor;
+    # ``outputs``: the slimgrad classes the outputs question asks about (their forwards return a
+    # tensor)
+    if not isinstance(node, torch.fx.Node) or depth > 64:
+        return False
+    if node.op == "call_module":
+        sub = m.get_submodule(node.target)
+        if "forward" in sub.__dict__ or _hooked(sub):  # (a forward hook may return anything)
+            return False
+        if outputs is not None and isinstance(sub, outputs):
+            return type(sub).__module__.startswith("slimgrad.")
+        return _is_source(sub) or any(
+            _qualname(c) in SAVES_OUTPUT and type(sub).forward is c.forward
+            for c in type(sub).__mro__
+        )
+    if node.op not in ("call_method", "call_function") or not node.args:
+        return False
+    if node.target is operator.getitem:
+        return _tensor_node(node.args[0], m, outputs, depth + 1)
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if node.op == "call_function" and not (
+        getattr(node.target, "__module__", None) or ""
+    ).startswith("torch"):
+        return False
+    try:
+        getattr(torch.ops.aten, _ATEN_NAME.get(name, name))
+    except (AttributeError, RuntimeError):
+        return False
+    return _tensor_node(node.args[0], m, outputs, depth + 1)
+
+
 def _writes_first_arg(node: torch.fx.Node, name: str) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
@@ -2674,20 +2967,38 @@ def inplace_guard_pattern(
 # (autograd's error, where eager, which keeps the op's input, trains). So a kept value counts as
 # the model's output for NOTE [Modules whose output is the model's output]: every output-saving
 # module whose output it may hold runs eager's op (or, InPlaceABN/ReversibleSequential, returns a
-# copy), and the report says why (``KEPT_ON_MODULE``). Found in the same reading, from the structure
-# at ``convert_`` time: in a traced forward, the Proxies the trace left in the attribute dicts of
-# the module and its descendants (and in the containers, subclasses included, and objects reachable
-# from them: an OrderedDict, a deque, a SimpleNamespace, a plain object), read before the trace is
-# undone (NOTE [A trace leaves the model as it was]), name the nodes kept (``_kept_on_modules``;
-# train and eval traces both); a Proxy of a tensor's metadata (``h.shape``, ``h.size(0)``,
-# ``h.dtype``, ``h.numel()``) holds no tensor and is no escape; in a read source, an assignment to
-# ``self.<path>`` or an item of it, a keeping method of it (``_KEEPING``) and ``setattr(self, ...)``
-# keep what they are given. A forward that keeps its input (or a view of it) makes its callers'
-# reading keep what they give it (``_Info.keeps_input``), so a child storing what its parent hands
-# it counts as well. Every module is read for this (not only those the root's forward reaches). Not
-# followed: in a read source, a tensor kept inside another object; in either reading, in a global or
-# class attribute, or by a helper method the forward calls
-# (tests/conformance/test_output_kept_on_module_more.py: containers and metadata).
+# copy), and the report says why (``KEPT_ON_MODULE``). Found in the same reading, from the
+# structure at ``convert_`` time:
+#   - in a traced forward, the Proxies the trace left in the attribute dicts of the module and its
+#     descendants (and in the containers, subclasses included, and objects reachable from them: an
+#     OrderedDict, a deque, a SimpleNamespace, a plain object), read before the trace is undone
+#     (NOTE [A trace leaves the model as it was]; ``_kept_on_modules``), and every Proxy of the
+#     trace still alive once it is undone (``_still_alive``, from weak references the tracer takes
+#     to each Proxy it makes: one in a global, a class attribute, a closure, an object's slots, or
+#     anything else the undoing does not reach), name the nodes kept (train and eval traces both;
+#     a helper method the forward calls runs in the trace, so what it keeps is among them);
+#   - in a read source, an assignment to ``self.<path>`` or an item of it, a keeping method of it
+#     (``_KEEPING``) and ``setattr(self, ...)`` keep what they are given; so does, for a value the
+#     module or a global holds (``_SHARED``: ``self.<name>`` that is not a child, a parameter or
+#     buffer, a code object or a class; a global name bound to a container or an object; an
+#     attribute of a module or class reached from a global; ``type(self)``; ``self.__class__``;
+#     a local name assigned one), an attribute or item assignment on it and any call of one of its
+#     methods (``self.box.put(h)``, ``CACHE.append(h)``, ``b = self.box; b.items.append(h)``,
+#     ``type(self).last = h``; what such a call returns is not held, but for a container's
+#     accessors, ``_HELD_ITEM``: ``self.cache.get(k).append(h)``), and a helper method of the
+#     module for the arguments its own source keeps (``_Flow.helper``; one whose source cannot be
+#     read keeps all of them).
+# A Proxy of a tensor's metadata (``h.shape``, ``h.size(0)``, ``h.dtype``, ``h.numel()``) holds no
+# tensor and is no escape, nor is a number read from a tensor (NOTE [A number read from a tensor
+# holds no tensor]). A forward that keeps its input (or a view of it) makes its callers' reading
+# keep what they give it (``_Info.keeps_input``), so a child storing what its parent hands it
+# counts as well. Every module is read for this (not only those the root's forward reaches). Not
+# followed: what a forward hands to an argument it was given (``store.append(h)`` with ``store``
+# a parameter of the forward: the caller's object), a global function slimgrad does not read that
+# keeps its argument (in a read source), a tensor kept in one call and read back in a later one
+# (tests/conformance/test_output_kept_on_module_more.py: containers and metadata;
+# tests/conformance/test_output_kept_on_module_round3.py: globals, class attributes, objects,
+# helpers, numbers).
 
 
 def output_modules(
