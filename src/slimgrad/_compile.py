@@ -57,8 +57,11 @@ more custom op (``ops/softmax_dropout.py``: ``scores_softmax_dropout_matmul``); 
 keeps its Function and its bits. Dropout inside such an op draws from the global generator at
 run time, as the uncompiled op does: the same masks for the same seed (compiled eager draws with
 inductor's RNG instead). A backward that recomputes nothing from the forward's inputs, only
-rebuilds values from what the op saved, may stay traced torch ops, which inductor fuses: the HF
-RMSNorm's (NOTE [RMSNorm's backward traced under torch.compile] in ``ops/rms_norm.py``).
+rebuilds values from what the op saved, may stay traced torch ops, which inductor fuses: the
+LayerNorm's (NOTE [LayerNorm's backward traced under torch.compile] in ``ops/layer_norm.py``). The
+other way round, a ``torch.utils.checkpoint`` around eager's own ops tags them "recompute", and the
+partitioner keeps only the checkpoint's inputs: the HF RMSNorm keeps x, not y (NOTE [RMSNorm's
+backward traced under torch.compile] in ``ops/rms_norm.py``).
 ``tests/test_compile_saved.py`` holds compiled converted HF GPT-2 and
 Llama to the uncompiled converted models' saved bytes (x 1.05) and each op above to its Memory
 line.

@@ -65,6 +65,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from slimgrad import _dtensor, _ext, ownership
 from slimgrad._autograd import (
@@ -635,11 +636,6 @@ def _(x, gamma, out_dtype):
     return x.new_empty((k,), dtype=torch.int64), x.new_empty((x.numel() // max(d, 1), k))
 
 
-# the op itself for the compiled forward: one global for Dynamo to guard, where calling the
-# SlimOp wrapper made it guard the wrapper, its CustomOpDef and their __call__ code (7)
-_HF_SIDE_OP = _hf_side._opoverload
-
-
 class _HFRMSNormFromOutputFn(torch.autograd.Function):
     # float32 input and output: y = xhat * gamma, rebuilt from y (as _RMSNormFn)
     @staticmethod
@@ -869,86 +865,49 @@ def _node_double(dy, y, rstd, weight, need_x, need_w):
     return out[0], out[1]
 
 
-class _HFRMSNormCompiledFn(_HFRMSNormFromOutputFn):
-    # NOTE [RMSNorm's backward traced under torch.compile]
-    # _HFRMSNormFromOutputFn while compiling: the same forward (its general branch: the traced
-    # HF ops, the side table from the hf_rms_norm_side custom op) and so the same saved set (y,
-    # rstd, the fallback channels' indices and input columns, the weight), with its backward
-    # written as plain torch ops instead of the opaque rms_norm_bwd custom op, so inductor fuses
-    # it (compiled eager's RMSNorm backward is fused too). Nothing is recomputed from the
-    # forward's inputs: backward rebuilds xhat = y / gamma from the saved output and patches the
-    # fallback columns from the saved side table, so the joint graph has no forward op for CSE
-    # to merge with and the partitioner keeps what the custom op kept
-    # (tests/test_compile_saved.py). The math is rms_norm_bwd_torch's (dw's row sum in float64,
-    # the row dot / D, then (g - xhat * c) * rstd); inductor's fused order rounds differently,
-    # within the error rule (tests/test_compile_rms_norm.py).
-    #
-    # NOTE [RMSNorm's fallback columns in the traced backward]
-    # The fallback channels' table has a data-dependent length k (usually 0), so what inductor
-    # makes of an op on it is a separate kernel. The backward used to patch three N x D tensors
-    # with index_copy (dy * xhat, g * xhat, and g - xhat * c): three full copies and three
-    # kernels that broke the fusion of the row sums. Now the table gives a D-sized mask (one
-    # index_fill), every N x D term is the from-output formula with the mask's columns set to 0
-    # by a ``masked_fill`` (fused with its producer and its sum; not xhat * 0: gamma = inf
-    # makes g infinite there), the table's columns are computed apart (N x k) and added to the
-    # row sums, and only dx and dgamma get their k columns put in place (one N x D index_copy).
-    # The same products as before; the row sum c adds the k columns after the others.
-    @staticmethod
-    def forward(ctx, x, weight, eps, variant):
-        # _HFRMSNormFromOutputFn's general forward as Dynamo traces it (the side table always a
-        # tensor: its length is symbolic), calling the side op's OpOverload itself (NOTE [What a
-        # compiled HF RMSNorm reads])
-        fwd, gamma_of = HF_VARIANTS[variant]
-        y, rstd = fwd(x, weight, eps)
-        ctx.variant = variant
-        ctx.materialize_grads = False
-        idx, xside = _HF_SIDE_OP(x, gamma_of(weight) if weight is not None else None, y.dtype)
-        ctx.save_for_backward(y, rstd, idx, xside, weight)
-        # the table is returned too: a traced forward must return every tensor of data-dependent
-        # size it creates (torch.compile's unbacked sizes)
-        ctx.mark_non_differentiable(idx, xside)
-        return y, idx, xside
+# NOTE [RMSNorm's backward traced under torch.compile]
+# Compiled, a converted HF RMSNorm is HF's own ops inside a non-reentrant
+# ``torch.utils.checkpoint`` (:func:`_hf_rms_norm_checkpointed`): forward and backward are compiled
+# eager's, and the checkpoint only tells inductor's min-cut partitioner what to keep. Under
+# torch.compile what a Function saves is no constraint (NOTE [slimgrad ops under torch.compile] in
+# slimgrad/_compile.py); the partitioner keeps what the joint graph's backward reads and cannot
+# recompute. HF's ops alone (compiled eager) keep x for the norm's backward *and* y: y feeds the
+# next linears, whose weight gradient (an mm) reads it in backward, and the partitioner never
+# recomputes a value an op outside a fusion reads there ("materialized in backward"). So compiled
+# eager keeps x, y and rstd per norm (tiny HF Llama: 163,840 B more than the converted model,
+# 5 norms x 128 rows x 64 x 4 B). Inside a checkpoint every op is tagged "recompute": the
+# partitioner keeps the checkpoint's input x alone and makes rstd and y again in backward, for
+# the norm's backward and the linears' (inductor fuses them with their consumers). Kept: x (4
+# B/elt) where the uncompiled converted model keeps y + rstd + the fallback channels' columns
+# (NOTE [HF RMSNorm cast orders]): the same N x D floats, less rstd
+# (``tests/test_compile_rms_norm.py``, ``tests/test_compile_saved.py``).
+#
+# The backward is HF's own ops differentiated by autograd from x, so no channel needs anything
+# else: a weight with zeros, subnormals or 1e-42 gets eager's gradient, with no data-dependent
+# table, side op or guard on the weight's values. The compiled path before this one traced
+# ``_HFRMSNormFromOutputFn``'s from-output backward with the fallback table, of data-dependent
+# length, from the ``hf_rms_norm_side`` custom op: a custom-op call per norm per step (tiny HF
+# Llama: 5 of its 8) and index kernels around inductor's fused row sums; same-process interleaved
+# CPU time at 1 thread (load ~20 on 2 cores, 300 pairs): 1.27x compiled eager's step, this path
+# 1.17x (HF's ops left unconverted: 1.15x, keeping x, y and rstd). A guard on the weight's fallback
+# channels instead (branch cllama27) asked the weight seen while tracing, not the one a later call
+# receives: a second model's zero weight reused the first one's graph (NaN gradients,
+# ``tests/test_compile_rms_norm_zero_weights.py``). Here nothing depends on the weight's values,
+# so no guard is needed and no weight recompiles. What that path taught LayerNorm's traced backward
+# (NOTE [LayerNorm's backward traced under torch.compile] in ops/layer_norm.py): a tensor made
+# from saved tensors alone and of fixed size would be kept by the partitioner, N x D, instead of
+# the table, so each patch there stays inside a product with dy.
 
-    @staticmethod
-    def backward(ctx, dy, *_):
-        if _grad_on():
-            return refuse_second_order("ops.rms_norm", _HFRMSNormCompiledFn.backward, ctx, (dy, *_))
-        if dy is None:
-            return None, None, None, None, None
-        try:
-            y, rstd, idx, xside, weight = ctx.saved_tensors
-        except RuntimeError as e:  # NOTE [A norm's output written after forward]
-            y_written(e, ctx, "ops.rms_norm")
-            raise
-        need_x = ctx.needs_input_grad[0]
-        need_w = weight is not None and ctx.needs_input_grad[1]
-        d = y.shape[-1]
-        y2, dy2, r = y.reshape(-1, d), dy.reshape(-1, d), rstd.reshape(-1, 1)
-        gamma = None
-        if weight is not None:
-            gamma_of = HF_VARIANTS[ctx.variant][1]
-            gamma = weight if gamma_of is _float and weight.dtype == y.dtype else gamma_of(weight)
-        xh = y2 if gamma is None else y2 / gamma
-        # the fallback columns (NOTE [RMSNorm's fallback columns in the traced backward]): their
-        # xhat from the table; everywhere else from the output
-        xf = xside * r  # traced: always a table (symbolic length)
-        # (tensor methods only: each torch.<name> read while tracing is one more guard per call)
-        fb = y2.new_zeros(d).index_fill(0, idx, 1.0) != 0
-        dw = None
-        if need_w:
-            dwm = (dy2 * xh).masked_fill(fb, 0.0).sum(0, dtype=torch.float64)
-            dwf = (dy2.index_select(1, idx) * xf).sum(0, dtype=torch.float64)
-            # rms_norm_bwd's casts: to gamma's dtype, then (gamma's backward) to the weight's
-            dw = dwm.index_copy(0, idx, dwf).to(gamma.dtype).to(weight.dtype)
-        dx = None
-        if need_x:
-            g = dy2 if gamma is None else dy2 * gamma
-            gf = g.index_select(1, idx)
-            c = (g * xh).masked_fill(fb, 0.0).sum(-1, keepdim=True)
-            c = (c + (gf * xf).sum(-1, keepdim=True)) / d
-            dxm = ((g - xh * c) * r).masked_fill(fb, 0.0)
-            dx = dxm.index_copy(1, idx, (gf - xf * c) * r).view(y.shape)
-        return dx, dw, None, None, None
+
+def _hf_forward_y(x, weight, eps, variant):
+    return HF_VARIANTS[variant][0](x, weight, eps)[0]
+
+
+def _hf_rms_norm_checkpointed(x, weight, eps, variant):
+    # NOTE [RMSNorm's backward traced under torch.compile]; no RNG inside, so none is restored
+    return _checkpoint(
+        _hf_forward_y, x, weight, eps, variant, use_reentrant=False, preserve_rng_state=False
+    )
 
 
 def _hf_recompute(ctx, dy, create_graph):
@@ -990,12 +949,12 @@ class _HFRMSNormRecomputeFn(torch.autograd.Function):
 # (after a training step the guard tree's objects are out of cache). So while Dynamo traces,
 # ``hf_rms_norm`` first asks :func:`_hf_rms_norm_compiling` whether its lean case holds, on facts
 # the trace sees as constants (the tensors' types, dtypes, shapes and requires_grad, which the
-# tensors' own guards already hold, the variant, grad mode, torch.func transforms), and applies
-# ``_HFRMSNormCompiledFn`` at once; its forward calls the side op's OpOverload. Everything else
-# (DTensor, other dtypes, no grad) takes the general path below, as before. The same graph, ops and
-# saved tensors; what the trace no longer reads: the straight path's gate, ``_dtensor``'s registry,
-# ``refuse_jit`` (no TorchScript trace runs inside a Dynamo trace), and the side op's wrapper
-# objects (``tests/test_compile_rms_norm_guards.py``).
+# tensors' own guards already hold, the variant, grad mode, torch.func transforms), and runs
+# :func:`_hf_rms_norm_checkpointed` at once (NOTE [RMSNorm's backward traced under torch.compile]).
+# Everything else (DTensor, other dtypes, no grad) takes the general path below. What the trace
+# does not read: the straight path's gate, ``_dtensor``'s registry, ``refuse_jit`` (no TorchScript
+# trace runs inside a Dynamo trace), any slimgrad custom op or weight-dependent table
+# (``tests/test_compile_rms_norm_guards.py``).
 
 
 def _hf_rms_norm_compiling(input, weight, eps, variant):
@@ -1019,7 +978,7 @@ def _hf_rms_norm_compiling(input, weight, eps, variant):
         and _grad_on()
         and not transforms_active()
     ):
-        return _HFRMSNormCompiledFn.apply(input, weight, float(eps), variant)[0]
+        return _hf_rms_norm_checkpointed(input, weight, float(eps), variant)
     return None
 
 
@@ -1116,7 +1075,7 @@ def hf_rms_norm(
         return HF_VARIANTS[variant][0](input, weight, eps)[0]
     refuse_jit("ops.rms_norm.hf_rms_norm")
     if lean:
-        # compiled: NOTE [RMSNorm's backward traced under torch.compile]
-        fn = _HFRMSNormCompiledFn if torch.compiler.is_compiling() else _HFRMSNormFromOutputFn
-        return fn.apply(input, weight, float(eps), variant)[0]
+        if torch.compiler.is_compiling():  # NOTE [RMSNorm's backward traced under torch.compile]
+            return _hf_rms_norm_checkpointed(input, weight, float(eps), variant)
+        return _HFRMSNormFromOutputFn.apply(input, weight, float(eps), variant)[0]
     return _HFRMSNormRecomputeFn.apply(input, weight, float(eps), variant)
