@@ -8,10 +8,10 @@ around each decoder block written in the model's code (a forward set on each blo
 converted and checkpointed model keeps no more bytes after forward and peaks no higher in the step
 than the same model checkpointed alone, and where ``convert_`` ran first its gradients are the
 converted model's without checkpointing, bit for bit (the recompute is exact, dropout included).
-Issue 33's finding (2) (a converted Linear's autocast probe unpacking the checkpoint's packed
-object in forward: NOTE [Probes bypass saved-tensor hooks] in ops/linear.py) does not reproduce
-on these models with this torch and transformers, even on the tree before its fix: every row here
-passes there too; the sweep guards the promise across the checkpointing forms it names.
+On the tree before NOTE [Probes bypass saved-tensor hooks] (ops/linear.py; issue 33's finding
+(2): every converted Linear's autocast probe unpacked the checkpoint's packed object in forward,
+which ran the block's recompute there and kept it until backward) the non-reentrant bf16-autocast
+Llama rows fail: 428,292 B kept after forward against checkpointing's 82,952.
 """
 
 from __future__ import annotations
