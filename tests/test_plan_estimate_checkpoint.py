@@ -100,3 +100,93 @@ def test_cuda_estimate_of_hf_gradient_checkpointing():
         r = estimate(make, device="cuda")
     bwd_ops = {op for i, op, _ in r.timeline if i > r.backward_start}
     assert "aten._scaled_dot_product_efficient_attention" in bwd_ops
+
+
+def _hf_model(family: str, dropout: float):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=dropout,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg).train()
+    # one kv head per query head: fp32 CUDA runs HF's SDPA call as the efficient kernel
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, vocab_size=256, attention_dropout=dropout,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _checkpoint_each(model, how: str) -> None:
+    import functools
+
+    if how.startswith("hf"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": how == "hf_reentrant"}
+            )
+        return
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    for blk in blocks:  # torch.utils.checkpoint around each block, as written in a model
+
+        def fwd(*args, _inner=blk.forward, **kwargs):
+            if how.endswith("reentrant"):
+                return checkpoint(functools.partial(_inner, **kwargs), *args, use_reentrant=True)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        blk.forward = fwd
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast_bf16"])
+@pytest.mark.parametrize("convert", [False, True], ids=["eager", "slimgrad"])
+@pytest.mark.parametrize(
+    "how", ["hf", "hf_reentrant", "torch_per_block", "torch_per_block_reentrant"]
+)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_cuda_estimate_of_checkpointed_hf_models(family, how, convert, amp):
+    # finding (3): every way of checkpointing an HF decoder, converted or not, estimates under
+    # device="cuda", and each block's recompute runs the attention kernel its forward ran (a
+    # reentrant checkpoint saves nothing in forward, so a recompute routed elsewhere would not
+    # raise: it would count CPU's kernels), dropout on
+    def make():
+        m = _hf_model(family, 0.1)
+        if convert:
+            slimgrad.convert_(m, **({"dtype": amp} if amp is not None else {}))
+        _checkpoint_each(m, how)
+        ids = torch.randint(0, 256, (2, 32))
+
+        def fwd():
+            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+                return m(input_ids=ids, labels=ids, use_cache=False).loss
+
+        return fwd, m
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = estimate(make, device="cuda")
+    assert r.peak_bytes > 0
+
+    def calls(in_backward: bool, pick) -> list[str]:
+        # the ops that ran (the timeline also records frees, as "free:<op>")
+        return [
+            op
+            for i, op, _ in r.timeline
+            if (i > r.backward_start) == in_backward and not op.startswith("free:") and pick(op)
+        ]
+
+    def attention(op: str) -> bool:
+        return "scaled_dot_product" in op and "backward" not in op
+
+    fwd_attn, bwd_attn = calls(False, attention), calls(True, attention)
+    # one attention call per block in forward, the same kernel once per block's recompute
+    assert len(fwd_attn) == 2 and sorted(bwd_attn) == sorted(fwd_attn), (fwd_attn, bwd_attn)
+    assert all("_cpu" not in op for op in fwd_attn + bwd_attn), fwd_attn
+    # CUDA's fused dropout (GPT-2's dropout modules; Llama's attention dropout is SDPA's), in
+    # forward and in every recompute: each block's, not the embeddings'
+    if family == "gpt2" and not convert:
+        fused = calls(False, lambda op: op == "aten.native_dropout")
+        assert len(fused) == 5  # the embeddings' and two per block
+        assert len(calls(True, lambda op: op == "aten.native_dropout")) == 4
