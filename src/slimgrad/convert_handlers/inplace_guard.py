@@ -20,6 +20,7 @@ import builtins
 import collections
 import dataclasses
 import functools
+import gc
 import inspect
 import linecache
 import operator
@@ -503,10 +504,19 @@ def _trace(
 
 def _still_alive(made: list) -> frozenset[str]:
     # NOTE [An output kept on the module escapes]: the Proxies of a trace someone still holds once
-    # the module tree is put back (``made``: weak references to every Proxy the trace made)
-    return frozenset(
-        p.node.name for r in made if (p := r()) is not None and not _metadata_node(p.node)
-    )
+    # the module tree is put back (``made``: weak references to every Proxy the trace made); one
+    # held only by a reference cycle (a forward's recursive local helper closing over ``h``, a
+    # frame kept in a local) is garbage, not kept: where any is alive, a collection settles it
+    def alive() -> frozenset[str]:
+        return frozenset(
+            p.node.name for r in made if (p := r()) is not None and not _metadata_node(p.node)
+        )
+
+    names = alive()
+    if names:
+        gc.collect()
+        names = alive()
+    return names
 
 
 # a tensor's metadata read through a Proxy (``h.shape``, ``h.size(0)``, ``h.shape[-1]``,
@@ -557,9 +567,39 @@ def _kept_on_modules(root: nn.Module) -> frozenset[str]:
                     found.add(v.node.name)
             elif isinstance(v, (dict, list, tuple, set, frozenset, collections.deque)):
                 todo.append(v)
+            elif isinstance(v, types.FunctionType):  # a closure: its cells and defaults
+                cells = (c.cell_contents for c in v.__closure__ or () if _full(c))
+                kw = (v.__kwdefaults__ or {}).values()
+                todo.append((*cells, *(v.__defaults__ or ()), *kw))
+            elif isinstance(v, functools.partial):
+                todo.append((v.func, v.args, v.keywords))
+            elif isinstance(v, _HOLDERS):  # iterators, generators, frames: what they refer to
+                todo.append(tuple(gc.get_referents(v)))
             elif hasattr(v, "__dict__") and not isinstance(v, _NOT_WALKED):
                 todo.append(v)
     return frozenset(found)
+
+
+# expressions whose value holds what they name: a closure, a comprehension's items, a generator
+_CAPTURING = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def _full(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+# objects without an attribute dict that hold values a forward may keep past its call
+# (``self.it = iter([h])``, ``self.gen = (t for t in [h])``, ``self.fr = sys._getframe()``)
+_HOLDERS = (
+    types.GeneratorType, types.FrameType, types.CellType, type(iter([])), type(iter(())),
+    type(iter({})), type(iter({}.values())), type(iter({}.items())), type(iter(set())),
+    type(iter(collections.deque())), type(reversed([])), type(zip()), type(map(int, ())),
+    type(filter(None, ())), type(enumerate(())),
+)  # fmt: skip
 
 
 def _fx(m: nn.Module) -> tuple[torch.fx.Graph, list]:
@@ -2181,6 +2221,9 @@ class _Flow:
         for node in ast.iter_child_nodes(e):  # a new value; only nested writes matter
             if isinstance(node, ast.expr):
                 self.expr(node, env)
+        if isinstance(e, _CAPTURING):  # ``lambda: h``, ``[t for t in (h,)]``, ``(t for t in hs)``
+            # hold what they name (NOTE [An output kept on the module escapes])
+            return set().union(*(env.get(n.id, ()) for n in ast.walk(e) if isinstance(n, ast.Name)))
         return set()
 
     def call(self, e: ast.Call, env: dict) -> set:
@@ -2971,14 +3014,17 @@ def inplace_guard_pattern(
 # structure at ``convert_`` time:
 #   - in a traced forward, the Proxies the trace left in the attribute dicts of the module and its
 #     descendants (and in the containers, subclasses included, and objects reachable from them: an
-#     OrderedDict, a deque, a SimpleNamespace, a plain object), read before the trace is undone
-#     (NOTE [A trace leaves the model as it was]; ``_kept_on_modules``), and every Proxy of the
-#     trace still alive once it is undone (``_still_alive``, from weak references the tracer takes
-#     to each Proxy it makes: one in a global, a class attribute, a closure, an object's slots, or
-#     anything else the undoing does not reach), name the nodes kept (train and eval traces both;
+#     OrderedDict, a deque, a SimpleNamespace, a plain object; a closure's cells, a partial's
+#     arguments, what an iterator, a generator or a frame refers to), read before the trace is
+#     undone (NOTE [A trace leaves the model as it was]; ``_kept_on_modules``), and every Proxy of
+#     the trace still alive once it is undone and garbage is collected (``_still_alive``, from weak
+#     references the tracer takes to each Proxy it makes: one in a global, a class attribute, an
+#     object's slots, or anything else the undoing does not reach; one held only by a reference
+#     cycle is garbage), name the nodes kept (train and eval traces both;
 #     a helper method the forward calls runs in the trace, so what it keeps is among them);
 #   - in a read source, an assignment to ``self.<path>`` or an item of it, a keeping method of it
-#     (``_KEEPING``) and ``setattr(self, ...)`` keep what they are given; so does, for a value the
+#     (``_KEEPING``) and ``setattr(self, ...)`` keep what they are given (a lambda or a
+#     comprehension gives every name it reads: ``_CAPTURING``); so does, for a value the
 #     module or a global holds (``_SHARED``: ``self.<name>`` that is not a child, a parameter or
 #     buffer, a code object or a class; a global name bound to a container or an object; an
 #     attribute of a module or class reached from a global; ``type(self)``; ``self.__class__``;
