@@ -18,10 +18,19 @@ fooled by:
   reference or eager result would make the rule's bound infinite);
 - inputs written over: each side gets its own copy; a converted model that changes an input eager
   leaves alone (or changes it differently) fails;
-- a right loss with a wrong output: every floating tensor the model returns is compared (HF outputs:
-  ``logits``, aux losses such as ``aux_loss``, hidden states, ...; plain tensors, tuples, dicts). An
-  output one side returns and the other does not fails, except ``logits=None`` from slimgrad's fused
-  LM loss in a training forward with labels, a documented choice that the report notes;
+- a right loss with a wrong output: everything the model returns is compared (HF outputs:
+  ``logits``, aux losses such as ``aux_loss``, hidden states, caches, ...; plain tensors, tuples,
+  lists, dicts, dataclasses, ``SimpleNamespace``, objects with a ``__dict__``; numpy arrays):
+  tensors and Python floats by the rule, integers, bools, strings and other plain values exactly,
+  the type of every container and the length of every list and tuple too (NOTE [Every output a
+  model returns]). An output one side returns and the other does not (or a tensor where the other
+  returns None or a number) fails, except ``logits=None`` from slimgrad's fused LM loss in a
+  training forward with labels, a documented choice that the report notes; a part verify cannot
+  look into (a module, a function, an object without ``__dict__``) is named in the report as not
+  compared;
+- random numbers from other generators: each side sets ``seed`` in torch's, numpy's and Python's
+  ``random`` global generators (HF SpecAugment draws from numpy's), all put back afterwards (NOTE
+  [Every generator a model draws from]);
 - unpadded batches only: for text models (dict inputs with 2-D ``input_ids``) the step also runs on
   a left-padded and a right-padded copy of the batch (``attention_mask`` 0, pad ids and label -100
   on the padded positions) unless ``padded=False``;
@@ -32,7 +41,10 @@ fooled by:
 - an "original" that is itself converted (slimgrad modules, a bound slimgrad forward, a config set
   to the slimgrad attention, e.g. through a config object shared with a converted model);
 - one mode only: every batch runs in train mode and in eval mode (``modes=``), whatever mode the
-  models are in (their modes are restored afterwards): slimgrad has eval-only paths;
+  models are in (their modes are restored afterwards): slimgrad has eval-only paths. A train step
+  the original itself refuses because a BatchNorm sees one value per channel (an eval model
+  verified at batch 1) is left out, the report saying so (NOTE [A batch the original cannot step
+  in train mode]);
 - buffers: after each step every buffer (BatchNorm running statistics, counters) is compared too,
   floating ones by the rule, integer ones exactly, so a wrong running-statistics update fails;
 - a layout or dtype it skips: sparse gradients (``nn.Embedding(sparse=True)``), outputs and buffers
@@ -318,6 +330,10 @@ def _tensors(
 # Tensors, numbers and nodes are told apart: a tensor where eager returns a number fails.
 
 _DEPTH = 8  # nesting levels verify walks into an output
+_OPAQUE_NOTE = (
+    " not compared: verify cannot look into it; compare it another way (e.g. a loss_fn over what "
+    "it holds)"
+)
 
 
 @dataclass(frozen=True)
@@ -1172,10 +1188,7 @@ def _compare_outputs(
             continue
         name = f"{where}: {path}" if where else path
         if isinstance(oe, _Opaque):
-            note = (
-                f"output '{path}'{at} ({_what(oe)}: {oe.why}) not compared: verify cannot look "
-                "into it; compare it another way (e.g. a loss_fn over what it holds)"
-            )
+            note = f"output '{path}'{at} ({_what(oe)}: {oe.why}){_OPAQUE_NOTE}"
             if note not in run.notes:
                 run.notes.append(note)
             continue
@@ -1787,14 +1800,19 @@ def verify(
     original (eager), the converted model and a float64 copy of the original (the reference). A run
     passes when the loss, every parameter's gradient, the gradient of every floating input tensor
     (each side's copy is a leaf that requires grad; integer inputs are left alone) and every
-    floating tensor of the output satisfy ``max|x - x64| <= 2 * max|x_eager - x64| + rtol * max|x64|
-    + atol`` (NOTE [A rule at every scale]: the rounding term scales with the tensor, so a doubled
-    gradient fails at any loss scale), no gradient is nonzero beyond eager's rounding noise where
-    eager's and the float64 one are exactly 0 (NOTE [Exact zeros are structure]), every integer and
-    bool output equals eager's exactly, every output has eager's shape and dtype, nothing is NaN/inf
-    on any side, the original runs no slimgrad code, the converted model changes no input that eager
-    leaves unchanged, and it returns every output eager returns (``logits=None`` from the fused LM
-    loss in a training forward with labels is noted, not failed). With ``inference`` (default) each
+    floating tensor and Python float of the output satisfy
+    ``max|x - x64| <= 2 * max|x_eager - x64| + rtol * max|x64| + atol`` (NOTE [A rule at every
+    scale]: the rounding term scales with the tensor, so a doubled gradient fails at any loss
+    scale), no gradient is nonzero beyond eager's rounding noise where eager's and the float64 one
+    are exactly 0 (NOTE [Exact zeros are structure]), every integer and bool output (tensor or
+    Python value) and every other plain value (str, dtype, ...) equals eager's exactly, every
+    output has eager's shape and dtype, every container in the output (tuple, list, dict,
+    dataclass, ``SimpleNamespace``, object with a ``__dict__``, HF caches) has eager's type and
+    every sequence eager's length (NOTE [Every output a model returns]; parts it cannot look into
+    are named in the run's notes as not compared), nothing is NaN/inf on any side, the original
+    runs no slimgrad code, the converted model changes no input that eager leaves unchanged, and it
+    returns every output eager returns (``logits=None`` from the fused LM loss in a training forward
+    with labels is noted, not failed). With ``inference`` (default) each
     run also calls eager and the converted model under ``torch.no_grad()`` and under
     ``torch.inference_mode()`` (same seed, from the buffers the step started from, buffer updates
     undone) and compares those outputs, dtype and shape included, with the step's float64 ones by
@@ -1804,7 +1822,9 @@ def verify(
     ``input_ids``' shape); a batch of one row gets a second, a copy of row 0 (every input tensor
     with a leading 1 doubled), to pad. A padded batch the original cannot run, or whose loss is not
     finite in the original, is left out (the report says why); one that only the converted model
-    cannot run fails.
+    cannot run fails. A train step the original refuses because a BatchNorm sees one value per
+    channel is left out too, the report's ``modes`` line saying so (NOTE [A batch the original
+    cannot step in train mode]).
 
     Args:
         model: the original model, never run and left unchanged: its side steps a deep copy of
@@ -1819,8 +1839,10 @@ def verify(
         inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
         loss_fn: maps the model's output to a scalar loss; default: ``out.loss`` (HF), a scalar
             output, or the mean square of a tensor output.
-        seed: the RNG seed set before each side's forward (same dropout masks); the caller's
-            global RNG state (CPU and the models' CUDA devices) is restored afterwards.
+        seed: the RNG seed set before each side's forward in torch's, numpy's (modulo 2**32)
+            and Python's ``random`` global generators (same dropout masks, same SpecAugment
+            masks); the caller's states of all three (torch: CPU and the models' CUDA devices)
+            are restored afterwards (NOTE [Every generator a model draws from]).
         rtol: the rounding term of the rule, relative to the float64 reference's largest
             magnitude in each tensor (``rtol * max|x64|``); default by dtype
             (``slimgrad.testing.DEFAULT_ATOL``: 1e-6 for float32, 1e-2 for bfloat16).
@@ -1846,7 +1868,9 @@ def verify(
             history: the message names the attribute), or its copy cannot be made float64 (a
             step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
             that cannot run]), or it steps the inputs in one of ``modes`` and raises in a later
-            one (NOTE [A mode the original cannot run]).
+            one (NOTE [A mode the original cannot run]), or refuses a train step at one value
+            per BatchNorm channel and ``modes`` has no other mode (NOTE [A batch the original
+            cannot step in train mode]).
         TypeError: no loss can be made from the output and no ``loss_fn`` was given.
 
     Example:
@@ -1955,6 +1979,7 @@ def verify(
             "it; models built from one shared config object share its attention choice)."
         )
     compared = sorted({o.name for r in runs for o in r.outputs})
+    opaque = sorted({n.split("'")[1] for r in runs for n in r.notes if n.endswith(_OPAQUE_NOTE)})
     checks = [
         "loss: the rule against float64" + (" (out.loss)" if "loss" in skip else " (loss_fn)"),
         f"gradients: {len(runs[0].grads)} trainable parameters, the rule against float64 "
@@ -1968,10 +1993,12 @@ def verify(
         ),
         "outputs: "
         + (
-            ", ".join(compared) + " (floating by the rule, integer and bool exactly)"
+            ", ".join(compared) + " (floating tensors and Python floats by the rule, integer and "
+            "bool ones and other plain values exactly, containers by type and length)"
             if compared
-            else "none (no tensor output)"
-        ),
+            else "none (no tensor or number in the output)"
+        )
+        + (f"; not compared: {', '.join(opaque)}" if opaque else ""),
         "finite: loss, gradients and outputs of the reference, eager and converted",
         "steps: one per run, from the models' state as given (errors that appear only after "
         "later calls are not seen)",
