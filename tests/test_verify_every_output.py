@@ -185,3 +185,27 @@ def test_numpy_and_python_rng_states_are_the_callers_after_verify():
     slimgrad.verify(m, copy.deepcopy(m), torch.randn(2, 3, 6), loss_fn=_loss, modes=("train",))
     assert np.array_equal(np.random.rand(3), want_np)
     assert random.random() == want_py
+
+
+def test_output_classes_made_inside_forward_match_by_name():
+    # a namedtuple or dataclass defined in forward is a new class on every call: the same type
+    # on both sides, not a structure difference
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            Out = namedtuple("Out", "h")
+
+            @dataclasses.dataclass
+            class Extra:
+                v: torch.Tensor
+
+            h = self.lin(x)
+            return Out(h), Extra(h * 2)
+
+    m = M()
+    rep = slimgrad.verify(m, copy.deepcopy(m), torch.randn(2, 4), loss_fn=lambda o: o[0].h.sum())
+    assert rep.ok, str(rep)
+    assert {"[0][0]", "[1].v"} <= {o.name for o in rep.runs[0].outputs}, str(rep)

@@ -1098,8 +1098,11 @@ def _what(v: Any) -> str:
     return f"{type(v).__qualname__} {v!r}"[:120]
 
 
-def _kind(v: Any) -> type:
-    return v.kind if isinstance(v, (_Node, _Opaque)) else type(v)
+def _kind(v: Any) -> tuple[str, str]:
+    # a type by its module and qualified name, not its identity: a dataclass or namedtuple made
+    # inside forward is a new class on every call, the same one on both sides
+    t = v.kind if isinstance(v, (_Node, _Opaque)) else type(v)
+    return (t.__module__, t.__qualname__)
 
 
 def _compare_nodes(run, e_outs: dict, c_outs: dict, at: str) -> list[str]:
@@ -1112,7 +1115,7 @@ def _compare_nodes(run, e_outs: dict, c_outs: dict, at: str) -> list[str]:
             continue
         if any(path == p or _inside(path, p) for p in cut):
             continue
-        if isinstance(oe, _Node) and isinstance(oc, _Node) and oe.kind is oc.kind:
+        if isinstance(oe, _Node) and isinstance(oc, _Node) and _kind(oe) == _kind(oc):
             if oe.length == oc.length:
                 continue
         shown = path or "output"
@@ -1177,7 +1180,7 @@ def _compare_outputs(
                 "original returns."
             )
             continue
-        if _kind(oe) is not _kind(oc) and not (
+        if _kind(oe) != _kind(oc) and not (
             isinstance(oe, torch.Tensor) and isinstance(oc, torch.Tensor)
         ):
             run.failures.append(
