@@ -18,10 +18,19 @@ fooled by:
   reference or eager result would make the rule's bound infinite);
 - inputs written over: each side gets its own copy; a converted model that changes an input eager
   leaves alone (or changes it differently) fails;
-- a right loss with a wrong output: every floating tensor the model returns is compared (HF outputs:
-  ``logits``, aux losses such as ``aux_loss``, hidden states, ...; plain tensors, tuples, dicts). An
-  output one side returns and the other does not fails, except ``logits=None`` from slimgrad's fused
-  LM loss in a training forward with labels, a documented choice that the report notes;
+- a right loss with a wrong output: everything the model returns is compared (HF outputs:
+  ``logits``, aux losses such as ``aux_loss``, hidden states, caches, ...; plain tensors, tuples,
+  lists, dicts, dataclasses, ``SimpleNamespace``, objects with a ``__dict__``; numpy arrays):
+  tensors and Python floats by the rule, integers, bools, strings and other plain values exactly,
+  the type of every container and the length of every list and tuple too (NOTE [Every output a
+  model returns]). An output one side returns and the other does not (or a tensor where the other
+  returns None or a number) fails, except ``logits=None`` from slimgrad's fused LM loss in a
+  training forward with labels, a documented choice that the report notes; a part verify cannot
+  look into (a module, a function, an object without ``__dict__``) is named in the report as not
+  compared;
+- random numbers from other generators: each side sets ``seed`` in torch's, numpy's and Python's
+  ``random`` global generators (HF SpecAugment draws from numpy's), all put back afterwards (NOTE
+  [Every generator a model draws from]);
 - unpadded batches only: for text models (dict inputs with 2-D ``input_ids``) the step also runs on
   a left-padded and a right-padded copy of the batch (``attention_mask`` 0, pad ids and label -100
   on the padded positions) unless ``padded=False``;
@@ -32,7 +41,10 @@ fooled by:
 - an "original" that is itself converted (slimgrad modules, a bound slimgrad forward, a config set
   to the slimgrad attention, e.g. through a config object shared with a converted model);
 - one mode only: every batch runs in train mode and in eval mode (``modes=``), whatever mode the
-  models are in (their modes are restored afterwards): slimgrad has eval-only paths;
+  models are in (their modes are restored afterwards): slimgrad has eval-only paths. A train step
+  the original itself refuses because a BatchNorm sees one value per channel (an eval model
+  verified at batch 1) is left out, the report saying so (NOTE [A batch the original cannot step
+  in train mode]);
 - buffers: after each step every buffer (BatchNorm running statistics, counters) is compared too,
   floating ones by the rule, integer ones exactly, so a wrong running-statistics update fails;
 - a layout or dtype it skips: sparse gradients (``nn.Embedding(sparse=True)``), outputs and buffers
@@ -70,11 +82,16 @@ families by comparing with eager directly.
 
 from __future__ import annotations
 
+import cmath
 import contextlib
 import copy
+import dataclasses
+import enum
 import inspect
 import itertools
 import math
+import random
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -86,6 +103,11 @@ from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import CheckpointFunction
 
 from slimgrad.testing import DEFAULT_ATOL, max_abs_err
+
+try:  # NOTE [Every generator a model draws from]: numpy is optional
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+    _np = None
 
 __all__ = ["GradCheck", "OutputCheck", "VerifyReport", "VerifyRun", "verify"]
 
@@ -287,10 +309,119 @@ def _tensors(
             yield from _tensors(v, f"{path}[{i}]", root)
 
 
-def _outputs(out: Any) -> dict[str, torch.Tensor | None]:
-    # every tensor of the output: floating and complex ones are judged by the rule, integer and
-    # bool ones exactly (NOTE [Integer outputs match exactly])
-    return {p: (t.detach() if t is not None else None) for p, t in _tensors(out)}
+# NOTE [Every output a model returns]
+# verify compared the tensors it found in mappings (HF ModelOutput, dict), tuples and lists, and
+# nothing else: a model returning a plain @dataclass or a SimpleNamespace got "0 outputs" (an aux
+# tensor 1.5x eager's passed), a Python float 1.5x eager's passed, and a Python list passed at
+# another length (hunt 28b). Now the output is walked as a tree, every node and leaf by its path:
+# - containers (mappings, tuples and lists, dataclasses, SimpleNamespace, any other object with a
+#   ``__dict__``: HF caches, a user's output class) are nodes; their type must be eager's and a
+#   sequence's length too (a list one item longer fails once, its items are not listed again);
+#   mapping and object keys are compared as the fields under them (a field one side lacks or
+#   leaves None and the other fills fails, as before);
+# - tensors as before; numpy arrays as the tensors they hold, numpy scalars as Python numbers;
+# - a Python float or complex by the rule, its rounding term at the original's dtype (the dtype of
+#   the computation the number came from); int, bool, str, bytes, dtype, device, enum members,
+#   classes and sets exactly, type included (a float where eager returns an int fails);
+# - what verify cannot look into (an nn.Module, a function, an object without ``__dict__``, a
+#   config, a cycle, a nest deeper than _DEPTH) is named in the run's notes as not compared: the
+#   report says what it did not check instead of passing it silently. Such an object of another
+#   type than eager's fails.
+# Tensors, numbers and nodes are told apart: a tensor where eager returns a number fails.
+
+_DEPTH = 8  # nesting levels verify walks into an output
+_OPAQUE_NOTE = (
+    " not compared: verify cannot look into it; compare it another way (e.g. a loss_fn over what "
+    "it holds)"
+)
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A container in a model's output: its type, and a sequence's length."""
+
+    kind: type
+    length: int | None
+    prefix: str  # the raw path its children's paths extend
+
+
+@dataclass(frozen=True)
+class _Opaque:
+    """An object in a model's output verify cannot look into."""
+
+    kind: type
+    why: str
+
+
+_EXACT = (str, bytes, bool, int, torch.dtype, torch.device, enum.Enum, type, set, frozenset)
+_NUMBER = (float, complex)
+
+
+def _is_config(obj: Any) -> bool:
+    # a transformers configuration (a cache may hold one): its attention choice differs after
+    # convert_ by design, so its attributes are not outputs
+    return any(c.__name__ == "PretrainedConfig" for c in type(obj).__mro__)
+
+
+def _walk(obj: Any, path: str, seen: tuple[int, ...]) -> Iterator[tuple[str, Any]]:
+    # NOTE [Every output a model returns]: (path, leaf or node) for every part of an output
+    name = path or "output"
+    if _np is not None and isinstance(obj, _np.generic):
+        obj = obj.item()
+    if _np is not None and isinstance(obj, _np.ndarray):
+        try:
+            obj = torch.from_numpy(obj.copy())
+        except TypeError:
+            yield name, _Opaque(type(obj), f"a numpy array of dtype {obj.dtype}")
+            return
+    if isinstance(obj, torch.Tensor):
+        yield name, obj.detach()
+        return
+    if obj is None or isinstance(obj, _EXACT + _NUMBER):
+        yield name, obj
+        return
+    if id(obj) in seen or len(seen) >= _DEPTH:
+        why = "a reference cycle" if id(obj) in seen else f"nested deeper than {_DEPTH} levels"
+        yield name, _Opaque(type(obj), why)
+        return
+    seen = (*seen, id(obj))
+
+    def under(key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(obj, Mapping):
+        yield path, _Node(type(obj), None, path)
+        for k, v in obj.items():
+            yield from _walk(v, under(k), seen)
+    elif isinstance(obj, (tuple, list)):
+        yield path, _Node(type(obj), len(obj), path)
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]", seen)
+    elif dataclasses.is_dataclass(obj):
+        yield path, _Node(type(obj), None, path)
+        for f in dataclasses.fields(obj):
+            yield from _walk(getattr(obj, f.name, None), under(f.name), seen)
+    elif isinstance(obj, nn.Module):
+        yield name, _Opaque(type(obj), "a module")
+    elif isinstance(obj, types.SimpleNamespace) or (
+        hasattr(obj, "__dict__")
+        and not callable(obj)
+        and not isinstance(obj, types.ModuleType)
+        and not _is_config(obj)
+    ):
+        yield path, _Node(type(obj), None, path)
+        for k, v in vars(obj).items():
+            yield from _walk(v, under(k), seen)
+    else:
+        yield name, _Opaque(type(obj), "an object verify cannot look into")
+
+
+def _outputs(out: Any) -> dict[str, Any]:
+    # every part of the output by path (NOTE [Every output a model returns]): tensors (floating
+    # and complex ones judged by the rule, integer and bool ones exactly: NOTE [Integer outputs
+    # match exactly]), None, Python numbers and exact values, _Opaque leaves, and _Node entries
+    # for the containers (keyed by their raw path: "" for the output itself)
+    return dict(_walk(out, "", ()))
 
 
 def _copy(obj: Any) -> Any:
@@ -466,7 +597,11 @@ def _values(t: torch.Tensor) -> torch.Tensor:
     return t.values() if t.layout in _SPARSE else t
 
 
-def _finite(t: torch.Tensor) -> bool:
+def _finite(t: Any) -> bool:
+    if isinstance(t, _NUMBER):
+        return cmath.isfinite(t)
+    if not isinstance(t, torch.Tensor):
+        return True  # an exact value, a node or an opaque object: nothing to be non-finite
     if t.is_nested or t.layout not in (torch.strided, *_SPARSE):
         return True  # not compared: the comparison reports it
     return bool(torch.isfinite(_values(t)).all())
@@ -689,6 +824,38 @@ def _draw_dtype(model: nn.Module) -> torch.dtype:
     return max(counts, key=counts.__getitem__) if counts else torch.get_default_dtype()
 
 
+# NOTE [Every generator a model draws from]
+# ``seed`` fixed torch's generator only. Models draw from others too: HF Wav2Vec2Conformer and
+# UniSpeech SpecAugment draw their time masks from numpy's global RNG (transformers'
+# ``_compute_mask_indices``), user code from Python's ``random``. The three sides then masked
+# other frames and verify failed a model against its own unconverted copy, blaming a BatchNorm
+# buffer (hunt 28b). Every side now sets the same seed in all three before its forward (numpy's
+# global RNG takes it modulo 2**32, its range), and verify saves their states first and puts them
+# back afterwards, as it does torch's: the caller's streams continue as if verify never ran.
+# numpy is optional. A generator object the model owns (``np.random.default_rng()`` held in an
+# attribute, a torch.Generator) is not global state and is not reseeded.
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if _np is not None:
+        _np.random.seed(seed % 2**32)
+
+
+@contextlib.contextmanager
+def _other_generators_kept() -> Iterator[None]:
+    # NOTE [Every generator a model draws from]: Python's and numpy's global states put back
+    py = random.getstate()
+    npy = _np.random.get_state() if _np is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        if _np is not None:
+            _np.random.set_state(npy)
+
+
 def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True, draws=None) -> _Side:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mine = _copy(inputs)
@@ -697,7 +864,7 @@ def _step(model, inputs, loss_fn, seed, dtype=None, input_grads=True, draws=None
     # NOTE [Which runs take input gradients]: every floating input, or those the caller made
     # require grad
     run_on = _leaf_inputs(run_on, x_leaves, every=input_grads)
-    torch.manual_seed(seed)
+    _seed_all(seed)  # NOTE [Every generator a model draws from]
     # NOTE [The same random numbers in float64]
     same = _SameDraws(draws) if draws not in (None, torch.float64) else contextlib.nullcontext()
     with same:
@@ -759,7 +926,7 @@ def _forwards_without_autograd(model, inputs, seed, before) -> dict[str, Any]:
                 with ctx(), warnings.catch_warnings():
                     # torch.utils.checkpoint warns that nothing requires grad: true, and meant here
                     warnings.filterwarnings("ignore", "None of the inputs have requires_grad")
-                    torch.manual_seed(seed)
+                    _seed_all(seed)
                     found[what] = _outputs(_call(model, _copy(inputs)))
             except Exception as err:
                 found[what] = err
@@ -919,6 +1086,55 @@ def _fused_logits_note(path: str, converted: nn.Module, eager_out: dict, inputs:
 # otherwise than float32 does); eager at the model's own dtype is.
 
 
+def _what(v: Any) -> str:
+    # how a failure message names a part of an output
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {tuple(v.shape)}"
+    if isinstance(v, _Node):
+        n = f" of length {v.length}" if v.length is not None else ""
+        return f"a {v.kind.__qualname__}{n}"
+    if isinstance(v, _Opaque):
+        return f"a {v.kind.__qualname__}"
+    return f"{type(v).__qualname__} {v!r}"[:120]
+
+
+def _kind(v: Any) -> tuple[str, str]:
+    # a type by its module and qualified name, not its identity: a dataclass or namedtuple made
+    # inside forward is a new class on every call, the same one on both sides
+    t = v.kind if isinstance(v, (_Node, _Opaque)) else type(v)
+    return (t.__module__, t.__qualname__)
+
+
+def _compare_nodes(run, e_outs: dict, c_outs: dict, at: str) -> list[str]:
+    # NOTE [Every output a model returns]: the containers' types and lengths; returns the raw
+    # paths whose parts are not compared further (one failure says the container differs)
+    cut = []
+    for path in list(e_outs) + [p for p in c_outs if p not in e_outs]:
+        oe, oc = e_outs.get(path), c_outs.get(path)
+        if not (isinstance(oe, _Node) or isinstance(oc, _Node)):
+            continue
+        if any(path == p or _inside(path, p) for p in cut):
+            continue
+        if isinstance(oe, _Node) and isinstance(oc, _Node) and _kind(oe) == _kind(oc):
+            if oe.length == oc.length:
+                continue
+        shown = path or "output"
+        run.failures.append(
+            f"slimgrad.verify: output '{shown}'{at} differs in structure; expected "
+            f"{_what(oe)} (eager's), got {_what(oc)}. The conversion must return what the "
+            "original returns, types and lengths included."
+        )
+        cut.append(path)
+    return cut
+
+
+def _inside(path: str, prefix: str) -> bool:
+    # is ``path`` a part of the container at raw path ``prefix``
+    if not prefix:
+        return True
+    return path.startswith(prefix) and path[len(prefix) : len(prefix) + 1] in ("[", ".")
+
+
 def _compare_outputs(
     run: VerifyRun,
     e_outs: dict,
@@ -933,10 +1149,13 @@ def _compare_outputs(
 ):
     # ``where``: "" for the step's forward, else the context ("no_grad"): names and messages say it
     at = f" under torch.{where}()" if where else ""
+    cut = _compare_nodes(run, e_outs, c_outs, at)
     for path in list(e_outs) + [p for p in c_outs if p not in e_outs]:
-        if path in skip:
+        if path in skip or any(_inside(path, p) for p in cut):
             continue
         oe, oc, orf = e_outs.get(path), c_outs.get(path), r_outs.get(path)
+        if isinstance(oe, _Node) or isinstance(oc, _Node):
+            continue  # compared by _compare_nodes
         if oe is None and oc is None:
             continue
         if oc is None:
@@ -950,16 +1169,34 @@ def _compare_outputs(
             else:
                 run.failures.append(
                     f"slimgrad.verify: output '{path}'{at} is missing from the converted model's "
-                    f"output; expected it as eager returns it, got None. The conversion must "
-                    "return every output the original returns."
+                    f"output; expected it as eager returns it ({_what(oe)}), got None. The "
+                    "conversion must return every output the original returns."
                 )
             continue
-        if oe is None or orf is None:
+        if oe is None or (orf is None and isinstance(oc, torch.Tensor)):
             run.failures.append(
                 f"slimgrad.verify: the converted model returns output '{path}'{at} that eager "
-                f"does not; expected None, got a tensor of shape {tuple(oc.shape)}. The "
-                "conversion must return what the original returns."
+                f"does not; expected None, got {_what(oc)}. The conversion must return what the "
+                "original returns."
             )
+            continue
+        if _kind(oe) != _kind(oc) and not (
+            isinstance(oe, torch.Tensor) and isinstance(oc, torch.Tensor)
+        ):
+            run.failures.append(
+                f"slimgrad.verify: output '{path}'{at} has the wrong type; expected "
+                f"{_what(oe)} (eager's), got {_what(oc)}. The conversion must return what the "
+                "original returns."
+            )
+            continue
+        name = f"{where}: {path}" if where else path
+        if isinstance(oe, _Opaque):
+            note = f"output '{path}'{at} ({_what(oe)}: {oe.why}){_OPAQUE_NOTE}"
+            if note not in run.notes:
+                run.notes.append(note)
+            continue
+        if not isinstance(oe, torch.Tensor):
+            _compare_value(run, name, path, at, oe, oc, orf, slack, into)
             continue
         try:
             _check_comparable(oe, oc, orf)
@@ -987,7 +1224,6 @@ def _compare_outputs(
             continue
         if oc.numel() == 0:
             continue
-        name = f"{where}: {path}" if where else path
         if not (oe.is_floating_point() or oe.is_complex()):
             # NOTE [Integer outputs match exactly]
             err = _err(oc.to(torch.float64), oe.to(torch.float64))
@@ -997,6 +1233,32 @@ def _compare_outputs(
         eager_err, err = _err(oe, orf), _err(oc, orf)
         bound = 2.0 * eager_err + slack(oc, orf, eager_err)
         into.append(OutputCheck(name, err, eager_err, bound, err <= bound))
+
+
+def _compare_value(run, name, path, at, oe, oc, orf, slack, into) -> None:
+    # NOTE [Every output a model returns]: a Python number by the rule, other values exactly
+    if isinstance(oe, _NUMBER):
+        if not isinstance(orf, _NUMBER):
+            run.failures.append(
+                f"slimgrad.verify: output '{path}'{at} is missing from the float64 reference's "
+                f"output; expected a number as eager's, got {_what(orf)}. verify cannot judge it."
+            )
+            return
+        eager_err, err = abs(oe - orf), abs(oc - orf)
+        bound = 2.0 * eager_err + slack(oc, orf, eager_err)
+        into.append(OutputCheck(name, err, eager_err, bound, err <= bound))
+        return
+    try:
+        same = bool(oe == oc)
+    except Exception:  # an == that does not give a truth value
+        same = False
+    if isinstance(oe, int):  # int and bool: NOTE [Integer outputs match exactly]
+        into.append(OutputCheck(name, float(abs(oc - oe)), 0.0, 0.0, same))
+    elif not same:
+        run.failures.append(
+            f"slimgrad.verify: output '{path}'{at} differs; expected {_what(oe)} (eager's), got "
+            f"{_what(oc)}. The conversion must return what the original returns."
+        )
 
 
 def _compare_without_autograd(run, e_found, c_found, r: _Side, converted, inputs, slack) -> None:
@@ -1287,6 +1549,24 @@ def _mode_failed(model: nn.Module, mode: str, ran: str, err: Exception) -> str:
     )
 
 
+# NOTE [A batch the original cannot step in train mode]
+# A model verified in eval mode at batch 1 (an image classifier's usual check) has BatchNorms
+# that see one value per channel after the last downsampling; in the train run torch refuses
+# ("Expected more than 1 value per channel when training"), and the original cannot run that step
+# either. verify raised that error from its train run although the eval runs were fine. Now, where
+# the original (not the converted model: a run tells which side raised) refuses a train step for
+# that reason, the train mode is left out, the report's "modes" line saying why and how to judge
+# it (a batch of 2 or more); nothing is judged in train mode, and the report says so. If every
+# mode of ``modes`` is left out, nothing is judged at all: verify raises its own error naming the
+# cause. Any other error of the original stays as before (NOTE [A mode the original cannot run]).
+# A converted model that raises where the original stepped raises its own error, never one that
+# blames the original.
+
+
+def _one_value_per_channel(err: Exception) -> bool:
+    return isinstance(err, ValueError) and "Expected more than 1 value per channel" in str(err)
+
+
 def _reference(model: nn.Module) -> nn.Module:
     ref = _copy_of(model)
     try:
@@ -1344,26 +1624,43 @@ def _converted_parts(model: nn.Module) -> str | None:
 
 
 def _run(
-    name, inputs, model, converted, ref, loss_fn, seed, tol, skip, no_autograd=True, dx=True
+    name,
+    inputs,
+    model,
+    converted,
+    ref,
+    loss_fn,
+    seed,
+    tol,
+    skip,
+    no_autograd=True,
+    dx=True,
+    raised_by: list[str] | None = None,
 ) -> VerifyRun:
-    e_before = _held_buffers(model) if no_autograd else []
-    dx_note = None
-    if dx:  # NOTE [Inputs the original will not take as leaves]
-        before = _snapshot(model)
-        try:
-            e = _step(model, inputs, loss_fn, seed, input_grads=True)
-        except Exception as err:
-            _restore(before)
-            e = _step(model, inputs, loss_fn, seed, input_grads=False)  # raises as the caller's
-            dx, dx_note = (
-                False,
-                (
-                    "input gradients not compared: the original raised with its inputs made leaves "
-                    f"that require grad ({type(err).__name__}: {str(err)[:200]}) and ran without"
-                ),
-            )
-    else:
-        e = _step(model, inputs, loss_fn, seed, input_grads=False)
+    try:  # NOTE [A batch the original cannot step in train mode]: who raised
+        e_before = _held_buffers(model) if no_autograd else []
+        dx_note = None
+        if dx:  # NOTE [Inputs the original will not take as leaves]
+            before = _snapshot(model)
+            try:
+                e = _step(model, inputs, loss_fn, seed, input_grads=True)
+            except Exception as err:
+                _restore(before)
+                e = _step(model, inputs, loss_fn, seed, input_grads=False)  # raises as the caller's
+                dx, dx_note = (
+                    False,
+                    (
+                        "input gradients not compared: the original raised with its inputs "
+                        "made leaves that require grad "
+                        f"({type(err).__name__}: {str(err)[:200]}) and ran without"
+                    ),
+                )
+        else:
+            e = _step(model, inputs, loss_fn, seed, input_grads=False)
+    except Exception:
+        if raised_by is not None:
+            raised_by.append("original")
+        raise
     try:
         c_before = _held_buffers(converted) if no_autograd else []
         c = _step(converted, inputs, loss_fn, seed, input_grads=dx)
@@ -1379,8 +1676,9 @@ def _run(
                 "every input the original accepts."
             ],
         )  # fmt: skip
+    narrow = _draw_dtype(model)
     try:
-        r = _step(ref, inputs, loss_fn, seed, torch.float64, dx, _draw_dtype(model))
+        r = _step(ref, inputs, loss_fn, seed, torch.float64, dx, narrow)
     except Exception as err:  # NOTE [A float64 reference that cannot run]
         return VerifyRun(
             name, float(e.loss), float(c.loss), float("nan"), False,
@@ -1390,10 +1688,14 @@ def _run(
     def slack(t, ref, eager_err):
         # NOTE [A rule at every scale]: rtol times the computation's magnitude, plus atol
         rtol, atol = tol
-        dtype = t.dtype if t is not None else None
+        if isinstance(t, _NUMBER):  # a Python number: the precision of the original's dtype
+            dtype, size = narrow, abs(ref)
+        else:
+            dtype = t.dtype if t is not None else None
+            size = _absmax(ref) if ref is not None else 0.0
         if rtol is None:
             rtol = DEFAULT_ATOL.get(dtype, 1e-6)
-        term = rtol * (_absmax(ref) if ref is not None else 0.0)
+        term = rtol * size
         if (
             dtype is not None
             and (dtype.is_floating_point or dtype.is_complex)
@@ -1501,14 +1803,19 @@ def verify(
     original (eager), the converted model and a float64 copy of the original (the reference). A run
     passes when the loss, every parameter's gradient, the gradient of every floating input tensor
     (each side's copy is a leaf that requires grad; integer inputs are left alone) and every
-    floating tensor of the output satisfy ``max|x - x64| <= 2 * max|x_eager - x64| + rtol * max|x64|
-    + atol`` (NOTE [A rule at every scale]: the rounding term scales with the tensor, so a doubled
-    gradient fails at any loss scale), no gradient is nonzero beyond eager's rounding noise where
-    eager's and the float64 one are exactly 0 (NOTE [Exact zeros are structure]), every integer and
-    bool output equals eager's exactly, every output has eager's shape and dtype, nothing is NaN/inf
-    on any side, the original runs no slimgrad code, the converted model changes no input that eager
-    leaves unchanged, and it returns every output eager returns (``logits=None`` from the fused LM
-    loss in a training forward with labels is noted, not failed). With ``inference`` (default) each
+    floating tensor and Python float of the output satisfy
+    ``max|x - x64| <= 2 * max|x_eager - x64| + rtol * max|x64| + atol`` (NOTE [A rule at every
+    scale]: the rounding term scales with the tensor, so a doubled gradient fails at any loss
+    scale), no gradient is nonzero beyond eager's rounding noise where eager's and the float64 one
+    are exactly 0 (NOTE [Exact zeros are structure]), every integer and bool output (tensor or
+    Python value) and every other plain value (str, dtype, ...) equals eager's exactly, every
+    output has eager's shape and dtype, every container in the output (tuple, list, dict,
+    dataclass, ``SimpleNamespace``, object with a ``__dict__``, HF caches) has eager's type and
+    every sequence eager's length (NOTE [Every output a model returns]; parts it cannot look into
+    are named in the run's notes as not compared), nothing is NaN/inf on any side, the original
+    runs no slimgrad code, the converted model changes no input that eager leaves unchanged, and it
+    returns every output eager returns (``logits=None`` from the fused LM loss in a training forward
+    with labels is noted, not failed). With ``inference`` (default) each
     run also calls eager and the converted model under ``torch.no_grad()`` and under
     ``torch.inference_mode()`` (same seed, from the buffers the step started from, buffer updates
     undone) and compares those outputs, dtype and shape included, with the step's float64 ones by
@@ -1518,7 +1825,9 @@ def verify(
     ``input_ids``' shape); a batch of one row gets a second, a copy of row 0 (every input tensor
     with a leading 1 doubled), to pad. A padded batch the original cannot run, or whose loss is not
     finite in the original, is left out (the report says why); one that only the converted model
-    cannot run fails.
+    cannot run fails. A train step the original refuses because a BatchNorm sees one value per
+    channel is left out too, the report's ``modes`` line saying so (NOTE [A batch the original
+    cannot step in train mode]).
 
     Args:
         model: the original model, never run and left unchanged: its side steps a deep copy of
@@ -1533,8 +1842,10 @@ def verify(
         inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
         loss_fn: maps the model's output to a scalar loss; default: ``out.loss`` (HF), a scalar
             output, or the mean square of a tensor output.
-        seed: the RNG seed set before each side's forward (same dropout masks); the caller's
-            global RNG state (CPU and the models' CUDA devices) is restored afterwards.
+        seed: the RNG seed set before each side's forward in torch's, numpy's (modulo 2**32)
+            and Python's ``random`` global generators (same dropout masks, same SpecAugment
+            masks); the caller's states of all three (torch: CPU and the models' CUDA devices)
+            are restored afterwards (NOTE [Every generator a model draws from]).
         rtol: the rounding term of the rule, relative to the float64 reference's largest
             magnitude in each tensor (``rtol * max|x64|``); default by dtype
             (``slimgrad.testing.DEFAULT_ATOL``: 1e-6 for float32, 1e-2 for bfloat16).
@@ -1560,7 +1871,9 @@ def verify(
             history: the message names the attribute), or its copy cannot be made float64 (a
             step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
             that cannot run]), or it steps the inputs in one of ``modes`` and raises in a later
-            one (NOTE [A mode the original cannot run]).
+            one (NOTE [A mode the original cannot run]), or refuses a train step at one value
+            per BatchNorm channel and ``modes`` has no other mode (NOTE [A batch the original
+            cannot step in train mode]).
         TypeError: no loss can be made from the output and no ``loss_fn`` was given.
 
     Example:
@@ -1606,10 +1919,13 @@ def verify(
         batches += [(f"{s}-padded", _padded(inputs, model, counts, s)) for s in ("left", "right")]
     saved = _snapshot(converted)
     runs = []
+    left_out: dict[str, Exception] = {}  # NOTE [A batch the original cannot step in train mode]
     planned = len(modes) * len(batches)
     # each side reseeds the global RNGs; the caller's streams continue as if verify never ran
     rng = torch.random.fork_rng(devices=_cuda_devices(model, converted))
     rng.__enter__()
+    others = _other_generators_kept()  # NOTE [Every generator a model draws from]
+    others.__enter__()
     try:
         for mode in modes:
             for net in (eager, converted, ref):
@@ -1619,12 +1935,20 @@ def verify(
                 tol = (rtol, atol)
                 args = (label, batch, eager, converted, ref, loss_fn, seed, tol, skip, inference)
                 # NOTE [Which runs take input gradients]: the first of several runs as given
-                dx = planned == 1 or bool(runs) or k > 0 or mode != modes[0]
+                dx = planned == 1 or bool(runs) or k > 0
+                raised_by: list[str] = []
+                # a train step the original refuses may have updated some buffers first
+                held = _snapshot(eager) if k == 0 and mode == "train" else None
                 try:
-                    run = _run(*args, dx=dx)
+                    run = _run(*args, dx=dx, raised_by=raised_by)
                 except Exception as err:
-                    if k == 0 and not runs:  # the inputs as given: the caller's error
-                        raise
+                    if k == 0 and raised_by and mode == "train" and _one_value_per_channel(err):
+                        # NOTE [A batch the original cannot step in train mode]
+                        left_out[mode] = err
+                        _restore(held)
+                        break
+                    if k == 0 and (not runs or not raised_by):  # the caller's error, or the
+                        raise  # converted model's where the original stepped
                     if k == 0:  # NOTE [A mode the original cannot run]
                         raise RuntimeError(_mode_failed(model, mode, runs[0].name, err)) from err
                     # the original cannot run this padded batch: nothing to compare
@@ -1639,7 +1963,17 @@ def verify(
                 runs.append(run)
     finally:
         _restore(saved)
+        others.__exit__(None, None, None)
         rng.__exit__(None, None, None)
+    if not runs:  # NOTE [A batch the original cannot step in train mode]: nothing judged
+        err = next(iter(left_out.values()))
+        raise RuntimeError(
+            f"slimgrad.verify: the original model ({type(model).__name__}) cannot step the inputs "
+            f"as given in train mode: a BatchNorm sees one value per channel; expected a batch it "
+            f"can normalise in each mode of modes={modes!r}, got ValueError: {err}. verify cannot "
+            "judge anything here: pass a batch of 2 or more (or larger images), or add 'eval' "
+            "to modes to verify eval mode only."
+        ) from err
     part = _converted_parts(model)
     if part is not None:
         runs[0].failures.append(
@@ -1648,6 +1982,7 @@ def verify(
             "it; models built from one shared config object share its attention choice)."
         )
     compared = sorted({o.name for r in runs for o in r.outputs})
+    opaque = sorted({n.split("'")[1] for r in runs for n in r.notes if n.endswith(_OPAQUE_NOTE)})
     checks = [
         "loss: the rule against float64" + (" (out.loss)" if "loss" in skip else " (loss_fn)"),
         f"gradients: {len(runs[0].grads)} trainable parameters, the rule against float64 "
@@ -1661,17 +1996,27 @@ def verify(
         ),
         "outputs: "
         + (
-            ", ".join(compared) + " (floating by the rule, integer and bool exactly)"
+            ", ".join(compared) + " (floating tensors and Python floats by the rule, integer and "
+            "bool ones and other plain values exactly, containers by type and length)"
             if compared
-            else "none (no tensor output)"
-        ),
+            else "none (no tensor or number in the output)"
+        )
+        + (f"; not compared: {', '.join(opaque)}" if opaque else ""),
         "finite: loss, gradients and outputs of the reference, eager and converted",
         "steps: one per run, from the models' state as given (errors that appear only after "
         "later calls are not seen)",
         "inputs: each side on its own copy; the converted model changes only what eager changes",
         "original: runs no slimgrad module, forward or attention",
         f"padded batch: {pad_what}",
-        "modes: " + ", ".join(modes) + " (each batch in each; eval steps backward too)",
+        "modes: "
+        + ", ".join(m for m in modes if m not in left_out)
+        + " (each batch in each; eval steps backward too)"
+        + "".join(
+            f"; {m} left out (the original cannot step the inputs in {m} mode: a BatchNorm sees "
+            f"one value per channel, {type(e).__name__}: {e}; verify with a batch of 2 or more "
+            f"to judge {m} mode)"
+            for m, e in left_out.items()
+        ),
         "buffers: after each step, floating by the rule, integer exactly",
         "without autograd: "
         + (
