@@ -149,3 +149,68 @@ def test_batch_statistics_go_through_saved_tensor_hooks(hooks):
         assert out["slim"][0] == out["eager"][0] == 4, (out["slim"][0], out["eager"][0])
     for a, b in zip(out["eager"][1] + out["eager"][2], out["slim"][1] + out["slim"][2]):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def _gn_silu(c: int = 32) -> nn.Sequential:
+    torch.manual_seed(0)
+
+    def blk():
+        return nn.Sequential(
+            nn.Conv2d(c, c, 3, padding=1, bias=False), nn.GroupNorm(8, c), nn.SiLU()
+        )
+
+    return nn.Sequential(nn.Conv2d(3, c, 1), blk(), blk(), blk(), nn.Conv2d(c, 4, 1))
+
+
+def _sac_policy(kind: str):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        if op._schema.is_mutable:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if kind == "all" or (kind == "conv" and op is torch.ops.aten.convolution.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _step_sac(model, x, w, kind):
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    h = model[0](x)
+    for b in list(model)[1:-1]:
+        ctx = functools.partial(create_selective_checkpoint_contexts, _sac_policy(kind))
+        h = checkpoint(b, h, use_reentrant=False, context_fn=ctx)
+    return (model[-1](h) * w).sum()
+
+
+@pytest.mark.parametrize("kind", ["none", "conv", "all"])
+def test_selective_checkpoint_of_group_norm_silu_blocks_peaks_below_eager(kind):
+    # Conv-GN-SiLU blocks, each under a selective-checkpoint policy that names ops: the peak is
+    # below eager's under the same policy (4x32x16x16, 3 blocks: none 0.857x, conv 0.903x, all
+    # 0.927x). A policy that alternates by the count of ops it is asked about is not one of these:
+    # slimgrad's blocks dispatch other ops than eager's (the input anchor's empty tensor before
+    # the norm, the activation's side tables), so the alternation saves other tensors (there
+    # every full-size one: 1.113x eager's peak, which saves every other one).
+    eager = _gn_silu()
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    torch.manual_seed(1)
+    x = torch.randn(4, 3, 16, 16, requires_grad=True)
+    w = torch.randn(4, 4, 16, 16)
+    for m in (eager, slim):
+        for _ in range(2):
+            _step_sac(m, x, w, kind).backward()
+    se = measure(lambda: _step_sac(eager, x, w, kind), module=eager, timeline=False)
+    ss = measure(lambda: _step_sac(slim, x, w, kind), module=slim, timeline=False)
+    assert ss.peak_bytes < se.peak_bytes, (ss.peak_bytes, se.peak_bytes, ss.peak_op)
+    grads = []
+    for m in (eager, slim):
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        _step_sac(m, x, w, kind).backward()
+        grads.append([p.grad.clone() for p in m.parameters()] + [x.grad.clone()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
