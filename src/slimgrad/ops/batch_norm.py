@@ -56,7 +56,8 @@ Inside a saved_tensors_hooks region (save_on_cpu, offloading, non-reentrant chec
 is kept full-size goes through save_for_backward, decided at forward: b where this module's
 output was claimed by an activation at the last weight version (then the same bytes and bits as
 without hooks), else x, or the input of x's 1x1 conv where that is smaller (re-run in backward)
-(NOTE [Under saved-tensor hooks]); eval with frozen γ, β keeps nothing full-size there too. There
+(NOTE [Under saved-tensor hooks]), with the batch mean and invstd (NOTE [Batch statistics under
+saved-tensor hooks]); eval with frozen γ, β keeps nothing full-size there too. There
 b goes through the hooks once, for this op, the activation, a squeeze-excite gate and the next conv
 together (NOTE [One pack per shared tensor] in ``ops/_derived.py``): an offload copies it once.
 """
@@ -462,8 +463,9 @@ def _smaller_ingredient(recipe, x: torch.Tensor) -> bool:
     return k is not None and k.numel() * k.element_size() < x.numel() * x.element_size()
 
 
-def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
-    # recipe: x's (batch_norm looked it up), or None
+def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> torch.Tensor | None:
+    # recipe: x's (batch_norm looked it up), or None; returns the full-size tensor the forward
+    # saves (x or the recipe's ingredient), None where the conv's pack holds it
     kept = x
     if recipe is not None:
         _derived.adopt_recipe(recipe)
@@ -484,8 +486,37 @@ def _save_under_hooks(ctx, x: torch.Tensor, recipe) -> None:
         else:
             recipe.drop()
     ctx.saved_x = True
-    if kept is not None:
-        ctx.save_for_backward(kept)
+    return kept
+
+
+# NOTE [Batch statistics under saved-tensor hooks]
+# A training call keeps its batch mean and invstd (2 C values) for backward, as eager's node
+# does. Outside hooks they stay ctx attributes (no hook to see them: the same bytes as eager's
+# saved tensors). Inside a saved_tensors_hooks region they go through save_for_backward with the
+# full-size tensor the call saves there (NOTE [Under saved-tensor hooks]), in one call (a second
+# would replace the first): as attributes, a non-reentrant checkpoint kept them alive past forward
+# where eager's were dropped and recomputed (a 5-BN conv net at C=8 peaked 256 B above eager's,
+# 2 C x 4 B per norm alive at the peak) and an offload never moved them. Backward reads
+# ``ctx.saved_tensors`` once (``_load_saved``: a checkpoint refuses a second unpack of the same
+# tensor, an offload would copy it back twice) and drops what it unpacked at its end, so a
+# retained graph unpacks again.
+def _load_saved(ctx) -> None:
+    if ctx.released:
+        _check_not_released(ctx)
+    try:
+        ctx.saved_full, ctx.save_mean, ctx.save_invstd = ctx.saved_tensors
+    except RuntimeError as e:  # NOTE [A kept tensor written after forward] in ops/_derived.py
+        _derived.raise_written(e, "ops.batch_norm")
+        raise
+
+
+def _unpack(ctx) -> torch.Tensor:
+    # the full-size tensor the forward saved under hooks (NOTE [Batch statistics under
+    # saved-tensor hooks]: unpacked already, with the statistics, in a training call)
+    if ctx.stats_saved:
+        return ctx.saved_full
+    (t,) = ctx.saved_tensors
+    return t
 
 
 def _load_saved_b(ctx) -> None:
@@ -498,7 +529,7 @@ def _load_saved_b(ctx) -> None:
         ctx.b, ctx.b_version = b, b._version
         return
     try:
-        (b,) = ctx.saved_tensors
+        b = _unpack(ctx)
     except RuntimeError as e:  # NOTE [A kept tensor written after forward] in ops/_derived.py
         _derived.raise_written(e, "ops.batch_norm")
         raise
@@ -519,7 +550,7 @@ def _saved_input(ctx) -> torch.Tensor:
             _check_not_released(ctx)
         k = _derived.read_pack(ctx.k_pack, "tensor kept to recompute a normalisation input")
     else:
-        (k,) = ctx.saved_tensors
+        k = _unpack(ctx)
     if ctx.recipe_fn is None:
         return k
     for t, v in zip(ctx.recipe_params, ctx.recipe_versions):
@@ -611,8 +642,10 @@ class _BatchNormFn(torch.autograd.Function):
         else:
             recipe = _derived.usable_recipe(x, recompute) if keep_x else None
             holder.append(None)
+        ctx.stats_saved = False  # NOTE [Batch statistics under saved-tensor hooks]
+        full = None  # under hooks: the full-size tensor saved beside them (x, its ingredient, b)
         if keep_x and hooked and (hooked != _PRE or _smaller_ingredient(recipe, x)):
-            _save_under_hooks(ctx, x, recipe)
+            full = _save_under_hooks(ctx, x, recipe)
             # a source that counts the claims asked of it and, where pre (an ingredient smaller
             # than b kept), accepts them and keeps what it saved
             ctx.pre = hooked == _PRE
@@ -634,7 +667,7 @@ class _BatchNormFn(torch.autograd.Function):
                 if ctx.b_hooks is None:
                     # NOTE [The same ops under selective checkpointing]
                     copy = _task_id() != -1 or (_dispatch_depth() and _derived.under_checkpoint())
-                    ctx.save_for_backward(out.clone() if copy else out)
+                    full = out.clone() if copy else out
                 else:  # NOTE [A claim under checkpoint's hooks] in ops/_derived.py
                     ctx.fwd_hooks = ctx.b_hooks
                 ctx.pre = True
@@ -646,6 +679,14 @@ class _BatchNormFn(torch.autograd.Function):
             else:
                 ctx.x, ctx.x_version = x.detach(), x._version
             holder[0] = ctx
+        if hooked:
+            if training:
+                # NOTE [Batch statistics under saved-tensor hooks]
+                ctx.stats_saved = True
+                ctx.save_mean = ctx.save_invstd = None
+                ctx.save_for_backward(full, save_mean, save_invstd)
+            elif full is not None:
+                ctx.save_for_backward(full)
         return out
 
     @staticmethod
@@ -657,6 +698,8 @@ class _BatchNormFn(torch.autograd.Function):
         if ctx.bias_v is not None:
             ctx.bias_v = ctx.bias_v.detach()
         _check_not_released(ctx)
+        if ctx.stats_saved:  # NOTE [Batch statistics under saved-tensor hooks]
+            _load_saved(ctx)
         if ctx.b_saved:
             _load_saved_b(ctx)
         _check_params(ctx)
@@ -685,6 +728,8 @@ class _BatchNormFn(torch.autograd.Function):
             out = tuple(grads.pop(0) if n else None for _, n in pairs)
         if ctx.b_saved:
             ctx.b = None
+        if ctx.stats_saved:  # read again from the hooks by another backward
+            ctx.saved_full = ctx.save_mean = ctx.save_invstd = None
         if _keep_graph is not None and not _keep_graph():
             _release(ctx)
         return out + (None,) * 8
@@ -699,6 +744,8 @@ class _BatchNormFn(torch.autograd.Function):
         # may write dx over it
         # (the C library _bwd_from_output_c runs where what it checks of ctx alone holds; handed
         # on to it: one backend choice per backward)
+        if ctx.stats_saved:  # NOTE [Batch statistics under saved-tensor hooks]
+            _load_saved(ctx)
         if ctx.b_saved:
             _load_saved_b(ctx)
         b = ctx.b
@@ -759,6 +806,8 @@ class _BatchNormFn(torch.autograd.Function):
             out = _bwd_from_output(ctx, grad, need_x, need_w, need_b, buf, lib)
         if ctx.b_saved:
             ctx.b = None  # the unpacked b: read again from the hooks by another backward
+        if ctx.stats_saved:  # and the unpacked statistics and x (or its ingredient)
+            ctx.saved_full = ctx.save_mean = ctx.save_invstd = None
         if _keep_graph is not None and not _keep_graph():
             # _release(ctx), inline
             ctx.x = ctx.b = ctx.x_bad = ctx.recipe = ctx.recipe_tensors = None

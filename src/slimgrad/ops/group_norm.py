@@ -30,6 +30,8 @@ Memory, per input dtype:
   ``ops/rms_norm.py``), and keeping x instead costs what eager costs.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]; dbias is summed first); otherwise out of place.
+A slimgrad SiLU or Mish applied to y keeps y as its input, as eager's does, adding no byte (NOTE
+[An input its producer keeps] in ``ops/_output_act.py``).
 
 # NOTE [GroupNorm's fallback channels]
 A rebuilt ``xhat = (y - beta) / gamma`` carries the output's rounding, about ``ulp(y) / |gamma| ~
@@ -93,7 +95,7 @@ from slimgrad._math import norms, steps
 from slimgrad._math.steps import epoch
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
-from slimgrad.ops._output_act import check_output_seen
+from slimgrad.ops._output_act import INPUT_KEPT_BY, check_output_seen
 from slimgrad.ops.layer_norm import (
     _ANCHOR_APPLY,
     CHUNK_ELEMS,
@@ -603,6 +605,9 @@ class _GroupNormFn(torch.autograd.Function):
 
 
 _GN_APPLY = direct_apply(_GroupNormFn)
+# every call keeps y through save_for_backward: an activation applied to y keeps it as its input
+# (NOTE [An input its producer keeps] in ops/_output_act.py)
+INPUT_KEPT_BY.add(_GroupNormFn._backward_cls)
 
 
 def group_norm(
