@@ -45,6 +45,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from slimgrad import _ext
 from slimgrad._autograd import (
@@ -305,6 +306,55 @@ def _act_recompute(g: Tensor, activation: str) -> Tensor:
 @_act_recompute.register_fake
 def _(g, activation):
     return g.new_empty(g.shape)
+
+
+# NOTE [The gated MLP traced under torch.compile]
+# Compiled, the gated MLP's float32 lean case is eager's own ops: g and u are ``F.linear``'s
+# outputs outside any checkpoint, and ``down(act(g) * u)`` runs inside a non-reentrant
+# ``torch.utils.checkpoint`` (:func:`_glu_down_checkpointed`). Under torch.compile what a Function
+# saves is no constraint (NOTE [slimgrad ops under torch.compile] in slimgrad/_compile.py): the
+# min-cut partitioner keeps what the joint graph's backward reads and cannot recompute. Eager's
+# ops alone keep act(g) and the product h besides g and u: h feeds the down projection, whose
+# weight gradient (an mm) reads it in backward, and the partitioner never recomputes a value that
+# an op outside a fusion reads there. Inside the checkpoint every op is tagged "recompute": its
+# inputs g and u are kept, act(g) and h are made again in backward (fused with their consumers),
+# so the graph keeps x, g and u, what the uncompiled op keeps, with no custom op in the graph
+# (the ``_GatedMLPFn`` path traced ``glu_act_recompute``, an opaque call per MLP per step, so
+# that the joint graph's CSE would not keep forward's act(g)). The backward is autograd's on
+# eager's ops: compiled eager's formulas (``tests/test_compile_gated_mlp.py``).
+
+
+def _glu_down(g: Tensor, u: Tensor, wd: Tensor, bd: Tensor | None, activation: str, fused: bool):
+    # eager's ops after the projections (HF LlamaMLP; Phi3MLP's operand order for ``fused``)
+    if fused:
+        return F.linear(u * _act(g, activation), wd, bd)
+    return F.linear(_act(g, activation) * u, wd, bd)
+
+
+def _glu_down_checkpointed(x, wg, bg, wu, bu, wd, bd, activation: str, fused: bool) -> Tensor:
+    # NOTE [The gated MLP traced under torch.compile]; no RNG inside, so none is restored
+    if fused:
+        g, u = F.linear(x, wg, bg).chunk(2, dim=-1)
+    else:
+        g, u = F.linear(x, wg, bg), F.linear(x, wu, bu)
+    return _checkpoint(
+        _glu_down, g, u, wd, bd, activation, fused, use_reentrant=False, preserve_rng_state=False
+    )
+
+
+def _compiled_lean(args: tuple) -> bool:
+    # the compiled lean case (NOTE [The gated MLP traced under torch.compile]), on facts the
+    # trace sees as constants (types, dtypes, requires_grad, grad mode, autocast, transforms)
+    if not _grad_on() or _any_autocast() or transforms_active():
+        return False
+    grad = False
+    for t in args:
+        if t is None:
+            continue
+        if type(t) not in _PLAIN or t.dtype != torch.float32:
+            return False
+        grad = grad or t.requires_grad
+    return grad
 
 
 def _autocast_args(x: Tensor, args: tuple) -> tuple:
@@ -627,8 +677,11 @@ def gated_mlp(
     if not (s and up_weight.ndim == 2 and s[-1] == up_weight.shape[1]):
         _check_in("gated_mlp", "input", input, up_weight)
     args = (input, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    comp = _is_compiling()  # one call: NOTE [One-frame compile check] in slimgrad/_autograd.py
+    if comp and _compiled_lean(args):  # NOTE [The gated MLP traced under torch.compile]
+        return _glu_down_checkpointed(*args, activation, False)
     if (  # NOTE [Linear's straight path] in ops/linear.py, for the block
-        not _is_compiling()
+        not comp
         and not (_functorch_on() or _is_tracing() or _any_autocast())
         and _grad_on()
         and (
@@ -697,6 +750,8 @@ def gated_mlp_fused(
             f"an even number of rows, got {gate_up_weight.shape[0]}. Pass torch.cat([Wg, Wu])."
         )
     args = (input, gate_up_weight, gate_up_bias, None, None, down_weight, down_bias)
+    if _is_compiling() and _compiled_lean(args):  # NOTE [The gated MLP traced under torch.compile]
+        return _glu_down_checkpointed(*args, activation, True)
     if transforms_active() or not _records(*args):
         return _fwd_torch(*args, activation, True)
     refuse_jit("ops.gated_mlp_fused")
