@@ -11,7 +11,6 @@ from torch import Tensor
 from torch.nn.modules import module as _module
 
 from slimgrad._autograd import unwrap_if_dead
-from slimgrad._errors import hooks_top
 from slimgrad._library import straight
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import hf_name, type_error
@@ -74,7 +73,6 @@ class GELU(NoScript, torch.nn.GELU):
             and not input.is_meta
             and _grad_on()
             and straight()
-            and hooks_top(False) is None  # NOTE [GELU under saved-tensor hooks] in ops/gelu.py
         ):
             return _GELU_APPLY(unwrap_if_dead(input), a, True)
         return gelu(input, a, self.inplace)

@@ -37,7 +37,6 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
-from slimgrad._errors import hooks_top
 from slimgrad._library import straight
 from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
@@ -251,7 +250,6 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
         and not input.is_meta
         and _grad_on()
         and straight()
-        and hooks_top(False) is None  # NOTE [GELU under saved-tensor hooks]
     ):
         return _GELU_APPLY(unwrap_if_dead(input), approximate, True)
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
@@ -261,16 +259,6 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
         )
     _check_approximate(approximate)
     if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
-        y = _fwd_torch(input, approximate)
-        return input.copy_(y) if inplace else y
-    if not compiling() and hooks_top(False) is not None:
-        # NOTE [GELU under saved-tensor hooks]
-        # A hook packs each saved tensor on its own: y packed here and again by the next layer
-        # are two copies, so y + bits + table is more than eager's x there (1.019x eager's
-        # packed bytes on four d=256 MLP blocks in float32). Inside a hooks region GELU keeps x
-        # through eager's op, as ELU and Hardswish do (NOTE [Output and side information under
-        # saved-tensor hooks] in ops/_monotone.py); checkpointing's forward and its recompute
-        # both run under hooks, so both take this path.
         y = _fwd_torch(input, approximate)
         return input.copy_(y) if inplace else y
     refuse_jit("ops.gelu")
