@@ -20,6 +20,8 @@ entry v is bit i of v). Tested for every byte value and for lengths that are not
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = [
@@ -91,6 +93,22 @@ def _build_shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(8, dtype=torch.uint8, device=device)
 
 
+# NOTE [Packing writes over no op's output]
+# The packed byte is the top byte of x * M (NOTE [Bit packing with one multiply]); it is read out
+# as byte 7 of each little-endian int64 (a view) and copied, not shifted and masked in place.
+# Under selective checkpointing a policy may save any op's output (``aten.mul``, a shift), and
+# SAC's cache holds that very tensor: an in-place write over it raised "Tensor cached during
+# selective activation checkpoint has been mutated" in every converted DropPath under a policy
+# saving ``mul`` (tests/conformance/test_compositions_28.py), where timm's DropPath runs. The
+# product is the only temporary, as before; ``pack_nonzero`` multiplies in place only into the
+# buffer it allocated, and nothing writes over the product after that.
+_TOP = 7 if sys.byteorder == "little" else 0
+
+
+def _top_bytes(prod: torch.Tensor) -> torch.Tensor:
+    return prod.view(torch.uint8)[_TOP::8].clone(memory_format=torch.contiguous_format)
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a boolean (or 0/1) tensor into a 1-D uint8 tensor, 8 elements per byte (LSB first).
 
@@ -112,13 +130,11 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
         flat = flat.clone()
     n = flat.numel()
     n8 = n - n % 8
-    # the only temporary is one int64 per 8 elements (shifted and masked in place)
-    packed = (flat[:n8].view(torch.int64) * PACK_MUL).bitwise_right_shift_(56).bitwise_and_(0xFF)
-    packed = packed.to(torch.uint8)
+    # the only temporary is one int64 per 8 elements (NOTE [Packing writes over no op's output])
+    packed = _top_bytes(flat[:n8].view(torch.int64) * PACK_MUL)
     if n8 < n:
         tail = torch.cat([flat[n8:], flat.new_zeros(8 - (n - n8))]).view(torch.int64)
-        tail = ((tail * PACK_MUL) >> 56).bitwise_and_(0xFF).to(torch.uint8)
-        packed = torch.cat([packed, tail])
+        packed = torch.cat([packed, _top_bytes(tail * PACK_MUL)])
     return packed
 
 
@@ -141,9 +157,7 @@ def pack_nonzero(t: torch.Tensor) -> torch.Tensor:
     if m.shape[0] > n:
         m[n:].zero_()  # padding bits are 0
     torch.ne(t, 0, out=m[:n].view(t.shape))
-    q = m.view(torch.uint8).view(torch.int64)
-    q.mul_(PACK_MUL).bitwise_right_shift_(56).bitwise_and_(0xFF)
-    return q.to(torch.uint8)
+    return _top_bytes(m.view(torch.uint8).view(torch.int64).mul_(PACK_MUL))
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:

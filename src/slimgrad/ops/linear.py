@@ -274,13 +274,37 @@ _LINEAR_APPLY = direct_apply(_LinearFn)
 
 
 def _autocast_linear_backward(ctx, dy):
-    x, master = ctx.saved_tensors
+    x, master = ctx.saved_tensors  # master: saved by a caller of forward (ops/gpt2_mlp.py)
+    if master is None and ctx.master is not None:  # NOTE [The master weight is no saved tensor]
+        master = ctx.master
+        if master._version != ctx.master_version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the weight of a converted Linear ({_describe(master)}) is "
+                f"at version {master._version}; expected version {ctx.master_version} instead. "
+                "Hint: change the weight after backward (optimizer.step()), or under no_grad "
+                "before the forward."
+            )
     w = master.to(ctx.cast_dtype) if master is not None else None  # eager's cast, same bits
     mask = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
     dx, dw, db = _bwd_torch(dy, x, w, ctx.has_bias, ctx.w_in_out, mask)
     return dx, dw, None, db, None, None
 
 
+def _describe(t):
+    return f"[{t.__class__.__name__}] {tuple(t.shape)} {t.dtype}"
+
+
+# NOTE [The master weight is no saved tensor]
+# Under autocast the converted Linear needs in backward only the leaf fp32 weight (the master)
+# and recasts it there (NOTE [Autocast weight casts]). The master is a parameter: alive without
+# this op, never an activation. Handed to save_for_backward it went through every
+# saved_tensors_hooks region's pack hook, which moved or copied 4 B per weight element per use
+# where eager's hooks see autocast's cast (2 B in bf16): 1.26x eager's offloaded bytes on four
+# d=256 blocks (tests/conformance/test_compositions_28.py). So ctx holds the master as an
+# attribute, with its version at forward; backward raises autograd's "modified by an inplace
+# operation" error when it changed, as a saved tensor would. Hooks see x only: what slimgrad
+# keeps of a step is what they see, and the master is no part of it.
 class _AutocastLinearFn(torch.autograd.Function):
     # NOTE [Autocast weight casts]: ``token`` stands for W's cast (its gradient goes there, in the
     # autocast dtype); the cast itself is made here from the leaf ``master``, used and dropped
@@ -289,9 +313,10 @@ class _AutocastLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, token, master, bias, cast_dtype, w_in_out):
         ctx.w_in_out, ctx.has_bias, ctx.cast_dtype = w_in_out, bias is not None, cast_dtype
-        ctx.save_for_backward(
-            x if ctx.needs_input_grad[1] else None, master if ctx.needs_input_grad[0] else None
-        )
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, None)
+        # NOTE [The master weight is no saved tensor]
+        ctx.master = master if ctx.needs_input_grad[0] else None
+        ctx.master_version = master._version
         return fresh(_fwd_torch(x, master.to(cast_dtype), bias, w_in_out))
 
     @staticmethod
