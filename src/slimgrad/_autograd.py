@@ -73,6 +73,8 @@ __all__ = [
     "first_order",
     "refuse_forward_ad",
     "refuse_jit",
+    "FxProxy",
+    "FxTraceError",
     "refuse_second_order",
     "tie_refusal",
     "transforms_active",
@@ -244,6 +246,21 @@ def transforms_active() -> bool:
     """True inside ``torch.func`` transforms (grad, vmap, jacrev, ...): slimgrad ops then run
     eager's op (NOTE [torch.func transforms])."""
     return torch._C._are_functorch_transforms_active()
+
+
+# NOTE [fx symbolic tracing of a converted model]
+# ``torch.fx.symbolic_trace`` runs each non-leaf module's forward on ``torch.fx.Proxy`` objects (a
+# slimgrad module is not a leaf: fx's default leaves are the ``torch.nn`` namespace). A Proxy is no
+# tensor: it cannot go through an autograd Function, and any Python test on it (``if
+# x.requires_grad``) raises fx's TraceError. So a slimgrad op reached with a Proxy records eager's
+# op (the one it replaces, with the same arguments): the GraphModule computes eager's values and
+# keeps what eager keeps, exact. To keep the savings in a traced model, fx-trace the unconverted
+# model (its torch.nn modules stay ``call_module`` leaves) and ``convert_`` the GraphModule. The
+# test is never on an op's straight path: it sits where the op already rejects a non-tensor
+# argument, or in an ``except FxTraceError`` around the op's first test on its input (free on
+# Python 3.11+ unless raised). tests/test_fx_jit_refusals.py traces every converted module type.
+FxProxy = torch.fx.Proxy
+FxTraceError = torch.fx.proxy.TraceError
 
 
 def refuse_jit(api: str) -> None:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from slimgrad import ownership
+from slimgrad._autograd import FxTraceError
 from slimgrad.nn._script import NoScript
 from slimgrad.ops import _derived
 from slimgrad.ops.batch_norm import _batch_norm
@@ -95,8 +96,12 @@ class _BatchNormMixin:
         # torch.nn.modules.batchnorm._BatchNorm.forward, calling slimgrad's batch_norm; parameters
         # and buffers read from their dicts (Module.__getattr__'s first two places, in its order;
         # a name in neither, e.g. a parametrization's property, by attribute)
-        if input.ndim not in self._ndims:
-            self._check_input_dim(input)
+        try:
+            if input.ndim not in self._ndims:
+                self._check_input_dim(input)
+        except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]: a leaf, as
+            t = input.tracer  # torch's BatchNorm is in fx's trace
+            return t.create_proxy("call_module", t.path_of_module(self), (input,), {})
         params, bufs = self._parameters, self._buffers
         mean = bufs["running_mean"] if "running_mean" in bufs else self.running_mean
         var = bufs["running_var"] if "running_var" in bufs else self.running_var

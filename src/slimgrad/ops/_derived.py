@@ -157,12 +157,13 @@ import torch.nn.functional as F
 
 from slimgrad import ownership
 from slimgrad._autograd import (
-    compiling as _compiling,
-)
-from slimgrad._autograd import (
+    FxTraceError,
     direct_apply,
     refuse_jit,
     unwrap_if_dead,
+)
+from slimgrad._autograd import (
+    compiling as _compiling,
 )
 from slimgrad._errors import raise_if_written
 
@@ -1101,19 +1102,23 @@ def activation(
     if act not in ACTIVATIONS:
         raise _bad_act(act)
     spec = (act, float(param), bool(inplace)) if act in ("leaky_relu", "elu") else act
-    if (
-        (owned or not inplace)
-        and not (inplace and type(spec) is tuple and spec[1] < 0)
-        and x.requires_grad
-        and torch.is_grad_enabled()
-        and not _compiling()
-        and not _transforms_active()  # NOTE [torch.func transforms]: eager's op
-        # claim_source(x), inline: a pristine registered source output whose source keeps it
-        and (k := id(x)) in _SOURCES_D
-        and _SOURCES_D[k][0]() is x
-        and x._version == _SOURCES_D[k][1][1]
-        and _SOURCES_D[k][1][0].keep_output(x)
-    ):
+    try:
+        derived = (
+            (owned or not inplace)
+            and not (inplace and type(spec) is tuple and spec[1] < 0)
+            and x.requires_grad
+            and torch.is_grad_enabled()
+            and not _compiling()
+            and not _transforms_active()  # NOTE [torch.func transforms]: eager's op
+            # claim_source(x), inline: a pristine registered source output whose source keeps it
+            and (k := id(x)) in _SOURCES_D
+            and _SOURCES_D[k][0]() is x
+            and x._version == _SOURCES_D[k][1][1]
+            and _SOURCES_D[k][1][0].keep_output(x)
+        )
+    except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]: eager's op below
+        derived = False
+    if derived:
         if _jit_tracing():
             refuse_jit("ops.activation")
         # NOTE [One pack per shared tensor]: the source's pack of x under saved-tensor hooks

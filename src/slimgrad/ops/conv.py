@@ -20,12 +20,13 @@ import torch
 
 from slimgrad import _dtensor, _library
 from slimgrad._autograd import (
-    compiling as _compiling,
-)
-from slimgrad._autograd import (
+    FxProxy,
     direct_apply,
     refuse_jit,
     unwrap_if_dead,
+)
+from slimgrad._autograd import (
+    compiling as _compiling,
 )
 from slimgrad.ops import _derived
 from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
@@ -429,6 +430,11 @@ def _conv(
         type(x) in _PLAIN and type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN)
     ):
         _dtensor.refuse(public, input=x, weight=weight, bias=bias)
+        if isinstance(x, FxProxy):  # NOTE [fx symbolic tracing of a converted model]
+            f = getattr(torch.nn.functional, api)
+            if transposed:
+                return f(x, weight, bias, stride, padding, output_padding, groups, dilation)
+            return f(x, weight, bias, stride, padding, dilation, groups)
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
             raise TypeError(
                 f"slimgrad.ops.{api}: input and weight must be tensors; expected torch.Tensor, "
@@ -498,7 +504,15 @@ def _conv(
         # that both paths below call, so its cast is applied here, for the graph and the no-graph
         # path alike.
         dt = torch.get_autocast_dtype(dev)
-        x, weight, bias = (_autocast_cast(t, dt) for t in (x, weight, bias))
+        # NOTE [Autocast casts in eager's order]: eager's autocast casts bias, then weight, then
+        # input (their ToCopyBackward nodes get rising sequence numbers, so backward runs the
+        # input's cast first and the bias's last). Casting in another order changes which grad is
+        # cast back to float32 first: the bias's fp32 grad, made before the weight's, sat on
+        # timm's ViT-RoPE bf16 patch-embedding peak, 768 B above eager's
+        # (tests/test_fx_jit_refusals.py::test_autocast_conv_casts_in_eagers_order).
+        bias = _autocast_cast(bias, dt)
+        weight = _autocast_cast(weight, dt)
+        x = _autocast_cast(x, dt)
     # NOTE [Two watchers in one call]: a module's call (its slot: not compiling) with a graph
     w = _library._watchers if slot is not None and needs_graph else None
     mask = w() if w is not None else None

@@ -41,6 +41,7 @@ import torch
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
     CTX_FIELDS,
+    FxTraceError,
     compiling,
     direct_apply,
     first_order,
@@ -682,8 +683,11 @@ def dropout(
         _check_p("ops.dropout", p)
     if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
         return torch.nn.functional.dropout(input, p, training, inplace)
-    if p == 0 or not training or input.numel() == 0:
-        return input
+    try:
+        if p == 0 or not training or input.numel() == 0:
+            return input
+    except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]
+        return torch.nn.functional.dropout(input, p, training, inplace)
     if p == 1:
         zero = input.new_zeros(())
         return input.mul_(zero) if inplace else input * zero

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import eager_op, first_order, refuse_jit
+from slimgrad._autograd import FxTraceError, eager_op, first_order, refuse_jit
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
 from slimgrad.ops._output_act import DENSE_MAX, needs_graph
 
@@ -145,7 +145,10 @@ def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise("slimgrad.ops.hardsigmoid", hardsigmoid, input, inplace=inplace)
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
-    if not needs_graph(input) or eager_op(inplace):
+    try:
+        if not needs_graph(input) or eager_op(inplace):
+            return F.hardsigmoid(input, inplace=inplace)
+    except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]
         return F.hardsigmoid(input, inplace=inplace)
     refuse_jit("ops.hardsigmoid")
     return _HardsigmoidFn.apply(input, inplace)

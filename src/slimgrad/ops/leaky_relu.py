@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from slimgrad import ownership
-from slimgrad._autograd import eager_op, first_order, refuse_jit
+from slimgrad._autograd import FxTraceError, eager_op, first_order, refuse_jit
 from slimgrad.ops._bits import unpack_bits
 from slimgrad.ops._monotone import (
     apply_with_anchor,
@@ -131,7 +131,11 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
         >>> y = leaky_relu(torch.randn(4, 8, requires_grad=True), 0.2)
     """
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
-    if eager_op(inplace) or not needs_graph(input):
+    try:
+        eager = eager_op(inplace) or not needs_graph(input)
+    except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]
+        return torch.nn.functional.leaky_relu(input, negative_slope, inplace=inplace)
+    if eager:
         if inplace and negative_slope < 0 and needs_graph(input):
             # eager's in-place op refuses a negative slope in backward; this op accepts it
             return input.copy_(torch.nn.functional.leaky_relu(input.clone(), negative_slope))

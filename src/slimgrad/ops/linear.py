@@ -79,6 +79,7 @@ import torch
 
 from slimgrad._autograd import (
     CTX_FIELDS,
+    FxTraceError,
     compiling,
     direct_apply,
     first_order,
@@ -628,11 +629,15 @@ def linear(
 
 
 def _linear_general(input, weight, bias):
-    if (  # torch.func (NOTE [torch.func transforms]), other layouts, DTensors (tensor parallel:
-        transforms_active()  # DTensor's own linear; eager's linear keeps what this op keeps)
-        or not _plain_layout(input, weight)
-        or any_dtensor(input, weight, bias)
-    ):
+    try:
+        eager = (  # torch.func (NOTE [torch.func transforms]), other layouts, DTensors (tensor
+            transforms_active()  # parallel: DTensor's own linear; eager's keeps what this keeps)
+            or not _plain_layout(input, weight)
+            or any_dtensor(input, weight, bias)
+        )
+    except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]
+        eager = True
+    if eager:
         return torch.nn.functional.linear(input, weight, bias)
     _check("linear", input, weight, 1)
     _refuse_jit_if_recorded("ops.linear", input, weight, bias)

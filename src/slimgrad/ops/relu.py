@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad._autograd import eager_op, refuse_jit
+from slimgrad._autograd import FxTraceError, eager_op, refuse_jit
 from slimgrad.ops._monotone import output_only_function
 from slimgrad.ops._output_act import needs_graph
 
@@ -51,7 +51,10 @@ def relu(input: Tensor, inplace: bool = False) -> Tensor:
         >>> y = relu(torch.randn(4, 8, requires_grad=True))
     """
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
-    if eager_op(inplace) or not needs_graph(input):
+    try:
+        if eager_op(inplace) or not needs_graph(input):
+            return torch.relu_(input) if inplace else torch.relu(input)
+    except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]
         return torch.relu_(input) if inplace else torch.relu(input)
     refuse_jit("ops.relu")
     return _ReluFn.apply(input, inplace)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from slimgrad._autograd import eager_op, refuse_jit
+from slimgrad._autograd import FxTraceError, eager_op, refuse_jit
 from slimgrad.ops._monotone import output_only_function
 from slimgrad.ops._output_act import needs_graph
 
@@ -45,7 +45,10 @@ def tanh(input: Tensor, inplace: bool = False) -> Tensor:
         >>> y = tanh(torch.randn(4, 8, requires_grad=True))
     """
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
-    if eager_op(inplace) or not needs_graph(input):
+    try:
+        if eager_op(inplace) or not needs_graph(input):
+            return torch.tanh_(input) if inplace else torch.tanh(input)
+    except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]
         return torch.tanh_(input) if inplace else torch.tanh(input)
     refuse_jit("ops.tanh")
     return _TanhFn.apply(input, inplace)
