@@ -6,6 +6,7 @@ loop survives unchanged.
   handle's guard hooks on the held gradients fire under it too; before, they took it for the next
   step's backward and applied the held gradients at its end (the head changed, its ``.grad`` went
   None, then ``zero_grad()`` was refused) (NOTE [A graph task that accumulates nothing]).
+  With accumulate=N the same probe mid-cycle counted as a micro-batch (and could end the cycle).
 - an optimizer step pre-hook that raises (a NaN guard, a failing logger) before anything was
   applied: the plain ``step()`` changes nothing and ``zero_grad()`` drops the gradients. Before,
   the handle recorded an update before calling the optimizer, so ``zero_grad()`` was refused with
@@ -158,3 +159,26 @@ def test_step_after_a_step_pre_hook_error_at_the_end_of_backward_is_the_plain_st
     handle.zero_grad()
     assert_same_parameters(a, b)
     assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+
+
+@pytest.mark.parametrize("raised", [False, True], ids=["clean", "after-raised"])
+@pytest.mark.parametrize("accumulate", [2, 3])
+def test_autograd_grad_mid_cycle_is_no_micro_batch(accumulate, raised):
+    """accumulate=N: an autograd.grad probe after the cycle's first micro-batch (which raised or
+    not) adds nothing and counts for nothing. Before, the parameters' pre-hooks took it for the
+    next micro-batch: it counted, and where it closed the cycle its end applied the gradients."""
+    a, opt, b, handle = _pair(False, accumulate=accumulate)
+    for m, o in ((a, opt), (b, handle)):
+        _Boom.armed = RuntimeError if raised else None
+        try:
+            m(_x(0)).backward()
+        except RuntimeError as e:
+            assert "simulated" in str(e)
+        torch.autograd.grad(m(_x(9)), list(m.parameters()))
+        for i in range(1, accumulate + int(raised)):
+            m(_x(i)).backward()
+        o.step()
+        o.zero_grad()
+    assert_same_parameters(a, b)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+    assert all(p.grad is None for p in b.parameters())

@@ -453,7 +453,8 @@ class _HeldGuard:
     # .grad a raised backward left: the next backward's checks run before AccumulateGrad adds to
     # it (the post-accumulate hook comes after); removed at the next step start, step() or
     # zero_grad()
-    # NOTE [A graph task that accumulates nothing]: the hook fires under torch.autograd.grad too
+    # NOTE [A graph task that accumulates nothing]: the hook (and _PreHook, accumulate=N) fires
+    # under torch.autograd.grad too
     # (its gradient is captured, not added to .grad); that task is no step of the plain loop,
     # which it leaves as it was, so it does nothing here (no check, no going on from the raised
     # backward): torch says whether this task runs the parameter's AccumulateGrad
@@ -1263,6 +1264,10 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _before_gradient(self, p: torch.Tensor) -> None:
         # accumulate=N: before AccumulateGrad adds p's gradient
+        if torch._C._current_graph_task_id() != self._task and not _accumulates(
+            torch.autograd.graph.get_gradient_edge(p).node
+        ):
+            return  # NOTE [A graph task that accumulates nothing]: torch.autograd.grad
         self._start_backward()
         if p not in self._fired:
             if p not in self._grad_was:
