@@ -431,7 +431,15 @@ class _EndOfBackward:
         self.ran = True
         handle = self.ref()
         if handle is not None:
-            handle._end_backward()
+            try:
+                handle._end_backward()
+            except BaseException:
+                # an update at the end (the last bucket, gradients a raised backward left) raised,
+                # e.g. in an optimizer step pre-hook: the backward raised, and the gradients not
+                # applied stay in .grad as the plain loop's (zero_grad() drops them, step()
+                # applies them)
+                handle._backward_raised()
+                raise
 
     def __del__(self) -> None:
         if not self.ran:
@@ -445,15 +453,24 @@ class _HeldGuard:
     # .grad a raised backward left: the next backward's checks run before AccumulateGrad adds to
     # it (the post-accumulate hook comes after); removed at the next step start, step() or
     # zero_grad()
-    __slots__ = ("ref",)
+    # NOTE [A graph task that accumulates nothing]: the hook (and _PreHook, accumulate=N) fires
+    # under torch.autograd.grad too
+    # (its gradient is captured, not added to .grad); that task is no step of the plain loop,
+    # which it leaves as it was, so it does nothing here (no check, no going on from the raised
+    # backward): torch says whether this task runs the parameter's AccumulateGrad
+    __slots__ = ("ref", "param")
 
-    def __init__(self, handle: StepInBackward) -> None:
+    def __init__(self, handle: StepInBackward, param: torch.Tensor) -> None:
         self.ref = weakref.ref(handle)
+        self.param = weakref.ref(param)
 
     def __call__(self, grad: torch.Tensor) -> None:
-        handle = self.ref()
-        if handle is not None and not handle._removed:
-            handle._guarded(handle._start_backward)
+        handle, p = self.ref(), self.param()
+        if handle is None or p is None or handle._removed:
+            return
+        if not _accumulates(torch.autograd.graph.get_gradient_edge(p).node):
+            return
+        handle._guarded(handle._start_backward)
 
 
 # NOTE [What the loop did since the last update]: the handle's view of the plain loop's gradients
@@ -1194,7 +1211,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._raised = _RAISED_UPDATED if updated else _RAISED_HELD if self._held else 0
         self._unguard()
         if self._raised and self._accumulate == 1:
-            self._held_hooks = [p.register_hook(_HeldGuard(self)) for p in self._held]
+            self._held_hooks = [p.register_hook(_HeldGuard(self, p)) for p in self._held]
 
     def _unguard(self) -> None:
         for h in self._held_hooks:
@@ -1247,6 +1264,10 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _before_gradient(self, p: torch.Tensor) -> None:
         # accumulate=N: before AccumulateGrad adds p's gradient
+        if torch._C._current_graph_task_id() != self._task and not _accumulates(
+            torch.autograd.graph.get_gradient_edge(p).node
+        ):
+            return  # NOTE [A graph task that accumulates nothing]: torch.autograd.grad
         self._start_backward()
         if p not in self._fired:
             if p not in self._grad_was:
@@ -1494,14 +1515,12 @@ class StepInBackward(torch.optim.Optimizer):
         width, total = p.shape[1], p.shape[0]
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
-            self._updated_now = True
-            if self._check_loop:
-                self._loop = _UPDATED
             if plus_zero:
                 g.add_(0.0)
             if self._clip_value is not None:
                 g.clamp_(min=-self._clip_value, max=self._clip_value)
             self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
+            self._mark_updated()
 
         def take(v0: int, v1: int, g: torch.Tensor) -> None:
             self._guarded(block, v0, v1, g)
@@ -1521,12 +1540,15 @@ class StepInBackward(torch.optim.Optimizer):
             p.grad = None
         self._pending, self._pending_bytes = [], 0
 
-    def _update(self, params: list[torch.Tensor]) -> None:
+    def _mark_updated(self) -> None:
+        # NOTE [What the loop did since the last update]: "updated" once an optimizer step
+        # returned, not before it is called (a backward that raised before its bucket flushed, or
+        # in an optimizer step pre-hook before anything was applied, updated nothing)
         self._updated_now = True
         if self._check_loop:
-            # NOTE [What the loop did since the last update]: "updated" once an update ran (a
-            # backward that raised before its bucket flushed updated nothing)
             self._loop = _UPDATED
+
+    def _update(self, params: list[torch.Tensor]) -> None:
         if self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value)
         if self._clip_norm is not None:
@@ -1542,6 +1564,7 @@ class StepInBackward(torch.optim.Optimizer):
                 for a in range(0, n, CHUNK_ELEMS):
                     b = min(a + CHUNK_ELEMS, n)
                     self._update_range(p, g[a:b], a, b, b == n)
+                    self._mark_updated()
                 p.grad = None
                 del g
             else:
@@ -1560,6 +1583,7 @@ class StepInBackward(torch.optim.Optimizer):
                 groups[i]["params"] = ps
             opt.param_groups = [groups[i] for i in sorted(by_group)]
             self._raw_step()
+            self._mark_updated()
         finally:
             for i, ps in saved.items():
                 groups[i]["params"] = ps
