@@ -11,7 +11,11 @@ N(0, 1) and 0.232 B/elt at N(0, 0.577) besides y; eager saves x (4 B/elt), and e
 clone of x. Worst case (more than 1/16 of the elements hard), float64, and tensors of at most 512
 elements (NOTE [Few elements] in ``slimgrad.ops._output_act``): keeps x densely, as eager does, and
 neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15 or
-x < -10; eager 2 B/elt.
+x < -10; eager 2 B/elt. After slimgrad's GroupNorm where the norm keeps its output (float32/64,
+contiguous, groups large enough): keeps x, that output, which the norm keeps anyway, and no bits
+or table: no byte besides the norm's (NOTE [An input its producer keeps] in ``_output_act``).
+Half types on CPU up to HALF_DENSE_MAX elements keep x with no copy of it (NOTE [Few elements
+without a copy of x]).
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
