@@ -593,7 +593,7 @@ def _full(cell) -> bool:
 
 
 # objects without an attribute dict that hold values a forward may keep past its call
-# (``self.it = iter([h])``, ``self.gen = (t for t in [h])``, ``self.fr = sys._getframe()``)
+# (``self.it = iter([h])``, ``self.gen = (t for t in [h])``, a frame kept in an attribute)
 _HOLDERS = (
     types.GeneratorType, types.FrameType, types.CellType, type(iter([])), type(iter(())),
     type(iter({})), type(iter({}.values())), type(iter({}.items())), type(iter(set())),
