@@ -118,10 +118,10 @@ class _ConvFn(torch.autograd.Function):
             kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)
         shape, dtype, device, _ = ctx.x_meta
-        x = torch.empty((), dtype=dtype, device=device).expand(shape)
+        x = _blank(shape, dtype, device)
         if weight is None:
             wshape, wdtype = ctx.w_meta
-            weight = torch.empty((), dtype=wdtype, device=device).expand(wshape)
+            weight = _blank(wshape, wdtype, device)
         with torch.enable_grad():
             if kept_x is not None and ctx.act is not None:
                 with torch.no_grad():
@@ -267,13 +267,24 @@ def _shape_only(grad: torch.Tensor, shape, dtype: torch.dtype, device) -> torch.
     if (
         grad.dtype == dtype
         and grad.device == torch.device(device)
-        and grad.numel() > 0
         and not torch.compiler.is_compiling()  # Dynamo cannot trace storage_offset()
+        # an empty grad (a batch of 0) may still view a stored element: the loss's expanded 1
+        and (grad.numel() > 0 or _holds_an_element(grad))
     ):
-        base = grad.as_strided((), (), grad.storage_offset())
-    else:
-        base = torch.empty((), dtype=dtype, device=device)
-    return base.expand(shape)
+        return grad.as_strided((), (), grad.storage_offset()).expand(shape)
+    return _blank(shape, dtype, device)
+
+
+def _holds_an_element(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + 1) * t.element_size()
+
+
+def _blank(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    # values never read: a fresh 0-d tensor, expanded (4 bytes for any shape), or for an empty
+    # shape an empty tensor (0 bytes, as eager's own empty x: a batch of 0 peaks as eager does)
+    if 0 in shape:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
 def _tuple(v, n: int, name: str, api: str) -> list[int]:
