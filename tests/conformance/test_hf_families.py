@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import slimgrad
-from slimgrad.testing import DEFAULT_ATOL, assert_within_rule, grads_of
+from slimgrad.testing import DEFAULT_ATOL, REDRAWS, assert_within_rule, grads_of, ulp_nudged
 from tests.conformance import _hf_families as H
 
 pytest.importorskip("transformers")
@@ -96,10 +96,11 @@ def _side(model, batch, labels, grad=True):
     return outs, loss.detach(), grads_of(loss, params), mine
 
 
-def _by_rule(tag, c, r, e, scaled=True):
+def _by_rule(tag, c, r, e, scaled=True, redraws=()):
     # the error rule against float64; outputs and losses scale the absolute term with their size
     try:
-        assert_within_rule(c, r, e, atol=_scaled_atol(r) if scaled else None, names=[tag])
+        atol = _scaled_atol(r) if scaled else None
+        assert_within_rule(c, r, e, atol=atol, names=[tag], redraws=redraws)
     except AssertionError as err:
         return [str(err).replace("error rule violated:\n  ", "")]
     return []
@@ -150,6 +151,24 @@ def _finite(loss, grads, outs) -> bool:
 _FALLBACK: set[tuple[str, str, str, bool]] = set()
 
 
+def _redraws(eager, ref, batch, labels):
+    # NOTE [Gradients that cancel] (slimgrad.testing): eager's and float64's gradients on
+    # ulp-nudged parameters and floating inputs; the models' buffers are put back after each draw
+    draws = []
+    for k in range(REDRAWS):
+        nudged = copy.deepcopy(batch)
+        floats = [v for v in nudged.values() if isinstance(v, torch.Tensor)]
+        held = [(b, b.clone()) for m in (eager, ref) for b in m.buffers()]
+        with ulp_nudged(eager, ref, k, floats):
+            _, _, ge, _ = _side(eager, nudged, labels)
+            _, _, gr, _ = _side(ref, _cast64(nudged), labels)
+        with torch.no_grad():
+            for b, v in held:
+                b.copy_(v)
+        draws.append((ge, gr))
+    return draws
+
+
 def check_row(name: str, mode: str, pad: str, labels: bool) -> None:
     """Converted vs eager vs float64 on one batch; raises AssertionError listing every problem."""
     fam = H.FAMILIES[name]
@@ -189,6 +208,13 @@ def check_row(name: str, mode: str, pad: str, labels: bool) -> None:
     for n, c, r, e in zip(names, gc, gr, ge, strict=True):
         if c is not None or e is not None:
             grad_problems += judge(f"grad {n}", c, r, e, scaled=False)
+    if grad_problems and judge is _by_rule:  # NOTE [Gradients that cancel]: a second look
+        draws = _redraws(eager, ref, batch, labels)
+        grad_problems = []
+        for i, (n, c, r, e) in enumerate(zip(names, gc, gr, ge, strict=True)):
+            if c is not None or e is not None:
+                pairs = [(de[i], dr[i]) for de, dr in draws]
+                grad_problems += _by_rule(f"grad {n}", c, r, e, scaled=False, redraws=pairs)
     more = f" (+{len(grad_problems) - 3} more)" if len(grad_problems) > 3 else ""
     problems += ["grads: " + "; ".join(grad_problems[:3]) + more] if grad_problems else []
     if mode == "eval":  # an inference forward: eager's outputs, logits included
@@ -206,18 +232,9 @@ def _names(model):
 
 
 # A row outside the rule, documented with its measured factor (CONTRIBUTING.md, the error rule).
-_OUTSIDE = {
-    ("clip", "train", "left", False): pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="the gradient of text layer 0's k_proj.bias is 0 in exact arithmetic (softmax is "
-        "shift-invariant; |ref64| 7e-15), so the rule compares rounding noise with eager's noise: "
-        "3.29e-6 against a bound of 2.23e-6 (eager 6.1e-7; 1.48x) since the text model's "
-        "final_layer_norm runs eager's op (its output is returned in text_model_output: NOTE "
-        "[Modules whose output is the model's output]); with slimgrad's LayerNorm 1.33e-6. "
-        "Layer 1's (eager 1.6e-6) is within the rule either way",
-    ),
-}
+# None today: CLIP's train-left-nolabels row (text layer 0's k_proj.bias, 0 in exact arithmetic)
+# passes on the second look of NOTE [Gradients that cancel].
+_OUTSIDE: dict[tuple[str, str, str, bool], pytest.MarkDecorator] = {}
 
 
 def _rows():
