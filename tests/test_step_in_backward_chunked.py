@@ -319,6 +319,52 @@ def test_a_use_beside_the_loss_is_refused(monkeypatch, rows97):
         b(*_tokens(1)).backward()
 
 
+class _LMBeside(_LM):
+    # a small parameter beside the loss: its AccumulateGrad runs before the loss's node
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, **kw) -> torch.Tensor:
+        return super().forward(x, t, **kw) + 1e-3 * self.s.square().sum()
+
+
+def test_an_optimizer_pre_hook_that_raises_in_a_block_is_a_raised_backward(monkeypatch, rows97):
+    """An optimizer step pre-hook raises in the update of the head's first block of rows: a
+    backward that raised inside the loss's node, after the small parameter beside the loss had
+    its gradient (waiting in the bucket). The retried ``step()`` applies that gradient, as the
+    plain loop's ``step()`` after that backward (``s`` holds its gradient, the others none).
+    Before, the error was taken for one of the handle's refusals and dropped ``s``'s gradient."""
+    a, b = _LMBeside(), _LMBeside()
+    kw = dict(lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(a.parameters(), **kw)
+    handle = step_in_backward(b, torch.optim.SGD, **kw)
+    taken = _spy_rows(monkeypatch, handle)
+    _run(a, opt, steps=1)
+    _run(b, handle, steps=1)  # the first step creates the momentum buffers: the head whole
+    armed = [True]
+
+    def pre(*args) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("simulated error in a step pre-hook")
+
+    handle.optimizer.register_step_pre_hook(pre)
+    x, t = _tokens(7)
+    with pytest.raises(RuntimeError, match="simulated error in a step pre-hook"):
+        b(x, t).backward()
+    assert taken == [False, True]
+    assert [n for n, p in b.named_parameters() if p.grad is not None] == ["s"]
+    (a.s.grad,) = torch.autograd.grad(a(x, t), [a.s])  # the plain loop's .grad there
+    for o in (opt, handle):
+        o.step()  # the retry
+        o.zero_grad()
+    _run(a, opt, steps=2)
+    _run(b, handle, steps=2)
+    _same(a, b)
+    assert all(p.grad is None for p in b.parameters())
+
+
 def test_autograd_grad_and_backward_inputs_leave_the_head_alone(rows97):
     b = _LM()
     handle = step_in_backward(b, torch.optim.SGD, lr=0.1, momentum=0.9)

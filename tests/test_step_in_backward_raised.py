@@ -390,3 +390,72 @@ def test_remove_after_a_raised_backward_leaves_no_hook():
     handle.optimizer.step()
     assert_same_parameters(a, b)
     assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+
+
+class _RaiseOnce:
+    # an optimizer step pre-hook (or a post-accumulate-grad hook) that raises once when armed
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self, *args) -> None:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("simulated error in a hook")
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize(
+    "bucket_bytes", [0, 48, 1 << 20], ids=["alone", "flushed-in-backward", "default"]
+)
+def test_an_optimizer_pre_hook_that_raises_in_backward_leaves_the_gradient(
+    bucket_bytes, accumulate
+):
+    """An optimizer step pre-hook raises in the cycle's updating backward, in the update of the
+    parameter the handle reached first (bucket_bytes=0), of the head's bucket flushed while
+    backward goes on (48: the head's 40 + 8 bytes) or of the last bucket at the end of backward
+    (the default). That is a backward that raised after that parameter's ``AccumulateGrad``,
+    nothing applied: the retried ``step()`` applies what ``.grad`` holds, as the plain loop's
+    ``step()`` after a backward that raised at the same point (a post-accumulate-grad hook that
+    raises once, on the same parameter). Before, with accumulate=1 the error was taken for one of
+    the handle's refusals: the gradients it had were dropped and the retried step() applied
+    nothing."""
+    a, opt, b, handle = _pair(False, accumulate=accumulate, bucket_bytes=bucket_bytes)
+    pre = _RaiseOnce()
+    handle.optimizer.register_step_pre_hook(pre)
+    for m, o in ((a, opt), (b, handle)):  # one whole cycle: AdamW's state exists
+        _loop(m, o, accumulate=accumulate, raise_at=-1, recover="step", scaler=None, n=accumulate)
+    for i in range(accumulate - 1):
+        a(_x(30 + i)).backward()
+        b(_x(30 + i)).backward()
+    # the parameters in the order backward reaches their AccumulateGrad (a tensor hook runs
+    # before it): the last one is where the error came
+    order: list[int] = []
+    for i, p in enumerate(b.parameters()):
+        p.register_hook(lambda g, i=i: order.append(i))
+    pre.armed = True
+    with pytest.raises(RuntimeError, match="simulated error in a hook"):
+        b(_x(40)).backward()
+    held = [p.grad is not None for p in b.parameters()]
+    plain = _RaiseOnce()
+    plain.armed = True
+    if bucket_bytes == 1 << 20:
+        assert all(held)  # every AccumulateGrad ran: the plain backward, then its step() raises
+        a(_x(40)).backward()
+        opt.register_step_pre_hook(plain)
+        with pytest.raises(RuntimeError, match="simulated error in a hook"):
+            opt.step()
+    else:
+        # the plain loop's backward raises right after the same parameter's AccumulateGrad
+        list(a.parameters())[order[-1]].register_post_accumulate_grad_hook(plain)
+        with pytest.raises(RuntimeError, match="simulated error in a hook"):
+            a(_x(40)).backward()
+        assert [p.grad is not None for p in a.parameters()] == held
+        assert held[order[-1]]
+    for o in (opt, handle):
+        o.step()  # the retry
+        o.zero_grad()
+    for m, o in ((a, opt), (b, handle)):
+        _loop(m, o, accumulate=accumulate, raise_at=-1, recover="step", scaler=None, start=90)
+    assert_same_parameters(a, b)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+    assert all(p.grad is None for p in b.parameters())

@@ -205,7 +205,10 @@ in it (then its cycle is over). From there, as the plain loop:
   before adding to it; within a cycle the held gradients go on accumulating.
 
 A refusal of the handle's own, raised from its hook in a backward that has updated nothing yet,
-is not such an error: it changes nothing (NOTE [Every refusal changes nothing]). Left: a reentrant
+is not such an error: it changes nothing (NOTE [Every refusal changes nothing]). An error in an
+update (an optimizer step pre-hook, an out-of-memory in the optimizer) is one: its parameters'
+``AccumulateGrad`` ran, so their gradients stay in ``.grad`` (a fused-loss head's block: inside the
+loss's node, the head got none), and a retried ``step()`` applies them. Left: a reentrant
 checkpoint's node that raises after its nested backward ended and before it returns (a user's
 post-hook on that node) is seen only at the next ``step()``/``zero_grad()``.
 
@@ -1319,19 +1322,33 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _hook(self, p: torch.Tensor) -> None:
         try:
-            self._guarded(self._step_one, p)
+            admitted = self._guarded(self._admit, p)
         except BaseException:
             if self._accumulate == 1:
                 # NOTE [Every refusal changes nothing]: the gradient this backward accumulated;
                 # with accumulate=1 .grad is None when a backward starts
                 p.grad = None
             raise
+        # the update is not a check: an error in it (an optimizer step pre-hook, an
+        # out-of-memory) is a backward that raised, after p's AccumulateGrad ran, and leaves p's
+        # gradient in .grad (NOTE [A backward that raised])
+        if admitted and (self._accumulate == 1 or self._micro == self._accumulate):
+            nbytes = p.numel() * p.element_size()
+            if nbytes >= self._bucket_bytes:
+                self._update([p])
+                return
+            # NOTE [Small parameters update together]
+            self._pending.append(p)
+            self._pending_bytes += nbytes
+            if self._pending_bytes >= self._bucket_bytes:
+                self._flush()
 
-    def _step_one(self, p: torch.Tensor) -> None:
+    def _admit(self, p: torch.Tensor) -> bool:
+        # the checks of p's hook, before its update: whether p's gradient is this step's to apply
         task = self._start_backward()
         if p in self._rows_taken:
             if p.grad is None:
-                return  # the fused loss returned no gradient for it: its rows are updated
+                return False  # the fused loss returned no gradient for it: its rows are updated
             raise _err(
                 RuntimeError,
                 "a weight updated row by row in the fused loss's backward got another gradient "
@@ -1342,16 +1359,7 @@ class StepInBackward(torch.optim.Optimizer):
                 "Add that term inside the model's graph below the loss, or use a plain optimizer",
             )
         self._count(p, task)
-        if self._accumulate == 1 or self._micro == self._accumulate:
-            nbytes = p.numel() * p.element_size()
-            if nbytes >= self._bucket_bytes:
-                self._update([p])
-                return
-            # NOTE [Small parameters update together]
-            self._pending.append(p)
-            self._pending_bytes += nbytes
-            if self._pending_bytes >= self._bucket_bytes:
-                self._flush()
+        return True
 
     def _count(self, p: torch.Tensor, task: int) -> None:
         first = self._fired.get(p)
@@ -1509,23 +1517,32 @@ class StepInBackward(torch.optim.Optimizer):
             return None
         task = self._guarded(self._start_backward)
         # NOTE [Gradients zeroed in place]: each block is what the plain loop adds to its zero
-        plus_zero = p not in self._since_zero and self._held_zero.get(p, 0) is None
+        fresh = p not in self._since_zero
+        plus_zero = fresh and self._held_zero.get(p, 0) is None
         self._guarded(self._count, p, task)
         self._rows_taken.add(p)
         width, total = p.shape[1], p.shape[0]
+        applied = False
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
-            if plus_zero:
-                g.add_(0.0)
-            if self._clip_value is not None:
-                g.clamp_(min=-self._clip_value, max=self._clip_value)
-            self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
+            # not a check: an error here (an optimizer step pre-hook) is a backward that raised
+            # inside the loss's node (NOTE [A backward that raised]); before any block was
+            # applied the plain loop's head got no gradient in it
+            nonlocal applied
+            try:
+                if plus_zero:
+                    g.add_(0.0)
+                if self._clip_value is not None:
+                    g.clamp_(min=-self._clip_value, max=self._clip_value)
+                self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
+            except BaseException:
+                if not applied and fresh:
+                    self._since_zero.pop(p, None)
+                raise
+            applied = True
             self._mark_updated()
 
-        def take(v0: int, v1: int, g: torch.Tensor) -> None:
-            self._guarded(block, v0, v1, g)
-
-        return take
+        return block
 
     def _flush(self) -> None:
         if self._pending:
