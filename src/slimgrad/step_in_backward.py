@@ -208,7 +208,9 @@ A refusal of the handle's own, raised from its hook in a backward that has updat
 is not such an error: it changes nothing (NOTE [Every refusal changes nothing]). An error in an
 update (an optimizer step pre-hook, an out-of-memory in the optimizer) is one: its parameters'
 ``AccumulateGrad`` ran, so their gradients stay in ``.grad`` (a fused-loss head's block: inside the
-loss's node, the head got none), and a retried ``step()`` applies them. Left: a reentrant
+loss's node, the head got none), and a retried ``step()`` applies them (an update by pieces, NOTE
+[Chunked updates], that raised after some pieces goes on from the first piece not applied, while
+``.grad`` holds the same gradient). Left: a reentrant
 checkpoint's node that raises after its nested backward ended and before it returns (a user's
 post-hook on that node) is seen only at the next ``step()``/``zero_grad()``.
 
@@ -885,6 +887,9 @@ class StepInBackward(torch.optim.Optimizer):
         # accumulate=N: tensor hooks that run the backward's refusals before AccumulateGrad adds
         # to a gradient of an earlier micro-batch (NOTE [Every refusal changes nothing])
         self._pre_hooks: dict[torch.Tensor, Any] = {}
+        # NOTE [Chunked updates]: per parameter whose update by pieces raised after some were
+        # applied, the first piece not applied and (weakly) the gradient it is of
+        self._pieces_done: dict[torch.Tensor, tuple] = {}
         # NOTE [A graph task that accumulates nothing]: node pre-hooks waiting (no torch query)
         self._deferred: dict[torch.Tensor, Any] = {}
         # the private torch queries this installation lacks (name, what is off), as `slimgrad
@@ -1691,9 +1696,20 @@ class StepInBackward(torch.optim.Optimizer):
                 # NOTE [Chunked updates]: the optimizer's temporaries are one piece's, not the
                 # parameter's (AdamW's sqrt and div of a 94 MiB embedding)
                 g = p.grad.view(-1)
-                for a in range(0, n, CHUNK_ELEMS):
+                start, grad_ref = self._pieces_done.pop(p, (0, None))
+                if grad_ref is None or grad_ref() is not p.grad:
+                    start = 0  # (that gradient was dropped since: this one is whole)
+                for a in range(start, n, CHUNK_ELEMS):
                     b = min(a + CHUNK_ELEMS, n)
-                    self._update_range(p, g[a:b], a, b, b == n)
+                    try:
+                        self._update_range(p, g[a:b], a, b, b == n)
+                    except BaseException:
+                        # an error in the optimizer (a step pre-hook) after some pieces were
+                        # applied: a retried step() applies the rest of this gradient, once
+                        # (NOTE [A backward that raised])
+                        if a > 0:
+                            self._pieces_done[p] = (a, weakref.ref(p.grad))
+                        raise
                     self._mark_updated()
                 p.grad = None
                 del g
