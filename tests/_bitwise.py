@@ -1,5 +1,6 @@
-"""Bit-for-bit comparisons shared by the tests of slimgrad.step_in_backward
-(tests/test_step_in_backward*.py): a model's parameters, an optimizer's state."""
+"""Helpers shared by the tests of slimgrad.step_in_backward (tests/test_step_in_backward*.py):
+bit-for-bit comparisons of a model's parameters and an optimizer's state, and ``Boom``, an error
+raised in the middle of a backward."""
 
 from __future__ import annotations
 
@@ -25,3 +26,21 @@ def assert_same_state(expected: dict, got: dict) -> None:
                 assert_close(got[k][name], v, rtol=0, atol=0)
             else:
                 assert got[k][name] == v
+
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises ``armed("simulated error in backward")`` once when
+    ``Boom.armed`` is an exception class (it disarms itself), e.g. ``Boom.armed = RuntimeError``."""
+
+    armed: type[BaseException] | None = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed is not None:
+            exc, Boom.armed = Boom.armed, None
+            raise exc("simulated error in backward")
+        return g

@@ -114,6 +114,49 @@ def test_chunked_update_is_the_whole_update(monkeypatch, cls, kw, foreach, n, ch
     assert pieces[per_step - 1] == ((per_step - 1) * chunk, n)
 
 
+@pytest.mark.parametrize("recover", ["step", "step-after-a-drop"])
+@pytest.mark.parametrize(("cls", "kw"), [PROVEN[0], PROVEN[6]], ids=[_IDS[0], _IDS[6]])
+def test_an_update_by_pieces_that_raised_midway_is_finished_once(monkeypatch, cls, kw, recover):
+    """An optimizer step pre-hook raises at the second of three pieces (bucket_bytes=0): the
+    first piece was applied. A retried ``step()`` applies the other two, from the same gradient,
+    and the step counter once: the plain loop's one update. Before, it applied the whole update
+    again, the first piece twice. A gradient dropped since (``zero_grad()``, refused after the
+    fact, then a new backward) is whole again."""
+    monkeypatch.setattr(_sib, "CHUNK_ELEMS", 8)
+    n = 20  # pieces of 8, 8 and 4 elements
+    a, b = _Big(n), _Big(n)
+    opt = cls(a.parameters(), **kw)
+    handle = step_in_backward(b, cls, bucket_bytes=0, **kw)
+    _side_by_side(a, opt, b, handle, n, 1)  # the first step creates the state: whole
+    calls = [0]
+
+    def pre(*args) -> None:
+        calls[0] += 1
+        if calls[0] == 3:  # (the small parameter's update, then the first piece)
+            raise RuntimeError("simulated error in a step pre-hook")
+
+    hook = handle.optimizer.register_step_pre_hook(pre)
+    with pytest.raises(RuntimeError, match="simulated error in a step pre-hook"):
+        b(_coef(n, 1)).backward()
+    assert b.w.grad is not None
+    if recover == "step-after-a-drop":
+        with pytest.raises(RuntimeError, match=r"zero_grad\(\) after a backward that updated"):
+            handle.zero_grad()  # the first piece stays applied: the plain loop goes on from b
+        a.load_state_dict(b.state_dict())
+        opt.load_state_dict(copy.deepcopy(handle.state_dict()))
+        b(_coef(n, 2)).backward()
+        a(_coef(n, 2)).backward()
+    else:
+        a(_coef(n, 1)).backward()
+    hook.remove()
+    for o in (opt, handle):
+        o.step()
+        o.zero_grad()
+    _side_by_side(a, opt, b, handle, n, 2)
+    _same(a, b)
+    assert_close(handle.state_dict()["state"], opt.state_dict()["state"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("cls", "kw", "why"),
     [
@@ -317,6 +360,52 @@ def test_a_use_beside_the_loss_is_refused(monkeypatch, rows97):
     b.beside = 1e-3
     with pytest.raises(RuntimeError, match=r"slimgrad.step_in_backward: a weight updated row by"):
         b(*_tokens(1)).backward()
+
+
+class _LMBeside(_LM):
+    # a small parameter beside the loss: its AccumulateGrad runs before the loss's node
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, **kw) -> torch.Tensor:
+        return super().forward(x, t, **kw) + 1e-3 * self.s.square().sum()
+
+
+def test_an_optimizer_pre_hook_that_raises_in_a_block_is_a_raised_backward(monkeypatch, rows97):
+    """An optimizer step pre-hook raises in the update of the head's first block of rows: a
+    backward that raised inside the loss's node, after the small parameter beside the loss had
+    its gradient (waiting in the bucket). The retried ``step()`` applies that gradient, as the
+    plain loop's ``step()`` after that backward (``s`` holds its gradient, the others none).
+    Before, the error was taken for one of the handle's refusals and dropped ``s``'s gradient."""
+    a, b = _LMBeside(), _LMBeside()
+    kw = dict(lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(a.parameters(), **kw)
+    handle = step_in_backward(b, torch.optim.SGD, **kw)
+    taken = _spy_rows(monkeypatch, handle)
+    _run(a, opt, steps=1)
+    _run(b, handle, steps=1)  # the first step creates the momentum buffers: the head whole
+    armed = [True]
+
+    def pre(*args) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("simulated error in a step pre-hook")
+
+    handle.optimizer.register_step_pre_hook(pre)
+    x, t = _tokens(7)
+    with pytest.raises(RuntimeError, match="simulated error in a step pre-hook"):
+        b(x, t).backward()
+    assert taken == [False, True]
+    assert [n for n, p in b.named_parameters() if p.grad is not None] == ["s"]
+    (a.s.grad,) = torch.autograd.grad(a(x, t), [a.s])  # the plain loop's .grad there
+    for o in (opt, handle):
+        o.step()  # the retry
+        o.zero_grad()
+    _run(a, opt, steps=2)
+    _run(b, handle, steps=2)
+    _same(a, b)
+    assert all(p.grad is None for p in b.parameters())
 
 
 def test_autograd_grad_and_backward_inputs_leave_the_head_alone(rows97):

@@ -24,6 +24,7 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
 import slimgrad
+from tests._bitwise import Boom as _Boom
 from tests._bitwise import assert_same_parameters, assert_same_state
 
 step_in_backward = slimgrad.step_in_backward
@@ -644,21 +645,6 @@ def test_two_handles_on_one_model_both_with_module_follow_model_zero_grad():
 
 
 # --- a backward that raises in its middle (fairseq's OOM skip; review25a 2) ---------------------
-class _Boom(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            _Boom.armed = False
-            raise RuntimeError("simulated OOM in backward")
-        return g
-
-
 class _BoomNet(nn.Module):
     # the error comes between the head (gradients done) and l1 (none yet)
     def __init__(self) -> None:
@@ -689,7 +675,7 @@ def test_a_backward_that_raised_before_any_update_recovers_as_the_plain_loop(rec
     handle = step_in_backward(b, torch.optim.SGD, **kw)
     for m, o in ((a, opt), (b, handle)):
         for i in range(4):
-            _Boom.armed = i == 1
+            _Boom.armed = RuntimeError if i == 1 else None
             try:
                 m(_x(i)).backward()
             except RuntimeError as e:
@@ -712,7 +698,7 @@ def test_a_backward_that_raised_after_an_update_is_refused_at_zero_grad():
     # what the handle already applied (the late refusal NOTE [Every refusal changes nothing] lists)
     b = _BoomNet()
     handle = step_in_backward(b, torch.optim.SGD, lr=0.1, bucket_bytes=0)
-    _Boom.armed = True
+    _Boom.armed = RuntimeError
     with pytest.raises(RuntimeError, match="simulated"):
         b(_x(0)).backward()
     with pytest.raises(RuntimeError, match=r"zero_grad\(\) after a backward that updated"):
@@ -844,7 +830,7 @@ def test_a_step_after_a_raised_last_backward_of_a_cycle_is_the_plain_step():
     )
     for m, o in ((a, opt), (b, handle)):
         m(_x(0)).backward()
-        _Boom.armed = True
+        _Boom.armed = RuntimeError
         with pytest.raises(RuntimeError, match="simulated"):
             m(_x(1)).backward()
         o.step()

@@ -28,26 +28,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import slimgrad
+from tests._bitwise import Boom as _Boom
 from tests._bitwise import assert_same_parameters, assert_same_state
 
 _mod = sys.modules["slimgrad.step_in_backward"]
 step_in_backward = slimgrad.step_in_backward
 _KW = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
-
-
-class _Boom(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            _Boom.armed = False
-            raise RuntimeError("simulated error in backward")
-        return g
 
 
 class _Net(nn.Module):
@@ -178,7 +164,7 @@ def _no_node_query(forward: str) -> Callable[[_Ctx], None]:
 def _raised_after_update(c: _Ctx) -> None:
     # (prefix) the error after the head updated alone (bucket_bytes=16: its bias waits), at the
     # cycle's last micro-batch
-    _Boom.armed = True
+    _Boom.armed = RuntimeError
     try:
         c.m(_x(c.i)).backward()
     except RuntimeError as e:

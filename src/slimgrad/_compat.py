@@ -216,8 +216,23 @@ def _keep_graph() -> Feature:
         "retain_graph detection",
         ok,
         "torch._C._autograd._get_current_graph_task_keep_graph"
-        + (" present" if ok else " missing: BatchNorm keeps its input under every backward"),
+        + (
+            " present"
+            if ok
+            else " missing: BatchNorm keeps its input under every backward; step_in_backward "
+            "does not refuse retain_graph=True"
+        ),
     )
+
+
+def _step_in_backward(i: int) -> Callable[[], Feature]:
+    # the private queries of slimgrad.step_in_backward (NOTE [A graph task that accumulates
+    # nothing] there); the module, not the function of the same name slimgrad exports
+    def probe() -> Feature:
+        return Feature(*importlib.import_module("slimgrad.step_in_backward")._features()[i][:3])
+
+    probe.__name__ = f"_step_in_backward_{i}"
+    return probe
 
 
 def _ctx_fields() -> Feature:
@@ -288,6 +303,8 @@ _FEATURES: tuple[Callable[[], Feature], ...] = (
     _numpy,
     _transformers,
     _keep_graph,
+    _step_in_backward(0),
+    _step_in_backward(1),
     _ctx_fields,
     _modes_aside,
     _dense_check,

@@ -205,7 +205,12 @@ in it (then its cycle is over). From there, as the plain loop:
   before adding to it; within a cycle the held gradients go on accumulating.
 
 A refusal of the handle's own, raised from its hook in a backward that has updated nothing yet,
-is not such an error: it changes nothing (NOTE [Every refusal changes nothing]). Left: a reentrant
+is not such an error: it changes nothing (NOTE [Every refusal changes nothing]). An error in an
+update (an optimizer step pre-hook, an out-of-memory in the optimizer) is one: its parameters'
+``AccumulateGrad`` ran, so their gradients stay in ``.grad`` (a fused-loss head's block: inside the
+loss's node, the head got none), and a retried ``step()`` applies them (an update by pieces, NOTE
+[Chunked updates], that raised after some pieces goes on from the first piece not applied, while
+``.grad`` holds the same gradient). Left: a reentrant
 checkpoint's node that raises after its nested backward ended and before it returns (a user's
 post-hook on that node) is seen only at the next ``step()``/``zero_grad()``.
 
@@ -397,9 +402,82 @@ CHUNK_ELEMS = 1 << 20
 _HAS_NODE_QUERY = hasattr(torch._C, "_current_autograd_node")
 
 
-class _PreHook:
-    # a tensor hook of a parameter (accumulate=N): runs the backward's refusals before its
-    # gradient is added to the one of an earlier micro-batch; weak, as _RowSink
+# NOTE [A graph task that accumulates nothing]
+# A tensor hook of a leaf fires under ``torch.autograd.grad`` and ``backward(inputs=...)`` too,
+# where the leaf's gradient is captured or not needed and its ``AccumulateGrad`` does not run:
+# that task is no step of the plain loop, which it leaves as it was, so the handle's tensor hooks
+# (``_PreHook``, ``_HeldGuard``) do nothing there. Which tasks run the node torch answers with the
+# private ``torch._C._will_engine_execute_node``: probed once, at import, on a two-leaf graph (a
+# backward that runs the leaf's node says yes, one with ``inputs=`` the other leaf says no).
+# Without it (missing, or a wrong answer) the hook defers its work to a pre-hook of the
+# ``AccumulateGrad`` node (``Node.register_prehook``, public), which the engine runs only when it
+# runs that node, before the gradient is added: the same checks at the same point, one node hook
+# more per parameter and backward. The fused loss's untied head then comes back whole (its rows
+# are offered before the node runs, where only the query can tell): the same bits, its whole
+# gradient alive once. ``slimgrad env`` and a handle's ``features_off`` say which.
+def _probe_will_execute() -> tuple[bool, str]:
+    name = "torch._C._will_engine_execute_node"
+    query = getattr(torch._C, "_will_engine_execute_node", None)
+    if query is None:
+        return False, f"{name} is missing"
+    answers: list[bool] = []
+    try:
+        with torch.enable_grad(), torch.inference_mode(False):
+            for inputs in (None, "other"):
+                x = torch.zeros(1, requires_grad=True)
+                other = torch.zeros(1, requires_grad=True)
+                y = x + other  # (saves no tensor: no saved-tensor hook sees the probe)
+                node = torch.autograd.graph.get_gradient_edge(x).node
+                y.register_hook(lambda g, node=node: answers.append(bool(query(node))))
+                y.sum().backward(inputs=None if inputs is None else [other])
+    except Exception as e:  # a probe must never break import
+        return False, f"{name} failed ({type(e).__name__})"
+    if answers != [True, False]:
+        return False, f"{name} answered {answers}, expected [True, False]"
+    return True, f"{name} answers"
+
+
+_WILL_EXECUTE, _WILL_EXECUTE_WHY = _probe_will_execute()
+
+
+def _features() -> tuple[tuple[str, bool, str], ...]:
+    # (name, on, detail) of the private torch queries the handle uses: `slimgrad env`
+    # (slimgrad._compat) and a handle's ``features_off``
+    keep = hasattr(torch._C._autograd, "_get_current_graph_task_keep_graph")
+    return (
+        (
+            "step_in_backward accumulation query",
+            _WILL_EXECUTE,
+            f"{_WILL_EXECUTE_WHY}: checks before a gradient is added, fused-loss head by row blocks"
+            if _WILL_EXECUTE
+            else f"{_WILL_EXECUTE_WHY}: checks before a gradient is added run in a pre-hook of "
+            "its AccumulateGrad node (the same results); the fused loss's untied head updates "
+            "whole, not by row blocks (its whole gradient alive once)",
+        ),
+        (
+            "step_in_backward reentrant query",
+            _HAS_NODE_QUERY,
+            "torch._C._current_autograd_node present"
+            if _HAS_NODE_QUERY
+            else "torch._C._current_autograd_node missing: a reentrant checkpoint's backward in "
+            "an accumulate=N cycle is refused",
+        ),
+        (
+            "step_in_backward retain_graph refusal",
+            keep,
+            "torch._C._autograd._get_current_graph_task_keep_graph present"
+            if keep
+            else "torch._C._autograd._get_current_graph_task_keep_graph missing: "
+            "backward(retain_graph=True) is not refused at its first hook; a second backward "
+            "over the kept graph meets autograd's version check",
+        ),
+    )
+
+
+class _ParamHook:
+    # a tensor hook of one handle parameter, run before its AccumulateGrad adds this backward's
+    # gradient, only in a backward that runs that node (NOTE [A graph task that accumulates
+    # nothing]); holds the handle and the parameter weakly, as _RowSink
     __slots__ = ("ref", "param")
 
     def __init__(self, handle: StepInBackward, param: torch.Tensor) -> None:
@@ -409,7 +487,19 @@ class _PreHook:
     def __call__(self, grad: torch.Tensor) -> None:
         handle, p = self.ref(), self.param()
         if handle is not None and p is not None and not handle._removed:
-            handle._guarded(handle._before_gradient, p)
+            handle._if_accumulating(p, self.run)
+
+    run: Any  # (a staticmethod of each subclass) what runs before the gradient is added
+
+
+class _PreHook(_ParamHook):
+    # accumulate=N: the backward's refusals before the gradient is added to the one of an
+    # earlier micro-batch
+    __slots__ = ()
+
+    @staticmethod
+    def run(handle: StepInBackward, p: torch.Tensor) -> None:
+        handle._before_gradient(p)
 
 
 def _no_handle() -> None:
@@ -448,29 +538,15 @@ class _EndOfBackward:
                 handle._backward_raised()
 
 
-class _HeldGuard:
-    # NOTE [A backward that raised]: with accumulate=1, a tensor hook on each parameter whose
-    # .grad a raised backward left: the next backward's checks run before AccumulateGrad adds to
-    # it (the post-accumulate hook comes after); removed at the next step start, step() or
-    # zero_grad()
-    # NOTE [A graph task that accumulates nothing]: the hook (and _PreHook, accumulate=N) fires
-    # under torch.autograd.grad too
-    # (its gradient is captured, not added to .grad); that task is no step of the plain loop,
-    # which it leaves as it was, so it does nothing here (no check, no going on from the raised
-    # backward): torch says whether this task runs the parameter's AccumulateGrad
-    __slots__ = ("ref", "param")
+class _HeldGuard(_ParamHook):
+    # NOTE [A backward that raised]: with accumulate=1, on each parameter whose .grad a raised
+    # backward left: the next backward's checks run before AccumulateGrad adds to it (the
+    # post-accumulate hook comes after); removed at the next step start, step() or zero_grad()
+    __slots__ = ()
 
-    def __init__(self, handle: StepInBackward, param: torch.Tensor) -> None:
-        self.ref = weakref.ref(handle)
-        self.param = weakref.ref(param)
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        handle, p = self.ref(), self.param()
-        if handle is None or p is None or handle._removed:
-            return
-        if not _accumulates(torch.autograd.graph.get_gradient_edge(p).node):
-            return
-        handle._guarded(handle._start_backward)
+    @staticmethod
+    def run(handle: StepInBackward, p: torch.Tensor) -> None:
+        handle._start_backward()
 
 
 # NOTE [What the loop did since the last update]: the handle's view of the plain loop's gradients
@@ -645,7 +721,8 @@ class _RowSink:
 
 def _accumulates(node: Any) -> bool:
     # whether this backward runs the weight's AccumulateGrad (not torch.autograd.grad, nor
-    # backward(inputs=...) without it); torch refuses the question under autograd.grad
+    # backward(inputs=...) without it); torch refuses the question under autograd.grad. Only
+    # where the probe found the query (NOTE [A graph task that accumulates nothing])
     try:
         return bool(torch._C._will_engine_execute_node(node))
     except RuntimeError:
@@ -772,7 +849,9 @@ class StepInBackward(torch.optim.Optimizer):
     the state; ``remove()`` detaches the hooks, after which ``optimizer`` can go on as a plain one.
     The hooks keep the handle alive: dropping the last reference does not detach them.
     Optimizer step hooks, global ones included (``register_optimizer_step_pre_hook``), see one
-    ``step()`` of ``optimizer`` per parameter update.
+    ``step()`` of ``optimizer`` per parameter update. ``features_off`` lists ``(name, what is
+    off)`` for each private torch query this installation lacks, as ``slimgrad env`` shows them
+    (NOTE [A graph task that accumulates nothing]).
     """
 
     def __init__(
@@ -808,6 +887,16 @@ class StepInBackward(torch.optim.Optimizer):
         # accumulate=N: tensor hooks that run the backward's refusals before AccumulateGrad adds
         # to a gradient of an earlier micro-batch (NOTE [Every refusal changes nothing])
         self._pre_hooks: dict[torch.Tensor, Any] = {}
+        # NOTE [Chunked updates]: per parameter whose update by pieces raised after some were
+        # applied, the first piece not applied and (weakly) the gradient it is of
+        self._pieces_done: dict[torch.Tensor, tuple] = {}
+        # NOTE [A graph task that accumulates nothing]: node pre-hooks waiting (no torch query)
+        self._deferred: dict[torch.Tensor, Any] = {}
+        # the private torch queries this installation lacks (name, what is off), as `slimgrad
+        # env` lists them
+        self.features_off: tuple[tuple[str, str], ...] = tuple(
+            (name, detail) for name, on, detail in _features() if not on
+        )
         # NOTE [GradScaler]: the scaler classes' reference counts at the last scan (None: none yet)
         self._scalers_key: tuple | None = None
         self._seen_scalers: list[weakref.ref] = []  # NOTE [GradScaler]
@@ -981,9 +1070,10 @@ class StepInBackward(torch.optim.Optimizer):
     def remove(self) -> None:
         """Detach the hooks. ``handle.optimizer`` (same state) can go on as a plain optimizer;
         the handle's ``step()`` and ``zero_grad()`` raise from now on."""
-        for h in (*self._hooks.values(), *self._pre_hooks.values()):
+        for h in (*self._hooks.values(), *self._pre_hooks.values(), *self._deferred.values()):
             h.remove()
         self._pre_hooks.clear()
+        self._deferred.clear()
         self._unguard()  # NOTE [A backward that raised]
         for p in self._hooks:
             for attr in (_OWNER, ROW_SINK):
@@ -1262,12 +1352,42 @@ class StepInBackward(torch.optim.Optimizer):
         removable = node.register_hook(resume)
         self._resume = removable
 
+    def _if_accumulating(self, p: torch.Tensor, fn: Any) -> None:
+        # NOTE [A graph task that accumulates nothing]: fn(self, p) before p's AccumulateGrad adds,
+        # in a backward that runs it (the step's own task does)
+        if torch._C._current_graph_task_id() != self._task:
+            node = torch.autograd.graph.get_gradient_edge(p).node
+            if not _WILL_EXECUTE:
+                self._defer(p, node, fn)
+                return
+            if not _accumulates(node):
+                return
+        self._guarded(fn, self, p)
+
+    def _defer(self, p: torch.Tensor, node: Any, fn: Any) -> None:
+        # NOTE [A graph task that accumulates nothing], without torch's query: fn(self, p) in a
+        # pre-hook of the node, which the engine runs only when it runs the node; one per
+        # parameter (a leaf's node is shared by its graphs: one left by a torch.autograd.grad
+        # call is replaced, not added to)
+        old = self._deferred.pop(p, None)
+        if old is not None:
+            old.remove()
+        handle_ref, p_ref = weakref.ref(self), weakref.ref(p)
+
+        def pre(grad_outputs: Any) -> None:
+            removable.remove()
+            handle, q = handle_ref(), p_ref()
+            if handle is None or q is None or handle._removed:
+                return
+            if handle._deferred.get(q) is removable:
+                del handle._deferred[q]
+            handle._guarded(fn, handle, q)
+
+        removable = node.register_prehook(pre)
+        self._deferred[p] = removable
+
     def _before_gradient(self, p: torch.Tensor) -> None:
         # accumulate=N: before AccumulateGrad adds p's gradient
-        if torch._C._current_graph_task_id() != self._task and not _accumulates(
-            torch.autograd.graph.get_gradient_edge(p).node
-        ):
-            return  # NOTE [A graph task that accumulates nothing]: torch.autograd.grad
         self._start_backward()
         if p not in self._fired:
             if p not in self._grad_was:
@@ -1319,19 +1439,33 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _hook(self, p: torch.Tensor) -> None:
         try:
-            self._guarded(self._step_one, p)
+            admitted = self._guarded(self._admit, p)
         except BaseException:
             if self._accumulate == 1:
                 # NOTE [Every refusal changes nothing]: the gradient this backward accumulated;
                 # with accumulate=1 .grad is None when a backward starts
                 p.grad = None
             raise
+        # the update is not a check: an error in it (an optimizer step pre-hook, an
+        # out-of-memory) is a backward that raised, after p's AccumulateGrad ran, and leaves p's
+        # gradient in .grad (NOTE [A backward that raised])
+        if admitted and (self._accumulate == 1 or self._micro == self._accumulate):
+            nbytes = p.numel() * p.element_size()
+            if nbytes >= self._bucket_bytes:
+                self._update([p])
+                return
+            # NOTE [Small parameters update together]
+            self._pending.append(p)
+            self._pending_bytes += nbytes
+            if self._pending_bytes >= self._bucket_bytes:
+                self._flush()
 
-    def _step_one(self, p: torch.Tensor) -> None:
+    def _admit(self, p: torch.Tensor) -> bool:
+        # the checks of p's hook, before its update: whether p's gradient is this step's to apply
         task = self._start_backward()
         if p in self._rows_taken:
             if p.grad is None:
-                return  # the fused loss returned no gradient for it: its rows are updated
+                return False  # the fused loss returned no gradient for it: its rows are updated
             raise _err(
                 RuntimeError,
                 "a weight updated row by row in the fused loss's backward got another gradient "
@@ -1342,16 +1476,7 @@ class StepInBackward(torch.optim.Optimizer):
                 "Add that term inside the model's graph below the loss, or use a plain optimizer",
             )
         self._count(p, task)
-        if self._accumulate == 1 or self._micro == self._accumulate:
-            nbytes = p.numel() * p.element_size()
-            if nbytes >= self._bucket_bytes:
-                self._update([p])
-                return
-            # NOTE [Small parameters update together]
-            self._pending.append(p)
-            self._pending_bytes += nbytes
-            if self._pending_bytes >= self._bucket_bytes:
-                self._flush()
+        return True
 
     def _count(self, p: torch.Tensor, task: int) -> None:
         first = self._fired.get(p)
@@ -1503,29 +1628,39 @@ class StepInBackward(torch.optim.Optimizer):
             or self._accumulate != 1
             or self._clip_norm is not None
             or p.dim() != 2
+            or not _WILL_EXECUTE  # NOTE [A graph task that accumulates nothing]
             or not _accumulates(node)
             or not self._chunkable(p)
         ):
             return None
         task = self._guarded(self._start_backward)
         # NOTE [Gradients zeroed in place]: each block is what the plain loop adds to its zero
-        plus_zero = p not in self._since_zero and self._held_zero.get(p, 0) is None
+        fresh = p not in self._since_zero
+        plus_zero = fresh and self._held_zero.get(p, 0) is None
         self._guarded(self._count, p, task)
         self._rows_taken.add(p)
         width, total = p.shape[1], p.shape[0]
+        applied = False
 
         def block(v0: int, v1: int, g: torch.Tensor) -> None:
-            if plus_zero:
-                g.add_(0.0)
-            if self._clip_value is not None:
-                g.clamp_(min=-self._clip_value, max=self._clip_value)
-            self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
+            # not a check: an error here (an optimizer step pre-hook) is a backward that raised
+            # inside the loss's node (NOTE [A backward that raised]); before any block was
+            # applied the plain loop's head got no gradient in it
+            nonlocal applied
+            try:
+                if plus_zero:
+                    g.add_(0.0)
+                if self._clip_value is not None:
+                    g.clamp_(min=-self._clip_value, max=self._clip_value)
+                self._update_range(p, g.view(-1), v0 * width, v1 * width, v1 == total)
+            except BaseException:
+                if not applied and fresh:
+                    self._since_zero.pop(p, None)
+                raise
+            applied = True
             self._mark_updated()
 
-        def take(v0: int, v1: int, g: torch.Tensor) -> None:
-            self._guarded(block, v0, v1, g)
-
-        return take
+        return block
 
     def _flush(self) -> None:
         if self._pending:
@@ -1561,9 +1696,20 @@ class StepInBackward(torch.optim.Optimizer):
                 # NOTE [Chunked updates]: the optimizer's temporaries are one piece's, not the
                 # parameter's (AdamW's sqrt and div of a 94 MiB embedding)
                 g = p.grad.view(-1)
-                for a in range(0, n, CHUNK_ELEMS):
+                start, grad_ref = self._pieces_done.pop(p, (0, None))
+                if grad_ref is None or grad_ref() is not p.grad:
+                    start = 0  # (that gradient was dropped since: this one is whole)
+                for a in range(start, n, CHUNK_ELEMS):
                     b = min(a + CHUNK_ELEMS, n)
-                    self._update_range(p, g[a:b], a, b, b == n)
+                    try:
+                        self._update_range(p, g[a:b], a, b, b == n)
+                    except BaseException:
+                        # an error in the optimizer (a step pre-hook) after some pieces were
+                        # applied: a retried step() applies the rest of this gradient, once
+                        # (NOTE [A backward that raised])
+                        if a > 0:
+                            self._pieces_done[p] = (a, weakref.ref(p.grad))
+                        raise
                     self._mark_updated()
                 p.grad = None
                 del g
