@@ -193,12 +193,16 @@ def test_untouched_restores_and_keeps_identity():
     assert m.hits is hits and hits.item() == 0 and hits._version == 0
 
 
-def test_untouched_names_an_unrecorded_parameter_write():
+def test_untouched_refuses_an_unrecorded_parameter_write():
+    # a write fx would run (not record) on a parameter reached through a list is refused before
+    # it runs: the weight keeps its values and its version
     m = nn.Linear(2, 2)
     m.held = [m.weight]
-    with pytest.raises(RuntimeError, match="wrote 1 of its parameters or buffers in place"):
+    w, v = m.weight.clone(), m.weight._version
+    with pytest.raises(RuntimeError, match="would run 'add_' on a tensor the model holds"):
         with untouched(m), torch.no_grad():
             m.held[0].add_(1)
+    assert torch.equal(m.weight, w) and m.weight._version == v
 
 
 _TIMM_CACHED = [
