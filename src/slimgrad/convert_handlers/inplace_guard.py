@@ -1063,7 +1063,7 @@ def _written(func, args: tuple, kwargs: dict) -> list:
     # and its ``out=``
     out: list = []
     schema = getattr(func, "_schema", None)
-    if isinstance(schema, torch._C.FunctionSchema):  # a torch.ops operator: its schema says
+    if isinstance(func, torch._ops.OpOverload):  # a torch.ops operator: its schema says
         for i, a in enumerate(schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 out.append(args[i] if i < len(args) else kwargs.get(a.name))
