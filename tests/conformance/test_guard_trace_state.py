@@ -193,12 +193,28 @@ def test_untouched_restores_and_keeps_identity():
     assert m.hits is hits and hits.item() == 0 and hits._version == 0
 
 
-def test_untouched_names_an_unrecorded_parameter_write():
+_WRITES = {
+    "add_": lambda t: t.add_(1),
+    "__setitem__": lambda t: t.__setitem__(0, 5.0),
+    "view": lambda t: t.view(-1).mul_(2),
+    "out=": lambda t: torch.add(t, 1, out=t),
+    "torch.ops": lambda t: torch.ops.aten.add_.Tensor(t, 1),
+    "inplace=True": lambda t: nn.functional.relu(t, inplace=True),
+    ".data=": lambda t: setattr(t, "data", t * 2),
+}
+
+
+@pytest.mark.parametrize("write", list(_WRITES))
+def test_untouched_refuses_an_unrecorded_parameter_write(write):
+    # a write fx would run (not record) on a parameter reached through a list is refused before
+    # it runs: the weight keeps its values and its version
     m = nn.Linear(2, 2)
     m.held = [m.weight]
-    with pytest.raises(RuntimeError, match="wrote 1 of its parameters or buffers in place"):
+    w, v = m.weight.clone(), m.weight._version
+    with pytest.raises(RuntimeError, match="would run '.*' on a tensor the model holds"):
         with untouched(m), torch.no_grad():
-            m.held[0].add_(1)
+            _WRITES[write](m.held[0])
+    assert torch.equal(m.weight, w) and m.weight._version == v
 
 
 _TIMM_CACHED = [

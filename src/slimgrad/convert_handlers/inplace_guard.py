@@ -15,9 +15,11 @@ instance included (NOTE [A forward set on the instance]).
 
 from __future__ import annotations
 
+import array
 import ast
 import builtins
 import collections
+import copy
 import dataclasses
 import functools
 import gc
@@ -28,6 +30,7 @@ import random
 import re
 import sys
 import textwrap
+import threading
 import types
 import warnings
 import weakref
@@ -39,6 +42,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _torch_module
+from torch.overrides import TorchFunctionMode
 
 from slimgrad.convert_handlers import hf as _hf
 
@@ -489,11 +493,13 @@ def _trace(
             graph, made = _fx(m)
             drew, kept = state.drew(), _kept_on_modules(m)
         return graph, drew, kept | _still_alive(made)
-    if not state.copies_in:
-        state.swap_in_copies()
+    state.refusal()
     made: list = []
     try:
-        graph, made = _fx(m)
+        if not state.copies_in:
+            state.swap_in_copies()
+        with _HeldWrites(state):
+            graph, made = _fx(m)
         drew = state.drew()
         kept = _kept_on_modules(m)
     finally:
@@ -629,21 +635,37 @@ def _fx(m: nn.Module) -> tuple[torch.fx.Graph, list]:
 # subclass, a module outside ``root``). A plain tensor in a module's attributes or a container
 # reached from them (not a Parameter, not a buffer) is replaced by a copy for the trace, as
 # ``ownership._trace_stand_in`` does, so a real in-place write of the forward (``self.t += 1``:
-# fx runs it, there is no Proxy in it) lands on the copy; one reached through an object is
-# compared instead, as a parameter is (an object may hold many: accelerate's hooks hold the
-# offloaded weights). After the trace, whatever happened, each of those containers gets its own
-# items back, in place (the same objects, the same identities: a reference the user holds stays
-# valid), read and put back with its base class's methods (``_snapshot``, ``_put_back``: a
-# subclass's ``__setitem__`` or ``append`` does not run, an OrderedDict keeps its order, a deque
-# its ``maxlen``), and so do the random number generators (``_rng_states``: those held by the
-# module tree are found in that same walk). Parameters and buffers are read through fx as graph
+# fx runs it, there is no Proxy in it) lands on the copy; one reached through an object or a
+# tuple is compared instead, as a parameter is (an object may hold many: accelerate's hooks hold
+# the offloaded weights), and a write the trace would run on any of those compared tensors (an
+# in-place verb, ``__setitem__``, a property's ``__set__``, ``inplace=True``, ``out=``, a
+# ``torch.ops`` operator whose schema writes; also through a view: by storage) is refused
+# before it runs (``_HeldWrites``, a ``TorchFunctionMode`` active during the trace). The walk
+# goes on through what else holds state: functions (their closure cells, defaults and
+# attributes), bound methods (their ``__self__``), ``functools.partial`` (its function, arguments
+# and keywords). An object that is not a container is put back in place where its state can be
+# read and written (``_inplace_io``: a NumPy array's values, an ``array.array``, a
+# ``bytearray``, an object's ``__slots__``, a closure cell's contents; a random number generator,
+# NumPy's ``RandomState`` among them, as below); one whose state nothing here reads (an
+# ``itertools.count``, an iterator, a C extension's object) is replaced by a deep copy for the
+# trace (sharing the tree's modules and tensors) where it sits in a dict or a list, and the
+# original is put back; where it can be neither copied nor swapped (a generator; anything in a
+# tuple or a set), the trace is refused before it runs (``_State.refusal``). A refused trace
+# is one fx could not make: the in-place guard reads the forward's source instead, abn and
+# ownership skip their pattern. Objects that cannot change (classes, modules, code, dtypes,
+# devices, locks, weak references: ``_SNAP_IMMUTABLE``) are not walked. After the trace,
+# whatever happened, each of those containers gets its own items back, in place (the same
+# objects, the same identities: a reference the user holds stays valid), read and put back with
+# its base class's methods (``_snapshot``, ``_put_back``: a subclass's ``__setitem__`` or
+# ``append`` does not run, an OrderedDict keeps its order, a deque its ``maxlen``), and so do the
+# random number generators (``_rng_states``: those held by the module tree are found in that
+# same walk). Parameters and buffers are read through fx as graph
 # nodes (``proxy_buffer_attributes``), so a write to one is recorded, not run; their version
 # counters are compared all the same, and a trace that bumped one raises (the model changed and
 # could not be put back: convert_ names it rather than go on). Not covered: state outside what
-# the module tree's attributes reach (a module-level cache, a class attribute, an
-# ``lru_cache``), an object's ``__slots__``, a mutable container of another kind (an
-# ``array.array``, a ``bytearray``). A Proxy left there is still seen as kept (NOTE [An output
-# kept on the module escapes]).
+# the module tree's attributes reach (a module-level cache or tensor, a class attribute, an
+# ``lru_cache``, a function's globals). A Proxy left there is still seen as kept (NOTE [An
+# output kept on the module escapes]).
 _SNAP_CONTAINERS = (dict, list, set, tuple, collections.deque)  # walked (tuples: items only)
 _SNAP_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 # objects whose attribute dict is not walked: code, classes, modules, tensors (NOTE [A trace
@@ -742,9 +764,15 @@ class _State:
         # dicts (an object's attribute dict among them), lists, sets, deques; put back by
         # ``_put_back``
         self.saved: list[tuple[object, object]] = []
+        # (put back, what it puts back): objects restored in place that are not containers
+        # (``_inplace_io``: arrays, closure cells, ``__slots__``)
+        self.inplace: list[tuple[Callable, object]] = []
         self.versions: dict[int, tuple[torch.Tensor, int]] = {}  # parameters and buffers
-        self.swapped: list[tuple[object, object, torch.Tensor]] = []  # (container, key, original)
+        # (container, key, original, its copy's maker): a plain tensor, or an object that can be
+        # neither walked nor put back in place, swapped for a copy during a trace
+        self.swapped: list[tuple[object, object, object, Callable]] = []
         self.copies_in = False  # the copies of ``swapped`` are in (until ``restore``)
+        self.refused: list[str] = []  # what a trace could change and nothing could put back
         seen: set[int] = set()
         mods = list(root.modules())
         owned = set()
@@ -752,6 +780,7 @@ class _State:
             owned.update(id(t) for t in d._parameters.values() if t is not None)
             owned.update(id(t) for t in d._buffers.values() if t is not None)
         self.owned = owned
+        self.memo: dict[int, object] | None = None  # ``_copy``'s deepcopy memo (made once)
         seen.update(id(d) for d in mods)  # (each is walked here, not as an object)
         for d in mods:
             self._walk(d.__dict__, seen, False)
@@ -785,7 +814,7 @@ class _State:
                 continue
             if issubclass(t, torch.Tensor):
                 if t is torch.Tensor and k is not None and not held and id(v) not in self.owned:
-                    self.swapped.append((c, k, v))
+                    self.swapped.append((c, k, v, _tensor_copy))
                 else:  # a parameter, a buffer, a tensor in a tuple or an object, a subclass
                     self.versions[id(v)] = (v, v._version)
             elif issubclass(t, _SNAP_CONTAINERS):
@@ -794,17 +823,99 @@ class _State:
                 continue
             else:
                 seen.add(id(v))
-                if (io := _generator(v)) is not None:
-                    self.rng_io.append(io)
-                if (d := _object_dict(v)) is not None:
-                    # an object's own attributes (a SimpleNamespace, a dataclass, a plain object,
-                    # a module outside ``root``): its attribute dict is put back as a dict is
-                    self._walk(d, seen, True)
+                self._object(c, k, v, seen)
+
+    def _object(self, c: object, k: object, v: object, seen: set[int]) -> None:
+        # ``v`` (not a container, a tensor or an atom), held by ``c`` at ``k`` (None: in a tuple,
+        # a set, a deque, a cell or an object's C fields, where no copy can be swapped in)
+        if isinstance(v, (types.MethodType, types.MethodWrapperType)):  # ``count().__next__``
+            self._walk((v.__self__, getattr(v, "__func__", None)), seen, True)
+            return
+        if isinstance(v, types.BuiltinMethodType):  # ``[].append``, ``np.zeros(3).fill``
+            # (bound to a C object that holds nothing a trace could change, e.g. a pybind11
+            # function's record: not refused for it)
+            s = v.__self__
+            if (
+                isinstance(s, _SNAP_CONTAINERS)
+                or _object_dict(s) is not None
+                or (s is not None and (_inplace_io(s) is not None or _generator(s) is not None))
+            ):
+                self._walk((s,), seen, True)
+            return
+        if isinstance(v, _SNAP_IMMUTABLE):
+            return
+        if (io := _generator(v)) is not None:
+            self.rng_io.append(io)
+            return
+        if isinstance(v, types.FunctionType):  # its defaults, closure cells and attributes
+            for cell in v.__closure__ or ():
+                self._inplace(_cell_io(cell), seen)
+            self._walk((v.__defaults__ or (), v.__kwdefaults__ or {}, v.__dict__), seen, True)
+            return
+        if isinstance(v, functools.partial):
+            self._walk((v.func, v.args, v.keywords), seen, True)
+        if (io := _inplace_io(v)) is not None:
+            self._inplace(io, seen)
+            walked = True
+        else:
+            walked = False
+        if (d := _object_dict(v)) is not None:
+            # an object's own attributes (a SimpleNamespace, a dataclass, a plain object, a
+            # module outside ``root``): its attribute dict is put back as a dict is
+            self._walk(d, seen, True)
+            walked = True
+        if walked or isinstance(v, functools.partial) or _stateless(v):
+            return
+        # an object with state of its own that nothing here reads (``itertools.count``, an
+        # iterator, a C extension's object): the trace gets a copy of it where one can be
+        # swapped in, else it is refused
+        if k is not None and (made := self._copy(v)) is not None:
+            self.swapped.append((c, k, v, made))
+        else:
+            self.refused.append(type(v).__qualname__)
+
+    def _inplace(self, io: tuple[Callable, Callable, Callable], seen: set[int]) -> None:
+        restore, read, values = io
+        self.inplace.append((restore, read()))
+        self._walk(tuple(values()), seen, True)  # what it holds
+
+    def _copy(self, v: object) -> Callable | None:
+        # a maker of deep copies of ``v`` that share the module tree's modules and tensors (None
+        # where ``v`` cannot be copied)
+        if self.memo is None:
+            self.memo = {}
+            for d in self.root.modules():
+                self.memo[id(d)] = d
+                for t in (*d._parameters.values(), *d._buffers.values()):
+                    self.memo[id(t)] = t
+
+        def made() -> object:
+            return copy.deepcopy(v, dict(self.memo))
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (itertools' pickling support is deprecated)
+                made()
+        except Exception:  # an object that refuses to be copied (a generator, a lock, a frame)
+            return None
+        return made
+
+    def refusal(self) -> None:
+        # raises before a trace where it could change what nothing can put back
+        if self.refused:
+            names = ", ".join(sorted(set(self.refused)))
+            raise RuntimeError(
+                f"slimgrad.convert_: {type(self.root).__name__}'s forward was not run by "
+                f"torch.fx; expected every object its module tree holds to be one a trace can "
+                f"copy or put back, got {names}. Nothing to fix: its source is read instead "
+                "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
+            )
 
     def swap_in_copies(self) -> None:
-        for c, k, t in self.swapped:
-            copy = t.detach().clone().requires_grad_(t.requires_grad) if t.is_leaf else t.clone()
-            _set_item(c, k, copy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for c, k, v, made in self.swapped:
+                _set_item(c, k, made(v) if made is _tensor_copy else made())
         self.copies_in = True
 
     def restore(self) -> None:
@@ -816,6 +927,8 @@ class _State:
                 update(c, items)
             else:
                 _put_back(c, kind, items)
+        for restore, st in self.inplace:
+            restore(st)
         for restore, st in self.rngs:
             restore(st)
         self.copies_in = False
@@ -845,6 +958,174 @@ class _State:
             )
 
 
+def _tensor_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(t.requires_grad) if t.is_leaf else t.clone()
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # no storage (sparse, nested)
+        return 0
+
+
+# objects a trace cannot change, or whose state is outside what a trace puts back (a class's or
+# a module's attributes: NOTE [A trace leaves the model as it was]); not walked
+_SNAP_IMMUTABLE = (
+    type, types.ModuleType, types.CodeType, types.WrapperDescriptorType,
+    types.MethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType,
+    types.MappingProxyType, property, staticmethod, classmethod, frozenset, range, slice,
+    re.Pattern, weakref.ref, type(threading.Lock()), type(threading.RLock()), torch.dtype,
+    torch.device, torch.layout, torch.memory_format, torch.finfo, torch.iinfo, torch.fx.Proxy,
+)  # fmt: skip
+
+
+def _stateless(v: object) -> bool:
+    if type(v) is object:  # a sentinel
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(v, (np.dtype, np.generic, np.ufunc))
+
+
+def _inplace_io(v: object) -> tuple[Callable, Callable, Callable] | None:
+    # (put back, read, what it holds) for an object whose state is put back in place: a NumPy
+    # array, an ``array.array``, a ``bytearray``, an object's ``__slots__``
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(v, np.ndarray):
+        if not v.flags.writeable:
+            return (lambda st: None), (lambda: None), tuple
+        return (lambda st: np.copyto(v, st)), v.copy, tuple
+    if isinstance(v, (array.array, bytearray)):
+
+        def put(st) -> None:
+            v[:] = st
+
+        return put, (lambda: copy.copy(v)), tuple
+    names = _slot_names(type(v))
+    if not names:
+        return None
+
+    def read() -> dict:
+        got = {}
+        for n in names:
+            try:
+                got[n] = object.__getattribute__(v, n)
+            except AttributeError:  # an unset slot
+                pass
+        return got
+
+    def put_slots(st: dict) -> None:
+        for n in names:
+            if n in st:
+                object.__setattr__(v, n, st[n])
+            else:
+                try:
+                    object.__delattr__(v, n)
+                except AttributeError:
+                    pass
+
+    return put_slots, read, (lambda: read().values())
+
+
+@functools.cache
+def _slot_names(cls: type) -> tuple[str, ...]:
+    # the ``__slots__`` a class and its bases declare (names mangled as Python stores them)
+    out = []
+    for k in cls.__mro__:
+        slots = k.__dict__.get("__slots__", ())
+        for n in (slots,) if isinstance(slots, str) else slots:
+            if n in ("__dict__", "__weakref__"):
+                continue
+            if n.startswith("__") and not n.endswith("__"):
+                n = f"_{k.__name__.lstrip('_')}{n}"
+            out.append(n)
+    return tuple(out)
+
+
+def _cell_io(cell: types.CellType) -> tuple[Callable, Callable, Callable]:
+    # a closure's cell (``nonlocal n; n += 1`` rebinds it): its contents put back
+    def read() -> object:
+        return cell.cell_contents if _full(cell) else _MISSING
+
+    def put(st: object) -> None:
+        if st is _MISSING:
+            if _full(cell):
+                del cell.cell_contents
+        else:
+            cell.cell_contents = st
+
+    return put, read, (lambda: () if (c := read()) is _MISSING else (c,))
+
+
+def _written(func, args: tuple, kwargs: dict) -> list:
+    # the tensors a torch function call writes in place: its first argument for an in-place verb
+    # (``add_``, ``__iadd__``, ``__setitem__``, a property's ``__set__``, ``inplace=True``),
+    # and its ``out=``
+    out: list = []
+    schema = getattr(func, "_schema", None)
+    if isinstance(func, torch._ops.OpOverload):  # a torch.ops operator: its schema says
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                out.append(args[i] if i < len(args) else kwargs.get(a.name))
+        return out
+    name = getattr(func, "__name__", "")
+    if args and (
+        _writes_name(name)
+        or name == "requires_grad_"
+        or name == "__set__"
+        or _inplace_arg(func, args, kwargs)
+    ):
+        out.append(args[0])
+    o = kwargs.get("out")
+    if o is not None:
+        out.extend(o if isinstance(o, (tuple, list)) else (o,))
+    return out
+
+
+def _inplace_arg(func, args: tuple, kwargs: dict) -> bool:
+    if kwargs.get("inplace") is True:
+        return True
+    try:
+        pos = _INPLACE_ARG_POS.get(func)
+    except TypeError:  # unhashable
+        return False
+    return pos is not None and len(args) > pos and args[pos] is True
+
+
+class _HeldWrites(TorchFunctionMode):
+    # NOTE [A trace leaves the model as it was]: a write the trace would run on a tensor the walk
+    # compares instead of copying (a parameter or buffer reached other than as an attribute, a
+    # tensor in a tuple or held by an object) is refused before it runs
+    def __init__(self, state: _State) -> None:
+        super().__init__()
+        self.state = state
+        self.storages: set[int] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _written(func, args, kwargs):
+            if isinstance(t, torch.Tensor) and self._held(t):
+                raise RuntimeError(
+                    f"slimgrad.convert_: reading {type(self.state.root).__name__}'s forward "
+                    f"with torch.fx would run {getattr(func, '__name__', func)!r} on a tensor "
+                    "the model holds (not one of its parameters or buffers as an attribute, "
+                    "which fx records); expected a forward whose in-place writes a trace can "
+                    "put back, got a write to a tensor reached through a container or an object. "
+                    "Nothing to "
+                    "fix: the forward is not run and its source is read instead (NOTE [A trace "
+                    "leaves the model as it was] in convert_handlers/inplace_guard.py)"
+                )
+        return func(*args, **kwargs)
+
+    def _held(self, t: torch.Tensor) -> bool:
+        if id(t) in self.state.versions:
+            return True
+        if self.storages is None:  # (read once, at the first write to a real tensor)
+            self.storages = {p for v, _ in self.state.versions.values() if (p := _storage(v))}
+        p = _storage(t)
+        return p != 0 and p in self.storages
+
+
 class untouched:  # noqa: N801 (a context manager read as a phrase: ``with untouched(m)``)
     """Run a torch.fx trace of ``root``'s forward (or any Python that runs it on Proxies) and
     leave every module below ``root``, and the random number generators, as they were
@@ -856,10 +1137,18 @@ class untouched:  # noqa: N801 (a context manager read as a phrase: ``with untou
 
     def __enter__(self) -> _State:
         self.state = _State(self.root)
-        self.state.swap_in_copies()
+        self.state.refusal()
+        try:
+            self.state.swap_in_copies()
+        except BaseException:
+            self.state.restore()
+            raise
+        self.mode = _HeldWrites(self.state)
+        self.mode.__enter__()
         return self.state
 
     def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
         self.state.restore()
         if exc[0] is None:
             self.state.check()
@@ -887,6 +1176,8 @@ def _generator(v: object) -> tuple[Callable, Callable] | None:
     if isinstance(v, torch.Generator):
         return v.set_state, v.get_state
     np = sys.modules.get("numpy")
+    if np is not None and isinstance(v, np.random.RandomState):
+        return v.set_state, v.get_state
     if np is not None and isinstance(v, np.random.Generator):
         bits = v.bit_generator
         return (lambda st, bits=bits: setattr(bits, "state", st)), (lambda bits=bits: bits.state)
