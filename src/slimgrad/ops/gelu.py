@@ -42,10 +42,12 @@ from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
+    INPUT_KEPT_BY,
     CPath,
     c_backward,
     c_forward,
     dense_side_info,
+    input_kept_forward,
     keeps_x,
     needs_graph,
     reuse_ok,
@@ -166,13 +168,19 @@ class _GeluFn(torch.autograd.Function):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
         # y alone is returned then
         ctx.approximate = approximate
+        kept = _C_FWD[approximate]  # eager's x -> y (smooth_forward's ``kept``)
         if direct:
+            if x.grad_fn.__class__ in INPUT_KEPT_BY:  # NOTE [An input its producer keeps]
+                return input_kept_forward(ctx, x, kept, True)
             # NOTE [The straight C path of the smooth activations]
-            y = c_forward(ctx, x, _C_FWD[approximate], _CPATH[approximate])
+            y = c_forward(ctx, x, kept, _CPATH[approximate])
             if y is not None:
                 return y
-            return smooth_forward(ctx, x, _gelu_fwd.impl, False, approximate, single=True)
-        return smooth_forward(ctx, x, _gelu_fwd, False, approximate)
+            return smooth_forward(
+                ctx, x, _gelu_fwd.impl, False, approximate, single=True, kept=kept
+            )
+        # NOTE [Few elements without a copy of x]: kept
+        return smooth_forward(ctx, x, _gelu_fwd, False, approximate, kept=kept)
 
     @staticmethod
     def backward(ctx, g, *_side):
