@@ -197,7 +197,8 @@ def smooth_forward(
             # NOTE [An input its producer keeps]; NOTE [Few elements without a copy of x]
             return input_kept_forward(ctx, x, kept, single)
         top = hooks_top(False)
-        if not inplace and packs_each(top):  # NOTE [Under hooks that pack each tensor]
+        # NOTE [Under hooks that pack each tensor]
+        if top is not None and not inplace and not _derived._checkpoints(top):
             return input_kept_forward(ctx, x, kept, single)
     elif not compiling:
         top = hooks_top(False)
@@ -462,14 +463,12 @@ INPUT_KEPT_BY: set[type] = set()
 # 10,635,904 B against eager's 10,493,952 before (1.0135x), eager's now; Linear -> SiLU ->
 # Linear at 4100x64, bfloat16: 1.024x before. Under torch.utils.checkpoint's own hooks (their pack
 # holds no tensor; the recompute keeps each tensor once, by reference) the op keeps y as without
-# hooks. The hooks are asked once per call, where the call asked them before (the check of NOTE
-# [A kept output written under saved-tensor hooks]): the unhooked path makes no extra host call.
-def packs_each(top: tuple | None) -> bool:
-    """Whether saved-tensor hooks ``top`` (from ``hooks_top``) pack each tensor on its own: any
-    but torch.utils.checkpoint's (NOTE [Under hooks that pack each tensor])."""
-    return top is not None and not _derived._checkpoints(top)
-
-
+# hooks. Hooks that hand back the very tensor (identity hooks, save_on_cpu on CPU tensors) would
+# have let y be kept once; the op cannot tell them from copying ones, so it keeps eager's bytes
+# there too (never more than eager, per pack or per storage). The hooks are asked once per call,
+# where the call asked them before (the check of NOTE [A kept output written under saved-tensor
+# hooks]): the unhooked path makes no extra host call.
+# (torch.utils.checkpoint's hooks are told by their functions' module: _derived._checkpoints.)
 def input_kept_forward(ctx, x: torch.Tensor, fwd: Callable, single: bool):
     """Forward of a smooth activation whose input its producer keeps (NOTE [An input its
     producer keeps]): eager's y, x kept as the dense fallback keeps it."""
@@ -911,7 +910,8 @@ def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | 
     if n <= DENSE_MAX or not x.is_contiguous():
         return None
     top = hooks_top(False)  # asked once: here and for the check of y_seen below
-    if packs_each(top):  # NOTE [Under hooks that pack each tensor]: the general path decides
+    # NOTE [Under hooks that pack each tensor]: the general path decides
+    if top is not None and not _derived._checkpoints(top):
         return None
     y = fwd(x)
     nb = (n + CHUNK - 1) // CHUNK
