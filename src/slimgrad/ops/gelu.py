@@ -16,6 +16,10 @@ B/elt at N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst
 float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt. About
 9% of N(0, s) inputs (s from 0.577 to 1) lie in that window, more than 1/16: such inputs keep x
 densely, as eager, at every size (NOTE [GPT-2's MLP under autocast] in ops/gpt2_mlp.py).
+Kept x (few elements, half types on CPU, an input its producer keeps) is x itself, no copy
+(NOTE [Few elements without a copy of x] in ``_output_act``). Out of place under saved-tensor
+hooks other than torch.utils.checkpoint's (offloading): keeps x, as eager, and nothing else
+(NOTE [Under hooks that pack each tensor] in ``_output_act``).
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
