@@ -193,3 +193,21 @@ def test_host_calls_per_call():
 
     step()
     assert slimgrad_calls(step) <= 43
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("n,dtype", [(300, torch.float32), (1000, torch.bfloat16)])
+def test_kept_x_forward_makes_no_copy_of_x(n, dtype, approximate):
+    # a call that keeps x by its shape (few elements; a half-type CPU tensor up to HALF_DENSE_MAX)
+    # allocates y alone, as eager: its custom op's dense side output was a copy of x (NOTE [Few
+    # elements without a copy of x] in slimgrad/ops/_output_act.py); before, the forward peaked at
+    # y + that copy (2 n x itemsize bytes)
+    from slimgrad.memory import measure
+
+    x = torch.randn(n, dtype=dtype).requires_grad_()
+    h = x * 1.0
+    for _ in range(2):  # one-time work out of the measured call
+        s = measure(lambda: gelu(h, approximate), backward=False, timeline=False)
+    e = measure(lambda: F.gelu(h, approximate=approximate), backward=False, timeline=False)
+    assert s.peak_bytes == e.peak_bytes == n * x.element_size(), (s.peak_bytes, e.peak_bytes)
+    assert s.saved_bytes == e.saved_bytes, (s.saved_bytes, e.saved_bytes)

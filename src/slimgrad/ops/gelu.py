@@ -16,6 +16,10 @@ B/elt at N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst
 float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt. About
 9% of N(0, s) inputs (s from 0.577 to 1) lie in that window, more than 1/16: such inputs keep x
 densely, as eager, at every size (NOTE [GPT-2's MLP under autocast] in ops/gpt2_mlp.py).
+Kept x (few elements, half types on CPU, an input its producer keeps) is x itself, no copy
+(NOTE [Few elements without a copy of x] in ``_output_act``). Out of place under saved-tensor
+hooks other than torch.utils.checkpoint's (offloading): keeps x, as eager, and nothing else
+(NOTE [Under hooks that pack each tensor] in ``_output_act``).
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
@@ -42,10 +46,12 @@ from slimgrad._math.smooth import GELU, gelu_bwd_exact
 from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
+    INPUT_KEPT_BY,
     CPath,
     c_backward,
     c_forward,
     dense_side_info,
+    input_kept_forward,
     keeps_x,
     needs_graph,
     reuse_ok,
@@ -166,13 +172,19 @@ class _GeluFn(torch.autograd.Function):
         # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
         # y alone is returned then
         ctx.approximate = approximate
+        kept = _C_FWD[approximate]  # eager's x -> y (smooth_forward's ``kept``)
         if direct:
+            if x.grad_fn.__class__ in INPUT_KEPT_BY:  # NOTE [An input its producer keeps]
+                return input_kept_forward(ctx, x, kept, True)
             # NOTE [The straight C path of the smooth activations]
-            y = c_forward(ctx, x, _C_FWD[approximate], _CPATH[approximate])
+            y = c_forward(ctx, x, kept, _CPATH[approximate])
             if y is not None:
                 return y
-            return smooth_forward(ctx, x, _gelu_fwd.impl, False, approximate, single=True)
-        return smooth_forward(ctx, x, _gelu_fwd, False, approximate)
+            return smooth_forward(
+                ctx, x, _gelu_fwd.impl, False, approximate, single=True, kept=kept
+            )
+        # NOTE [Few elements without a copy of x]: kept
+        return smooth_forward(ctx, x, _gelu_fwd, False, approximate, kept=kept)
 
     @staticmethod
     def backward(ctx, g, *_side):
