@@ -29,8 +29,9 @@ lint: $(STAMP)
 # --dist worksteal: each worker starts on one contiguous half of the suite (xdist's default "load"
 # hands out the first quarter one test at a time, alternately), so a file's module-level model
 # caches and module-scoped fixtures are built in one worker, not both
+# --durations=30: the slowest tests in every run's log, to keep the suite's time in view
 test: lint
-	$(PY) -m pytest -n 2 --dist worksteal -q
+	$(PY) -m pytest -n 2 --dist worksteal -q --durations=30
 
 # The HF suites again under the newest declared transformers (pure Python: installed beside the
 # pinned one in $(VENV)/hf-newest and put first on the path)
