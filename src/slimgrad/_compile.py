@@ -61,7 +61,9 @@ rebuilds values from what the op saved, may stay traced torch ops, which inducto
 LayerNorm's (NOTE [LayerNorm's backward traced under torch.compile] in ``ops/layer_norm.py``). The
 other way round, a ``torch.utils.checkpoint`` around eager's own ops tags them "recompute", and the
 partitioner keeps only the checkpoint's inputs: the HF RMSNorm keeps x, not y (NOTE [RMSNorm's
-backward traced under torch.compile] in ``ops/rms_norm.py``).
+backward traced under torch.compile] in ``ops/rms_norm.py``), and the fused loss (outside
+autocast and ``precompute_grads``) keeps hidden, weight and target, no logits (NOTE [The fused
+loss traced under torch.compile] in ``_math/linear_cross_entropy.py``).
 ``tests/test_compile_saved.py`` holds compiled converted HF GPT-2 and
 Llama to the uncompiled converted models' saved bytes (x 1.05) and each op above to its Memory
 line.
