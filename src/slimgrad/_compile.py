@@ -61,10 +61,23 @@ rebuilds values from what the op saved, may stay traced torch ops, which inducto
 LayerNorm's (NOTE [LayerNorm's backward traced under torch.compile] in ``ops/layer_norm.py``). The
 other way round, a ``torch.utils.checkpoint`` around eager's own ops tags them "recompute", and the
 partitioner keeps only the checkpoint's inputs: the HF RMSNorm keeps x, not y (NOTE [RMSNorm's
-backward traced under torch.compile] in ``ops/rms_norm.py``).
+backward traced under torch.compile] in ``ops/rms_norm.py``), and the fused loss (outside
+autocast and ``precompute_grads``) keeps hidden, weight and target, no logits (NOTE [The fused
+loss traced under torch.compile] in ``_math/linear_cross_entropy.py``).
 ``tests/test_compile_saved.py`` holds compiled converted HF GPT-2 and
 Llama to the uncompiled converted models' saved bytes (x 1.05) and each op above to its Memory
 line.
+
+# NOTE [Recompute tags under torch.export]
+Those checkpoints go through :func:`recompute_in_backward`. ``torch.export`` traces forward only
+(no partitioner, no backward), so the tags have nothing to tell it, and strict export of a
+vanilla non-reentrant checkpoint fails in torch 2.13: Dynamo captures it as the
+``tag_activation_checkpoint`` higher-order op, and export's pre-dispatch trace of that op reads a
+``_checkpoint_context_fn`` entry Dynamo records only for a checkpoint given a ``context_fn``
+(``KeyError: '_checkpoint_context_fn'``, from any model with such a checkpoint). While exporting
+(``torch.compiler.is_exporting()``, True for strict export's Dynamo pass and for non-strict's
+trace) the function runs as it is: the exported graph holds the eager ops themselves
+(``tests/test_compile_export.py``).
 """
 
 from __future__ import annotations
@@ -75,8 +88,28 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 F = TypeVar("F", bound=Callable)
+
+
+def exporting() -> bool:
+    """``torch.compiler.is_exporting()``, a constant to Dynamo (no guard, no side-effect mark)."""
+    return torch.compiler.is_exporting()
+
+
+exporting._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def recompute_in_backward(fn: Callable, *args):
+    """``fn(*args)``, every value it makes tagged for recompute in backward under torch.compile:
+    a non-reentrant ``torch.utils.checkpoint`` (NOTE [slimgrad ops under torch.compile]); while
+    exporting, ``fn(*args)`` itself (NOTE [Recompute tags under torch.export]). ``fn`` draws no
+    random numbers (no RNG state is restored)."""
+    if exporting():
+        return fn(*args)
+    return _checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
 
 # NOTE [Kernels Dynamo never compiles]
 # A Python kernel slimgrad registers with the dispatcher (NOTE [Lean dispatcher kernels] in

@@ -291,9 +291,10 @@ def _fallback_mask(weight, bias, out_dtype):
 # under the key the next forward computes (the parameters' versions and the step count after
 # the step), so that forward hits the cache and reads no device value; when it does not hit
 # (another write after the step, a new dtype), it finds its channels itself as before. An
-# optimizer step being compiled renews nothing (the forward then finds them itself); a compiled
-# model's eager optimizer step renews as above, and its RMSNorm side op (``hf_rms_norm_side``)
-# reads the renewed entries at run time.
+# optimizer step being compiled renews nothing (the forward then finds them itself). A compiled
+# HF RMSNorm reads no entry: it runs HF's ops inside a checkpoint, with no fallback table (NOTE
+# [RMSNorm's backward traced under torch.compile] in ops/rms_norm.py); the uncompiled norm's
+# ``hf_rms_norm_side`` op (off the straight path) reads the renewed entries at run time.
 #
 # NOTE [Another optimizer's step]
 # The key counts every optimizer step in the process (NOTE [Steps that skip the version counter]

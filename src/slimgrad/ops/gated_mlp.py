@@ -45,7 +45,6 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from slimgrad import _ext
 from slimgrad._autograd import (
@@ -57,6 +56,7 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
+from slimgrad._compile import recompute_in_backward
 from slimgrad._library import custom_op
 from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
@@ -337,9 +337,7 @@ def _glu_down_checkpointed(x, wg, bg, wu, bu, wd, bd, activation: str, fused: bo
         g, u = F.linear(x, wg, bg).chunk(2, dim=-1)
     else:
         g, u = F.linear(x, wg, bg), F.linear(x, wu, bu)
-    return _checkpoint(
-        _glu_down, g, u, wd, bd, activation, fused, use_reentrant=False, preserve_rng_state=False
-    )
+    return recompute_in_backward(_glu_down, g, u, wd, bd, activation, fused)
 
 
 def _compiled_lean(args: tuple) -> bool:

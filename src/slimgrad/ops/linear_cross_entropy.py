@@ -42,6 +42,9 @@ Eager saves hidden + the N×V log-probabilities (4 B per logit in fp32) + target
 one chunk of logits (chunk_size×V) instead of two to three N×V buffers. Backward writes its result
 into the saved dh / dW (or dh into the saved hidden) when ownership allows (NOTE [Gradient-buffer
 ownership] in ``slimgrad/ownership.py``); under retain_graph=True it scales out of place.
+Under torch.compile (outside autocast and precompute_grads) the loss is plain ops in a
+checkpoint, which keeps hidden + target (NOTE [The fused loss traced under torch.compile] in
+slimgrad/_math/).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from slimgrad._autograd import (
     tie_refusal,
     unwrap_if_dead,
 )
+from slimgrad._compile import recompute_in_backward
 from slimgrad._errors import internal_error
 from slimgrad._library import custom_op
 from slimgrad._math.linear_cross_entropy import (
@@ -70,6 +74,7 @@ from slimgrad._math.linear_cross_entropy import (
     _bwd_torch,
     _fwd_grad_torch,
     _fwd_torch,
+    _loss_traced,
 )
 from slimgrad.kernels import _backend
 from slimgrad.ops.layer_norm import _ANCHOR_APPLY
@@ -633,9 +638,26 @@ def _linear_cross_entropy(
     tracked = grad and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if comp:  # Dynamo traces Function.apply (NOTE [slimgrad ops under torch.compile])
+    if comp:
         if tracked:
             refuse_jit("ops.linear_cross_entropy")
+        if need is None and not autocast:  # NOTE [The fused loss traced under torch.compile]
+            loss = (recompute_in_backward if tracked else _call)(
+                _loss_traced,
+                hidden.reshape(-1, hidden.shape[-1]),
+                weight,
+                bias,
+                t.reshape(-1),
+                int(ignore_index),
+                float(label_smoothing),
+                chunk,
+                reduction,
+                *tf,
+            )
+            if reduction == "none":
+                loss = loss.reshape(t.shape)
+            return loss if loss.dtype == odt else loss.to(odt)
+        # Dynamo traces Function.apply (NOTE [slimgrad ops under torch.compile])
         return _LinearCrossEntropyFn.apply(hidden, weight, bias, t, *args)
     if tracked and _jit_tracing():
         refuse_jit("ops.linear_cross_entropy")
@@ -692,6 +714,10 @@ def _linear_cross_entropy(
 # check their loads: off CUDA (TRITON_INTERPRET, tests) the labels are checked before the apply,
 # as before; on CUDA they are the kernels' to check (eager's device assert). Under torch.compile
 # and on fake tensors there is nothing to check (no values).
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 def _bad_labels(t, ignore_index, v):

@@ -65,7 +65,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from slimgrad import _dtensor, _ext, ownership
 from slimgrad._autograd import (
@@ -78,6 +77,7 @@ from slimgrad._autograd import (
     transforms_active,
     unwrap_if_dead,
 )
+from slimgrad._compile import recompute_in_backward
 from slimgrad._errors import hooks_top, seen
 from slimgrad._library import straight
 from slimgrad._math import norms as _norms
@@ -905,9 +905,7 @@ def _hf_forward_y(x, weight, eps, variant):
 
 def _hf_rms_norm_checkpointed(x, weight, eps, variant):
     # NOTE [RMSNorm's backward traced under torch.compile]; no RNG inside, so none is restored
-    return _checkpoint(
-        _hf_forward_y, x, weight, eps, variant, use_reentrant=False, preserve_rng_state=False
-    )
+    return recompute_in_backward(_hf_forward_y, x, weight, eps, variant)
 
 
 def _hf_recompute(ctx, dy, create_graph):
