@@ -257,7 +257,8 @@ def test_untraceable_parent_keeps_savers_only_with_an_inplace_child():
     torch.manual_seed(0)
     x = torch.randn(6, 8)
     rep = _check(Untraceable(nn.ReLU(inplace=True)), x, True)
-    assert "in-place write follows it (act: ReLU, which writes its input)" in _skipped(rep)["norm"]
+    want = "in-place write follows it (act: ReLU, which writes its input in place (inplace=True))"
+    assert want in _skipped(rep)["norm"]
     rep = _check(Untraceable(nn.ReLU()), x, True)
     assert "norm" in {n for n, _, _ in rep.converted}
 

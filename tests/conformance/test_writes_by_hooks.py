@@ -248,7 +248,8 @@ def test_global_hook_registered_before_convert_that_writes_is_exact(prod, hook):
 def test_relu_whose_hook_writes_the_batch_norm_output_stays_torch():
     conv = _check("BatchNorm", HOOKS["relu forward hook writes its input"], after=False)
     assert type(conv.relu) is nn.ReLU
-    assert "ReLU, which has a forward hook that may write its input" in str(slimgrad.report(conv))
+    assert "ReLU, which has a forward hook (" in str(slimgrad.report(conv))
+    assert "that may write its input after its forward" in str(slimgrad.report(conv))
 
 
 def test_a_hook_that_only_reads_costs_nothing():

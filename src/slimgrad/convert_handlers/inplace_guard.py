@@ -417,6 +417,9 @@ class _Info:
     # its input (or a view of it) may be kept on a module past its forward (NOTE [An output kept
     # on the module escapes])
     keeps_input: bool = False
+    # where ``writes``: why, as a clause after the module's name (NOTE [Why a module writes its
+    # input, in the report])
+    cause: str = ""
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -1588,15 +1591,23 @@ class _Guard:
         if key not in self.memo:
             self.memo[key] = _Info()  # placeholder; the module tree has no cycles
             info = self._analyse(m)
+            if info.writes:  # NOTE [Why a module writes its input, in the report]
+                info.cause = _analysed_cause(m)
             if self.outputs is None and _hooked(m):
                 # NOTE [What a hook registered before convert_ may write]
                 if (why := _hook_writes(m)) is not None:
                     self.flag(info.ends, why)
-                    info.writes = info.writes or info.passes
-                if _pre_hook_writes(m):
+                    if info.passes and not info.writes:
+                        info.writes = True
+                        info.cause = f"which may return its input, and has {_unhedged(why)}"
+                if (pre := _pre_hook_writes(m)) is not None:
                     info.writes = True
-                if _hook_writes_input(m):
+                    info.cause = info.cause or f"which {pre} that may write its input"
+                if (after := _hook_writes_input(m)) is not None:
                     info.writes = info.after = True
+                    info.cause = info.cause or (
+                        f"which {after} that may write its input after its forward"
+                    )
             self.memo[key] = info
         return self.memo[key]
 
@@ -1706,16 +1717,8 @@ class _Guard:
             if ci.keeps_input:  # NOTE [An output kept on the module escapes]
                 self.escape(ends)
                 keeps_input = keeps_input or passes
-            if ci.writes:
-                own = "forward" in child.__dict__  # NOTE [A forward set on the instance]
-                what = (
-                    " with a forward hook that may write its input"
-                    if ci.after
-                    else " with a forward set on the instance"
-                    if own
-                    else "(inplace=True)"
-                )
-                self.flag(ends, f"{type(child).__name__}{what}", None if ci.after else child)
+            if ci.writes:  # NOTE [Why a module writes its input, in the report]
+                self.flag(ends, _writer(type(child).__name__, ci), None if ci.after else child)
                 writes = writes or passes
             if ci.passes:
                 ends = ends + ci.ends
@@ -1765,12 +1768,11 @@ class _Guard:
                         if ci.keeps_input:  # NOTE [An output kept on the module escapes]
                             self.escape(state[n].ends)
                             out.keeps_input = out.keeps_input or state[n].passes
-                if ci.writes:
+                if ci.writes:  # NOTE [Why a module writes its input, in the report]
                     sub = type(m.get_submodule(node.target)).__name__
-                    how = "has a forward hook that may write" if ci.after else "writes"
                     self.flag(
                         a0.ends,
-                        f"{node.target}: {sub}, which {how} its input in place",
+                        _writer(f"{node.target}: {sub}", ci),
                         None if ci.after else m.get_submodule(node.target),
                     )
                     out.writes = out.writes or a0.passes
@@ -2534,9 +2536,8 @@ class _Flow:
                 self.feeds(child, every)
                 if ci.keeps_input:  # NOTE [An output kept on the module escapes]
                     self.escape(every)
-                if ci.writes:
-                    how = "has a forward hook that may write" if ci.after else "writes"
-                    self.flag(every, f"{f.attr}: {type(child).__name__}, which {how} its input")
+                if ci.writes:  # NOTE [Why a module writes its input, in the report]
+                    self.flag(every, _writer(f"{f.attr}: {type(child).__name__}", ci))
                     self.rebind(e, env, child, ci)
                 # (_Made: which names hold this call's tensor, NOTE [An in-place module's input
                 # is its output])
@@ -2976,14 +2977,16 @@ def _hook_writes(m: nn.Module) -> str | None:
     return None
 
 
-def _hook_writes_input(m: nn.Module) -> bool:
+def _hook_writes_input(m: nn.Module) -> str | None:
     # a forward hook on ``m`` (or a global one) that may write what ``m`` was given, after ``m``'s
-    # forward ran (NOTE [What a hook registered before convert_ may write])
+    # forward ran (NOTE [What a hook registered before convert_ may write]): which, or None
+    glob = getattr(_torch_module, "_global_forward_hooks", {})
     for hook, kw in _forward_hooks(m):
         roles = hook_roles(hook)
         if roles is None or roles & ({1, 2} if kw else {1}):
-            return True
-    return False
+            where = "runs a global" if any(h is hook for h in glob.values()) else "has a"
+            return f"{where} forward hook ({_fn_name(hook)})"
+    return None
 
 
 def _forward_hooks(m: nn.Module) -> list[tuple[Callable, bool]]:
@@ -2993,6 +2996,37 @@ def _forward_hooks(m: nn.Module) -> list[tuple[Callable, bool]]:
     return [(h, k in glob_kw) for k, h in glob.items()] + [
         (h, k in getattr(m, "_forward_hooks_with_kwargs", {})) for k, h in m._forward_hooks.items()
     ]
+
+
+# NOTE [Why a module writes its input, in the report]
+# A module counts as a writer of its input (``_Info.writes``) for one of these reasons, and the
+# report names the one found first, after the module's name: its forward, as read (an
+# ``inplace=True`` flag of a module whose forward is torch's or has no children: "which writes its
+# input in place (inplace=True)"; a forward set on the instance: "which runs a forward set on the
+# instance ..."; any other forward, traced or read, a nested Sequential's included: "whose forward
+# may write its input in place"), then its hooks (NOTE [What a hook registered before convert_
+# may write]): a forward hook that may write its output where that output may be its input, a
+# forward pre-hook (its own or a global one, named) that may write what it is given, a forward
+# hook that may write what it was given. A lazy module's initializer hook writes nothing where
+# torch defines ``initialize_parameters`` (NOTE [A lazy module's initializer hook]); where it may
+# write, the report names the ``initialize_parameters`` it hands the input to.
+def _analysed_cause(m: nn.Module) -> str:
+    own = m.__dict__.get("forward")
+    if own is not None and (kind := _instance_kind(own, m)) != "class":
+        what = "wraps its class's forward" if kind == "wrapper" else "slimgrad cannot read"
+        return f"which runs a forward set on the instance ({_fn_name(own)}) that {what}"
+    plain = type(m).__module__.startswith("torch.") or not m._modules
+    if plain and getattr(m, "inplace", False) is True:
+        return "which writes its input in place (inplace=True)"
+    return "whose forward may write its input in place"
+
+
+def _unhedged(why: str) -> str:
+    return why.removeprefix("maybe: ")
+
+
+def _writer(name: str, ci: _Info) -> str:
+    return f"{name}, {ci.cause or 'whose forward may write its input in place'}"
 
 
 # NOTE [Hooks on the modules around an output-saving one]
@@ -3010,14 +3044,19 @@ def _forward_hooks(m: nn.Module) -> list[tuple[Callable, bool]]:
 # ``hook_may_write``, stricter than the reading here: NOTE [Hooks registered after convert_ on the
 # modules around] in slimgrad/nn/_hooks.py). Not followed there: a module a helper method of the
 # parent (not its forward) hands the output to.
-def _pre_hook_writes(m: nn.Module) -> bool:
-    # a forward pre-hook on ``m`` (or a global one) that may write what ``m`` is given
+def _pre_hook_writes(m: nn.Module) -> str | None:
+    # a forward pre-hook on ``m`` (or a global one) that may write what ``m`` is given: which, or
+    # None (NOTE [Why a module writes its input, in the report])
     glob = getattr(_torch_module, "_global_forward_pre_hooks", {})
     for hook in (*glob.values(), *m._forward_pre_hooks.values()):
         roles = hook_roles(hook)
         if roles is None or roles:
-            return True
-    return False
+            where = "runs a global" if any(h is hook for h in glob.values()) else "has a"
+            name = _fn_name(hook)
+            if (lazy := _lazy_initializer(hook)) is not None:  # NOTE [A lazy module's ...]
+                name += f", which hands it to {_fn_name(type(lazy).initialize_parameters)}"
+            return f"{where} forward pre-hook ({name})"
+    return None
 
 
 # the methods of a container that take a value without writing it (``seen.append(out)``)
@@ -3115,6 +3154,8 @@ def hook_roles(hook) -> frozenset[int] | None:
         inner = hook_roles(hook.func)
         n = len(hook.args)
         return None if inner is None else frozenset(i - n for i in inner if i >= n)
+    if (lazy := _lazy_initializer(hook)) is not None:  # NOTE [A lazy module's initializer hook]
+        return frozenset() if _initializer_reads_only(lazy) else frozenset({1, 2})
     code = getattr(hook, "__code__", None)
     if code is None:  # a callable object: its source is not read
         return None
@@ -3122,6 +3163,44 @@ def hook_roles(hook) -> frozenset[int] | None:
     if key not in _HOOK_MEMO:
         _HOOK_MEMO[key] = _hook_source_roles(hook)
     return _HOOK_MEMO[key]
+
+
+# NOTE [A lazy module's initializer hook]
+# Every lazy module (``LazyModuleMixin``, public API: ``LazyLinear``, ``LazyConv*d``,
+# ``LazyBatchNorm*d``, ...) registers ``self._infer_parameters`` as a forward pre-hook with kwargs;
+# at its first call it hands what the module is given to ``module.initialize_parameters(*args,
+# **kwargs)``, then removes itself (and turns the module into its ``cls_to_become``). Read as any
+# hook, that call is one slimgrad cannot follow, so the module counted as a writer of its input
+# and kept the activation before it eager, even after it had materialized. What the hook writes
+# is what ``initialize_parameters`` writes: the ones torch defines (``torch.nn.modules``) read the
+# input's shape alone and materialize the module's own parameters, so the hook writes nothing; a
+# user's own ``initialize_parameters`` is read as a hook is (its source: a write of any argument,
+# or an unreadable source, may write what the module is given); one set on the instance, or a
+# subclass's own ``_infer_parameters``, is read as any hook. ``_infer_parameters`` is a private
+# name: where a torch release lacks it, the hook is read as any other (the activation stays eager,
+# the report naming the hook).
+def _lazy_initializer(hook) -> nn.Module | None:
+    # the lazy module whose own initializer hook ``hook`` is, or None
+    infer = getattr(_Lazy, "_infer_parameters", None)
+    if infer is None or not isinstance(hook, types.MethodType) or hook.__func__ is not infer:
+        return None
+    m = hook.__self__
+    return m if isinstance(m, _Lazy) and "initialize_parameters" not in m.__dict__ else None
+
+
+def _initializer_reads_only(m: nn.Module) -> bool:
+    init = getattr(type(m), "initialize_parameters", None)
+    if init is None:
+        return False
+    if (getattr(init, "__module__", None) or "").startswith("torch.nn.modules."):
+        return True
+    code = getattr(init, "__code__", None)
+    if code is None:
+        return False
+    key = (code, "initialize_parameters")
+    if key not in _HOOK_MEMO:  # (self, input, ...): every parameter but self is given
+        _HOOK_MEMO[key] = _hook_source_roles(init)
+    return _HOOK_MEMO[key] == frozenset()
 
 
 def _hook_source_roles(hook) -> frozenset[int] | None:
