@@ -52,12 +52,44 @@ def test_a_mode_the_original_cannot_run_is_verifys_error():
     assert not slimgrad.verify(model, bad, x, modes=("train",)).ok
 
 
-def test_the_first_mode_failing_is_the_callers_error_as_before():
+def test_the_first_mode_failing_is_verifys_error_too():
+    # the same failure in the first mode came out raw, unlike one mode later
     model = _TrainOnly(fail_in="train")
     conv = slimgrad.convert_(copy.deepcopy(model))
-    with pytest.raises(ValueError, match="no cache here"):
+    with pytest.raises(RuntimeError) as info:
         slimgrad.verify(model, conv, torch.randn(4, 6))
+    msg = str(info.value)
+    assert msg.startswith("slimgrad.verify: the original model (_TrainOnly) cannot run a step"), msg
+    assert "in train mode" in msg and "ValueError: no cache here" in msg, msg
+    assert isinstance(info.value.__cause__, ValueError)
     assert slimgrad.verify(model, conv, torch.randn(4, 6), modes=("eval",)).ok
+
+
+class _MisconfiguredNorm(nn.Module):
+    # HF EfficientNet with a misconfigured width: a BatchNorm sized for other channels
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(32)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("modes", [("train", "eval"), ("eval",)])
+def test_an_original_that_cannot_run_its_first_step_is_verifys_error(modes):
+    torch.manual_seed(0)
+    model = _MisconfiguredNorm()
+    conv = slimgrad.convert_(copy.deepcopy(model))
+    with pytest.raises(RuntimeError) as info:
+        slimgrad.verify(model, conv, torch.randn(2, 3, 5, 5), modes=modes)
+    msg = str(info.value)
+    assert msg.startswith("slimgrad.verify: the original model (_MisconfiguredNorm)"), msg
+    assert f"in {modes[0]} mode" in msg and "RuntimeError: running_mean should contain" in msg, msg
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "slimgrad.verify" not in str(info.value.__cause__)
+    assert model.training and conv.training  # the modes put back
 
 
 def _tiny_recurrent_gemma():

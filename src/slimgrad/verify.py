@@ -1539,7 +1539,21 @@ def _reference_failed(what: str, err: Exception) -> str:
 # an earlier mode and raises on them in a later one, verify raises its own RuntimeError naming the
 # model, the mode, the original error and the ways out (leave that mode out of ``modes``, or make
 # the original run there); nothing is judged in that mode, so no report that could read as a pass
-# comes back. Where the first mode already fails, it is the caller's error, raised as before.
+# comes back. Where the original cannot run even the first step (a misconfigured HF EfficientNet:
+# "running_mean should contain 320 elements not 2560"), verify raises a RuntimeError of the same
+# form (no mode ran: the fix is the original's config or the inputs), the original error named
+# and chained; an error that already is verify's own ("cannot make a loss") passes as it is.
+
+
+def _first_step_failed(model: nn.Module, mode: str, err: Exception) -> str:
+    return (
+        f"slimgrad.verify: the original model ({type(model).__name__}) cannot run a step on the "
+        f"inputs as given in {mode} mode; expected the original to step them (its run is what "
+        f"the converted model is judged against), got {type(err).__name__}: "
+        f"{str(err).rstrip('.')}. verify cannot judge the converted model on these inputs: make "
+        "the original run them first (call it on them as verify does, model(**inputs) for a "
+        "dict, and fix its config or the inputs), then verify."
+    )
 
 
 def _mode_failed(model: nn.Module, mode: str, ran: str, err: Exception) -> str:
@@ -1924,10 +1938,10 @@ def verify(
         RuntimeError: the original cannot be deep-copied (e.g. it holds a cache with autograd
             history: the message names the attribute), or its copy cannot be made float64 (a
             step the float64 copy cannot run fails that run instead: NOTE [A float64 reference
-            that cannot run]), or it steps the inputs in one of ``modes`` and raises in a later
-            one (NOTE [A mode the original cannot run]), or refuses a train step at one value
-            per BatchNorm channel and ``modes`` has no other mode (NOTE [A batch the original
-            cannot step in train mode]).
+            that cannot run]), or it cannot step the inputs (its error chained) in the first of
+            ``modes`` or in a later one (NOTE [A mode the original cannot run]), or it refuses a
+            train step at one value per BatchNorm channel and ``modes`` has no other mode (NOTE
+            [A batch the original cannot step in train mode]).
         TypeError: no loss can be made from the output and no ``loss_fn`` was given.
 
     Example:
@@ -2001,8 +2015,12 @@ def verify(
                         left_out[mode] = err
                         _restore(held)
                         break
-                    if k == 0 and (not runs or not raised_by):  # the caller's error, or the
-                        raise  # converted model's where the original stepped
+                    if k == 0 and not raised_by:  # the converted model's, where the original
+                        raise  # stepped
+                    if k == 0 and not runs:  # NOTE [A mode the original cannot run]
+                        if str(err).startswith("slimgrad."):
+                            raise  # verify's own (no loss from the output), already in form
+                        raise RuntimeError(_first_step_failed(model, mode, err)) from err
                     if k == 0:  # NOTE [A mode the original cannot run]
                         raise RuntimeError(_mode_failed(model, mode, runs[0].name, err)) from err
                     # the original cannot run this padded batch: nothing to compare
