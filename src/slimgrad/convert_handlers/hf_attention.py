@@ -803,12 +803,12 @@ def _eager_fast_path_ok(module, plan, query, key, value, mask, args) -> bool:
 # (an :class:`_EagerPlan`); each call is one dict read. Reading them per call meant
 # ``inspect.getsource`` and ``inspect.signature`` on every eager-attention call: host time in
 # eager mode, and under ``torch.compile`` a graph break at each call (Dynamo cannot trace
-# ``inspect``), which split a converted 2-layer Llama's forward into 10 graphs and left the
-# partitioner to keep every break's outputs (tests/test_compile_hf_eager_attention.py). While
-# Dynamo traces, the family's function runs as it does in the compiled eager model (the compiler
-# decides what is kept): the plan is read, nothing else. A class that reaches the slimgrad eager
-# attention without a plan (a converted model unpickled in a fresh process) gets one at its first
-# uncompiled call, the same way.
+# ``inspect``), each leaving the partitioner to keep the break's outputs
+# (tests/test_compile_hf_eager_attention.py). While Dynamo traces, the family's function runs as
+# it does in the compiled eager model (the compiler decides what is kept): the plan is read,
+# nothing else. A class that reaches the slimgrad eager attention without a plan (a converted
+# model unpickled in a fresh process) gets one at its first call, the same way (under Dynamo that
+# one call breaks the graph).
 class _EagerPlan(NamedTuple):
     original: object  # the family's eager_attention_forward
     signature: inspect.Signature
@@ -840,7 +840,7 @@ def _eager_plan(cls: type) -> _EagerPlan | None:
 
 def _attention_eager(module, query, key, value, attention_mask, *args, **kwargs):
     plan = _EAGER_PLANS.get(type(module))
-    if plan is None and not compiling():
+    if plan is None:  # not checked by this process's convert_ (unpickled): worked out now
         plan = _eager_plan(type(module))
     if plan is None:
         raise RuntimeError(
@@ -1331,9 +1331,8 @@ def attention_pattern(model: nn.Module, config, allowed, found) -> list[Decision
 # rename it. The straight path updates the cache under the parameter's name as HF's forward
 # does (``cache.update(key, value, layer_idx)``, the layers of ``transformers.cache_utils``
 # ignore any further keyword HF passes) and takes only caches of that module (a paged
-# continuous-batching cache runs HF's forward). Reading a fixed name instead left 5.24's cache
-# unfilled on every training call (``verify`` compares the returned caches;
-# tests/conformance/test_hf_families.py's cache rows).
+# continuous-batching cache runs HF's forward). tests/conformance/test_hf_families.py compares
+# the returned caches with eager's.
 _CACHE_NAMES = ("past_key_values", "cache")
 _GPT2_NAMED = frozenset(
     {
