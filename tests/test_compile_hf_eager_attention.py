@@ -117,3 +117,17 @@ def test_compiled_converted_is_one_graph():
         [p.grad for p in eager.parameters()],
         names=names,
     )
+
+
+def test_a_class_without_a_plan_gets_one_at_its_call():
+    # a converted model unpickled in a fresh process: its classes were never checked there
+    model, batch = _tiny_llama(0.1)
+    eager = copy.deepcopy(model)
+    slimgrad.convert_(model)
+    cls = type(model.model.layers[0].self_attn)
+    plan = hf_attention._EAGER_PLANS.pop(cls)
+    torch.manual_seed(0)
+    loss = model(**batch).loss
+    assert hf_attention._EAGER_PLANS[cls] == plan
+    torch.manual_seed(0)
+    torch.testing.assert_close(loss, eager(**batch).loss)
