@@ -114,6 +114,7 @@ import math
 import sys
 import textwrap
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -734,9 +735,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool:
-    params = inspect.signature(original).parameters
-    if "dropout" not in params or "scaling" not in params:
+def _eager_fast_path_ok(module, plan, query, key, value, mask, args) -> bool:
+    original = plan.original
+    if not plan.has_dropout_and_scaling:
         return False
     dropout, scaling, softcap = args.get("dropout"), args.get("scaling"), args.get("softcap")
     if not (isinstance(dropout, float | int) and 0.0 <= dropout < 1.0):
@@ -766,7 +767,7 @@ def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool
     if query.device != key.device or key.device != value.device:
         return False
     extra = dict(args.get("kwargs", {}))
-    for name in _reads(original) - _EAGER_IMPLEMENTED:
+    for name in plan.unimplemented:
         if _is_set(args.get(name, extra.get(name))):
             return False
     if mask is not None:
@@ -793,27 +794,73 @@ def _eager_fast_path_ok(module, original, query, key, value, mask, args) -> bool
     )
 
 
+# NOTE [The eager default, decided at convert_]
+# What :func:`_attention_eager` needs to know about a class's eager attention depends only on the
+# class's code: the function its forward passes to ``get_interface`` as the default (read from
+# the modeling file with ``ast``), that function's signature, HF's cast order around softmax
+# (read from its source) and the keywords it reads that slimgrad does not implement. ``convert_``
+# works all four out once, when :func:`_analyse` checks the class, and stores them here by class
+# (an :class:`_EagerPlan`); each call is one dict read. Reading them per call meant
+# ``inspect.getsource`` and ``inspect.signature`` on every eager-attention call: host time in
+# eager mode, and under ``torch.compile`` a graph break at each call (Dynamo cannot trace
+# ``inspect``), each leaving the partitioner to keep the break's outputs
+# (tests/test_compile_hf_eager_attention.py). While Dynamo traces, the family's function runs as
+# it does in the compiled eager model (the compiler decides what is kept): the plan is read,
+# nothing else. A class that reaches the slimgrad eager attention without a plan (a converted
+# model unpickled in a fresh process) gets one at its first call, the same way (under Dynamo that
+# one call breaks the graph).
+class _EagerPlan(NamedTuple):
+    original: object  # the family's eager_attention_forward
+    signature: inspect.Signature
+    has_dropout_and_scaling: bool
+    variant: tuple[bool, str | None] | None  # _eager_variant's cast order
+    unimplemented: frozenset[str]  # keywords it reads that slimgrad does not implement
+
+
+_EAGER_PLANS: dict[type, _EagerPlan] = {}
+
+
+def _eager_plan(cls: type) -> _EagerPlan | None:
+    # once per class (convert_, NOTE [The eager default, decided at convert_])
+    plan = _EAGER_PLANS.get(cls)
+    if plan is None:
+        fn = _eager_default(cls)
+        if fn is None:
+            return None
+        sig = inspect.signature(fn)
+        plan = _EAGER_PLANS[cls] = _EagerPlan(
+            fn,
+            sig,
+            "dropout" in sig.parameters and "scaling" in sig.parameters,
+            _eager_variant(fn)[0],
+            _reads(fn) - _EAGER_IMPLEMENTED,
+        )
+    return plan
+
+
 def _attention_eager(module, query, key, value, attention_mask, *args, **kwargs):
-    original = _eager_default(type(module))
-    if original is None:
+    plan = _EAGER_PLANS.get(type(module))
+    if plan is None:  # not checked by this process's convert_ (unpickled): worked out now
+        plan = _eager_plan(type(module))
+    if plan is None:
         raise RuntimeError(
             f"slimgrad attention: {type(module).__name__} reached the slimgrad eager attention "
             "without an eager default to reproduce; expected a class checked by convert_, got "
             "one that was not. This is a slimgrad bug; please report it."
         )
+    original = plan.original
+    if compiling():  # the compiled eager model's function (NOTE [The eager default, ...])
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
     try:
-        bound = inspect.signature(original).bind(
-            module, query, key, value, attention_mask, *args, **kwargs
-        )
+        bound = plan.signature.bind(module, query, key, value, attention_mask, *args, **kwargs)
         bound.apply_defaults()
     except TypeError:
         bound = None  # the original raises its own error
     if bound is None or not _eager_fast_path_ok(
-        module, original, query, key, value, attention_mask, bound.arguments
+        module, plan, query, key, value, attention_mask, bound.arguments
     ):
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     a = bound.arguments
-    variant, _ = _eager_variant(original)
     out = _eager_compute(
         module,
         query,
@@ -823,7 +870,7 @@ def _attention_eager(module, query, key, value, attention_mask, *args, **kwargs)
         a["dropout"],
         a["scaling"],
         a.get("softcap"),
-        variant,
+        plan.variant,
     )
     return out, None
 
@@ -1084,7 +1131,8 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
     if origin == "eager":
         for n in sorted(routed):
             cls = _class_named(model, n)
-            fn = _eager_default(cls)
+            plan = _eager_plan(cls)  # NOTE [The eager default, decided at convert_]
+            fn = plan.original if plan is not None else None
             if fn is None:
                 return [], CodeReason(
                     f"{n}: no eager default function to reproduce (attention kept as is)"
@@ -1272,9 +1320,22 @@ def attention_pattern(model: nn.Module, config, allowed, found) -> list[Decision
 # had other shapes: a real step raised torch's CheckpointError (the node's (B·H, T, d) operands
 # saved, (B, H, T, d) recomputed), and once the estimate took the node it raised there too
 # (tests/test_plan.py). Cropped, the recompute takes the node again, with the forward's values.
+#
+# NOTE [GPT-2's cache keyword]
+# HF's ``GPT2Attention.forward`` takes the KV cache as a named parameter, ``past_key_values`` in
+# transformers 5.23 and ``cache`` in 5.24 (behind ``@deprecate_kwarg`` renaming the old name).
+# The name is read once, from the signature of the forward the instance runs (the function
+# under its decorators), when :func:`gpt2_attention_forwards_` puts the forward on: exactly one
+# of the known cache names must be a parameter, else the attention keeps HF's forward. A call
+# that passes another of those names (a deprecated spelling) runs HF's forward, whose decorators
+# rename it. The straight path updates the cache under the parameter's name as HF's forward
+# does (``cache.update(key, value, layer_idx)``, the layers of ``transformers.cache_utils``
+# ignore any further keyword HF passes) and takes only caches of that module (a paged
+# continuous-batching cache runs HF's forward). tests/conformance/test_hf_families.py compares
+# the returned caches with eager's.
+_CACHE_NAMES = ("past_key_values", "cache")
 _GPT2_NAMED = frozenset(
     {
-        "past_key_values",
         "attention_mask",
         "encoder_hidden_states",
         "encoder_attention_mask",
@@ -1283,9 +1344,31 @@ _GPT2_NAMED = frozenset(
 )
 
 
+def _cache_parameter(fn) -> str | None:
+    # NOTE [GPT-2's cache keyword]: the one known cache name that is a parameter of fn
+    try:
+        params = inspect.signature(inspect.unwrap(fn)).parameters
+    except (TypeError, ValueError):
+        return None
+    found = [n for n in _CACHE_NAMES if n in params]
+    return found[0] if len(found) == 1 else None
+
+
 class GPT2AttentionForward(InstanceForward):
     """The ``forward`` ``convert_`` puts on an HF ``GPT2Attention`` instance (NOTE [GPT-2's
     attention output as one node])."""
+
+    # class defaults: an instance pickled before these were stored (transformers 5.23's name)
+    cache_name = "past_key_values"
+    other_cache_names = ("cache",)
+    named = _GPT2_NAMED | {"past_key_values"}
+
+    def __init__(self, module: nn.Module, cache_name: str = "past_key_values") -> None:
+        super().__init__(module)
+        # NOTE [GPT-2's cache keyword]: decided at convert_, read per call
+        self.cache_name = cache_name
+        self.other_cache_names = tuple(n for n in _CACHE_NAMES if n != cache_name)
+        self.named = _GPT2_NAMED | {cache_name}
 
     def __call__(self, *args, **kwargs):
         m = self.module
@@ -1370,10 +1453,17 @@ class GPT2AttentionForward(InstanceForward):
         if kwargs:  # HF passes all but its named ones to the attention function: its keyword rule
             if kwargs.get("is_causal") is not None:  # the node is causal exactly where T > 1
                 return False
+            for name in self.other_cache_names:  # NOTE [GPT-2's cache keyword]
+                if name in kwargs:
+                    return False
+            cache = kwargs.get(self.cache_name)
+            if cache is not None and not isinstance(cache, _hf_cache_class()):
+                return False
             fn = _HF_SDPA[0].sdpa_attention_forward if _HF_SDPA else None
             unimplemented = _UNIMPLEMENTED[1] if _UNIMPLEMENTED[0] is fn else _sdpa_unimplemented()
+            named = self.named
             for name in ("position_bias", *unimplemented):
-                if name in kwargs and name not in _GPT2_NAMED:
+                if name in kwargs and name not in named:
                     v = kwargs[name]
                     if v is not None and v is not False:  # _is_set
                         return False
@@ -1394,7 +1484,7 @@ class GPT2AttentionForward(InstanceForward):
         value = value.view(shape_kv).transpose(1, 2)
         shape_q = (*query.shape[:-1], -1, d["head_dim"])
         query = query.view(shape_q).transpose(1, 2)
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(self.cache_name)  # NOTE [GPT-2's cache keyword]
         if cache is not None:  # HF's update of the self-attention cache (training: an empty one)
             if isinstance(cache, sys.modules[type(m).__module__].EncoderDecoderCache):
                 cache = cache.self_attention_cache
@@ -1412,7 +1502,8 @@ class GPT2AttentionForward(InstanceForward):
             _, root = _ROOTS[rk] if rk in _ROOTS else _roots(scaling, query.shape[-1])
             return ga.apply(query, key, value, w, b, root, attn_drop.p, drop.p), None
         # the rest of HF's forward (the attention function its config names: _attention)
-        rest = {k: v for k, v in kwargs.items() if k not in _GPT2_NAMED and k != "hidden_states"}
+        named = self.named
+        rest = {k: v for k, v in kwargs.items() if k not in named and k != "hidden_states"}
         out, weights = _attention(
             m, query, key, value, None, dropout=attn_drop.p, scaling=scaling, **rest
         )
@@ -1421,6 +1512,15 @@ class GPT2AttentionForward(InstanceForward):
 
 
 _GPT2_DEPS: list = []  # (slimgrad.nn.dropout, slimgrad.nn.gpt2_mlp, slimgrad.ops.gpt2_attention)
+_HF_CACHE: list = []  # transformers.cache_utils.Cache, imported at convert_
+
+
+def _hf_cache_class() -> type:
+    if not _HF_CACHE:
+        from transformers.cache_utils import Cache
+
+        _HF_CACHE.append(Cache)
+    return _HF_CACHE[0]
 
 
 def _gpt2_deps():
@@ -1453,8 +1553,10 @@ def gpt2_attention_forwards_(model: nn.Module, allowed=None, prefix: str = "") -
     model's name) does not leave alone; returns their names."""
     hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
     stock = getattr(getattr(hf, "GPT2Attention", None), "forward", None)
-    if stock is None:
+    cache_name = _cache_parameter(stock) if stock is not None else None
+    if cache_name is None:  # NOTE [GPT-2's cache keyword]
         return []
+    _hf_cache_class()
     skip = left_alone(model, allowed, prefix)
     names = []
     for name, m in model.named_modules():
@@ -1466,7 +1568,7 @@ def gpt2_attention_forwards_(model: nn.Module, allowed=None, prefix: str = "") -
             and m.__dict__.get("is_cross_attention") is False
             and getattr(m.__dict__.get("config"), "_attn_implementation", None) == ATTN_NAME
         ):
-            m.forward = GPT2AttentionForward(m)
+            m.forward = GPT2AttentionForward(m, cache_name)
             names.append(name)
     if names:  # NOTE [GPT-2's block with its LayerNorms folded]
         from slimgrad.convert_handlers.hf_gpt2_block import gpt2_block_forwards_

@@ -153,15 +153,16 @@ class GPT2BlockForward(InstanceForward):
         if named.get("encoder_hidden_states") is not None:  # cross-attention: HF's forward
             return type(m).forward(m, *args, **kwargs)
         hidden_states = named["hidden_states"]
-        # HF's call of the attention: encoder_attention_mask is the cross-attention's only
+        af = attn.__dict__["forward"]
+        # HF's call of the attention: encoder_attention_mask is the cross-attention's only; the
+        # cache under the attention's own name (NOTE [GPT-2's cache keyword] in hf_attention.py)
         attn_kwargs = {
-            "past_key_values": named.get("past_key_values"),
+            af.cache_name: named.get("past_key_values"),
             "attention_mask": named.get("attention_mask"),
             "use_cache": named.get("use_cache", False),
             **rest,
         }
         residual = hidden_states
-        af = attn.__dict__["forward"]
         if af.straight((hidden_states,), attn_kwargs, hidden_states):
             c_attn = attn._modules["c_attn"]
             lp, cp = ln_1._parameters, c_attn._parameters
