@@ -1442,9 +1442,6 @@ def _fx_statement(parent: torch.nn.Module, kids: dict, training: bool, reads: se
     import torch.fx
 
     proxies: list = []
-    stand_in = _trace_stand_in(parent, training, reads)
-    if stand_in is None:
-        return None
 
     class _Tracer(torch.fx.Tracer):
         def is_leaf_module(self, m, qualname) -> bool:
@@ -1461,8 +1458,13 @@ def _fx_statement(parent: torch.nn.Module, kids: dict, training: bool, reads: se
         # model as it was] (convert_handlers/inplace_guard.py)
         with untouched(parent), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            graph = _Tracer().trace(stand_in)
+            # (made inside: its attribute dict gets the trace's stand-ins of what cannot be
+            # put back)
+            stand_in = _trace_stand_in(parent, training, reads)
+            graph = None if stand_in is None else _Tracer().trace(stand_in)
     except Exception:  # fx raises many types on Python it cannot trace
+        return None
+    if graph is None:
         return None
     kept = {p.node for r in proxies if (p := r()) is not None}  # proxies someone kept (S2)
     ops = _fresh_ops()

@@ -508,6 +508,7 @@ def _trace(
     finally:
         state.restore()
     state.check()
+    state.check_touched()
     return graph, drew, kept | _still_alive(made)
 
 
@@ -571,6 +572,8 @@ def _kept_on_modules(root: nn.Module) -> frozenset[str]:
         else:  # an object's own attributes (a SimpleNamespace, a dataclass, a plain object)
             items = vars(c).values()
         for v in items:
+            if type(v) is _Unrestorable:  # (a stand-in: reading it would count as a use)
+                continue
             if isinstance(v, torch.fx.Proxy):
                 if not _metadata_node(v.node):
                     found.add(v.node.name)
@@ -652,8 +655,14 @@ def _fx(m: nn.Module) -> tuple[torch.fx.Graph, list]:
 # NumPy's ``RandomState`` among them, as below); one whose state nothing here reads (an
 # ``itertools.count``, an iterator, a C extension's object) is replaced by a deep copy for the
 # trace (sharing the tree's modules and tensors) where it sits in a dict or a list, and the
-# original is put back; where it can be neither copied nor swapped (a generator; anything in a
-# tuple or a set), the trace is refused before it runs (``_State.refusal``). A refused trace
+# original is put back. One that can be swapped but not copied (a generator, a
+# ``SimpleQueue``, a ``memoryview``) is replaced for the trace by a stand-in
+# (``_Unrestorable``) that raises on any attribute access, call or iteration from the tracing
+# thread (``__class__`` aside: ``isinstance`` reads it) and records the touch: a forward that
+# uses it refuses the trace (``_State.check_touched``, also where the forward caught the
+# exception), one that does not keeps it (another thread is served by the original); where it
+# can be neither copied nor swapped (anything in a tuple, a set, a deque, a cell, an object's C
+# fields), the trace is refused before it runs (``_State.refusal``). A refused trace
 # is one fx could not make: the in-place guard reads the forward's source instead, abn and
 # ownership skip their pattern. Objects that cannot change (classes, modules, code, dtypes,
 # devices, locks, weak references: ``_SNAP_IMMUTABLE``) are not walked. After the trace,
@@ -776,6 +785,10 @@ class _State:
         self.swapped: list[tuple[object, object, object, Callable]] = []
         self.copies_in = False  # the copies of ``swapped`` are in (until ``restore``)
         self.refused: list[str] = []  # what a trace could change and nothing could put back
+        # (container, key, original): an object that can be swapped but not copied, replaced by
+        # an ``_Unrestorable`` during a trace; ``touched``: the type names of those the trace used
+        self.stood_in: list[tuple[object, object, object]] = []
+        self.touched: list[str] = []
         seen: set[int] = set()
         mods = list(root.modules())
         owned = set()
@@ -872,10 +885,12 @@ class _State:
         # an object with state of its own that nothing here reads (``itertools.count``, an
         # iterator, a C extension's object): the trace gets a copy of it where one can be
         # swapped in, else it is refused
-        if k is not None and (made := self._copy(v)) is not None:
-            self.swapped.append((c, k, v, made))
-        else:
+        if k is None:
             self.refused.append(type(v).__qualname__)
+        elif (made := self._copy(v)) is not None:
+            self.swapped.append((c, k, v, made))
+        else:  # (a generator, a ``SimpleQueue``): only a forward that uses it is refused
+            self.stood_in.append((c, k, v))
 
     def _inplace(self, io: tuple[Callable, Callable, Callable], seen: set[int]) -> None:
         restore, read, values = io
@@ -914,11 +929,25 @@ class _State:
                 "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
             )
 
+    def check_touched(self) -> None:
+        # raises where the trace used an object a stand-in replaced (after ``restore``)
+        if self.touched:
+            names = ", ".join(sorted(set(self.touched)))
+            raise RuntimeError(
+                f"slimgrad.convert_: {type(self.root).__name__}'s forward was not run by "
+                f"torch.fx; expected a forward that uses only objects a trace can copy or put "
+                f"back, got one that uses {names}. Nothing to fix: its source is read instead "
+                "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
+            )
+
     def swap_in_copies(self) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for c, k, v, made in self.swapped:
                 _set_item(c, k, made(v) if made is _tensor_copy else made())
+        me = threading.get_ident()
+        for c, k, v in self.stood_in:
+            _set_item(c, k, _Unrestorable(v, self.touched, me))
         self.copies_in = True
 
     def restore(self) -> None:
@@ -959,6 +988,61 @@ class _State:
                 "a list or dict that holds them), and load the model's weights again "
                 "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
             )
+
+
+class _Touched(Exception):
+    # raised by an ``_Unrestorable`` the trace used (NOTE [A trace leaves the model as it was])
+    pass
+
+
+class _Unrestorable:
+    # stands in, during a trace, for an object that can be neither copied nor put back (NOTE [A
+    # trace leaves the model as it was]): from the tracing thread, any use records the touch and
+    # raises ``_Touched``; from another thread, the original serves it
+    __slots__ = ("_sg_original", "_sg_touched", "_sg_thread")
+
+    def __init__(self, original: object, touched: list, thread: int) -> None:
+        object.__setattr__(self, "_sg_original", original)
+        object.__setattr__(self, "_sg_touched", touched)
+        object.__setattr__(self, "_sg_thread", thread)
+
+    def __getattribute__(self, name: str):
+        if name == "__class__":  # (``isinstance`` reads it)
+            return _Unrestorable
+        return _use(self, "__getattribute__", name)
+
+
+def _use(s: _Unrestorable, name: str, *args, **kwargs):
+    get = object.__getattribute__
+    original = get(s, "_sg_original")
+    if threading.get_ident() != get(s, "_sg_thread"):
+        if name == "__getattribute__":
+            return getattr(original, *args)
+        return getattr(original, name)(*args, **kwargs)
+    get(s, "_sg_touched").append(type(original).__qualname__)
+    raise _Touched(f"a trace used a {type(original).__qualname__} it cannot put back")
+
+
+def _use_method(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        return _use(self, name, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__setattr__ __delattr__ __call__ __iter__ __next__ __aiter__ __anext__ __await__ __len__ "
+    "__length_hint__ __bool__ __getitem__ __setitem__ __delitem__ __contains__ __enter__ "
+    "__exit__ __aenter__ __aexit__ __repr__ __str__ __format__ __bytes__ __hash__ __eq__ __ne__ "
+    "__lt__ __le__ __gt__ __ge__ __index__ __int__ __float__ __complex__ __buffer__ "
+    "__release_buffer__ __reduce__ __reduce_ex__ __copy__ __deepcopy__ __dir__ __sizeof__ "
+    "__add__ __sub__ __mul__ __matmul__ __truediv__ __floordiv__ __mod__ __pow__ __neg__ __pos__ "
+    "__abs__ __invert__ __and__ __or__ __xor__ __lshift__ __rshift__ __radd__ __rsub__ __rmul__ "
+    "__iadd__ __isub__ __imul__ __iand__ __ior__ __torch_function__ __array__ __fspath__"
+).split():
+    setattr(_Unrestorable, _name, _use_method(_name))
+del _name
 
 
 def _tensor_copy(t: torch.Tensor) -> torch.Tensor:
@@ -1155,6 +1239,7 @@ class untouched:  # noqa: N801 (a context manager read as a phrase: ``with untou
         self.state.restore()
         if exc[0] is None:
             self.state.check()
+        self.state.check_touched()  # (also where the forward's use of a stand-in raised)
 
 
 # ``_rng_states``: every random number generator a forward may draw from in Python at trace
