@@ -59,3 +59,18 @@ def test_window_decided_once_and_used(monkeypatch):
     x = torch.randn(40_000) * 0.3 - 0.75
     y, bits, idx, xs = smooth.smooth_fwd(spec, x, spec.op, fallback=False)
     assert idx.numel() == hard_count(spec, x) > int(((x + 0.7518).abs() < 0.03).sum())
+
+
+def test_first_decision_inside_the_op(monkeypatch):
+    # the first call that needs the window may run inside the op's own kernel (below autograd,
+    # under the memory tracker): the decision runs there, and the bytes follow from it
+    import slimgrad.ops  # noqa: F401
+    from slimgrad.memory import measure
+
+    G = __import__("sys").modules["slimgrad.ops.gelu"]
+    monkeypatch.setattr(smooth.inverse(smooth.GELU["none"]), "windows", {})
+    torch.manual_seed(0)
+    x0 = torch.randn(5000) + 1.0
+    m = measure(lambda: G.gelu(x0.clone().requires_grad_() * 1).sum())
+    k = hard_count(smooth.GELU["none"], x0)
+    assert 0 < k and m.saved_bytes == 5000 * 4 + 5000 // 8 + 8 * k

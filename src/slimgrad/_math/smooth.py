@@ -65,7 +65,8 @@ class SmoothSpec:
     accurate eager forward needs; the width used is :func:`_window`'s, NOTE [A window from eager's
     own forward error]); ``tail`` maps a dtype to a threshold below which x is hard too (None: no
     tail); ``x_right``: end of the right table (beyond it f' = 1 to float32 precision); ``op``:
-    eager's forward (the torch function whose output the op keeps).
+    eager's forward (the torch function whose output the op keeps), ``op_backward(g, x)`` its
+    backward (an aten op: no autograd, so that it runs inside the ops' own kernels too).
     """
 
     name: str
@@ -78,6 +79,7 @@ class SmoothSpec:
     # ``.grad_input`` out variant (out may be g itself); None where aten has none (Mish)
     grad_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     op: Callable[[torch.Tensor], torch.Tensor] | None = None
+    op_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
@@ -250,7 +252,7 @@ def _block_err(spec: SmoothSpec, inv: _Inverse, device) -> float:
 def _measured_window(spec: SmoothSpec, inv: _Inverse, dtype: torch.dtype, device) -> float:
     w0 = spec.window[dtype]
     atol = _ATOL.get(dtype)
-    if spec.op is None or atol is None:
+    if spec.op is None or spec.op_backward is None or atol is None:
         return w0
     with _disable_current_modes():  # a decision, not part of any measured step
         d64 = torch.linspace(-_GRID_R, _GRID_R, _GRID_N, dtype=torch.float64)
@@ -260,11 +262,8 @@ def _measured_window(spec: SmoothSpec, inv: _Inverse, dtype: torch.dtype, device
         err = torch.zeros_like(ref)  # eager's forward error, contiguous and strided
         bwd = torch.zeros_like(ref)  # eager's backward error (g = 1)
         for xe in (x, torch.empty(2 * _GRID_N, dtype=dtype, device=device)[::2].copy_(x)):
-            with torch.enable_grad():
-                xe = xe.detach().requires_grad_()
-                y = spec.op(xe)
-                (gx,) = torch.autograd.grad(y, xe, torch.ones_like(y))
-            torch.maximum(err, (y.detach().double().cpu() - ref).abs_(), out=err)
+            y, gx = spec.op(xe), spec.op_backward(torch.ones_like(xe), xe)
+            torch.maximum(err, (y.double().cpu() - ref).abs_(), out=err)
             torch.maximum(bwd, (gx.double().cpu() - df).abs_(), out=bwd)
         if dtype == torch.float32:  # the grid holds 1 float32 in ~2^10: add runs of them
             near = (xd - inv.x_star).abs() <= _NEAR
@@ -542,6 +541,7 @@ SILU = SmoothSpec(
     x_right=20.0,
     grad_into=lambda g, x, out: torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out),
     op=torch.nn.functional.silu,
+    op_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
 )
 
 
@@ -562,6 +562,7 @@ MISH = SmoothSpec(
     tail=_LEFT_TAIL,
     x_right=20.0,
     op=torch.nn.functional.mish,
+    op_backward=lambda g, x: torch.ops.aten.mish_backward(g, x),
 )
 
 _K = math.sqrt(2.0 / math.pi)
@@ -605,6 +606,7 @@ GELU = {
         x_right=8.0,
         grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "none"),
         op=lambda x: torch.nn.functional.gelu(x, approximate="none"),
+        op_backward=lambda g, x: gelu_bwd_exact(g, x, "none"),
     ),
     "tanh": SmoothSpec(
         "gelu_tanh",
@@ -615,5 +617,6 @@ GELU = {
         x_right=8.0,
         grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "tanh"),
         op=lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+        op_backward=lambda g, x: gelu_bwd_exact(g, x, "tanh"),
     ),
 }
