@@ -138,8 +138,6 @@ class _Inverse:
         self.byte_scale = self.sc[1] + right * (self.sc[0] - self.sc[1])
         self.byte_offset = (1.0 - right) * (n + 1)
         self._dev: dict = {}
-        # (dtype, device type) -> the hard window's half-width (_window)
-        self.windows: dict = {}
 
     def tables_on(self, device, dtype):
         t = self._dev.get((device, dtype))
@@ -214,7 +212,7 @@ def inverse(spec: SmoothSpec) -> _Inverse:
 # near x* on the machines the fixed widths were set on, ~6 ulp (1.3e-7) with AVX2, where the fixed
 # 0.03 put dx 2.9e-6 off at x = -0.7077, twice the error rule's bound. So the width is decided
 # once per process and (activation, dtype, device type), at the first call that needs it, and
-# kept on the activation's _Inverse (the C path binds it once, in CPath.prepare):
+# kept in _DECIDED (the C path binds it once, in CPath.prepare):
 # - a grid of _GRID_N points within x* +- _GRID_R, in the dtype, runs through eager's own op
 #   (``spec.op``) and its backward, contiguous (the vectorized loop) and strided (the scalar loop,
 #   which a strided input's rows reach); errors against float64 f and f';
@@ -277,7 +275,15 @@ def _measured_window(spec: SmoothSpec, inv: _Inverse, dtype: torch.dtype, device
     return max(w0, w)
 
 
+# (activation, dtype, device type) -> (window, tail): decided once (_window)
+_DECIDED: dict = {}
+
+
 def _window(spec: SmoothSpec, dtype: torch.dtype, device="cpu") -> tuple[float, float | None]:
+    key = (spec.name, dtype, getattr(device, "type", device))
+    got = _DECIDED.get(key)
+    if got is not None:
+        return got
     w = spec.window.get(dtype)
     if w is None:
         raise NotImplementedError(
@@ -285,12 +291,12 @@ def _window(spec: SmoothSpec, dtype: torch.dtype, device="cpu") -> tuple[float, 
             f"{sorted(str(d) for d in spec.window)}, got {dtype}. Cast the input, or use "
             f"torch.nn.functional for this dtype."
         )
-    inv = inverse(spec)
-    key = (dtype, device.type if isinstance(device, torch.device) else torch.device(device).type)
-    wd = inv.windows.get(key)
-    if wd is None:  # NOTE [A window from eager's own forward error]: once per process
-        wd = inv.windows[key] = _measured_window(spec, inv, dtype, device)
-    return wd, spec.tail.get(dtype)
+    # NOTE [A window from eager's own forward error]: once per process
+    got = _DECIDED[key] = (
+        _measured_window(spec, inverse(spec), dtype, device),
+        spec.tail.get(dtype),
+    )
+    return got
 
 
 def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
