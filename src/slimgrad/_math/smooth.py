@@ -61,9 +61,12 @@ _TABLE_N = 1 << 14
 class SmoothSpec:
     """One smooth activation with a single minimum x* (float64 math in ``f`` / ``df``).
 
-    ``window`` maps a dtype to the half-width of the hard window around x*; ``tail`` maps a dtype to
-    a threshold below which x is hard too (None: no tail); ``x_right``: end of the right table
-    (beyond it f' = 1 to float32 precision).
+    ``window`` maps a dtype to the least half-width of the hard window around x* (the width an
+    accurate eager forward needs; the width used is :func:`_window`'s, NOTE [A window from eager's
+    own forward error]); ``tail`` maps a dtype to a threshold below which x is hard too (None: no
+    tail); ``x_right``: end of the right table (beyond it f' = 1 to float32 precision); ``op``:
+    eager's forward (the torch function whose output the op keeps), ``op_backward(g, x)`` its
+    backward (an aten op: no autograd, so that it runs inside the ops' own kernels too).
     """
 
     name: str
@@ -75,6 +78,8 @@ class SmoothSpec:
     # (g, x, out) -> out: the op's backward from x (its bwd_exact) written into out, an aten
     # ``.grad_input`` out variant (out may be g itself); None where aten has none (Mish)
     grad_into: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    op: Callable[[torch.Tensor], torch.Tensor] | None = None
+    op_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def _bisect(f: Callable, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, increasing: bool):
@@ -200,7 +205,85 @@ def inverse(spec: SmoothSpec) -> _Inverse:
     return inv
 
 
-def _window(spec: SmoothSpec, dtype: torch.dtype) -> tuple[float, float | None]:
+# NOTE [A window from eager's own forward error]
+# Near x* the gradient from (y, bit) moves by dy |f''(x) / f'(x)| ~ dy / |x - x*| for an error dy
+# of the kept y, which is eager's own output, so the hard window's width follows from how accurate
+# eager's forward is, and that depends on the machine: torch's vectorized erf-GELU is ~1.5 ulp off
+# near x* on the machines the fixed widths were set on, ~6 ulp (1.3e-7) with AVX2, where the fixed
+# 0.03 put dx 2.9e-6 off at x = -0.7077, twice the error rule's bound. So the width is decided
+# once per process and (activation, dtype, device type), at the first call that needs it, and
+# kept in _DECIDED (the C path binds it once, in CPath.prepare):
+# - a grid of _GRID_N points within x* +- _GRID_R, in the dtype, runs through eager's own op
+#   (``spec.op``) and its backward, contiguous (the vectorized loop) and strided (the scalar loop,
+#   which a strided input's rows reach); errors against float64 f and f';
+# - float32: the grid holds 1 float in ~2^10, and the errors are spiky, so _BLOCKS runs of
+#   _BLOCK_N consecutive floats within x* +- _NEAR add their largest error, times
+#   _SAMPLE_MARGIN, as a floor there (on AVX2 those runs reach 84-96% of the largest error over
+#   every float32 within x* +- 0.25, for each of the four activations);
+# - each point's error times |f''/f'| (float64) predicts the gradient's error from y; the width
+#   is the largest |x - x*| on the grid where it exceeds the error rule's bound there
+#   (2 max|eager's dx - ref64| + atol), and never below ``spec.window[dtype]``, the width the
+#   dense grid tests need with an accurate forward: where the forward is that accurate, the
+#   width, bytes and time are what they were.
+# Measured (AVX2, torch 2.13): erf-GELU float32 0.101 (fixed: 0.03); tanh-GELU, SiLU, Mish and
+# every 16-bit dtype keep their fixed widths. float64 keeps x densely and uses no window. A wider
+# window means more hard elements (8 B each); past 1/16 of them the op keeps x, as eager.
+_GRID_N = 1 << 14
+_GRID_R = 0.5
+_NEAR = 0.25
+_BLOCKS = 8
+_BLOCK_N = 1 << 14
+_SAMPLE_MARGIN = 1.25
+_ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}  # slimgrad.testing's
+
+
+def _block_err(spec: SmoothSpec, inv: _Inverse, device) -> float:
+    # the largest float32 error of eager's forward over _BLOCKS runs of _BLOCK_N consecutive
+    # floats spread over x* +- _NEAR (its rounding pattern, which a grid samples too sparsely)
+    starts = torch.linspace(-_NEAR, _NEAR - 2 * _NEAR / _BLOCKS, _BLOCKS, dtype=torch.float64)
+    xi = (inv.x_star + starts).float().view(torch.int32)
+    xb = (xi.unsqueeze(1) + torch.arange(_BLOCK_N, dtype=torch.int32)).view(torch.float32)
+    xb = xb.reshape(-1)
+    return float((spec.op(xb.to(device)).double().cpu() - spec.f(xb.double())).abs_().max())
+
+
+def _measured_window(spec: SmoothSpec, inv: _Inverse, dtype: torch.dtype, device) -> float:
+    w0 = spec.window[dtype]
+    atol = _ATOL.get(dtype)
+    if spec.op is None or spec.op_backward is None or atol is None:
+        return w0
+    with _disable_current_modes():  # a decision, not part of any measured step
+        d64 = torch.linspace(-_GRID_R, _GRID_R, _GRID_N, dtype=torch.float64)
+        x = (inv.x_star + d64).to(device=device, dtype=dtype)
+        xd = x.double().cpu()
+        ref, df = spec.f(xd), spec.df(xd)
+        err = torch.zeros_like(ref)  # eager's forward error, contiguous and strided
+        bwd = torch.zeros_like(ref)  # eager's backward error (g = 1)
+        for xe in (x, torch.empty(2 * _GRID_N, dtype=dtype, device=device)[::2].copy_(x)):
+            y, gx = spec.op(xe), spec.op_backward(torch.ones_like(xe), xe)
+            torch.maximum(err, (y.double().cpu() - ref).abs_(), out=err)
+            torch.maximum(bwd, (gx.double().cpu() - df).abs_(), out=bwd)
+        if dtype == torch.float32:  # the grid holds 1 float32 in ~2^10: add runs of them
+            near = (xd - inv.x_star).abs() <= _NEAR
+            err[near] = err[near].clamp_(min=_SAMPLE_MARGIN * _block_err(spec, inv, device))
+        h = 1e-6  # f'' by a central difference of the float64 f': relative error ~1e-10 / |f''|
+        amp = ((spec.df(xd + h) - spec.df(xd - h)) / (2 * h)).abs_().div_(df.abs())
+        budget = atol + 2 * float(bwd.max())  # the error rule's bound on the grid
+        d = (xd - inv.x_star).abs_()
+        over = d[~(err.mul_(amp) <= budget)]  # NaN (f' = 0 at x*) counts as over
+        w = float(over.max()) if over.numel() else 0.0
+    return max(w0, w)
+
+
+# (activation, dtype, device type) -> (window, tail): decided once (_window)
+_DECIDED: dict = {}
+
+
+def _window(spec: SmoothSpec, dtype: torch.dtype, device="cpu") -> tuple[float, float | None]:
+    key = (spec.name, dtype, getattr(device, "type", device))
+    got = _DECIDED.get(key)
+    if got is not None:
+        return got
     w = spec.window.get(dtype)
     if w is None:
         raise NotImplementedError(
@@ -208,7 +291,12 @@ def _window(spec: SmoothSpec, dtype: torch.dtype) -> tuple[float, float | None]:
             f"{sorted(str(d) for d in spec.window)}, got {dtype}. Cast the input, or use "
             f"torch.nn.functional for this dtype."
         )
-    return w, spec.tail.get(dtype)
+    # NOTE [A window from eager's own forward error]: once per process
+    got = _DECIDED[key] = (
+        _measured_window(spec, inverse(spec), dtype, device),
+        spec.tail.get(dtype),
+    )
+    return got
 
 
 def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
@@ -246,7 +334,7 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     largest value; then only the order of that CHUNK's table would differ, not its contents.
     """
     inv = inverse(spec)
-    w, tail = _window(spec, x.dtype)
+    w, tail = _window(spec, x.dtype, x.device)
     flat = x.reshape(-1)
     n = flat.numel()
     idx_dtype = torch.int32 if n < 2**31 else torch.int64
@@ -458,6 +546,8 @@ SILU = SmoothSpec(
     tail=_LEFT_TAIL,
     x_right=20.0,
     grad_into=lambda g, x, out: torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out),
+    op=torch.nn.functional.silu,
+    op_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
 )
 
 
@@ -477,6 +567,8 @@ MISH = SmoothSpec(
     window={torch.float32: 0.08, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.15},
     tail=_LEFT_TAIL,
     x_right=20.0,
+    op=torch.nn.functional.mish,
+    op_backward=lambda g, x: torch.ops.aten.mish_backward(g, x),
 )
 
 _K = math.sqrt(2.0 / math.pi)
@@ -519,6 +611,8 @@ GELU = {
         tail={torch.float32: -2.5},
         x_right=8.0,
         grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "none"),
+        op=lambda x: torch.nn.functional.gelu(x, approximate="none"),
+        op_backward=lambda g, x: gelu_bwd_exact(g, x, "none"),
     ),
     "tanh": SmoothSpec(
         "gelu_tanh",
@@ -528,5 +622,7 @@ GELU = {
         tail={torch.float32: -3.0},
         x_right=8.0,
         grad_into=lambda g, x, out: _gelu_grad_into(g, x, out, "tanh"),
+        op=lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+        op_backward=lambda g, x: gelu_bwd_exact(g, x, "tanh"),
     ),
 }

@@ -258,7 +258,7 @@ def smooth_fwd(spec, act: int, x: torch.Tensor, fwd_torch, fallback: bool = True
     if x.dtype not in _SMOOTH_DTYPES or x.numel() == 0 or x.dim() == 0:
         return in_memory_order(x, fwd_torch, lambda xm, f: _ref.smooth_fwd(spec, xm, f, fallback))
     inv = _ref.inverse(spec)
-    w, tail = _ref._window(spec, x.dtype)
+    w, tail = _ref._window(spec, x.dtype, x.device)
     p = memory_order(x)
     # y written through its memory-order view (contiguous), read from x's (a copy if it has gaps)
     y = (

@@ -21,12 +21,14 @@ tables against s = sqrt(y - y_min), one per branch (``_Inverse``). The inverse i
 in two places (checked on every float32):
   (a) near x*: y - y_min ~ f''(x*) d^2 / 2 with d = x - x*, so an error dy of the stored y moves
       f'(x) by about dy / |d|. The output is eager's own (torch's float32 kernels are a few ulp off
-      near x*), so within |d| < ``window`` (float32: erf-GELU 0.03, tanh-GELU 0.06, SiLU 0.05, Mish
-      0.08; 1.3-1.7x the |d| below which the dense grid test fails with torch's vectorized and
-      scalar CPU kernels) the elements are "hard". (Computing y in float64 near x* instead, a
-      narrower window would do, but the output would differ from eager's by a few ulp there: in a
-      network whose BatchNorms see a few values per channel that difference grows past the error
-      rule, e.g. timm RepViT at batch 2 on 64x64 images);
+      near x*), so within |d| < ``window`` the elements are "hard": the window is decided once per
+      process from eager's forward error on this machine (NOTE [A window from eager's own forward
+      error] in ``slimgrad._math.smooth``), never below the fixed widths (float32: erf-GELU 0.03,
+      tanh-GELU 0.06, SiLU 0.05, Mish 0.08; 1.3-1.7x the |d| below which the dense grid test
+      fails with accurate vectorized and scalar CPU kernels). (Computing y in float64 near x*
+      instead, a narrower window would do, but the output would differ from eager's by a few ulp
+      there: in a network whose BatchNorms see a few values per channel that difference grows
+      past the error rule, e.g. timm RepViT at batch 2 on 64x64 images);
   (b) erf-GELU for x < -2.5 (tanh-GELU: x < -3): the float32 forward 1 + erf(x / sqrt 2) cancels,
       so y no longer pins x, and y -> 0 leaves the tables too coarse: those elements are hard too.
 Hard elements, and non-finite x (so NaN/inf propagate exactly as eager's formula makes them), are
@@ -670,7 +672,7 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
         return smooth_fwd(spec, x, fwd, fallback)
     fns = getattr(lib, "_slimgrad_fns", None) or _c_fns(lib)  # bound once per library
     inv = inverse(spec)
-    w, tail = _window(spec, x.dtype)
+    w, tail = _window(spec, x.dtype, x.device)
     flat = x.reshape(-1).contiguous()
     n = flat.numel()
     nt = torch.get_num_threads()  # kernels/_cpu.threads(): torch's count, never below 1

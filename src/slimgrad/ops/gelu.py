@@ -8,9 +8,13 @@ where that inverse is ill-conditioned x is kept exactly (NOTE [Gradient from the
 ``slimgrad.ops._output_act``). The output is eager's, bit for bit.
 
 Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (branch bits) + 8 B
-per hard element (int32 index + x; |x - x*| < 0.03 erf / 0.06 tanh, x < -2.5 erf / x < -3 tanh,
-non-finite): 0.319 B/elt (erf) and 0.423 B/elt (tanh) besides y at N(0, 1) inputs, 0.267 and 0.411
-B/elt at N(0, 0.577) (GPT-2 MLP pre-activations); eager saves x (4 B/elt). Worst case (more than
+per hard element (int32 index + x; |x - x*| < w, x < -2.5 erf / x < -3 tanh, non-finite), where
+the window w is decided once per process from eager's own forward error on this machine, never
+below 0.03 erf / 0.06 tanh (NOTE [A window from eager's own forward error] in
+``slimgrad._math.smooth``): at those widths 0.319 B/elt (erf) and 0.423 B/elt (tanh) besides y at
+N(0, 1) inputs, 0.267 and 0.411 B/elt at N(0, 0.577) (GPT-2 MLP pre-activations); each 0.01 of w
+adds ~0.05 B/elt at N(0, 1) (torch's AVX2 erf-GELU: w = 0.104, past 1/16 hard at N(0, 1), so
+such inputs keep x, as eager); eager saves x (4 B/elt). Worst case (more than
 1/16 of the elements hard), float64, and tensors of at most 512 elements (NOTE [Few elements] in
 ``slimgrad.ops._output_act``): keeps x densely, as eager does, and neither y, bits nor table.
 float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt. About
