@@ -1847,14 +1847,15 @@ def _redrawn_errors(model, ref, inputs, loss_fn, seed, dx, narrow, names, r0) ->
         ):
             for n in names & sides[0].keys():
                 ts = tuple(side.get(n) for side in sides)
+                if any(t is None for t in ts) or len({t.shape for t in ts}) > 1:
+                    continue  # explains nothing
                 try:
                     _check_comparable(*ts)
-                except _NotComparable:
-                    continue
-                if all(t is not None for t in ts) and len({t.shape for t in ts}) == 1:
                     if any(t.layout is not torch.strided for t in ts):
                         ts = tuple(_aligned(*ts))  # NOTE [Comparing every layout]
-                    draws[n].append(ts)
+                except _NotComparable:
+                    continue
+                draws[n].append(ts)
     return {n: redrawn_err(d) for n, d in draws.items()}
 
 
