@@ -123,9 +123,14 @@ def test_rule_ok_pools_eager_over_its_draws():
     ref = torch.tensor([1e-15], dtype=torch.float64)
     eager, out = torch.tensor([0.0]), torch.tensor([3e-8])
     assert not rule_ok(out, ref, eager, atol=0.0)[0]  # one lucky draw: bound 2e-15
-    draws = [(torch.tensor([2e-8]), ref), (torch.tensor([-1e-8]), ref)]
+    draws = [(torch.tensor([2e-8]), ref, ref), (torch.tensor([-1e-8]), ref, ref)]
     ok, err, bound = rule_ok(out, ref, eager, atol=0.0, redraws=draws)
     assert ok and bound == pytest.approx(4e-8)
+    # a draw whose float64 value jumps (not linear in the nudge): no draw counts
+    flip = (torch.tensor([0.5]), ref + 0.25, ref + 0.25)
+    assert not rule_ok(out, ref, eager, atol=0.0, redraws=[*draws, flip])[0]
+    with pytest.raises(ValueError, match="expected 3"):
+        rule_ok(out, ref, eager, redraws=[(eager, ref)])
     # no draws: the rule as it was
     assert rule_ok(out, ref, torch.tensor([2e-8]), atol=0.0)[2] == pytest.approx(4e-8)
 
@@ -207,3 +212,100 @@ def test_hf_doge_eval_dynamic_mask_gradient(wrong, monkeypatch):
     monkeypatch.setattr(_verify_module, "REDRAWS", 0)  # one eager draw alone fails it
     plain = _verify_eval(m, s, inputs)
     assert not plain.ok and not _check(plain, "model.layers.0.self_attn.A").ok, str(plain)
+
+
+# Review 29: a start on a branch point, where a nudge makes float32 eager and float64 take
+# different branches and the draw's "error" is the gradient's size (NOTE [Gradients that cancel]).
+
+
+class _TieMax(nn.Module):
+    # two equal Linear branches into torch.maximum: every element is a tie float64 splits
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.b.load_state_dict(self.a.state_dict())
+
+    def forward(self, x):
+        return self.head(torch.maximum(self.a(x), self.b(x)))
+
+
+def _square(out):
+    return out.square().mean()
+
+
+def _tie_verify(m, s, x, monkeypatch, redraws):
+    monkeypatch.setattr(_verify_module, "REDRAWS", redraws)
+    return slimgrad.verify(m, s, x, loss_fn=_square, modes=("train",), inference=False)
+
+
+@pytest.mark.parametrize("scale", [1.3, 0.0])
+def test_wrong_gradient_at_a_tie_fails(scale, monkeypatch):
+    # was: a 1.3x or zeroed a.weight gradient passed (pooled eager error 4.8e-2, plain 8.2e-9)
+    torch.manual_seed(0)
+    m, x = _TieMax(), torch.randn(8, 16)
+    s = copy.deepcopy(m)
+    s.a.weight.register_hook(lambda g: g * scale)
+    rep = _tie_verify(m, s, x, monkeypatch, 4)
+    w = _check(rep, "a.weight")
+    assert not rep.ok and not w.ok and w.err > 1e4 * w.bound, str(rep)
+    assert any("second look" in n for n in rep.runs[0].notes), str(rep)
+
+
+def test_wrong_nonzero_where_every_side_is_zero_fails(monkeypatch):
+    # the exact-zero check keeps the plain draw's error: was 0.01 at a.weight[:, 0] (input
+    # column 0 is 0, so the gradient is exactly 0 on every side) passed under a pooled bound
+    torch.manual_seed(0)
+    m, x = _TieMax(), torch.randn(8, 16)
+    x[:, 0] = 0
+    s = copy.deepcopy(m)
+
+    def bad(g):
+        g = g.clone()
+        g[:, 0] += 0.01
+        return g
+
+    s.a.weight.register_hook(bad)
+    rep = _tie_verify(m, s, x, monkeypatch, 4)
+    assert not rep.ok
+    assert any("exactly 0" in f and "'a.weight'" in f for f in rep.runs[0].failures), str(rep)
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.1
+
+
+class _NormRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.ln(x)))
+
+
+def test_wrong_input_gradient_at_relu_zero_fails(monkeypatch):
+    # constant (padding-like) rows through LayerNorm (bias 0): exactly 0 into the ReLU; was: a
+    # 1.1x input gradient passed (pooled eager error 0.77 against 3.8e-9)
+    torch.manual_seed(0)
+    m, x = _NormRelu(), torch.randn(6, 32)
+    x[3:] = 0.7
+    s = copy.deepcopy(m)
+    s.register_forward_pre_hook(lambda mod, args: (_Scaled.apply(args[0]),))
+    rep = _tie_verify(m, s, x, monkeypatch, 4)
+    (dx,) = rep.runs[0].input_grads
+    assert not rep.ok and not dx.ok and dx.err > 1e4 * dx.bound, str(rep)
+
+
+def test_no_second_look_without_redraws(monkeypatch):
+    torch.manual_seed(0)
+    m, x = _TieMax(), torch.randn(8, 16)
+    s = copy.deepcopy(m)
+    s.a.weight.register_hook(lambda g: g * 1.3)
+    rep = _tie_verify(m, s, x, monkeypatch, 0)
+    assert not rep.ok and not any("second look" in n for n in rep.runs[0].notes), str(rep)

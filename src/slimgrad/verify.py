@@ -107,7 +107,7 @@ import torch.nn as nn
 from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import CheckpointFunction
 
-from slimgrad.testing import DEFAULT_ATOL, REDRAWS, max_abs_err, ulp_nudged
+from slimgrad.testing import DEFAULT_ATOL, REDRAWS, max_abs_err, redrawn_err, ulp_nudged
 
 try:  # NOTE [Every generator a model draws from]: numpy is optional
     import numpy as _np
@@ -1739,20 +1739,21 @@ def _run(
                 nan = float("nan")
                 checks.append(GradCheck(pname, nan, nan, nan, False))
                 continue
+            plain_err = e_err  # one draw's: the exact-zero check's (NOTE [Gradients that cancel])
             if redrawn is not None and pname in redrawn:
                 e_err = max(e_err, redrawn[pname])
             bound = 2.0 * e_err + slack(g_c, g_r, e_err)
             ok = err <= bound
             stray = _stray(g_c, g_e, g_r)  # NOTE [Exact zeros are structure]
-            if stray > 2.0 * e_err + tol[1]:
+            if stray > 2.0 * plain_err + tol[1]:
                 ok = False
                 failures.append(
                     f"slimgrad.verify: the gradient of {pname!r} is nonzero (up to {stray:.3e}) "
                     "where eager's and the float64 reference's are exactly 0; expected exactly 0 "
                     "there (a zero at both precisions is structure: a dead unit, a masked or "
-                    f"unused position) or rounding noise within 2 * eager's error ({e_err:.3e}), "
-                    "got a gradient no rounding explains. The conversion must leave those "
-                    "gradients 0."
+                    "unused position) or rounding noise within 2 * eager's error "
+                    f"({plain_err:.3e}), got a gradient no rounding explains. The conversion must "
+                    "leave those gradients 0."
                 )
             if g_e is not None and g_c is not None and g_c.layout != g_e.layout:
                 ok = False
@@ -1769,8 +1770,8 @@ def _run(
     input_grads = grad_checks(e.input_grads, c.input_grads, r.input_grads, failures)
     second = [g.name for g in grads + input_grads if not g.ok and math.isfinite(g.err)]
     note = None
-    if second:  # NOTE [Gradients that cancel]: eager's error pooled over ulp-nudged draws
-        redrawn = _redrawn_errors(model, ref, inputs, loss_fn, seed, dx, narrow, set(second))
+    if second and REDRAWS > 0:  # NOTE [Gradients that cancel]: eager's error pooled over draws
+        redrawn = _redrawn_errors(model, ref, inputs, loss_fn, seed, dx, narrow, set(second), r)
         failures = []
         grads = grad_checks(e.grads, c.grads, r.grads, failures, redrawn)
         input_grads = grad_checks(e.input_grads, c.input_grads, r.input_grads, failures, redrawn)
@@ -1812,32 +1813,50 @@ def _run(
     return run
 
 
-def _redrawn_errors(model, ref, inputs, loss_fn, seed, dx, narrow, names) -> dict[str, float]:
-    # NOTE [Gradients that cancel]: max over REDRAWS ulp-nudged draws of max|g_eager - g64| for
-    # the gradients in ``names``; each draw's float64 side runs on the same nudged values, and
-    # both models' state (buffers, attributes, modes) is put back after each draw
-    pooled = dict.fromkeys(names, 0.0)
+def _redrawn_errors(model, ref, inputs, loss_fn, seed, dx, narrow, names, r0) -> dict[str, float]:
+    # NOTE [Gradients that cancel]: eager's error pooled over REDRAWS ulp-nudged draws for the
+    # gradients in ``names`` (``redrawn_err``): per draw, eager and float64 on the same nudged
+    # values and float64 again at the nudge shrunk toward the start; ``r0`` is the un-nudged
+    # float64 step. Both models' state (buffers, attributes, modes) is put back after each run
+    draws: dict[str, list] = {n: [] for n in names}
     for k in range(REDRAWS):
-        mine = _copy(inputs)
+        mine, again, wide = _copy(inputs), _copy(inputs), _cast64(_copy(inputs))
         held = _snapshot(model), _snapshot(ref)
         try:
             with ulp_nudged(model, ref, k, (t for _, t in _tensors(mine) if t is not None)):
                 e = _step(model, mine, loss_fn, seed, input_grads=dx)
                 r = _step(ref, mine, loss_fn, seed, torch.float64, dx, narrow)
+            _restore(held[1])
+            with ulp_nudged(
+                model,
+                ref,
+                k,
+                [t for _, t in _tensors(again) if t is not None],
+                shrunk=True,
+                wide_inputs=[t for _, t in _tensors(wide) if t is not None],
+            ):
+                s = _step(ref, wide, loss_fn, seed, torch.float64, dx, narrow)
         except Exception:  # a draw that cannot run explains nothing: the plain rule stands
             continue
         finally:
             _restore(held[0])
             _restore(held[1])
-        for side_e, side_r in ((e.grads, r.grads), (e.input_grads, r.input_grads)):
-            for n in names & side_e.keys():
+        for sides in (
+            (e.grads, r.grads, s.grads, r0.grads),
+            (e.input_grads, r.input_grads, s.input_grads, r0.input_grads),
+        ):
+            for n in names & sides[0].keys():
+                ts = tuple(side.get(n) for side in sides)
+                if any(t is None for t in ts) or len({t.shape for t in ts}) > 1:
+                    continue  # explains nothing
                 try:
-                    err = _err(side_e[n], side_r[n])
+                    _check_comparable(*ts)
+                    if any(t.layout is not torch.strided for t in ts):
+                        ts = tuple(_aligned(*ts))  # NOTE [Comparing every layout]
                 except _NotComparable:
                     continue
-                if math.isfinite(err):  # a non-finite draw explains nothing
-                    pooled[n] = max(pooled[n], err)
-    return pooled
+                draws[n].append(ts)
+    return {n: redrawn_err(d) for n, d in draws.items()}
 
 
 def _cuda_devices(*models: nn.Module) -> list[int]:

@@ -165,7 +165,22 @@ def _redraws(eager, ref, batch, labels):
         with torch.no_grad():
             for b, v in held:
                 b.copy_(v)
-        draws.append((ge, gr))
+        # float64 again at the nudge shrunk toward the start (a branch point shows there)
+        again, wide = copy.deepcopy(batch), _cast64(copy.deepcopy(batch))
+        keys = [n for n, v in again.items() if isinstance(v, torch.Tensor)]
+        with ulp_nudged(
+            eager,
+            ref,
+            k,
+            [again[n] for n in keys],
+            shrunk=True,
+            wide_inputs=[wide[n] for n in keys],
+        ):
+            _, _, gs, _ = _side(ref, wide, labels)
+        with torch.no_grad():
+            for b, v in held:
+                b.copy_(v)
+        draws.append((ge, gr, gs))
     return draws
 
 
@@ -213,7 +228,7 @@ def check_row(name: str, mode: str, pad: str, labels: bool) -> None:
         grad_problems = []
         for i, (n, c, r, e) in enumerate(zip(names, gc, gr, ge, strict=True)):
             if c is not None or e is not None:
-                pairs = [(de[i], dr[i]) for de, dr in draws]
+                pairs = [(de[i], dr[i], ds[i]) for de, dr, ds in draws]
                 grad_problems += _by_rule(f"grad {n}", c, r, e, scaled=False, redraws=pairs)
     more = f" (+{len(grad_problems) - 3} more)" if len(grad_problems) > 3 else ""
     problems += ["grads: " + "; ".join(grad_problems[:3]) + more] if grad_problems else []
