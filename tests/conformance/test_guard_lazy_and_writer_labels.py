@@ -103,10 +103,12 @@ def _saved(m: nn.Module, x: torch.Tensor) -> int:
 
 @pytest.mark.parametrize(
     ("act", "lazy"),
-    [("GELU", "LazyLinear"), ("LeakyReLU", "LazyConv2d"), ("Hardswish", "LazyBatchNorm2d")],
+    [("SiLU", "LazyLinear"), ("LeakyReLU", "LazyConv2d"), ("Hardswish", "LazyBatchNorm2d")],
 )
 def test_lazy_module_keeps_the_saving_exactly(act, lazy):
-    # (float32 and more than 512 elements: the sizes at which the activations keep their output)
+    # (float32 and more than 512 elements: the sizes at which the activations keep their output;
+    # SiLU, not erf-GELU, whose saving at N(0, 1) depends on the CPU's erf: NOTE [A window from
+    # eager's own forward error])
     shape, first, tail = _LAZY[lazy]
     torch.manual_seed(0)
     x = torch.randn(*shape)
