@@ -209,8 +209,11 @@ def test_checkpoint_and_saved_tensor_hooks(count):
     y = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False)
     ck = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
     assert count[0] == 4  # the checkpoint's recompute too
+    # the checkpoint's recompute gives the lean bits; under hooks that pack each tensor the GELU
+    # keeps x as eager does (NOTE [Under hooks that pack each tensor]): eager's GELU gradient
     for a, b, c in zip(ref, got, ck, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
+        assert torch.equal(a, c)
+        torch.testing.assert_close(b, a)
 
 
 def test_verify_passes():

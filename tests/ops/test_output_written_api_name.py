@@ -11,7 +11,9 @@ import torch
 @pytest.mark.parametrize("stem", ["gelu", "silu"])
 def test_written_output_error_names_public_op(stem):
     fn = getattr(importlib.import_module(f"slimgrad.ops.{stem}"), stem)
-    x = torch.randn(64, 4096, requires_grad=True)
+    # N(1, 1): few elements in the hard window wherever this CPU's erf puts it (at N(0, 1) the
+    # erf-GELU may keep x densely: NOTE [A window from eager's own forward error])
+    x = torch.randn(64, 4096).add_(1.0).requires_grad_()
     y = fn(x)
     z = y * 2.0
     y.add_(1.0)
