@@ -200,8 +200,21 @@ def test_saved_bytes_when_the_next_layer_keeps_y(kind):
         where = f"{kind} {(b, c, s, s)}{' cl' if cl else ''}"
         assert ms.saved_bytes <= me.saved_bytes, (where, ms.saved_bytes, me.saved_bytes)
         assert ms.peak_bytes <= me.peak_bytes, (where, ms.peak_bytes, me.peak_bytes)
-        if b * c * s * s > 512:  # the op keeps y: at least half of x's bytes below eager
+        if b * c * s * s > 512 and not _window_widened(kind):
+            # the op keeps y: at least half of x's bytes below eager
             assert ms.saved_bytes < me.saved_bytes - b * c * s * s * 4 * 0.5, where
+
+
+def _window_widened(kind: str) -> bool:
+    # erf-GELU's hard window follows this CPU's erf (NOTE [A window from eager's own forward
+    # error]): where it is wider than the accurate-forward width (AVX2), more than 1/16 of these
+    # inputs may be hard and the op keeps x, eager's bytes (never more: asserted above)
+    if kind != "gelu":
+        return False
+    from slimgrad._math.smooth import GELU, _window
+
+    spec = GELU["none"]
+    return _window(spec, torch.float32)[0] > spec.window[torch.float32]
 
 
 def test_leaky_relu_negative_slope_first_call_tiny():
