@@ -921,24 +921,27 @@ class _State:
     def refusal(self) -> None:
         # raises before a trace where it could change what nothing can put back
         if self.refused:
-            names = ", ".join(sorted(set(self.refused)))
-            raise RuntimeError(
-                f"slimgrad.convert_: {type(self.root).__name__}'s forward was not run by "
-                f"torch.fx; expected every object its module tree holds to be one a trace can "
-                f"copy or put back, got {names}. Nothing to fix: its source is read instead "
-                "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
+            self._refuse(
+                "every object its module tree holds to be one a trace can copy or put back",
+                self.refused,
             )
 
     def check_touched(self) -> None:
         # raises where the trace used an object a stand-in replaced (after ``restore``)
         if self.touched:
             names = ", ".join(sorted(set(self.touched)))
-            raise RuntimeError(
-                f"slimgrad.convert_: {type(self.root).__name__}'s forward was not run by "
-                f"torch.fx; expected a forward that uses only objects a trace can copy or put "
-                f"back, got one that uses {names}. Nothing to fix: its source is read instead "
-                "(NOTE [A trace leaves the model as it was] in convert_handlers/inplace_guard.py)"
+            self._refuse(
+                "a forward that uses only objects a trace can copy or put back",
+                [f"one that uses {names}"],
             )
+
+    def _refuse(self, expected: str, got) -> None:
+        raise RuntimeError(
+            f"slimgrad.convert_: {type(self.root).__name__}'s forward was not run by torch.fx; "
+            f"expected {expected}, got {', '.join(sorted(set(got)))}. Nothing to fix: its source "
+            "is read instead (NOTE [A trace leaves the model as it was] in "
+            "convert_handlers/inplace_guard.py)"
+        )
 
     def swap_in_copies(self) -> None:
         with warnings.catch_warnings():
