@@ -138,3 +138,29 @@ def test_an_output_held_only_by_a_reference_cycle_keeps_the_saving():
     # the LayerNorm keeps its output (shared with the next Linear) instead of its input:
     # 32 x 64 float32 = 8,192 B fewer (eager 16,640 B)
     assert lean == eager - 32 * 64 * 4
+
+
+class _ReadsItsParameter(nn.Module):
+    # the forward reads a parameter by attribute: torch.fx's tracer caches the parameter's Proxy
+    # in a closure's dict, a cycle that outlives every trace of it
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.tensor(0.75))
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * self.scale
+
+
+def test_a_parameters_proxy_left_by_the_tracer_runs_no_collection(monkeypatch):
+    # a parameter's Proxy holds no activation: convert_ decides without a garbage collection
+    # (before: one per trace, 2,340 of them, 12.6 s of a 57 s test file)
+    import gc
+
+    calls = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or real(*a))
+    m = slimgrad.convert_(_ReadsItsParameter())
+    assert type(m.fc).__module__.startswith("slimgrad.")
+    assert calls == []

@@ -93,7 +93,8 @@ def test_keep_y_from_structure(act):
             # error]) and past 1/16 hard the op keeps x, eager's bytes (<= eager: asserted above)
             xs = x * 0.1
             got = [
-                measure(lambda m=m: (m(xs) * w).sum(), timeline=False) for m in (eager, slim)
+                measure(lambda m=m, xs=xs, w=w: (m(xs) * w).sum(), timeline=False)
+                for m in (eager, slim)
             ]
             assert got[1].saved_bytes < got[0].saved_bytes - x.numel() * 4 * 0.5, (act, name)
         grads = []
