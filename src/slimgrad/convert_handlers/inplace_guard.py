@@ -519,8 +519,8 @@ def _still_alive(made: list) -> frozenset[str]:
     # frame kept in a local) is garbage, not kept: where any is alive, a collection settles it.
     # A Proxy of a parameter or buffer (a ``get_attr`` node: torch.fx's tracer caches those in a
     # closure's dict, a cycle left after every trace that reads one) holds no activation and ends
-    # no converted module's output, so it never counts, and a collection (about 5 ms in a test
-    # process, more in a large one) runs only where an activation's Proxy may be kept
+    # no converted module's output, so it never counts: a collection runs only where an
+    # activation's Proxy may be kept
     def alive() -> frozenset[str]:
         return frozenset(
             p.node.name
