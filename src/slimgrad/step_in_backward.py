@@ -110,8 +110,10 @@ backward, so the handle needs to know when a step ends:
   ``for p in params: clip_grad_norm_([p], c)``) or ``clip_grad_value`` (elementwise: exactly the
   global ``clip_grad_value_``), and turn the loop's own clipping off (HF: ``max_grad_norm=0``).
 - DDP and FSDP reduce gradients across processes after accumulation; the update must wait for the
-  reduction. The handle refuses a DDP/FSDP-wrapped module, DTensor parameters, and any backward run
-  while a process group of more than one process is initialised.
+  reduction. The handle refuses a DDP/FSDP-wrapped module, DTensor parameters, any backward run
+  while a process group of more than one process is initialised, and any parameter a live
+  DDP/FSDP wrapper holds, at any world size, whether it wrapped the model before or after the
+  handle was made (NOTE [Parameters a DDP or FSDP reduces]).
 - Optimizers whose ``step`` needs a closure (LBFGS) re-evaluate the loss: refused.
 - ``torch.amp.GradScaler``: refused (NOTE [GradScaler]).
 
@@ -187,19 +189,23 @@ and records what is held: the raised backward does not count as a micro-batch un
 in it (then its cycle is over). From there, as the plain loop:
 
 - ``step()``: updates every handle parameter whose ``.grad`` is not None, as the plain ``step()``
-  applies what ``.grad`` holds, at any micro-batch position; the cycle ends.
+  applies what ``.grad`` holds, at any micro-batch position; the cycle ends. Where the backward
+  raised in its middle (its end callback unrun) and some handle parameter got no gradient in it,
+  that is a partial update of the batch, the plain loop's too: ``step()`` warns, saying how many
+  gradients it applies and how many parameters got none (``zero_grad()`` drops the batch). An
+  error in the end callback's updates comes after every node ran: no warning.
 - ``zero_grad()`` (the handle's or the watched module's): drops what ``.grad`` holds, as the plain
   one (``set_to_none=False``: the zero tensors it keeps, NOTE [Gradients zeroed in place]), in
   the middle of a cycle too; the cycle ends. Where an update ran in the raised backward it is
   refused after the fact, once (the plain loop discards gradients the handle applied), as between
   any backward and ``step()``: everything is dropped all the same and the loop goes on.
 - another backward with neither: the plain loop adds to what ``.grad`` holds. Where no update ran
-  the handle does the same (the held gradients accumulate; those this backward does not reach
-  update at its end, with ``accumulate=1`` too, or at the cycle's end). Where one ran it is
-  refused, before any change: with ``accumulate=N`` the tensor pre-hooks refuse before
-  ``AccumulateGrad`` adds; with ``accumulate=1`` a tensor hook is put on each held parameter for
-  that (``_HeldGuard``; removed at the next ``step()``/``zero_grad()`` or the backward that goes
-  on), the others' ``.grad`` being None.
+  (and no gradient left was clipped, below) the handle does the same (the held gradients accumulate;
+  those this backward does not reach update at its end, with ``accumulate=1`` too, or at the cycle's
+  end). Where one ran it is refused, before any change: with ``accumulate=N`` the tensor pre-hooks
+  refuse before ``AccumulateGrad`` adds; with ``accumulate=1`` a tensor hook is put on each held
+  parameter for that (``_HeldGuard``; removed at the next ``step()``/``zero_grad()`` or the backward
+  that goes on), the others' ``.grad`` being None.
 - ``check_loop=False`` (every step ``zero_grad(); backward x N; step()``): the next backward that
   starts a step (every one with ``accumulate=1``, a cycle's first) drops what the raised one left
   before adding to it; within a cycle the held gradients go on accumulating.
@@ -210,7 +216,14 @@ update (an optimizer step pre-hook, an out-of-memory in the optimizer) is one: i
 ``AccumulateGrad`` ran, so their gradients stay in ``.grad`` (a fused-loss head's block: inside the
 loss's node, the head got none), and a retried ``step()`` applies them (an update by pieces, NOTE
 [Chunked updates], that raised after some pieces goes on from the first piece not applied, while
-``.grad`` holds the same gradient). Left: a reentrant
+``.grad`` holds the same gradient). A retry that raises again keeps what it did not apply, for the
+next ``step()``/``zero_grad()``. With ``clip_grad_norm_per_param``/``clip_grad_value`` the gradient
+was clipped in place before the update that raised: the retried ``step()`` does not clip it again
+(the plain loop clips once, then steps; clipping twice moved a norm-clipped gradient by an ulp),
+told by the gradient tensor and its version recorded at the clip. Unclipping is not exact, so a
+backward that would add to such a gradient (the plain loop adds to the unclipped one and clips the
+sum) is refused before any change, as after an update (the cycle ends there too); ``step()`` or
+``zero_grad()`` first. Left: a reentrant
 checkpoint's node that raises after its nested backward ended and before it returns (a user's
 post-hook on that node) is seen only at the next ``step()``/``zero_grad()``.
 
@@ -319,20 +332,22 @@ count as it was: that scaler is then seen at ``scaler.step(handle)``, late, as b
 A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
 as they were (tests/test_step_in_backward_refusals.py compares them bit for bit):
 
-- ``step_in_backward()``: every argument check, the DDP/FSDP/DTensor/process-group checks, the
-  held-gradient check and the ownership check of every group run before the first hook is attached.
-  ``add_param_group``: checked before the group is added.
-- In backward, at the handle's first hook of that backward, before any update: a second backward
-  in one step, ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter
-  now requiring grad, several processes. The hook runs after ``AccumulateGrad`` wrote that one
-  parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's is,
-  between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
+- ``step_in_backward()``: every argument check, the DDP/FSDP/DTensor/process-group checks (a live
+  wrapper of its parameters too), the held-gradient check and the ownership check of every group
+  run before the first hook is attached. ``add_param_group``: checked before the group is added.
+- In backward, at the handle's first hook of that backward, before any update: a second backward in
+  one step, ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter now
+  requiring grad, several processes, a live DDP/FSDP wrapper of its parameters (made after the
+  handle: NOTE [Parameters a DDP or FSDP reduces]). The hook runs after ``AccumulateGrad`` wrote
+  that one parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's
+  is, between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
   same checks before the gradient is added to the earlier micro-batches'.
 - In backward, at the same first hook: a second backward with no ``step()`` since the last, and a
   backward after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last
   update]); with ``accumulate=N`` both at the first micro-batch of a cycle. A backward after one
-  that raised once it had updated (NOTE [A backward that raised]: a tensor hook on each gradient
-  that one left refuses before it is added to).
+  that raised once it had updated, or in an update of a gradient it had clipped in place (NOTE
+  [A backward that raised]: a tensor hook on each gradient that one left refuses before it is
+  added to).
 - In backward, later, in a backward that has updated nothing yet: a parameter reached inside and
   outside a reentrant checkpoint. With ``accumulate=1`` every gradient this backward made is
   dropped again with its records (each ``.grad`` was None before it); with ``accumulate=N``, in a
@@ -343,7 +358,9 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
 - ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
   handle are removed), a call inside backward, ``zero_grad()`` in an unfinished accumulation
   cycle (``step()`` there: NOTE [A step that ends a cycle early]), a removed handle,
-  a second ``step()`` with no backward and no ``zero_grad()`` between;
+  a second ``step()`` with no backward and no ``zero_grad()`` between, ``step()`` while a live
+  DDP/FSDP wrapper holds the handle's parameters or module (``fully_shard`` after the handle
+  replaces the parameters, so no hook of the handle runs in backward);
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
 The handle's own records are left as they were too. tests/test_step_in_backward_refusal_table.py
@@ -1141,12 +1158,14 @@ class StepInBackward(torch.optim.Optimizer):
         Raises:
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
-                was).
+                was), or a live DDP/FSDP wrapper of the handle's parameters or module (NOTE
+                [Parameters a DDP or FSDP reduces]).
             RuntimeError: a second ``step()`` with no backward and no ``zero_grad()`` since the
                 last (the plain loop would apply the same gradients again). After fewer than
                 ``accumulate`` backward calls, or a backward that raised, ``step()`` updates from
                 what ``.grad`` holds, as the plain one (NOTE [A step that ends a cycle early],
-                NOTE [A backward that raised]).
+                NOTE [A backward that raised]; after a backward that raised in its middle, with a
+                ``UserWarning``: only part of the batch is applied).
         """
         self._check_live("step")
         if closure is not None:
@@ -2147,15 +2166,17 @@ def step_in_backward(
             ``check_loop`` or ``module``.
         ValueError: ``accumulate`` < 1; a negative clip; ``module=`` that does not hold every
             parameter, or beside another module.
-        NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
+        NotImplementedError: a DDP/FSDP-wrapped module, parameters (or a module) that a live
+            DDP/FSDP wrapper holds at any world size, DTensor parameters, a process group of
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
-            backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
-            processes, a parameter used inside and outside a reentrant checkpoint.
+            backward (or ``step()``): a live enabled GradScaler, ``retain_graph``/
+            ``create_graph``, several processes, a DDP/FSDP wrapper made after the handle, a
+            parameter used inside and outside a reentrant checkpoint.
         RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
             later backward: a second backward with no ``step()`` since the last, a backward after
             ``step()`` with no ``zero_grad()``, a frozen parameter unfrozen, a backward after
-            one that raised once it had updated (call ``step()`` first: NOTE [A backward that
-            raised]).
+            one that raised once it had updated or clipped a gradient in place (call ``step()``
+            first: NOTE [A backward that raised]).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -2268,6 +2289,9 @@ def step_in_backward(
                     type(m).__name__,
                     "Use a plain optimizer with DDP/FSDP",
                 )
+        # (no reference to the wrapper classes left: their counts key the scan, NOTE [Parameters a
+        # DDP or FSDP reduces])
+        del dist
         params: Any = list(model_or_params.parameters())
     elif isinstance(model_or_params, torch.Tensor):
         params = [model_or_params]
