@@ -119,6 +119,31 @@ def test_a_ddp_made_after_the_handle_is_refused_before_any_change(world_one, giv
     assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
 
 
+def test_a_ddp_made_as_another_reference_to_its_class_goes_is_refused(world_one):
+    """The scan is keyed by reference counts: a DDP made after the handle while as many other
+    references to the DDP class were dropped leaves that class's count as the handle's last scan
+    saw it; the count of DDP's C++ ``Reducer`` class (one per live DDP) still moves."""
+    ddp_cls = nn.parallel.DistributedDataParallel
+    ddp_cls(_net())  # (first-use imports and caches)
+    gc.collect()
+    n = sys.getrefcount(ddp_cls)
+    probe = ddp_cls(_net())
+    per_instance = sys.getrefcount(ddp_cls) - n
+    del probe
+    gc.collect()
+    b = _net()
+    extra = [ddp_cls] * per_instance
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1)  # scans with the extra references
+    n = sys.getrefcount(ddp_cls)
+    del extra
+    ddp = ddp_cls(b)
+    assert sys.getrefcount(ddp_cls) == n  # the class's count as at the scan
+    with pytest.raises(NotImplementedError, match=_REFUSED):
+        ddp(_x(0)).square().mean().backward()
+    assert all(p.grad is None for p in b.parameters())
+    del ddp, handle
+
+
 def test_fully_shard_after_the_handle_is_refused_at_step(world_one):
     """``fully_shard`` replaces the parameters it shards, so no handle hook runs in backward and
     ``step()`` would silently update nothing: refused there."""

@@ -865,9 +865,10 @@ def _forget_key(handle_ref: weakref.ref) -> Any:
 # hook (before any change; a wrapper made after the handle) and ``step()`` (a wrapper that took
 # the parameters away, so that no hook runs). The walk over the tracked objects runs once per
 # process and again only where a wrapper class's reference count moved or a wrapper it saw died
-# (the scan of NOTE [GradScaler], shared by every handle); between, the check compares the counts.
-# Left, as there: a wrapper made while another reference to a wrapper class was dropped (the
-# count unchanged) is seen only when the counts move again. A parameter list whose parameters a
+# (the scan of NOTE [GradScaler], shared by every handle); between, the check compares the counts,
+# and that of DDP's C++ ``Reducer`` class (one instance per live DDP). Left, as there: a wrapper
+# made while other references to its class (and to ``Reducer``) were dropped, the counts
+# unchanged, is seen only when they move again. A parameter list whose parameters a
 # wrapper made after the handle replaced (fully_shard), without ``module=``, is updated by nobody,
 # as a plain optimizer made before fully_shard.
 def _wrapper_classes() -> list[type]:
@@ -902,7 +903,11 @@ def _wrapper_died(_: weakref.ref) -> None:
 def _live_wrappers() -> tuple[int, list[torch.nn.Module]]:
     # NOTE [Parameters a DDP or FSDP reduces]: (the scan's number, the live wrappers)
     classes = _wrapper_classes()
-    key = tuple((id(c), _getrefcount(c)) for c in classes)
+    # (DDP's C++ reducer, one per live DDP: its count moves too, a second witness of a new DDP)
+    reducer = (
+        getattr(torch.distributed, "Reducer", None) if torch.distributed.is_available() else None
+    )
+    key = tuple((id(c), _getrefcount(c)) for c in (*classes, reducer) if c is not None)
     if key != _Wrappers.key:
         kinds = tuple(classes)
         _Wrappers.refs = [
