@@ -539,6 +539,8 @@ def _book(h) -> dict:
         "micro": h._micro,
         "loop": h._loop,
         "raised": getattr(h, "_raised", 0),
+        "partial": h._raised_partial,
+        "clipped": sorted(map(id, h._clipped)),
         "task": h._task,
         "held": list(map(id, getattr(h, "_held", []))),
         "late": list(map(id, getattr(h, "_late", []))),
