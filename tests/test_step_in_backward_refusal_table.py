@@ -172,6 +172,57 @@ def _raised_after_update(c: _Ctx) -> None:
     c.i += 1
 
 
+def _fake_ddp(module: nn.Module) -> nn.Module:
+    # a DistributedDataParallel instance wrapping ``module``, without a process group: what the
+    # handle reads of it is public (the instance alive, its parameters() and modules())
+    ddp = torch.nn.parallel.DistributedDataParallel.__new__(
+        torch.nn.parallel.DistributedDataParallel
+    )
+    nn.Module.__init__(ddp)
+    ddp.module = module
+    return ddp
+
+
+def _wrapped_after(c: _Ctx) -> None:
+    # NOTE [Parameters a DDP or FSDP reduces]: a DDP made after the handle, its module's backward
+    ddp = _fake_ddp(c.m)
+    try:
+        c.m(_x(96)).backward()
+    finally:
+        del ddp
+
+
+def _step_wrapped(c: _Ctx) -> None:
+    ddp = _fake_ddp(c.m)  # (one that replaced the parameters, as fully_shard, runs no hook)
+    try:
+        c.o.step()
+    finally:
+        del ddp
+
+
+def _raised_in_clipped_update(c: _Ctx) -> None:
+    # (prefix) the head's weight (alone: bucket_bytes=16) clipped in place (clip_grad_value=1e9
+    # changes no bit, so the plain loop needs no clip), then its update raises in an optimizer
+    # step pre-hook; the plain loop's backward raises right after the same AccumulateGrad
+    armed = [True]
+
+    def once(*args) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("simulated error in an update")
+
+    if isinstance(c.o, _mod.StepInBackward):
+        hook = c.o.optimizer.register_step_pre_hook(once)
+    else:
+        hook = c.m.head.weight.register_post_accumulate_grad_hook(once)
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            c.m(_x(c.i)).backward()
+    finally:
+        hook.remove()
+    c.i += 1
+
+
 def _held_elsewhere(c: _Ctx) -> None:
     other = step_in_backward([c.keep[0]], torch.optim.SGD, lr=0.1)
     c.keep.append(other)
@@ -340,6 +391,49 @@ _ROWS = {
         lambda c: (c.step(), _backs(2)(c), c.step()),
         handle_kw=dict(bucket_bytes=16),
     ),
+    "a backward after an update that raised on clipped gradients": _Row(
+        1,
+        _raised_in_clipped_update,
+        _backs(1),
+        RuntimeError,
+        r"a backward after one that raised in an update whose gradients the handle had clipped",
+        lambda c: (c.step(), _backs(1)(c), c.step()),
+        handle_kw=dict(bucket_bytes=16, clip_grad_value=1e9),
+    ),
+    "a backward after an update that raised on clipped gradients, accumulate=2": _Row(
+        2,
+        lambda c: (c.back(), _raised_in_clipped_update(c)),
+        _backs(1),
+        RuntimeError,
+        r"whose gradients the handle had clipped in place",
+        lambda c: (c.step(), _backs(2)(c), c.step()),
+        handle_kw=dict(bucket_bytes=16, clip_grad_norm_per_param=1e9),
+    ),
+    "a DDP made after the handle": _Row(
+        1,
+        _nothing,
+        _wrapped_after,
+        NotImplementedError,
+        r"parameters that a DistributedDataParallel/FSDP wrapper reduces \(any world size\).*"
+        r"got 4 of its parameters inside a DistributedDataParallel",
+        _then_step(_backs(1)),
+    ),
+    "a DDP made after the handle, micro-batch 2": _Row(
+        2,
+        _backs(1),
+        _wrapped_after,
+        NotImplementedError,
+        r"parameters that a DistributedDataParallel/FSDP wrapper reduces",
+        _then_step(_backs(1)),
+    ),
+    "step() with a DDP made after the handle": _Row(
+        1,
+        _backs(1),
+        _step_wrapped,
+        NotImplementedError,
+        r"parameters that a DistributedDataParallel/FSDP wrapper reduces",
+        _then_step(_nothing),
+    ),
     "step() inside backward": _Row(
         1,
         _nothing,
@@ -445,6 +539,8 @@ def _book(h) -> dict:
         "micro": h._micro,
         "loop": h._loop,
         "raised": getattr(h, "_raised", 0),
+        "partial": h._raised_partial,
+        "clipped": sorted(map(id, h._clipped)),
         "task": h._task,
         "held": list(map(id, getattr(h, "_held", []))),
         "late": list(map(id, getattr(h, "_late", []))),
@@ -553,6 +649,11 @@ _CREATION = [
     ),
     (ValueError, dict(clip_grad_value=float("nan")), "clip_grad_value must be a non-negative"),
     (NotImplementedError, dict(ddp=True), "-wrapped module"),
+    (
+        NotImplementedError,
+        dict(ddp_around=True),
+        "parameters that a DistributedDataParallel/FSDP wrapper reduces",
+    ),
     (NotImplementedError, dict(dtensor=True), "DTensor parameters"),
     (NotImplementedError, dict(world=2), "a process group of several processes"),
     (RuntimeError, dict(grads=True), "parameters already hold gradients"),
@@ -574,6 +675,7 @@ def test_a_refused_handle_attaches_nothing(exc, kw, match, monkeypatch):
     extra: dict = {}
     if kw.pop("ddp", False):
         monkeypatch.setattr(_mod, "_dist_classes", lambda: (nn.Linear,))
+    ddp = _fake_ddp(m) if kw.pop("ddp_around", False) else None
     if kw.pop("dtensor", False):
         monkeypatch.setattr(_mod, "_is_dtensor", lambda p: True)
     if kw.pop("world", None):
@@ -609,6 +711,7 @@ def test_a_refused_handle_attaches_nothing(exc, kw, match, monkeypatch):
         assert "zero_grad" not in m.__dict__ and "__getstate__" not in m.__dict__
     else:
         other.remove()
+    del ddp
 
 
 # ------------------------------------------------------------------------------- the sweep

@@ -110,8 +110,10 @@ backward, so the handle needs to know when a step ends:
   ``for p in params: clip_grad_norm_([p], c)``) or ``clip_grad_value`` (elementwise: exactly the
   global ``clip_grad_value_``), and turn the loop's own clipping off (HF: ``max_grad_norm=0``).
 - DDP and FSDP reduce gradients across processes after accumulation; the update must wait for the
-  reduction. The handle refuses a DDP/FSDP-wrapped module, DTensor parameters, and any backward run
-  while a process group of more than one process is initialised.
+  reduction. The handle refuses a DDP/FSDP-wrapped module, DTensor parameters, any backward run
+  while a process group of more than one process is initialised, and any parameter a live
+  DDP/FSDP wrapper holds, at any world size, whether it wrapped the model before or after the
+  handle was made (NOTE [Parameters a DDP or FSDP reduces]).
 - Optimizers whose ``step`` needs a closure (LBFGS) re-evaluate the loss: refused.
 - ``torch.amp.GradScaler``: refused (NOTE [GradScaler]).
 
@@ -187,19 +189,23 @@ and records what is held: the raised backward does not count as a micro-batch un
 in it (then its cycle is over). From there, as the plain loop:
 
 - ``step()``: updates every handle parameter whose ``.grad`` is not None, as the plain ``step()``
-  applies what ``.grad`` holds, at any micro-batch position; the cycle ends.
+  applies what ``.grad`` holds, at any micro-batch position; the cycle ends. Where the backward
+  raised in its middle (its end callback unrun) and some handle parameter got no gradient in it,
+  that is a partial update of the batch, the plain loop's too: ``step()`` warns, saying how many
+  gradients it applies and how many parameters got none (``zero_grad()`` drops the batch). An
+  error in the end callback's updates comes after every node ran: no warning.
 - ``zero_grad()`` (the handle's or the watched module's): drops what ``.grad`` holds, as the plain
   one (``set_to_none=False``: the zero tensors it keeps, NOTE [Gradients zeroed in place]), in
   the middle of a cycle too; the cycle ends. Where an update ran in the raised backward it is
   refused after the fact, once (the plain loop discards gradients the handle applied), as between
   any backward and ``step()``: everything is dropped all the same and the loop goes on.
 - another backward with neither: the plain loop adds to what ``.grad`` holds. Where no update ran
-  the handle does the same (the held gradients accumulate; those this backward does not reach
-  update at its end, with ``accumulate=1`` too, or at the cycle's end). Where one ran it is
-  refused, before any change: with ``accumulate=N`` the tensor pre-hooks refuse before
-  ``AccumulateGrad`` adds; with ``accumulate=1`` a tensor hook is put on each held parameter for
-  that (``_HeldGuard``; removed at the next ``step()``/``zero_grad()`` or the backward that goes
-  on), the others' ``.grad`` being None.
+  (and no gradient left was clipped, below) the handle does the same (the held gradients accumulate;
+  those this backward does not reach update at its end, with ``accumulate=1`` too, or at the cycle's
+  end). Where one ran it is refused, before any change: with ``accumulate=N`` the tensor pre-hooks
+  refuse before ``AccumulateGrad`` adds; with ``accumulate=1`` a tensor hook is put on each held
+  parameter for that (``_HeldGuard``; removed at the next ``step()``/``zero_grad()`` or the backward
+  that goes on), the others' ``.grad`` being None.
 - ``check_loop=False`` (every step ``zero_grad(); backward x N; step()``): the next backward that
   starts a step (every one with ``accumulate=1``, a cycle's first) drops what the raised one left
   before adding to it; within a cycle the held gradients go on accumulating.
@@ -210,7 +216,14 @@ update (an optimizer step pre-hook, an out-of-memory in the optimizer) is one: i
 ``AccumulateGrad`` ran, so their gradients stay in ``.grad`` (a fused-loss head's block: inside the
 loss's node, the head got none), and a retried ``step()`` applies them (an update by pieces, NOTE
 [Chunked updates], that raised after some pieces goes on from the first piece not applied, while
-``.grad`` holds the same gradient). Left: a reentrant
+``.grad`` holds the same gradient). A retry that raises again keeps what it did not apply, for the
+next ``step()``/``zero_grad()``. With ``clip_grad_norm_per_param``/``clip_grad_value`` the gradient
+was clipped in place before the update that raised: the retried ``step()`` does not clip it again
+(the plain loop clips once, then steps; clipping twice moved a norm-clipped gradient by an ulp),
+told by the gradient tensor and its version recorded at the clip. Unclipping is not exact, so a
+backward that would add to such a gradient (the plain loop adds to the unclipped one and clips the
+sum) is refused before any change, as after an update (the cycle ends there too); ``step()`` or
+``zero_grad()`` first. Left: a reentrant
 checkpoint's node that raises after its nested backward ended and before it returns (a user's
 post-hook on that node) is seen only at the next ``step()``/``zero_grad()``.
 
@@ -319,20 +332,22 @@ count as it was: that scaler is then seen at ``scaler.step(handle)``, late, as b
 A refused call leaves the parameters, the optimizer state, every ``.grad`` and the LR scheduler
 as they were (tests/test_step_in_backward_refusals.py compares them bit for bit):
 
-- ``step_in_backward()``: every argument check, the DDP/FSDP/DTensor/process-group checks, the
-  held-gradient check and the ownership check of every group run before the first hook is attached.
-  ``add_param_group``: checked before the group is added.
-- In backward, at the handle's first hook of that backward, before any update: a second backward
-  in one step, ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter
-  now requiring grad, several processes. The hook runs after ``AccumulateGrad`` wrote that one
-  parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's is,
-  between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
+- ``step_in_backward()``: every argument check, the DDP/FSDP/DTensor/process-group checks (a live
+  wrapper of its parameters too), the held-gradient check and the ownership check of every group
+  run before the first hook is attached. ``add_param_group``: checked before the group is added.
+- In backward, at the handle's first hook of that backward, before any update: a second backward in
+  one step, ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter now
+  requiring grad, several processes, a live DDP/FSDP wrapper of its parameters (made after the
+  handle: NOTE [Parameters a DDP or FSDP reduces]). The hook runs after ``AccumulateGrad`` wrote
+  that one parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's
+  is, between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
   same checks before the gradient is added to the earlier micro-batches'.
 - In backward, at the same first hook: a second backward with no ``step()`` since the last, and a
   backward after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last
   update]); with ``accumulate=N`` both at the first micro-batch of a cycle. A backward after one
-  that raised once it had updated (NOTE [A backward that raised]: a tensor hook on each gradient
-  that one left refuses before it is added to).
+  that raised once it had updated, or in an update of a gradient it had clipped in place (NOTE
+  [A backward that raised]: a tensor hook on each gradient that one left refuses before it is
+  added to).
 - In backward, later, in a backward that has updated nothing yet: a parameter reached inside and
   outside a reentrant checkpoint. With ``accumulate=1`` every gradient this backward made is
   dropped again with its records (each ``.grad`` was None before it); with ``accumulate=N``, in a
@@ -343,7 +358,9 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
 - ``step()``/``zero_grad()``: a closure, a GradScaler call (the attributes the scaler set on the
   handle are removed), a call inside backward, ``zero_grad()`` in an unfinished accumulation
   cycle (``step()`` there: NOTE [A step that ends a cycle early]), a removed handle,
-  a second ``step()`` with no backward and no ``zero_grad()`` between;
+  a second ``step()`` with no backward and no ``zero_grad()`` between, ``step()`` while a live
+  DDP/FSDP wrapper holds the handle's parameters or module (``fully_shard`` after the handle
+  replaces the parameters, so no hook of the handle runs in backward);
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
 The handle's own records are left as they were too. tests/test_step_in_backward_refusal_table.py
@@ -374,6 +391,7 @@ import gc
 import inspect
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -527,15 +545,15 @@ class _EndOfBackward:
                 # an update at the end (the last bucket, gradients a raised backward left) raised,
                 # e.g. in an optimizer step pre-hook: the backward raised, and the gradients not
                 # applied stay in .grad as the plain loop's (zero_grad() drops them, step()
-                # applies them)
-                handle._backward_raised()
+                # applies them); every node had run: a whole backward's gradients
+                handle._backward_raised(partial=False)
                 raise
 
     def __del__(self) -> None:
         if not self.ran:
             handle = self.ref()
             if handle is not None and handle._end_token == self.token:
-                handle._backward_raised()
+                handle._backward_raised(partial=True)
 
 
 class _HeldGuard(_ParamHook):
@@ -557,6 +575,7 @@ _STEPPED = 2  # then step(): the plain loop still holds them until zero_grad()
 # NOTE [A backward that raised]: what the last backward left when it raised
 _RAISED_HELD = 1  # gradients in .grad (the plain loop's), no update ran in it
 _RAISED_UPDATED = 2  # an update ran in it before the error
+_RAISED_CLIPPED = 3  # no update ran, but gradients it left were clipped in place for one
 
 
 def _zero_like(p: torch.Tensor, sparse_dim: int | None) -> torch.Tensor:
@@ -829,6 +848,116 @@ def _forget_key(handle_ref: weakref.ref) -> Any:
     return dead
 
 
+# NOTE [Parameters a DDP or FSDP reduces]
+# DDP reduces each gradient after its ``AccumulateGrad`` (a hook of its reducer on that node, or a
+# post-accumulate-grad hook with the Python reducer) and writes the reduced bucket back into
+# ``.grad`` when backward ends; FSDP reduce-scatters it. The handle would update the parameter from
+# its unreduced gradient and free it, and DDP would then leave a stale ``.grad`` that the next
+# backward adds to (world size 1 too: the reducer runs the same). So a parameter that a live
+# DDP/FSDP wraps is refused, whatever the world size and whichever came first, from public facts:
+# the wrapper instances alive (every instance of a Python class references its class, so
+# ``gc.get_referrers`` of DistributedDataParallel, FullyShardedDataParallel, FSDPModule and their
+# subclasses, fully_shard's per-class ones included, finds them; the FSDP classes only once their
+# module is imported, as an FSDP instance needs), and what each wraps (``parameters()``,
+# ``modules()``). A wrapper relates to the handle when it holds one of its parameters, holds the
+# module the handle watches or sits inside it (fully_shard replaces the parameters it shards:
+# only the module tells). Checked at ``step_in_backward()``, ``add_param_group``, each step's first
+# hook (before any change; a wrapper made after the handle) and ``step()`` (a wrapper that took
+# the parameters away, so that no hook runs). The walk over the tracked objects runs once per
+# process and again only where a wrapper class's reference count moved or a wrapper it saw died
+# (the scan of NOTE [GradScaler], shared by every handle); between, the check compares the counts,
+# and that of DDP's C++ ``Reducer`` class (one instance per live DDP). Left, as there: a wrapper
+# made while other references to its class (and to ``Reducer``) were dropped, the counts
+# unchanged, is seen only when they move again. A parameter list whose parameters a
+# wrapper made after the handle replaced (fully_shard), without ``module=``, is updated by nobody,
+# as a plain optimizer made before fully_shard.
+def _wrapper_classes() -> list[type]:
+    roots: list[type] = [torch.nn.parallel.DistributedDataParallel]
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None:
+        for name in ("FullyShardedDataParallel", "FSDPModule"):
+            cls = getattr(fsdp, name, None)
+            if isinstance(cls, type):
+                roots.append(cls)
+    classes: list[type] = []
+    while roots:
+        c = roots.pop()
+        if not any(c is k for k in classes):
+            classes.append(c)
+            roots.extend(c.__subclasses__())
+    return classes
+
+
+class _Wrappers:
+    # NOTE [Parameters a DDP or FSDP reduces]: the last scan, shared by every handle: the classes'
+    # (id, reference count) then, weak references to the wrappers it found, and its number
+    key: tuple | None = None
+    refs: list = []
+    scan = 0
+
+
+def _wrapper_died(_: weakref.ref) -> None:
+    _Wrappers.key = None  # (a wrapper rebound over a seen one leaves the counts as they were)
+
+
+def _live_wrappers() -> tuple[int, list[torch.nn.Module]]:
+    # NOTE [Parameters a DDP or FSDP reduces]: (the scan's number, the live wrappers)
+    classes = _wrapper_classes()
+    # (DDP's C++ reducer, one per live DDP: its count moves too, a second witness of a new DDP)
+    reducer = (
+        getattr(torch.distributed, "Reducer", None) if torch.distributed.is_available() else None
+    )
+    key = tuple((id(c), _getrefcount(c)) for c in (*classes, reducer) if c is not None)
+    if key != _Wrappers.key:
+        kinds = tuple(classes)
+        _Wrappers.refs = [
+            weakref.ref(o, _wrapper_died)
+            for o in gc.get_referrers(*kinds)
+            if isinstance(o, kinds) and isinstance(o, torch.nn.Module)
+        ]
+        _Wrappers.scan += 1
+        _Wrappers.key = key
+    live = [r() for r in _Wrappers.refs]
+    return _Wrappers.scan, [w for w in live if w is not None]
+
+
+def _wrapping(
+    live: list[torch.nn.Module], params: Iterable[torch.Tensor], module: torch.nn.Module | None
+) -> Exception | None:
+    # NOTE [Parameters a DDP or FSDP reduces]: the refusal for the first wrapper that holds one of
+    # ``params``, holds ``module`` or sits inside it; None when none does
+    if not live:
+        return None
+    ids = {id(p) for p in params}
+    inside = {id(m) for m in module.modules()} if module is not None else set()
+    for w in live:
+        held = sum(id(q) in ids for q in w.parameters())
+        kind = type(w).__name__
+        if held:
+            got = f"{held} of its parameters inside a {kind}"
+        elif w is module:
+            got = f"its module wrapped as a {kind}"
+        elif module is not None and id(w) in inside:
+            got = f"a {kind} inside the handle's module"
+        elif module is not None and any(m is module for m in w.modules()):
+            got = f"its module inside a {kind}"
+        else:
+            continue
+        return _err(
+            NotImplementedError,
+            "parameters that a DistributedDataParallel/FSDP wrapper reduces (any world size); "
+            "its reducer takes each gradient after accumulation and writes the reduced one back "
+            "into .grad when backward ends, so the update would use the unreduced gradient and "
+            "the next backward would add to a stale one",
+            "parameters no DDP/FSDP wraps",
+            got,
+            "Use a plain optimizer with DDP/FSDP (it steps after the reduction), or do not wrap "
+            "the model (a single process needs no DDP); to wrap it later, call handle.remove() "
+            "first and go on with handle.optimizer",
+        )
+    return None
+
+
 def _needs_closure(optimizer_class: type) -> bool:
     try:
         sig = inspect.signature(optimizer_class.step)
@@ -921,6 +1050,11 @@ class StepInBackward(torch.optim.Optimizer):
         self._end_token = 0
         self._counted = False
         self._updated_now = False
+        # NOTE [A backward that raised]: per parameter, (weakly) the gradient the handle clipped in
+        # place and its version then, until its update returns; for a raised backward that
+        # stopped before its end, what a step() after it applies (warned: held, not reached)
+        self._clipped: dict[torch.Tensor, tuple] = {}
+        self._raised_partial: tuple[int, int, bool] | None = None
         self._raised = 0
         self._held: list[torch.Tensor] = []
         self._held_hooks: list[Any] = []
@@ -935,6 +1069,10 @@ class StepInBackward(torch.optim.Optimizer):
         self._held_zero: dict[torch.Tensor, int | None] = {}
         self._since_zero: dict[torch.Tensor, int | None] = {}
         self._outside_module = 0  # handle parameters the watched module does not hold
+        # NOTE [Parameters a DDP or FSDP reduces]: the module given (weakly), and the number of
+        # the wrapper scan the handle last found clean
+        self._module = weakref.ref(module) if module is not None else _no_handle
+        self._wrappers_scan = -1
         groups = self.optimizer.param_groups
         _check_free([p for g in groups for p in g["params"]])  # before any hook is attached
         for i, group in enumerate(groups):
@@ -995,6 +1133,9 @@ class StepInBackward(torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params)
         _check_free(params)
+        refusal = _wrapping(_live_wrappers()[1], params, None)
+        if refusal is not None:
+            raise refusal
         self.optimizer.add_param_group({**param_group, "params": params})
         self._attach(params, len(self.optimizer.param_groups) - 1)
         if self._watch is not None:
@@ -1022,12 +1163,14 @@ class StepInBackward(torch.optim.Optimizer):
         Raises:
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
-                was).
+                was), or a live DDP/FSDP wrapper of the handle's parameters or module (NOTE
+                [Parameters a DDP or FSDP reduces]).
             RuntimeError: a second ``step()`` with no backward and no ``zero_grad()`` since the
                 last (the plain loop would apply the same gradients again). After fewer than
                 ``accumulate`` backward calls, or a backward that raised, ``step()`` updates from
                 what ``.grad`` holds, as the plain one (NOTE [A step that ends a cycle early],
-                NOTE [A backward that raised]).
+                NOTE [A backward that raised]; after a backward that raised in its middle, with a
+                ``UserWarning``: only part of the batch is applied).
         """
         self._check_live("step")
         if closure is not None:
@@ -1052,6 +1195,7 @@ class StepInBackward(torch.optim.Optimizer):
                 "a GradScaler step",
                 "Use bf16/fp32 without loss scaling, or a plain optimizer with GradScaler",
             )
+        self._check_wrappers()
         self._boundary("step()", flush=True)
         if self._check_loop:
             self._stepped()
@@ -1108,6 +1252,16 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use handle.optimizer, the plain optimizer with the same state",
             )
 
+    def _check_wrappers(self) -> None:
+        # NOTE [Parameters a DDP or FSDP reduces]: before any change
+        scan, live = _live_wrappers()
+        if scan == self._wrappers_scan:
+            return
+        refusal = _wrapping(live, self._group_index, self._module())
+        if refusal is not None:
+            raise refusal
+        self._wrappers_scan = scan
+
     def _queue_end(self) -> None:
         # NOTE [A backward that raised]: the end callback of the backward running now
         self._end_token += 1
@@ -1153,6 +1307,7 @@ class StepInBackward(torch.optim.Optimizer):
                 f"world size {_world_size()}",
                 "Use a plain optimizer with DDP/FSDP",
             )
+        self._check_wrappers()
         updates = self._accumulate == 1 or self._micro + 1 == self._accumulate
         if self._check_loop and self._micro == 0:
             self._check_loop_state()
@@ -1184,6 +1339,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._last_task = task
         self._fired.clear()
         self._grad_was.clear()
+        self._clipped.clear()
         self._updated_now = False
         self._counted = self._accumulate > 1
         if self._counted:
@@ -1194,6 +1350,19 @@ class StepInBackward(torch.optim.Optimizer):
     def _check_loop_state(self) -> None:
         # NOTE [What the loop did since the last update]: at the first hook of a backward that
         # starts a step (every one; with accumulate=N the first of a cycle), before any change
+        if self._raised == _RAISED_CLIPPED:
+            raise _err(
+                RuntimeError,
+                "a backward after one that raised in an update whose gradients the handle had "
+                "clipped in place (clip_grad_norm_per_param/clip_grad_value); the plain loop "
+                "would add this backward's gradients to the unclipped ones the raised backward "
+                "left and clip the sum, here those were clipped already",
+                "step() (applies them clipped once, as the plain loop's clip and step()) or "
+                "zero_grad() before the next backward",
+                f"a backward after a raised one with {len(self._held)} gradients left",
+                "Call handle.step() (then zero_grad()), or handle.zero_grad(), after the error, "
+                "before the next backward",
+            )
         if self._raised == _RAISED_UPDATED and self._loop == _UPDATED:
             raise _err(
                 RuntimeError,
@@ -1279,9 +1448,10 @@ class StepInBackward(torch.optim.Optimizer):
                     self._update(late)
                 self._micro = 0
 
-    def _backward_raised(self) -> None:
+    def _backward_raised(self, partial: bool) -> None:
         # NOTE [A backward that raised]: the engine freed this step's end callback without
-        # running it, while the error leaves backward
+        # running it, while the error leaves backward (partial: in its middle; else in the end
+        # callback's updates, after every node ran)
         if self._removed:
             return
         self._task = None
@@ -1290,15 +1460,32 @@ class StepInBackward(torch.optim.Optimizer):
             self._resume.remove()
             self._resume = None
         updated = self._updated_now
+        self._held = [p for p in self._hooks if p.grad is not None]
+        clipped = any(p in self._clipped and self._clipped[p][0]() is p.grad for p in self._held)
         if self._counted:
-            # an update ends the cycle (step() applies what is left); otherwise the raised
-            # backward does not count
-            self._micro = 0 if updated else self._micro - 1
+            # an update ends the cycle (step() applies what is left; so does a gradient clipped
+            # for one); otherwise the raised backward does not count
+            self._micro = 0 if updated or clipped else self._micro - 1
         self._counted = False
         self._pending, self._pending_bytes = [], 0  # their .grad stays: the plain loop's
         self._late = []
-        self._held = [p for p in self._hooks if p.grad is not None]
-        self._raised = _RAISED_UPDATED if updated else _RAISED_HELD if self._held else 0
+        self._raised = (
+            _RAISED_UPDATED
+            if updated
+            else _RAISED_CLIPPED
+            if clipped
+            else _RAISED_HELD
+            if self._held
+            else 0
+        )
+        # what a step() after it applies: the gradients it made before the error (and the updates
+        # it ran), none for the parameters it had not reached yet (warned then)
+        missing = sum(p not in self._fired for p in self._hooks)
+        self._raised_partial = (
+            (len(self._held), missing, updated)
+            if partial and missing and (updated or self._held)
+            else None
+        )
         self._unguard()
         if self._raised and self._accumulate == 1:
             self._held_hooks = [p.register_hook(_HeldGuard(self, p)) for p in self._held]
@@ -1313,6 +1500,7 @@ class StepInBackward(torch.optim.Optimizer):
         # checks: check_loop=False starts each step from no gradient; otherwise the held
         # gradients go on accumulating as in the plain loop (nothing was updated)
         held, self._held, self._raised = self._held, [], 0
+        self._raised_partial = None
         self._unguard()
         if not self._check_loop and (self._accumulate == 1 or self._micro == 0):
             for p in held:
@@ -1322,12 +1510,22 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _drop_held(self, apply: bool) -> None:
         # NOTE [A backward that raised]: step() (apply) or zero_grad() after a raised backward
-        held, self._held, self._raised = self._held, [], 0
+        held, raised, partial = self._held, self._raised, self._raised_partial
+        self._held, self._raised, self._raised_partial = [], 0, None
         self._unguard()
         self._micro = 0
         held = [p for p in held if p.grad is not None]
+        if apply and partial is not None:
+            warnings.warn(_partial_step_warning(*partial), UserWarning, stacklevel=4)
         if apply and held:
-            self._update(held)
+            try:
+                self._update(held)
+            except BaseException:
+                # the retry raised too (its update again): what it did not apply is held still,
+                # for the next step() or zero_grad()
+                self._held = [p for p in held if p.grad is not None]
+                self._raised = _RAISED_UPDATED if self._updated_now else raised
+                raise
         for p in held:
             p.grad = None
 
@@ -1684,11 +1882,8 @@ class StepInBackward(torch.optim.Optimizer):
             self._loop = _UPDATED
 
     def _update(self, params: list[torch.Tensor]) -> None:
-        if self._clip_value is not None:
-            torch.nn.utils.clip_grad_value_(params, self._clip_value)
-        if self._clip_norm is not None:
-            for p in params:
-                torch.nn.utils.clip_grad_norm_([p], self._clip_norm)
+        if self._clip_value is not None or self._clip_norm is not None:
+            self._clip(params)
         whole = []
         for p in params:
             n = p.numel()
@@ -1712,6 +1907,7 @@ class StepInBackward(torch.optim.Optimizer):
                         raise
                     self._mark_updated()
                 p.grad = None
+                self._clipped.pop(p, None)
                 del g
             else:
                 whole.append(p)
@@ -1736,6 +1932,29 @@ class StepInBackward(torch.optim.Optimizer):
             opt.param_groups = groups
         for p in params:
             p.grad = None
+            self._clipped.pop(p, None)
+
+    def _clip(self, params: list[torch.Tensor]) -> None:
+        # NOTE [A backward that raised]: a gradient clipped in place whose update then raised stays
+        # clipped in .grad; the retried step() applies it without clipping it again (the plain
+        # loop clips once, then steps)
+        fresh = []
+        for p in params:
+            done = self._clipped.pop(p, None)
+            g = p.grad
+            if g is None or done is None or done[0]() is not g or done[1] != g._version:
+                fresh.append(p)
+        if not fresh:
+            return
+        if self._clip_value is not None:
+            torch.nn.utils.clip_grad_value_(fresh, self._clip_value)
+        if self._clip_norm is not None:
+            for p in fresh:
+                torch.nn.utils.clip_grad_norm_([p], self._clip_norm)
+        for p in fresh:
+            g = p.grad
+            if g is not None:
+                self._clipped[p] = (weakref.ref(g), g._version)
 
     def _raw_step(self) -> None:
         # Optimizer.step's class-level wrapper (profiler record_function, step hooks) costs about
@@ -1952,15 +2171,17 @@ def step_in_backward(
             ``check_loop`` or ``module``.
         ValueError: ``accumulate`` < 1; a negative clip; ``module=`` that does not hold every
             parameter, or beside another module.
-        NotImplementedError: a DDP/FSDP-wrapped module, DTensor parameters, a process group of
+        NotImplementedError: a DDP/FSDP-wrapped module, parameters (or a module) that a live
+            DDP/FSDP wrapper holds at any world size, DTensor parameters, a process group of
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
-            backward: a live enabled GradScaler, ``retain_graph``/``create_graph``, several
-            processes, a parameter used inside and outside a reentrant checkpoint.
+            backward (or ``step()``): a live enabled GradScaler, ``retain_graph``/
+            ``create_graph``, several processes, a DDP/FSDP wrapper made after the handle, a
+            parameter used inside and outside a reentrant checkpoint.
         RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
             later backward: a second backward with no ``step()`` since the last, a backward after
             ``step()`` with no ``zero_grad()``, a frozen parameter unfrozen, a backward after
-            one that raised once it had updated (call ``step()`` first: NOTE [A backward that
-            raised]).
+            one that raised once it had updated or clipped a gradient in place (call ``step()``
+            first: NOTE [A backward that raised]).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -2073,6 +2294,9 @@ def step_in_backward(
                     type(m).__name__,
                     "Use a plain optimizer with DDP/FSDP",
                 )
+        # (no reference to the wrapper classes left: their counts key the scan, NOTE [Parameters a
+        # DDP or FSDP reduces])
+        del dist
         params: Any = list(model_or_params.parameters())
     elif isinstance(model_or_params, torch.Tensor):
         params = [model_or_params]
@@ -2116,6 +2340,13 @@ def step_in_backward(
             f"world size {_world_size()}",
             "Use a plain optimizer with DDP/FSDP",
         )
+    refusal = _wrapping(
+        _live_wrappers()[1],
+        [p for p in flat if isinstance(p, torch.Tensor)],
+        model_or_params if isinstance(model_or_params, torch.nn.Module) else module,
+    )
+    if refusal is not None:  # NOTE [Parameters a DDP or FSDP reduces]
+        raise refusal
     if isinstance(model_or_params, torch.nn.Module):
         module = model_or_params
     elif module is not None:
@@ -2142,6 +2373,19 @@ def step_in_backward(
         bucket_bytes=bucket_bytes,
         check_loop=check_loop,
         module=module,
+    )
+
+
+def _partial_step_warning(held: int, missing: int, updated: bool) -> str:
+    # NOTE [A backward that raised]: step() after a backward that raised in its middle
+    ran = ", after the updates it ran in backward" if updated else ""
+    return (
+        f"{_API}: step() after a backward that raised in its middle applies only what that "
+        f"backward made before the error: the {held} gradients it left in .grad{ran}; the "
+        f"{missing} parameters it had not reached get nothing from that batch (as the plain "
+        "loop's step() after the same error); expected a step after a whole backward, got one "
+        "after a backward that raised. Call zero_grad() instead of step() to drop the partial "
+        "batch (then run it again), or filter this warning where the partial update is intended"
     )
 
 

@@ -1,0 +1,359 @@
+"""slimgrad.step_in_backward (issue 30, ddp30): parameters a DDP/FSDP wrapper reduces, and the
+retried ``step()`` after an update that raised.
+
+- DDP's reducer takes each gradient after its ``AccumulateGrad`` and writes the reduced bucket back
+  into ``.grad`` when backward ends, after the handle updated the parameter from the unreduced
+  gradient and freed it; the next backward then adds to that stale ``.grad``. With gloo at world
+  size 1 (one process, in this test process) the handle was accepted and the parameters drifted
+  from the plain DDP loop (3.94e-3 after the second step). Refused now, before any change,
+  whichever of the two came first (NOTE [Parameters a DDP or FSDP reduces] in
+  ``slimgrad/step_in_backward.py``); ``fully_shard`` after the handle (its parameters replaced: no
+  hook runs) is refused at ``step()``.
+- ``clip_grad_norm_per_param`` clipped a gradient in place, the update raised, and the retried
+  ``step()`` clipped it again (1.3e-7 off the plain loop's clip once); a retry that raised again
+  forgot the gradients it had not applied.
+- ``step()`` after a backward that raised in its middle applies only what that backward made
+  before the error: it warns.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import slimgrad
+from tests._bitwise import assert_same_parameters, assert_same_state
+
+_mod = sys.modules["slimgrad.step_in_backward"]
+dist = torch.distributed
+step_in_backward = slimgrad.step_in_backward
+_REFUSED = r"^slimgrad\.step_in_backward: parameters that a DistributedDataParallel/FSDP wrapper"
+_PARTIAL = r"slimgrad\.step_in_backward: step\(\) after a backward that raised in its middle"
+
+
+@pytest.fixture
+def world_one():
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group yet")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _net(head_bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4, bias=head_bias))
+
+
+def _x(i: int) -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(i))
+
+
+def _handle(b: nn.Module, given: str, **kw):
+    kw = dict(lr=0.1, momentum=0.9, **kw)
+    if given == "module":
+        return step_in_backward(b, torch.optim.SGD, **kw)
+    if given == "params, module=":
+        return step_in_backward(list(b.parameters()), torch.optim.SGD, module=b, **kw)
+    return step_in_backward(list(b.parameters()), torch.optim.SGD, check_loop=False, **kw)
+
+
+_GIVEN = ["module", "params, module=", "params"]
+
+
+@pytest.mark.parametrize("given", _GIVEN)
+def test_a_ddp_made_before_the_handle_is_refused_and_attaches_nothing(world_one, given):
+    b = _net()
+    ddp = nn.parallel.DistributedDataParallel(b)
+    with pytest.raises(NotImplementedError, match=_REFUSED + r".*got 4 of its parameters inside"):
+        _handle(b, given)
+    assert not any(p._post_accumulate_grad_hooks for p in b.parameters())
+    assert "zero_grad" not in b.__dict__
+    del ddp
+
+
+@pytest.mark.parametrize(
+    "given, accumulate", [("module", 1), ("params, module=", 2), ("params", 1)]
+)
+def test_a_ddp_made_after_the_handle_is_refused_before_any_change(world_one, given, accumulate):
+    """One whole step, then ``DDP(b)``: its backward is refused at the handle's first hook, twice,
+    with the parameters, every ``.grad`` and the optimizer state as they were; ``step()`` is
+    refused too while the DDP lives; once it is gone the loop goes on as the plain loop's."""
+    a, b = _net(), _net()
+    opt = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    handle = _handle(b, given, accumulate=accumulate)
+    for m, o in ((a, opt), (b, handle)):
+        for i in range(accumulate):
+            m(_x(i)).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    params = [p.detach().clone() for p in b.parameters()]
+    state = copy.deepcopy(handle.state_dict())
+    ddp = nn.parallel.DistributedDataParallel(b)
+    for _ in range(2):
+        with pytest.raises(NotImplementedError, match=_REFUSED):
+            ddp(_x(10)).square().mean().backward()
+        for p, q in zip(params, b.parameters(), strict=True):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+            assert q.grad is None
+        assert_same_state(state["state"], handle.state_dict()["state"])
+    with pytest.raises(NotImplementedError, match=_REFUSED):
+        handle.step()
+    del ddp
+    gc.collect()  # (the reducer's reference cycles)
+    for m, o in ((a, opt), (b, handle)):
+        for step in range(2):
+            for i in range(accumulate):
+                m(_x(20 + 2 * step + i)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert_same_parameters(a, b)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+
+
+def test_a_ddp_made_as_another_reference_to_its_class_goes_is_refused(world_one):
+    """The scan is keyed by reference counts: a DDP made after the handle while as many other
+    references to the DDP class were dropped leaves that class's count as the handle's last scan
+    saw it; the count of DDP's C++ ``Reducer`` class (one per live DDP) still moves."""
+    ddp_cls = nn.parallel.DistributedDataParallel
+    ddp_cls(_net())  # (first-use imports and caches)
+    gc.collect()
+    n = sys.getrefcount(ddp_cls)
+    probe = ddp_cls(_net())
+    per_instance = sys.getrefcount(ddp_cls) - n
+    del probe
+    gc.collect()
+    b = _net()
+    extra = [ddp_cls] * per_instance
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1)  # scans with the extra references
+    n = sys.getrefcount(ddp_cls)
+    del extra
+    ddp = ddp_cls(b)
+    assert sys.getrefcount(ddp_cls) == n  # the class's count as at the scan
+    with pytest.raises(NotImplementedError, match=_REFUSED):
+        ddp(_x(0)).square().mean().backward()
+    assert all(p.grad is None for p in b.parameters())
+    del ddp, handle
+
+
+def test_fully_shard_after_the_handle_is_refused_at_step(world_one):
+    """``fully_shard`` replaces the parameters it shards, so no handle hook runs in backward and
+    ``step()`` would silently update nothing: refused there."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = _net()
+    handle = step_in_backward(m, torch.optim.SGD, lr=0.1)
+    fsdp.fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+    m(_x(0)).square().mean().backward()
+    with pytest.raises(
+        NotImplementedError, match=_REFUSED + r".*got its module wrapped as a FSDPSequential"
+    ):
+        handle.step()
+
+
+class _RaiseOnce:
+    # an optimizer step pre-hook (the handle) or a post-accumulate-grad hook (the plain loop) that
+    # raises at its n-th call once armed
+    def __init__(self, target: torch.Tensor | None = None) -> None:
+        self.target = target
+        self.armed = 0
+
+    def __call__(self, *args) -> None:
+        if self.target is not None:
+            # (an update by pieces steps views of the parameter)
+            ptr = self.target.untyped_storage().data_ptr()
+            opt = args[0]
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if not any(p.untyped_storage().data_ptr() == ptr for p in params):
+                return
+        if self.armed:
+            self.armed -= 1
+            if not self.armed:
+                raise RuntimeError("simulated error in an update")
+
+
+def _clip(m: nn.Module, kw: dict) -> None:
+    for p in m.parameters():
+        if "clip_grad_norm_per_param" in kw:
+            torch.nn.utils.clip_grad_norm_([p], kw["clip_grad_norm_per_param"])
+        if "clip_grad_value" in kw:
+            torch.nn.utils.clip_grad_value_([p], kw["clip_grad_value"])
+
+
+@pytest.mark.parametrize(
+    "clip, bucket_bytes, chunk",
+    [
+        (dict(clip_grad_norm_per_param=0.05), 0, None),
+        (dict(clip_grad_norm_per_param=0.05), 1 << 20, 8),
+        (dict(clip_grad_value=0.01), 0, None),
+    ],
+    ids=["norm-alone", "norm-chunked", "value-alone"],
+)
+def test_a_retried_step_after_an_update_that_raised_clips_once(
+    clip, bucket_bytes, chunk, monkeypatch
+):
+    """The update of the first layer's weight (the last parameter backward reaches) raises in an
+    optimizer step pre-hook after its gradient was clipped in place (by 8-element pieces: after
+    the first piece); the retried ``step()`` is the plain loop's clip and step() after a backward
+    that raised at the same point (a post-accumulate-grad hook of that weight), bit for bit."""
+    if chunk is not None:
+        monkeypatch.setattr(_mod, "CHUNK_ELEMS", chunk)
+    a, b = _net(), _net()
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(a.parameters(), **kw)
+    handle = step_in_backward(b, torch.optim.AdamW, bucket_bytes=bucket_bytes, **clip, **kw)
+    pre = _RaiseOnce(b[0].weight)
+    handle.optimizer.register_step_pre_hook(pre)
+    post = _RaiseOnce()
+    a[0].weight.register_post_accumulate_grad_hook(post)
+    for i in range(4):
+        # (by pieces the error comes in the last bucket's update, at the end of a whole backward)
+        pre.armed = (2 if chunk else 1) if i == 1 else 0
+        post.armed = 1 if i == 1 and not chunk else 0
+        for m in (a, b):
+            try:
+                m(_x(i)).square().mean().backward()
+            except RuntimeError as e:
+                assert "simulated" in str(e)
+        _clip(a, clip)
+        for o in (opt, handle):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _PARTIAL)
+                o.step()
+            o.zero_grad()
+    assert_same_parameters(a, b)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_backward_after_an_update_that_raised_on_a_clipped_gradient_is_refused(accumulate):
+    """The head's weight (bias-free, reached first, ``bucket_bytes=0``) is clipped in place, then
+    its update raises: nothing applied. The plain loop's next backward would add to the unclipped
+    gradient and clip the sum; the handle's is clipped already (it went on: 1.6e-2 off the plain
+    loop). Refused before any change; ``step()`` then is the plain loop's clip and step() after
+    the error, bit for bit."""
+    a, b = _net(head_bias=False), _net(head_bias=False)
+    clip = dict(clip_grad_norm_per_param=0.05)
+    opt = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    handle = step_in_backward(
+        b, torch.optim.AdamW, lr=1e-2, bucket_bytes=0, accumulate=accumulate, **clip
+    )
+    pre = _RaiseOnce(b[2].weight)
+    handle.optimizer.register_step_pre_hook(pre)
+    post = _RaiseOnce()
+    a[2].weight.register_post_accumulate_grad_hook(post)
+    for i in range(2 * accumulate):
+        pre.armed = post.armed = int(i == 2 * accumulate - 1)
+        for m in (a, b):
+            try:
+                m(_x(i)).square().mean().backward()
+            except RuntimeError as e:
+                assert "simulated" in str(e)
+        if i == accumulate - 1:
+            _clip(a, clip)
+            for o in (opt, handle):
+                o.step()
+                o.zero_grad()
+    params = [p.detach().clone() for p in b.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for p in b.parameters()]
+    with pytest.raises(RuntimeError, match=r"whose gradients the handle had clipped in place"):
+        b(_x(50)).square().mean().backward()
+    for p, q, g in zip(params, b.parameters(), grads, strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+        assert (q.grad is None) == (g is None)
+        if g is not None:
+            torch.testing.assert_close(q.grad, g, rtol=0, atol=0)
+    _clip(a, clip)
+    for o in (opt, handle):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _PARTIAL)
+            o.step()
+        o.zero_grad()
+    assert_same_parameters(a, b)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+
+
+def test_a_retry_that_raises_again_keeps_what_it_did_not_apply():
+    """The update raises in backward and again in the retried ``step()``: the gradients stay
+    held, and the next ``step()`` applies them, as the plain ``step()`` retried twice."""
+    a, b = _net(), _net()
+    kw = dict(lr=1e-2)
+    opt = torch.optim.AdamW(a.parameters(), **kw)
+    handle = step_in_backward(b, torch.optim.AdamW, bucket_bytes=0, **kw)
+    pre = _RaiseOnce(b[0].weight)
+    handle.optimizer.register_step_pre_hook(pre)
+    plain = _RaiseOnce()
+    opt.register_step_pre_hook(plain)
+    for m, o in ((a, opt), (b, handle)):
+        m(_x(0)).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    pre.armed = 1
+    with pytest.raises(RuntimeError, match="simulated"):
+        b(_x(1)).square().mean().backward()
+    a(_x(1)).square().mean().backward()
+    for o, hook in ((opt, plain), (handle, pre)):
+        hook.armed = 1
+        with pytest.raises(RuntimeError, match="simulated"):
+            o.step()
+        o.step()
+        o.zero_grad()
+    assert all(p.grad is None for p in b.parameters())
+    assert_same_parameters(a, b)
+    assert_same_state(opt.state_dict()["state"], handle.state_dict()["state"])
+
+
+def test_a_step_after_a_backward_that_raised_in_its_middle_warns():
+    """The head's update (its weight, reached first, ``bucket_bytes=0``) raises: the backward
+    stops there, the first layer gets no gradient, and ``step()`` applies the head's alone (as the
+    plain loop's step() after the same error): a warning says so. ``zero_grad()`` instead, or an
+    error in the last bucket's update at the end of a whole backward, warns nothing."""
+    a, b = _net(head_bias=False), _net(head_bias=False)
+    opt = torch.optim.SGD(a.parameters(), lr=0.1)
+    handle = step_in_backward(b, torch.optim.SGD, bucket_bytes=0, lr=0.1)
+    pre = _RaiseOnce(b[2].weight)
+    handle.optimizer.register_step_pre_hook(pre)
+    post = _RaiseOnce()
+    a[2].weight.register_post_accumulate_grad_hook(post)
+    for m, o in ((a, opt), (b, handle)):
+        m(_x(0)).square().mean().backward()
+        o.step()
+        o.zero_grad()
+    pre.armed = post.armed = 1
+    for m in (a, b):
+        with pytest.raises(RuntimeError, match="simulated"):
+            m(_x(1)).square().mean().backward()
+    opt.step()
+    with pytest.warns(UserWarning, match="^" + _PARTIAL) as got:
+        handle.step()
+    assert len(got) == 1
+    assert "the 1 gradients it left in .grad; the 2 parameters it had not reached" in str(
+        got[0].message
+    )
+    for o in (opt, handle):
+        o.zero_grad()
+    assert_same_parameters(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pre.armed = 1
+        with pytest.raises(RuntimeError, match="simulated"):
+            b(_x(2)).square().mean().backward()
+        handle.zero_grad()  # drops the batch: nothing applied, nothing to warn
+        c = _net()
+        late = step_in_backward(c, torch.optim.SGD, lr=0.1)  # one bucket, at the end
+        last = _RaiseOnce()
+        late.optimizer.register_step_pre_hook(last)
+        last.armed = 1
+        with pytest.raises(RuntimeError, match="simulated"):
+            c(_x(3)).square().mean().backward()
+        late.step()  # every gradient was made: a whole step
+        assert all(p.grad is None for p in c.parameters())
