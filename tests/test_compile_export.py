@@ -10,6 +10,7 @@ no checkpoint and computes what the converted model computes.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -106,3 +107,22 @@ def test_export_non_strict_of_a_block_with_an_instance_forward():
             (got, none), (want, _) = got, want
             assert none is None
         assert torch.equal(got, want)
+
+
+def test_export_strict_of_a_recomputed_attention_core():
+    # NOTE [The attention core, recomputed] in slimgrad/attention_core.py: its checkpoint goes
+    # through recompute_in_backward, which runs the core itself while exporting; a plain
+    # checkpoint failed strict export (KeyError '_checkpoint_context_fn', torch 2.13)
+    from slimgrad.plan import apply_choices
+
+    model = _causal_lm("llama")  # SDPA's core (HF's default implementation)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = apply_choices(
+            copy.deepcopy(model), {"model.layers.0": "lean+recompute:attention-core"}
+        )
+    assert conv.model.layers[0].self_attn.config._attn_implementation == "slimgrad_core"
+    ids = torch.randint(0, 97, (2, 9))
+    ep = torch.export.export(conv, (ids,), strict=True)
+    _no_checkpoint(ep)
+    assert torch.equal(ep.module()(ids).logits, model(ids).logits)
