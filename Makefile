@@ -37,7 +37,11 @@ test: lint
 # pinned one in $(VENV)/hf-newest and put first on the path)
 HF_NEWEST := 5.24.0
 HF_TESTS := tests/conformance/test_hf_families.py tests/test_convert_hf_loss.py \
-	tests/test_convert_hf_attention.py tests/test_convert_hf.py
+	tests/test_convert_hf_attention.py tests/test_convert_hf.py \
+	tests/ops/test_gpt2_block.py::test_convert_puts_the_block_forward \
+	tests/ops/test_gpt2_block.py::test_a_deprecated_cache_keyword_runs_hfs_forward \
+	tests/ops/test_gpt2_block.py::test_an_unknown_wrapper_keeps_hfs_and_deprecate_kwarg_does_not \
+	tests/ops/test_gpt2_block.py::test_padding_mask_runs_the_attention_per_op_and_folds_the_mlp
 $(VENV)/hf-newest/.stamp-$(HF_NEWEST): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/hf-newest transformers==$(HF_NEWEST)
 	touch $@

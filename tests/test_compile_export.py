@@ -10,6 +10,7 @@ no checkpoint and computes what the converted model computes.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -53,19 +54,75 @@ def test_export_converted_rms_norm_under_grad(strict):
     assert torch.equal(y, model(x))
 
 
-def test_export_converted_tiny_llama_strict():
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, use_cache=False,
-    )  # fmt: skip
+def _causal_lm(family):
     torch.manual_seed(0)
-    model = transformers.LlamaModel(cfg).float()
-    conv = copy.deepcopy(model)
-    slimgrad.convert_(conv)
-    ids = torch.randint(0, 64, (1, 8))
+    if family == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=4, vocab_size=97, n_positions=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).eval()  # eval: no dropout draws to compare
+
+
+def _leaves(out):
+    return torch.utils._pytree.tree_leaves(out)
+
+
+@pytest.mark.parametrize(("family", "strict"), [("llama", False), ("llama", True), ("gpt2", False)])
+def test_export_converted_causal_lm_with_labels(family, strict):
+    # NOTE [The fused loss under torch.export] in slimgrad/convert_handlers/hf_loss.py: non-strict
+    # export failed on the fused forward ('_FusedLMForward' object has no attribute '__code__');
+    # strict export traced the fused loss, whose training output has no logits
+    model = _causal_lm(family)
+    conv = slimgrad.convert_(copy.deepcopy(model))
+    ids = torch.randint(0, 97, (2, 11))
+    kw = {"input_ids": ids, "labels": ids}
+    ep = torch.export.export(conv, (), kw, strict=strict)
+    _no_checkpoint(ep)
+    got = _leaves(ep.module()(**kw))
+    # loss and logits, as the eager model returns; converted Llama computes eager's bits, converted
+    # GPT-2's ops round as their own (the error rule, not bits): there the converted model's
+    want = _leaves((model if family == "llama" else conv)(**kw))
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_export_non_strict_of_a_block_with_an_instance_forward():
+    # GPT-2's block and attention forwards (decision.InstanceForward) as the exported module
+    model = _causal_lm("gpt2")
+    slimgrad.convert_(model)
+    blk = model.transformer.h[0]
+    assert "forward" in blk.__dict__ and "forward" in blk.attn.__dict__
+    x = torch.randn(2, 7, 32)
+    for mod in (blk, blk.attn):
+        ep = torch.export.export(mod, (x,), strict=False)
+        got, want = ep.module()(x), mod(x)
+        if isinstance(want, tuple):  # the attention: (output, weights=None)
+            (got, none), (want, _) = got, want
+            assert none is None
+        assert torch.equal(got, want)
+
+
+def test_export_strict_of_a_recomputed_attention_core():
+    # NOTE [The attention core, recomputed] in slimgrad/attention_core.py: its checkpoint goes
+    # through recompute_in_backward, which runs the core itself while exporting; a plain
+    # checkpoint failed strict export (KeyError '_checkpoint_context_fn', torch 2.13)
+    from slimgrad.plan import apply_choices
+
+    model = _causal_lm("llama")  # SDPA's core (HF's default implementation)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        conv = apply_choices(
+            copy.deepcopy(model), {"model.layers.0": "lean+recompute:attention-core"}
+        )
+    assert conv.model.layers[0].self_attn.config._attn_implementation == "slimgrad_core"
+    ids = torch.randint(0, 97, (2, 9))
     ep = torch.export.export(conv, (ids,), strict=True)
     _no_checkpoint(ep)
-    out = ep.module()(ids)
-    ref = model(ids).last_hidden_state
-    got = out[0] if isinstance(out, tuple) else out.last_hidden_state
-    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert torch.equal(ep.module()(ids).logits, model(ids).logits)

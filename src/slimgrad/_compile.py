@@ -69,7 +69,9 @@ Llama to the uncompiled converted models' saved bytes (x 1.05) and each op above
 line.
 
 # NOTE [Recompute tags under torch.export]
-Those checkpoints go through :func:`recompute_in_backward`. ``torch.export`` traces forward only
+Those checkpoints, and the attention core's (NOTE [The attention core, recomputed] in
+``slimgrad/attention_core.py``), go through :func:`recompute_in_backward`. ``torch.export`` traces
+forward only
 (no partitioner, no backward), so the tags have nothing to tell it, and strict export of a
 vanilla non-reentrant checkpoint fails in torch 2.13: Dynamo captures it as the
 ``tag_activation_checkpoint`` higher-order op, and export's pre-dispatch trace of that op reads a
@@ -93,22 +95,31 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 F = TypeVar("F", bound=Callable)
 
 
+_compiler = torch.compiler
+# the flag is_exporting returns, read in this frame (as slimgrad._autograd.compiling reads
+# is_compiling's, NOTE [One-frame compile check]); a torch without it asks is_exporting
+_FLAG = hasattr(_compiler, "_is_exporting_flag")
+
+
 def exporting() -> bool:
     """``torch.compiler.is_exporting()``, a constant to Dynamo (no guard, no side-effect mark)."""
-    return torch.compiler.is_exporting()
+    return _compiler._is_exporting_flag if _FLAG else _compiler.is_exporting()
 
 
 exporting._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def recompute_in_backward(fn: Callable, *args):
-    """``fn(*args)``, every value it makes tagged for recompute in backward under torch.compile:
-    a non-reentrant ``torch.utils.checkpoint`` (NOTE [slimgrad ops under torch.compile]); while
-    exporting, ``fn(*args)`` itself (NOTE [Recompute tags under torch.export]). ``fn`` draws no
-    random numbers (no RNG state is restored)."""
+def recompute_in_backward(fn: Callable, *args, preserve_rng_state: bool = False, **kwargs):
+    """``fn(*args, **kwargs)``, every value it makes tagged for recompute in backward: a
+    non-reentrant ``torch.utils.checkpoint`` (NOTE [slimgrad ops under torch.compile]); while
+    exporting, ``fn(*args, **kwargs)`` itself (NOTE [Recompute tags under torch.export]).
+    ``preserve_rng_state``: the recompute draws what the first call drew (``fn``'s dropout;
+    checkpoint's option of that name); without it ``fn`` must draw no random numbers."""
     if exporting():
-        return fn(*args)
-    return _checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        return fn(*args, **kwargs)
+    return _checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+    )
 
 
 # NOTE [Kernels Dynamo never compiles]

@@ -15,9 +15,11 @@ it gives the module its own copy of its config whose ``_attn_implementation`` is
 ``"slimgrad_core"``, a name registered in ``AttentionInterface`` (no other model or module sees
 it), and stores on the module the function its old name resolved to (decided once, at apply
 time). :func:`_core` runs that function under ``torch.utils.checkpoint`` (non-reentrant, RNG state
-kept and restored, autocast state restored by checkpoint), so the recompute gives the bits of the
-first forward: the same dropout mask, the same outputs and gradients as the module without
-recompute. Without grad it calls the function directly. The module wraps only when the switch
+kept and restored, autocast state restored by checkpoint; ``recompute_in_backward`` in
+``slimgrad/_compile.py``), so the recompute gives the bits of the first forward: the same dropout
+mask, the same outputs and gradients as the module without recompute. Without grad, and while
+``torch.export`` traces (NOTE [Recompute tags under torch.export]), it calls the function
+directly. The module wraps only when the switch
 changes nothing but the function: its class dispatches through ``ALL_ATTENTION_FUNCTIONS`` and
 every other read of ``_attn_implementation`` in its file gives the same answer for the new name as
 for the old one (the analysis of NOTE [HF attention: exact or untouched]); otherwise
@@ -35,6 +37,8 @@ import copy
 import torch
 import torch.nn as nn
 
+from slimgrad._compile import recompute_in_backward
+
 CORE_NAME = "slimgrad_core"
 _registered = False
 
@@ -43,25 +47,15 @@ def _core(module, query, key, value, attention_mask, *args, **kwargs):
     inner = module._slimgrad_core_inner
     if not torch.is_grad_enabled():
         return inner(module, query, key, value, attention_mask, *args, **kwargs)
-    from torch.utils.checkpoint import checkpoint
-
     if module.__dict__.get("_slimgrad_core_sdpa") and kwargs.get("position_bias") is None:
         # NOTE [SDPA's autocast casts, before the checkpoint]
         device = query.device.type
         if torch.is_autocast_enabled(device):
             low = torch.get_autocast_dtype(device)
             query, key, value = (_autocast_cast(t, device, low) for t in (query, key, value))
-    return checkpoint(
-        inner,
-        module,
-        query,
-        key,
-        value,
-        attention_mask,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=True,
-        **kwargs,
+    # while exporting, the core itself (NOTE [Recompute tags under torch.export])
+    return recompute_in_backward(
+        inner, module, query, key, value, attention_mask, *args, preserve_rng_state=True, **kwargs
     )
 
 

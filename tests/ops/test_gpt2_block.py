@@ -6,6 +6,8 @@ autograd node each, with the per-op converted model's loss, gradients, saved and
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 
 import pytest
 import torch
@@ -75,25 +77,118 @@ def _assert_same(a, b):
 
 
 def test_convert_puts_the_block_forward():
+    # under every declared transformers release (5.24: the cache renamed to ``cache`` behind
+    # @deprecate_kwarg; before: not recognised, HF's forward ran)
     model = _model()
+    blk = model.transformer.h[0]
+    sig = inspect.signature(inspect.unwrap(type(blk).forward))
     for blk in model.transformer.h:
-        assert type(blk.__dict__.get("forward")) is hb.GPT2BlockForward
+        fwd = blk.__dict__.get("forward")
+        assert type(fwd) is hb.GPT2BlockForward
+        assert fwd.args == tuple(sig.parameters)[1:-1]
+        assert fwd.cache_name == blk.attn.forward.cache_name == fwd.args[1]
 
 
-def test_another_hf_block_forward_keeps_hfs(monkeypatch):
-    # a release whose GPT2Block.forward computes something else (here: the residual add's
-    # operands swapped) keeps HF's forward; the attention's forward is still put
-    changed = hb._TEMPLATE.replace("attn_output + residual", "residual + attn_output")
-    assert changed != hb._TEMPLATE
-    monkeypatch.setattr(hb, "_TEMPLATE", changed)
-    hb._same_computation.cache_clear()
-    try:
-        model = _model()
-    finally:
-        hb._same_computation.cache_clear()
+def _hf_block():
+    return transformers.models.gpt2.modeling_gpt2.GPT2Block
+
+
+def _resigned(change):
+    # a forward calling HF's, with the signature ``change`` makes of HF's (a release that adds,
+    # moves or re-defaults a parameter)
+    real = inspect.unwrap(_hf_block().forward)
+    params = list(inspect.signature(real).parameters.values())
+
+    def forward(self, *args, **kwargs):
+        return real(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.Signature(change(params))
+    return forward
+
+
+def _set(params, i, **kw):
+    return [*params[:i], params[i].replace(**kw), *params[i + 1 :]]
+
+
+_VAR = inspect.Parameter.VAR_KEYWORD
+_POK = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # a new parameter before **kwargs
+        lambda ps: [*ps[:-1], inspect.Parameter("output_attentions", _POK, default=False), ps[-1]],
+        lambda ps: _set(ps, 6, default=True),  # use_cache's default
+        lambda ps: [ps[0], ps[1], ps[3], ps[2], *ps[4:]],  # the cache after the mask
+        lambda ps: ps[:-1],  # no **kwargs
+        lambda ps: _set(ps, 2, name="layer_past"),  # a cache name not known
+    ],
+    ids=["new_parameter", "default", "moved", "no_kwargs", "cache_name"],
+)
+def test_another_signature_keeps_hfs(monkeypatch, change):
+    # NOTE [GPT-2's block, recognised by structure and signature]: a release whose block forward
+    # has another signature keeps HF's forward; the attention's forward is still put
+    monkeypatch.setattr(_hf_block(), "forward", _resigned(change))
+    model = _model()
     for blk in model.transformer.h:
         assert "forward" not in blk.__dict__
         assert "forward" in blk.attn.__dict__
+
+
+def test_an_unknown_wrapper_keeps_hfs_and_deprecate_kwarg_does_not(monkeypatch):
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    stock = _hf_block().forward
+
+    @functools.wraps(stock)
+    def logged(self, *args, **kwargs):  # a wrapper of some other decorator: it could do anything
+        return stock(self, *args, **kwargs)
+
+    monkeypatch.setattr(_hf_block(), "forward", logged)
+    for blk in _model().transformer.h:
+        assert "forward" not in blk.__dict__
+    cache = inspect.signature(inspect.unwrap(stock)).parameters
+    renamed = deprecate_kwarg("layer_past", "9.0.0", new_name=list(cache)[2])(stock)
+    monkeypatch.setattr(_hf_block(), "forward", renamed)
+    for blk in _model().transformer.h:
+        assert type(blk.__dict__.get("forward")) is hb.GPT2BlockForward
+
+
+@pytest.mark.parametrize("child", ["crossattention", "adapter"])
+def test_another_structure_keeps_hfs(child):
+    # a child the block forward does not run (a cross-attention; one a release or a user added)
+    c = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=97, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(c)
+    for blk in model.transformer.h:
+        blk.add_module(child, torch.nn.Identity())
+    slimgrad.convert_(model)
+    for blk in model.transformer.h:
+        assert "forward" not in blk.__dict__
+
+
+def test_a_deprecated_cache_keyword_runs_hfs_forward(folded):
+    # a call naming the cache by the other known name (5.24: the deprecated past_key_values;
+    # 5.23: cache, not a parameter) runs HF's forward, whose decorator renames it where it has one
+    model = _model().train()
+    per_op = _per_op(model)
+    blk, ref_blk = model.transformer.h[0], per_op.transformer.h[0]
+    params = inspect.signature(inspect.unwrap(type(blk).forward)).parameters
+    other = "cache" if "past_key_values" in params else "past_key_values"
+    x = torch.randn(2, 7, 32)
+    torch.manual_seed(5)
+    got = blk(x, **{other: None})
+    torch.manual_seed(5)
+    want = ref_blk(x, **{other: None})
+    assert torch.equal(got, want)
+    assert folded == [0, 0]
+    torch.manual_seed(5)
+    assert torch.equal(blk(x), want)  # the same call without it folds, with the same bits
+    assert folded == [1, 1]
 
 
 @pytest.mark.parametrize("train", [True, False])

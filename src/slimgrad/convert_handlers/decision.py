@@ -142,3 +142,9 @@ class InstanceForward:
     @property
     def __signature__(self):
         return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    @property
+    def __code__(self):
+        # what non-strict torch.export reads of the exported module's forward (NOTE [The fused
+        # loss under torch.export] in hf_loss.py)
+        return type(self.module).forward.__code__

@@ -23,16 +23,16 @@ forward, module by module; so does a training call with HF's gradient checkpoint
 (``gradient_checkpointing_enable``: transformers wraps the class's ``forward``, which checkpoints
 the block), so the block is checkpointed as before. The checks that read only the block's
 structure are the module's own children and hook dicts, read per call (a child replaced or hooked
-after ``convert_`` is seen at its next call).
+after ``convert_`` is seen at its next call). Which releases' blocks get it: NOTE [GPT-2's block,
+recognised by structure and signature].
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
 import sys
-import textwrap
 from functools import cache
+from inspect import Parameter as P
 
 import torch.nn as nn
 from torch.nn.modules import module as _module
@@ -42,15 +42,6 @@ from slimgrad.convert_handlers.decision import InstanceForward
 from slimgrad.nn._hooks import foreign
 
 __all__ = ["GPT2BlockForward", "gpt2_block_forwards_"]
-
-_ARGS = (
-    "hidden_states",
-    "past_key_values",
-    "attention_mask",
-    "encoder_hidden_states",
-    "encoder_attention_mask",
-    "use_cache",
-)
 
 
 def _watched(m) -> bool:
@@ -73,6 +64,25 @@ def _global_watched() -> bool:
 class GPT2BlockForward(InstanceForward):
     """The ``forward`` ``convert_`` puts on an HF ``GPT2Block`` instance (NOTE [GPT-2's block
     with its LayerNorms folded])."""
+
+    # class defaults: an instance pickled before these were stored (transformers 5.23's names)
+    args = (
+        "hidden_states",
+        "past_key_values",
+        "attention_mask",
+        "encoder_hidden_states",
+        "encoder_attention_mask",
+        "use_cache",
+    )
+    cache_name = "past_key_values"
+    other_cache_names = ("cache",)
+
+    def __init__(self, module: nn.Module, args: tuple[str, ...], other_cache_names) -> None:
+        super().__init__(module)
+        # NOTE [GPT-2's block, recognised by structure and signature]: decided at convert_
+        self.args = args
+        self.cache_name = args[1]
+        self.other_cache_names = tuple(other_cache_names)
 
     def __call__(self, *args, **kwargs):
         m = self.module
@@ -139,13 +149,19 @@ class GPT2BlockForward(InstanceForward):
             )
         ):
             return type(m).forward(m, *args, **kwargs)
-        # HF's signature: (hidden_states, past_key_values=None, attention_mask=None,
-        # encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs)
-        named = dict(zip(_ARGS, args, strict=False))
+        # HF's signature: (hidden_states, <cache>=None, attention_mask=None,
+        # encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs),
+        # the cache's name and the order read at convert_ (NOTE [GPT-2's block, recognised by
+        # structure and signature])
+        names = self.args
+        named = dict(zip(names, args, strict=False))
         rest = kwargs
         if kwargs:
+            for k in self.other_cache_names:  # a deprecated spelling: HF's decorator renames it
+                if k in kwargs:
+                    return type(m).forward(m, *args, **kwargs)
             rest = dict(kwargs)
-            for k in _ARGS:
+            for k in names:
                 if k in rest:
                     if k in named:  # given twice: HF's forward raises its TypeError
                         return type(m).forward(m, *args, **kwargs)
@@ -157,7 +173,7 @@ class GPT2BlockForward(InstanceForward):
         # HF's call of the attention: encoder_attention_mask is the cross-attention's only; the
         # cache under the attention's own name (NOTE [GPT-2's cache keyword] in hf_attention.py)
         attn_kwargs = {
-            af.cache_name: named.get("past_key_values"),
+            af.cache_name: named.get(self.cache_name),
             "attention_mask": named.get("attention_mask"),
             "use_cache": named.get("use_cache", False),
             **rest,
@@ -225,75 +241,88 @@ def _deps():
     return _DEPS
 
 
-# HF's GPT2Block.forward (transformers 5.23), the computation GPT2BlockForward runs: a release
-# whose forward differs beyond annotations, docstrings and comments keeps HF's forward
-_TEMPLATE = """
-def forward(
-    self,
-    hidden_states,
-    past_key_values=None,
-    attention_mask=None,
-    encoder_hidden_states=None,
-    encoder_attention_mask=None,
-    use_cache=False,
-    **kwargs,
-):
-    residual = hidden_states
-    hidden_states = self.ln_1(hidden_states)
-    attn_output, _ = self.attn(
-        hidden_states,
-        past_key_values=past_key_values,
-        attention_mask=attention_mask,
-        use_cache=use_cache,
-        **kwargs,
-    )
-    hidden_states = attn_output + residual
-    if encoder_hidden_states is not None:
-        if not hasattr(self, "crossattention"):
-            raise ValueError(
-                f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
-                "cross-attention layers by setting `config.add_cross_attention=True`"
-            )
-        residual = hidden_states
-        hidden_states = self.ln_cross_attn(hidden_states)
-        cross_attn_output, _ = self.crossattention(
-            hidden_states,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask,
-        )
-        hidden_states = residual + cross_attn_output
-    residual = hidden_states
-    hidden_states = self.ln_2(hidden_states)
-    feed_forward_hidden_states = self.mlp(hidden_states)
-    hidden_states = residual + feed_forward_hidden_states
-    return hidden_states
-"""
-
-
-def _canon(src: str) -> str | None:
-    # the function's parameters and body, annotations and docstring dropped
-    fdef = ast.parse(textwrap.dedent(src)).body[0]
-    if not isinstance(fdef, ast.FunctionDef) or fdef.decorator_list:
-        return None
-    a = fdef.args
-    for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
-        if arg is not None:
-            arg.annotation = None
-    body = fdef.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    return ast.dump(a) + "".join(ast.dump(st) for st in body)
+# NOTE [GPT-2's block, recognised by structure and signature]
+# :class:`GPT2BlockForward` runs HF's ``GPT2Block.forward`` for a pre-LN self-attention block:
+# ``x + attn(ln_1(x))``, then ``h + mlp(ln_2(h))``, with a cross-attention step between them only
+# when ``encoder_hidden_states`` is given. Whether a release's block is that one is decided once,
+# when :func:`gpt2_block_forwards_` puts the forward on, from facts that survive cosmetic
+# releases, never from source text, bytecode or frames:
+#
+# - the signature of the forward under its decorators (``inspect.unwrap``): ``self``, then
+#   ``hidden_states``, the KV cache under one of the known cache names (NOTE [GPT-2's cache
+#   keyword] in hf_attention.py; the attention's own, as the block passes it on by keyword),
+#   ``attention_mask``, ``encoder_hidden_states``, ``encoder_attention_mask`` and ``use_cache``,
+#   positional-or-keyword in that order with the defaults ``None`` (four) and ``False``, then
+#   ``**kwargs``. The positional order is stored on the forward (``args``) and binds each call;
+# - the forward's wrapper layers at run time (``functools.wraps``' ``__wrapped__`` chain), each
+#   recognised by its code object: the checkpointing wrapper transformers'
+#   ``GradientCheckpointingLayer`` puts around its subclasses' forwards (it checkpoints only with
+#   HF's gradient checkpointing on, when the call runs HF's forward, see above) and
+#   ``@deprecate_kwarg``'s (NOTE [Decorators that do not change the computation] in hf.py), which
+#   only renames a deprecated keyword before HF's body runs: a call that passes another of the
+#   known cache names (a deprecated spelling) runs HF's forward, whose decorator renames it. Any
+#   other layer keeps HF's forward;
+# - the block's structure: its children are exactly ``ln_1``, ``attn``, ``ln_2`` and ``mlp`` (no
+#   ``crossattention``, no child a release added), the class's forward is HF's (no subclass
+#   override, no patched instance forward), and the attention has its GPT2AttentionForward.
+#
+# transformers 5.23 (``past_key_values``, undecorated) and 5.24 (``cache`` behind
+# ``@deprecate_kwarg("past_key_values", ..., new_name="cache")``) both match. A release that adds
+# or drops a parameter, moves one, changes a default or adds a child keeps HF's forward (the
+# results are HF's; only the two folds are off). tests/ops/test_gpt2_block.py compares the folded
+# blocks with the per-op ones bit for bit (values, gradients, dropout masks, bytes) under each
+# declared transformers release (``make test-hf-newest`` runs it under the newest).
+_CHILDREN = frozenset({"ln_1", "attn", "ln_2", "mlp"})
+_AFTER_CACHE = (
+    ("attention_mask", None),
+    ("encoder_hidden_states", None),
+    ("encoder_attention_mask", None),
+    ("use_cache", False),
+)
 
 
 @cache
-def _same_computation(fn) -> bool:
-    # fn: the function under transformers' checkpointing wrapper (functools.wraps' __wrapped__)
+def _wrapper_codes() -> frozenset:
+    # the code objects of the wrapper layers a GPT-2 block forward may have: @deprecate_kwarg's
+    # (hf.py's probe) and the one transformers' GradientCheckpointingLayer puts around every
+    # subclass's forward, learnt from a subclass of its own
+    from slimgrad.convert_handlers.hf import _known_decorators
+
+    codes = {c for _, kind, c in _known_decorators().values() if kind == "rename_kwarg"}
     try:
-        return _canon(inspect.getsource(inspect.unwrap(fn))) == _canon(_TEMPLATE)
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return False
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return frozenset(codes)
+
+    class _Probe(GradientCheckpointingLayer):
+        def forward(self, x):
+            return x
+
+    if hasattr(_Probe.forward, "__wrapped__"):  # the class's forward, wrapped (transformers 5.x)
+        codes.add(_Probe.forward.__code__)
+    return frozenset(codes)
+
+
+def _block_args(fn, cache_name: str) -> tuple[str, ...] | None:
+    # NOTE [GPT-2's block, recognised by structure and signature]: the positional names of HF's
+    # block forward ``fn`` after self, or None where it is not the block GPT2BlockForward runs
+    known = _wrapper_codes()
+    f = fn
+    while hasattr(f, "__wrapped__"):
+        if getattr(f, "__code__", None) not in known:
+            return None
+        f = f.__wrapped__
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    want = (("self", P.empty), ("hidden_states", P.empty), (cache_name, None), *_AFTER_CACHE)
+    if len(params) != len(want) + 1 or params[-1].kind is not P.VAR_KEYWORD:
+        return None
+    for p, (name, default) in zip(params, want, strict=False):
+        if p.kind is not P.POSITIONAL_OR_KEYWORD or p.name != name or p.default is not default:
+            return None
+    return tuple(p.name for p in params[1:-1])
 
 
 def gpt2_block_forwards_(model: nn.Module, skip: frozenset | set = frozenset()) -> list[str]:
@@ -304,20 +333,21 @@ def gpt2_block_forwards_(model: nn.Module, skip: frozenset | set = frozenset()) 
 
     hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
     stock = getattr(getattr(hf, "GPT2Block", None), "forward", None)
-    if stock is None or not _same_computation(stock):
+    if stock is None:
         return []
     names = []
     for name, m in model.named_modules():
         attn = getattr(m, "_modules", {}).get("attn")
+        af = attn.__dict__.get("forward") if attn is not None else None
         if (
             name not in skip
             and isinstance(m, hf.GPT2Block)
             and type(m).forward is stock
             and "forward" not in m.__dict__
-            and "crossattention" not in m._modules
-            and attn is not None
-            and type(attn.__dict__.get("forward")) is GPT2AttentionForward
+            and m._modules.keys() == _CHILDREN
+            and type(af) is GPT2AttentionForward
+            and (args := _block_args(stock, af.cache_name)) is not None
         ):
-            m.forward = GPT2BlockForward(m)
+            m.forward = GPT2BlockForward(m, args, af.other_cache_names)
             names.append(name)
     return names

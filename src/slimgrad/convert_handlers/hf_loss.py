@@ -9,7 +9,8 @@ log-probabilities are never materialised. **Its output's ``logits`` is then ``No
 buffer and one more head matmul); a loss that differentiates them raises a clear error in
 backward rather than silently missing that term's gradient. Every other call (no labels, ``eval()``,
 ``torch.no_grad()``, ``return_dict=False`` unless ``keep_logits``: a tuple has no slot for a
-``None`` logits) runs the class's own forward and returns what HF returns, logits included.
+``None`` logits, ``torch.export``: NOTE [The fused loss under torch.export]) runs the class's own
+forward and returns what HF returns, logits included.
 
 NOTE [Fused LM loss by template]
 The fused forward is applied only when the class's ``forward`` is, statement for statement, one of
@@ -59,6 +60,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn.modules import module as _torch_module
 
 from slimgrad._autograd import compiling
+from slimgrad._compile import exporting
 from slimgrad.convert_handlers.decision import Decision
 from slimgrad.convert_handlers.hf import CodeReason, forward_decorators, hf_models
 from slimgrad.nn._hooks import foreign  # hooks other than slimgrad.memory's observers
@@ -858,6 +860,17 @@ def _after_renames(self, *args, **kwargs):
 _after_renames.__name__ = _after_renames.__qualname__ = "forward"
 
 
+# NOTE [The fused loss under torch.export]
+# ``torch.export`` traces forward only: the exported program keeps nothing for a backward, so the
+# fused loss would save nothing there, and its training output (``logits=None``) would make the
+# exported program's outputs differ from the exported eager model's. While exporting
+# (``slimgrad._compile.exporting()``, strict and non-strict alike) the fused forward runs the
+# class's forward: the exported graph is the eager model's, with the converted modules' ops inside,
+# and its outputs are the exported eager model's, logits included (tests/test_compile_export.py).
+# Non-strict export reads the top module's ``forward.__code__`` before it traces (for the names
+# in its shape environment's messages); the fused forward, like slimgrad's other instance
+# forwards (``decision.InstanceForward``), answers with the code of the class's forward, the
+# object the same read gives for the model before ``convert_``.
 class _FusedLMForward:
     """The instance's ``forward`` after ``convert_``: HF's own, or the fused loss where exact.
 
@@ -873,11 +886,17 @@ class _FusedLMForward:
     def __signature__(self):
         return inspect.signature(type(self.model).forward.__get__(self.model))
 
+    @property
+    def __code__(self):
+        # NOTE [The fused loss under torch.export]: what non-strict export reads
+        return type(self.model).forward.__code__
+
     def __call__(self, *args, **kwargs):
         model = self.model
         cls_forward = type(model).forward
-        if not (model.training and torch.is_grad_enabled()):
-            return cls_forward(model, *args, **kwargs)  # nothing to save memory for
+        if not (model.training and torch.is_grad_enabled()) or exporting():
+            # nothing to save memory for (NOTE [The fused loss under torch.export])
+            return cls_forward(model, *args, **kwargs)
         spec, _ = _cached(cls_forward, "forward")
         if spec is None:
             return cls_forward(model, *args, **kwargs)
