@@ -506,18 +506,15 @@ def _autocast_cast(t: torch.Tensor | None, dev: str, dt: torch.dtype) -> torch.T
             and cast.dtype == dt
             and cast.shape == t.shape
             and cast.grad_fn is not None
-            and _casts_leaf(cast.grad_fn.next_functions[0][0], t)
         ):
-            return cast
+            # the cast feeds t's AccumulateGrad: its variable is t or, for a saved leaf unpacked
+            # by someone's hooks (a checkpoint's recompute), the leaf t aliases (NOTE [A saved
+            # leaf comes back as an alias])
+            node = cast.grad_fn.next_functions[0][0]
+            v = getattr(node, "variable", None)
+            if v is t or (v is not None and unseen(_grad_node, t) is node):
+                return cast
     return t.to(dt)
-
-
-def _casts_leaf(node, t: torch.Tensor) -> bool:
-    # whether the probe's cast feeds t's gradient: t's AccumulateGrad, whose variable is t or, for
-    # a saved leaf unpacked by someone's hooks (a checkpoint's recompute), the leaf t aliases
-    # (NOTE [A saved leaf comes back as an alias])
-    v = getattr(node, "variable", None)
-    return v is not None and (v is t or unseen(_grad_node, t) is node)
 
 
 def _grad_node(t: torch.Tensor):
