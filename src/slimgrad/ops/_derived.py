@@ -540,6 +540,43 @@ def under_checkpoint() -> bool:
     return hooks is not None and _checkpoints(hooks)
 
 
+# NOTE [Value-dependent saves under torch.utils.checkpoint]
+# A non-reentrant checkpoint runs the region twice, at forward and again inside backward, hands the
+# forward's nodes what the recompute saved (matched by order) and, by default, raises
+# CheckpointError where a recomputed tensor's shape, dtype or device differs from the forward's.
+# The recompute's inputs need not be the forward's: a user's saved-tensor hooks around the region
+# pack its inputs (a bf16 pack is lossy), and a kernel may not be deterministic. Eager's nodes save
+# tensors whose shapes the shapes decide, so eager runs, with the recompute's gradient. A slimgrad
+# op whose saved tensors' sizes the values decide (the smooth activations' hard-element table and
+# dense fallback, InPlaceABN's side channels for ELU) raised CheckpointError there (Linear -> GELU
+# -> Linear in bf16-packing hooks: 1,748 hard elements at forward, 1,752 in the recompute; issue
+# 30), or with ``determinism_check="none"`` read the recompute's tensors with the forward's flags.
+# So under checkpoint's own hooks (forward and recompute alike: :func:`under_checkpoint`) such a
+# tensor is saved "held": :func:`hold` gives a 0-element view of its whole storage, whose metadata
+# the shapes decide and which keeps that storage alive as the tensor would (the same bytes;
+# checkpoint's hooks keep what the recompute saves by reference). Backward rebuilds it from its
+# storage's size (:func:`whole`) and reads every value-dependent choice from what came back, never
+# from the forward's ctx, so the gradient is the recompute's own: eager's answer on the
+# recompute's inputs, within the error rule. Where the recompute saw what the forward saw (no
+# hooks, lossless ones), the same tensors and bits as before. A tensor on part of a storage is
+# copied first (a table is a few bytes per hard element).
+def hold(t: torch.Tensor) -> torch.Tensor:
+    """A 0-element view of ``t``'s whole storage (``t`` copied first unless it is exactly its
+    contiguous storage): NOTE [Value-dependent saves under torch.utils.checkpoint]."""
+    if (
+        t.storage_offset()
+        or not t.is_contiguous()
+        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    ):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.detach().as_strided((0,), (1,))
+
+
+def whole(h: torch.Tensor) -> torch.Tensor:
+    """The 1-D tensor on all of the storage a :func:`hold` view holds."""
+    return h.as_strided((h.untyped_storage().nbytes() // h.element_size(),), (1,), 0)
+
+
 # NOTE [A lookup across a checkpoint boundary]
 # A non-reentrant torch.utils.checkpoint runs its function twice, at forward and again inside
 # backward, and hands the backward's nodes what the recompute saved, matched by index: so every op

@@ -227,13 +227,28 @@ def smooth_forward(
     # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py: y (or x
     # holding it) recorded under hooks, eager only (``compiling`` read above)
     hooked = not dense and top is not None
+    # NOTE [Side tables under torch.utils.checkpoint]: eager only (``top`` is None compiling)
+    ctx.held = held = top is not None and _derived._checkpoints(top)
+    ctx.side = None
     if inplace:  # x holds y now: kept instead of y (no second copy); read as x.permute(perm)
         x.copy_(out)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(None if dense else x, bits, idx, xs)
+        if held:
+            # the dense copy of x in x's shape, as the table's slot keeps x (holding y)
+            a = x if not dense else xs.view(out.shape if perm is None else y.shape)
+            if dense and perm is not None:
+                a = a.permute(_inverse_perm(perm))
+            save_held(ctx, a, bits, idx, xs, dense)
+        else:
+            ctx.save_for_backward(None if dense else x, bits, idx, xs)
         ctx.y_seen = seen(x, dirty=True) if hooked else None
         return x
-    ctx.save_for_backward(None if dense else y, bits, idx, x if ctx.dense_x else xs)
+    if held:  # the dense x in y's (memory-order) shape
+        save_held(
+            ctx, y if not dense else x if perm is None else x.permute(perm), bits, idx, xs, dense
+        )
+    else:
+        ctx.save_for_backward(None if dense else y, bits, idx, x if ctx.dense_x else xs)
     ctx.y_seen = seen(y) if hooked else None
     # no zero gradients for them in backward (it never reads them): on the dense fallback xs is all
     # of x, so autograd would allocate a gradient-sized zeros tensor
@@ -244,6 +259,46 @@ def smooth_forward(
     # outputs of the Function traced by torch.compile; the functional drops it.
     ctx.mark_non_differentiable(bits, idx, xs)
     return out, bits, idx, xs
+
+
+# NOTE [Side tables under torch.utils.checkpoint]
+# The smooth activations' case of NOTE [Value-dependent saves under torch.utils.checkpoint] in
+# ops/_derived.py: the hard-element table's length and the dense fallback are the values'. Under
+# checkpoint's own hooks (the forward's and the recompute's alike; eager only) the op saves its
+# four slots "held": slot 0 is y (x holding y in place) or, on the dense fallback, x in y's shape
+# (the copy of x in place); bits, idx and xs are held (empty on the dense fallback). Backward
+# (:func:`side_tensors`) rebuilds them and reads the mode from what came back (no bits: the dense
+# fallback), setting ``ctx.dense_x``; the C path's backward hands the recompute's dense fallback to
+# the general path. A checkpoint unpacks each saved tensor once, so a backward that hands over
+# passes what it unpacked in ``ctx.side``.
+def save_held(ctx, a, bits, idx, xs, dense: bool) -> None:
+    """``save_for_backward`` of a smooth activation's four slots with value-independent metadata
+    (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when ``dense``
+    (bits, idx and xs are then empty)."""
+    ctx.save_for_backward(a, _derived.hold(bits), _derived.hold(idx), _derived.hold(xs))
+
+
+def side_tensors(ctx) -> tuple:
+    """The (y, bits, idx, xs) a smooth activation's forward saved, unpacked once (``ctx.side``
+    when another backward path unpacked them); held ones rebuilt, with ``ctx.dense_x`` the
+    recompute's (NOTE [Side tables under torch.utils.checkpoint])."""
+    side = ctx.side
+    if side is not None:
+        ctx.side = None
+        return side
+    if not ctx.held:
+        return ctx.saved_tensors
+    a, bits, idx, xs = ctx.saved_tensors
+    bits, idx, xs = _derived.whole(bits), _derived.whole(idx), _derived.whole(xs)
+    if bits.numel():
+        ctx.dense_x = False
+        return a, bits, idx, xs
+    perm = ctx.perm
+    if ctx.y_is_x:  # in place: the copy of x, flat in memory order (smooth_grad's fallback)
+        ctx.dense_x = False
+        return None, bits, idx, (a if perm is None else a.permute(perm)).reshape(-1)
+    ctx.dense_x = True
+    return None, bits, idx, a if perm is None else a.permute(_inverse_perm(perm))
 
 
 # NOTE [An output written after forward]
@@ -298,7 +353,8 @@ def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact:
     g's buffer when it is dead and in y's memory order, else None); NOTE [Layout of the smooth
     activations]."""
     try:
-        y, bits, idx, xs = ctx.saved_tensors
+        held = ctx.held or ctx.side is not None  # side_tensors(ctx) only where it has work
+        y, bits, idx, xs = side_tensors(ctx) if held else ctx.saved_tensors
     except RuntimeError as e:  # NOTE [An output written after forward]
         raise_output_written(e, _public_api(ctx))
         raise
@@ -338,8 +394,10 @@ def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) ->
         args = extra(ctx)
         if g is None:
             return (None,) * (1 + len(args)) if args else None
+        if ctx.held:  # the mode is the recompute's: NOTE [Side tables under torch.utils.checkpoint]
+            ctx.side = side_tensors(ctx)  # for backward below, which unpacks them
         if ctx.dense_x:
-            x = ctx.saved_tensors[3]
+            x = side_tensors(ctx)[3]
             dx = exact(g, x, *args)
             return (dx, *(None for _ in args)) if args else dx
         return _autograd.refuse_second_order(op, ctx._forward_cls.backward, ctx, (g, *side))
@@ -480,7 +538,7 @@ def input_kept_forward(ctx, x: torch.Tensor, fwd: Callable, single: bool):
     ctx.cpath = None
     record_layout(ctx, x)
     out = fresh(eager_output(x, fwd))
-    ctx.dense_x, ctx.y_is_x, ctx.y_seen = True, False, None
+    ctx.dense_x, ctx.y_is_x, ctx.y_seen, ctx.held, ctx.side = True, False, None, False, None
     # x alone, as eager's node: no empty side tensors for saved-tensor hooks to pack (a hook
     # that cannot pack an empty tensor works with eager's op); backward makes them if it needs
     ctx.save_for_backward(None, None, None, x)
@@ -930,11 +988,19 @@ def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | 
     ctx.y_is_x = False
     ctx.set_materialize_grads(False)
     big = n >= 2**31
+    # NOTE [Side tables under torch.utils.checkpoint]
+    ctx.held = held = top is not None
+    ctx.side = None
     if k * FALLBACK_DIV > n:  # dense fallback: x itself, as eager (NOTE [Gradient from the output])
         ctx.dense_x, ctx.cpath, ctx.y_seen = True, None, None
-        ctx.save_for_backward(
-            None, torch.empty(0, dtype=_U8), torch.empty(0, dtype=_I64 if big else _I32), x
-        )
+        empty_idx = torch.empty(0, dtype=_I64 if big else _I32)
+        if held:  # the C path's backward finds the mode in what the recompute saved
+            ctx.cpath, ctx.n = cp, n
+            save_held(
+                ctx, x, torch.empty(0, dtype=_U8), empty_idx, torch.empty(0, dtype=_F32), True
+            )
+        else:
+            ctx.save_for_backward(None, torch.empty(0, dtype=_U8), empty_idx, x)
         return y
     idx = torch.empty(k, dtype=_I64 if big else _I32)
     xs = torch.empty(k, dtype=_F32)
@@ -945,7 +1011,10 @@ def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | 
         )  # fmt: skip
     ctx.dense_x = False
     ctx.cpath, ctx.n = cp, n
-    ctx.save_for_backward(y, bits, idx, xs)
+    if held:
+        save_held(ctx, y, bits, idx, xs, False)
+    else:
+        ctx.save_for_backward(y, bits, idx, xs)
     # NOTE [A kept output written under saved-tensor hooks]; past the gate: not compiling
     ctx.y_seen = None if top is None else seen(y)
     return y
@@ -956,10 +1025,15 @@ def c_backward(ctx, g: torch.Tensor, buf, exact: Callable, *args) -> torch.Tenso
     into ``buf`` (g itself, granted by ``ownership.take``) if given. None (nothing done) when the
     saved tensors come back other than saved (a saved-tensor hook's layout, dtype or device)."""
     try:
-        y, bits, idx, xs = ctx.saved_tensors
+        # side_tensors(ctx) where it has work (held, or handed over): no call otherwise
+        saved = side_tensors(ctx) if ctx.held or ctx.side is not None else ctx.saved_tensors
+        y, bits, idx, xs = saved
     except RuntimeError as e:  # NOTE [An output written after forward]
         raise_output_written(e, _public_api(ctx))
         raise
+    if y is None:  # the recompute's dense fallback: the general path takes it (NOTE [Side
+        ctx.side = saved  # tables under torch.utils.checkpoint])
+        return None
     if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
         check_output_seen(ctx, y, _public_api(ctx))
     if not (
@@ -969,6 +1043,7 @@ def c_backward(ctx, g: torch.Tensor, buf, exact: Callable, *args) -> torch.Tenso
         and y.is_contiguous()
         and bits.is_contiguous()
     ):
+        ctx.side = saved  # unpacked once (a checkpoint's unpack gives each tensor once)
         return None
     cp = ctx.cpath
     gp = g.data_ptr()

@@ -323,7 +323,7 @@ def _ext_mlp_backward(steps, dy, owned: bool):
     mp, mf = proj.needs_input_grad, fc.needs_input_grad
     if mp[0]:
         cp = act.cpath
-        if cp is None:
+        if cp is None or act.held:  # NOTE [Side tables under torch.utils.checkpoint]
             return None
         ay, abits, idx, xs = act.saved_tensors
         gaddr = _GELU_BWD_ADDR.get(cp)

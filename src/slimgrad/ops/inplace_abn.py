@@ -66,6 +66,7 @@ from slimgrad._library import custom_op, python_impl
 from slimgrad._math import abn as _abn
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
+from slimgrad.ops import _derived
 
 __all__ = ["ACTIVATIONS", "inplace_abn", "inplace_abn_sync", "check_activation"]
 
@@ -314,7 +315,21 @@ def _saved(ctx, api: str) -> tuple:
         raise
     if ctx.z_seen is not None:
         check_seen(ctx.z_seen, saved[0], api, _Z_WHY)
+    if ctx.held:  # NOTE [Value-dependent saves under torch.utils.checkpoint] in ops/_derived.py
+        z, side_idx, side_xhat = saved[0], _derived.whole(saved[4]), _derived.whole(saved[5])
+        k = side_idx.shape[0]
+        return (*saved[:4], side_idx, side_xhat.view(z.shape[0], k, *z.shape[2:]))
     return saved
+
+
+def _save(ctx, x, weight, bias, invstd, side_idx, side_xhat) -> None:
+    # the side channels' count is the values' (ELU's smallest pre-activation): held under
+    # checkpoint's hooks (NOTE [Value-dependent saves under torch.utils.checkpoint] in
+    # ops/_derived.py); eager only
+    ctx.held = not torch.compiler.is_compiling() and _derived.under_checkpoint()
+    if ctx.held:
+        side_idx, side_xhat = _derived.hold(side_idx), _derived.hold(side_xhat)
+    ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
 
 
 class _InPlaceABNFn(torch.autograd.Function):
@@ -350,7 +365,7 @@ class _InPlaceABNFn(torch.autograd.Function):
             ctx.z_seen = None
         else:  # NOTE [InPlaceABN's output written after forward]
             ctx.z_seen = seen(x, dirty=True) if hooks_top(False) is not None else None
-        ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
+        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat)
         ctx.cfg = (training, eps, act, param)
         if torch.compiler.is_compiling():
             return x, side_idx, side_xhat
@@ -556,7 +571,7 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
         )  # fmt: skip
         ctx.mark_dirty(x)
         ctx.z_seen = seen(x, dirty=True) if hooks_top(False) is not None else None
-        ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
+        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat)
         ctx.cfg = (eps, act, param, group, count)
         return x
 

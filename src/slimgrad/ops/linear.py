@@ -56,6 +56,19 @@ different tensor, not the cache's). So the probe runs under identity hooks of it
 innermost hooks win): the outer hooks never see the probe's node, nothing is packed, recomputed
 or copied, and the region saves the same tensors in forward and in recompute.
 
+# NOTE [A saved leaf comes back as an alias]
+A non-reentrant ``torch.utils.checkpoint`` keeps its inputs as saved tensors and recomputes on
+what they unpack to. Under a user's ``saved_tensors_hooks`` (an offload, a bf16 pack, a clone) a
+leaf input comes back as another tensor object (the hook's tensor) that shares the leaf's
+AccumulateGrad, where without hooks it is the leaf itself. Autocast casts that alias as it casts any
+leaf (a cache entry of its own), so the cast the probe reads is eager's cast of it; a check that
+the cast's AccumulateGrad holds ``t`` itself failed there, the recompute cast x a second time
+(``t.to``), and selective checkpointing, which matches the recompute's ops to the forward's, raised
+"aten._to_copy.default invocation index ... not found in storage" (issue 30). The check accepts
+the AccumulateGrad ``t``'s gradient edge reaches (``get_gradient_edge``, asked only when the
+variable is not ``t``; its ``view_as`` runs with the dispatch modes set aside, as NOTE [The region
+probe no mode sees] says why), so forward and recompute issue the same ops.
+
 # NOTE [Function outputs are not views]
 A tensor an autograd Function returns must not be a view of a tensor made inside its forward
 (``F.linear`` on a 3-D input returns its 2-D product reshaped by ``view``): autograd marks such an
@@ -493,10 +506,19 @@ def _autocast_cast(t: torch.Tensor | None, dev: str, dt: torch.dtype) -> torch.T
             and cast.dtype == dt
             and cast.shape == t.shape
             and cast.grad_fn is not None
-            and getattr(cast.grad_fn.next_functions[0][0], "variable", None) is t
         ):
-            return cast
+            # the cast feeds t's AccumulateGrad: its variable is t or, for a saved leaf unpacked
+            # by someone's hooks (a checkpoint's recompute), the leaf t aliases (NOTE [A saved
+            # leaf comes back as an alias])
+            node = cast.grad_fn.next_functions[0][0]
+            v = getattr(node, "variable", None)
+            if v is t or (v is not None and unseen(_grad_node, t) is node):
+                return cast
     return t.to(dt)
+
+
+def _grad_node(t: torch.Tensor):
+    return torch.autograd.graph.get_gradient_edge(t).node
 
 
 def _cast_input(x, dev, dt, w_in_out):
