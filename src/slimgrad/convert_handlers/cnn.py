@@ -139,6 +139,25 @@ TABLE["torchvision.ops.misc.FrozenBatchNorm2d"] = ("batch_norm", frozen_batch_no
 TABLE["timm.layers.norm_act.FrozenBatchNormAct2d"] = ("batch_norm", frozen_batch_norm)
 
 
+# NOTE [An activation before a BatchNorm is the table's]
+# An ``*AfterNorm`` activation saves only on a slimgrad BatchNorm's pristine output; on any other
+# input it runs eager's op and keeps x. ``Sequential(conv, Hardswish, bn)`` (MobileNetV3's
+# conv -> act -> BN order) shares a parent with a BatchNorm but never takes its output: claimed
+# here it kept eager's bytes (9,536 B where the table's Hardswish, whose y the BatchNorm keeps
+# anyway, keeps 6,507: NOTE [A BatchNorm consumer keeps y] in nn/_output_act.py). In a plain
+# ``nn.Sequential`` the child before the activation (past ``nn.Identity``, which returns its
+# input) states what it is given: the pattern claims it only after a BatchNorm there. In any other
+# parent the order is not read, and any child may follow the BatchNorm (torchvision's blocks).
+def _may_follow_bn(parent: nn.Module, before: list, found: Structure) -> bool:
+    if type(parent).forward is not nn.Sequential.forward or not isinstance(parent, nn.Sequential):
+        return True
+    for _, c in reversed(before):
+        if type(c) is nn.Identity and "forward" not in c.__dict__:
+            continue
+        return isinstance(found.now(c), _BN_TYPES)
+    return False
+
+
 def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[Decision]:
     """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU/LeakyReLU/ELU/Hardswish
     modules that share a parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's
@@ -162,11 +181,11 @@ def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[
             kids = [(n, c) for n, c in kids if n == "act"]  # BN itself, then drop, then act
         elif not any(isinstance(found.now(c), _BN_TYPES) for _, c in kids if c is not None):
             continue
-        for name, child in kids:
+        for i, (name, child) in enumerate(kids):
             if child is None or id(child) in found.claimed:
                 continue  # decided by an earlier pattern, or here at another place
             h = _ACT_AFTER_NORM.get(type(child))
-            if h is None:
+            if h is None or not _may_follow_bn(parent, kids[:i], found):
                 continue
             fqn = names.get(id(child), name)
             if not allowed(child, fqn):  # the table pass tells it too, as for any module
