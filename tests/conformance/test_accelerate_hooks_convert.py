@@ -141,7 +141,7 @@ def test_a_hook_convert_cannot_state_keeps_the_module(attach, why):
     assert len(reasons) == 1 and why in reasons[0], reasons
 
 
-def test_llama_under_dispatch_model_converts_with_the_undispatched_bits():
+def _llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         num_hidden_layers=1,
@@ -151,24 +151,31 @@ def test_llama_under_dispatch_model_converts_with_the_undispatched_bits():
         num_key_value_heads=2,
         vocab_size=97,
     )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            logging.disable(logging.NOTSET)
+
+
+def test_llama_under_dispatch_model_converts_with_the_undispatched_bits():
+    # the table's modules and the fused loss (NOTE [The fused loss under accelerate's hooks])
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
-    # (the fused loss patches HF's forward, which accelerate's wrapper holds: off in every run)
-    config = slimgrad.ConvertConfig(fused_loss=False)
     got = {}
     for dispatch, convert in [(True, False), (False, True), (True, True)]:
-        torch.manual_seed(0)
-        m = transformers.LlamaForCausalLM(cfg).train()
+        m = _llama()
         if dispatch:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                logging.disable(logging.WARNING)
-                try:
-                    dm = {"model": "cpu", "lm_head": "cpu"}
-                    m = accelerate.dispatch_model(m, dm, force_hooks=True)
-                finally:
-                    logging.disable(logging.NOTSET)
+            dm = {"model": "cpu", "lm_head": "cpu"}
+            m = _quiet(accelerate.dispatch_model, m, dm, force_hooks=True)
         if convert:
-            slimgrad.convert_(m, config)
+            slimgrad.convert_(m)
         saved = measure(lambda m=m: m(input_ids=ids, labels=ids).loss, timeline=False).saved_bytes
         m.zero_grad(set_to_none=True)
         m(input_ids=ids, labels=ids).loss.backward()
@@ -176,8 +183,18 @@ def test_llama_under_dispatch_model_converts_with_the_undispatched_bits():
         got[dispatch, convert] = (rows, saved, {n: p.grad for n, p in m.named_parameters()})
     (rows0, _, g0), (rows1, s1, g1) = got[False, True], got[True, True]
     assert rows1 == rows0
-    assert {k for _, k, _ in rows1} >= {"LlamaRMSNorm", "Linear", "LlamaMLP"}
+    kinds = {k for _, k, _ in rows1}
+    assert kinds >= {"LlamaRMSNorm", "Linear", "LlamaMLP", "LlamaForCausalLM.forward"}
     assert s1 < got[True, False][1]  # below the dispatched eager model's
     assert g1.keys() == g0.keys()
     for n in g0:
         assert torch.equal(g1[n], g0[n]), n
+
+
+def test_offloaded_llama_keeps_hfs_forward_with_the_reason():
+    m = _llama()
+    _quiet(accelerate.cpu_offload, m, execution_device="cpu")
+    slimgrad.convert_(m)
+    rows = {k: r for _, k, r in slimgrad.report(m).skipped}
+    assert "offloads weights" in rows["LlamaForCausalLM.forward"]
+    assert type(m.model.layers[0].mlp.down_proj).__module__.startswith("slimgrad.")

@@ -33,7 +33,11 @@ the module's class) keep the module as it is, with the reason in the report.
 A block that computes with its children's weights without calling them would skip the children's
 hooks: the blocks the table converts under such hooks (HF gated MLPs, GPT-2's MLP) call their
 children whenever a child's forward is set on the instance (their eager path), and their children
-convert by this note one by one (``CONVERT_CHILDREN``).
+convert by this note one by one (``CONVERT_CHILDREN``). The fused loss, which reads the LM head's
+weight, goes under the LM's hook only where no hook in the model moves anything (NOTE [The fused
+loss under accelerate's hooks] in hf_loss.py). GPT-2's attention as one node (a forward set on
+the attention module, which reads ``c_proj``'s weight) is not set on an attention module whose
+forward accelerate wraps: it stays HF's, its children converted by the table.
 """
 
 from __future__ import annotations
@@ -42,9 +46,20 @@ import functools
 import sys
 import types
 
+import torch
 from torch import nn
 
-__all__ = ["carried_reason", "carries", "carry", "hook_wrapper", "patched", "state_reason"]
+__all__ = [
+    "carried_reason",
+    "carries",
+    "carry",
+    "hook_wrapper",
+    "moves_only",
+    "one_device_reason",
+    "patched",
+    "set_forward",
+    "state_reason",
+]
 
 _NEW_FORWARD = "add_hook_to_module.<locals>.new_forward"
 
@@ -124,6 +139,67 @@ def carried_reason(m: nn.Module) -> str | None:
 def carries(m: nn.Module) -> bool:
     """``m``'s instance forward is an accelerate hook wrapper the table carries."""
     return hook_wrapper(m.__dict__.get("forward"), m) is not None and carried_reason(m) is None
+
+
+def _parts(hook: object, hooks: types.ModuleType) -> list:
+    seq = getattr(hooks, "SequentialHook", None)
+    if isinstance(seq, type) and isinstance(hook, seq):
+        return [p for h in hook.hooks for p in _parts(h, hooks)]
+    return [hook]
+
+
+def moves_only(m: nn.Module) -> bool:
+    """``m``'s forward is an accelerate hook wrapper whose hooks (``ModelHook``,
+    ``AlignDevicesHook`` without offloading, NOTE [A replacement carries accelerate's hook]) do no
+    more than move the arguments and the output to a device: where those are on that device
+    already, calling ``m`` and running its class's forward are one thing (a known head's weight
+    may then be read without the call: NOTE [The fused loss under accelerate's hooks] in
+    hf_loss.py)."""
+    fwd = m.__dict__.get("forward")
+    hooks = sys.modules.get("accelerate.hooks")
+    if hooks is None or hook_wrapper(fwd, m) is None or carried_reason(m) is not None:
+        return False
+    align = hooks.AlignDevicesHook
+    return not any(
+        isinstance(h, align) and h.offload for h in _parts(m.__dict__["_hf_hook"], hooks)
+    )
+
+
+def one_device_reason(model: nn.Module) -> str | None:
+    """Why the accelerate hooks in ``model`` may move a tensor between devices or load weights
+    (offloading, several execution devices, a hook convert_ cannot state), or None: every hooked
+    module's hooks only move tensors to one and the same device, so none moves anything."""
+    hooks = sys.modules.get("accelerate.hooks")
+    if hooks is None:
+        return None
+    devices = set()
+    for m in model.modules():
+        if "forward" not in m.__dict__ or "_hf_hook" not in m.__dict__:
+            continue
+        if not moves_only(m):
+            return (
+                "an accelerate hook in the model offloads weights or is one convert_ cannot state "
+                f"({type(m).__name__}); expected hooks that only move tensors to one device"
+            )
+        for h in _parts(m.__dict__["_hf_hook"], hooks):
+            if isinstance(h, hooks.AlignDevicesHook) and h.execution_device is not None:
+                d = h.execution_device
+                devices.add(torch.device(d) if not isinstance(d, int) else torch.device("cuda", d))
+    if len(devices) > 1:
+        return (
+            "the model's accelerate hooks place it on several devices; expected one execution "
+            f"device, got {sorted(map(str, devices))}"
+        )
+    return None
+
+
+def set_forward(m: nn.Module, fn: object) -> None:
+    """Make ``fn`` what ``m(...)`` runs: under an accelerate hook the table carries, the forward
+    its wrapper calls (``_old_forward``, so the hook still runs around it), else ``m.forward``."""
+    if carries(m):
+        m._old_forward = fn
+    else:
+        m.forward = fn
 
 
 def patched(m: nn.Module) -> bool:
