@@ -495,8 +495,9 @@ def test_accelerate_model_hook_on_every_module_keeps_the_gelu_saving():
     for m in (eager, slim):
         m.train()
     # measured on main (int27) before the guard read the wrapper: 122,500 B; 252,548 B after it
-    # kept both GELUs eager
-    assert measure(lambda: slim(*inp), timeline=False).saved_bytes == 122_500
+    # kept both GELUs eager; 89,728 B since the hooked modules convert too (NOTE [A replacement
+    # carries accelerate's hook]): what the same model converted without hooks saves
+    assert measure(lambda: slim(*inp), timeline=False).saved_bytes == 89_728
 
 
 def test_accelerate_align_devices_hook_keeps_the_gelu_saving():
