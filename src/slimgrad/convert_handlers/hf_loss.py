@@ -867,6 +867,8 @@ def _after_renames(self, *args, **kwargs):
     # change the computation]); named ``forward`` with a ``self`` so that HF's messages name
     # ``<Class>.forward`` as they do for the class's forward
     fused = self.__dict__["forward"]
+    if not isinstance(fused, _FusedLMForward):  # NOTE [The fused loss under accelerate's hooks]
+        fused = self.__dict__["_old_forward"]
     spec, _ = _cached(type(self).forward, "forward")
     return fused._call(spec, args, kwargs)
 
