@@ -198,3 +198,21 @@ def test_offloaded_llama_keeps_hfs_forward_with_the_reason():
     rows = {k: r for _, k, r in slimgrad.report(m).skipped}
     assert "offloads weights" in rows["LlamaForCausalLM.forward"]
     assert type(m.model.layers[0].mlp.down_proj).__module__.startswith("slimgrad.")
+
+
+def test_hooked_activation_after_a_batch_norm_runs_as_the_pattern_replacement():
+    # the batch_norm pattern's replacement copies the module's dict: the hook's wrapper came along
+    # bound to the original ReLU, which then ran (eager's 3,968 B where the pair keeps 2,400 B)
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    plain, slim = copy.deepcopy(eager), copy.deepcopy(eager)
+    for m in (eager, slim):
+        _each(lambda: AlignDevicesHook("cpu"))(m)
+    for m in (plain, slim):
+        slimgrad.convert_(m)
+    assert type(slim[2]).__name__ == "ReLUAfterNorm"
+    assert slim[2].forward.args[0] is slim[2] and slim[2]._old_forward.__self__ is slim[2]
+    x = torch.randn(2, 3, 9, 9)
+    (s_plain, g_plain), (s_slim, g_slim) = _run(plain, x), _run(slim, x)
+    assert s_slim == s_plain < _run(eager, x)[0]
+    assert torch.equal(g_slim, g_plain)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from slimgrad import ownership
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.convert_handlers.abn import inplace_abn_pattern
 from slimgrad.convert_handlers.decision import Decision, Structure
@@ -187,6 +188,8 @@ def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[
             h = _ACT_AFTER_NORM.get(type(child))
             if h is None or not _may_follow_bn(parent, kids[:i], found):
                 continue
+            if _accelerate_hooks.patched(child):
+                continue  # a forward set on the instance: the table's rule reports it
             fqn = names.get(id(child), name)
             if not allowed(child, fqn):  # the table pass tells it too, as for any module
                 out.append(Decision(fqn, parent, name, child, reason="filter_fn returned False"))
@@ -199,6 +202,8 @@ def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[
                 continue
             new = h(child)
             share_hooks(child, new)  # a handle taken before convert_ still removes its hook
+            # the copied accelerate wrapper runs the original: bound to the replacement instead
+            _accelerate_hooks.carry(child, new)  # NOTE [A replacement carries accelerate's hook]
             out += found.swap(fqn, child, new)
     return out
 
