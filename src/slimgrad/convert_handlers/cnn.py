@@ -144,8 +144,8 @@ TABLE["timm.layers.norm_act.FrozenBatchNormAct2d"] = ("batch_norm", frozen_batch
 # An ``*AfterNorm`` activation saves only on a slimgrad BatchNorm's pristine output; on any other
 # input it runs eager's op and keeps x. ``Sequential(conv, Hardswish, bn)`` (MobileNetV3's
 # conv -> act -> BN order) shares a parent with a BatchNorm but never takes its output: claimed
-# here it kept eager's bytes (9,536 B where the table's Hardswish, whose y the BatchNorm keeps
-# anyway, keeps 6,507: NOTE [A BatchNorm consumer keeps y] in nn/_output_act.py). In a plain
+# here it kept eager's bytes, where the table's module keeps y, which the BatchNorm keeps anyway
+# (NOTE [A BatchNorm consumer keeps y] in nn/_output_act.py). In a plain
 # ``nn.Sequential`` the child before the activation (past ``nn.Identity``, which returns its
 # input) states what it is given: the pattern claims it only after a BatchNorm there. In any other
 # parent the order is not read, and any child may follow the BatchNorm (torchvision's blocks).
