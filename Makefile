@@ -41,7 +41,8 @@ HF_TESTS := tests/conformance/test_hf_families.py tests/test_convert_hf_loss.py 
 	tests/ops/test_gpt2_block.py::test_convert_puts_the_block_forward \
 	tests/ops/test_gpt2_block.py::test_a_deprecated_cache_keyword_runs_hfs_forward \
 	tests/ops/test_gpt2_block.py::test_an_unknown_wrapper_keeps_hfs_and_deprecate_kwarg_does_not \
-	tests/ops/test_gpt2_block.py::test_padding_mask_runs_the_attention_per_op_and_folds_the_mlp
+	tests/ops/test_gpt2_block.py::test_padding_mask_runs_the_attention_per_op_and_folds_the_mlp \
+	tests/conformance/test_accelerate_hooks_convert.py::test_llama_under_dispatch_model_converts_with_the_undispatched_bits
 $(VENV)/hf-newest/.stamp-$(HF_NEWEST): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/hf-newest transformers==$(HF_NEWEST)
 	touch $@

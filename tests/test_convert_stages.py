@@ -174,11 +174,27 @@ def test_hf_attention_is_analysed_once_per_convert(monkeypatch):
 
 def test_the_guard_reads_the_model_before_the_patterns_swap():
     # ReLU(inplace=True) writes over the LayerNorm's output; the BatchNorm beside it makes the
-    # batch_norm pattern take that ReLU. Read after the swap, the guard saw a slimgrad module
-    # there and let the LayerNorm keep its output: backward raised where eager trains.
+    # batch_norm pattern take that ReLU (a forward whose order the pattern does not read: in a
+    # plain Sequential it takes an activation only after a BatchNorm). Read after the swap, the
+    # guard saw a slimgrad module there and let the LayerNorm keep its output: backward raised
+    # where eager trains.
+    class Chain(nn.Module):
+        def __init__(self, *mods):
+            super().__init__()
+            for i, m in enumerate(mods):
+                self.add_module(str(i), m)
+
+        def forward(self, x):
+            for m in self._modules.values():
+                x = m(x)
+            return x
+
+        def __getitem__(self, i):
+            return self._modules[str(i)]
+
     def build():
         torch.manual_seed(0)
-        return nn.Sequential(
+        return Chain(
             nn.Linear(8, 8),
             nn.BatchNorm1d(8),
             nn.Linear(8, 8),

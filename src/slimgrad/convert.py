@@ -75,6 +75,7 @@ import torch.nn as nn
 import slimgrad.nn as snn
 from slimgrad import _compat, ownership
 from slimgrad._dtensor import fully_sharded
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.convert_handlers import cnn as _cnn
 from slimgrad.convert_handlers import device_rule as _device_rule
 from slimgrad.convert_handlers import hf as _hf
@@ -344,6 +345,10 @@ _SAME_IN_SUBCLASS = frozenset(
 
 
 def _own_forward(module: nn.Module) -> str | None:
+    # an accelerate hook's wrapper is carried to the replacement (NOTE [A replacement carries
+    # accelerate's hook] in convert_handlers/accelerate_hooks.py), or refused with its reason
+    if _accelerate_hooks.hook_wrapper(module.__dict__.get("forward"), module) is not None:
+        return _accelerate_hooks.carried_reason(module)
     for name in ("forward", "__call__"):
         if name in module.__dict__:
             return (
@@ -433,6 +438,8 @@ def table_handler(module: nn.Module) -> tuple[str, Handler] | tuple[None, str | 
     if reason is not None:
         return None, reason
     technique, handler = entry
+    if _accelerate_hooks.carries(module):  # the hook finds tensors by name in the replacement
+        handler = _checked_names(handler)
     if parent is None:
         return technique, handler
 
@@ -446,6 +453,16 @@ def table_handler(module: nn.Module) -> tuple[str, Handler] | tuple[None, str | 
         return new
 
     return technique, convert
+
+
+def _checked_names(handler: Handler) -> Handler:
+    def convert(m: nn.Module) -> nn.Module:
+        new = handler(m)
+        if (bad := _accelerate_hooks.state_reason(m, new)) is not None:
+            raise NotImplementedError(bad)
+        return new
+
+    return convert
 
 
 def convert_(
@@ -608,6 +625,7 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
         if k.startswith("_") and "hooks" in k and isinstance(v, dict):
             new.__dict__[k] = v
     new._is_full_backward_hook = old._is_full_backward_hook
+    _accelerate_hooks.carry(old, new)  # NOTE [A replacement carries accelerate's hook]
 
 
 # --- analyse -> decide -> apply -> record (the module docstring's "Stages") -------------------

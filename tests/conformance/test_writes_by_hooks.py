@@ -495,8 +495,15 @@ def test_accelerate_model_hook_on_every_module_keeps_the_gelu_saving():
     for m in (eager, slim):
         m.train()
     # measured on main (int27) before the guard read the wrapper: 122,500 B; 252,548 B after it
-    # kept both GELUs eager
-    assert measure(lambda: slim(*inp), timeline=False).saved_bytes == 122_500
+    # kept both GELUs eager. The hooked modules convert too now (NOTE [A replacement carries
+    # accelerate's hook]): what the same model converted without hooks saves (89,728 B with
+    # transformers 5.23)
+    from slimgrad.bench.cases import models as cases
+
+    torch.manual_seed(0)
+    plain = slimgrad.convert_(cases.eager_hf_gpt2("cpu", torch.float32, small=True)[0]).train()
+    saved = [measure(lambda m=m: m(*inp), timeline=False).saved_bytes for m in (slim, plain)]
+    assert saved[0] == saved[1] < 122_500
 
 
 def test_accelerate_align_devices_hook_keeps_the_gelu_saving():

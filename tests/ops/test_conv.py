@@ -487,3 +487,26 @@ def test_a_batch_of_zero_before_the_loss_peaks_as_eager(dims):
     x = torch.randn(0, 3, *([6] * dims))
     peaks = [measure(lambda m=m: m(x).sum()).peak_bytes for m in (conv, conv_s)]
     assert peaks[1] <= peaks[0]
+
+
+@pytest.mark.parametrize("tail", ["ReLU", "BatchNorm2d"])
+def test_a_batch_of_zero_through_a_fresh_empty_gradient_peaks_as_eager(tail):
+    # the gradient a ReLU or BatchNorm hands the conv at a batch of 0 is a fresh empty tensor:
+    # no element for W's stand-in to view (4 fresh bytes above eager's peak before); dW and db
+    # are the sums over no element, zeros, as eager's
+    torch.manual_seed(0)
+    after = torch.nn.ReLU() if tail == "ReLU" else torch.nn.BatchNorm2d(5)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), after)
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    assert type(slim[0]).__module__.startswith("slimgrad")
+    x = torch.randn(0, 3, 7, 7)
+    runs = [measure(lambda m=m: m(x).sum(), timeline=False) for m in (eager, slim)]
+    assert runs[1].peak_bytes == runs[0].peak_bytes
+    assert runs[1].saved_bytes == runs[0].saved_bytes
+    grads = []
+    for m in (eager, slim):
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b) and b.stride() == a.stride()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from slimgrad import ownership
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.convert_handlers import inplace_guard as _inplace_guard
 from slimgrad.convert_handlers.abn import inplace_abn_pattern
 from slimgrad.convert_handlers.decision import Decision, Structure
@@ -139,6 +140,25 @@ TABLE["torchvision.ops.misc.FrozenBatchNorm2d"] = ("batch_norm", frozen_batch_no
 TABLE["timm.layers.norm_act.FrozenBatchNormAct2d"] = ("batch_norm", frozen_batch_norm)
 
 
+# NOTE [An activation before a BatchNorm is the table's]
+# An ``*AfterNorm`` activation saves only on a slimgrad BatchNorm's pristine output; on any other
+# input it runs eager's op and keeps x. ``Sequential(conv, Hardswish, bn)`` (MobileNetV3's
+# conv -> act -> BN order) shares a parent with a BatchNorm but never takes its output: claimed
+# here it kept eager's bytes, where the table's module keeps y, which the BatchNorm keeps anyway
+# (NOTE [A BatchNorm consumer keeps y] in nn/_output_act.py). In a plain
+# ``nn.Sequential`` the child before the activation (past ``nn.Identity``, which returns its
+# input) states what it is given: the pattern claims it only after a BatchNorm there. In any other
+# parent the order is not read, and any child may follow the BatchNorm (torchvision's blocks).
+def _may_follow_bn(parent: nn.Module, before: list, found: Structure) -> bool:
+    if type(parent).forward is not nn.Sequential.forward or not isinstance(parent, nn.Sequential):
+        return True
+    for _, c in reversed(before):
+        if type(c) is nn.Identity and "forward" not in c.__dict__:
+            continue
+        return isinstance(found.now(c), _BN_TYPES)
+    return False
+
+
 def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[Decision]:
     """``convert_`` pattern (technique ``batch_norm``): swap ReLU/GELU/SiLU/LeakyReLU/ELU/Hardswish
     modules that share a parent with a BatchNorm (``Sequential(conv, bn, relu)``, torchvision's
@@ -162,12 +182,14 @@ def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[
             kids = [(n, c) for n, c in kids if n == "act"]  # BN itself, then drop, then act
         elif not any(isinstance(found.now(c), _BN_TYPES) for _, c in kids if c is not None):
             continue
-        for name, child in kids:
+        for i, (name, child) in enumerate(kids):
             if child is None or id(child) in found.claimed:
                 continue  # decided by an earlier pattern, or here at another place
             h = _ACT_AFTER_NORM.get(type(child))
-            if h is None:
+            if h is None or not _may_follow_bn(parent, kids[:i], found):
                 continue
+            if _accelerate_hooks.patched(child):
+                continue  # a forward set on the instance: the table's rule reports it
             fqn = names.get(id(child), name)
             if not allowed(child, fqn):  # the table pass tells it too, as for any module
                 out.append(Decision(fqn, parent, name, child, reason="filter_fn returned False"))
@@ -180,6 +202,8 @@ def bn_act_pattern(model: nn.Module, config, allowed, found: Structure) -> list[
                 continue
             new = h(child)
             share_hooks(child, new)  # a handle taken before convert_ still removes its hook
+            # the copied accelerate wrapper runs the original: bound to the replacement instead
+            _accelerate_hooks.carry(child, new)  # NOTE [A replacement carries accelerate's hook]
             out += found.swap(fqn, child, new)
     return out
 

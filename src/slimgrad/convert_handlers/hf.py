@@ -16,6 +16,8 @@ import weakref
 
 import torch.nn as nn
 
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
+
 # NOTE [Decorators that do not change the computation]
 # HF decorates model forwards with helpers that change no arithmetic, and adds or moves them
 # between releases (transformers 5.24 put ``@deprecate_kwarg`` on every causal LM's forward). A
@@ -436,7 +438,7 @@ def rms_norm_variant(module: nn.Module) -> tuple[str, str]:
     """``(variant, eps attribute)`` of an HF RMSNorm instance whose code is a known template
     (NOTE [HF RMSNorm templates]); raises NotImplementedError with the reason otherwise."""
     cls = type(module)
-    if "forward" in vars(module):
+    if _accelerate_hooks.patched(module):  # NOTE [A replacement carries accelerate's hook]
         raise NotImplementedError("its forward is patched on the instance")
     fwd = _source_dump(cls.forward)
     if fwd is None:
@@ -688,7 +690,7 @@ def gpt2_mlp_from_hf(module: nn.Module) -> nn.Module:
 
     hf = sys.modules.get("transformers.models.gpt2.modeling_gpt2")
     stock = getattr(getattr(hf, "GPT2MLP", None), "forward", None)
-    if "forward" in module.__dict__:
+    if _accelerate_hooks.patched(module):  # NOTE [A replacement carries accelerate's hook]
         raise NotImplementedError("the instance has a patched forward")
     if stock is None or type(module).forward is not stock:
         raise NotImplementedError(
@@ -699,7 +701,7 @@ def gpt2_mlp_from_hf(module: nn.Module) -> nn.Module:
         if not isinstance(mods.get(name), nn.Module):
             raise NotImplementedError(f"self.{name} is not a submodule")
     for name in ("c_fc", "c_proj"):
-        if type(mods[name]).__name__ != "Conv1D" or "forward" in mods[name].__dict__:
+        if type(mods[name]).__name__ != "Conv1D" or _accelerate_hooks.patched(mods[name]):
             raise NotImplementedError(f"self.{name} is not a transformers Conv1D")
     act = mods["act"]
     if not (isinstance(act, nn.GELU) or type(act).__name__ in _HF_GELUS) or (

@@ -61,6 +61,7 @@ from torch.nn.modules import module as _torch_module
 
 from slimgrad._autograd import compiling
 from slimgrad._compile import exporting
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.convert_handlers.decision import Decision
 from slimgrad.convert_handlers.hf import CodeReason, forward_decorators, hf_models
 from slimgrad.nn._hooks import foreign  # hooks other than slimgrad.memory's observers
@@ -584,11 +585,24 @@ _ROWWISE_TORCH = (nn.Linear, nn.LayerNorm, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, n
 _ROWWISE_SLIMGRAD = {"Linear", "LayerNorm", "GELU", "ReLU", "SiLU", "Tanh", "Sigmoid", "Mish"}
 
 
+# NOTE [The fused loss under accelerate's hooks]
+# A ``device_map`` model (``dispatch_model``) carries accelerate's hook on the LM itself and on
+# every module with weights (NOTE [A replacement carries accelerate's hook] in
+# convert_handlers/accelerate_hooks.py). The fused forward goes where the class's forward was
+# under the LM's hook (``_old_forward``): the hook moves the arguments and the output as before.
+# It calls the base model and the head's transform as modules (their hooks run) but reads the
+# decoder's weight without calling it, skipping its hook: exact only where that hook moves
+# nothing. So it is fused where every hook in the model only moves tensors to one and the same
+# device (no offloading, one execution device: the weights and every activation are there, and
+# each move is ``.to`` of a tensor already on it), read at ``convert_``; elsewhere HF's forward
+# stays and the report says why.
+
+
 def _plain(m) -> str:
     # why calling (or not calling) ``m`` could differ from eager's ``m(x)``; "" when it cannot
     if not isinstance(m, nn.Module):
         return f"{type(m).__name__} is not a module"
-    if "forward" in m.__dict__:
+    if "forward" in m.__dict__ and not _accelerate_hooks.moves_only(m):
         return f"{type(m).__name__} has a patched forward"
     hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
     glob = _global_hooks()
@@ -853,6 +867,8 @@ def _after_renames(self, *args, **kwargs):
     # change the computation]); named ``forward`` with a ``self`` so that HF's messages name
     # ``<Class>.forward`` as they do for the class's forward
     fused = self.__dict__["forward"]
+    if not isinstance(fused, _FusedLMForward):  # NOTE [The fused loss under accelerate's hooks]
+        fused = self.__dict__["_old_forward"]
     spec, _ = _cached(type(self).forward, "forward")
     return fused._call(spec, args, kwargs)
 
@@ -1006,7 +1022,9 @@ class _FusedLMForward:
 
 def _fused_loss_reason(model: nn.Module, keep_logits: bool) -> tuple[bool, str | None]:
     # fuse_lm_loss's decision, changing nothing: (True, what it does) / (False, why not or None)
-    if isinstance(model.__dict__.get("forward"), _FusedLMForward):
+    if isinstance(model.__dict__.get("forward"), _FusedLMForward) or isinstance(
+        model.__dict__.get("_old_forward"), _FusedLMForward
+    ):
         return False, None  # already converted
     get_out = getattr(model, "get_output_embeddings", None)
     try:
@@ -1015,8 +1033,11 @@ def _fused_loss_reason(model: nn.Module, keep_logits: bool) -> tuple[bool, str |
         out_emb = None
     if out_emb is None:
         return False, None  # not an LM: nothing to say
-    if "forward" in model.__dict__:
+    if _accelerate_hooks.patched(model):
         return False, "the instance's forward is patched; kept as it is"
+    if "forward" in model.__dict__ and (why := _accelerate_hooks.one_device_reason(model)):
+        # NOTE [The fused loss under accelerate's hooks]
+        return False, f"{why}; HF's forward kept (the fused loss reads the head's weight)"
     spec, why = _cached(type(model).forward, "forward")
     if spec is None:
         return False, CodeReason(f"{why}; HF's forward kept")
@@ -1046,7 +1067,8 @@ def _fused_loss_reason(model: nn.Module, keep_logits: bool) -> tuple[bool, str |
 
 def _fuse_now(model: nn.Module, fast: bool, keep_logits: bool) -> list:
     model._slimgrad_fast_loss = fast
-    model.forward = _FusedLMForward(model, fast, keep_logits)
+    # NOTE [The fused loss under accelerate's hooks]
+    _accelerate_hooks.set_forward(model, _FusedLMForward(model, fast, keep_logits))
     return []
 
 

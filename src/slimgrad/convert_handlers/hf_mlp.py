@@ -32,6 +32,7 @@ import textwrap
 
 import torch.nn as nn
 
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.nn.gated_mlp import GatedMLP, activation_of
 
 __all__ = ["TABLE", "gated_mlp_from_hf"]
@@ -137,7 +138,7 @@ def gated_mlp_from_hf(module: nn.Module) -> nn.Module:
         NotImplementedError: the forward is not a template, the instance's forward is patched,
             or the activation is not one computed exactly; the message says which.
     """
-    if "forward" in module.__dict__:
+    if _accelerate_hooks.patched(module):  # NOTE [A replacement carries accelerate's hook]
         raise NotImplementedError("the instance has a patched forward")
     roles = _match(type(module).forward)
     if roles is None:

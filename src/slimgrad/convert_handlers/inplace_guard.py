@@ -272,6 +272,8 @@ def _instance_kind(fn, m: nn.Module) -> str:
         return "class"
     if _accelerate_passes(fn, m):  # NOTE [accelerate's hook wrapper]
         fn = m.__dict__.get("_old_forward")
+        if _slimgrad_patch(fn):  # the fused loss under the hook (hf_loss.py's NOTE on it)
+            return "class"
     cls_fwd = getattr(type(m), "forward", None)
     seen: set[int] = set()
     wrapped = False

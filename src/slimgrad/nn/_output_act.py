@@ -140,6 +140,31 @@ def _keepers() -> tuple:
     )
 
 
+# NOTE [A BatchNorm consumer keeps y]
+# Eager's BatchNorm (``native_batch_norm``'s backward) keeps its input whenever a gradient flows
+# through it, train or eval, frozen affine or not: an activation whose output goes straight to one
+# (``Sequential(conv, act, bn)``, MobileNetV3's conv -> Hardswish -> BN) costs eager x (its own) and
+# y (the norm's). Keeping y there keeps what eager keeps anyway, and the activation's x is saved.
+# slimgrad's BatchNorm keeps y too (its input), except where it may keep less (eval with frozen
+# affine, a following *AfterNorm activation claiming its output: then it keeps its output, eager
+# keeps that and y): the activation's y + side information stays below eager's x + y there too.
+# Answered "kept" for torch's and slimgrad's BatchNorm1d/2d/3d (their own forward, no hooks).
+
+
+def _batch_norms() -> tuple:
+    import slimgrad.nn as snn
+
+    nn = torch.nn
+    return (
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        snn.BatchNorm1d,
+        snn.BatchNorm2d,
+        snn.BatchNorm3d,
+    )
+
+
 def _keeps_input(m, depth: int = 0) -> bool | None:
     # whether m saves the very tensor it is called with for its weight's gradient; None: unknown
     import slimgrad.nn as snn
@@ -151,6 +176,8 @@ def _keeps_input(m, depth: int = 0) -> bool | None:
     if t in _keepers() or isinstance(m, snn.Conv1D) or name == "transformers.pytorch_utils.Conv1D":
         w = m._parameters.get("weight")
         return w is not None and w.requires_grad
+    if t in _batch_norms():  # NOTE [A BatchNorm consumer keeps y]
+        return True
     if _sequential(m):
         for c in m._modules.values():
             if c is None or _passes(c):

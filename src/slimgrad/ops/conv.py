@@ -151,6 +151,20 @@ class _ConvFn(torch.autograd.Function):
             kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)
         shape, dtype, device, xstride = ctx.x_meta
+        if (
+            weight is None
+            and not need_x
+            and 0 in shape
+            and not torch.compiler.is_compiling()  # (Dynamo cannot trace the storage's size)
+            and not _holds_an_element(grad)
+        ):
+            # a batch of 0 reaching here through a fresh empty gradient (a ReLU's, a BatchNorm's):
+            # no element to view for W's stand-in, which would be 4 fresh bytes above eager's
+            # peak; the sums over no element are zeros, as convolution_backward's
+            wshape, wdtype = ctx.w_meta
+            gw = torch.zeros(wshape, dtype=wdtype, device=device) if need_w else None
+            gb = torch.zeros(ctx.bias_sizes, dtype=wdtype, device=device) if need_b else None
+            return None, gw, gb, None, None, None, None, None, None, None
         # Only the shape of x is read when dW is not requested, and only W's shape when dx is not:
         # stand-ins that allocate nothing (a 0-d view of grad, expanded) where the dtype allows.
         if weight is None:

@@ -1,0 +1,246 @@
+"""Modules that carry accelerate's hooks (``device_map`` models, ``cpu_offload``) convert with them.
+
+# NOTE [A replacement carries accelerate's hook]
+accelerate's ``add_hook_to_module(m, hook)`` (``dispatch_model``, ``from_pretrained(...,
+device_map=...)``, ``cpu_offload``, ``attach_align_device_hook``) sets ``m.forward`` to
+``partial(new_forward, m)`` over the forward it replaces (``m._old_forward``) and ``m._hf_hook =
+hook`` (NOTE [accelerate's hook wrapper] in ``inplace_guard.py`` says what ``new_forward`` runs). A
+table replacement of such a module computes what the class's forward computes; the hook's
+``pre_forward``/``post_forward`` must run around it as they ran around the original. ``apply``
+gives the replacement the same structure accelerate gives a module: the same hook object as
+``_hf_hook``, its own class forward as ``_old_forward`` and ``partial(new_forward, replacement)``
+(accelerate's own ``new_forward``, the function the original's partial holds) as ``forward``. The
+hook's ``init_hook`` is not run again: the weights are already where it placed them, and running it
+on a module whose weights it offloaded would record them as on ``meta``. accelerate's
+``remove_hook_from_module`` then removes it from the replacement as from the original.
+
+The hook then runs on the replacement instead of the original, so the table carries it only where
+what it does is stated by public facts about the module that the replacement shares:
+  - the wrapper is accelerate's ``new_forward`` bound to the module alone, ``_old_forward`` is the
+    module's class forward bound to it (not a forward patched before the hook), and the instance
+    sets no ``__call__``;
+  - the hook is an ``AlignDevicesHook`` or a ``ModelHook`` whose ``pre_forward``/``post_forward``
+    are those classes' own (or a ``SequentialHook`` of such hooks): ``ModelHook``'s return their
+    arguments; ``AlignDevicesHook``'s move the arguments and the output with ``send_to_device``
+    and load and unload the module's tensors *by name* (``named_module_tensors``,
+    ``set_module_tensor_to_device`` on ``module._parameters``/``_buffers``);
+  - the replacement holds the original's parameters and buffers under the same names, persistent
+    or not as they were (``convert.table_handler`` checks the built replacement).
+Other hooks (``CpuOffload`` and ``LayerwiseCastingHook`` move or cast the whole module, whose
+dtype and device the replacement decided for at ``convert_``; a user's hook may read anything of
+the module's class) keep the module as it is, with the reason in the report.
+
+A block that computes with its children's weights without calling them would skip the children's
+hooks: the blocks the table converts under such hooks (HF gated MLPs, GPT-2's MLP) call their
+children whenever a child's forward is set on the instance (their eager path), and their children
+convert by this note one by one (``CONVERT_CHILDREN``). The fused loss, which reads the LM head's
+weight, goes under the LM's hook only where no hook in the model moves anything (NOTE [The fused
+loss under accelerate's hooks] in hf_loss.py). GPT-2's attention as one node (a forward set on
+the attention module, which reads ``c_proj``'s weight) is not set on an attention module whose
+forward accelerate wraps: it stays HF's, its children converted by the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+import torch
+from torch import nn
+
+__all__ = [
+    "carried_reason",
+    "carries",
+    "carry",
+    "hook_wrapper",
+    "moves_only",
+    "one_device_reason",
+    "patched",
+    "set_forward",
+    "state_reason",
+]
+
+_NEW_FORWARD = "add_hook_to_module.<locals>.new_forward"
+
+
+def hook_wrapper(fn: object, m: nn.Module) -> functools.partial | None:
+    """``fn`` (``m``'s instance forward) if it is accelerate's ``partial(new_forward, m)`` with
+    ``m._old_forward`` set, else None (NOTE [accelerate's hook wrapper] in inplace_guard.py)."""
+    if sys.modules.get("accelerate.hooks") is None or not isinstance(fn, functools.partial):
+        return None
+    inner = fn.func
+    if (
+        getattr(inner, "__module__", None) != "accelerate.hooks"
+        or getattr(inner, "__qualname__", None) != _NEW_FORWARD
+        or len(fn.args) != 1
+        or fn.args[0] is not m
+        or fn.keywords
+        or "_old_forward" not in m.__dict__
+    ):
+        return None
+    return fn
+
+
+def _hook_reason(hook: object, hooks: types.ModuleType) -> str | None:
+    seq = getattr(hooks, "SequentialHook", None)
+    cls = type(hook)
+    if isinstance(seq, type) and isinstance(hook, seq):
+        subs = getattr(hook, "hooks", None)
+        if (cls.pre_forward, cls.post_forward) != (seq.pre_forward, seq.post_forward):
+            return f"{cls.__qualname__} has its own pre_forward/post_forward"
+        if not isinstance(subs, tuple):
+            return f"its {cls.__qualname__}.hooks is not a tuple"
+        for h in subs:
+            if (why := _hook_reason(h, hooks)) is not None:
+                return why
+        return None
+    for name in ("AlignDevicesHook", "ModelHook"):
+        k = getattr(hooks, name, None)
+        if isinstance(k, type) and isinstance(hook, k):
+            if cls.pre_forward is k.pre_forward and cls.post_forward is k.post_forward:
+                return None
+            return f"{cls.__qualname__} overrides {name}'s pre_forward/post_forward"
+    return f"{cls.__module__}.{cls.__qualname__} may read or move anything of the module's class"
+
+
+def carried_reason(m: nn.Module) -> str | None:
+    """Why the table cannot carry ``m``'s accelerate hook to its replacement, or None when it can
+    or ``m`` has no accelerate hook wrapper (NOTE [A replacement carries accelerate's hook])."""
+    fn = hook_wrapper(m.__dict__.get("forward"), m)
+    if fn is None:
+        return None
+    old = m.__dict__["_old_forward"]
+    if not (
+        isinstance(old, types.MethodType)
+        and old.__self__ is m
+        and old.__func__ is getattr(type(m), "forward", None)
+    ):
+        return (
+            "its forward is accelerate's hook wrapper over a forward set on the instance before "
+            "the hook; expected the class's forward under the hook, got another. Set the hook on "
+            "the module with its class's forward"
+        )
+    if "__call__" in m.__dict__:
+        return (
+            "its __call__ is replaced on the instance; expected the class's __call__, got an "
+            "instance attribute. Register a forward hook instead"
+        )
+    why = _hook_reason(m.__dict__.get("_hf_hook"), sys.modules["accelerate.hooks"])
+    if why is not None:
+        return (
+            f"it carries an accelerate hook that convert_ cannot run around a replacement ({why}); "
+            "expected an AlignDevicesHook or ModelHook (or a SequentialHook of them), got another. "
+            "Convert before adding the hook, or leave the module as it is"
+        )
+    return None
+
+
+def carries(m: nn.Module) -> bool:
+    """``m``'s instance forward is an accelerate hook wrapper the table carries."""
+    return hook_wrapper(m.__dict__.get("forward"), m) is not None and carried_reason(m) is None
+
+
+def _parts(hook: object, hooks: types.ModuleType) -> list:
+    seq = getattr(hooks, "SequentialHook", None)
+    if isinstance(seq, type) and isinstance(hook, seq):
+        return [p for h in hook.hooks for p in _parts(h, hooks)]
+    return [hook]
+
+
+def moves_only(m: nn.Module) -> bool:
+    """``m``'s forward is an accelerate hook wrapper whose hooks (``ModelHook``,
+    ``AlignDevicesHook`` without offloading, NOTE [A replacement carries accelerate's hook]) do no
+    more than move the arguments and the output to a device: where those are on that device
+    already, calling ``m`` and running its class's forward are one thing (a known head's weight
+    may then be read without the call: NOTE [The fused loss under accelerate's hooks] in
+    hf_loss.py)."""
+    fwd = m.__dict__.get("forward")
+    hooks = sys.modules.get("accelerate.hooks")
+    if hooks is None or hook_wrapper(fwd, m) is None or carried_reason(m) is not None:
+        return False
+    align = hooks.AlignDevicesHook
+    return not any(
+        isinstance(h, align) and h.offload for h in _parts(m.__dict__["_hf_hook"], hooks)
+    )
+
+
+def one_device_reason(model: nn.Module) -> str | None:
+    """Why the accelerate hooks in ``model`` may move a tensor between devices or load weights
+    (offloading, several execution devices, a hook convert_ cannot state), or None: every hooked
+    module's hooks only move tensors to one and the same device, so none moves anything."""
+    hooks = sys.modules.get("accelerate.hooks")
+    if hooks is None:
+        return None
+    devices = set()
+    for m in model.modules():
+        if "forward" not in m.__dict__ or "_hf_hook" not in m.__dict__:
+            continue
+        if not moves_only(m):
+            return (
+                "an accelerate hook in the model offloads weights or is one convert_ cannot state "
+                f"({type(m).__name__}); expected hooks that only move tensors to one device"
+            )
+        for h in _parts(m.__dict__["_hf_hook"], hooks):
+            if isinstance(h, hooks.AlignDevicesHook) and h.execution_device is not None:
+                d = h.execution_device
+                devices.add(torch.device(d) if not isinstance(d, int) else torch.device("cuda", d))
+    if len(devices) > 1:
+        return (
+            "the model's accelerate hooks place it on several devices; expected one execution "
+            f"device, got {sorted(map(str, devices))}"
+        )
+    return None
+
+
+def set_forward(m: nn.Module, fn: object) -> None:
+    """Make ``fn`` what ``m(...)`` runs: under an accelerate hook the table carries, the forward
+    its wrapper calls (``_old_forward``, so the hook still runs around it), else ``m.forward``."""
+    if carries(m):
+        m._old_forward = fn
+    else:
+        m.forward = fn
+
+
+def patched(m: nn.Module) -> bool:
+    """``m``'s forward is set on the instance, other than by an accelerate hook the table
+    carries (a handler's check for a patched forward)."""
+    return "forward" in m.__dict__ and not carries(m)
+
+
+def _tensors(m: nn.Module) -> dict[str, tuple[str, bool]]:
+    out = {}
+    for prefix, mod in m.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for k, p in mod._parameters.items():
+            out[dot + k] = ("parameter", p is not None)
+        for k, b in mod._buffers.items():
+            persistent = k not in mod._non_persistent_buffers_set
+            out[dot + k] = ("buffer" if persistent else "non-persistent buffer", b is not None)
+    return out
+
+
+def state_reason(old: nn.Module, new: nn.Module) -> str | None:
+    """Why ``new`` cannot run ``old``'s accelerate hook, which finds tensors by name (NOTE [A
+    replacement carries accelerate's hook]), or None."""
+    a, b = _tensors(old), _tensors(new)
+    if a != b:
+        diff = sorted(set(a.items()) ^ set(b.items()))
+        return (
+            "its accelerate hook finds the module's tensors by name, and the replacement holds "
+            f"others; expected the same parameters and buffers, got a difference in {diff[:3]}"
+        )
+    return None
+
+
+def carry(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` ``old``'s accelerate hook as ``add_hook_to_module`` gives one, without running
+    its ``init_hook`` again (NOTE [A replacement carries accelerate's hook]); nothing if ``old``
+    has no accelerate hook wrapper."""
+    fn = hook_wrapper(old.__dict__.get("forward"), old)
+    if fn is None:
+        return
+    own = type(new).forward.__get__(new)
+    new._old_forward = own
+    new._hf_hook = old.__dict__["_hf_hook"]
+    new.forward = functools.update_wrapper(functools.partial(fn.func, new), own)
