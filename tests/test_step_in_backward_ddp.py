@@ -477,3 +477,27 @@ def test_a_ddp_that_reduces_none_of_the_handles_parameters_is_no_refusal(world_o
     assert_same_parameters(a, b)
     assert_same_parameters(c[0], d[0])
     del other, ignoring
+
+
+def test_a_wrapper_subclass_made_after_the_last_walk_is_seen():
+    """The walk over the wrapper classes' subclasses is kept while the root classes' reference
+    counts stay as they were; a subclass of a subclass made after it moves them (its ``__mro__``
+    references every ancestor): seen, and its instance refused at the next backward."""
+    _mod._wrapper_classes()  # (the walk, kept)
+
+    class Mine(nn.parallel.DistributedDataParallel):
+        pass
+
+    class Deeper(Mine):
+        pass
+
+    assert any(c is Deeper for c in _mod._wrapper_classes())
+    b = _net()
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.1)
+    w = Deeper.__new__(Deeper)  # (what the handle reads of a wrapper is public: no process group)
+    nn.Module.__init__(w)
+    w.module = b
+    with pytest.raises(NotImplementedError, match=_REFUSED):
+        b(_x(0)).square().mean().backward()
+    assert all(p.grad is None for p in b.parameters())
+    del w, handle

@@ -870,7 +870,9 @@ def _forget_key(handle_ref: weakref.ref) -> Any:
 # the parameters away, so that no hook runs). The walk over the tracked objects runs once per
 # process and again only where a wrapper class's reference count moved or a wrapper it saw died
 # (the scan of NOTE [GradScaler], shared by every handle); between, the check compares the counts,
-# and that of DDP's C++ ``Reducer`` class (one instance per live DDP). Left, as there: a wrapper
+# and that of DDP's C++ ``Reducer`` class (one instance per live DDP); the classes themselves
+# (the roots' subclasses at any depth) are walked again only where a root's count moved (a new
+# subclass references every ancestor from its ``__mro__``). Left, as there: a wrapper
 # made while other references to its class (and to ``Reducer``) were dropped, the counts
 # unchanged, is seen only when they move again. A parameter list whose parameters a
 # wrapper made after the handle replaced (fully_shard), without ``module=``, is updated by nobody,
@@ -899,7 +901,7 @@ def _forget_key(handle_ref: weakref.ref) -> Any:
 # or add to it, the handle would not) is refused as the DDP's. At a first hook with
 # ``accumulate=1`` the parameter whose ``AccumulateGrad`` just ran is not told apart (its ``.grad``
 # is this backward's); the refusal drops that gradient with the backward's, as every refusal there.
-def _wrapper_classes() -> list[type]:
+def _wrapper_roots() -> list[type]:
     roots: list[type] = [torch.nn.parallel.DistributedDataParallel]
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None:
@@ -907,12 +909,27 @@ def _wrapper_classes() -> list[type]:
             cls = getattr(fsdp, name, None)
             if isinstance(cls, type):
                 roots.append(cls)
-    classes: list[type] = []
+    return roots
+
+
+def _wrapper_classes() -> list[type]:
+    # the wrapper classes and their subclasses at any depth, walked again only where a root
+    # class's reference count moved (a new subclass references every ancestor from its __mro__;
+    # the FSDP roots appear on import); the last walk is held weakly (the key is read with no
+    # other reference of this call's alive, as at the next call)
+    key = tuple((id(c), _getrefcount(c)) for c in _wrapper_roots())
+    if key == _Wrappers.classes_key:
+        known = [r() for r in _Wrappers.classes]
+        if None not in known:
+            return known  # type: ignore[return-value]
+    roots, classes = _wrapper_roots(), []
     while roots:
         c = roots.pop()
         if not any(c is k for k in classes):
             classes.append(c)
             roots.extend(c.__subclasses__())
+    _Wrappers.classes = [weakref.ref(c) for c in classes]
+    _Wrappers.classes_key = key
     return classes
 
 
@@ -922,6 +939,8 @@ class _Wrappers:
     key: tuple | None = None
     refs: list = []
     scan = 0
+    classes_key: tuple | None = None  # _wrapper_classes: the roots' counts, the walk (weakly)
+    classes: list = []
 
 
 # DDP's C++ reducer class (one instance per live DDP), looked up once
