@@ -200,6 +200,20 @@ def _step_wrapped(c: _Ctx) -> None:
         del ddp
 
 
+def _written_back(c: _Ctx) -> None:
+    # NOTE [Parameters a DDP or FSDP reduces]: a reducer the scan did not see writes .grad back
+    # after the handle's update freed it (the handle only; the plain loop's finish skips it)
+    if isinstance(c.o, _mod.StepInBackward):
+        for p in c.m.parameters():
+            p.grad = torch.full_like(p, 0.5)
+
+
+def _drop_written(c: _Ctx) -> None:
+    if isinstance(c.o, _mod.StepInBackward):
+        for p in c.m.parameters():
+            p.grad = None
+
+
 def _raised_in_clipped_update(c: _Ctx) -> None:
     # (prefix) the head's weight (alone: bucket_bytes=16) clipped in place (clip_grad_value=1e9
     # changes no bit, so the plain loop needs no clip), then its update raises in an optimizer
@@ -434,6 +448,31 @@ _ROWS = {
         r"parameters that a DistributedDataParallel/FSDP wrapper reduces",
         _then_step(_nothing),
     ),
+    "step() with a .grad written after the update": _Row(
+        1,
+        lambda c: (c.back(), _written_back(c)),
+        lambda c: c.o.step(),
+        NotImplementedError,
+        r"something wrote \.grad after the update: a DDP/FSDP reducer\?.*got 4 updated",
+        lambda c: (_drop_written(c), c.step()),
+    ),
+    "zero_grad() with a .grad written after the update, check_loop=False": _Row(
+        1,
+        lambda c: (c.back(), _written_back(c)),
+        lambda c: c.o.zero_grad(),
+        NotImplementedError,
+        r"something wrote \.grad after the update",
+        lambda c: (_drop_written(c), c.step()),
+        handle_kw=dict(check_loop=False),
+    ),
+    "a backward after a .grad was written after the update, accumulate=2": _Row(
+        2,
+        lambda c: (c.back(), c.back(), _written_back(c)),
+        _backs(1),
+        NotImplementedError,
+        r"something wrote \.grad after the update",
+        lambda c: (_drop_written(c), c.step()),
+    ),
     "step() inside backward": _Row(
         1,
         _nothing,
@@ -541,6 +580,7 @@ def _book(h) -> dict:
         "raised": getattr(h, "_raised", 0),
         "partial": h._raised_partial,
         "clipped": sorted(map(id, h._clipped)),
+        "freed": sorted(map(id, getattr(h, "_freed", {}))),
         "task": h._task,
         "held": list(map(id, getattr(h, "_held", []))),
         "late": list(map(id, getattr(h, "_late", []))),

@@ -191,8 +191,10 @@ in it (then its cycle is over). From there, as the plain loop:
 - ``step()``: updates every handle parameter whose ``.grad`` is not None, as the plain ``step()``
   applies what ``.grad`` holds, at any micro-batch position; the cycle ends. Where the backward
   raised in its middle (its end callback unrun) and some handle parameter got no gradient in it,
-  that is a partial update of the batch, the plain loop's too: ``step()`` warns, saying how many
-  gradients it applies and how many parameters got none (``zero_grad()`` drops the batch). An
+  that is a partial update of the batch: ``step()`` warns, saying how many gradients it applies
+  and how many parameters got none (``zero_grad()`` drops the batch), and whether the plain loop's
+  ``step()`` after the same error does the same (an error in a node) or not (an error in one of
+  the handle's updates: the plain loop's comes at ``step()``, after the whole backward). An
   error in the end callback's updates comes after every node ran: no warning.
 - ``zero_grad()`` (the handle's or the watched module's): drops what ``.grad`` holds, as the plain
   one (``set_to_none=False``: the zero tensors it keeps, NOTE [Gradients zeroed in place]), in
@@ -338,10 +340,11 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
 - In backward, at the handle's first hook of that backward, before any update: a second backward in
   one step, ``retain_graph``/``create_graph``, a live enabled GradScaler, a frozen parameter now
   requiring grad, several processes, a live DDP/FSDP wrapper of its parameters (made after the
-  handle: NOTE [Parameters a DDP or FSDP reduces]). The hook runs after ``AccumulateGrad`` wrote
-  that one parameter's ``.grad``: with ``accumulate=1`` it was None before (every handle parameter's
-  is, between backwards), and the refusal sets it back; with ``accumulate=N`` a tensor hook runs the
-  same checks before the gradient is added to the earlier micro-batches'.
+  handle: NOTE [Parameters a DDP or FSDP reduces]), a ``.grad`` written after the last update freed
+  it (the same NOTE). The hook runs after ``AccumulateGrad`` wrote that one parameter's ``.grad``:
+  with ``accumulate=1`` it was None before (every handle parameter's is, between backwards; a
+  stale one a reducer wrote goes with it), and the refusal sets it back; with ``accumulate=N`` a
+  tensor hook runs the same checks before the gradient is added to the earlier micro-batches'.
 - In backward, at the same first hook: a second backward with no ``step()`` since the last, and a
   backward after ``step()`` with no ``zero_grad()`` (NOTE [What the loop did since the last
   update]); with ``accumulate=N`` both at the first micro-batch of a cycle. A backward after one
@@ -360,7 +363,8 @@ as they were (tests/test_step_in_backward_refusals.py compares them bit for bit)
   cycle (``step()`` there: NOTE [A step that ends a cycle early]), a removed handle,
   a second ``step()`` with no backward and no ``zero_grad()`` between, ``step()`` while a live
   DDP/FSDP wrapper holds the handle's parameters or module (``fully_shard`` after the handle
-  replaces the parameters, so no hook of the handle runs in backward);
+  replaces the parameters, so no hook of the handle runs in backward), ``step()``/``zero_grad()``
+  with a ``.grad`` written after the update freed it (NOTE [Parameters a DDP or FSDP reduces]);
   ``register_step_pre_hook``/``register_step_post_hook``; pickling.
 
 The handle's own records are left as they were too. tests/test_step_in_backward_refusal_table.py
@@ -866,12 +870,38 @@ def _forget_key(handle_ref: weakref.ref) -> Any:
 # the parameters away, so that no hook runs). The walk over the tracked objects runs once per
 # process and again only where a wrapper class's reference count moved or a wrapper it saw died
 # (the scan of NOTE [GradScaler], shared by every handle); between, the check compares the counts,
-# and that of DDP's C++ ``Reducer`` class (one instance per live DDP). Left, as there: a wrapper
+# and that of DDP's C++ ``Reducer`` class (one instance per live DDP); the classes themselves
+# (the roots' subclasses at any depth) are walked again only where a root's count moved (a new
+# subclass references every ancestor from its ``__mro__``). Left, as there: a wrapper
 # made while other references to its class (and to ``Reducer``) were dropped, the counts
 # unchanged, is seen only when they move again. A parameter list whose parameters a
 # wrapper made after the handle replaced (fully_shard), without ``module=``, is updated by nobody,
-# as a plain optimizer made before fully_shard.
-def _wrapper_classes() -> list[type]:
+# as a plain optimizer made before fully_shard. The scan is blind to a wrapper ``gc.freeze()`` moved
+# to the permanent generation too (``gc.get_referrers`` does not walk it).
+#
+# Only the parameters a wrapper reduces count: those requiring grad (a DDP over another model
+# that shares a frozen layer reduces none of it), and of a DDP those it was not told to ignore
+# (``_set_params_and_buffers_to_ignore_for_model``): its private ``_module_parameters``, plus its
+# ``_delay_all_reduce_params`` (ignored by name, reduced all the same), read where both are lists
+# of tensors (else every parameter, as before); a DDP read so relates to the handle through those
+# parameters alone (a DDP replaces none: the module relations are for fully_shard).
+#
+# The tripwire, independent of the garbage collector: DDP's finalize writes the reduced gradient
+# back into ``.grad`` of every parameter it reduced when backward ends, after the handle's update
+# freed it (world size 1 too). Each update records the parameters whose ``.grad`` it freed; at the
+# next ``step()``, ``zero_grad()`` (the handle's) or a step's first hook, before any change, one of
+# them holding a ``.grad`` again is refused ("something wrote .grad after the update: a DDP/FSDP
+# reducer?"); once the call goes on, the record is cleared. At world size 1 the update used the
+# gradient the reduction gives, so the refusal comes before the stale gradient is applied or added
+# to. No legitimate ``.grad`` is there: with ``accumulate=N`` the gradients of a cycle are held in
+# ``.grad`` before the update, which frees them, and the record is cleared at the next cycle's
+# first hook;
+# a backward that raised leaves its gradients held, not freed; the handle never leaves a tensor
+# in ``.grad`` between backwards, and a ``.grad`` user code set there (the plain loop would apply
+# or add to it, the handle would not) is refused as the DDP's. At a first hook with
+# ``accumulate=1`` the parameter whose ``AccumulateGrad`` just ran is not told apart (its ``.grad``
+# is this backward's); the refusal drops that gradient with the backward's, as every refusal there.
+def _wrapper_roots() -> list[type]:
     roots: list[type] = [torch.nn.parallel.DistributedDataParallel]
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None:
@@ -879,12 +909,27 @@ def _wrapper_classes() -> list[type]:
             cls = getattr(fsdp, name, None)
             if isinstance(cls, type):
                 roots.append(cls)
-    classes: list[type] = []
+    return roots
+
+
+def _wrapper_classes() -> list[type]:
+    # the wrapper classes and their subclasses at any depth, walked again only where a root
+    # class's reference count moved (a new subclass references every ancestor from its __mro__;
+    # the FSDP roots appear on import); the last walk is held weakly (the key is read with no
+    # other reference of this call's alive, as at the next call)
+    key = tuple((id(c), _getrefcount(c)) for c in _wrapper_roots())
+    if key == _Wrappers.classes_key:
+        known = [r() for r in _Wrappers.classes]
+        if None not in known:
+            return known  # type: ignore[return-value]
+    roots, classes = _wrapper_roots(), []
     while roots:
         c = roots.pop()
         if not any(c is k for k in classes):
             classes.append(c)
             roots.extend(c.__subclasses__())
+    _Wrappers.classes = [weakref.ref(c) for c in classes]
+    _Wrappers.classes_key = key
     return classes
 
 
@@ -894,6 +939,12 @@ class _Wrappers:
     key: tuple | None = None
     refs: list = []
     scan = 0
+    classes_key: tuple | None = None  # _wrapper_classes: the roots' counts, the walk (weakly)
+    classes: list = []
+
+
+# DDP's C++ reducer class (one instance per live DDP), looked up once
+_REDUCER = getattr(torch.distributed, "Reducer", None) if torch.distributed.is_available() else None
 
 
 def _wrapper_died(_: weakref.ref) -> None:
@@ -904,10 +955,7 @@ def _live_wrappers() -> tuple[int, list[torch.nn.Module]]:
     # NOTE [Parameters a DDP or FSDP reduces]: (the scan's number, the live wrappers)
     classes = _wrapper_classes()
     # (DDP's C++ reducer, one per live DDP: its count moves too, a second witness of a new DDP)
-    reducer = (
-        getattr(torch.distributed, "Reducer", None) if torch.distributed.is_available() else None
-    )
-    key = tuple((id(c), _getrefcount(c)) for c in (*classes, reducer) if c is not None)
+    key = tuple((id(c), _getrefcount(c)) for c in (*classes, _REDUCER) if c is not None)
     if key != _Wrappers.key:
         kinds = tuple(classes)
         _Wrappers.refs = [
@@ -921,6 +969,27 @@ def _live_wrappers() -> tuple[int, list[torch.nn.Module]]:
     return _Wrappers.scan, [w for w in live if w is not None]
 
 
+def _reduced(w: torch.nn.Module) -> tuple[list[torch.Tensor], bool]:
+    # NOTE [Parameters a DDP or FSDP reduces]: the parameters a wrapper reduces: those requiring
+    # grad (none reduces a frozen one); for a DDP, of those it was not told to ignore (its private
+    # ``_module_parameters``, and ``_delay_all_reduce_params``, ignored by name and reduced all the
+    # same), where both are what they were in torch 2.13 (then True: exact, a DDP replaces no
+    # parameter); else every parameter
+    mine = getattr(w, "_module_parameters", None)
+    delayed = getattr(w, "_delay_all_reduce_params", [])
+    if (
+        isinstance(w, torch.nn.parallel.DistributedDataParallel)
+        and isinstance(mine, list)
+        and isinstance(delayed, list)
+        and all(isinstance(q, torch.Tensor) for q in (*mine, *delayed))
+    ):
+        params: Iterable[torch.Tensor] = (*mine, *delayed)
+        exact = True
+    else:
+        params, exact = w.parameters(), False
+    return [q for q in params if q.requires_grad], exact
+
+
 def _wrapping(
     live: list[torch.nn.Module], params: Iterable[torch.Tensor], module: torch.nn.Module | None
 ) -> Exception | None:
@@ -931,10 +1000,13 @@ def _wrapping(
     ids = {id(p) for p in params}
     inside = {id(m) for m in module.modules()} if module is not None else set()
     for w in live:
-        held = sum(id(q) in ids for q in w.parameters())
+        reduced, exact = _reduced(w)
+        held = sum(id(q) in ids for q in reduced)
         kind = type(w).__name__
         if held:
             got = f"{held} of its parameters inside a {kind}"
+        elif exact:
+            continue  # (a DDP that reduces none of them; the module relations are fully_shard's)
         elif w is module:
             got = f"its module wrapped as a {kind}"
         elif module is not None and id(w) in inside:
@@ -1054,7 +1126,8 @@ class StepInBackward(torch.optim.Optimizer):
         # place and its version then, until its update returns; for a raised backward that
         # stopped before its end, what a step() after it applies (warned: held, not reached)
         self._clipped: dict[torch.Tensor, tuple] = {}
-        self._raised_partial: tuple[int, int, bool] | None = None
+        self._raised_partial: tuple[int, int, bool, bool] | None = None
+        self._update_raised = False  # an update raised in the step's backward (the same NOTE)
         self._raised = 0
         self._held: list[torch.Tensor] = []
         self._held_hooks: list[Any] = []
@@ -1073,6 +1146,9 @@ class StepInBackward(torch.optim.Optimizer):
         # the wrapper scan the handle last found clean
         self._module = weakref.ref(module) if module is not None else _no_handle
         self._wrappers_scan = -1
+        # the same NOTE: the parameters whose .grad an update freed since the last check (their
+        # .grad must stay None until the next backward)
+        self._freed: dict[torch.Tensor, None] = {}
         groups = self.optimizer.param_groups
         _check_free([p for g in groups for p in g["params"]])  # before any hook is attached
         for i, group in enumerate(groups):
@@ -1152,9 +1228,11 @@ class StepInBackward(torch.optim.Optimizer):
                 applied in backward).
         """
         self._check_live("zero_grad")
+        self._check_freed()
         self._boundary("zero_grad()")
         if self._check_loop:
             self._zeroed("zero_grad()", set_to_none)
+        self._freed.clear()
 
     def step(self, closure: Any = None, **kwargs: Any) -> None:  # type: ignore[override]
         """No-op on the parameters: each was updated in backward. Marks the end of a step (NOTE
@@ -1163,8 +1241,9 @@ class StepInBackward(torch.optim.Optimizer):
         Raises:
             NotImplementedError: a closure (the loss cannot be re-evaluated inside backward), or a
                 call from ``torch.amp.GradScaler`` (NOTE [GradScaler]; the handle is left as it
-                was), or a live DDP/FSDP wrapper of the handle's parameters or module (NOTE
-                [Parameters a DDP or FSDP reduces]).
+                was), or a live DDP/FSDP wrapper of the handle's parameters or module, or a
+                ``.grad`` written after the update freed it (NOTE [Parameters a DDP or FSDP
+                reduces]).
             RuntimeError: a second ``step()`` with no backward and no ``zero_grad()`` since the
                 last (the plain loop would apply the same gradients again). After fewer than
                 ``accumulate`` backward calls, or a backward that raised, ``step()`` updates from
@@ -1196,9 +1275,11 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use bf16/fp32 without loss scaling, or a plain optimizer with GradScaler",
             )
         self._check_wrappers()
+        self._check_freed()
         self._boundary("step()", flush=True)
         if self._check_loop:
             self._stepped()
+        self._freed.clear()  # (the updates step() ran freed theirs outside any backward)
 
     def register_step_pre_hook(self, hook):  # type: ignore[override]
         raise _err(
@@ -1262,13 +1343,35 @@ class StepInBackward(torch.optim.Optimizer):
             raise refusal
         self._wrappers_scan = scan
 
+    def _check_freed(self, accumulated: torch.Tensor | None = None) -> None:
+        # NOTE [Parameters a DDP or FSDP reduces]: before any change, every .grad an update freed
+        # since the last call that passed is None still (``accumulated``: the parameter whose
+        # AccumulateGrad just ran in this backward, not told apart); the caller clears the record
+        # once it changes something
+        stale = [p for p in self._freed if p is not accumulated and p.grad is not None]
+        if stale:
+            n = len(stale)
+            raise _err(
+                NotImplementedError,
+                "something wrote .grad after the update: a DDP/FSDP reducer? (a DDP writes the "
+                "reduced gradient back into .grad when backward ends, after the handle applied "
+                "the gradient and freed it; the plain loop would apply it or add to it, here it "
+                "was applied already)",
+                "every .grad the handle freed in its update still None at the next step(), "
+                "zero_grad() or backward",
+                f"{n} updated parameter{'s' if n != 1 else ''} with a .grad again",
+                "Use a plain optimizer with DDP/FSDP (it steps after the reduction), or do not "
+                "wrap the model (a single process needs no DDP); code that sets p.grad between "
+                "steps: set none (the handle updates from the backward's gradient alone)",
+            )
+
     def _queue_end(self) -> None:
         # NOTE [A backward that raised]: the end callback of the backward running now
         self._end_token += 1
         end = _EndOfBackward(self, self._end_token)
         torch.autograd.Variable._execution_engine.queue_callback(end)
 
-    def _start_backward(self) -> int:
+    def _start_backward(self, accumulated: torch.Tensor | None = None) -> int:
         task = torch._C._current_graph_task_id()
         if task == self._task:
             return task
@@ -1308,6 +1411,7 @@ class StepInBackward(torch.optim.Optimizer):
                 "Use a plain optimizer with DDP/FSDP",
             )
         self._check_wrappers()
+        self._check_freed(accumulated)
         updates = self._accumulate == 1 or self._micro + 1 == self._accumulate
         if self._check_loop and self._micro == 0:
             self._check_loop_state()
@@ -1337,10 +1441,12 @@ class StepInBackward(torch.optim.Optimizer):
             self._go_on_from_raised()
         self._task = task
         self._last_task = task
+        self._freed.clear()
         self._fired.clear()
         self._grad_was.clear()
         self._clipped.clear()
         self._updated_now = False
+        self._update_raised = False
         self._counted = self._accumulate > 1
         if self._counted:
             self._micro += 1
@@ -1482,7 +1588,7 @@ class StepInBackward(torch.optim.Optimizer):
         # it ran), none for the parameters it had not reached yet (warned then)
         missing = sum(p not in self._fired for p in self._hooks)
         self._raised_partial = (
-            (len(self._held), missing, updated)
+            (len(self._held), missing, updated, self._update_raised)
             if partial and missing and (updated or self._held)
             else None
         )
@@ -1660,7 +1766,7 @@ class StepInBackward(torch.optim.Optimizer):
 
     def _admit(self, p: torch.Tensor) -> bool:
         # the checks of p's hook, before its update: whether p's gradient is this step's to apply
-        task = self._start_backward()
+        task = self._start_backward(p)
         if p in self._rows_taken:
             if p.grad is None:
                 return False  # the fused loss returned no gradient for it: its rows are updated
@@ -1854,8 +1960,10 @@ class StepInBackward(torch.optim.Optimizer):
             except BaseException:
                 if not applied and fresh:
                     self._since_zero.pop(p, None)
+                self._update_raised = True  # (as in _update)
                 raise
             applied = True
+            self._freed[p] = None  # (a .grad written after its rows were updated is stale)
             self._mark_updated()
 
         return block
@@ -1882,6 +1990,15 @@ class StepInBackward(torch.optim.Optimizer):
             self._loop = _UPDATED
 
     def _update(self, params: list[torch.Tensor]) -> None:
+        try:
+            self._apply(params)
+        except BaseException:
+            # NOTE [A backward that raised]: the error came from an update, where the plain
+            # loop's comes at step(), after the whole backward
+            self._update_raised = True
+            raise
+
+    def _apply(self, params: list[torch.Tensor]) -> None:
         if self._clip_value is not None or self._clip_norm is not None:
             self._clip(params)
         whole = []
@@ -1908,6 +2025,7 @@ class StepInBackward(torch.optim.Optimizer):
                     self._mark_updated()
                 p.grad = None
                 self._clipped.pop(p, None)
+                self._freed[p] = None
                 del g
             else:
                 whole.append(p)
@@ -1933,14 +2051,16 @@ class StepInBackward(torch.optim.Optimizer):
         for p in params:
             p.grad = None
             self._clipped.pop(p, None)
+            self._freed[p] = None
 
     def _clip(self, params: list[torch.Tensor]) -> None:
         # NOTE [A backward that raised]: a gradient clipped in place whose update then raised stays
         # clipped in .grad; the retried step() applies it without clipping it again (the plain
-        # loop clips once, then steps)
+        # loop clips once, then steps). The record stays until the update returns (_update drops
+        # it): a retry that raises again leaves it for the next one
         fresh = []
         for p in params:
-            done = self._clipped.pop(p, None)
+            done = self._clipped.get(p)
             g = p.grad
             if g is None or done is None or done[0]() is not g or done[1] != g._version:
                 fresh.append(p)
@@ -2176,6 +2296,7 @@ def step_in_backward(
             more than one process, an optimizer whose step needs a closure (LBFGS). In a later
             backward (or ``step()``): a live enabled GradScaler, ``retain_graph``/
             ``create_graph``, several processes, a DDP/FSDP wrapper made after the handle, a
+            ``.grad`` written after the update freed it (a reducer the wrapper scan missed), a
             parameter used inside and outside a reentrant checkpoint.
         RuntimeError: a parameter already holds a gradient, or is held by another handle. In a
             later backward: a second backward with no ``step()`` since the last, a backward after
@@ -2376,16 +2497,25 @@ def step_in_backward(
     )
 
 
-def _partial_step_warning(held: int, missing: int, updated: bool) -> str:
+def _partial_step_warning(held: int, missing: int, updated: bool, in_update: bool) -> str:
     # NOTE [A backward that raised]: step() after a backward that raised in its middle
     ran = ", after the updates it ran in backward" if updated else ""
+    plain = (
+        "unlike the plain loop, whose error comes after the whole backward"
+        if in_update
+        else "as the plain loop's step() after the same error"
+    )
+    grads = "gradient" if held == 1 else "gradients"
+    params = (
+        "parameter it had not reached gets" if missing == 1 else "parameters it had not reached get"
+    )
     return (
         f"{_API}: step() after a backward that raised in its middle applies only what that "
-        f"backward made before the error: the {held} gradients it left in .grad{ran}; the "
-        f"{missing} parameters it had not reached get nothing from that batch (as the plain "
-        "loop's step() after the same error); expected a step after a whole backward, got one "
-        "after a backward that raised. Call zero_grad() instead of step() to drop the partial "
-        "batch (then run it again), or filter this warning where the partial update is intended"
+        f"backward made before the error: the {held} {grads} it left in .grad{ran}; the "
+        f"{missing} {params} nothing from that batch ({plain}); expected a step after a whole "
+        "backward, got one after a backward that raised. Call zero_grad() instead of step() to "
+        "drop the partial batch (then run it again), or filter this warning where the partial "
+        "update is intended."
     )
 
 
