@@ -275,6 +275,8 @@ def save_held(ctx, a, bits, idx, xs, dense: bool) -> None:
     """``save_for_backward`` of a smooth activation's four slots with value-independent metadata
     (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when ``dense``
     (bits, idx and xs are then empty)."""
+    if dense:  # xs is the flat copy of x that ``a`` keeps: held, it would keep a second copy
+        xs = xs.new_empty(0)
     ctx.save_for_backward(a, _derived.hold(bits), _derived.hold(idx), _derived.hold(xs))
 
 
