@@ -190,3 +190,22 @@ def test_inplace_silu_between_linears_packs_eagers_bytes():
     x = torch.randn(2100, 64)
     e, s = _packed_bytes(eager, x), _packed_bytes(slim, x)
     assert s == e, (s, e)
+
+
+def test_inplace_silu_under_packing_hooks_create_graph():
+    # the copy of x is made in forward, outside the graph: eager's first derivatives, and a
+    # second one raises slimgrad's error, as the in-place op's other paths
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 16), nn.SiLU(inplace=True), nn.Linear(16, 4)).double()
+    lean = slimgrad.convert_(copy.deepcopy(eager))
+    x = torch.randn(5, 8, dtype=torch.double)
+    firsts = []
+    for m in (lean, eager):
+        xx = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(*HOOKS["clone"]):
+            (g,) = torch.autograd.grad(m(xx).square().sum(), xx, create_graph=True)
+        firsts.append(g.detach())
+        if m is lean:
+            with pytest.raises(RuntimeError, match="slimgrad.ops.silu: a second derivative"):
+                torch.autograd.grad(g.square().sum(), xx)
+    torch.testing.assert_close(firsts[0], firsts[1])

@@ -401,7 +401,8 @@ def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) ->
             return (None,) * (1 + len(args)) if args else None
         if ctx.held:  # the mode is the recompute's: NOTE [Side tables under torch.utils.checkpoint]
             ctx.side = side_tensors(ctx)  # for backward below, which unpacks them
-        if ctx.dense_x:
+        # in place x is a copy made in forward, outside the graph: first derivatives only
+        if ctx.dense_x and not ctx.y_is_x:
             x = side_tensors(ctx)[3]
             dx = exact(g, x, *args)
             return (dx, *(None for _ in args)) if args else dx
@@ -564,14 +565,15 @@ def input_kept_forward(ctx, x: torch.Tensor, fwd: Callable, single: bool):
 def input_copied_forward(ctx, x: torch.Tensor, fwd: Callable) -> torch.Tensor:
     """In-place forward of a smooth activation under hooks that pack each tensor (NOTE [Under
     hooks that pack each tensor]), as eager's in-place node: x's copy kept, ``fwd(copy, out=x)``
-    (eager's kernel, eager's bits), the backward eager's formula on the copy."""
+    (eager's kernel, eager's bits), the backward eager's formula on the copy (first derivatives
+    only, as the in-place op's other paths: the copy is made outside the graph)."""
     ctx.perm = memory_order(x)
     ctx.cpath = None
     record_layout(ctx, x)
     xc = x.clone()  # eager's in-place node keeps the original x (a copy, in x's layout)
     fwd(xc, out=x)
     ctx.mark_dirty(x)
-    ctx.dense_x, ctx.y_is_x, ctx.y_seen, ctx.held, ctx.side = True, False, None, False, None
+    ctx.dense_x, ctx.y_is_x, ctx.y_seen, ctx.held, ctx.side = True, True, None, False, None
     ctx.save_for_backward(None, None, None, xc)
     ctx.set_materialize_grads(False)
     return x
