@@ -16,9 +16,9 @@ Llama RMSNorm's C++ node and Python Function), under each hook kind, written or 
 
 Ops whose eager op keeps y too (relu, tanh, in-place leaky_relu) give eager's gradient bit for
 bit even from a written y: eager reads the written y under those hooks as well. The smooth
-activations out of place (GELU, SiLU, Mish) keep x under these hooks, as eager (NOTE [Under hooks
-that pack each tensor] in slimgrad/ops/_output_act.py): eager's gradient bit for bit, written or
-not, and slimgrad's error only without hooks.
+activations (GELU, SiLU, Mish) keep x under these hooks (in place, x's copy), as eager (NOTE
+[Under hooks that pack each tensor] in slimgrad/ops/_output_act.py): eager's gradient bit for bit,
+written or not, and slimgrad's error only without hooks.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ OPS = {
     "rms_norm": (lambda: nn.RMSNorm(64), (32, 64), "rms_norm"),
     "group_norm": (lambda: nn.GroupNorm(4, 16), (4, 16, 5, 7), "group_norm"),
 }
-# out of place, under hooks that pack each tensor, these keep x as eager does
-KEEP_X_UNDER_HOOKS = ("gelu", "gelu_tanh", "silu", "mish")
+# under hooks that pack each tensor these keep x (in place, x's copy) as eager does
+KEEP_X_UNDER_HOOKS = ("gelu", "gelu_tanh", "silu", "silu_inplace", "mish")
 # paths: "auto" takes the C kernels where they exist (smooth activations, LayerNorm, GroupNorm's
 # backward), "torch" the PyTorch path
 BACKENDS = ("auto", "torch")

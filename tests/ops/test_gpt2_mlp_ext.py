@@ -283,3 +283,28 @@ def test_create_graph_first_derivatives_as_the_python_body(counted, monkeypatch)
     assert counted.ran == 1
     for a, b in zip(*res, strict=True):
         assert torch.equal(a, b)
+
+
+def test_under_checkpoint_runs_in_cpp(counted, monkeypatch):
+    # under a non-reentrant torch.utils.checkpoint the GELU's side tables come back held (NOTE
+    # [Side tables under torch.utils.checkpoint]): rebuilt, the C++ body takes them, with the
+    # Python body's bits; the recompute's dense fallback (scale 1.0) runs the Python body
+    import torch.utils.checkpoint as cp
+
+    g = torch.Generator().manual_seed(4)
+    w1 = torch.randn(8, 96, generator=g).requires_grad_()
+    w2 = torch.randn(96, 8, generator=g).requires_grad_()
+    for scale in (0.3, 1e-3, 1.0):
+        x = (torch.randn(2, 7, 8, generator=g) * scale).requires_grad_()
+        dy = torch.randn(2, 7, 8, generator=g)
+        out = []
+        for fn in (counted, None):
+            monkeypatch.setattr(ogm, "_EXT_MLP", fn)
+            torch.manual_seed(1)
+            y = cp.checkpoint(gpt2_mlp, x, w1, None, w2, None, "none", 0.2, use_reentrant=False)
+            out.append((y.detach(), torch.autograd.grad(y, (x, w1, w2), dy)))
+        (y, gr), (y_p, gr_p) = out
+        assert torch.equal(y, y_p)
+        assert_equal_each(gr, gr_p)
+    assert counted.calls == counted.ran == 2  # the dense fallback declined before the call
+    assert counted.hard[0] > 0 and counted.hard[1] == 0

@@ -21,9 +21,9 @@ float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 
 9% of N(0, s) inputs (s from 0.577 to 1) lie in that window, more than 1/16: such inputs keep x
 densely, as eager, at every size (NOTE [GPT-2's MLP under autocast] in ops/gpt2_mlp.py).
 Kept x (few elements, half types on CPU, an input its producer keeps) is x itself, no copy
-(NOTE [Few elements without a copy of x] in ``_output_act``). Out of place under saved-tensor
-hooks other than torch.utils.checkpoint's (offloading): keeps x, as eager, and nothing else
-(NOTE [Under hooks that pack each tensor] in ``_output_act``).
+(NOTE [Few elements without a copy of x] in ``_output_act``). Under saved-tensor hooks other
+than torch.utils.checkpoint's (offloading): keeps x (in place, a copy of x), as eager, and nothing
+else (NOTE [Under hooks that pack each tensor] in ``_output_act``).
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
@@ -222,7 +222,7 @@ class _GeluInplaceFn(_GeluFn):
     @staticmethod
     def forward(ctx, x: Tensor, approximate: str):
         ctx.approximate = approximate
-        return smooth_forward(ctx, x, _gelu_fwd, True, approximate)
+        return smooth_forward(ctx, x, _gelu_fwd, True, approximate, kept=_C_FWD[approximate])
 
 
 _GELU_APPLY = direct_apply(_GeluFn)

@@ -120,7 +120,13 @@ from slimgrad import _ext, ownership
 from slimgrad._autograd import compiling, direct_apply, refuse_forward_ad, refuse_second_order
 from slimgrad._library import straight
 from slimgrad.kernels import _backend, _cpu
-from slimgrad.ops._output_act import DENSE_MAX, c_backward, reuse_ok, smooth_backward
+from slimgrad.ops._output_act import (
+    DENSE_MAX,
+    c_backward,
+    reuse_ok,
+    side_tensors,
+    smooth_backward,
+)
 from slimgrad.ops.linear import (
     _autocast_cast,
     _AutocastLinearFn,
@@ -323,19 +329,29 @@ def _ext_mlp_backward(steps, dy, owned: bool):
     mp, mf = proj.needs_input_grad, fc.needs_input_grad
     if mp[0]:
         cp = act.cpath
-        if cp is None or act.held:  # NOTE [Side tables under torch.utils.checkpoint]
+        if cp is None:
             return None
-        ay, abits, idx, xs = act.saved_tensors
+        if act.held:  # NOTE [Side tables under torch.utils.checkpoint]: rebuilt, unpacked once
+            saved = side_tensors(act)
+            if saved[0] is None:  # the recompute's dense fallback: the Python body takes it
+                act.side = saved
+                return None
+        else:
+            saved = act.saved_tensors
+        ay, abits, idx, xs = saved
         gaddr = _GELU_BWD_ADDR.get(cp)
         if gaddr is None:
             gaddr = _GELU_BWD_ADDR[cp] = _cpu.address(cp.bwd)
         x, w_fc = fc.saved_tensors
         tn, y_hi, y_lo, s2, sc_r, sc_l = cp.bwd_args
-        return _EXT_MLP(
+        r = _EXT_MLP(
             dy, owned, bits_r, n_r, scale, daddr, y, w_proj, True, mp[1], mp[2] and proj.has_bias,
             ay, abits, idx, xs, act.n, gaddr, cp.tab, tn, y_hi, y_lo, s2, sc_r, sc_l,
             act.approximate, x, w_fc, mf[0], mf[1], mf[2] and fc.has_bias,
         )  # fmt: skip
+        if r is None and act.held:  # declined: the Python body reads what was rebuilt here
+            act.side = saved
+        return r
     return _EXT_MLP(
         dy, owned, bits_r, n_r, scale, daddr, y, w_proj, False, mp[1], mp[2] and proj.has_bias,
         None, None, None, None, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, "none", None, None, False,

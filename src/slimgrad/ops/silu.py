@@ -16,8 +16,9 @@ contiguous, groups large enough): keeps x, that output, which the norm keeps any
 or table: no byte besides the norm's (NOTE [An input its producer keeps] in ``_output_act``).
 Half types on CPU up to HALF_DENSE_MAX elements keep x with no copy of it (NOTE [Few elements
 without a copy of x]).
-Out of place under saved-tensor hooks other than torch.utils.checkpoint's (offloading): keeps
-x, as eager, and nothing else (NOTE [Under hooks that pack each tensor] in ``_output_act``).
+Under saved-tensor hooks other than torch.utils.checkpoint's (offloading): keeps x (in place, a
+copy of x), as eager, and nothing else (NOTE [Under hooks that pack each tensor] in
+``_output_act``).
 
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); on CPU float32 both passes run as compiled C
