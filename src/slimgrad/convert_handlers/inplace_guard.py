@@ -531,9 +531,15 @@ def _still_alive(made: list) -> frozenset[str]:
         )
 
     names = alive()
-    if names:
-        gc.collect()
+    for generation in (1, 2) if names else ():
+        # the cycles a trace leaves (torch.fx's Proxy.__iter__ keeps its own frame, and through it
+        # the forward's, for a tuple unpacked from a Proxy) are young: the young generations
+        # first, a full collection (its cost grows with the process's heap) only where one
+        # survived them
+        gc.collect(generation)
         names = alive()
+        if not names:
+            break
     return names
 
 
