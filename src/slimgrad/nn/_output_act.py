@@ -145,10 +145,11 @@ def _keepers() -> tuple:
 # through it, train or eval, frozen affine or not: an activation whose output goes straight to one
 # (``Sequential(conv, act, bn)``, MobileNetV3's conv -> Hardswish -> BN) costs eager x (its own) and
 # y (the norm's). Keeping y there keeps what eager keeps anyway, and the activation's x is saved.
-# slimgrad's BatchNorm keeps y too (its input), except where it may keep less (eval with frozen
-# affine, a following *AfterNorm activation claiming its output: then it keeps its output, eager
-# keeps that and y): the activation's y + side information stays below eager's x + y there too.
-# Answered "kept" for torch's and slimgrad's BatchNorm1d/2d/3d (their own forward, no hooks).
+# slimgrad's BatchNorm keeps y too (its input), except in eval with a frozen affine (nothing
+# full-size) and in training where a following *AfterNorm activation claims its output (then it
+# keeps that output): there the activation keeps x, eager's bytes, read per call (NOTE [Keep y
+# only where the producer does not keep x]). Answered "kept" for torch's BatchNorm1d/2d/3d,
+# conditionally for slimgrad's (their own forward, no hooks).
 
 
 def _batch_norms() -> tuple:
@@ -273,8 +274,10 @@ class KeepYWhen:
 
     def __call__(self, x: torch.Tensor) -> bool:
         if self.after_claim:
-            from slimgrad.ops._derived import _DERIVED_D
+            from slimgrad.ops._derived import _DERIVED_D, _is_compiling
 
+            if _is_compiling():  # no derived path under torch.compile: eager's ReLU ran
+                return False
             e = _DERIVED_D.get(id(x))
             if e is None or e[0]() is not x:
                 return False  # the ReLUAfterNorm ran eager's op: it keeps x
