@@ -545,3 +545,16 @@ def test_a_wrong_imaginary_part_of_a_complex_output_is_caught():
     rep = slimgrad.verify(m, bad, x, loss_fn=lambda out: out.real.square().mean())
     assert not rep.ok and all(g.ok for g in rep.grads)
     assert [o.name for o in rep.runs[0].outputs if not o.ok] == ["output"]
+
+
+def test_a_run_that_compares_no_gradient_says_so():
+    # a model whose parameters are all frozen, on integer inputs: loss and outputs only; its "OK"
+    # said nothing of that (accelerate's cpu_offload gives the same 0 gradients)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 3)).requires_grad_(False)
+    rep = slimgrad.verify(m, copy.deepcopy(m), torch.tensor([[1, 2, 3]]), loss_fn=lambda o: o.sum())
+    assert rep.ok, str(rep)
+    assert str(rep).startswith("verify: OK (no gradient compared);")
+    assert all("note: no gradient compared" in "\n".join(r.lines()) for r in rep.runs)
+    rep = slimgrad.verify(m.requires_grad_(True), copy.deepcopy(m), torch.tensor([[1, 2, 3]]))
+    assert "no gradient compared" not in str(rep)

@@ -117,6 +117,14 @@ except ImportError:  # pragma: no cover - numpy ships with torch's usual install
 __all__ = ["GradCheck", "OutputCheck", "VerifyReport", "VerifyRun", "verify"]
 
 _SHOWN = 8  # failing gradients listed per run in str(report); all are in report.runs[i].grads
+# a run that compared no gradient (every parameter frozen, or held where the model's forward does
+# not use it: accelerate's cpu_offload keeps the weights in its hooks and puts fresh tensors in at
+# each call) checked the loss and outputs only; its "OK" says so
+_NO_GRADS_NOTE = (
+    "no gradient compared: no parameter or floating input requires grad in the model's own "
+    "parameters (frozen, or weights held outside them, e.g. by accelerate's cpu_offload); this "
+    "run checked the loss and the outputs only"
+)
 
 
 @dataclass
@@ -242,10 +250,12 @@ class VerifyReport:
         return max((g.err for r in self.runs for g in r.grads), default=0.0)
 
     def __str__(self) -> str:
+        none = all(not r.grads and not r.input_grads for r in self.runs)
         head = (
-            f"verify: {'OK' if self.ok else 'FAILED'}; loss eager {self.loss_eager:.6g}, converted "
-            f"{self.loss_converted:.6g}, float64 {self.loss_ref64:.6g}; {len(self.grads)} grads, "
-            f"max err {self.max_grad_err:.3e}; {len(self.runs)} run(s): "
+            f"verify: {'OK' if self.ok else 'FAILED'}"
+            f"{' (no gradient compared)' if none else ''}; loss eager {self.loss_eager:.6g}, "
+            f"converted {self.loss_converted:.6g}, float64 {self.loss_ref64:.6g}; "
+            f"{len(self.grads)} grads, max err {self.max_grad_err:.3e}; {len(self.runs)} run(s): "
             + ", ".join(f"{r.name} {'OK' if r.ok else 'FAILED'}" for r in self.runs)
         )
         lines = [head]
@@ -1803,6 +1813,8 @@ def _run(
         run.notes.append(dx_note)
     if note is not None:
         run.notes.append(note)
+    if not grads and not input_grads:
+        run.notes.append(_NO_GRADS_NOTE)
     which = [s for s, side in (("eager", e), ("converted", c), ("float64", r)) if side.by_backward]
     if which:
         run.notes.append(

@@ -61,3 +61,91 @@ def test_act_after_batch_norm_is_still_claimed():
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Identity(), nn.Hardswish())
     slimgrad.convert_(m)
     assert type(m[3]).__name__ == "HardswishAfterNorm"
+
+
+_X_BYTES = 2 * 4 * 11 * 9 * 4  # one conv output of _run's input, float32
+
+
+def _pair(eager, mode, seed=1):
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    for m in (eager, slim):
+        getattr(m, mode)()
+    torch.manual_seed(seed)
+    x = torch.randn(2, 3, 13, 11)
+    return slim, _run(eager, x), _run(slim, x)
+
+
+def _same_grads(ge, gs):
+    for a, b in zip(ge, gs, strict=True):
+        torch.testing.assert_close(b, a)
+
+
+def test_act_before_a_claimed_batch_norm_keeps_x_in_training():
+    # NOTE [Keep y only where the producer does not keep x]: the BatchNorm's output goes to a
+    # SiLUAfterNorm, so in training it keeps that output, not its input: the first SiLU's y was
+    # kept by nobody else (6,870 B where eager's op keeps 6,784 at 2x8x7x5)
+    torch.manual_seed(1)
+    conv = lambda: nn.Conv2d(4, 4, 1)  # noqa: E731
+    eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU(), nn.BatchNorm2d(4), nn.SiLU(), conv())
+    slim, (re, ge), (rs, gs) = _pair(eager, "train")
+    assert type(slim[3]).__name__ == "SiLUAfterNorm"
+    # the first SiLU keeps x (eager's op); the block keeps b once, for the norm and the conv
+    assert "SiluBackward0" in rs.by_node and "_SiluFnBackward" not in rs.by_node
+    assert rs.saved_bytes == re.saved_bytes - 2 * _X_BYTES
+    assert rs.peak_bytes <= re.peak_bytes
+    _same_grads(ge, gs)
+
+
+def test_act_before_a_batch_norm_that_keeps_nothing_keeps_x():
+    # eval with a frozen affine: slimgrad's BatchNorm keeps nothing full-size, so the Hardswish's
+    # y + side information was kept for nobody (6,814 B vs eager's op 6,720 at 2x8x7x5); read per
+    # call from the BatchNorm's mode and gamma's requires_grad
+    torch.manual_seed(1)
+    eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Hardswish(), nn.BatchNorm2d(4, affine=False))
+    slim, (re, ge), (rs, gs) = _pair(eager, "eval")
+    assert rs.saved_bytes == re.saved_bytes - _X_BYTES  # the norm's x: eager's only extra
+    assert "_HardswishFnBackward" not in rs.by_node
+    _same_grads(ge, gs)
+    eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Hardswish(), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1))
+    slim, _, (rs, _) = _pair(eager, "eval")
+    assert "_HardswishFnBackward" in rs.by_node  # gamma trains: the norm keeps y
+    for m in (eager, slim):
+        m[2].requires_grad_(False)
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 13, 11)
+    (re, ge), (rs, gs) = _run(eager, x), _run(slim, x)
+    assert rs.saved_bytes == re.saved_bytes - _X_BYTES
+    assert "_HardswishFnBackward" not in rs.by_node
+    _same_grads(ge, gs)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_act_after_batch_norm_and_dropout_is_claimed(p):
+    # _may_follow_bn steps over a Dropout: Sequential(conv, bn, Dropout(0), relu, conv) kept
+    # eager's 6,784 B (BN input and ReLU output) at 2x8x7x5; with p > 0 in training the
+    # ReLUAfterNorm sees a dropped tensor and runs eager's op
+    torch.manual_seed(1)
+    eager = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(p), nn.ReLU(), nn.Conv2d(4, 4, 1)
+    )
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    assert type(slim[3]).__name__ == "ReLUAfterNorm"
+    x = torch.randn(2, 3, 13, 11)
+    got = []
+    for m in (eager, slim):
+        torch.manual_seed(2)  # the same dropout mask
+        got.append(_run(m, x) if p == 0 else (None, _grads_seeded(m, x)))
+    if p == 0:
+        (re, ge), (rs, gs) = got
+        assert rs.saved_bytes == re.saved_bytes - _X_BYTES  # BN -> ReLU keeps one tensor
+        assert rs.peak_bytes <= re.peak_bytes
+    else:
+        ge, gs = got[0][1], got[1][1]
+    _same_grads(ge, gs)
+
+
+def _grads_seeded(m, x):
+    xi = x.clone().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    m(xi).square().sum().backward()
+    return [xi.grad, *(p.grad for p in m.parameters())]

@@ -510,3 +510,24 @@ def test_a_batch_of_zero_through_a_fresh_empty_gradient_peaks_as_eager(tail):
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b) and b.stride() == a.stride()
+
+
+@pytest.mark.parametrize("tail", ["ReLU", "Identity"])
+def test_a_batch_of_zero_in_channels_last_peaks_as_eager(tail):
+    # dW of a batch of 0 is made in W's layout: a contiguous one for a channels_last W was copied
+    # into W's layout when accumulated (Conv2d(4, 8, 3): peak 2,344 B vs eager's 1,192)
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), getattr(torch.nn, tail)())
+    eager = eager.to(memory_format=torch.channels_last)
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    assert type(slim[0]).__module__.startswith("slimgrad")
+    x = torch.randn(0, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    runs = [measure(lambda m=m: m(x).sum(), timeline=False) for m in (eager, slim)]
+    assert runs[1].peak_bytes == runs[0].peak_bytes
+    grads = []
+    for m in (eager, slim):
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b) and b.stride() == a.stride()

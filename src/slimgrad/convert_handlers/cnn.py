@@ -147,13 +147,18 @@ TABLE["timm.layers.norm_act.FrozenBatchNormAct2d"] = ("batch_norm", frozen_batch
 # here it kept eager's bytes, where the table's module keeps y, which the BatchNorm keeps anyway
 # (NOTE [A BatchNorm consumer keeps y] in nn/_output_act.py). In a plain
 # ``nn.Sequential`` the child before the activation (past ``nn.Identity``, which returns its
-# input) states what it is given: the pattern claims it only after a BatchNorm there. In any other
+# input, and the Dropouts, which may: in eval or at p = 0; the ``*AfterNorm`` module checks at its
+# call that its input is the BatchNorm's untouched output, and runs eager's op on a dropped one)
+# states what it is given: the pattern claims it only after a BatchNorm there. In any other
 # parent the order is not read, and any child may follow the BatchNorm (torchvision's blocks).
+_PASS_THROUGH = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
 def _may_follow_bn(parent: nn.Module, before: list, found: Structure) -> bool:
     if type(parent).forward is not nn.Sequential.forward or not isinstance(parent, nn.Sequential):
         return True
     for _, c in reversed(before):
-        if type(c) is nn.Identity and "forward" not in c.__dict__:
+        if type(c) in _PASS_THROUGH and "forward" not in c.__dict__:
             continue
         return isinstance(found.now(c), _BN_TYPES)
     return False

@@ -145,10 +145,11 @@ def _keepers() -> tuple:
 # through it, train or eval, frozen affine or not: an activation whose output goes straight to one
 # (``Sequential(conv, act, bn)``, MobileNetV3's conv -> Hardswish -> BN) costs eager x (its own) and
 # y (the norm's). Keeping y there keeps what eager keeps anyway, and the activation's x is saved.
-# slimgrad's BatchNorm keeps y too (its input), except where it may keep less (eval with frozen
-# affine, a following *AfterNorm activation claiming its output: then it keeps its output, eager
-# keeps that and y): the activation's y + side information stays below eager's x + y there too.
-# Answered "kept" for torch's and slimgrad's BatchNorm1d/2d/3d (their own forward, no hooks).
+# slimgrad's BatchNorm keeps y too (its input), except in eval with a frozen affine (nothing
+# full-size) and in training where a following *AfterNorm activation claims its output (then it
+# keeps that output): there the activation keeps x, eager's bytes, read per call (NOTE [Keep y
+# only where the producer does not keep x]). Answered "kept" for torch's BatchNorm1d/2d/3d,
+# conditionally for slimgrad's (their own forward, no hooks).
 
 
 def _batch_norms() -> tuple:
@@ -165,8 +166,10 @@ def _batch_norms() -> tuple:
     )
 
 
-def _keeps_input(m, depth: int = 0) -> bool | None:
-    # whether m saves the very tensor it is called with for its weight's gradient; None: unknown
+def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWhen | None:
+    # whether m saves the very tensor it is called with for its weight's gradient; None: unknown;
+    # with ``sites``, a KeepYWhen for a slimgrad BatchNorm (NOTE [Keep y only where the producer
+    # does not keep x])
     import slimgrad.nn as snn
 
     if m is None or depth > 32 or not _plain(m):
@@ -177,16 +180,19 @@ def _keeps_input(m, depth: int = 0) -> bool | None:
         w = m._parameters.get("weight")
         return w is not None and w.requires_grad
     if t in _batch_norms():  # NOTE [A BatchNorm consumer keeps y]
-        return True
+        if sites is None or not t.__module__.startswith("slimgrad."):
+            return True
+        # an *AfterNorm after it claims its output b in training: it keeps b, not its input
+        return KeepYWhen(bn=m, claimed=isinstance(_next_module(m, sites), _after_norms()))
     if _sequential(m):
         for c in m._modules.values():
             if c is None or _passes(c):
                 continue
-            return _keeps_input(c, depth + 1)
+            return _keeps_input(c, depth + 1, sites)
         return None
     entry = _ENTRY.get(name)
     if entry is not None and _declared_method(m, "forward", name):
-        return _keeps_input(m._modules.get(entry), depth + 1)
+        return _keeps_input(m._modules.get(entry), depth + 1, sites)
     if t.__module__.startswith(("torch.nn.", "slimgrad.nn.")):
         return False  # a library module that is not one of the keepers
     return None
@@ -203,8 +209,10 @@ def _declared_method(m, method: str, name: str) -> bool:
     )
 
 
-def _kept_after(child, sites: dict, depth: int = 0) -> bool | None:
-    # whether what ``child`` returns is kept by the module it is handed to; None: unknown
+def _kept_after(child, sites: dict, depth: int = 0, when: bool = False) -> bool | KeepYWhen | None:
+    # whether what ``child`` returns is kept by the module it is handed to; None: unknown; with
+    # ``when``, a KeepYWhen where a slimgrad BatchNorm's mode decides
+    bn_sites = sites if when else None
     where = sites.get(id(child), ())
     if not where:
         return False  # the model's output
@@ -219,22 +227,145 @@ def _kept_after(child, sites: dict, depth: int = 0) -> bool | None:
         for c in after:
             if _passes(c):
                 continue
-            return _keeps_input(c)
-        return _kept_after(parent, sites, depth + 1)
+            return _keeps_input(c, 0, bn_sites)
+        return _kept_after(parent, sites, depth + 1, when)
     pname = _name(type(parent))
     for (cls, method), rule in _DECLARED.items():
         if cls == pname and name in rule and _declared_method(parent, method, cls):
             spec = rule[name]
             if spec == _OUT:
-                return _kept_after(parent, sites, depth + 1)
+                return _kept_after(parent, sites, depth + 1, when)
             if spec == _NOBODY:
                 return False
             for t in spec:  # the first child that does not pass y on is its consumer
                 c = parent._modules.get(t)
                 if not _passes(c):
-                    return _keeps_input(c)
+                    return _keeps_input(c, 0, bn_sites)
             return None
     return None
+
+
+# NOTE [Keep y only where the producer does not keep x]
+# A smooth activation keeps y + side information so that x need not be kept; where x is the output
+# of a module that keeps its own output anyway (ReLU, Sigmoid, Tanh: eager's and slimgrad's keep
+# y), keeping x costs nothing and keeping y costs the side information above eager's bytes
+# (``Sequential(conv, ReLU, SiLU, conv)``). So ``state_consumers_`` reads the activation's
+# producer from the same structure as its consumer (the child before it in a plain
+# ``nn.Sequential``, past ``nn.Identity`` / ``Dropout(p=0)``; before a Sequential's first child,
+# what precedes the Sequential) and turns ``keep_y`` off there. A ``ReLUAfterNorm`` keeps its
+# output only where it ran eager's op: on a slimgrad BatchNorm's claimed output it keeps b and
+# tags its output as derived (NOTE [Derived saved inputs] in slimgrad/ops/_derived.py). Which one
+# ran is known at the activation's call, from its input: ``keep_y`` is then a :class:`KeepYWhen`
+# that keeps y only for a derived input. The same object carries the condition of NOTE [A
+# BatchNorm consumer keeps y] for eval: a slimgrad BatchNorm keeps its input in training and, in
+# eval, only where gamma needs a gradient (eval with a frozen affine keeps nothing full-size), so
+# an activation whose output goes to one keeps y only while that BatchNorm would keep it: a few
+# attribute reads per call. Where the BatchNorm's output goes to an ``*AfterNorm`` activation, in
+# training it keeps that output b, not its input (the claim), so nothing of y there.
+class KeepYWhen:
+    """``keep_y``'s conditional value (NOTE [Keep y only where the producer does not keep x])."""
+
+    __slots__ = ("after_claim", "bn", "claimed")
+
+    def __init__(
+        self, after_claim: bool = False, bn: torch.nn.Module | None = None, claimed: bool = False
+    ) -> None:
+        self.after_claim, self.bn, self.claimed = after_claim, bn, claimed
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        if self.after_claim:
+            from slimgrad.ops._derived import _DERIVED_D, _is_compiling
+
+            if _is_compiling():  # no derived path under torch.compile: eager's ReLU ran
+                return False
+            e = _DERIVED_D.get(id(x))
+            if e is None or e[0]() is not x:
+                return False  # the ReLUAfterNorm ran eager's op: it keeps x
+        bn = self.bn
+        if bn is None:
+            return True
+        if bn.training or bn._buffers.get("running_mean") is None:  # batch statistics
+            return not self.claimed
+        w = bn._parameters.get("weight")
+        return w is not None and w.requires_grad
+
+
+def _after_norms() -> tuple:
+    from slimgrad.nn import batch_norm as b
+    from slimgrad.nn.hardswish import HardswishAfterNorm
+
+    return (
+        b.ReLUAfterNorm, b.GELUAfterNorm, b.SiLUAfterNorm, b.LeakyReLUAfterNorm, b.ELUAfterNorm,
+        HardswishAfterNorm,
+    )  # fmt: skip
+
+
+def _next_module(child, sites: dict, depth: int = 0):
+    # the module child's output is handed to in a plain Sequential (past passing children, into a
+    # Sequential's first child); _OUT: the model's output; None: not known
+    where = sites.get(id(child), ())
+    if not where:
+        return _OUT
+    if depth > 32 or len(where) != 1:
+        return None
+    parent = where[0][0]
+    if not _sequential(parent) or "forward" in parent.__dict__:
+        return None
+    kids = [c for c in parent._modules.values() if c is not None]
+    for c in kids[kids.index(child) + 1 :]:
+        if _passes(c):
+            continue
+        while _sequential(c) and "forward" not in c.__dict__:
+            first = [k for k in c._modules.values() if k is not None and not _passes(k)]
+            if not first:
+                return None
+            c = first[0]
+        return c
+    return _next_module(parent, sites, depth + 1)
+
+
+def _producer(child, sites: dict, depth: int = 0):
+    # the module whose output child is called with, read as _next_module reads the consumer;
+    # None: not known (or the model's input)
+    where = sites.get(id(child), ())
+    if depth > 32 or len(where) != 1:
+        return None
+    parent = where[0][0]
+    if not _sequential(parent) or "forward" in parent.__dict__:
+        return None
+    kids = [c for c in parent._modules.values() if c is not None]
+    for c in reversed(kids[: kids.index(child)]):
+        if _passes(c):
+            continue
+        while _sequential(c) and "forward" not in c.__dict__:
+            last = [k for k in c._modules.values() if k is not None and not _passes(k)]
+            if not last:
+                return None
+            c = last[-1]
+        return c
+    return _producer(parent, sites, depth + 1)
+
+
+def _keeps_y_when(m, sites: dict, consumer) -> bool | KeepYWhen:
+    # keep_y of a smooth activation m whose consumer's answer is ``consumer`` (not False)
+    import slimgrad.nn as snn
+
+    bn = consumer if isinstance(consumer, KeepYWhen) else None
+    p = _producer(m, sites)
+    after_claim = False
+    if p is not None and _plain(p):
+        t = type(p)
+        if t is snn.ReLUAfterNorm:
+            after_claim = True
+        elif t in (
+            torch.nn.ReLU, snn.ReLU, torch.nn.Sigmoid, snn.Sigmoid, torch.nn.Tanh, snn.Tanh,
+        ):  # fmt: skip
+            return False  # it keeps its output, this module's x
+    if not after_claim and bn is None:
+        return True
+    if bn is None:
+        return KeepYWhen(after_claim)
+    return KeepYWhen(after_claim, bn.bn, bn.claimed)
 
 
 def _output_kinds() -> tuple:
@@ -398,9 +529,14 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
                 (type(m) not in smooth and not isinstance(m, snn.LayerNorm))
                 or _kept_after(m, sites) is not False
             )
+            if keep and type(m) in smooth:
+                # NOTE [Keep y only where the producer does not keep x]
+                c = _kept_after(m, sites, when=True)
+                keep = c is not False and _keeps_y_when(m, sites, c)
             m.__dict__.pop("keep_y", None)
-            if not keep:
-                m.keep_y = False
+            if keep is not True:
+                m.__dict__["keep_y"] = keep
+            keep = keep is not False
             watch_(m, near.get(id(m), ()) if keep else ())
             n += keep
             if isinstance(m, snn.LayerNorm):

@@ -28,7 +28,9 @@ class ELU(NoScript, torch.nn.ELU):
         if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
             return F.elu(input, self.alpha, self.inplace)
         # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
-        if not self.keep_y:
+        keep = self.keep_y  # True, False or a KeepYWhen (NOTE [Keep y only where the
+        # producer does not keep x] in nn/_output_act.py)
+        if keep is not True and (not keep or not keep(input)):
             return F.elu(input, self.alpha, self.inplace)
         return elu(input, self.alpha, self.inplace)
 

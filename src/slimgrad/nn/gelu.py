@@ -61,7 +61,9 @@ class GELU(NoScript, torch.nn.GELU):
             return torch.nn.functional.gelu(input, approximate=self.approximate)
         a = self.approximate
         # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
-        if not self.keep_y:
+        keep = self.keep_y  # True, False or a KeepYWhen (NOTE [Keep y only where the
+        # producer does not keep x] in nn/_output_act.py)
+        if keep is not True and (not keep or not keep(input)):
             if self.inplace:  # eager's in-place GELU (it keeps a copy of the input)
                 return torch.ops.aten.gelu_(input, approximate=a)
             return torch.nn.functional.gelu(input, approximate=a)

@@ -34,7 +34,9 @@ class Hardswish(NoScript, torch.nn.Hardswish):
         if forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]: eager's op
             return torch.nn.functional.hardswish(input, self.inplace)
         # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
-        if not self.keep_y:
+        keep = self.keep_y  # True, False or a KeepYWhen (NOTE [Keep y only where the
+        # producer does not keep x] in nn/_output_act.py)
+        if keep is not True and (not keep or not keep(input)):
             return torch.nn.functional.hardswish(input, self.inplace)
         return hardswish(input, self.inplace)
 

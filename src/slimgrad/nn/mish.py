@@ -36,7 +36,9 @@ class Mish(NoScript, torch.nn.Mish):
         if hooks and forward_hooked(self):  # NOTE [Forward hooks on an output-saving module]
             return F.mish(input, self.inplace)
         # NOTE [Keep y only where its consumer keeps it] in nn/_output_act.py
-        if not self.keep_y:
+        keep = self.keep_y  # True, False or a KeepYWhen (NOTE [Keep y only where the
+        # producer does not keep x] in nn/_output_act.py)
+        if keep is not True and (not keep or not keep(input)):
             return F.mish(input, self.inplace)
         if (  # mish()'s straight path, without its frame (NOTE [One gate per call])
             not self.inplace

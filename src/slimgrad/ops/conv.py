@@ -76,7 +76,7 @@ class _ConvFn(torch.autograd.Function):
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
         # x's strides only where no x is kept (NOTE [A stand-in for x])
         ctx.x_meta = (x.shape, x.dtype, x.device, None if need_w else x.stride())
-        ctx.w_meta = (weight.shape, weight.dtype)
+        ctx.w_meta = (weight.shape, weight.dtype, weight.stride())
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.act = ctx.rebuild = ctx.pack = None
         ctx.base_stands_in = False
@@ -120,7 +120,7 @@ class _ConvFn(torch.autograd.Function):
         shape, dtype, device, _ = ctx.x_meta
         x = _blank(shape, dtype, device)
         if weight is None:
-            wshape, wdtype = ctx.w_meta
+            wshape, wdtype, _ = ctx.w_meta
             weight = _blank(wshape, wdtype, device)
         with torch.enable_grad():
             if kept_x is not None and ctx.act is not None:
@@ -156,19 +156,25 @@ class _ConvFn(torch.autograd.Function):
             and not need_x
             and 0 in shape
             and not torch.compiler.is_compiling()  # (Dynamo cannot trace the storage's size)
-            and not _holds_an_element(grad)
         ):
-            # a batch of 0 reaching here through a fresh empty gradient (a ReLU's, a BatchNorm's):
-            # no element to view for W's stand-in, which would be 4 fresh bytes above eager's
-            # peak; the sums over no element are zeros, as convolution_backward's
-            wshape, wdtype = ctx.w_meta
-            gw = torch.zeros(wshape, dtype=wdtype, device=device) if need_w else None
+            # a batch of 0: the sums over no element are zeros, as convolution_backward's, made
+            # here in W's layout as eager's are (through a fresh empty gradient, a ReLU's or a
+            # BatchNorm's, W's stand-in has no element to view: 4 fresh bytes above eager's peak;
+            # and the backend, asked with a stand-in W and an x of no element, gave a contiguous
+            # dW for a channels_last W, copied into W's layout when accumulated: one more W at
+            # the peak)
+            wshape, wdtype, wstride = ctx.w_meta
+            gw = None
+            if need_w:
+                gw = torch.empty_strided(
+                    wshape, _dense_strides(wshape, wstride), dtype=wdtype, device=device
+                ).zero_()
             gb = torch.zeros(ctx.bias_sizes, dtype=wdtype, device=device) if need_b else None
             return None, gw, gb, None, None, None, None, None, None, None
         # Only the shape of x is read when dW is not requested, and only W's shape when dx is not:
         # stand-ins that allocate nothing (a 0-d view of grad, expanded) where the dtype allows.
         if weight is None:
-            wshape, wdtype = ctx.w_meta
+            wshape, wdtype, _ = ctx.w_meta
             weight = _shape_only(grad, wshape, wdtype, device)
         if ctx.act is not None and need_w:
             # x = act(b) is rebuilt for dW only (or taken from this backward's store: NOTE [Rebuilt
