@@ -76,7 +76,8 @@ class _ConvFn(torch.autograd.Function):
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
         # x's strides only where no x is kept (NOTE [A stand-in for x])
         ctx.x_meta = (x.shape, x.dtype, x.device, None if need_w else x.stride())
-        ctx.w_meta = (weight.shape, weight.dtype, weight.stride())
+        # (W's strides only for a batch of 0, the one backward that reads them)
+        ctx.w_meta = (weight.shape, weight.dtype, weight.stride() if 0 in x.shape else None)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.act = ctx.rebuild = ctx.pack = None
         ctx.base_stands_in = False
