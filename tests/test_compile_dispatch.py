@@ -4,6 +4,7 @@ results, checks and errors as ``torch.library.custom_op``'s own kernels."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -43,11 +44,16 @@ def _python_calls(fn) -> int:
         if event == "call":
             n[0] += 1
 
+    gc.collect()  # no collection (finalizers, weakref callbacks) counted: tests/_host_calls.py
+    enabled = gc.isenabled()
+    gc.disable()
     sys.setprofile(count)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        if enabled:
+            gc.enable()
     return n[0]
 
 
