@@ -641,11 +641,12 @@ def _conv(
         # forward takes d (when W needs grad) and puts there what it keeps; and how it stands in
         # for x when W is frozen (NOTE [A stand-in for x]): True, a weak reference to x's storage
         # (x is autocast's fresh copy, or no saved-tensor hooks are active); False, x itself
-        # (under hooks); None, neither (W needs grad, or Dynamo traces: no weak reference)
+        # (under hooks); None, neither (W needs grad; Dynamo traces; x is a tensor subclass,
+        # whose storage may hold no elements)
         holder = [
             d,
             None
-            if compiling or weight.requires_grad or not x.requires_grad
+            if compiling or weight.requires_grad or not x.requires_grad or type(x) not in _PLAIN
             else x is not x0 or _top_hooks(False) is None,
         ]
         args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
