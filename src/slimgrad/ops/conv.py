@@ -8,7 +8,8 @@ slimgrad activation applied to a slimgrad norm output b (NOTE [Derived saved inp
 backward, bit for bit.
 
 Memory: keeps x (4 B/elt fp32) only if W needs grad, and then b instead of x when x is derived (0
-extra bytes: b is kept by the norm); eager keeps x and W always (pytorch/pytorch#133566).
+extra bytes: b is kept by the norm), or under saved-tensor hooks (as eager: NOTE [A stand-in for
+x]); eager keeps x and W always (pytorch/pytorch#133566).
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class _ConvFn(torch.autograd.Function):
         # (W's strides only for a batch of 0, the one backward that reads them)
         ctx.w_meta = (weight.shape, weight.dtype, weight.stride() if 0 in x.shape else None)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
-        ctx.act = ctx.rebuild = ctx.pack = None
+        ctx.act = ctx.rebuild = ctx.pack = ctx.x_storage = None
         ctx.base_stands_in = False
-        kept_x = None
+        kept_x = hooked_x = None
         if need_w:
             d = holder[0]  # _derived.lookup(x), made by _conv (need_w: W requires grad)
             if d is not None:
@@ -93,8 +94,18 @@ class _ConvFn(torch.autograd.Function):
                 ctx.pack = None if d.pack is None else _derived.shared(d.pack)
             else:
                 kept_x = x
+        elif need_x:
+            # NOTE [A stand-in for x]: a weak reference to x's storage, or x itself as eager
+            # keeps it (under saved-tensor hooks), as _conv decided
+            weak = holder[-1]
+            if weak is True:
+                ctx.x_storage = (_weakref(x.untyped_storage()), x.storage_offset())
+            elif weak is False:
+                hooked_x = x
         if ctx.pack is None:
-            ctx.save_for_backward(kept_x, weight if need_x else None)
+            ctx.save_for_backward(
+                kept_x if hooked_x is None else hooked_x, weight if need_x else None
+            )
         else:
             ctx.pack[1].users += 1
             ctx.save_for_backward(None, weight if need_x else None)
@@ -198,10 +209,8 @@ class _ConvFn(torch.autograd.Function):
                 x = kept_x
             elif grad.shape == shape and grad.dtype == dtype and grad.stride() == xstride:
                 x = grad  # NOTE [A stand-in for x]: x's own layout, so dx gets eager's
-            elif need_x:  # NOTE [A stand-in for x]: an empty buffer in x's layout, never read
-                x = torch.empty_strided(
-                    shape, _dense_strides(shape, xstride), dtype=dtype, device=device
-                )
+            elif need_x:  # NOTE [A stand-in for x]: x's live storage, or an empty buffer
+                x = _in_layout(ctx.x_storage, shape, dtype, device, xstride)
             else:
                 x = _shape_only(grad, shape, dtype, device)
             gx, gw, gb = _bwd_torch(
@@ -260,6 +269,25 @@ class _ConvFn(torch.autograd.Function):
 # 131,072 B buffer; on a contiguous x the 131,072 B copy became the 131,072 B buffer. A non-dense
 # x (a slice) gets a dense buffer in the memory format eager's backend copies x into
 # (``_dense_strides``).
+# Where x's storage is still alive at backward, though, the buffer is x's bytes above eager's
+# (eager keeps x, and the storage is x's): a leaf x (its AccumulateGrad node holds it), the
+# output of an op that keeps its output (a ReLU's, a sigmoid's), a tensor the caller holds. A
+# frozen Conv2d(3, 5, 3) on a leaf (2, 3, 6, 6) peaked 2,296 B against eager's 1,432. So the
+# Function keeps a weak reference to x's storage (``untyped_storage()``: a ReLU keeps its output
+# as a new tensor on x's storage, so a reference to the tensor x dies with x while the storage
+# lives), with x's offset, and at backward a view with x's offset, shape and strides on that
+# storage stands in (``_in_layout``): x itself as the backend sees it (eager's memory format,
+# eager's copy for a non-dense x), allocating nothing. Its values are never read, so neither x's
+# version nor what was written over the storage since forward matters; only its size does (a
+# storage resized since holds fewer bytes: the buffer). Where the storage is gone, nobody kept x:
+# the buffer is x's bytes where eager still held x, never above eager's peak. Under saved-tensor
+# hooks x is kept through save_for_backward instead, as eager keeps it, so the hooks treat it as
+# eager's: checkpoint lets the forward's storage go and its recompute makes a new x, held until
+# the conv's backward by whatever else kept it (relu(a) before a frozen Conv2d(16, 2, 3,
+# stride=2), a (2, 16, 9, 9), inside the region: a buffer beside it peaked 42,896 B against
+# eager's 41,488; the kept x, 41,488). Except where x is this call's own autocast copy, which
+# nobody else sees: then the weak reference (eager keeps that copy from forward, or from the
+# recompute, to its backward). While Dynamo traces, the buffer, as before.
 
 
 def _dense_strides(shape, stride):
@@ -273,6 +301,19 @@ def _dense_strides(shape, stride):
             return torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride()
         expected *= sz
     return stride
+
+
+def _in_layout(kept, shape, dtype, device, stride):
+    # a tensor of ``shape`` whose values are never read (NOTE [A stand-in for x]): x itself (a view
+    # of x's storage with x's offset and strides) where that storage is still alive and still
+    # holds x's elements, else an empty buffer in x's dense layout
+    s = None if kept is None else kept[0]()
+    if s is not None:
+        offset = kept[1]
+        end = 0 if 0 in shape else offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+        if s.nbytes() >= end * dtype.itemsize:
+            return torch.empty((0,), dtype=dtype, device=device).set_(s, offset, shape, stride)
+    return torch.empty_strided(shape, _dense_strides(shape, stride), dtype=dtype, device=device)
 
 
 def _stands_in(b: torch.Tensor, x: torch.Tensor) -> bool:
@@ -411,6 +452,7 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _jit_tracing = torch._C._is_tracing
 _DERIVED_D = _derived._DERIVED_D
 _RECIPES_D = _derived._RECIPES_D
+_top_hooks = _derived._top_hooks
 _CLOCK = _derived._CLOCK
 _Recipe = _derived.Recipe
 
@@ -530,7 +572,7 @@ def _conv(
     )
     dev = x.device.type if any_autocast else None
     autocast = any_autocast and torch.is_autocast_enabled(dev)
-    w0, b0, dt = weight, bias, None
+    w0, b0, x0, dt = weight, bias, x, None
     if autocast:
         # autocast casts eager's aten::conv{n}d / conv_transpose{n}d, not the aten::convolution
         # that both paths below call, so its cast is applied here, for the graph and the no-graph
@@ -596,7 +638,17 @@ def _conv(
             box: list = []
             xu = unwrap_if_dead(x)
             anchor = (_ANCHOR_APPLY(xu, box), box)
-        holder = [d]  # forward takes d (when W needs grad) and puts there what it keeps
+        # forward takes d (when W needs grad) and puts there what it keeps; and how it stands in
+        # for x when W is frozen (NOTE [A stand-in for x]): True, a weak reference to x's storage
+        # (x is autocast's fresh copy, or no saved-tensor hooks are active); False, x itself
+        # (under hooks); None, neither (W needs grad; Dynamo traces; x is a tensor subclass,
+        # whose storage may hold no elements)
+        holder = [
+            d,
+            None
+            if compiling or weight.requires_grad or not x.requires_grad or type(x) not in _PLAIN
+            else x is not x0 or _top_hooks(False) is None,
+        ]
         args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
         if autocast:
             with torch.autocast(dev, enabled=False):
@@ -675,8 +727,8 @@ _DOC = """``torch.nn.functional.{api}`` keeping only what the requested gradient
     ``y = {math}``; dx needs W only, dW needs x only.
 
     Memory: keeps x (4 B/elt fp32) only if ``weight`` requires grad, and then the slimgrad norm
-    output b instead of x when x = act(b) (NOTE [Derived saved inputs]); eager keeps x and W
-    always.
+    output b instead of x when x = act(b) (NOTE [Derived saved inputs]), or under saved-tensor
+    hooks (as eager: NOTE [A stand-in for x]); eager keeps x and W always.
 
     Args:
         input: ``(N, C_in, {spatial})`` or ``(C_in, {spatial})``.
