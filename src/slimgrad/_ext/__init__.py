@@ -64,9 +64,11 @@ and ``gpt2_attention_fwd`` (the node's straight forward, the one forward body he
 freed where the Python body frees it, so the same allocation order and peak);
 ``tests/ops/test_gpt2_attention_ext.py`` compares them with the Python bodies. GPT-2's MLP node
 has ``gpt2_mlp_bwd`` (NOTE [GPT-2's MLP backward from C++] in ``slimgrad/ops/gpt2_mlp.py``;
-``tests/ops/test_gpt2_mlp_ext.py``). The C kernels these call (dropout's, GELU's) are the ones the
-Python bodies call through ctypes, by the addresses of those ctypes functions
-(``slimgrad.ops.dropout.c_addr``).
+``tests/ops/test_gpt2_mlp_ext.py``), and every LayerNorm backward on its C kernel over a granted
+gradient has ``layer_norm_bwd`` (NOTE [LayerNorm's backward from C++] in
+``slimgrad/ops/layer_norm.py``; ``tests/ops/test_layer_norm_ext.py``). The C kernels these call
+(dropout's, GELU's, LayerNorm's) are the ones the Python bodies call through ctypes, by the
+addresses of those ctypes functions (``slimgrad.ops.dropout.c_addr``).
 ``norm_node.cpp`` runs the same RMSNorm body as a C++ autograd node's backward (NOTE [The RMSNorm
 node in C++] in slimgrad/ops/rms_norm.py; ``tests/ops/test_rms_norm_node.py``).
 

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ScalarOps.h>
 
@@ -330,6 +331,159 @@ PyObject* gated_mlp_bwd(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// kernels/cpu/layer_norm.c's layer_norm_bwd_f32, its address read once from the ctypes function
+// slimgrad.ops.layer_norm binds (the same C function the Python body calls through ctypes)
+using LayerNormBwdF32 = void (*)(const float*, const float*, const float*, const float*,
+                                 const float*, float*, float*, float*, float*, double*, double*,
+                                 int64_t, int64_t, int64_t, int, int, int, int);
+
+const void* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr() : nullptr;
+}
+
+// layer_norm_bwd(dy, y, rstd, weight, bias, normalized_shape, need_dx, need_dw, need_db,
+// layer_norm_bwd_f32, min_block_rows, max_blocks): slimgrad.ops.layer_norm._bwd_cpu where dx is
+// written over a granted dy (``out is dy``) and there is no fallback channel (NOTE [LayerNorm's
+// backward from C++] there), the Python body's steps in its order:
+//     d = prod(normalized_shape); n = y.numel() // (d if d > 1 else 1)
+//     rpb = max(min_block_rows, ceil(n / max_blocks)); nblk = ceil(n / rpb); parts = nblk > 1
+//     nt = torch.get_num_threads(), at most nblk where parts
+//     r = rstd.contiguous(); w = (weight or weight.reshape(d)).contiguous(); b likewise
+//     dw = torch.empty_like(w); db = torch.empty_like(b)         # where needed
+//     tmp = torch.empty((k * nblk + nt) * d, dtype=float64)      # where parts (k: dw, db needed)
+//     C(dy, y, r, w, b, dx=dy, dw, db, scratch, dw_parts, db_parts, n, d, rpb, need..., nt); del tmp
+// Returns (dx, dw, db) (dw and db in weight's and bias's shapes; None where not computed), or None
+// (the caller runs its Python body) for a tensor subclass, a torch function or dispatch mode, or
+// operands the Python body's kernel case does not take (other dtypes, devices, a non-contiguous y
+// or dy, dy not of y's shape): checked before anything runs.
+PyObject* layer_norm_bwd(PyObject* /*self*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *pdy = nullptr, *py = nullptr, *prstd = nullptr, *pw = nullptr, *pb = nullptr;
+  PyObject *pns = nullptr, *pfn = nullptr;
+  int need_dx = 0, need_dw = 0, need_db = 0;
+  long long min_rows = 0, max_blocks = 0;
+  if (!PyArg_ParseTuple(
+          args, "OOOOOOpppOLL", &pdy, &py, &prstd, &pw, &pb, &pns, &need_dx, &need_dw, &need_db,
+          &pfn, &min_rows, &max_blocks)) {
+    return nullptr;
+  }
+  auto fn = reinterpret_cast<LayerNormBwdF32>(PyLong_AsVoidPtr(pfn));
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (!PyList_Check(pns) && !PyTuple_Check(pns)) {
+    Py_RETURN_NONE;
+  }
+  int64_t d = 1;
+  const Py_ssize_t nd = PySequence_Fast_GET_SIZE(pns);
+  for (Py_ssize_t i = 0; i < nd; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(pns, i);
+    if (!PyLong_CheckExact(item)) {
+      Py_RETURN_NONE;
+    }
+    d *= PyLong_AsLongLong(item);
+  }
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  // dispatch modes (1) and torch function modes (2) see the Python body's calls
+  if (fn == nullptr || min_rows < 1 || max_blocks < 1 || (slimgrad_watcher_mask() & 3) != 0) {
+    Py_RETURN_NONE;
+  }
+  const bool has_w = pw != Py_None, has_b = pb != Py_None;
+  PyObject* const objs[5] = {pdy, py, prstd, pw, pb};
+  for (int i = 0; i < 5; ++i) {
+    if ((i == 3 && !has_w) || (i == 4 && !has_b)) {
+      continue;
+    }
+    const int ok = plain(objs[i], i >= 3);
+    if (ok <= 0) {
+      if (ok < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  const at::Tensor& dy = THPVariable_Unpack(pdy);
+  const at::Tensor& y = THPVariable_Unpack(py);
+  const at::Tensor& rstd = THPVariable_Unpack(prstd);
+  at::Tensor weight, bias;
+  if (has_w) {
+    weight = THPVariable_Unpack(pw);
+  }
+  if (has_b) {
+    bias = THPVariable_Unpack(pb);
+  }
+  // _bwd_cpu's kernel case, with out is dy (its caller checked dy's layout: owns_layout)
+  if (dy.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat ||
+      rstd.scalar_type() != at::kFloat || !dy.is_cpu() || !y.is_cpu() || !rstd.is_cpu() ||
+      !dy.sizes().equals(y.sizes()) || !dy.is_contiguous() || !y.is_contiguous() ||
+      (has_w && (weight.scalar_type() != at::kFloat || !weight.is_cpu())) ||
+      (has_b && (bias.scalar_type() != at::kFloat || !bias.is_cpu()))) {
+    Py_RETURN_NONE;
+  }
+  const bool dw_needed = has_w && need_dw, db_needed = has_b && need_db;
+  int64_t n = y.numel();
+  n /= d > 1 ? d : 1;
+  int64_t rpb = (n + max_blocks - 1) / max_blocks;
+  if (rpb < min_rows) {
+    rpb = min_rows;
+  }
+  const int64_t nblk = (n + rpb - 1) / rpb;
+  int nt = at::get_num_threads();
+  const bool parts = nblk > 1;
+  if (parts && nt > nblk) {
+    nt = static_cast<int>(nblk);
+  }
+  at::Tensor dx, dw, db;
+  {
+    NoGil nogil;
+    if (need_dx) {
+      dx = dy;
+    }
+    at::Tensor r = rstd.contiguous();
+    at::Tensor w, b;
+    if (has_w) {
+      w = (weight.dim() == 1 ? weight : weight.reshape({d})).contiguous();
+    }
+    if (has_b) {
+      b = (bias.dim() == 1 ? bias : bias.reshape({d})).contiguous();
+    }
+    if (dw_needed) {
+      dw = at::empty_like(w);
+    }
+    if (db_needed) {
+      db = at::empty_like(b);
+    }
+    const int k = static_cast<int>(dw_needed) + static_cast<int>(db_needed);
+    at::Tensor tmp;
+    char* base = nullptr;
+    const int64_t part = nblk * d * 8;  // bytes of one parts buffer
+    if (parts) {
+      tmp = at::empty({(k * nblk + nt) * d}, at::TensorOptions().dtype(at::kDouble));
+      base = static_cast<char*>(tmp.data_ptr());
+    }
+    float* dy_ptr = static_cast<float*>(dy.data_ptr());
+    fn(dy_ptr, static_cast<const float*>(y.data_ptr()), static_cast<const float*>(r.data_ptr()),
+       static_cast<const float*>(ptr_or_null(w)), static_cast<const float*>(ptr_or_null(b)),
+       need_dx ? dy_ptr : nullptr, static_cast<float*>(const_cast<void*>(ptr_or_null(dw))),
+       static_cast<float*>(const_cast<void*>(ptr_or_null(db))),
+       parts ? reinterpret_cast<float*>(base + k * part) : nullptr,
+       parts && dw_needed ? reinterpret_cast<double*>(base) : nullptr,
+       parts && db_needed ? reinterpret_cast<double*>(base + (dw_needed ? part : 0)) : nullptr, n,
+       d, rpb, need_dx ? 1 : 0, dw_needed ? 1 : 0, db_needed ? 1 : 0, nt);
+    tmp.reset();
+    if (dw_needed && weight.dim() != 1) {
+      dw = dw.reshape(weight.sizes());
+    }
+    if (db_needed && bias.dim() != 1) {
+      db = db.reshape(bias.sizes());
+    }
+  }
+  return tensors_or_none({&dx, &dw, &db});
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 // Added to the extension's module by storage_facts.cpp's init.
@@ -338,6 +492,8 @@ PyMethodDef slimgrad_backward_methods[] = {
      "RMSNorm's one-chunk backward (slimgrad._math.norms.rms_norm_bwd_torch), else None."},
     {"gated_mlp_bwd", gated_mlp_bwd, METH_VARARGS,
      "The gated MLP's straight backward (slimgrad.ops.gated_mlp), else None."},
+    {"layer_norm_bwd", layer_norm_bwd, METH_VARARGS,
+     "LayerNorm's C-kernel backward over a granted dy (slimgrad.ops.layer_norm), else None."},
     {nullptr, nullptr, 0, nullptr}};
 
 // ---- GPT-2's attention node's backward (slimgrad.ops.gpt2_attention) ----

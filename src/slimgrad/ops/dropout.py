@@ -92,18 +92,23 @@ def _c_fns(lib):
     return fns
 
 
+#: dropout.c's function addresses by library, filled by :func:`c_addr`: a C++ body's caller reads
+#: ``FWD_ADDR[lib] if lib in FWD_ADDR else c_addr(lib, "fwd")`` (no call once known)
+FWD_ADDR: dict = {}
+BWD_ADDR: dict = {}
+
+
 def c_addr(lib, which: str) -> int:
     """The address of dropout.c's ``which`` function (``"fwd"``: dropout_fwd_f32, ``"bwd"``:
     dropout_bwd_f32) as the ctypes function the Python bodies call binds it, for the C++ bodies
-    that call the same function (NOTE [Backward bodies from C++] in slimgrad/_ext); kept on the
-    library object as its bound functions are."""
-    attr = f"_slimgrad_{which}_addr"
-    addr = getattr(lib, attr, None)
+    that call the same function (NOTE [Backward bodies from C++] in slimgrad/_ext); kept in
+    :data:`FWD_ADDR` or :data:`BWD_ADDR` by library, read once per library."""
+    table = FWD_ADDR if which == "fwd" else BWD_ADDR
+    addr = table.get(lib)
     if addr is None:
         from slimgrad.kernels._cpu import address
 
-        addr = address(_c_fns(lib)[which])
-        setattr(lib, attr, addr)
+        addr = table[lib] = address(_c_fns(lib)[which])
     return addr
 
 

@@ -184,7 +184,7 @@ def _ext_forward(ctx, n, q, k_t, v, w, b, p_attn, causal, p_resid, heads):
         h,
         t,
         d,
-        _dr.c_addr(lib, "fwd"),
+        _dr.FWD_ADDR[lib] if lib in _dr.FWD_ADDR else _dr.c_addr(lib, "fwd"),
     )
     if r is None:
         return None
@@ -260,7 +260,7 @@ def _ext_backward(ctx, dy, owned: bool):
         h,
         t,
         d,
-        _dr.c_addr(lib, "bwd"),
+        _dr.BWD_ADDR[lib] if lib in _dr.BWD_ADDR else _dr.c_addr(lib, "bwd"),
     )
 
 

@@ -117,7 +117,13 @@ import slimgrad.ops.dropout  # noqa: F401 - the modules, not the functions ops/_
 import slimgrad.ops.gelu  # noqa: F401
 import slimgrad.ops.layer_norm  # noqa: F401
 from slimgrad import _ext, ownership
-from slimgrad._autograd import compiling, direct_apply, refuse_forward_ad, refuse_second_order
+from slimgrad._autograd import (
+    CTX_FIELDS,
+    compiling,
+    direct_apply,
+    refuse_forward_ad,
+    refuse_second_order,
+)
 from slimgrad._library import straight
 from slimgrad.kernels import _backend, _cpu
 from slimgrad.ops._output_act import (
@@ -177,15 +183,20 @@ class _Step:
 
 def _save_steps(ctx, steps: tuple) -> None:
     # one save_for_backward of every step's tensors, in step order (None: a step not run); each
-    # step remembers how many are its own
+    # step remembers how many are its own. The block nodes are applied by direct_apply alone
+    # (eager, never traced): saved through ctx's field (NOTE [Saving through ctx's fields])
     to_save = []
     for st in steps:
         if st is not None:
-            st.n_saved = len(st.to_save)
-            to_save.extend(st.to_save)
+            s = st.to_save
+            st.n_saved = len(s)
+            to_save += s
             st.to_save = ()
     ctx.steps = steps
-    ctx.save_for_backward(*to_save)
+    if CTX_FIELDS:
+        ctx.to_save = tuple(to_save)
+    else:
+        ctx.save_for_backward(*to_save)
 
 
 def _hand_out_saved(ctx) -> None:
@@ -322,7 +333,8 @@ def _ext_mlp_backward(steps, dy, owned: bool):
             return None
         key = (drop.p, _dr._F32, dy.device)
         scale = _dr._SCALES[key] if key in _dr._SCALES else _dr._scale(drop.p, dy)
-        bits_r, n_r, daddr = drop.saved_tensors[0], drop.n, _dr.c_addr(lib, "bwd")
+        bits_r, n_r = drop.saved_tensors[0], drop.n
+        daddr = _dr.BWD_ADDR[lib] if lib in _dr.BWD_ADDR else _dr.c_addr(lib, "bwd")
     else:
         bits_r, n_r, scale, daddr = None, 0, 0.0, 0
     y, w_proj = proj.saved_tensors

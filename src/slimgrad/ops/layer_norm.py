@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from slimgrad import _dtensor, ownership
+from slimgrad import _dtensor, _ext, ownership
 from slimgrad._autograd import (
     CTX_FIELDS,
     compiling,
@@ -307,6 +307,43 @@ def _bwd_cpu(
         None if dw is None else (dw if weight.ndim == 1 else dw.reshape(weight.shape)),
         None if db is None else (db if bias.ndim == 1 else db.reshape(bias.shape)),
     )
+
+
+# NOTE [LayerNorm's backward from C++]
+# Where a first-order backward was granted dy and runs the C kernel the forward chose (NOTE [The
+# LayerNorm C backward, chosen in forward]) with no fallback channel -- every converted LayerNorm
+# step of a float32 CPU model, the ones folded into GPT-2's block nodes included -- the
+# extension's ``layer_norm_bwd`` (``_ext/backward.cpp``, NOTE [Backward bodies from C++] in
+# slimgrad/_ext) runs :func:`_bwd_cpu`'s body for ``out is dy`` from C++: the same row blocks and
+# thread count, the same buffers allocated in the same order (dgamma, dbeta, the float64 parts and
+# scratch where there are several blocks, freed after the call), the same kernel (its address read
+# once from the ctypes function) on the same pointers: the same bits, bytes and peak, without the
+# Python body's calls (seven ``data_ptr``, the layout checks, the struct packing and the ctypes
+# conversion; 15 calls of slimgrad's per LayerNorm backward, 25 LayerNorms per tiny GPT-2 step).
+# A tensor subclass (a fake), a dispatch or function mode, or operands outside the kernel's case
+# get None back, with nothing run, and the Python body. tests/ops/test_layer_norm_ext.py compares
+# the two.
+_EXT_LN_BWD = None  # the extension's layer_norm_bwd, once it is loaded
+_LN_BWD_ADDR: dict = {}  # the C library -> the address of its layer_norm_bwd_f32
+
+
+def _use_extension(mod) -> None:
+    global _EXT_LN_BWD
+    _EXT_LN_BWD = getattr(mod, "layer_norm_bwd", None)
+
+
+_ext.when_loaded(_use_extension)
+
+
+def _ln_bwd_addr(lib) -> int:
+    from slimgrad.kernels._cpu import address
+
+    try:
+        fns = lib._slimgrad_fns
+    except AttributeError:
+        fns = _c_fns(lib)
+    a = _LN_BWD_ADDR[lib] = address(fns["bwd"])
+    return a
 
 
 def _bwd_impl(t: torch.Tensor):
@@ -846,9 +883,16 @@ def first_order_bwd(ctx, dy, buf, y, mean, rstd, idx, xside, weight, bias) -> tu
                 if idx is None:
                     idx, xside = _no_side(y, arg=ctx.arg)
         if lib is not None:
-            dx, dw, db = _bwd_cpu(
-                buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, buf, lib
-            )
+            r = None
+            if idx is None and _EXT_LN_BWD is not None:  # NOTE [LayerNorm's backward from C++]
+                a = _LN_BWD_ADDR[lib] if lib in _LN_BWD_ADDR else _ln_bwd_addr(lib)
+                r = _EXT_LN_BWD(
+                    buf, y, rstd, weight, bias, ctx.arg, mask[0], mask[1], mask[2], a,
+                    C_MIN_BLOCK_ROWS, C_MAX_BLOCKS,
+                )  # fmt: skip
+            if r is None:
+                r = _bwd_cpu(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, buf, lib)
+            dx, dw, db = r
         else:
             dx, dw, db = impl(buf, y, mean, rstd, idx, xside, weight, bias, ctx.arg, mask, out=buf)
     else:  # the custom op, or its implementation past the gate (NOTE [One gate per call])
