@@ -590,12 +590,14 @@ _ROWWISE_SLIMGRAD = {"Linear", "LayerNorm", "GELU", "ReLU", "SiLU", "Tanh", "Sig
 # every module with weights (NOTE [A replacement carries accelerate's hook] in
 # convert_handlers/accelerate_hooks.py). The fused forward goes where the class's forward was
 # under the LM's hook (``_old_forward``): the hook moves the arguments and the output as before.
-# It calls the base model and the head's transform as modules (their hooks run) but reads the
-# decoder's weight without calling it, skipping its hook: exact only where that hook moves
-# nothing. So it is fused where every hook in the model only moves tensors to one and the same
-# device (no offloading, one execution device: the weights and every activation are there, and
-# each move is ``.to`` of a tensor already on it), read at ``convert_``; elsewhere HF's forward
-# stays and the report says why.
+# It calls the base model and the head's transform as modules (their hooks run, an offloading
+# one loading and unloading its module's weights as in eager) but reads the decoder's weight
+# without calling it, skipping its hook: exact only where that hook moves nothing. So it is
+# fused where every hook in the model is one the table carries, all run on one and the same
+# execution device (every activation arrives there), and no hook offloads the head's modules
+# (their own hooks move nothing then: their weights and inputs are on that device, each move a
+# ``.to`` of a tensor already on it; a weight on ``meta`` at ``convert_`` is one an ancestor's
+# hook offloads), read at ``convert_``; elsewhere HF's forward stays and the report says why.
 
 
 def _plain(m) -> str:
@@ -603,6 +605,12 @@ def _plain(m) -> str:
     if not isinstance(m, nn.Module):
         return f"{type(m).__name__} is not a module"
     if "forward" in m.__dict__ and not _accelerate_hooks.moves_only(m):
+        if _accelerate_hooks.carries(m):  # NOTE [The fused loss under accelerate's hooks]
+            return (
+                f"the head's {type(m).__name__} is offloaded by an accelerate hook, which loads "
+                "its weights only around its own call; expected a head whose weights stay on "
+                "its execution device, got an offloaded one"
+            )
         return f"{type(m).__name__} has a patched forward"
     hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
     glob = _global_hooks()
@@ -1049,6 +1057,15 @@ def _fused_loss_reason(model: nn.Module, keep_logits: bool) -> tuple[bool, str |
     head, why = _head(model, spec)
     if head is None:
         return False, type(why)(f"{why}; HF's forward kept")  # a CodeReason stays one
+    dec = head[1]
+    if "forward" in model.__dict__ and any(
+        t is not None and t.is_meta for t in (dec.weight, dec.bias)
+    ):  # NOTE [The fused loss under accelerate's hooks]
+        return False, (
+            "the LM head's weights are on meta, offloaded by an accelerate hook on a module "
+            "above it; expected a head whose weights stay on its execution device, got an "
+            "offloaded one; HF's forward kept (the fused loss reads the head's weight)"
+        )
     extra = {
         None: "",
         "div_config_logits_scaling": " and logits / config.logits_scaling",
