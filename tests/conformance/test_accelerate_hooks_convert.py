@@ -247,10 +247,12 @@ def test_a_module_that_would_run_on_meta_is_a_convert_error():
     m[3].to("meta")
     with pytest.raises(RuntimeError, match="module '3' .*no accelerate hook gives it an execution"):
         slimgrad.convert_(m)
-    with torch.device("meta"):  # without hooks: a model built on meta (to plan) converts
-        m = _net()
-    slimgrad.convert_(m)
-    assert len(slimgrad.report(m).converted) == 5
+    for attach in (lambda m: None, _each(ModelHook)):  # built on meta (to plan): converts
+        with torch.device("meta"):
+            m = _net()
+        attach(m)
+        slimgrad.convert_(m)
+        assert len(slimgrad.report(m).converted) == 5
 
 
 def test_an_offloaded_module_returning_to_the_input_device_keeps_the_unhooked_bits():

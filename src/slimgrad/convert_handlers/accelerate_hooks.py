@@ -259,15 +259,21 @@ def run_devices(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.device]
 def on_meta(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     """``(name, module, whether its own accelerate hook names meta as its execution device)``
     of each module of a model carrying accelerate hooks that holds a tensor running on ``meta``
-    (NOTE [The device a module runs on]); ``[]`` for a model without accelerate hooks (a model
-    built on ``meta`` to plan or estimate converts as any other)."""
+    (NOTE [The device a module runs on]); ``[]`` for a model without accelerate hooks, or one
+    wholly on meta whose hooks name no device (a model built on ``meta`` to plan or estimate
+    converts as any other)."""
     hooks = sys.modules.get("accelerate.hooks")
-    if hooks is None or not any(
-        hook_wrapper(m.__dict__.get("forward"), m) is not None for m in model.modules()
-    ):
+    if hooks is None:
+        return []
+    wrapped = [m for m in model.modules() if hook_wrapper(m.__dict__.get("forward"), m)]
+    if not wrapped:
+        return []
+    named = {d.type for m in wrapped if (d := _placing(m, hooks)[0]) is not None}
+    runs = run_devices(model)
+    if not named and all(d.type == "meta" for _, _, d in runs):
         return []
     out = []
-    for n in dict.fromkeys(n for n, _, d in run_devices(model) if d.type == "meta"):
+    for n in dict.fromkeys(n for n, _, d in runs if d.type == "meta"):
         m = model.get_submodule(n)
         own = _placing(m, hooks)[0]
         out.append((n, m, own is not None and own.type == "meta"))
