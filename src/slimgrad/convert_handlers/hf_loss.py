@@ -594,10 +594,12 @@ _ROWWISE_SLIMGRAD = {"Linear", "LayerNorm", "GELU", "ReLU", "SiLU", "Tanh", "Sig
 # one loading and unloading its module's weights as in eager) but reads the decoder's weight
 # without calling it, skipping its hook: exact only where that hook moves nothing. So it is
 # fused where every hook in the model is one the table carries, all run on one and the same
-# execution device (every activation arrives there), and no hook offloads the head's modules
-# (their own hooks move nothing then: their weights and inputs are on that device, each move a
-# ``.to`` of a tensor already on it; a weight on ``meta`` at ``convert_`` is one an ancestor's
-# hook offloads), read at ``convert_``; elsewhere HF's forward stays and the report says why.
+# execution device (every activation arrives there), and no hook of the head's modules, the
+# containers on the way to the decoder included (``_flatten`` asks ``_plain`` of each), offloads
+# (their hooks move nothing then: their weights and inputs are on that device, each move a
+# ``.to`` of a tensor already on it), read at ``convert_``; elsewhere HF's forward stays and the
+# report says why. An offloading hook on the LM itself that places its submodules loads the
+# head's weights around the LM's call, inside which the fused forward runs.
 
 
 def _plain(m) -> str:
@@ -1057,15 +1059,6 @@ def _fused_loss_reason(model: nn.Module, keep_logits: bool) -> tuple[bool, str |
     head, why = _head(model, spec)
     if head is None:
         return False, type(why)(f"{why}; HF's forward kept")  # a CodeReason stays one
-    dec = head[1]
-    if "forward" in model.__dict__ and any(
-        t is not None and t.is_meta for t in (dec.weight, dec.bias)
-    ):  # NOTE [The fused loss under accelerate's hooks]
-        return False, (
-            "the LM head's weights are on meta, offloaded by an accelerate hook on a module "
-            "above it; expected a head whose weights stay on its execution device, got an "
-            "offloaded one; HF's forward kept (the fused loss reads the head's weight)"
-        )
     extra = {
         None: "",
         "div_config_logits_scaling": " and logits / config.logits_scaling",
