@@ -799,6 +799,8 @@ def _why_not_now(model, spec, a, dec):
     # ``a``: the call's arguments by parameter name (_bound)
     if not isinstance(a.get("labels"), torch.Tensor):
         return "no labels"
+    if a["labels"].is_meta or dec.weight.is_meta:
+        return "meta tensors"  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
     if spec.vocab_from != "logits":
         vocab = model.config.vocab_size if spec.vocab_from == "config" else model.vocab_size
         if dec.weight.shape[0] != vocab:
