@@ -29,6 +29,25 @@ rules on every autograd Function, and wraps tensors in functorch wrappers that s
 ownership proofs and C kernels cannot see through. slimgrad ops therefore call eager's op while a
 transform is active (:func:`transforms_active`): the same function and gradients, eager's memory.
 
+# NOTE [Meta tensors take eager's op]
+A meta tensor has a shape, strides and a dtype but no values and no bytes (deferred init, shape
+inference, accelerate's ``init_empty_weights`` models run before their weights load). What a
+slimgrad op saves instead of eager's inputs is bytes a meta tensor does not have
+(``slimgrad.memory`` counts a meta tensor as 0 B), and several ops decide from what meta lacks:
+values (BatchNorm's bad channels, ELU's tail table, Hardswish's and the smooth activations' side
+tables, whose sizes depend on the data) or an autocast state (torch has none for the meta device:
+``torch.is_autocast_enabled("meta")`` raises, and eager's ops on meta are never cast). So such an
+op whose input is a meta tensor calls eager's op with the same arguments: eager's output (shape,
+strides, dtype) and eager's backward on meta. The test reads the input's ``is_meta`` where the op
+leaves its straight path (those gates take non-meta tensors only: NOTE [One gate per call] in
+slimgrad/_library.py) or next to its other tests for eager's op (BatchNorm's plain path), and
+before any autocast query (conv asks only under some autocast); an attribute read, no call. Ops
+whose Functions read no values (linear, conv, the monotone activations, dropout) keep running on
+meta outside autocast, with eager's layouts. A FakeTensor is not meta (its device is the one it
+stands for): ``slimgrad.memory``'s estimate still runs slimgrad's ops. tests/test_meta_device.py
+runs the converted module types and the general paths of the ops on meta, in training and eval,
+against eager's output and gradient layouts.
+
 # NOTE [In-place Functions under torch.compile]
 torch 2.13's AOTAutograd loses the backward of an autograd.Function that writes a *graph input*
 in place (``ctx.mark_dirty``): it runs the forward without grad, records the write as an input

@@ -705,7 +705,14 @@ def measure(
         module: the model, to attribute saved bytes to module paths (``by_module``) and to
             recognise its parameters. Attribution installs forward hooks on every module; they
             keep no tensor and say so, so a module they watch writes over its input in forward as
-            in an unwatched step (``slimgrad.ownership.owns_input``).
+            in an unwatched step (``slimgrad.ownership.owns_input``). A converted block that
+            calls its children's weights directly while no hook is on them (``GatedMLP``'s
+            straight path: eager's ops for the gate, up and down projections and the activation)
+            calls the children themselves once they carry these hooks, as it does for any hook,
+            so that each child's forward runs: its saved bytes are then those of the converted
+            children (a slimgrad activation keeps its output and bits, not x), which can differ
+            from the unwatched step's. Measure without ``module`` for the figures of the step
+            as it runs unwatched.
         timeline: keep the per-op timeline (``StepMemory.timeline``).
         workspace: also attribute each op's intra-op workspace from an allocator's counters
             (NOTE [Intra-op workspace]): ``"cuda"`` for the CUDA caching allocator

@@ -12,46 +12,29 @@ unloaded after it.
 from __future__ import annotations
 
 import copy
-import logging
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import slimgrad
+from slimgrad.convert_handlers import device_rule
 from slimgrad.memory import measure
-from tests._threads import one_thread
+from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
+from tests.conformance._accelerate_nets import each as _each
+from tests.conformance._accelerate_nets import llama as _llama
+from tests.conformance._accelerate_nets import net as _net
+from tests.conformance._accelerate_nets import quiet as _quiet
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.hooks import (  # noqa: E402
     AlignDevicesHook,
+    CpuOffload,
     ModelHook,
     add_hook_to_module,
     attach_align_device_hook,
     remove_hook_from_submodules,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-def _net() -> nn.Sequential:
-    block = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
-    return nn.Sequential(block, nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8))
-
-
-def _each(make):
-    def attach(m):
-        for c in m.modules():
-            if c is not m:
-                add_hook_to_module(c, make())
-
-    return attach
-
 
 _HOOKS = {
     "AlignDevicesHook_each": _each(lambda: AlignDevicesHook("cpu", io_same_device=True)),
@@ -141,63 +124,167 @@ def test_a_hook_convert_cannot_state_keeps_the_module(attach, why):
     assert len(reasons) == 1 and why in reasons[0], reasons
 
 
-def _llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=97,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).train()
+_MAPS = {
+    "cpu": {"model": "cpu", "lm_head": "cpu"},
+    # the layer's weights on meta between its calls, loaded by its hooks (offload_dir)
+    "disk": {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    },
+}
 
 
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            logging.disable(logging.NOTSET)
-
-
-def test_llama_under_dispatch_model_converts_with_the_undispatched_bits():
-    # the table's modules and the fused loss (NOTE [The fused loss under accelerate's hooks])
+def test_llama_under_dispatch_model_converts_with_the_undispatched_bits(tmp_path):
+    # the table's modules, the attention and the fused loss (NOTE [The fused loss under
+    # accelerate's hooks]). A layer on disk turned every decision to meta's (NOTE [The device a
+    # module runs on]): the attention stayed SDPA and the loss HF's, so none of the gradients were
+    # the undispatched converted model's
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
     got = {}
-    for dispatch, convert in [(True, False), (False, True), (True, True)]:
-        m = _llama()
-        if dispatch:
-            dm = {"model": "cpu", "lm_head": "cpu"}
-            m = _quiet(accelerate.dispatch_model, m, dm, force_hooks=True)
-        if convert:
-            slimgrad.convert_(m)
-        saved = measure(lambda m=m: m(input_ids=ids, labels=ids).loss, timeline=False).saved_bytes
-        m.zero_grad(set_to_none=True)
-        m(input_ids=ids, labels=ids).loss.backward()
-        rows = sorted(slimgrad.report(m).converted) if convert else None
-        got[dispatch, convert] = (rows, saved, {n: p.grad for n, p in m.named_parameters()})
-    (rows0, _, g0), (rows1, s1, g1) = got[False, True], got[True, True]
-    assert rows1 == rows0
-    kinds = {k for _, k, _ in rows1}
-    assert kinds >= {"LlamaRMSNorm", "Linear", "LlamaMLP", "LlamaForCausalLM.forward"}
-    assert s1 < got[True, False][1]  # below the dispatched eager model's
-    assert g1.keys() == g0.keys()
-    for n in g0:
-        assert torch.equal(g1[n], g0[n]), n
+    for where, convert in [(None, True), ("cpu", False), ("cpu", True), ("disk", False)]:
+        got[where, convert] = _llama_step(where, convert, ids, tmp_path)
+    got["disk", True] = _llama_step("disk", True, ids, tmp_path, targets=(("cpu", torch.float32),))
+    rows0, _, loss0, g0 = got[None, True]
+    kinds = {k for _, k, _ in rows0}
+    assert kinds >= {
+        "LlamaRMSNorm",
+        "Linear",
+        "LlamaMLP",
+        "LlamaForCausalLM.forward",
+        "LlamaForCausalLM attention (sdpa)",
+    }
+    savings = []
+    for where in _MAPS:
+        (rows, saved, loss, g), (_, eager_saved, _, g_eager) = got[where, True], got[where, False]
+        assert rows == rows0, where
+        assert torch.equal(loss, loss0), where
+        offloaded = {n for n, v in g_eager.items() if v is None}  # eager's too: loaded per call
+        assert offloaded == {n for n, v in g.items() if v is None}, where
+        assert g.keys() == g0.keys() and bool(offloaded) == (where == "disk")
+        for n in g0.keys() - offloaded:
+            assert torch.equal(g[n], g0[n]), (where, n)
+        savings.append(eager_saved - saved)
+    assert savings[0] == savings[1] > 0  # measured 19,716 B of 42,228 (disk: of 79,348)
+
+
+def _llama_step(where, convert, ids, tmp_path, targets=None):
+    m = _llama()
+    if where is not None:
+        off = tmp_path / f"{where}-{convert}"
+        m = _quiet(accelerate.dispatch_model, m, _MAPS[where], offload_dir=off, force_hooks=True)
+    if convert:
+        slimgrad.convert_(m)
+        if targets is not None:
+            assert slimgrad.report(m).targets == targets
+    saved = measure(lambda: m(input_ids=ids, labels=ids).loss, timeline=False).saved_bytes
+    m.zero_grad(set_to_none=True)
+    loss = m(input_ids=ids, labels=ids).loss
+    loss.backward()
+    rows = sorted(slimgrad.report(m).converted) if convert else None
+    return rows, saved, loss.detach(), {n: p.grad for n, p in m.named_parameters()}
 
 
 def test_offloaded_llama_keeps_hfs_forward_with_the_reason():
+    # cpu_offload offloads the head too: the fused loss, which reads its weight without calling
+    # it, would read meta; the rest converts, the attention included
     m = _llama()
     _quiet(accelerate.cpu_offload, m, execution_device="cpu")
     slimgrad.convert_(m)
     rows = {k: r for _, k, r in slimgrad.report(m).skipped}
-    assert "offloads weights" in rows["LlamaForCausalLM.forward"]
+    assert (
+        "the head's Linear is offloaded by an accelerate hook" in rows["LlamaForCausalLM.forward"]
+    )
     assert type(m.model.layers[0].mlp.down_proj).__module__.startswith("slimgrad.")
+    kinds = {k for _, k, _ in slimgrad.report(m).converted}
+    assert "LlamaForCausalLM attention (sdpa)" in kinds
+
+
+def _offload_to_cuda(m):
+    # no CUDA call: the weights go to meta (a CPU copy in the weights map) until a forward
+    attach_align_device_hook(m, execution_device="cuda", offload=True)
+
+
+@pytest.mark.parametrize(
+    "attach, device",
+    [
+        (lambda m: None, "cpu"),
+        (lambda m: accelerate.cpu_offload(m, execution_device="cpu"), "cpu"),
+        (_offload_to_cuda, "cuda"),
+        (lambda m: add_hook_to_module(m, CpuOffload(execution_device="cuda")), "cuda"),
+    ],
+    ids=["no_hook", "cpu_offload", "offload_to_cuda", "CpuOffload_cuda"],
+)
+def test_the_device_rule_decides_for_the_hooks_execution_device(attach, device):
+    # NOTE [The device a module runs on]: read from the weights, cpu_offload's decided for meta
+    # and a hook running the net on cuda for cpu (CpuOffload) or meta
+    m = _net()
+    attach(m)
+    assert device_rule.targets(m) == ((device, torch.float32),)
+
+
+def test_a_module_that_would_run_on_meta_is_a_convert_error():
+    # "meta" in a device_map makes it accelerate's main device: every hook runs on meta, which
+    # fails in eager only when the output goes back to the input's device, and in a converted
+    # LayerNorm with autocast's "unknown device type"
+    m = _quiet(
+        accelerate.dispatch_model,
+        _net(),
+        {"0": "cpu", "1": "meta", "2": "cpu", "3": "cpu"},
+        force_hooks=True,
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"^slimgrad\.convert_: module '0\.0' \(Linear\) \(and '0\.1', '1', '3'\) would "
+        r"run on meta: .* its accelerate hook's execution device is meta; expected .* got "
+        r"meta\. Map it to 'cpu', 'disk' or an accelerator in the device_map",
+    ):
+        slimgrad.convert_(m)
+    m = _net()  # weights on meta and no hook to load them, in a model with hooks
+    attach_align_device_hook(m[1], execution_device="cpu")
+    m[3].to("meta")
+    with pytest.raises(RuntimeError, match="module '3' .*no accelerate hook gives it an execution"):
+        slimgrad.convert_(m)
+    for attach in (lambda m: None, _each(ModelHook)):  # built on meta (to plan): converts
+        with torch.device("meta"):
+            m = _net()
+        attach(m)
+        slimgrad.convert_(m)
+        assert len(slimgrad.report(m).converted) == 5
+
+
+def test_an_offloaded_module_returning_to_the_input_device_keeps_the_unhooked_bits():
+    # offload=True with io_same_device=True: the weights loaded for the call and unloaded after,
+    # the output sent back to the input's device
+    torch.manual_seed(0)
+    eager = _net()
+    unhooked, plain, slim = copy.deepcopy(eager), copy.deepcopy(eager), copy.deepcopy(eager)
+    for m in (eager, slim):
+        add_hook_to_module(m[1], AlignDevicesHook("cpu", offload=True, io_same_device=True))
+    for m in (plain, slim):
+        slimgrad.convert_(m)
+    assert type(slim[1]).__module__ == "slimgrad.nn.linear"
+    assert slim[1].weight.is_meta
+    x = torch.randn(64, 8)
+    saved = {}
+    for k, m in {"eager": eager, "unhooked": unhooked, "plain": plain, "slim": slim}.items():
+        saved[k] = measure(lambda m=m: m(x).pow(2).sum(), timeline=False).saved_bytes
+    assert saved["eager"] - saved["slim"] == saved["unhooked"] - saved["plain"] > 0
+    outs = {}
+    for k, m in {"plain": plain, "slim": slim}.items():
+        xi = x.clone().requires_grad_()
+        y = m[1](m[0](xi))
+        out = m(xi)
+        out.pow(2).sum().backward()
+        outs[k] = (y, out, xi.grad)
+    assert outs["slim"][0].device == x.device and slim[1].weight.is_meta
+    for a, b in zip(outs["plain"], outs["slim"], strict=True):
+        assert torch.equal(a, b)
+    for i in (0, 3):  # the modules the hook leaves alone
+        for a, b in zip(plain[i].parameters(), slim[i].parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
 
 
 def test_hooked_activation_after_a_batch_norm_runs_as_the_pattern_replacement():

@@ -19,7 +19,8 @@ from torch import nn
 
 import slimgrad
 from slimgrad.memory import measure
-from tests._threads import one_thread
+from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
+from tests.conformance._accelerate_nets import net as _net
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.hooks import (  # noqa: E402
@@ -29,17 +30,6 @@ from accelerate.hooks import (  # noqa: E402
     UserCpuOffloadHook,
     add_hook_to_module,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-def _net() -> nn.Sequential:
-    block = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
-    return nn.Sequential(block, nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8))
 
 
 def _offload(m):

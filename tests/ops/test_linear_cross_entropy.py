@@ -857,3 +857,23 @@ def test_double_backward_refused_for_each_input(how):
         for x in inputs:
             with pytest.raises(RuntimeError, match="slimgrad.ops.linear_cross_entropy: a second"):
                 torch.autograd.grad(g.square().sum(), x, retain_graph=True, allow_unused=True)
+
+
+def test_causal_lm_loss_under_torch_func_is_float32_for_bfloat16_hidden():
+    # eager's composition under torch.func upcasts the logits as HF's ForCausalLMLoss (and the
+    # op outside torch.func) does: a float32 loss, not a bfloat16 one
+    from slimgrad.ops.linear_cross_entropy import causal_lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 8, generator=g).bfloat16()
+    w = torch.randn(11, 8, generator=g).bfloat16()
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    seen = []
+
+    def f(h):
+        loss = causal_lm_loss(h, w, labels)
+        seen.append(loss.dtype)
+        return loss
+
+    torch.func.grad(f)(h)
+    assert seen == [causal_lm_loss(h, w, labels).dtype] == [torch.float32]

@@ -34,8 +34,8 @@ A block that computes with its children's weights without calling them would ski
 hooks: the blocks the table converts under such hooks (HF gated MLPs, GPT-2's MLP) call their
 children whenever a child's forward is set on the instance (their eager path), and their children
 convert by this note one by one (``CONVERT_CHILDREN``). The fused loss, which reads the LM head's
-weight, goes under the LM's hook only where no hook in the model moves anything (NOTE [The fused
-loss under accelerate's hooks] in hf_loss.py). GPT-2's attention as one node (a forward set on
+weight, goes under the LM's hook only where the head's hooks move nothing (NOTE [The fused loss
+under accelerate's hooks] in hf_loss.py). GPT-2's attention as one node (a forward set on
 the attention module, which reads ``c_proj``'s weight) is not set on an attention module whose
 forward accelerate wraps: it stays HF's, its children converted by the table.
 """
@@ -55,8 +55,10 @@ __all__ = [
     "carry",
     "hook_wrapper",
     "moves_only",
+    "on_meta",
     "one_device_reason",
     "patched",
+    "run_devices",
     "set_forward",
     "state_reason",
 ]
@@ -166,9 +168,10 @@ def moves_only(m: nn.Module) -> bool:
 
 
 def one_device_reason(model: nn.Module) -> str | None:
-    """Why the accelerate hooks in ``model`` may move a tensor between devices or load weights
-    (offloading, several execution devices, a hook convert_ cannot state), or None: every hooked
-    module's hooks only move tensors to one and the same device, so none moves anything."""
+    """Why the accelerate hooks in ``model`` may run its modules on several devices, or hold a
+    hook convert_ cannot state, or None: every hooked module's hooks are ones the table carries
+    and their execution devices are one and the same (an ``AlignDevicesHook`` that offloads
+    loads its module's weights onto that device for the module's own call)."""
     hooks = sys.modules.get("accelerate.hooks")
     if hooks is None:
         return None
@@ -176,21 +179,105 @@ def one_device_reason(model: nn.Module) -> str | None:
     for m in model.modules():
         if "forward" not in m.__dict__ or "_hf_hook" not in m.__dict__:
             continue
-        if not moves_only(m):
+        if not carries(m):
             return (
-                "an accelerate hook in the model offloads weights or is one convert_ cannot state "
-                f"({type(m).__name__}); expected hooks that only move tensors to one device"
+                "an accelerate hook in the model is one convert_ cannot state "
+                f"({type(m).__name__}); expected AlignDevicesHook or ModelHook (or a "
+                "SequentialHook of them)"
             )
         for h in _parts(m.__dict__["_hf_hook"], hooks):
             if isinstance(h, hooks.AlignDevicesHook) and h.execution_device is not None:
-                d = h.execution_device
-                devices.add(torch.device(d) if not isinstance(d, int) else torch.device("cuda", d))
+                devices.add(_as_device(h.execution_device))
     if len(devices) > 1:
         return (
             "the model's accelerate hooks place it on several devices; expected one execution "
             f"device, got {sorted(map(str, devices))}"
         )
     return None
+
+
+def _as_device(d: object) -> torch.device:
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
+def _placing(m: nn.Module, hooks: types.ModuleType) -> tuple[torch.device | None, bool]:
+    # (the execution device m's accelerate hook runs it on, whether its submodules run there
+    # too), from AlignDevicesHook (place_submodules) and CpuOffload (moves the whole module)
+    if hook_wrapper(m.__dict__.get("forward"), m) is None:
+        return None, False
+    align, offload = hooks.AlignDevicesHook, getattr(hooks, "CpuOffload", None)
+    for h in _parts(m.__dict__.get("_hf_hook"), hooks):
+        if isinstance(h, align) and h.execution_device is not None:
+            return _as_device(h.execution_device), bool(h.place_submodules)
+        if isinstance(offload, type) and isinstance(h, offload) and h.execution_device is not None:
+            return _as_device(h.execution_device), True
+    return None, False
+
+
+def run_devices(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.device]]:
+    """``(name of the module holding it, tensor, device)`` for each parameter and buffer of
+    ``model`` (each once): the device the module computes with it on (NOTE [The device a module
+    runs on]).
+
+    # NOTE [The device a module runs on]
+    What ``convert_`` decides from the device (the device rule's targets, NOTE [Never more than
+    eager, per device and dtype]) is the device the module's forward runs on. Without accelerate
+    hooks that is where its tensors are. accelerate's ``AlignDevicesHook`` states it as
+    ``execution_device``: it moves the arguments there, and one that offloads keeps the module's
+    weights on ``meta`` outside its call (``disk`` or ``cpu`` in a ``device_map``, ``cpu_offload``)
+    and loads them there for the call; ``place_submodules`` extends it to the module's
+    submodules, and ``CpuOffload`` moves the whole module to its ``execution_device``. So a
+    tensor's device is the execution device of the hook that governs it (its module's own, else
+    the nearest ancestor's that places submodules), else the tensor's own. A tensor whose device
+    is then ``meta`` in a model with accelerate hooks is never loaded anywhere: convert_ refuses
+    the model (:func:`on_meta`), as eager's forward fails on it.
+    """
+    hooks = sys.modules.get("accelerate.hooks")
+    out: list[tuple[str, torch.Tensor, torch.device]] = []
+    seen_t: set[int] = set()
+    seen_m: set[int] = set()
+    stack: list[tuple[nn.Module, str, torch.device | None]] = [(model, "", None)]
+    while stack:
+        m, name, above = stack.pop()
+        if id(m) in seen_m:
+            continue
+        seen_m.add(id(m))
+        own, sub = _placing(m, hooks) if hooks is not None else (None, False)
+        here = own if own is not None else above
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None and id(t) not in seen_t:
+                seen_t.add(id(t))
+                out.append((name, t, here if here is not None else t.device))
+        below = own if sub else above
+        dot = f"{name}." if name else ""
+        for k, c in reversed(m._modules.items()):
+            if c is not None:
+                stack.append((c, dot + k, below))
+    return out
+
+
+def on_meta(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """``(name, module, whether its own accelerate hook names meta as its execution device)``
+    of each module of a model carrying accelerate hooks that holds a tensor running on ``meta``
+    (NOTE [The device a module runs on]); ``[]`` for a model without accelerate hooks, or one
+    wholly on meta whose hooks name no device (a model built on ``meta`` to plan or estimate
+    converts as any other)."""
+    hooks = sys.modules.get("accelerate.hooks")
+    if hooks is None:
+        return []
+    wrapped = [m for m in model.modules() if hook_wrapper(m.__dict__.get("forward"), m)]
+    if not wrapped:
+        return []
+    named = {d.type for m in wrapped if (d := _placing(m, hooks)[0]) is not None}
+    runs = run_devices(model)
+    if not named and all(d.type == "meta" for _, _, d in runs):
+        return []
+    out = []
+    for n in dict.fromkeys(n for n, _, d in runs if d.type == "meta"):
+        m = model.get_submodule(n)
+        own = _placing(m, hooks)[0]
+        out.append((n, m, own is not None and own.type == "meta"))
+    return out
 
 
 def set_forward(m: nn.Module, fn: object) -> None:

@@ -64,6 +64,8 @@ from contextvars import ContextVar
 
 import torch
 
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
+
 __all__ = ["RULES", "check", "refuse", "stands_for", "targets", "tensor_device"]
 
 Target = tuple[str, "torch.dtype | None"]  # (device type, floating dtype or None if unknown)
@@ -165,12 +167,16 @@ def refuse(family: str, where: Iterable[Target]) -> str | None:
 
 def targets(model: torch.nn.Module, device=None, dtype: torch.dtype | None = None) -> tuple:
     """The (device type, dtype) pairs ``convert_`` decides for: ``device``/``dtype`` when given,
-    else those of the model's floating parameters and buffers (``("cpu", None)`` for none)."""
-    tensors = [*model.parameters(), *model.buffers()]
+    else those of the model's floating parameters and buffers (``("cpu", None)`` for none), each
+    on the device its module runs on (an accelerate hook's execution device: NOTE [The device a
+    module runs on] in accelerate_hooks.py)."""
     if device is not None:
         devices = {torch.device(device).type}
+        tensors = [*model.parameters(), *model.buffers()]
     else:
-        devices = {tensor_device(t.device) for t in tensors} or {tensor_device("cpu")}
+        runs = _accelerate_hooks.run_devices(model)
+        devices = {tensor_device(d) for _, _, d in runs} or {tensor_device("cpu")}
+        tensors = [t for _, t, _ in runs]
     if dtype is not None:
         dtypes: set = {dtype}
     else:

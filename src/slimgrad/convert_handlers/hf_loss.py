@@ -590,12 +590,16 @@ _ROWWISE_SLIMGRAD = {"Linear", "LayerNorm", "GELU", "ReLU", "SiLU", "Tanh", "Sig
 # every module with weights (NOTE [A replacement carries accelerate's hook] in
 # convert_handlers/accelerate_hooks.py). The fused forward goes where the class's forward was
 # under the LM's hook (``_old_forward``): the hook moves the arguments and the output as before.
-# It calls the base model and the head's transform as modules (their hooks run) but reads the
-# decoder's weight without calling it, skipping its hook: exact only where that hook moves
-# nothing. So it is fused where every hook in the model only moves tensors to one and the same
-# device (no offloading, one execution device: the weights and every activation are there, and
-# each move is ``.to`` of a tensor already on it), read at ``convert_``; elsewhere HF's forward
-# stays and the report says why.
+# It calls the base model and the head's transform as modules (their hooks run, an offloading
+# one loading and unloading its module's weights as in eager) but reads the decoder's weight
+# without calling it, skipping its hook: exact only where that hook moves nothing. So it is
+# fused where every hook in the model is one the table carries, all run on one and the same
+# execution device (every activation arrives there), and no hook of the head's modules, the
+# containers on the way to the decoder included (``_flatten`` asks ``_plain`` of each), offloads
+# (their hooks move nothing then: their weights and inputs are on that device, each move a
+# ``.to`` of a tensor already on it), read at ``convert_``; elsewhere HF's forward stays and the
+# report says why. An offloading hook on the LM itself that places its submodules loads the
+# head's weights around the LM's call, inside which the fused forward runs.
 
 
 def _plain(m) -> str:
@@ -603,6 +607,12 @@ def _plain(m) -> str:
     if not isinstance(m, nn.Module):
         return f"{type(m).__name__} is not a module"
     if "forward" in m.__dict__ and not _accelerate_hooks.moves_only(m):
+        if _accelerate_hooks.carries(m):  # NOTE [The fused loss under accelerate's hooks]
+            return (
+                f"the head's {type(m).__name__} is offloaded by an accelerate hook, which loads "
+                "its weights only around its own call; expected a head whose weights stay on "
+                "its execution device, got an offloaded one"
+            )
         return f"{type(m).__name__} has a patched forward"
     hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
     glob = _global_hooks()
@@ -789,6 +799,8 @@ def _why_not_now(model, spec, a, dec):
     # ``a``: the call's arguments by parameter name (_bound)
     if not isinstance(a.get("labels"), torch.Tensor):
         return "no labels"
+    if a["labels"].is_meta or dec.weight.is_meta:
+        return "meta tensors"  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
     if spec.vocab_from != "logits":
         vocab = model.config.vocab_size if spec.vocab_from == "config" else model.vocab_size
         if dec.weight.shape[0] != vocab:

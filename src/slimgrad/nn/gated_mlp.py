@@ -437,6 +437,8 @@ class GatedMLP(NoScript, nn.Module):
             return _GATED_MLP_APPLY(
                 unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False
             )
+        if x.is_meta:  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+            return self._eager(x, gate, up, down, act)
         plain_down = _plain_linear(down)
         if plain_down and _plain_linear(gate) and (up is None or _plain_linear(up)):
             (gw, gb), (dw, db) = _params(gate), _params(down)

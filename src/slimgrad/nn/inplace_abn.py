@@ -499,6 +499,7 @@ class RecomputeABN(InPlaceABN):
         if (
             torch.is_grad_enabled()
             and self.activation == "leaky_relu"
+            and not x.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
             and not torch.is_autocast_enabled(x.device.type)
         ):
             recipe = _derived.lookup_recipe(x, "always")

@@ -1395,8 +1395,13 @@ def _batch_norm(
     # NOTE [Two watchers in one call] in ops/conv.py: transforms (bit 4) and TorchScript tracing (8)
     w = _library._watchers if numel != 0 and not compiled else None
     mask = w() if w is not None else None
-    # NOTE [torch.func transforms]
-    plain = numel == 0 or compiled or (_transforms_active() if mask is None else mask & 4 != 0)
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    plain = (
+        numel == 0
+        or compiled
+        or input.is_meta
+        or (_transforms_active() if mask is None else mask & 4 != 0)
+    )
     # NOTE [Few values per channel]: decided from the shape alone
     few = training and numel <= _MAX_FEW * (shape[1] if ndim > 1 else 1)
     # x's recipe (NOTE [Recomputable inputs]; its cost: NOTE [What a replayed input costs]),

@@ -555,8 +555,10 @@ def _conv(
             f"expected {n + 2} dims, got shape {tuple(x.shape)}. Reshape the input."
         )
     # torch._C._is_any_autocast_enabled(): False means autocast is off for every device type,
-    # so the per-device query (and x.device) is read only under some autocast.
-    any_autocast = torch._C._is_any_autocast_enabled()
+    # so the per-device query (and x.device) is read only under some autocast. Meta has no
+    # autocast: eager's ops on meta are not cast (NOTE [Meta tensors take eager's op] in
+    # slimgrad/_autograd.py)
+    any_autocast = torch._C._is_any_autocast_enabled() and not x.is_meta
     if (
         bias is not None
         and bias.dtype != x.dtype

@@ -306,7 +306,8 @@ def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
         return _dtensor.pointwise("slimgrad.ops.elu", elu, input, alpha=alpha, inplace=inplace)
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
     # NOTE [Output and side information under saved-tensor hooks] (ops/_monotone.py)
-    if eager_op(inplace) or not needs_graph(input) or hooks_active():
+    # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if eager_op(inplace) or not needs_graph(input) or hooks_active() or input.is_meta:
         if inplace and alpha < 0 and needs_graph(input):
             # eager's in-place op refuses a negative alpha in backward; this op accepts it
             return input.copy_(torch.nn.functional.elu(input.clone(), alpha))

@@ -706,7 +706,8 @@ def gated_mlp(
             activation,
             False,
         )
-    if transforms_active() or not _records(*args):
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or input.is_meta or not _records(*args):
         return _fwd_torch(*args, activation, False)
     refuse_jit("ops.gated_mlp")
     return _GatedMLPFn.apply(*_autocast_args(input, args), activation, False)
@@ -750,7 +751,8 @@ def gated_mlp_fused(
     args = (input, gate_up_weight, gate_up_bias, None, None, down_weight, down_bias)
     if _is_compiling() and _compiled_lean(args):  # NOTE [The gated MLP traced under torch.compile]
         return _glu_down_checkpointed(*args, activation, True)
-    if transforms_active() or not _records(*args):
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or input.is_meta or not _records(*args):
         return _fwd_torch(*args, activation, True)
     refuse_jit("ops.gated_mlp_fused")
     return _GatedMLPFn.apply(*_autocast_args(input, args), activation, True)
@@ -787,6 +789,7 @@ def glu_linear(
         _check_in("glu_linear", "gate", gate, down_weight)
     if (
         transforms_active()
+        or gate.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
         or not _records(gate, up, down_weight, down_bias)
         or gate.shape != up.shape
         or gate.dtype != up.dtype

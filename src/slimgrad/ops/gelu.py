@@ -274,7 +274,8 @@ def gelu(input: Tensor, approximate: str = "none", inplace: bool = False) -> Ten
             "slimgrad.ops.gelu", gelu, input, approximate=approximate, inplace=inplace
         )
     _check_approximate(approximate)
-    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or not needs_graph(input) or input.is_meta:
         y = _fwd_torch(input, approximate)
         return input.copy_(y) if inplace else y
     refuse_jit("ops.gelu")

@@ -678,7 +678,8 @@ def group_norm(
             f"with C divisible by num_groups, got shape {tuple(input.shape)} and num_groups="
             f"{num_groups}. Pick num_groups dividing the channel count."
         )
-    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or input.is_meta:
         return F.group_norm(input, num_groups, weight, bias, eps)
     dev = input.device.type
     autocast = torch.is_autocast_enabled(dev)

@@ -220,7 +220,8 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
         return _dtensor.pointwise("slimgrad.ops.hardswish", hardswish, input, inplace=inplace)
     # NOTE [torch.func transforms], NOTE [In-place Functions under torch.compile]
     # NOTE [Output and side information under saved-tensor hooks] (ops/_monotone.py)
-    if not needs_graph(input) or eager_op(inplace) or hooks_active():
+    # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if not needs_graph(input) or eager_op(inplace) or hooks_active() or input.is_meta:
         return F.hardswish(input, inplace=inplace)
     refuse_jit("ops.hardswish")
     return _HardswishFn.apply(input, inplace)

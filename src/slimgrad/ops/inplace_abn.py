@@ -486,7 +486,8 @@ def inplace_abn(
     )
     _validate("ops.inplace_abn", x, weight, bias, running_mean, running_var, training, activation,
               activation_param)  # fmt: skip
-    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or x.is_meta:
         return _eager_abn(x, running_mean, running_var, weight, bias, training, momentum, eps,
                           activation, activation_param)  # fmt: skip
     if torch.is_grad_enabled() and any(
@@ -607,7 +608,7 @@ def _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps, a
 
 
 def _eager_abn(x, running_mean, running_var, weight, bias, training, momentum, eps, act, param):
-    # eager's BatchNorm + activation, out of place (torch.func transforms)
+    # eager's BatchNorm + activation, out of place (torch.func transforms, meta tensors)
     y = torch.nn.functional.batch_norm(
         x, running_mean, running_var, weight, bias, training, momentum, eps
     )

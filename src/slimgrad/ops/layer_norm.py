@@ -1184,7 +1184,8 @@ def layer_norm_gated(
             y_kept_after=y_kept_after,
         )
     normalized_shape = [int(s) for s in normalized_shape]
-    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or input.is_meta:
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     dev = input.device.type
     if torch.is_autocast_enabled(dev):

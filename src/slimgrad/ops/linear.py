@@ -656,6 +656,7 @@ def _linear_general(input, weight, bias):
             transforms_active()  # parallel: DTensor's own linear; eager's keeps what this keeps)
             or not _plain_layout(input, weight)
             or any_dtensor(input, weight, bias)
+            or input.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
         )
     except FxTraceError:  # NOTE [fx symbolic tracing of a converted model]
         eager = True
@@ -699,7 +700,8 @@ def conv1d_addmm(
 def _conv1d_general(input, weight, bias):
     if not input.is_contiguous():  # raises where HF's view raises, before autocast's cast (a
         input.view(-1, input.shape[-1])  # copy) (NOTE [Conv1D views its input])
-    if transforms_active():  # NOTE [torch.func transforms]
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or input.is_meta:
         return _fwd_torch(input, weight, bias, True)
     _check("conv1d_addmm", input, weight, 0)
     _refuse_jit_if_recorded("ops.conv1d_addmm", input, weight, bias)

@@ -473,11 +473,14 @@ _LinearCrossEntropyFn.backward = staticmethod(
 )
 
 
-def _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf):
-    # The same function with eager ops (torch.func transforms): cross_entropy(c tanh(s z / c)).
+def _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf, odt):
+    # The same function with eager ops (torch.func transforms, meta tensors):
+    # cross_entropy(c tanh(s z / c)), on z in the output dtype (HF's logits.float() where upcast)
     z = F.linear(hidden, weight, bias) * tf[0] if tf[0] != 1.0 else F.linear(hidden, weight, bias)
     if tf[1] is not None:
         z = torch.tanh(z / tf[1]) * tf[1]
+    if z.dtype != odt:
+        z = z.to(odt)
     loss = F.cross_entropy(
         z.reshape(-1, z.shape[-1]),
         t.reshape(-1),
@@ -580,10 +583,15 @@ def _linear_cross_entropy(
     dev = hidden.device.type
     # autocast casts only eligible tensors: floating and not float64 (a float64 F.linear runs in
     # float64 under autocast)
-    autocast = torch.is_autocast_enabled(dev) and all(
-        x.is_floating_point() and x.dtype != torch.float64
-        for x in (hidden, weight, bias)
-        if x is not None
+    # no autocast state on meta (NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py)
+    autocast = (
+        not hidden.is_meta
+        and torch.is_autocast_enabled(dev)
+        and all(
+            x.is_floating_point() and x.dtype != torch.float64
+            for x in (hidden, weight, bias)
+            if x is not None
+        )
     )
     if autocast:
         cdt, odt = torch.get_autocast_dtype(dev), torch.float32
@@ -598,8 +606,11 @@ def _linear_cross_entropy(
         low = cdt in (torch.float16, torch.bfloat16)
         odt = torch.float32 if upcast and low else cdt
     t = target if target.dtype == torch.int64 else target.long()
-    if _functorch_on():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
-        return _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf)
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if _functorch_on() or hidden.is_meta:
+        return _eager_loss(
+            hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf, odt
+        )
     comp = compiling()  # NOTE [One-frame compile check] in slimgrad/_autograd.py
     n, v = t.numel(), weight.shape[0]
     if (

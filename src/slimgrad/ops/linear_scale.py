@@ -122,6 +122,7 @@ def linear_scale(input: Tensor, weight: Tensor, bias: Tensor | None, gamma: Tens
         not needs_graph
         or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
         or torch.compiler.is_compiling()  # the compiler's memory plan: eager's ops
+        or input.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
         or torch.is_autocast_enabled(dev)  # eager's mixed-dtype promotion: eager's ops
         or input.shape[-1] != weight.shape[1]
         or not (input.dtype == weight.dtype == gamma.dtype)

@@ -98,7 +98,8 @@ def matmul(input: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
             "tensors of "
             f"dim >= 1, got dims {input.dim()} and {other.dim()}. Use torch.mul for scalars."
         )
-    if transforms_active():  # NOTE [torch.func transforms] in slimgrad/_autograd.py
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or input.is_meta:
         return torch.matmul(input, other)
     dev = input.device.type
     if torch.is_autocast_enabled(dev):

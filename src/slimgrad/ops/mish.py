@@ -105,7 +105,8 @@ def mish(input: Tensor, inplace: bool = False) -> Tensor:
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise("slimgrad.ops.mish", mish, input, inplace=inplace)
-    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or not needs_graph(input) or input.is_meta:
         return torch.nn.functional.mish(input, inplace=inplace)
     refuse_jit("ops.mish")
     return smooth_apply(_MishFn, _MishInplaceFn, input, inplace)

@@ -164,6 +164,7 @@ def qkv_attention(
         not needs_graph
         or transforms_active()  # NOTE [torch.func transforms] in slimgrad/_autograd.py
         or torch.compiler.is_compiling()  # the compiler's memory plan: eager's ops
+        or x.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
         or torch.is_autocast_enabled(x.device.type)
         or not (x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype))
         or x.shape[-1] != weight.shape[1]

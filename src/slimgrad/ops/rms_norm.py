@@ -496,7 +496,8 @@ def rms_norm(
         )
     normalized_shape = [int(s) for s in normalized_shape]
     eps = None if eps is None else float(eps)
-    if transforms_active():  # NOTE [torch.func transforms]
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or input.is_meta:
         return F.rms_norm(input, normalized_shape, weight, eps)
     _check_shapes(input, normalized_shape, weight)
     if torch.is_grad_enabled() and (
@@ -1067,6 +1068,7 @@ def hf_rms_norm(
     if (
         not (torch.is_grad_enabled() and grads)
         or transforms_active()
+        or input.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
         # the recompute path calls autograd.grad in backward, which Dynamo cannot trace
         or (torch.compiler.is_compiling() and not lean)
     ):

@@ -105,7 +105,8 @@ def silu(input: Tensor, inplace: bool = False) -> Tensor:
     # NOTE [DTensor at a slimgrad op] in slimgrad/_dtensor.py
     if _dtensor.any_dtensor(input):
         return _dtensor.pointwise("slimgrad.ops.silu", silu, input, inplace=inplace)
-    if transforms_active() or not needs_graph(input):  # NOTE [torch.func transforms]
+    # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
+    if transforms_active() or not needs_graph(input) or input.is_meta:
         return torch.nn.functional.silu(input, inplace=inplace)
     refuse_jit("ops.silu")
     return smooth_apply(_SiluFn, _SiluInplaceFn, input, inplace)

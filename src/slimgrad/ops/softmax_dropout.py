@@ -441,9 +441,9 @@ def softmax_dropout_matmul(
             f"got {matmul_dtype!r}. Pass a floating dtype, or None for value's dtype."
         )
     p_eff = float(p) if training and input.numel() > 0 else 0.0
-    if p_eff == 1.0 or transforms_active():
-        # eager's composition: p = 1 (nothing to keep), or under torch.func (NOTE [torch.func
-        # transforms] in slimgrad/_autograd.py)
+    if p_eff == 1.0 or transforms_active() or input.is_meta:
+        # eager's composition: p = 1 (nothing to keep), under torch.func (NOTE [torch.func
+        # transforms] in slimgrad/_autograd.py), on meta (NOTE [Meta tensors take eager's op])
         if causal:
             drop = torch.ones(input.shape[-2:], dtype=torch.bool, device=input.device).triu_(1)
             input = input.masked_fill(drop, float("-inf"))
@@ -717,8 +717,9 @@ def scores_softmax_dropout_matmul(
         )
     mm_dtype = value.dtype if matmul_dtype is None else matmul_dtype
     p_eff = float(p) if training and query.numel() > 0 and key_t.numel() > 0 else 0.0
-    if p_eff == 1.0 or transforms_active() or not torch.is_grad_enabled():
-        # nothing to keep (p = 1, no grad) or torch.func: the composition
+    if p_eff == 1.0 or transforms_active() or not torch.is_grad_enabled() or query.is_meta:
+        # nothing to keep (p = 1, no grad), torch.func or meta (NOTE [Meta tensors take eager's
+        # op] in slimgrad/_autograd.py): the composition
         return softmax_dropout_matmul(
             torch.matmul(query, key_t),
             value,
