@@ -11,7 +11,6 @@ the batch statistics (:func:`stats`), the side channels (:func:`side_channels`),
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -20,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad._errors import internal_error
 from slimgrad._math.norms import unseen
-from slimgrad._math.steps import epoch
+from slimgrad._math.steps import anchor, epoch, last_stepped
 from slimgrad._math.tables import unsized
 
 __all__ = [
@@ -184,7 +183,11 @@ class ParamChannels:
     def __init__(self, mask: Callable) -> None:
         # mask(weight, bias, extra) -> (C,) bool tensor: the channels to treat apart
         self.mask = mask
-        self.entries = WeakIdKeyDictionary()  # by identity: a tensor compares by value
+        # {id(weight, or bias without weight): (the anchors of weight's and bias's storages,
+        # state, (id(weight), id(bias)) with None for an absent one, channel list, the same as a
+        # long tensor or None)}: no reference to the parameters (NOTE [Caches that hold no
+        # reference to a parameter] in _math/steps.py)
+        self.entries: dict[int, tuple] = {}
         # device reads so far (a .cpu() copy: a host sync on CUDA that count_host_syncs, which
         # counts at the dispatcher on CPU tensors, cannot see; tests count them here)
         self.reads = 0
@@ -200,30 +203,46 @@ class ParamChannels:
 
     def lookup(self, weight, bias, extra=None) -> tuple[list[int], torch.Tensor | None]:
         """(channel list, the same as a long tensor on the parameters' device or None if empty)."""
-        key = weight if weight is not None else bias
+        key = id(weight) if weight is not None else id(bias)
         entry = self.entries.get(key)
-        if entry is not None and entry[0] == self._state(weight, bias, extra):
-            if (entry[1]() if entry[1] is not None else None) is bias:
-                return entry[2], entry[3]
-        self.entries[key] = (None, weakref.ref(bias) if bias is not None else None, None, None)
+        if (
+            entry is not None
+            and entry[1] == self._state(weight, bias, extra)
+            and entry[2][1] == (id(bias) if bias is not None else None)
+            and (entry[2][0] is None) == (weight is None)
+        ):
+            return entry[3], entry[4]
         # NOTE [A channel search no mode sees] in ops/batch_norm.py
         unseen(self._decide, key, weight, bias, extra)
         entry = self.entries[key]
-        return entry[2], entry[3]
+        return entry[3], entry[4]
 
-    def _decide(self, key, weight, bias, extra):
-        todo = [(key, weight, bias, extra)]
+    def _stale_held(self, key) -> list:
+        # the other entries gone stale whose parameters the optimizer that stepped last holds
+        # (an entry holds no parameter: NOTE [Caches that hold no reference to a parameter])
+        if len(self.entries) <= (key in self.entries):
+            return []
+        opt = last_stepped()
+        if opt is None:
+            return []
+        held = {id(p): p for g in opt.param_groups for p in g["params"]}
+        todo = []
         for k, e in list(self.entries.items()):
-            if k is key or e[0] is None:
+            wid, bid = e[2]
+            if k == key or (wid is not None and wid not in held):
                 continue
-            b = e[1]() if e[1] is not None else None
-            if e[1] is not None and b is None:
+            if bid is not None and bid not in held:
                 continue
-            w = k if k is not b else None
+            w = held[wid] if wid is not None else None
+            b = held[bid] if bid is not None else None
             if not (_readable(w) and _readable(b)):
                 continue  # e.g. an FSDP2 parameter resharded since: its storage is freed
-            if e[0] != self._state(w, b, e[0][-1]):
-                todo.append((k, w, b, e[0][-1]))
+            if e[1] != self._state(w, b, e[1][-1]):
+                todo.append((k, w, b, e[1][-1]))
+        return todo
+
+    def _decide(self, key, weight, bias, extra):
+        todo = [(key, weight, bias, extra)] + self._stale_held(key)
         with torch.no_grad():
             masks = [self.mask(w, b, ex) for _, w, b, ex in todo]
         by_device: dict = {}
@@ -249,8 +268,9 @@ class ParamChannels:
                 pos += len(lst)
                 if dev is not None:
                     _HOST_LISTS[dev] = lst
-                ref = weakref.ref(b) if b is not None else None
-                self.entries[k] = (self._state(w, b, ex), ref, lst, dev)
+                anchors = (anchor(self.entries, k, w), anchor(self.entries, k, b))
+                ids = (id(w) if w is not None else None, id(b) if b is not None else None)
+                self.entries[k] = (anchors, self._state(w, b, ex), ids, lst, dev)
 
 
 def _side_mask(weight, bias, extra):

@@ -16,23 +16,67 @@ calls it, fused or not; a step of any optimizer renews every decision once (one 
 step on CUDA, as the version bump of a plain step already did). Writes outside an optimizer that
 bypass the version counter (``p.data.mul_``) are still not seen: call
 ``torch.autograd.graph.increment_version(p)`` after them.
+
+# NOTE [Caches that hold no reference to a parameter]
+Those caches are tables ``{id(p): entry}``. ``torch.utils.swap_tensors`` refuses a tensor that any
+weak reference points at (Python's, or torch's own C++ ``_WeakTensorRef``), and ``Module.to``,
+``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion(True)`` and
+tensor subclasses (DTensor under FSDP2) swap parameters with it; eager leaves none. So an entry
+holds no reference to its parameters, weak or strong (strong would keep a deleted model's weights
+alive). It is anchored instead on the storages of the tensors it was found from (:func:`anchor`:
+a weak reference to each one's ``untyped_storage()``, the one Python object PyTorch keeps per
+StorageImpl while it lives, whose callback drops the entry when the storage dies), and its key
+holds each tensor's data pointer, version, dtype, shape and device as before. A hit then needs a
+tensor of the same id over the same bytes of a storage that has lived since the entry was made
+(memory cannot be handed to another allocation while its storage lives), at the same version:
+the tensor it was found from, a view of it or one after ``swap_tensors`` with a detached alias
+(which share its version counter, so every write autograd sees moves the key), or a tensor over
+those bytes through its own version counter (``p.data``, ``from_dlpack``): the writes autograd
+cannot see, which the NOTE above already leaves to ``increment_version``. ``swap_tensors`` (new
+storage: a new data pointer), ``p.data = ...`` and a new Parameter of new memory miss. Code that
+needs the parameters themselves (the renewal at an optimizer step, deciding every stale layer in
+one read) takes them from the optimizer that stepped (:func:`last_stepped`), which holds them.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
+from functools import partial as _partial
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["epoch"]
+__all__ = ["anchor", "epoch", "last_stepped"]
 
 _count = [0]
 _hooked = [False]
 _lock = threading.Lock()
+_last: list = [None]  # a weak reference to the optimizer that stepped last (None: none, or dead)
 
 
 def _bump(optimizer, args, kwargs) -> None:
     _count[0] += 1
+    try:
+        _last[0] = weakref.ref(optimizer)
+    except TypeError:  # an optimizer that cannot be weakly referenced
+        _last[0] = None
+
+
+def last_stepped():
+    """The optimizer whose step :func:`epoch` counted last, while it lives (else None)."""
+    r = _last[0]
+    return r() if r is not None else None
+
+
+def anchor(table: dict, slot: int, t) -> weakref.ref | None:
+    """A weak reference to ``t``'s storage that drops ``table[slot]`` when the storage dies (NOTE
+    [Caches that hold no reference to a parameter]); None for ``t`` None. Raises where ``t`` has
+    no storage (the caller then keeps no entry)."""
+    if t is None:
+        return None
+    # NOTE [A registry entry dropped in C] in ops/_derived.py: the callback is table.pop(slot, r);
+    # an entry replaced at slot drops its references with it, so no callback outlives its entry
+    return weakref.ref(t.untyped_storage(), _partial(table.pop, slot))
 
 
 def epoch() -> int:

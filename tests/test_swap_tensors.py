@@ -1,0 +1,114 @@
+"""``torch.utils.swap_tensors`` on a converted model's parameters and buffers after a step (NOTE
+[Caches that hold no reference to a parameter] in slimgrad/_math/steps.py).
+
+The per-parameter-version caches of the norms (LayerNorm, RMSNorm and HF RMSNorm's fallback
+channels, GroupNorm's, BatchNorm's bad channels, In-Place ABN's side channels) held weak references
+to the weights, 1 to 3 each after one step (eager: 0), and swap_tensors refuses a tensor with any:
+``Module.to`` and ``load_state_dict`` under
+``torch.__future__.set_swap_module_params_on_conversion(True)`` (what torch uses for DTensor
+parameters) raised where eager runs. Each row: one step, swap_tensors on every parameter and
+buffer, ``.to(float64)`` and ``load_state_dict`` with the flag set, then a step that matches
+eager's after the same swaps; the storage swapped out is freed.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import slimgrad
+
+
+def _llama_rms_norm():
+    tf = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    del tf
+    return LlamaRMSNorm(16)
+
+
+def _dense(norm):
+    # a norm before a Linear keeps its output (and its fallback channels' inputs)
+    return nn.Sequential(nn.Linear(8, 16), norm, nn.Linear(16, 4)), (6, 8)
+
+
+def _conv(norm, act=None):
+    layers = [nn.Conv2d(3, 8, 3), norm, act or nn.ReLU(), nn.Conv2d(8, 4, 1)]
+    # 4 x 4 x 4 = 64 values per channel: above BatchNorm's few-values path (32), so its channels
+    # are decided once per parameter version
+    return nn.Sequential(*layers), (4, 3, 6, 6)
+
+
+ROWS = {
+    "LayerNorm": lambda: _dense(nn.LayerNorm(16)),
+    "RMSNorm": lambda: _dense(nn.RMSNorm(16)),
+    "LlamaRMSNorm": lambda: _dense(_llama_rms_norm()),
+    "GroupNorm": lambda: _conv(nn.GroupNorm(2, 8)),
+    "BatchNorm2d": lambda: _conv(nn.BatchNorm2d(8)),
+    "InPlaceABN": lambda: _conv(nn.BatchNorm2d(8), nn.LeakyReLU(0.01)),
+}
+CONFIG = {"InPlaceABN": slimgrad.ConvertConfig(inplace_abn=True)}
+
+
+def _step(m, x, opt):
+    opt.zero_grad(set_to_none=True)
+    out = m(x)
+    out.square().sum().backward()
+    grads = [p.grad for p in m.parameters()]
+    opt.step()
+    return out, grads
+
+
+def _with_swap_flag(fn):
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        fn()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _swap_each(m):
+    # swap_tensors itself on every parameter and buffer, with a copy of its values
+    for t in [*m.parameters(), *m.buffers()]:
+        assert weakref.getweakrefcount(t) == 0
+        twin = t.detach().clone()
+        with torch.no_grad():
+            torch.utils.swap_tensors(t, twin if type(t) is torch.Tensor else nn.Parameter(twin))
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_swap_after_a_step_as_eager(row):
+    torch.manual_seed(0)
+    eager, shape = ROWS[row]()
+    slim = slimgrad.convert_(copy.deepcopy(eager), CONFIG.get(row))
+    kinds = {type(m).__module__.split(".")[0] for m in slim.modules()}
+    assert "slimgrad" in kinds, row  # the row converts something
+    x = torch.randn(shape)
+    models = (eager, slim)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for m, opt in zip(models, opts, strict=True):
+        _step(m, x, opt)
+        _step(m, x, opt)
+    for m in models:
+        _swap_each(m)
+    # the storage swapped out is freed (the caches keep no reference to it)
+    old = [weakref.ref(p.untyped_storage()) for p in slim.parameters()]
+    _with_swap_flag(lambda: [m.to(torch.float64) for m in models])
+    gc.collect()
+    assert [r() for r in old] == [None] * len(old)
+    state = {k: v.clone() for k, v in eager.state_dict().items()}
+    _with_swap_flag(lambda: [m.load_state_dict(state) for m in models])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    x64 = x.double()
+    (eo, eg), (so, sg) = (_step(m, x64, opt) for m, opt in zip(models, opts, strict=True))
+    assert torch.equal(so, eo)
+    torch.testing.assert_close(sg, eg)
+    for a, b in zip(slim.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+        assert a.dtype == torch.float64
