@@ -150,12 +150,14 @@ def stats(x, running_mean, running_var, training, momentum, eps, merge=None):
 # for the GPU to drain its queue, and cannot run ahead of it). ParamChannels keeps each decision
 # with the parameters' (version, data_ptr) and reuses it while they are unchanged (autograd's own
 # test of a saved tensor: an in-place write bumps the version, a new storage moves data_ptr). When
-# one parameter is stale, every stale parameter seen before is decided with it, in one read: after
-# an optimizer step the first BatchNorm of a forward decides them all, so a training step costs
-# one host sync, not one per layer (and none while the parameters do not change). Bits: the same
-# mask, the same ascending channel order as nonzero(); only where it is computed changes. A write
-# through ``.data``, which autograd does not see either, is not seen here. Another layer's
-# parameters are decided along only while their memory can be read (_readable).
+# one parameter is stale, every stale parameter seen before that the optimizer that stepped last
+# holds is decided with it, in one read (the entries hold no parameter: NOTE [Caches that hold
+# no reference to a parameter] in _math/steps.py): after an optimizer step the first BatchNorm
+# of a forward decides them all, so a training step costs one host sync, not one per layer (and
+# none while the parameters do not change). Bits: the same mask, the same ascending channel
+# order as nonzero(); only where it is computed changes. A write through ``.data``, which
+# autograd does not see either, is not seen here. Another layer's parameters are decided along
+# only while their memory can be read (_readable).
 _HOST_LISTS = WeakIdKeyDictionary()  # a decided channel tensor -> its channels as a list
 
 

@@ -78,18 +78,19 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # The fallback channels (NOTE [Normalization from its output: the fallback channels] in
 # ops/layer_norm.py) depend only on the weight and bias values and the output dtype. Finding them
 # takes a ``nonzero``: on CUDA a host sync (the CPU waits for the GPU), once per norm per forward,
-# 25 per GPT-2 step. So they are found once per *version* of the parameters: the answer is kept
-# per (weight, bias) pair of tensor objects, keyed by each one's data pointer, strides, dtype and
-# autograd version counter, which every in-place write that autograd can see bumps (optimizer
-# steps, ``copy_``/``fill_`` under no_grad, ``load_state_dict``; views share their base's
-# counter). Each call still returns a tensor of its own (a 0-element one, or a copy; on the
-# straight path, :func:`fallback_or_none`, None when there is no fallback channel: nothing saved),
-# so what a forward saves and what the memory tracker counts are unchanged. What the key cannot
-# see: a write that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or
-# collective writing into the parameter's memory): code that does that and then changes which
-# channels are fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as
-# autograd's own in-place checks would need too. Inference-mode, fake and subclass tensors, and
-# code being compiled, take no cache.
+# 25 per GPT-2 step. So they are found once per *version* of the parameters: the answer is kept per
+# (weight, bias) pair of tensor objects (by id, anchored on their storages: NOTE [Caches that hold
+# no reference to a parameter] in _math/steps.py), keyed by each one's data pointer, strides, dtype
+# and autograd version counter, which every in-place write that autograd can see bumps (optimizer
+# steps, ``copy_``/``fill_`` under no_grad, ``load_state_dict``; views share their base's counter).
+# Each call still returns a tensor of its own (a 0-element one, or a copy; on the straight path,
+# :func:`fallback_or_none`, None when there is no fallback channel: nothing saved), so what a
+# forward saves and what the memory tracker counts are unchanged. What the key cannot see: a write
+# that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or collective writing
+# into the parameter's memory): code that does that and then changes which channels are fallback
+# channels must call ``torch.autograd.graph.increment_version(weight)``, as autograd's own in-place
+# checks would need too. Inference-mode, fake and subclass tensors, and code being compiled, take no
+# cache.
 #
 # The key's parameter facts are read by :func:`_norm_key`: in Python, six attribute reads per
 # tensor; once slimgrad's C++ extension is loaded (``_ext.when_loaded``: never built for this),

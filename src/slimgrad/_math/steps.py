@@ -28,14 +28,16 @@ a weak reference to each one's ``untyped_storage()``, the one Python object PyTo
 StorageImpl while it lives, whose callback drops the entry when the storage dies), and its key
 holds each tensor's data pointer, version, dtype, shape and device as before. A hit then needs a
 tensor of the same id over the same bytes of a storage that has lived since the entry was made
-(memory cannot be handed to another allocation while its storage lives), at the same version:
-the tensor it was found from, a view of it or one after ``swap_tensors`` with a detached alias
-(which share its version counter, so every write autograd sees moves the key), or a tensor over
-those bytes through its own version counter (``p.data``, ``from_dlpack``): the writes autograd
-cannot see, which the NOTE above already leaves to ``increment_version``. ``swap_tensors`` (new
-storage: a new data pointer), ``p.data = ...`` and a new Parameter of new memory miss. Code that
-needs the parameters themselves (the renewal at an optimizer step, deciding every stale layer in
-one read) takes them from the optimizer that stepped (:func:`last_stepped`), which holds them.
+(memory cannot be handed to another allocation while its storage lives), at the same version.
+That is the tensor the entry was found from, or a view or detached alias of it (one counter:
+every write autograd sees moves the key), unless a tensor over those bytes with a version counter
+of its own (made from ``p.data``, ``from_dlpack``) took the id of one that died and counts the
+same: the writes autograd cannot see, which the NOTE above already leaves to
+``increment_version``. ``swap_tensors`` to new memory, ``p.data = ...`` and a Parameter of new
+memory move the data pointer and miss; the storage swapped out is freed with the tensor that
+holds it. Code that needs the parameters themselves (the renewal at an optimizer step, deciding
+every stale layer in one read) takes them from the optimizer that stepped last
+(:func:`last_stepped`), which holds them; the rest are found again at their next call.
 """
 
 from __future__ import annotations
@@ -70,12 +72,13 @@ def last_stepped():
 
 def anchor(table: dict, slot: int, t) -> weakref.ref | None:
     """A weak reference to ``t``'s storage that drops ``table[slot]`` when the storage dies (NOTE
-    [Caches that hold no reference to a parameter]); None for ``t`` None. Raises where ``t`` has
-    no storage (the caller then keeps no entry)."""
+    [Caches that hold no reference to a parameter]); None for ``t`` None. The callers cache plain
+    strided tensors only (a tensor without storage raises here)."""
     if t is None:
         return None
-    # NOTE [A registry entry dropped in C] in ops/_derived.py: the callback is table.pop(slot, r);
-    # an entry replaced at slot drops its references with it, so no callback outlives its entry
+    # NOTE [A registry entry dropped in C] in ops/_derived.py: the callback is table.pop(slot, r).
+    # An entry replaced at slot drops its weak references (and their callbacks) with it; one a
+    # snapshot still holds can only drop a newer entry, which is a miss, never a wrong hit
     return weakref.ref(t.untyped_storage(), _partial(table.pop, slot))
 
 
