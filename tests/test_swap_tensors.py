@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import weakref
 
 import pytest
@@ -22,6 +23,11 @@ import torch
 from torch import nn
 
 import slimgrad
+
+_abn = importlib.import_module("slimgrad._math.abn")
+_norms = importlib.import_module("slimgrad._math.norms")
+_batch_norm = importlib.import_module("slimgrad.ops.batch_norm")
+_group_norm = importlib.import_module("slimgrad.ops.group_norm")
 
 
 def _llama_rms_norm():
@@ -73,6 +79,24 @@ def _with_swap_flag(fn):
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+def _dead_entries() -> int:
+    # cache entries whose anchored storage is gone (each drops itself as its storage dies)
+    tables = (
+        _norms._FB_CACHE,
+        _group_norm._FB,
+        _group_norm._BAD,
+        _batch_norm._BAD_LAST,
+        _batch_norm._BAD.entries,
+        _abn._SIDE.entries,
+    )
+    n = 0
+    for table in tables:
+        for e in table.values():
+            refs = e[0] if isinstance(e[0], tuple) else (e[0],)
+            n += any(r is not None and r() is None for r in refs)
+    return n
+
+
 def _swap_each(m):
     # swap_tensors itself on every parameter and buffer, with a copy of its values
     for t in [*m.parameters(), *m.buffers()]:
@@ -102,6 +126,7 @@ def test_swap_after_a_step_as_eager(row):
     _with_swap_flag(lambda: [m.to(torch.float64) for m in models])
     gc.collect()
     assert [r() for r in old] == [None] * len(old)
+    assert _dead_entries() == 0  # the entries found from the freed storages went with them
     state = {k: v.clone() for k, v in eager.state_dict().items()}
     _with_swap_flag(lambda: [m.load_state_dict(state) for m in models])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]

@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad._errors import internal_error
 from slimgrad._math.norms import unseen
-from slimgrad._math.steps import anchor, epoch, last_stepped
+from slimgrad._math.steps import anchor, epoch, stepped_optimizers
 from slimgrad._math.tables import unsized
 
 __all__ = [
@@ -150,8 +150,8 @@ def stats(x, running_mean, running_var, training, momentum, eps, merge=None):
 # for the GPU to drain its queue, and cannot run ahead of it). ParamChannels keeps each decision
 # with the parameters' (version, data_ptr) and reuses it while they are unchanged (autograd's own
 # test of a saved tensor: an in-place write bumps the version, a new storage moves data_ptr). When
-# one parameter is stale, every stale parameter seen before that the optimizer that stepped last
-# holds is decided with it, in one read (the entries hold no parameter: NOTE [Caches that hold
+# one parameter is stale, every stale parameter seen before that an optimizer that stepped holds
+# is decided with it, in one read (the entries hold no parameter: NOTE [Caches that hold
 # no reference to a parameter] in _math/steps.py): after an optimizer step the first BatchNorm
 # of a forward decides them all, so a training step costs one host sync, not one per layer (and
 # none while the parameters do not change). Bits: the same mask, the same ascending channel
@@ -207,12 +207,8 @@ class ParamChannels:
         """(channel list, the same as a long tensor on the parameters' device or None if empty)."""
         key = id(weight) if weight is not None else id(bias)
         entry = self.entries.get(key)
-        if (
-            entry is not None
-            and entry[1] == self._state(weight, bias, extra)
-            and entry[2][1] == (id(bias) if bias is not None else None)
-            and (entry[2][0] is None) == (weight is None)
-        ):
+        # the state holds both parameters' memory and versions (None for an absent one)
+        if entry is not None and entry[1] == self._state(weight, bias, extra):
             return entry[3], entry[4]
         # NOTE [A channel search no mode sees] in ops/batch_norm.py
         unseen(self._decide, key, weight, bias, extra)
@@ -220,14 +216,13 @@ class ParamChannels:
         return entry[3], entry[4]
 
     def _stale_held(self, key) -> list:
-        # the other entries gone stale whose parameters the optimizer that stepped last holds
-        # (an entry holds no parameter: NOTE [Caches that hold no reference to a parameter])
+        # the other entries gone stale whose parameters an optimizer that stepped holds (an
+        # entry holds no parameter: NOTE [Caches that hold no reference to a parameter])
         if len(self.entries) <= (key in self.entries):
             return []
-        opt = last_stepped()
-        if opt is None:
-            return []
-        held = {id(p): p for g in opt.param_groups for p in g["params"]}
+        held = {
+            id(p): p for opt in stepped_optimizers() for g in opt.param_groups for p in g["params"]
+        }
         todo = []
         for k, e in list(self.entries.items()):
             wid, bid = e[2]

@@ -36,8 +36,8 @@ same: the writes autograd cannot see, which the NOTE above already leaves to
 ``increment_version``. ``swap_tensors`` to new memory, ``p.data = ...`` and a Parameter of new
 memory move the data pointer and miss; the storage swapped out is freed with the tensor that
 holds it. Code that needs the parameters themselves (the renewal at an optimizer step, deciding
-every stale layer in one read) takes them from the optimizer that stepped last
-(:func:`last_stepped`), which holds them; the rest are found again at their next call.
+every stale layer in one read) takes them from the optimizers that stepped
+(:func:`stepped_optimizers`), which hold them; the rest are found again at their next call.
 """
 
 from __future__ import annotations
@@ -48,26 +48,26 @@ from functools import partial as _partial
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["anchor", "epoch", "last_stepped"]
+__all__ = ["anchor", "epoch", "stepped_optimizers"]
 
 _count = [0]
 _hooked = [False]
 _lock = threading.Lock()
-_last: list = [None]  # a weak reference to the optimizer that stepped last (None: none, or dead)
+_stepped: weakref.WeakSet = weakref.WeakSet()  # the live optimizers that have stepped
 
 
 def _bump(optimizer, args, kwargs) -> None:
     _count[0] += 1
-    try:
-        _last[0] = weakref.ref(optimizer)
-    except TypeError:  # an optimizer that cannot be weakly referenced
-        _last[0] = None
+    if optimizer not in _stepped:
+        try:
+            _stepped.add(optimizer)
+        except TypeError:  # an optimizer that cannot be weakly referenced
+            pass
 
 
-def last_stepped():
-    """The optimizer whose step :func:`epoch` counted last, while it lives (else None)."""
-    r = _last[0]
-    return r() if r is not None else None
+def stepped_optimizers() -> list:
+    """The live optimizers whose steps :func:`epoch` has counted."""
+    return list(_stepped)
 
 
 def anchor(table: dict, slot: int, t) -> weakref.ref | None:
