@@ -137,3 +137,33 @@ def test_swap_after_a_step_as_eager(row):
     for a, b in zip(slim.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a, b)
         assert a.dtype == torch.float64
+
+
+@pytest.mark.parametrize("row", ["LayerNorm", "BatchNorm2d"])
+def test_swapped_in_values_are_searched_again(row):
+    # swapped to a weight with a zero channel (a fallback / bad channel), then replaced by a new
+    # Parameter once its predecessor is freed: each forward decides from the values it is given
+    torch.manual_seed(1)
+    eager, shape = ROWS[row]()
+    eager.double()
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    x = torch.randn(shape, dtype=torch.float64)
+    for step in range(3):
+        outs = []
+        for m in (eager, slim):
+            m.zero_grad(set_to_none=True)
+            w = m[1].weight
+            new = w.detach().clone()
+            new[step] = 0.0
+            if step < 2:
+                with torch.no_grad():
+                    torch.utils.swap_tensors(w, nn.Parameter(new))
+            else:
+                del w
+                m[1].weight = nn.Parameter(new)
+            out = m(x)
+            out.square().sum().backward()
+            outs.append((out, [p.grad for p in m.parameters()]))
+        (eo, eg), (so, sg) = outs
+        torch.testing.assert_close(so, eo)
+        torch.testing.assert_close(sg, eg)
