@@ -167,3 +167,16 @@ def test_swapped_in_values_are_searched_again(row):
         (eo, eg), (so, sg) = outs
         torch.testing.assert_close(so, eo)
         torch.testing.assert_close(sg, eg)
+
+
+def test_a_fresh_alias_each_call_is_searched_again():
+    # w.data made afresh each call: a new tensor (version 0) over w's memory that can take the id
+    # of the last one; a write through w between two calls must be seen, as eager's op sees it
+    w = nn.Parameter(torch.ones(16))
+    b = nn.Parameter(torch.zeros(16))
+    first = _norms.fallback_channels(w.data, b.data, torch.float32)
+    with torch.no_grad():
+        w[3] = 0.0
+    for _ in range(3):
+        assert _norms.fallback_channels(w.data, b.data, torch.float32).tolist() == [3]
+    assert first.tolist() == []

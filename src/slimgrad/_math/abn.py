@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad._errors import internal_error
 from slimgrad._math.norms import unseen
-from slimgrad._math.steps import anchor, epoch, stepped_optimizers
+from slimgrad._math.steps import anchor, epoch, pinned, stepped_optimizers
 from slimgrad._math.tables import unsized
 
 __all__ = [
@@ -205,15 +205,17 @@ class ParamChannels:
 
     def lookup(self, weight, bias, extra=None) -> tuple[list[int], torch.Tensor | None]:
         """(channel list, the same as a long tensor on the parameters' device or None if empty)."""
+        if not (pinned(weight) and pinned(bias)):
+            # NOTE [Caches that hold no reference to a parameter] in _math/steps.py: decided for
+            # this call alone
+            return unseen(self._decide, None, weight, bias, extra)
         key = id(weight) if weight is not None else id(bias)
         entry = self.entries.get(key)
         # the state holds both parameters' memory and versions (None for an absent one)
         if entry is not None and entry[1] == self._state(weight, bias, extra):
             return entry[3], entry[4]
         # NOTE [A channel search no mode sees] in ops/batch_norm.py
-        unseen(self._decide, key, weight, bias, extra)
-        entry = self.entries[key]
-        return entry[3], entry[4]
+        return unseen(self._decide, key, weight, bias, extra)
 
     def _stale_held(self, key) -> list:
         # the other entries gone stale whose parameters an optimizer that stepped holds (an
@@ -239,7 +241,12 @@ class ParamChannels:
         return todo
 
     def _decide(self, key, weight, bias, extra):
-        todo = [(key, weight, bias, extra)] + self._stale_held(key)
+        # (channel list, tensor) of weight and bias; stored, with every stale entry decided along,
+        # unless key is None
+        todo = [(key, weight, bias, extra)]
+        if key is not None:
+            todo += self._stale_held(key)
+        first = None
         with torch.no_grad():
             masks = [self.mask(w, b, ex) for _, w, b, ex in todo]
         by_device: dict = {}
@@ -265,9 +272,14 @@ class ParamChannels:
                 pos += len(lst)
                 if dev is not None:
                     _HOST_LISTS[dev] = lst
+                if w is weight and b is bias and first is None:
+                    first = (lst, dev)
+                if k is None:
+                    continue
                 anchors = (anchor(self.entries, k, w), anchor(self.entries, k, b))
                 ids = (id(w) if w is not None else None, id(b) if b is not None else None)
                 self.entries[k] = (anchors, self._state(w, b, ex), ids, lst, dev)
+        return first
 
 
 def _side_mask(weight, bias, extra):

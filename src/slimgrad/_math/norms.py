@@ -151,6 +151,7 @@ def _key(t: torch.Tensor | None):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
 
 
 def _cacheable(t: torch.Tensor | None) -> bool:
@@ -186,6 +187,12 @@ def fallback_channels(
     if (weight is not None and type(weight) not in _PLAIN) or (
         bias is not None and type(bias) not in _PLAIN
     ):
+        return _find_scaled(weight, bias, out_dtype, gamma_of)
+    if (weight is not None and type(weight) is not _Parameter and not weight.requires_grad) or (
+        bias is not None and type(bias) is not _Parameter and not bias.requires_grad
+    ):
+        # a tensor nothing pins (NOTE [Caches that hold no reference to a parameter] in
+        # _math/steps.py): searched each call
         return _find_scaled(weight, bias, out_dtype, gamma_of)
     try:
         w_key, b_key = _norm_key(weight, bias)
@@ -230,6 +237,12 @@ def fallback_or_none(
     else:
         return None
     try:  # an inference tensor has no version counter: reading _version raises
+        if (weight is not None and type(weight) is not _Parameter and not weight.requires_grad) or (
+            bias is not None and type(bias) is not _Parameter and not bias.requires_grad
+        ):
+            # a tensor nothing pins (NOTE [Caches that hold no reference to a parameter] in
+            # _math/steps.py): searched each call
+            raise RuntimeError
         w_key, b_key = _norm_key(weight, bias)
     except RuntimeError:  # "Inference tensors do not track version counter"
         idx = _find_scaled(weight, bias, out_dtype, gamma_of)

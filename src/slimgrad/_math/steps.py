@@ -20,21 +20,23 @@ bypass the version counter (``p.data.mul_``) are still not seen: call
 # NOTE [Caches that hold no reference to a parameter]
 Those caches are tables ``{id(p): entry}``. ``torch.utils.swap_tensors`` refuses a tensor that any
 weak reference points at (Python's, or torch's own C++ ``_WeakTensorRef``), and ``Module.to``,
-``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion(True)`` and
-tensor subclasses (DTensor under FSDP2) swap parameters with it; eager leaves none. So an entry
-holds no reference to its parameters, weak or strong (strong would keep a deleted model's weights
-alive). It is anchored instead on the storages of the tensors it was found from (:func:`anchor`:
-a weak reference to each one's ``untyped_storage()``, the one Python object PyTorch keeps per
-StorageImpl while it lives, whose callback drops the entry when the storage dies), and its key
-holds each tensor's data pointer, version, dtype, shape and device as before. A hit then needs a
-tensor of the same id over the same bytes of a storage that has lived since the entry was made
-(memory cannot be handed to another allocation while its storage lives), at the same version.
-That is the tensor the entry was found from, or a view or detached alias of it (one counter:
-every write autograd sees moves the key), unless a tensor over those bytes with a version counter
-of its own (made from ``p.data``, ``from_dlpack``) took the id of one that died and counts the
-same: the writes autograd cannot see, which the NOTE above already leaves to
-``increment_version``. ``swap_tensors`` to new memory, ``p.data = ...`` and a Parameter of new
-memory move the data pointer and miss; the storage swapped out is freed with the tensor that
+``load_state_dict`` under ``torch.__future__.set_swap_module_params_on_conversion(True)`` and tensor
+subclasses (DTensor under FSDP2) swap parameters with it; eager leaves none. So an entry holds no
+reference to its parameters, weak or strong (strong would keep a deleted model's weights alive). It
+is anchored instead on the storages of the tensors it was found from (:func:`anchor`: a weak
+reference to each one's ``untyped_storage()``, the one Python object PyTorch keeps per StorageImpl
+while it lives, whose callback drops the entry when the storage dies), and its key holds each
+tensor's data pointer, version, dtype, shape and device as before. A hit then needs a tensor of the
+same id over the same bytes of a storage that has lived since the entry was made (memory cannot be
+handed to another allocation while its storage lives), at the same version. That is the tensor the
+entry was found from, or a view or detached alias of it (one counter: every write autograd sees
+moves the key). A tensor over those bytes with a version counter of its own (``p.data``, ``set_``,
+``from_dlpack``) made afresh each call takes the id of the last one with the same count, 0, while
+``p`` was written in between: so only a tensor something pins keeps an entry (:func:`pinned`: a
+Parameter, or one that requires grad; the rest are searched each call), and one of those that dies
+and leaves its id to such an alias is the write autograd cannot see, which the NOTE above already
+leaves to ``increment_version``. ``swap_tensors`` to new memory, ``p.data = ...`` and a Parameter of
+new memory move the data pointer and miss; the storage swapped out is freed with the tensor that
 holds it. Code that needs the parameters themselves (the renewal at an optimizer step, deciding
 every stale layer in one read) takes them from the optimizers that stepped
 (:func:`stepped_optimizers`), which hold them; the rest are found again at their next call.
@@ -46,9 +48,10 @@ import threading
 import weakref
 from functools import partial as _partial
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["anchor", "epoch", "stepped_optimizers"]
+__all__ = ["anchor", "epoch", "pinned", "stepped_optimizers"]
 
 _count = [0]
 _hooked = [False]
@@ -68,6 +71,13 @@ def _bump(optimizer, args, kwargs) -> None:
 def stepped_optimizers() -> list:
     """The live optimizers whose steps :func:`epoch` has counted."""
     return list(_stepped)
+
+
+def pinned(t) -> bool:
+    """Whether a cache may keep an entry for ``t`` (None, a Parameter, or a tensor that requires
+    grad): not a ``.data``-like alias made afresh each call, whose id a later one takes with a
+    version counter of its own (NOTE [Caches that hold no reference to a parameter])."""
+    return t is None or type(t) is torch.nn.Parameter or t.requires_grad
 
 
 def anchor(table: dict, slot: int, t) -> weakref.ref | None:

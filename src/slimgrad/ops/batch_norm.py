@@ -347,6 +347,8 @@ def _bad_channels(w, bias, lim):
         None if w is None else (w._version, w.data_ptr(), w.dtype, w.device),
         None if bias is None else (bias._version, bias.data_ptr(), bias.dtype, bias.device),
     )
+    if not (_steps.pinned(w) and _steps.pinned(bias)):
+        return out  # NOTE [Caches that hold no reference to a parameter] in _math/steps.py
     k = id(key)
     anchors = (_steps.anchor(_BAD_LAST, k, w), _steps.anchor(_BAD_LAST, k, bias))
     _BAD_LAST[k] = (anchors, None, st, out)

@@ -792,6 +792,12 @@ def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> t
     ref = weight if weight is not None else bias
     if ref is None:
         return torch.empty(0, dtype=torch.int64)
+    if (
+        weight is not None and type(weight) is not torch.nn.Parameter and not weight.requires_grad
+    ) or (bias is not None and type(bias) is not torch.nn.Parameter and not bias.requires_grad):
+        # a tensor nothing pins (NOTE [Caches that hold no reference to a parameter] in
+        # slimgrad/_math/steps.py): searched each call
+        return _fallback_channels(weight, bias, out_dtype, num_groups)
     try:  # an inference tensor has no version counter: reading _version raises
         w_key, b_key = norms._norm_key(weight, bias)  # the extension's once it is loaded
     except RuntimeError:  # "Inference tensors do not track version counter"
@@ -819,7 +825,11 @@ def _bad_groups(weight, num_groups: int) -> torch.Tensor | None:
     # bool tensor, or None where none is (the caller's torch.where would change nothing). Once
     # per weight version for a plain tensor outside compilation (the fallback channels' key);
     # fake, subclass, inference and traced weights: a mask each call (no host read of its values)
-    if type(weight) in _PLAIN_OR_NONE and not compiling():
+    if (
+        type(weight) in _PLAIN_OR_NONE
+        and (type(weight) is torch.nn.Parameter or weight.requires_grad)  # pinned: NOTE in steps
+        and not compiling()
+    ):
         try:
             w_key, _ = norms._norm_key(weight, None)  # the extension's once it is loaded
         except RuntimeError:  # an inference tensor has no version counter
