@@ -11,7 +11,6 @@ the batch statistics (:func:`stats`), the side channels (:func:`side_channels`),
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -20,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from slimgrad._errors import internal_error
 from slimgrad._math.norms import unseen
-from slimgrad._math.steps import epoch
+from slimgrad._math.steps import anchor, epoch, pinned, stepped_optimizers
 from slimgrad._math.tables import unsized
 
 __all__ = [
@@ -151,12 +150,14 @@ def stats(x, running_mean, running_var, training, momentum, eps, merge=None):
 # for the GPU to drain its queue, and cannot run ahead of it). ParamChannels keeps each decision
 # with the parameters' (version, data_ptr) and reuses it while they are unchanged (autograd's own
 # test of a saved tensor: an in-place write bumps the version, a new storage moves data_ptr). When
-# one parameter is stale, every stale parameter seen before is decided with it, in one read: after
-# an optimizer step the first BatchNorm of a forward decides them all, so a training step costs
-# one host sync, not one per layer (and none while the parameters do not change). Bits: the same
-# mask, the same ascending channel order as nonzero(); only where it is computed changes. A write
-# through ``.data``, which autograd does not see either, is not seen here. Another layer's
-# parameters are decided along only while their memory can be read (_readable).
+# one parameter is stale, every stale parameter seen before that an optimizer that stepped holds
+# is decided with it, in one read (the entries hold no parameter: NOTE [Caches that hold
+# no reference to a parameter] in _math/steps.py): after an optimizer step the first BatchNorm
+# of a forward decides them all, so a training step costs one host sync, not one per layer (and
+# none while the parameters do not change). Bits: the same mask, the same ascending channel
+# order as nonzero(); only where it is computed changes. A write through ``.data``, which
+# autograd does not see either, is not seen here. Another layer's parameters are decided along
+# only while their memory can be read (_readable).
 _HOST_LISTS = WeakIdKeyDictionary()  # a decided channel tensor -> its channels as a list
 
 
@@ -184,7 +185,11 @@ class ParamChannels:
     def __init__(self, mask: Callable) -> None:
         # mask(weight, bias, extra) -> (C,) bool tensor: the channels to treat apart
         self.mask = mask
-        self.entries = WeakIdKeyDictionary()  # by identity: a tensor compares by value
+        # {id(weight, or bias without weight): (the anchors of weight's and bias's storages,
+        # state, (id(weight), id(bias)) with None for an absent one, channel list, the same as a
+        # long tensor or None)}: no reference to the parameters (NOTE [Caches that hold no
+        # reference to a parameter] in _math/steps.py)
+        self.entries: dict[int, tuple] = {}
         # device reads so far (a .cpu() copy: a host sync on CUDA that count_host_syncs, which
         # counts at the dispatcher on CPU tensors, cannot see; tests count them here)
         self.reads = 0
@@ -200,30 +205,48 @@ class ParamChannels:
 
     def lookup(self, weight, bias, extra=None) -> tuple[list[int], torch.Tensor | None]:
         """(channel list, the same as a long tensor on the parameters' device or None if empty)."""
-        key = weight if weight is not None else bias
+        if not (pinned(weight) and pinned(bias)):
+            # NOTE [Caches that hold no reference to a parameter] in _math/steps.py: decided for
+            # this call alone
+            return unseen(self._decide, None, weight, bias, extra)
+        key = id(weight) if weight is not None else id(bias)
         entry = self.entries.get(key)
-        if entry is not None and entry[0] == self._state(weight, bias, extra):
-            if (entry[1]() if entry[1] is not None else None) is bias:
-                return entry[2], entry[3]
-        self.entries[key] = (None, weakref.ref(bias) if bias is not None else None, None, None)
+        # the state holds both parameters' memory and versions (None for an absent one)
+        if entry is not None and entry[1] == self._state(weight, bias, extra):
+            return entry[3], entry[4]
         # NOTE [A channel search no mode sees] in ops/batch_norm.py
-        unseen(self._decide, key, weight, bias, extra)
-        entry = self.entries[key]
-        return entry[2], entry[3]
+        return unseen(self._decide, key, weight, bias, extra)
 
-    def _decide(self, key, weight, bias, extra):
-        todo = [(key, weight, bias, extra)]
+    def _stale_held(self, key) -> list:
+        # the other entries gone stale whose parameters an optimizer that stepped holds (an
+        # entry holds no parameter: NOTE [Caches that hold no reference to a parameter])
+        if len(self.entries) <= (key in self.entries):
+            return []
+        held = {
+            id(p): p for opt in stepped_optimizers() for g in opt.param_groups for p in g["params"]
+        }
+        todo = []
         for k, e in list(self.entries.items()):
-            if k is key or e[0] is None:
+            wid, bid = e[2]
+            if k == key or (wid is not None and wid not in held):
                 continue
-            b = e[1]() if e[1] is not None else None
-            if e[1] is not None and b is None:
+            if bid is not None and bid not in held:
                 continue
-            w = k if k is not b else None
+            w = held[wid] if wid is not None else None
+            b = held[bid] if bid is not None else None
             if not (_readable(w) and _readable(b)):
                 continue  # e.g. an FSDP2 parameter resharded since: its storage is freed
-            if e[0] != self._state(w, b, e[0][-1]):
-                todo.append((k, w, b, e[0][-1]))
+            if e[1] != self._state(w, b, e[1][-1]):
+                todo.append((k, w, b, e[1][-1]))
+        return todo
+
+    def _decide(self, key, weight, bias, extra):
+        # (channel list, tensor) of weight and bias; stored, with every stale entry decided along,
+        # unless key is None
+        todo = [(key, weight, bias, extra)]
+        if key is not None:
+            todo += self._stale_held(key)
+        first = None
         with torch.no_grad():
             masks = [self.mask(w, b, ex) for _, w, b, ex in todo]
         by_device: dict = {}
@@ -249,8 +272,14 @@ class ParamChannels:
                 pos += len(lst)
                 if dev is not None:
                     _HOST_LISTS[dev] = lst
-                ref = weakref.ref(b) if b is not None else None
-                self.entries[k] = (self._state(w, b, ex), ref, lst, dev)
+                if w is weight and b is bias and first is None:
+                    first = (lst, dev)
+                if k is None:
+                    continue
+                anchors = (anchor(self.entries, k, w), anchor(self.entries, k, b))
+                ids = (id(w) if w is not None else None, id(b) if b is not None else None)
+                self.entries[k] = (anchors, self._state(w, b, ex), ids, lst, dev)
+        return first
 
 
 def _side_mask(weight, bias, extra):

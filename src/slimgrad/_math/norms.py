@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from slimgrad import _ext
 from slimgrad._autograd import compiling
 from slimgrad._math import steps
-from slimgrad._math.steps import epoch
+from slimgrad._math.steps import anchor, epoch
 
 try:  # NOTE [A search the modes never see] below
     from torch.utils._python_dispatch import _disable_current_modes as _modes_aside
@@ -78,18 +78,19 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # The fallback channels (NOTE [Normalization from its output: the fallback channels] in
 # ops/layer_norm.py) depend only on the weight and bias values and the output dtype. Finding them
 # takes a ``nonzero``: on CUDA a host sync (the CPU waits for the GPU), once per norm per forward,
-# 25 per GPT-2 step. So they are found once per *version* of the parameters: the answer is kept
-# per (weight, bias) pair of tensor objects, keyed by each one's data pointer, strides, dtype and
-# autograd version counter, which every in-place write that autograd can see bumps (optimizer
-# steps, ``copy_``/``fill_`` under no_grad, ``load_state_dict``; views share their base's
-# counter). Each call still returns a tensor of its own (a 0-element one, or a copy; on the
-# straight path, :func:`fallback_or_none`, None when there is no fallback channel: nothing saved),
-# so what a forward saves and what the memory tracker counts are unchanged. What the key cannot
-# see: a write that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or
-# collective writing into the parameter's memory): code that does that and then changes which
-# channels are fallback channels must call ``torch.autograd.graph.increment_version(weight)``, as
-# autograd's own in-place checks would need too. Inference-mode, fake and subclass tensors, and
-# code being compiled, take no cache.
+# 25 per GPT-2 step. So they are found once per *version* of the parameters: the answer is kept per
+# (weight, bias) pair of tensor objects (by id, anchored on their storages: NOTE [Caches that hold
+# no reference to a parameter] in _math/steps.py), keyed by each one's data pointer, strides, dtype
+# and autograd version counter, which every in-place write that autograd can see bumps (optimizer
+# steps, ``copy_``/``fill_`` under no_grad, ``load_state_dict``; views share their base's counter).
+# Each call still returns a tensor of its own (a 0-element one, or a copy; on the straight path,
+# :func:`fallback_or_none`, None when there is no fallback channel: nothing saved), so what a
+# forward saves and what the memory tracker counts are unchanged. What the key cannot see: a write
+# that bypasses the version counter (``weight.data.mul_(...)``, a raw kernel or collective writing
+# into the parameter's memory): code that does that and then changes which channels are fallback
+# channels must call ``torch.autograd.graph.increment_version(weight)``, as autograd's own in-place
+# checks would need too. Inference-mode, fake and subclass tensors, and code being compiled, take no
+# cache.
 #
 # The key's parameter facts are read by :func:`_norm_key`: in Python, six attribute reads per
 # tensor; once slimgrad's C++ extension is loaded (``_ext.when_loaded``: never built for this),
@@ -150,6 +151,7 @@ def _key(t: torch.Tensor | None):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
 
 
 def _cacheable(t: torch.Tensor | None) -> bool:
@@ -186,6 +188,12 @@ def fallback_channels(
         bias is not None and type(bias) not in _PLAIN
     ):
         return _find_scaled(weight, bias, out_dtype, gamma_of)
+    if (weight is not None and type(weight) is not _Parameter and not weight.requires_grad) or (
+        bias is not None and type(bias) is not _Parameter and not bias.requires_grad
+    ):
+        # a tensor nothing pins (NOTE [Caches that hold no reference to a parameter] in
+        # _math/steps.py): searched each call
+        return _find_scaled(weight, bias, out_dtype, gamma_of)
     try:
         w_key, b_key = _norm_key(weight, bias)
     except RuntimeError:  # "Inference tensors do not track version counter"
@@ -198,8 +206,10 @@ def fallback_channels(
     if gamma_of is not None:
         key += (gamma_of,)
     slot = id(ref)
+    # NOTE [Caches that hold no reference to a parameter] in _math/steps.py: the entry at this id
+    # whose key (data pointers, versions) matches is this tensor's, its storage anchored
     hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
-    if hit is not None and hit[0]() is ref and hit[1] == key:
+    if hit is not None and hit[1] == key:
         idx = hit[2]  # _fresh(idx), inline: a tensor of the caller's own
         if idx.shape[0] == 0:
             return torch.empty(0, dtype=torch.int64, device=idx.device)
@@ -227,6 +237,12 @@ def fallback_or_none(
     else:
         return None
     try:  # an inference tensor has no version counter: reading _version raises
+        if (weight is not None and type(weight) is not _Parameter and not weight.requires_grad) or (
+            bias is not None and type(bias) is not _Parameter and not bias.requires_grad
+        ):
+            # a tensor nothing pins (NOTE [Caches that hold no reference to a parameter] in
+            # _math/steps.py): searched each call
+            raise RuntimeError
         w_key, b_key = _norm_key(weight, bias)
     except RuntimeError:  # "Inference tensors do not track version counter"
         idx = _find_scaled(weight, bias, out_dtype, gamma_of)
@@ -238,7 +254,7 @@ def fallback_or_none(
         key += (gamma_of,)
     slot = id(ref)
     hit = _FB_CACHE[slot] if slot in _FB_CACHE else None
-    if hit is None or hit[0]() is not ref or hit[1] != key:
+    if hit is None or hit[1] != key:
         # NOTE [A search the modes never see]
         idx = unseen(_find_scaled, weight, bias, out_dtype, gamma_of)
         hit = _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of)
@@ -321,16 +337,18 @@ _RENEW_HOOKED = [False]
 
 
 def _store(slot, ref, key, idx, weight, bias, out_dtype, gamma_of):
-    # a cache entry: (weakref to ref, key, idx, how to renew it at an optimizer step, whether idx
-    # has any channel: read per call without making idx's shape)
-    wref = weakref.ref(ref, lambda _, slot=slot: _FB_CACHE.pop(slot, None))
+    # a cache entry: (the anchors of weight's and bias's storages, key, idx, how to renew it at an
+    # optimizer step: the ids of weight and bias, whether idx has any channel: read per call
+    # without making idx's shape); no reference to weight or bias (NOTE [Caches that hold no
+    # reference to a parameter] in _math/steps.py)
     how = (
-        None if weight is None else weakref.ref(weight),
-        None if bias is None else weakref.ref(bias),
+        None if weight is None else id(weight),
+        None if bias is None else id(bias),
         out_dtype,
         gamma_of,
     )
-    entry = _FB_CACHE[slot] = (wref, key, idx, how, idx.shape[0] > 0)
+    anchors = (anchor(_FB_CACHE, slot, weight), anchor(_FB_CACHE, slot, bias))
+    entry = _FB_CACHE[slot] = (anchors, key, idx, how, idx.shape[0] > 0)
     if not _RENEW_HOOKED[0]:
         epoch()  # the counter's hook first: the renewal reads the count after the step
         register_optimizer_step_post_hook(_renew)
@@ -386,16 +404,17 @@ def _stepped_storages(optimizer) -> tuple[list, list] | None:
     return starts, ends
 
 
-def _untouched(t, written) -> bool:
-    # whether ``t``'s storage shares no byte with a written range: memory shared through two
-    # storage objects (``torch.from_dlpack`` of a slice, an ``UntypedStorage`` slice, two numpy
-    # views) has two start addresses, so ranges are compared, not starts (review25c)
-    if t is None:
+def _untouched(st_ref, written) -> bool:
+    # whether the storage ``st_ref`` anchors (None: no tensor) shares no byte with a written
+    # range: memory shared through two storage objects (``torch.from_dlpack`` of a slice, an
+    # ``UntypedStorage`` slice, two numpy views) has two start addresses, so ranges are compared,
+    # not starts (review25c)
+    if st_ref is None:
         return True
-    if written is None:
+    s = st_ref()
+    if written is None or s is None:
         return False
     try:
-        s = t.untyped_storage()
         a = s.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return False
@@ -410,12 +429,13 @@ def _untouched(t, written) -> bool:
 def _renew(optimizer=None, args=None, kwargs=None) -> None:
     # NOTE [Fallback channels renewed at the optimizer step]; the masks of entries alike found by
     # one _fallback_mask over their concatenated parameters (NOTE [One mask per kind of norm])
-    if compiling() or not _FB_CACHE:
+    if compiling() or not _FB_CACHE or optimizer is None:
         return
-    stepped = None  # the ids of the parameters this optimizer holds (None: renew every entry)
+    # the ids of the parameters this optimizer holds; the parameters by id, made at the first
+    # entry it holds (an entry holds none: NOTE [Caches that hold no reference to a parameter])
+    stepped = _stepped_ids(optimizer)
+    held = None
     written = ()  # the storages it writes, made at the first entry it does not hold (() not yet)
-    if optimizer is not None:
-        stepped = _stepped_ids(optimizer)
     # {(device, scale dtype, bias dtype, out_dtype, slot or None, rows): ([(slot, entry, key,
     # n)], [scales], [biases])}; rows: the scales are LayerNorm weights whose non-finite rule
     # (layer_norm_gamma) is applied per entry over the concatenation (NOTE [One mask per kind of
@@ -423,22 +443,39 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
     kinds: dict = {}
     count = steps._count[0]
     for slot, entry in list(_FB_CACHE.items()):
-        wref, _, _, (ww, bw, out_dtype, gamma_of), _ = entry
-        ref = wref()
-        weight = ww() if ww is not None else None
-        bias = bw() if bw is not None else None
-        if ref is None or (ww is not None and weight is None) or (bw is not None and bias is None):
-            continue
-        if stepped is not None and id(weight) not in stepped and id(bias) not in stepped:
+        anchors, _, _, (wid, bid, out_dtype, gamma_of), _ = entry
+        if wid not in stepped and bid not in stepped:
             # not this optimizer's: an entry current before the step whose parameters share no
             # storage with what it steps stays current (NOTE [Another optimizer's step])
             k = entry[1]
             if k[3] == count - 1:
                 if written == ():
                     written = _stepped_storages(optimizer)
-                if _untouched(weight, written) and _untouched(bias, written):
-                    _FB_CACHE[slot] = (wref, k[:3] + (count,) + k[4:], entry[2], entry[3], entry[4])
+                if _untouched(anchors[0], written) and _untouched(anchors[1], written):
+                    _FB_CACHE[slot] = (
+                        anchors,
+                        k[:3] + (count,) + k[4:],
+                        entry[2],
+                        entry[3],
+                        entry[4],
+                    )
             continue
+        if held is None:
+            held = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+        if (wid is not None and wid not in held) or (bid is not None and bid not in held):
+            continue  # a parameter this optimizer does not hold: left to the next forward
+        weight = held[wid] if wid is not None else None
+        bias = held[bid] if bid is not None else None
+        try:
+            # the anchors of the storages the renewed key's data pointers are in
+            w_st = weight.untyped_storage() if weight is not None else None
+            b_st = bias.untyped_storage() if bias is not None else None
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # no storage (a tensor subclass): not cached in the first place
+        if (anchors[0]() if anchors[0] is not None else None) is not w_st or (
+            anchors[1]() if anchors[1] is not None else None
+        ) is not b_st:
+            anchors = (anchor(_FB_CACHE, slot, weight), anchor(_FB_CACHE, slot, bias))
         try:
             w_key, b_key = _norm_key(weight, bias)
         except RuntimeError:  # an inference tensor (not cached in the first place)
@@ -467,7 +504,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             rows,
         )
         items, ws, bs = kinds[kind] if kind in kinds else kinds.setdefault(kind, ([], [], []))
-        items.append((slot, entry, key, n))
+        items.append((slot, entry, key, n, anchors))
         if w is not None:
             ws.append(w if w.dim() == 1 else w.reshape(-1))
         if b is not None:
@@ -494,7 +531,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             hits, pos = None, []
         start, j = 0, 0
         empty = None  # one 0-element table for the device (never handed out: callers copy)
-        for slot, entry, key, n in items:
+        for slot, entry, key, n, anchors in items:
             end = start + n
             a = j
             while j < len(pos) and pos[j] < end:
@@ -506,7 +543,7 @@ def _renew(optimizer=None, args=None, kwargs=None) -> None:
             else:
                 idx = hits[a:j] - start
             if _FB_CACHE.get(slot) is entry:
-                _FB_CACHE[slot] = (entry[0], key, idx, entry[3], a != j)
+                _FB_CACHE[slot] = (anchors, key, idx, entry[3], a != j)
             start = end
 
 

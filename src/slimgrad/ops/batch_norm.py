@@ -309,24 +309,33 @@ def _bad_mask(weight, bias, extra=None):
 
 
 _BAD = ParamChannels(_bad_mask)
-# _BAD's last answer per parameter, read with plain comparisons: {id(γ, or β without γ): (weak
-# reference to it, weak reference to β or None, state, answer)}; state as ParamChannels._state
+# _BAD's last answer per parameter, read with plain comparisons: {id(γ, or β without γ): (the
+# anchors of γ's and β's storages, None, state, answer)}; state as ParamChannels._state
 # (each parameter's version, data_ptr, dtype and device, the optimizer steps, the output's
 # overflow limit). A changed state asks _BAD, which decides (NOTE [Decided once per parameter
-# version] in slimgrad/_math/abn.py); the same state gives _BAD's same answer.
+# version] in slimgrad/_math/abn.py); the same state gives _BAD's same answer. No reference to γ
+# or β (NOTE [Caches that hold no reference to a parameter] in slimgrad/_math/steps.py).
 _BAD_LAST: dict = {}
 
 
 def _bad_channels(w, bias, lim):
     key = w if w is not None else bias
     e = _BAD_LAST.get(id(key))
-    if e is not None and e[0]() is key and (e[1]() if e[1] is not None else None) is bias:
+    if e is not None:  # β's memory and version are in the state (β None: None there)
         st = e[2]
         if (
             st[0] == lim
             and st[1] == _steps._count[0]
-            and (w is None or (w._version, w.data_ptr(), w.dtype, w.device) == st[2])
-            and (bias is None or (bias._version, bias.data_ptr(), bias.dtype, bias.device) == st[3])
+            and (
+                st[2] is None
+                if w is None
+                else (w._version, w.data_ptr(), w.dtype, w.device) == st[2]
+            )
+            and (
+                st[3] is None
+                if bias is None
+                else (bias._version, bias.data_ptr(), bias.dtype, bias.device) == st[3]
+            )
         ):
             return e[3]
     # epoch() is asked there: the step hook is registered; it searches with the dispatch modes
@@ -338,9 +347,11 @@ def _bad_channels(w, bias, lim):
         None if w is None else (w._version, w.data_ptr(), w.dtype, w.device),
         None if bias is None else (bias._version, bias.data_ptr(), bias.dtype, bias.device),
     )
+    if not (_steps.pinned(w) and _steps.pinned(bias)):
+        return out  # NOTE [Caches that hold no reference to a parameter] in _math/steps.py
     k = id(key)
-    ref = weakref.ref(key, _partial(_BAD_LAST.pop, k))  # NOTE [A registry entry dropped in C]
-    _BAD_LAST[k] = (ref, weakref.ref(bias) if bias is not None else None, st, out)
+    anchors = (_steps.anchor(_BAD_LAST, k, w), _steps.anchor(_BAD_LAST, k, bias))
+    _BAD_LAST[k] = (anchors, None, st, out)
     return out
 
 

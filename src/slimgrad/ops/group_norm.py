@@ -75,7 +75,6 @@ reads no isfinite and takes no ``torch.where``.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +91,7 @@ from slimgrad._autograd import (
 from slimgrad._errors import hooks_top, seen
 from slimgrad._library import custom_op, straight
 from slimgrad._math import norms, steps
-from slimgrad._math.steps import epoch
+from slimgrad._math.steps import anchor, epoch
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
 from slimgrad.ops._output_act import INPUT_KEPT_BY, check_output_seen
@@ -794,6 +793,12 @@ def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> t
     ref = weight if weight is not None else bias
     if ref is None:
         return torch.empty(0, dtype=torch.int64)
+    if (
+        weight is not None and type(weight) is not torch.nn.Parameter and not weight.requires_grad
+    ) or (bias is not None and type(bias) is not torch.nn.Parameter and not bias.requires_grad):
+        # a tensor nothing pins (NOTE [Caches that hold no reference to a parameter] in
+        # slimgrad/_math/steps.py): searched each call
+        return _fallback_channels(weight, bias, out_dtype, num_groups)
     try:  # an inference tensor has no version counter: reading _version raises
         w_key, b_key = norms._norm_key(weight, bias)  # the extension's once it is loaded
     except RuntimeError:  # "Inference tensors do not track version counter"
@@ -801,11 +806,12 @@ def _fallback_cached(weight, bias, out_dtype: torch.dtype, num_groups: int) -> t
     key = (w_key, b_key, out_dtype, num_groups, steps._count[0] if steps._hooked[0] else epoch())
     slot = id(ref)
     hit = _FB[slot] if slot in _FB else None
-    if hit is None or hit[0]() is not ref or hit[1] != key:
+    if hit is None or hit[1] != key:
         # NOTE [A search the modes never see] in slimgrad/_math/norms.py
         idx = norms.unseen(_fallback_channels, weight, bias, out_dtype, num_groups)
-        wref = weakref.ref(ref, lambda _, slot=slot: _FB.pop(slot, None))
-        hit = _FB[slot] = (wref, key, idx)
+        # anchored on the storages, no reference to weight or bias (NOTE [Caches that hold no
+        # reference to a parameter] in slimgrad/_math/steps.py)
+        hit = _FB[slot] = ((anchor(_FB, slot, weight), anchor(_FB, slot, bias)), key, idx)
     idx = hit[2]
     if idx.shape[0]:
         return idx.clone()
@@ -820,7 +826,11 @@ def _bad_groups(weight, num_groups: int) -> torch.Tensor | None:
     # bool tensor, or None where none is (the caller's torch.where would change nothing). Once
     # per weight version for a plain tensor outside compilation (the fallback channels' key);
     # fake, subclass, inference and traced weights: a mask each call (no host read of its values)
-    if type(weight) in _PLAIN_OR_NONE and not compiling():
+    if (
+        type(weight) in _PLAIN_OR_NONE
+        and (type(weight) is torch.nn.Parameter or weight.requires_grad)  # pinned: NOTE in steps
+        and not compiling()
+    ):
         try:
             w_key, _ = norms._norm_key(weight, None)  # the extension's once it is loaded
         except RuntimeError:  # an inference tensor has no version counter
@@ -829,11 +839,10 @@ def _bad_groups(weight, num_groups: int) -> torch.Tensor | None:
             key = (w_key, num_groups, steps._count[0] if steps._hooked[0] else epoch())
             slot = id(weight)
             hit = _BAD[slot] if slot in _BAD else None
-            if hit is None or hit[0]() is not weight or hit[1] != key:
+            if hit is None or hit[1] != key:
                 # NOTE [A search the modes never see] in slimgrad/_math/norms.py
                 bad = norms.unseen(_bad_search, weight, num_groups)
-                wref = weakref.ref(weight, lambda _, slot=slot: _BAD.pop(slot, None))
-                hit = _BAD[slot] = (wref, key, bad)
+                hit = _BAD[slot] = (anchor(_BAD, slot, weight), key, bad)
             return hit[2]
     return ~torch.isfinite(weight.detach().reshape(num_groups, -1)).all(1)
 
