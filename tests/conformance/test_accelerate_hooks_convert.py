@@ -12,6 +12,7 @@ unloaded after it.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -238,21 +239,78 @@ def test_a_module_that_would_run_on_meta_is_a_convert_error():
     with pytest.raises(
         RuntimeError,
         match=r"^slimgrad\.convert_: module '0\.0' \(Linear\) \(and '0\.1', '1', '3'\) would "
-        r"run on meta: .* its accelerate hook's execution device is meta; expected .* got "
-        r"meta\. Map it to 'cpu', 'disk' or an accelerator in the device_map",
+        r"run on meta: its accelerate hook's execution device is meta, which holds no data; "
+        r"expected .* got meta\. Map it to 'cpu', 'disk' or an accelerator in the device_map",
     ):
         slimgrad.convert_(m)
-    m = _net()  # weights on meta and no hook to load them, in a model with hooks
+    m = _net()  # an ancestor's hook placing its submodules on meta
+    add_hook_to_module(m[0], AlignDevicesHook("meta", place_submodules=True))
+    with pytest.raises(RuntimeError, match=r"module '0\.0' .*\(and '0\.1'\) .*hook of '0' places"):
+        slimgrad.convert_(m)
+
+
+def _each_align_naming_none(m):
+    _each(lambda: AlignDevicesHook(io_same_device=True))(m)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: torch.device("meta"), lambda: accelerate.init_empty_weights()],
+    ids=["device_meta", "init_empty_weights"],
+)
+@pytest.mark.parametrize(
+    "attach",
+    [lambda m: None, _each(ModelHook), _each_align_naming_none],
+    ids=["no_hook", "ModelHook", "AlignDevicesHook_no_device"],
+)
+def test_tensors_on_meta_no_hook_places_convert_as_without_hooks(build, attach):
+    # built on meta to plan or estimate: init_empty_weights keeps the buffers on cpu, which made
+    # the meta parameters an error where a wholly-meta net converted (no hook names a device)
+    with build():
+        m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    attach(m)
+    slimgrad.convert_(m)
+    assert len(slimgrad.report(m).converted) == 4
+
+
+def test_weights_on_meta_under_another_modules_hook_convert_as_without_hooks():
+    # no hook places module 3: its weights' meta is the device rule's to decide, as without hooks
+    m = _net()
     attach_align_device_hook(m[1], execution_device="cpu")
     m[3].to("meta")
-    with pytest.raises(RuntimeError, match="module '3' .*no accelerate hook gives it an execution"):
-        slimgrad.convert_(m)
-    for attach in (lambda m: None, _each(ModelHook)):  # built on meta (to plan): converts
-        with torch.device("meta"):
-            m = _net()
-        attach(m)
-        slimgrad.convert_(m)
-        assert len(slimgrad.report(m).converted) == 5
+    slimgrad.convert_(m)
+    assert len(slimgrad.report(m).converted) == 5
+    assert set(device_rule.targets(m)) == {("cpu", torch.float32), ("meta", torch.float32)}
+
+
+def _wrapped(fn):
+    @functools.wraps(fn)
+    def w(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return w
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [_wrapped, lambda fn: torch.compile(fn, backend="eager")],
+    ids=["functools_wraps", "torch_compile"],
+)
+def test_a_forward_wrapped_over_an_offload_hook_runs_where_the_hook_places_it(wrap):
+    # the wrapper still calls accelerate's, whose hook loads the weights for each call: the
+    # module runs on the hook's device (convert_ refused it as running on meta)
+    torch.manual_seed(0)
+    eager = _net()
+    slim = copy.deepcopy(eager)
+    for m in (eager, slim):
+        accelerate.cpu_offload(m, execution_device="cpu")
+        m[1].forward = wrap(m[1].forward)
+    slimgrad.convert_(slim)
+    assert slimgrad.report(slim).targets == (("cpu", torch.float32),)
+    assert type(slim[1]) is nn.Linear and type(slim[3]).__module__ == "slimgrad.nn.linear"
+    x = torch.randn(4, 8)
+    (_, g_eager), (_, g_slim) = _run(eager, x), _run(slim, x)
+    torch.testing.assert_close(g_slim, g_eager)
 
 
 def test_an_offloaded_module_returning_to_the_input_device_keeps_the_unhooked_bits():
