@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import slimgrad
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.convert_handlers import device_rule
 from slimgrad.memory import measure
 from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
@@ -224,6 +225,25 @@ def test_the_device_rule_decides_for_the_hooks_execution_device(attach, device):
     m = _net()
     attach(m)
     assert device_rule.targets(m) == ((device, torch.float32),)
+
+
+@pytest.mark.parametrize(
+    "current, same, other",
+    [(None, ["cuda", 0, "cuda:0"], "cuda:1"), (1, ["cuda", 1, "cuda:1"], "cuda:0")],
+    ids=["cuda_not_initialised", "current_device_1"],
+)
+def test_an_accelerator_without_an_index_is_its_current_device(monkeypatch, current, same, other):
+    # "cuda" and "cuda:0" counted as two devices, refusing the fused loss (no CUDA call: offload
+    # puts the weights on meta until a forward)
+    if current is not None:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    for devices, why in [(same, None), ([*same, other], "several devices")]:
+        m = _net()
+        for c, d in zip([m[0][0], m[1], m[3], m[0][1]], devices, strict=False):
+            attach_align_device_hook(c, execution_device=d, offload=True)
+        got = _accelerate_hooks.one_device_reason(m)
+        assert got is None if why is None else why in got, (devices, got)
 
 
 def test_a_module_that_would_run_on_meta_is_a_convert_error():

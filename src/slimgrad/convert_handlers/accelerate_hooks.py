@@ -197,7 +197,16 @@ def one_device_reason(model: nn.Module) -> str | None:
 
 
 def _as_device(d: object) -> torch.device:
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    # the device a hook's tensors go to (.to(d)): an accelerator without an index is that type's
+    # current device, 0 until its runtime is initialised (asking would initialise it)
+    dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    if dev.type in ("cpu", "meta"):
+        return torch.device(dev.type)
+    if dev.index is None:
+        mod = getattr(torch, dev.type, None)
+        ready = getattr(mod, "is_initialized", None)
+        return torch.device(dev.type, mod.current_device() if callable(ready) and ready() else 0)
+    return dev
 
 
 def _placing(m: nn.Module, hooks: types.ModuleType) -> tuple[torch.device | None, bool]:
