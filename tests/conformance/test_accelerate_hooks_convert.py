@@ -381,3 +381,20 @@ def test_hooked_activation_after_a_batch_norm_runs_as_the_pattern_replacement():
     (s_plain, g_plain), (s_slim, g_slim) = _run(plain, x), _run(slim, x)
     assert s_slim == s_plain < _run(eager, x)[0]
     assert torch.equal(g_slim, g_plain)
+
+
+def test_verify_names_the_offloaded_gradients_it_cannot_compare():
+    # the offload hook loads a copy of the weights for each call and the gradient goes to it:
+    # verify compared 6 of 8 gradients and said OK without naming the other 2
+    torch.manual_seed(0)
+    eager = _net()
+    attach_align_device_hook(eager[1], execution_device="cpu", offload=True)
+    slim = copy.deepcopy(eager)
+    slimgrad.convert_(slim)
+    rep = slimgrad.verify(eager, slim, torch.randn(4, 8), padded=False, modes=("train",))
+    assert rep.ok, str(rep)
+    assert len(rep.grads) == 6
+    notes = [n for n in rep.runs[0].notes if "not compared" in n]
+    assert len(notes) == 1 and notes[0].startswith(
+        "2 parameter gradient(s) not compared ('1.weight', '1.bias'): an accelerate hook offloads"
+    ), rep.runs[0].notes
