@@ -204,8 +204,9 @@ def _as_device(d: object) -> torch.device:
         return torch.device(dev.type)
     if dev.index is None:
         mod = getattr(torch, dev.type, None)
-        ready = getattr(mod, "is_initialized", None)
-        return torch.device(dev.type, mod.current_device() if callable(ready) and ready() else 0)
+        ready, current = (getattr(mod, k, None) for k in ("is_initialized", "current_device"))
+        asked = callable(ready) and callable(current) and ready()
+        return torch.device(dev.type, current() if asked else 0)
     return dev
 
 
