@@ -500,9 +500,8 @@ def convert_(
         TypeError: ``model`` is not an ``nn.Module`` or ``config`` is not a ``ConvertConfig``.
         RuntimeError: FSDP2's ``fully_shard`` was applied to ``model`` or a module in it already
             (convert first, then shard: NOTE [Convert before fully_shard] in slimgrad/_dtensor.py).
-        RuntimeError: a module of a model carrying accelerate hooks would run on ``meta``: its
-            tensors are there and no hook loads them onto a device (NOTE [The device a module
-            runs on] in convert_handlers/accelerate_hooks.py).
+        RuntimeError: an accelerate hook would run a module on ``meta`` (its execution device is
+            meta: NOTE [The device a module runs on] in convert_handlers/accelerate_hooks.py).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -535,20 +534,19 @@ def convert_(
             "slimgrad.convert_(model) first, then fully_shard its blocks and the root."
         )
     if on_meta := _accelerate_hooks.on_meta(model):  # NOTE [The device a module runs on]
-        name, m, hooked = on_meta[0]
+        name, m, by = on_meta[0]
         rest = [repr(n) for n, _, _ in on_meta[1:4]] + ["..."] * (len(on_meta) > 4)
         more = f" (and {', '.join(rest)})" if rest else ""
         how = (
             "its accelerate hook's execution device is meta"
-            if hooked
-            else "no accelerate hook gives it an execution device"
+            if by == name
+            else f"the accelerate hook of {by or '(the model)'!r} places its submodules on meta"
         )
         raise RuntimeError(
             f"slimgrad.convert_: module {name or '(the model)'!r} ({type(m).__name__}){more} "
-            f"would run on meta: its parameters or buffers are on meta and {how}; expected an "
-            "execution device that holds data (cpu, cuda, ...), got meta. Map it to 'cpu', "
-            "'disk' or an accelerator in the device_map (not 'meta'), or load its weights, "
-            "before convert_."
+            f"would run on meta: {how}, which holds no data; expected an execution device that "
+            "holds data (cpu, cuda, ...), got meta. Map it to 'cpu', 'disk' or an accelerator in "
+            "the device_map (not 'meta'), before convert_."
         )
     try:
         where = _device_rule.targets(model, device, dtype)

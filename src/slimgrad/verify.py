@@ -107,6 +107,7 @@ import torch.nn as nn
 from torch.nn.parameter import is_lazy
 from torch.utils.checkpoint import CheckpointFunction
 
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.testing import DEFAULT_ATOL, REDRAWS, max_abs_err, redrawn_err, ulp_nudged
 
 try:  # NOTE [Every generator a model draws from]: numpy is optional
@@ -1815,6 +1816,17 @@ def _run(
         run.notes.append(note)
     if not grads and not input_grads:
         run.notes.append(_NO_GRADS_NOTE)
+    none = [
+        n for n, g in r.grads.items() if g is None and e.grads[n] is None and c.grads[n] is None
+    ]
+    if none and (offloaded := sorted(_offloaded(model).intersection(none), key=none.index)):
+        shown = ", ".join(map(repr, offloaded[:4])) + (", ..." if len(offloaded) > 4 else "")
+        run.notes.append(
+            f"{len(offloaded)} parameter gradient(s) not compared ({shown}): an accelerate hook "
+            "offloads these parameters (on meta between calls) and loads a copy of each for every "
+            "call; the gradient goes to that copy, which the hook drops after the call, in the "
+            "original as in the converted model"
+        )
     which = [s for s, side in (("eager", e), ("converted", c), ("float64", r)) if side.by_backward]
     if which:
         run.notes.append(
@@ -1823,6 +1835,17 @@ def _run(
             + ": gradients taken by loss.backward() (each .grad set aside and restored)"
         )
     return run
+
+
+def _offloaded(model: nn.Module) -> set[str]:
+    # parameters on meta that an accelerate hook runs on another device: loaded per call (NOTE
+    # [The device a module runs on] in convert_handlers/accelerate_hooks.py)
+    runs = {id(t): d for _, t, d in _accelerate_hooks.run_devices(model)}
+    return {
+        n
+        for n, p in model.named_parameters()
+        if p.is_meta and runs.get(id(p), p.device).type != "meta"
+    }
 
 
 def _redrawn_errors(model, ref, inputs, loss_fn, seed, dx, narrow, names, r0) -> dict[str, float]:
@@ -1914,7 +1937,8 @@ def verify(
     are named in the run's notes as not compared), nothing is NaN/inf on any side, the original
     runs no slimgrad code, the converted model changes no input that eager leaves unchanged, and it
     returns every output eager returns (``logits=None`` from the fused LM loss in a training forward
-    with labels is noted, not failed). With ``inference`` (default) each
+    with labels is noted, not failed; so are the gradients of parameters an accelerate hook
+    offloads, which go to the copy it loads for each call). With ``inference`` (default) each
     run also calls eager and the converted model under ``torch.no_grad()`` and under
     ``torch.inference_mode()`` (same seed, from the buffers the step started from, buffer updates
     undone) and compares those outputs, dtype and shape included, with the step's float64 ones by

@@ -12,12 +12,14 @@ unloaded after it.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from torch import nn
 
 import slimgrad
+from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.convert_handlers import device_rule
 from slimgrad.memory import measure
 from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
@@ -225,6 +227,25 @@ def test_the_device_rule_decides_for_the_hooks_execution_device(attach, device):
     assert device_rule.targets(m) == ((device, torch.float32),)
 
 
+@pytest.mark.parametrize(
+    "current, same, other",
+    [(None, ["cuda", 0, "cuda:0"], "cuda:1"), (1, ["cuda", 1, "cuda:1"], "cuda:0")],
+    ids=["cuda_not_initialised", "current_device_1"],
+)
+def test_an_accelerator_without_an_index_is_its_current_device(monkeypatch, current, same, other):
+    # "cuda" and "cuda:0" counted as two devices, refusing the fused loss (no CUDA call: offload
+    # puts the weights on meta until a forward)
+    if current is not None:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    for devices, why in [(same, None), ([*same, other], "several devices")]:
+        m = _net()
+        for c, d in zip([m[0][0], m[1], m[3], m[0][1]], devices, strict=False):
+            attach_align_device_hook(c, execution_device=d, offload=True)
+        got = _accelerate_hooks.one_device_reason(m)
+        assert got is None if why is None else why in got, (devices, got)
+
+
 def test_a_module_that_would_run_on_meta_is_a_convert_error():
     # "meta" in a device_map makes it accelerate's main device: every hook runs on meta, which
     # fails in eager only when the output goes back to the input's device, and in a converted
@@ -238,21 +259,78 @@ def test_a_module_that_would_run_on_meta_is_a_convert_error():
     with pytest.raises(
         RuntimeError,
         match=r"^slimgrad\.convert_: module '0\.0' \(Linear\) \(and '0\.1', '1', '3'\) would "
-        r"run on meta: .* its accelerate hook's execution device is meta; expected .* got "
-        r"meta\. Map it to 'cpu', 'disk' or an accelerator in the device_map",
+        r"run on meta: its accelerate hook's execution device is meta, which holds no data; "
+        r"expected .* got meta\. Map it to 'cpu', 'disk' or an accelerator in the device_map",
     ):
         slimgrad.convert_(m)
-    m = _net()  # weights on meta and no hook to load them, in a model with hooks
+    m = _net()  # an ancestor's hook placing its submodules on meta
+    add_hook_to_module(m[0], AlignDevicesHook("meta", place_submodules=True))
+    with pytest.raises(RuntimeError, match=r"module '0\.0' .*\(and '0\.1'\) .*hook of '0' places"):
+        slimgrad.convert_(m)
+
+
+def _each_align_naming_none(m):
+    _each(lambda: AlignDevicesHook(io_same_device=True))(m)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: torch.device("meta"), lambda: accelerate.init_empty_weights()],
+    ids=["device_meta", "init_empty_weights"],
+)
+@pytest.mark.parametrize(
+    "attach",
+    [lambda m: None, _each(ModelHook), _each_align_naming_none],
+    ids=["no_hook", "ModelHook", "AlignDevicesHook_no_device"],
+)
+def test_tensors_on_meta_no_hook_places_convert_as_without_hooks(build, attach):
+    # built on meta to plan or estimate: init_empty_weights keeps the buffers on cpu, which made
+    # the meta parameters an error where a wholly-meta net converted (no hook names a device)
+    with build():
+        m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    attach(m)
+    slimgrad.convert_(m)
+    assert len(slimgrad.report(m).converted) == 4
+
+
+def test_weights_on_meta_under_another_modules_hook_convert_as_without_hooks():
+    # no hook places module 3: its weights' meta is the device rule's to decide, as without hooks
+    m = _net()
     attach_align_device_hook(m[1], execution_device="cpu")
     m[3].to("meta")
-    with pytest.raises(RuntimeError, match="module '3' .*no accelerate hook gives it an execution"):
-        slimgrad.convert_(m)
-    for attach in (lambda m: None, _each(ModelHook)):  # built on meta (to plan): converts
-        with torch.device("meta"):
-            m = _net()
-        attach(m)
-        slimgrad.convert_(m)
-        assert len(slimgrad.report(m).converted) == 5
+    slimgrad.convert_(m)
+    assert len(slimgrad.report(m).converted) == 5
+    assert set(device_rule.targets(m)) == {("cpu", torch.float32), ("meta", torch.float32)}
+
+
+def _wrapped(fn):
+    @functools.wraps(fn)
+    def w(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return w
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [_wrapped, lambda fn: torch.compile(fn, backend="eager")],
+    ids=["functools_wraps", "torch_compile"],
+)
+def test_a_forward_wrapped_over_an_offload_hook_runs_where_the_hook_places_it(wrap):
+    # the wrapper still calls accelerate's, whose hook loads the weights for each call: the
+    # module runs on the hook's device (convert_ refused it as running on meta)
+    torch.manual_seed(0)
+    eager = _net()
+    slim = copy.deepcopy(eager)
+    for m in (eager, slim):
+        accelerate.cpu_offload(m, execution_device="cpu")
+        m[1].forward = wrap(m[1].forward)
+    slimgrad.convert_(slim)
+    assert slimgrad.report(slim).targets == (("cpu", torch.float32),)
+    assert type(slim[1]) is nn.Linear and type(slim[3]).__module__ == "slimgrad.nn.linear"
+    x = torch.randn(4, 8)
+    (_, g_eager), (_, g_slim) = _run(eager, x), _run(slim, x)
+    torch.testing.assert_close(g_slim, g_eager)
 
 
 def test_an_offloaded_module_returning_to_the_input_device_keeps_the_unhooked_bits():
@@ -303,3 +381,20 @@ def test_hooked_activation_after_a_batch_norm_runs_as_the_pattern_replacement():
     (s_plain, g_plain), (s_slim, g_slim) = _run(plain, x), _run(slim, x)
     assert s_slim == s_plain < _run(eager, x)[0]
     assert torch.equal(g_slim, g_plain)
+
+
+def test_verify_names_the_offloaded_gradients_it_cannot_compare():
+    # the offload hook loads a copy of the weights for each call and the gradient goes to it:
+    # verify compared 6 of 8 gradients and said OK without naming the other 2
+    torch.manual_seed(0)
+    eager = _net()
+    attach_align_device_hook(eager[1], execution_device="cpu", offload=True)
+    slim = copy.deepcopy(eager)
+    slimgrad.convert_(slim)
+    rep = slimgrad.verify(eager, slim, torch.randn(4, 8), padded=False, modes=("train",))
+    assert rep.ok, str(rep)
+    assert len(rep.grads) == 6
+    notes = [n for n in rep.runs[0].notes if "not compared" in n]
+    assert len(notes) == 1 and notes[0].startswith(
+        "2 parameter gradient(s) not compared ('1.weight', '1.bias'): an accelerate hook offloads"
+    ), rep.runs[0].notes

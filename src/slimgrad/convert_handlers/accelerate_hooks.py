@@ -197,16 +197,29 @@ def one_device_reason(model: nn.Module) -> str | None:
 
 
 def _as_device(d: object) -> torch.device:
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    # the device a hook's tensors go to (.to(d)): an accelerator without an index is that type's
+    # current device, 0 until its runtime is initialised (asking would initialise it)
+    dev = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    if dev.type in ("cpu", "meta"):
+        return torch.device(dev.type)
+    if dev.index is None:
+        mod = getattr(torch, dev.type, None)
+        ready, current = (getattr(mod, k, None) for k in ("is_initialized", "current_device"))
+        asked = callable(ready) and callable(current) and ready()
+        return torch.device(dev.type, current() if asked else 0)
+    return dev
 
 
 def _placing(m: nn.Module, hooks: types.ModuleType) -> tuple[torch.device | None, bool]:
     # (the execution device m's accelerate hook runs it on, whether its submodules run there
-    # too), from AlignDevicesHook (place_submodules) and CpuOffload (moves the whole module)
-    if hook_wrapper(m.__dict__.get("forward"), m) is None:
+    # too), from AlignDevicesHook (place_submodules) and CpuOffload (moves the whole module).
+    # Read from the hook object whatever wraps m's forward: a forward wrapped again over the
+    # hook's wrapper (functools.wraps, torch.compile) still runs the hook, which loads m's
+    # weights each call; accelerate's remove_hook_from_module deletes _hf_hook
+    if "_hf_hook" not in m.__dict__:
         return None, False
     align, offload = hooks.AlignDevicesHook, getattr(hooks, "CpuOffload", None)
-    for h in _parts(m.__dict__.get("_hf_hook"), hooks):
+    for h in _parts(m.__dict__["_hf_hook"], hooks):
         if isinstance(h, align) and h.execution_device is not None:
             return _as_device(h.execution_device), bool(h.place_submodules)
         if isinstance(offload, type) and isinstance(h, offload) and h.execution_device is not None:
@@ -228,27 +241,35 @@ def run_devices(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.device]
     and loads them there for the call; ``place_submodules`` extends it to the module's
     submodules, and ``CpuOffload`` moves the whole module to its ``execution_device``. So a
     tensor's device is the execution device of the hook that governs it (its module's own, else
-    the nearest ancestor's that places submodules), else the tensor's own. A tensor whose device
-    is then ``meta`` in a model with accelerate hooks is never loaded anywhere: convert_ refuses
-    the model (:func:`on_meta`), as eager's forward fails on it.
+    the nearest ancestor's that places submodules), else the tensor's own. The hook is read from
+    the module (``_hf_hook``) whatever wraps its forward: a forward wrapped again over the hook's
+    wrapper still runs the hook. A hook whose execution device is ``meta`` (``"meta"`` in a
+    ``device_map``) runs its modules on meta, never loading their weights: convert_ refuses the
+    model (:func:`on_meta`). Tensors on meta that no hook places (a model built on meta, or under
+    ``init_empty_weights``, to plan or estimate) are decided for as without hooks.
     """
+    return [(n, t, d) for n, t, d, _ in _runs(model)]
+
+
+def _runs(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.device, str | None]]:
+    # run_devices' rows, each with the name of the module whose hook placed it (None: its own)
     hooks = sys.modules.get("accelerate.hooks")
-    out: list[tuple[str, torch.Tensor, torch.device]] = []
+    out: list[tuple[str, torch.Tensor, torch.device, str | None]] = []
     seen_t: set[int] = set()
     seen_m: set[int] = set()
-    stack: list[tuple[nn.Module, str, torch.device | None]] = [(model, "", None)]
+    stack: list[tuple[nn.Module, str, tuple[torch.device, str] | None]] = [(model, "", None)]
     while stack:
         m, name, above = stack.pop()
         if id(m) in seen_m:
             continue
         seen_m.add(id(m))
         own, sub = _placing(m, hooks) if hooks is not None else (None, False)
-        here = own if own is not None else above
+        here = (own, name) if own is not None else above
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None and id(t) not in seen_t:
                 seen_t.add(id(t))
-                out.append((name, t, here if here is not None else t.device))
-        below = own if sub else above
+                out.append((name, t, *(here if here is not None else (t.device, None))))
+        below = here if sub else above
         dot = f"{name}." if name else ""
         for k, c in reversed(m._modules.items()):
             if c is not None:
@@ -256,28 +277,15 @@ def run_devices(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.device]
     return out
 
 
-def on_meta(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """``(name, module, whether its own accelerate hook names meta as its execution device)``
-    of each module of a model carrying accelerate hooks that holds a tensor running on ``meta``
-    (NOTE [The device a module runs on]); ``[]`` for a model without accelerate hooks, or one
-    wholly on meta whose hooks name no device (a model built on ``meta`` to plan or estimate
-    converts as any other)."""
-    hooks = sys.modules.get("accelerate.hooks")
-    if hooks is None:
-        return []
-    wrapped = [m for m in model.modules() if hook_wrapper(m.__dict__.get("forward"), m)]
-    if not wrapped:
-        return []
-    named = {d.type for m in wrapped if (d := _placing(m, hooks)[0]) is not None}
-    runs = run_devices(model)
-    if not named and all(d.type == "meta" for _, _, d in runs):
-        return []
-    out = []
-    for n in dict.fromkeys(n for n, _, d in runs if d.type == "meta"):
-        m = model.get_submodule(n)
-        own = _placing(m, hooks)[0]
-        out.append((n, m, own is not None and own.type == "meta"))
-    return out
+def on_meta(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, name of the module whose accelerate hook places it)`` of each module
+    holding a tensor that an accelerate hook runs on ``meta`` (its execution device is meta:
+    NOTE [The device a module runs on]); ``[]`` where no hook names meta."""
+    out = {}
+    for n, _, d, by in _runs(model):
+        if by is not None and d.type == "meta" and n not in out:
+            out[n] = (n, model.get_submodule(n), by)
+    return list(out.values())
 
 
 def set_forward(m: nn.Module, fn: object) -> None:
