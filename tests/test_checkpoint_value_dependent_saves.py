@@ -140,6 +140,34 @@ def test_dense_fallback_flips_in_the_recompute(act, inplace, backend, up):
             _check(eager, x, kind, w)
 
 
+@pytest.mark.parametrize(
+    "act,inplace,channels_last,up",
+    [
+        ("gelu", False, False, True),
+        ("gelu", False, True, True),
+        ("silu", True, True, True),
+        ("silu", True, True, False),
+    ],
+)
+def test_dense_fallback_flips_under_selective_checkpoint(act, inplace, channels_last, up):
+    # selective checkpointing matches the recompute's aten ops to the forward's: what follows the
+    # forward custom op issues the same ops in either mode (NOTE [Side tables under
+    # torch.utils.checkpoint]); raised in the recompute before (aten.new_empty, aten.permute on a
+    # channels-last input, aten.view in place, where the recompute falls back and the forward
+    # did not)
+    make, spec, fwd = ACTS[act]
+    x = _crossing(spec, fwd, 4096, up)
+    torch.manual_seed(0)
+    a = make() if not inplace else type(make())(inplace=True)
+    if channels_last:
+        x = x.view(2, 16, 8, 16).permute(0, 3, 1, 2)
+        eager, w = nn.Sequential(_Mul1(), a, nn.Conv2d(16, 2, 1)), torch.randn(2, 2, 16, 8)
+    else:
+        x = x.view(4, 1024)
+        eager, w = nn.Sequential(_Mul1(), a, nn.Linear(1024, 8)), torch.randn(4, 8)
+    _check(eager, x, "selective", w)
+
+
 def test_inplace_abn_elu_side_channels_flip_in_the_recompute():
     # a channel whose smallest pre-activation crosses ELU_MIN_PREACT between the forward's input
     # and its bf16 rounding: kept in the side tensor in one run and rebuilt in the other
@@ -175,15 +203,16 @@ def test_inplace_abn_elu_side_channels_flip_in_the_recompute():
 
 
 def test_held_tensor_keeps_its_storage_and_rebuilds_it():
-    # hold: a 0-element view of the whole storage (a part of a storage is copied first)
+    # hold: a 0-element uint8 view of the whole storage (a part of a storage is copied first)
     t = torch.arange(10, dtype=torch.int32)
     h = _derived.hold(t)
-    assert h.shape == (0,) and h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-    assert torch.equal(_derived.whole(h), t)
+    assert h.shape == (0,) and h.dtype == torch.uint8
+    assert h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert torch.equal(_derived.whole(h, torch.int32), t)
     part = torch.arange(12.0)[2:7]
     hp = _derived.hold(part)
-    assert hp.untyped_storage().nbytes() == 5 * 4
-    assert torch.equal(_derived.whole(hp), part)
+    assert hp.untyped_storage().nbytes() == 5 * 4 and hp.dtype == torch.uint8
+    assert torch.equal(_derived.whole(hp, torch.float32), part)
 
 
 def test_peak_not_above_eager_in_lossy_hooks():

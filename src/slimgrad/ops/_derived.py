@@ -560,8 +560,14 @@ def under_checkpoint() -> bool:
 # recompute's inputs, within the error rule. Where the recompute saw what the forward saw (no
 # hooks, lossless ones), the same tensors and bits as before. A tensor on part of a storage is
 # copied first (a table is a few bytes per hard element).
+# A held view is a uint8 view whatever it holds, so which storage a value-dependent choice puts in
+# which slot changes no saved metadata. Selective activation checkpointing (``context_fn=
+# create_selective_checkpoint_contexts``) also matches the recompute's aten ops to the forward's,
+# call by call per op (a saved op's output is handed back by its position; an op the forward did
+# not issue as often raises): so under checkpoint's hooks such an op issues the same ops whichever
+# choice its values make (NOTE [Side tables under torch.utils.checkpoint] in ops/_output_act.py).
 def hold(t: torch.Tensor) -> torch.Tensor:
-    """A 0-element view of ``t``'s whole storage (``t`` copied first unless it is exactly its
+    """A 0-element uint8 view of ``t``'s whole storage (``t`` copied first unless it is exactly its
     contiguous storage): NOTE [Value-dependent saves under torch.utils.checkpoint]."""
     if (
         t.storage_offset()
@@ -569,12 +575,13 @@ def hold(t: torch.Tensor) -> torch.Tensor:
         or t.untyped_storage().nbytes() != t.numel() * t.element_size()
     ):
         t = t.clone(memory_format=torch.contiguous_format)
-    return t.detach().as_strided((0,), (1,))
+    t = t.detach()
+    return (t.view(-1) if t.dim() == 0 else t).view(torch.uint8).as_strided((0,), (1,))
 
 
-def whole(h: torch.Tensor) -> torch.Tensor:
-    """The 1-D tensor on all of the storage a :func:`hold` view holds."""
-    return h.as_strided((h.untyped_storage().nbytes() // h.element_size(),), (1,), 0)
+def whole(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 1-D ``dtype`` tensor on all of the storage a :func:`hold` view holds."""
+    return h.as_strided((h.untyped_storage().nbytes(),), (1,), 0).view(dtype)
 
 
 # NOTE [A lookup across a checkpoint boundary]

@@ -237,19 +237,20 @@ def smooth_forward(
         x.copy_(out)
         ctx.mark_dirty(x)
         if held:
-            # the dense copy of x in x's shape, as the table's slot keeps x (holding y)
-            a = x if not dense else xs.view(out.shape if perm is None else y.shape)
-            if dense and perm is not None:
-                a = a.permute(_inverse_perm(perm))
+            # x (holding y), or the dense copy of x, in x's shape and layout: one as_strided
+            # either way (NOTE [Side tables under torch.utils.checkpoint])
+            a = (
+                xs.as_strided(x.shape, _dense_strides(x.shape, perm))
+                if dense
+                else x.as_strided(x.shape, x.stride(), x.storage_offset())
+            )
             save_held(ctx, a, bits, idx, xs, dense)
         else:
             ctx.save_for_backward(None if dense else x, bits, idx, xs)
         ctx.y_seen = seen(x, dirty=True) if hooked else None
         return x
-    if held:  # the dense x in y's (memory-order) shape
-        save_held(
-            ctx, y if not dense else x if perm is None else x.permute(perm), bits, idx, xs, dense
-        )
+    if held:  # y or the dense x, in x's layout: no op either way
+        save_held(ctx, x if dense else out, bits, idx, xs, dense)
     else:
         ctx.save_for_backward(None if dense else y, bits, idx, x if ctx.dense_x else xs)
     ctx.y_seen = seen(y) if hooked else None
@@ -268,19 +269,26 @@ def smooth_forward(
 # The smooth activations' case of NOTE [Value-dependent saves under torch.utils.checkpoint] in
 # ops/_derived.py: the hard-element table's length and the dense fallback are the values'. Under
 # checkpoint's own hooks (the forward's and the recompute's alike; eager only) the op saves its
-# four slots "held": slot 0 is y (x holding y in place) or, on the dense fallback, x in y's shape
-# (the copy of x in place); bits, idx and xs are held (empty on the dense fallback). Backward
+# four slots "held": slot 0 in x's shape and layout, y (x holding y in place) or, on the dense
+# fallback, x (the copy of x in place); bits, idx and xs are held (on the dense fallback xs's slot
+# holds the empty bits again: the copy of x is slot 0's or not kept). Backward
 # (:func:`side_tensors`) rebuilds them and reads the mode from what came back (no bits: the dense
 # fallback), setting ``ctx.dense_x``; the C path's backward hands the recompute's dense fallback to
 # the general path. A checkpoint unpacks each saved tensor once, so a backward that hands over
 # passes what it unpacked in ``ctx.side``.
+# Under selective activation checkpointing the recompute must also issue the forward's aten ops
+# (NOTE [Value-dependent saves under torch.utils.checkpoint]), and the forward custom op is one
+# dispatched call there (NOTE [Calling a custom op eagerly]) whose choice may differ between the
+# two runs: so what follows it issues the same ops in either mode, slot 0 included (one
+# ``as_strided`` in place, none out of place). Linear -> GELU -> Linear with 8 more hard elements
+# in the recompute than at forward (past 1/16: the recompute falls back) raised in the recompute
+# (``aten.new_empty`` not found; ``aten.view`` in place, ``aten.permute`` on a channels-last input).
 def save_held(ctx, a, bits, idx, xs, dense: bool) -> None:
     """``save_for_backward`` of a smooth activation's four slots with value-independent metadata
-    (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when ``dense``
-    (bits, idx and xs are then empty)."""
-    if dense:  # xs is the flat copy of x that ``a`` keeps: held, it would keep a second copy
-        xs = xs.new_empty(0)
-    ctx.save_for_backward(a, _derived.hold(bits), _derived.hold(idx), _derived.hold(xs))
+    and ops (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when
+    ``dense`` (bits and idx are then empty, and xs is not kept)."""
+    hold = _derived.hold
+    ctx.save_for_backward(a, hold(bits), hold(idx), hold(bits if dense else xs))
 
 
 def side_tensors(ctx) -> tuple:
@@ -294,16 +302,33 @@ def side_tensors(ctx) -> tuple:
     if not ctx.held:
         return ctx.saved_tensors
     a, bits, idx, xs = ctx.saved_tensors
-    bits, idx, xs = _derived.whole(bits), _derived.whole(idx), _derived.whole(xs)
+    whole = _derived.whole
+    bits = whole(bits, torch.uint8)
+    idx = whole(idx, torch.int32 if a.numel() < 2**31 else torch.int64)
+    perm = ctx.perm
     if bits.numel():
         ctx.dense_x = False
-        return a, bits, idx, xs
-    perm = ctx.perm
+        if perm is not None and not ctx.y_is_x:  # y in memory order, as saved unheld
+            a = a.permute(perm)
+        return a, bits, idx, whole(xs, a.dtype)
     if ctx.y_is_x:  # in place: the copy of x, flat in memory order (smooth_grad's fallback)
         ctx.dense_x = False
         return None, bits, idx, (a if perm is None else a.permute(perm)).reshape(-1)
     ctx.dense_x = True
-    return None, bits, idx, a if perm is None else a.permute(_inverse_perm(perm))
+    return None, bits, idx, a
+
+
+def _dense_strides(shape, perm) -> tuple[int, ...]:
+    # the strides of a contiguous tensor in memory order ``perm`` (``shape`` permuted by perm is
+    # contiguous): where the flat copy of x in memory order lies in x's shape
+    if perm is None:
+        perm = range(len(shape))
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(perm):
+        strides[d] = step
+        step *= shape[d]
+    return tuple(strides)
 
 
 # NOTE [An output written after forward]
@@ -1022,9 +1047,7 @@ def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | 
         empty_idx = torch.empty(0, dtype=_I64 if big else _I32)
         if held:  # the C path's backward finds the mode in what the recompute saved
             ctx.cpath, ctx.n = cp, n
-            save_held(
-                ctx, x, torch.empty(0, dtype=_U8), empty_idx, torch.empty(0, dtype=_F32), True
-            )
+            save_held(ctx, x, torch.empty(0, dtype=_U8), empty_idx, None, True)
         else:
             ctx.save_for_backward(None, torch.empty(0, dtype=_U8), empty_idx, x)
         return y

@@ -316,7 +316,9 @@ def _saved(ctx, api: str) -> tuple:
     if ctx.z_seen is not None:
         check_seen(ctx.z_seen, saved[0], api, _Z_WHY)
     if ctx.held:  # NOTE [Value-dependent saves under torch.utils.checkpoint] in ops/_derived.py
-        z, side_idx, side_xhat = saved[0], _derived.whole(saved[4]), _derived.whole(saved[5])
+        z = saved[0]
+        side_idx = _derived.whole(saved[4], torch.long)
+        side_xhat = _derived.whole(saved[5], _abn.acc_dtype(z.dtype))
         k = side_idx.shape[0]
         return (*saved[:4], side_idx, side_xhat.view(z.shape[0], k, *z.shape[2:]))
     return saved
