@@ -41,8 +41,9 @@ float64 inputs keep x densely (as eager): the tables are float32-grade (~1e-8).
 
 Layout: outputs and gradients have eager's strides (NOTE [Layout of the smooth activations] at
 :func:`smooth_forward`). Second derivatives (``create_graph=True``): eager's where x is kept
-(float64, the dense fallback), otherwise a ``slimgrad.ops.<op>`` error when the gradient is
-differentiated (:func:`smooth_double`); torch.func transforms run eager's op.
+(float64, the dense fallback; in place under hooks that pack each tensor, eager's own op),
+otherwise a ``slimgrad.ops.<op>`` error when the gradient is differentiated
+(:func:`smooth_double`); torch.func transforms run eager's op.
 
 Implementations (NOTE [Kernel backend choice] in ``slimgrad.kernels._backend``): the PyTorch path
 (``smooth_fwd`` / ``smooth_grad``, whole-tensor passes per span: NOTE [The PyTorch path on a
@@ -461,6 +462,10 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
         return x.copy_(fn_out.apply(x, *args)[0])
     if torch._C._are_functorch_transforms_active():  # the callers take eager's op then; kept safe
         return fn_out.apply(x, *args)[0] if not inplace else fn_inplace.apply(x, *args)
+    if inplace:  # NOTE [Under hooks that pack each tensor]: eager's own in-place op there
+        top = hooks_top(False)
+        if top is not None and not _derived._checkpoints(top):
+            return fn_inplace.eager_(x, *args)
     # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
     fn = fn_inplace if inplace else fn_out
     apply = _DIRECT.get(fn)
@@ -550,11 +555,15 @@ INPUT_KEPT_BY: set[type] = set()
 # so keeping y and the side information packs x's bytes again plus the bits and the table, where
 # eager packs x once: the technique cannot win there and is not applied. Such a call (out of
 # place, eager only) takes :func:`input_kept_forward`: eager's y, x kept, eager's packs and
-# gradient bit for bit. In place it takes :func:`input_copied_forward`, eager's in-place node: a
-# copy of x kept, y written over x. (It kept x holding y and the side information, and the hooks'
-# pack of y is not y: Linear -> SiLU(inplace=True) -> Linear, 8x37x64 -> 96, under bf16 packs,
-# x's gradient off by 2.05e-3 against the error rule's 2.19e-5, the y a bf16 pack gives back read
-# through the side information.) LayerNorm ->
+# gradient bit for bit. In place :func:`smooth_apply` runs eager's own in-place op instead of the
+# Function (``InplaceFn.eager_``): eager's node, packs, gradient and second derivatives. (It kept
+# x holding y and the side information, and the hooks' pack of y is not y: Linear ->
+# SiLU(inplace=True) -> Linear, 8x37x64 -> 96, under bf16 packs, x's gradient off by 2.05e-3
+# against the error rule's 2.19e-5, the y a bf16 pack gives back read through the side
+# information. Then the Function kept a copy of x made outside the graph, as eager's node keeps
+# one, and refused a gradient penalty's second derivative, which eager's node gives.) The
+# in-place Function applied directly (under a torch.func transform) takes
+# :func:`input_copied_forward` there: eager's bytes, first derivatives only. LayerNorm ->
 # Linear -> GELU -> Linear, 2 blocks at 2x128x256, per pack:
 # 10,635,904 B against eager's 10,493,952 before (1.0135x), eager's now; Linear -> SiLU ->
 # Linear at 4100x64, bfloat16: 1.024x before. Under torch.utils.checkpoint's own hooks (their pack
@@ -563,7 +572,7 @@ INPUT_KEPT_BY: set[type] = set()
 # have let y be kept once; the op cannot tell them from copying ones, so it keeps eager's bytes
 # there too (never more than eager, per pack or per storage). The hooks are asked once per call,
 # where the call asked them before (the check of NOTE [A kept output written under saved-tensor
-# hooks]): the unhooked path makes no extra host call.
+# hooks]): the unhooked path makes no extra host call; in place, once more before the Function.
 # (torch.utils.checkpoint's hooks are told by their functions' module: _derived._checkpoints.)
 def input_kept_forward(ctx, x: torch.Tensor, fwd: Callable, single: bool):
     """Forward of a smooth activation whose input its producer keeps (NOTE [An input its
@@ -632,6 +641,7 @@ def smooth_unary_op(
     fwd_torch: Callable,
     bwd_exact: Callable,
     c_fwd_torch: Callable | None = None,
+    eager_inplace: Callable | None = None,
 ):
     """Register ``slimgrad::<stem>_fwd`` / ``_bwd`` and build the Function pair of a one-argument
     smooth activation (SiLU, Mish): the forward keeps (y, bits, side table), the backward reads
@@ -646,6 +656,8 @@ def smooth_unary_op(
         bwd_exact: ``(g, x) -> dx``, eager's own backward from x (side table and dense fallback).
         c_fwd_torch: ``fwd_torch``'s kernel for a plain float32 CPU tensor without its Python
             wrapper (the straight C path), if it has one.
+        eager_inplace: eager's in-place op ``x -> x`` (``torch._C._nn.silu_``), run in place of
+            the in-place Function under hooks that pack each tensor.
 
     Returns:
         ``(fwd_op, bwd_op, Fn, InplaceFn)``.
@@ -737,7 +749,10 @@ def smooth_unary_op(
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
     fn_inplace = type(
-        f"_{stem.capitalize()}InplaceFn", (fn,), {"forward": staticmethod(forward_inplace)}
+        f"_{stem.capitalize()}InplaceFn",
+        (fn,),
+        # eager_: eager's in-place op (NOTE [Under hooks that pack each tensor])
+        {"forward": staticmethod(forward_inplace), "eager_": staticmethod(eager_inplace)},
     )
     return fwd_op, bwd_op, fn, fn_inplace
 

@@ -224,6 +224,11 @@ class _GeluInplaceFn(_GeluFn):
         ctx.approximate = approximate
         return smooth_forward(ctx, x, _gelu_fwd, True, approximate, kept=_C_FWD[approximate])
 
+    @staticmethod
+    def eager_(x: Tensor, approximate: str) -> Tensor:
+        # eager's in-place op (NOTE [Under hooks that pack each tensor] in ops/_output_act.py)
+        return torch._C._nn.gelu_(x, approximate=approximate)
+
 
 _GELU_APPLY = direct_apply(_GeluFn)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
