@@ -561,11 +561,11 @@ def under_checkpoint() -> bool:
 # hooks, lossless ones), the same tensors and bits as before. A tensor on part of a storage is
 # copied first (a table is a few bytes per hard element).
 # A held view is a uint8 view whatever it holds, so which storage a value-dependent choice puts in
-# which slot changes no saved metadata. Selective activation checkpointing (``context_fn=
-# create_selective_checkpoint_contexts``) also matches the recompute's aten ops to the forward's,
-# call by call per op (a saved op's output is handed back by its position; an op the forward did
-# not issue as often raises): so under checkpoint's hooks such an op issues the same ops whichever
-# choice its values make (NOTE [Side tables under torch.utils.checkpoint] in ops/_output_act.py).
+# which slot changes no saved metadata. Selective activation checkpointing also matches the
+# recompute's aten ops to the forward's, call by call per op (NOTE [The same ops under selective
+# checkpointing] in ops/batch_norm.py): so under checkpoint's hooks such an op issues the same ops
+# whichever choice its values make (NOTE [Side tables under torch.utils.checkpoint] in
+# ops/_output_act.py; InPlaceABN's side channels: ``uniform`` in _math/abn.side_channels).
 def hold(t: torch.Tensor) -> torch.Tensor:
     """A 0-element uint8 view of ``t``'s whole storage (``t`` copied first unless it is exactly its
     contiguous storage): NOTE [Value-dependent saves under torch.utils.checkpoint]."""

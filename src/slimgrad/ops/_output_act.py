@@ -278,12 +278,13 @@ def smooth_forward(
 # the general path. A checkpoint unpacks each saved tensor once, so a backward that hands over
 # passes what it unpacked in ``ctx.side``.
 # Under selective activation checkpointing the recompute must also issue the forward's aten ops
-# (NOTE [Value-dependent saves under torch.utils.checkpoint]), and the forward custom op is one
-# dispatched call there (NOTE [Calling a custom op eagerly]) whose choice may differ between the
-# two runs: so what follows it issues the same ops in either mode, slot 0 included (one
-# ``as_strided`` in place, none out of place). Linear -> GELU -> Linear with 8 more hard elements
-# in the recompute than at forward (past 1/16: the recompute falls back) raised in the recompute
-# (``aten.new_empty`` not found; ``aten.view`` in place, ``aten.permute`` on a channels-last input).
+# (NOTE [The same ops under selective checkpointing] in ops/batch_norm.py), and the forward custom
+# op is one dispatched call there (NOTE [Calling a custom op eagerly] in slimgrad/_library.py)
+# whose choice may differ between the two runs: so what follows it issues the same ops in either
+# mode, slot 0 included (one ``as_strided`` in place, none out of place). GELU on 4,096 values
+# whose bf16-packed copy, the recompute's input, has 8 more hard elements (past 1/16: the
+# recompute falls back, the forward did not) raised in the recompute (``aten.new_empty`` not
+# found; ``aten.view`` in place, ``aten.permute`` on a channels-last input).
 def save_held(ctx, a, bits, idx, xs, dense: bool) -> None:
     """``save_for_backward`` of a smooth activation's four slots with value-independent metadata
     and ops (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when
