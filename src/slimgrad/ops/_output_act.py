@@ -104,6 +104,7 @@ from slimgrad._math import smooth as smooth_math
 from slimgrad._math.bits import packed_numel
 from slimgrad._math.layout import eager_output, in_memory_order, memory_order
 from slimgrad._math.layout import inverse_perm as _inverse_perm
+from slimgrad._math.norms import unseen
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
     _TABLE_N,
     CHUNK,
@@ -170,8 +171,20 @@ def as_layout(dx: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor
     return out.copy_(dx)
 
 
+# what an in-place Function's ``top`` argument is when its caller did not ask the saved-tensor hooks
+# (smooth_apply asks them once and passes the answer: NOTE [Under hooks that pack each tensor])
+UNASKED = object()
+
+
 def smooth_forward(
-    ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args, single=False, kept=None
+    ctx,
+    x: torch.Tensor,
+    fwd_op: Callable,
+    inplace: bool,
+    *args,
+    single=False,
+    kept=None,
+    top=UNASKED,
 ):
     """Forward of a smooth activation's Function: runs its custom op ``fwd_op(x, *args) -> (y,
     bits, idx, xs)`` on x in eager's output memory order and keeps what backward needs.
@@ -193,20 +206,23 @@ def smooth_forward(
     ``kept``: eager's ``x -> y``, for an input its producer keeps (NOTE [An input its producer
     keeps]; not while compiling: Dynamo does not read ``grad_fn``) and under hooks that pack each
     tensor (NOTE [Under hooks that pack each tensor]; in place, called as ``kept(copy, out=x)``).
+    ``top``: the innermost saved-tensor hooks where the caller asked already (in place).
     """
     compiling = _autograd.compiling()  # NOTE [One-frame compile check]
-    top = None  # the innermost saved-tensor hooks, asked once (eager only)
+    if compiling:  # the innermost saved-tensor hooks, asked once (eager only)
+        top = None
     if kept is not None and not compiling:
         if not inplace and (x.grad_fn.__class__ in INPUT_KEPT_BY or keeps_x(x)):
             # NOTE [An input its producer keeps]; NOTE [Few elements without a copy of x]
             return input_kept_forward(ctx, x, kept, single)
-        top = hooks_top(False)
+        if top is UNASKED:
+            top = hooks_top(False)
         # NOTE [Under hooks that pack each tensor]
         if top is not None and not _derived._checkpoints(top):
             if inplace:
                 return input_copied_forward(ctx, x, kept)
             return input_kept_forward(ctx, x, kept, single)
-    elif not compiling:
+    elif not compiling and top is UNASKED:
         top = hooks_top(False)
     perm = memory_order(x)
     ctx.perm = perm
@@ -239,12 +255,8 @@ def smooth_forward(
         ctx.mark_dirty(x)
         if held:
             # x (holding y), or the dense copy of x, in x's shape and layout: one as_strided
-            # either way (NOTE [Side tables under torch.utils.checkpoint])
-            a = (
-                xs.as_strided(x.shape, _dense_strides(x.shape, perm))
-                if dense
-                else x.as_strided(x.shape, x.stride(), x.storage_offset())
-            )
+            # either way, unseen (NOTE [Side tables under torch.utils.checkpoint])
+            a = unseen(_slot0, x, xs, perm, dense)
             save_held(ctx, a, bits, idx, xs, dense)
         else:
             ctx.save_for_backward(None if dense else x, bits, idx, xs)
@@ -284,7 +296,9 @@ def smooth_forward(
 # mode, slot 0 included (one ``as_strided`` in place, none out of place). GELU on 4,096 values
 # whose bf16-packed copy, the recompute's input, has 8 more hard elements (past 1/16: the
 # recompute falls back, the forward did not) raised in the recompute (``aten.new_empty`` not
-# found; ``aten.view`` in place, ``aten.permute`` on a channels-last input).
+# found; ``aten.view`` in place, ``aten.permute`` on a channels-last input). The held views and
+# slot 0's as_strided are made where no mode sees them (a policy saving them had the recompute
+# read the forward's: NOTE [Value-dependent saves under torch.utils.checkpoint]).
 def save_held(ctx, a, bits, idx, xs, dense: bool) -> None:
     """``save_for_backward`` of a smooth activation's four slots with value-independent metadata
     and ops (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when
@@ -318,6 +332,14 @@ def side_tensors(ctx) -> tuple:
         return None, bits, idx, (a if perm is None else a.permute(perm)).reshape(-1)
     ctx.dense_x = True
     return None, bits, idx, a
+
+
+def _slot0(x, xs, perm, dense: bool) -> torch.Tensor:
+    # slot 0 of an in-place call's held saves: x (holding y), or on the dense fallback the flat copy
+    # of x in x's shape and layout
+    if dense:
+        return xs.as_strided(x.shape, _dense_strides(x.shape, perm))
+    return x.as_strided(x.shape, x.stride(), x.storage_offset())
 
 
 def _dense_strides(shape, perm) -> tuple[int, ...]:
@@ -467,13 +489,15 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
         top = hooks_top(False)
         if top is not None and not _derived._checkpoints(top):
             return fn_inplace.eager_(x, *args)
-    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
-    fn = fn_inplace if inplace else fn_out
-    apply = _DIRECT.get(fn)
+        # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
+        apply = _DIRECT.get(fn_inplace)
+        if apply is None:
+            apply = _DIRECT[fn_inplace] = _autograd.direct_apply(fn_inplace)
+        return apply(_autograd.unwrap_if_dead(x), *args, top)  # the hooks asked once
+    apply = _DIRECT.get(fn_out)
     if apply is None:
-        apply = _DIRECT[fn] = _autograd.direct_apply(fn)
-    out = apply(_autograd.unwrap_if_dead(x), *args)
-    return out if inplace else out[0]
+        apply = _DIRECT[fn_out] = _autograd.direct_apply(fn_out)
+    return apply(_autograd.unwrap_if_dead(x), *args)[0]
 
 
 _DIRECT: dict[type, Callable] = {}  # each smooth Function's C apply, bound once
@@ -739,8 +763,9 @@ def smooth_unary_op(
         bwd = bwd_op.impl if buf is None and straight() else bwd_op
         return smooth_backward(ctx, g, buf, bwd, bwd_any, bwd_exact), None
 
-    def forward_inplace(ctx, x):
-        return smooth_forward(ctx, x, fwd_op, True, kept=c_fwd_torch)
+    def forward_inplace(ctx, x, top=UNASKED):
+        # top: the saved-tensor hooks smooth_apply asked (in ``direct``'s slot: backward's None)
+        return smooth_forward(ctx, x, fwd_op, True, kept=c_fwd_torch, top=top)
 
     # named classes: autograd names the nodes after them (``_SiluFnBackward``)
     name = f"_{stem.capitalize()}Fn"
