@@ -305,3 +305,30 @@ def test_dense_fallback_peak_under_plain_checkpoint(dtype, hidden):
         loss().backward()  # first-use caches
         peaks.append(measure(loss, module=m).peak_bytes)
     assert peaks[1] == peaks[0], peaks
+
+
+@pytest.mark.parametrize(
+    "act,layout",
+    [("gelu", "channels_last"), ("silu", "channels_last"), ("silu", "transposed")],
+)
+def test_gradient_penalty_through_checkpoint_in_a_strided_layout(act, layout):
+    # a float64 gradient penalty (create_graph=True, then differentiated again) under a plain
+    # checkpoint, few elements (the dense fallback: eager's formula on x): the held slot 0 is x in
+    # its own layout, so the second derivatives are eager's bit for bit (channels_last: x.grad off
+    # by 4.03 while the held x was read in memory order; transposed SiLU raised)
+    ops = {"gelu": slimgrad.ops.gelu, "silu": slimgrad.ops.silu}
+    x0 = torch.randn(2, 8, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    if layout == "channels_last":
+        x0 = x0.contiguous(memory_format=torch.channels_last)
+    else:
+        x0 = x0.transpose(2, 3)
+    out = []
+    for fn in (ops[act], getattr(nn.functional, act)):
+        x = x0.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+        y = cp.checkpoint(fn, x, use_reentrant=False)
+        (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+        g.square().sum().backward()
+        out.append((g.detach(), x.grad))
+    (g, xg), (eg, exg) = out
+    assert torch.equal(g, eg) and g.stride() == eg.stride()
+    assert torch.equal(xg, exg)
