@@ -51,12 +51,33 @@ def _recompute_all(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _save_as_strided(ctx, op, *args, **kwargs):
+    # SAC hands the recompute the forward's output of every as_strided: the held views would be
+    # the forward's where they were made under its mode
+    if op is torch.ops.aten.as_strided.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_pointwise(ctx, op, *args, **kwargs):
+    # recompute pointwise ops and slimgrad's own, save the rest (views included)
+    if torch.Tag.pointwise in op.tags or getattr(op, "namespace", None) == "slimgrad":
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _selective(policy):
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+
+
 KINDS = {
     "checkpoint": {},
     "no_determinism_check": {"determinism_check": "none"},
-    "selective": {
-        "context_fn": functools.partial(create_selective_checkpoint_contexts, _recompute_all)
-    },
+    "selective": _selective(_recompute_all),
+}
+POLICIES = {  # more selective kinds: policies that save some of the ops
+    "selective_as_strided": _selective(_save_as_strided),
+    "selective_pointwise": _selective(_recompute_pointwise),
 }
 
 
@@ -64,7 +85,7 @@ def _grads(model, x, kind, w):
     model.zero_grad(set_to_none=True)
     xx = x.detach().clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-        y = cp.checkpoint(model, xx, use_reentrant=False, **KINDS[kind])
+        y = cp.checkpoint(model, xx, use_reentrant=False, **(KINDS | POLICIES)[kind])
     (y * w.to(y.dtype)).sum().backward()
     return [xx.grad] + [p.grad for p in model.parameters()]
 
@@ -140,6 +161,46 @@ def test_dense_fallback_flips_in_the_recompute(act, inplace, backend, up):
             _check(eager, x, kind, w)
 
 
+@pytest.mark.parametrize(
+    "act,inplace,channels_last,up,kind",
+    [
+        ("gelu", False, False, True, "selective"),
+        ("gelu", False, True, True, "selective"),
+        ("silu", True, True, True, "selective"),
+        ("silu", True, True, False, "selective"),
+        ("silu", False, False, True, "selective_as_strided"),
+        ("silu", False, False, False, "selective_as_strided"),
+        ("silu", True, True, False, "selective_as_strided"),
+        ("gelu", False, False, True, "selective_pointwise"),
+        ("silu", False, True, False, "selective_pointwise"),
+    ],
+)
+def test_dense_fallback_flips_under_selective_checkpoint(act, inplace, channels_last, up, kind):
+    # selective checkpointing matches the recompute's aten ops to the forward's: what follows the
+    # forward custom op issues the same ops in either mode (NOTE [Side tables under
+    # torch.utils.checkpoint]); raised in the recompute before (aten.new_empty, aten.permute on a
+    # channels-last input, aten.view in place, where the recompute falls back and the forward
+    # did not). A policy saving as_strided or views had SAC hand the recompute the forward's held
+    # views (bits, idx, xs) beside the recompute's slot 0: x.grad off by up to 0.29 before
+    make, spec, fwd = ACTS[act]
+    x = _crossing(spec, fwd, 4096, up)
+    torch.manual_seed(0)
+    a = make() if not inplace else type(make())(inplace=True)
+    if channels_last:
+        x = x.view(2, 16, 8, 16).permute(0, 3, 1, 2)
+        eager, w = nn.Sequential(_Mul1(), a, nn.Conv2d(16, 2, 1)), torch.randn(2, 2, 16, 8)
+    else:
+        x = x.view(4, 1024)
+        eager, w = nn.Sequential(_Mul1(), a, nn.Linear(1024, 8)), torch.randn(4, 8)
+    lean = slimgrad.convert_(copy.deepcopy(eager))
+    got, want = _grads(lean, x, kind, w), _grads(eager, x, kind, w)
+    ref = _grads(copy.deepcopy(eager).double(), x.double(), kind, w.double())
+    assert_within_rule(got, ref, want)
+    if up:  # the recompute keeps x: eager's formula on it, eager's gradient bit for bit
+        for g, e in zip(got, want, strict=True):
+            assert torch.equal(g, e)
+
+
 def test_inplace_abn_elu_side_channels_flip_in_the_recompute():
     # a channel whose smallest pre-activation crosses ELU_MIN_PREACT between the forward's input
     # and its bf16 rounding: kept in the side tensor in one run and rebuilt in the other
@@ -168,22 +229,28 @@ def test_inplace_abn_elu_side_channels_flip_in_the_recompute():
     torch.manual_seed(1)
     eager = net(nn.BatchNorm2d(4), (nn.ELU(),))
     w = torch.randn(2, 4, 6, 6)
-    for kind in ("checkpoint", "no_determinism_check"):
+    for kind in KINDS:  # selective: the side channels issue the same ops either way
         got = _grads(lean, x, kind, w)
         ref = _grads(copy.deepcopy(eager).double(), x.double(), kind, w.double())
         assert_within_rule(got, ref, _grads(eager, x, kind, w))
 
 
 def test_held_tensor_keeps_its_storage_and_rebuilds_it():
-    # hold: a 0-element view of the whole storage (a part of a storage is copied first)
+    # hold: a 0-element uint8 view of the whole storage (a part of a storage is copied first)
     t = torch.arange(10, dtype=torch.int32)
     h = _derived.hold(t)
-    assert h.shape == (0,) and h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-    assert torch.equal(_derived.whole(h), t)
+    assert h.shape == (0,) and h.dtype == torch.uint8
+    assert h.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert torch.equal(_derived.whole(h, torch.int32), t)
     part = torch.arange(12.0)[2:7]
     hp = _derived.hold(part)
-    assert hp.untyped_storage().nbytes() == 5 * 4
-    assert torch.equal(_derived.whole(hp), part)
+    assert hp.untyped_storage().nbytes() == 5 * 4 and hp.dtype == torch.uint8
+    assert torch.equal(_derived.whole(hp, torch.float32), part)
+    # exactly its storage, contiguous, with stride(-1) != 1 (a trailing size-1 dimension): no copy
+    odd = torch.empty_strided((3, 1), (1, 7), dtype=torch.int32).copy_(torch.arange(3).view(3, 1))
+    ho = _derived.hold(odd)
+    assert ho.untyped_storage().data_ptr() == odd.untyped_storage().data_ptr()
+    assert torch.equal(_derived.whole(ho, torch.int32), odd.view(-1))
 
 
 def test_peak_not_above_eager_in_lossy_hooks():
@@ -238,3 +305,30 @@ def test_dense_fallback_peak_under_plain_checkpoint(dtype, hidden):
         loss().backward()  # first-use caches
         peaks.append(measure(loss, module=m).peak_bytes)
     assert peaks[1] == peaks[0], peaks
+
+
+@pytest.mark.parametrize(
+    "act,layout",
+    [("gelu", "channels_last"), ("silu", "channels_last"), ("silu", "transposed")],
+)
+def test_gradient_penalty_through_checkpoint_in_a_strided_layout(act, layout):
+    # a float64 gradient penalty (create_graph=True, then differentiated again) under a plain
+    # checkpoint, few elements (the dense fallback: eager's formula on x): the held slot 0 is x in
+    # its own layout, so the second derivatives are eager's bit for bit (channels_last: x.grad off
+    # by 4.03 while the held x was read in memory order; transposed SiLU raised)
+    ops = {"gelu": slimgrad.ops.gelu, "silu": slimgrad.ops.silu}
+    x0 = torch.randn(2, 8, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    if layout == "channels_last":
+        x0 = x0.contiguous(memory_format=torch.channels_last)
+    else:
+        x0 = x0.transpose(2, 3)
+    out = []
+    for fn in (ops[act], getattr(nn.functional, act)):
+        x = x0.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+        y = cp.checkpoint(fn, x, use_reentrant=False)
+        (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+        g.square().sum().backward()
+        out.append((g.detach(), x.grad))
+    (g, xg), (eg, exg) = out
+    assert torch.equal(g, eg) and g.stride() == eg.stride()
+    assert torch.equal(xg, exg)

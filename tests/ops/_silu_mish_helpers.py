@@ -105,3 +105,20 @@ class SmoothUnaryTests(OutputActTests):
 
         step()
         assert slimgrad_calls(step) <= 47
+
+    def test_host_calls_per_call_in_place(self):
+        # in place: the saved-tensor hooks asked once per call (smooth_apply passes its answer to
+        # the Function's forward): 161 calls, as before in-place calls under hooks that pack each
+        # tensor ran eager's op (162 while they asked twice)
+        import slimgrad.nn
+        from tests._host_calls import slimgrad_calls
+
+        torch.manual_seed(0)
+        x = torch.randn(1, 16, 256, requires_grad=True)
+        mod = getattr(slimgrad.nn, {"silu": "SiLU", "mish": "Mish"}[self.STEM])(inplace=True)
+
+        def step():
+            (mod(x * 1) * 1).sum().backward()
+
+        step()
+        assert slimgrad_calls(step) <= 161

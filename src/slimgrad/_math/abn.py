@@ -294,11 +294,13 @@ def _side_mask(weight, bias, extra):
 _SIDE = ParamChannels(_side_mask)
 
 
-def side_channels(x, w, b, mean, invstd, activation, params=None):
+def side_channels(x, w, b, mean, invstd, activation, params=None, uniform: bool = False):
     # NOTE [Invertibility]: (side_idx, side_xhat) for the channels not rebuilt from z. Runs before
     # x is overwritten. ``params``: the (weight, bias) that w, b were made from, or None: then the
     # channels that only γ and β decide are looked up per parameter version (NOTE [Decided once
-    # per parameter version]) instead of read from the device on every call.
+    # per parameter version]) instead of read from the device on every call. ``uniform``: the
+    # same ops whichever channels x's values put aside (under selective checkpointing: NOTE
+    # [Value-dependent saves under torch.utils.checkpoint] in slimgrad/ops/_derived.py).
     acc = acc_dtype(x.dtype)
     if unsized(x):  # a fake tensor without symbolic sizes: no values, assume no side channel
         empty = x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc)
@@ -325,12 +327,14 @@ def side_channels(x, w, b, mean, invstd, activation, params=None):
         dims = [0] + list(range(2, x.dim()))
         lo = torch.where(w >= 0, x.amin(dim=dims).to(acc), x.amax(dim=dims).to(acc))
         side |= (lo - mean) * invstd * w + b < ELU_MIN_PREACT
-    if x.numel() == 0 or not bool(side.any()):
+    if x.numel() == 0 or not (uniform or bool(side.any())):
         return (
             torch.zeros(0, dtype=torch.long, device=x.device),
             x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=acc),
         )
     idx = side.nonzero().flatten()
+    if uniform:  # no channel aside sizes the views too
+        shape = [1, idx.shape[0]] + shape[2:]
     xs = x.index_select(1, idx).to(acc)
     return idx, (xs - mean[idx].view(shape)) * invstd[idx].view(shape)
 

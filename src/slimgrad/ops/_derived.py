@@ -166,6 +166,7 @@ from slimgrad._autograd import (
     compiling as _compiling,
 )
 from slimgrad._errors import raise_if_written
+from slimgrad._math.norms import unseen
 
 __all__ = [
     "ACTIVATIONS",
@@ -560,21 +561,45 @@ def under_checkpoint() -> bool:
 # recompute's inputs, within the error rule. Where the recompute saw what the forward saw (no
 # hooks, lossless ones), the same tensors and bits as before. A tensor on part of a storage is
 # copied first (a table is a few bytes per hard element).
+# A held view is a uint8 view whatever it holds, so which storage a value-dependent choice puts in
+# which slot changes no saved metadata. Selective activation checkpointing also matches the
+# recompute's aten ops to the forward's, call by call per op (NOTE [The same ops under selective
+# checkpointing] in ops/batch_norm.py): so under checkpoint's hooks such an op issues the same ops
+# whichever choice its values make (NOTE [Side tables under torch.utils.checkpoint] in
+# ops/_output_act.py; InPlaceABN's side channels: ``uniform`` in _math/abn.side_channels).
+# It also hands the recompute the forward's output of every op its policy saves: a policy saving
+# aten.as_strided or aten.view had the recompute's held views be the forward's (its bits, idx, xs
+# beside the recompute's y: x.grad off by 0.29, silently, where the dense fallback flipped). So
+# :func:`hold` and :func:`whole` run where no dispatch mode sees them (``unseen``: NOTE [A search
+# the modes never see] in _math/norms.py), as does slot 0's as_strided in place: no policy has
+# them to save or match. Their copy of a part of a storage is no tracker's either.
 def hold(t: torch.Tensor) -> torch.Tensor:
-    """A 0-element view of ``t``'s whole storage (``t`` copied first unless it is exactly its
-    contiguous storage): NOTE [Value-dependent saves under torch.utils.checkpoint]."""
+    """A 0-element uint8 view of ``t``'s whole storage (``t`` copied first unless it is exactly its
+    contiguous storage), made where no dispatch mode sees it: NOTE [Value-dependent saves under
+    torch.utils.checkpoint]."""
+    return unseen(_hold, t)
+
+
+def _hold(t: torch.Tensor) -> torch.Tensor:
     if (
         t.storage_offset()
         or not t.is_contiguous()
         or t.untyped_storage().nbytes() != t.numel() * t.element_size()
     ):
         t = t.clone(memory_format=torch.contiguous_format)
-    return t.detach().as_strided((0,), (1,))
+    # flat first: view(uint8) needs stride(-1) == 1, which a contiguous tensor with a trailing
+    # size-1 dimension need not have (empty_strided((3, 1), (1, 7)))
+    return t.detach().reshape(-1).view(torch.uint8).as_strided((0,), (1,))
 
 
-def whole(h: torch.Tensor) -> torch.Tensor:
-    """The 1-D tensor on all of the storage a :func:`hold` view holds."""
-    return h.as_strided((h.untyped_storage().nbytes() // h.element_size(),), (1,), 0)
+def whole(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 1-D ``dtype`` tensor on all of the storage a :func:`hold` view holds (made where no
+    dispatch mode sees it, as :func:`hold`)."""
+    return unseen(_whole, h, dtype)
+
+
+def _whole(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return h.as_strided((h.untyped_storage().nbytes(),), (1,), 0).view(dtype)
 
 
 # NOTE [A lookup across a checkpoint boundary]

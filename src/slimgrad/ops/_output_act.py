@@ -41,8 +41,9 @@ float64 inputs keep x densely (as eager): the tables are float32-grade (~1e-8).
 
 Layout: outputs and gradients have eager's strides (NOTE [Layout of the smooth activations] at
 :func:`smooth_forward`). Second derivatives (``create_graph=True``): eager's where x is kept
-(float64, the dense fallback), otherwise a ``slimgrad.ops.<op>`` error when the gradient is
-differentiated (:func:`smooth_double`); torch.func transforms run eager's op.
+(float64, the dense fallback; in place under hooks that pack each tensor, eager's own op),
+otherwise a ``slimgrad.ops.<op>`` error when the gradient is differentiated
+(:func:`smooth_double`); torch.func transforms run eager's op.
 
 Implementations (NOTE [Kernel backend choice] in ``slimgrad.kernels._backend``): the PyTorch path
 (``smooth_fwd`` / ``smooth_grad``, whole-tensor passes per span: NOTE [The PyTorch path on a
@@ -103,6 +104,7 @@ from slimgrad._math import smooth as smooth_math
 from slimgrad._math.bits import packed_numel
 from slimgrad._math.layout import eager_output, in_memory_order, memory_order
 from slimgrad._math.layout import inverse_perm as _inverse_perm
+from slimgrad._math.norms import unseen
 from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and tests' names
     _TABLE_N,
     CHUNK,
@@ -169,8 +171,20 @@ def as_layout(dx: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor
     return out.copy_(dx)
 
 
+# what an in-place Function's ``top`` argument is when its caller did not ask the saved-tensor hooks
+# (smooth_apply asks them once and passes the answer: NOTE [Under hooks that pack each tensor])
+UNASKED = object()
+
+
 def smooth_forward(
-    ctx, x: torch.Tensor, fwd_op: Callable, inplace: bool, *args, single=False, kept=None
+    ctx,
+    x: torch.Tensor,
+    fwd_op: Callable,
+    inplace: bool,
+    *args,
+    single=False,
+    kept=None,
+    top=UNASKED,
 ):
     """Forward of a smooth activation's Function: runs its custom op ``fwd_op(x, *args) -> (y,
     bits, idx, xs)`` on x in eager's output memory order and keeps what backward needs.
@@ -192,20 +206,23 @@ def smooth_forward(
     ``kept``: eager's ``x -> y``, for an input its producer keeps (NOTE [An input its producer
     keeps]; not while compiling: Dynamo does not read ``grad_fn``) and under hooks that pack each
     tensor (NOTE [Under hooks that pack each tensor]; in place, called as ``kept(copy, out=x)``).
+    ``top``: the innermost saved-tensor hooks where the caller asked already (in place).
     """
     compiling = _autograd.compiling()  # NOTE [One-frame compile check]
-    top = None  # the innermost saved-tensor hooks, asked once (eager only)
+    if compiling:  # the innermost saved-tensor hooks, asked once (eager only)
+        top = None
     if kept is not None and not compiling:
         if not inplace and (x.grad_fn.__class__ in INPUT_KEPT_BY or keeps_x(x)):
             # NOTE [An input its producer keeps]; NOTE [Few elements without a copy of x]
             return input_kept_forward(ctx, x, kept, single)
-        top = hooks_top(False)
+        if top is UNASKED:
+            top = hooks_top(False)
         # NOTE [Under hooks that pack each tensor]
         if top is not None and not _derived._checkpoints(top):
             if inplace:
                 return input_copied_forward(ctx, x, kept)
             return input_kept_forward(ctx, x, kept, single)
-    elif not compiling:
+    elif not compiling and top is UNASKED:
         top = hooks_top(False)
     perm = memory_order(x)
     ctx.perm = perm
@@ -237,19 +254,16 @@ def smooth_forward(
         x.copy_(out)
         ctx.mark_dirty(x)
         if held:
-            # the dense copy of x in x's shape, as the table's slot keeps x (holding y)
-            a = x if not dense else xs.view(out.shape if perm is None else y.shape)
-            if dense and perm is not None:
-                a = a.permute(_inverse_perm(perm))
+            # x (holding y), or the dense copy of x, in x's shape and layout: one as_strided
+            # either way, unseen (NOTE [Side tables under torch.utils.checkpoint])
+            a = unseen(_slot0, x, xs, perm, dense)
             save_held(ctx, a, bits, idx, xs, dense)
         else:
             ctx.save_for_backward(None if dense else x, bits, idx, xs)
         ctx.y_seen = seen(x, dirty=True) if hooked else None
         return x
-    if held:  # the dense x in y's (memory-order) shape
-        save_held(
-            ctx, y if not dense else x if perm is None else x.permute(perm), bits, idx, xs, dense
-        )
+    if held:  # y or the dense x, in x's layout: no op either way
+        save_held(ctx, x if dense else out, bits, idx, xs, dense)
     else:
         ctx.save_for_backward(None if dense else y, bits, idx, x if ctx.dense_x else xs)
     ctx.y_seen = seen(y) if hooked else None
@@ -268,19 +282,29 @@ def smooth_forward(
 # The smooth activations' case of NOTE [Value-dependent saves under torch.utils.checkpoint] in
 # ops/_derived.py: the hard-element table's length and the dense fallback are the values'. Under
 # checkpoint's own hooks (the forward's and the recompute's alike; eager only) the op saves its
-# four slots "held": slot 0 is y (x holding y in place) or, on the dense fallback, x in y's shape
-# (the copy of x in place); bits, idx and xs are held (empty on the dense fallback). Backward
+# four slots "held": slot 0 in x's shape and layout, y (x holding y in place) or, on the dense
+# fallback, x (the copy of x in place); bits, idx and xs are held (on the dense fallback xs's slot
+# holds the empty bits again: the copy of x is slot 0's or not kept). Backward
 # (:func:`side_tensors`) rebuilds them and reads the mode from what came back (no bits: the dense
 # fallback), setting ``ctx.dense_x``; the C path's backward hands the recompute's dense fallback to
 # the general path. A checkpoint unpacks each saved tensor once, so a backward that hands over
 # passes what it unpacked in ``ctx.side``.
+# Under selective activation checkpointing the recompute must also issue the forward's aten ops
+# (NOTE [The same ops under selective checkpointing] in ops/batch_norm.py), and the forward custom
+# op is one dispatched call there (NOTE [Calling a custom op eagerly] in slimgrad/_library.py)
+# whose choice may differ between the two runs: so what follows it issues the same ops in either
+# mode, slot 0 included (one ``as_strided`` in place, none out of place). GELU on 4,096 values
+# whose bf16-packed copy, the recompute's input, has 8 more hard elements (past 1/16: the
+# recompute falls back, the forward did not) raised in the recompute (``aten.new_empty`` not
+# found; ``aten.view`` in place, ``aten.permute`` on a channels-last input). The held views and
+# slot 0's as_strided are made where no mode sees them (a policy saving them had the recompute
+# read the forward's: NOTE [Value-dependent saves under torch.utils.checkpoint]).
 def save_held(ctx, a, bits, idx, xs, dense: bool) -> None:
     """``save_for_backward`` of a smooth activation's four slots with value-independent metadata
-    (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when ``dense``
-    (bits, idx and xs are then empty)."""
-    if dense:  # xs is the flat copy of x that ``a`` keeps: held, it would keep a second copy
-        xs = xs.new_empty(0)
-    ctx.save_for_backward(a, _derived.hold(bits), _derived.hold(idx), _derived.hold(xs))
+    and ops (NOTE [Side tables under torch.utils.checkpoint]); ``a``: y, or x in its place when
+    ``dense`` (bits and idx are then empty, and xs is not kept)."""
+    hold = _derived.hold
+    ctx.save_for_backward(a, hold(bits), hold(idx), hold(bits if dense else xs))
 
 
 def side_tensors(ctx) -> tuple:
@@ -294,16 +318,41 @@ def side_tensors(ctx) -> tuple:
     if not ctx.held:
         return ctx.saved_tensors
     a, bits, idx, xs = ctx.saved_tensors
-    bits, idx, xs = _derived.whole(bits), _derived.whole(idx), _derived.whole(xs)
+    whole = _derived.whole
+    bits = whole(bits, torch.uint8)
+    idx = whole(idx, torch.int32 if a.numel() < 2**31 else torch.int64)
+    perm = ctx.perm
     if bits.numel():
         ctx.dense_x = False
-        return a, bits, idx, xs
-    perm = ctx.perm
+        if perm is not None and not ctx.y_is_x:  # y in memory order, as saved unheld
+            a = a.permute(perm)
+        return a, bits, idx, whole(xs, a.dtype)
     if ctx.y_is_x:  # in place: the copy of x, flat in memory order (smooth_grad's fallback)
         ctx.dense_x = False
         return None, bits, idx, (a if perm is None else a.permute(perm)).reshape(-1)
     ctx.dense_x = True
-    return None, bits, idx, a if perm is None else a.permute(_inverse_perm(perm))
+    return None, bits, idx, a
+
+
+def _slot0(x, xs, perm, dense: bool) -> torch.Tensor:
+    # slot 0 of an in-place call's held saves: x (holding y), or on the dense fallback the flat copy
+    # of x in x's shape and layout
+    if dense:
+        return xs.as_strided(x.shape, _dense_strides(x.shape, perm))
+    return x.as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def _dense_strides(shape, perm) -> tuple[int, ...]:
+    # the strides of a contiguous tensor in memory order ``perm`` (``shape`` permuted by perm is
+    # contiguous): where the flat copy of x in memory order lies in x's shape
+    if perm is None:
+        perm = range(len(shape))
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(perm):
+        strides[d] = step
+        step *= shape[d]
+    return tuple(strides)
 
 
 # NOTE [An output written after forward]
@@ -436,13 +485,19 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
         return x.copy_(fn_out.apply(x, *args)[0])
     if torch._C._are_functorch_transforms_active():  # the callers take eager's op then; kept safe
         return fn_out.apply(x, *args)[0] if not inplace else fn_inplace.apply(x, *args)
-    # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
-    fn = fn_inplace if inplace else fn_out
-    apply = _DIRECT.get(fn)
+    if inplace:  # NOTE [Under hooks that pack each tensor]: eager's own in-place op there
+        top = hooks_top(False)
+        if top is not None and not _derived._checkpoints(top):
+            return fn_inplace.eager_(x, *args)
+        # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
+        apply = _DIRECT.get(fn_inplace)
+        if apply is None:
+            apply = _DIRECT[fn_inplace] = _autograd.direct_apply(fn_inplace)
+        return apply(_autograd.unwrap_if_dead(x), *args, top)  # the hooks asked once
+    apply = _DIRECT.get(fn_out)
     if apply is None:
-        apply = _DIRECT[fn] = _autograd.direct_apply(fn)
-    out = apply(_autograd.unwrap_if_dead(x), *args)
-    return out if inplace else out[0]
+        apply = _DIRECT[fn_out] = _autograd.direct_apply(fn_out)
+    return apply(_autograd.unwrap_if_dead(x), *args)[0]
 
 
 _DIRECT: dict[type, Callable] = {}  # each smooth Function's C apply, bound once
@@ -525,11 +580,15 @@ INPUT_KEPT_BY: set[type] = set()
 # so keeping y and the side information packs x's bytes again plus the bits and the table, where
 # eager packs x once: the technique cannot win there and is not applied. Such a call (out of
 # place, eager only) takes :func:`input_kept_forward`: eager's y, x kept, eager's packs and
-# gradient bit for bit. In place it takes :func:`input_copied_forward`, eager's in-place node: a
-# copy of x kept, y written over x. (It kept x holding y and the side information, and the hooks'
-# pack of y is not y: Linear -> SiLU(inplace=True) -> Linear, 8x37x64 -> 96, under bf16 packs,
-# x's gradient off by 2.05e-3 against the error rule's 2.19e-5, the y a bf16 pack gives back read
-# through the side information.) LayerNorm ->
+# gradient bit for bit. In place :func:`smooth_apply` runs eager's own in-place op instead of the
+# Function (``InplaceFn.eager_``): eager's node, packs, gradient and second derivatives. (It kept
+# x holding y and the side information, and the hooks' pack of y is not y: Linear ->
+# SiLU(inplace=True) -> Linear, 8x37x64 -> 96, under bf16 packs, x's gradient off by 2.05e-3
+# against the error rule's 2.19e-5, the y a bf16 pack gives back read through the side
+# information. Then the Function kept a copy of x made outside the graph, as eager's node keeps
+# one, and refused a gradient penalty's second derivative, which eager's node gives.) The
+# in-place Function applied directly (under a torch.func transform) takes
+# :func:`input_copied_forward` there: eager's bytes, first derivatives only. LayerNorm ->
 # Linear -> GELU -> Linear, 2 blocks at 2x128x256, per pack:
 # 10,635,904 B against eager's 10,493,952 before (1.0135x), eager's now; Linear -> SiLU ->
 # Linear at 4100x64, bfloat16: 1.024x before. Under torch.utils.checkpoint's own hooks (their pack
@@ -538,7 +597,7 @@ INPUT_KEPT_BY: set[type] = set()
 # have let y be kept once; the op cannot tell them from copying ones, so it keeps eager's bytes
 # there too (never more than eager, per pack or per storage). The hooks are asked once per call,
 # where the call asked them before (the check of NOTE [A kept output written under saved-tensor
-# hooks]): the unhooked path makes no extra host call.
+# hooks]): the unhooked path makes no extra host call; in place, once more before the Function.
 # (torch.utils.checkpoint's hooks are told by their functions' module: _derived._checkpoints.)
 def input_kept_forward(ctx, x: torch.Tensor, fwd: Callable, single: bool):
     """Forward of a smooth activation whose input its producer keeps (NOTE [An input its
@@ -607,6 +666,7 @@ def smooth_unary_op(
     fwd_torch: Callable,
     bwd_exact: Callable,
     c_fwd_torch: Callable | None = None,
+    eager_inplace: Callable | None = None,
 ):
     """Register ``slimgrad::<stem>_fwd`` / ``_bwd`` and build the Function pair of a one-argument
     smooth activation (SiLU, Mish): the forward keeps (y, bits, side table), the backward reads
@@ -621,6 +681,8 @@ def smooth_unary_op(
         bwd_exact: ``(g, x) -> dx``, eager's own backward from x (side table and dense fallback).
         c_fwd_torch: ``fwd_torch``'s kernel for a plain float32 CPU tensor without its Python
             wrapper (the straight C path), if it has one.
+        eager_inplace: eager's in-place op ``x -> x`` (``torch._C._nn.silu_``), run in place of
+            the in-place Function under hooks that pack each tensor.
 
     Returns:
         ``(fwd_op, bwd_op, Fn, InplaceFn)``.
@@ -701,8 +763,9 @@ def smooth_unary_op(
         bwd = bwd_op.impl if buf is None and straight() else bwd_op
         return smooth_backward(ctx, g, buf, bwd, bwd_any, bwd_exact), None
 
-    def forward_inplace(ctx, x):
-        return smooth_forward(ctx, x, fwd_op, True, kept=c_fwd_torch)
+    def forward_inplace(ctx, x, top=UNASKED):
+        # top: the saved-tensor hooks smooth_apply asked (in ``direct``'s slot: backward's None)
+        return smooth_forward(ctx, x, fwd_op, True, kept=c_fwd_torch, top=top)
 
     # named classes: autograd names the nodes after them (``_SiluFnBackward``)
     name = f"_{stem.capitalize()}Fn"
@@ -712,7 +775,10 @@ def smooth_unary_op(
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
     fn_inplace = type(
-        f"_{stem.capitalize()}InplaceFn", (fn,), {"forward": staticmethod(forward_inplace)}
+        f"_{stem.capitalize()}InplaceFn",
+        (fn,),
+        # eager_: eager's in-place op (NOTE [Under hooks that pack each tensor])
+        {"forward": staticmethod(forward_inplace), "eager_": staticmethod(eager_inplace)},
     )
     return fwd_op, bwd_op, fn, fn_inplace
 
@@ -1022,9 +1088,7 @@ def c_forward(ctx, x: torch.Tensor, fwd: Callable, cp: CPath) -> torch.Tensor | 
         empty_idx = torch.empty(0, dtype=_I64 if big else _I32)
         if held:  # the C path's backward finds the mode in what the recompute saved
             ctx.cpath, ctx.n = cp, n
-            save_held(
-                ctx, x, torch.empty(0, dtype=_U8), empty_idx, torch.empty(0, dtype=_F32), True
-            )
+            save_held(ctx, x, torch.empty(0, dtype=_U8), empty_idx, None, True)
         else:
             ctx.save_for_backward(None, torch.empty(0, dtype=_U8), empty_idx, x)
         return y

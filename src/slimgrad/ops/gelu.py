@@ -51,6 +51,7 @@ from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import (
     INPUT_KEPT_BY,
+    UNASKED,
     CPath,
     c_backward,
     c_forward,
@@ -220,9 +221,16 @@ class _GeluFn(torch.autograd.Function):
 
 class _GeluInplaceFn(_GeluFn):
     @staticmethod
-    def forward(ctx, x: Tensor, approximate: str):
+    def forward(ctx, x: Tensor, approximate: str, top=UNASKED):
+        # top: the saved-tensor hooks smooth_apply asked (in ``direct``'s slot: backward's None)
         ctx.approximate = approximate
-        return smooth_forward(ctx, x, _gelu_fwd, True, approximate, kept=_C_FWD[approximate])
+        kept = _C_FWD[approximate]
+        return smooth_forward(ctx, x, _gelu_fwd, True, approximate, kept=kept, top=top)
+
+    @staticmethod
+    def eager_(x: Tensor, approximate: str) -> Tensor:
+        # eager's in-place op (NOTE [Under hooks that pack each tensor] in ops/_output_act.py)
+        return torch._C._nn.gelu_(x, approximate=approximate)
 
 
 _GELU_APPLY = direct_apply(_GeluFn)

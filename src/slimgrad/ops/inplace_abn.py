@@ -316,18 +316,22 @@ def _saved(ctx, api: str) -> tuple:
     if ctx.z_seen is not None:
         check_seen(ctx.z_seen, saved[0], api, _Z_WHY)
     if ctx.held:  # NOTE [Value-dependent saves under torch.utils.checkpoint] in ops/_derived.py
-        z, side_idx, side_xhat = saved[0], _derived.whole(saved[4]), _derived.whole(saved[5])
+        z = saved[0]
+        side_idx = _derived.whole(saved[4], torch.long)
+        side_xhat = _derived.whole(saved[5], _abn.acc_dtype(z.dtype))
         k = side_idx.shape[0]
         return (*saved[:4], side_idx, side_xhat.view(z.shape[0], k, *z.shape[2:]))
     return saved
 
 
-def _save(ctx, x, weight, bias, invstd, side_idx, side_xhat) -> None:
+def _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held: bool | None = None) -> None:
     # the side channels' count is the values' (ELU's smallest pre-activation): held under
     # checkpoint's hooks (NOTE [Value-dependent saves under torch.utils.checkpoint] in
-    # ops/_derived.py); eager only
-    ctx.held = not torch.compiler.is_compiling() and _derived.under_checkpoint()
-    if ctx.held:
+    # ops/_derived.py); eager only (``held``: asked already)
+    if held is None:
+        held = not torch.compiler.is_compiling() and _derived.under_checkpoint()
+    ctx.held = held
+    if held:
         side_idx, side_xhat = _derived.hold(side_idx), _derived.hold(side_xhat)
     ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
 
@@ -347,8 +351,16 @@ class _InPlaceABNFn(torch.autograd.Function):
             mean, invstd = _op("inplace_abn_stats", x)(
                 x, running_mean, running_var, training, momentum, eps
             )
+        held = not torch.compiler.is_compiling() and _derived.under_checkpoint()
         if any(ctx.needs_input_grad[:3]):
-            side_idx, side_xhat = _op("inplace_abn_side", x)(x, weight, bias, mean, invstd, act)
+            if held and not is_fake(x):  # the same ops whatever the values (NOTE [Value-dependent
+                # saves under torch.utils.checkpoint] in ops/_derived.py): _side_op's body
+                w, b = _abn.affine(weight, bias, x.shape[1], x.device, mean.dtype)
+                side_idx, side_xhat = _abn.side_channels(
+                    x, w, b, mean, invstd, act, (weight, bias), uniform=True
+                )
+            else:
+                side_idx, side_xhat = _op("inplace_abn_side", x)(x, weight, bias, mean, invstd, act)
         else:  # no backward will run (no_grad, inference_mode, frozen inputs): keep nothing
             side_idx = x.new_empty(0, dtype=torch.long)
             side_xhat = x.new_empty((x.shape[0], 0, *x.shape[2:]), dtype=mean.dtype)
@@ -365,7 +377,7 @@ class _InPlaceABNFn(torch.autograd.Function):
             ctx.z_seen = None
         else:  # NOTE [InPlaceABN's output written after forward]
             ctx.z_seen = seen(x, dirty=True) if hooks_top(False) is not None else None
-        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat)
+        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held)
         ctx.cfg = (training, eps, act, param)
         if torch.compiler.is_compiling():
             return x, side_idx, side_xhat

@@ -60,7 +60,7 @@ def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
 
 
 _mish_fwd, _mish_bwd, _MishFn, _MishInplaceFn = smooth_unary_op(
-    "mish", SPEC, _fwd_torch, _bwd_exact, torch._C._nn.mish
+    "mish", SPEC, _fwd_torch, _bwd_exact, torch._C._nn.mish, torch._C._nn.mish_
 )
 _MISH_APPLY = direct_apply(_MishFn)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

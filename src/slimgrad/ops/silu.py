@@ -60,7 +60,7 @@ def _bwd_torch(g, y, bits, idx, xs) -> Tensor:
 
 
 _silu_fwd, _silu_bwd, _SiluFn, _SiluInplaceFn = smooth_unary_op(
-    "silu", SPEC, _fwd_torch, _bwd_exact, torch._C._nn.silu
+    "silu", SPEC, _fwd_torch, _bwd_exact, torch._C._nn.silu, torch._C._nn.silu_
 )
 _SILU_APPLY = direct_apply(_SiluFn)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
