@@ -31,6 +31,7 @@ from slimgrad._autograd import (
 )
 from slimgrad.ops import _derived
 from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
+from slimgrad.ops.linear import _FakeTensor
 
 __all__ = [
     "conv1d",
@@ -446,6 +447,9 @@ _NAMES = {
 _CONV_APPLY = direct_apply(_ConvFn)
 # Types whose instances are plain tensors (no DTensor, no subclass): checked without a call
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# whose storage a weak reference can follow (NOTE [A stand-in for x]): the estimate's fake tensors
+# too, so the estimate keeps what the real step keeps
+_STORAGE_FOLLOWED = (torch.Tensor, torch.nn.Parameter, _FakeTensor)
 # The C tests of transforms_active, refuse_jit and torch.compiler.is_compiling (the latter itself:
 # Dynamo folds it by identity): one call each on the hot path, not two or three
 _transforms_active = torch._C._are_functorch_transforms_active
@@ -643,12 +647,15 @@ def _conv(
         # forward takes d (when W needs grad) and puts there what it keeps; and how it stands in
         # for x when W is frozen (NOTE [A stand-in for x]): True, a weak reference to x's storage
         # (x is autocast's fresh copy, or no saved-tensor hooks are active); False, x itself
-        # (under hooks); None, neither (W needs grad; Dynamo traces; x is a tensor subclass,
-        # whose storage may hold no elements)
+        # (under hooks); None, neither (W needs grad; Dynamo traces; x is a tensor subclass other
+        # than the estimate's fakes, whose storage may hold no elements)
         holder = [
             d,
             None
-            if compiling or weight.requires_grad or not x.requires_grad or type(x) not in _PLAIN
+            if compiling
+            or weight.requires_grad
+            or not x.requires_grad
+            or type(x) not in _STORAGE_FOLLOWED
             else x is not x0 or _top_hooks(False) is None,
         ]
         args = (x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
