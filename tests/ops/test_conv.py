@@ -489,6 +489,23 @@ def test_a_batch_of_zero_before_the_loss_peaks_as_eager(dims):
     assert peaks[1] <= peaks[0]
 
 
+def _batch_of_zero_as_eager(eager, x):
+    # a converted copy of eager peaks as eager on x (a batch of 0) and gives eager's parameter
+    # gradients, bit for bit and in their layouts; returns the two measurements
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    assert type(slim[0]).__module__.startswith("slimgrad")
+    runs = [measure(lambda m=m: m(x).sum(), timeline=False) for m in (eager, slim)]
+    assert runs[1].peak_bytes == runs[0].peak_bytes
+    grads = []
+    for m in (eager, slim):
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b) and b.stride() == a.stride()
+    return runs
+
+
 @pytest.mark.parametrize("tail", ["ReLU", "BatchNorm2d"])
 def test_a_batch_of_zero_through_a_fresh_empty_gradient_peaks_as_eager(tail):
     # the gradient a ReLU or BatchNorm hands the conv at a batch of 0 is a fresh empty tensor:
@@ -497,19 +514,8 @@ def test_a_batch_of_zero_through_a_fresh_empty_gradient_peaks_as_eager(tail):
     torch.manual_seed(0)
     after = torch.nn.ReLU() if tail == "ReLU" else torch.nn.BatchNorm2d(5)
     eager = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), after)
-    slim = slimgrad.convert_(copy.deepcopy(eager))
-    assert type(slim[0]).__module__.startswith("slimgrad")
-    x = torch.randn(0, 3, 7, 7)
-    runs = [measure(lambda m=m: m(x).sum(), timeline=False) for m in (eager, slim)]
-    assert runs[1].peak_bytes == runs[0].peak_bytes
+    runs = _batch_of_zero_as_eager(eager, torch.randn(0, 3, 7, 7))
     assert runs[1].saved_bytes == runs[0].saved_bytes
-    grads = []
-    for m in (eager, slim):
-        m.zero_grad(set_to_none=True)
-        m(x).sum().backward()
-        grads.append([p.grad for p in m.parameters()])
-    for a, b in zip(*grads, strict=True):
-        assert torch.equal(a, b) and b.stride() == a.stride()
 
 
 @pytest.mark.parametrize("tail", ["ReLU", "Identity"])
@@ -519,15 +525,6 @@ def test_a_batch_of_zero_in_channels_last_peaks_as_eager(tail):
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), getattr(torch.nn, tail)())
     eager = eager.to(memory_format=torch.channels_last)
-    slim = slimgrad.convert_(copy.deepcopy(eager))
-    assert type(slim[0]).__module__.startswith("slimgrad")
-    x = torch.randn(0, 4, 6, 6).contiguous(memory_format=torch.channels_last)
-    runs = [measure(lambda m=m: m(x).sum(), timeline=False) for m in (eager, slim)]
-    assert runs[1].peak_bytes == runs[0].peak_bytes
-    grads = []
-    for m in (eager, slim):
-        m.zero_grad(set_to_none=True)
-        m(x).sum().backward()
-        grads.append([p.grad for p in m.parameters()])
-    for a, b in zip(*grads, strict=True):
-        assert torch.equal(a, b) and b.stride() == a.stride()
+    _batch_of_zero_as_eager(
+        eager, torch.randn(0, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    )

@@ -183,7 +183,7 @@ def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWh
         if sites is None or not t.__module__.startswith("slimgrad."):
             return True
         # an *AfterNorm after it claims its output b in training: it keeps b, not its input
-        return KeepYWhen(bn=m, claimed=isinstance(_next_module(m, sites), _after_norms()))
+        return KeepYWhen(bn=m, claimed=isinstance(_neighbour(m, sites, True), _after_norms()))
     if _sequential(m):
         for c in m._modules.values():
             if c is None or _passes(c):
@@ -300,11 +300,13 @@ def _after_norms() -> tuple:
     )  # fmt: skip
 
 
-def _next_module(child, sites: dict, depth: int = 0):
-    # the module child's output is handed to in a plain Sequential (past passing children, into a
-    # Sequential's first child); _OUT: the model's output; None: not known
+def _neighbour(child, sites: dict, after: bool, depth: int = 0):
+    # in a plain Sequential, the module child's output is handed to (after: past passing children,
+    # into a Sequential's first child; _OUT: the model's output), or the module whose output child
+    # is called with (not after: into a Sequential's last child); None: not known (or, not after,
+    # the model's input)
     where = sites.get(id(child), ())
-    if not where:
+    if not where and after:
         return _OUT
     if depth > 32 or len(where) != 1:
         return None
@@ -312,38 +314,17 @@ def _next_module(child, sites: dict, depth: int = 0):
     if not _sequential(parent) or "forward" in parent.__dict__:
         return None
     kids = [c for c in parent._modules.values() if c is not None]
-    for c in kids[kids.index(child) + 1 :]:
+    i = kids.index(child)
+    for c in kids[i + 1 :] if after else reversed(kids[:i]):
         if _passes(c):
             continue
         while _sequential(c) and "forward" not in c.__dict__:
-            first = [k for k in c._modules.values() if k is not None and not _passes(k)]
-            if not first:
+            inner = [k for k in c._modules.values() if k is not None and not _passes(k)]
+            if not inner:
                 return None
-            c = first[0]
+            c = inner[0] if after else inner[-1]
         return c
-    return _next_module(parent, sites, depth + 1)
-
-
-def _producer(child, sites: dict, depth: int = 0):
-    # the module whose output child is called with, read as _next_module reads the consumer;
-    # None: not known (or the model's input)
-    where = sites.get(id(child), ())
-    if depth > 32 or len(where) != 1:
-        return None
-    parent = where[0][0]
-    if not _sequential(parent) or "forward" in parent.__dict__:
-        return None
-    kids = [c for c in parent._modules.values() if c is not None]
-    for c in reversed(kids[: kids.index(child)]):
-        if _passes(c):
-            continue
-        while _sequential(c) and "forward" not in c.__dict__:
-            last = [k for k in c._modules.values() if k is not None and not _passes(k)]
-            if not last:
-                return None
-            c = last[-1]
-        return c
-    return _producer(parent, sites, depth + 1)
+    return _neighbour(parent, sites, after, depth + 1)
 
 
 def _keeps_y_when(m, sites: dict, consumer) -> bool | KeepYWhen:
@@ -351,7 +332,7 @@ def _keeps_y_when(m, sites: dict, consumer) -> bool | KeepYWhen:
     import slimgrad.nn as snn
 
     bn = consumer if isinstance(consumer, KeepYWhen) else None
-    p = _producer(m, sites)
+    p = _neighbour(m, sites, False)
     after_claim = False
     if p is not None and _plain(p):
         t = type(p)
