@@ -27,6 +27,11 @@ def convert_and_read_afresh(model: nn.Module):
     the traces): the same flags and the same eager-op rows as the reading convert_ made. Returns
     the report."""
     slimgrad.convert_(model)
+    return read_afresh(model)
+
+
+def read_afresh(model: nn.Module):
+    """The check of :func:`convert_and_read_afresh` on a model ``convert_`` already converted."""
     rep = slimgrad.report(model)
     mapped, eager_op = flags(model), list(rep.eager_op)
     _output_act.state_consumers_(model, rep)  # the converted model read afresh (no traces)

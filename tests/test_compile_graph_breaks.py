@@ -80,6 +80,19 @@ def explained():
     return out
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_no_break_has_a_slimgrad_frame(explained, name):
+    # no break reason with a slimgrad frame, on every release (from the explain the other tests
+    # read; tests/test_compile_saved.py ran its own of the same converted models until merged)
+    _, conv = explained[name]
+    inside = [
+        r.reason.splitlines()[0]
+        for r in conv.break_reasons
+        if any("/slimgrad/" in f.filename for f in r.user_stack or [])
+    ]
+    assert inside == []
+
+
 # Graph-break counts are Dynamo's, which changes between releases: torch 2.11 breaks at
 # slimgrad's attention call (convert_handlers/hf_attention.py) and at its eager-only wrappers
 # (9-10 breaks where 2.13/2.15 have 0-1). Correctness under compile is checked on every release

@@ -19,7 +19,7 @@ from torch import nn
 
 import slimgrad
 from slimgrad.convert_handlers import abn as _abn
-from tests._readings import convert_and_read_afresh, count_traces
+from tests._readings import count_traces, read_afresh
 from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
 from tests.conformance import _hf_families as H
 from tests.conformance._timm_shim import timm
@@ -85,18 +85,38 @@ MODELS = {
 }
 
 
+# rows whose convert_ must trace each forward at most once per mode (train, eval)
+ONCE_PER_MODE = {"timm_resnet18", "convnext_atto", "plain"}
+# rows with replacements that have children (timm's Attention, ConvNeXtBlock, norm + act and
+# squeeze-excite blocks, GPT-2's and Llama's MLPs): they are read from the structure their class
+# states (NOTE [A replacement states its structure]); every forward is traced once per mode,
+# before the swaps (before: 24 of vit_tiny's 100 traces were of replacements, 65 of
+# efficientnet_b0's 231, 4 on GPT-2, 2 on Llama)
+SWAPS_UNTRACED = {"vit_tiny", "efficientnet_b0", "gpt2", "llama", "convnext_ls"}
+
+
+def _check_traces(name, model, seen, before):
+    if name in ONCE_PER_MODE:
+        assert seen and max(seen.values()) <= 2, max(seen.values())
+    if name in SWAPS_UNTRACED:
+        made = {id(m) for m in model.modules()} - before
+        assert made, "the row converts no module with children"
+        assert not made & set(seen)
+        assert max(seen.values(), default=0) <= 2
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_flags_are_a_fresh_readings(name):
+def test_flags_are_a_fresh_readings(name, monkeypatch):
+    # one convert_ per model for the three checks of the module docstring's NOTE: the traces it
+    # made (counted before the fresh reading), then the flags against a fresh reading
     torch.manual_seed(0)
-    convert_and_read_afresh(MODELS[name]())
-
-
-@pytest.mark.parametrize("name", ["timm_resnet18", "convnext_atto", "plain"])
-def test_each_forward_is_traced_once_per_mode(name, monkeypatch):
     model = MODELS[name]()
+    before = {id(m) for m in model.modules()}
+    _keep = list(model.modules())  # the originals stay alive: their ids stay unique
     seen = count_traces(monkeypatch)
     slimgrad.convert_(model)
-    assert seen and max(seen.values()) <= 2, max(seen.values())
+    _check_traces(name, model, collections.Counter(seen), before)
+    read_afresh(model)
 
 
 def test_inplace_abn_reads_the_guards_traces(monkeypatch):
@@ -133,23 +153,15 @@ def test_item_assignment_leaves_inplace_abn_its_own_trace(monkeypatch):
     assert any("not traceable" in r for _, _, r in slimgrad.report(model).skipped)
 
 
-@pytest.mark.parametrize("name", ["vit_tiny", "efficientnet_b0", "gpt2", "llama", "convnext_ls"])
-def test_no_module_the_swaps_made_is_traced(name, monkeypatch):
-    # the replacements with children (timm's Attention, ConvNeXtBlock, norm + act and
-    # squeeze-excite blocks, GPT-2's and Llama's MLPs) are read from the structure their class
-    # states (NOTE [A replacement states its structure]); every forward is traced once per mode,
-    # before the swaps (before: 24 of vit_tiny's 100 traces were of replacements, 65 of
-    # efficientnet_b0's 231, 4 on GPT-2, 2 on Llama)
-    build = MODELS.get(name) or _timm_kw("convnext_atto", conv_mlp=False)
-    model = build()
+def test_no_module_the_swaps_made_is_traced(monkeypatch):
+    # ConvNeXt's blocks with their Linear MLP (the other rows of SWAPS_UNTRACED are models of
+    # test_flags_are_a_fresh_readings, checked there)
+    model = _timm_kw("convnext_atto", conv_mlp=False)()
     before = {id(m) for m in model.modules()}
     _keep = list(model.modules())  # the originals stay alive: their ids stay unique
     seen = count_traces(monkeypatch)
     slimgrad.convert_(model)
-    made = {id(m) for m in model.modules()} - before
-    assert made, "the row converts no module with children"
-    assert not made & set(seen)
-    assert max(seen.values(), default=0) <= 2
+    _check_traces("convnext_ls", model, seen, before)
 
 
 def _timm_kw(name, **kw):

@@ -144,6 +144,34 @@ def test_estimate_step_matches_the_cpu_tracker_and_models_cuda():
     assert eager_cuda["estimate_saved_bytes"] < eager_cpu["estimate_saved_bytes"]
 
 
+def test_case_step_of_the_eager_side_builds_no_slimgrad_copy(monkeypatch):
+    # the eager side's step (an estimate builds it up to three times) makes no converted copy:
+    # that convert_ was most of a model case's build; the slimgrad side still converts, and the
+    # eager model and inputs are the ones a full build gives
+    import slimgrad
+    from slimgrad.bench.cases.models import slim_copy
+
+    def build(device, dtype, small=False):
+        eager = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.GELU()).to(device, dtype)
+        return eager, slim_copy(eager), lambda: torch.randn(2, 3, device=device, dtype=dtype)
+
+    converted, convert = [], slimgrad.convert_
+    monkeypatch.setattr(
+        slimgrad, "convert_", lambda m, c=None: converted.append(m) or convert(m, c)
+    )
+    runs = {}
+    for side in ("eager", "slimgrad", "eager"):
+        n = len(converted)
+        forward, module = G.case_step(build, torch.float32, small=True, side=side)()
+        runs.setdefault(side, []).append((forward(), [p.clone() for p in module.parameters()]))
+        assert len(converted) == n + (side == "slimgrad"), side
+    (y0, p0), (y1, p1) = runs["eager"]
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    for a, b in zip(p0, p1, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch.testing.assert_close(runs["slimgrad"][0][0], y0)
+
+
 def test_estimate_isolated_runs_in_a_child_and_a_crash_costs_only_its_fields(monkeypatch):
     from slimgrad.bench.harness import get_case
 

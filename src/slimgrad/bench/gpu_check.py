@@ -57,6 +57,7 @@ agrees when either does, and the record keeps both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -364,9 +365,12 @@ def case_step(
     case built on CPU (under the estimate's fake tensors), the seeds :func:`allocator_vs_tracker`
     uses; returns ``(forward, module)``."""
 
+    from slimgrad.bench.cases.models import eager_side_only
+
     def make():
         torch.manual_seed(seed)
-        eager, slim, make_inputs = build(torch.device("cpu"), dtype, small=small)
+        with eager_side_only() if side == "eager" else contextlib.nullcontext():
+            eager, slim, make_inputs = build(torch.device("cpu"), dtype, small=small)
         model = eager if side == "eager" else slim
         torch.manual_seed(seed + 1)
         xs = _as_tuple(make_inputs())

@@ -7,6 +7,8 @@ side would read fake storages (undefined behaviour; it crashed the interpreter h
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import functools
 
@@ -16,11 +18,30 @@ from torch import nn
 from slimgrad.bench import harness, models
 from slimgrad.bench.harness import register_case
 
+# Set by eager_side_only(): a build whose slimgrad side nobody reads (an estimate or measure of
+# the eager side, gpu_check.case_step) skips the copy and its convert_, most of a model build's
+# time; nothing else changes: the copy is made after the eager model, and the inputs are drawn
+# from their own seed
+_EAGER_SIDE_ONLY = contextvars.ContextVar("slimgrad_bench_eager_side_only", default=False)
 
-def slim_copy(model: nn.Module, config=None) -> nn.Module:
-    """``slimgrad.convert_(copy.deepcopy(model), config)``: the slimgrad side of a case."""
+
+@contextlib.contextmanager
+def eager_side_only():
+    """Within it, :func:`slim_copy` returns None: builds make their eager side alone."""
+    token = _EAGER_SIDE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _EAGER_SIDE_ONLY.reset(token)
+
+
+def slim_copy(model: nn.Module, config=None) -> nn.Module | None:
+    """``slimgrad.convert_(copy.deepcopy(model), config)``: the slimgrad side of a case (None
+    within :func:`eager_side_only`)."""
     import slimgrad
 
+    if _EAGER_SIDE_ONLY.get():
+        return None
     return slimgrad.convert_(copy.deepcopy(model), config)
 
 
