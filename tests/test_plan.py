@@ -65,7 +65,16 @@ def _make(n: int = 4, p: float = 0.2, std: float | None = None):
 
 @pytest.fixture(scope="module")
 def curve_plan():
-    return slimgrad.plan(_make(), "1TiB")  # everything fits: no recompute, and the curve
+    from tests import _plan_cache
+
+    # everything fits: no recompute, and the curve (the shared measurements, its full estimate)
+    return slimgrad.plan(_make(), "1TiB", reuse=_plan_cache.toy())
+
+
+@pytest.fixture(scope="module")
+def mid_plan(curve_plan):
+    # a fresh plan (its own measurements) between the ends of the curve
+    return slimgrad.plan(_make(), _mid_budget(curve_plan))
 
 
 def test_parse_bytes():
@@ -100,9 +109,8 @@ def _mid_budget(p: Plan) -> int:
     return (p.curve[0].peak_bytes + p.curve[-1].peak_bytes) // 2
 
 
-def test_midpoint_plan_is_what_the_applied_model_estimates(curve_plan):
-    budget = _mid_budget(curve_plan)
-    p = slimgrad.plan(_make(), budget)
+def test_midpoint_plan_is_what_the_applied_model_estimates(curve_plan, mid_plan):
+    budget, p = _mid_budget(curve_plan), mid_plan
     assert p.verified and p.peak_bytes <= budget
     assert 0 < p.recompute_flops < curve_plan.baselines["checkpoint-all"].recompute_flops
     assert any("recompute" in c for c in p.choices.values())
@@ -131,7 +139,7 @@ def test_a_real_step_measures_what_the_plan_says(p_drop):
     make = _make(p=p_drop, std=0.02)
     top = slimgrad.plan(make, "1TiB", verify=False)
     budget = _mid_budget(top)
-    p = slimgrad.plan(make, budget)
+    p = slimgrad.plan(make, budget, reuse=top)
     assert p.peak_bytes <= budget and p.recompute_flops > 0
     # lean blocks are priced as they measure (before: every block eager+recompute here); lean
     # ops under selective checkpointing are lean blocks that recompute no matmul
@@ -146,7 +154,7 @@ def test_a_real_step_measures_what_the_plan_says(p_drop):
 
 def test_budget_below_the_lowest_peak_names_it(curve_plan):
     with pytest.raises(ValueError, match=r"^slimgrad\.plan: the budget is below the lowest peak"):
-        slimgrad.plan(_make(), curve_plan.curve[-1].peak_bytes // 2, verify=False)
+        slimgrad.plan(_make(), curve_plan.curve[-1].peak_bytes // 2, verify=False, reuse=curve_plan)
 
 
 def _every_choice(p: Plan) -> dict[str, str]:
@@ -245,7 +253,7 @@ def test_hf_plan_transfers_to_a_model_built_from_the_config():
         warnings.simplefilter("ignore")
         full = slimgrad.plan(make, "1TiB", verify=False)
         assert set(full.choices) == {f"model.layers.{i}" for i in range(3)}
-        p = slimgrad.plan(make, _mid_budget(full))
+        p = slimgrad.plan(make, _mid_budget(full), reuse=full)
 
         def applied():
             fwd, m = make()
@@ -258,9 +266,8 @@ def test_hf_plan_transfers_to_a_model_built_from_the_config():
     assert p.recompute_flops > 0
 
 
-def test_reuse_plans_a_second_budget_from_the_same_measurements(curve_plan, monkeypatch):
-    budget = _mid_budget(curve_plan)
-    fresh = slimgrad.plan(_make(), budget)
+def test_reuse_plans_a_second_budget_from_the_same_measurements(curve_plan, mid_plan, monkeypatch):
+    budget, fresh = _mid_budget(curve_plan), mid_plan
     calls = []
     real = sm.estimate
 

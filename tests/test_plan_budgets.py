@@ -14,14 +14,13 @@ import torch
 import slimgrad
 import slimgrad.memory as sm
 from slimgrad.plan import _estimate_with, _fmt, apply_choices
+from tests import _plan_cache
 from tests.test_plan import _make
 
 
 @pytest.fixture(scope="module")
 def top():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return slimgrad.plan(_make(), "1TiB", verify=False)
+    return _plan_cache.toy()
 
 
 def _unconverted(choices: dict) -> int:

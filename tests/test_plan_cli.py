@@ -6,11 +6,30 @@ import json
 
 import pytest
 
+import slimgrad
 from slimgrad.cli import main
 
 pytest.importorskip("transformers")
 
 _TINY = ["plan", "llama", "--size", "tiny", "--seq", "32", "--batch", "2"]
+_MEASURED: dict[str, slimgrad.Plan] = {}
+
+
+@pytest.fixture(autouse=True)
+def _measured_once(monkeypatch):
+    # every command here plans the same model (_TINY): its blocks are measured once per device,
+    # dtype and choices, and the other budgets reuse those measurements, which gives the plan a
+    # fresh measurement gives (tests/test_plan.py::test_reuse_plans_a_second_budget_from_the_
+    # same_measurements); what is tested here is the command around slimgrad.plan
+    real = slimgrad.plan
+
+    def plan(make, budget, **kw):
+        key = repr(sorted((k, v) for k, v in kw.items() if k not in ("verify", "progress")))
+        p = real(make, budget, reuse=_MEASURED.get(key), **kw)
+        _MEASURED.setdefault(key, p)
+        return p
+
+    monkeypatch.setattr(slimgrad, "plan", plan)
 
 
 def test_plan_json_fits_its_budget_and_reports_progress(capsys):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 
 import pytest
 import torch
 
 import slimgrad
 from slimgrad import step_in_backward
+from tests import _plan_cache
 from tests.test_plan import _data, _make
 
 # every kind of choice on the toy net of tests/test_plan.py (dropout 0.2: the masks must repeat)
@@ -29,10 +29,7 @@ _MIXED = {
 
 @pytest.fixture(scope="module")
 def mixed_plan():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        p = slimgrad.plan(_make(), "1TiB", verify=False)
-    return dataclasses.replace(p, choices=dict(_MIXED))
+    return dataclasses.replace(_plan_cache.toy(), choices=dict(_MIXED))
 
 
 def _model(p=None):

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 import slimgrad
 from slimgrad.memory import measure
+from tests import _plan_cache
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -79,12 +80,9 @@ def _make(dt):
     return mk
 
 
-@functools.cache
 def _top(dtype: str):
     dt = DTYPES[dtype]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return slimgrad.plan(_make(dt), "1TiB", **({"dtype": dt} if dt else {}))
+    return _plan_cache.top("outer-checkpoint-mlp", _make(dt), **({"dtype": dt} if dt else {}))
 
 
 def _budget(top, where: str) -> int:
@@ -99,22 +97,43 @@ def _grads(m, f):
     return [p.grad.clone() for p in m.parameters()]
 
 
+@functools.cache
+def _plan(dtype: str, where: str):
+    dt = DTYPES[dtype]
+    top = _top(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return slimgrad.plan(
+            _make(dt), _budget(top, where), reuse=top, **({"dtype": dt} if dt else {})
+        )
+
+
+@functools.cache
+def _checkpointed_eager_peak(dtype: str, how: str) -> int:
+    # the eager model checkpointed alone, its first step (the same for every budget)
+    dt = DTYPES[dtype]
+    torch.manual_seed(0)
+    eager = _Net()
+    eager.ckpt = how
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return measure(_fwd(eager, dt), module=eager).peak_bytes
+
+
 @pytest.mark.parametrize("where", ["lowest", "mid", "top"])
 @pytest.mark.parametrize("how", ["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_planned_model_under_checkpoint_keeps_no_more(dtype, how, where):
     dt = DTYPES[dtype]
     kw = {"dtype": dt} if dt else {}
-    top = _top(dtype)
+    p = _plan(dtype, where)
+    ck = _checkpointed_eager_peak(dtype, how)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        p = slimgrad.plan(_make(dt), _budget(top, where), reuse=top, **kw)
         torch.manual_seed(0)
-        eager = _Net()
-        planned = slimgrad.convert_(copy.deepcopy(eager), plan=p, **kw)
+        planned = slimgrad.convert_(_Net(), plan=p, **kw)
         alone = _grads(planned, _fwd(planned, dt))
-        eager.ckpt = planned.ckpt = how
-        ck = measure(_fwd(eager, dt), module=eager).peak_bytes
+        planned.ckpt = how
         sg = measure(_fwd(planned, dt), module=planned).peak_bytes
         got = _grads(planned, _fwd(planned, dt))
     assert sg <= ck, (sorted(set(p.choices.values())), sg, ck)
@@ -147,9 +166,9 @@ def test_planned_llama_under_hf_gradient_checkpointing_keeps_no_more(reentrant):
         m = build()
         return fwd(m), m
 
+    top = _plan_cache.top("outer-checkpoint-llama", mk, dtype=dt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        top = slimgrad.plan(mk, "1TiB", dtype=dt)
         p = slimgrad.plan(mk, _budget(top, "mid"), reuse=top, dtype=dt)
         eager = build()
         planned = slimgrad.convert_(copy.deepcopy(eager), plan=p, dtype=dt)

@@ -11,13 +11,14 @@ import pytest
 
 import slimgrad
 from slimgrad.plan import _estimate_with, _fmt
+from tests import _plan_cache
 from tests.test_plan import _make
 
 
 def test_a_budget_one_byte_below_the_lowest_peak_names_both_in_bytes():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        top = slimgrad.plan(_make(), "1TiB", verify=False)
+        top = _plan_cache.toy()
         with pytest.raises(ValueError) as first:  # far below: the lowest peak it names
             slimgrad.plan(_make(), top.curve[-1].peak_bytes // 2, reuse=top)
     # the lowest peak, as tests/test_plan_budgets.py finds it (the lower full estimate of the
