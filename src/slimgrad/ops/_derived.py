@@ -573,6 +573,22 @@ def under_checkpoint() -> bool:
 # :func:`hold` and :func:`whole` run where no dispatch mode sees them (``unseen``: NOTE [A search
 # the modes never see] in _math/norms.py), as does slot 0's as_strided in place: no policy has
 # them to save or match. Their copy of a part of a storage is no tracker's either.
+# NOTE [No write into a buffer a policy may cache]
+# Selective activation checkpointing stores the output of every op its policy saves, with that
+# output's version, and in the recompute hands it back only where the version is unchanged: a
+# write over it after the op ran (its own in-place op's version bump, which autograd makes after
+# the dispatch modes saw the op, or a later copy into it) raises "Tensor cached during selective
+# activation checkpoint has been mutated". Eager's in-place activations are single ops a policy
+# sees as pointwise (``aten.silu_``, ``aten.hardsigmoid_``); slimgrad's issued ops a policy saving
+# every non-pointwise op stores and then saw written: the in-place smooth activations' ``copy_``
+# of y into x (its own output, bumped as it returns) and Hardsigmoid's side bits, packed chunk by
+# chunk into an ``aten.empty`` buffer. Linear -> x * 1 -> SiLU(inplace) -> Linear raised where
+# eager ran. Under checkpoint's hooks (the forward's and the recompute's alike) the smooth
+# activations' copy runs where no dispatch mode sees it (it allocates nothing: no tracker misses a
+# byte; the recompute runs it again, on its own x), and Hardsigmoid joins its chunks' packed bytes
+# (``torch.cat``; one chunk: pack_bits' own output), writing into nothing made before.
+
+
 def hold(t: torch.Tensor) -> torch.Tensor:
     """A 0-element uint8 view of ``t``'s whole storage (``t`` copied first unless it is exactly its
     contiguous storage), made where no dispatch mode sees it: NOTE [Value-dependent saves under
