@@ -165,7 +165,7 @@ from slimgrad._autograd import (
 from slimgrad._autograd import (
     compiling as _compiling,
 )
-from slimgrad._errors import raise_if_written
+from slimgrad._errors import internal_error, raise_if_written
 from slimgrad._math.norms import unseen
 
 __all__ = [
@@ -436,6 +436,9 @@ class Recipe(_Record):
     cheap: bool = False
     rebuild: Rebuild | None = None
     pack: list | None = None
+    # NOTE [A recipe made in a checkpoint's forward]: checkpoint's pack hook where the first
+    # tensor is a stand-in (its shape, dtype and device; no values), else None
+    region: object | None = None
 
     def drop(self) -> None:
         """An adopter no longer keeps this recipe (its backward will not call it)."""
@@ -443,6 +446,11 @@ class Recipe(_Record):
             self.rebuild.add_user(-1)
 
     def __call__(self) -> torch.Tensor:
+        if self.region is not None:  # NOTE [A recipe made in a checkpoint's forward]
+            raise internal_error(
+                "slimgrad.ops: a recipe made in a checkpoint's forward (a stand-in for its input) "
+                "was called"
+            )
         for t, v in zip(self.tensors, self.versions):
             if t is not None and t._version != v:
                 check_version(t, v, "tensor kept to recompute a normalisation input")
@@ -760,6 +768,62 @@ def put_recipe(y: torch.Tensor, recipe: Recipe) -> None:
         _RECIPES_D[k] = (weakref.ref(y, _partial(_RECIPES_D.pop, k)), recipe)
 
 
+# NOTE [A recipe made in a checkpoint's forward]
+# A conv's recipe holds its input x (NOTE [Recomputable inputs]) for as long as its output y lives,
+# at no cost where the conv's own node keeps x. In a non-reentrant torch.utils.checkpoint's forward
+# the nodes keep nothing (checkpoint's pack hook keeps no tensor; the recompute in backward saves
+# again), so the recipe alone held x: where y outlived the region (its output, kept by the op
+# after it) x stayed alive until y's backward where eager had let it go (ReLU -> trainable
+# Conv2d(4, 8, 3) in the region, (2, 4, 9, 9): peak 23,336 B against eager's 20,744, x's 2,592 B
+# above), and an InPlaceABN -> conv region kept the conv's input, InPlaceABN's output, likewise.
+# The ops in the region must still decide as the recompute will (what they save, matched by
+# order, shape and dtype), and in the forward a recipe is only ever read for those decisions and
+# for the tensor a norm saves through the hooks (NOTE [Under saved-tensor hooks] in
+# ops/batch_norm.py), which checkpoint's forward pack drops after reading its shape, dtype and
+# device. So in checkpoint's forward (its pack hook is ``_checkpoint_hook``'s, read from the
+# function's ``__qualname__``; the recompute's is ``_recomputation_hook``'s, and any other name
+# keeps x as before) the conv registers a recipe whose first tensor is a stand-in for x: x's
+# shape and dtype on y's storage (stride 0, no byte; made where no dispatch mode sees it), y's
+# version counter in place of x's. ``region`` is that pack hook: an op under other hooks (or none)
+# does not use the recipe (``usable``), a node that would keep the recipe itself as an attribute
+# for its backward (a BatchNorm before its claim, RecomputeABN) keeps its input instead or does
+# not use recipes under checkpoint's hooks, and calling it raises (no silent values). In the
+# recompute the recipe holds x, which the conv's saved tensor keeps there anyway.
+_FORWARD_HOOK = "_checkpoint_hook."
+
+
+def forward_region(hooks: tuple | None) -> object | None:
+    """Checkpoint's forward pack hook where ``hooks`` (the innermost saved-tensor hooks) are a
+    non-reentrant checkpoint's forward ones, else None (NOTE [A recipe made in a checkpoint's
+    forward])."""
+    if hooks is None or not _checkpoints(hooks):
+        return None
+    q = getattr(hooks[0], "__qualname__", None)
+    return hooks[0] if type(q) is str and q.startswith(_FORWARD_HOOK) else None
+
+
+def stand_in(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """A tensor of ``like``'s shape and dtype on ``y``'s storage (stride 0: no byte), sharing y's
+    version counter, or None where dtype or device differ (NOTE [A recipe made in a checkpoint's
+    forward])."""
+    if y.dtype != like.dtype or y.device != like.device or y.numel() == 0 or like.numel() == 0:
+        return None
+    return unseen(_stand_in, y, like.shape)
+
+
+def _stand_in(y: torch.Tensor, shape) -> torch.Tensor:
+    return y.detach().as_strided(shape, [0] * len(shape), y.storage_offset())
+
+
+def usable(r: Recipe) -> bool:
+    """Whether an op running now may use recipe ``r``: a stand-in's only under the hooks it was
+    made under (NOTE [A recipe made in a checkpoint's forward])."""
+    if r.region is None:
+        return True
+    h = _top_hooks(False)
+    return h is not None and h[0] is r.region
+
+
 def _usable_recipe(y: torch.Tensor, policy: str) -> Recipe | None:
     # the recipe of y if y is pristine, its ingredients unchanged and policy allows it
     if _is_compiling():
@@ -776,6 +840,8 @@ def recipe_of(y: torch.Tensor, policy: str) -> Recipe | None:
         return None
     r = e[1]
     if y._version != r.version or (policy == "pointwise" and not r.cheap):
+        return None
+    if r.region is not None and not usable(r):
         return None
     for t, v in zip(r.tensors, r.versions):
         if t is not None and t._version != v:

@@ -708,7 +708,11 @@ def _conv(
         # register_recipe(y, recompute, (kept, w0, b0), ...): a detached alias of the kept input;
         # the weight and bias themselves (Parameters, as eager's conv node keeps them: read under
         # no_grad only, their versions checked at every replay)
-        kept = kept.detach()
+        # NOTE [A recipe made in a checkpoint's forward]: a stand-in for x there, no hold on x
+        h = _top_hooks(False)
+        region = None if h is None else _derived.forward_region(h)
+        fake = None if region is None else _derived.stand_in(y, kept)
+        kept = kept.detach() if fake is None else fake
         versions = (kept._version, w0._version, 0 if b0 is None else b0._version)
         recipe = _Recipe(
             fn=recompute,
@@ -718,6 +722,7 @@ def _conv(
             cheap=pointwise and not gated,
             rebuild=rebuild,
             pack=pack,
+            region=None if fake is None else region,
         )
         # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C]); y is
         # this call's fresh output, so an entry at its id is a live y's only if y were registered
