@@ -990,6 +990,27 @@ def drop_derived(chain: tuple) -> None:
             del _DERIVED_D[k]
 
 
+# NOTE [A recipe dropped at its conv's backward]
+# A conv's recipe (NOTE [Recomputable inputs]) holds the conv's kept input for as long as its
+# output y lives; it is read by forward lookups and by norms that adopted it, whose backward runs
+# before the conv's. Where y outlives the conv's backward (a reentrant checkpoint holds its
+# region's outputs until the region's backward returns; a caller keeping y), the recipe kept that
+# input past the conv's backward, where the conv's own node lets it go: under bf16 autocast the
+# conv's cast copy of x, which nothing else holds (ReLU -> Conv2d(8, 8, 3) in a reentrant region,
+# (2, 8, 9, 9): peak 21,912 B against eager's 20,744). So the conv's Function drops its output's
+# registry entry in a backward that frees the graph (``drop_recipe``; the entry's key and weak
+# reference set on its node at registration; deleted only where it is still y's own), as a
+# BatchNorm drops its derived records (NOTE [Dropped at b's backward]).
+def drop_recipe(key: tuple | None) -> None:
+    """Delete the recipe-registry entry ``key`` = (id, weak reference) where it is still that
+    reference's (NOTE [A recipe dropped at its conv's backward])."""
+    if key is None or _keep_graph is None or _keep_graph():
+        return
+    e = _RECIPES_D.get(key[0])
+    if e is not None and e[0] is key[1]:
+        del _RECIPES_D[key[0]]
+
+
 def check_version(t: torch.Tensor, version: int, what: str) -> None:
     if t._version != version:
         raise RuntimeError(

@@ -81,7 +81,7 @@ class _ConvFn(torch.autograd.Function):
         # (W's strides only for a batch of 0, the one backward that reads them)
         ctx.w_meta = (weight.shape, weight.dtype, weight.stride() if 0 in x.shape else None)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
-        ctx.act = ctx.rebuild = ctx.pack = ctx.x_storage = None
+        ctx.act = ctx.rebuild = ctx.pack = ctx.x_storage = ctx.recipe_key = None
         ctx.base_stands_in = False
         kept_x = hooked_x = None
         if need_w:
@@ -163,6 +163,8 @@ class _ConvFn(torch.autograd.Function):
         if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
             kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)
+        if ctx.recipe_key is not None:  # NOTE [A recipe dropped at its conv's backward]
+            _derived.drop_recipe(ctx.recipe_key)
         shape, dtype, device, xstride = ctx.x_meta
         if (
             weight is None
@@ -445,6 +447,7 @@ _NAMES = {
 }
 # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
 _CONV_APPLY = direct_apply(_ConvFn)
+_CONV_NODE = _ConvFn._backward_cls  # the Function's node (its ctx)
 # Types whose instances are plain tensors (no DTensor, no subclass): checked without a call
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # whose storage a weak reference can follow (NOTE [A stand-in for x]): the estimate's fake tensors
@@ -733,6 +736,8 @@ def _conv(
             _RECIPES_D[k] = (e[0], recipe)
         else:
             _RECIPES_D[k] = (_weakref(y, _partial(_RECIPES_D.pop, k)), recipe)
+        if type(y.grad_fn) is _CONV_NODE:  # NOTE [A recipe dropped at its conv's backward]
+            y.grad_fn.recipe_key = (k, _RECIPES_D[k][0])
     return y
 
 
