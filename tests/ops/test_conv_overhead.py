@@ -239,15 +239,16 @@ def test_layer_norm_direct_apply_matches_apply():
 def test_host_call_budget_conv_forward():
     # issue 32: Python calls of and from slimgrad's code per call of a converted Conv2d whose
     # input and weight need grad (eager's node plus y's recipe: NOTE [A conv that keeps what eager
-    # keeps]), counted, not timed: 9 (10 before NOTE [Two watchers in one call]; 13 before the
-    # recipe made without a Python frame, its weight kept as itself and the registry read by
-    # ``in``)
+    # keeps]), counted, not timed: 10 (9 before NOTE [A recipe made in a checkpoint's forward]
+    # asked for the innermost saved-tensor hooks; 10 before NOTE [Two watchers in one call]; 13
+    # before the recipe made without a Python frame, its weight kept as itself and the registry
+    # read by ``in``)
     from tests._host_calls import slimgrad_calls
 
     conv = _slim(nn.Conv2d(4, 8, 1, bias=False))
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     conv(x)
-    assert slimgrad_calls(lambda: conv(x)) <= 9
+    assert slimgrad_calls(lambda: conv(x)) <= 10
 
 
 def test_module_calls_under_transforms_and_jit_trace_with_the_extension():

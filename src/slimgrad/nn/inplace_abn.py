@@ -481,7 +481,7 @@ class RecomputeABN(InPlaceABN):
     """InPlaceABN(leaky_relu) that, when its input can be recomputed (the output of a slimgrad
     conv that keeps its own input), keeps nothing full-size: NOTE [Recomputed stem]. convert_ uses
     it where the activation feeds a max-pool (ResNet's stem). Elsewhere (no recipe, no_grad,
-    torch.compile) it is :class:`InPlaceABN`.
+    torch.compile, under torch.utils.checkpoint's hooks) it is :class:`InPlaceABN`.
 
     Memory: with a recipe: 2 floats per channel (+ 2 running-stat copies in eval); the output is
     a new tensor (the conv output is freed by the caller). Eager BN + LeakyReLU keeps c and z.
@@ -501,6 +501,9 @@ class RecomputeABN(InPlaceABN):
             and self.activation == "leaky_relu"
             and not x.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
             and not torch.is_autocast_enabled(x.device.type)
+            # the recipe kept for backward: not under checkpoint's hooks, whose forward holds a
+            # stand-in (NOTE [A recipe made in a checkpoint's forward] in ops/_derived.py)
+            and not _derived.under_checkpoint()
         ):
             recipe = _derived.lookup_recipe(x, "always")
         if recipe is None:
@@ -557,7 +560,7 @@ class _MaxPoolRecomputeFn(torch.autograd.Function):
 class MaxPool2dRecompute(NoScript, nn.MaxPool2d):
     """``torch.nn.MaxPool2d`` that keeps nothing full-size when its input has a recipe (the output
     of :class:`RecomputeABN`): it re-runs the recipe and the pooling in backward (NOTE
-    [Recomputed stem]). Elsewhere exactly torch's.
+    [Recomputed stem]). Elsewhere (under torch.utils.checkpoint's hooks too) exactly torch's.
 
     Memory: with a recipe: nothing; eager keeps its input and int64 indices.
     """
@@ -570,7 +573,14 @@ class MaxPool2dRecompute(NoScript, nn.MaxPool2d):
     @eager_only
     def _forward_eager(self, input: torch.Tensor) -> torch.Tensor:
         recipe = None
-        if torch.is_grad_enabled() and input.requires_grad and not self.return_indices:
+        if (
+            torch.is_grad_enabled()
+            and input.requires_grad
+            and not self.return_indices
+            # the recipe kept for backward: not under checkpoint's hooks, whose forward holds a
+            # stand-in (NOTE [A recipe made in a checkpoint's forward] in ops/_derived.py)
+            and not _derived.under_checkpoint()
+        ):
             recipe = _derived.lookup_recipe(input, "always")
         if recipe is None or input.dim() != 4:
             return super().forward(input)

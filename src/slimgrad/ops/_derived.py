@@ -165,7 +165,7 @@ from slimgrad._autograd import (
 from slimgrad._autograd import (
     compiling as _compiling,
 )
-from slimgrad._errors import raise_if_written
+from slimgrad._errors import internal_error, raise_if_written
 from slimgrad._math.norms import unseen
 
 __all__ = [
@@ -436,6 +436,9 @@ class Recipe(_Record):
     cheap: bool = False
     rebuild: Rebuild | None = None
     pack: list | None = None
+    # NOTE [A recipe made in a checkpoint's forward]: checkpoint's pack hook where the first
+    # tensor is a stand-in (its shape, dtype and device; no values), else None
+    region: object | None = None
 
     def drop(self) -> None:
         """An adopter no longer keeps this recipe (its backward will not call it)."""
@@ -443,6 +446,11 @@ class Recipe(_Record):
             self.rebuild.add_user(-1)
 
     def __call__(self) -> torch.Tensor:
+        if self.region is not None:  # NOTE [A recipe made in a checkpoint's forward]
+            raise internal_error(
+                "slimgrad.ops: a recipe made in a checkpoint's forward (a stand-in for its input) "
+                "was called"
+            )
         for t, v in zip(self.tensors, self.versions):
             if t is not None and t._version != v:
                 check_version(t, v, "tensor kept to recompute a normalisation input")
@@ -573,6 +581,22 @@ def under_checkpoint() -> bool:
 # :func:`hold` and :func:`whole` run where no dispatch mode sees them (``unseen``: NOTE [A search
 # the modes never see] in _math/norms.py), as does slot 0's as_strided in place: no policy has
 # them to save or match. Their copy of a part of a storage is no tracker's either.
+# NOTE [No write into a buffer a policy may cache]
+# Selective activation checkpointing stores the output of every op its policy saves, with that
+# output's version, and in the recompute hands it back only where the version is unchanged: a
+# write over it after the op ran (its own in-place op's version bump, which autograd makes after
+# the dispatch modes saw the op, or a later copy into it) raises "Tensor cached during selective
+# activation checkpoint has been mutated". Eager's in-place activations are single ops a policy
+# sees as pointwise (``aten.silu_``, ``aten.hardsigmoid_``); slimgrad's issued ops a policy saving
+# every non-pointwise op stores and then saw written: the in-place smooth activations' ``copy_``
+# of y into x (its own output, bumped as it returns) and Hardsigmoid's side bits, packed chunk by
+# chunk into an ``aten.empty`` buffer. Linear -> x * 1 -> SiLU(inplace) -> Linear raised where
+# eager ran. Under checkpoint's hooks (the forward's and the recompute's alike) the smooth
+# activations' copy runs where no dispatch mode sees it (it allocates nothing: no tracker misses a
+# byte; the recompute runs it again, on its own x), and Hardsigmoid joins its chunks' packed bytes
+# (``torch.cat``; one chunk: pack_bits' own output), writing into nothing made before.
+
+
 def hold(t: torch.Tensor) -> torch.Tensor:
     """A 0-element uint8 view of ``t``'s whole storage (``t`` copied first unless it is exactly its
     contiguous storage), made where no dispatch mode sees it: NOTE [Value-dependent saves under
@@ -744,6 +768,62 @@ def put_recipe(y: torch.Tensor, recipe: Recipe) -> None:
         _RECIPES_D[k] = (weakref.ref(y, _partial(_RECIPES_D.pop, k)), recipe)
 
 
+# NOTE [A recipe made in a checkpoint's forward]
+# A conv's recipe holds its input x (NOTE [Recomputable inputs]) for as long as its output y lives,
+# at no cost where the conv's own node keeps x. In a non-reentrant torch.utils.checkpoint's forward
+# the nodes keep nothing (checkpoint's pack hook keeps no tensor; the recompute in backward saves
+# again), so the recipe alone held x: where y outlived the region (its output, kept by the op
+# after it) x stayed alive until y's backward where eager had let it go (ReLU -> trainable
+# Conv2d(4, 8, 3) in the region, (2, 4, 9, 9): peak 23,336 B against eager's 20,744, x's 2,592 B
+# above), and an InPlaceABN -> conv region kept the conv's input, InPlaceABN's output, likewise.
+# The ops in the region must still decide as the recompute will (what they save, matched by
+# order, shape and dtype), and in the forward a recipe is only ever read for those decisions and
+# for the tensor a norm saves through the hooks (NOTE [Under saved-tensor hooks] in
+# ops/batch_norm.py), which checkpoint's forward pack drops after reading its shape, dtype and
+# device. So in checkpoint's forward (its pack hook is ``_checkpoint_hook``'s, read from the
+# function's ``__qualname__``; the recompute's is ``_recomputation_hook``'s, and any other name
+# keeps x as before) the conv registers a recipe whose first tensor is a stand-in for x: x's
+# shape and dtype on y's storage (stride 0, no byte; made where no dispatch mode sees it), y's
+# version counter in place of x's. ``region`` is that pack hook: an op under other hooks (or none)
+# does not use the recipe (``usable``), a node that would keep the recipe itself as an attribute
+# for its backward (a BatchNorm before its claim, RecomputeABN) keeps its input instead or does
+# not use recipes under checkpoint's hooks, and calling it raises (no silent values). In the
+# recompute the recipe holds x, which the conv's saved tensor keeps there anyway.
+_FORWARD_HOOK = "_checkpoint_hook."
+
+
+def forward_region(hooks: tuple | None) -> object | None:
+    """Checkpoint's forward pack hook where ``hooks`` (the innermost saved-tensor hooks) are a
+    non-reentrant checkpoint's forward ones, else None (NOTE [A recipe made in a checkpoint's
+    forward])."""
+    if hooks is None or not _checkpoints(hooks):
+        return None
+    q = getattr(hooks[0], "__qualname__", None)
+    return hooks[0] if type(q) is str and q.startswith(_FORWARD_HOOK) else None
+
+
+def stand_in(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """A tensor of ``like``'s shape and dtype on ``y``'s storage (stride 0: no byte), sharing y's
+    version counter, or None where dtype or device differ (NOTE [A recipe made in a checkpoint's
+    forward])."""
+    if y.dtype != like.dtype or y.device != like.device or y.numel() == 0 or like.numel() == 0:
+        return None
+    return unseen(_stand_in, y, like.shape)
+
+
+def _stand_in(y: torch.Tensor, shape) -> torch.Tensor:
+    return y.detach().as_strided(shape, [0] * len(shape), y.storage_offset())
+
+
+def usable(r: Recipe) -> bool:
+    """Whether an op running now may use recipe ``r``: a stand-in's only under the hooks it was
+    made under (NOTE [A recipe made in a checkpoint's forward])."""
+    if r.region is None:
+        return True
+    h = _top_hooks(False)
+    return h is not None and h[0] is r.region
+
+
 def _usable_recipe(y: torch.Tensor, policy: str) -> Recipe | None:
     # the recipe of y if y is pristine, its ingredients unchanged and policy allows it
     if _is_compiling():
@@ -760,6 +840,8 @@ def recipe_of(y: torch.Tensor, policy: str) -> Recipe | None:
         return None
     r = e[1]
     if y._version != r.version or (policy == "pointwise" and not r.cheap):
+        return None
+    if r.region is not None and not usable(r):
         return None
     for t, v in zip(r.tensors, r.versions):
         if t is not None and t._version != v:
@@ -906,6 +988,26 @@ def drop_derived(chain: tuple) -> None:
         e = _DERIVED_D.get(k)
         if e is not None and e[0] is ref:
             del _DERIVED_D[k]
+
+
+# NOTE [A recipe dropped at its conv's backward]
+# A conv's recipe (NOTE [Recomputable inputs]) holds the conv's kept input for as long as its
+# output y lives; it is read by forward lookups and by norms that adopted it, whose backward runs
+# before the conv's. Where y outlives the conv's backward (a reentrant checkpoint holds its
+# region's outputs until the region's backward returns; a caller keeping y), the recipe kept that
+# input past the conv's backward, where the conv's own node lets it go: under bf16 autocast the
+# conv's cast copy of x, which nothing else holds (ReLU -> Conv2d(8, 8, 3) in a reentrant region,
+# (2, 8, 9, 9): peak 21,912 B against eager's 20,744). So the conv's Function drops its output's
+# registry entry in its first-order backward (``drop_recipe``; the entry's key and weak reference
+# set on its node at registration; deleted only where it is still y's own), as a BatchNorm drops
+# its derived records (NOTE [Dropped at b's backward]). A norm that adopted the recipe holds it
+# itself, so a retained graph's second backward still has it; only a later forward that reads y
+# again misses it, and its norm keeps y, as eager's does.
+def drop_recipe(key: tuple | None) -> None:
+    """Delete the recipe-registry entry ``key`` = (id, weak reference) where it is still that
+    reference's (NOTE [A recipe dropped at its conv's backward])."""
+    if key is not None and key[0] in _RECIPES_D and _RECIPES_D[key[0]][0] is key[1]:
+        del _RECIPES_D[key[0]]
 
 
 def check_version(t: torch.Tensor, version: int, what: str) -> None:

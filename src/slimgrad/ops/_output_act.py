@@ -251,7 +251,10 @@ def smooth_forward(
     ctx.held = held = top is not None and _derived._checkpoints(top)
     ctx.side = None
     if inplace:  # x holds y now: kept instead of y (no second copy); read as x.permute(perm)
-        x.copy_(out)
+        if held:  # NOTE [No write into a buffer a policy may cache] in ops/_derived.py
+            unseen(x.copy_, out)
+        else:
+            x.copy_(out)
         ctx.mark_dirty(x)
         if held:
             # x (holding y), or the dense copy of x, in x's shape and layout: one as_strided

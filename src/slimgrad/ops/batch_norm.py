@@ -682,7 +682,9 @@ class _BatchNormFn(torch.autograd.Function):
                 else:  # NOTE [A claim under checkpoint's hooks] in ops/_derived.py
                     ctx.fwd_hooks = ctx.b_hooks
                 ctx.pre = True
-            if recipe is not None:
+            # a stand-in's recipe is not kept (NOTE [A recipe made in a checkpoint's forward] in
+            # ops/_derived.py): x is, as without a recipe
+            if recipe is not None and recipe.region is None:
                 if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
                     recipe.rebuild.add_user(1)
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
@@ -1433,6 +1435,8 @@ def _batch_norm(
                 e[0]() is input
                 and input._version == r.version
                 and (r.cheap or recompute_input != "pointwise")
+                # NOTE [A recipe made in a checkpoint's forward] in ops/_derived.py
+                and (r.region is None or _derived.usable(r))
             ):
                 for t, v in zip(r.tensors, r.versions):
                     if t is not None and t._version != v:

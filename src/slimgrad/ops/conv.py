@@ -81,7 +81,7 @@ class _ConvFn(torch.autograd.Function):
         # (W's strides only for a batch of 0, the one backward that reads them)
         ctx.w_meta = (weight.shape, weight.dtype, weight.stride() if 0 in x.shape else None)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
-        ctx.act = ctx.rebuild = ctx.pack = ctx.x_storage = None
+        ctx.act = ctx.rebuild = ctx.pack = ctx.x_storage = ctx.recipe_key = None
         ctx.base_stands_in = False
         kept_x = hooked_x = None
         if need_w:
@@ -163,6 +163,11 @@ class _ConvFn(torch.autograd.Function):
         if ctx.pack is not None:  # NOTE [One pack per shared tensor] in ops/_derived.py
             kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)
+        if ctx.recipe_key is not None:  # NOTE [A recipe dropped at its conv's backward]
+            k, ref = ctx.recipe_key  # _derived.drop_recipe(ctx.recipe_key), inline
+            if k in _RECIPES_D and _RECIPES_D[k][0] is ref:
+                del _RECIPES_D[k]
+            ctx.recipe_key = None
         shape, dtype, device, xstride = ctx.x_meta
         if (
             weight is None
@@ -445,6 +450,7 @@ _NAMES = {
 }
 # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
 _CONV_APPLY = direct_apply(_ConvFn)
+_CONV_NODE = _ConvFn._backward_cls  # the Function's node (its ctx)
 # Types whose instances are plain tensors (no DTensor, no subclass): checked without a call
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # whose storage a weak reference can follow (NOTE [A stand-in for x]): the estimate's fake tensors
@@ -708,7 +714,11 @@ def _conv(
         # register_recipe(y, recompute, (kept, w0, b0), ...): a detached alias of the kept input;
         # the weight and bias themselves (Parameters, as eager's conv node keeps them: read under
         # no_grad only, their versions checked at every replay)
-        kept = kept.detach()
+        # NOTE [A recipe made in a checkpoint's forward]: a stand-in for x there, no hold on x
+        h = _top_hooks(False)
+        region = None if h is None else _derived.forward_region(h)
+        fake = None if region is None else _derived.stand_in(y, kept)
+        kept = kept.detach() if fake is None else fake
         versions = (kept._version, w0._version, 0 if b0 is None else b0._version)
         recipe = _Recipe(
             fn=recompute,
@@ -718,6 +728,7 @@ def _conv(
             cheap=pointwise and not gated,
             rebuild=rebuild,
             pack=pack,
+            region=None if fake is None else region,
         )
         # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C]); y is
         # this call's fresh output, so an entry at its id is a live y's only if y were registered
@@ -728,6 +739,8 @@ def _conv(
             _RECIPES_D[k] = (e[0], recipe)
         else:
             _RECIPES_D[k] = (_weakref(y, _partial(_RECIPES_D.pop, k)), recipe)
+        if type(y.grad_fn) is _CONV_NODE:  # NOTE [A recipe dropped at its conv's backward]
+            y.grad_fn.recipe_key = (k, _RECIPES_D[k][0])
     return y
 
 

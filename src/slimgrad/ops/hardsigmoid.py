@@ -23,6 +23,7 @@ from torch import Tensor
 
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import FxTraceError, eager_op, first_order, refuse_jit
+from slimgrad.ops import _derived
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits_as
 from slimgrad.ops._output_act import DENSE_MAX, needs_graph
 
@@ -61,6 +62,12 @@ def _pack_side(x: Tensor) -> Tensor:
     # chunked: the comparison temporaries stay below 4 B per element of a chunk
     flat = x.reshape(-1)
     n = flat.numel()
+    if _derived.under_checkpoint():
+        # NOTE [No write into a buffer a policy may cache] in ops/_derived.py: each chunk's bytes
+        # made by pack_bits and joined, no write into a buffer made before
+        if n <= CHUNK:
+            return pack_bits(_side(flat))
+        return torch.cat([pack_bits(_side(flat[a : a + CHUNK])) for a in range(0, n, CHUNK)])
     bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
     for a in range(0, n, CHUNK):
         c = flat[a : a + CHUNK]
