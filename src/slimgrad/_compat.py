@@ -294,6 +294,34 @@ def _conv_backend() -> Feature:
     )
 
 
+def _checkpoint_forward() -> Feature:
+    # NOTE [A recipe made in a checkpoint's forward] in slimgrad/ops/_derived.py: told by the
+    # name of torch.utils.checkpoint's forward pack hook; probed by a tiny non-reentrant checkpoint
+    from torch.utils.checkpoint import checkpoint
+
+    from slimgrad.ops import _derived
+
+    seen = []
+
+    def body(t):
+        seen.append(_derived.forward_region(_derived._top_hooks(False)) is not None)
+        return t * 2
+
+    with torch.enable_grad():
+        checkpoint(body, torch.ones(1, requires_grad=True), use_reentrant=False)
+    ok = seen == [True]
+    return Feature(
+        "conv recipes in a checkpoint's forward",
+        ok,
+        "a non-reentrant checkpoint's forward is told from its recompute: a conv's recipe there "
+        "holds a stand-in for its input"
+        if ok
+        else "torch.utils.checkpoint's forward pack hook is not named as expected: a conv inside "
+        "a non-reentrant checkpoint keeps its input alive while its output lives (up to one "
+        "input above eager's peak there)",
+    )
+
+
 _FEATURES: tuple[Callable[[], Feature], ...] = (
     _ownership,
     _forward_writes,
@@ -309,6 +337,7 @@ _FEATURES: tuple[Callable[[], Feature], ...] = (
     _modes_aside,
     _dense_check,
     _conv_backend,
+    _checkpoint_forward,
 )
 
 
