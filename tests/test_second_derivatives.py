@@ -101,10 +101,16 @@ def test_gradient_penalty_matches_eager(name, shape):
     eager = _critic(name, d)
     slim = slimgrad.convert_(copy.deepcopy(eager))
     if name == "hf_rms_norm":
+        from slimgrad import _ext
+
+        _ext.load()  # the C++ node where the extension builds (else the Python Function)
         slim[1] = _hf_converted(slim[1])
+    x0 = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    # a first call resolves the kernel backend: the second takes the straight path (for the
+    # Llama RMSNorm with slimgrad's C++ extension, its C++ node)
+    slim(x0.float().requires_grad_())
     assert type(slim[1]).__module__.startswith("slimgrad."), type(slim[1])
     assert type(slim[1]).__name__ == MODS[name][1]
-    x0 = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ref64 = _penalty_grads(copy.deepcopy(eager).double(), x0)
     eager32 = _penalty_grads(eager, x0)
     out = _penalty_grads(slim, x0)
