@@ -74,8 +74,13 @@ int64_t g_fresh_storage_use = -1;  // a fresh tensor's storage use and weak coun
 int64_t g_fresh_storage_weak = -1;
 
 PyObject* g_fallback = nullptr;  // _node_fallback(dy, y, rstd, w, own, need_x, need_w)
-PyObject* g_double = nullptr;    // _node_double(dy, y, rstd, w, need_x, need_w)
+PyObject* g_double = nullptr;    // _node_double(dy, y, rstd, w, eps, need_x, need_w)
 PyObject* g_written = nullptr;   // _node_written(message): raises slimgrad's error, or returns
+// _node_bridged(dy or None, y, rstd, w, eps, need_x, need_w): the whole backward in Python while
+// a second-order bridge holds a gradient for some node (g_open_boxes != 0; NOTE [RMSNorm's second
+// derivatives through its own node] in slimgrad/ops/rms_norm.py)
+PyObject* g_bridged = nullptr;
+std::atomic<long> g_open_boxes{0};
 
 bool env_off() {
   const char* v = std::getenv("SLIMGRAD_NO_REUSE");
@@ -323,6 +328,7 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({y, rstd, weight});
     ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["eps"] = eps;
     // ctx.needs_input_grad as the Python Function has it: requires_grad at forward (the
     // engine's per-task needs would skip dw under ``inputs=``/``autograd.grad``: other ops)
     ctx->saved_data["need_x"] = x.requires_grad();
@@ -334,6 +340,41 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
   // handle (NOTE [dy's ownership asked by the C++ node])
   static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     at::Tensor dy = std::move(grads[0]);
+    if (g_open_boxes.load(std::memory_order_relaxed) != 0 && g_bridged != nullptr) {
+      // NOTE [RMSNorm's second derivatives through its own node] in slimgrad/ops/rms_norm.py
+      const bool bx = ctx->saved_data["need_x"].toBool();
+      const bool bw = ctx->saved_data["need_w"].toBool();
+      variable_list saved = saved_or_raise(ctx);
+      at::Tensor dx, dw;
+      PyGILState_STATE st = PyGILState_Ensure();
+      try {
+        PyObject* pdy = nullptr;
+        if (dy.defined()) {
+          pdy = THPVariable_Wrap(std::move(dy));
+        } else {
+          Py_INCREF(Py_None);
+          pdy = Py_None;
+        }
+        call_python(
+            g_bridged,
+            Py_BuildValue(
+                "(NNNNdOO)",
+                pdy,
+                THPVariable_Wrap(saved[0]),
+                THPVariable_Wrap(saved[1]),
+                THPVariable_Wrap(saved[2]),
+                ctx->saved_data["eps"].toDouble(),
+                bx ? Py_True : Py_False,
+                bw ? Py_True : Py_False),
+            dx,
+            dw);
+      } catch (...) {
+        PyGILState_Release(st);
+        throw;
+      }
+      PyGILState_Release(st);
+      return {dx, dw, at::Tensor(), at::Tensor()};
+    }
     if (!dy.defined()) {  // NOTE [Norm backward without materialized gradients]
       return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
@@ -347,11 +388,12 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
         call_python(
             g_double,
             Py_BuildValue(
-                "(NNNNOO)",
+                "(NNNNdOO)",
                 THPVariable_Wrap(std::move(dy)),
                 THPVariable_Wrap(saved[0]),
                 THPVariable_Wrap(saved[1]),
                 THPVariable_Wrap(saved[2]),
+                ctx->saved_data["eps"].toDouble(),
                 need_x ? Py_True : Py_False,
                 need_w ? Py_True : Py_False),
             dx,
@@ -471,18 +513,30 @@ PyObject* hf_rms_norm_node(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// set_norm_fallbacks(fallback, double[, written]): the Python tails, once at load.
+// set_norm_fallbacks(fallback, double[, written[, bridged]]): the Python tails, once at load.
 PyObject* set_norm_fallbacks(PyObject* /*self*/, PyObject* args) {
-  PyObject *f = nullptr, *d = nullptr, *w = nullptr;
-  if (!PyArg_ParseTuple(args, "OO|O", &f, &d, &w)) {
+  PyObject *f = nullptr, *d = nullptr, *w = nullptr, *b = nullptr;
+  if (!PyArg_ParseTuple(args, "OO|OO", &f, &d, &w, &b)) {
     return nullptr;
   }
   Py_INCREF(f);
   Py_INCREF(d);
   Py_XINCREF(w);
+  Py_XINCREF(b);
   Py_XSETREF(g_fallback, f);
   Py_XSETREF(g_double, d);
   Py_XSETREF(g_written, w);
+  Py_XSETREF(g_bridged, b);
+  Py_RETURN_NONE;
+}
+
+// set_norm_boxes(n): how many second-order bridges hold a gradient for a node (0: none).
+PyObject* set_norm_boxes(PyObject* /*self*/, PyObject* arg) {
+  const long v = PyLong_AsLong(arg);
+  if (v == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  g_open_boxes.store(v);
   Py_RETURN_NONE;
 }
 
@@ -568,6 +622,7 @@ PyMethodDef slimgrad_norm_node_methods[] = {
      "The HF Llama RMSNorm through the C++ node, else None."},
     {"set_norm_fallbacks", set_norm_fallbacks, METH_VARARGS,
      "The node's Python tails."},
+    {"set_norm_boxes", set_norm_boxes, METH_O, "How many second-order bridges are open."},
     {"set_norm_grants", set_norm_grants, METH_O, "Whether the node may grant dy's buffer."},
     {"set_reuse_off", set_reuse_off, METH_O, "ownership.reuse_disabled's depth."},
     {"node_grants", node_grants, METH_VARARGS, "The node's grants (reset=True: and reset)."},
