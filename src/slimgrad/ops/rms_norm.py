@@ -97,9 +97,11 @@ from slimgrad.ops._output_act import check_output_seen, raise_output_written
 from slimgrad.ops.layer_norm import (
     _NORM_FIX,
     HALF_DTYPES,
-    _graph_task_id,
+    GradBox,
     _OutputBridge,
     autocast_inputs,
+    bridged_backward,
+    ctx_box,
     grads_or_empty,
     owns_layout,
     y_written,
@@ -125,23 +127,19 @@ _grad_on = torch._C.is_grad_enabled
 _EXT_BWD = None
 # and its RMSNorm node (NOTE [The RMSNorm node in C++])
 _EXT_NODE = None
-# the node's count of open second-order bridges (NOTE [RMSNorm's second derivatives through its
-# own node])
-_SET_BOXES = None
 
 
 def _use_extension(mod) -> None:
-    global _EXT_BWD, _EXT_NODE, _SET_BOXES
+    global _EXT_BWD, _EXT_NODE
     _EXT_BWD = getattr(mod, "rms_norm_bwd", None)
     if hasattr(mod, "hf_rms_norm_node"):
-        mod.set_norm_fallbacks(_node_fallback, _node_double, _node_written, _node_bridged)
+        mod.set_norm_fallbacks(_node_fallback, _node_double, _node_written, GradBox)
         # the node grants dy's buffer only where ownership.py's own facts hold (NOTE [dy's
         # ownership asked by the C++ node] in slimgrad/_ext/norm_node.cpp)
         mod.set_norm_grants(
             ownership.storage_facts_available() and ownership.refcount_problem() is None
         )
         _EXT_NODE = mod.hf_rms_norm_node
-        _SET_BOXES = mod.set_norm_boxes
 
 
 _ext.when_loaded(_use_extension)
@@ -244,11 +242,11 @@ class _RMSNormFn(torch.autograd.Function):
         return y, rstd, idx, xside
 
     @staticmethod
-    def backward(ctx, dy, *_):
+    def backward(ctx, dy, *_, boxed=False):
         # first_order("ops.rms_norm", _rms_double) inline, one frame fewer (NOTE [Second
         # derivatives] in slimgrad/_autograd.py)
-        if ctx.box:  # NOTE [RMSNorm's second derivatives through its own node]
-            return _bridged(ctx, dy, _RMSNormFn.backward)
+        if ctx.box and not boxed:  # NOTE [A second-order pass's gradient handed to its node]
+            return bridged_backward(ctx, dy, _RMSNormFn.backward)
         if _grad_on():
             return _rms_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
@@ -337,40 +335,16 @@ def _no_side(y: torch.Tensor, normalized_shape=None) -> tuple[torch.Tensor, torc
 # in float64; a gradient penalty within the error rule, tests/test_second_derivatives.py). The
 # rebuilt x reaches the real x through :class:`_OutputBridge` on y as the node saved it
 # (NOTE [LayerNorm's second derivatives through its own node] in ops/layer_norm.py), whose
-# backward leaves its gradient in ``ctx.box`` with the graph task's id; the node's backward adds
-# the box's gradients of that task to dx. y alone cannot carry them: y is invariant to x's scale
-# as eps -> 0, so rstd's share has no well-conditioned path through y. The formula, not a
-# reentrant ``autograd.grad`` of eager's ops: the C++ node runs its Python tail inside the
-# engine, and a nested backward from there hung (the second call in a process). The C++ node has
-# no ctx to hold a box: its bridges file their gradients in ``_NODE_BOXES`` under y's data
-# pointer and tell the node how many are open (``set_norm_boxes``); while any is, the node hands
-# its whole backward to :func:`_node_bridged`, which takes its own entries. A second-order pass
-# that stops at y (``inputs=`` naming it) leaves its entry there; the graph-task id keeps a later
-# pass from adding it, and node backwards take the Python route (the same values) until it is
-# taken. First order costs nothing new: an attribute set in forward and read in backward (no
-# call), and one atomic load in the C++ node.
-
-
-def _box_sum(entries):
-    # the gradients the bridges of this graph task left (NOTE [RMSNorm's second derivatives
-    # through its own node])
-    task = _graph_task_id()
-    extra = None
-    for t, g in entries:
-        if t == task:
-            extra = g if extra is None else extra + g
-    return extra
-
-
-def _bridged(ctx, dy, backward):
-    # backward(ctx, dy) + the box's gradient for x (the box emptied first: backward then runs as
-    # usual)
-    extra = _box_sum(ctx.box)
-    ctx.box.clear()
-    out = list(backward(ctx, dy))
-    if extra is not None and ctx.needs_input_grad[0]:
-        out[0] = extra if out[0] is None else out[0] + extra
-    return tuple(out)
+# backward puts its gradient in the node's box; the node's backward adds its pass's gradient from
+# the box to dx (NOTE [A second-order pass's gradient handed to its node] there). y alone cannot
+# carry it: y is invariant to x's scale as eps -> 0, so rstd's share has no well-conditioned path
+# through y. The formula, not a reentrant ``autograd.grad`` of eager's ops: the C++ node runs its
+# Python tail inside the engine, and a nested backward from there hung (the second call in a
+# process). The C++ node keeps its box in a slot it saves in forward (an empty pointer until a
+# double through it makes the box); its backward takes the box's entry for its pass, where there
+# is a box, then runs as without one (the C++ body where it applies) and adds it to dx. First
+# order costs nothing new: an attribute set in forward and read in backward (no call), and one
+# atomic load in the C++ node.
 
 
 def _saved_checked(ctx):
@@ -444,8 +418,6 @@ def _rms_double(ctx, dy):
         return None, None, None, None, None
     y, rstd, idx, xside, weight = _saved_checked(ctx)
     need = ctx.needs_input_grad
-    if ctx.box is None:
-        ctx.box = []
     dx, dw = _second_order(
         dy,
         y,
@@ -457,7 +429,7 @@ def _rms_double(ctx, dy):
         None,
         need[0],
         need[2],
-        ctx.box,
+        ctx_box(ctx),
         ctx.normalized_shape,
         ctx.x_dtype,
     )
@@ -470,8 +442,6 @@ def _hf_double(ctx, dy):
         return None, None, None, None, None
     y, rstd, idx, xside, weight = _saved_checked(ctx)
     need = ctx.needs_input_grad
-    if ctx.box is None:
-        ctx.box = []
     dx, dw = _second_order(
         dy,
         y,
@@ -483,7 +453,7 @@ def _hf_double(ctx, dy):
         ctx.variant,
         need[0],
         need[1],
-        ctx.box,
+        ctx_box(ctx),
         [y.shape[-1]],
         torch.float32,
     )
@@ -859,11 +829,11 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         return y, idx, xside
 
     @staticmethod
-    def backward(ctx, dy, *_):
+    def backward(ctx, dy, *_, boxed=False):
         # first_order("ops.rms_norm", _hf_double) inline, one frame fewer (NOTE [Second
         # derivatives] in slimgrad/_autograd.py)
-        if ctx.box:  # NOTE [RMSNorm's second derivatives through its own node]
-            return _bridged(ctx, dy, _HFRMSNormFromOutputFn.backward)
+        if ctx.box and not boxed:  # NOTE [A second-order pass's gradient handed to its node]
+            return bridged_backward(ctx, dy, _HFRMSNormFromOutputFn.backward)
         if _grad_on():
             return _hf_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
@@ -1020,11 +990,10 @@ def _node_written(message: str) -> None:
         )
 
 
-def _node_double(dy, y, rstd, weight, eps, need_x, need_w):
-    # create_graph through the node: _HFRMSNormFromOutputFn's double, its bridge's box kept in
-    # _NODE_BOXES under y's data pointer (NOTE [RMSNorm's second derivatives through its own node])
-    box = _NodeBox(y)
-    dx, dw = _second_order(
+def _node_double(dy, y, rstd, weight, eps, need_x, need_w, box):
+    # create_graph through the node: _HFRMSNormFromOutputFn's double, its bridge on the node's box
+    # (NOTE [RMSNorm's second derivatives through its own node])
+    return _second_order(
         dy,
         y,
         rstd,
@@ -1039,41 +1008,6 @@ def _node_double(dy, y, rstd, weight, eps, need_x, need_w):
         [y.shape[-1]],
         torch.float32,
     )
-    return dx, dw
-
-
-def _node_bridged(dy, y, rstd, weight, eps, need_x, need_w):
-    # the node's whole backward while some bridge holds a gradient (NOTE [RMSNorm's second
-    # derivatives through its own node]): this node's gradients from its box, if any, + its own
-    entries = _NODE_BOXES.pop(y.data_ptr(), None)
-    _SET_BOXES(len(_NODE_BOXES))
-    extra = _box_sum(entries) if entries else None
-    if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
-        dx, dw = None, None
-    elif _grad_on():
-        dx, dw = _node_double(dy, y, rstd, weight, eps, need_x, need_w)
-    else:
-        dx, dw = _node_fallback(dy, y, rstd, weight, False, need_x, need_w)
-    if extra is not None and need_x:
-        dx = extra if dx is None else dx + extra
-    return dx, dw
-
-
-#: {y.data_ptr(): [(graph task id, gradient)]}: what the C++ node's bridges left for it
-_NODE_BOXES: dict = {}
-
-
-class _NodeBox:
-    # a bridge's box for the C++ node: append() files the gradient under y's data pointer and
-    # tells the node a box is open (NOTE [RMSNorm's second derivatives through its own node])
-    __slots__ = ("key",)
-
-    def __init__(self, y):
-        self.key = y.data_ptr()
-
-    def append(self, entry):
-        _NODE_BOXES.setdefault(self.key, []).append(entry)
-        _SET_BOXES(len(_NODE_BOXES))
 
 
 # NOTE [RMSNorm's backward traced under torch.compile]
