@@ -171,11 +171,22 @@ def test_double_backward():
         res.append(list(torch.autograd.grad(gx.float().pow(2).sum(), [xx, w])))
     # the input is kept: eager's second derivatives (the same ops; summation order may differ)
     assert_within_rule(res[1], res[2], res[0], names=["ddx", "ddw"])
-    c32 = hf.rms_norm_from_hf(_make("gemma.modeling_gemma.GemmaRMSNorm"))
-    xx = torch.randn(4, D, requires_grad=True)
-    (gx,) = torch.autograd.grad(c32(xx).pow(2).sum(), xx, create_graph=True)
-    with pytest.raises(RuntimeError, match="slimgrad.ops.rms_norm: a second derivative"):
-        gx.pow(2).sum().backward()
+    # float32 keeps y: x rebuilt and bridged to the node (NOTE [RMSNorm's second derivatives
+    # through its own node]), gamma = 1 + w differentiated as Gemma's own ops
+    m32 = _make("gemma.modeling_gemma.GemmaRMSNorm")
+    with torch.no_grad():
+        m32.weight.uniform_(-0.5, 0.5)
+    c32 = hf.rms_norm_from_hf(copy.deepcopy(m32))
+    w64 = m32.weight.detach().double().requires_grad_()
+    x = torch.randn(4, D)
+    res = []
+    for fn, dt, w in [(m32, torch.float32, m32.weight), (c32, torch.float32, c32.weight)] + [
+        (lambda t: _gemma64(t, w64), torch.float64, w64)
+    ]:
+        xx = x.to(dt).requires_grad_()
+        (gx,) = torch.autograd.grad(fn(xx).pow(3).sum(), xx, create_graph=True)
+        res.append(list(torch.autograd.grad(gx.pow(2).sum(), [xx, w])))
+    assert_within_rule(res[1], res[2], res[0], names=["ddx", "ddw"])
 
 
 def test_other_code_is_refused_with_the_reason():

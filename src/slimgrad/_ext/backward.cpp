@@ -72,6 +72,24 @@ int plain(PyObject* obj, bool param) {
   return 1;
 }
 
+// plain() over every argument, those from ``first_param`` on allowed to be a Parameter and, with
+// ``none_ok``, to be None (an absent weight or bias, skipped): 1 all plain, 0 one is not (the
+// caller returns None: its Python body runs), -1 a Python error (set).
+int all_plain(std::initializer_list<PyObject*> objs, size_t first_param, bool none_ok) {
+  size_t i = 0;
+  for (PyObject* o : objs) {
+    const bool param = i++ >= first_param;
+    if (none_ok && param && o == Py_None) {
+      continue;
+    }
+    const int ok = plain(o, param);
+    if (ok <= 0) {
+      return ok;
+    }
+  }
+  return 1;
+}
+
 // A Python int argument of a Tensor parameter, as torch's Python argument parser passes it: a
 // wrapped-number 0-dim tensor (what ``t.div_(d)`` hands ATen's ``div_.Tensor``).
 at::Tensor wrapped(int64_t v) {
@@ -214,14 +232,11 @@ PyObject* rms_norm_bwd(PyObject* /*self*/, PyObject* args) {
   if (at::impl::torch_function_mode_enabled() || (gate && slimgrad_watcher_mask() != 0)) {
     Py_RETURN_NONE;
   }
-  for (PyObject* o : {pdy, py, prstd, pw}) {
-    const int ok = plain(o, o == pw);
-    if (ok <= 0) {
-      if (ok < 0) {
-        return nullptr;
-      }
-      Py_RETURN_NONE;
+  if (const int ok = all_plain({pdy, py, prstd, pw}, 3, false); ok <= 0) {
+    if (ok < 0) {
+      return nullptr;
     }
+    Py_RETURN_NONE;
   }
   const at::Tensor& dy = THPVariable_Unpack(pdy);
   const at::Tensor& y = THPVariable_Unpack(py);
@@ -391,18 +406,11 @@ PyObject* layer_norm_bwd(PyObject* /*self*/, PyObject* args) {
     Py_RETURN_NONE;
   }
   const bool has_w = pw != Py_None, has_b = pb != Py_None;
-  PyObject* const objs[5] = {pdy, py, prstd, pw, pb};
-  for (int i = 0; i < 5; ++i) {
-    if ((i == 3 && !has_w) || (i == 4 && !has_b)) {
-      continue;
+  if (const int ok = all_plain({pdy, py, prstd, pw, pb}, 3, true); ok <= 0) {
+    if (ok < 0) {
+      return nullptr;
     }
-    const int ok = plain(objs[i], i >= 3);
-    if (ok <= 0) {
-      if (ok < 0) {
-        return nullptr;
-      }
-      Py_RETURN_NONE;
-    }
+    Py_RETURN_NONE;
   }
   const at::Tensor& dy = THPVariable_Unpack(pdy);
   const at::Tensor& y = THPVariable_Unpack(py);

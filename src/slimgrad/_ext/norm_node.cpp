@@ -74,8 +74,25 @@ int64_t g_fresh_storage_use = -1;  // a fresh tensor's storage use and weak coun
 int64_t g_fresh_storage_weak = -1;
 
 PyObject* g_fallback = nullptr;  // _node_fallback(dy, y, rstd, w, own, need_x, need_w)
-PyObject* g_double = nullptr;    // _node_double(dy, y, rstd, w, need_x, need_w)
+PyObject* g_double = nullptr;    // _node_double(dy, y, rstd, w, eps, need_x, need_w, box)
 PyObject* g_written = nullptr;   // _node_written(message): raises slimgrad's error, or returns
+PyObject* g_box_type = nullptr;  // GradBox: a node's box, made by the first double through it
+
+// The node's GradBox (NOTE [A second-order pass's gradient handed to its node] in
+// slimgrad/ops/layer_norm.py): a slot saved in forward, empty until a double through the node
+// makes the box (under the GIL); every backward reads it with one atomic load. The slot is the
+// node's, so the box dies with the node's graph.
+struct BoxSlot : torch::CustomClassHolder {
+  std::atomic<PyObject*> box{nullptr};
+  ~BoxSlot() override {
+    PyObject* b = box.load();
+    if (b != nullptr && Py_IsInitialized() != 0) {
+      PyGILState_STATE st = PyGILState_Ensure();
+      Py_DECREF(b);
+      PyGILState_Release(st);
+    }
+  }
+};
 
 bool env_off() {
   const char* v = std::getenv("SLIMGRAD_NO_REUSE");
@@ -125,6 +142,29 @@ int python_side_ok(const at::TensorBase& t, int64_t* obj_use) {
   python_error err;
   err.persist();
   throw std::move(err);
+}
+
+BoxSlot* box_slot(AutogradContext* ctx) {
+  return static_cast<BoxSlot*>(ctx->saved_data.at("box").toCapsule().get());
+}
+
+// The slot's box, made where there is none yet (with the GIL; the first box stored wins, as the
+// Python ctx_box's lock makes it).
+PyObject* box_made(BoxSlot* slot) {
+  PyObject* b = slot->box.load(std::memory_order_acquire);
+  if (b != nullptr) {
+    return b;
+  }
+  PyObject* fresh = PyObject_CallNoArgs(g_box_type);
+  if (fresh == nullptr) {
+    raise_python();
+  }
+  PyObject* expected = nullptr;
+  if (!slot->box.compare_exchange_strong(expected, fresh, std::memory_order_acq_rel)) {
+    Py_DECREF(fresh);  // made meanwhile (the call can switch threads)
+    return expected;
+  }
+  return fresh;
 }
 
 bool plain_keys(const at::TensorBase& t) {
@@ -323,10 +363,12 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({y, rstd, weight});
     ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["eps"] = eps;
     // ctx.needs_input_grad as the Python Function has it: requires_grad at forward (the
     // engine's per-task needs would skip dw under ``inputs=``/``autograd.grad``: other ops)
     ctx->saved_data["need_x"] = x.requires_grad();
     ctx->saved_data["need_w"] = weight.requires_grad();
+    ctx->saved_data["box"] = c10::IValue::make_capsule(c10::make_intrusive<BoxSlot>());
     return y;
   }
 
@@ -334,26 +376,61 @@ struct HFRMSNormNode : public torch::autograd::Function<HFRMSNormNode> {
   // handle (NOTE [dy's ownership asked by the C++ node])
   static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     at::Tensor dy = std::move(grads[0]);
+    // NOTE [A second-order pass's gradient handed to its node] in slimgrad/ops/layer_norm.py:
+    // where a double made the node's box, this pass's entry (if any) is added to dx
+    BoxSlot* slot = box_slot(ctx);
+    PyObject* box = slot->box.load(std::memory_order_acquire);
+    if (box == nullptr) {
+      return body(ctx, dy, slot);
+    }
+    at::Tensor extra;
+    {
+      PyGILState_STATE st = PyGILState_Ensure();
+      PyObject* r = PyObject_CallMethod(box, "take", nullptr);
+      if (r == nullptr) {
+        python_error err;
+        err.persist();
+        PyGILState_Release(st);
+        throw std::move(err);
+      }
+      if (r != Py_None) {
+        extra = THPVariable_Unpack(r);
+      }
+      Py_DECREF(r);
+      PyGILState_Release(st);
+    }
+    variable_list out = body(ctx, dy, slot);
+    if (extra.defined()) {
+      out[0] = out[0].defined() ? at::add(out[0], extra) : std::move(extra);
+    }
+    return out;
+  }
+
+  // the backward without the box's entry; dy by reference: the caller's handle is its only one
+  static variable_list body(AutogradContext* ctx, at::Tensor& dy, BoxSlot* slot) {
     if (!dy.defined()) {  // NOTE [Norm backward without materialized gradients]
       return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
     const bool need_x = ctx->saved_data["need_x"].toBool();
     const bool need_w = ctx->saved_data["need_w"].toBool();
     at::Tensor dx, dw;
-    if (c10::GradMode::is_enabled()) {  // create_graph: the Python refusal of second order
+    if (c10::GradMode::is_enabled()) {  // create_graph: the Python double, bridged to the box
       variable_list saved = saved_or_raise(ctx);
       PyGILState_STATE st = PyGILState_Ensure();
       try {
+        PyObject* b = box_made(slot);
         call_python(
             g_double,
             Py_BuildValue(
-                "(NNNNOO)",
+                "(NNNNdOOO)",
                 THPVariable_Wrap(std::move(dy)),
                 THPVariable_Wrap(saved[0]),
                 THPVariable_Wrap(saved[1]),
                 THPVariable_Wrap(saved[2]),
+                ctx->saved_data["eps"].toDouble(),
                 need_x ? Py_True : Py_False,
-                need_w ? Py_True : Py_False),
+                need_w ? Py_True : Py_False,
+                b),
             dx,
             dw);
       } catch (...) {
@@ -471,18 +548,21 @@ PyObject* hf_rms_norm_node(PyObject* /*self*/, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// set_norm_fallbacks(fallback, double[, written]): the Python tails, once at load.
+// set_norm_fallbacks(fallback, double, written, box_type): the Python tails and the box class,
+// once at load.
 PyObject* set_norm_fallbacks(PyObject* /*self*/, PyObject* args) {
-  PyObject *f = nullptr, *d = nullptr, *w = nullptr;
-  if (!PyArg_ParseTuple(args, "OO|O", &f, &d, &w)) {
+  PyObject *f = nullptr, *d = nullptr, *w = nullptr, *b = nullptr;
+  if (!PyArg_ParseTuple(args, "OOOO", &f, &d, &w, &b)) {
     return nullptr;
   }
   Py_INCREF(f);
   Py_INCREF(d);
-  Py_XINCREF(w);
+  Py_INCREF(w);
+  Py_INCREF(b);
   Py_XSETREF(g_fallback, f);
   Py_XSETREF(g_double, d);
   Py_XSETREF(g_written, w);
+  Py_XSETREF(g_box_type, b);
   Py_RETURN_NONE;
 }
 

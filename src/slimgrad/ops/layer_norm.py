@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -429,6 +431,80 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask
     return fake_norm_grads(y, weight, bias, output_mask)
 
 
+# NOTE [A second-order pass's gradient handed to its node]
+# A bridge (:class:`_OutputBridge`, :class:`_Bridge`, ``_monotone._ZeroTie``) and the node that
+# returns its gradient to x (the norm's own node, or the input's anchor) run in the same backward
+# pass, one graph task, but autograd gives them no channel: the bridge's gradient goes through a
+# :class:`GradBox` that node owns (``ctx.box`` of a Python Function; the C++ RMSNorm node's saved
+# ``box`` slot; an anchor's list, :func:`list_box`) and the bridge holds. One graph may be
+# differentiated by several passes at once (threads, each with its own graph task) and a pass may
+# end before the node runs (``inputs=`` naming y, an exception in between), so the box holds one
+# entry per graph task: ``put`` adds to the entry of the task it runs in, ``take`` pops that
+# task's entry, and nothing is keyed by an address. The box refers to its entries weakly: each is
+# owned by a callback queued on its graph task (``queue_callback``), which the engine runs and
+# drops when the task completes, or drops with the task when it fails, so an entry lives no
+# longer than its pass and its gradient (and any graph it carries) goes with it. A box is made by
+# the first bridge or double that needs it (under :data:`_BOX_LOCK`: two passes may race to make
+# it), never in forward; first order reads one attribute (None, or an empty box) and the C++ node
+# one atomic pointer.
+class _Held:
+    # a task's entry in a GradBox; the task's callback holds it (calling it drops the gradient)
+    __slots__ = ("g", "__weakref__")
+
+    def __call__(self) -> None:
+        self.g = None
+
+
+class GradBox(weakref.WeakValueDictionary):
+    """The gradients bridges hand to their node, one entry per graph task (NOTE [A second-order
+    pass's gradient handed to its node])."""
+
+    def put(self, g: torch.Tensor) -> None:
+        task = _graph_task_id()
+        held = self.get(task)
+        if held is None:
+            held = _Held()
+            held.g = g
+            self[task] = held
+            _queue_callback(held)
+        else:
+            held.g = held.g + g
+
+    def take(self) -> torch.Tensor | None:
+        held = self.pop(_graph_task_id(), None)
+        if held is None:
+            return None
+        g, held.g = held.g, None
+        return g
+
+
+_BOX_LOCK = threading.Lock()
+_graph_task_id = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def list_box(holder: list) -> GradBox:
+    """The GradBox an anchor's list holds, made on first use (NOTE [A second-order pass's
+    gradient handed to its node]); the list is made in forward, the box only by a bridge."""
+    if not holder:
+        with _BOX_LOCK:
+            if not holder:
+                holder.append(GradBox())
+    return holder[0]
+
+
+def ctx_box(ctx) -> GradBox:
+    """``ctx.box``, made on first use (NOTE [A second-order pass's gradient handed to its
+    node])."""
+    box = ctx.box
+    if box is None:
+        with _BOX_LOCK:
+            box = ctx.box
+            if box is None:
+                box = ctx.box = GradBox()
+    return box
+
+
 # NOTE [Second derivatives of an op that keeps its output]
 # A norm that keeps its output y instead of its input x has no x to differentiate again under
 # ``create_graph=True`` (NOTE [Second derivatives] in ``slimgrad/_autograd.py``). Its ``double``
@@ -439,8 +515,9 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask
 # back to x, so the forward leaves an *anchor* on x: :func:`make_anchor` applies
 # :class:`_InputAnchor` to x, a node with an edge to x that returns an empty tensor (0 bytes, keeps
 # nothing of x). In ``double``, :func:`bridged` wraps the rebuilt values in :class:`_Bridge`, whose
-# backward hands the gradient it receives to the anchor's node through a shared list, and the
-# anchor's backward returns it to x: the rebuilt values then act as x itself for every later
+# backward hands the gradient it receives to the anchor's node through a box in a shared list
+# (NOTE [A second-order pass's gradient handed to its node]), and the anchor's backward returns it
+# to x: the rebuilt values then act as x itself for every later
 # differentiation. Costs: one small node per forward call whose input requires grad; none in first-
 # order backward (the anchor is not on the loss's graph, so autograd never runs it).
 # LayerNorm needs no anchor: NOTE [LayerNorm's second derivatives through its own node].
@@ -454,14 +531,9 @@ class _InputAnchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _unused):
+        # NOTE [A second-order pass's gradient handed to its node]
         box = ctx.box
-        if not box:
-            return None, None
-        g = box[0]
-        for t in box[1:]:
-            g = g + t
-        box.clear()
-        return g, None
+        return (box[0].take() if box else None), None
 
 
 _ANCHOR_APPLY = direct_apply(_InputAnchor)
@@ -475,7 +547,7 @@ class _Bridge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ctx.box.append(g)
+        list_box(ctx.box).put(g)  # NOTE [A second-order pass's gradient handed to its node]
         return None, g.new_empty(0), None
 
 
@@ -669,42 +741,36 @@ def affine_norm_function(name: str, api: str, fwd_op, bwd_op, bwd_into, double=N
 # x in forward (the anchor, an extra autograd Function per call, was a third of LayerNorm's host
 # time above the pass-through floor on tiny GPT-2). Its own node already has the edge to x: the
 # double bridges the rebuilt values to y as the node saved it (a saved output unpacks with this
-# node as its grad_fn) through :class:`_OutputBridge`, whose backward appends the gradient of the
-# rebuilt values to ``ctx.box`` (with the graph task's id) and returns none for y. The engine runs
-# the bridge's node before this node (its edge leads here), then this node's backward, with y's
-# gradient None unless y has other consumers in that graph: it takes the box's gradients of the
-# same graph task and adds them to dx (``_bridged``: dy None gives dx = that sum and nothing
-# else), exactly what the anchor's node returned to x. A forward whose y is None (``_keep_x``: x
-# itself saved) differentiates the saved x, which carries its own graph: no bridge. Where a
-# second-order pass asks for y's own gradient (the engine then stops at y) the box keeps what it
-# got; the graph-task id keeps a later pass from adding it.
+# node as its grad_fn) through :class:`_OutputBridge`, whose backward puts the gradient of the
+# rebuilt values in the node's :class:`GradBox` (``ctx.box``) and returns none for y. The engine
+# runs the bridge's node before this node (its edge leads here), then this node's backward, with
+# y's gradient None unless y has other consumers in that graph: it takes its pass's gradient from
+# the box and adds it to dx (``_bridged``: dy None gives dx = that gradient and nothing else),
+# exactly what the anchor's node returned to x. A forward whose y is None (``_keep_x``: x itself
+# saved) differentiates the saved x, which carries its own graph: no bridge.
+
+
 class _OutputBridge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, values: torch.Tensor, y: torch.Tensor, box: list) -> torch.Tensor:
+    def forward(ctx, values: torch.Tensor, y: torch.Tensor, box: GradBox) -> torch.Tensor:
         ctx.box = box
         return values.view_as(values)
 
     @staticmethod
     def backward(ctx, g):
-        ctx.box.append((_graph_task_id(), g))
+        ctx.box.put(g)
         return None, None, None
 
 
-_graph_task_id = torch._C._current_graph_task_id
-
-
-def _bridged(ctx, dy):
-    # NOTE [LayerNorm's second derivatives through its own node]: the gradients the bridges of
-    # this graph task left for x, added to dx (the box emptied first: backward then runs as usual)
-    task = _graph_task_id()
-    extra = None
-    for t, g in ctx.box:
-        if t == task:
-            extra = g if extra is None else extra + g
-    ctx.box.clear()
-    out = list(_LayerNormFn.backward(ctx, dy))
-    if extra is not None and ctx.needs_input_grad[0]:
-        out[0] = extra if out[0] is None else out[0] + extra
+def bridged_backward(ctx, dy, backward):
+    """``backward(ctx, dy, boxed=True)`` + this pass's gradient from ``ctx.box`` for x (NOTE [A
+    second-order pass's gradient handed to its node])."""
+    extra = ctx.box.take()
+    out = backward(ctx, dy, boxed=True)
+    if extra is None or not ctx.needs_input_grad[0]:
+        return out
+    out = list(out)
+    out[0] = extra if out[0] is None else out[0] + extra
     return tuple(out)
 
 
@@ -728,9 +794,7 @@ def _ln_double(ctx, dy):
         with torch.no_grad():
             x = _rebuild_ln_input(y.detach(), mean, rstd, idx, xside, weight, bias, ctx.arg)
         if need[0]:
-            if ctx.box is None:
-                ctx.box = []
-            x = _OutputBridge.apply(x, y, ctx.box)
+            x = _OutputBridge.apply(x, y, ctx_box(ctx))
     pairs = [(x, need[0]), (weight, need[2]), (bias, need[3])]
     inputs = [t for t, n in pairs if n and t is not None]
     with torch.enable_grad():
@@ -824,11 +888,11 @@ class _LayerNormFn(torch.autograd.Function):
         return y, mean, rstd, idx, xside
 
     @staticmethod
-    def backward(ctx, dy, *_):
+    def backward(ctx, dy, *_, boxed=False):
         # first_order's check inline, one frame fewer (NOTE [Second derivatives] in
         # slimgrad/_autograd.py): under create_graph=True the differentiable backward runs
-        if ctx.box:  # NOTE [LayerNorm's second derivatives through its own node]
-            return _bridged(ctx, dy)
+        if ctx.box and not boxed:  # NOTE [A second-order pass's gradient handed to its node]
+            return bridged_backward(ctx, dy, _LayerNormFn.backward)
         if _grad_on():
             return _ln_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients]

@@ -73,7 +73,6 @@ from slimgrad._autograd import (
     direct_apply,
     first_order,
     refuse_jit,
-    refuse_second_order,
     transforms_active,
     unwrap_if_dead,
 )
@@ -85,6 +84,7 @@ from slimgrad._math.norms import (  # noqa: F401 (CHUNK_ELEMS: tests)
     CHUNK_ELEMS,
     fallback_channels,
     fallback_or_none,
+    rebuild_xhat,
     side_columns,
 )
 from slimgrad._math.norms import acc_dtype as _acc_dtype
@@ -95,8 +95,13 @@ from slimgrad.kernels import _backend
 from slimgrad.ops._library import custom_op
 from slimgrad.ops._output_act import check_output_seen, raise_output_written
 from slimgrad.ops.layer_norm import (
+    _NORM_FIX,
     HALF_DTYPES,
+    GradBox,
+    _OutputBridge,
     autocast_inputs,
+    bridged_backward,
+    ctx_box,
     grads_or_empty,
     owns_layout,
     y_written,
@@ -128,7 +133,7 @@ def _use_extension(mod) -> None:
     global _EXT_BWD, _EXT_NODE
     _EXT_BWD = getattr(mod, "rms_norm_bwd", None)
     if hasattr(mod, "hf_rms_norm_node"):
-        mod.set_norm_fallbacks(_node_fallback, _node_double, _node_written)
+        mod.set_norm_fallbacks(_node_fallback, _node_double, _node_written, GradBox)
         # the node grants dy's buffer only where ownership.py's own facts hold (NOTE [dy's
         # ownership asked by the C++ node] in slimgrad/_ext/norm_node.cpp)
         mod.set_norm_grants(
@@ -202,7 +207,8 @@ class _RMSNormFn(torch.autograd.Function):
     def forward(ctx, x, normalized_shape, weight, eps, direct=False):
         # direct=_TORCH: the straight path (NOTE [One gate per call] in slimgrad/_library.py) on
         # the PyTorch forward; NOTE [An empty side table is saved as None] in ops/layer_norm.py
-        ctx.normalized_shape, ctx.x_dtype = normalized_shape, x.dtype
+        ctx.normalized_shape, ctx.x_dtype, ctx.eps = normalized_shape, x.dtype, eps
+        ctx.box = None  # NOTE [RMSNorm's second derivatives through its own node]
         # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
         ctx.materialize_grads = False
         if direct is _TORCH:
@@ -236,11 +242,13 @@ class _RMSNormFn(torch.autograd.Function):
         return y, rstd, idx, xside
 
     @staticmethod
-    def backward(ctx, dy, *_):
-        # first_order("ops.rms_norm") inline, one frame fewer (NOTE [Second derivatives] in
-        # slimgrad/_autograd.py): keeps y, not x, so second derivatives raise a clear error
+    def backward(ctx, dy, *_, boxed=False):
+        # first_order("ops.rms_norm", _rms_double) inline, one frame fewer (NOTE [Second
+        # derivatives] in slimgrad/_autograd.py)
+        if ctx.box and not boxed:  # NOTE [A second-order pass's gradient handed to its node]
+            return bridged_backward(ctx, dy, _RMSNormFn.backward)
         if _grad_on():
-            return refuse_second_order("ops.rms_norm", _RMSNormFn.backward, ctx, (dy, *_))
+            return _rms_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
         # take(dy) in this frame, one call fewer (layer_norm's form): the first use of dy, NOTE
@@ -314,6 +322,142 @@ def _no_side(y: torch.Tensor, normalized_shape=None) -> tuple[torch.Tensor, torc
     # the empty index table and input columns of a forward without fallback channels
     d = math.prod(normalized_shape) if normalized_shape is not None else y.shape[-1]
     return y.new_empty(0, dtype=torch.int64), y.new_empty((y.numel() // d if d else 0, 0))
+
+
+# NOTE [RMSNorm's second derivatives through its own node]
+# Under create_graph=True the from-output Functions (and the C++ node) compute their first
+# derivatives in differentiable torch ops of x and the weight (:func:`_second_order`): x's values
+# are rebuilt from what was kept, x = (y / gamma) / rstd, the fallback channels' columns copied
+# from their kept input columns; rstd and xhat are eager's functions of that x (rsqrt of the mean
+# of squares, x * rstd) carrying the forward's own values (rstd as kept, xhat = y / gamma), and
+# dx = rstd (g - xhat mean(g xhat)), g = dy * gamma(w), dw = sum_rows(dy xhat): autograd
+# differentiates them, eager's second derivatives up to the rounding of the rebuild (gradgradcheck
+# in float64; a gradient penalty within the error rule, tests/test_second_derivatives.py). The
+# rebuilt x reaches the real x through :class:`_OutputBridge` on y as the node saved it
+# (NOTE [LayerNorm's second derivatives through its own node] in ops/layer_norm.py), whose
+# backward puts its gradient in the node's box; the node's backward adds its pass's gradient from
+# the box to dx (NOTE [A second-order pass's gradient handed to its node] there). y alone cannot
+# carry it: y is invariant to x's scale as eps -> 0, so rstd's share has no well-conditioned path
+# through y. The formula, not a reentrant ``autograd.grad`` of eager's ops: the C++ node runs its
+# Python tail inside the engine, and a nested backward from there hung (the second call in a
+# process). The C++ node keeps its box in a slot it saves in forward (an empty pointer until a
+# double through it makes the box); its backward takes the box's entry for its pass, where there
+# is a box, then runs as without one (the C++ body where it applies) and adds it to dx. First
+# order costs nothing new: an attribute set in forward and read in backward (no call), and one
+# atomic load in the C++ node.
+
+
+def _saved_checked(ctx):
+    try:
+        saved = ctx.saved_tensors
+    except RuntimeError as e:  # NOTE [A norm's output written after forward]
+        y_written(e, ctx, "ops.rms_norm")
+        raise
+    if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
+        check_output_seen(ctx, saved[0], "ops.rms_norm", _NORM_FIX)
+    return saved
+
+
+def _rebuild_rms_input(y, rstd, idx, xside, gamma, d, x_dtype):
+    # (x, xhat): x's values rebuilt, x = xhat / rstd, and xhat = y / gamma as the forward made y
+    # from it (the fallback columns from x itself)
+    acc = _acc_dtype(y.dtype)
+    n = y.numel() // max(d, 1)
+    g = gamma.detach().reshape(d).to(acc) if gamma is not None else None
+    xh = rebuild_xhat(y.reshape(n, d), g, None, acc)
+    r = rstd.reshape(n, 1).to(acc)
+    if idx is not None and idx.numel():
+        xh.index_copy_(1, idx, xside.to(acc) * r)
+    x = xh / r
+    if idx is not None and idx.numel():
+        x.index_copy_(1, idx, xside.to(acc))
+    return x.to(x_dtype).reshape(y.shape), xh.reshape(y.shape)
+
+
+def _second_order(dy, y, rstd, idx, xside, weight, eps, variant, need_x, need_w, box, ns, x_dtype):
+    # the first derivatives in differentiable torch ops of x rebuilt from (y, rstd, the fallback
+    # columns) and of the weight (NOTE [RMSNorm's second derivatives through its own node]);
+    # variant None: F.rms_norm over ns (gamma = weight), else an HF variant's float32 lean case
+    # (y = xhat * gamma(weight) in float32, NOTE [HF RMSNorm cast orders])
+    need_w = weight is not None and need_w
+    if not (need_x or need_w):
+        return None, None
+    gamma_of = None if variant is None or weight is None else HF_VARIANTS[variant][1]
+    with torch.no_grad():
+        gamma0 = gamma_of(weight.detach()) if gamma_of is not None else weight
+        x, xh0 = _rebuild_rms_input(y.detach(), rstd, idx, xside, gamma0, math.prod(ns), x_dtype)
+    if need_x:
+        x = _OutputBridge.apply(x, y, box)
+    dims = tuple(range(-len(ns), 0))
+    with torch.enable_grad():
+        # eager's rstd and xhat as functions of x (F.rms_norm's eps=None: the dtype's eps), with
+        # the forward's own values (rstd kept, xhat = y / gamma): the rebuild's rounding enters
+        # the derivatives of the first derivatives only
+        e = torch.finfo(x.dtype).eps if eps is None else eps
+        r = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + e)
+        xh = x * r
+        r = r + (rstd.to(r.dtype) - r).detach()
+        xh = xh + (xh0.to(xh.dtype) - xh).detach()
+        gamma = weight if gamma_of is None else gamma_of(weight)
+        g = dy if gamma is None else dy * gamma
+        dx = r * (g - xh * (g * xh).mean(dims, keepdim=True)) if need_x else None
+        dw = None
+        if need_w:
+            dw = (dy * xh).reshape(-1, *weight.shape).sum(0)
+            if dw.dtype != weight.dtype:
+                dw = dw.to(weight.dtype)
+    if dx is not None and dx.dtype != x_dtype:
+        dx = dx.to(x_dtype)
+    return dx, dw
+
+
+def _rms_double(ctx, dy):
+    # _RMSNormFn's backward under create_graph (NOTE [RMSNorm's second derivatives through its
+    # own node])
+    if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+        return None, None, None, None, None
+    y, rstd, idx, xside, weight = _saved_checked(ctx)
+    need = ctx.needs_input_grad
+    dx, dw = _second_order(
+        dy,
+        y,
+        rstd,
+        idx,
+        xside,
+        weight,
+        ctx.eps,
+        None,
+        need[0],
+        need[2],
+        ctx_box(ctx),
+        ctx.normalized_shape,
+        ctx.x_dtype,
+    )
+    return dx, None, dw, None, None
+
+
+def _hf_double(ctx, dy):
+    # _HFRMSNormFromOutputFn's backward under create_graph (the same NOTE)
+    if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+        return None, None, None, None, None
+    y, rstd, idx, xside, weight = _saved_checked(ctx)
+    need = ctx.needs_input_grad
+    dx, dw = _second_order(
+        dy,
+        y,
+        rstd,
+        idx,
+        xside,
+        weight,
+        ctx.eps,
+        ctx.variant,
+        need[0],
+        need[1],
+        ctx_box(ctx),
+        [y.shape[-1]],
+        torch.float32,
+    )
+    return dx, dw, None, None, None
 
 
 _TORCH = object()  # _RMSNormFn's ``direct`` for the straight path's PyTorch forward
@@ -654,7 +798,8 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         ctx.y_seen = (
             seen(y) if (direct or not compiling()) and hooks_top(False) is not None else None
         )
-        ctx.variant = variant
+        ctx.variant, ctx.eps = variant, eps
+        ctx.box = None  # NOTE [RMSNorm's second derivatives through its own node]
         # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
         ctx.materialize_grads = False
         if direct and weight is not None:
@@ -684,13 +829,13 @@ class _HFRMSNormFromOutputFn(torch.autograd.Function):
         return y, idx, xside
 
     @staticmethod
-    def backward(ctx, dy, *_):
-        # first_order("ops.rms_norm") inline, one frame fewer (NOTE [Second derivatives] in
-        # slimgrad/_autograd.py)
+    def backward(ctx, dy, *_, boxed=False):
+        # first_order("ops.rms_norm", _hf_double) inline, one frame fewer (NOTE [Second
+        # derivatives] in slimgrad/_autograd.py)
+        if ctx.box and not boxed:  # NOTE [A second-order pass's gradient handed to its node]
+            return bridged_backward(ctx, dy, _HFRMSNormFromOutputFn.backward)
         if _grad_on():
-            return refuse_second_order(
-                "ops.rms_norm", _HFRMSNormFromOutputFn.backward, ctx, (dy, *_)
-            )
+            return _hf_double(ctx, dy)
         if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
             return None, None, None, None, None
         # take(dy) in this frame, one call fewer (layer_norm's form): the first use of dy, NOTE
@@ -807,8 +952,9 @@ _HF_RMS_APPLY = direct_apply(_HFRMSNormFromOutputFn)
 # backward, where the C++ body does not run (a watcher entered since forward, a body whose case
 # fails, no dx needed) the node calls ``_node_fallback``: _HFRMSNormFromOutputFn's backward past
 # the ownership question, with the node's answer; under create_graph, ``_node_double``: that
-# Function's refusal of second order. The memory tracker and the fake-tensor estimate run under a
-# dispatch mode, so they see the Python Function, whose saved set is the node's.
+# Function's double (NOTE [RMSNorm's second derivatives through its own node]). The memory
+# tracker and the fake-tensor estimate run under a dispatch mode, so they see the Python
+# Function, whose saved set is the node's.
 
 
 def _hf_node(x, weight, eps):
@@ -825,17 +971,6 @@ def _hf_node(x, weight, eps):
     ):
         return None
     return node(x, weight, eps, _norms.CHUNK_ELEMS)
-
-
-class _NodeCtx:
-    # what refuse_second_order and _HFRMSNormFromOutputFn.backward read of a ctx
-    __slots__ = ("needs_input_grad", "saved_tensors", "variant", "y_seen")
-
-    def __init__(self, y, rstd, weight, need_x, need_w):
-        self.y_seen = None  # the node is never made under saved-tensor hooks
-        self.saved_tensors = (y, rstd, None, None, weight)
-        self.needs_input_grad = (need_x, need_w, False, False, False)
-        self.variant = "llama"
 
 
 def _node_fallback(dy, y, rstd, weight, own, need_x, need_w):
@@ -855,15 +990,24 @@ def _node_written(message: str) -> None:
         )
 
 
-def _node_double(dy, y, rstd, weight, need_x, need_w):
-    # create_graph through the node: _HFRMSNormFromOutputFn's refusal of second order
-    out = refuse_second_order(
-        "ops.rms_norm",
-        _HFRMSNormFromOutputFn.backward,
-        _NodeCtx(y, rstd, weight, need_x, need_w),
-        (dy,),
+def _node_double(dy, y, rstd, weight, eps, need_x, need_w, box):
+    # create_graph through the node: _HFRMSNormFromOutputFn's double, its bridge on the node's box
+    # (NOTE [RMSNorm's second derivatives through its own node])
+    return _second_order(
+        dy,
+        y,
+        rstd,
+        None,
+        None,
+        weight,
+        eps,
+        "llama",
+        need_x,
+        need_w,
+        box,
+        [y.shape[-1]],
+        torch.float32,
     )
-    return out[0], out[1]
 
 
 # NOTE [RMSNorm's backward traced under torch.compile]
