@@ -41,7 +41,9 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 #   - a forward slimgrad knows by its qualified name (``_DECLARED``, the class's own method, no
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
-#     output) and BertOutput (its input -> dense);
+#     output), BertOutput (its input -> dense), OPTDecoderLayer (activation_fn -> fc2), the
+#     BART-style encoder and decoder layers (activation_fn -> fc2 where ``activation_dropout`` is
+#     0 at ``convert_`` time: ``F.dropout`` returns its input then);
 #   - any other forward (its class's, no hooks on the parent), from ``convert_``'s fx trace of it
 #     (NOTE [One reading of the structure per convert_] in
 #     slimgrad/convert_handlers/inplace_guard.py; one graph for train and eval): the module called
@@ -86,6 +88,10 @@ _NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it 
 _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
     ("transformers.models.gpt2.modeling_gpt2.GPT2MLP", "forward"): {"act": ("c_proj",)},
     ("timm.layers.mlp.Mlp", "forward"): {"act": ("drop1", "norm", "fc2")},
+    # its forward (attention, caches: no one fx graph) hands the activation's output to fc2
+    ("transformers.models.opt.modeling_opt.OPTDecoderLayer", "forward"): {
+        "activation_fn": ("fc2",)
+    },
     ("transformers.models.bert.modeling_bert.BertIntermediate", "forward"): {
         "intermediate_act_fn": _OUT
     },
@@ -100,6 +106,24 @@ _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
         "k_layernorm": _NOBODY,
     },
 }
+# act -> F.dropout(p=self.activation_dropout) -> fc2: the dropout returns its input itself at p == 0
+# (``_P0``: the consumer is fc2 where the module's ``activation_dropout`` is 0 at convert_ time)
+_P0 = "<activation_dropout == 0>"
+_DECLARED.update(
+    {
+        (f"transformers.models.{fam}.modeling_{fam}.{cls}{side}Layer", "forward"): {
+            "activation_fn": (_P0, "fc2")
+        }
+        for fam, cls in (
+            ("bart", "Bart"),
+            ("mbart", "MBart"),
+            ("marian", "Marian"),
+            ("pegasus", "Pegasus"),
+            ("whisper", "Whisper"),
+        )  # fmt: skip
+        for side in ("Encoder", "Decoder")
+    }
+)
 #: {class: the child its forward hands its (first) input to first}
 _ENTRY: dict[str, str] = {"transformers.models.bert.modeling_bert.BertOutput": "dense"}
 
@@ -265,6 +289,10 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
             if spec == _NOBODY:
                 return False
             for t in spec:  # the first child that does not pass y on is its consumer
+                if t == _P0:
+                    if getattr(parent, "activation_dropout", None) != 0:
+                        return None
+                    continue
                 c = parent._modules.get(t)
                 if not _passes(c):
                     return _keeps_input(c, 0, bn_sites)
