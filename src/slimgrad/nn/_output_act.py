@@ -351,7 +351,8 @@ def _used_by(node, parent, sites, depth, when, read) -> bool | KeepYWhen | None:
 # (``Sequential(conv, ReLU, SiLU, conv)``). So ``state_consumers_`` reads the activation's
 # producer from the same structure as its consumer (the child before it in a plain
 # ``nn.Sequential``, past ``nn.Identity`` / ``Dropout(p=0)``; before a Sequential's first child,
-# what precedes the Sequential) and turns ``keep_y`` off there. A ``ReLUAfterNorm`` keeps its
+# what precedes the Sequential; in another forward, the child whose output its trace hands the
+# activation) and turns ``keep_y`` off there. A ``ReLUAfterNorm`` keeps its
 # output only where it ran eager's op: on a slimgrad BatchNorm's claimed output it keeps b and
 # tags its output as derived (NOTE [Derived saved inputs] in slimgrad/ops/_derived.py). Which one
 # ran is known at the activation's call, from its input: ``keep_y`` is then a :class:`KeepYWhen`
@@ -426,12 +427,36 @@ def _neighbour(child, sites: dict, after: bool, depth: int = 0):
     return _neighbour(parent, sites, after, depth + 1)
 
 
-def _keeps_y_when(m, sites: dict, consumer) -> bool | KeepYWhen:
-    # keep_y of a smooth activation m whose consumer's answer is ``consumer`` (not False)
+def _traced_producer(m, sites: dict, read):
+    # the child whose output m is called with in its parent's trace (a forward that is not a
+    # plain Sequential's; NOTE [Keep y only where its consumer keeps it]), else None
+    where = sites.get(id(m), ())
+    if len(where) != 1:
+        return None
+    parent = where[0][0]
+    if _sequential(parent) or not _plain(parent):
+        return None
+    graph = read(parent)
+    if graph is None:
+        return None
+    calls = [n for n in graph.nodes if n.op == "call_module" and _at(parent, n.target) is m]
+    if len(calls) != 1 or not calls[0].args:
+        return None
+    a = calls[0].args[0]
+    if not isinstance(a, torch.fx.Node) or a.op != "call_module":
+        return None
+    return _at(parent, a.target)
+
+
+def _keeps_y_when(m, sites: dict, consumer, read=None) -> bool | KeepYWhen:
+    # keep_y of a smooth activation m whose consumer's answer is ``consumer`` (not False); with
+    # ``read``, its producer in a traced forward too
     import slimgrad.nn as snn
 
     bn = consumer if isinstance(consumer, KeepYWhen) else None
     p = _neighbour(m, sites, False)
+    if p is None and read is not None:
+        p = _traced_producer(m, sites, read)
     after_claim = False
     if p is not None and _plain(p):
         t = type(p)
@@ -630,7 +655,7 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
                 # y only where a consumer is known to keep it (NOTE [Keep y only where its
                 # consumer keeps it]); NOTE [Keep y only where the producer does not keep x]
                 c = _kept_after(m, sites, when=True, read=read)
-                keep = (c is True or isinstance(c, KeepYWhen)) and _keeps_y_when(m, sites, c)
+                keep = (c is True or isinstance(c, KeepYWhen)) and _keeps_y_when(m, sites, c, read)
             m.__dict__.pop("keep_y", None)
             if keep is not True:
                 m.__dict__["keep_y"] = keep
