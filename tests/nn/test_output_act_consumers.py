@@ -73,6 +73,11 @@ class _AfterReLU(_Times3):  # the ReLU keeps its output, the activation's x: x c
         return self.l2(self.act(self.relu(self.l1(x))))
 
 
+class _Gated(_Linear):  # the product keeps y for l2's output's gradient
+    def forward(self, x):
+        return self.act(self.l1(x)) * self.l2(x)
+
+
 class _Untraceable(_Times3):  # data-dependent control flow: no trace, the consumer is unknown
     def forward(self, x):
         h = self.act(self.l1(x))
@@ -91,6 +96,7 @@ KINDS = {
     "h + x": (_Residual, False),
     "sum": (_Sum, False),
     "own forward, Linear": (_Linear, True),
+    "own forward, act(a) * b": (_Gated, True),
     "untraceable, Linear": (_Untraceable, False),
     "own forward, ReLU before, Linear": (_AfterReLU, False),
     "Sequential, Linear": (_seq, True),

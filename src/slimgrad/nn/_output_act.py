@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import operator
 
 import torch
 
@@ -41,15 +42,21 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 #   - a forward slimgrad knows by its qualified name (``_DECLARED``, the class's own method, no
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
-#     output), BertOutput (its input -> dense), OPTDecoderLayer (activation_fn -> fc2), the
+#     output), BertOutput (its input -> dense), DebertaV2Layer (intermediate -> output),
+#     OPTDecoderLayer (activation_fn -> fc2), the
 #     BART-style encoder and decoder layers (activation_fn -> fc2 where ``activation_dropout`` is
 #     0 at ``convert_`` time: ``F.dropout`` returns its input then);
 #   - any other forward (its class's, no hooks on the parent), from ``convert_``'s fx trace of it
 #     (NOTE [One reading of the structure per convert_] in
 #     slimgrad/convert_handlers/inplace_guard.py; one graph for train and eval): the module called
 #     once there, and a user of its output that is a child called with it first (through passing
-#     children; the forward's output itself: the parent's own consumer). CLIP's, ViT's, OPT's,
-#     GPT-NeoX's MLPs (act -> fc2) are read so;
+#     children; the forward's output itself: the parent's own consumer), or a product with a
+#     trained Linear's or convolution's output (``act(a) * b``: the product keeps y for b's
+#     gradient). ViT's, GPT-NeoX's, T5's MLPs (act -> fc2) are read so;
+#   - a module the swaps made, from the chain its class states (NOTE [A replacement states its
+#     structure] in slimgrad/convert_handlers/inplace_guard.py; it is not traced);
+#   - a consumer with its own forward keeps y where its trace hands its first input to a keeper
+#     first (DeBERTa-v2's output block: dense);
 #   - a module held at several places is kept where every place's consumer keeps its output.
 #   (The trace and the several places are read for those five activations; a LayerNorm's
 #   "unknown" is its own NOTE's below.)
@@ -88,6 +95,11 @@ _NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it 
 _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
     ("transformers.models.gpt2.modeling_gpt2.GPT2MLP", "forward"): {"act": ("c_proj",)},
     ("timm.layers.mlp.Mlp", "forward"): {"act": ("drop1", "norm", "fc2")},
+    # its forward (attention, output_attentions: no one fx graph) hands the intermediate's
+    # output to the output block (whose trace hands it to dense first)
+    ("transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Layer", "forward"): {
+        "intermediate": ("output",)
+    },
     # its forward (attention, caches: no one fx graph) hands the activation's output to fc2
     ("transformers.models.opt.modeling_opt.OPTDecoderLayer", "forward"): {
         "activation_fn": ("fc2",)
@@ -199,7 +211,9 @@ def _batch_norms() -> tuple:
     )
 
 
-def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWhen | None:
+def _keeps_input(
+    m, depth: int = 0, sites: dict | None = None, read=None
+) -> bool | KeepYWhen | None:
     # whether m saves the very tensor it is called with for its weight's gradient; None: unknown;
     # with ``sites``, a KeepYWhen for a slimgrad BatchNorm (NOTE [Keep y only where the producer
     # does not keep x])
@@ -228,6 +242,17 @@ def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWh
         return _keeps_input(m._modules.get(entry), depth + 1, sites)
     if t.__module__.startswith(("torch.nn.", "slimgrad.nn.")):
         return False  # a library module that is not one of the keepers
+    graph = read(m) if read is not None else None
+    if graph is not None:  # its trace: the child its first input goes to first
+        first = next((n for n in graph.nodes if n.op == "placeholder"), None)
+        while first is not None:
+            users = list(first.users)
+            if len(users) != 1 or users[0].op != "call_module" or users[0].args[:1] != (first,):
+                return None
+            c = _at(m, users[0].target)
+            if not _passes(c):
+                return _keeps_input(c, depth + 1, sites, read) is True or None
+            first = users[0]
     return None
 
 
@@ -278,7 +303,7 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
         for c in kids[i + 1 :]:
             if _passes(c):
                 continue
-            return _keeps_input(c, 0, bn_sites)
+            return _keeps_input(c, 0, bn_sites, read)
         return _kept_after(parent, sites, depth + 1, when, read)
     pname = _name(type(parent))
     for (cls, method), rule in _DECLARED.items():
@@ -295,10 +320,24 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
                     continue
                 c = parent._modules.get(t)
                 if not _passes(c):
-                    return _keeps_input(c, 0, bn_sites)
+                    return _keeps_input(c, 0, bn_sites, read)
             return None
     if read is None or not _plain(parent):
         return None
+    stated = getattr(type(parent), "_slimgrad_output_statement", None)
+    if stated is not None and getattr(type(parent), "forward", None) is stated[0]:
+        # a module the swaps made: the chain its class states (NOTE [A replacement states its
+        # structure] in slimgrad/convert_handlers/inplace_guard.py), read as a Sequential's
+        chain = stated[1](parent) if callable(stated[1]) else stated[1]
+        if name not in chain:
+            return None
+        for t in chain[chain.index(name) + 1 :]:
+            c = None if t is None else parent._modules.get(t)
+            if c is None:  # a value its forward makes afresh
+                return None
+            if not _passes(c):
+                return _keeps_input(c, 0, bn_sites, read)
+        return _kept_after(parent, sites, depth + 1, when, read)
     graph = read(parent)
     if graph is None:
         return None
@@ -336,7 +375,18 @@ def _used_by(node, parent, sites, depth, when, read) -> bool | KeepYWhen | None:
             if _passes(c):
                 r = _used_by(u, parent, sites, depth + 1, when, read)
             elif c is not None:
-                r = _keeps_input(c, 0, sites if when else None)
+                r = _keeps_input(c, 0, sites if when else None, read)
+        elif u.op == "call_function" and u.target in (operator.mul, torch.mul) and not u.kwargs:
+            # a product keeps each factor for the other's gradient: y where the other factor is
+            # a trained Linear's or convolution's output (a gated MLP written as act(a) * b)
+            if len(u.args) == 2 and node in u.args:
+                o = u.args[1] if u.args[0] is node else u.args[0]
+                c = None
+                if isinstance(o, torch.fx.Node) and o is not node and o.op == "call_module":
+                    c = _at(parent, o.target)
+                if type(c) in _keepers():
+                    w = c._parameters.get("weight")
+                    r = (w is not None and w.requires_grad) or None
         if r is True:
             return True
         if isinstance(r, KeepYWhen) and found is None:
@@ -581,6 +631,8 @@ def _reader(traces):
     tr = traces if traces is not None else Traces()
 
     def read(m):
+        if traces is not None and not traces.read_before_swaps(m):
+            return None  # a module the swaps made is not traced (its class states its chain)
         try:
             return tr.every_call(m, after_swaps=True)
         except Exception:  # fx raises many types on Python it cannot trace
