@@ -43,6 +43,7 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
 #     output), BertOutput (its input -> dense), DebertaV2Layer (intermediate -> output),
+#     AlbertLayer.ff_chunk (activation -> ffn_output),
 #     OPTDecoderLayer (activation_fn -> fc2), the
 #     BART-style encoder and decoder layers (activation_fn -> fc2 where ``activation_dropout`` is
 #     0 at ``convert_`` time: ``F.dropout`` returns its input then);
@@ -95,6 +96,9 @@ _NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it 
 _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
     ("transformers.models.gpt2.modeling_gpt2.GPT2MLP", "forward"): {"act": ("c_proj",)},
     ("timm.layers.mlp.Mlp", "forward"): {"act": ("drop1", "norm", "fc2")},
+    ("transformers.models.albert.modeling_albert.AlbertLayer", "ff_chunk"): {
+        "activation": ("ffn_output",)
+    },
     # its forward (attention, output_attentions: no one fx graph) hands the intermediate's
     # output to the output block (whose trace hands it to dense first)
     ("transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Layer", "forward"): {
