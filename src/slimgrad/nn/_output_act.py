@@ -43,7 +43,8 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
 #     output), BertOutput (its input -> dense), DebertaV2Layer (intermediate -> output),
-#     AlbertLayer.ff_chunk (activation -> ffn_output),
+#     AlbertLayer.ff_chunk (activation -> ffn_output), the feed_forward_chunk of BertLayer's
+#     copies (RoBERTa, XLM-R, ELECTRA, CamemBERT),
 #     OPTDecoderLayer (activation_fn -> fc2), the
 #     BART-style encoder and decoder layers (activation_fn -> fc2 where ``activation_dropout`` is
 #     0 at ``convert_`` time: ``F.dropout`` returns its input then);
@@ -96,6 +97,18 @@ _NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it 
 _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
     ("transformers.models.gpt2.modeling_gpt2.GPT2MLP", "forward"): {"act": ("c_proj",)},
     ("timm.layers.mlp.Mlp", "forward"): {"act": ("drop1", "norm", "fc2")},
+    # BertLayer's copies (their output blocks are read from their traces: dense first)
+    **{
+        (f"transformers.models.{fam}.modeling_{fam}.{cls}Layer", "feed_forward_chunk"): {
+            "intermediate": ("output",)
+        }
+        for fam, cls in (
+            ("roberta", "Roberta"),
+            ("xlm_roberta", "XLMRoberta"),
+            ("electra", "Electra"),
+            ("camembert", "Camembert"),
+        )  # fmt: skip
+    },
     ("transformers.models.albert.modeling_albert.AlbertLayer", "ff_chunk"): {
         "activation": ("ffn_output",)
     },
