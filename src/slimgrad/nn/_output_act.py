@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import operator
 
 import torch
 
@@ -28,26 +29,45 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 # both) and costs the side information above eager's bytes when nothing does (the loss keeps
 # another tensor, a Dropout keeps its mask). Which holds is a fact of the model's structure, read
 # once at ``convert_`` time by :func:`state_consumers_` and stored on the module as ``keep_y``.
-# Three answers, from the module's one call site:
+# Three answers, from the module's call sites:
 #   - kept: y goes straight to a Linear, convolution or HF Conv1D whose weight requires grad
 #     (through ``nn.Identity`` / ``Dropout(p=0)`` children only, no hooks on the way);
 #   - not kept: y is the model's output, or goes to a frozen one of those, or to another module of
 #     ``torch.nn`` / ``slimgrad.nn`` (a Dropout with p > 0, a norm, a pool);
-#   - unknown: a forward slimgrad cannot read (a model's own class), a module held at several
-#     places, a module with hooks on the way.
+#   - unknown: anything else (an op of the forward's own code, ``h * 3``, ``h + r``, a sum; a
+#     forward that cannot be traced; hooks on the way).
 # The call site is read where the structure is written down:
 #   - an ``nn.Sequential``: the next child; after its last child, what follows the Sequential in
 #     its own parent, recursively; a Sequential consumer by its first child;
 #   - a forward slimgrad knows by its qualified name (``_DECLARED``, the class's own method, no
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
-#     output) and BertOutput (its input -> dense).
-# "Not kept" turns ``keep_y`` off: the module then runs eager's op and keeps what eager keeps
-# (x; in place, eager's copy of x: y + the side information would be above it too). "Unknown"
-# keeps y: most models' MLPs (CLIP, ViT, T5, GPT-NeoX, OPT, ...) hand the activation's output to a
-# Linear in a forward no table can list, and there keeping y saves x's bytes, where a wrong guess
-# the other way costs only the side information (+0.003 to +0.27 B per element). A module built
-# directly, not by ``convert_``, keeps y (the class's ``keep_y``). Run :func:`state_consumers_`
+#     output), BertOutput (its input -> dense), DebertaV2Layer (intermediate -> output),
+#     AlbertLayer.ff_chunk (activation -> ffn_output), the feed_forward_chunk of BertLayer's
+#     copies (RoBERTa, XLM-R, ELECTRA, CamemBERT),
+#     OPTDecoderLayer (activation_fn -> fc2), the
+#     BART-style encoder and decoder layers (activation_fn -> fc2 where ``activation_dropout`` is
+#     0 at ``convert_`` time: ``F.dropout`` returns its input then);
+#   - any other forward (its class's, no hooks on the parent), from ``convert_``'s fx trace of it
+#     (NOTE [One reading of the structure per convert_] in
+#     slimgrad/convert_handlers/inplace_guard.py; one graph for train and eval): the module called
+#     once there, and a user of its output that is a child called with it first (through passing
+#     children; the forward's output itself: the parent's own consumer), or a product with a
+#     trained Linear's or convolution's output (``act(a) * b``: the product keeps y for b's
+#     gradient). ViT's, GPT-NeoX's, T5's MLPs (act -> fc2) are read so;
+#   - a module the swaps made, from the chain its class states (NOTE [A replacement states its
+#     structure] in slimgrad/convert_handlers/inplace_guard.py; it is not traced);
+#   - a consumer with its own forward keeps y where its trace hands its first input to a keeper
+#     first (DeBERTa-v2's output block: dense);
+#   - a module held at several places is kept where every place's consumer keeps its output.
+#   (The trace and the several places are read for those five activations; a LayerNorm's
+#   "unknown" is its own NOTE's below.)
+# Only "kept" keeps y (an activation at a consumer that keeps nothing of y would keep y + side
+# information where eager keeps x: 0.19 to 0.41 B per element above eager's bytes, and its step
+# peaks above eager's by as much); "not kept" and "unknown" turn ``keep_y`` off.
+# With ``keep_y`` off the module runs eager's op and keeps what eager keeps (x; in place, eager's
+# copy of x: y + the side information would be above it too). A module built directly, not by
+# ``convert_``, keeps y (the class's ``keep_y``). Run :func:`state_consumers_`
 # again after changing the model's structure; weights frozen after ``convert_`` leave ``keep_y``
 # as it was. Separately, a module whose output may be the model's output runs eager's op whatever
 # its consumer (the caller may write it: NOTE [Modules whose output is the model's output] in
@@ -77,6 +97,30 @@ _NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it 
 _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
     ("transformers.models.gpt2.modeling_gpt2.GPT2MLP", "forward"): {"act": ("c_proj",)},
     ("timm.layers.mlp.Mlp", "forward"): {"act": ("drop1", "norm", "fc2")},
+    # BertLayer's copies (their output blocks are read from their traces: dense first)
+    **{
+        (f"transformers.models.{fam}.modeling_{fam}.{cls}Layer", "feed_forward_chunk"): {
+            "intermediate": ("output",)
+        }
+        for fam, cls in (
+            ("roberta", "Roberta"),
+            ("xlm_roberta", "XLMRoberta"),
+            ("electra", "Electra"),
+            ("camembert", "Camembert"),
+        )  # fmt: skip
+    },
+    ("transformers.models.albert.modeling_albert.AlbertLayer", "ff_chunk"): {
+        "activation": ("ffn_output",)
+    },
+    # its forward (attention, output_attentions: no one fx graph) hands the intermediate's
+    # output to the output block (whose trace hands it to dense first)
+    ("transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Layer", "forward"): {
+        "intermediate": ("output",)
+    },
+    # its forward (attention, caches: no one fx graph) hands the activation's output to fc2
+    ("transformers.models.opt.modeling_opt.OPTDecoderLayer", "forward"): {
+        "activation_fn": ("fc2",)
+    },
     ("transformers.models.bert.modeling_bert.BertIntermediate", "forward"): {
         "intermediate_act_fn": _OUT
     },
@@ -91,6 +135,24 @@ _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
         "k_layernorm": _NOBODY,
     },
 }
+# act -> F.dropout(p=self.activation_dropout) -> fc2: the dropout returns its input itself at p == 0
+# (``_P0``: the consumer is fc2 where the module's ``activation_dropout`` is 0 at convert_ time)
+_P0 = "<activation_dropout == 0>"
+_DECLARED.update(
+    {
+        (f"transformers.models.{fam}.modeling_{fam}.{cls}{side}Layer", "forward"): {
+            "activation_fn": (_P0, "fc2")
+        }
+        for fam, cls in (
+            ("bart", "Bart"),
+            ("mbart", "MBart"),
+            ("marian", "Marian"),
+            ("pegasus", "Pegasus"),
+            ("whisper", "Whisper"),
+        )  # fmt: skip
+        for side in ("Encoder", "Decoder")
+    }
+)
 #: {class: the child its forward hands its (first) input to first}
 _ENTRY: dict[str, str] = {"transformers.models.bert.modeling_bert.BertOutput": "dense"}
 
@@ -166,7 +228,9 @@ def _batch_norms() -> tuple:
     )
 
 
-def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWhen | None:
+def _keeps_input(
+    m, depth: int = 0, sites: dict | None = None, read=None
+) -> bool | KeepYWhen | None:
     # whether m saves the very tensor it is called with for its weight's gradient; None: unknown;
     # with ``sites``, a KeepYWhen for a slimgrad BatchNorm (NOTE [Keep y only where the producer
     # does not keep x])
@@ -195,6 +259,17 @@ def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWh
         return _keeps_input(m._modules.get(entry), depth + 1, sites)
     if t.__module__.startswith(("torch.nn.", "slimgrad.nn.")):
         return False  # a library module that is not one of the keepers
+    graph = read(m) if read is not None else None
+    if graph is not None:  # its trace: the child its first input goes to first
+        first = next((n for n in graph.nodes if n.op == "placeholder"), None)
+        while first is not None:
+            users = list(first.users)
+            if len(users) != 1 or users[0].op != "call_module" or users[0].args[:1] != (first,):
+                return None
+            c = _at(m, users[0].target)
+            if not _passes(c):
+                return _keeps_input(c, depth + 1, sites, read) is True or None
+            first = users[0]
     return None
 
 
@@ -209,40 +284,131 @@ def _declared_method(m, method: str, name: str) -> bool:
     )
 
 
-def _kept_after(child, sites: dict, depth: int = 0, when: bool = False) -> bool | KeepYWhen | None:
+def _kept_after(
+    child, sites: dict, depth: int = 0, when: bool = False, read=None
+) -> bool | KeepYWhen | None:
     # whether what ``child`` returns is kept by the module it is handed to; None: unknown; with
-    # ``when``, a KeepYWhen where a slimgrad BatchNorm's mode decides
-    bn_sites = sites if when else None
+    # ``when``, a KeepYWhen where a slimgrad BatchNorm's mode decides; with ``read`` (module ->
+    # its convert-time trace or None), a forward no table lists is read from its trace, and a
+    # module held at several places is kept after where every place keeps its output (NOTE [Keep
+    # y only where its consumer keeps it])
     where = sites.get(id(child), ())
     if not where:
         return False  # the model's output
-    if depth > 32 or len(where) != 1:  # held at several places
+    if depth > 32:
         return None
+    if len(where) != 1:  # held at several places
+        if read is None:
+            return None
+        for parent, name in where:
+            if _kept_at(child, parent, name, sites, depth, when, read) is not True:
+                return None
+        return True
     parent, name = where[0]
+    return _kept_at(child, parent, name, sites, depth, when, read)
+
+
+def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen | None:
+    # _kept_after at one place: ``child`` is ``parent``'s child ``name``
+    bn_sites = sites if when else None
     if _sequential(parent):
         if "forward" in parent.__dict__:
             return None
-        kids = [c for c in parent._modules.values() if c is not None]
-        after = kids[kids.index(child) + 1 :]
-        for c in after:
+        names = [k for k, c in parent._modules.items() if c is not None]
+        kids = [parent._modules[k] for k in names]
+        i = names.index(name)  # this place's (a module held twice has two names)
+        for c in kids[i + 1 :]:
             if _passes(c):
                 continue
-            return _keeps_input(c, 0, bn_sites)
-        return _kept_after(parent, sites, depth + 1, when)
+            return _keeps_input(c, 0, bn_sites, read)
+        return _kept_after(parent, sites, depth + 1, when, read)
     pname = _name(type(parent))
     for (cls, method), rule in _DECLARED.items():
         if cls == pname and name in rule and _declared_method(parent, method, cls):
             spec = rule[name]
             if spec == _OUT:
-                return _kept_after(parent, sites, depth + 1, when)
+                return _kept_after(parent, sites, depth + 1, when, read)
             if spec == _NOBODY:
                 return False
             for t in spec:  # the first child that does not pass y on is its consumer
+                if t == _P0:
+                    if getattr(parent, "activation_dropout", None) != 0:
+                        return None
+                    continue
                 c = parent._modules.get(t)
                 if not _passes(c):
-                    return _keeps_input(c, 0, bn_sites)
+                    return _keeps_input(c, 0, bn_sites, read)
             return None
-    return None
+    if read is None or not _plain(parent):
+        return None
+    stated = getattr(type(parent), "_slimgrad_output_statement", None)
+    if stated is not None and getattr(type(parent), "forward", None) is stated[0]:
+        # a module the swaps made: the chain its class states (NOTE [A replacement states its
+        # structure] in slimgrad/convert_handlers/inplace_guard.py), read as a Sequential's
+        chain = stated[1](parent) if callable(stated[1]) else stated[1]
+        if name not in chain:
+            return None
+        for t in chain[chain.index(name) + 1 :]:
+            c = None if t is None else parent._modules.get(t)
+            if c is None:  # a value its forward makes afresh
+                return None
+            if not _passes(c):
+                return _keeps_input(c, 0, bn_sites, read)
+        return _kept_after(parent, sites, depth + 1, when, read)
+    graph = read(parent)
+    if graph is None:
+        return None
+    calls = [n for n in graph.nodes if n.op == "call_module" and _at(parent, n.target) is child]
+    if len(calls) != 1:  # called twice (or not at all) in the forward
+        return None
+    return _used_by(calls[0], parent, sites, depth, when, read)
+
+
+def _at(parent, target: str):
+    # the module a trace's ``call_module`` target names below ``parent`` (None if gone)
+    m = parent
+    for part in target.split("."):
+        m = m._modules.get(part) if isinstance(m, torch.nn.Module) else None
+        if m is None:
+            return None
+    return m
+
+
+def _used_by(node, parent, sites, depth, when, read) -> bool | KeepYWhen | None:
+    # whether a user of ``node``'s tensor in ``parent``'s trace keeps that very tensor: a child
+    # called with it first that keeps its input, through children that pass it on; the parent's
+    # output (the tensor itself) asks the parent's own consumer. Any other use keeps nothing
+    # known: None (not established) unless another user keeps it
+    if depth > 32:
+        return None
+    found = None
+    for u in node.users:
+        r = None
+        if u.op == "output":
+            if u.args[0] is node:
+                r = _kept_after(parent, sites, depth + 1, when, read)
+        elif u.op == "call_module" and u.args[:1] == (node,):
+            c = _at(parent, u.target)
+            if _passes(c):
+                r = _used_by(u, parent, sites, depth + 1, when, read)
+            elif c is not None:
+                r = _keeps_input(c, 0, sites if when else None, read)
+        elif u.op == "call_function" and u.target in (operator.mul, torch.mul) and not u.kwargs:
+            # a product keeps each factor for the other's gradient: y where the other factor is
+            # a trained Linear's or convolution's output (a gated MLP written as act(a) * b)
+            if len(u.args) == 2 and node in u.args:
+                o = u.args[1] if u.args[0] is node else u.args[0]
+                c = None
+                if isinstance(o, torch.fx.Node) and o is not node and o.op == "call_module":
+                    c = _at(parent, o.target)
+                if type(c) in _keepers():
+                    w = c._parameters.get("weight")
+                    r = (w is not None and w.requires_grad) or None
+        if r is True:
+            return True
+        if isinstance(r, KeepYWhen) and found is None:
+            found = r
+    return found
 
 
 # NOTE [Keep y only where the producer does not keep x]
@@ -252,7 +418,8 @@ def _kept_after(child, sites: dict, depth: int = 0, when: bool = False) -> bool 
 # (``Sequential(conv, ReLU, SiLU, conv)``). So ``state_consumers_`` reads the activation's
 # producer from the same structure as its consumer (the child before it in a plain
 # ``nn.Sequential``, past ``nn.Identity`` / ``Dropout(p=0)``; before a Sequential's first child,
-# what precedes the Sequential) and turns ``keep_y`` off there. A ``ReLUAfterNorm`` keeps its
+# what precedes the Sequential; in another forward, the child whose output its trace hands the
+# activation) and turns ``keep_y`` off there. A ``ReLUAfterNorm`` keeps its
 # output only where it ran eager's op: on a slimgrad BatchNorm's claimed output it keeps b and
 # tags its output as derived (NOTE [Derived saved inputs] in slimgrad/ops/_derived.py). Which one
 # ran is known at the activation's call, from its input: ``keep_y`` is then a :class:`KeepYWhen`
@@ -327,12 +494,36 @@ def _neighbour(child, sites: dict, after: bool, depth: int = 0):
     return _neighbour(parent, sites, after, depth + 1)
 
 
-def _keeps_y_when(m, sites: dict, consumer) -> bool | KeepYWhen:
-    # keep_y of a smooth activation m whose consumer's answer is ``consumer`` (not False)
+def _traced_producer(m, sites: dict, read):
+    # the child whose output m is called with in its parent's trace (a forward that is not a
+    # plain Sequential's; NOTE [Keep y only where its consumer keeps it]), else None
+    where = sites.get(id(m), ())
+    if len(where) != 1:
+        return None
+    parent = where[0][0]
+    if _sequential(parent) or not _plain(parent):
+        return None
+    graph = read(parent)
+    if graph is None:
+        return None
+    calls = [n for n in graph.nodes if n.op == "call_module" and _at(parent, n.target) is m]
+    if len(calls) != 1 or not calls[0].args:
+        return None
+    a = calls[0].args[0]
+    if not isinstance(a, torch.fx.Node) or a.op != "call_module":
+        return None
+    return _at(parent, a.target)
+
+
+def _keeps_y_when(m, sites: dict, consumer, read=None) -> bool | KeepYWhen:
+    # keep_y of a smooth activation m whose consumer's answer is ``consumer`` (not False); with
+    # ``read``, its producer in a traced forward too
     import slimgrad.nn as snn
 
     bn = consumer if isinstance(consumer, KeepYWhen) else None
     p = _neighbour(m, sites, False)
+    if p is None and read is not None:
+        p = _traced_producer(m, sites, read)
     after_claim = False
     if p is not None and _plain(p):
         t = type(p)
@@ -449,6 +640,24 @@ def requested() -> bool:
     return bool(c.global_var if c.compiling else c.context_var.get())
 
 
+def _reader(traces):
+    # module -> its trace (the convert-time reading's, read now where there is none), or None
+    # where its forward cannot be traced to one graph for every call
+    from slimgrad.convert_handlers.inplace_guard import Traces
+
+    tr = traces if traces is not None else Traces()
+
+    def read(m):
+        if traces is not None and not traces.read_before_swaps(m):
+            return None  # a module the swaps made is not traced (its class states its chain)
+        try:
+            return tr.every_call(m, after_swaps=True)
+        except Exception:  # fx raises many types on Python it cannot trace
+            return None
+
+    return read
+
+
 def _copy_kinds() -> tuple:
     import slimgrad.nn as snn
 
@@ -458,7 +667,7 @@ def _copy_kinds() -> tuple:
 
 def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     """Set ``keep_y`` on the converted modules of ``model`` that keep their output where eager
-    keeps the input: False on a SiLU, GELU, Mish, ELU or Hardswish whose output is known not to be
+    keeps the input: False on a SiLU, GELU, Mish, ELU or Hardswish whose output is not known to be
     kept by its consumer (NOTE [Keep y only where its consumer keeps it]), and on any of those, a
     LayerNorm, RMSNorm, HF RMSNorm, GroupNorm, LeakyReLU, Hardtanh or ReLU6 whose output may be
     the model's output (NOTE [Modules whose output is the model's output] in
@@ -499,6 +708,7 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
         found = output_modules(model, kinds + copies, owners, traces, near, kept)
         out = {id(m) for m in found}
     hf = any(type(m).__module__.startswith("transformers.") for m in model.modules())
+    read = _reader(traces)
     if hf:
         _find_collector()
     for m in model.modules():
@@ -511,9 +721,10 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
                 or _kept_after(m, sites) is not False
             )
             if keep and type(m) in smooth:
-                # NOTE [Keep y only where the producer does not keep x]
-                c = _kept_after(m, sites, when=True)
-                keep = c is not False and _keeps_y_when(m, sites, c)
+                # y only where a consumer is known to keep it (NOTE [Keep y only where its
+                # consumer keeps it]); NOTE [Keep y only where the producer does not keep x]
+                c = _kept_after(m, sites, when=True, read=read)
+                keep = (c is True or isinstance(c, KeepYWhen)) and _keeps_y_when(m, sites, c, read)
             m.__dict__.pop("keep_y", None)
             if keep is not True:
                 m.__dict__["keep_y"] = keep
