@@ -175,6 +175,12 @@ def test_hf_lm_with_labels(make):
     assert config._attn_implementation == "sdpa"
     out = model(input_ids=ids, labels=ids)
     assert out.logits is not None  # HF's own forward builds the logits
+    slimgrad.convert_(model)
+    assert model.config is not config  # the model's own copy names the slimgrad attention
+    model.config.use_cache = False  # the user's setting since convert_ is carried back
+    slimgrad.revert_(model)
+    assert model.config is config and not config.use_cache
+    assert config._attn_implementation == "sdpa"
 
 
 def test_inplace_abn_pass_and_plan_wrappers():

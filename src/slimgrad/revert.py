@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 __all__ = ["note_swaps", "recording", "revert_"]
@@ -79,11 +80,14 @@ class _Undo:
     """What one ``convert_`` changed on a module it kept: ``attrs`` ``{name: (before, after)}``
     (MISSING: absent), ``items`` ``{container: {key: (before, after)}}`` for ``_parameters``,
     ``_buffers`` and ``_modules`` entries other than swaps, ``hooks`` ``{hook dict: [ids]}``
-    convert_ registered."""
+    convert_ registered, ``states`` what a copied object held at the end."""
 
     attrs: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     items: dict[str, dict[str, tuple[Any, Any]]] = field(default_factory=dict)
     hooks: dict[str, list[int]] = field(default_factory=dict)
+    # {name: the after value's attributes when convert_ returned} for a plain object convert_
+    # replaced by a copy (an HF config): what the user set on the copy since is carried back
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,6 +157,8 @@ class _Recorder:
             b, a = s.top.get(k, MISSING), now.get(k, MISSING)
             if k not in _OWN and b is not a:
                 u.attrs[k] = (b, a)
+                if _copied(b, a):
+                    u.states[k] = dict(vars(a))
         for c, before in s.items.items():
             cur = now.get(c)
             if cur is not s.top[c]:
@@ -317,6 +323,8 @@ class _Reverter:
             d = m.__dict__
             for u in reversed(recs):
                 for k, (b, a) in u.attrs.items():
+                    if k in u.states and _same(d.get(k, MISSING), a):
+                        _carry_back(u.states[k], a, b)
                     _restore(d, k, b, a)
                 for c, items in u.items.items():
                     for k, (b, a) in items.items():
@@ -371,6 +379,22 @@ class _Reverter:
         return o
 
 
+def _copied(before: Any, after: Any) -> bool:
+    return (
+        type(before) is type(after)
+        and not isinstance(after, (nn.Module, torch.Tensor, type))
+        and not callable(after)
+        and isinstance(getattr(after, "__dict__", None), dict)
+    )
+
+
+def _carry_back(state: dict, copy: Any, original: Any) -> None:
+    # what the user set on ``copy`` after convert_ made it: the same on ``original``
+    for k, v in vars(copy).items():
+        if k not in state or not _same(state[k], v):
+            setattr(original, k, v)
+
+
 def _restore(d: dict, k: str, before: Any, after: Any) -> None:
     if not _same(d.get(k, MISSING), after):
         return  # changed again since convert_: the user's value stays
@@ -414,9 +438,12 @@ def revert_(model: nn.Module) -> nn.Module:
     ``convert_`` of a submodule alone, ``revert_`` of the model reverts that submodule. NOTE
     [What convert_ records for revert_] in ``slimgrad/revert.py``.
 
-    What ``convert_`` changed outside the model stays (transformers' attention registry names a
-    slimgrad function that no reverted model uses); an edit to an HF config made after
-    ``convert_`` is not carried back (the model gets back the config objects it had).
+    The model gets back the HF config objects it had, with the attributes set on the model's
+    configs since ``convert_`` (one level: not inside a sub-config). What ``convert_`` changed
+    outside the model stays (transformers' attention registry names a slimgrad function that no
+    reverted model uses).
+    ``step_in_backward``'s Parameter hooks are not ``convert_``'s: its handle's ``remove()`` takes
+    them off.
 
     Args:
         model: a model passed to ``convert_`` (or one holding such a model); changed in place.
