@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import types
 import warnings
 
 import pytest
@@ -240,3 +241,92 @@ def test_accelerate_hook_rebound_to_the_reverted_module():
     assert lin.forward.args[0] is lin  # accelerate's wrapper calls the reverted module
     x = torch.randn(3, 4)
     torch.testing.assert_close(model(x), eager(x), rtol=0, atol=0)
+
+
+def test_forward_wrapped_after_convert():
+    # accelerate's hooks added after convert_ hold slimgrad's forward as ``_old_forward`` (the
+    # fused-loss forward of an HF model, a slimgrad Linear's own): revert_ gives the wrapper the
+    # original's; a wrapper revert_ cannot see into is an error that changes nothing
+    hooks = pytest.importorskip("accelerate.hooks")
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    model = _llama()
+    eager = copy.deepcopy(model)
+    slimgrad.convert_(model)
+    for m in (model, eager):
+        hooks.add_hook_to_module(m, hooks.ModelHook())
+        hooks.add_hook_to_module(m.lm_head, hooks.ModelHook())
+    slimgrad.revert_(model)
+    assert (
+        model._old_forward.__func__ is type(model).forward
+        and model.lm_head.forward.args[0] is model.lm_head
+    )
+    assert model.lm_head._old_forward.__func__ is nn.Linear.forward
+    assert _shape(model) == _shape(eager)
+    _bits(
+        _step(model, {"input_ids": ids, "labels": ids}),
+        _step(eager, {"input_ids": ids, "labels": ids}),
+    )
+    seq = slimgrad.convert_(nn.Sequential(nn.Linear(4, 4)))
+    fused = slimgrad.convert_(_llama())
+    for m in (fused, seq[0]):
+        inner = m.forward
+        m.forward = lambda *a, inner=inner, **k: inner(*a, **k)
+        before = _shape(m)
+        with pytest.raises(
+            RuntimeError, match=r"slimgrad.revert_: module .* forward set since convert_"
+        ):
+            slimgrad.revert_(m if m is fused else seq)
+        assert _shape(m) == before  # nothing changed
+
+
+class _LoRA(nn.Module):
+    # a LoRA-style wrapper put at a converted child's slot: it holds that child as base_layer
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.a = nn.Linear(base.in_features, 2, bias=False)
+        self.b = nn.Linear(2, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.b(self.a(x))
+
+
+def _wrap_slots(m) -> None:
+    mlp = m.model.layers[0].mlp
+    torch.manual_seed(3)
+    mlp.gate_proj, mlp.down_proj = _LoRA(mlp.gate_proj), _LoRA(mlp.down_proj)
+
+
+def _add_and_delete(m) -> None:
+    mlp, norm, q = m.model.layers[0].mlp, m.model.norm, m.model.layers[0].self_attn.q_proj
+    mlp.extra = nn.Identity()
+    del mlp.act_fn
+    mlp.act_fn = nn.Tanh()  # a new module at a slot emptied since: last, as on the eager model
+    mlp.register_parameter("scale", nn.Parameter(torch.ones(3)))
+    norm.register_buffer("extra_buf", torch.ones(3), persistent=False)
+    q._private = 5  # a private attribute and a method override (a class attribute's name)
+    q.forward = types.MethodType(lambda self, x: nn.Linear.forward(self, x) * 2, q)
+
+
+def test_changes_inside_replaced_modules_kept():
+    # Llama's MLP becomes a GatedMLP holding its own gate_proj/up_proj/down_proj/act_fn: what
+    # the user put at those slots since convert_ (a LoRA-style wrapper), children, Parameters,
+    # buffers and attributes added or deleted on replaced modules are on the reverted ones
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    model = _llama()
+    eager = copy.deepcopy(model)
+    slimgrad.convert_(model)
+    for m in (model, eager):
+        _wrap_slots(m)
+        _add_and_delete(m)
+    slimgrad.revert_(model)
+    assert _shape(model) == _shape(eager)
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in eager.named_modules()]
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in eager.named_buffers()]
+    assert model.state_dict().keys() == eager.state_dict().keys()
+    q = model.model.layers[0].self_attn.q_proj
+    assert "forward" not in q.__dict__ or q.forward.__self__ is q
+    _bits(
+        _step(model, {"input_ids": ids, "labels": ids}),
+        _step(eager, {"input_ids": ids, "labels": ids}),
+    )
