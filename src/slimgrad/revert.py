@@ -373,17 +373,24 @@ class _Reverter:
             for k, (b, a) in u.attrs.items():
                 if not _callable_value(a) or b is a:
                     continue
-                was = b if b is not MISSING else _class_attr(m, k, path)
                 held = False
                 for j, v in d.items():
                     if j != k and v is a:  # accelerate's ``_old_forward``
-                        fixes.append((d, j, was))
+                        fixes.append((d, j, b if b is not MISSING else _class_attr(m, k, path)))
                         held = True
                     elif isinstance(v, functools.partial) and vars(v).get("__wrapped__") is a:
-                        fixes.append((vars(v), "__wrapped__", was))
+                        fixes.append(
+                            (
+                                vars(v),
+                                "__wrapped__",
+                                b if b is not MISSING else _class_attr(m, k, path),
+                            )
+                        )
                 cur = d.get(k, MISSING)
                 if cur is a or cur is MISSING or held or _bound_to(cur, m):
                     continue
+                if not isinstance(getattr(type(m), k, None), types.FunctionType):
+                    continue  # not a method of the class (a value the user set in its place)
                 raise RuntimeError(
                     f"slimgrad.revert_: module {path or '(the model)'!r} ({type(m).__name__}) "
                     f"has a {k} set since convert_ ({type(cur).__name__}) in place of slimgrad's; "
@@ -541,8 +548,8 @@ def _rebind(k: str, v: Any, n: nn.Module, o: nn.Module, rec: _Original, path: st
                 return _bind(rec.attrs[name], o)
             return _class_attr(o, name, path)
         return types.MethodType(v.__func__, o)
-    for j, e in rec.end.items():
-        if e is v and _callable_value(v):
+    for j, e in rec.end.items():  # an instance forward slimgrad set on the replacement
+        if e is v and _callable_value(v) and (j in rec.attrs or hasattr(rec.cls, j)):
             return _bind(rec.attrs[j], o) if j in rec.attrs else _class_attr(o, j, path)
     if isinstance(v, functools.partial) and v.args and v.args[0] is n:
         p = functools.partial(v.func, o, *v.args[1:], **v.keywords)
