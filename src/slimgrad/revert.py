@@ -204,7 +204,7 @@ class _Recorder:
             c = n._modules.get(k)
             if (
                 isinstance(v, nn.Module)
-                and id(by_original.get(id(v), v)) not in where
+                and id(v) not in by_original
                 and isinstance(c, nn.Module)
                 and c is not v
                 and id(c) not in new
