@@ -4,7 +4,8 @@ Public API (few names on purpose):
 
 - ``convert_(model, config=None, *, filter_fn=None, device=None, dtype=None)``: swap module
   instances for lean ones, in place, where they keep no more than eager on that device and dtype;
-  ``ConvertConfig`` selects techniques; ``report(model)`` says what changed and why not.
+  ``ConvertConfig`` selects techniques; ``report(model)`` says what changed and why not;
+  ``revert_(model)`` undoes it (the model's own module classes, the same Parameters).
 - ``verify(model, converted, inputs)``: loss and every gradient against a float64 reference.
 - ``slimgrad.memory.measure`` / ``estimate``: exact bytes of a training step (peak, saved, floor);
   ``estimate(..., device="cuda")`` models what CUDA kernels keep.
@@ -24,6 +25,7 @@ _compat.check_torch()  # one clear message for an unsupported torch, before any 
 from slimgrad import _autograd, memory  # noqa: E402
 from slimgrad.convert import ConvertConfig, ConvertReport, convert_, report  # noqa: E402
 from slimgrad.plan import Plan, plan  # noqa: E402
+from slimgrad.revert import revert_  # noqa: E402
 from slimgrad.step_in_backward import step_in_backward  # noqa: E402
 from slimgrad.verify import VerifyReport, verify  # noqa: E402
 
@@ -40,6 +42,7 @@ __all__ = [
     "Plan",
     "plan",
     "report",
+    "revert_",
     "step_in_backward",
     "verify",
 ]

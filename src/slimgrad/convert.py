@@ -74,6 +74,7 @@ import torch.nn as nn
 
 import slimgrad.nn as snn
 from slimgrad import _compat, ownership
+from slimgrad import revert as _revert
 from slimgrad._dtensor import fully_sharded
 from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
 from slimgrad.convert_handlers import cnn as _cnn
@@ -555,31 +556,33 @@ def convert_(
             f"slimgrad.convert_: device must name a torch device; expected e.g. 'cuda' or 'cpu', "
             f"got {device!r} ({e}). Pass device='cuda' or leave it out."
         ) from None
-    if plan is not None:
-        return _apply_plan(model, plan, config, filter_fn, device, dtype)
-    allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
-    facts = analyse(model, where)
-    rep = ConvertReport(targets=facts.targets, features_off=list(facts.features_off))
-    for technique, swapping in _SWAPPING_PASSES:
-        if getattr(config, technique):
-            if (why := _device_rule.refuse(technique, where)) is not None:
-                rep.skipped.append(("", f"{technique} pass", why))
-            else:
-                swapping(model, config, allowed, rep)
-    facts.read_modules()  # the structure every decision reads, before anything is swapped
-    decisions = decide_patterns(model, config, allowed, facts)
-    decisions += decide(model, config, allowed, facts)
-    apply(decisions)
-    record(decisions, rep)
-    ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
-    # NOTE [Keep y only where its consumer keeps it]; the traces read before the swaps
-    _nn_output_act.state_consumers_(model, rep, traces=facts.structure.traces)
-    rep.left_alone = _left_alone(model, rep, facts)
-    _REPORTS[model] = rep
-    # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along
-    model.__dict__[_REPORT_ATTR] = rep
-    if rep.refused_known:
-        _warn_refused_known(rep.refused_known)
+    # NOTE [What convert_ records for revert_] in slimgrad/revert.py
+    with _revert.recording(model):
+        if plan is not None:
+            return _apply_plan(model, plan, config, filter_fn, device, dtype)
+        allowed = filter_fn if filter_fn is not None else (lambda m, n: True)
+        facts = analyse(model, where)
+        rep = ConvertReport(targets=facts.targets, features_off=list(facts.features_off))
+        for technique, swapping in _SWAPPING_PASSES:
+            if getattr(config, technique):
+                if (why := _device_rule.refuse(technique, where)) is not None:
+                    rep.skipped.append(("", f"{technique} pass", why))
+                else:
+                    swapping(model, config, allowed, rep)
+        facts.read_modules()  # the structure every decision reads, before anything is swapped
+        decisions = decide_patterns(model, config, allowed, facts)
+        decisions += decide(model, config, allowed, facts)
+        apply(decisions)
+        record(decisions, rep)
+        ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
+        # NOTE [Keep y only where its consumer keeps it]; the traces read before the swaps
+        _nn_output_act.state_consumers_(model, rep, traces=facts.structure.traces)
+        rep.left_alone = _left_alone(model, rep, facts)
+        _REPORTS[model] = rep
+        # a copy of the model (deepcopy, pickle, torch.save/load) carries its report along
+        model.__dict__[_REPORT_ATTR] = rep
+        if rep.refused_known:
+            _warn_refused_known(rep.refused_known)
     _backend.resolve_now()  # traced code reads the name set (NOTE [Kernel backend choice])
     return model
 

@@ -28,7 +28,7 @@ class NoScript:
         raise RuntimeError(
             f"slimgrad.nn.{name}: torch.jit.script cannot compile slimgrad's autograd Functions; "
             "expected an eager, torch.compile or torch.export run, got torch.jit.script of a "
-            "converted model. Script the model before slimgrad.convert_ (or leave this module "
-            "unconverted with convert_(model, filter_fn=...)), or use torch.compile / "
-            "torch.export on the converted one."
+            "converted model. Script the model before slimgrad.convert_ or after "
+            "slimgrad.revert_(model) (or leave this module unconverted with convert_(model, "
+            "filter_fn=...)), or use torch.compile / torch.export on the converted one."
         )
