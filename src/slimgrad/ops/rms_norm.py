@@ -411,14 +411,14 @@ def _second_order(dy, y, rstd, idx, xside, weight, eps, variant, need_x, need_w,
     return dx, dw
 
 
-def _rms_double(ctx, dy):
-    # _RMSNormFn's backward under create_graph (NOTE [RMSNorm's second derivatives through its
-    # own node])
-    if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
-        return None, None, None, None, None
+def _double(ctx, dy, variant, w_at, shape, x_dtype):
+    # the first derivative under create_graph from what either Function kept (NOTE [RMSNorm's
+    # second derivatives through its own node]); w_at: the weight's place in needs_input_grad;
+    # shape None: the last dimension of y
     y, rstd, idx, xside, weight = _saved_checked(ctx)
     need = ctx.needs_input_grad
-    dx, dw = _second_order(
+    shape = [y.shape[-1]] if shape is None else shape
+    return _second_order(
         dy,
         y,
         rstd,
@@ -426,37 +426,28 @@ def _rms_double(ctx, dy):
         xside,
         weight,
         ctx.eps,
-        None,
+        variant,
         need[0],
-        need[2],
+        need[w_at],
         ctx_box(ctx),
-        ctx.normalized_shape,
-        ctx.x_dtype,
+        shape,
+        x_dtype,
     )
+
+
+def _rms_double(ctx, dy):
+    # _RMSNormFn's backward under create_graph
+    if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
+        return None, None, None, None, None
+    dx, dw = _double(ctx, dy, None, 2, ctx.normalized_shape, ctx.x_dtype)
     return dx, None, dw, None, None
 
 
 def _hf_double(ctx, dy):
-    # _HFRMSNormFromOutputFn's backward under create_graph (the same NOTE)
+    # _HFRMSNormFromOutputFn's backward under create_graph
     if dy is None:  # NOTE [Norm backward without materialized gradients] in ops/layer_norm.py
         return None, None, None, None, None
-    y, rstd, idx, xside, weight = _saved_checked(ctx)
-    need = ctx.needs_input_grad
-    dx, dw = _second_order(
-        dy,
-        y,
-        rstd,
-        idx,
-        xside,
-        weight,
-        ctx.eps,
-        ctx.variant,
-        need[0],
-        need[1],
-        ctx_box(ctx),
-        [y.shape[-1]],
-        torch.float32,
-    )
+    dx, dw = _double(ctx, dy, ctx.variant, 1, None, torch.float32)
     return dx, dw, None, None, None
 
 
