@@ -151,3 +151,92 @@ def test_dense_fallback_peak(op, ref, x_star):
     e, s = (measure(step(f), timeline=False) for f in (ref, op))
     assert s.saved_bytes == e.saved_bytes
     assert s.peak_bytes <= e.peak_bytes, (s.peak_bytes, e.peak_bytes)
+
+
+# NOTE [A Linear keeps y itself only where y is viewed as a matrix] (slimgrad/nn/_output_act.py):
+# a Linear (or nn.MultiheadAttention's in-projection) on a 3-D y it cannot view as a matrix keeps a
+# contiguous copy, not y: there y + side information was kept besides that copy (LSTM batch_first
+# -> act -> Linear: +4.125 B/elt; Conv1d -> transpose -> act -> Linear: peak +17%)
+class _Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
+class _LSTMAct(nn.Module):  # read from its trace: y is the LSTM's batch_first output's layout
+    def __init__(self, act):
+        super().__init__()
+        self.rnn, self.act, self.fc = nn.LSTM(8, 32, batch_first=True), act, nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc(self.act(self.rnn(x)[0]))
+
+
+class _MHAAct(nn.Module):  # the activation's output is the attention's query, key and value
+    def __init__(self, act, batch_first):
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 32), act
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        return self.mha(h, h, h, need_weights=False)[0]
+
+
+# {kind: (builder, input shape)}; the attention without batch_first keeps a view of y (its
+# in-projection's input), but y may be what it returns (NOTE [Modules whose output is the model's
+# output]): x there too
+LAYOUTS = {
+    "LSTM batch_first": (_LSTMAct, (4, 17, 8)),
+    "transpose": (
+        lambda a: nn.Sequential(nn.Conv1d(8, 32, 3, padding=1), _Transpose(), a, nn.Linear(32, 8)),
+        (4, 8, 17),
+    ),
+    "MHA batch_first": (lambda a: _MHAAct(a, True), (4, 17, 8)),
+    "MHA": (lambda a: _MHAAct(a, False), (17, 4, 8)),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "act"),
+    [
+        ("LSTM batch_first", "silu"),
+        ("LSTM batch_first", "hardswish"),
+        ("transpose", "gelu_tanh"),
+        ("transpose", "hardswish"),
+        ("MHA batch_first", "mish"),
+        ("MHA", "silu"),
+    ],
+)
+def test_never_above_eager_where_the_consumer_copies_y(kind, act):
+    build, shape = LAYOUTS[kind]
+    torch.manual_seed(0)
+    eager = build(ACTS[act]())
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    x = torch.randn(*shape)
+    torch.manual_seed(1)
+    e = _bytes(eager, x)
+    torch.manual_seed(1)
+    s = _bytes(slim, x)
+    assert s.saved_bytes == e.saved_bytes, (s.saved_bytes, e.saved_bytes)  # x, as eager
+    assert s.peak_bytes <= e.peak_bytes, (s.peak_bytes, e.peak_bytes)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_layer_norm_before_attention(batch_first):
+    # TransformerEncoderLayer(norm_first=True): norm1's y is the attention's query; with
+    # batch_first the attention transposes it and its in-projection keeps a copy: norm1 runs
+    # eager's op (it kept y besides the copy: one (B, T, D) tensor above eager's); without, the
+    # in-projection keeps y itself, and the saving stays
+    torch.manual_seed(0)
+    eager = nn.TransformerEncoderLayer(
+        32, 4, 64, dropout=0.0, batch_first=batch_first, norm_first=True
+    )
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    x = torch.randn(2, 16, 32) if batch_first else torch.randn(16, 2, 32)
+    torch.manual_seed(1)
+    e = _bytes(eager, x)
+    torch.manual_seed(1)
+    s = _bytes(slim, x)
+    assert s.saved_bytes <= e.saved_bytes, (s.saved_bytes, e.saved_bytes)
+    assert s.peak_bytes <= e.peak_bytes, (s.peak_bytes, e.peak_bytes)
+    assert slim.norm1.keep_y is not batch_first
