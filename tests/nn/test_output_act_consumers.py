@@ -5,7 +5,8 @@ Activation types x consumer kinds, slimgrad's tracker, exact: an activation in a
 forward whose output goes to an op that keeps nothing of it (``h * 3``, ``h + x``, a sum) keeps
 x, as eager (y + side information was up to 0.4 B/elt above eager's bytes); one whose consumer is
 known to keep y (a Linear in a ``Sequential`` or in a forward read from its convert-time trace)
-keeps y + 1 bit/elt, below eager by about x's bytes; a forward that cannot be traced keeps x.
+keeps y + 1 bit/elt, below eager by about x's bytes; a forward that cannot be traced, or a
+producer that keeps its output (a ReLU), keeps x.
 """
 
 import copy
@@ -63,6 +64,20 @@ class _Linear(_Times3):  # read from its trace: the Linear keeps y
         return self.l2(self.act(self.l1(x)))
 
 
+class _AfterReLU(_Times3):  # the ReLU keeps its output, the activation's x: x costs nothing
+    def __init__(self, act):
+        super().__init__(act)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.l2(self.act(self.relu(self.l1(x))))
+
+
+class _Gated(_Linear):  # the product keeps y for l2's output's gradient
+    def forward(self, x):
+        return self.act(self.l1(x)) * self.l2(x)
+
+
 class _Untraceable(_Times3):  # data-dependent control flow: no trace, the consumer is unknown
     def forward(self, x):
         h = self.act(self.l1(x))
@@ -81,20 +96,26 @@ KINDS = {
     "h + x": (_Residual, False),
     "sum": (_Sum, False),
     "own forward, Linear": (_Linear, True),
+    "own forward, act(a) * b": (_Gated, True),
     "untraceable, Linear": (_Untraceable, False),
+    "own forward, ReLU before, Linear": (_AfterReLU, False),
     "Sequential, Linear": (_seq, True),
 }
-# the activations that keep y + side information where eager keeps x, on every kind; the others
-# (they keep y or bits whatever the consumer) on a representative two
-# (a residual add keeps nothing either, as ``h * 3``: two of them)
-ROWS = [(a, k) for a in (*SMOOTH, "elu") for k in KINDS if k != "h + x"] + [
-    ("gelu_tanh", "h + x"),
-    ("silu", "h + x"),
+# a representative table: three activations that keep y + side information on every kind, the
+# other three on the kinds that were above eager (and one pinned saving); a residual add keeps
+# nothing either, as ``h * 3``, and a producer that keeps its output is read from the same trace
+# as the consumer: two activations each; the activations that keep y or bits whatever the
+# consumer on one kind
+TWO = ("h + x", "own forward, ReLU before, Linear")
+ROWS = [
+    *((a, k) for a in ("gelu", "gelu_tanh", "silu") for k in KINDS if k not in TWO),
     *(
         (a, k)
-        for a in ("hardsigmoid", "leaky_relu", "sigmoid", "tanh", "relu6")
-        for k in ("h * 3", "own forward, Linear")
+        for a in ("mish", "hardswish", "elu")
+        for k in ("h * 3", "sum", "own forward, Linear")
     ),
+    *((a, k) for a in ("gelu_tanh", "silu") for k in TWO),
+    *((a, "h * 3") for a in ("hardsigmoid", "leaky_relu", "sigmoid", "tanh", "relu6")),
 ]
 
 

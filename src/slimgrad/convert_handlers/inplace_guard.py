@@ -1411,6 +1411,11 @@ class Traces:
             tree[id(m)] = (m, tuple(m._modules.values()))
         self._changed.clear()
 
+    def read_before_swaps(self, m: nn.Module) -> bool:
+        """Whether ``m`` was in the model ``note_tree`` kept (not a module the swaps made)."""
+        snap = self._tree.get(id(m))
+        return snap is not None and snap[0] is m
+
     def every_call(self, m: nn.Module, after_swaps: bool = False) -> torch.fx.Graph:
         """``m``'s trace where it is the same in train and eval mode and drew nothing (read now
         if ``m`` was not read; ``after_swaps``: also where the swaps changed a module below ``m``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import operator
 
 import torch
 
@@ -41,15 +42,23 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 #   - a forward slimgrad knows by its qualified name (``_DECLARED``, the class's own method, no
 #     instance override): HF GPT2MLP (act -> c_proj), timm Mlp (act -> drop1 -> norm -> fc2), HF
 #     BertIntermediate (act -> the module's output), BertLayer.feed_forward_chunk (intermediate ->
-#     output), BertOutput (its input -> dense), OPTDecoderLayer (activation_fn -> fc2), the
+#     output), BertOutput (its input -> dense), DebertaV2Layer (intermediate -> output),
+#     AlbertLayer.ff_chunk (activation -> ffn_output), the feed_forward_chunk of BertLayer's
+#     copies (RoBERTa, XLM-R, ELECTRA, CamemBERT),
+#     OPTDecoderLayer (activation_fn -> fc2), the
 #     BART-style encoder and decoder layers (activation_fn -> fc2 where ``activation_dropout`` is
 #     0 at ``convert_`` time: ``F.dropout`` returns its input then);
 #   - any other forward (its class's, no hooks on the parent), from ``convert_``'s fx trace of it
 #     (NOTE [One reading of the structure per convert_] in
 #     slimgrad/convert_handlers/inplace_guard.py; one graph for train and eval): the module called
 #     once there, and a user of its output that is a child called with it first (through passing
-#     children; the forward's output itself: the parent's own consumer). CLIP's, ViT's, OPT's,
-#     GPT-NeoX's MLPs (act -> fc2) are read so;
+#     children; the forward's output itself: the parent's own consumer), or a product with a
+#     trained Linear's or convolution's output (``act(a) * b``: the product keeps y for b's
+#     gradient). ViT's, GPT-NeoX's, T5's MLPs (act -> fc2) are read so;
+#   - a module the swaps made, from the chain its class states (NOTE [A replacement states its
+#     structure] in slimgrad/convert_handlers/inplace_guard.py; it is not traced);
+#   - a consumer with its own forward keeps y where its trace hands its first input to a keeper
+#     first (DeBERTa-v2's output block: dense);
 #   - a module held at several places is kept where every place's consumer keeps its output.
 #   (The trace and the several places are read for those five activations; a LayerNorm's
 #   "unknown" is its own NOTE's below.)
@@ -88,6 +97,26 @@ _NOBODY = "<kept by none>"  # the parent's own code uses y and keeps none of it 
 _DECLARED: dict[tuple[str, str], dict[str, tuple[str, ...] | str]] = {
     ("transformers.models.gpt2.modeling_gpt2.GPT2MLP", "forward"): {"act": ("c_proj",)},
     ("timm.layers.mlp.Mlp", "forward"): {"act": ("drop1", "norm", "fc2")},
+    # BertLayer's copies (their output blocks are read from their traces: dense first)
+    **{
+        (f"transformers.models.{fam}.modeling_{fam}.{cls}Layer", "feed_forward_chunk"): {
+            "intermediate": ("output",)
+        }
+        for fam, cls in (
+            ("roberta", "Roberta"),
+            ("xlm_roberta", "XLMRoberta"),
+            ("electra", "Electra"),
+            ("camembert", "Camembert"),
+        )  # fmt: skip
+    },
+    ("transformers.models.albert.modeling_albert.AlbertLayer", "ff_chunk"): {
+        "activation": ("ffn_output",)
+    },
+    # its forward (attention, output_attentions: no one fx graph) hands the intermediate's
+    # output to the output block (whose trace hands it to dense first)
+    ("transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Layer", "forward"): {
+        "intermediate": ("output",)
+    },
     # its forward (attention, caches: no one fx graph) hands the activation's output to fc2
     ("transformers.models.opt.modeling_opt.OPTDecoderLayer", "forward"): {
         "activation_fn": ("fc2",)
@@ -234,7 +263,9 @@ def _batch_norms() -> tuple:
     )
 
 
-def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWhen | None:
+def _keeps_input(
+    m, depth: int = 0, sites: dict | None = None, read=None
+) -> bool | KeepYWhen | None:
     # whether m saves the very tensor it is called with for its weight's gradient; None: unknown;
     # with ``sites``, a KeepYWhen for a slimgrad BatchNorm (NOTE [Keep y only where the producer
     # does not keep x])
@@ -275,6 +306,19 @@ def _keeps_input(m, depth: int = 0, sites: dict | None = None) -> bool | KeepYWh
         return _keeps_input(m._modules.get(entry), depth + 1, sites)
     if t.__module__.startswith(("torch.nn.", "slimgrad.nn.")):
         return False  # a library module that is not one of the keepers
+    graph = read(m) if read is not None else None
+    if graph is not None:  # its trace: the child its first input goes to first
+        first = next((n for n in graph.nodes if n.op == "placeholder"), None)
+        while first is not None:
+            users = list(first.users)
+            if len(users) != 1 or users[0].op != "call_module" or users[0].args[:1] != (first,):
+                return None
+            c = _at(m, users[0].target)
+            if not _passes(c):
+                r = _keeps_input(c, depth + 1, sites, read)
+                # NOTE [A Linear keeps y itself only where y is viewed as a matrix]
+                return r if r is True or r is _FLAT else None
+            first = users[0]
     return None
 
 
@@ -329,7 +373,7 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
         for c in kids[i + 1 :]:
             if _passes(c):
                 continue
-            return _keeps_input(c, 0, bn_sites)
+            return _keeps_input(c, 0, bn_sites, read)
         return _kept_after(parent, sites, depth + 1, when, read)
     pname = _name(type(parent))
     for (cls, method), rule in _DECLARED.items():
@@ -350,10 +394,24 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
                     continue
                 c = parent._modules.get(t)
                 if not _passes(c):
-                    return _keeps_input(c, 0, bn_sites)
+                    return _keeps_input(c, 0, bn_sites, read)
             return None
     if read is None or not _plain(parent):
         return None
+    stated = getattr(type(parent), "_slimgrad_output_statement", None)
+    if stated is not None and getattr(type(parent), "forward", None) is stated[0]:
+        # a module the swaps made: the chain its class states (NOTE [A replacement states its
+        # structure] in slimgrad/convert_handlers/inplace_guard.py), read as a Sequential's
+        chain = stated[1](parent) if callable(stated[1]) else stated[1]
+        if name not in chain:
+            return None
+        for t in chain[chain.index(name) + 1 :]:
+            c = None if t is None else parent._modules.get(t)
+            if c is None:  # a value its forward makes afresh
+                return None
+            if not _passes(c):
+                return _keeps_input(c, 0, bn_sites, read)
+        return _kept_after(parent, sites, depth + 1, when, read)
     graph = read(parent)
     if graph is None:
         return None
@@ -391,7 +449,18 @@ def _used_by(node, parent, sites, depth, when, read) -> bool | KeepYWhen | None:
             if _passes(c):
                 r = _used_by(u, parent, sites, depth + 1, when, read)
             elif c is not None:
-                r = _keeps_input(c, 0, sites if when else None)
+                r = _keeps_input(c, 0, sites if when else None, read)
+        elif u.op == "call_function" and u.target in (operator.mul, torch.mul) and not u.kwargs:
+            # a product keeps each factor for the other's gradient: y where the other factor is
+            # a trained Linear's or convolution's output (a gated MLP written as act(a) * b)
+            if len(u.args) == 2 and node in u.args:
+                o = u.args[1] if u.args[0] is node else u.args[0]
+                c = None
+                if isinstance(o, torch.fx.Node) and o is not node and o.op == "call_module":
+                    c = _at(parent, o.target)
+                if type(c) in _keepers():
+                    w = c._parameters.get("weight")
+                    r = (w is not None and w.requires_grad) or None
         if r is True or r is _FLAT:  # a Linear's answer as soon as one is found (as before)
             return r
         if isinstance(r, KeepYWhen) and found is None:
@@ -406,7 +475,8 @@ def _used_by(node, parent, sites, depth, when, read) -> bool | KeepYWhen | None:
 # (``Sequential(conv, ReLU, SiLU, conv)``). So ``state_consumers_`` reads the activation's
 # producer from the same structure as its consumer (the child before it in a plain
 # ``nn.Sequential``, past ``nn.Identity`` / ``Dropout(p=0)``; before a Sequential's first child,
-# what precedes the Sequential) and turns ``keep_y`` off there. A ``ReLUAfterNorm`` keeps its
+# what precedes the Sequential; in another forward, the child whose output its trace hands the
+# activation) and turns ``keep_y`` off there. A ``ReLUAfterNorm`` keeps its
 # output only where it ran eager's op: on a slimgrad BatchNorm's claimed output it keeps b and
 # tags its output as derived (NOTE [Derived saved inputs] in slimgrad/ops/_derived.py). Which one
 # ran is known at the activation's call, from its input: ``keep_y`` is then a :class:`KeepYWhen`
@@ -493,12 +563,36 @@ def _neighbour(child, sites: dict, after: bool, depth: int = 0):
     return _neighbour(parent, sites, after, depth + 1)
 
 
-def _keeps_y_when(m, sites: dict, consumer) -> bool | KeepYWhen:
-    # keep_y of a smooth activation m whose consumer's answer is ``consumer`` (not False)
+def _traced_producer(m, sites: dict, read):
+    # the child whose output m is called with in its parent's trace (a forward that is not a
+    # plain Sequential's; NOTE [Keep y only where its consumer keeps it]), else None
+    where = sites.get(id(m), ())
+    if len(where) != 1:
+        return None
+    parent = where[0][0]
+    if _sequential(parent) or not _plain(parent):
+        return None
+    graph = read(parent)
+    if graph is None:
+        return None
+    calls = [n for n in graph.nodes if n.op == "call_module" and _at(parent, n.target) is m]
+    if len(calls) != 1 or not calls[0].args:
+        return None
+    a = calls[0].args[0]
+    if not isinstance(a, torch.fx.Node) or a.op != "call_module":
+        return None
+    return _at(parent, a.target)
+
+
+def _keeps_y_when(m, sites: dict, consumer, read=None) -> bool | KeepYWhen:
+    # keep_y of a smooth activation m whose consumer's answer is ``consumer`` (not False); with
+    # ``read``, its producer in a traced forward too
     import slimgrad.nn as snn
 
     bn = consumer if isinstance(consumer, KeepYWhen) else None
     p = _neighbour(m, sites, False)
+    if p is None and read is not None:
+        p = _traced_producer(m, sites, read)
     after_claim = False
     if p is not None and _plain(p):
         t = type(p)
@@ -623,6 +717,8 @@ def _reader(traces):
     tr = traces if traces is not None else Traces()
 
     def read(m):
+        if traces is not None and not traces.read_before_swaps(m):
+            return None  # a module the swaps made is not traced (its class states its chain)
         try:
             return tr.every_call(m, after_swaps=True)
         except Exception:  # fx raises many types on Python it cannot trace
@@ -697,7 +793,7 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
                 # y only where a consumer is known to keep it (NOTE [Keep y only where its
                 # consumer keeps it]); NOTE [Keep y only where the producer does not keep x]
                 c = _kept_after(m, sites, when=True, read=read)
-                keep = (c is True or isinstance(c, KeepYWhen)) and _keeps_y_when(m, sites, c)
+                keep = (c is True or isinstance(c, KeepYWhen)) and _keeps_y_when(m, sites, c, read)
             m.__dict__.pop("keep_y", None)
             if keep is not True:
                 m.__dict__["keep_y"] = keep
