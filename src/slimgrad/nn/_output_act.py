@@ -31,7 +31,9 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 # once at ``convert_`` time by :func:`state_consumers_` and stored on the module as ``keep_y``.
 # Three answers, from the module's call sites:
 #   - kept: y goes straight to a Linear, convolution or HF Conv1D whose weight requires grad
-#     (through ``nn.Identity`` / ``Dropout(p=0)`` children only, no hooks on the way);
+#     (through ``nn.Identity`` / ``Dropout(p=0)`` children only, no hooks on the way); a Linear
+#     or an attention's query only where y is viewed as a matrix (NOTE [A Linear keeps y itself
+#     only where y is viewed as a matrix]);
 #   - not kept: y is the model's output, or goes to a frozen one of those, or to another module of
 #     ``torch.nn`` / ``slimgrad.nn`` (a Dropout with p > 0, a norm, a pool);
 #   - unknown: anything else (an op of the forward's own code, ``h * 3``, ``h + r``, a sum; a
