@@ -299,16 +299,19 @@ def _window(spec: SmoothSpec, dtype: torch.dtype, device="cpu") -> tuple[float, 
     return got
 
 
-def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
+def smooth_fwd(
+    spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True, copy: bool = True
+):
     """Output, branch bits and sparse side table of ``x`` (see NOTE [Gradient from the output]).
 
     Returns (y, bits, idx, xs): y = fwd(x) (eager's output, bit for bit); bits: [x >= x*] packed,
     ceil(n / 8) bytes; idx (int32, int64 above 2^31 elements) and xs (x's dtype): the hard
     elements, CHUNK by CHUNK (NOTE [The PyTorch path on a GPU]). Dense fallback (more than
     n / FALLBACK_DIV hard, unless ``fallback=False``; float64 always): (y, empty uint8, empty idx,
-    x flattened). Under fake tensors (``slimgrad.memory.estimate``) the side table,
-    being data-dependent, is taken as empty: the estimate is y + 1 bit/elt, the measured figure is
-    that + the few hard elements.
+    x flattened; with ``copy=False`` an empty xs, no copy of x: NOTE [The dense fallback without a
+    copy of x] in slimgrad/ops/_output_act.py). Under fake tensors (``slimgrad.memory.estimate``)
+    the side table, being data-dependent, is taken as empty: the estimate is y + 1 bit/elt, the
+    measured figure is that + the few hard elements.
 
     # NOTE [The PyTorch path on a GPU]
     Every pass is a whole-tensor aten op (over spans of BIG elements on a GPU, CPU_SPAN on CPU;
@@ -341,7 +344,7 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     empty_idx = torch.empty(0, dtype=idx_dtype, device=x.device)
     empty_bits = torch.empty(0, dtype=torch.uint8, device=x.device)
     if x.dtype == torch.float64:  # the float32-grade tables would not meet float64's rule: keep x
-        return fwd(x), empty_bits, empty_idx, flat.clone()
+        return fwd(x), empty_bits, empty_idx, flat.clone() if copy else flat.new_empty(0)
     if is_fake(x):  # slimgrad.memory.estimate: the side table is data-dependent; count none
         bits = torch.empty(packed_numel(n), dtype=torch.uint8, device=x.device)
         return fwd(flat).view(x.shape), bits, empty_idx, flat[:0].clone()
@@ -379,7 +382,7 @@ def smooth_fwd(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool 
     # hard, and 1.05x at 4% hard; now 0.98x and 0.92x (tests/ops/test_silu_mish_half_peak.py)
     if fallback and kh * FALLBACK_DIV > n:
         del flags, bits
-        return y, empty_bits, empty_idx, flat.clone()
+        return y, empty_bits, empty_idx, flat.clone() if copy else flat.new_empty(0)
     hard = torch.nonzero_static(flags, size=kh).view(-1)  # increasing
     del flags
     xs = flat.index_select(0, hard)
@@ -459,6 +462,11 @@ def _exact_sums(flat: torch.Tensor, sums: torch.Tensor, unsure: torch.Tensor, x_
 
 def is_dense_fallback(n: int, bits, idx, xs) -> bool:
     return n > 0 and xs.numel() == n and idx.numel() == 0 and bits.numel() == 0
+
+
+def is_fallback_result(n: int, bits, idx, xs) -> bool:
+    # a forward's dense fallback, with x's copy or, asked for none (``copy=False``), an empty xs
+    return n > 0 and bits.numel() == 0 and idx.numel() == 0 and xs.numel() in (n, 0)
 
 
 def smooth_grad(

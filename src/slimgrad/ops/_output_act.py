@@ -114,6 +114,7 @@ from slimgrad._math.smooth import (  # noqa: F401 - re-exported: the ops' and te
     _window,
     inverse,
     is_dense_fallback,
+    is_fallback_result,
     round_f32,
     smooth_fwd,
     smooth_grad,
@@ -229,8 +230,13 @@ def smooth_forward(
     ctx.cpath = None  # NOTE [The straight C path of the smooth activations]
     record_layout(ctx, x)
     # x in its own layout: y is eager's call on it, in eager's layout, the side information in
-    # x's memory order (NOTE [Eager's output on a strided input] in slimgrad/_math/layout.py)
-    y, bits, idx, xs = fwd_op(x, *args)
+    # x's memory order (NOTE [Eager's output on a strided input] in slimgrad/_math/layout.py);
+    # a copy of x on the dense fallback only where x itself cannot be kept (NOTE [The dense
+    # fallback without a copy of x]; the op's default, in place and compiling, is the copy)
+    if inplace or compiling:
+        y, bits, idx, xs = fwd_op(x, *args)
+    else:
+        y, bits, idx, xs = fwd_op(x, *args, False)
     # fwd_op may return its flat product viewed in x's shape
     y = out = fresh(y)  # NOTE [Function outputs are not views] in ops/linear.py
     if perm is not None:  # backward reads y in memory order: an alias (not a view: no cycle)
@@ -238,7 +244,7 @@ def smooth_forward(
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing (unbacked
     # sizes) except for the few-element rule (NOTE [Few elements]), so kept then
     dense = keeps_x(x) or (
-        not compiling and not _unbacked(xs) and is_dense_fallback(x.numel(), bits, idx, xs)
+        not compiling and not _unbacked(xs) and is_fallback_result(x.numel(), bits, idx, xs)
     )
     # xs replaced by x itself (NOTE above); not while compiling, where in place runs as this
     # out-of-place Function + copy_ into x (smooth_apply): the copy xs is kept then
@@ -574,6 +580,19 @@ INPUT_KEPT_BY: set[type] = set()
 # (1.124x). Outside compiling and in place, such a call takes :func:`input_kept_forward` instead:
 # eager's y, x kept as the dense fallback keeps it (the same saved tensors and backward), no copy.
 
+# NOTE [The dense fallback without a copy of x]
+# Past 1/16 hard elements the forward custom op falls back to keeping x densely (NOTE [Gradient
+# from the output]); as a custom op it may not return x itself, so it returned a copy, which an
+# out-of-place call outside compiling then dropped for x: a transient of x's bytes while x and y
+# are live. Where that copy set the step's peak (torchvision's ViT at its default config, one or
+# two layers, erf-GELU on an AVX2 CPU, where the wider window puts more than 1/16 of the elements
+# hard: +86,380 B over eager's peak, 3.0%) the step peaked above eager's. So :func:`smooth_forward`
+# asks the op for the copy only where x itself cannot be kept (``copy_x``: in place, where x is
+# overwritten with y, and while compiling, where the compiled graph keeps the op's outputs); with
+# ``copy_x=False`` the fallback returns an empty xs (bits and idx empty too: no other result is
+# all empty for a non-empty x) and the Function keeps x itself, as before. The straight C path
+# (:func:`c_forward`) never made the copy.
+
 
 # NOTE [Under hooks that pack each tensor]
 # Under saved-tensor hooks other than torch.utils.checkpoint's (save_on_cpu, torchtune-style
@@ -693,12 +712,15 @@ def smooth_unary_op(
     from slimgrad.kernels import _backend
     from slimgrad.ops._library import custom_op
 
-    def _fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _fwd(
+        x: torch.Tensor, copy_x: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if keeps_x(x):  # NOTE [Few elements]
             return dense_side_info(x, fwd_torch)
         if _backend.use_triton(x):
             return _backend.kernels(stem)._fwd_triton(x)
-        return smooth_fwd_any(spec, x, fwd_torch)
+        # NOTE [The dense fallback without a copy of x]
+        return smooth_fwd_any(spec, x, fwd_torch, copy_x)
 
     def _bwd(
         g: torch.Tensor,
@@ -715,7 +737,7 @@ def smooth_unary_op(
     bwd_op = custom_op(f"{stem}_bwd", mutates_args=())(_bwd)
 
     @fwd_op.register_fake
-    def _(x):
+    def _(x, copy_x=True):
         return (torch.empty_like(x), *smooth_fake_side_info(x))
 
     @bwd_op.register_fake
@@ -818,11 +840,18 @@ def _c_fns(lib):
     return fns
 
 
-def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback: bool = True):
+def smooth_fwd_c(
+    lib,
+    spec: SmoothSpec,
+    x: torch.Tensor,
+    fwd: Callable,
+    fallback: bool = True,
+    copy: bool = True,
+):
     """:func:`smooth_fwd` for float32 CPU tensors with the C kernels of ``lib``: y from ``fwd``
     (eager's own kernel), then one pass for bits and hard counts, one to collect them."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
-        return smooth_fwd(spec, x, fwd, fallback)
+        return smooth_fwd(spec, x, fwd, fallback, copy)
     fns = getattr(lib, "_slimgrad_fns", None) or _c_fns(lib)  # bound once per library
     inv = inverse(spec)
     w, tail = _window(spec, x.dtype, x.device)
@@ -849,7 +878,9 @@ def smooth_fwd_c(lib, spec: SmoothSpec, x: torch.Tensor, fwd: Callable, fallback
         # tracker (the registered op's path, whose copy the straight C path does not make)
         del bits, ws
         empty_bits = torch.empty(0, dtype=torch.uint8)
-        return y, empty_bits, torch.empty(0, dtype=idx_dtype), flat.clone()
+        # NOTE [The dense fallback without a copy of x]
+        xs = flat.clone() if copy else flat.new_empty(0)
+        return y, empty_bits, torch.empty(0, dtype=idx_dtype), xs
     idx = torch.empty(n_hard, dtype=idx_dtype)
     xs = torch.empty(n_hard, dtype=x.dtype)
     if n_hard:
@@ -918,25 +949,26 @@ def smooth_grad_c(
     return out
 
 
-def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
+def smooth_fwd_any(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, copy: bool = True):
     """:func:`smooth_fwd` on the C kernels when ``_backend.use_cpu`` picks them, else PyTorch;
-    x itself for a few elements (NOTE [Few elements])."""
+    x itself for a few elements (NOTE [Few elements]); ``copy``: NOTE [The dense fallback without
+    a copy of x]."""
     if keeps_x(x):  # NOTE [Few elements]
         return dense_side_info(x, fwd)
     # y by eager's call on x's own layout, the rest on its memory order: NOTE [Eager's output on
     # a strided input] in slimgrad/_math/layout.py
-    return in_memory_order(x, fwd, lambda xm, f: _smooth_fwd_on(spec, xm, f))
+    return in_memory_order(x, fwd, lambda xm, f: _smooth_fwd_on(spec, xm, f, copy))
 
 
-def _smooth_fwd_on(spec: SmoothSpec, x: torch.Tensor, fwd: Callable):
+def _smooth_fwd_on(spec: SmoothSpec, x: torch.Tensor, fwd: Callable, copy: bool = True):
     lib = _backend.use_cpu(x, C_STEM)
     if lib is not None:
-        return smooth_fwd_c(lib, spec, x, fwd)
+        return smooth_fwd_c(lib, spec, x, fwd, copy=copy)
     if x.dtype == torch.float32 and _backend._is_fake(x):  # NOTE [Fake tensors model the C kernels]
         fake = _fake_c(x, fwd)
         if fake is not None:
             return fake
-    return smooth_fwd(spec, x, fwd)
+    return smooth_fwd(spec, x, fwd, copy=copy)
 
 
 def smooth_grad_any(spec: SmoothSpec, g, y, bits, idx, xs, bwd_exact, out=None) -> torch.Tensor:

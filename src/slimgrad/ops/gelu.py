@@ -108,16 +108,19 @@ def _bwd_torch(g, y, bits, idx, xs, approximate: str = "none") -> Tensor:
 
 
 @custom_op("gelu_fwd", mutates_args=())
-def _gelu_fwd(x: Tensor, approximate: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _gelu_fwd(
+    x: Tensor, approximate: str, copy_x: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if keeps_x(x):  # NOTE [Few elements] in slimgrad.ops._output_act
         return dense_side_info(x, lambda t: _fwd_torch(t, approximate))
     if _backend.use_triton(x):
         return _backend.kernels("gelu")._fwd_triton(x, approximate)
-    return smooth_fwd_any(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate))
+    # NOTE [The dense fallback without a copy of x] in slimgrad/ops/_output_act.py
+    return smooth_fwd_any(SPECS[approximate], x, lambda t: _fwd_torch(t, approximate), copy_x)
 
 
 @_gelu_fwd.register_fake
-def _(x, approximate):
+def _(x, approximate, copy_x=True):
     return (torch.empty_like(x), *smooth_fake_side_info(x))
 
 
