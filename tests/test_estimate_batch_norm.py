@@ -84,10 +84,12 @@ def _compare(make):
         (_bn_first, 2),
         # before: 4 of the real step's 8 grants estimated (peaks equal: 191,504 B)
         (_resnet, 8),
-        # before: 11 of 16 grants estimated, a peak 12,864 B above the real one (1,589,496 B)
+        # before: 11 of 16 grants estimated, a peak 12,864 B above the real one (1,589,496 B);
+        # 14 since smooth activations keep y only where their consumer is known to keep it
+        # (session 32: the same peak 1,589,496 B and saved 368,644 B as with 16)
         pytest.param(
             _timm_efficientnet,
-            16,
+            14,
             marks=pytest.mark.skipif(timm is None, reason="timm (and torchvision) not installed"),
         ),
     ],

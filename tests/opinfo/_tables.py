@@ -12,7 +12,6 @@ KNOWN: findings still open, as strict xfails: {"<kind>:<op>-<dtype>-<index>": re
 # Second derivatives: issue 15 allows "eager's second derivatives or a clear slimgrad error";
 # these ops raise the error (tests/opinfo checks it is raised, names the op, and nothing else).
 # Either form: the op's own message, or _autograd.first_order's refusing node.
-_DOUBLE = r"^(double|gradgradcheck) "
 _DOUBLE_EMPTY = r"(?=.* \(T\[([^\]]*, )?0[,\]])^(double|gradgradcheck) "
 
 
@@ -28,8 +27,6 @@ REFUSED: dict[str, list[tuple[str, str]]] = {
     # where eager returns empty second derivatives
     "silu": [(_DOUBLE_EMPTY + "silu f64 ", _double_refused(r"(ops\.)?silu"))],
     "mish": [(_DOUBLE_EMPTY + "mish f64 ", _double_refused(r"(ops\.)?mish"))],
-    # rms_norm keeps y (not x) in every OpInfo sample: first_order's refusing node
-    "rms_norm": [(_DOUBLE, _double_refused(r"ops\.rms_norm"))],
 }
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "moves_only",
     "on_meta",
     "one_device_reason",
+    "passes_arguments",
     "patched",
     "run_devices",
     "set_forward",
@@ -141,6 +142,34 @@ def carried_reason(m: nn.Module) -> str | None:
 def carries(m: nn.Module) -> bool:
     """``m``'s instance forward is an accelerate hook wrapper the table carries."""
     return hook_wrapper(m.__dict__.get("forward"), m) is not None and carried_reason(m) is None
+
+
+def passes_arguments(m: nn.Module) -> bool:
+    """``m``'s instance forward is accelerate's hook wrapper over its class's forward, and each of
+    its hooks hands the arguments on as they came or moved to a device (``ModelHook``,
+    ``AlignDevicesHook``, offloading or not, with their own pre/post_forward;
+    ``LayerwiseCastingHook``, which casts the module's weights and returns the arguments as
+    given): a consumer behind it receives the very tensor its caller passed where that is on
+    the hook's device already (NOTE [Keep y only where its consumer keeps it] in
+    nn/_output_act.py)."""
+    hooks = sys.modules.get("accelerate.hooks")
+    fwd = m.__dict__.get("forward")
+    if hooks is None or hook_wrapper(fwd, m) is None or "__call__" in m.__dict__:
+        return False
+    old = m.__dict__["_old_forward"]
+    if not (
+        isinstance(old, types.MethodType)
+        and old.__self__ is m
+        and old.__func__ is getattr(type(m), "forward", None)
+    ):
+        return False
+    casting = getattr(hooks, "LayerwiseCastingHook", None)
+    for h in _parts(m.__dict__.get("_hf_hook"), hooks):
+        if casting is not None and type(h) is casting:
+            continue
+        if _hook_reason(h, hooks) is not None:
+            return False
+    return True
 
 
 def _parts(hook: object, hooks: types.ModuleType) -> list:

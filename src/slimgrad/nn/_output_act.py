@@ -6,6 +6,7 @@ import contextvars
 import operator
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
 
 
 def hf_name(module: torch.nn.Module) -> str | None:
@@ -178,10 +179,18 @@ def _name(cls: type) -> str:
 
 
 def _plain(m) -> bool:
-    # its own class's forward, no hooks that could replace its input or output
+    # its own class's forward (or accelerate's wrapper whose hooks hand the arguments on:
+    # accelerate_hooks.passes_arguments), no hooks that could replace its input or output (a lazy
+    # module's own initializing pre-hook aside: it fills the parameters in, the input passes)
+    from slimgrad.convert_handlers import accelerate_hooks
+
+    pre = m._forward_pre_hooks if isinstance(m, torch.nn.Module) else None
+    if pre and isinstance(m, LazyModuleMixin):
+        init = getattr(m, "_initialize_hook", None)
+        pre = [k for k in pre if init is None or k != init.id]
     return isinstance(m, torch.nn.Module) and not (
-        "forward" in m.__dict__
-        or m._forward_pre_hooks
+        ("forward" in m.__dict__ and not accelerate_hooks.passes_arguments(m))
+        or pre
         or m._forward_hooks
         or m._backward_pre_hooks
         or m._backward_hooks
@@ -276,6 +285,8 @@ def _keeps_input(
     if m is None or depth > 32 or not _plain(m):
         return None
     t = type(m)
+    if isinstance(m, LazyModuleMixin):  # what its first call turns it into (LazyLinear: Linear)
+        t = getattr(m, "cls_to_become", None) or t
     name = _name(t)
     if t in _keepers() or isinstance(m, snn.Conv1D) or name == "transformers.pytorch_utils.Conv1D":
         w = m._parameters.get("weight")
