@@ -53,18 +53,7 @@ def _run(m, x):
     return saved, xi.grad
 
 
-_LOST = pytest.mark.xfail(
-    strict=True,
-    reason="issue 30, session 32: under cpu_offload the GELU before the offloaded Linear keeps x "
-    "(keep_y False) since smooth activations keep y only where the consumer is known to keep it "
-    "(act32): 3,528 B of the saving lost, never above eager; the rule that turns it off is not "
-    "found yet",
-)
-
-
-@pytest.mark.parametrize(
-    "how", [pytest.param(h, marks=_LOST) if h == "cpu_offload" else h for h in _HOOKS]
-)
+@pytest.mark.parametrize("how", list(_HOOKS))
 def test_hooked_modules_convert_with_the_unhooked_bytes_and_bits(how):
     torch.manual_seed(0)
     eager = _net()

@@ -178,18 +178,24 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _class_forward(m) -> bool:
+    # m runs its class's forward: nothing on the instance, or accelerate's wrapper whose hooks hand
+    # the arguments on (accelerate_hooks.passes_arguments)
+    from slimgrad.convert_handlers import accelerate_hooks
+
+    return "forward" not in m.__dict__ or accelerate_hooks.passes_arguments(m)
+
+
 def _plain(m) -> bool:
     # its own class's forward (or accelerate's wrapper whose hooks hand the arguments on:
     # accelerate_hooks.passes_arguments), no hooks that could replace its input or output (a lazy
     # module's own initializing pre-hook aside: it fills the parameters in, the input passes)
-    from slimgrad.convert_handlers import accelerate_hooks
-
     pre = m._forward_pre_hooks if isinstance(m, torch.nn.Module) else None
     if pre and isinstance(m, LazyModuleMixin):
         init = getattr(m, "_initialize_hook", None)
         pre = [k for k in pre if init is None or k != init.id]
     return isinstance(m, torch.nn.Module) and not (
-        ("forward" in m.__dict__ and not accelerate_hooks.passes_arguments(m))
+        not _class_forward(m)
         or pre
         or m._forward_hooks
         or m._backward_pre_hooks
@@ -378,7 +384,7 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
     # _kept_after at one place: ``child`` is ``parent``'s child ``name``
     bn_sites = sites if when else None
     if _sequential(parent):
-        if "forward" in parent.__dict__:
+        if not _class_forward(parent):
             return None
         names = [k for k, c in parent._modules.items() if c is not None]
         kids = [parent._modules[k] for k in names]
@@ -560,14 +566,14 @@ def _neighbour(child, sites: dict, after: bool, depth: int = 0):
     if depth > 32 or len(where) != 1:
         return None
     parent = where[0][0]
-    if not _sequential(parent) or "forward" in parent.__dict__:
+    if not _sequential(parent) or not _class_forward(parent):
         return None
     kids = [c for c in parent._modules.values() if c is not None]
     i = kids.index(child)
     for c in kids[i + 1 :] if after else reversed(kids[:i]):
         if _passes(c):
             continue
-        while _sequential(c) and "forward" not in c.__dict__:
+        while _sequential(c) and _class_forward(c):
             inner = [k for k in c._modules.values() if k is not None and not _passes(k)]
             if not inner:
                 return None
