@@ -107,18 +107,23 @@ def _hook_reason(hook: object, hooks: types.ModuleType) -> str | None:
     return f"{cls.__module__}.{cls.__qualname__} may read or move anything of the module's class"
 
 
+def _wraps_class_forward(m: nn.Module) -> bool:
+    # the forward under m's hook wrapper is its class's, bound to m
+    old = m.__dict__["_old_forward"]
+    return (
+        isinstance(old, types.MethodType)
+        and old.__self__ is m
+        and old.__func__ is getattr(type(m), "forward", None)
+    )
+
+
 def carried_reason(m: nn.Module) -> str | None:
     """Why the table cannot carry ``m``'s accelerate hook to its replacement, or None when it can
     or ``m`` has no accelerate hook wrapper (NOTE [A replacement carries accelerate's hook])."""
     fn = hook_wrapper(m.__dict__.get("forward"), m)
     if fn is None:
         return None
-    old = m.__dict__["_old_forward"]
-    if not (
-        isinstance(old, types.MethodType)
-        and old.__self__ is m
-        and old.__func__ is getattr(type(m), "forward", None)
-    ):
+    if not _wraps_class_forward(m):
         return (
             "its forward is accelerate's hook wrapper over a forward set on the instance before "
             "the hook; expected the class's forward under the hook, got another. Set the hook on "
@@ -156,12 +161,7 @@ def passes_arguments(m: nn.Module) -> bool:
     fwd = m.__dict__.get("forward")
     if hooks is None or hook_wrapper(fwd, m) is None or "__call__" in m.__dict__:
         return False
-    old = m.__dict__["_old_forward"]
-    if not (
-        isinstance(old, types.MethodType)
-        and old.__self__ is m
-        and old.__func__ is getattr(type(m), "forward", None)
-    ):
+    if not _wraps_class_forward(m):
         return False
     casting = getattr(hooks, "LayerwiseCastingHook", None)
     for h in _parts(m.__dict__.get("_hf_hook"), hooks):
