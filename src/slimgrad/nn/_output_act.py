@@ -387,13 +387,8 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
         if not _class_forward(parent):
             return None
         names = [k for k, c in parent._modules.items() if c is not None]
-        kids = [parent._modules[k] for k in names]
-        i = names.index(name)  # this place's (a module held twice has two names)
-        for c in kids[i + 1 :]:
-            if _passes(c):
-                continue
-            return _keeps_input(c, 0, bn_sites, read)
-        return _kept_after(parent, sites, depth + 1, when, read)
+        # this place's (a module held twice has two names)
+        return _after_in_chain(parent, names, names.index(name), sites, depth, when, read)
     pname = _name(type(parent))
     for (cls, method), rule in _DECLARED.items():
         if cls == pname and name in rule and _declared_method(parent, method, cls):
@@ -424,20 +419,33 @@ def _kept_at(child, parent, name, sites, depth, when, read) -> bool | KeepYWhen 
         chain = stated[1](parent) if callable(stated[1]) else stated[1]
         if name not in chain:
             return None
-        for t in chain[chain.index(name) + 1 :]:
-            c = None if t is None else parent._modules.get(t)
-            if c is None:  # a value its forward makes afresh
-                return None
-            if not _passes(c):
-                return _keeps_input(c, 0, bn_sites, read)
-        return _kept_after(parent, sites, depth + 1, when, read)
+        return _after_in_chain(parent, chain, chain.index(name), sites, depth, when, read)
     graph = read(parent)
     if graph is None:
         return None
-    calls = [n for n in graph.nodes if n.op == "call_module" and _at(parent, n.target) is child]
+    calls = _calls_of(graph, parent, child)
     if len(calls) != 1:  # called twice (or not at all) in the forward
         return None
     return _used_by(calls[0], parent, sites, depth, when, read)
+
+
+def _after_in_chain(parent, chain, i, sites, depth, when, read) -> bool | KeepYWhen | None:
+    # whether what ``parent``'s child ``chain[i]`` returns is kept, where ``parent`` hands it along
+    # ``chain`` (child names in call order): the first child after it that does not pass it on,
+    # past the chain's end the parent's own consumer; a None name or a child gone is a value the
+    # forward makes afresh (unknown)
+    for t in chain[i + 1 :]:
+        c = None if t is None else parent._modules.get(t)
+        if c is None:
+            return None
+        if not _passes(c):
+            return _keeps_input(c, 0, sites if when else None, read)
+    return _kept_after(parent, sites, depth + 1, when, read)
+
+
+def _calls_of(graph, parent, m) -> list:
+    # the nodes of ``parent``'s trace that call its child ``m``
+    return [n for n in graph.nodes if n.op == "call_module" and _at(parent, n.target) is m]
 
 
 def _at(parent, target: str):
@@ -594,7 +602,7 @@ def _traced_producer(m, sites: dict, read):
     graph = read(parent)
     if graph is None:
         return None
-    calls = [n for n in graph.nodes if n.op == "call_module" and _at(parent, n.target) is m]
+    calls = _calls_of(graph, parent, m)
     if len(calls) != 1 or not calls[0].args:
         return None
     a = calls[0].args[0]
