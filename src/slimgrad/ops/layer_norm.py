@@ -90,6 +90,7 @@ from slimgrad._math.norms import layer_norm_gamma as _LN_GAMMA
 from slimgrad._math.norms import rowdot as _rowdot  # noqa: F401
 from slimgrad._math.tables import dynamic_size
 from slimgrad.kernels import _backend
+from slimgrad.ops import _derived
 from slimgrad.ops._output_act import check_output_seen, raise_output_written
 
 __all__ = ["BETA_OVER_GAMMA_MAX", "layer_norm"]
@@ -460,7 +461,7 @@ class GradBox(weakref.WeakValueDictionary):
     pass's gradient handed to its node])."""
 
     def put(self, g: torch.Tensor) -> None:
-        task = _graph_task_id()
+        task = _derived._task_id()
         held = self.get(task)
         if held is None:
             held = _Held()
@@ -471,7 +472,7 @@ class GradBox(weakref.WeakValueDictionary):
             held.g = held.g + g
 
     def take(self) -> torch.Tensor | None:
-        held = self.pop(_graph_task_id(), None)
+        held = self.pop(_derived._task_id(), None)
         if held is None:
             return None
         g, held.g = held.g, None
@@ -479,7 +480,6 @@ class GradBox(weakref.WeakValueDictionary):
 
 
 _BOX_LOCK = threading.Lock()
-_graph_task_id = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
