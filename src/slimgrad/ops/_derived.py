@@ -998,18 +998,12 @@ def drop_derived(chain: tuple) -> None:
 # input past the conv's backward, where the conv's own node lets it go: under bf16 autocast the
 # conv's cast copy of x, which nothing else holds (ReLU -> Conv2d(8, 8, 3) in a reentrant region,
 # (2, 8, 9, 9): peak 21,912 B against eager's 20,744). So the conv's Function drops its output's
-# registry entry in its first-order backward (``drop_recipe``; the entry's key and weak reference
-# set on its node at registration; deleted only where it is still y's own), as a BatchNorm drops
+# registry entry in its first-order backward (inline, no call; the entry's key and weak
+# reference set on its node at registration; deleted only where it is still y's own), as a
+# BatchNorm drops
 # its derived records (NOTE [Dropped at b's backward]). A norm that adopted the recipe holds it
 # itself, so a retained graph's second backward still has it; only a later forward that reads y
 # again misses it, and its norm keeps y, as eager's does.
-def drop_recipe(key: tuple | None) -> None:
-    """Delete the recipe-registry entry ``key`` = (id, weak reference) where it is still that
-    reference's (NOTE [A recipe dropped at its conv's backward])."""
-    if key is not None and key[0] in _RECIPES_D and _RECIPES_D[key[0]][0] is key[1]:
-        del _RECIPES_D[key[0]]
-
-
 def check_version(t: torch.Tensor, version: int, what: str) -> None:
     if t._version != version:
         raise RuntimeError(

@@ -164,7 +164,7 @@ class _ConvFn(torch.autograd.Function):
             kept_x = _derived.read_pack(ctx.pack, "batch_norm output")
             ctx.pack = _derived.release_pack(ctx.pack)
         if ctx.recipe_key is not None:  # NOTE [A recipe dropped at its conv's backward]
-            k, ref = ctx.recipe_key  # _derived.drop_recipe(ctx.recipe_key), inline
+            k, ref = ctx.recipe_key  # deleted only where it is still y's own
             if k in _RECIPES_D and _RECIPES_D[k][0] is ref:
                 del _RECIPES_D[k]
             ctx.recipe_key = None
