@@ -125,26 +125,34 @@ def test_unusable_cache_falls_back(toy, monkeypatch):
 
 @needs_cc
 def test_concurrent_builds_are_safe(toy):
-    # two processes build the same library into an empty cache at once; both load it
+    # two processes build the same library into an empty cache at once, a child and this one (the
+    # child imports first, then both start on one signal); both load it
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
         "import slimgrad.kernels._cpu as c; c.SRC_DIR = Path(sys.argv[2]); "
+        "print('ready', flush=True); sys.stdin.readline(); "
         "lib = c.load('toy'); assert lib is not None, c.last_error('toy'); print('ok')"
     )
     env = {**os.environ, "SLIMGRAD_CACHE": str(toy / "cache"), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, SRC, str(toy / "src")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    assert [o[0].strip() for o in outs] == ["ok", "ok"]
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, SRC, str(toy / "src")],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        lib = _cpu.load("toy")  # the toy fixture's sources and cache, as the child's
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    assert lib is not None, _cpu.last_error("toy")
+    assert child.returncode == 0 and out.strip() == "ok", (out, err[-2000:])
     files = [f.name for f in (toy / "cache" / "cpu").iterdir()]
     assert len(files) == 1 and files[0].startswith("toy-"), files  # no temporary left behind
 
