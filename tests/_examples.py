@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import runpy
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,13 +32,17 @@ def _reset_accelerate() -> None:
 
 def run_example(name: str, *args: str) -> str:
     out = io.StringIO()
-    argv, threads = sys.argv, torch.get_num_threads()
+    argv, threads, environ = sys.argv, torch.get_num_threads(), dict(os.environ)
     sys.argv = [str(EXAMPLES / name), *args]
     try:
-        with contextlib.redirect_stdout(out):
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
             runpy.run_path(str(EXAMPLES / name), run_name="__main__")
     finally:
+        # what an example (or the libraries it drives) sets for its process stays with it
         sys.argv = argv
         torch.set_num_threads(threads)
         _reset_accelerate()
+        if dict(os.environ) != environ:
+            os.environ.clear()
+            os.environ.update(environ)
     return out.getvalue()
