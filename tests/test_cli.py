@@ -256,17 +256,18 @@ def test_bench_all_small(tmp_path, capsys, monkeypatch):
     assert "--all takes no case" in capsys.readouterr().err
 
 
-def test_python_dash_m_slimgrad_is_the_slimgrad_command():
+def test_python_dash_m_slimgrad_is_the_slimgrad_command(capsys, monkeypatch):
     # Issue 15: `python -m slimgrad` works like the `slimgrad` console script (same parser, same
-    # exit status).
-    import subprocess
+    # exit status): slimgrad/__main__.py run as `-m` runs it (in this process: an interpreter's
+    # start was most of the test). No command prints the parser's help, with every subcommand,
+    # and exits 2 (test_no_command_prints_help, test_help_lists_subcommands: the parser's own)
+    import runpy
     import sys
 
-    # one interpreter (its start is most of the test): no command prints the parser's help, with
-    # every subcommand, and exits 2 (in-process: test_no_command_prints_help,
-    # test_help_lists_subcommands)
-    r = subprocess.run([sys.executable, "-m", "slimgrad"], capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 2 and "usage: slimgrad" in r.stdout, r.stderr
+    monkeypatch.setattr(sys, "argv", ["slimgrad"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("slimgrad", run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
+    assert e.value.code == 2 and "usage: slimgrad" in out
     for name in ("demo", "bench", "env"):
-        assert name in r.stdout
+        assert name in out

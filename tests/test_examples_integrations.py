@@ -1,5 +1,6 @@
 """The integration examples run and their assertions hold (each example asserts against eager and a
-float64 reference itself; a failed assertion is a non-zero exit)."""
+float64 reference itself; a failed assertion fails the test: its exception in this process, or the
+child's non-zero exit for the two that spawn workers)."""
 
 import importlib.util
 import subprocess
@@ -7,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests._examples import run_example
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TESTS = Path(__file__).resolve().parent
@@ -32,14 +35,14 @@ def _needs(*modules: str) -> None:
 def test_hf_trainer_example_losses_within_rule():
     _needs("transformers", "accelerate", "peft")
     # HF gradient checkpointing and LoRA adapters on the converted model, in the one run
-    out = _run("hf_trainer.py", "--steps", "3", "--gradient-checkpointing", "--peft")
+    out = run_example("hf_trainer.py", "--steps", "3", "--gradient-checkpointing", "--peft")
     assert "trainer: 3 step losses within the error rule against float64" in out
     assert out.count("step ") >= 3
 
 
 def test_accelerate_example_losses_within_rule_and_peak_below_eager():
     _needs("transformers", "accelerate")
-    out = _run("accelerate_loop.py", "--steps", "2")
+    out = run_example("accelerate_loop.py", "--steps", "2")
     assert "accelerate: 2 step losses within the error rule; peak below eager's" in out
 
 

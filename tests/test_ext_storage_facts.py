@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slimgrad import _ext, ownership
+from tests._child import run_checks
 from tests._ownership_helpers import storage_use_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,64 +87,71 @@ def test_nbytes_and_no_storage(facts):
         facts(object())
 
 
-def _python(code: str, **env) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT), **env}
-    full.pop("SLIMGRAD_NO_REUSE", None)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=full,
-        timeout=300,
-        cwd=ROOT,
-    )
+# One fresh child (tests/_child.py) for the two checks that need one, in this order: importing
+# slimgrad and running an op build nothing (the cache stays empty, nothing tried); then, with no
+# C++ compiler, reuse is off with the same gradients and `slimgrad env` says why.
+_CHECK_IMPORT_AND_FORWARD = """
+    import torch, slimgrad
+    from slimgrad import _ext
+    from slimgrad.ops import gelu
+    gelu(torch.randn(5))
+    built = sorted(p.name for p in _ext.cache_dir().glob("*"))
+    assert _ext._state["tried"] is False and built == [], (_ext._state["tried"], built)
+"""
+
+_CHECK_NO_COMPILER = """
+    import os, torch
+    from slimgrad import _compat, _ext, ownership
+    from tests._ownership_helpers import ExpSaved
+    os.environ["CXX"] = os.path.join(os.environ["SLIMGRAD_CACHE"], "no-such-c++")
+
+    def grads():
+        x = torch.linspace(-1, 1, 7, requires_grad=True)
+        ownership.reset_reuse_count()
+        (ExpSaved.apply(x * 0.5) * 3).sum().backward()
+        return x.grad, ownership.reuse_count()
+
+    with ownership.reuse_disabled():
+        ref, _ = grads()
+    got, n = grads()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    feat = next(f for f in _compat.features() if f.name == "buffer reuse (ownership)")
+    assert (n, feat.on) == (0, False), (n, feat.on)
+    assert "no C++ compiler" in _ext.error() and "no C++ compiler" in feat.detail, feat.detail
+"""
 
 
-def test_import_and_forward_build_nothing(tmp_path):
-    r = _python(
-        """
-        import torch, slimgrad
-        from slimgrad import _ext
-        from slimgrad.ops import gelu
-        gelu(torch.randn(5))
-        print(_ext._state["tried"], sorted(p.name for p in _ext.cache_dir().glob("*")))
-        """,
-        SLIMGRAD_CACHE=str(tmp_path),
-    )
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", "[]"]
+@pytest.fixture(scope="module")
+def fresh_child(tmp_path_factory):
+    env = {"SLIMGRAD_CACHE": str(tmp_path_factory.mktemp("ext_cache")), "SLIMGRAD_NO_REUSE": None}
+    checks = {"import": _CHECK_IMPORT_AND_FORWARD, "no_compiler": _CHECK_NO_COMPILER}
+    return run_checks(checks, env=env)
 
 
-def test_without_a_compiler_reuse_is_off_same_gradients_and_env_says_why(tmp_path):
-    code = """
-        import torch
-        from slimgrad import _compat, _ext, ownership
-        from tests._ownership_helpers import ExpSaved
+def test_import_and_forward_build_nothing(fresh_child):
+    assert fresh_child["import"] == "ok", fresh_child["import"]
 
-        def grads():
-            x = torch.linspace(-1, 1, 7, requires_grad=True)
-            ownership.reset_reuse_count()
-            (ExpSaved.apply(x * 0.5) * 3).sum().backward()
-            return x.grad, ownership.reuse_count()
 
-        with ownership.reuse_disabled():
-            ref, _ = grads()
-        got, n = grads()
-        torch.testing.assert_close(got, ref, rtol=0, atol=0)
-        feat = next(f for f in _compat.features() if f.name == "buffer reuse (ownership)")
-        for line in (n, feat.on, _ext.error(), feat.detail):
-            print(line)
-        """
-    env = {"SLIMGRAD_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
-    r = _python(code, **env)
-    assert r.returncode == 0, r.stderr
-    n, on, err, detail = r.stdout.splitlines()[-4:]
-    assert (n, on) == ("0", "False")
-    assert "no C++ compiler" in err and "no C++ compiler" in detail
-    # with a compiler (and this session's cached build): granted, the same bits
-    r = _python(code)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[-4:-2] == ["1", "True"], r.stdout
+def test_without_a_compiler_reuse_is_off_same_gradients_and_env_says_why(fresh_child, monkeypatch):
+    assert fresh_child["no_compiler"] == "ok", fresh_child["no_compiler"]
+    # with a compiler (and this session's cached build): granted, the same bits (this process)
+    from slimgrad import _compat
+    from tests._ownership_helpers import ExpSaved
+
+    monkeypatch.delenv(ownership.ENV_VAR, raising=False)
+
+    def grads():
+        x = torch.linspace(-1, 1, 7, requires_grad=True)
+        ownership.reset_reuse_count()
+        (ExpSaved.apply(x * 0.5) * 3).sum().backward()
+        return x.grad, ownership.reuse_count()
+
+    with ownership.reuse_disabled():
+        ref, _ = grads()
+    got, n = grads()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    feat = next(f for f in _compat.features() if f.name == "buffer reuse (ownership)")
+    assert (n, feat.on) == (1, True), (n, feat.on, feat.detail)
 
 
 def test_a_failed_build_is_recorded_for_slimgrad_env(tmp_path, monkeypatch):

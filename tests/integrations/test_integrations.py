@@ -12,6 +12,7 @@ import torch
 import slimgrad
 from slimgrad import memory
 from slimgrad.integrations import StepPeaks
+from tests._examples import run_example
 
 
 def _mlp():
@@ -170,25 +171,14 @@ def test_lightning_callback_converts_same_weights_lower_peak(tmp_path):
     assert out[True][1][2] < out[False][1][2]
 
 
-def _run_example(name: str, *args: str) -> str:
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / name
-    proc = subprocess.run(
-        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_lightning_callback_example():
     pytest.importorskip("lightning.pytorch")
-    out = _run_example("lightning_callback.py", "--steps", "2")
+    out = run_example("lightning_callback.py", "--steps", "2")
     assert "lightning: 2 steps, parameters within the error rule against float64" in out
 
 
 def test_step_in_backward_loop_example():
     pytest.importorskip("transformers")
-    out = _run_example("step_in_backward_loop.py", "--steps", "2")
+    out = run_example("step_in_backward_loop.py", "--steps", "2")
     assert out.count("parameters bit-identical") == 2
     assert "step_in_backward: 2 steps bit-identical to the plain loop; step peak" in out

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+import importlib.util
 
 import pytest
 import torch
 
 from slimgrad.kernels import _backend as B
+from tests._child import run_checks
 
 
 @pytest.fixture(autouse=True)
@@ -83,61 +81,89 @@ def test_fake_and_meta_tensors_take_the_torch_path(monkeypatch):
         assert not B.use_triton(torch.empty(2), backend="triton")
 
 
-def test_import_slimgrad_and_backend_import_neither_triton_nor_cuda():
-    code = (
-        "import sys, torch; import slimgrad, slimgrad.kernels._backend as b; "
-        "b.use_triton(torch.ones(1)); b.triton_available(); "
-        "assert 'triton' not in sys.modules, 'triton imported'; "
-        "assert not torch.cuda.is_initialized(), 'CUDA initialised'"
-    )
-    src = str(Path(B.__file__).resolve().parents[2])  # this checkout's src/, first on the path
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+# The checks that need a fresh interpreter run in two children (tests/_child.py), not one each:
+# (1) import slimgrad imports neither triton nor CUDA; then, in the same child, triton imported
+# before TRITON_INTERPRET is set; then the GPU benchmark's smoke run, which sets the flag and drops
+# the kernel modules itself. (2) The real compiler, alone: kernel modules decorated under the
+# interpreter stay bound as attributes of slimgrad.kernels once imported, and the compiler would
+# be handed those.
+_CHECK_IMPORTS = """
+    import sys, torch; import slimgrad, slimgrad.kernels._backend as b
+    b.use_triton(torch.ones(1)); b.triton_available()
+    assert 'triton' not in sys.modules, 'triton imported'
+    assert not torch.cuda.is_initialized(), 'CUDA initialised'
+"""
+
+# NOTE [Kernels under the interpreter]: triton imported before TRITON_INTERPRET is set (as when
+# another test imported it) must not leave compiled helpers inside interpreted kernels.
+_CHECK_INTERPRET_AFTER_TRITON = """
+    import triton, torch
+    from tests.kernels._kern_helpers import interpreted
+    import importlib
+    from slimgrad.ops import _output_act
+    gelu = importlib.import_module('slimgrad.ops.gelu')
+    with interpreted('gelu', 'dropout', 'layer_norm', 'linear_cross_entropy') as K:
+        x = torch.randn(300)
+        y, bits, idx, xs = K.gelu._fwd_triton(x)
+        r = _output_act.smooth_fwd(gelu.SPECS['none'], x, gelu._fwd_torch)
+        assert torch.equal(bits, r[1])
+        assert torch.equal(idx.sort().values, r[2].sort().values)
+        out, b = K.dropout._fwd_triton(x, 0.5)
+        K.layer_norm._fwd_triton(x.view(10, 30), [30], None, None, 1e-5)
+        K.linear_cross_entropy.ce_fwd_chunk(x.view(10, 30), torch.zeros(10).long(), -1, 0.1)
+"""
+
+# the real compiler (TTIR -> cubin, triton's bundled ptxas), one variant per kernel; the full set
+# of constexpr variants: `python -m slimgrad.kernels._compile_check`
+_CHECK_COMPILE_SM90 = """
+    import contextlib, io
+    from slimgrad.kernels import _compile_check
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = _compile_check.main(["--quick"])
+    out = buf.getvalue()
+    assert rc == 0 and out.count("ok ") == 11 and "FAIL" not in out, out
+"""
+
+# the GPU bandwidth benchmark's plumbing, on CPU under the interpreter (no timings); its main()
+# sets TRITON_INTERPRET and drops the kernel modules itself (python -m slimgrad.bench.kernels)
+_CHECK_BENCH_SMOKE = """
+    import contextlib, io
+    from slimgrad.bench.kernels import main  # moved out of kernels/ (issue 15, the house)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["--smoke", "--only", "gelu,dropout,rms,ce,inplace"])
+    out = buf.getvalue()
+    assert rc == 0 and out.count("smoke ok") == 6, out
+"""
+
+_CHILD_ENV = {"TRITON_INTERPRET": None, B.ENV_VAR: None, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def first_child():
+    checks = {"imports": _CHECK_IMPORTS}
+    if importlib.util.find_spec("triton") is not None:
+        checks["interpret_after_triton"] = _CHECK_INTERPRET_AFTER_TRITON
+        checks["smoke"] = _CHECK_BENCH_SMOKE
+    return run_checks(checks, env=_CHILD_ENV)
+
+
+def test_import_slimgrad_and_backend_import_neither_triton_nor_cuda(first_child):
+    assert first_child["imports"] == "ok", first_child["imports"]
 
 
 @pytest.mark.triton
-def test_kernels_interpret_even_if_triton_was_imported_first():
-    # NOTE [Kernels under the interpreter]: triton imported before TRITON_INTERPRET is set (as when
-    # another test imported it) must not leave compiled helpers inside interpreted kernels.
+def test_kernels_interpret_even_if_triton_was_imported_first(first_child):
     pytest.importorskip("triton")
-    code = (
-        "import triton, torch\n"
-        "from tests.kernels._kern_helpers import interpreted\n"
-        "import importlib\nfrom slimgrad.ops import _output_act\n"
-        "gelu = importlib.import_module('slimgrad.ops.gelu')\n"
-        "with interpreted('gelu', 'dropout', 'layer_norm', 'linear_cross_entropy') as K:\n"
-        "    x = torch.randn(300)\n"
-        "    y, bits, idx, xs = K.gelu._fwd_triton(x)\n"
-        "    r = _output_act.smooth_fwd(gelu.SPECS['none'], x, gelu._fwd_torch)\n"
-        "    assert torch.equal(bits, r[1])\n"
-        "    assert torch.equal(idx.sort().values, r[2].sort().values)\n"
-        "    out, b = K.dropout._fwd_triton(x, 0.5)\n"
-        "    K.layer_norm._fwd_triton(x.view(10, 30), [30], None, None, 1e-5)\n"
-        "    K.linear_cross_entropy.ce_fwd_chunk(x.view(10, 30), torch.zeros(10).long(), -1, 0.1)\n"
-    )
-    root = Path(__file__).resolve().parents[2]
-    src = str(Path(B.__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(root)])}
-    env.pop("TRITON_INTERPRET", None)
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root)
+    res = first_child["interpret_after_triton"]
+    assert res == "ok", res
 
 
 @pytest.mark.triton
-def test_bench_script_smoke():
-    # the GPU bandwidth benchmark's plumbing, on CPU under the interpreter (no timings)
+def test_bench_script_smoke(first_child):
     pytest.importorskip("triton")
-    src = str(Path(B.__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "slimgrad.bench.kernels",  # moved out of kernels/ (issue 15, the house)
-        "--smoke",
-        "--only",
-        "gelu,dropout,rms,ce,inplace",
-    ]
-    out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True).stdout
-    assert out.count("smoke ok") == 6, out
+    assert first_child["smoke"] == "ok", first_child["smoke"]
 
 
 def test_auto_false_needs_an_explicit_triton(monkeypatch):
@@ -168,13 +194,6 @@ def test_compiled_code_takes_the_torch_path(monkeypatch):
 
 @pytest.mark.triton
 def test_kernels_compile_for_sm90_without_a_gpu():
-    # the real compiler (TTIR -> cubin, triton's bundled ptxas), one variant per kernel; the full
-    # set of constexpr variants: `python -m slimgrad.kernels._compile_check`
     pytest.importorskip("triton")
-    src = str(Path(B.__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "slimgrad.kernels._compile_check", "--quick"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 11 and "FAIL" not in r.stdout, r.stdout
+    res = run_checks({"compile": _CHECK_COMPILE_SM90}, env=_CHILD_ENV)["compile"]
+    assert res == "ok", res

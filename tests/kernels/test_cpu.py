@@ -16,6 +16,7 @@ import torch
 
 from slimgrad.kernels import _backend as B
 from slimgrad.kernels import _cpu
+from tests._child import run_checks
 
 SRC = str(Path(_cpu.__file__).resolve().parents[2])
 
@@ -124,39 +125,80 @@ def test_unusable_cache_falls_back(toy, monkeypatch):
 
 @needs_cc
 def test_concurrent_builds_are_safe(toy):
-    # two processes build the same library into an empty cache at once; both load it
+    # two processes build the same library into an empty cache at once, a child and this one (the
+    # child imports first, then both start on one signal); both load it
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
         "import slimgrad.kernels._cpu as c; c.SRC_DIR = Path(sys.argv[2]); "
+        "print('ready', flush=True); sys.stdin.readline(); "
         "lib = c.load('toy'); assert lib is not None, c.last_error('toy'); print('ok')"
     )
     env = {**os.environ, "SLIMGRAD_CACHE": str(toy / "cache"), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, SRC, str(toy / "src")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    assert [o[0].strip() for o in outs] == ["ok", "ok"]
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, SRC, str(toy / "src")],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        lib = _cpu.load("toy")  # the toy fixture's sources and cache, as the child's
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    assert lib is not None, _cpu.last_error("toy")
+    assert child.returncode == 0 and out.strip() == "ok", (out, err[-2000:])
     files = [f.name for f in (toy / "cache" / "cpu").iterdir()]
     assert len(files) == 1 and files[0].startswith("toy-"), files  # no temporary left behind
 
 
-def test_import_slimgrad_compiles_nothing(tmp_path):
-    code = (
-        "import slimgrad, slimgrad.ops, slimgrad.nn, sys; "
-        "assert 'slimgrad.kernels._cpu' not in sys.modules or "
-        "not sys.modules['slimgrad.kernels._cpu']._libs"
-    )
-    env = {**os.environ, "PYTHONPATH": SRC, "SLIMGRAD_CACHE": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
-    assert not (tmp_path / "cpu").exists() or not list((tmp_path / "cpu").iterdir())
+# One fresh child (tests/_child.py) for both: first `import slimgrad` compiles nothing (an empty
+# cache stays empty), then, with no compiler, an op's first call warns once and runs on PyTorch
+_CHECK_IMPORT_COMPILES_NOTHING = """
+    import os, sys
+    from pathlib import Path
+    import slimgrad, slimgrad.ops, slimgrad.nn
+    assert 'slimgrad.kernels._cpu' not in sys.modules or \\
+        not sys.modules['slimgrad.kernels._cpu']._libs
+    cache = Path(os.environ['SLIMGRAD_CACHE']) / 'cpu'
+    assert not cache.exists() or not list(cache.iterdir()), list(cache.iterdir())
+"""
+
+_CHECK_NO_COMPILER_FALLS_BACK = """
+    import os
+    os.environ['CC'] = '/nonexistent/cc'
+    import warnings, torch, torch.nn.functional as F
+    from slimgrad.ops.gelu import gelu
+    x = torch.randn(1000, requires_grad=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        gelu(x * 1, 'tanh').sum().backward(); gelu(x * 1).sum().backward()
+    msgs = [str(m.message) for m in w if 'cannot build' in str(m.message)]
+    assert len(msgs) == 1 and '/nonexistent/cc' in msgs[0], msgs
+    xe = x.detach().requires_grad_(); F.gelu(xe, approximate='tanh').sum().backward()
+    F.gelu(xe).sum().backward(); torch.testing.assert_close(x.grad, xe.grad)
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_child(tmp_path_factory):
+    env = {
+        "SLIMGRAD_CACHE": str(tmp_path_factory.mktemp("cpu_cache")),
+        "OMP_NUM_THREADS": "1",
+        B.ENV_VAR: None,
+        "CC": None,
+    }
+    checks = {"import": _CHECK_IMPORT_COMPILES_NOTHING, "no_cc": _CHECK_NO_COMPILER_FALLS_BACK}
+    return run_checks(checks, env=env)
+
+
+def test_import_slimgrad_compiles_nothing(fresh_child):
+    assert fresh_child["import"] == "ok", fresh_child["import"]
 
 
 # backend choice ----------------------------------------------------------------------------------
@@ -382,31 +424,9 @@ def test_op_on_both_backends(clean_backend, lib, name):
     assert_within_rule(res["cpu"][0][1], x64.grad, xe.grad)
 
 
-def test_ops_fall_back_when_the_compiler_is_missing(tmp_path):
+def test_ops_fall_back_when_the_compiler_is_missing(fresh_child):
     # a fresh process, an empty cache and no compiler: the op warns once, then runs on PyTorch
-    code = (
-        "import warnings, torch, torch.nn.functional as F\n"
-        "from slimgrad.ops.gelu import gelu\n"
-        "x = torch.randn(1000, requires_grad=True)\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    warnings.simplefilter('always')\n"
-        "    gelu(x * 1, 'tanh').sum().backward(); gelu(x * 1).sum().backward()\n"
-        "msgs = [str(m.message) for m in w if 'cannot build' in str(m.message)]\n"
-        "assert len(msgs) == 1 and '/nonexistent/cc' in msgs[0], msgs\n"
-        "xe = x.detach().requires_grad_(); F.gelu(xe, approximate='tanh').sum().backward()\n"
-        "F.gelu(xe).sum().backward(); torch.testing.assert_close(x.grad, xe.grad)\n"
-        "print('ok')\n"
-    )
-    env = {
-        **os.environ,
-        "PYTHONPATH": SRC,
-        "SLIMGRAD_CACHE": str(tmp_path),
-        "CC": "/nonexistent/cc",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop(B.ENV_VAR, None)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+    assert fresh_child["no_cc"] == "ok", fresh_child["no_cc"]
 
 
 # gradient-buffer reuse (issue 6; NOTE [Gradient-buffer ownership]) -----------------------------
