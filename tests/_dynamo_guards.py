@@ -1,5 +1,5 @@
 """What Dynamo guards on: the guard managers of every compiled frame's cache entries, read for the
-tests of what a compiled converted model costs per call (tests/test_compile_guards.py,
+tests of what a compiled converted model costs per call (tests/test_compile_graph_breaks.py,
 tests/test_compile_rms_norm_guards.py). Torch-private API: a test skips where it is missing."""
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Many ``eager_only`` functions inside one compiled model (NOTE [Eager-only code under
 torch.compile] in slimgrad/_compile.py): every wrapper shares one code object, so had Dynamo traced
 it, each wrapped function and each call signature would have added a cache entry to that code
-object, and the ninth would have hit ``recompile_limit`` (torch 2.13: 8). Here 12 distinct
-functions with three signatures, made before Dynamo is loaded (the usual case: ``import slimgrad``
-and then ``torch.compile``) and after: the wrapper is never compiled, Dynamo compiles the model's
-frame and one resume frame per graph break and nothing else, every model segment is compiled (no
-fallback to eager), every wrapped function runs eagerly, and values and gradients are eager's.
+object, and the ninth would have hit ``recompile_limit`` (torch 2.13: 8). Here one more distinct
+function than that limit, with three signatures, made before Dynamo is loaded (the usual case:
+``import slimgrad`` and then ``torch.compile``) and after: the wrapper is never compiled, Dynamo
+compiles the model's frame and one resume frame per graph break and nothing else, every model
+segment is compiled (no fallback to eager), every wrapped function runs eagerly, and values and
+gradients are eager's.
 
 The same holds after ``torch.compiler.reset()`` between compiles, and in a process that imported
 slimgrad before ``torch._dynamo`` (its own wrappers wait for Dynamo too): there the wrapper's
@@ -29,7 +30,7 @@ from torch._dynamo.utils import counters
 from slimgrad._compat import parse_version
 from slimgrad._compile import eager_only
 
-K = 12  # wrapped functions: more than recompile_limit
+K = torch._dynamo.config.recompile_limit + 1  # wrapped functions: more than the limit
 SIGNATURES = ("(x)", "(x, k)", "(x, *, k)")
 
 
@@ -108,25 +109,17 @@ def _compile_and_check(model, wrapped: list, seen: list, extra_frames: int):
 
 @_NEEDS_2_13
 @_WHEN
-def test_many_wrapped_functions_compile_without_recompiles(before_dynamo):
-    seen: list = []
-    wrapped = _wrapped(before_dynamo, seen)
-    torch._dynamo.reset()
-    # made before Dynamo, the first call (which disables every wrapper) calls
-    # torch.compiler.disable: Dynamo sees its functools.wraps and update_wrapper frames (frames
-    # called from a skipped one are still Dynamo's) and skips them, no tensors in them
-    _compile_and_check(_model(wrapped), wrapped, seen, extra_frames=2 if before_dynamo else 0)
-
-
-@_NEEDS_2_13
-@_WHEN
 def test_wrappers_stay_skipped_after_a_reset(before_dynamo):
-    # torch.compiler.reset() drops Dynamo's state for every code object it has seen a frame of,
-    # the skip mark included; the wrappers' code must never be one of them
+    # the first compile, then compiles after torch.compiler.reset(), which drops Dynamo's state for
+    # every code object it has seen a frame of, the skip mark included; the wrappers' code must
+    # never be one of them
     seen: list = []
     wrapped = _wrapped(before_dynamo, seen)
     model = _model(wrapped)
     torch._dynamo.reset()
+    # made before Dynamo, the first call (which disables every wrapper) calls
+    # torch.compiler.disable: Dynamo sees its functools.wraps and update_wrapper frames (frames
+    # called from a skipped one are still Dynamo's) and skips them, no tensors in them
     _compile_and_check(model, wrapped, seen, extra_frames=2 if before_dynamo else 0)
     for _ in range(2):
         torch.compiler.reset()
