@@ -22,6 +22,7 @@ import slimgrad
 from slimgrad import memory
 from slimgrad.step_in_backward import StepInBackward
 from tests._bitwise import assert_same_parameters, assert_same_state
+from tests._gc_frozen import older_objects_frozen  # noqa: F401  (autouse)
 
 step_in_backward = slimgrad.step_in_backward
 _mod = sys.modules["slimgrad.step_in_backward"]

@@ -20,6 +20,7 @@ from torch.testing import assert_close
 import slimgrad
 from slimgrad import memory
 from slimgrad.ops.linear_cross_entropy import linear_cross_entropy
+from tests._gc_frozen import older_objects_frozen  # noqa: F401  (autouse)
 
 lce_ops = importlib.import_module("slimgrad.ops.linear_cross_entropy")
 step_in_backward = slimgrad.step_in_backward

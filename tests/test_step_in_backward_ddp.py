@@ -35,6 +35,7 @@ from torch import nn
 
 import slimgrad
 from tests._bitwise import assert_same_parameters, assert_same_state
+from tests._gc_frozen import older_objects_frozen  # noqa: F401  (autouse)
 
 _mod = sys.modules["slimgrad.step_in_backward"]
 dist = torch.distributed
@@ -382,6 +383,18 @@ def _frozen_gc(run):
         gc.unfreeze()
 
 
+@pytest.fixture
+def _refrozen():
+    # gc.unfreeze() above thaws the whole permanent generation, tests/conftest.py's freeze of what
+    # collection made included: every later gc pass and wrapper or scaler scan of the process
+    # would walk it again. Once the test's objects are gone, what is alive is frozen again.
+    frozen = gc.get_freeze_count()
+    yield
+    if gc.get_freeze_count() < frozen:
+        gc.collect()
+        gc.freeze()
+
+
 _STALE = (
     r"^slimgrad\.step_in_backward: something wrote \.grad after the update: a DDP/FSDP reducer\?"
 )
@@ -396,7 +409,7 @@ _STALE = (
     ],
 )
 def test_a_ddp_the_scan_misses_is_refused_by_the_gradient_it_writes_back(
-    world_one, blind, given, accumulate, monkeypatch
+    _refrozen, world_one, blind, given, accumulate, monkeypatch
 ):
     """A DDP the wrapper scan does not see (``gc.freeze()``; any blind spot of the scan: here the
     scan answers nothing) was accepted, and the plain DDP loop and the handle's drifted (0.26 after

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests._bitwise import assert_same_parameters, assert_same_state
+from tests._gc_frozen import older_objects_frozen  # noqa: F401  (autouse)
 from tests.test_step_in_backward_raised import _Boom, _pair, _snap, _unchanged, _x
 
 

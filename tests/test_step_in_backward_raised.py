@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 import slimgrad
 from tests._bitwise import Boom as _Boom
 from tests._bitwise import assert_same_parameters, assert_same_state
+from tests._gc_frozen import older_objects_frozen  # noqa: F401  (autouse)
 
 step_in_backward = slimgrad.step_in_backward
 

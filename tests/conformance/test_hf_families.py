@@ -7,7 +7,8 @@ model, by the error rule ``max|x - x64| <= 2 * max|x_eager - x64| + atol``:
 - rows ``<family>-<train|eval>-<unpadded|left|right>-<labels|nolabels>``: every floating output
   the model returns, the loss and every parameter's gradient, all finite, the caller's batch left
   unchanged; eval rows also run a ``no_grad`` forward. With labels in training the converted model
-  may return ``logits=None`` (the fused loss; documented), nowhere else.
+  may return ``logits=None`` (the fused loss; documented), nowhere else. Text families' rows also
+  compare the KV cache the model returns (the training forward; in eval, the ``no_grad`` one).
 - ``<family>-generate``: greedy ``generate()`` of a few tokens on a left-padded batch gives eager's
   tokens (LMs and encoder-decoders).
 - ``<family>-report``: the family converts something, and every skipped entry says why.
@@ -16,7 +17,8 @@ model, by the error rule ``max|x - x64| <= 2 * max|x_eager - x64| + atol``:
 
 The comparisons here are written without ``slimgrad.verify`` (only ``slimgrad.testing``'s rule),
 and the padding without verify's, so that the ``-verify`` rows cross-check it. Models are built once
-per family and process (module-level cache); rows only switch train/eval.
+per family and process (module-level cache; each from one built template, deep-copied: far cheaper
+than building it again); rows only switch train/eval.
 """
 
 from __future__ import annotations
@@ -36,12 +38,21 @@ pytest.importorskip("transformers")
 
 SEED = 7
 _CACHE: dict[str, tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]] = {}
+_TEMPLATES: dict[str, torch.nn.Module] = {}
+
+
+def _template(name: str) -> torch.nn.Module:
+    # the family's model as H.build makes it, built once per process and never run: every model
+    # here is a deep copy of it
+    if name not in _TEMPLATES:
+        _TEMPLATES[name] = H.build(H.FAMILIES[name])
+    return _TEMPLATES[name]
 
 
 def _models(name: str):
     """(eager, converted, float64 reference) of a family, built once per process."""
     if name not in _CACHE:
-        eager = H.build(H.FAMILIES[name])
+        eager = copy.deepcopy(_template(name))
         ref = copy.deepcopy(eager).to(torch.float64)
         if getattr(ref.config, "_experts_implementation", None) not in (None, "eager"):
             ref.config._experts_implementation = "eager"  # grouped_mm has no float64
@@ -82,13 +93,15 @@ def _scaled_atol(ref: torch.Tensor) -> float:
     return DEFAULT_ATOL[torch.float32] * max(1.0, float(ref.detach().abs().max()))
 
 
-def _side(model, batch, labels, grad=True):
+def _side(model, batch, labels, grad=True, caches=None):
     params = [p for p in model.parameters() if p.requires_grad]
     mine = copy.deepcopy(batch)
     torch.manual_seed(SEED)
     with torch.set_grad_enabled(grad):
         out = model(**mine)
     outs = dict(_floats(out))
+    if caches is not None:  # the KV caches this forward returned
+        caches.append(_caches(out))
     if not grad:
         return outs, None, None, mine
     loss = out.loss if labels else _loss_without_labels(out)
@@ -184,8 +197,9 @@ def _redraws(eager, ref, batch, labels):
     return draws
 
 
-def check_row(name: str, mode: str, pad: str, labels: bool) -> None:
-    """Converted vs eager vs float64 on one batch; raises AssertionError listing every problem."""
+def check_row(name: str, mode: str, pad: str, labels: bool) -> list[str]:
+    """Converted vs eager vs float64 on one batch; raises AssertionError listing every problem.
+    Returns the problems of the KV caches returned (text families; ``test_row`` asserts them)."""
     fam = H.FAMILIES[name]
     eager, conv, ref = _models(name)
     for m in (eager, conv, ref):
@@ -193,9 +207,11 @@ def check_row(name: str, mode: str, pad: str, labels: bool) -> None:
     batch = H.pad(H.inputs(fam, eager, labels=labels), eager, pad)
     keep = copy.deepcopy(batch)
     names = _names(eager)
-    oe, le, ge, _ = _side(eager, batch, labels)
-    oc, lc, gc, after = _side(conv, batch, labels)
-    orf, lr, gr, _ = _side(ref, _cast64(batch), labels)
+    caches: list = [] if fam.text else None  # eager's, converted's, float64's
+    train_caches = caches if mode == "train" else None
+    oe, le, ge, _ = _side(eager, batch, labels, caches=train_caches)
+    oc, lc, gc, after = _side(conv, batch, labels, caches=train_caches)
+    orf, lr, gr, _ = _side(ref, _cast64(batch), labels, caches=train_caches)
     problems = []
     judge = _by_rule
     if not _finite(lr, gr, orf) and _finite(le, ge, oe):
@@ -233,13 +249,14 @@ def check_row(name: str, mode: str, pad: str, labels: bool) -> None:
     more = f" (+{len(grad_problems) - 3} more)" if len(grad_problems) > 3 else ""
     problems += ["grads: " + "; ".join(grad_problems[:3]) + more] if grad_problems else []
     if mode == "eval":  # an inference forward: eager's outputs, logits included
-        oe, _, _, _ = _side(eager, batch, labels, grad=False)
-        oc, _, _, _ = _side(conv, batch, labels, grad=False)
-        orf, _, _, _ = _side(ref, _cast64(batch), labels, grad=False)
+        oe, _, _, _ = _side(eager, batch, labels, grad=False, caches=caches)
+        oc, _, _, _ = _side(conv, batch, labels, grad=False, caches=caches)
+        orf, _, _, _ = _side(ref, _cast64(batch), labels, grad=False, caches=caches)
         problems += _check_outputs("no_grad", oe, oc, orf, judge, may_drop_logits=False)
     assert not problems, f"{name} {mode} {pad} {'labels' if labels else 'nolabels'}:\n" + (
         "\n".join(problems)
     )
+    return _returned_cache_problems(*caches) if caches else []
 
 
 def _names(model):
@@ -287,7 +304,7 @@ def _result(name, mode, pad, labels) -> str:
 def test_row(name, mode, pad, labels, record_property):
     key = (name, mode, "none" if pad == "unpadded" else pad, labels)
     try:
-        check_row(*key)
+        cache_problems = check_row(*key)
     except AssertionError as err:
         lines = str(err).splitlines()
         _RESULTS[key] = lines[1] if len(lines) > 1 else str(err)
@@ -295,7 +312,8 @@ def test_row(name, mode, pad, labels, record_property):
     finally:
         if key in _FALLBACK:  # NOTE [Non-finite float64 reference on padded batches]
             record_property("reference", "eager (the float64 reference is not finite)")
-    _RESULTS[key] = "pass"
+    _RESULTS[key] = "pass"  # (what verify judges: outputs, loss, gradients; not the cache)
+    assert not cache_problems, f"{name} {mode} {pad} returned cache:\n" + "\n".join(cache_problems)
 
 
 @pytest.mark.parametrize("name", [n for n, f in H.FAMILIES.items() if f.generates])
@@ -350,23 +368,14 @@ def test_report_converts_or_says_why(name, record_property):
     assert changed, f"{name}: the report lists conversions but the model is unchanged\n{rep}"
 
 
-# The KV cache a model returns (``past_key_values`` in transformers 5.23, ``cache`` in 5.24):
-# the converted model returns eager's, on the calls where HF fills one (training and eval, with and
-# without labels, padded and not, ``use_cache`` at the config's default): the same cache type (and
-# sub-caches of an encoder-decoder), the same tokens seen, the same layer types, each layer filled
-# exactly where eager's is, and keys and values by the error rule against the float64 model
-# (NOTE [Non-finite float64 reference on padded batches]: against eager where that has none).
+# The KV cache a model returns (``past_key_values`` in transformers 5.23, ``cache`` in 5.24),
+# compared in every row of a text family, on the forward the row runs (training: the one whose
+# gradients it compares; eval: its ``no_grad`` one), ``use_cache`` at the config's default: the
+# converted model returns eager's, the same cache type (and sub-caches of an encoder-decoder), the
+# same tokens seen, the same layer types, each layer filled exactly where eager's is, and keys and
+# values by the error rule against the float64 model (NOTE [Non-finite float64 reference on padded
+# batches]: against eager where that has none).
 # NOTE [GPT-2's cache keyword] in slimgrad/convert_handlers/hf_attention.py.
-_CACHE_CALLS = [  # (mode, pad, labels)
-    ("train", "none", True),
-    ("train", "none", False),
-    ("train", "left", True),
-    ("train", "right", False),
-    ("eval", "none", True),
-    ("eval", "left", False),
-]
-
-
 def _caches(out) -> dict:
     from transformers.cache_utils import Cache, EncoderDecoderCache
 
@@ -418,27 +427,14 @@ def _cache_problems(tag, ce, cc, cr) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("name", [n for n, f in H.FAMILIES.items() if f.text])
-def test_returned_cache_is_eager(name):
-    fam = H.FAMILIES[name]
-    eager, conv, ref = _models(name)
+def _returned_cache_problems(ce: dict, cc: dict, cr: dict) -> list[str]:
+    # eager's, the converted model's and the float64 model's caches ({name: Cache}) of one forward
+    if list(cc) != list(ce):
+        return [f"converted returns caches {list(cc)}, eager {list(ce)}"]
     problems = []
-    for mode, pad, labels in _CACHE_CALLS:
-        tag = f"{mode}-{pad}-{'labels' if labels else 'nolabels'}"
-        batch = H.pad(H.inputs(fam, eager, labels=labels), eager, pad)
-        outs = []
-        for m, b in ((eager, batch), (conv, batch), (ref, _cast64(batch))):
-            m.train(mode == "train")
-            torch.manual_seed(SEED)
-            with torch.set_grad_enabled(mode == "train"):
-                outs.append(_caches(m(**copy.deepcopy(b))))
-        ce, cc, cr = outs
-        if list(cc) != list(ce):
-            problems.append(f"{tag}: converted returns caches {list(cc)}, eager {list(ce)}")
-            continue
-        for k in ce:
-            problems += _cache_problems(f"{tag} {k}", ce[k], cc[k], cr[k])
-    assert not problems, f"{name}:\n" + "\n".join(problems)
+    for k in ce:
+        problems += _cache_problems(k, ce[k], cc[k], cr[k])
+    return problems
 
 
 @pytest.mark.parametrize("name", [n for n, f in H.FAMILIES.items() if f.text])
@@ -484,15 +480,17 @@ _HALF_MODES = {
     "autocast_bf16": (torch.float32, torch.bfloat16),
 }
 _HALF_CACHE: dict = {}
+_HALF_REF: dict = {}  # (name, pad, train) -> the float64 model's loss and gradients
 
 
 def _half_models(name, mode):
     key = (name, mode)
     if key not in _HALF_CACHE:
-        base = H.build(H.FAMILIES[name])
-        eager = copy.deepcopy(base).to(_HALF_MODES[mode][0])
+        eager = copy.deepcopy(_template(name)).to(_HALF_MODES[mode][0])
         conv = slimgrad.convert_(copy.deepcopy(eager), _ATTN_ONLY)
-        _HALF_CACHE[key] = (eager, conv, copy.deepcopy(base).to(torch.float64))
+        if name not in _HALF_CACHE:  # one float64 model for the three modes
+            _HALF_CACHE[name] = copy.deepcopy(_template(name)).to(torch.float64)
+        _HALF_CACHE[key] = (eager, conv, _HALF_CACHE[name])
     return _HALF_CACHE[key]
 
 
@@ -542,7 +540,9 @@ def test_half_precision_attention_row(name, mode, pad, train, monkeypatch):
     le, ge = _half_side(eager, batch, autocast)
     n_eager = len(calls)
     lc, gc = _half_side(conv, batch, autocast)
-    lr, gr = _half_side(ref, batch, autocast, float64=True)
+    if (name, pad, train) not in _HALF_REF:  # the same in every mode: float64, no autocast
+        _HALF_REF[name, pad, train] = _half_side(ref, batch, autocast, float64=True)
+    lr, gr = _HALF_REF[name, pad, train]
     assert n_eager == 0 and (len(calls) > 0) == train  # slimgrad's attention ran in training
     names = _names(eager)
     torch.testing.assert_close(lc, le, rtol=0, atol=0)
