@@ -1323,8 +1323,9 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
 # which outputs may be the model's, NOTE [Modules whose output is the model's output]). Reading a
 # plain-torch forward means tracing it with torch.fx, every child a leaf, which is most of what
 # ``convert_`` costs on a CNN or a ViT. Each forward is traced once per call, before anything is
-# swapped (``_Read``: train mode and eval mode, the generators' states restored), and kept in
-# ``Traces`` (``Structure.traces``); the later readings take it from there:
+# swapped (``_Read``: train mode and eval mode, the generators' states restored; a module whose
+# facts equal an earlier one's takes its reading: NOTE [Modules that read alike share a reading]),
+# and kept in ``Traces`` (``Structure.traces``); the later readings take it from there:
 #   - the converted model: a module the swaps left where it was (a parent whose children were
 #     replaced, a module kept eager) has the trace it had: the trace names a leaf child by its
 #     attribute, and a swap puts the replacement at that same attribute. Where the forward may
