@@ -110,3 +110,30 @@ def test_the_facts_name_aliasing_and_shapes():
     assert key(a) != key(e)
     counts = collections.Counter(map(type, keep))
     assert counts[torch.Tensor] and counts[nn.Parameter]  # what the keys name stays alive
+
+
+class _LazyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.LazyLinear(8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        h += x
+        return self.fc(h)
+
+
+def test_a_fact_that_cannot_be_read_reads_the_module_alone(monkeypatch):
+    # an uninitialized parameter has no shape: each block is traced on its own, as before (not
+    # read from its source, as an untraceable forward is)
+    model = nn.Sequential(_LazyBlock(), _LazyBlock())
+    seen = count_traces(monkeypatch)
+    sourced = []
+    source_info = _guard._source_info
+    monkeypatch.setattr(
+        _guard, "_source_info", lambda a, m, *rest: sourced.append(m) or source_info(a, m, *rest)
+    )
+    slimgrad.convert_(model)
+    assert [seen[id(b)] for b in model] == [2, 2] and not [m for m in sourced if m in model]
+    assert [type(b.norm) for b in model] == [nn.LayerNorm, nn.LayerNorm]  # written over: kept
+    _step(model)

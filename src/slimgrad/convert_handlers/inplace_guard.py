@@ -1511,7 +1511,11 @@ class Traces:
     def _read(self, m: nn.Module, after_swaps: bool) -> _Read:
         if after_swaps:
             return _Read.of(m)
-        key = _alike_key(m, self._alike_kept)  # NOTE [Modules that read alike share a reading]
+        try:  # NOTE [Modules that read alike share a reading]
+            key = _alike_key(m, self._alike_kept)
+            hash(key)
+        except Exception:  # a fact that cannot be read (a lazy parameter's shape): read it alone
+            return _Read.of(m)
         got = self._alike.get(key)
         if got is None:
             got = self._alike[key] = _Read.of(m)
