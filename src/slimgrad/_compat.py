@@ -13,6 +13,7 @@ gets one warning at the first ``convert_`` of an HF model.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import warnings
@@ -197,12 +198,22 @@ def _numpy() -> Feature:
     return Feature("numpy", True, "installed")
 
 
-def _transformers() -> Feature:
+@functools.cache
+def _installed(name: str) -> str | None:
+    # a distribution's version, read once per process: reading the installed distributions'
+    # metadata costs milliseconds (more with a long sys.path), and ``features_off`` runs at every
+    # ``convert_``; a package installed or upgraded later is not the one this process imported
     try:
         from importlib.metadata import version
 
-        v = version("transformers")
+        return version(name)
     except Exception:
+        return None
+
+
+def _transformers() -> Feature:
+    v = _installed("transformers")
+    if v is None:
         return Feature("HF handlers", False, "transformers is not installed (pip install '.[hf]')")
     msg = transformers_version_problem(v)
     if msg is None:

@@ -1323,8 +1323,9 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
 # which outputs may be the model's, NOTE [Modules whose output is the model's output]). Reading a
 # plain-torch forward means tracing it with torch.fx, every child a leaf, which is most of what
 # ``convert_`` costs on a CNN or a ViT. Each forward is traced once per call, before anything is
-# swapped (``_Read``: train mode and eval mode, the generators' states restored), and kept in
-# ``Traces`` (``Structure.traces``); the later readings take it from there:
+# swapped (``_Read``: train mode and eval mode, the generators' states restored; a module whose
+# facts equal an earlier one's takes its reading: NOTE [Modules that read alike share a reading]),
+# and kept in ``Traces`` (``Structure.traces``); the later readings take it from there:
 #   - the converted model: a module the swaps left where it was (a parent whose children were
 #     replaced, a module kept eager) has the trace it had: the trace names a leaf child by its
 #     attribute, and a swap puts the replacement at that same attribute. Where the forward may
@@ -1389,6 +1390,76 @@ class _Read:
         return self.train
 
 
+# NOTE [Modules that read alike share a reading]
+# A model repeats its blocks (a ResNet stage's bottlenecks after the first, a ViT's blocks): one
+# class, one configuration, the same children. Their traces are the same graph, and each costs a
+# torch.fx trace in train and in eval mode (a timm resnet50 read 16 blocks for 8 configurations).
+# So before ``convert_`` swaps anything (the guard's first reading, ``every_call`` without
+# ``after_swaps``: nothing changes the model between two readings there), a module whose facts
+# (``_alike_key``) equal those of a module read before takes that reading, with itself as the
+# module. The facts are everything a trace of the module can read of it: its class (so its class
+# forward) and, over the module and every module below it, each attribute: numbers, strings,
+# None, dtypes and devices by value; tuples, lists and dicts (``OrderedDict`` and ``_modules``
+# among them) item by item, in order; a parameter or buffer by its class, shape, dtype, device,
+# layout and ``requires_grad`` (the trace reads them as Proxies: ``proxy_buffer_attributes``,
+# and a parameter handed to an op as its name, never its values); anything else (a plain tensor,
+# a function, a forward set on the instance, a config object, a hook) by identity, kept alive
+# for the reading so its id is not reused. Objects met twice are numbered in the order first met,
+# so aliasing inside the tree (a child held under two names, a tied weight) is a fact too. Two
+# modules with equal facts run the same Python on the same values, so the trace, whether it drew
+# from a generator and the names of what it left on a module are the same. After the swaps a
+# module is read on its own (patches have changed configs and forwards by then). Not covered, as
+# for the traces themselves (NOTE [A trace leaves the model as it was]): state outside what the
+# module tree reaches (a global counter a forward branches on).
+_ALIKE_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype,
+                          torch.device, torch.Size})  # fmt: skip
+
+
+def _alike_key(m: nn.Module, keep: list) -> tuple:
+    # NOTE [Modules that read alike share a reading]: ``keep`` holds what is keyed by identity
+    order: dict[int, int] = {}
+
+    def tensor(t: torch.Tensor | None) -> tuple:
+        if t is None:
+            return (None,)
+        if id(t) in order:
+            return ("seen", order[id(t)])
+        order[id(t)] = len(order)
+        keep.append(t)
+        return (type(t), tuple(t.shape), t.dtype, t.device, t.layout, t.requires_grad)
+
+    def fact(v: object) -> object:
+        tv = type(v)
+        if tv in _ALIKE_ATOMS:
+            return (tv, v)
+        if id(v) in order:
+            return ("seen", order[id(v)])
+        order[id(v)] = len(order)
+        keep.append(v)
+        if tv is tuple or tv is list:
+            return (tv, tuple(fact(x) for x in v))
+        if tv is dict or tv is collections.OrderedDict:
+            return (tv, tuple((fact(k), fact(x)) for k, x in v.items()))
+        if (tv is set or tv is frozenset) and all(type(x) in _ALIKE_ATOMS for x in v):
+            return (tv, frozenset((type(x), x) for x in v))  # (``_non_persistent_buffers_set``)
+        if isinstance(v, nn.Module) and id(v) in below:
+            return module(v)
+        return ("is", id(v))
+
+    def module(d: nn.Module) -> tuple:
+        out = [type(d)]
+        for k, v in d.__dict__.items():
+            if k == "_parameters" or k == "_buffers":
+                out.append((k, tuple((n, tensor(t)) for n, t in v.items())))
+            else:
+                out.append((k, fact(v)))
+        return tuple(out)
+
+    below = {id(d) for d in m.modules()}
+    order[id(m)] = 0
+    return module(m)
+
+
 class Traces:
     """The fx traces of a model's module forwards, each module traced once (NOTE [One reading of
     the structure per convert_]): the in-place guard's reading fills it before anything is
@@ -1402,6 +1473,10 @@ class Traces:
         # {id(module): whether a module below it is not the one the first reading found}
         self._changed: dict[int, bool] = {}
         self._read_after: set[int] = set()  # modules read again after the swaps
+        # NOTE [Modules that read alike share a reading]: {facts: a reading before the swaps},
+        # and what the facts name by identity
+        self._alike: dict[tuple, _Read] = {}
+        self._alike_kept: list = []
 
     def note_tree(self, model: nn.Module) -> None:
         """Keep each module's children as they are now (the first reading's model), so a later
@@ -1422,7 +1497,7 @@ class Traces:
         and its forward may read a child other than by calling it), else raises."""
         got = self._got.get(id(m))
         if got is None or got.module is not m:
-            got = self._got[id(m)] = _Read.of(m)
+            got = self._got[id(m)] = self._read(m, after_swaps)
         elif (
             after_swaps
             and id(m) not in self._read_after
@@ -1432,6 +1507,20 @@ class Traces:
             self._read_after.add(id(m))
             got = self._got[id(m)] = _Read.of(m)
         return got.every_call()
+
+    def _read(self, m: nn.Module, after_swaps: bool) -> _Read:
+        if after_swaps:
+            return _Read.of(m)
+        try:  # NOTE [Modules that read alike share a reading]
+            key = _alike_key(m, self._alike_kept)
+            hash(key)
+        except Exception:  # a fact that cannot be read (a lazy parameter's shape): read it alone
+            return _Read.of(m)
+        got = self._alike.get(key)
+        if got is None:
+            got = self._alike[key] = _Read.of(m)
+            return got
+        return dataclasses.replace(got, module=m, forward=m.__dict__.get("forward"))
 
     def kept(self, m: nn.Module) -> frozenset[str]:
         """The names of the nodes of ``m``'s trace whose tensors its forward left on a module
