@@ -140,12 +140,26 @@ def _checkpoint_each(model, how: str) -> None:
         blk.forward = fwd
 
 
-@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "autocast_bf16"])
-@pytest.mark.parametrize("convert", [False, True], ids=["eager", "slimgrad"])
+# every pair of values of any two of family, how, convert and dtype, in 8 rows of the 32: each
+# way of checkpointing for both families, converted and not, in fp32 and under autocast; GPT-2
+# unconverted (its fused dropout counted) both non-reentrant and reentrant
+_ROWS = [
+    ("llama", "hf", True, "autocast_bf16"),
+    ("gpt2", "hf", False, "fp32"),
+    ("llama", "hf_reentrant", False, "fp32"),
+    ("gpt2", "hf_reentrant", True, "autocast_bf16"),
+    ("llama", "torch_per_block", False, "autocast_bf16"),
+    ("gpt2", "torch_per_block", True, "fp32"),
+    ("llama", "torch_per_block_reentrant", True, "fp32"),
+    ("gpt2", "torch_per_block_reentrant", False, "autocast_bf16"),
+]
+
+
 @pytest.mark.parametrize(
-    "how", ["hf", "hf_reentrant", "torch_per_block", "torch_per_block_reentrant"]
+    "family, how, convert, amp",
+    [(f, h, c, {"fp32": None, "autocast_bf16": torch.bfloat16}[a]) for f, h, c, a in _ROWS],
+    ids=[f"{f}-{h}-{'slimgrad' if c else 'eager'}-{a}" for f, h, c, a in _ROWS],
 )
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_cuda_estimate_of_checkpointed_hf_models(family, how, convert, amp):
     # finding (3): every way of checkpointing an HF decoder, converted or not, estimates under
     # device="cuda", and each block's recompute runs the attention kernel its forward ran (a
