@@ -819,7 +819,10 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     kept by its consumer (NOTE [Keep y only where its consumer keeps it]), and on any of those, a
     LayerNorm, RMSNorm, HF RMSNorm, GroupNorm, LeakyReLU, Hardtanh or ReLU6 whose output may be
     the model's output (NOTE [Modules whose output is the model's output] in
-    ``slimgrad/convert_handlers/inplace_guard.py``): those run eager's op. ``convert_`` runs it.
+    ``slimgrad/convert_handlers/inplace_guard.py``): those run eager's op. ``y_kept_after`` on a
+    LayerNorm and a GroupNorm whose consumer keeps their output (NOTE [GroupNorm's fallback
+    channels only where y is kept after it] in ``slimgrad/ops/group_norm.py``). ``convert_`` runs
+    it.
 
     Args:
         model: the converted model (in place).
