@@ -309,6 +309,8 @@ def _keeps_input(
         if w is None or not w.requires_grad:
             return False
         return _FLAT if sites is not None else True
+    if _NORM_Y.get() and _keeps_norm_output(m, t):
+        return True  # NOTE [GroupNorm's fallback channels only where y is kept after it]
     if t in _batch_norms():  # NOTE [A BatchNorm consumer keeps y]
         if sites is None or not t.__module__.startswith("slimgrad."):
             return True
@@ -339,6 +341,56 @@ def _keeps_input(
                 return r if r is True or r is _FLAT else None
             first = users[0]
     return None
+
+
+# NOTE [GroupNorm's fallback channels only where y is kept after it] (ops/group_norm.py): asked
+# about a GroupNorm's output, a module that keeps its input as it is called with it keeps y too:
+# eager's activations that keep their input and its pools (out of place), slimgrad's SiLU, GELU
+# and Mish (they keep an input that a GroupNorm keeps: NOTE [An input its producer keeps] in
+# slimgrad/ops/_output_act.py), and slimgrad's other activations where they run eager's op
+# (``keep_y`` False, read after every module's own ``keep_y`` is set)
+_NORM_Y: contextvars.ContextVar[bool] = contextvars.ContextVar("_NORM_Y", default=False)
+
+
+def _keeps_norm_output(m, t) -> bool:
+    import slimgrad.nn as snn
+
+    if getattr(m, "inplace", False):
+        return False
+    if t in _input_keepers() or t in (snn.SiLU, snn.GELU, snn.Mish):
+        return True
+    eager_when_off = (snn.ELU, snn.Hardswish, snn.LeakyReLU, snn.Hardtanh, snn.ReLU6)
+    return t in eager_when_off and m.__dict__.get("keep_y", True) is False
+
+
+def _input_keepers() -> tuple:
+    # torch.nn modules whose autograd node keeps their input (out of place)
+    nn = torch.nn
+    return (
+        nn.SiLU, nn.GELU, nn.Mish, nn.ELU, nn.Hardswish, nn.Hardsigmoid, nn.LeakyReLU,
+        nn.Hardtanh, nn.ReLU6, nn.Softplus,
+        nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+        nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+        nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+    )  # fmt: skip
+
+
+def _norm_y_kept(m, sites: dict, read) -> bool:
+    # whether a GroupNorm's output is known to be kept by its consumer; a timm GroupNormAct's
+    # consumer is its own act (after drop: the chain its class states)
+    tok = _NORM_Y.set(True)
+    try:
+        stated = getattr(type(m), "_slimgrad_output_statement", None)
+        if stated is not None and getattr(type(m), "forward", None) is stated[0]:
+            for t in stated[1]:
+                c = m._modules.get(t)
+                if c is None:
+                    return False
+                if not _passes(c):
+                    return _keeps_input(c, 0, None, read) is True
+        return _kept_after(m, sites, read=read) is True
+    finally:
+        _NORM_Y.reset(tok)
 
 
 def _declared_method(m, method: str, name: str) -> bool:
@@ -767,7 +819,10 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     kept by its consumer (NOTE [Keep y only where its consumer keeps it]), and on any of those, a
     LayerNorm, RMSNorm, HF RMSNorm, GroupNorm, LeakyReLU, Hardtanh or ReLU6 whose output may be
     the model's output (NOTE [Modules whose output is the model's output] in
-    ``slimgrad/convert_handlers/inplace_guard.py``): those run eager's op. ``convert_`` runs it.
+    ``slimgrad/convert_handlers/inplace_guard.py``): those run eager's op. ``y_kept_after`` on a
+    LayerNorm and a GroupNorm whose consumer keeps their output (NOTE [GroupNorm's fallback
+    channels only where y is kept after it] in ``slimgrad/ops/group_norm.py``). ``convert_`` runs
+    it.
 
     Args:
         model: the converted model (in place).
@@ -796,6 +851,7 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
     kinds = smooth + _output_kinds()
     copies = _copy_kinds()
     owners: dict[int, list] = {}
+    norms: list = []  # the GroupNorms that keep y
     near: dict[int, list] = {}  # NOTE [Hooks registered after convert_ on the modules around]
     kept: set[int] = set()  # NOTE [An output kept on the module escapes] in inplace_guard.py
     if isinstance(model, kinds + copies):
@@ -837,11 +893,20 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
                 m.__dict__.pop("y_kept_after", None)
                 if keep and _kept_after(m, sites) is True:
                     m.y_kept_after = True
+            elif isinstance(m, snn.GroupNorm):
+                m.__dict__.pop("y_kept_after", None)
+                if keep:
+                    norms.append(m)
         elif isinstance(m, copies):
             m.__dict__.pop("at_output", None)
             exact = isinstance(m, snn.ReversibleSequential) and m.exact  # keeps its own stream
             if id(m) in out and not isinstance(m, RecomputeABN) and not exact:
                 m.at_output = True
+    for m in norms:
+        # NOTE [GroupNorm's fallback channels only where y is kept after it] in
+        # slimgrad/ops/group_norm.py; after the loop: its consumer's keep_y is set
+        if _norm_y_kept(m, sites, read):
+            m.y_kept_after = True
     if rep is not None:
         reasons = {
             False: (AT_OUTPUT, COPY_AT_OUTPUT),

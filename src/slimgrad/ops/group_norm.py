@@ -127,6 +127,24 @@ from slimgrad.ops.layer_norm import (
 # 1.014x at 4x32x16x16): no bound holds for it, and tests/ops/test_group_norm_sac_count.py pins
 # the two stated ones.
 
+# NOTE [GroupNorm's fallback channels only where y is kept after it]
+# With a fallback channel the output-keeping forward saves y, mean, rstd, the channels' input and
+# their index table, where eager saves x, mean and rstd. That wins only where y's consumer keeps
+# y itself (a Linear or convolution saving its input for its weight's gradient, a BatchNorm, an
+# activation that keeps its input: NOTE [An input its producer keeps] in ops/_output_act.py): y
+# is then kept once, for both. Where nothing keeps y (a ReLU, Sigmoid or Tanh keeping its own
+# output, a Dropout, a pool, the loss) the channels and the table are above eager's:
+# Sequential(Conv2d, GroupNorm(4, 16), ReLU, Conv2d) at 8x3x18x18 with 5 fallback channels saved
+# 336,168 B against eager's 295,168. Which holds is read at ``convert_`` time as LayerNorm's
+# (NOTE [LayerNorm's fallback columns only where y is kept after it] in ops/layer_norm.py;
+# ``_norm_y_kept`` in slimgrad/nn/_output_act.py) and stored as
+# ``slimgrad.nn.GroupNorm.y_kept_after``; a module built directly, an unknown consumer and a "not
+# kept" save x where a fallback channel exists: eager's saved set, its backward
+# (``native_group_norm_backward``) and its bits, found in the branch the fallback channels take
+# already (no call more without them). Without a fallback channel nothing changes. The functional
+# ``group_norm`` takes its y as kept (its documented contract); under torch.compile the fallback
+# count is not known while tracing, and the output-keeping forward stays.
+
 __all__ = ["BETA_OVER_GAMMA_MAX", "MIN_GROUP_NUMEL", "group_norm"]
 
 #: A channel is rebuilt from the output only where ``|beta| <= BETA_OVER_GAMMA_MAX * |gamma|``
@@ -527,6 +545,8 @@ def _(dy, y, mean, rstd, idx, xside, weight, bias, num_groups, output_mask):
 def _rebuild_input(y, mean, rstd, idx, xside, weight, bias, num_groups):
     # x = xhat / rstd + mean per (sample, group); fallback channels are their kept input
     # (NOTE [Second derivatives of an op that keeps its output] in ops/layer_norm.py).
+    if y is None:  # x itself was kept (_GroupNormFn.forward without y_kept_after)
+        return xside.detach()
     acc = _acc_dtype(y.dtype)
     n, c = y.shape[0], y.shape[1]
     hw = math.prod(y.shape[2:])
@@ -550,8 +570,8 @@ _TORCH = object()  # _GroupNormFn's ``direct`` for the straight path (PyTorch fo
 
 def _double(ctx, dy, *rest):
     if dy is None:  # grads are not materialized (_GroupNormFn.forward)
-        return None, None, None, None, None, None
-    return _DOUBLE(ctx, dy, *rest)
+        return None, None, None, None, None, None, None
+    return (*_DOUBLE(ctx, dy, *rest), None)  # forward's y_kept_after
 
 
 class _GroupNormFn(torch.autograd.Function):
@@ -562,7 +582,8 @@ class _GroupNormFn(torch.autograd.Function):
     # eager's in a step whose incoming gradient is shared (NOTE [GroupNorm's backward within
     # eager's bytes]).
     @staticmethod
-    def forward(ctx, x, arg, weight, bias, eps, direct=False):
+    def forward(ctx, x, arg, weight, bias, eps, direct=False, y_kept_after=True):
+        # y_kept_after: NOTE [GroupNorm's fallback channels only where y is kept after it]
         ctx.set_materialize_grads(False)
         ctx.arg, ctx.eps = arg, eps
         if direct is _TORCH:
@@ -570,6 +591,12 @@ class _GroupNormFn(torch.autograd.Function):
         else:
             fwd = _group_norm_fwd.impl if direct else _group_norm_fwd
             y, mean, rstd, idx, xside = fwd(x, arg, weight, bias, eps)
+        if not y_kept_after and idx.shape[0] and (direct or not compiling()):
+            # eager's saved set (x, mean, rstd) and backward; y's slot holds None: the mark
+            ctx.y_seen = None
+            ctx.save_for_backward(None, mean, rstd, None, x, weight, bias)
+            ctx.mark_non_differentiable(mean, rstd, idx, xside)
+            return y, mean, rstd, idx, xside
         # NOTE [A kept output written under saved-tensor hooks] in slimgrad/_errors.py; eager only
         # (``direct``: past the gate)
         ctx.y_seen = (
@@ -583,13 +610,15 @@ class _GroupNormFn(torch.autograd.Function):
     @first_order("ops.group_norm", double=_double)
     def backward(ctx, dy, *_):
         if dy is None:
-            return None, None, None, None, None, None
-        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
+            return None, None, None, None, None, None, None
         try:
             y, mean, rstd, idx, xside, weight, bias = ctx.saved_tensors
         except RuntimeError as e:  # NOTE [A norm's output written after forward]
             y_written(e, ctx, "ops.group_norm")
             raise
+        if y is None:  # x kept: NOTE [GroupNorm's fallback channels only where y is kept after it]
+            return _eager_bwd(ctx, dy, xside, mean, rstd, weight, bias)
+        buf = ownership.take(dy)  # first use of dy: NOTE [Gradient-buffer ownership]
         if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
             check_output_seen(ctx, y, "ops.group_norm", "ConvertConfig(norms=False)")
         need = ctx.needs_input_grad
@@ -615,7 +644,28 @@ class _GroupNormFn(torch.autograd.Function):
             db if bias is not None and mask[2] else None,
             None,
             None,
+            None,
         )
+
+
+def _eager_bwd(ctx, dy, x, mean, rstd, weight, bias):
+    # eager's backward on the kept x (aten's derivative of native_group_norm: the same call)
+    need = ctx.needs_input_grad
+    mask = [need[0], weight is not None and need[2], bias is not None and need[3]]
+    n, c = x.shape[0], x.shape[1]
+    hw = x.numel() // (n * c) if n * c else math.prod(x.shape[2:])
+    dx, dw, db = torch.ops.aten.native_group_norm_backward(
+        dy.contiguous(), x, mean, rstd, weight, n, c, hw, ctx.arg, mask
+    )
+    return (
+        dx if mask[0] else None,
+        None,
+        dw if mask[1] else None,
+        db if mask[2] else None,
+        None,
+        None,
+        None,
+    )
 
 
 _GN_APPLY = direct_apply(_GroupNormFn)
@@ -657,6 +707,12 @@ def group_norm(
     Example:
         >>> y = group_norm(torch.randn(2, 6, 5, requires_grad=True), 3)
     """
+    return group_norm_kept(input, num_groups, weight, bias, eps, True)
+
+
+def group_norm_kept(input, num_groups: int, weight, bias, eps: float, y_kept_after: bool):
+    # group_norm with the module's y_kept_after (NOTE [GroupNorm's fallback channels only where y
+    # is kept after it]; the functional's y is taken as kept: its documented contract)
     if (  # the straight path: NOTE [One gate per call] in slimgrad/_library.py
         type(input) in _PLAIN
         and type(weight) in _PLAIN_OR_NONE
@@ -669,7 +725,7 @@ def group_norm(
         key = (input.shape, num_groups, input.dtype)
         lean = _LEAN[key] if key in _LEAN else _lean(key)
         if lean:
-            return _group_norm_straight(input, num_groups, weight, bias, eps)
+            return _group_norm_straight(input, num_groups, weight, bias, eps, y_kept_after)
     _dtensor.refuse("slimgrad.ops.group_norm", input=input, weight=weight, bias=bias)
     if input.dim() < 2 or num_groups <= 0 or input.shape[1] % num_groups:
         raise RuntimeError(
@@ -703,8 +759,8 @@ def group_norm(
         if probe.dtype != input.dtype:
             input, weight, bias = autocast_inputs(probe.dtype, input, weight, bias)
         with torch.autocast(dev, enabled=False):
-            return _group_norm(input, int(num_groups), weight, bias, float(eps))
-    return _group_norm(input, int(num_groups), weight, bias, float(eps))
+            return _group_norm(input, int(num_groups), weight, bias, float(eps), y_kept_after)
+    return _group_norm(input, int(num_groups), weight, bias, float(eps), y_kept_after)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -736,7 +792,7 @@ def _lean(key) -> bool:
     return ok
 
 
-def _group_norm_straight(input, num_groups: int, weight, bias, eps) -> torch.Tensor:
+def _group_norm_straight(input, num_groups: int, weight, bias, eps, kept=True) -> torch.Tensor:
     # _group_norm past the gate: no transform, trace, compile, mode or autocast, plain tensors, a
     # contiguous input of a shape _lean accepted
     x = unwrap_if_dead(input)
@@ -748,7 +804,7 @@ def _group_norm_straight(input, num_groups: int, weight, bias, eps) -> torch.Ten
         weight = unwrap_if_dead(weight)
     if type(bias) is not torch.nn.Parameter and bias is not None:
         bias = unwrap_if_dead(bias)
-    y = _GN_APPLY(x, num_groups, weight, bias, float(eps), _TORCH)[0]
+    y = _GN_APPLY(x, num_groups, weight, bias, float(eps), _TORCH, kept)[0]
     if anchor is not None and y.grad_fn is not None:  # attach_anchor
         y.grad_fn._slimgrad_anchor = anchor
     return y
@@ -891,9 +947,9 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _group_norm(input, num_groups: int, weight, bias, eps: float) -> torch.Tensor:
+def _group_norm(input, num_groups: int, weight, bias, eps: float, kept=True) -> torch.Tensor:
     refuse_jit("ops.group_norm")
     anchor = make_anchor(input)
-    y = _GroupNormFn.apply(input, num_groups, weight, bias, eps)[0]
+    y = _GroupNormFn.apply(input, num_groups, weight, bias, eps, False, kept)[0]
     attach_anchor(y, anchor)
     return y
