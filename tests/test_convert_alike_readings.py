@@ -51,7 +51,13 @@ def _step(model):
     model(x).sum().backward()  # a converted norm written over raises here
 
 
-def test_repeated_blocks_are_traced_once(monkeypatch):
+@pytest.fixture
+def shared(monkeypatch):
+    # readings are shared only for trees of library classes; the blocks here stand for one
+    monkeypatch.setattr(_guard, "_ALIKE_LIBRARIES", _guard._ALIKE_LIBRARIES | {"tests"})
+
+
+def test_repeated_blocks_are_traced_once(monkeypatch, shared):
     model = nn.Sequential(*(_Block() for _ in range(4)))
     _keep = list(model.modules())  # the originals stay alive: their ids stay unique
     seen = count_traces(monkeypatch)
@@ -75,7 +81,7 @@ def test_repeated_blocks_are_traced_once(monkeypatch):
     ids=["setting", "number", "tensor", "child"],
 )
 @pytest.mark.parametrize("first", [True, False], ids=["writer_first", "writer_last"])
-def test_a_block_with_other_facts_is_read_on_its_own(differs, first):
+def test_a_block_with_other_facts_is_read_on_its_own(differs, first, shared):
     if differs == "child":
         plain, writer = _ChildBlock(), _ChildBlock()
         writer.act = nn.ReLU(inplace=True)
@@ -137,3 +143,51 @@ def test_a_fact_that_cannot_be_read_reads_the_module_alone(monkeypatch):
     assert [seen[id(b)] for b in model] == [2, 2] and not [m for m in sourced if m in model]
     assert [type(b.norm) for b in model] == [nn.LayerNorm, nn.LayerNorm]  # written over: kept
     _step(model)
+
+
+class _Reaching(nn.Module):
+    # LayerNorm -> Linear; writes over the norm's output where its forward reaches a fact the
+    # key cannot see (review33a): a buffer's value through buffers(), a setting in __slots__,
+    # its own identity in a registry
+    __slots__ = ("write",)
+    registry: set = set()
+
+    def __init__(self, how, write):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+        self.how = how
+        self.register_buffer("flag", torch.tensor(write))
+        object.__setattr__(self, "write", write)  # the slot
+        if write:
+            _Reaching.registry.add(id(self))
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.how == "buffers":
+            write = bool(next(self.buffers()))
+        elif self.how == "slot":
+            write = self.write
+        else:
+            write = id(self) in _Reaching.registry
+        if write:
+            h += x
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("how", ["buffers", "slot", "identity"])
+def test_a_users_block_is_read_on_its_own(how):
+    # equal facts, different forwards: outside a library's classes no reading is shared, so the
+    # writer's norm stays torch's and the step runs as eager's
+    plain, writer = _Reaching(how, False), _Reaching(how, True)
+    keep: list = []
+    assert _guard._alike_key(plain, keep) == _guard._alike_key(writer, keep)
+    model = nn.Sequential(plain, writer)
+    slimgrad.convert_(model)
+    assert _kinds(model) == ["slimgrad", "torch"]
+    _step(model)
+
+
+def test_a_float_setting_is_keyed_by_its_sign():
+    keep: list = []
+    a, b = nn.LeakyReLU(0.0), nn.LeakyReLU(-0.0)
+    assert _guard._alike_key(a, keep) != _guard._alike_key(b, keep)

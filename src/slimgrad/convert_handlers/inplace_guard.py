@@ -1408,11 +1408,28 @@ class _Read:
 # so aliasing inside the tree (a child held under two names, a tied weight) is a fact too. Two
 # modules with equal facts run the same Python on the same values, so the trace, whether it drew
 # from a generator and the names of what it left on a module are the same. After the swaps a
-# module is read on its own (patches have changed configs and forwards by then). Not covered, as
-# for the traces themselves (NOTE [A trace leaves the model as it was]): state outside what the
-# module tree reaches (a global counter a forward branches on).
-_ALIKE_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype,
+# module is read on its own (patches have changed configs and forwards by then). A float is keyed
+# by its bits (``0.0`` and ``-0.0`` compare equal but ``copysign`` tells them apart). What the
+# facts cannot see is how a forward reaches its module: a parameter's or buffer's values through
+# ``buffers()``, ``_buffers[...]`` or a list that holds it (real tensors, not Proxies), a
+# setting in ``__slots__``, the module's own identity (``self is self.owner.last``, a global
+# registry of modules): a user's forward may branch on any of these (review33a built one pair of
+# each whose writer then got the plain block's reading). So readings are shared only where every
+# class in the module's tree is defined by a library whose forwards read their modules through
+# attributes (``_ALIKE_LIBRARIES``: torch, torchvision, timm, transformers; the class's
+# ``__module__``, a fact the class states); a tree with any other class is read on its own, as
+# every module was before. Not covered, as for the traces themselves (NOTE [A trace leaves the
+# model as it was]): state outside what the module tree reaches (a global counter a forward
+# branches on).
+_ALIKE_ATOMS = frozenset({bool, int, complex, str, bytes, type(None), torch.dtype,
                           torch.device, torch.Size})  # fmt: skip
+_ALIKE_LIBRARIES = frozenset({"torch", "torchvision", "timm", "transformers"})
+
+
+def _library_tree(m: nn.Module) -> bool:
+    # NOTE [Modules that read alike share a reading]: every class in the tree from a library
+    libs = _ALIKE_LIBRARIES
+    return all(type(d).__module__.partition(".")[0] in libs for d in m.modules())
 
 
 def _alike_key(m: nn.Module, keep: list) -> tuple:
@@ -1432,6 +1449,8 @@ def _alike_key(m: nn.Module, keep: list) -> tuple:
         tv = type(v)
         if tv in _ALIKE_ATOMS:
             return (tv, v)
+        if tv is float:
+            return (tv, v.hex())
         if id(v) in order:
             return ("seen", order[id(v)])
         order[id(v)] = len(order)
@@ -1509,7 +1528,7 @@ class Traces:
         return got.every_call()
 
     def _read(self, m: nn.Module, after_swaps: bool) -> _Read:
-        if after_swaps:
+        if after_swaps or not _library_tree(m):
             return _Read.of(m)
         try:  # NOTE [Modules that read alike share a reading]
             key = _alike_key(m, self._alike_kept)
