@@ -38,7 +38,9 @@ def _no_checkpoint(ep) -> None:
     assert not any("checkpoint" in n for n in names), names
 
 
-@pytest.mark.parametrize("strict", [True, False])
+# strict: test_export_converted_causal_lm_with_labels[llama-True] exports Llama's HF RMSNorms on
+# the same checkpointed path (hf_rms_norm's, into the q/k/v projections)
+@pytest.mark.parametrize("strict", [False])
 def test_export_converted_rms_norm_under_grad(strict):
     torch.manual_seed(0)
     model = _NormThenLinear()

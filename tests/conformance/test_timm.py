@@ -118,16 +118,25 @@ def test_convert_leaves_timm_buffers_alone():
     assert int(model[1].num_batches_tracked) == 0
 
 
-# The six models of issue 18 as tiny variants: fewer blocks where timm takes the option, else the
-# smallest timm model of the same family built from the same layers (test_efficientnet for
+# The six models of issue 18 as tiny variants: fewer blocks (and narrower where timm takes the
+# option: ResNet's bottleneck width, ConvNeXt's dims, RegNet's depth) with the same layer types,
+# else the smallest timm model of the same family built from the same layers (test_efficientnet for
 # efficientnet_b0, regnety_002 for regnety_016, mobilenetv3_small_050 for mobilenetv3_large_100).
 # name: (create_model kwargs, batch x image HxW, classes that must all be converted)
 MODELS = {
-    "resnet50": (dict(layers=(1, 1, 1, 1)), (4, 32, 32), ("BatchNorm2d", "ReLU", "Conv2d")),
+    "resnet50": (
+        dict(layers=(1, 1, 1, 1), base_width=16),
+        (4, 32, 32),
+        ("BatchNorm2d", "ReLU", "Conv2d"),
+    ),
     "test_efficientnet": ({}, (4, 33, 35), ("BatchNormAct2d", "SiLU", "Sigmoid")),
     "vit_small_patch16_224": (dict(depth=2, img_size=32), (4, 32, 32), ("LayerNorm", "GELU")),
-    "regnety_002": ({}, (4, 32, 32), ("BatchNormAct2d", "ReLU", "Sigmoid")),
-    "convnext_tiny": (dict(depths=(1, 1, 1, 1)), (4, 35, 33), ("LayerNorm", "LayerNorm2d")),
+    "regnety_002": (dict(depth=7), (4, 32, 32), ("BatchNormAct2d", "ReLU", "Sigmoid")),
+    "convnext_tiny": (
+        dict(depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)),
+        (4, 35, 33),
+        ("LayerNorm", "LayerNorm2d"),
+    ),
     "mobilenetv3_small_050": ({}, (4, 32, 32), ("BatchNormAct2d", "Hardswish", "Hardsigmoid")),
 }
 
