@@ -114,8 +114,7 @@ def check_straight_c_path(straight, general, x_star):
         for reuse in (True, False):
             res = []
             for fn in (straight, general):
-                leaf = x0.clone().requires_grad_()
-                xi = leaf * 1  # a leaf keeps x on both paths (NOTE [An input its producer keeps])
+                xi = x0.clone().requires_grad_()
                 y = fn(xi)
                 node = y.grad_fn
                 assert (node.cpath is not None) == (fast and fn is straight), (name, fn)
@@ -127,7 +126,7 @@ def check_straight_c_path(straight, general, x_star):
                 else:
                     y.backward(w)  # w is held here: refused
                 assert ownership.reuse_count("grad") == (1 if reuse else 0), (name, fn)
-                res.append([y.detach(), *saved, leaf.grad])
+                res.append([y.detach(), *saved, xi.grad])
             for a, b in zip(*res, strict=True):
                 if a is None or b is None:
                     assert a is None and b is None, name
