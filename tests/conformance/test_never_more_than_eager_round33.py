@@ -8,26 +8,16 @@ another tensor (a ReLU, Sigmoid or Tanh keeps its own output). Sequential(Conv2d
 there, with eager's backward (NOTE [GroupNorm's fallback channels only where y is kept after it]
 in slimgrad/ops/group_norm.py), and keeps y where a consumer keeps it (a convolution, an
 activation that keeps its input, a pool).
-
-And an activation on a leaf (the model's input) keeps the leaf, which the graph holds anyway:
-SiLU, GELU, Mish (plain, reentrant and selective checkpointing) and Hardsigmoid save and peak at
-eager's bytes.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
 import slimgrad
 from slimgrad.memory import measure
@@ -139,75 +129,3 @@ def test_group_norm_built_directly_keeps_x_with_a_fallback_channel():
     # the functional keeps y (its documented contract)
     y3 = slimgrad.ops.group_norm(x, 3, gn.weight, gn.bias)
     assert y3.grad_fn.saved_tensors[0] is not None
-
-
-# An activation on a leaf (the model's input): its gradient accumulator holds the leaf for as long
-# as the graph lives, so keeping it costs no byte, while y + side information (or bits and the
-# backward's stand-in) cost more than eager (NOTE [An input its producer keeps] in
-# slimgrad/ops/_output_act.py). SiLU -> conv at 2x8x9x9 under a policy saving every
-# non-pointwise op peaked at 26,282 B against eager's 23,080 before.
-
-
-def _sac_nonpointwise(ctx, op, *args, **kwargs):
-    if torch.Tag.pointwise in op.tags:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
-
-
-def _leaf_step(m, x, scheme):
-    if scheme == "plain":
-        y = m(x)
-    elif scheme == "reentrant":
-        y = checkpoint(m, x, use_reentrant=True)
-    else:
-        ctx = functools.partial(create_selective_checkpoint_contexts, _sac_nonpointwise)
-        y = checkpoint(m, x, use_reentrant=False, context_fn=ctx)
-    return y.pow(2).sum()
-
-
-@pytest.mark.parametrize(
-    "act,scheme",
-    [("silu", "plain"), ("silu", "sac"), ("silu", "reentrant"), ("mish", "sac"), ("gelu", "plain")],
-)
-def test_smooth_activation_on_a_leaf_keeps_the_leaf(act, scheme):
-    a = {"silu": nn.SiLU, "gelu": lambda: nn.GELU("tanh"), "mish": nn.Mish}[act]
-    torch.manual_seed(0)
-    eager = nn.Sequential(a(), nn.Conv2d(8, 8, 3, padding=1))
-    slim = slimgrad.convert_(copy.deepcopy(eager))
-    x = torch.randn(2, 8, 9, 9, requires_grad=True)
-    res = []
-    for m in (eager, slim):
-        for _ in range(2):
-            _leaf_step(m, x, scheme).backward()
-        r = measure(lambda m=m: _leaf_step(m, x, scheme), module=m, timeline=False)
-        res.append((r.saved_bytes, r.peak_bytes))
-    assert res[1] == res[0], res
-    grads = []
-    for m in (eager, slim):
-        x.grad = None
-        m.zero_grad(set_to_none=True)
-        _leaf_step(m, x, scheme).backward()
-        grads.append([x.grad] + [p.grad for p in m.parameters()])
-    for ge, gs in zip(*grads):
-        torch.testing.assert_close(gs, ge)
-
-
-@pytest.mark.parametrize("n", [64, 256])
-def test_hardsigmoid_on_a_leaf_keeps_the_leaf(n):
-    torch.manual_seed(0)
-    eager = nn.Hardsigmoid()
-    slim = slimgrad.convert_(nn.Sequential(nn.Hardsigmoid()))
-    x = torch.randn(n, n, requires_grad=True)
-    res = []
-    for m in (eager, slim):
-        for _ in range(2):
-            m(x).sum().backward()
-        r = measure(lambda m=m: m(x).sum(), module=m, timeline=False)
-        res.append((r.saved_bytes, r.peak_bytes))
-    assert res[1] == res[0], res
-    x.grad = None
-    slim(x).sum().backward()
-    got = x.grad
-    x.grad = None
-    eager(x).sum().backward()
-    assert torch.equal(got, x.grad)

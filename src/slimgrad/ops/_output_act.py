@@ -567,15 +567,8 @@ def dense_side_info(x: torch.Tensor, fwd: Callable):
 # the conv. Read from the node's class (``x.grad_fn``, public autograd API; attribute reads, no
 # call), registered by the producer's module (INPUT_KEPT_BY); a view of the norm's output, a norm
 # that took eager's path (half precision, few elements: aten's node, which keeps its input) or a
-# LayerNorm (which keeps x in place of y where every channel falls back) keep y as before. A
-# GroupNorm that keeps x where its output is not known to be kept (NOTE [GroupNorm's fallback
-# channels only where y is kept after it] in ops/group_norm.py) leaves such a call at eager's
-# bytes. A leaf that requires grad (``grad_fn`` None: the model's input, a parameter) is held by
-# its gradient accumulator, which the activation's node links to, for as long as the graph
-# lives: keeping it costs no byte either (``type(None)`` is registered). SiLU on such an input
-# before a convolution (2x8x9x9) saved 10,722 B against eager's 10,368 before (y + the side
-# information where eager keeps the leaf it holds anyway), 10,368 this way.
-INPUT_KEPT_BY: set[type] = {type(None)}
+# LayerNorm (which keeps x in place of y where every channel falls back) keep y as before.
+INPUT_KEPT_BY: set[type] = set()
 
 # NOTE [Few elements without a copy of x]
 # A call that keeps x densely by its shape alone (:func:`keeps_x`: few elements, or a half-type

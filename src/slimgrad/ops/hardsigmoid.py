@@ -8,7 +8,7 @@ kernel on a stand-in input (0 inside, -3 outside), so dx has eager's bits in eve
 
 Memory: saves 1 bit/elt (the side); eager saves x (4 B/elt float32, 2 B/elt bfloat16/float16).
 A tensor of at most ``DENSE_MAX`` (512) elements keeps x, as eager (NOTE [Few elements] in
-``ops._output_act``), and so does a leaf (the graph holds it anyway).
+``ops._output_act``).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise out of place. Second derivatives raise
 (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is eager's
@@ -90,11 +90,8 @@ class _HardsigmoidFn(torch.autograd.Function):
     def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
         # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): the
         # bits' packing and unpacking temporaries peak above eager's there (1 element: 34 B
-        # against 20 B); so does a leaf, which its gradient accumulator holds for as long as the
-        # graph lives (NOTE [An input its producer keeps] in ops/_output_act.py): the bits and
-        # the backward's stand-in were above eager's there (256x256 -> sum: peak 532,488 B
-        # against 262,152)
-        ctx.dense = x.numel() <= DENSE_MAX or (x.grad_fn is None and not inplace)
+        # against 20 B)
+        ctx.dense = x.numel() <= DENSE_MAX
         ctx.perm = None
         if ctx.dense:
             keep = x.detach().clone() if inplace else x
