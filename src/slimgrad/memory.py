@@ -136,8 +136,8 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     # meta tensors hold no memory (layout probes, shape arithmetic); fake tensors are not meta
     # (``is_meta`` is False on them: their fake device is the modelled one) and are counted. A
     # fake tensor's ``is_meta`` is its fake device's, read through a Python dispatch of
-    # ``prim.device`` (about 60 us under the estimate's modes, for every tensor of every op the
-    # tracker sees); ``fake_device`` is the same answer, read as an attribute
+    # ``prim.device`` under the estimate's modes, for every tensor of every op the tracker sees;
+    # ``fake_device`` is the same answer, read as an attribute
     if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_nested:
         return None
     if t.fake_device.type == "meta" if isinstance(t, _FakeTensor) else t.is_meta:
