@@ -31,7 +31,12 @@ from slimgrad._autograd import first_order
 from slimgrad._compile import eager_only
 from slimgrad.nn._script import NoScript
 from slimgrad.ops import _derived
-from slimgrad.ops.inplace_abn import check_activation, inplace_abn, inplace_abn_sync
+from slimgrad.ops.inplace_abn import (
+    check_activation,
+    inplace_abn,
+    inplace_abn_copy,
+    inplace_abn_sync,
+)
 from slimgrad.ops.leaky_relu import leaky_relu
 
 __all__ = [
@@ -306,9 +311,9 @@ class InPlaceABN(NoScript, nn.Module):
         factor, bn_training = self._factor_and_mode()
         rm, rv = self._running_stats()
         act = self.activation if activation is None else activation
-        z = inplace_abn(
-            x if owned else x.clone(), rm, rv, self.weight, self.bias, bn_training, factor,
-            self.eps, act, self.activation_param if act != "identity" else 0.0,
+        z = (inplace_abn if owned else inplace_abn_copy)(
+            x, rm, rv, self.weight, self.bias, bn_training, factor, self.eps, act,
+            self.activation_param if act != "identity" else 0.0,
         )  # fmt: skip
         # NOTE [A kept output at the model's output] in slimgrad/nn/_output_act.py
         return z.clone() if self.at_output and z.requires_grad else z

@@ -307,7 +307,7 @@ _Z_WHY = (
 )
 
 
-def _saved(ctx, api: str) -> tuple:
+def _saved(ctx, api: str, act: str) -> tuple:
     try:
         saved = ctx.saved_tensors
     except RuntimeError as e:  # NOTE [InPlaceABN's output written after forward]
@@ -315,25 +315,69 @@ def _saved(ctx, api: str) -> tuple:
         raise
     if ctx.z_seen is not None:
         check_seen(ctx.z_seen, saved[0], api, _Z_WHY)
+    z, weight, bias, invstd = saved[:4]
+    # NOTE [InPlaceABN over a copy keeps x where x outlives it]
+    src = _derived.whole(saved[6], z.dtype) if ctx.held else saved[6]
+    if src is not None and src.numel():
+        mean = _derived.whole(saved[5], invstd.dtype) if ctx.held else saved[5]
+        w, b = _abn.affine(weight, bias, z.shape[1], z.device, mean.dtype)
+        side = _abn.side_channels(
+            src.view(z.shape), w, b, mean, invstd, act, (weight, bias), uniform=ctx.held
+        )
+        return (*saved[:4], *side)
     if ctx.held:  # NOTE [Value-dependent saves under torch.utils.checkpoint] in ops/_derived.py
-        z = saved[0]
         side_idx = _derived.whole(saved[4], torch.long)
         side_xhat = _derived.whole(saved[5], _abn.acc_dtype(z.dtype))
         k = side_idx.shape[0]
         return (*saved[:4], side_idx, side_xhat.view(z.shape[0], k, *z.shape[2:]))
-    return saved
+    return saved[:6]
 
 
-def _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held: bool | None = None) -> None:
+def _save(
+    ctx,
+    x,
+    weight,
+    bias,
+    invstd,
+    side_idx,
+    side_xhat,
+    held: bool | None = None,
+    mean=None,
+    source=None,
+) -> None:
     # the side channels' count is the values' (ELU's smallest pre-activation): held under
     # checkpoint's hooks (NOTE [Value-dependent saves under torch.utils.checkpoint] in
-    # ops/_derived.py); eager only (``held``: asked already)
+    # ops/_derived.py); eager only (``held``: asked already). ``source``: x itself, kept in
+    # place of the side channels' x̂ (NOTE [InPlaceABN over a copy keeps x where x outlives it])
     if held is None:
         held = not torch.compiler.is_compiling() and _derived.under_checkpoint()
     ctx.held = held
-    if held:
-        side_idx, side_xhat = _derived.hold(side_idx), _derived.hold(side_xhat)
-    ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat)
+    if source is not None:  # slot 5 holds the batch mean, slot 6 x
+        side_idx, side_xhat = side_idx.new_empty(0), mean
+    if not held:
+        ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat, source)
+        return
+    src = _derived.hold(source if source is not None else x.new_empty(0))
+    side_idx, side_xhat = _derived.hold(side_idx), _derived.hold(side_xhat)
+    ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat, src)
+
+
+# NOTE [InPlaceABN over a copy keeps x where x outlives it]
+# Where the module may not write over its input x (``ownership.owns_input`` refused: the caller, a
+# residual or a checkpoint still holds x) it writes over a copy, so x outlives the op. The side
+# channels' x̂ (NOTE [Invertibility]) are then a copy of values x still has. A checkpoint holds
+# its region's input through the backward (non-reentrant: the recompute's input; reentrant: a
+# leaf that requires grad, which its gradient accumulator holds for the graph's life), so the
+# module first in a region kept z, invstd and that copy beside x, where eager's BatchNorm keeps x
+# (no byte more) with mean and invstd: +544 B over eager's peak (8 channels, 2 with weight 0,
+# 2x8x6x6). So, in training with side channels, under checkpoint's hooks or on a leaf x that
+# requires grad, it keeps x and the batch mean in place of the x̂ copy, and backward rebuilds
+# the side channels from them with the forward's ops (the same bits): eager's set (x, z, mean,
+# invstd) whether or not x is held elsewhere. Under checkpoint's hooks x is a 0-element view of
+# its storage, as a held table (NOTE [Value-dependent saves under torch.utils.checkpoint] in
+# ops/_derived.py), and slot 6's storage tells backward which it got (empty: the side channels),
+# so a recompute that decided otherwise than the forward is read as it saved. Elsewhere the copy
+# stays: x there lives only as long as its holder keeps it, and the copy is k/C of it.
 
 
 class _InPlaceABNFn(torch.autograd.Function):
@@ -342,7 +386,18 @@ class _InPlaceABNFn(torch.autograd.Function):
     # returns one tensor: autograd allows no more when the input is a view modified in place.
     @staticmethod
     def forward(
-        ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, act, param
+        ctx,
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+        act,
+        param,
+        source=None,
     ):
         eager_y = _eager_bn(x, weight, bias, running_mean, running_var, training, momentum, eps)
         if eager_y is not None:  # NOTE [Same forward as eager]
@@ -377,7 +432,15 @@ class _InPlaceABNFn(torch.autograd.Function):
             ctx.z_seen = None
         else:  # NOTE [InPlaceABN's output written after forward]
             ctx.z_seen = seen(x, dirty=True) if hooks_top(False) is not None else None
-        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held)
+        keep_x = (  # NOTE [InPlaceABN over a copy keeps x where x outlives it]
+            source is not None
+            and training
+            and side_idx.shape[0] > 0
+            and not is_fake(x)
+            and (_whole(source) if held else source.is_leaf and source.requires_grad)
+        )
+        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held, mean,
+              source if keep_x else None)  # fmt: skip
         ctx.cfg = (training, eps, act, param)
         if torch.compiler.is_compiling():
             return x, side_idx, side_xhat
@@ -387,8 +450,8 @@ class _InPlaceABNFn(torch.autograd.Function):
     @first_order("ops.inplace_abn")
     def backward(ctx, dz, _didx=None, _dside=None):
         owned = ownership.take(dz) is not None  # first use of dz: NOTE [Gradient-buffer ownership]
-        z, weight, bias, invstd, side_idx, side_xhat = _saved(ctx, "ops.inplace_abn")
         training, eps, act, param = ctx.cfg
+        z, weight, bias, invstd, side_idx, side_xhat = _saved(ctx, "ops.inplace_abn", act)
         need_dx = ctx.needs_input_grad[0]
         need_dparams = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         if owned and need_dx:  # eager only (take refuses under compile): dx goes into dz's buffer
@@ -406,8 +469,17 @@ class _InPlaceABNFn(torch.autograd.Function):
             dx if need_dx else None,
             dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
             db.to(bias.dtype) if ctx.needs_input_grad[2] else None,
-            *([None] * 7),
+            *([None] * 8),
         )
+
+
+def _whole(t: torch.Tensor) -> bool:
+    # t is exactly its contiguous storage: held by reference, no copy (_derived.hold)
+    return (
+        t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 def _validate(api: str, x, weight, bias, running_mean, running_var, training, activation, param):
@@ -488,6 +560,42 @@ def inplace_abn(
         >>> z is h
         True
     """
+    return _inplace_abn(x, running_mean, running_var, weight, bias, training, momentum, eps,
+                        activation, activation_param)  # fmt: skip
+
+
+def inplace_abn_copy(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    activation: str = "leaky_relu",
+    activation_param: float = 0.01,
+) -> torch.Tensor:
+    """:func:`inplace_abn` written over a copy of ``x``; ``x`` is left as it is (NOTE [InPlaceABN
+    over a copy keeps x where x outlives it])."""
+    source = None if torch.compiler.is_compiling() else x  # kept under checkpoint's hooks only
+    return _inplace_abn(x.clone(), running_mean, running_var, weight, bias, training, momentum,
+                        eps, activation, activation_param, source)  # fmt: skip
+
+
+def _inplace_abn(
+    x,
+    running_mean,
+    running_var,
+    weight,
+    bias,
+    training,
+    momentum,
+    eps,
+    activation,
+    activation_param,
+    source=None,
+):
     _dtensor.refuse(
         "slimgrad.ops.inplace_abn",
         x=x,
@@ -516,7 +624,7 @@ def inplace_abn(
                                    activation, activation_param)  # fmt: skip
     out = _InPlaceABNFn.apply(
         x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
-        activation, float(activation_param),
+        activation, float(activation_param), source,
     )  # fmt: skip
     return out[0] if isinstance(out, tuple) else out
 
@@ -591,8 +699,8 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
     @staticmethod
     @first_order("ops.inplace_abn_sync")
     def backward(ctx, dz):
-        z, weight, bias, invstd, side_idx, side_xhat = _saved(ctx, "ops.inplace_abn_sync")
         eps, act, param, group, count = ctx.cfg
+        z, weight, bias, invstd, side_idx, side_xhat = _saved(ctx, "ops.inplace_abn_sync", act)
         dx, dw, db = _impl(z)[1](
             z, dz, weight, bias, invstd, side_idx, side_xhat, z.numel() // z.shape[1], True, eps,
             act, param, ctx.needs_input_grad[0], True, allreduce=_make_allreduce(group),
