@@ -1425,8 +1425,13 @@ def estimate(make_forward: Callable[[], Any], *, device: str = "cpu", **kwargs) 
         **kwargs: passed to :func:`measure`.
 
     Returns:
-        The :class:`StepMemory` the real step would have (exact unless the model's code branches on
-        fake tensors, as HF's causal-mask construction can).
+        The :class:`StepMemory` the real step would have, exact unless the model's code branches on
+        fake tensors (as HF's causal-mask construction can) or a slimgrad side table whose length
+        depends on values holds entries in the real step: fake tensors have no values, so each such
+        table is estimated empty, the usual case (NOTE [Side tables under FakeTensorMode and
+        torch.compile] in ``slimgrad/_math/tables.py``). A smooth activation's hard elements
+        (8 B each in float32: the value and its int32 index) and a norm's fallback channels are
+        such tables; a real step that fills one keeps those bytes more than its estimate.
 
     Raises:
         ValueError: ``device`` is not one of :data:`DEVICES`.

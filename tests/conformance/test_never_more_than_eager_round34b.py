@@ -9,11 +9,16 @@ eager, with ``slimgrad.memory.estimate`` giving the tracker's bytes.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import slimgrad
 from slimgrad.memory import estimate, measure
@@ -105,3 +110,28 @@ def test_inplace_abn_first_in_a_checkpointed_region(act, reentrant):
     assert slim[0] <= eager[0] and slim[1] <= eager[1], (slim, eager)
     for a, b in zip(eager_grads, slim_grads):
         torch.testing.assert_close(b, a)
+
+
+def _save_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
+def test_linear_under_autocast_and_a_policy_saving_every_op():
+    def make(convert=True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
+        m = slimgrad.convert_(m) if convert else m
+        x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        ctx = functools.partial(create_selective_checkpoint_contexts, _save_all)
+
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = checkpoint(m, x, use_reentrant=False, context_fn=ctx)
+                return y.float().square().sum()
+
+        return forward, m
+
+    eager = _bytes(*make(False))
+    slim = _bytes(*make())
+    assert slim[0] <= eager[0] and slim[1] <= eager[1], (slim, eager)
+    assert _estimate(make) == slim

@@ -101,6 +101,7 @@ from slimgrad._autograd import (
     unwrap_if_dead,
 )
 from slimgrad._dtensor import any_dtensor
+from slimgrad._math.bits import _table
 from slimgrad._math.norms import unseen
 
 __all__ = ["conv1d_addmm", "linear"]
@@ -339,13 +340,36 @@ class _AutocastLinearFn(torch.autograd.Function):
         return _autocast_linear_backward(ctx, dy)
 
 
+# NOTE [A cast token holds no bytes]
+# The cast token has W16's shape and dtype and is never read, so it is an expand of one scalar per
+# (device, dtype), made once outside every step (as the bit tables: NOTE [Bit tables outside every
+# step] in slimgrad/_math/bits.py), not an allocation of its own; the expand runs where no
+# dispatch mode sees it (0 bytes, no op for a selective checkpoint to match). Allocated per token (a
+# 1-element zero-stride tensor), it was 2 B (bf16) a Linear more than eager under a selective
+# checkpoint whose policy saves every op: the policy keeps each op's output to the backward, the
+# token's allocation too (Linear -> SiLU -> Linear: +4 B over eager's peak).
+_TOKEN_BASES: dict[torch.dtype, dict] = {}
+
+
+def _cast_token_of(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    base = _table(  # ``.data``: a Parameter is no plain tensor to _table, w's data is
+        _TOKEN_BASES.setdefault(dtype, {}),
+        w.data,
+        lambda device: torch.zeros((), dtype=dtype, device=device),
+    )
+    # the view made where no mode sees it: a fake step's mode would hand the real base over as
+    # a fake copy of its own, and a tracker count that as new
+    return unseen(torch.Tensor.expand, base, w.shape)
+
+
 class _CastNode(torch.autograd.Function):
     # autocast's cast node (ToCopyBackward) without the cast: the output has W16's shape and
-    # dtype but one element (zero strides); ops take it in place of W16 and never read it
+    # dtype and no storage of its own (NOTE [A cast token holds no bytes]); ops take it in place
+    # of W16 and never read it
     @staticmethod
     def forward(ctx, w, dtype):
         ctx.w_dtype = w.dtype
-        return torch.empty_strided(w.shape, (0,) * w.dim(), dtype=dtype, device=w.device)
+        return _cast_token_of(w, dtype)
 
     @staticmethod
     def backward(ctx, grad):
