@@ -146,10 +146,21 @@ KNOWN_LOW: dict[str, str] = {}
 LOW = (torch.bfloat16, torch.float16)
 
 
+# float16 runs where its coverage arcs (branch arcs of src/slimgrad and this file) are not
+# bfloat16's; elsewhere a float16 row ran the same arcs as the bfloat16 row, on values of the same
+# size, and is left out
+FLOAT16_PATHS = {
+    "Hardtanh-alone", "Hardtanh-kept", "Hardtanh/inplace-alone", "Hardtanh/inplace-kept",
+    "RMSNorm-alone",
+}  # fmt: skip
+
+
 def _low_params():
     for dtype in LOW:
         for name in MODULES:
             for context in ("alone", "kept"):
+                if dtype == torch.float16 and f"{name}-{context}" not in FLOAT16_PATHS:
+                    continue
                 why = KNOWN_LOW.get(f"{name}-{context}")
                 marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
                 yield pytest.param(
