@@ -11,12 +11,14 @@ helper on a child's output, or in the forward on what the helper returns, went u
 converted module then kept its output for backward and autograd raised "modified by an inplace
 operation" where eager trains.
 
-Rows: every spelling x every converted op type that keeps its output where eager keeps its input
+Rows: spellings x converted op types that keep their output where eager keeps its input
 (LayerNorm, RMSNorm, GroupNorm, HF LlamaRMSNorm, GELU, SiLU, Mish, ELU, LeakyReLU, Hardswish, and
 BatchNorm followed by GELU/SiLU, whose pair keeps one tensor) x a forward torch.fx traces and one it
-cannot (read from its source), in train mode. Each row runs eager and converted side by side from
-the same weights and input: the same loss and gradients, bit for bit (a module the guard keeps runs
-eager's op), or where the write hits something eager keeps too, the same error.
+cannot (read from its source), in train mode: every spelling and every op type both traced and read
+from source, the combinations chosen to run every code path (``ROWS``). Each row runs eager and
+converted side by side from the same weights and input: the same loss and gradients, bit for bit
+(a module the guard keeps runs eager's op), or where the write hits something eager keeps too, the
+same error.
 """
 
 from __future__ import annotations

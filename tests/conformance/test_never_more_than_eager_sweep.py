@@ -6,8 +6,9 @@ BatchNorm1d/2d/3d, GroupNorm, LayerNorm, RMSNorm, Dropout, Linear, Conv1d/2d/3d 
 ConvTranspose1d/2d/3d) runs after a layer that makes its input (a 1x1 conv, or a Linear on the
 last dim), "alone" (a frozen layer of that kind follows it inside the model) and followed by a
 layer that keeps its input ("kept": a 1x1 conv or a Linear), over shapes of 1-8 per dim in
-float32, bfloat16 and float16 (the whole model in that dtype), contiguous and channels_last (4-D),
-in train and in eval where the module's forward depends on the mode. One warm-up step of the
+float32, bfloat16 and float16 (the whole model in that dtype; float16 where its code path is not
+bfloat16's: FLOAT16_PATHS), contiguous and channels_last (4-D), in train and in eval where the
+module's forward depends on the mode. One warm-up step of the
 converted model first (lazily built tables do not count), then ``slimgrad.memory.measure`` of a
 step ``(model(x) * w).sum()`` of the converted and the eager model: the module under test is
 slimgrad's, and the converted one's saved and peak bytes are at most eager's. Known findings are
