@@ -6,8 +6,9 @@ BatchNorm1d/2d/3d, GroupNorm, LayerNorm, RMSNorm, Dropout, Linear, Conv1d/2d/3d 
 ConvTranspose1d/2d/3d) runs after a layer that makes its input (a 1x1 conv, or a Linear on the
 last dim), "alone" (a frozen layer of that kind follows it inside the model) and followed by a
 layer that keeps its input ("kept": a 1x1 conv or a Linear), over shapes of 1-8 per dim in
-float32, bfloat16 and float16 (the whole model in that dtype), contiguous and channels_last (4-D),
-in train and in eval where the module's forward depends on the mode. One warm-up step of the
+float32, bfloat16 and float16 (the whole model in that dtype; float16 where its code path is not
+bfloat16's: FLOAT16_PATHS), contiguous and channels_last (4-D), in train and in eval where the
+module's forward depends on the mode. One warm-up step of the
 converted model first (lazily built tables do not count), then ``slimgrad.memory.measure`` of a
 step ``(model(x) * w).sum()`` of the converted and the eager model: the module under test is
 slimgrad's, and the converted one's saved and peak bytes are at most eager's. Known findings are
@@ -146,10 +147,21 @@ KNOWN_LOW: dict[str, str] = {}
 LOW = (torch.bfloat16, torch.float16)
 
 
+# float16 runs where its coverage arcs (branch arcs of src/slimgrad and this file) are not
+# bfloat16's; elsewhere a float16 row ran the same arcs as the bfloat16 row, on values of the same
+# size, and is left out
+FLOAT16_PATHS = {
+    "Hardtanh-alone", "Hardtanh-kept", "Hardtanh/inplace-alone", "Hardtanh/inplace-kept",
+    "RMSNorm-alone",
+}  # fmt: skip
+
+
 def _low_params():
     for dtype in LOW:
         for name in MODULES:
             for context in ("alone", "kept"):
+                if dtype == torch.float16 and f"{name}-{context}" not in FLOAT16_PATHS:
+                    continue
                 why = KNOWN_LOW.get(f"{name}-{context}")
                 marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
                 yield pytest.param(
