@@ -80,18 +80,19 @@ def test_estimate_matches_profile_and_plot(capsys, tmp_path):
 
 
 def test_fit_reports_eager_batch_beside_slimgrads(capsys):
-    argv = ["profile", "gpt2", "--size", "tiny", "--seq", "16", "--fit-gib", "0.01"]
+    # seq 64: bytes affine in the batch from batch 1, five probes (seq 16 takes eleven)
+    argv = ["profile", "gpt2", "--size", "tiny", "--seq", "64", "--fit-gib", "0.005"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     head = out.splitlines()[0]
-    assert head.startswith("hf:gpt2: largest batch fitting in 0.01 GiB: slimgrad ")
+    assert head.startswith("hf:gpt2: largest batch fitting in 0.005 GiB: slimgrad ")
     s, e = (
         int(head.split(f"{side} ")[1].split(",")[0].split(" ")[0]) for side in ("slimgrad", "eager")
     )
     assert s >= e >= 1 and f"slimgrad {s}, eager {e} ({s / e:.2f}x eager's)" in head
     assert f"hf:gpt2, batch {s}, cpu kernels (estimated under fake tensors)" in out
     # progress: each batch tried, with its bytes, on stderr; both answers proved by a probe
-    assert "searching the largest batch of hf:gpt2 within 0.01 GiB" in err
+    assert "searching the largest batch of hf:gpt2 within 0.005 GiB" in err
     assert f"batch {s}: slimgrad " in err and f"batch {e + 1}: " in err and "(over)" in err
 
 

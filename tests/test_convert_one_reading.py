@@ -78,8 +78,10 @@ MODELS = {
     "mixtral": _hf("mixtral"),
     "timm_resnet18": _timm("resnet18"),
     "vit_tiny": _timm("vit_tiny_patch16_224", depth=2),  # the blocks are alike: two say it
-    "efficientnet_b0": _timm("efficientnet_b0"),
-    "convnext_atto": _timm("convnext_atto"),
+    # timm's tiny EfficientNet: efficientnet_b0's block types (depthwise-separable, inverted
+    # residual with squeeze-excite, BatchNormAct2d) at one block per stage
+    "efficientnet_b0": _timm("test_efficientnet"),
+    "convnext_atto": _timm("convnext_atto", depths=(1, 1, 1, 1)),
     "torchvision_resnet18": _torchvision,
     "plain": _plain,
 }
@@ -156,7 +158,7 @@ def test_item_assignment_leaves_inplace_abn_its_own_trace(monkeypatch):
 def test_no_module_the_swaps_made_is_traced(monkeypatch):
     # ConvNeXt's blocks with their Linear MLP (the other rows of SWAPS_UNTRACED are models of
     # test_flags_are_a_fresh_readings, checked there)
-    model = _timm_kw("convnext_atto", conv_mlp=False)()
+    model = _timm_kw("convnext_atto", conv_mlp=False, depths=(1, 1, 1, 1))()
     before = {id(m) for m in model.modules()}
     _keep = list(model.modules())  # the originals stay alive: their ids stay unique
     seen = count_traces(monkeypatch)

@@ -65,8 +65,10 @@ def _torchvision_se():
 
 ROWS = {
     "vit_tiny": _timm("vit_tiny_patch16_224", depth=2),  # the blocks are alike: two say it
-    "convnext_ls": _timm("convnext_atto", conv_mlp=False),
-    "efficientnet_b0": _timm("efficientnet_b0"),
+    "convnext_ls": _timm("convnext_atto", conv_mlp=False, depths=(1, 1, 1, 1)),
+    # timm's tiny EfficientNet: efficientnet_b0's block types (depthwise-separable, inverted
+    # residual with squeeze-excite, BatchNormAct2d) at one block per stage
+    "efficientnet_b0": _timm("test_efficientnet"),
     "gpt2": lambda: H.build(H.FAMILIES["gpt2"]),
     "llama": lambda: H.build(H.FAMILIES["llama"]),
     "se": _timm_layer(lambda L: L.SEModule(16)),
