@@ -143,12 +143,13 @@ def test_calibration_outside_modes_is_a_named_feature(monkeypatch):
     assert name in [f.name for f in _compat.features_off()]
 
 
-def test_env_lists_features_and_ranges():
-    r = subprocess.run(
-        [sys.executable, "-m", "slimgrad", "env", "--json"], capture_output=True, text=True
-    )
-    assert r.returncode == 0, r.stderr
-    info = json.loads(r.stdout)
+def test_env_lists_features_and_ranges(capsys):
+    # `slimgrad env --json` in this process (`python -m slimgrad` is the same command:
+    # tests/test_cli.py::test_python_dash_m_slimgrad_is_the_slimgrad_command)
+    from slimgrad import cli
+
+    assert cli.main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
     assert info["tested torch"] == "2.11 .. 2.15"
     assert info["features"]["buffer reuse (ownership)"]["detail"]
     assert info["torch"] == torch.__version__

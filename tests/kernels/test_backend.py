@@ -81,12 +81,13 @@ def test_fake_and_meta_tensors_take_the_torch_path(monkeypatch):
         assert not B.use_triton(torch.empty(2), backend="triton")
 
 
-# The checks that need a fresh interpreter run in two children (tests/_child.py), not one each:
-# (1) import slimgrad imports neither triton nor CUDA; then, in the same child, triton imported
-# before TRITON_INTERPRET is set; then the GPU benchmark's smoke run, which sets the flag and drops
-# the kernel modules itself. (2) The real compiler, alone: kernel modules decorated under the
-# interpreter stay bound as attributes of slimgrad.kernels once imported, and the compiler would
-# be handed those.
+# The checks that need a fresh interpreter run in one child (tests/_child.py), in this order:
+# import slimgrad imports neither triton nor CUDA; the real compiler, before anything runs under
+# the interpreter (kernel modules decorated under the interpreter stay bound as attributes of
+# slimgrad.kernels once imported, and the compiler would be handed those); triton imported before
+# TRITON_INTERPRET is set (here with the kernel modules already imported for the compiler, which
+# the interpreted run must not reuse); then the GPU benchmark's smoke run, which sets the flag and
+# drops the kernel modules itself.
 _CHECK_IMPORTS = """
     import sys, torch; import slimgrad, slimgrad.kernels._backend as b
     b.use_triton(torch.ones(1)); b.triton_available()
@@ -144,6 +145,7 @@ _CHILD_ENV = {"TRITON_INTERPRET": None, B.ENV_VAR: None, "OMP_NUM_THREADS": "1"}
 def first_child():
     checks = {"imports": _CHECK_IMPORTS}
     if importlib.util.find_spec("triton") is not None:
+        checks["compile"] = _CHECK_COMPILE_SM90
         checks["interpret_after_triton"] = _CHECK_INTERPRET_AFTER_TRITON
         checks["smoke"] = _CHECK_BENCH_SMOKE
     return run_checks(checks, env=_CHILD_ENV)
@@ -193,7 +195,6 @@ def test_compiled_code_takes_the_torch_path(monkeypatch):
 
 
 @pytest.mark.triton
-def test_kernels_compile_for_sm90_without_a_gpu():
+def test_kernels_compile_for_sm90_without_a_gpu(first_child):
     pytest.importorskip("triton")
-    res = run_checks({"compile": _CHECK_COMPILE_SM90}, env=_CHILD_ENV)["compile"]
-    assert res == "ok", res
+    assert first_child["compile"] == "ok", first_child["compile"]
