@@ -92,8 +92,10 @@ def test_not_offered_without_a_gated_mlp_and_refused_when_applied():
         x = torch.randn(4, 8)
         return (lambda: m(x).sum()), m
 
-    p = slimgrad.plan(make, "1TiB", verify=False)
-    assert CHOICE not in p.blocks["0"]["kept_bytes"]
+    # asked for by name, and still not offered: only lean (and the SAC baseline) is measured
+    p = slimgrad.plan(make, "1TiB", verify=False, choices=("lean", CHOICE))
+    assert CHOICE not in p.blocks["0"]["kept_bytes"] and "lean" in p.blocks["0"]["kept_bytes"]
+    assert CHOICE not in p.blocks["0"]["refused"]  # not measured and refused: not offered
     assert CHOICE in CHOICE_HELP
 
 

@@ -231,7 +231,9 @@ class Plan:
     baselines: dict[str, CurvePoint] = field(default_factory=dict)
     blocks: dict[str, dict] = field(default_factory=dict)  # per kind: what was measured
     seconds: float = 0.0
-    full_estimates: int = 0  # whole-model estimates the search ran (``verify``)
+    # plans the search estimated whole (``verify``), including those found already estimated
+    # (NOTE [Whole-model estimates are shared])
+    full_estimates: int = 0
 
     @property
     def recompute_fraction(self) -> float:
@@ -1250,6 +1252,38 @@ def _estimate_with(
     return m
 
 
+# NOTE [Whole-model estimates are shared]
+# ``plan(..., reuse=p)`` takes ``p``'s measurements (the blocks' kinds, their kept bytes and
+# segments: NOTE [How plan chooses], 1), so its greedy walk is ``p``'s walk, and the plans it
+# estimates whole (the chosen one, the repair's moves, the lowest and most recomputed ones before a
+# refusal) are often plans ``p``, or another plan made from the same measurements, estimated whole
+# already: a sweep of budgets checks the curve's lowest and most recomputed plans once per budget
+# below the curve. Those full estimates are kept with the measurements (``Plan._wholes``: one list
+# shared by every plan made from them), keyed by the applied choices and the convert keyword
+# arguments (equal values), and not estimated again: the same model (``reuse=`` requires the same
+# ``make_forward`` and device), the same choices and conversion, the same estimate, whose result
+# is deterministic (fake tensors, the same ops). ``Plan.full_estimates`` still counts the plans the
+# search estimated whole, found or run, so a plan's record does not depend on what ran before.
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are not the same
+        return False
+
+
+def _known_whole(wholes: list, choices: dict[str, str], convert_kwargs: dict) -> int | None:
+    # NOTE [Whole-model estimates are shared]
+    for x, kw, peak in wholes:
+        if x == choices and kw.keys() == convert_kwargs.keys():
+            if all(_same(kw[k], convert_kwargs[k]) for k in kw):
+                return peak
+    return None
+
+
 def plan(
     make_forward: Callable[[], Any],
     budget: int | float | str,
@@ -1278,7 +1312,9 @@ def plan(
             below every composed peak is still checked whole before it is refused.
         progress: called with a line of text as the search goes.
         reuse: a plan made for the same ``make_forward`` and device: its measurements are
-            reused (only the choice and its full estimate run again), e.g. to plan a second budget.
+            reused (only the choice and its full estimates run again, those not made already
+            from the same measurements: NOTE [Whole-model estimates are shared]), e.g. to plan a
+            second budget.
         **convert_kwargs: passed to ``convert_`` (``config``, ``dtype``).
 
     Returns:
@@ -1319,8 +1355,12 @@ def plan(
             )
     say = progress or (lambda s: None)
     measured = getattr(reuse, "_measured", None) if reuse is not None else None
+    # the full estimates of the plans estimated whole so far, shared with the plans reuse= makes
+    # from these measurements (NOTE [Whole-model estimates are shared])
+    wholes: list = []
     if measured is not None and reuse.device == device:
         blocks, kinds, kind_of, p0, allowed, fwd_flops = measured
+        wholes = getattr(reuse, "_wholes", wholes)
     else:
         with fake_tensors(device):
             forward, model = _made(api, make_forward())
@@ -1493,10 +1533,15 @@ def plan(
         nonlocal n_full
         if i not in real:
             n_full += 1
-            say(f"estimating plan {i} of the curve whole")
-            real[i] = _estimate_with(
-                make_forward, api, device, path[i], (), convert_kwargs
-            ).peak_bytes
+            real[i] = _known_whole(wholes, path[i], convert_kwargs)
+            if real[i] is None:
+                say(f"estimating plan {i} of the curve whole")
+                real[i] = _estimate_with(
+                    make_forward, api, device, path[i], (), convert_kwargs
+                ).peak_bytes
+                wholes.append((dict(path[i]), dict(convert_kwargs), real[i]))
+            else:
+                say(f"plan {i} of the curve was estimated whole before: {real[i]:,} B")
         return real[i]
 
     def first_at_most(target: int, after: int = -1) -> int | None:
@@ -1585,4 +1630,5 @@ def plan(
         full_estimates=n_full,
     )
     result._measured = (blocks, kinds, kind_of, p0, allowed, fwd_flops)
+    result._wholes = wholes
     return result
