@@ -269,11 +269,24 @@ def _names(model):
 _OUTSIDE: dict[tuple[str, str, str, bool], pytest.MarkDecorator] = {}
 
 
+# Right padding runs its own rows only where it takes a path left padding does not: measured with
+# coverage.py (branch arcs of src/slimgrad and tests/conformance, per row), every other text
+# family's right-padded row ran exactly its left-padded twin's arcs in all but train+labels (the
+# rows verify is checked against, kept everywhere). Here every right-padded row runs: Llama (eager
+# attention) and Bloom's left-padded rows have no finite float64 reference (NOTE [Non-finite
+# float64 reference on padded batches]), so only their right-padded rows hold the converted model
+# to the rule against float64; CLIP's right padding moves the eos token its text tower pools at.
+_RIGHT_EVERY_ROW = {"llama_eager", "bloom", "clip"}
+
+
 def _rows():
     for name, fam in H.FAMILIES.items():
         for mode in ("train", "eval"):
             for pad in ("unpadded", "left", "right") if fam.text else ("unpadded",):
                 for labels in (True, False):
+                    if pad == "right" and name not in _RIGHT_EVERY_ROW:
+                        if not (mode == "train" and labels):
+                            continue  # its left-padded twin's path (see above)
                     mark = _OUTSIDE.get((name, mode, pad, labels))
                     yield pytest.param(
                         name,
