@@ -9,7 +9,8 @@ See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: slope >= 0: saves y (the output, shared with the next layer); slope < 0: saves 1 bit/elt
 only (in x's memory order), or x itself (as eager) for a tensor of at most ``DENSE_MAX`` (512)
-elements out of place. Eager saves x (4 B/elt float32).
+elements, or a leaf that requires grad or a view of one (NOTE [An input the graph holds] in
+``ops._output_act``), out of place. Eager saves x (4 B/elt float32).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
@@ -34,6 +35,7 @@ from slimgrad.ops._output_act import (
     as_layout,
     eager_layout,
     few_elements,
+    graph_holds,
     needs_graph,
     record_layout,
 )
@@ -140,9 +142,15 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
             # eager's in-place op refuses a negative slope in backward; this op accepts it
             return input.copy_(torch.nn.functional.leaky_relu(input.clone(), negative_slope))
         return torch.nn.functional.leaky_relu(input, negative_slope, inplace=inplace)
-    if negative_slope < 0 and not inplace and few_elements(input):
+    if (
+        negative_slope < 0
+        and not inplace
+        and (few_elements(input) or (not torch.compiler.is_compiling() and graph_holds(input)))
+    ):
         # NOTE [Few elements] (ops/_output_act.py): the bits' unpacking temporaries cost more
-        # than x on a tensor this small (2 elements: peak 34 B, eager's 32); keep x, as eager
+        # than x on a tensor this small (2 elements: peak 34 B, eager's 32); keep x, as eager.
+        # So does a leaf that requires grad, or a view of one: the graph holds it anyway (NOTE
+        # [An input the graph holds] there)
         return torch.nn.functional.leaky_relu(input, negative_slope)
     refuse_jit("ops.leaky_relu")
     if negative_slope >= 0:
