@@ -20,10 +20,10 @@ float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B
 1/16 of the elements are in the table, for float64, under torch.compile and for tensors of at most
 ``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``), and out of place on a
 leaf that requires grad or a view of one (NOTE [An input the graph holds] there), keeps x
-densely, as eager does (no y, bits or table). Backward writes dx into the incoming gradient's buffer when
-``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]). Second derivatives
-raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is
-eager's op.
+densely, as eager does (no y, bits or table). Backward writes dx into the incoming gradient's
+buffer when ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]).
+Second derivatives raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func
+transforms this is eager's op.
 """
 
 from __future__ import annotations
