@@ -142,17 +142,20 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
             # eager's in-place op refuses a negative slope in backward; this op accepts it
             return input.copy_(torch.nn.functional.leaky_relu(input.clone(), negative_slope))
         return torch.nn.functional.leaky_relu(input, negative_slope, inplace=inplace)
+    if negative_slope < 0 and not inplace and few_elements(input):
+        # NOTE [Few elements] (ops/_output_act.py): the bits' unpacking temporaries cost more
+        # than x on a tensor this small (2 elements: peak 34 B, eager's 32); keep x, as eager
+        return torch.nn.functional.leaky_relu(input, negative_slope)
+    refuse_jit("ops.leaky_relu")
     if (
         negative_slope < 0
         and not inplace
-        and (few_elements(input) or (not torch.compiler.is_compiling() and graph_holds(input)))
+        and not torch.compiler.is_compiling()
+        and graph_holds(input)
     ):
-        # NOTE [Few elements] (ops/_output_act.py): the bits' unpacking temporaries cost more
-        # than x on a tensor this small (2 elements: peak 34 B, eager's 32); keep x, as eager.
-        # So does a leaf that requires grad, or a view of one: the graph holds it anyway (NOTE
-        # [An input the graph holds] there)
+        # so does a leaf that requires grad, or a view of one: the graph holds it anyway (NOTE
+        # [An input the graph holds] in ops/_output_act.py)
         return torch.nn.functional.leaky_relu(input, negative_slope)
-    refuse_jit("ops.leaky_relu")
     if negative_slope >= 0:
         return _LeakyReluFn.apply(input, float(negative_slope), inplace)
     return apply_with_anchor(_LeakyReluBitsFn, input, float(negative_slope), inplace)
