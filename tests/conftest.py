@@ -1,5 +1,6 @@
 import gc
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,7 +58,19 @@ def _reuse_off_reason() -> str | None:
     return None
 
 
+def _uses_timm(path, seen: dict) -> bool:
+    if path not in seen:
+        seen[path] = "_timm_shim" in Path(path).read_text()
+    return seen[path]
+
+
 def pytest_collection_modifyitems(config, items):
+    # the modules that may import timm run last (a stable sort: each keeps its order): once timm is
+    # imported, every torch.fx trace in that process costs more (tests/conformance/_timm_shim.py,
+    # _Timm), so the rest of the suite runs before it in each xdist worker
+    seen: dict = {}
+    items.sort(key=lambda it: _uses_timm(it.path, seen))
+
     # tests that assert a grant skip, with the reason, where this installation cannot grant
     from tests._needs_reuse import NEEDS_REUSE
 

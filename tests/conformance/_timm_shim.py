@@ -16,7 +16,8 @@ torchvision whenever it can find it) keeps working everywhere else in the dev en
 (the bench, the CLI). This module puts that directory on ``sys.path`` after defining the schemas.
 
 ``timm`` is this module's attribute, or None when timm (or torchvision) is not installed; the
-suites skip then.
+suites skip then. Importing this module imports torchvision; timm itself is imported at the first
+attribute read of ``timm`` (or any ``import timm``), see ``_Timm``.
 """
 
 from __future__ import annotations
@@ -42,21 +43,44 @@ def _define_torchvision_schemas() -> None:
     _define_torchvision_schemas.lib = lib  # keep the Library alive (it unregisters when freed)
 
 
-def _import_timm():
+def _prepare() -> bool:
+    """timm-site on ``sys.path`` and torchvision imported (its schemas defined where its extension
+    cannot load); False where timm or torchvision is not installed."""
     site = Path(sys.prefix) / "timm-site"
     if site.is_dir() and str(site) not in sys.path:
         sys.path.append(str(site))
     if importlib.util.find_spec("timm") is None or importlib.util.find_spec("torchvision") is None:
-        return None
+        return False
     try:  # a torchvision whose extension loads (a CUDA torch) defines its own schemas
         import torchvision  # noqa: F401
     except RuntimeError:  # "operator torchvision::nms does not exist": define them, try again
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         _define_torchvision_schemas()
-    import timm as t
+        import torchvision  # noqa: F401
+    return True
 
-    return t
+
+class _Timm:
+    """``timm`` itself, imported at the first attribute read.
+
+    Importing timm defines ~1,000 ``nn.Module`` subclasses, and every ``torch.fx`` trace (the
+    in-place guard of ``convert_`` runs many) patches ``nn.Module.__call__`` and ``__getattr__``
+    on the class, which CPython propagates to every subclass: with timm loaded such a patch costs
+    several times what it does without, and a trace-heavy test file pays it on every trace. So a
+    test process imports timm only where a test uses it, and
+    ``tests/conftest.py`` runs the modules that import this shim last. ``import timm`` and
+    ``from timm... import`` work anywhere once this module is imported (torchvision is prepared and
+    timm-site is on the path): they import timm the same way.
+    """
+
+    def __getattr__(self, name: str):
+        import timm as t
+
+        return getattr(t, name)
+
+    def __repr__(self) -> str:
+        return "<timm, imported at first use (tests/conformance/_timm_shim.py)>"
 
 
-timm = _import_timm()
+timm = _Timm() if _prepare() else None
