@@ -124,12 +124,15 @@ def _triton_child() -> dict:
 
         return wrapper
 
+    wrapped: set[str] = set()
+
     def counting_kernels(stem):
         mod = kernels(stem)
-        for name, f in list(vars(mod).items()):
-            entry = "_triton" in name or name == "apply_"
-            if entry and inspect.isfunction(f) and not hasattr(f, "__wrapped__"):
-                setattr(mod, name, counted(f"{stem}.{name}", f))
+        if stem not in wrapped:
+            wrapped.add(stem)
+            for name, f in list(vars(mod).items()):
+                if ("_triton" in name or name == "apply_") and inspect.isfunction(f):
+                    setattr(mod, name, counted(f"{stem}.{name}", f))
         return mod
 
     def counting_run(self, *args, **kwargs):
