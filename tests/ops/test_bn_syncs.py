@@ -72,26 +72,99 @@ def test_one_read_per_parameter_update(case):
     assert per_step(case) == EXPECTED
 
 
+# What the child below reaches with SLIMGRAD_BACKEND=triton, as CUDA reaches it: BatchNorm has no
+# Triton kernel (a plain BatchNorm backward takes its PyTorch path, as on CUDA, not the C kernels
+# the in-process rows run on CPU); InPlaceABN's backward is its Triton wrapper (its forward is
+# eager's batch_norm kernel eagerly: NOTE [Same forward as eager] in ops/inplace_abn.py), and the
+# LeakyReLU after the residual sum is leaky_relu's (in place). ResNet-50's ReLUs after a
+# BatchNorm compute from the kept output with aten's ops; the one after the residual sum is
+# torch.relu_ (no Triton code on any backend: the row counts the PyTorch paths CUDA runs).
+TRITON_CALLED = {
+    "resnet50": [],
+    "resnet50_inplace_abn": [
+        "inplace_abn._bwd_triton",
+        "leaky_relu._bwd_triton",
+        "leaky_relu._fwd_triton_",
+    ],
+}
+TRITON_LAUNCHED = {
+    "resnet50": [],
+    "resnet50_inplace_abn": [
+        "_output_act._mono_bwd_kernel",
+        "_output_act._mono_fwd_kernel",
+        "inplace_abn._dx_kernel",
+        "inplace_abn._reduce_kernel",
+    ],
+}
+
+
+def _triton_child() -> dict:
+    # in the child: per case, the counts, the Triton entry points the ops called (the functions
+    # they read from slimgrad.kernels.<stem> through _backend.kernels) and the kernels launched
+    import functools
+    import inspect
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import slimgrad.bench.models as models
+    from slimgrad.kernels import _backend
+
+    # the interpreter's time grows with the channels: the same two-stage ResNet at a quarter of
+    # the width (4 to 32 channels), the same layers and so the same counts
+    models.resnet_small = functools.partial(models.resnet_small, width=4)
+    called: set[str] = set()
+    launched: set[str] = set()
+    kernels, run = _backend.kernels, InterpretedFunction.run
+
+    def counted(name, f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            called.add(name)
+            return f(*args, **kwargs)
+
+        return wrapper
+
+    wrapped: set[str] = set()
+
+    def counting_kernels(stem):
+        mod = kernels(stem)
+        if stem not in wrapped:
+            wrapped.add(stem)
+            for name, f in list(vars(mod).items()):
+                if ("_triton" in name or name == "apply_") and inspect.isfunction(f):
+                    setattr(mod, name, counted(f"{stem}.{name}", f))
+        return mod
+
+    def counting_run(self, *args, **kwargs):
+        launched.add(f"{self.fn.__module__.rpartition('.')[2]}.{self.fn.__name__}")
+        return run(self, *args, **kwargs)
+
+    _backend.kernels = counting_kernels
+    InterpretedFunction.run = counting_run
+    out = {}
+    for case in CASES:
+        called.clear()
+        launched.clear()
+        out[case] = (per_step(case), sorted(called), sorted(launched))
+    return out
+
+
 @pytest.mark.triton
 def test_triton_backend_same_counts():
     # the Triton wrappers' Python code as on CUDA, under the interpreter (own process: the
-    # backend and the interpreter flag are chosen at import)
+    # backend and the interpreter flag are chosen at import); the child names the wrappers and
+    # kernels that ran, so a change of routing that skips them fails here
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, SLIMGRAD_BACKEND="triton", TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
-    # the interpreter's time grows with the channels: the same two-stage ResNet at a quarter of
-    # the width (4 to 32 channels), the same layers and so the same counts
-    code = (
-        "import functools; import slimgrad.bench.models as M; "
-        "M.resnet_small = functools.partial(M.resnet_small, width=4); "
-        f"from tests.ops.test_bn_syncs import per_step; print([per_step(c) for c in {CASES}])"
-    )
+    code = "from tests.ops.test_bn_syncs import _triton_child; print(_triton_child())"
     res = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().split("\n")[-1] == str([EXPECTED] * len(CASES))
+    got = res.stdout.strip().split("\n")[-1]
+    assert got == str({c: (EXPECTED, TRITON_CALLED[c], TRITON_LAUNCHED[c]) for c in CASES})
 
 
 def _bn_relu(c=5):
