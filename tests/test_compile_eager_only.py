@@ -1,8 +1,9 @@
 """Many ``eager_only`` functions inside one compiled model (NOTE [Eager-only code under
 torch.compile] in slimgrad/_compile.py): every wrapper shares one code object, so had Dynamo traced
 it, each wrapped function and each call signature would have added a cache entry to that code
-object, and the ninth would have hit ``recompile_limit`` (torch 2.13: 8). Here one more distinct
-function than that limit, with three signatures, made before Dynamo is loaded (the usual case:
+object, and one more than ``recompile_limit`` (torch 2.13: 8) would have hit it. Here, with the
+limit lowered to 2 while compiling (every count scales with it), one more distinct function than
+that limit, with three signatures, made before Dynamo is loaded (the usual case:
 ``import slimgrad`` and then ``torch.compile``) and after: the wrapper is never compiled, Dynamo
 compiles the model's frame and one resume frame per graph break and nothing else, every model
 segment is compiled (no fallback to eager), every wrapped function runs eagerly, and values and
@@ -30,7 +31,8 @@ from torch._dynamo.utils import counters
 from slimgrad._compat import parse_version
 from slimgrad._compile import eager_only
 
-K = torch._dynamo.config.recompile_limit + 1  # wrapped functions: more than the limit
+LIMIT = 2  # Dynamo's recompile_limit while these tests compile
+K = LIMIT + 1  # wrapped functions: more than the limit, one per signature
 SIGNATURES = ("(x)", "(x, k)", "(x, *, k)")
 
 
@@ -88,7 +90,7 @@ def _compile_and_check(model, wrapped: list, seen: list, extra_frames: int):
     seen.clear()
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+    with torch._dynamo.config.patch(recompile_limit=LIMIT, fail_on_recompile_limit_hit=True):
         outs = [compiled(x) for _ in range(2)]
     frames = counters["frames"]["total"]
 

@@ -10,6 +10,7 @@ Attention masks are all ones (unpadded): padding in attention is tested by the a
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import pickle
 
@@ -184,6 +185,16 @@ def _config(name):
     return slimgrad.ConvertConfig(dropout=False) if name == "gemma2" else None
 
 
+@functools.cache
+def _models(name):
+    # (eager, converted, float64 copy) of a family with its own config, built once per process:
+    # the tests reading them only run forwards in train/eval and take autograd.grad (no .grad,
+    # no parameter or buffer changes; dropout is 0), each setting the mode it runs in
+    eager = _build(name)
+    conv = slimgrad.convert_(copy.deepcopy(eager), _config(name))
+    return eager, conv, copy.deepcopy(eager).double()
+
+
 def _fused(model) -> bool:
     rep = slimgrad.report(model)
     return any(a.endswith(".forward") and "loss" in what for _, a, what in rep.converted)
@@ -197,9 +208,9 @@ CASES = [(n, True, FAMILIES[n][3]) for n in FAMILIES] + [("gpt2", False, False),
 
 @pytest.mark.parametrize("name,padded,num_items", CASES)
 def test_train_loss_and_every_gradient_within_rule(name, padded, num_items):
-    eager = _build(name)
-    ref = copy.deepcopy(eager).double()
-    conv = slimgrad.convert_(copy.deepcopy(eager), _config(name))
+    eager, conv, ref = _models(name)
+    for m in (eager, conv, ref):
+        m.train()
     assert _fused(conv), str(slimgrad.report(conv))
     inputs = _inputs(name, padded)
     kw = {"num_items_in_batch": torch.tensor(7)} if num_items else {}
@@ -216,8 +227,7 @@ def test_train_loss_and_every_gradient_within_rule(name, padded, num_items):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_eval_and_no_grad_with_labels_return_hf_logits(name):
-    eager = _build(name)
-    conv = slimgrad.convert_(copy.deepcopy(eager), _config(name))
+    eager, conv, _ = _models(name)
     inputs = _inputs(name, padded=True)
     for mode in ("eval", "no_grad"):
         outs = []
@@ -458,8 +468,9 @@ PADDED = ["gpt2", "llama", "gemma2", "opt", "mixtral", "bert", "distilbert"]
 def test_left_padded_attention_mask_matches_eager(name):
     # float32 against eager (HF's eager attention gives NaN gradients in float64 for fully masked
     # query rows of Llama-style models, so there is no float64 reference for the rule here)
-    eager = _build(name)
-    conv = slimgrad.convert_(copy.deepcopy(eager), _config(name))
+    eager, conv, _ = _models(name)
+    for m in (eager, conv):
+        m.train()
     inputs = _inputs(name, padded=True)
     inputs["attention_mask"][0, :3] = 0
     inputs["labels"][0, :3] = -100

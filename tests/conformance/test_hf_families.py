@@ -37,6 +37,9 @@ from tests.conformance import _hf_families as H
 pytest.importorskip("transformers")
 
 SEED = 7
+# The models and batches are on the CPU: seed its generator alone (torch.manual_seed also seeds
+# the accelerators', a lazy call that formats the caller's stack where there are none)
+_seed = torch.default_generator.manual_seed
 _CACHE: dict[str, tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]] = {}
 _TEMPLATES: dict[str, torch.nn.Module] = {}
 
@@ -96,7 +99,7 @@ def _scaled_atol(ref: torch.Tensor) -> float:
 def _side(model, batch, labels, grad=True, caches=None):
     params = [p for p in model.parameters() if p.requires_grad]
     mine = copy.deepcopy(batch)
-    torch.manual_seed(SEED)
+    _seed(SEED)
     with torch.set_grad_enabled(grad):
         out = model(**mine)
     outs = dict(_floats(out))
@@ -269,11 +272,24 @@ def _names(model):
 _OUTSIDE: dict[tuple[str, str, str, bool], pytest.MarkDecorator] = {}
 
 
+# Right padding runs its own rows only where it takes a path left padding does not: measured with
+# coverage.py (branch arcs of src/slimgrad and tests/conformance, per row), every other text
+# family's right-padded row ran exactly its left-padded twin's arcs in all but train+labels (the
+# rows verify is checked against, kept everywhere). Here every right-padded row runs: Llama (eager
+# attention) and Bloom's left-padded rows have no finite float64 reference (NOTE [Non-finite
+# float64 reference on padded batches]), so only their right-padded rows hold the converted model
+# to the rule against float64; CLIP's right padding moves the eos token its text tower pools at.
+_RIGHT_EVERY_ROW = {"llama_eager", "bloom", "clip"}
+
+
 def _rows():
     for name, fam in H.FAMILIES.items():
         for mode in ("train", "eval"):
             for pad in ("unpadded", "left", "right") if fam.text else ("unpadded",):
                 for labels in (True, False):
+                    if pad == "right" and name not in _RIGHT_EVERY_ROW:
+                        if not (mode == "train" and labels):
+                            continue  # its left-padded twin's path (see above)
                     mark = _OUTSIDE.get((name, mode, pad, labels))
                     yield pytest.param(
                         name,
@@ -496,7 +512,7 @@ def _half_models(name, mode):
 
 def _half_side(model, batch, autocast, float64=False):
     params = [p for p in model.parameters() if p.requires_grad]
-    torch.manual_seed(SEED)
+    _seed(SEED)
     region = (
         torch.autocast("cpu", autocast) if autocast and not float64 else contextlib.nullcontext()
     )

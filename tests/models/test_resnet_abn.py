@@ -378,19 +378,6 @@ def test_recomputed_stem_is_eager_bit_for_bit(train):
     assert ms.saved_bytes == ms.floor_bytes + 2 * 6 * 4
 
 
-def test_torch_compile_aot_eager_same_gradients():
-    # the paired modules run eagerly inside the compiled model (graph breaks around them)
-    _, ref, ours = _pair(layers=(1, 1, 1, 1))
-    ref, ours = ref.double(), ours.double()
-    x0 = torch.randn(2, 3, 32, 30, dtype=torch.float64)
-    torch._dynamo.reset()
-    got = _grads(torch.compile(ours, backend="aot_eager"), x0, torch.float64)
-    want = _grads(ref, x0, torch.float64)
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-
-
 def test_frozen_conv_no_recipe_falls_back_to_in_place():
     # A frozen conv keeps no input, so there is no recipe: RecomputeABN works in place as
     # InPlaceABN and the max-pool as torch's; gradients still equal eager's.

@@ -115,7 +115,9 @@ def check_straight_c_path(straight, general, x_star):
             res = []
             for fn in (straight, general):
                 xi = x0.clone().requires_grad_()
-                y = fn(xi)
+                # a non-leaf input, as in a model: on a leaf that requires grad both paths keep
+                # x (NOTE [An input the graph holds] in slimgrad/ops/_output_act.py)
+                y = fn(xi * 1)
                 node = y.grad_fn
                 assert (node.cpath is not None) == (fast and fn is straight), (name, fn)
                 saved = [t.clone() if t is not None else None for t in node.saved_tensors]

@@ -13,7 +13,9 @@ def test_written_output_error_names_public_op(stem):
     fn = getattr(importlib.import_module(f"slimgrad.ops.{stem}"), stem)
     # N(1, 1): few elements in the hard window wherever this CPU's erf puts it (at N(0, 1) the
     # erf-GELU may keep x densely: NOTE [A window from eager's own forward error])
-    x = torch.randn(64, 4096).add_(1.0).requires_grad_()
+    # a non-leaf input: on a leaf that requires grad the op keeps x, as eager (NOTE [An input the
+    # graph holds] in ops/_output_act.py)
+    x = torch.randn(64, 4096).add_(1.0).requires_grad_() * 1.0
     y = fn(x)
     z = y * 2.0
     y.add_(1.0)

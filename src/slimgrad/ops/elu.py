@@ -33,7 +33,8 @@ place keeps what the out-of-place op keeps (eager's ``elu_`` refuses it in backw
 
 Memory: alpha > 0: saves y (the output, shared with the next layer) + (4 + elt) B per element with
 x < -2; alpha < 0: the same + 1 bit/elt. Eager saves x (4 B/elt float32). Dense case: x, as eager;
-so is a tensor of at most ``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``).
+so is a tensor of at most ``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``)
+and, out of place, a leaf that requires grad or a view of one (NOTE [An input the graph holds]).
 In place with alpha > 0: y alone, as eager's ``elu_`` (NOTE [ELU in place]).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
@@ -56,6 +57,7 @@ from slimgrad.ops._output_act import (
     _inverse_perm,
     as_layout,
     eager_layout,
+    graph_holds,
     memory_order,
     needs_graph,
     raise_output_written,
@@ -182,10 +184,16 @@ class _EluFn(torch.autograd.Function):
         # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): the
         # bits, the tail table and their temporaries cost more than x there (1 element, alpha < 0:
         # peak 33 B, 34,829 B on the first call (the unpacking table), against eager's 12-20 B)
+        # so does a leaf that requires grad, or a view of one, out of place: the graph holds it
+        # anyway (NOTE [An input the graph holds] in ops/_output_act.py)
         ctx.dense = (
             alpha != 0
             and not as_eager_
-            and (torch.compiler.is_compiling() or x.numel() <= DENSE_MAX)
+            and (
+                torch.compiler.is_compiling()
+                or x.numel() <= DENSE_MAX
+                or (not inplace and graph_holds(x))
+            )
         )
         if alpha == 0 or as_eager_:
             idx, xs = x.new_empty(0, dtype=torch.int32), x.new_empty(0)

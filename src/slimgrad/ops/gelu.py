@@ -20,6 +20,8 @@ such inputs keep x, as eager); eager saves x (4 B/elt). Worst case (more than
 float16/bfloat16: y + 1/8 B/elt + 6 B per element with |x - x*| < 0.15; eager 2 B/elt. About
 9% of N(0, s) inputs (s from 0.577 to 1) lie in that window, more than 1/16: such inputs keep x
 densely, as eager, at every size (NOTE [GPT-2's MLP under autocast] in ops/gpt2_mlp.py).
+A leaf that requires grad, or a view of one, keeps x: the graph holds it anyway (NOTE [An input
+the graph holds] in ``_output_act``).
 Kept x (few elements, half types on CPU, an input its producer keeps) is x itself, no copy
 (NOTE [Few elements without a copy of x] in ``_output_act``). Under saved-tensor hooks other
 than torch.utils.checkpoint's (offloading): keeps x (in place, a copy of x), as eager, and nothing
@@ -182,7 +184,14 @@ class _GeluFn(torch.autograd.Function):
         ctx.approximate = approximate
         kept = _C_FWD[approximate]  # eager's x -> y (smooth_forward's ``kept``)
         if direct:
-            if x.grad_fn.__class__ in INPUT_KEPT_BY:  # NOTE [An input its producer keeps]
+            # NOTE [An input its producer keeps]; NOTE [An input the graph holds] in
+            # ops/_output_act.py (inline: no call on the straight path)
+            fn, b = x.grad_fn, x._base
+            if fn.__class__ in INPUT_KEPT_BY or (
+                x.requires_grad
+                if fn is None
+                else b is not None and b.grad_fn is None and b.requires_grad
+            ):
                 return input_kept_forward(ctx, x, kept, True)
             # NOTE [The straight C path of the smooth activations]
             y = c_forward(ctx, x, kept, _CPATH[approximate])

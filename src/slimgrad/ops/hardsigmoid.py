@@ -8,7 +8,8 @@ kernel on a stand-in input (0 inside, -3 outside), so dx has eager's bits in eve
 
 Memory: saves 1 bit/elt (the side); eager saves x (4 B/elt float32, 2 B/elt bfloat16/float16).
 A tensor of at most ``DENSE_MAX`` (512) elements keeps x, as eager (NOTE [Few elements] in
-``ops._output_act``).
+``ops._output_act``), and so does a leaf that requires grad or a view of one (NOTE [An input the
+graph holds] there).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise out of place. Second derivatives raise
 (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is eager's
@@ -25,7 +26,7 @@ from slimgrad import _dtensor, ownership
 from slimgrad._autograd import FxTraceError, eager_op, first_order, refuse_jit
 from slimgrad.ops import _derived
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_mask
-from slimgrad.ops._output_act import DENSE_MAX, needs_graph
+from slimgrad.ops._output_act import DENSE_MAX, graph_holds, needs_graph
 
 __all__ = ["hardsigmoid", "hardsigmoid_"]
 
@@ -103,8 +104,11 @@ class _HardsigmoidFn(torch.autograd.Function):
     def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
         # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): the
         # bits' packing and unpacking temporaries peak above eager's there (1 element: 34 B
-        # against 20 B)
-        ctx.dense = x.numel() <= DENSE_MAX
+        # against 20 B); so does a leaf that requires grad, or a view of one, out of place: the
+        # graph holds it anyway (NOTE [An input the graph holds] in ops/_output_act.py)
+        ctx.dense = x.numel() <= DENSE_MAX or (
+            not inplace and not torch.compiler.is_compiling() and graph_holds(x)
+        )
         ctx.perm = None
         if ctx.dense:
             keep = x.detach().clone() if inplace else x

@@ -18,11 +18,12 @@ Memory (float32): saves y (the output, shared with the next layer) + 1/8 B/elt (
 per element within 0.1 of -3/2 (0.2-0.3 B/elt at N(0, 1)-like inputs); eager saves x (4 B/elt).
 float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B/elt. When more than
 1/16 of the elements are in the table, for float64, under torch.compile and for tensors of at most
-``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``), keeps x densely, as
-eager does (no y, bits or table). Backward writes dx into the incoming gradient's buffer when
-``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]). Second derivatives
-raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func transforms this is
-eager's op.
+``DENSE_MAX`` (512) elements (NOTE [Few elements] in ``ops._output_act``), and out of place on a
+leaf that requires grad or a view of one (NOTE [An input the graph holds] there), keeps x
+densely, as eager does (no y, bits or table). Backward writes dx into the incoming gradient's
+buffer when ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]).
+Second derivatives raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func
+transforms this is eager's op.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ from slimgrad._autograd import eager_op, first_order, refuse_jit
 from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
 from slimgrad.ops._monotone import hooks_active
-from slimgrad.ops._output_act import DENSE_MAX, _inverse_perm, memory_order, needs_graph
+from slimgrad.ops._output_act import (
+    DENSE_MAX,
+    _inverse_perm,
+    graph_holds,
+    memory_order,
+    needs_graph,
+)
 
 __all__ = ["hardswish", "hardswish_"]
 
@@ -142,7 +149,9 @@ class _HardswishFn(torch.autograd.Function):
         # a few elements keep x, as eager (NOTE [Few elements] in slimgrad.ops._output_act): y,
         # bits and table cost more than x there (1 element: saved 5 B, peak 34,841 B on the first
         # call, against eager's 4 B and 20 B)
-        few = x.numel() <= DENSE_MAX
+        # so does a leaf that requires grad, or a view of one, out of place: the graph holds it
+        # anyway (NOTE [An input the graph holds] in ops/_output_act.py)
+        few = x.numel() <= DENSE_MAX or (not inplace and not compiling and graph_holds(x))
         # the side information in y's memory order (x permuted by memory_order), so that
         # backward reads y and g in place, without a reshaped copy of either
         ctx.perm = memory_order(x)

@@ -9,7 +9,8 @@ See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: slope >= 0: saves y (the output, shared with the next layer); slope < 0: saves 1 bit/elt
 only (in x's memory order), or x itself (as eager) for a tensor of at most ``DENSE_MAX`` (512)
-elements out of place. Eager saves x (4 B/elt float32).
+elements, or a leaf that requires grad or a view of one (NOTE [An input the graph holds] in
+``ops._output_act``), out of place. Eager saves x (4 B/elt float32).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
@@ -34,6 +35,7 @@ from slimgrad.ops._output_act import (
     as_layout,
     eager_layout,
     few_elements,
+    graph_holds,
     needs_graph,
     record_layout,
 )
@@ -145,6 +147,15 @@ def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = Fals
         # than x on a tensor this small (2 elements: peak 34 B, eager's 32); keep x, as eager
         return torch.nn.functional.leaky_relu(input, negative_slope)
     refuse_jit("ops.leaky_relu")
+    if (
+        negative_slope < 0
+        and not inplace
+        and not torch.compiler.is_compiling()
+        and graph_holds(input)
+    ):
+        # so does a leaf that requires grad, or a view of one: the graph holds it anyway (NOTE
+        # [An input the graph holds] in ops/_output_act.py)
+        return torch.nn.functional.leaky_relu(input, negative_slope)
     if negative_slope >= 0:
         return _LeakyReluFn.apply(input, float(negative_slope), inplace)
     return apply_with_anchor(_LeakyReluBitsFn, input, float(negative_slope), inplace)

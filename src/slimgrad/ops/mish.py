@@ -14,6 +14,8 @@ neither y, bits nor table. float16/bfloat16: y + 1/8 B/elt + 6 B per element wit
 x < -10; eager 2 B/elt. After slimgrad's GroupNorm where the norm keeps its output (float32/64,
 contiguous, groups large enough): keeps x, that output, which the norm keeps anyway, and no bits
 or table: no byte besides the norm's (NOTE [An input its producer keeps] in ``_output_act``).
+So does a leaf that requires grad, or a view of one, which the graph holds anyway (NOTE [An
+input the graph holds] there).
 Half types on CPU up to HALF_DENSE_MAX elements keep x with no copy of it (NOTE [Few elements
 without a copy of x]).
 Under saved-tensor hooks other than torch.utils.checkpoint's (offloading): keeps x (in place, a
