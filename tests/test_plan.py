@@ -269,8 +269,9 @@ def test_plans_from_the_same_measurements_share_their_full_estimates(monkeypatch
     # NOTE [Whole-model estimates are shared]: a second plan from the same measurements runs no
     # full estimate the first ran, and is the plan those estimates give (a budget in the curve,
     # and one below it: the whole-model check of the lowest and the most recomputed plans)
+    make = _make()  # one make_forward object: estimates are shared only for the same one
     top = copy.copy(_plan_cache_toy())
-    top._wholes = []  # the toy's measurements, none of its full estimates
+    top._wholes = (make, [])  # the toy's measurements, none of its full estimates
     calls = []
     real = sm.estimate
 
@@ -282,7 +283,7 @@ def test_plans_from_the_same_measurements_share_their_full_estimates(monkeypatch
 
     def outcome(budget: int, reuse: Plan) -> dict | str:
         try:
-            p = slimgrad.plan(_make(), budget, reuse=reuse)
+            p = slimgrad.plan(make, budget, reuse=reuse)
         except ValueError as e:  # refused: the message names the lowest peak estimated whole
             return str(e)
         assert p.verified and p.full_estimates >= 1
@@ -295,10 +296,33 @@ def test_plans_from_the_same_measurements_share_their_full_estimates(monkeypatch
         ran = len(calls)
         assert outcome(budget, top) == first
         if isinstance(first, dict):  # a plan made from a plan made from these measurements
-            made = slimgrad.plan(_make(), budget, reuse=top)
+            made = slimgrad.plan(make, budget, reuse=top)
             assert outcome(budget, made) == first
         assert ran >= 1 and len(calls) == ran, (budget, ran, len(calls))
     assert isinstance(outcome(mid, top), dict) and "below the lowest peak" in first
+
+
+def test_a_plan_from_another_make_forward_is_estimated_whole_again():
+    # NOTE [Whole-model estimates are shared]: reuse= with another callable (here the same model
+    # run twice in one step: twice the activations kept) gets the full estimate of what that
+    # callable builds, not the one made for the first callable's model
+    make = _make()
+    top = copy.copy(_plan_cache_toy())
+    top._wholes = (make, [])
+    first = slimgrad.plan(make, "1TiB", reuse=top)
+
+    def twice():
+        fwd, m = make()
+        return (lambda: fwd() + fwd()), m
+
+    p = slimgrad.plan(twice, "1TiB", reuse=first)
+
+    def made():
+        fwd, m = twice()
+        apply_choices(m, p.choices)
+        return fwd, m
+
+    assert p.verified and p.peak_bytes == sm.estimate(made).peak_bytes > first.peak_bytes
 
 
 def _plan_cache_toy() -> Plan:

@@ -1270,10 +1270,13 @@ def _estimate_with(
 # already: a sweep of budgets checks the curve's lowest and most recomputed plans once per budget
 # below the curve. Those full estimates are kept with the measurements (``Plan._wholes``: one list
 # shared by every plan made from them), keyed by the applied choices and the convert keyword
-# arguments (equal values), and not estimated again: the same model (``reuse=`` requires the same
-# ``make_forward`` and device), the same choices and conversion, the same estimate, whose result
-# is deterministic (fake tensors, the same ops). ``Plan.full_estimates`` still counts the plans the
-# search estimated whole, found or run, so a plan's record does not depend on what ran before.
+# arguments (equal values), and not estimated again where the plan is made from the same
+# ``make_forward`` object and device: the same model and inputs, the same choices and conversion,
+# the same estimate, whose result is deterministic (fake tensors, the same ops). A different
+# callable may build another model or other inputs (a larger batch), which ``reuse=``'s block
+# measurements cannot show and only a full estimate does, so its plans are estimated whole again.
+# ``Plan.full_estimates`` still counts the plans the search estimated whole, found or run, so a
+# plan's record does not depend on what ran before.
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -1323,8 +1326,8 @@ def plan(
         progress: called with a line of text as the search goes.
         reuse: a plan made for the same ``make_forward`` and device: its measurements are
             reused (only the choice and its full estimates run again, those not made already
-            from the same measurements: NOTE [Whole-model estimates are shared]), e.g. to plan a
-            second budget.
+            from the same measurements and the same ``make_forward`` object: NOTE [Whole-model
+            estimates are shared]), e.g. to plan a second budget.
         **convert_kwargs: passed to ``convert_`` (``config``, ``dtype``).
 
     Returns:
@@ -1370,7 +1373,9 @@ def plan(
     wholes: list = []
     if measured is not None and reuse.device == device:
         blocks, kinds, kind_of, p0, allowed, fwd_flops = measured
-        wholes = getattr(reuse, "_wholes", wholes)
+        shared = getattr(reuse, "_wholes", None)
+        if shared is not None and shared[0] is make_forward:
+            wholes = shared[1]
     else:
         with fake_tensors(device):
             forward, model = _made(api, make_forward())
@@ -1640,5 +1645,5 @@ def plan(
         full_estimates=n_full,
     )
     result._measured = (blocks, kinds, kind_of, p0, allowed, fwd_flops)
-    result._wholes = wholes
+    result._wholes = (make_forward, wholes)
     return result
