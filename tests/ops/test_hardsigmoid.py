@@ -164,3 +164,25 @@ def test_non_contiguous_layouts_peak_below_eager_same_bits(layout):
     _same(y, ye)
     _same(gx, ge)
     assert gx.stride() == ge.stride()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_an_incoming_gradient_laid_out_unlike_x_gets_eagers_dx_layout(inplace):
+    # dx written over the stand-in (NOTE [Hardsigmoid's stand-in is dx's buffer]) only where the
+    # stand-in has g's strides: eager's dx takes g's layout, and a reduction over it (here a scale
+    # parameter's gradient) is bit-equal only in that layout
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 8, 7, 9, generator=gen) * 4  # > DENSE_MAX elements: the bits path
+    g = torch.randn(9, 7, 8, 4, generator=gen).permute(3, 2, 1, 0)
+    out = []
+    for fn in (hardsigmoid, F.hardsigmoid):
+        s = torch.ones((), requires_grad=True)
+        h = x0 * s
+        seen = {}
+        h.register_hook(lambda d, seen=seen: seen.setdefault("dx", d))
+        (fn(h, inplace=True) if inplace else fn(h)).backward(g)
+        out.append((s.grad, seen["dx"]))
+    (gs, dx), (gs_e, dx_e) = out
+    _same(dx, dx_e)
+    assert dx.stride() == dx_e.stride()
+    _same(gs, gs_e)

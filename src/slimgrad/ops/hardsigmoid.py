@@ -83,9 +83,17 @@ def _stand_in(bits: Tensor, n: int, like: Tensor) -> Tensor:
     return z.copy_(unpack_mask(bits, n)).sub_(1).mul_(3)
 
 
+def _dx_over(g: Tensor, z: Tensor) -> Tensor:
+    # dx over z where z has g's strides: the layout eager's dx takes from g, so its bits and every
+    # reduction over it are eager's; elsewhere (g laid out unlike x) a tensor of its own
+    # (NOTE [Hardsigmoid's stand-in is dx's buffer])
+    if z.stride() == g.stride():
+        return torch.ops.aten.hardsigmoid_backward.grad_input(g, z, grad_input=z)
+    return torch.ops.aten.hardsigmoid_backward(g, z)
+
+
 def _bwd_torch(g: Tensor, bits: Tensor) -> Tensor:
-    z = _stand_in(bits, g.numel(), g).view(g.shape)
-    return torch.ops.aten.hardsigmoid_backward.grad_input(g, z, grad_input=z)
+    return _dx_over(g, _stand_in(bits, g.numel(), g).view(g.shape))
 
 
 # NOTE [Hardsigmoid's stand-in is dx's buffer]
@@ -96,7 +104,9 @@ def _bwd_torch(g: Tensor, bits: Tensor) -> Tensor:
 # and dx apart the backward held one full-size tensor more than eager's minus x, the bits above
 # eager's peak wherever eager's x is not held for the whole step: under a non-reentrant checkpoint
 # x is recomputed just before this backward (Linear -> Hardsigmoid(inplace=True) -> Linear,
-# 8x64x64 -> 256: peak 2,703,624 B against eager's 2,687,240).
+# 8x64x64 -> 256: peak 2,703,624 B against eager's 2,687,240). Only where z has g's strides: dx
+# written into z takes z's layout, and eager's dx has g's (a permuted incoming gradient), so a
+# reduction over dx would leave eager's bits; there dx is a tensor of its own, as before.
 
 
 class _HardsigmoidFn(torch.autograd.Function):
@@ -142,7 +152,7 @@ class _HardsigmoidFn(torch.autograd.Function):
         # dx over g's dead buffer, else over z (NOTE [Hardsigmoid's stand-in is dx's buffer])
         if buf is not None:
             return torch.ops.aten.hardsigmoid_backward.grad_input(buf, z, grad_input=buf), None
-        return torch.ops.aten.hardsigmoid_backward.grad_input(g, z, grad_input=z), None
+        return _dx_over(g, z), None
 
 
 def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
