@@ -207,7 +207,8 @@ def test_plan_names_modules_the_model_must_have(curve_plan):
         slimgrad.convert_(m, plan=curve_plan)
 
 
-def test_estimates_do_not_grow_with_the_number_of_blocks(monkeypatch):
+def _count_estimates(monkeypatch) -> list:
+    """A list that gets one entry per ``slimgrad.memory.estimate`` call from here on."""
     calls = []
     real = sm.estimate
 
@@ -216,6 +217,11 @@ def test_estimates_do_not_grow_with_the_number_of_blocks(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(sm, "estimate", counting)
+    return calls
+
+
+def test_estimates_do_not_grow_with_the_number_of_blocks(monkeypatch):
+    calls = _count_estimates(monkeypatch)
     counts = []
     for n in (2, 8, 15):
         calls.clear()
@@ -250,14 +256,7 @@ def test_hf_plan_transfers_to_a_model_built_from_the_config(llama_top, llama_mid
 
 def test_reuse_plans_a_second_budget_from_the_same_measurements(curve_plan, mid_plan, monkeypatch):
     budget, fresh = _mid_budget(curve_plan), mid_plan
-    calls = []
-    real = sm.estimate
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(sm, "estimate", counting)
+    calls = _count_estimates(monkeypatch)
     again = slimgrad.plan(_make(), budget, reuse=curve_plan)
     assert again.choices == fresh.choices and again.peak_bytes == fresh.peak_bytes
     # the chosen plan's full estimate (and one looser try) only, none where a plan made from the
@@ -272,14 +271,7 @@ def test_plans_from_the_same_measurements_share_their_full_estimates(monkeypatch
     make = _make()  # one make_forward object: estimates are shared only for the same one
     top = copy.copy(_plan_cache_toy())
     top._wholes = (make, [])  # the toy's measurements, none of its full estimates
-    calls = []
-    real = sm.estimate
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(sm, "estimate", counting)
+    calls = _count_estimates(monkeypatch)
 
     def outcome(budget: int, reuse: Plan) -> dict | str:
         try:
