@@ -10,16 +10,23 @@ import pytest
 import torch
 
 from slimgrad.bench.cases.models import slim_copy
-from slimgrad.bench.cases.timm import eager_timm
+from slimgrad.bench.models import WithLoss
 from slimgrad.memory import estimate, measure
 from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
-from tests.conformance._timm_shim import timm  # noqa: F401  (the shim the bench builders need)
+from tests.conformance._timm_shim import timm
 
 
 def _regnet(side):
-    # the bench case timm_regnety_016's small model (regnety_002 at 2x3x32x32) and its loss
+    # the bench case timm_regnety_016's small model (regnety_002 at 2x3x32x32, its 1,000-class
+    # head, cross-entropy), its last stage one block instead of seven (depth 7 of 13: the same
+    # block, stem and head types, a third of the parameters); the constructor reads its widths'
+    # values whatever the depth
     torch.manual_seed(0)
-    eager, make_inputs = eager_timm("regnety_016", "cpu", torch.float32, small=True)
+    eager = WithLoss(timm.create_model("regnety_002", pretrained=False, depth=7).train())
+
+    def make_inputs():
+        return torch.randn(2, 3, 32, 32), torch.randint(0, 1000, (2,))
+
     return (slim_copy(eager) if side == "slimgrad" else eager), make_inputs
 
 
