@@ -2,7 +2,8 @@
 bit-unpacking tables yet (NOTE [Bit tables outside every step] in slimgrad/_math/bits.py): a real
 first step counted the 2,048 B table as made and kept by the cache while the estimate made it and
 freed it after one use (timm mobilenetv3_large_100's small bench model: estimated 6,512,136 B
-against the real first step's 6,514,184)."""
+against the real first step's 6,514,184; that row of tests/test_memory_estimate_cases.py runs as
+a process's first step: its FIRST_STEP)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 from torch import nn
 
 import slimgrad
-from slimgrad import ownership
 from slimgrad._math import bits as _bits
 from slimgrad.memory import estimate, measure
 from tests._threads import one_thread_each_test  # noqa: F401 (an autouse fixture)
@@ -34,18 +34,6 @@ def _leaky_relu_model():
     m = slimgrad.convert_(m).train()
     x = torch.randn(16, 32)
     return (lambda: m(x).square().sum()), m
-
-
-def _mobilenet():
-    from slimgrad.bench.cases.models import slim_copy
-    from slimgrad.bench.cases.timm import eager_timm
-    from tests.conformance._timm_shim import timm  # noqa: F401  (the shim timm needs here)
-
-    torch.manual_seed(0)
-    eager, make_inputs = eager_timm("mobilenetv3_large_100", "cpu", torch.float32, small=True)
-    m = slim_copy(eager)
-    x, y = make_inputs()
-    return (lambda: m(x, y)), m
 
 
 def _real(make):
@@ -73,18 +61,3 @@ def test_tables_are_no_part_of_either_step(real_first):
     # the cached tables are real tensors, whoever needed them first
     assert type(_bits._SPREAD[torch.device("cpu")]) is torch.Tensor
     assert all(type(t) is torch.Tensor for t in _bits._SHIFTS.values())
-
-
-@pytest.mark.skipif(
-    not ownership.calibrated() or not ownership.storage_facts_available(),
-    reason="needs gradient-buffer reuse (the C++ storage facts)",
-)
-def test_timm_mobilenetv3_first_step_of_a_process():
-    _cold()
-    ownership.reset_reuse_count()
-    real = _real(_mobilenet)
-    granted = ownership.reuse_count()
-    ownership.reset_reuse_count()
-    est = _estimate(_mobilenet)
-    assert ownership.reuse_count() == granted
-    assert _figures(est) == _figures(real)
