@@ -38,8 +38,8 @@ test: lint
 # (family, path) that runs transformers' release-dependent code (modeling forwards and templates,
 # loss functions, the attention interface, cache classes, masks, decorators and keywords); the
 # other rows vary dtype, padding and mode over the same code (NOTE [Rows under the newest
-# transformers] in tests/conformance/test_hf_families.py). One process: at this size two xdist
-# workers cost more in start-up and collection than they save.
+# transformers] in tests/conformance/test_hf_families.py). --dist loadfile: each worker imports and
+# collects (about a third of the run's CPU time), then builds only its own files' models.
 HF_NEWEST := 5.24.0
 HF_TESTS := tests/conformance/test_hf_families.py tests/test_convert_hf_loss.py \
 	tests/test_convert_hf_attention.py tests/test_convert_hf.py tests/ops/test_gpt2_block.py \
@@ -49,7 +49,7 @@ $(VENV)/hf-newest/.stamp-$(HF_NEWEST): $(STAMP)
 	touch $@
 
 test-hf-newest: $(VENV)/hf-newest/.stamp-$(HF_NEWEST)
-	PYTHONPATH=$(VENV)/hf-newest $(PY) -m pytest -p no:xdist -q -m hf_release $(HF_TESTS)
+	PYTHONPATH=$(VENV)/hf-newest $(PY) -m pytest -n 2 --dist loadfile -q -m hf_release $(HF_TESTS)
 
 # Lowest, pinned and newest declared torch/transformers in their own venvs (multi-GB downloads);
 # writes benchmarks/results/version_matrix.jsonl and docs/compatibility.md
