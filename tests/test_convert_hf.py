@@ -48,7 +48,12 @@ def test_state_dict_round_trip_and_idempotence(name):
     assert slimgrad.report(again).converted == []
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+# NOTE [Rows under the newest transformers] (tests/conformance/test_hf_families.py): the bytes a
+# converted decoder keeps under the newest release, the RMSNorm template, the whole conversion
+# under autocast and the fused loss without labels (the rest is in the families suite)
+@pytest.mark.parametrize(
+    "name", ["gpt2", pytest.param("llama", marks=pytest.mark.hf_release), "bert"]
+)
 def test_converted_saves_less(name):
     t, model, conv = _pair(name)
     inputs = t.inputs(2)
@@ -83,6 +88,7 @@ def test_a_few_training_steps_match_eager(name):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.hf_release
 def test_filter_fn_and_skip_report():
     t = resolve("gpt2", size="tiny", seq=16)
     torch.manual_seed(0)
@@ -100,6 +106,7 @@ def test_filter_fn_and_skip_report():
     assert "model.norm" not in {n for n, _, _ in slimgrad.report(llama).skipped}
 
 
+@pytest.mark.hf_release
 def test_fused_loss_keeps_no_logits_and_falls_back_without_labels():
     t, model, conv = _pair("gpt2")
     inputs = t.inputs(2)
@@ -113,6 +120,7 @@ def test_fused_loss_keeps_no_logits_and_falls_back_without_labels():
     torch.testing.assert_close(logits[1], logits[0])
 
 
+@pytest.mark.hf_release
 def test_autocast_bf16_gradients_within_rule():
     t, model, conv = _pair("gpt2")
     inputs = t.inputs(2)

@@ -139,6 +139,7 @@ _MAPS = {
 }
 
 
+@pytest.mark.hf_release
 def test_llama_under_dispatch_model_converts_with_the_undispatched_bits(tmp_path):
     # the table's modules, the attention and the fused loss (NOTE [The fused loss under
     # accelerate's hooks]). A layer on disk turned every decision to meta's (NOTE [The device a

@@ -76,6 +76,7 @@ def _assert_same(a, b):
         assert torch.equal(ga[k], gb[k]), k
 
 
+@pytest.mark.hf_release
 def test_convert_puts_the_block_forward():
     # under every declared transformers release (5.24: the cache renamed to ``cache`` behind
     # @deprecate_kwarg; before: not recognised, HF's forward ran)
@@ -136,6 +137,7 @@ def test_another_signature_keeps_hfs(monkeypatch, change):
         assert "forward" in blk.attn.__dict__
 
 
+@pytest.mark.hf_release
 def test_an_unknown_wrapper_keeps_hfs_and_deprecate_kwarg_does_not(monkeypatch):
     from transformers.utils.deprecation import deprecate_kwarg
 
@@ -171,6 +173,7 @@ def test_another_structure_keeps_hfs(child):
         assert "forward" not in blk.__dict__
 
 
+@pytest.mark.hf_release
 def test_a_deprecated_cache_keyword_runs_hfs_forward(folded):
     # a call naming the cache by the other known name (5.24: the deprecated past_key_values;
     # 5.23: cache, not a parameter) runs HF's forward, whose decorator renames it where it has one
@@ -219,6 +222,7 @@ def test_bits_as_per_op(train, frozen, folded):
     assert folded == ([2, 2] if train else [0, 2])
 
 
+@pytest.mark.hf_release
 def test_padding_mask_runs_the_attention_per_op_and_folds_the_mlp(folded):
     model = _model().train()
     ids = torch.randint(0, 97, (2, 24))
