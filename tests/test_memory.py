@@ -320,3 +320,26 @@ def test_meta_tensors_hold_no_bytes():
     assert m.peak_bytes == measure(lambda: (x * 2).sum()).peak_bytes < 1000
     est = estimate(lambda: lambda: (torch.ones(1000, requires_grad=True) * 2).sum())
     assert est.peak_bytes >= 4000
+
+
+def test_tracker_finds_the_tensors_tree_flatten_finds():
+    # the tracker's direct walk over an op's arguments and outputs (plain tuples, lists and dicts
+    # walked, scalars skipped, anything else flattened by pytree) finds tree_flatten's tensors,
+    # in its order
+    from collections import OrderedDict, namedtuple
+
+    from torch.utils._pytree import tree_flatten
+
+    from slimgrad.memory import _tensors
+
+    a, b, c, d = (torch.ones(i + 1) for i in range(4))
+    pair = namedtuple("pair", "x y")
+    for obj in (
+        ((a, [b, 2, None], {"k": c, "s": torch.Size([2])}), {"out": d, "dtype": torch.float32}),
+        [OrderedDict(z=b, y=a), pair(c, (d, 1.5)), torch.device("cpu"), "name"],
+        (a,),
+        (),
+    ):
+        want = [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+        got = _tensors(obj, [])
+        assert len(got) == len(want) and all(g is w for g, w in zip(got, want, strict=True))

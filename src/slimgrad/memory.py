@@ -148,6 +148,30 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+# An op's arguments and outputs are tensors, scalars and plain tuples, lists and dicts of them:
+# walked directly, the tensors come in tree_flatten's order without its per-node cost (the
+# tracker's largest host cost per op); any other object is left to tree_flatten
+_SCALARS = frozenset(
+    (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+     torch.memory_format, torch.Size)
+)  # fmt: skip
+
+
+def _tensors(obj: Any, out: list) -> list:
+    t = type(obj)
+    if t is tuple or t is list:
+        for a in obj:
+            _tensors(a, out)
+    elif t is dict:
+        for a in obj.values():
+            _tensors(a, out)
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif t not in _SCALARS:
+        out.extend(a for a in tree_flatten(obj)[0] if isinstance(a, torch.Tensor))
+    return out
+
+
 # Gradient sums (NOTE [How live bytes are counted]). The frames that stand
 # between the engine (C++) and a dispatch mode's __torch_dispatch__: dynamo's disable wrappers.
 _WRAPPER_FILES = frozenset(
@@ -479,8 +503,7 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.settle()  # another op: a pending sum's first operand did not die right after it
         kwargs = kwargs or {}
-        flat_in, _ = tree_flatten((args, kwargs))
-        for t in flat_in:
+        for t in _tensors(kwargs, _tensors(args, [])):
             st = _storage(t)
             if st is not None and st._cdata not in self.sizes:
                 self._follow(st, created=False)
@@ -508,11 +531,11 @@ class _Tracker(TorchDispatchMode):
             for i, a in enumerate(schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     val = kwargs.get(a.name) if a.name in kwargs or i >= len(args) else args[i]
-                    for t in tree_flatten(val)[0]:
+                    for t in _tensors(val, []):
                         st = _storage(t)
                         if st is not None:
                             self._resized(st)
-        for t in tree_flatten(out)[0]:
+        for t in _tensors(out, []):
             st = _storage(t)
             if st is not None and st._cdata not in self.sizes:
                 self._follow(st, created=True)

@@ -82,12 +82,13 @@ def test_fake_and_meta_tensors_take_the_torch_path(monkeypatch):
 
 
 # The checks that need a fresh interpreter run in one child (tests/_child.py), in this order:
-# import slimgrad imports neither triton nor CUDA; the real compiler, before anything runs under
-# the interpreter (kernel modules decorated under the interpreter stay bound as attributes of
-# slimgrad.kernels once imported, and the compiler would be handed those); triton imported before
-# TRITON_INTERPRET is set (here with the kernel modules already imported for the compiler, which
-# the interpreted run must not reuse); then the GPU benchmark's smoke run, which sets the flag and
-# drops the kernel modules itself.
+# import slimgrad imports neither triton nor CUDA; the real compiler (one variant per kernel, then
+# In-Place ABN's ELU kernels), before anything runs under the interpreter (kernel modules
+# decorated under the interpreter stay bound as attributes of slimgrad.kernels once imported, and
+# the compiler would be handed those); triton imported before TRITON_INTERPRET is set (here with
+# the kernel modules already imported for the compiler, which the interpreted run must not
+# reuse); then the GPU benchmark's smoke run, which sets the flag and drops the kernel modules
+# itself.
 _CHECK_IMPORTS = """
     import sys, torch; import slimgrad, slimgrad.kernels._backend as b
     b.use_triton(torch.ones(1)); b.triton_available()
@@ -126,6 +127,46 @@ _CHECK_COMPILE_SM90 = """
     assert rc == 0 and out.count("ok ") == 11 and "FAIL" not in out, out
 """
 
+# In-Place ABN's kernels by the real compiler, ELU (the largest code path) in float32 and a
+# 16-bit dtype: the interpreter accepts code the compiler rejects (a float64 literal once made the
+# ELU reduction's loop-carried sums change type)
+_CHECK_COMPILE_INPLACE_ABN = """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from slimgrad.kernels import inplace_abn as K
+    st = lambda *names: {n: "i32" for n in names}
+    done = []
+    try:
+        for act, dt in ((2, "fp32"), (2, "bf16")):  # ELU: a superset of the other activations' code
+            sigs = {
+                K._apply_kernel: {"x_ptr": f"*{dt}", "scale_ptr": "*fp32", "shift_ptr": "*fp32",
+                                  **st("S", "NS", "sN", "sC", "sS"), "param": "fp32"},
+                K._reduce_kernel: {"z_ptr": f"*{dt}", "dz_ptr": f"*{dt}", "mean_ptr": "*fp32",
+                                   "invstd_ptr": "*fp32", "sdy_ptr": "*fp64", "sdyx_ptr": "*fp64",
+                                   **st("S", "NS", "PER", "zN", "zC", "zS", "gN", "gC", "gS"),
+                                   "param": "fp32"},
+                K._dx_kernel: {"z_ptr": f"*{dt}", "dz_ptr": f"*{dt}", "dx_ptr": f"*{dt}",
+                               "k_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32",
+                               **st("S", "NS", "zN", "zC", "zS", "gN", "gC", "gS", "xN", "xC",
+                                    "xS"), "param": "fp32"},
+            }
+            for fn, sig in sigs.items():
+                const = {"ACT": act, "BLOCK": K._BLOCK}
+                src = ASTSource(fn=fn, signature={**sig, "ACT": "constexpr", "BLOCK": "constexpr"},
+                                constexprs=const)
+                k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+                assert k.asm.get("cubin"), fn
+                done.append((fn.__name__, act, dt))
+        assert len(done) == 6, done
+    finally:
+        # dropped, from sys.modules and as the package's attribute: a later `from
+        # slimgrad.kernels import inplace_abn` (the smoke run's, under the interpreter) must not
+        # get this compiled one
+        import sys, slimgrad.kernels
+        del sys.modules["slimgrad.kernels.inplace_abn"], slimgrad.kernels.inplace_abn
+"""
+
 # the GPU bandwidth benchmark's plumbing, on CPU under the interpreter (no timings); its main()
 # sets TRITON_INTERPRET and drops the kernel modules itself (python -m slimgrad.bench.kernels)
 _CHECK_BENCH_SMOKE = """
@@ -146,6 +187,7 @@ def first_child():
     checks = {"imports": _CHECK_IMPORTS}
     if importlib.util.find_spec("triton") is not None:
         checks["compile"] = _CHECK_COMPILE_SM90
+        checks["compile_inplace_abn"] = _CHECK_COMPILE_INPLACE_ABN
         checks["interpret_after_triton"] = _CHECK_INTERPRET_AFTER_TRITON
         checks["smoke"] = _CHECK_BENCH_SMOKE
     return run_checks(checks, env=_CHILD_ENV)
@@ -153,6 +195,13 @@ def first_child():
 
 def test_import_slimgrad_and_backend_import_neither_triton_nor_cuda(first_child):
     assert first_child["imports"] == "ok", first_child["imports"]
+
+
+@pytest.mark.triton
+def test_inplace_abn_kernels_compile_for_sm90(first_child):
+    pytest.importorskip("triton")
+    res = first_child["compile_inplace_abn"]
+    assert res == "ok", res
 
 
 @pytest.mark.triton

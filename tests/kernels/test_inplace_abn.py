@@ -1,13 +1,10 @@
 """Triton kernels of In-Place ABN against the PyTorch path, under TRITON_INTERPRET=1 (CPU); the op
-with the Triton backend forced; the kernels compiled for sm_90 without a GPU."""
+with the Triton backend forced. The kernels compiled for sm_90 without a GPU: tests/kernels/
+test_backend.py (test_inplace_abn_kernels_compile_for_sm90, in its fresh child)."""
 
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -264,42 +261,3 @@ def test_op_triton_forward_under_compile(spy):
             res.append((z.detach(), x.grad, w.grad, b.grad))
     assert {"apply_", "_bwd_triton"} <= set(spy), spy
     torch.testing.assert_close(res[1], res[0], rtol=2e-5, atol=2e-6)
-
-
-def test_kernels_compile_for_sm90():
-    # the real compiler (TTIR -> cubin with triton's bundled ptxas), ELU (the largest code path)
-    # in float32 and a 16-bit dtype: the interpreter accepts code the compiler rejects (a float64
-    # literal once made the ELU reduction's loop-carried sums change type)
-    code = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from slimgrad.kernels import inplace_abn as K
-st = lambda *names: {n: "i32" for n in names}
-for act, dt in ((2, "fp32"), (2, "bf16")):  # ELU: a superset of the other activations' code
-    sigs = {
-        K._apply_kernel: {"x_ptr": f"*{dt}", "scale_ptr": "*fp32", "shift_ptr": "*fp32",
-                          **st("S", "NS", "sN", "sC", "sS"), "param": "fp32"},
-        K._reduce_kernel: {"z_ptr": f"*{dt}", "dz_ptr": f"*{dt}", "mean_ptr": "*fp32",
-                           "invstd_ptr": "*fp32", "sdy_ptr": "*fp64", "sdyx_ptr": "*fp64",
-                           **st("S", "NS", "PER", "zN", "zC", "zS", "gN", "gC", "gS"),
-                           "param": "fp32"},
-        K._dx_kernel: {"z_ptr": f"*{dt}", "dz_ptr": f"*{dt}", "dx_ptr": f"*{dt}",
-                       "k_ptr": "*fp32", "p_ptr": "*fp32", "q_ptr": "*fp32",
-                       **st("S", "NS", "zN", "zC", "zS", "gN", "gC", "gS", "xN", "xC", "xS"),
-                       "param": "fp32"},
-    }
-    for fn, sig in sigs.items():
-        const = {"ACT": act, "BLOCK": K._BLOCK}
-        src = ASTSource(fn=fn, signature={**sig, "ACT": "constexpr", "BLOCK": "constexpr"},
-                        constexprs=const)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-        assert k.asm.get("cubin"), fn
-        print("ok", fn.__name__, act, dt)
-"""
-    src = str(Path(ref.__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 6, r.stdout

@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -72,13 +68,14 @@ def test_one_read_per_parameter_update(case):
     assert per_step(case) == EXPECTED
 
 
-# What the child below reaches with SLIMGRAD_BACKEND=triton, as CUDA reaches it: BatchNorm has no
-# Triton kernel (a plain BatchNorm backward takes its PyTorch path, as on CUDA, not the C kernels
-# the in-process rows run on CPU); InPlaceABN's backward is its Triton wrapper (its forward is
-# eager's batch_norm kernel eagerly: NOTE [Same forward as eager] in ops/inplace_abn.py), and the
-# LeakyReLU after the residual sum is leaky_relu's (in place). ResNet-50's ReLUs after a
-# BatchNorm compute from the kept output with aten's ops; the one after the residual sum is
-# torch.relu_ (no Triton code on any backend: the row counts the PyTorch paths CUDA runs).
+# What the Triton row below reaches with the backend set to "triton", as CUDA reaches it:
+# BatchNorm has no Triton kernel (a plain BatchNorm backward takes its PyTorch path, as on CUDA,
+# not the C kernels the other rows run on CPU); InPlaceABN's backward is its Triton wrapper (its
+# forward is eager's batch_norm kernel eagerly: NOTE [Same forward as eager] in
+# ops/inplace_abn.py), and the LeakyReLU after the residual sum is leaky_relu's (in place).
+# ResNet-50's ReLUs after a BatchNorm compute from the kept output with aten's ops; the one after
+# the residual sum is torch.relu_ (no Triton code on any backend: the row counts the PyTorch
+# paths CUDA runs).
 TRITON_CALLED = {
     "resnet50": [],
     "resnet50_inplace_abn": [
@@ -98,9 +95,9 @@ TRITON_LAUNCHED = {
 }
 
 
-def _triton_child() -> dict:
-    # in the child: per case, the counts, the Triton entry points the ops called (the functions
-    # they read from slimgrad.kernels.<stem> through _backend.kernels) and the kernels launched
+def _triton_counts(mp: pytest.MonkeyPatch) -> dict:
+    # per case, the counts, the Triton entry points the ops called (the functions they read from
+    # slimgrad.kernels.<stem> through _backend.kernels) and the kernels launched
     import functools
     import inspect
 
@@ -111,7 +108,7 @@ def _triton_child() -> dict:
 
     # the interpreter's time grows with the channels: the same two-stage ResNet at a quarter of
     # the width (4 to 32 channels), the same layers and so the same counts
-    models.resnet_small = functools.partial(models.resnet_small, width=4)
+    mp.setattr(models, "resnet_small", functools.partial(models.resnet_small, width=4))
     called: set[str] = set()
     launched: set[str] = set()
     kernels, run = _backend.kernels, InterpretedFunction.run
@@ -132,15 +129,15 @@ def _triton_child() -> dict:
             wrapped.add(stem)
             for name, f in list(vars(mod).items()):
                 if ("_triton" in name or name == "apply_") and inspect.isfunction(f):
-                    setattr(mod, name, counted(f"{stem}.{name}", f))
+                    mp.setattr(mod, name, counted(f"{stem}.{name}", f))
         return mod
 
     def counting_run(self, *args, **kwargs):
         launched.add(f"{self.fn.__module__.rpartition('.')[2]}.{self.fn.__name__}")
         return run(self, *args, **kwargs)
 
-    _backend.kernels = counting_kernels
-    InterpretedFunction.run = counting_run
+    mp.setattr(_backend, "kernels", counting_kernels)
+    mp.setattr(InterpretedFunction, "run", counting_run)
     out = {}
     for case in CASES:
         called.clear()
@@ -150,21 +147,19 @@ def _triton_child() -> dict:
 
 
 @pytest.mark.triton
-def test_triton_backend_same_counts():
-    # the Triton wrappers' Python code as on CUDA, under the interpreter (own process: the
-    # backend and the interpreter flag are chosen at import); the child names the wrappers and
-    # kernels that ran, so a change of routing that skips them fails here
+def test_triton_backend_same_counts(monkeypatch):
+    # the Triton wrappers' Python code as on CUDA, under the interpreter (in this process: the
+    # backend is read per call, and the kernel modules are imported anew with TRITON_INTERPRET=1,
+    # tests/kernels/_kern_helpers.interpreted); the names of the wrappers and kernels that ran
+    # are compared, so a change of routing that skips them fails here (a stem other than these
+    # two shows in the names as well)
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, SLIMGRAD_BACKEND="triton", TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
-    code = "from tests.ops.test_bn_syncs import _triton_child; print(_triton_child())"
-    res = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = res.stdout.strip().split("\n")[-1]
-    assert got == str({c: (EXPECTED, TRITON_CALLED[c], TRITON_LAUNCHED[c]) for c in CASES})
+    from slimgrad.kernels import _backend
+    from tests.kernels._kern_helpers import interpreted
+
+    with interpreted("inplace_abn", "leaky_relu"), _backend.set_backend("triton"):
+        got = _triton_counts(monkeypatch)
+    assert got == {c: (EXPECTED, TRITON_CALLED[c], TRITON_LAUNCHED[c]) for c in CASES}
 
 
 def _bn_relu(c=5):
