@@ -56,6 +56,19 @@ def _make(family: str, amp, plan=None, kw=None):
     return make
 
 
+# the choices on each model's hull (NOTE [How plan chooses], 3), as the search over every choice
+# finds them: restricted to them, the greedy walks the same hull through the same measurements (a
+# kind of four blocks measures each choice in a step of its own), so the curve, its budgets and
+# the plans are those of the full search (checked when this list was made; the other choices are
+# never on a curve here and cost an estimate each)
+_HULL = {
+    ("llama", "fp32"): ("lean", "lean+recompute"),
+    ("llama", "autocast_bf16"): ("lean", "lean+sac", "lean+recompute"),
+    ("gpt2", "fp32"): ("lean", "lean+sac", "lean+recompute:attn", "lean+recompute"),
+    ("gpt2", "autocast_bf16"): ("lean", "lean+sac", "lean+recompute"),
+}
+
+
 @pytest.fixture(scope="module")
 def tops():
     # one measured plan per family and dtype; each budget reuses its measurements
@@ -67,7 +80,9 @@ def tops():
             kw = {"dtype": amp} if amp else {}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cache[family, dtype] = slimgrad.plan(_make(family, amp), "1TiB", verify=False, **kw)
+                cache[family, dtype] = slimgrad.plan(
+                    _make(family, amp), "1TiB", verify=False, choices=_HULL[family, dtype], **kw
+                )
         return cache[family, dtype]
 
     return get
@@ -80,6 +95,7 @@ def _budget(top, where: str) -> int:
 
 
 _APPLIED: dict[tuple, int] = {}
+_REAL: dict[tuple, int] = {}  # a real step per plan: two budgets of one curve can plan the same
 
 # 6 rows of the 12: every pair of family, dtype and budget
 _ROWS = [
@@ -108,9 +124,11 @@ def test_a_real_step_measures_the_plans_peak(tops, family, dtype, where):
             _APPLIED[key] = sm.estimate(_make(family, amp, p, kw)).peak_bytes
         applied = _APPLIED[key]
         # a real step of a fresh model from the same config: no .grad yet
-        fwd, model = _make(family, amp, p, kw)()
-        assert all(q.grad is None for q in model.parameters())
-        real = sm.measure(fwd, module=model, timeline=False).peak_bytes
+        if key not in _REAL:
+            fwd, model = _make(family, amp, p, kw)()
+            assert all(q.grad is None for q in model.parameters())
+            _REAL[key] = sm.measure(fwd, module=model, timeline=False).peak_bytes
+        real = _REAL[key]
     assert p.verified and p.peak_bytes <= budget, (p.peak_bytes, budget)
     assert applied <= budget and abs(applied - p.peak_bytes) <= 0.01 * p.peak_bytes, (applied, p)
     assert real <= budget, (real, budget, p.choices)

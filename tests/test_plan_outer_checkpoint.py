@@ -80,9 +80,16 @@ def _make(dt):
     return mk
 
 
+# the choices on the curve (the hull of NOTE [How plan chooses], 3, as the search over every choice
+# finds it): a kind of four blocks measures each choice in a step of its own, so the greedy walks
+# the same hull through the same measurements, and the curve and the plans are the full search's
+_HULL = {"fp32": ("lean", "lean+recompute"), "bf16": ("lean", "lean+sac", "lean+recompute")}
+
+
 def _top(dtype: str):
     dt = DTYPES[dtype]
-    return _plan_cache.top("outer-checkpoint-mlp", _make(dt), **({"dtype": dt} if dt else {}))
+    kw = {"dtype": dt} if dt else {}
+    return _plan_cache.top("outer-checkpoint-mlp", _make(dt), choices=_HULL[dtype], **kw)
 
 
 def _budget(top, where: str) -> int:
