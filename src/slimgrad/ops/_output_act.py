@@ -633,7 +633,7 @@ INPUT_KEPT_BY: set[type] = set()
 # activation's y and side information (branch bits, a sparse table; Hardsigmoid's bits and its
 # backward's stand-in) cost theirs above eager's, which keeps x. So an activation whose eager
 # op keeps x keeps x there too, with eager's y and backward formula, and eager's second
-# derivatives on every one but Hardswish, whose x path still refuses them (see its module):
+# derivatives (Hardsigmoid: eager has none, aten::hardsigmoid_backward is not differentiable):
 # :func:`graph_holds`, asked with attribute reads only (``_base``, ``grad_fn``,
 # ``requires_grad``: no call on the straight paths). A tensor made inside a fused node's forward
 # (GPT-2's MLP: c_fc's output, grad mode off) requires no grad and is no view of such a leaf: the

@@ -22,8 +22,10 @@ float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B
 leaf that requires grad or a view of one (NOTE [An input the graph holds] there), keeps x
 densely, as eager does (no y, bits or table). Backward writes dx into the incoming gradient's
 buffer when ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]).
-Second derivatives raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func
-transforms this is eager's op.
+Second derivatives: eager's, bit for bit, where x is kept out of place (its dense path; in place
+where that path is known from the shape and dtype, eager's own in-place op runs); otherwise they
+raise (NOTE [Second derivatives] in ``slimgrad._autograd``, NOTE [Second derivatives of the smooth
+activations] in ``ops._output_act``); under torch.func transforms this is eager's op.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
 
     Raises:
         RuntimeError: double backward (``create_graph=True``, differentiated again) through this
-            op, or a ``torch.jit.trace`` of it.
+            op where it kept y, bits and a table, or a ``torch.jit.trace`` of it.
 
     Example:
         >>> y = hardswish(torch.randn(4, 8, requires_grad=True))
