@@ -643,6 +643,17 @@ INPUT_KEPT_BY: set[type] = set()
 # 40x48 leaf saved 8,200 B against eager's 7,680 (peak 19,024 against 18,504); Hardsigmoid on a
 # leaf -> sum 240 B against 0 (peak 15,608 against 7,688); eager's bytes this way
 # (tests/conformance/test_never_more_than_eager_round34.py).
+# Under torch.compile the question is not asked: Dynamo cannot trace ``grad_fn`` (a graph break),
+# and it guards a graph input on ``requires_grad`` but not on ``is_leaf`` (a graph traced on a leaf
+# is reused for a non-leaf of the same shape: ``is_leaf`` read while tracing would decide for both),
+# so nothing it guards on tells whether keeping x costs a byte. A compiled region on a leaf keeps
+# what it keeps on any input: over compiled eager's (which keeps nothing of a leaf), the side
+# information, measured with the region's saved tensors (SiLU -> Linear, 64x48 leaf, aot_eager:
+# 872 B = 1/8 B/elt of bits + 8 B for each of 61 hard elements; Mish 1,128 B; Hardsigmoid and
+# LeakyReLU with a negative slope 384 B, the bits; Hardswish, ELU, LeakyReLU, Hardtanh keep x
+# there, nothing over), at most 1/8 + 8/16 B/elt; on the smooth activations' dense fallback (more
+# than 1/16 of the elements hard: erf-GELU at N(0, 1) inputs on an AVX2 CPU) the compiled op keeps
+# a copy of x, 4 B/elt over. tests/conformance/test_held_leaf_round35.py pins the bits-only case.
 # A view's ``_base`` names the leaf only where the leaf is the root of its storage: a view of a
 # tensor subclass's leaf (``class Sub(torch.Tensor)``: ``x.t()`` is ``as_subclass`` of torch's
 # view, an alias whose ``_base`` is a plain tensor that requires no grad) and a view of a leaf
