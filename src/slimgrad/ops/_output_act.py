@@ -471,9 +471,9 @@ def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact:
 # In place, what is kept besides the output (the copy of x on the dense fallback) is made in
 # forward outside the graph, so nothing ties the result to x: :func:`refuse_untied` raises at the
 # create_graph backward itself, before a result that would differentiate as zero in x is returned.
-# A call in place whose dense path is known from its shape and dtype (few elements, an empty x,
-# float64) runs eager's own in-place op instead (:func:`smooth_apply`): eager's node, bytes and
-# second derivatives.
+# A call in place whose dense path is known from its shape and dtype (:func:`keeps_x`: few
+# elements, an empty x, a half-type CPU tensor of at most HALF_DENSE_MAX; float64) runs eager's own
+# in-place op instead (:func:`smooth_apply`): eager's node, bytes and second derivatives.
 
 
 def refuse_untied(op: str) -> None:
@@ -650,10 +650,12 @@ INPUT_KEPT_BY: set[type] = set()
 # what it keeps on any input: over compiled eager's (which keeps nothing of a leaf), the side
 # information, measured with the region's saved tensors (SiLU -> Linear, 64x48 leaf, aot_eager:
 # 872 B = 1/8 B/elt of bits + 8 B for each of 61 hard elements; Mish 1,128 B; Hardsigmoid and
-# LeakyReLU with a negative slope 384 B, the bits; Hardswish, ELU, LeakyReLU, Hardtanh keep x
-# there, nothing over), at most 1/8 + 8/16 B/elt; on the smooth activations' dense fallback (more
-# than 1/16 of the elements hard: erf-GELU at N(0, 1) inputs on an AVX2 CPU) the compiled op keeps
-# a copy of x, 4 B/elt over. tests/conformance/test_held_leaf_round35.py pins the bits-only case.
+# LeakyReLU with a negative slope 384 B, the bits; Hardswish and ELU keep x when compiled, nothing
+# over), at most 1/8 + 8/16 B/elt; on the smooth activations' dense fallback (more than 1/16 of the
+# elements hard: erf-GELU at N(0, 1) inputs on an AVX2 CPU) the compiled op keeps a copy of x,
+# 4 B/elt over; LeakyReLU (slope >= 0) and Hardtanh keep y, nothing over where y's consumer keeps
+# it (a Linear), y's 4 B/elt where it keeps none of it. tests/conformance/test_held_leaf_round35.py
+# pins the bits-only case.
 # A view's ``_base`` names the leaf only where the leaf is the root of its storage: a view of a
 # tensor subclass's leaf (``class Sub(torch.Tensor)``: ``x.t()`` is ``as_subclass`` of torch's
 # view, an alias whose ``_base`` is a plain tensor that requires no grad) and a view of a leaf
@@ -662,8 +664,8 @@ INPUT_KEPT_BY: set[type] = set()
 # no grad, while their grad_fn chain ends at the leaf's gradient accumulator. Only there (a
 # view whose base says nothing; no call otherwise) :func:`held_view` walks that chain (one-input
 # nodes, public ``next_functions``) to the accumulator and compares the leaf's storage with x's:
-# the same storage is memory the graph holds. Hardswish -> Linear on ``Sub`` leaf's transpose
-# 40x30: tests/conformance/test_held_leaf_round35.py.
+# the same storage is memory the graph holds. Hardswish -> Linear on a ``Sub`` leaf's transpose
+# (48x40): tests/conformance/test_held_leaf_round35.py.
 def graph_holds(x: torch.Tensor) -> bool:
     """True when x is a leaf that requires grad, or a view of one (NOTE [An input the graph
     holds])."""
