@@ -541,13 +541,19 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
         return fn_out.apply(x, *args)[0] if not inplace else fn_inplace.apply(x, *args)
     if inplace:  # NOTE [Under hooks that pack each tensor]: eager's own in-place op there
         top = hooks_top(False)
+        n = 1  # x.numel() without a call (the straight path's host calls are counted)
+        for d in x.shape:
+            n *= d
+        dt = x.dtype
         if (
             (top is not None and not _derived._checkpoints(top))
-            or keeps_x(x)
-            or x.dtype == torch.float64
+            or dt is _F64
+            or n <= DENSE_MAX
+            or (n <= smooth_math.HALF_DENSE_MAX and dt in _HALF and x.is_cpu)
         ):
-            # also where the dense path is known from the shape and dtype: eager's node keeps the
-            # same copy of x, with its graph (NOTE [Second derivatives of the smooth activations])
+            # also where the dense path is known from the shape and dtype (keeps_x, float64):
+            # eager's node keeps the same copy of x, with its graph (NOTE [Second derivatives of
+            # the smooth activations])
             return fn_inplace.eager_(x, *args)
         # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
         apply = _DIRECT.get(fn_inplace)
@@ -561,6 +567,8 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
 
 
 _DIRECT: dict[type, Callable] = {}  # each smooth Function's C apply, bound once
+_F64 = torch.float64
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _unbacked(t: torch.Tensor) -> bool:
