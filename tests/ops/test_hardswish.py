@@ -144,11 +144,20 @@ def test_inplace_overwrite_is_seen_by_autograd():
 
 
 def test_second_derivative_raises_and_transforms_and_jit():
-    x = torch.randn(5, requires_grad=True)
-    w = torch.randn(5, requires_grad=True)  # the incoming gradient depends on w
+    # y, bits and a table kept (more than DENSE_MAX elements): refused
+    x = torch.randn(600, requires_grad=True)
+    w = torch.randn(600, requires_grad=True)  # the incoming gradient depends on w
     (g,) = torch.autograd.grad((hardswish(x * 2) * w).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match=r"slimgrad.ops.hardswish: a second derivative"):
         torch.autograd.grad(g.sum(), w)
+    # x kept (a few elements): eager's second derivatives, bit for bit
+    x5, w5 = x[:5].detach().requires_grad_(), w[:5].detach().requires_grad_()
+    got = []
+    for fn in (hardswish, F.hardswish):
+        (g,) = torch.autograd.grad((fn(x5 * 2) * w5).sum(), x5, create_graph=True)
+        got.append(torch.autograd.grad((g * g).sum(), (x5, w5)))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
     f = torch.func.grad(lambda t: hardswish(t).sum())
     torch.testing.assert_close(f(x.detach()), torch.func.grad(lambda t: F.hardswish(t).sum())(x))
     with pytest.raises(RuntimeError, match=r"slimgrad.ops.hardswish: torch.jit.trace"):

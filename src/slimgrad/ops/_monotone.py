@@ -23,6 +23,7 @@ from slimgrad.ops._bits import pack_bits, unpack_bits
 from slimgrad.ops._output_act import (
     check_output_seen,
     forward_output_only,
+    held_view,
     memory_order,
     raise_output_written,
 )
@@ -82,6 +83,18 @@ def output_only_function(
     def forward(ctx, x: Tensor, *args):
         *params, inplace = args
         ctx.params = params
+        asked = check and not inplace and not compiling()  # eager keeps x, out of place
+        if asked:
+            # NOTE [An input the graph holds] in ops/_output_act.py (graph_holds inline: no call
+            # on the straight path; Dynamo does not read grad_fn): x kept, as eager; eager's
+            # backward formula reads x as it reads y (the same side of every threshold)
+            fn, b = x.grad_fn, x._base
+            if fn is None or (
+                b is not None and b.grad_fn is None and (b.requires_grad or held_view(x))
+            ):
+                ctx.save_for_backward(x)
+                ctx.y_seen = None
+                return fwd(x, *params)
         if _backend.use_triton(x):
             k = _backend.kernels(stem)
             y = forward_output_only(
@@ -95,11 +108,7 @@ def output_only_function(
             y = forward_output_only(
                 ctx, x, inplace, lambda t: fwd(t, *params), lambda t: fwd_(t, *params)
             )
-        ctx.y_seen = (
-            seen(y)
-            if check and not inplace and not compiling() and hooks_top(False) is not None
-            else None
-        )
+        ctx.y_seen = seen(y) if asked and hooks_top(False) is not None else None
         return y
 
     def double(ctx, g):

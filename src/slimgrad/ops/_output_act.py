@@ -196,8 +196,8 @@ def smooth_forward(
     (bits, hard indices) is in memory order: the op gets x in its own layout, computes y by eager's
     call on it (eager's bits: NOTE [Eager's output on a strided input] in slimgrad/_math/layout.py)
     and its side information on ``x.permute(p)``, contiguous for a dense x (:func:`memory_order`);
-    backward reads y through ``y.permute(p)`` (a ``detach``-ed alias, not a view of the output:
-    no reference cycle), g in the same order, and returns dx in g's layout (a copy only when g is
+    the output itself is saved (as an output: no reference cycle) and backward reads it through
+    ``y.permute(p)``, g in the same order, and returns dx in g's layout (a copy only when g is
     dense with another layout than y).
 
     The dense fallback (NOTE [Gradient from the output]) keeps x itself, as eager (``xs`` is
@@ -221,7 +221,7 @@ def smooth_forward(
             or (
                 x.requires_grad
                 if fn is None
-                else b is not None and b.grad_fn is None and b.requires_grad
+                else b is not None and b.grad_fn is None and (b.requires_grad or held_view(x))
             )
             or keeps_x(x)
         ):
@@ -248,9 +248,8 @@ def smooth_forward(
     else:
         y, bits, idx, xs = fwd_op(x, *args, False)
     # fwd_op may return its flat product viewed in x's shape
-    y = out = fresh(y)  # NOTE [Function outputs are not views] in ops/linear.py
-    if perm is not None:  # backward reads y in memory order: an alias (not a view: no cycle)
-        y = out.permute(perm).detach()
+    out = fresh(y)  # NOTE [Function outputs are not views] in ops/linear.py
+    del y
     # dense fallback (xs is all of x): y is not needed; not decidable while tracing (unbacked
     # sizes) except for the few-element rule (NOTE [Few elements]), so kept then
     dense = keeps_x(x) or (
@@ -284,8 +283,11 @@ def smooth_forward(
     if held:  # y or the dense x, in x's layout: no op either way
         save_held(ctx, x if dense else out, bits, idx, xs, dense)
     else:
-        ctx.save_for_backward(None if dense else y, bits, idx, x if ctx.dense_x else xs)
-    ctx.y_seen = seen(y) if hooked else None
+        # the output itself, read in memory order by backward (``y.permute(perm)``): saved as
+        # this node's output it unpacks with the node as its grad_fn, so a refused second
+        # derivative is tied to it (NOTE [Second derivatives of the smooth activations])
+        ctx.save_for_backward(None if dense else out, bits, idx, x if ctx.dense_x else xs)
+    ctx.y_seen = seen(out) if hooked else None
     # no zero gradients for them in backward (it never reads them): on the dense fallback xs is all
     # of x, so autograd would allocate a gradient-sized zeros tensor
     ctx.set_materialize_grads(False)
@@ -341,10 +343,8 @@ def side_tensors(ctx) -> tuple:
     bits = whole(bits, torch.uint8)
     idx = whole(idx, torch.int32 if a.numel() < 2**31 else torch.int64)
     perm = ctx.perm
-    if bits.numel():
+    if bits.numel():  # y in x's layout, as saved unheld (backward reads it permuted)
         ctx.dense_x = False
-        if perm is not None and not ctx.y_is_x:  # y in memory order, as saved unheld
-            a = a.permute(perm)
         return a, bits, idx, whole(xs, a.dtype)
     if ctx.y_is_x:  # in place: the copy of x, flat in memory order (smooth_grad's fallback)
         ctx.dense_x = False
@@ -433,8 +433,8 @@ def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact:
         raise
     if ctx.y_seen is not None:  # NOTE [A kept output written under saved-tensor hooks]
         check_output_seen(ctx, y, _public_api(ctx))
-    if ctx.y_is_x and ctx.perm is not None and y is not None:
-        y = y.permute(ctx.perm)  # in place: y is x, in x's layout; the side info in memory order
+    if ctx.perm is not None and y is not None:
+        y = y.permute(ctx.perm)  # y (in place: x) in x's layout; the side info in memory order
     if ctx.dense_x:  # xs is x itself: eager's formula, eager's layout
         if buf is not None and xs.is_contiguous():
             if bits is None:  # input_kept_forward kept x alone: the dense fallback's side
@@ -456,6 +456,38 @@ def smooth_backward(ctx, g, buf, bwd_op: Callable, bwd_any: Callable, bwd_exact:
     return as_layout(dx.permute(_inverse_perm(perm)), layout)
 
 
+# NOTE [Second derivatives of the smooth activations]
+# Under ``create_graph=True`` eager's gradient of an activation always has history: it is a function
+# of x, which requires grad. Where the op keeps x itself (out of place: float64, the dense fallback,
+# few elements, an empty x, a leaf the graph holds, an input its producer keeps) its double runs
+# eager's formula on that x: eager's second derivatives bit for bit. Where it keeps y, bits and a
+# table (f'' is not there) the first derivatives are tied to refusal nodes (NOTE [Second
+# derivatives] in slimgrad/_autograd.py) through the saved output, which unpacks with this node as
+# its grad_fn: differentiating them raises the ``slimgrad.ops.<op>`` error, whatever else the
+# gradient depends on. (A transposed or channels-last input kept a detached alias of y instead: with
+# an incoming gradient without history the result had none, and the next differentiation raised
+# autograd's "element 0 of tensors does not require grad", or, with allow_unused, gave None where
+# eager gives values; the output itself is saved now: NOTE [Layout of the smooth activations].)
+# In place, what is kept besides the output (the copy of x on the dense fallback) is made in
+# forward outside the graph, so nothing ties the result to x: :func:`refuse_untied` raises at the
+# create_graph backward itself, before a result that would differentiate as zero in x is returned.
+# A call in place whose dense path is known from its shape and dtype (:func:`keeps_x`: few
+# elements, an empty x, a half-type CPU tensor of at most HALF_DENSE_MAX; float64) runs eager's own
+# in-place op instead (:func:`smooth_apply`): eager's node, bytes and second derivatives.
+
+
+def refuse_untied(op: str) -> None:
+    """Raise the ``slimgrad.<op>`` second-derivative error now: the call kept nothing with history
+    to tie a refusal to (NOTE [Second derivatives of the smooth activations])."""
+    raise RuntimeError(
+        f"slimgrad.{op}: a backward with create_graph=True reached this op, which ran in place "
+        "and kept a copy of its input made outside the graph; expected what it kept to carry the "
+        "input's graph, so that its gradient differentiates as eager's, got a copy without one. "
+        "Call it out of place (inplace=False), or leave the module unconverted (convert_'s "
+        "filter_fn, or ConvertConfig(activations=False))."
+    )
+
+
 def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) -> Callable:
     """The ``double=`` of a smooth activation's backward (NOTE [Second derivatives] in
     ``slimgrad._autograd``): on the dense fallback, which keeps x itself, eager's formula
@@ -474,6 +506,9 @@ def smooth_double(op: str, exact: Callable, extra: Callable = lambda ctx: ()) ->
             x = side_tensors(ctx)[3]
             dx = exact(g, x, *args)
             return (dx, *(None for _ in args)) if args else dx
+        # NOTE [Second derivatives of the smooth activations]
+        if ctx.y_is_x and not ctx.held and ctx.saved_tensors[0] is None:
+            refuse_untied(op)
         return _autograd.refuse_second_order(op, ctx._forward_cls.backward, ctx, (g, *side))
 
     return double
@@ -506,7 +541,19 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
         return fn_out.apply(x, *args)[0] if not inplace else fn_inplace.apply(x, *args)
     if inplace:  # NOTE [Under hooks that pack each tensor]: eager's own in-place op there
         top = hooks_top(False)
-        if top is not None and not _derived._checkpoints(top):
+        n = 1  # x.numel() without a call (the straight path's host calls are counted)
+        for d in x.shape:
+            n *= d
+        dt = x.dtype
+        if (
+            (top is not None and not _derived._checkpoints(top))
+            or dt is _F64
+            or n <= DENSE_MAX
+            or (n <= smooth_math.HALF_DENSE_MAX and dt in _HALF and x.is_cpu)
+        ):
+            # also where the dense path is known from the shape and dtype (keeps_x, float64):
+            # eager's node keeps the same copy of x, with its graph (NOTE [Second derivatives of
+            # the smooth activations])
             return fn_inplace.eager_(x, *args)
         # NOTE [Applying a Function without its Python wrapper] in slimgrad/_autograd.py
         apply = _DIRECT.get(fn_inplace)
@@ -520,6 +567,8 @@ def smooth_apply(fn_out, fn_inplace, x: torch.Tensor, inplace: bool, *args) -> t
 
 
 _DIRECT: dict[type, Callable] = {}  # each smooth Function's C apply, bound once
+_F64 = torch.float64
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _unbacked(t: torch.Tensor) -> bool:
@@ -536,15 +585,19 @@ def few_elements(x: torch.Tensor) -> bool:
 def keeps_x(x: torch.Tensor) -> bool:
     """:func:`few_elements`, or a half-type CPU tensor of at most ``HALF_DENSE_MAX`` elements
     (too small for the PyTorch path's spans to pay: ``HALF_MIN_SPAN`` in slimgrad._math.smooth):
-    the smooth activation keeps x densely, as eager; decided from the shape alone."""
+    the smooth activation keeps x densely, as eager; decided from the shape alone. So does an
+    empty x (0 bytes either way; kept, it gives eager's second derivatives, where an empty y and
+    bits gave a second-derivative error in every dtype)."""
     if few_elements(x):
         return True
     n = x.numel()
-    return (
-        isinstance(n, int)
-        and 0 < n <= smooth_math.HALF_DENSE_MAX
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.device.type == "cpu"
+    return isinstance(n, int) and (
+        n == 0
+        or (
+            n <= smooth_math.HALF_DENSE_MAX
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.device.type == "cpu"
+        )
     )
 
 
@@ -588,7 +641,7 @@ INPUT_KEPT_BY: set[type] = set()
 # activation's y and side information (branch bits, a sparse table; Hardsigmoid's bits and its
 # backward's stand-in) cost theirs above eager's, which keeps x. So an activation whose eager
 # op keeps x keeps x there too, with eager's y and backward formula, and eager's second
-# derivatives on every one but Hardswish, whose x path still refuses them (see its module):
+# derivatives (Hardsigmoid: eager has none, aten::hardsigmoid_backward is not differentiable):
 # :func:`graph_holds`, asked with attribute reads only (``_base``, ``grad_fn``,
 # ``requires_grad``: no call on the straight paths). A tensor made inside a fused node's forward
 # (GPT-2's MLP: c_fc's output, grad mode off) requires no grad and is no view of such a leaf: the
@@ -598,13 +651,58 @@ INPUT_KEPT_BY: set[type] = set()
 # 40x48 leaf saved 8,200 B against eager's 7,680 (peak 19,024 against 18,504); Hardsigmoid on a
 # leaf -> sum 240 B against 0 (peak 15,608 against 7,688); eager's bytes this way
 # (tests/conformance/test_never_more_than_eager_round34.py).
+# Under torch.compile the question is not asked: Dynamo cannot trace ``grad_fn`` (a graph break),
+# and it guards a graph input on ``requires_grad`` but not on ``is_leaf`` (a graph traced on a leaf
+# is reused for a non-leaf of the same shape: ``is_leaf`` read while tracing would decide for both),
+# so nothing it guards on tells whether keeping x costs a byte. A compiled region on a leaf keeps
+# what it keeps on any input: over compiled eager's (which keeps nothing of a leaf), the side
+# information, measured with the region's saved tensors (SiLU -> Linear, 64x48 leaf, aot_eager:
+# 872 B = 1/8 B/elt of bits + 8 B for each of 61 hard elements; Mish 1,128 B; Hardsigmoid and
+# LeakyReLU with a negative slope 384 B, the bits; Hardswish and ELU keep x when compiled, nothing
+# over), at most 1/8 + 8/16 B/elt; on the smooth activations' dense fallback (more than 1/16 of the
+# elements hard: erf-GELU at N(0, 1) inputs on an AVX2 CPU) the compiled op keeps a copy of x,
+# 4 B/elt over; LeakyReLU (slope >= 0) and Hardtanh keep y, nothing over where y's consumer keeps
+# it (a Linear), y's 4 B/elt where it keeps none of it. tests/conformance/test_held_leaf_round35.py
+# pins the bits-only case.
+# A view's ``_base`` names the leaf only where the leaf is the root of its storage: a view of a
+# tensor subclass's leaf (``class Sub(torch.Tensor)``: ``x.t()`` is ``as_subclass`` of torch's
+# view, an alias whose ``_base`` is a plain tensor that requires no grad) and a view of a leaf
+# that is itself a view of a tensor that requires no grad (``w = buf.view(...)``,
+# ``w.requires_grad_()``: ``w.t()._base`` is ``buf``) have a base with no grad_fn that requires
+# no grad, while their grad_fn chain ends at the leaf's gradient accumulator. Only there (a
+# view whose base says nothing; no call otherwise) :func:`held_view` walks that chain (one-input
+# nodes, public ``next_functions``) to the accumulator and compares the leaf's storage with x's:
+# the same storage is memory the graph holds. Hardswish -> Linear on a ``Sub`` leaf's transpose
+# (48x40): tests/conformance/test_held_leaf_round35.py.
 def graph_holds(x: torch.Tensor) -> bool:
     """True when x is a leaf that requires grad, or a view of one (NOTE [An input the graph
     holds])."""
     if x.grad_fn is None:
         return x.requires_grad
     b = x._base
-    return b is not None and b.grad_fn is None and b.requires_grad
+    return b is not None and b.grad_fn is None and (b.requires_grad or held_view(x))
+
+
+_HELD_DEPTH = 64  # one-input nodes walked from a view to its leaf's accumulator, at most
+
+
+def held_view(x: torch.Tensor) -> bool:
+    """True when x (a non-leaf view) shares its storage with a leaf that requires grad at the end
+    of its grad_fn chain of one-input nodes (NOTE [An input the graph holds])."""
+    fn = x.grad_fn
+    for _ in range(_HELD_DEPTH):
+        nxt = [e for e in fn.next_functions if e[0] is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0][0]
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node's leaf
+        if leaf is not None:
+            try:
+                same = leaf.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage
+                return False
+            return same and leaf.requires_grad
+    return False
 
 
 # NOTE [Few elements without a copy of x]
@@ -796,7 +894,7 @@ def smooth_unary_op(
             if fn.__class__ in INPUT_KEPT_BY or (
                 x.requires_grad
                 if fn is None
-                else b is not None and b.grad_fn is None and b.requires_grad
+                else b is not None and b.grad_fn is None and (b.requires_grad or held_view(x))
             ):
                 return input_kept_forward(ctx, x, fwd_torch, True)
             y = c_forward(ctx, x, c_fwd, cp)  # NOTE [The straight C path of the smooth activations]

@@ -58,6 +58,7 @@ from slimgrad.ops._output_act import (
     c_backward,
     c_forward,
     dense_side_info,
+    held_view,
     input_kept_forward,
     keeps_x,
     needs_graph,
@@ -190,7 +191,7 @@ class _GeluFn(torch.autograd.Function):
             if fn.__class__ in INPUT_KEPT_BY or (
                 x.requires_grad
                 if fn is None
-                else b is not None and b.grad_fn is None and b.requires_grad
+                else b is not None and b.grad_fn is None and (b.requires_grad or held_view(x))
             ):
                 return input_kept_forward(ctx, x, kept, True)
             # NOTE [The straight C path of the smooth activations]

@@ -22,8 +22,10 @@ float16/bfloat16: y + 1/8 B/elt + 6 B per element within 0.15 of -3/2; eager 2 B
 leaf that requires grad or a view of one (NOTE [An input the graph holds] there), keeps x
 densely, as eager does (no y, bits or table). Backward writes dx into the incoming gradient's
 buffer when ``slimgrad.ownership.take`` proves it dead (NOTE [Gradient-buffer ownership]).
-Second derivatives raise (NOTE [Second derivatives] in ``slimgrad._autograd``); under torch.func
-transforms this is eager's op.
+Second derivatives: eager's, bit for bit, where x is kept out of place (its dense path; in place
+where that path is known from the shape and dtype, eager's own in-place op runs); otherwise they
+raise (NOTE [Second derivatives] in ``slimgrad._autograd``, NOTE [Second derivatives of the smooth
+activations] in ``ops._output_act``); under torch.func transforms this is eager's op.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from slimgrad import _dtensor, ownership
-from slimgrad._autograd import eager_op, first_order, refuse_jit
+from slimgrad._autograd import eager_op, first_order, refuse_jit, refuse_second_order
 from slimgrad._math.tables import index_table
 from slimgrad.ops._bits import pack_bits, packed_numel, unpack_bits
 from slimgrad.ops._monotone import hooks_active
@@ -44,6 +46,7 @@ from slimgrad.ops._output_act import (
     graph_holds,
     memory_order,
     needs_graph,
+    refuse_untied,
 )
 
 __all__ = ["hardswish", "hardswish_"]
@@ -139,6 +142,19 @@ def _bwd_torch(g: Tensor, y: Tensor, bits: Tensor, idx: Tensor, xs: Tensor, out=
     return res.view(g.shape)
 
 
+def _double(ctx, g: Tensor):
+    # create_graph=True (NOTE [Second derivatives] in slimgrad._autograd): where x itself is kept
+    # (out of place on the dense path), eager's backward on it, differentiable: eager's second
+    # derivatives bit for bit; otherwise (y, bits and a table) refused, tied to the saved output
+    if g is None:
+        return None, None
+    if ctx.dense and not ctx.inplace:
+        return torch.ops.aten.hardswish_backward(g, ctx.saved_tensors[0]), None
+    if ctx.dense:  # in place: a copy of x made in forward, outside the graph
+        refuse_untied("ops.hardswish")
+    return refuse_second_order("ops.hardswish", _HardswishFn.backward, ctx, (g,))
+
+
 class _HardswishFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, inplace: bool) -> Tensor:
@@ -166,6 +182,7 @@ class _HardswishFn(torch.autograd.Function):
             ctx.mark_dirty(y)
         else:
             y = _fwd_torch(x)
+        ctx.inplace = inplace
         if side is None:
             ctx.dense = True
             ctx.save_for_backward(dense)
@@ -175,7 +192,7 @@ class _HardswishFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order("ops.hardswish")
+    @first_order("ops.hardswish", double=lambda ctx, g: _double(ctx, g))
     def backward(ctx, g: Tensor):
         buf = ownership.take(g)  # first use of g: NOTE [Gradient-buffer ownership]
         try:
@@ -219,7 +236,7 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
 
     Raises:
         RuntimeError: double backward (``create_graph=True``, differentiated again) through this
-            op, or a ``torch.jit.trace`` of it.
+            op where it kept y, bits and a table, or a ``torch.jit.trace`` of it.
 
     Example:
         >>> y = hardswish(torch.randn(4, 8, requires_grad=True))
@@ -233,6 +250,11 @@ def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
     if not needs_graph(input) or eager_op(inplace) or hooks_active() or input.is_meta:
         return F.hardswish(input, inplace=inplace)
     refuse_jit("ops.hardswish")
+    if inplace and (input.numel() <= DENSE_MAX or input.dtype not in _WINDOW):
+        # x kept densely, known from the shape and dtype: eager's in-place node keeps the same
+        # copy of x, with its graph: eager's second derivatives (NOTE [Second derivatives of the
+        # smooth activations] in ops/_output_act.py)
+        return F.hardswish(input, inplace=True)
     return _HardswishFn.apply(input, inplace)
 
 

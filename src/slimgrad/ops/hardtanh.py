@@ -10,7 +10,9 @@ x on both sides of the bound, so y no longer tells the side; then we keep [min_v
 1 bit/elt, which is all the gradient needs.
 
 Memory: saves y (the output, shared with the next layer), or 1 bit/elt only for a low-precision
-input with an unrepresentable bound; eager saves x (4 B/elt float32).
+input with an unrepresentable bound; eager saves x (4 B/elt float32). Out of place on a leaf that
+requires grad or a view of one (NOTE [An input the graph holds] in ``ops._output_act``): x, as
+eager (the graph holds it anyway), with eager's output and gradient.
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
@@ -30,7 +32,7 @@ from slimgrad.ops._monotone import (
     unpack_side,
     zero_tie,
 )
-from slimgrad.ops._output_act import eager_layout, needs_graph, record_layout
+from slimgrad.ops._output_act import eager_layout, graph_holds, needs_graph, record_layout
 
 __all__ = ["hardtanh", "hardtanh_", "relu6", "relu6_"]
 
@@ -176,8 +178,12 @@ def hardtanh(
         return torch.nn.functional.hardtanh(input, min_val, max_val, inplace=inplace)
     refuse_jit("ops.hardtanh")
     exact = _representable(min_val, input.dtype) and _representable(max_val, input.dtype)
-    if exact:
+    if exact:  # on a leaf the graph holds: x kept, as eager (output_only_function's forward)
         return _HardtanhFn.apply(input, float(min_val), float(max_val), inplace)
+    if not inplace and not torch.compiler.is_compiling() and graph_holds(input):
+        # a leaf that requires grad, or a view of one: eager's x costs no byte there, while the
+        # bits cost theirs (NOTE [An input the graph holds] in ops/_output_act.py)
+        return torch.nn.functional.hardtanh(input, min_val, max_val)
     return apply_with_anchor(_HardtanhBitsFn, input, float(min_val), float(max_val), inplace)
 
 

@@ -9,8 +9,8 @@ See NOTE [Gradient from the output] in ``slimgrad.ops._output_act``.
 
 Memory: slope >= 0: saves y (the output, shared with the next layer); slope < 0: saves 1 bit/elt
 only (in x's memory order), or x itself (as eager) for a tensor of at most ``DENSE_MAX`` (512)
-elements, or a leaf that requires grad or a view of one (NOTE [An input the graph holds] in
-``ops._output_act``), out of place. Eager saves x (4 B/elt float32).
+elements. Any slope, out of place on a leaf that requires grad or a view of one (NOTE [An input the
+graph holds] in ``ops._output_act``): x itself, as eager. Eager saves x (4 B/elt float32).
 Backward writes dx into the incoming gradient's buffer when ``slimgrad.ownership.take`` proves it
 dead (NOTE [Gradient-buffer ownership]); otherwise, and under torch.compile, out of place.
 """
