@@ -77,7 +77,11 @@ def pinned(t) -> bool:
     """Whether a cache may keep an entry for ``t`` (None, a Parameter, or a tensor that requires
     grad): not a ``.data``-like alias made afresh each call, whose id a later one takes with a
     version counter of its own (NOTE [Caches that hold no reference to a parameter])."""
-    return t is None or type(t) is torch.nn.Parameter or t.requires_grad
+    if t is None:
+        return True
+    # an inference tensor has no version counter: decided per call (NOTE [Inference tensors
+    # take eager's cast] in ops/linear.py)
+    return (type(t) is torch.nn.Parameter or t.requires_grad) and not t.is_inference()
 
 
 def anchor(table: dict, slot: int, t) -> weakref.ref | None:

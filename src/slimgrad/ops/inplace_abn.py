@@ -370,14 +370,18 @@ def _save(
 # leaf that requires grad, which its gradient accumulator holds for the graph's life), so the
 # module first in a region kept z, invstd and that copy beside x, where eager's BatchNorm keeps x
 # (no byte more) with mean and invstd: +544 B over eager's peak (8 channels, 2 with weight 0,
-# 2x8x6x6). So, in training with side channels, under checkpoint's hooks or on a leaf x that
-# requires grad, it keeps x and the batch mean in place of the x̂ copy, and backward rebuilds
-# the side channels from them with the forward's ops (the same bits): eager's set (x, z, mean,
-# invstd) whether or not x is held elsewhere. Under checkpoint's hooks x is a 0-element view of
-# its storage, as a held table (NOTE [Value-dependent saves under torch.utils.checkpoint] in
-# ops/_derived.py), and slot 6's storage tells backward which it got (empty: the side channels),
-# so a recompute that decided otherwise than the forward is read as it saved. Elsewhere the copy
-# stays: x there lives only as long as its holder keeps it, and the copy is k/C of it.
+# 2x8x6x6). Outside checkpoints the same held for any x the caller or a second consumer keeps
+# through backward (a residual saved by another conv, a tensor the caller holds): +544 B saved
+# and peak over eager's on the same shape (issue 30). So, over a copy with side channels (train
+# or eval), it keeps x and the batch mean (eval: the running mean) in place of the x̂ copy, and
+# backward rebuilds the side channels from them with the forward's ops (the same bits): eager's
+# set (x, z, mean, invstd) whether or not x is held elsewhere, so never more than eager's. Where
+# nobody else keeps x through backward (a residual add, which saves nothing) the k/C copy would
+# have been less than x; that saving is not taken, as it cannot be told at forward time. Under
+# checkpoint's hooks (training only) x is a 0-element view of its storage, as a held table (NOTE
+# [Value-dependent saves under torch.utils.checkpoint] in ops/_derived.py), and slot 6's storage
+# tells backward which it got (empty: the side channels), so a recompute that decided otherwise
+# than the forward is read as it saved.
 
 
 class _InPlaceABNFn(torch.autograd.Function):
@@ -434,10 +438,9 @@ class _InPlaceABNFn(torch.autograd.Function):
             ctx.z_seen = seen(x, dirty=True) if hooks_top(False) is not None else None
         keep_x = (  # NOTE [InPlaceABN over a copy keeps x where x outlives it]
             source is not None
-            and training
             and side_idx.shape[0] > 0
             and not is_fake(x)
-            and (_whole(source) if held else source.is_leaf and source.requires_grad)
+            and (not held or (training and _whole(source)))
         )
         _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held, mean,
               source if keep_x else None)  # fmt: skip
@@ -578,7 +581,7 @@ def inplace_abn_copy(
 ) -> torch.Tensor:
     """:func:`inplace_abn` written over a copy of ``x``; ``x`` is left as it is (NOTE [InPlaceABN
     over a copy keeps x where x outlives it])."""
-    source = None if torch.compiler.is_compiling() else x  # kept under checkpoint's hooks only
+    source = None if torch.compiler.is_compiling() else x  # kept in place of the side x̂ copy
     return _inplace_abn(x.clone(), running_mean, running_var, weight, bias, training, momentum,
                         eps, activation, activation_param, source)  # fmt: skip
 

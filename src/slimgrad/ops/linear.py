@@ -69,6 +69,16 @@ the AccumulateGrad ``t``'s gradient edge reaches (``get_gradient_edge``, asked o
 variable is not ``t``; its ``view_as`` runs with the dispatch modes set aside, as NOTE [The region
 probe no mode sees] says why), so forward and recompute issue the same ops.
 
+# NOTE [Inference tensors take eager's cast]
+A tensor made under ``torch.inference_mode()`` (a model built there, with ``requires_grad=True``
+Parameters) has no version counter: reading ``_version`` raises "Inference tensors do not track
+version counter", where eager's autocast just casts it. Such a weight is not kept as the master
+(:func:`keeps_master` is False): the op takes it as autocast hands it over, a cast of it, as eager
+does (the same bits); no gradient of it can be recorded anyway. Caches keyed by a parameter's
+version (``slimgrad._math.steps.pinned``) decide per call for an inference tensor, whose in-place
+writes inside inference mode leave no version behind (``tests/conformance/
+test_inference_mode_converted.py``).
+
 # NOTE [Function outputs are not views]
 A tensor an autograd Function returns must not be a view of a tensor made inside its forward
 (``F.linear`` on a 3-D input returns its 2-D product reshaped by ``view``): autograd marks such an
@@ -449,6 +459,7 @@ def keeps_master(w: torch.Tensor | None, dt: torch.dtype) -> bool:
         and w.grad_fn is None
         and w.is_floating_point()
         and w.dtype not in (dt, torch.float64)
+        and not w.is_inference()  # NOTE [Inference tensors take eager's cast]
         and not torch.compiler.is_compiling()
     )
 
