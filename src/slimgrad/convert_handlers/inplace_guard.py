@@ -1778,11 +1778,14 @@ _BLIND_UNSAFE = frozenset(
 
 
 def _mode_blind(m: nn.Module) -> bool:
-    # NOTE [One trace serves both modes]
+    # NOTE [One trace serves both modes]; a source this cannot read: both modes are traced
     reads = _ChildReads(m)
-    if reads.function(getattr(type(m), "forward", None)):
+    try:
+        if reads.function(getattr(type(m), "forward", None)):
+            return False
+        return all(_blind_function(fn, m, reads.done) for fn in reads.done)
+    except Exception:
         return False
-    return all(_blind_function(fn, m, reads.done) for fn in reads.done)
 
 
 def _runs_no_code(v: object, depth: int = 0) -> bool:
