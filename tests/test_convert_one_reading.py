@@ -2,11 +2,12 @@
 in slimgrad/convert_handlers/inplace_guard.py).
 
 The in-place guard traces every forward it reads with torch.fx before anything is swapped (once
-in train mode, once in eval); the BatchNorm + ReLU pattern and the reading of the converted model
-(``state_consumers_``: which outputs are the model's output, which consumers keep y) read those
-traces, mapped through the swaps, instead of tracing again. The flags that reading sets must be
-the ones a fresh reading of the converted model sets (``state_consumers_`` called without the
-traces, as before), on HF, timm, torchvision and plain-torch models.
+in train mode, once in eval, or once for both: NOTE [One trace serves both modes]); the
+BatchNorm + ReLU pattern and the reading of the converted model (``state_consumers_``: which
+outputs are the model's output, which consumers keep y) read those traces, mapped through the
+swaps, instead of tracing again. The flags that reading sets must be the ones a fresh reading of
+the converted model sets (``state_consumers_`` called without the traces, as before), on HF,
+timm, torchvision and plain-torch models.
 """
 
 from __future__ import annotations

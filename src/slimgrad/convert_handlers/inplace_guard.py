@@ -1323,7 +1323,8 @@ def _trace_every_call(m: nn.Module) -> torch.fx.Graph:
 # which outputs may be the model's, NOTE [Modules whose output is the model's output]). Reading a
 # plain-torch forward means tracing it with torch.fx, every child a leaf, which is most of what
 # ``convert_`` costs on a CNN or a ViT. Each forward is traced once per call, before anything is
-# swapped (``_Read``: train mode and eval mode, the generators' states restored; a module whose
+# swapped (``_Read``: train mode and eval mode, one trace for both where the forward cannot read
+# a mode flag: NOTE [One trace serves both modes]; the generators' states restored; a module whose
 # facts equal an earlier one's takes its reading: NOTE [Modules that read alike share a reading]),
 # and kept in ``Traces`` (``Structure.traces``); the later readings take it from there:
 #   - the converted model: a module the swaps left where it was (a parent whose children were
@@ -1366,8 +1367,12 @@ class _Read:
         drew = False
         kept: frozenset[str] = frozenset()
         state = _State(m)  # one snapshot for both traces; each puts it back and checks it
+        blind = _mode_blind(m)  # NOTE [One trace serves both modes]
         try:
             for i, mode in enumerate((True, False)):
+                if i and blind:
+                    graphs[1] = graphs[0]
+                    break
                 for d in modes:  # the flag alone: a module's own train() may do more (freeze, ...)
                     d.training = mode
                 try:
@@ -1381,7 +1386,7 @@ class _Read:
             for d, mode in modes.items():
                 d.training = mode
         train, ev = graphs
-        same = train is not None and ev is not None and _text(train) == _text(ev)
+        same = train is not None and ev is not None and (train is ev or _text(train) == _text(ev))
         return cls(m, m.__dict__.get("forward"), train, ev, drew, same, kept)
 
     def every_call(self) -> torch.fx.Graph:
@@ -1735,6 +1740,167 @@ class _ChildReads:
                 return True  # children(), modules(), ...; a bound method handed on
             return self.function(found)
         return hasattr(type(found), "__get__")  # a descriptor runs code; a class value does not
+
+
+# NOTE [One trace serves both modes]
+# ``_Read`` traces a forward in train mode and in eval mode because the Python a trace runs may
+# branch on a ``training`` flag (the module's own, a child's); the flags are all that differs
+# between the two traces. Where that Python cannot read a flag, both traces run the same code on
+# the same values, so they make the same graph, draw the same numbers and leave the same Proxies:
+# the train trace is taken for eval too. (A torch.fx trace patches ``nn.Module.__call__`` and
+# ``__getattr__`` and puts them back, and CPython updates every subclass of ``nn.Module`` on each
+# of those four writes: with timm imported, most of what a trace costs.) ``_mode_blind`` says so
+# only where the class's forward passes ``_ChildReads`` (NOTE [A forward that reads its
+# children]: the module reaches its children only by calling them, testing their presence,
+# counting them or calling the items of a loop over them; the module itself is never handed on,
+# ``super()`` is not called, no function is decorated) and, in the forward and in each method
+# and property of the class it reaches (every branch, taken or not):
+#   - ``training`` is not written anywhere (a name, an attribute, a string, a keyword);
+#   - each ``self.<name>`` that is not a child, a method or a property is a value that runs no
+#     code: a number, a string, None, a dtype, a device, a tensor (a parameter, a buffer), or a
+#     tuple or list of those;
+#   - each call is of a child, of the items of a loop over a child container, of a method of the
+#     class, of a method of a value the forward holds (a Proxy's, a number's), or of a name or
+#     dotted name that the function's globals, closure or builtins resolve to a torch function,
+#     a builtin (``eval``, ``exec``, ``globals``, ``locals``, ``vars`` aside), an ATen operator,
+#     or a class of ``builtins`` or torch;
+#   - every other name read from the globals, closure or builtins is a module, one of those
+#     callables, or a value that runs no code; no ``global`` or ``nonlocal`` statement.
+# A callable stored on the module, a lambda held in a container, a function of the user's, an
+# object reached through a global: any may read a flag, and both modes are traced, as before.
+# Not covered, as for the traces themselves (NOTE [A trace leaves the model as it was]): state
+# outside the module tree that a forward changes and branches on (a global counter).
+_BLIND_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype,
+                          torch.device, torch.Size})  # fmt: skip
+_BLIND_UNSAFE = frozenset(
+    id(f) for f in (eval, exec, globals, locals, vars, compile, __import__, breakpoint)
+)
+
+
+def _mode_blind(m: nn.Module) -> bool:
+    # NOTE [One trace serves both modes]; a source this cannot read: both modes are traced
+    reads = _ChildReads(m)
+    try:
+        if reads.function(getattr(type(m), "forward", None)):
+            return False
+        return all(_blind_function(fn, m, reads.done) for fn in reads.done)
+    except Exception:
+        return False
+
+
+def _runs_no_code(v: object, depth: int = 0) -> bool:
+    if type(v) in _BLIND_ATOMS or isinstance(v, torch.Tensor):
+        return True
+    if type(v) in (tuple, list) and depth < 4:
+        return all(_runs_no_code(x, depth + 1) for x in v)
+    return False
+
+
+def _blind_callable(v: object) -> bool:
+    if isinstance(v, type):
+        mod = v.__module__ or ""
+        return mod == "builtins" or mod == "torch" or mod.startswith("torch.")
+    return id(v) not in _BLIND_UNSAFE and _known_function(v)
+
+
+def _blind_value(v: object) -> bool:
+    return isinstance(v, types.ModuleType) or _runs_no_code(v) or _blind_callable(v)
+
+
+def _blind_function(fn, m: nn.Module, reads_done: set) -> bool:
+    # NOTE [One trace serves both modes]: ``fn`` (read by ``_ChildReads``) reads no flag
+    fdef = _forward_ast(fn)
+    params = fdef.args.posonlyargs + fdef.args.args if fdef is not None else []
+    if not params or "training" in ast.dump(fdef):
+        return False
+    me, kids, cls = params[0].arg, m._modules, type(m)
+    # annotations are not run at a call (nor at all, under ``from __future__ import annotations``)
+    notes = [a.annotation for a in ast.walk(fdef.args) if isinstance(a, ast.arg)]
+    notes += [fdef.returns] + [n.annotation for n in ast.walk(fdef) if isinstance(n, ast.AnnAssign)]
+    skip = {id(x) for t in notes if t is not None for x in ast.walk(t)}
+    nodes = [n for n in ast.walk(fdef) if id(n) not in skip]
+    if any(isinstance(n, (ast.Global, ast.Nonlocal)) for n in nodes):
+        return False
+    local = {a.arg for a in nodes if isinstance(a, ast.arg)}
+    local |= {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    local |= {
+        (a.asname or a.name).partition(".")[0]
+        for n in nodes
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in n.names
+    }
+    reads = _ChildReads(m)
+    looped = set()  # the items of a loop over a child container: called
+    for n in nodes:
+        if isinstance(n, ast.For) and (names := reads.loop_names(n, me)) is not None:
+            looped |= names
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+
+    def outer(name: str) -> object:
+        if name in cells:
+            return cells[name].cell_contents if _full(cells[name]) else _MISSING
+        if name in fn.__globals__:
+            return fn.__globals__[name]
+        return getattr(builtins, name, _MISSING)
+
+    def dotted(e) -> object:  # the value a global (dotted) name resolves to, or _MISSING
+        if isinstance(e, ast.Name):
+            return _MISSING if e.id in local else outer(e.id)
+        if isinstance(e, ast.Attribute):
+            base = dotted(e.value)
+            if isinstance(base, types.ModuleType) or isinstance(base, type):
+                return getattr(base, e.attr, _MISSING)
+        return _MISSING
+
+    def root(e):
+        while isinstance(e, ast.Attribute):
+            e = e.value
+        return e
+
+    for n in nodes:
+        if isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == me:
+                if f.attr in kids or _runs_no_code(m.__dict__.get(f.attr, _MISSING)):
+                    continue  # a child, or a setting (None: ``self.conv_exp(x)`` raises)
+                found = inspect.getattr_static(cls, f.attr, None)
+                if not (inspect.isfunction(found) and found in reads_done):
+                    return False
+            elif isinstance(f, ast.Subscript) and reads.kid(f.value, me):
+                continue  # self.layers[i](x)
+            elif isinstance(f, ast.Name) and f.id in local:
+                if f.id not in looped:
+                    return False
+            elif isinstance(f, ast.Attribute) and not (
+                isinstance(r := root(f), ast.Name) and r.id not in local
+            ):
+                continue  # a method of a value the forward holds (``h.relu_()``)
+            elif not _blind_callable(dotted(f)):
+                return False
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            if n.id != me and n.id not in local and not _blind_value(outer(n.id)):
+                return False
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == me:
+            a = n.attr
+            if a in kids:
+                continue
+            found = inspect.getattr_static(cls, a, _MISSING)
+            if isinstance(found, property):
+                if found.fget not in reads_done:
+                    return False
+            elif inspect.isfunction(found):
+                if found not in reads_done:
+                    return False
+            elif found is not _MISSING and a not in m.__dict__:
+                if not _runs_no_code(found):  # a class attribute
+                    return False
+            else:  # an instance attribute: a setting, a parameter or buffer
+                v = m.__dict__.get(a, _MISSING)
+                if v is _MISSING:
+                    v = m._parameters.get(a, m._buffers.get(a, _MISSING))
+                if not _runs_no_code(v):
+                    return False
+    return True
 
 
 def _text(graph: torch.fx.Graph) -> str:
