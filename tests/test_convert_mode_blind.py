@@ -113,8 +113,25 @@ class Container(_Base):
         return self.fns[0](self.fc(x))
 
 
+class _FlagTensor(torch.Tensor):
+    def on(self):
+        return self.owner.training
+
+
+class SubclassTensor(_Base):
+    # a tensor held on the module whose class (a torch.Tensor subclass) runs code that reads the
+    # flag (review35: any tensor counted as a setting that runs no code)
+    def forward(self, x):
+        h = self.fc(x)
+        return self.act(h) if self.flag.on() else h + 1
+
+
 def _build(cls):
     m = cls()
+    if cls is SubclassTensor:
+        t = torch.ones(1).as_subclass(_FlagTensor)
+        t.owner = m
+        m.flag = t
     if cls is HeldObject:
         m.cfg = _Owner(m)
     elif cls is StoredCallable:
@@ -126,7 +143,16 @@ def _build(cls):
     return m
 
 
-READS_FLAG = [OwnFlag, ChildFlag, PropertyFlag, HeldObject, StoredCallable, UserFunction, Container]
+READS_FLAG = [
+    OwnFlag,
+    ChildFlag,
+    PropertyFlag,
+    HeldObject,
+    StoredCallable,
+    UserFunction,
+    Container,
+    SubclassTensor,
+]
 
 
 def _reading(m):

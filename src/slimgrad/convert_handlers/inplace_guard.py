@@ -1789,7 +1789,9 @@ def _mode_blind(m: nn.Module) -> bool:
 
 
 def _runs_no_code(v: object, depth: int = 0) -> bool:
-    if type(v) in _BLIND_ATOMS or isinstance(v, torch.Tensor):
+    # a plain tensor or parameter only: a subclass's methods and properties run its class's code,
+    # which may read a flag (``self.flag.on()`` returning its owner's ``training``)
+    if type(v) in _BLIND_ATOMS or type(v) is torch.Tensor or type(v) is nn.Parameter:
         return True
     if type(v) in (tuple, list) and depth < 4:
         return all(_runs_no_code(x, depth + 1) for x in v)
