@@ -134,7 +134,8 @@ def write_table() -> None:
         "depend on a release's internals skip with a reason there; `python -m slimgrad env`",
         "lists what is turned off on a given installation. The pinned set (`constraints.txt`:",
         "torch 2.13.0, transformers 5.23.0, triton 3.6.0, timm included) is what `make test` and",
-        "CI run on every change; CI also runs the HF suites under the newest declared",
+        "CI run on every change; CI also runs the HF suites' `hf_release` rows (one per family",
+        "and path through transformers' release-dependent code) under the newest declared",
         "transformers.",
         "",
         "| row | torch | transformers | triton | Python | what ran | passed | failed | skipped"
