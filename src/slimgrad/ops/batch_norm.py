@@ -85,6 +85,7 @@ from slimgrad._math import steps as _steps
 from slimgrad._math.abn import ParamChannels
 from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
+from slimgrad.ops import conv as _conv
 from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
 
 __all__ = ["batch_norm"]
@@ -214,7 +215,15 @@ class _Source(SimpleNamespace):
             if node is not None and type(node).__name__ in _CONV_NODES:
                 edge = node.next_functions[2:3]  # the bias's (eager's node has none without bias)
                 if edge and edge[0][0] is not None:  # the conv's bias needs a gradient
-                    node.register_hook(_partial(_bias_grad_f64, ctx.bad))
+                    if ctx.bad is None and type(node).__name__ == "_ConvFnBackward":
+                        # slimgrad's conv sums it itself, before its dW (its ctx is the node)
+                        node.bias_f64 = True
+                    else:
+                        node.register_hook(_partial(_bias_grad_f64, ctx.bad))
+                        bias = getattr(edge[0][0], "variable", None)  # AccumulateGrad's
+                        if ctx.bad is None and bias is not None:
+                            # eager's node: the conv's next calls take slimgrad's Function
+                            _conv.sum_bias_in_f64(bias)
         if ctx.pre:
             # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward, or
             # into a pack the activation and the next conv share (NOTE [One pack per shared
