@@ -478,8 +478,14 @@ class _InPlaceABNFn(torch.autograd.Function):
             and (not held or (training and _whole(source)))
         )
         running = None
-        if not training and eager:
-            # NOTE [InPlaceABN in eval keeps the running statistics]
+        if (
+            not training
+            and eager
+            and not running_mean.is_inference()
+            and not running_var.is_inference()
+        ):
+            # NOTE [InPlaceABN in eval keeps the running statistics] (an inference tensor has no
+            # version counter and cannot be saved for backward: invstd is kept there, as before)
             running = (running_mean, running_var, running_mean._version, running_var._version)
         ctx.cfg = (training, eps, act, param)
         _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held, mean,
