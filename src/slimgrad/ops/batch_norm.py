@@ -85,6 +85,7 @@ from slimgrad._math import steps as _steps
 from slimgrad._math.abn import ParamChannels
 from slimgrad.kernels import _backend
 from slimgrad.ops import _derived
+from slimgrad.ops import conv as _conv
 from slimgrad.ops.layer_norm import _ANCHOR_APPLY, bridged
 
 __all__ = ["batch_norm"]
@@ -214,7 +215,15 @@ class _Source(SimpleNamespace):
             if node is not None and type(node).__name__ in _CONV_NODES:
                 edge = node.next_functions[2:3]  # the bias's (eager's node has none without bias)
                 if edge and edge[0][0] is not None:  # the conv's bias needs a gradient
-                    node.register_hook(_partial(_bias_grad_f64, ctx.bad))
+                    if ctx.bad is None and type(node).__name__ == "_ConvFnBackward":
+                        # slimgrad's conv sums it itself, before its dW (its ctx is the node)
+                        node.bias_f64 = True
+                    else:
+                        node.register_hook(_partial(_bias_grad_f64, ctx.bad))
+                        bias = getattr(edge[0][0], "variable", None)  # AccumulateGrad's
+                        if ctx.bad is None and bias is not None:
+                            # eager's node: the conv's next calls take slimgrad's Function
+                            _conv.sum_bias_in_f64(bias)
         if ctx.pre:
             # NOTE [Under saved-tensor hooks]: b went through save_for_backward in forward, or
             # into a pack the activation and the next conv share (NOTE [One pack per shared
@@ -248,13 +257,18 @@ class _Source(SimpleNamespace):
 # worst 1.26x, ReLU 2, worst 1.28x; tests/ops/test_bn_rule.py pins them). So where a float32 call
 # keeps its output and its input is the output of a conv whose bias needs a gradient (that conv's
 # node is this node's first input edge: eager's ConvolutionBackward0 or slimgrad's Function),
-# _Source.keep_output puts a post hook on the conv's node that replaces the bias gradient by the
-# gradient arriving at the conv summed in float64 and rounded once: the float32 summation error
-# goes, only dx's element roundings stay. Channels kept from x (_bad_channels) keep the conv's own
-# float32 sum, and nothing changes where the BatchNorm keeps x: there dx is aten's, eager's own
-# bits, and so is its float32 sum (where that sum cancels exactly a float64 sum may not: a float64
-# bias sum in the conv itself, for every conv, failed that way and was reverted). The hook's
-# temporaries are C values (float64 and the rounded copy); a double backward keeps aten's sum.
+# _Source.keep_output has the bias gradient replaced by the gradient arriving at the conv summed in
+# float64 and rounded once: the float32 summation error goes, only dx's element roundings stay.
+# slimgrad's conv Function (its node: the ctx) sums it itself before its convolution_backward,
+# which it then asks no bias gradient (``bias_f64``); on eager's node (NOTE [A conv that keeps what
+# eager keeps] in ops/conv.py) a post hook sums it after the node, and marks the bias so that the
+# conv's next calls take the Function: the hook's temporaries lived with dW and dx, 3 x 4 B per
+# channel above eager's peak (2x64x8x8 float32: +768 B), the Function's come before them (the
+# first call of an eager node's conv keeps those bytes). Channels kept from x (_bad_channels) keep
+# the conv's own float32 sum (the post hook, on either node), and nothing changes where the
+# BatchNorm keeps x: there dx is aten's, eager's own bits, and so is its float32 sum (where that
+# sum cancels exactly a float64 sum may not: a float64 bias sum in the conv itself, for every
+# conv, failed that way and was reverted). A double backward keeps aten's sum.
 _CONV_NODES = ("ConvolutionBackward0", "_ConvFnBackward")
 
 

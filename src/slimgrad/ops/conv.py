@@ -82,6 +82,9 @@ class _ConvFn(torch.autograd.Function):
         ctx.w_meta = (weight.shape, weight.dtype, weight.stride() if 0 in x.shape else None)
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.act = ctx.rebuild = ctx.pack = ctx.x_storage = ctx.recipe_key = None
+        # set by a BatchNorm that keeps its output (NOTE [A conv bias gradient after dx from the
+        # output] in ops/batch_norm.py): the bias gradient summed in float64 here
+        ctx.bias_f64 = False
         ctx.base_stands_in = False
         kept_x = hooked_x = None
         if need_w:
@@ -189,6 +192,15 @@ class _ConvFn(torch.autograd.Function):
                 ).zero_()
             gb = torch.zeros(ctx.bias_sizes, dtype=wdtype, device=device) if need_b else None
             return None, gw, gb, None, None, None, None, None, None, None
+        gb64 = None
+        if need_b and ctx.bias_f64:
+            # NOTE [A conv bias gradient after dx from the output] in ops/batch_norm.py: summed
+            # in float64 and rounded once, before dW and dx exist (its float64 temporary then
+            # lies below this backward's peak), and not asked of convolution_backward: the
+            # bias's bytes at the peak, as eager's one call
+            red = [d for d in range(grad.dim()) if d != 1]
+            gb64 = grad.sum(red, dtype=torch.float64).to(grad.dtype)
+            need_b = False
         # Only the shape of x is read when dW is not requested, and only W's shape when dx is not:
         # stand-ins that allocate nothing (a 0-d view of grad, expanded) where the dtype allows.
         if weight is None:
@@ -222,6 +234,8 @@ class _ConvFn(torch.autograd.Function):
             gx, gw, gb = _bwd_torch(
                 grad, x, weight, ctx.bias_sizes, *ctx.conf, [need_x, need_w, need_b]
             )
+        if gb64 is not None:
+            gb = gb64
         return gx, gw, gb, None, None, None, None, None, None, None
 
 
@@ -467,6 +481,44 @@ _CLOCK = _derived._CLOCK
 _Recipe = _derived.Recipe
 
 
+# NOTE [A conv bias gradient after dx from the output] in ops/batch_norm.py: the biases whose
+# conv's output a float32 BatchNorm kept its output for at the conv's last call, as id(bias) ->
+# a weak reference to it. Eager's node computes the float32 bias gradient with dW and dx, and the
+# BatchNorm's post hook then summed it again in float64: its temporaries (C values in float64 and
+# their rounded copy) live with dW and dx, 3 x 4 B per channel above eager's peak. Such a conv's
+# next calls take the Function, which sums the bias gradient in float64 before convolution_backward
+# and asks it nothing more: the same bits, and the bias's bytes at the peak as in eager's call.
+_BIAS_F64: dict = {}
+_REAL_OF: dict | None = None  # slimgrad.memory's stand-in -> real map (read under estimate)
+
+
+def sum_bias_in_f64(bias: torch.Tensor) -> None:
+    # batch_norm's claim on an eager conv node whose bias needs a gradient (its AccumulateGrad's
+    # variable); a stand-in of the estimate marks the real Parameter behind it too
+    global _REAL_OF
+    if _REAL_OF is None:
+        from slimgrad.memory import _REAL_OF as real
+
+        _REAL_OF = real
+    for t in (bias, _real_of(bias)):
+        if t is not None and not _bias_f64(t):
+            k = id(t)
+            _BIAS_F64[k] = _weakref(t, lambda r, k=k: _BIAS_F64.pop(k, None))
+
+
+def _real_of(t: torch.Tensor) -> torch.Tensor | None:
+    e = _REAL_OF.get(id(t)) if _REAL_OF else None
+    return e[1] if e is not None and e[0] is t else None
+
+
+def _bias_f64(bias: torch.Tensor) -> bool:
+    e = _BIAS_F64.get(id(bias))
+    if e is not None and e() is bias:
+        return True
+    r = _real_of(bias)  # an estimate's stand-in: its real Parameter's mark
+    return r is not None and _bias_f64(r)
+
+
 # NOTE [Two watchers in one call]
 # A call that needs a graph asks whether a torch.func transform is active
 # (``torch._C._are_functorch_transforms_active``) and whether TorchScript traces
@@ -638,7 +690,14 @@ def _conv(
             ):
                 d = None
     anchor = xu = None
-    if d is None and x.requires_grad and weight.requires_grad and not autocast and not compiling:
+    if (
+        d is None
+        and x.requires_grad
+        and weight.requires_grad
+        and not autocast
+        and not compiling
+        and (bias is None or not _BIAS_F64 or not _bias_f64(bias))
+    ):
         # NOTE [A conv that keeps what eager keeps] (_fwd_torch, without its frame)
         y = torch.convolution(
             x, weight, bias, stride, padding, dilation, transposed, output_padding, groups

@@ -14,7 +14,8 @@ Backward rebuilds ``y = act^-1(z)`` and ``xhat = (y - bias) / weight`` from the 
     dx    = weight * invstd_running * dy                                 (eval)
 
 Memory: saves z (the output, written over x: the storage the next layer saves anyway) + invstd
-(one float32 per channel; float64 for float64 input): 0 extra bytes/elt. Eager BatchNorm +
+(one float32 per channel; float64 for float64 input; in eval running_var itself, as eager: NOTE
+[InPlaceABN in eval keeps the running statistics]): 0 extra bytes/elt. Eager BatchNorm +
 LeakyReLU(inplace) saves x and z (2 full-size tensors) + mean and invstd. Channels that cannot be
 inverted exactly keep their x̂ in a side tensor (NOTE [Invertibility]). Backward allocates one
 full-size buffer (dx) plus chunk-sized temporaries (NOTE [Chunked backward]).
@@ -308,6 +309,17 @@ _Z_WHY = (
 
 
 def _saved(ctx, api: str, act: str) -> tuple:
+    running = ctx.running
+    if running is not None:  # NOTE [InPlaceABN in eval keeps the running statistics]
+        for name, t, v in zip(("running_mean", "running_var"), running[:2], running[2:]):
+            if t is not None and t._version != v:
+                raise RuntimeError(
+                    f"slimgrad.{api}: {name} was modified in place between forward and "
+                    f"backward; expected its version {v} (eval mode normalises with it, and "
+                    f"backward recomputes 1 / sqrt(running_var + eps) from it), got version "
+                    f"{t._version}. Run backward before updating the running statistics (a "
+                    "training-mode call updates them), or normalise with a copy."
+                )
     try:
         saved = ctx.saved_tensors
     except RuntimeError as e:  # NOTE [InPlaceABN's output written after forward]
@@ -316,10 +328,16 @@ def _saved(ctx, api: str, act: str) -> tuple:
     if ctx.z_seen is not None:
         check_seen(ctx.z_seen, saved[0], api, _Z_WHY)
     z, weight, bias, invstd = saved[:4]
+    if running is not None:  # the forward's ops (_eager_bn, _abn.stats) on the same buffer
+        acc = _abn.acc_dtype(z.dtype)
+        invstd = 1.0 / torch.sqrt(invstd.to(acc) + ctx.cfg[1])
+        saved = (*saved[:3], invstd, *saved[4:])
     # NOTE [InPlaceABN over a copy keeps x where x outlives it]
     src = _derived.whole(saved[6], z.dtype) if ctx.held else saved[6]
     if src is not None and src.numel():
         mean = _derived.whole(saved[5], invstd.dtype) if ctx.held else saved[5]
+        if running is not None and not ctx.held:
+            mean = mean.to(invstd.dtype)  # running_mean itself (forward: running_mean.to(acc))
         w, b = _abn.affine(weight, bias, z.shape[1], z.device, mean.dtype)
         side = _abn.side_channels(
             src.view(z.shape), w, b, mean, invstd, act, (weight, bias), uniform=ctx.held
@@ -344,6 +362,7 @@ def _save(
     held: bool | None = None,
     mean=None,
     source=None,
+    running=None,
 ) -> None:
     # the side channels' count is the values' (ELU's smallest pre-activation): held under
     # checkpoint's hooks (NOTE [Value-dependent saves under torch.utils.checkpoint] in
@@ -352,7 +371,12 @@ def _save(
     if held is None:
         held = not torch.compiler.is_compiling() and _derived.under_checkpoint()
     ctx.held = held
-    if source is not None:  # slot 5 holds the batch mean, slot 6 x
+    ctx.running = running  # NOTE [InPlaceABN in eval keeps the running statistics]
+    if running is not None:
+        invstd = running[1]  # slot 3 holds running_var, invstd recomputed in backward
+        if not held:
+            mean = running[0]
+    if source is not None:  # slot 5 holds the batch mean (eval: the running mean), slot 6 x
         side_idx, side_xhat = side_idx.new_empty(0), mean
     if not held:
         ctx.save_for_backward(x, weight, bias, invstd, side_idx, side_xhat, source)
@@ -384,6 +408,16 @@ def _save(
 # than the forward is read as it saved.
 
 
+# NOTE [InPlaceABN in eval keeps the running statistics]
+# Eager's BatchNorm in eval keeps its buffers (running_mean, running_var: no bytes of their own) and
+# computes invstd in backward. This op kept the forward's invstd (4 B per channel in float32) and,
+# where it keeps x (NOTE [InPlaceABN over a copy keeps x where x outlives it]), running_mean cast
+# to the accumulation dtype (a copy for a 16-bit model): +32 B saved at C = 8, and at the peak in
+# bfloat16. In eval (eagerly: the forward ran _eager_bn) it keeps running_var (and running_mean
+# there) themselves and backward recomputes invstd = 1 / sqrt(running_var.to(acc) + eps) and
+# running_mean.to(acc), the forward's own ops on the same values: the same bits. A buffer written
+# in place between forward and backward (a training-mode call updates both) raises slimgrad's
+# error naming it, from its version counter, before autograd would blame the output.
 class _InPlaceABNFn(torch.autograd.Function):
     # Under torch.compile the side tensors are returned too (and dropped by the caller), so that
     # dynamo finds the data-dependent channel count k among the outputs. Eagerly the Function
@@ -404,7 +438,8 @@ class _InPlaceABNFn(torch.autograd.Function):
         source=None,
     ):
         eager_y = _eager_bn(x, weight, bias, running_mean, running_var, training, momentum, eps)
-        if eager_y is not None:  # NOTE [Same forward as eager]
+        eager = eager_y is not None
+        if eager:  # NOTE [Same forward as eager]
             y, mean, invstd = eager_y
         else:
             mean, invstd = _op("inplace_abn_stats", x)(
@@ -442,9 +477,19 @@ class _InPlaceABNFn(torch.autograd.Function):
             and not is_fake(x)
             and (not held or (training and _whole(source)))
         )
-        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held, mean,
-              source if keep_x else None)  # fmt: skip
+        running = None
+        if (
+            not training
+            and eager
+            and not running_mean.is_inference()
+            and not running_var.is_inference()
+        ):
+            # NOTE [InPlaceABN in eval keeps the running statistics] (an inference tensor has no
+            # version counter and cannot be saved for backward: invstd is kept there, as before)
+            running = (running_mean, running_var, running_mean._version, running_var._version)
         ctx.cfg = (training, eps, act, param)
+        _save(ctx, x, weight, bias, invstd, side_idx, side_xhat, held, mean,
+              source if keep_x else None, running)  # fmt: skip
         if torch.compiler.is_compiling():
             return x, side_idx, side_xhat
         return x
