@@ -172,3 +172,30 @@ def test_inplace_abn_eval_running_statistic_written_before_backward(which):
         getattr(slim.bn, which).add_(1.0)
     with pytest.raises(RuntimeError, match=f"slimgrad.ops.inplace_abn: {which} was modified"):
         loss.backward()
+
+
+def test_abn_eval_backward_after_a_training_call_reads_the_updated_statistics_as_eager():
+    # NOTE [InPlaceABN in eval keeps the running statistics]: a training-mode call between an eval
+    # forward and its backward updates the running statistics without a version bump; backward
+    # reads the updated ones, as eager's BatchNorm does (review35b)
+    from slimgrad.nn.inplace_abn import InPlaceABN
+
+    g = torch.Generator().manual_seed(0)
+    m = InPlaceABN(6).eval()
+    with torch.no_grad():
+        m.running_var.copy_(torch.rand(6, generator=g) * 2.7 + 0.3)
+        m.weight.copy_(torch.rand(6, generator=g) * 1.5 + 0.5)
+    b = torch.nn.BatchNorm2d(6).eval()
+    b.load_state_dict(m.state_dict(), strict=False)
+    x0, other = torch.randn(3, 6, 5, 7, generator=g), torch.randn(3, 6, 5, 7, generator=g)
+    xa, xb = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    ya = m(xa * 1.0)
+    yb = torch.nn.functional.leaky_relu(b(xb * 1.0), 0.01)
+    for mod in (m, b):
+        mod.train()
+        mod(other)
+        mod.eval()
+    assert torch.equal(m.running_var, b.running_var)
+    ya.sum().backward()
+    yb.sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
