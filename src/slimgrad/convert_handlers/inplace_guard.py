@@ -1757,8 +1757,9 @@ class _ChildReads:
 # and property of the class it reaches (every branch, taken or not):
 #   - ``training`` is not written anywhere (a name, an attribute, a string, a keyword);
 #   - each ``self.<name>`` that is not a child, a method or a property is a value that runs no
-#     code: a number, a string, None, a dtype, a device, a tensor (a parameter, a buffer), or a
-#     tuple or list of those;
+#     code: a number, a string, None, a dtype, a device, a plain tensor or ``nn.Parameter`` (a
+#     buffer, a parameter; not a subclass, whose methods run its class's code), or a tuple or
+#     list of those;
 #   - each call is of a child, of the items of a loop over a child container, of a method of the
 #     class, of a method of a value the forward holds (a Proxy's, a number's), or of a name or
 #     dotted name that the function's globals, closure or builtins resolve to a torch function,
@@ -1783,7 +1784,7 @@ def _mode_blind(m: nn.Module) -> bool:
     try:
         if reads.function(getattr(type(m), "forward", None)):
             return False
-        return all(_blind_function(fn, m, reads.done) for fn in reads.done)
+        return all(_blind_function(fn, m, reads) for fn in reads.done)
     except Exception:
         return False
 
@@ -1809,7 +1810,7 @@ def _blind_value(v: object) -> bool:
     return isinstance(v, types.ModuleType) or _runs_no_code(v) or _blind_callable(v)
 
 
-def _blind_function(fn, m: nn.Module, reads_done: set) -> bool:
+def _blind_function(fn, m: nn.Module, reads: _ChildReads) -> bool:
     # NOTE [One trace serves both modes]: ``fn`` (read by ``_ChildReads``) reads no flag
     fdef = _forward_ast(fn)
     params = fdef.args.posonlyargs + fdef.args.args if fdef is not None else []
@@ -1831,7 +1832,7 @@ def _blind_function(fn, m: nn.Module, reads_done: set) -> bool:
         if isinstance(n, (ast.Import, ast.ImportFrom))
         for a in n.names
     }
-    reads = _ChildReads(m)
+    reads_done = reads.done
     looped = set()  # the items of a loop over a child container: called
     for n in nodes:
         if isinstance(n, ast.For) and (names := reads.loop_names(n, me)) is not None:
