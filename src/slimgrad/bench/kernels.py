@@ -342,9 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+        # dropped from sys.modules and as their package's attribute: `from slimgrad.kernels import
+        # inplace_abn` returns the attribute, a module a compiled-mode import left there, whose
+        # kernels would ask for a GPU driver
         for name in [m for m in sys.modules if m.startswith("slimgrad.kernels.")]:
             if name != "slimgrad.kernels._backend":
                 del sys.modules[name]
+                parent, _, leaf = name.rpartition(".")
+                if (pkg := sys.modules.get(parent)) is not None:
+                    vars(pkg).pop(leaf, None)
     elif not torch.cuda.is_available():
         print("slimgrad.bench.kernels: needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
