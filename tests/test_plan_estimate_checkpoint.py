@@ -204,3 +204,44 @@ def test_cuda_estimate_of_checkpointed_hf_models(family, how, convert, amp):
         fused = calls(False, lambda op: op == "aten.native_dropout")
         assert len(fused) == 5  # the embeddings' and two per block
         assert len(calls(True, lambda op: op == "aten.native_dropout")) == 4
+
+
+def test_a_cuda_plan_measures_recomputed_attention_and_is_the_applied_models_estimate():
+    # finding (3) inside the planner: slimgrad.plan(device="cuda") measures each choice that
+    # recomputes the attention (a checkpointed child under the estimate's CUDA routing, dropout
+    # on) instead of refusing it with the CheckpointError, and the plan at the curve's lowest
+    # point is the device="cuda" estimate of the model convert_(model, plan=p) makes
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, vocab_size=64, attention_dropout=0.1,
+    )  # fmt: skip
+
+    def make():
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(cfg).train()
+        ids = torch.randint(0, 64, (2, 64))
+        return (lambda: m(input_ids=ids, labels=ids, use_cache=False).loss), m
+
+    choices = ("lean", "lean+recompute:self_attn", "lean+recompute:attention-core")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        top = slimgrad.plan(make, "1TiB", device="cuda", verify=False, choices=choices)
+        measured = top.blocks["model.layers.0"]
+        assert measured["refused"] == {}, measured["refused"]
+        assert set(choices) <= set(measured["kept_bytes"])
+        budget = top.curve[-1].peak_bytes
+        p = slimgrad.plan(make, budget, device="cuda", reuse=top)
+
+        def applied():
+            fwd, m = make()
+            slimgrad.convert_(m, plan=p)
+            return fwd, m
+
+        r = estimate(applied, device="cuda")
+    assert p.verified and p.peak_bytes <= budget and p.recompute_flops > 0
+    assert set(p.choices.values()) - {"lean"}, p.choices
+    assert r.peak_bytes == p.peak_bytes
+    # the recompute in backward runs the kernel CUDA's forward ran
+    bwd = {op for i, op, _ in r.timeline if i > r.backward_start}
+    assert "aten._scaled_dot_product_efficient_attention" in bwd
