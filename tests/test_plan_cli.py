@@ -49,6 +49,9 @@ def test_plan_json_fits_its_budget_and_reports_progress(capsys):
     assert main([*_TINY, "--budget", str(mid)]) == 0
     out = capsys.readouterr().out
     assert "recompute" in out and "(full estimate)" in out and "checkpoint-all" in out
+    # and the curve, one line per point after its header (Plan.curve_text)
+    curve = out.split("peak (composed)   recompute (x forward)\n", 1)
+    assert len(curve) == 2 and len(curve[1].strip().splitlines()) == len(rec["curve"]), out
 
 
 def test_plan_budget_too_low_and_bad_budget(capsys):
