@@ -201,6 +201,33 @@ def test_verify_passes_on_a_planned_model(curve_plan):
     assert rep.ok, rep
 
 
+def test_verify_passes_on_a_planned_hf_llama_with_every_kind_of_choice():
+    # the choices the toy above has not (lean+sac, the attention core, the gated MLP's
+    # activation) and the whole block recomputed, on HF Llama with attention dropout 0.1: train
+    # and eval, padded and unpadded batches, against the float64 reference
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, attention_dropout=0.1,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(cfg).train()
+    choices = {
+        "model.layers.0": "lean+sac",
+        "model.layers.1": "lean+recompute:attention-core",
+        "model.layers.2": "lean+recompute:mlp-activation",
+        "model.layers.3": "lean+recompute",
+    }
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planned = apply_choices(copy.deepcopy(eager), choices)
+        torch.manual_seed(1)
+        rep = slimgrad.verify(eager, planned, {"input_ids": ids, "labels": ids, "use_cache": False})
+    assert rep.ok, rep
+
+
 def test_plan_names_modules_the_model_must_have(curve_plan):
     with pytest.raises(ValueError, match=r"^slimgrad\.convert_: the plan names modules"):
         slimgrad.convert_(_Net(n=2), plan=curve_plan)
