@@ -18,6 +18,7 @@ eager's gradients, or, where the op keeps its output for backward, autograd's ve
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -156,8 +157,13 @@ def _outcome(model: Probe, x: torch.Tensor, no_grad: bool):
     return "ok", [y.detach(), x.grad, *grads, kept, *model.seen]
 
 
-def _compare(name: str, dim: int, how: str, train: bool, no_grad: bool = False):
-    make, shapes, converts = MODULES[name]
+@functools.cache
+def _converted(name: str, how: str, train: bool):
+    # the pair does not depend on the input's dim: converted once per (module, consumer, mode),
+    # never run; each row steps deep copies of both, a converted model that has run nothing, as
+    # convert_ left it. With the global generator's state after the conversion, from which
+    # the row draws its input
+    make, _, converts = MODULES[name]
     torch.manual_seed(0)
     eager = Probe(make(), how).train(train)
     conv = slimgrad.convert_(copy.deepcopy(eager))
@@ -166,7 +172,13 @@ def _compare(name: str, dim: int, how: str, train: bool, no_grad: bool = False):
         assert ours, slimgrad.report(conv)
     else:  # slimgrad's, or kept eager by the in-place guard with its reason (never silently)
         assert ours or _inplace_guard.kept_reason(conv.op), slimgrad.report(conv)
-    x = torch.randn(*shapes[dim])
+    return eager, conv, torch.get_rng_state()
+
+
+def _compare(name: str, dim: int, how: str, train: bool, no_grad: bool = False):
+    eager, conv, rng = _converted(name, how, train)
+    eager, conv = copy.deepcopy(eager), copy.deepcopy(conv)
+    x = torch.randn(*MODULES[name][1][dim], generator=torch.Generator().set_state(rng))
     got, want = _outcome(conv, x, no_grad), _outcome(eager, x, no_grad)
     assert got[0] == want[0], (name, dim, how, got, want)
     if got[0] == "raised":

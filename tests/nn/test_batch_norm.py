@@ -548,21 +548,25 @@ def test_compiled_batch_norm_with_few_values_per_channel_is_compiled_eager(kind,
     else:  # batch 2: n values per channel
         hw = {2: (1, 1), 8: (2, 2)}[n]
         x0 = torch.randn(2, 3, *hw, generator=torch.Generator().manual_seed(n))
+    ref = _few_values_model(kind, 1e-3).to(dtype)
+    ours = copy.deepcopy(ref)
+    slimgrad.convert_(ours)
+    assert type(ours[1]) is not type(ref[1])  # converted
+    torch._dynamo.reset()
+    # one compile of each model serves both gammas: the parameters are the graphs' inputs, loaded
+    # in place (a new parameter version, so the converted BatchNorm decides again)
+    fs = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in (ref, ours)]
     for gamma in (1e-3, 10.0):
-        ref = _few_values_model(kind, gamma).to(dtype)
-        ours = copy.deepcopy(ref)
-        slimgrad.convert_(ours)
-        assert type(ours[1]) is not type(ref[1])  # converted
+        state = _few_values_model(kind, gamma).to(dtype).state_dict()
         res = []
-        for m in (ref, ours):
-            torch._dynamo.reset()
-            f = torch.compile(m, backend="aot_eager", fullgraph=True)
+        for m, f in zip((ref, ours), fs, strict=True):
+            m.load_state_dict(state)
             x = x0.to(dtype).requires_grad_()
             y = f(x)
             w = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).view_as(y)
             (y.double() * w).sum().backward()
             res.append([y.detach(), x.grad] + [p.grad for p in m.parameters()])
             m.zero_grad(set_to_none=True)
-        torch._dynamo.reset()
         for a, b in zip(*res, strict=True):
             assert torch.equal(a, b), (kind, n, dtype, gamma)
+    torch._dynamo.reset()
