@@ -92,6 +92,7 @@ from slimgrad.convert_handlers import timm_blocks as _timm_blocks
 from slimgrad.convert_handlers.decision import Decision, Structure
 from slimgrad.kernels import _backend
 from slimgrad.nn import _output_act as _nn_output_act
+from slimgrad.nn.conv import mark_bias_before_batch_norm_ as _mark_bias_before_batch_norm_
 from slimgrad.nn.hardsigmoid import Hardsigmoid as _Hardsigmoid
 from slimgrad.nn.hardswish import Hardswish as _Hardswish
 from slimgrad.nn.inplace_abn import convert_sequential_bn_act_
@@ -574,6 +575,8 @@ def convert_(
         decisions += decide(model, config, allowed, facts)
         apply(decisions)
         record(decisions, rep)
+        # NOTE [A conv bias gradient after dx from the output] in ops/batch_norm.py
+        _mark_bias_before_batch_norm_(model)
         ownership.state_inputs_(model)  # NOTE [Forward ownership from stated structure]
         # NOTE [Keep y only where its consumer keeps it]; the traces read before the swaps
         _nn_output_act.state_consumers_(model, rep, traces=facts.structure.traces)

@@ -632,7 +632,7 @@ def _view_base_sig() -> tuple[int, int] | None:
     with _calib_lock:
         if not _VIEW_EXT:
             try:
-                with torch.enable_grad(), _modes_aside():
+                with _probing():
                     sig = _calibrate_view_base(torch.arange(1.0, 6.0, requires_grad=True))
             except Exception:  # any surprise: the view questions stay in Python
                 sig = None
@@ -2013,6 +2013,20 @@ def _modes_aside():
     return _disable_current_modes()
 
 
+# NOTE [Calibration outside inference mode]
+# The probes need autograd: a first question asked while ``torch.inference_mode()`` is on (a
+# ``convert_`` run inside it asks one) made them inference tensors with no graph, their backward
+# raised, and the process
+# kept no baseline: every later gradient buffer was refused for good, in grad mode too (a float32
+# InPlaceABN after such a ``convert_`` in the same process: dz refused, peak 13,296 B where the
+# calibrated process has 10,992). The probes run with inference mode off, as with grad mode on
+# (a backward runs without grad mode) and the dispatch modes aside.
+@contextlib.contextmanager
+def _probing():
+    with torch.inference_mode(False), torch.enable_grad(), _modes_aside():
+        yield
+
+
 def _ensure_calibrated(mode: int | None = None) -> bool:
     """Whether the globals hold the baselines of the current call mode (NOTE [Calibration per
     call mode]); switches to them, calibrating a new mode once, where that is safe. ``mode``:
@@ -2030,7 +2044,7 @@ def _ensure_calibrated(mode: int | None = None) -> bool:
                 return False
             _recalibrating = True
             try:
-                with torch.enable_grad(), _modes_aside():  # backward runs without grad mode
+                with _probing():
                     _calibrate()
             finally:
                 _recalibrating = False

@@ -143,8 +143,8 @@ def _abn_step(m, x, keep):
     ids=["fp32-side", "fp32-side-kept", "bf16", "bf16-side-kept"],
 )  # fmt: skip
 def test_inplace_abn_eval_keeps_the_running_statistics(dtype, k, keep):
-    # saved bytes (the peak also counts dx, which goes over dz only where ownership.take grants
-    # dz: not asserted here)
+    # saved and peak bytes (round 36: the peak is asserted too, now that ownership's calibration
+    # survives a first question inside inference_mode and a copy with side channels is eager's)
     x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1), dtype=dtype)
     got = []
     for m in _abn_models(dtype, k):
@@ -155,22 +155,28 @@ def test_inplace_abn_eval_keeps_the_running_statistics(dtype, k, keep):
             del hold[1:]
         m.zero_grad(set_to_none=True)
         r = measure(f, module=m, timeline=False)
-        got.append(r.saved_bytes)
+        got.append((r.saved_bytes, r.peak_bytes))
     e, s = got
-    assert s <= e, (s, e)
+    assert s[0] <= e[0] and s[1] <= e[1], (s, e)
     if k == 0 and not keep:  # z alone (the next conv's input): no per-channel copy
-        assert s == 2 * _C * 6 * 6 * dtype.itemsize, s
+        assert s[0] == 2 * _C * 6 * 6 * dtype.itemsize, s
 
 
 @pytest.mark.parametrize("which", ["running_var", "running_mean"])
-def test_inplace_abn_eval_running_statistic_written_before_backward(which):
+@pytest.mark.parametrize("act", ["elu", "leaky_relu"])
+def test_inplace_abn_eval_running_statistic_written_before_backward(which, act):
     _, slim = _abn_models(torch.float32, 2)
+    slim.bn.activation, slim.bn.activation_param = act, 1.0 if act == "elu" else 0.01
     x = torch.randn(2, 3, 6, 6)
     hold = [slim["c0"](x)]  # kept by the caller: running_mean is kept too
     loss = slim["c1"](slim["bn"](hold[0])).sum()
     with torch.no_grad():
         getattr(slim.bn, which).add_(1.0)
-    with pytest.raises(RuntimeError, match=f"slimgrad.ops.inplace_abn: {which} was modified"):
+    # ELU's side channels are known inside the op only: the op keeps the statistics and names
+    # them; leaky_relu's are known before, and the copy call is eager's BatchNorm (NOTE [Side
+    # channels over a copy take eager's BatchNorm]), which raises autograd's error as eager's
+    msg = f"slimgrad.ops.inplace_abn: {which} was modified" if act == "elu" else "inplace"
+    with pytest.raises(RuntimeError, match=msg):
         loss.backward()
 
 

@@ -16,7 +16,15 @@ from slimgrad._autograd import compiling as _compiling
 from slimgrad.nn._script import NoScript
 from slimgrad.ops import conv as _ops
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"]
+__all__ = [
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "mark_bias_before_batch_norm_",
+]
 
 
 def _from_torch(cls, module: nn.Module, base: type) -> nn.Module:
@@ -51,6 +59,8 @@ class _ConvMixin:
     _api = ""  # set per class: the ops.conv functional's name and its spatial dims
     _nd = 0
     _slimgrad_conv_args = None  # an instance's own slot once _slot made it
+    # a BatchNorm takes this conv's output: mark_bias_before_batch_norm_
+    _slimgrad_bias_f64 = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # torch's ``self._conv_forward(input, self.weight, self.bias)``, the Parameters read from
@@ -81,6 +91,7 @@ class _ConvMixin:
             False,
             0,
             slot,
+            self._slimgrad_bias_f64,
         )
 
     def _conv_forward(self, input, weight, bias):
@@ -106,6 +117,7 @@ class _ConvMixin:
             False,
             0,
             _slot(self),
+            self._slimgrad_bias_f64,
         )
 
 
@@ -157,6 +169,7 @@ class Conv3d(NoScript, _ConvMixin, nn.Conv3d):
 class _ConvTransposeMixin:
     _api = ""  # set per class: the ops.conv_transpose functional's name and its spatial dims
     _nd = 0
+    _slimgrad_bias_f64 = False  # mark_bias_before_batch_norm_
 
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.padding_mode != "zeros":
@@ -189,6 +202,7 @@ class _ConvTransposeMixin:
             True,
             output_padding,
             _slot(self),
+            self._slimgrad_bias_f64,
         )
 
 
@@ -226,3 +240,33 @@ class ConvTranspose3d(NoScript, _ConvTransposeMixin, nn.ConvTranspose3d):
     def from_torch(cls, module: nn.ConvTranspose3d) -> ConvTranspose3d:
         """A slimgrad ConvTranspose3d sharing ``module``'s Parameters and hooks."""
         return _from_torch(cls, module, nn.ConvTranspose3d)
+
+
+def mark_bias_before_batch_norm_(model: nn.Module) -> int:
+    """Mark each slimgrad conv with a bias whose output an ``nn.Sequential`` hands to a slimgrad
+    BatchNorm next (NOTE [A conv bias gradient after dx from the output] in
+    ``slimgrad/ops/batch_norm.py``): its calls that need a graph take slimgrad's Function from the
+    first step, so a BatchNorm that keeps its output has it sum the bias gradient before its
+    convolution_backward. ``convert_`` runs it; the mark changes no bits and no saved bytes (the
+    Function keeps what eager's node keeps and asks eager's gradients).
+
+    Returns:
+        The number of convs marked.
+    """
+    from slimgrad.nn.batch_norm import _BatchNormMixin
+
+    n = 0
+    for parent in model.modules():
+        if type(parent).forward is not nn.Sequential.forward or "forward" in parent.__dict__:
+            continue
+        kids = [c for c in parent._modules.values() if c is not None]
+        for conv, nxt in zip(kids, kids[1:]):
+            if (
+                isinstance(conv, (_ConvMixin, _ConvTransposeMixin))
+                and conv._parameters.get("bias") is not None
+                and isinstance(nxt, _BatchNormMixin)
+                and "forward" not in conv.__dict__
+            ):
+                conv.__dict__["_slimgrad_bias_f64"] = True
+                n += 1
+    return n

@@ -263,8 +263,11 @@ class _Source(SimpleNamespace):
 # which it then asks no bias gradient (``bias_f64``); on eager's node (NOTE [A conv that keeps what
 # eager keeps] in ops/conv.py) a post hook sums it after the node, and marks the bias so that the
 # conv's next calls take the Function: the hook's temporaries lived with dW and dx, 3 x 4 B per
-# channel above eager's peak (2x64x8x8 float32: +768 B), the Function's come before them (the
-# first call of an eager node's conv keeps those bytes). Channels kept from x (_bad_channels) keep
+# channel above eager's peak (2x64x8x8 float32: +768 B), the Function's come before them. Where
+# the structure shows the pair (a conv with a bias right before a BatchNorm in an nn.Sequential),
+# convert_ marks the conv module instead (``slimgrad.nn.conv.mark_bias_before_batch_norm_``), so
+# its first call takes the Function too; elsewhere (a functional call, a parent's own forward) the
+# first call of an eager node's conv keeps those bytes. Channels kept from x (_bad_channels) keep
 # the conv's own float32 sum (the post hook, on either node), and nothing changes where the
 # BatchNorm keeps x: there dx is aten's, eager's own bits, and so is its float32 sum (where that
 # sum cancels exactly a float64 sum may not: a float64 bias sum in the conv itself, for every

@@ -47,6 +47,9 @@ __all__ = [
 # same aten ops as ``torch.ops.aten.<op>(...)``, without the packet's Python overload resolution
 # (a tenth of a small conv's time on CPU: docs/measurements.md).
 _CONV_BWD = torch.ops.aten.convolution_backward.default
+# private, guarded (_compat's keep_graph feature): None turns NOTE [A gate let go at its conv's
+# backward] off
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
 def _fwd_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -213,6 +216,9 @@ class _ConvFn(torch.autograd.Function):
             # The bias gradient is asked of this call, not of the dx call (NOTE [The bias gradient
             # with dW]).
             x = ctx.rebuild(kept_x)[0]
+            if type(ctx.act) is tuple and ctx.act[0] == "gate" and _no_second_backward():
+                # NOTE [A gate let go at its conv's backward]
+                ctx.act = ctx.rebuild = None
             _, gw, gb = _bwd_torch(
                 grad, x, weight, ctx.bias_sizes, *ctx.conf, [False, True, need_b]
             )
@@ -237,6 +243,21 @@ class _ConvFn(torch.autograd.Function):
         if gb64 is not None:
             gb = gb64
         return gx, gw, gb, None, None, None, None, None, None, None
+
+
+# NOTE [A gate let go at its conv's backward]
+# A conv whose x is a squeeze-excite output y = act(b) * g (NOTE [Gated derived tensors] in
+# ops/_derived.py) holds g through its activation spec, a ctx attribute that autograd does not
+# release with the saved tensors: g (N*C elements) lived until the graph was freed, where eager's
+# g dies at the gate's backward (the next ops' dW and dx were allocated beside it: timm SEModule
+# between two 64-channel convs at 2x64x8x8 float32, peak +512 B). Once x is rebuilt for dW and no
+# second backward can come (the graph task does not keep the graph: torch's private
+# ``_get_current_graph_task_keep_graph``; without it the spec is kept, as before), the conv lets
+# the spec go.
+
+
+def _no_second_backward() -> bool:
+    return _keep_graph is not None and not _keep_graph()
 
 
 # NOTE [A conv that keeps what eager keeps]
@@ -483,11 +504,14 @@ _Recipe = _derived.Recipe
 
 # NOTE [A conv bias gradient after dx from the output] in ops/batch_norm.py: the biases whose
 # conv's output a float32 BatchNorm kept its output for at the conv's last call, as id(bias) ->
-# a weak reference to it. Eager's node computes the float32 bias gradient with dW and dx, and the
-# BatchNorm's post hook then summed it again in float64: its temporaries (C values in float64 and
-# their rounded copy) live with dW and dx, 3 x 4 B per channel above eager's peak. Such a conv's
-# next calls take the Function, which sums the bias gradient in float64 before convolution_backward
-# and asks it nothing more: the same bits, and the bias's bytes at the peak as in eager's call.
+# a weak reference to it, where convert_ did not mark the conv module from the model's structure
+# (``slimgrad.nn.conv.mark_bias_before_batch_norm_``: a functional call, a parent's own forward).
+# Eager's node computes the float32 bias gradient with dW and dx, and the BatchNorm's post hook
+# then summed it again in float64: its temporaries (C values in float64 and their rounded copy)
+# live with dW and dx, 3 x 4 B per channel above eager's peak. Such a conv's next calls take the
+# Function, which sums the bias gradient in float64 before convolution_backward and asks it
+# nothing more: the same bits, and the bias's bytes at the peak as in eager's call. A marked
+# module's calls take it from the first step (``bias_f64``).
 _BIAS_F64: dict = {}
 _REAL_OF: dict | None = None  # slimgrad.memory's stand-in -> real map (read under estimate)
 
@@ -558,7 +582,10 @@ def _conv(
     transposed,
     output_padding,
     slot=None,
+    bias_f64=False,
 ):
+    # bias_f64: the module's structure mark (NOTE [A conv bias gradient after dx from the output]
+    # in ops/batch_norm.py): a BatchNorm takes this conv's output
     public, jit_name = _NAMES[api]
     # plain tensors (the common case, read by type alone: no call) are neither DTensors nor
     # anything but tensors; anything else takes the full checks
@@ -696,7 +723,7 @@ def _conv(
         and weight.requires_grad
         and not autocast
         and not compiling
-        and (bias is None or not _BIAS_F64 or not _bias_f64(bias))
+        and (bias is None or not (bias_f64 or (_BIAS_F64 and _bias_f64(bias))))
     ):
         # NOTE [A conv that keeps what eager keeps] (_fwd_torch, without its frame)
         y = torch.convolution(

@@ -405,7 +405,9 @@ def _save(
 # checkpoint's hooks (training only) x is a 0-element view of its storage, as a held table (NOTE
 # [Value-dependent saves under torch.utils.checkpoint] in ops/_derived.py), and slot 6's storage
 # tells backward which it got (empty: the side channels), so a recompute that decided otherwise
-# than the forward is read as it saved.
+# than the forward is read as it saved. Where the side channels are known before the call
+# (leaky_relu, identity: from the parameters) the copy call does not reach this op at all: NOTE
+# [Side channels over a copy take eager's BatchNorm]; ELU's still does.
 
 
 # NOTE [InPlaceABN in eval keeps the running statistics]
@@ -631,6 +633,14 @@ def inplace_abn_copy(
 ) -> torch.Tensor:
     """:func:`inplace_abn` written over a copy of ``x``; ``x`` is left as it is (NOTE [InPlaceABN
     over a copy keeps x where x outlives it])."""
+    if _side_over_a_copy(x, weight, bias, activation) or _few_over_a_copy(x, weight, bias,
+                                                                          training):  # fmt: skip
+        # NOTE [Side channels over a copy take eager's BatchNorm]; NOTE [Few values per channel
+        # in InPlaceABN] is out of place already: no copy of x for it
+        _validate("ops.inplace_abn", x, weight, bias, running_mean, running_var, training,
+                  activation, activation_param)  # fmt: skip
+        return _eager_bn_act_(x, running_mean, running_var, weight, bias, training, momentum,
+                              eps, activation, activation_param)  # fmt: skip
     source = None if torch.compiler.is_compiling() else x  # kept in place of the side x̂ copy
     return _inplace_abn(x.clone(), running_mean, running_var, weight, bias, training, momentum,
                         eps, activation, activation_param, source)  # fmt: skip
@@ -772,6 +782,61 @@ def _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps, a
     # too), as eager's BatchNorm + LeakyReLU(inplace=True) keeps them
     y = torch.nn.functional.batch_norm(
         x, running_mean, running_var, weight, bias, True, momentum, eps
+    )
+    if act == "leaky_relu":
+        return torch.nn.functional.leaky_relu_(y, param)
+    if act == "elu":
+        return torch.nn.functional.elu_(y, param)
+    return y
+
+
+# NOTE [Side channels over a copy take eager's BatchNorm]
+# Over a copy (``ownership.owns_input`` refused) with side channels (NOTE [Invertibility]), the op
+# keeps x, z and the mean (NOTE [InPlaceABN over a copy keeps x where x outlives it]): eager's
+# set, so it saves nothing, and its backward's temporaries (the side channels' x̂ in float32, the
+# chunks, the per-channel sums) then put its peak above eager's: bfloat16 at 2x8x6x6 with 2 of 8
+# channels aside, eval 6,480 B against eager's 5,768, training 6,792 against 5,800 (and saved
+# bytes +32: the float32 batch mean beside bfloat16 statistics); float32 at 2x5x7x7, +592 B in
+# training. Which channels are aside is decided per parameter version for leaky_relu and identity
+# (``_abn._SIDE``, the cache the op itself reads): where there are some, the copy call is eager's
+# BatchNorm with the activation in place over its fresh output (what eager's BatchNorm +
+# LeakyReLU(inplace=True) keeps and computes, eager's gradients). ELU's side channels depend on
+# the values (its smallest pre-activation), known only inside the op: it keeps the op.
+def _side_over_a_copy(x, weight, bias, act) -> bool:
+    if act == "elu" or (weight is None and bias is None) or torch.compiler.is_compiling():
+        return False
+    if not (
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    ):
+        return False
+    if x.is_meta or is_fake(x) or (weight is not None and is_fake(weight)):
+        return False
+    if transforms_active():
+        return False
+    return _abn._SIDE.lookup(weight, bias, (x.dtype, _abn.acc_dtype(x.dtype)))[1] is not None
+
+
+def _few_over_a_copy(x, weight, bias, training) -> bool:
+    # _inplace_abn's few-values test (its copy is eager's out-of-place BatchNorm anyway)
+    return (
+        training
+        and x.dim() > 1
+        and x.numel() // max(x.shape[1], 1) <= _MAX_FEW
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        and not torch.compiler.is_compiling()
+        and not transforms_active()
+        and not x.is_meta
+    )
+
+
+def _eager_bn_act_(x, running_mean, running_var, weight, bias, training, momentum, eps, act,
+                   param):  # fmt: skip
+    # eager's BatchNorm, then the activation in place over its fresh output (NOTE [Side channels
+    # over a copy take eager's BatchNorm])
+    y = torch.nn.functional.batch_norm(
+        x, running_mean, running_var, weight, bias, training, momentum, eps
     )
     if act == "leaky_relu":
         return torch.nn.functional.leaky_relu_(y, param)
