@@ -120,6 +120,20 @@ the same choice without recompute (dropout masks included).
    under bf16 autocast, every layer lean, lean+recompute or lean+recompute:self_attn composes to
    its full estimate within 28 B, every layer eager+recompute 3.0% above it; the curve's lowest
    point mixes choices, and a budget 1 B below its composed peak is planned by this check.)
+5. What comes from ``convert_``'s stages (analyse -> decide -> apply -> record, ``convert.py``).
+   The planner applies every choice through ``convert_`` (:func:`apply_choices`: a ``filter_fn``
+   that leaves ``eager`` blocks out), so whether and how each module converts, its device rule
+   (``ModelFacts.targets``), the HF facts and templates (``ModelFacts.hf``, ``decide_patterns``),
+   the features this installation lacks and the reasons a module stays are ``convert_``'s, read
+   from its stages as they run inside each measured model, and ``convert_(model, plan=)`` is the
+   same call. The rest cannot come from them: ``ModelFacts`` holds model-wide facts (targets,
+   HF or not, features off), none about repeated blocks, and a block here is defined by a run of
+   the step (a child of a ModuleList or Sequential whose output has its input's shape and dtype,
+   in the order the forward calls them, and its matmul FLOPs from ``FlopCounterMode``); each
+   choice's bytes (``r``, ``left``, the segments' peaks) are the tracker's figures of a step of
+   the converted model under fake tensors, and each estimate builds and converts its own model,
+   since fake tensors do not move between ``FakeTensorMode`` instances: one converted model
+   cannot serve two estimates.
 """
 
 from __future__ import annotations
