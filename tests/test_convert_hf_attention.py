@@ -480,6 +480,43 @@ def test_gpt2_eager_and_overridden_forward_are_kept():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_modeling_file_is_walked_once_and_an_edited_model_is_read_again(monkeypatch):
+    # the readings of the modeling file's classes and functions are kept by parsed node: a second
+    # convert_ of the same classes walks none of them again; what the instance decides (its class
+    # here: a subclass overriding forward, set between the two calls) is read at each call
+    from slimgrad.convert_handlers import hf_attention as H
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32)
+    _seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    first = slimgrad.convert_(copy.deepcopy(model), CFG)
+    assert len(_attention_line(first)[0]) == 1
+    classes, funcs, _ = H._file_tree(type(model).__module__)
+    scopes = {id(n) for n in [*classes.values(), *funcs]}
+    scopes |= {id(n) for c in classes.values() for n in c.body if isinstance(n, ast.FunctionDef)}
+    walked = []
+    real = ast.walk
+
+    def walk(node):
+        if id(node) in scopes:
+            walked.append(node)
+        return real(node)
+
+    monkeypatch.setattr(ast, "walk", walk)
+    again = slimgrad.convert_(copy.deepcopy(model), CFG)
+    assert len(_attention_line(again)[0]) == 1
+    assert not walked, [getattr(n, "name", n) for n in walked]
+
+    class Edited(type(model.transformer.h[0].attn)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    edited = copy.deepcopy(model)
+    edited.transformer.h[0].attn.__class__ = Edited
+    (skip,) = _attention_line(slimgrad.convert_(edited, CFG))[1]
+    assert "Edited overrides the forward of GPT2Attention" in skip[2], skip
+
+
 def test_attn_implementation_reads_rule():
     from slimgrad.convert_handlers import hf_attention as H
 

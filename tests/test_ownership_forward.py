@@ -414,6 +414,30 @@ def test_a_forward_that_differs_by_mode_is_not_stated(train):
     assert p.seen == [False]
 
 
+class Blind(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.f, self.p = Fresh(), p
+
+    def forward(self, x):
+        return self.p(self.f(x))
+
+
+@pytest.mark.parametrize("cls, traces", [(Blind, 1), (ModeDependent, 2)])
+def test_a_forward_that_reads_no_mode_flag_is_traced_once(cls, traces, monkeypatch):
+    # NOTE [One trace serves both modes]: the eval trace of a forward that reads no flag is the
+    # train trace; a forward that reads one is traced in both modes (and not stated: above)
+    seen, real = [], ownership._fx_statement
+    monkeypatch.setattr(ownership, "_fx_statement", lambda *a: seen.append(a[2]) or real(*a))
+    p = Probe()
+    m = cls(p)
+    assert ownership.state_inputs_(m) == (1 if cls is Blind else 0)
+    assert seen == [True, False][:traces]
+    for mode in (True, False):
+        m.train(mode)(torch.randn(3))
+    assert p.seen == [cls is Blind] * 2
+
+
 def test_a_consumer_shared_by_two_parents_is_not_stated():
     p = Probe()
     a, b = nn.Sequential(Fresh(), p), nn.Sequential(Fresh(), p)

@@ -1054,7 +1054,9 @@ def check_not_consumed(ctx, api: str) -> None:
 #
 # Stated by :func:`state_inputs_` (``convert_`` runs it), per parent Q with such children, from
 # Q's forward as the code is written (an ``nn.Sequential`` by its order; any other forward from a
-# torch.fx trace with every child a leaf, in train and in eval mode, both traces agreeing):
+# torch.fx trace with every child a leaf, in train and in eval mode, both traces agreeing; one
+# trace serves both where the forward cannot read a mode flag: NOTE [One trace serves both modes]
+# in slimgrad/convert_handlers/inplace_guard.py):
 # S1. C is a child of Q and of no other module of the model, and every call of C in Q's forward
 #     takes one positional argument and no keyword arguments;
 # S2. that argument is a value nothing else in Q's forward reads (its node has one user, C's call;
@@ -1621,6 +1623,8 @@ def state_inputs_(model: torch.nn.Module) -> int:
     Returns:
         The number of (parent, child) pairs stated.
     """
+    from slimgrad.convert_handlers.inplace_guard import _mode_blind
+
     parents: dict = {}
     for parent in model.modules():
         for c in parent._modules.values():
@@ -1647,7 +1651,10 @@ def state_inputs_(model: torch.nn.Module) -> int:
         else:
             reads = set()
             train = _fx_statement(parent, kids, True, reads)
-            evals = _fx_statement(parent, kids, False, reads)
+            # NOTE [One trace serves both modes] (convert_handlers/inplace_guard.py): a forward
+            # that reads no mode flag runs the same Python on the stand-in in either mode
+            blind = train is not None and _mode_blind(parent)
+            evals = train if blind else _fx_statement(parent, kids, False, reads)
             if train is None or evals is None:
                 continue
             stated = {c: p for c, p in train.items() if evals.get(c) == p}

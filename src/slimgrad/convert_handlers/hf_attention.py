@@ -1006,7 +1006,25 @@ def _harmless_write(node, parents) -> bool:
     return False
 
 
+# The readings of a modeling file's nodes below depend only on the node: the file is parsed once
+# per process (``_file_tree``, cached by module name) and its nodes are never changed, so each
+# reading is kept by node (``_NODE_READS``: the node itself as key, so it stays alive) and an
+# HF ``convert_`` walks each class and function of the file once per process, not once per module
+# and call. What depends on the instance (its class's MRO, which class defines ``forward``, the
+# configs) is read at every call.
+_NODE_READS: dict[tuple, object] = {}
+
+
 def _impl_reads(scope, parents, before: str, after: str) -> list[str]:
+    # (``parents``: the parent map of the parsed file ``scope`` belongs to, ``_file_tree``'s)
+    key = ("impl", scope, before, after)
+    got = _NODE_READS.get(key)
+    if got is None:
+        got = _NODE_READS[key] = tuple(_impl_reads_walk(scope, parents, before, after))
+    return list(got)
+
+
+def _impl_reads_walk(scope, parents, before: str, after: str) -> list[str]:
     bad = []
     for node in ast.walk(scope):
         hit = (isinstance(node, ast.Attribute) and node.attr == "_attn_implementation") or (
@@ -1029,6 +1047,27 @@ _ATTN_MATH = {"matmul", "bmm", "baddbmm", "einsum"}
 
 
 def _computes_attention(cls_node) -> bool:
+    key = ("computes", cls_node)
+    got = _NODE_READS.get(key)
+    if got is None:
+        got = _NODE_READS[key] = _computes_attention_walk(cls_node)
+    return got
+
+
+def _routes(fwd) -> bool:
+    # the forward's code names ALL_ATTENTION_FUNCTIONS (it dispatches through the interface)
+    key = ("routes", fwd)
+    got = _NODE_READS.get(key)
+    if got is None:
+        got = _NODE_READS[key] = any(
+            isinstance(n, ast.Name | ast.Attribute)
+            and (getattr(n, "id", None) or getattr(n, "attr", None)) == "ALL_ATTENTION_FUNCTIONS"
+            for n in ast.walk(fwd)
+        )
+    return got
+
+
+def _computes_attention_walk(cls_node) -> bool:
     calls = set()
     matmul_op = False
     for node in ast.walk(cls_node):
@@ -1099,11 +1138,7 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
                 "cannot be checked"
             )
         classes.update(hf)
-        if fwd is not None and any(
-            isinstance(n, ast.Name | ast.Attribute)
-            and (getattr(n, "id", None) or getattr(n, "attr", None)) == "ALL_ATTENTION_FUNCTIONS"
-            for n in ast.walk(fwd)
-        ):
+        if fwd is not None and _routes(fwd):
             routed[t.__name__] = routed.get(t.__name__, 0) + 1
         else:
             parsed = _file_tree(owner.__module__) if owner is not None else None
