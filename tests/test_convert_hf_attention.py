@@ -480,6 +480,31 @@ def test_gpt2_eager_and_overridden_forward_are_kept():
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.hf_release
+def test_an_hf_subclass_of_a_torch_module_without_a_forward_keeps_the_attention_converted():
+    # HF classes such as EfficientNetDepthwiseConv2d (AlignModel's vision tower) subclass torch's
+    # Conv2d and inherit its forward: that is torch's code, not a user's override of HF's
+    # forward, and the text tower's attention is converted as without it
+    from transformers.models.efficientnet import modeling_efficientnet as E
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.conv = E.EfficientNetDepthwiseConv2d(4, kernel_size=3, stride=1, bias=False)
+    model = slimgrad.convert_(model, CFG)
+    converted, skipped = _attention_line(model)
+    assert len(converted) == 1 and not skipped, skipped
+
+    class UserConv(E.EfficientNetDepthwiseConv2d):
+        def forward(self, x):
+            return super().forward(x)
+
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.conv = UserConv(4, kernel_size=3, stride=1, bias=False)
+    model = slimgrad.convert_(model, CFG)
+    (skip,) = _attention_line(model)[1]
+    assert "UserConv overrides the forward of EfficientNetDepthwiseConv2d" in skip[2]
+
+
 def test_modeling_file_is_walked_once_and_an_edited_model_is_read_again(monkeypatch):
     # the readings of the modeling file's classes and functions are kept by parsed node: a second
     # convert_ of the same classes walks none of them again; what the instance decides (its class

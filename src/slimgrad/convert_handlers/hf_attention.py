@@ -1132,7 +1132,14 @@ def _analyse(model: nn.Module) -> tuple[list[str], str | None]:
         if not hf:
             continue
         owner, fwd = _method_node(t, "forward")
-        if owner is not None and not _hf_class(owner):
+        # a forward defined below HF's classes (a user's subclass) overrides HF's; one above
+        # them (an HF subclass of torch's Conv2d or GroupNorm with no forward of its own) is
+        # torch's, read below like any class's code
+        if (
+            owner is not None
+            and not _hf_class(owner)
+            and t.__mro__.index(owner) < t.__mro__.index(hf[0])
+        ):
             return [], (
                 f"{t.__name__} overrides the forward of {hf[0].__name__}: its attention "
                 "cannot be checked"
