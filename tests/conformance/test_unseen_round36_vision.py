@@ -85,3 +85,29 @@ def test_layer_norm_before_a_query_viewed_as_a_matrix_still_keeps_y():
     me = measure(lambda: model(x).square().mean(), timeline=False)
     ms = measure(lambda: slim(x).square().mean(), timeline=False)
     assert me.saved_bytes - ms.saved_bytes == 6 * 2 * 16 * 4, (ms.saved_bytes, me.saved_bytes)
+
+
+# The hook API of nn.utils.weight_norm / spectral_norm sets the weight as a tensor with autograd
+# history (weight_norm at registration, spectral_norm at each training forward): deepcopy refuses
+# it, and verify (which steps copies) raised. It copies the Parameters and lets each copy's hook
+# recompute the weight, as eager's forward does.
+def _hooked_reparam(kind):
+    torch.manual_seed(0)
+    reparam = nn.utils.weight_norm if kind == "weight_norm" else nn.utils.spectral_norm
+    model = nn.Sequential(
+        reparam(nn.Conv2d(3, 6, 3)), nn.BatchNorm2d(6), nn.SiLU(), nn.Flatten(),
+        reparam(nn.Linear(6 * 5 * 5, 8)), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3),
+    )  # fmt: skip
+    model(torch.randn(2, 3, 7, 7))  # a training forward (spectral_norm's weight gets history)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.nn.utils.weight_norm.*:FutureWarning")
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_verify_steps_copies_of_hook_api_reparametrizations(kind):
+    model, slim = _hooked_reparam(kind), slimgrad.convert_(_hooked_reparam(kind))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res = slimgrad.verify(model, slim, torch.randn(2, 3, 7, 7))
+    assert res.ok, str(res)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
