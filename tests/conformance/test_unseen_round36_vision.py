@@ -111,3 +111,24 @@ def test_verify_steps_copies_of_hook_api_reparametrizations(kind):
     assert res.ok, str(res)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# An RMSNorm on the model's input (no input gradient, only the weight's): the backward made the
+# rebuilt xhat and then a product of dy and xhat beside it; the product is now made over xhat
+# (its last use; the same bits). What remains above eager's peak is y itself, which the converted
+# norm keeps where eager's x is the caller's tensor (counted by neither side's saved bytes).
+@pytest.mark.parametrize("shape", [(8, 16), (64, 256)])
+def test_rms_norm_weight_only_backward_peak(shape):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.RMSNorm(shape[-1]), nn.Linear(shape[-1], 4))
+    nn.init.uniform_(model[0].weight, 0.5, 1.5)
+    slim = slimgrad.convert_(copy.deepcopy(model))
+    x = torch.randn(*shape)
+    me = measure(lambda: model(x).square().mean(), timeline=False)
+    ms = measure(lambda: slim(x).square().mean(), timeline=False)
+    y_bytes = x.numel() * x.element_size()
+    assert ms.saved_bytes < me.saved_bytes, (ms.saved_bytes, me.saved_bytes)
+    assert ms.peak_bytes <= me.peak_bytes + y_bytes, (ms.peak_bytes, me.peak_bytes, y_bytes)
+    slim(x).square().mean().backward()
+    model(x).square().mean().backward()
+    torch.testing.assert_close(slim[0].weight.grad, model[0].weight.grad)
