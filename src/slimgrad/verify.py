@@ -105,6 +105,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm as _WeightNorm
 from torch.utils.checkpoint import CheckpointFunction
 
 from slimgrad.convert_handlers import accelerate_hooks as _accelerate_hooks
@@ -1440,6 +1442,9 @@ def _non_leaf_attribute(model: nn.Module) -> str | None:
     return None
 
 
+_RECOMPUTED_BY_HOOK = (_WeightNorm, _SpectralNorm)
+
+
 def _copy_of(model: nn.Module) -> nn.Module:
     # a sparse Parameter's own __deepcopy__ fails (it clones with memory_format=preserve_format,
     # which sparse tensors refuse): those are copied here, everything else by deepcopy
@@ -1448,6 +1453,15 @@ def _copy_of(model: nn.Module) -> nn.Module:
         for p in model.parameters()
         if p.layout is not torch.strided
     }
+    # the weight the hook API of nn.utils.weight_norm / spectral_norm recomputes in its forward
+    # pre-hook (a tensor with autograd history, which deepcopy refuses): the copy's own hook
+    # recomputes it from the copied Parameters at its first forward
+    for m in model.modules():
+        for hook in m._forward_pre_hooks.values():
+            if isinstance(hook, _RECOMPUTED_BY_HOOK):
+                w = getattr(m, hook.name, None)
+                if isinstance(w, torch.Tensor) and not isinstance(w, nn.Parameter):
+                    memo[id(w)] = w.detach().clone()
     try:
         return copy.deepcopy(model, memo)
     except Exception as err:

@@ -817,7 +817,9 @@ def rms_norm_bwd_torch(
         if dyc.dtype != acc:
             dyc = dyc.to(acc)
         if need_dw:
-            s = (dyc * xh).sum(0, dtype=torch.float64)
+            # without dx, xh's last use: the product made over it (the same bits, one temporary
+            # fewer: the weight-only backward of a norm on the model's input peaked 1.28x eager's)
+            s = (xh.mul_(dyc) if not need_dx else dyc * xh).sum(0, dtype=torch.float64)
             if dw is not None:
                 dw.add_(s)
             elif i + step >= n:  # the only chunk: in the weight's dtype now, before g is made

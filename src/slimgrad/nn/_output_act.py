@@ -63,8 +63,12 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 #   - a consumer with its own forward keeps y where its trace hands its first input to a keeper
 #     first (DeBERTa-v2's output block: dense);
 #   - a module held at several places is kept where every place's consumer keeps its output.
-#   (The trace and the several places are read for those five activations; a LayerNorm's
-#   "unknown" is its own NOTE's below.)
+#   A traced forward answers "not kept" where every user of the output is a child (or the
+#   forward's output) that answers so, as a Sequential's next child does; a Dropout user is not
+#   such an answer there (in eval it hands y itself to the next module, a Linear in BERT's
+#   embeddings, and keeping y then saves x's bytes).
+#   (The trace and the several places are read for those five activations and for a LayerNorm,
+#   whose "unknown" is its own NOTE's below.)
 # Only "kept" keeps y (an activation at a consumer that keeps nothing of y would keep y + side
 # information where eager keeps x: 0.19 to 0.41 B per element above eager's bytes, and its step
 # peaks above eager's by as much); "not kept" and "unknown" turn ``keep_y`` off.
@@ -85,7 +89,10 @@ def type_error(api: str, expected: str, module: object) -> TypeError:
 # layer's recomputation then held one batch x seq x hidden tensor more than eager's at the step's
 # peak (1.020x eager's on a tiny config, 1.030x at hidden 128 / 64 tokens). So a LayerNorm whose
 # output is known not to be kept (the "not kept" answer above, or a forward declared with
-# ``_NOBODY``) runs eager's op: eager's bytes and bits, never more. "Unknown" still keeps y (most
+# ``_NOBODY``, or a traced forward that hands y only to modules that keep none of it: a
+# ``MultiheadAttention(batch_first=True)`` on a LayerNorm of the model's input, whose query
+# transpose makes the in-projection keep a copy, was 768 B above eager's 8160 saved bytes at
+# B2 T6 D16) runs eager's op: eager's bytes and bits, never more. "Unknown" still keeps y (most
 # norms hand y to a Linear in a forward no table lists). The trade: where the value slice is
 # copied before the attention keeps it (a KV cache's cat, the eager attention's reshape), the q
 # and k views keep the whole fused output (3 x hidden) where the two y's were 2 x hidden; that is
@@ -514,10 +521,12 @@ def _used_by(node, parent, sites, depth, when, read) -> bool | KeepYWhen | None:
     # whether a user of ``node``'s tensor in ``parent``'s trace keeps that very tensor: a child
     # called with it first that keeps its input, through children that pass it on; the parent's
     # output (the tensor itself) asks the parent's own consumer. Any other use keeps nothing
-    # known: None (not established) unless another user keeps it
+    # known: None (not established) unless another user keeps it; False where every user is a
+    # child (or the parent's consumer) known not to keep it, as a Sequential's chain answers
     if depth > 32:
         return None
     found = None
+    known_not = bool(node.users)
     for u in node.users:
         r = None
         if u.op == "output":
@@ -544,7 +553,17 @@ def _used_by(node, parent, sites, depth, when, read) -> bool | KeepYWhen | None:
             return r
         if isinstance(r, KeepYWhen) and found is None:
             found = r
-    return found
+        # a Dropout hands y itself on in eval (to a Linear, say): not a known "not kept"
+        known_not = known_not and r is False
+        if known_not and u.op == "call_module" and _drops(_at(parent, u.target)):
+            known_not = False
+    return False if known_not else found
+
+
+def _drops(m) -> bool:
+    import slimgrad.nn as snn
+
+    return isinstance(m, (torch.nn.modules.dropout._DropoutNd, snn.Dropout))
 
 
 # NOTE [Keep y only where the producer does not keep x]
@@ -870,7 +889,7 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
             # runs eager's op]
             keep = id(m) not in out and (
                 (type(m) not in smooth and not isinstance(m, snn.LayerNorm))
-                or _kept_after(m, sites) is not False
+                or _kept_after(m, sites, read=read) is not False
             )
             if keep and type(m) in smooth:
                 # y only where a consumer is known to keep it (NOTE [Keep y only where its
