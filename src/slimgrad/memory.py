@@ -182,6 +182,36 @@ _ENGINE_CODE = torch.autograd.graph._engine_run_backward.__code__
 _PY_BACKWARD_CODE = torch.autograd.function.BackwardCFunction.apply.__code__
 _ADD = torch.ops.aten.add.Tensor
 
+# The tracker's and _KernelDispatch's own reads of an op's tensors (storage, layout, dtype, device)
+# are Python calls that every torch-function mode on the stack intercepts (the estimate's
+# _FakeDeepcopy and _CudaFunctions, which pass them through unchanged; they are on the stack for
+# ops dispatched from C++, e.g. the whole backward of a CUDA estimate: NOTE [Routing in backward]).
+# They read and never route, so they run with torch functions off; the op itself and slimgrad's
+# Python implementations run as before, under the modes. A private torch API: without it the reads
+# pass through the modes (the same answers, slower).
+_NO_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
+
+# what the tracker needs of an op overload, computed at its first call: its name and the
+# (position, name) of each argument its schema writes (``(a!)``)
+_OPS: dict[Any, tuple[str, tuple[tuple[int, str], ...]]] = {}
+
+
+def _op_facts(func: Any) -> tuple[str, tuple[tuple[int, str], ...]]:
+    facts = _OPS.get(func)
+    if facts is not None:
+        return facts
+    name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+    schema = getattr(func, "_schema", None)
+    writes = ()
+    if schema is not None:
+        writes = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    _OPS[func] = facts = (name, writes)
+    return facts
+
 
 _ORIGINS = ("python", "engine", "function")
 
@@ -503,14 +533,16 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.settle()  # another op: a pending sum's first operand did not die right after it
         kwargs = kwargs or {}
-        for t in _tensors(kwargs, _tensors(args, [])):
-            st = _storage(t)
-            if st is not None and st._cdata not in self.sizes:
-                self._follow(st, created=False)
+        name, writes = _op_facts(func)
+        sizes = self.sizes
+        with _NO_TORCH_FUNCTION():
+            for t in _tensors(kwargs, _tensors(args, [])):
+                st = _storage(t)
+                if st is not None and st._cdata not in sizes:
+                    self._follow(st, created=False)
         self._window()
         call = self.call_origin  # called here: it reads the frames below this method's
         origin = _ORIGINS[call(*_ORIGIN_ARGS)] if call and self.window is not None else "python"
-        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
         impl = python_impl(func.name()) if func.namespace == "slimgrad" else None
         stats = self.stats
         if stats is not None:
@@ -526,33 +558,31 @@ class _Tracker(TorchDispatchMode):
             peak, after = stats.peak(), stats.current()
         self.n_ops += 1
         self.op_name = name
-        schema = getattr(func, "_schema", None)
-        if schema is not None:
-            for i, a in enumerate(schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write:
-                    val = kwargs.get(a.name) if a.name in kwargs or i >= len(args) else args[i]
-                    for t in _tensors(val, []):
-                        st = _storage(t)
-                        if st is not None:
-                            self._resized(st)
-        for t in _tensors(out, []):
-            st = _storage(t)
-            if st is not None and st._cdata not in self.sizes:
-                self._follow(st, created=True)
-        if stats is not None and self.resets == mark:  # no op ran inside this one
-            ws = peak - max(before, after)
-            if ws > 0:
-                self.workspace[name] = max(self.workspace.get(name, 0), ws)
-                if max(live_before, self.cur) + ws > self.peak_ws:
-                    self.peak_ws = max(live_before, self.cur) + ws
-                    self.peak_ws_op = name
-        if self.window is not None:
-            summed = self._engine_sum(func, args, kwargs, out, origin)
-            if origin != "python":
-                self.window_applied = True
-            if summed is not None:  # counted when its first operand's fate is known
-                self.pending = (*summed, self.cur, name, self.n_ops)
-                return out
+        with _NO_TORCH_FUNCTION():
+            for i, arg in writes:
+                val = kwargs.get(arg) if arg in kwargs or i >= len(args) else args[i]
+                for t in _tensors(val, []):
+                    st = _storage(t)
+                    if st is not None:
+                        self._resized(st)
+            for t in _tensors(out, []):
+                st = _storage(t)
+                if st is not None and st._cdata not in sizes:
+                    self._follow(st, created=True)
+            if stats is not None and self.resets == mark:  # no op ran inside this one
+                ws = peak - max(before, after)
+                if ws > 0:
+                    self.workspace[name] = max(self.workspace.get(name, 0), ws)
+                    if max(live_before, self.cur) + ws > self.peak_ws:
+                        self.peak_ws = max(live_before, self.cur) + ws
+                        self.peak_ws_op = name
+            if self.window is not None:
+                summed = self._engine_sum(func, args, kwargs, out, origin)
+                if origin != "python":
+                    self.window_applied = True
+                if summed is not None:  # counted when its first operand's fate is known
+                    self.pending = (*summed, self.cur, name, self.n_ops)
+                    return out
         self._bump()
         return out
 
@@ -1086,6 +1116,7 @@ class _CudaFunctions(torch.overrides.TorchFunctionMode):
 
 
 _GROUPED_MM_DTYPES = (torch.float16, torch.float32, torch.float64)
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
 
 
 def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
@@ -1153,26 +1184,36 @@ def _other_tensor(obj) -> bool:
     return False
 
 
+# op overload -> whether it may run on real values (not a lift, not seeded random), at first call
+_VALUE_OPS: dict[Any, bool] = {}
+
+
 def _known_values(func, args, kwargs):
     # NOTE [Index tensors keep their values under fake tensors]: the real result, or None
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._pytree import tree_flatten
 
-    if func in _LIFT or torch.Tag.nondeterministic_seeded in func.tags:
+    may = _VALUE_OPS.get(func)
+    if may is None:
+        may = _VALUE_OPS[func] = not (
+            func in _LIFT or torch.Tag.nondeterministic_seeded in func.tags
+        )
+    if not may:
         return None
-    if _other_tensor(args) or _other_tensor(kwargs):  # the common case, without a flatten
-        return None
-    flat = tree_flatten((args, kwargs))[0]
-    ts = [a for a in flat if isinstance(a, torch.Tensor)]
-    if ts:
-        if not _index_values(ts):
+    with _NO_TORCH_FUNCTION():  # reads only (_NO_TORCH_FUNCTION's comment)
+        if _other_tensor(args) or _other_tensor(kwargs):  # the common case, without a flatten
             return None
-    elif func not in _ARANGE or torch.device(kwargs.get("device") or "cpu").type != "cpu":
-        return None
+        flat = tree_flatten((args, kwargs))[0]
+        ts = [a for a in flat if isinstance(a, torch.Tensor)]
+        if ts:
+            if not _index_values(ts):
+                return None
+        elif func not in _ARANGE or torch.device(kwargs.get("device") or "cpu").type != "cpu":
+            return None
     with unset_fake_temporarily():
         out = func(*args, **kwargs)
-    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-    return out if _index_values(outs) else None
+    with _NO_TORCH_FUNCTION():
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        return out if _index_values(outs) else None
 
 
 # NOTE [Fake tensors model the CPU conv backward's outputs]
@@ -1274,7 +1315,7 @@ class _KernelDispatch(TorchDispatchMode):
         kwargs = kwargs or {}
         if (known := _known_values(func, args, kwargs)) is not None:
             return known
-        if func is torch.ops.aten._grouped_mm.default and kwargs.get("out_dtype") is None:
+        if func is _GROUPED_MM and kwargs.get("out_dtype") is None:
             a, b = args[0], args[1]
             offs = args[2] if len(args) > 2 else kwargs.get("offs")
             if a.dtype == b.dtype and a.dtype in _GROUPED_MM_DTYPES:
