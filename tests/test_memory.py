@@ -343,3 +343,81 @@ def test_tracker_finds_the_tensors_tree_flatten_finds():
         want = [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
         got = _tensors(obj, [])
         assert len(got) == len(want) and all(g is w for g, w in zip(got, want, strict=True))
+
+
+def test_the_trackers_reads_pass_no_torch_function_mode():
+    # the tracker's own reads of an op's tensors (their storages, layouts) run with torch functions
+    # off: a mode on the stack while the engine dispatches backward's ops from C++ (as estimate's
+    # CUDA routing keeps one there: NOTE [Routing in backward] in slimgrad/memory.py) sees no
+    # call the tracker made, and the figures are those of the step without the mode
+    from slimgrad.memory import _backward_here
+
+    calls = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        inside = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if self.inside and not isinstance(func, torch._ops.OpOverload):
+                # (the ops a dispatch mode passes on go through torch-function modes, the
+                # tracker's as any; its own reads are what must not)
+                calls.append(getattr(func, "__qualname__", str(func)))
+            if func is torch.Tensor.backward:
+                self.inside = True
+                try:
+                    with self:
+                        _backward_here(*args, **kwargs)
+                finally:
+                    self.inside = False
+                return None
+            return func(*args, **kwargs)
+
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def step():
+        return lin(x).relu().square().sum()
+
+    with Watch():
+        step().backward()  # the calls the step itself makes in backward
+    untracked, calls[:] = list(calls), []
+    lin.zero_grad(set_to_none=True)
+    plain = measure(step)
+    lin.zero_grad(set_to_none=True)
+    with Watch():
+        watched = measure(step)
+    assert calls == untracked
+    assert watched.to_dict(timeline=True) == plain.to_dict(timeline=True)
+
+
+def test_raw_saved_attributes_are_the_ones_dir_lists():
+    # the saved-tensor walk reads each node type's ``_raw_saved_*`` names once and the node's own
+    # attributes per node: the names ``dir(node)`` lists, in its order
+    from slimgrad.memory import _raw_saved_attrs
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a)
+            ctx._raw_saved_extra, ctx.other = 1, a
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.randn(3, 5, requires_grad=True)
+    w = torch.randn(5, 2, requires_grad=True)
+    y = (x @ w).relu().sum() + nn.functional.layer_norm(x, (5,)).sigmoid().mean()
+    y = y + x[1:].exp().sum() + Fn.apply(x).sum()
+    seen, stack, types = set(), [y.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        types.add(type(node).__name__)
+        assert _raw_saved_attrs(node) == [a for a in dir(node) if a.startswith("_raw_saved_")]
+        stack.extend(n for n, _ in node.next_functions)
+    assert {"MmBackward0", "NativeLayerNormBackward0", "FnBackward"} <= types

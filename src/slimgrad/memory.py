@@ -191,12 +191,12 @@ _ADD = torch.ops.aten.add.Tensor
 # pass through the modes (the same answers, slower).
 _NO_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunction", contextlib.nullcontext)
 
-# what the tracker needs of an op overload, computed at its first call: its name and the
-# (position, name) of each argument its schema writes (``(a!)``)
-_OPS: dict[Any, tuple[str, tuple[tuple[int, str], ...]]] = {}
+# what the tracker needs of an op overload, computed at its first call: its name, the (position,
+# name) of each argument its schema writes (``(a!)``), and whether it is one of slimgrad's ops
+_OPS: dict[Any, tuple[str, tuple[tuple[int, str], ...], bool]] = {}
 
 
-def _op_facts(func: Any) -> tuple[str, tuple[tuple[int, str], ...]]:
+def _op_facts(func: Any) -> tuple[str, tuple[tuple[int, str], ...], bool]:
     facts = _OPS.get(func)
     if facts is not None:
         return facts
@@ -209,7 +209,7 @@ def _op_facts(func: Any) -> tuple[str, tuple[tuple[int, str], ...]]:
             for i, a in enumerate(schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write
         )
-    _OPS[func] = facts = (name, writes)
+    _OPS[func] = facts = (name, writes, func.namespace == "slimgrad")
     return facts
 
 
@@ -533,7 +533,7 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.settle()  # another op: a pending sum's first operand did not die right after it
         kwargs = kwargs or {}
-        name, writes = _op_facts(func)
+        name, writes, ours = _op_facts(func)
         sizes = self.sizes
         with _NO_TORCH_FUNCTION():
             for t in _tensors(kwargs, _tensors(args, [])):
@@ -543,7 +543,7 @@ class _Tracker(TorchDispatchMode):
         self._window()
         call = self.call_origin  # called here: it reads the frames below this method's
         origin = _ORIGINS[call(*_ORIGIN_ARGS)] if call and self.window is not None else "python"
-        impl = python_impl(func.name()) if func.namespace == "slimgrad" else None
+        impl = python_impl(func.name()) if ours else None
         stats = self.stats
         if stats is not None:
             stats.reset_peak()
@@ -609,7 +609,8 @@ class _Saver:
 
 
 def _grad_fns(obj: Any) -> list:
-    return [t.grad_fn for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and t.grad_fn]
+    with _NO_TORCH_FUNCTION():  # reads only (_NO_TORCH_FUNCTION's comment)
+        return [t.grad_fn for t in _tensors(obj, []) if t.grad_fn]
 
 
 def _walk_savers(roots: list) -> dict[int, tuple[torch.Tensor, list[_Saver]]]:
@@ -664,10 +665,27 @@ def _seq(node: Any) -> int:
         return -1
 
 
+# node type -> its ``_raw_saved_*`` attributes (sorted, as ``dir`` lists them)
+_RAW_SAVED: dict[type, tuple[str, ...]] = {}
+
+
+def _raw_saved_attrs(node: Any) -> list[str]:
+    # what ``[a for a in dir(node) if a.startswith("_raw_saved_")]`` lists, without building and
+    # sorting every attribute name per node: the type's, read once, and the instance's own
+    cls = type(node)
+    names = _RAW_SAVED.get(cls)
+    if names is None:
+        names = _RAW_SAVED[cls] = tuple(a for a in dir(cls) if a.startswith("_raw_saved_"))
+    own = getattr(node, "__dict__", None)
+    if own:
+        extra = [a for a in own if type(a) is str and a.startswith("_raw_saved_")]
+        if extra:
+            return sorted({*names, *extra})
+    return list(names)
+
+
 def _node_tensors(node: Any):
-    for attr in dir(node):
-        if not attr.startswith("_raw_saved_"):
-            continue
+    for attr in _raw_saved_attrs(node):
         try:
             raw = getattr(node, attr)
         except RuntimeError:  # freed (retain_graph=False after a backward)
