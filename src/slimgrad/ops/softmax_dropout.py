@@ -33,6 +33,7 @@ clear error (``retain_graph=True`` keeps P intact: no reuse).
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,30 @@ def _matmul(a, b):
         a.reshape(-1, a.shape[-2], a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1])
     )
     return out.view(a.shape[:-2] + out.shape[1:])
+
+
+# NOTE [Attention operands folded before the op]
+# torch.matmul's bmm keeps its operands folded to (batch, m, n): where the batch dims of an
+# operand do not fold (HF's q, k^T and v: ``view(B, T, H, d).transpose(1, 2)`` of a projection),
+# that is a contiguous copy, and eager keeps the copy; the projection's output dies with the
+# forward. An op that kept the operand unfolded kept the projection's output instead (the same
+# bytes) and copied it again in backward, each time it recomputed a product from it: one more
+# operand-sized copy per product alive in backward than eager's. Under gradient checkpointing,
+# at the recomputed layer's backward, those copies were the peak (HF Speech2Text: 1.026x eager's).
+# So ``eager_attention`` folds q, k^T and v first, with the same reshape torch.matmul runs (a view
+# where the dims fold, else the same contiguous copy), recorded by autograd outside the Function
+# and viewed back to the operand's shape: the Function keeps what eager's bmm keeps, and its
+# products (forward and the backward's recompute) fold them again as views, no copy: the same 3-D
+# operands for the same bmm, the same bits. Only operands of one batch shape fold (matmul
+# broadcasts others first), and only where autocast casts none of them (it casts before it
+# folds). The scores op keeps its operands as they come: its HF caller's straight path folds them
+# already (NOTE [Attention matmuls as bmm]), and folding on its general path (a mask) kept the
+# copy next to the unfolded scaled q in forward, a higher forward peak than before.
+def _folded(t: torch.Tensor) -> torch.Tensor:
+    if t.ndim < 4:
+        return t
+    f = t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1])
+    return t if f._is_view() else f.view(t.shape)
 
 
 # NOTE [Causal masks built once]
@@ -769,10 +794,10 @@ def _check_mask(input, mask):
 # ----------------------------------------------------------------------------- eager attention
 
 
-def _eager_probs(q, k, biases, scaling, softcap, softmax_dtype, probs_dtype):
+def _eager_probs(q, k_t, biases, scaling, softcap, softmax_dtype, probs_dtype):
     # HF's eager_attention_forward after repeat_kv up to the cast P, op for op (NOTE [HF eager
-    # attention, recomputed in backward])
-    s = torch.matmul(q, k.transpose(2, 3)) * scaling
+    # attention, recomputed in backward]); k_t is key.transpose(2, 3)
+    s = torch.matmul(q, k_t) * scaling
     if softcap is not None:
         s = s / softcap
         s = torch.tanh(s)
@@ -808,13 +833,13 @@ class _ApplyBitsFn(torch.autograd.Function):
 
 
 def _eager_attention_grads(ctx, d_out, create_graph):
-    q, k, v, b0, b1, bits = ctx.saved_tensors
+    q, k_t, v, b0, b1, bits = ctx.saved_tensors
     need = list(ctx.needs_input_grad[:5])
     if create_graph:
         # the recomputed graph on the inputs themselves, so that the first derivatives depend on
         # them as eager's do (eager's second derivatives); an input passed twice gets its whole
         # gradient in its first slot
-        leaves = [q, k, v, b0, b1]
+        leaves = [q, k_t, v, b0, b1]
         firsts = {}
         for i, (t, n) in enumerate(zip(leaves, need)):
             if n and firsts.setdefault(id(t), i) != i:
@@ -822,7 +847,7 @@ def _eager_attention_grads(ctx, d_out, create_graph):
     else:
         leaves = [
             t.detach().requires_grad_(n) if t is not None else None
-            for t, n in zip((q, k, v, b0, b1), need)
+            for t, n in zip((q, k_t, v, b0, b1), need)
         ]
     enabled, ac_dtype = ctx.autocast
     with torch.enable_grad():
@@ -848,18 +873,18 @@ def _eager_attention_grads(ctx, d_out, create_graph):
 
 class _EagerAttentionFn(torch.autograd.Function):
     # NOTE [HF eager attention, recomputed in backward]: keeps what the score matmul keeps anyway
-    # (q, k), value, the biases (references: HF builds one mask for every layer) and 1 bit per
-    # score. Backward runs the forward's own ops again on the same tensors (same ops, shapes,
-    # strides, dtypes and autocast state: the same bits, CPU kernels being deterministic for a
-    # fixed input and thread count), with dropout's noise rebuilt from the bits, and
-    # differentiates that graph with autograd: eager's backward ops by construction (and eager's
-    # second derivatives under create_graph), one call's T x T tensors alive at a time instead of
-    # every layer's.
+    # (q, k^T: folded first, NOTE [Attention operands folded before the op]), value, the biases
+    # (references: HF builds one mask for every layer) and 1 bit per score. Backward runs the
+    # forward's own ops again on the same tensors (same ops, shapes, strides, dtypes and
+    # autocast state: the same bits, CPU kernels being deterministic for a fixed input and thread
+    # count), with dropout's noise rebuilt from the bits, and differentiates that graph with
+    # autograd: eager's backward ops by construction (and eager's second derivatives under
+    # create_graph), one call's T x T tensors alive at a time instead of every layer's.
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, q, k, v, b0, b1, scaling, softcap, p, softmax_dtype, probs_dtype):
-        probs = _eager_probs(q, k, (b0, b1), scaling, softcap, softmax_dtype, probs_dtype)
+    def forward(ctx, q, k_t, v, b0, b1, scaling, softcap, p, softmax_dtype, probs_dtype):
+        probs = _eager_probs(q, k_t, (b0, b1), scaling, softcap, softmax_dtype, probs_dtype)
         if p > 0:  # eager's CPU draw: NOTE [Dropout masks: drawn like eager, kept as bits]
             probs, bits = _dropout._dropout_fwd(probs, p)
         else:
@@ -869,7 +894,7 @@ class _EagerAttentionFn(torch.autograd.Function):
         ctx.scaling, ctx.softcap, ctx.p = scaling, softcap, p
         ctx.softmax_dtype, ctx.probs_dtype = softmax_dtype, probs_dtype
         ctx.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-        ctx.save_for_backward(q, k, v, b0, b1, bits)
+        ctx.save_for_backward(q, k_t, v, b0, b1, bits)
         ctx.set_materialize_grads(False)
         return out
 
@@ -907,12 +932,13 @@ def eager_attention(
     bit for bit on CPU: backward recomputes it from the kept tensors and differentiates it (NOTE
     [HF eager attention, recomputed in backward]).
 
-    Memory: saves query, key (eager's score matmul keeps them too), value, the biases (references,
-    not copies) and 1/8 B/elt of S (dropout bits, none for ``p = 0``); eager also keeps, T x T
-    each: P (softmax's output, in ``softmax_dtype``), dropout's noise and the dropped P (in
-    ``probs_dtype``; the cast P instead when ``p = 0`` and the cast changes the dtype; under
-    autocast the dropped P's cast for the matmul) and, with a softcap, tanh's output. Backward
-    holds one call's eager T x T tensors at a time.
+    Memory: saves query, ``key.transpose(2, 3)`` and value as eager's matmuls keep them (folded
+    to 3-D, a copy where their batch dims do not fold: NOTE [Attention operands folded before the
+    op]), the biases (references, not copies) and 1/8 B/elt of S (dropout bits, none for ``p =
+    0``); eager also keeps, T x T each: P (softmax's output, in ``softmax_dtype``), dropout's
+    noise and the dropped P (in ``probs_dtype``; the cast P instead when ``p = 0`` and the cast
+    changes the dtype; under autocast the dropped P's cast for the matmul) and, with a softcap,
+    tanh's output. Backward holds one call's eager T x T tensors at a time.
 
     Args:
         query: ``(B, H, T_q, d)``.
@@ -953,12 +979,30 @@ def eager_attention(
     p_eff = float(p) if training else 0.0
     if transforms_active() or not torch.is_grad_enabled():
         # nothing to keep, or torch.func: eager's composition
-        probs = _eager_probs(query, key, (b0, b1), scaling, softcap, softmax_dtype, probs_dtype)
+        k_t = key.transpose(2, 3)
+        probs = _eager_probs(query, k_t, (b0, b1), scaling, softcap, softmax_dtype, probs_dtype)
         return torch.matmul(F.dropout(probs, p_eff, p_eff > 0), value)
     refuse_jit("ops.eager_attention")
+    k_t = key.transpose(2, 3)
+    if (
+        query.ndim == key.ndim == value.ndim == 4
+        and query.shape[:2] == key.shape[:2] == value.shape[:2]
+        and _no_autocast_cast(query, key, value)
+    ):  # NOTE [Attention operands folded before the op]
+        query, k_t, value = _folded(query), _folded(k_t), _folded(value)
     return _EagerAttentionFn.apply(
-        query, key, value, b0, b1, scaling, softcap, p_eff, softmax_dtype, probs_dtype
+        query, k_t, value, b0, b1, scaling, softcap, p_eff, softmax_dtype, probs_dtype
     )
+
+
+def _no_autocast_cast(*ts) -> bool:
+    # autocast casts matmul's operands before it folds them: fold only where it casts nothing
+    # (the HF caller casts them first, as eager's matmul does)
+    dev = ts[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return True
+    dtype = torch.get_autocast_dtype(dev)
+    return all(t.dtype == dtype for t in ts)
 
 
 _API_EAGER = "slimgrad.ops.eager_attention"
