@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import slimgrad
-from slimgrad.testing import nudge_ulp_, rule_ok, ulp_nudged
+from slimgrad.testing import nudge_ulp_, redrawn_err, rule_ok, ulp_nudged
 from tests._threads import one_thread
 from tests.ops.test_bn_structural_zero import _block
 
@@ -309,3 +309,21 @@ def test_no_second_look_without_redraws(monkeypatch):
     s.a.weight.register_hook(lambda g: g * 1.3)
     rep = _tie_verify(m, s, x, monkeypatch, 0)
     assert not rep.ok and not any("second look" in n for n in rep.runs[0].notes), str(rep)
+
+
+def test_lucky_nudged_draw_is_no_branch_point():
+    # timm HGNetV2-B0 at batch 2, seed 4 (stem.stem3.lab.bias): one nudged draw's eager value is
+    # exactly 0, its error (8.9e-16) float64's own rounding, which J (1.2e-14) carries too; was:
+    # taken for a branch point, every draw voided and the converted error (5.7e-6) judged against
+    # the plain draw's 7.2e-7
+    r0 = torch.tensor([0.0], dtype=torch.float64)
+
+    def draw(eager, ref, jump):
+        ref = torch.tensor([ref], dtype=torch.float64)
+        return torch.tensor([eager]), ref, ref * 2.0**-10 + jump, r0
+
+    draws = [draw(4.29e-6, -4.4e-15, 6.6e-15), draw(0.0, 8.9e-16, 1.15e-14)]
+    draws += [draw(8.11e-6, -8.9e-15, 3.1e-15), draw(-6.68e-6, 6.2e-15, 9.3e-15)]
+    assert redrawn_err(draws) == pytest.approx(8.11e-6)
+    # a jump of the gradient's size in a draw whose eager error is small still voids them all
+    assert redrawn_err([*draws, draw(1e-7, 0.0, 2e-6)]) == 0.0
