@@ -59,8 +59,8 @@ class _ConvMixin:
     _api = ""  # set per class: the ops.conv functional's name and its spatial dims
     _nd = 0
     _slimgrad_conv_args = None  # an instance's own slot once _slot made it
-    # a BatchNorm takes this conv's output: mark_bias_before_batch_norm_
-    _slimgrad_bias_f64 = False
+    # the BatchNorm that takes this conv's output (mark_bias_before_batch_norm_); None: none known
+    _slimgrad_bias_f64 = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # torch's ``self._conv_forward(input, self.weight, self.bias)``, the Parameters read from
@@ -91,7 +91,8 @@ class _ConvMixin:
             False,
             0,
             slot,
-            self._slimgrad_bias_f64,
+            # only where that BatchNorm trains (in eval it never keeps its output)
+            (bn := self._slimgrad_bias_f64) is not None and bn.training,
         )
 
     def _conv_forward(self, input, weight, bias):
@@ -117,7 +118,8 @@ class _ConvMixin:
             False,
             0,
             _slot(self),
-            self._slimgrad_bias_f64,
+            # only where that BatchNorm trains (in eval it never keeps its output)
+            (bn := self._slimgrad_bias_f64) is not None and bn.training,
         )
 
 
@@ -169,7 +171,7 @@ class Conv3d(NoScript, _ConvMixin, nn.Conv3d):
 class _ConvTransposeMixin:
     _api = ""  # set per class: the ops.conv_transpose functional's name and its spatial dims
     _nd = 0
-    _slimgrad_bias_f64 = False  # mark_bias_before_batch_norm_
+    _slimgrad_bias_f64 = None  # mark_bias_before_batch_norm_
 
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.padding_mode != "zeros":
@@ -202,7 +204,8 @@ class _ConvTransposeMixin:
             True,
             output_padding,
             _slot(self),
-            self._slimgrad_bias_f64,
+            # only where that BatchNorm trains (in eval it never keeps its output)
+            (bn := self._slimgrad_bias_f64) is not None and bn.training,
         )
 
 
@@ -247,8 +250,11 @@ def mark_bias_before_batch_norm_(model: nn.Module) -> int:
     BatchNorm next (NOTE [A conv bias gradient after dx from the output] in
     ``slimgrad/ops/batch_norm.py``): its calls that need a graph take slimgrad's Function from the
     first step, so a BatchNorm that keeps its output has it sum the bias gradient before its
-    convolution_backward. ``convert_`` runs it; the mark changes no bits and no saved bytes (the
-    Function keeps what eager's node keeps and asks eager's gradients).
+    convolution_backward. The mark is that BatchNorm, read at each call: only a training
+    BatchNorm keeps its output, so in eval the conv records eager's node as before (a double
+    backward's ``.grad`` left None where eager leaves it). ``convert_`` runs it; the mark changes
+    no bits and no saved bytes (the Function keeps what eager's node keeps and asks eager's
+    gradients).
 
     Returns:
         The number of convs marked.
@@ -267,6 +273,6 @@ def mark_bias_before_batch_norm_(model: nn.Module) -> int:
                 and isinstance(nxt, _BatchNormMixin)
                 and "forward" not in conv.__dict__
             ):
-                conv.__dict__["_slimgrad_bias_f64"] = True
+                conv.__dict__["_slimgrad_bias_f64"] = nxt
                 n += 1
     return n
