@@ -126,3 +126,14 @@ def test_errors():
         eager_attention(q, k, v, 1.0, scaling=1.0)
     with pytest.raises(ValueError, match="at most two biases"):
         eager_attention(q, k, v, 0.1, scaling=1.0, biases=(None, None, None))
+
+
+def test_meta_tensors_run_as_eager_does():
+    # autocast knows no meta device (asking it whether it is on raises there): the operands are
+    # folded as anywhere autocast casts nothing, and forward and backward run as eager's do
+    q, k, v = (
+        torch.randn(2, 6, 3, 4, device="meta", requires_grad=True).transpose(1, 2) for _ in range(3)
+    )
+    out = eager_attention(q, k, v, 0.0, scaling=0.5)
+    assert out.shape == (2, 3, 6, 4) and out.device.type == "meta"
+    out.sum().backward()

@@ -999,7 +999,9 @@ def _no_autocast_cast(*ts) -> bool:
     # autocast casts matmul's operands before it folds them: fold only where it casts nothing
     # (the HF caller casts them first, as eager's matmul does)
     dev = ts[0].device.type
-    if not torch.is_autocast_enabled(dev):
+    # a device type autocast does not know (meta) casts nothing; asking it whether autocast is on
+    # raises there
+    if not torch.amp.is_autocast_available(dev) or not torch.is_autocast_enabled(dev):
         return True
     dtype = torch.get_autocast_dtype(dev)
     return all(t.dtype == dtype for t in ts)
