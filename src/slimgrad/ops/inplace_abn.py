@@ -682,9 +682,11 @@ def _inplace_abn(
             and x.numel() // max(x.shape[1], 1) <= _MAX_FEW
             and not (x.is_leaf and x.requires_grad)  # the in-place path refuses it
         ):
-            # NOTE [Few values per channel in InPlaceABN]
-            return _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps,
-                                   activation, activation_param)  # fmt: skip
+            # NOTE [Few values per channel in InPlaceABN]: eager's BatchNorm (it keeps x), then the
+            # activation in place over its fresh output, as eager's BatchNorm +
+            # LeakyReLU(inplace=True) keeps them
+            return _eager_bn_act_(x, running_mean, running_var, weight, bias, True, momentum, eps,
+                                  activation, activation_param)  # fmt: skip
     out = _InPlaceABNFn.apply(
         x, weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
         activation, float(activation_param), source,
@@ -774,20 +776,6 @@ class _InPlaceABNSyncFn(torch.autograd.Function):
             db.to(bias.dtype) if ctx.needs_input_grad[2] else None,
             *([None] * 7),
         )
-
-
-def _few_values_abn(x, running_mean, running_var, weight, bias, momentum, eps, act, param):
-    # NOTE [Few values per channel in InPlaceABN]: eager's BatchNorm (it keeps x), then the
-    # activation in place over its fresh output (it keeps that output, which the next layer keeps
-    # too), as eager's BatchNorm + LeakyReLU(inplace=True) keeps them
-    y = torch.nn.functional.batch_norm(
-        x, running_mean, running_var, weight, bias, True, momentum, eps
-    )
-    if act == "leaky_relu":
-        return torch.nn.functional.leaky_relu_(y, param)
-    if act == "elu":
-        return torch.nn.functional.elu_(y, param)
-    return y
 
 
 # NOTE [Side channels over a copy take eager's BatchNorm]
