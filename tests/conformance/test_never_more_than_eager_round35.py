@@ -103,16 +103,18 @@ def test_conv_bias_sum_in_the_estimate():
 _C = 8
 
 
-def _abn_models(dtype, k):
+def _abn_models(dtype, k, c=_C, training=False):
+    # (eager, converted): conv -> BatchNorm -> LeakyReLU -> conv, and its InPlaceABN; k channels
+    # with gamma 0, in eval unless training
     from slimgrad.nn import InPlaceABN
 
     torch.manual_seed(0)
     eager = nn.ModuleDict(
         dict(
-            c0=nn.Conv2d(3, _C, 1),
-            bn=nn.BatchNorm2d(_C),
+            c0=nn.Conv2d(3, c, 1),
+            bn=nn.BatchNorm2d(c),
             act=nn.LeakyReLU(0.01, inplace=True),
-            c1=nn.Conv2d(_C, _C, 3, padding=1, bias=False),
+            c1=nn.Conv2d(c, c, 3, padding=1, bias=False),
         )
     )
     with torch.no_grad():
@@ -120,10 +122,10 @@ def _abn_models(dtype, k):
         eager.bn.running_mean.uniform_(-1, 1)
         eager.bn.running_var.uniform_(0.5, 2)
     slim = copy.deepcopy(eager)
-    slim.bn = InPlaceABN(_C, activation="leaky_relu", activation_param=0.01)
+    slim.bn = InPlaceABN(c, activation="leaky_relu", activation_param=0.01)
     slim.bn.load_state_dict(eager.bn.state_dict())
     slim.act = nn.Identity()
-    return [m.to(dtype).eval() for m in (eager, slimgrad.convert_(slim))]
+    return [m.to(dtype).train(training) for m in (eager, slimgrad.convert_(slim))]
 
 
 def _abn_step(m, x, keep):

@@ -121,29 +121,6 @@ def test_ownership_calibrated_inside_inference_mode():
         own._set_state(saved[2])
 
 
-def _abn_pair(dtype, k, c, training):
-    from slimgrad.nn import InPlaceABN
-
-    torch.manual_seed(0)
-    eager = nn.ModuleDict(
-        dict(
-            c0=nn.Conv2d(3, c, 1),
-            bn=nn.BatchNorm2d(c),
-            act=nn.LeakyReLU(0.01, inplace=True),
-            c1=nn.Conv2d(c, c, 3, padding=1, bias=False),
-        )
-    )
-    with torch.no_grad():
-        eager.bn.weight[:k] = 0.0  # channels InPlaceABN cannot rebuild from its output
-        eager.bn.running_mean.uniform_(-1, 1)
-        eager.bn.running_var.uniform_(0.5, 2)
-    slim = copy.deepcopy(eager)
-    slim.bn = InPlaceABN(c, activation="leaky_relu", activation_param=0.01)
-    slim.bn.load_state_dict(eager.bn.state_dict())
-    slim.act = nn.Identity()
-    return [m.to(dtype).train(training) for m in (eager, slimgrad.convert_(slim))]
-
-
 @pytest.mark.parametrize(
     "training, dtype, k, c, hw",
     [(True, torch.bfloat16, 2, 8, 6), (False, torch.bfloat16, 2, 8, 6),
@@ -155,9 +132,11 @@ def test_inplace_abn_over_a_copy(training, dtype, k, c, hw):
     # caller holds the conv's output, so InPlaceABN writes over a copy (before: train-bf16-side
     # saved/peak 2,368 / 6,792 against eager's 2,336 / 5,800; eval-bf16-side peak 6,480 against
     # 5,768; train-fp32-few-values, 32 values per channel: peak 19,592 against 17,544)
+    from tests.conformance.test_never_more_than_eager_round35 import _abn_models
+
     x = torch.randn(2, 3, hw, hw, generator=torch.Generator().manual_seed(1), dtype=dtype)
     got, grads = [], []
-    for m in _abn_pair(dtype, k, c, training):
+    for m in _abn_models(dtype, k, c, training):
         hold: list = []
 
         def f(m=m, hold=hold):
