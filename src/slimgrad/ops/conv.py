@@ -47,9 +47,6 @@ __all__ = [
 # same aten ops as ``torch.ops.aten.<op>(...)``, without the packet's Python overload resolution
 # (a tenth of a small conv's time on CPU: docs/measurements.md).
 _CONV_BWD = torch.ops.aten.convolution_backward.default
-# private, guarded (_compat's keep_graph feature): None turns NOTE [A gate let go at its conv's
-# backward] off
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
 def _fwd_torch(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -498,6 +495,9 @@ _jit_tracing = torch._C._is_tracing
 _DERIVED_D = _derived._DERIVED_D
 _RECIPES_D = _derived._RECIPES_D
 _top_hooks = _derived._top_hooks
+# private, guarded (_compat's keep_graph feature): None turns NOTE [A gate let go at its conv's
+# backward] off
+_keep_graph = _derived._keep_graph
 _CLOCK = _derived._CLOCK
 _Recipe = _derived.Recipe
 
