@@ -209,9 +209,8 @@ def redrawn_err(
         jumps.append(jump)
     pooled = max(errs, default=0.0)
     # a branch point: no draw of this tensor counts. A draw's J is judged against its own error,
-    # or 1/16 of the pooled one where that is larger: a draw where eager lands on the reference
-    # (a lucky exact 0 in a cancelling gradient) has an error as small as float64's own
-    # rounding, which J carries too (NOTE [Gradients that cancel])
+    # or 1/16 of the pooled one where that is larger (a draw where eager lands on the reference:
+    # NOTE [Gradients that cancel])
     floor = _JUMP_SHARE * pooled
     if any(j > _JUMP_SHARE * max(e, floor) for e, j in zip(errs, jumps)):
         return 0.0
