@@ -33,6 +33,32 @@ def test_the_counter_counts_non_matmul_non_view_outputs_and_matmul_flops():
     assert (c.elements, c.matmul_flops) == (21 + 7 + 21, 210)
 
 
+def test_the_plans_recompute_is_the_matmul_flops_its_backward_runs_more():
+    # NOTE [Recompute is counted, not derived] in plan.py: a checkpointed block's recompute stops
+    # once its backward has what it needs (fc2's product is saved by nothing: not recomputed), so
+    # a choice's recompute is its backward's matmul FLOPs less the same block's without recompute
+    top = _plan_cache.toy()
+    blocks = list(top.choices)
+    kind = top._measured[2][blocks[0]]
+    make = _make()
+    plain = {c: backward_counts(make, dict.fromkeys(blocks, c))[1] for c in ("lean", "eager")}
+    recomputing = [c for c in kind.flops if "recompute" in c]
+    assert {"lean+recompute", "eager+recompute", "lean+recompute:fc2"} <= set(recomputing)
+    for c in kind.flops:
+        got = backward_counts(make, dict.fromkeys(blocks, c))[1]
+        assert got - plain["lean" if c.startswith("lean") else "eager"] == 4 * kind.flops[c], c
+    # the whole block: fc1's forward product only (2 * 8 * 64 * 32 * 128 FLOPs), not fc2's
+    assert kind.flops["lean+recompute"] == kind.flops["eager+recompute"] == 2 * 8 * 64 * 32 * 128
+    assert top.baselines["checkpoint-all"].recompute_flops == 4 * kind.flops["eager+recompute"]
+    # a mixed plan of the curve: its recompute is what its backward runs more than lean's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mid = slimgrad.plan(make, (top.curve[0].peak_bytes + top.curve[-1].peak_bytes) // 2,
+                            reuse=top, verify=False)  # fmt: skip
+    assert len(set(mid.choices.values())) > 1
+    assert backward_counts(make, mid.choices)[1] - plain["lean"] == mid.recompute_flops > 0
+
+
 def _compare(make, blocks, top: slimgrad.Plan, sac_peak: int, kw: dict, same_blocks: bool) -> int:
     # returns how many of the budgets' plans recompute something (lean+sac blocks)
     def count(choices):

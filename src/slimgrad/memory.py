@@ -389,6 +389,10 @@ class _Tracker(TorchDispatchMode):
         self.peak_op = ""
         self.peak_index = 0
         self.n_ops = 0
+        # matmul FLOPs of the ops run so far, counted while ``flop_formulas`` is set (packet ->
+        # formula over the op's arguments and output, as torch.utils.flop_counter's registry)
+        self.flop_formulas: dict | None = None
+        self.matmul_flops = 0
         self.op_name = "<start>"
         self.timeline: list[tuple[int, str, int]] = []
         self.active = True
@@ -554,6 +558,10 @@ class _Tracker(TorchDispatchMode):
                 out = impl(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
+            if self.flop_formulas is not None:
+                formula = self.flop_formulas.get(func.overloadpacket)
+                if formula is not None:
+                    self.matmul_flops += formula(*args, **kwargs, out_val=out)
         if stats is not None:
             peak, after = stats.peak(), stats.current()
         self.n_ops += 1

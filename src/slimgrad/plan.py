@@ -35,7 +35,9 @@ the same choice without recompute (dropout masks included).
    Sequential with at least two children of one class, whose output has its input's shape; the
    outermost such) and the matmul FLOPs of every module (``FlopCounterMode``, with CPU's fused
    SDPA counted as its formula counts CUDA's: QK^T and PV; the attention core's are its module's
-   less its children's). Blocks of the same
+   less its children's): the forward's, the unit of ``recompute_fraction``; a choice's recompute
+   is counted in the step that measures it (NOTE [Recompute is counted, not derived]). Blocks of
+   the same
    class and parameter shapes are one *kind*, measured once whatever its number of blocks. Each
    choice runs as two adjacent real blocks in that choice; one
    :func:`slimgrad.memory.estimate` holds as many such pairs as the kind's blocks allow (a kind of
@@ -699,6 +701,32 @@ _SDPA_FLOPS = {
 }
 
 
+# NOTE [Recompute is counted, not derived]
+# A choice's recompute is the matmul FLOPs its block's backward runs more than the same block's
+# without recompute (``lean`` for the lean choices, ``eager`` for the eager ones), counted in the
+# step that measures its bytes: the tracker sums FlopCounterMode's formulas (and CPU's fused SDPA,
+# as _find_blocks counts it) over the ops it runs, and the hooks that mark a watched block's
+# backward start and end read that sum. The recompute is not the block's (or child's) forward
+# FLOPs: torch's non-reentrant checkpoint stops recomputing once every tensor the backward
+# unpacks is back, so the block's last products that nothing saved are not run again (a
+# transformer block's MLP down projection, whose output only the residual add takes; the toy of
+# tests/test_plan.py's second Linear). Counted from the forward, checkpoint-all of the toy
+# recomputed 33,554,432 FLOPs where its backward runs 16,777,216 more than lean's. Where the
+# step's marks cannot be read (or ``choices`` leaves out the plain choice to count against) the
+# forward's count stands, an upper bound.
+_FORMULAS: list[dict] = []
+
+
+def _flop_formulas() -> dict:
+    # the tracker's matmul FLOP formulas: FlopCounterMode's registry and CPU's fused SDPA, as
+    # _find_blocks counts the forward (NOTE [Recompute is counted, not derived])
+    if not _FORMULAS:
+        from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+        _FORMULAS.append({**flop_registry, **{k: shape_wrapper(f) for k, f in _SDPA_FLOPS.items()}})
+    return _FORMULAS[0]
+
+
 def _find_blocks(model: nn.Module, forward: Callable) -> tuple[list[str], dict[str, int], int]:
     # (block names in forward order, forward matmul FLOPs per module name, total)
     from torch.utils.flop_counter import FlopCounterMode
@@ -798,6 +826,7 @@ class _Kind:
     seg: dict[str, dict[str, int]] = field(default_factory=dict)  # segment peaks, per choice
     left: dict[str, int] = field(default_factory=dict)  # live after its backward, per choice
     flops: dict[str, int] = field(default_factory=dict)
+    bwd: dict[str, int] = field(default_factory=dict)  # a block's backward's matmul FLOPs
     errors: dict[str, str] = field(default_factory=dict)
 
 
@@ -911,16 +940,19 @@ def _tracker():
     return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Tracker)), None)
 
 
-def _watch(block: nn.Module, marks: dict[str, int], tag: str, ops: dict[str, int]) -> None:
+def _watch(
+    block: nn.Module, marks: dict[str, int], tag: str, ops: dict[str, int], flops: dict[str, int]
+) -> None:
     # the timeline positions where ``block``'s forward starts and ends and its backward starts
     # (the gradient of its output is ready) and ends (the gradient of its input is), and the
-    # tracker's op count at each (``ops``): hooks that keep no tensor, so the step's bytes are
-    # those of the unwatched step
+    # tracker's op count (``ops``) and matmul FLOPs so far (``flops``) at each: hooks that keep no
+    # tensor, so the step's bytes are those of the unwatched step
     def mark(name: str) -> None:
         t = _tracker()
         if t is not None and tag + name not in marks:
             marks[tag + name] = len(t.timeline)
             ops[tag + name] = t.n_ops
+            flops[tag + name] = t.matmul_flops
 
     def grad_mark(name: str):
         def hook(grad):
@@ -1086,6 +1118,7 @@ def _estimate_pairs(
                     "post": post,
                 },
                 rb,
+                m.bwd_flops[b],
             )
         )
     return out
@@ -1148,6 +1181,7 @@ def _marked_estimate(
 
     marks: dict[str, int] = {}
     ops: dict[str, int] = {}
+    flops: dict[str, int] = {}
     freed: list[tuple[int, int]] = []  # (op count at birth, bytes) of what the cache held
 
     def close(mod, args, kwargs):
@@ -1162,7 +1196,7 @@ def _marked_estimate(
             apply_choices(model, choices, passed=passed, api=api, **convert_kwargs)
         mods = dict(model.named_modules())
         for i, w in enumerate(watch):
-            _watch(mods[w], marks, str(i), ops)
+            _watch(mods[w], marks, str(i), ops, flops)
         if closing is not None:
             mods[closing].register_forward_pre_hook(close, with_kwargs=True)
         if not watch:
@@ -1171,6 +1205,8 @@ def _marked_estimate(
         def watched():
             # NOTE [Autocast's cache is not kept for backward]
             t = _tracker()
+            if t is not None:  # NOTE [Recompute is counted, not derived]
+                t.flop_formulas = _flop_formulas()
             with torch.autocast("cpu", enabled=False):  # one autocast level more: nothing on
                 out = forward()
                 if t is not None:
@@ -1188,6 +1224,13 @@ def _marked_estimate(
         sum(n for born, n in freed if ops.get(f"{i}fwd_start", 0) < born <= ops[f"{i}fwd_end"])
         if f"{i}fwd_end" in ops
         else 0
+        for i in range(len(watch))
+    ]
+    # each watched block's backward's matmul FLOPs (NOTE [Recompute is counted, not derived])
+    m.bwd_flops = [
+        flops[f"{i}bwd_end"] - flops[f"{i}bwd_start"]
+        if f"{i}bwd_end" in flops and f"{i}bwd_start" in flops
+        else None
         for i in range(len(watch))
     ]
     return m, marks
@@ -1478,8 +1521,10 @@ def plan(
                 if segs is None:
                     continue
                 for c, seg in zip(group, segs, strict=True):
-                    k.r[c], k.left[c], k.seg[c], k.rb[c] = seg
+                    k.r[c], k.left[c], k.seg[c], k.rb[c], bwd = seg
                     k.p1[c] = max(seg[2].values())
+                    if bwd is not None:
+                        k.bwd[c] = bwd
             for c in wanted[id(k)]:
                 if c in k.r or c in k.errors:
                     continue
@@ -1505,12 +1550,19 @@ def plan(
                 if seg is not None:
                     k.r[c], k.left[c], k.seg[c], k.rb[c] = seg
                     k.p1[c] = max(seg[2].values())
+                    if m.bwd_flops[1] is not None:
+                        k.bwd[c] = m.bwd_flops[1]
                 else:
                     k.r[c] = k.rb[c] = m.retained_bytes - r0
                     k.p1[c] = m.peak_bytes
             for c in list(k.flops):
                 if c not in k.r:
                     k.flops.pop(c)
+                    continue
+                # NOTE [Recompute is counted, not derived]
+                plain = "lean" if _parse_choice(api, first, c)[0] else "eager"
+                if c != plain and c in k.bwd and plain in k.bwd:
+                    k.flops[c] = max(0, k.bwd[c] - k.bwd[plain])
         if any(not k.r for k in kinds.values()):
             errors = [k.errors for k in kinds.values() if not k.r][:1]
             first = next(iter(errors[0].values()), "") if errors else ""
