@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import slimgrad
+from slimgrad.memory import measure
 from slimgrad.testing import assert_within_rule
 
 
@@ -77,22 +78,24 @@ def _penalty_grads(model, x0):
     return list(grads)
 
 
-# Past the few-elements path these keep y + branch bits + a table, which give f' but not f'':
-# differentiating their gradient raises slimgrad's error (NOTE [Second derivatives]); strict, so a
-# fix shows here
-_REFUSED_PAST_FEW = {"gelu_tanh", "silu", "mish"}
+# Past the few-elements path the smooth activations keep y + branch bits + a table, which give f'
+# but not f'': differentiating their gradient raises slimgrad's error (NOTE [Second derivatives]).
+# Where more than 1/16 of the elements are hard they keep x densely and give eager's f''; which
+# happens depends on the float32 bits of eager's forward, so on the CPU's kernels (erf GELU at
+# 48x32: x on an AVX2 CPU, y + 520 B on an AVX-512 one): the row reads what the op kept
+_SMOOTH = {"gelu", "gelu_tanh", "silu", "mish"}
 ROWS = [
-    pytest.param(
-        name,
-        shape,
-        marks=[pytest.mark.xfail(raises=RuntimeError, strict=True)]
-        if name in _REFUSED_PAST_FEW and shape[0] * shape[1] > 512
-        else [],
-        id=f"{name}-{shape[0]}x{shape[1]}",
-    )
+    pytest.param(name, shape, id=f"{name}-{shape[0]}x{shape[1]}")
     for name in MODS
     for shape in SIZES
 ]
+
+
+def _keeps_y(slim, x0) -> bool:
+    # the smooth op's node keeps less than x: y (the next Linear's) + side information
+    by_node = measure(lambda: slim(x0.float().requires_grad_()).sum(), timeline=False).by_node
+    (kept,) = [v for k, v in by_node.items() if k.endswith("FnBackward")]
+    return kept < x0.numel() * 4
 
 
 @pytest.mark.parametrize("name,shape", ROWS)
@@ -111,6 +114,10 @@ def test_gradient_penalty_matches_eager(name, shape):
     slim(x0.float().requires_grad_())
     assert type(slim[1]).__module__.startswith("slimgrad."), type(slim[1])
     assert type(slim[1]).__name__ == MODS[name][1]
+    if name in _SMOOTH and n * d > 512 and _keeps_y(slim, x0):
+        with pytest.raises(RuntimeError, match=r"second derivative through this op"):
+            _penalty_grads(slim, x0)
+        return
     ref64 = _penalty_grads(copy.deepcopy(eager).double(), x0)
     eager32 = _penalty_grads(eager, x0)
     out = _penalty_grads(slim, x0)

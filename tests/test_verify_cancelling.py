@@ -4,10 +4,12 @@ a second look against eager's error pooled over ulp-nudged draws, and a wrong on
 The model is timm HGNetV2's pattern at a small shape: a LearnableAffineBlock (``scale * x +
 bias``) before a 1x1 conv and a BatchNorm, which removes the constant the bias adds and the scale
 multiplies (both gradients cancel; float64 ~1e-17). At 4x8x4x4 (64 values per channel, slimgrad's
-BatchNorm from its output) seeds 8 and 13 are two where eager's one draw lands near the float64
-value: slimgrad's ``3.scale`` gradient error 1.05e-8 and 4.1e-9 against bounds of 7.8e-10 and
-2.6e-10 (13x and 16x), within the pooled bounds (3.2e-8 and 1.2e-8). Over seeds 0-29, 10 failed
-the plain rule and none the second look.
+BatchNorm from its output) some seeds are ones where eager's one draw lands near the float64
+value: on an AVX2 CPU seeds 8 and 13 (slimgrad's ``3.scale`` gradient error 1.05e-8 and 4.1e-9
+against bounds of 7.8e-10 and 2.6e-10, 13x and 16x; within the pooled bounds, 3.2e-8 and 1.2e-8;
+over seeds 0-29, 10 failed the plain rule and none the second look); on an AVX-512 one seeds 0,
+2, 6 and 13 of 0-13. Which seeds they are depends on the CPU's float32 kernels, so the tests
+find them (``_draws``: the plain rule, one eager draw, over seeds 0-39) rather than name them.
 """
 
 from __future__ import annotations
@@ -59,16 +61,36 @@ def _check(rep, name):
     return next(g for g in rep.grads if g.name == name)
 
 
-@pytest.mark.parametrize("seed", [8, 13])
-def test_lucky_eager_draw_does_not_fail_a_right_conversion(converted, seed, monkeypatch):
-    m, x = _case(seed)
-    rep = _verify(m, converted, x)
-    assert rep.ok, str(rep)
-    assert any("second look" in n and "3.scale" in n for n in rep.runs[0].notes), str(rep)
-    # one eager draw alone fails it (the rule before the second look)
+@pytest.fixture(scope="module")
+def draws(converted) -> tuple[list[int], list[int]]:
+    """(seeds whose one eager draw fails the plain rule, seeds it passes), over seeds 0-39."""
+    lucky, plain = [], []
+    before = _verify_module.REDRAWS
+    _verify_module.REDRAWS = 0  # one eager draw: the rule before the second look
+    try:
+        for seed in range(40):
+            m, x = _case(seed)
+            (plain if _verify(m, converted, x).ok else lucky).append(seed)
+    finally:
+        _verify_module.REDRAWS = before
+    assert len(lucky) >= 2 and plain, (lucky, plain)
+    return lucky, plain
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_lucky_eager_draw_does_not_fail_a_right_conversion(converted, draws, which, monkeypatch):
+    m, x = _case(draws[0][which])
+    # one eager draw alone fails it (the rule before the second look): the cancelling scale and
+    # bias gradients of the LearnableAffineBlock, nothing else
     monkeypatch.setattr(_verify_module, "REDRAWS", 0)
     plain = _verify(m, converted, x)
-    assert not plain.ok and not _check(plain, "3.scale").ok, str(plain)
+    failed = [g.name for g in plain.grads if not g.ok]
+    assert not plain.ok and failed and set(failed) <= {"3.scale", "3.bias"}, str(plain)
+    monkeypatch.undo()
+    rep = _verify(m, converted, x)
+    assert rep.ok, str(rep)
+    look = [n for n in rep.runs[0].notes if "second look" in n]
+    assert look and all(f in look[0] for f in failed), str(rep)
 
 
 class _Wrong(torch.autograd.Function):
@@ -90,9 +112,9 @@ class _Wrong(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("kind", ["scaled", "offset"])
-@pytest.mark.parametrize("seed", [8, 0])  # a lucky draw and a plain one
-def test_wrong_cancelling_gradient_still_fails(converted, seed, kind):
-    m, x = _case(seed)
+@pytest.mark.parametrize("lucky", [True, False])  # a lucky draw and a plain one
+def test_wrong_cancelling_gradient_still_fails(converted, draws, lucky, kind):
+    m, x = _case(draws[0 if lucky else 1][0])
     s = copy.deepcopy(converted)
     s[3].register_forward_hook(lambda mod, args, out: _Wrong.apply(out, kind))
     rep = _verify(m, s, x)
@@ -102,8 +124,8 @@ def test_wrong_cancelling_gradient_still_fails(converted, seed, kind):
     assert any("second look" in n for n in rep.runs[0].notes), str(rep)
 
 
-def test_passing_gradients_get_no_second_look(converted):
-    m, x = _case(0)
+def test_passing_gradients_get_no_second_look(converted, draws):
+    m, x = _case(draws[1][0])
     rep = _verify(m, converted, x)
     assert rep.ok, str(rep)
     assert not any("second look" in n for n in rep.runs[0].notes), str(rep)
@@ -208,10 +230,12 @@ def test_hf_doge_eval_dynamic_mask_gradient(wrong, monkeypatch):
         assert not rep.ok and not a.ok and a.err > 4 * a.bound, str(rep)  # measured 6.3x
         return
     assert rep.ok, str(rep)
-    assert any("second look" in n and "self_attn.A" in n for n in rep.runs[0].notes), str(rep)
-    monkeypatch.setattr(_verify_module, "REDRAWS", 0)  # one eager draw alone fails it
+    # whether eager's one draw is that low depends on the CPU's float32 kernels (AVX2: it is;
+    # AVX-512: A passes the plain rule): A gets a second look exactly where the plain rule fails it
+    looked = any("second look" in n and "self_attn.A" in n for n in rep.runs[0].notes)
+    monkeypatch.setattr(_verify_module, "REDRAWS", 0)
     plain = _verify_eval(m, s, inputs)
-    assert not plain.ok and not _check(plain, "model.layers.0.self_attn.A").ok, str(plain)
+    assert looked == (not _check(plain, "model.layers.0.self_attn.A").ok), (str(rep), str(plain))
 
 
 # Review 29: a start on a branch point, where a nudge makes float32 eager and float64 take

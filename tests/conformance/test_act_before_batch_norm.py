@@ -27,11 +27,7 @@ _ACTS = {
 
 
 def _run(m, x):
-    r = measure(lambda: m(x).square().sum(), timeline=False)
-    m.zero_grad(set_to_none=True)
-    xi = x.clone().requires_grad_()
-    m(xi).square().sum().backward()
-    return r, [xi.grad, *(p.grad for p in m.parameters())]
+    return measure(lambda: m(x).square().sum(), timeline=False)
 
 
 @pytest.mark.parametrize(
@@ -47,14 +43,13 @@ def test_act_before_batch_norm_keeps_y_below_eager(act, mode):
     for m in (eager, slim):
         getattr(m, mode)()
     x = torch.randn(2, 3, 13, 11)
-    (re, ge), (rs, gs) = _run(eager, x), _run(slim, x)
+    re, rs = _run(eager, x), _run(slim, x)
     x_bytes = 2 * 4 * 11 * 9 * 4  # the conv's output, which eager's activation keeps
     side = rs.by_node[_ACTS[act][1]]  # y is the BatchNorm's: only the side information
     assert side < x_bytes // 8
     assert rs.saved_bytes == re.saved_bytes - x_bytes + side
     assert rs.peak_bytes <= re.peak_bytes
-    for a, b in zip(ge, gs, strict=True):
-        torch.testing.assert_close(b, a)
+    _same_grads(eager, slim, mode)
 
 
 def test_act_after_batch_norm_is_still_claimed():
@@ -75,9 +70,19 @@ def _pair(eager, mode, seed=1):
     return slim, _run(eager, x), _run(slim, x)
 
 
-def _same_grads(ge, gs):
-    for a, b in zip(ge, gs, strict=True):
-        torch.testing.assert_close(b, a)
+def _same_grads(eager, slim, mode, seed=1):
+    # every gradient (the input's, every parameter's) within the error rule of eager's float64
+    # result, with the second look where sums cancel (slimgrad.verify; NOTE [Gradients that
+    # cancel]): an elementwise tolerance against eager's float32 bits failed a right conversion
+    # on an AVX-512 CPU (one conv bias gradient 2.9e-5 off the float64 value, eager 8.5e-6)
+    torch.manual_seed(seed)
+    x = torch.randn(2, 3, 13, 11)
+    rep = slimgrad.verify(eager, slim, x, loss_fn=_square_sum, modes=(mode,), inference=False)
+    assert rep.ok, str(rep)
+
+
+def _square_sum(out):
+    return out.square().sum()
 
 
 def test_act_before_a_claimed_batch_norm_keeps_x_in_training():
@@ -87,13 +92,13 @@ def test_act_before_a_claimed_batch_norm_keeps_x_in_training():
     torch.manual_seed(1)
     conv = lambda: nn.Conv2d(4, 4, 1)  # noqa: E731
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU(), nn.BatchNorm2d(4), nn.SiLU(), conv())
-    slim, (re, ge), (rs, gs) = _pair(eager, "train")
+    slim, re, rs = _pair(eager, "train")
     assert type(slim[3]).__name__ == "SiLUAfterNorm"
     # the first SiLU keeps x (eager's op); the block keeps b once, for the norm and the conv
     assert "SiluBackward0" in rs.by_node and "_SiluFnBackward" not in rs.by_node
     assert rs.saved_bytes == re.saved_bytes - 2 * _X_BYTES
     assert rs.peak_bytes <= re.peak_bytes
-    _same_grads(ge, gs)
+    _same_grads(eager, slim, "train")
 
 
 def test_act_before_a_batch_norm_that_keeps_nothing_keeps_x():
@@ -102,21 +107,21 @@ def test_act_before_a_batch_norm_that_keeps_nothing_keeps_x():
     # call from the BatchNorm's mode and gamma's requires_grad
     torch.manual_seed(1)
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Hardswish(), nn.BatchNorm2d(4, affine=False))
-    slim, (re, ge), (rs, gs) = _pair(eager, "eval")
+    slim, re, rs = _pair(eager, "eval")
     assert rs.saved_bytes == re.saved_bytes - _X_BYTES  # the norm's x: eager's only extra
     assert "_HardswishFnBackward" not in rs.by_node
-    _same_grads(ge, gs)
+    _same_grads(eager, slim, "eval")
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Hardswish(), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1))
-    slim, _, (rs, _) = _pair(eager, "eval")
+    slim, _, rs = _pair(eager, "eval")
     assert "_HardswishFnBackward" in rs.by_node  # gamma trains: the norm keeps y
     for m in (eager, slim):
         m[2].requires_grad_(False)
     torch.manual_seed(1)
     x = torch.randn(2, 3, 13, 11)
-    (re, ge), (rs, gs) = _run(eager, x), _run(slim, x)
+    re, rs = _run(eager, x), _run(slim, x)
     assert rs.saved_bytes == re.saved_bytes - _X_BYTES
     assert "_HardswishFnBackward" not in rs.by_node
-    _same_grads(ge, gs)
+    _same_grads(eager, slim, "eval")
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5])
@@ -130,22 +135,9 @@ def test_act_after_batch_norm_and_dropout_is_claimed(p):
     )
     slim = slimgrad.convert_(copy.deepcopy(eager))
     assert type(slim[3]).__name__ == "ReLUAfterNorm"
-    x = torch.randn(2, 3, 13, 11)
-    got = []
-    for m in (eager, slim):
-        torch.manual_seed(2)  # the same dropout mask
-        got.append(_run(m, x) if p == 0 else (None, _grads_seeded(m, x)))
     if p == 0:
-        (re, ge), (rs, gs) = got
+        x = torch.randn(2, 3, 13, 11)
+        re, rs = _run(eager, x), _run(slim, x)
         assert rs.saved_bytes == re.saved_bytes - _X_BYTES  # BN -> ReLU keeps one tensor
         assert rs.peak_bytes <= re.peak_bytes
-    else:
-        ge, gs = got[0][1], got[1][1]
-    _same_grads(ge, gs)
-
-
-def _grads_seeded(m, x):
-    xi = x.clone().requires_grad_()
-    m.zero_grad(set_to_none=True)
-    m(xi).square().sum().backward()
-    return [xi.grad, *(p.grad for p in m.parameters())]
+    _same_grads(eager, slim, "train")  # verify draws one dropout mask for every side

@@ -229,10 +229,10 @@ def test_keep_y_off_where_the_producer_keeps_its_output(producer, act, mode):
     else:
         assert got[1].saved_bytes == got[0].saved_bytes  # x shared with the producer, as eager
         assert got[1].peak_bytes == got[0].peak_bytes
-    grads = []
-    for m in (eager, slim):
-        xi = x.clone().requires_grad_()
-        m(xi).square().sum().backward()
-        grads.append([xi.grad, *(p.grad for p in m.parameters())])
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(b, a)
+    # every gradient within the error rule of eager's float64 result (slimgrad.verify): against
+    # eager's float32 bits elementwise, a BatchNorm bias gradient of ~2e-5 from sums that cancel
+    # was 2.1e-5 off on an AVX-512 CPU, within the rule
+    rep = slimgrad.verify(
+        eager, slim, x, loss_fn=lambda out: out.square().sum(), modes=(mode,), inference=False
+    )
+    assert rep.ok, str(rep)
