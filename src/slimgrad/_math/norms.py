@@ -790,7 +790,7 @@ def rms_norm_bwd_torch(
     if r.dtype != acc:
         r = r.to(acc)
     w = None
-    if weight is not None:
+    if weight is not None and (need_dx or not from_input):  # from x, dw needs no weight
         w = weight if weight.ndim == 1 else weight.reshape(d)
         if w.dtype != acc:
             w = w.to(acc)
@@ -814,7 +814,9 @@ def rms_norm_bwd_torch(
             xh.index_copy_(1, idx, (xside if single else xside[sl]).to(acc) * rch)
         # dy's own rows when out is dy (no cast): dx is written there, g made in place
         own = out is dy and dyc.dtype == acc
-        if dyc.dtype != acc:
+        if dyc.dtype != acc and need_dx:
+            # without dx, xh.mul_ below reads dy in its own dtype: the same float32 product
+            # (half-precision values widen exactly), no float32 copy of the chunk
             dyc = dyc.to(acc)
         if need_dw:
             # without dx, xh's last use: the product made over it (the same bits, one temporary
