@@ -3,8 +3,8 @@ than SAC"). SAC (selective checkpointing saving every matmul/attention output) r
 matmul FLOPs, and at SAC's peak the plan recomputes none either: equal in the planner's metric.
 What SAC recomputes is every other op of every block; the plan's ``lean+sac`` blocks recompute
 ops of that kind, its ``lean`` blocks none. Counted op by op in the backward
-(tests/_recompute_count.py): at SAC's peak and at every point of the curve at or above it, the
-plan recomputes no more matmul FLOPs than SAC and strictly fewer elements; on the toy fewer also
+(``slimgrad.bench.recompute_count``): at SAC's peak and at every point of the curve at or above it,
+the plan recomputes no more matmul FLOPs than SAC and strictly fewer elements; on the toy fewer also
 than SAC of the very blocks the plan recomputes (on the Llama a lean+sac layer recomputes as many
 elements as an eager+sac layer, up to the few that value-dependent side tables add or drop)."""
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import slimgrad
+from slimgrad.bench.recompute_count import BackwardCounts, backward_counts
 from tests import _plan_cache
-from tests._recompute_count import BackwardCounts, backward_counts
 from tests.test_plan import _make
 from tests.test_plan_budgets import _unconverted
 
