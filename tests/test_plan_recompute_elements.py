@@ -59,6 +59,38 @@ def test_the_plans_recompute_is_the_matmul_flops_its_backward_runs_more():
     assert backward_counts(make, mid.choices)[1] - plain["lean"] == mid.recompute_flops > 0
 
 
+def test_a_tiny_llamas_recompute_is_what_its_backward_runs_more():
+    # every choice of a 2-layer HF Llama (no dropout: CPU's fused SDPA, whose FLOPs the planner
+    # counts as CUDA's formula does; a kind of two blocks: measured as one pair), fp32 and with
+    # choices= leaving the plain choices out (they are measured all the same)
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+
+    def make():
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(cfg).train()
+        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(3))
+        return (lambda: m(input_ids=ids, labels=ids, use_cache=False).loss), m
+
+    blocks = ["model.layers.0", "model.layers.1"]
+    plain = {c: backward_counts(make, dict.fromkeys(blocks, c))[1] for c in ("lean", "eager")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        every = slimgrad.plan(make, "1TiB", verify=False)
+        some = slimgrad.plan(make, "1TiB", verify=False, choices=("lean+recompute",))
+    kind = every._measured[2][blocks[0]]
+    assert {"lean+recompute:attention-core", "lean+recompute:mlp"} <= set(kind.flops)
+    for c, f in kind.flops.items():
+        got = backward_counts(make, dict.fromkeys(blocks, c))[1]
+        assert got - plain["lean" if c.startswith("lean") else "eager"] == 2 * f, c
+    for c, f in some._measured[2][blocks[0]].flops.items():
+        assert f == kind.flops[c], c
+
+
 def _compare(make, blocks, top: slimgrad.Plan, sac_peak: int, kw: dict, same_blocks: bool) -> int:
     # returns how many of the budgets' plans recompute something (lean+sac blocks)
     def count(choices):

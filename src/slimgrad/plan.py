@@ -712,8 +712,9 @@ _SDPA_FLOPS = {
 # transformer block's MLP down projection, whose output only the residual add takes; the toy of
 # tests/test_plan.py's second Linear). Counted from the forward, checkpoint-all of the toy
 # recomputed 33,554,432 FLOPs where its backward runs 16,777,216 more than lean's. Where the
-# step's marks cannot be read (or ``choices`` leaves out the plain choice to count against) the
-# forward's count stands, an upper bound.
+# step's marks cannot be read the forward's count stands, an upper bound. ``lean`` and ``eager``
+# are measured whatever ``choices`` allows (chosen only where it allows them): with
+# ``choices=("lean+recompute",)`` the toy's checkpoint-all was the forward's 33,554,432 FLOPs.
 _FORMULAS: list[dict] = []
 
 
@@ -1461,8 +1462,10 @@ def plan(
                 # lean+sac recomputes no more and keeps no more (NOTE [Lean ops under selective
                 # checkpointing])
                 chosen_from[id(k)] = [c for c in options if c != "eager+sac" or choices is not None]
-                if "eager+sac" not in options:
-                    options.append("eager+sac")
+                # measured, chosen only where asked for: eager+sac as a baseline, lean and eager
+                # as what a choice's recompute is counted against (NOTE [Recompute is counted,
+                # not derived])
+                options += [c for c in ("eager+sac", "lean", "eager") if c not in options]
                 wanted[id(k)] = options
                 for c in options:
                     lean, what, sac = _parse_choice(api, first, c)

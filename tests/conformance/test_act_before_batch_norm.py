@@ -77,12 +77,15 @@ def _same_grads(eager, slim, mode, seed=1):
     # on an AVX-512 CPU (one conv bias gradient 2.9e-5 off the float64 value, eager 8.5e-6)
     torch.manual_seed(seed)
     x = torch.randn(2, 3, 13, 11)
-    rep = slimgrad.verify(eager, slim, x, loss_fn=_square_sum, modes=(mode,), inference=False)
+    rep = slimgrad.verify(eager, slim, x, loss_fn=_weighted_sum, modes=(mode,), inference=False)
     assert rep.ok, str(rep)
 
 
-def _square_sum(out):
-    return out.square().sum()
+def _weighted_sum(out):
+    # fixed random weights: a loss whose gradients do not cancel through a training BatchNorm
+    # (out.square().sum() after one is nearly constant: a 0.3% error upstream passed the rule)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    return (out * w.to(out.dtype)).sum()
 
 
 def test_act_before_a_claimed_batch_norm_keeps_x_in_training():

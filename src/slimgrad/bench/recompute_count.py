@@ -6,8 +6,8 @@ for the ops one backward runs (checkpoint recomputes included: they run inside i
 the non-matmul, non-view ops compute (each tensor output's numel; an in-place op's too; not an
 output that shares an input's storage without writing it, e.g. ``_unsafe_view``, nor the
 uninitialised memory of ``empty`` and its kin) and the matmul FLOPs (``torch.utils.flop_counter``'s
-formulas). A slimgrad custom op is counted as the ATen ops its Python implementation runs, as the
-memory tracker runs it. The *elementwise
+formulas, and CPU's fused SDPA counted as the planner counts it). A slimgrad custom op is counted
+as the ATen ops its Python implementation runs, as the memory tracker runs it. The *elementwise
 recompute* of a choice vector is its backward's elements less those of the same model without
 recompute: a plan against every block ``lean``; SAC (every block ``eager+sac``) against every
 block ``eager``.
@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from slimgrad._library import python_impl
-from slimgrad.plan import apply_choices
+from slimgrad.plan import _flop_formulas, apply_choices
 
 _UNINITIALISED = frozenset(
     (
@@ -69,8 +68,9 @@ class BackwardCounts(TorchDispatchMode):
                 return impl(*args, **kwargs)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if packet in flop_registry:
-            self.matmul_flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        formula = _flop_formulas().get(packet)  # the planner's: CPU's fused SDPA included
+        if formula is not None:
+            self.matmul_flops += formula(*args, **kwargs, out_val=out)
         elif not func.is_view and str(packet) not in _UNINITIALISED:
             outs = _outputs(out)
             if not func._schema.is_mutable:  # an alias of an input computes nothing
