@@ -82,7 +82,7 @@ def _alone(choice: str, path: str) -> tuple[int, int, dict[str, int], int]:
         if path == "pairs":
             out = _estimate_pairs(_make, "slimgrad.plan", "cpu", names, [choice], names, kw)
             assert out is not None
-            return out[0]
+            return out[0][:4]  # the fifth: the backward's matmul FLOPs
         pair = tuple(names[:2])
         m = _estimate_with(
             _make, "slimgrad.plan", "cpu", dict.fromkeys(pair, choice), tuple(names[2:]), kw, pair
