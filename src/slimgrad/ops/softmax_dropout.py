@@ -832,6 +832,32 @@ class _ApplyBitsFn(torch.autograd.Function):
         return _dropout._dropout_apply_mask(g, bits, ctx.p, False), None, None
 
 
+# NOTE [The output's product not recomputed]
+# The backward needs the probabilities D (after dropout) and v, not ``out = D @ v``: recomputing
+# the product through autograd made ``out`` (B x H x T x d_v) and held it, next to the incoming
+# gradient the engine hands this node (kept until it returns, where eager's matmul node lets it go
+# once folded), through the softmax's backward: under HF gradient checkpointing, where that
+# backward is the step's peak, HF Speech2Text (3 x 40 tokens) peaked 1.09x eager's. Outside
+# autocast and create_graph the product's gradients are taken by hand, as autograd runs torch.
+# matmul's (bmm on the 3-D folds: ``dD = g @ v^T``, ``dv = D^T @ g``, g folded by the reshape
+# ``_unsafe_view``'s backward runs, a copy where it does not fold), the same ops on the same
+# operands, so the same bits: dv first, then the probabilities' graph ends in _ProductGrad, whose
+# backward makes dD inside autograd's engine, which lets it and the fold of g go once used.
+class _ProductGrad(torch.autograd.Function):
+    # the end of the probabilities' graph in place of ``D @ v`` (NOTE [The output's product not
+    # recomputed]): an empty output; its backward hands D the gradient bmm's formula for its first
+    # operand gives, g @ v^T, from the fold of g it takes out of ``box`` (let go once used)
+    @staticmethod
+    def forward(ctx, d, v3, box):
+        ctx.v3, ctx.box, ctx.shape = v3, box, d.shape
+        return d.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        g3 = ctx.box.pop()
+        return torch.bmm(g3, ctx.v3.transpose(1, 2)).view(ctx.shape), None, None
+
+
 def _eager_attention_grads(ctx, d_out, create_graph):
     q, k_t, v, b0, b1, bits = ctx.saved_tensors
     need = list(ctx.needs_input_grad[:5])
@@ -850,6 +876,39 @@ def _eager_attention_grads(ctx, d_out, create_graph):
             for t, n in zip((q, k_t, v, b0, b1), need)
         ]
     enabled, ac_dtype = ctx.autocast
+    if not create_graph and not enabled and v.dim() >= 3:
+        # NOTE [The output's product not recomputed]
+        with torch.enable_grad():
+            probs = _eager_probs(
+                leaves[0],
+                leaves[1],
+                leaves[3:],
+                ctx.scaling,
+                ctx.softcap,
+                ctx.softmax_dtype,
+                ctx.probs_dtype,
+            )
+            if ctx.p > 0:  # eager's CPU dropout, input.mul(noise), from the bits
+                probs = _ApplyBitsFn.apply(probs, bits, ctx.p)
+        if probs.dtype == v.dtype and probs.shape[:-2] == v.shape[:-2]:
+            n = math.prod(probs.shape[:-2])
+            g3 = d_out.reshape(n, *d_out.shape[-2:])  # _unsafe_view's backward: a copy or a view
+            dv = None
+            if need[2]:  # bmm's formula for its second operand: D^T @ g
+                d3 = probs.detach().reshape(n, *probs.shape[-2:])
+                dv = torch.bmm(d3.transpose(1, 2), g3).view(v.shape)
+                del d3
+            wanted = [t for i, (t, k) in enumerate(zip(leaves, need)) if k and i != 2]
+            got = ()
+            if wanted:
+                with torch.enable_grad():
+                    end = _ProductGrad.apply(probs, v.reshape(n, *v.shape[-2:]), [g3])
+                del g3, probs
+                got = torch.autograd.grad(end, wanted, torch.empty_like(end))
+            got = iter(got)
+            out = [None if not k else dv if i == 2 else next(got) for i, k in enumerate(need)]
+            return (*out, *(None,) * 5)
+        del probs
     with torch.enable_grad():
         # the forward's ops under the forward's autocast state; autograd's backward outside it
         with torch.autocast("cpu", dtype=ac_dtype, enabled=enabled, cache_enabled=False):
