@@ -838,11 +838,21 @@ class _ApplyBitsFn(torch.autograd.Function):
 # gradient the engine hands this node (kept until it returns, where eager's matmul node lets it go
 # once folded), through the softmax's backward: under HF gradient checkpointing, where that
 # backward is the step's peak, HF Speech2Text (3 x 40 tokens) peaked 1.09x eager's. Outside
-# autocast and create_graph the product's gradients are taken by hand, as autograd runs torch.
-# matmul's (bmm on the 3-D folds: ``dD = g @ v^T``, ``dv = D^T @ g``, g folded by the reshape
-# ``_unsafe_view``'s backward runs, a copy where it does not fold), the same ops on the same
-# operands, so the same bits: dv first, then the probabilities' graph ends in _ProductGrad, whose
-# backward makes dD inside autograd's engine, which lets it and the fold of g go once used.
+# create_graph the product's gradients are taken by hand, as autograd runs torch.matmul's: on the
+# operands autocast's matmul casts (_matmul_operand), bmm on the 3-D folds (``dD = g @ v^T``,
+# ``dv = D^T @ g``, g folded by the reshape ``_unsafe_view``'s backward runs, a copy where it
+# does not fold), then the cast's backward; the same ops on the same operands, so the same bits.
+# dv first, then the probabilities' graph ends in _ProductGrad, whose backward makes dD inside
+# autograd's engine, which lets it and the fold of g go once used. What stays above eager's
+# matmul node: the incoming gradient and v's fold, both held until this backward returns.
+def _matmul_operand(t: torch.Tensor, enabled: bool, dtype: torch.dtype) -> torch.Tensor:
+    # matmul's operand as CPU autocast hands it to the kernel: a floating tensor other than
+    # float64 cast to autocast's dtype (matmul is on its lower-precision list), else as it is
+    if enabled and t.is_floating_point() and t.dtype != dtype and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t
+
+
 class _ProductGrad(torch.autograd.Function):
     # the end of the probabilities' graph in place of ``D @ v`` (NOTE [The output's product not
     # recomputed]): an empty output; its backward hands D the gradient bmm's formula for its first
@@ -876,39 +886,44 @@ def _eager_attention_grads(ctx, d_out, create_graph):
             for t, n in zip((q, k_t, v, b0, b1), need)
         ]
     enabled, ac_dtype = ctx.autocast
-    if not create_graph and not enabled and v.dim() >= 3:
+    if not create_graph and v.dim() >= 3:
         # NOTE [The output's product not recomputed]
         with torch.enable_grad():
-            probs = _eager_probs(
-                leaves[0],
-                leaves[1],
-                leaves[3:],
-                ctx.scaling,
-                ctx.softcap,
-                ctx.softmax_dtype,
-                ctx.probs_dtype,
-            )
-            if ctx.p > 0:  # eager's CPU dropout, input.mul(noise), from the bits
-                probs = _ApplyBitsFn.apply(probs, bits, ctx.p)
-        if probs.dtype == v.dtype and probs.shape[:-2] == v.shape[:-2]:
-            n = math.prod(probs.shape[:-2])
+            with torch.autocast("cpu", dtype=ac_dtype, enabled=enabled, cache_enabled=False):
+                probs = _eager_probs(
+                    leaves[0],
+                    leaves[1],
+                    leaves[3:],
+                    ctx.scaling,
+                    ctx.softcap,
+                    ctx.softmax_dtype,
+                    ctx.probs_dtype,
+                )
+                if ctx.p > 0:  # eager's CPU dropout, input.mul(noise), from the bits
+                    probs = _ApplyBitsFn.apply(probs, bits, ctx.p)
+            pc = _matmul_operand(probs, enabled, ac_dtype)  # the cast autograd records
+        vc = _matmul_operand(v, enabled, ac_dtype)
+        if pc.dtype == vc.dtype and pc.shape[:-2] == vc.shape[:-2]:
+            n = math.prod(pc.shape[:-2])
             g3 = d_out.reshape(n, *d_out.shape[-2:])  # _unsafe_view's backward: a copy or a view
             dv = None
-            if need[2]:  # bmm's formula for its second operand: D^T @ g
-                d3 = probs.detach().reshape(n, *probs.shape[-2:])
+            if need[2]:  # bmm's formula for its second operand, D^T @ g; then the cast's
+                d3 = pc.detach().reshape(n, *pc.shape[-2:])
                 dv = torch.bmm(d3.transpose(1, 2), g3).view(v.shape)
                 del d3
+                if dv.dtype != v.dtype:
+                    dv = dv.to(v.dtype)
             wanted = [t for i, (t, k) in enumerate(zip(leaves, need)) if k and i != 2]
             got = ()
             if wanted:
                 with torch.enable_grad():
-                    end = _ProductGrad.apply(probs, v.reshape(n, *v.shape[-2:]), [g3])
-                del g3, probs
+                    end = _ProductGrad.apply(pc, vc.reshape(n, *vc.shape[-2:]), [g3])
+                del g3, probs, pc
                 got = torch.autograd.grad(end, wanted, torch.empty_like(end))
             got = iter(got)
             out = [None if not k else dv if i == 2 else next(got) for i, k in enumerate(need)]
             return (*out, *(None,) * 5)
-        del probs
+        del probs, pc
     with torch.enable_grad():
         # the forward's ops under the forward's autocast state; autograd's backward outside it
         with torch.autocast("cpu", dtype=ac_dtype, enabled=enabled, cache_enabled=False):
