@@ -90,12 +90,10 @@ MODULES = {
 # (was: GroupNorm1-alone and GroupNormC-alone, before a frozen 1x1 conv, train, channels_last
 # (1, 4, 2, 3): float32 peak 432 (400) and 456 (424), bfloat16/float16 216 (200) and 228 (212):
 # NOTE [A stand-in for x] in ops/conv.py)
-KNOWN: dict[str, str] = {
-    # float32 on the model's input, weight-only backward: the op keeps y and rstd, eager xhat
-    # alone; where the Linear after it copies a channels_last y (no sharing) rstd is the excess
-    "RMSNorm-first": "saved 7,200 (6,720) at channels_last (3, 8, 5, 7); peak 116 (112) at "
-    "(2, 3, 1, 1): rstd kept for a backward that needs none",
-}
+KNOWN: dict[str, str] = {}
+# (was: RMSNorm-first, float32 on the model's input, weight-only backward: the op kept y and rstd,
+# eager xhat alone; saved 7,200 (6,720) at channels_last (3, 8, 5, 7), peak 116 (112) at (2, 3, 1,
+# 1): NOTE [A weight-only backward keeps no rstd] in ops/rms_norm.py)
 
 
 def _pre(shape, where: str) -> nn.Module:

@@ -625,3 +625,32 @@ def test_optimizer_step_renews_norms_of_one_kind_in_as_many_ops_for_2_as_for_20(
 
     torch.manual_seed(0)
     assert renewal_ops(20) == renewal_ops(2)
+
+
+@pytest.mark.parametrize("shape", [(6, 8), (3, 8, 5, 7)])
+def test_a_norm_on_the_model_input_keeps_no_rstd_and_its_weight_derivatives_hold(shape):
+    # NOTE [A weight-only backward keeps no rstd]: an input without grad, float32: the node keeps
+    # y only; first and second derivatives of the weights (a penalty on the weight gradient) as
+    # eager's float64 result, within the error rule
+    import copy
+
+    import slimgrad
+    from slimgrad.testing import assert_within_rule
+
+    torch.manual_seed(0)
+    d = shape[-1]
+    eager = torch.nn.Sequential(torch.nn.RMSNorm(d), torch.nn.Linear(d, d))
+    with torch.no_grad():
+        eager[0].weight.uniform_(0.5, 1.5)
+    slim = slimgrad.convert_(copy.deepcopy(eager))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    by_node = measure(lambda: slim(x).square().sum(), timeline=False).by_node
+    assert by_node["_RMSNormFnBackward"] == 0  # y is the Linear's input; no rstd
+
+    def grads(m, x):
+        params = list(m.parameters())
+        (gw,) = torch.autograd.grad(m(x).square().sum(), [params[0]], create_graph=True)
+        return list(torch.autograd.grad(gw.square().sum(), params, materialize_grads=True))
+
+    ref = grads(copy.deepcopy(eager).double(), x.double())
+    assert_within_rule(grads(slim, x), ref, grads(eager, x))

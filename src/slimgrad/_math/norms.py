@@ -786,8 +786,11 @@ def rms_norm_bwd_torch(
         g.sub_(xh.mul_(c2)).mul_(rstd)
         return g, dw
     # no-op calls skipped (a view or cast to the tensor's own shape or dtype): the same bits
-    dy2, y2, r = dy.reshape(n, d), y.reshape(n, d), rstd.reshape(n, 1)
-    if r.dtype != acc:
+    dy2, y2 = dy.reshape(n, d), y.reshape(n, d)
+    # an empty rstd: a weight-only backward from y (NOTE [A weight-only backward keeps no rstd]
+    # in ops/rms_norm.py)
+    r = rstd.reshape(n, 1) if rstd.numel() or not n else None
+    if r is not None and r.dtype != acc:
         r = r.to(acc)
     w = None
     if weight is not None and (need_dx or not from_input):  # from x, dw needs no weight
@@ -804,7 +807,7 @@ def rms_norm_bwd_torch(
             sl, ych, dyc, rch = slice(None), y2, dy2, r
         else:
             sl = slice(i, i + step)
-            ych, dyc, rch = y2[sl], dy2[sl], r[sl]
+            ych, dyc, rch = y2[sl], dy2[sl], (r[sl] if r is not None else None)
         xh = ych.to(acc, copy=True)
         if from_input:
             xh.mul_(rch)
