@@ -22,6 +22,7 @@ NEEDS_REUSE = frozenset(
         "tests/distributed/test_fsdp2.py::test_forward_inplace_writes_under_fsdp2",
         "tests/distributed/test_fsdp2.py::test_reuse_changes_no_bit_under_fsdp2",
         "tests/kernels/test_cpu.py::test_grad_reuse_bitwise",
+        "tests/ops/test_softmax_dropout_eager.py::test_dv_takes_vs_buffer",
         "tests/models/test_resnet_abn.py::test_a_converted_bn_input_kept_by_a_hook_is_not_written_over",
         "tests/models/test_resnet_abn.py::test_every_abn_site_of_a_torchvision_resnet_takes_the_in_place_path",
         "tests/models/test_resnet_lean.py::test_saved_bytes_formula_and_peak",

@@ -139,7 +139,9 @@ def test_meta_tensors_run_as_eager_does():
     out.sum().backward()
 
 
-def _hf_grads(ours: bool, p: float, twice: bool = False, ckpt: bool = False) -> list[torch.Tensor]:
+def _hf_grads(
+    ours: bool, p: float, twice: bool = False, ckpt: bool = False, fresh_v: bool = False
+) -> list[torch.Tensor]:
     # q, k, v as HF hands them over: view(B, T, H, d).transpose(1, 2) of one projection, whose
     # batch dims do not fold (the op keeps private 3-D copies: NOTE [Attention operands folded
     # before the op]); the projection weight's gradient, once or from two backward passes
@@ -147,6 +149,8 @@ def _hf_grads(ours: bool, p: float, twice: bool = False, ckpt: bool = False) -> 
     w = torch.randn(3 * 3 * 7, 16, generator=g).requires_grad_()
     x = torch.randn(2, 5, 16, generator=g)
     q, k, v = (t.view(2, 5, 3, 7).transpose(1, 2) for t in (x @ w.t()).split(21, -1))
+    if fresh_v:  # a contiguous copy only the op holds (HF's .contiguous() layouts)
+        v = v.contiguous()
     torch.manual_seed(1)
     if ours and ckpt:  # under non-reentrant checkpointing: the recomputed tensors, unshared
         out = torch.utils.checkpoint.checkpoint(
@@ -156,6 +160,7 @@ def _hf_grads(ours: bool, p: float, twice: bool = False, ckpt: bool = False) -> 
         out = eager_attention(q, k, v, p, scaling=0.3)
     else:
         out = _eager(q, k, v, p, 0.3, None, (), None, None)
+    del q, k, v  # the caller keeps none of them (a kept v is never written over)
     dy = torch.linspace(-1, 1, out.numel()).view(out.shape)
     out.backward(dy, retain_graph=twice)
     got = [w.grad]
@@ -171,7 +176,31 @@ def test_dv_in_vs_buffer_leaves_a_second_backward_intact(p):
     # NOTE [The output's product not recomputed]: dv is written into v's kept fold only where
     # ownership.take_saved grants it, never under retain_graph=True
     (want,) = _hf_grads(False, p)
-    got = [*_hf_grads(True, p), *_hf_grads(True, p, twice=True)]
-    got += [*_hf_grads(True, p, ckpt=True), *_hf_grads(True, p, twice=True, ckpt=True)]
+    got = []
+    for fresh_v in (False, True):
+        for twice in (False, True):
+            for ckpt in (False, True):
+                got += _hf_grads(True, p, twice=twice, ckpt=ckpt, fresh_v=fresh_v)
     for g in got:
         torch.testing.assert_close(g, want, rtol=0, atol=0)
+
+
+def test_dv_takes_vs_buffer():
+    # the write the test above guards ran (tests/_needs_reuse.py): v a contiguous copy the op
+    # alone holds, one backward
+    from slimgrad import ownership
+
+    before = ownership.reuse_count("saved")
+    _hf_grads(True, 0.0, fresh_v=True)
+    assert ownership.reuse_count("saved") == before + 1
+
+
+def test_a_v_the_caller_keeps_is_not_written_over():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(63, 16, generator=g).requires_grad_()
+    x = torch.randn(2, 5, 16, generator=g)
+    q, k, v = (t.view(2, 5, 3, 7).transpose(1, 2).contiguous() for t in (x @ w.t()).split(21, -1))
+    before = v.detach().clone()
+    out = eager_attention(q, k, v, 0.0, scaling=0.3)
+    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+    assert torch.equal(v.detach(), before)

@@ -843,12 +843,15 @@ class _ApplyBitsFn(torch.autograd.Function):
 # ``dv = D^T @ g``, g folded by the reshape ``_unsafe_view``'s backward runs, a copy where it
 # does not fold), then the cast's backward; the same ops on the same operands, so the same bits.
 # dv first, then the probabilities' graph ends in _ProductGrad, whose backward makes dD inside
-# autograd's engine, which lets it and the fold of g go once used. dv is written into v's kept
-# fold (dead once dD is made: the same shape) where ownership.take_saved grants it; it does for
-# the tensors HF's non-reentrant gradient checkpointing recomputes (Speech2Text 3 x 40, fp32:
-# 1.031x eager's peak, 1.062x without), not for the fold a plain forward saved. What stays above
-# eager's matmul node: the incoming gradient (the engine hands it in; held until this returns)
-# and, where the grant is refused, v's fold.
+# autograd's engine, which lets it and the fold of g go once used. v is dead once dD is made:
+# the saved tensors are unpacked once and handed over in a list the backward empties, so a
+# tensor only this node holds dies there (a non-reentrant checkpoint's recomputed v: HF
+# Speech2Text, gradient checkpointing, 3 x 40: 1.031x eager's peak in fp32 and 1.030x under bf16
+# autocast, 1.062x and 1.053x while this frame held v to the end); where ownership.take_saved
+# grants v (asked in backward itself, as its call pattern requires; a contiguous v nobody else
+# holds, not under autocast: bmm's out= variant runs outside it) dv is written into it. What
+# stays above eager's matmul node: the incoming gradient (the engine hands it in; held until
+# this returns) and, where the forward's v is a fold nobody frees, that fold.
 def _matmul_operand(t: torch.Tensor, enabled: bool, dtype: torch.dtype) -> torch.Tensor:
     # matmul's operand as CPU autocast hands it to the kernel: a floating tensor other than
     # float64 cast to autocast's dtype (matmul is on its lower-precision list), else as it is
@@ -871,12 +874,16 @@ class _ProductGrad(torch.autograd.Function):
         return ctx.box.pop(), None
 
 
-def _grads_by_hand(ctx, d_out):
-    # NOTE [The output's product not recomputed]; None where it does not apply
-    q, k_t, v, b0, b1, bits = ctx.saved_tensors
+def _grads_by_hand(ctx, d_out, saved, buf):
+    # NOTE [The output's product not recomputed]; None where it does not apply. ``buf``: v
+    # itself where backward took it (ownership.take_saved), for dv
+    q, k_t, v, b0, b1, bits = saved
     need = ctx.needs_input_grad[:5]
     if v.dim() < 3:
         return None
+    if q.shape[:-2] != v.shape[:-2]:
+        return None
+    saved.clear()  # from here this frame's names hold them, and let them go
     enabled, ac_dtype = ctx.autocast
     leaves = [  # v is not in the probabilities' graph
         t.detach().requires_grad_(k) if t is not None else None
@@ -898,8 +905,10 @@ def _grads_by_hand(ctx, d_out):
         pc = _matmul_operand(probs, enabled, ac_dtype)  # the cast autograd records
     del probs
     vc = _matmul_operand(v, enabled, ac_dtype)
-    if pc.dtype != vc.dtype or pc.shape[:-2] != vc.shape[:-2]:
-        return None
+    if pc.dtype != vc.dtype:  # eager's matmul raises here: its own error
+        del pc, vc, leaves
+        return _eager_attention_grads(ctx, d_out, False, (q, k_t, v, b0, b1, bits))
+    del q, k_t, b0, b1, bits
     n = math.prod(pc.shape[:-2])
     g3 = d_out.reshape(n, *d_out.shape[-2:])  # _unsafe_view's backward: a copy or a view
     wanted = [t for i, (t, k) in enumerate(zip(leaves, need)) if k and i != 2]
@@ -910,9 +919,10 @@ def _grads_by_hand(ctx, d_out):
     dv = None
     if need[2]:  # bmm's formula for its second operand, D^T @ g; then the cast's backward
         d3 = pc.detach().reshape(n, *pc.shape[-2:])
-        # v's fold, dead now: its memory takes dv (the same shape) where ownership proves it
-        buf = ownership.take_saved(ctx, v) if d3.dtype == v.dtype else None
-        out = buf.view(n, *buf.shape[-2:]) if buf is not None and buf.is_contiguous() else None
+        # v's fold, dead now: its memory takes dv (the same shape) where backward took it
+        out = None
+        if buf is not None and d3.dtype == v.dtype and buf.is_contiguous():
+            out = buf.view(n, *buf.shape[-2:])
         dv = torch.bmm(d3.transpose(1, 2), g3, out=out).view(v.shape)
         del d3, buf, out
         if dv.dtype != v.dtype:
@@ -929,8 +939,8 @@ def _grads_by_hand(ctx, d_out):
     return (*grads, *(None,) * 5)
 
 
-def _eager_attention_grads(ctx, d_out, create_graph):
-    q, k_t, v, b0, b1, bits = ctx.saved_tensors
+def _eager_attention_grads(ctx, d_out, create_graph, saved=None):
+    q, k_t, v, b0, b1, bits = ctx.saved_tensors if saved is None else saved
     need = list(ctx.needs_input_grad[:5])
     if create_graph:
         # the recomputed graph on the inputs themselves, so that the first derivatives depend on
@@ -1002,8 +1012,20 @@ class _EagerAttentionFn(torch.autograd.Function):
     def backward(ctx, d_out):
         if d_out is None:
             return (None,) * 10
-        got = _grads_by_hand(ctx, d_out)  # NOTE [The output's product not recomputed]
-        return got if got is not None else _eager_attention_grads(ctx, d_out, False)
+        # unpacked once (a non-reentrant checkpoint's recomputed tensors unpack only once)
+        q, k_t, v, b0, b1, bits = ctx.saved_tensors
+        buf = None
+        # NOTE [The output's product not recomputed]: v for dv, asked here, where ownership's
+        # call pattern holds; not under autocast (bmm's out= variant is not autocast's: eager's
+        # backward product runs in autocast's dtype)
+        if ctx.needs_input_grad[2] and v.dim() >= 3 and not _any_autocast():
+            buf = ownership.take_saved(ctx, v)
+        # handed over in a list the callee empties: what it lets go dies then (a checkpoint's
+        # recomputed v once dD is made), not when this frame returns
+        saved = [q, k_t, v, b0, b1, bits]
+        del q, k_t, v, b0, b1, bits
+        got = _grads_by_hand(ctx, d_out, saved, buf)
+        return got if got is not None else _eager_attention_grads(ctx, d_out, False, saved)
 
 
 def eager_attention(
