@@ -500,6 +500,10 @@ _top_hooks = _derived._top_hooks
 _keep_graph = _derived._keep_graph
 _CLOCK = _derived._CLOCK
 _Recipe = _derived.Recipe
+_NodeRecipe = _derived.NodeRecipe
+# eager's convolution node, by the name PyTorch's derivatives give it (its saved input is
+# ``_saved_input``: NOTE [A recipe that reads x from eager's conv node] in ops/_derived.py)
+_EAGER_CONV_NODE = "ConvolutionBackward0"
 
 
 # NOTE [A conv bias gradient after dx from the output] in ops/batch_norm.py: the biases whose
@@ -804,18 +808,39 @@ def _conv(
         h = _top_hooks(False)
         region = None if h is None else _derived.forward_region(h)
         fake = None if region is None else _derived.stand_in(y, kept)
-        kept = kept.detach() if fake is None else fake
-        versions = (kept._version, w0._version, 0 if b0 is None else b0._version)
-        recipe = _Recipe(
-            fn=recompute,
-            tensors=(kept, w0, b0),
-            versions=versions,
-            version=y._version,
-            cheap=pointwise and not gated,
-            rebuild=rebuild,
-            pack=pack,
-            region=None if fake is None else region,
-        )
+        node = y.grad_fn
+        if (
+            h is None
+            and fake is None
+            and kept is x
+            and type(node).__name__ == _EAGER_CONV_NODE
+            and hasattr(node, "_saved_input")
+        ):
+            # NOTE [A recipe that reads x from eager's conv node] in ops/_derived.py
+            recipe = _NodeRecipe(
+                node=node,
+                params=(w0, b0),
+                fn=recompute,
+                versions=(x._version, w0._version, 0 if b0 is None else b0._version),
+                version=y._version,
+                cheap=pointwise and not gated,
+                rebuild=rebuild,
+                pack=pack,
+                region=None,
+            )
+        else:
+            kept = kept.detach() if fake is None else fake
+            versions = (kept._version, w0._version, 0 if b0 is None else b0._version)
+            recipe = _Recipe(
+                fn=recompute,
+                tensors=(kept, w0, b0),
+                versions=versions,
+                version=y._version,
+                cheap=pointwise and not gated,
+                rebuild=rebuild,
+                pack=pack,
+                region=None if fake is None else region,
+            )
         # _derived.put_recipe(y, recipe), inline (NOTE [A registry entry dropped in C]); y is
         # this call's fresh output, so an entry at its id is a live y's only if y were registered
         _CLOCK[0] += 1  # _derived._tick()
