@@ -85,3 +85,46 @@ def test_a_checkpointed_conv_bn_relu_conv(c, reentrant):
     x = torch.randn(4, 8, 16, 16, requires_grad=True)
     e, s = (measure(lambda m=m: m(x).square().sum(), timeline=False) for m in (eager, slim))
     assert s.peak_bytes <= e.peak_bytes, (s.peak_bytes, e.peak_bytes)
+
+
+class _ConvBn(nn.Module):
+    # a 1x1 conv the BatchNorm after it replays (its recipe adopted), its output returned too
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 8, 1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y, self.bn(y)
+
+
+def _pair_conv_bn():
+    torch.manual_seed(0)
+    eager = _ConvBn()
+    return eager, slimgrad.convert_(copy.deepcopy(eager))
+
+
+def _x():
+    return torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+def test_a_batch_norm_replays_its_conv_after_the_convs_backward():
+    # the conv's node has run its backward (its input let go) before the BatchNorm's: the BN
+    # adopted a plain copy of the recipe at its forward (NodeRecipe.pinned)
+    got = []
+    for m in _pair_conv_bn():
+        y, b = m(_x())
+        y.square().sum().backward()
+        got.append(torch.autograd.grad(b.square().sum(), m.bn.weight)[0])
+    torch.testing.assert_close(got[1], got[0])
+
+
+def test_a_batch_norm_on_the_output_after_the_convs_backward():
+    # a lookup of a recipe whose node let its input go finds none: the BN keeps its input
+    got = []
+    for m in _pair_conv_bn():
+        y, b = m(_x())
+        b.square().sum().backward()
+        z = m.bn(y)
+        got.append(torch.autograd.grad(z.square().sum(), m.bn.weight)[0])
+    torch.testing.assert_close(got[1], got[0])

@@ -428,7 +428,8 @@ class _RecomputeABNFn(torch.autograd.Function):
             c, weight, bias, running_mean, running_var, training, momentum, eps
         )
         torch.ops.aten.leaky_relu_(z, slope)
-        ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
+        ctx.recipe = recipe.pinned()
+        ctx.recipe_tensors = ctx.recipe.tensors
         ctx.conf = (training, eps, slope)
         if training:
             ctx.stats = (None, None)
@@ -549,7 +550,8 @@ class _MaxPoolRecomputeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, conf, recipe):
         out, _ = torch.ops.aten.max_pool2d_with_indices(z, *conf)
-        ctx.conf, ctx.recipe, ctx.recipe_tensors = conf, recipe, recipe.tensors
+        ctx.conf, ctx.recipe = conf, recipe.pinned()
+        ctx.recipe_tensors = ctx.recipe.tensors
         return out
 
     @staticmethod

@@ -440,6 +440,10 @@ class Recipe(_Record):
     # tensor is a stand-in (its shape, dtype and device; no values), else None
     region: object | None = None
 
+    def pinned(self) -> Recipe:
+        """This recipe as its adopter keeps it (a :class:`NodeRecipe`'s tensors read now)."""
+        return self
+
     def drop(self) -> None:
         """An adopter no longer keeps this recipe (its backward will not call it)."""
         if self.rebuild is not None:
@@ -474,6 +478,10 @@ class Recipe(_Record):
 # x as the node's saved input (``_saved_input``, the tensor itself) when it is read: the node lets
 # x go at its backward, which runs after every reader's (a norm after the conv: its backward
 # comes first). Under hooks, reading it would unpack (an offloading hook copies): x is kept.
+# Where the node has let x go (or x was written in place since), reading raises: a lookup then
+# finds no recipe (readable_tensors; the BatchNorm's inline lookup likewise), and an adopter keeps
+# a plain copy made at its forward (``pinned``), so a backward of the BatchNorm that runs after
+# the conv's (its output used elsewhere first) still replays it (a review found both crashing).
 class NodeRecipe(Recipe):
     """A :class:`Recipe` whose first tensor is eager's conv node's saved input, read when read
     (``node``), its weight and bias in ``params`` (NOTE [A recipe that reads x from eager's conv
@@ -481,7 +489,22 @@ class NodeRecipe(Recipe):
 
     @property
     def tensors(self) -> tuple:
+        # RuntimeError where the node has run its backward (x let go) or x was written in place
+        # since: a lookup then finds no recipe (readable_tensors)
         return (self.node._saved_input, *self.params)
+
+    def pinned(self) -> Recipe:
+        """A plain :class:`Recipe` of the tensors read now, for an adopter that keeps it (its
+        node may run its backward before the adopter's replay)."""
+        return Recipe(**{**vars(self), "tensors": self.tensors, "node": None, "params": None})
+
+
+def readable_tensors(r: Recipe) -> tuple | None:
+    """``r.tensors``, or None where a :class:`NodeRecipe` cannot read its node's input any more."""
+    try:
+        return r.tensors
+    except RuntimeError:
+        return None
 
 
 # NOTE [One pack per shared tensor]
@@ -867,7 +890,10 @@ def recipe_of(y: torch.Tensor, policy: str) -> Recipe | None:
         return None
     if r.region is not None and not usable(r):
         return None
-    for t, v in zip(r.tensors, r.versions):
+    ts = readable_tensors(r)
+    if ts is None:
+        return None
+    for t, v in zip(ts, r.versions):
         if t is not None and t._version != v:
             return None
     return r

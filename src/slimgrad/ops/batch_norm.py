@@ -705,6 +705,8 @@ class _BatchNormFn(torch.autograd.Function):
                 if recipe.rebuild is not None:  # _derived.adopt_recipe(recipe)
                     recipe.rebuild.add_user(1)
                 # NOTE [Recomputable inputs]: keep how to rebuild x, not x.
+                if type(recipe) is not _PLAIN_RECIPE:  # a NodeRecipe: its tensors read now
+                    recipe = recipe.pinned()
                 ctx.recipe, ctx.recipe_tensors = recipe, recipe.tensors
             else:
                 ctx.x, ctx.x_version = x.detach(), x._version
@@ -1455,8 +1457,12 @@ def _batch_norm(
                 # NOTE [A recipe made in a checkpoint's forward] in ops/_derived.py
                 and (r.region is None or _derived.usable(r))
             ):
-                for t, v in zip(r.tensors, r.versions):
-                    if t is not None and t._version != v:
+                try:  # _derived.readable_tensors(r), inline
+                    ts = r.tensors
+                except RuntimeError:  # a NodeRecipe whose node let x go: no recipe
+                    ts = None
+                for t, v in zip(ts if ts is not None else (0,), r.versions):
+                    if ts is None or (t is not None and t._version != v):
                         break
                 else:
                     recipe = r
@@ -1683,4 +1689,5 @@ _cudnn_on = torch._C._get_cudnn_enabled
 _grad_on = torch._C.is_grad_enabled
 _bump = torch._C._increment_version
 _RECIPES_D, _SOURCES_D, _CLOCK = _derived._RECIPES_D, _derived._SOURCES_D, _derived._CLOCK
+_PLAIN_RECIPE = _derived.Recipe
 _DERIVED_D = _derived._DERIVED_D
