@@ -33,6 +33,16 @@ def test_the_counter_counts_non_matmul_non_view_outputs_and_matmul_flops():
     assert (c.elements, c.matmul_flops) == (21 + 7 + 21, 210)
 
 
+def _counted_as_planned(make, blocks: list[str], flops: dict[str, int]) -> dict[str, int]:
+    # every choice's recompute per block (``flops``) is what the backward of every block in it
+    # runs more than every block in its plain choice; returns the plain choices' matmul FLOPs
+    plain = {c: backward_counts(make, dict.fromkeys(blocks, c))[1] for c in ("lean", "eager")}
+    for c, f in flops.items():
+        got = backward_counts(make, dict.fromkeys(blocks, c))[1]
+        assert got - plain["lean" if c.startswith("lean") else "eager"] == len(blocks) * f, c
+    return plain
+
+
 def test_the_plans_recompute_is_the_matmul_flops_its_backward_runs_more():
     # NOTE [Recompute is counted, not derived] in plan.py: a checkpointed block's recompute stops
     # once its backward has what it needs (fc2's product is saved by nothing: not recomputed), so
@@ -41,12 +51,9 @@ def test_the_plans_recompute_is_the_matmul_flops_its_backward_runs_more():
     blocks = list(top.choices)
     kind = top._measured[2][blocks[0]]
     make = _make()
-    plain = {c: backward_counts(make, dict.fromkeys(blocks, c))[1] for c in ("lean", "eager")}
     recomputing = [c for c in kind.flops if "recompute" in c]
     assert {"lean+recompute", "eager+recompute", "lean+recompute:fc2"} <= set(recomputing)
-    for c in kind.flops:
-        got = backward_counts(make, dict.fromkeys(blocks, c))[1]
-        assert got - plain["lean" if c.startswith("lean") else "eager"] == 4 * kind.flops[c], c
+    plain = _counted_as_planned(make, blocks, kind.flops)
     # the whole block: fc1's forward product only (2 * 8 * 64 * 32 * 128 FLOPs), not fc2's
     assert kind.flops["lean+recompute"] == kind.flops["eager+recompute"] == 2 * 8 * 64 * 32 * 128
     assert top.baselines["checkpoint-all"].recompute_flops == 4 * kind.flops["eager+recompute"]
@@ -77,16 +84,13 @@ def test_a_tiny_llamas_recompute_is_what_its_backward_runs_more():
         return (lambda: m(input_ids=ids, labels=ids, use_cache=False).loss), m
 
     blocks = ["model.layers.0", "model.layers.1"]
-    plain = {c: backward_counts(make, dict.fromkeys(blocks, c))[1] for c in ("lean", "eager")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         every = slimgrad.plan(make, "1TiB", verify=False)
         some = slimgrad.plan(make, "1TiB", verify=False, choices=("lean+recompute",))
     kind = every._measured[2][blocks[0]]
     assert {"lean+recompute:attention-core", "lean+recompute:mlp"} <= set(kind.flops)
-    for c, f in kind.flops.items():
-        got = backward_counts(make, dict.fromkeys(blocks, c))[1]
-        assert got - plain["lean" if c.startswith("lean") else "eager"] == 2 * f, c
+    _counted_as_planned(make, blocks, kind.flops)
     for c, f in some._measured[2][blocks[0]].flops.items():
         assert f == kind.flops[c], c
 

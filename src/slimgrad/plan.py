@@ -140,6 +140,7 @@ the same choice without recompute (dropout masks included).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -715,17 +716,13 @@ _SDPA_FLOPS = {
 # step's marks cannot be read the forward's count stands, an upper bound. ``lean`` and ``eager``
 # are measured whatever ``choices`` allows (chosen only where it allows them): with
 # ``choices=("lean+recompute",)`` the toy's checkpoint-all was the forward's 33,554,432 FLOPs.
-_FORMULAS: list[dict] = []
-
-
+@functools.cache
 def _flop_formulas() -> dict:
     # the tracker's matmul FLOP formulas: FlopCounterMode's registry and CPU's fused SDPA, as
     # _find_blocks counts the forward (NOTE [Recompute is counted, not derived])
-    if not _FORMULAS:
-        from torch.utils.flop_counter import flop_registry, shape_wrapper
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-        _FORMULAS.append({**flop_registry, **{k: shape_wrapper(f) for k, f in _SDPA_FLOPS.items()}})
-    return _FORMULAS[0]
+    return {**flop_registry, **{k: shape_wrapper(f) for k, f in _SDPA_FLOPS.items()}}
 
 
 def _find_blocks(model: nn.Module, forward: Callable) -> tuple[list[str], dict[str, int], int]:

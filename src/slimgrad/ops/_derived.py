@@ -496,7 +496,9 @@ class NodeRecipe(Recipe):
     def pinned(self) -> Recipe:
         """A plain :class:`Recipe` of the tensors read now, for an adopter that keeps it (its
         node may run its backward before the adopter's replay)."""
-        return Recipe(**{**vars(self), "tensors": self.tensors, "node": None, "params": None})
+        fields = {**vars(self), "tensors": self.tensors}
+        del fields["node"], fields["params"]
+        return Recipe(**fields)
 
 
 def readable_tensors(r: Recipe) -> tuple | None:

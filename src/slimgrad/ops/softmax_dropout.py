@@ -874,6 +874,24 @@ class _ProductGrad(torch.autograd.Function):
         return ctx.box.pop(), None
 
 
+def _probs_again(ctx, leaves, bits):
+    # the forward's probabilities (dropped) from the kept tensors: ``leaves`` are (q, k^T, v, the
+    # biases) as the backward differentiates them; called under grad mode and the forward's
+    # autocast state
+    probs = _eager_probs(
+        leaves[0],
+        leaves[1],
+        leaves[3:],
+        ctx.scaling,
+        ctx.softcap,
+        ctx.softmax_dtype,
+        ctx.probs_dtype,
+    )
+    if ctx.p > 0:  # eager's CPU dropout, input.mul(noise), from the bits
+        probs = _ApplyBitsFn.apply(probs, bits, ctx.p)
+    return probs
+
+
 def _grads_by_hand(ctx, d_out, saved, buf):
     # NOTE [The output's product not recomputed]; None where it does not apply. ``buf``: v
     # itself where backward took it (ownership.take_saved), for dv
@@ -891,17 +909,7 @@ def _grads_by_hand(ctx, d_out, saved, buf):
     ]
     with torch.enable_grad():
         with torch.autocast("cpu", dtype=ac_dtype, enabled=enabled, cache_enabled=False):
-            probs = _eager_probs(
-                leaves[0],
-                leaves[1],
-                leaves[3:],
-                ctx.scaling,
-                ctx.softcap,
-                ctx.softmax_dtype,
-                ctx.probs_dtype,
-            )
-            if ctx.p > 0:  # eager's CPU dropout, input.mul(noise), from the bits
-                probs = _ApplyBitsFn.apply(probs, bits, ctx.p)
+            probs = _probs_again(ctx, leaves, bits)
         pc = _matmul_operand(probs, enabled, ac_dtype)  # the cast autograd records
     del probs
     vc = _matmul_operand(v, enabled, ac_dtype)
@@ -960,17 +968,7 @@ def _eager_attention_grads(ctx, d_out, create_graph, saved=None):
     with torch.enable_grad():
         # the forward's ops under the forward's autocast state; autograd's backward outside it
         with torch.autocast("cpu", dtype=ac_dtype, enabled=enabled, cache_enabled=False):
-            probs = _eager_probs(
-                leaves[0],
-                leaves[1],
-                leaves[3:],
-                ctx.scaling,
-                ctx.softcap,
-                ctx.softmax_dtype,
-                ctx.probs_dtype,
-            )
-            if ctx.p > 0:  # eager's CPU dropout, input.mul(noise), from the bits
-                probs = _ApplyBitsFn.apply(probs, bits, ctx.p)
+            probs = _probs_again(ctx, leaves, bits)
             out = torch.matmul(probs, leaves[2])
             del probs
         wanted = [t for t, n in zip(leaves, need) if n]
