@@ -8,7 +8,11 @@ rest of the model (embeddings, head, loss) converted, as the planner composes it
 lower of ckpt's and slimgrad's peaks ("low"), their midpoint ("mid") and SAC's peak ("sac"), each
 with its full-estimate peak and recomputed matmul FLOPs as a fraction of the forward's, against
 ckpt's and against plain checkpointing of the fewest blocks that fit, and the time (wall and
-this process's CPU seconds: the box may be shared) of measuring and of each plan.
+this process's CPU seconds: the box may be shared) of measuring and of each plan. Each plan's
+recompute is also counted on the applied plan (``counted_recompute_flops``: its backward's matmul
+FLOPs, op by op with :mod:`slimgrad.bench.recompute_count`, less every block lean's), as is
+checkpoint-all's (``ckpt_counted_recompute_flops``, against every block eager): what the planner
+composes from its per-kind measurements, checked on the whole mixed plan.
 
 Targets: HF Llama ~1B (16 x 2048, intermediate 5504, vocab 32000, default config otherwise),
 4 x 2048 tokens, fp32 weights under autocast bf16; GPT-2 medium, 8 x 1024, fp32; a
@@ -101,6 +105,15 @@ def _full(make, device, choices, convert: bool, dtype):
     return estimate(made, device=device, timeline=False).peak_bytes
 
 
+def _counted(make, device, choices, dtype) -> int:
+    # the backward's matmul FLOPs of one fake step with ``choices`` applied (the rest converted,
+    # as in every plan), counted op by op (slimgrad.bench.recompute_count)
+    from slimgrad.bench.recompute_count import backward_counts
+
+    kw = {"dtype": dtype} if dtype is not None else {}
+    return backward_counts(make, choices, fake=device, **kw)[1]
+
+
 def _ckpt_needed(make, device, blocks, budget, amp, full_ckpt):
     # the fewest blocks plain per-block checkpointing (nothing converted, the first k blocks
     # recomputed: an early block's backward runs last) needs to fit ``budget``: a bisection over
@@ -153,6 +166,10 @@ def run(name: str, device: str, say, budgets=("low", "mid", "sac")) -> dict:
         "sac": _full(make, device, every("eager+sac"), True, amp),
     }
     ckpt_frac = top.baselines["checkpoint-all"].recompute_fraction
+    say("the backward's matmul FLOPs counted op by op (every block lean, eager, checkpointed)")
+    counted = {
+        c: _counted(make, device, every(c), amp) for c in ("lean", "eager", "eager+recompute")
+    }
     low = min(peaks["ckpt"], peaks["slimgrad"])
     mid = (peaks["ckpt"] + peaks["slimgrad"]) // 2
     plans = {}
@@ -177,6 +194,11 @@ def run(name: str, device: str, say, budgets=("low", "mid", "sac")) -> dict:
                 if need is None
                 else need[0] * per_block / p.forward_flops,
                 "recompute_fraction": p.recompute_fraction,
+                # the applied plan's backward, counted op by op, less every block lean's (the
+                # plans here choose lean-family choices only): equal to recompute_flops where
+                # the per-kind measurements compose exactly
+                "counted_recompute_flops": _counted(make, device, p.choices, amp) - counted["lean"],
+                "recompute_flops": p.recompute_flops,
                 "vs_ckpt_recompute": p.recompute_fraction / ckpt_frac if ckpt_frac else None,
                 "choices": sorted(
                     {c: list(p.choices.values()).count(c) for c in p.choices.values()}.items()
@@ -198,6 +220,8 @@ def run(name: str, device: str, say, budgets=("low", "mid", "sac")) -> dict:
         "composed_peaks_bytes": composed,
         "rest_converted_peaks_bytes": rest_converted,
         "ckpt_recompute_fraction": ckpt_frac,
+        "ckpt_recompute_flops": top.baselines["checkpoint-all"].recompute_flops,
+        "ckpt_counted_recompute_flops": counted["eager+recompute"] - counted["eager"],
         "slimgrad_ckpt_recompute_fraction": top.baselines["slimgrad+checkpoint"].recompute_fraction,
         "plans": plans,
         "measure_seconds": measure_s,
@@ -250,7 +274,9 @@ def main(argv=None) -> list[dict]:
             print(
                 f"  {tag} budget {p['budget_bytes'] / GiB:.2f} GiB: plan peak "
                 f"{p['peak_bytes'] / GiB:.2f}, recompute {p['recompute_fraction']:.3f} "
-                f"({p['vs_ckpt_recompute']:.2f}x ckpt's), {p['choices']}; checkpointing needs "
+                f"({p['vs_ckpt_recompute']:.2f}x ckpt's; counted on the applied plan: "
+                f"{p['counted_recompute_flops']} FLOPs, planned {p['recompute_flops']}), "
+                f"{p['choices']}; checkpointing needs "
                 f"{p['ckpt_blocks_needed']} blocks ({p['ckpt_needed_recompute_fraction']})",
                 flush=True,
             )

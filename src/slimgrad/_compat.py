@@ -333,6 +333,22 @@ def _checkpoint_forward() -> Feature:
     )
 
 
+def _down_after_saves() -> Feature:
+    # NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py
+    ok = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    return Feature(
+        "gated MLP product after its saves",
+        ok,
+        "torch._C._autograd._top_saved_tensors_default_hooks"
+        + (
+            " present"
+            if ok
+            else " missing: a checkpointed gated MLP recomputes its down projection (eager's "
+            "linear does not), where saved-tensor hooks are active"
+        ),
+    )
+
+
 _FEATURES: tuple[Callable[[], Feature], ...] = (
     _ownership,
     _forward_writes,
@@ -349,6 +365,7 @@ _FEATURES: tuple[Callable[[], Feature], ...] = (
     _dense_check,
     _conv_backend,
     _checkpoint_forward,
+    _down_after_saves,
 )
 
 

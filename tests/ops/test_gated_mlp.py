@@ -348,8 +348,9 @@ def test_host_calls_per_call():
     # dtype throughout (no autocast, no master weights); the straight backward of the usual
     # training call without its helpers' frames (NOTE [The gated MLP's straight backward]), issued
     # from C++ (NOTE [Backward bodies from C++] in slimgrad/_ext), create_graph checked in the
-    # backward itself (no first_order frame): 20 calls of and from slimgrad's code per fwd + bwd
-    # (21, 35, 77, then 63 before), counted, not timed
+    # backward itself (no first_order frame); one test for saved-tensor hooks (NOTE [The down
+    # product after the saves]): 21 calls of and from slimgrad's code per fwd + bwd (20 before
+    # that test; 21, 35, 77, then 63 before), counted, not timed
     from slimgrad.ops.gated_mlp import gated_mlp
     from tests._host_calls import slimgrad_calls
 
@@ -363,4 +364,4 @@ def test_host_calls_per_call():
         (gated_mlp(x * 1, wg, wu, wd) * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 20
+    assert slimgrad_calls(step) <= 21

@@ -59,6 +59,8 @@ from slimgrad.nn._script import NoScript
 from slimgrad.ops.gated_mlp import (
     _GATED_MLP_APPLY,
     _act,
+    _down_after,
+    _top_hooks,
     gated_mlp,
     gated_mlp_fused,
     glu,
@@ -434,9 +436,13 @@ class GatedMLP(NoScript, nn.Module):
                 # plain bias-free Linears without hooks: eager's ops on their weights, directly
                 # (eager's bits and bytes, without the converted submodules' per-call cost)
                 return _eager_ops(x, gw, None, uw, None, dw, None, a, False)
-            return _GATED_MLP_APPLY(
-                unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False
-            )
+            # NOTE [The down product after the saves] in ops/gated_mlp.py (_later_list, inline)
+            later = [] if _top_hooks(False) is not None else None
+            y = _GATED_MLP_APPLY(
+                unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False,
+                later,
+            )  # fmt: skip
+            return y if later is None else _down_after(y, later)
         if x.is_meta:  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
             return self._eager(x, gate, up, down, act)
         plain_down = _plain_linear(down)

@@ -400,10 +400,14 @@ class _GatedMLPFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, x, wg, bg, wu, bu, wd, bd, mg, mu, md, dt, activation: str, fused: bool):
+    def forward(
+        ctx, x, wg, bg, wu, bu, wd, bd, mg, mu, md, dt, activation: str, fused: bool, later=None
+    ):
         # m*: the fp32 leaf weights under autocast (dt: autocast's dtype), w* then their cast
         # tokens (NOTE [Autocast weight casts] in ops/linear.py): each master is cast here for its
-        # matmul and dropped, kept and re-cast in backward; the tokens carry the gradients
+        # matmul and dropped, kept and re-cast in backward; the tokens carry the gradients.
+        # ``later``: a list where the down product is left to run after the saves (NOTE [The down
+        # product after the saves]), or None
         nx, nwg, nbg, nwu, nbu, nwd, _ = ctx.needs_input_grad[:7]
         # _mm_weight and _act inline
         gu = F.linear(x, wg if mg is None else mg.to(dt), bg)
@@ -414,7 +418,12 @@ class _GatedMLPFn(torch.autograd.Function):
         # eager: act(g) * u (Phi-3: u * act(g)); the same bits
         a = _silu(g) if activation == "silu" and type(g) is Tensor else _act(g, activation)
         h = a.mul_(u)
-        y = F.linear(h, wd if md is None else md.to(dt), bd)
+        if later is None:
+            y = F.linear(h, wd if md is None else md.to(dt), bd)
+        else:  # NOTE [The down product after the saves]: y's buffer now, its values after
+            w = wd if md is None else md.to(dt)
+            y = h.new_empty((*h.shape[:-1], w.shape[0]))
+            later.append((h, w))
         need_gu = nx or nwg or nbg or nwu or nbu
         ctx.activation, ctx.fused = activation, fused
         ctx.has = (bg is not None, bu is not None, bd is not None)
@@ -497,7 +506,7 @@ class _GatedMLPFn(torch.autograd.Function):
                 r = _EXT_BWD(dy, x, g, u, wg, wu, wd, _ACT_CODE[ctx.activation])
                 if r is not None:
                     dx, dwg, dwu, dwd = r
-                    return dx, dwg, None, dwu, None, dwd, None, None, None, None, None, None, None
+                    return dx, dwg, None, dwu, None, dwd, *_NONES8
             # NOTE [The gated MLP's straight backward]
             # The general path below for this one case, its helpers' frames inline: the same
             # ops on the same operands in the same order (g, u and dh as 2-D (tokens, I) views:
@@ -525,7 +534,7 @@ class _GatedMLPFn(torch.autograd.Function):
             del dg, da, dh  # one buffer: freed before du's matmuls, as the general path's del dg
             dx2.add_(du @ wu)
             dwu = du.t() @ x2
-            return dx, dwg, None, dwu, None, dwd, None, None, None, None, None, None, None
+            return dx, dwg, None, dwu, None, dwd, *_NONES8
         m = ctx.needs_input_grad[:7]
         need_gu = any(m[:5])
         (has_bg, has_bu, has_bd), (gdt, udt) = ctx.has, ctx.mm_dtypes
@@ -575,10 +584,57 @@ class _GatedMLPFn(torch.autograd.Function):
                         del dxu
                 if not one:
                     dx = _to(dx, xdt)
-        return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None, None
+        return dx, dwg, dbg, dwu, dbu, dwd, dbd, None, None, None, None, None, None, None
 
 
+_NONES8 = (None,) * 8  # the straight backward's last gradients: bd's, the masters', dt's, ...
 _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
+
+# NOTE [The down product after the saves]
+# A non-reentrant ``torch.utils.checkpoint`` stops its recompute once every tensor the block saved
+# is back (``early_stop``), and a custom Function's saved tensors reach the pack hooks only when
+# its forward returns: the whole op's, down's product included, ran before the recompute could
+# stop. An HF Llama layer ends in its MLP, so a checkpointed converted layer recomputed its down
+# projection (2 T D I FLOPs: a fifth to a quarter of the layer's matmuls at Llama 1B to 8B
+# shapes), which eager's ``F.linear`` (it saves its inputs before its product) never recomputes:
+# slimgrad + checkpointing recomputed more than checkpointing alone (HF Llama ~1B: 0.935 of the
+# forward's matmul FLOPs against 0.756). Under saved-tensor hooks (where ``_top_hooks`` sees
+# some), the op's forward leaves the product out: it returns y's buffer unfilled and hands ``h``
+# and the weight the product reads to :func:`_down_after`, which fills y with ``mm(..., out=)``
+# once ``apply`` returned (after the saves: a recompute stops before it). The same kernel on the
+# same operands as ``F.linear`` without a bias (the 2-D fold ``matmul`` makes of a contiguous h),
+# so the same bits; the write is to a buffer nobody else has seen yet (no autograd-visible tensor
+# changes after it was handed out), under ``no_grad`` (``out=`` records no graph). An h that is
+# not contiguous (none the op makes) is multiplied by ``F.linear`` and copied in; with a down bias
+# forward runs ``F.linear`` itself as before. Without hooks nothing changes.
+try:  # private: without it the product stays in forward (feature off in `slimgrad env`)
+    _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+except AttributeError:  # pragma: no cover - depends on the torch release
+
+    def _top_hooks(_ignore_empty: bool) -> None:
+        return None
+
+
+def _later_list(bd: Tensor | None) -> list | None:
+    # a list for forward's deferred product where it applies (NOTE [The down product after the
+    # saves]), else None; the straight paths test ``_top_hooks(False)`` inline (one call). Not
+    # while compiling: there what is saved, and when, is the partitioner's (NOTE [slimgrad ops
+    # under torch.compile] in slimgrad/_compile.py), and the trace stays free of hook state
+    if bd is not None or compiling():
+        return None
+    return [] if _top_hooks(False) is not None else None
+
+
+def _down_after(y: Tensor, later: list | None) -> Tensor:
+    # fills y, the op's output, with h @ W^T (NOTE [The down product after the saves])
+    if later:
+        h, w = later.pop()
+        with torch.no_grad():
+            if h.is_contiguous():
+                torch.mm(h.view(-1, h.shape[-1]), w.t(), out=y.view(-1, y.shape[-1]))
+            else:
+                y.copy_(F.linear(h, w))
+    return y
 
 
 class _GluFn(torch.autograd.Function):
@@ -696,7 +752,8 @@ def gated_mlp(
         and up_bias is None
         and down_bias is None
     ):
-        return _GATED_MLP_APPLY(
+        later = [] if _top_hooks(False) is not None else None  # _later_list(None), inline
+        y = _GATED_MLP_APPLY(
             unwrap_if_dead(input),
             *args[1:],
             None,
@@ -705,12 +762,16 @@ def gated_mlp(
             None,
             activation,
             False,
+            later,
         )
+        return y if later is None else _down_after(y, later)
     # NOTE [torch.func transforms], NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
     if transforms_active() or input.is_meta or not _records(*args):
         return _fwd_torch(*args, activation, False)
     refuse_jit("ops.gated_mlp")
-    return _GatedMLPFn.apply(*_autocast_args(input, args), activation, False)
+    later = _later_list(down_bias)
+    y = _GatedMLPFn.apply(*_autocast_args(input, args), activation, False, later)
+    return y if later is None else _down_after(y, later)
 
 
 def gated_mlp_fused(
@@ -755,7 +816,9 @@ def gated_mlp_fused(
     if transforms_active() or input.is_meta or not _records(*args):
         return _fwd_torch(*args, activation, True)
     refuse_jit("ops.gated_mlp_fused")
-    return _GatedMLPFn.apply(*_autocast_args(input, args), activation, True)
+    later = _later_list(down_bias)
+    y = _GatedMLPFn.apply(*_autocast_args(input, args), activation, True, later)
+    return y if later is None else _down_after(y, later)
 
 
 def glu_linear(
