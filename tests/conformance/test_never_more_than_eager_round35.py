@@ -174,12 +174,29 @@ def test_inplace_abn_eval_running_statistic_written_before_backward(which, act):
     loss = slim["c1"](slim["bn"](hold[0])).sum()
     with torch.no_grad():
         getattr(slim.bn, which).add_(1.0)
-    # ELU's side channels are known inside the op only: the op keeps the statistics and names
-    # them; leaky_relu's are known before, and the copy call is eager's BatchNorm (NOTE [Side
-    # channels over a copy take eager's BatchNorm]), which raises autograd's error as eager's
-    msg = f"slimgrad.ops.inplace_abn: {which} was modified" if act == "elu" else "inplace"
-    with pytest.raises(RuntimeError, match=msg):
+    # γ = 0 puts 2 channels aside, known before the call for both activations: the copy call is
+    # eager's BatchNorm (NOTE [Side channels over a copy take eager's BatchNorm]), which raises
+    # autograd's error as eager's does (ELU's op, reached where only x's values put channels
+    # aside, names the statistic: the next test)
+    with pytest.raises(RuntimeError, match="inplace"):
         loss.backward()
+
+
+def test_inplace_abn_eval_elu_running_statistic_written_where_values_put_channels_aside():
+    # ELU saturated by x's values alone (no γ = 0): the op keeps the running statistics and names
+    # the one written before backward
+    for which in ("running_var", "running_mean"):
+        _, slim = _abn_models(torch.float32, 0)
+        slim.bn.activation, slim.bn.activation_param = "elu", 1.0
+        x = torch.randn(2, 3, 6, 6)
+        hold = [slim["c0"](x)]
+        with torch.no_grad():
+            hold[0][0, 0] = -1e4  # ELU saturates channel 0 (its pre-activation below -log 256)
+        loss = slim["c1"](slim["bn"](hold[0])).sum()
+        with torch.no_grad():
+            getattr(slim.bn, which).add_(1.0)
+        with pytest.raises(RuntimeError, match=f"slimgrad.ops.inplace_abn: {which} was modified"):
+            loss.backward()
 
 
 def test_abn_eval_backward_after_a_training_call_reads_the_updated_statistics_as_eager():
