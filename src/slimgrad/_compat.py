@@ -335,11 +335,20 @@ def _checkpoint_forward() -> Feature:
 
 def _down_after_saves() -> Feature:
     # NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py
-    ok = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    hooks = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: F401
+    except ImportError:
+        modes = hasattr(torch._C, "_len_torch_dispatch_stack")
+        what = "torch._C._len_torch_dispatch_stack (dispatch modes unread: none allowed)"
+    else:
+        modes = True
+        what = "torch.utils._python_dispatch._get_current_dispatch_mode_stack"
+    ok = hooks and modes
     return Feature(
         "gated MLP product after its saves",
         ok,
-        "torch._C._autograd._top_saved_tensors_default_hooks"
+        f"torch._C._autograd._top_saved_tensors_default_hooks and {what}"
         + (
             " present"
             if ok

@@ -373,6 +373,10 @@ class _Tracker(TorchDispatchMode):
     # forward write under it (NOTE [Forward ownership from stated structure])
     _slimgrad_keeps_no_tensor = True
 
+    # computes every op it sees as asked, storing no result it could hand back in place of a
+    # later call's: NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py
+    _slimgrad_reads_ops = True
+
     def __init__(self, stats: Any = None) -> None:
         super().__init__()
         self.stats = stats  # NOTE [Intra-op workspace]
@@ -1333,6 +1337,11 @@ class _KernelDispatch(TorchDispatchMode):
     #   kernels keep]);
     # - CPU's oneDNN convolution backward returns a weight gradient with every bias gradient
     #   (NOTE [Fake tensors model the CPU conv backward's outputs]).
+
+    # computes every op it sees as asked, storing no result it could hand back in place of a
+    # later call's: NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py
+    _slimgrad_reads_ops = True
+
     def __init__(self, cuda: bool) -> None:
         super().__init__()
         self.cuda = cuda

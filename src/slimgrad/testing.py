@@ -384,6 +384,10 @@ class OpObserver(TorchDispatchMode):
 
     _slimgrad_keeps_no_tensor = True
 
+    # computes every op it sees as asked, storing no result it could hand back in place of a
+    # later call's: NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py
+    _slimgrad_reads_ops = True
+
     def see(self, func, args, kwargs) -> None:
         raise NotImplementedError
 

@@ -167,3 +167,52 @@ def test_save_on_cpu_and_a_later_in_place_write_on_the_output():
     assert torch.equal(out[0][0], out[1][0])
     for a, b in zip(out[0][1], out[1][1], strict=True):
         assert torch.equal(a, b)
+
+
+def _sac_policy(exact: bool):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        saved = op is torch.ops.aten.mm.default if exact else op.overloadpacket is torch.ops.aten.mm
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("mutation", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_selective_checkpointing_past_the_mlp(exact, mutation, fused):
+    # review: under torch's selective checkpointing (plan's lean+sac), a recompute that runs past
+    # the MLP (a norm after it in the block saves its output) got back forward's y for the
+    # deferred ``mm.out`` and left the new buffer unfilled: an error, or with
+    # allow_cache_entry_mutation wrong gradients; a policy naming ``mm.default`` recomputed the
+    # product. Under such a mode the product stays in forward: the gradients without checkpoint,
+    # and nothing recomputed where the policy saves the products
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    fn, leaves = _case((6,), 16, 40, torch.float32, fused, False)
+    leaves = [t for t in leaves if t is not None]
+    ln = torch.randn(19, generator=torch.Generator().manual_seed(5)).requires_grad_()
+
+    def block():
+        return F.layer_norm(fn(), (19,), ln)
+
+    ctx = functools.partial(
+        create_selective_checkpoint_contexts,
+        _sac_policy(exact),
+        allow_cache_entry_mutation=mutation,
+    )
+    got = []
+    for sac in (False, True):
+        for t in [*leaves, ln]:
+            t.grad = None
+        y = checkpoint(block, use_reentrant=False, context_fn=ctx) if sac else block()
+        with BackwardCounts() as c:
+            y.pow(2).sum().backward()
+        got.append((c.matmul_flops, [t.grad.clone() for t in [*leaves, ln]]))
+    assert got[1][0] == got[0][0]  # every product saved: none recomputed
+    for a, b in zip(got[0][1], got[1][1], strict=True):
+        assert torch.equal(a, b)

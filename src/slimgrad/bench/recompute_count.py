@@ -55,6 +55,10 @@ class BackwardCounts(TorchDispatchMode):
     """``with BackwardCounts() as c: loss.backward()``: ``c.elements`` (non-matmul, non-view ops'
     computed elements) and ``c.matmul_flops``, over the ops run inside."""
 
+    # computes every op it sees as asked, storing no result it could hand back in place of a
+    # later call's: NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py
+    _slimgrad_reads_ops = True
+
     def __init__(self) -> None:
         super().__init__()
         self.elements = 0

@@ -750,6 +750,12 @@ KEPT_ON_MODULE = (
     "forward (self.<name> = ..., a list or dict there), where the user may write it in place or "
     "through .data"
 )
+#: ... and for a SiLU, GELU, Mish, ELU or Hardswish whose output its consumer is not known to keep
+#: (NOTE [Keep y only where its consumer keeps it])
+NOT_KEPT_AFTER = (
+    "runs eager's op (keeps its input, as eager): what follows it is not known to keep its output, "
+    "so keeping the output and its side bits could cost more than eager"
+)
 COPY_KEPT_ON_MODULE = (
     "returns a copy of its output (one more output-sized tensor): its output may be kept on a "
     "module past its forward, where the user may write it in place or through .data, and it "
@@ -937,5 +943,12 @@ def state_consumers_(model: torch.nn.Module, rep=None, *, traces=None) -> int:
             else (name or "<root>", type(m).__name__, reasons[id(m) in kept][0])
             for name, m in model.named_modules()
             if id(m) in out and (not isinstance(m, copies) or m.at_output)
+        ]
+        # the smooth activations that run eager's op for their consumer (a KeepYWhen decides
+        # per call: it keeps y where its producer does not keep x, not listed)
+        rep.eager_op += [
+            (name or "<root>", type(m).__name__, NOT_KEPT_AFTER)
+            for name, m in model.named_modules()
+            if type(m) in smooth and id(m) not in out and m.__dict__.get("keep_y", True) is False
         ]
     return n

@@ -603,16 +603,48 @@ _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
 # and the weight the product reads to :func:`_down_after`, which fills y with ``mm(..., out=)``
 # once ``apply`` returned (after the saves: a recompute stops before it). The same kernel on the
 # same operands as ``F.linear`` without a bias (the 2-D fold ``matmul`` makes of a contiguous h),
-# so the same bits; the write is to a buffer nobody else has seen yet (no autograd-visible tensor
-# changes after it was handed out), under ``no_grad`` (``out=`` records no graph). An h that is
-# not contiguous (none the op makes) is multiplied by ``F.linear`` and copied in; with a down bias
-# forward runs ``F.linear`` itself as before. Without hooks nothing changes.
+# so the same bits; the write is to a buffer no tensor the user or autograd holds has seen yet,
+# under ``no_grad`` (``out=`` records no graph). A dispatch mode sees the buffer too, and one that
+# stores op results can hand the stored one back in place of the write: torch's selective
+# checkpointing, whose recompute then returned forward's y for ``mm.out`` and left the new buffer
+# unfilled (an error, or wrong gradients with ``allow_cache_entry_mutation``), and whose policies
+# name ``mm.default``. So the product is left until later only where every mode on the stack
+# only reads ops (``_readers_only``: slimgrad's trackers, which carry ``_slimgrad_reads_ops``,
+# fake tensors, torch's FLOP counter); under any other mode, as without hooks, forward runs
+# ``F.linear``. An h that is not contiguous (none the op makes) is multiplied by ``F.linear`` and
+# copied in; with a down bias forward runs ``F.linear`` itself as before.
 try:  # private: without it the product stays in forward (feature off in `slimgrad env`)
     _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 except AttributeError:  # pragma: no cover - depends on the torch release
 
     def _top_hooks(_ignore_empty: bool) -> None:
         return None
+
+
+try:  # private: the dispatch modes on the stack; without it, no mode is taken as a reader
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
+except ImportError:  # pragma: no cover - depends on the torch release
+    _mode_stack = None
+_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _readers_only() -> bool:
+    # every dispatch mode on the stack only reads ops (NOTE [The down product after the saves]):
+    # none, or slimgrad's own (``_slimgrad_reads_ops``), fake tensors, torch's FLOP counter
+    if _mode_depth is not None and not _mode_depth():
+        return True
+    if _mode_stack is None:
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for m in _mode_stack():
+        if not (
+            getattr(m, "_slimgrad_reads_ops", False)
+            or isinstance(m, FakeTensorMode)
+            or type(m).__module__ == "torch.utils.flop_counter"
+        ):
+            return False
+    return True
 
 
 def _later_list(bd: Tensor | None) -> list | None:
@@ -622,7 +654,7 @@ def _later_list(bd: Tensor | None) -> list | None:
     # under torch.compile] in slimgrad/_compile.py), and the trace stays free of hook state
     if bd is not None or compiling():
         return None
-    return [] if _top_hooks(False) is not None else None
+    return [] if _top_hooks(False) is not None and _readers_only() else None
 
 
 def _down_after(y: Tensor, later: list | None) -> Tensor:
@@ -752,7 +784,8 @@ def gated_mlp(
         and up_bias is None
         and down_bias is None
     ):
-        later = [] if _top_hooks(False) is not None else None  # _later_list(None), inline
+        # _later_list(None), inline: one call without hooks
+        later = [] if _top_hooks(False) is not None and _readers_only() else None
         y = _GATED_MLP_APPLY(
             unwrap_if_dead(input),
             *args[1:],
