@@ -10,7 +10,8 @@ with its full-estimate peak and recomputed matmul FLOPs as a fraction of the for
 ckpt's and against plain checkpointing of the fewest blocks that fit, and the time (wall and
 this process's CPU seconds: the box may be shared) of measuring and of each plan. Each plan's
 recompute is also counted on the applied plan (``counted_recompute_flops``: its backward's matmul
-FLOPs, op by op with :mod:`slimgrad.bench.recompute_count`, less every block lean's), as is
+FLOPs, op by op with :mod:`slimgrad.bench.recompute_count`, less those of the same blocks
+without recompute: lean for a lean choice, eager for an eager one), as is
 checkpoint-all's (``ckpt_counted_recompute_flops``, against every block eager): what the planner
 composes from its per-kind measurements, checked on the whole mixed plan.
 
@@ -114,6 +115,11 @@ def _counted(make, device, choices, dtype) -> int:
     return backward_counts(make, choices, fake=device, **kw)[1]
 
 
+def _plain(choices: dict) -> dict:
+    # each block's choice without recompute: "lean" for lean+..., "eager" for eager+...
+    return {b: "lean" if c.startswith("lean") else "eager" for b, c in choices.items()}
+
+
 def _ckpt_needed(make, device, blocks, budget, amp, full_ckpt):
     # the fewest blocks plain per-block checkpointing (nothing converted, the first k blocks
     # recomputed: an early block's backward runs last) needs to fit ``budget``: a bisection over
@@ -194,10 +200,11 @@ def run(name: str, device: str, say, budgets=("low", "mid", "sac")) -> dict:
                 if need is None
                 else need[0] * per_block / p.forward_flops,
                 "recompute_fraction": p.recompute_fraction,
-                # the applied plan's backward, counted op by op, less every block lean's (the
-                # plans here choose lean-family choices only): equal to recompute_flops where
-                # the per-kind measurements compose exactly
-                "counted_recompute_flops": _counted(make, device, p.choices, amp) - counted["lean"],
+                # the applied plan's backward, counted op by op, less that of the same blocks
+                # without recompute (lean for a lean choice, eager for an eager one): equal to
+                # recompute_flops where the per-kind measurements compose exactly
+                "counted_recompute_flops": _counted(make, device, p.choices, amp)
+                - _counted(make, device, _plain(p.choices), amp),
                 "recompute_flops": p.recompute_flops,
                 "vs_ckpt_recompute": p.recompute_fraction / ckpt_frac if ckpt_frac else None,
                 "choices": sorted(
