@@ -412,3 +412,35 @@ def test_a_root_whose_attention_a_pattern_changed_names_its_own_parameters(name,
     assert kind in lines, str(slimgrad.report(model))
     assert f"its own parameters/buffers ({own})" in lines[kind]
     assert [n for n, k, _ in slimgrad.report(model).left_alone if k == kind] == [""]
+
+
+class _ActThenOwnCode(nn.Module):
+    # the GELU's output goes through the forward's own code (an unknown consumer: NOTE [Keep y
+    # only where its consumer keeps it] in slimgrad/nn/_output_act.py), SiLU's straight to a
+    # Linear (kept there)
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8)
+        self.tail = nn.Sequential(nn.SiLU(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.tail(self.fc2(self.act(self.fc1(x)) * 2))
+
+
+def test_an_activation_that_runs_eagers_op_for_its_consumer_is_named():
+    # issue 30 (SwinV2): a converted GELU whose output its consumer is not known to keep runs
+    # eager's op; the report listed it as converted and no more
+    from slimgrad.nn._output_act import NOT_KEPT_AFTER
+
+    model = _ActThenOwnCode()
+    slimgrad.convert_(model)
+    rep = slimgrad.report(model)
+    assert ("act", "GELU", NOT_KEPT_AFTER) in rep.eager_op
+    assert not [r for r in rep.eager_op if r[0].startswith("tail")]
+    assert f"  ~ GELU x1 (act): {NOT_KEPT_AFTER}" in str(rep)
+    # and it does: the step keeps what eager's keeps
+    x = torch.randn(5, 6)
+    eager = _ActThenOwnCode()
+    eager.load_state_dict(model.state_dict())
+    got = [measure(lambda m=m: m(x).sum(), timeline=False).saved_bytes for m in (model, eager)]
+    assert got[0] <= got[1]
