@@ -334,7 +334,8 @@ def _checkpoint_forward() -> Feature:
 
 
 def _down_after_saves() -> Feature:
-    # NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py
+    # NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py, NOTE [A product after
+    # the saves under autocast] in slimgrad/ops/linear.py
     hooks = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
     try:
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: F401
@@ -346,14 +347,14 @@ def _down_after_saves() -> Feature:
         what = "torch.utils._python_dispatch._get_current_dispatch_mode_stack"
     ok = hooks and modes
     return Feature(
-        "gated MLP product after its saves",
+        "products after their saves (gated MLP, Linear under autocast)",
         ok,
         f"torch._C._autograd._top_saved_tensors_default_hooks and {what}"
         + (
             " present"
             if ok
-            else " missing: a checkpointed gated MLP recomputes its down projection (eager's "
-            "linear does not), where saved-tensor hooks are active"
+            else " missing: a checkpointed block ending in a gated MLP (or, under autocast, a "
+            "Linear) recomputes its last product, which eager's linear does not"
         ),
     )
 

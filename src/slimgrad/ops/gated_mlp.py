@@ -58,7 +58,13 @@ from slimgrad._autograd import (
 )
 from slimgrad._compile import recompute_in_backward
 from slimgrad._library import custom_op
-from slimgrad.ops.linear import _autocast_cast, autocast_weight, keeps_master
+from slimgrad.ops.linear import (
+    _autocast_cast,
+    _readers_only,
+    _top_hooks,
+    autocast_weight,
+    keeps_master,
+)
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
 
 __all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_fused", "glu", "glu_linear", "lean_wins"]
@@ -590,6 +596,7 @@ class _GatedMLPFn(torch.autograd.Function):
 _NONES8 = (None,) * 8  # the straight backward's last gradients: bd's, the masters', dt's, ...
 _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
 
+
 # NOTE [The down product after the saves]
 # A non-reentrant ``torch.utils.checkpoint`` stops its recompute once every tensor the block saved
 # is back (``early_stop``), and a custom Function's saved tensors reach the pack hooks only when
@@ -613,40 +620,6 @@ _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
 # fake tensors, torch's FLOP counter); under any other mode, as without hooks, forward runs
 # ``F.linear``. An h that is not contiguous (none the op makes) is multiplied by ``F.linear`` and
 # copied in; with a down bias forward runs ``F.linear`` itself as before.
-try:  # private: without it the product stays in forward (feature off in `slimgrad env`)
-    _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-except AttributeError:  # pragma: no cover - depends on the torch release
-
-    def _top_hooks(_ignore_empty: bool) -> None:
-        return None
-
-
-try:  # private: the dispatch modes on the stack; without it, no mode is taken as a reader
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
-except ImportError:  # pragma: no cover - depends on the torch release
-    _mode_stack = None
-_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
-
-
-def _readers_only() -> bool:
-    # every dispatch mode on the stack only reads ops (NOTE [The down product after the saves]):
-    # none, or slimgrad's own (``_slimgrad_reads_ops``), fake tensors, torch's FLOP counter
-    if _mode_depth is not None and not _mode_depth():
-        return True
-    if _mode_stack is None:
-        return False
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    for m in _mode_stack():
-        if not (
-            getattr(m, "_slimgrad_reads_ops", False)
-            or isinstance(m, FakeTensorMode)
-            or type(m).__module__ == "torch.utils.flop_counter"
-        ):
-            return False
-    return True
-
-
 def _later_list(bd: Tensor | None) -> list | None:
     # a list for forward's deferred product where it applies (NOTE [The down product after the
     # saves]), else None; the straight paths test ``_top_hooks(False)`` inline (one call). Not

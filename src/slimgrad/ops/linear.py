@@ -313,11 +313,46 @@ def _autocast_linear_backward(ctx, dy):
     w = master.to(ctx.cast_dtype) if master is not None else None  # eager's cast, same bits
     mask = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
     dx, dw, db = _bwd_torch(dy, x, w, ctx.has_bias, ctx.w_in_out, mask)
-    return dx, dw, None, db, None, None
+    return dx, dw, None, db, None, None, None
 
 
 def _describe(t):
     return f"[{t.__class__.__name__}] {tuple(t.shape)} {t.dtype}"
+
+
+try:  # private: without it the product stays in forward (feature off in `slimgrad env`)
+    _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+except AttributeError:  # pragma: no cover - depends on the torch release
+
+    def _top_hooks(_ignore_empty: bool) -> None:
+        return None
+
+
+try:  # private: the dispatch modes on the stack; without it, no mode is taken as a reader
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
+except ImportError:  # pragma: no cover - depends on the torch release
+    _mode_stack = None
+_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _readers_only() -> bool:
+    # every dispatch mode on the stack only reads ops (NOTE [The down product after the saves] in
+    # ops/gated_mlp.py):
+    # none, or slimgrad's own (``_slimgrad_reads_ops``), fake tensors, torch's FLOP counter
+    if _mode_depth is not None and not _mode_depth():
+        return True
+    if _mode_stack is None:
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for m in _mode_stack():
+        if not (
+            getattr(m, "_slimgrad_reads_ops", False)
+            or isinstance(m, FakeTensorMode)
+            or type(m).__module__ == "torch.utils.flop_counter"
+        ):
+            return False
+    return True
 
 
 # NOTE [The master weight is no saved tensor]
@@ -336,18 +371,54 @@ class _AutocastLinearFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, x, token, master, bias, cast_dtype, w_in_out):
+    def forward(ctx, x, token, master, bias, cast_dtype, w_in_out, later=None):
+        # ``later``: a list where the product is left to run after the saves (NOTE [A product
+        # after the saves under autocast]), or None
         ctx.w_in_out, ctx.has_bias, ctx.cast_dtype = w_in_out, bias is not None, cast_dtype
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, None)
         # NOTE [The master weight is no saved tensor]
         ctx.master = master if ctx.needs_input_grad[0] else None
         ctx.master_version = master._version
-        return fresh(_fwd_torch(x, master.to(cast_dtype), bias, w_in_out))
+        if later is None:
+            return fresh(_fwd_torch(x, master.to(cast_dtype), bias, w_in_out))
+        w = master.to(cast_dtype)
+        later.append((x, w, bias, w_in_out))
+        return x.new_empty((*x.shape[:-1], w.shape[-1] if w_in_out else w.shape[0]))
 
     @staticmethod
     @first_order("ops.linear", double=_autocast_linear_backward)
     def backward(ctx, dy):
         return _autocast_linear_backward(ctx, dy)
+
+
+# NOTE [A product after the saves under autocast]
+# The converted Linear under autocast is a custom Function (_AutocastLinearFn): its x reaches the
+# pack hooks when its forward returns, after its product, where eager's linear saves x before
+# it. Last in a checkpointed block (a GPT-NeoX or small Phi-3 MLP's down projection), a
+# non-reentrant checkpoint's recompute then ran that product, which eager's never does: 1.44x
+# eager's recomputed matmul FLOPs on a 2-layer GPT-NeoX under bf16 autocast. Under saved-tensor
+# hooks and only reading dispatch modes, as the gated MLP (NOTE [The down product after the
+# saves] in ops/gated_mlp.py), the Function returns its output's buffer unfilled and
+# :func:`_product_after` fills it once ``apply`` returned, with the kernel ``_fwd_torch`` runs
+# (``mm``, ``addmm`` on the 2-D fold of a contiguous x: F.linear's and Conv1D's product) into the
+# buffer's 2-D view (``out=``, under no_grad): the same bits. Only for a contiguous x.
+def _later_ok(x: torch.Tensor) -> bool:
+    return (
+        _top_hooks(False) is not None and not compiling() and x.is_contiguous() and _readers_only()
+    )
+
+
+def _product_after(y: torch.Tensor, later: list) -> torch.Tensor:
+    # fills y with x's product (NOTE [A product after the saves under autocast])
+    x, w, b, w_in_out = later.pop()
+    wt = w if w_in_out else w.t()
+    with torch.no_grad():
+        x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if b is None:
+            torch.mm(x2, wt, out=y2)
+        else:
+            torch.addmm(b, x2, wt, out=y2)
+    return y
 
 
 # NOTE [A cast token holds no bytes]
@@ -573,8 +644,11 @@ def _apply(x, weight, bias, w_in_out):
         bias = _autocast_cast(bias, dev, dt)
         if keeps_master(weight, dt):  # NOTE [Autocast weight casts]
             token = autocast_weight(weight, dt)
+            # NOTE [A product after the saves under autocast]
+            later = [] if _later_ok(x) else None
             with torch.autocast(dev, enabled=False):
-                return _AutocastLinearFn.apply(x, token, weight, bias, dt, w_in_out)
+                y = _AutocastLinearFn.apply(x, token, weight, bias, dt, w_in_out, later)
+                return y if later is None else _product_after(y, later)
         weight = _autocast_cast(weight, dev, dt)
         with torch.autocast(dev, enabled=False):
             y = _LinearFn.apply(x, weight, bias, w_in_out)

@@ -1,0 +1,76 @@
+"""The converted Linear under autocast, inside saved-tensor hooks, leaves its product until after
+its saves (NOTE [A product after the saves under autocast] in slimgrad/ops/linear.py): a
+non-reentrant checkpoint's recompute stops before it, as before eager's linear; the same bits."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from slimgrad.bench.recompute_count import BackwardCounts
+from slimgrad.ops import conv1d_addmm, linear
+
+
+def _leaves(shape, n_in, n_out, bias, conv1d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, n_in, generator=g).requires_grad_()
+    w = torch.nn.Parameter(torch.randn(*((n_in, n_out) if conv1d else (n_out, n_in)), generator=g))
+    b = torch.nn.Parameter(torch.randn(n_out, generator=g)) if bias else None
+    return x, w, b
+
+
+def _fn(x, w, b, conv1d):
+    if conv1d:
+        return lambda: conv1d_addmm(x * 1, w, b)
+    return lambda: linear(x * 1, w, b)
+
+
+def _step(fn, leaves, hooks: bool):
+    for t in leaves:
+        t.grad = None
+    ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with ctx if hooks else contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fn()
+    w = torch.linspace(-1, 1, y.numel()).view(y.shape)
+    (y.float() * w).sum().backward()
+    return y.detach().clone(), [t.grad.clone() for t in leaves]
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 3), (1, 2, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_under_hooks_the_bits_are_the_ops_without_hooks(shape, bias, conv1d):
+    x, w, b = _leaves(shape, 12, 7, bias, conv1d)
+    leaves = [t for t in (x, w, b) if t is not None]
+    fn = _fn(x, w, b, conv1d)
+    plain, hooked = _step(fn, leaves, False), _step(fn, leaves, True)
+    assert torch.equal(plain[0], hooked[0])
+    for a, c in zip(plain[1], hooked[1], strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_a_checkpoint_ending_in_the_linear_does_not_recompute_its_product(conv1d):
+    # issue 33 (a GPT-NeoX MLP under bf16 autocast recomputed its down projection under HF
+    # gradient checkpointing: 1.44x eager's recomputed matmul FLOPs)
+    n, d, o = 6, 16, 24
+    x, w, b = _leaves((n,), d, o, True, conv1d)
+    w0, b0 = _leaves((n,), d, d, True, False, seed=1)[1:]
+
+    def block(t):
+        h = torch.relu(linear(t, w0, b0))  # a product whose input is saved before it
+        return conv1d_addmm(h, w, b) if conv1d else linear(h, w, b)
+
+    flops = []
+    for ck in (False, True):
+        for t in (x, w, b, w0, b0):
+            t.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = checkpoint(block, x * 1, use_reentrant=False) if ck else block(x * 1)
+        with BackwardCounts() as c:
+            y.float().sum().backward()
+        flops.append(c.matmul_flops)
+    assert flops[1] - flops[0] == 2 * n * d * d  # the first product only
