@@ -74,3 +74,47 @@ def test_a_checkpoint_ending_in_the_linear_does_not_recompute_its_product(conv1d
             y.float().sum().backward()
         flops.append(c.matmul_flops)
     assert flops[1] - flops[0] == 2 * n * d * d  # the first product only
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "phi3"])
+def test_hf_checkpointed_after_convert_under_autocast_recomputes_what_eager_does(family):
+    # a 2-layer GPT-NeoX (its MLP: converted Linears around a GELU) and a Phi-3 small enough
+    # that its MLP takes eager's ops on converted Linears, bf16 autocast, HF gradient
+    # checkpointing after convert_: the recomputed matmul FLOPs (the step counted whole) are
+    # eager's, and the gradients are those of the converted model without checkpointing
+    import copy
+    import warnings
+
+    import slimgrad
+
+    transformers = pytest.importorskip("transformers")
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
+    if family == "gpt_neox":
+        cfg = transformers.GPTNeoXConfig(**common, intermediate_size=256)
+        cls = transformers.GPTNeoXForCausalLM
+    else:
+        cfg = transformers.Phi3Config(
+            **common, intermediate_size=88, num_key_value_heads=2, pad_token_id=0
+        )
+        cls = transformers.Phi3ForCausalLM
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = cls(cfg).train()
+    ids = torch.randint(1, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for conv in (False, True):
+        for gc in (False, True):
+            m = copy.deepcopy(base)
+            if conv:
+                slimgrad.convert_(m)
+            if gc:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    m.gradient_checkpointing_enable({"use_reentrant": False})
+            with BackwardCounts() as c, torch.autocast("cpu", dtype=torch.bfloat16):
+                m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            got[conv, gc] = c.matmul_flops, [p.grad for p in m.parameters()]
+    eager = got[False, True][0] - got[False, False][0]
+    assert eager > 0 and got[True, True][0] - got[True, False][0] == eager
+    for a, b in zip(got[True, False][1], got[True, True][1], strict=True):
+        assert torch.equal(a, b)
