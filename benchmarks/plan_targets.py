@@ -172,10 +172,8 @@ def run(name: str, device: str, say, budgets=("low", "mid", "sac")) -> dict:
         "sac": _full(make, device, every("eager+sac"), True, amp),
     }
     ckpt_frac = top.baselines["checkpoint-all"].recompute_fraction
-    say("the backward's matmul FLOPs counted op by op (every block lean, eager, checkpointed)")
-    counted = {
-        c: _counted(make, device, every(c), amp) for c in ("lean", "eager", "eager+recompute")
-    }
+    say("the backward's matmul FLOPs counted op by op (every block eager, checkpointed)")
+    counted = {c: _counted(make, device, every(c), amp) for c in ("eager", "eager+recompute")}
     low = min(peaks["ckpt"], peaks["slimgrad"])
     mid = (peaks["ckpt"] + peaks["slimgrad"]) // 2
     plans = {}
