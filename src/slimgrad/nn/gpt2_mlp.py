@@ -38,9 +38,10 @@ from slimgrad.ops.gpt2_mlp import (
     autocast_apply,
     autocast_ok,
     block_ok,
+    later_list,
     ln_ok,
 )
-from slimgrad.ops.linear import _FakeTensor
+from slimgrad.ops.linear import _FakeTensor, _product_after, _top_hooks
 
 __all__ = ["GPT2MLP"]
 
@@ -187,7 +188,10 @@ class GPT2MLP(NoScript, nn.Module):
             fp, pp, act, drop = parts
             if block_ok(hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias")):
                 p = drop.p if drop.training and drop.p > 0.0 else None
-                return _GPT2_MLP_APPLY(  # ops.gpt2_mlp.apply, inline
+                # NOTE [c_proj's product after the saves] in ops/gpt2_mlp.py (no call with a
+                # dropout step, one C call without hooks)
+                later = None if p is not None or _top_hooks(False) is None else later_list(p)
+                z = _GPT2_MLP_APPLY(  # ops.gpt2_mlp.apply, inline
                     unwrap_if_dead(hidden_states),
                     fp["weight"],
                     fp.get("bias"),
@@ -196,7 +200,9 @@ class GPT2MLP(NoScript, nn.Module):
                     act.approximate,
                     p,
                     straight(),
+                    later,
                 )
+                return z if not later else _product_after(z, later)
             if autocast_ok(
                 hidden_states, fp["weight"], fp.get("bias"), pp["weight"], pp.get("bias")
             ):
@@ -234,7 +240,8 @@ class GPT2MLP(NoScript, nn.Module):
         ):
             return None
         p = drop.p if drop.training and drop.p > 0.0 else None
-        return _GPT2_LN_MLP_APPLY(
+        later = None if p is not None or _top_hooks(False) is None else later_list(p)
+        z = _GPT2_LN_MLP_APPLY(
             unwrap_if_dead(x),
             lw,
             lb,
@@ -248,7 +255,9 @@ class GPT2MLP(NoScript, nn.Module):
             act.approximate,
             p,
             straight(),
+            later,
         )
+        return z if not later else _product_after(z, later)
 
 
 def norm_shape(norm: nn.Module) -> list[int]:

@@ -427,9 +427,9 @@ class _GatedMLPFn(torch.autograd.Function):
         if later is None:
             y = F.linear(h, wd if md is None else md.to(dt), bd)
         else:  # NOTE [The down product after the saves]: y's buffer now, its values after
-            w = wd if md is None else md.to(dt)
+            w = wd if md is None else md  # the master's cast made at the product, not held
+            later.append((h, w, None if md is None else dt))  # through the saves
             y = h.new_empty((*h.shape[:-1], w.shape[0]))
-            later.append((h, w))
         need_gu = nx or nwg or nbg or nwu or nbu
         ctx.activation, ctx.fused = activation, fused
         ctx.has = (bg is not None, bu is not None, bd is not None)
@@ -633,10 +633,13 @@ def _later_list(bd: Tensor | None) -> list | None:
 def _down_after(y: Tensor, later: list | None) -> Tensor:
     # fills y, the op's output, with h @ W^T (NOTE [The down product after the saves])
     if later:
-        h, w = later.pop()
+        h, w, dt = later.pop()
+        if dt is not None:  # the master weight's cast, made for the product
+            w = w.to(dt)
         with torch.no_grad():
-            if h.is_contiguous():
-                torch.mm(h.view(-1, h.shape[-1]), w.t(), out=y.view(-1, y.shape[-1]))
+            if h.is_contiguous() and h.shape[-1] and y.numel():
+                h2 = h.view(-1, h.shape[-1])  # rows given below: y may have 0 columns
+                torch.mm(h2, w.t(), out=y.view(h2.shape[0], y.shape[-1]))
             else:
                 y.copy_(F.linear(h, w))
     return y

@@ -138,6 +138,9 @@ from slimgrad.ops.linear import (
     _AutocastLinearFn,
     _FakeTensor,
     _LinearFn,
+    _product_after,
+    _readers_only,
+    _top_hooks,
     autocast_weight,
     fresh,
     keeps_master,
@@ -410,11 +413,14 @@ def _backward(ctx, dy, owned: bool = False):
         None,
         None,
         None,
+        None,
     )
 
 
-def _mlp_forward(n, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct):
-    # the MLP's steps in eager's order; n: needs_input_grad of (x, w_fc, b_fc, w_proj, b_proj)
+def _mlp_forward(n, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct, later=None):
+    # the MLP's steps in eager's order; n: needs_input_grad of (x, w_fc, b_fc, w_proj, b_proj);
+    # ``later`` (no dropout step): a list where c_proj's product is left to run after the saves
+    # (NOTE [c_proj's product after the saves]), or None
     need_h = n[0] or n[1] or n[2]
     fc = _Step()
     fc.needs_input_grad = (n[0], n[1], n[2], False, False)
@@ -433,6 +439,13 @@ def _mlp_forward(n, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct):
     del h
     proj = _Step()
     proj.needs_input_grad = (need_h, n[3], n[4], False, False)
+    if later is not None and p is None:  # NOTE [c_proj's product after the saves]
+        # _LinearFn.forward's bookkeeping (w_in_out), its product left to the caller
+        proj.w_in_out, proj.has_bias = True, b_proj is not None
+        proj.to_save = (y if n[3] else None, w_proj if need_h else None)
+        proj.lead = y.shape[:-1] if y.ndim > 2 else None
+        later.append((y, w_proj, None, b_proj, True))
+        return (fc, act, proj, None), y.new_empty((*y.shape[:-1], w_proj.shape[-1]))
     z = _LinearFn.forward(proj, y, w_proj, b_proj, True, direct)
     if proj.lead is not None:
         z = z.view(proj.lead + z.shape[-1:])
@@ -450,10 +463,11 @@ class _GPT2MLPFn(torch.autograd.Function):
     _slimgrad_floor = True
 
     @staticmethod
-    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct=False):
-        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py)
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct=False, later=None):
+        # direct: the caller passed the gate (NOTE [One gate per call] in slimgrad/_library.py);
+        # later: NOTE [c_proj's product after the saves]
         steps, z = _mlp_forward(
-            ctx.needs_input_grad, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct
+            ctx.needs_input_grad, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct, later
         )
         _save_steps(ctx, steps)
         return fresh(z)
@@ -482,7 +496,7 @@ def _ln_mlp_backward(ctx, dy, owned: bool = False):
         dx, dw, db = layer_norm_backward(ln, dy_ln)
         del dy_ln
     _release_saved(ctx.steps)
-    return (dx, dw, db, None, None, None, dw_fc, db_fc, dw_proj, db_proj, None, None, None)
+    return (dx, dw, db, None, None, None, dw_fc, db_fc, dw_proj, db_proj, None, None, None, None)
 
 
 class _GPT2LNMLPFn(torch.autograd.Function):
@@ -493,14 +507,15 @@ class _GPT2LNMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, ln_w, ln_b, arg, eps, y_kept_after, w_fc, b_fc, w_proj, b_proj, approximate, p,
-        direct,
+        direct, later=None,
     ):  # fmt: skip
         n = ctx.needs_input_grad
         ln, y = layer_norm_forward(n, x, arg, ln_w, ln_b, eps, y_kept_after, direct)
         need_y = n[0] or n[1] or n[2]
         steps, z = _mlp_forward(
-            (need_y, n[6], n[7], n[8], n[9]), y, w_fc, b_fc, w_proj, b_proj, approximate, p, direct
-        )
+            (need_y, n[6], n[7], n[8], n[9]), y, w_fc, b_fc, w_proj, b_proj, approximate, p,
+            direct, later,
+        )  # fmt: skip
         del y
         _save_steps(ctx, (ln, *steps))
         return fresh(z)
@@ -566,7 +581,7 @@ def _ac_backward(ctx, dy, owned: bool = False):
         del buf, master
         _, dt_fc, db_fc = _linear_bwd(dh2, x, None, fc.has_bias, True, (False, m[1], m[3]))
     _release_saved(ctx.steps)
-    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None
+    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None, None
 
 
 def _ac_double(ctx, dy):
@@ -603,7 +618,7 @@ def _ac_double(ctx, dy):
         if m[3] and fc.has_bias:
             db_fc = dh.sum(0)
     _release_saved(ctx.steps)
-    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None
+    return dx, dt_fc, None, db_fc, None, dt_proj, None, db_proj, None, None, None, None, None
 
 
 class _GPT2MLPAutocastFn(torch.autograd.Function):
@@ -614,8 +629,11 @@ class _GPT2MLPAutocastFn(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, t_fc, w_fc, b_fc, bm_fc, t_proj, w_proj, b_proj, dt, approximate, p, direct
+        ctx, x, t_fc, w_fc, b_fc, bm_fc, t_proj, w_proj, b_proj, dt, approximate, p, direct,
+        later=None,
     ):  # fmt: skip
+        # later: NOTE [c_proj's product after the saves] (None, or a list where there is no
+        # dropout step)
         n = ctx.needs_input_grad
         need_h = n[0] or n[1] or n[3]  # anything before the GELU
         fc = _Step()
@@ -624,7 +642,9 @@ class _GPT2MLPAutocastFn(torch.autograd.Function):
         y = _ge._fwd_torch(h, approximate)  # eager's GELU on h: its bits
         proj = _Step()
         proj.needs_input_grad = (need_h, n[5], False, n[7], False, False)
-        z = _AutocastLinearFn.forward(proj, y, t_proj, w_proj, b_proj, dt, True)
+        z = _AutocastLinearFn.forward(
+            proj, y, t_proj, w_proj, b_proj, dt, True, later if p is None else None
+        )
         del y
         act = None
         ctx.recompute_y = need_h and n[5]
@@ -758,9 +778,30 @@ def apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None) -> t
     """The node on arguments :func:`block_ok` accepted; ``p`` None: no dropout."""
     from slimgrad._autograd import unwrap_if_dead
 
-    return _GPT2_MLP_APPLY(
-        unwrap_if_dead(x), w_fc, b_fc, w_proj, b_proj, approximate, p, straight()
+    later = later_list(p)
+    out = _GPT2_MLP_APPLY(
+        unwrap_if_dead(x), w_fc, b_fc, w_proj, b_proj, approximate, p, straight(), later
     )
+    return out if not later else _product_after(out, later)
+
+
+# NOTE [c_proj's product after the saves]
+# The one-node MLP's saved tensors reach saved-tensor hooks when its forward returns, after
+# c_proj's product; with no dropout step after it (GPT-2 at dropout 0), a non-reentrant
+# checkpoint of a block ending in it ran that product again, which eager's Conv1D (its addmm saves
+# its inputs first) never does: 13,631,488 recomputed matmul FLOPs against eager's 9,437,184 on a
+# 2-layer, 64-wide GPT-2 at 2 x 32 tokens. As the gated MLP (NOTE [The down product after the
+# saves] in ops/gated_mlp.py), under saved-tensor hooks and only reading dispatch modes, the node
+# does c_proj's bookkeeping, returns the output's buffer unfilled and hands the product to
+# ``_product_after`` (ops/linear.py: addmm or mm into the buffer's 2-D view, the kernel of
+# _LinearFn's forward, the same bits) once ``apply`` returned. With a dropout step after c_proj
+# its mask is saved after the product anyway (eager's too), and nothing changes.
+def later_list(p) -> list | None:
+    """A list for :class:`_GPT2MLPFn`'s ``later`` where c_proj's product may wait (NOTE [c_proj's
+    product after the saves]), else None."""
+    if p is not None or _top_hooks(False) is None or compiling():
+        return None
+    return [] if _readers_only() else None
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -832,10 +873,13 @@ def autocast_apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | N
     t_fc = autocast_weight(w_fc, dt)
     b_proj16 = _autocast_cast(b_proj, dev, dt)
     t_proj = autocast_weight(w_proj, dt)
+    later = later_list(p)  # NOTE [c_proj's product after the saves]
     with torch.autocast(dev, enabled=False):
-        return _GPT2_MLP_AC_APPLY(
-            x16, t_fc, w_fc, b_fc16, b_fc, t_proj, w_proj, b_proj16, dt, approximate, p, straight()
-        )
+        z = _GPT2_MLP_AC_APPLY(
+            x16, t_fc, w_fc, b_fc16, b_fc, t_proj, w_proj, b_proj16, dt, approximate, p,
+            straight(), later,
+        )  # fmt: skip
+        return z if not later else _product_after(z, later)
 
 
 def ln_ok(x, weight, bias) -> bool:

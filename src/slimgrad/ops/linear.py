@@ -95,6 +95,7 @@ its caller outside the Function (NOTE [Linear's 2-D product]).
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
@@ -141,8 +142,10 @@ def _fwd_torch(x, weight, bias, w_in_out: bool):
 
 def _bwd_torch(dy, x, weight, has_bias: bool, w_in_out: bool, output_mask, differentiable=None):
     # ``differentiable``: whether grad mode is on (None: ask torch); output_mask: the first three
-    # of needs_input_grad (x, weight, bias)
-    dy2 = dy.reshape(-1, dy.shape[-1])
+    # of needs_input_grad (x, weight, bias). Rows given, not -1: a reshape of 0 elements cannot
+    # infer them (out_features or in_features 0)
+    rows = math.prod(dy.shape[:-1])
+    dy2 = dy.reshape(rows, dy.shape[-1])
     dx = dw = db = None
     if output_mask[0]:
         # dx allocated in its final shape (a base, not a view of the 2-D product), so the next
@@ -155,9 +158,9 @@ def _bwd_torch(dy, x, weight, has_bias: bool, w_in_out: bool, output_mask, diffe
             dx = dx2.view(*dy.shape[:-1], dx2.shape[-1])
         else:
             dx = dy2.new_empty((*dy.shape[:-1], w.shape[1]))
-            torch.mm(dy2, w, out=dx.view(-1, w.shape[1]))
+            torch.mm(dy2, w, out=dx.view(rows, w.shape[1]))
     if output_mask[1]:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(rows, x.shape[-1])
         dw = x2.t() @ dy2 if w_in_out else dy2.t() @ x2
     if has_bias and output_mask[2]:
         db = dy2.sum(0)
@@ -381,9 +384,9 @@ class _AutocastLinearFn(torch.autograd.Function):
         ctx.master_version = master._version
         if later is None:
             return fresh(_fwd_torch(x, master.to(cast_dtype), bias, w_in_out))
-        w = master.to(cast_dtype)
-        later.append((x, w, bias, w_in_out))
-        return x.new_empty((*x.shape[:-1], w.shape[-1] if w_in_out else w.shape[0]))
+        # the cast is made at the product, not held through the saves (a hook that copies x)
+        later.append((x, master, cast_dtype, bias, w_in_out))
+        return x.new_empty((*x.shape[:-1], master.shape[-1] if w_in_out else master.shape[0]))
 
     @staticmethod
     @first_order("ops.linear", double=_autocast_linear_backward)
@@ -401,19 +404,31 @@ class _AutocastLinearFn(torch.autograd.Function):
 # saves] in ops/gated_mlp.py), the Function returns its output's buffer unfilled and
 # :func:`_product_after` fills it once ``apply`` returned, with the kernel ``_fwd_torch`` runs
 # (``mm``, ``addmm`` on the 2-D fold of a contiguous x: F.linear's and Conv1D's product) into the
-# buffer's 2-D view (``out=``, under no_grad): the same bits. Only for a contiguous x.
-def _later_ok(x: torch.Tensor) -> bool:
+# buffer's 2-D view (``out=``, under no_grad): the same bits. The weight is cast there too, not
+# held through the saves (a pack hook that copies x would see it beside the copy: one weight
+# cast above the parent's peak). Only for a contiguous x and a bias of one dimension (F.linear
+# broadcasts others its own way).
+def _later_ok(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
-        _top_hooks(False) is not None and not compiling() and x.is_contiguous() and _readers_only()
+        _top_hooks(False) is not None
+        and not compiling()
+        and x.is_contiguous()
+        and (bias is None or bias.ndim == 1)  # F.linear broadcasts others its own way
+        and _readers_only()
     )
 
 
 def _product_after(y: torch.Tensor, later: list) -> torch.Tensor:
-    # fills y with x's product (NOTE [A product after the saves under autocast])
-    x, w, b, w_in_out = later.pop()
+    # fills y with x's product (NOTE [A product after the saves under autocast]); ``later`` holds
+    # (x, weight, its cast dtype or None, bias, w_in_out): the weight cast here, for the product
+    x, w, dt, b, w_in_out = later.pop()
+    if dt is not None:
+        w = w.to(dt)
     wt = w if w_in_out else w.t()
     with torch.no_grad():
-        x2, y2 = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        # rows given: a view of 0 elements cannot infer them
+        x2 = x.view(-1, x.shape[-1]) if x.shape[-1] else x.reshape(-1, 0)
+        y2 = y.view(x2.shape[0], y.shape[-1])
         if b is None:
             torch.mm(x2, wt, out=y2)
         else:
@@ -645,7 +660,7 @@ def _apply(x, weight, bias, w_in_out):
         if keeps_master(weight, dt):  # NOTE [Autocast weight casts]
             token = autocast_weight(weight, dt)
             # NOTE [A product after the saves under autocast]
-            later = [] if _later_ok(x) else None
+            later = [] if _later_ok(x, bias) else None
             with torch.autocast(dev, enabled=False):
                 y = _AutocastLinearFn.apply(x, token, weight, bias, dt, w_in_out, later)
                 return y if later is None else _product_after(y, later)
@@ -752,7 +767,7 @@ def linear(
         or not (type(input) in _PLAIN and type(weight) in _PLAIN and type(bias) in _PLAIN)
     ):
         return _linear_general(input, weight, bias)
-    if not _plain_layout(input, weight):
+    if not _plain_layout(input, weight) or (bias is not None and bias.ndim != 1):
         return torch.nn.functional.linear(input, weight, bias)
     if not input.shape or input.shape[-1] != weight.shape[1]:
         _check("linear", input, weight, 1)
@@ -764,6 +779,9 @@ def _linear_general(input, weight, bias):
         eager = (  # torch.func (NOTE [torch.func transforms]), other layouts, DTensors (tensor
             transforms_active()  # parallel: DTensor's own linear; eager's keeps what this keeps)
             or not _plain_layout(input, weight)
+            # a bias of other than one dim, which F.linear broadcasts (and whose gradient it
+            # sums back to that shape): eager's op, as an unusual layout
+            or (bias is not None and bias.ndim != 1)
             or any_dtensor(input, weight, bias)
             or input.is_meta  # NOTE [Meta tensors take eager's op] in slimgrad/_autograd.py
         )
