@@ -347,14 +347,14 @@ def _down_after_saves() -> Feature:
         what = "torch.utils._python_dispatch._get_current_dispatch_mode_stack"
     ok = hooks and modes
     return Feature(
-        "products after their saves (gated MLP, Linear under autocast)",
+        "products after their saves (gated MLP, GPT-2's MLP, Linear under autocast)",
         ok,
         f"torch._C._autograd._top_saved_tensors_default_hooks and {what}"
         + (
             " present"
             if ok
-            else " missing: a checkpointed block ending in a gated MLP (or, under autocast, a "
-            "Linear) recomputes its last product, which eager's linear does not"
+            else " missing: a checkpointed block ending in a gated MLP, GPT-2's MLP (or, under "
+            "autocast, a Linear) recomputes its last product, which eager's linear does not"
         ),
     )
 

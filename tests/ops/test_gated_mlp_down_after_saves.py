@@ -1,11 +1,10 @@
-"""The gated MLP under saved-tensor hooks leaves its down product until after its saves (NOTE [The
-down product after the saves] in slimgrad/ops/gated_mlp.py): a non-reentrant checkpoint's
-recompute stops before it, as before eager's ``F.linear``; the bits are those of the op without
-hooks."""
+"""The gated MLP under a non-reentrant checkpoint leaves its down product until after its saves
+(NOTE [The down product after the saves] in slimgrad/ops/gated_mlp.py): the checkpoint's recompute
+stops before it, as before eager's ``F.linear``; the bits are those of the op without checkpoint,
+and under other saved-tensor hooks (which may copy what they pack) the product stays in forward."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import warnings
@@ -26,12 +25,12 @@ def _identity_hooks():
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
-def _step(fn, leaves, hooks: bool, amp: bool):
+def _step(fn, leaves, ckpt: bool, amp: bool):
+    # one step of fn, under a non-reentrant checkpoint (the deferred product) or not
     for t in leaves:
         t.grad = None
-    ctx = _identity_hooks() if hooks else contextlib.nullcontext()
-    with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        y = fn()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        y = checkpoint(fn, use_reentrant=False) if ckpt else fn()
     w = torch.linspace(-1, 1, y.numel()).view(y.shape).to(y.dtype)
     (y * w).sum().backward()
     return y.detach().clone(), [t.grad.clone() for t in leaves]
@@ -57,7 +56,7 @@ def _case(shape, d, i, dtype, fused, down_bias, seed=0):
                                        (torch.float32, True)])  # fmt: skip
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("down_bias", [False, True])
-def test_under_hooks_the_bits_are_the_ops_without_hooks(shape, dtype, amp, fused, down_bias):
+def test_under_a_checkpoint_the_bits_are_the_ops_without_it(shape, dtype, amp, fused, down_bias):
     fn, leaves = _case(shape, 12, 20, dtype, fused, down_bias)
     leaves = [t for t in leaves if t is not None]
     plain = _step(fn, leaves, False, amp)
@@ -157,7 +156,7 @@ def test_save_on_cpu_and_a_later_in_place_write_on_the_output():
     for hooks in (False, True):
         for t in leaves[:4]:
             t.grad = None
-        ctx = torch.autograd.graph.save_on_cpu() if hooks else contextlib.nullcontext()
+        ctx = torch.autograd.graph.save_on_cpu() if hooks else _identity_hooks()
         with ctx:
             y = fn()
             y.mul_(2)  # a ReLU(inplace)-like consumer

@@ -62,6 +62,7 @@ from slimgrad.ops.gated_mlp import (
     _down_after,
     _readers_only,
     _top_hooks,
+    checkpoint_hooks,
     gated_mlp,
     gated_mlp_fused,
     glu,
@@ -438,7 +439,11 @@ class GatedMLP(NoScript, nn.Module):
                 # (eager's bits and bytes, without the converted submodules' per-call cost)
                 return _eager_ops(x, gw, None, uw, None, dw, None, a, False)
             # NOTE [The down product after the saves] in ops/gated_mlp.py (_later_list, inline)
-            later = [] if _top_hooks(False) is not None and _readers_only() else None
+            later = (
+                []
+                if _top_hooks(False) is not None and checkpoint_hooks() and _readers_only()
+                else None
+            )
             y = _GATED_MLP_APPLY(
                 unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False,
                 later,

@@ -63,6 +63,7 @@ from slimgrad.ops.linear import (
     _readers_only,
     _top_hooks,
     autocast_weight,
+    checkpoint_hooks,
     keeps_master,
 )
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
@@ -605,10 +606,15 @@ _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
 # projection (2 T D I FLOPs: a fifth to a quarter of the layer's matmuls at Llama 1B to 8B
 # shapes), which eager's ``F.linear`` (it saves its inputs before its product) never recomputes:
 # slimgrad + checkpointing recomputed more than checkpointing alone (HF Llama ~1B: 0.935 of the
-# forward's matmul FLOPs against 0.756). Under saved-tensor hooks (where ``_top_hooks`` sees
-# some), the op's forward leaves the product out: it returns y's buffer unfilled and hands ``h``
-# and the weight the product reads to :func:`_down_after`, which fills y with ``mm(..., out=)``
-# once ``apply`` returned (after the saves: a recompute stops before it). The same kernel on the
+# forward's matmul FLOPs against 0.756). Under torch.utils.checkpoint's own hooks (its forward
+# and its recompute: ``checkpoint_hooks`` in ops/linear.py), the op's forward leaves the product
+# out: it returns y's buffer unfilled and hands ``h`` and the weight the product reads (the
+# master, cast at the product under autocast) to :func:`_down_after`, which fills y with
+# ``mm(..., out=)`` once ``apply`` returned (after the saves: a recompute stops before it).
+# Only those hooks: they pack without copying, while other hooks (``save_on_cpu``, a user's
+# clone or compression) may copy what they pack, and whatever the fill makes (the weight's cast,
+# the product's operands) would then sit beside those copies: a review measured one bf16 weight
+# cast above the parent's peak under a cloning hook. The same kernel on the
 # same operands as ``F.linear`` without a bias (the 2-D fold ``matmul`` makes of a contiguous h),
 # so the same bits; the write is to a buffer no tensor the user or autograd holds has seen yet,
 # under ``no_grad`` (``out=`` records no graph). A dispatch mode sees the buffer too, and one that
@@ -617,9 +623,9 @@ _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
 # unfilled (an error, or wrong gradients with ``allow_cache_entry_mutation``), and whose policies
 # name ``mm.default``. So the product is left until later only where every mode on the stack
 # only reads ops (``_readers_only``: slimgrad's trackers, which carry ``_slimgrad_reads_ops``,
-# fake tensors, torch's FLOP counter); under any other mode, as without hooks, forward runs
-# ``F.linear``. An h that is not contiguous (none the op makes) is multiplied by ``F.linear`` and
-# copied in; with a down bias forward runs ``F.linear`` itself as before.
+# fake tensors, torch's FLOP counter); under any other mode or hooks, forward runs ``F.linear``.
+# An h that is not contiguous (none the op makes) is multiplied by ``F.linear`` and copied in;
+# with a down bias forward runs ``F.linear`` itself as before.
 def _later_list(bd: Tensor | None) -> list | None:
     # a list for forward's deferred product where it applies (NOTE [The down product after the
     # saves]), else None; the straight paths test ``_top_hooks(False)`` inline (one call). Not
@@ -627,7 +633,9 @@ def _later_list(bd: Tensor | None) -> list | None:
     # under torch.compile] in slimgrad/_compile.py), and the trace stays free of hook state
     if bd is not None or compiling():
         return None
-    return [] if _top_hooks(False) is not None and _readers_only() else None
+    if _top_hooks(False) is None or not checkpoint_hooks():
+        return None
+    return [] if _readers_only() else None
 
 
 def _down_after(y: Tensor, later: list | None) -> Tensor:
@@ -761,7 +769,9 @@ def gated_mlp(
         and down_bias is None
     ):
         # _later_list(None), inline: one call without hooks
-        later = [] if _top_hooks(False) is not None and _readers_only() else None
+        later = (
+            [] if _top_hooks(False) is not None and checkpoint_hooks() and _readers_only() else None
+        )
         y = _GATED_MLP_APPLY(
             unwrap_if_dead(input),
             *args[1:],

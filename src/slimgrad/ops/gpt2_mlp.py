@@ -141,7 +141,9 @@ from slimgrad.ops.linear import (
     _product_after,
     _readers_only,
     _top_hooks,
+    autocast_linear_setup,
     autocast_weight,
+    checkpoint_hooks,
     fresh,
     keeps_master,
 )
@@ -439,7 +441,9 @@ def _mlp_forward(n, x, w_fc, b_fc, w_proj, b_proj, approximate, p, direct, later
     del h
     proj = _Step()
     proj.needs_input_grad = (need_h, n[3], n[4], False, False)
-    if later is not None and p is None:  # NOTE [c_proj's product after the saves]
+    # NOTE [c_proj's product after the saves]: only where c_proj keeps y anyway (its weight
+    # needs a gradient), so y waiting for the product holds no bytes of its own
+    if later is not None and p is None and n[3]:
         # _LinearFn.forward's bookkeeping (w_in_out), its product left to the caller
         proj.w_in_out, proj.has_bias = True, b_proj is not None
         proj.to_save = (y if n[3] else None, w_proj if need_h else None)
@@ -639,13 +643,19 @@ class _GPT2MLPAutocastFn(torch.autograd.Function):
         fc = _Step()
         fc.needs_input_grad = (n[0], n[1], False, n[3], False, False)
         h = _AutocastLinearFn.forward(fc, x, t_fc, w_fc, b_fc, dt, True)
-        y = _ge._fwd_torch(h, approximate)  # eager's GELU on h: its bits
         proj = _Step()
         proj.needs_input_grad = (need_h, n[5], False, n[7], False, False)
-        z = _AutocastLinearFn.forward(
-            proj, y, t_proj, w_proj, b_proj, dt, True, later if p is None else None
-        )
-        del y
+        if later is not None and p is None and need_h:
+            # NOTE [c_proj's product after the saves]: h is kept (the GELU's backward), y not
+            # made here: the fill makes it from h (eager's GELU on h, its bits) for the product
+            autocast_linear_setup(proj, h, w_proj, b_proj, dt, True)
+            proj.to_save = (None, None)  # y is recomputed from h in backward (recompute_y)
+            later.append((h, approximate, w_proj, dt, b_proj))
+            z = h.new_empty((*h.shape[:-1], w_proj.shape[-1]))
+        else:
+            y = _ge._fwd_torch(h, approximate)  # eager's GELU on h: its bits
+            z = _AutocastLinearFn.forward(proj, y, t_proj, w_proj, b_proj, dt, True)
+            del y
         act = None
         ctx.recompute_y = need_h and n[5]
         if need_h:  # h for the GELU's backward; y (c_proj's x) recomputed from it
@@ -791,15 +801,20 @@ def apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None) -> t
 # checkpoint of a block ending in it ran that product again, which eager's Conv1D (its addmm saves
 # its inputs first) never does: 13,631,488 recomputed matmul FLOPs against eager's 9,437,184 on a
 # 2-layer, 64-wide GPT-2 at 2 x 32 tokens. As the gated MLP (NOTE [The down product after the
-# saves] in ops/gated_mlp.py), under saved-tensor hooks and only reading dispatch modes, the node
-# does c_proj's bookkeeping, returns the output's buffer unfilled and hands the product to
+# saves] in ops/gated_mlp.py), under checkpoint's own hooks and only reading dispatch modes, the
+# node does c_proj's bookkeeping, returns the output's buffer unfilled and hands the product to
 # ``_product_after`` (ops/linear.py: addmm or mm into the buffer's 2-D view, the kernel of
-# _LinearFn's forward, the same bits) once ``apply`` returned. With a dropout step after c_proj
-# its mask is saved after the product anyway (eager's too), and nothing changes.
+# _LinearFn's forward, the same bits) once ``apply`` returned. Only where waiting holds no bytes
+# of its own (a review: a GELU output held through the saves was one activation above the
+# parent's peak under a copying pack hook): the float32 node defers where c_proj keeps y (its
+# weight needs a gradient); the autocast node, which keeps h and recomputes y in backward, makes
+# y from h at the fill instead of in forward (eager's GELU on h, the same bits). With a dropout
+# step after c_proj its mask is saved after the product anyway (eager's too), and nothing
+# changes.
 def later_list(p) -> list | None:
     """A list for :class:`_GPT2MLPFn`'s ``later`` where c_proj's product may wait (NOTE [c_proj's
     product after the saves]), else None."""
-    if p is not None or _top_hooks(False) is None or compiling():
+    if p is not None or _top_hooks(False) is None or compiling() or not checkpoint_hooks():
         return None
     return [] if _readers_only() else None
 
@@ -879,7 +894,12 @@ def autocast_apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | N
             x16, t_fc, w_fc, b_fc16, b_fc, t_proj, w_proj, b_proj16, dt, approximate, p,
             straight(), later,
         )  # fmt: skip
-        return z if not later else _product_after(z, later)
+        if later:  # y made from the kept h, then c_proj's product into z
+            h, approx, w, wdt, b = later.pop()
+            later.append((_ge._fwd_torch(h, approx), w, wdt, b, True))
+            del h
+            _product_after(z, later)
+        return z
 
 
 def ln_ok(x, weight, bias) -> bool:

@@ -283,7 +283,8 @@ class _LinearFn(torch.autograd.Function):
         if not dy.is_contiguous():
             dx, dw, db = _bwd_torch(dy, x, weight, ctx.has_bias, ctx.w_in_out, mask, False)
             return dx, dw, db, None, None
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        # rows given where out_features is 0 (a reshape of 0 elements cannot infer them)
+        dy2 = dy.reshape(-1, dy.shape[-1]) if dy.shape[-1] else dy.reshape(dy.shape[:-1].numel(), 0)
         dx = dw = db = None
         if mask[0]:
             # torch.matmul of a contiguous (..., out) gradient and a 2-D weight folds to mm on
@@ -368,6 +369,17 @@ def _readers_only() -> bool:
 # attribute, with its version at forward; backward raises autograd's "modified by an inplace
 # operation" error when it changed, as a saved tensor would. Hooks see x only: what slimgrad
 # keeps of a step is what they see, and the master is no part of it.
+def autocast_linear_setup(ctx, x, master, bias, cast_dtype, w_in_out) -> None:
+    """What :class:`_AutocastLinearFn`'s forward records on ``ctx`` before its product (also for
+    a block node that runs the product later: NOTE [c_proj's product after the saves] in
+    ops/gpt2_mlp.py)."""
+    ctx.w_in_out, ctx.has_bias, ctx.cast_dtype = w_in_out, bias is not None, cast_dtype
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, None)
+    # NOTE [The master weight is no saved tensor]
+    ctx.master = master if ctx.needs_input_grad[0] else None
+    ctx.master_version = master._version
+
+
 class _AutocastLinearFn(torch.autograd.Function):
     # NOTE [Autocast weight casts]: ``token`` stands for W's cast (its gradient goes there, in the
     # autocast dtype); the cast itself is made here from the leaf ``master``, used and dropped
@@ -377,11 +389,7 @@ class _AutocastLinearFn(torch.autograd.Function):
     def forward(ctx, x, token, master, bias, cast_dtype, w_in_out, later=None):
         # ``later``: a list where the product is left to run after the saves (NOTE [A product
         # after the saves under autocast]), or None
-        ctx.w_in_out, ctx.has_bias, ctx.cast_dtype = w_in_out, bias is not None, cast_dtype
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, None)
-        # NOTE [The master weight is no saved tensor]
-        ctx.master = master if ctx.needs_input_grad[0] else None
-        ctx.master_version = master._version
+        autocast_linear_setup(ctx, x, master, bias, cast_dtype, w_in_out)
         if later is None:
             return fresh(_fwd_torch(x, master.to(cast_dtype), bias, w_in_out))
         # the cast is made at the product, not held through the saves (a hook that copies x)
@@ -399,18 +407,27 @@ class _AutocastLinearFn(torch.autograd.Function):
 # pack hooks when its forward returns, after its product, where eager's linear saves x before
 # it. Last in a checkpointed block (a GPT-NeoX or small Phi-3 MLP's down projection), a
 # non-reentrant checkpoint's recompute then ran that product, which eager's never does: 1.44x
-# eager's recomputed matmul FLOPs on a 2-layer GPT-NeoX under bf16 autocast. Under saved-tensor
-# hooks and only reading dispatch modes, as the gated MLP (NOTE [The down product after the
-# saves] in ops/gated_mlp.py), the Function returns its output's buffer unfilled and
-# :func:`_product_after` fills it once ``apply`` returned, with the kernel ``_fwd_torch`` runs
-# (``mm``, ``addmm`` on the 2-D fold of a contiguous x: F.linear's and Conv1D's product) into the
-# buffer's 2-D view (``out=``, under no_grad): the same bits. The weight is cast there too, not
-# held through the saves (a pack hook that copies x would see it beside the copy: one weight
-# cast above the parent's peak). Only for a contiguous x and a bias of one dimension (F.linear
-# broadcasts others its own way).
+# eager's recomputed matmul FLOPs on a 2-layer GPT-NeoX under bf16 autocast. Under
+# torch.utils.checkpoint's own hooks and only reading dispatch modes, as the gated MLP (NOTE [The
+# down product after the saves] in ops/gated_mlp.py, which says why those hooks only), the
+# Function returns its output's buffer unfilled and :func:`_product_after` casts the weight and
+# fills the buffer once ``apply`` returned, with the kernel ``_fwd_torch`` runs (``mm``, ``addmm``
+# on the 2-D fold of a contiguous x: F.linear's and Conv1D's product) into its 2-D view
+# (``out=``, under no_grad): the same bits. Only for a contiguous x and a bias of one dimension
+# (F.linear broadcasts others its own way).
+def checkpoint_hooks() -> bool:
+    """Whether the innermost saved-tensor hooks are torch.utils.checkpoint's own (a non-reentrant
+    checkpoint's forward or recompute), which pack without copying (NOTE [The down product after
+    the saves] in ops/gated_mlp.py)."""
+    from slimgrad.ops._derived import under_checkpoint
+
+    return under_checkpoint()
+
+
 def _later_ok(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         _top_hooks(False) is not None
+        and checkpoint_hooks()
         and not compiling()
         and x.is_contiguous()
         and (bias is None or bias.ndim == 1)  # F.linear broadcasts others its own way
@@ -427,7 +444,7 @@ def _product_after(y: torch.Tensor, later: list) -> torch.Tensor:
     wt = w if w_in_out else w.t()
     with torch.no_grad():
         # rows given: a view of 0 elements cannot infer them
-        x2 = x.view(-1, x.shape[-1]) if x.shape[-1] else x.reshape(-1, 0)
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # a view: x is contiguous
         y2 = y.view(x2.shape[0], y.shape[-1])
         if b is None:
             torch.mm(x2, wt, out=y2)
