@@ -25,6 +25,10 @@ class OpCounts(TorchDispatchMode):
     """``with OpCounts() as ops:``: ``ops.count`` counts the ATen ops run inside, by overload packet
     (``"aten.any"``); a plain dispatch mode (a slimgrad custom op counts as one op)."""
 
+    # stores no result: ops keep their own paths under it (NOTE [The fused loss under a mode
+    # that stores results] in slimgrad/ops/linear_cross_entropy.py)
+    _slimgrad_reads_ops = True
+
     def __init__(self):
         super().__init__()
         self.count = collections.Counter()

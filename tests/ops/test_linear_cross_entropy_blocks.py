@@ -21,6 +21,10 @@ MM = {"aten.mm.default", "aten.mm.out", "aten.addmm.default", "aten.addmm_.defau
 
 
 class _Matmuls(TorchDispatchMode):
+    # stores no result: ops keep their own paths under it (NOTE [The fused loss under a mode
+    # that stores results] in slimgrad/ops/linear_cross_entropy.py)
+    _slimgrad_reads_ops = True
+
     def __init__(self) -> None:
         super().__init__()
         self.outs: list[tuple[int, ...]] = []

@@ -78,7 +78,7 @@ from slimgrad._math.linear_cross_entropy import (
 )
 from slimgrad.kernels import _backend
 from slimgrad.ops.layer_norm import _ANCHOR_APPLY
-from slimgrad.ops.linear import fresh
+from slimgrad.ops.linear import _readers_only, fresh
 
 __all__ = [
     "ROW_SINK",
@@ -473,8 +473,19 @@ _LinearCrossEntropyFn.backward = staticmethod(
 )
 
 
+# NOTE [The fused loss under a mode that stores results]
+# The fused loss writes in place into its chunks' logits, fresh products of its own. A dispatch
+# mode that stores op results to hand them back later sees those products too: torch's selective
+# checkpointing with a policy that saves matmul outputs stored a chunk's logits, the loss then
+# overwrote them, and the recompute raised "Tensor cached during selective activation checkpoint
+# has been mutated" (which the op read as a bad label: "aten.lt.Scalar encountered during backward
+# but not found in storage"), or with ``allow_cache_entry_mutation=True`` got the overwritten
+# logits back: every gradient of a converted GPT-2 checkpointed whole under such a policy was
+# wrong (up to 0.37 relative; a review). Under any mode that is not known to only read ops
+# (``_readers_only`` in ops/linear.py: slimgrad's trackers, fake tensors, the FLOP counter), the
+# loss is eager's ops (F.linear, F.cross_entropy: eager's values and bytes).
 def _eager_loss(hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf, odt):
-    # The same function with eager ops (torch.func transforms, meta tensors):
+    # The same function with eager ops (torch.func transforms, meta tensors, storing modes):
     # cross_entropy(c tanh(s z / c)), on z in the output dtype (HF's logits.float() where upcast)
     z = F.linear(hidden, weight, bias) * tf[0] if tf[0] != 1.0 else F.linear(hidden, weight, bias)
     if tf[1] is not None:
@@ -612,6 +623,10 @@ def _linear_cross_entropy(
             hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf, odt
         )
     comp = compiling()  # NOTE [One-frame compile check] in slimgrad/_autograd.py
+    if not comp and not _readers_only():  # NOTE [The fused loss under a mode that stores results]
+        return _eager_loss(
+            hidden, weight, bias, t, ignore_index, label_smoothing, reduction, tf, odt
+        )
     n, v = t.numel(), weight.shape[0]
     if (
         not comp
