@@ -251,7 +251,11 @@ def test_verify_passes():
 
 
 class _Watching(torch.utils._python_dispatch.TorchDispatchMode):
-    # a dispatch mode that only watches (as the memory tracker does): straight() is False under it
+    # a dispatch mode that only watches (as the memory tracker does): straight() is False under it;
+    # it says it stores no result (NOTE [The fused loss under a mode that stores results]), so
+    # the fused loss keeps its own path, as under the tracker
+    _slimgrad_reads_ops = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
