@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import warnings
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import slimgrad
 from slimgrad.bench.recompute_count import BackwardCounts
 from slimgrad.ops import gated_mlp, gated_mlp_fused
+from tests import _gc_steps
 
 G = importlib.import_module("slimgrad.ops.gated_mlp")
 
@@ -103,15 +103,6 @@ def _llama(attn: str):
     return transformers.LlamaForCausalLM(cfg).train()
 
 
-def _llama_step(m, ids, amp: bool):
-    m.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        loss = m(input_ids=ids, labels=ids, use_cache=False).loss
-    with BackwardCounts() as c:
-        loss.backward()
-    return c.matmul_flops, [p.grad.clone() for p in m.parameters()]
-
-
 @pytest.mark.parametrize("amp", [False, True])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_hf_llama_checkpointed_after_convert_recomputes_what_eager_does(amp, attn, monkeypatch):
@@ -119,32 +110,17 @@ def test_hf_llama_checkpointed_after_convert_recomputes_what_eager_does(amp, att
     # to a quarter of a layer's matmuls at Llama's shapes), which checkpointing alone does not
     base = _llama(attn)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    flops = {}
-    for conv in (False, True):
-        for gc in (False, True):
-            m = copy.deepcopy(base)
-            if conv:
-                slimgrad.convert_(m)
-            if gc:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    m.gradient_checkpointing_enable({"use_reentrant": False})
-            flops[conv, gc] = _llama_step(m, ids, amp)
-    eager_recompute = flops[False, True][0] - flops[False, False][0]
-    assert eager_recompute > 0
-    assert flops[True, True][0] - flops[True, False][0] == eager_recompute
+    got = _gc_steps.steps(base, ids, amp)
+    eager_recompute = _gc_steps.assert_recomputes_what_eager_does(got)
     # the converted gradients under checkpointing: the bits of the product left in forward
     monkeypatch.setattr(G, "_top_hooks", lambda _ignore_empty: None)
     monkeypatch.setattr(importlib.import_module("slimgrad.nn.gated_mlp"), "_top_hooks",
                         lambda _ignore_empty: None)  # fmt: skip
     m = copy.deepcopy(base)
     slimgrad.convert_(m)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        m.gradient_checkpointing_enable({"use_reentrant": False})
-    before = _llama_step(m, ids, amp)
-    assert before[0] - flops[True, False][0] > eager_recompute  # the down product, recomputed
-    for a, b in zip(before[1], flops[True, True][1], strict=True):
+    before = _gc_steps.counted_step(_gc_steps.checkpointed(m), ids, amp)
+    assert before[0] - got[True, False][0] > eager_recompute  # the down product, recomputed
+    for a, b in zip(before[1], got[True, True][1], strict=True):
         assert torch.equal(a, b)
 
 

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slimgrad.bench.recompute_count import BackwardCounts
 from slimgrad.ops import conv1d_addmm, linear
+from tests import _gc_steps
 
 
 def _leaves(shape, n_in, n_out, bias, conv1d, seed=0):
@@ -82,10 +83,6 @@ def test_hf_checkpointed_after_convert_under_autocast_recomputes_what_eager_does
     # that its MLP takes eager's ops on converted Linears, bf16 autocast, HF gradient
     # checkpointing after convert_: the recomputed matmul FLOPs (the step counted whole) are
     # eager's, and the gradients are those of the converted model without checkpointing
-    import copy
-    import warnings
-
-    import slimgrad
 
     transformers = pytest.importorskip("transformers")
     common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128)
@@ -101,23 +98,7 @@ def test_hf_checkpointed_after_convert_under_autocast_recomputes_what_eager_does
     torch.manual_seed(0)
     base = cls(cfg).train()
     ids = torch.randint(1, 128, (2, 32), generator=torch.Generator().manual_seed(2))
-    got = {}
-    for conv in (False, True):
-        for gc in (False, True):
-            m = copy.deepcopy(base)
-            if conv:
-                slimgrad.convert_(m)
-            if gc:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    m.gradient_checkpointing_enable({"use_reentrant": False})
-            with BackwardCounts() as c, torch.autocast("cpu", dtype=torch.bfloat16):
-                m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            got[conv, gc] = c.matmul_flops, [p.grad for p in m.parameters()]
-    eager = got[False, True][0] - got[False, False][0]
-    assert eager > 0 and got[True, True][0] - got[True, False][0] == eager
-    for a, b in zip(got[True, False][1], got[True, True][1], strict=True):
-        assert torch.equal(a, b)
+    _gc_steps.assert_recomputes_what_eager_does(_gc_steps.steps(base, ids, True))
 
 
 def test_no_output_features_and_a_broadcast_bias_under_a_checkpoint():
@@ -163,10 +144,6 @@ def test_hf_gpt2_without_dropout_checkpointed_recomputes_what_eager_does(amp):
     # NOTE [c_proj's product after the saves] in ops/gpt2_mlp.py: GPT-2 at dropout 0 (no dropout
     # step after c_proj), HF gradient checkpointing after convert_, fp32 (the one-node MLP) and
     # bf16 autocast (its autocast node)
-    import copy
-    import warnings
-
-    import slimgrad
 
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(
@@ -177,26 +154,7 @@ def test_hf_gpt2_without_dropout_checkpointed_recomputes_what_eager_does(amp):
     torch.manual_seed(0)
     base = transformers.GPT2LMHeadModel(cfg).train()
     ids = torch.randint(1, 128, (2, 32), generator=torch.Generator().manual_seed(2))
-    got = {}
-    for conv in (False, True):
-        for gc in (False, True):
-            m = copy.deepcopy(base)
-            if conv:
-                slimgrad.convert_(m)
-            if gc:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    m.gradient_checkpointing_enable({"use_reentrant": False})
-            with (
-                BackwardCounts() as c,
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp),
-            ):
-                m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            got[conv, gc] = c.matmul_flops, [p.grad for p in m.parameters()]
-    eager = got[False, True][0] - got[False, False][0]
-    assert eager > 0 and got[True, True][0] - got[True, False][0] == eager
-    for a, b in zip(got[True, False][1], got[True, True][1], strict=True):
-        assert torch.equal(a, b)
+    _gc_steps.assert_recomputes_what_eager_does(_gc_steps.steps(base, ids, amp))
 
 
 @pytest.mark.parametrize("amp", [False, True])

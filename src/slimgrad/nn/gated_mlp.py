@@ -60,13 +60,12 @@ from slimgrad.ops.gated_mlp import (
     _GATED_MLP_APPLY,
     _act,
     _down_after,
-    _readers_only,
     _top_hooks,
-    checkpoint_hooks,
     gated_mlp,
     gated_mlp_fused,
     glu,
     glu_linear,
+    later_ok,
     lean_wins,
 )
 from slimgrad.ops.gated_mlp import _fwd_torch as _eager_ops
@@ -439,11 +438,7 @@ class GatedMLP(NoScript, nn.Module):
                 # (eager's bits and bytes, without the converted submodules' per-call cost)
                 return _eager_ops(x, gw, None, uw, None, dw, None, a, False)
             # NOTE [The down product after the saves] in ops/gated_mlp.py (_later_list, inline)
-            later = (
-                []
-                if _top_hooks(False) is not None and checkpoint_hooks() and _readers_only()
-                else None
-            )
+            later = [] if _top_hooks(False) is not None and later_ok() else None
             y = _GATED_MLP_APPLY(
                 unwrap_if_dead(x), gw, None, uw, None, dw, None, None, None, None, None, a, False,
                 later,

@@ -60,11 +60,10 @@ from slimgrad._compile import recompute_in_backward
 from slimgrad._library import custom_op
 from slimgrad.ops.linear import (
     _autocast_cast,
-    _readers_only,
     _top_hooks,
     autocast_weight,
-    checkpoint_hooks,
     keeps_master,
+    later_ok,
 )
 from slimgrad.ops.linear import _bwd_torch as _linear_bwd
 
@@ -607,7 +606,7 @@ _GATED_MLP_APPLY = direct_apply(_GatedMLPFn)
 # shapes), which eager's ``F.linear`` (it saves its inputs before its product) never recomputes:
 # slimgrad + checkpointing recomputed more than checkpointing alone (HF Llama ~1B: 0.935 of the
 # forward's matmul FLOPs against 0.756). Under torch.utils.checkpoint's own hooks (its forward
-# and its recompute: ``checkpoint_hooks`` in ops/linear.py), the op's forward leaves the product
+# and its recompute: ``later_ok`` in ops/linear.py), the op's forward leaves the product
 # out: it returns y's buffer unfilled and hands ``h`` and the weight the product reads (the
 # master, cast at the product under autocast) to :func:`_down_after`, which fills y with
 # ``mm(..., out=)`` once ``apply`` returned (after the saves: a recompute stops before it).
@@ -633,9 +632,7 @@ def _later_list(bd: Tensor | None) -> list | None:
     # under torch.compile] in slimgrad/_compile.py), and the trace stays free of hook state
     if bd is not None or compiling():
         return None
-    if _top_hooks(False) is None or not checkpoint_hooks():
-        return None
-    return [] if _readers_only() else None
+    return [] if _top_hooks(False) is not None and later_ok() else None
 
 
 def _down_after(y: Tensor, later: list | None) -> Tensor:
@@ -769,9 +766,7 @@ def gated_mlp(
         and down_bias is None
     ):
         # _later_list(None), inline: one call without hooks
-        later = (
-            [] if _top_hooks(False) is not None and checkpoint_hooks() and _readers_only() else None
-        )
+        later = [] if _top_hooks(False) is not None and later_ok() else None
         y = _GATED_MLP_APPLY(
             unwrap_if_dead(input),
             *args[1:],

@@ -139,13 +139,12 @@ from slimgrad.ops.linear import (
     _FakeTensor,
     _LinearFn,
     _product_after,
-    _readers_only,
     _top_hooks,
     autocast_linear_setup,
     autocast_weight,
-    checkpoint_hooks,
     fresh,
     keeps_master,
+    later_ok,
 )
 from slimgrad.ops.linear import (
     _bwd_torch as _linear_bwd,
@@ -814,9 +813,7 @@ def apply(x, w_fc, b_fc, w_proj, b_proj, approximate: str, p: float | None) -> t
 def later_list(p) -> list | None:
     """A list for :class:`_GPT2MLPFn`'s ``later`` where c_proj's product may wait (NOTE [c_proj's
     product after the saves]), else None."""
-    if p is not None or _top_hooks(False) is None or compiling() or not checkpoint_hooks():
-        return None
-    return [] if _readers_only() else None
+    return [] if p is None and _top_hooks(False) is not None and later_ok() else None
 
 
 _HALF = (torch.bfloat16, torch.float16)

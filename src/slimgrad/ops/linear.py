@@ -415,23 +415,22 @@ class _AutocastLinearFn(torch.autograd.Function):
 # on the 2-D fold of a contiguous x: F.linear's and Conv1D's product) into its 2-D view
 # (``out=``, under no_grad): the same bits. Only for a contiguous x and a bias of one dimension
 # (F.linear broadcasts others its own way).
-def checkpoint_hooks() -> bool:
-    """Whether the innermost saved-tensor hooks are torch.utils.checkpoint's own (a non-reentrant
-    checkpoint's forward or recompute), which pack without copying (NOTE [The down product after
-    the saves] in ops/gated_mlp.py)."""
+def later_ok() -> bool:
+    """Whether a product may be left until after its node's saves, asked once ``_top_hooks(False)``
+    saw hooks: the innermost are torch.utils.checkpoint's own (a non-reentrant checkpoint's
+    forward or recompute, which pack without copying), nothing is compiling and every dispatch
+    mode only reads ops (NOTE [The down product after the saves] in ops/gated_mlp.py)."""
     from slimgrad.ops._derived import under_checkpoint
 
-    return under_checkpoint()
+    return under_checkpoint() and not compiling() and _readers_only()
 
 
 def _later_ok(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         _top_hooks(False) is not None
-        and checkpoint_hooks()
-        and not compiling()
         and x.is_contiguous()
         and (bias is None or bias.ndim == 1)  # F.linear broadcasts others its own way
-        and _readers_only()
+        and later_ok()
     )
 
 
