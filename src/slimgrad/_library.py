@@ -95,14 +95,57 @@ def straight() -> bool:
         return False
     w = _watchers
     if w is not None:
-        return not w()
-    return not (
-        _dispatch_stack_len()
-        or _function_mode_on()
-        or _functorch_on()
-        or _is_tracing()
-        or _profiling()
+        return not w() or _counted_checkpoint()
+    return (
+        not (
+            _dispatch_stack_len()
+            or _function_mode_on()
+            or _functorch_on()
+            or _is_tracing()
+            or _profiling()
+        )
+        or _counted_checkpoint()
     )
+
+
+# NOTE [A FLOP count on one side of a checkpoint]
+# A non-reentrant ``torch.utils.checkpoint`` runs its region twice, at forward and again inside
+# backward, and hands the forward's nodes what the recompute saved: the two must save the same
+# tensors (count, shapes, dtypes), or torch raises CheckpointError. The gate closes under any
+# watcher, and an op's general path may save other tensors than its straight path (HF attention's
+# straight path keeps q and k folded to (B·H, T, d), its general path 4-D; the dropout C kernels'
+# bits). So a watcher on one side only (``with FlopCounterMode(): loss = model(x)`` and the
+# backward outside it, or the other way round; the profiler likewise) sent the two runs down
+# different paths: CheckpointError on a converted BERT with dropout, where eager runs. Under
+# checkpoint's own saved-tensor hooks (forward and recompute alike), a step watched only by
+# readers, torch's ``FlopCounterMode`` (any number) and the profiler, takes the straight path, as
+# unwatched: they still see every ATen op it issues (the FLOPs count as in the unwatched step),
+# not slimgrad's custom ops by name. Any other watcher (a mode that may store or change results:
+# selective checkpointing's, a user's; a function mode; a transform; a trace) closes the gate on
+# both sides where it is on both; on one side only it still changes the path (left, with the
+# reason: telling it would need the forward's decisions replayed in the recompute). Outside
+# checkpoint's hooks nothing changes: the profiler still names each custom op there.
+try:  # private: without them a FLOP count closes the gate everywhere (as before)
+    _top_hooks = _C._autograd._top_saved_tensors_default_hooks
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
+except (AttributeError, ImportError):  # pragma: no cover - depends on the torch release
+    _top_hooks = _mode_stack = None
+_CHECKPOINT = "torch.utils.checkpoint"
+_FLOP_COUNTER = "torch.utils.flop_counter"
+
+
+def _counted_checkpoint() -> bool:
+    # NOTE [A FLOP count on one side of a checkpoint]: only readers watch, under checkpoint's hooks
+    if _top_hooks is None or _function_mode_on() or _functorch_on() or _is_tracing():
+        return False
+    hooks = _top_hooks(False)
+    if hooks is None or getattr(hooks[0], "__module__", None) != _CHECKPOINT:
+        return False
+    if _dispatch_stack_len():
+        for m in _mode_stack():  # (FlopCounterMode pushes a mode class of its module)
+            if type(m).__module__ != _FLOP_COUNTER:
+                return False
+    return True
 
 
 # NOTE [One-call gate]

@@ -38,6 +38,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from slimgrad.nn._hooks import foreign as _foreign
 from slimgrad.nn._script import NoScript
 from slimgrad.nn.dropout import Dropout as _SlimDropout
 from slimgrad.nn.linear import Linear as _SlimLinear
@@ -54,13 +55,19 @@ def _qual(obj) -> str:
 
 
 def _hooked(*modules: nn.Module) -> bool:
-    # a module the fast path does not call would miss its hooks (or patched forward)
+    # a module the fast path does not call would miss its hooks (or patched forward); torch's
+    # module tracker's global hooks do not count (NOTE [torch's module tracker is an observer] in
+    # slimgrad/nn/_hooks.py)
     g = nn.modules.module
     if (
         g._global_forward_hooks
         or g._global_forward_pre_hooks
         or g._global_backward_hooks
         or g._global_backward_pre_hooks
+    ) and (
+        bool(g._global_backward_hooks or g._global_backward_pre_hooks)
+        or _foreign(g._global_forward_hooks)
+        or _foreign(g._global_forward_pre_hooks)
     ):
         return True
     return any(

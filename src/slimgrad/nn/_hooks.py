@@ -19,7 +19,8 @@ from torch.nn.modules import module as _module
 # own, the module runs eager's op and keeps what eager keeps (exact: eager's values, gradients
 # and memory). Observers of slimgrad's own (``slimgrad.memory``'s attribution hooks, defined in
 # ``slimgrad.*`` modules) change no value and do not count, so measuring a converted model still
-# shows its savings. A hook registered before ``convert_`` that may write the output, or what a
+# shows its savings; nor do the two of torch's module tracker, which FlopCounterMode enters (NOTE
+# [torch's module tracker is an observer]). A hook registered before ``convert_`` that may write the output, or what a
 # module was given, makes convert_ leave the modules it reaches as they are (NOTE [What a hook
 # registered before convert_ may write] in convert_handlers/inplace_guard.py); this rule covers
 # hooks registered after it.
@@ -56,13 +57,58 @@ def foreign(hooks: dict) -> bool:
 
 
 _HF_CAPTURE = "transformers.utils.output_capturing"
+_TRACKER = "torch.utils.module_tracker"
+
+
+# NOTE [torch's module tracker is an observer]
+# ``torch.utils.module_tracker.ModuleTracker`` (public; ``torch.utils.flop_counter.FlopCounterMode``
+# enters one) registers a global forward pre-hook and a global forward hook on every module while
+# it is active. They write nothing the module is given or returns: they record the module's name
+# and register gradient hooks (``register_multi_grad_hook``) that record again in backward. Read
+# as acting hooks, they sent every converted module to eager's op while the tracker was on (the
+# savings lost under a FLOP count), and, worse, made a non-reentrant checkpoint's recompute take
+# another path than its forward when the tracker was on for only one of them (``with
+# FlopCounterMode(): loss = model(x)`` then ``loss.backward()`` outside it, or the other way round):
+# torch raised CheckpointError (mismatched saved tensors) on a converted GPT-2, BERT or Llama under
+# HF gradient checkpointing, where eager runs. So its two hook functions do not count: converted
+# modules keep their paths, the same with or without the tracker. That these two write nothing is
+# read once from their source (``inplace_guard.hook_roles``, as for any hook around a module), not
+# assumed; a subclass that overrides them, or a torch whose tracker has other hook names, is read
+# as any other hook (eager's op). What differs from eager: a fused block (the gated MLP, GPT-2's
+# MLP) does not call its child modules, so the tracker, and FlopCounterMode's per-module table,
+# see the block and not its children (the FLOPs are counted, under the block).
+_OBSERVERS: frozenset | None = None
+
+
+def _observers() -> frozenset:
+    global _OBSERVERS
+    if _OBSERVERS is None:
+        found = set()
+        try:
+            from torch.utils.module_tracker import ModuleTracker
+        except ImportError:  # an older or newer torch without it: nothing recognised
+            ModuleTracker = None
+        if ModuleTracker is not None:
+            from slimgrad.convert_handlers.inplace_guard import hook_roles
+
+            probe = ModuleTracker()  # read as registered: bound methods (module, args, ...)
+            for name in ("_fw_pre_hook", "_fw_post_hook"):
+                bound = getattr(probe, name, None)
+                fn = getattr(bound, "__func__", None)
+                if fn is not None and hook_roles(bound) == frozenset():
+                    found.add(fn)
+        _OBSERVERS = frozenset(found)
+    return _OBSERVERS
 
 
 def _acts(f) -> bool:
-    # a hook that may act on this call: not slimgrad's own, and not transformers' output-capturing
-    # hook outside a call that asks for outputs (it returns at once there)
+    # a hook that may act on this call: not slimgrad's own, not torch's module tracker (NOTE
+    # [torch's module tracker is an observer]), and not transformers' output-capturing hook
+    # outside a call that asks for outputs (it returns at once there)
     mod = getattr(f, "__module__", None) or ""
     if mod.startswith("slimgrad."):
+        return False
+    if mod == _TRACKER and getattr(f, "__func__", None) in _observers():
         return False
     if mod == _HF_CAPTURE and getattr(f, "__name__", None) == "output_capturing_hook":
         from slimgrad.nn import _output_act as oa
