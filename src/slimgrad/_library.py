@@ -121,10 +121,15 @@ def straight() -> bool:
 # readers, torch's ``FlopCounterMode`` (any number) and the profiler, takes the straight path, as
 # unwatched: they still see every ATen op it issues (the FLOPs count as in the unwatched step),
 # not slimgrad's custom ops by name. Any other watcher (a mode that may store or change results:
-# selective checkpointing's, a user's; a function mode; a transform; a trace) closes the gate on
-# both sides where it is on both; on one side only it still changes the path (left, with the
-# reason: telling it would need the forward's decisions replayed in the recompute). Outside
-# checkpoint's hooks nothing changes: the profiler still names each custom op there.
+# selective checkpointing's, a user's; a function mode; a transform; a trace) closes the gate, on
+# both sides where it is on both; on one side only, the two runs take different paths, which is
+# safe only where an op's two paths save the same tensors: HF attention's general path folds q, k
+# and v as its straight path does for that (``_math_path`` in convert_handlers/hf_attention.py),
+# and a survey of the HF conformance families under a pass-through mode finds no other op that
+# saves otherwise inside a layer. A module hook on one side only still changes what a converted
+# module runs (eager's op): CheckpointError there (left: telling it would need the forward's
+# decisions replayed in the recompute). Outside checkpoint's hooks nothing changes: the profiler
+# still names each custom op there.
 try:  # private: without them a FLOP count closes the gate everywhere (as before)
     _top_hooks = _C._autograd._top_saved_tensors_default_hooks
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack

@@ -318,6 +318,27 @@ def _math_path(query, key, value, attention_mask, dropout, is_causal, root, out_
     if attention_mask is not None and attention_mask.dtype not in (torch.bool, acc):
         attention_mask = attention_mask.to(acc)  # exact; the math path adds it promoted
     query, key_t = query * root, key.transpose(-2, -1) * root
+    b, h = query.shape[:2]
+    if (
+        attention_mask is None
+        and query.dim() == 4
+        and key_t.shape[:2] == (b, h)
+        and value.shape[:2] == (b, h)
+    ):
+        # folded to (B·H, T, d) as the straight path folds them (NOTE [HF attention's straight
+        # path]): the op keeps the same tensors on either path, so a non-reentrant checkpoint
+        # whose forward and recompute take different paths (a dispatch mode on one side only)
+        # finds what it saved (NOTE [A FLOP count on one side of a checkpoint] in
+        # slimgrad/_library.py); torch.matmul folds 4-D operands so too: the same products
+        out = _sdm.scores_softmax_dropout_matmul(
+            query.reshape(b * h, *query.shape[2:]),
+            key_t.reshape(b * h, *key_t.shape[2:]),
+            value.contiguous().view(b * h, *value.shape[2:]),
+            float(dropout),
+            causal=is_causal,
+            matmul_dtype=acc,
+        )
+        return out.view(b, h, *out.shape[1:]).to(out_dtype)
     if attention_mask is None or attention_mask.dtype == torch.bool:
         # P recomputed in backward from q and k (kept for S's gradient anyway)
         out = _sdm.scores_softmax_dropout_matmul(

@@ -20,10 +20,10 @@ from torch.nn.modules import module as _module
 # and memory). Observers of slimgrad's own (``slimgrad.memory``'s attribution hooks, defined in
 # ``slimgrad.*`` modules) change no value and do not count, so measuring a converted model still
 # shows its savings; nor do the two of torch's module tracker, which FlopCounterMode enters (NOTE
-# [torch's module tracker is an observer]). A hook registered before ``convert_`` that may write the output, or what a
-# module was given, makes convert_ leave the modules it reaches as they are (NOTE [What a hook
-# registered before convert_ may write] in convert_handlers/inplace_guard.py); this rule covers
-# hooks registered after it.
+# [torch's module tracker is an observer]). A hook registered before ``convert_`` that may write
+# the output, or what a module was given, makes convert_ leave the modules it reaches as they are
+# (NOTE [What a hook registered before convert_ may write] in convert_handlers/inplace_guard.py);
+# this rule covers hooks registered after it.
 #
 # Which modules check (:func:`forward_hooked`, per class, whatever the instance's settings):
 # those that keep their output, or y plus bits from which backward rebuilds x, where eager keeps the
