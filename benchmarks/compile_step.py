@@ -33,7 +33,10 @@ tokens) and "small" (4 layers, width 128, vocab 2048, 4 x 128 tokens), as
 ``benchmarks/checkpointing.py``. Each family at its own default dropout (GUIDE: headline numbers at
 the family's default configuration): GPT-2's 0.1 (embedding, attention, residual), Llama's
 ``attention_dropout`` 0.0; ``--llama-attention-dropout 0.1`` gives the records before this option
-(recorded as ``attention_dropout``).
+(recorded as ``attention_dropout``). ``--fast-loss`` adds a third setting, provider
+``slimgrad_fast_loss``: the model converted with ``ConvertConfig(fast_loss=True)`` (the fused
+loss computes the LM head's gradients in forward and keeps dW instead of recomputing the logits
+in backward), timed in the same interleaved rounds.
 
 Usage (from the repository root):
     PYTHONPATH=src .venv/bin/python benchmarks/compile_step.py \
@@ -171,7 +174,12 @@ def kept_bytes(model, fwd, batch) -> int:
 
 
 def run(
-    family: str, size: str, backend: str, steps: int, llama_attention_dropout: float = 0.0
+    family: str,
+    size: str,
+    backend: str,
+    steps: int,
+    llama_attention_dropout: float = 0.0,
+    fast_loss: bool = False,
 ) -> list[dict]:
     import slimgrad
 
@@ -179,6 +187,10 @@ def run(
     conv = copy.deepcopy(model)
     slimgrad.convert_(conv)
     settings = {"eager": model, "slimgrad": conv}
+    if fast_loss:  # a third setting: ConvertConfig(fast_loss=True), the head's gradients in forward
+        settings["slimgrad_fast_loss"] = slimgrad.convert_(
+            copy.deepcopy(model), slimgrad.ConvertConfig(fast_loss=True)
+        )
     made, breaks, kept, frames, guards = {}, {}, {}, {}, {}
     for name, m in settings.items():
         torch._dynamo.reset()
@@ -203,8 +215,8 @@ def run(
             made[n][0]()
             ms[n].append((time.perf_counter() - t0) * 1e3)
             cpu[n].append((time.process_time() - c0) * 1e3)
-    ratios = [s / e for s, e in zip(ms["slimgrad"], ms["eager"], strict=True)]
-    cpu_ratios = [s / e for s, e in zip(cpu["slimgrad"], cpu["eager"], strict=True)]
+    ratios = {n: [s / e for s, e in zip(ms[n], ms["eager"], strict=True)] for n in settings}
+    cpu_ratios = {n: [s / e for s, e in zip(cpu[n], cpu["eager"], strict=True)] for n in settings}
     recs = []
     peaks = {n: peak_and_counts(made[n][0]) for n in settings}
     for n in settings:
@@ -232,10 +244,10 @@ def run(
                 "kept_bytes_uncompiled": k_eager,
                 "step_ms_median": statistics.median(ms[n]),
                 "warmup_s": round(warm_s, 2),
-                "ratio_median": statistics.median(ratios) if n == "slimgrad" else 1.0,
-                "ratio_spread": [min(ratios), max(ratios)] if n == "slimgrad" else None,
+                "ratio_median": statistics.median(ratios[n]),
+                "ratio_spread": [min(ratios[n]), max(ratios[n])] if n != "eager" else None,
                 "cpu_ms_median": statistics.median(cpu[n]),
-                "cpu_ratio_median": statistics.median(cpu_ratios) if n == "slimgrad" else 1.0,
+                "cpu_ratio_median": statistics.median(cpu_ratios[n]),
                 "first_loss": losses[0],
                 "device": "cpu",
                 "threads": torch.get_num_threads(),
@@ -271,6 +283,12 @@ def main() -> None:
         default=0.0,
         help="Llama's attention_dropout (default 0.0: the family's default)",
     )
+    ap.add_argument(
+        "--fast-loss",
+        action="store_true",
+        help="also step the model converted with ConvertConfig(fast_loss=True) (provider "
+        "slimgrad_fast_loss)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
@@ -279,7 +297,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):
         for fam in args.families.split(","):
-            recs = run(fam, size, args.backend, args.steps, args.llama_attention_dropout)
+            recs = run(
+                fam, size, args.backend, args.steps, args.llama_attention_dropout, args.fast_loss
+            )
             for r in recs:
                 print(
                     f"{r['case']:28s} {r['provider']:9s} breaks {r['graph_breaks']:2d} "

@@ -1146,10 +1146,18 @@ def _weakrefs_accounted(t: torch.Tensor, n: int | None = None) -> bool:
 
 
 def _observers_only(hooks) -> bool:
-    # an empty dict, or hooks that state they keep no tensor (slimgrad.memory's attribution)
+    # an empty dict, or hooks that state they keep no tensor (slimgrad.memory's attribution), or
+    # torch's module tracker's (FlopCounterMode's), which keep none either: names, and gradient
+    # hooks on the tensors' nodes (NOTE [torch's module tracker is an observer] in nn/_hooks.py)
     if not hooks:
         return True
-    return all(getattr(f, "_slimgrad_keeps_no_tensor", False) for f in hooks.values())
+    from slimgrad.nn._hooks import _observers
+
+    seen = _observers()
+    return all(
+        getattr(f, "_slimgrad_keeps_no_tensor", False) or getattr(f, "__func__", None) in seen
+        for f in hooks.values()
+    )
 
 
 def _hooks_refusal(m: torch.nn.Module) -> str | None:

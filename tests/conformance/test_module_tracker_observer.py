@@ -160,3 +160,29 @@ def test_only_the_trackers_own_hooks_are_observers():
         assert forward_hooked(ln)
     finally:
         h.remove()
+
+
+def test_the_tracker_keeps_a_conv_bn_relu_chains_bytes():
+    # the in-place ReLU after BatchNorm writes over b under the tracker as unwatched (ownership
+    # counts its hooks as observers that keep no tensor): BatchNorm keeps b, not its input too
+    nn = torch.nn
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(16, 16, 3, padding=1),
+    ).train()
+    slim = slimgrad.convert_(copy.deepcopy(net))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    slim(x).sum().backward()
+
+    def step(m):
+        return lambda: m(x).square().mean()
+
+    plain = measure(step(slim))
+    with ModuleTracker():
+        tracked = measure(step(slim))
+    eager = measure(step(net))
+    assert tracked.saved_bytes == plain.saved_bytes < eager.saved_bytes
+    assert tracked.peak_bytes == plain.peak_bytes

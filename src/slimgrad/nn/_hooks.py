@@ -71,7 +71,9 @@ _TRACKER = "torch.utils.module_tracker"
 # FlopCounterMode(): loss = model(x)`` then ``loss.backward()`` outside it, or the other way round):
 # torch raised CheckpointError (mismatched saved tensors) on a converted GPT-2, BERT or Llama under
 # HF gradient checkpointing, where eager runs. So its two hook functions do not count: converted
-# modules keep their paths, the same with or without the tracker. That these two write nothing is
+# modules keep their paths, the same with or without the tracker (and ``ownership`` counts them
+# among the observers that keep no tensor: an in-place write it grants unwatched is granted under
+# the tracker too). That these two write nothing is
 # read once from their source (``inplace_guard.hook_roles``, as for any hook around a module), not
 # assumed; a subclass that overrides them, or a torch whose tracker has other hook names, is read
 # as any other hook (eager's op). What differs from eager: a fused block (the gated MLP, GPT-2's
