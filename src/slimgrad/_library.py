@@ -119,8 +119,10 @@ def straight() -> bool:
 # different paths: CheckpointError on a converted BERT with dropout, where eager runs. Under
 # checkpoint's own saved-tensor hooks (forward and recompute alike), a step watched only by
 # readers, torch's ``FlopCounterMode`` (any number) and the profiler, takes the straight path, as
-# unwatched: they still see every ATen op it issues (the FLOPs count as in the unwatched step),
-# not slimgrad's custom ops by name. Any other watcher (a mode that may store or change results:
+# unwatched: they see every ATen op it issues, not slimgrad's custom ops by name. (Outside
+# checkpoint's hooks the gate stays closed under them and FlopCounterMode sees a custom op as one
+# op: the products inside the attention ops' and the fused loss's custom ops, which have no FLOP
+# formula, are not counted there; left.) Any other watcher (a mode that may store or change results:
 # selective checkpointing's, a user's; a function mode; a transform; a trace) closes the gate, on
 # both sides where it is on both; on one side only, the two runs take different paths, which is
 # safe only where an op's two paths save the same tensors: HF attention's general path folds q, k

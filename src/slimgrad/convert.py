@@ -587,6 +587,10 @@ def convert_(
         if rep.refused_known:
             _warn_refused_known(rep.refused_known)
     _backend.resolve_now()  # traced code reads the name set (NOTE [Kernel backend choice])
+    # NOTE [The attention ops' FLOPs for FlopCounterMode] in ops/softmax_dropout.py
+    from slimgrad.ops.softmax_dropout import register_flop_formulas
+
+    register_flop_formulas()
     return model
 
 

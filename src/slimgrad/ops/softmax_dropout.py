@@ -1295,3 +1295,82 @@ def _scores_sdm_backward(ctx, d_out, _d_bits):
 
 
 _scores_sdm.register_autograd(_scores_sdm_backward, setup_context=_scores_sdm_setup)
+
+
+# NOTE [The attention ops' FLOPs for FlopCounterMode]
+# torch's FlopCounterMode counts an op from its formula table, and sees a slimgrad custom op
+# called through the dispatcher (under any dispatch mode: NOTE [One gate per call] in
+# slimgrad/_library.py) as one op: without a formula, the products inside it went uncounted (a
+# converted GPT-2's forward counted half its attention bmm FLOPs, and its count then depended on
+# whether the step ran under a checkpoint, where the straight path's ATen ops are seen; a review).
+# So the four ops that multiply matrices inside have formulas: the FLOPs of the products their
+# implementations issue, 2·m·k·n per (m, k) @ (k, n) over the broadcast batch, as the table
+# counts ``aten.bmm``/``aten.mm`` (torch.matmul's reshapes and bmm: the same count), each
+# backward product only where its gradient is asked. Registered in torch's table (public:
+# ``torch.utils.flop_counter.register_flop_formula``) once, by ``convert_`` (importing that module
+# at slimgrad's import would cost every user ~80 ms): a FlopCounterMode made after the first
+# ``convert_`` counts them; slimgrad's own counters (the memory tracker, ``BackwardCounts``) run
+# the implementations and count their ATen ops instead.
+def _mm_flops(a, b) -> int:
+    # (..., m, k) @ (..., k, n), batch dims broadcast
+    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))
+    return 2 * math.prod(batch) * a[-2] * a[-1] * b[-1]
+
+
+def _t(shape) -> tuple:
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
+def _sdm_fwd_flops(s, v, *args, out_shape=None, **kwargs) -> int:
+    return _mm_flops(s, v)
+
+
+def _sdm_bwd_flops(d_out, probs, bits, v, *args, out_shape=None, **kwargs) -> int:
+    output_mask = kwargs["output_mask"] if "output_mask" in kwargs else args[-1]
+    n = _mm_flops(d_out, _t(v)) if output_mask[0] else 0  # dD = dO @ V^T
+    return n + (_mm_flops(_t(probs), d_out) if output_mask[1] else 0)  # dV = D^T @ dO
+
+
+def _scores_flops(q, k_t, v, *args, out_shape=None, **kwargs) -> int:
+    s = (*torch.broadcast_shapes(tuple(q[:-2]), tuple(k_t[:-2])), q[-2], k_t[-1])
+    return _mm_flops(q, k_t) + _mm_flops(s, v)
+
+
+def _scores_bwd_flops(d_out, q, k_t, v, *args, out_shape=None, **kwargs) -> int:
+    need_q, need_k, need_v = kwargs["needs"] if "needs" in kwargs else args[-1]
+    s = (*torch.broadcast_shapes(tuple(q[:-2]), tuple(k_t[:-2])), q[-2], k_t[-1])
+    n = _mm_flops(q, k_t)  # S recomputed
+    if need_q or need_k:
+        n += _mm_flops(d_out, _t(v))  # dD
+    if need_v:
+        n += _mm_flops(_t(s), d_out)  # dV
+    if need_q:
+        n += _mm_flops(s, _t(k_t))  # dq = dS @ k
+    if need_k:
+        n += _mm_flops(_t(q), s)  # dk^T = q^T @ dS
+    return n
+
+
+_FLOPS_REGISTERED = False
+
+
+def register_flop_formulas() -> None:
+    """Register the attention ops' FLOP formulas with torch's FlopCounterMode, once (NOTE [The
+    attention ops' FLOPs for FlopCounterMode])."""
+    global _FLOPS_REGISTERED
+    if _FLOPS_REGISTERED:
+        return
+    _FLOPS_REGISTERED = True
+    try:
+        from torch.utils.flop_counter import flop_registry, register_flop_formula
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return
+    ops = torch.ops.slimgrad
+    for packet, formula in (
+        (ops.softmax_dropout_matmul_fwd, _sdm_fwd_flops),
+        (ops.softmax_dropout_matmul_bwd, _sdm_bwd_flops),
+        (ops.scores_softmax_dropout_matmul, _scores_flops),
+        (ops.scores_softmax_dropout_matmul_bwd, _scores_bwd_flops),
+    ):
+        if packet not in flop_registry:
+            register_flop_formula(packet)(formula)
