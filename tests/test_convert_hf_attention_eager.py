@@ -439,7 +439,9 @@ def test_t5_autocast_attention_function_matches_sdpa_and_keeps_less():
                 0
             ]
         out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape).bfloat16())
-        results.append([out, *(x.grad for x in leaves)])
+        # (copies: the measured step's backward below adds into the same .grad tensors, inside
+        # autocast, where slimgrad's backward runs without it: NOTE [Backward without autocast])
+        results.append([out, *(x.grad.clone() for x in leaves)])
         with torch.autocast("cpu", torch.bfloat16):
             m = measure(
                 lambda fn=fn, x=leaves: (

@@ -30,6 +30,7 @@ from slimgrad.step_in_backward import step_in_backward  # noqa: E402
 from slimgrad.verify import VerifyReport, verify  # noqa: E402
 
 _autograd.refuse_forward_ad()  # NOTE [Forward-mode AD is refused] in slimgrad/_autograd.py
+_autograd.backward_without_autocast()  # NOTE [Backward without autocast] in slimgrad/_autograd.py
 
 __version__ = "0.1.0"
 

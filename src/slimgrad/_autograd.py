@@ -354,3 +354,114 @@ def refuse_forward_ad() -> None:
         stack.extend(c.__subclasses__())
         if c.__module__.startswith("slimgrad.") and "jvp" not in c.__dict__:
             c.jvp = _JVP_REFUSAL
+
+
+# NOTE [Backward without autocast]
+# A backward called inside an autocast region (``with torch.autocast(...): loss = model(x);
+# loss.backward()``, common though torch advises against it) runs every custom Function's backward
+# with autocast on. slimgrad's backwards recompute what their forward made and run C kernels and
+# ``out=`` products on the tensors they kept: under autocast a recomputed product came back in
+# bf16 beside float32 operands ("expected m1 and m2 to have the same dtype" on converted GPT-2,
+# BERT, Llama, OPT, ViT), and the attention's dropout C kernel wrote float32 elements over a bf16
+# recompute (heap corruption: glibc aborts; a review), where eager runs. So every slimgrad
+# Function's backward runs with autocast off, as it runs when the backward is called outside
+# autocast (the pattern torch documents, which every row tests): the gradient is that one, bit for
+# bit, whatever autocast the caller's backward ran under. (Eager's own backward ops do follow
+# autocast there: its gradients then carry bf16 products, a coarser answer than slimgrad's.)
+# :func:`backward_without_autocast` installs, on each slimgrad Function, a ``backward`` attribute
+# whose read (the engine reads it as it runs the node) answers the Function's own backward, or,
+# while autocast is on and nothing compiles, the same backward under ``torch.autocast(device,
+# enabled=False)`` for each device type whose autocast is on. While torch compiles (Dynamo reads
+# the attribute with the compiling flag held) it is the Function's own backward. The Functions of
+# the modules in ``_AUTOCAST_BLIND`` keep their backward as it is: every op in them is elementwise
+# or a reduction over the tensors the forward kept and the incoming gradient (the activations,
+# dropout, the norms; none of autocast's casting ops, none recomputed), so autocast changes
+# nothing they compute, and the attribute read would cost each of their calls two host calls.
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_AUTOCAST_BLIND = frozenset(
+    f"slimgrad.ops.{m}"
+    for m in (
+        "_monotone",
+        "_output_act",
+        "drop_path",
+        "dropout",
+        "elu",
+        "gelu",
+        "group_norm",
+        "hardsigmoid",
+        "hardswish",
+        "hardtanh",
+        "inplace_abn",
+        "layer_norm",
+        "leaky_relu",
+        "mish",
+        "relu",
+        "rms_norm",
+        "sigmoid",
+        "silu",
+        "tanh",
+    )
+)
+_any_autocast_on = torch._C._is_any_autocast_enabled
+
+
+def _without_autocast(fn: Callable) -> Callable:
+    def run(*args):
+        import contextlib
+
+        with contextlib.ExitStack() as stack:
+            for dev in _AUTOCAST_TYPES:
+                try:
+                    on = torch.is_autocast_enabled(dev)
+                except (RuntimeError, TypeError, ValueError):  # a device type this torch lacks
+                    continue
+                if on:
+                    stack.enter_context(torch.autocast(dev, enabled=False))
+            return fn(*args)
+
+    functools.update_wrapper(run, fn)
+    return run
+
+
+def autocast_free(fn: Callable) -> Callable:
+    """``fn(ctx, *grads)`` run with autocast off where autocast is on (NOTE [Backward without
+    autocast]); for backwards registered with ``register_autograd``."""
+    off = _without_autocast(fn)
+
+    @functools.wraps(fn)
+    def backward(*args):
+        if _any_autocast_on() and not _compiler._is_compiling_flag:
+            return off(*args)
+        return fn(*args)
+
+    return backward
+
+
+class _AutocastFreeBackward:
+    # a Function's ``backward`` (NOTE [Backward without autocast])
+    __slots__ = ("fn", "off")
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.off = fn, _without_autocast(fn)
+
+    def __get__(self, obj, owner):
+        if _any_autocast_on() and not _compiler._is_compiling_flag:
+            return self.off
+        return self.fn
+
+
+def backward_without_autocast() -> None:
+    """Make every slimgrad autograd Function defined so far run its backward with autocast off
+    (NOTE [Backward without autocast]). Idempotent."""
+    stack = [torch.autograd.Function]
+    while stack:
+        c = stack.pop()
+        stack.extend(c.__subclasses__())
+        if not c.__module__.startswith("slimgrad.") or "backward" not in c.__dict__:
+            continue
+        if c.__module__ in _AUTOCAST_BLIND:
+            continue
+        b = c.__dict__["backward"]
+        if isinstance(b, _AutocastFreeBackward):
+            continue
+        c.backward = _AutocastFreeBackward(b.__func__ if isinstance(b, staticmethod) else b)

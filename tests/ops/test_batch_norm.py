@@ -750,8 +750,10 @@ def _conv_bn_relu_block(convert=True):
 def test_host_call_budget_conv_bn_relu():
     # issue 32: Python calls of and from slimgrad's code, counted (deterministic), not timed. A
     # Conv(1x1)-BN-ReLU-Conv(3x3)-BN-ReLU step (the first BN keeps its conv's recipe, then the
-    # output its ReLU claims; the C backward writes dx over the granted gradient): 291 calls per
-    # fwd + bwd (287 before NOTE [A recipe that reads x from eager's conv node]: the recipe's
+    # output its ReLU claims; the C backward writes dx over the granted gradient): 301 calls per
+    # fwd + bwd (291 before NOTE [Backward without autocast] in slimgrad/_autograd.py: each conv
+    # and BatchNorm node's backward attribute asks whether autocast is on, 2 calls each; 287
+    # before NOTE [A recipe that reads x from eager's conv node]: the recipe's
     # first tensor read through a property at the BN's lookup, and a plain copy made when the BN
     # adopts it, the price of a conv input not held past its node's backward; 285 before NOTE [A
     # recipe made in a
@@ -776,7 +778,7 @@ def test_host_call_budget_conv_bn_relu():
             p.grad = None
 
     step()
-    assert slimgrad_calls(step) <= 291
+    assert slimgrad_calls(step) <= 301
     conv, bn, relu = m[0], m[1], m[2]
     y = conv(x)
     b = bn(y)  # a registered source: the registry is not empty

@@ -349,8 +349,10 @@ def test_host_calls_per_call():
     # training call without its helpers' frames (NOTE [The gated MLP's straight backward]), issued
     # from C++ (NOTE [Backward bodies from C++] in slimgrad/_ext), create_graph checked in the
     # backward itself (no first_order frame); one test for saved-tensor hooks (NOTE [The down
-    # product after the saves]): 21 calls of and from slimgrad's code per fwd + bwd (20 before
-    # that test; 21, 35, 77, then 63 before), counted, not timed
+    # product after the saves]); the backward attribute's read asks whether autocast is on (NOTE
+    # [Backward without autocast] in slimgrad/_autograd.py, 2 calls): 23 calls of and from
+    # slimgrad's code per fwd + bwd (21 before that check, 20 before that test; 21, 35, 77, then
+    # 63 before), counted, not timed
     from slimgrad.ops.gated_mlp import gated_mlp
     from tests._host_calls import slimgrad_calls
 
@@ -364,4 +366,4 @@ def test_host_calls_per_call():
         (gated_mlp(x * 1, wg, wu, wd) * 1).sum().backward()
 
     step()
-    assert slimgrad_calls(step) <= 21
+    assert slimgrad_calls(step) <= 23

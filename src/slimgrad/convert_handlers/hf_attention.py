@@ -330,9 +330,14 @@ def _math_path(query, key, value, attention_mask, dropout, is_causal, root, out_
         # whose forward and recompute take different paths (a dispatch mode on one side only)
         # finds what it saved (NOTE [A FLOP count on one side of a checkpoint] in
         # slimgrad/_library.py); torch.matmul folds 4-D operands so too: the same products
+        qf = query.reshape(b * h, *query.shape[2:])
+        kf = key_t.reshape(b * h, *key_t.shape[2:])
+        # the 4-D products die here where a fold copied them (ViT's q and k), as the straight
+        # path's do: not held through the op beside their copies
+        del query, key_t
         out = _sdm.scores_softmax_dropout_matmul(
-            query.reshape(b * h, *query.shape[2:]),
-            key_t.reshape(b * h, *key_t.shape[2:]),
+            qf,
+            kf,
             value.contiguous().view(b * h, *value.shape[2:]),
             float(dropout),
             causal=is_causal,

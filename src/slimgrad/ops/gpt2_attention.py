@@ -72,6 +72,7 @@ import torch
 
 from slimgrad import _ext, ownership
 from slimgrad._autograd import (
+    backward_without_autocast,
     compiling,
     direct_apply,
     refuse_forward_ad,
@@ -562,5 +563,7 @@ def ln_conv1d(x, ln_w, ln_b, arg, eps: float, y_kept_after: bool, w, b) -> torch
     )
 
 
-# this module is imported after slimgrad's own import (NOTE [Forward-mode AD is refused])
+# this module is imported after slimgrad's own import (NOTE [Forward-mode AD is refused], NOTE
+# [Backward without autocast])
 refuse_forward_ad()
+backward_without_autocast()

@@ -119,6 +119,7 @@ import slimgrad.ops.layer_norm  # noqa: F401
 from slimgrad import _ext, ownership
 from slimgrad._autograd import (
     CTX_FIELDS,
+    backward_without_autocast,
     compiling,
     direct_apply,
     refuse_forward_ad,
@@ -916,5 +917,7 @@ def ln_ok(x, weight, bias) -> bool:
     )
 
 
-# this module is imported after slimgrad's own import (NOTE [Forward-mode AD is refused])
+# this module is imported after slimgrad's own import (NOTE [Forward-mode AD is refused], NOTE
+# [Backward without autocast])
 refuse_forward_ad()
+backward_without_autocast()

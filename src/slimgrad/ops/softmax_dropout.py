@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from slimgrad import _dtensor, ownership
 from slimgrad._autograd import (
     CTX_FIELDS,
+    autocast_free,
     compiling,
     direct_apply,
     first_order,
@@ -1294,7 +1295,10 @@ def _scores_sdm_backward(ctx, d_out, _d_bits):
     return (*grads, None, None, None, None)
 
 
-_scores_sdm.register_autograd(_scores_sdm_backward, setup_context=_scores_sdm_setup)
+_scores_sdm.register_autograd(
+    autocast_free(_scores_sdm_backward),  # NOTE [Backward without autocast] in _autograd.py
+    setup_context=_scores_sdm_setup,
+)
 
 
 # NOTE [The attention ops' FLOPs for FlopCounterMode]
@@ -1308,9 +1312,9 @@ _scores_sdm.register_autograd(_scores_sdm_backward, setup_context=_scores_sdm_se
 # counts ``aten.bmm``/``aten.mm`` (torch.matmul's reshapes and bmm: the same count), each
 # backward product only where its gradient is asked. Registered in torch's table (public:
 # ``torch.utils.flop_counter.register_flop_formula``) once, by ``convert_`` (importing that module
-# at slimgrad's import would cost every user ~80 ms): a FlopCounterMode made after the first
-# ``convert_`` counts them; slimgrad's own counters (the memory tracker, ``BackwardCounts``) run
-# the implementations and count their ATen ops instead.
+# at slimgrad's import would slow every import: docs/measurements.md): a FlopCounterMode made after
+# the first ``convert_`` counts them; slimgrad's own counters (the memory tracker,
+# ``BackwardCounts``) run the implementations and count their ATen ops instead.
 def _mm_flops(a, b) -> int:
     # (..., m, k) @ (..., k, n), batch dims broadcast
     batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))

@@ -1,0 +1,101 @@
+"""A backward called inside an autocast region (NOTE [Backward without autocast] in
+slimgrad/_autograd.py).
+
+``with torch.autocast(...): loss = model(x); loss.backward()`` ran every slimgrad backward with
+autocast on: a recomputed product came back in bf16 beside float32 operands (RuntimeError on
+converted GPT-2, BERT, Llama, OPT, ViT ...) and the attention's dropout C kernel wrote float32
+elements over a bf16 recompute (heap corruption), where eager runs. Each slimgrad backward now runs
+with autocast off: the gradients of the same step with the backward outside autocast, bit for bit
+wherever every backward op of the model is slimgrad's, and finite elsewhere (eager's own ops in
+the model follow autocast, as in eager).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import slimgrad
+from slimgrad.ops.softmax_dropout import scores_softmax_dropout_matmul
+from tests.conformance._hf_families import FAMILIES, build, inputs
+
+_BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def _grads(params):
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_the_scores_op_backward_under_autocast(p):
+    # the forward's straight path in float32, the backward inside bf16 autocast: heap corruption
+    # before (the dropout C kernel's float32 pass over a bf16 recompute)
+    torch.manual_seed(0)
+    q, k_t, v = (torch.randn(12, 16, 8), torch.randn(12, 8, 16), torch.randn(12, 16, 8))
+    leaves = [t.requires_grad_() for t in (q, k_t, v)]
+    got = []
+    for under in (False, True):
+        for t in leaves:
+            t.grad = None
+        torch.manual_seed(1)
+        out = scores_softmax_dropout_matmul(q, k_t, v, p)
+        with torch.autocast(**_BF16, enabled=under):
+            out.square().sum().backward()
+        got.append(_grads(leaves))
+    for a, b in zip(*got, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def _step(model, batch, forward_in: bool, backward_in: bool):
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(**_BF16, enabled=forward_in):
+        loss = model(**batch).loss
+    with torch.autocast(**_BF16, enabled=backward_in):
+        loss.backward()
+    return _grads(model.parameters())
+
+
+@pytest.mark.parametrize("forward_in", [False, True])
+@pytest.mark.parametrize("fam", ["gpt2", "bert", "llama", "opt", "vit", "bart"])
+def test_a_converted_models_backward_inside_autocast(fam, forward_in):
+    base = build(FAMILIES[fam]).train()
+    batch = inputs(FAMILIES[fam], base, labels=True)
+    slim = slimgrad.convert_(copy.deepcopy(base))
+    ref = _step(slim, batch, forward_in, False)
+    got = _step(slim, batch, forward_in, True)  # raised (or aborted) before
+    for a, b in zip(got, ref, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and bool(torch.isfinite(a).all())
+            if fam == "gpt2" or (forward_in and fam in ("bert", "opt", "vit", "bart")):
+                assert torch.equal(a, b)  # every backward op there is slimgrad's
+
+
+def test_conv_blocks_backward_inside_autocast():
+    nn = torch.nn
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Conv2d(8, 4, 1),
+    ).train()
+    slim = slimgrad.convert_(copy.deepcopy(net))
+    x = torch.randn(2, 3, 8, 8)
+    got = []
+    for under in (False, True):
+        slim.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = slim(x).square().mean()
+        with torch.autocast(**_BF16, enabled=under):
+            loss.backward()
+        got.append(_grads(slim.parameters()))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
