@@ -371,13 +371,18 @@ def refuse_forward_ad() -> None:
 # :func:`backward_without_autocast` installs, on each slimgrad Function, a ``backward`` attribute
 # whose read (the engine reads it as it runs the node) answers the Function's own backward, or,
 # while autocast is on and nothing compiles, the same backward under ``torch.autocast(device,
-# enabled=False)`` for each device type whose autocast is on. While torch compiles (Dynamo reads
-# the attribute with the compiling flag held) it is the Function's own backward. The Functions of
+# enabled=False)`` for each device type whose autocast is on and the autograd engine runs a
+# backward (``torch._C._current_graph_task_id()``, private: without it the backward is left as it
+# is). Anywhere else it is the Function's own backward: while torch compiles (Dynamo reads the
+# attribute with the compiling flag held) and where Dynamo's guards read it back on a later call
+# (a compiled forward under autocast guards on the backward's code: an answer that changed with
+# autocast outside a backward recompiled every step; the review). The Functions of
 # the modules in ``_AUTOCAST_BLIND`` keep their backward as it is: every op in them is elementwise
 # or a reduction over the tensors the forward kept and the incoming gradient (the activations,
 # dropout, the norms; none of autocast's casting ops, none recomputed), so autocast changes
 # nothing they compute, and the attribute read would cost each of their calls two host calls.
 _AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _AUTOCAST_BLIND = frozenset(
     f"slimgrad.ops.{m}"
     for m in (
@@ -430,7 +435,7 @@ def autocast_free(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def backward(*args):
-        if _any_autocast_on() and not _compiler._is_compiling_flag:
+        if _any_autocast_on() and _in_backward():
             return off(*args)
         return fn(*args)
 
@@ -445,9 +450,14 @@ class _AutocastFreeBackward:
         self.fn, self.off = fn, _without_autocast(fn)
 
     def __get__(self, obj, owner):
-        if _any_autocast_on() and not _compiler._is_compiling_flag:
+        if _any_autocast_on() and _in_backward():
             return self.off
         return self.fn
+
+
+def _in_backward() -> bool:
+    # the autograd engine runs a backward, nothing compiles (NOTE [Backward without autocast])
+    return _graph_task is not None and _graph_task() != -1 and not _compiler._is_compiling_flag
 
 
 def backward_without_autocast() -> None:

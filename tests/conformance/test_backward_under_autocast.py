@@ -99,3 +99,26 @@ def test_conv_blocks_backward_inside_autocast():
         got.append(_grads(slim.parameters()))
     for a, b in zip(*got, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_compiled_step_under_autocast_compiles_once():
+    # Dynamo guards on the backward's code of a Function a compiled forward applies; an answer
+    # that changed with autocast outside a backward recompiled every step (the review)
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    slim = slimgrad.convert_(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)))
+    x = torch.randn(4, 16)
+    dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(slim, backend="aot_eager")
+    new = []
+    for _ in range(4):
+        before = counters["stats"]["unique_graphs"]
+        with torch.autocast(**_BF16):
+            compiled(x).float().square().mean().backward()
+        new.append(counters["stats"]["unique_graphs"] - before)
+    dynamo.reset()
+    assert new[0] > 0 and new[1:] == [0, 0, 0]
