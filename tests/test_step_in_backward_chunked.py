@@ -337,6 +337,35 @@ def test_head_comes_back_whole_where_blocks_do_not_apply(monkeypatch, rows97, ho
         assert taken and not any(taken)
 
 
+@pytest.mark.parametrize("hook", ["tensor", "post_accumulate"])
+def test_a_head_another_hook_watches_comes_back_whole(monkeypatch, rows97, hook):
+    """NOTE [A head weight another hook watches] in slimgrad/step_in_backward.py: a user's hook on
+    the head weight sees its whole gradient, as in the plain loop (it got None, and a hook's
+    scaling was lost: the head moved twice as far)."""
+    a, b = _LM(), _LM()
+    seen: tuple[list, list] = ([], [])
+
+    def halve(got: list):
+        return lambda g: (got.append(g is not None), g * 0.5)[1]
+
+    def look(got: list):
+        return lambda t: got.append(t.grad is not None)
+
+    for m, got in zip((a, b), seen, strict=True):
+        if hook == "tensor":
+            m.head.weight.register_hook(halve(got))
+        else:
+            m.head.weight.register_post_accumulate_grad_hook(look(got))
+    opt = torch.optim.SGD(a.parameters(), lr=0.5)
+    handle = step_in_backward(b, torch.optim.SGD, lr=0.5)
+    taken = _spy_rows(monkeypatch, handle)
+    _run(a, opt)
+    _run(b, handle)
+    _same(a, b)
+    assert seen[0] == seen[1] == [True] * 5
+    assert taken and not any(taken)
+
+
 def test_head_accumulate_two_comes_back_whole(monkeypatch, rows97):
     a, b = _LM(), _LM()
     opt = torch.optim.AdamW(a.parameters(), lr=1e-2)

@@ -1935,6 +1935,7 @@ class StepInBackward(torch.optim.Optimizer):
             or not _WILL_EXECUTE  # NOTE [A graph task that accumulates nothing]
             or not _accumulates(node)
             or not self._chunkable(p)
+            or self._others_hook(p)
         ):
             return None
         task = self._guarded(self._start_backward)
@@ -1967,6 +1968,22 @@ class StepInBackward(torch.optim.Optimizer):
             self._mark_updated()
 
         return block
+
+    def _others_hook(self, p: torch.Tensor) -> bool:
+        # NOTE [A head weight another hook watches]: a tensor hook or a post-accumulate hook on
+        # the head weight that is not this handle's sees (and may change) the weight's whole
+        # gradient in the plain loop; the rows taken block by block inside the loss's backward
+        # would hand it None (a hook on lm_head.weight got None, and its scaling was lost: the
+        # head moved twice as far as the plain loop's; a review). Such a weight's gradient comes
+        # back whole, through its hooks, as any parameter's. Where torch keeps no such dicts on
+        # the tensor, every weight comes back whole.
+        pre = getattr(p, "_backward_hooks", False)
+        post = getattr(p, "_post_accumulate_grad_hooks", False)
+        if pre is False or post is False:
+            return True
+        if pre and any(not isinstance(h, _ParamHook) for h in pre.values()):
+            return True
+        return bool(post) and any(h != self._hook for h in post.values())
 
     def _flush(self) -> None:
         if self._pending:
