@@ -79,6 +79,7 @@ handles the op's output, after its forward ran: nothing was written but the outp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -412,8 +413,6 @@ _any_autocast_on = torch._C._is_any_autocast_enabled
 
 def _without_autocast(fn: Callable) -> Callable:
     def run(*args):
-        import contextlib
-
         with contextlib.ExitStack() as stack:
             for dev in _AUTOCAST_TYPES:
                 try:

@@ -132,23 +132,41 @@ def straight() -> bool:
 # module runs (eager's op): CheckpointError there (left: telling it would need the forward's
 # decisions replayed in the recompute). Outside checkpoint's hooks nothing changes: the profiler
 # still names each custom op there.
-try:  # private: without them a FLOP count closes the gate everywhere (as before)
+try:  # private: without it no hooks are seen (checkpoint's included: the features it serves off)
     _top_hooks = _C._autograd._top_saved_tensors_default_hooks
+except AttributeError:  # pragma: no cover - depends on the torch release
+
+    def _top_hooks(_ignore_empty: bool) -> None:
+        return None
+
+
+try:  # private: the dispatch modes on the stack; without it, no mode is taken as a reader
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
-except (AttributeError, ImportError):  # pragma: no cover - depends on the torch release
-    _top_hooks = _mode_stack = None
-_CHECKPOINT = "torch.utils.checkpoint"
+except ImportError:  # pragma: no cover - depends on the torch release
+    _mode_stack = None
+_CHECKPOINT = "torch.utils.checkpoint"  # the module of checkpoint's own hook functions
 _FLOP_COUNTER = "torch.utils.flop_counter"
+
+
+def _checkpoints(hooks: tuple) -> bool:
+    # whether saved-tensor hooks ``(pack, unpack)`` are torch.utils.checkpoint's own
+    return getattr(hooks[0], "__module__", None) == _CHECKPOINT
+
+
+def under_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are torch.utils.checkpoint's own: a non-reentrant
+    checkpoint's forward or its recompute inside backward."""
+    hooks = _top_hooks(False)
+    return hooks is not None and _checkpoints(hooks)
 
 
 def _counted_checkpoint() -> bool:
     # NOTE [A FLOP count on one side of a checkpoint]: only readers watch, under checkpoint's hooks
-    if _top_hooks is None or _function_mode_on() or _functorch_on() or _is_tracing():
-        return False
-    hooks = _top_hooks(False)
-    if hooks is None or getattr(hooks[0], "__module__", None) != _CHECKPOINT:
+    if _function_mode_on() or _functorch_on() or _is_tracing() or not under_checkpoint():
         return False
     if _dispatch_stack_len():
+        if _mode_stack is None:
+            return False
         for m in _mode_stack():  # (FlopCounterMode pushes a mode class of its module)
             if type(m).__module__ != _FLOP_COUNTER:
                 return False

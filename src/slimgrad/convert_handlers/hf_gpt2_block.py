@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module
 
 from slimgrad._autograd import compiling
 from slimgrad.convert_handlers.decision import InstanceForward
-from slimgrad.nn._hooks import foreign
+from slimgrad.nn._hooks import foreign, global_hooks_act
 
 __all__ = ["GPT2BlockForward", "gpt2_block_forwards_"]
 
@@ -50,14 +50,6 @@ def _watched(m) -> bool:
         bool(m._backward_hooks or m._backward_pre_hooks)
         or foreign(m._forward_hooks)
         or foreign(m._forward_pre_hooks)
-    )
-
-
-def _global_watched() -> bool:
-    return (
-        bool(_module._global_backward_hooks or _module._global_backward_pre_hooks)
-        or foreign(_module._global_forward_hooks)
-        or foreign(_module._global_forward_pre_hooks)
     )
 
 
@@ -145,7 +137,7 @@ class GPT2BlockForward(InstanceForward):
                     or _module._global_backward_hooks
                     or _module._global_backward_pre_hooks
                 )
-                and _global_watched()
+                and global_hooks_act()
             )
         ):
             return type(m).forward(m, *args, **kwargs)

@@ -38,7 +38,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from slimgrad.nn._hooks import foreign as _foreign
+from slimgrad.nn._hooks import global_hooks_act
 from slimgrad.nn._script import NoScript
 from slimgrad.nn.dropout import Dropout as _SlimDropout
 from slimgrad.nn.linear import Linear as _SlimLinear
@@ -64,11 +64,7 @@ def _hooked(*modules: nn.Module) -> bool:
         or g._global_forward_pre_hooks
         or g._global_backward_hooks
         or g._global_backward_pre_hooks
-    ) and (
-        bool(g._global_backward_hooks or g._global_backward_pre_hooks)
-        or _foreign(g._global_forward_hooks)
-        or _foreign(g._global_forward_pre_hooks)
-    ):
+    ) and global_hooks_act():
         return True
     return any(
         m._forward_hooks

@@ -56,6 +56,16 @@ def foreign(hooks: dict) -> bool:
     return any(_acts(f) for f in hooks.values())
 
 
+def global_hooks_act() -> bool:
+    """Whether a global module hook may act on the modules a fused block runs without calling
+    them: any global backward hook, or a global forward (pre-)hook that is :func:`foreign`."""
+    return (
+        bool(_module._global_backward_hooks or _module._global_backward_pre_hooks)
+        or foreign(_module._global_forward_hooks)
+        or foreign(_module._global_forward_pre_hooks)
+    )
+
+
 _HF_CAPTURE = "transformers.utils.output_capturing"
 _TRACKER = "torch.utils.module_tracker"
 

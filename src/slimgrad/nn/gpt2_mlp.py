@@ -29,7 +29,7 @@ from slimgrad._library import straight
 from slimgrad.nn import dropout as _snd
 from slimgrad.nn import gelu as _sng
 from slimgrad.nn import linear as _snl
-from slimgrad.nn._hooks import foreign
+from slimgrad.nn._hooks import foreign, global_hooks_act
 from slimgrad.nn._output_act import _DECLARED
 from slimgrad.nn._script import NoScript
 from slimgrad.ops.gpt2_mlp import (
@@ -64,12 +64,7 @@ def _hooked(m) -> bool:
     )
 
 
-def _global_hooks() -> bool:
-    return (
-        bool(_module._global_backward_hooks or _module._global_backward_pre_hooks)
-        or foreign(_module._global_forward_hooks)
-        or foreign(_module._global_forward_pre_hooks)
-    )
+_global_hooks = global_hooks_act  # (hf_attention asks it as mlp._global_hooks)
 
 
 class GPT2MLP(NoScript, nn.Module):

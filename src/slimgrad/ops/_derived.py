@@ -166,6 +166,12 @@ from slimgrad._autograd import (
     compiling as _compiling,
 )
 from slimgrad._errors import internal_error, raise_if_written
+from slimgrad._library import (  # under_checkpoint: ops call it as _derived.under_checkpoint
+    _CHECKPOINT,
+    _checkpoints,
+    _top_hooks,
+    under_checkpoint,  # noqa: F401
+)
 from slimgrad._math.norms import unseen
 
 __all__ = [
@@ -561,10 +567,8 @@ class _PackState:
     __slots__ = ("left", "pack", "ref", "task", "unpack", "users", "value", "version")
 
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _task_id = torch._C._current_graph_task_id
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-_CHECKPOINT = "torch.utils.checkpoint"  # the module of checkpoint's own hook functions
 #: a user's pack after its backward freed the graph (NOTE [One pack per shared tensor])
 RELEASED: list = []
 
@@ -577,11 +581,6 @@ def pack_hooks() -> tuple | None:
     return None if hooks is None or _checkpoints(hooks) else hooks
 
 
-def _checkpoints(hooks: tuple) -> bool:
-    # whether saved-tensor hooks ``(pack, unpack)`` are torch.utils.checkpoint's own
-    return getattr(hooks[0], "__module__", None) == _CHECKPOINT
-
-
 # NOTE [A claim under checkpoint's hooks]
 # A BatchNorm call that ran under a user's saved-tensor hooks and decided from its last weight
 # version's calls to keep b for its activation (``pre``, b packed at the claim) is not claimed by an
@@ -592,10 +591,7 @@ def _checkpoints(hooks: tuple) -> bool:
 # Hardswish from the second step on (review25b's t11; the test in
 # tests/ops/test_saved_hooks_shared_pack_regions.py). Refused there, the BatchNorm keeps x as an
 # unclaimed call does, and the activation and the conv save what they save without a claim, at
-# forward and in the recompute alike.
-def under_checkpoint() -> bool:
-    hooks = _top_hooks(False)
-    return hooks is not None and _checkpoints(hooks)
+# forward and in the recompute alike. (``under_checkpoint``, imported above from _library.py.)
 
 
 # NOTE [Value-dependent saves under torch.utils.checkpoint]

@@ -112,6 +112,9 @@ from slimgrad._autograd import (
     unwrap_if_dead,
 )
 from slimgrad._dtensor import any_dtensor
+
+# private torch facts, guarded there (without them the product stays in forward: `slimgrad env`)
+from slimgrad._library import _mode_stack, _top_hooks, under_checkpoint
 from slimgrad._math.bits import _table
 from slimgrad._math.norms import unseen
 
@@ -324,18 +327,6 @@ def _describe(t):
     return f"[{t.__class__.__name__}] {tuple(t.shape)} {t.dtype}"
 
 
-try:  # private: without it the product stays in forward (feature off in `slimgrad env`)
-    _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-except AttributeError:  # pragma: no cover - depends on the torch release
-
-    def _top_hooks(_ignore_empty: bool) -> None:
-        return None
-
-
-try:  # private: the dispatch modes on the stack; without it, no mode is taken as a reader
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
-except ImportError:  # pragma: no cover - depends on the torch release
-    _mode_stack = None
 _mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
 
 
@@ -420,8 +411,6 @@ def later_ok() -> bool:
     saw hooks: the innermost are torch.utils.checkpoint's own (a non-reentrant checkpoint's
     forward or recompute, which pack without copying), nothing is compiling and every dispatch
     mode only reads ops (NOTE [The down product after the saves] in ops/gated_mlp.py)."""
-    from slimgrad.ops._derived import under_checkpoint
-
     return under_checkpoint() and not compiling() and _readers_only()
 
 

@@ -1325,6 +1325,11 @@ def _t(shape) -> tuple:
     return (*shape[:-2], shape[-1], shape[-2])
 
 
+def _scores_shape(q, k_t) -> tuple:
+    # S = q @ k_t's shape, batch dims broadcast
+    return (*torch.broadcast_shapes(tuple(q[:-2]), tuple(k_t[:-2])), q[-2], k_t[-1])
+
+
 def _sdm_fwd_flops(s, v, *args, out_shape=None, **kwargs) -> int:
     return _mm_flops(s, v)
 
@@ -1336,13 +1341,12 @@ def _sdm_bwd_flops(d_out, probs, bits, v, *args, out_shape=None, **kwargs) -> in
 
 
 def _scores_flops(q, k_t, v, *args, out_shape=None, **kwargs) -> int:
-    s = (*torch.broadcast_shapes(tuple(q[:-2]), tuple(k_t[:-2])), q[-2], k_t[-1])
-    return _mm_flops(q, k_t) + _mm_flops(s, v)
+    return _mm_flops(q, k_t) + _mm_flops(_scores_shape(q, k_t), v)
 
 
 def _scores_bwd_flops(d_out, q, k_t, v, *args, out_shape=None, **kwargs) -> int:
     need_q, need_k, need_v = kwargs["needs"] if "needs" in kwargs else args[-1]
-    s = (*torch.broadcast_shapes(tuple(q[:-2]), tuple(k_t[:-2])), q[-2], k_t[-1])
+    s = _scores_shape(q, k_t)
     n = _mm_flops(q, k_t)  # S recomputed
     if need_q or need_k:
         n += _mm_flops(d_out, _t(v))  # dD
