@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 
 import torch
@@ -382,6 +383,9 @@ def refuse_forward_ad() -> None:
 # or a reduction over the tensors the forward kept and the incoming gradient (the activations,
 # dropout, the norms; none of autocast's casting ops, none recomputed), so autocast changes
 # nothing they compute, and the attribute read would cost each of their calls two host calls.
+# The wrapper's frame holds one more reference to each incoming gradient; it states the node it
+# runs (``AUTOCAST_OFF_RUN``), so ownership keeps its grants there (NOTE [The chain through
+# autocast's wrapper] in ownership.py).
 _AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _AUTOCAST_BLIND = frozenset(
@@ -411,17 +415,34 @@ _AUTOCAST_BLIND = frozenset(
 _any_autocast_on = torch._C._is_any_autocast_enabled
 
 
+class _AutocastOffRun(threading.local):
+    # the node (``ctx``) whose backward :func:`_without_autocast`'s wrapper runs on this thread
+    # (the engine runs a node's backward on one thread), None elsewhere: its frame holds one more
+    # reference to each incoming gradient, a chain of its own for ``slimgrad.ownership`` (NOTE
+    # [Gradient-buffer ownership], term 3)
+    node = None
+
+
+AUTOCAST_OFF_RUN = _AutocastOffRun()
+
+
 def _without_autocast(fn: Callable) -> Callable:
     def run(*args):
-        with contextlib.ExitStack() as stack:
-            for dev in _AUTOCAST_TYPES:
-                try:
-                    on = torch.is_autocast_enabled(dev)
-                except (RuntimeError, TypeError, ValueError):  # a device type this torch lacks
-                    continue
-                if on:
-                    stack.enter_context(torch.autocast(dev, enabled=False))
-            return fn(*args)
+        state = AUTOCAST_OFF_RUN
+        outer = state.node
+        state.node = args[0] if args else None
+        try:
+            with contextlib.ExitStack() as stack:
+                for dev in _AUTOCAST_TYPES:
+                    try:
+                        on = torch.is_autocast_enabled(dev)
+                    except (RuntimeError, TypeError, ValueError):  # a device type torch lacks
+                        continue
+                    if on:
+                        stack.enter_context(torch.autocast(dev, enabled=False))
+                return fn(*args)
+        finally:
+            state.node = outer
 
     functools.update_wrapper(run, fn)
     return run

@@ -77,12 +77,13 @@ CPython 3.11 over 15 cases; no single term suffices):
    names the Function, and its ``backward`` (or ``vjp``) is slimgrad's ``_autograd.first_order``
    wrapper, torch's ``once_differentiable`` wrapper (both recognised by their code objects) or a
    plain function called by autograd's ``BackwardCFunction.apply``; each chain has its own
-   baseline, never chosen by the count itself; any other chain (another decorator, a callable
-   object, no Python node) has none: refused. A deeper call (a helper between the backward and
-   ``take``) holds more references, so it refuses. No frame is read. The baselines are measured
-   by probe Functions run through autograd on the first question in the process (never at
-   import); if that fails, reuse is never granted. A view gradient has the same refcount and use
-   count as a plain one (checked).
+   baseline, never chosen by the count itself; a node that runs through slimgrad's wrapper that
+   turns autocast off has that chain's own (NOTE [The chain through autocast's wrapper]); any
+   other chain (another decorator, a callable object, no Python node) has none: refused. A
+   deeper call (a helper between the backward and ``take``) holds more references, so it
+   refuses. No frame is read. The baselines are measured by probe Functions run through autograd
+   on the first question in the process (never at import); if that fails, reuse is never
+   granted. A view gradient has the same refcount and use count as a plain one (checked).
 4. Non-overlapping and dense, offset 0, covering its whole storage, plain strided ``torch.Tensor``
    (no subclass, functorch wrapper, conj/neg bit; a view only under term 2b): an in-place kernel
    writes every byte exactly once.
@@ -182,6 +183,7 @@ argument as documented; the modules decide.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import threading
@@ -193,8 +195,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from slimgrad import _ext
+from slimgrad._autograd import AUTOCAST_OFF_RUN as _AC_RUN
+from slimgrad._autograd import _AutocastFreeBackward, first_order
 from slimgrad._autograd import compiling as _compiling
-from slimgrad._autograd import first_order
 
 __all__ = [
     "calibrated",
@@ -676,6 +679,10 @@ def _chain_of(node_cls: type) -> str | None:
     if fwd is None:
         return None
     fn = fwd.vjp if fwd.vjp is not torch.autograd.Function.vjp else fwd.backward
+    if fn is not fwd.vjp:  # the Function's own backward, whatever autocast answers now
+        raw = inspect.getattr_static(fwd, "backward", None)
+        if isinstance(raw, _AutocastFreeBackward):
+            fn = raw.fn
     code = getattr(fn, "__code__", None)
     if code is _FIRST_ORDER_CODE:
         return "first_order"
@@ -686,6 +693,18 @@ def _chain_of(node_cls: type) -> str | None:
     return None
 
 
+# NOTE [The chain through autocast's wrapper]
+# A backward that the engine calls inside autocast runs through _autograd's wrapper, which turns
+# autocast off around it (NOTE [Backward without autocast] in _autograd.py): one more frame, which
+# holds one more reference to each incoming gradient. That is a chain of its own: the running node
+# is the one the wrapper states it runs (``_autograd.AUTOCAST_OFF_RUN.node``, set by the wrapper on
+# the thread that runs it), and its baselines are measured by calibration's probes run through the
+# same wrapper inside autocast, as every chain's are. Without it every grant there was refused
+# (safe: eager's allocation), so a backward inside autocast kept more than one outside it.
+_AC_KIND = {None: None, "plain": "plain@ac", "once": "once@ac", "first_order": "first_order@ac"}
+_AC_KINDS = frozenset(_AC_KIND.values())
+
+
 def _caller() -> str | None:
     # the chain of the running node (for calibration's probes; take/take_saved inline it)
     node = _current_node()
@@ -693,10 +712,10 @@ def _caller() -> str | None:
         return None
     cls = type(node)
     try:
-        return _CHAINS[cls]
+        kind = _CHAINS[cls]
     except KeyError:
         kind = _CHAINS[cls] = _chain_of(cls)
-        return kind
+    return _AC_KIND[kind] if node is _AC_RUN.node else kind
 
 
 _grad_on = torch._C.is_grad_enabled
@@ -852,8 +871,11 @@ _RCS_OF: dict | None = None  # the _GRAD_REFCOUNT whose refcounts _GRAD_RCS hold
 
 
 def _refresh_rcs(grads: dict | None) -> None:
+    # the refcounts of the direct chains: a count none has is refused before the running node is
+    # read, unless a node runs through autocast's wrapper on this thread (its chain's counts are
+    # one more, which is also a direct chain's count with one holder more)
     global _GRAD_RCS, _RCS_OF
-    _GRAD_RCS = frozenset(b[0] for b in (grads or {}).values())
+    _GRAD_RCS = frozenset(b[0] for k, b in (grads or {}).items() if k not in _AC_KINDS)
     _RCS_OF = grads
 
 
@@ -880,13 +902,15 @@ def grant(t: torch.Tensor, probe: object, refcount: int | None = None, count: bo
     grads = _GRAD_REFCOUNT
     if grads is not _RCS_OF:  # the baselines changed (a new call mode): their refcounts
         _refresh_rcs(grads)
-    if refcount not in _GRAD_RCS:
+    if refcount not in _GRAD_RCS and _AC_RUN.node is None:
         return False
     node = _current_node()
     if grads is None or node is None:
         return False
     cls = type(node)
     kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
+    if node is _AC_RUN.node:  # NOTE [The chain through autocast's wrapper]
+        kind = _AC_KIND[kind]
     base = grads[kind] if kind in grads else None
     if (
         base is None
@@ -946,6 +970,8 @@ def _saved_ok(t: torch.Tensor, refcount: int, probe: object) -> bool:
         return False
     cls = type(node)
     kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
+    if node is _AC_RUN.node:  # NOTE [The chain through autocast's wrapper]
+        kind = _AC_KIND[kind]
     if _disabled_depth or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled()):
         return False
     fast = _BACKWARD_FACTS if _STORAGE_SIG is not None else None
@@ -1933,9 +1959,64 @@ def _calibrate() -> None:
         if ok and view_ok and len(view_sigs) == 1:
             _VIEW_SIG = view_sigs.pop()
         if ok:
+            _calibrate_autocast_off(x, grad_base, saved_sigs)
             _GRAD_REFCOUNT, _SAVED_SIGS = grad_base, saved_sigs
     except Exception:  # any surprise: never reuse
         _GRAD_REFCOUNT = _SAVED_SIGS = _VIEW_SIG = None
+
+
+def _raw_backward(fn_cls: type):
+    return fn_cls.__dict__["backward"].__func__  # the probe's staticmethod
+
+
+def _calibrate_autocast_off(x, grad_base: dict, saved_sigs: dict) -> None:
+    # the chains through autocast's wrapper (NOTE [The chain through autocast's wrapper]): the
+    # same probes, each Function's backward installed as slimgrad's are, run inside autocast. A
+    # chain whose probes disagree gets no baseline (its grants are refused); the others keep theirs.
+    grad_fns, saved_fns = _calib_fns(seen := [])
+    for grad_fn, saved_fn in zip(grad_fns, saved_fns, strict=True):
+        kind = _AC_KIND[_chain_of(grad_fn._backward_cls)]
+        if kind is None or kind in grad_base:
+            continue
+        g_ac, s_ac = (
+            type(
+                f.__name__,
+                (f,),
+                {
+                    "backward": _AutocastFreeBackward(_raw_backward(f)),
+                    "__qualname__": f"{f.__qualname__}.autocast_off",
+                },
+            )
+            for f in (grad_fn, saved_fn)
+        )
+        seen.clear()
+        kept = []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (g_ac.apply(x) * 3).sum().backward()
+            ((g_ac.apply(x) * 3) * 1).sum().backward()
+            y = g_ac.apply(x)
+            y.register_hook(lambda g, kept=kept: kept.append(g))
+            (y * 3).sum().backward()
+            (s_ac.apply(x) * 3).sum().backward()
+            (s_ac.apply(x * 1) * 3).sum().backward()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t):
+                loss = (s_ac.apply(x * 1) * 3).sum()
+            loss.backward()
+        del y, kept
+        stack = [p for k, p in seen if k == "stack"]
+        g = [p for k, p in seen if k == "grad"]
+        sv = [p for k, p in seen if k == "saved"]
+        if (
+            len(g) == 3
+            and len(sv) == 3
+            and all(p[2] == kind for p in g + sv)
+            and g[0] == g[1]
+            and g[2][0] == g[0][0] + 1
+            and all(n == p[0] + 1 for n, p in zip(stack, g, strict=True))
+            and sv[0] == sv[1]
+        ):
+            grad_base[kind] = g[0][:2]
+            saved_sigs[kind] = frozenset({sv[0][:2], sv[2][:2]})
 
 
 def _calibrate_view_base(x) -> tuple[int, int] | None:
