@@ -45,7 +45,13 @@ hundreds of times per step, for nothing, since their gradients are small. A para
 ``bucket_bytes`` or backward ends (an engine callback), then the list updates in one call,
 narrowed per group. Parameters are independent in every such optimizer, so the bits do not
 change; the memory bound grows by at most ``bucket_bytes``. ``bucket_bytes=0`` updates every
-parameter alone.
+parameter alone. The list updates in the plain step's order (each group's parameters in the
+group's order), not in the order their hooks ran: a single-tensor update keeps one parameter's
+temporaries until the next parameter's are made (AdamW's denominator), so its peak is a fact of
+the order; in backward's order a tiny Mixtral whose whole model waits in one bucket peaked
+32,260 B above the plain loop's step; in the plain order it peaks as that step, but for the
+loss's own gradient, which ``loss.backward()`` holds until it returns (4 B for a float32 scalar;
+tests/test_step_in_backward.py).
 
 # NOTE [Chunked updates]
 SGD, Adam and AdamW update each element of a parameter from the same element of its gradient and
@@ -1103,6 +1109,7 @@ class StepInBackward(torch.optim.Optimizer):
         self._seen_scalers: list[weakref.ref] = []  # NOTE [GradScaler]
         self._frozen: list[torch.Tensor] = []
         self._group_index: dict[torch.Tensor, int] = {}
+        self._position: dict[torch.Tensor, int] = {}  # in its group (NOTE [Small parameters ...])
         self._removed = False
         self._rows_taken: set[torch.Tensor] = set()  # updated by rows in this backward
         # per-parameter hook calls in this step's backward (a second one is refused)
@@ -1312,8 +1319,9 @@ class StepInBackward(torch.optim.Optimizer):
 
     # --- the hooks -------------------------------------------------------------------------
     def _attach(self, params: list[torch.Tensor], index: int) -> None:
-        for p in params:
+        for k, p in enumerate(params):
             self._group_index[p] = index
+            self._position[p] = k
             if p.requires_grad:
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._hook)
                 if self._accumulate > 1:
@@ -2057,6 +2065,8 @@ class StepInBackward(torch.optim.Optimizer):
         saved = {i: groups[i]["params"] for i in by_group}
         try:
             for i, ps in by_group.items():
+                if len(ps) > 1:  # the plain step's order (NOTE [Small parameters update together])
+                    ps.sort(key=self._position.__getitem__)
                 groups[i]["params"] = ps
             opt.param_groups = [groups[i] for i in sorted(by_group)]
             self._raw_step()
