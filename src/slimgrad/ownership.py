@@ -701,6 +701,11 @@ def _chain_of(node_cls: type) -> str | None:
 # the thread that runs it), and its baselines are measured by calibration's probes run through the
 # same wrapper inside autocast, as every chain's are. Without it every grant there was refused
 # (safe: eager's allocation), so a backward inside autocast kept more than one outside it.
+# Calibration keeps the wrapper's chains only where their gradient count is exactly one above the
+# direct chain's and their saved-tensor signatures are the direct chain's (the wrapper holds the
+# gradients it passes on, never a saved tensor): then a count the direct chain grants is never met
+# under the wrapper, and ``grant`` reads which node the wrapper runs only after the direct
+# chain's count refused (no cost outside autocast), and ``take_saved`` never needs to.
 _AC_KIND = {None: None, "plain": "plain@ac", "once": "once@ac", "first_order": "first_order@ac"}
 _AC_KINDS = frozenset(_AC_KIND.values())
 
@@ -909,15 +914,19 @@ def grant(t: torch.Tensor, probe: object, refcount: int | None = None, count: bo
         return False
     cls = type(node)
     kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
-    if node is _AC_RUN.node:  # NOTE [The chain through autocast's wrapper]
-        kind = _AC_KIND[kind]
     base = grads[kind] if kind in grads else None
-    if (
-        base is None
-        or refcount != base[0]
-        or _disabled_depth
-        or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled())
-    ):
+    if base is None:
+        return False
+    if refcount != base[0]:
+        # NOTE [The chain through autocast's wrapper]: asked only where the direct chain's count
+        # refuses (the wrapper's count is calibrated one above it)
+        if node is not _AC_RUN.node:
+            return False
+        kind = _AC_KIND[kind]
+        if kind not in grads or refcount != grads[kind][0]:
+            return False
+        base = grads[kind]
+    if _disabled_depth or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled()):
         return False
     fast = _BACKWARD_FACTS if _STORAGE_SIG is not None else None
     f = None if fast is None else fast(t, 0)
@@ -970,8 +979,6 @@ def _saved_ok(t: torch.Tensor, refcount: int, probe: object) -> bool:
         return False
     cls = type(node)
     kind = _CHAINS[cls] if cls in _CHAINS else _CHAINS.setdefault(cls, _chain_of(cls))
-    if node is _AC_RUN.node:  # NOTE [The chain through autocast's wrapper]
-        kind = _AC_KIND[kind]
     if _disabled_depth or ((_ENV_DATA is None or _ENV_KEY in _ENV_DATA) and _env_disabled()):
         return False
     fast = _BACKWARD_FACTS if _STORAGE_SIG is not None else None
@@ -1975,8 +1982,9 @@ def _calibrate_autocast_off(x, grad_base: dict, saved_sigs: dict) -> None:
     # chain whose probes disagree gets no baseline (its grants are refused); the others keep theirs.
     grad_fns, saved_fns = _calib_fns(seen := [])
     for grad_fn, saved_fn in zip(grad_fns, saved_fns, strict=True):
-        kind = _AC_KIND[_chain_of(grad_fn._backward_cls)]
-        if kind is None or kind in grad_base:
+        direct = _chain_of(grad_fn._backward_cls)
+        kind = _AC_KIND[direct]
+        if kind is None or kind in grad_base or direct not in grad_base:
             continue
         g_ac, s_ac = (
             type(
@@ -2014,9 +2022,11 @@ def _calibrate_autocast_off(x, grad_base: dict, saved_sigs: dict) -> None:
             and g[2][0] == g[0][0] + 1
             and all(n == p[0] + 1 for n, p in zip(stack, g, strict=True))
             and sv[0] == sv[1]
+            and g[0][0] == grad_base[direct][0] + 1
+            and g[0][1] == grad_base[direct][1]
+            and frozenset({sv[0][:2], sv[2][:2]}) == saved_sigs[direct]
         ):
             grad_base[kind] = g[0][:2]
-            saved_sigs[kind] = frozenset({sv[0][:2], sv[2][:2]})
 
 
 def _calibrate_view_base(x) -> tuple[int, int] | None:
