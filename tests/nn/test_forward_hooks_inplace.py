@@ -1,6 +1,7 @@
 """Forward hooks registered after ``convert_`` on modules that keep their output (NOTE [Forward
 hooks on an output-saving module] in ``slimgrad/nn/_hooks.py``): a hook that edits the output in
-place (activation steering) trains as in eager, bit for bit; slimgrad's observers do not count."""
+place (activation steering) trains as in eager, bit for bit; one that writes nothing it is given
+keeps the savings; slimgrad's observers do not count."""
 
 from __future__ import annotations
 
@@ -109,9 +110,10 @@ def _saved(model, x):
 
 
 @pytest.mark.parametrize("name,make,around", [CASES[0], CASES[3], CASES[9]])
-def test_read_only_hook_runs_eager_and_removal_restores(name, make, around):
-    # the policy: any foreign forward hook (a reader cannot be told from a writer) runs eager's op,
-    # values and memory; removing it brings slimgrad's saving back
+def test_read_only_hook_keeps_the_savings_and_a_writer_runs_eager(name, make, around):
+    # the policy: a hook whose source writes nothing it is given changes nothing (the savings,
+    # the bits, the hook's calls); one that may write runs eager's op, values and memory, and
+    # removing it brings slimgrad's saving back
     eager, conv = _pair(make, around)
     x = _input(around)
     # the bytes at inputs near the biases: no hard elements on any CPU (erf-GELU's hard window
@@ -119,9 +121,18 @@ def test_read_only_hook_runs_eager_and_removal_restores(name, make, around):
     # op keeps x, eager's bytes, and the saving this row compares would not show)
     xs = x.detach() * 0.1
     lean = _saved(conv, xs)
-    handle = conv[1].register_forward_hook(_read)
+    plain = _step(conv, x.detach().requires_grad_())
+    calls = []
+    handle = conv[1].register_forward_hook(lambda m, a, out: calls.append(float(out.sum())))
+    assert not forward_hooked(conv[1])
+    assert _saved(conv, xs) == lean and len(calls) == 1
+    for a, b in zip(_step(conv, x.detach().requires_grad_()), plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    handle.remove()
+    handle = conv[1].register_forward_hook(_steer)
     assert forward_hooked(conv[1])
     hooked = _saved(conv, xs)
+    eager[1].register_forward_hook(_steer)
     ref = _step(eager, x.detach().requires_grad_())
     got = _step(conv, x.detach().requires_grad_())
     for a, b in zip(got, ref, strict=True):
@@ -150,18 +161,62 @@ def test_memory_measure_observers_are_not_foreign():
     assert not any(forward_hooked(m) for m in conv.modules())
 
 
-def test_forward_hooked_counts_foreign_kinds():
+class _Opaque:
+    # a callable object: its source is not read, so it may write
+    def __call__(self, m, args, out):
+        return None
+
+
+def test_forward_hooked_counts_hooks_that_may_write():
     m = slimgrad.nn.LayerNorm(4)
     assert not forward_hooked(m)
-    h = m.register_forward_hook(lambda mod, a, o: None)  # a lambda: foreign
-    assert forward_hooked(m)
-    h.remove()
-    h = m.register_forward_hook(_read, with_kwargs=False, always_call=True)
-    assert forward_hooked(m)
-    h.remove()
+    for hook, kw, counted in (
+        (lambda mod, a, o: None, {}, False),  # reads nothing, writes nothing
+        (_read, {"always_call": True}, False),
+        (_steer, {}, True),
+        (lambda mod, a, o: o.add_(1), {}, True),
+        (_Opaque(), {}, True),
+        (lambda mod, a, kw, o: o.relu_(), {"with_kwargs": True}, True),
+    ):
+        h = m.register_forward_hook(hook, **kw)
+        assert forward_hooked(m) is counted, hook
+        h.remove()
+        assert not forward_hooked(m)
     h = m.register_forward_pre_hook(lambda mod, a: None)  # sees no output: not counted
     assert not forward_hooked(m)
     h.remove()
+    h = _module.register_module_forward_hook(lambda mod, a, o: None)  # a global reader
+    try:
+        assert not forward_hooked(m)
+    finally:
+        h.remove()
+    h = _module.register_module_forward_hook(_steer)  # a global writer
+    try:
+        assert forward_hooked(m)
+    finally:
+        h.remove()
+
+
+def _read_only_hook_under_checkpoint(model, x, hook=True):
+    # a reading hook registered between a non-reentrant checkpoint's forward and its backward
+    # (the recompute runs with it): CheckpointError before (the recompute took eager's op)
+    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    hooks = [m.register_forward_hook(_read) for m in model] if hook else []
+    params = list(model.parameters())
+    got = torch.autograd.grad(out.square().sum(), [x, *params])
+    for h in hooks:
+        h.remove()
+    return got
+
+
+@pytest.mark.parametrize("name,make,around", CASES)
+def test_a_reading_hook_on_one_side_of_a_checkpoint(name, make, around):
+    _, conv = _pair(make, around)
+    x = _input(around)
+    ref = _read_only_hook_under_checkpoint(conv, x.detach().requires_grad_(), hook=False)
+    got = _read_only_hook_under_checkpoint(conv, x.detach().requires_grad_())
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

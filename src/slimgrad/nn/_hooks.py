@@ -11,19 +11,26 @@ from torch.nn.modules import module as _module
 # hook that returns None). Eager tolerates that wherever eager keeps the input for backward; a
 # converted module that keeps its output instead (or y plus bits from which backward rebuilds x)
 # would see the edit: the kept output fails autograd's version check ("modified by an inplace
-# operation" in backward), or, for the smooth activations whose output is an alias made inside
-# the custom Function, the hook's write itself raises. No value is silently wrong (every kept
-# output goes through ``save_for_backward``), but eager trains and the converted module does not.
-# A hook that only reads cannot be told apart from one that writes, so the policy is one rule:
-# while the module, or every module (a global hook), has a forward hook that is not slimgrad's
-# own, the module runs eager's op and keeps what eager keeps (exact: eager's values, gradients
-# and memory). Observers of slimgrad's own (``slimgrad.memory``'s attribution hooks, defined in
-# ``slimgrad.*`` modules) change no value and do not count, so measuring a converted model still
-# shows its savings; nor do the two of torch's module tracker, which FlopCounterMode enters (NOTE
-# [torch's module tracker is an observer]). A hook registered before ``convert_`` that may write
-# the output, or what a module was given, makes convert_ leave the modules it reaches as they are
-# (NOTE [What a hook registered before convert_ may write] in convert_handlers/inplace_guard.py);
-# this rule covers hooks registered after it.
+# operation" in backward), or, for the smooth activations whose output is an alias made inside the
+# custom Function, the hook's write itself raises. No value is silently wrong (every kept output
+# goes through ``save_for_backward``), but eager trains and the converted module does not. So while
+# the module, or every module (a global hook), has a forward hook that may write what it is given
+# (its source read once per function, as for the hooks around a module below:
+# ``inplace_guard.hook_may_write``; an unreadable hook, a callable object, may), the module runs
+# eager's op and keeps what eager keeps (exact: eager's values, gradients and memory). A hook that
+# writes nothing it is given (a feature collector, a statistics logger, a hook that returns a new
+# tensor) changes nothing: the savings are kept, and the path is the same with or without it, so one
+# registered between a non-reentrant checkpoint's forward and its backward no longer makes the
+# recompute save other tensors than the forward (torch's CheckpointError before). Any hook on a
+# child of a fused block (the gated MLP, GPT-2's MLP) still makes the block call its children, since
+# the hook must run: registered between such a checkpoint's forward and backward, it still changes
+# the recompute's path. Observers of slimgrad's own (``slimgrad.memory``'s attribution hooks,
+# defined in ``slimgrad.*`` modules) change no value and do not count, so measuring a converted
+# model still shows its savings; nor do the two of torch's module tracker, which FlopCounterMode
+# enters (NOTE [torch's module tracker is an observer]). A hook registered before ``convert_`` that
+# may write the output, or what a module was given, makes convert_ leave the modules it reaches as
+# they are (NOTE [What a hook registered before convert_ may write] in
+# convert_handlers/inplace_guard.py); this rule covers hooks registered after it.
 #
 # Which modules check (:func:`forward_hooked`, per class, whatever the instance's settings):
 # those that keep their output, or y plus bits from which backward rebuilds x, where eager keeps the
@@ -141,7 +148,27 @@ def forward_hooked(m: torch.nn.Module) -> bool:
     # registered after convert_ on the modules around])
     if not own and not glob and near == free:
         return False
-    return foreign(own) or foreign(glob) or (near != free and near_writes(m))
+    return _may_edit(own) or _may_edit(glob) or (near != free and near_writes(m))
+
+
+def _may_edit(hooks: dict) -> bool:
+    # a forward hook on the module itself (or a global one) that may write the output it is
+    # given (NOTE [Forward hooks on an output-saving module]): one that acts on this call and,
+    # its source read once per function, may write; transformers' output-capturing hook hands the
+    # output out when a call asks for it (NOTE [Hidden states handed out per call])
+    if not hooks:
+        return False
+    from slimgrad.convert_handlers.inplace_guard import hook_may_write
+
+    for f in hooks.values():
+        if _acts(f) and (_is_hf_capture(f) or hook_may_write(f)):
+            return True
+    return False
+
+
+def _is_hf_capture(f) -> bool:
+    mod = getattr(f, "__module__", None)
+    return mod == _HF_CAPTURE and getattr(f, "__name__", None) == "output_capturing_hook"
 
 
 # NOTE [Hooks registered after convert_ on the modules around]
