@@ -608,6 +608,7 @@ def _kept_on_modules(root: nn.Module) -> frozenset[str]:
 
 # expressions whose value holds what they name: a closure, a comprehension's items, a generator
 _CAPTURING = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
 def _full(cell) -> bool:
@@ -2895,6 +2896,17 @@ class _Flow:
             and isinstance(e.right, (ast.Tuple, ast.List))
         ):  # hs + (h,) joins sequences (outputs question)
             return self.expr(e.left, env) | self.expr(e.right, env)
+        if isinstance(e, _COMPREHENSIONS):
+            # each target holds what its iterable holds, for the writes in the element and the
+            # conditions (``[t.mul_(2) for t in (h,)]`` writes h); the names stay the
+            # comprehension's own
+            inner = dict(env)
+            for gen in e.generators:
+                self.assign(gen.target, self.expr(gen.iter, inner), inner)
+                for cond in gen.ifs:
+                    self.expr(cond, inner)
+            for part in (e.key, e.value) if isinstance(e, ast.DictComp) else (e.elt,):
+                self.expr(part, inner)
         for node in ast.iter_child_nodes(e):  # a new value; only nested writes matter
             if isinstance(node, ast.expr):
                 self.expr(node, env)
@@ -3443,6 +3455,8 @@ def _pre_hook_writes(m: nn.Module) -> str | None:
     return None
 
 
+# builtins that run code the source does not show, on the hook's own locals
+_DYNAMIC = frozenset({"exec", "eval", "locals", "vars"})
 # the methods of a container that take a value without writing it (``seen.append(out)``)
 _KEEPING = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "appendleft"})
 
@@ -3458,6 +3472,12 @@ class _HookFlow(_Flow):
 
     def call(self, e: ast.Call, env: dict) -> set:
         got = super().call(e, env)
+        f = e.func
+        if isinstance(f, ast.Name) and f.id in _DYNAMIC:  # code slimgrad cannot read
+            self.flag(set(self.tensors), f"{f.id}(...), which slimgrad cannot read")
+        for k in e.keywords:  # torch.mul(h, 2, out=h) writes what ``out`` holds
+            if k.arg == "out":
+                self.flag(self.expr(k.value, env) & self.tensors, "an out= argument")
         given = {
             x
             for a in [*e.args, *(k.value for k in e.keywords)]
