@@ -2744,12 +2744,14 @@ class _Flow:
         got = self.guard.methods[key]
         return (got - {_ARG}) | (held if _ARG in got else set())
 
-    def helper(self, fn) -> tuple[set[str] | None, set | None, set[str] | None]:
+    def helper(self, fn, at: int = 0) -> tuple[set[str] | None, set | None, set[str] | None]:
         # a method of the module called from its forward: (the parameters it writes in place,
         # None: any; what it returns, ``_Param`` standing for an argument, None: its arguments;
         # the parameters it keeps past the call, None: any: NOTE [An output kept on the module
         # escapes]), read with the module, so its own calls of children and their outputs are
-        # followed (a write there flags the child), whatever it names the module
+        # followed (a write there flags the child), whatever it names the module. ``at``: the
+        # position of the module among its parameters (1: a callable object's ``__call__``, its
+        # object first: NOTE [A callable object given its module])
         if self.guard is None or self.module is None:
             return _written_params(fn), None, None
         key = (id(self.module), fn)
@@ -2757,14 +2759,19 @@ class _Flow:
         if got is None:
             self.guard.helpers[key] = (set(), None, set())  # recursion: as read so far
             fdef = _forward_ast(fn) if inspect.isfunction(inspect.unwrap(fn)) else None
-            if fdef is None or not fdef.args.posonlyargs + fdef.args.args:
+            if fdef is None or len(fdef.args.posonlyargs + fdef.args.args) <= at:
                 got = (_written_params(fn), None, None)  # a lambda, a property: as before
             else:
                 a = fdef.args
                 names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
                 rest = [x.arg for x in (a.vararg, a.kwarg) if x is not None]
-                flow = _Flow(self.guard, self.module, names[0], fn)
-                flow.block(fdef.body, {n: {_Param(n)} for n in names[1:] + rest})
+                env = {n: {_Param(n)} for n in names[at + 1 :] + rest}
+                if at:  # the object: what it holds, or is handed, may be kept past the call
+                    flow = _ObjectFlow(self.guard, self.module, names[at], fn, names[0])
+                    env[names[0]] = {_SHARED}
+                else:
+                    flow = _Flow(self.guard, self.module, names[0], fn)
+                flow.block(fdef.body, env)
                 written = {x.name for x in flow.written if isinstance(x, _Param)}
                 kept = {x.name for x in flow.kept if isinstance(x, _Param)}
                 got = (
@@ -2942,6 +2949,8 @@ class _Flow:
             got: set = set()
             held = vars(self.module).get(f.attr, _MISSING) if self.module is not None else _MISSING
             if held is not _MISSING and callable(held):  # a callable stored on the module
+                if (read := self.object_call(held, f.attr, e, args, kws)) is not None:
+                    return read  # NOTE [A callable object given its module]
                 if self._stored_writes([held], e):
                     self.flag(every, f"self.{f.attr}(...), a stored callable that may write")
                 return every
@@ -3075,6 +3084,46 @@ class _Flow:
             return every
         self.expr(f, env)
         return set()
+
+    def object_call(self, obj, attr: str, e: ast.Call, args: list, kws: dict) -> set | None:
+        # NOTE [A callable object given its module]: ``self.<attr>(self, ...)`` where the module
+        # holds ``obj``, a plain object whose class defines ``__call__`` in Python, read as a
+        # helper of the module; None where that does not apply (then: a stored callable)
+        fn = _object_call(obj)
+        if (
+            fn is None
+            or self.guard is None
+            or self.module is None
+            or not e.args
+            or not (isinstance(e.args[0], ast.Name) and e.args[0].id == self.me)
+            or any(isinstance(a, ast.Starred) for a in e.args)
+        ):
+            return None
+        fdef = _forward_ast(fn)
+        if fdef is None or fdef.decorator_list:
+            return None
+        a = fdef.args
+        if len(a.posonlyargs + a.args) < 2:  # no parameter for the module
+            return None
+        names = [x.arg for x in a.posonlyargs + a.args][2:]
+        written, ret, kept = self.helper(fn, at=1)
+        bound = {n: x for n, x in zip(names, args[1:], strict=False)}
+        bound |= {k: v for k, v in kws.items() if k is not None}
+        spread = kws.get(None, set())  # **kwargs: any parameter not bound otherwise
+        every = set().union(*args[1:], *kws.values())
+
+        def of(params) -> set:
+            if params is None or len(args) - 1 > len(names):  # (*args: any argument)
+                return every
+            got = set().union(*(x for n, x in bound.items() if n in params))
+            return got | (spread if any(n not in bound for n in params) else set())
+
+        self.flag(of(written), f"self.{attr}(...), whose __call__ writes its argument in place")
+        self.escape(of(kept))  # NOTE [An output kept on the module escapes]
+        if ret is None:
+            return every
+        got = {x for x in ret if not isinstance(x, _Param)} - {_SHARED}
+        return got | of({x.name for x in ret if isinstance(x, _Param)})
 
     def stored(self, v, env: dict) -> list | None:
         # the callables a container named ``self.<attr>`` or a global name holds, or None
@@ -3459,6 +3508,63 @@ def _pre_hook_writes(m: nn.Module) -> str | None:
 _DYNAMIC = frozenset({"exec", "eval", "locals", "vars"})
 # the methods of a container that take a value without writing it (``seen.append(out)``)
 _KEEPING = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "appendleft"})
+
+
+# NOTE [A callable object given its module]
+# A forward may hand its work to an object it holds, called with the module itself: diffusers'
+# ``Attention.forward`` ends in ``self.processor(self, hidden_states, ...)``, the attention
+# processor being a plain object whose class defines ``__call__(self, attn, hidden_states, ...)``
+# and calls the module's children (``attn.to_q(hidden_states)``). Where the forward is read from
+# its source (one torch.fx cannot trace; a traced forward follows the call anyway), such a call
+# counted as a stored callable that may write everything it is given, so the LayerNorm before
+# every such attention stayed eager (its savings lost) though the processor writes nothing. Now,
+# where the object's class defines ``__call__`` as a plain Python function (no decorator) taking
+# the object and then the module, and the call passes the module first (no ``*args``), that
+# ``__call__`` is read as a helper method of the module (NOTE [In-place writes in HF forwards]),
+# the module under its own name there: its children's calls, their writes and outputs are
+# followed, and what it writes, keeps or returns of its arguments is mapped back to the call's
+# (an argument spread with ``**kwargs`` may reach any parameter not named otherwise). The object
+# itself holds ``_SHARED``: what is stored on it, or handed to anything it holds, may be kept past
+# the call, and a tensor handed to one of its own methods (``self.rotate(h)``) or to a callable
+# it holds counts as written (its source is not read). Anything else the call does not fit (a
+# function, a partial, a lambda, a decorated or C ``__call__``) is a stored callable (NOTE
+# [Callables stored on the module]). Changing the object after convert_ is not covered, as for
+# any stored callable.
+def _object_call(obj):
+    # the Python ``__call__`` of a plain callable object, or None
+    if isinstance(obj, (nn.Module, type, functools.partial, torch.Tensor)) or inspect.isroutine(
+        obj
+    ):
+        return None
+    try:
+        fn = inspect.getattr_static(type(obj), "__call__")
+    except AttributeError:
+        return None
+    return fn if inspect.isfunction(fn) else None
+
+
+class _ObjectFlow(_Flow):
+    # a callable object's ``__call__`` read with the module (NOTE [A callable object given its
+    # module]); ``own``: the name it gives its object
+    def __init__(self, guard, module, me: str, fn, own: str) -> None:
+        super().__init__(guard, module, me, fn)
+        self.own = own
+
+    def call(self, e: ast.Call, env: dict) -> set:
+        f = e.func
+        root = f
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if f is not root and isinstance(root, ast.Name) and root.id == self.own:
+            given = {
+                x
+                for a in [*e.args, *(k.value for k in e.keywords)]
+                for x in self.expr(a, env)
+                if not isinstance(x, _Const) and x != _SHARED
+            }
+            if given:
+                self.flag(given, f"{_dotted(f)}(...), which slimgrad does not read")
+        return super().call(e, env)
 
 
 class _HookFlow(_Flow):
