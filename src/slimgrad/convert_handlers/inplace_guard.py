@@ -2296,6 +2296,59 @@ def _written_params(fn) -> set[str] | None:
     return out
 
 
+# NOTE [A function the forward calls by name]
+# A forward read from its source (one torch.fx cannot trace, an HF forward) may hand a tensor to a
+# plain Python function it reaches by name (``edit(h)``, ``utils.edit(h)``, a static method
+# through its class): a user's or a library's helper, not torch's. Such a call was judged by the
+# function's name alone, so a helper that writes its argument (``def edit(h): h.mul_(2)``) over a
+# LayerNorm's output left the norm converted, and its backward raised autograd's in-place error
+# where eager trains; a helper returning its argument (HF's ``repeat_kv`` with ``n_rep == 1``)
+# was read as returning a new tensor, so a write through the result went unseen. Now the
+# function's source is read once per function (its code; a lambda: every lambda of its line), as
+# a helper method's is, its parameters standing for what the call passes: the parameters it
+# writes in place, keeps past the call (stores in a global or an object: NOTE [An output kept on
+# the module escapes]) and may return (or a view of) are mapped back to the call's arguments (any
+# argument, where the call spreads ``*args`` or the function writes, keeps or returns its own
+# ``*args``/``**kwargs``). Its own calls are read the same way; a recursive call may write, keep
+# and return anything it is given.
+# A function whose source cannot be read may write, keep and return anything it is given.
+# torch's functions keep their rules (schemas, in-place names, ``inplace=True``). This applies to
+# the writes question; the outputs question (NOTE [Modules whose output is the model's output])
+# keeps its own reading of calls. A hook's reading is stricter and unchanged: any function of the
+# user's it calls with a tensor it was given may write (NOTE [What a hook registered before
+# convert_ may write]).
+_FN_MEMO: dict = {}
+
+
+def _function_reading(fn) -> tuple[frozenset | None, frozenset | None, frozenset | None]:
+    # (the parameters ``fn`` writes in place, keeps past the call, may return; None: any) (NOTE
+    # [A function the forward calls by name])
+    code = inspect.unwrap(fn).__code__
+    got = _FN_MEMO.get(code)
+    if got is not None:
+        return got
+    _FN_MEMO[code] = (None, None, None)  # a recursive call: anything
+    fdef = _forward_ast(fn)
+    bodies = [(fdef.args, fdef.body)] if fdef is not None else _lambdas(fn)
+    if not bodies:
+        got = (None, None, None)
+    else:
+        sets: list[set] = [set(), set(), set()]
+        spilled = [False, False, False]
+        for a, body in bodies:
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            rest = {x.arg for x in (a.vararg, a.kwarg) if x is not None}
+            flow = _Flow(None, None, "", fn)
+            flow.block(body, {n: {_Param(n)} for n in [*names, *rest]})
+            for i, held in enumerate((flow.written, flow.kept, flow.ret)):
+                params = {x.name for x in held if isinstance(x, _Param)}
+                sets[i] |= params
+                spilled[i] = spilled[i] or bool(params & rest)
+        got = tuple(None if spilled[i] else frozenset(sets[i]) for i in range(3))
+    _FN_MEMO[code] = got
+    return got
+
+
 def _lambdas(fn) -> list:
     code = getattr(fn, "__code__", None)
     if code is None or getattr(fn, "__name__", "") != "<lambda>":
@@ -2993,6 +3046,12 @@ class _Flow:
             # aten.relu_(h) (an alias), torch.Tensor.mul_(h), F.leaky_relu(h, 0.1, True)
             self.flag(first, f"{_dotted(f)} in its HF forward")
             return first
+        if (
+            callee is not _MISSING
+            and not self._outputs()
+            and (read := self.function_call(callee, f, e, args, kws)) is not None
+        ):
+            return read  # NOTE [A function the forward calls by name]
         if isinstance(f, ast.Attribute) and _namespace(f.value):  # torch.fn(h), F.fn(h)
             if _inplace_name(f.attr) or inplace_kw:
                 self.flag(first, f"{f.attr} in its HF forward")
@@ -3085,6 +3144,35 @@ class _Flow:
         self.expr(f, env)
         return set()
 
+    def function_call(self, fn, f, e: ast.Call, args: list, kws: dict) -> set | None:
+        # NOTE [A function the forward calls by name]: what the call of ``fn``, a plain Python
+        # function that is not torch's, writes, keeps and returns of its arguments, from its
+        # source; None for any other callee
+        if not isinstance(fn, types.FunctionType) or _known_function(fn):
+            return None
+        if (getattr(fn, "__module__", None) or "").startswith("slimgrad."):
+            return None
+        written, kept, ret = _function_reading(fn)
+        code = inspect.unwrap(fn).__code__
+        pos = code.co_varnames[: code.co_argcount]
+        starred = any(isinstance(a, ast.Starred) for a in e.args)
+        bound = {} if starred else dict(zip(pos, args, strict=False))
+        bound |= {k: v for k, v in kws.items() if k is not None}
+        spread = kws.get(None, set())  # **kwargs: any parameter not bound otherwise
+        every = set().union(*args, *kws.values())
+
+        def of(params) -> set:
+            # what the call passes to ``params`` (arguments past ``pos`` go to its ``*args``,
+            # which ``params`` names only as None)
+            if params is None or (params and starred):
+                return every
+            got = set().union(*(x for n, x in bound.items() if n in params))
+            return got | (spread if any(n not in bound for n in params) else set())
+
+        self.flag(of(written), f"{_dotted(f)}(...), which writes its argument in place")
+        self.escape(of(kept))  # NOTE [An output kept on the module escapes]
+        return of(ret)
+
     def object_call(self, obj, attr: str, e: ast.Call, args: list, kws: dict) -> set | None:
         # NOTE [A callable object given its module]: ``self.<attr>(self, ...)`` where the module
         # holds ``obj``, a plain object whose class defines ``__call__`` in Python, read as a
@@ -3113,7 +3201,8 @@ class _Flow:
         every = set().union(*args[1:], *kws.values())
 
         def of(params) -> set:
-            if params is None or len(args) - 1 > len(names):  # (*args: any argument)
+            # (as in ``function_call``: arguments past ``names`` go to its ``*args``)
+            if params is None:
                 return every
             got = set().union(*(x for n, x in bound.items() if n in params))
             return got | (spread if any(n not in bound for n in params) else set())
