@@ -2496,6 +2496,7 @@ class _Flow:
         self.takes: list[nn.Module] = []  # the children given the forward's input (``_Info``)
         self.keeps_input = False  # NOTE [An output kept on the module escapes]
         self.kept: set = set()  # all it kept (a helper's: which of its parameters)
+        self.active: set = set()  # the local functions being read (NOTE [Calls the source ...])
 
     def escape(self, held: set) -> None:
         # NOTE [An output kept on the module escapes]: ``held`` is kept on a module
@@ -2584,6 +2585,12 @@ class _Flow:
         if isinstance(s, (ast.Assign, ast.AnnAssign)):
             held = self.expr(s.value, env) if s.value is not None else set()
             v = s.value
+            if isinstance(v, ast.Attribute) or (isinstance(v, ast.Name) and v.id not in env):
+                # f = torch.Tensor.mul_, f = edit: the name calls it (NOTE [Calls the source
+                # reading spells out])
+                callee = self.callee(v, env)
+                if callee is not _MISSING and callable(callee) and not isinstance(callee, type):
+                    held = held | {_Callee(callee)}
             if isinstance(v, ast.Constant) and (
                 v.value is None or isinstance(v.value, (int, float))
             ):
@@ -2693,7 +2700,14 @@ class _Flow:
             for t in s.targets:
                 if isinstance(t, ast.Name):
                     env.pop(t.id, None)
-        else:  # raise, assert, pass, nested defs, ...: only the writes their expressions make
+        elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            # a function defined in the forward: read where it is called (NOTE [Calls the source
+            # reading spells out]); its decorators and defaults run here
+            for node in [*s.decorator_list, *s.args.defaults, *s.args.kw_defaults]:
+                if node is not None:
+                    self.expr(node, env)
+            env[s.name] = {_LocalFn(s)}
+        else:  # raise, assert, pass, class bodies, ...: only the writes their expressions make
             for node in ast.iter_child_nodes(s):
                 if isinstance(node, ast.expr):
                     self.expr(node, env)
@@ -2797,17 +2811,21 @@ class _Flow:
         got = self.guard.methods[key]
         return (got - {_ARG}) | (held if _ARG in got else set())
 
-    def helper(self, fn, at: int = 0) -> tuple[set[str] | None, set | None, set[str] | None]:
+    def helper(
+        self, fn, at: int = 0, module: nn.Module | None = None
+    ) -> tuple[set[str] | None, set | None, set[str] | None]:
         # a method of the module called from its forward: (the parameters it writes in place,
         # None: any; what it returns, ``_Param`` standing for an argument, None: its arguments;
         # the parameters it keeps past the call, None: any: NOTE [An output kept on the module
         # escapes]), read with the module, so its own calls of children and their outputs are
         # followed (a write there flags the child), whatever it names the module. ``at``: the
         # position of the module among its parameters (1: a callable object's ``__call__``, its
-        # object first: NOTE [A callable object given its module])
-        if self.guard is None or self.module is None:
+        # object first: NOTE [A callable object given its module]); ``module``: the module it is
+        # a method of, where not this one (a child's: NOTE [Calls the source reading spells out])
+        mod = module if module is not None else self.module
+        if self.guard is None or mod is None:
             return _written_params(fn), None, None
-        key = (id(self.module), fn)
+        key = (id(mod), fn)
         got = self.guard.helpers.get(key)
         if got is None:
             self.guard.helpers[key] = (set(), None, set())  # recursion: as read so far
@@ -2820,10 +2838,10 @@ class _Flow:
                 rest = [x.arg for x in (a.vararg, a.kwarg) if x is not None]
                 env = {n: {_Param(n)} for n in names[at + 1 :] + rest}
                 if at:  # the object: what it holds, or is handed, may be kept past the call
-                    flow = _ObjectFlow(self.guard, self.module, names[at], fn, names[0])
+                    flow = _ObjectFlow(self.guard, mod, names[at], fn, names[0])
                     env[names[0]] = {_SHARED}
                 else:
-                    flow = _Flow(self.guard, self.module, names[0], fn)
+                    flow = _Flow(self.guard, mod, names[0], fn)
                 flow.block(fdef.body, env)
                 written = {x.name for x in flow.written if isinstance(x, _Param)}
                 kept = {x.name for x in flow.kept if isinstance(x, _Param)}
@@ -2972,10 +2990,25 @@ class _Flow:
                 self.expr(node, env)
         if isinstance(e, _CAPTURING):  # ``lambda: h``, ``[t for t in (h,)]``, ``(t for t in hs)``
             # hold what they name (NOTE [An output kept on the module escapes])
-            return set().union(*(env.get(n.id, ()) for n in ast.walk(e) if isinstance(n, ast.Name)))
+            got = set().union(*(env.get(n.id, ()) for n in ast.walk(e) if isinstance(n, ast.Name)))
+            # a lambda is also a function read where it is called (NOTE [Calls the source reading
+            # spells out])
+            return got | {_LocalFn(e)} if isinstance(e, ast.Lambda) else got
         return set()
 
     def call(self, e: ast.Call, env: dict) -> set:
+        f = e.func
+        if (
+            isinstance(f, ast.Call)
+            and len(f.args) == 2
+            and not f.keywords
+            and isinstance(f.args[1], ast.Constant)
+            and isinstance(f.args[1].value, str)
+            and f.args[1].value.isidentifier()
+            and self.callee(f.func, env) is builtins.getattr
+        ):  # getattr(x, "name")(...) is x.name(...): NOTE [Calls the source reading spells out]
+            spelled = ast.Attribute(f.args[0], f.args[1].value, ast.Load())
+            return self.call(_spelled(e, spelled), env)
         args = [self.expr(a, env) for a in e.args]
         kws = {k.arg: self.expr(k.value, env) for k in e.keywords}
         every = set().union(*args, *kws.values())
@@ -2984,7 +3017,49 @@ class _Flow:
             k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True
             for k in e.keywords
         )
-        f = e.func
+        for fn in [x for x in every if isinstance(x, _LocalFn)]:
+            # a function defined in the forward, handed to a call (checkpoint(inner, h), map):
+            # it may be called with anything that call is given
+            self.local_call(fn, None, every, env)
+        if isinstance(f, ast.Name) and (
+            local := [x for x in env.get(f.id, ()) if isinstance(x, (_LocalFn, _Callee))]
+        ):  # NOTE [Calls the source reading spells out]: a name the forward bound to a function
+            got = set()
+            for x in local:
+                if isinstance(x, _LocalFn):
+                    got |= self.local_call(x, e, every, env, args, kws)
+                elif _writes_first(x.fn, e):
+                    self.flag(first, f"{f.id} ({_fn_name(x.fn)}) in its HF forward")
+                    got |= first
+                elif (
+                    not self._outputs()
+                    and (read := self.function_call(x.fn, f, e, args, kws)) is not None
+                ):
+                    got |= read
+                else:
+                    got |= first if _may_alias(getattr(x.fn, "__name__", "")) else set()
+            others = [x for x in env.get(f.id, ()) if not isinstance(x, (_LocalFn, _Callee))]
+            if not others:
+                return got
+        if (
+            isinstance(f, ast.Attribute)
+            and isinstance(f.value, ast.Attribute)
+            and isinstance(f.value.value, ast.Name)
+            and f.value.value.id == self.me
+            and self.guard is not None
+            and self.module is not None
+            and isinstance(child := self.module._modules.get(f.value.attr), nn.Module)
+        ):  # self.child.method(...): NOTE [Calls the source reading spells out]
+            if f.attr == "forward":  # the child's forward, called directly: the child's call
+                return self.call(_spelled(e, f.value), env)
+            method = getattr(type(child), f.attr, None)
+            if (
+                callable(method)
+                and inspect.isfunction(inspect.unwrap(method))
+                and not (getattr(method, "__module__", None) or "").startswith("torch.")
+            ):
+                what = f"self.{f.value.attr}.{f.attr}"
+                return self.method_call(method, child, what, e, args, kws)
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == self.me:
             child = self.module._modules.get(f.attr) if self.module is not None else None
             if isinstance(child, nn.Module):
@@ -3143,6 +3218,70 @@ class _Flow:
             return every
         self.expr(f, env)
         return set()
+
+    def method_call(self, method, module, what: str, e: ast.Call, args: list, kws: dict) -> set:
+        # ``module.<method>(...)`` (a child's method: NOTE [Calls the source reading spells
+        # out]), read as the module's own helpers are
+        every = set().union(*args, *kws.values())
+        written, ret, kept = self.helper(method, module=module)
+        fdef = _forward_ast(method)
+        names = [a.arg for a in fdef.args.posonlyargs + fdef.args.args][1:] if fdef else []
+        bound = {n: a for n, a in zip(names, args, strict=False)} | kws
+
+        def of(params):
+            if params is None or len(args) > len(names) or None in kws:  # (*args, **kwargs)
+                return every
+            return set().union(*(a for n, a in bound.items() if n in params))
+
+        self.flag(of(written), f"{what}(...), which writes its argument in place")
+        self.escape(of(kept))  # NOTE [An output kept on the module escapes]
+        got = set()
+        if ret is not None:
+            got = {x for x in ret if not isinstance(x, _Param)}
+            got |= of({x.name for x in ret if isinstance(x, _Param)})
+        return every | got
+
+    def local_call(self, fn: _LocalFn, e, every: set, env: dict, args=None, kws=None) -> set:
+        # NOTE [Calls the source reading spells out]: a function defined in the forward (``def``
+        # or a lambda), read where it is called (``e``), its parameters holding what the call
+        # gives them, its free names what they hold now; ``e`` None: handed to another call,
+        # every parameter holding anything that call is given. What it returns.
+        node = fn.node
+        if node in self.active:  # a recursive call: it may write and return anything given
+            self.flag(every, "a recursive function of its HF forward")
+            return every
+        a = node.args
+        pos = [x.arg for x in a.posonlyargs + a.args]
+        inner = dict(env)  # its free names: what they hold where it is called (late binding)
+        names = [*pos, *(x.arg for x in a.kwonlyargs), *(x.arg for x in (a.vararg, a.kwarg) if x)]
+        if e is None or any(isinstance(x, ast.Starred) for x in e.args) or None in (kws or {}):
+            for n in names:
+                inner[n] = set(every)
+        else:
+            for n in names:
+                inner[n] = set()
+            for n, held in zip(pos, args, strict=False):
+                inner[n] = set(held)
+            if a.vararg is not None and len(args) > len(pos):
+                inner[a.vararg.arg] = set().union(*args[len(pos) :])
+            for k, held in kws.items():
+                if k in inner and k not in (a.vararg.arg if a.vararg else None,):
+                    inner[k] = set(held)
+                elif a.kwarg is not None:
+                    inner[a.kwarg.arg] = inner[a.kwarg.arg] | held
+        saved = self.ret, self.ret_items, self.loops
+        self.ret, self.ret_items, self.loops = set(), [], []
+        self.active.add(node)
+        try:
+            if isinstance(node, ast.Lambda):
+                self.ret |= self.expr(node.body, inner)
+            else:
+                self.block(node.body, inner)
+            got = self.ret
+        finally:
+            self.active.discard(node)
+            self.ret, self.ret_items, self.loops = saved
+        return got
 
     def function_call(self, fn, f, e: ast.Call, args: list, kws: dict) -> set | None:
         # NOTE [A function the forward calls by name]: what the call of ``fn``, a plain Python
@@ -3386,6 +3525,48 @@ def _dotted(f) -> str:
         return ast.unparse(f)
     except Exception:  # noqa: BLE001
         return "a call"
+
+
+# NOTE [Calls the source reading spells out]
+# A forward read from its source can reach a write through a call that does not name it: a method
+# of a child module (``self.editor.edit(h)``, or the child's ``forward`` called directly), a name
+# bound to a function (``f = torch.Tensor.mul_; f(h, 2)``), ``getattr(self, "scale")(h)``, or a
+# function defined in the forward (``def inner(): h.mul_(2)`` then ``inner()``; ``g = lambda t:
+# t.add_(1)`` then ``g(h)``). Each was read as a call that writes nothing, so a LayerNorm's
+# output written that way left the norm converted and backward raised autograd's in-place error
+# where eager trains. Now: a child's method (a Python function that is not torch's own, such as
+# ``Module.to``) is read as the module's own helpers are, with the child as its module, and its
+# ``forward`` is the child's call; ``getattr(x, "name")(...)`` with a literal name is read as
+# ``x.name(...)``; a name bound to what ``callee`` resolves (a torch function, an ATen operator,
+# a global function) is that callee where it is called; a nested ``def`` or a lambda is read
+# where it is called, its parameters holding what the call gives them and its free names what
+# they hold there (Python binds them late), or, handed to another call (``checkpoint(inner,
+# h)``, ``map``), with every parameter holding anything that call is given; a recursive one may
+# write anything it is given. A function stored and called after the forward is not followed.
+@dataclass(frozen=True, eq=False)
+class _LocalFn:
+    # a function defined in the forward read (a ``def`` or a lambda), among what a name may hold
+    # (NOTE [Calls the source reading spells out])
+    node: ast.AST
+
+
+@dataclass(frozen=True, eq=False)
+class _Callee:
+    # a function a name of the forward was bound to (``f = torch.Tensor.mul_``)
+    fn: object
+
+
+_SPELLED: dict[int, tuple[ast.Call, ast.Call]] = {}
+
+
+def _spelled(e: ast.Call, func) -> ast.Call:
+    # ``e`` calling ``func`` instead (one spelling per call node), made once per node, so that its
+    # id names its tensor (``_Made``); both nodes are kept alive here
+    got = _SPELLED.get(id(e))
+    if got is None or got[0] is not e:
+        got = (e, ast.Call(func=func, args=e.args, keywords=e.keywords))
+        _SPELLED[id(e)] = got
+    return got[1]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,254 @@
+"""Conformance: writes a source-read forward reaches through calls that do not name them (NOTE
+[Calls the source reading spells out] in slimgrad/convert_handlers/inplace_guard.py): a child's
+method, a child's forward called directly, a name bound to an in-place function, ``getattr(self,
+"name")(...)``, and functions defined in the forward (``def`` and lambda, called there or handed
+to another call).
+
+Before, each left the LayerNorm before it converted, and backward raised autograd's in-place error
+where eager trains. Each writing route now keeps the norm eager with eager's gradients; the same
+routes that only read keep it converted.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import slimgrad
+from slimgrad.convert_handlers.inplace_guard import kept_reason
+from tests._threads import one_thread
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with one_thread():
+        yield
+
+
+class _Editor(nn.Module):
+    def edit(self, h):
+        h.mul_(2.0)
+        return h
+
+    def look(self, h):
+        return h * 2.0
+
+    def forward(self, h):
+        return h.add_(1.0)
+
+
+class _Net(nn.Module):
+    # each subclass's forward has a data-dependent branch, so torch.fx cannot trace it and its
+    # source is read
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.ln = nn.LayerNorm(6)
+        self.o = nn.Linear(6, 2)
+        self.editor = _Editor()
+
+    def scale(self, h):
+        h.mul_(2.0)
+
+    def double(self, h):
+        return h * 2.0
+
+
+class _ChildMethod(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:  # never true
+            return self.o(h)
+        self.editor.edit(h)
+        return self.o(h)
+
+
+class _ChildForward(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        self.editor.forward(h)
+        return self.o(h)
+
+
+class _BoundFunction(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        f = torch.Tensor.mul_
+        f(h, 2.0)
+        return self.o(h)
+
+
+class _Getattr(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        getattr(self, "scale")(h)  # noqa: B009 (the spelling under test)
+        return self.o(h)
+
+
+class _GetattrTensor(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        getattr(h, "mul_")(2.0)  # noqa: B009
+        return self.o(h)
+
+
+class _NestedDef(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+
+        def inner():
+            h.mul_(2.0)
+
+        inner()
+        return self.o(h)
+
+
+class _NestedDefArgument(_Net):
+    def forward(self, x):
+        def inner(t, s=2.0):
+            t.mul_(s)
+
+        h = self.ln(self.fc(x))  # made after the def: read where inner is called
+        if x.shape[-1] != 6:
+            return self.o(h)
+        inner(h)
+        return self.o(h)
+
+
+class _LambdaLocal(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        g = lambda t: t.add_(1.0)  # noqa: E731
+        g(h)
+        return self.o(h)
+
+
+class _Handed(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+
+        def inner(t):
+            t.mul_(2.0)
+            return t
+
+        list(map(inner, [h]))
+        return self.o(h)
+
+
+class _LateBinding(_Net):
+    def forward(self, x):
+        t = x.clone()
+
+        def inner():
+            t.mul_(2.0)  # t is h by the time inner runs
+
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        t = h
+        inner()
+        return self.o(h)
+
+
+class _ReturnedByLocal(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+
+        def same(t):
+            return t
+
+        same(h).mul_(2.0)
+        return self.o(h)
+
+
+class _ReadsChildMethod(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        return self.o(self.editor.look(h))
+
+
+class _ReadsGetattr(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        return self.o(getattr(self, "double")(h))  # noqa: B009
+
+
+class _ReadsLocal(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+
+        def inner(t):
+            return t * 2.0
+
+        g = lambda t: t + 1.0  # noqa: E731
+        return self.o(g(inner(h)))
+
+
+_WRITERS = [
+    _ChildMethod, _ChildForward, _BoundFunction, _Getattr, _GetattrTensor, _NestedDef,
+    _NestedDefArgument, _LambdaLocal, _Handed, _LateBinding, _ReturnedByLocal,
+]  # fmt: skip
+_READERS = [_ReadsChildMethod, _ReadsGetattr, _ReadsLocal]
+
+
+def _step(m, x):
+    m.zero_grad(set_to_none=True)
+    loss = m(x).square().sum()
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("net", _WRITERS, ids=lambda c: c.__name__.strip("_"))
+def test_a_spelled_out_write_keeps_the_norm_eager(net):
+    torch.manual_seed(0)
+    m = net()
+    c = slimgrad.convert_(copy.deepcopy(m))
+    assert kept_reason(c.ln) is not None
+    assert type(c.ln) is nn.LayerNorm
+    x = torch.randn(2, 3, 6)
+    want_loss, want = _step(m, x)
+    got_loss, got = _step(c, x)  # (a converted norm raised autograd's in-place error here)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("net", _READERS, ids=lambda c: c.__name__.strip("_"))
+def test_a_spelled_out_read_keeps_the_norm_converted(net):
+    torch.manual_seed(0)
+    m = net()
+    c = slimgrad.convert_(copy.deepcopy(m))
+    assert kept_reason(c.ln) is None
+    assert type(c.ln) is not nn.LayerNorm
+    x = torch.randn(2, 3, 6)
+    want_loss, want = _step(m, x)
+    got_loss, got = _step(c, x)
+    torch.testing.assert_close(got_loss, want_loss)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)  # (rounding)
