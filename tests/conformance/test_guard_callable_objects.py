@@ -124,6 +124,18 @@ class _WritesThroughAlias(_Reads):
         return super().__call__(attn, hidden_states, **kwargs)
 
 
+class _ParentWrites(_Reads):
+    def __call__(self, attn, hidden_states, **kwargs):
+        hidden_states.mul_(0.5)
+        return super().__call__(attn, hidden_states, **kwargs)
+
+
+class _WritesInParent(_ParentWrites):
+    # the write is in the parent class's __call__, reached through super()
+    def __call__(self, attn, hidden_states, **kwargs):
+        return super().__call__(attn, hidden_states, **kwargs)
+
+
 _READERS = {"processor": _Reads, "processor with helper": _ReadsWithHelper}
 _WRITERS = {
     "mul_": _WritesOwn,
@@ -136,6 +148,7 @@ _WRITERS = {
     "an in-place child": _WritesChild,
     "*args": _WritesVarargs,
     "a view": _WritesThroughAlias,
+    "a parent's __call__": _WritesInParent,
 }
 
 

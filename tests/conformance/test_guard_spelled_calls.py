@@ -1,8 +1,8 @@
 """Conformance: writes a source-read forward reaches through calls that do not name them (NOTE
 [Calls the source reading spells out] in slimgrad/convert_handlers/inplace_guard.py): a child's
 method, a child's forward called directly, a name bound to an in-place function, ``getattr(self,
-"name")(...)``, and functions defined in the forward (``def`` and lambda, called there or handed
-to another call).
+"name")(...)``, ``super().name(...)``, exec/eval/locals/vars, and functions defined in the
+forward (``def`` and lambda, called there or handed to another call).
 
 Before, each left the LayerNorm before it converted, and backward raised autograd's in-place error
 where eager trains. Each writing route now keeps the norm eager with eager's gradients; the same
@@ -180,6 +180,64 @@ class _ReturnedByLocal(_Net):
         return self.o(h)
 
 
+class _Super(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        super().scale(h)
+        return self.o(h)
+
+
+class _SuperOfSubclass(_Net):
+    # super() from the class that defines the forward, not from the instance's class
+    def scale(self, h):
+        return h * 2.0  # reads; its parent's writes
+
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        super().scale(h)
+        return self.o(h)
+
+
+class _BoundByGetattr(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        f = getattr(torch.Tensor, "mul_")  # noqa: B009
+        f(h, 2.0)
+        return self.o(h)
+
+
+class _Exec(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        exec("h.mul_(2.0)")
+        return self.o(h)
+
+
+class _Locals(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        locals()["h"].mul_(2.0)
+        return self.o(h)
+
+
+class _ReadsSuper(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        return self.o(super().double(h))
+
+
 class _ReadsChildMethod(_Net):
     def forward(self, x):
         h = self.ln(self.fc(x))
@@ -211,9 +269,10 @@ class _ReadsLocal(_Net):
 
 _WRITERS = [
     _ChildMethod, _ChildForward, _BoundFunction, _Getattr, _GetattrTensor, _NestedDef,
-    _NestedDefArgument, _LambdaLocal, _Handed, _LateBinding, _ReturnedByLocal,
+    _NestedDefArgument, _LambdaLocal, _Handed, _LateBinding, _ReturnedByLocal, _Super,
+    _SuperOfSubclass, _BoundByGetattr, _Exec, _Locals,
 ]  # fmt: skip
-_READERS = [_ReadsChildMethod, _ReadsGetattr, _ReadsLocal]
+_READERS = [_ReadsChildMethod, _ReadsGetattr, _ReadsLocal, _ReadsSuper]
 
 
 def _step(m, x):

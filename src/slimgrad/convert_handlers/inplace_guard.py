@@ -2483,6 +2483,7 @@ class _Flow:
         # the global names of the function read (NOTE [In-place writes in HF forwards]: what a
         # call such as ``aten.mul_.Tensor(h)`` calls); {} when unknown
         fn = inspect.unwrap(fn) if fn is not None else None
+        self.fn = fn
         self.globals = getattr(fn, "__globals__", {})
         code = getattr(fn, "__code__", None)  # its local and closure names are not globals
         names = code.co_varnames + code.co_cellvars + code.co_freevars if code else ()
@@ -2585,6 +2586,16 @@ class _Flow:
         if isinstance(s, (ast.Assign, ast.AnnAssign)):
             held = self.expr(s.value, env) if s.value is not None else set()
             v = s.value
+            if (
+                isinstance(v, ast.Call)
+                and len(v.args) == 2
+                and not v.keywords
+                and isinstance(v.args[1], ast.Constant)
+                and isinstance(v.args[1].value, str)
+                and v.args[1].value.isidentifier()
+                and self.callee(v.func, env) is builtins.getattr
+            ):  # f = getattr(torch.Tensor, "mul_") is f = torch.Tensor.mul_
+                v = ast.Attribute(v.args[0], v.args[1].value, ast.Load())
             if isinstance(v, ast.Attribute) or (isinstance(v, ast.Name) and v.id not in env):
                 # f = torch.Tensor.mul_, f = edit: the name calls it (NOTE [Calls the source
                 # reading spells out])
@@ -2812,7 +2823,7 @@ class _Flow:
         return (got - {_ARG}) | (held if _ARG in got else set())
 
     def helper(
-        self, fn, at: int = 0, module: nn.Module | None = None
+        self, fn, at: int = 0, module: nn.Module | None = None, owner: type | None = None
     ) -> tuple[set[str] | None, set | None, set[str] | None]:
         # a method of the module called from its forward: (the parameters it writes in place,
         # None: any; what it returns, ``_Param`` standing for an argument, None: its arguments;
@@ -2821,7 +2832,8 @@ class _Flow:
         # followed (a write there flags the child), whatever it names the module. ``at``: the
         # position of the module among its parameters (1: a callable object's ``__call__``, its
         # object first: NOTE [A callable object given its module]); ``module``: the module it is
-        # a method of, where not this one (a child's: NOTE [Calls the source reading spells out])
+        # a method of, where not this one (a child's: NOTE [Calls the source reading spells out]);
+        # ``owner``: the object's class (``at`` 1)
         mod = module if module is not None else self.module
         if self.guard is None or mod is None:
             return _written_params(fn), None, None
@@ -2838,7 +2850,7 @@ class _Flow:
                 rest = [x.arg for x in (a.vararg, a.kwarg) if x is not None]
                 env = {n: {_Param(n)} for n in names[at + 1 :] + rest}
                 if at:  # the object: what it holds, or is handed, may be kept past the call
-                    flow = _ObjectFlow(self.guard, mod, names[at], fn, names[0])
+                    flow = _ObjectFlow(self.guard, mod, names[at], fn, names[0], owner)
                     env[names[0]] = {_SHARED}
                 else:
                     flow = _Flow(self.guard, mod, names[0], fn)
@@ -3041,6 +3053,26 @@ class _Flow:
             others = [x for x in env.get(f.id, ()) if not isinstance(x, (_LocalFn, _Callee))]
             if not others:
                 return got
+        if isinstance(f, ast.Name) and f.id in _DYNAMIC and self.callee(f, env) is not _MISSING:
+            # exec/eval/locals/vars: code the source does not show may write any tensor the
+            # forward holds (NOTE [Calls the source reading spells out])
+            held = set().union(*(_no_consts(v) for v in env.values())) | {_IN} | every
+            self.flag(held, f"{f.id}(...), which slimgrad cannot read")
+            return held
+        if (
+            isinstance(f, ast.Attribute)
+            and isinstance(f.value, ast.Call)
+            and isinstance(f.value.func, ast.Name)
+            and f.value.func.id == "super"
+            and self.callee(f.value.func, env) is builtins.super
+            and self.module is not None
+        ):  # super().method(...): the parent class's method (NOTE [Calls the source reading
+            # spells out]); one slimgrad cannot find may write anything it is given
+            method = self.parent_method(f.attr) if not f.value.args else None
+            if method is None:
+                self.flag(every, f"super().{f.attr}(...), which slimgrad cannot read")
+                return every
+            return self.method_call(method, self.module, f"super().{f.attr}", e, args, kws)
         if (
             isinstance(f, ast.Attribute)
             and isinstance(f.value, ast.Attribute)
@@ -3219,6 +3251,12 @@ class _Flow:
         self.expr(f, env)
         return set()
 
+    def parent_method(self, name: str):
+        # the plain function ``super().<name>`` reaches in the forward read, or None
+        if self.fn is None or self.module is None:
+            return None
+        return _parent_function(type(self.module), self.fn, name)
+
     def method_call(self, method, module, what: str, e: ast.Call, args: list, kws: dict) -> set:
         # ``module.<method>(...)`` (a child's method: NOTE [Calls the source reading spells
         # out]), read as the module's own helpers are
@@ -3317,9 +3355,15 @@ class _Flow:
         # holds ``obj``, a plain object whose class defines ``__call__`` in Python, read as a
         # helper of the module; None where that does not apply (then: a stored callable)
         fn = _object_call(obj)
+        return (
+            None if fn is None else self.object_method(fn, type(obj), f"self.{attr}", e, args, kws)
+        )
+
+    def object_method(self, fn, owner: type, what: str, e: ast.Call, args: list, kws: dict):
+        # (``object_call``, its ``__call__`` or a parent's, ``fn``, found: None where the call
+        # does not fit)
         if (
-            fn is None
-            or self.guard is None
+            self.guard is None
             or self.module is None
             or not e.args
             or not (isinstance(e.args[0], ast.Name) and e.args[0].id == self.me)
@@ -3333,7 +3377,7 @@ class _Flow:
         if len(a.posonlyargs + a.args) < 2:  # no parameter for the module
             return None
         names = [x.arg for x in a.posonlyargs + a.args][2:]
-        written, ret, kept = self.helper(fn, at=1)
+        written, ret, kept = self.helper(fn, at=1, owner=owner)
         bound = {n: x for n, x in zip(names, args[1:], strict=False)}
         bound |= {k: v for k, v in kws.items() if k is not None}
         spread = kws.get(None, set())  # **kwargs: any parameter not bound otherwise
@@ -3346,7 +3390,7 @@ class _Flow:
             got = set().union(*(x for n, x in bound.items() if n in params))
             return got | (spread if any(n not in bound for n in params) else set())
 
-        self.flag(of(written), f"self.{attr}(...), whose __call__ writes its argument in place")
+        self.flag(of(written), f"{what}(...), whose __call__ writes its argument in place")
         self.escape(of(kept))  # NOTE [An output kept on the module escapes]
         if ret is None:
             return every
@@ -3542,7 +3586,10 @@ def _dotted(f) -> str:
 # where it is called, its parameters holding what the call gives them and its free names what
 # they hold there (Python binds them late), or, handed to another call (``checkpoint(inner,
 # h)``, ``map``), with every parameter holding anything that call is given; a recursive one may
-# write anything it is given. A function stored and called after the forward is not followed.
+# write anything it is given. ``super().name(...)`` is the plain function the method resolution
+# order reaches after the class that defines the function read (read as a helper; anything else,
+# or ``super`` given arguments, may write what it is given), and exec/eval/locals/vars may write
+# any tensor the forward holds. A function stored and called after the forward is not followed.
 @dataclass(frozen=True, eq=False)
 class _LocalFn:
     # a function defined in the forward read (a ``def`` or a lambda), among what a name may hold
@@ -3800,6 +3847,28 @@ _KEEPING = frozenset({"append", "extend", "insert", "add", "update", "setdefault
 # function, a partial, a lambda, a decorated or C ``__call__``) is a stored callable (NOTE
 # [Callables stored on the module]). Changing the object after convert_ is not covered, as for
 # any stored callable.
+def _parent_function(cls: type, fn, name: str):
+    # the plain function ``super().<name>`` reaches from the class of ``cls``'s method resolution
+    # order that defines ``fn``, or None (not found, or not a plain function: a static or class
+    # method, a C one) (NOTE [Calls the source reading spells out])
+    mro = cls.__mro__
+    owner = next(
+        (
+            i
+            for i, c in enumerate(mro)
+            if any(inspect.isfunction(v) and inspect.unwrap(v) is fn for v in vars(c).values())
+        ),
+        None,
+    )
+    if owner is None:
+        return None
+    for c in mro[owner + 1 :]:
+        if name in vars(c):
+            v = vars(c)[name]
+            return v if inspect.isfunction(v) else None
+    return None
+
+
 def _object_call(obj):
     # the Python ``__call__`` of a plain callable object, or None
     if isinstance(obj, (nn.Module, type, functools.partial, torch.Tensor)) or inspect.isroutine(
@@ -3816,12 +3885,33 @@ def _object_call(obj):
 class _ObjectFlow(_Flow):
     # a callable object's ``__call__`` read with the module (NOTE [A callable object given its
     # module]); ``own``: the name it gives its object
-    def __init__(self, guard, module, me: str, fn, own: str) -> None:
+    def __init__(self, guard, module, me: str, fn, own: str, owner: type | None) -> None:
         super().__init__(guard, module, me, fn)
-        self.own = own
+        self.own, self.owner = own, owner
 
     def call(self, e: ast.Call, env: dict) -> set:
         f = e.func
+        if (
+            isinstance(f, ast.Attribute)
+            and isinstance(f.value, ast.Call)
+            and isinstance(f.value.func, ast.Name)
+            and f.value.func.id == "super"
+            and self.callee(f.value.func, env) is builtins.super
+        ):  # super().__call__(attn, h): the object's parent class's (NOTE [Calls the source
+            # reading spells out])
+            fn = None
+            if not f.value.args and self.owner is not None and self.fn is not None:
+                fn = _parent_function(self.owner, self.fn, f.attr)
+            args = [self.expr(a, env) for a in e.args]
+            kws = {k.arg: self.expr(k.value, env) for k in e.keywords}
+            read = None
+            if fn is not None:
+                read = self.object_method(fn, self.owner, f"super().{f.attr}", e, args, kws)
+            if read is None:
+                every = set().union(*args, *kws.values())
+                self.flag(every, f"super().{f.attr}(...), which slimgrad cannot read")
+                return every
+            return read
         root = f
         while isinstance(root, ast.Attribute):
             root = root.value
