@@ -312,6 +312,17 @@ def _default_loss(out: Any) -> torch.Tensor:
     )
 
 
+def _default_loss_source(out: Any) -> str:
+    # what ``_default_loss`` makes the loss of, in the report's words
+    if isinstance(getattr(out, "loss", None), torch.Tensor):
+        return "out.loss"
+    if isinstance(out, torch.Tensor):
+        return "the output" if out.numel() == 1 else "the output's mean square"
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return "out[0]" if out[0].numel() == 1 else "the mean square of out[0]"
+    return "out.loss"
+
+
 def _tensors(
     obj: Any, path: str = "", root: str = "output"
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -2047,7 +2058,13 @@ def verify(
         )
     # with the default loss, ``out.loss`` is the loss check; a custom loss_fn leaves it an output
     skip = {"loss"} if loss_fn is None else set()
-    loss_fn = loss_fn or _default_loss
+    made: set[str] = set()  # what the default loss was made of, for the report
+
+    def _noted_loss(out: Any) -> torch.Tensor:
+        made.add(_default_loss_source(out))
+        return _default_loss(out)
+
+    loss_fn = loss_fn or _noted_loss
     # NOTE [verify leaves the models as it found them]
     eager, ref = _copy_of(model), _reference(model)
     batches = [("inputs", inputs)]
@@ -2063,11 +2080,17 @@ def verify(
     rng.__enter__()
     others = _other_generators_kept()  # NOTE [Every generator a model draws from]
     others.__enter__()
+    # every run steps from the state as given: a train step's buffer updates (running
+    # statistics) and caches are undone before the next run, on all three sides
+    start = [_snapshot(eager), _snapshot(ref)]
     try:
         for mode in modes:
-            for net in (eager, converted, ref):
-                net.train(mode == "train")
             for k, (name, batch) in enumerate(batches):
+                if runs or k:
+                    for state in (*start, saved):
+                        _restore(state)
+                for net in (eager, converted, ref):
+                    net.train(mode == "train")
                 label = f"{name} ({mode})"
                 tol = (rtol, atol)
                 args = (label, batch, eager, converted, ref, loss_fn, seed, tol, skip, inference)
@@ -2123,17 +2146,21 @@ def verify(
             "it; models built from one shared config object share its attention choice)."
         )
     compared = sorted({o.name for r in runs for o in r.outputs})
+    loss_from = " or ".join(sorted(made)) or "out.loss"
     opaque = sorted({n.split("'")[1] for r in runs for n in r.notes if n.endswith(_OPAQUE_NOTE)})
     checks = [
-        "loss: the rule against float64" + (" (out.loss)" if "loss" in skip else " (loss_fn)"),
+        "loss: the rule against float64" + (f" ({loss_from})" if "loss" in skip else " (loss_fn)"),
         f"gradients: {len(runs[0].grads)} trainable parameters, the rule against float64 "
         "(its rounding term relative to each gradient's size; where eager and float64 are "
         "exactly 0, at most twice eager's error in that gradient; a gradient outside it judged "
         f"again against eager's error pooled over {1 + REDRAWS} ulp-nudged draws)",
         "input gradients: "
         + (
-            ", ".join(g.name for g in runs[0].input_grads) + ", the rule against float64"
-            if runs[0].input_grads
+            ", ".join(dict.fromkeys(g.name for r in runs for g in r.input_grads))
+            + ", the rule against float64 (in "
+            + ", ".join(r.name for r in runs if r.input_grads)
+            + ": NOTE [Which runs take input gradients])"
+            if any(r.input_grads for r in runs)
             else "none (no floating input tensor reaches the loss)"
         ),
         "outputs: "
