@@ -1,8 +1,9 @@
 """Conformance: writes a source-read forward reaches through calls that do not name them (NOTE
 [Calls the source reading spells out] in slimgrad/convert_handlers/inplace_guard.py): a child's
 method, a child's forward called directly, a name bound to an in-place function, ``getattr(self,
-"name")(...)``, ``super().name(...)``, exec/eval/locals/vars, and functions defined in the
-forward (``def`` and lambda, called there or handed to another call).
+"name")(...)``, ``super().name(...)``, exec/eval/locals/vars, functions defined in the
+forward (``def`` and lambda, called there or handed to another call), methods of objects the
+forward makes, and callables an expression computes.
 
 Before, each left the LayerNorm before it converted, and backward raised autograd's in-place error
 where eager trains. Each writing route now keeps the norm eager with eager's gradients; the same
@@ -12,6 +13,7 @@ routes that only read keep it converted.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -238,6 +240,77 @@ class _ReadsSuper(_Net):
         return self.o(super().double(h))
 
 
+class _Tool:
+    # a plain Python object the forward makes
+    def __init__(self, s=2.0):
+        self.s = s
+
+    def edit(self, h):
+        h.mul_(self.s)
+
+    def look(self, h):
+        return h * self.s
+
+    @staticmethod
+    def sedit(h):
+        h.add_(1.0)
+
+
+class _LocalObject(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        t = _Tool()
+        t.edit(h)
+        return self.o(h)
+
+
+class _InlineObject(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        _Tool(0.5).edit(h)
+        return self.o(h)
+
+
+class _ObjectStatic(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        _Tool().sedit(h)
+        return self.o(h)
+
+
+class _BoundMethod(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        m = _Tool().edit
+        m(h)
+        return self.o(h)
+
+
+class _ComputedCallable(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        functools.partial(_Tool().edit)(h)
+        return self.o(h)
+
+
+class _ReadsObject(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        return self.o(_Tool().look(h))
+
+
 class _ReadsChildMethod(_Net):
     def forward(self, x):
         h = self.ln(self.fc(x))
@@ -270,9 +343,10 @@ class _ReadsLocal(_Net):
 _WRITERS = [
     _ChildMethod, _ChildForward, _BoundFunction, _Getattr, _GetattrTensor, _NestedDef,
     _NestedDefArgument, _LambdaLocal, _Handed, _LateBinding, _ReturnedByLocal, _Super,
-    _SuperOfSubclass, _BoundByGetattr, _Exec, _Locals,
+    _SuperOfSubclass, _BoundByGetattr, _Exec, _Locals, _LocalObject, _InlineObject,
+    _ObjectStatic, _BoundMethod, _ComputedCallable,
 ]  # fmt: skip
-_READERS = [_ReadsChildMethod, _ReadsGetattr, _ReadsLocal, _ReadsSuper]
+_READERS = [_ReadsChildMethod, _ReadsGetattr, _ReadsLocal, _ReadsSuper, _ReadsObject]
 
 
 def _step(m, x):

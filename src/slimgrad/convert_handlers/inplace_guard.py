@@ -2955,6 +2955,13 @@ class _Flow:
             return got
         if isinstance(e, ast.Attribute):
             base = self.expr(e.value, env)
+            bound = {
+                _Bound(found[0], frozenset(base))
+                for x in base
+                if isinstance(x, _Obj) and (found := _method_of(x.cls, e.attr)) and found[1]
+            }
+            if bound:  # m = Tool().edit: a method taken to be called later
+                return bound
             if (key := self.key(e)) is not None:  # NOTE [A tensor kept on the module]
                 base = base | env.get(key, set()) | env.get(key + "[]", set())
             if self.guard is not None and self.guard.outputs is not None:
@@ -3034,12 +3041,15 @@ class _Flow:
             # it may be called with anything that call is given
             self.local_call(fn, None, every, env)
         if isinstance(f, ast.Name) and (
-            local := [x for x in env.get(f.id, ()) if isinstance(x, (_LocalFn, _Callee))]
+            local := [x for x in env.get(f.id, ()) if isinstance(x, (_LocalFn, _Callee, _Bound))]
         ):  # NOTE [Calls the source reading spells out]: a name the forward bound to a function
             got = set()
             for x in local:
                 if isinstance(x, _LocalFn):
                     got |= self.local_call(x, e, every, env, args, kws)
+                elif isinstance(x, _Bound):
+                    given = [set(x.receiver), *args]
+                    got |= self.function_call(x.fn, f, e, given, kws) or set()
                 elif _writes_first(x.fn, e):
                     self.flag(first, f"{f.id} ({_fn_name(x.fn)}) in its HF forward")
                     got |= first
@@ -3050,7 +3060,9 @@ class _Flow:
                     got |= read
                 else:
                     got |= first if _may_alias(getattr(x.fn, "__name__", "")) else set()
-            others = [x for x in env.get(f.id, ()) if not isinstance(x, (_LocalFn, _Callee))]
+            others = [
+                x for x in env.get(f.id, ()) if not isinstance(x, (_LocalFn, _Callee, _Bound))
+            ]
             if not others:
                 return got
         if isinstance(f, ast.Name) and f.id in _DYNAMIC and self.callee(f, env) is not _MISSING:
@@ -3159,6 +3171,10 @@ class _Flow:
             and (read := self.function_call(callee, f, e, args, kws)) is not None
         ):
             return read  # NOTE [A function the forward calls by name]
+        if callee is not _MISSING and not self._outputs() and _user_class(callee):
+            # an object the forward makes: its methods are read where called; it may hold what
+            # its constructor is given (NOTE [Calls the source reading spells out])
+            return every | {_Obj(callee)}
         if isinstance(f, ast.Attribute) and _namespace(f.value):  # torch.fn(h), F.fn(h)
             if _inplace_name(f.attr) or inplace_kw:
                 self.flag(first, f"{f.attr} in its HF forward")
@@ -3166,6 +3182,20 @@ class _Flow:
             return first if _may_alias(f.attr) else set()
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
+            objs = [x for x in base if isinstance(x, _Obj)]
+            if objs and not self._outputs():  # NOTE [Calls the source reading spells out]
+                got = set()
+                for x in objs:
+                    found = _method_of(x.cls, f.attr)
+                    if found is None:  # not a plain function: it may write what it is given
+                        self.flag(every, f"{_dotted(f)}(...), which slimgrad cannot read")
+                        got |= every
+                        continue
+                    fn, receiver = found
+                    given = [base, *args] if receiver else args
+                    got |= self.function_call(fn, f, e, given, kws) or set()
+                if not base - set(objs):
+                    return got
             if _SHARED in base:  # self.box.put(h), CACHE.append(h): NOTE [An output kept on the
                 self.escape(every)  # module escapes]
             if _writes_name(f.attr):
@@ -3248,8 +3278,22 @@ class _Flow:
                 if isinstance(fn, nn.Module):
                     self.feeds(fn, every)
             return every
-        self.expr(f, env)
-        return set()
+        held = self.expr(f, env)
+        if self._outputs():
+            return set()
+        # a callable an expression computes (``make()(h)``, ``partial(fn)(h)``, ``(lambda t:
+        # ...)(h)``): a local function or a method taken from an object is read; anything else may
+        # write what it is given (NOTE [Calls the source reading spells out])
+        got = set()
+        for x in held:
+            if isinstance(x, _LocalFn):
+                got |= self.local_call(x, e, every, env, args, kws)
+            elif isinstance(x, _Bound):
+                got |= self.function_call(x.fn, f, e, [set(x.receiver), *args], kws) or set()
+        if not any(isinstance(x, (_LocalFn, _Bound)) for x in held):
+            self.flag(every, f"{_dotted(f)}(...), which slimgrad cannot read")
+            got |= every
+        return got
 
     def parent_method(self, name: str):
         # the plain function ``super().<name>`` reaches in the forward read, or None
@@ -3586,7 +3630,13 @@ def _dotted(f) -> str:
 # where it is called, its parameters holding what the call gives them and its free names what
 # they hold there (Python binds them late), or, handed to another call (``checkpoint(inner,
 # h)``, ``map``), with every parameter holding anything that call is given; a recursive one may
-# write anything it is given. ``super().name(...)`` is the plain function the method resolution
+# write anything it is given. An object of a Python class the forward makes (``t = Tool()``, not
+# torch's, not a module) has its methods read where they are called (``t.edit(h)``,
+# ``Tool().edit(h)``, ``m = t.edit; m(h)``; a method that is not a plain function may write what it
+# is given), and the object may hold what its constructor is given (the constructor itself, often
+# generated (a dataclass's), is taken to write nothing, as before); and a callable an expression
+# computes (``make()(h)``, ``functools.partial(fn)(h)``) may write what it is given.
+# ``super().name(...)`` is the plain function the method resolution
 # order reaches after the class that defines the function read (read as a helper; anything else,
 # or ``super`` given arguments, may write what it is given), and exec/eval/locals/vars may write
 # any tensor the forward holds. A function stored and called after the forward is not followed.
@@ -3601,6 +3651,45 @@ class _LocalFn:
 class _Callee:
     # a function a name of the forward was bound to (``f = torch.Tensor.mul_``)
     fn: object
+
+
+@dataclass(frozen=True, eq=False)
+class _Obj:
+    # an object of a Python class the forward made (``t = Tool()``), among what a name may hold:
+    # its methods' sources are read where they are called (NOTE [Calls the source reading spells
+    # out])
+    cls: type
+
+
+@dataclass(frozen=True, eq=False)
+class _Bound:
+    # a method of such an object, taken without calling it (``m = Tool().edit``): the function and
+    # what its receiver holds
+    fn: object
+    receiver: frozenset
+
+
+def _user_class(c) -> bool:
+    # a class of the user's or a library's (not torch's, not a builtin, not a module)
+    if not isinstance(c, type) or issubclass(c, nn.Module):
+        return False
+    mod = getattr(c, "__module__", None) or ""
+    return not (mod == "builtins" or mod == "torch" or mod.startswith("torch."))
+
+
+def _method_of(cls: type, name: str):
+    # (the plain function ``cls.<name>`` calls, whether it takes the receiver) or None
+    try:
+        v = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return None
+    if isinstance(v, staticmethod):
+        v, receiver = v.__func__, False
+    elif isinstance(v, classmethod):
+        return None
+    else:
+        receiver = True
+    return (v, receiver) if inspect.isfunction(v) else None
 
 
 _SPELLED: dict[int, tuple[ast.Call, ast.Call]] = {}
