@@ -2181,6 +2181,28 @@ class _Guard:
                     name = schema.name.split("::")[-1]  # aten.view.default -> view
                 if node.target is getattr and len(node.args) > 1:
                     name = str(node.args[1])  # h.T, h.mT, ...
+                if node.op == "call_function" and (fa := _function_apply(node.target)):
+                    # NOTE [A custom autograd Function that writes its input]
+                    cls, written, ret = fa
+                    given = list(node.args)
+                    if node.kwargs:
+                        written = ret = None
+                    for i in range(len(given)) if written is None else sorted(written):
+                        a = given[i] if i < len(given) else None
+                        if isinstance(a, torch.fx.Node) and a in state:
+                            self.flag(state[a].ends, f"{cls.__name__}.apply")
+                            out.writes = out.writes or state[a].passes
+                    back = [
+                        state[a]
+                        for i, a in enumerate(given)
+                        if (ret is None or i in ret) and isinstance(a, torch.fx.Node) and a in state
+                    ]
+                    if back:
+                        state[node] = _Info(
+                            ends=[x for b in back for x in b.ends],
+                            passes=any(b.passes for b in back),
+                        )
+                    continue
                 writes = _writes_first_arg(node, name)
                 if (
                     node.op == "call_method"
@@ -2347,6 +2369,47 @@ def _function_reading(fn) -> tuple[frozenset | None, frozenset | None, frozenset
         got = tuple(None if spilled[i] else frozenset(sets[i]) for i in range(3))
     _FN_MEMO[code] = got
     return got
+
+
+# NOTE [A custom autograd Function that writes its input]
+# ``MyFn.apply(h)`` runs ``MyFn.forward``, which may write what it is given in place (an in-place
+# activation written as a Function: ``x.mul_(s); ctx.mark_dirty(x); return x``). torch.fx records
+# the call as one node (it does not trace into the Function) and the source reading judged it by
+# its name, so a LayerNorm whose output such a Function wrote stayed converted, and backward raised
+# autograd's in-place error where eager trains. Now the Function's ``forward`` is read from its
+# source once (NOTE [A function the forward calls by name]), ``ctx.mark_dirty(t)`` counting as a
+# write of ``t`` (the Function declares it: its own kernel may write where the source shows no
+# in-place call), and the parameters it writes and returns map to ``apply``'s arguments (after
+# ``ctx``, unless the Function sets its context in ``setup_context``): in a traced forward the nodes
+# given there, in a read source the names. A forward whose source cannot be read may write, and
+# return, any argument.
+def _function_apply(target) -> tuple[type, frozenset | None, frozenset | None] | None:
+    # (the Function, the positions of apply's arguments its forward writes, those it may
+    # return; None: any) where ``target`` is a custom autograd Function's ``apply``, else None
+    cls = getattr(target, "__self__", None)
+    if (
+        not isinstance(target, types.MethodType)
+        or getattr(target, "__name__", None) != "apply"
+        or not isinstance(cls, type)
+        or not issubclass(cls, torch.autograd.Function)
+    ):
+        return None
+    fwd = inspect.getattr_static(cls, "forward", None)
+    fwd = fwd.__func__ if isinstance(fwd, staticmethod) else None
+    if not inspect.isfunction(fwd):
+        return cls, None, None
+    written, _, ret = _function_reading(fwd)
+    code = inspect.unwrap(fwd).__code__
+    pos = list(code.co_varnames[: code.co_argcount])
+    if cls.setup_context is torch.autograd.Function.setup_context:
+        pos = pos[1:]  # forward(ctx, *args)
+
+    def at(params):
+        if params is None or code.co_flags & inspect.CO_VARARGS and params - set(pos):
+            return None
+        return frozenset(i for i, n in enumerate(pos) if n in params)
+
+    return cls, at(written), at(ret)
 
 
 def _lambdas(fn) -> list:
@@ -3065,6 +3128,13 @@ class _Flow:
             ]
             if not others:
                 return got
+        for k in e.keywords:  # torch.mul(h, 2, out=h) writes what ``out`` holds
+            if k.arg == "out":
+                self.flag(kws.get("out", set()), "an out= argument")
+        if isinstance(f, ast.Attribute) and f.attr == "mark_dirty":
+            # ctx.mark_dirty(x): the Function declares x written in place (NOTE [A custom
+            # autograd Function that writes its input])
+            self.flag(every, "ctx.mark_dirty in a custom autograd Function")
         if isinstance(f, ast.Name) and f.id in _DYNAMIC and self.callee(f, env) is not _MISSING:
             # exec/eval/locals/vars: code the source does not show may write any tensor the
             # forward holds (NOTE [Calls the source reading spells out])
@@ -3171,6 +3241,21 @@ class _Flow:
             and (read := self.function_call(callee, f, e, args, kws)) is not None
         ):
             return read  # NOTE [A function the forward calls by name]
+        if (
+            callee is not _MISSING
+            and not self._outputs()
+            and (fa := _function_apply(callee)) is not None
+        ):  # NOTE [A custom autograd Function that writes its input]
+            cls, written, ret = fa
+            starred = any(isinstance(a, ast.Starred) for a in e.args) or bool(kws)
+
+            def of(positions) -> set:
+                if positions is None or (positions and starred):
+                    return every
+                return set().union(*(args[i] for i in positions if i < len(args)))
+
+            self.flag(of(written), f"{cls.__name__}.apply, whose forward writes its input")
+            return of(ret)
         if callee is not _MISSING and not self._outputs() and _user_class(callee):
             # an object the forward makes: its methods are read where called; it may hold what
             # its constructor is given (NOTE [Calls the source reading spells out])
@@ -3180,6 +3265,28 @@ class _Flow:
                 self.flag(first, f"{f.attr} in its HF forward")
                 return first
             return first if _may_alias(f.attr) else set()
+        if isinstance(f, ast.Attribute) and f.attr == "apply" and not self._outputs():
+            # X.apply(...) where X is not a global name: a custom autograd Function the module
+            # holds (self.fn.apply(h)), or one a parameter names; no tensor method is called
+            # ``apply`` (NOTE [A custom autograd Function that writes its input])
+            held = self.held_value(f.value)
+            fa = _function_apply(getattr(held, "apply", None)) if held is not _MISSING else None
+            if fa is not None:
+                cls, written, ret = fa
+                starred = any(isinstance(a, ast.Starred) for a in e.args) or bool(kws)
+
+                def at(positions) -> set:
+                    if positions is None or (positions and starred):
+                        return every
+                    return set().union(*(args[i] for i in positions if i < len(args)))
+
+                self.expr(f.value, env)
+                self.flag(at(written), f"{cls.__name__}.apply, whose forward writes its input")
+                return at(ret)
+            if held is _MISSING or not isinstance(held, nn.Module):
+                self.expr(f.value, env)
+                self.flag(every, f"{_dotted(f)}(...), which slimgrad cannot read")
+                return every
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
             objs = [x for x in base if isinstance(x, _Obj)]
@@ -3294,6 +3401,20 @@ class _Flow:
             self.flag(every, f"{_dotted(f)}(...), which slimgrad cannot read")
             got |= every
         return got
+
+    def held_value(self, e):
+        # the object ``self.<attr>`` (not a child module) or a global dotted name denotes at
+        # convert time, or _MISSING
+        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == self.me:
+            if self.module is None:
+                return _MISSING
+            if e.attr in self.module._modules:
+                return self.module._modules[e.attr]
+            try:
+                return inspect.getattr_static(self.module, e.attr)
+            except AttributeError:
+                return _MISSING
+        return self.callee(e, {}) if isinstance(e, (ast.Name, ast.Attribute)) else _MISSING
 
     def parent_method(self, name: str):
         # the plain function ``super().<name>`` reaches in the forward read, or None
@@ -4030,9 +4151,6 @@ class _HookFlow(_Flow):
         f = e.func
         if isinstance(f, ast.Name) and f.id in _DYNAMIC:  # code slimgrad cannot read
             self.flag(set(self.tensors), f"{f.id}(...), which slimgrad cannot read")
-        for k in e.keywords:  # torch.mul(h, 2, out=h) writes what ``out`` holds
-            if k.arg == "out":
-                self.flag(self.expr(k.value, env) & self.tensors, "an out= argument")
         given = {
             x
             for a in [*e.args, *(k.value for k in e.keywords)]
