@@ -851,7 +851,7 @@ def rms_norm_bwd_torch(
         del xh, dyc  # free this chunk's temporaries before the next one
     if need_dx and dx is None:  # no rows
         dx = y.new_empty((n, d))
-    if need_dx and y.ndim != 2:
+    if need_dx and dx.shape != y.shape:  # (a 2-D y of one row over 2 normalized dims too)
         dx = dx.reshape(y.shape)
     if need_dw:
         if dw is None:  # no rows
