@@ -778,8 +778,14 @@ COPY_KEPT_ON_MODULE = (
 # variable holds a request (any output: attentions too, conservatively). Without a request the
 # variable is None or empty: one attribute read per marked norm call, nothing per unmarked one.
 # A transformers without that variable (outside the declared range) counts as always requesting
-# (eager's op, exact). Hidden states a forward collects in its own source (DeBERTa-v2's encoder)
-# are read there: every item of the tuple may be returned.
+# (eager's op, exact). Under a non-reentrant checkpoint's hooks such a norm runs eager's op
+# whatever the request: the request is the top-level call's, which the recompute inside backward
+# does not run under, so a norm that ran eager's op in a forward that asked for hidden states
+# kept y in its recompute and torch raised CheckpointError (BERT or SegFormer with gradient
+# checkpointing and output_hidden_states=True, where eager trains). Inside a checkpointed region
+# its saved tensors live only during that region's backward, so eager's op there costs little.
+# Hidden states a forward collects in its own source (DeBERTa-v2's encoder) are read there: every
+# item of the tuple may be returned.
 
 #: transformers' per-call output request (``output_capturing._active_collector``), once found;
 #: [] before the first HF model is converted, [None] where transformers has none

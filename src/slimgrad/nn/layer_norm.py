@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
 from slimgrad._autograd import unwrap_if_dead
-from slimgrad._library import straight
+from slimgrad._library import straight, under_checkpoint
 from slimgrad.kernels import _backend
 from slimgrad.nn._hooks import forward_hooked
 from slimgrad.nn._output_act import requested
@@ -70,7 +70,9 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
                 )
                 and forward_hooked(self)
             )
-            or (self.handed_out and requested())
+            # NOTE [Hidden states handed out per call]: under a checkpoint's hooks whatever the
+            # request, so that its recompute (no request there) keeps what the forward kept
+            or (self.handed_out and (requested() or under_checkpoint()))
         ):
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         p = self._parameters  # the Parameters without Module.__getattr__ (a parametrized weight
