@@ -1646,7 +1646,7 @@ class _ChildReads:
         if fn in self.done:
             return False
         self.done.add(fn)
-        if fn is None or inspect.unwrap(fn) is not fn:  # a decorator's code runs too
+        if fn is None or _unwrap(fn) is not fn:  # a decorator's code runs too
             return True
         fdef = _forward_ast(fn)
         params = fdef.args.posonlyargs + fdef.args.args if fdef is not None else []
@@ -2289,10 +2289,10 @@ def _shared_value(obj) -> bool:
 def _forward_ast(fn) -> ast.FunctionDef | None:
     if fn not in _HF_AST:
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+            tree = ast.parse(textwrap.dedent(inspect.getsource(_unwrap(fn))))
             fdef = tree.body[0]
             # a lambda's source is its line: a ``def`` there is another function's
-            lam = getattr(inspect.unwrap(fn), "__name__", None) == "<lambda>"
+            lam = getattr(_unwrap(fn), "__name__", None) == "<lambda>"
             _HF_AST[fn] = fdef if isinstance(fdef, ast.FunctionDef) and not lam else None
         except (OSError, TypeError, SyntaxError, IndexError):
             _HF_AST[fn] = None
@@ -2326,7 +2326,9 @@ def _written_params(fn) -> set[str] | None:
 # LayerNorm's output left the norm converted, and its backward raised autograd's in-place error
 # where eager trains; a helper returning its argument (HF's ``repeat_kv`` with ``n_rep == 1``)
 # was read as returning a new tensor, so a write through the result went unseen. Now the
-# function's source is read once per function (its code; a lambda: every lambda of its line), as
+# function's source is read once per function (its code; a lambda: every lambda of its line;
+# through ``functools.wraps``, the wrapper's own code and each function it wraps, each mapped
+# through its own parameters), as
 # a helper method's is, its parameters standing for what the call passes: the parameters it
 # writes in place, keeps past the call (stores in a global or an object: NOTE [An output kept on
 # the module escapes]) and may return (or a view of) are mapped back to the call's arguments (any
@@ -2342,18 +2344,47 @@ def _written_params(fn) -> set[str] | None:
 _FN_MEMO: dict = {}
 
 
-def _function_reading(fn) -> tuple[frozenset | None, frozenset | None, frozenset | None]:
-    # (the parameters ``fn`` writes in place, keeps past the call, may return; None: any) (NOTE
-    # [A function the forward calls by name])
-    code = inspect.unwrap(fn).__code__
+def _unwrap(fn):
+    # inspect.unwrap, or ``fn`` itself where its ``__wrapped__`` chain loops
+    try:
+        return inspect.unwrap(fn)
+    except ValueError:
+        return fn
+
+
+def _own_fdef(fn) -> ast.FunctionDef | None:
+    # the ``def`` of ``fn``'s own code (not what ``__wrapped__`` names: inspect.getsource unwraps)
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_name == "<lambda>":
+        return None
+    lines = linecache.getlines(code.co_filename)
+    if not lines or code.co_firstlineno < 1:
+        return None
+    try:
+        block = inspect.getblock(lines[code.co_firstlineno - 1 :])
+        fdef = ast.parse(textwrap.dedent("".join(block))).body[0]
+    except (SyntaxError, IndexError, ValueError, TypeError):
+        return None
+    ok = isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)) and fdef.name == code.co_name
+    return fdef if ok else None
+
+
+_ANY = (None, None, None, ())
+
+
+def _code_reading(fn) -> tuple:
+    # one plain function's own code: (the parameters it writes in place, keeps past the call, may
+    # return; None: any; its positional parameters) (NOTE [A function the forward calls by name])
+    code = fn.__code__
     got = _FN_MEMO.get(code)
     if got is not None:
         return got
-    _FN_MEMO[code] = (None, None, None)  # a recursive call: anything
-    fdef = _forward_ast(fn)
+    _FN_MEMO[code] = _ANY  # a recursive call: anything
+    fdef = _own_fdef(fn)
     bodies = [(fdef.args, fdef.body)] if fdef is not None else _lambdas(fn)
+    pos = tuple(code.co_varnames[: code.co_argcount])
     if not bodies:
-        got = (None, None, None)
+        got = _ANY
     else:
         sets: list[set] = [set(), set(), set()]
         spilled = [False, False, False]
@@ -2366,9 +2397,25 @@ def _function_reading(fn) -> tuple[frozenset | None, frozenset | None, frozenset
                 params = {x.name for x in held if isinstance(x, _Param)}
                 sets[i] |= params
                 spilled[i] = spilled[i] or bool(params & rest)
-        got = tuple(None if spilled[i] else frozenset(sets[i]) for i in range(3))
+        got = (*(None if spilled[i] else frozenset(sets[i]) for i in range(3)), pos)
     _FN_MEMO[code] = got
     return got
+
+
+def _function_readings(fn) -> list[tuple]:
+    # the readings of what a call of ``fn`` runs: its own code and, through ``__wrapped__``
+    # (functools.wraps), every function it wraps (a wrapper may write, and its wrapped function
+    # may: both are read, each mapped through its own parameters); a callable in that chain that
+    # is not a plain function, nor torch's, may do anything
+    out, f, seen = [], fn, set()
+    while f is not None and id(f) not in seen and len(seen) < 16:
+        seen.add(id(f))
+        if isinstance(f, types.FunctionType):
+            out.append(_code_reading(f))
+        elif not _known_function(f):
+            out.append(_ANY)
+        f = getattr(f, "__wrapped__", None)
+    return out
 
 
 # NOTE [A custom autograd Function that writes its input]
@@ -2398,9 +2445,15 @@ def _function_apply(target) -> tuple[type, frozenset | None, frozenset | None] |
     fwd = fwd.__func__ if isinstance(fwd, staticmethod) else None
     if not inspect.isfunction(fwd):
         return cls, None, None
-    written, _, ret = _function_reading(fwd)
-    code = inspect.unwrap(fwd).__code__
-    pos = list(code.co_varnames[: code.co_argcount])
+    readings = _function_readings(fwd)
+    if any(r[3] != readings[0][3] for r in readings):
+        return cls, None, None
+    written, ret = set(), set()
+    for w, _, r, _ in readings:
+        written = None if w is None or written is None else written | w
+        ret = None if r is None or ret is None else ret | r
+    code = fwd.__code__
+    pos = list(readings[0][3])
     if cls.setup_context is torch.autograd.Function.setup_context:
         pos = pos[1:]  # forward(ctx, *args)
 
@@ -2545,7 +2598,7 @@ class _Flow:
         self.me = me  # the name the forward gives its module (its first parameter)
         # the global names of the function read (NOTE [In-place writes in HF forwards]: what a
         # call such as ``aten.mul_.Tensor(h)`` calls); {} when unknown
-        fn = inspect.unwrap(fn) if fn is not None else None
+        fn = _unwrap(fn) if fn is not None else None
         self.fn = fn
         self.globals = getattr(fn, "__globals__", {})
         code = getattr(fn, "__code__", None)  # its local and closure names are not globals
@@ -2561,6 +2614,7 @@ class _Flow:
         self.keeps_input = False  # NOTE [An output kept on the module escapes]
         self.kept: set = set()  # all it kept (a helper's: which of its parameters)
         self.active: set = set()  # the local functions being read (NOTE [Calls the source ...])
+        self.me_aliases: set[str] = set()  # local names bound to the module (``a = self``)
 
     def escape(self, held: set) -> None:
         # NOTE [An output kept on the module escapes]: ``held`` is kept on a module
@@ -2649,6 +2703,9 @@ class _Flow:
         if isinstance(s, (ast.Assign, ast.AnnAssign)):
             held = self.expr(s.value, env) if s.value is not None else set()
             v = s.value
+            targets = s.targets if isinstance(s, ast.Assign) else [s.target]
+            if isinstance(v, ast.Name) and v.id == self.me:  # a = self: a names the module
+                self.me_aliases |= {t.id for t in targets if isinstance(t, ast.Name)}
             if (
                 isinstance(v, ast.Call)
                 and len(v.args) == 2
@@ -2705,6 +2762,17 @@ class _Flow:
                 got = [self.expr(a, env) for a in [*v.args, *(k.value for k in v.keywords)]]
                 env[key + "[]"] = _no_consts(env.get(key + "[]", set()).union(*got))
                 self.escape(set().union(*got))
+            elif (
+                not self._outputs()
+                and isinstance(v, ast.Call)
+                and isinstance(v.func, ast.Attribute)
+                and v.func.attr in _KEEPING
+                and isinstance(v.func.value, ast.Name)
+                and v.func.value.id in env
+            ):  # hs.append(h) with hs a local list: hs now holds h too
+                got = [self.expr(a, env) for a in [*v.args, *(k.value for k in v.keywords)]]
+                name = v.func.value.id
+                env[name] = _no_consts(env[name].union(*got))
         elif isinstance(s, ast.Return):
             if s.value is not None:
                 self.ret |= self.expr(s.value, env)
@@ -2774,6 +2842,15 @@ class _Flow:
             for t in s.targets:
                 if isinstance(t, ast.Name):
                     env.pop(t.id, None)
+        elif isinstance(s, ast.Match):  # each case may run: the join of their paths
+            self.expr(s.subject, env)
+            joined = dict(env)
+            for case in s.cases:
+                inner = dict(env)
+                if case.guard is not None:
+                    self.expr(case.guard, inner)
+                joined = _union(joined, self.block(case.body, inner))
+            env = joined
         elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)):
             # a function defined in the forward: read where it is called (NOTE [Calls the source
             # reading spells out]); its decorators and defaults run here
@@ -2870,7 +2947,7 @@ class _Flow:
         if key not in self.guard.methods:
             self.guard.methods[key] = {_ARG}  # recursion: its arguments
             fdef = _forward_ast(fn) if callable(fn) else None
-            if not (callable(fn) and inspect.isfunction(inspect.unwrap(fn))):
+            if not (callable(fn) and inspect.isfunction(_unwrap(fn))):
                 got = {_ARG}  # a property (HF's loss_function), a stored callable: its arguments
             elif fdef is None or not fdef.args.posonlyargs + fdef.args.args:
                 # its source unknown, or no name for the module in it: any child's output
@@ -2904,7 +2981,7 @@ class _Flow:
         got = self.guard.helpers.get(key)
         if got is None:
             self.guard.helpers[key] = (set(), None, set())  # recursion: as read so far
-            fdef = _forward_ast(fn) if inspect.isfunction(inspect.unwrap(fn)) else None
+            fdef = _forward_ast(fn) if inspect.isfunction(_unwrap(fn)) else None
             if fdef is None or len(fdef.args.posonlyargs + fdef.args.args) <= at:
                 got = (_written_params(fn), None, None)  # a lambda, a property: as before
             else:
@@ -2979,6 +3056,10 @@ class _Flow:
                 base = (base - env.get(key + "[]", set())) | env.get(key, set())
                 env[key + "[]"] = env.get(key + "[]", set()) | _no_consts(held)
                 self.escape(held)
+            elif key is not None and not self._outputs():
+                # d[k] = h with d a local name: d now holds h too, for writes through d[k]
+                # (NOTE [Calls the source reading spells out])
+                env[key] = env.get(key, set()) | _no_consts(held)
             elif _SHARED in base:  # CACHE[k] = h, self.box.items[0] = h: NOTE [An output kept
                 self.escape(held)  # on the module escapes]
             self.flag(base, "an item assignment in its HF forward")
@@ -2987,6 +3068,13 @@ class _Flow:
             if (key := self.key(target)) is not None:  # NOTE [A tensor kept on the module]
                 env[key] = _no_consts(held)
                 self.escape(held)
+            elif (
+                isinstance(target.value, ast.Name)
+                and target.value.id in env
+                and not self._outputs()
+            ):  # b.h = h with b a local object: b now holds h too
+                name = target.value.id
+                env[name] = env[name] | _no_consts(held)
             elif _SHARED in base:  # type(self).last = h, box.h = h: NOTE [An output kept on
                 self.escape(held)  # the module escapes]
 
@@ -3005,6 +3093,11 @@ class _Flow:
             held = self.expr(e.value, env)
             self.assign(e.target, held, env)
             return held
+        if isinstance(e, (ast.Yield, ast.YieldFrom)):
+            # a generator hands out what it yields, as a return does: its caller iterates it
+            # (NOTE [A function the forward calls by name])
+            self.ret |= self.expr(e.value, env)
+            return set()
         if isinstance(e, ast.Call):
             got = self.call(e, env)
             f = e.func
@@ -3080,6 +3173,13 @@ class _Flow:
 
     def call(self, e: ast.Call, env: dict) -> set:
         f = e.func
+        root = f
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if f is not root and isinstance(root, ast.Name) and root.id in self.me_aliases:
+            # a.child(h) with a = self: the module's own call (NOTE [Calls the source reading
+            # spells out])
+            return self.call(_spelled(e, _renamed(f, self.me)), env)
         if (
             isinstance(f, ast.Call)
             and len(f.args) == 2
@@ -3169,7 +3269,7 @@ class _Flow:
             method = getattr(type(child), f.attr, None)
             if (
                 callable(method)
-                and inspect.isfunction(inspect.unwrap(method))
+                and inspect.isfunction(_unwrap(method))
                 and not (getattr(method, "__module__", None) or "").startswith("torch.")
             ):
                 what = f"self.{f.value.attr}.{f.attr}"
@@ -3305,6 +3405,8 @@ class _Flow:
                     return got
             if _SHARED in base:  # self.box.put(h), CACHE.append(h): NOTE [An output kept on the
                 self.escape(every)  # module escapes]
+            if f.attr in _METADATA_METHODS:  # h.size(1), h.dim(): a number, no tensor
+                return set()
             if _writes_name(f.attr):
                 self.flag(base, f"{f.attr} in its HF forward")
                 return base
@@ -3385,6 +3487,24 @@ class _Flow:
                 if isinstance(fn, nn.Module):
                     self.feeds(fn, every)
             return every
+        if isinstance(f, ast.Call) and not self._outputs():
+            made = self.callee(f.func, env)
+            if made is type and len(f.args) == 1 and not f.keywords:
+                # type(x)(...): x's own type (a tuple, a tensor class) built anew: it writes
+                # nothing it is given
+                self.expr(f, env)
+                return every
+            if isinstance(made, type) and issubclass(made, nn.Module) and _known_module(made):
+                # nn.Softmax(dim=-1)(h): a torch module made on the spot writes its input only
+                # where made in place (inplace=True, by keyword or as a positional True)
+                self.expr(f, env)
+                inplace = _inplace_kw(f) or any(
+                    isinstance(a, ast.Constant) and a.value is True for a in f.args
+                )
+                if inplace:
+                    self.flag(first, f"{_dotted(f)}(...) in its HF forward")
+                    return first
+                return set()
         held = self.expr(f, env)
         if self._outputs():
             return set()
@@ -3490,30 +3610,43 @@ class _Flow:
         # NOTE [A function the forward calls by name]: what the call of ``fn``, a plain Python
         # function that is not torch's, writes, keeps and returns of its arguments, from its
         # source; None for any other callee
+        every = set().union(*args, *kws.values())
+        if isinstance(fn, functools.partial):  # a partial's own arguments come first
+            if isinstance(fn.func, types.FunctionType) and not _known_function(fn.func):
+                given = [set() for _ in fn.args] + list(args)
+                return self.function_call(
+                    fn.func, f, e, given, {**dict.fromkeys(fn.keywords, set()), **kws}
+                )
+            if _callable_may_write(fn, e):
+                self.flag(every, f"{_dotted(f)}(...), a partial that may write")
+            return every
+        if isinstance(fn, types.MethodType):  # a bound method: a class's classmethod, an object's
+            return self.function_call(fn.__func__, f, e, [set(), *args], kws)
+        if (call := _object_call(fn)) is not None:  # a callable object a global name holds
+            return self.function_call(call, f, e, [set(), *args], kws)
         if not isinstance(fn, types.FunctionType) or _known_function(fn):
             return None
         if (getattr(fn, "__module__", None) or "").startswith("slimgrad."):
             return None
-        written, kept, ret = _function_reading(fn)
-        code = inspect.unwrap(fn).__code__
-        pos = code.co_varnames[: code.co_argcount]
         starred = any(isinstance(a, ast.Starred) for a in e.args)
-        bound = {} if starred else dict(zip(pos, args, strict=False))
-        bound |= {k: v for k, v in kws.items() if k is not None}
         spread = kws.get(None, set())  # **kwargs: any parameter not bound otherwise
-        every = set().union(*args, *kws.values())
+        returned: set = set()
+        for written, kept, ret, pos in _function_readings(fn):
+            bound = {} if starred else dict(zip(pos, args, strict=False))
+            bound |= {k: v for k, v in kws.items() if k is not None}
 
-        def of(params) -> set:
-            # what the call passes to ``params`` (arguments past ``pos`` go to its ``*args``,
-            # which ``params`` names only as None)
-            if params is None or (params and starred):
-                return every
-            got = set().union(*(x for n, x in bound.items() if n in params))
-            return got | (spread if any(n not in bound for n in params) else set())
+            def of(params, bound=bound) -> set:
+                # what the call passes to ``params`` (arguments past ``pos`` go to its
+                # ``*args``, which ``params`` names only as None)
+                if params is None or (params and starred):
+                    return every
+                got = set().union(*(x for n, x in bound.items() if n in params))
+                return got | (spread if any(n not in bound for n in params) else set())
 
-        self.flag(of(written), f"{_dotted(f)}(...), which writes its argument in place")
-        self.escape(of(kept))  # NOTE [An output kept on the module escapes]
-        return of(ret)
+            self.flag(of(written), f"{_dotted(f)}(...), which writes its argument in place")
+            self.escape(of(kept))  # NOTE [An output kept on the module escapes]
+            returned |= of(ret)
+        return returned
 
     def object_call(self, obj, attr: str, e: ast.Call, args: list, kws: dict) -> set | None:
         # NOTE [A callable object given its module]: ``self.<attr>(self, ...)`` where the module
@@ -3615,7 +3748,12 @@ def _known_function(fn) -> bool:
     if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return True
     mod = getattr(fn, "__module__", None) or ""
-    return isinstance(fn, types.FunctionType) and (mod == "torch" or mod.startswith("torch."))
+    # (a wrapper functools.wraps made over a torch function takes its __module__: not torch's)
+    return (
+        isinstance(fn, types.FunctionType)
+        and (mod == "torch" or mod.startswith("torch."))
+        and not hasattr(fn, "__wrapped__")
+    )
 
 
 def _callable_may_write(fn, call: ast.Call, given: int = 0) -> bool:
@@ -3756,7 +3894,13 @@ def _dotted(f) -> str:
 # ``Tool().edit(h)``, ``m = t.edit; m(h)``; a method that is not a plain function may write what it
 # is given), and the object may hold what its constructor is given (the constructor itself, often
 # generated (a dataclass's), is taken to write nothing, as before); and a callable an expression
-# computes (``make()(h)``, ``functools.partial(fn)(h)``) may write what it is given.
+# computes (``make()(h)``, ``functools.partial(fn)(h)``) may write what it is given. A global
+# name may also hold a partial (its function read with the partial's arguments first), a bound
+# method (a class method, an object's method) or a callable object (its ``__call__``). A local
+# container or object holds what is put in it (``d[k] = h``, ``hs.append(h)``, ``b.h = h``), so a
+# write through it is one through h. Not followed: a function given to another as an argument
+# (``apply(edit, h)``, ``map(edit, [h])``, a default argument), nor one a call returns and a name
+# keeps (``g = make(); g(h)``).
 # ``super().name(...)`` is the plain function the method resolution
 # order reaches after the class that defines the function read (read as a helper; anything else,
 # or ``super`` given arguments, may write what it is given), and exec/eval/locals/vars may write
@@ -3790,6 +3934,12 @@ class _Bound:
     receiver: frozenset
 
 
+def _known_module(c: type) -> bool:
+    # a module class torch defines (torch.nn's activations, norms, ...)
+    mod = getattr(c, "__module__", None) or ""
+    return mod.startswith("torch.nn.")
+
+
 def _user_class(c) -> bool:
     # a class of the user's or a library's (not torch's, not a builtin, not a module)
     if not isinstance(c, type) or issubclass(c, nn.Module):
@@ -3811,6 +3961,13 @@ def _method_of(cls: type, name: str):
     else:
         receiver = True
     return (v, receiver) if inspect.isfunction(v) else None
+
+
+def _renamed(f, me: str):
+    # ``a.x.y`` with its root name replaced by ``me``
+    if isinstance(f, ast.Attribute):
+        return ast.Attribute(_renamed(f.value, me), f.attr, ast.Load())
+    return ast.Name(me, ast.Load())
 
 
 _SPELLED: dict[int, tuple[ast.Call, ast.Call]] = {}
@@ -3895,7 +4052,7 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     if (
         rets
         and not fdef.decorator_list
-        and inspect.unwrap(fn) is fn
+        and _unwrap(fn) is fn
         and all(r is not None and len(r) == len(rets[0]) for r in rets)
     ):
         items = tuple(
@@ -4062,14 +4219,21 @@ def _parent_function(cls: type, fn, name: str):
     # order that defines ``fn``, or None (not found, or not a plain function: a static or class
     # method, a C one) (NOTE [Calls the source reading spells out])
     mro = cls.__mro__
-    owner = next(
-        (
-            i
-            for i, c in enumerate(mro)
-            if any(inspect.isfunction(v) and inspect.unwrap(v) is fn for v in vars(c).values())
-        ),
-        None,
-    )
+    code = getattr(fn, "__code__", None)
+    cell = None
+    if code is not None and "__class__" in code.co_freevars and fn.__closure__:
+        cell = fn.__closure__[code.co_freevars.index("__class__")].cell_contents
+    if cell is not None:  # zero-argument super() binds the class whose body defines fn
+        owner = mro.index(cell) if cell in mro else None
+    else:
+        owner = next(
+            (
+                i
+                for i, c in enumerate(mro)
+                if any(inspect.isfunction(v) and _unwrap(v) is fn for v in vars(c).values())
+            ),
+            None,
+        )
     if owner is None:
         return None
     for c in mro[owner + 1 :]:
@@ -4317,6 +4481,14 @@ def _hook_source_roles(hook) -> frozenset[int] | None:
 # other value (a name in a read source, a child's output of unknown type) may be a user's method
 # that returns what it holds, and stays an alias.
 _SCALAR_METHODS = frozenset({"item", "tolist"})
+# tensor methods that return a number, a shape or a flag, never a tensor (the source reading)
+_METADATA_METHODS = frozenset(
+    {
+        "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
+        "element_size", "data_ptr", "get_device", "is_contiguous", "is_floating_point",
+        "is_complex", "item", "tolist",
+    }
+)  # fmt: skip
 _SCALAR_BUILTINS = (float, int, bool, complex)
 
 
