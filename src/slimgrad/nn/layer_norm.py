@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-from slimgrad._autograd import unwrap_if_dead
+from slimgrad._autograd import compiling, unwrap_if_dead
 from slimgrad._library import straight, under_checkpoint
 from slimgrad.kernels import _backend
 from slimgrad.nn._hooks import forward_hooked
@@ -72,7 +72,8 @@ class LayerNorm(NoScript, torch.nn.LayerNorm):
             )
             # NOTE [Hidden states handed out per call]: under a checkpoint's hooks whatever the
             # request, so that its recompute (no request there) keeps what the forward kept
-            or (self.handed_out and (requested() or under_checkpoint()))
+            # (read outside a compiled trace: Dynamo traces checkpoint's regions as its own)
+            or (self.handed_out and (requested() or (not compiling() and under_checkpoint())))
         ):
             return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
         p = self._parameters  # the Parameters without Module.__getattr__ (a parametrized weight
