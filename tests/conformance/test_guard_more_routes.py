@@ -3,11 +3,12 @@
 slimgrad/convert_handlers/inplace_guard.py), found by a read-only review of the readings: a
 generator that yields its argument, a ``functools.wraps`` wrapper that writes (over a Python or a
 torch function), a global partial, callable object or class method, local containers and objects
-that hold the output, ``super()`` in a forward another class aliases, a local name for the
-module, and a ``match`` statement; and two forwards whose reading raised inside ``convert_`` (a
-wrapper over a C function, a ``__wrapped__`` loop). Each writing route keeps the norm eager with
-eager's gradients (the generator's regressed with the function reading; the others failed
-before); the two crashes convert.
+that hold the output (builtins' results too), a child or method held in a local name, ``super()``
+in a forward another class aliases, a local name for the module, and a ``match`` statement; and
+two forwards whose reading raised inside ``convert_`` (a wrapper over a C function, a
+``__wrapped__`` loop). Each writing route keeps the norm eager with eager's gradients (the
+generator's regressed with the function reading; the others failed before); the two crashes
+convert.
 """
 
 from __future__ import annotations
@@ -240,6 +241,49 @@ class _WrapperLoop(_Net):
         return self.o(_cycle(h))
 
 
+class _ChildInLocal(_Net):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        act = self.act
+        act(h)
+        return self.o(h)
+
+
+class _MethodInLocal(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        fn = self.scale
+        fn(h)
+        return self.o(h)
+
+
+class _BuiltinContainers(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        for t in dict(a=h).values():
+            t.mul_(2.0)
+        return self.o(h)
+
+
+class _Sorted(_Net):
+    def forward(self, x):
+        h = self.ln(self.fc(x))
+        if x.shape[-1] != 6:
+            return self.o(h)
+        sorted([h], key=id)[0].mul_(2.0)
+        return self.o(h)
+
+
 class _InlineSoftmax(_Net):
     def forward(self, x):
         h = self.ln(self.fc(x))
@@ -278,6 +322,7 @@ class _InlineInPlace(_Net):
 _WRITERS = [
     _Generator, _WrapsWriter, _WrapsTorch, _GlobalPartial, _GlobalCallable, _ClassMethod,
     _LocalDict, _LocalList, _LocalObject, _SuperAliased, _ModuleAlias, _Match, _InlineInPlace,
+    _ChildInLocal, _MethodInLocal, _BuiltinContainers, _Sorted,
 ]  # fmt: skip
 
 

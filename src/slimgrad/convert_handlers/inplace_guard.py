@@ -2707,6 +2707,23 @@ class _Flow:
             if isinstance(v, ast.Name) and v.id == self.me:  # a = self: a names the module
                 self.me_aliases |= {t.id for t in targets if isinstance(t, ast.Name)}
             if (
+                isinstance(v, ast.Attribute)
+                and isinstance(v.value, ast.Name)
+                and v.value.id == self.me
+                and self.module is not None
+                and not self._outputs()
+            ):  # act = self.act / fn = self.scale: the name calls the child, or the method
+                child = self.module._modules.get(v.attr)
+                method = getattr(type(self.module), v.attr, None)
+                if isinstance(child, nn.Module):
+                    held = held | {_Each((child,))}
+                elif (
+                    child is None
+                    and v.attr not in self.module._modules
+                    and inspect.isfunction(method)
+                ):
+                    held = held | {_Bound(method, frozenset())}
+            if (
                 isinstance(v, ast.Call)
                 and len(v.args) == 2
                 and not v.keywords
@@ -3455,6 +3472,9 @@ class _Flow:
                             self.flag(every, f"{f.id}: {type(c).__name__}, which writes its input")
                         got |= set(ci.ends) | (every if ci.passes else set())
                 return got
+            if getattr(self.callee(f, env), "__module__", None) == "builtins":
+                # dict(a=h), sorted([h]), zip(hs): a builtin's result may hold any argument
+                return every
             return first if _may_alias(f.id) else set()
         if (
             self.guard is not None
