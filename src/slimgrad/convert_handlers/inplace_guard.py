@@ -2723,16 +2723,8 @@ class _Flow:
                     and inspect.isfunction(method)
                 ):
                     held = held | {_Bound(method, frozenset())}
-            if (
-                isinstance(v, ast.Call)
-                and len(v.args) == 2
-                and not v.keywords
-                and isinstance(v.args[1], ast.Constant)
-                and isinstance(v.args[1].value, str)
-                and v.args[1].value.isidentifier()
-                and self.callee(v.func, env) is builtins.getattr
-            ):  # f = getattr(torch.Tensor, "mul_") is f = torch.Tensor.mul_
-                v = ast.Attribute(v.args[0], v.args[1].value, ast.Load())
+            if (spelled := self.literal_getattr(v, env)) is not None:
+                v = spelled  # f = getattr(torch.Tensor, "mul_") is f = torch.Tensor.mul_
             if isinstance(v, ast.Attribute) or (isinstance(v, ast.Name) and v.id not in env):
                 # f = torch.Tensor.mul_, f = edit: the name calls it (NOTE [Calls the source
                 # reading spells out])
@@ -3197,16 +3189,8 @@ class _Flow:
             # a.child(h) with a = self: the module's own call (NOTE [Calls the source reading
             # spells out])
             return self.call(_spelled(e, _renamed(f, self.me)), env)
-        if (
-            isinstance(f, ast.Call)
-            and len(f.args) == 2
-            and not f.keywords
-            and isinstance(f.args[1], ast.Constant)
-            and isinstance(f.args[1].value, str)
-            and f.args[1].value.isidentifier()
-            and self.callee(f.func, env) is builtins.getattr
-        ):  # getattr(x, "name")(...) is x.name(...): NOTE [Calls the source reading spells out]
-            spelled = ast.Attribute(f.args[0], f.args[1].value, ast.Load())
+        if (spelled := self.literal_getattr(f, env)) is not None:
+            # getattr(x, "name")(...) is x.name(...): NOTE [Calls the source reading spells out]
             return self.call(_spelled(e, spelled), env)
         args = [self.expr(a, env) for a in e.args]
         kws = {k.arg: self.expr(k.value, env) for k in e.keywords}
@@ -3267,11 +3251,11 @@ class _Flow:
             and self.module is not None
         ):  # super().method(...): the parent class's method (NOTE [Calls the source reading
             # spells out]); one slimgrad cannot find may write anything it is given
-            method = self.parent_method(f.attr) if not f.value.args else None
-            if method is None:
+            read = self.super_call(f, e, args, kws)
+            if read is None:
                 self.flag(every, f"super().{f.attr}(...), which slimgrad cannot read")
                 return every
-            return self.method_call(method, self.module, f"super().{f.attr}", e, args, kws)
+            return read
         if (
             isinstance(f, ast.Attribute)
             and isinstance(f.value, ast.Attribute)
@@ -3363,16 +3347,7 @@ class _Flow:
             and not self._outputs()
             and (fa := _function_apply(callee)) is not None
         ):  # NOTE [A custom autograd Function that writes its input]
-            cls, written, ret = fa
-            starred = any(isinstance(a, ast.Starred) for a in e.args) or bool(kws)
-
-            def of(positions) -> set:
-                if positions is None or (positions and starred):
-                    return every
-                return set().union(*(args[i] for i in positions if i < len(args)))
-
-            self.flag(of(written), f"{cls.__name__}.apply, whose forward writes its input")
-            return of(ret)
+            return self.apply_call(fa, e, args, kws)
         if callee is not _MISSING and not self._outputs() and _user_class(callee):
             # an object the forward makes: its methods are read where called; it may hold what
             # its constructor is given (NOTE [Calls the source reading spells out])
@@ -3389,17 +3364,8 @@ class _Flow:
             held = self.held_value(f.value)
             fa = _function_apply(getattr(held, "apply", None)) if held is not _MISSING else None
             if fa is not None:
-                cls, written, ret = fa
-                starred = any(isinstance(a, ast.Starred) for a in e.args) or bool(kws)
-
-                def at(positions) -> set:
-                    if positions is None or (positions and starred):
-                        return every
-                    return set().union(*(args[i] for i in positions if i < len(args)))
-
                 self.expr(f.value, env)
-                self.flag(at(written), f"{cls.__name__}.apply, whose forward writes its input")
-                return at(ret)
+                return self.apply_call(fa, e, args, kws)
             if held is _MISSING or not isinstance(held, nn.Module):
                 self.expr(f.value, env)
                 self.flag(every, f"{_dotted(f)}(...), which slimgrad cannot read")
@@ -3556,11 +3522,45 @@ class _Flow:
                 return _MISSING
         return self.callee(e, {}) if isinstance(e, (ast.Name, ast.Attribute)) else _MISSING
 
-    def parent_method(self, name: str):
-        # the plain function ``super().<name>`` reaches in the forward read, or None
-        if self.fn is None or self.module is None:
+    def super_call(self, f, e: ast.Call, args: list, kws: dict) -> set | None:
+        # ``super().<name>(...)`` read as the module's helper the class above the forward's
+        # defines, or None where there is no such plain function (``super`` given arguments)
+        if f.value.args or self.fn is None or self.module is None:
             return None
-        return _parent_function(type(self.module), self.fn, name)
+        method = _parent_function(type(self.module), self.fn, f.attr)
+        if method is None:
+            return None
+        return self.method_call(method, self.module, f"super().{f.attr}", e, args, kws)
+
+    def apply_call(self, fa: tuple, e: ast.Call, args: list, kws: dict) -> set:
+        # ``Fn.apply(...)`` given ``args``/``kws``, ``fa`` its ``_function_apply``: flags what its
+        # forward writes, returns what it may return (NOTE [A custom autograd Function that
+        # writes its input])
+        cls, written, ret = fa
+        starred = any(isinstance(a, ast.Starred) for a in e.args) or bool(kws)
+        every = set().union(*args, *kws.values())
+
+        def of(positions) -> set:
+            if positions is None or (positions and starred):
+                return every
+            return set().union(*(args[i] for i in positions if i < len(args)))
+
+        self.flag(of(written), f"{cls.__name__}.apply, whose forward writes its input")
+        return of(ret)
+
+    def literal_getattr(self, v, env: dict) -> ast.Attribute | None:
+        # ``getattr(x, "name")`` with a literal name, spelled ``x.name``; None for anything else
+        if (
+            isinstance(v, ast.Call)
+            and len(v.args) == 2
+            and not v.keywords
+            and isinstance(v.args[1], ast.Constant)
+            and isinstance(v.args[1].value, str)
+            and v.args[1].value.isidentifier()
+            and self.callee(v.func, env) is builtins.getattr
+        ):
+            return ast.Attribute(v.args[0], v.args[1].value, ast.Load())
+        return None
 
     def method_call(self, method, module, what: str, e: ast.Call, args: list, kws: dict) -> set:
         # ``module.<method>(...)`` (a child's method: NOTE [Calls the source reading spells
@@ -4283,29 +4283,18 @@ class _ObjectFlow(_Flow):
         super().__init__(guard, module, me, fn)
         self.own, self.owner = own, owner
 
+    def super_call(self, f, e: ast.Call, args: list, kws: dict) -> set | None:
+        # super().__call__(attn, h): the object's parent class's, read as its own __call__ is
+        # (NOTE [Calls the source reading spells out])
+        if f.value.args or self.owner is None or self.fn is None:
+            return None
+        fn = _parent_function(self.owner, self.fn, f.attr)
+        if fn is None:
+            return None
+        return self.object_method(fn, self.owner, f"super().{f.attr}", e, args, kws)
+
     def call(self, e: ast.Call, env: dict) -> set:
         f = e.func
-        if (
-            isinstance(f, ast.Attribute)
-            and isinstance(f.value, ast.Call)
-            and isinstance(f.value.func, ast.Name)
-            and f.value.func.id == "super"
-            and self.callee(f.value.func, env) is builtins.super
-        ):  # super().__call__(attn, h): the object's parent class's (NOTE [Calls the source
-            # reading spells out])
-            fn = None
-            if not f.value.args and self.owner is not None and self.fn is not None:
-                fn = _parent_function(self.owner, self.fn, f.attr)
-            args = [self.expr(a, env) for a in e.args]
-            kws = {k.arg: self.expr(k.value, env) for k in e.keywords}
-            read = None
-            if fn is not None:
-                read = self.object_method(fn, self.owner, f"super().{f.attr}", e, args, kws)
-            if read is None:
-                every = set().union(*args, *kws.values())
-                self.flag(every, f"super().{f.attr}(...), which slimgrad cannot read")
-                return every
-            return read
         root = f
         while isinstance(root, ast.Attribute):
             root = root.value
