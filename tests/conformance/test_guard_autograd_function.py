@@ -12,15 +12,15 @@ Function that only reads keeps it converted.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-import slimgrad
-from slimgrad.convert_handlers.inplace_guard import kept_reason
 from tests._threads import one_thread
+from tests.conformance._guard_rows import (
+    assert_read_keeps_norm_converted,
+    assert_write_keeps_norm_eager,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -141,13 +141,6 @@ class _Read(_Traced):
         return self.o(h)
 
 
-def _step(m, x):
-    m.zero_grad(set_to_none=True)
-    loss = m(x).square().sum()
-    loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}
-
-
 _WRITERS = [_MulInPlace, _OutArgument, _MarkDirtyOnly, _WritesSecond, _SetupContext]
 
 
@@ -157,28 +150,8 @@ def test_a_writing_function_keeps_the_norm_eager(fn, holder):
     if holder is _Read and fn is not _MulInPlace and fn is not _WritesSecond:
         # the source reading reads every branch: one writer there keeps the norm for all
         pytest.skip("one source-read row per route suffices")
-    torch.manual_seed(0)
-    m = holder(fn)
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is not None
-    assert type(c.ln) is nn.LayerNorm
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)  # (a converted norm raised autograd's in-place error here)
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_write_keeps_norm_eager(lambda: holder(fn))
 
 
 def test_a_reading_function_keeps_the_norm_converted():
-    torch.manual_seed(0)
-    m = _Traced(_Reads)
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is None
-    assert type(c.ln) is not nn.LayerNorm
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)
-    torch.testing.assert_close(got_loss, want_loss)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)  # (rounding)
+    assert_read_keeps_norm_converted(lambda: _Traced(_Reads))

@@ -11,7 +11,6 @@ only reads keeps the norm converted.
 
 from __future__ import annotations
 
-import copy
 import types
 
 import pytest
@@ -22,6 +21,10 @@ from torch import nn
 import slimgrad
 from slimgrad.convert_handlers.inplace_guard import kept_reason
 from tests._threads import one_thread
+from tests.conformance._guard_rows import (
+    assert_read_keeps_norm_converted,
+    assert_write_keeps_norm_eager,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -296,41 +299,14 @@ _WRITERS = [
 ]  # fmt: skip
 
 
-def _step(m, x):
-    m.zero_grad(set_to_none=True)
-    loss = m(x).square().sum()
-    loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}
-
-
 @pytest.mark.parametrize("body", _WRITERS)
 def test_a_function_that_writes_keeps_the_norm_eager(body):
-    torch.manual_seed(0)
-    m = _NETS[body]()
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is not None
-    assert type(c.ln) is nn.LayerNorm
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)  # (a converted norm raised autograd's in-place error here)
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_write_keeps_norm_eager(_NETS[body])
 
 
 @pytest.mark.parametrize("body", ["reads", "reads twice"])
 def test_a_function_that_reads_keeps_the_norm_converted(body):
-    torch.manual_seed(0)
-    m = _NETS[body]()
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is None
-    assert type(c.ln) is not nn.LayerNorm
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)
-    torch.testing.assert_close(got_loss, want_loss)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)  # (rounding)
+    assert_read_keeps_norm_converted(_NETS[body])
 
 
 def test_a_function_without_source_may_write():

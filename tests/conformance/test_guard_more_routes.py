@@ -13,7 +13,6 @@ convert.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 
@@ -21,9 +20,11 @@ import pytest
 import torch
 from torch import nn
 
-import slimgrad
-from slimgrad.convert_handlers.inplace_guard import kept_reason
 from tests._threads import one_thread
+from tests.conformance._guard_rows import (
+    assert_read_keeps_norm_converted,
+    assert_write_keeps_norm_eager,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -326,25 +327,9 @@ _WRITERS = [
 ]  # fmt: skip
 
 
-def _step(m, x):
-    m.zero_grad(set_to_none=True)
-    loss = m(x).square().sum()
-    loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}
-
-
 @pytest.mark.parametrize("net", _WRITERS, ids=lambda c: c.__name__.strip("_"))
 def test_a_write_keeps_the_norm_eager(net):
-    torch.manual_seed(0)
-    m = net()
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is not None
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)  # (a converted norm raised autograd's in-place error here)
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_write_keeps_norm_eager(net)
 
 
 @pytest.mark.parametrize(
@@ -355,14 +340,4 @@ def test_a_write_keeps_the_norm_eager(net):
 def test_a_read_keeps_the_norm_converted(net):
     # (the first two raised inside convert_; the others were kept eager by this round's readings
     # before their rules: HF Funnel's and SwitchTransformers' norms among them)
-    torch.manual_seed(0)
-    m = net()
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is None
-    assert not c.ln.handed_out
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)
-    torch.testing.assert_close(got_loss, want_loss)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)  # (rounding)
+    assert_read_keeps_norm_converted(net)

@@ -12,16 +12,17 @@ routes that only read keep it converted.
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
 from torch import nn
 
-import slimgrad
-from slimgrad.convert_handlers.inplace_guard import kept_reason
 from tests._threads import one_thread
+from tests.conformance._guard_rows import (
+    assert_read_keeps_norm_converted,
+    assert_write_keeps_norm_eager,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -349,39 +350,11 @@ _WRITERS = [
 _READERS = [_ReadsChildMethod, _ReadsGetattr, _ReadsLocal, _ReadsSuper, _ReadsObject]
 
 
-def _step(m, x):
-    m.zero_grad(set_to_none=True)
-    loss = m(x).square().sum()
-    loss.backward()
-    return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("net", _WRITERS, ids=lambda c: c.__name__.strip("_"))
 def test_a_spelled_out_write_keeps_the_norm_eager(net):
-    torch.manual_seed(0)
-    m = net()
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is not None
-    assert type(c.ln) is nn.LayerNorm
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)  # (a converted norm raised autograd's in-place error here)
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert_write_keeps_norm_eager(net)
 
 
 @pytest.mark.parametrize("net", _READERS, ids=lambda c: c.__name__.strip("_"))
 def test_a_spelled_out_read_keeps_the_norm_converted(net):
-    torch.manual_seed(0)
-    m = net()
-    c = slimgrad.convert_(copy.deepcopy(m))
-    assert kept_reason(c.ln) is None
-    assert type(c.ln) is not nn.LayerNorm
-    x = torch.randn(2, 3, 6)
-    want_loss, want = _step(m, x)
-    got_loss, got = _step(c, x)
-    torch.testing.assert_close(got_loss, want_loss)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)  # (rounding)
+    assert_read_keeps_norm_converted(net)
