@@ -2567,7 +2567,7 @@ def _retain_graph_refusal() -> NotImplementedError:
         "kept graph would read updated parameters (autograd's version check) or step "
         "twice",
         "retain_graph=False",
-        "retain_graph=True",
+        "a backward that keeps its graph (retain_graph=True or create_graph=True)",
         "Backward the summed loss once without retain_graph (or use a plain optimizer "
         "for double backward)",
     )

@@ -170,17 +170,31 @@ bool slimgrad_rms_norm_bwd_core(
       // one statement per call, each temporary dropped after its last use as Python drops it
       // (a C++ temporary would live to the end of its full expression: a higher peak)
       at::Tensor t = at::mul(dy, xh).reshape({n, d});
-      at::Tensor s = t.sum({0}, false, at::kDouble);
-      t.reset();
-      dw = s.to(weight.scalar_type());
-      s.reset();
+      // NOTE [A weight gradient over one or two rows] (slimgrad/_math/norms.py)
+      if (n == 1) {
+        dw = weight.scalar_type() == acc ? t.view({d}) : t.view({d}).to(weight.scalar_type());
+        t.reset();
+      } else if (n == 2 && weight.scalar_type() == acc) {
+        dw = t.sum({0});
+        t.reset();
+      } else {
+        at::Tensor s = t.sum({0}, false, at::kDouble);
+        t.reset();
+        dw = s.to(weight.scalar_type());
+        s.reset();
+      }
       if (weight.dim() != 1) {
         dw = dw.reshape(weight.sizes());
       }
     }
     g = inplace ? dy.mul_(wt) : at::mul(dy, wt);
-    at::Tensor c2 =
-        at::bmm(g.reshape({n, 1, d}), xh.reshape({n, d, 1})).view(rstd.sizes()).div_(wrapped(d));
+    at::Tensor c2;
+    {
+      // NOTE [Row dots without autocast] (slimgrad/_math/norms.py)
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      c2 = at::bmm(g.reshape({n, 1, d}), xh.reshape({n, d, 1}));
+    }
+    c2 = c2.view(rstd.sizes()).div_(wrapped(d));
     g.sub_(xh.mul_(c2)).mul_(rstd);
   }
   return true;

@@ -57,7 +57,27 @@ CHUNK_ELEMS = 1 << 15
 
 def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # sum(a * b, dim=1, keepdim=True) for (rows, d) tensors as a batched GEMV: no (rows, d) product.
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1, 1)
+    return bmm_exact(a.unsqueeze(1), b.unsqueeze(2)).view(-1, 1)
+
+
+# NOTE [Row dots without autocast]
+# The norms' backwards take their row dots as a bmm (no (rows, D) product). bmm is one of
+# autocast's lower-precision ops, and these backwards keep autocast as it is (``_AUTOCAST_BLIND``
+# in slimgrad/_autograd.py: every other op in them is elementwise or a reduction), so a backward
+# run inside ``torch.autocast`` took its row dots in bfloat16: the gradients upstream of a
+# converted RMSNorm moved by a bf16 rounding (Linear -> RMSNorm -> Linear at 4 x 16 x 64: 2.4e-4
+# at a gradient scale of 0.056, where eager's own backward gives the same bits inside or outside
+# autocast). The bmm runs with autocast off where any autocast is on: the same bits as the
+# backward outside autocast. The C++ body (``_ext/backward.cpp``) excludes autocast's keys too.
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def bmm_exact(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm`` in its operands' dtype, autocast or not (NOTE [Row dots without autocast])."""
+    if _any_autocast():
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.bmm(a, b)
+    return torch.bmm(a, b)
 
 
 def rebuild_xhat(y: torch.Tensor, w, b, acc: torch.dtype) -> torch.Tensor:
@@ -637,6 +657,13 @@ def side_columns(x: torch.Tensor, d: int, idx: torch.Tensor) -> torch.Tensor:
 # the shape alone), the forward keeps x instead and the backward is eager's, with eager's bits
 # and bytes (``_keeps_x`` in ops/layer_norm.py; on the PyTorch and C paths, not Triton's): every
 # shape of that sweep then at most eager's (tests/ops/test_layer_norm_tiny_shapes.py).
+# Without a fallback channel the same temporaries (xhat's chunk, its float64 products, the float64
+# sums) are made wherever this backward runs: float64, or float32 without the C kernel. There the
+# same check (k = 0) decides, and where x is a leaf of the graph, which the graph's AccumulateGrad
+# node holds anyway, keeping y saves nothing and x is kept at any extra (``_torch_bwd_over`` in
+# ops/layer_norm.py). Before: float64 LayerNorm((4, 5)) on a (4, 5) input between Linears peaked
+# 1,224 B against eager's 1,064; Linear -> ReLU -> LayerNorm(5) -> Linear at (3, 5), 880 against
+# 784; LayerNorm(64) on a (4, 64) leaf, 40,024 against 39,496.
 def layer_norm_bwd_torch(
     dy, y, mean, rstd, idx, xside, weight, bias, normalized_shape, output_mask, out=None
 ):
@@ -726,6 +753,38 @@ def layer_norm_bwd_torch_fits(n: int, d: int, k: int, itemsize: int) -> bool:
     return extra <= n * d * itemsize
 
 
+# NOTE [A weight gradient over one or two rows]
+# RMSNorm's dgamma sums float products over the rows in float64, then rounds once to the weight's
+# dtype. Over one row that sum is the product itself, and over two rows it is the float sum of the
+# two products, bit for bit, where the weight's dtype is the product's: a float64 sum of two
+# floats is exact unless their exponents differ by more than 29, and then the smaller one lies far
+# below half an ulp of the larger, so both roundings give the larger. (Over two rows with a
+# bfloat16 weight the float64 sum stays: rounding to float, then to bfloat16, can differ from
+# rounding the exact sum once; over one row the product is already a float, and is rounded once.)
+# So there (a norm of one normalized row: ``RMSNorm(64)`` on a (64,) input) the float64 sum and
+# its rounding copy are not made: they peaked 2 x D x 4 B above eager's backward, which holds
+# neither (RMSNorm(64) on one row, then a Linear: 18,188 B against 18,184; bfloat16
+# RMSNorm((4, 5)) on a (4, 5) input between Linears: 632 B against 588). The C++ body
+# (``_ext/backward.cpp``) does the same.
+# NOTE [A weight-only backward sums into the dead dy]
+# A weight-only RMSNorm backward from y (a norm whose input needs no gradient) makes xhat * dy in
+# one temporary and sums its rows in float64 (NOTE [A weight gradient over one or two rows]); eager
+# makes the same product from its saved xhat and sums it in float, so the float64 sum (8 B per
+# channel) peaked above eager's wherever that backward was the step's peak (RMSNorm(64) -> Linear
+# on 8 rows: 23,560 B against 23,048). Where dy's buffer is dead (granted: NOTE [Gradient-buffer
+# ownership] in slimgrad/ownership.py) and its values are all read (the product is made; one
+# chunk), the float64 sum is written into its first 2 x D floats, reinterpreted as float64, and
+# only the weight's gradient is new: eager's bytes. The same sum, so the same bits.
+def _f64_rows(dy: torch.Tensor, d: int) -> torch.Tensor | None:
+    # dy's first 2 * d floats as d float64 values, where dy is a contiguous float tensor with room
+    # and an offset float64 can start at; else None
+    if dy.dtype != torch.float32 or not dy.is_contiguous() or dy.numel() < 2 * d:
+        return None
+    if (dy.storage_offset() * 4) % 8:
+        return None
+    return dy.view(-1)[: 2 * d].view(torch.float64)
+
+
 def rms_norm_fwd_torch(x, normalized_shape, weight, eps):
     y, rstd = torch.ops.aten._fused_rms_norm(x, normalized_shape, weight, eps)
     idx = fallback_channels(weight, None, y.dtype).to(x.device)
@@ -778,11 +837,19 @@ def rms_norm_bwd_torch(
         xh = torch.div(y, wt)  # rebuild_xhat: (y - 0) / w, one rounding
         dw = None
         if need_dw:
-            dw = (dy * xh).reshape(n, d).sum(0, dtype=torch.float64).to(weight.dtype)
+            # NOTE [A weight gradient over one or two rows]
+            if n == 1:
+                dw = (dy * xh).view(d)
+                if wt is not weight:
+                    dw = dw.to(weight.dtype)
+            elif n == 2 and wt is weight:
+                dw = (dy * xh).reshape(n, d).sum(0)
+            else:  # the product dropped before the cast, as one expression drops it
+                dw = (dy * xh).reshape(n, d).sum(0, dtype=torch.float64).to(weight.dtype)
             if weight.ndim != 1:
                 dw = dw.reshape(weight.shape)
         g = dy.mul_(wt) if out is dy else dy * wt
-        c2 = torch.bmm(g.reshape(n, 1, d), xh.reshape(n, d, 1)).view(rstd.shape).div_(d)
+        c2 = bmm_exact(g.reshape(n, 1, d), xh.reshape(n, d, 1)).view(rstd.shape).div_(d)
         g.sub_(xh.mul_(c2)).mul_(rstd)
         return g, dw
     # no-op calls skipped (a view or cast to the tensor's own shape or dtype): the same bits
@@ -824,7 +891,17 @@ def rms_norm_bwd_torch(
         if need_dw:
             # without dx, xh's last use: the product made over it (the same bits, one temporary
             # fewer: the weight-only backward of a norm on the model's input peaked 1.28x eager's)
-            s = (xh.mul_(dyc) if not need_dx else dyc * xh).sum(0, dtype=torch.float64)
+            s = xh.mul_(dyc) if not need_dx else dyc * xh
+            # NOTE [A weight gradient over one or two rows]: no float64 sum there
+            if single and n == 1:
+                s = s.view(d)
+            elif single and n == 2 and weight.dtype == acc:
+                s = s.sum(0)
+            elif single and not need_dx and out is dy and (scratch := _f64_rows(dy, d)) is not None:
+                # NOTE [A weight-only backward sums into the dead dy]
+                s = torch.sum(s, 0, dtype=torch.float64, out=scratch)
+            else:
+                s = s.sum(0, dtype=torch.float64)
             if dw is not None:
                 dw.add_(s)
             elif i + step >= n:  # the only chunk: in the weight's dtype now, before g is made
@@ -838,7 +915,7 @@ def rms_norm_bwd_torch(
             else:
                 g = dyc * w if w is not None else dyc.clone()
             # rowdot(g, xh), inline: no chunk-sized temporary
-            c2 = torch.bmm(g.unsqueeze(1), xh.unsqueeze(2)).view(-1, 1).div_(d)
+            c2 = bmm_exact(g.unsqueeze(1), xh.unsqueeze(2)).view(-1, 1).div_(d)
             g.sub_(xh.mul_(c2)).mul_(rch)
             if not own:
                 if dx is None and single and g.dtype == y.dtype and g.is_contiguous():

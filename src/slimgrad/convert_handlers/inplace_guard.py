@@ -2342,6 +2342,7 @@ def _written_params(fn) -> set[str] | None:
 # user's it calls with a tensor it was given may write (NOTE [What a hook registered before
 # convert_ may write]).
 _FN_MEMO: dict = {}
+_FN_RETURNS: dict = {}  # a function's code -> the plain functions it returns by name (_Callee)
 
 
 def _unwrap(fn):
@@ -2393,6 +2394,17 @@ def _code_reading(fn) -> tuple:
             rest = {x.arg for x in (a.vararg, a.kwarg) if x is not None}
             flow = _Flow(None, None, "", fn)
             flow.block(body, {n: {_Param(n)} for n in [*names, *rest]})
+            made = {x for x in flow.ret if isinstance(x, _Callee)}
+            for r in ast.walk(ast.Module(body=list(body), type_ignores=[])):
+                # a global function it returns by name: the caller may call it
+                if isinstance(r, ast.Return) and isinstance(r.value, (ast.Name, ast.Attribute)):
+                    obj = flow.default_callee(r.value)
+                    if obj is not None and not (
+                        isinstance(r.value, ast.Name) and r.value.id in flow.local_names
+                    ):
+                        made.add(_Callee(obj))
+            if made:
+                _FN_RETURNS[code] = _FN_RETURNS.get(code, set()) | made
             for i, held in enumerate((flow.written, flow.kept, flow.ret)):
                 params = {x.name for x in held if isinstance(x, _Param)}
                 sets[i] |= params
@@ -2860,6 +2872,12 @@ class _Flow:
                     self.expr(case.guard, inner)
                 joined = _union(joined, self.block(case.body, inner))
             env = joined
+        elif isinstance(s, ast.ClassDef) and not self._outputs():
+            # a class defined in the forward: its objects' methods may write what they are
+            # given (NOTE [Calls the source reading spells out]); its bases and decorators run
+            for node in [*s.decorator_list, *s.bases, *(k.value for k in s.keywords)]:
+                self.expr(node, env)
+            env[s.name] = {_LOCAL_CLASS}
         elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)):
             # a function defined in the forward: read where it is called (NOTE [Calls the source
             # reading spells out]); its decorators and defaults run here
@@ -2934,6 +2952,20 @@ class _Flow:
                 ]
                 if all(b is None or isinstance(b, int) for b in bounds) and bounds[2] != 0:
                     part = slice(*bounds)
+        if (
+            isinstance(it, (ast.Tuple, ast.List))
+            and it.elts
+            and len(it.elts) <= _UNROLL
+            and all(
+                isinstance(x, ast.Attribute)
+                and isinstance(x.value, ast.Name)
+                and x.value.id == self.me
+                and isinstance(self.module._modules.get(x.attr), nn.Module)
+                for x in it.elts
+            )
+        ):  # for layer in (self.act, self.drop): those children, in order (NOTE [Calls the
+            # source reading spells out])
+            return tuple(self.module._modules[x.attr] for x in it.elts), True
         if not (
             isinstance(it, ast.Attribute)
             and isinstance(it.value, ast.Name)
@@ -3013,6 +3045,56 @@ class _Flow:
                 )
             self.guard.helpers[key] = got
         return got
+
+    def default_callee(self, d):
+        # the plain function a parameter's default names (evaluated where the ``def`` is, so the
+        # forward's own names do not shadow it), or None
+        path = []
+        while isinstance(d, ast.Attribute):
+            path.append(d.attr)
+            d = d.value
+        obj = self.globals.get(d.id, _MISSING) if isinstance(d, ast.Name) else _MISSING
+        for name in reversed(path):
+            if not isinstance(obj, (types.ModuleType, type)):
+                return None
+            obj = getattr(obj, name, _MISSING)
+        if obj is _MISSING or isinstance(obj, type) or not callable(obj):
+            return None
+        return obj
+
+    def handed_writes(self, node, env: dict) -> bool:
+        # whether a function (or a child module) given to a call as an argument may write what
+        # it is called with: the call may call it with anything it is given (NOTE [Calls the
+        # source reading spells out])
+        if isinstance(node, ast.Starred):
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in env:
+            for x in env[node.id]:
+                if isinstance(x, (_Callee, _Bound)) and _handed_fn_writes(x.fn):
+                    return True
+                if isinstance(x, _Each) and self.guard is not None:
+                    if any(self.guard.info(c).writes for c in x.kids):
+                        return True
+            return False
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == self.me
+            and self.module is not None
+        ):  # self.child / self.method
+            child = self.module._modules.get(node.attr)
+            if isinstance(child, nn.Module):
+                return self.guard is not None and self.guard.info(child).writes
+            method = getattr(type(self.module), node.attr, None)
+            if node.attr not in self.module._modules and inspect.isfunction(method):
+                written = self.helper(method)[0]
+                return written is None or bool(written)
+            return False
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            obj = self.callee(node, env)
+            if obj is not _MISSING and callable(obj) and not isinstance(obj, type):
+                return _handed_fn_writes(obj)
+        return False
 
     def callee(self, f, env: dict):
         # the object a dotted global name calls (``torch.ops.aten.mul_.Tensor``, ``aten.relu_``
@@ -3204,6 +3286,14 @@ class _Flow:
             # a function defined in the forward, handed to a call (checkpoint(inner, h), map):
             # it may be called with anything that call is given
             self.local_call(fn, None, every, env)
+        if not self._outputs():
+            for a in [*e.args, *(k.value for k in e.keywords)]:
+                # a global function, a method, a child handed to a call (apply(edit, h),
+                # map(edit, [h]), sorted(hs, key=edit)): it may be called with anything the
+                # call is given (NOTE [Calls the source reading spells out])
+                if self.handed_writes(a, env):
+                    self.flag(every, f"{_dotted(a)} handed to {_dotted(f)}(...), which may call it")
+                    break
         if isinstance(f, ast.Name) and (
             local := [x for x in env.get(f.id, ()) if isinstance(x, (_LocalFn, _Callee, _Bound))]
         ):  # NOTE [Calls the source reading spells out]: a name the forward bound to a function
@@ -3372,6 +3462,12 @@ class _Flow:
                 return every
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
+            if _LOCAL_OBJ in base and not self._outputs():  # Tool().edit(h), Tool.edit(t, h)
+                self.flag(every, f"{_dotted(f)}(...), a method of a class of its forward")
+                return every | (base - {_LOCAL_OBJ})
+            if _LOCAL_CLASS in base and not self._outputs():
+                self.flag(every, f"{_dotted(f)}(...), a method of a class of its forward")
+                return every
             objs = [x for x in base if isinstance(x, _Obj)]
             if objs and not self._outputs():  # NOTE [Calls the source reading spells out]
                 got = set()
@@ -3410,6 +3506,12 @@ class _Flow:
             if _inplace_name(f.id) or inplace_kw:
                 self.flag(first, f"{f.id} in its HF forward")
                 return first
+            held = env.get(f.id, ())
+            if _LOCAL_CLASS in held and not self._outputs():  # Tool(h): it may hold what it is
+                return every | {_LOCAL_OBJ}  # given (NOTE [Calls the source reading spells out])
+            if _LOCAL_OBJ in held and not self._outputs():  # t(h), t an object of such a class
+                self.flag(every, f"{f.id}(...), an object of a class of its forward")
+                return every
             each = [x for x in env.get(f.id, ()) if isinstance(x, _Each)]
             if self._outputs() or each:
                 # a layer held in a name (a loop over a container) returns its ends, and flags
@@ -3649,6 +3751,40 @@ class _Flow:
         if (getattr(fn, "__module__", None) or "").startswith("slimgrad."):
             return None
         starred = any(isinstance(a, ast.Starred) for a in e.args)
+        if (
+            not starred
+            and e.args
+            and isinstance(e.args[0], ast.Name)
+            and (e.args[0].id == self.me or e.args[0].id in self.me_aliases)
+            and self.guard is not None
+            and self.module is not None
+            and len(args) == len(e.args)
+        ):  # run(self, h): read as the module's helper, its first parameter the module, so its
+            # calls of the module's children are followed (NOTE [Calls the source reading
+            # spells out])
+            fdef = _forward_ast(fn)
+            if fdef is not None and fdef.args.posonlyargs + fdef.args.args:
+                written, ret, kept = self.helper(fn)
+                names = [x.arg for x in fdef.args.posonlyargs + fdef.args.args][1:]
+                bound = {n: x for n, x in zip(names, args[1:], strict=False)} | {
+                    k: v for k, v in kws.items() if k is not None
+                }
+                rest = set().union(*args[1:], *kws.values())
+
+                def given(params) -> set:
+                    if params is None or len(args) - 1 > len(names):  # (*args: any argument)
+                        return rest
+                    got = set().union(*(x for n, x in bound.items() if n in params))
+                    return got | (
+                        kws.get(None, set()) if any(n not in bound for n in params) else set()
+                    )
+
+                self.flag(given(written), f"{_dotted(f)}(...), which writes its argument in place")
+                self.escape(given(kept))  # NOTE [An output kept on the module escapes]
+                if ret is None:
+                    return rest
+                got = {x for x in ret if not isinstance(x, _Param)} - {_SHARED}
+                return got | given({x.name for x in ret if isinstance(x, _Param)})
         spread = kws.get(None, set())  # **kwargs: any parameter not bound otherwise
         returned: set = set()
         for written, kept, ret, pos in _function_readings(fn):
@@ -3666,6 +3802,9 @@ class _Flow:
             self.flag(of(written), f"{_dotted(f)}(...), which writes its argument in place")
             self.escape(of(kept))  # NOTE [An output kept on the module escapes]
             returned |= of(ret)
+        # the functions it may return (``g = make(); g(h)``): NOTE [Calls the source reading
+        # spells out]
+        returned |= _FN_RETURNS.get(fn.__code__, set())
         return returned
 
     def object_call(self, obj, attr: str, e: ast.Call, args: list, kws: dict) -> set | None:
@@ -3807,6 +3946,30 @@ def _callable_may_write(fn, call: ast.Call, given: int = 0) -> bool:
     return _writes_first(fn, call) or _inplace_kw(call)
 
 
+def _handed_fn_writes(fn) -> bool:
+    # whether ``fn``, handed to a call that may call it, may write what it is called with: a plain
+    # function (or a partial, a bound method, a callable object over one) that writes one of its
+    # parameters, one slimgrad cannot read, or a torch function that writes its first argument
+    if isinstance(fn, functools.partial):
+        inner = fn.func
+        if isinstance(inner, types.FunctionType) and not _known_function(inner):
+            return _handed_fn_writes(inner) or fn.keywords.get("inplace") is True
+        return _callable_may_write(fn, ast.Call(func=ast.Name("f"), args=[], keywords=[]))
+    if isinstance(fn, types.MethodType):
+        return _handed_fn_writes(fn.__func__)
+    if isinstance(fn, nn.Module):
+        return True  # a module a global name holds: not read here
+    if _known_function(fn):
+        return _writes_name(getattr(fn, "__name__", "") or "")
+    if (call := _object_call(fn)) is not None:
+        fn = call
+    if not isinstance(fn, types.FunctionType):
+        return True
+    if (getattr(fn, "__module__", None) or "").startswith("slimgrad."):
+        return False
+    return any(w is None or bool(w) for w, _, _, _ in _function_readings(fn))
+
+
 def _inplace_kw(call: ast.Call) -> bool:
     return any(
         k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True
@@ -3918,9 +4081,16 @@ def _dotted(f) -> str:
 # name may also hold a partial (its function read with the partial's arguments first), a bound
 # method (a class method, an object's method) or a callable object (its ``__call__``). A local
 # container or object holds what is put in it (``d[k] = h``, ``hs.append(h)``, ``b.h = h``), so a
-# write through it is one through h. Not followed: a function given to another as an argument
-# (``apply(edit, h)``, ``map(edit, [h])``, a default argument), nor one a call returns and a name
-# keeps (``g = make(); g(h)``).
+# write through it is one through h. A function handed to a call as an argument (``apply(edit,
+# h)``, ``map(edit, [h])``, ``sorted(hs, key=edit)``; a global function, a method of the module, a
+# child module, a name bound to one) may be called with anything that call is given: where it may
+# write (its reading writes a parameter; one slimgrad cannot read), what the call is given is
+# written. A parameter whose default is a function (``def forward(self, x, fn=edit)``) calls that
+# function; a plain function returning a global function by name (``g = make(); g(h)``) hands it
+# to the caller; a plain function given the module first (``run(self, h)``) is read as the
+# module's helper, so its calls of children are followed; a class defined in the forward has
+# objects whose methods may write what they are given; and a loop over a literal tuple or list of
+# children (``for layer in (self.act, self.drop)``) runs those children, in order.
 # ``super().name(...)`` is the plain function the method resolution
 # order reaches after the class that defines the function read (read as a helper; anything else,
 # or ``super`` given arguments, may write what it is given), and exec/eval/locals/vars may write
@@ -3930,6 +4100,10 @@ class _LocalFn:
     # a function defined in the forward read (a ``def`` or a lambda), among what a name may hold
     # (NOTE [Calls the source reading spells out])
     node: ast.AST
+
+
+_LOCAL_CLASS = object()  # a name bound to a class the forward defines
+_LOCAL_OBJ = object()  # an object of such a class (NOTE [Calls the source reading spells out])
 
 
 @dataclass(frozen=True, eq=False)
@@ -4062,6 +4236,22 @@ def _source_info(guard: _Guard, m: nn.Module, inplace: bool) -> _Info:
     env = {params[0]: {_IN}} if params else {}
     # the module's own name in its forward: ``self`` or any other
     flow = _Flow(guard, m, me, getattr(type(m), "forward", None))
+    # a parameter whose default is a function calls it where the caller passes nothing (NOTE
+    # [Calls the source reading spells out])
+    a = fdef.args
+    pairs = (
+        [
+            *zip((x.arg for x in (a.posonlyargs + a.args)[-len(a.defaults) :]), a.defaults),
+            *((x.arg, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None),
+        ]
+        if a.defaults or a.kw_defaults
+        else []
+    )
+    for name, d in pairs:
+        if name in env or not isinstance(d, (ast.Name, ast.Attribute)):
+            continue
+        if (obj := flow.default_callee(d)) is not None:
+            env[name] = {_Callee(obj)}
     flow.block(fdef.body, env)
     ends = [x for x in flow.ret if isinstance(x, nn.Module)]
     items = None

@@ -847,6 +847,10 @@ class _LayerNormFn(torch.autograd.Function):
                 if idx.device != x.device:
                     idx = idx.to(x.device)
                 xside = side_columns(x, math.prod(arg), idx)
+            elif not x.requires_grad or (ctx.lib is None and _torch_bwd_over(x, arg)):
+                # NOTE [A weight-only LayerNorm keeps x]; NOTE [LayerNorm fallback backward
+                # peak] in slimgrad/_math/norms.py, without a fallback channel
+                return _keep_x(ctx, x, y, mean, rstd, weight, bias, True)
         else:
             # every channel keeps x: eager's forward (_keep_x), no gather; plain weights only
             # (never fake), no allocation where there is no fallback channel
@@ -1076,6 +1080,19 @@ def _any_fallback_when_traced(weight, bias, dtype) -> bool:
 _any_fallback_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+# NOTE [A weight-only LayerNorm keeps x]
+# Where x needs no gradient (a norm on the model's input, a batch of data; or a frozen layer's
+# output) the backward makes dgamma and dbeta only. Eager saves x, mean and rstd; keeping y in x's
+# place saves x's bytes only where x dies after the forward, which no fact at the call states (the
+# caller's batch outlives the step), and it holds y past its consumer's backward, which frees it
+# in eager: a LayerNorm on the model's input then a Linear peaked one y above eager's (8 x 64
+# fp32: 24,848 B against 22,800), or dgamma + dbeta above it where the consumer's backward is the
+# step's peak (LayerNorm(64) -> Linear on 64 rows: 50,440 B against 49,928). So such a LayerNorm
+# runs eager's forward, saved set and backward (``_keep_x``): eager's bits and bytes, decided per
+# call from ``x.requires_grad``. RMSNorm keeps y there: eager's RMSNorm saves an n x D tensor of
+# its own (xhat; NOTE [A weight-only backward keeps no rstd] in ops/rms_norm.py).
+
+
 # NOTE [LayerNorm's fallback columns only where y is kept after it]
 # With a fallback channel the output-keeping forward saves y, mean, rstd, the channels' input
 # columns and their index table, where eager saves x, mean and rstd. That wins only where y's
@@ -1098,10 +1115,15 @@ def _keeps_x(idx, arg, x, triton_possible: bool, y_kept_after: bool = True) -> b
     # [LayerNorm with a non-finite gamma]), where y's consumer is not known to keep y (NOTE
     # [LayerNorm's fallback columns only where y is kept after it]), and where the PyTorch
     # backward's fallback path would hold more than eager's backward on this shape (NOTE
-    # [LayerNorm fallback backward peak]). Asked only where a fallback channel exists (idx not
-    # None); integers of the shape after that.
-    if idx is None:
-        return False
+    # [LayerNorm fallback backward peak]), where x needs no gradient (NOTE [A weight-only
+    # LayerNorm keeps x]), and where the PyTorch backward without a fallback channel would hold
+    # more than eager's (``_torch_bwd_over``); integers of the shape after the first checks.
+    if not x.requires_grad:  # NOTE [A weight-only LayerNorm keeps x]
+        return True
+    if idx is None:  # the PyTorch backward's temporaries, without a fallback channel
+        return (not x.is_cpu or x.dtype is not _F32 or _backend.use_cpu(x, C_STEM) is None) and (
+            _torch_bwd_over(x, arg, triton_possible)
+        )
     if not y_kept_after:
         return True
     d = math.prod(arg)
@@ -1116,6 +1138,24 @@ def _keeps_x(idx, arg, x, triton_possible: bool, y_kept_after: bool = True) -> b
         return False
     size = x.element_size()  # float32/float64: half precision runs eager's op before this
     return size >= 4 and not bwd_torch_fits(x.numel() // d, d, k, size)
+
+
+def _torch_bwd_over(x, arg, triton_possible: bool = False) -> bool:
+    # whether layer_norm_bwd_torch (no fallback channel) would hold more than eager's backward on
+    # x's shape (NOTE [LayerNorm fallback backward peak]); the Triton backward holds no more
+    if (
+        triton_possible
+        and (x.is_cuda or _backend._resolved[0] not in _NO_TRITON)
+        and _backend.use_triton(x)
+    ):
+        return False
+    d = math.prod(arg)
+    size = x.element_size()
+    if size < 4 or d == 0:
+        return False
+    if x.is_leaf:  # the graph's AccumulateGrad node holds x: keeping y saves none of it
+        return True
+    return not bwd_torch_fits(x.numel() // d, d, 0, size)
 
 
 # NOTE [LayerNorm under checkpoint keeps y]

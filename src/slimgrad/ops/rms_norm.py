@@ -295,9 +295,11 @@ class _RMSNormFn(torch.autograd.Function):
             )
             if r is not None:
                 return r[0], None, r[1], None, None
-        # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too
+        # eager only (take refuses under torch.compile); dx in y's dtype must be x's dtype too;
+        # a weight-only backward on the PyTorch path takes dy too (NOTE [A weight-only backward
+        # sums into the dead dy] in slimgrad/_math/norms.py)
         if (  # owns_layout(buf, y), inline
-            mask[0]
+            (mask[0] or (not y.is_cuda and _backend._resolved[0] in _NO_TRITON))
             and buf is not None
             and y.dtype == ctx.x_dtype
             and buf.shape == y.shape
