@@ -3047,17 +3047,14 @@ class _Flow:
         return got
 
     def default_callee(self, d):
-        # the plain function a parameter's default names (evaluated where the ``def`` is, so the
-        # forward's own names do not shadow it), or None
-        path = []
-        while isinstance(d, ast.Attribute):
-            path.append(d.attr)
-            d = d.value
-        obj = self.globals.get(d.id, _MISSING) if isinstance(d, ast.Name) else _MISSING
-        for name in reversed(path):
-            if not isinstance(obj, (types.ModuleType, type)):
-                return None
-            obj = getattr(obj, name, _MISSING)
+        # the function a parameter's default names (evaluated where the ``def`` is, so the
+        # forward's own names do not shadow it: ``callee`` from the globals alone), or None
+        root = d
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name) or root.id not in self.globals:
+            return None
+        obj = self.callee(d, {}, outer=True)
         if obj is _MISSING or isinstance(obj, type) or not callable(obj):
             return None
         return obj
@@ -3096,16 +3093,17 @@ class _Flow:
                 return _handed_fn_writes(obj)
         return False
 
-    def callee(self, f, env: dict):
+    def callee(self, f, env: dict, outer: bool = False):
         # the object a dotted global name calls (``torch.ops.aten.mul_.Tensor``, ``aten.relu_``
         # with ``aten = torch.ops.aten`` at module level, ``torch.Tensor.mul_``), found through
         # modules, classes and torch.ops namespaces only; _MISSING for anything else (a local
-        # name, an attribute of a value)
+        # name, an attribute of a value). ``outer``: the name as the function's enclosing scope
+        # sees it (a default argument's), its own local names not hiding it
         path = []
         while isinstance(f, ast.Attribute):
             path.append(f.attr)
             f = f.value
-        if not isinstance(f, ast.Name) or f.id in env or f.id in self.local_names:
+        if not isinstance(f, ast.Name) or (not outer and (f.id in env or f.id in self.local_names)):
             return _MISSING
         obj = self.globals.get(f.id, _MISSING)
         if obj is _MISSING:
@@ -3462,12 +3460,9 @@ class _Flow:
                 return every
         if isinstance(f, ast.Attribute):  # h.method(...)
             base = self.expr(f.value, env)
-            if _LOCAL_OBJ in base and not self._outputs():  # Tool().edit(h), Tool.edit(t, h)
+            if base & _LOCAL_MARKS and not self._outputs():  # Tool().edit(h), Tool.edit(t, h)
                 self.flag(every, f"{_dotted(f)}(...), a method of a class of its forward")
-                return every | (base - {_LOCAL_OBJ})
-            if _LOCAL_CLASS in base and not self._outputs():
-                self.flag(every, f"{_dotted(f)}(...), a method of a class of its forward")
-                return every
+                return every | (base - _LOCAL_MARKS)
             objs = [x for x in base if isinstance(x, _Obj)]
             if objs and not self._outputs():  # NOTE [Calls the source reading spells out]
                 got = set()
@@ -3764,27 +3759,9 @@ class _Flow:
             # spells out])
             fdef = _forward_ast(fn)
             if fdef is not None and fdef.args.posonlyargs + fdef.args.args:
-                written, ret, kept = self.helper(fn)
                 names = [x.arg for x in fdef.args.posonlyargs + fdef.args.args][1:]
-                bound = {n: x for n, x in zip(names, args[1:], strict=False)} | {
-                    k: v for k, v in kws.items() if k is not None
-                }
-                rest = set().union(*args[1:], *kws.values())
-
-                def given(params) -> set:
-                    if params is None or len(args) - 1 > len(names):  # (*args: any argument)
-                        return rest
-                    got = set().union(*(x for n, x in bound.items() if n in params))
-                    return got | (
-                        kws.get(None, set()) if any(n not in bound for n in params) else set()
-                    )
-
-                self.flag(given(written), f"{_dotted(f)}(...), which writes its argument in place")
-                self.escape(given(kept))  # NOTE [An output kept on the module escapes]
-                if ret is None:
-                    return rest
-                got = {x for x in ret if not isinstance(x, _Param)} - {_SHARED}
-                return got | given({x.name for x in ret if isinstance(x, _Param)})
+                why = f"{_dotted(f)}(...), which writes its argument in place"
+                return self.helper_mapped(self.helper(fn), names, args[1:], kws, why)
         spread = kws.get(None, set())  # **kwargs: any parameter not bound otherwise
         returned: set = set()
         for written, kept, ret, pos in _function_readings(fn):
@@ -3834,20 +3811,28 @@ class _Flow:
         if len(a.posonlyargs + a.args) < 2:  # no parameter for the module
             return None
         names = [x.arg for x in a.posonlyargs + a.args][2:]
-        written, ret, kept = self.helper(fn, at=1, owner=owner)
-        bound = {n: x for n, x in zip(names, args[1:], strict=False)}
+        why = f"{what}(...), whose __call__ writes its argument in place"
+        return self.helper_mapped(self.helper(fn, at=1, owner=owner), names, args[1:], kws, why)
+
+    def helper_mapped(self, read: tuple, names: list, args: list, kws: dict, why: str) -> set:
+        # a helper's reading (``helper``: written, returned, kept) mapped onto a call's
+        # arguments, ``names`` its parameters after the module's and ``args`` what the call
+        # passes them: flags what it writes (``why``), escapes what it keeps, returns what it
+        # may return (its arguments where its returns are not known)
+        written, ret, kept = read
+        bound = {n: x for n, x in zip(names, args, strict=False)}
         bound |= {k: v for k, v in kws.items() if k is not None}
         spread = kws.get(None, set())  # **kwargs: any parameter not bound otherwise
-        every = set().union(*args[1:], *kws.values())
+        every = set().union(*args, *kws.values())
 
         def of(params) -> set:
-            # (as in ``function_call``: arguments past ``names`` go to its ``*args``)
-            if params is None:
+            # (as in ``function_call``: arguments past ``names`` go to its ``*args``, any of them)
+            if params is None or len(args) > len(names):
                 return every
             got = set().union(*(x for n, x in bound.items() if n in params))
             return got | (spread if any(n not in bound for n in params) else set())
 
-        self.flag(of(written), f"{what}(...), whose __call__ writes its argument in place")
+        self.flag(of(written), why)
         self.escape(of(kept))  # NOTE [An output kept on the module escapes]
         if ret is None:
             return every
@@ -4104,6 +4089,7 @@ class _LocalFn:
 
 _LOCAL_CLASS = object()  # a name bound to a class the forward defines
 _LOCAL_OBJ = object()  # an object of such a class (NOTE [Calls the source reading spells out])
+_LOCAL_MARKS = frozenset((_LOCAL_CLASS, _LOCAL_OBJ))
 
 
 @dataclass(frozen=True, eq=False)

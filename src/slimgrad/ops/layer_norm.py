@@ -1111,38 +1111,30 @@ _any_fallback_when_traced._dynamo_marked_constant = True  # type: ignore[attr-de
 # trace time on the real weights (``_any_fallback_when_traced``, as NOTE [All-fallback LayerNorm
 # under torch.compile]).
 def _keeps_x(idx, arg, x, triton_possible: bool, y_kept_after: bool = True) -> bool:
-    # x kept and eager's backward run (_keep_x): where every channel is a fallback channel (NOTE
-    # [LayerNorm with a non-finite gamma]), where y's consumer is not known to keep y (NOTE
-    # [LayerNorm's fallback columns only where y is kept after it]), and where the PyTorch
-    # backward's fallback path would hold more than eager's backward on this shape (NOTE
-    # [LayerNorm fallback backward peak]), where x needs no gradient (NOTE [A weight-only
-    # LayerNorm keeps x]), and where the PyTorch backward without a fallback channel would hold
-    # more than eager's (``_torch_bwd_over``); integers of the shape after the first checks.
+    # x kept and eager's backward run (_keep_x): where x needs no gradient (NOTE [A weight-only
+    # LayerNorm keeps x]), where every channel is a fallback channel (NOTE [LayerNorm with a
+    # non-finite gamma]), where y's consumer is not known to keep y (NOTE [LayerNorm's fallback
+    # columns only where y is kept after it]), and where the PyTorch backward would hold more
+    # than eager's on this shape (``_torch_bwd_over``; without a fallback channel only where the
+    # C kernel does not run); integers of the shape after the first checks.
     if not x.requires_grad:  # NOTE [A weight-only LayerNorm keeps x]
         return True
     if idx is None:  # the PyTorch backward's temporaries, without a fallback channel
         return (not x.is_cpu or x.dtype is not _F32 or _backend.use_cpu(x, C_STEM) is None) and (
-            _torch_bwd_over(x, arg, triton_possible)
+            _torch_bwd_over(x, arg, 0, triton_possible)
         )
     if not y_kept_after:
         return True
-    d = math.prod(arg)
     k = idx.shape[0]
-    if k == d:
+    if k == math.prod(arg):
         return True
-    if (  # the Triton backward (kernels/layer_norm.py) takes the fallback channels itself
-        triton_possible
-        and (x.is_cuda or _backend._resolved[0] not in _NO_TRITON)
-        and _backend.use_triton(x)
-    ):
-        return False
-    size = x.element_size()  # float32/float64: half precision runs eager's op before this
-    return size >= 4 and not bwd_torch_fits(x.numel() // d, d, k, size)
+    return _torch_bwd_over(x, arg, k, triton_possible)
 
 
-def _torch_bwd_over(x, arg, triton_possible: bool = False) -> bool:
-    # whether layer_norm_bwd_torch (no fallback channel) would hold more than eager's backward on
-    # x's shape (NOTE [LayerNorm fallback backward peak]); the Triton backward holds no more
+def _torch_bwd_over(x, arg, k: int = 0, triton_possible: bool = False) -> bool:
+    # whether layer_norm_bwd_torch with ``k`` fallback channels would hold more than eager's
+    # backward on x's shape (NOTE [LayerNorm fallback backward peak]); the Triton backward, which
+    # takes the fallback channels itself (kernels/layer_norm.py), holds no more
     if (
         triton_possible
         and (x.is_cuda or _backend._resolved[0] not in _NO_TRITON)
@@ -1150,12 +1142,12 @@ def _torch_bwd_over(x, arg, triton_possible: bool = False) -> bool:
     ):
         return False
     d = math.prod(arg)
-    size = x.element_size()
+    size = x.element_size()  # float32/float64: half precision runs eager's op before this
     if size < 4 or d == 0:
         return False
-    if x.is_leaf:  # the graph's AccumulateGrad node holds x: keeping y saves none of it
+    if k == 0 and x.is_leaf:  # the graph's AccumulateGrad node holds x: keeping y saves none
         return True
-    return not bwd_torch_fits(x.numel() // d, d, 0, size)
+    return not bwd_torch_fits(x.numel() // d, d, k, size)
 
 
 # NOTE [LayerNorm under checkpoint keeps y]
